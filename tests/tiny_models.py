@@ -1,0 +1,464 @@
+"""Build tiny, randomly initialised causal-LM checkpoints for offline tests.
+
+Every checkpoint is created on the spot (nothing is downloaded): a tokenizer is
+trained on the small English corpus embedded below, a 2-layer model with a
+fixed torch seed is instantiated from a hand-written config, and both are saved
+with ``save_pretrained`` so that, offline,
+
+    AutoConfig / AutoTokenizer / AutoModelForCausalLM.from_pretrained(dir)
+
+as well as the model type's own class (GPT2LMHeadModel, CTRLLMHeadModel, ...)
+load it.
+
+Public API::
+
+    build_tiny_checkpoint(model_type, out_dir) -> out_dir
+    build_all(root) -> {model_type: checkpoint_dir}
+
+Per-type notes (see ``CONTEXT_ATTR``): the context size is 128 tokens for every
+type that has one; xlnet (relative positions + mems) and bloom (ALiBi) have no
+maximum length at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import string
+import tempfile
+
+import torch
+
+MODEL_TYPES = (
+    "gpt2",
+    "ctrl",
+    "openai-gpt",
+    "xlnet",
+    "xlm",
+    "gptj",
+    "bloom",
+    "llama",
+    "opt",
+    "mistral",
+    "qwen2",
+)
+
+# model_type -> name of the config attribute that holds the context size
+# (None: the architecture has no fixed maximum length).
+CONTEXT_ATTR = {
+    "gpt2": "n_positions",
+    "ctrl": "n_positions",
+    "openai-gpt": "n_positions",
+    "xlnet": None,
+    "xlm": "max_position_embeddings",
+    "gptj": "n_positions",
+    "bloom": None,
+    "llama": "max_position_embeddings",
+    "opt": "max_position_embeddings",
+    "mistral": "max_position_embeddings",
+    "qwen2": "max_position_embeddings",
+}
+
+MAX_POSITIONS = 128
+HIDDEN = 32
+LAYERS = 2
+HEADS = 4
+FFN = 64
+# Large initialisation so that logits are peaked: greedy decoding must not be
+# decided by float noise when comparing batched/unbatched or traced/eager runs.
+INIT_STD = 0.3
+SEED = 1234
+
+# CTRL control codes put at their real ids (CTRLTokenizer.control_codes), so
+# that a prompt starting with e.g. "Links" is recognised as starting with a
+# control code.  Only codes with ids <= 63674 ("Links") are used, which keeps
+# the embedding matrix at 63675 x 32.
+CTRL_MAX_CODE_ID = 63674
+
+CORPUS = """\
+Hello, my dog is cute. Hello, my cat is cute too.
+The capital of France is Paris. The capital of Germany is Berlin.
+The capital of Italy is Rome, and the capital of Spain is Madrid.
+Once upon a time there was a little girl who lived in a village near the forest.
+She liked to walk in the woods and to listen to the birds singing in the trees.
+In a shocking finding, scientists discovered a herd of unicorns living in a remote valley.
+The weather today is sunny with a light wind from the west, and tomorrow it will rain.
+I think that the best way to learn a language is to read books and to talk with people.
+My name is John and I live in London. I work as a teacher at a small school.
+What is the meaning of life? Nobody knows, but many people have tried to answer.
+The quick brown fox jumps over the lazy dog.
+It was a bright cold day in April, and the clocks were striking thirteen.
+There are many kinds of animals: dogs, cats, horses, birds, fish and mice.
+He said that he would come back tomorrow morning, but he never came.
+We went to the market to buy some bread, milk, eggs, apples and cheese.
+Python is a programming language that lets you work quickly and integrate systems.
+The model generates text one token at a time, using the previous tokens as context.
+Today is a good day to write some code and to run a few tests.
+The sun rises in the east and sets in the west.
+Water boils at 100 degrees and freezes at 0 degrees.
+Do you want to play a game? Yes, I would love to!
+They were walking along the river when they saw a boat.
+This is a story about a man, a woman, a house and a very old tree.
+Please answer the question: who wrote this book, and when was it written?
+You can't always get what you want, but if you try sometimes you get what you need.
+Links Wikipedia Books News Reviews Questions Horror Science Human Opinion Politics
+Computing Gaming Movies Running Finance Support Legal Writing Diet Thoughts Funny
+In 1999, 2001 and 2024 the numbers 3, 4, 5, 6, 7, 8 and 9 were used; 10% of $20 is $2.
+Email: test@example.com (see #1) & more: a+b=c, x*y/z, [a] {b} <c> ~d ^e `f` |g| \\h _i_ "quotes" 'single'.
+"""
+
+# Every printable ASCII character, so that no ordinary English text maps to <unk>.
+ALPHABET = [c for c in string.printable if c not in " \t\n\r\x0b\x0c"]
+
+
+# --------------------------------------------------------------------------- #
+# tokenizer helpers
+# --------------------------------------------------------------------------- #
+def _corpus_lines():
+    return [line for line in CORPUS.splitlines() if line.strip()] + [" ".join(ALPHABET)]
+
+
+def _train_bpe(pre_tokenizer, *, vocab_size, special_tokens, suffix=None, normalizer=None,
+               initial_alphabet=None, unk_token=None):
+    """Train a tokenizers BPE model; return (vocab dict, merges list of pairs)."""
+    from tokenizers import Tokenizer, models, trainers
+
+    model_kwargs = {"unk_token": unk_token} if unk_token else {}
+    trainer_kwargs = {}
+    if suffix:
+        model_kwargs["end_of_word_suffix"] = suffix
+        trainer_kwargs["end_of_word_suffix"] = suffix
+    tok = Tokenizer(models.BPE(**model_kwargs))
+    if normalizer is not None:
+        tok.normalizer = normalizer
+    tok.pre_tokenizer = pre_tokenizer
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=1,
+        special_tokens=list(special_tokens),
+        initial_alphabet=list(initial_alphabet or ALPHABET),
+        show_progress=False,
+        **trainer_kwargs,
+    )
+    tok.train_from_iterator(_corpus_lines(), trainer=trainer)
+    state = json.loads(tok.to_str())["model"]
+    vocab = dict(sorted(state["vocab"].items(), key=lambda kv: kv[1]))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in state["merges"]]
+    return vocab, merges
+
+
+def _add_tokens(vocab, tokens):
+    for t in tokens:
+        if t not in vocab:
+            vocab[t] = len(vocab)
+    return vocab
+
+
+def _suffix_bpe(*, lowercase, punct_split, vocab_size, special_tokens):
+    """BPE with '</w>' end-of-word suffix (openai-gpt / xlm / ctrl style)."""
+    from tokenizers import normalizers, pre_tokenizers
+
+    pre = pre_tokenizers.BertPreTokenizer() if punct_split else pre_tokenizers.WhitespaceSplit()
+    norm = normalizers.Lowercase() if lowercase else None
+    alphabet = sorted({c.lower() for c in ALPHABET}) if lowercase else ALPHABET
+    vocab, merges = _train_bpe(pre, vocab_size=vocab_size, special_tokens=special_tokens,
+                               suffix="</w>", normalizer=norm, initial_alphabet=alphabet,
+                               unk_token=special_tokens[0] if special_tokens else None)
+    # make sure every character exists both word-internally and word-finally
+    _add_tokens(vocab, [t for c in alphabet for t in (c, c + "</w>")])
+    return vocab, merges
+
+
+def _byte_level_bpe(vocab_size, special_tokens):
+    from tokenizers import pre_tokenizers
+
+    pre = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    vocab, merges = _train_bpe(pre, vocab_size=vocab_size, special_tokens=special_tokens,
+                               initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    return vocab, merges
+
+
+def _metaspace_bpe(vocab_size, special_tokens):
+    """Llama/Mistral style: '▁' word prefix + <0xNN> byte-fallback tokens."""
+    from tokenizers import pre_tokenizers
+
+    pre = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=True)
+    alphabet = ALPHABET + ["\u2581"]
+    trained, merges = _train_bpe(pre, vocab_size=vocab_size, special_tokens=[],
+                                 initial_alphabet=alphabet)
+    vocab = {}
+    _add_tokens(vocab, special_tokens)
+    _add_tokens(vocab, [f"<0x{i:02X}>" for i in range(256)])
+    _add_tokens(vocab, trained)
+    return vocab, merges
+
+
+def _python_bpe_segment(word, ranks):
+    """Segment ``word`` (tuple of symbols) with BPE merges ``ranks``."""
+    word = tuple(word)
+    while len(word) > 1:
+        pairs = {(word[i], word[i + 1]) for i in range(len(word) - 1)}
+        best = min(pairs, key=lambda p: ranks.get(p, float("inf")))
+        if best not in ranks:
+            break
+        out, i = [], 0
+        while i < len(word):
+            if i < len(word) - 1 and (word[i], word[i + 1]) == best:
+                out.append(word[i] + word[i + 1])
+                i += 2
+            else:
+                out.append(word[i])
+                i += 1
+        word = tuple(out)
+    return word
+
+
+def _build_ctrl_tokenizer(tmp):
+    from transformers import CTRLTokenizer
+
+    codes = {k: v for k, v in CTRLTokenizer.control_codes.items() if v <= CTRL_MAX_CODE_ID}
+    raw_vocab, merges = _suffix_bpe(lowercase=False, punct_split=False, vocab_size=700,
+                                    special_tokens=["<unk>"])
+    # Make every control code a single whole-word token by appending merges
+    # (lowest priority) that glue its current segmentation together.
+    ranks = {m: i for i, m in enumerate(merges)}
+    for code in sorted(codes):
+        seg = _python_bpe_segment(tuple(code[:-1]) + (code[-1] + "</w>",), ranks)
+        while len(seg) > 1:
+            pair = (seg[0], seg[1])
+            ranks[pair] = len(merges)
+            merges.append(pair)
+            raw_vocab.setdefault(seg[0] + seg[1], len(raw_vocab))
+            seg = (seg[0] + seg[1],) + seg[2:]
+    # CTRL vocab format: word-final pieces lose '</w>', word-internal pieces get '@@'.
+    dense = []
+    for tok in raw_vocab:
+        if tok == "<unk>":
+            continue
+        dense.append(tok[:-4] if tok.endswith("</w>") else tok + "@@")
+    dense = [t for t in dict.fromkeys(dense) if t not in codes]
+    specials = ["<unk>", "<|endoftext|>"]
+    vocab, next_id = {}, 0
+    used_ids = set(codes.values())
+    for tok in specials + dense:
+        while next_id in used_ids:
+            next_id += 1
+        vocab[tok] = next_id
+        next_id += 1
+    assert next_id < min(codes.values()) or all(v not in vocab.values() for v in codes.values())
+    vocab.update(codes)
+    with open(os.path.join(tmp, "vocab.json"), "w", encoding="utf-8") as f:
+        json.dump(vocab, f, ensure_ascii=False)
+    with open(os.path.join(tmp, "merges.txt"), "w", encoding="utf-8") as f:
+        f.write("#version: 0.2\n")
+        for a, b in merges:
+            f.write(f"{a} {b}\n")
+    tok = CTRLTokenizer(os.path.join(tmp, "vocab.json"), os.path.join(tmp, "merges.txt"),
+                        unk_token="<unk>", eos_token="<|endoftext|>")
+    return tok, max(vocab.values()) + 1
+
+
+def _build_xlm_tokenizer(tmp):
+    from transformers import XLMTokenizer
+
+    specials = ["<s>", "</s>", "<pad>", "<unk>"] + [f"<special{i}>" for i in range(10)]
+    raw_vocab, merges = _suffix_bpe(lowercase=True, punct_split=True, vocab_size=700,
+                                    special_tokens=specials)
+    with open(os.path.join(tmp, "vocab.json"), "w", encoding="utf-8") as f:
+        json.dump(raw_vocab, f, ensure_ascii=False)
+    with open(os.path.join(tmp, "merges.txt"), "w", encoding="utf-8") as f:
+        for a, b in merges:
+            f.write(f"{a} {b}\n")
+    lang2id = {"en": 0, "fr": 1}
+    id2lang = {0: "en", 1: "fr"}
+    tok = XLMTokenizer(os.path.join(tmp, "vocab.json"), os.path.join(tmp, "merges.txt"),
+                       eos_token="</s>", lang2id=lang2id, id2lang=id2lang)
+    return tok
+
+
+def _build_xlnet_tokenizer(tmp):
+    import sentencepiece as spm
+    from transformers import XLNetTokenizer
+
+    corpus_file = os.path.join(tmp, "corpus.txt")
+    with open(corpus_file, "w", encoding="utf-8") as f:
+        f.write("\n".join(_corpus_lines()) + "\n")
+    # ids as in xlnet-base-cased: <unk>=0 <s>=1 </s>=2 <cls>=3 <sep>=4 <pad>=5 <mask>=6 <eod>=7 <eop>=8
+    spm.SentencePieceTrainer.train(
+        input=corpus_file,
+        model_prefix=os.path.join(tmp, "spiece"),
+        vocab_size=400,
+        model_type="unigram",
+        character_coverage=1.0,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        control_symbols=["<cls>", "<sep>", "<pad>", "<mask>", "<eod>", "<eop>"],
+        num_threads=1,
+        minloglevel=2,
+        hard_vocab_limit=False,
+        seed_sentencepiece_size=10000,
+    )
+    sp = spm.SentencePieceProcessor(model_file=os.path.join(tmp, "spiece.model"))
+    vocab = [(sp.id_to_piece(i), sp.get_score(i)) for i in range(sp.get_piece_size())]
+    return XLNetTokenizer(vocab=vocab, unk_id=0)
+
+
+def build_tokenizer(model_type, tmp):
+    """Return (tokenizer, vocab_size_for_model)."""
+    from transformers import (GPT2Tokenizer, LlamaTokenizer, OpenAIGPTTokenizer,
+                              PreTrainedTokenizerFast, Qwen2Tokenizer)
+
+    if model_type in ("gpt2", "gptj"):
+        vocab, merges = _byte_level_bpe(600, ["<|endoftext|>"])
+        tok = GPT2Tokenizer(vocab=vocab, merges=merges)  # bos = eos = unk = <|endoftext|>
+    elif model_type == "opt":
+        vocab, merges = _byte_level_bpe(600, ["<s>", "<pad>", "</s>", "<unk>"])
+        tok = GPT2Tokenizer(vocab=vocab, merges=merges, bos_token="</s>", eos_token="</s>",
+                            unk_token="<unk>", pad_token="<pad>", add_bos_token=True)
+    elif model_type == "qwen2":
+        vocab, merges = _byte_level_bpe(600, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+        tok = Qwen2Tokenizer(vocab=vocab, merges=merges, bos_token="<|im_start|>",
+                             eos_token="<|endoftext|>", pad_token=None)
+    elif model_type == "bloom":
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        vocab, merges = _byte_level_bpe(600, ["<unk>", "<s>", "</s>", "<pad>"])
+        backend = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        backend.decoder = decoders.ByteLevel()
+        tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>",
+                                      bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    elif model_type in ("llama", "mistral"):
+        vocab, merges = _metaspace_bpe(600, ["<unk>", "<s>", "</s>"])
+        tok = LlamaTokenizer(vocab=vocab, merges=merges, add_bos_token=True)
+    elif model_type == "openai-gpt":
+        vocab, merges = _suffix_bpe(lowercase=True, punct_split=True, vocab_size=600,
+                                    special_tokens=["<unk>", "<|endoftext|>"])
+        tok = OpenAIGPTTokenizer(vocab=vocab, merges=merges, eos_token="<|endoftext|>")
+    elif model_type == "ctrl":
+        return _build_ctrl_tokenizer(tmp)
+    elif model_type == "xlm":
+        tok = _build_xlm_tokenizer(tmp)
+    elif model_type == "xlnet":
+        tok = _build_xlnet_tokenizer(tmp)
+    else:
+        raise ValueError(f"unknown model type {model_type!r}; expected one of {MODEL_TYPES}")
+    return tok, len(tok)
+
+
+# --------------------------------------------------------------------------- #
+# configs
+# --------------------------------------------------------------------------- #
+def _tid(tok, name):
+    return getattr(tok, f"{name}_token_id", None)
+
+
+def build_config(model_type, tok, vocab_size):
+    import transformers as T
+
+    bos, eos, pad = _tid(tok, "bos"), _tid(tok, "eos"), _tid(tok, "pad")
+    common = dict(vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
+    if model_type == "gpt2":
+        return T.GPT2Config(n_positions=MAX_POSITIONS, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
+                            n_inner=FFN, initializer_range=INIT_STD, **common)
+    if model_type == "ctrl":
+        return T.CTRLConfig(n_positions=MAX_POSITIONS, n_embd=HIDDEN, dff=FFN, n_layer=LAYERS,
+                            n_head=HEADS, initializer_range=INIT_STD, **common)
+    if model_type == "openai-gpt":
+        return T.OpenAIGPTConfig(n_positions=MAX_POSITIONS, n_embd=HIDDEN, n_layer=LAYERS,
+                                 n_head=HEADS, initializer_range=INIT_STD, **common)
+    if model_type == "xlnet":
+        return T.XLNetConfig(d_model=HIDDEN, n_layer=LAYERS, n_head=HEADS, d_inner=FFN,
+                             initializer_range=INIT_STD, mem_len=None, **common)
+    if model_type == "xlm":
+        return T.XLMConfig(emb_dim=HIDDEN, n_layers=LAYERS, n_heads=HEADS,
+                           max_position_embeddings=MAX_POSITIONS, causal=True,
+                           n_langs=2, use_lang_emb=True, lang_id=0,
+                           lang2id={"en": 0, "fr": 1}, id2lang={0: "en", 1: "fr"},
+                           embed_init_std=INIT_STD, init_std=INIT_STD,
+                           unk_index=tok.unk_token_id, mask_index=tok.mask_token_id,
+                           mask_token_id=tok.mask_token_id, **common)
+    if model_type == "gptj":
+        return T.GPTJConfig(n_positions=MAX_POSITIONS, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
+                            rotary_dim=HIDDEN // HEADS, n_inner=FFN, initializer_range=INIT_STD,
+                            **common)
+    if model_type == "bloom":
+        return T.BloomConfig(hidden_size=HIDDEN, n_layer=LAYERS, n_head=HEADS,
+                             initializer_range=INIT_STD, **common)
+    if model_type == "opt":
+        return T.OPTConfig(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                           ffn_dim=FFN, max_position_embeddings=MAX_POSITIONS, word_embed_proj_dim=HIDDEN,
+                           init_std=INIT_STD, dropout=0.0, **common)
+    llama_like = dict(hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+                      num_attention_heads=HEADS, num_key_value_heads=2,
+                      max_position_embeddings=MAX_POSITIONS, initializer_range=INIT_STD, **common)
+    if model_type == "llama":
+        return T.LlamaConfig(**llama_like)
+    if model_type == "mistral":
+        return T.MistralConfig(sliding_window=None, **llama_like)
+    if model_type == "qwen2":
+        return T.Qwen2Config(use_sliding_window=False, **llama_like)
+    raise ValueError(f"unknown model type {model_type!r}; expected one of {MODEL_TYPES}")
+
+
+def _model_class(model_type):
+    import transformers as T
+
+    return {
+        "gpt2": T.GPT2LMHeadModel,
+        "ctrl": T.CTRLLMHeadModel,
+        "openai-gpt": T.OpenAIGPTLMHeadModel,
+        "xlnet": T.XLNetLMHeadModel,
+        "xlm": T.XLMWithLMHeadModel,
+        "gptj": T.GPTJForCausalLM,
+        "bloom": T.BloomForCausalLM,
+        "llama": T.LlamaForCausalLM,
+        "opt": T.OPTForCausalLM,
+        "mistral": T.MistralForCausalLM,
+        "qwen2": T.Qwen2ForCausalLM,
+    }[model_type]
+
+
+# --------------------------------------------------------------------------- #
+# public API
+# --------------------------------------------------------------------------- #
+def build_tiny_checkpoint(model_type: str, out_dir: str) -> str:
+    """Build a tiny random checkpoint of ``model_type`` into ``out_dir``; return ``out_dir``."""
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"unknown model type {model_type!r}; expected one of {MODEL_TYPES}")
+    os.makedirs(out_dir, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        tok, vocab_size = build_tokenizer(model_type, tmp)
+    config = build_config(model_type, tok, vocab_size)
+
+    torch.manual_seed(SEED)
+    model = _model_class(model_type)(config)
+    model.eval()
+    if model_type == "ctrl":
+        # ids between the dense vocab and the control codes have no token: keep
+        # them from ever being predicted.
+        used = torch.zeros(vocab_size, dtype=torch.bool)
+        used[list(tok.get_vocab().values())] = True
+        with torch.no_grad():
+            model.lm_head.bias[~used] = -1e4
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return out_dir
+
+
+def build_all(root: str) -> dict[str, str]:
+    """Build every type in MODEL_TYPES under ``root``; return {model_type: checkpoint_dir}."""
+    return {mt: build_tiny_checkpoint(mt, os.path.join(root, mt)) for mt in MODEL_TYPES}
+
+
+if __name__ == "__main__":  # python tests/tiny_models.py OUT_DIR
+    import sys
+    import time
+
+    start = time.perf_counter()
+    paths = build_all(sys.argv[1] if len(sys.argv) > 1 else "tiny_models")
+    for k, v in paths.items():
+        print(f"{k:12s} {v}")
+    print(f"built {len(paths)} checkpoints in {time.perf_counter() - start:.1f}s")
