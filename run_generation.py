@@ -24,6 +24,7 @@ generation, output, main().
 """
 
 import argparse
+import atexit
 import importlib.util
 import json
 import logging
@@ -35,6 +36,8 @@ import time
 
 import torch
 from accelerate import PartialState
+from accelerate.utils import broadcast_object_list, gather_object
+from tqdm.auto import tqdm
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TextStreamer, set_seed
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -134,6 +137,11 @@ def parse_args(argv=None):
     parser.add_argument("--fp16", action="store_true", help="Shorthand for --dtype float16.")
     parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="auto: the checkpoint's dtype")
     parser.add_argument("--jit", action="store_true", help="Trace the decoding step with torch.jit.")
+    # Models larger than one device: accelerate's big-model loading.
+    parser.add_argument("--device_map", default=None, help='e.g. "auto": spread the model over GPUs, CPU and disk.')
+    parser.add_argument(
+        "--max_memory", nargs="+", default=None, metavar="DEVICE=SIZE", help="with --device_map, e.g. 0=10GiB cpu=30GiB"
+    )
     # Batches of prompts from stdin, and machine-readable output.
     parser.add_argument("--whole_stdin", action="store_true", help="Read all of stdin as one prompt.")
     parser.add_argument("--input_format", choices=["text", "jsonl"], default="text")
@@ -147,6 +155,15 @@ def parse_args(argv=None):
     )
     args = parser.parse_args(argv)
 
+    if args.model_type:
+        args.model_type = args.model_type.lower()
+        if args.model_type in REMOVED_TYPES:
+            fail(f"--model_type {args.model_type}: {REMOVED_TYPES[args.model_type]}")
+        if args.model_type not in MODEL_CLASSES and args.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            fail(
+                f"unknown --model_type {args.model_type!r}; supported: {', '.join(MODEL_CLASSES)}, "
+                "and any other causal LM type of transformers (inferred from config.json when omitted)"
+            )
     if args.fp16:
         args.dtype = "float16"
     if args.k < 0:
@@ -165,6 +182,13 @@ def parse_args(argv=None):
         fail("--num_return_sequences cannot exceed --num_beams in beam search")
     if args.batch_size < 1:
         fail(f"--batch_size must be >= 1, got {args.batch_size}")
+    if args.max_memory:
+        if not args.device_map:
+            fail("--max_memory needs --device_map")
+        if not all("=" in item for item in args.max_memory):
+            fail("--max_memory takes DEVICE=SIZE items, e.g. 0=10GiB cpu=30GiB")
+        pairs = (item.split("=", 1) for item in args.max_memory)
+        args.max_memory = {int(key) if key.isdigit() else key: size for key, size in pairs}
     return args
 
 
@@ -216,6 +240,8 @@ def resolve_checkpoint(args):
     """Where the model lives, and the extra from_pretrained kwargs it needs."""
     path = args.model_name_or_path
     if path is None:
+        if args.model_type not in (None, "llama"):
+            fail(f"--model_type {args.model_type} needs --model_name_or_path (the default model is a llama)")
         return default_model_dir(), {}
     expanded = os.path.expanduser(path)
     if expanded.endswith(".gguf"):
@@ -244,14 +270,9 @@ def load_config(path, load_kwargs):
 
 def resolve_model_class(args, config):
     """The seed's class for its types; any other causal LM through AutoModelForCausalLM."""
-    model_type = (args.model_type or config.model_type).lower()
-    if model_type in REMOVED_TYPES:
-        fail(f"--model_type {model_type}: {REMOVED_TYPES[model_type]}")
+    model_type = args.model_type or config.model_type
     if model_type not in MODEL_CLASSES and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        fail(
-            f"unknown model type {model_type!r}; supported: {', '.join(MODEL_CLASSES)} "
-            "(and any other causal LM type transformers knows, inferred from config.json)"
-        )
+        fail(f"{config.model_type!r} is not a causal language model type")
     if model_type != config.model_type:
         fail(f"--model_type {model_type} does not match the checkpoint's model_type {config.model_type}")
     if model_type in MODEL_CLASSES:
@@ -285,8 +306,14 @@ def load_model_and_tokenizer(args, state):
     args.model_type, model_class = resolve_model_class(args, config)
     dtype = resolve_dtype(args, config, state.device)
     tokenizer = AutoTokenizer.from_pretrained(path, **load_kwargs)
-    model = model_class.from_pretrained(path, dtype=dtype, **load_kwargs)
-    model.to(state.device)
+    placement = {}
+    if args.device_map:
+        offload = tempfile.mkdtemp(prefix="run_generation_offload_")  # for layers that fit nowhere else
+        atexit.register(shutil.rmtree, offload, ignore_errors=True)
+        placement = dict(device_map=args.device_map, max_memory=args.max_memory, offload_folder=offload)
+    model = model_class.from_pretrained(path, dtype=dtype, **load_kwargs, **placement)
+    if not args.device_map:
+        model.to(state.device)
     model.eval()
 
     if tokenizer.pad_token is None:
@@ -522,18 +549,21 @@ def describe_sequence(args, tokenizer, record, prompt_ids, new, eos_ids):
 class Writer:
     """Writes results to stdout in input order, flushing as soon as the next prompt is done."""
 
-    def __init__(self, args, num_prompts):
+    def __init__(self, args, num_prompts, active=True):
         self.args, self.num_prompts, self.next, self.done = args, num_prompts, 0, {}
         self.sequences, self.failed = [], 0
+        self.active = active  # only the main process writes
 
-    def add(self, index, record, outputs=None, error=None):
-        self.done[index] = (record, outputs, error)
+    def add(self, index, record, outputs=None, error=None, streamed=False):
+        if not self.active:
+            return
+        self.done[index] = (record, outputs, error, streamed)
         while self.next in self.done:
             self.write(self.next, *self.done.pop(self.next))
             self.next += 1
         sys.stdout.flush()
 
-    def write(self, index, record, outputs, error):
+    def write(self, index, record, outputs, error, streamed):
         jsonl = self.args.output_format == "jsonl"
         if error is not None:
             self.failed += 1
@@ -548,20 +578,38 @@ class Writer:
             if jsonl:
                 print(json.dumps({"prompt_index": index, "sequence_index": number, "prompt": record["prompt"],
                                   **output, **record["extra"]}, ensure_ascii=False))
-            elif not output.get("streamed"):
+            elif not streamed:  # the streamer has printed it already
                 where = f"PROMPT {index + 1}, " if self.num_prompts > 1 else ""
                 print(f"=== {where}GENERATED SEQUENCE {number + 1} ===")
                 print(output["text"])
 
 
+def make_batches(items, batch_size):
+    """Batches of (index, record, ids). Inside a window, similar lengths go together so that
+    batches carry little padding; windows keep input order so output can flow early."""
+    window = batch_size * 4
+    for start in range(0, len(items), window):
+        chunk = sorted(items[start : start + window], key=lambda item: len(item[2]))
+        for offset in range(0, len(chunk), batch_size):
+            yield chunk[offset : offset + batch_size]
+
+
 def main(argv=None):
     args = parse_args(argv)
-    logging.basicConfig(format="%(message)s", level=logging.INFO, stream=sys.stderr)
-    state = PartialState(cpu=args.use_cpu)
-    logger.info(f"device: {state.device}, n_gpu: {torch.cuda.device_count() if state.device.type == 'cuda' else 0}")
+    # Without an accelerator, several launched processes must ask for CPU to get a gloo group.
+    state = PartialState(cpu=args.use_cpu or not torch.accelerator.is_available())
+    level = logging.INFO if state.is_main_process else logging.WARNING
+    logging.basicConfig(format="%(message)s", level=level, stream=sys.stderr)
+    logger.info(f"device: {state.device}, n_gpu: {torch.cuda.device_count() if state.device.type == 'cuda' else 0}, "
+                f"processes: {state.num_processes}, dtype: {args.dtype}")
+    if args.device_map and state.num_processes > 1:
+        fail("--device_map spreads one model over all devices; run it in a single process")
     set_seed(args.seed)
 
-    prompts = read_prompts(args)
+    # Only the main process reads stdin; the others get its prompts.
+    prompts = read_prompts(args) if state.is_main_process else None
+    if state.num_processes > 1:
+        prompts = broadcast_object_list([prompts])[0]
     with state.main_process_first():  # only one process converts the default model
         model, tokenizer = load_model_and_tokenizer(args, state)
     args.context = model_context(model.config)
@@ -572,14 +620,14 @@ def main(argv=None):
 
     stream = args.stream
     single = len(prompts) == 1 and args.num_return_sequences == 1 and args.output_format == "text"
+    streamable = single and args.num_beams == 1 and state.num_processes == 1
     if stream is None:
-        stream = single and args.num_beams == 1 and sys.stdout.isatty()
-    elif stream and not (single and args.num_beams == 1):
-        logger.warning("--stream needs one prompt, one sequence, no beam search and text output; not streaming.")
+        stream = streamable and sys.stdout.isatty()
+    elif stream and not streamable:
+        logger.warning("--stream needs one prompt, one sequence, no beam search, text output and one process.")
         stream = False
 
-    batch_size = 1 if args.model_type in UNBATCHABLE_TYPES else args.batch_size
-    writer = Writer(args, len(prompts))
+    writer = Writer(args, len(prompts), active=state.is_main_process)
     pending = []
     for index, record in enumerate(prompts):
         if "error" in record:
@@ -590,25 +638,34 @@ def main(argv=None):
         except ValueError as error:
             writer.add(index, record, error=str(error))
 
-    # Inside a window, similar lengths go together so that batches carry little padding.
-    window = batch_size * 4
-    for start in range(0, len(pending), window):
-        chunk = sorted(pending[start : start + window], key=lambda item: len(item[2]))
-        for offset in range(0, len(chunk), batch_size):
-            batch = chunk[offset : offset + batch_size]
-            streamer = None
-            if stream:
-                header = "=== GENERATED SEQUENCE 1 ===\n"
-                print(header + ("" if args.chat else batch[0][1]["prompt"]), end="", flush=True)
-                streamer = StopTokenStreamer(tokenizer, args.stop_token)
-            results = generate_batch(args, model, tokenizer, batch, streamer)
-            for index, record, _ in batch:
-                for output in results[index]:
-                    output["streamed"] = stream
-                writer.add(index, record, results[index])
+    batch_size = 1 if args.model_type in UNBATCHABLE_TYPES else args.batch_size
+    with state.split_between_processes(pending) as share:
+        batches = list(make_batches(share, batch_size))
+    # Gathers are collective: every process joins each round, with an empty batch if it has none left.
+    rounds = max(gather_object([len(batches)])) if state.num_processes > 1 else len(batches)
+    progress = tqdm(total=len(pending), unit="prompt", disable=not (len(prompts) > 1 and sys.stderr.isatty()
+                                                                     and state.is_main_process))
+    for number in range(rounds):
+        batch = batches[number] if number < len(batches) else []
+        streamer = None
+        if stream:
+            header = "=== GENERATED SEQUENCE 1 ===\n"
+            print(header + ("" if args.chat else batch[0][1]["prompt"]), end="", flush=True)
+            streamer = StopTokenStreamer(tokenizer, args.stop_token)
+        results = generate_batch(args, model, tokenizer, batch, streamer) if batch else {}
+        done = [(index, record, results[index]) for index, record, _ in batch]
+        if state.num_processes > 1:
+            done = gather_object(done)
+        for index, record, outputs in done:
+            writer.add(index, record, outputs, streamed=stream)
+        progress.update(len(done))
+    progress.close()
+    if state.num_processes > 1:
+        state.destroy_process_group()
 
     if writer.failed:
-        fail(f"{writer.failed} of {len(prompts)} prompts failed", code=1)
+        # A bad --prompt is bad input (2); some failures among many prompts are a partial run (1).
+        fail(f"{writer.failed} of {len(prompts)} prompts failed", code=2 if args.prompt is not None else 1)
     return writer.sequences
 
 

@@ -1,0 +1,187 @@
+"""The seed's behaviour on transformers 5: every model type, its flags, its output, its errors."""
+
+import logging
+import sys
+
+import pytest
+import torch
+
+import run_generation
+from helpers import SEED_TYPES, blocks, error_line, run_cli, tiny_args
+
+PROMPT = "Hello, my dog is cute"
+
+
+@pytest.mark.parametrize("model_type", SEED_TYPES)
+def test_every_seed_type_generates_through_the_cli(tiny_models, model_type):
+    result = run_cli(tiny_args(tiny_models, model_type, "--prompt", PROMPT, "--length", "8"))
+    assert result.returncode == 0, result.stderr.decode()
+    out = blocks(result.stdout)
+    assert list(out) == ["=== GENERATED SEQUENCE 1 ==="]
+    text = out["=== GENERATED SEQUENCE 1 ==="]
+    # The prompt, not the prefix XLNet generates from, then a continuation.
+    assert text.startswith(PROMPT) and len(text) > len(PROMPT)
+    assert "device:" in result.stderr.decode() and "device:" not in result.stdout.decode()
+
+
+@pytest.mark.parametrize("model_type", SEED_TYPES + ["mistral", "qwen2"])
+def test_every_type_through_main_with_the_type_inferred(tiny_models, model_type, capsys):
+    sequences = run_generation.main(
+        tiny_args(tiny_models, model_type, "--prompt", PROMPT, "--length", "6", "--temperature", "0", with_type=False)
+    )
+    assert len(sequences) == 1 and sequences[0].startswith(PROMPT) and len(sequences[0]) > len(PROMPT)
+    assert capsys.readouterr().out == f"=== GENERATED SEQUENCE 1 ===\n{sequences[0]}\n"
+
+
+def test_main_reads_patched_sys_argv(tiny_models, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["run_generation.py", *tiny_args(tiny_models, "gpt2", "--prompt", PROMPT)])
+    sequences = run_generation.main()
+    assert len(sequences) == 1 and sequences[0].startswith(PROMPT)
+
+
+def test_greedy_is_deterministic_and_ignores_the_seed(tiny_models):
+    args = tiny_args(tiny_models, "llama", "--prompt", PROMPT, "--temperature", "0", "--length", "12")
+    first, second = run_cli(args + ["--seed", "1"]), run_cli(args + ["--seed", "2"])
+    assert first.returncode == second.returncode == 0
+    assert first.stdout == second.stdout
+
+
+def test_sampling_is_reproducible_for_a_seed(tiny_models, capsys):
+    args = tiny_args(tiny_models, "gpt2", "--prompt", PROMPT, "--temperature", "1.5", "--k", "50", "--p", "1.0")
+    runs = [run_generation.main(args + ["--seed", seed, "--num_return_sequences", "4"]) for seed in ("7", "7", "8")]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]  # 4 sequences of 20 sampled tokens at temperature 1.5: a collision is not credible
+
+
+def test_stop_token_cuts_the_continuation(tiny_models, capsys):
+    base = tiny_args(tiny_models, "gpt2", "--prompt", PROMPT, "--temperature", "0", "--length", "20")
+    full = run_generation.main(base)[0]
+    continuation = full[len(PROMPT) :]
+    stop = continuation.strip()[len(continuation.strip()) // 2]  # a character the continuation really produces
+    cut = run_generation.main(base + ["--stop_token", stop])[0]
+    assert cut == PROMPT + continuation[: continuation.index(stop)]
+
+
+def test_prefix_conditions_generation_but_is_not_printed(tiny_models, capsys):
+    prefix = "Once upon a time there was a dog. "
+    base = tiny_args(tiny_models, "gpt2", "--temperature", "0", "--length", "10")
+    with_prefix = run_generation.main(base + ["--prompt", PROMPT, "--prefix", prefix])[0]
+    joined = run_generation.main(base + ["--prompt", prefix + PROMPT])[0]
+    assert with_prefix == PROMPT + joined[len(prefix + PROMPT) :]
+    # --padding_text is the seed's deprecated name for the same thing.
+    assert run_generation.main(base + ["--prompt", PROMPT, "--padding_text", prefix])[0] == with_prefix
+
+
+def test_num_return_sequences(tiny_models):
+    result = run_cli(tiny_args(tiny_models, "opt", "--prompt", PROMPT, "--num_return_sequences", "3"))
+    assert result.returncode == 0, result.stderr.decode()
+    out = blocks(result.stdout)
+    assert list(out) == [f"=== GENERATED SEQUENCE {i} ===" for i in (1, 2, 3)]
+    assert all(text.startswith(PROMPT) for text in out.values())
+
+
+def test_prompt_from_stdin(tiny_models):
+    args = tiny_args(tiny_models, "gpt2", "--temperature", "0")
+    piped = run_cli(args, stdin=PROMPT + "\n")
+    given = run_cli(args + ["--prompt", PROMPT])
+    assert piped.returncode == given.returncode == 0
+    assert piped.stdout == given.stdout
+
+
+def test_empty_prompt_generates_unconditionally(tiny_models, capsys):
+    sequences = run_generation.main(tiny_args(tiny_models, "gpt2", "--prompt", "", "--length", "10"))
+    assert len(sequences) == 1 and sequences[0].strip()
+
+
+def test_ctrl_warns_without_a_control_code(tiny_models):
+    result = run_cli(tiny_args(tiny_models, "ctrl", "--prompt", PROMPT, "--length", "3"))
+    assert result.returncode == 0
+    assert "control code" in result.stderr.decode()
+    assert "control code" not in result.stdout.decode()
+
+
+def test_xlm_language_is_required_without_a_terminal(tiny_models):
+    args = ["--model_name_or_path", tiny_models["xlm"], "--prompt", PROMPT]
+    assert "--xlm_language must be one of ['en', 'fr']" in error_line(run_cli(args))
+    assert run_cli(args + ["--xlm_language", "fr"]).returncode == 0
+
+
+def test_length_is_clamped_to_the_context(tiny_models, capsys):
+    assert run_generation.adjust_length_to_model(-1, 128) == 128
+    assert run_generation.adjust_length_to_model(500, 128) == 128
+    assert run_generation.adjust_length_to_model(-1, 0) == run_generation.MAX_LENGTH
+    # gpt2's learned positions end at 128: a run past them would index out of range.
+    text = run_generation.main(tiny_args(tiny_models, "gpt2", "--prompt", PROMPT, "--length", "500"))[0]
+    assert len(text) > len(PROMPT)
+
+
+def test_half_precision_falls_back_to_float32_on_slow_cpus(tiny_models, monkeypatch, caplog, capsys):
+    monkeypatch.setattr(run_generation, "cpu_has_fast", lambda dtype: False)
+    loaded = {}
+    original = run_generation.load_model_and_tokenizer
+
+    def spy(args, state):
+        loaded["model"], tokenizer = original(args, state)
+        return loaded["model"], tokenizer
+
+    monkeypatch.setattr(run_generation, "load_model_and_tokenizer", spy)
+    with caplog.at_level(logging.WARNING, logger="run_generation"):
+        run_generation.main(tiny_args(tiny_models, "llama", "--prompt", PROMPT, "--fp16", "--length", "3"))
+    assert loaded["model"].dtype == torch.float32
+    assert "keeping float32" in caplog.text
+
+
+def test_dtype_bfloat16_where_the_cpu_is_fast(tiny_models, monkeypatch, capsys):
+    monkeypatch.setattr(run_generation, "cpu_has_fast", lambda dtype: True)
+    args = run_generation.parse_args(tiny_args(tiny_models, "llama", "--dtype", "bfloat16"))
+    state = run_generation.PartialState(cpu=True)
+    model, _ = run_generation.load_model_and_tokenizer(args, state)
+    assert model.dtype == torch.bfloat16
+
+
+def test_chat_needs_a_template(tiny_models):
+    result = run_cli(tiny_args(tiny_models, "gpt2", "--prompt", PROMPT, "--chat"))
+    assert result.returncode == 2
+    assert error_line(result).endswith("--chat: this tokenizer has no chat template")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model_type", "foo"], "unknown --model_type 'foo'; supported: gpt2, ctrl"),
+        (["--model_type", "transfo-xl"], "Transformer-XL was removed from transformers"),
+        (["--model_name_or_path", "./no/such/dir"], "no such directory"),
+        (["--model_name_or_path", "missing.gguf"], "no such file"),
+        (["--model_name_or_path", "someone/some-model"], "the hub is offline; pass a local path"),
+        (["--k", "-1"], "--k must be >= 0"),
+        (["--p", "0"], "--p must be in (0, 1]"),
+        (["--p", "1.5"], "--p must be in (0, 1]"),
+        (["--temperature", "-0.5"], "--temperature must be >= 0"),
+        (["--num_return_sequences", "0"], "--num_return_sequences must be >= 1"),
+        (["--repetition_penalty", "0"], "--repetition_penalty must be > 0"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args, message):
+    result = run_cli(args + ["--prompt", PROMPT])
+    assert result.returncode == 2
+    assert message in error_line(result)
+    assert result.stdout == b""
+
+
+def test_directory_without_a_model(tmp_path):
+    result = run_cli(["--model_name_or_path", str(tmp_path), "--prompt", PROMPT])
+    assert result.returncode == 2
+    assert "holds no model" in error_line(result)
+
+
+def test_prompt_longer_than_the_context(tiny_models):
+    result = run_cli(tiny_args(tiny_models, "gpt2", "--prompt", "dog " * 300))
+    assert result.returncode == 2
+    assert "the model's context is 128" in result.stderr.decode()
+    assert "Traceback" not in result.stderr.decode() and result.stdout == b""
+
+
+def test_mismatched_model_type(tiny_models):
+    result = run_cli(["--model_type", "gpt2", "--model_name_or_path", tiny_models["llama"], "--prompt", PROMPT])
+    assert result.returncode == 2
+    assert "does not match the checkpoint's model_type llama" in error_line(result)

@@ -1,0 +1,154 @@
+"""Prompts piped through stdin: batched, machine-readable, in order, and nothing lost."""
+
+import json
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from helpers import SCRIPT, blocks, cli_env, jsonl, run_cli, tiny_args
+
+PROMPTS = ["Hello, my dog is cute", "The capital of France is", "A", "Once upon a time there was a little dog who"]
+
+
+def test_each_line_is_a_prompt_and_text_output_keeps_input_order(tiny_models):
+    stdin = "\n".join(PROMPTS[:2]) + "\n\n   \n" + "\n".join(PROMPTS[2:]) + "\n"  # blank lines are skipped
+    result = run_cli(tiny_args(tiny_models, "gpt2", "--temperature", "0", "--length", "5"), stdin=stdin)
+    assert result.returncode == 0, result.stderr.decode()
+    out = blocks(result.stdout)
+    assert list(out) == [f"=== PROMPT {i}, GENERATED SEQUENCE 1 ===" for i in range(1, 5)]
+    for prompt, text in zip(PROMPTS, out.values()):
+        assert text.startswith(prompt)
+
+
+def test_whole_stdin_is_one_prompt(tiny_models):
+    stdin = "First line of a letter.\nSecond line of it,"
+    result = run_cli(tiny_args(tiny_models, "gpt2", "--whole_stdin", "--output_format", "jsonl"), stdin=stdin)
+    assert result.returncode == 0, result.stderr.decode()
+    [record] = jsonl(result.stdout)
+    assert record["prompt"] == stdin and record["text"] == stdin + record["generated_text"]
+
+
+def test_jsonl_in_and_out(tiny_models):
+    lines = [json.dumps({"prompt": p, "id": f"q{i}", "meta": {"n": i}}) for i, p in enumerate(PROMPTS)]
+    args = tiny_args(tiny_models, "llama", "--input_format", "jsonl", "--output_format", "jsonl",
+                     "--num_return_sequences", "2", "--length", "6")
+    result = run_cli(args, stdin="\n".join(lines))
+    assert result.returncode == 0, result.stderr.decode()
+    records = jsonl(result.stdout)
+    assert [(r["prompt_index"], r["sequence_index"]) for r in records] == [(i, s) for i in range(4) for s in (0, 1)]
+    for record in records:
+        i = record["prompt_index"]
+        assert record["prompt"] == PROMPTS[i] and record["id"] == f"q{i}" and record["meta"] == {"n": i}
+        assert record["text"] == record["prompt"] + record["generated_text"]
+        assert record["finish_reason"] in ("length", "eos")
+        assert 0 < record["num_generated_tokens"] <= 6 and record["num_prompt_tokens"] > 0
+        if record["finish_reason"] == "length":
+            assert record["num_generated_tokens"] == 6
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "llama", "opt", "bloom", "gptj"])
+def test_a_batch_gives_each_prompt_its_own_greedy_text(tiny_models, model_type):
+    args = tiny_args(tiny_models, model_type, "--temperature", "0", "--length", "10", "--output_format", "jsonl")
+    stdin = "\n".join(PROMPTS)
+    alone = run_cli(args + ["--batch_size", "1"], stdin=stdin)
+    batched = run_cli(args + ["--batch_size", "4"], stdin=stdin)
+    assert alone.returncode == batched.returncode == 0, batched.stderr.decode()
+    assert jsonl(batched.stdout) == jsonl(alone.stdout)
+
+
+def test_default_model_batch_equals_single(default_model):
+    cache_home, _ = default_model
+    args = ["--temperature", "0", "--length", "12", "--output_format", "jsonl"]
+    stdin = "\n".join(PROMPTS)
+    alone = run_cli(args + ["--batch_size", "1"], stdin=stdin, cache_home=cache_home)
+    batched = run_cli(args + ["--batch_size", "4"], stdin=stdin, cache_home=cache_home)
+    assert alone.returncode == batched.returncode == 0, batched.stderr.decode()
+    assert jsonl(batched.stdout) == jsonl(alone.stdout)
+
+
+def test_finish_reasons(tiny_models):
+    args = tiny_args(tiny_models, "gpt2", "--temperature", "0", "--length", "15", "--output_format", "jsonl")
+    [free] = jsonl(run_cli(args, stdin=PROMPTS[0]).stdout)
+    assert free["finish_reason"] == "length" and free["num_generated_tokens"] == 15
+    stop = free["generated_text"].strip()[3]
+    [stopped] = jsonl(run_cli(args + ["--stop_token", stop], stdin=PROMPTS[0]).stdout)
+    assert stopped["finish_reason"] == "stop_token"
+    assert stopped["generated_text"] == free["generated_text"][: free["generated_text"].index(stop)]
+    assert stopped["num_generated_tokens"] < 15  # generation stopped early, not only the text
+
+
+def test_eos_finish_reason(tiny_models, monkeypatch, capsys):
+    import run_generation
+
+    args = run_generation.parse_args(tiny_args(tiny_models, "gpt2", "--temperature", "0"))
+    model, tokenizer = run_generation.load_model_and_tokenizer(args, run_generation.PartialState(cpu=True))
+    args.context = 128
+    prompt_ids = tokenizer.encode("Hello")
+    eos_ids = {tokenizer.eos_token_id}
+    new = tokenizer.encode(" dog cat") + [tokenizer.eos_token_id, tokenizer.eos_token_id]
+    described = run_generation.describe_sequence(args, tokenizer, {"prompt": "Hello"}, prompt_ids, new, eos_ids)
+    assert described["finish_reason"] == "eos"
+    assert described["num_generated_tokens"] == len(new) - 1
+    assert described["generated_text"] == " dog cat"
+
+
+def test_a_failing_prompt_among_good_ones(tiny_models):
+    stdin = b"\n".join([PROMPTS[0].encode(), b"dog " * 300, b"caf\xe9 au lait", PROMPTS[1].encode()])
+    for output_format in ("jsonl", "text"):
+        result = run_cli(tiny_args(tiny_models, "gpt2", "--output_format", output_format), stdin=stdin)
+        assert result.returncode == 1
+        stderr = result.stderr.decode()
+        assert "Traceback" not in stderr
+        if output_format == "jsonl":
+            records = jsonl(result.stdout)
+            assert [r["prompt_index"] for r in records] == [0, 1, 2, 3]
+            assert "context is 128" in records[1]["error"] and "not valid UTF-8" in records[2]["error"]
+            assert records[0]["text"].startswith(PROMPTS[0]) and records[3]["text"].startswith(PROMPTS[1])
+        else:
+            assert list(blocks(result.stdout)) == ["=== PROMPT 1, GENERATED SEQUENCE 1 ===",
+                                                   "=== PROMPT 4, GENERATED SEQUENCE 1 ==="]
+            assert "prompt 2: error: prompt is" in stderr and "prompt 3: error: input is not valid UTF-8" in stderr
+
+
+def test_invalid_json_line_is_an_error_record(tiny_models):
+    stdin = '{"prompt": "Hello"}\n{"prompt": \n["not an object"]\n{"prompt": "Bye"}\n'
+    result = run_cli(tiny_args(tiny_models, "gpt2", "--input_format", "jsonl", "--output_format", "jsonl"), stdin=stdin)
+    assert result.returncode == 1
+    records = jsonl(result.stdout)
+    assert ["error" in r for r in records] == [False, True, True, False]
+
+
+def _popen(args, stdin):
+    process = subprocess.Popen([sys.executable, SCRIPT, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, env=cli_env())
+    process.stdin.write(stdin.encode())
+    process.stdin.close()
+    return process
+
+
+def test_closing_the_pipe_ends_the_run_quietly(tiny_models):
+    """`run_generation.py ... | head -n 1`."""
+    stdin = "\n".join(PROMPTS * 50)
+    process = _popen(tiny_args(tiny_models, "gpt2", "--output_format", "jsonl", "--batch_size", "1"), stdin)
+    first = process.stdout.readline()
+    process.stdout.close()
+    _, stderr = process.communicate(timeout=300)
+    assert json.loads(first)["prompt_index"] == 0
+    assert process.returncode == 0
+    assert b"Traceback" not in stderr and b"BrokenPipe" not in stderr
+
+
+def test_ctrl_c_keeps_what_was_generated(tiny_models):
+    stdin = "\n".join(PROMPTS * 100)
+    process = _popen(tiny_args(tiny_models, "gpt2", "--output_format", "jsonl", "--batch_size", "2"), stdin)
+    first = process.stdout.readline()  # the first batch is out and flushed
+    process.send_signal(signal.SIGINT)
+    rest, stderr = process.communicate(timeout=300)
+    records = [json.loads(line) for line in (first + rest).decode().splitlines()]
+    assert process.returncode == 130
+    assert stderr.decode().strip().splitlines()[-1] == "run_generation.py: interrupted"
+    assert b"Traceback" not in stderr
+    assert 1 <= len(records) < 400  # every line written is complete JSON
+    assert [r["prompt_index"] for r in records] == list(range(len(records)))
