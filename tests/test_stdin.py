@@ -125,6 +125,7 @@ def _popen(args, stdin):
                                stderr=subprocess.PIPE, env=cli_env())
     process.stdin.write(stdin.encode())
     process.stdin.close()
+    process.stdin = None  # communicate() must not flush it again
     return process
 
 

@@ -1,23 +1,43 @@
 """Build tiny, randomly initialised causal-LM checkpoints for offline tests.
 
 Every checkpoint is created on the spot (nothing is downloaded): a tokenizer is
-trained on the small English corpus embedded below, a 2-layer model with a
-fixed torch seed is instantiated from a hand-written config, and both are saved
-with ``save_pretrained`` so that, offline,
-
-    AutoConfig / AutoTokenizer / AutoModelForCausalLM.from_pretrained(dir)
-
-as well as the model type's own class (GPT2LMHeadModel, CTRLLMHeadModel, ...)
-load it.
+trained on the small English corpus embedded below (deterministic BPE learner,
+or sentencepiece for xlnet), a 2-layer / hidden-32 model is instantiated from a
+hand-written config with a fixed torch seed, and both are saved with
+``save_pretrained``.  Offline, ``AutoConfig``, ``AutoTokenizer`` and
+``AutoModelForCausalLM.from_pretrained(dir)`` load each checkpoint, and so does
+the type's own class (``MODEL_CLASS_NAMES``).  Builds are byte-for-byte
+reproducible.
 
 Public API::
 
     build_tiny_checkpoint(model_type, out_dir) -> out_dir
     build_all(root) -> {model_type: checkpoint_dir}
 
-Per-type notes (see ``CONTEXT_ATTR``): the context size is 128 tokens for every
-type that has one; xlnet (relative positions + mems) and bloom (ALiBi) have no
-maximum length at all.
+Per type (tokenizer class as loaded by AutoTokenizer; special tokens):
+
+    gpt2, gptj   GPT2Tokenizer (byte-level BPE); bos = eos = unk = <|endoftext|>, no pad
+    opt          GPT2Tokenizer; bos = eos = </s> (prepended, like OPT), pad <pad>, unk <unk>
+    qwen2        Qwen2Tokenizer; eos <|endoftext|>, bos <|im_start|> (not prepended), no pad
+    bloom        TokenizersBackend (byte-level BPE); <s> </s> <pad> <unk>, nothing prepended
+    llama        LlamaTokenizer (metaspace BPE + <0xNN> byte fallback); <s> prepended, </s>, no pad
+    mistral      same tokenizer as llama; AutoTokenizer loads it as TokenizersBackend
+    openai-gpt   OpenAIGPTTokenizer (lower-cased '</w>' BPE); eos <|endoftext|>, no bos/pad
+    ctrl         CTRLTokenizer ('@@' BPE, python); eos <|endoftext|>, no bos/pad; the
+                 control codes with id <= 63674 sit at their real ids (Links = 63674)
+    xlm          XLMTokenizer (moses + lower-cased '</w>' BPE); <s>=0 </s>=1 <pad>=2
+                 <unk>=3 <special1>=5 (mask); lang2id {"en": 0, "fr": 1}; its
+                 add_special_tokens wraps the text as <s> ... </s>
+    xlnet        XLNetTokenizer (sentencepiece unigram); xlnet-base ids (<unk>=0 <s>=1
+                 </s>=2 <cls>=3 <sep>=4 <pad>=5 <mask>=6); add_special_tokens
+                 appends <sep> <cls> at the END (encode prompts with add_special_tokens=False)
+
+Context size: 128 tokens, held by ``CONTEXT_ATTR[model_type]`` (also
+tokenizer.model_max_length); xlnet (relative positions + mems) and bloom
+(ALiBi) have no maximum length.  Generation settings chosen for tests:
+peaked logits (large init std), untied output embeddings (except xlnet/xlm),
+and special / unprintable tokens switched off in the LM head, so greedy
+generation always produces exactly ``max_new_tokens`` printable tokens.
 """
 
 from __future__ import annotations
@@ -59,6 +79,9 @@ CONTEXT_ATTR = {
     "qwen2": "max_position_embeddings",
 }
 
+# tokenizers that lower-case (decoded text is lower case, punctuation space-separated)
+LOWERCASE_TYPES = ("openai-gpt", "xlm")
+
 MAX_POSITIONS = 128
 HIDDEN = 32
 LAYERS = 2
@@ -66,7 +89,19 @@ HEADS = 4
 FFN = 64
 # Large initialisation so that logits are peaked: greedy decoding must not be
 # decided by float noise when comparing batched/unbatched or traced/eager runs.
+# Values picked per type so that greedy continuations are also varied (a
+# random model otherwise tends to repeat one token forever).
 INIT_STD = 0.3
+INIT_STD_BY_TYPE = {"xlnet": 1.0, "xlm": 0.1, "gptj": 0.5}
+# Input and output embeddings are untied (random tied embeddings make a model
+# just copy its last input token), except for xlnet/xlm whose LM heads have a
+# bias and which give varied outputs tied.
+TIED_TYPES = ("xlnet", "xlm")
+# Output rows of special tokens (eos, pad, bos, unk, ...) and of tokens that do
+# not decode to printable text are switched off (bias -1e4 or zero row), so
+# that greedy generation always yields exactly max_new_tokens tokens and the
+# decoded text is clean.  Pass suppress=False to keep them.
+SUPPRESS_SPECIAL = True
 SEED = 1234
 
 # CTRL control codes put at their real ids (CTRLTokenizer.control_codes), so
@@ -118,33 +153,46 @@ def _corpus_lines():
     return [line for line in CORPUS.splitlines() if line.strip()] + [" ".join(ALPHABET)]
 
 
-def _train_bpe(pre_tokenizer, *, vocab_size, special_tokens, suffix=None, normalizer=None,
-               initial_alphabet=None, unk_token=None):
-    """Train a tokenizers BPE model; return (vocab dict, merges list of pairs)."""
-    from tokenizers import Tokenizer, models, trainers
+def _learn_bpe(words, num_merges):
+    """Plain, deterministic BPE learner (ties broken by the pair's text).
 
-    model_kwargs = {"unk_token": unk_token} if unk_token else {}
-    trainer_kwargs = {}
-    if suffix:
-        model_kwargs["end_of_word_suffix"] = suffix
-        trainer_kwargs["end_of_word_suffix"] = suffix
-    tok = Tokenizer(models.BPE(**model_kwargs))
-    if normalizer is not None:
-        tok.normalizer = normalizer
-    tok.pre_tokenizer = pre_tokenizer
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=1,
-        special_tokens=list(special_tokens),
-        initial_alphabet=list(initial_alphabet or ALPHABET),
-        show_progress=False,
-        **trainer_kwargs,
-    )
-    tok.train_from_iterator(_corpus_lines(), trainer=trainer)
-    state = json.loads(tok.to_str())["model"]
-    vocab = dict(sorted(state["vocab"].items(), key=lambda kv: kv[1]))
-    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in state["merges"]]
-    return vocab, merges
+    ``words`` maps a word (tuple of initial symbols) to its count; returns the
+    list of merges (pairs of symbols) in rank order.
+    """
+    words = dict(words)
+    merges = []
+    for _ in range(num_merges):
+        pairs = {}
+        for word, count in words.items():
+            for pair in zip(word, word[1:]):
+                pairs[pair] = pairs.get(pair, 0) + count
+        if not pairs:
+            break
+        best = min(pairs, key=lambda p: (-pairs[p], p))
+        merges.append(best)
+        merged = {}
+        for word, count in words.items():
+            out, i = [], 0
+            while i < len(word):
+                if i < len(word) - 1 and (word[i], word[i + 1]) == best:
+                    out.append(word[i] + word[i + 1])
+                    i += 2
+                else:
+                    out.append(word[i])
+                    i += 1
+            merged[tuple(out)] = merged.get(tuple(out), 0) + count
+        words = merged
+    return merges
+
+
+def _count_words(split, to_symbols):
+    counts = {}
+    for line in _corpus_lines():
+        for piece in split(line):
+            if piece:
+                key = to_symbols(piece)
+                counts[key] = counts.get(key, 0) + 1
+    return counts
 
 
 def _add_tokens(vocab, tokens):
@@ -154,43 +202,54 @@ def _add_tokens(vocab, tokens):
     return vocab
 
 
+def _vocab_from(special_tokens, alphabet, merges):
+    vocab = {}
+    _add_tokens(vocab, special_tokens)
+    _add_tokens(vocab, alphabet)
+    _add_tokens(vocab, [a + b for a, b in merges])
+    return vocab
+
+
 def _suffix_bpe(*, lowercase, punct_split, vocab_size, special_tokens):
     """BPE with '</w>' end-of-word suffix (openai-gpt / xlm / ctrl style)."""
-    from tokenizers import normalizers, pre_tokenizers
+    import re
 
-    pre = pre_tokenizers.BertPreTokenizer() if punct_split else pre_tokenizers.WhitespaceSplit()
-    norm = normalizers.Lowercase() if lowercase else None
-    alphabet = sorted({c.lower() for c in ALPHABET}) if lowercase else ALPHABET
-    vocab, merges = _train_bpe(pre, vocab_size=vocab_size, special_tokens=special_tokens,
-                               suffix="</w>", normalizer=norm, initial_alphabet=alphabet,
-                               unk_token=special_tokens[0] if special_tokens else None)
-    # make sure every character exists both word-internally and word-finally
-    _add_tokens(vocab, [t for c in alphabet for t in (c, c + "</w>")])
-    return vocab, merges
+    alphabet = sorted({c.lower() for c in ALPHABET}) if lowercase else sorted(ALPHABET)
+    # every character exists both word-internally and word-finally
+    alphabet = [t for c in alphabet for t in (c, c + "</w>")]
+    pattern = re.compile(r"\w+|[^\w\s]" if punct_split else r"\S+")
+
+    def split(line):
+        return pattern.findall(line.lower() if lowercase else line)
+
+    def to_symbols(word):
+        return tuple(word[:-1]) + (word[-1] + "</w>",)
+
+    words = _count_words(split, to_symbols)
+    merges = _learn_bpe(words, vocab_size - len(special_tokens) - len(alphabet))
+    return _vocab_from(special_tokens, alphabet, merges), merges
 
 
 def _byte_level_bpe(vocab_size, special_tokens):
+    """GPT-2 style byte-level BPE (no prefix space)."""
     from tokenizers import pre_tokenizers
 
     pre = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    vocab, merges = _train_bpe(pre, vocab_size=vocab_size, special_tokens=special_tokens,
-                               initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    return vocab, merges
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    words = _count_words(lambda line: [p for p, _ in pre.pre_tokenize_str(line)], tuple)
+    merges = _learn_bpe(words, vocab_size - len(special_tokens) - len(alphabet))
+    return _vocab_from(special_tokens, alphabet, merges), merges
 
 
 def _metaspace_bpe(vocab_size, special_tokens):
-    """Llama/Mistral style: '▁' word prefix + <0xNN> byte-fallback tokens."""
+    """Llama/Mistral style: '\u2581' word prefix + <0xNN> byte-fallback tokens."""
     from tokenizers import pre_tokenizers
 
     pre = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=True)
-    alphabet = ALPHABET + ["\u2581"]
-    trained, merges = _train_bpe(pre, vocab_size=vocab_size, special_tokens=[],
-                                 initial_alphabet=alphabet)
-    vocab = {}
-    _add_tokens(vocab, special_tokens)
-    _add_tokens(vocab, [f"<0x{i:02X}>" for i in range(256)])
-    _add_tokens(vocab, trained)
-    return vocab, merges
+    alphabet = [f"<0x{i:02X}>" for i in range(256)] + sorted(ALPHABET + ["\u2581"])
+    words = _count_words(lambda line: [p for p, _ in pre.pre_tokenize_str(line)], tuple)
+    merges = _learn_bpe(words, vocab_size - len(special_tokens) - len(alphabet))
+    return _vocab_from(special_tokens, alphabet, merges), merges
 
 
 def _python_bpe_segment(word, ranks):
@@ -245,7 +304,6 @@ def _build_ctrl_tokenizer(tmp):
             next_id += 1
         vocab[tok] = next_id
         next_id += 1
-    assert next_id < min(codes.values()) or all(v not in vocab.values() for v in codes.values())
     vocab.update(codes)
     with open(os.path.join(tmp, "vocab.json"), "w", encoding="utf-8") as f:
         json.dump(vocab, f, ensure_ascii=False)
@@ -331,7 +389,7 @@ def build_tokenizer(model_type, tmp):
         tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>",
                                       bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     elif model_type in ("llama", "mistral"):
-        vocab, merges = _metaspace_bpe(600, ["<unk>", "<s>", "</s>"])
+        vocab, merges = _metaspace_bpe(700, ["<unk>", "<s>", "</s>"])
         tok = LlamaTokenizer(vocab=vocab, merges=merges, add_bos_token=True)
     elif model_type == "openai-gpt":
         vocab, merges = _suffix_bpe(lowercase=True, punct_split=True, vocab_size=600,
@@ -356,44 +414,51 @@ def _tid(tok, name):
 
 
 def build_config(model_type, tok, vocab_size):
+    config = _build_config(model_type, tok, vocab_size)
+    config.tie_word_embeddings = model_type in TIED_TYPES
+    return config
+
+
+def _build_config(model_type, tok, vocab_size):
     import transformers as T
 
+    std = INIT_STD_BY_TYPE.get(model_type, INIT_STD)
     bos, eos, pad = _tid(tok, "bos"), _tid(tok, "eos"), _tid(tok, "pad")
     common = dict(vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
     if model_type == "gpt2":
         return T.GPT2Config(n_positions=MAX_POSITIONS, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
-                            n_inner=FFN, initializer_range=INIT_STD, **common)
+                            n_inner=FFN, initializer_range=std, **common)
     if model_type == "ctrl":
         return T.CTRLConfig(n_positions=MAX_POSITIONS, n_embd=HIDDEN, dff=FFN, n_layer=LAYERS,
-                            n_head=HEADS, initializer_range=INIT_STD, **common)
+                            n_head=HEADS, initializer_range=std, **common)
     if model_type == "openai-gpt":
         return T.OpenAIGPTConfig(n_positions=MAX_POSITIONS, n_embd=HIDDEN, n_layer=LAYERS,
-                                 n_head=HEADS, initializer_range=INIT_STD, **common)
+                                 n_head=HEADS, initializer_range=std, **common)
     if model_type == "xlnet":
         return T.XLNetConfig(d_model=HIDDEN, n_layer=LAYERS, n_head=HEADS, d_inner=FFN,
-                             initializer_range=INIT_STD, mem_len=None, **common)
+                             initializer_range=std, mem_len=None, **common)
     if model_type == "xlm":
         return T.XLMConfig(emb_dim=HIDDEN, n_layers=LAYERS, n_heads=HEADS,
                            max_position_embeddings=MAX_POSITIONS, causal=True,
                            n_langs=2, use_lang_emb=True, lang_id=0,
                            lang2id={"en": 0, "fr": 1}, id2lang={0: "en", 1: "fr"},
-                           embed_init_std=INIT_STD, init_std=INIT_STD,
+                           embed_init_std=std, init_std=std,
                            unk_index=tok.unk_token_id, mask_index=tok.mask_token_id,
                            mask_token_id=tok.mask_token_id, **common)
     if model_type == "gptj":
         return T.GPTJConfig(n_positions=MAX_POSITIONS, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
-                            rotary_dim=HIDDEN // HEADS, n_inner=FFN, initializer_range=INIT_STD,
+                            rotary_dim=HIDDEN // HEADS, n_inner=FFN, initializer_range=std,
                             **common)
     if model_type == "bloom":
         return T.BloomConfig(hidden_size=HIDDEN, n_layer=LAYERS, n_head=HEADS,
-                             initializer_range=INIT_STD, **common)
+                             initializer_range=std, **common)
     if model_type == "opt":
         return T.OPTConfig(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                            ffn_dim=FFN, max_position_embeddings=MAX_POSITIONS, word_embed_proj_dim=HIDDEN,
-                           init_std=INIT_STD, dropout=0.0, **common)
+                           init_std=std, dropout=0.0, **common)
     llama_like = dict(hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
                       num_attention_heads=HEADS, num_key_value_heads=2,
-                      max_position_embeddings=MAX_POSITIONS, initializer_range=INIT_STD, **common)
+                      max_position_embeddings=MAX_POSITIONS, initializer_range=std, **common)
     if model_type == "llama":
         return T.LlamaConfig(**llama_like)
     if model_type == "mistral":
@@ -403,48 +468,81 @@ def build_config(model_type, tok, vocab_size):
     raise ValueError(f"unknown model type {model_type!r}; expected one of {MODEL_TYPES}")
 
 
-def _model_class(model_type):
-    import transformers as T
+# The model class run_generation.py's seed uses for each type (mistral/qwen2
+# are only reachable through AutoModelForCausalLM).
+MODEL_CLASS_NAMES = {
+    "gpt2": "GPT2LMHeadModel",
+    "ctrl": "CTRLLMHeadModel",
+    "openai-gpt": "OpenAIGPTLMHeadModel",
+    "xlnet": "XLNetLMHeadModel",
+    "xlm": "XLMWithLMHeadModel",
+    "gptj": "GPTJForCausalLM",
+    "bloom": "BloomForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "opt": "OPTForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
 
-    return {
-        "gpt2": T.GPT2LMHeadModel,
-        "ctrl": T.CTRLLMHeadModel,
-        "openai-gpt": T.OpenAIGPTLMHeadModel,
-        "xlnet": T.XLNetLMHeadModel,
-        "xlm": T.XLMWithLMHeadModel,
-        "gptj": T.GPTJForCausalLM,
-        "bloom": T.BloomForCausalLM,
-        "llama": T.LlamaForCausalLM,
-        "opt": T.OPTForCausalLM,
-        "mistral": T.MistralForCausalLM,
-        "qwen2": T.Qwen2ForCausalLM,
-    }[model_type]
+
+def model_class(model_type):
+    import transformers
+
+    return getattr(transformers, MODEL_CLASS_NAMES[model_type])
 
 
 # --------------------------------------------------------------------------- #
 # public API
 # --------------------------------------------------------------------------- #
-def build_tiny_checkpoint(model_type: str, out_dir: str) -> str:
+def _suppressed_ids(tok, vocab_size):
+    """Ids that should never be generated: special tokens, ids without a token,
+    and tokens whose text is not printable (partial UTF-8 bytes, newlines)."""
+    vocab_ids = set(tok.get_vocab().values())
+    bad = set(tok.all_special_ids) | (set(range(vocab_size)) - vocab_ids)
+    for i in sorted(vocab_ids):
+        text = tok.decode([i])
+        if not text.strip() or "\ufffd" in text or not text.isprintable():
+            bad.add(i)
+    return sorted(i for i in bad if 0 <= i < vocab_size)
+
+
+def build_tiny_checkpoint(model_type: str, out_dir: str, suppress: bool = SUPPRESS_SPECIAL) -> str:
     """Build a tiny random checkpoint of ``model_type`` into ``out_dir``; return ``out_dir``."""
+    from transformers.utils import logging as hf_logging
+
     if model_type not in MODEL_TYPES:
         raise ValueError(f"unknown model type {model_type!r}; expected one of {MODEL_TYPES}")
     os.makedirs(out_dir, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         tok, vocab_size = build_tokenizer(model_type, tmp)
+    if CONTEXT_ATTR[model_type] is not None:
+        tok.model_max_length = MAX_POSITIONS
     config = build_config(model_type, tok, vocab_size)
 
-    torch.manual_seed(SEED)
-    model = _model_class(model_type)(config)
+    torch.manual_seed(SEED + MODEL_TYPES.index(model_type))
+    model = model_class(model_type)(config)
     model.eval()
-    if model_type == "ctrl":
-        # ids between the dense vocab and the control codes have no token: keep
-        # them from ever being predicted.
-        used = torch.zeros(vocab_size, dtype=torch.bool)
-        used[list(tok.get_vocab().values())] = True
-        with torch.no_grad():
-            model.lm_head.bias[~used] = -1e4
-    model.save_pretrained(out_dir)
-    tok.save_pretrained(out_dir)
+    head = model.get_output_embeddings()
+    with torch.no_grad():
+        if suppress:
+            ids = _suppressed_ids(tok, vocab_size)
+        else:  # ids without any token (ctrl) are always switched off
+            ids = sorted(set(range(vocab_size)) - set(tok.get_vocab().values()))
+        if ids:
+            if getattr(head, "bias", None) is not None:
+                head.bias[ids] = -1e4
+            else:
+                assert not config.tie_word_embeddings
+                head.weight[ids] = 0.0
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(out_dir)
+        tok.save_pretrained(out_dir)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     return out_dir
 
 

@@ -1,0 +1,84 @@
+"""Throughput of prompts piped through stdin, one batch size against others, in one run.
+
+    python benchmarks/batch_throughput.py                   # default model, 32 prompts, sizes 1 and 8
+    python benchmarks/batch_throughput.py --sizes 1 4 8 16 32 --processes 1 2
+
+Each size runs the real CLI on the same 32 prompts (greedy, jsonl). Tokens/s counts the tokens the
+model generated (jsonl's num_generated_tokens) over the generation time the tool reports on stderr,
+so model loading is left out. Runs alternate between sizes and the median of --repeats is kept.
+"""
+
+import argparse
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "run_generation.py")
+
+# 32 prompts of mixed lengths, as a real prompt file has.
+SUBJECTS = ["The capital of France", "A good breakfast", "The history of the bicycle", "Python decorators",
+            "The water cycle", "My favourite book", "Photosynthesis", "The moon landing"]
+FORMS = ["{} is", "Write one sentence about {}:", "Here is a short story about {}. Once upon a time,",
+         "Explain to a child what {} means, in simple words, step by step:"]
+PROMPTS = [form.format(subject) for subject in SUBJECTS for form in FORMS]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(batch_size, processes, length, extra):
+    command = [sys.executable, SCRIPT]
+    if processes > 1:
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
+                   str(processes), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                   "--main_process_port", str(free_port()), SCRIPT]
+    command += ["--temperature", "0", "--length", str(length), "--output_format", "jsonl",
+                "--batch_size", str(batch_size), *extra]
+    result = subprocess.run(command, input="\n".join(PROMPTS).encode(), capture_output=True,
+                            env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    if result.returncode != 0:
+        sys.exit(result.stderr.decode()[-2000:])
+    tokens = sum(json.loads(line)["num_generated_tokens"] for line in result.stdout.decode().splitlines())
+    seconds = float(re.search(r"Generated \d+ tokens in ([\d.]+) s", result.stderr.decode()).group(1))
+    return tokens, seconds
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--processes", type=int, nargs="+", default=[1])
+    parser.add_argument("--length", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("extra", nargs="*", help="more run_generation.py flags, after --")
+    args = parser.parse_args()
+
+    configs = [(size, processes) for processes in args.processes for size in args.sizes]
+    samples = {config: [] for config in configs}
+    for _ in range(args.repeats):
+        for config in configs:
+            samples[config].append(run(*config, args.length, args.extra))
+            print(f"  batch {config[0]}, {config[1]} process(es): {samples[config][-1]}", file=sys.stderr)
+
+    base = None
+    print(f"{len(PROMPTS)} prompts, --length {args.length}, greedy, median of {args.repeats}\n")
+    print("| processes | batch size | tokens | generation s | tokens/s | vs batch 1, 1 process |")
+    print("|---|---|---|---|---|---|")
+    for config in configs:
+        tokens = samples[config][0][0]
+        seconds = statistics.median(s for _, s in samples[config])
+        rate = tokens / seconds
+        base = base or (rate if config == (1, 1) else None)
+        ratio = f"{rate / base:.2f}x" if base else "-"
+        print(f"| {config[1]} | {config[0]} | {tokens} | {seconds:.2f} | {rate:.1f} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""Scale-out through accelerate: several processes on one prompt file, and models placed over devices."""
+
+import collections
+import socket
+import subprocess
+import sys
+
+import run_generation
+from helpers import SCRIPT, blocks, cli_env, jsonl, run_cli, tiny_args
+
+PROMPTS = "\n".join(["Hello, my dog is cute", "The capital of France is", "A", "Once upon a time", "Water boils"])
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(num_processes, args, stdin):
+    # --multi_gpu selects accelerate's torchrun launcher; on a machine without GPUs the tool then
+    # asks PartialState for CPU and the processes form a gloo group.
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
+               str(num_processes), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               "--main_process_port", str(free_port()), SCRIPT, *args]
+    return subprocess.run(command, input=stdin.encode(), capture_output=True, env=cli_env(), timeout=600)
+
+
+def test_two_cpu_processes_give_the_single_process_output(tiny_models):
+    for output_format in ("jsonl", "text"):
+        args = tiny_args(tiny_models, "llama", "--temperature", "0", "--length", "8", "--batch_size", "2",
+                         "--output_format", output_format)
+        single = run_cli(args, stdin=PROMPTS)
+        double = launch(2, args, PROMPTS)
+        assert single.returncode == double.returncode == 0, double.stderr.decode()[-3000:]
+        assert "processes: 2" in double.stderr.decode()
+        assert double.stdout == single.stdout  # main process alone writes, in input order
+    assert [r["prompt_index"] for r in jsonl(run_cli(args[:-1] + ["jsonl"], stdin=PROMPTS).stdout)] == [0, 1, 2, 3, 4]
+
+
+def test_two_processes_with_more_prompts_than_rounds_and_errors(tiny_models):
+    stdin = PROMPTS + "\n" + "dog " * 300 + "\n" + PROMPTS  # 11 prompts, one too long, uneven shares
+    args = tiny_args(tiny_models, "gpt2", "--temperature", "0", "--length", "5", "--output_format", "jsonl")
+    single, double = run_cli(args, stdin=stdin), launch(2, args, stdin)
+    assert single.returncode == 1 and double.returncode != 0
+    assert jsonl(double.stdout) == jsonl(single.stdout)
+    assert "error" in jsonl(double.stdout)[5]
+
+
+def test_device_map_auto_offloads_and_keeps_the_greedy_text(tiny_models, capsys):
+    base = tiny_args(tiny_models, "llama", "--temperature", "0", "--length", "10", "--prompt", "Hello, my dog")
+    placed = base + ["--device_map", "auto", "--max_memory", "cpu=20KB"]
+    args = run_generation.parse_args(placed)
+    model, _ = run_generation.load_model_and_tokenizer(args, run_generation.PartialState(cpu=True))
+    placement = collections.Counter(model.hf_device_map.values())
+    assert placement["disk"] > 0, placement  # the cap really forced layers out of memory
+    assert run_generation.main(placed) == run_generation.main(base)
+
+
+def test_max_memory_needs_device_map():
+    result = run_cli(["--max_memory", "cpu=1GB", "--prompt", "x"])
+    assert result.returncode == 2 and "--max_memory needs --device_map" in result.stderr.decode()
+
+
+def test_text_blocks_from_two_processes_are_numbered_by_prompt(tiny_models):
+    args = tiny_args(tiny_models, "gpt2", "--temperature", "0", "--length", "4")
+    out = blocks(launch(2, args, PROMPTS).stdout)
+    assert list(out) == [f"=== PROMPT {i}, GENERATED SEQUENCE 1 ===" for i in range(1, 6)]
