@@ -153,7 +153,7 @@ def parse_args(argv=None):
     parser.add_argument("--whole_stdin", action="store_true", help="Read all of stdin as one prompt.")
     parser.add_argument("--input_format", choices=["text", "jsonl"], default="text")
     parser.add_argument("--output_format", choices=["text", "jsonl"], default="text")
-    parser.add_argument("--batch_size", type=int, default=8, help="Prompts generated together.")
+    parser.add_argument("--batch_size", type=int, default=16, help="Prompts generated together (see README: Speed).")
     parser.add_argument(
         "--stream",
         action=argparse.BooleanOptionalAction,
@@ -357,7 +357,7 @@ def prepare_xlm_input(args, model, tokenizer, prompt_text):
         available_languages = list(model.config.lang2id)
         language = args.xlm_language
         if language not in available_languages:
-            if language or not sys.stdin.isatty():
+            if language or sys.stdin is None or not sys.stdin.isatty():
                 fail(f"--xlm_language must be one of {available_languages}")
             while language not in available_languages:
                 language = input(f"Using XLM. Select language in {available_languages} >>> ")
@@ -402,7 +402,9 @@ def read_prompts(args):
     """Prompt records: {"prompt": str, "extra": dict} or {"error": str}, in input order."""
     if args.prompt is not None:
         return [{"prompt": args.prompt, "extra": {}}]
-    if sys.stdin is None or sys.stdin.isatty():
+    if sys.stdin is None:
+        fail("no prompt: pass --prompt, or pipe prompts through stdin")
+    if sys.stdin.isatty():
         return [{"prompt": input("Model prompt >>> "), "extra": {}}]
     data = sys.stdin.buffer.read()
     if args.whole_stdin:

@@ -153,3 +153,12 @@ def test_ctrl_c_keeps_what_was_generated(tiny_models):
     assert b"Traceback" not in stderr
     assert 1 <= len(records) < 400  # every line written is complete JSON
     assert [r["prompt_index"] for r in records] == list(range(len(records)))
+
+
+def test_streaming_prints_the_same_text_as_the_blocks(tiny_models):
+    base = tiny_args(tiny_models, "gpt2", "--prompt", PROMPTS[0], "--temperature", "0", "--length", "12")
+    streamed, plain = run_cli(base + ["--stream"]), run_cli(base + ["--no-stream"])
+    assert streamed.returncode == plain.returncode == 0, streamed.stderr.decode()
+    assert streamed.stdout == plain.stdout
+    stop = blocks(plain.stdout)["=== GENERATED SEQUENCE 1 ==="][len(PROMPTS[0]):].strip()[4]
+    assert run_cli(base + ["--stream", "--stop_token", stop]).stdout == run_cli(base + ["--stop_token", stop]).stdout
