@@ -153,6 +153,19 @@ def _corpus_lines():
     return [line for line in CORPUS.splitlines() if line.strip()] + [" ".join(ALPHABET)]
 
 
+def _merge_pair(word, pair):
+    """The word (a tuple of symbols) with every occurrence of `pair` merged into one symbol."""
+    out, i = [], 0
+    while i < len(word):
+        if i < len(word) - 1 and (word[i], word[i + 1]) == pair:
+            out.append(word[i] + word[i + 1])
+            i += 2
+        else:
+            out.append(word[i])
+            i += 1
+    return tuple(out)
+
+
 def _learn_bpe(words, num_merges):
     """Plain, deterministic BPE learner (ties broken by the pair's text).
 
@@ -172,15 +185,8 @@ def _learn_bpe(words, num_merges):
         merges.append(best)
         merged = {}
         for word, count in words.items():
-            out, i = [], 0
-            while i < len(word):
-                if i < len(word) - 1 and (word[i], word[i + 1]) == best:
-                    out.append(word[i] + word[i + 1])
-                    i += 2
-                else:
-                    out.append(word[i])
-                    i += 1
-            merged[tuple(out)] = merged.get(tuple(out), 0) + count
+            out = _merge_pair(word, best)
+            merged[out] = merged.get(out, 0) + count
         words = merged
     return merges
 
@@ -260,15 +266,7 @@ def _python_bpe_segment(word, ranks):
         best = min(pairs, key=lambda p: ranks.get(p, float("inf")))
         if best not in ranks:
             break
-        out, i = [], 0
-        while i < len(word):
-            if i < len(word) - 1 and (word[i], word[i + 1]) == best:
-                out.append(word[i] + word[i + 1])
-                i += 2
-            else:
-                out.append(word[i])
-                i += 1
-        word = tuple(out)
+        word = _merge_pair(word, best)
     return word
 
 
