@@ -464,8 +464,8 @@ def encode_prompt(args, model, tokenizer, prompt_text, context):
 
 # Keyword arguments of a decode step the traced graph knows how to serve (anything else -> eager).
 JIT_SERVED_KWARGS = {"input_ids", "attention_mask", "position_ids", "past_key_values", "use_cache",
-                  "logits_to_keep", "return_dict", "token_type_ids", "output_attentions",
-                  "output_hidden_states"}
+                     "logits_to_keep", "return_dict", "token_type_ids", "output_attentions",
+                     "output_hidden_states"}
 
 
 def sparse_model_config(config):
