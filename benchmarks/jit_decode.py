@@ -21,7 +21,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList  # noqa: E402
 
-import run_generation  # noqa: E402
+from rungen.jit import enable_jit  # noqa: E402
+from rungen.loading import default_model_dir  # noqa: E402
 
 PROMPT = "Once upon a time, in a small village by the sea,"
 README_MARKERS = "<!-- jit_decode {} threads:begin -->", "<!-- jit_decode {} threads:end -->"
@@ -90,14 +91,14 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    args.model = args.model or run_generation.default_model_dir()
+    args.model = args.model or default_model_dir()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model).eval()
     enc = tokenizer([PROMPT], return_tensors="pt")
 
     modes = [Mode("eager")]
     setup = {"eager": 0.0}
-    setup["jit"] = run_generation.enable_jit(model, tokenizer)
+    setup["jit"] = enable_jit(model, tokenizer)
     modes.append(Mode("jit", model.__dict__.pop("forward")))
     if args.compile:
         modes.append(Mode("compile", None, compile_kwargs()))

@@ -5,8 +5,12 @@ import socket
 import subprocess
 import sys
 
+import torch
+
 import run_generation
 from helpers import SCRIPT, blocks, cli_env, jsonl, run_cli, tiny_args
+from rungen.arguments import parse_args
+from rungen.loading import load
 
 PROMPTS = "\n".join(["Hello, my dog is cute", "The capital of France is", "A", "Once upon a time", "Water boils"])
 
@@ -50,9 +54,8 @@ def test_two_processes_with_more_prompts_than_rounds_and_errors(tiny_models):
 def test_device_map_auto_offloads_and_keeps_the_greedy_text(tiny_models, capsys):
     base = tiny_args(tiny_models, "llama", "--temperature", "0", "--length", "10", "--prompt", "Hello, my dog")
     placed = base + ["--device_map", "auto", "--max_memory", "cpu=20KB"]
-    args = run_generation.parse_args(placed)
-    model, _ = run_generation.load_model_and_tokenizer(args, run_generation.PartialState(cpu=True))
-    placement = collections.Counter(model.hf_device_map.values())
+    loaded = load(parse_args(placed), torch.device("cpu"))
+    placement = collections.Counter(loaded.model.hf_device_map.values())
     assert placement["disk"] > 0, placement  # the cap really forced layers out of memory
     assert run_generation.main(placed) == run_generation.main(base)
 

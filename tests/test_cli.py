@@ -7,7 +7,11 @@ import pytest
 import torch
 
 import run_generation
+import rungen.loading
 from helpers import SEED_TYPES, blocks, error_line, run_cli, tiny_args
+from rungen.arguments import parse_args
+from rungen.generation import MAX_LENGTH, adjust_length_to_model
+from rungen.loading import load
 
 PROMPT = "Hello, my dog is cute"
 
@@ -107,36 +111,26 @@ def test_xlm_language_is_required_without_a_terminal(tiny_models):
 
 
 def test_length_is_clamped_to_the_context(tiny_models, capsys):
-    assert run_generation.adjust_length_to_model(-1, 128) == 128
-    assert run_generation.adjust_length_to_model(500, 128) == 128
-    assert run_generation.adjust_length_to_model(-1, 0) == run_generation.MAX_LENGTH
+    assert adjust_length_to_model(-1, 128) == 128
+    assert adjust_length_to_model(500, 128) == 128
+    assert adjust_length_to_model(-1, 0) == MAX_LENGTH
     # gpt2's learned positions end at 128: a run past them would index out of range.
     text = run_generation.main(tiny_args(tiny_models, "gpt2", "--prompt", PROMPT, "--length", "500"))[0]
     assert len(text) > len(PROMPT)
 
 
 def test_half_precision_falls_back_to_float32_on_slow_cpus(tiny_models, monkeypatch, caplog, capsys):
-    monkeypatch.setattr(run_generation, "cpu_has_fast", lambda dtype: False)
-    loaded = {}
-    original = run_generation.load_model_and_tokenizer
-
-    def spy(args, state):
-        loaded["model"], tokenizer = original(args, state)
-        return loaded["model"], tokenizer
-
-    monkeypatch.setattr(run_generation, "load_model_and_tokenizer", spy)
+    monkeypatch.setattr(rungen.loading, "cpu_has_fast", lambda dtype: False)
     with caplog.at_level(logging.WARNING, logger="run_generation"):
-        run_generation.main(tiny_args(tiny_models, "llama", "--prompt", PROMPT, "--fp16", "--length", "3"))
-    assert loaded["model"].dtype == torch.float32
+        loaded = load(parse_args(tiny_args(tiny_models, "llama", "--fp16")), torch.device("cpu"))
+    assert loaded.model.dtype == torch.float32
     assert "keeping float32" in caplog.text
 
 
 def test_dtype_bfloat16_where_the_cpu_is_fast(tiny_models, monkeypatch, capsys):
-    monkeypatch.setattr(run_generation, "cpu_has_fast", lambda dtype: True)
-    args = run_generation.parse_args(tiny_args(tiny_models, "llama", "--dtype", "bfloat16"))
-    state = run_generation.PartialState(cpu=True)
-    model, _ = run_generation.load_model_and_tokenizer(args, state)
-    assert model.dtype == torch.bfloat16
+    monkeypatch.setattr(rungen.loading, "cpu_has_fast", lambda dtype: True)
+    loaded = load(parse_args(tiny_args(tiny_models, "llama", "--dtype", "bfloat16")), torch.device("cpu"))
+    assert loaded.model.dtype == torch.bfloat16
 
 
 def test_chat_needs_a_template(tiny_models):

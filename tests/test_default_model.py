@@ -10,7 +10,8 @@ def test_first_run_builds_the_cache_and_later_runs_reuse_it(default_model):
     cache_home, first = default_model
     assert first.returncode == 0, first.stderr.decode()
     assert "Converting the default model from GGUF" in first.stderr.decode()
-    assert os.path.isfile(os.path.join(cache_home, "run_generation", os.listdir(os.path.join(cache_home, "run_generation"))[0], "config.json"))
+    cached = os.path.join(cache_home, "run_generation")
+    assert os.path.isfile(os.path.join(cached, os.listdir(cached)[0], "config.json"))
     second = run_cli(["--prompt", "Hi", "--length", "2"], cache_home=cache_home)
     assert second.returncode == 0
     assert "Converting" not in second.stderr.decode()
@@ -18,7 +19,8 @@ def test_first_run_builds_the_cache_and_later_runs_reuse_it(default_model):
 
 def test_default_model_knows_the_capital_of_france(default_model):
     cache_home, _ = default_model
-    result = run_cli(["--prompt", "The capital of France is", "--temperature", "0", "--length", "8"], cache_home=cache_home)
+    args = ["--prompt", "The capital of France is", "--temperature", "0", "--length", "8"]
+    result = run_cli(args, cache_home=cache_home)
     assert result.returncode == 0, result.stderr.decode()
     text = blocks(result.stdout)["=== GENERATED SEQUENCE 1 ==="]
     assert text.startswith("The capital of France is")

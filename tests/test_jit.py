@@ -6,6 +6,7 @@ import sys
 import pytest
 
 import run_generation
+import rungen.jit
 from helpers import jsonl, run_cli, tiny_args
 
 JIT_TYPES = ["gpt2", "llama", "opt", "bloom", "gptj"]
@@ -21,14 +22,14 @@ def generate(monkeypatch, args, jit):
     """main() on PROMPTS through stdin; returns (sequences, decode steps the graph served or None)."""
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(PROMPTS.encode())))
     served = {}
-    original = run_generation.enable_jit
+    original = rungen.jit.enable_jit
 
     def spy(model, tokenizer):
         seconds = original(model, tokenizer)
         served["forward"] = model.forward
         return seconds
 
-    monkeypatch.setattr(run_generation, "enable_jit", spy)
+    monkeypatch.setattr(rungen.jit, "enable_jit", spy)
     sequences = run_generation.main(args + (["--jit"] if jit else []))
     return sequences, getattr(served.get("forward"), "graph_steps", None)
 

@@ -79,21 +79,6 @@ def test_finish_reasons(tiny_models):
     assert stopped["num_generated_tokens"] < 15  # generation stopped early, not only the text
 
 
-def test_eos_finish_reason(tiny_models, monkeypatch, capsys):
-    import run_generation
-
-    args = run_generation.parse_args(tiny_args(tiny_models, "gpt2", "--temperature", "0"))
-    model, tokenizer = run_generation.load_model_and_tokenizer(args, run_generation.PartialState(cpu=True))
-    args.context = 128
-    prompt_ids = tokenizer.encode("Hello")
-    eos_ids = {tokenizer.eos_token_id}
-    new = tokenizer.encode(" dog cat") + [tokenizer.eos_token_id, tokenizer.eos_token_id]
-    described = run_generation.describe_sequence(args, tokenizer, {"prompt": "Hello"}, prompt_ids, new, eos_ids)
-    assert described["finish_reason"] == "eos"
-    assert described["num_generated_tokens"] == len(new) - 1
-    assert described["generated_text"] == " dog cat"
-
-
 def test_a_failing_prompt_among_good_ones(tiny_models):
     stdin = b"\n".join([PROMPTS[0].encode(), b"dog " * 300, b"caf\xe9 au lait", PROMPTS[1].encode()])
     for output_format in ("jsonl", "text"):
@@ -114,7 +99,8 @@ def test_a_failing_prompt_among_good_ones(tiny_models):
 
 def test_invalid_json_line_is_an_error_record(tiny_models):
     stdin = '{"prompt": "Hello"}\n{"prompt": \n["not an object"]\n{"prompt": "Bye"}\n'
-    result = run_cli(tiny_args(tiny_models, "gpt2", "--input_format", "jsonl", "--output_format", "jsonl"), stdin=stdin)
+    args = tiny_args(tiny_models, "gpt2", "--input_format", "jsonl", "--output_format", "jsonl")
+    result = run_cli(args, stdin=stdin)
     assert result.returncode == 1
     records = jsonl(result.stdout)
     assert ["error" in r for r in records] == [False, True, True, False]

@@ -1,0 +1,102 @@
+"""Every flag, its default and its validation. Values come out checked and normalised, so later
+stages never re-interpret them (--fp16 is --dtype float16, --padding_text is --prefix)."""
+
+import argparse
+
+from . import PROG, fail, logger
+from .loading import DTYPES, MODEL_CLASSES, check_model_type
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog=PROG, description="Conditional text generation with causal language models.")
+    parser.add_argument(
+        "--model_type",
+        default=None,
+        help="Model type: " + ", ".join(MODEL_CLASSES) + ", or any causal LM type. Default: from config.json.",
+    )
+    parser.add_argument(
+        "--model_name_or_path",
+        default=None,
+        help="Local directory, hub id, or .gguf file. Default: the embedded SmolLM2-135M-Instruct.",
+    )
+    parser.add_argument("--prompt", default=None, help="Default: lines of stdin, or ask interactively.")
+    parser.add_argument("--length", type=int, default=20, help="Number of new tokens.")
+    parser.add_argument("--stop_token", default=None, help="Token at which text generation is stopped")
+    parser.add_argument(
+        "--temperature", type=float, default=1.0, help="1.0 has no effect, lower tends toward greedy; 0 is greedy"
+    )
+    parser.add_argument(
+        "--repetition_penalty", type=float, default=1.0, help="primarily useful for CTRL model; in that case, use 1.2"
+    )
+    parser.add_argument("--k", type=int, default=0, help="top-k sampling (0: off)")
+    parser.add_argument("--p", type=float, default=0.9, help="top-p (nucleus) sampling")
+    parser.add_argument("--num_beams", type=int, default=1, help="beam search with this many beams")
+    parser.add_argument("--prefix", default="", help="Text added prior to input.")
+    parser.add_argument("--padding_text", default="", help="Deprecated, the use of `--prefix` is preferred.")
+    parser.add_argument("--xlm_language", default="", help="Optional language when used with the XLM model.")
+    parser.add_argument("--chat", action="store_true", help="Wrap each prompt in the tokenizer's chat template.")
+    parser.add_argument("--seed", type=int, default=42, help="random seed for initialization")
+    parser.add_argument("--use_cpu", action="store_true", help="Use the CPU even when an accelerator is available.")
+    parser.add_argument("--num_return_sequences", type=int, default=1, help="The number of samples to generate.")
+    parser.add_argument("--fp16", action="store_true", help="Shorthand for --dtype float16.")
+    parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="auto: the checkpoint's dtype")
+    parser.add_argument("--jit", action="store_true", help="Trace the decoding step with torch.jit.")
+    # Models larger than one device: accelerate's big-model loading.
+    parser.add_argument("--device_map", default=None, help='e.g. "auto": spread the model over GPUs, CPU and disk.')
+    parser.add_argument(
+        "--max_memory", nargs="+", default=None, metavar="DEVICE=SIZE",
+        help="with --device_map, e.g. 0=10GiB cpu=30GiB",
+    )
+    # Batches of prompts from stdin, and machine-readable output.
+    parser.add_argument("--whole_stdin", action="store_true", help="Read all of stdin as one prompt.")
+    parser.add_argument("--input_format", choices=["text", "jsonl"], default="text")
+    parser.add_argument("--output_format", choices=["text", "jsonl"], default="text")
+    parser.add_argument("--batch_size", type=int, default=16, help="Prompts generated together (see README: Speed).")
+    parser.add_argument(
+        "--stream",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Print tokens as they come (one prompt, one sequence). Default: on when stdout is a terminal.",
+    )
+    return parser
+
+
+def parse_args(argv=None):
+    args = build_parser().parse_args(argv)
+    if args.model_type:
+        args.model_type = check_model_type(args.model_type)
+    if args.fp16:
+        args.dtype = "float16"
+    if args.padding_text:
+        if not args.prefix:
+            args.prefix = args.padding_text
+        logger.warning("--padding_text is deprecated; use --prefix")
+    check_sampling(args)
+    if args.batch_size < 1:
+        fail(f"--batch_size must be >= 1, got {args.batch_size}")
+    if args.max_memory:
+        if not args.device_map:
+            fail("--max_memory needs --device_map")
+        if not all("=" in item for item in args.max_memory):
+            fail("--max_memory takes DEVICE=SIZE items, e.g. 0=10GiB cpu=30GiB")
+        pairs = (item.split("=", 1) for item in args.max_memory)
+        args.max_memory = {int(key) if key.isdigit() else key: size for key, size in pairs}
+    return args
+
+
+def check_sampling(settings):
+    """One-line errors for generation settings out of range (flags, or a session's /set)."""
+    if settings.k < 0:
+        fail(f"--k must be >= 0, got {settings.k}")
+    if not 0 < settings.p <= 1:
+        fail(f"--p must be in (0, 1], got {settings.p}")
+    if settings.temperature < 0:
+        fail(f"--temperature must be >= 0, got {settings.temperature}")
+    if settings.num_return_sequences < 1:
+        fail(f"--num_return_sequences must be >= 1, got {settings.num_return_sequences}")
+    if settings.repetition_penalty <= 0:
+        fail(f"--repetition_penalty must be > 0, got {settings.repetition_penalty}")
+    if settings.num_beams < 1:
+        fail(f"--num_beams must be >= 1, got {settings.num_beams}")
+    if settings.num_beams > 1 and settings.num_return_sequences > settings.num_beams:
+        fail("--num_return_sequences cannot exceed --num_beams in beam search")

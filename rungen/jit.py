@@ -1,0 +1,272 @@
+"""--jit: one decode step traced with torch.jit, frozen, and run on TorchScript's Static Runtime.
+
+Imported only when --jit is given. On transformers 5 the KV cache is a Cache object and outputs are
+ModelOutputs, which a traced graph cannot carry: the traced function takes and returns plain tensors,
+rebuilds the cache inside over preallocated per-layer buffers, and the model's forward is replaced by a
+dispatcher that sends plain decode steps to the graph and everything else to the eager model.
+
+Private APIs this relies on (checked against torch 2.13.0 and transformers 5.23.0; when one changes,
+tracing fails or the shape check refuses the graph, and the run goes on eagerly with one warning):
+- torch._C._jit_to_static_module (Static Runtime)
+- transformers.masking_utils._ignore_causal_mask_sdpa (patched while tracing the unpadded graph)
+- transformers.cache_utils.DynamicLayer internals: keys, values, is_initialized, dtype, device, and
+  DynamicCache.layer_class_to_replicate / .layers
+"""
+
+import contextlib
+import functools
+import inspect
+import time
+import warnings
+
+import torch
+from transformers import DynamicCache, masking_utils
+from transformers.cache_utils import DynamicLayer
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from . import logger
+
+# Keyword arguments of a decode step the traced graph knows how to serve (anything else -> eager).
+JIT_SERVED_KWARGS = {"input_ids", "attention_mask", "position_ids", "past_key_values", "use_cache",
+                     "logits_to_keep", "return_dict", "token_type_ids", "output_attentions",
+                     "output_hidden_states"}
+
+
+def sparse_model_config(config):
+    """(num_layers, num_kv_heads, head_dim). config.attribute_map answers the standard names for
+    every spelling (GPT-2's n_layer/n_head/n_embd, ...)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads  # GQA (llama/SmolLM2)
+    return config.num_hidden_layers, kv_heads, head_dim
+
+
+def generate_past_key_values(model, batch_size, seq_len):
+    """Dummy past as flat (k0, v0, k1, v1, ...), all [batch, kv_heads, seq, head_dim] in 5.x."""
+    layers, kv_heads, head_dim = sparse_model_config(model.config)
+    shape = (batch_size, kv_heads, seq_len, head_dim)
+    return tuple(torch.randn(shape, dtype=model.dtype, device=model.device) for _ in range(2 * layers))
+
+
+def prepare_jit_inputs(model, tokenizer, batch_size=2, past_len=3):
+    """Dummy inputs of one decode step, prepared as the seed does: tokenized text, a dummy past and
+    an attention mask with a leading 0 column. The 0 keeps the padding path alive in the trace:
+    with an all-ones mask transformers may skip the mask, and the trace would bake that in."""
+    ids = tokenizer(["enable jit"] * batch_size, return_tensors="pt")["input_ids"][:, -1:]
+    mask = torch.ones(batch_size, past_len + 1, dtype=torch.long)
+    mask[:, 0] = 0
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)[:, -1:]
+    past = generate_past_key_values(model, batch_size, past_len + 5)  # buffers with spare room
+    return ids.to(model.device), mask.to(model.device), position_ids.to(model.device), past
+
+
+class _BufferLayer(DynamicLayer):
+    """A cache layer over preallocated [batch, heads, capacity, head_dim] buffers: a decode step
+    writes its key/value in place at `past_len` instead of concatenating the whole cache anew
+    (DynamicLayer.update copies all past keys/values every step)."""
+
+    def __init__(self, key_buffer, value_buffer, past_len):
+        super().__init__()
+        self.key_buffer, self.value_buffer, self.past_len = key_buffer, value_buffer, past_len
+        self.dtype, self.device, self.is_initialized = key_buffer.dtype, key_buffer.device, True
+        self.keys, self.values = key_buffer.narrow(2, 0, past_len), value_buffer.narrow(2, 0, past_len)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        new = key_states.shape[-2]
+        self.key_buffer.narrow(2, self.past_len, new).copy_(key_states)
+        self.value_buffer.narrow(2, self.past_len, new).copy_(value_states)
+        end = self.past_len + new
+        self.keys, self.values = self.key_buffer.narrow(2, 0, end), self.value_buffer.narrow(2, 0, end)
+        return self.keys, self.values
+
+
+def _cache_over_buffers(buffers, past_len):
+    """Rebuild, inside the traced function, a DynamicCache whose layers live in `buffers`."""
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = None
+    cache.layers = [_BufferLayer(k, v, past_len) for k, v in zip(buffers[0::2], buffers[1::2])]
+    return cache
+
+
+class _DecodeStep(torch.nn.Module):
+    """One decoding step with the KV cache as plain tensors in and out: in, the key/value buffers;
+    out, the logits and the grown keys/values (views of the buffers). The past length is read
+    from the attention mask's width. Without padding, generate passes no mask at all and the
+    model skips the mask in attention, which rounds differently from an all-ones mask: so there
+    are two graphs, `padded` (mask passed on) and unpadded (mask only read for its width)."""
+
+    def __init__(self, model, forward, with_position_ids, padded):
+        super().__init__()
+        self.model = model
+        self._forward = forward  # the eager forward (the instance's `forward` gets replaced)
+        self.with_position_ids, self.padded = with_position_ids, padded
+
+    def forward(self, input_ids, attention_mask, position_ids, *buffers):
+        cache = _cache_over_buffers(buffers, attention_mask.shape[-1] - 1)
+        kwargs = {"position_ids": position_ids} if self.with_position_ids else {}
+        out = self._forward(input_ids=input_ids, attention_mask=attention_mask if self.padded else None,
+                            past_key_values=cache, use_cache=True, return_dict=True, **kwargs)
+        return (out.logits,) + tuple(t for layer in cache.layers for t in (layer.keys, layer.values))
+
+
+def _kv_buffers(cache, needed):
+    """Flat buffers of generate's cache, with room for `needed` positions. Each layer's keys/values
+    stay a prefix view of its buffer from step to step; when something replaced them (beam
+    reordering, the prompt's pass, num_return_sequences expansion) or the buffer is full, they
+    are copied into a new, larger buffer."""
+    buffers = []
+    for layer in cache.layers:
+        for name in ("keys", "values"):
+            tensor, buffer = getattr(layer, name), layer.__dict__.get("_jit_" + name)
+            if buffer is None or buffer.shape[2] < needed or not _is_prefix_view(tensor, buffer):
+                size = tensor.shape[:2] + (2 * needed + 16, tensor.shape[3])
+                buffer = tensor.new_empty(size)
+                buffer[:, :, :tensor.shape[2]] = tensor
+                setattr(layer, "_jit_" + name, buffer)
+            buffers.append(buffer)
+    return buffers
+
+
+def _is_prefix_view(tensor, buffer):
+    return (tensor.data_ptr() == buffer.data_ptr() and tensor.stride() == buffer.stride()
+            and tensor.shape[:2] == buffer.shape[:2] and tensor.shape[3] == buffer.shape[3])
+
+
+def trace_decode_step(model, tokenizer):
+    """Trace + freeze the decode step ({padded: runner} for both mask cases), run each twice
+    (warm-up), and check each at another batch size and cache length."""
+    if any(type(layer) is not DynamicLayer for layer in DynamicCache(config=model.config).layers):
+        raise ValueError("its cache has non-full-attention layers (sliding window, linear attention...)")
+    forward = model.forward
+    parameters = inspect.signature(forward).parameters
+    if "past_key_values" not in parameters:  # XLNet's mems, say: the graph would never serve a step
+        raise ValueError("its forward takes no past_key_values cache")
+    with_pos = "position_ids" in parameters
+    graphs = {}
+    for padded in (True, False):
+        step = _DecodeStep(model, forward, with_pos, padded).eval()
+        example = _flat(prepare_jit_inputs(model, tokenizer))
+        with torch.no_grad(), warnings.catch_warnings(), _mask_skipped_as_in_eager(padded):
+            # The decode-step branches the tracer warns about are constant (query length 1); the
+            # deprecation notices of torch.jit are not news to a user who asked for --jit.
+            for category in (torch.jit.TracerWarning, DeprecationWarning, FutureWarning):
+                warnings.simplefilter("ignore", category)
+            graph = _runner(torch.jit.freeze(torch.jit.trace(step, example, strict=False, check_trace=False).eval()))
+            graph(*example)
+            graph(*example)
+        _check_against_eager(graph, step, _flat(prepare_jit_inputs(model, tokenizer, batch_size=3, past_len=7)))
+        graphs[padded] = graph
+    return graphs, with_pos
+
+
+def _runner(frozen):
+    """How the frozen graph is run. TorchScript's Static Runtime (out-variant kernels, planned
+    memory) has far less per-operator overhead than the graph executor, which also re-profiles
+    and bails out as the cache length changes every step. Static Runtime is a private torch API:
+    where it is missing or refuses the graph, the graph executor runs it, unoptimized (it has no
+    fuser to offer here, only guards)."""
+    try:
+        return torch._C._jit_to_static_module(frozen._c)
+    except Exception:  # noqa: BLE001 - any refusal: fall back to the graph executor
+        def run(*args):
+            with torch.jit.optimized_execution(False):
+                return frozen(*args)
+        return run
+
+
+@contextlib.contextmanager
+def _mask_skipped_as_in_eager(padded):
+    """Eager attention gets no mask at all for one unpadded query token (sdpa then also runs
+    grouped-query attention natively), but while tracing transformers never skips the mask, as it
+    cannot know the sizes it reads stay valid. In the unpadded graph they do not matter (there
+    is no mask to size), so let the trace skip it exactly when eager does."""
+    original = masking_utils._ignore_causal_mask_sdpa
+    if not padded:
+        masking_utils._ignore_causal_mask_sdpa = (
+            lambda padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size=None:
+            padding_mask is None and q_length == 1 and local_attention_size is None)
+    try:
+        yield
+    finally:
+        masking_utils._ignore_causal_mask_sdpa = original
+
+
+def _flat(inputs):
+    ids, mask, position_ids, past = inputs
+    return (ids, mask, position_ids) + past
+
+
+def _check_against_eager(traced, step, example):
+    """Refuse a trace that bakes in the dummy's batch size or cache length (or is otherwise wrong):
+    run it at another shape and demand the eager step's numbers."""
+    with torch.no_grad():
+        got = [t.clone() for t in traced(*example)]  # clone: the keys/values are views of the buffers
+        want = step(*example)
+    if len(got) != len(want) or any(g.shape != w.shape or not torch.allclose(g, w, rtol=1e-4, atol=1e-5)
+                                    for g, w in zip(got, want)):
+        raise RuntimeError("the traced step disagrees with the eager model at another batch size/cache length")
+
+
+def _served_by_graph(kwargs, args):
+    """Whether this forward call is a plain decode step the traced graph computes identically."""
+    cache = kwargs.get("past_key_values")
+    ids = kwargs.get("input_ids")
+    if args or ids is None or ids.shape[1] != 1 or not isinstance(cache, DynamicCache):
+        return False
+    if any(k not in JIT_SERVED_KWARGS for k in kwargs):
+        return False
+    if kwargs.get("use_cache") is False or kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
+        return False
+    if kwargs.get("token_type_ids") is not None:
+        return False
+    if not cache.layers or any(type(layer) is not DynamicLayer or not layer.is_initialized for layer in cache.layers):
+        return False
+    past = cache.get_seq_length()
+    mask = kwargs.get("attention_mask")
+    return past > 0 and (mask is None or (mask.ndim == 2 and mask.shape == (ids.shape[0], past + 1)))
+
+
+def _install_dispatcher(model, graphs, with_pos):
+    eager_forward = model.forward
+
+    @functools.wraps(eager_forward)  # keeps the signature: generate inspects `self.forward`
+    def forward(*args, **kwargs):
+        if not _served_by_graph(kwargs, args):
+            return eager_forward(*args, **kwargs)
+        cache = kwargs["past_key_values"]
+        ids = kwargs["input_ids"]
+        past = cache.get_seq_length()
+        mask = kwargs.get("attention_mask")
+        graph = graphs[mask is not None]
+        if mask is None:  # generate drops an all-ones mask; the unpadded graph reads only its width
+            mask = torch.ones(ids.shape[0], past + 1, dtype=torch.long, device=ids.device)
+        pos = kwargs.get("position_ids")
+        if pos is None:
+            if with_pos:  # eager would derive positions itself; do not guess, let it
+                return eager_forward(*args, **kwargs)
+            pos = ids  # unused placeholder for models without position ids (bloom)
+        outputs = graph(ids, mask, pos, *_kv_buffers(cache, past + 1))
+        forward.graph_steps += 1
+        for layer, k, v in zip(cache.layers, outputs[1::2], outputs[2::2]):
+            layer.keys, layer.values = k, v
+        out = CausalLMOutputWithPast(logits=outputs[0], past_key_values=cache)
+        return out if kwargs.get("return_dict", True) is not False else out.to_tuple()
+
+    forward.graph_steps = 0  # decode steps served by the graph (tests check it is used)
+    model.forward = forward
+
+
+def enable_jit(model, tokenizer):
+    """Trace the decode step and route decode steps of `model.generate` through it.
+
+    Returns the tracing time in seconds, or None (after one warning line) when the model cannot
+    be traced; the model is then left untouched and generates eagerly."""
+    start = time.perf_counter()
+    try:
+        with torch.random.fork_rng():  # the dummy inputs must not move the --seed'ed sampling stream
+            graphs, with_pos = trace_decode_step(model, tokenizer)
+    except Exception as err:  # any failure: the run goes on without JIT, same text
+        logger.warning("--jit: cannot trace %s (%s: %s); generating without JIT",
+                       model.config.model_type, type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+        return None
+    _install_dispatcher(model, graphs, with_pos)
+    return time.perf_counter() - start

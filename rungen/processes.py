@@ -1,0 +1,37 @@
+"""Several processes under accelerate (data parallel): the main process reads and writes, every
+process generates a contiguous share of the prompts, and results are gathered after each round."""
+
+import torch
+from accelerate import PartialState
+from accelerate.utils import broadcast_object_list, gather_object
+
+
+def start(use_cpu):
+    """This process's place among the launched ones (one process, when not launched)."""
+    # Without an accelerator, several launched processes must ask for CPU to get a gloo group.
+    return PartialState(cpu=use_cpu or not torch.accelerator.is_available())
+
+
+def share_prompts(state, prompts):
+    """The main process's prompts, on every process (only the main process reads stdin)."""
+    return broadcast_object_list([prompts])[0] if state.num_processes > 1 else prompts
+
+
+def my_share(state, items):
+    with state.split_between_processes(items) as share:
+        return share
+
+
+def rounds(state, my_rounds):
+    """How many rounds everyone runs: gathers are collective, so every process joins each round,
+    with an empty batch if it has none left."""
+    return max(gather_object([my_rounds])) if state.num_processes > 1 else my_rounds
+
+
+def gather(state, results):
+    return gather_object(results) if state.num_processes > 1 else results
+
+
+def finish(state):
+    if state.num_processes > 1:
+        state.destroy_process_group()

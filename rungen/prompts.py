@@ -1,0 +1,149 @@
+"""Prompts: reading them (argument, stdin lines, JSON lines), the seed's per-model preparation, and
+encoding to token ids."""
+
+import dataclasses
+import json
+import sys
+
+from . import fail, logger
+
+# Padding text to help Transformer-XL and XLNet with short prompts as proposed by Aman Rusia
+# in https://github.com/rusiaaman/XLNet-gen#methodology
+# and https://medium.com/@amanrusia/xlnet-speaks-comparison-to-gpt-2-ea1a4e9ba39e
+PREFIX = """In 1991, the remains of Russian Tsar Nicholas II and his family
+(except for Alexei and Maria) are discovered.
+The voice of Nicholas's young son, Tsarevich Alexei Nikolaevich, narrates the
+remainder of the story. 1883 Western Siberia,
+a young Grigori Rasputin is asked by his father and a group of men to perform magic.
+Rasputin has a vision and denounces one of the men as a horse thief. Although his
+father initially slaps him for making such an accusation, Rasputin watches as the
+man is chased outside and beaten. Twenty years later, Rasputin sees a vision of
+the Virgin Mary, prompting him to become a priest. Rasputin quickly becomes famous,
+with people, even a bishop, begging for his blessing. <eod> </s> <eos>"""
+
+
+@dataclasses.dataclass
+class Prompt:
+    """One input, in input order. `error` is set when it cannot be generated (it is reported, not
+    generated); `ids` once it is encoded."""
+
+    index: int
+    text: str | None
+    extra: dict = dataclasses.field(default_factory=dict)  # other jsonl fields, carried to the output
+    error: str | None = None
+    ids: list[int] | None = None
+
+
+#
+# Reading
+#
+
+
+def read_prompts(args):
+    """The prompts, in input order: --prompt, or stdin's lines (or all of it, or JSON lines)."""
+    if args.prompt is not None:
+        return [Prompt(0, args.prompt)]
+    if sys.stdin is None:
+        fail("no prompt: pass --prompt, or pipe prompts through stdin")
+    if sys.stdin.isatty():
+        return [Prompt(0, input("Model prompt >>> "))]
+    data = sys.stdin.buffer.read()
+    if args.whole_stdin:
+        lines = [data]
+    else:
+        lines = [line.rstrip(b"\r") for line in data.split(b"\n") if line.strip()]
+    return [parse_prompt_line(index, line, args.input_format) for index, line in enumerate(lines)]
+
+
+def parse_prompt_line(index, line, input_format):
+    """A Prompt from one line of bytes; a line that cannot be read becomes a Prompt with an error."""
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as error:
+        return Prompt(index, None, error=f"input is not valid UTF-8 ({error.reason} at byte {error.start})")
+    if input_format == "text":
+        return Prompt(index, text)
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as error:
+        return Prompt(index, None, error=f"input is not valid JSON ({error.msg})")
+    if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+        return Prompt(index, None, error='a jsonl input line must be an object with a string "prompt" field')
+    text = record.pop("prompt")
+    return Prompt(index, text, extra=record)
+
+
+#
+# The seed's per-model preparation
+#
+
+
+# The types the seed prepared by hand, encoding them without the tokenizer's special tokens.
+SEED_PREPARED_TYPES = ("ctrl", "xlm", "xlnet")
+
+
+def warn_without_control_code(tokenizer, text):
+    """CTRL generates well only from a control code (Links, Books, ...) at the start."""
+    encoded_prompt = tokenizer.encode(text, add_special_tokens=False)
+    if not any(encoded_prompt[:1] == [x] for x in tokenizer.control_codes.values()):
+        logger.warning(
+            "WARNING! You are not starting your generation from a control code so you won't get good results"
+        )
+
+
+def prepare_xlnet_input(text, prefix):
+    return (prefix or PREFIX) + text
+
+
+def select_xlm_language(model, language):
+    """XLM models with language embeddings generate in one language, chosen once per run."""
+    if not (getattr(model.config, "lang2id", None) and getattr(model.config, "use_lang_emb", False)):
+        return
+    available_languages = list(model.config.lang2id)
+    if language not in available_languages:
+        if language or sys.stdin is None or not sys.stdin.isatty():
+            fail(f"--xlm_language must be one of {available_languages}")
+        while language not in available_languages:
+            language = input(f"Using XLM. Select language in {available_languages} >>> ")
+    model.config.lang_id = model.config.lang2id[language]
+
+
+def prepare_model(loaded, args):
+    """What the seed asked or said once per run, before any prompt is encoded."""
+    if loaded.model_type == "ctrl" and args.temperature > 0.7:
+        logger.info("CTRL typically works better with lower temperatures (and lower top_k).")
+    if loaded.model_type == "xlm":
+        select_xlm_language(loaded.model, args.xlm_language)
+
+
+#
+# Encoding
+#
+
+
+def encode_prompt(loaded, text, prefix="", chat=False):
+    """Token ids for one prompt, with the seed's per-model preparation; raises ValueError."""
+    tokenizer, model = loaded.tokenizer, loaded.model
+    if chat:
+        if not tokenizer.chat_template:
+            raise ValueError("--chat: this tokenizer has no chat template")
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prefix + text}], add_generation_prompt=True, tokenize=False
+        )
+        add_special_tokens = False  # the template already holds them
+    else:
+        text = prepare_xlnet_input(text, prefix) if loaded.model_type == "xlnet" else prefix + text
+        if loaded.model_type == "ctrl":
+            warn_without_control_code(tokenizer, text)
+        # e.g. Llama's and OPT's BOS, which their models expect; but XLNet's and XLM's special tokens go
+        # at the end (<sep> <cls>, </s>), where nothing could follow them.
+        add_special_tokens = loaded.model_type not in SEED_PREPARED_TYPES
+    ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    if not ids:
+        start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else model.config.bos_token_id
+        if start is None:
+            raise ValueError("empty prompt, and the model has no BOS token to start from")
+        ids = [start]
+    if loaded.context and len(ids) >= loaded.context:
+        raise ValueError(f"prompt is {len(ids)} tokens; the model's context is {loaded.context}")
+    return ids

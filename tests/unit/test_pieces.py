@@ -1,0 +1,218 @@
+"""Fast tier: the pure pieces of the pipeline, no model (a tokenizer at most). `pytest tests/unit`."""
+
+import dataclasses
+import io
+import json
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import run_generation
+from rungen.arguments import parse_args
+from rungen.generation import (
+    MAX_LENGTH,
+    Sequence,
+    Settings,
+    adjust_length_to_model,
+    describe_sequence,
+    generation_kwargs,
+    make_batches,
+)
+from rungen.jit import _served_by_graph
+from rungen.output import Writer
+from rungen.prompts import Prompt, parse_prompt_line
+from tiny_models import build_tokenizer
+
+
+@pytest.fixture(scope="module")
+def gpt2_tokenizer(tmp_path_factory):
+    tokenizer, _ = build_tokenizer("gpt2", str(tmp_path_factory.mktemp("tok")))
+    tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+# Prompts
+
+
+def test_text_and_jsonl_lines():
+    assert parse_prompt_line(3, "Hello".encode(), "text") == Prompt(3, "Hello")
+    line = json.dumps({"prompt": "Hi", "id": 7, "meta": {"a": 1}}).encode()
+    assert parse_prompt_line(0, line, "jsonl") == Prompt(0, "Hi", extra={"id": 7, "meta": {"a": 1}})
+
+
+@pytest.mark.parametrize(
+    "line, input_format, error",
+    [
+        (b"caf\xe9 au lait", "text", "input is not valid UTF-8 (invalid continuation byte at byte 3)"),
+        (b"{not json", "jsonl", "input is not valid JSON"),
+        (b'{"text": "no prompt field"}', "jsonl", 'a jsonl input line must be an object with a string "prompt"'),
+        (b'["a list"]', "jsonl", 'a jsonl input line must be an object with a string "prompt"'),
+    ],
+)
+def test_unreadable_lines_become_error_records(line, input_format, error):
+    prompt = parse_prompt_line(5, line, input_format)
+    assert prompt.index == 5 and prompt.error.startswith(error)
+
+
+# Batching
+
+
+def test_batches_group_similar_lengths_within_a_window_and_keep_every_prompt():
+    lengths = [5, 1, 4, 2, 3, 9, 8, 7, 6, 10]
+    prompts = [Prompt(i, "x", ids=[0] * n) for i, n in enumerate(lengths)]
+    batches = list(make_batches(prompts, 2))  # sorted inside a window of 8; the last 2 come after it
+    assert [[len(p.ids) for p in batch] for batch in batches] == [[1, 2], [3, 4], [5, 7], [8, 9], [6, 10]]
+    assert sorted(p.index for batch in batches for p in batch) == list(range(10))
+
+
+def test_length_is_clamped_to_the_context():
+    assert adjust_length_to_model(20, 128) == 20
+    assert adjust_length_to_model(-1, 128) == 128
+    assert adjust_length_to_model(500, 128) == 128
+    assert adjust_length_to_model(-1, 0) == MAX_LENGTH
+
+
+# Output
+
+
+def sequence(text, tokens=3):
+    return Sequence(text, "p" + text, 1, tokens, "length")
+
+
+def test_writer_keeps_input_order_and_flushes_as_soon_as_it_can(capsys):
+    writer = Writer("jsonl", 3)
+    writer.add(Prompt(1, "b"), [sequence("B")])
+    assert capsys.readouterr().out == ""  # prompt 0 is not done: nothing may be written yet
+    writer.add(Prompt(0, "a", extra={"id": "x"}), [sequence("A"), sequence("A2")])
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["prompt_index"], r["sequence_index"]) for r in records] == [(0, 0), (0, 1), (1, 0)]
+    assert records[0] == {"prompt_index": 0, "sequence_index": 0, "prompt": "a", "generated_text": "A",
+                          "text": "pA", "num_prompt_tokens": 1, "num_generated_tokens": 3,
+                          "finish_reason": "length", "id": "x"}
+    writer.add(Prompt(2, None, error="bad"))
+    assert json.loads(capsys.readouterr().out) == {"prompt_index": 2, "prompt": None, "error": "bad"}
+    assert (writer.failed, writer.tokens, writer.sequences) == (1, 9, ["pA", "pA2", "pB"])
+
+
+def test_text_blocks_errors_on_stderr_and_streamed_text_printed_once(capsys):
+    writer = Writer("text", 2)
+    writer.add(Prompt(0, "a"), [sequence("A")])
+    writer.add(Prompt(1, "b", error="too long"))
+    out, err = capsys.readouterr()
+    assert out == "=== PROMPT 1, GENERATED SEQUENCE 1 ===\npA\n"
+    assert err == "run_generation.py: prompt 2: error: too long\n"
+    single = Writer("text", 1)
+    single.add(Prompt(0, "a"), [sequence("A")], streamed=True)
+    assert capsys.readouterr().out == "" and single.sequences == ["pA"]
+
+
+# Decoding a sequence
+
+
+def test_eos_ends_a_sequence_and_its_text(gpt2_tokenizer):
+    tok = gpt2_tokenizer
+    prompt = Prompt(0, "Hello", ids=tok.encode("Hello"))
+    new = tok.encode(" dog cat") + [tok.eos_token_id, tok.eos_token_id]
+    described = describe_sequence(Settings(), tok, prompt, new, {tok.eos_token_id})
+    assert described == Sequence(" dog cat", "Hello dog cat", len(prompt.ids), len(new) - 1, "eos")
+
+
+def test_stop_token_cuts_the_continuation_not_the_prompt(gpt2_tokenizer):
+    tok = gpt2_tokenizer
+    prompt = Prompt(0, "a.b", ids=tok.encode("a.b"))
+    new = tok.encode(" dog. cat")
+    described = describe_sequence(Settings(stop_token="."), tok, prompt, new, set())
+    assert (described.generated_text, described.text, described.finish_reason) == (" dog", "a.b dog", "stop_token")
+
+
+def test_chat_prints_the_reply_alone(gpt2_tokenizer):
+    tok = gpt2_tokenizer
+    prompt = Prompt(0, "Hi", ids=tok.encode("Hi"))
+    described = describe_sequence(Settings(chat=True), tok, prompt, tok.encode(" there"), set())
+    assert described.text == described.generated_text == " there"
+
+
+def test_generate_kwargs(gpt2_tokenizer):
+    greedy = generation_kwargs(Settings(temperature=0), gpt2_tokenizer)
+    assert greedy["do_sample"] is False and "temperature" not in greedy
+    sampled = generation_kwargs(Settings(temperature=0.7, k=5, p=0.8, stop_token="\n"), gpt2_tokenizer)
+    assert (sampled["do_sample"], sampled["temperature"], sampled["top_k"], sampled["top_p"]) == (True, 0.7, 5, 0.8)
+    assert sampled["stop_strings"] == "\n" and sampled["tokenizer"] is gpt2_tokenizer
+
+
+def test_settings_from_flags_clamp_the_length():
+    settings = Settings.from_args(parse_args(["--length", "500", "--temperature", "0", "--k", "3"]), context=128)
+    assert (settings.length, settings.temperature, settings.k) == (128, 0, 3)
+    assert dataclasses.replace(settings, temperature=0.5).temperature == 0.5
+
+
+# Arguments
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--k", "-1"], "--k must be >= 0, got -1"),
+        (["--num_beams", "2", "--num_return_sequences", "3"], "--num_return_sequences cannot exceed --num_beams"),
+        (["--batch_size", "0"], "--batch_size must be >= 1"),
+        (["--max_memory", "cpu=1GB"], "--max_memory needs --device_map"),
+        (["--model_type", "transfo-xl"], "Transformer-XL was removed"),
+    ],
+)
+def test_bad_flags_are_one_line_and_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("run_generation.py: error: ") and message in err
+    assert err.count("\n") == 1
+
+
+def test_padding_text_is_folded_into_prefix_once():
+    args = parse_args(["--padding_text", "P. "])
+    assert args.prefix == "P. "
+    assert parse_args(["--padding_text", "P. ", "--prefix", "Q. "]).prefix == "Q. "
+    assert parse_args(["--fp16"]).dtype == "float16"
+    assert parse_args(["--device_map", "auto", "--max_memory", "0=1GiB", "cpu=2GiB"]).max_memory == {
+        0: "1GiB", "cpu": "2GiB"}
+
+
+@pytest.mark.parametrize(
+    "argv, prompts, tty, expected",
+    [
+        ([], 1, True, True),  # a terminal, one prompt: streamed by default
+        ([], 1, False, False),  # a pipe: blocks
+        ([], 2, True, False),  # several prompts never stream
+        (["--stream"], 1, False, True),
+        (["--stream", "--num_beams", "2"], 1, False, False),  # beams cannot stream: warned, off
+        (["--no-stream"], 1, True, False),
+    ],
+)
+def test_when_output_streams(argv, prompts, tty, expected, monkeypatch):
+    monkeypatch.setattr("sys.stdout", type("Tty", (io.StringIO,), {"isatty": lambda self: tty})())
+    args = parse_args(argv)
+    assert run_generation.choose_streaming(args, Settings.from_args(args, 0), prompts, 1) is expected
+
+
+# The JIT dispatcher's decision
+
+
+def decode_step(batch=2, past=3, **extra):
+    cache = DynamicCache()
+    for layer in range(2):
+        cache.update(torch.zeros(batch, 1, past, 4), torch.zeros(batch, 1, past, 4), layer)
+    kwargs = dict(input_ids=torch.zeros(batch, 1, dtype=torch.long), past_key_values=cache, use_cache=True,
+                  attention_mask=torch.ones(batch, past + 1, dtype=torch.long))
+    return {**kwargs, **extra}
+
+
+def test_the_graph_serves_plain_decode_steps_only():
+    assert _served_by_graph(decode_step(), ())
+    assert _served_by_graph(decode_step(attention_mask=None), ())  # generate drops an all-ones mask
+    assert not _served_by_graph(decode_step(), (torch.zeros(1),))  # positional arguments
+    assert not _served_by_graph(decode_step(input_ids=torch.zeros(2, 4, dtype=torch.long)), ())  # the prompt
+    assert not _served_by_graph(decode_step(past=0), ())  # nothing cached yet
+    assert not _served_by_graph(decode_step(output_attentions=True), ())
+    assert not _served_by_graph(decode_step(inputs_embeds=torch.zeros(2, 1, 4)), ())  # unknown kwarg
+    assert not _served_by_graph(decode_step(attention_mask=torch.ones(2, 9, dtype=torch.long)), ())  # odd mask
+    assert not _served_by_graph(decode_step(past_key_values=((torch.zeros(1),),)), ())  # a legacy tuple
