@@ -51,6 +51,7 @@ class Loaded:
     model_type: str
     input_device: torch.device  # where input ids go (not model.device: "meta" when layers are on disk)
     context: int  # tokens the model can attend to; 0 when it has no fixed limit
+    vocab_size: int  # rows of the input embedding: every token id must be below it
 
 
 def check_model_type(model_type):
@@ -203,7 +204,11 @@ def load(args, device):
     model.eval()
 
     if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+        # Padding is hidden by the attention mask and skipped when decoding, so any token the model
+        # knows will do. openai-gpt's and CTRL's published tokenizers have neither pad nor EOS, only <unk>.
+        tokenizer.pad_token = (tokenizer.eos_token or tokenizer.unk_token or tokenizer.bos_token
+                               or tokenizer.convert_ids_to_tokens(0))
     # Left padding keeps every prompt's last token next to the tokens it generates.
     tokenizer.padding_side = "left"
-    return Loaded(model, tokenizer, model_type, input_device, model_context(model.config))
+    vocab_size = model.get_input_embeddings().num_embeddings
+    return Loaded(model, tokenizer, model_type, input_device, model_context(model.config), vocab_size)

@@ -144,6 +144,12 @@ def encode_prompt(loaded, text, prefix="", chat=False):
         if start is None:
             raise ValueError("empty prompt, and the model has no BOS token to start from")
         ids = [start]
+    outside = [token for token in ids if token >= loaded.vocab_size]
+    if outside:  # a tokenizer from another checkpoint: the embedding lookup would fail with an IndexError
+        raise ValueError(
+            f"token {tokenizer.convert_ids_to_tokens(outside[0])!r} (id {outside[0]}) is outside the model's "
+            f"vocabulary of {loaded.vocab_size}: the tokenizer does not match the model"
+        )
     if loaded.context and len(ids) >= loaded.context:
         raise ValueError(f"prompt is {len(ids)} tokens; the model's context is {loaded.context}")
     return ids
