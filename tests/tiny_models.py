@@ -17,27 +17,78 @@ Public API::
 Per type (tokenizer class as loaded by AutoTokenizer; special tokens):
 
     gpt2, gptj   GPT2Tokenizer (byte-level BPE); bos = eos = unk = <|endoftext|>, no pad
-    opt          GPT2Tokenizer; bos = eos = </s> (prepended, like OPT), pad <pad>, unk <unk>
-    qwen2        Qwen2Tokenizer; eos <|endoftext|>, bos <|im_start|> (not prepended), no pad
+    opt          GPT2Tokenizer; bos = eos = unk = </s> (prepended, like OPT), pad <pad>
+    qwen2        Qwen2Tokenizer; eos = pad = <|endoftext|>, no bos, no unk
     bloom        TokenizersBackend (byte-level BPE); <s> </s> <pad> <unk>, nothing prepended
     llama        LlamaTokenizer (metaspace BPE + <0xNN> byte fallback); <s> prepended, </s>, no pad
     mistral      same tokenizer as llama; AutoTokenizer loads it as TokenizersBackend
-    openai-gpt   OpenAIGPTTokenizer (lower-cased '</w>' BPE); eos <|endoftext|>, no bos/pad
-    ctrl         CTRLTokenizer ('@@' BPE, python); eos <|endoftext|>, no bos/pad; the
+    openai-gpt   OpenAIGPTTokenizer (lower-cased '</w>' BPE); <unk> only: no bos, eos or pad
+    ctrl         CTRLTokenizer ('@@' BPE, python); <unk> only: no bos, eos or pad; the
                  control codes with id <= 63674 sit at their real ids (Links = 63674)
-    xlm          XLMTokenizer (moses + lower-cased '</w>' BPE); <s>=0 </s>=1 <pad>=2
-                 <unk>=3 <special1>=5 (mask); lang2id {"en": 0, "fr": 1}; its
-                 add_special_tokens wraps the text as <s> ... </s>
+    xlm          XLMTokenizer (moses + lower-cased '</w>' BPE); <s>=0 </s>=1 (sep/cls, not
+                 eos) <pad>=2 <unk>=3 <special0..9>=4..13, mask <special1>; lang2id
+                 {"en": 0, "fr": 1}; its add_special_tokens wraps the text as <s> ... </s>
     xlnet        XLNetTokenizer (sentencepiece unigram); xlnet-base ids (<unk>=0 <s>=1
-                 </s>=2 <cls>=3 <sep>=4 <pad>=5 <mask>=6); add_special_tokens
+                 </s>=2 <cls>=3 <sep>=4 <pad>=5 <mask>=6 <eod>=7 <eop>=8); add_special_tokens
                  appends <sep> <cls> at the END (encode prompts with add_special_tokens=False)
+
+Special tokens mirror the published checkpoints (issue 8: the fixtures used to give
+openai-gpt and ctrl an <|endoftext|> EOS they do not have, which hid a crash).  What each
+published checkpoint defines, and where it was checked (hub files read through their
+huggingface.co pages; "class defaults" = the installed transformers 5.23 tokenizer/config
+class, used where the hub file sets nothing):
+
+    gpt2        openai-community/gpt2: tokenizer_config.json sets only model_max_length, so
+                GPT2Tokenizer defaults: bos = eos = unk = <|endoftext|> (50256, the last
+                vocab.json entry), no pad; config.json bos/eos_token_id 50256, no pad.
+                Fixture: <|endoftext|> is the last id too.
+    gptj        EleutherAI/gpt-j-6b: special_tokens_map.json bos = eos = unk = <|endoftext|>
+                (50256), pad null, add_bos_token false; config.json bos/eos 50256, no pad,
+                vocab_size 50400; added_tokens.json <|extratoken_1..143|> = 50257..50399
+                (non-special) fill the tokenizer up to the 50400 rows.  Fixture: same layout
+                (<|endoftext|> last BPE id, then extratokens up to a multiple of 64).
+    openai-gpt  openai-community/openai-gpt: tokenizer_config.json {"model_max_length": 512},
+                no special_tokens_map.json, so OpenAIGPTTokenizer defaults: <unk> only (id 0,
+                per the tokenizers/rust-tokenizers tests on its vocab.json); config.json sets no
+                bos/eos/pad (OpenAIGPTConfig defaults None); vocab 40478 = rows.
+    ctrl        Salesforce/ctrl: tokenizer_config.json {"model_max_length": 256}, no
+                special_tokens_map.json, so CTRLTokenizer defaults: <unk> only (huggingface/
+                transformers#2554: "CTRL has no special tokens besides UNK"); <unk> = 246532 of
+                246534 rows (rust-tokenizers' test on ctrl-vocab.json); config.json sets no
+                bos/eos/pad.  Fixture: <unk> = rows - 2, the last row without a token.
+    xlm         FacebookAI/xlm-clm-enfr-1024 (and xlm-mlm-en-2048): tokenizer_config.json sets
+                no special token, so XLMTokenizer defaults: bos <s>, sep = cls = </s>, pad
+                <pad>, unk <unk>, mask <special1>, extra <special0..9>, NO eos; config.json
+                bos_index 0, eos_index 1 (-> eos_token_id 1), pad_index 2, unk_index 3,
+                mask_index 5, mask_token_id 0 (the id generation appends); generation_config.json
+                bos 0, pad 2 and no eos_token_id.
+    xlnet       xlnet/xlnet-base-cased: tokenizer_config.json bos <s>, eos </s>, unk <unk>, sep
+                <sep>, pad <pad>, cls <cls>, mask <mask>, additional_special_tokens [<eop>,
+                <eod>]; spiece ids as above; config/generation_config bos 1, eos 2, pad 5.
+    bloom       bigscience/bloom-560m: special_tokens_map.json bos <s>, eos </s>, unk <unk>, pad
+                <pad> (0-3), tokenizer_config.json padding_side left; config.json bos 1, eos 2,
+                pad 3; 250680 tokens, 250880 rows.  Fixture: rows padded to a multiple of 64.
+    llama       meta-llama/Llama-2-7b-hf: tokenizer_config.json add_bos_token true,
+                add_eos_token false, bos <s>, eos </s>, unk <unk>, pad null; config.json bos 1,
+                eos 2, no pad; generation_config.json pad_token_id 0.
+    mistral     mistralai/Mistral-7B-v0.1: same tokens as llama (<unk>=0 <s>=1 </s>=2,
+                add_bos_token true, pad null); config.json bos 1, eos 2, no pad.
+    opt         facebook/opt-125m: vocab.json <s>=0 <pad>=1 </s>=2 <unk>=3, but
+                special_tokens_map / tokenizer_config bos = eos = unk = </s>, pad <pad>,
+                add_bos_token true (huggingface/tokenizers#1020); config.json bos 2, eos 2,
+                pad 1; 50265 tokens, 50272 rows.  Fixture: rows padded to a multiple of 64.
+    qwen2       Qwen/Qwen2-0.5B: tokenizer_config.json bos null, eos = pad = <|endoftext|>, unk
+                null, additional_special_tokens [<|im_start|>, <|im_end|>]; added tokens
+                151643-151645 after the BPE vocab; config.json bos = eos = 151643, no pad;
+                151646 tokens, 151936 rows.  Fixture: same order, rows padded to a multiple of 64.
 
 Context size: 128 tokens, held by ``CONTEXT_ATTR[model_type]`` (also
 tokenizer.model_max_length); xlnet (relative positions + mems) and bloom
 (ALiBi) have no maximum length.  Generation settings chosen for tests:
 peaked logits (large init std), untied output embeddings (except xlnet/xlm),
-and special / unprintable tokens switched off in the LM head, so greedy
-generation always produces exactly ``max_new_tokens`` printable tokens.
+and special / added / reserved / unprintable tokens and padded rows switched off
+in the LM head, so greedy generation always produces exactly ``max_new_tokens``
+printable tokens.  Every id the tokenizer can produce is below the embedding rows.
 """
 
 from __future__ import annotations
@@ -97,8 +148,10 @@ INIT_STD_BY_TYPE = {"xlnet": 1.0, "xlm": 0.1, "gptj": 0.5}
 # just copy its last input token), except for xlnet/xlm whose LM heads have a
 # bias and which give varied outputs tied.
 TIED_TYPES = ("xlnet", "xlm")
-# Output rows of special tokens (eos, pad, bos, unk, ...) and of tokens that do
-# not decode to printable text are switched off (bias -1e4 or zero row), so
+# Output rows of special and added tokens (eos, pad, bos, unk, <|extratoken_N|>,
+# ...), of reserved tokens (RESERVED_TOKENS), of padded rows without a token and
+# of tokens that do not decode to printable text are switched off (bias -1e4 or
+# zero row), so
 # that greedy generation always yields exactly max_new_tokens tokens and the
 # decoded text is clean.  Pass suppress=False to keep them.
 SUPPRESS_SPECIAL = True
@@ -107,7 +160,7 @@ SEED = 1234
 # CTRL control codes put at their real ids (CTRLTokenizer.control_codes), so
 # that a prompt starting with e.g. "Links" is recognised as starting with a
 # control code.  Only codes with ids <= 63674 ("Links") are used, which keeps
-# the embedding matrix at 63675 x 32.
+# the embedding matrix at 63677 x 32 (<unk> = 63675, then one row without a token).
 CTRL_MAX_CODE_ID = 63674
 
 CORPUS = """\
@@ -208,11 +261,14 @@ def _add_tokens(vocab, tokens):
     return vocab
 
 
-def _vocab_from(special_tokens, alphabet, merges):
+def _vocab_from(special_tokens, alphabet, merges, trailing=()):
+    """Vocabulary: ``special_tokens`` first, then the alphabet and the merges, then ``trailing``
+    (special tokens that the published vocabularies put after their BPE tokens)."""
     vocab = {}
     _add_tokens(vocab, special_tokens)
     _add_tokens(vocab, alphabet)
     _add_tokens(vocab, [a + b for a, b in merges])
+    _add_tokens(vocab, trailing)
     return vocab
 
 
@@ -236,15 +292,15 @@ def _suffix_bpe(*, lowercase, punct_split, vocab_size, special_tokens):
     return _vocab_from(special_tokens, alphabet, merges), merges
 
 
-def _byte_level_bpe(vocab_size, special_tokens):
-    """GPT-2 style byte-level BPE (no prefix space)."""
+def _byte_level_bpe(vocab_size, special_tokens, trailing=()):
+    """GPT-2 style byte-level BPE (no prefix space); ``vocab_size`` counts every token."""
     from tokenizers import pre_tokenizers
 
     pre = pre_tokenizers.ByteLevel(add_prefix_space=False)
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     words = _count_words(lambda line: [p for p, _ in pre.pre_tokenize_str(line)], tuple)
-    merges = _learn_bpe(words, vocab_size - len(special_tokens) - len(alphabet))
-    return _vocab_from(special_tokens, alphabet, merges), merges
+    merges = _learn_bpe(words, vocab_size - len(special_tokens) - len(trailing) - len(alphabet))
+    return _vocab_from(special_tokens, alphabet, merges, trailing), merges
 
 
 def _metaspace_bpe(vocab_size, special_tokens):
@@ -294,24 +350,26 @@ def _build_ctrl_tokenizer(tmp):
             continue
         dense.append(tok[:-4] if tok.endswith("</w>") else tok + "@@")
     dense = [t for t in dict.fromkeys(dense) if t not in codes]
-    specials = ["<unk>", "<|endoftext|>"]
+    # Salesforce/ctrl defines no special token but <unk>, and puts it after the words:
+    # <unk> = 246532 of 246534 embedding rows (the original code appends '<unk>' and '\n' to
+    # its word list).  So do we, leaving the last row without a token.
     vocab, next_id = {}, 0
     used_ids = set(codes.values())
-    for tok in specials + dense:
+    for tok in dense:
         while next_id in used_ids:
             next_id += 1
         vocab[tok] = next_id
         next_id += 1
     vocab.update(codes)
+    vocab["<unk>"] = max(vocab.values()) + 1
     with open(os.path.join(tmp, "vocab.json"), "w", encoding="utf-8") as f:
         json.dump(vocab, f, ensure_ascii=False)
     with open(os.path.join(tmp, "merges.txt"), "w", encoding="utf-8") as f:
         f.write("#version: 0.2\n")
         for a, b in merges:
             f.write(f"{a} {b}\n")
-    tok = CTRLTokenizer(os.path.join(tmp, "vocab.json"), os.path.join(tmp, "merges.txt"),
-                        unk_token="<unk>", eos_token="<|endoftext|>")
-    return tok, max(vocab.values()) + 1
+    tok = CTRLTokenizer(os.path.join(tmp, "vocab.json"), os.path.join(tmp, "merges.txt"), unk_token="<unk>")
+    return tok, vocab["<unk>"] + 2
 
 
 def _build_xlm_tokenizer(tmp):
@@ -327,8 +385,10 @@ def _build_xlm_tokenizer(tmp):
             f.write(f"{a} {b}\n")
     lang2id = {"en": 0, "fr": 1}
     id2lang = {0: "en", 1: "fr"}
+    # No eos_token: the published tokenizer_config.json sets none and XLMTokenizer has no default
+    # (</s> is its sep and cls token).
     tok = XLMTokenizer(os.path.join(tmp, "vocab.json"), os.path.join(tmp, "merges.txt"),
-                       eos_token="</s>", lang2id=lang2id, id2lang=id2lang)
+                       lang2id=lang2id, id2lang=id2lang)
     return tok
 
 
@@ -361,38 +421,60 @@ def _build_xlnet_tokenizer(tmp):
     return XLNetTokenizer(vocab=vocab, unk_id=0)
 
 
+def _padded(n, multiple=64):
+    """The next multiple of ``multiple`` above ``n`` (embedding matrices padded past the tokenizer)."""
+    return (n // multiple + 1) * multiple
+
+
 def build_tokenizer(model_type, tmp):
-    """Return (tokenizer, vocab_size_for_model)."""
+    """Return (tokenizer, vocab_size_for_model): the model may have more rows than the tokenizer
+    has tokens (opt, bloom, qwen2, ctrl), as the published checkpoints do."""
     from transformers import (GPT2Tokenizer, LlamaTokenizer, OpenAIGPTTokenizer,
                               PreTrainedTokenizerFast, Qwen2Tokenizer)
 
     if model_type in ("gpt2", "gptj"):
-        vocab, merges = _byte_level_bpe(600, ["<|endoftext|>"])
-        tok = GPT2Tokenizer(vocab=vocab, merges=merges)  # bos = eos = unk = <|endoftext|>
-    elif model_type == "opt":
+        # <|endoftext|> is the last entry of GPT-2's vocab.json (50256 of 50257).
+        vocab, merges = _byte_level_bpe(600, [], trailing=["<|endoftext|>"])
+        tok = GPT2Tokenizer(vocab=vocab, merges=merges)  # bos = eos = unk = <|endoftext|>, no pad
+        if model_type == "gptj":
+            # EleutherAI/gpt-j-6b: 143 non-special <|extratoken_N|> tokens (50257..50399) fill the
+            # tokenizer up to the 50400 embedding rows.
+            tok.add_tokens([f"<|extratoken_{i}|>" for i in range(1, _padded(len(tok)) - len(tok) + 1)])
+        return tok, len(tok)
+    if model_type == "opt":
+        # fairseq's <s> <pad> </s> <unk> are ids 0-3 of vocab.json, but the tokenizer's
+        # bos = eos = unk = </s> (special_tokens_map.json); embeddings padded 50265 -> 50272.
         vocab, merges = _byte_level_bpe(600, ["<s>", "<pad>", "</s>", "<unk>"])
         tok = GPT2Tokenizer(vocab=vocab, merges=merges, bos_token="</s>", eos_token="</s>",
-                            unk_token="<unk>", pad_token="<pad>", add_bos_token=True)
-    elif model_type == "qwen2":
-        vocab, merges = _byte_level_bpe(600, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
-        tok = Qwen2Tokenizer(vocab=vocab, merges=merges, bos_token="<|im_start|>",
-                             eos_token="<|endoftext|>", pad_token=None)
-    elif model_type == "bloom":
+                            unk_token="</s>", pad_token="<pad>", add_bos_token=True)
+        return tok, _padded(len(tok))
+    if model_type == "qwen2":
+        # Qwen/Qwen2-0.5B: <|endoftext|> <|im_start|> <|im_end|> follow the BPE tokens
+        # (151643-151645), eos = pad = <|endoftext|>, no bos, no unk; embeddings padded to 151936.
+        specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+        vocab, merges = _byte_level_bpe(600, [], trailing=specials)
+        tok = Qwen2Tokenizer(vocab=vocab, merges=merges, unk_token=None, bos_token=None,
+                             eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                             extra_special_tokens=specials[1:])
+        return tok, _padded(len(tok))
+    if model_type == "bloom":
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
         vocab, merges = _byte_level_bpe(600, ["<unk>", "<s>", "</s>", "<pad>"])
         backend = Tokenizer(models.BPE(vocab=vocab, merges=merges))
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         backend.decoder = decoders.ByteLevel()
-        tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>",
-                                      bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-    elif model_type in ("llama", "mistral"):
+        tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>",
+                                      eos_token="</s>", pad_token="<pad>", padding_side="left")
+        return tok, _padded(len(tok))  # bigscience/bloom-560m: 250680 tokens, 250880 rows
+    if model_type in ("llama", "mistral"):
         vocab, merges = _metaspace_bpe(700, ["<unk>", "<s>", "</s>"])
         tok = LlamaTokenizer(vocab=vocab, merges=merges, add_bos_token=True)
     elif model_type == "openai-gpt":
+        # openai-community/openai-gpt defines <unk> (id 0) and nothing else: no bos, eos or pad.
         vocab, merges = _suffix_bpe(lowercase=True, punct_split=True, vocab_size=600,
-                                    special_tokens=["<unk>", "<|endoftext|>"])
-        tok = OpenAIGPTTokenizer(vocab=vocab, merges=merges, eos_token="<|endoftext|>")
+                                    special_tokens=["<unk>"])
+        tok = OpenAIGPTTokenizer(vocab=vocab, merges=merges)
     elif model_type == "ctrl":
         return _build_ctrl_tokenizer(tmp)
     elif model_type == "xlm":
@@ -407,8 +489,25 @@ def build_tokenizer(model_type, tmp):
 # --------------------------------------------------------------------------- #
 # configs
 # --------------------------------------------------------------------------- #
-def _tid(tok, name):
-    return getattr(tok, f"{name}_token_id", None)
+# The tokens behind the published config.json's bos/eos/pad_token_id (None: the key is absent).
+# They are not always the tokenizer's: Qwen2's config has bos_token_id = <|endoftext|> while its
+# tokenizer has no bos; XLM's config has eos_index 1 (</s>) while its tokenizer has no eos.
+CONFIG_SPECIAL_TOKENS = {  # model_type: (bos, eos, pad)
+    "gpt2": ("<|endoftext|>", "<|endoftext|>", None),
+    "gptj": ("<|endoftext|>", "<|endoftext|>", None),
+    "openai-gpt": (None, None, None),
+    "ctrl": (None, None, None),
+    "xlm": ("<s>", "</s>", "<pad>"),
+    "xlnet": ("<s>", "</s>", "<pad>"),
+    "bloom": ("<s>", "</s>", "<pad>"),
+    "llama": ("<s>", "</s>", None),
+    "mistral": ("<s>", "</s>", None),
+    "opt": ("</s>", "</s>", "<pad>"),
+    "qwen2": ("<|endoftext|>", "<|endoftext|>", None),
+}
+# Published generation_config.json files whose special-token ids differ from config.json's:
+# xlm-clm-enfr-1024 / xlm-mlm-en-2048 have no eos_token_id there, Llama-2-7b-hf has pad_token_id 0.
+GENERATION_CONFIG_IDS = {"xlm": {"eos_token_id": None}, "llama": {"pad_token_id": 0}}
 
 
 def build_config(model_type, tok, vocab_size):
@@ -421,7 +520,7 @@ def _build_config(model_type, tok, vocab_size):
     import transformers as T
 
     std = INIT_STD_BY_TYPE.get(model_type, INIT_STD)
-    bos, eos, pad = _tid(tok, "bos"), _tid(tok, "eos"), _tid(tok, "pad")
+    bos, eos, pad = (None if t is None else tok.convert_tokens_to_ids(t) for t in CONFIG_SPECIAL_TOKENS[model_type])
     common = dict(vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
     if model_type == "gpt2":
         return T.GPT2Config(n_positions=MAX_POSITIONS, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
@@ -442,7 +541,9 @@ def _build_config(model_type, tok, vocab_size):
                            lang2id={"en": 0, "fr": 1}, id2lang={0: "en", 1: "fr"},
                            embed_init_std=std, init_std=std,
                            unk_index=tok.unk_token_id, mask_index=tok.mask_token_id,
-                           mask_token_id=tok.mask_token_id, **common)
+                           # as published: mask_token_id 0 (<s>), the id XLMWithLMHeadModel appends
+                           # at every generation step (mask_index 5 is <special1>)
+                           mask_token_id=0, **common)
     if model_type == "gptj":
         return T.GPTJConfig(n_positions=MAX_POSITIONS, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
                             rotary_dim=HIDDEN // HEADS, n_inner=FFN, initializer_range=std,
@@ -492,11 +593,18 @@ def model_class(model_type):
 # --------------------------------------------------------------------------- #
 # public API
 # --------------------------------------------------------------------------- #
-def _suppressed_ids(tok, vocab_size):
-    """Ids that should never be generated: special tokens, ids without a token,
+# Vocabulary entries that are special to the original model but not to its tokenizer
+# (OPT's fairseq <s> and <unk>: bos = eos = unk = </s> for the tokenizer).
+RESERVED_TOKENS = {"opt": ("<s>", "<unk>")}
+
+
+def _suppressed_ids(tok, vocab_size, model_type=None):
+    """Ids that should never be generated: special and added tokens (e.g. GPT-J's
+    <|extratoken_N|>), reserved tokens, ids without a token (padded embedding rows),
     and tokens whose text is not printable (partial UTF-8 bytes, newlines)."""
     vocab_ids = set(tok.get_vocab().values())
-    bad = set(tok.all_special_ids) | (set(range(vocab_size)) - vocab_ids)
+    bad = set(tok.all_special_ids) | set(tok.get_added_vocab().values()) | (set(range(vocab_size)) - vocab_ids)
+    bad |= {tok.convert_tokens_to_ids(t) for t in RESERVED_TOKENS.get(model_type, ())}
     for i in sorted(vocab_ids):
         text = tok.decode([i])
         if not text.strip() or "\ufffd" in text or not text.isprintable():
@@ -523,8 +631,8 @@ def build_tiny_checkpoint(model_type: str, out_dir: str, suppress: bool = SUPPRE
     head = model.get_output_embeddings()
     with torch.no_grad():
         if suppress:
-            ids = _suppressed_ids(tok, vocab_size)
-        else:  # ids without any token (ctrl) are always switched off
+            ids = _suppressed_ids(tok, vocab_size, model_type)
+        else:  # ids without any token (padded rows) are always switched off
             ids = sorted(set(range(vocab_size)) - set(tok.get_vocab().values()))
         if ids:
             if getattr(head, "bias", None) is not None:
@@ -532,6 +640,9 @@ def build_tiny_checkpoint(model_type: str, out_dir: str, suppress: bool = SUPPRE
             else:
                 assert not config.tie_word_embeddings
                 head.weight[ids] = 0.0
+
+    for name, value in GENERATION_CONFIG_IDS.get(model_type, {}).items():
+        setattr(model.generation_config, name, value)
 
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
