@@ -429,8 +429,7 @@ def _padded(n, multiple=64):
 def build_tokenizer(model_type, tmp):
     """Return (tokenizer, vocab_size_for_model): the model may have more rows than the tokenizer
     has tokens (opt, bloom, qwen2, ctrl), as the published checkpoints do."""
-    from transformers import (GPT2Tokenizer, LlamaTokenizer, OpenAIGPTTokenizer,
-                              PreTrainedTokenizerFast, Qwen2Tokenizer)
+    from transformers import GPT2Tokenizer, LlamaTokenizer, OpenAIGPTTokenizer, PreTrainedTokenizerFast, Qwen2Tokenizer
 
     if model_type in ("gpt2", "gptj"):
         # <|endoftext|> is the last entry of GPT-2's vocab.json (50256 of 50257).
