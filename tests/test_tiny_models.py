@@ -8,8 +8,14 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from tiny_models import (CONTEXT_ATTR, LOWERCASE_TYPES, MAX_POSITIONS, MODEL_CLASS_NAMES, MODEL_TYPES,
-                         build_tiny_checkpoint)
+from tiny_models import (
+    CONTEXT_ATTR,
+    LOWERCASE_TYPES,
+    MAX_POSITIONS,
+    MODEL_CLASS_NAMES,
+    MODEL_TYPES,
+    build_tiny_checkpoint,
+)
 
 TEXT = "Hello, my dog is cute"
 BOS_TYPES = ("llama", "mistral", "qwen2", "gptj", "bloom", "opt")

@@ -363,8 +363,7 @@ def _build_xlnet_tokenizer(tmp):
 
 def build_tokenizer(model_type, tmp):
     """Return (tokenizer, vocab_size_for_model)."""
-    from transformers import (GPT2Tokenizer, LlamaTokenizer, OpenAIGPTTokenizer,
-                              PreTrainedTokenizerFast, Qwen2Tokenizer)
+    from transformers import GPT2Tokenizer, LlamaTokenizer, OpenAIGPTTokenizer, PreTrainedTokenizerFast, Qwen2Tokenizer
 
     if model_type in ("gpt2", "gptj"):
         vocab, merges = _byte_level_bpe(600, ["<|endoftext|>"])
