@@ -68,7 +68,7 @@ def main(argv=None):
     for prompt in prompts:
         if prompt.error is None:
             try:
-                prompt.ids = encode_prompt(loaded, prompt.text, args.prefix, settings.chat)
+                prompt.ids = encode_prompt(loaded, prompt, args.prefix, settings.chat, args.system)
             except ValueError as error:
                 if args.prompt is not None:
                     fail(str(error))  # the one prompt given as an argument is bad input

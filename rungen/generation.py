@@ -31,7 +31,8 @@ class Settings:
     def from_args(cls, args, context):
         names = {field.name for field in dataclasses.fields(cls)}
         values = {name: getattr(args, name) for name in names}
-        return cls(**dict(values, length=adjust_length_to_model(args.length, max_sequence_length=context)))
+        length = adjust_length_to_model(args.length, max_sequence_length=context)
+        return cls(**dict(values, length=length, chat=bool(args.chat)))  # --chat's None (auto) is off here
 
 
 @dataclasses.dataclass
@@ -122,7 +123,7 @@ def describe_sequence(settings, tokenizer, prompt, new, eos_ids):
         while produced and new[produced - 1] == tokenizer.pad_token_id:
             produced -= 1  # a stop-string finish is padded afterwards
     # With a chat template the reply answers the prompt rather than continuing it.
-    text = continuation if settings.chat else prompt.text + continuation
+    text = continuation if settings.chat or prompt.messages is not None else prompt.text + continuation
     return Sequence(continuation, text, len(prompt.ids), produced, finish)
 
 
