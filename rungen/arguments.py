@@ -19,7 +19,7 @@ def build_parser():
         default=None,
         help="Local directory, hub id, or .gguf file. Default: the embedded SmolLM2-135M-Instruct.",
     )
-    parser.add_argument("--prompt", default=None, help="Default: lines of stdin, or ask interactively.")
+    parser.add_argument("--prompt", default=None, help="Default: lines of stdin, or a session in a terminal.")
     parser.add_argument("--length", type=int, default=20, help="Number of new tokens.")
     parser.add_argument("--stop_token", default=None, help="Token at which text generation is stopped")
     parser.add_argument(
@@ -48,6 +48,9 @@ def build_parser():
     parser.add_argument("--fp16", action="store_true", help="Shorthand for --dtype float16.")
     parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="auto: the checkpoint's dtype")
     parser.add_argument("--jit", action="store_true", help="Trace the decoding step with torch.jit.")
+    parser.add_argument(
+        "--verbose", action="store_true", help="In a terminal session, show the logs and loading bars it hides."
+    )
     # Models larger than one device: accelerate's big-model loading.
     parser.add_argument("--device_map", default=None, help='e.g. "auto": spread the model over GPUs, CPU and disk.')
     parser.add_argument(

@@ -83,7 +83,7 @@ def make_batches(prompts, batch_size):
             yield chunk[offset : offset + batch_size]
 
 
-def generate_batch(loaded, settings, batch, streamer=None):
+def generate_batch(loaded, settings, batch, streamer=None, stopping_criteria=None):
     """Generates for a list of encoded Prompts; returns {prompt index: [Sequence, ...]}."""
     model, tokenizer = loaded.model, loaded.tokenizer
     inputs = tokenizer.pad({"input_ids": [prompt.ids for prompt in batch]}, return_tensors="pt")
@@ -92,7 +92,8 @@ def generate_batch(loaded, settings, batch, streamer=None):
     new_tokens = settings.length if not loaded.context else min(settings.length, loaded.context - prompt_len)
     with torch.inference_mode():
         output = model.generate(
-            **inputs, max_new_tokens=new_tokens, streamer=streamer, **generation_kwargs(settings, tokenizer)
+            **inputs, max_new_tokens=new_tokens, streamer=streamer, stopping_criteria=stopping_criteria,
+            **generation_kwargs(settings, tokenizer),
         )
     eos_ids = model.generation_config.eos_token_id
     eos_ids = set(eos_ids if isinstance(eos_ids, list) else [eos_ids] if eos_ids is not None else [])

@@ -47,8 +47,6 @@ def read_prompts(args):
         return [Prompt(0, args.prompt)]
     if sys.stdin is None:
         fail("no prompt: pass --prompt, or pipe prompts through stdin")
-    if sys.stdin.isatty():
-        return [Prompt(0, input("Model prompt >>> "))]
     data = sys.stdin.buffer.read()
     if args.whole_stdin:
         lines = [data]
