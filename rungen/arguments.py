@@ -19,7 +19,7 @@ def build_parser():
         default=None,
         help="Local directory, hub id, or .gguf file. Default: the embedded SmolLM2-135M-Instruct.",
     )
-    parser.add_argument("--prompt", default=None, help="Default: lines of stdin, or ask interactively.")
+    parser.add_argument("--prompt", default=None, help="Default: lines of stdin, or a session in a terminal.")
     parser.add_argument("--length", type=int, default=20, help="Number of new tokens.")
     parser.add_argument("--stop_token", default=None, help="Token at which text generation is stopped")
     parser.add_argument(
@@ -34,13 +34,23 @@ def build_parser():
     parser.add_argument("--prefix", default="", help="Text added prior to input.")
     parser.add_argument("--padding_text", default="", help="Deprecated, the use of `--prefix` is preferred.")
     parser.add_argument("--xlm_language", default="", help="Optional language when used with the XLM model.")
-    parser.add_argument("--chat", action="store_true", help="Wrap each prompt in the tokenizer's chat template.")
+    parser.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Wrap each prompt in the tokenizer's chat template. Default: on in a terminal session when the "
+        "tokenizer has one, off for piped prompts.",
+    )
+    parser.add_argument("--system", default=None, help="A system message for chat-template prompts and sessions.")
     parser.add_argument("--seed", type=int, default=42, help="random seed for initialization")
     parser.add_argument("--use_cpu", action="store_true", help="Use the CPU even when an accelerator is available.")
     parser.add_argument("--num_return_sequences", type=int, default=1, help="The number of samples to generate.")
     parser.add_argument("--fp16", action="store_true", help="Shorthand for --dtype float16.")
     parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="auto: the checkpoint's dtype")
     parser.add_argument("--jit", action="store_true", help="Trace the decoding step with torch.jit.")
+    parser.add_argument(
+        "--verbose", action="store_true", help="In a terminal session, show the logs and loading bars it hides."
+    )
     # Models larger than one device: accelerate's big-model loading.
     parser.add_argument("--device_map", default=None, help='e.g. "auto": spread the model over GPUs, CPU and disk.')
     parser.add_argument(
@@ -71,7 +81,10 @@ def parse_args(argv=None):
         if not args.prefix:
             args.prefix = args.padding_text
         logger.warning("--padding_text is deprecated; use --prefix")
-    check_sampling(args)
+    try:
+        check_sampling(args)
+    except ValueError as error:
+        fail(str(error))
     if args.batch_size < 1:
         fail(f"--batch_size must be >= 1, got {args.batch_size}")
     if args.max_memory:
@@ -85,18 +98,19 @@ def parse_args(argv=None):
 
 
 def check_sampling(settings):
-    """One-line errors for generation settings out of range (flags, or a session's /set)."""
+    """Raises ValueError with a one-line message for a generation setting out of range (flags, or a
+    session's /set)."""
     if settings.k < 0:
-        fail(f"--k must be >= 0, got {settings.k}")
+        raise ValueError(f"--k must be >= 0, got {settings.k}")
     if not 0 < settings.p <= 1:
-        fail(f"--p must be in (0, 1], got {settings.p}")
+        raise ValueError(f"--p must be in (0, 1], got {settings.p}")
     if settings.temperature < 0:
-        fail(f"--temperature must be >= 0, got {settings.temperature}")
+        raise ValueError(f"--temperature must be >= 0, got {settings.temperature}")
     if settings.num_return_sequences < 1:
-        fail(f"--num_return_sequences must be >= 1, got {settings.num_return_sequences}")
+        raise ValueError(f"--num_return_sequences must be >= 1, got {settings.num_return_sequences}")
     if settings.repetition_penalty <= 0:
-        fail(f"--repetition_penalty must be > 0, got {settings.repetition_penalty}")
+        raise ValueError(f"--repetition_penalty must be > 0, got {settings.repetition_penalty}")
     if settings.num_beams < 1:
-        fail(f"--num_beams must be >= 1, got {settings.num_beams}")
+        raise ValueError(f"--num_beams must be >= 1, got {settings.num_beams}")
     if settings.num_beams > 1 and settings.num_return_sequences > settings.num_beams:
-        fail("--num_return_sequences cannot exceed --num_beams in beam search")
+        raise ValueError("--num_return_sequences cannot exceed --num_beams in beam search")

@@ -31,7 +31,8 @@ class Settings:
     def from_args(cls, args, context):
         names = {field.name for field in dataclasses.fields(cls)}
         values = {name: getattr(args, name) for name in names}
-        return cls(**dict(values, length=adjust_length_to_model(args.length, max_sequence_length=context)))
+        length = adjust_length_to_model(args.length, max_sequence_length=context)
+        return cls(**dict(values, length=length, chat=bool(args.chat)))  # --chat's None (auto) is off here
 
 
 @dataclasses.dataclass
@@ -82,7 +83,7 @@ def make_batches(prompts, batch_size):
             yield chunk[offset : offset + batch_size]
 
 
-def generate_batch(loaded, settings, batch, streamer=None):
+def generate_batch(loaded, settings, batch, streamer=None, stopping_criteria=None):
     """Generates for a list of encoded Prompts; returns {prompt index: [Sequence, ...]}."""
     model, tokenizer = loaded.model, loaded.tokenizer
     inputs = tokenizer.pad({"input_ids": [prompt.ids for prompt in batch]}, return_tensors="pt")
@@ -91,7 +92,8 @@ def generate_batch(loaded, settings, batch, streamer=None):
     new_tokens = settings.length if not loaded.context else min(settings.length, loaded.context - prompt_len)
     with torch.inference_mode():
         output = model.generate(
-            **inputs, max_new_tokens=new_tokens, streamer=streamer, **generation_kwargs(settings, tokenizer)
+            **inputs, max_new_tokens=new_tokens, streamer=streamer, stopping_criteria=stopping_criteria,
+            **generation_kwargs(settings, tokenizer),
         )
     eos_ids = model.generation_config.eos_token_id
     eos_ids = set(eos_ids if isinstance(eos_ids, list) else [eos_ids] if eos_ids is not None else [])
@@ -122,7 +124,7 @@ def describe_sequence(settings, tokenizer, prompt, new, eos_ids):
         while produced and new[produced - 1] == tokenizer.pad_token_id:
             produced -= 1  # a stop-string finish is padded afterwards
     # With a chat template the reply answers the prompt rather than continuing it.
-    text = continuation if settings.chat else prompt.text + continuation
+    text = continuation if settings.chat or prompt.messages is not None else prompt.text + continuation
     return Sequence(continuation, text, len(prompt.ids), produced, finish)
 
 

@@ -25,13 +25,15 @@ with people, even a bishop, begging for his blessing. <eod> </s> <eos>"""
 @dataclasses.dataclass
 class Prompt:
     """One input, in input order. `error` is set when it cannot be generated (it is reported, not
-    generated); `ids` once it is encoded."""
+    generated); `ids` once it is encoded. A conversation has `messages` ([{"role", "content"}, ...],
+    encoded with the chat template) and `text` is its last user message."""
 
     index: int
     text: str | None
     extra: dict = dataclasses.field(default_factory=dict)  # other jsonl fields, carried to the output
     error: str | None = None
     ids: list[int] | None = None
+    messages: list[dict] | None = None
 
 
 #
@@ -45,8 +47,6 @@ def read_prompts(args):
         return [Prompt(0, args.prompt)]
     if sys.stdin is None:
         fail("no prompt: pass --prompt, or pipe prompts through stdin")
-    if sys.stdin.isatty():
-        return [Prompt(0, input("Model prompt >>> "))]
     data = sys.stdin.buffer.read()
     if args.whole_stdin:
         lines = [data]
@@ -67,10 +67,28 @@ def parse_prompt_line(index, line, input_format):
         record = json.loads(text)
     except json.JSONDecodeError as error:
         return Prompt(index, None, error=f"input is not valid JSON ({error.msg})")
+    if isinstance(record, dict) and "messages" in record and "prompt" not in record:
+        messages = record.pop("messages")
+        problem = messages_problem(messages)
+        if problem:
+            return Prompt(index, None, extra=record, error=f'"messages": {problem}')
+        last_user = [message["content"] for message in messages if message["role"] == "user"][-1:]
+        return Prompt(index, "".join(last_user), extra=dict(record, messages=messages), messages=messages)
     if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-        return Prompt(index, None, error='a jsonl input line must be an object with a string "prompt" field')
+        return Prompt(index, None, error='a jsonl input line must be an object with a string "prompt" field '
+                      'or a "messages" list')
     text = record.pop("prompt")
     return Prompt(index, text, extra=record)
+
+
+def messages_problem(messages):
+    """What is wrong with a conversation in the OpenAI chat format, or None."""
+    if not isinstance(messages, list) or not messages:
+        return "must be a non-empty list"
+    for message in messages:
+        if not isinstance(message, dict) or not all(isinstance(message.get(key), str) for key in ("role", "content")):
+            return 'each message must be an object with string "role" and "content" fields'
+    return None
 
 
 #
@@ -121,17 +139,25 @@ def prepare_model(loaded, args):
 #
 
 
-def encode_prompt(loaded, text, prefix="", chat=False):
-    """Token ids for one prompt, with the seed's per-model preparation; raises ValueError."""
+def encode_prompt(loaded, prompt, prefix="", chat=False, system=None):
+    """Token ids for one Prompt, with the seed's per-model preparation; raises ValueError.
+
+    A conversation (prompt.messages), or with `chat` the text as one user message, goes through the
+    chat template; `system` is put first when the conversation has no system message of its own.
+    --prefix applies to text prompts only: a conversation is taken as it is."""
     tokenizer, model = loaded.tokenizer, loaded.model
-    if chat:
+    messages = prompt.messages
+    if messages is None and chat:
+        messages = [{"role": "user", "content": prefix + prompt.text}]
+    if messages is not None:
         if not tokenizer.chat_template:
-            raise ValueError("--chat: this tokenizer has no chat template")
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prefix + text}], add_generation_prompt=True, tokenize=False
-        )
+            raise ValueError(("--chat: " if prompt.messages is None else "") + "this tokenizer has no chat template")
+        if system and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": system}, *messages]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         add_special_tokens = False  # the template already holds them
     else:
+        text = prompt.text
         text = prepare_xlnet_input(text, prefix) if loaded.model_type == "xlnet" else prefix + text
         if loaded.model_type == "ctrl":
             warn_without_control_code(tokenizer, text)

@@ -1,0 +1,419 @@
+"""A session in the terminal: the model stays loaded and answers prompt after prompt.
+
+run_generation.py's main() calls run() when no --prompt is given and stdin is a terminal. With a chat
+template (or --chat) the session is a conversation: its messages go through the template every turn
+and the oldest turns are dropped when they would outgrow the context. Without one, each prompt is
+continued on its own, as the seed does. Lines starting with / are commands (HELP lists them).
+
+Where things go: replies to stdout (and nothing else, so `run_generation.py > out.txt` collects the
+replies alone); the prompt, the line being typed and every notice to the terminal through stderr.
+"""
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import signal
+import sys
+import time
+
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+from . import PROG, fail, logger
+from .arguments import check_sampling
+from .generation import StopTokenStreamer, adjust_length_to_model, generate_batch
+from .loading import cache_dir
+from .prompts import Prompt, encode_prompt
+
+PROMPT, CONTINUATION = ">>> ", "... "
+BLOCK = '"""'
+HISTORY_FILE = "session_history"  # readline's history of typed lines, under the cache directory
+HISTORY_LENGTH = 1000
+
+# What /set may change, and the type its value is read as.
+SETTABLE = {"length": int, "temperature": float, "k": int, "p": float, "repetition_penalty": float,
+            "num_beams": int, "stop_token": str}
+
+HELP = f"""Type a prompt and press Enter; the reply streams below it.
+  /help              this help
+  /set               show the generation settings
+  /set NAME VALUE    change one: length, temperature (0: greedy), k, p, repetition_penalty,
+                     num_beams, stop_token (none: no stop token)
+  /clear             forget the conversation (a --system message stays)
+  /save FILE         write the conversation to FILE as one JSON line {{"messages": [...]}}
+  /exit, /quit       end the session; so do Ctrl-D, and Ctrl-C at an empty prompt
+Multi-line input: end a line with \\ to go on on the next line, or put the text between two {BLOCK}.
+A prompt that starts with / is typed with two: //etc/hosts is the prompt /etc/hosts.
+Ctrl-C while a reply is generated stops it; what was printed stays in the conversation."""
+
+
+#
+# The pure parts: commands, multi-line input, the context, settings
+#
+
+
+def split_input(line):
+    """(command name, argument) for a command line, (None, prompt text) for anything else.
+
+    '/set k 5' -> ('set', 'k 5'); '//etc' -> (None, '/etc'); 'Hello' -> (None, 'Hello')."""
+    if line.startswith("//"):
+        return None, line[1:]
+    if line.startswith("/"):
+        name, _, argument = line[1:].strip().partition(" ")
+        return name.lower(), argument.strip()
+    return None, line
+
+
+class LineJoiner:
+    """Joins the lines of one input. A line ending in a backslash goes on on the next line; a line
+    starting with \"\"\" opens a block that a line ending with \"\"\" closes (\"\"\"one line\"\"\" works too)."""
+
+    def __init__(self):
+        self.lines, self.block = [], False
+
+    @property
+    def pending(self):
+        """Whether an input has begun and needs more lines."""
+        return self.block or bool(self.lines)
+
+    def feed(self, line):
+        """The whole input once `line` completes it, else None."""
+        if self.block:
+            if line.rstrip().endswith(BLOCK):
+                self._add(line.rstrip()[: -len(BLOCK)])
+                return self._done()
+            self.lines.append(line)
+            return None
+        if not self.lines and line.lstrip().startswith(BLOCK):
+            rest = line.lstrip()[len(BLOCK) :]
+            if rest.rstrip().endswith(BLOCK):
+                return rest.rstrip()[: -len(BLOCK)]
+            self.block = True
+            self._add(rest)
+            return None
+        if line.endswith("\\"):
+            self.lines.append(line[:-1])
+            return None
+        self.lines.append(line)
+        return self._done()
+
+    def _add(self, part):
+        if part.strip():  # the block's own """ lines add no empty line
+            self.lines.append(part)
+
+    def _done(self):
+        text = "\n".join(self.lines)
+        self.lines, self.block = [], False
+        return text
+
+
+def fit_to_context(messages, count_tokens, limit):
+    """The conversation with its oldest turns dropped until count_tokens(messages) <= limit.
+
+    A turn is a user message and what follows it up to the next user message. A leading system
+    message stays, and so does the last turn (the one being asked), whatever its size. Returns
+    (messages, number of turns dropped)."""
+    system = messages[:1] if messages and messages[0]["role"] == "system" else []
+    rest, dropped = messages[len(system) :], 0
+    while count_tokens(system + rest) > limit:
+        next_turn = next((i for i, message in enumerate(rest) if i > 0 and message["role"] == "user"), None)
+        if next_turn is None:
+            break
+        rest, dropped = rest[next_turn:], dropped + 1
+    return system + rest, dropped
+
+
+def set_setting(settings, name, value, context):
+    """A new Settings with NAME set to VALUE as typed; ValueError with a one-line message when it
+    cannot be, out of range ones with the flags' own messages (check_sampling)."""
+    if name not in SETTABLE:
+        raise ValueError(f"unknown setting {name!r}; /set takes one of: {', '.join(SETTABLE)}")
+    if not value:
+        raise ValueError(f"/set {name} needs a value")
+    kind = SETTABLE[name]
+    if kind is str:
+        parsed = None if value.lower() == "none" else value
+    else:
+        try:
+            parsed = kind(value)
+        except ValueError:
+            raise ValueError(f"{name} takes {'an integer' if kind is int else 'a number'}, got {value!r}") from None
+    if name == "length":
+        parsed = adjust_length_to_model(parsed, max_sequence_length=context)
+    changed = dataclasses.replace(settings, **{name: parsed})
+    check_sampling(changed)
+    return changed
+
+
+def describe_settings(settings):
+    return "\n".join(f"  {name:<20}{getattr(settings, name)!r}" for name in SETTABLE)
+
+
+def turn_stats(prompt_tokens, reply_tokens, started, first_token_at, ended, interrupted=False):
+    """The line printed after each reply: tokens, time to first token, decoding speed."""
+    parts = [f"{prompt_tokens} prompt + {reply_tokens} reply tokens"]
+    if first_token_at is not None:
+        parts.append(f"first token {first_token_at - started:.2f} s")
+        if reply_tokens > 1 and ended > first_token_at:
+            parts.append(f"{(reply_tokens - 1) / (ended - first_token_at):.1f} tokens/s")
+    if interrupted:
+        parts.append("interrupted")
+    return "(" + ", ".join(parts) + ")"
+
+
+#
+# Generating one reply
+#
+
+
+class TurnControl(StoppingCriteria):
+    """Asked by generate() after every new token: notes when the first one came, and stops the
+    reply once Ctrl-C was pressed (a second Ctrl-C raises KeyboardInterrupt: the reply is given up)."""
+
+    def __init__(self):
+        self.interrupted, self.first_token_at = False, None
+
+    def __call__(self, input_ids, scores, **kwargs):
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        return torch.full((input_ids.shape[0],), self.interrupted, dtype=torch.bool, device=input_ids.device)
+
+    @contextlib.contextmanager
+    def ctrl_c_stops_the_reply(self):
+        def on_ctrl_c(signum, frame):
+            if self.interrupted:
+                raise KeyboardInterrupt
+            self.interrupted = True
+
+        previous = signal.signal(signal.SIGINT, on_ctrl_c)
+        try:
+            yield self
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+
+#
+# The terminal
+#
+
+
+def _is_terminal(stream, fd):
+    try:
+        return stream.fileno() == fd and stream.isatty()
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+class Terminal:
+    """Reads lines with readline's editing and history (kept in HISTORY_FILE under the cache
+    directory), showing the prompt where the user sees it without putting it into stdout."""
+
+    def __init__(self):
+        try:
+            import readline
+        except ImportError:  # no readline on this platform: plain lines, no history
+            readline = None
+        self.readline, self.history_path = readline, os.path.join(cache_dir(), HISTORY_FILE)
+        self.stdout_is_terminal = _is_terminal(sys.stdout, 1)
+        self.stderr_is_terminal = _is_terminal(sys.stderr, 2)
+        if readline:
+            readline.set_history_length(HISTORY_LENGTH)
+            with contextlib.suppress(OSError):
+                readline.read_history_file(self.history_path)
+
+    def close(self):
+        if self.readline:
+            with contextlib.suppress(OSError):
+                os.makedirs(os.path.dirname(self.history_path), exist_ok=True)
+                self.readline.write_history_file(self.history_path)
+
+    def read(self, prompt):
+        """One line; EOFError on Ctrl-D, KeyboardInterrupt on Ctrl-C."""
+        sys.stdout.flush()
+        if self.stdout_is_terminal:
+            return input(prompt)
+        if not self.stderr_is_terminal:  # both redirected: no line editing, the prompt to stderr
+            sys.stderr.write(prompt)
+            sys.stderr.flush()
+            return input()
+        # stdout goes to a file: readline writes the prompt and the echo to file descriptor 1 (and
+        # edits lines only when it is a terminal), so point it at the terminal meanwhile.
+        saved = os.dup(1)
+        os.dup2(2, 1)
+        try:
+            return input(prompt)
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+
+    def typed(self):
+        """What was typed on the line when Ctrl-C came."""
+        return self.readline.get_line_buffer() if self.readline else ""
+
+
+def say(text):
+    """A notice: to stderr, never mixed into the replies."""
+    print(text, file=sys.stderr, flush=True)
+
+
+#
+# The session
+#
+
+
+class Session:
+    def __init__(self, loaded, settings, args):
+        self.loaded, self.settings, self.args = loaded, settings, args
+        self.chat = settings.chat
+        self.system = [{"role": "system", "content": args.system}] if self.chat and args.system else []
+        self.messages = []  # the conversation after the system message: user and assistant turns
+        self.stream = args.stream is not False
+        self.stdout_is_terminal = _is_terminal(sys.stdout, 1)
+        self.replies = []  # what main() returns: each reply (prompt + continuation in plain continuation)
+
+    def loop(self, terminal):
+        joiner = LineJoiner()
+        while True:
+            try:
+                line = terminal.read(CONTINUATION if joiner.pending else PROMPT)
+            except EOFError:  # Ctrl-D
+                sys.stderr.write("\n")
+                return
+            except KeyboardInterrupt:  # Ctrl-C: drops what is being typed, or ends at an empty prompt
+                sys.stderr.write("\n")
+                if not joiner.pending and not terminal.typed():
+                    return
+                joiner = LineJoiner()
+                continue
+            if not joiner.pending:
+                name, line = split_input(line)
+                if name is not None:
+                    if self.command(name, line):
+                        return
+                    continue
+            text = joiner.feed(line)
+            if text is None or not text.strip():
+                continue
+            try:
+                self.turn(text)
+            except KeyboardInterrupt:  # a second Ctrl-C during one reply
+                print(flush=True)
+                say("(reply given up; it is not kept in the conversation)")
+
+    def command(self, name, argument):
+        """Runs one /command; True when it ends the session."""
+        if name in ("exit", "quit"):
+            return True
+        if name == "help":
+            say(HELP)
+        elif name == "clear":
+            self.messages = []
+            say("(conversation cleared)")
+        elif name == "save":
+            self.save(argument)
+        elif name == "set" and not argument:
+            say(describe_settings(self.settings))
+        elif name == "set":
+            setting, _, value = argument.partition(" ")
+            try:
+                self.settings = set_setting(self.settings, setting.lower(), value.strip(), self.loaded.context)
+            except ValueError as error:
+                say(f"error: {error}")
+            else:
+                say(f"  {setting.lower():<20}{getattr(self.settings, setting.lower())!r}")
+        else:
+            say(f"unknown command /{name}; /help lists the commands")
+        return False
+
+    def save(self, path):
+        if not path:
+            say("error: /save needs a file name")
+            return
+        if self.chat:  # the jsonl input's conversation format: it reads back with --input_format jsonl
+            lines = [{"messages": self.system + self.messages}]
+        else:  # plain continuation: one prompt per line, as --input_format jsonl reads prompts
+            pairs = zip(self.messages[::2], self.messages[1::2])
+            lines = [{"prompt": user["content"], "continuation": reply["content"]} for user, reply in pairs]
+        try:
+            with open(os.path.expanduser(path), "w", encoding="utf-8") as file:
+                file.writelines(json.dumps(line, ensure_ascii=False) + "\n" for line in lines)
+        except OSError as error:
+            say(f"error: cannot write {path}: {error.strerror}")
+            return
+        say(f"(saved to {path})")
+
+    def encode(self, text):
+        """The prompt of this turn, encoded; with a chat template, the conversation so far fitted to
+        the context (the dropped turns are gone for good). ValueError if it cannot be generated."""
+        user = {"role": "user", "content": text}
+        if not self.chat:
+            prompt = Prompt(len(self.replies), text)
+        else:
+            messages = self.system + self.messages + [user]
+            if self.loaded.context:
+                limit = self.loaded.context - self.settings.length
+                messages, dropped = fit_to_context(messages, self.count_tokens, limit)
+                if dropped:
+                    turns = "turn" if dropped == 1 else f"{dropped} turns"
+                    say(f"(dropped the oldest {turns} to fit the model's context of {self.loaded.context} tokens)")
+                    self.messages = messages[len(self.system) : -1]
+            prompt = Prompt(len(self.replies), text, messages=messages)
+        prompt.ids = encode_prompt(self.loaded, prompt, self.args.prefix, self.chat)
+        return prompt, user
+
+    def count_tokens(self, messages):
+        try:
+            return len(encode_prompt(self.loaded, Prompt(0, "", messages=messages)))
+        except ValueError:  # longer than the context
+            return math.inf
+
+    def turn(self, text):
+        """One prompt and its reply: streamed to stdout, then a line of figures on stderr."""
+        try:
+            prompt, user = self.encode(text)
+        except ValueError as error:
+            say(f"error: {error}")
+            return
+        settings, control = self.settings, TurnControl()
+        streamer = StopTokenStreamer(self.loaded.tokenizer, settings.stop_token) if self.stream else None
+        if settings.num_beams > 1:
+            streamer = None  # beam search cannot stream: the reply comes when it is done
+        started = time.perf_counter()
+        with control.ctrl_c_stops_the_reply():
+            results = generate_batch(self.loaded, settings, [prompt], streamer, StoppingCriteriaList([control]))
+        ended = time.perf_counter()
+        [sequence] = results[prompt.index]
+        if streamer is None:
+            print(sequence.generated_text, flush=True)
+        self.messages += [user, {"role": "assistant", "content": sequence.generated_text}]
+        self.replies.append(sequence.text)
+        if control.interrupted and not self.stdout_is_terminal:
+            sys.stderr.write("\n")  # after the ^C the terminal echoed; the reply's own newline went to stdout
+        say(turn_stats(len(prompt.ids), sequence.num_generated_tokens, started, control.first_token_at, ended,
+                       control.interrupted))
+
+
+def run(loaded, settings, args):
+    """The session, until /exit, Ctrl-D or Ctrl-C at an empty prompt; returns the replies."""
+    has_template = bool(loaded.tokenizer.chat_template)
+    chat = args.chat if args.chat is not None else has_template
+    if chat and not has_template:
+        fail("--chat: this tokenizer has no chat template")
+    if args.system and not chat:
+        logger.warning("--system is ignored: plain continuation has no chat template to put it in")
+    if settings.num_return_sequences > 1:
+        logger.warning("A session gives one reply per prompt; --num_return_sequences is ignored.")
+    if args.output_format != "text":
+        logger.warning("A session prints its replies as text (/save writes the conversation as JSON); "
+                       "--output_format is for piped prompts.")
+    session = Session(loaded, dataclasses.replace(settings, chat=chat, num_return_sequences=1), args)
+    kind = "Chat (the model's chat template)" if chat else "Plain continuation"
+    say(f"{PROG}: {kind}. /help for commands, Ctrl-D or /exit to end.")
+    terminal = Terminal()
+    try:
+        session.loop(terminal)
+    finally:
+        terminal.close()
+    return session.replies

@@ -1,0 +1,318 @@
+"""A session in the terminal: the real CLI on a pseudo-terminal, typed at as a user types.
+
+The tiny checkpoints have no chat template; `chat_llama` is a copy of the tiny llama with a simple one.
+Its LM head never produces special or unprintable tokens, so a greedy reply is always --length tokens
+on one line. Most sessions send stdout to a file (as `run_generation.py > out.txt` does): then it holds
+the replies alone, one per line, and the terminal shows the prompts and the figures.
+"""
+
+import fcntl
+import json
+import os
+import pty
+import re
+import select
+import shutil
+import struct
+import subprocess
+import sys
+import termios
+import time
+
+import pytest
+from transformers import AutoTokenizer
+
+from helpers import SCRIPT, cli_env, jsonl, run_cli
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+PROMPT = re.compile(rb">>> ")
+STATS = re.compile(rb"\((\d+) prompt \+ (\d+) reply tokens[^)\n]*\)")
+
+
+def with_chat_template(source, target, **config):
+    shutil.copytree(source, target)
+    with open(os.path.join(target, "chat_template.jinja"), "w") as f:
+        f.write(CHAT_TEMPLATE)
+    if config:
+        with open(os.path.join(target, "config.json")) as f:
+            values = json.load(f)
+        with open(os.path.join(target, "config.json"), "w") as f:
+            json.dump(dict(values, **config), f)
+    return target
+
+
+@pytest.fixture(scope="module")
+def chat_llama(tiny_models, tmp_path_factory):
+    """The tiny llama (context 128) with a chat template."""
+    return with_chat_template(tiny_models["llama"], str(tmp_path_factory.mktemp("chat") / "llama"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(chat_llama):
+    return AutoTokenizer.from_pretrained(chat_llama)
+
+
+def conversation_tokens(tokenizer, messages):
+    """The prompt's length for a conversation, encoded as the tool encodes it."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _take_the_terminal():
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)  # the pty becomes the controlling terminal: Ctrl-C sends SIGINT
+
+
+class Terminal:
+    """run_generation.py with stdin and stderr on a pseudo-terminal, stdout there too or to a file."""
+
+    def __init__(self, args, cache_home, stdout=None):
+        master, slave = pty.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 200, 0, 0))
+        env = dict(cli_env(cache_home), TERM="dumb")
+        self.stdout_path = stdout
+        out = open(stdout, "wb") if stdout else slave
+        self.process = subprocess.Popen([sys.executable, SCRIPT, *args], stdin=slave, stdout=out, stderr=slave,
+                                        env=env, start_new_session=True, preexec_fn=_take_the_terminal)
+        os.close(slave)
+        if stdout:
+            out.close()
+        self.master, self.output, self.seen = master, b"", 0
+
+    def expect(self, pattern, timeout=300):
+        """Waits for `pattern` in what the terminal shows after the last match; returns the match."""
+        deadline = time.monotonic() + timeout
+        while True:
+            match = pattern.search(self.output, self.seen)
+            if match:
+                self.seen = match.end()
+                return match
+            ready, _, _ = select.select([self.master], [], [], max(0.0, deadline - time.monotonic()))
+            chunk = b""
+            if ready:
+                try:
+                    chunk = os.read(self.master, 65536)
+                except OSError:  # the process is gone
+                    pass
+            if not chunk:
+                raise AssertionError(f"no {pattern.pattern!r} on the terminal; it shows:\n{self.output.decode()}")
+            self.output += chunk
+
+    def send(self, data):
+        os.write(self.master, data.encode())
+
+    def ask(self, text):
+        """Types a prompt, waits for its reply and the next prompt; returns (prompt tokens, reply tokens)."""
+        self.send(text + "\r")
+        stats = self.expect(STATS)
+        self.expect(PROMPT)
+        return int(stats[1]), int(stats[2])
+
+    def command(self, text):
+        """Types a command; returns what the terminal showed until the next prompt."""
+        start = self.seen
+        self.send(text + "\r")
+        self.expect(PROMPT)
+        return self.output[start : self.seen].decode()
+
+    def stdout(self):
+        with open(self.stdout_path, encoding="utf-8") as f:
+            return f.read()
+
+    def wait(self):
+        returncode = self.process.wait(timeout=120)
+        while select.select([self.master], [], [], 0)[0]:
+            try:
+                chunk = os.read(self.master, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            self.output += chunk
+        os.close(self.master)
+        return returncode
+
+
+def start(args, tmp_path, stdout_to_file=True):
+    """A session, waited on until its first prompt; the cache (readline history) lives in tmp_path."""
+    terminal = Terminal(args, tmp_path, stdout=str(tmp_path / "stdout.txt") if stdout_to_file else None)
+    terminal.expect(PROMPT)
+    return terminal
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_two_turns_make_one_conversation_that_a_pipe_replays(chat_llama, tokenizer, tmp_path, jit):
+    args = ["--model_name_or_path", chat_llama, "--temperature", "0", "--length", "12"] + (["--jit"] if jit else [])
+    terminal = start(args, tmp_path)
+    first = terminal.ask("Hello there")
+    second = terminal.ask("How are you")
+    terminal.command(f"/save {tmp_path / 'chat.jsonl'}")
+    terminal.send("\x04")  # Ctrl-D
+    assert terminal.wait() == 0
+    assert "Chat (the model's chat template)" in terminal.output.decode()
+
+    [line] = (tmp_path / "chat.jsonl").read_text().splitlines()
+    messages = json.loads(line)["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"]
+    assert [messages[0]["content"], messages[2]["content"]] == ["Hello there", "How are you"]
+    # The second prompt is the whole conversation so far, through the chat template.
+    assert first == (conversation_tokens(tokenizer, messages[:1]), 12)
+    assert second == (conversation_tokens(tokenizer, messages[:3]), 12) and second[0] > first[0] + 12
+    # stdout holds the replies alone, one per line, as streamed.
+    assert [text.strip() for text in terminal.stdout().splitlines()] == [messages[1]["content"].strip(),
+                                                                          messages[3]["content"].strip()]
+    # readline's history of typed lines is a file in the cache directory.
+    assert "How are you" in (tmp_path / "run_generation" / "session_history").read_text()
+
+    # The same conversation from a pipe, in the jsonl messages format /save wrote, gives the same replies.
+    stdin = "\n".join(json.dumps({"messages": messages[:end], "id": end}) for end in (1, 3))
+    piped = run_cli(["--model_name_or_path", chat_llama, "--temperature", "0", "--length", "12", "--input_format",
+                     "jsonl", "--output_format", "jsonl", "--batch_size", "1"], stdin=stdin)
+    assert piped.returncode == 0, piped.stderr.decode()
+    records = jsonl(piped.stdout)
+    assert [r["generated_text"] for r in records] == [messages[1]["content"], messages[3]["content"]]
+    assert [r["prompt"] for r in records] == ["Hello there", "How are you"]  # the last user message
+    assert [r["messages"] for r in records] == [messages[:1], messages[:3]] and records[1]["id"] == 3
+    assert [r["num_prompt_tokens"] for r in records] == [first[0], second[0]]
+
+
+def test_set_and_clear(chat_llama, tokenizer, tmp_path):
+    terminal = start(["--model_name_or_path", chat_llama, "--temperature", "0", "--length", "12"], tmp_path)
+    first = terminal.ask("Hello there")
+    assert first[1] == 12
+    assert "length              5" in terminal.command("/set length 5")
+    assert "error: --temperature must be >= 0, got -1.0" in terminal.command("/set temperature -1")
+    assert "error: k takes an integer, got 'x'" in terminal.command("/set k x")
+    assert "unknown setting 'beam'" in terminal.command("/set beam 2")
+    assert "unknown command /bogus" in terminal.command("/bogus")
+    shown = terminal.command("/set")
+    assert "length              5" in shown and "temperature         0.0" in shown  # bad values changed nothing
+    second = terminal.ask("Hello again")
+    assert second[1] == 5 and second[0] > first[0] + 12  # the new length; the first turn is still there
+    assert "(conversation cleared)" in terminal.command("/clear")
+    assert terminal.ask("Hello there") == (first[0], 5)  # nothing before it any more
+    terminal.send("/exit\r")
+    assert terminal.wait() == 0
+    replies = terminal.stdout().splitlines()
+    assert len(replies) == 3 and replies[2] == replies[0][: len(replies[2])]  # greedy: the same reply, shorter
+
+
+def test_old_turns_are_dropped_to_fit_the_context(chat_llama, tokenizer, tmp_path):
+    length = 30  # the context is 128: a prompt may be 98 tokens
+    terminal = start(["--model_name_or_path", chat_llama, "--temperature", "0", "--length", str(length)], tmp_path)
+    sizes = [terminal.ask(f"Tell me more about the dog number {n}") for n in range(4)]
+    terminal.command(f"/save {tmp_path / 'chat.jsonl'}")
+    terminal.send("/quit\r")
+    assert terminal.wait() == 0
+    shown = terminal.output.decode()
+    assert "(dropped the oldest turn to fit the model's context of 128 tokens)" in shown
+    assert all(prompt + length <= 128 for prompt, _ in sizes)
+    assert sizes[1][0] > sizes[0][0]  # the second turn still carries the first
+    messages = json.loads((tmp_path / "chat.jsonl").read_text())["messages"]
+    assert messages[-2]["content"] == "Tell me more about the dog number 3"
+    assert messages[0]["content"] != "Tell me more about the dog number 0"  # dropped from the conversation
+    assert sizes[-1][0] == conversation_tokens(tokenizer, messages[:-1])
+
+
+def test_ctrl_c_stops_a_reply_and_keeps_it(tiny_models, tmp_path):
+    # Context 100000, so that a reply of 50000 tokens is still being generated when Ctrl-C comes.
+    model = with_chat_template(tiny_models["llama"], str(tmp_path / "long"), max_position_embeddings=100000)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    terminal = start(["--model_name_or_path", model, "--temperature", "0", "--length", "50000"], tmp_path)
+    terminal.send("Hello there\r")
+    deadline = time.monotonic() + 300
+    while not terminal.stdout() and time.monotonic() < deadline:  # the reply is streaming
+        time.sleep(0.1)
+    terminal.send("\x03")  # Ctrl-C
+    stats = terminal.expect(STATS)
+    terminal.expect(PROMPT)
+    assert b"interrupted" in stats[0] and 0 < int(stats[2]) < 50000
+    terminal.command(f"/save {tmp_path / 'chat.jsonl'}")
+    messages = json.loads((tmp_path / "chat.jsonl").read_text())["messages"]
+    # What was printed is the reply kept in the conversation, and the next turn is asked with it.
+    assert messages[1]["role"] == "assistant" and terminal.stdout().strip() == messages[1]["content"].strip()
+    terminal.command("/set length 3")
+    prompt_tokens, _ = terminal.ask("And then")
+    assert prompt_tokens == conversation_tokens(tokenizer, messages + [{"role": "user", "content": "And then"}])
+    terminal.send("half a line")
+    time.sleep(0.5)
+    terminal.send("\x03")  # Ctrl-C on a typed line drops the line and asks again
+    terminal.expect(PROMPT)
+    terminal.send("\x03")  # Ctrl-C at an empty prompt ends the session
+    assert terminal.wait() == 0
+    assert "Traceback" not in terminal.output.decode()
+
+
+def test_plain_continuation_and_multi_line_input(chat_llama, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(chat_llama)
+    args = ["--model_name_or_path", chat_llama, "--temperature", "0", "--length", "8", "--no-chat"]
+    terminal = start(args, tmp_path)
+    first = terminal.ask("Hello there")
+    assert terminal.ask("Hello there") == first  # no history: each prompt is continued on its own
+    terminal.send("Hello\\\r")
+    terminal.expect(re.compile(rb"\.\.\. "))  # the continuation prompt
+    two_lines = terminal.ask("there")
+    terminal.send('"""\r')
+    terminal.send("Hello\r")
+    block = terminal.ask('there"""')
+    terminal.send("\x04")
+    assert terminal.wait() == 0
+    assert "Plain continuation" in terminal.output.decode()
+    assert first[0] == len(tokenizer.encode("Hello there"))
+    assert two_lines[0] == block[0] == len(tokenizer.encode("Hello\nthere"))
+    # A plain session continues a prompt as the pipe does.
+    piped = run_cli(args + ["--output_format", "jsonl"], stdin="Hello there\n")
+    assert piped.returncode == 0, piped.stderr.decode()
+    replies = terminal.stdout().splitlines()
+    assert replies[0] == replies[1] and replies[0].strip() == jsonl(piped.stdout)[0]["generated_text"].strip()
+
+
+def test_default_model_session_is_quiet_and_converses(default_model, tmp_path):
+    cache_home, _ = default_model
+    terminal = Terminal(["--temperature", "0", "--length", "24"], cache_home)
+    terminal.expect(PROMPT)
+    before = terminal.output.decode()
+    first = terminal.ask("What is the capital of France?")
+    second = terminal.ask("Say it again.")
+    terminal.send("\x04")
+    assert terminal.wait() == 0
+    shown = terminal.output.decode()
+    # Nothing but the session's own line before the first prompt: no argument dump, no logs, no bars.
+    assert before.strip().splitlines() == ["run_generation.py: Chat (the model's chat template). /help for commands, "
+                                           "Ctrl-D or /exit to end.", ">>>"]
+    assert "Paris" in shown[len(before) :]
+    assert second[0] > first[0] + first[1]  # the reply and the question are part of the second prompt
+
+
+# Conversations and system messages from pipes
+
+
+def test_piped_chat_takes_a_system_message(chat_llama, tokenizer):
+    base = ["--model_name_or_path", chat_llama, "--temperature", "0", "--length", "4", "--output_format", "jsonl"]
+    system = {"role": "system", "content": "Be brief."}
+    user = {"role": "user", "content": "Hello there"}
+    [chat] = jsonl(run_cli(base + ["--chat", "--system", "Be brief.", "--prompt", "Hello there"]).stdout)
+    assert chat["num_prompt_tokens"] == conversation_tokens(tokenizer, [system, user])
+    # A conversation gets --system only when it has no system message of its own.
+    stdin = "\n".join(json.dumps({"messages": m}) for m in ([user], [dict(system, content="Own."), user]))
+    result = run_cli(base + ["--input_format", "jsonl", "--system", "Be brief."], stdin=stdin)
+    records = jsonl(result.stdout)
+    assert [r["num_prompt_tokens"] for r in records] == [
+        conversation_tokens(tokenizer, [system, user]), conversation_tokens(tokenizer, [dict(system, content="Own."),
+                                                                                        user])]
+    assert records[0]["generated_text"] == chat["generated_text"] and records[0]["text"] == chat["generated_text"]
+    # Without --chat, piped text prompts stay plain even when the model has a template.
+    [plain] = jsonl(run_cli(base, stdin="Hello there").stdout)
+    assert plain["num_prompt_tokens"] == len(tokenizer.encode("Hello there"))
+
+
+def test_a_conversation_needs_a_chat_template(tiny_models):
+    stdin = '{"messages": [{"role": "user", "content": "Hi"}]}\n{"prompt": "Hi"}\n{"messages": []}\n'
+    args = ["--model_name_or_path", tiny_models["gpt2"], "--input_format", "jsonl", "--output_format", "jsonl"]
+    result = run_cli(args, stdin=stdin)
+    assert result.returncode == 1
+    records = jsonl(result.stdout)
+    assert records[0]["error"] == "this tokenizer has no chat template" and "error" not in records[1]
+    assert records[2]["error"] == '"messages": must be a non-empty list'

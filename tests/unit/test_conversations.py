@@ -1,0 +1,90 @@
+"""Fast tier: conversations ({"messages": [...]} jsonl lines), --chat, --system and the sampling checks
+that flags and a session's /set share; a tokenizer at most."""
+
+import json
+import types
+
+import pytest
+
+from rungen.arguments import check_sampling, parse_args
+from rungen.generation import Settings
+from rungen.prompts import Prompt, encode_prompt, parse_prompt_line
+from tiny_models import build_tokenizer
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def assistant(text):
+    return {"role": "assistant", "content": text}
+
+
+def test_a_jsonl_line_with_messages_is_a_conversation():
+    messages = [{"role": "system", "content": "S"}, user("Hi"), assistant("Hello"), user("Bye")]
+    prompt = parse_prompt_line(4, json.dumps({"messages": messages, "id": 9}).encode(), "jsonl")
+    assert prompt == Prompt(4, "Bye", extra={"id": 9, "messages": messages}, messages=messages)
+    # A line with a "prompt" is a text prompt, as before: a "messages" field beside it is only carried.
+    both = parse_prompt_line(0, json.dumps({"prompt": "P", "messages": 1}).encode(), "jsonl")
+    assert both == Prompt(0, "P", extra={"messages": 1})
+
+
+@pytest.mark.parametrize(
+    "record, error",
+    [
+        ({"messages": []}, '"messages": must be a non-empty list'),
+        ({"messages": "Hi"}, '"messages": must be a non-empty list'),
+        ({"messages": [{"role": "user"}]}, '"messages": each message must be an object with string "role"'),
+        ({"messages": ["Hi"]}, '"messages": each message must be an object with string "role"'),
+    ],
+)
+def test_bad_conversations_are_error_records(record, error):
+    prompt = parse_prompt_line(0, json.dumps(dict(record, id=1)).encode(), "jsonl")
+    assert prompt.error.startswith(error) and prompt.extra == {"id": 1}
+
+
+@pytest.fixture(scope="module")
+def chat_loaded(tmp_path_factory):
+    tokenizer, _ = build_tokenizer("gpt2", str(tmp_path_factory.mktemp("tok")))
+    tokenizer.chat_template = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}[assistant]"
+    return types.SimpleNamespace(tokenizer=tokenizer, model=None, model_type="gpt2", context=128)
+
+
+def test_encoding_a_conversation_uses_the_template_and_the_system_message(chat_loaded):
+    tokenizer = chat_loaded.tokenizer
+
+    def encoded(prompt, **kwargs):
+        return tokenizer.decode(encode_prompt(chat_loaded, prompt, **kwargs))
+
+    conversation = Prompt(0, "Hi", messages=[user("Hi")])
+    assert encoded(conversation) == "[user]Hi[assistant]"
+    assert encoded(conversation, system="Be brief.", prefix="P: ") == "[system]Be brief.[user]Hi[assistant]"
+    own = Prompt(0, "Hi", messages=[{"role": "system", "content": "Own."}, user("Hi")])
+    assert encoded(own, system="Be brief.") == "[system]Own.[user]Hi[assistant]"
+    assert encoded(Prompt(0, "Hi"), chat=True, system="S", prefix="P: ") == "[system]S[user]P: Hi[assistant]"
+    assert encoded(Prompt(0, "Hi"), system="S", prefix="P: ") == "P: Hi"  # no --chat: plain text
+
+
+def test_without_a_template(chat_loaded):
+    tokenizer = chat_loaded.tokenizer
+    template, tokenizer.chat_template = tokenizer.chat_template, None
+    try:
+        with pytest.raises(ValueError, match="^this tokenizer has no chat template$"):
+            encode_prompt(chat_loaded, Prompt(0, "Hi", messages=[user("Hi")]))
+        with pytest.raises(ValueError, match="^--chat: this tokenizer has no chat template$"):
+            encode_prompt(chat_loaded, Prompt(0, "Hi"), chat=True)
+    finally:
+        tokenizer.chat_template = template
+
+
+def test_check_sampling_raises_and_the_flags_exit():
+    with pytest.raises(ValueError, match="--k must be >= 0, got -1"):
+        check_sampling(Settings(k=-1))
+    with pytest.raises(SystemExit):
+        parse_args(["--k", "-1"])
+
+
+def test_chat_flag_is_auto_unless_given():
+    assert parse_args([]).chat is None and parse_args(["--chat"]).chat is True
+    assert parse_args(["--no-chat"]).chat is False
+    assert Settings.from_args(parse_args([]), 128).chat is False  # auto is off outside a session

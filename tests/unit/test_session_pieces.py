@@ -1,0 +1,122 @@
+"""Fast tier: the pure pieces of a terminal session (rungen/session.py), no model."""
+
+import math
+
+import pytest
+
+from rungen.generation import Settings
+from rungen.session import LineJoiner, fit_to_context, set_setting, split_input, turn_stats
+
+# Commands
+
+
+@pytest.mark.parametrize(
+    "line, expected",
+    [
+        ("/help", ("help", "")),
+        ("/set k 5", ("set", "k 5")),
+        ("/SET  temperature   0.5 ", ("set", "temperature   0.5")),
+        ("/save ~/chat.jsonl", ("save", "~/chat.jsonl")),
+        ("/", ("", "")),
+        ("//etc/hosts", (None, "/etc/hosts")),  # a prompt that starts with /
+        ("Hello /set", (None, "Hello /set")),
+        (" /help", (None, " /help")),  # only at the very start
+    ],
+)
+def test_split_input(line, expected):
+    assert split_input(line) == expected
+
+
+# Multi-line input
+
+
+def feed(*lines):
+    joiner, done = LineJoiner(), []
+    for line in lines:
+        text = joiner.feed(line)
+        if text is not None:
+            done.append(text)
+    return done, joiner.pending
+
+
+def test_a_backslash_continues_the_line():
+    assert feed("one") == (["one"], False)
+    assert feed("one\\", "two\\", "three") == (["one\ntwo\nthree"], False)
+    assert feed("one\\") == ([], True)
+
+
+def test_triple_quotes_make_a_block():
+    assert feed('"""', "one", "", "two\\", '"""') == (["one\n\ntwo\\"], False)  # a backslash is text in a block
+    assert feed('"""one', 'two"""') == (["one\ntwo"], False)
+    assert feed('"""one line"""', "next") == (["one line", "next"], False)
+    assert feed('"""', "one") == ([], True)
+
+
+# The context
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def assistant(text):
+    return {"role": "assistant", "content": text}
+
+
+def count_words(messages):
+    return sum(len(message["content"].split()) for message in messages)
+
+
+def test_the_oldest_turns_go_first_and_the_system_message_stays():
+    system = {"role": "system", "content": "s"}
+    turns = [user("a a"), assistant("b b"), user("c c"), assistant("d d"), user("e e")]  # 2 words each
+    assert fit_to_context([system, *turns], count_words, 11) == ([system, *turns], 0)
+    assert fit_to_context([system, *turns], count_words, 10) == ([system, *turns[2:]], 1)
+    assert fit_to_context([system, *turns], count_words, 5) == ([system, turns[4]], 2)
+    assert fit_to_context(turns, count_words, 0) == ([turns[4]], 2)  # the question being asked always stays
+
+
+def test_a_turn_is_everything_up_to_the_next_user_message():
+    messages = [user("a"), assistant("b"), assistant("c"), user("d")]
+    assert fit_to_context(messages, count_words, 3) == ([user("d")], 1)
+    assert fit_to_context([user("x")], lambda messages: math.inf, 5) == ([user("x")], 0)
+
+
+# /set
+
+
+def test_set_changes_one_setting_of_a_new_value():
+    settings = Settings(temperature=1.0, length=20)
+    changed = set_setting(settings, "temperature", "0", context=128)
+    assert changed.temperature == 0.0 and settings.temperature == 1.0  # frozen: a new value
+    assert set_setting(settings, "length", "500", context=128).length == 128  # clamped as the flag is
+    assert set_setting(settings, "length", "-1", context=128).length == 128
+    assert set_setting(settings, "stop_token", ".", context=0).stop_token == "."
+    assert set_setting(Settings(stop_token="."), "stop_token", "none", context=0).stop_token is None
+    assert set_setting(settings, "num_beams", "3", context=0).num_beams == 3
+
+
+@pytest.mark.parametrize(
+    "name, value, message",
+    [
+        ("temperature", "-1", "--temperature must be >= 0, got -1.0"),  # the flag's own message
+        ("k", "-2", "--k must be >= 0, got -2"),
+        ("p", "0", "--p must be in (0, 1], got 0.0"),
+        ("repetition_penalty", "0", "--repetition_penalty must be > 0, got 0.0"),
+        ("k", "x", "k takes an integer, got 'x'"),
+        ("p", "high", "p takes a number, got 'high'"),
+        ("temperature", "", "/set temperature needs a value"),
+        ("seed", "1", "unknown setting 'seed'; /set takes one of: length, temperature, k, p, repetition_penalty"),
+    ],
+)
+def test_set_refuses_bad_values_with_one_line(name, value, message):
+    with pytest.raises(ValueError) as error:
+        set_setting(Settings(), name, value, context=128)
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+def test_turn_stats():
+    assert turn_stats(30, 11, 0.0, 0.5, 1.5) == "(30 prompt + 11 reply tokens, first token 0.50 s, 10.0 tokens/s)"
+    assert turn_stats(30, 1, 0.0, 0.5, 0.5, interrupted=True) == (
+        "(30 prompt + 1 reply tokens, first token 0.50 s, interrupted)")
+    assert turn_stats(30, 0, 0.0, None, 0.5) == "(30 prompt + 0 reply tokens)"
