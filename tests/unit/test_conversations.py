@@ -47,7 +47,8 @@ def test_bad_conversations_are_error_records(record, error):
 def chat_loaded(tmp_path_factory):
     tokenizer, _ = build_tokenizer("gpt2", str(tmp_path_factory.mktemp("tok")))
     tokenizer.chat_template = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}[assistant]"
-    return types.SimpleNamespace(tokenizer=tokenizer, model=None, model_type="gpt2", context=128)
+    return types.SimpleNamespace(tokenizer=tokenizer, model=None, model_type="gpt2", context=128,
+                                 vocab_size=len(tokenizer))
 
 
 def test_encoding_a_conversation_uses_the_template_and_the_system_message(chat_loaded):
