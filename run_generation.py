@@ -68,6 +68,14 @@ def main(argv=None):
     logger.info("%s", args)
 
     prepare_model(loaded, args)
+    if args.quantize:
+        from rungen.quantize import QuantizeError, quantize_model
+
+        try:
+            layers = quantize_model(loaded.model, args.quantize)
+        except QuantizeError as error:
+            fail(str(error))
+        logger.info("Quantized %d linear layers to %s", layers, args.quantize)
     if args.jit:
         from rungen.jit import enable_jit  # private torch/transformers APIs: only when asked for
 

@@ -49,6 +49,10 @@ def build_parser():
     parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="auto: the checkpoint's dtype")
     parser.add_argument("--jit", action="store_true", help="Trace the decoding step with torch.jit.")
     parser.add_argument(
+        "--quantize", choices=["int8", "int4"], default=None,
+        help="Weight-only quantization of the linear layers (CPU; see README: Speed). Default: none, exact.",
+    )
+    parser.add_argument(
         "--verbose", action="store_true", help="In a terminal session, show the logs and loading bars it hides."
     )
     # Models larger than one device: accelerate's big-model loading.
@@ -87,6 +91,8 @@ def parse_args(argv=None):
         fail(str(error))
     if args.batch_size < 1:
         fail(f"--batch_size must be >= 1, got {args.batch_size}")
+    if args.quantize and args.device_map:
+        fail("--quantize needs the whole model in memory on one device; it cannot be combined with --device_map")
     if args.max_memory:
         if not args.device_map:
             fail("--max_memory needs --device_map")

@@ -1,0 +1,60 @@
+"""Perplexity of the default model on a fixed English text, in float32 and each --quantize mode.
+
+    python benchmarks/perplexity.py [--text benchmarks/data/declaration.txt] [--threads 2]
+
+The text (benchmarks/data/declaration.txt, about 2,350 tokens) is the Declaration of Independence
+(1776), the Gettysburg Address (1863) and the Preamble and Article I, sections 1-3, of the US
+Constitution (1787): public domain. It fits the model's 8,192-token context, so one forward pass
+scores every token after the first; perplexity = exp(mean negative log-likelihood).
+"""
+
+import argparse
+import copy
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from rungen.loading import default_model_dir  # noqa: E402
+from rungen.quantize import quantize_model  # noqa: E402
+
+TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "declaration.txt")
+
+
+def perplexity(model, ids):
+    with torch.inference_mode():
+        logits = model(ids).logits[0, :-1].float()
+    nll = torch.nn.functional.cross_entropy(logits, ids[0, 1:])
+    return math.exp(nll.item())
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--text", default=TEXT)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    path = default_model_dir()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    base = AutoModelForCausalLM.from_pretrained(path).eval()
+    ids = tokenizer(open(args.text).read(), return_tensors="pt")["input_ids"]
+    reference = perplexity(base, ids)
+    print(f"default model, {ids.shape[1]} tokens of {os.path.basename(args.text)}, torch {torch.__version__}")
+    print("")
+    print("| weights | perplexity | vs float32 |")
+    print("| --- | ---: | ---: |")
+    print(f"| float32 | {reference:.3f} | - |")
+    for mode in ("int8", "int4"):
+        model = copy.deepcopy(base)
+        quantize_model(model, mode)
+        value = perplexity(model, ids)
+        print(f"| {mode} | {value:.3f} | {value / reference - 1:+.2%} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""Decode speed of the default model in every speed mode, and llama.cpp on the same GGUF file, in one run.
+
+    python benchmarks/quantized_decode.py [--new-tokens 128] [--repeats 3] [--threads 2]
+
+Rows: float32 eager, --jit, --quantize int8 / int4 with and without --jit, and llama.cpp through
+llama-cpp-python when it is installed (benchmark only, not a requirement: `pip install llama-cpp-python`
+builds it from source in several minutes). Same prompt, greedy, batch 1, the modes interleaved and
+each figure a median over repeats, as the machine is shared. tokens/s counts new tokens over the whole
+generate call (prompt pass included), as the tool's own report does; decode ms/token is timed between
+steps. "GB/s" is the weight bytes a decode step reads over its time, beside the read bandwidth this
+machine reaches in a plain tensor sum measured in the same run: that ratio is how close a mode comes
+to the memory-bound limit.
+"""
+
+import argparse
+import copy
+import importlib.util
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList  # noqa: E402
+
+from rungen.jit import enable_jit  # noqa: E402
+from rungen.loading import DEFAULT_MODEL_GGUF, DEFAULT_MODEL_PACKAGE, default_model_dir  # noqa: E402
+from rungen.quantize import quantize_model  # noqa: E402
+
+PROMPT = "Once upon a time, in a small village by the sea,"
+FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+
+
+def cpu_flags():
+    with open("/proc/cpuinfo") as f:
+        flags = set(f.read().split())
+    return " ".join(flag for flag in FLAGS if flag in flags) or "none of " + ", ".join(FLAGS)
+
+
+def read_bandwidth(size_mb=512, repeats=5):
+    """GB/s of a plain float32 sum over a tensor far larger than the caches."""
+    data = torch.ones(size_mb * 2**20 // 4)
+    data.sum()
+    seconds = min(_timed(data.sum) for _ in range(repeats))
+    return data.numel() * 4 / seconds / 1e9
+
+
+def _timed(function):
+    start = time.perf_counter()
+    function()
+    return time.perf_counter() - start
+
+
+def weight_bytes(model):
+    """Bytes a decode step reads: every parameter and buffer, but of the input embedding only one row,
+    unless the output head reads all of it (tied weights)."""
+    embedding = model.get_input_embeddings().weight
+    head = getattr(model.get_output_embeddings(), "weight", None)
+    tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
+    if head is None or head.data_ptr() != embedding.data_ptr():
+        tensors.pop(embedding.data_ptr())
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+class StepClock(LogitsProcessor):
+    def __init__(self):
+        self.stamps = []
+
+    def __call__(self, input_ids, scores):
+        self.stamps.append(time.perf_counter())
+        return scores
+
+
+class Mode:
+    def __init__(self, name, model, tokenizer, quantize=None, jit=False):
+        self.name, self.model, self.tokenizer = name, model, tokenizer
+        self.tokens_per_s, self.ms_per_token, self.text = [], [], None
+        if quantize:
+            quantize_model(model, quantize)
+        if jit:
+            enable_jit(model, tokenizer)
+        self.bytes = weight_bytes(model)
+
+    def run(self, new_tokens):
+        enc = self.tokenizer([PROMPT], return_tensors="pt")
+        clock = StepClock()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(**enc, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                      logits_processor=LogitsProcessorList([clock]))
+        total = time.perf_counter() - start
+        self.tokens_per_s.append(new_tokens / total)
+        self.ms_per_token.append((clock.stamps[-1] - clock.stamps[0]) / (len(clock.stamps) - 1) * 1e3)
+        self.text = self.tokenizer.decode(out[0, enc["input_ids"].shape[1]:])
+
+
+class LlamaCpp:
+    """llama.cpp on the very GGUF file the default model comes from."""
+
+    name = "llama.cpp (same GGUF)"
+
+    def __init__(self, threads):
+        from llama_cpp import Llama
+
+        spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)  # located, never imported
+        path = os.path.join(spec.submodule_search_locations[0], DEFAULT_MODEL_GGUF)
+        self.llm = Llama(model_path=path, n_threads=threads, n_ctx=512, verbose=False)
+        self.bytes = os.path.getsize(path)
+        self.tokens_per_s, self.ms_per_token, self.text = [], [], None
+
+    def run(self, new_tokens):
+        self.llm.reset()
+        tokens = self.llm.tokenize(PROMPT.encode())
+        out, stamps = [], []
+        start = time.perf_counter()
+        for token in self.llm.generate(tokens, top_k=1, temp=0.0, repeat_penalty=1.0):
+            stamps.append(time.perf_counter())
+            out.append(token)
+            if len(out) == new_tokens:
+                break
+        self.tokens_per_s.append(new_tokens / (stamps[-1] - start))
+        self.ms_per_token.append((stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1e3)
+        self.text = self.llm.detokenize(out).decode(errors="replace")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--modes", nargs="+", default=None, help="a subset of the row names")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    path = default_model_dir()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    base = AutoModelForCausalLM.from_pretrained(path).eval()
+    specs = [("float32 eager", None, False), ("float32 --jit", None, True), ("int8", "int8", False),
+             ("int8 --jit", "int8", True), ("int4", "int4", False), ("int4 --jit", "int4", True)]
+    modes = [Mode(name, copy.deepcopy(base), tokenizer, quantize, jit) for name, quantize, jit in specs
+             if not args.modes or name in args.modes]
+    if importlib.util.find_spec("llama_cpp"):
+        modes.append(LlamaCpp(args.threads))
+    else:
+        print("llama-cpp-python is not installed: no llama.cpp row", file=sys.stderr)
+
+    bandwidth = read_bandwidth()
+    for mode in modes:  # warm-up
+        mode.run(8)
+    for _ in range(args.repeats):
+        for mode in modes:
+            mode.run(args.new_tokens)
+    bandwidth = max(bandwidth, read_bandwidth())
+
+    med = statistics.median
+    reference = next((m for m in modes if isinstance(m, LlamaCpp)), None)
+    print(f"default model (SmolLM2-135M-Instruct), {args.new_tokens} new tokens, greedy, batch 1, "
+          f"{args.threads} threads, median of {args.repeats}, torch {torch.__version__}")
+    print(f"CPU flags: {cpu_flags()}; read bandwidth (tensor sum): {bandwidth:.1f} GB/s")
+    print("")
+    print("| mode | tokens/s | vs llama.cpp | decode ms/token | weights MB/token | GB/s | of bandwidth |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for mode in modes:
+        speed, step = med(mode.tokens_per_s), med(mode.ms_per_token)
+        ratio = f"{speed / med(reference.tokens_per_s):.2f}x" if reference else "-"
+        achieved = mode.bytes / (step / 1e3) / 1e9
+        print(f"| {mode.name} | {speed:.1f} | {ratio} | {step:.1f} | {mode.bytes / 1e6:.0f} | {achieved:.1f} "
+              f"| {achieved / bandwidth:.0%} |")
+    print("")
+    for mode in modes:
+        print(f"{mode.name}: {mode.text[:70]!r}")
+
+
+if __name__ == "__main__":
+    main()

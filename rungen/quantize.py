@@ -1,0 +1,104 @@
+"""--quantize {int8,int4}: weight-only quantization of the linear layers and the output head, run by
+the CPU kernels torch ships (imported only when --quantize is given).
+
+Weights are stored as int8 (one scale per output channel, symmetric) or as 4-bit codes (groups of 32
+input channels, a scale and a zero each, as GGUF's Q4_1 and gpt-fast do) and multiplied by
+torch.ops.aten._weight_int8pack_mm / _weight_int4pack_mm_for_cpu. Both kernels are vectorized for
+bfloat16 activations, so a quantized layer casts its input to bfloat16 and its output back: the rest
+of the model (norms, attention, residuals, the embedding) keeps its dtype. A tied output head is
+quantized as a copy; the input embedding stays as it was.
+"""
+
+import torch
+from transformers.pytorch_utils import Conv1D
+
+MODES = ("int8", "int4")
+GROUP_SIZE = 32  # int4: input channels sharing one scale and zero (GGUF's Q4_0/Q4_1 blocks are 32 too)
+INNER_K_TILES = 8  # int4 packing layout; the CPU kernel accepts 2, 4 or 8
+
+
+class QuantizeError(ValueError):
+    """A model or device --quantize cannot handle; one line, for the user."""
+
+
+class Int8Linear(torch.nn.Module):
+    def __init__(self, weight, bias):
+        super().__init__()
+        weight = weight.detach().float().contiguous()
+        # The scale is rounded to bfloat16 first, as the kernel uses it, so the codes match it.
+        scale = (weight.abs().amax(dim=1).clamp(min=1e-12) / 127).to(torch.bfloat16)
+        codes = torch.round(weight / scale.float()[:, None]).clamp(-128, 127).to(torch.int8)
+        self.register_buffer("codes", codes)
+        self.register_buffer("scales", scale)
+        self.bias = bias
+        self.out_features, self.in_features = weight.shape
+
+    def forward(self, x):
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        y = torch.ops.aten._weight_int8pack_mm(flat, self.codes, self.scales)
+        y = y.reshape(x.shape[:-1] + (self.out_features,)).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+class Int4Linear(torch.nn.Module):
+    def __init__(self, weight, bias):
+        super().__init__()
+        weight = weight.detach().float().contiguous()
+        out_features, in_features = weight.shape
+        # The packing wants output channels in multiples of 16: pad with zero rows, cut them off the output.
+        padded = -out_features % 16
+        weight = torch.nn.functional.pad(weight, (0, 0, 0, padded))
+        groups = weight.reshape(out_features + padded, in_features // GROUP_SIZE, GROUP_SIZE)
+        low, high = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
+        scales = ((high - low).clamp(min=1e-12) / 15).to(torch.bfloat16).float()
+        # The kernel computes (code - 8) * scale + zero: zero is the value of code 8.
+        codes = torch.round((groups - low) / scales).clamp(0, 15).to(torch.int32).reshape(weight.shape)
+        zeros = low + 8 * scales
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, INNER_K_TILES))
+        # [in_features / group, out_features, 2]: the layout the kernel reads.
+        scales_and_zeros = torch.stack([scales.squeeze(-1), zeros.squeeze(-1)], dim=-1).transpose(0, 1)
+        self.register_buffer("scales_and_zeros", scales_and_zeros.contiguous().to(torch.bfloat16))
+        self.bias = bias
+        self.out_features, self.in_features = out_features, in_features
+
+    def forward(self, x):
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP_SIZE, self.scales_and_zeros)
+        y = y[:, : self.out_features].reshape(x.shape[:-1] + (self.out_features,)).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+def _weight_of(module):
+    """A layer's weight as [out_features, in_features], or None for a layer this does not handle."""
+    if isinstance(module, torch.nn.Linear):
+        return module.weight
+    if isinstance(module, Conv1D):  # GPT-2's linear layers, stored transposed
+        return module.weight.t()
+    return None
+
+
+def quantize_model(model, mode):
+    """Replaces every linear layer (attention, MLP, output head) by its quantized twin, in place.
+    Returns how many layers were quantized; raises QuantizeError when it cannot quantize."""
+    if mode not in MODES:
+        raise QuantizeError(f"--quantize must be one of {', '.join(MODES)}, got {mode!r}")
+    if model.device.type != "cpu":
+        raise QuantizeError(f"--quantize runs on the CPU only (torch's packed int8/int4 kernels); "
+                            f"the model is on {model.device.type}: add --use_cpu")
+    layer_class = Int8Linear if mode == "int8" else Int4Linear
+    targets = []
+    for name, module in model.named_modules():
+        for child_name, child in module.named_children():
+            weight = _weight_of(child)
+            if weight is None:
+                continue
+            if mode == "int4" and weight.shape[1] % GROUP_SIZE:
+                raise QuantizeError(f"--quantize int4: layer {name}.{child_name} has {weight.shape[1]} input "
+                                    f"channels, not a multiple of the group size {GROUP_SIZE}; use int8")
+            targets.append((module, child_name, weight, child.bias))
+    if not targets:
+        raise QuantizeError(f"--quantize: {model.config.model_type} has no linear layers to quantize")
+    with torch.no_grad():
+        for module, child_name, weight, bias in targets:
+            setattr(module, child_name, layer_class(weight, bias))
+    return len(targets)

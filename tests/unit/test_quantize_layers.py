@@ -1,0 +1,69 @@
+"""Fast tier: a quantized layer computes its float layer's product within the error its own codes
+allow, and --quantize refuses what it cannot do in one line."""
+
+import pytest
+import torch
+from transformers.pytorch_utils import Conv1D
+
+from rungen.quantize import GROUP_SIZE, Int4Linear, Int8Linear, QuantizeError, quantize_model
+
+
+def error_bound(layer, x, weight, rounding_step):
+    """|quantized - exact| may be: the weights' rounding (half a step per weight) times |x|, the input's
+    rounding to bfloat16 times |W|, and the output's rounding to bfloat16 (2^-8 relative)."""
+    x16 = x.to(torch.bfloat16).float()
+    exact = x @ weight.t()
+    return x16.abs() @ (rounding_step / 2).t() + (x - x16).abs() @ weight.abs().t() + exact.abs() * 2**-8 + 1e-5
+
+
+@pytest.mark.parametrize("out_features", [48, 37])  # 37: int4 pads output channels to a multiple of 16
+def test_quantized_layers_stay_within_their_rounding(out_features):
+    torch.manual_seed(0)
+    weight, x = torch.randn(out_features, 64) * 0.05, torch.randn(5, 64)
+    exact = x @ weight.t()
+
+    int8 = Int8Linear(weight, None)
+    step8 = int8.scales.float()[:, None].expand_as(weight)
+    assert torch.all((int8(x) - exact).abs() <= error_bound(int8, x, weight, step8))
+
+    int4 = Int4Linear(weight, None)
+    scales = int4.scales_and_zeros[..., 0].float().t()[:out_features]  # [out, groups]
+    step4 = scales.repeat_interleave(GROUP_SIZE, dim=1)
+    assert int4(x).shape == (5, out_features)
+    assert torch.all((int4(x) - exact).abs() <= error_bound(int4, x, weight, step4))
+
+
+def test_bias_and_leading_dimensions_are_kept():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(32, 16)
+    x = torch.randn(2, 3, 32)
+    for layer_class in (Int8Linear, Int4Linear):
+        got = layer_class(linear.weight, linear.bias)(x)
+        assert got.shape == (2, 3, 16) and got.dtype == torch.float32
+        assert torch.allclose(got, linear(x), atol=0.1)
+
+
+def test_conv1d_and_nested_layers_are_all_replaced():
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Sequential(Conv1D(16, 32)))
+    model.device, model.config = torch.device("cpu"), type("Config", (), {"model_type": "toy"})()
+    x = torch.randn(4, 32)
+    expected = model(x)
+    assert quantize_model(model, "int8") == 2
+    assert isinstance(model[0], Int8Linear) and isinstance(model[1][0], Int8Linear)
+    assert torch.allclose(model(x), expected, atol=0.05)
+
+
+def toy(module):
+    module.device, module.config = torch.device("cpu"), type("Config", (), {"model_type": "toy"})()
+    return module
+
+
+def test_what_quantize_refuses():
+    with pytest.raises(QuantizeError, match="has no linear layers to quantize"):
+        quantize_model(toy(torch.nn.Sequential(torch.nn.Embedding(10, 4))), "int8")
+    with pytest.raises(QuantizeError, match="has 40 input channels, not a multiple of the group size 32; use int8"):
+        quantize_model(toy(torch.nn.Sequential(torch.nn.Linear(40, 16))), "int4")
+    model = toy(torch.nn.Sequential(torch.nn.Linear(32, 16)))
+    model.device = torch.device("cuda")
+    with pytest.raises(QuantizeError, match="runs on the CPU only"):
+        quantize_model(model, "int8")
