@@ -7,6 +7,8 @@
     output.py      writing results in input order, as text blocks or JSON lines
     processes.py   several processes under accelerate: who reads, who generates what, who writes
     jit.py         --jit: the traced decode step (private torch/transformers APIs; imported only for --jit)
+    controls.py    generation controls: their flags and checks, --generation_config, --assistant_model
+    logprobs.py    --logprobs: per-token log-probabilities, and scoring prompts (--length 0)
 
 run_generation.py's main() calls them in that order; nothing here keeps state between calls.
 """
