@@ -35,6 +35,7 @@ from transformers.utils import logging as transformers_logging
 
 from rungen import PROG, fail, logger, processes, session
 from rungen.arguments import parse_args
+from rungen.controls import GenerationError, load_assistant
 from rungen.generation import UNBATCHABLE_TYPES, Settings, StopTokenStreamer, generate_batch, make_batches
 from rungen.loading import load
 from rungen.output import Writer, print_stream_header
@@ -65,6 +66,9 @@ def main(argv=None):
     with state.main_process_first():  # only one process converts the default model
         loaded = load(args, state.device)
     settings = Settings.from_args(args, loaded.context)
+    if args.assistant_model:
+        with state.main_process_first():
+            loaded.assistant_model = load_assistant(args, loaded, state.device)
     logger.info("%s", args)
 
     prepare_model(loaded, args)
@@ -111,7 +115,10 @@ def main(argv=None):
         if stream:
             print_stream_header(batch[0], settings.chat)
             streamer = StopTokenStreamer(loaded.tokenizer, settings.stop_token)
-        results = generate_batch(loaded, settings, batch, streamer) if batch else {}
+        try:
+            results = generate_batch(loaded, settings, batch, streamer) if batch else {}
+        except GenerationError as error:  # settings only generate() could check (e.g. --generation_config)
+            fail(str(error))
         done = processes.gather(state, [(prompt, results[prompt.index]) for prompt in batch])
         for prompt, sequences in done:
             writer.add(prompt, sequences, streamed=stream)

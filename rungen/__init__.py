@@ -8,6 +8,8 @@
     processes.py   several processes under accelerate: who reads, who generates what, who writes
     jit.py         --jit: the traced decode step (private torch/transformers APIs; imported only for --jit)
     session.py     a session in the terminal: the prompt loop, /commands, the conversation and its context
+    controls.py    generation controls: their flags and checks, --generation_config, --assistant_model
+    logprobs.py    --logprobs: per-token log-probabilities, and scoring prompts (--length 0)
 
 run_generation.py's main() calls them in that order (session.py instead of the batches when stdin is a
 terminal); nothing here keeps state between calls.

@@ -4,6 +4,7 @@ stages never re-interpret them (--fp16 is --dtype float16, --padding_text is --p
 import argparse
 
 from . import PROG, fail, logger
+from .controls import add_control_arguments, apply_generation_config, check_controls
 from .loading import DTYPES, MODEL_CLASSES, check_model_type
 
 
@@ -21,7 +22,10 @@ def build_parser():
     )
     parser.add_argument("--prompt", default=None, help="Default: lines of stdin, or a session in a terminal.")
     parser.add_argument("--length", type=int, default=20, help="Number of new tokens.")
-    parser.add_argument("--stop_token", default=None, help="Token at which text generation is stopped")
+    parser.add_argument(
+        "--stop_token", "--stop", action="append", default=None, metavar="TEXT",
+        help="Text at which generation stops (repeat for several: the earliest one cuts)",
+    )
     parser.add_argument(
         "--temperature", type=float, default=1.0, help="1.0 has no effect, lower tends toward greedy; 0 is greedy"
     )
@@ -31,6 +35,7 @@ def build_parser():
     parser.add_argument("--k", type=int, default=0, help="top-k sampling (0: off)")
     parser.add_argument("--p", type=float, default=0.9, help="top-p (nucleus) sampling")
     parser.add_argument("--num_beams", type=int, default=1, help="beam search with this many beams")
+    add_control_arguments(parser)
     parser.add_argument("--prefix", default="", help="Text added prior to input.")
     parser.add_argument("--padding_text", default="", help="Deprecated, the use of `--prefix` is preferred.")
     parser.add_argument("--xlm_language", default="", help="Optional language when used with the XLM model.")
@@ -76,7 +81,8 @@ def build_parser():
 
 
 def parse_args(argv=None):
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.model_type:
         args.model_type = check_model_type(args.model_type)
     if args.fp16:
@@ -85,10 +91,12 @@ def parse_args(argv=None):
         if not args.prefix:
             args.prefix = args.padding_text
         logger.warning("--padding_text is deprecated; use --prefix")
+    apply_generation_config(args, parser, argv)  # a --generation_config file fills the flags not given
     try:
         check_sampling(args)
     except ValueError as error:
         fail(str(error))
+    check_controls(args)
     if args.batch_size < 1:
         fail(f"--batch_size must be >= 1, got {args.batch_size}")
     if args.quantize and args.device_map:

@@ -6,6 +6,9 @@ import sys
 import torch
 from transformers import TextStreamer
 
+from .controls import GenerationError, one_line
+from .logprobs import score_prompts, step_logits, token_logprobs
+
 MAX_LENGTH = 10000  # Hardcoded max length to avoid infinite loop
 
 # Their prepare_inputs_for_generation drops the attention mask (and XLM the positions), so padding
@@ -24,8 +27,15 @@ class Settings:
     repetition_penalty: float = 1.0
     num_beams: int = 1
     num_return_sequences: int = 1
-    stop_token: str | None = None
+    stop_token: str | tuple[str, ...] | None = None  # several stop strings: a tuple (the earliest one cuts)
     chat: bool = False
+    # Generation controls (rungen/controls.py; README: Generation controls)
+    min_p: float | None = None
+    typical_p: float | None = None
+    no_repeat_ngram_size: int = 0
+    logprobs: int | None = None  # top alternatives per token; None: no log-probabilities
+    prompt_lookup_num_tokens: int | None = None
+    generation_config: dict = dataclasses.field(default_factory=dict, hash=False)  # other generate() kwargs
 
     @classmethod
     def from_args(cls, args, context):
@@ -44,6 +54,10 @@ class Sequence:
     num_prompt_tokens: int
     num_generated_tokens: int
     finish_reason: str  # "length", "eos" or "stop_token"
+    # Only with --logprobs (absent from the jsonl record otherwise): see rungen/logprobs.py.
+    logprobs: dict | None = dataclasses.field(default=None, metadata={"omit_if_none": True})
+    prompt_logprobs: dict | None = dataclasses.field(default=None, metadata={"omit_if_none": True})
+    perplexity: float | None = dataclasses.field(default=None, metadata={"omit_if_none": True})
 
 
 def adjust_length_to_model(length, max_sequence_length):
@@ -69,8 +83,42 @@ def generation_kwargs(settings, tokenizer):
         kwargs.update(do_sample=True, temperature=settings.temperature, top_k=settings.k, top_p=settings.p)
     if settings.stop_token:
         # Stops each sequence as soon as it has produced the stop token, instead of running to --length.
-        kwargs.update(stop_strings=settings.stop_token, tokenizer=tokenizer)
+        stops = settings.stop_token if isinstance(settings.stop_token, str) else list(settings.stop_token)
+        kwargs.update(stop_strings=stops, tokenizer=tokenizer)
+    kwargs.update(control_kwargs(settings))
+    return {**settings.generation_config, **kwargs}  # the file's other keys; never one the tool sets
+
+
+def control_kwargs(settings):
+    """generate() kwargs of the generation controls: the library's samplers, n-gram blocking, prompt
+    lookup, and the raw logits behind --logprobs."""
+    kwargs = {}
+    if settings.temperature != 0:  # sampling-only warpers (greedy would warn that they are unused)
+        if settings.min_p is not None:
+            kwargs.update(min_p=settings.min_p)
+        if settings.typical_p is not None:
+            kwargs.update(typical_p=settings.typical_p)
+    if settings.no_repeat_ngram_size:
+        kwargs.update(no_repeat_ngram_size=settings.no_repeat_ngram_size)
+    if settings.prompt_lookup_num_tokens:
+        kwargs.update(prompt_lookup_num_tokens=settings.prompt_lookup_num_tokens)
+    if settings.logprobs is not None:
+        kwargs.update(return_dict_in_generate=True, output_logits=True)
     return kwargs
+
+
+def stop_strings(stop_token):
+    """--stop_token's value (None, one string, or several) as a tuple of non-empty strings."""
+    stops = (stop_token,) if isinstance(stop_token, str) else tuple(stop_token or ())
+    return tuple(stop for stop in stops if stop)
+
+
+def one_at_a_time(settings, assistant_model):
+    """Modes that transformers runs for one sequence only (assisted generation: prompt lookup, a draft
+    model): batches are then generated prompt by prompt."""
+    extra = settings.generation_config
+    return bool(assistant_model is not None or settings.prompt_lookup_num_tokens
+                or extra.get("assistant_early_exit") or extra.get("use_mtp"))
 
 
 def make_batches(prompts, batch_size):
@@ -84,25 +132,64 @@ def make_batches(prompts, batch_size):
 
 
 def generate_batch(loaded, settings, batch, streamer=None, stopping_criteria=None):
-    """Generates for a list of encoded Prompts; returns {prompt index: [Sequence, ...]}."""
+    """Generates for a list of encoded Prompts; returns {prompt index: [Sequence, ...]}.
+    With --length 0, scores the prompts instead (rungen/logprobs.py). Raises GenerationError when
+    generate() refuses the settings."""
+    if settings.length == 0:
+        return score_batch(loaded, settings, batch)
+    assistant_model = getattr(loaded, "assistant_model", None)
+    if len(batch) > 1 and one_at_a_time(settings, assistant_model):
+        results = {}
+        for prompt in batch:
+            results.update(generate_batch(loaded, settings, [prompt], streamer, stopping_criteria))
+        return results
     model, tokenizer = loaded.model, loaded.tokenizer
     inputs = tokenizer.pad({"input_ids": [prompt.ids for prompt in batch]}, return_tensors="pt")
     inputs = inputs.to(loaded.input_device)
     prompt_len = inputs["input_ids"].shape[1]
     new_tokens = settings.length if not loaded.context else min(settings.length, loaded.context - prompt_len)
-    with torch.inference_mode():
-        output = model.generate(
-            **inputs, max_new_tokens=new_tokens, streamer=streamer, stopping_criteria=stopping_criteria,
-            **generation_kwargs(settings, tokenizer),
-        )
-    eos_ids = model.generation_config.eos_token_id
+    extra = {"assistant_model": assistant_model} if assistant_model is not None else {}
+    try:
+        with torch.inference_mode():
+            output = model.generate(
+                **inputs, max_new_tokens=new_tokens, streamer=streamer, stopping_criteria=stopping_criteria,
+                **generation_kwargs(settings, tokenizer), **extra,
+            )
+    except ValueError as error:
+        raise GenerationError(one_line(error)) from error
+    logits = getattr(output, "logits", None)  # with --logprobs, generate returns a ModelOutput
+    if logits is not None:
+        beam_indices, output = getattr(output, "beam_indices", None), output.sequences
+    eos_ids = settings.generation_config.get("eos_token_id", model.generation_config.eos_token_id)
     eos_ids = set(eos_ids if isinstance(eos_ids, list) else [eos_ids] if eos_ids is not None else [])
 
     results = {}
     for row, sequence in enumerate(output.tolist()):
         prompt = batch[row // settings.num_return_sequences]
         new = sequence[prompt_len:]
-        results.setdefault(prompt.index, []).append(describe_sequence(settings, tokenizer, prompt, new, eos_ids))
+        described = describe_sequence(settings, tokenizer, prompt, new, eos_ids)
+        if logits is not None:
+            steps = [step_logits(logits, beam_indices, row, step) for step in range(described.num_generated_tokens)]
+            described.logprobs = token_logprobs(tokenizer, prompt.ids, new, steps, settings.logprobs)
+        results.setdefault(prompt.index, []).append(described)
+    return results
+
+
+def score_batch(loaded, settings, batch):
+    """--length 0: no generation; each prompt's tokens scored (prompt_logprobs, perplexity). A one-token
+    prompt has nothing to score: it becomes an error record."""
+    if loaded.model_type in UNBATCHABLE_TYPES:
+        raise GenerationError(f"--length 0: {loaded.model_type} does not predict tokens left to right; "
+                              "scoring needs a causal LM")
+    results = {}
+    for prompt, score in zip(batch, score_prompts(loaded, batch, settings.logprobs)):
+        if score is None:
+            prompt.error = "the prompt is one token: nothing to score"
+            results[prompt.index] = []
+            continue
+        text = "" if settings.chat else prompt.text
+        sequence = Sequence("", text, len(prompt.ids), 0, "length", prompt_logprobs=score[0], perplexity=score[1])
+        results[prompt.index] = [sequence]
     return results
 
 
@@ -118,8 +205,9 @@ def describe_sequence(settings, tokenizer, prompt, new, eos_ids):
     head = tokenizer.decode(prompt.ids, skip_special_tokens=True)
     whole = tokenizer.decode(prompt.ids + new[:produced], skip_special_tokens=True)
     continuation = whole[len(head) :] if whole.startswith(head) else tokenizer.decode(new, skip_special_tokens=True)
-    if settings.stop_token and settings.stop_token in continuation:
-        continuation = continuation[: continuation.index(settings.stop_token)]
+    cuts = [continuation.index(stop) for stop in stop_strings(settings.stop_token) if stop in continuation]
+    if cuts:
+        continuation = continuation[: min(cuts)]  # the earliest stop string
         finish = "stop_token"
         while produced and new[produced - 1] == tokenizer.pad_token_id:
             produced -= 1  # a stop-string finish is padded afterwards
@@ -129,7 +217,8 @@ def describe_sequence(settings, tokenizer, prompt, new, eos_ids):
 
 
 class StopTokenStreamer(TextStreamer):
-    """The library's streamer, writing to our stdout and cutting the text at --stop_token."""
+    """The library's streamer, writing to our stdout and cutting the text at --stop_token (the earliest
+    of several)."""
 
     def __init__(self, tokenizer, stop_token):
         super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
@@ -137,10 +226,11 @@ class StopTokenStreamer(TextStreamer):
 
     def on_finalized_text(self, text, stream_end=False):
         if not self.stopped:
+            printed = len(self.text)
             self.text += text
-            if self.stop_token and self.stop_token in self.text:
-                cut = self.text.index(self.stop_token)
-                text = text[: len(text) - (len(self.text) - cut)]
+            cuts = [self.text.index(stop) for stop in stop_strings(self.stop_token) if stop in self.text]
+            if cuts:
+                text = text[: max(0, min(cuts) - printed)]  # what is printed already stays printed
                 self.stopped = True
             sys.stdout.write(text)
         if stream_end:

@@ -52,6 +52,7 @@ class Loaded:
     input_device: torch.device  # where input ids go (not model.device: "meta" when layers are on disk)
     context: int  # tokens the model can attend to; 0 when it has no fixed limit
     vocab_size: int  # rows of the input embedding: every token id must be below it
+    assistant_model: torch.nn.Module | None = None  # --assistant_model's draft model (rungen/controls.py)
 
 
 def check_model_type(model_type):

@@ -40,11 +40,18 @@ class Writer:
             self.tokens += sequence.num_generated_tokens
             if self.jsonl:
                 print(json.dumps({"prompt_index": prompt.index, "sequence_index": number, "prompt": prompt.text,
-                                  **dataclasses.asdict(sequence), **prompt.extra}, ensure_ascii=False))
+                                  **record_fields(sequence), **prompt.extra}, ensure_ascii=False))
             elif not streamed:  # the streamer has printed it already
                 where = f"PROMPT {prompt.index + 1}, " if self.num_prompts > 1 else ""
                 print(f"=== {where}GENERATED SEQUENCE {number + 1} ===")
                 print(sequence.text)
+
+
+def record_fields(sequence):
+    """A Sequence's jsonl fields; optional ones (metadata omit_if_none, e.g. logprobs) only when set."""
+    omitted = {field.name for field in dataclasses.fields(sequence) if field.metadata.get("omit_if_none")}
+    return {key: value for key, value in dataclasses.asdict(sequence).items()
+            if value is not None or key not in omitted}
 
 
 def print_stream_header(prompt, chat):

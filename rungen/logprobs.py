@@ -1,0 +1,100 @@
+"""--logprobs: log-probabilities of generated tokens, and of a prompt's own tokens (scoring, --length 0).
+
+Log-probabilities are the model's own: log_softmax of its raw logits (generate's `output_logits`), before
+temperature, top-k/p, min-p, repetition penalty or any other logits processor. They are what a forward
+pass of the model over the same tokens gives, whatever the sampling settings; with greedy decoding and no
+processors they are also generate's processed scores. The shape is OpenAI's chat completions':
+
+    {"content": [{"token": " Paris", "id": 7042, "logprob": -0.31,
+                  "top_logprobs": [{"token": " Paris", "id": 7042, "logprob": -0.31}, ...]}, ...]}
+"""
+
+import inspect
+import math
+
+import torch
+
+CONTEXT_TOKENS = 4  # ids decoded before a token to get its text in context (a leading space, a UTF-8 tail)
+
+
+def token_text(tokenizer, before, token_id, head=None, special=None):
+    """The text `token_id` adds after the ids `before`, as the printed text shows it: decoded after a few
+    tokens of context (SentencePiece drops a leading space at the start of a text; a character's UTF-8
+    bytes may span tokens). A special token (BOS, EOS) is its own name. `head`: the decoding of `before`;
+    `special`: the tokenizer's special ids (both computed once per position by the caller)."""
+    special = set(tokenizer.all_special_ids) if special is None else special
+    if token_id in special or not before:
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+    head = tokenizer.decode(before, skip_special_tokens=True) if head is None else head
+    whole = tokenizer.decode(list(before) + [token_id], skip_special_tokens=True)
+    if whole.startswith(head):
+        return whole[len(head) :]
+    return tokenizer.decode([token_id], skip_special_tokens=False)  # e.g. the end of a multi-byte character
+
+
+def content(tokenizer, context, ids, logprobs, top_n):
+    """OpenAI's "content" list for `ids` (each the token after context + the ids before it), from
+    `logprobs`: one row of log-probabilities over the vocabulary per id."""
+    ids = list(ids)
+    chosen = logprobs.gather(1, torch.tensor(ids, device=logprobs.device).view(-1, 1)).squeeze(1).tolist()
+    top = logprobs.topk(min(top_n, logprobs.shape[1]), dim=1) if top_n else None  # sorted, most likely first
+    sequence, offset = list(context) + ids, len(context)
+    items, special = [], set(tokenizer.all_special_ids)
+    for position, (token_id, logprob) in enumerate(zip(ids, chosen)):
+        before = sequence[max(0, offset + position - CONTEXT_TOKENS) : offset + position]
+        head = tokenizer.decode(before, skip_special_tokens=True) if before else None
+        alternatives = []
+        if top is not None:
+            for alt_id, alt_logprob in zip(top.indices[position].tolist(), top.values[position].tolist()):
+                alternatives.append({"token": token_text(tokenizer, before, alt_id, head, special), "id": alt_id,
+                                     "logprob": alt_logprob})
+        text = token_text(tokenizer, before, token_id, head, special)
+        items.append({"token": text, "id": token_id, "logprob": logprob, "top_logprobs": alternatives})
+    return items
+
+
+def step_logits(logits, beam_indices, row, step):
+    """The raw logits row that produced output row `row`'s token at generation step `step`. Beam search
+    reorders beams at every step: `beam_indices` (from generate) says which beam it was, as
+    compute_transition_scores reads it."""
+    source = row if beam_indices is None else int(beam_indices[row, step])
+    return logits[step][source]
+
+
+def token_logprobs(tokenizer, prompt_ids, new, steps, top_n):
+    """The "logprobs" of one generated sequence: its first len(steps) new tokens (those it produced;
+    padding after it finished is left out), each with its raw logits row in `steps`."""
+    if not steps:
+        return {"content": []}
+    logprobs = torch.stack(steps).float().log_softmax(dim=-1)
+    return {"content": content(tokenizer, prompt_ids, new[: len(steps)], logprobs, top_n)}
+
+
+def score_prompts(loaded, batch, top_n):
+    """One forward pass over a left-padded batch of prompts: for each prompt, the log-probabilities of its
+    tokens 2..n given the tokens before them ("content" list) and its perplexity, exp(-mean log-probability);
+    None for a prompt of one token (nothing to score). Positions are counted from each prompt's first real
+    token, as generate() counts them, so a prompt scores the same alone and in a batch."""
+    model, tokenizer = loaded.model, loaded.tokenizer
+    inputs = tokenizer.pad({"input_ids": [prompt.ids for prompt in batch]}, return_tensors="pt")
+    inputs = inputs.to(loaded.input_device)
+    ids, mask = inputs["input_ids"], inputs["attention_mask"]
+    kwargs = {"input_ids": ids, "attention_mask": mask}
+    parameters = inspect.signature(model.forward).parameters
+    if "position_ids" in parameters:
+        kwargs["position_ids"] = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    if "use_cache" in parameters:
+        kwargs["use_cache"] = False
+    with torch.inference_mode():
+        logits = model(**kwargs).logits
+    width, scores = ids.shape[1], []
+    for row, prompt in enumerate(batch):
+        start = width - len(prompt.ids)
+        if len(prompt.ids) < 2:
+            scores.append(None)
+            continue
+        logprobs = logits[row, start : width - 1].float().log_softmax(dim=-1)  # predicts tokens start+1 ..
+        items = content(tokenizer, prompt.ids[:1], prompt.ids[1:], logprobs, top_n)
+        mean = sum(item["logprob"] for item in items) / len(items)
+        scores.append(({"content": items}, math.exp(-mean)))
+    return scores

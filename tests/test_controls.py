@@ -1,0 +1,343 @@
+"""Generation controls (issue 12): log-probabilities and scoring, the library's samplers and stops,
+--generation_config, prompt lookup and assisted decoding. Through main() in-process where possible
+(fast), as a subprocess for the default model."""
+
+import io
+import json
+import math
+import os
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import run_generation
+from helpers import jsonl, run_cli, tiny_args
+from tiny_models import build_tiny_checkpoint
+
+PROMPTS = ["Hello, my dog is cute", "The capital of France is", "Once upon a time there was a little dog who"]
+# float32: a token's log-probability from generate (KV cache, one position at a time) and from one forward
+# pass over the whole sequence differ by rounding only, ~1e-6 to 2e-5 here; a sum over 20 tokens by ~5e-5.
+TOKEN_TOL, SUM_TOL = 1e-4, 2e-4
+
+
+def run_main(argv, capsys, stdin=None, monkeypatch=None):
+    """main() in this process; returns the jsonl records it printed."""
+    if stdin is not None:
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin.encode())))
+    run_generation.main(argv)
+    return jsonl(capsys.readouterr().out.encode())
+
+
+@pytest.fixture(scope="module")
+def forward(tiny_models):
+    """forward(model_dir, ids) -> log-probabilities (positions x vocabulary) of one unpadded forward pass."""
+    cache = {}
+
+    def log_probs(model_dir, ids):
+        if model_dir not in cache:
+            cache[model_dir] = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        with torch.no_grad():
+            return cache[model_dir](torch.tensor([ids])).logits[0].float().log_softmax(-1)
+
+    return log_probs
+
+
+def check_against_forward(record, model_dir, forward):
+    """The record's logprobs are the forward pass's, token by token, and sum to its log-likelihood."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompt_ids = tokenizer.encode(record["prompt"])
+    items = record["logprobs"]["content"]
+    ids = [item["id"] for item in items]
+    assert len(items) == record["num_generated_tokens"]  # padding after the end is not listed
+    reference = forward(model_dir, prompt_ids + ids)
+    expected = [reference[len(prompt_ids) - 1 + i, token].item() for i, token in enumerate(ids)]
+    got = [item["logprob"] for item in items]
+    assert max(abs(a - b) for a, b in zip(expected, got)) < TOKEN_TOL
+    assert abs(sum(expected) - sum(got)) < SUM_TOL
+    return items
+
+
+# Log-probabilities of generated tokens
+
+
+@pytest.mark.parametrize("extra", [["--temperature", "0"], ["--temperature", "0.7", "--k", "20", "--seed", "3"]])
+def test_logprobs_sum_to_the_log_likelihood_of_a_forward_pass(tiny_models, forward, extra, capsys, monkeypatch):
+    # Several prompts of different lengths: left padding in the batch does not change them. Sampling settings
+    # do not either: the log-probabilities are the model's raw ones.
+    args = tiny_args(tiny_models, "llama", "--length", "12", "--output_format", "jsonl", "--logprobs", "3", *extra)
+    records = run_main(args, capsys, "\n".join(PROMPTS), monkeypatch)
+    assert len(records) == len(PROMPTS)
+    for record in records:
+        items = check_against_forward(record, tiny_models["llama"], forward)
+        assert "".join(item["token"] for item in items) == record["generated_text"]
+
+
+def test_top_logprobs_are_sorted_and_hold_the_greedy_token(tiny_models, capsys):
+    args = tiny_args(tiny_models, "gpt2", "--prompt", PROMPTS[0], "--temperature", "0", "--length", "10",
+                     "--output_format", "jsonl", "--logprobs", "5")
+    [record] = run_main(args, capsys)
+    for item in record["logprobs"]["content"]:
+        top = item["top_logprobs"]
+        assert len(top) == 5
+        assert [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
+        assert (top[0]["id"], top[0]["logprob"]) == (item["id"], item["logprob"])  # greedy: the most likely
+        assert all(t["logprob"] <= 0 for t in top)
+        assert set(item) == {"token", "id", "logprob", "top_logprobs"} and set(top[0]) == {"token", "id", "logprob"}
+
+
+def test_logprobs_stop_where_the_sequence_ends(tiny_models, forward, capsys, monkeypatch):
+    # A file makes a greedy token of the first prompt (the first that is not a repeat, after the first one)
+    # an end-of-sequence token: that sequence ends early (finish_reason eos), its batch-mates go on, and
+    # its logprobs list only the tokens it produced, not the padding after them.
+    base = tiny_args(tiny_models, "llama", "--temperature", "0", "--length", "10", "--output_format", "jsonl",
+                     "--logprobs", "0")
+    [first] = run_main(base + ["--prompt", PROMPTS[0]], capsys)
+    ids = [item["id"] for item in first["logprobs"]["content"]]
+    end = next(i for i in range(1, len(ids) - 1) if ids[i] not in ids[:i])
+    path = os.path.join(os.path.dirname(tiny_models["llama"]), "eos_config.json")
+    with open(path, "w") as f:
+        json.dump({"eos_token_id": ids[end]}, f)
+    records = run_main(base + ["--generation_config", path], capsys, "\n".join(PROMPTS), monkeypatch)
+    assert (records[0]["finish_reason"], records[0]["num_generated_tokens"]) == ("eos", end + 1)
+    assert [len(r["logprobs"]["content"]) for r in records] == [r["num_generated_tokens"] for r in records]
+    assert any(r["num_generated_tokens"] > end + 1 for r in records[1:])
+    for record in records:
+        check_against_forward(record, tiny_models["llama"], forward)
+
+
+def test_beam_search_logprobs_follow_each_beam(tiny_models, forward, capsys):
+    args = tiny_args(tiny_models, "gpt2", "--prompt", PROMPTS[1], "--temperature", "0", "--length", "8",
+                     "--num_beams", "3", "--num_return_sequences", "3", "--output_format", "jsonl", "--logprobs", "1")
+    records = run_main(args, capsys)
+    assert len(records) == 3 and len({r["generated_text"] for r in records}) == 3
+    for record in records:
+        check_against_forward(record, tiny_models["gpt2"], forward)
+
+
+def test_logprobs_of_the_default_model(default_model, forward):
+    cache_home, _ = default_model
+    args = ["--temperature", "0", "--length", "20", "--output_format", "jsonl", "--logprobs", "2"]
+    result = run_cli(args, stdin="\n".join(PROMPTS), cache_home=cache_home)
+    assert result.returncode == 0, result.stderr.decode()
+    cached = os.path.join(cache_home, "run_generation")
+    model_dir = os.path.join(cached, os.listdir(cached)[0])
+    for record in jsonl(result.stdout):
+        check_against_forward(record, model_dir, forward)
+
+
+# Scoring: --length 0
+
+
+def test_scoring_gives_perplexity_of_a_forward_pass_and_batch_equals_single(tiny_models, forward, capsys, monkeypatch):
+    model_dir = tiny_models["llama"]
+    args = tiny_args(tiny_models, "llama", "--length", "0", "--output_format", "jsonl", "--logprobs", "2")
+    batched = run_main(args, capsys, "\n".join(PROMPTS), monkeypatch)
+    single = run_main(args + ["--batch_size", "1"], capsys, "\n".join(PROMPTS), monkeypatch)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    for record, alone in zip(batched, single):
+        ids = tokenizer.encode(record["prompt"])
+        assert (record["generated_text"], record["num_generated_tokens"], record["text"]) == ("", 0, record["prompt"])
+        items = record["prompt_logprobs"]["content"]
+        assert [item["id"] for item in items] == ids[1:]  # tokens 2..n
+        reference = forward(model_dir, ids)
+        nll = [-reference[i - 1, ids[i]].item() for i in range(1, len(ids))]
+        assert record["perplexity"] == pytest.approx(math.exp(sum(nll) / len(nll)), rel=1e-4)
+        assert max(abs(item["logprob"] + n) for item, n in zip(items, nll)) < TOKEN_TOL
+        assert record["perplexity"] == pytest.approx(alone["perplexity"], rel=1e-4)
+        pairs = zip(items, alone["prompt_logprobs"]["content"])
+        assert all(a["id"] == b["id"] and abs(a["logprob"] - b["logprob"]) < TOKEN_TOL for a, b in pairs)
+        assert "logprobs" not in record
+
+
+def test_scoring_the_default_model(default_model, forward):
+    cache_home, _ = default_model
+    args = ["--length", "0", "--output_format", "jsonl", "--logprobs", "0"]
+    result = run_cli(args, stdin="\n".join(PROMPTS), cache_home=cache_home)
+    assert result.returncode == 0, result.stderr.decode()
+    cached = os.path.join(cache_home, "run_generation")
+    model_dir = os.path.join(cached, os.listdir(cached)[0])
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    for record in jsonl(result.stdout):
+        ids = tokenizer.encode(record["prompt"])
+        reference = forward(model_dir, ids)
+        nll = sum(-reference[i - 1, ids[i]].item() for i in range(1, len(ids))) / (len(ids) - 1)
+        assert record["perplexity"] == pytest.approx(math.exp(nll), rel=1e-4)
+
+
+def test_a_one_token_prompt_has_nothing_to_score(tiny_models, capsys, monkeypatch):
+    args = tiny_args(tiny_models, "gpt2", "--length", "0", "--output_format", "jsonl", "--logprobs", "0")
+    with pytest.raises(SystemExit) as exit_:
+        run_main(args, capsys, "A\nHello, my dog", monkeypatch)
+    assert exit_.value.code == 1
+    records = jsonl(capsys.readouterr().out.encode())
+    assert records[0]["error"] == "the prompt is one token: nothing to score" and records[1]["perplexity"] > 0
+
+
+# Samplers and stops of the library
+
+
+def test_min_p_one_keeps_only_the_most_likely_token(tiny_models, capsys):
+    base = tiny_args(tiny_models, "gpt2", "--prompt", PROMPTS[0], "--length", "12")
+    greedy = run_generation.main(base + ["--temperature", "0"])
+    sampled = [run_generation.main(base + ["--min_p", "1", "--seed", seed]) for seed in ("1", "2")]
+    plain = [run_generation.main(base + ["--seed", seed]) for seed in ("1", "2")]
+    assert sampled[0] == sampled[1] == greedy
+    assert plain[0] != plain[1]  # without min_p, sampling does vary: min_p reached generate
+
+
+def test_typical_p_tiny_leaves_one_token(tiny_models, capsys):
+    base = tiny_args(tiny_models, "gpt2", "--prompt", PROMPTS[0], "--length", "12", "--typical_p", "1e-9")
+    assert run_generation.main(base + ["--seed", "1"]) == run_generation.main(base + ["--seed", "2"])
+
+
+def test_no_repeat_ngram_size_one_repeats_no_token(tiny_models, capsys):
+    base = tiny_args(tiny_models, "llama", "--prompt", "a a a", "--temperature", "0", "--length", "30",
+                     "--output_format", "jsonl", "--logprobs", "0")
+    [plain] = run_main(base, capsys)
+    [blocked] = run_main(base + ["--no_repeat_ngram_size", "1"], capsys)
+    plain_ids = [item["id"] for item in plain["logprobs"]["content"]]
+    ids = [item["id"] for item in blocked["logprobs"]["content"]]
+    prompt_ids = AutoTokenizer.from_pretrained(tiny_models["llama"]).encode("a a a")
+    assert len(set(plain_ids)) < len(plain_ids)  # greedy alone does repeat itself
+    assert len(set(ids)) == len(ids) == 30 and not set(ids) & set(prompt_ids)  # the prompt counts too
+
+
+def test_several_stop_strings_cut_at_the_earliest(tiny_models, capsys):
+    base = tiny_args(tiny_models, "gpt2", "--prompt", PROMPTS[0], "--temperature", "0", "--length", "20")
+    continuation = run_generation.main(base)[0][len(PROMPTS[0]) :]
+    early, late = continuation[3:6], continuation[-8:-5]  # two stop strings the greedy text really produces
+    assert 0 < continuation.index(early) < continuation.index(late)
+    expected = PROMPTS[0] + continuation[: continuation.index(early)]
+    assert run_generation.main(base + ["--stop_token", late, "--stop", early]) == [expected]
+    assert run_generation.main(base + ["--stop", late, "--stop_token", "#never#"]) == [
+        PROMPTS[0] + continuation[: continuation.index(late)]]
+    capsys.readouterr()
+    [record] = run_main(base + ["--stop", late, "--stop", early, "--output_format", "jsonl"], capsys)
+    assert record["finish_reason"] == "stop_token" and record["text"] == expected
+    # The streamer cuts at the same place.
+    run_generation.main(base + ["--stop", late, "--stop", early, "--stream"])
+    assert capsys.readouterr().out == f"=== GENERATED SEQUENCE 1 ===\n{expected}\n"
+
+
+# --generation_config
+
+
+def write_config(tmp_path, values):
+    path = tmp_path / "generation_config.json"
+    path.write_text(values if isinstance(values, str) else json.dumps(values))
+    return str(path)
+
+
+def test_generation_config_file_is_applied_and_flags_win(tiny_models, tmp_path, capsys):
+    base = tiny_args(tiny_models, "llama", "--prompt", PROMPTS[0], "--output_format", "jsonl", "--logprobs", "0")
+    [greedy5] = run_main(base + ["--temperature", "0", "--length", "5"], capsys)
+    config = write_config(tmp_path, {"do_sample": False, "max_new_tokens": 5, "transformers_version": "4.40.0"})
+    assert run_main(base + ["--generation_config", config], capsys) == [greedy5]
+    [shorter] = run_main(base + ["--generation_config", config, "--length", "3"], capsys)  # the flag wins
+    assert shorter["num_generated_tokens"] == 3 and greedy5["generated_text"].startswith(shorter["generated_text"])
+    # A key without a flag goes to generate as it is: suppressing the first greedy token changes the text.
+    first_id = greedy5["logprobs"]["content"][0]["id"]
+    suppress = write_config(tmp_path, {"do_sample": False, "max_new_tokens": 5, "suppress_tokens": [first_id]})
+    [other] = run_main(base + ["--generation_config", suppress], capsys)
+    assert other["logprobs"]["content"][0]["id"] != first_id
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"foo": 1}, "unknown GenerationConfig key(s): foo"),
+        ("{not json", "not valid JSON"),
+        ([1, 2], "must hold a JSON object"),
+        ({"top_k": "many"}, 'top_k must be an integer, got "many"'),
+        ({"output_scores": True}, "output_scores cannot be set here (use --logprobs)"),
+        ({"length_penalty": 0.5}, "`length_penalty`: `num_beams` is set to 1"),  # GenerationConfig.validate(strict)
+        ({"cache_implementation": "nope"}, "Invalid `cache_implementation` (nope)"),
+        ({"epsilon_cutoff": 2.0}, "`epsilon_cutoff` has to be a float > 0 and < 1"),  # generate would skip it
+        ({"top_p": 2.0}, "--p must be in (0, 1], got 2.0"),  # a key with a flag is checked as the flag
+        ({"do_sample": "yes"}, "do_sample must be true or false"),
+    ],
+)
+def test_bad_generation_config_is_one_line_and_exit_2(tmp_path, values, message, capsys):
+    from rungen.arguments import parse_args
+
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--generation_config", write_config(tmp_path, values)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and message in err, err
+
+
+def one_line_exit(argv, capsys):
+    """main(argv) must end with exit 2 and a single line on stderr after the log lines; returns that line."""
+    with pytest.raises(SystemExit) as exit_:
+        run_generation.main(argv)
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and out == "" and "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
+def test_generation_config_values_only_generate_checks_are_one_line(tiny_models, tmp_path, capsys):
+    config = write_config(tmp_path, {"bad_words_ids": [[-5]]})
+    line = one_line_exit(tiny_args(tiny_models, "gpt2", "--prompt", "Hi", "--generation_config", config), capsys)
+    assert line.startswith("run_generation.py: error: ") and "bad_words_ids" in line
+
+
+def test_missing_generation_config_file(capsys):
+    line = one_line_exit(["--prompt", "Hi", "--generation_config", "/nonexistent/config.json"], capsys)
+    assert line == "run_generation.py: error: --generation_config /nonexistent/config.json: No such file or directory"
+
+
+# Prompt lookup and assisted decoding: greedy text unchanged, batches generated prompt by prompt
+
+
+@pytest.fixture(scope="module")
+def second_llama(tmp_path_factory):
+    """Another tiny llama with the same tokenizer and other weights (the first one's, perturbed): a draft
+    model that proposes tokens the main model sometimes rejects."""
+    directory = build_tiny_checkpoint("llama", str(tmp_path_factory.mktemp("second_llama")))
+    model = AutoModelForCausalLM.from_pretrained(directory)
+    generator = torch.Generator().manual_seed(1234)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize("mode", ["prompt_lookup", "self_assistant", "other_assistant", "mistral_assistant"])
+def test_speculative_modes_keep_the_greedy_text(tiny_models, second_llama, mode, capsys, monkeypatch):
+    extra = {
+        "prompt_lookup": ["--prompt_lookup_num_tokens", "3"],
+        "self_assistant": ["--assistant_model", tiny_models["llama"]],
+        "other_assistant": ["--assistant_model", second_llama],
+        "mistral_assistant": ["--assistant_model", tiny_models["mistral"]],  # another type, the same tokenizer
+    }[mode]
+    stdin = "\n".join(["the cat sat on the mat and the cat sat on the", *PROMPTS])
+    args = tiny_args(tiny_models, "llama", "--temperature", "0", "--length", "16", "--output_format", "jsonl",
+                     "--logprobs", "1")
+    plain = run_main(args, capsys, stdin, monkeypatch)
+    drafted = run_main(args + extra, capsys, stdin, monkeypatch)
+    assert [r["generated_text"] for r in drafted] == [r["generated_text"] for r in plain]
+    for fast, slow in zip(drafted, plain):
+        pairs = zip(fast["logprobs"]["content"], slow["logprobs"]["content"])
+        assert all(a["id"] == b["id"] and abs(a["logprob"] - b["logprob"]) < TOKEN_TOL for a, b in pairs)
+
+
+def test_prompt_lookup_keeps_the_default_models_greedy_text(default_model):
+    # An input-grounded prompt (copy a passage), where prompt lookup drafts many tokens that are accepted.
+    cache_home, _ = default_model
+    passage = ("The town of Millbrook sits where two rivers meet, and for most of its history the rivers decided "
+               "everything. The first settlers built their houses on the eastern bank.")
+    args = ["--chat", "--prompt", f"Copy the following text exactly: {passage}", "--temperature", "0",
+            "--length", "40"]
+    plain = run_cli(args, cache_home=cache_home)
+    lookup = run_cli(args + ["--prompt_lookup_num_tokens", "10"], cache_home=cache_home)
+    assert plain.returncode == lookup.returncode == 0, lookup.stderr.decode()
+    assert lookup.stdout == plain.stdout and b"Millbrook" in plain.stdout
+
+
+def test_an_assistant_with_another_tokenizer_is_refused(tiny_models, capsys):
+    line = one_line_exit(tiny_args(tiny_models, "llama", "--prompt", "Hi", "--assistant_model", tiny_models["gpt2"]),
+                         capsys)
+    assert line.endswith("its tokenizer differs from the model's; assisted decoding needs the same vocabulary")
