@@ -25,6 +25,7 @@ main() reads top to bottom: parse, load, prepare, optional JIT, then a terminal 
 says which module holds what).
 """
 
+import dataclasses
 import logging
 import os
 import sys
@@ -36,7 +37,14 @@ from transformers.utils import logging as transformers_logging
 from rungen import PROG, fail, logger, processes, session
 from rungen.arguments import parse_args
 from rungen.controls import GenerationError, load_assistant
-from rungen.generation import UNBATCHABLE_TYPES, Settings, StopTokenStreamer, generate_batch, make_batches
+from rungen.generation import (
+    UNBATCHABLE_TYPES,
+    Settings,
+    StopTokenStreamer,
+    eos_token_ids,
+    generate_batch,
+    make_batches,
+)
 from rungen.loading import load
 from rungen.output import Writer, print_stream_header
 from rungen.prompts import encode_prompt, prepare_model, read_prompts
@@ -72,6 +80,15 @@ def main(argv=None):
     logger.info("%s", args)
 
     prepare_model(loaded, args)
+    if args.constraint_source:
+        from rungen.constrain import ConstraintError, compile_constraint
+
+        try:
+            constraint = compile_constraint(*args.constraint_source, loaded.tokenizer, loaded.vocab_size,
+                                            eos_token_ids(settings, loaded.model))
+        except ConstraintError as error:
+            fail(str(error))
+        settings = dataclasses.replace(settings, constraint=constraint)
     if args.quantize:
         from rungen.quantize import QuantizeError, quantize_model
 

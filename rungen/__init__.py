@@ -11,6 +11,7 @@
     session.py     a session in the terminal: the prompt loop, /commands, the conversation and its context
     controls.py    generation controls: their flags and checks, --generation_config, --assistant_model
     logprobs.py    --logprobs: per-token log-probabilities, and scoring prompts (--length 0)
+    constrain.py   --json_schema/--regex/--grammar with xgrammar (imported only for those flags)
 
 run_generation.py's main() calls them in that order (session.py instead of the batches when stdin is a
 terminal); nothing here keeps state between calls.

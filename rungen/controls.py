@@ -69,6 +69,12 @@ def add_control_arguments(parser):
                        help="assisted decoding with this smaller model of the same tokenizer (greedy text unchanged)")
     group.add_argument("--generation_config", default=None, metavar="FILE.json",
                        help="any other GenerationConfig field; flags given explicitly win over the file")
+    constrained = group.add_mutually_exclusive_group()
+    constrained.add_argument("--json_schema", default=None, metavar="SCHEMA",
+                             help="every sequence is JSON valid under this schema (a file, or the JSON itself)")
+    constrained.add_argument("--regex", default=None, metavar="REGEX", help="every sequence matches this regex")
+    constrained.add_argument("--grammar", default=None, metavar="FILE.gbnf",
+                             help="every sequence is a sentence of this grammar (GBNF, as llama.cpp's)")
 
 
 #
@@ -231,6 +237,16 @@ def check_controls(args):
             fail(f"{speculative[0]} generates one sequence per prompt (transformers' assisted generation)")
     if args.generation_config_file is not None:
         validate_generation_config(args)
+    args.constraint_source = None
+    if args.json_schema is not None or args.regex is not None or args.grammar is not None:
+        from .constrain import ConstraintError, read_constraint  # xgrammar: only when asked for
+
+        if args.length == 0:
+            fail("--json_schema, --regex and --grammar constrain generated text; --length 0 generates none")
+        try:
+            args.constraint_source = read_constraint(args)
+        except ConstraintError as error:
+            fail(str(error))
 
 
 #

@@ -4,7 +4,7 @@ import dataclasses
 import sys
 
 import torch
-from transformers import TextStreamer
+from transformers import LogitsProcessorList, StoppingCriteriaList, TextStreamer
 
 from .controls import GenerationError, one_line
 from .logprobs import score_prompts, step_logits, token_logprobs
@@ -36,10 +36,12 @@ class Settings:
     logprobs: int | None = None  # top alternatives per token; None: no log-probabilities
     prompt_lookup_num_tokens: int | None = None
     generation_config: dict = dataclasses.field(default_factory=dict, hash=False)  # other generate() kwargs
+    # --json_schema/--regex/--grammar compiled for the model's vocabulary (rungen/constrain.py); main() sets it.
+    constraint: object = dataclasses.field(default=None, hash=False)
 
     @classmethod
     def from_args(cls, args, context):
-        names = {field.name for field in dataclasses.fields(cls)}
+        names = {field.name for field in dataclasses.fields(cls)} - {"constraint"}
         values = {name: getattr(args, name) for name in names}
         length = adjust_length_to_model(args.length, max_sequence_length=context)
         return cls(**dict(values, length=length, chat=bool(args.chat)))  # --chat's None (auto) is off here
@@ -53,7 +55,7 @@ class Sequence:
     text: str  # what the text output prints: prompt + continuation (the reply alone with --chat)
     num_prompt_tokens: int
     num_generated_tokens: int
-    finish_reason: str  # "length", "eos" or "stop_token"
+    finish_reason: str  # "length", "eos", "stop_token", or "grammar" (a constrained sequence ended complete)
     # Only with --logprobs (absent from the jsonl record otherwise): see rungen/logprobs.py.
     logprobs: dict | None = dataclasses.field(default=None, metadata={"omit_if_none": True})
     prompt_logprobs: dict | None = dataclasses.field(default=None, metadata={"omit_if_none": True})
@@ -149,6 +151,10 @@ def generate_batch(loaded, settings, batch, streamer=None, stopping_criteria=Non
     prompt_len = inputs["input_ids"].shape[1]
     new_tokens = settings.length if not loaded.context else min(settings.length, loaded.context - prompt_len)
     extra = {"assistant_model": assistant_model} if assistant_model is not None else {}
+    if settings.constraint is not None:  # fresh per call: the processor follows these sequences
+        processor, grammar_stop = settings.constraint.processors()
+        extra["logits_processor"] = LogitsProcessorList([processor])
+        stopping_criteria = StoppingCriteriaList([*(stopping_criteria or []), grammar_stop])
     try:
         with torch.inference_mode():
             output = model.generate(
@@ -160,14 +166,20 @@ def generate_batch(loaded, settings, batch, streamer=None, stopping_criteria=Non
     logits = getattr(output, "logits", None)  # with --logprobs, generate returns a ModelOutput
     if logits is not None:
         beam_indices, output = getattr(output, "beam_indices", None), output.sequences
-    eos_ids = settings.generation_config.get("eos_token_id", model.generation_config.eos_token_id)
-    eos_ids = set(eos_ids if isinstance(eos_ids, list) else [eos_ids] if eos_ids is not None else [])
+    eos_ids = eos_token_ids(settings, model)
 
     results = {}
     for row, sequence in enumerate(output.tolist()):
         prompt = batch[row // settings.num_return_sequences]
         new = sequence[prompt_len:]
-        described = describe_sequence(settings, tokenizer, prompt, new, eos_ids)
+        try:
+            described = describe_sequence(settings, tokenizer, prompt, new, eos_ids)
+        except StuckError as error:  # that prompt fails (an error record), the others go on
+            prompt.error = str(error)
+            results[prompt.index] = []
+            continue
+        if prompt.error is not None:
+            continue  # another sequence of this prompt was stuck
         if logits is not None:
             steps = [step_logits(logits, beam_indices, row, step) for step in range(described.num_generated_tokens)]
             described.logprobs = token_logprobs(tokenizer, prompt.ids, new, steps, settings.logprobs)
@@ -193,6 +205,16 @@ def score_batch(loaded, settings, batch):
     return results
 
 
+class StuckError(ValueError):
+    """A constrained sequence reached a point its vocabulary cannot spell (rungen/constrain.py)."""
+
+
+def eos_token_ids(settings, model):
+    """The ids that end a sequence: the model's EOS (one or several), or --generation_config's."""
+    eos_ids = settings.generation_config.get("eos_token_id", model.generation_config.eos_token_id)
+    return set(eos_ids if isinstance(eos_ids, list) else [eos_ids] if eos_ids is not None else [])
+
+
 def describe_sequence(settings, tokenizer, prompt, new, eos_ids):
     """Decodes one sequence the way the seed does and says why it ended."""
     finish, produced = "length", len(new)
@@ -200,6 +222,14 @@ def describe_sequence(settings, tokenizer, prompt, new, eos_ids):
         if token in eos_ids:
             finish, produced = "eos", position + 1
             break
+    if settings.constraint is not None:
+        ended, stuck = settings.constraint.follow(new)
+        if ended is not None:  # without EOS, where the grammar ended (the row is padded afterwards)
+            finish, produced = "grammar", ended
+        elif stuck is not None:
+            spelled = tokenizer.decode(new[:stuck], skip_special_tokens=True)
+            raise StuckError(f"{settings.constraint.flag}: the model's vocabulary has no token to continue "
+                             f"{spelled!r} as the grammar requires")
     # Decode prompt and continuation together and cut the prompt's text off, as the seed does:
     # decoding the continuation alone loses a SentencePiece tokenizer's leading space.
     head = tokenizer.decode(prompt.ids, skip_special_tokens=True)

@@ -1,0 +1,237 @@
+"""Constrained output (issue 12): --json_schema, --regex and --grammar (GBNF, as llama.cpp writes it).
+xgrammar compiles the constraint against the model's vocabulary once; inside generate() a logits
+processor masks every token that would leave the language, so each sequence is valid by construction.
+Why xgrammar and not llguidance or outlines-core: README, Constrained output (measured there).
+Imported only when one of the three flags is given."""
+
+import dataclasses
+import json
+import os
+import re
+
+import torch
+import xgrammar as xgr
+from transformers import LogitsProcessor, StoppingCriteria
+
+from .controls import one_line
+
+KINDS = {"json_schema": "--json_schema", "regex": "--regex", "grammar": "--grammar"}
+
+
+class ConstraintError(ValueError):
+    """A schema, regex or grammar that cannot be used: the message is one line."""
+
+
+def read_constraint(args):
+    """(kind, source text) from the flags, or None. --json_schema is a file or inline JSON, --grammar a
+    file, --regex the expression itself. Raises ConstraintError."""
+    given = [(kind, getattr(args, kind)) for kind in KINDS if getattr(args, kind, None) is not None]
+    if not given:
+        return None
+    kind, value = given[0]  # argparse lets one through
+    flag = KINDS[kind]
+    if kind == "grammar" or (kind == "json_schema" and os.path.isfile(value)):
+        try:
+            with open(value, encoding="utf-8") as f:
+                value = f.read()
+        except (OSError, UnicodeDecodeError) as error:
+            raise ConstraintError(f"{flag} {value}: {getattr(error, 'strerror', None) or error}") from error
+    if kind == "json_schema":
+        try:
+            schema = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ConstraintError(f"{flag}: neither a file nor valid JSON ({error.msg})") from error
+        if not isinstance(schema, (dict, bool)):
+            raise ConstraintError(f"{flag}: a JSON schema is an object, got {type(schema).__name__}")
+    if not value.strip():
+        raise ConstraintError(f"{flag}: empty")
+    return kind, value
+
+
+def vocabulary_type(tokenizer, flag):
+    """How xgrammar should read the tokens as text. A metaspace vocabulary without byte fallback (XLNet's)
+    counts as byte fallback too: "\u2581" is then a space (xgrammar would read it literally). Tokenizers
+    that mark word ends ("</w>", "@@": openai-gpt, CTRL, XLM) spell a token differently by what follows
+    it, which no per-token mask can follow: refused."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = str(backend.decoder) if backend is not None else "none"
+    if backend is None or "BPEDecoder" in decoder or "WordPiece" in decoder:
+        raise ConstraintError(f"{flag}: {type(tokenizer).__name__} marks word ends in its tokens, so a token's "
+                              "text depends on the next one; constrained output needs a byte-level or "
+                              "SentencePiece tokenizer")
+    if "ByteLevel" in decoder:
+        return xgr.VocabType.BYTE_LEVEL
+    if "Metaspace" in decoder or "\u2581" in decoder or "ByteFallback" in decoder:
+        return xgr.VocabType.BYTE_FALLBACK  # "\u2581" -> " ", "<0x0A>" -> "\n"
+    return xgr.VocabType.RAW
+
+
+def tokenizer_info(tokenizer, vocab_size, eos_ids, flag):
+    """What each token id spells, for xgrammar. Special tokens never reach the text (decoding skips them)
+    and ids past the tokenizer (a padded embedding) are no tokens: they spell nothing, so xgrammar never
+    allows them."""
+    spellings = [""] * vocab_size
+    for token, index in tokenizer.get_vocab().items():
+        if index < vocab_size:
+            spellings[index] = token
+    for index in tokenizer.all_special_ids:
+        if index < vocab_size:
+            spellings[index] = ""
+    # add_prefix_space=False: the constrained text continues a prompt, so a leading space is text.
+    return xgr.TokenizerInfo(spellings, vocabulary_type(tokenizer, flag), vocab_size=vocab_size,
+                             stop_token_ids=sorted(eos_ids), add_prefix_space=False)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Constraint:
+    """A compiled constraint. Without an EOS token (openai-gpt, CTRL) a sequence ends where the grammar
+    is complete; with one, the model may end it there with EOS."""
+
+    flag: str
+    compiled: xgr.CompiledGrammar
+    stop_ids: tuple[int, ...]
+    vocab_size: int
+
+    def matcher(self):
+        return xgr.GrammarMatcher(self.compiled, override_stop_tokens=list(self.stop_ids) or None,
+                                  terminate_without_stop_token=not self.stop_ids)
+
+    def follow(self, tokens):
+        """(ended, stuck) for generated tokens: ended is how many tokens it took to end the grammar (EOS
+        included, when the model has one; finish_reason "grammar"), stuck how many the grammar accepted
+        before the vocabulary had no token to go on with (GrammarLogitsProcessor lets such a row loose and
+        GrammarStop ends it). Both None: cut off by --length, or a stop string."""
+        matcher = self.matcher()
+        for position, token in enumerate(tokens):
+            if not matcher.accept_token(token):
+                return None, position
+            if matcher.is_terminated():
+                return position + 1, None
+        return None, None
+
+    def processors(self):
+        """A fresh (logits processor, stopping criterion) pair for one generate() call: they share the
+        grammar states of the sequences being generated."""
+        states = GrammarStates(self)
+        return GrammarLogitsProcessor(states), GrammarStop(states)
+
+
+def compile_constraint(kind, source, tokenizer, vocab_size, eos_ids):
+    """Compiles (kind, source) for this vocabulary. Raises ConstraintError (one line) for a bad schema,
+    regex or grammar, or one the vocabulary cannot spell."""
+    flag = KINDS[kind]
+    compiler = xgr.GrammarCompiler(tokenizer_info(tokenizer, vocab_size, eos_ids, flag))
+    try:
+        if kind == "json_schema":
+            # Compact JSON: free whitespace lets a small model pad with spaces until --length runs out.
+            compiled = compiler.compile_json_schema(source, any_whitespace=False)
+        elif kind == "regex":
+            compiled = compiler.compile_regex(source)
+        else:
+            compiled = compiler.compile_grammar(source)
+    except (RuntimeError, ValueError, TypeError) as error:
+        # xgrammar's messages start with a time and its source file: "[01:51:00] /project/cpp/x.cc:83: ..."
+        message = re.sub(r"^\[[0-9:]+\] \S+: ", "", one_line(error))
+        raise ConstraintError(f"{flag}: {message}") from error
+    constraint = Constraint(flag, compiled, tuple(sorted(eos_ids)), vocab_size)
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    constraint.matcher().fill_next_token_bitmask(bitmask)
+    if not allowed(bitmask[0], vocab_size).any():
+        raise ConstraintError(f"{flag}: no token of this model's vocabulary can start the output")
+    return constraint
+
+
+def allowed(bitmask_row, vocab_size):
+    bits = torch.arange(32, dtype=torch.int32)
+    return ((bitmask_row.unsqueeze(-1) >> bits) & 1).bool().flatten()[:vocab_size]
+
+
+class GrammarStates:
+    """The grammar state of each sequence, keyed by its generated tokens. generate() reorders rows in beam
+    search and tries draft tokens in assisted decoding, so a row is found by what it holds, not where."""
+
+    def __init__(self, constraint):
+        self.constraint = constraint
+        self.start = None  # prompt length (padded): the first call sees the prompt alone
+        self.states = {}
+        self.rows = []
+
+    def update(self, input_ids):
+        """The states of the rows of input_ids (once per length: the processor and the stop share it)."""
+        if self.start is None:
+            self.start = input_ids.shape[1]
+            self.states = {(): self.constraint.matcher()}
+        keys = [tuple(row) for row in input_ids[:, self.start :].tolist()]
+        if [key for key, _ in self.rows] == keys:
+            return self.rows
+        states, children = {}, {}
+        for key in dict.fromkeys(keys):
+            if key in self.states:
+                states[key] = self.states[key]
+            else:
+                children.setdefault(key[:-1], []).append(key)
+        for parent_key, kids in children.items():
+            parent = self.states[parent_key] if parent_key in self.states else self.replay(parent_key)
+            for number, key in enumerate(kids):
+                # The last child takes the parent over unless a row still holds the parent itself.
+                in_place = number == len(kids) - 1 and parent_key not in states
+                states[key] = advance(parent, key[-1], in_place)
+        self.states = states
+        self.rows = [(key, states[key]) for key in keys]
+        return self.rows
+
+    def replay(self, key):
+        """The state after key from the start (a draft token's row whose parent was not kept)."""
+        matcher = self.constraint.matcher()
+        for token in key:
+            matcher = advance(matcher, token, in_place=True)
+        return matcher
+
+
+def advance(matcher, token, in_place):
+    """The state after one more token: None once the grammar has rejected a token (a draft token in
+    assisted decoding); an ended grammar stays as it is (what follows is padding)."""
+    if matcher is None or matcher.is_terminated():
+        return matcher
+    if not in_place:
+        matcher = matcher.fork()
+    return matcher if matcher.accept_token(token) else None
+
+
+class GrammarLogitsProcessor(LogitsProcessor):
+    """Masks the tokens that would leave the language; an ended sequence (padding follows) is left alone."""
+
+    def __init__(self, states):
+        self.states = states
+        self.bitmask = None
+
+    def __call__(self, input_ids, scores):
+        rows = self.states.update(input_ids)
+        vocab_size = self.states.constraint.vocab_size
+        if self.bitmask is None or self.bitmask.shape[0] != len(rows):
+            self.bitmask = xgr.allocate_token_bitmask(len(rows), vocab_size)
+        self.bitmask.fill_(-1)  # all allowed
+        for row, (_, matcher) in enumerate(rows):
+            if matcher is not None and not matcher.is_terminated():
+                matcher.fill_next_token_bitmask(self.bitmask, row)
+        # A vocabulary without some character the grammar needs next (XLNet's has no byte fallback) leaves
+        # a row no token at all: sampling would fail on it, so it goes free and GrammarStop ends it.
+        self.bitmask[(self.bitmask == 0).all(dim=1)] = -1
+        logits = scores[:, :vocab_size] if scores.shape[1] > vocab_size else scores
+        xgr.apply_token_bitmask_inplace(logits, self.bitmask.to(scores.device))
+        if scores.shape[1] > vocab_size:
+            scores[:, vocab_size:] = float("-inf")  # the embedding's padding rows are no tokens
+        return scores
+
+
+class GrammarStop(StoppingCriteria):
+    """Ends a sequence whose grammar has terminated (after EOS, or, for a model without EOS, as soon as the
+    language is complete) or that has left it (the vocabulary could not go on: Constraint.follow)."""
+
+    def __init__(self, states):
+        self.states = states
+
+    def __call__(self, input_ids, scores, **kwargs):
+        rows = self.states.update(input_ids)
+        done = [matcher is None or matcher.is_terminated() for _, matcher in rows]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
