@@ -136,14 +136,14 @@ def compile_constraint(kind, source, tokenizer, vocab_size, eos_ids):
     constraint = Constraint(flag, compiled, tuple(sorted(eos_ids)), vocab_size)
     bitmask = xgr.allocate_token_bitmask(1, vocab_size)
     constraint.matcher().fill_next_token_bitmask(bitmask)
-    if not allowed(bitmask[0], vocab_size).any():
+    if nothing_allowed(bitmask)[0]:
         raise ConstraintError(f"{flag}: no token of this model's vocabulary can start the output")
     return constraint
 
 
-def allowed(bitmask_row, vocab_size):
-    bits = torch.arange(32, dtype=torch.int32)
-    return ((bitmask_row.unsqueeze(-1) >> bits) & 1).bool().flatten()[:vocab_size]
+def nothing_allowed(bitmask):
+    """Per row: no token allowed (xgrammar leaves the bits past the vocabulary at 0)."""
+    return (bitmask == 0).all(dim=1)
 
 
 class GrammarStates:
@@ -216,7 +216,7 @@ class GrammarLogitsProcessor(LogitsProcessor):
                 matcher.fill_next_token_bitmask(self.bitmask, row)
         # A vocabulary without some character the grammar needs next (XLNet's has no byte fallback) leaves
         # a row no token at all: sampling would fail on it, so it goes free and GrammarStop ends it.
-        self.bitmask[(self.bitmask == 0).all(dim=1)] = -1
+        self.bitmask[nothing_allowed(self.bitmask)] = -1
         logits = scores[:, :vocab_size] if scores.shape[1] > vocab_size else scores
         xgr.apply_token_bitmask_inplace(logits, self.bitmask.to(scores.device))
         if scores.shape[1] > vocab_size:
