@@ -21,13 +21,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+from common import cpu_flags, load_float32  # noqa: E402
 
 from rungen import constrain  # noqa: E402
 from rungen.generation import Settings, eos_token_ids, generate_batch  # noqa: E402
-from rungen.loading import load  # noqa: E402
 from rungen.prompts import Prompt, encode_prompt  # noqa: E402
 
-CPU_FLAGS = ("avx2", "avx512f", "amx_bf16")
 CITIES = ["Paris", "London", "Tokyo", "Zürich", "New York"]
 SCHEMA = {
     "type": "object",
@@ -57,15 +56,6 @@ def valid(text):
     return (isinstance(value, dict) and set(value) == {"name", "age", "city"} and isinstance(value["name"], str)
             and len(value["name"]) <= 30 and type(value["age"]) is int and 0 <= value["age"] <= 120
             and value["city"] in CITIES)
-
-
-def cpu_flags():
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set(f.read().split())
-    except OSError:
-        return "unknown"
-    return " ".join(f"{flag}={'yes' if flag in flags else 'no'}" for flag in CPU_FLAGS)
 
 
 class GrammarClock:
@@ -108,9 +98,7 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    options = argparse.Namespace(model_name_or_path=args.model, model_type=None, dtype="float32", device_map=None,
-                                 max_memory=None)
-    loaded = load(options, torch.device("cpu"))
+    loaded = load_float32(args.model)
     free = Settings(length=args.new_tokens, temperature=0, chat=True)
     start = time.perf_counter()
     constraint = constrain.compile_constraint("json_schema", json.dumps(SCHEMA), loaded.tokenizer, loaded.vocab_size,
@@ -120,7 +108,7 @@ def main():
     prompts = []
     for index, person in enumerate(PEOPLE):
         prompt = Prompt(index, request(person))
-        prompt.ids = encode_prompt(loaded, prompt, "", True, None)
+        prompt.ids = encode_prompt(loaded, prompt, chat=True)
         prompts.append(prompt)
     clock = GrammarClock()
     generate_batch(loaded, constrained, prompts[:1])  # warm-up

@@ -19,24 +19,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList  # noqa: E402
+from common import StepClock  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList  # noqa: E402
 
 from rungen.jit import enable_jit  # noqa: E402
 from rungen.loading import default_model_dir  # noqa: E402
 
 PROMPT = "Once upon a time, in a small village by the sea,"
 README_MARKERS = "<!-- jit_decode {} threads:begin -->", "<!-- jit_decode {} threads:end -->"
-
-
-class StepClock(LogitsProcessor):
-    """Records the time of every decoding step (called once per generated token)."""
-
-    def __init__(self):
-        self.stamps = []
-
-    def __call__(self, input_ids, scores):
-        self.stamps.append(time.perf_counter())
-        return scores
 
 
 def timed_generate(model, enc, new_tokens):

@@ -22,13 +22,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+from common import cpu_flags, load_float32  # noqa: E402
 
 from rungen.generation import Settings, generate_batch  # noqa: E402
-from rungen.loading import load  # noqa: E402
 from rungen.prompts import Prompt, encode_prompt  # noqa: E402
 
 PASSAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "passage.txt")
-CPU_FLAGS = ("avx2", "avx512f", "amx_bf16")
 
 
 def tasks():
@@ -37,15 +36,6 @@ def tasks():
         "copy the passage (input-grounded)": "Copy the following text exactly, word for word: " + passage,
         "free-form story": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
     }
-
-
-def cpu_flags():
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set(f.read().split())
-    except OSError:
-        return "unknown"
-    return " ".join(f"{flag}={'yes' if flag in flags else 'no'}" for flag in CPU_FLAGS)
 
 
 def main():
@@ -59,9 +49,7 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    options = argparse.Namespace(model_name_or_path=args.model, model_type=None, dtype="float32", device_map=None,
-                                 max_memory=None)
-    loaded = load(options, torch.device("cpu"))
+    loaded = load_float32(args.model)
     greedy = Settings(length=args.new_tokens, temperature=0, chat=True)
     modes = {"prefill": dataclasses.replace(greedy, length=1), "greedy": greedy}
     modes.update({n: dataclasses.replace(greedy, prompt_lookup_num_tokens=n) for n in args.lookup})
@@ -69,7 +57,7 @@ def main():
     rows = []
     for task, text in tasks().items():
         prompt = Prompt(0, text)
-        prompt.ids = encode_prompt(loaded, text, chat=True)
+        prompt.ids = encode_prompt(loaded, prompt, chat=True)
         seconds, tokens, texts = {m: [] for m in modes}, {}, {}
         for repeat in range(args.repeats + 1):  # the first round warms up and is not counted
             for mode, settings in modes.items():

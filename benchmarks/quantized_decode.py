@@ -24,22 +24,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList  # noqa: E402
+from common import StepClock, cpu_flags  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList  # noqa: E402
 
 from rungen.jit import enable_jit  # noqa: E402
 from rungen.loading import DEFAULT_MODEL_GGUF, DEFAULT_MODEL_PACKAGE, default_model_dir  # noqa: E402
 from rungen.quantize import quantize_model  # noqa: E402
 
 PROMPT = "Once upon a time, in a small village by the sea,"
-FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
-
-
-def cpu_flags():
-    with open("/proc/cpuinfo") as f:
-        flags = set(f.read().split())
-    return " ".join(flag for flag in FLAGS if flag in flags) or "none of " + ", ".join(FLAGS)
-
-
 def read_bandwidth(size_mb=512, repeats=5):
     """GB/s of a plain float32 sum over a tensor far larger than the caches."""
     data = torch.ones(size_mb * 2**20 // 4)
@@ -63,15 +55,6 @@ def weight_bytes(model):
     if head is None or head.data_ptr() != embedding.data_ptr():
         tensors.pop(embedding.data_ptr())
     return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
-class StepClock(LogitsProcessor):
-    def __init__(self):
-        self.stamps = []
-
-    def __call__(self, input_ids, scores):
-        self.stamps.append(time.perf_counter())
-        return scores
 
 
 class Mode:

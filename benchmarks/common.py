@@ -1,0 +1,41 @@
+"""What several benchmarks share: the CPU flags printed beside every figure, the tool's default model
+loaded as the tool loads it, and a clock on the decoding steps. The scripts put the repository on
+sys.path before importing this."""
+
+import argparse
+import time
+
+import torch
+from transformers import LogitsProcessor
+
+# The flags that decide CPU speed here: AVX2 only means bfloat16 and int8 matmuls are emulated.
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+
+
+def cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(f.read().split())
+    except OSError:
+        return "unknown"
+    return " ".join(f"{flag}={'yes' if flag in flags else 'no'}" for flag in CPU_FLAGS)
+
+
+def load_float32(model_name_or_path=None):
+    """The tool's load() on the CPU in float32: the default model when no path is given."""
+    from rungen.loading import load
+
+    options = argparse.Namespace(model_name_or_path=model_name_or_path, model_type=None, dtype="float32",
+                                 device_map=None, max_memory=None)
+    return load(options, torch.device("cpu"))
+
+
+class StepClock(LogitsProcessor):
+    """Records the time of every decoding step (called once per generated token)."""
+
+    def __init__(self):
+        self.stamps = []
+
+    def __call__(self, input_ids, scores):
+        self.stamps.append(time.perf_counter())
+        return scores
