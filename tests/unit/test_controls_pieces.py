@@ -26,13 +26,6 @@ from tiny_models import build_tokenizer
 
 
 @pytest.fixture(scope="module")
-def gpt2_tokenizer(tmp_path_factory):
-    tokenizer, _ = build_tokenizer("gpt2", str(tmp_path_factory.mktemp("tok")))
-    tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
-
-
-@pytest.fixture(scope="module")
 def llama_tokenizer(tmp_path_factory):
     tokenizer, _ = build_tokenizer("llama", str(tmp_path_factory.mktemp("tok")))
     return tokenizer

@@ -22,15 +22,6 @@ from rungen.generation import (
 from rungen.jit import _served_by_graph
 from rungen.output import Writer
 from rungen.prompts import Prompt, parse_prompt_line
-from tiny_models import build_tokenizer
-
-
-@pytest.fixture(scope="module")
-def gpt2_tokenizer(tmp_path_factory):
-    tokenizer, _ = build_tokenizer("gpt2", str(tmp_path_factory.mktemp("tok")))
-    tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
-
 
 # Prompts
 
