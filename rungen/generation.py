@@ -224,7 +224,7 @@ def describe_sequence(settings, tokenizer, prompt, new, eos_ids):
             break
     if settings.constraint is not None:
         ended, stuck = settings.constraint.follow(new)
-        if ended is not None:  # without EOS, where the grammar ended (the row is padded afterwards)
+        if ended is not None:  # where the grammar ended: at EOS, or without one at completion (padding follows)
             finish, produced = "grammar", ended
         elif stuck is not None:
             spelled = tokenizer.decode(new[:stuck], skip_special_tokens=True)
