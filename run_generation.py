@@ -96,7 +96,7 @@ def main(argv=None):
             layers = quantize_model(loaded.model, args.quantize)
         except QuantizeError as error:
             fail(str(error))
-        logger.info("Quantized %d linear layers to %s", layers, args.quantize)
+        logger.info("Quantized %d linear layers to %s (the output head to int8)", layers, args.quantize)
     if args.jit:
         from rungen.jit import enable_jit  # private torch/transformers APIs: only when asked for
 

@@ -5,8 +5,13 @@ Weights are stored as int8 (one scale per output channel, symmetric) or as 4-bit
 input channels, a scale and a zero each, as GGUF's Q4_1 and gpt-fast do) and multiplied by
 torch.ops.aten._weight_int8pack_mm / _weight_int4pack_mm_for_cpu. Both kernels are vectorized for
 bfloat16 activations, so a quantized layer casts its input to bfloat16 and its output back: the rest
-of the model (norms, attention, residuals, the embedding) keeps its dtype. A tied output head is
-quantized as a copy; the input embedding stays as it was.
+of the model (norms, attention, residuals, the embedding) keeps its dtype. The output head is int8 in
+both modes (llama.cpp's 4-bit files keep theirs at 8 or 6 bits too: at 4 bits it alone costs the
+default model 5 points of perplexity, see README); a tied head is quantized as a copy and the input
+embedding stays as it was.
+
+Sibling projections that read the same input (q/k/v, gate/up) become one matmul: at one token a
+step these kernels cost about as much per call as per weight, so three calls cost far more than one.
 """
 
 import torch
@@ -15,6 +20,8 @@ from transformers.pytorch_utils import Conv1D
 MODES = ("int8", "int4")
 GROUP_SIZE = 32  # int4: input channels sharing one scale and zero (GGUF's Q4_0/Q4_1 blocks are 32 too)
 INNER_K_TILES = 8  # int4 packing layout; the CPU kernel accepts 2, 4 or 8
+# Projections a block applies to one input, by the names the supported models give them.
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 class QuantizeError(ValueError):
@@ -64,8 +71,41 @@ class Int4Linear(torch.nn.Module):
     def forward(self, x):
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP_SIZE, self.scales_and_zeros)
-        y = y[:, : self.out_features].reshape(x.shape[:-1] + (self.out_features,)).to(x.dtype)
+        if y.shape[1] != self.out_features:
+            y = y[:, : self.out_features]
+        y = y.reshape(x.shape[:-1] + (self.out_features,)).to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+
+class Fused(torch.nn.Module):
+    """One quantized matmul for sibling projections of the same input. Each sibling's `Part` asks
+    it for the product of its input and takes its rows; the product of the last input is kept
+    only until every part has taken its rows, and an input it has not seen is computed anew, so
+    any calling order gives each part its own layer's result."""
+
+    def __init__(self, layer, widths):
+        super().__init__()
+        self.layer, self.parts = layer, len(widths)
+        self._input, self._output, self._served = None, None, set()
+
+    def rows(self, x, part):
+        if x is not self._input or part in self._served:
+            self._input, self._output, self._served = x, self.layer(x), set()
+        self._served.add(part)
+        output = self._output
+        if len(self._served) == self.parts:  # all taken: do not hold the step's tensors
+            self._input, self._output, self._served = None, None, set()
+        return output
+
+
+class Part(torch.nn.Module):
+    def __init__(self, fused, part, start, end):
+        super().__init__()
+        self.fused, self.part, self.start, self.end = fused, part, start, end
+        self.in_features, self.out_features = fused.layer.in_features, end - start
+
+    def forward(self, x):
+        return self.fused.rows(x, self.part)[..., self.start:self.end]
 
 
 def _weight_of(module):
@@ -77,6 +117,29 @@ def _weight_of(module):
     return None
 
 
+def _fused_siblings(module, layers, layer_class):
+    """Replaces each group of SIBLINGS in `layers` (name -> (weight, bias)) by Parts of one Fused
+    layer; returns the names it replaced."""
+    done = []
+    for names in SIBLINGS:
+        if not all(name in layers for name in names):
+            continue
+        weights = [layers[name][0] for name in names]
+        if len({w.shape[1] for w in weights}) != 1 or len({w.dtype for w in weights}) != 1:
+            continue
+        biases = [layers[name][1] for name in names]
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases)])
+        fused = Fused(layer_class(torch.cat(weights), bias), [w.shape[0] for w in weights])
+        start = 0
+        for part, (name, weight) in enumerate(zip(names, weights)):
+            setattr(module, name, Part(fused, part, start, start + weight.shape[0]))
+            start += weight.shape[0]
+        done.extend(names)
+    return done
+
+
 def quantize_model(model, mode):
     """Replaces every linear layer (attention, MLP, output head) by its quantized twin, in place.
     Returns how many layers were quantized; raises QuantizeError when it cannot quantize."""
@@ -86,19 +149,25 @@ def quantize_model(model, mode):
         raise QuantizeError(f"--quantize runs on the CPU only (torch's packed int8/int4 kernels); "
                             f"the model is on {model.device.type}: add --use_cpu")
     layer_class = Int8Linear if mode == "int8" else Int4Linear
-    targets = []
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    targets = {}  # parent module -> {child name: (weight, bias)}
     for name, module in model.named_modules():
         for child_name, child in module.named_children():
             weight = _weight_of(child)
             if weight is None:
                 continue
-            if mode == "int4" and weight.shape[1] % GROUP_SIZE:
+            if child is not head and mode == "int4" and weight.shape[1] % GROUP_SIZE:
                 raise QuantizeError(f"--quantize int4: layer {name}.{child_name} has {weight.shape[1]} input "
                                     f"channels, not a multiple of the group size {GROUP_SIZE}; use int8")
-            targets.append((module, child_name, weight, child.bias))
+            targets.setdefault(module, {})[child_name] = (weight, child.bias)
     if not targets:
         raise QuantizeError(f"--quantize: {model.config.model_type} has no linear layers to quantize")
+    count = sum(len(layers) for layers in targets.values())
     with torch.no_grad():
-        for module, child_name, weight, bias in targets:
-            setattr(module, child_name, layer_class(weight, bias))
-    return len(targets)
+        for module, layers in targets.items():
+            for name in _fused_siblings(module, layers, layer_class):
+                del layers[name]
+            for name, (weight, bias) in layers.items():
+                cls = Int8Linear if getattr(module, name) is head else layer_class
+                setattr(module, name, cls(weight, bias))
+    return count

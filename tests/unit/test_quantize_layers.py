@@ -67,3 +67,43 @@ def test_what_quantize_refuses():
     model.device = torch.device("cuda")
     with pytest.raises(QuantizeError, match="runs on the CPU only"):
         quantize_model(model, "int8")
+
+
+class Block(torch.nn.Module):
+    """The shape of a Llama block's projections: q/k/v and gate/up read one input each."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(64, 64), torch.nn.Linear(64, 16, bias=False),
+                                                 torch.nn.Linear(64, 16))
+        self.o_proj = torch.nn.Linear(64, 64)
+        self.gate_proj, self.up_proj = torch.nn.Linear(64, 96, bias=False), torch.nn.Linear(64, 96, bias=False)
+        self.lm_head = torch.nn.Linear(64, 80, bias=False)
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_fused_siblings_give_each_projection_its_own_layers_result(mode):
+    torch.manual_seed(0)
+    block = toy(Block())
+    layer_class = Int8Linear if mode == "int8" else Int4Linear
+    alone = {name: layer_class(getattr(block, name).weight, getattr(block, name).bias)
+             for name in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")}
+    head_alone = Int8Linear(block.lm_head.weight, None)
+    assert quantize_model(block, mode) == 7
+    assert block.q_proj.fused is block.k_proj.fused is block.v_proj.fused
+    assert block.gate_proj.fused is block.up_proj.fused is not block.q_proj.fused
+    assert isinstance(block.o_proj, layer_class) and isinstance(block.lm_head, Int8Linear)  # head: int8 in both
+
+    x, y = torch.randn(2, 3, 64), torch.randn(2, 3, 64)
+    with torch.no_grad():
+        # Any order, a part asked twice, and a sibling on another input: each gets its own layer's product.
+        for name, inputs in [("v_proj", x), ("q_proj", x), ("q_proj", x), ("k_proj", y), ("k_proj", x),
+                             ("up_proj", y), ("gate_proj", x), ("up_proj", x)]:
+            got = getattr(block, name)(inputs)
+            assert got.shape == (2, 3, alone[name].out_features)
+            assert torch.equal(got, alone[name](inputs)), name
+        assert torch.equal(block.lm_head(x), head_alone(x))
+    assert block.gate_proj.fused._output is None  # all parts served: the step's tensors are let go
