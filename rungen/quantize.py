@@ -83,9 +83,9 @@ class Fused(torch.nn.Module):
     only until every part has taken its rows, and an input it has not seen is computed anew, so
     any calling order gives each part its own layer's result."""
 
-    def __init__(self, layer, widths):
+    def __init__(self, layer, parts):
         super().__init__()
-        self.layer, self.parts = layer, len(widths)
+        self.layer, self.parts = layer, parts
         self._input, self._output, self._served = None, None, set()
 
     def rows(self, x, part):
@@ -131,7 +131,7 @@ def _fused_siblings(module, layers, layer_class):
         bias = None
         if any(b is not None for b in biases):
             bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases)])
-        fused = Fused(layer_class(torch.cat(weights), bias), [w.shape[0] for w in weights])
+        fused = Fused(layer_class(torch.cat(weights), bias), len(names))
         start = 0
         for part, (name, weight) in enumerate(zip(names, weights)):
             setattr(module, name, Part(fused, part, start, start + weight.shape[0]))
