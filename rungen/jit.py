@@ -117,6 +117,9 @@ def _kv_buffers(cache, needed):
     for layer in cache.layers:
         for name in ("keys", "values"):
             tensor, buffer = getattr(layer, name), layer.__dict__.get("_jit_" + name)
+            if tensor is layer.__dict__.get("_jit_view_" + name) and buffer.shape[2] >= needed:
+                buffers.append(buffer)  # the view the last graph step left: untouched since (cheap test)
+                continue
             if buffer is None or buffer.shape[2] < needed or not _is_prefix_view(tensor, buffer):
                 size = tensor.shape[:2] + (2 * needed + 16, tensor.shape[3])
                 buffer = tensor.new_empty(size)
@@ -248,6 +251,7 @@ def _install_dispatcher(model, graphs, with_pos):
         forward.graph_steps += 1
         for layer, k, v in zip(cache.layers, outputs[1::2], outputs[2::2]):
             layer.keys, layer.values = k, v
+            layer._jit_view_keys, layer._jit_view_values = k, v
         out = CausalLMOutputWithPast(logits=outputs[0], past_key_values=cache)
         return out if kwargs.get("return_dict", True) is not False else out.to_tuple()
 
