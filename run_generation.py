@@ -90,13 +90,14 @@ def main(argv=None):
             fail(str(error))
         settings = dataclasses.replace(settings, constraint=constraint)
     if args.quantize:
-        from rungen.quantize import QuantizeError, quantize_model
+        from rungen.quantize import QuantizeError, head_class, quantize_model
 
         try:
             layers = quantize_model(loaded.model, args.quantize)
         except QuantizeError as error:
             fail(str(error))
-        logger.info("Quantized %d linear layers to %s (the output head to int8)", layers, args.quantize)
+        logger.info("Quantized %d linear layers to %s (the output head to %s)", layers, args.quantize,
+                    head_class().format)
     if args.jit:
         from rungen.jit import enable_jit  # private torch/transformers APIs: only when asked for
 

@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorLis
 
 from rungen.jit import enable_jit  # noqa: E402
 from rungen.loading import DEFAULT_MODEL_GGUF, DEFAULT_MODEL_PACKAGE, default_model_dir  # noqa: E402
-from rungen.quantize import quantize_model  # noqa: E402
+from rungen.quantize import Fp16Linear, quantize_model  # noqa: E402
 
 PROMPT = "Once upon a time, in a small village by the sea,"
 def read_bandwidth(size_mb=512, repeats=5):
@@ -48,13 +48,16 @@ def _timed(function):
 
 def weight_bytes(model):
     """Bytes a decode step reads: every parameter and buffer, but of the input embedding only one row,
-    unless the output head reads all of it (tied weights)."""
+    unless the output head reads all of it (tied weights); plus the float16 head fbgemm keeps packed
+    outside the module's buffers."""
+
     embedding = model.get_input_embeddings().weight
     head = getattr(model.get_output_embeddings(), "weight", None)
     tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
     if head is None or head.data_ptr() != embedding.data_ptr():
         tensors.pop(embedding.data_ptr())
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    packed = sum(m.out_features * m.in_features * 2 for m in model.modules() if isinstance(m, Fp16Linear))
+    return sum(t.numel() * t.element_size() for t in tensors.values()) + packed
 
 
 class Mode:

@@ -5,10 +5,14 @@ Weights are stored as int8 (one scale per output channel, symmetric) or as 4-bit
 input channels, a scale and a zero each, as GGUF's Q4_1 and gpt-fast do) and multiplied by
 torch.ops.aten._weight_int8pack_mm / _weight_int4pack_mm_for_cpu. Both kernels are vectorized for
 bfloat16 activations, so a quantized layer casts its input to bfloat16 and its output back: the rest
-of the model (norms, attention, residuals, the embedding) keeps its dtype. The output head is int8 in
-both modes (llama.cpp's 4-bit files keep theirs at 8 or 6 bits too: at 4 bits it alone costs the
-default model 5 points of perplexity, see README); a tied head is quantized as a copy and the input
-embedding stays as it was.
+of the model (norms, attention, residuals, the embedding) keeps its dtype.
+
+The output head is float16 in both modes, multiplied by fbgemm's quantized::linear_dynamic_fp16
+(float32 activations, float16 weights): llama.cpp's 4-bit files keep their head at 8 or 6 bits too
+(at 4 bits it alone costs the default model 5 points of perplexity, see README), and on one token
+fbgemm streams the 49,152-row head faster than the int8 kernel computes it. Where torch was built
+without fbgemm (not x86), the head is int8. A tied head is converted as a copy; the input embedding
+stays as it was.
 
 Sibling projections that read the same input (q/k/v, gate/up) become one matmul: at one token a
 step these kernels cost about as much per call as per weight, so three calls cost far more than one.
@@ -29,6 +33,8 @@ class QuantizeError(ValueError):
 
 
 class Int8Linear(torch.nn.Module):
+    format = "int8"
+
     def __init__(self, weight, bias):
         super().__init__()
         weight = weight.detach().float().contiguous()
@@ -45,6 +51,24 @@ class Int8Linear(torch.nn.Module):
         y = torch.ops.aten._weight_int8pack_mm(flat, self.codes, self.scales)
         y = y.reshape(x.shape[:-1] + (self.out_features,)).to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+
+class Fp16Linear(torch.nn.Module):
+    format = "float16"
+
+    def __init__(self, weight, bias):
+        super().__init__()
+        bias = None if bias is None else bias.detach().float()
+        self.packed = torch.ops.quantized.linear_prepack_fp16(weight.detach().float().contiguous(), bias)
+        self.out_features, self.in_features = weight.shape
+
+    def forward(self, x):
+        return torch.ops.quantized.linear_dynamic_fp16(x.float(), self.packed).to(x.dtype)
+
+
+def head_class():
+    """The output head's layer: float16 through fbgemm where torch has it (every x86 build), else int8."""
+    return Fp16Linear if "fbgemm" in torch.backends.quantized.supported_engines else Int8Linear
 
 
 class Int4Linear(torch.nn.Module):
@@ -168,6 +192,6 @@ def quantize_model(model, mode):
             for name in _fused_siblings(module, layers, layer_class):
                 del layers[name]
             for name, (weight, bias) in layers.items():
-                cls = Int8Linear if getattr(module, name) is head else layer_class
+                cls = head_class() if getattr(module, name) is head else layer_class
                 setattr(module, name, cls(weight, bias))
     return count

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers.pytorch_utils import Conv1D
 
-from rungen.quantize import GROUP_SIZE, Int4Linear, Int8Linear, QuantizeError, quantize_model
+from rungen.quantize import GROUP_SIZE, Fp16Linear, Int4Linear, Int8Linear, QuantizeError, head_class, quantize_model
 
 
 def error_bound(layer, x, weight, rounding_step):
@@ -33,11 +33,28 @@ def test_quantized_layers_stay_within_their_rounding(out_features):
     assert torch.all((int4(x) - exact).abs() <= error_bound(int4, x, weight, step4))
 
 
+def test_float16_head_is_the_product_of_the_float16_rounded_weights():
+    torch.manual_seed(0)
+    weight, bias, x = torch.randn(300, 64) * 0.05, torch.randn(300), torch.randn(2, 5, 64)
+    # Only the weights are rounded (float32 activations and sums): the result is the float32 product
+    # of the rounded weights up to summation order, far inside int8's rounding.
+    want = x @ weight.half().float().t() + bias
+    got = Fp16Linear(weight, bias)(x)
+    assert got.shape == (2, 5, 300) and got.dtype == torch.float32
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(weight.half().float(), weight)  # the rounding is real, the test is not vacuous
+
+
+def test_head_is_float16_wherever_torch_has_fbgemm():
+    expected = Fp16Linear if "fbgemm" in torch.backends.quantized.supported_engines else Int8Linear
+    assert head_class() is expected
+
+
 def test_bias_and_leading_dimensions_are_kept():
     torch.manual_seed(0)
     linear = torch.nn.Linear(32, 16)
     x = torch.randn(2, 3, 32)
-    for layer_class in (Int8Linear, Int4Linear):
+    for layer_class in (Int8Linear, Int4Linear, Fp16Linear):
         got = layer_class(linear.weight, linear.bias)(x)
         assert got.shape == (2, 3, 16) and got.dtype == torch.float32
         assert torch.allclose(got, linear(x), atol=0.1)
@@ -91,11 +108,11 @@ def test_fused_siblings_give_each_projection_its_own_layers_result(mode):
     layer_class = Int8Linear if mode == "int8" else Int4Linear
     alone = {name: layer_class(getattr(block, name).weight, getattr(block, name).bias)
              for name in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")}
-    head_alone = Int8Linear(block.lm_head.weight, None)
+    head_alone = head_class()(block.lm_head.weight, None)
     assert quantize_model(block, mode) == 7
     assert block.q_proj.fused is block.k_proj.fused is block.v_proj.fused
     assert block.gate_proj.fused is block.up_proj.fused is not block.q_proj.fused
-    assert isinstance(block.o_proj, layer_class) and isinstance(block.lm_head, Int8Linear)  # head: int8 in both
+    assert isinstance(block.o_proj, layer_class) and isinstance(block.lm_head, head_class())  # same head in both
 
     x, y = torch.randn(2, 3, 64), torch.randn(2, 3, 64)
     with torch.no_grad():
