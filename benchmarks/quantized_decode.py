@@ -50,7 +50,6 @@ def weight_bytes(model):
     """Bytes a decode step reads: every parameter and buffer, but of the input embedding only one row,
     unless the output head reads all of it (tied weights); plus the float16 head fbgemm keeps packed
     outside the module's buffers."""
-
     embedding = model.get_input_embeddings().weight
     head = getattr(model.get_output_embeddings(), "weight", None)
     tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
