@@ -152,8 +152,8 @@ def main():
     print("")
     print("| mode | tokens/s | vs llama.cpp | decode ms/token | weights MB/token | GB/s | of bandwidth |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    ratios = {mode.name: [s / r for s, r in zip(mode.tokens_per_s, reference.tokens_per_s)] if reference else []
-              for mode in modes}
+    ratios = {mode.name: [s / r for s, r in zip(mode.tokens_per_s, reference.tokens_per_s)]
+              for mode in modes} if reference else {}
     for mode in modes:
         speed, step = med(mode.tokens_per_s), med(mode.ms_per_token)
         ratio = f"{med(ratios[mode.name]):.2f}x" if reference else "-"
@@ -162,7 +162,7 @@ def main():
               f"| {achieved / bandwidth:.0%} |")
     print("")
     if reference:
-        fastest = max(modes[:-1], key=lambda m: med(m.tokens_per_s))
+        fastest = max((m for m in modes if m is not reference), key=lambda m: med(m.tokens_per_s))
         print(f"{fastest.name} vs llama.cpp, each repeat: " + ", ".join(f"{r:.2f}x" for r in ratios[fastest.name]))
         print("")
     for mode in modes:
