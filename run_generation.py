@@ -172,9 +172,9 @@ def progress_bar(total):
     return tqdm(total=total, unit="prompt")
 
 
-def cli():
+def cli(argv=None):
     try:
-        main()
+        main(argv)
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr, flush=True)
         sys.exit(130)
