@@ -1,4 +1,9 @@
-"""Shared pytest fixtures: tiny random checkpoints built on the spot, fully offline."""
+"""Shared pytest fixtures: tiny random checkpoints built on the spot, fully offline; each model loaded once.
+
+Two tiers: plain `pytest` runs the tool in-process (run_main); tests marked `slow` start real processes
+(pipes and signals, a pseudo-terminal, accelerate launches, the README's first run) or spend tens of seconds
+of CPU on the real model (its GGUF file read directly, --jit and --quantize on it); they run with
+`-m "slow or not slow"`, as CI does."""
 
 import os
 import sys
@@ -19,8 +24,32 @@ sys.path[:0] = [TESTS, os.path.dirname(TESTS)]  # helpers, and run_generation.py
 
 import pytest  # noqa: E402
 
-from helpers import run_cli  # noqa: E402
+import run_generation  # noqa: E402
+import rungen.loading  # noqa: E402
+from helpers import LoadMemo, default_model_dir, run_main  # noqa: E402
 from tiny_models import MODEL_TYPES, build_all  # noqa: E402
+
+LOAD = rungen.loading.load  # the real loader, whatever a test patches later
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: starts real processes (pipes, signals, a terminal, accelerate) or "
+                                       "spends tens of seconds on the real model; deselected by default, CI runs them")
+    config.addinivalue_line("markers", "fresh_load: main() loads its model from disk, not from the memo")
+
+
+@pytest.fixture(scope="session")
+def load_memo():
+    """One memo for the whole session: every model is loaded from disk once (see helpers.LoadMemo)."""
+    return LoadMemo(LOAD)
+
+
+@pytest.fixture(autouse=True)
+def memoized_loads(request, load_memo, monkeypatch):
+    """main() (and the assistant model's loader) go through the memo, unless the test is marked fresh_load."""
+    if request.node.get_closest_marker("fresh_load") is None:
+        monkeypatch.setattr(run_generation, "load", load_memo)
+        monkeypatch.setattr(rungen.loading, "load", load_memo)
 
 
 @pytest.fixture(scope="session")
@@ -36,10 +65,35 @@ def tiny_model(request, tiny_models):
 
 
 @pytest.fixture(scope="session")
-def default_model(tmp_path_factory):
-    """(cache_home, first_run): the embedded default model, converted once into a fresh cache."""
-    cache_home = tmp_path_factory.mktemp("xdg_cache")
-    first = run_cli(["--prompt", "The capital of France is", "--temperature", "0", "--length", "4"],
-                    cache_home=cache_home)
+def default_model(request, tmp_path_factory):
+    """(cache_home, first_run, converted): the embedded default model, converted by the tool's first run.
+
+    The conversion takes tens of seconds; its cache outlives the session in pytest's cache directory (as the
+    tool's own cache outlives a run), under a name that changes with transformers and with the loader's
+    source, so that a changed conversion is converted again. Without pytest's cache (-p no:cacheprovider),
+    a fresh directory. The README's first run on an empty cache is tests/test_default_model.py's slow test."""
+    cache_home = default_model_cache(request.config) or tmp_path_factory.mktemp("xdg_cache")
+    converted = default_model_dir(cache_home) is None
+    first = run_main(["--prompt", "The capital of France is", "--temperature", "0", "--length", "4"],
+                     cache_home=cache_home)
     assert first.returncode == 0, first.stderr.decode()[-3000:]
-    return cache_home, first
+    return cache_home, first, converted
+
+
+def default_model_cache(config):
+    """A directory in pytest's cache for the converted default model, or None; older versions are removed."""
+    if getattr(config, "cache", None) is None:
+        return None
+    import hashlib
+    import shutil
+
+    import transformers
+
+    with open(rungen.loading.__file__, "rb") as f:
+        version = f"{transformers.__version__}-{hashlib.sha256(f.read()).hexdigest()[:16]}"
+    parent = config.cache.mkdir("default_model")
+    for old in os.listdir(parent):
+        if old != version:
+            shutil.rmtree(os.path.join(parent, old), ignore_errors=True)
+    os.makedirs(os.path.join(parent, version), exist_ok=True)
+    return os.path.join(parent, version)

@@ -1,9 +1,18 @@
-"""Running the tool the way users do: as a subprocess, and through main() in-process."""
+"""Running the tool the way users do: in-process through its entry point (run_main), or as a subprocess
+(run_cli) where a real process is the point; and a memo that loads each model once per test session."""
 
+import contextlib
+import copy
+import dataclasses
+import io
 import json
+import logging
 import os
 import subprocess
 import sys
+import traceback
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "run_generation.py")
@@ -30,6 +39,143 @@ def run_cli(args, stdin=None, cache_home=None, timeout=600):
         env=cli_env(cache_home),
         timeout=timeout,
     )
+
+
+@dataclasses.dataclass
+class Result:
+    """What a run of the tool leaves behind, in-process or not: the fields of subprocess.run's result."""
+
+    returncode: int
+    stdout: bytes
+    stderr: bytes
+
+
+@contextlib.contextmanager
+def _root_logging_to(stream):
+    """main()'s logging.basicConfig reaches `stream` only on a root logger without handlers: clear them for the
+    run (pytest's capture handlers included), and put back handlers, level and transformers' verbosity after."""
+    from transformers.utils import logging as transformers_logging
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    verbosity = transformers_logging.get_verbosity()
+    transformers_handler = transformers_logging._default_handler  # transformers' own handler keeps its stream
+    transformers_stream = transformers_handler.stream if transformers_handler else None
+    root.handlers = []
+    if transformers_handler:
+        transformers_handler.setStream(stream)
+    try:
+        yield
+    finally:
+        for handler in root.handlers:
+            handler.close()
+        root.handlers, root.level = handlers, level
+        transformers_logging.set_verbosity(verbosity)
+        if transformers_handler:
+            transformers_handler.setStream(transformers_stream)
+
+
+def run_main(args, stdin=None, cache_home=None):
+    """Runs the tool in this process as run_cli runs it as a subprocess: the entry point run_generation.cli
+    with argv, stdin as bytes or str (None: empty, like CI), stdout and stderr captured, the subprocess's
+    environment; returns a Result with its exit code."""
+    import run_generation
+
+    if isinstance(stdin, str):
+        stdin = stdin.encode()
+    # sys.stdin has .buffer (prompts are read as bytes) and is no terminal, as a pipe; stdout and stderr
+    # encode as Python's own streams do in a UTF-8 locale.
+    fake_stdin = io.TextIOWrapper(io.BytesIO(stdin or b""), encoding="utf-8")
+    out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", write_through=True)
+    err = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", errors="backslashreplace", write_through=True)
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in cli_env(cache_home).items():
+            if os.environ.get(name) != value:
+                patch.setenv(name, value)
+        patch.setattr(sys, "argv", [SCRIPT, *args])
+        patch.setattr(sys, "stdin", fake_stdin)
+        patch.setattr(sys, "stdout", out)
+        patch.setattr(sys, "stderr", err)
+        with _root_logging_to(err):
+            try:
+                run_generation.cli(list(args))
+                returncode = 0
+            except SystemExit as exit_:  # as the interpreter turns it into an exit status
+                code = exit_.code
+                if code is None or isinstance(code, int):
+                    returncode = code or 0
+                else:
+                    print(code, file=err)
+                    returncode = 1
+            except BaseException:  # what a process would print before exiting with 1
+                traceback.print_exc(file=err)
+                returncode = 1
+        out.flush()
+        err.flush()
+    return Result(returncode, out.buffer.getvalue(), err.buffer.getvalue())
+
+
+class _Reads:
+    """An argparse Namespace seen through a recorder: which attributes the loader read, and their values."""
+
+    def __init__(self, source):
+        self.__dict__.update(_source=source, _read={})
+
+    def __getattr__(self, name):
+        value = getattr(self._source, name)
+        self._read[name] = repr(value)
+        return value
+
+
+_MISSING = object()
+
+
+class LoadMemo:
+    """A stand-in for the loader main() calls that loads each model once per test session and hands every
+    caller a deep copy (main changes the model in place: --quantize swaps layers, --jit patches forward).
+
+    The key is every argument's repr, a Namespace's reduced to the attributes the loader read, and
+    XDG_CACHE_HOME (where the default model is cached). Placement over devices (device_map: hooks and an
+    offload folder on disk) is loaded afresh every time. A checkpoint rewritten in place under the same path
+    would be missed: tests write changed checkpoints to new directories."""
+
+    def __init__(self, load):
+        self.load = load
+        self.entries = []  # (reads of each Namespace, repr of the rest, cache home, Loaded)
+        self.hits = self.misses = 0
+
+    def __call__(self, *args, **kwargs):
+        namespaces = [a for a in args if _is_namespace(a)]
+        if kwargs.get("device_map") or any(getattr(a, "device_map", None) for a in namespaces):
+            return self.load(*args, **kwargs)
+        rest = repr([a for a in args if not _is_namespace(a)]) + repr(sorted(kwargs.items()))
+        home = os.environ.get("XDG_CACHE_HOME")
+        for reads, entry_rest, entry_home, loaded in self.entries:
+            if (entry_rest, entry_home) == (rest, home) and len(reads) == len(namespaces) and all(
+                    repr(getattr(n, name, _MISSING)) == value
+                    for n, read in zip(namespaces, reads) for name, value in read.items()):
+                self.hits += 1
+                return copy.deepcopy(loaded)
+        recorders = [_Reads(a) if _is_namespace(a) else a for a in args]
+        loaded = self.load(*recorders, **kwargs)
+        self.misses += 1
+        self.entries.append(([r._read for r in recorders if isinstance(r, _Reads)], rest, home,
+                             copy.deepcopy(loaded)))
+        return loaded
+
+
+def _is_namespace(value):
+    import argparse
+
+    return isinstance(value, argparse.Namespace)
+
+
+def default_model_dir(cache_home):
+    """The converted default model's checkpoint in a cache home (None before the first run)."""
+    cached = os.path.join(cache_home, "run_generation")
+    names = sorted(os.listdir(cached)) if os.path.isdir(cached) else []
+    found = [name for name in names if name.startswith("SmolLM2-")]
+    return os.path.join(cached, found[0]) if found else None
 
 
 def tiny_args(tiny_models, model_type, *extra, with_type=True):

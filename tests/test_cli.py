@@ -8,7 +8,7 @@ import torch
 
 import run_generation
 import rungen.loading
-from helpers import SEED_TYPES, blocks, error_line, run_cli, tiny_args
+from helpers import SEED_TYPES, blocks, error_line, run_main, tiny_args
 from rungen.arguments import parse_args
 from rungen.generation import MAX_LENGTH, adjust_length_to_model
 from rungen.loading import load
@@ -18,7 +18,7 @@ PROMPT = "Hello, my dog is cute"
 
 @pytest.mark.parametrize("model_type", SEED_TYPES)
 def test_every_seed_type_generates_through_the_cli(tiny_models, model_type):
-    result = run_cli(tiny_args(tiny_models, model_type, "--prompt", PROMPT, "--length", "8"))
+    result = run_main(tiny_args(tiny_models, model_type, "--prompt", PROMPT, "--length", "8"))
     assert result.returncode == 0, result.stderr.decode()
     out = blocks(result.stdout)
     assert list(out) == ["=== GENERATED SEQUENCE 1 ==="]
@@ -45,7 +45,7 @@ def test_main_reads_patched_sys_argv(tiny_models, monkeypatch, capsys):
 
 def test_greedy_is_deterministic_and_ignores_the_seed(tiny_models):
     args = tiny_args(tiny_models, "llama", "--prompt", PROMPT, "--temperature", "0", "--length", "12")
-    first, second = run_cli(args + ["--seed", "1"]), run_cli(args + ["--seed", "2"])
+    first, second = run_main(args + ["--seed", "1"]), run_main(args + ["--seed", "2"])
     assert first.returncode == second.returncode == 0
     assert first.stdout == second.stdout
 
@@ -77,7 +77,7 @@ def test_prefix_conditions_generation_but_is_not_printed(tiny_models, capsys):
 
 
 def test_num_return_sequences(tiny_models):
-    result = run_cli(tiny_args(tiny_models, "opt", "--prompt", PROMPT, "--num_return_sequences", "3"))
+    result = run_main(tiny_args(tiny_models, "opt", "--prompt", PROMPT, "--num_return_sequences", "3"))
     assert result.returncode == 0, result.stderr.decode()
     out = blocks(result.stdout)
     assert list(out) == [f"=== GENERATED SEQUENCE {i} ===" for i in (1, 2, 3)]
@@ -86,8 +86,8 @@ def test_num_return_sequences(tiny_models):
 
 def test_prompt_from_stdin(tiny_models):
     args = tiny_args(tiny_models, "gpt2", "--temperature", "0")
-    piped = run_cli(args, stdin=PROMPT + "\n")
-    given = run_cli(args + ["--prompt", PROMPT])
+    piped = run_main(args, stdin=PROMPT + "\n")
+    given = run_main(args + ["--prompt", PROMPT])
     assert piped.returncode == given.returncode == 0
     assert piped.stdout == given.stdout
 
@@ -98,7 +98,7 @@ def test_empty_prompt_generates_unconditionally(tiny_models, capsys):
 
 
 def test_ctrl_warns_without_a_control_code(tiny_models):
-    result = run_cli(tiny_args(tiny_models, "ctrl", "--prompt", PROMPT, "--length", "3"))
+    result = run_main(tiny_args(tiny_models, "ctrl", "--prompt", PROMPT, "--length", "3"))
     assert result.returncode == 0
     assert "control code" in result.stderr.decode()
     assert "control code" not in result.stdout.decode()
@@ -106,8 +106,8 @@ def test_ctrl_warns_without_a_control_code(tiny_models):
 
 def test_xlm_language_is_required_without_a_terminal(tiny_models):
     args = ["--model_name_or_path", tiny_models["xlm"], "--prompt", PROMPT]
-    assert "--xlm_language must be one of ['en', 'fr']" in error_line(run_cli(args))
-    assert run_cli(args + ["--xlm_language", "fr"]).returncode == 0
+    assert "--xlm_language must be one of ['en', 'fr']" in error_line(run_main(args))
+    assert run_main(args + ["--xlm_language", "fr"]).returncode == 0
 
 
 def test_length_is_clamped_to_the_context(tiny_models, capsys):
@@ -134,7 +134,7 @@ def test_dtype_bfloat16_where_the_cpu_is_fast(tiny_models, monkeypatch, capsys):
 
 
 def test_chat_needs_a_template(tiny_models):
-    result = run_cli(tiny_args(tiny_models, "gpt2", "--prompt", PROMPT, "--chat"))
+    result = run_main(tiny_args(tiny_models, "gpt2", "--prompt", PROMPT, "--chat"))
     assert result.returncode == 2
     assert error_line(result).endswith("--chat: this tokenizer has no chat template")
 
@@ -143,11 +143,9 @@ def test_chat_needs_a_template(tiny_models):
     "args, message",
     [
         (["--model_type", "foo"], "unknown --model_type 'foo'; supported: gpt2, ctrl"),
-        (["--model_type", "transfo-xl"], "Transformer-XL was removed from transformers"),
         (["--model_name_or_path", "./no/such/dir"], "no such directory"),
         (["--model_name_or_path", "missing.gguf"], "no such file"),
         (["--model_name_or_path", "someone/some-model"], "the hub is offline; pass a local path"),
-        (["--k", "-1"], "--k must be >= 0"),
         (["--p", "0"], "--p must be in (0, 1]"),
         (["--p", "1.5"], "--p must be in (0, 1]"),
         (["--temperature", "-0.5"], "--temperature must be >= 0"),
@@ -156,26 +154,26 @@ def test_chat_needs_a_template(tiny_models):
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, message):
-    result = run_cli(args + ["--prompt", PROMPT])
+    result = run_main(args + ["--prompt", PROMPT])
     assert result.returncode == 2
     assert message in error_line(result)
     assert result.stdout == b""
 
 
 def test_directory_without_a_model(tmp_path):
-    result = run_cli(["--model_name_or_path", str(tmp_path), "--prompt", PROMPT])
+    result = run_main(["--model_name_or_path", str(tmp_path), "--prompt", PROMPT])
     assert result.returncode == 2
     assert "holds no model" in error_line(result)
 
 
 def test_prompt_longer_than_the_context(tiny_models):
-    result = run_cli(tiny_args(tiny_models, "gpt2", "--prompt", "dog " * 300))
+    result = run_main(tiny_args(tiny_models, "gpt2", "--prompt", "dog " * 300))
     assert result.returncode == 2
     assert "the model's context is 128" in result.stderr.decode()
     assert "Traceback" not in result.stderr.decode() and result.stdout == b""
 
 
 def test_mismatched_model_type(tiny_models):
-    result = run_cli(["--model_type", "gpt2", "--model_name_or_path", tiny_models["llama"], "--prompt", PROMPT])
+    result = run_main(["--model_type", "gpt2", "--model_name_or_path", tiny_models["llama"], "--prompt", PROMPT])
     assert result.returncode == 2
     assert "does not match the checkpoint's model_type llama" in error_line(result)

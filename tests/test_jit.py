@@ -7,7 +7,7 @@ import pytest
 
 import run_generation
 import rungen.jit
-from helpers import jsonl, run_cli, tiny_args
+from helpers import jsonl, run_main, tiny_args
 
 JIT_TYPES = ["gpt2", "llama", "opt", "bloom", "gptj"]
 PROMPTS = "Hello, my dog is cute\nThe capital of France is\nA\n"
@@ -52,12 +52,13 @@ def test_jit_sampling_draws_the_same_sequences(tiny_models, model_type, monkeypa
     assert traced == eager and steps
 
 
+@pytest.mark.slow  # tens of seconds of CPU on the real model
 def test_jit_on_the_default_model(default_model):
-    cache_home, _ = default_model
+    cache_home, _, _ = default_model
     for case in ("padded batch", "beam search"):
         args = ["--temperature", "0", "--length", "16", "--output_format", "jsonl", *CASES[case]]
-        eager = run_cli(args, stdin=PROMPTS, cache_home=cache_home)
-        traced = run_cli(args + ["--jit"], stdin=PROMPTS, cache_home=cache_home)
+        eager = run_main(args, stdin=PROMPTS, cache_home=cache_home)
+        traced = run_main(args + ["--jit"], stdin=PROMPTS, cache_home=cache_home)
         assert eager.returncode == traced.returncode == 0, traced.stderr.decode()[-2000:]
         assert jsonl(traced.stdout) == jsonl(eager.stdout)
         stderr = traced.stderr.decode()
@@ -66,7 +67,7 @@ def test_jit_on_the_default_model(default_model):
 
 def test_an_untraceable_type_warns_once_and_generates_the_same_text(tiny_models):
     args = tiny_args(tiny_models, "xlnet", "--temperature", "0", "--length", "6", "--prompt", "Hello, my dog")
-    eager, traced = run_cli(args), run_cli(args + ["--jit"])
+    eager, traced = run_main(args), run_main(args + ["--jit"])
     assert traced.returncode == 0 and traced.stdout == eager.stdout
     warnings = [line for line in traced.stderr.decode().splitlines() if "--jit" in line]
     assert len(warnings) == 1 and "generating without JIT" in warnings[0]

@@ -3,7 +3,7 @@ default model still knows the capital of France."""
 
 import pytest
 
-from helpers import error_line, jsonl, run_cli, tiny_args
+from helpers import error_line, jsonl, run_main, tiny_args
 
 PROMPTS = "Hello, my dog is cute\nThe capital of France is\nA\nOnce upon a time there was a little dog who\n"
 
@@ -13,25 +13,26 @@ PROMPTS = "Hello, my dog is cute\nThe capital of France is\nA\nOnce upon a time 
 def test_batch_equals_single_and_jit_equals_eager(tiny_models, model_type, mode):
     args = tiny_args(tiny_models, model_type, "--quantize", mode, "--temperature", "0", "--length", "10",
                      "--output_format", "jsonl")
-    alone = run_cli(args + ["--batch_size", "1"], stdin=PROMPTS)
-    batched = run_cli(args + ["--batch_size", "4"], stdin=PROMPTS)
-    traced = run_cli(args + ["--batch_size", "4", "--jit"], stdin=PROMPTS)
+    alone = run_main(args + ["--batch_size", "1"], stdin=PROMPTS)
+    batched = run_main(args + ["--batch_size", "4"], stdin=PROMPTS)
+    traced = run_main(args + ["--batch_size", "4", "--jit"], stdin=PROMPTS)
     assert alone.returncode == batched.returncode == traced.returncode == 0, traced.stderr.decode()[-2000:]
     assert "Quantized" in alone.stderr.decode() and "Traced the decode step" in traced.stderr.decode()
     assert jsonl(batched.stdout) == jsonl(alone.stdout)
     assert jsonl(traced.stdout) == jsonl(alone.stdout)
 
 
+@pytest.mark.slow  # tens of seconds of CPU on the real model
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_default_model_quantized_still_answers_paris(default_model, mode):
-    cache_home, _ = default_model
+    cache_home, _, _ = default_model
     for jit in ([], ["--jit"]):
-        result = run_cli(["--prompt", "The capital of France is", "--temperature", "0", "--length", "4",
+        result = run_main(["--prompt", "The capital of France is", "--temperature", "0", "--length", "4",
                           "--quantize", mode, *jit], cache_home=cache_home)
         assert result.returncode == 0, result.stderr.decode()[-2000:]
         assert result.stdout.decode().startswith("=== GENERATED SEQUENCE 1 ===\nThe capital of France is Paris")
 
 
 def test_quantize_is_refused_with_device_map():
-    result = run_cli(["--quantize", "int8", "--device_map", "auto", "--prompt", "x"])
+    result = run_main(["--quantize", "int8", "--device_map", "auto", "--prompt", "x"])
     assert result.returncode == 2 and "cannot be combined with --device_map" in error_line(result)

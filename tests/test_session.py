@@ -22,7 +22,7 @@ import time
 import pytest
 from transformers import AutoTokenizer
 
-from helpers import SCRIPT, cli_env, jsonl, run_cli
+from helpers import SCRIPT, cli_env, jsonl, run_main
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
@@ -142,6 +142,7 @@ def start(args, tmp_path, stdout_to_file=True):
     return terminal
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_two_turns_make_one_conversation_that_a_pipe_replays(chat_llama, tokenizer, tmp_path, jit):
     args = ["--model_name_or_path", chat_llama, "--temperature", "0", "--length", "12"] + (["--jit"] if jit else [])
@@ -168,7 +169,7 @@ def test_two_turns_make_one_conversation_that_a_pipe_replays(chat_llama, tokeniz
 
     # The same conversation from a pipe, in the jsonl messages format /save wrote, gives the same replies.
     stdin = "\n".join(json.dumps({"messages": messages[:end], "id": end}) for end in (1, 3))
-    piped = run_cli(["--model_name_or_path", chat_llama, "--temperature", "0", "--length", "12", "--input_format",
+    piped = run_main(["--model_name_or_path", chat_llama, "--temperature", "0", "--length", "12", "--input_format",
                      "jsonl", "--output_format", "jsonl", "--batch_size", "1"], stdin=stdin)
     assert piped.returncode == 0, piped.stderr.decode()
     records = jsonl(piped.stdout)
@@ -178,6 +179,7 @@ def test_two_turns_make_one_conversation_that_a_pipe_replays(chat_llama, tokeniz
     assert [r["num_prompt_tokens"] for r in records] == [first[0], second[0]]
 
 
+@pytest.mark.slow
 def test_set_and_clear(chat_llama, tokenizer, tmp_path):
     terminal = start(["--model_name_or_path", chat_llama, "--temperature", "0", "--length", "12"], tmp_path)
     first = terminal.ask("Hello there")
@@ -199,6 +201,7 @@ def test_set_and_clear(chat_llama, tokenizer, tmp_path):
     assert len(replies) == 3 and replies[2] == replies[0][: len(replies[2])]  # greedy: the same reply, shorter
 
 
+@pytest.mark.slow
 def test_old_turns_are_dropped_to_fit_the_context(chat_llama, tokenizer, tmp_path):
     length = 30  # the context is 128: a prompt may be 98 tokens
     terminal = start(["--model_name_or_path", chat_llama, "--temperature", "0", "--length", str(length)], tmp_path)
@@ -216,6 +219,7 @@ def test_old_turns_are_dropped_to_fit_the_context(chat_llama, tokenizer, tmp_pat
     assert sizes[-1][0] == conversation_tokens(tokenizer, messages[:-1])
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_a_reply_and_keeps_it(tiny_models, tmp_path):
     # Context 100000, so that a reply of 50000 tokens is still being generated when Ctrl-C comes.
     model = with_chat_template(tiny_models["llama"], str(tmp_path / "long"), max_position_embeddings=100000)
@@ -245,6 +249,7 @@ def test_ctrl_c_stops_a_reply_and_keeps_it(tiny_models, tmp_path):
     assert "Traceback" not in terminal.output.decode()
 
 
+@pytest.mark.slow
 def test_plain_continuation_and_multi_line_input(chat_llama, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(chat_llama)
     args = ["--model_name_or_path", chat_llama, "--temperature", "0", "--length", "8", "--no-chat"]
@@ -263,14 +268,15 @@ def test_plain_continuation_and_multi_line_input(chat_llama, tmp_path):
     assert first[0] == len(tokenizer.encode("Hello there"))
     assert two_lines[0] == block[0] == len(tokenizer.encode("Hello\nthere"))
     # A plain session continues a prompt as the pipe does.
-    piped = run_cli(args + ["--output_format", "jsonl"], stdin="Hello there\n")
+    piped = run_main(args + ["--output_format", "jsonl"], stdin="Hello there\n")
     assert piped.returncode == 0, piped.stderr.decode()
     replies = terminal.stdout().splitlines()
     assert replies[0] == replies[1] and replies[0].strip() == jsonl(piped.stdout)[0]["generated_text"].strip()
 
 
+@pytest.mark.slow
 def test_default_model_session_is_quiet_and_converses(default_model, tmp_path):
-    cache_home, _ = default_model
+    cache_home, _, _ = default_model
     terminal = Terminal(["--temperature", "0", "--length", "24"], cache_home)
     terminal.expect(PROMPT)
     before = terminal.output.decode()
@@ -293,25 +299,25 @@ def test_piped_chat_takes_a_system_message(chat_llama, tokenizer):
     base = ["--model_name_or_path", chat_llama, "--temperature", "0", "--length", "4", "--output_format", "jsonl"]
     system = {"role": "system", "content": "Be brief."}
     user = {"role": "user", "content": "Hello there"}
-    [chat] = jsonl(run_cli(base + ["--chat", "--system", "Be brief.", "--prompt", "Hello there"]).stdout)
+    [chat] = jsonl(run_main(base + ["--chat", "--system", "Be brief.", "--prompt", "Hello there"]).stdout)
     assert chat["num_prompt_tokens"] == conversation_tokens(tokenizer, [system, user])
     # A conversation gets --system only when it has no system message of its own.
     stdin = "\n".join(json.dumps({"messages": m}) for m in ([user], [dict(system, content="Own."), user]))
-    result = run_cli(base + ["--input_format", "jsonl", "--system", "Be brief."], stdin=stdin)
+    result = run_main(base + ["--input_format", "jsonl", "--system", "Be brief."], stdin=stdin)
     records = jsonl(result.stdout)
     assert [r["num_prompt_tokens"] for r in records] == [
         conversation_tokens(tokenizer, [system, user]), conversation_tokens(tokenizer, [dict(system, content="Own."),
                                                                                         user])]
     assert records[0]["generated_text"] == chat["generated_text"] and records[0]["text"] == chat["generated_text"]
     # Without --chat, piped text prompts stay plain even when the model has a template.
-    [plain] = jsonl(run_cli(base, stdin="Hello there").stdout)
+    [plain] = jsonl(run_main(base, stdin="Hello there").stdout)
     assert plain["num_prompt_tokens"] == len(tokenizer.encode("Hello there"))
 
 
 def test_a_conversation_needs_a_chat_template(tiny_models):
     stdin = '{"messages": [{"role": "user", "content": "Hi"}]}\n{"prompt": "Hi"}\n{"messages": []}\n'
     args = ["--model_name_or_path", tiny_models["gpt2"], "--input_format", "jsonl", "--output_format", "jsonl"]
-    result = run_cli(args, stdin=stdin)
+    result = run_main(args, stdin=stdin)
     assert result.returncode == 1
     records = jsonl(result.stdout)
     assert records[0]["error"] == "this tokenizer has no chat template" and "error" not in records[1]

@@ -7,14 +7,14 @@ import sys
 
 import pytest
 
-from helpers import SCRIPT, blocks, cli_env, jsonl, run_cli, tiny_args
+from helpers import SCRIPT, blocks, cli_env, jsonl, run_main, tiny_args
 
 PROMPTS = ["Hello, my dog is cute", "The capital of France is", "A", "Once upon a time there was a little dog who"]
 
 
 def test_each_line_is_a_prompt_and_text_output_keeps_input_order(tiny_models):
     stdin = "\n".join(PROMPTS[:2]) + "\n\n   \n" + "\n".join(PROMPTS[2:]) + "\n"  # blank lines are skipped
-    result = run_cli(tiny_args(tiny_models, "gpt2", "--temperature", "0", "--length", "5"), stdin=stdin)
+    result = run_main(tiny_args(tiny_models, "gpt2", "--temperature", "0", "--length", "5"), stdin=stdin)
     assert result.returncode == 0, result.stderr.decode()
     out = blocks(result.stdout)
     assert list(out) == [f"=== PROMPT {i}, GENERATED SEQUENCE 1 ===" for i in range(1, 5)]
@@ -24,7 +24,7 @@ def test_each_line_is_a_prompt_and_text_output_keeps_input_order(tiny_models):
 
 def test_whole_stdin_is_one_prompt(tiny_models):
     stdin = "First line of a letter.\nSecond line of it,"
-    result = run_cli(tiny_args(tiny_models, "gpt2", "--whole_stdin", "--output_format", "jsonl"), stdin=stdin)
+    result = run_main(tiny_args(tiny_models, "gpt2", "--whole_stdin", "--output_format", "jsonl"), stdin=stdin)
     assert result.returncode == 0, result.stderr.decode()
     [record] = jsonl(result.stdout)
     assert record["prompt"] == stdin and record["text"] == stdin + record["generated_text"]
@@ -34,7 +34,7 @@ def test_jsonl_in_and_out(tiny_models):
     lines = [json.dumps({"prompt": p, "id": f"q{i}", "meta": {"n": i}}) for i, p in enumerate(PROMPTS)]
     args = tiny_args(tiny_models, "llama", "--input_format", "jsonl", "--output_format", "jsonl",
                      "--num_return_sequences", "2", "--length", "6")
-    result = run_cli(args, stdin="\n".join(lines))
+    result = run_main(args, stdin="\n".join(lines))
     assert result.returncode == 0, result.stderr.decode()
     records = jsonl(result.stdout)
     assert [(r["prompt_index"], r["sequence_index"]) for r in records] == [(i, s) for i in range(4) for s in (0, 1)]
@@ -48,32 +48,22 @@ def test_jsonl_in_and_out(tiny_models):
             assert record["num_generated_tokens"] == 6
 
 
-@pytest.mark.parametrize("model_type", ["gpt2", "llama", "opt", "bloom", "gptj"])
-def test_a_batch_gives_each_prompt_its_own_greedy_text(tiny_models, model_type):
-    args = tiny_args(tiny_models, model_type, "--temperature", "0", "--length", "10", "--output_format", "jsonl")
-    stdin = "\n".join(PROMPTS)
-    alone = run_cli(args + ["--batch_size", "1"], stdin=stdin)
-    batched = run_cli(args + ["--batch_size", "4"], stdin=stdin)
-    assert alone.returncode == batched.returncode == 0, batched.stderr.decode()
-    assert jsonl(batched.stdout) == jsonl(alone.stdout)
-
-
 def test_default_model_batch_equals_single(default_model):
-    cache_home, _ = default_model
+    cache_home, _, _ = default_model
     args = ["--temperature", "0", "--length", "12", "--output_format", "jsonl"]
     stdin = "\n".join(PROMPTS)
-    alone = run_cli(args + ["--batch_size", "1"], stdin=stdin, cache_home=cache_home)
-    batched = run_cli(args + ["--batch_size", "4"], stdin=stdin, cache_home=cache_home)
+    alone = run_main(args + ["--batch_size", "1"], stdin=stdin, cache_home=cache_home)
+    batched = run_main(args + ["--batch_size", "4"], stdin=stdin, cache_home=cache_home)
     assert alone.returncode == batched.returncode == 0, batched.stderr.decode()
     assert jsonl(batched.stdout) == jsonl(alone.stdout)
 
 
 def test_finish_reasons(tiny_models):
     args = tiny_args(tiny_models, "gpt2", "--temperature", "0", "--length", "15", "--output_format", "jsonl")
-    [free] = jsonl(run_cli(args, stdin=PROMPTS[0]).stdout)
+    [free] = jsonl(run_main(args, stdin=PROMPTS[0]).stdout)
     assert free["finish_reason"] == "length" and free["num_generated_tokens"] == 15
     stop = free["generated_text"].strip()[3]
-    [stopped] = jsonl(run_cli(args + ["--stop_token", stop], stdin=PROMPTS[0]).stdout)
+    [stopped] = jsonl(run_main(args + ["--stop_token", stop], stdin=PROMPTS[0]).stdout)
     assert stopped["finish_reason"] == "stop_token"
     assert stopped["generated_text"] == free["generated_text"][: free["generated_text"].index(stop)]
     assert stopped["num_generated_tokens"] < 15  # generation stopped early, not only the text
@@ -82,7 +72,7 @@ def test_finish_reasons(tiny_models):
 def test_a_failing_prompt_among_good_ones(tiny_models):
     stdin = b"\n".join([PROMPTS[0].encode(), b"dog " * 300, b"caf\xe9 au lait", PROMPTS[1].encode()])
     for output_format in ("jsonl", "text"):
-        result = run_cli(tiny_args(tiny_models, "gpt2", "--output_format", output_format), stdin=stdin)
+        result = run_main(tiny_args(tiny_models, "gpt2", "--output_format", output_format), stdin=stdin)
         assert result.returncode == 1
         stderr = result.stderr.decode()
         assert "Traceback" not in stderr
@@ -100,7 +90,7 @@ def test_a_failing_prompt_among_good_ones(tiny_models):
 def test_invalid_json_line_is_an_error_record(tiny_models):
     stdin = '{"prompt": "Hello"}\n{"prompt": \n["not an object"]\n{"prompt": "Bye"}\n'
     args = tiny_args(tiny_models, "gpt2", "--input_format", "jsonl", "--output_format", "jsonl")
-    result = run_cli(args, stdin=stdin)
+    result = run_main(args, stdin=stdin)
     assert result.returncode == 1
     records = jsonl(result.stdout)
     assert ["error" in r for r in records] == [False, True, True, False]
@@ -115,6 +105,7 @@ def _popen(args, stdin):
     return process
 
 
+@pytest.mark.slow
 def test_closing_the_pipe_ends_the_run_quietly(tiny_models):
     """`run_generation.py ... | head -n 1`."""
     stdin = "\n".join(PROMPTS * 50)
@@ -127,6 +118,7 @@ def test_closing_the_pipe_ends_the_run_quietly(tiny_models):
     assert b"Traceback" not in stderr and b"BrokenPipe" not in stderr
 
 
+@pytest.mark.slow
 def test_ctrl_c_keeps_what_was_generated(tiny_models):
     stdin = "\n".join(PROMPTS * 100)
     process = _popen(tiny_args(tiny_models, "gpt2", "--output_format", "jsonl", "--batch_size", "2"), stdin)
@@ -143,8 +135,8 @@ def test_ctrl_c_keeps_what_was_generated(tiny_models):
 
 def test_streaming_prints_the_same_text_as_the_blocks(tiny_models):
     base = tiny_args(tiny_models, "gpt2", "--prompt", PROMPTS[0], "--temperature", "0", "--length", "12")
-    streamed, plain = run_cli(base + ["--stream"]), run_cli(base + ["--no-stream"])
+    streamed, plain = run_main(base + ["--stream"]), run_main(base + ["--no-stream"])
     assert streamed.returncode == plain.returncode == 0, streamed.stderr.decode()
     assert streamed.stdout == plain.stdout
     stop = blocks(plain.stdout)["=== GENERATED SEQUENCE 1 ==="][len(PROMPTS[0]):].strip()[4]
-    assert run_cli(base + ["--stream", "--stop_token", stop]).stdout == run_cli(base + ["--stop_token", stop]).stdout
+    assert run_main(base + ["--stream", "--stop_token", stop]).stdout == run_main(base + ["--stop_token", stop]).stdout
