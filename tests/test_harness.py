@@ -1,0 +1,46 @@
+"""The test harness itself: run_main gives what a real process gives, and the load memo hands out copies."""
+
+import re
+
+import pytest
+import torch
+
+from helpers import run_cli, run_main, tiny_args
+
+# What differs from one run to the next: timing figures, and transformers' progress bar of loading weights
+# (redrawn with \r; absent when the model came from the memo).
+VARYING = re.compile(rb"in \d+\.\d+ s \(\d+\.\d+ tokens/s\)|\r[^\n]*\n")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["generates", "bad input", "a failing prompt"])
+def test_in_process_run_gives_what_a_process_gives(tiny_models, case):
+    args, stdin = {
+        "generates": (tiny_args(tiny_models, "ctrl", "--length", "5", "--output_format", "jsonl"), "Hello\nWorld\n"),
+        "bad input": (tiny_args(tiny_models, "gpt2", "--chat", "--prompt", "Hi"), None),
+        "a failing prompt": (tiny_args(tiny_models, "gpt2", "--length", "3"), b"Hi\n\xff\n"),
+    }[case]
+    real, in_process = run_cli(args, stdin=stdin), run_main(args, stdin=stdin)
+    assert (in_process.returncode, in_process.stdout) == (real.returncode, real.stdout)
+    assert VARYING.sub(b"", in_process.stderr) == VARYING.sub(b"", real.stderr)
+    assert b"Traceback" not in real.stderr
+    assert real.stderr.count(b"run_generation.py: error: ") == (case != "generates")
+
+
+def test_the_memo_loads_a_model_once_and_hands_out_copies(tiny_models, load_memo):
+    args = tiny_args(tiny_models, "llama", "--prompt", "Hello", "--length", "4", "--temperature", "0")
+    plain = run_main(args)
+    misses = load_memo.misses
+    quantized = run_main(args + ["--quantize", "int8"])
+    again = run_main(args)
+    assert plain.returncode == quantized.returncode == again.returncode == 0, again.stderr.decode()
+    assert load_memo.misses == misses  # both from the memo
+    assert b"Quantized" in quantized.stderr and b"Quantized" not in again.stderr
+    assert again.stdout == plain.stdout
+    # --quantize replaced the layers of its own copy only: the memo's model keeps float linear layers.
+    layers = [layer for entry in load_memo.entries if entry[-1].model_type == "llama"
+              for name, layer in entry[-1].model.named_modules() if name.endswith("q_proj")]
+    assert layers and all(type(layer) is torch.nn.Linear for layer in layers)
+    # A flag the loader reads is part of the key.
+    run_main(args + ["--dtype", "float32"])
+    assert load_memo.misses == misses + 1
