@@ -107,7 +107,7 @@ def run_main(args, stdin=None, cache_home=None):
                 else:
                     print(code, file=err)
                     returncode = 1
-            except BaseException:  # what a process would print before exiting with 1
+            except Exception:  # what a process would print before exiting with 1
                 traceback.print_exc(file=err)
                 returncode = 1
         out.flush()
