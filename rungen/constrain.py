@@ -1,8 +1,12 @@
-"""Constrained output (issue 12): --json_schema, --regex and --grammar (GBNF, as llama.cpp writes it).
+"""Constrained output: --json_schema, --regex and --grammar (GBNF, as llama.cpp writes it).
+
 xgrammar compiles the constraint against the model's vocabulary once; inside generate() a logits
 processor masks every token that would leave the language, so each sequence is valid by construction.
-Why xgrammar and not llguidance or outlines-core: README, Constrained output (measured there).
-Imported only when one of the three flags is given."""
+Why xgrammar and not llguidance or outlines-core: docs/performance.md (measured there). Imported only
+when one of the three flags is given.
+"""
+
+from __future__ import annotations
 
 import dataclasses
 import json
@@ -13,19 +17,21 @@ import torch
 import xgrammar as xgr
 from transformers import LogitsProcessor, StoppingCriteria
 
-from .controls import one_line
+from .errors import UsageError, one_line
 
 KINDS = {"json_schema": "--json_schema", "regex": "--regex", "grammar": "--grammar"}
 
 
-class ConstraintError(ValueError):
+class ConstraintError(UsageError):
     """A schema, regex or grammar that cannot be used: the message is one line."""
 
 
-def read_constraint(args):
-    """(kind, source text) from the flags, or None. --json_schema is a file or inline JSON, --grammar a
-    file, --regex the expression itself. Raises ConstraintError."""
-    given = [(kind, getattr(args, kind)) for kind in KINDS if getattr(args, kind, None) is not None]
+def read_constraint(*, json_schema: str | None = None, regex: str | None = None, grammar: str | None = None
+                    ) -> tuple[str, str] | None:
+    """(kind, source text) from the flags' values, or None. --json_schema is a file or inline JSON, --grammar
+    a file, --regex the expression itself. Raises ConstraintError."""
+    values = {"json_schema": json_schema, "regex": regex, "grammar": grammar}
+    given = [(kind, value) for kind, value in values.items() if value is not None]
     if not given:
         return None
     kind, value = given[0]  # argparse lets one through

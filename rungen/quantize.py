@@ -21,6 +21,8 @@ step these kernels cost about as much per call as per weight, so three calls cos
 import torch
 from transformers.pytorch_utils import Conv1D
 
+from .errors import UsageError
+
 MODES = ("int8", "int4")
 GROUP_SIZE = 32  # int4: input channels sharing one scale and zero (GGUF's Q4_0/Q4_1 blocks are 32 too)
 INNER_K_TILES = 8  # int4 packing layout; the CPU kernel accepts 2, 4 or 8
@@ -28,7 +30,7 @@ INNER_K_TILES = 8  # int4 packing layout; the CPU kernel accepts 2, 4 or 8
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-class QuantizeError(ValueError):
+class QuantizeError(UsageError):
     """A model or device --quantize cannot handle; one line, for the user."""
 
 

@@ -3,7 +3,7 @@
 run_generation.py's main() calls run() when no --prompt is given and stdin is a terminal. With a chat
 template (or --chat) the session is a conversation: its messages go through the template every turn
 and the oldest turns are dropped when they would outgrow the context. Without one, each prompt is
-continued on its own, as the seed does. Lines starting with / are commands (HELP lists them).
+continued on its own, as the original script does. Lines starting with / are commands (HELP lists them).
 
 Where things go: replies to stdout (and nothing else, so `run_generation.py > out.txt` collects the
 replies alone); the prompt, the line being typed and every notice to the terminal through stderr.
@@ -21,8 +21,8 @@ import time
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from . import PROG, fail, logger
-from .arguments import check_sampling
+from . import PROG, logger
+from .errors import UsageError
 from .generation import StopTokenStreamer, adjust_length_to_model, generate_batch
 from .loading import cache_dir
 from .prompts import Prompt, encode_prompt
@@ -127,7 +127,7 @@ def fit_to_context(messages, count_tokens, limit):
 
 def set_setting(settings, name, value, context):
     """A new Settings with NAME set to VALUE as typed; ValueError with a one-line message when it
-    cannot be, out of range ones with the flags' own messages (check_sampling)."""
+    cannot be, out of range ones with the flags' own messages (Settings.check)."""
     if name not in SETTABLE:
         raise ValueError(f"unknown setting {name!r}; /set takes one of: {', '.join(SETTABLE)}")
     if not value:
@@ -143,7 +143,7 @@ def set_setting(settings, name, value, context):
     if name == "length":
         parsed = adjust_length_to_model(parsed, max_sequence_length=context)
     changed = dataclasses.replace(settings, **{name: parsed})
-    check_sampling(changed)
+    changed.check()
     return changed
 
 
@@ -264,12 +264,14 @@ def say(text):
 
 
 class Session:
-    def __init__(self, loaded, settings, args):
-        self.loaded, self.settings, self.args = loaded, settings, args
+    """One conversation (or, without a chat template, a run of independent prompts) on a loaded model."""
+
+    def __init__(self, loaded, settings, *, system: str | None = None, stream: bool = True, prefix: str = ""):
+        self.loaded, self.settings, self.prefix = loaded, settings, prefix
         self.chat = settings.chat
-        self.system = [{"role": "system", "content": args.system}] if self.chat and args.system else []
+        self.system = [{"role": "system", "content": system}] if self.chat and system else []
         self.messages = []  # the conversation after the system message: user and assistant turns
-        self.stream = args.stream is not False
+        self.stream = stream
         self.stdout_is_terminal = _is_terminal(sys.stdout, 1)
         self.replies = []  # what main() returns: each reply (prompt + continuation in plain continuation)
 
@@ -360,7 +362,7 @@ class Session:
                     say(f"(dropped the oldest {turns} to fit the model's context of {self.loaded.context} tokens)")
                     self.messages = messages[len(self.system) : -1]
             prompt = Prompt(len(self.replies), text, messages=messages)
-        prompt.ids = encode_prompt(self.loaded, prompt, self.args.prefix, self.chat)
+        prompt.ids = encode_prompt(self.loaded, prompt, self.prefix, self.chat)
         return prompt, user
 
     def count_tokens(self, messages):
@@ -395,20 +397,20 @@ class Session:
                        control.interrupted))
 
 
-def run(loaded, settings, args):
-    """The session, until /exit, Ctrl-D or Ctrl-C at an empty prompt; returns the replies."""
+def run(loaded, settings, *, chat: bool | None = None, system: str | None = None, stream: bool | None = None,
+        prefix: str = "") -> list[str]:
+    """The session, until /exit, Ctrl-D or Ctrl-C at an empty prompt; returns the replies. `chat` None:
+    a conversation when the tokenizer has a chat template; `stream` None: on (False: each reply whole)."""
     has_template = bool(loaded.tokenizer.chat_template)
-    chat = args.chat if args.chat is not None else has_template
+    chat = chat if chat is not None else has_template
     if chat and not has_template:
-        fail("--chat: this tokenizer has no chat template")
-    if args.system and not chat:
+        raise UsageError("--chat: this tokenizer has no chat template")
+    if system and not chat:
         logger.warning("--system is ignored: plain continuation has no chat template to put it in")
     if settings.num_return_sequences > 1:
         logger.warning("A session gives one reply per prompt; --num_return_sequences is ignored.")
-    if args.output_format != "text":
-        logger.warning("A session prints its replies as text (/save writes the conversation as JSON); "
-                       "--output_format is for piped prompts.")
-    session = Session(loaded, dataclasses.replace(settings, chat=chat, num_return_sequences=1), args)
+    session = Session(loaded, dataclasses.replace(settings, chat=chat, num_return_sequences=1), system=system,
+                      stream=stream is not False, prefix=prefix)
     kind = "Chat (the model's chat template)" if chat else "Plain continuation"
     say(f"{PROG}: {kind}. /help for commands, Ctrl-D or /exit to end.")
     terminal = Terminal()
