@@ -22,5 +22,6 @@ examples/pytorch/text-generation/run_generation.py, which this tool grew from.
 
 import logging
 
+__version__ = "0.3.0"
 PROG = "run_generation.py"
 logger = logging.getLogger("run_generation")
