@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--jit", action="store_true", help="Trace the decoding step with torch.jit.")
     parser.add_argument(
         "--quantize", choices=["int8", "int4"], default=None,
-        help="Weight-only quantization of the linear layers (CPU; see README: Speed). Default: none, exact.",
+        help="Weight-only quantization of the linear layers (CPU; README: --quantize). Default: none, exact.",
     )
     parser.add_argument(
         "--verbose", action="store_true", help="In a terminal session, show the logs and loading bars it hides."
@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--whole_stdin", action="store_true", help="Read all of stdin as one prompt.")
     parser.add_argument("--input_format", choices=["text", "jsonl"], default="text")
     parser.add_argument("--output_format", choices=["text", "jsonl"], default="text")
-    parser.add_argument("--batch_size", type=int, default=16, help="Prompts generated together (see README: Speed).")
+    parser.add_argument("--batch_size", type=int, default=16, help="Prompts generated together.")
     parser.add_argument(
         "--stream",
         action=argparse.BooleanOptionalAction,

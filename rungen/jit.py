@@ -33,8 +33,8 @@ JIT_SERVED_KWARGS = {"input_ids", "attention_mask", "position_ids", "past_key_va
                      "output_hidden_states"}
 
 
-def sparse_model_config(config):
-    """(num_layers, num_kv_heads, head_dim). config.attribute_map answers the standard names for
+def cache_shape_of(config):
+    """The KV cache's shape parameters: (num_layers, num_kv_heads, head_dim). config.attribute_map answers the standard names for
     every spelling (GPT-2's n_layer/n_head/n_embd, ...)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads  # GQA (llama/SmolLM2)
@@ -43,13 +43,13 @@ def sparse_model_config(config):
 
 def generate_past_key_values(model, batch_size, seq_len):
     """Dummy past as flat (k0, v0, k1, v1, ...), all [batch, kv_heads, seq, head_dim] in 5.x."""
-    layers, kv_heads, head_dim = sparse_model_config(model.config)
+    layers, kv_heads, head_dim = cache_shape_of(model.config)
     shape = (batch_size, kv_heads, seq_len, head_dim)
     return tuple(torch.randn(shape, dtype=model.dtype, device=model.device) for _ in range(2 * layers))
 
 
 def prepare_jit_inputs(model, tokenizer, batch_size=2, past_len=3):
-    """Dummy inputs of one decode step, prepared as the seed does: tokenized text, a dummy past and
+    """Dummy inputs of one decode step, prepared as the original script does: tokenized text, a dummy past and
     an attention mask with a leading 0 column. The 0 keeps the padding path alive in the trace:
     with an all-ones mask transformers may skip the mask, and the trace would bake that in."""
     ids = tokenizer(["enable jit"] * batch_size, return_tensors="pt")["input_ids"][:, -1:]
@@ -245,7 +245,7 @@ def _lean_rms_norm(norm):
 def _lean_rotary(original, model):
     """apply_rotary_pos_emb(q, k, cos, sin) with one swap of halves per tensor, or None where it differs from
     `original` (interleaved or partial rotary, another dtype...)."""
-    _, _, head_dim = sparse_model_config(model.config)
+    _, _, head_dim = cache_shape_of(model.config)
     if head_dim % 2:
         return None
     half = head_dim // 2

@@ -1,4 +1,4 @@
-"""Output: results to stdout in input order, as the seed's text blocks or as JSON lines."""
+"""Output: results to stdout in input order, as the original script's text blocks or as JSON lines."""
 
 import dataclasses
 import json

@@ -8,14 +8,14 @@ bfloat16 activations, so a quantized layer casts its input to bfloat16 and its o
 of the model (norms, attention, residuals, the embedding) keeps its dtype.
 
 The output head is float16 in both modes, multiplied by fbgemm's quantized::linear_dynamic_fp16
-(float32 activations, float16 weights): llama.cpp's 4-bit files keep their head at 8 or 6 bits too
-(at 4 bits it alone costs the default model 5 points of perplexity, see README), and at one token
-fbgemm streams the float16 head from memory in the time the int8 kernel needs to compute with half
-the bytes, so the better head costs nothing. Where torch was built without fbgemm (not x86), the
-head is int8. A tied head is converted as a copy; the input embedding stays as it was.
+(float32 activations, float16 weights): a 4-bit head costs far more quality than the rest of the model
+(llama.cpp's 4-bit files keep theirs at 8 or 6 bits too), and fbgemm streams the float16 head in the
+time the int8 kernel takes, so the better head costs no speed (docs/performance.md). Where torch was
+built without fbgemm (not x86), the head is int8. A tied head is converted as a copy; the input
+embedding stays as it was.
 
 Sibling projections that read the same input (q/k/v, gate/up) become one matmul: at one token a
-step these kernels cost about as much per call as per weight, so three calls cost far more than one.
+step these kernels cost about as much per call as per weight, so one call beats three.
 """
 
 import torch

@@ -1,4 +1,4 @@
-"""Fast tier for the generation controls (issue 12): flags and their checks, generate kwargs, stops,
+"""Fast tier for the generation controls: flags and their checks, generate kwargs, stops,
 the jsonl fields, and log-probability bookkeeping, with a tokenizer at most."""
 
 import dataclasses
