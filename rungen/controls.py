@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import json
 import os
+from collections.abc import Iterator
 
 from . import logger
 from .errors import UsageError, one_line
@@ -117,7 +118,7 @@ def read_generation_config(path: str) -> dict:
     return values
 
 
-def file_value(path: str, key: str, value):
+def file_value(path: str, key: str, value: object) -> int | float | list[str]:
     """A file value for a key that has a flag, with the flag's type; UsageError otherwise."""
     if key == "stop_strings":
         stops = [value] if isinstance(value, str) else value
@@ -147,7 +148,7 @@ def read_generation_file(path: str) -> GenerationFile:
 
 
 @contextlib.contextmanager
-def quiet_transformers():
+def quiet_transformers() -> Iterator[None]:
     """GenerationConfig logs its lenient validation's findings; the strict one then says it in one line."""
     from transformers.utils import logging as hf_logging
 

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList, TextStreamer
 
 from .errors import GenerationError, one_line
 from .logprobs import score_prompts, step_logits, token_logprobs
+
+if TYPE_CHECKING:
+    from .loading import Loaded
+    from .prompts import Prompt
 
 # New tokens for --length -1 on a model without a fixed context: a bound, so that generation ends.
 UNBOUNDED_LENGTH = 10000
@@ -145,7 +151,7 @@ def one_at_a_time(settings: Settings, assistant_model) -> bool:
                 or extra.get("assistant_early_exit") or extra.get("use_mtp"))
 
 
-def make_batches(prompts: list, batch_size: int):
+def make_batches(prompts: list[Prompt], batch_size: int) -> Iterator[list[Prompt]]:
     """Batches of encoded prompts. Inside a window, similar lengths go together so that batches
     carry little padding; windows keep input order so output can flow early."""
     window = batch_size * 4
@@ -155,7 +161,8 @@ def make_batches(prompts: list, batch_size: int):
             yield chunk[offset : offset + batch_size]
 
 
-def generate_batch(loaded, settings: Settings, batch: list, streamer=None, stopping_criteria=None) -> dict:
+def generate_batch(loaded: Loaded, settings: Settings, batch: list[Prompt], streamer=None, stopping_criteria=None
+                   ) -> dict[int, list[Sequence]]:
     """Generates for a list of encoded Prompts; returns {prompt index: [Sequence, ...]}.
     With --length 0, scores the prompts instead (rungen/logprobs.py). Raises GenerationError when
     generate() refuses the settings."""
@@ -209,7 +216,7 @@ def generate_batch(loaded, settings: Settings, batch: list, streamer=None, stopp
     return results
 
 
-def score_batch(loaded, settings: Settings, batch: list) -> dict:
+def score_batch(loaded: Loaded, settings: Settings, batch: list[Prompt]) -> dict[int, list[Sequence]]:
     """--length 0: no generation; each prompt's tokens scored (prompt_logprobs, perplexity). A one-token
     prompt has nothing to score: it becomes an error record."""
     if loaded.model_type in UNBATCHABLE_TYPES:
@@ -237,7 +244,7 @@ def eos_token_ids(settings: Settings, model) -> set[int]:
     return set(eos_ids if isinstance(eos_ids, list) else [eos_ids] if eos_ids is not None else [])
 
 
-def describe_sequence(settings: Settings, tokenizer, prompt, new: list[int], eos_ids: set[int]) -> Sequence:
+def describe_sequence(settings: Settings, tokenizer, prompt: Prompt, new: list[int], eos_ids: set[int]) -> Sequence:
     """Decodes one sequence the way the original script does and says why it ended."""
     finish, produced = "length", len(new)
     for position, token in enumerate(new):
@@ -276,7 +283,7 @@ class StopTokenStreamer(TextStreamer):
         super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
         self.stop_token, self.text, self.stopped = stop_token, "", False
 
-    def on_finalized_text(self, text, stream_end=False):
+    def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
         if not self.stopped:
             printed = len(self.text)
             self.text += text

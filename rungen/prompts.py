@@ -6,9 +6,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from typing import TYPE_CHECKING
 
 from . import logger
 from .errors import UsageError
+
+if TYPE_CHECKING:
+    from .loading import Loaded
 
 # Padding text to help Transformer-XL and XLNet with short prompts as proposed by Aman Rusia
 # in https://github.com/rusiaaman/XLNet-gen#methodology
@@ -131,7 +135,7 @@ def select_xlm_language(model, language: str) -> None:
     model.config.lang_id = model.config.lang2id[language]
 
 
-def prepare_model(loaded, *, temperature: float, xlm_language: str = "") -> None:
+def prepare_model(loaded: Loaded, *, temperature: float, xlm_language: str = "") -> None:
     """What the original script asked or said once per run, before any prompt is encoded."""
     if loaded.model_type == "ctrl" and temperature > 0.7:
         logger.info("CTRL typically works better with lower temperatures (and lower top_k).")
@@ -144,8 +148,8 @@ def prepare_model(loaded, *, temperature: float, xlm_language: str = "") -> None
 #
 
 
-def encode_prompt(loaded, prompt: Prompt, prefix: str = "", chat: bool = False, system: str | None = None
-                  ) -> list[int]:
+def encode_prompt(loaded: Loaded, prompt: Prompt, prefix: str = "", chat: bool = False,
+                  system: str | None = None) -> list[int]:
     """Token ids for one Prompt, with the original script's per-model preparation; raises ValueError.
 
     A conversation (prompt.messages), or with `chat` the text as one user message, goes through the

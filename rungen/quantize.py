@@ -18,6 +18,8 @@ Sibling projections that read the same input (q/k/v, gate/up) become one matmul:
 step these kernels cost about as much per call as per weight, so one call beats three.
 """
 
+from __future__ import annotations
+
 import torch
 from transformers.pytorch_utils import Conv1D
 
@@ -68,7 +70,7 @@ class Fp16Linear(torch.nn.Module):
         return torch.ops.quantized.linear_dynamic_fp16(x.float(), self.packed).to(x.dtype)
 
 
-def head_class():
+def head_class() -> type[torch.nn.Module]:
     """The output head's layer: float16 through fbgemm where torch has it (every x86 build), else int8."""
     return Fp16Linear if "fbgemm" in torch.backends.quantized.supported_engines else Int8Linear
 
@@ -166,7 +168,7 @@ def _fused_siblings(module, layers, layer_class):
     return done
 
 
-def quantize_model(model, mode):
+def quantize_model(model: torch.nn.Module, mode: str) -> int:
     """Replaces every linear layer (attention, MLP, output head) by its quantized twin, in place.
     Returns how many layers were quantized; raises QuantizeError when it cannot quantize."""
     if mode not in MODES:

@@ -9,6 +9,8 @@ Where things go: replies to stdout (and nothing else, so `run_generation.py > ou
 replies alone); the prompt, the line being typed and every notice to the terminal through stderr.
 """
 
+from __future__ import annotations
+
 import contextlib
 import dataclasses
 import json
@@ -23,8 +25,8 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from . import PROG, logger
 from .errors import UsageError
-from .generation import StopTokenStreamer, adjust_length_to_model, generate_batch
-from .loading import cache_dir
+from .generation import Settings, StopTokenStreamer, adjust_length_to_model, generate_batch
+from .loading import Loaded, cache_dir
 from .prompts import Prompt, encode_prompt
 
 PROMPT, CONTINUATION = ">>> ", "... "
@@ -54,7 +56,7 @@ Ctrl-C while a reply is generated stops it; what was printed stays in the conver
 #
 
 
-def split_input(line):
+def split_input(line: str) -> tuple[str | None, str]:
     """(command name, argument) for a command line, (None, prompt text) for anything else.
 
     '/set k 5' -> ('set', 'k 5'); '//etc' -> (None, '/etc'); 'Hello' -> (None, 'Hello')."""
@@ -109,7 +111,7 @@ class LineJoiner:
         return text
 
 
-def fit_to_context(messages, count_tokens, limit):
+def fit_to_context(messages: list[dict], count_tokens, limit: int) -> tuple[list[dict], int]:
     """The conversation with its oldest turns dropped until count_tokens(messages) <= limit.
 
     A turn is a user message and what follows it up to the next user message. A leading system
@@ -125,7 +127,7 @@ def fit_to_context(messages, count_tokens, limit):
     return system + rest, dropped
 
 
-def set_setting(settings, name, value, context):
+def set_setting(settings: Settings, name: str, value: str, context: int) -> Settings:
     """A new Settings with NAME set to VALUE as typed; ValueError with a one-line message when it
     cannot be, out of range ones with the flags' own messages (Settings.check)."""
     if name not in SETTABLE:
@@ -147,11 +149,12 @@ def set_setting(settings, name, value, context):
     return changed
 
 
-def describe_settings(settings):
+def describe_settings(settings: Settings) -> str:
     return "\n".join(f"  {name:<20}{getattr(settings, name)!r}" for name in SETTABLE)
 
 
-def turn_stats(prompt_tokens, reply_tokens, started, first_token_at, ended, interrupted=False):
+def turn_stats(prompt_tokens: int, reply_tokens: int, started: float, first_token_at: float | None, ended: float,
+               interrupted: bool = False) -> str:
     """The line printed after each reply: tokens, time to first token, decoding speed."""
     parts = [f"{prompt_tokens} prompt + {reply_tokens} reply tokens"]
     if first_token_at is not None:
@@ -253,7 +256,7 @@ class Terminal:
         return self.readline.get_line_buffer() if self.readline else ""
 
 
-def say(text):
+def say(text: str) -> None:
     """A notice: to stderr, never mixed into the replies."""
     print(text, file=sys.stderr, flush=True)
 
@@ -266,7 +269,8 @@ def say(text):
 class Session:
     """One conversation (or, without a chat template, a run of independent prompts) on a loaded model."""
 
-    def __init__(self, loaded, settings, *, system: str | None = None, stream: bool = True, prefix: str = ""):
+    def __init__(self, loaded: Loaded, settings: Settings, *, system: str | None = None, stream: bool = True,
+                 prefix: str = ""):
         self.loaded, self.settings, self.prefix = loaded, settings, prefix
         self.chat = settings.chat
         self.system = [{"role": "system", "content": system}] if self.chat and system else []
@@ -397,8 +401,8 @@ class Session:
                        control.interrupted))
 
 
-def run(loaded, settings, *, chat: bool | None = None, system: str | None = None, stream: bool | None = None,
-        prefix: str = "") -> list[str]:
+def run(loaded: Loaded, settings: Settings, *, chat: bool | None = None, system: str | None = None,
+        stream: bool | None = None, prefix: str = "") -> list[str]:
     """The session, until /exit, Ctrl-D or Ctrl-C at an empty prompt; returns the replies. `chat` None:
     a conversation when the tokenizer has a chat template; `stream` None: on (False: each reply whole)."""
     has_template = bool(loaded.tokenizer.chat_template)
