@@ -39,7 +39,7 @@ from transformers.utils import logging as transformers_logging
 from rungen import PROG, logger, processes, session
 from rungen.arguments import max_memory_map, parse_args, settings_from_args
 from rungen.controls import load_assistant
-from rungen.errors import PromptsFailed, RunGenerationError, UsageError
+from rungen.errors import PromptError, PromptsFailed, RunGenerationError, UsageError
 from rungen.generation import UNBATCHABLE_TYPES, StopTokenStreamer, eos_token_ids, generate_batch, make_batches
 from rungen.loading import load
 from rungen.output import Writer, print_stream_header
@@ -116,7 +116,7 @@ def main(argv=None):
         if prompt.error is None:
             try:
                 prompt.ids = encode_prompt(loaded, prompt, args.prefix, settings.chat, args.system)
-            except ValueError as error:
+            except PromptError as error:
                 if args.prompt is not None:
                     raise UsageError(str(error)) from error  # the one prompt given as an argument is bad input
                 prompt.error = str(error)

@@ -119,10 +119,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         logger.warning("--padding_text is deprecated; use --prefix")
     args = argparse.Namespace(**values)
     settings = settings_from_args(args)
-    try:
-        settings.check()
-    except ValueError as error:
-        raise UsageError(str(error)) from error
+    settings.check()
     check_controls(args)
     if file is not None:
         validate_generation_config(settings, file.path)

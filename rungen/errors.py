@@ -16,6 +16,11 @@ class GenerationError(RunGenerationError):
     """generate() refused the settings (a value only the library checks)."""
 
 
+class PromptError(RunGenerationError):
+    """One prompt that cannot be generated (too long, no chat template, ...): it gets an error record and the
+    others go on; as the one --prompt given, it is bad input (exit code 2)."""
+
+
 class PromptsFailed(RunGenerationError):
     """Some prompts could not be generated; each has its error record already. Exit code 1."""
 

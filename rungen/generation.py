@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList, TextStreamer
 
-from .errors import GenerationError, one_line
+from .errors import GenerationError, PromptError, UsageError, one_line
 from .logprobs import score_prompts, step_logits, token_logprobs
 
 if TYPE_CHECKING:
@@ -50,22 +50,21 @@ class Settings:
     constraint: object = dataclasses.field(default=None, hash=False)
 
     def check(self) -> None:
-        """Raises ValueError with a one-line message, named by the flag, for a setting out of range (the
-        flags, or a session's /set)."""
+        """Raises UsageError, named by the flag, for a setting out of range (the flags, or a session's /set)."""
         if self.k < 0:
-            raise ValueError(f"--k must be >= 0, got {self.k}")
+            raise UsageError(f"--k must be >= 0, got {self.k}")
         if not 0 < self.p <= 1:
-            raise ValueError(f"--p must be in (0, 1], got {self.p}")
+            raise UsageError(f"--p must be in (0, 1], got {self.p}")
         if self.temperature < 0:
-            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+            raise UsageError(f"--temperature must be >= 0, got {self.temperature}")
         if self.num_return_sequences < 1:
-            raise ValueError(f"--num_return_sequences must be >= 1, got {self.num_return_sequences}")
+            raise UsageError(f"--num_return_sequences must be >= 1, got {self.num_return_sequences}")
         if self.repetition_penalty <= 0:
-            raise ValueError(f"--repetition_penalty must be > 0, got {self.repetition_penalty}")
+            raise UsageError(f"--repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.num_beams < 1:
-            raise ValueError(f"--num_beams must be >= 1, got {self.num_beams}")
+            raise UsageError(f"--num_beams must be >= 1, got {self.num_beams}")
         if self.num_beams > 1 and self.num_return_sequences > self.num_beams:
-            raise ValueError("--num_return_sequences cannot exceed --num_beams in beam search")
+            raise UsageError("--num_return_sequences cannot exceed --num_beams in beam search")
 
     def fit_context(self, context: int) -> Settings:
         """These settings with --length clamped to a model's context (-1: as long as the context allows)."""
@@ -234,7 +233,7 @@ def score_batch(loaded: Loaded, settings: Settings, batch: list[Prompt]) -> dict
     return results
 
 
-class StuckError(ValueError):
+class StuckError(PromptError):
     """A constrained sequence reached a point its vocabulary cannot spell (rungen/constrain.py)."""
 
 

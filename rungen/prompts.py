@@ -9,7 +9,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from . import logger
-from .errors import UsageError
+from .errors import PromptError, UsageError
 
 if TYPE_CHECKING:
     from .loading import Loaded
@@ -150,7 +150,7 @@ def prepare_model(loaded: Loaded, *, temperature: float, xlm_language: str = "")
 
 def encode_prompt(loaded: Loaded, prompt: Prompt, prefix: str = "", chat: bool = False,
                   system: str | None = None) -> list[int]:
-    """Token ids for one Prompt, with the original script's per-model preparation; raises ValueError.
+    """Token ids for one Prompt, with the original script's per-model preparation; raises PromptError.
 
     A conversation (prompt.messages), or with `chat` the text as one user message, goes through the
     chat template; `system` is put first when the conversation has no system message of its own.
@@ -161,7 +161,7 @@ def encode_prompt(loaded: Loaded, prompt: Prompt, prefix: str = "", chat: bool =
         messages = [{"role": "user", "content": prefix + prompt.text}]
     if messages is not None:
         if not tokenizer.chat_template:
-            raise ValueError(("--chat: " if prompt.messages is None else "") + "this tokenizer has no chat template")
+            raise PromptError(("--chat: " if prompt.messages is None else "") + "this tokenizer has no chat template")
         if system and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": system}, *messages]
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -178,14 +178,14 @@ def encode_prompt(loaded: Loaded, prompt: Prompt, prefix: str = "", chat: bool =
     if not ids:
         start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else model.config.bos_token_id
         if start is None:
-            raise ValueError("empty prompt, and the model has no BOS token to start from")
+            raise PromptError("empty prompt, and the model has no BOS token to start from")
         ids = [start]
     outside = [token for token in ids if token >= loaded.vocab_size]
     if outside:  # a tokenizer from another checkpoint: the embedding lookup would fail with an IndexError
-        raise ValueError(
+        raise PromptError(
             f"token {tokenizer.convert_ids_to_tokens(outside[0])!r} (id {outside[0]}) is outside the model's "
             f"vocabulary of {loaded.vocab_size}: the tokenizer does not match the model"
         )
     if loaded.context and len(ids) >= loaded.context:
-        raise ValueError(f"prompt is {len(ids)} tokens; the model's context is {loaded.context}")
+        raise PromptError(f"prompt is {len(ids)} tokens; the model's context is {loaded.context}")
     return ids

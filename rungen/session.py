@@ -24,7 +24,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from . import PROG, logger
-from .errors import UsageError
+from .errors import PromptError, UsageError
 from .generation import Settings, StopTokenStreamer, adjust_length_to_model, generate_batch
 from .loading import Loaded, cache_dir
 from .prompts import Prompt, encode_prompt
@@ -128,12 +128,12 @@ def fit_to_context(messages: list[dict], count_tokens, limit: int) -> tuple[list
 
 
 def set_setting(settings: Settings, name: str, value: str, context: int) -> Settings:
-    """A new Settings with NAME set to VALUE as typed; ValueError with a one-line message when it
+    """A new Settings with NAME set to VALUE as typed; UsageError with a one-line message when it
     cannot be, out of range ones with the flags' own messages (Settings.check)."""
     if name not in SETTABLE:
-        raise ValueError(f"unknown setting {name!r}; /set takes one of: {', '.join(SETTABLE)}")
+        raise UsageError(f"unknown setting {name!r}; /set takes one of: {', '.join(SETTABLE)}")
     if not value:
-        raise ValueError(f"/set {name} needs a value")
+        raise UsageError(f"/set {name} needs a value")
     kind = SETTABLE[name]
     if kind is str:
         parsed = None if value.lower() == "none" else value
@@ -141,7 +141,7 @@ def set_setting(settings: Settings, name: str, value: str, context: int) -> Sett
         try:
             parsed = kind(value)
         except ValueError:
-            raise ValueError(f"{name} takes {'an integer' if kind is int else 'a number'}, got {value!r}") from None
+            raise UsageError(f"{name} takes {'an integer' if kind is int else 'a number'}, got {value!r}") from None
     if name == "length":
         parsed = adjust_length_to_model(parsed, max_sequence_length=context)
     changed = dataclasses.replace(settings, **{name: parsed})
@@ -325,7 +325,7 @@ class Session:
             setting, _, value = argument.partition(" ")
             try:
                 self.settings = set_setting(self.settings, setting.lower(), value.strip(), self.loaded.context)
-            except ValueError as error:
+            except UsageError as error:
                 say(f"error: {error}")
             else:
                 say(f"  {setting.lower():<20}{getattr(self.settings, setting.lower())!r}")
@@ -352,7 +352,7 @@ class Session:
 
     def encode(self, text):
         """The prompt of this turn, encoded; with a chat template, the conversation so far fitted to
-        the context (the dropped turns are gone for good). ValueError if it cannot be generated."""
+        the context (the dropped turns are gone for good). PromptError if it cannot be generated."""
         user = {"role": "user", "content": text}
         if not self.chat:
             prompt = Prompt(len(self.replies), text)
@@ -372,14 +372,14 @@ class Session:
     def count_tokens(self, messages):
         try:
             return len(encode_prompt(self.loaded, Prompt(0, "", messages=messages)))
-        except ValueError:  # longer than the context
+        except PromptError:  # longer than the context
             return math.inf
 
     def turn(self, text):
         """One prompt and its reply: streamed to stdout, then a line of figures on stderr."""
         try:
             prompt, user = self.encode(text)
-        except ValueError as error:
+        except PromptError as error:
             say(f"error: {error}")
             return
         settings, control = self.settings, TurnControl()
