@@ -105,7 +105,7 @@ def messages_problem(messages) -> str | None:
 
 
 # The types the original script prepared by hand, encoding them without the tokenizer's special tokens.
-SEED_PREPARED_TYPES = ("ctrl", "xlm", "xlnet")
+HAND_PREPARED_TYPES = ("ctrl", "xlm", "xlnet")
 
 
 def warn_without_control_code(tokenizer, text: str) -> None:
@@ -173,7 +173,7 @@ def encode_prompt(loaded: Loaded, prompt: Prompt, prefix: str = "", chat: bool =
             warn_without_control_code(tokenizer, text)
         # e.g. Llama's and OPT's BOS, which their models expect; but XLNet's and XLM's special tokens go
         # at the end (<sep> <cls>, </s>), where nothing could follow them.
-        add_special_tokens = loaded.model_type not in SEED_PREPARED_TYPES
+        add_special_tokens = loaded.model_type not in HAND_PREPARED_TYPES
     ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
     if not ids:
         start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else model.config.bos_token_id
