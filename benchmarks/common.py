@@ -1,8 +1,7 @@
 """What several benchmarks share: the CPU flags printed beside every figure, the tool's default model
-loaded as the tool loads it, and a clock on the decoding steps. The scripts put the repository on
-sys.path before importing this."""
+loaded as the tool loads it, and a clock on the decoding steps. Run the benchmarks from the repository's
+root as modules (`python -m benchmarks.NAME`), so that they import rungen as the tool does."""
 
-import argparse
 import time
 
 import torch
@@ -12,7 +11,8 @@ from transformers import LogitsProcessor
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
 
 
-def cpu_flags():
+def cpu_flags() -> str:
+    """The CPU flags that decide speed, as 'avx2=yes avx512f=no ...' (printed beside every figure)."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = set(f.read().split())
@@ -25,9 +25,7 @@ def load_float32(model_name_or_path=None):
     """The tool's load() on the CPU in float32: the default model when no path is given."""
     from rungen.loading import load
 
-    options = argparse.Namespace(model_name_or_path=model_name_or_path, model_type=None, dtype="float32",
-                                 device_map=None, max_memory=None)
-    return load(options, torch.device("cpu"))
+    return load(model_name_or_path, dtype="float32", device=torch.device("cpu"))
 
 
 class StepClock(LogitsProcessor):

@@ -1,7 +1,7 @@
 """Constrained output (--json_schema) on the default model: how many replies are schema-valid JSON with and
 without the constraint, and what the constraint costs per generated token at batch 1 and batch 16.
 
-    python benchmarks/constrained.py [--model DIR] [--new-tokens 96] [--batch1-prompts 4] [--threads N]
+    python -m benchmarks.constrained [--model DIR] [--new-tokens 96] [--batch1-prompts 4] [--threads N]
 
 16 chat prompts ask for a JSON record of a person (name, age, city); the schema bounds each field. Greedy
 decoding, through the tool's own path (rungen: load, compile_constraint, encode_prompt, generate_batch).
@@ -17,15 +17,14 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
-from common import cpu_flags, load_float32  # noqa: E402
+import torch
 
-from rungen import constrain  # noqa: E402
-from rungen.generation import Settings, eos_token_ids, generate_batch  # noqa: E402
-from rungen.prompts import Prompt, encode_prompt  # noqa: E402
+from benchmarks.common import cpu_flags, load_float32
+from rungen import constrain
+from rungen.generation import Settings, eos_token_ids, generate_batch
+from rungen.prompts import Prompt, encode_prompt
 
 CITIES = ["Paris", "London", "Tokyo", "Zürich", "New York"]
 SCHEMA = {

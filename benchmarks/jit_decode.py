@@ -1,7 +1,7 @@
 """Per-token decode latency of the default model with and without --jit, in one process.
 
-    python benchmarks/jit_decode.py [--model DIR] [--new-tokens 64]
-        [--repeats 5] [--threads N] [--compile] [--readme README.md] [--profile]
+    python -m benchmarks.jit_decode [--model DIR] [--new-tokens 64]
+        [--repeats 5] [--threads N] [--compile] [--profile]
 
 The machine is shared and noisy, so the modes are interleaved (eager, jit, eager, jit, ...) and
 each figure is a median over repeats; only ratios taken in this one run are comparable. Decode
@@ -12,21 +12,18 @@ generate's own per-step work but neither the prompt's pass (reported as prefill)
 import argparse
 import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
-from common import StepClock  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList  # noqa: E402
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList
 
-from rungen.jit import enable_jit  # noqa: E402
-from rungen.loading import default_model_dir  # noqa: E402
+from benchmarks.common import StepClock
+from rungen.jit import enable_jit
+from rungen.loading import default_model_dir
 
 PROMPT = "Once upon a time, in a small village by the sea,"
-README_MARKERS = "<!-- jit_decode {} threads:begin -->", "<!-- jit_decode {} threads:end -->"
 
 
 def timed_generate(model, enc, new_tokens):
@@ -75,7 +72,6 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--compile", action="store_true", help="also measure --compile")
-    parser.add_argument("--readme", default=None, help="write the table into this README")
     parser.add_argument("--profile", action="store_true", help="print where decode time goes")
     args = parser.parse_args()
     if args.threads:
@@ -118,22 +114,8 @@ def main():
               for n, t, r, p, s, same in rows]
     print(header)
     print("\n".join(table))
-    profile = profile_modes(model, enc, modes[:2]) if args.profile else []
-    if args.readme:
-        write_readme(args.readme, header, table + [""] + profile, " ".join(sys.argv), torch.get_num_threads())
-
-
-def write_readme(path, header, lines, command, threads):
-    """Replace this thread count's block in the README (appended if absent)."""
-    begin, end = (marker.format(threads) for marker in README_MARKERS)
-    block = "\n".join([begin, f"`HF_HUB_OFFLINE=1 python {command}`", "", header, "", *lines, end])
-    text = open(path).read() if os.path.exists(path) else ""
-    if begin in text:
-        text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
-    else:
-        text = text + ("\n" if text else "") + block + "\n"
-    with open(path, "w") as f:
-        f.write(text)
+    if args.profile:
+        print("\n".join(profile_modes(model, enc, modes[:2])))
 
 
 CATEGORIES = (  # operator name -> where decode time goes

@@ -1,6 +1,6 @@
 """Perplexity of the default model on a fixed English text, in float32 and each --quantize mode.
 
-    python benchmarks/perplexity.py [--text benchmarks/data/declaration.txt] [--threads 2]
+    python -m benchmarks.perplexity [--text benchmarks/data/declaration.txt] [--threads 2]
 
 The text (benchmarks/data/declaration.txt, about 2,350 tokens) is the Declaration of Independence
 (1776), the Gettysburg Address (1863) and the Preamble and Article I, sections 1-3, of the US
@@ -12,16 +12,14 @@ import argparse
 import copy
 import math
 import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rungen.loading import default_model_dir  # noqa: E402
-from rungen.quantize import quantize_model  # noqa: E402
+from rungen.loading import default_model_dir
+from rungen.quantize import quantize_model
 
 TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "declaration.txt")
 

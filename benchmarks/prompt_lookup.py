@@ -1,6 +1,6 @@
 """Prompt lookup decoding (--prompt_lookup_num_tokens) against plain greedy decoding, on the default model.
 
-    python benchmarks/prompt_lookup.py [--model DIR] [--new-tokens 128] [--lookup 3 10] [--repeats 3] [--threads N]
+    python -m benchmarks.prompt_lookup [--model DIR] [--new-tokens 128] [--lookup 3 10] [--repeats 3] [--threads N]
 
 Two tasks: an input-grounded one (copy a fixed passage, benchmarks/passage.txt, through the chat template:
 the output repeats the input, where prompt lookup drafts well) and a free-form one (where it rarely
@@ -15,17 +15,15 @@ import argparse
 import dataclasses
 import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
-from common import cpu_flags, load_float32  # noqa: E402
+import torch
 
-from rungen.generation import Settings, generate_batch  # noqa: E402
-from rungen.prompts import Prompt, encode_prompt  # noqa: E402
+from benchmarks.common import cpu_flags, load_float32
+from rungen.generation import Settings, generate_batch
+from rungen.prompts import Prompt, encode_prompt
 
 PASSAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "passage.txt")
 

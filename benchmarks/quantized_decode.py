@@ -1,6 +1,6 @@
 """Decode speed of the default model in every speed mode, and llama.cpp on the same GGUF file, in one run.
 
-    python benchmarks/quantized_decode.py [--new-tokens 128] [--repeats 3] [--threads 2]
+    python -m benchmarks.quantized_decode [--new-tokens 128] [--repeats 3] [--threads 2]
 
 Rows: float32 eager, --jit, --quantize int8 / int4 with and without --jit, and llama.cpp through
 llama-cpp-python when it is installed (benchmark only, not a requirement: `pip install llama-cpp-python`
@@ -21,16 +21,15 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
-from common import StepClock, cpu_flags  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList  # noqa: E402
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList
 
-from rungen.jit import enable_jit  # noqa: E402
-from rungen.loading import DEFAULT_MODEL_GGUF, DEFAULT_MODEL_PACKAGE, default_model_dir  # noqa: E402
-from rungen.quantize import Fp16Linear, quantize_model  # noqa: E402
+from benchmarks.common import StepClock, cpu_flags
+from rungen.jit import enable_jit
+from rungen.loading import DEFAULT_MODEL_GGUF, DEFAULT_MODEL_PACKAGE, default_model_dir
+from rungen.quantize import Fp16Linear, quantize_model
 
 PROMPT = "Once upon a time, in a small village by the sea,"
 def read_bandwidth(size_mb=512, repeats=5):

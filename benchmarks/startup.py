@@ -1,6 +1,6 @@
 """Whole-process time of a default-model run against the import floor, and where the difference goes.
 
-    python benchmarks/startup.py [--runs 5] [--first_runs 3]
+    python -m benchmarks.startup [--runs 5] [--first_runs 3]
 
 Rows (each a median over runs, whole processes): the floor, `import torch, transformers` plus the
 llama modeling module, which any tool running this model pays; a cached 1-token run of the tool
@@ -18,7 +18,6 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 TOOL = [sys.executable, os.path.join(ROOT, "run_generation.py"), "--prompt", "The capital of France is",
         "--temperature", "0"]
 FLOOR = [sys.executable, "-c", "import torch, transformers, transformers.models.llama.modeling_llama"]

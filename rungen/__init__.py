@@ -1,30 +1,27 @@
 """The stages of run_generation.py, one module per concern. Which file to open:
 
-    arguments.py   every flag, its default and its validation (parse_args)
+    arguments.py   every flag, its default and its checks (parse_args), and the generation Settings they make
+    controls.py    the generation controls' flags and checks, --generation_config, --assistant_model
     loading.py     the model-type table, checkpoint resolution, the default model, dtype, placement (load)
-    prompts.py     reading prompts from stdin, the seed's per-model preparation, encoding
-    generation.py  generation settings -> generate() kwargs, batching, decoding a sequence, streaming
+    prompts.py     reading prompts from stdin, the original script's per-model preparation, encoding
+    generation.py  generation Settings -> generate() kwargs, batching, decoding a sequence, streaming
+    logprobs.py    --logprobs: per-token log-probabilities, and scoring prompts (--length 0)
     output.py      writing results in input order, as text blocks or JSON lines
     processes.py   several processes under accelerate: who reads, who generates what, who writes
+    session.py     a session in the terminal: the prompt loop, /commands, the conversation and its context
     quantize.py    --quantize int8/int4: weight-only quantized linear layers (imported only for --quantize)
     jit.py         --jit: the traced decode step (private torch/transformers APIs; imported only for --jit)
-    session.py     a session in the terminal: the prompt loop, /commands, the conversation and its context
-    controls.py    generation controls: their flags and checks, --generation_config, --assistant_model
-    logprobs.py    --logprobs: per-token log-probabilities, and scoring prompts (--length 0)
     constrain.py   --json_schema/--regex/--grammar with xgrammar (imported only for those flags)
+    ggml.py        GGUF's quantized blocks as torch layers
+    errors.py      the exceptions library code raises; run_generation.cli turns them into exit codes
 
-run_generation.py's main() calls them in that order (session.py instead of the batches when stdin is a
-terminal); nothing here keeps state between calls.
+Imports point one way: run_generation.py -> arguments/controls -> session -> generation -> the rest;
+errors.py is imported by all and imports nothing. "The original script" is transformers'
+examples/pytorch/text-generation/run_generation.py, which this tool grew from.
 """
 
 import logging
-import sys
 
+__version__ = "0.3.0"
 PROG = "run_generation.py"
 logger = logging.getLogger("run_generation")
-
-
-def fail(message, code=2):
-    """Bad input: one line on stderr and a non-zero exit, never a traceback."""
-    print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
-    sys.exit(code)

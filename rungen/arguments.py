@@ -1,18 +1,28 @@
-"""Every flag, its default and its validation. Values come out checked and normalised, so later
-stages never re-interpret them (--fp16 is --dtype float16, --padding_text is --prefix)."""
+"""Every flag, its default and its checks, and the generation Settings the flags make. parse_args returns
+each flag with the type it declares, checked (--fp16 is --dtype float16, --padding_text is --prefix, a
+--generation_config file fills the flags not given); the Namespace goes no further than main()."""
+
+from __future__ import annotations
 
 import argparse
+import dataclasses
 
-from . import PROG, fail, logger
-from .controls import add_control_arguments, apply_generation_config, check_controls
+from . import PROG, logger
+from .controls import FILE_KEY_FLAGS, add_control_arguments, check_controls, validate_generation_config
+from .errors import UsageError
+from .generation import Settings, stop_strings
 from .loading import DTYPES, MODEL_CLASSES, check_model_type
 
+_UNSET = object()  # marks the flags a command line leaves out, so that a --generation_config file can fill them
 
-def build_parser():
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser: every flag, with its default and help."""
     parser = argparse.ArgumentParser(prog=PROG, description="Conditional text generation with causal language models.")
     parser.add_argument(
         "--model_type",
         default=None,
+        type=check_model_type,
         help="Model type: " + ", ".join(MODEL_CLASSES) + ", or any causal LM type. Default: from config.json.",
     )
     parser.add_argument(
@@ -50,12 +60,12 @@ def build_parser():
     parser.add_argument("--seed", type=int, default=42, help="random seed for initialization")
     parser.add_argument("--use_cpu", action="store_true", help="Use the CPU even when an accelerator is available.")
     parser.add_argument("--num_return_sequences", type=int, default=1, help="The number of samples to generate.")
-    parser.add_argument("--fp16", action="store_true", help="Shorthand for --dtype float16.")
+    parser.add_argument("--fp16", action="store_true", help="Shorthand for --dtype float16 (wins over --dtype).")
     parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="auto: the checkpoint's dtype")
     parser.add_argument("--jit", action="store_true", help="Trace the decoding step with torch.jit.")
     parser.add_argument(
         "--quantize", choices=["int8", "int4"], default=None,
-        help="Weight-only quantization of the linear layers (CPU; see README: Speed). Default: none, exact.",
+        help="Weight-only quantization of the linear layers (CPU; README: --quantize). Default: none, exact.",
     )
     parser.add_argument(
         "--verbose", action="store_true", help="In a terminal session, show the logs and loading bars it hides."
@@ -70,7 +80,7 @@ def build_parser():
     parser.add_argument("--whole_stdin", action="store_true", help="Read all of stdin as one prompt.")
     parser.add_argument("--input_format", choices=["text", "jsonl"], default="text")
     parser.add_argument("--output_format", choices=["text", "jsonl"], default="text")
-    parser.add_argument("--batch_size", type=int, default=16, help="Prompts generated together (see README: Speed).")
+    parser.add_argument("--batch_size", type=int, default=16, help="Prompts generated together.")
     parser.add_argument(
         "--stream",
         action=argparse.BooleanOptionalAction,
@@ -80,51 +90,71 @@ def build_parser():
     return parser
 
 
-def parse_args(argv=None):
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line's flags, each of its declared type, checked; UsageError for a bad value or
+    combination. A --generation_config file fills the flags the command line leaves out (flags win)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.model_type:
-        args.model_type = check_model_type(args.model_type)
-    if args.fp16:
-        args.dtype = "float16"
-    if args.padding_text:
-        if not args.prefix:
-            args.prefix = args.padding_text
+    defaults = vars(parser.parse_args([]))
+    # argparse fills in a default only where the namespace has no value yet: a flag still _UNSET after
+    # parsing was not given. A flag whose default is None is given exactly when its value is not None.
+    start = {name: None if default is None else _UNSET for name, default in defaults.items()}
+    parsed = vars(parser.parse_args(argv, namespace=argparse.Namespace(**start)))
+    given = {name for name, value in parsed.items() if value is not _UNSET and value is not None}
+    values = {name: defaults[name] if value is _UNSET else value for name, value in parsed.items()}
+    file = values["generation_config"]
+    if file is not None:
+        for flag in FILE_KEY_FLAGS.values():
+            if flag in file.flags and flag not in given:
+                values[flag] = file.flags[flag]
+        if file.do_sample is not None and "temperature" not in given:
+            if not file.do_sample:
+                values["temperature"] = 0  # the tool's spelling of greedy
+            elif values["temperature"] == 0:
+                raise UsageError(f"--generation_config {file.path}: do_sample is true but temperature is 0")
+    if values["fp16"]:
+        values["dtype"] = "float16"
+    if values["padding_text"]:
+        if not values["prefix"]:
+            values["prefix"] = values["padding_text"]
         logger.warning("--padding_text is deprecated; use --prefix")
-    apply_generation_config(args, parser, argv)  # a --generation_config file fills the flags not given
-    try:
-        check_sampling(args)
-    except ValueError as error:
-        fail(str(error))
+    args = argparse.Namespace(**values)
+    settings = settings_from_args(args)
+    settings.check()
     check_controls(args)
+    if file is not None:
+        validate_generation_config(settings, file.path)
     if args.batch_size < 1:
-        fail(f"--batch_size must be >= 1, got {args.batch_size}")
+        raise UsageError(f"--batch_size must be >= 1, got {args.batch_size}")
     if args.quantize and args.device_map:
-        fail("--quantize needs the whole model in memory on one device; it cannot be combined with --device_map")
+        raise UsageError("--quantize needs the whole model in memory on one device; it cannot be combined with "
+                         "--device_map")
     if args.max_memory:
         if not args.device_map:
-            fail("--max_memory needs --device_map")
-        if not all("=" in item for item in args.max_memory):
-            fail("--max_memory takes DEVICE=SIZE items, e.g. 0=10GiB cpu=30GiB")
-        pairs = (item.split("=", 1) for item in args.max_memory)
-        args.max_memory = {int(key) if key.isdigit() else key: size for key, size in pairs}
+            raise UsageError("--max_memory needs --device_map")
+        max_memory_map(args.max_memory)
     return args
 
 
-def check_sampling(settings):
-    """Raises ValueError with a one-line message for a generation setting out of range (flags, or a
-    session's /set)."""
-    if settings.k < 0:
-        raise ValueError(f"--k must be >= 0, got {settings.k}")
-    if not 0 < settings.p <= 1:
-        raise ValueError(f"--p must be in (0, 1], got {settings.p}")
-    if settings.temperature < 0:
-        raise ValueError(f"--temperature must be >= 0, got {settings.temperature}")
-    if settings.num_return_sequences < 1:
-        raise ValueError(f"--num_return_sequences must be >= 1, got {settings.num_return_sequences}")
-    if settings.repetition_penalty <= 0:
-        raise ValueError(f"--repetition_penalty must be > 0, got {settings.repetition_penalty}")
-    if settings.num_beams < 1:
-        raise ValueError(f"--num_beams must be >= 1, got {settings.num_beams}")
-    if settings.num_beams > 1 and settings.num_return_sequences > settings.num_beams:
-        raise ValueError("--num_return_sequences cannot exceed --num_beams in beam search")
+def max_memory_map(items: list[str] | None) -> dict | None:
+    """--max_memory's DEVICE=SIZE items as accelerate's {device: size} (a GPU index as an int)."""
+    if not items:
+        return None
+    if not all("=" in item for item in items):
+        raise UsageError("--max_memory takes DEVICE=SIZE items, e.g. 0=10GiB cpu=30GiB")
+    pairs = (item.split("=", 1) for item in items)
+    return {int(key) if key.isdigit() else key: size for key, size in pairs}
+
+
+def settings_from_args(args: argparse.Namespace, context: int = 0) -> Settings:
+    """The generation Settings the flags make, --length clamped to a model's `context` (0: no limit known).
+    --chat's None (auto: on in a session) is off here; a session decides it for itself."""
+    stops = stop_strings(args.stop_token)
+    fields = {field.name for field in dataclasses.fields(Settings)} - {"constraint", "generation_config", "stop_token",
+                                                                        "chat"}
+    settings = Settings(
+        **{name: getattr(args, name) for name in fields},
+        stop_token=None if not stops else stops[0] if len(stops) == 1 else stops,
+        chat=bool(args.chat),
+        generation_config=args.generation_config.extra if args.generation_config is not None else {},
+    )
+    return settings.fit_context(context)

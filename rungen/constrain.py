@@ -1,8 +1,12 @@
-"""Constrained output (issue 12): --json_schema, --regex and --grammar (GBNF, as llama.cpp writes it).
+"""Constrained output: --json_schema, --regex and --grammar (GBNF, as llama.cpp writes it).
+
 xgrammar compiles the constraint against the model's vocabulary once; inside generate() a logits
 processor masks every token that would leave the language, so each sequence is valid by construction.
-Why xgrammar and not llguidance or outlines-core: README, Constrained output (measured there).
-Imported only when one of the three flags is given."""
+Why xgrammar and not llguidance or outlines-core: docs/performance.md (measured there). Imported only
+when one of the three flags is given.
+"""
+
+from __future__ import annotations
 
 import dataclasses
 import json
@@ -13,19 +17,21 @@ import torch
 import xgrammar as xgr
 from transformers import LogitsProcessor, StoppingCriteria
 
-from .controls import one_line
+from .errors import UsageError, one_line
 
 KINDS = {"json_schema": "--json_schema", "regex": "--regex", "grammar": "--grammar"}
 
 
-class ConstraintError(ValueError):
+class ConstraintError(UsageError):
     """A schema, regex or grammar that cannot be used: the message is one line."""
 
 
-def read_constraint(args):
-    """(kind, source text) from the flags, or None. --json_schema is a file or inline JSON, --grammar a
-    file, --regex the expression itself. Raises ConstraintError."""
-    given = [(kind, getattr(args, kind)) for kind in KINDS if getattr(args, kind, None) is not None]
+def read_constraint(*, json_schema: str | None = None, regex: str | None = None,
+                    grammar: str | None = None) -> tuple[str, str] | None:
+    """(kind, source text) from the flags' values, or None. --json_schema is a file or inline JSON, --grammar
+    a file, --regex the expression itself. Raises ConstraintError."""
+    values = {"json_schema": json_schema, "regex": regex, "grammar": grammar}
+    given = [(kind, value) for kind, value in values.items() if value is not None]
     if not given:
         return None
     kind, value = given[0]  # argparse lets one through
@@ -48,7 +54,7 @@ def read_constraint(args):
     return kind, value
 
 
-def vocabulary_type(tokenizer, flag):
+def vocabulary_type(tokenizer, flag: str) -> str:
     """How xgrammar should read the tokens as text. A metaspace vocabulary without byte fallback (XLNet's)
     counts as byte fallback too: "\u2581" is then a space (xgrammar would read it literally). Tokenizers
     that mark word ends ("</w>", "@@": openai-gpt, CTRL, XLM) spell a token differently by what follows
@@ -66,7 +72,7 @@ def vocabulary_type(tokenizer, flag):
     return xgr.VocabType.RAW
 
 
-def tokenizer_info(tokenizer, vocab_size, eos_ids, flag):
+def tokenizer_info(tokenizer, vocab_size: int, eos_ids: set[int], flag: str) -> xgr.TokenizerInfo:
     """What each token id spells, for xgrammar. Special tokens never reach the text (decoding skips them)
     and ids past the tokenizer (a padded embedding) are no tokens: they spell nothing, so xgrammar never
     allows them."""
@@ -92,11 +98,11 @@ class Constraint:
     stop_ids: tuple[int, ...]
     vocab_size: int
 
-    def matcher(self):
+    def matcher(self) -> xgr.GrammarMatcher:
         return xgr.GrammarMatcher(self.compiled, override_stop_tokens=list(self.stop_ids) or None,
                                   terminate_without_stop_token=not self.stop_ids)
 
-    def follow(self, tokens):
+    def follow(self, tokens: list[int]) -> tuple[int | None, int | None]:
         """(ended, stuck) for generated tokens: ended is how many tokens it took to end the grammar (EOS
         included, when the model has one; finish_reason "grammar"), stuck how many the grammar accepted
         before the vocabulary had no token to go on with (GrammarLogitsProcessor lets such a row loose and
@@ -109,14 +115,14 @@ class Constraint:
                 return position + 1, None
         return None, None
 
-    def processors(self):
+    def processors(self) -> tuple[LogitsProcessor, StoppingCriteria]:
         """A fresh (logits processor, stopping criterion) pair for one generate() call: they share the
         grammar states of the sequences being generated."""
         states = GrammarStates(self)
         return GrammarLogitsProcessor(states), GrammarStop(states)
 
 
-def compile_constraint(kind, source, tokenizer, vocab_size, eos_ids):
+def compile_constraint(kind: str, source: str, tokenizer, vocab_size: int, eos_ids: set[int]) -> Constraint:
     """Compiles (kind, source) for this vocabulary. Raises ConstraintError (one line) for a bad schema,
     regex or grammar, or one the vocabulary cannot spell."""
     flag = KINDS[kind]
@@ -141,7 +147,7 @@ def compile_constraint(kind, source, tokenizer, vocab_size, eos_ids):
     return constraint
 
 
-def nothing_allowed(bitmask):
+def nothing_allowed(bitmask: torch.Tensor) -> bool:
     """Per row: no token allowed (xgrammar leaves the bits past the vocabulary at 0)."""
     return (bitmask == 0).all(dim=1)
 
@@ -188,7 +194,7 @@ class GrammarStates:
         return matcher
 
 
-def advance(matcher, token, in_place):
+def advance(matcher: xgr.GrammarMatcher, token: int, in_place: bool) -> xgr.GrammarMatcher | None:
     """The state after one more token: None once the grammar has rejected a token (a draft token in
     assisted decoding); an ended grammar stays as it is (what follows is padding)."""
     if matcher is None or matcher.is_terminated():

@@ -1,13 +1,19 @@
-"""Generation controls beyond the seed's flags (issue 12): their flags and checks, a --generation_config
+"""Generation controls beyond the original script's flags: their flags and checks, a --generation_config
 file for anything else GenerationConfig accepts, and the --assistant_model. Everything here hands
 its values to transformers' own generate(); nothing re-implements a sampler or a decoding loop."""
 
+from __future__ import annotations
+
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
+from collections.abc import Iterator
 
-from . import fail, logger
+from . import logger
+from .errors import UsageError, one_line
+from .generation import Settings, generation_kwargs
 
 # --generation_config keys that have a flag of their own: a value from the file becomes that flag's value
 # (unless the flag is given explicitly: flags win), so it is checked and used exactly as the flag is.
@@ -44,16 +50,20 @@ LIBRARY_RANGE_CHECKS = {
     "eta_cutoff": ("EtaLogitsWarper", "epsilon"),
     "top_h": ("TopHLogitsWarper", "top_h"),
 }
-# Generation modes that transformers runs one sequence at a time ("assisted generate is only supported
-# for batch_size = 1"): the tool then generates its batches prompt by prompt.
-ONE_AT_A_TIME_KEYS = ("prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp")
 
 
-class GenerationError(ValueError):
-    """generate() refused the settings (e.g. a --generation_config value only the library checks)."""
+@dataclasses.dataclass(frozen=True)
+class GenerationFile:
+    """A --generation_config file, read: values for flags (by flag name) and the other keys, for generate()."""
+
+    path: str
+    flags: dict
+    extra: dict
+    do_sample: bool | None = None  # false becomes --temperature 0 where the flag is not given
 
 
-def add_control_arguments(parser):
+def add_control_arguments(parser: argparse.ArgumentParser) -> None:
+    """The generation controls' flags, in a group of their own."""
     group = parser.add_argument_group("generation controls (README: Generation controls)")
     group.add_argument("--min_p", type=float, default=None,
                        help="min-p sampling: drop tokens below min_p x the top token's probability (0-1)")
@@ -67,7 +77,7 @@ def add_control_arguments(parser):
                        help="prompt lookup decoding: draft N tokens copied from the prompt (greedy text unchanged)")
     group.add_argument("--assistant_model", default=None, metavar="PATH",
                        help="assisted decoding with this smaller model of the same tokenizer (greedy text unchanged)")
-    group.add_argument("--generation_config", default=None, metavar="FILE.json",
+    group.add_argument("--generation_config", default=None, metavar="FILE.json", type=read_generation_file,
                        help="any other GenerationConfig field; flags given explicitly win over the file")
     constrained = group.add_mutually_exclusive_group()
     constrained.add_argument("--json_schema", default=None, metavar="SCHEMA",
@@ -82,16 +92,9 @@ def add_control_arguments(parser):
 #
 
 
-def explicit_flags(parser, argv):
-    """The destinations of the flags the command line gives (not their defaults). Re-parses argv with
-    every default suppressed; the parser is not used again afterwards."""
-    for action in parser._actions:
-        action.default = argparse.SUPPRESS
-    return set(vars(parser.parse_args(argv)))
-
-
-def read_generation_config(path):
-    """The file's keys, or a one-line error: not readable, not a JSON object, unknown or tool-owned keys."""
+def read_generation_config(path: str) -> dict:
+    """The file's keys; UsageError when it is not readable, not a JSON object, or has unknown or tool-owned
+    keys."""
     from transformers import GenerationConfig
 
     where = f"--generation_config {path}"
@@ -99,78 +102,53 @@ def read_generation_config(path):
         with open(path, encoding="utf-8") as f:
             values = json.load(f)
     except OSError as error:
-        fail(f"{where}: {error.strerror or error}")
+        raise UsageError(f"{where}: {error.strerror or error}") from error
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        fail(f"{where}: not valid JSON ({getattr(error, 'msg', None) or error})")
+        raise UsageError(f"{where}: not valid JSON ({getattr(error, 'msg', None) or error})") from error
     if not isinstance(values, dict):
-        fail(f"{where}: must hold a JSON object of GenerationConfig fields")
+        raise UsageError(f"{where}: must hold a JSON object of GenerationConfig fields")
     values = {key: value for key, value in values.items() if key not in METADATA_KEYS}
     known = {key for key in vars(GenerationConfig()) if not key.startswith("_")} - METADATA_KEYS
     unknown = sorted(set(values) - known)
     if unknown:
-        fail(f"{where}: unknown GenerationConfig key(s): {', '.join(unknown)}")
+        raise UsageError(f"{where}: unknown GenerationConfig key(s): {', '.join(unknown)}")
     for key in values:
         if key in OWNED_KEYS:
-            fail(f"{where}: {key} cannot be set here ({OWNED_KEYS[key]})")
+            raise UsageError(f"{where}: {key} cannot be set here ({OWNED_KEYS[key]})")
     return values
 
 
-def file_value(path, key, value):
-    """A file value for a key that has a flag, with the flag's type, or a one-line error."""
+def file_value(path: str, key: str, value: object) -> int | float | list[str]:
+    """A file value for a key that has a flag, with the flag's type; UsageError otherwise."""
     if key == "stop_strings":
         stops = [value] if isinstance(value, str) else value
         if not isinstance(stops, list) or not stops or not all(isinstance(s, str) and s for s in stops):
-            fail(f"--generation_config {path}: stop_strings must be a string or a list of non-empty strings")
-        return stops[0] if len(stops) == 1 else tuple(stops)
+            raise UsageError(f"--generation_config {path}: stop_strings must be a string or a list of non-empty "
+                             "strings")
+        return stops
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if key in INT_KEYS:
         if not number or value != int(value):
-            fail(f"--generation_config {path}: {key} must be an integer, got {json.dumps(value)}")
+            raise UsageError(f"--generation_config {path}: {key} must be an integer, got {json.dumps(value)}")
         return int(value)
     if not number:
-        fail(f"--generation_config {path}: {key} must be a number, got {json.dumps(value)}")
+        raise UsageError(f"--generation_config {path}: {key} must be a number, got {json.dumps(value)}")
     return float(value)
 
 
-def apply_generation_config(args, parser, argv):
-    """Reads --generation_config: keys with a flag fill the flags not given on the command line; the rest
-    go to generate() as they are (args.generation_config becomes that dict, args.generation_config_file
-    the path). Also normalises --stop_token (one: a string, as before; several: a tuple)."""
-    stops = [stop for stop in args.stop_token or () if stop]
-    args.stop_token = None if not stops else stops[0] if len(stops) == 1 else tuple(stops)
-    path = args.generation_config_file = args.generation_config
-    args.generation_config = {}
-    if path is None:
-        return
+def read_generation_file(path: str) -> GenerationFile:
+    """--generation_config's value: the file read and split into flag values and generate()'s other keys.
+    `do_sample` is kept apart: it decides --temperature only where that flag is not given."""
     values = read_generation_config(path)
-    given = explicit_flags(parser, argv)
-    for key, flag in FILE_KEY_FLAGS.items():
-        if key in values:
-            value = file_value(path, key, values.pop(key))
-            if flag not in given:
-                setattr(args, flag, value)
-    if "do_sample" in values:
-        do_sample = values.pop("do_sample")
-        if not isinstance(do_sample, bool):
-            fail(f"--generation_config {path}: do_sample must be true or false")
-        if "temperature" not in given:
-            if not do_sample:
-                args.temperature = 0  # the tool's spelling of greedy
-            elif args.temperature == 0:
-                fail(f"--generation_config {path}: do_sample is true but temperature is 0")
-    args.generation_config = values
-
-
-def one_line(error):
-    """An exception's message on one line (GenerationConfig's are several: a heading, '- `key`: ...' items
-    and a closing note)."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    items = [line[2:] for line in lines if line.startswith("- ")]
-    return " ".join(items or lines[:1]) or type(error).__name__
+    flags = {flag: file_value(path, key, values.pop(key)) for key, flag in FILE_KEY_FLAGS.items() if key in values}
+    do_sample = values.pop("do_sample", None)
+    if do_sample is not None and not isinstance(do_sample, bool):
+        raise UsageError(f"--generation_config {path}: do_sample must be true or false")
+    return GenerationFile(path, flags, values, do_sample)
 
 
 @contextlib.contextmanager
-def quiet_transformers():
+def quiet_transformers() -> Iterator[None]:
     """GenerationConfig logs its lenient validation's findings; the strict one then says it in one line."""
     from transformers.utils import logging as hf_logging
 
@@ -182,15 +160,13 @@ def quiet_transformers():
         hf_logging.set_verbosity(level)
 
 
-def validate_generation_config(args):
+def validate_generation_config(settings: Settings, path: str) -> None:
     """The whole set of generate() settings the flags and the file make, through GenerationConfig's own
-    strict validation: an invalid value or a conflicting combination is a one-line error, before loading."""
+    strict validation: an invalid value or a conflicting combination is a UsageError, before loading."""
     import transformers.generation
     from transformers import GenerationConfig
 
-    from .generation import Settings, generation_kwargs
-
-    kwargs = generation_kwargs(Settings.from_args(args, 0), argparse.Namespace(pad_token_id=None))
+    kwargs = generation_kwargs(settings)
     kwargs.pop("tokenizer", None)
     try:
         with quiet_transformers():
@@ -199,7 +175,7 @@ def validate_generation_config(args):
             if kwargs.get(key) not in (None, 0):
                 getattr(transformers.generation, warper)(**{argument: kwargs[key]})
     except (ValueError, TypeError) as error:
-        fail(f"--generation_config {args.generation_config_file}: {one_line(error)}")
+        raise UsageError(f"--generation_config {path}: {one_line(error)}") from error
 
 
 #
@@ -207,46 +183,39 @@ def validate_generation_config(args):
 #
 
 
-def check_controls(args):
-    """One-line errors for the new flags' values and combinations (after the file has filled them)."""
+def check_controls(args: argparse.Namespace) -> None:
+    """UsageError for the new flags' values and combinations (after the file has filled them)."""
     if args.min_p is not None and not 0 <= args.min_p <= 1:
-        fail(f"--min_p must be in [0, 1], got {args.min_p}")
+        raise UsageError(f"--min_p must be in [0, 1], got {args.min_p}")
     if args.typical_p is not None and not 0 < args.typical_p <= 1:
-        fail(f"--typical_p must be in (0, 1], got {args.typical_p}")
+        raise UsageError(f"--typical_p must be in (0, 1], got {args.typical_p}")
     if args.no_repeat_ngram_size < 0:
-        fail(f"--no_repeat_ngram_size must be >= 0, got {args.no_repeat_ngram_size}")
+        raise UsageError(f"--no_repeat_ngram_size must be >= 0, got {args.no_repeat_ngram_size}")
     if args.temperature == 0 and (args.min_p is not None or args.typical_p is not None):
         logger.warning("--min_p and --typical_p apply to sampling only (--temperature > 0); ignored")
     if args.logprobs is not None:
         if args.logprobs < 0:
-            fail(f"--logprobs must be >= 0, got {args.logprobs}")
+            raise UsageError(f"--logprobs must be >= 0, got {args.logprobs}")
         if args.output_format != "jsonl":
-            fail("--logprobs needs --output_format jsonl (text output has nowhere to put them)")
+            raise UsageError("--logprobs needs --output_format jsonl (text output has nowhere to put them)")
     if args.length == 0 and args.logprobs is None:
-        fail("--length 0 scores the prompts without generating: it needs --logprobs N and --output_format jsonl")
+        raise UsageError("--length 0 scores the prompts without generating: it needs --logprobs N and "
+                         "--output_format jsonl")
     speculative = [name for name, on in (("--prompt_lookup_num_tokens", args.prompt_lookup_num_tokens is not None),
                                          ("--assistant_model", args.assistant_model is not None)) if on]
     if args.prompt_lookup_num_tokens is not None and args.prompt_lookup_num_tokens < 1:
-        fail(f"--prompt_lookup_num_tokens must be >= 1, got {args.prompt_lookup_num_tokens}")
+        raise UsageError(f"--prompt_lookup_num_tokens must be >= 1, got {args.prompt_lookup_num_tokens}")
     if len(speculative) == 2:
-        fail("--prompt_lookup_num_tokens and --assistant_model are two ways of drafting tokens: choose one")
+        raise UsageError("--prompt_lookup_num_tokens and --assistant_model are two ways of drafting tokens: "
+                         "choose one")
     if speculative and args.length != 0:
         if args.num_beams > 1:
-            fail(f"{speculative[0]} works with greedy decoding or sampling, not beam search")
+            raise UsageError(f"{speculative[0]} works with greedy decoding or sampling, not beam search")
         if args.num_return_sequences > 1:
-            fail(f"{speculative[0]} generates one sequence per prompt (transformers' assisted generation)")
-    if args.generation_config_file is not None:
-        validate_generation_config(args)
-    args.constraint_source = None
-    if args.json_schema is not None or args.regex is not None or args.grammar is not None:
-        from .constrain import ConstraintError, read_constraint  # xgrammar: only when asked for
-
-        if args.length == 0:
-            fail("--json_schema, --regex and --grammar constrain generated text; --length 0 generates none")
-        try:
-            args.constraint_source = read_constraint(args)
-        except ConstraintError as error:
-            fail(str(error))
+            raise UsageError(f"{speculative[0]} generates one sequence per prompt (transformers' assisted generation)")
+    constrained = args.json_schema is not None or args.regex is not None or args.grammar is not None
+    if constrained and args.length == 0:
+        raise UsageError("--json_schema, --regex and --grammar constrain generated text; --length 0 generates none")
 
 
 #
@@ -254,18 +223,16 @@ def check_controls(args):
 #
 
 
-def load_assistant(args, loaded, device):
-    """The draft model of --assistant_model, loaded as the main model is (type and dtype inferred) and
-    placed where the inputs go. Its tokenizer must be the main model's: same vocabulary, same ids."""
+def load_assistant(path: str, loaded, *, dtype: str, device) -> object:
+    """The draft model of --assistant_model, loaded as the main model is (type inferred, `dtype` as
+    --dtype) and placed on `device`. Its tokenizer must be the main model's: same vocabulary, same ids."""
     from .loading import load
 
-    path = os.path.expanduser(args.assistant_model)
-    if path.startswith((".", "/", "~")) and not os.path.exists(path):
-        fail(f"--assistant_model {args.assistant_model}: no such file or directory")
-    options = argparse.Namespace(model_name_or_path=args.assistant_model, model_type=None, dtype=args.dtype,
-                                 device_map=None, max_memory=None)
-    assistant = load(options, device if args.device_map is None else loaded.input_device)
+    expanded = os.path.expanduser(path)
+    if expanded.startswith((".", "/", "~")) and not os.path.exists(expanded):
+        raise UsageError(f"--assistant_model {path}: no such file or directory")
+    assistant = load(path, device=device, dtype=dtype)
     if assistant.tokenizer.get_vocab() != loaded.tokenizer.get_vocab():
-        fail(f"--assistant_model {args.assistant_model}: its tokenizer differs from the model's; "
-             "assisted decoding needs the same vocabulary")
+        raise UsageError(f"--assistant_model {path}: its tokenizer differs from the model's; "
+                         "assisted decoding needs the same vocabulary")
     return assistant.model

@@ -1,15 +1,24 @@
 """Generation: settings -> generate() kwargs, batches of prompts, decoding each sequence, streaming."""
 
+from __future__ import annotations
+
 import dataclasses
 import sys
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList, TextStreamer
 
-from .controls import GenerationError, one_line
+from .errors import GenerationError, PromptError, UsageError, one_line
 from .logprobs import score_prompts, step_logits, token_logprobs
 
-MAX_LENGTH = 10000  # Hardcoded max length to avoid infinite loop
+if TYPE_CHECKING:
+    from .loading import Loaded
+    from .prompts import Prompt
+
+# New tokens for --length -1 on a model without a fixed context: a bound, so that generation ends.
+UNBOUNDED_LENGTH = 10000
 
 # Their prepare_inputs_for_generation drops the attention mask (and XLM the positions), so padding
 # would change the text a prompt gets alone: they generate one prompt at a time.
@@ -18,7 +27,8 @@ UNBATCHABLE_TYPES = {"xlnet", "xlm"}
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """How to generate: the seed's sampling flags. Frozen, so a change is a new value (replace())."""
+    """How to generate: the sampling flags and generation controls. Frozen, so a change is a new value
+    (dataclasses.replace)."""
 
     length: int = 20
     temperature: float = 1.0
@@ -29,7 +39,7 @@ class Settings:
     num_return_sequences: int = 1
     stop_token: str | tuple[str, ...] | None = None  # several stop strings: a tuple (the earliest one cuts)
     chat: bool = False
-    # Generation controls (rungen/controls.py; README: Generation controls)
+    # Generation controls (rungen/controls.py)
     min_p: float | None = None
     typical_p: float | None = None
     no_repeat_ngram_size: int = 0
@@ -39,12 +49,26 @@ class Settings:
     # --json_schema/--regex/--grammar compiled for the model's vocabulary (rungen/constrain.py); main() sets it.
     constraint: object = dataclasses.field(default=None, hash=False)
 
-    @classmethod
-    def from_args(cls, args, context):
-        names = {field.name for field in dataclasses.fields(cls)} - {"constraint"}
-        values = {name: getattr(args, name) for name in names}
-        length = adjust_length_to_model(args.length, max_sequence_length=context)
-        return cls(**dict(values, length=length, chat=bool(args.chat)))  # --chat's None (auto) is off here
+    def check(self) -> None:
+        """Raises UsageError, named by the flag, for a setting out of range (the flags, or a session's /set)."""
+        if self.k < 0:
+            raise UsageError(f"--k must be >= 0, got {self.k}")
+        if not 0 < self.p <= 1:
+            raise UsageError(f"--p must be in (0, 1], got {self.p}")
+        if self.temperature < 0:
+            raise UsageError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.num_return_sequences < 1:
+            raise UsageError(f"--num_return_sequences must be >= 1, got {self.num_return_sequences}")
+        if self.repetition_penalty <= 0:
+            raise UsageError(f"--repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.num_beams < 1:
+            raise UsageError(f"--num_beams must be >= 1, got {self.num_beams}")
+        if self.num_beams > 1 and self.num_return_sequences > self.num_beams:
+            raise UsageError("--num_return_sequences cannot exceed --num_beams in beam search")
+
+    def fit_context(self, context: int) -> Settings:
+        """These settings with --length clamped to a model's context (-1: as long as the context allows)."""
+        return dataclasses.replace(self, length=adjust_length_to_model(self.length, max_sequence_length=context))
 
 
 @dataclasses.dataclass
@@ -62,22 +86,25 @@ class Sequence:
     perplexity: float | None = dataclasses.field(default=None, metadata={"omit_if_none": True})
 
 
-def adjust_length_to_model(length, max_sequence_length):
+def adjust_length_to_model(length: int, max_sequence_length: int) -> int:
+    """--length for a model of this context: at most the context, and -1 means all of it."""
     if length < 0 and max_sequence_length > 0:
         length = max_sequence_length
     elif 0 < max_sequence_length < length:
         length = max_sequence_length  # No generation bigger than model size
     elif length < 0:
-        length = MAX_LENGTH  # avoid infinite loop
+        length = UNBOUNDED_LENGTH
     return length
 
 
-def generation_kwargs(settings, tokenizer):
+def generation_kwargs(settings: Settings, tokenizer=None, pad_token_id: int | None = None) -> dict:
+    """generate()'s keyword arguments for `settings`; `tokenizer` pads and spells the stop strings (None:
+    only `pad_token_id` given, for checking the settings before a model is loaded)."""
     kwargs = dict(
         num_return_sequences=settings.num_return_sequences,
         repetition_penalty=settings.repetition_penalty,
         num_beams=settings.num_beams,
-        pad_token_id=tokenizer.pad_token_id,
+        pad_token_id=tokenizer.pad_token_id if tokenizer is not None else pad_token_id,
     )
     if settings.temperature == 0:
         kwargs.update(do_sample=False)
@@ -91,7 +118,7 @@ def generation_kwargs(settings, tokenizer):
     return {**settings.generation_config, **kwargs}  # the file's other keys; never one the tool sets
 
 
-def control_kwargs(settings):
+def control_kwargs(settings: Settings) -> dict:
     """generate() kwargs of the generation controls: the library's samplers, n-gram blocking, prompt
     lookup, and the raw logits behind --logprobs."""
     kwargs = {}
@@ -109,13 +136,13 @@ def control_kwargs(settings):
     return kwargs
 
 
-def stop_strings(stop_token):
+def stop_strings(stop_token: str | tuple[str, ...] | list[str] | None) -> tuple[str, ...]:
     """--stop_token's value (None, one string, or several) as a tuple of non-empty strings."""
     stops = (stop_token,) if isinstance(stop_token, str) else tuple(stop_token or ())
     return tuple(stop for stop in stops if stop)
 
 
-def one_at_a_time(settings, assistant_model):
+def one_at_a_time(settings: Settings, assistant_model) -> bool:
     """Modes that transformers runs for one sequence only (assisted generation: prompt lookup, a draft
     model): batches are then generated prompt by prompt."""
     extra = settings.generation_config
@@ -123,7 +150,7 @@ def one_at_a_time(settings, assistant_model):
                 or extra.get("assistant_early_exit") or extra.get("use_mtp"))
 
 
-def make_batches(prompts, batch_size):
+def make_batches(prompts: list[Prompt], batch_size: int) -> Iterator[list[Prompt]]:
     """Batches of encoded prompts. Inside a window, similar lengths go together so that batches
     carry little padding; windows keep input order so output can flow early."""
     window = batch_size * 4
@@ -133,7 +160,8 @@ def make_batches(prompts, batch_size):
             yield chunk[offset : offset + batch_size]
 
 
-def generate_batch(loaded, settings, batch, streamer=None, stopping_criteria=None):
+def generate_batch(loaded: Loaded, settings: Settings, batch: list[Prompt], streamer=None, stopping_criteria=None
+                   ) -> dict[int, list[Sequence]]:
     """Generates for a list of encoded Prompts; returns {prompt index: [Sequence, ...]}.
     With --length 0, scores the prompts instead (rungen/logprobs.py). Raises GenerationError when
     generate() refuses the settings."""
@@ -187,7 +215,7 @@ def generate_batch(loaded, settings, batch, streamer=None, stopping_criteria=Non
     return results
 
 
-def score_batch(loaded, settings, batch):
+def score_batch(loaded: Loaded, settings: Settings, batch: list[Prompt]) -> dict[int, list[Sequence]]:
     """--length 0: no generation; each prompt's tokens scored (prompt_logprobs, perplexity). A one-token
     prompt has nothing to score: it becomes an error record."""
     if loaded.model_type in UNBATCHABLE_TYPES:
@@ -205,18 +233,18 @@ def score_batch(loaded, settings, batch):
     return results
 
 
-class StuckError(ValueError):
+class StuckError(PromptError):
     """A constrained sequence reached a point its vocabulary cannot spell (rungen/constrain.py)."""
 
 
-def eos_token_ids(settings, model):
+def eos_token_ids(settings: Settings, model) -> set[int]:
     """The ids that end a sequence: the model's EOS (one or several), or --generation_config's."""
     eos_ids = settings.generation_config.get("eos_token_id", model.generation_config.eos_token_id)
     return set(eos_ids if isinstance(eos_ids, list) else [eos_ids] if eos_ids is not None else [])
 
 
-def describe_sequence(settings, tokenizer, prompt, new, eos_ids):
-    """Decodes one sequence the way the seed does and says why it ended."""
+def describe_sequence(settings: Settings, tokenizer, prompt: Prompt, new: list[int], eos_ids: set[int]) -> Sequence:
+    """Decodes one sequence the way the original script does and says why it ended."""
     finish, produced = "length", len(new)
     for position, token in enumerate(new):
         if token in eos_ids:
@@ -230,7 +258,7 @@ def describe_sequence(settings, tokenizer, prompt, new, eos_ids):
             spelled = tokenizer.decode(new[:stuck], skip_special_tokens=True)
             raise StuckError(f"{settings.constraint.flag}: the model's vocabulary has no token to continue "
                              f"{spelled!r} as the grammar requires")
-    # Decode prompt and continuation together and cut the prompt's text off, as the seed does:
+    # Decode prompt and continuation together and cut the prompt's text off, as the original script does:
     # decoding the continuation alone loses a SentencePiece tokenizer's leading space.
     head = tokenizer.decode(prompt.ids, skip_special_tokens=True)
     whole = tokenizer.decode(prompt.ids + new[:produced], skip_special_tokens=True)
@@ -250,11 +278,11 @@ class StopTokenStreamer(TextStreamer):
     """The library's streamer, writing to our stdout and cutting the text at --stop_token (the earliest
     of several)."""
 
-    def __init__(self, tokenizer, stop_token):
+    def __init__(self, tokenizer, stop_token: str | tuple[str, ...] | None):
         super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
         self.stop_token, self.text, self.stopped = stop_token, "", False
 
-    def on_finalized_text(self, text, stream_end=False):
+    def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
         if not self.stopped:
             printed = len(self.text)
             self.text += text

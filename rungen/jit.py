@@ -13,6 +13,8 @@ tracing fails or the shape check refuses the graph, and the run goes on eagerly 
   DynamicCache.layer_class_to_replicate / .layers
 """
 
+from __future__ import annotations
+
 import contextlib
 import functools
 import inspect
@@ -33,23 +35,23 @@ JIT_SERVED_KWARGS = {"input_ids", "attention_mask", "position_ids", "past_key_va
                      "output_hidden_states"}
 
 
-def sparse_model_config(config):
-    """(num_layers, num_kv_heads, head_dim). config.attribute_map answers the standard names for
-    every spelling (GPT-2's n_layer/n_head/n_embd, ...)."""
+def cache_shape_of(config) -> tuple[int, int, int]:
+    """The KV cache's shape parameters: (num_layers, num_kv_heads, head_dim). config.attribute_map answers
+    the standard names for every spelling (GPT-2's n_layer/n_head/n_embd, ...)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads  # GQA (llama/SmolLM2)
     return config.num_hidden_layers, kv_heads, head_dim
 
 
-def generate_past_key_values(model, batch_size, seq_len):
+def generate_past_key_values(model, batch_size: int, seq_len: int) -> tuple[torch.Tensor, ...]:
     """Dummy past as flat (k0, v0, k1, v1, ...), all [batch, kv_heads, seq, head_dim] in 5.x."""
-    layers, kv_heads, head_dim = sparse_model_config(model.config)
+    layers, kv_heads, head_dim = cache_shape_of(model.config)
     shape = (batch_size, kv_heads, seq_len, head_dim)
     return tuple(torch.randn(shape, dtype=model.dtype, device=model.device) for _ in range(2 * layers))
 
 
-def prepare_jit_inputs(model, tokenizer, batch_size=2, past_len=3):
-    """Dummy inputs of one decode step, prepared as the seed does: tokenized text, a dummy past and
+def prepare_jit_inputs(model, tokenizer, batch_size: int = 2, past_len: int = 3) -> tuple:
+    """Dummy inputs of one decode step, prepared as the original script does: tokenized text, a dummy past and
     an attention mask with a leading 0 column. The 0 keeps the padding path alive in the trace:
     with an all-ones mask transformers may skip the mask, and the trace would bake that in."""
     ids = tokenizer(["enable jit"] * batch_size, return_tensors="pt")["input_ids"][:, -1:]
@@ -135,7 +137,7 @@ def _is_prefix_view(tensor, buffer):
             and tensor.shape[:2] == buffer.shape[:2] and tensor.shape[3] == buffer.shape[3])
 
 
-def trace_decode_step(model, tokenizer):
+def trace_decode_step(model, tokenizer) -> tuple:
     """Trace + freeze the decode step ({padded: runner} for both mask cases), run each twice
     (warm-up), and check each at another batch size and cache length."""
     if any(type(layer) is not DynamicLayer for layer in DynamicCache(config=model.config).layers):
@@ -245,7 +247,7 @@ def _lean_rms_norm(norm):
 def _lean_rotary(original, model):
     """apply_rotary_pos_emb(q, k, cos, sin) with one swap of halves per tensor, or None where it differs from
     `original` (interleaved or partial rotary, another dtype...)."""
-    _, _, head_dim = sparse_model_config(model.config)
+    _, _, head_dim = cache_shape_of(model.config)
     if head_dim % 2:
         return None
     half = head_dim // 2
@@ -341,7 +343,7 @@ def _install_dispatcher(model, graphs, with_pos):
     model.forward = forward
 
 
-def enable_jit(model, tokenizer):
+def enable_jit(model, tokenizer) -> float | None:
     """Trace the decode step and route decode steps of `model.generate` through it.
 
     Returns the tracing time in seconds, or None (after one warning line) when the model cannot

@@ -1,5 +1,7 @@
 """Loading: which checkpoint, which class, which dtype, which device; the embedded default model."""
 
+from __future__ import annotations
+
 import atexit
 import dataclasses
 import importlib.util
@@ -13,9 +15,10 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from . import fail, logger
+from . import logger
+from .errors import UsageError
 
-# The seed's model types and classes, imported by name only when used: importing all of them
+# The original script's model types and classes, imported by name only when used: importing all of them
 # costs seconds at start-up. Tokenizers load through AutoTokenizer: transformers 5 folded the
 # per-model slow/fast tokenizer pairs into one class per checkpoint, named in tokenizer_config.json.
 MODEL_CLASSES = {
@@ -55,24 +58,25 @@ class Loaded:
     assistant_model: torch.nn.Module | None = None  # --assistant_model's draft model (rungen/controls.py)
 
 
-def check_model_type(model_type):
-    """The --model_type a user typed, lower-cased, or a one-line error."""
+def check_model_type(model_type: str) -> str:
+    """The --model_type a user typed, lower-cased; UsageError for a removed or unknown type."""
     model_type = model_type.lower()
     if model_type in REMOVED_TYPES:
-        fail(f"--model_type {model_type}: {REMOVED_TYPES[model_type]}")
+        raise UsageError(f"--model_type {model_type}: {REMOVED_TYPES[model_type]}")
     if model_type not in MODEL_CLASSES and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        fail(
+        raise UsageError(
             f"unknown --model_type {model_type!r}; supported: {', '.join(MODEL_CLASSES)}, "
             "and any other causal LM type of transformers (inferred from config.json when omitted)"
         )
     return model_type
 
 
-def cache_dir():
+def cache_dir() -> str:
+    """Where the tool keeps what it converts once: $XDG_CACHE_HOME/run_generation (or ~/.cache/...)."""
     return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "run_generation")
 
 
-def default_model_dir():
+def default_model_dir() -> str:
     """The embedded SmolLM2 checkpoint, converted from GGUF once and cached as safetensors.
 
     Converting takes tens of seconds (GGUF de-quantization and tokenizer conversion); loading
@@ -81,7 +85,7 @@ def default_model_dir():
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)  # never imported: it imports another runtime
     gguf_dir = spec and spec.submodule_search_locations and spec.submodule_search_locations[0]
     if not gguf_dir or not os.path.isfile(os.path.join(gguf_dir, DEFAULT_MODEL_GGUF)):
-        fail(f"the default model is not installed; install it with: {DEFAULT_MODEL_INSTALL}")
+        raise UsageError(f"the default model is not installed; install it with: {DEFAULT_MODEL_INSTALL}")
     # The size names the conversion, so that another release of the package gets its own cache.
     size = os.path.getsize(os.path.join(gguf_dir, DEFAULT_MODEL_GGUF))
     target = os.path.join(cache_dir(), f"SmolLM2-135M-Instruct-{size}")
@@ -107,51 +111,55 @@ def default_model_dir():
     return target
 
 
-def resolve_checkpoint(model_name_or_path, model_type):
+def resolve_checkpoint(model_name_or_path: str | None, model_type: str | None) -> tuple[str, dict]:
     """Where the model lives, and the extra from_pretrained kwargs it needs."""
     path = model_name_or_path
     if path is None:
         if model_type not in (None, "llama"):
-            fail(f"--model_type {model_type} needs --model_name_or_path (the default model is a llama)")
+            raise UsageError(f"--model_type {model_type} needs --model_name_or_path (the default model is a llama)")
         return default_model_dir(), {}
     expanded = os.path.expanduser(path)
     if expanded.endswith(".gguf"):
         if not os.path.isfile(expanded):
-            fail(f"--model_name_or_path {path}: no such file")
+            raise UsageError(f"--model_name_or_path {path}: no such file")
         return os.path.dirname(os.path.abspath(expanded)), {"gguf_file": os.path.basename(expanded)}
     if os.path.isdir(expanded):
         if not os.path.isfile(os.path.join(expanded, "config.json")):
-            fail(f"--model_name_or_path {path}: the directory holds no model (no config.json)")
+            raise UsageError(f"--model_name_or_path {path}: the directory holds no model (no config.json)")
         return expanded, {}
     if os.path.isabs(expanded) or path.startswith((".", "~")) or os.path.exists(expanded):
-        fail(f"--model_name_or_path {path}: no such directory")
+        raise UsageError(f"--model_name_or_path {path}: no such directory")
     return path, {}  # a hub id
 
 
-def load_config(path, load_kwargs):
+def load_config(path: str, load_kwargs: dict) -> transformers.PretrainedConfig:
+    """The checkpoint's config; UsageError when there is none to be had (offline, not a model)."""
     try:
         return AutoConfig.from_pretrained(path, **load_kwargs)
     except (OSError, ValueError) as error:
         from huggingface_hub import constants
 
         if constants.HF_HUB_OFFLINE:
-            fail(f"{path} is not a local model and not in the hub cache, and the hub is offline; pass a local path")
-        fail(f"cannot load a model from {path}: {str(error).splitlines()[0]}")
+            raise UsageError(f"{path} is not a local model and not in the hub cache, and the hub is offline; "
+                             "pass a local path") from error
+        raise UsageError(f"cannot load a model from {path}: {str(error).splitlines()[0]}") from error
 
 
-def resolve_model_class(model_type, config):
-    """The seed's class for its types; any other causal LM through AutoModelForCausalLM."""
+def resolve_model_class(model_type: str | None, config) -> tuple[str, type]:
+    """The original script's class for its types; any other causal LM through AutoModelForCausalLM."""
     model_type = model_type or config.model_type
     if model_type not in MODEL_CLASSES and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        fail(f"{config.model_type!r} is not a causal language model type")
+        raise UsageError(f"{config.model_type!r} is not a causal language model type")
     if model_type != config.model_type:
-        fail(f"--model_type {model_type} does not match the checkpoint's model_type {config.model_type}")
+        raise UsageError(f"--model_type {model_type} does not match the checkpoint's model_type "
+                         f"{config.model_type}")
     if model_type in MODEL_CLASSES:
         return model_type, getattr(transformers, MODEL_CLASSES[model_type])
     return model_type, AutoModelForCausalLM
 
 
-def cpu_has_fast(dtype):
+def cpu_has_fast(dtype: torch.dtype) -> bool:
+    """Whether this CPU has instructions that make `dtype` matmuls fast (see FAST_CPU_FLAGS)."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = set(f.read().split())
@@ -160,7 +168,7 @@ def cpu_has_fast(dtype):
     return any(flag in flags for flag in FAST_CPU_FLAGS.get(dtype, ()))
 
 
-def resolve_dtype(requested, config, device):
+def resolve_dtype(requested: str, config, device: torch.device) -> torch.dtype:
     """--dtype, or the checkpoint's own dtype; half precision only where the hardware runs it fast."""
     dtype = DTYPES.get(requested) or getattr(config, "dtype", None) or torch.float32
     if isinstance(dtype, str):
@@ -171,7 +179,7 @@ def resolve_dtype(requested, config, device):
     return dtype
 
 
-def model_context(config):
+def model_context(config) -> int:
     """The model's context in tokens; 0 when it has no fixed limit (XLNet, BLOOM's ALiBi).
     config.attribute_map makes max_position_embeddings read GPT-2's n_positions and the like."""
     value = getattr(config, "max_position_embeddings", None)
@@ -181,20 +189,22 @@ def model_context(config):
     return value - 1 if config.model_type == "xlm" else value
 
 
-def load(args, device):
-    """Loads the model and tokenizer that args name, placed on `device` (or over --device_map)."""
-    path, load_kwargs = resolve_checkpoint(args.model_name_or_path, args.model_type)
+def load(model_name_or_path: str | None, *, device: torch.device, model_type: str | None = None,
+         dtype: str = "auto", device_map: str | None = None, max_memory: dict | None = None) -> Loaded:
+    """Loads the model and tokenizer at `model_name_or_path` (the default model when None), placed on
+    `device`, or spread by accelerate's `device_map` within `max_memory` ({0: "10GiB", "cpu": "30GiB"})."""
+    path, load_kwargs = resolve_checkpoint(model_name_or_path, model_type)
     config = load_config(path, load_kwargs)
-    model_type, model_class = resolve_model_class(args.model_type, config)
-    dtype = resolve_dtype(args.dtype, config, device)
+    model_type, model_class = resolve_model_class(model_type, config)
+    torch_dtype = resolve_dtype(dtype, config, device)
     tokenizer = AutoTokenizer.from_pretrained(path, **load_kwargs)
     placement = {}
-    if args.device_map:
+    if device_map:
         offload = tempfile.mkdtemp(prefix="run_generation_offload_")  # for layers that fit nowhere else
         atexit.register(shutil.rmtree, offload, ignore_errors=True)
-        placement = dict(device_map=args.device_map, max_memory=args.max_memory, offload_folder=offload)
-    model = model_class.from_pretrained(path, dtype=dtype, **load_kwargs, **placement)
-    if args.device_map:
+        placement = dict(device_map=device_map, max_memory=max_memory, offload_folder=offload)
+    model = model_class.from_pretrained(path, dtype=torch_dtype, **load_kwargs, **placement)
+    if device_map:
         # accelerate's dispatch_model rule: inputs go to the first accelerator in the map, else the CPU
         # (model.device is "meta" when the first layers were offloaded to disk).
         accelerators = [d for d in model.hf_device_map.values() if d not in ("cpu", "disk")]

@@ -9,6 +9,8 @@ processors they are also generate's processed scores. The shape is OpenAI's chat
                   "top_logprobs": [{"token": " Paris", "id": 7042, "logprob": -0.31}, ...]}, ...]}
 """
 
+from __future__ import annotations
+
 import inspect
 import math
 
@@ -17,7 +19,8 @@ import torch
 CONTEXT_TOKENS = 4  # ids decoded before a token to get its text in context (a leading space, a UTF-8 tail)
 
 
-def token_text(tokenizer, before, token_id, head=None, special=None):
+def token_text(tokenizer, before: list[int], token_id: int, head: str | None = None,
+               special: set[int] | None = None) -> str:
     """The text `token_id` adds after the ids `before`, as the printed text shows it: decoded after a few
     tokens of context (SentencePiece drops a leading space at the start of a text; a character's UTF-8
     bytes may span tokens). A special token (BOS, EOS) is its own name. `head`: the decoding of `before`;
@@ -32,7 +35,7 @@ def token_text(tokenizer, before, token_id, head=None, special=None):
     return tokenizer.decode([token_id], skip_special_tokens=False)  # e.g. the end of a multi-byte character
 
 
-def content(tokenizer, context, ids, logprobs, top_n):
+def content(tokenizer, context: list[int], ids: list[int], logprobs: list[torch.Tensor], top_n: int) -> dict:
     """OpenAI's "content" list for `ids` (each the token after context + the ids before it), from
     `logprobs`: one row of log-probabilities over the vocabulary per id."""
     ids = list(ids)
@@ -53,7 +56,8 @@ def content(tokenizer, context, ids, logprobs, top_n):
     return items
 
 
-def step_logits(logits, beam_indices, row, step):
+def step_logits(logits: tuple[torch.Tensor, ...], beam_indices: torch.Tensor | None, row: int, step: int
+                ) -> torch.Tensor:
     """The raw logits row that produced output row `row`'s token at generation step `step`. Beam search
     reorders beams at every step: `beam_indices` (from generate) says which beam it was, as
     compute_transition_scores reads it."""
@@ -61,7 +65,8 @@ def step_logits(logits, beam_indices, row, step):
     return logits[step][source]
 
 
-def token_logprobs(tokenizer, prompt_ids, new, steps, top_n):
+def token_logprobs(tokenizer, prompt_ids: list[int], new: list[int], steps: list[torch.Tensor], top_n: int
+                   ) -> dict:
     """The "logprobs" of one generated sequence: its first len(steps) new tokens (those it produced;
     padding after it finished is left out), each with its raw logits row in `steps`."""
     if not steps:
@@ -70,7 +75,7 @@ def token_logprobs(tokenizer, prompt_ids, new, steps, top_n):
     return {"content": content(tokenizer, prompt_ids, new[: len(steps)], logprobs, top_n)}
 
 
-def score_prompts(loaded, batch, top_n):
+def score_prompts(loaded, batch: list, top_n: int) -> list[tuple[dict, float] | None]:
     """One forward pass over a left-padded batch of prompts: for each prompt, the log-probabilities of its
     tokens 2..n given the tokens before them ("content" list) and its perplexity, exp(-mean log-probability);
     None for a prompt of one token (nothing to score). Positions are counted from each prompt's first real

@@ -1,22 +1,26 @@
-"""Output: results to stdout in input order, as the seed's text blocks or as JSON lines."""
+"""Output: results to stdout in input order, as the original script's text blocks or as JSON lines."""
+
+from __future__ import annotations
 
 import dataclasses
 import json
 import sys
 
 from . import PROG
+from .generation import Sequence
+from .prompts import Prompt
 
 
 class Writer:
     """Writes results in input order, flushing as soon as the next prompt in order is done."""
 
-    def __init__(self, output_format, num_prompts, active=True):
+    def __init__(self, output_format: str, num_prompts: int, active: bool = True):
         self.jsonl, self.num_prompts = output_format == "jsonl", num_prompts
         self.next, self.done = 0, {}
         self.sequences, self.failed, self.tokens = [], 0, 0
         self.active = active  # only the main process writes
 
-    def add(self, prompt, sequences=(), streamed=False):
+    def add(self, prompt: Prompt, sequences: list[Sequence] | tuple = (), streamed: bool = False) -> None:
         """A prompt's result: its Sequences, or its error (prompt.error); `streamed` if already printed."""
         if not self.active:
             return
@@ -26,7 +30,7 @@ class Writer:
             self.next += 1
         sys.stdout.flush()
 
-    def write(self, prompt, sequences, streamed):
+    def write(self, prompt: Prompt, sequences: list[Sequence] | tuple, streamed: bool) -> None:
         if prompt.error is not None:
             self.failed += 1
             if self.jsonl:
@@ -47,13 +51,13 @@ class Writer:
                 print(sequence.text)
 
 
-def record_fields(sequence):
+def record_fields(sequence: Sequence) -> dict:
     """A Sequence's jsonl fields; optional ones (metadata omit_if_none, e.g. logprobs) only when set."""
     omitted = {field.name for field in dataclasses.fields(sequence) if field.metadata.get("omit_if_none")}
     return {key: value for key, value in dataclasses.asdict(sequence).items()
             if value is not None or key not in omitted}
 
 
-def print_stream_header(prompt, chat):
+def print_stream_header(prompt: Prompt, chat: bool) -> None:
     """The text block's header and the prompt, before the streamer prints the continuation."""
     print("=== GENERATED SEQUENCE 1 ===\n" + ("" if chat else prompt.text), end="", flush=True)

@@ -1,11 +1,18 @@
-"""Prompts: reading them (argument, stdin lines, JSON lines), the seed's per-model preparation, and
-encoding to token ids."""
+"""Prompts: reading them (argument, stdin lines, JSON lines), the original script's per-model preparation,
+and encoding to token ids."""
+
+from __future__ import annotations
 
 import dataclasses
 import json
 import sys
+from typing import TYPE_CHECKING
 
-from . import fail, logger
+from . import logger
+from .errors import PromptError, UsageError
+
+if TYPE_CHECKING:
+    from .loading import Loaded
 
 # Padding text to help Transformer-XL and XLNet with short prompts as proposed by Aman Rusia
 # in https://github.com/rusiaaman/XLNet-gen#methodology
@@ -41,21 +48,22 @@ class Prompt:
 #
 
 
-def read_prompts(args):
-    """The prompts, in input order: --prompt, or stdin's lines (or all of it, or JSON lines)."""
-    if args.prompt is not None:
-        return [Prompt(0, args.prompt)]
+def read_prompts(prompt: str | None, *, whole_stdin: bool = False, input_format: str = "text") -> list[Prompt]:
+    """The prompts, in input order: `prompt` when given, else stdin's lines (all of it as one with
+    `whole_stdin`; JSON objects with `input_format` "jsonl")."""
+    if prompt is not None:
+        return [Prompt(0, prompt)]
     if sys.stdin is None:
-        fail("no prompt: pass --prompt, or pipe prompts through stdin")
+        raise UsageError("no prompt: pass --prompt, or pipe prompts through stdin")
     data = sys.stdin.buffer.read()
-    if args.whole_stdin:
+    if whole_stdin:
         lines = [data]
     else:
         lines = [line.rstrip(b"\r") for line in data.split(b"\n") if line.strip()]
-    return [parse_prompt_line(index, line, args.input_format) for index, line in enumerate(lines)]
+    return [parse_prompt_line(index, line, input_format) for index, line in enumerate(lines)]
 
 
-def parse_prompt_line(index, line, input_format):
+def parse_prompt_line(index: int, line: bytes, input_format: str) -> Prompt:
     """A Prompt from one line of bytes; a line that cannot be read becomes a Prompt with an error."""
     try:
         text = line.decode("utf-8")
@@ -81,7 +89,7 @@ def parse_prompt_line(index, line, input_format):
     return Prompt(index, text, extra=record)
 
 
-def messages_problem(messages):
+def messages_problem(messages) -> str | None:
     """What is wrong with a conversation in the OpenAI chat format, or None."""
     if not isinstance(messages, list) or not messages:
         return "must be a non-empty list"
@@ -92,15 +100,15 @@ def messages_problem(messages):
 
 
 #
-# The seed's per-model preparation
+# The original script's per-model preparation
 #
 
 
-# The types the seed prepared by hand, encoding them without the tokenizer's special tokens.
-SEED_PREPARED_TYPES = ("ctrl", "xlm", "xlnet")
+# The types the original script prepared by hand, encoding them without the tokenizer's special tokens.
+HAND_PREPARED_TYPES = ("ctrl", "xlm", "xlnet")
 
 
-def warn_without_control_code(tokenizer, text):
+def warn_without_control_code(tokenizer, text: str) -> None:
     """CTRL generates well only from a control code (Links, Books, ...) at the start."""
     encoded_prompt = tokenizer.encode(text, add_special_tokens=False)
     if not any(encoded_prompt[:1] == [x] for x in tokenizer.control_codes.values()):
@@ -109,29 +117,30 @@ def warn_without_control_code(tokenizer, text):
         )
 
 
-def prepare_xlnet_input(text, prefix):
+def prepare_xlnet_input(text: str, prefix: str) -> str:
+    """XLNet's prompt behind a padding text (--prefix, or the original script's PREFIX)."""
     return (prefix or PREFIX) + text
 
 
-def select_xlm_language(model, language):
+def select_xlm_language(model, language: str) -> None:
     """XLM models with language embeddings generate in one language, chosen once per run."""
     if not (getattr(model.config, "lang2id", None) and getattr(model.config, "use_lang_emb", False)):
         return
     available_languages = list(model.config.lang2id)
     if language not in available_languages:
         if language or sys.stdin is None or not sys.stdin.isatty():
-            fail(f"--xlm_language must be one of {available_languages}")
+            raise UsageError(f"--xlm_language must be one of {available_languages}")
         while language not in available_languages:
             language = input(f"Using XLM. Select language in {available_languages} >>> ")
     model.config.lang_id = model.config.lang2id[language]
 
 
-def prepare_model(loaded, args):
-    """What the seed asked or said once per run, before any prompt is encoded."""
-    if loaded.model_type == "ctrl" and args.temperature > 0.7:
+def prepare_model(loaded: Loaded, *, temperature: float, xlm_language: str = "") -> None:
+    """What the original script asked or said once per run, before any prompt is encoded."""
+    if loaded.model_type == "ctrl" and temperature > 0.7:
         logger.info("CTRL typically works better with lower temperatures (and lower top_k).")
     if loaded.model_type == "xlm":
-        select_xlm_language(loaded.model, args.xlm_language)
+        select_xlm_language(loaded.model, xlm_language)
 
 
 #
@@ -139,8 +148,9 @@ def prepare_model(loaded, args):
 #
 
 
-def encode_prompt(loaded, prompt, prefix="", chat=False, system=None):
-    """Token ids for one Prompt, with the seed's per-model preparation; raises ValueError.
+def encode_prompt(loaded: Loaded, prompt: Prompt, prefix: str = "", chat: bool = False,
+                  system: str | None = None) -> list[int]:
+    """Token ids for one Prompt, with the original script's per-model preparation; raises PromptError.
 
     A conversation (prompt.messages), or with `chat` the text as one user message, goes through the
     chat template; `system` is put first when the conversation has no system message of its own.
@@ -151,7 +161,7 @@ def encode_prompt(loaded, prompt, prefix="", chat=False, system=None):
         messages = [{"role": "user", "content": prefix + prompt.text}]
     if messages is not None:
         if not tokenizer.chat_template:
-            raise ValueError(("--chat: " if prompt.messages is None else "") + "this tokenizer has no chat template")
+            raise PromptError(("--chat: " if prompt.messages is None else "") + "this tokenizer has no chat template")
         if system and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": system}, *messages]
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -163,19 +173,19 @@ def encode_prompt(loaded, prompt, prefix="", chat=False, system=None):
             warn_without_control_code(tokenizer, text)
         # e.g. Llama's and OPT's BOS, which their models expect; but XLNet's and XLM's special tokens go
         # at the end (<sep> <cls>, </s>), where nothing could follow them.
-        add_special_tokens = loaded.model_type not in SEED_PREPARED_TYPES
+        add_special_tokens = loaded.model_type not in HAND_PREPARED_TYPES
     ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
     if not ids:
         start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else model.config.bos_token_id
         if start is None:
-            raise ValueError("empty prompt, and the model has no BOS token to start from")
+            raise PromptError("empty prompt, and the model has no BOS token to start from")
         ids = [start]
     outside = [token for token in ids if token >= loaded.vocab_size]
     if outside:  # a tokenizer from another checkpoint: the embedding lookup would fail with an IndexError
-        raise ValueError(
+        raise PromptError(
             f"token {tokenizer.convert_ids_to_tokens(outside[0])!r} (id {outside[0]}) is outside the model's "
             f"vocabulary of {loaded.vocab_size}: the tokenizer does not match the model"
         )
     if loaded.context and len(ids) >= loaded.context:
-        raise ValueError(f"prompt is {len(ids)} tokens; the model's context is {loaded.context}")
+        raise PromptError(f"prompt is {len(ids)} tokens; the model's context is {loaded.context}")
     return ids

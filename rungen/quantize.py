@@ -8,18 +8,22 @@ bfloat16 activations, so a quantized layer casts its input to bfloat16 and its o
 of the model (norms, attention, residuals, the embedding) keeps its dtype.
 
 The output head is float16 in both modes, multiplied by fbgemm's quantized::linear_dynamic_fp16
-(float32 activations, float16 weights): llama.cpp's 4-bit files keep their head at 8 or 6 bits too
-(at 4 bits it alone costs the default model 5 points of perplexity, see README), and at one token
-fbgemm streams the float16 head from memory in the time the int8 kernel needs to compute with half
-the bytes, so the better head costs nothing. Where torch was built without fbgemm (not x86), the
-head is int8. A tied head is converted as a copy; the input embedding stays as it was.
+(float32 activations, float16 weights): a 4-bit head costs far more quality than the rest of the model
+(llama.cpp's 4-bit files keep theirs at 8 or 6 bits too), and fbgemm streams the float16 head in the
+time the int8 kernel takes, so the better head costs no speed (docs/performance.md). Where torch was
+built without fbgemm (not x86), the head is int8. A tied head is converted as a copy; the input
+embedding stays as it was.
 
 Sibling projections that read the same input (q/k/v, gate/up) become one matmul: at one token a
-step these kernels cost about as much per call as per weight, so three calls cost far more than one.
+step these kernels cost about as much per call as per weight, so one call beats three.
 """
+
+from __future__ import annotations
 
 import torch
 from transformers.pytorch_utils import Conv1D
+
+from .errors import UsageError
 
 MODES = ("int8", "int4")
 GROUP_SIZE = 32  # int4: input channels sharing one scale and zero (GGUF's Q4_0/Q4_1 blocks are 32 too)
@@ -28,7 +32,7 @@ INNER_K_TILES = 8  # int4 packing layout; the CPU kernel accepts 2, 4 or 8
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-class QuantizeError(ValueError):
+class QuantizeError(UsageError):
     """A model or device --quantize cannot handle; one line, for the user."""
 
 
@@ -66,7 +70,7 @@ class Fp16Linear(torch.nn.Module):
         return torch.ops.quantized.linear_dynamic_fp16(x.float(), self.packed).to(x.dtype)
 
 
-def head_class():
+def head_class() -> type[torch.nn.Module]:
     """The output head's layer: float16 through fbgemm where torch has it (every x86 build), else int8."""
     return Fp16Linear if "fbgemm" in torch.backends.quantized.supported_engines else Int8Linear
 
@@ -164,7 +168,7 @@ def _fused_siblings(module, layers, layer_class):
     return done
 
 
-def quantize_model(model, mode):
+def quantize_model(model: torch.nn.Module, mode: str) -> int:
     """Replaces every linear layer (attention, MLP, output head) by its quantized twin, in place.
     Returns how many layers were quantized; raises QuantizeError when it cannot quantize."""
     if mode not in MODES:

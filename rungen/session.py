@@ -3,11 +3,13 @@
 run_generation.py's main() calls run() when no --prompt is given and stdin is a terminal. With a chat
 template (or --chat) the session is a conversation: its messages go through the template every turn
 and the oldest turns are dropped when they would outgrow the context. Without one, each prompt is
-continued on its own, as the seed does. Lines starting with / are commands (HELP lists them).
+continued on its own, as the original script does. Lines starting with / are commands (HELP lists them).
 
 Where things go: replies to stdout (and nothing else, so `run_generation.py > out.txt` collects the
 replies alone); the prompt, the line being typed and every notice to the terminal through stderr.
 """
+
+from __future__ import annotations
 
 import contextlib
 import dataclasses
@@ -21,10 +23,10 @@ import time
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from . import PROG, fail, logger
-from .arguments import check_sampling
-from .generation import StopTokenStreamer, adjust_length_to_model, generate_batch
-from .loading import cache_dir
+from . import PROG, logger
+from .errors import PromptError, UsageError
+from .generation import Settings, StopTokenStreamer, adjust_length_to_model, generate_batch
+from .loading import Loaded, cache_dir
 from .prompts import Prompt, encode_prompt
 
 PROMPT, CONTINUATION = ">>> ", "... "
@@ -54,7 +56,7 @@ Ctrl-C while a reply is generated stops it; what was printed stays in the conver
 #
 
 
-def split_input(line):
+def split_input(line: str) -> tuple[str | None, str]:
     """(command name, argument) for a command line, (None, prompt text) for anything else.
 
     '/set k 5' -> ('set', 'k 5'); '//etc' -> (None, '/etc'); 'Hello' -> (None, 'Hello')."""
@@ -109,7 +111,7 @@ class LineJoiner:
         return text
 
 
-def fit_to_context(messages, count_tokens, limit):
+def fit_to_context(messages: list[dict], count_tokens, limit: int) -> tuple[list[dict], int]:
     """The conversation with its oldest turns dropped until count_tokens(messages) <= limit.
 
     A turn is a user message and what follows it up to the next user message. A leading system
@@ -125,13 +127,13 @@ def fit_to_context(messages, count_tokens, limit):
     return system + rest, dropped
 
 
-def set_setting(settings, name, value, context):
-    """A new Settings with NAME set to VALUE as typed; ValueError with a one-line message when it
-    cannot be, out of range ones with the flags' own messages (check_sampling)."""
+def set_setting(settings: Settings, name: str, value: str, context: int) -> Settings:
+    """A new Settings with NAME set to VALUE as typed; UsageError with a one-line message when it
+    cannot be, out of range ones with the flags' own messages (Settings.check)."""
     if name not in SETTABLE:
-        raise ValueError(f"unknown setting {name!r}; /set takes one of: {', '.join(SETTABLE)}")
+        raise UsageError(f"unknown setting {name!r}; /set takes one of: {', '.join(SETTABLE)}")
     if not value:
-        raise ValueError(f"/set {name} needs a value")
+        raise UsageError(f"/set {name} needs a value")
     kind = SETTABLE[name]
     if kind is str:
         parsed = None if value.lower() == "none" else value
@@ -139,19 +141,20 @@ def set_setting(settings, name, value, context):
         try:
             parsed = kind(value)
         except ValueError:
-            raise ValueError(f"{name} takes {'an integer' if kind is int else 'a number'}, got {value!r}") from None
+            raise UsageError(f"{name} takes {'an integer' if kind is int else 'a number'}, got {value!r}") from None
     if name == "length":
         parsed = adjust_length_to_model(parsed, max_sequence_length=context)
     changed = dataclasses.replace(settings, **{name: parsed})
-    check_sampling(changed)
+    changed.check()
     return changed
 
 
-def describe_settings(settings):
+def describe_settings(settings: Settings) -> str:
     return "\n".join(f"  {name:<20}{getattr(settings, name)!r}" for name in SETTABLE)
 
 
-def turn_stats(prompt_tokens, reply_tokens, started, first_token_at, ended, interrupted=False):
+def turn_stats(prompt_tokens: int, reply_tokens: int, started: float, first_token_at: float | None, ended: float,
+               interrupted: bool = False) -> str:
     """The line printed after each reply: tokens, time to first token, decoding speed."""
     parts = [f"{prompt_tokens} prompt + {reply_tokens} reply tokens"]
     if first_token_at is not None:
@@ -253,7 +256,7 @@ class Terminal:
         return self.readline.get_line_buffer() if self.readline else ""
 
 
-def say(text):
+def say(text: str) -> None:
     """A notice: to stderr, never mixed into the replies."""
     print(text, file=sys.stderr, flush=True)
 
@@ -264,12 +267,15 @@ def say(text):
 
 
 class Session:
-    def __init__(self, loaded, settings, args):
-        self.loaded, self.settings, self.args = loaded, settings, args
+    """One conversation (or, without a chat template, a run of independent prompts) on a loaded model."""
+
+    def __init__(self, loaded: Loaded, settings: Settings, *, system: str | None = None, stream: bool = True,
+                 prefix: str = ""):
+        self.loaded, self.settings, self.prefix = loaded, settings, prefix
         self.chat = settings.chat
-        self.system = [{"role": "system", "content": args.system}] if self.chat and args.system else []
+        self.system = [{"role": "system", "content": system}] if self.chat and system else []
         self.messages = []  # the conversation after the system message: user and assistant turns
-        self.stream = args.stream is not False
+        self.stream = stream
         self.stdout_is_terminal = _is_terminal(sys.stdout, 1)
         self.replies = []  # what main() returns: each reply (prompt + continuation in plain continuation)
 
@@ -319,7 +325,7 @@ class Session:
             setting, _, value = argument.partition(" ")
             try:
                 self.settings = set_setting(self.settings, setting.lower(), value.strip(), self.loaded.context)
-            except ValueError as error:
+            except UsageError as error:
                 say(f"error: {error}")
             else:
                 say(f"  {setting.lower():<20}{getattr(self.settings, setting.lower())!r}")
@@ -346,7 +352,7 @@ class Session:
 
     def encode(self, text):
         """The prompt of this turn, encoded; with a chat template, the conversation so far fitted to
-        the context (the dropped turns are gone for good). ValueError if it cannot be generated."""
+        the context (the dropped turns are gone for good). PromptError if it cannot be generated."""
         user = {"role": "user", "content": text}
         if not self.chat:
             prompt = Prompt(len(self.replies), text)
@@ -360,20 +366,20 @@ class Session:
                     say(f"(dropped the oldest {turns} to fit the model's context of {self.loaded.context} tokens)")
                     self.messages = messages[len(self.system) : -1]
             prompt = Prompt(len(self.replies), text, messages=messages)
-        prompt.ids = encode_prompt(self.loaded, prompt, self.args.prefix, self.chat)
+        prompt.ids = encode_prompt(self.loaded, prompt, self.prefix, self.chat)
         return prompt, user
 
     def count_tokens(self, messages):
         try:
             return len(encode_prompt(self.loaded, Prompt(0, "", messages=messages)))
-        except ValueError:  # longer than the context
+        except PromptError:  # longer than the context
             return math.inf
 
     def turn(self, text):
         """One prompt and its reply: streamed to stdout, then a line of figures on stderr."""
         try:
             prompt, user = self.encode(text)
-        except ValueError as error:
+        except PromptError as error:
             say(f"error: {error}")
             return
         settings, control = self.settings, TurnControl()
@@ -395,20 +401,20 @@ class Session:
                        control.interrupted))
 
 
-def run(loaded, settings, args):
-    """The session, until /exit, Ctrl-D or Ctrl-C at an empty prompt; returns the replies."""
+def run(loaded: Loaded, settings: Settings, *, chat: bool | None = None, system: str | None = None,
+        stream: bool | None = None, prefix: str = "") -> list[str]:
+    """The session, until /exit, Ctrl-D or Ctrl-C at an empty prompt; returns the replies. `chat` None:
+    a conversation when the tokenizer has a chat template; `stream` None: on (False: each reply whole)."""
     has_template = bool(loaded.tokenizer.chat_template)
-    chat = args.chat if args.chat is not None else has_template
+    chat = chat if chat is not None else has_template
     if chat and not has_template:
-        fail("--chat: this tokenizer has no chat template")
-    if args.system and not chat:
+        raise UsageError("--chat: this tokenizer has no chat template")
+    if system and not chat:
         logger.warning("--system is ignored: plain continuation has no chat template to put it in")
     if settings.num_return_sequences > 1:
         logger.warning("A session gives one reply per prompt; --num_return_sequences is ignored.")
-    if args.output_format != "text":
-        logger.warning("A session prints its replies as text (/save writes the conversation as JSON); "
-                       "--output_format is for piped prompts.")
-    session = Session(loaded, dataclasses.replace(settings, chat=chat, num_return_sequences=1), args)
+    session = Session(loaded, dataclasses.replace(settings, chat=chat, num_return_sequences=1), system=system,
+                      stream=stream is not False, prefix=prefix)
     kind = "Chat (the model's chat template)" if chat else "Plain continuation"
     say(f"{PROG}: {kind}. /help for commands, Ctrl-D or /exit to end.")
     terminal = Terminal()

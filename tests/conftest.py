@@ -33,8 +33,6 @@ LOAD = rungen.loading.load  # the real loader, whatever a test patches later
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: starts real processes (pipes, signals, a terminal, accelerate) or "
-                                       "spends tens of seconds on the real model; deselected by default, CI runs them")
     config.addinivalue_line("markers", "fresh_load: main() loads its model from disk, not from the memo")
 
 

@@ -1,4 +1,4 @@
-"""Fast tier for the generation controls (issue 12): flags and their checks, generate kwargs, stops,
+"""Fast tier for the generation controls: flags and their checks, generate kwargs, stops,
 the jsonl fields, and log-probability bookkeeping, with a tokenizer at most."""
 
 import dataclasses
@@ -8,8 +8,9 @@ import json
 import pytest
 import torch
 
-from rungen.arguments import parse_args
-from rungen.controls import one_line
+import run_generation
+from rungen.arguments import parse_args, settings_from_args
+from rungen.errors import one_line
 from rungen.generation import (
     Sequence,
     Settings,
@@ -51,37 +52,36 @@ def llama_tokenizer(tmp_path_factory):
 )
 def test_bad_control_flags_are_one_line_and_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
-        parse_args(argv)
+        run_generation.cli(argv)  # refused while parsing, before any model loads
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.startswith("run_generation.py: error: ") and message in err, err
     assert err.count("\n") == 1
 
 
 def test_stop_token_is_repeatable_and_keeps_its_single_form():
-    assert parse_args([]).stop_token is None
-    assert parse_args(["--stop_token", "\n"]).stop_token == "\n"  # one: a string, as before
-    assert parse_args(["--stop_token", ".", "--stop", "!", "--stop", ""]).stop_token == (".", "!")
+    def stops(argv):
+        return settings_from_args(parse_args(argv)).stop_token
+
+    assert stops([]) is None
+    assert stops(["--stop_token", "\n"]) == "\n"  # one: a string, as before
+    assert stops(["--stop_token", ".", "--stop", "!", "--stop", ""]) == (".", "!")
     assert stop_strings(None) == () and stop_strings(".") == (".",) and stop_strings((".", "", "!")) == (".", "!")
 
 
 def test_sampling_only_flags_warn_under_greedy(caplog):
     args = parse_args(["--temperature", "0", "--min_p", "0.1"])
     assert args.min_p == 0.1 and "apply to sampling only" in caplog.text
-    assert "min_p" not in generation_kwargs(Settings.from_args(args, 0), argparse_tokenizer())
-
-
-def argparse_tokenizer():
-    return type("Tokenizer", (), {"pad_token_id": 0})()
+    assert "min_p" not in generation_kwargs(settings_from_args(args), pad_token_id=0)
 
 
 def test_control_kwargs_reach_generate():
     args = parse_args(["--temperature", "0.8", "--min_p", "0.05", "--typical_p", "0.9", "--no_repeat_ngram_size",
                        "3", "--prompt_lookup_num_tokens", "4", "--logprobs", "2", "--output_format", "jsonl"])
-    kwargs = generation_kwargs(Settings.from_args(args, 0), argparse_tokenizer())
+    kwargs = generation_kwargs(settings_from_args(args), pad_token_id=0)
     assert (kwargs["min_p"], kwargs["typical_p"], kwargs["no_repeat_ngram_size"]) == (0.05, 0.9, 3)
     assert kwargs["prompt_lookup_num_tokens"] == 4
     assert kwargs["return_dict_in_generate"] is True and kwargs["output_logits"] is True
-    plain = generation_kwargs(Settings.from_args(parse_args([]), 0), argparse_tokenizer())
+    plain = generation_kwargs(settings_from_args(parse_args([])), pad_token_id=0)
     for key in ("min_p", "typical_p", "no_repeat_ngram_size", "prompt_lookup_num_tokens", "return_dict_in_generate"):
         assert key not in plain  # nothing new reaches generate unless asked for
 
@@ -112,8 +112,9 @@ def test_generation_config_fills_flags_not_given_and_keeps_the_rest(tmp_path):
                             "min_p": 0.1, "epsilon_cutoff": 0.001, "transformers_version": "4.50.0"})
     args = parse_args(["--generation_config", path, "--k", "5"])
     assert (args.temperature, args.k, args.length, args.min_p) == (0.6, 5, 7, 0.1)  # --k given: the flag wins
-    assert args.stop_token == ("\n", ".") and args.generation_config == {"epsilon_cutoff": 0.001}
-    kwargs = generation_kwargs(Settings.from_args(args, 0), argparse_tokenizer())
+    settings = settings_from_args(args)
+    assert settings.stop_token == ("\n", ".") and settings.generation_config == {"epsilon_cutoff": 0.001}
+    kwargs = generation_kwargs(settings, pad_token_id=0)
     assert (kwargs["epsilon_cutoff"], kwargs["top_k"], kwargs["temperature"]) == (0.001, 5, 0.6)
 
 

@@ -6,7 +6,8 @@ import types
 
 import pytest
 
-from rungen.arguments import check_sampling, parse_args
+from rungen.arguments import parse_args, settings_from_args
+from rungen.errors import PromptError, UsageError
 from rungen.generation import Settings
 from rungen.prompts import Prompt, encode_prompt, parse_prompt_line
 from tiny_models import build_tokenizer
@@ -70,22 +71,22 @@ def test_without_a_template(chat_loaded):
     tokenizer = chat_loaded.tokenizer
     template, tokenizer.chat_template = tokenizer.chat_template, None
     try:
-        with pytest.raises(ValueError, match="^this tokenizer has no chat template$"):
+        with pytest.raises(PromptError, match="^this tokenizer has no chat template$"):
             encode_prompt(chat_loaded, Prompt(0, "Hi", messages=[user("Hi")]))
-        with pytest.raises(ValueError, match="^--chat: this tokenizer has no chat template$"):
+        with pytest.raises(PromptError, match="^--chat: this tokenizer has no chat template$"):
             encode_prompt(chat_loaded, Prompt(0, "Hi"), chat=True)
     finally:
         tokenizer.chat_template = template
 
 
 def test_check_sampling_raises_and_the_flags_exit():
-    with pytest.raises(ValueError, match="--k must be >= 0, got -1"):
-        check_sampling(Settings(k=-1))
-    with pytest.raises(SystemExit):
+    with pytest.raises(UsageError, match="--k must be >= 0, got -1"):
+        Settings(k=-1).check()
+    with pytest.raises(UsageError, match="--k must be >= 0, got -1"):
         parse_args(["--k", "-1"])
 
 
 def test_chat_flag_is_auto_unless_given():
     assert parse_args([]).chat is None and parse_args(["--chat"]).chat is True
     assert parse_args(["--no-chat"]).chat is False
-    assert Settings.from_args(parse_args([]), 128).chat is False  # auto is off outside a session
+    assert settings_from_args(parse_args([]), 128).chat is False  # auto is off outside a session

@@ -9,9 +9,9 @@ import torch
 from transformers import DynamicCache
 
 import run_generation
-from rungen.arguments import parse_args
+from rungen.arguments import max_memory_map, parse_args, settings_from_args
 from rungen.generation import (
-    MAX_LENGTH,
+    UNBOUNDED_LENGTH,
     Sequence,
     Settings,
     adjust_length_to_model,
@@ -61,7 +61,7 @@ def test_length_is_clamped_to_the_context():
     assert adjust_length_to_model(20, 128) == 20
     assert adjust_length_to_model(-1, 128) == 128
     assert adjust_length_to_model(500, 128) == 128
-    assert adjust_length_to_model(-1, 0) == MAX_LENGTH
+    assert adjust_length_to_model(-1, 0) == UNBOUNDED_LENGTH
 
 
 # Output
@@ -133,7 +133,7 @@ def test_generate_kwargs(gpt2_tokenizer):
 
 
 def test_settings_from_flags_clamp_the_length():
-    settings = Settings.from_args(parse_args(["--length", "500", "--temperature", "0", "--k", "3"]), context=128)
+    settings = settings_from_args(parse_args(["--length", "500", "--temperature", "0", "--k", "3"]), context=128)
     assert (settings.length, settings.temperature, settings.k) == (128, 0, 3)
     assert dataclasses.replace(settings, temperature=0.5).temperature == 0.5
 
@@ -153,7 +153,7 @@ def test_settings_from_flags_clamp_the_length():
 )
 def test_bad_flags_are_one_line_and_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
-        parse_args(argv)
+        run_generation.cli(argv)  # refused while parsing, before any model loads
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.startswith("run_generation.py: error: ") and message in err
     assert err.count("\n") == 1
@@ -164,8 +164,9 @@ def test_padding_text_is_folded_into_prefix_once():
     assert args.prefix == "P. "
     assert parse_args(["--padding_text", "P. ", "--prefix", "Q. "]).prefix == "Q. "
     assert parse_args(["--fp16"]).dtype == "float16"
-    assert parse_args(["--device_map", "auto", "--max_memory", "0=1GiB", "cpu=2GiB"]).max_memory == {
-        0: "1GiB", "cpu": "2GiB"}
+    args = parse_args(["--device_map", "auto", "--max_memory", "0=1GiB", "cpu=2GiB"])
+    assert args.max_memory == ["0=1GiB", "cpu=2GiB"]  # the declared type; accelerate's map is made from it
+    assert max_memory_map(args.max_memory) == {0: "1GiB", "cpu": "2GiB"}
 
 
 @pytest.mark.parametrize(
@@ -182,7 +183,8 @@ def test_padding_text_is_folded_into_prefix_once():
 def test_when_output_streams(argv, prompts, tty, expected, monkeypatch):
     monkeypatch.setattr("sys.stdout", type("Tty", (io.StringIO,), {"isatty": lambda self: tty})())
     args = parse_args(argv)
-    assert run_generation.choose_streaming(args, Settings.from_args(args, 0), prompts, 1) is expected
+    settings = settings_from_args(args)
+    assert run_generation.choose_streaming(args.stream, settings, prompts, 1, args.output_format) is expected
 
 
 # The JIT dispatcher's decision

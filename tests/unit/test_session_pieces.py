@@ -4,6 +4,7 @@ import math
 
 import pytest
 
+from rungen.errors import UsageError
 from rungen.generation import Settings
 from rungen.session import LineJoiner, fit_to_context, set_setting, split_input, turn_stats
 
@@ -110,7 +111,7 @@ def test_set_changes_one_setting_of_a_new_value():
     ],
 )
 def test_set_refuses_bad_values_with_one_line(name, value, message):
-    with pytest.raises(ValueError) as error:
+    with pytest.raises(UsageError) as error:
         set_setting(Settings(), name, value, context=128)
     assert str(error.value).startswith(message) and "\n" not in str(error.value)
 

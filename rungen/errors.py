@@ -1,0 +1,35 @@
+"""The tool's exceptions: library code raises them, and only the entry point (run_generation.cli) turns
+one into a one-line message on stderr and its exit code."""
+
+
+class RunGenerationError(Exception):
+    """Bad input the tool cannot honour: a flag, a file, a model. Its message is one line; exit code 2."""
+
+    exit_code = 2
+
+
+class UsageError(RunGenerationError):
+    """A flag, a combination of flags or a file they name that cannot be used."""
+
+
+class GenerationError(RunGenerationError):
+    """generate() refused the settings (a value only the library checks)."""
+
+
+class PromptError(RunGenerationError):
+    """One prompt that cannot be generated (too long, no chat template, ...): it gets an error record and the
+    others go on; as the one --prompt given, it is bad input (exit code 2)."""
+
+
+class PromptsFailed(RunGenerationError):
+    """Some prompts could not be generated; each has its error record already. Exit code 1."""
+
+    exit_code = 1
+
+
+def one_line(error: BaseException) -> str:
+    """An exception's message on one line (GenerationConfig's are several: a heading, '- `key`: ...' items
+    and a closing note)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    items = [line[2:] for line in lines if line.startswith("- ")]
+    return " ".join(items or lines[:1]) or type(error).__name__
