@@ -10,7 +10,6 @@ import torch
 
 import run_generation
 from helpers import SCRIPT, blocks, cli_env, jsonl, run_main, tiny_args
-from rungen.arguments import parse_args
 from rungen.loading import load
 
 PROMPTS = "\n".join(["Hello, my dog is cute", "The capital of France is", "A", "Once upon a time", "Water boils"])
@@ -59,7 +58,8 @@ def test_two_processes_with_more_prompts_than_rounds_and_errors(tiny_models):
 def test_device_map_auto_offloads_and_keeps_the_greedy_text(tiny_models, capsys):
     base = tiny_args(tiny_models, "llama", "--temperature", "0", "--length", "10", "--prompt", "Hello, my dog")
     placed = base + ["--device_map", "auto", "--max_memory", "cpu=20KB"]
-    loaded = load(parse_args(placed), torch.device("cpu"))
+    loaded = load(tiny_models["llama"], device=torch.device("cpu"), model_type="llama", device_map="auto",
+                  max_memory={"cpu": "20KB"})
     placement = collections.Counter(loaded.model.hf_device_map.values())
     assert placement["disk"] > 0, placement  # the cap really forced layers out of memory
     assert run_generation.main(placed) == run_generation.main(base)

@@ -10,7 +10,7 @@ import run_generation
 import rungen.loading
 from helpers import SEED_TYPES, blocks, error_line, run_main, tiny_args
 from rungen.arguments import parse_args
-from rungen.generation import MAX_LENGTH, adjust_length_to_model
+from rungen.generation import UNBOUNDED_LENGTH, adjust_length_to_model
 from rungen.loading import load
 
 PROMPT = "Hello, my dog is cute"
@@ -113,7 +113,7 @@ def test_xlm_language_is_required_without_a_terminal(tiny_models):
 def test_length_is_clamped_to_the_context(tiny_models, capsys):
     assert adjust_length_to_model(-1, 128) == 128
     assert adjust_length_to_model(500, 128) == 128
-    assert adjust_length_to_model(-1, 0) == MAX_LENGTH
+    assert adjust_length_to_model(-1, 0) == UNBOUNDED_LENGTH
     # gpt2's learned positions end at 128: a run past them would index out of range.
     text = run_generation.main(tiny_args(tiny_models, "gpt2", "--prompt", PROMPT, "--length", "500"))[0]
     assert len(text) > len(PROMPT)
@@ -122,14 +122,15 @@ def test_length_is_clamped_to_the_context(tiny_models, capsys):
 def test_half_precision_falls_back_to_float32_on_slow_cpus(tiny_models, monkeypatch, caplog, capsys):
     monkeypatch.setattr(rungen.loading, "cpu_has_fast", lambda dtype: False)
     with caplog.at_level(logging.WARNING, logger="run_generation"):
-        loaded = load(parse_args(tiny_args(tiny_models, "llama", "--fp16")), torch.device("cpu"))
+        dtype = parse_args(["--fp16"]).dtype  # --fp16 asks for float16
+        loaded = load(tiny_models["llama"], device=torch.device("cpu"), model_type="llama", dtype=dtype)
     assert loaded.model.dtype == torch.float32
     assert "keeping float32" in caplog.text
 
 
 def test_dtype_bfloat16_where_the_cpu_is_fast(tiny_models, monkeypatch, capsys):
     monkeypatch.setattr(rungen.loading, "cpu_has_fast", lambda dtype: True)
-    loaded = load(parse_args(tiny_args(tiny_models, "llama", "--dtype", "bfloat16")), torch.device("cpu"))
+    loaded = load(tiny_models["llama"], device=torch.device("cpu"), model_type="llama", dtype="bfloat16")
     assert loaded.model.dtype == torch.bfloat16
 
 

@@ -164,12 +164,11 @@ def test_scoring_the_default_model(default_model, forward):
         assert record["perplexity"] == pytest.approx(math.exp(nll), rel=1e-4)
 
 
-def test_a_one_token_prompt_has_nothing_to_score(tiny_models, capsys, monkeypatch):
+def test_a_one_token_prompt_has_nothing_to_score(tiny_models):
     args = tiny_args(tiny_models, "gpt2", "--length", "0", "--output_format", "jsonl", "--logprobs", "0")
-    with pytest.raises(SystemExit) as exit_:
-        main_records(args, capsys, "A\nHello, my dog", monkeypatch)
-    assert exit_.value.code == 1
-    records = jsonl(capsys.readouterr().out.encode())
+    result = run_main(args, stdin="A\nHello, my dog")
+    assert result.returncode == 1, result.stderr.decode()
+    records = jsonl(result.stdout)
     assert records[0]["error"] == "the prompt is one token: nothing to score" and records[1]["perplexity"] > 0
 
 
@@ -257,21 +256,17 @@ def test_generation_config_file_is_applied_and_flags_win(tiny_models, tmp_path, 
         ({"do_sample": "yes"}, "do_sample must be true or false"),
     ],
 )
-def test_bad_generation_config_is_one_line_and_exit_2(tmp_path, values, message, capsys):
-    from rungen.arguments import parse_args
-
-    with pytest.raises(SystemExit) as exit_:
-        parse_args(["--generation_config", write_config(tmp_path, values)])
-    err = capsys.readouterr().err
-    assert exit_.value.code == 2 and err.count("\n") == 1 and message in err, err
+def test_bad_generation_config_is_one_line_and_exit_2(tmp_path, values, message):
+    result = run_main(["--generation_config", write_config(tmp_path, values)])  # refused before any model loads
+    err = result.stderr.decode()
+    assert result.returncode == 2 and err.count("\n") == 1 and message in err, err
 
 
 def one_line_exit(argv, capsys):
-    """main(argv) must end with exit 2 and a single line on stderr after the log lines; returns that line."""
-    with pytest.raises(SystemExit) as exit_:
-        run_generation.main(argv)
-    out, err = capsys.readouterr()
-    assert exit_.value.code == 2 and out == "" and "Traceback" not in err
+    """The tool on argv must end with exit 2 and a single line on stderr after the log lines; returns that line."""
+    result = run_main(argv)
+    err = result.stderr.decode()
+    assert result.returncode == 2 and result.stdout == b"" and "Traceback" not in err, err
     return err.strip().splitlines()[-1]
 
 

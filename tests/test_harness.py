@@ -38,8 +38,8 @@ def test_the_memo_loads_a_model_once_and_hands_out_copies(tiny_models, load_memo
     assert b"Quantized" in quantized.stderr and b"Quantized" not in again.stderr
     assert again.stdout == plain.stdout
     # --quantize replaced the layers of its own copy only: the memo's model keeps float linear layers.
-    layers = [layer for entry in load_memo.entries if entry[-1].model_type == "llama"
-              for name, layer in entry[-1].model.named_modules() if name.endswith("q_proj")]
+    layers = [layer for loaded in load_memo.loaded.values() if loaded.model_type == "llama"
+              for name, layer in loaded.model.named_modules() if name.endswith("q_proj")]
     assert layers and all(type(layer) is torch.nn.Linear for layer in layers)
     # A flag the loader reads is part of the key.
     run_main(args + ["--dtype", "float32"])
