@@ -279,23 +279,24 @@ void check_inputs(const at::Tensor& blocks, int64_t qtype, int64_t in_features) 
   TORCH_CHECK(blocks.device().is_cpu(), "rungen_ggml: blocks must be on the CPU");
 }
 
-// Quantizes x [n, K] to int8 per block of 32: d = max|x| / 127, q = round(x / d) (ties to even).
+// Quantizes x [n, K] to int8 per block of 32: d = max|x| / 127, q = round(x / d) (ties to even). The codes
+// and scales live in one buffer per calling thread, reused from call to call (no allocation a step).
 struct QuantizedX {
-  at::Tensor q, d, s, s16;
+  std::vector<float> buffer;
   Act act;
 };
 
-QuantizedX quantize_activations(const at::Tensor& x) {
+const Act& quantize_activations(const at::Tensor& x) {
+  static thread_local QuantizedX r;
   const int64_t n = x.size(0), k = x.size(1), nb = k / 32;
-  QuantizedX r;
-  r.q = at::empty({n, k}, x.options().dtype(at::kChar));
-  r.d = at::empty({n, nb}, x.options());
-  r.s = at::empty({n, nb}, x.options());
-  r.s16 = at::empty({n, nb * 2}, x.options());
+  const size_t floats = size_t(n * nb * 4) + size_t(n * k + 3) / 4;  // d, s, s16 (2), then the codes
+  if (r.buffer.size() < floats) r.buffer.resize(floats);
+  float* d = r.buffer.data();
+  float* s = d + n * nb;
+  float* s16 = s + n * nb;
+  int8_t* q = reinterpret_cast<int8_t*>(s16 + 2 * n * nb);
   const float* xp = x.data_ptr<float>();
-  int8_t* q = r.q.data_ptr<int8_t>();
-  float *d = r.d.data_ptr<float>(), *s = r.s.data_ptr<float>(), *s16 = r.s16.data_ptr<float>();
-  at::parallel_for(0, n * nb, std::max<int64_t>(1, 4096 / 32), [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, n * nb, 128, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const float* v = xp + b * 32;
       float amax = 0.f;
@@ -315,7 +316,7 @@ QuantizedX quantize_activations(const at::Tensor& x) {
     }
   });
   r.act = Act{n, q, d, s, s16};
-  return r;
+  return r.act;
 }
 
 at::Tensor mm_int(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype, int64_t in_features) {
@@ -325,8 +326,8 @@ at::Tensor mm_int(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtyp
   const int64_t n = x.size(0), out = blocks.size(0);
   at::Tensor y = at::empty({n, out}, x.options());
   if (n == 0 || out == 0) return y;
-  QuantizedX qx = quantize_activations(x);
-  Job job{&qx.act, blocks.data_ptr<uint8_t>(), blocks.stride(0), qtype, in_features, out, y.data_ptr<float>()};
+  const Act& act = quantize_activations(x);
+  Job job{&act, blocks.data_ptr<uint8_t>(), blocks.stride(0), qtype, in_features, out, y.data_ptr<float>()};
   const RowsFn fn = rows_fn();
   // Enough rows a task that a thread's share is worth waking it for (about 64k multiply-adds).
   const int64_t grain = std::max<int64_t>(1, 65536 / (in_features * n));
@@ -385,7 +386,7 @@ at::Tensor dequantize(const at::Tensor& blocks, int64_t qtype, int64_t in_featur
 
 // Tokens from which a product goes through de-quantized float tiles and torch's matmul rather than the
 // integer kernel (measured on AVX2 and stated in docs/kernels.md); settable for benchmarks.
-int64_t tile_threshold = 24;
+int64_t tile_threshold = 16;
 
 at::Tensor mm_tiled(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype, int64_t in_features) {
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
