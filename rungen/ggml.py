@@ -131,8 +131,6 @@ def build_kernels(verbose: bool = False) -> str:
     Processes starting together take turns on an flock (released by the kernel if its holder dies, so a
     killed build blocks no one); the library is built in a private temporary folder and moved into the
     cache with os.replace, so a half-built library is never loaded."""
-    from torch.utils import cpp_extension
-
     key = _source_key()
     cache = kernel_cache_dir()
     os.makedirs(cache, exist_ok=True)
@@ -140,6 +138,8 @@ def build_kernels(verbose: bool = False) -> str:
     with open(os.path.join(cache, f"rungen_ggml_{key}.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not os.path.exists(library):
+            from torch.utils import cpp_extension  # slow to import (setuptools): only to build
+
             build = tempfile.mkdtemp(prefix="build-", dir=cache)
             try:
                 name = f"rungen_ggml_{key}"
