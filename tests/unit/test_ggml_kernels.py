@@ -159,3 +159,19 @@ def test_forced_fallback_warns_once_and_layers_use_torch_kernels(monkeypatch, ca
     GGMLLinear(blocks, T.Q4_1, 256)(x)
     assert capfd.readouterr().err.count("RUN_GENERATION_KERNELS=torch") == 1
     assert "_fallback" in layer.__dict__ and not list(layer.children())
+
+
+def test_failed_build_falls_back_with_one_line(monkeypatch, capfd):
+    def no_compiler():
+        raise RuntimeError("Error building extension 'rungen_ggml': g++: not found")
+
+    monkeypatch.delenv(ggml.KERNELS_ENV, raising=False)
+    monkeypatch.setattr(ggml, "_native", None)
+    monkeypatch.setattr(ggml, "build_kernels", no_compiler)
+    blocks = blocks_for(T.Q8_0, 5, 64, seed=8)
+    x = inputs(3, 64, 8)
+    y = GGMLLinear(blocks, T.Q8_0, 64)(x)
+    weight = dequantize(blocks, T.Q8_0, 64)
+    assert torch.all((y - x @ weight.T).abs() <= 2**-6 * (x.abs() @ weight.abs().T) + 1e-5)
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and "could not be built" in err and "g++: not found" in err
