@@ -62,6 +62,10 @@ def main():
     if args.ggml:
         from ggml_decode import gguf_path, use_gguf_blocks
 
+        from rungen.ggml import native_kernels
+
+        if not native_kernels():
+            sys.exit("the native kernels are not available")
         model = use_gguf_blocks(copy.deepcopy(base), gguf_path())
         for label, threshold in (("integer kernel, every token", 2**62), ("as a prompt pass (float tiles)", 16)):
             torch.ops.rungen_ggml.set_tile_threshold(threshold)
