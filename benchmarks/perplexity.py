@@ -16,6 +16,7 @@ import argparse
 import copy
 import math
 import os
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
