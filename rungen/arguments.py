@@ -58,6 +58,10 @@ def build_parser():
         help="Weight-only quantization of the linear layers (CPU; see README: Speed). Default: none, exact.",
     )
     parser.add_argument(
+        "--dequantize", action="store_true",
+        help="Run a GGUF file in float32, de-quantized on loading (default: in its own quantized blocks).",
+    )
+    parser.add_argument(
         "--verbose", action="store_true", help="In a terminal session, show the logs and loading bars it hides."
     )
     # Models larger than one device: accelerate's big-model loading.
@@ -99,6 +103,8 @@ def parse_args(argv=None):
     check_controls(args)
     if args.batch_size < 1:
         fail(f"--batch_size must be >= 1, got {args.batch_size}")
+    if args.dequantize and args.model_name_or_path and not args.model_name_or_path.endswith(".gguf"):
+        fail("--dequantize applies to GGUF files (and the default model); this checkpoint is not one")
     if args.quantize and args.device_map:
         fail("--quantize needs the whole model in memory on one device; it cannot be combined with --device_map")
     if args.max_memory:

