@@ -22,11 +22,12 @@ def cpu_flags():
 
 
 def load_float32(model_name_or_path=None):
-    """The tool's load() on the CPU in float32: the default model when no path is given."""
+    """The tool's load() on the CPU in float32: the default model when no path is given (a GGUF file
+    de-quantized, as --dequantize loads it)."""
     from rungen.loading import load
 
     options = argparse.Namespace(model_name_or_path=model_name_or_path, model_type=None, dtype="float32",
-                                 device_map=None, max_memory=None)
+                                 device_map=None, max_memory=None, dequantize=True)
     return load(options, torch.device("cpu"))
 
 

@@ -113,6 +113,9 @@ class GGUFHeader:
         tensors = [[t.name, int(t.tensor_type), list(t.data.shape), t.data.dtype.str, int(t.data_offset),
                     int(t.data.nbytes)] for t in reader.tensors]
         del reader
+        unsupported = [(name, code) for name, code, *_ in tensors if code not in FLOAT_TYPES and code not in SUPPORTED]
+        if unsupported:  # before the slow conversions: this file will not run here
+            raise GGUFError(unsupported_message(self.path, *unsupported[0]))
         try:
             config = AutoConfig.from_pretrained(directory, gguf_file=file)
             tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=file)
@@ -160,6 +163,12 @@ class GGUFHeader:
             json.dump(names, f)
         os.replace(tmp, path)  # atomic: never read half-written
         return names
+
+
+def unsupported_message(path: str, name: str, code: int) -> str:
+    supported = ", ".join(t.name for t in SUPPORTED)
+    return (f"{path}: tensor {name} is {_type_name(code)}; quantized GGUF files run in {supported} blocks "
+            f"(and F32/F16/BF16); --dequantize runs other types in float32")
 
 
 def _first_line(error: BaseException) -> str:
@@ -295,9 +304,7 @@ def build_model(header: GGUFHeader, dtype: torch.dtype) -> torch.nn.Module:
                 _set_tensor(model, hf_name, tensor.to(dtype))  # norms, or weights already in the model's dtype
             continue
         if code not in SUPPORTED:
-            supported = ", ".join(t.name for t in SUPPORTED)
-            raise GGUFError(f"{header.path}: tensor {name} is {_type_name(code)}; this loader runs {supported}, "
-                            f"F32, F16 and BF16 (--dequantize runs other types in float32)")
+            raise GGUFError(unsupported_message(header.path, name, code))
         qtype = GGMLQuantizationType(code)
         blocks = array.reshape(shape)
         in_features = _in_features(qtype, shape[-1])
