@@ -207,7 +207,16 @@ def load(args, device):
         offload = tempfile.mkdtemp(prefix="run_generation_offload_")  # for layers that fit nowhere else
         atexit.register(shutil.rmtree, offload, ignore_errors=True)
         placement = dict(device_map=args.device_map, max_memory=args.max_memory, offload_folder=offload)
-    model = model_class.from_pretrained(path, dtype=dtype, **load_kwargs, **placement)
+    model = None
+    if getattr(args, "quantize", None) and not load_kwargs and not args.device_map and device.type == "cpu":
+        from .quantize import QuantizeError, load_quantized  # block by block, never the whole float model
+
+        try:
+            model = load_quantized(path, config, dtype, args.quantize)
+        except QuantizeError as error:
+            fail(str(error))
+    if model is None:
+        model = model_class.from_pretrained(path, dtype=dtype, **load_kwargs, **placement)
     if args.device_map:
         # accelerate's dispatch_model rule: inputs go to the first accelerator in the map, else the CPU
         # (model.device is "meta" when the first layers were offloaded to disk).

@@ -243,3 +243,19 @@ def test_jit_and_dequantize_on_a_float_checkpoint_are_refused(gguf_files, tiny_m
     assert code == 2 and "--dequantize" in line
     code, line = error_of(["--model_name_or_path", tiny_models["llama"], "--prompt", "Hi", "--dequantize"], capsys)
     assert code == 2 and "--dequantize applies to GGUF files" in line
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("model_type", ["llama", "gpt2", "opt"])
+def test_quantizing_while_loading_equals_quantizing_after(tiny_models, model_type, mode, monkeypatch, capsys):
+    import rungen.quantize
+
+    args = ["--model_name_or_path", tiny_models[model_type], "--prompt", "Hello, my dog", "--temperature", "0",
+            "--length", "8", "--quantize", mode]
+    built = []
+    original = rungen.quantize.load_quantized
+    monkeypatch.setattr(rungen.quantize, "load_quantized", lambda *a: built.append(original(*a)) or built[-1])
+    streamed = run_generation.main(args)
+    assert built and built[0] is not None  # the checkpoint was quantized block by block
+    monkeypatch.setattr(rungen.quantize, "load_quantized", lambda *a: None)
+    assert run_generation.main(args) == streamed
