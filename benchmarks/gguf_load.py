@@ -9,6 +9,9 @@ model's tokenizer, 49152) with random weights, written here under --workdir: in 
 files are (token_embd Q4_0, output Q6_K; random blocks with valid fp16 scales), and, when llama-cpp-python
 is installed in /work/bench-venv, turned into a real Q4_K_M mix by llama.cpp's own llama_model_quantize.
 
+The tool's rows generate through rungen.ggml.GGMLLinear's forward as it stands (its reference forward
+de-quantizes each weight on every call): their first-token figures measure that forward as much as loading.
+
 Rows: the floor (`import torch, transformers` and the llama modeling module); the tool's first run (empty
 cache: the header is read and cached) and a repeat run, each loading with rungen.loading.load and
 generating one token greedily from "The capital of France is"; with --dequantize, the float path as well;
@@ -160,9 +163,10 @@ def has_llama_cpp():
 
 def show(label, row, file_mb=None, floor=None):
     first = f"{row['first_token_s']:6.2f}" if row.get("first_token_s") is not None else "     -"
-    line = f"{label:<44} {row['ready_s']:7.2f} {first} {row['peak_mb']:9.0f}"
+    ready_mb = f"{row['ready_mb']:9.0f}" if row.get("ready_mb") is not None else "        -"
+    line = f"{label:<44} {row['ready_s']:7.2f} {first} {ready_mb} {row['peak_mb']:9.0f}"
     if file_mb and floor:
-        line += f"   RSS/(1.5 file + floor) {row['peak_mb'] / (1.5 * file_mb + floor['peak_mb']):.2f}"
+        line += f"   peak/(1.5 file + floor) {row['peak_mb'] / (1.5 * file_mb + floor['peak_mb']):.2f}"
     print(line, flush=True)
 
 
@@ -208,7 +212,8 @@ def main():
     cache = tempfile.mkdtemp(prefix="gguf_bench_cache_")
     try:
         floor = run_child([sys.executable, __file__, "--child", "floor"], cache)
-        print(f"{'row':<44} {'ready':>7} {'token':>6} {'peak MB':>9}   (seconds from process start)")
+        print(f"{'row':<44} {'ready':>7} {'token':>6} {'ready MB':>9} {'peak MB':>9}   (seconds from process start; "
+              "MB: peak RSS when loaded, and after the first token)")
         show("import floor (torch, transformers, llama)", floor)
         for label, path in files.items():
             file_mb = os.path.getsize(path) / 2**20

@@ -6,6 +6,7 @@
     generation.py  generation settings -> generate() kwargs, batching, decoding a sequence, streaming
     output.py      writing results in input order, as text blocks or JSON lines
     processes.py   several processes under accelerate: who reads, who generates what, who writes
+    gguf_loading.py a GGUF file run in its own quantized blocks, memory-mapped, its header cached
     quantize.py    --quantize int8/int4: weight-only quantized linear layers (imported only for --quantize)
     jit.py         --jit: the traced decode step (private torch/transformers APIs; imported only for --jit)
     session.py     a session in the terminal: the prompt loop, /commands, the conversation and its context

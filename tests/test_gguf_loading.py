@@ -36,6 +36,8 @@ FILES = {
     "mixed_tied": dict(layers=MIXED, embedding=Q.Q8_0, output=None),
     # llama.cpp's Q4_0 files: Q4_0 everywhere but a Q6_K output head.
     "q4_0_untied": dict(layers=[{}] * LAYERS, default=Q.Q4_0, embedding=Q.Q4_0, output=Q.Q6_K),
+    # Qwen2: biases on q/k/v (F32), no q/k permutation; transformers' generic tensor processor.
+    "qwen2_biases": dict(arch="qwen2", layers=[{}] * LAYERS, default=Q.Q8_0, embedding=Q.Q8_0, output=Q.Q4_K),
 }
 PROMPTS = ["The capital of France is", "Hello, my dog", "A"]
 
@@ -85,10 +87,10 @@ def encode(values, qtype, rng):
     return quants.quantize(values.astype(np.float32), qtype), qtype
 
 
-def write_llama_gguf(path, tokenizer_fields, layers, embedding, output, default=None, seed=0):
+def write_llama_gguf(path, tokenizer_fields, layers, embedding, output, default=None, seed=0, arch="llama"):
     rng = np.random.default_rng(seed)
     vocab = next(len(value) for key, value, *_ in tokenizer_fields if key == "tokenizer.ggml.tokens")
-    writer = GGUFWriter(str(path), "llama")
+    writer = GGUFWriter(str(path), arch)
     writer.add_name("Synthetic Llama")
     writer.add_context_length(2048)
     writer.add_embedding_length(HIDDEN)
@@ -117,9 +119,11 @@ def write_llama_gguf(path, tokenizer_fields, layers, embedding, output, default=
         add(f"blk.{number}.ffn_norm.weight", rng.uniform(0.8, 1.2, HIDDEN), Q.F32)
         for name, shape in shapes.items():
             values = rng.normal(0, 0.08, shape)
-            if name in ("attn_q", "attn_k"):
+            if name in ("attn_q", "attn_k") and arch == "llama":
                 values = permute(values, HEADS, HEADS if name == "attn_q" else KV_HEADS)
             add(f"blk.{number}.{name}.weight", values, types.get(name, default))
+            if name in ("attn_q", "attn_k", "attn_v") and arch == "qwen2":
+                add(f"blk.{number}.{name}.bias", rng.normal(0, 0.5, shape[0]), Q.F32)
     add("output_norm.weight", rng.uniform(0.8, 1.2, HIDDEN), Q.F32)
     if output is not None:
         add("output.weight", rng.normal(0, 0.08, (vocab, HIDDEN)), output)
@@ -183,6 +187,12 @@ def test_untied_file_has_its_own_head(loaded):
     _, model = loaded["q4_0_untied"]
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
     assert head.qtype == Q.Q6_K and embedding.qtype == Q.Q4_0
+
+
+def test_biases_go_to_their_quantized_layers(loaded):
+    _, model = loaded["qwen2_biases"]
+    attention = model.model.layers[0].self_attn
+    assert isinstance(attention.k_proj, GGMLLinear) and attention.k_proj.bias.shape == (HIDDEN // HEADS * KV_HEADS,)
 
 
 def test_cached_header_equals_the_files(gguf_files, loaded):
