@@ -101,18 +101,19 @@ class GGUFHeader:
 
     def _read_and_cache(self):
         start = time.perf_counter()
-        from gguf import GGUFReader
         from transformers import AutoConfig, AutoTokenizer
+        from transformers.integrations.gguf.reader import GgufHeader
 
         directory, file = os.path.split(self.path)
         try:
-            reader = GGUFReader(self.path)
-            architecture = str(bytes(reader.fields["general.architecture"].parts[-1]), encoding="utf-8")
-        except Exception as error:  # the gguf package raises whatever a malformed file triggers
-            raise GGUFError(f"{self.path}: not a readable GGUF file ({_first_line(error)})") from None
-        tensors = [[t.name, int(t.tensor_type), list(t.data.shape), t.data.dtype.str, int(t.data_offset),
-                    int(t.data.nbytes)] for t in reader.tensors]
-        del reader
+            # transformers' own header reader: the gguf package's GGUFReader builds an object per
+            # vocabulary entry and merge, seconds for a 49k vocabulary; this one walks past them.
+            table = GgufHeader.from_file(self.path)
+            architecture = table.architecture
+            tensors = [[t.name, t.ggml_type, *_numpy_layout(t.ggml_type, t.shape), table.data_start + t.offset,
+                        t.nbytes] for t in table.tensors]
+        except Exception:  # a type transformers cannot size, or a malformed file: the gguf package decides
+            architecture, tensors = _read_with_gguf(self.path)
         unsupported = [(name, code) for name, code, *_ in tensors if code not in FLOAT_TYPES and code not in SUPPORTED]
         if unsupported:  # before the slow conversions: this file will not run here
             raise GGUFError(unsupported_message(self.path, *unsupported[0]))
@@ -163,6 +164,30 @@ class GGUFHeader:
             json.dump(names, f)
         os.replace(tmp, path)  # atomic: never read half-written
         return names
+
+
+def _read_with_gguf(path: str) -> tuple[str, list]:
+    """(architecture, tensor table) by the gguf package's reader, which knows every ggml type."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+        architecture = str(bytes(reader.fields["general.architecture"].parts[-1]), encoding="utf-8")
+    except Exception as error:  # the gguf package raises whatever a malformed file triggers
+        raise GGUFError(f"{path}: not a readable GGUF file ({_first_line(error)})") from None
+    return architecture, [[t.name, int(t.tensor_type), list(t.data.shape), t.data.dtype.str, int(t.data_offset),
+                           int(t.data.nbytes)] for t in reader.tensors]
+
+
+def _numpy_layout(code: int, shape) -> tuple[list[int], str]:
+    """(shape, numpy dtype) of a tensor's bytes as the loader views them: values for F32/F16, uint8 rows of
+    bytes for blocks and for BF16 (numpy has no bfloat16)."""
+    from gguf import GGML_QUANT_SIZES
+
+    if code in (0, 1):
+        return list(shape), "<f4" if code == 0 else "<f2"
+    block, size = GGML_QUANT_SIZES.get(code, (1, 1))  # BF16: (1, 2)
+    return [*shape[:-1], shape[-1] // block * size], "|u1"
 
 
 def unsupported_message(path: str, name: str, code: int) -> str:
