@@ -221,8 +221,12 @@ def main():
                   f"repeat first token <= {floor['ready_s'] + 2:.1f} s")
             tool_path = None if path == default else path
             show("tool, first run (header read and cached)", tool_row(tool_path, cache), file_mb, floor)
-            for repeat in range(2):
-                show(f"tool, repeat run {repeat + 1}", tool_row(tool_path, cache), file_mb, floor)
+            for repeat in range(2):  # each beside a fresh floor: the shared CPU's load drifts
+                paired = run_child([sys.executable, __file__, "--child", "floor"], cache)
+                row = tool_row(tool_path, cache)
+                show(f"tool, repeat run {repeat + 1}", row, file_mb, floor)
+                print(f"{'':<8}loaded {row['ready_s'] - paired['ready_s']:+.2f} s over the floor run just before it "
+                      f"({paired['ready_s']:.2f} s)", flush=True)
             if args.dequantize:
                 show("tool --dequantize, first run", tool_row(tool_path, cache, True), file_mb, floor)
                 if path == default:
