@@ -112,7 +112,10 @@ _native: bool | None = None  # undecided, loaded, or not available (warned once)
 
 
 def kernel_cache_dir() -> str:
-    """Where built kernels are kept: $XDG_CACHE_HOME/run_generation/kernels (~/.cache when unset)."""
+    """Where built kernels are kept: $TORCH_EXTENSIONS_DIR when set (torch's own variable for where C++
+    extensions are built), else $XDG_CACHE_HOME/run_generation/kernels (~/.cache when unset)."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return os.path.join(os.environ["TORCH_EXTENSIONS_DIR"], "run_generation")
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "run_generation", "kernels")
 
