@@ -133,7 +133,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise UsageError("--dequantize applies to GGUF files (and the default model); this checkpoint is not one")
     in_blocks = not (args.dequantize or args.quantize) and (args.model_name_or_path or ".gguf").endswith(".gguf")
     if args.jit and in_blocks:
-        raise UsageError("--jit traces float models: add --dequantize to run this GGUF file in float32 (or --quantize)")
+        raise UsageError("--jit traces float models: add --dequantize to run this GGUF file in float32 "
+                         "(or --quantize)")
     if args.quantize and args.device_map:
         raise UsageError("--quantize needs the whole model in memory on one device; it cannot be combined with "
                          "--device_map")
