@@ -33,6 +33,7 @@ import time
 import numpy as np
 import torch
 
+from .errors import UsageError
 from .ggml import SUPPORTED, GGMLLinear, dequantize
 
 logger = logging.getLogger("run_generation")
@@ -43,7 +44,7 @@ HEADER_CACHE_VERSION = 1
 FLOAT_TYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # GGMLQuantizationType F32, F16, BF16
 
 
-class GGUFError(ValueError):
+class GGUFError(UsageError):
     """A GGUF file this loader cannot run (corrupt, truncated, unsupported type or architecture); one line."""
 
 

