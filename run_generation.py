@@ -54,7 +54,7 @@ def main(argv=None):
     args = parse_args(argv)
     # Session or batch, decided once: with no --prompt and a terminal on stdin, a session (rungen/session.py)
     # answers prompt after prompt on one loaded model; otherwise the prompts are read and generated in batches.
-    interactive = args.prompt is None and sys.stdin is not None and sys.stdin.isatty()
+    interactive = args.prompt is None and sys.stdin is not None and sys.stdin.isatty() and not args.serve
     state = processes.start(args.use_cpu)
     quiet = interactive and not args.verbose  # a session's terminal shows no logs or loading bars
     level = logging.INFO if state.is_main_process and not quiet else logging.WARNING
@@ -64,12 +64,14 @@ def main(argv=None):
     logger.info("device: %s, processes: %d, dtype: %s", state.device, state.num_processes, args.dtype)
     if args.device_map and state.num_processes > 1:
         fail("--device_map spreads one model over all devices; run it in a single process")
+    if args.serve and state.num_processes > 1:
+        fail("--serve runs in a single process")
     if interactive and state.num_processes > 1:
         fail("a terminal session runs in a single process; pipe prompts through stdin to use several")
     set_seed(args.seed)
 
     # Only the main process reads stdin; the others get its prompts.
-    if not interactive:
+    if not interactive and not args.serve:
         prompts = processes.share_prompts(state, read_prompts(args) if state.is_main_process else None)
     with state.main_process_first():  # only one process converts the default model
         loaded = load(args, state.device)
@@ -105,6 +107,10 @@ def main(argv=None):
         if seconds is not None:
             logger.info("Traced the decode step in %.1f s", seconds)
 
+    if args.serve:  # an OpenAI-compatible server on this model (rungen/server.py)
+        from rungen import server
+
+        return server.run(loaded, server.ServeOptions.from_args(args))
     if interactive:
         return session.run(loaded, settings, args)
 

@@ -77,7 +77,53 @@ def build_parser():
         default=None,
         help="Print tokens as they come (one prompt, one sequence). Default: on when stdout is a terminal.",
     )
+    add_serve_arguments(parser)
     return parser
+
+
+# --- --serve (rungen/server.py) ---
+# Flags that shape one run's prompts, output or sampling: with --serve each request carries its own.
+SERVE_REFUSED = ("prompt", "stream", "output_format", "input_format", "whole_stdin", "batch_size", "length",
+                 "temperature", "k", "p", "repetition_penalty", "num_beams", "num_return_sequences", "stop_token",
+                 "chat", "system", "prefix", "padding_text", "xlm_language", "min_p", "typical_p",
+                 "no_repeat_ngram_size", "logprobs", "prompt_lookup_num_tokens", "assistant_model",
+                 "generation_config", "json_schema", "regex", "grammar", "jit")
+
+
+def add_serve_arguments(parser):
+    group = parser.add_argument_group("OpenAI-compatible server (docs/server.md)")
+    group.add_argument("--serve", action="store_true", help="Serve the model over HTTP until stopped.")
+    group.add_argument("--host", default="127.0.0.1", help="Address to listen on (default: loopback only).")
+    group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--api_key", default=None,
+                       help="Require 'Authorization: Bearer KEY' on all routes but /health ($RUN_GENERATION_API_KEY)")
+    group.add_argument("--max_queue", type=int, default=64, help="Requests waiting beyond it get 503 + Retry-After.")
+    group.add_argument("--max_batch", type=int, default=16, help="Sequences decoded together at most.")
+    group.add_argument("--max_cache_tokens", type=int, default=65536,
+                       help="Key/value positions the batch's cache may hold (rows x longest prompt+max_tokens).")
+    group.add_argument("--prefix_cache_mb", type=int, default=256,
+                       help="Memory for finished conversations' keys/values, reused by their next turn (0: off).")
+    group.add_argument("--cors_origins", nargs="+", default=None, metavar="ORIGIN", help="Allow these CORS origins.")
+    group.add_argument("--shutdown_grace", type=float, default=30.0,
+                       help="Seconds running requests get to finish on SIGTERM/Ctrl-C before they are cut.")
+
+
+def check_serve(args, parser):
+    """With --serve: one line for a flag that belongs to single runs, or a server setting out of range."""
+    if not args.serve:
+        return
+    for dest in SERVE_REFUSED:
+        if getattr(args, dest) != parser.get_default(dest) and getattr(args, dest) not in (None, {}, ()):
+            flag = "--" + dest
+            if dest == "jit":
+                fail("--jit traces the decode step of one generate() call; the server's batch changes rows and "
+                     "length at every step, so --serve runs eagerly (drop --jit)")
+            fail(f"{flag} does not apply to --serve: each request sets its own (see docs/server.md)")
+    for dest, low in (("port", 0), ("max_queue", 0), ("max_batch", 1), ("max_cache_tokens", 1),
+                      ("prefix_cache_mb", 0), ("shutdown_grace", 0)):
+        if getattr(args, dest) < low:
+            fail(f"--{dest} must be >= {low}, got {getattr(args, dest)}")
+# --- end --serve ---
 
 
 def parse_args(argv=None):
@@ -92,6 +138,7 @@ def parse_args(argv=None):
             args.prefix = args.padding_text
         logger.warning("--padding_text is deprecated; use --prefix")
     apply_generation_config(args, parser, argv)  # a --generation_config file fills the flags not given
+    check_serve(args, parser)
     try:
         check_sampling(args)
     except ValueError as error:

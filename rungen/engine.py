@@ -31,6 +31,7 @@ import torch
 from transformers import DynamicCache
 
 from . import logger
+from .generation import UNBATCHABLE_TYPES
 from .logprobs import content
 
 
@@ -101,6 +102,7 @@ class Metrics:
         self.requests = collections.Counter()  # (endpoint, status) -> count
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self.reused_tokens = 0  # prompt tokens whose keys/values came from the prefix cache
         self.ttft = [0] * (len(self.TTFT_BUCKETS) + 1), [0.0, 0]
         self.tpot = [0] * (len(self.TPOT_BUCKETS) + 1), [0.0, 0]
 
@@ -115,10 +117,11 @@ class Metrics:
         with self.lock:
             self.requests[endpoint, status] += 1
 
-    def add_tokens(self, prompt=0, generated=0):
+    def add_tokens(self, prompt=0, generated=0, reused=0):
         with self.lock:
             self.prompt_tokens += prompt
             self.generation_tokens += generated
+            self.reused_tokens += reused
 
     def render(self, queue_depth, running):
         lines = ["# HELP rungen_requests_total HTTP requests by endpoint and status.",
@@ -131,6 +134,9 @@ class Metrics:
                       "# HELP rungen_generation_tokens_total Tokens generated.",
                       "# TYPE rungen_generation_tokens_total counter",
                       f"rungen_generation_tokens_total {self.generation_tokens}",
+                      "# HELP rungen_prefix_cache_tokens_total Prompt tokens taken from the prefix cache.",
+                      "# TYPE rungen_prefix_cache_tokens_total counter",
+                      f"rungen_prefix_cache_tokens_total {self.reused_tokens}",
                       "# HELP rungen_queue_depth Requests waiting for a batch slot.",
                       "# TYPE rungen_queue_depth gauge",
                       f"rungen_queue_depth {queue_depth}",
@@ -212,6 +218,9 @@ class Engine:
         self.tokenizer_lock = tokenizer_lock or threading.Lock()
         self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None
         parameters = inspect.signature(self.model.forward).parameters
+        if loaded.model_type in UNBATCHABLE_TYPES:
+            raise ValueError(f"{loaded.model_type} drops the attention mask when decoding, so it cannot share a "
+                             "padded batch with other requests")
         if "past_key_values" not in parameters:
             raise ValueError(f"{loaded.model_type} keeps no key/value cache, which the server's batching needs")
         self.use_positions = "position_ids" in parameters
@@ -355,7 +364,7 @@ class Engine:
             kwargs["logits_to_keep"] = 1  # the prompt's other logits are never read
         with torch.inference_mode():
             output = self.model(input_ids=rest, past_key_values=cache, use_cache=True, **kwargs)
-        self.metrics.add_tokens(prompt=len(ids) - reused)
+        self.metrics.add_tokens(prompt=len(ids) - reused, reused=reused)
         if reused:
             logger.info("prefix cache: reused %d of %d prompt tokens", reused, len(ids))
         new_layers = layers_of(output.past_key_values)

@@ -6,12 +6,14 @@ on rungen/engine.py's model thread, which batches the requests of all clients co
 """
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import hmac
 import ipaddress
 import json
 import os
+import signal
 import threading
 import time
 import uuid
@@ -20,7 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from . import logger
+from . import fail, logger
 from .engine import Engine, EngineBusy, EngineClosed, Metrics, Sampling, describe_memory
 from .engine import Request as EngineRequest
 from .generation import eos_token_ids
@@ -772,9 +774,26 @@ def run(loaded, options):
     if not is_loopback(options.host) and not options.api_key:
         logger.warning("WARNING: listening on %s without --api_key: anyone who can reach this port can use the "
                        "model", options.host)
-    app, engine = build(loaded, options)
+    try:
+        app, engine = build(loaded, options)
+    except ValueError as error:
+        fail(f"--serve: {error}")
 
     class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # uvicorn's own re-raises the signal after shutdown, so the process would die of it: a graceful
+            # stop exits 0 instead.
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
         def handle_exit(self, sig, frame):
             if not self.should_exit:
                 logger.info("shutting down: finishing running requests (at most %.0f s)", options.grace)

@@ -43,3 +43,7 @@ def default_model(tmp_path_factory):
                     cache_home=cache_home)
     assert first.returncode == 0, first.stderr.decode()[-3000:]
     return cache_home, first
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: a test that takes more than a few seconds (deselect with -m 'not slow')")
