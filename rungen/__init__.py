@@ -12,6 +12,8 @@
     controls.py    generation controls: their flags and checks, --generation_config, --assistant_model
     logprobs.py    --logprobs: per-token log-probabilities, and scoring prompts (--length 0)
     constrain.py   --json_schema/--regex/--grammar with xgrammar (imported only for those flags)
+    server.py      --serve: the OpenAI-compatible HTTP server (FastAPI + uvicorn; imported only for --serve)
+    engine.py      the server's model thread: continuous batching, per-row sampling and stopping
 
 run_generation.py's main() calls them in that order (session.py instead of the batches when stdin is a
 terminal); nothing here keeps state between calls.

@@ -230,6 +230,7 @@ class Engine:
         self.calls = queue.Queue()  # functions to run on the model thread between steps (prompt scoring)
         self.wake = threading.Condition()
         self.rows, self.cache, self.mask = [], None, None
+        self.peak_rows = 0  # the most rows decoded together so far
         self.closing = self.stopped = False
         self.bytes_per_token = self.measure_bytes_per_token()
         self.thread = threading.Thread(target=self.loop, name="rungen-engine", daemon=True)
@@ -383,6 +384,7 @@ class Engine:
                 row.matcher = request.constraint.matcher()
             new_rows.append(row)
         self.rows += new_rows
+        self.peak_rows = max(self.peak_rows, len(self.rows))
         logits = output.logits[:, -1].float()
         self.advance(new_rows, logits.expand(request.n, -1))
 

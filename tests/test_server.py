@@ -285,7 +285,7 @@ def test_malformed_bodies(served):
     assert httpx.get(served[0].url + "/nowhere").json()["error"]["type"] == "not_found_error"
 
 
-def test_concurrent_load_equals_each_request_alone(client):
+def test_concurrent_load_equals_each_request_alone(served, client):
     """32 requests from 8 clients, mixed prompts, lengths and settings: each gives what it gives alone."""
     prompts = ["The capital of France is", "Once upon a time there was", "Hello", "I think that the best way to",
                "Water boils at 100 degrees and", "The quick brown fox"]
@@ -306,9 +306,11 @@ def test_concurrent_load_equals_each_request_alone(client):
         return choice.text, choice.finish_reason
 
     alone = [ask(kwargs) for kwargs in requests]
+    peak = served[1].peak_rows
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         together = list(pool.map(ask, requests))
     assert together == alone
+    assert served[1].peak_rows > max(peak, 1)  # they did share the batch
 
 
 def test_a_client_dropping_mid_stream_frees_its_slot(served):
@@ -363,6 +365,64 @@ def test_api_key_and_a_full_queue(loaded, served):
         keyed.stop()
         busy.stop()
         full.close()
+
+
+def collect(engine, request_ids, **kwargs):
+    """Runs one engine request to its end; returns (finishes by choice, deltas)."""
+    from rungen.engine import Request, Sampling
+
+    finishes, deltas, done = {}, [], threading.Event()
+
+    def sink(event):
+        if event[0] == "delta":
+            deltas.append(event[2])
+        elif event[0] == "done":
+            finishes[event[1]] = event[2]
+        else:
+            done.set()
+
+    request = Request(request_ids, sink=sink, **{"max_tokens": 10, "sampling": Sampling(temperature=0), **kwargs})
+    engine.submit(request)
+    return request, finishes, deltas, done
+
+
+def test_abort_ends_every_request_with_a_reason(loaded):
+    """Shutdown's grace over: running and waiting requests all end, with finish_reason "abort"."""
+    engine = Engine(loaded, max_batch=1, eos_ids=(), prefix_cache_bytes=0)
+    ids = loaded.tokenizer.encode("Once upon a time")
+    running = collect(engine, ids, max_tokens=100)
+    waiting = collect(engine, ids, max_tokens=100)
+    engine.join(engine.waiting.popleft())  # the first is decoding, the second waits for its slot
+    engine.close()
+    engine.abort()
+    engine.loop()
+    for _, finishes, _, done in (running, waiting):
+        assert done.is_set() and finishes[0].reason == "abort"
+    assert running[1][0].tokens and not engine.rows and engine.cache is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["gpt2", "ctrl", "gptj", "bloom", "opt", "mistral", "qwen2"])
+def test_every_batchable_type_decodes_as_generate_does(model_type, tmp_path):
+    """Three prompts joining one batch give generate()'s greedy tokens, for each cache layout."""
+    from types import SimpleNamespace
+
+    path = build_tiny_checkpoint(model_type, str(tmp_path / model_type))
+    loaded = load(SimpleNamespace(model_name_or_path=path, model_type=None, dtype="auto", device_map=None,
+                                  max_memory=None), torch.device("cpu"))
+    engine = Engine(loaded, eos_ids=(), prefix_cache_bytes=0)
+    engine.start()
+    prompts = ["The capital of France is", "Once upon a time there was a little girl", "Hello"]
+    runs = [collect(engine, loaded.tokenizer.encode(prompt)) for prompt in prompts]
+    for prompt, (_, finishes, _, done) in zip(prompts, runs):
+        assert done.wait(60)
+        ids = loaded.tokenizer.encode(prompt)
+        with torch.inference_mode():
+            expected = loaded.model.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False,
+                                             pad_token_id=loaded.tokenizer.pad_token_id)[0, len(ids):].tolist()
+        assert finishes[0].tokens == expected
+    engine.close()
+    engine.thread.join(timeout=10)
 
 
 def test_flags_that_do_not_apply_are_refused(checkpoint, capsys):
