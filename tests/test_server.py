@@ -222,6 +222,18 @@ def test_json_schema_and_regex(client):
     answer = client.completions.create(model=MODEL_ID, prompt="Answer:", max_tokens=20, temperature=1, seed=3,
                                        extra_body={"guided_regex": regex})
     assert re.fullmatch(regex, answer.choices[0].text)
+    grammar = 'root ::= ("yes" | "no") " because " ("cats" | "dogs") "."'
+    for field in ("grammar", "guided_grammar"):  # llama-server's name, vLLM's name
+        answer = client.completions.create(model=MODEL_ID, prompt="Answer:", max_tokens=20, temperature=1, seed=5,
+                                           extra_body={field: grammar})
+        assert re.fullmatch(r"(yes|no) because (cats|dogs)\.", answer.choices[0].text), answer.choices[0].text
+        assert answer.choices[0].finish_reason == "stop"
+
+
+def test_without_max_tokens_a_chat_fills_the_context(loaded, client):
+    response = client.chat.completions.create(model=MODEL_ID, messages=HELLO, temperature=0)
+    assert response.choices[0].finish_reason == "length"
+    assert response.usage.total_tokens == loaded.context
 
 
 BAD_REQUESTS = [
@@ -343,9 +355,11 @@ def test_a_conversation_reuses_its_cached_prefix(served, client):
 
 
 def test_api_key_and_a_full_queue(loaded, served):
-    """With a key every route but /health needs it; a queue that is full answers 503 with Retry-After."""
+    """With a key every route but /health needs it; CORS is off unless origins are named; a queue that is full
+    answers 503 with Retry-After."""
     engine = served[1]
-    keyed = LiveServer(Guard(create_app(loaded, engine, ServeOptions(model_id=MODEL_ID)), "s3cret", engine.metrics))
+    options = ServeOptions(model_id=MODEL_ID, cors_origins=("http://app.example",))
+    keyed = LiveServer(Guard(create_app(loaded, engine, options), "s3cret", engine.metrics))
     full = Engine(loaded, max_queue=0, eos_ids=engine.eos_ids, prefix_cache_bytes=0)
     full.start()
     busy = LiveServer(create_app(loaded, full, ServeOptions(model_id=MODEL_ID)))
@@ -358,6 +372,13 @@ def test_api_key_and_a_full_queue(loaded, served):
             openai.OpenAI(base_url=keyed.url + "/v1", api_key="wrong", max_retries=0).models.list()
         allowed = openai.OpenAI(base_url=keyed.url + "/v1", api_key="s3cret", max_retries=0)
         assert allowed.completions.create(model=MODEL_ID, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+        # CORS only where asked for: the keyed server allows one origin, the module's server none.
+        preflight = {"Origin": "http://app.example", "Access-Control-Request-Method": "POST",
+                     "Access-Control-Request-Headers": "authorization"}
+        allowed_origin = httpx.options(keyed.url + "/v1/chat/completions", headers=preflight)
+        assert allowed_origin.headers.get("access-control-allow-origin") == "http://app.example"
+        no_cors = httpx.options(served[0].url + "/v1/chat/completions", headers=preflight)
+        assert "access-control-allow-origin" not in no_cors.headers
         response = httpx.post(busy.url + "/v1/completions", json={"model": MODEL_ID, "prompt": "Hi"}, timeout=10)
         assert response.status_code == 503 and response.headers["retry-after"] == "1"
         assert response.json()["error"]["type"] == "server_error"
