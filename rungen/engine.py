@@ -29,10 +29,15 @@ import time
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from . import logger
 from .generation import UNBATCHABLE_TYPES
 from .logprobs import content
+
+# Prompt tokens decoded before a row's new tokens to get their text in context: decoding the whole prompt at
+# every step would cost as much as the prompt is long.
+TAIL_TOKENS = 32
 
 
 class EngineBusy(RuntimeError):
@@ -198,7 +203,7 @@ class Row:
     position: int  # real tokens so far (the next position id)
     new: list = dataclasses.field(default_factory=list)
     emitted: int = 0  # characters of the continuation sent so far
-    head: str = ""  # the prompt's decoding (the continuation is what follows it)
+    head: str = ""  # the decoding of the prompt's last tokens (the continuation is what follows it)
     matcher: object = None
     counts: object = None  # generated-token counts (presence/frequency penalties)
     last_time: float = 0.0
@@ -285,16 +290,17 @@ class Engine:
     def cache_limit_bytes(self):
         return self.max_cache_tokens * self.bytes_per_token
 
-    def fits_alone(self, reserve, n=1):
-        """Whether a request of reserve = prompt + max_tokens tokens and n rows can ever be admitted."""
-        return n <= self.max_batch and n * reserve <= self.max_cache_tokens
-
     # -- the model thread ---------------------------------------------------------------------------------
 
     def measure_bytes_per_token(self):
         """Bytes of keys/values one token position takes, measured on a one-token forward pass."""
         token = self.tokenizer.bos_token_id if self.tokenizer.bos_token_id is not None else 0
         cache = DynamicCache(config=self.model.config)
+        if any(type(layer) is not DynamicLayer for layer in cache.layers):
+            # A sliding-window, chunked or recurrent layer keeps other state than all keys/values, which the
+            # batch's left-padded merge and trim do not know how to move.
+            raise ValueError(f"{self.loaded.model_type} has layers other than full attention (sliding window, "
+                             "chunked or recurrent), which the server's padded batch cannot hold")
         with torch.inference_mode():
             self.model(input_ids=torch.tensor([[token]], device=self.device), past_key_values=cache, use_cache=True)
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers_of(cache))
@@ -376,7 +382,7 @@ class Engine:
         generator = torch.Generator(device="cpu")
         generator.manual_seed(request.sampling.seed if request.sampling.seed is not None else secrets.randbits(63))
         with self.tokenizer_lock:
-            head = self.tokenizer.decode(ids, skip_special_tokens=True)
+            head = self.tokenizer.decode(ids[-TAIL_TOKENS:], skip_special_tokens=True)
         new_rows = []
         for index in range(request.n):
             row = Row(request, index, generator, len(ids), head=head, last_time=start)
@@ -425,6 +431,8 @@ class Engine:
                 continue
             token = self.choose(row, row_logits)
             if token is None:
+                logger.warning("%s: no token of the vocabulary continues the output; it ends incomplete",
+                               request.constraint.flag)
                 row.finish = self.finish_row(row, "stop", error="the grammar allows no token of this vocabulary "
                                              "here; the output ends incomplete")
                 continue
@@ -495,9 +503,7 @@ class Engine:
         request = row.request
         if row.matcher is not None:
             row.matcher.accept_token(token)
-        with self.tokenizer_lock:
-            whole = self.tokenizer.decode(request.ids + row.new, skip_special_tokens=True)
-        text = whole[len(row.head) :] if whole.startswith(row.head) else whole
+        text = self.continuation(row)
         reason = None
         cuts = [text.index(stop) for stop in request.stop if stop in text]
         if cuts:
@@ -519,10 +525,17 @@ class Engine:
         if reason is not None:
             row.finish = Finish(reason, text, list(row.new), len(request.ids))
 
-    def finish_row(self, row, reason, error=None):
+    def continuation(self, row):
+        """The text of the row's new tokens, decoded after the prompt's last tokens and cut after them, as
+        describe_sequence does with the whole prompt (a leading space, a character split over tokens)."""
         with self.tokenizer_lock:
-            whole = self.tokenizer.decode(row.request.ids + row.new, skip_special_tokens=True)
-        text = whole[len(row.head) :] if whole.startswith(row.head) else whole
+            whole = self.tokenizer.decode(row.request.ids[-TAIL_TOKENS:] + row.new, skip_special_tokens=True)
+            if whole.startswith(row.head):
+                return whole[len(row.head) :]
+            return self.tokenizer.decode(row.new, skip_special_tokens=True)
+
+    def finish_row(self, row, reason, error=None):
+        text = self.continuation(row)
         if len(text) > row.emitted:
             row.request.sink(("delta", row.index, text[row.emitted :], None))
         return Finish(reason, text, list(row.new), len(row.request.ids), error)

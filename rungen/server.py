@@ -352,6 +352,13 @@ def create_app(loaded, engine, options):
         return {"object": "list", "data": [{"id": options.model_id, "object": "model", "created": service.created,
                                             "owned_by": "run_generation"}]}
 
+    @app.get("/v1/models/{model:path}")
+    async def model_card(model: str):
+        if model != options.model_id:
+            raise APIError(f"the model {model!r} does not exist; this server serves {options.model_id!r}", "model",
+                           status=404, code="model_not_found")
+        return {"id": options.model_id, "object": "model", "created": service.created, "owned_by": "run_generation"}
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await read_body(request, options.max_body_bytes)
@@ -419,7 +426,7 @@ class Guard:
 
 def endpoint_label(path):
     known = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
-    return path if path in known else "other"
+    return path if path in known else "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
 
 
 async def read_body(request, limit):

@@ -102,6 +102,7 @@ def greedy_text(client, **kwargs):
 
 def test_models_health_and_metrics(served, client):
     assert [model.id for model in client.models.list()] == [MODEL_ID]
+    assert client.models.retrieve(MODEL_ID).id == MODEL_ID
     assert httpx.get(served[0].url + "/health").json() == {"status": "ok"}
     client.completions.create(model=MODEL_ID, prompt="The capital", max_tokens=3, temperature=0)
     metrics = httpx.get(served[0].url + "/metrics").text
@@ -114,18 +115,23 @@ def test_models_health_and_metrics(served, client):
 
 
 @pytest.mark.slow
-def test_greedy_equals_the_command_line(served, client, checkpoint):
+def test_greedy_equals_the_command_line(served, client, checkpoint, loaded):
     """The same greedy request gives the same text over HTTP as run_generation.py gives (generate())."""
-    lines = [json.dumps({"prompt": "The capital of France is"}), json.dumps({"messages": HELLO})]
+    long_prompt = "The weather today is sunny with a light wind from the west, and tomorrow it will rain. " * 3
+    assert len(loaded.tokenizer.encode(long_prompt)) > 40  # longer than the tail the engine decodes after
+    lines = [json.dumps({"prompt": "The capital of France is"}), json.dumps({"prompt": long_prompt}),
+             json.dumps({"messages": HELLO})]
     result = run_cli(["--model_name_or_path", checkpoint, "--temperature", "0", "--length", "12",
                       "--input_format", "jsonl", "--output_format", "jsonl"], stdin="\n".join(lines))
     assert result.returncode == 0, result.stderr.decode()[-2000:]
     expected = [json.loads(line)["generated_text"] for line in result.stdout.decode().splitlines()]
-    completion = client.completions.create(model=MODEL_ID, prompt="The capital of France is", max_tokens=12,
-                                           temperature=0)
+    texts = []
+    for prompt in ("The capital of France is", long_prompt):
+        completion = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=12, temperature=0)
+        assert completion.usage.completion_tokens == 12 and completion.choices[0].finish_reason == "length"
+        texts.append(completion.choices[0].text)
     chat = client.chat.completions.create(model=MODEL_ID, messages=HELLO, max_tokens=12, temperature=0)
-    assert [completion.choices[0].text, chat.choices[0].message.content] == expected
-    assert completion.usage.completion_tokens == 12 and completion.choices[0].finish_reason == "length"
+    assert texts + [chat.choices[0].message.content] == expected
 
 
 def test_streaming_matches_the_whole_answer(served, client):
