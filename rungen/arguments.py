@@ -108,8 +108,17 @@ def add_serve_arguments(parser):
                        help="Seconds running requests get to finish on SIGTERM/Ctrl-C before they are cut.")
 
 
+class Secret(str):
+    """A string that logs as *** (main() logs the parsed flags, and --api_key is among them)."""
+
+    def __repr__(self):
+        return "'***'"
+
+
 def check_serve(args, parser):
     """With --serve: one line for a flag that belongs to single runs, or a server setting out of range."""
+    if args.api_key is not None:
+        args.api_key = Secret(args.api_key)
     if not args.serve:
         return
     for dest in SERVE_REFUSED:

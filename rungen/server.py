@@ -52,7 +52,7 @@ class ServeOptions:
 
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
+    api_key: str | None = dataclasses.field(default=None, repr=False)
     model_id: str = "model"
     max_queue: int = 64
     max_batch: int = 16

@@ -460,6 +460,12 @@ def test_flags_that_do_not_apply_are_refused(checkpoint, capsys):
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip() == ("run_generation.py: error: --temperature does not apply to --serve: "
                                                "each request sets its own (see docs/server.md)")
+    # main() logs the parsed flags: the key is not among what it prints, yet it is the key.
+    from rungen.arguments import parse_args
+
+    args = parse_args(["--serve", "--api_key", "s3cret"])
+    assert "s3cret" not in repr(args) and args.api_key == "s3cret"
+    assert "s3cret" not in repr(ServeOptions.from_args(args))
 
 
 @pytest.mark.slow
