@@ -37,7 +37,7 @@ from transformers import set_seed
 from transformers.utils import logging as transformers_logging
 
 from rungen import PROG, logger, processes, session
-from rungen.arguments import max_memory_map, parse_args, settings_from_args
+from rungen.arguments import max_memory_map, parse_args, serve_options, settings_from_args
 from rungen.controls import load_assistant
 from rungen.errors import PromptError, PromptsFailed, RunGenerationError, UsageError
 from rungen.generation import UNBATCHABLE_TYPES, StopTokenStreamer, eos_token_ids, generate_batch, make_batches
@@ -50,7 +50,7 @@ def main(argv=None):
     args = parse_args(argv)
     # Session or batch, decided once: with no --prompt and a terminal on stdin, a session (rungen/session.py)
     # answers prompt after prompt on one loaded model; otherwise the prompts are read and generated in batches.
-    interactive = args.prompt is None and sys.stdin is not None and sys.stdin.isatty()
+    interactive = args.prompt is None and sys.stdin is not None and sys.stdin.isatty() and not args.serve
     state = processes.start(args.use_cpu)
     quiet = interactive and not args.verbose  # a session's terminal shows no logs or loading bars
     level = logging.INFO if state.is_main_process and not quiet else logging.WARNING
@@ -60,6 +60,8 @@ def main(argv=None):
     logger.info("device: %s, processes: %d, dtype: %s", state.device, state.num_processes, args.dtype)
     if args.device_map and state.num_processes > 1:
         raise UsageError("--device_map spreads one model over all devices; run it in a single process")
+    if args.serve and state.num_processes > 1:
+        raise UsageError("--serve runs in a single process")
     if interactive and state.num_processes > 1:
         raise UsageError("a terminal session runs in a single process; pipe prompts through stdin to use several")
     constraint_source = None
@@ -70,7 +72,7 @@ def main(argv=None):
     set_seed(args.seed)
 
     # Only the main process reads stdin; the others get its prompts.
-    if not interactive:
+    if not interactive and not args.serve:
         mine = read_prompts(args.prompt, whole_stdin=args.whole_stdin, input_format=args.input_format)
         prompts = processes.share_prompts(state, mine if state.is_main_process else None)
     with state.main_process_first():  # only one process converts the default model
@@ -104,6 +106,10 @@ def main(argv=None):
         if seconds is not None:
             logger.info("Traced the decode step in %.1f s", seconds)
 
+    if args.serve:  # an OpenAI-compatible server on this model (rungen/server.py)
+        from rungen import server
+
+        return server.run(loaded, serve_options(args))
     if interactive:
         if args.output_format != "text":
             logger.warning("A session prints its replies as text (/save writes the conversation as JSON); "

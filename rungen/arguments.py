@@ -91,7 +91,76 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="Print tokens as they come (one prompt, one sequence). Default: on when stdout is a terminal.",
     )
+    add_serve_arguments(parser)
     return parser
+
+
+# --- --serve (rungen/server.py) ---
+# Flags that shape one run's prompts, output or sampling: with --serve each request carries its own.
+SERVE_REFUSED = ("prompt", "stream", "output_format", "input_format", "whole_stdin", "batch_size", "length",
+                 "temperature", "k", "p", "repetition_penalty", "num_beams", "num_return_sequences", "stop_token",
+                 "chat", "system", "prefix", "padding_text", "xlm_language", "min_p", "typical_p",
+                 "no_repeat_ngram_size", "logprobs", "prompt_lookup_num_tokens", "assistant_model",
+                 "generation_config", "json_schema", "regex", "grammar", "jit")
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """--serve and the server's own settings, in a group of their own."""
+    group = parser.add_argument_group("OpenAI-compatible server (docs/server.md)")
+    group.add_argument("--serve", action="store_true", help="Serve the model over HTTP until stopped.")
+    group.add_argument("--host", default="127.0.0.1", help="Address to listen on (default: loopback only).")
+    group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--api_key", default=None, type=Secret,
+                       help="Require 'Authorization: Bearer KEY' on all routes but /health ($RUN_GENERATION_API_KEY)")
+    group.add_argument("--max_queue", type=int, default=64, help="Requests waiting beyond it get 503 + Retry-After.")
+    group.add_argument("--max_batch", type=int, default=16, help="Sequences decoded together at most.")
+    group.add_argument("--max_cache_tokens", type=int, default=65536,
+                       help="Key/value positions the batch's cache may hold (rows x longest prompt+max_tokens).")
+    group.add_argument("--prefix_cache_mb", type=int, default=256,
+                       help="Memory for finished conversations' keys/values, reused by their next turn (0: off).")
+    group.add_argument("--cors_origins", nargs="+", default=None, metavar="ORIGIN", help="Allow these CORS origins.")
+    group.add_argument("--shutdown_grace", type=float, default=30.0,
+                       help="Seconds running requests get to finish on SIGTERM/Ctrl-C before they are cut.")
+
+
+class Secret(str):
+    """A string that logs as *** (main() logs the parsed flags, and --api_key is among them)."""
+
+    def __repr__(self):
+        return "'***'"
+
+
+def serve_options(args: argparse.Namespace):
+    """The --serve flags as rungen.server's ServeOptions (the key from $RUN_GENERATION_API_KEY when no flag)."""
+    import os
+
+    from .server import API_KEY_ENV, ServeOptions  # FastAPI: only when serving
+
+    model_id = os.path.basename(os.path.normpath(args.model_name_or_path)) if args.model_name_or_path \
+        else "SmolLM2-135M-Instruct"
+    return ServeOptions(host=args.host, port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+                        model_id=model_id, max_queue=args.max_queue, max_batch=args.max_batch,
+                        max_cache_tokens=args.max_cache_tokens, prefix_cache_mb=args.prefix_cache_mb,
+                        cors_origins=tuple(args.cors_origins or ()), grace=args.shutdown_grace,
+                        max_n=min(16, args.max_batch))
+
+
+def check_serve(args: argparse.Namespace, given: set[str]) -> None:
+    """With --serve: UsageError for a flag that belongs to single runs (`given`: the flags the command line
+    gave), or a server setting out of range."""
+    if not args.serve:
+        return
+    for dest in SERVE_REFUSED:
+        if dest in given and getattr(args, dest) not in (False, None):
+            if dest == "jit":
+                raise UsageError("--jit traces the decode step of one generate() call; the server's batch changes "
+                                 "rows and length at every step, so --serve runs eagerly (drop --jit)")
+            raise UsageError(f"--{dest} does not apply to --serve: each request sets its own (see docs/server.md)")
+    for dest, low in (("port", 0), ("max_queue", 0), ("max_batch", 1), ("max_cache_tokens", 1),
+                      ("prefix_cache_mb", 0), ("shutdown_grace", 0)):
+        if getattr(args, dest) < low:
+            raise UsageError(f"--{dest} must be >= {low}, got {getattr(args, dest)}")
+# --- end --serve ---
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -122,6 +191,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             values["prefix"] = values["padding_text"]
         logger.warning("--padding_text is deprecated; use --prefix")
     args = argparse.Namespace(**values)
+    check_serve(args, given)
     settings = settings_from_args(args)
     settings.check()
     check_controls(args)

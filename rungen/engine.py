@@ -1,0 +1,636 @@
+"""The server's scheduler: one model thread, continuous batching, per-row sampling and stopping.
+
+Requests wait in a bounded queue. The model thread runs one decode step at a time for every active row;
+between steps it admits waiting requests: each is prefilled alone (after the longest cached prefix of its
+tokens, when a recent conversation left one), its keys/values are left-padded to the batch's length (or the
+batch to its length) and concatenated, and it decodes with the others from the next step on. A row that
+ends (EOS, max_tokens, a stop string, its grammar, a cancelled request) leaves the batch by index_select,
+and the columns no row needs any more are trimmed.
+
+The cache is transformers' DynamicCache holding [batch, kv_heads, length, head_dim] per layer; an
+attention mask and per-row position ids hide the padding, so each row computes what it would alone (the
+same layout generate() uses for a left-padded batch). Memory: a request is admitted only while
+rows x the longest (prompt + max_tokens) of the batch fits in `max_cache_tokens`, so the cache never holds
+more than that many token positions.
+
+Sampling per row (OpenAI's definitions): logit_bias, presence/frequency penalties over the generated
+tokens, repetition_penalty (transformers' definition, prompt included), the grammar's mask, then greedy at
+temperature 0, else temperature, top-k, top-p, min-p and a draw from the request's own generator (seeded
+by `seed`). Log-probabilities are the model's raw ones (rungen/logprobs.py).
+"""
+
+import collections
+import dataclasses
+import inspect
+import queue
+import secrets
+import threading
+import time
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from . import logger
+from .generation import UNBATCHABLE_TYPES
+from .logprobs import content
+
+# Prompt tokens decoded before a row's new tokens to get their text in context: decoding the whole prompt at
+# every step would cost as much as the prompt is long.
+TAIL_TOKENS = 32
+
+
+class EngineBusy(RuntimeError):
+    """The queue is full (HTTP 503 with Retry-After)."""
+
+
+class EngineClosed(RuntimeError):
+    """The engine is shutting down and takes no new requests (HTTP 503)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """One request's sampling settings, checked by the server."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+
+
+@dataclasses.dataclass
+class Request:
+    """One generation request: n rows from one prompt. `sink(event)` is called from the model thread with
+    ("delta", index, text, logprob_items), ("done", index, Finish) and finally ("end", None)."""
+
+    ids: list[int]
+    max_tokens: int
+    sampling: Sampling
+    sink: object
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None  # top alternatives per token; None: no log-probabilities
+    constraint: object = None  # rungen.constrain.Constraint
+    cancelled: bool = False  # set by the server (client gone); the row leaves at the next step
+    submitted: float = dataclasses.field(default_factory=time.perf_counter)
+
+    @property
+    def reserve(self):
+        return len(self.ids) + self.max_tokens
+
+
+@dataclasses.dataclass
+class Finish:
+    """How one choice ended."""
+
+    reason: str  # "stop" (EOS, a stop string, the grammar complete), "length", or "abort" (shutdown)
+    text: str
+    tokens: list[int]
+    prompt_tokens: int
+    error: str | None = None
+
+
+class Metrics:
+    """Counters and histograms for /metrics (Prometheus text), shared by the server and the model thread."""
+
+    TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+    TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.requests = collections.Counter()  # (endpoint, status) -> count
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.reused_tokens = 0  # prompt tokens whose keys/values came from the prefix cache
+        self.ttft = [0] * (len(self.TTFT_BUCKETS) + 1), [0.0, 0]
+        self.tpot = [0] * (len(self.TPOT_BUCKETS) + 1), [0.0, 0]
+
+    def observe(self, histogram, buckets, value):
+        counts, total = histogram
+        with self.lock:
+            counts[next((i for i, bound in enumerate(buckets) if value <= bound), len(buckets))] += 1
+            total[0] += value
+            total[1] += 1
+
+    def count_request(self, endpoint, status):
+        with self.lock:
+            self.requests[endpoint, status] += 1
+
+    def add_tokens(self, prompt=0, generated=0, reused=0):
+        with self.lock:
+            self.prompt_tokens += prompt
+            self.generation_tokens += generated
+            self.reused_tokens += reused
+
+    def render(self, queue_depth, running):
+        lines = ["# HELP rungen_requests_total HTTP requests by endpoint and status.",
+                 "# TYPE rungen_requests_total counter"]
+        with self.lock:
+            for (endpoint, status), count in sorted(self.requests.items()):
+                lines.append(f'rungen_requests_total{{endpoint="{endpoint}",status="{status}"}} {count}')
+            lines += ["# HELP rungen_prompt_tokens_total Prompt tokens prefilled.",
+                      "# TYPE rungen_prompt_tokens_total counter", f"rungen_prompt_tokens_total {self.prompt_tokens}",
+                      "# HELP rungen_generation_tokens_total Tokens generated.",
+                      "# TYPE rungen_generation_tokens_total counter",
+                      f"rungen_generation_tokens_total {self.generation_tokens}",
+                      "# HELP rungen_prefix_cache_tokens_total Prompt tokens taken from the prefix cache.",
+                      "# TYPE rungen_prefix_cache_tokens_total counter",
+                      f"rungen_prefix_cache_tokens_total {self.reused_tokens}",
+                      "# HELP rungen_queue_depth Requests waiting for a batch slot.",
+                      "# TYPE rungen_queue_depth gauge",
+                      f"rungen_queue_depth {queue_depth}",
+                      "# HELP rungen_running_rows Sequences decoding in the batch.",
+                      "# TYPE rungen_running_rows gauge",
+                      f"rungen_running_rows {running}"]
+            for name, help_text, buckets, (counts, total) in (
+                ("rungen_time_to_first_token_seconds", "From arrival to the first generated token.",
+                 self.TTFT_BUCKETS, self.ttft),
+                ("rungen_time_per_output_token_seconds", "Between consecutive tokens of a sequence.",
+                 self.TPOT_BUCKETS, self.tpot),
+            ):
+                lines += [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
+                cumulative = 0
+                for bound, count in zip((*buckets, "+Inf"), counts):
+                    cumulative += count
+                    lines.append(f'{name}_bucket{{le="{bound}"}} {cumulative}')
+                lines += [f"{name}_sum {total[0]:.6f}", f"{name}_count {total[1]}"]
+        return "\n".join(lines) + "\n"
+
+
+class PrefixCache:
+    """Keys/values of recently finished sequences, keyed by their tokens, bounded in bytes (least recently
+    used first out). A request whose tokens extend one of them prefills only the rest."""
+
+    def __init__(self, max_bytes):
+        self.max_bytes, self.bytes = max_bytes, 0
+        self.entries = collections.OrderedDict()  # tuple(tokens) -> (layers, bytes)
+
+    def put(self, tokens, layers):
+        size = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers)
+        key = tuple(tokens)
+        if size > self.max_bytes or len(key) < 2 or key in self.entries:
+            return
+        self.entries[key] = (layers, size)
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            _, (_, dropped) = self.entries.popitem(last=False)
+            self.bytes -= dropped
+
+    def longest(self, ids):
+        """(length, layers) of the longest entry that is a proper prefix of ids (one token at least is left to
+        prefill), or (0, None)."""
+        best, found = 0, None
+        for key in self.entries:
+            if best < len(key) < len(ids) and tuple(ids[: len(key)]) == key:
+                best, found = len(key), key
+        if found is None:
+            return 0, None
+        self.entries.move_to_end(found)
+        return best, self.entries[found][0]
+
+
+@dataclasses.dataclass
+class Row:
+    request: Request
+    index: int  # the choice index within the request
+    generator: torch.Generator
+    position: int  # real tokens so far (the next position id)
+    new: list = dataclasses.field(default_factory=list)
+    emitted: int = 0  # characters of the continuation sent so far
+    head: str = ""  # the decoding of the prompt's last tokens (the continuation is what follows it)
+    matcher: object = None
+    counts: object = None  # generated-token counts (presence/frequency penalties)
+    last_time: float = 0.0
+    finish: Finish | None = None
+
+
+class Engine:
+    """Owns the model on its own thread; submit() queues a Request, whose events reach request.sink."""
+
+    def __init__(self, loaded, *, max_batch=16, max_queue=64, max_cache_tokens=65536, prefix_cache_bytes=256 << 20,
+                 eos_ids=(), metrics=None, tokenizer_lock=None):
+        self.loaded, self.model, self.tokenizer = loaded, loaded.model, loaded.tokenizer
+        self.device = loaded.input_device
+        self.max_batch, self.max_queue, self.max_cache_tokens = max_batch, max_queue, max_cache_tokens
+        self.eos_ids = set(eos_ids)
+        self.metrics = metrics or Metrics()
+        self.tokenizer_lock = tokenizer_lock or threading.Lock()
+        self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None
+        parameters = inspect.signature(self.model.forward).parameters
+        if loaded.model_type in UNBATCHABLE_TYPES:
+            raise ValueError(f"{loaded.model_type} drops the attention mask when decoding, so it cannot share a "
+                             "padded batch with other requests")
+        if "past_key_values" not in parameters:
+            raise ValueError(f"{loaded.model_type} keeps no key/value cache, which the server's batching needs")
+        self.use_positions = "position_ids" in parameters
+        self.keep_last = "logits_to_keep" in parameters
+        self.joining = None  # the request being prefilled (ended too if that fails)
+        self.waiting = collections.deque()
+        self.calls = queue.Queue()  # functions to run on the model thread between steps (prompt scoring)
+        self.wake = threading.Condition()
+        self.rows, self.cache, self.mask = [], None, None
+        self.peak_rows = 0  # the most rows decoded together so far
+        self.closing = self.stopped = False
+        self.bytes_per_token = self.measure_bytes_per_token()
+        self.thread = threading.Thread(target=self.loop, name="rungen-engine", daemon=True)
+
+    # -- the server's side ------------------------------------------------------------------------------
+
+    def start(self):
+        self.thread.start()
+
+    def submit(self, request):
+        """Queues a request; raises EngineBusy (queue full) or EngineClosed (shutting down)."""
+        with self.wake:
+            if self.closing:
+                raise EngineClosed("the server is shutting down")
+            if len(self.waiting) >= self.max_queue:
+                raise EngineBusy(f"{len(self.waiting)} requests are waiting already (--max_queue)")
+            self.waiting.append(request)
+            self.wake.notify()
+
+    def call(self, function):
+        """Runs function() on the model thread between two steps; returns a concurrent Future."""
+        import concurrent.futures
+
+        future = concurrent.futures.Future()
+        with self.wake:
+            if self.closing:
+                raise EngineClosed("the server is shutting down")
+            self.calls.put((function, future))
+            self.wake.notify()
+        return future
+
+    def close(self):
+        """Takes no new requests; running and waiting ones go on until abort() or their end."""
+        with self.wake:
+            self.closing = True
+            self.wake.notify()
+
+    def abort(self):
+        """Ends every request now: each choice gets finish_reason "abort"; the thread then stops."""
+        with self.wake:
+            self.stopped = True
+            self.wake.notify()
+
+    def idle(self):
+        return not self.rows and not self.waiting and self.calls.empty()
+
+    @property
+    def queue_depth(self):
+        return len(self.waiting)
+
+    @property
+    def cache_limit_bytes(self):
+        return self.max_cache_tokens * self.bytes_per_token
+
+    # -- the model thread ---------------------------------------------------------------------------------
+
+    def measure_bytes_per_token(self):
+        """Bytes of keys/values one token position takes, measured on a one-token forward pass."""
+        token = self.tokenizer.bos_token_id if self.tokenizer.bos_token_id is not None else 0
+        cache = DynamicCache(config=self.model.config)
+        if any(type(layer) is not DynamicLayer for layer in cache.layers):
+            # A sliding-window, chunked or recurrent layer keeps other state than all keys/values, which the
+            # batch's left-padded merge and trim do not know how to move.
+            raise ValueError(f"{self.loaded.model_type} has layers other than full attention (sliding window, "
+                             "chunked or recurrent), which the server's padded batch cannot hold")
+        with torch.inference_mode():
+            self.model(input_ids=torch.tensor([[token]], device=self.device), past_key_values=cache, use_cache=True)
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers_of(cache))
+
+    def loop(self):
+        while True:
+            with self.wake:
+                while not self.stopped and not self.rows and not self.waiting and self.calls.empty():
+                    if self.closing:
+                        return
+                    self.wake.wait()
+                stopped = self.stopped
+            if stopped:
+                self.end_all("abort")
+                return
+            try:
+                self.run_calls()
+                self.admit()
+                if self.rows:
+                    self.step()
+            except Exception as error:  # a failed step fails its requests, never the server
+                logger.exception("the engine step failed")
+                self.end_all("abort", error=f"generation failed: {error}")
+
+    def run_calls(self):
+        while True:
+            try:
+                function, future = self.calls.get_nowait()
+            except queue.Empty:
+                return
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(function())
+                except Exception as error:
+                    future.set_exception(error)
+
+    def admit(self):
+        """Moves waiting requests into the batch while rows and cache positions allow."""
+        while True:
+            with self.wake:
+                while self.waiting and self.waiting[0].cancelled:
+                    self.waiting.popleft().sink(("end", None))
+                if not self.waiting:
+                    return
+                request = self.waiting[0]
+                reserve = max([request.reserve] + [row.request.reserve for row in self.rows])
+                rows = len(self.rows) + request.n
+                if self.rows and (rows > self.max_batch or rows * reserve > self.max_cache_tokens):
+                    return  # waits for rows to leave
+                self.waiting.popleft()
+            self.joining = request
+            self.join(request)
+            self.joining = None
+
+    def join(self, request):
+        ids = request.ids
+        start = time.perf_counter()
+        reused, layers = self.prefix_cache.longest(ids) if self.prefix_cache else (0, None)
+        # The stored tensors are never written to: DynamicCache.update concatenates into new ones.
+        cache = DynamicCache(layers, config=self.model.config) if layers else DynamicCache(config=self.model.config)
+        rest = torch.tensor([ids[reused:]], device=self.device)
+        kwargs = {}
+        if self.use_positions:
+            kwargs["position_ids"] = torch.arange(reused, len(ids), device=self.device)[None]
+        if reused:
+            kwargs["attention_mask"] = torch.ones(1, len(ids), dtype=torch.long, device=self.device)
+        if self.keep_last:
+            kwargs["logits_to_keep"] = 1  # the prompt's other logits are never read
+        with torch.inference_mode():
+            output = self.model(input_ids=rest, past_key_values=cache, use_cache=True, **kwargs)
+        self.metrics.add_tokens(prompt=len(ids) - reused, reused=reused)
+        if reused:
+            logger.info("prefix cache: reused %d of %d prompt tokens", reused, len(ids))
+        new_layers = layers_of(output.past_key_values)
+        if request.n > 1:
+            new_layers = [(k.repeat(request.n, 1, 1, 1), v.repeat(request.n, 1, 1, 1)) for k, v in new_layers]
+        mask = torch.ones(request.n, len(ids), dtype=torch.long, device=self.device)
+        self.merge(new_layers, mask)
+        generator = torch.Generator(device="cpu")
+        generator.manual_seed(request.sampling.seed if request.sampling.seed is not None else secrets.randbits(63))
+        with self.tokenizer_lock:
+            head = self.tokenizer.decode(ids[-TAIL_TOKENS:], skip_special_tokens=True)
+        new_rows = []
+        for index in range(request.n):
+            row = Row(request, index, generator, len(ids), head=head, last_time=start)
+            if request.constraint is not None:
+                row.matcher = request.constraint.matcher()
+            new_rows.append(row)
+        self.rows += new_rows
+        self.peak_rows = max(self.peak_rows, len(self.rows))
+        logits = output.logits[:, -1].float()
+        self.advance(new_rows, logits.expand(request.n, -1))
+
+    def merge(self, layers, mask):
+        """Appends rows (their keys/values and mask) to the batch, left-padding whichever is shorter."""
+        if self.cache is None:
+            self.cache, self.mask = DynamicCache(layers, config=self.model.config), mask
+            return
+        old = layers_of(self.cache)
+        width = max(self.mask.shape[1], mask.shape[1])
+        merged = [(torch.cat([left_pad(k1, width), left_pad(k2, width)]), torch.cat([left_pad(v1, width),
+                   left_pad(v2, width)])) for (k1, v1), (k2, v2) in zip(old, layers)]
+        self.cache = DynamicCache(merged, config=self.model.config)
+        self.mask = torch.cat([left_pad(self.mask, width, dim=1), left_pad(mask, width, dim=1)])
+
+    def step(self):
+        """One decode step for every row."""
+        tokens = torch.tensor([[row.new[-1]] for row in self.rows], device=self.device)
+        self.mask = torch.cat([self.mask, torch.ones(len(self.rows), 1, dtype=torch.long, device=self.device)], 1)
+        kwargs = {}
+        if self.use_positions:
+            kwargs["position_ids"] = torch.tensor([[row.position] for row in self.rows], device=self.device)
+        with torch.inference_mode():
+            output = self.model(input_ids=tokens, attention_mask=self.mask, past_key_values=self.cache,
+                                use_cache=True, **kwargs)
+        self.cache = output.past_key_values
+        for row in self.rows:
+            row.position += 1
+        self.advance(list(self.rows), output.logits[:, -1].float())
+
+    def advance(self, rows, logits):
+        """Chooses each row's next token, reports it, and ends the rows that are done."""
+        now = time.perf_counter()
+        for row, row_logits in zip(rows, logits):
+            request = row.request
+            if request.cancelled:
+                row.finish = Finish("abort", "", row.new, len(request.ids))
+                continue
+            token = self.choose(row, row_logits)
+            if token is None:
+                logger.warning("%s: no token of the vocabulary continues the output; it ends incomplete",
+                               request.constraint.flag)
+                row.finish = self.finish_row(row, "stop", error="the grammar allows no token of this vocabulary "
+                                             "here; the output ends incomplete")
+                continue
+            row.new.append(token)
+            if not row.new[:-1]:
+                self.metrics.observe(self.metrics.ttft, Metrics.TTFT_BUCKETS, now - request.submitted)
+            else:
+                self.metrics.observe(self.metrics.tpot, Metrics.TPOT_BUCKETS, now - row.last_time)
+            row.last_time = now
+            self.metrics.add_tokens(generated=1)
+            items = None
+            if request.logprobs is not None:
+                raw = row_logits.log_softmax(-1)[None]
+                with self.tokenizer_lock:
+                    items = content(self.tokenizer, request.ids + row.new[:-1], [token], raw, request.logprobs)
+            self.report(row, token, items)
+        self.remove_finished()
+
+    def choose(self, row, logits):
+        """The next token under the request's sampling settings; None when the grammar allows none."""
+        sampling = row.request.sampling
+        scores = logits.clone()
+        if row.matcher is not None:
+            import xgrammar as xgr
+
+            from .constrain import nothing_allowed
+
+            vocab = row.request.constraint.vocab_size
+            bitmask = xgr.allocate_token_bitmask(1, vocab)
+            row.matcher.fill_next_token_bitmask(bitmask)
+            if nothing_allowed(bitmask)[0]:
+                return None
+            view = scores[None, :vocab]
+            xgr.apply_token_bitmask_inplace(view, bitmask)
+            scores[vocab:] = float("-inf")
+        if sampling.ignore_eos and self.eos_ids:
+            scores[list(self.eos_ids)] = float("-inf")
+        if sampling.logit_bias:
+            ids, values = zip(*sampling.logit_bias)
+            scores[list(ids)] += torch.tensor(values, dtype=scores.dtype)
+        if sampling.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(row.request.ids) | set(row.new)))
+            chosen = scores[seen]
+            scores[seen] = torch.where(chosen < 0, chosen * sampling.repetition_penalty,
+                                       chosen / sampling.repetition_penalty)
+        if (sampling.presence_penalty or sampling.frequency_penalty) and row.new:
+            counts = torch.bincount(torch.tensor(row.new), minlength=scores.shape[0])[: scores.shape[0]].to(scores)
+            scores -= sampling.frequency_penalty * counts + sampling.presence_penalty * (counts > 0).to(scores)
+        if sampling.temperature == 0:
+            return int(scores.argmax())
+        scores = scores / sampling.temperature
+        if sampling.top_k and sampling.top_k < scores.shape[0]:
+            kth = scores.topk(sampling.top_k).values[-1]
+            scores[scores < kth] = float("-inf")
+        probs = scores.softmax(-1)
+        if sampling.top_p < 1.0:
+            sorted_probs, order = probs.sort(descending=True)
+            # keep the smallest set whose mass reaches top_p (the top token always)
+            drop = sorted_probs.cumsum(-1) - sorted_probs >= sampling.top_p
+            probs[order[drop]] = 0
+        if sampling.min_p > 0:
+            probs[probs < sampling.min_p * probs.max()] = 0
+        return int(torch.multinomial(probs, 1, generator=row.generator))
+
+    def report(self, row, token, items):
+        """Sends the text this token adds (holding back what may be the start of a stop string or an
+        unfinished character) and ends the row when it is done."""
+        request = row.request
+        if row.matcher is not None:
+            row.matcher.accept_token(token)
+        text = self.continuation(row)
+        reason = None
+        cuts = [text.index(stop) for stop in request.stop if stop in text]
+        if cuts:
+            text, reason = text[: min(cuts)], "stop"
+        elif token in self.eos_ids and not request.sampling.ignore_eos:
+            reason = "stop"
+        elif row.matcher is not None and row.matcher.is_terminated():
+            reason = "stop"
+        elif len(row.new) >= request.max_tokens:
+            reason = "length"
+        if reason is None:
+            ready = len(text) - held_back(text, request.stop)
+        else:
+            ready = len(text)
+        delta = text[row.emitted : ready] if ready > row.emitted else ""
+        row.emitted = max(row.emitted, ready)
+        if delta or items:
+            request.sink(("delta", row.index, delta, items))
+        if reason is not None:
+            row.finish = Finish(reason, text, list(row.new), len(request.ids))
+
+    def continuation(self, row):
+        """The text of the row's new tokens, decoded after the prompt's last tokens and cut after them, as
+        describe_sequence does with the whole prompt (a leading space, a character split over tokens)."""
+        with self.tokenizer_lock:
+            whole = self.tokenizer.decode(row.request.ids[-TAIL_TOKENS:] + row.new, skip_special_tokens=True)
+            if whole.startswith(row.head):
+                return whole[len(row.head) :]
+            return self.tokenizer.decode(row.new, skip_special_tokens=True)
+
+    def finish_row(self, row, reason, error=None):
+        text = self.continuation(row)
+        if len(text) > row.emitted:
+            row.request.sink(("delta", row.index, text[row.emitted :], None))
+        return Finish(reason, text, list(row.new), len(row.request.ids), error)
+
+    def remove_finished(self):
+        done = [number for number, row in enumerate(self.rows) if row.finish is not None]
+        if not done:
+            return
+        finished_requests = []
+        for number in done:
+            row = self.rows[number]
+            if self.prefix_cache is not None and row.index == 0 and row.finish.reason != "abort":
+                self.remember(number, row)
+            row.request.sink(("done", row.index, row.finish))
+            if all(other.finish is not None for other in self.rows if other.request is row.request):
+                finished_requests.append(row.request)
+        keep = [number for number, row in enumerate(self.rows) if row.finish is None]
+        self.rows = [self.rows[number] for number in keep]
+        for request in finished_requests:
+            request.sink(("end", None))
+        if not self.rows:
+            self.cache = self.mask = None
+            return
+        index = torch.tensor(keep, device=self.device)
+        mask = self.mask.index_select(0, index)
+        first = int(mask.any(0).long().argmax())  # columns before it are padding in every row left
+        self.mask = mask[:, first:]
+        self.cache = DynamicCache([(k.index_select(0, index)[:, :, first:], v.index_select(0, index)[:, :, first:])
+                                   for k, v in layers_of(self.cache)], config=self.model.config)
+
+    def remember(self, number, row):
+        """Keeps a finished row's keys/values for a conversation that goes on from it."""
+        length = row.position  # the positions the cache holds (the last token was never fed)
+        tokens = (row.request.ids + row.new)[:length]
+        layers = [(k[number : number + 1, :, -length:].clone(), v[number : number + 1, :, -length:].clone())
+                  for k, v in layers_of(self.cache)]
+        if self.mask[number, -length:].all():
+            self.prefix_cache.put(tokens, layers)
+
+    def end_all(self, reason, error=None):
+        """Ends every running, joining and waiting request (shutdown's grace is over, or a step failed)."""
+        requests = []
+        for row in self.rows:
+            if row.finish is None:
+                row.finish = self.finish_row(row, reason, error)
+            row.request.sink(("done", row.index, row.finish))
+            if row.request not in requests:
+                requests.append(row.request)
+        joining = self.joining if self.joining is not None and self.joining not in requests else None
+        self.rows, self.joining, self.cache, self.mask = [], None, None, None
+        with self.wake:
+            waiting, self.waiting = list(self.waiting), collections.deque()
+        for request in ([joining] if joining else []) + waiting:
+            for index in range(request.n):
+                request.sink(("done", index, Finish(reason, "", [], len(request.ids), error)))
+            requests.append(request)
+        for request in requests:
+            request.sink(("end", None))
+        while True:
+            try:
+                _, future = self.calls.get_nowait()
+            except queue.Empty:
+                break
+            future.cancel()
+
+
+def layers_of(cache):
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def left_pad(tensor, width, dim=2):
+    """Zeros before the tensor's entries along dim (the sequence) up to width."""
+    missing = width - tensor.shape[dim]
+    if missing <= 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
+
+
+def held_back(text, stops):
+    """How many characters at the end of text to keep back: an unfinished UTF-8 character, or the longest
+    ending that is the start of a stop string (it may become one with the next token)."""
+    hold = 1 if text.endswith("\ufffd") else 0
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:size]):
+                hold = max(hold, size)
+                break
+    return hold
+
+
+def describe_memory(engine):
+    """One line stating the cache's bound."""
+    return (f"KV cache: {engine.bytes_per_token / 1024:.1f} KiB per token position, at most {engine.max_cache_tokens} "
+            f"positions ({engine.cache_limit_bytes / 2**30:.2f} GiB) over at most {engine.max_batch} rows; "
+            f"prefix cache at most {(engine.prefix_cache.max_bytes if engine.prefix_cache else 0) / 2**20:.0f} MiB")
+

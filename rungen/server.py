@@ -1,0 +1,813 @@
+"""--serve: an OpenAI-compatible HTTP server on one loaded model (FastAPI + uvicorn; docs/server.md).
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics. Every
+request field is either honoured or refused with a 400 naming it, in OpenAI's error shape; generation runs
+on rungen/engine.py's model thread, which batches the requests of all clients continuously.
+"""
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import hmac
+import ipaddress
+import json
+import signal
+import threading
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from . import logger
+from .engine import Engine, EngineBusy, EngineClosed, Metrics, Sampling, describe_memory
+from .engine import Request as EngineRequest
+from .errors import UsageError
+from .generation import eos_token_ids
+from .logprobs import score_prompts
+from .prompts import Prompt, encode_prompt
+
+API_KEY_ENV = "RUN_GENERATION_API_KEY"
+MAX_LOGPROBS = 20
+MAX_STOPS = 16
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+# Fields that name the same constraint in vLLM (guided_*, structured_outputs) and llama-server (grammar,
+# json_schema); each maps to rungen/constrain.py's kind.
+CONSTRAINT_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_grammar": "grammar",
+                     "grammar": "grammar", "json_schema": "json_schema"}
+STRUCTURED_OUTPUT_KEYS = {"json": "json_schema", "regex": "regex", "grammar": "grammar"}
+COMMON_FIELDS = {"model", "max_tokens", "n", "stop", "stream", "stream_options", "temperature", "top_p", "seed",
+                 "presence_penalty", "frequency_penalty", "logit_bias", "user", "top_k", "min_p",
+                 "repetition_penalty", "ignore_eos", "structured_outputs", *CONSTRAINT_FIELDS}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs", "best_of", "suffix"}
+CHAT_ROLES = {"system", "developer", "user", "assistant"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeOptions:
+    """How to serve (the --serve flags)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = dataclasses.field(default=None, repr=False)
+    model_id: str = "model"
+    max_queue: int = 64
+    max_batch: int = 16
+    max_cache_tokens: int = 65536
+    prefix_cache_mb: int = 256
+    max_body_bytes: int = 4 << 20
+    max_n: int = 16
+    cors_origins: tuple[str, ...] = ()
+    grace: float = 30.0
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, message, param=None, status=400, kind="invalid_request_error", code=None, headers=None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.kind, self.code = message, param, status, kind, code
+        self.headers = headers
+
+    def response(self):
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+#
+# Request fields
+#
+
+
+def present(body, name):
+    """A field counts as given unless absent or null (OpenAI reads null as the default)."""
+    return body.get(name) is not None
+
+
+def number(body, name, default, low=None, high=None, integer=False, low_open=False):
+    if not present(body, name):
+        return default
+    value = body[name]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and value != int(value)):
+        raise APIError(f"{name} must be {'an integer' if integer else 'a number'}, got {json.dumps(value)}", name)
+    if (low is not None and (value <= low if low_open else value < low)) or (high is not None and value > high):
+        bounds = f"{'(' if low_open else '['}{low}, {high}]"
+        raise APIError(f"{name} must be in {bounds}, got {value}", name)
+    return int(value) if integer else float(value)
+
+
+def boolean(body, name, default=False):
+    if not present(body, name):
+        return default
+    if not isinstance(body[name], bool):
+        raise APIError(f"{name} must be true or false, got {json.dumps(body[name])}", name)
+    return body[name]
+
+
+def read_stop(body):
+    if not present(body, "stop"):
+        return ()
+    stop = body["stop"]
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise APIError("stop must be a non-empty string or a list of them", "stop")
+    if len(stops) > MAX_STOPS:
+        raise APIError(f"stop takes at most {MAX_STOPS} strings, got {len(stops)}", "stop")
+    return tuple(stops)
+
+
+def read_logit_bias(body, vocab_size):
+    if not present(body, "logit_bias"):
+        return ()
+    bias = body["logit_bias"]
+    if not isinstance(bias, dict):
+        raise APIError("logit_bias must be an object mapping token ids to values in [-100, 100]", "logit_bias")
+    pairs = []
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isdigit() and int(key) < vocab_size):
+            raise APIError(f"logit_bias: {key!r} is not a token id of this model (0..{vocab_size - 1})", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise APIError(f"logit_bias[{key}] must be a number in [-100, 100], got {json.dumps(value)}", "logit_bias")
+        pairs.append((int(key), float(value)))
+    return tuple(pairs)
+
+
+def read_sampling(body, vocab_size):
+    top_k = number(body, "top_k", 0, -1, None, integer=True)
+    return Sampling(
+        temperature=number(body, "temperature", 1.0, 0, 2),
+        top_p=number(body, "top_p", 1.0, 0, 1, low_open=True),
+        top_k=max(top_k, 0),  # vLLM's -1 is off, as 0 is
+        min_p=number(body, "min_p", 0.0, 0, 1),
+        presence_penalty=number(body, "presence_penalty", 0.0, -2, 2),
+        frequency_penalty=number(body, "frequency_penalty", 0.0, -2, 2),
+        repetition_penalty=number(body, "repetition_penalty", 1.0, 0, None, low_open=True),
+        logit_bias=read_logit_bias(body, vocab_size),
+        seed=number(body, "seed", None, integer=True),
+        ignore_eos=boolean(body, "ignore_eos"),
+    )
+
+
+def read_constraint_source(body, response_format_allowed):
+    """(kind, source, param) of the request's one constraint, or None."""
+    found = []
+    for name, kind in CONSTRAINT_FIELDS.items():
+        if present(body, name):
+            value = body[name]
+            if kind == "json_schema" and isinstance(value, (dict, bool)):
+                value = json.dumps(value)
+            if not isinstance(value, str) or not value.strip():
+                raise APIError(f"{name} must be a non-empty {'schema' if kind == 'json_schema' else 'string'}", name)
+            found.append((kind, value, name))
+    if present(body, "structured_outputs"):
+        structured = body["structured_outputs"]
+        if not isinstance(structured, dict) or set(structured) - set(STRUCTURED_OUTPUT_KEYS):
+            raise APIError("structured_outputs takes one of json, regex, grammar", "structured_outputs")
+        for key, kind in STRUCTURED_OUTPUT_KEYS.items():
+            if structured.get(key) is not None:
+                value = structured[key]
+                value = json.dumps(value) if kind == "json_schema" and isinstance(value, (dict, bool)) else value
+                if not isinstance(value, str):
+                    raise APIError(f"structured_outputs.{key} must be a string", "structured_outputs")
+                found.append((kind, value, "structured_outputs"))
+    if response_format_allowed and present(body, "response_format"):
+        response_format = body["response_format"]
+        kind = response_format.get("type") if isinstance(response_format, dict) else None
+        if kind == "json_object":
+            found.append(("json_schema", '{"type": "object"}', "response_format"))
+        elif kind == "json_schema":
+            spec = response_format.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+                raise APIError("response_format.json_schema.schema must be a JSON schema", "response_format")
+            found.append(("json_schema", json.dumps(spec["schema"]), "response_format"))
+        elif kind != "text":
+            raise APIError("response_format.type must be text, json_object or json_schema", "response_format")
+    if len(found) > 1:
+        raise APIError(f"one constraint per request; got {', '.join(param for _, _, param in found)}", found[1][2])
+    return found[0] if found else None
+
+
+def check_fields(body, allowed):
+    for name in body:
+        if name not in allowed and body[name] is not None:
+            raise APIError(f"{name} is not supported by this server", name)
+
+
+def message_text(message, number):
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise APIError(f"messages[{number}].content: only text parts are supported, got {kind}", "messages")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise APIError(f"messages[{number}].content must be a string or a list of text parts", "messages")
+
+
+def read_messages(body):
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError("messages must be a non-empty list", "messages")
+    conversation = []
+    for number, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise APIError(f"messages[{number}] must be an object", "messages")
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise APIError(f"messages[{number}].role {role!r} is not supported (roles: "
+                           f"{', '.join(sorted(CHAT_ROLES))})", "messages")
+        extra = sorted(key for key in message if key not in ("role", "content") and message[key] is not None)
+        if extra:
+            raise APIError(f"messages[{number}].{extra[0]} is not supported by this server", "messages")
+        # "developer" is OpenAI's newer name for the system message; chat templates know "system".
+        conversation.append({"role": "system" if role == "developer" else role,
+                             "content": message_text(message, number)})
+    return conversation
+
+
+#
+# The app
+#
+
+
+@dataclasses.dataclass
+class Job:
+    """One engine request seen from the HTTP side: its events come through an asyncio queue."""
+
+    request: object
+    prompt_ids: list
+    first_choice: int  # the choice index of its first row in the response
+
+
+class Service:
+    """The routes' shared state: the model, the engine, the options, compiled constraints."""
+
+    def __init__(self, loaded, engine, options):
+        self.loaded, self.engine, self.options = loaded, engine, options
+        self.tokenizer_lock = engine.tokenizer_lock
+        self.eos_ids = sorted(engine.eos_ids)
+        self.constraints = {}  # (kind, source) -> Constraint (compiling costs tens of milliseconds)
+        self.created = int(time.time())
+
+    def compile(self, kind, source, param):
+        from .constrain import ConstraintError, compile_constraint
+
+        key = (kind, source)
+        if key not in self.constraints:
+            try:
+                with self.tokenizer_lock:
+                    constraint = compile_constraint(kind, source, self.loaded.tokenizer, self.loaded.vocab_size,
+                                                    self.eos_ids)
+            except ConstraintError as error:
+                raise APIError(str(error), param) from error
+            if len(self.constraints) >= 64:
+                self.constraints.pop(next(iter(self.constraints)))
+            self.constraints[key] = constraint
+        return self.constraints[key]
+
+    def encode(self, prompt, param):
+        try:
+            with self.tokenizer_lock:
+                return encode_prompt(self.loaded, prompt)
+        except ValueError as error:
+            raise APIError(str(error), param) from error
+
+    def max_tokens(self, body, prompt_len, default, n, names):
+        """max_tokens under the context and the cache bound, or a 400."""
+        context = self.loaded.context
+        given = [name for name in names if present(body, name)]
+        room = self.engine.max_cache_tokens // n - prompt_len
+        if given:
+            value = number(body, given[0], None, 0, None, integer=True)
+            if context and prompt_len + value > context:
+                raise APIError(f"the prompt ({prompt_len} tokens) plus {given[0]} ({value}) exceeds the model's "
+                               f"context of {context} tokens", given[0])
+            if value > room:
+                raise APIError(f"the prompt ({prompt_len} tokens) plus {given[0]} ({value}) for n={n} exceeds the "
+                               f"server's cache bound of {self.engine.max_cache_tokens} tokens", given[0])
+            return value
+        value = default if default is not None else (context - prompt_len if context else room)
+        value = min(value, room, context - prompt_len) if context else min(value, room)
+        if value < 1:
+            raise APIError(f"the prompt ({prompt_len} tokens) leaves no room to generate", names[-1])
+        return value
+
+
+def create_app(loaded, engine, options):
+    """The FastAPI app serving `loaded` through `engine` (already started) under `options`."""
+    service = Service(loaded, engine, options)
+    metrics = engine.metrics
+    app = FastAPI(title="run_generation", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.service = service
+    if options.cors_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(options.cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
+
+    @app.exception_handler(APIError)
+    async def api_error(request, error):
+        return error.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, error):
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        return APIError(str(error.detail), status=error.status_code, kind=kind).response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(request, error):
+        logger.exception("request failed")
+        return APIError(f"internal error: {error}", status=500, kind="server_error").response()
+
+    @app.get("/health")
+    async def health():
+        if engine.closing or engine.stopped or not engine.thread.is_alive():
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return PlainTextResponse(metrics.render(engine.queue_depth, len(engine.rows)),
+                                 media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": options.model_id, "object": "model", "created": service.created,
+                                            "owned_by": "run_generation"}]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model_card(model: str):
+        if model != options.model_id:
+            raise APIError(f"the model {model!r} does not exist; this server serves {options.model_id!r}", "model",
+                           status=404, code="model_not_found")
+        return {"id": options.model_id, "object": "model", "created": service.created, "owned_by": "run_generation"}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await read_body(request, options.max_body_bytes)
+        check_fields(body, CHAT_FIELDS)
+        check_model(body, options.model_id)
+        messages = read_messages(body)
+        last_user = [message["content"] for message in messages if message["role"] == "user"][-1:]
+        ids = service.encode(Prompt(0, "".join(last_user), messages=messages), "messages")
+        logprobs = None
+        if boolean(body, "logprobs"):
+            logprobs = number(body, "top_logprobs", 0, 0, MAX_LOGPROBS, integer=True)
+        elif present(body, "top_logprobs"):
+            raise APIError("top_logprobs needs logprobs: true", "top_logprobs")
+        return await generate(service, request, body, [ids], logprobs, chat=True,
+                              max_token_names=("max_completion_tokens", "max_tokens"), default_max=None)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await read_body(request, options.max_body_bytes)
+        check_fields(body, COMPLETION_FIELDS)
+        check_model(body, options.model_id)
+        if present(body, "suffix") and body["suffix"] != "":
+            raise APIError("suffix (insertion) is not supported by this server", "suffix")
+        if present(body, "best_of") and body["best_of"] != number(body, "n", 1, integer=True):
+            raise APIError("best_of other than n is not supported by this server", "best_of")
+        prompts = read_completion_prompts(service, body)
+        logprobs = number(body, "logprobs", None, 0, MAX_LOGPROBS, integer=True)
+        return await generate(service, request, body, prompts, logprobs, chat=False, max_token_names=("max_tokens",),
+                              default_max=DEFAULT_COMPLETION_TOKENS)
+
+    return app
+
+
+class Guard:
+    """ASGI middleware: the API key on every route but /health, and the request counters."""
+
+    def __init__(self, app, api_key, metrics):
+        self.app, self.metrics = app, metrics
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        status = {}
+
+        async def watch(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        if self.expected is not None and path != "/health" and scope["method"] != "OPTIONS":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = APIError("a valid API key is required: Authorization: Bearer <key>", status=401,
+                                 kind="invalid_request_error", code="invalid_api_key")
+                await error.response()(scope, receive, watch)
+                self.metrics.count_request(endpoint_label(path), 401)
+                return
+        try:
+            await self.app(scope, receive, watch)
+        finally:
+            self.metrics.count_request(endpoint_label(path), status.get("code", 499))
+
+
+def endpoint_label(path):
+    known = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+    return path if path in known else "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
+
+
+async def read_body(request, limit):
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise APIError(f"the request body is larger than {limit} bytes", status=413)
+    raw = b""
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > limit:
+            raise APIError(f"the request body is larger than {limit} bytes", status=413)
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise APIError(f"the request body is not valid JSON ({getattr(error, 'msg', error)})") from error
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object")
+    return body
+
+
+def check_model(body, model_id):
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise APIError("model is required (GET /v1/models lists it)", "model")
+    if model != model_id:
+        raise APIError(f"the model {model!r} does not exist; this server serves {model_id!r}", "model", status=404,
+                       code="model_not_found")
+
+
+def read_completion_prompts(service, body):
+    """The token ids of each prompt: a string, a list of strings, a list of token ids, or a list of those."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise APIError("prompt must be a string, a list of strings, or token ids", "prompt")
+    if len(prompt) > service.options.max_n:
+        raise APIError(f"at most {service.options.max_n} prompts per request, got {len(prompt)}", "prompt")
+    encoded = []
+    for item in prompt:
+        if isinstance(item, str):
+            encoded.append(service.encode(Prompt(0, item), "prompt"))
+        elif isinstance(item, list) and item and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+            if not all(0 <= t < service.loaded.vocab_size for t in item):
+                raise APIError(f"prompt: token ids must be in 0..{service.loaded.vocab_size - 1}", "prompt")
+            context = service.loaded.context
+            if context and len(item) >= context:
+                raise APIError(f"prompt is {len(item)} tokens; the model's context is {context}", "prompt")
+            encoded.append(list(item))
+        else:
+            raise APIError("prompt must be a string, a list of strings, or token ids", "prompt")
+    return encoded
+
+
+async def generate(service, http_request, body, prompts, logprobs, *, chat, max_token_names, default_max):
+    """Validates the generation fields, queues one engine request per prompt, and answers (or streams)."""
+    options, engine, loaded = service.options, service.engine, service.loaded
+    n = number(body, "n", 1, 1, options.max_n, integer=True)
+    stream = boolean(body, "stream")
+    include_usage = False
+    if present(body, "stream_options"):
+        stream_options = body["stream_options"]
+        if not stream:
+            raise APIError("stream_options needs stream: true", "stream_options")
+        if not isinstance(stream_options, dict) or set(stream_options) - {"include_usage"}:
+            raise APIError("stream_options takes include_usage only", "stream_options")
+        include_usage = boolean(stream_options, "include_usage")
+    echo = not chat and boolean(body, "echo")
+    sampling = read_sampling(body, loaded.vocab_size)
+    stops = read_stop(body)
+    constraint_source = read_constraint_source(body, response_format_allowed=chat)
+    constraint = None
+    if constraint_source:
+        loop = asyncio.get_running_loop()
+        constraint = await loop.run_in_executor(None, service.compile, *constraint_source)
+    plans = []
+    for ids in prompts:
+        max_tokens = service.max_tokens(body, len(ids), default_max, n, max_token_names)
+        if max_tokens == 0 and not echo:
+            raise APIError(f"{max_token_names[0]} 0 generates nothing: it scores the prompt with echo and logprobs",
+                           max_token_names[0])
+        plans.append((ids, max_tokens))
+
+    # Prompt scoring (echo with logprobs) runs on the model thread between two decode steps.
+    prompt_scores = [None] * len(prompts)
+    if echo and logprobs is not None:
+        try:
+            futures = [engine.call(functools.partial(score_prompts, loaded, [Prompt(0, None, ids=ids)], logprobs))
+                       for ids, _ in plans]
+        except EngineClosed as error:
+            raise APIError(str(error), status=503, kind="server_error") from error
+        prompt_scores = [(await asyncio.wrap_future(future))[0] for future in futures]
+
+    loop = asyncio.get_running_loop()
+    events = asyncio.Queue()
+    jobs = []
+    for number_, (ids, max_tokens) in enumerate(plans):
+        if max_tokens == 0:
+            continue
+        sink = functools.partial(lambda job, event: loop.call_soon_threadsafe(events.put_nowait, (job, event)),
+                                 number_)
+        request = EngineRequest(ids, max_tokens, sampling, sink, n=n, stop=stops, logprobs=logprobs,
+                                constraint=constraint)
+        jobs.append((number_, request))
+    try:
+        for _, request in jobs:
+            engine.submit(request)
+    except (EngineBusy, EngineClosed) as error:
+        for _, request in jobs:
+            request.cancelled = True
+        status = 503
+        raise APIError(f"the server is busy: {error}; retry later", status=status, kind="server_error",
+                       headers={"Retry-After": "1"}) from error
+    answer = Answer(service, chat, prompts, n, logprobs, echo, prompt_scores, include_usage)
+    for number_, (_, max_tokens) in enumerate(plans):
+        if max_tokens == 0:
+            answer.score_only(number_)
+    pending = {number_ for number_, _ in jobs}
+
+    def cancel():
+        for _, request in jobs:
+            request.cancelled = True
+
+    if stream:
+        return StreamingResponse(answer.stream(events, pending, cancel), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    try:
+        while pending:
+            try:
+                job, event = await asyncio.wait_for(events.get(), timeout=0.25)
+            except asyncio.TimeoutError:
+                if await http_request.is_disconnected():
+                    cancel()
+                    return PlainTextResponse("", status_code=499)
+                continue
+            if event[0] == "end":
+                pending.discard(job)
+            else:
+                answer.add(job, event)
+    except asyncio.CancelledError:
+        cancel()
+        raise
+    if answer.error:
+        raise APIError(answer.error, status=500, kind="server_error")
+    return answer.body()
+
+
+class Answer:
+    """Builds a response (or its stream of chunks) from the engine's events."""
+
+    def __init__(self, service, chat, prompts, n, logprobs, echo, prompt_scores, include_usage):
+        self.service, self.chat, self.prompts, self.n = service, chat, prompts, n
+        self.logprobs, self.echo, self.prompt_scores, self.include_usage = logprobs, echo, prompt_scores, include_usage
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        total = len(prompts) * n
+        self.texts, self.items, self.finish = [""] * total, [[] for _ in range(total)], [None] * total
+        self.error = None
+        self.completion_tokens = 0
+
+    def index(self, job, row):
+        return job * self.n + row
+
+    def score_only(self, job):
+        for row in range(self.n):
+            self.finish[self.index(job, row)] = "length"
+
+    def add(self, job, event):
+        kind, row = event[0], event[1]
+        choice = self.index(job, row)
+        if kind == "delta":
+            self.texts[choice] += event[2]
+            if event[3]:
+                self.items[choice] += event[3]
+        elif kind == "done":
+            finish = event[2]
+            self.finish[choice] = finish.reason
+            self.completion_tokens += len(finish.tokens)
+            if finish.error and finish.reason == "abort":
+                self.error = finish.error
+
+    @property
+    def prompt_tokens(self):
+        return sum(len(ids) for ids in self.prompts)
+
+    def usage(self):
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+    def prompt_text(self, job):
+        with self.service.tokenizer_lock:
+            return self.service.loaded.tokenizer.decode(self.prompts[job], skip_special_tokens=True)
+
+    def body(self):
+        choices = []
+        for choice, text in enumerate(self.texts):
+            job = choice // self.n
+            if self.chat:
+                logprobs = {"content": [chat_item(item) for item in self.items[choice]]} \
+                    if self.logprobs is not None else None
+                choices.append({"index": choice, "message": {"role": "assistant", "content": text},
+                                "logprobs": logprobs, "finish_reason": self.finish[choice]})
+            else:
+                prefix = self.prompt_text(job) if self.echo else ""
+                logprobs = None
+                if self.logprobs is not None:
+                    items = list(self.items[choice])
+                    logprobs = completion_logprobs(self.echo_items(job) + items, prefix_offset=0)
+                choices.append({"index": choice, "text": prefix + text, "logprobs": logprobs,
+                                "finish_reason": self.finish[choice]})
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.service.options.model_id, "choices": choices,
+                "usage": self.usage()}
+
+    def echo_items(self, job):
+        """The prompt's tokens as logprob items (the first has no log-probability)."""
+        if not self.echo:
+            return []
+        score = self.prompt_scores[job]
+        ids = self.prompts[job]
+        with self.service.tokenizer_lock:
+            first = self.service.loaded.tokenizer.decode(ids[:1], skip_special_tokens=False)
+        head = [{"token": first, "id": ids[0], "logprob": None, "top_logprobs": None}]
+        return head + (score[0]["content"] if score else [])
+
+    def chunk(self, choices, usage=False):
+        chunk = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                 "created": self.created, "model": self.service.options.model_id, "choices": choices}
+        if self.include_usage:
+            chunk["usage"] = self.usage() if usage else None
+        return "data: " + json.dumps(chunk) + "\n\n"
+
+    async def stream(self, events, pending, cancel):
+        """Server-sent events: one chunk per delta, a chunk with each finish_reason, then data: [DONE]."""
+        offsets = [0] * len(self.texts)
+        try:
+            if self.chat:
+                yield self.chunk([{"index": choice, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                   "finish_reason": None} for choice in range(len(self.texts))])
+            elif self.echo:
+                for choice in range(len(self.texts)):
+                    text = self.prompt_text(choice // self.n)
+                    logprobs = completion_logprobs(self.echo_items(choice // self.n), 0) \
+                        if self.logprobs is not None else None
+                    offsets[choice] = len(text)
+                    yield self.chunk([{"index": choice, "text": text, "logprobs": logprobs, "finish_reason": None}])
+            for choice, finish in enumerate(self.finish):  # max_tokens 0: the prompt alone
+                if finish is not None:
+                    yield self.chunk(self.final_choice(choice))
+            while pending:
+                job, event = await events.get()
+                if event[0] == "end":
+                    pending.discard(job)
+                    continue
+                self.add(job, event)
+                choice = self.index(job, event[1])
+                if event[0] == "delta":
+                    text, items = event[2], event[3] or []
+                    if self.chat:
+                        logprobs = {"content": [chat_item(item) for item in items]} if self.logprobs is not None \
+                            else None
+                        yield self.chunk([{"index": choice, "delta": {"content": text}, "logprobs": logprobs,
+                                           "finish_reason": None}])
+                    else:
+                        logprobs = completion_logprobs(items, offsets[choice]) if self.logprobs is not None else None
+                        offsets[choice] += len(text)
+                        yield self.chunk([{"index": choice, "text": text, "logprobs": logprobs,
+                                           "finish_reason": None}])
+                elif event[0] == "done":
+                    if self.error:
+                        yield "data: " + json.dumps({"error": {"message": self.error, "type": "server_error",
+                                                               "param": None, "code": None}}) + "\n\n"
+                    yield self.chunk(self.final_choice(choice))
+            if self.include_usage:
+                yield self.chunk([], usage=True)
+            yield "data: [DONE]\n\n"
+        finally:
+            if pending:  # the client went away (or the server cancels the response): free the rows
+                cancel()
+
+    def final_choice(self, choice):
+        if self.chat:
+            return [{"index": choice, "delta": {}, "logprobs": None, "finish_reason": self.finish[choice]}]
+        return [{"index": choice, "text": "", "logprobs": None, "finish_reason": self.finish[choice]}]
+
+
+def chat_item(item):
+    """rungen/logprobs.py's item in OpenAI's chat shape (with each token's UTF-8 bytes)."""
+    top = [{"token": alt["token"], "logprob": alt["logprob"], "bytes": list(alt["token"].encode())}
+           for alt in item.get("top_logprobs") or []]
+    return {"token": item["token"], "logprob": item["logprob"], "bytes": list(item["token"].encode()),
+            "top_logprobs": top}
+
+
+def completion_logprobs(items, prefix_offset):
+    """Items in the legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset."""
+    tokens, values, tops, offsets = [], [], [], []
+    offset = prefix_offset
+    for item in items:
+        tokens.append(item["token"])
+        values.append(item["logprob"])
+        alternatives = item.get("top_logprobs")
+        tops.append(None if alternatives is None else {alt["token"]: alt["logprob"] for alt in alternatives})
+        offsets.append(offset)
+        offset += len(item["token"])
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+#
+# Running
+#
+
+
+def is_loopback(host):
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def start_engine(loaded, options, metrics=None):
+    """An Engine for `loaded`, started, with its memory bound logged."""
+    engine = Engine(loaded, max_batch=options.max_batch, max_queue=options.max_queue,
+                    max_cache_tokens=options.max_cache_tokens, prefix_cache_bytes=options.prefix_cache_mb << 20,
+                    eos_ids=eos_token_ids_of(loaded), metrics=metrics or Metrics(),
+                    tokenizer_lock=threading.Lock())
+    engine.start()
+    logger.info("%s", describe_memory(engine))
+    return engine
+
+
+def eos_token_ids_of(loaded):
+    from .generation import Settings
+
+    return eos_token_ids(Settings(), loaded.model)
+
+
+def build(loaded, options):
+    """(app, engine): the ASGI app (auth and counters around the routes) and its started engine."""
+    engine = start_engine(loaded, options)
+    app = create_app(loaded, engine, options)
+    return Guard(app, options.api_key, engine.metrics), engine
+
+
+def run(loaded, options):
+    """Serves until SIGTERM or Ctrl-C: then takes no new requests, lets running ones finish within
+    options.grace seconds (then ends them with finish_reason "abort"), and returns."""
+    import uvicorn
+
+    if not is_loopback(options.host) and not options.api_key:
+        logger.warning("WARNING: listening on %s without --api_key: anyone who can reach this port can use the "
+                       "model", options.host)
+    try:
+        app, engine = build(loaded, options)
+    except ValueError as error:
+        raise UsageError(f"--serve: {error}") from error
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # uvicorn's own re-raises the signal after shutdown, so the process would die of it: a graceful
+            # stop exits 0 instead.
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+        def handle_exit(self, sig, frame):
+            if not self.should_exit:
+                logger.info("shutting down: finishing running requests (at most %.0f s)", options.grace)
+                engine.close()
+                timer = threading.Timer(options.grace, engine.abort)
+                timer.daemon = True
+                timer.start()
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=options.host, port=options.port, log_level="warning",
+                            timeout_graceful_shutdown=options.grace + 5, access_log=False)
+    server = Server(config)
+    logger.info("serving %s on http://%s:%d (OpenAI-compatible: /v1/chat/completions, /v1/completions)",
+                options.model_id, options.host, options.port)
+    server.run()
+    engine.close()
+    engine.abort()
+    engine.thread.join(timeout=10)
+    return None
+

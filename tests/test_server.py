@@ -1,0 +1,509 @@
+"""--serve: the OpenAI-compatible server against a live uvicorn on a free loopback port, through the official
+openai client and raw HTTP, on a tiny llama (with a chat template added, as an instruct checkpoint has)."""
+
+import concurrent.futures
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+
+from helpers import SCRIPT, cli_env, run_cli
+from rungen.engine import Engine
+from rungen.loading import load
+from rungen.server import Guard, ServeOptions, build, create_app
+from tiny_models import build_tiny_checkpoint
+
+MODEL_ID = "tiny-llama"
+# ChatML, as SmolLM2-Instruct's template writes it.
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+HELLO = [{"role": "user", "content": "Hello, my dog is cute."}]
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class LiveServer:
+    """uvicorn serving an ASGI app in a thread on 127.0.0.1."""
+
+    def __init__(self, app):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        for _ in range(200):
+            if self.server.started:
+                return
+            time.sleep(0.05)
+        raise RuntimeError("the server did not start")
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("serve") / "llama")
+    build_tiny_checkpoint("llama", path)
+    with open(os.path.join(path, "chat_template.jinja"), "w") as f:
+        f.write(CHAT_TEMPLATE)
+    return path
+
+
+@pytest.fixture(scope="module")
+def loaded(checkpoint):
+    return load(checkpoint, device=torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def served(loaded):
+    app, engine = build(loaded, ServeOptions(model_id=MODEL_ID, max_batch=8, max_queue=64))
+    live = LiveServer(app)
+    yield live, engine
+    live.stop()
+    engine.close()
+    engine.abort()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served[0].url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def post(served, path, body, **kwargs):
+    return httpx.post(served[0].url + path, json=body, timeout=60, **kwargs)
+
+
+def greedy_text(client, **kwargs):
+    response = client.completions.create(model=MODEL_ID, temperature=0, **kwargs)
+    return response.choices[0].text
+
+
+def test_models_health_and_metrics(served, client):
+    assert [model.id for model in client.models.list()] == [MODEL_ID]
+    assert client.models.retrieve(MODEL_ID).id == MODEL_ID
+    assert httpx.get(served[0].url + "/health").json() == {"status": "ok"}
+    client.completions.create(model=MODEL_ID, prompt="The capital", max_tokens=3, temperature=0)
+    metrics = httpx.get(served[0].url + "/metrics").text
+    assert 'rungen_requests_total{endpoint="/v1/completions",status="200"}' in metrics
+    for name in ("rungen_prompt_tokens_total", "rungen_generation_tokens_total", "rungen_queue_depth",
+                 "rungen_time_to_first_token_seconds_bucket", "rungen_time_per_output_token_seconds_count"):
+        assert name in metrics
+    generated = int(re.search(r"^rungen_generation_tokens_total (\d+)$", metrics, re.M).group(1))
+    assert generated >= 3
+
+
+@pytest.mark.slow
+def test_greedy_equals_the_command_line(served, client, checkpoint, loaded):
+    """The same greedy request gives the same text over HTTP as run_generation.py gives (generate())."""
+    long_prompt = "The weather today is sunny with a light wind from the west, and tomorrow it will rain. " * 3
+    assert len(loaded.tokenizer.encode(long_prompt)) > 40  # longer than the tail the engine decodes after
+    lines = [json.dumps({"prompt": "The capital of France is"}), json.dumps({"prompt": long_prompt}),
+             json.dumps({"messages": HELLO})]
+    result = run_cli(["--model_name_or_path", checkpoint, "--temperature", "0", "--length", "12",
+                      "--input_format", "jsonl", "--output_format", "jsonl"], stdin="\n".join(lines))
+    assert result.returncode == 0, result.stderr.decode()[-2000:]
+    expected = [json.loads(line)["generated_text"] for line in result.stdout.decode().splitlines()]
+    texts = []
+    for prompt in ("The capital of France is", long_prompt):
+        completion = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=12, temperature=0)
+        assert completion.usage.completion_tokens == 12 and completion.choices[0].finish_reason == "length"
+        texts.append(completion.choices[0].text)
+    chat = client.chat.completions.create(model=MODEL_ID, messages=HELLO, max_tokens=12, temperature=0)
+    assert texts + [chat.choices[0].message.content] == expected
+
+
+def test_streaming_matches_the_whole_answer(served, client):
+    whole = client.chat.completions.create(model=MODEL_ID, messages=HELLO, max_tokens=15, temperature=0)
+    pieces, usage, finish = [], None, None
+    for chunk in client.chat.completions.create(model=MODEL_ID, messages=HELLO, max_tokens=15, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert "".join(pieces) == whole.choices[0].message.content
+    assert finish == "length" and usage.completion_tokens == 15 and usage.prompt_tokens == whole.usage.prompt_tokens
+    # Raw server-sent events end with data: [DONE].
+    with httpx.stream("POST", served[0].url + "/v1/completions", timeout=60,
+                      json={"model": MODEL_ID, "prompt": "Once upon", "max_tokens": 5, "stream": True}) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in response.iter_lines() if line]
+    assert events[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in events)
+
+
+def test_n_and_seed(client):
+    kwargs = dict(model=MODEL_ID, messages=HELLO, max_tokens=10, temperature=1.0, n=3, seed=7)
+    first = client.chat.completions.create(**kwargs)
+    again = client.chat.completions.create(**kwargs)
+    texts = [choice.message.content for choice in first.choices]
+    assert [choice.index for choice in first.choices] == [0, 1, 2]
+    assert texts == [choice.message.content for choice in again.choices]  # the seed reproduces every choice
+    assert len(set(texts)) > 1  # the choices are separate draws
+    assert first.usage.completion_tokens == 30
+
+
+def test_stop_strings_cut_and_never_leak(served, client):
+    text = greedy_text(client, prompt="Once upon a time", max_tokens=24)
+    stop = text[9:12]  # three characters mid-text, very likely spread over tokens
+    other = "\u2603never"
+    cut = client.completions.create(model=MODEL_ID, prompt="Once upon a time", max_tokens=24, temperature=0,
+                                    stop=[other, stop])
+    assert cut.choices[0].text == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
+    streamed = ""
+    for chunk in client.completions.create(model=MODEL_ID, prompt="Once upon a time", max_tokens=24, temperature=0,
+                                           stop=stop, stream=True):
+        streamed += chunk.choices[0].text
+        assert stop not in streamed
+    assert streamed == cut.choices[0].text
+
+
+def test_logprobs_sum_to_a_forward_pass(loaded, client):
+    """The chosen tokens' log-probabilities are those of one forward pass over prompt + continuation."""
+    tokenizer, model = loaded.tokenizer, loaded.model
+    ids = tokenizer.apply_chat_template(HELLO, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    response = client.chat.completions.create(model=MODEL_ID, messages=HELLO, max_tokens=8, temperature=0,
+                                              logprobs=True, top_logprobs=3)
+    items = response.choices[0].logprobs.content
+    assert len(items) == 8 and all(len(item.top_logprobs) == 3 for item in items)
+    with torch.inference_mode():
+        new = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id)[0, len(ids):].tolist()
+        logits = model(torch.tensor([ids + new])).logits[0, len(ids) - 1 : -1].float().log_softmax(-1)
+    expected = logits.gather(1, torch.tensor(new)[:, None]).squeeze(1)
+    assert sum(item.logprob for item in items) == pytest.approx(float(expected.sum()), abs=1e-3)
+    assert items[0].top_logprobs[0].logprob >= items[0].top_logprobs[1].logprob
+    assert "".join(item.token for item in items) == response.choices[0].message.content
+
+
+def test_echo_scores_the_prompt(loaded, client):
+    prompt = "The capital of France is Paris"
+    response = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    choice = response.choices[0]
+    ids = loaded.tokenizer.encode(prompt)
+    with torch.inference_mode():
+        logprobs = loaded.model(torch.tensor([ids])).logits[0, :-1].float().log_softmax(-1)
+    expected = logprobs.gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1).tolist()
+    assert choice.text == prompt and choice.logprobs.token_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+    assert response.usage.completion_tokens == 0 and response.usage.prompt_tokens == len(ids)
+    # echo with generation: the prompt's text, then the continuation
+    echoed = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=4, echo=True, temperature=0)
+    assert echoed.choices[0].text == prompt + greedy_text(client, prompt=prompt, max_tokens=4)
+
+
+def test_json_schema_and_regex(client):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    response = client.chat.completions.create(
+        model=MODEL_ID, messages=HELLO, max_tokens=60, temperature=0.7, seed=1,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+    value = json.loads(response.choices[0].message.content)
+    assert set(value) == {"name", "age"} and isinstance(value["age"], int)
+    assert response.choices[0].finish_reason == "stop"
+    regex = r"(yes|no), [0-9]{3}"
+    answer = client.completions.create(model=MODEL_ID, prompt="Answer:", max_tokens=20, temperature=1, seed=3,
+                                       extra_body={"guided_regex": regex})
+    assert re.fullmatch(regex, answer.choices[0].text)
+    grammar = 'root ::= ("yes" | "no") " because " ("cats" | "dogs") "."'
+    for field in ("grammar", "guided_grammar"):  # llama-server's name, vLLM's name
+        answer = client.completions.create(model=MODEL_ID, prompt="Answer:", max_tokens=20, temperature=1, seed=5,
+                                           extra_body={field: grammar})
+        assert re.fullmatch(r"(yes|no) because (cats|dogs)\.", answer.choices[0].text), answer.choices[0].text
+        assert answer.choices[0].finish_reason == "stop"
+
+
+def test_without_max_tokens_a_chat_fills_the_context(loaded, client):
+    response = client.chat.completions.create(model=MODEL_ID, messages=HELLO, temperature=0)
+    assert response.choices[0].finish_reason == "length"
+    assert response.usage.total_tokens == loaded.context
+
+
+BAD_REQUESTS = [
+    ("/v1/chat/completions", {"messages": HELLO}, "model", 400),
+    ("/v1/chat/completions", {"model": "gpt-4o", "messages": HELLO}, "model", 404),
+    ("/v1/chat/completions", {"model": MODEL_ID}, "messages", 400),
+    ("/v1/chat/completions", {"model": MODEL_ID, "messages": [{"role": "tool", "content": "x"}]}, "messages", 400),
+    ("/v1/chat/completions", {"model": MODEL_ID, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, "messages", 400),
+    ("/v1/chat/completions", {"model": MODEL_ID, "messages": HELLO, "tools": [{"type": "function"}]}, "tools", 400),
+    ("/v1/chat/completions", {"model": MODEL_ID, "messages": HELLO, "temperature": 3}, "temperature", 400),
+    ("/v1/chat/completions", {"model": MODEL_ID, "messages": HELLO, "top_p": 0}, "top_p", 400),
+    ("/v1/chat/completions", {"model": MODEL_ID, "messages": HELLO, "n": 0}, "n", 400),
+    ("/v1/chat/completions", {"model": MODEL_ID, "messages": HELLO, "n": 1000}, "n", 400),
+    ("/v1/chat/completions", {"model": MODEL_ID, "messages": HELLO, "max_tokens": 1000}, "max_tokens", 400),
+    ("/v1/chat/completions", {"model": MODEL_ID, "messages": HELLO, "max_completion_tokens": -1},
+     "max_completion_tokens", 400),
+    ("/v1/chat/completions", {"model": MODEL_ID, "messages": HELLO, "stop": ""}, "stop", 400),
+    ("/v1/chat/completions", {"model": MODEL_ID, "messages": HELLO, "logit_bias": {"99999": 1}}, "logit_bias", 400),
+    ("/v1/chat/completions", {"model": MODEL_ID, "messages": HELLO, "logit_bias": {"5": 500}}, "logit_bias", 400),
+    ("/v1/chat/completions", {"model": MODEL_ID, "messages": HELLO, "presence_penalty": 2.5}, "presence_penalty",
+     400),
+    ("/v1/chat/completions", {"model": MODEL_ID, "messages": HELLO, "top_logprobs": 2}, "top_logprobs", 400),
+    ("/v1/chat/completions", {"model": MODEL_ID, "messages": HELLO, "logprobs": True, "top_logprobs": 50},
+     "top_logprobs", 400),
+    ("/v1/chat/completions", {"model": MODEL_ID, "messages": HELLO, "seed": "x"}, "seed", 400),
+    ("/v1/chat/completions", {"model": MODEL_ID, "messages": HELLO, "stream_options": {"include_usage": True}},
+     "stream_options", 400),
+    ("/v1/chat/completions", {"model": MODEL_ID, "messages": HELLO, "response_format": {"type": "xml"}},
+     "response_format", 400),
+    ("/v1/chat/completions", {"model": MODEL_ID, "messages": HELLO, "guided_regex": "(unclosed"}, "guided_regex",
+     400),
+    ("/v1/chat/completions", {"model": MODEL_ID, "messages": HELLO, "guided_regex": "a", "grammar": "root ::= \"a\""},
+     "grammar", 400),
+    ("/v1/completions", {"model": MODEL_ID, "prompt": "x", "suffix": "y"}, "suffix", 400),
+    ("/v1/completions", {"model": MODEL_ID, "prompt": "x", "best_of": 3}, "best_of", 400),
+    ("/v1/completions", {"model": MODEL_ID, "prompt": "x", "max_tokens": 0}, "max_tokens", 400),
+    ("/v1/completions", {"model": MODEL_ID, "prompt": [1, 2, 10**6]}, "prompt", 400),
+    ("/v1/completions", {"model": MODEL_ID, "prompt": "word " * 200}, "prompt", 400),
+    ("/v1/completions", {"model": MODEL_ID, "prompt": 5}, "prompt", 400),
+    ("/v1/completions", {"model": MODEL_ID, "prompt": "x", "logprobs": 99}, "logprobs", 400),
+]
+
+
+@pytest.mark.parametrize("path, body, param, status", BAD_REQUESTS, ids=[case[2] for case in BAD_REQUESTS])
+def test_bad_requests_are_refused_in_openai_shape(served, path, body, param, status):
+    response = post(served, path, body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"]
+    assert httpx.get(served[0].url + "/health").status_code == 200
+
+
+def test_malformed_bodies(served):
+    for content in (b"{not json", b"[1, 2]"):
+        response = httpx.post(served[0].url + "/v1/completions", content=content, timeout=10,
+                              headers={"content-type": "application/json"})
+        assert response.status_code == 400 and "error" in response.json()
+    too_big = httpx.post(served[0].url + "/v1/completions", content=b" " * (5 << 20), timeout=10)
+    assert too_big.status_code == 413
+    assert httpx.get(served[0].url + "/nowhere").json()["error"]["type"] == "not_found_error"
+
+
+def test_concurrent_load_equals_each_request_alone(served, client):
+    """32 requests from 8 clients, mixed prompts, lengths and settings: each gives what it gives alone."""
+    prompts = ["The capital of France is", "Once upon a time there was", "Hello", "I think that the best way to",
+               "Water boils at 100 degrees and", "The quick brown fox"]
+    requests = []
+    for number in range(32):
+        kwargs = dict(model=MODEL_ID, prompt=prompts[number % len(prompts)] * (1 + number % 3),
+                      max_tokens=4 + (number * 7) % 29, temperature=0)
+        if number % 4 == 1:
+            kwargs.update(temperature=0.9, top_p=0.9, seed=number)  # a seeded draw is reproducible too
+        if number % 5 == 2:
+            kwargs.update(frequency_penalty=1.0, presence_penalty=0.5, logit_bias={"5": -100})
+        if number % 7 == 3:
+            kwargs.update(stop=["e"])
+        requests.append(kwargs)
+
+    def ask(kwargs):
+        choice = client.completions.create(**kwargs).choices[0]
+        return choice.text, choice.finish_reason
+
+    alone = [ask(kwargs) for kwargs in requests]
+    peak = served[1].peak_rows
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(ask, requests))
+    assert together == alone
+    assert served[1].peak_rows > max(peak, 1)  # they did share the batch
+
+
+def test_a_client_dropping_mid_stream_frees_its_slot(served):
+    live, engine = served
+    body = {"model": MODEL_ID, "prompt": "Once", "max_tokens": 120, "temperature": 0, "stream": True}
+    with httpx.stream("POST", live.url + "/v1/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and '"text": "' in line:
+                break  # the first token came: hang up
+    for _ in range(200):
+        if not engine.rows:
+            break
+        time.sleep(0.02)
+    assert not engine.rows and engine.cache is None
+    assert post(served, "/v1/completions", {"model": MODEL_ID, "prompt": "Hi", "max_tokens": 2}).status_code == 200
+
+
+def test_a_conversation_reuses_its_cached_prefix(served, client):
+    engine = served[1]
+    first = client.chat.completions.create(model=MODEL_ID, messages=HELLO, max_tokens=6, temperature=0)
+    conversation = HELLO + [{"role": "assistant", "content": first.choices[0].message.content},
+                            {"role": "user", "content": "And the cat?"}]
+    before = engine.metrics.reused_tokens
+    reply = client.chat.completions.create(model=MODEL_ID, messages=conversation, max_tokens=8, temperature=0)
+    assert engine.metrics.reused_tokens > before
+    engine.prefix_cache.entries.clear()
+    engine.prefix_cache.bytes = 0
+    fresh = client.chat.completions.create(model=MODEL_ID, messages=conversation, max_tokens=8, temperature=0)
+    assert reply.choices[0].message.content == fresh.choices[0].message.content
+
+
+def test_api_key_and_a_full_queue(loaded, served):
+    """With a key every route but /health needs it; CORS is off unless origins are named; a queue that is full
+    answers 503 with Retry-After."""
+    engine = served[1]
+    options = ServeOptions(model_id=MODEL_ID, cors_origins=("http://app.example",))
+    keyed = LiveServer(Guard(create_app(loaded, engine, options), "s3cret", engine.metrics))
+    full = Engine(loaded, max_queue=0, eos_ids=engine.eos_ids, prefix_cache_bytes=0)
+    full.start()
+    busy = LiveServer(create_app(loaded, full, ServeOptions(model_id=MODEL_ID)))
+    try:
+        assert httpx.get(keyed.url + "/health").status_code == 200
+        denied = httpx.get(keyed.url + "/v1/models", headers={"Authorization": "Bearer wrong"})
+        assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(keyed.url + "/metrics").status_code == 401
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=keyed.url + "/v1", api_key="wrong", max_retries=0).models.list()
+        allowed = openai.OpenAI(base_url=keyed.url + "/v1", api_key="s3cret", max_retries=0)
+        assert allowed.completions.create(model=MODEL_ID, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+        # CORS only where asked for: the keyed server allows one origin, the module's server none.
+        preflight = {"Origin": "http://app.example", "Access-Control-Request-Method": "POST",
+                     "Access-Control-Request-Headers": "authorization"}
+        allowed_origin = httpx.options(keyed.url + "/v1/chat/completions", headers=preflight)
+        assert allowed_origin.headers.get("access-control-allow-origin") == "http://app.example"
+        no_cors = httpx.options(served[0].url + "/v1/chat/completions", headers=preflight)
+        assert "access-control-allow-origin" not in no_cors.headers
+        response = httpx.post(busy.url + "/v1/completions", json={"model": MODEL_ID, "prompt": "Hi"}, timeout=10)
+        assert response.status_code == 503 and response.headers["retry-after"] == "1"
+        assert response.json()["error"]["type"] == "server_error"
+    finally:
+        keyed.stop()
+        busy.stop()
+        full.close()
+
+
+def collect(engine, request_ids, **kwargs):
+    """Runs one engine request to its end; returns (finishes by choice, deltas)."""
+    from rungen.engine import Request, Sampling
+
+    finishes, deltas, done = {}, [], threading.Event()
+
+    def sink(event):
+        if event[0] == "delta":
+            deltas.append(event[2])
+        elif event[0] == "done":
+            finishes[event[1]] = event[2]
+        else:
+            done.set()
+
+    request = Request(request_ids, sink=sink, **{"max_tokens": 10, "sampling": Sampling(temperature=0), **kwargs})
+    engine.submit(request)
+    return request, finishes, deltas, done
+
+
+def test_abort_ends_every_request_with_a_reason(loaded):
+    """Shutdown's grace over: running and waiting requests all end, with finish_reason "abort"."""
+    engine = Engine(loaded, max_batch=1, eos_ids=(), prefix_cache_bytes=0)
+    ids = loaded.tokenizer.encode("Once upon a time")
+    running = collect(engine, ids, max_tokens=100)
+    waiting = collect(engine, ids, max_tokens=100)
+    engine.join(engine.waiting.popleft())  # the first is decoding, the second waits for its slot
+    engine.close()
+    engine.abort()
+    engine.loop()
+    for _, finishes, _, done in (running, waiting):
+        assert done.is_set() and finishes[0].reason == "abort"
+    assert running[1][0].tokens and not engine.rows and engine.cache is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["gpt2", "ctrl", "gptj", "bloom", "opt", "mistral", "qwen2"])
+def test_every_batchable_type_decodes_as_generate_does(model_type, tmp_path):
+    """Three prompts joining one batch give generate()'s greedy tokens, for each cache layout."""
+    path = build_tiny_checkpoint(model_type, str(tmp_path / model_type))
+    loaded = load(path, device=torch.device("cpu"))
+    engine = Engine(loaded, eos_ids=(), prefix_cache_bytes=0)
+    engine.start()
+    prompts = ["The capital of France is", "Once upon a time there was a little girl", "Hello"]
+    runs = [collect(engine, loaded.tokenizer.encode(prompt)) for prompt in prompts]
+    for prompt, (_, finishes, _, done) in zip(prompts, runs):
+        assert done.wait(60)
+        ids = loaded.tokenizer.encode(prompt)
+        with torch.inference_mode():
+            expected = loaded.model.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False,
+                                             pad_token_id=loaded.tokenizer.pad_token_id)[0, len(ids):].tolist()
+        assert finishes[0].tokens == expected
+    engine.close()
+    engine.thread.join(timeout=10)
+
+
+def test_flags_that_do_not_apply_are_refused(checkpoint, capsys):
+    import run_generation
+
+    with pytest.raises(SystemExit) as exit_info:
+        run_generation.cli(["--serve", "--model_name_or_path", checkpoint, "--temperature", "0.5"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == ("run_generation.py: error: --temperature does not apply to --serve: "
+                                               "each request sets its own (see docs/server.md)")
+    # main() logs the parsed flags: the key is not among what it prints, yet it is the key.
+    from rungen.arguments import parse_args, serve_options
+
+    args = parse_args(["--serve", "--api_key", "s3cret"])
+    assert "s3cret" not in repr(args) and args.api_key == "s3cret"
+    assert "s3cret" not in repr(serve_options(args))
+
+
+@pytest.mark.slow
+def test_sigterm_under_load_ends_every_stream_and_exits_0(checkpoint, tmp_path):
+    """run_generation.py --serve: SIGTERM while streams run; each ends properly (finish_reason, [DONE]) and the
+    process exits 0."""
+    port = free_port()
+    process = subprocess.Popen([sys.executable, SCRIPT, "--serve", "--model_name_or_path", checkpoint, "--port",
+                                str(port), "--shutdown_grace", "0.2"], env=cli_env(), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        streams, started = [], threading.Barrier(5, timeout=60)
+
+        def stream(number):
+            body = {"model": "llama", "prompt": "Once" * (1 + number), "max_tokens": 110, "stream": True}
+            lines = []
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+                for line in response.iter_lines():
+                    if line:
+                        lines.append(line)
+                        if len(lines) == 1:
+                            started.wait()
+            streams.append(lines)
+
+        threads = [threading.Thread(target=stream, args=(number,)) for number in range(4)]
+        for thread in threads:
+            thread.start()
+        started.wait()
+        process.send_signal(signal.SIGTERM)
+        for thread in threads:
+            thread.join(timeout=60)
+        assert process.wait(timeout=60) == 0, process.stderr.read().decode()[-2000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert len(streams) == 4
+    for lines in streams:
+        assert lines[-1] == "data: [DONE]"
+        finishes = [json.loads(line[6:])["choices"][0]["finish_reason"] for line in lines[:-1]]
+        assert finishes[-1] in ("length", "abort") and all(finish is None for finish in finishes[:-1])
+    shutil.rmtree(tmp_path, ignore_errors=True)
