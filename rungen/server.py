@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from . import logger
 from .engine import Engine, EngineBusy, EngineClosed, Metrics, Sampling, describe_memory
 from .engine import Request as EngineRequest
-from .errors import UsageError
+from .errors import PromptError, UsageError
 from .generation import eos_token_ids
 from .logprobs import score_prompts
 from .prompts import Prompt, encode_prompt
@@ -276,7 +276,7 @@ class Service:
         try:
             with self.tokenizer_lock:
                 return encode_prompt(self.loaded, prompt)
-        except ValueError as error:
+        except PromptError as error:
             raise APIError(str(error), param) from error
 
     def max_tokens(self, body, prompt_len, default, n, names):

@@ -158,14 +158,14 @@ def reference_model(path):
 
 
 @pytest.mark.parametrize("name", FILES)
-def test_logits_match_the_dequantized_float_model(gguf_files, loaded, name):
+def test_logits_match_the_dequantized_float_model(gguf_files, loaded, name, monkeypatch):
     header, model = loaded[name]
     reference = reference_model(gguf_files[name])
     batch = header.tokenizer(PROMPTS[:2], return_tensors="pt", padding=True)
     with torch.no_grad():
         theirs = reference(**batch).logits
-        decoding = model(**batch).logits  # few tokens: the decoding kernels, activations rounded to int8
-        exact = exact_weights(lambda: model(**batch).logits)
+        decoding = model(**batch).logits  # activations rounded to int8 per block of 32, as llama.cpp rounds them
+        exact = exact_weights(lambda: model(**batch).logits, monkeypatch)
     # The same de-quantized values multiplied in another order: float32 rounding only.
     torch.testing.assert_close(exact, theirs, rtol=1e-4, atol=1e-4)
     assert exact.abs().max() > 1  # logits of a real computation, not two zero tensors
@@ -176,15 +176,14 @@ def test_logits_match_the_dequantized_float_model(gguf_files, loaded, name):
     assert error.mean() < 0.01 * theirs[real].abs().max() and error.max() < 0.1 * theirs[real].abs().max()
 
 
-def exact_weights(run):
-    """run() with every token through the de-quantized weights (the path of prompts of 16 tokens or more)."""
+def exact_weights(run, monkeypatch):
+    """run() with every product taken on the exactly de-quantized weights and float32 activations."""
     if not native_kernels():
         pytest.skip("the exact path is the native kernels' (torch's fallback rounds scales to bfloat16)")
-    old = torch.ops.rungen_ggml.set_tile_threshold(1)
-    try:
+    with monkeypatch.context() as patch:
+        patch.setattr(GGMLLinear, "_matmul", lambda self, x: torch.ops.rungen_ggml.mm_tiled(
+            x.float().contiguous(), self.blocks, int(self.qtype), self.in_features))
         return run()
-    finally:
-        torch.ops.rungen_ggml.set_tile_threshold(old)
 
 
 def test_every_supported_type_runs_in_its_blocks(loaded):

@@ -409,10 +409,34 @@ at::Tensor mm_tiled(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qt
   return yt.t().contiguous();
 }
 
+// x [n, K] with each block of 32 rounded as quantize_activations rounds it (d = max|x| / 127, q = round(x / d)),
+// given back as q * d in float32.
+at::Tensor rounded_activations(const at::Tensor& x_in) {
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  at::Tensor r = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  float* rp = r.data_ptr<float>();
+  at::parallel_for(0, x.numel() / 32, 128, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const float* v = xp + b * 32;
+      float* o = rp + b * 32;
+      float amax = 0.f;
+      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
+      const float scale = amax / 127.f;
+      const float inv = scale != 0.f ? 1.f / scale : 0.f;
+      for (int i = 0; i < 32; ++i) o[i] = float(int32_t(std::nearbyint(v[i] * inv))) * scale;
+    }
+  });
+  return r;
+}
+
+// Many tokens go through float tiles, their activations rounded as the integer kernel rounds them: a token's
+// product is then the same (up to the order of float sums) alone, in a batch of any size and in a prompt, so
+// a greedy sequence does not change with the batch it decodes in.
 at::Tensor mm(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, int64_t in_features) {
   check_inputs(blocks, qtype, in_features);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == in_features, "rungen_ggml: x must be [n, ", in_features, "]");
-  if (x.size(0) >= tile_threshold) return mm_tiled(x, blocks, qtype, in_features);
+  if (x.size(0) >= tile_threshold) return mm_tiled(rounded_activations(x), blocks, qtype, in_features);
   return mm_int(x, blocks, qtype, in_features);
 }
 
