@@ -75,7 +75,8 @@ def main(argv=None):
         prompts = processes.share_prompts(state, mine if state.is_main_process else None)
     with state.main_process_first():  # only one process converts the default model
         loaded = load(args.model_name_or_path, model_type=args.model_type, dtype=args.dtype, device=state.device,
-                      device_map=args.device_map, max_memory=max_memory_map(args.max_memory))
+                      device_map=args.device_map, max_memory=max_memory_map(args.max_memory),
+                      dequantize=args.dequantize, quantize=args.quantize)
     settings = settings_from_args(args, loaded.context)
     if args.assistant_model:
         with state.main_process_first():

@@ -22,10 +22,11 @@ def cpu_flags() -> str:
 
 
 def load_float32(model_name_or_path=None):
-    """The tool's load() on the CPU in float32: the default model when no path is given."""
+    """The tool's load() on the CPU in float32: the default model when no path is given (a GGUF file
+    de-quantized, as --dequantize loads it)."""
     from rungen.loading import load
 
-    return load(model_name_or_path, dtype="float32", device=torch.device("cpu"))
+    return load(model_name_or_path, dtype="float32", device=torch.device("cpu"), dequantize=True)
 
 
 class StepClock(LogitsProcessor):

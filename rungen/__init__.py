@@ -9,6 +9,7 @@
     output.py      writing results in input order, as text blocks or JSON lines
     processes.py   several processes under accelerate: who reads, who generates what, who writes
     session.py     a session in the terminal: the prompt loop, /commands, the conversation and its context
+    gguf_loading.py  a GGUF file run in its own quantized blocks, memory-mapped, its header cached
     quantize.py    --quantize int8/int4: weight-only quantized linear layers (imported only for --quantize)
     jit.py         --jit: the traced decode step (private torch/transformers APIs; imported only for --jit)
     constrain.py   --json_schema/--regex/--grammar with xgrammar (imported only for those flags)

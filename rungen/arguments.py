@@ -68,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="Weight-only quantization of the linear layers (CPU; README: --quantize). Default: none, exact.",
     )
     parser.add_argument(
+        "--dequantize", action="store_true",
+        help="Run a GGUF file in float32, de-quantized on loading (default: in its own quantized blocks).",
+    )
+    parser.add_argument(
         "--verbose", action="store_true", help="In a terminal session, show the logs and loading bars it hides."
     )
     # Models larger than one device: accelerate's big-model loading.
@@ -125,6 +129,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         validate_generation_config(settings, file.path)
     if args.batch_size < 1:
         raise UsageError(f"--batch_size must be >= 1, got {args.batch_size}")
+    if args.dequantize and args.model_name_or_path and not args.model_name_or_path.endswith(".gguf"):
+        raise UsageError("--dequantize applies to GGUF files (and the default model); this checkpoint is not one")
+    in_blocks = not (args.dequantize or args.quantize) and (args.model_name_or_path or ".gguf").endswith(".gguf")
+    if args.jit and in_blocks:
+        raise UsageError("--jit traces float models: add --dequantize to run this GGUF file in float32 "
+                         "(or --quantize)")
     if args.quantize and args.device_map:
         raise UsageError("--quantize needs the whole model in memory on one device; it cannot be combined with "
                          "--device_map")

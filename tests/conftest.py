@@ -25,11 +25,17 @@ sys.path[:0] = [TESTS, os.path.dirname(TESTS)]  # helpers, and run_generation.py
 import pytest  # noqa: E402
 
 import run_generation  # noqa: E402
+import rungen.gguf_loading  # noqa: E402
 import rungen.loading  # noqa: E402
-from helpers import LoadMemo, default_model_dir, run_main  # noqa: E402
+from helpers import LoadMemo, gguf_header_dir, run_main  # noqa: E402
+from rungen.ggml import kernel_cache_dir  # noqa: E402
 from tiny_models import MODEL_TYPES, build_all  # noqa: E402
 
 LOAD = rungen.loading.load  # the real loader, whatever a test patches later
+# The native kernels are built once per machine (about a minute) into the user's cache: tests that give the
+# tool a fresh XDG_CACHE_HOME, and the processes they start, keep using that one build.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.dirname(os.path.dirname(kernel_cache_dir())),
+                                                         "torch_extensions"))
 
 
 def pytest_configure(config):
@@ -64,14 +70,15 @@ def tiny_model(request, tiny_models):
 
 @pytest.fixture(scope="session")
 def default_model(request, tmp_path_factory):
-    """(cache_home, first_run, converted): the embedded default model, converted by the tool's first run.
+    """(cache_home, first_run, converted): the embedded default model, its GGUF header read by the tool's first
+    run (converted: the cache was empty before it; with --dequantize a run converts it to float once more).
 
-    The conversion takes tens of seconds; its cache outlives the session in pytest's cache directory (as the
-    tool's own cache outlives a run), under a name that changes with transformers and with the loader's
-    source, so that a changed conversion is converted again. Without pytest's cache (-p no:cacheprovider),
+    The cache outlives the session in pytest's cache directory (as the tool's own cache outlives a run),
+    under a name that changes with transformers and with the loaders' source, so that a changed conversion
+    is converted again. Without pytest's cache (-p no:cacheprovider),
     a fresh directory. The README's first run on an empty cache is tests/test_default_model.py's slow test."""
     cache_home = default_model_cache(request.config) or tmp_path_factory.mktemp("xdg_cache")
-    converted = default_model_dir(cache_home) is None
+    converted = gguf_header_dir(cache_home) is None
     first = run_main(["--prompt", "The capital of France is", "--temperature", "0", "--length", "4"],
                      cache_home=cache_home)
     assert first.returncode == 0, first.stderr.decode()[-3000:]
@@ -87,8 +94,11 @@ def default_model_cache(config):
 
     import transformers
 
-    with open(rungen.loading.__file__, "rb") as f:
-        version = f"{transformers.__version__}-{hashlib.sha256(f.read()).hexdigest()[:16]}"
+    digest = hashlib.sha256()
+    for module in (rungen.loading, rungen.gguf_loading):
+        with open(module.__file__, "rb") as f:
+            digest.update(f.read())
+    version = f"{transformers.__version__}-{digest.hexdigest()[:16]}"
     parent = config.cache.mkdir("default_model")
     for old in os.listdir(parent):
         if old != version:

@@ -142,8 +142,15 @@ class LoadMemo:
         return loaded
 
 
+def gguf_header_dir(cache_home):
+    """The default model's cached GGUF header (config, tokenizer, tensor table) in a cache home, or None."""
+    cached = os.path.join(cache_home, "run_generation", "gguf")
+    names = sorted(os.listdir(cached)) if os.path.isdir(cached) else []
+    return os.path.join(cached, names[0]) if names else None
+
+
 def default_model_dir(cache_home):
-    """The converted default model's checkpoint in a cache home (None before the first run)."""
+    """The default model's float checkpoint (--dequantize) in a cache home (None before the first such run)."""
     cached = os.path.join(cache_home, "run_generation")
     names = sorted(os.listdir(cached)) if os.path.isdir(cached) else []
     found = [name for name in names if name.startswith("SmolLM2-")]

@@ -116,9 +116,11 @@ def test_beam_search_logprobs_follow_each_beam(tiny_models, forward, capsys):
         check_against_forward(record, tiny_models["gpt2"], forward)
 
 
+@pytest.mark.slow  # converts the default model to float: tens of seconds of CPU
 def test_logprobs_of_the_default_model(default_model, forward):
     cache_home, _, _ = default_model
-    args = ["--temperature", "0", "--length", "20", "--output_format", "jsonl", "--logprobs", "2"]
+    # In float32 (--dequantize), against a forward pass of the same float checkpoint.
+    args = ["--dequantize", "--temperature", "0", "--length", "20", "--output_format", "jsonl", "--logprobs", "2"]
     result = run_main(args, stdin="\n".join(PROMPTS), cache_home=cache_home)
     assert result.returncode == 0, result.stderr.decode()
     model_dir = default_model_dir(cache_home)
@@ -150,9 +152,10 @@ def test_scoring_gives_perplexity_of_a_forward_pass_and_batch_equals_single(tiny
         assert "logprobs" not in record
 
 
+@pytest.mark.slow  # converts the default model to float: tens of seconds of CPU
 def test_scoring_the_default_model(default_model, forward):
     cache_home, _, _ = default_model
-    args = ["--length", "0", "--output_format", "jsonl", "--logprobs", "0"]
+    args = ["--dequantize", "--length", "0", "--output_format", "jsonl", "--logprobs", "0"]
     result = run_main(args, stdin="\n".join(PROMPTS), cache_home=cache_home)
     assert result.returncode == 0, result.stderr.decode()
     model_dir = default_model_dir(cache_home)

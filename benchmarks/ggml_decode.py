@@ -1,0 +1,204 @@
+"""Decode speed of the default model with its GGUF blocks multiplied by rungen_ggml, beside float32,
+--quantize int4 and llama.cpp on the same file, in one run.
+
+    python -m benchmarks.ggml_decode [--new-tokens 128] [--repeats 3] [--threads 2] [--batch 1 4 16]
+
+The GGUF rows take the float32 model (the tool's cached conversion of the file) and replace every linear
+layer and the tied head by a GGMLLinear over the file's own blocks (Q4_1 linears, the Q8_0 head), q/k/v
+and gate/up fused into one matmul each (rungen.ggml.concat); each replaced layer's de-quantized blocks are
+checked equal to the float32 weight they replace. llama.cpp runs through llama-cpp-python in a separate
+virtualenv (--llama-python, a benchmark-only install) as a child process driven line by line, so its
+runs interleave with the others. Same prompt, greedy, batch 1, every mode once a repeat, back to back;
+ratios are medians of per-repeat ratios (the machine may be shared). --batch adds rows of several
+prompts at once (new tokens per second over the whole batch), torch modes only.
+"""
+
+import argparse
+import copy
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import gguf
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from benchmarks.common import cpu_flags
+from benchmarks.quantized_decode import PROMPT, Mode
+from rungen.ggml import GGMLLinear, concat, dequantize, native_kernels
+from rungen.loading import DEFAULT_MODEL_GGUF, DEFAULT_MODEL_PACKAGE, default_model_dir
+from rungen.quantize import Fused, Part
+
+GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+              "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+
+
+def gguf_path():
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)  # located, never imported
+    return os.path.join(spec.submodule_search_locations[0], DEFAULT_MODEL_GGUF)
+
+
+def _layer(tensor, heads=None):
+    blocks = torch.from_numpy(tensor.data.copy())
+    if heads:  # llama.cpp stores q/k rows interleaved for its rope; transformers un-permutes them
+        rows = blocks.shape[0]
+        blocks = blocks.reshape(heads, rows // heads // 2, 2, -1).transpose(1, 2).reshape(rows, -1).contiguous()
+    return GGMLLinear(blocks, tensor.tensor_type, int(tensor.shape[0]))
+
+
+def use_gguf_blocks(model, path):
+    """Replaces the llama model's linear layers and tied head by GGMLLinear over the file's blocks, in place."""
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    config = model.config
+    with torch.no_grad():
+        for i, block in enumerate(model.model.layers):
+            for parent, names in ((block.self_attn, ("q_proj", "k_proj", "v_proj")),
+                                  (block.mlp, ("gate_proj", "up_proj"))):
+                heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+                layers = [_layer(tensors[f"blk.{i}.{GGUF_NAMES[n]}.weight"], heads.get(n)) for n in names]
+                for name, layer in zip(names, layers):
+                    assert torch.equal(dequantize(layer.blocks, layer.qtype, layer.in_features),
+                                       getattr(parent, name).weight), f"layer {i} {name} differs"
+                fused, start = Fused(concat(layers), len(names)), 0
+                for part, (name, layer) in enumerate(zip(names, layers)):
+                    setattr(parent, name, Part(fused, part, start, start + layer.out_features))
+                    start += layer.out_features
+            for parent, name in ((block.self_attn, "o_proj"), (block.mlp, "down_proj")):
+                layer = _layer(tensors[f"blk.{i}.{GGUF_NAMES[name]}.weight"])
+                assert torch.equal(dequantize(layer.blocks, layer.qtype, layer.in_features),
+                                   getattr(parent, name).weight), f"layer {i} {name} differs"
+                setattr(parent, name, layer)
+        assert config.tie_word_embeddings and "output.weight" not in tensors
+        model.lm_head = _layer(tensors["token_embd.weight"])
+    return model
+
+
+LLAMA_CHILD = r"""
+import json, sys, time
+from llama_cpp import Llama
+path, threads, prompt = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=512, verbose=False)
+print(json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    new_tokens = int(line)
+    llm.reset()
+    tokens = llm.tokenize(prompt.encode())
+    out, stamps = [], []
+    start = time.perf_counter()
+    for token in llm.generate(tokens, top_k=1, temp=0.0, repeat_penalty=1.0):
+        stamps.append(time.perf_counter())
+        out.append(token)
+        if len(out) == new_tokens:
+            break
+    print(json.dumps({"tokens_per_s": new_tokens / (stamps[-1] - start),
+                      "ms_per_token": (stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1e3,
+                      "text": llm.detokenize(out).decode(errors="replace")}), flush=True)
+"""
+
+
+class LlamaCpp:
+    """llama.cpp on the very GGUF file, in a child process of the virtualenv that has llama-cpp-python."""
+
+    name = "llama.cpp (same GGUF)"
+
+    def __init__(self, python, threads):
+        self.child = subprocess.Popen([python, "-c", LLAMA_CHILD, gguf_path(), str(threads), PROMPT],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        json.loads(self.child.stdout.readline())
+        self.tokens_per_s, self.ms_per_token, self.text = [], [], None
+
+    def run(self, new_tokens):
+        self.child.stdin.write(f"{new_tokens}\n")
+        self.child.stdin.flush()
+        result = json.loads(self.child.stdout.readline())
+        self.tokens_per_s.append(result["tokens_per_s"])
+        self.ms_per_token.append(result["ms_per_token"])
+        self.text = result["text"]
+
+
+def batch_speed(model, tokenizer, batch, new_tokens):
+    """New tokens per second over a batch of `batch` copies of the prompt (greedy, no early stop)."""
+    enc = tokenizer([PROMPT] * batch, return_tensors="pt")
+    start = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(**enc, max_new_tokens=new_tokens, eos_token_id=None, do_sample=False)
+    return batch * new_tokens / (time.perf_counter() - start)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batch", type=int, nargs="*", default=[])
+    parser.add_argument("--jit", action="store_true", help="also a GGUF-blocks row with --jit")
+    parser.add_argument("--llama-python", default="/work/bench-venv/bin/python")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if not native_kernels():
+        sys.exit("the native kernels are not available")
+
+    path = default_model_dir()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    base = AutoModelForCausalLM.from_pretrained(path).eval()
+    modes = [Mode("float32 eager", copy.deepcopy(base), tokenizer),
+             Mode("--quantize int4 eager", copy.deepcopy(base), tokenizer, quantize="int4"),
+             Mode("GGUF blocks, rungen_ggml", use_gguf_blocks(copy.deepcopy(base), gguf_path()), tokenizer)]
+    if args.jit:
+        modes.append(Mode("GGUF blocks, rungen_ggml, --jit", use_gguf_blocks(copy.deepcopy(base), gguf_path()),
+                          tokenizer, jit=True))
+    reference = None
+    check = subprocess.run([args.llama_python, "-c", "import llama_cpp"], capture_output=True)
+    if check.returncode == 0:
+        reference = LlamaCpp(args.llama_python, args.threads)
+        modes.append(reference)
+    else:
+        print(f"no llama.cpp row: {args.llama_python} cannot import llama_cpp", file=sys.stderr)
+
+    for mode in modes:  # warm-up, not counted
+        mode.run(8)
+        mode.tokens_per_s, mode.ms_per_token = [], []
+    for _ in range(args.repeats):
+        for mode in modes:
+            mode.run(args.new_tokens)
+
+    med = statistics.median
+    print(f"default model (SmolLM2-135M-Instruct), {args.new_tokens} new tokens, greedy, batch 1, "
+          f"{args.threads} threads, median of {args.repeats}, torch {torch.__version__}, "
+          f"kernel path {torch.ops.rungen_ggml.isa()}")
+    print(f"CPU flags: {cpu_flags()}")
+    print("")
+    print("| mode | tokens/s | vs llama.cpp | decode ms/token |")
+    print("| --- | ---: | ---: | ---: |")
+    for mode in modes:
+        ratio = "-"
+        if reference:
+            ratio = f"{med([s / r for s, r in zip(mode.tokens_per_s, reference.tokens_per_s)]):.2f}x"
+        print(f"| {mode.name} | {med(mode.tokens_per_s):.1f} | {ratio} | {med(mode.ms_per_token):.1f} |")
+    print("")
+    for mode in modes:
+        print(f"{mode.name}: {mode.text[:70]!r}")
+    if args.batch:
+        torch_modes = [m for m in modes if m is not reference and "--jit" not in m.name]
+        print("")
+        print(f"| batch | {' | '.join(m.name + ' tokens/s' for m in torch_modes)} |")
+        print(f"| ---: | {' | '.join('---:' for _ in torch_modes)} |")
+        for batch in args.batch:
+            speeds = [[] for _ in torch_modes]
+            for _ in range(args.repeats):
+                for speed, mode in zip(speeds, torch_modes):
+                    speed.append(batch_speed(mode.model, tokenizer, batch, args.new_tokens // 4))
+            print(f"| {batch} | {' | '.join(f'{med(s):.1f}' for s in speeds)} |")
+    if reference:
+        reference.child.stdin.close()
+        reference.child.wait()
+
+
+if __name__ == "__main__":
+    main()

