@@ -3,7 +3,6 @@
 import re
 
 import pytest
-import torch
 
 from helpers import run_cli, run_main, tiny_args
 
@@ -31,16 +30,15 @@ def test_the_memo_loads_a_model_once_and_hands_out_copies(tiny_models, load_memo
     args = tiny_args(tiny_models, "llama", "--prompt", "Hello", "--length", "4", "--temperature", "0")
     plain = run_main(args)
     misses = load_memo.misses
-    quantized = run_main(args + ["--quantize", "int8"])
+    traced = run_main(args + ["--jit"])
     again = run_main(args)
-    assert plain.returncode == quantized.returncode == again.returncode == 0, again.stderr.decode()
+    assert plain.returncode == traced.returncode == again.returncode == 0, again.stderr.decode()
     assert load_memo.misses == misses  # both from the memo
-    assert b"Quantized" in quantized.stderr and b"Quantized" not in again.stderr
-    assert again.stdout == plain.stdout
-    # --quantize replaced the layers of its own copy only: the memo's model keeps float linear layers.
-    layers = [layer for loaded in load_memo.loaded.values() if loaded.model_type == "llama"
-              for name, layer in loaded.model.named_modules() if name.endswith("q_proj")]
-    assert layers and all(type(layer) is torch.nn.Linear for layer in layers)
-    # A flag the loader reads is part of the key.
+    assert b"Traced the decode step" in traced.stderr and b"Traced" not in again.stderr
+    assert again.stdout == plain.stdout == traced.stdout
+    # --jit patched the forward of its own copy only: the memo's models keep their class's forward.
+    models = [loaded.model for loaded in load_memo.loaded.values() if loaded.model_type == "llama"]
+    assert models and all("forward" not in vars(model) for model in models)
+    # An argument of the loader is part of the key (--quantize is one: it quantizes while loading).
     run_main(args + ["--dtype", "float32"])
     assert load_memo.misses == misses + 1
