@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -385,8 +386,10 @@ at::Tensor dequantize(const at::Tensor& blocks, int64_t qtype, int64_t in_featur
 }
 
 // Tokens from which a product goes through de-quantized float tiles and torch's matmul rather than the
-// integer kernel (measured on AVX2 and stated in docs/kernels.md); settable for benchmarks.
-int64_t tile_threshold = 16;
+// integer kernel. Off by default: the tiles are faster from about 16 tokens (docs/kernels.md), but their float
+// sums come in another order, and a token's product must not depend on how many others share the call (a
+// greedy sequence would change with its batch). Settable for benchmarks.
+int64_t tile_threshold = std::numeric_limits<int64_t>::max();
 
 at::Tensor mm_tiled(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype, int64_t in_features) {
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
