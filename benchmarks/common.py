@@ -29,6 +29,17 @@ def load_float32(model_name_or_path=None):
     return load(model_name_or_path, dtype="float32", device=torch.device("cpu"), dequantize=True)
 
 
+def run_interleaved(modes, repeats: int, new_tokens: int) -> None:
+    """One uncounted 8-token warm-up of every mode, then `repeats` rounds of every mode back to back, so that
+    each round's runs share the machine's load (a mode's run(n) appends to tokens_per_s and ms_per_token)."""
+    for mode in modes:
+        mode.run(8)
+        mode.tokens_per_s, mode.ms_per_token = [], []
+    for _ in range(repeats):
+        for mode in modes:
+            mode.run(new_tokens)
+
+
 class StepClock(LogitsProcessor):
     """Records the time of every decoding step (called once per generated token)."""
 

@@ -29,7 +29,7 @@ import gguf
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from benchmarks.common import cpu_flags
+from benchmarks.common import cpu_flags, run_interleaved
 from benchmarks.quantized_decode import PROMPT, Mode
 from rungen.ggml import GGMLLinear, concat, dequantize, native_kernels
 from rungen.loading import DEFAULT_MODEL_GGUF, DEFAULT_MODEL_PACKAGE, default_model_dir
@@ -161,12 +161,7 @@ def main():
     else:
         print(f"no llama.cpp row: {args.llama_python} cannot import llama_cpp", file=sys.stderr)
 
-    for mode in modes:  # warm-up, not counted
-        mode.run(8)
-        mode.tokens_per_s, mode.ms_per_token = [], []
-    for _ in range(args.repeats):
-        for mode in modes:
-            mode.run(args.new_tokens)
+    run_interleaved(modes, args.repeats, args.new_tokens)
 
     med = statistics.median
     print(f"default model (SmolLM2-135M-Instruct), {args.new_tokens} new tokens, greedy, batch 1, "

@@ -26,7 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList
 
-from benchmarks.common import StepClock, cpu_flags
+from benchmarks.common import StepClock, cpu_flags, run_interleaved
 from rungen.jit import enable_jit
 from rungen.loading import DEFAULT_MODEL_GGUF, DEFAULT_MODEL_PACKAGE, default_model_dir
 from rungen.quantize import Fp16Linear, quantize_model
@@ -135,12 +135,7 @@ def main():
         print("llama-cpp-python is not installed: no llama.cpp row", file=sys.stderr)
 
     bandwidth = read_bandwidth()
-    for mode in modes:  # warm-up, not counted
-        mode.run(8)
-        mode.tokens_per_s, mode.ms_per_token = [], []
-    for _ in range(args.repeats):
-        for mode in modes:
-            mode.run(args.new_tokens)
+    run_interleaved(modes, args.repeats, args.new_tokens)
     bandwidth = max(bandwidth, read_bandwidth())
 
     med = statistics.median
