@@ -320,13 +320,16 @@ def test_speculative_modes_keep_the_greedy_text(tiny_models, second_llama, mode,
         assert all(a["id"] == b["id"] and abs(a["logprob"] - b["logprob"]) < TOKEN_TOL for a, b in pairs)
 
 
+@pytest.mark.slow  # converts the default model to float: tens of seconds of CPU
 def test_prompt_lookup_keeps_the_default_models_greedy_text(default_model):
     # An input-grounded prompt (copy a passage), where prompt lookup drafts many tokens that are accepted.
     cache_home, _, _ = default_model
     passage = ("The town of Millbrook sits where two rivers meet, and for most of its history the rivers decided "
                "everything. The first settlers built their houses on the eastern bank.")
-    args = ["--chat", "--prompt", f"Copy the following text exactly: {passage}", "--temperature", "0",
-            "--length", "40"]
+    # In float (--dequantize), where a forward pass over several tokens gives each the bits of one over one:
+    # in the GGUF blocks the attention over a draft sums in another order, and the text may part at a near-tie.
+    args = ["--dequantize", "--chat", "--prompt", f"Copy the following text exactly: {passage}", "--temperature",
+            "0", "--length", "40"]
     plain = run_main(args, cache_home=cache_home)
     lookup = run_main(args + ["--prompt_lookup_num_tokens", "10"], cache_home=cache_home)
     assert plain.returncode == lookup.returncode == 0, lookup.stderr.decode()
