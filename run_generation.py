@@ -41,6 +41,7 @@ from rungen.arguments import max_memory_map, parse_args, serve_options, settings
 from rungen.controls import load_assistant
 from rungen.errors import PromptError, PromptsFailed, RunGenerationError, UsageError
 from rungen.generation import UNBATCHABLE_TYPES, StopTokenStreamer, eos_token_ids, generate_batch, make_batches
+from rungen.ggml import holds_blocks, native_kernels
 from rungen.loading import load
 from rungen.output import Writer, print_stream_header
 from rungen.prompts import encode_prompt, prepare_model, read_prompts
@@ -101,6 +102,10 @@ def main(argv=None):
                     head_class().format)
     if args.jit:
         from rungen.jit import enable_jit  # private torch/transformers APIs: only when asked for
+
+        if not args.dequantize and not args.quantize and holds_blocks(loaded.model) and not native_kernels():
+            raise UsageError("--jit traces a GGUF file's blocks through the native kernels, which are not "
+                             "available; add --dequantize to run it in float32")
 
         seconds = enable_jit(loaded.model, loaded.tokenizer)
         if seconds is not None:

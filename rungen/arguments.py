@@ -201,10 +201,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise UsageError(f"--batch_size must be >= 1, got {args.batch_size}")
     if args.dequantize and args.model_name_or_path and not args.model_name_or_path.endswith(".gguf"):
         raise UsageError("--dequantize applies to GGUF files (and the default model); this checkpoint is not one")
-    in_blocks = not (args.dequantize or args.quantize) and (args.model_name_or_path or ".gguf").endswith(".gguf")
-    if args.jit and in_blocks:
-        raise UsageError("--jit traces float models: add --dequantize to run this GGUF file in float32 "
-                         "(or --quantize)")
     if args.quantize and args.device_map:
         raise UsageError("--quantize needs the whole model in memory on one device; it cannot be combined with "
                          "--device_map")

@@ -87,6 +87,11 @@ class GGMLLinear(torch.nn.Module):
         return fallback(x.float()).float()
 
 
+def holds_blocks(model: torch.nn.Module) -> bool:
+    """Whether any layer of `model` multiplies GGUF blocks."""
+    return any(isinstance(module, GGMLLinear) for module in model.modules())
+
+
 def concat(layers: list[GGMLLinear]) -> GGMLLinear | None:
     """One layer whose rows are the given layers' rows, in order (q/k/v, gate/up: one matmul for
     projections of the same input), or None when they differ in type or input width."""

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from .errors import UsageError
-from .ggml import SUPPORTED, GGMLLinear, dequantize
+from .ggml import SUPPORTED, GGMLLinear, dequantize, native_kernels
 
 logger = logging.getLogger("run_generation")
 
@@ -219,9 +219,14 @@ class GGMLEmbedding(torch.nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, qtype={self.qtype.name}"
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
-        rows = dequantize(self.blocks[unique.cpu()], self.qtype, self.embedding_dim).to(self.dtype)
-        out = rows[inverse.cpu()].reshape(*ids.shape, self.embedding_dim).to(ids.device)
+        if native_kernels():  # torch operators only, so that --jit can trace the lookup
+            blocks = self.blocks.index_select(0, ids.reshape(-1))
+            rows = torch.ops.rungen_ggml.dequantize(blocks, int(self.qtype), self.embedding_dim)
+            out = rows.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
+        else:
+            unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
+            rows = dequantize(self.blocks[unique.cpu()], self.qtype, self.embedding_dim).to(self.dtype)
+            out = rows[inverse.cpu()].reshape(*ids.shape, self.embedding_dim).to(ids.device)
         return out if self.embed_scale is None else out * self.embed_scale
 
 

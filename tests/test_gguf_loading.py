@@ -8,6 +8,7 @@ random bytes, which any de-quantizer reads as some weights)."""
 
 import importlib.util
 import io
+import logging
 import os
 import sys
 
@@ -265,11 +266,21 @@ def test_unsupported_type_fails_in_one_line(tokenizer_fields, tmp_path, capsys):
         GGUFHeader(path)
 
 
-def test_jit_and_dequantize_on_a_float_checkpoint_are_refused(gguf_files, tiny_models, capsys):
-    code, line = error_of(["--model_name_or_path", gguf_files["q4_0_untied"], "--prompt", "Hi", "--jit"], capsys)
-    assert code == 2 and "--dequantize" in line
+def test_dequantize_on_a_float_checkpoint_is_refused(tiny_models, capsys):
     code, line = error_of(["--model_name_or_path", tiny_models["llama"], "--prompt", "Hi", "--dequantize"], capsys)
     assert code == 2 and "--dequantize applies to GGUF files" in line
+
+
+@pytest.mark.parametrize("name", ["mixed_tied", "q4_0_untied"])
+def test_jit_traces_the_blocks_and_keeps_the_greedy_text(gguf_files, name, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="run_generation")
+    args = ["--model_name_or_path", gguf_files[name], "--temperature", "0", "--length", "8", "--batch_size", "2"]
+    outputs = []
+    for extra in ([], ["--jit"]):
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("\n".join(PROMPTS).encode())))
+        outputs.append(run_generation.main(args + extra))
+    assert "Traced the decode step" in caplog.text  # the graph served the steps, not the eager fallback
+    assert outputs[1] == outputs[0] and len(outputs[0]) == len(PROMPTS)
 
 
 @pytest.mark.fresh_load  # load_quantized must really run, not a loaded model be reused
