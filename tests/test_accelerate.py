@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import run_generation
-from helpers import SCRIPT, blocks, cli_env, jsonl, run_main, tiny_args
+from helpers import SCRIPT, blocks, cli_env, jsonl, run_cli, run_main, tiny_args
 from rungen.loading import load
 
 PROMPTS = "\n".join(["Hello, my dog is cute", "The capital of France is", "A", "Once upon a time", "Water boils"])
@@ -35,7 +35,7 @@ def test_two_cpu_processes_give_the_single_process_output(tiny_models):
     for output_format in ("jsonl", "text"):
         args = tiny_args(tiny_models, "llama", "--temperature", "0", "--length", "8", "--batch_size", "2",
                          "--output_format", output_format)
-        single = run_main(args, stdin=PROMPTS)
+        single = run_cli(args, stdin=PROMPTS)  # a process too: nothing of an in-process run reaches the launch
         double = launch(2, args, PROMPTS)
         assert single.returncode == double.returncode == 0, double.stderr.decode()[-3000:]
         assert "processes: 2" in double.stderr.decode()
@@ -49,7 +49,7 @@ def test_two_cpu_processes_give_the_single_process_output(tiny_models):
 def test_two_processes_with_more_prompts_than_rounds_and_errors(tiny_models):
     stdin = PROMPTS + "\n" + "dog " * 300 + "\n" + PROMPTS  # 11 prompts, one too long, uneven shares
     args = tiny_args(tiny_models, "gpt2", "--temperature", "0", "--length", "5", "--output_format", "jsonl")
-    single, double = run_main(args, stdin=stdin), launch(2, args, stdin)
+    single, double = run_cli(args, stdin=stdin), launch(2, args, stdin)
     assert single.returncode == 1 and double.returncode != 0
     assert jsonl(double.stdout) == jsonl(single.stdout)
     assert "error" in jsonl(double.stdout)[5]
