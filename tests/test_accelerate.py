@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import run_generation
-from helpers import SCRIPT, blocks, cli_env, jsonl, run_cli, run_main, tiny_args
+from helpers import SCRIPT, blocks, cli_env, jsonl, run_cli, tiny_args
 from rungen.loading import load
 
 PROMPTS = "\n".join(["Hello, my dog is cute", "The capital of France is", "A", "Once upon a time", "Water boils"])
@@ -42,7 +42,7 @@ def test_two_cpu_processes_give_the_single_process_output(tiny_models):
         assert double.stdout == single.stdout  # main process alone writes, in input order
         if output_format == "text":  # each block numbered by its prompt, whichever process generated it
             assert list(blocks(double.stdout)) == [f"=== PROMPT {i}, GENERATED SEQUENCE 1 ===" for i in range(1, 6)]
-    assert [r["prompt_index"] for r in jsonl(run_main(args[:-1] + ["jsonl"], stdin=PROMPTS).stdout)] == [0, 1, 2, 3, 4]
+    assert [r["prompt_index"] for r in jsonl(run_cli(args[:-1] + ["jsonl"], stdin=PROMPTS).stdout)] == [0, 1, 2, 3, 4]
 
 
 @pytest.mark.slow
