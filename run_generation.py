@@ -74,8 +74,10 @@ def main(argv=None):
 
     # Only the main process reads stdin; the others get its prompts.
     if not interactive and not args.serve:
-        mine = read_prompts(args.prompt, whole_stdin=args.whole_stdin, input_format=args.input_format)
-        prompts = processes.share_prompts(state, mine if state.is_main_process else None)
+        mine = None
+        if state.is_main_process:  # the others must not read: they would take lines of the same pipe
+            mine = read_prompts(args.prompt, whole_stdin=args.whole_stdin, input_format=args.input_format)
+        prompts = processes.share_prompts(state, mine)
     with state.main_process_first():  # only one process converts the default model
         loaded = load(args.model_name_or_path, model_type=args.model_type, dtype=args.dtype, device=state.device,
                       device_map=args.device_map, max_memory=max_memory_map(args.max_memory),
