@@ -21,6 +21,8 @@ columns) needs float values: that tensor alone is de-quantized, as transformers 
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import functools
 import hashlib
 import json
@@ -46,6 +48,31 @@ FLOAT_TYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # GGMLQu
 
 class GGUFError(UsageError):
     """A GGUF file this loader cannot run (corrupt, truncated, unsupported type or architecture); one line."""
+
+
+@contextlib.contextmanager
+def metadata_parsed_once():
+    """Within this block, transformers parses each GGUF file's metadata once.
+
+    Its config and its tokenizer each call load_gguf_checkpoint(path, return_tensors=False), which walks
+    every vocabulary entry and merge with the gguf package's reader: seconds per call for a 49k
+    vocabulary, more for larger ones. The second call gets a copy of the first's result."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    original, parsed = gguf_utils.load_gguf_checkpoint, {}
+
+    def once(path, return_tensors=False, *args, **kwargs):
+        if return_tensors or args or kwargs:  # weights are read as asked, never shared
+            return original(path, return_tensors, *args, **kwargs)
+        if path not in parsed:
+            parsed[path] = original(path, return_tensors=False)
+        return copy.deepcopy(parsed[path])  # callers edit what they get
+
+    gguf_utils.load_gguf_checkpoint = once
+    try:
+        yield
+    finally:
+        gguf_utils.load_gguf_checkpoint = original
 
 
 def cache_root() -> str:
@@ -119,8 +146,9 @@ class GGUFHeader:
         if unsupported:  # before the slow conversions: this file will not run here
             raise GGUFError(unsupported_message(self.path, *unsupported[0]))
         try:
-            config = AutoConfig.from_pretrained(directory, gguf_file=file)
-            tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=file)
+            with metadata_parsed_once():
+                config = AutoConfig.from_pretrained(directory, gguf_file=file)
+                tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=file)
         except Exception as error:  # transformers: ValueError for an architecture it cannot read, and others
             raise GGUFError(f"{self.path}: transformers cannot load it ({_first_line(error)})") from None
         os.makedirs(cache_root(), exist_ok=True)

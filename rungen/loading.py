@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import importlib.util
 import os
@@ -102,8 +103,11 @@ def default_model_dir() -> str:
     logger.warning("Converting the default model from GGUF (first run only) into %s", target)
     start = time.perf_counter()
     os.makedirs(cache_dir(), exist_ok=True)
-    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=DEFAULT_MODEL_GGUF)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=DEFAULT_MODEL_GGUF)
+    from .gguf_loading import metadata_parsed_once
+
+    with metadata_parsed_once():
+        model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=DEFAULT_MODEL_GGUF)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=DEFAULT_MODEL_GGUF)
     # The weights are de-quantized float32 now; the GGUF quantizer only blocks save_pretrained.
     model.hf_quantizer = None
     del model.config.quantization_config
@@ -215,22 +219,28 @@ def load(model_name_or_path: str | None, *, device: torch.device, model_type: st
             raise UsageError("a GGUF file runs in its own blocks on the CPU: add --use_cpu, or --dequantize to "
                              f"run it in float32{' over --device_map' if device_map else ' on ' + device.type}")
         return load_gguf(os.path.join(path, load_kwargs["gguf_file"]), model_type=model_type, dtype=dtype)
-    config = load_config(path, load_kwargs)
-    model_type, model_class = resolve_model_class(model_type, config)
-    torch_dtype = resolve_dtype(dtype, config, device)
-    tokenizer = AutoTokenizer.from_pretrained(path, **load_kwargs)
-    placement = {}
-    if device_map:
-        offload = tempfile.mkdtemp(prefix="run_generation_offload_")  # for layers that fit nowhere else
-        atexit.register(shutil.rmtree, offload, ignore_errors=True)
-        placement = dict(device_map=device_map, max_memory=max_memory, offload_folder=offload)
-    model = None
-    if quantize and not load_kwargs and not device_map and device.type == "cpu":
-        from .quantize import load_quantized  # block by block, never the whole float model
+    parsing = contextlib.nullcontext()
+    if "gguf_file" in load_kwargs:  # de-quantized: its config, tokenizer and weights share one metadata parse
+        from .gguf_loading import metadata_parsed_once
 
-        model = load_quantized(path, config, torch_dtype, quantize)
-    if model is None:
-        model = model_class.from_pretrained(path, dtype=torch_dtype, **load_kwargs, **placement)
+        parsing = metadata_parsed_once()
+    with parsing:
+        config = load_config(path, load_kwargs)
+        model_type, model_class = resolve_model_class(model_type, config)
+        torch_dtype = resolve_dtype(dtype, config, device)
+        tokenizer = AutoTokenizer.from_pretrained(path, **load_kwargs)
+        placement = {}
+        if device_map:
+            offload = tempfile.mkdtemp(prefix="run_generation_offload_")  # for layers that fit nowhere else
+            atexit.register(shutil.rmtree, offload, ignore_errors=True)
+            placement = dict(device_map=device_map, max_memory=max_memory, offload_folder=offload)
+        model = None
+        if quantize and not load_kwargs and not device_map and device.type == "cpu":
+            from .quantize import load_quantized  # block by block, never the whole float model
+
+            model = load_quantized(path, config, torch_dtype, quantize)
+        if model is None:
+            model = model_class.from_pretrained(path, dtype=torch_dtype, **load_kwargs, **placement)
     if device_map:
         # accelerate's dispatch_model rule: inputs go to the first accelerator in the map, else the CPU
         # (model.device is "meta" when the first layers were offloaded to disk).

