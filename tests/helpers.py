@@ -165,7 +165,7 @@ def tiny_args(tiny_models, model_type, *extra, with_type=True):
 
 
 def blocks(stdout):
-    """Splits the seed's text output into {header: text}."""
+    """Splits the original script's text output into {header: text}."""
     out, header = {}, None
     for line in stdout.decode().splitlines(keepends=True):
         if line.startswith("=== ") and line.rstrip().endswith(" ==="):

@@ -1,4 +1,4 @@
-"""The seed's behaviour on transformers 5: every model type, its flags, its output, its errors."""
+"""The original script's behaviour on transformers 5: every model type, its flags, its output, its errors."""
 
 import logging
 import sys
@@ -72,7 +72,7 @@ def test_prefix_conditions_generation_but_is_not_printed(tiny_models, capsys):
     with_prefix = run_generation.main(base + ["--prompt", PROMPT, "--prefix", prefix])[0]
     joined = run_generation.main(base + ["--prompt", prefix + PROMPT])[0]
     assert with_prefix == PROMPT + joined[len(prefix + PROMPT) :]
-    # --padding_text is the seed's deprecated name for the same thing.
+    # --padding_text is the original script's deprecated name for the same thing.
     assert run_generation.main(base + ["--prompt", PROMPT, "--padding_text", prefix])[0] == with_prefix
 
 

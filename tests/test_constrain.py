@@ -1,4 +1,4 @@
-"""Constrained output (issue 12): --json_schema, --regex, --grammar. Every sequence that ends with the
+"""Constrained output: --json_schema, --regex, --grammar. Every sequence that ends with the
 grammar complete must parse and validate; every failure is one line and exit 2."""
 
 import json

@@ -1,4 +1,4 @@
-"""Generation controls (issue 12): log-probabilities and scoring, the library's samplers and stops,
+"""Generation controls: log-probabilities and scoring, the library's samplers and stops,
 --generation_config, prompt lookup and assisted decoding. Through main() in-process, or through the entry
 point (helpers.run_main) where the exit code and stderr matter."""
 

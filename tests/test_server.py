@@ -156,7 +156,7 @@ def test_n_and_seed(client):
     again = client.chat.completions.create(**kwargs)
     texts = [choice.message.content for choice in first.choices]
     assert [choice.index for choice in first.choices] == [0, 1, 2]
-    assert texts == [choice.message.content for choice in again.choices]  # the seed reproduces every choice
+    assert texts == [choice.message.content for choice in again.choices]  # the request's seed reproduces every choice
     assert len(set(texts)) > 1  # the choices are separate draws
     assert first.usage.completion_tokens == 30
 

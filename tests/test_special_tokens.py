@@ -1,4 +1,4 @@
-"""Issue 8: every seed type generates with the special tokens its published checkpoint really has
+"""Every model type of the original script generates with the special tokens its published checkpoint really has
 (openai-gpt and CTRL: only <unk>, no pad, no EOS), alone and batched, in-process through the tool's entry point."""
 
 import shutil

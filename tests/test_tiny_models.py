@@ -18,7 +18,7 @@ from tiny_models import (
 )
 
 TEXT = "Hello, my dog is cute"
-# The end of the seed's XLNet PREFIX (run_generation.py): markup that the tokenizers of
+# The end of the original script's XLNet PREFIX (run_generation.py): markup that the tokenizers of
 # several types turn into special / added tokens (XLNet's <eod>, the </s> of most).
 PREFIX_TAIL = "with people, even a bishop, begging for his blessing. <eod> </s> <eos>"
 
@@ -261,7 +261,7 @@ def test_config_special_ids_match_the_published_checkpoint(tiny_model):
 
 def test_every_token_id_is_inside_the_embeddings(tiny_model):
     """Every id the tokenizer can produce, special and added tokens included (XLNet's <eod>
-    and <eop>, which the seed's PREFIX contains), is a row of the model's input embeddings."""
+    and <eop>, which the original script's PREFIX contains), is a row of the model's input embeddings."""
     model_type, path = tiny_model
     tok, model, rows = _load(path)
     assert rows == model.config.vocab_size

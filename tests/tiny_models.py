@@ -32,8 +32,8 @@ Per type (tokenizer class as loaded by AutoTokenizer; special tokens):
                  </s>=2 <cls>=3 <sep>=4 <pad>=5 <mask>=6 <eod>=7 <eop>=8); add_special_tokens
                  appends <sep> <cls> at the END (encode prompts with add_special_tokens=False)
 
-Special tokens mirror the published checkpoints (issue 8: the fixtures used to give
-openai-gpt and ctrl an <|endoftext|> EOS they do not have, which hid a crash).  What each
+Special tokens mirror the published checkpoints (an <|endoftext|> EOS that openai-gpt and ctrl
+do not have would hide the crash of a tool that relies on one).  What each
 published checkpoint defines, and where it was checked (hub files read through their
 huggingface.co pages; "class defaults" = the installed transformers 5.23 tokenizer/config
 class, used where the hub file sets nothing):
