@@ -1,16 +1,13 @@
 """Peak memory and time to the first token of GGUF files run in their own blocks, against the import floor
 and llama.cpp, each run a fresh process.
 
-    python benchmarks/gguf_load.py [--skip-big] [--dequantize] [--workdir /tmp/gguf_bench]
+    python -m benchmarks.gguf_load [--skip-big] [--dequantize] [--workdir /tmp/gguf_bench]
 
 Files: the default model's (SmolLM2-135M Q4_1, embedding Q8_0), and a llama of TinyLlama's shape
 (22 layers, hidden 2048, ffn 5632, 32 heads, 4 kv heads; 1.1B parameters, vocabulary = the default
 model's tokenizer, 49152) with random weights, written here under --workdir: in Q4_0 as llama.cpp's Q4_0
 files are (token_embd Q4_0, output Q6_K; random blocks with valid fp16 scales), and, when llama-cpp-python
 is installed in /work/bench-venv, turned into a real Q4_K_M mix by llama.cpp's own llama_model_quantize.
-
-The tool's rows generate through rungen.ggml.GGMLLinear's forward as it stands (its reference forward
-de-quantizes each weight on every call): their first-token figures measure that forward as much as loading.
 
 Rows: the floor (`import torch, transformers` and the llama modeling module); the tool's first run (empty
 cache: the header is read and cached) and a repeat run, each loading with rungen.loading.load and
@@ -29,9 +26,9 @@ import sys
 import tempfile
 import time
 
+from benchmarks.common import cpu_flags
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from benchmarks.common import cpu_flags  # noqa: E402
 
 BENCH_PYTHON = "/work/bench-venv/bin/python"
 PROMPT = "The capital of France is"
@@ -55,9 +52,7 @@ def child_tool(start, path, dequantize):
 
     from rungen.loading import load
 
-    options = argparse.Namespace(model_name_or_path=path, model_type=None, dtype="auto", device_map=None,
-                                 max_memory=None, dequantize=dequantize)
-    loaded = load(options, torch.device("cpu"))
+    loaded = load(path, device=torch.device("cpu"), dequantize=dequantize)
     ready, ready_mb = time.perf_counter() - start, peak_mb()
     ids = loaded.tokenizer(PROMPT, return_tensors="pt")
     with torch.no_grad():
@@ -81,14 +76,14 @@ print(json.dumps({"ready_s": ready, "first_token_s": time.perf_counter() - start
 def run_child(args, cache_home):
     """One fresh process; its JSON line of figures."""
     env = dict(os.environ, XDG_CACHE_HOME=cache_home, HF_HUB_OFFLINE="1")
-    out = subprocess.run(args, capture_output=True, text=True, env=env)
+    out = subprocess.run(args, capture_output=True, text=True, env=env, cwd=ROOT)
     if out.returncode:
         raise SystemExit(f"child failed: {' '.join(args)}\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def tool_row(path, cache_home, dequantize=False):
-    args = [sys.executable, __file__, "--child", "tool", "--path", path or ""]
+    args = [sys.executable, "-m", "benchmarks.gguf_load", "--child", "tool", "--path", path or ""]
     return run_child(args + (["--dequantize"] if dequantize else []), cache_home)
 
 
@@ -211,7 +206,7 @@ def main():
 
     cache = tempfile.mkdtemp(prefix="gguf_bench_cache_")
     try:
-        floor = run_child([sys.executable, __file__, "--child", "floor"], cache)
+        floor = run_child([sys.executable, "-m", "benchmarks.gguf_load", "--child", "floor"], cache)
         print(f"{'row':<44} {'ready':>7} {'token':>6} {'ready MB':>9} {'peak MB':>9}   (seconds from process start; "
               "MB: peak RSS when loaded, and after the first token)")
         show("import floor (torch, transformers, llama)", floor)
@@ -222,7 +217,7 @@ def main():
             tool_path = None if path == default else path
             show("tool, first run (header read and cached)", tool_row(tool_path, cache), file_mb, floor)
             for repeat in range(2):  # each beside a fresh floor: the shared CPU's load drifts
-                paired = run_child([sys.executable, __file__, "--child", "floor"], cache)
+                paired = run_child([sys.executable, "-m", "benchmarks.gguf_load", "--child", "floor"], cache)
                 row = tool_row(tool_path, cache)
                 show(f"tool, repeat run {repeat + 1}", row, file_mb, floor)
                 print(f"{'':<8}loaded {row['ready_s'] - paired['ready_s']:+.2f} s over the floor run just before it "

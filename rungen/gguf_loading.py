@@ -35,6 +35,7 @@ import time
 import numpy as np
 import torch
 
+from .decoder import FUSABLE, fuse_decoder_layers
 from .errors import UsageError
 from .ggml import SUPPORTED, GGMLLinear, dequantize, native_kernels
 
@@ -43,6 +44,7 @@ logger = logging.getLogger("run_generation")
 # Bump when what the header cache holds changes meaning; transformers' version is part of the key too,
 # since its tokenizer conversion and config parsing decide the cached files.
 HEADER_CACHE_VERSION = 1
+FUSED_WEIGHTS = tuple(f".{name}.weight" for name in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
 FLOAT_TYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # GGMLQuantizationType F32, F16, BF16
 
 
@@ -329,6 +331,10 @@ def build_model(header: GGUFHeader, dtype: torch.dtype) -> torch.nn.Module:
     names = header.weights_map(model, processor)
 
     file = np.memmap(header.path, dtype=np.uint8, mode="c")  # private and writable: torch warns on read-only
+    # Weights that FusedDecoderLayer concatenates are read into memory rather than viewed in the map: the
+    # concatenation copies them, and a copy of mapped pages would count them twice in the process's memory.
+    layer_class = type(getattr(getattr(model, "model", None), "layers", [None])[0]).__name__
+    fused = FUSED_WEIGHTS if layer_class in FUSABLE and dtype == torch.float32 else ()
     collected = {"tensors": {}}  # what processors that merge or split tensors (MoE experts) leave
     biases = {}  # module name -> bias, given to the layer that ends up there
     layers = {}  # module name -> the layer that replaces the model's own
@@ -369,6 +375,8 @@ def build_model(header: GGUFHeader, dtype: torch.dtype) -> torch.nn.Module:
         in_features = _in_features(qtype, shape[-1])
         if len(shape) == 2 and attr == "weight" and isinstance(module, (torch.nn.Linear, Conv1D, torch.nn.Embedding)):
             order = _row_permutation(processor, name, shape[0])
+            if order is not False and hf_name.endswith(fused):
+                blocks = np.fromfile(header.path, dtype=np.uint8, count=nbytes, offset=offset).reshape(shape)
             if order is not False:
                 rows = torch.from_numpy(blocks if order is None else np.ascontiguousarray(blocks[order]))
                 if isinstance(module, torch.nn.Embedding):
@@ -394,6 +402,7 @@ def build_model(header: GGUFHeader, dtype: torch.dtype) -> torch.nn.Module:
     for module_name, bias in biases.items():
         model.get_submodule(module_name).bias = torch.nn.Parameter(bias, requires_grad=False)
     _tie_head(model, config)
+    fuse_decoder_layers(model)
     missing = [name for name, p in [*model.named_parameters(), *model.named_buffers()] if p.device.type == "meta"]
     if missing:
         raise GGUFError(f"{header.path}: the file has no tensor for {missing[0]}"

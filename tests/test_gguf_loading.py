@@ -19,6 +19,7 @@ from gguf import GGML_QUANT_SIZES, GGUFWriter, quants
 from gguf import GGMLQuantizationType as Q
 
 import run_generation
+from rungen.decoder import FusedDecoderLayer
 from rungen.ggml import SUPPORTED, GGMLLinear, native_kernels
 from rungen.gguf_loading import CastLinear, GGMLEmbedding, GGUFHeader, build_model, metadata_parsed_once
 
@@ -230,8 +231,9 @@ def test_untied_file_has_its_own_head(loaded):
 
 def test_biases_go_to_their_quantized_layers(loaded):
     _, model, _ = loaded["qwen2_biases"]
-    attention = model.model.layers[0].self_attn
-    assert isinstance(attention.k_proj, GGMLLinear) and attention.k_proj.bias.shape == (HIDDEN // HEADS * KV_HEADS,)
+    layer = model.model.layers[0]  # q/k/v in one product: their biases concatenated, in the same order
+    assert isinstance(layer, FusedDecoderLayer) and isinstance(layer.qkv, GGMLLinear)
+    assert layer.qkv.bias.shape == (HIDDEN + 2 * HIDDEN // HEADS * KV_HEADS,)
 
 
 def test_cached_header_equals_the_files(gguf_files, loaded):

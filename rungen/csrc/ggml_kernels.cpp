@@ -6,6 +6,9 @@
 //                                                               de-quantized float tiles and torch's matmul
 //   torch.ops.rungen_ggml.mm_int(x, blocks, qtype, in_features)  integer kernel, any number of tokens
 //   torch.ops.rungen_ggml.dequantize(blocks, qtype, in_features) float32 weight
+//   torch.ops.rungen_ggml.rms_norm(x, weight, eps)               a decoder layer's small steps, one operator
+//   torch.ops.rungen_ggml.rope_split(qkv, cos, sin, heads, kv_heads)  each instead of several (see below)
+//   torch.ops.rungen_ggml.silu_mul(gate_up)
 //   torch.ops.rungen_ggml.isa() / set_isa(name)                  the code path in use ("avx512vnni", "avx2",
 //                                                               "scalar"); set_isa forces one (tests)
 //
@@ -443,6 +446,97 @@ at::Tensor mm(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, int6
   return mm_int(x, blocks, qtype, in_features);
 }
 
+// The small steps of a llama decoder layer around its matmuls. At one token a step each is a few hundred
+// floats, and as torch operators each costs several calls of 3-5 microseconds (dispatch, allocation);
+// these take one call each. Plain loops: the work is far below what vector code would save.
+
+// RMSNorm as transformers' LlamaRMSNorm: x / sqrt(mean(x^2) + eps) * weight, over the last dimension.
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double eps) {
+  const at::Tensor x = x_in.to(at::kFloat).contiguous(), weight = weight_in.to(at::kFloat).contiguous();
+  const int64_t d = x.size(-1), rows = x.numel() / std::max<int64_t>(d, 1);
+  TORCH_CHECK(weight.numel() == d, "rungen_ggml: rms_norm weight must have ", d, " values");
+  at::Tensor y = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / d), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* v = xp + r * d;
+      float sum = 0.f;
+      for (int64_t i = 0; i < d; ++i) sum += v[i] * v[i];
+      const float inv = 1.f / std::sqrt(sum / float(d) + float(eps));
+      for (int64_t i = 0; i < d; ++i) yp[r * d + i] = wp[i] * (v[i] * inv);
+    }
+  });
+  return y;
+}
+
+// The fused q/k/v product [b, t, (heads + 2 kv_heads) * head_dim] split into q [b, heads, t, head_dim],
+// k and v [b, kv_heads, t, head_dim], q and k rotated as transformers' apply_rotary_pos_emb rotates them
+// (rotate_half: the first half of a head pairs with the second).
+std::vector<at::Tensor> rope_split(const at::Tensor& qkv_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
+                                   int64_t heads, int64_t kv_heads) {
+  const at::Tensor qkv = qkv_in.to(at::kFloat).contiguous();
+  const at::Tensor cos = cos_in.to(at::kFloat).contiguous(), sin = sin_in.to(at::kFloat).contiguous();
+  TORCH_CHECK(qkv.dim() == 3, "rungen_ggml: qkv must be [batch, tokens, features]");
+  const int64_t b = qkv.size(0), t = qkv.size(1), all = heads + 2 * kv_heads;
+  TORCH_CHECK(qkv.size(2) % all == 0, "rungen_ggml: qkv features are not (heads + 2 kv_heads) * head_dim");
+  const int64_t dim = qkv.size(2) / all, half = dim / 2;
+  // cos/sin per sequence [b, t, dim], or one [1, t, dim] for all (positions without padding).
+  const bool shared = cos.numel() == t * dim;
+  TORCH_CHECK((shared || cos.numel() == b * t * dim) && sin.numel() == cos.numel(), "rungen_ggml: cos/sin must be "
+              "[b or 1, t, ", dim, "]");
+  at::Tensor q = at::empty({b, heads, t, dim}, qkv.options());
+  at::Tensor k = at::empty({b, kv_heads, t, dim}, qkv.options());
+  at::Tensor v = at::empty({b, kv_heads, t, dim}, qkv.options());
+  const float *src = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  at::parallel_for(0, b * t, std::max<int64_t>(1, 4096 / (all * dim)), [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t batch = p / t, token = p % t;
+      const float* row = src + p * all * dim;
+      const float* c = cp + (shared ? token : p) * dim;
+      const float* s = sp + (shared ? token : p) * dim;
+      for (int64_t h = 0; h < all; ++h) {
+        const float* x = row + h * dim;
+        float* out;
+        if (h < heads)
+          out = qp + ((batch * heads + h) * t + token) * dim;
+        else if (h < heads + kv_heads)
+          out = kp + ((batch * kv_heads + h - heads) * t + token) * dim;
+        else {
+          std::memcpy(vp + ((batch * kv_heads + h - heads - kv_heads) * t + token) * dim, x, dim * sizeof(float));
+          continue;
+        }
+        for (int64_t i = 0; i < half; ++i) {
+          out[i] = x[i] * c[i] - x[i + half] * s[i];
+          out[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
+        }
+      }
+    }
+  });
+  return {q, k, v};
+}
+
+// silu(gate) * up, from the fused gate/up product [..., 2 * ffn] (gate first).
+at::Tensor silu_mul(const at::Tensor& gu_in) {
+  const at::Tensor gu = gu_in.to(at::kFloat).contiguous();
+  const int64_t f = gu.size(-1) / 2, rows = gu.numel() / std::max<int64_t>(2 * f, 1);
+  std::vector<int64_t> shape(gu.sizes().begin(), gu.sizes().end());
+  shape.back() = f;
+  at::Tensor y = at::empty(shape, gu.options());
+  const float* gp = gu.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(f, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t i = 0; i < f; ++i) {
+        const float g = gp[r * 2 * f + i];
+        yp[r * f + i] = g / (1.f + std::exp(-g)) * gp[r * 2 * f + f + i];
+      }
+  });
+  return y;
+}
+
 std::string isa() { return isa_names[current_isa]; }
 
 std::string set_isa(const std::string& name) {
@@ -469,6 +563,9 @@ TORCH_LIBRARY(rungen_ggml, m) {
   m.def("mm_int(Tensor x, Tensor blocks, int qtype, int in_features) -> Tensor", &mm_int);
   m.def("mm_tiled(Tensor x, Tensor blocks, int qtype, int in_features) -> Tensor", &mm_tiled);
   m.def("dequantize(Tensor blocks, int qtype, int in_features) -> Tensor", &dequantize);
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
+  m.def("rope_split(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads) -> Tensor[]", &rope_split);
+  m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
   m.def("isa() -> str", &isa);
   m.def("set_isa(str name) -> str", &set_isa);
   m.def("set_tile_threshold(int n) -> int", &set_tile_threshold);

@@ -1,0 +1,99 @@
+"""Fast tier: FusedDecoderLayer computes transformers' LlamaDecoderLayer (and Qwen2's, with q/k/v biases)
+over the same GGUF blocks, within float32 rounding: one token after a prompt, a prompt, a left-padded batch;
+with the native kernels' steps and with the torch fallback of each step."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
+from transformers import DynamicCache, LlamaConfig, Qwen2Config
+from transformers.masking_utils import create_causal_mask
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
+
+from rungen import decoder, ggml
+from rungen.decoder import FusedDecoderLayer
+from rungen.ggml import GGMLLinear
+
+HIDDEN, FFN, HEADS, KV_HEADS = 128, 256, 4, 2
+
+
+def config_of(kind):
+    common = dict(hidden_size=HIDDEN, intermediate_size=FFN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                  num_hidden_layers=1, rms_norm_eps=1e-5, vocab_size=64)
+    config = LlamaConfig(**common) if kind == "llama" else Qwen2Config(**common)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def layer_in_blocks(kind, seed=0):
+    """A decoder layer of `kind` whose linear weights are Q8_0/Q4_1 blocks (GGMLLinear), norms random."""
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    config = config_of(kind)
+    layer = (LlamaDecoderLayer if kind == "llama" else Qwen2DecoderLayer)(config, layer_idx=0).eval()
+    for parent, name, qtype in [(layer.self_attn, "q_proj", "Q8_0"), (layer.self_attn, "k_proj", "Q8_0"),
+                                (layer.self_attn, "v_proj", "Q8_0"), (layer.self_attn, "o_proj", "Q4_1"),
+                                (layer.mlp, "gate_proj", "Q4_1"), (layer.mlp, "up_proj", "Q4_1"),
+                                (layer.mlp, "down_proj", "Q8_0")]:
+        linear = getattr(parent, name)
+        weights = rng.standard_normal((linear.out_features, linear.in_features)).astype(np.float32) * 0.1
+        qtype = GGMLQuantizationType[qtype]
+        blocks = torch.from_numpy(quantize(weights, qtype)).reshape(linear.out_features, -1)
+        bias = None if linear.bias is None else torch.randn(linear.out_features) * 0.1
+        setattr(parent, name, GGMLLinear(blocks, qtype, linear.in_features, bias))
+    for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+        norm.weight.data = torch.rand(HIDDEN) + 0.5
+    return layer, config
+
+
+def run(layer, config, hidden, attention_mask, past):
+    """The layer's output for `hidden` after the cache `past` (as a model's forward calls it)."""
+    batch, tokens, _ = hidden.shape
+    seen = past.get_seq_length()
+    if attention_mask is None:
+        positions = torch.arange(seen, seen + tokens).unsqueeze(0)
+    else:
+        positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -tokens:]
+    mask = create_causal_mask(config=config, inputs_embeds=hidden, attention_mask=attention_mask,
+                              past_key_values=past, position_ids=positions)
+    cos_sin = LlamaRotaryEmbedding(config)(hidden, positions)
+    return layer(hidden, attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True,
+                 position_embeddings=cos_sin)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch-fallback"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_fused_layer_equals_transformers_layer(kind, native, monkeypatch):
+    if native and not ggml.native_kernels():
+        pytest.skip("the native kernels are not available here")
+    reference, config = layer_in_blocks(kind)
+    fused = FusedDecoderLayer.fuse(reference)
+    assert fused is not None and fused.qkv.out_features == HIDDEN + 2 * HIDDEN // HEADS * KV_HEADS
+    monkeypatch.setattr(decoder, "native_kernels", lambda: native)
+    torch.manual_seed(1)
+    prompt, step = torch.randn(2, 5, HIDDEN), torch.randn(2, 1, HIDDEN)
+    padding = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])  # the first row left-padded
+    for mask in (None, padding):
+        caches = DynamicCache(config=config), DynamicCache(config=config)
+        with torch.no_grad():
+            outputs = [run(layer, config, prompt, mask, cache) for layer, cache in zip((reference, fused), caches)]
+            torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-4, atol=1e-4)
+            after = None if mask is None else torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], -1)
+            outputs = [run(layer, config, step, after, cache) for layer, cache in zip((reference, fused), caches)]
+        torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-4, atol=1e-4)
+        assert outputs[0].abs().max() > 0.1  # a real computation
+        # The cache holds the same (rotated) keys and values.
+        torch.testing.assert_close(caches[1].layers[0].keys, caches[0].layers[0].keys, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(caches[1].layers[0].values, caches[0].layers[0].values, rtol=1e-4, atol=1e-4)
+
+
+def test_only_layers_it_computes_are_fused():
+    layer, _ = layer_in_blocks("llama")
+    layer.self_attn.v_proj = GGMLLinear(torch.from_numpy(quantize(np.zeros((64, HIDDEN), np.float32),
+                                                                  GGMLQuantizationType.Q4_1)).reshape(64, -1),
+                                        GGMLQuantizationType.Q4_1, HIDDEN)
+    assert FusedDecoderLayer.fuse(layer) is None  # q/k in Q8_0, v in Q4_1: no one product
+    float_layer = LlamaDecoderLayer(config_of("llama"), layer_idx=0)
+    assert FusedDecoderLayer.fuse(float_layer) is None  # float weights: transformers' layer as it is
