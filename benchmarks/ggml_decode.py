@@ -1,20 +1,17 @@
-"""Decode speed of the default model with its GGUF blocks multiplied by rungen_ggml, beside float32,
---quantize int4 and llama.cpp on the same file, in one run.
+"""Decode speed of the default model as the tool runs it (its GGUF file's own blocks), beside --dequantize
+(float32), --quantize int4 and llama.cpp on the same file, in one run.
 
-    python -m benchmarks.ggml_decode [--new-tokens 128] [--repeats 3] [--threads 2] [--batch 1 4 16]
+    python -m benchmarks.ggml_decode [--new-tokens 128] [--repeats 3] [--threads 2] [--jit] [--batch 4 16]
 
-The GGUF rows take the float32 model (the tool's cached conversion of the file) and replace every linear
-layer and the tied head by a GGMLLinear over the file's own blocks (Q4_1 linears, the Q8_0 head), q/k/v
-and gate/up fused into one matmul each (rungen.ggml.concat); each replaced layer's de-quantized blocks are
-checked equal to the float32 weight they replace. llama.cpp runs through llama-cpp-python in a separate
-virtualenv (--llama-python, a benchmark-only install) as a child process driven line by line, so its
-runs interleave with the others. Same prompt, greedy, batch 1, every mode once a repeat, back to back;
-ratios are medians of per-repeat ratios (the machine may be shared). --batch adds rows of several
-prompts at once (new tokens per second over the whole batch), torch modes only.
+Every torch row is a model loaded by the tool's own rungen.loading.load, as the command line loads it for
+those flags; --jit adds the traced rows (the tool's --jit, its tracing time printed). llama.cpp runs through
+llama-cpp-python in a separate virtualenv (--llama-python, a benchmark-only install) as a child process
+driven line by line, so its runs interleave with the others. Same prompt, greedy, batch 1, every mode once
+a repeat, back to back; ratios are medians of per-repeat ratios (the machine may be shared). --batch adds
+rows of several prompts at once (new tokens per second over the whole batch), torch modes only.
 """
 
 import argparse
-import copy
 import importlib.util
 import json
 import os
@@ -25,58 +22,17 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import gguf
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from benchmarks.common import cpu_flags, run_interleaved
+from benchmarks.common import cpu_flags, load_float32, run_interleaved
 from benchmarks.quantized_decode import PROMPT, Mode
-from rungen.ggml import GGMLLinear, concat, dequantize, native_kernels
-from rungen.loading import DEFAULT_MODEL_GGUF, DEFAULT_MODEL_PACKAGE, default_model_dir
-from rungen.quantize import Fused, Part
-
-GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
-              "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+from rungen.ggml import native_kernels
+from rungen.loading import DEFAULT_MODEL_GGUF, DEFAULT_MODEL_PACKAGE, load
 
 
 def gguf_path():
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)  # located, never imported
     return os.path.join(spec.submodule_search_locations[0], DEFAULT_MODEL_GGUF)
-
-
-def _layer(tensor, heads=None):
-    blocks = torch.from_numpy(tensor.data.copy())
-    if heads:  # llama.cpp stores q/k rows interleaved for its rope; transformers un-permutes them
-        rows = blocks.shape[0]
-        blocks = blocks.reshape(heads, rows // heads // 2, 2, -1).transpose(1, 2).reshape(rows, -1).contiguous()
-    return GGMLLinear(blocks, tensor.tensor_type, int(tensor.shape[0]))
-
-
-def use_gguf_blocks(model, path):
-    """Replaces the llama model's linear layers and tied head by GGMLLinear over the file's blocks, in place."""
-    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
-    config = model.config
-    with torch.no_grad():
-        for i, block in enumerate(model.model.layers):
-            for parent, names in ((block.self_attn, ("q_proj", "k_proj", "v_proj")),
-                                  (block.mlp, ("gate_proj", "up_proj"))):
-                heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
-                layers = [_layer(tensors[f"blk.{i}.{GGUF_NAMES[n]}.weight"], heads.get(n)) for n in names]
-                for name, layer in zip(names, layers):
-                    assert torch.equal(dequantize(layer.blocks, layer.qtype, layer.in_features),
-                                       getattr(parent, name).weight), f"layer {i} {name} differs"
-                fused, start = Fused(concat(layers), len(names)), 0
-                for part, (name, layer) in enumerate(zip(names, layers)):
-                    setattr(parent, name, Part(fused, part, start, start + layer.out_features))
-                    start += layer.out_features
-            for parent, name in ((block.self_attn, "o_proj"), (block.mlp, "down_proj")):
-                layer = _layer(tensors[f"blk.{i}.{GGUF_NAMES[name]}.weight"])
-                assert torch.equal(dequantize(layer.blocks, layer.qtype, layer.in_features),
-                                   getattr(parent, name).weight), f"layer {i} {name} differs"
-                setattr(parent, name, layer)
-        assert config.tie_word_embeddings and "output.weight" not in tensors
-        model.lm_head = _layer(tensors["token_embd.weight"])
-    return model
 
 
 LLAMA_CHILD = r"""
@@ -144,15 +100,19 @@ def main():
     if not native_kernels():
         sys.exit("the native kernels are not available")
 
-    path = default_model_dir()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    base = AutoModelForCausalLM.from_pretrained(path).eval()
-    modes = [Mode("float32 eager", copy.deepcopy(base), tokenizer),
-             Mode("--quantize int4 eager", copy.deepcopy(base), tokenizer, quantize="int4"),
-             Mode("GGUF blocks, rungen_ggml", use_gguf_blocks(copy.deepcopy(base), gguf_path()), tokenizer)]
+    cpu = torch.device("cpu")
+    float32 = load_float32()
+    tokenizer = float32.tokenizer
+    modes = [Mode("--dequantize (float32)", float32.model, tokenizer),
+             Mode("--quantize int4", load(None, device=cpu, quantize="int4").model, tokenizer),
+             Mode("default: the file's own blocks", load(None, device=cpu).model, tokenizer)]
+    traced = {}
     if args.jit:
-        modes.append(Mode("GGUF blocks, rungen_ggml, --jit", use_gguf_blocks(copy.deepcopy(base), gguf_path()),
-                          tokenizer, jit=True))
+        for name, quantize in (("--quantize int4 --jit", "int4"), ("default --jit", None)):
+            model = load(None, device=cpu, quantize=quantize).model
+            start = time.perf_counter()
+            modes.append(Mode(name, model, tokenizer, jit=True))
+            traced[name] = time.perf_counter() - start
     reference = None
     check = subprocess.run([args.llama_python, "-c", "import llama_cpp"], capture_output=True)
     if check.returncode == 0:
@@ -177,6 +137,8 @@ def main():
             ratio = f"{med([s / r for s, r in zip(mode.tokens_per_s, reference.tokens_per_s)]):.2f}x"
         print(f"| {mode.name} | {med(mode.tokens_per_s):.1f} | {ratio} | {med(mode.ms_per_token):.1f} |")
     print("")
+    for name, seconds in traced.items():
+        print(f"{name}: traced in {seconds:.1f} s (once a run, before the first prompt)")
     for mode in modes:
         print(f"{mode.name}: {mode.text[:70]!r}")
     if args.batch:

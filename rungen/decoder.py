@@ -62,22 +62,41 @@ class FusedDecoderLayer(torch.nn.Module):
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, past_key_values=None, use_cache: bool | None = False,
                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs) -> torch.Tensor:
+        batch, tokens, width = hidden_states.shape
+        native = native_kernels()
+        x = rms_norm(hidden_states, self.input_layernorm, native)
+        cos, sin = position_embeddings
+        q, k, v = rope_split(product(self.qkv, x, native), cos, sin, self.heads, self.kv_heads, native)
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, self.layer_idx)
+        if native and tokens == 1 and (attention_mask is None or attention_mask.dtype == torch.bool):
+            # One new token a sequence (decoding): the whole attention in one call.
+            attended = torch.ops.rungen_ggml.attend_one(q, k, v, attention_mask, self.scaling)
+        else:
+            attended = self._attention(q, k, v, attention_mask, kwargs).reshape(batch, tokens, -1)
+        hidden_states = hidden_states + product(self.o_proj, attended, native)
+        x = rms_norm(hidden_states, self.post_attention_layernorm, native)
+        return hidden_states + product(self.down_proj, silu_mul(product(self.gate_up, x, native), native), native)
+
+    def _attention(self, q, k, v, attention_mask, kwargs):
+        """transformers' attention interface of the model's implementation (sdpa, eager, ...)."""
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
         from transformers.models.llama.modeling_llama import eager_attention_forward
 
-        batch, tokens, _ = hidden_states.shape
-        x = rms_norm(hidden_states, self.input_layernorm)
-        cos, sin = position_embeddings
-        q, k, v = rope_split(self.qkv(x), cos, sin, self.heads, self.kv_heads)
-        if past_key_values is not None:
-            k, v = past_key_values.update(k, v, self.layer_idx)
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
         if self.sliding_window is not None:
-            kwargs["sliding_window"] = self.sliding_window
-        attended, _ = attend(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
-        hidden_states = hidden_states + self.o_proj(attended.reshape(batch, tokens, -1))
-        x = rms_norm(hidden_states, self.post_attention_layernorm)
-        return hidden_states + self.down_proj(silu_mul(self.gate_up(x)))
+            kwargs = dict(kwargs, sliding_window=self.sliding_window)
+        return attend(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)[0]
+
+
+def product(layer: torch.nn.Module, x: torch.Tensor, native: bool) -> torch.Tensor:
+    """layer(x); for a GGMLLinear with the native kernels, its product called directly (a module call and
+    its reshapes cost more than the operator's own work at one token)."""
+    if not native or not isinstance(layer, GGMLLinear):
+        return layer(x)
+    y = layer._matmul(x.reshape(-1, layer.in_features))
+    y = y.view(*x.shape[:-1], layer.out_features)
+    return y if layer.bias is None else y + layer.bias
 
 
 def fuse_decoder_layers(model: torch.nn.Module) -> int:
@@ -95,17 +114,17 @@ def fuse_decoder_layers(model: torch.nn.Module) -> int:
     return replaced
 
 
-def rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, norm: torch.nn.Module, native: bool) -> torch.Tensor:
     """transformers' LlamaRMSNorm of x, by `norm`'s weight and epsilon."""
-    if native_kernels():
+    if native:
         return torch.ops.rungen_ggml.rms_norm(x, norm.weight, norm.variance_epsilon)
     return norm(x)
 
 
-def rope_split(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int):
+def rope_split(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, native: bool):
     """q [b, heads, t, d], k and v [b, kv_heads, t, d] of the fused product [b, t, (heads + 2 kv_heads) d],
     q and k rotated as transformers' apply_rotary_pos_emb rotates them."""
-    if native_kernels():
+    if native:
         return torch.ops.rungen_ggml.rope_split(qkv, cos, sin, heads, kv_heads)
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -116,9 +135,9 @@ def rope_split(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: i
     return q, k, v.contiguous()
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, native: bool) -> torch.Tensor:
     """silu(gate) * up of the fused gate/up product (gate first)."""
-    if native_kernels():
+    if native:
         return torch.ops.rungen_ggml.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up

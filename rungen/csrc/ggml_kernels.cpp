@@ -9,6 +9,7 @@
 //   torch.ops.rungen_ggml.rms_norm(x, weight, eps)               a decoder layer's small steps, one operator
 //   torch.ops.rungen_ggml.rope_split(qkv, cos, sin, heads, kv_heads)  each instead of several (see below)
 //   torch.ops.rungen_ggml.silu_mul(gate_up)
+//   torch.ops.rungen_ggml.attend_one(q, k, v, mask, scale)       attention of one new token a sequence
 //   torch.ops.rungen_ggml.isa() / set_isa(name)                  the code path in use ("avx512vnni", "avx2",
 //                                                               "scalar"); set_isa forces one (tests)
 //
@@ -537,6 +538,66 @@ at::Tensor silu_mul(const at::Tensor& gu_in) {
   return y;
 }
 
+// Attention of one query token a sequence over its cached keys: q [b, heads, 1, dim], k and v
+// [b, kv_heads, T, dim] (grouped heads: query head h reads kv head h / (heads / kv_heads)), mask None or bool
+// [b, 1, 1, T] (true: attend). Out [b, 1, heads * dim], as transformers' attention returns it reshaped.
+// A masked-out row (every key masked) gives zeros, where softmax would give NaN.
+at::Tensor attend_one(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                      const c10::optional<at::Tensor>& mask_in, double scale) {
+  const at::Tensor q = q_in.to(at::kFloat).contiguous(), k = k_in.to(at::kFloat).contiguous();
+  const at::Tensor v = v_in.to(at::kFloat).contiguous();
+  TORCH_CHECK(q.dim() == 4 && q.size(2) == 1 && k.dim() == 4 && v.sizes() == k.sizes(),
+              "rungen_ggml: attend_one takes q [b, h, 1, d] and k, v [b, kv, T, d]");
+  const int64_t b = q.size(0), heads = q.size(1), dim = q.size(3), kv = k.size(1), T = k.size(2);
+  TORCH_CHECK(k.size(0) == b && k.size(3) == dim && heads % kv == 0, "rungen_ggml: attend_one shapes differ");
+  at::Tensor mask;
+  if (mask_in.has_value()) {
+    mask = mask_in->to(at::kBool).contiguous();
+    TORCH_CHECK(mask.numel() == b * T, "rungen_ggml: attend_one's mask must be [b, 1, 1, ", T, "]");
+  }
+  const bool* mp = mask.defined() ? mask.data_ptr<bool>() : nullptr;
+  at::Tensor out = at::empty({b, 1, heads * dim}, q.options());
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t group = heads / kv;
+  at::parallel_for(0, b * heads, std::max<int64_t>(1, 32768 / std::max<int64_t>(T * dim, 1)), [&](int64_t p0,
+                                                                                                    int64_t p1) {
+    std::vector<float> w(T);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t batch = p / heads, h = p % heads;
+      const float* qh = qp + p * dim;
+      const float* kh = kp + (batch * kv + h / group) * T * dim;
+      const float* vh = vp + (batch * kv + h / group) * T * dim;
+      const bool* m = mp ? mp + batch * T : nullptr;
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < T; ++j) {
+        if (m && !m[j]) {
+          w[j] = -std::numeric_limits<float>::infinity();
+          continue;
+        }
+        float dot = 0.f;
+        for (int64_t i = 0; i < dim; ++i) dot += qh[i] * kh[j * dim + i];
+        w[j] = dot * float(scale);
+        top = std::max(top, w[j]);
+      }
+      float* o = op + p * dim;
+      std::fill(o, o + dim, 0.f);
+      if (top == -std::numeric_limits<float>::infinity()) continue;
+      float total = 0.f;
+      for (int64_t j = 0; j < T; ++j) {
+        w[j] = std::exp(w[j] - top);  // exp(-inf) = 0 for masked keys
+        total += w[j];
+      }
+      for (int64_t j = 0; j < T; ++j) {
+        const float a = w[j] / total;
+        if (a == 0.f) continue;
+        for (int64_t i = 0; i < dim; ++i) o[i] += a * vh[j * dim + i];
+      }
+    }
+  });
+  return out;
+}
+
 std::string isa() { return isa_names[current_isa]; }
 
 std::string set_isa(const std::string& name) {
@@ -566,6 +627,7 @@ TORCH_LIBRARY(rungen_ggml, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("rope_split(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads) -> Tensor[]", &rope_split);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
+  m.def("attend_one(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor", &attend_one);
   m.def("isa() -> str", &isa);
   m.def("set_isa(str name) -> str", &set_isa);
   m.def("set_tile_threshold(int n) -> int", &set_tile_threshold);
