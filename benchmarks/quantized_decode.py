@@ -50,8 +50,11 @@ def weight_bytes(model):
     """Bytes a decode step reads: every parameter and buffer, but of the input embedding only one row,
     unless the output head reads all of it (tied weights); plus the float16 head fbgemm keeps packed
     outside the module's buffers."""
-    embedding = model.get_input_embeddings().weight
-    head = getattr(model.get_output_embeddings(), "weight", None)
+    def table(module):  # a float weight, or a GGUF layer's blocks
+        return getattr(module, "weight", None) if getattr(module, "weight", None) is not None \
+            else getattr(module, "blocks", None)
+
+    embedding, head = table(model.get_input_embeddings()), table(model.get_output_embeddings())
     tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
     if head is None or head.data_ptr() != embedding.data_ptr():
         tensors.pop(embedding.data_ptr())
