@@ -160,11 +160,12 @@ def make_batches(prompts: list[Prompt], batch_size: int) -> Iterator[list[Prompt
             yield chunk[offset : offset + batch_size]
 
 
-def generate_batch(loaded: Loaded, settings: Settings, batch: list[Prompt], streamer=None, stopping_criteria=None
-                   ) -> dict[int, list[Sequence]]:
+def generate_batch(loaded: Loaded, settings: Settings, batch: list[Prompt], streamer=None, stopping_criteria=None,
+                   past_key_values=None) -> dict[int, list[Sequence]]:
     """Generates for a list of encoded Prompts; returns {prompt index: [Sequence, ...]}.
     With --length 0, scores the prompts instead (rungen/logprobs.py). Raises GenerationError when
-    generate() refuses the settings."""
+    generate() refuses the settings. `past_key_values`, for one prompt: a cache holding the keys and values
+    of the prompt's first tokens (generate() computes only the rest), extended in place."""
     if settings.length == 0:
         return score_batch(loaded, settings, batch)
     assistant_model = getattr(loaded, "assistant_model", None)
@@ -179,6 +180,8 @@ def generate_batch(loaded: Loaded, settings: Settings, batch: list[Prompt], stre
     prompt_len = inputs["input_ids"].shape[1]
     new_tokens = settings.length if not loaded.context else min(settings.length, loaded.context - prompt_len)
     extra = {"assistant_model": assistant_model} if assistant_model is not None else {}
+    if past_key_values is not None:
+        extra["past_key_values"] = past_key_values
     if settings.constraint is not None:  # fresh per call: the processor follows these sequences
         processor, grammar_stop = settings.constraint.processors()
         extra["logits_processor"] = LogitsProcessorList([processor])

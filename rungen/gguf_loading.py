@@ -402,6 +402,7 @@ def build_model(header: GGUFHeader, dtype: torch.dtype) -> torch.nn.Module:
     for module_name, bias in biases.items():
         model.get_submodule(module_name).bias = torch.nn.Parameter(bias, requires_grad=False)
     _tie_head(model, config)
+    layers.clear()  # the model holds them now: fused layer by layer, each layer's parts are freed as it goes
     fuse_decoder_layers(model)
     missing = [name for name, p in [*model.named_parameters(), *model.named_buffers()] if p.device.type == "meta"]
     if missing:

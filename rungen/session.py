@@ -154,9 +154,11 @@ def describe_settings(settings: Settings) -> str:
 
 
 def turn_stats(prompt_tokens: int, reply_tokens: int, started: float, first_token_at: float | None, ended: float,
-               interrupted: bool = False) -> str:
-    """The line printed after each reply: tokens, time to first token, decoding speed."""
-    parts = [f"{prompt_tokens} prompt + {reply_tokens} reply tokens"]
+               interrupted: bool = False, reused: int = 0) -> str:
+    """The line printed after each reply: tokens (and how many of the prompt's came from the cache of the
+    turns before), time to first token, decoding speed."""
+    parts = [f"{prompt_tokens} prompt ({reused} cached) + {reply_tokens} reply tokens" if reused
+             else f"{prompt_tokens} prompt + {reply_tokens} reply tokens"]
     if first_token_at is not None:
         parts.append(f"first token {first_token_at - started:.2f} s")
         if reply_tokens > 1 and ended > first_token_at:
@@ -172,15 +174,16 @@ def turn_stats(prompt_tokens: int, reply_tokens: int, started: float, first_toke
 
 
 class TurnControl(StoppingCriteria):
-    """Asked by generate() after every new token: notes when the first one came, and stops the
-    reply once Ctrl-C was pressed (a second Ctrl-C raises KeyboardInterrupt: the reply is given up)."""
+    """Asked by generate() after every new token: notes when the first one came and the tokens so far, and
+    stops the reply once Ctrl-C was pressed (a second Ctrl-C raises KeyboardInterrupt: the reply is given up)."""
 
     def __init__(self):
-        self.interrupted, self.first_token_at = False, None
+        self.interrupted, self.first_token_at, self.ids = False, None, None
 
     def __call__(self, input_ids, scores, **kwargs):
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
+        self.ids = input_ids  # prompt and reply so far (a new tensor every step: no copy needed)
         return torch.full((input_ids.shape[0],), self.interrupted, dtype=torch.bool, device=input_ids.device)
 
     @contextlib.contextmanager
@@ -266,6 +269,49 @@ def say(text: str) -> None:
 #
 
 
+class TurnCache:
+    """The keys and values of the conversation so far, kept from one turn to the next: a turn's prompt
+    starts with the previous prompt and reply, so only its new tokens need a forward pass (a 1,000-token
+    history is not read again). The cache is cut back to the tokens the new prompt shares with what it
+    holds (the template can render a reply's end differently from how it was generated)."""
+
+    def __init__(self):
+        self.cache, self.tokens = None, []
+
+    def usable(self, loaded: Loaded, settings: Settings) -> bool:
+        """Greedy or sampled decoding of one sequence by transformers' own cache: not beams (their cache is
+        per beam), an assistant or prompt lookup (they rewind it themselves), or --jit (its graph keeps
+        its own buffers)."""
+        return (settings.num_beams == 1 and settings.num_return_sequences == 1
+                and not settings.prompt_lookup_num_tokens and getattr(loaded, "assistant_model", None) is None
+                and not hasattr(loaded.model.forward, "graph_steps"))
+
+    def take(self, ids: list[int]):
+        """(cache, reused tokens) for a prompt of `ids`: the cache cut to their longest common prefix with
+        what it holds (one token at least left to compute), or (a new cache, 0)."""
+        from transformers import DynamicCache
+
+        shared = 0
+        for held, new in zip(self.tokens, ids[:-1]):
+            if held != new:
+                break
+            shared += 1
+        # Lent to this turn: a turn that fails leaves it half-extended, so it comes back only through keep().
+        cache, self.cache, self.tokens = self.cache, None, []
+        if cache is None or shared == 0:
+            return DynamicCache(), 0
+        try:
+            cache.crop(shared - cache.get_seq_length())  # negative: tokens removed from the end
+        except (RuntimeError, ValueError):  # a sliding-window layer that cannot rewind: start afresh
+            return DynamicCache(), 0
+        return cache, shared
+
+    def keep(self, cache, ids: list[int]):
+        """After a turn whose prompt and reply are `ids`: the cache holds all of them but the last token."""
+        self.cache, self.tokens = cache, ids[: cache.get_seq_length()]
+
+
+
 class Session:
     """One conversation (or, without a chat template, a run of independent prompts) on a loaded model."""
 
@@ -278,6 +324,7 @@ class Session:
         self.stream = stream
         self.stdout_is_terminal = _is_terminal(sys.stdout, 1)
         self.replies = []  # what main() returns: each reply (prompt + continuation in plain continuation)
+        self.turn_cache = TurnCache() if self.chat else None
 
     def loop(self, terminal):
         joiner = LineJoiner()
@@ -386,11 +433,17 @@ class Session:
         streamer = StopTokenStreamer(self.loaded.tokenizer, settings.stop_token) if self.stream else None
         if settings.num_beams > 1:
             streamer = None  # beam search cannot stream: the reply comes when it is done
+        cache, reused = None, 0
+        if self.turn_cache is not None and self.turn_cache.usable(self.loaded, settings):
+            cache, reused = self.turn_cache.take(prompt.ids)
         started = time.perf_counter()
         with control.ctrl_c_stops_the_reply():
-            results = generate_batch(self.loaded, settings, [prompt], streamer, StoppingCriteriaList([control]))
+            results = generate_batch(self.loaded, settings, [prompt], streamer, StoppingCriteriaList([control]),
+                                     past_key_values=cache)
         ended = time.perf_counter()
         [sequence] = results[prompt.index]
+        if cache is not None and control.ids is not None:
+            self.turn_cache.keep(cache, control.ids[0].tolist())
         if streamer is None:
             print(sequence.generated_text, flush=True)
         self.messages += [user, {"role": "assistant", "content": sequence.generated_text}]
@@ -398,7 +451,7 @@ class Session:
         if control.interrupted and not self.stdout_is_terminal:
             sys.stderr.write("\n")  # after the ^C the terminal echoed; the reply's own newline went to stdout
         say(turn_stats(len(prompt.ids), sequence.num_generated_tokens, started, control.first_token_at, ended,
-                       control.interrupted))
+                       control.interrupted, reused))
 
 
 def run(loaded: Loaded, settings: Settings, *, chat: bool | None = None, system: str | None = None,
