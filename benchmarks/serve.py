@@ -1,9 +1,10 @@
 """The --serve server under 1, 4 and 16 concurrent clients: output tokens/s, time to first token, time per
 output token.
 
-    python benchmarks/serve.py                              # default model, 1 4 16 clients, 32 tokens each
-    python benchmarks/serve.py --clients 1 16 --max_tokens 64 --repeats 2
-    python benchmarks/serve.py --compare_transformers      # and `transformers serve --continuous-batching`
+    python -m benchmarks.serve                              # default model, 1 4 16 clients, 32 tokens each
+    python -m benchmarks.serve --clients 1 16 --max_tokens 64 --repeats 2
+    python -m benchmarks.serve --compare_transformers      # and `transformers serve --continuous-batching`
+    python -m benchmarks.serve --second_turn --clients     # only a conversation's next turn against a fresh prompt
 
 Starts the real CLI (`run_generation.py --serve`) on a free loopback port, waits for /health, then for each
 level of concurrency lets that many clients send streaming chat requests (greedy, ignore_eos so that every
@@ -15,6 +16,11 @@ a slow phase of the shared machine touches every level; each level's figures are
 --compare_transformers also starts `transformers serve --continuous-batching` (paged attention) on the same
 checkpoint and runs every level on both servers back to back, alternating which goes first; ignore_eos is
 then left out for both (transformers refuses it), so both generate the same greedy tokens.
+
+--second_turn measures, on the tool's server alone, the time to first token of a conversation's second turn
+after a first turn of about 1,000 tokens (the start of benchmarks/data/declaration.txt and a question; a new
+document number each round, so the first turn is never cached), against a fresh prompt of about 20 tokens,
+alternating, --repeats rounds of 3.
 """
 
 import argparse
@@ -28,18 +34,19 @@ import time
 
 import httpx
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from benchmarks.batch_throughput import PROMPTS, free_port
+from benchmarks.common import cpu_flags
 
-from benchmarks.batch_throughput import PROMPTS, free_port  # noqa: E402
-from benchmarks.common import cpu_flags  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = os.path.join(ROOT, "run_generation.py")
 
 
-def one_request(url, model, prompt, max_tokens, ignore_eos=True):
-    """(ttft, tpot, tokens) of one streaming chat request."""
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+def one_request(url, model, prompt, max_tokens, ignore_eos=True, reply=None):
+    """(ttft, tpot, tokens) of one streaming chat request; `prompt` a text or a list of messages; the reply's
+    text is appended to `reply` when given."""
+    messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     if ignore_eos:
         body["ignore_eos"] = True
@@ -54,9 +61,12 @@ def one_request(url, model, prompt, max_tokens, ignore_eos=True):
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
-            if any(choice.get("delta", {}).get("content") for choice in chunk.get("choices", [])):
+            texts = [choice.get("delta", {}).get("content") or "" for choice in chunk.get("choices", [])]
+            if any(texts):
                 last = time.perf_counter()
                 first = first or last
+                if reply is not None:
+                    reply.append("".join(texts))
     ttft = first - start
     tpot = (last - first) / (tokens - 1) if tokens > 1 else float("nan")
     return ttft, tpot, tokens
@@ -91,7 +101,8 @@ def start_servers(args):
     """{name: (url, model id, process)}: this tool's server, and transformers' when asked for."""
     servers = {}
     port = free_port()
-    command = [sys.executable, SCRIPT, "--serve", "--port", str(port), "--max_batch", str(max(args.clients))]
+    batch = max(args.clients, default=1)
+    command = [sys.executable, SCRIPT, "--serve", "--port", str(port), "--max_batch", str(batch)]
     if args.model_name_or_path:
         command += ["--model_name_or_path", args.model_name_or_path]
     env = dict(os.environ, HF_HUB_OFFLINE="1")
@@ -114,13 +125,31 @@ def start_servers(args):
     return servers
 
 
+def second_turn(url, model, repeats):
+    """Medians of (first turn TTFT, second turn TTFT, fresh 20-token prompt TTFT) over 3 x repeats rounds."""
+    with open(os.path.join(ROOT, "benchmarks", "data", "declaration.txt"), encoding="utf-8") as f:
+        passage = f.read()[:4300]  # about 1,000 tokens
+    rounds = []
+    for number in range(3 * repeats):
+        history = [{"role": "user", "content": f"Document {number}:\n{passage}\nWhat is this document about?"}]
+        reply = []
+        first, _, _ = one_request(url, model, history, 16, reply=reply)
+        history += [{"role": "assistant", "content": "".join(reply)},
+                    {"role": "user", "content": "Say more about its first paragraph."}]
+        second, _, _ = one_request(url, model, history, 4)
+        fresh, _, _ = one_request(url, model, f"Round {number}: name three colours of the French flag, please.", 4)
+        rounds.append((first, second, fresh))
+    return [statistics.median(values) for values in zip(*rounds)]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model_name_or_path", default=None)
-    parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--clients", type=int, nargs="*", default=[1, 4, 16])
     parser.add_argument("--max_tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=1, help="rounds of (levels in order, then reversed)")
     parser.add_argument("--compare_transformers", action="store_true")
+    parser.add_argument("--second_turn", action="store_true", help="a conversation's next turn (see above)")
     args = parser.parse_args()
 
     ignore_eos = not args.compare_transformers
@@ -138,26 +167,37 @@ def main():
                 figures[name, clients].append(level(url, model, clients, args.max_tokens, ignore_eos))
                 run = figures[name, clients][-1]
                 print(f"  {name}, {clients} clients: {run['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
+        if args.second_turn:
+            url, model, _ = servers[names[0]]
+            turn = second_turn(url, model, args.repeats)
     finally:
         for _, _, process in servers.values():
             process.terminate()
             process.wait(timeout=60)
 
-    rounds = len(order) // len(args.clients)
+    rounds = len(order) // max(1, len(args.clients))
     print(f"CPU: {cpu_flags()}; torch threads: {os.environ.get('OMP_NUM_THREADS', 'default')}; "
           f"{args.max_tokens} tokens per request{' (ignore_eos)' if ignore_eos else ''}, 2 x clients requests per "
           f"level, medians of {rounds} runs")
     first = names[0]
-    base = statistics.median(run["tokens_per_s"] for run in figures[first, args.clients[0]])
-    print(f"{'server':<42} {'clients':>7} {'output tok/s':>12} {'x':>6} {'TTFT p50 s':>10} {'TTFT p95 s':>10} "
-          f"{'TPOT ms':>8}")
+    if not args.clients:
+        names = []
+    else:
+        base = statistics.median(run["tokens_per_s"] for run in figures[first, args.clients[0]])
+        print(f"{'server':<42} {'clients':>7} {'output tok/s':>12} {'x':>6} {'TTFT p50 s':>10} "
+              f"{'TTFT p95 s':>10} {'TPOT ms':>8}")
     for name in names:
         for clients in args.clients:
             runs = figures[name, clients]
             median = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
             print(f"{name:<42} {clients:>7} {median['tokens_per_s']:>12.1f} {median['tokens_per_s'] / base:>6.2f} "
                   f"{median['ttft_p50']:>10.3f} {median['ttft_p95']:>10.3f} {median['tpot'] * 1000:>8.1f}")
-    print(f"x: output tokens/s over {first} with {args.clients[0]} client(s)")
+    if names:
+        print(f"x: output tokens/s over {first} with {args.clients[0]} client(s)")
+    if args.second_turn:
+        print(f"time to first token, medians of {3 * args.repeats}: first turn of ~1,000 tokens {turn[0]:.3f} s; "
+              f"its second turn {turn[1]:.3f} s; a fresh ~20-token prompt {turn[2]:.3f} s; second / fresh "
+              f"{turn[1] / turn[2]:.2f}")
 
 
 if __name__ == "__main__":
