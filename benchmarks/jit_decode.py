@@ -17,11 +17,10 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList
+from transformers import LogitsProcessorList
 
-from benchmarks.common import StepClock
+from benchmarks.common import StepClock, load_float32
 from rungen.jit import enable_jit
-from rungen.loading import default_model_dir
 
 PROMPT = "Once upon a time, in a small village by the sea,"
 
@@ -77,9 +76,8 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    args.model = args.model or default_model_dir()
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model).eval()
+    loaded = load_float32(args.model)  # the tool's load(): the default model de-quantized when no path is given
+    tokenizer, model = loaded.tokenizer, loaded.model
     enc = tokenizer([PROMPT], return_tensors="pt")
 
     modes = [Mode("eager")]

@@ -24,11 +24,11 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList
+from transformers import LogitsProcessorList
 
-from benchmarks.common import StepClock, cpu_flags, run_interleaved
+from benchmarks.common import StepClock, cpu_flags, load_float32, run_interleaved
 from rungen.jit import enable_jit
-from rungen.loading import DEFAULT_MODEL_GGUF, DEFAULT_MODEL_PACKAGE, default_model_dir
+from rungen.loading import DEFAULT_MODEL_GGUF, DEFAULT_MODEL_PACKAGE
 from rungen.quantize import Fp16Linear, quantize_model
 
 PROMPT = "Once upon a time, in a small village by the sea,"
@@ -125,9 +125,8 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    path = default_model_dir()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    base = AutoModelForCausalLM.from_pretrained(path).eval()
+    loaded = load_float32()  # the tool's load(): the default model de-quantized, as --dequantize runs it
+    tokenizer, base = loaded.tokenizer, loaded.model
     specs = [("float32 eager", None, False), ("float32 --jit", None, True), ("int8", "int8", False),
              ("int8 --jit", "int8", True), ("int4", "int4", False), ("int4 --jit", "int4", True)]
     modes = [Mode(name, copy.deepcopy(base), tokenizer, quantize, jit) for name, quantize, jit in specs
