@@ -29,7 +29,8 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
 PROMPT = re.compile(rb">>> ")
-STATS = re.compile(rb"\((?P<prompt>\d+) prompt(?: \((?P<cached>\d+) cached\))? \+ (?P<reply>\d+) reply tokens[^)\n]*\)")
+STATS = re.compile(rb"\((?P<prompt>\d+) prompt(?: \((?P<cached>\d+) cached\))? \+ (?P<reply>\d+) reply tokens"
+                   rb"[^)\n]*\)")
 
 
 def with_chat_template(source, target, **config):

@@ -121,5 +121,5 @@ def test_turn_stats():
     assert turn_stats(30, 1, 0.0, 0.5, 0.5, interrupted=True) == (
         "(30 prompt + 1 reply tokens, first token 0.50 s, interrupted)")
     assert turn_stats(30, 0, 0.0, None, 0.5) == "(30 prompt + 0 reply tokens)"
-    assert turn_stats(30, 2, 0.0, 0.5, 1.5, reused=24) == "(30 prompt (24 cached) + 2 reply tokens, first token 0.50 s, " \
-        "1.0 tokens/s)"
+    assert turn_stats(30, 2, 0.0, 0.5, 1.5, reused=24) == (
+        "(30 prompt (24 cached) + 2 reply tokens, first token 0.50 s, 1.0 tokens/s)")
