@@ -4,12 +4,15 @@ transformers' LlamaDecoderLayer runs about 80 torch operators a token (the norms
 rotate_half's slices and concatenations, three separate q/k/v products, ...), each 3-5 µs of dispatch on a
 CPU: at one token a step of a small model they cost more than its matmuls. FusedDecoderLayer computes the
 same function with one product for q/k/v and one for gate/up (their rows concatenated once, at load), and
-the native kernels' rms_norm, rope_split and silu_mul for what lies between. The key/value cache, the
-attention masks and the attention itself stay transformers' (Cache.update, the mask the model passes in,
-its attention interface), so generate() and everything built on it work unchanged.
+the native kernels' rms_norm, rope_split, silu_mul and attend for what lies between. The key/value cache and
+the attention masks stay transformers' (Cache.update, the mask the model passes in), so generate() and
+everything built on it work unchanged; a sliding-window layer attends through transformers' attention
+interface.
 
-The float arithmetic differs from transformers' only in summation order (the norm's sum of squares) and in
-fused multiply-adds: tests/unit/test_decoder.py holds it to transformers' own layer within float32 rounding.
+The float arithmetic differs from transformers' only in summation order and fused multiply-adds:
+tests/unit/test_decoder.py holds it to transformers' own layer within float32 rounding. The attention visits
+each query's keys in order and skips the masked ones, so a sequence gets the same bits alone and left-padded
+in a batch, which torch's attention kernels do not promise.
 """
 
 from __future__ import annotations
@@ -69,9 +72,10 @@ class FusedDecoderLayer(torch.nn.Module):
         q, k, v = rope_split(product(self.qkv, x, native), cos, sin, self.heads, self.kv_heads, native)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
-        if native and tokens == 1 and (attention_mask is None or attention_mask.dtype == torch.bool):
-            # One new token a sequence (decoding): the whole attention in one call.
-            attended = torch.ops.rungen_ggml.attend_one(q, k, v, attention_mask, self.scaling)
+        if native and self.sliding_window is None:
+            # One call, and the same bits with or without padding beside the sequence (torch's kernels block
+            # the keys differently once padding shifts them): a greedy text is the same alone and in a batch.
+            attended = torch.ops.rungen_ggml.attend(q, k, v, attention_mask, self.scaling)
         else:
             attended = self._attention(q, k, v, attention_mask, kwargs).reshape(batch, tokens, -1)
         hidden_states = hidden_states + product(self.o_proj, attended, native)

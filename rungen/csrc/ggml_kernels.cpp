@@ -9,7 +9,7 @@
 //   torch.ops.rungen_ggml.rms_norm(x, weight, eps)               a decoder layer's small steps, one operator
 //   torch.ops.rungen_ggml.rope_split(qkv, cos, sin, heads, kv_heads)  each instead of several (see below)
 //   torch.ops.rungen_ggml.silu_mul(gate_up)
-//   torch.ops.rungen_ggml.attend_one(q, k, v, mask, scale)       attention of one new token a sequence
+//   torch.ops.rungen_ggml.attend(q, k, v, mask, scale)           attention, the same bits with or without padding
 //   torch.ops.rungen_ggml.isa() / set_isa(name)                  the code path in use ("avx512vnni", "avx2",
 //                                                               "scalar"); set_isa forces one (tests)
 //
@@ -538,62 +538,131 @@ at::Tensor silu_mul(const at::Tensor& gu_in) {
   return y;
 }
 
-// Attention of one query token a sequence over its cached keys: q [b, heads, 1, dim], k and v
-// [b, kv_heads, T, dim] (grouped heads: query head h reads kv head h / (heads / kv_heads)), mask None or bool
-// [b, 1, 1, T] (true: attend). Out [b, 1, heads * dim], as transformers' attention returns it reshaped.
-// A masked-out row (every key masked) gives zeros, where softmax would give NaN.
-at::Tensor attend_one(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-                      const c10::optional<at::Tensor>& mask_in, double scale) {
+// Attention of t query tokens a sequence over T keys (the cached ones and their own): q [b, heads, t, dim],
+// k and v [b, kv_heads, T, dim] (grouped heads: query head h reads kv head h / (heads / kv_heads)). mask None:
+// causal, query i sees keys 0 .. T - t + i; else bool [b, 1, t, T] (true: attend) or additive float of that
+// shape (0 attends, a large negative value does not). Out [b, t, heads * dim], as transformers' attention
+// returns it reshaped.
+//
+// Each query's keys are visited in order and the masked ones skipped, so a sequence's result does not depend on
+// the padding beside it: a prompt alone and the same prompt left-padded in a batch give the same bits (torch's
+// attention kernels block the keys differently once padding shifts them, which moves the last bits). A query
+// that sees no key gives zeros, where softmax would give NaN.
+static inline float dot64(const float* a, const float* b, int64_t n) {
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  // fixed lanes: vectorized, and the same order always
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int l = 0; l < 8; ++l) acc[l] += a[i + l] * b[i + l];
+  float tail = 0.f;
+  for (; i < n; ++i) tail += a[i] * b[i];
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail;
+}
+
+// exp(x) for x <= 0 (Cephes' expf: range reduction by ln 2, a degree-6 polynomial; relative error about 1e-7),
+// written without branches or library calls so that the compiler vectorizes a loop of it: a prompt's attention
+// takes an exp per query and key, and the library's scalar exp was a third of a long prompt's pass.
+static inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.3f);
+  const float y = x * 1.44269504088896341f;
+  const int32_t n = int32_t(y - 0.5f);  // round to nearest for y <= 0 (truncation toward zero)
+  const float fn = float(n);
+  x = x - fn * 0.693359375f - fn * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * x + 1.3981999507e-3f;
+  p = p * x + 8.3334519073e-3f;
+  p = p * x + 4.1665795894e-2f;
+  p = p * x + 1.6666665459e-1f;
+  p = p * x + 5.0000001201e-1f;
+  const float r = p * (x * x) + x + 1.f;
+  int32_t bits = (n + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return r * scale;
+}
+
+// Each query of [p0, p1) (q enumerated in [b, heads, t] order): see attend below. Compiled twice, for AVX2 with
+// FMA and for the baseline, chosen at load by the CPU's flags (GCC's target_clones): the loops vectorize.
+struct AttendJob {
+  const float *q, *k, *v;
+  const bool* mask_bool;
+  const float* mask_add;
+  float* out;
+  int64_t heads, t, dim, kv, T;
+  float scale;
+  bool masked;
+};
+
+__attribute__((target_clones("arch=haswell", "default")))
+void attend_queries(const AttendJob& job, int64_t p0, int64_t p1, float* wp) {
+  const float *qp = job.q, *kp = job.k, *vp = job.v;
+  const bool* mb = job.mask_bool;
+  const float* mf = job.mask_add;
+  float* op = job.out;
+  const int64_t heads = job.heads, t = job.t, dim = job.dim, kv = job.kv, T = job.T, group = heads / kv;
+  const float scale = job.scale, lowest = -std::numeric_limits<float>::infinity();
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t batch = p / (heads * t), h = (p / t) % heads, i = p % t;
+    const float* qh = qp + p * dim;  // q is [b, heads, t, dim]: p enumerates it in order
+    const float* kh = kp + (batch * kv + h / group) * T * dim;
+    const float* vh = vp + (batch * kv + h / group) * T * dim;
+    const int64_t row = (batch * t + i) * T;
+    const int64_t last = job.masked ? T : T - t + i + 1;  // causal without a mask
+    float top = lowest;
+    for (int64_t j = 0; j < last; ++j) {
+      if (mb && !mb[row + j]) {
+        wp[j] = lowest;
+        continue;
+      }
+      float score = dot64(qh, kh + j * dim, dim) * scale;
+      if (mf) score += mf[row + j];
+      wp[j] = score;
+      top = std::max(top, score);
+    }
+    float* o = op + ((batch * t + i) * heads + h) * dim;
+    std::fill(o, o + dim, 0.f);
+    if (top == lowest) continue;
+    for (int64_t j = 0; j < last; ++j) {
+      const float e = exp_nonpositive(wp[j] - top);
+      wp[j] = wp[j] == lowest ? 0.f : e;  // masked: exactly nothing
+    }
+    float total = 0.f;
+    for (int64_t j = 0; j < last; ++j) total += wp[j];
+    const float inv = 1.f / total;
+    for (int64_t j = 0; j < last; ++j) {
+      if (wp[j] == 0.f) continue;  // masked (or underflowed): skipped, so padding leaves no trace
+      const float a = wp[j] * inv;
+      const float* vj = vh + j * dim;
+      for (int64_t d = 0; d < dim; ++d) o[d] += a * vj[d];
+    }
+  }
+}
+
+at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                  const c10::optional<at::Tensor>& mask_in, double scale) {
   const at::Tensor q = q_in.to(at::kFloat).contiguous(), k = k_in.to(at::kFloat).contiguous();
   const at::Tensor v = v_in.to(at::kFloat).contiguous();
-  TORCH_CHECK(q.dim() == 4 && q.size(2) == 1 && k.dim() == 4 && v.sizes() == k.sizes(),
-              "rungen_ggml: attend_one takes q [b, h, 1, d] and k, v [b, kv, T, d]");
-  const int64_t b = q.size(0), heads = q.size(1), dim = q.size(3), kv = k.size(1), T = k.size(2);
-  TORCH_CHECK(k.size(0) == b && k.size(3) == dim && heads % kv == 0, "rungen_ggml: attend_one shapes differ");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes(),
+              "rungen_ggml: attend takes q [b, h, t, d] and k, v [b, kv, T, d]");
+  const int64_t b = q.size(0), heads = q.size(1), t = q.size(2), dim = q.size(3), kv = k.size(1), T = k.size(2);
+  TORCH_CHECK(k.size(0) == b && k.size(3) == dim && kv > 0 && heads % kv == 0 && T >= t,
+              "rungen_ggml: attend's shapes differ");
   at::Tensor mask;
+  bool additive = false;
   if (mask_in.has_value()) {
-    mask = mask_in->to(at::kBool).contiguous();
-    TORCH_CHECK(mask.numel() == b * T, "rungen_ggml: attend_one's mask must be [b, 1, 1, ", T, "]");
+    additive = mask_in->is_floating_point();
+    mask = additive ? mask_in->to(at::kFloat).contiguous() : mask_in->to(at::kBool).contiguous();
+    TORCH_CHECK(mask.numel() == b * t * T, "rungen_ggml: attend's mask must be [b, 1, ", t, ", ", T, "]");
   }
-  const bool* mp = mask.defined() ? mask.data_ptr<bool>() : nullptr;
-  at::Tensor out = at::empty({b, 1, heads * dim}, q.options());
+  const bool* mb = mask.defined() && !additive ? mask.data_ptr<bool>() : nullptr;
+  const float* mf = mask.defined() && additive ? mask.data_ptr<float>() : nullptr;
+  at::Tensor out = at::empty({b, t, heads * dim}, q.options());
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t group = heads / kv;
-  at::parallel_for(0, b * heads, std::max<int64_t>(1, 32768 / std::max<int64_t>(T * dim, 1)), [&](int64_t p0,
-                                                                                                    int64_t p1) {
+  at::parallel_for(0, b * heads * t, std::max<int64_t>(1, 32768 / std::max<int64_t>(T * dim, 1)),
+                   [&](int64_t p0, int64_t p1) {
     std::vector<float> w(T);
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t batch = p / heads, h = p % heads;
-      const float* qh = qp + p * dim;
-      const float* kh = kp + (batch * kv + h / group) * T * dim;
-      const float* vh = vp + (batch * kv + h / group) * T * dim;
-      const bool* m = mp ? mp + batch * T : nullptr;
-      float top = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < T; ++j) {
-        if (m && !m[j]) {
-          w[j] = -std::numeric_limits<float>::infinity();
-          continue;
-        }
-        float dot = 0.f;
-        for (int64_t i = 0; i < dim; ++i) dot += qh[i] * kh[j * dim + i];
-        w[j] = dot * float(scale);
-        top = std::max(top, w[j]);
-      }
-      float* o = op + p * dim;
-      std::fill(o, o + dim, 0.f);
-      if (top == -std::numeric_limits<float>::infinity()) continue;
-      float total = 0.f;
-      for (int64_t j = 0; j < T; ++j) {
-        w[j] = std::exp(w[j] - top);  // exp(-inf) = 0 for masked keys
-        total += w[j];
-      }
-      for (int64_t j = 0; j < T; ++j) {
-        const float a = w[j] / total;
-        if (a == 0.f) continue;
-        for (int64_t i = 0; i < dim; ++i) o[i] += a * vh[j * dim + i];
-      }
-    }
+    attend_queries(AttendJob{qp, kp, vp, mb, mf, op, heads, t, dim, kv, T, float(scale), mask.defined()}, p0, p1,
+                   w.data());
   });
   return out;
 }
@@ -627,7 +696,7 @@ TORCH_LIBRARY(rungen_ggml, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("rope_split(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads) -> Tensor[]", &rope_split);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
-  m.def("attend_one(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor", &attend_one);
+  m.def("attend(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor", &attend);
   m.def("isa() -> str", &isa);
   m.def("set_isa(str name) -> str", &set_isa);
   m.def("set_tile_threshold(int n) -> int", &set_tile_threshold);

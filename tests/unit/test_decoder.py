@@ -97,3 +97,23 @@ def test_only_layers_it_computes_are_fused():
     assert FusedDecoderLayer.fuse(layer) is None  # q/k in Q8_0, v in Q4_1: no one product
     float_layer = LlamaDecoderLayer(config_of("llama"), layer_idx=0)
     assert FusedDecoderLayer.fuse(float_layer) is None  # float weights: transformers' layer as it is
+
+
+def test_a_sequence_gets_the_same_bits_alone_and_left_padded_in_a_batch():
+    if not ggml.native_kernels():
+        pytest.skip("the native kernels are not available here")
+    layer, config = layer_in_blocks("llama")
+    fused = FusedDecoderLayer.fuse(layer)
+    torch.manual_seed(2)
+    prompt, step = torch.randn(1, 5, HIDDEN), torch.randn(1, 1, HIDDEN)
+    # The same sequence as the second row of a batch whose other row is longer: 3 padding positions first.
+    batch_prompt = torch.cat([torch.randn(1, 8, HIDDEN), torch.cat([torch.zeros(1, 3, HIDDEN), prompt], 1)])
+    batch_step = torch.cat([torch.randn(1, 1, HIDDEN), step])
+    mask = torch.tensor([[1] * 8, [0] * 3 + [1] * 5])
+    with torch.no_grad():
+        alone, batched = DynamicCache(config=config), DynamicCache(config=config)
+        outputs = run(fused, config, prompt, None, alone), run(fused, config, batch_prompt, mask, batched)
+        assert torch.equal(outputs[1][1, 3:], outputs[0][0])  # the prompt pass
+        mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], -1)
+        outputs = run(fused, config, step, None, alone), run(fused, config, batch_step, mask, batched)
+        assert torch.equal(outputs[1][1], outputs[0][0])  # a decoding step
