@@ -113,6 +113,9 @@ def concat(layers: list[GGMLLinear]) -> GGMLLinear | None:
 KERNELS_ENV = "RUN_GENERATION_KERNELS"  # "torch": never build or load the native kernels
 _SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 _SOURCES = ("ggml_kernels.cpp", "ggml_simd.h")
+# -ffp-contract=off: no multiply-add is fused unless the source says so, so that the same arithmetic compiled in
+# two functions (a token alone, tokens four at a time) gives the same bits.
+_CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
 _native: bool | None = None  # undecided, loaded, or not available (warned once)
 
 
@@ -126,7 +129,7 @@ def kernel_cache_dir() -> str:
 
 
 def _source_key() -> str:
-    digest = hashlib.sha256(torch.__version__.encode())
+    digest = hashlib.sha256(torch.__version__.encode() + " ".join(_CFLAGS).encode())
     for name in _SOURCES:
         with open(os.path.join(_SOURCE_DIR, name), "rb") as f:
             digest.update(name.encode() + b"\0" + f.read())
@@ -152,7 +155,7 @@ def build_kernels(verbose: bool = False) -> str:
             try:
                 name = f"rungen_ggml_{key}"
                 cpp_extension.load(name=name, sources=[os.path.join(_SOURCE_DIR, "ggml_kernels.cpp")],
-                                   extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                                   extra_cflags=list(_CFLAGS), extra_ldflags=["-fopenmp"],
                                    build_directory=build, is_python_module=False, verbose=verbose)
                 # load() has loaded the library from the build folder; the rename keeps that mapping valid.
                 os.replace(os.path.join(build, f"{name}.so"), library)

@@ -27,13 +27,22 @@ static inline float half_to_float(const uint8_t* p) {
 }
 
 // Q4_0 (d, 16 bytes of nibbles; w = d * (q - 8)) and Q4_1 (d, m, nibbles; w = d * q + m) against the
-// activations of one token: sum over blocks of d * dx * (q . xq) + m * (dx * sum xq), with m = -8 d for Q4_0.
-template <bool HAS_MIN>
-static float dot_q4(const uint8_t* row, int64_t nblocks, const int8_t* xq, const float* xd, const float* xs) {
+// activations of NT tokens: for each, sum over blocks of d * dx * (q . xq) + m * (dx * sum xq), with m = -8 d
+// for Q4_0. A block's nibbles are unpacked once for the NT tokens; each token's arithmetic is the same
+// sequence of operations whatever NT is (the file is built with -ffp-contract=off), so a token's product has
+// the same bits alone and in a batch.
+template <bool HAS_MIN, int NT>
+static void dot_q4(const uint8_t* row, int64_t nblocks, const int8_t* const* xq, const float* const* xd,
+                   const float* const* xs, float* out) {
   const int64_t bytes = HAS_MIN ? 20 : 18;
   const __m256i low = _mm256_set1_epi8(0x0F);
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  float mins = 0.f;
+  __m256 acc0[NT], acc1[NT];
+  float mins[NT];
+  for (int t = 0; t < NT; ++t) {
+    acc0[t] = _mm256_setzero_ps();
+    acc1[t] = _mm256_setzero_ps();
+    mins[t] = 0.f;
+  }
   int64_t b = 0;
   // Two blocks a turn on two accumulators: the fmadd chains do not wait on each other.
   for (; b + 1 < nblocks; b += 2) {
@@ -46,11 +55,13 @@ static float dot_q4(const uint8_t* row, int64_t nblocks, const int8_t* xq, const
     const __m128i n1 = _mm_loadu_si128((const __m128i*)(p1 + bytes - 16));
     const __m256i w0 = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(n0, 4), n0), low);
     const __m256i w1 = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(n1, 4), n1), low);
-    const __m256i s0 = dot_u8s8(w0, _mm256_loadu_si256((const __m256i*)(xq + b * 32)));
-    const __m256i s1 = dot_u8s8(w1, _mm256_loadu_si256((const __m256i*)(xq + b * 32 + 32)));
-    acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_set1_ps(d0 * xd[b]), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_set1_ps(d1 * xd[b + 1]), acc1);
-    mins += m0 * xs[b] + m1 * xs[b + 1];
+    for (int t = 0; t < NT; ++t) {
+      const __m256i s0 = dot_u8s8(w0, _mm256_loadu_si256((const __m256i*)(xq[t] + b * 32)));
+      const __m256i s1 = dot_u8s8(w1, _mm256_loadu_si256((const __m256i*)(xq[t] + b * 32 + 32)));
+      acc0[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_set1_ps(d0 * xd[t][b]), acc0[t]);
+      acc1[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_set1_ps(d1 * xd[t][b + 1]), acc1[t]);
+      mins[t] += m0 * xs[t][b] + m1 * xs[t][b + 1];
+    }
   }
   for (; b < nblocks; ++b) {
     const uint8_t* p = row + b * bytes;
@@ -58,11 +69,37 @@ static float dot_q4(const uint8_t* row, int64_t nblocks, const int8_t* xq, const
     const float m = HAS_MIN ? half_to_float(p + 2) : -8.f * d;
     const __m128i n = _mm_loadu_si128((const __m128i*)(p + bytes - 16));
     const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(n, 4), n), low);
-    const __m256i s = dot_u8s8(w, _mm256_loadu_si256((const __m256i*)(xq + b * 32)));
-    acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d * xd[b]), acc0);
-    mins += m * xs[b];
+    for (int t = 0; t < NT; ++t) {
+      const __m256i s = dot_u8s8(w, _mm256_loadu_si256((const __m256i*)(xq[t] + b * 32)));
+      acc0[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d * xd[t][b]), acc0[t]);
+      mins[t] += m * xs[t][b];
+    }
   }
-  return hsum(_mm256_add_ps(acc0, acc1)) + mins;
+  for (int t = 0; t < NT; ++t) out[t] = hsum(_mm256_add_ps(acc0[t], acc1[t])) + mins[t];
+}
+
+// One row of Q4_0/Q4_1 against every token, four tokens a pass.
+template <bool HAS_MIN>
+static void q4_row(const uint8_t* row, int64_t nb, const Act& a, int64_t k, float* y, int64_t stride) {
+  int64_t t = 0;
+  for (; t + 4 <= a.n; t += 4) {
+    const int8_t* xq[4];
+    const float *xd[4], *xs[4];
+    for (int i = 0; i < 4; ++i) {
+      xq[i] = a.q + (t + i) * k;
+      xd[i] = a.d + (t + i) * nb;
+      xs[i] = a.s + (t + i) * nb;
+    }
+    float out[4];
+    dot_q4<HAS_MIN, 4>(row, nb, xq, xd, xs, out);
+    for (int i = 0; i < 4; ++i) y[(t + i) * stride] = out[i];
+  }
+  for (; t < a.n; ++t) {
+    const int8_t* xq[1] = {a.q + t * k};
+    const float* xd[1] = {a.d + t * nb};
+    const float* xs[1] = {a.s + t * nb};
+    dot_q4<HAS_MIN, 1>(row, nb, xq, xd, xs, y + t * stride);
+  }
 }
 
 // Q8_0 (d, 32 signed codes): the unsigned x signed product is |q| times x with q's sign (2 * 128 * 127 < 32767).
@@ -193,21 +230,21 @@ static float dot_krow(const KRow& r, int64_t nblocks, const int8_t* xq, const fl
 static void rows(const Job& job, int64_t r0, int64_t r1) {
   const Act& a = *job.act;
   const int64_t nb = job.in_features / 32;
-  if (job.qtype == Q4_0 || job.qtype == Q4_1 || job.qtype == Q8_0) {
+  if (job.qtype == Q4_0 || job.qtype == Q4_1) {
     for (int64_t r = r0; r < r1; ++r) {
       const uint8_t* row = job.blocks + r * job.pitch;
-      for (int64_t t = 0; t < a.n; ++t) {
-        const int8_t* xq = a.q + t * job.in_features;
-        const float* xd = a.d + t * nb;
-        float v;
-        if (job.qtype == Q4_1)
-          v = dot_q4<true>(row, nb, xq, xd, a.s + t * nb);
-        else if (job.qtype == Q4_0)
-          v = dot_q4<false>(row, nb, xq, xd, a.s + t * nb);
-        else
-          v = dot_q8_0(row, nb, xq, xd);
-        job.y[t * job.out_features + r] = v;
-      }
+      if (job.qtype == Q4_1)
+        q4_row<true>(row, nb, a, job.in_features, job.y + r, job.out_features);
+      else
+        q4_row<false>(row, nb, a, job.in_features, job.y + r, job.out_features);
+    }
+    return;
+  }
+  if (job.qtype == Q8_0) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint8_t* row = job.blocks + r * job.pitch;
+      for (int64_t t = 0; t < a.n; ++t)
+        job.y[t * job.out_features + r] = dot_q8_0(row, nb, a.q + t * job.in_features, a.d + t * nb);
     }
     return;
   }

@@ -111,6 +111,24 @@ def test_native_kernel_matches_reference_on_every_instruction_set(qtype, each_is
 
 
 @pytest.mark.parametrize("qtype", SIMPLE + KQUANTS, ids=lambda q: q.name)
+def test_a_token_gets_the_same_bits_alone_and_among_others(qtype, each_isa):
+    # Tokens go four at a time through the 4-bit kernels: a token's product must not depend on its company,
+    # or a greedy text would change with the batch it decodes in.
+    in_features = 512
+    blocks = blocks_for(qtype, 19, in_features, seed=5)
+    x = inputs(11, in_features, seed=5, kind="outlier")
+    for isa in isas():
+        torch.ops.rungen_ggml.set_isa(isa)
+        together = torch.ops.rungen_ggml.mm_int(x, blocks, int(qtype), in_features)
+        for n in (1, 3, 4, 5, 9):
+            part = torch.ops.rungen_ggml.mm_int(x[:n], blocks, int(qtype), in_features)
+            assert torch.equal(part, together[:n]), (isa, n)
+        for i in range(x.shape[0]):
+            alone = torch.ops.rungen_ggml.mm_int(x[i:i + 1], blocks, int(qtype), in_features)
+            assert torch.equal(alone[0], together[i]), (isa, i)
+
+
+@pytest.mark.parametrize("qtype", SIMPLE + KQUANTS, ids=lambda q: q.name)
 def test_native_dequantize_and_tiled_path_match_gguf(qtype):
     if not ggml.native_kernels():
         pytest.skip("native kernels unavailable")
