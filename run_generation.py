@@ -33,6 +33,7 @@ import os
 import sys
 import time
 
+import torch
 from transformers import set_seed
 from transformers.utils import logging as transformers_logging
 
@@ -71,6 +72,13 @@ def main(argv=None):
 
         constraint_source = read_constraint(json_schema=args.json_schema, regex=args.regex, grammar=args.grammar)
     set_seed(args.seed)
+
+    serving = None
+    if args.serve:
+        serving = serve_options(args)  # the model thread gets the intra-op threads set now
+        # The main thread keeps to one: an OpenMP team it started (loading) would slow every parallel region
+        # of the server's model thread about twofold (docs/server.md).
+        torch.set_num_threads(1)
 
     # Only the main process reads stdin; the others get its prompts.
     if not interactive and not args.serve:
@@ -116,7 +124,7 @@ def main(argv=None):
     if args.serve:  # an OpenAI-compatible server on this model (rungen/server.py)
         from rungen import server
 
-        return server.run(loaded, serve_options(args))
+        return server.run(loaded, serving)
     if interactive:
         if args.output_format != "text":
             logger.warning("A session prints its replies as text (/save writes the conversation as JSON); "

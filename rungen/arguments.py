@@ -134,6 +134,8 @@ def serve_options(args: argparse.Namespace):
     """The --serve flags as rungen.server's ServeOptions (the key from $RUN_GENERATION_API_KEY when no flag)."""
     import os
 
+    import torch
+
     from .server import API_KEY_ENV, ServeOptions  # FastAPI: only when serving
 
     model_id = os.path.basename(os.path.normpath(args.model_name_or_path)) if args.model_name_or_path \
@@ -142,7 +144,7 @@ def serve_options(args: argparse.Namespace):
                         model_id=model_id, max_queue=args.max_queue, max_batch=args.max_batch,
                         max_cache_tokens=args.max_cache_tokens, prefix_cache_mb=args.prefix_cache_mb,
                         cors_origins=tuple(args.cors_origins or ()), grace=args.shutdown_grace,
-                        max_n=min(16, args.max_batch))
+                        max_n=min(16, args.max_batch), threads=torch.get_num_threads())
 
 
 def check_serve(args: argparse.Namespace, given: set[str]) -> None:

@@ -214,8 +214,9 @@ class Engine:
     """Owns the model on its own thread; submit() queues a Request, whose events reach request.sink."""
 
     def __init__(self, loaded, *, max_batch=16, max_queue=64, max_cache_tokens=65536, prefix_cache_bytes=256 << 20,
-                 eos_ids=(), metrics=None, tokenizer_lock=None):
+                 eos_ids=(), metrics=None, tokenizer_lock=None, threads=0):
         self.loaded, self.model, self.tokenizer = loaded, loaded.model, loaded.tokenizer
+        self.threads = threads  # torch's intra-op threads on the model thread (0: the process's setting)
         self.device = loaded.input_device
         self.max_batch, self.max_queue, self.max_cache_tokens = max_batch, max_queue, max_cache_tokens
         self.eos_ids = set(eos_ids)
@@ -306,6 +307,8 @@ class Engine:
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers_of(cache))
 
     def loop(self):
+        if self.threads:
+            torch.set_num_threads(self.threads)  # per thread under OpenMP: this thread's parallel regions
         while True:
             with self.wake:
                 while not self.stopped and not self.rows and not self.waiting and self.calls.empty():

@@ -62,6 +62,7 @@ class ServeOptions:
     max_n: int = 16
     cors_origins: tuple[str, ...] = ()
     grace: float = 30.0
+    threads: int = 0  # torch's intra-op threads on the model thread (0: as they are)
 
 
 class APIError(Exception):
@@ -744,7 +745,7 @@ def start_engine(loaded, options, metrics=None):
     engine = Engine(loaded, max_batch=options.max_batch, max_queue=options.max_queue,
                     max_cache_tokens=options.max_cache_tokens, prefix_cache_bytes=options.prefix_cache_mb << 20,
                     eos_ids=eos_token_ids_of(loaded), metrics=metrics or Metrics(),
-                    tokenizer_lock=threading.Lock())
+                    tokenizer_lock=threading.Lock(), threads=options.threads)
     engine.start()
     logger.info("%s", describe_memory(engine))
     return engine
