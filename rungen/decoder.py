@@ -24,6 +24,8 @@ from .ggml import GGMLLinear, concat, native_kernels
 # Decoder layers whose forward is LlamaDecoderLayer's: pre-norm attention with rotary q/k, then a SiLU-gated
 # MLP (mistral and qwen2 add a sliding window, passed to the attention as they pass it; qwen2 q/k/v biases).
 FUSABLE = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
+# The weights FusedDecoderLayer concatenates (q/k/v, gate/up), by the endings of their parameter names.
+FUSED_WEIGHTS = tuple(f".{name}.weight" for name in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
 
 
 class FusedDecoderLayer(torch.nn.Module):
@@ -36,11 +38,9 @@ class FusedDecoderLayer(torch.nn.Module):
         self.gate_up, self.down_proj = gate_up, layer.mlp.down_proj
         self.input_layernorm, self.post_attention_layernorm = layer.input_layernorm, layer.post_attention_layernorm
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.ffn = gate_up.out_features // 2
         # What transformers' attention interface reads from the module it is given.
         self.config, self.layer_idx, self.is_causal = config, attention.layer_idx, True
         self.num_key_value_groups, self.scaling = attention.num_key_value_groups, attention.scaling
-        self.attention_type = getattr(layer, "attention_type", None)
         self.sliding_window = getattr(attention, "sliding_window", None)
         if self.sliding_window is None and type(layer).__name__ == "MistralDecoderLayer":
             self.sliding_window = getattr(config, "sliding_window", None)
@@ -65,7 +65,7 @@ class FusedDecoderLayer(torch.nn.Module):
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, past_key_values=None, use_cache: bool | None = False,
                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs) -> torch.Tensor:
-        batch, tokens, width = hidden_states.shape
+        batch, tokens, _ = hidden_states.shape
         native = native_kernels()
         x = rms_norm(hidden_states, self.input_layernorm, native)
         cos, sin = position_embeddings
@@ -103,13 +103,18 @@ def product(layer: torch.nn.Module, x: torch.Tensor, native: bool) -> torch.Tens
     return y if layer.bias is None else y + layer.bias
 
 
-def fuse_decoder_layers(model: torch.nn.Module) -> int:
-    """Replaces every decoder layer of `model` that FusedDecoderLayer computes; returns how many it replaced.
-    Only float32 models: the native kernels' steps compute in float32."""
+def fusable(model: torch.nn.Module) -> bool:
+    """Whether `model`'s decoder layers are of a kind FusedDecoderLayer computes, in float32 (the native
+    kernels' steps compute in float32); a layer's own weights decide the rest (FusedDecoderLayer.fuse)."""
     layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None or model.dtype != torch.float32:
+    return bool(layers) and type(layers[0]).__name__ in FUSABLE and model.dtype == torch.float32
+
+
+def fuse_decoder_layers(model: torch.nn.Module) -> int:
+    """Replaces every decoder layer of `model` that FusedDecoderLayer computes; returns how many it replaced."""
+    if not fusable(model):
         return 0
-    replaced = 0
+    layers, replaced = model.model.layers, 0
     for index, layer in enumerate(layers):
         fused = FusedDecoderLayer.fuse(layer)
         if fused is not None:

@@ -35,7 +35,7 @@ import time
 import numpy as np
 import torch
 
-from .decoder import FUSABLE, fuse_decoder_layers
+from .decoder import FUSED_WEIGHTS, fusable, fuse_decoder_layers
 from .errors import UsageError
 from .ggml import SUPPORTED, GGMLLinear, dequantize, native_kernels
 
@@ -44,7 +44,6 @@ logger = logging.getLogger("run_generation")
 # Bump when what the header cache holds changes meaning; transformers' version is part of the key too,
 # since its tokenizer conversion and config parsing decide the cached files.
 HEADER_CACHE_VERSION = 1
-FUSED_WEIGHTS = tuple(f".{name}.weight" for name in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
 FLOAT_TYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # GGMLQuantizationType F32, F16, BF16
 
 
@@ -333,8 +332,7 @@ def build_model(header: GGUFHeader, dtype: torch.dtype) -> torch.nn.Module:
     file = np.memmap(header.path, dtype=np.uint8, mode="c")  # private and writable: torch warns on read-only
     # Weights that FusedDecoderLayer concatenates are read into memory rather than viewed in the map: the
     # concatenation copies them, and a copy of mapped pages would count them twice in the process's memory.
-    layer_class = type(getattr(getattr(model, "model", None), "layers", [None])[0]).__name__
-    fused = FUSED_WEIGHTS if layer_class in FUSABLE and dtype == torch.float32 else ()
+    fused = FUSED_WEIGHTS if fusable(model) else ()
     collected = {"tensors": {}}  # what processors that merge or split tensors (MoE experts) leave
     biases = {}  # module name -> bias, given to the layer that ends up there
     layers = {}  # module name -> the layer that replaces the model's own

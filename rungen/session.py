@@ -311,7 +311,6 @@ class TurnCache:
         self.cache, self.tokens = cache, ids[: cache.get_seq_length()]
 
 
-
 class Session:
     """One conversation (or, without a chat template, a run of independent prompts) on a loaded model."""
 
