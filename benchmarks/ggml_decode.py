@@ -12,7 +12,6 @@ rows of several prompts at once (new tokens per second over the whole batch), to
 """
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -27,13 +26,7 @@ import torch
 from benchmarks.common import cpu_flags, load_float32, run_interleaved
 from benchmarks.quantized_decode import PROMPT, Mode
 from rungen.ggml import native_kernels
-from rungen.loading import DEFAULT_MODEL_GGUF, DEFAULT_MODEL_PACKAGE, load
-
-
-def gguf_path():
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)  # located, never imported
-    return os.path.join(spec.submodule_search_locations[0], DEFAULT_MODEL_GGUF)
-
+from rungen.loading import default_model_file, load
 
 LLAMA_CHILD = r"""
 import json, sys, time
@@ -64,7 +57,7 @@ class LlamaCpp:
     name = "llama.cpp (same GGUF)"
 
     def __init__(self, python, threads):
-        self.child = subprocess.Popen([python, "-c", LLAMA_CHILD, gguf_path(), str(threads), PROMPT],
+        self.child = subprocess.Popen([python, "-c", LLAMA_CHILD, default_model_file(), str(threads), PROMPT],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         json.loads(self.child.stdout.readline())
         self.tokens_per_s, self.ms_per_token, self.text = [], [], None

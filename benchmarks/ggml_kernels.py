@@ -12,8 +12,6 @@ matmul for growing numbers of tokens: where the second wins is where rungen_ggml
 
 import argparse
 import functools
-import importlib.util
-import os
 import statistics
 import sys
 import time
@@ -23,16 +21,11 @@ import torch
 
 from benchmarks.common import cpu_flags
 from rungen.ggml import dequantize, native_kernels
-from rungen.loading import DEFAULT_MODEL_GGUF, DEFAULT_MODEL_PACKAGE
+from rungen.loading import default_model_file
 from rungen.quantize import Int4Linear, head_class
 
 SHAPES = ("blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.ffn_gate.weight", "blk.0.ffn_down.weight",
           "token_embd.weight")
-
-
-def gguf_path():
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)  # located, never imported
-    return os.path.join(spec.submodule_search_locations[0], DEFAULT_MODEL_GGUF)
 
 
 def timed(function, repeats):
@@ -65,7 +58,7 @@ def main():
     if not native_kernels():
         sys.exit("native kernels unavailable")
     ops = torch.ops.rungen_ggml
-    tensors = {t.name: t for t in gguf.GGUFReader(gguf_path()).tensors}
+    tensors = {t.name: t for t in gguf.GGUFReader(default_model_file()).tensors}
     print(f"CPU flags: {cpu_flags()}; kernel path: {ops.isa()}; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; one token; median µs per call")
     print("")

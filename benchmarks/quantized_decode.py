@@ -28,7 +28,7 @@ from transformers import LogitsProcessorList
 
 from benchmarks.common import StepClock, cpu_flags, load_float32, run_interleaved
 from rungen.jit import enable_jit
-from rungen.loading import DEFAULT_MODEL_GGUF, DEFAULT_MODEL_PACKAGE
+from rungen.loading import default_model_file
 from rungen.quantize import Fp16Linear, quantize_model
 
 PROMPT = "Once upon a time, in a small village by the sea,"
@@ -95,8 +95,7 @@ class LlamaCpp:
     def __init__(self, threads):
         from llama_cpp import Llama
 
-        spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)  # located, never imported
-        path = os.path.join(spec.submodule_search_locations[0], DEFAULT_MODEL_GGUF)
+        path = default_model_file()
         self.llm = Llama(model_path=path, n_threads=threads, n_ctx=512, verbose=False)
         self.bytes = os.path.getsize(path)
         self.tokens_per_s, self.ms_per_token, self.text = [], [], None
