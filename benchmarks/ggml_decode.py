@@ -2,6 +2,7 @@
 (float32), --quantize int4 and llama.cpp on the same file, in one run.
 
     python -m benchmarks.ggml_decode [--new-tokens 128] [--repeats 3] [--threads 2] [--jit] [--batch 4 16]
+    ATEN_CPU_CAPABILITY=avx2 python -m benchmarks.ggml_decode --isa avx2 --llama-python AVX2_BUILD/bin/python
 
 Every torch row is a model loaded by the tool's own rungen.loading.load, as the command line loads it for
 those flags; --jit adds the traced rows (the tool's --jit, its tracing time printed). llama.cpp runs through
@@ -9,6 +10,10 @@ llama-cpp-python in a separate virtualenv (--llama-python, a benchmark-only inst
 driven line by line, so its runs interleave with the others. Same prompt, greedy, batch 1, every mode once
 a repeat, back to back; ratios are medians of per-repeat ratios (the machine may be shared). --batch adds
 rows of several prompts at once (new tokens per second over the whole batch), torch modes only.
+
+--isa avx2 on an AVX-512 machine runs the AVX2 code paths there: the tool's kernels by --isa, torch's own by
+ATEN_CPU_CAPABILITY=avx2 (read when torch is imported, so set in the environment), and llama.cpp from a build
+without AVX-512 (GGML_NATIVE=OFF GGML_AVX512=OFF). Same cores and memory: it compares code, not machines.
 """
 
 import argparse
@@ -88,10 +93,14 @@ def main():
     parser.add_argument("--batch", type=int, nargs="*", default=[])
     parser.add_argument("--jit", action="store_true", help="also a GGUF-blocks row with --jit")
     parser.add_argument("--llama-python", default="/work/bench-venv/bin/python")
+    parser.add_argument("--isa", choices=("avx512vnni", "avx2", "scalar"),
+                        help="the tool's kernel path (default: the best the CPU has)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not native_kernels():
         sys.exit("the native kernels are not available")
+    if args.isa:
+        torch.ops.rungen_ggml.set_isa(args.isa)
 
     cpu = torch.device("cpu")
     float32 = load_float32()
@@ -119,7 +128,8 @@ def main():
     med = statistics.median
     print(f"default model (SmolLM2-135M-Instruct), {args.new_tokens} new tokens, greedy, batch 1, "
           f"{args.threads} threads, median of {args.repeats}, torch {torch.__version__}, "
-          f"kernel path {torch.ops.rungen_ggml.isa()}")
+          f"kernel path {torch.ops.rungen_ggml.isa()}, torch's CPU capability "
+          f"{torch.backends.cpu.get_cpu_capability()}")
     print(f"CPU flags: {cpu_flags()}")
     print("")
     print("| mode | tokens/s | vs llama.cpp | decode ms/token |")

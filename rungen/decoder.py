@@ -44,6 +44,9 @@ class FusedDecoderLayer(torch.nn.Module):
         self.sliding_window = getattr(attention, "sliding_window", None)
         if self.sliding_window is None and type(layer).__name__ == "MistralDecoderLayer":
             self.sliding_window = getattr(config, "sliding_window", None)
+        # Every product in blocks, no bias but q/k/v's, full attention: the layer runs as two native calls.
+        self.two_calls = self.sliding_window is None and all(
+            isinstance(p, GGMLLinear) and p.bias is None for p in (self.o_proj, self.down_proj))
 
     @classmethod
     def fuse(cls, layer: torch.nn.Module) -> FusedDecoderLayer | None:
@@ -65,8 +68,10 @@ class FusedDecoderLayer(torch.nn.Module):
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, past_key_values=None, use_cache: bool | None = False,
                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs) -> torch.Tensor:
-        batch, tokens, _ = hidden_states.shape
         native = native_kernels()
+        if native and self.two_calls:
+            return self._two_calls(hidden_states, attention_mask, past_key_values, position_embeddings)
+        batch, tokens, _ = hidden_states.shape
         x = rms_norm(hidden_states, self.input_layernorm, native)
         cos, sin = position_embeddings
         q, k, v = rope_split(product(self.qkv, x, native), cos, sin, self.heads, self.kv_heads, native)
@@ -81,6 +86,19 @@ class FusedDecoderLayer(torch.nn.Module):
         hidden_states = hidden_states + product(self.o_proj, attended, native)
         x = rms_norm(hidden_states, self.post_attention_layernorm, native)
         return hidden_states + product(self.down_proj, silu_mul(product(self.gate_up, x, native), native), native)
+
+    def _two_calls(self, hidden_states, attention_mask, past_key_values, position_embeddings):
+        """forward's arithmetic, in the same order, as rungen_ggml's attention_in and attention_out_mlp."""
+        ops, (cos, sin) = torch.ops.rungen_ggml, position_embeddings
+        qkv, gate_up, o, down = self.qkv, self.gate_up, self.o_proj, self.down_proj
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        q, k, v = ops.attention_in(hidden_states, norm1.weight, norm1.variance_epsilon, qkv.blocks, qkv.qtype,
+                                   qkv.bias, cos, sin, self.heads, self.kv_heads)
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, self.layer_idx)
+        return ops.attention_out_mlp(hidden_states, q, k, v, attention_mask, self.scaling, o.blocks, o.qtype,
+                                     norm2.weight, norm2.variance_epsilon, gate_up.blocks, gate_up.qtype,
+                                     down.blocks, down.qtype)
 
     def _attention(self, q, k, v, attention_mask, kwargs):
         """transformers' attention interface of the model's implementation (sdpa, eager, ...)."""

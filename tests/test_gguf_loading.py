@@ -187,7 +187,7 @@ def test_logits_match_the_dequantized_float_model(loaded, name, monkeypatch):
     with torch.no_grad():
         theirs = reference(**batch).logits
         decoding = model(**batch).logits  # activations rounded to int8 per block of 32, as llama.cpp rounds them
-        exact = exact_weights(lambda: model(**batch).logits, monkeypatch)
+        exact = exact_weights(model, lambda: model(**batch).logits, monkeypatch)
     # The same de-quantized values multiplied in another order: float32 rounding only.
     torch.testing.assert_close(exact, theirs, rtol=1e-4, atol=1e-4)
     assert exact.abs().max() > 1  # logits of a real computation, not two zero tensors
@@ -198,11 +198,14 @@ def test_logits_match_the_dequantized_float_model(loaded, name, monkeypatch):
     assert error.mean() < 0.01 * theirs[real].abs().max() and error.max() < 0.1 * theirs[real].abs().max()
 
 
-def exact_weights(run, monkeypatch):
-    """run() with every product taken on the exactly de-quantized weights and float32 activations."""
+def exact_weights(model, run, monkeypatch):
+    """run() with every product of `model` taken on the exactly de-quantized weights and float32 activations."""
     if not native_kernels():
         pytest.skip("the exact path is the native kernels' (torch's fallback rounds scales to bfloat16)")
     with monkeypatch.context() as patch:
+        for layer in model.modules():  # the layers' one-call products do not go through GGMLLinear._matmul
+            if isinstance(layer, FusedDecoderLayer):
+                patch.setattr(layer, "two_calls", False)
         patch.setattr(GGMLLinear, "_matmul", lambda self, x: torch.ops.rungen_ggml.mm_tiled(
             x.float().contiguous(), self.blocks, int(self.qtype), self.in_features))
         return run()

@@ -10,6 +10,7 @@
 //   torch.ops.rungen_ggml.rope_split(qkv, cos, sin, heads, kv_heads)  each instead of several (see below)
 //   torch.ops.rungen_ggml.silu_mul(gate_up)
 //   torch.ops.rungen_ggml.attend(q, k, v, mask, scale)           attention, the same bits with or without padding
+//   torch.ops.rungen_ggml.attention_in(...), attention_out_mlp(...)  a decoder layer in two calls (see below)
 //   torch.ops.rungen_ggml.isa() / set_isa(name)                  the code path in use ("avx512vnni", "avx2",
 //                                                               "scalar"); set_isa forces one (tests)
 //
@@ -667,6 +668,43 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tens
   return out;
 }
 
+// A llama decoder layer in two calls, around the cache update that stays transformers': at one token a step
+// each of its dozen operators costs more in dispatch and Python than in arithmetic. The same functions as the
+// separate operators, in the same order: the bits are theirs.
+//
+// attention_in: q, k, v of rms_norm(hidden) (the fused q/k/v product, its bias if any, rotated).
+std::vector<at::Tensor> attention_in(const at::Tensor& hidden, const at::Tensor& norm_weight, double eps,
+                                     const at::Tensor& qkv_blocks, int64_t qkv_qtype,
+                                     const c10::optional<at::Tensor>& qkv_bias, const at::Tensor& cos,
+                                     const at::Tensor& sin, int64_t heads, int64_t kv_heads) {
+  TORCH_CHECK(hidden.dim() == 3, "rungen_ggml: hidden must be [batch, tokens, features]");
+  const int64_t b = hidden.size(0), t = hidden.size(1), features = hidden.size(2);
+  const at::Tensor x = rms_norm(hidden, norm_weight, eps);
+  at::Tensor qkv = mm(x.view({b * t, features}), qkv_blocks, qkv_qtype, features);
+  if (qkv_bias.has_value()) qkv.add_(*qkv_bias);
+  return rope_split(qkv.view({b, t, qkv.size(1)}), cos, sin, heads, kv_heads);
+}
+
+// attention_out_mlp: the rest of the layer, k and v the whole cache: h = hidden + o(attend(q, k, v)), then
+// h + down(silu(gate) * up) of rms_norm(h).
+at::Tensor attention_out_mlp(const at::Tensor& hidden, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const c10::optional<at::Tensor>& mask, double scale, const at::Tensor& o_blocks,
+                             int64_t o_qtype, const at::Tensor& norm_weight, double eps,
+                             const at::Tensor& gate_up_blocks, int64_t gate_up_qtype, const at::Tensor& down_blocks,
+                             int64_t down_qtype) {
+  TORCH_CHECK(hidden.dim() == 3, "rungen_ggml: hidden must be [batch, tokens, features]");
+  const int64_t b = hidden.size(0), t = hidden.size(1), features = hidden.size(2);
+  const at::Tensor attended = attend(q, k, v, mask, scale);
+  at::Tensor h = mm(attended.view({b * t, attended.size(2)}), o_blocks, o_qtype, attended.size(2));
+  h.add_(hidden.to(at::kFloat).reshape({b * t, features}));  // hidden + o: a float sum is the same either way
+  const at::Tensor x = rms_norm(h, norm_weight, eps);
+  const at::Tensor gate_up = mm(x, gate_up_blocks, gate_up_qtype, features);
+  const at::Tensor act = silu_mul(gate_up);
+  at::Tensor out = mm(act, down_blocks, down_qtype, act.size(1));
+  out.add_(h);
+  return out.view({b, t, features});
+}
+
 std::string isa() { return isa_names[current_isa]; }
 
 std::string set_isa(const std::string& name) {
@@ -697,6 +735,11 @@ TORCH_LIBRARY(rungen_ggml, m) {
   m.def("rope_split(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads) -> Tensor[]", &rope_split);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor", &attend);
+  m.def("attention_in(Tensor hidden, Tensor norm_weight, float eps, Tensor qkv_blocks, int qkv_qtype, "
+        "Tensor? qkv_bias, Tensor cos, Tensor sin, int heads, int kv_heads) -> Tensor[]", &attention_in);
+  m.def("attention_out_mlp(Tensor hidden, Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, "
+        "Tensor o_blocks, int o_qtype, Tensor norm_weight, float eps, Tensor gate_up_blocks, int gate_up_qtype, "
+        "Tensor down_blocks, int down_qtype) -> Tensor", &attention_out_mlp);
   m.def("isa() -> str", &isa);
   m.def("set_isa(str name) -> str", &set_isa);
   m.def("set_tile_threshold(int n) -> int", &set_tile_threshold);

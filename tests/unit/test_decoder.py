@@ -117,3 +117,26 @@ def test_a_sequence_gets_the_same_bits_alone_and_left_padded_in_a_batch():
         mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], -1)
         outputs = run(fused, config, step, None, alone), run(fused, config, batch_step, mask, batched)
         assert torch.equal(outputs[1][1], outputs[0][0])  # a decoding step
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_the_layer_in_two_native_calls_gives_the_bits_of_its_separate_operators(kind):
+    if not ggml.native_kernels():
+        pytest.skip("the native kernels are not available here")
+    fused = FusedDecoderLayer.fuse(layer_in_blocks(kind)[0])
+    config = fused.config
+    assert fused.two_calls
+    torch.manual_seed(3)
+    prompt, step = torch.randn(2, 5, HIDDEN), torch.randn(2, 1, HIDDEN)
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    outputs, caches = [], []
+    for two_calls in (True, False):
+        fused.two_calls, cache = two_calls, DynamicCache(config=config)
+        with torch.no_grad():
+            first = run(fused, config, prompt, mask, cache)
+            after = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], -1)
+            outputs.append((first, run(fused, config, step, after, cache)))
+        caches.append(cache)
+    assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
+    assert torch.equal(caches[0].layers[0].keys, caches[1].layers[0].keys)
+    assert torch.equal(caches[0].layers[0].values, caches[1].layers[0].values)
