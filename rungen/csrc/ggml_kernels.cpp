@@ -53,13 +53,15 @@ int64_t block_bytes(int64_t qtype) {
 }
 
 // The activations of n tokens, quantized per block of 32: codes q [n, K], scale d [n, K/32] (q * d ~ x),
-// s = d * sum(q) per 32 [n, K/32] (what a block's offset multiplies), s16 = d * sum(q) per 16 [n, K/16].
+// s = d * sum(q) per 32 [n, K/32] (what a block's offset multiplies), s16 = d * sum(q) per 16 [n, K/16], and
+// s4: s of each whole group of four tokens, the four side by side [n/4, K/32, 4] (one vector a block).
 struct Act {
   int64_t n;
   const int8_t* q;
   const float* d;
   const float* s;
   const float* s16;
+  const float* s4;
 };
 
 struct Job {
@@ -295,12 +297,13 @@ struct QuantizedX {
 const Act& quantize_activations(const at::Tensor& x) {
   static thread_local QuantizedX r;
   const int64_t n = x.size(0), k = x.size(1), nb = k / 32;
-  const size_t floats = size_t(n * nb * 4) + size_t(n * k + 3) / 4;  // d, s, s16 (2), then the codes
+  const size_t floats = size_t(n * nb * 5) + size_t(n * k + 3) / 4;  // d, s, s16 (2), s4, then the codes
   if (r.buffer.size() < floats) r.buffer.resize(floats);
   float* d = r.buffer.data();
   float* s = d + n * nb;
   float* s16 = s + n * nb;
-  int8_t* q = reinterpret_cast<int8_t*>(s16 + 2 * n * nb);
+  float* s4 = s16 + 2 * n * nb;
+  int8_t* q = reinterpret_cast<int8_t*>(s4 + n * nb);
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, n * nb, 128, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
@@ -321,7 +324,10 @@ const Act& quantize_activations(const at::Tensor& x) {
       s16[2 * b + 1] = scale * float(sum1);
     }
   });
-  r.act = Act{n, q, d, s, s16};
+  for (int64_t g = 0; g < n / 4; ++g)
+    for (int64_t b = 0; b < nb; ++b)
+      for (int64_t i = 0; i < 4; ++i) s4[(g * nb + b) * 4 + i] = s[(4 * g + i) * nb + b];
+  r.act = Act{n, q, d, s, s16, s4};
   return r.act;
 }
 

@@ -27,22 +27,25 @@ static inline float half_to_float(const uint8_t* p) {
 }
 
 // Q4_0 (d, 16 bytes of nibbles; w = d * (q - 8)) and Q4_1 (d, m, nibbles; w = d * q + m) against the
-// activations of NT tokens: for each, sum over blocks of d * dx * (q . xq) + m * (dx * sum xq), with m = -8 d
-// for Q4_0. A block's nibbles are unpacked once for the NT tokens; each token's arithmetic is the same
+// activations of NT tokens (1 or 4): for each, sum over blocks of d * dx * (q . xq) + m * (dx * sum xq), with
+// m = -8 d for Q4_0. A block's nibbles are unpacked once for the NT tokens; each token's arithmetic is the same
 // sequence of operations whatever NT is (the file is built with -ffp-contract=off), so a token's product has
-// the same bits alone and in a batch.
+// the same bits alone and in a batch. Per block and token the work is the integer dot product and three vector
+// operations: the token's scale is broadcast from memory (a load, no shuffle), and the offsets' products of
+// four tokens are one vector (xs: the token's s [nb] when NT is 1, its group's s4 [nb][4] when 4).
 template <bool HAS_MIN, int NT>
 static void dot_q4(const uint8_t* row, int64_t nblocks, const int8_t* const* xq, const float* const* xd,
-                   const float* const* xs, float* out) {
+                   const float* xs, float* out) {
+  static_assert(NT == 1 || NT == 4, "one token or a group of four");
   const int64_t bytes = HAS_MIN ? 20 : 18;
   const __m256i low = _mm256_set1_epi8(0x0F);
   __m256 acc0[NT], acc1[NT];
-  float mins[NT];
   for (int t = 0; t < NT; ++t) {
     acc0[t] = _mm256_setzero_ps();
     acc1[t] = _mm256_setzero_ps();
-    mins[t] = 0.f;
   }
+  float mins1 = 0.f;
+  __m128 mins4 = _mm_setzero_ps();
   int64_t b = 0;
   // Two blocks a turn on two accumulators: the fmadd chains do not wait on each other.
   for (; b + 1 < nblocks; b += 2) {
@@ -55,13 +58,19 @@ static void dot_q4(const uint8_t* row, int64_t nblocks, const int8_t* const* xq,
     const __m128i n1 = _mm_loadu_si128((const __m128i*)(p1 + bytes - 16));
     const __m256i w0 = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(n0, 4), n0), low);
     const __m256i w1 = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(n1, 4), n1), low);
+    const __m256 d0v = _mm256_set1_ps(d0), d1v = _mm256_set1_ps(d1);
     for (int t = 0; t < NT; ++t) {
       const __m256i s0 = dot_u8s8(w0, _mm256_loadu_si256((const __m256i*)(xq[t] + b * 32)));
       const __m256i s1 = dot_u8s8(w1, _mm256_loadu_si256((const __m256i*)(xq[t] + b * 32 + 32)));
-      acc0[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_set1_ps(d0 * xd[t][b]), acc0[t]);
-      acc1[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_set1_ps(d1 * xd[t][b + 1]), acc1[t]);
-      mins[t] += m0 * xs[t][b] + m1 * xs[t][b + 1];
+      acc0[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_mul_ps(d0v, _mm256_broadcast_ss(xd[t] + b)), acc0[t]);
+      acc1[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_mul_ps(d1v, _mm256_broadcast_ss(xd[t] + b + 1)),
+                                acc1[t]);
     }
+    if (NT == 4)
+      mins4 = _mm_add_ps(mins4, _mm_add_ps(_mm_mul_ps(_mm_set1_ps(m0), _mm_loadu_ps(xs + 4 * b)),
+                                           _mm_mul_ps(_mm_set1_ps(m1), _mm_loadu_ps(xs + 4 * b + 4))));
+    else
+      mins1 += m0 * xs[b] + m1 * xs[b + 1];
   }
   for (; b < nblocks; ++b) {
     const uint8_t* p = row + b * bytes;
@@ -69,12 +78,19 @@ static void dot_q4(const uint8_t* row, int64_t nblocks, const int8_t* const* xq,
     const float m = HAS_MIN ? half_to_float(p + 2) : -8.f * d;
     const __m128i n = _mm_loadu_si128((const __m128i*)(p + bytes - 16));
     const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(n, 4), n), low);
+    const __m256 dv = _mm256_set1_ps(d);
     for (int t = 0; t < NT; ++t) {
       const __m256i s = dot_u8s8(w, _mm256_loadu_si256((const __m256i*)(xq[t] + b * 32)));
-      acc0[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d * xd[t][b]), acc0[t]);
-      mins[t] += m * xs[t][b];
+      acc0[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dv, _mm256_broadcast_ss(xd[t] + b)), acc0[t]);
     }
+    if (NT == 4)
+      mins4 = _mm_add_ps(mins4, _mm_mul_ps(_mm_set1_ps(m), _mm_loadu_ps(xs + 4 * b)));
+    else
+      mins1 += m * xs[b];
   }
+  float mins[4];
+  _mm_storeu_ps(mins, mins4);
+  if (NT == 1) mins[0] = mins1;
   for (int t = 0; t < NT; ++t) out[t] = hsum(_mm256_add_ps(acc0[t], acc1[t])) + mins[t];
 }
 
@@ -84,21 +100,19 @@ static void q4_row(const uint8_t* row, int64_t nb, const Act& a, int64_t k, floa
   int64_t t = 0;
   for (; t + 4 <= a.n; t += 4) {
     const int8_t* xq[4];
-    const float *xd[4], *xs[4];
+    const float* xd[4];
     for (int i = 0; i < 4; ++i) {
       xq[i] = a.q + (t + i) * k;
       xd[i] = a.d + (t + i) * nb;
-      xs[i] = a.s + (t + i) * nb;
     }
     float out[4];
-    dot_q4<HAS_MIN, 4>(row, nb, xq, xd, xs, out);
+    dot_q4<HAS_MIN, 4>(row, nb, xq, xd, a.s4 + t * nb, out);
     for (int i = 0; i < 4; ++i) y[(t + i) * stride] = out[i];
   }
   for (; t < a.n; ++t) {
     const int8_t* xq[1] = {a.q + t * k};
     const float* xd[1] = {a.d + t * nb};
-    const float* xs[1] = {a.s + t * nb};
-    dot_q4<HAS_MIN, 1>(row, nb, xq, xd, xs, y + t * stride);
+    dot_q4<HAS_MIN, 1>(row, nb, xq, xd, a.s + t * nb, y + t * stride);
   }
 }
 
