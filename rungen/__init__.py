@@ -11,6 +11,7 @@
     session.py     a session in the terminal: the prompt loop, /commands, the conversation and its context
     gguf_loading.py  a GGUF file run in its own quantized blocks, memory-mapped, its header cached
     decoder.py     llama-family decoder layers over GGUF blocks, fused into a few native operators
+    kvcache.py     the key/value cache that grows in place (for the fused layers' native attention)
     quantize.py    --quantize int8/int4: weight-only quantized linear layers (imported only for --quantize)
     jit.py         --jit: the traced decode step (private torch/transformers APIs; imported only for --jit)
     constrain.py   --json_schema/--regex/--grammar with xgrammar (imported only for those flags)

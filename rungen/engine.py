@@ -7,7 +7,8 @@ batch to its length) and concatenated, and it decodes with the others from the n
 ends (EOS, max_tokens, a stop string, its grammar, a cancelled request) leaves the batch by index_select,
 and the columns no row needs any more are trimmed.
 
-The cache is transformers' DynamicCache holding [batch, kv_heads, length, head_dim] per layer; an
+The cache is transformers' DynamicCache (rungen/kvcache.py: growing in place where the model's attention
+reads it so) holding [batch, kv_heads, length, head_dim] per layer; an
 attention mask and per-row position ids hide the padding, so each row computes what it would alone (the
 same layout generate() uses for a left-padded batch). Memory: a request is admitted only while
 rows x the longest (prompt + max_tokens) of the batch fits in `max_cache_tokens`, so the cache never holds
@@ -33,6 +34,7 @@ from transformers.cache_utils import DynamicLayer
 
 from . import logger
 from .generation import UNBATCHABLE_TYPES
+from .kvcache import MIN_ROOM, grows_in_place, new_cache
 from .logprobs import content
 
 # Prompt tokens decoded before a row's new tokens to get their text in context: decoding the whole prompt at
@@ -362,8 +364,8 @@ class Engine:
         ids = request.ids
         start = time.perf_counter()
         reused, layers = self.prefix_cache.longest(ids) if self.prefix_cache else (0, None)
-        # The stored tensors are never written to: DynamicCache.update concatenates into new ones.
-        cache = DynamicCache(layers, config=self.model.config) if layers else DynamicCache(config=self.model.config)
+        # The stored tensors are never written to: a cache copies what it is given (into new buffers).
+        cache = new_cache(self.model, layers)
         rest = torch.tensor([ids[reused:]], device=self.device)
         kwargs = {}
         if self.use_positions:
@@ -400,13 +402,13 @@ class Engine:
     def merge(self, layers, mask):
         """Appends rows (their keys/values and mask) to the batch, left-padding whichever is shorter."""
         if self.cache is None:
-            self.cache, self.mask = DynamicCache(layers, config=self.model.config), mask
+            self.cache, self.mask = new_cache(self.model, layers), mask
             return
         old = layers_of(self.cache)
         width = max(self.mask.shape[1], mask.shape[1])
         merged = [(torch.cat([left_pad(k1, width), left_pad(k2, width)]), torch.cat([left_pad(v1, width),
                    left_pad(v2, width)])) for (k1, v1), (k2, v2) in zip(old, layers)]
-        self.cache = DynamicCache(merged, config=self.model.config)
+        self.cache = new_cache(self.model, merged)
         self.mask = torch.cat([left_pad(self.mask, width, dim=1), left_pad(mask, width, dim=1)])
 
     def step(self):
@@ -566,8 +568,8 @@ class Engine:
         mask = self.mask.index_select(0, index)
         first = int(mask.any(0).long().argmax())  # columns before it are padding in every row left
         self.mask = mask[:, first:]
-        self.cache = DynamicCache([(k.index_select(0, index)[:, :, first:], v.index_select(0, index)[:, :, first:])
-                                   for k, v in layers_of(self.cache)], config=self.model.config)
+        self.cache = new_cache(self.model, [(k.index_select(0, index)[:, :, first:], v.index_select(0, index)[:, :, first:])
+                                            for k, v in layers_of(self.cache)])
 
     def remember(self, number, row):
         """Keeps a finished row's keys/values for a conversation that goes on from it."""
@@ -633,7 +635,11 @@ def held_back(text, stops):
 
 def describe_memory(engine):
     """One line stating the cache's bound."""
+    room = ""
+    if grows_in_place(engine.model):  # each row's buffers have room to grow: at most a quarter, or MIN_ROOM
+        most = engine.cache_limit_bytes * 5 / 4 + engine.max_batch * MIN_ROOM * engine.bytes_per_token
+        room = f", {most / 2**30:.2f} GiB with the room left to grow"
     return (f"KV cache: {engine.bytes_per_token / 1024:.1f} KiB per token position, at most {engine.max_cache_tokens} "
-            f"positions ({engine.cache_limit_bytes / 2**30:.2f} GiB) over at most {engine.max_batch} rows; "
+            f"positions ({engine.cache_limit_bytes / 2**30:.2f} GiB{room}) over at most {engine.max_batch} rows; "
             f"prefix cache at most {(engine.prefix_cache.max_bytes if engine.prefix_cache else 0) / 2**20:.0f} MiB")
 

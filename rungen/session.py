@@ -286,11 +286,14 @@ class TurnCache:
                 and not settings.prompt_lookup_num_tokens and getattr(loaded, "assistant_model", None) is None
                 and not hasattr(loaded.model.forward, "graph_steps"))
 
-    def take(self, ids: list[int]):
+    def take(self, ids: list[int], model):
         """(cache, reused tokens) for a prompt of `ids`: the cache cut to their longest common prefix with
-        what it holds (one token at least left to compute), or (a new cache, 0)."""
+        what it holds (one token at least left to compute), or (a new cache for `model`, 0)."""
         from transformers import DynamicCache
 
+        from .kvcache import grows_in_place, new_cache
+
+        fresh = new_cache(model) if grows_in_place(model) else DynamicCache()
         shared = 0
         for held, new in zip(self.tokens, ids[:-1]):
             if held != new:
@@ -299,11 +302,11 @@ class TurnCache:
         # Lent to this turn: a turn that fails leaves it half-extended, so it comes back only through keep().
         cache, self.cache, self.tokens = self.cache, None, []
         if cache is None or shared == 0:
-            return DynamicCache(), 0
+            return fresh, 0
         try:
             cache.crop(shared - cache.get_seq_length())  # negative: tokens removed from the end
         except (RuntimeError, ValueError):  # a sliding-window layer that cannot rewind: start afresh
-            return DynamicCache(), 0
+            return fresh, 0
         return cache, shared
 
     def keep(self, cache, ids: list[int]):
@@ -434,7 +437,7 @@ class Session:
             streamer = None  # beam search cannot stream: the reply comes when it is done
         cache, reused = None, 0
         if self.turn_cache is not None and self.turn_cache.usable(self.loaded, settings):
-            cache, reused = self.turn_cache.take(prompt.ids)
+            cache, reused = self.turn_cache.take(prompt.ids, self.loaded.model)
         started = time.perf_counter()
         with control.ctrl_c_stops_the_reply():
             results = generate_batch(self.loaded, settings, [prompt], streamer, StoppingCriteriaList([control]),

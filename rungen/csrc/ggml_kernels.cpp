@@ -595,6 +595,7 @@ struct AttendJob {
   const float* mask_add;
   float* out;
   int64_t heads, t, dim, kv, T;
+  int64_t k_batch, k_head, k_key, v_batch, v_head, v_key;  // strides (elements) of k and v
   float scale;
   bool masked;
 };
@@ -610,8 +611,8 @@ void attend_queries(const AttendJob& job, int64_t p0, int64_t p1, float* wp) {
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t batch = p / (heads * t), h = (p / t) % heads, i = p % t;
     const float* qh = qp + p * dim;  // q is [b, heads, t, dim]: p enumerates it in order
-    const float* kh = kp + (batch * kv + h / group) * T * dim;
-    const float* vh = vp + (batch * kv + h / group) * T * dim;
+    const float* kh = kp + batch * job.k_batch + (h / group) * job.k_head;
+    const float* vh = vp + batch * job.v_batch + (h / group) * job.v_head;
     const int64_t row = (batch * t + i) * T;
     const int64_t last = job.masked ? T : T - t + i + 1;  // causal without a mask
     float top = lowest;
@@ -620,7 +621,7 @@ void attend_queries(const AttendJob& job, int64_t p0, int64_t p1, float* wp) {
         wp[j] = lowest;
         continue;
       }
-      float score = dot64(qh, kh + j * dim, dim) * scale;
+      float score = dot64(qh, kh + j * job.k_key, dim) * scale;
       if (mf) score += mf[row + j];
       wp[j] = score;
       top = std::max(top, score);
@@ -638,7 +639,7 @@ void attend_queries(const AttendJob& job, int64_t p0, int64_t p1, float* wp) {
     for (int64_t j = 0; j < last; ++j) {
       if (wp[j] == 0.f) continue;  // masked (or underflowed): skipped, so padding leaves no trace
       const float a = wp[j] * inv;
-      const float* vj = vh + j * dim;
+      const float* vj = vh + j * job.v_key;
       for (int64_t d = 0; d < dim; ++d) o[d] += a * vj[d];
     }
   }
@@ -646,8 +647,11 @@ void attend_queries(const AttendJob& job, int64_t p0, int64_t p1, float* wp) {
 
 at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                   const c10::optional<at::Tensor>& mask_in, double scale) {
-  const at::Tensor q = q_in.to(at::kFloat).contiguous(), k = k_in.to(at::kFloat).contiguous();
-  const at::Tensor v = v_in.to(at::kFloat).contiguous();
+  // k and v may be views of a cache with room to grow (strided over keys, heads and batch): read in place.
+  const auto in_place = [](const at::Tensor& x) {
+    return x.scalar_type() == at::kFloat && x.dim() == 4 && x.stride(3) == 1 ? x : x.to(at::kFloat).contiguous();
+  };
+  const at::Tensor q = q_in.to(at::kFloat).contiguous(), k = in_place(k_in), v = in_place(v_in);
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes(),
               "rungen_ggml: attend takes q [b, h, t, d] and k, v [b, kv, T, d]");
   const int64_t b = q.size(0), heads = q.size(1), t = q.size(2), dim = q.size(3), kv = k.size(1), T = k.size(2);
@@ -668,8 +672,8 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tens
   at::parallel_for(0, b * heads * t, std::max<int64_t>(1, 32768 / std::max<int64_t>(T * dim, 1)),
                    [&](int64_t p0, int64_t p1) {
     std::vector<float> w(T);
-    attend_queries(AttendJob{qp, kp, vp, mb, mf, op, heads, t, dim, kv, T, float(scale), mask.defined()}, p0, p1,
-                   w.data());
+    attend_queries(AttendJob{qp, kp, vp, mb, mf, op, heads, t, dim, kv, T, k.stride(0), k.stride(1), k.stride(2),
+                             v.stride(0), v.stride(1), v.stride(2), float(scale), mask.defined()}, p0, p1, w.data());
   });
   return out;
 }

@@ -1,0 +1,85 @@
+"""A key/value cache that grows in place: transformers' DynamicCache whose full-attention layers keep their
+keys and values in buffers with room for the next tokens.
+
+transformers' DynamicLayer appends a step's keys with torch.cat, which copies the whole cache: a step costs
+as much as the sequence is long (at 16 rows of a thousand tokens, tens of megabytes a step). GrowingLayer
+writes the step into the room left at the end of its buffers and hands out views of the filled part, as
+llama.cpp's preallocated cache does; only when the room is used up are the buffers copied into larger ones.
+Everything else is DynamicLayer's: cropping keeps a prefix view (the next update overwrites what was cut),
+selecting or repeating rows makes new tensors, which the next update moves into new buffers.
+
+Memory: the room is a quarter of the length, at least MIN_ROOM and at most MAX_ROOM positions a row.
+The views are strided along the sequence; the native attention (rungen_ggml.attend) reads them in place, so
+only models whose layers FusedDecoderLayer computes get this cache (new_cache).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from .decoder import FusedDecoderLayer
+
+MIN_ROOM, MAX_ROOM = 32, 512  # positions a row
+
+
+class GrowingLayer(DynamicLayer):
+    """DynamicLayer whose update writes into spare room instead of concatenating."""
+
+    def __init__(self):
+        super().__init__()
+        self.buffers = None  # (keys, values) [batch, heads, capacity, dim]; self.keys/values view their start
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        length, new = self.get_seq_length(), key_states.shape[-2]
+        if not self._writable(key_states, value_states, length + new):
+            room = min(MAX_ROOM, max(MIN_ROOM, (length + new) // 4))
+            buffers = []
+            for held, states in ((self.keys, key_states), (self.values, value_states)):
+                buffer = states.new_empty((*states.shape[:-2], length + new + room, states.shape[-1]))
+                if length:
+                    buffer[..., :length, :].copy_(held)
+                buffers.append(buffer)
+            self.buffers = tuple(buffers)
+        keys, values = self.buffers
+        keys[..., length:length + new, :].copy_(key_states)
+        values[..., length:length + new, :].copy_(value_states)
+        self.keys, self.values = keys[..., :length + new, :], values[..., :length + new, :]
+        return self.keys, self.values
+
+    def _writable(self, key_states, value_states, needed: int) -> bool:
+        """Whether the buffers hold self.keys/values at their start (not replaced by a row selection or a
+        repeat), in the shape and type of the new states, with room for `needed` positions."""
+        if self.buffers is None:
+            return False
+        keys, values = self.buffers
+        if keys.shape[-2] < needed or keys.shape[:-2] != key_states.shape[:-2] or keys.dtype != key_states.dtype:
+            return False
+        held = self.keys.numel() == 0 or (self.keys.data_ptr() == keys.data_ptr()
+                                          and self.values.data_ptr() == values.data_ptr()
+                                          and self.keys.stride() == keys.stride())
+        return held and values.shape == keys.shape[:-1] + value_states.shape[-1:]
+
+    def reset(self) -> None:
+        self.buffers = None
+        super().reset()
+
+
+def grows_in_place(model: torch.nn.Module) -> bool:
+    """Whether `model` reads its cache through the native attention (layers FusedDecoderLayer computes)."""
+    layers = getattr(getattr(model, "model", None), "layers", None) or []
+    return any(isinstance(layer, FusedDecoderLayer) and layer.two_calls for layer in layers)
+
+
+def new_cache(model: torch.nn.Module, layers=None) -> DynamicCache:
+    """A DynamicCache for `model` (filled with `layers`, [(keys, values)] per layer, when given): its
+    full-attention layers GrowingLayers when the model reads them in place, else transformers' own."""
+    cache = DynamicCache(config=model.config)
+    if grows_in_place(model):
+        cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    for layer, (keys, values) in zip(cache.layers, layers or []):
+        layer.update(keys, values)
+    return cache

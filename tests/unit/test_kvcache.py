@@ -1,0 +1,64 @@
+"""Fast tier: GrowingLayer holds what transformers' DynamicLayer holds through every operation generate(), the
+terminal session and the server apply (steps, crop, row selection, repeat), writing steps in place; the native
+attention reads its strided views as it reads contiguous tensors."""
+
+import pytest
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from rungen import ggml
+from rungen.kvcache import MIN_ROOM, GrowingLayer
+
+
+def states(batch, tokens, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 3, tokens, 8, generator=g), torch.randn(batch, 3, tokens, 8, generator=g)
+
+
+def both(operation, layers):
+    for layer in layers:
+        operation(layer)
+    torch.testing.assert_close(layers[0].keys, layers[1].keys, rtol=0, atol=0)
+    torch.testing.assert_close(layers[0].values, layers[1].values, rtol=0, atol=0)
+    assert layers[0].get_seq_length() == layers[1].get_seq_length()
+
+
+def test_growing_layer_holds_what_dynamic_layer_holds():
+    layers = GrowingLayer(), DynamicLayer()
+    both(lambda layer: layer.update(*states(2, 5, 0)), layers)  # a prompt
+    buffer = layers[0].buffers[0].data_ptr()
+    for step in range(MIN_ROOM - 5):  # steps within the room: written in place, no new buffer
+        both(lambda layer: layer.update(*states(2, 1, 1 + step)), layers)
+        assert layers[0].buffers[0].data_ptr() == buffer and layers[0].keys.data_ptr() == buffer
+    both(lambda layer: layer.update(*states(2, 1, 100)), layers)  # past the room: moved to larger buffers
+    assert layers[0].buffers[0].shape[-2] > MIN_ROOM + 1
+    both(lambda layer: layer.crop(-4), layers)  # a session's next turn rewinds...
+    both(lambda layer: layer.update(*states(2, 3, 101)), layers)  # ...and overwrites what was cut
+    both(lambda layer: layer.batch_select_indices(torch.tensor([1])), layers)  # a row leaves
+    both(lambda layer: layer.update(*states(1, 1, 102)), layers)
+    both(lambda layer: layer.batch_repeat_interleave(3), layers)  # beams, n > 1
+    both(lambda layer: layer.update(*states(3, 2, 103)), layers)
+
+
+def test_what_the_layer_was_filled_from_is_never_written():
+    keys, values = states(1, 6, 7)
+    kept = keys.clone(), values.clone()
+    layer = GrowingLayer()
+    layer.update(keys, values)
+    layer.update(*states(1, 1, 8))
+    assert torch.equal(keys, kept[0]) and torch.equal(values, kept[1])
+
+
+def test_native_attention_reads_the_strided_views_in_place():
+    if not ggml.native_kernels():
+        pytest.skip("the native kernels are not available here")
+    layer = GrowingLayer()
+    layer.update(*states(2, 7, 9))
+    layer.update(*states(2, 1, 10))
+    assert not layer.keys.is_contiguous()
+    q = torch.randn(2, 6, 1, 8)
+    mask = torch.tensor([[False, False, True, True, True, True, True, True], [True] * 8])[:, None, None, :]
+    for m in (None, mask):
+        strided = torch.ops.rungen_ggml.attend(q, layer.keys, layer.values, m, 0.3)
+        dense = torch.ops.rungen_ggml.attend(q, layer.keys.contiguous(), layer.values.contiguous(), m, 0.3)
+        assert torch.equal(strided, dense)
