@@ -568,8 +568,9 @@ class Engine:
         mask = self.mask.index_select(0, index)
         first = int(mask.any(0).long().argmax())  # columns before it are padding in every row left
         self.mask = mask[:, first:]
-        self.cache = new_cache(self.model, [(k.index_select(0, index)[:, :, first:], v.index_select(0, index)[:, :, first:])
-                                            for k, v in layers_of(self.cache)])
+        kept = [(k.index_select(0, index)[:, :, first:], v.index_select(0, index)[:, :, first:])
+                for k, v in layers_of(self.cache)]
+        self.cache = new_cache(self.model, kept)
 
     def remember(self, number, row):
         """Keeps a finished row's keys/values for a conversation that goes on from it."""

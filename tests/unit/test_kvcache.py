@@ -28,7 +28,8 @@ def test_growing_layer_holds_what_dynamic_layer_holds():
     both(lambda layer: layer.update(*states(2, 5, 0)), layers)  # a prompt
     buffer = layers[0].buffers[0].data_ptr()
     for step in range(MIN_ROOM - 5):  # steps within the room: written in place, no new buffer
-        both(lambda layer: layer.update(*states(2, 1, 1 + step)), layers)
+        step_states = states(2, 1, 1 + step)
+        both(lambda layer, given=step_states: layer.update(*given), layers)
         assert layers[0].buffers[0].data_ptr() == buffer and layers[0].keys.data_ptr() == buffer
     both(lambda layer: layer.update(*states(2, 1, 100)), layers)  # past the room: moved to larger buffers
     assert layers[0].buffers[0].shape[-2] > MIN_ROOM + 1
