@@ -54,7 +54,8 @@ int64_t block_bytes(int64_t qtype) {
 
 // The activations of n tokens, quantized per block of 32: codes q [n, K], scale d [n, K/32] (q * d ~ x),
 // s = d * sum(q) per 32 [n, K/32] (what a block's offset multiplies), s16 = d * sum(q) per 16 [n, K/16], and
-// s4: s of each whole group of four tokens, the four side by side [n/4, K/32, 4] (one vector a block).
+// s4: s of each whole group of four tokens, the four side by side [n/4, K/32, 4] (one vector a block), and
+// for the 512-bit path d16: each pair of blocks' two scales, each eight times [n, K/64, 16] (one vector a pair).
 struct Act {
   int64_t n;
   const int8_t* q;
@@ -62,6 +63,7 @@ struct Act {
   const float* s;
   const float* s16;
   const float* s4;
+  const float* d16;
 };
 
 struct Job {
@@ -69,7 +71,8 @@ struct Job {
   const uint8_t* blocks;
   int64_t pitch;  // bytes from one row to the next
   int64_t qtype, in_features, out_features;
-  float* y;  // [n, out_features]
+  float* y;  // token t's output r at y[t * y_token + r * y_row]
+  int64_t y_token, y_row;
 };
 
 // One k-quant row unpacked: codes [K] (unsigned), wd [K/32], sc16 [K/16] (Q6_K's int8 scales), wm [K/16].
@@ -224,7 +227,7 @@ void rows(const Job& job, int64_t r0, int64_t r1) {
         v = dot_q8_0(row, nb, xq, xd);
       else
         v = dot_q4(row, nb, job.qtype == Q4_1, xq, xd, a.s + t * nb);
-      job.y[t * job.out_features + r] = v;
+      job.y[t * job.y_token + r * job.y_row] = v;
     }
   }
 }
@@ -297,13 +300,17 @@ struct QuantizedX {
 const Act& quantize_activations(const at::Tensor& x) {
   static thread_local QuantizedX r;
   const int64_t n = x.size(0), k = x.size(1), nb = k / 32;
-  const size_t floats = size_t(n * nb * 5) + size_t(n * k + 3) / 4;  // d, s, s16 (2), s4, then the codes
+  // d, s, s16 (2), s4, d16 (8), then the codes; d16 and the codes start on a cache line (64 bytes), so that
+  // the 512-bit loads of a token's blocks do not straddle two lines.
+  const size_t floats = size_t(n * nb * 13) + size_t(n * k + 3) / 4 + 48;
   if (r.buffer.size() < floats) r.buffer.resize(floats);
+  const auto line = [](float* p) { return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63)); };
   float* d = r.buffer.data();
   float* s = d + n * nb;
   float* s16 = s + n * nb;
   float* s4 = s16 + 2 * n * nb;
-  int8_t* q = reinterpret_cast<int8_t*>(s4 + n * nb);
+  float* d16 = line(s4 + n * nb);
+  int8_t* q = reinterpret_cast<int8_t*>(line(d16 + 8 * n * nb));
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, n * nb, 128, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
@@ -327,7 +334,11 @@ const Act& quantize_activations(const at::Tensor& x) {
   for (int64_t g = 0; g < n / 4; ++g)
     for (int64_t b = 0; b < nb; ++b)
       for (int64_t i = 0; i < 4; ++i) s4[(g * nb + b) * 4 + i] = s[(4 * g + i) * nb + b];
-  r.act = Act{n, q, d, s, s16, s4};
+  if (current_isa == VNNI)
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t p = 0; p < nb / 2; ++p)
+        for (int64_t i = 0; i < 16; ++i) d16[(t * (nb / 2) + p) * 16 + i] = d[t * nb + 2 * p + i / 8];
+  r.act = Act{n, q, d, s, s16, s4, d16};
   return r.act;
 }
 
@@ -336,15 +347,20 @@ at::Tensor mm_int(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtyp
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == in_features, "rungen_ggml: x must be [n, ", in_features, "]");
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   const int64_t n = x.size(0), out = blocks.size(0);
-  at::Tensor y = at::empty({n, out}, x.options());
-  if (n == 0 || out == 0) return y;
+  // Several tokens through the 4-bit kernels (a tile of tokens at a time, every row): written row by row
+  // ([out, n], transposed at the end). Written token by token, a row's outputs would lie out_features apart, in
+  // one set of the L1 cache for the usual widths, evicting each other.
+  const bool by_row = n > 1 && (qtype == Q4_0 || qtype == Q4_1);
+  at::Tensor y = by_row ? at::empty({out, n}, x.options()) : at::empty({n, out}, x.options());
+  if (n == 0 || out == 0) return by_row ? y.t() : y;
   const Act& act = quantize_activations(x);
-  Job job{&act, blocks.data_ptr<uint8_t>(), blocks.stride(0), qtype, in_features, out, y.data_ptr<float>()};
+  Job job{&act, blocks.data_ptr<uint8_t>(), blocks.stride(0), qtype, in_features, out, y.data_ptr<float>(),
+          by_row ? 1 : out, by_row ? n : 1};
   const RowsFn fn = rows_fn();
   // Enough rows a task that a thread's share is worth waking it for (about 64k multiply-adds).
   const int64_t grain = std::max<int64_t>(1, 65536 / (in_features * n));
   at::parallel_for(0, out, grain, [&](int64_t r0, int64_t r1) { fn(job, r0, r1); });
-  return y;
+  return by_row ? y.t().contiguous() : y;
 }
 
 void dequantize_rows(const uint8_t* blocks, int64_t pitch, int64_t qtype, int64_t k, int64_t r0, int64_t r1,

@@ -5,6 +5,8 @@ awkward shape; and torch's fallback kernels within their own bfloat16/float16 ro
 The first run builds the native kernels (about a minute here) into $XDG_CACHE_HOME/run_generation/kernels;
 later runs load them from there."""
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -96,12 +98,13 @@ def inputs(n, in_features, seed, kind="random"):
 
 @pytest.mark.parametrize("qtype", SIMPLE + KQUANTS, ids=lambda q: q.name)
 def test_native_kernel_matches_reference_on_every_instruction_set(qtype, each_isa):
-    in_features = 512
     cases = [(7, 1, "random", "random"), (1, 3, "zeros", "random"), (33, 17, "zero-block", "outlier"),
-             (16, 3, "extremes" if qtype in SIMPLE else "random", "zero-block")]
+             (16, 3, "extremes" if qtype in SIMPLE else "random", "zero-block"), (5, 37, "random", "random")]
+    # 32-blocks a row: even, and odd (the 512-bit path takes blocks in pairs and the last one alone).
+    widths = (512, 544) if qtype in SIMPLE else (512,)
     for isa in isas():
         torch.ops.rungen_ggml.set_isa(isa)
-        for seed, (rows, n, weights, xs) in enumerate(cases):
+        for seed, ((rows, n, weights, xs), in_features) in enumerate(itertools.product(cases, widths)):
             blocks = blocks_for(qtype, rows, in_features, seed, weights)
             weight = dequantize(blocks, qtype, in_features)
             x = inputs(n, in_features, seed, xs)
@@ -112,20 +115,20 @@ def test_native_kernel_matches_reference_on_every_instruction_set(qtype, each_is
 
 @pytest.mark.parametrize("qtype", SIMPLE + KQUANTS, ids=lambda q: q.name)
 def test_a_token_gets_the_same_bits_alone_and_among_others(qtype, each_isa):
-    # Tokens go four at a time through the 4-bit kernels: a token's product must not depend on its company,
-    # or a greedy text would change with the batch it decodes in.
-    in_features = 512
-    blocks = blocks_for(qtype, 19, in_features, seed=5)
-    x = inputs(11, in_features, seed=5, kind="outlier")
-    for isa in isas():
-        torch.ops.rungen_ggml.set_isa(isa)
-        together = torch.ops.rungen_ggml.mm_int(x, blocks, int(qtype), in_features)
-        for n in (1, 3, 4, 5, 9):
-            part = torch.ops.rungen_ggml.mm_int(x[:n], blocks, int(qtype), in_features)
-            assert torch.equal(part, together[:n]), (isa, n)
-        for i in range(x.shape[0]):
-            alone = torch.ops.rungen_ggml.mm_int(x[i:i + 1], blocks, int(qtype), in_features)
-            assert torch.equal(alone[0], together[i]), (isa, i)
+    # Tokens go sixteen, four or one at a time through the 4-bit kernels, in tiles of sixteen: a token's product
+    # must not depend on its company, or a greedy text would change with the batch it decodes in.
+    for in_features in (512, 544) if qtype in SIMPLE else (512,):
+        blocks = blocks_for(qtype, 19, in_features, seed=5)
+        x = inputs(37, in_features, seed=5, kind="outlier")
+        for isa in isas():
+            torch.ops.rungen_ggml.set_isa(isa)
+            together = torch.ops.rungen_ggml.mm_int(x, blocks, int(qtype), in_features)
+            for n in (1, 3, 4, 5, 9, 16, 17, 20, 33):
+                part = torch.ops.rungen_ggml.mm_int(x[:n], blocks, int(qtype), in_features)
+                assert torch.equal(part, together[:n]), (isa, in_features, n)
+            for i in range(x.shape[0]):
+                alone = torch.ops.rungen_ggml.mm_int(x[i:i + 1], blocks, int(qtype), in_features)
+                assert torch.equal(alone[0], together[i]), (isa, in_features, i)
 
 
 @pytest.mark.parametrize("qtype", SIMPLE + KQUANTS, ids=lambda q: q.name)
