@@ -71,8 +71,7 @@ struct Job {
   const uint8_t* blocks;
   int64_t pitch;  // bytes from one row to the next
   int64_t qtype, in_features, out_features;
-  float* y;  // token t's output r at y[t * y_token + r * y_row]
-  int64_t y_token, y_row;
+  float* y;  // [n, out_features]
 };
 
 // One k-quant row unpacked: codes [K] (unsigned), wd [K/32], sc16 [K/16] (Q6_K's int8 scales), wm [K/16].
@@ -227,7 +226,7 @@ void rows(const Job& job, int64_t r0, int64_t r1) {
         v = dot_q8_0(row, nb, xq, xd);
       else
         v = dot_q4(row, nb, job.qtype == Q4_1, xq, xd, a.s + t * nb);
-      job.y[t * job.y_token + r * job.y_row] = v;
+      job.y[t * job.out_features + r] = v;
     }
   }
 }
@@ -347,20 +346,15 @@ at::Tensor mm_int(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtyp
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == in_features, "rungen_ggml: x must be [n, ", in_features, "]");
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   const int64_t n = x.size(0), out = blocks.size(0);
-  // Several tokens through the 4-bit kernels (a tile of tokens at a time, every row): written row by row
-  // ([out, n], transposed at the end). Written token by token, a row's outputs would lie out_features apart, in
-  // one set of the L1 cache for the usual widths, evicting each other.
-  const bool by_row = n > 1 && (qtype == Q4_0 || qtype == Q4_1);
-  at::Tensor y = by_row ? at::empty({out, n}, x.options()) : at::empty({n, out}, x.options());
-  if (n == 0 || out == 0) return by_row ? y.t() : y;
+  at::Tensor y = at::empty({n, out}, x.options());
+  if (n == 0 || out == 0) return y;
   const Act& act = quantize_activations(x);
-  Job job{&act, blocks.data_ptr<uint8_t>(), blocks.stride(0), qtype, in_features, out, y.data_ptr<float>(),
-          by_row ? 1 : out, by_row ? n : 1};
+  Job job{&act, blocks.data_ptr<uint8_t>(), blocks.stride(0), qtype, in_features, out, y.data_ptr<float>()};
   const RowsFn fn = rows_fn();
   // Enough rows a task that a thread's share is worth waking it for (about 64k multiply-adds).
   const int64_t grain = std::max<int64_t>(1, 65536 / (in_features * n));
   at::parallel_for(0, out, grain, [&](int64_t r0, int64_t r1) { fn(job, r0, r1); });
-  return by_row ? y.t().contiguous() : y;
+  return y;
 }
 
 void dequantize_rows(const uint8_t* blocks, int64_t pitch, int64_t qtype, int64_t k, int64_t r0, int64_t r1,

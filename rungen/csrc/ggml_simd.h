@@ -173,7 +173,7 @@ static void dot_q4_pairs(const uint8_t* row, int64_t nblocks, const int8_t* cons
 // One row of Q4_0/Q4_1 against every token on 512-bit registers: sixteen tokens a pass, then fours, then ones.
 template <bool HAS_MIN, int NT>
 static int64_t q4_pairs_pass(const uint8_t* row, int64_t nb, const Act& a, int64_t k, float* y, int64_t stride,
-                             int64_t t, int64_t end) {
+                             int64_t first, int64_t t, int64_t end) {
   for (; t + NT <= end; t += NT) {
     const int8_t* xq[NT];
     const float *xd[NT], *xd16[NT], *xs[NT / 4 > 0 ? NT / 4 : 1];
@@ -188,21 +188,22 @@ static int64_t q4_pairs_pass(const uint8_t* row, int64_t nb, const Act& a, int64
       for (int g = 0; g < NT / 4; ++g) xs[g] = a.s4 + (t + 4 * g) * nb;
     float out[NT];
     dot_q4_pairs<HAS_MIN, NT>(row, nb, xq, xd, xd16, xs, out);
-    for (int i = 0; i < NT; ++i) y[(t + i) * stride] = out[i];
+    for (int i = 0; i < NT; ++i) y[(t + i - first) * stride] = out[i];
   }
   return t;
 }
 #endif
 
-// One row of Q4_0/Q4_1 against tokens [t, end) (t a multiple of four), four tokens a pass (on 512-bit
-// registers sixteen, then fours, then ones).
+// One row of Q4_0/Q4_1 against tokens [first, end) (first a multiple of four), four tokens a pass (on 512-bit
+// registers sixteen, then fours, then ones); token u's output goes to y[(u - first) * stride].
 template <bool HAS_MIN>
-static void q4_row(const uint8_t* row, int64_t nb, const Act& a, int64_t k, float* y, int64_t stride, int64_t t,
-                   int64_t end) {
+static void q4_row(const uint8_t* row, int64_t nb, const Act& a, int64_t k, float* y, int64_t stride,
+                   const int64_t first, int64_t end) {
+  int64_t t = first;
 #ifdef GGML_VNNI
-  t = q4_pairs_pass<HAS_MIN, 16>(row, nb, a, k, y, stride, t, end);
-  t = q4_pairs_pass<HAS_MIN, 4>(row, nb, a, k, y, stride, t, end);
-  q4_pairs_pass<HAS_MIN, 1>(row, nb, a, k, y, stride, t, end);
+  t = q4_pairs_pass<HAS_MIN, 16>(row, nb, a, k, y, stride, first, t, end);
+  t = q4_pairs_pass<HAS_MIN, 4>(row, nb, a, k, y, stride, first, t, end);
+  q4_pairs_pass<HAS_MIN, 1>(row, nb, a, k, y, stride, first, t, end);
   return;
 #endif
   for (; t + 4 <= end; t += 4) {
@@ -214,12 +215,12 @@ static void q4_row(const uint8_t* row, int64_t nb, const Act& a, int64_t k, floa
     }
     float out[4];
     dot_q4<HAS_MIN, 4>(row, nb, xq, xd, a.s4 + t * nb, out);
-    for (int i = 0; i < 4; ++i) y[(t + i) * stride] = out[i];
+    for (int i = 0; i < 4; ++i) y[(t + i - first) * stride] = out[i];
   }
   for (; t < end; ++t) {
     const int8_t* xq[1] = {a.q + t * k};
     const float* xd[1] = {a.d + t * nb};
-    dot_q4<HAS_MIN, 1>(row, nb, xq, xd, a.s + t * nb, y + t * stride);
+    dot_q4<HAS_MIN, 1>(row, nb, xq, xd, a.s + t * nb, y + (t - first) * stride);
   }
 }
 
@@ -352,16 +353,25 @@ static void rows(const Job& job, int64_t r0, int64_t r1) {
   const Act& a = *job.act;
   const int64_t nb = job.in_features / 32;
   if (job.qtype == Q4_0 || job.qtype == Q4_1) {
-    // Sixteen tokens' activations (with their scales, about 30 KB at 576 inputs) stay in the L1 cache while
-    // every row of the task goes past them; the rows' blocks come back from L2 for the next sixteen.
-    for (int64_t t = 0; t < a.n; t += 16) {
-      const int64_t end = std::min<int64_t>(a.n, t + 16);
-      for (int64_t r = r0; r < r1; ++r) {
-        const uint8_t* row = job.blocks + r * job.pitch;
-        if (job.qtype == Q4_1)
-          q4_row<true>(row, nb, a, job.in_features, job.y + r * job.y_row, job.y_token, t, end);
-        else
-          q4_row<false>(row, nb, a, job.in_features, job.y + r * job.y_row, job.y_token, t, end);
+    // Sixteen tokens' activations (with their scales, about 30 KB at 576 inputs) stay in the L1 cache while a
+    // chunk of rows goes past them; the chunk's outputs gather in `tile` and leave token by token, a run of
+    // consecutive floats each (written one by one, a row's outputs for sixteen tokens lie out_features apart,
+    // in one set of the L1 cache for the usual widths, evicting each other).
+    constexpr int64_t TOKENS = 16, ROWS = 64;
+    float tile[TOKENS * ROWS];
+    for (int64_t t = 0; t < a.n; t += TOKENS) {
+      const int64_t end = std::min<int64_t>(a.n, t + TOKENS);
+      for (int64_t c = r0; c < r1; c += ROWS) {
+        const int64_t rows_here = std::min<int64_t>(ROWS, r1 - c);
+        for (int64_t r = c; r < c + rows_here; ++r) {
+          const uint8_t* row = job.blocks + r * job.pitch;
+          if (job.qtype == Q4_1)
+            q4_row<true>(row, nb, a, job.in_features, tile + (r - c), ROWS, t, end);
+          else
+            q4_row<false>(row, nb, a, job.in_features, tile + (r - c), ROWS, t, end);
+        }
+        for (int64_t u = t; u < end; ++u)
+          memcpy(job.y + u * job.out_features + c, tile + (u - t) * ROWS, rows_here * sizeof(float));
       }
     }
     return;
@@ -370,7 +380,7 @@ static void rows(const Job& job, int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const uint8_t* row = job.blocks + r * job.pitch;
       for (int64_t t = 0; t < a.n; ++t)
-        job.y[t * job.y_token + r * job.y_row] = dot_q8_0(row, nb, a.q + t * job.in_features, a.d + t * nb);
+        job.y[t * job.out_features + r] = dot_q8_0(row, nb, a.q + t * job.in_features, a.d + t * nb);
     }
     return;
   }
@@ -390,7 +400,7 @@ static void rows(const Job& job, int64_t r0, int64_t r1) {
       const int8_t* xq = a.q + t * job.in_features;
       const float* xd = a.d + t * nb;
       const float* xs16 = a.s16 + t * nb * 2;
-      job.y[t * job.y_token + r * job.y_row] =
+      job.y[t * job.out_features + r] =
           job.qtype == Q6_K ? dot_krow<true>(kr, nb, xq, xd, xs16) : dot_krow<false>(kr, nb, xq, xd, xs16);
     }
   }
