@@ -17,9 +17,13 @@ in a batch, which torch's attention kernels do not promise.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from .ggml import GGMLLinear, concat, native_kernels
+from .kvcache import GrowingLayer
 
 # Decoder layers whose forward is LlamaDecoderLayer's: pre-norm attention with rotary q/k, then a SiLU-gated
 # MLP (mistral and qwen2 add a sliding window, passed to the attention as they pass it; qwen2 q/k/v biases).
@@ -129,7 +133,8 @@ def fusable(model: torch.nn.Module) -> bool:
 
 
 def fuse_decoder_layers(model: torch.nn.Module) -> int:
-    """Replaces every decoder layer of `model` that FusedDecoderLayer computes; returns how many it replaced."""
+    """Replaces every decoder layer of `model` that FusedDecoderLayer computes, and when that is all of them
+    in blocks, runs them as one DecoderStack; returns how many it replaced."""
     if not fusable(model):
         return 0
     layers, replaced = model.model.layers, 0
@@ -138,7 +143,116 @@ def fuse_decoder_layers(model: torch.nn.Module) -> int:
         if fused is not None:
             layers[index] = fused
             replaced += 1
+    DecoderStack.install(model)
     return replaced
+
+
+class DecoderStack:
+    """Every decoder layer of a model in one native call (rungen_ggml.decoder_stack), installed as the inner
+    model's forward (LlamaModel's, or a same-shaped one).
+
+    Layer by layer, a step costs two operator calls, a cache update and a module call a layer in Python: for a
+    small model at one token, about a fifth of the step. The stack computes the same functions in the same order
+    (the same bits), and writes each layer's keys and values straight into its cache's GrowingLayer buffers. A
+    cache generate() made of transformers' DynamicLayers is moved into GrowingLayers on first use. Whatever it
+    does not cover (attention maps or hidden states asked for, no cache, another kind of cache layer, tracing
+    for --jit, the torch fallback kernels) goes to transformers' own forward, over the same fused layers."""
+
+    def __init__(self, inner: torch.nn.Module, layers: list[FusedDecoderLayer]):
+        self.inner, self.original = inner, inner.forward
+        first = layers[0]
+        self.eps, self.scale = first.input_layernorm.variance_epsilon, first.scaling
+        self.heads, self.kv_heads = first.heads, first.kv_heads
+        self.head_dim = first.qkv.out_features // (first.heads + 2 * first.kv_heads)
+        self.weights = ([layer.input_layernorm.weight for layer in layers], [layer.qkv.blocks for layer in layers],
+                        [layer.qkv.bias for layer in layers], [layer.o_proj.blocks for layer in layers],
+                        [layer.post_attention_layernorm.weight for layer in layers],
+                        [layer.gate_up.blocks for layer in layers], [layer.down_proj.blocks for layer in layers],
+                        [int(p.qtype) for layer in layers
+                         for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down_proj)])
+
+    @classmethod
+    def install(cls, model: torch.nn.Module) -> bool:
+        """Runs `model`'s decoder layers as one stack when every one is a FusedDecoderLayer in two calls, all
+        alike (norm epsilon, heads); returns whether it did."""
+        inner = model.model
+        layers = list(inner.layers)
+        if not layers or len(layers) != model.config.num_hidden_layers or not all(
+                isinstance(layer, FusedDecoderLayer) and layer.two_calls for layer in layers):
+            return False
+        first = layers[0]
+        if any((layer.heads, layer.kv_heads, layer.scaling) != (first.heads, first.kv_heads, first.scaling)
+               or {layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon}
+               != {first.input_layernorm.variance_epsilon} for layer in layers):
+            return False
+        inner.forward = cls(inner, layers)  # an instance attribute: Module.__call__ finds it before the method
+        model.cache_grows_in_place = True  # rungen.kvcache.new_cache gives it GrowingLayers
+        return True
+
+    def __call__(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                 inputs_embeds=None, use_cache=None, **kwargs):
+        from transformers import DynamicCache
+        from transformers.masking_utils import create_causal_mask
+        from transformers.modeling_outputs import BaseModelOutputWithPast
+
+        inner, cache = self.inner, past_key_values
+        use_cache = inner.config.use_cache if use_cache is None else use_cache
+        if use_cache and cache is None:
+            cache = DynamicCache(config=inner.config)
+        layers = getattr(cache, "layers", None)
+        if (not use_cache or not native_kernels() or torch.jit.is_tracing()
+                or (input_ids is None) == (inputs_embeds is None)
+                or kwargs.get("output_attentions") or kwargs.get("output_hidden_states")
+                or not layers or len(layers) != len(self.weights[0])
+                or any(type(layer) not in (DynamicLayer, GrowingLayer) for layer in layers)):
+            return self.original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                 past_key_values=cache, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+        for index, layer in enumerate(layers):
+            if type(layer) is DynamicLayer:  # generate()'s own cache: moved into buffers with room
+                growing = GrowingLayer()
+                if layer.get_seq_length():
+                    growing.update(layer.keys, layer.values)
+                layers[index] = growing
+        hidden = inner.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        batch, tokens = hidden.shape[:2]
+        length = layers[0].get_seq_length()
+        if position_ids is None:
+            position_ids = (torch.arange(tokens, device=hidden.device) + length).unsqueeze(0)
+        mask = create_causal_mask(config=inner.config, inputs_embeds=hidden, attention_mask=attention_mask,
+                                  past_key_values=cache, position_ids=position_ids)
+        cos, sin = inner.rotary_emb(hidden, position_ids=position_ids)
+        shape = hidden.new_empty((batch, self.kv_heads, tokens, self.head_dim))  # what the new states will be
+        buffers = [layer.reserve(shape, shape) for layer in layers]
+        if any(layer.get_seq_length() != length for layer in layers):  # layers cut differently: one by one
+            return self.original(input_ids=None, attention_mask=attention_mask, position_ids=position_ids,
+                                 past_key_values=cache, inputs_embeds=hidden, use_cache=use_cache, **kwargs)
+        hidden, keys, values = torch.ops.rungen_ggml.decoder_stack(
+            hidden, cos, sin, mask, *self.weights, self.eps, self.heads, self.kv_heads, self.scale,
+            [k for k, _ in buffers], [v for _, v in buffers], length)
+        for layer, k, v in zip(layers, keys, values):
+            layer.keys, layer.values = k, v
+        return BaseModelOutputWithPast(last_hidden_state=inner.norm(hidden), past_key_values=cache)
+
+
+@contextlib.contextmanager
+def products_one_by_one(model: torch.nn.Module):
+    """Within it, `model`'s fused layers take each product through its GGMLLinear module (whose _matmul a
+    caller may replace, to measure a product's own rounding), not the native layer and stack calls."""
+    inner = model.model
+    stack = inner.__dict__.get("forward")
+    layers = [layer for layer in inner.layers if isinstance(layer, FusedDecoderLayer)]
+    saved = [layer.two_calls for layer in layers]
+    try:
+        if isinstance(stack, DecoderStack):
+            inner.forward = stack.original
+        for layer in layers:
+            layer.two_calls = False
+        yield model
+    finally:
+        for layer, two_calls in zip(layers, saved):
+            layer.two_calls = two_calls
+        if isinstance(stack, DecoderStack):
+            inner.forward = stack
 
 
 def rms_norm(x: torch.Tensor, norm: torch.nn.Module, native: bool) -> torch.Tensor:

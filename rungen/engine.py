@@ -34,7 +34,7 @@ from transformers.cache_utils import DynamicLayer
 
 from . import logger
 from .generation import UNBATCHABLE_TYPES
-from .kvcache import MIN_ROOM, grows_in_place, new_cache
+from .kvcache import MIN_ROOM, new_cache
 from .logprobs import content
 
 # Prompt tokens decoded before a row's new tokens to get their text in context: decoding the whole prompt at
@@ -637,7 +637,7 @@ def held_back(text, stops):
 def describe_memory(engine):
     """One line stating the cache's bound."""
     room = ""
-    if grows_in_place(engine.model):  # each row's buffers have room to grow: at most a quarter, or MIN_ROOM
+    if getattr(engine.model, "cache_grows_in_place", False):  # room to grow: a quarter of a row, or MIN_ROOM
         most = engine.cache_limit_bytes * 5 / 4 + engine.max_batch * MIN_ROOM * engine.bytes_per_token
         room = f", {most / 2**30:.2f} GiB with the room left to grow"
     return (f"KV cache: {engine.bytes_per_token / 1024:.1f} KiB per token position, at most {engine.max_cache_tokens} "

@@ -11,7 +11,6 @@ import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList, TextStreamer
 
 from .errors import GenerationError, PromptError, UsageError, one_line
-from .kvcache import grows_in_place, new_cache
 from .logprobs import score_prompts, step_logits, token_logprobs
 
 if TYPE_CHECKING:
@@ -181,9 +180,6 @@ def generate_batch(loaded: Loaded, settings: Settings, batch: list[Prompt], stre
     prompt_len = inputs["input_ids"].shape[1]
     new_tokens = settings.length if not loaded.context else min(settings.length, loaded.context - prompt_len)
     extra = {"assistant_model": assistant_model} if assistant_model is not None else {}
-    if past_key_values is None and assistant_model is None and grows_in_place(model) \
-            and not hasattr(model.forward, "graph_steps"):  # --jit's graph keeps its own buffers
-        past_key_values = new_cache(model)
     if past_key_values is not None:
         extra["past_key_values"] = past_key_values
     if settings.constraint is not None:  # fresh per call: the processor follows these sequences

@@ -10,7 +10,8 @@ selecting or repeating rows makes new tensors, which the next update moves into 
 
 Memory: the room is a quarter of the length, at least MIN_ROOM and at most MAX_ROOM positions a row.
 The views are strided along the sequence; the native attention (rungen_ggml.attend) reads them in place, so
-only models whose layers FusedDecoderLayer computes get this cache (new_cache).
+only models that say so (`cache_grows_in_place`, set where rungen/decoder.py fuses their layers) get this
+cache from new_cache; their forward also moves a cache generate() made into GrowingLayers.
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
-
-from .decoder import FusedDecoderLayer
 
 MIN_ROOM, MAX_ROOM = 32, 512  # positions a row
 
@@ -32,6 +31,16 @@ class GrowingLayer(DynamicLayer):
         self.buffers = None  # (keys, values) [batch, heads, capacity, dim]; self.keys/values view their start
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        length, new = self.get_seq_length(), key_states.shape[-2]
+        keys, values = self.reserve(key_states, value_states)
+        keys[..., length:length + new, :].copy_(key_states)
+        values[..., length:length + new, :].copy_(value_states)
+        self.keys, self.values = keys[..., :length + new, :], values[..., :length + new, :]
+        return self.keys, self.values
+
+    def reserve(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """The buffers (keys, values), holding what the layer holds at their start, with room after it for
+        states of the given shapes (batch, heads, new positions, dim), moved into larger ones if need be."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         length, new = self.get_seq_length(), key_states.shape[-2]
@@ -44,11 +53,7 @@ class GrowingLayer(DynamicLayer):
                     buffer[..., :length, :].copy_(held)
                 buffers.append(buffer)
             self.buffers = tuple(buffers)
-        keys, values = self.buffers
-        keys[..., length:length + new, :].copy_(key_states)
-        values[..., length:length + new, :].copy_(value_states)
-        self.keys, self.values = keys[..., :length + new, :], values[..., :length + new, :]
-        return self.keys, self.values
+        return self.buffers
 
     def _writable(self, key_states, value_states, needed: int) -> bool:
         """Whether the buffers hold self.keys/values at their start (not replaced by a row selection or a
@@ -68,17 +73,12 @@ class GrowingLayer(DynamicLayer):
         super().reset()
 
 
-def grows_in_place(model: torch.nn.Module) -> bool:
-    """Whether `model` reads its cache through the native attention (layers FusedDecoderLayer computes)."""
-    layers = getattr(getattr(model, "model", None), "layers", None) or []
-    return any(isinstance(layer, FusedDecoderLayer) and layer.two_calls for layer in layers)
-
-
 def new_cache(model: torch.nn.Module, layers=None) -> DynamicCache:
     """A DynamicCache for `model` (filled with `layers`, [(keys, values)] per layer, when given): its
-    full-attention layers GrowingLayers when the model reads them in place, else transformers' own."""
+    full-attention layers GrowingLayers when the model reads them in place (`cache_grows_in_place`), else
+    transformers' own."""
     cache = DynamicCache(config=model.config)
-    if grows_in_place(model):
+    if getattr(model, "cache_grows_in_place", False):
         cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
     for layer, (keys, values) in zip(cache.layers, layers or []):
         layer.update(keys, values)

@@ -291,9 +291,9 @@ class TurnCache:
         what it holds (one token at least left to compute), or (a new cache for `model`, 0)."""
         from transformers import DynamicCache
 
-        from .kvcache import grows_in_place, new_cache
+        from .kvcache import new_cache
 
-        fresh = new_cache(model) if grows_in_place(model) else DynamicCache()
+        fresh = new_cache(model) if getattr(model, "cache_grows_in_place", False) else DynamicCache()
         shared = 0
         for held, new in zip(self.tokens, ids[:-1]):
             if held != new:

@@ -18,7 +18,7 @@ from gguf import GGML_QUANT_SIZES, GGUFWriter, quants
 from gguf import GGMLQuantizationType as Q
 
 import run_generation
-from rungen.decoder import FusedDecoderLayer
+from rungen.decoder import FusedDecoderLayer, products_one_by_one
 from rungen.ggml import SUPPORTED, GGMLLinear, native_kernels
 from rungen.gguf_loading import CastLinear, GGMLEmbedding, GGUFHeader, build_model, metadata_parsed_once
 from rungen.loading import default_model_file
@@ -202,10 +202,7 @@ def exact_weights(model, run, monkeypatch):
     """run() with every product of `model` taken on the exactly de-quantized weights and float32 activations."""
     if not native_kernels():
         pytest.skip("the exact path is the native kernels' (torch's fallback rounds scales to bfloat16)")
-    with monkeypatch.context() as patch:
-        for layer in model.modules():  # the layers' one-call products do not go through GGMLLinear._matmul
-            if isinstance(layer, FusedDecoderLayer):
-                patch.setattr(layer, "two_calls", False)
+    with monkeypatch.context() as patch, products_one_by_one(model):
         patch.setattr(GGMLLinear, "_matmul", lambda self, x: torch.ops.rungen_ggml.mm_tiled(
             x.float().contiguous(), self.blocks, int(self.qtype), self.in_features))
         return run()

@@ -11,6 +11,7 @@
 //   torch.ops.rungen_ggml.silu_mul(gate_up)
 //   torch.ops.rungen_ggml.attend(q, k, v, mask, scale)           attention, the same bits with or without padding
 //   torch.ops.rungen_ggml.attention_in(...), attention_out_mlp(...)  a decoder layer in two calls (see below)
+//   torch.ops.rungen_ggml.decoder_stack(...)                     every decoder layer in one call (see below)
 //   torch.ops.rungen_ggml.isa() / set_isa(name)                  the code path in use ("avx512vnni", "avx2",
 //                                                               "scalar"); set_isa forces one (tests)
 //
@@ -29,6 +30,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <limits>
 #include <vector>
 
@@ -725,6 +727,42 @@ at::Tensor attention_out_mlp(const at::Tensor& hidden, const at::Tensor& q, cons
   return out.view({b, t, features});
 }
 
+// Every decoder layer of a model in one call (the same functions as attention_in and attention_out_mlp, in the
+// same order: the same bits), the cache's keys and values written in place: k_buffers[i] and v_buffers[i] are
+// layer i's [b, kv_heads, capacity, head_dim] with `length` positions filled and room for this call's tokens.
+// qtypes: four a layer (q/k/v, o, gate/up, down). Returns the hidden states and each layer's filled keys and
+// values (views of the buffers).
+std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decoder_stack(
+    const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin, const c10::optional<at::Tensor>& mask,
+    at::TensorList input_norms, at::TensorList qkv, const c10::List<c10::optional<at::Tensor>>& qkv_bias,
+    at::TensorList o, at::TensorList post_norms, at::TensorList gate_up, at::TensorList down, at::IntArrayRef qtypes,
+    double eps, int64_t heads, int64_t kv_heads, double scale, at::TensorList k_buffers, at::TensorList v_buffers,
+    int64_t length) {
+  const size_t layers = qkv.size();
+  TORCH_CHECK(input_norms.size() == layers && qkv_bias.size() == layers && o.size() == layers &&
+              post_norms.size() == layers && gate_up.size() == layers && down.size() == layers &&
+              k_buffers.size() == layers && v_buffers.size() == layers && qtypes.size() == 4 * layers,
+              "rungen_ggml: decoder_stack takes the same number of each layer's tensors");
+  const int64_t t = hidden.size(1);
+  std::vector<at::Tensor> keys, values;
+  keys.reserve(layers);
+  values.reserve(layers);
+  at::Tensor h = hidden;
+  for (size_t i = 0; i < layers; ++i) {
+    TORCH_CHECK(k_buffers[i].size(2) >= length + t && v_buffers[i].size(2) >= length + t,
+                "rungen_ggml: decoder_stack's cache buffers have no room for ", t, " more positions");
+    const std::vector<at::Tensor> qkv_out = attention_in(h, input_norms[i], eps, qkv[i], qtypes[4 * i], qkv_bias.get(i),
+                                                         cos, sin, heads, kv_heads);
+    k_buffers[i].narrow(2, length, t).copy_(qkv_out[1]);
+    v_buffers[i].narrow(2, length, t).copy_(qkv_out[2]);
+    keys.push_back(k_buffers[i].narrow(2, 0, length + t));
+    values.push_back(v_buffers[i].narrow(2, 0, length + t));
+    h = attention_out_mlp(h, qkv_out[0], keys.back(), values.back(), mask, scale, o[i], qtypes[4 * i + 1],
+                          post_norms[i], eps, gate_up[i], qtypes[4 * i + 2], down[i], qtypes[4 * i + 3]);
+  }
+  return {h, keys, values};
+}
+
 std::string isa() { return isa_names[current_isa]; }
 
 std::string set_isa(const std::string& name) {
@@ -760,6 +798,10 @@ TORCH_LIBRARY(rungen_ggml, m) {
   m.def("attention_out_mlp(Tensor hidden, Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, "
         "Tensor o_blocks, int o_qtype, Tensor norm_weight, float eps, Tensor gate_up_blocks, int gate_up_qtype, "
         "Tensor down_blocks, int down_qtype) -> Tensor", &attention_out_mlp);
+  m.def("decoder_stack(Tensor hidden, Tensor cos, Tensor sin, Tensor? mask, Tensor[] input_norms, Tensor[] qkv, "
+        "Tensor?[] qkv_bias, Tensor[] o, Tensor[] post_norms, Tensor[] gate_up, Tensor[] down, int[] qtypes, float eps, "
+        "int heads, int kv_heads, float scale, Tensor[] k_buffers, Tensor[] v_buffers, int length) "
+        "-> (Tensor, Tensor[], Tensor[])", &decoder_stack);
   m.def("isa() -> str", &isa);
   m.def("set_isa(str name) -> str", &set_isa);
   m.def("set_tile_threshold(int n) -> int", &set_tile_threshold);

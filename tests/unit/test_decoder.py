@@ -7,21 +7,22 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
-from transformers import DynamicCache, LlamaConfig, Qwen2Config
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from transformers.masking_utils import create_causal_mask
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 
 from rungen import decoder, ggml
-from rungen.decoder import FusedDecoderLayer
+from rungen.decoder import DecoderStack, FusedDecoderLayer, fuse_decoder_layers
 from rungen.ggml import GGMLLinear
+from rungen.kvcache import GrowingLayer, new_cache
 
 HIDDEN, FFN, HEADS, KV_HEADS = 128, 256, 4, 2
 
 
-def config_of(kind):
+def config_of(kind, layers=1):
     common = dict(hidden_size=HIDDEN, intermediate_size=FFN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                  num_hidden_layers=1, rms_norm_eps=1e-5, vocab_size=64)
+                  num_hidden_layers=layers, rms_norm_eps=1e-5, vocab_size=64)
     config = LlamaConfig(**common) if kind == "llama" else Qwen2Config(**common)
     config._attn_implementation = "sdpa"
     return config
@@ -30,9 +31,14 @@ def config_of(kind):
 def layer_in_blocks(kind, seed=0):
     """A decoder layer of `kind` whose linear weights are Q8_0/Q4_1 blocks (GGMLLinear), norms random."""
     torch.manual_seed(seed)
-    rng = np.random.default_rng(seed)
     config = config_of(kind)
     layer = (LlamaDecoderLayer if kind == "llama" else Qwen2DecoderLayer)(config, layer_idx=0).eval()
+    to_blocks(layer, np.random.default_rng(seed))
+    return layer, config
+
+
+def to_blocks(layer, rng):
+    """Replaces `layer`'s linear weights by Q8_0/Q4_1 blocks of random weights, its norms by random ones."""
     for parent, name, qtype in [(layer.self_attn, "q_proj", "Q8_0"), (layer.self_attn, "k_proj", "Q8_0"),
                                 (layer.self_attn, "v_proj", "Q8_0"), (layer.self_attn, "o_proj", "Q4_1"),
                                 (layer.mlp, "gate_proj", "Q4_1"), (layer.mlp, "up_proj", "Q4_1"),
@@ -45,7 +51,6 @@ def layer_in_blocks(kind, seed=0):
         setattr(parent, name, GGMLLinear(blocks, qtype, linear.in_features, bias))
     for norm in (layer.input_layernorm, layer.post_attention_layernorm):
         norm.weight.data = torch.rand(HIDDEN) + 0.5
-    return layer, config
 
 
 def run(layer, config, hidden, attention_mask, past):
@@ -140,3 +145,59 @@ def test_the_layer_in_two_native_calls_gives_the_bits_of_its_separate_operators(
     assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
     assert torch.equal(caches[0].layers[0].keys, caches[1].layers[0].keys)
     assert torch.equal(caches[0].layers[0].values, caches[1].layers[0].values)
+
+
+def model_in_blocks(kind, layers=3):
+    torch.manual_seed(4)
+    config = config_of(kind, layers)
+    model = (LlamaForCausalLM if kind == "llama" else Qwen2ForCausalLM)(config).eval()
+    rng = np.random.default_rng(4)
+    for layer in model.model.layers:
+        to_blocks(layer, rng)
+    assert fuse_decoder_layers(model) == layers
+    return model
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_the_decoder_stack_in_one_call_gives_the_bits_of_the_layers_one_by_one(kind, monkeypatch):
+    if not ggml.native_kernels():
+        pytest.skip("the native kernels are not available here")
+    model = model_in_blocks(kind)
+    stack = model.model.forward
+    assert isinstance(stack, DecoderStack) and model.cache_grows_in_place
+    ids = torch.tensor([[0, 0, 5, 9, 13, 2], [7, 3, 5, 9, 13, 2]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    runs = []
+    for one_call in (True, False):
+        if not one_call:  # transformers' forward, the fused layers one by one
+            monkeypatch.setattr(model.model, "forward", stack.original)
+        cache, logits = new_cache(model), []
+        with torch.no_grad():
+            logits.append(model(ids, attention_mask=mask, past_key_values=cache).logits)
+            for step in (11, 17):
+                mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], -1)
+                step_ids = torch.tensor([[step], [step + 1]])
+                logits.append(model(step_ids, attention_mask=mask, past_key_values=cache).logits)
+        mask = mask[:, :6]
+        runs.append((logits, cache))
+    assert all(isinstance(layer, GrowingLayer) for layer in runs[0][1].layers)
+    for a, b in zip(runs[0][0], runs[1][0]):
+        assert torch.equal(a, b)
+    for a, b in zip(runs[0][1].layers, runs[1][1].layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_generate_runs_the_stack_on_its_own_cache_and_gives_the_layers_tokens(monkeypatch):
+    if not ggml.native_kernels():
+        pytest.skip("the native kernels are not available here")
+    model = model_in_blocks("llama")
+    calls = []
+    original = torch.ops.rungen_ggml.decoder_stack
+    monkeypatch.setattr(torch.ops.rungen_ggml, "decoder_stack", lambda *a: calls.append(1) or original(*a))
+    ids = torch.tensor([[5, 9, 13, 2]])
+    with torch.no_grad():
+        stacked = model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert len(calls) == 6  # the prompt, then every step but the last token's
+        monkeypatch.setattr(model.model, "forward", model.model.forward.original)
+        one_by_one = model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(stacked, one_by_one)
