@@ -1,7 +1,7 @@
 """Perplexity of the default model on a fixed English text: in float32 (--dequantize), each --quantize mode and
 the default mode (the GGUF file's own blocks), every model loaded by the tool's own load().
 
-    python -m benchmarks.perplexity [--text benchmarks/data/declaration.txt] [--threads 2]
+    python -m benchmarks.perplexity [--text benchmarks/data/declaration.txt] [--threads 2] [--draws 5]
 
 The text (benchmarks/data/declaration.txt, about 2,350 tokens) is the Declaration of Independence
 (1776), the Gettysburg Address (1863) and the Preamble and Article I, sections 1-3, of the US
@@ -11,11 +11,18 @@ scores every token after the first; perplexity = exp(mean negative log-likelihoo
 The default mode is scored twice: as it runs (the integer kernel, activations rounded to 8 bits per block of
 32, as llama.cpp rounds them), and with every product taken on the exactly de-quantized blocks and unrounded
 float32 activations (torch.ops.rungen_ggml.mm_tiled), which isolates what the activations' rounding costs.
+
+A model whose activations are rounded to 8 bits is chaotic in the last bits: a relative change of 1e-6 in its
+input (as another summation order gives, from another instruction set or thread count) moves a code across a
+rounding boundary here and there, and the perplexity by several tenths of a percent. So each row is scored
+--draws times, the first as it is and the others with the embeddings scaled by 1 + 1e-6 * N(0, 1) (fixed
+seeds), and gives the median and the range: a difference inside the range is not a difference.
 """
 
 import argparse
 import math
 import os
+import statistics
 import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -23,49 +30,72 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 from benchmarks.common import cpu_flags, load_float32
+from rungen.decoder import products_one_by_one
 from rungen.ggml import GGMLLinear, native_kernels
 from rungen.loading import load
 
 TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "declaration.txt")
 
 
-def perplexity(model, ids):
-    with torch.inference_mode():
-        logits = model(ids).logits[0, :-1].float()
+def perplexity(model, ids, jitter_seed=None):
+    """exp(mean negative log-likelihood) of ids[0, 1:]; with jitter_seed, the embeddings scaled by
+    1 + 1e-6 * N(0, 1) drawn from that seed."""
+    def jitter(module, args, output):
+        noise = torch.randn(output.shape, generator=torch.Generator().manual_seed(jitter_seed))
+        return output * (1 + 1e-6 * noise)
+
+    hook = None if jitter_seed is None else model.get_input_embeddings().register_forward_hook(jitter)
+    try:
+        with torch.inference_mode():
+            logits = model(ids).logits[0, :-1].float()
+    finally:
+        if hook is not None:
+            hook.remove()
     nll = torch.nn.functional.cross_entropy(logits, ids[0, 1:])
     return math.exp(nll.item())
+
+
+def drawn(model, ids, draws):
+    """(median, lowest, highest) perplexity over `draws` scorings: as it is, then jittered (seeds 1, 2, ...)."""
+    values = [perplexity(model, ids, None if seed == 0 else seed) for seed in range(draws)]
+    return statistics.median(values), min(values), max(values)
+
+
+def row(name, value, reference):
+    median, low, high = value
+    print(f"| {name} | {median:.3f} | {low:.3f} - {high:.3f} | {median / reference - 1:+.2%} "
+          f"({low / reference - 1:+.2%} to {high / reference - 1:+.2%}) |")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--text", default=TEXT)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--draws", type=int, default=5, help="scorings a row: one as it is, the rest jittered")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     float32 = load_float32()
     ids = float32.tokenizer(open(args.text).read(), return_tensors="pt")["input_ids"]
-    reference = perplexity(float32.model, ids)
+    reference = drawn(float32.model, ids, args.draws)
     del float32
-    print(f"default model, {ids.shape[1]} tokens of {os.path.basename(args.text)}, torch {torch.__version__}, "
-          f"CPU flags: {cpu_flags()}")
+    print(f"default model, {ids.shape[1]} tokens of {os.path.basename(args.text)}, {args.draws} draws a row, "
+          f"torch {torch.__version__}, {args.threads} threads, CPU flags: {cpu_flags()}")
     print("")
-    print("| weights | perplexity | vs float32 |")
-    print("| --- | ---: | ---: |")
-    print(f"| `--dequantize` (float32) | {reference:.3f} | - |")
+    print("| weights | perplexity (median) | range | vs float32's median (range) |")
+    print("| --- | ---: | ---: | ---: |")
+    row("`--dequantize` (float32)", reference, reference[0])
     for mode in ("int8", "int4"):
-        value = perplexity(load(None, device=torch.device("cpu"), quantize=mode).model, ids)
-        print(f"| `--quantize {mode}` | {value:.3f} | {value / reference - 1:+.2%} |")
+        row(f"`--quantize {mode}`", drawn(load(None, device=torch.device("cpu"), quantize=mode).model, ids,
+                                          args.draws), reference[0])
     if not native_kernels():
         sys.exit("the native kernels are not available")
     model = load(None, device=torch.device("cpu")).model
-    value = perplexity(model, ids)
-    print(f"| default: the file's own blocks, as it runs ({torch.ops.rungen_ggml.isa()}) | {value:.3f} "
-          f"| {value / reference - 1:+.2%} |")
+    row(f"default: the file's own blocks, as it runs ({torch.ops.rungen_ggml.isa()})", drawn(model, ids, args.draws),
+        reference[0])
     GGMLLinear._matmul = lambda self, x: torch.ops.rungen_ggml.mm_tiled(
         x.float().contiguous(), self.blocks, int(self.qtype), self.in_features)
-    value = perplexity(model, ids)
-    print(f"| default: the file's own blocks, activations not rounded | {value:.3f} | {value / reference - 1:+.2%} |")
-
+    with products_one_by_one(model):  # the layers' own native calls do not go through _matmul
+        row("default: the file's own blocks, activations not rounded", drawn(model, ids, args.draws), reference[0])
 
 if __name__ == "__main__":
     main()
