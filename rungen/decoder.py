@@ -18,6 +18,7 @@ in a batch, which torch's attention kernels do not promise.
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 from transformers.cache_utils import DynamicLayer
@@ -160,6 +161,10 @@ class DecoderStack:
 
     def __init__(self, inner: torch.nn.Module, layers: list[FusedDecoderLayer]):
         self.inner, self.original = inner, inner.forward
+        # What the last call left: (a weak reference to the cache, the addresses of its layers' keys, the
+        # positions they hold, the least capacity of any buffer). A step that finds the same keys needs no look
+        # at each layer's buffers; nothing here keeps a finished cache alive.
+        self.last = None
         first = layers[0]
         self.eps, self.scale = first.input_layernorm.variance_epsilon, first.scaling
         self.heads, self.kv_heads = first.heads, first.kv_heads
@@ -218,19 +223,29 @@ class DecoderStack:
         length = layers[0].get_seq_length()
         if position_ids is None:
             position_ids = (torch.arange(tokens, device=hidden.device) + length).unsqueeze(0)
-        mask = create_causal_mask(config=inner.config, inputs_embeds=hidden, attention_mask=attention_mask,
-                                  past_key_values=cache, position_ids=position_ids)
+        if tokens == 1 and (attention_mask is None or bool(attention_mask.all())):
+            mask = None  # one query, no padding: it sees every key, as the native attention's causal default
+        else:
+            mask = create_causal_mask(config=inner.config, inputs_embeds=hidden, attention_mask=attention_mask,
+                                      past_key_values=cache, position_ids=position_ids)
         cos, sin = inner.rotary_emb(hidden, position_ids=position_ids)
-        shape = hidden.new_empty((batch, self.kv_heads, tokens, self.head_dim))  # what the new states will be
-        buffers = [layer.reserve(shape, shape) for layer in layers]
-        if any(layer.get_seq_length() != length for layer in layers):  # layers cut differently: one by one
-            return self.original(input_ids=None, attention_mask=attention_mask, position_ids=position_ids,
-                                 past_key_values=cache, inputs_embeds=hidden, use_cache=use_cache, **kwargs)
+        last = self.last
+        if (last is not None and last[0]() is cache and last[2] == length and length + tokens <= last[3]
+                and [layer.keys.data_ptr() for layer in layers] == last[1]):
+            buffers = [layer.buffers for layer in layers]  # as this call left them, with room enough
+        else:
+            shape = hidden.new_empty((batch, self.kv_heads, tokens, self.head_dim))  # the new states' shape
+            buffers = [layer.reserve(shape, shape) for layer in layers]
+            if any(layer.get_seq_length() != length for layer in layers):  # layers cut differently: one by one
+                return self.original(input_ids=None, attention_mask=attention_mask, position_ids=position_ids,
+                                     past_key_values=cache, inputs_embeds=hidden, use_cache=use_cache, **kwargs)
         hidden, keys, values = torch.ops.rungen_ggml.decoder_stack(
             hidden, cos, sin, mask, *self.weights, self.eps, self.heads, self.kv_heads, self.scale,
             [k for k, _ in buffers], [v for _, v in buffers], length)
         for layer, k, v in zip(layers, keys, values):
             layer.keys, layer.values = k, v
+        self.last = (weakref.ref(cache), [k.data_ptr() for k in keys], length + tokens,
+                     min(k.shape[-2] for k, _ in buffers))
         return BaseModelOutputWithPast(last_hidden_state=inner.norm(hidden), past_key_values=cache)
 
 
