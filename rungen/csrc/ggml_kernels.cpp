@@ -577,6 +577,37 @@ static inline float dot64(const float* a, const float* b, int64_t n) {
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail;
 }
 
+// Eight floats as one value (GCC's vector extension): a ymm register in the AVX2 clone, two xmm in the
+// baseline; each lane's arithmetic is the scalar code's.
+typedef float f8 __attribute__((vector_size(32)));
+
+static inline f8 load8(const float* p) {
+  f8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// dot64 of q with four keys (k, k + stride, ...), each key's sum in dot64's order: the same four results. The
+// four chains of additions are independent, so they overlap where one waits on the last add.
+static inline void dot64x4(const float* a, const float* b, int64_t stride, int64_t n, float* out) {
+  f8 acc0 = {}, acc1 = {}, acc2 = {}, acc3 = {};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const f8 x = load8(a + i);
+    acc0 += x * load8(b + i);
+    acc1 += x * load8(b + stride + i);
+    acc2 += x * load8(b + 2 * stride + i);
+    acc3 += x * load8(b + 3 * stride + i);
+  }
+  const f8 accs[4] = {acc0, acc1, acc2, acc3};
+  for (int key = 0; key < 4; ++key) {
+    float tail = 0.f;
+    for (int64_t r = i; r < n; ++r) tail += a[r] * b[key * stride + r];
+    const f8 c = accs[key];
+    out[key] = ((c[0] + c[1]) + (c[2] + c[3])) + ((c[4] + c[5]) + (c[6] + c[7])) + tail;
+  }
+}
+
 // exp(x) for x <= 0 (Cephes' expf: range reduction by ln 2, a degree-6 polynomial; relative error about 1e-7),
 // written without branches or library calls so that the compiler vectorizes a loop of it: a prompt's attention
 // takes an exp per query and key, and the library's scalar exp was a third of a long prompt's pass.
@@ -599,8 +630,33 @@ static inline float exp_nonpositive(float x) {
   return r * scale;
 }
 
-// Each query of [p0, p1) (q enumerated in [b, heads, t] order): see attend below. Compiled twice, for AVX2 with
-// FMA and for the baseline, chosen at load by the CPU's flags (GCC's target_clones): the loops vectorize.
+// exp_nonpositive of eight values at once, lane by lane the same operations (the same bits).
+typedef int32_t i8v __attribute__((vector_size(32)));
+
+static inline f8 exp_nonpositive8(f8 x) {
+  const f8 lo = f8{} - 87.3f;
+  x = x < lo ? lo : x;
+  const f8 y = x * 1.44269504088896341f;
+  const i8v n = __builtin_convertvector(y - 0.5f, i8v);
+  const f8 fn = __builtin_convertvector(n, f8);
+  x = x - fn * 0.693359375f - fn * -2.12194440e-4f;
+  f8 p = f8{} + 1.9875691500e-4f;
+  p = p * x + 1.3981999507e-3f;
+  p = p * x + 8.3334519073e-3f;
+  p = p * x + 4.1665795894e-2f;
+  p = p * x + 1.6666665459e-1f;
+  p = p * x + 5.0000001201e-1f;
+  const f8 r = p * (x * x) + x + 1.f;
+  const i8v bits = (n + 127) << 23;
+  f8 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return r * scale;
+}
+
+// Each query of [p0, p1) (q enumerated in [b, heads, t] order): see attend below. Compiled twice, for AVX2 and
+// for the baseline, chosen at load by the CPU's avx2 flag (GCC's target_clones; "arch=haswell" would ask for an
+// Intel Haswell by name and leave every AMD CPU on the baseline): the loops vectorize, the same operations in
+// both (no fused multiply-adds), so the same bits.
 struct AttendJob {
   const float *q, *k, *v;
   const bool* mask_bool;
@@ -612,7 +668,7 @@ struct AttendJob {
   bool masked;
 };
 
-__attribute__((target_clones("arch=haswell", "default")))
+__attribute__((target_clones("avx2", "default")))
 void attend_queries(const AttendJob& job, int64_t p0, int64_t p1, float* wp) {
   const float *qp = job.q, *kp = job.k, *vp = job.v;
   const bool* mb = job.mask_bool;
@@ -628,7 +684,20 @@ void attend_queries(const AttendJob& job, int64_t p0, int64_t p1, float* wp) {
     const int64_t row = (batch * t + i) * T;
     const int64_t last = job.masked ? T : T - t + i + 1;  // causal without a mask
     float top = lowest;
-    for (int64_t j = 0; j < last; ++j) {
+    int64_t j = 0;
+    if (!mb) {
+      for (; j + 4 <= last; j += 4) {
+        float scores[4];
+        dot64x4(qh, kh + j * job.k_key, job.k_key, dim, scores);
+        for (int l = 0; l < 4; ++l) {
+          float score = scores[l] * scale;
+          if (mf) score += mf[row + j + l];
+          wp[j + l] = score;
+          top = std::max(top, score);
+        }
+      }
+    }
+    for (; j < last; ++j) {
       if (mb && !mb[row + j]) {
         wp[j] = lowest;
         continue;
@@ -641,13 +710,31 @@ void attend_queries(const AttendJob& job, int64_t p0, int64_t p1, float* wp) {
     float* o = op + ((batch * t + i) * heads + h) * dim;
     std::fill(o, o + dim, 0.f);
     if (top == lowest) continue;
-    for (int64_t j = 0; j < last; ++j) {
+    int64_t e8 = 0;
+    for (; e8 + 8 <= last; e8 += 8) {
+      const f8 w = load8(wp + e8);
+      const f8 e = exp_nonpositive8(w - top);
+      const f8 kept = w == lowest ? f8{} : e;  // masked: exactly nothing
+      std::memcpy(wp + e8, &kept, sizeof(kept));
+    }
+    for (int64_t j = e8; j < last; ++j) {
       const float e = exp_nonpositive(wp[j] - top);
-      wp[j] = wp[j] == lowest ? 0.f : e;  // masked: exactly nothing
+      wp[j] = wp[j] == lowest ? 0.f : e;
     }
     float total = 0.f;
     for (int64_t j = 0; j < last; ++j) total += wp[j];
     const float inv = 1.f / total;
+    if (dim == 64) {  // the usual head size: the sums stay in registers, key after key (the same order)
+      f8 acc[8] = {};
+      for (int64_t j = 0; j < last; ++j) {
+        if (wp[j] == 0.f) continue;
+        const float a = wp[j] * inv;
+        const float* vj = vh + j * job.v_key;
+        for (int d = 0; d < 8; ++d) acc[d] += a * load8(vj + 8 * d);
+      }
+      std::memcpy(o, acc, sizeof(acc));
+      continue;
+    }
     for (int64_t j = 0; j < last; ++j) {
       if (wp[j] == 0.f) continue;  // masked (or underflowed): skipped, so padding leaves no trace
       const float a = wp[j] * inv;

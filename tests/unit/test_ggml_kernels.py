@@ -196,3 +196,22 @@ def test_failed_build_falls_back_with_one_line(monkeypatch, capfd):
     assert torch.all((y - x @ weight.T).abs() <= 2**-6 * (x.abs() @ weight.abs().T) + 1e-5)
     err = capfd.readouterr().err
     assert err.count("\n") == 1 and "could not be built" in err and "g++: not found" in err
+
+
+@pytest.mark.parametrize("dim", [64, 48])
+def test_attention_over_many_keys_is_softmax_attention_and_the_same_bits_alone_and_padded(dim):
+    if not ggml.native_kernels():
+        pytest.skip("the native kernels are not available here")
+    torch.manual_seed(5)
+    heads, kv, keys, pad = 6, 2, 203, 3  # key counts off the kernel's groups of four and eight
+    q, k, v = torch.randn(1, heads, 1, dim), torch.randn(1, kv, keys, dim) * 2, torch.randn(1, kv, keys, dim)
+    alone = torch.ops.rungen_ggml.attend(q, k, v, None, dim ** -0.5)
+    reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True, scale=dim ** -0.5)
+    torch.testing.assert_close(alone, reference.transpose(1, 2).reshape(1, 1, -1), rtol=1e-5, atol=1e-5)
+    # The same query beside a row with no padding; its keys shifted right by the padding, masked out.
+    padded_k = torch.cat([torch.randn(1, kv, keys + pad, dim), torch.cat([torch.zeros(1, kv, pad, dim), k], 2)])
+    padded_v = torch.cat([torch.randn(1, kv, keys + pad, dim), torch.cat([torch.zeros(1, kv, pad, dim), v], 2)])
+    mask = torch.ones(2, 1, 1, keys + pad, dtype=torch.bool)
+    mask[1, ..., :pad] = False
+    batched = torch.ops.rungen_ggml.attend(torch.cat([torch.randn_like(q), q]), padded_k, padded_v, mask, dim ** -0.5)
+    assert torch.equal(batched[1], alone[0])
