@@ -608,29 +608,9 @@ static inline void dot64x4(const float* a, const float* b, int64_t stride, int64
   }
 }
 
-// exp(x) for x <= 0 (Cephes' expf: range reduction by ln 2, a degree-6 polynomial; relative error about 1e-7),
-// written without branches or library calls so that the compiler vectorizes a loop of it: a prompt's attention
-// takes an exp per query and key, and the library's scalar exp was a third of a long prompt's pass.
-static inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.3f);
-  const float y = x * 1.44269504088896341f;
-  const int32_t n = int32_t(y - 0.5f);  // round to nearest for y <= 0 (truncation toward zero)
-  const float fn = float(n);
-  x = x - fn * 0.693359375f - fn * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * x + 1.3981999507e-3f;
-  p = p * x + 8.3334519073e-3f;
-  p = p * x + 4.1665795894e-2f;
-  p = p * x + 1.6666665459e-1f;
-  p = p * x + 5.0000001201e-1f;
-  const float r = p * (x * x) + x + 1.f;
-  int32_t bits = (n + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return r * scale;
-}
-
-// exp_nonpositive of eight values at once, lane by lane the same operations (the same bits).
+// exp(x) for x <= 0 of eight values at once (Cephes' expf: range reduction by ln 2, a degree-6 polynomial;
+// relative error about 1e-7), without branches or library calls: a prompt's attention takes an exp per query
+// and key, and the library's scalar exp was a third of a long prompt's pass.
 typedef int32_t i8v __attribute__((vector_size(32)));
 
 static inline f8 exp_nonpositive8(f8 x) {
@@ -710,16 +690,13 @@ void attend_queries(const AttendJob& job, int64_t p0, int64_t p1, float* wp) {
     float* o = op + ((batch * t + i) * heads + h) * dim;
     std::fill(o, o + dim, 0.f);
     if (top == lowest) continue;
-    int64_t e8 = 0;
-    for (; e8 + 8 <= last; e8 += 8) {
-      const f8 w = load8(wp + e8);
+    for (int64_t e8 = 0; e8 < last; e8 += 8) {  // the last group padded with masked lanes, not stored
+      const int64_t count = std::min<int64_t>(8, last - e8);
+      f8 w = f8{} + lowest;
+      std::memcpy(&w, wp + e8, count * sizeof(float));
       const f8 e = exp_nonpositive8(w - top);
       const f8 kept = w == lowest ? f8{} : e;  // masked: exactly nothing
-      std::memcpy(wp + e8, &kept, sizeof(kept));
-    }
-    for (int64_t j = e8; j < last; ++j) {
-      const float e = exp_nonpositive(wp[j] - top);
-      wp[j] = wp[j] == lowest ? 0.f : e;
+      std::memcpy(wp + e8, &kept, count * sizeof(float));
     }
     float total = 0.f;
     for (int64_t j = 0; j < last; ++j) total += wp[j];
