@@ -117,7 +117,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max_cache_tokens", type=int, default=65536,
                        help="Key/value positions the batch's cache may hold (rows x longest prompt+max_tokens).")
     group.add_argument("--prefix_cache_mb", type=int, default=256,
-                       help="Memory for finished conversations' keys/values, reused by their next turn (0: off).")
+                       help="Memory for finished sequences' keys/values, reused by requests that start the same "
+                       "way: a conversation's next turn, a shared system prompt (0: off).")
     group.add_argument("--cors_origins", nargs="+", default=None, metavar="ORIGIN", help="Allow these CORS origins.")
     group.add_argument("--shutdown_grace", type=float, default=30.0,
                        help="Seconds running requests get to finish on SIGTERM/Ctrl-C before they are cut.")

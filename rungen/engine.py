@@ -1,9 +1,10 @@
 """The server's scheduler: one model thread, continuous batching, per-row sampling and stopping.
 
 Requests wait in a bounded queue. The model thread runs one decode step at a time for every active row;
-between steps it admits waiting requests: each is prefilled alone (after the longest cached prefix of its
-tokens, when a recent conversation left one), its keys/values are left-padded to the batch's length (or the
-batch to its length) and concatenated, and it decodes with the others from the next step on. A row that
+between steps it admits waiting requests: each is prefilled alone (after the longest start of its tokens
+that a recently finished sequence shares: a conversation's earlier turns, a common system prompt), its
+keys/values are left-padded to the batch's length (or the batch to its length) and concatenated, and it
+decodes with the others from the next step on. A row that
 ends (EOS, max_tokens, a stop string, its grammar, a cancelled request) leaves the batch by index_select,
 and the columns no row needs any more are trimmed.
 
@@ -167,7 +168,8 @@ class Metrics:
 
 class PrefixCache:
     """Keys/values of recently finished sequences, keyed by their tokens, bounded in bytes (least recently
-    used first out). A request whose tokens extend one of them prefills only the rest."""
+    used first out). A request prefills only what follows the longest start it shares with one of them: the
+    next turn of a conversation, or any request under the same system prompt and chat template."""
 
     def __init__(self, max_bytes):
         self.max_bytes, self.bytes = max_bytes, 0
@@ -185,16 +187,29 @@ class PrefixCache:
             self.bytes -= dropped
 
     def longest(self, ids):
-        """(length, layers) of the longest entry that is a proper prefix of ids (one token at least is left to
-        prefill), or (0, None)."""
+        """(length, layers) of the longest start of ids that an entry holds, one token at least left to
+        prefill, or (0, None); the layers are views of the entry's first `length` positions, never written to.
+        A key or value depends only on the tokens up to its own, so a shared start's are the ones ids would
+        get."""
         best, found = 0, None
         for key in self.entries:
-            if best < len(key) < len(ids) and tuple(ids[: len(key)]) == key:
-                best, found = len(key), key
+            length = shared_start(key, ids, limit=len(ids) - 1)
+            if length > best:
+                best, found = length, key
         if found is None:
             return 0, None
         self.entries.move_to_end(found)
-        return best, self.entries[found][0]
+        return best, [(k[:, :, :best], v[:, :, :best]) for k, v in self.entries[found][0]]
+
+
+def shared_start(a, b, limit):
+    """How many first items a and b have in common, at most `limit`."""
+    length = 0
+    for x, y in zip(a[:limit], b):
+        if x != y:
+            break
+        length += 1
+    return length
 
 
 @dataclasses.dataclass

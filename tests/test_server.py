@@ -356,6 +356,26 @@ def test_a_conversation_reuses_its_cached_prefix(served, client):
     assert reply.choices[0].message.content == fresh.choices[0].message.content
 
 
+def test_requests_that_start_alike_reuse_their_shared_start(served, client, loaded):
+    """Two chats under one system prompt: the second prefills only what follows the start it shares with the
+    first (the system turn and the template's tokens), and answers as it does with no cache."""
+    engine = served[1]
+    system = {"role": "system", "content": "You answer in one short sentence, politely, and never in verse."}
+    first = [system, *HELLO]
+    second = [system, {"role": "user", "content": "What is the capital of France?"}]
+    client.chat.completions.create(model=MODEL_ID, messages=first, max_tokens=4, temperature=0)
+    rendered = [loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=True)["input_ids"] for messages in (first, second)]
+    shared = next(n for n, (a, b) in enumerate(zip(*rendered)) if a != b)
+    before = engine.metrics.reused_tokens
+    reply = client.chat.completions.create(model=MODEL_ID, messages=second, max_tokens=8, temperature=0)
+    assert engine.metrics.reused_tokens - before == shared > 10
+    engine.prefix_cache.entries.clear()
+    engine.prefix_cache.bytes = 0
+    fresh = client.chat.completions.create(model=MODEL_ID, messages=second, max_tokens=8, temperature=0)
+    assert reply.choices[0].message.content == fresh.choices[0].message.content
+
+
 def test_api_key_and_a_full_queue(loaded, served):
     """With a key every route but /health needs it; CORS is off unless origins are named; a queue that is full
     answers 503 with Retry-After."""

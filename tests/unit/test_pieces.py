@@ -209,3 +209,21 @@ def test_the_graph_serves_plain_decode_steps_only():
     assert not _served_by_graph(decode_step(inputs_embeds=torch.zeros(2, 1, 4)), ())  # unknown kwarg
     assert not _served_by_graph(decode_step(attention_mask=torch.ones(2, 9, dtype=torch.long)), ())  # odd mask
     assert not _served_by_graph(decode_step(past_key_values=((torch.zeros(1),),)), ())  # a legacy tuple
+
+
+def test_prefix_cache_gives_the_longest_shared_start_and_leaves_a_token_to_prefill():
+    from rungen.engine import PrefixCache
+
+    def layers(tokens):  # keys/values whose position p holds the token there, so a view shows its positions
+        k = torch.tensor(tokens, dtype=torch.float32).view(1, 1, -1, 1)
+        return [(k, k + 0.5)]
+
+    cache = PrefixCache(max_bytes=1 << 20)
+    cache.put([1, 2, 3, 4, 5], layers([1, 2, 3, 4, 5]))
+    cache.put([1, 2, 9, 9], layers([1, 2, 9, 9]))
+    assert cache.longest([7, 1, 2]) == (0, None)
+    length, [(k, v)] = cache.longest([1, 2, 3, 8, 8])
+    assert length == 3 and k.flatten().tolist() == [1, 2, 3] and v.flatten().tolist() == [1.5, 2.5, 3.5]
+    assert cache.longest([1, 2, 9, 9, 9])[0] == 4  # a whole entry: the next turn of its conversation
+    assert cache.longest([1, 2, 3, 4, 5])[0] == 4  # all of it cached: the last token is still fed
+    assert cache.longest([1])[0] == 0
