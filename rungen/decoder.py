@@ -223,8 +223,10 @@ class DecoderStack:
         length = layers[0].get_seq_length()
         if position_ids is None:
             position_ids = (torch.arange(tokens, device=hidden.device) + length).unsqueeze(0)
-        if tokens == 1 and (attention_mask is None or bool(attention_mask.all())):
-            mask = None  # one query, no padding: it sees every key, as the native attention's causal default
+        if attention_mask is None or bool(attention_mask.all()):
+            # No padding: query i sees the keys up to its own position, the native attention's causal default,
+            # which visits only those (a mask would have it visit every key of the square and skip half).
+            mask = None
         else:
             mask = create_causal_mask(config=inner.config, inputs_embeds=hidden, attention_mask=attention_mask,
                                       past_key_values=cache, position_ids=position_ids)

@@ -201,3 +201,32 @@ def test_generate_runs_the_stack_on_its_own_cache_and_gives_the_layers_tokens(mo
         monkeypatch.setattr(model.model, "forward", model.model.forward.original)
         one_by_one = model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert torch.equal(stacked, one_by_one)
+
+
+def test_the_stack_without_padding_gives_the_layers_bits_for_a_prompt_and_for_the_rest_after_a_cached_start(
+        monkeypatch):
+    """No padding (a mask of ones, as generate() and the server pass it): the stack's causal default gives the
+    bits of the layers one by one with their explicit mask, for a whole prompt and for the rest of a prompt after
+    a cached start (the server's shared prefixes)."""
+    if not ggml.native_kernels():
+        pytest.skip("the native kernels are not available here")
+    model = model_in_blocks("llama")
+    stack = model.model.forward
+    ids = torch.tensor([[5, 9, 13, 2, 8, 8, 4, 1, 7, 3, 6]])
+    runs = []
+    for one_call in (True, False):
+        if not one_call:
+            monkeypatch.setattr(model.model, "forward", stack.original)
+        whole_cache, start_cache = new_cache(model), new_cache(model)
+        with torch.no_grad():
+            whole = model(ids, attention_mask=torch.ones_like(ids), past_key_values=whole_cache).logits
+            model(ids[:, :4], attention_mask=torch.ones(1, 4, dtype=torch.long), past_key_values=start_cache)
+            rest = model(ids[:, 4:], attention_mask=torch.ones_like(ids), position_ids=torch.arange(4, 11)[None],
+                         past_key_values=start_cache).logits
+        runs.append((whole, rest, whole_cache, start_cache))
+    for a, b in zip(runs[0], runs[1]):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b)
+        else:
+            for x, y in zip(a.layers, b.layers):
+                assert torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)
