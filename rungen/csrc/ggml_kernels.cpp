@@ -587,31 +587,37 @@ static inline f8 load8(const float* p) {
   return v;
 }
 
-// dot64 of q with four keys (k, k + stride, ...), each key's sum in dot64's order: the same four results. The
-// four chains of additions are independent, so they overlap where one waits on the last add.
-static inline void dot64x4(const float* a, const float* b, int64_t stride, int64_t n, float* out) {
-  f8 acc0 = {}, acc1 = {}, acc2 = {}, acc3 = {};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
+static inline void store8(float* p, f8 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// dot64 of q with eight keys (k, k + stride, ...) for n a multiple of 8, each key's sum in dot64's order: the
+// same eight results, as one vector. The eight keys' lane sums are reduced together, pairwise additions across
+// the keys (as _mm256_hadd_ps pairs them), where a key at a time takes a dozen shuffles and additions for its
+// sum alone.
+typedef int32_t i8v __attribute__((vector_size(32)));
+
+static inline f8 pair_sums(f8 a, f8 b) {  // [a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, a6+a7, b4+b5, b6+b7]
+  return __builtin_shuffle(a, b, i8v{0, 2, 8, 10, 4, 6, 12, 14}) +
+         __builtin_shuffle(a, b, i8v{1, 3, 9, 11, 5, 7, 13, 15});
+}
+
+static inline f8 dot64x8(const float* a, const float* b, int64_t stride, int64_t n) {
+  f8 acc[8] = {};
+  for (int64_t i = 0; i < n; i += 8) {
     const f8 x = load8(a + i);
-    acc0 += x * load8(b + i);
-    acc1 += x * load8(b + stride + i);
-    acc2 += x * load8(b + 2 * stride + i);
-    acc3 += x * load8(b + 3 * stride + i);
+    for (int key = 0; key < 8; ++key) acc[key] += x * load8(b + key * stride + i);
   }
-  const f8 accs[4] = {acc0, acc1, acc2, acc3};
-  for (int key = 0; key < 4; ++key) {
-    float tail = 0.f;
-    for (int64_t r = i; r < n; ++r) tail += a[r] * b[key * stride + r];
-    const f8 c = accs[key];
-    out[key] = ((c[0] + c[1]) + (c[2] + c[3])) + ((c[4] + c[5]) + (c[6] + c[7])) + tail;
-  }
+  // Lane l of key k: c_k[l]. After two rounds, lane k of `low` (k < 4) holds (c_k[0]+c_k[1]) + (c_k[2]+c_k[3])
+  // and lane k of `high` (c_k[4]+c_k[5]) + (c_k[6]+c_k[7]); keys 4..7 in lanes 4..7 likewise.
+  const f8 q0123 = pair_sums(pair_sums(acc[0], acc[1]), pair_sums(acc[2], acc[3]));
+  const f8 q4567 = pair_sums(pair_sums(acc[4], acc[5]), pair_sums(acc[6], acc[7]));
+  const f8 low = __builtin_shuffle(q0123, q4567, i8v{0, 1, 2, 3, 8, 9, 10, 11});
+  const f8 high = __builtin_shuffle(q0123, q4567, i8v{4, 5, 6, 7, 12, 13, 14, 15});
+  return low + high + f8{};  // + 0, as dot64's tail: -0 becomes +0 alike
 }
 
 // exp(x) for x <= 0 of eight values at once (Cephes' expf: range reduction by ln 2, a degree-6 polynomial;
 // relative error about 1e-7), without branches or library calls: a prompt's attention takes an exp per query
 // and key, and the library's scalar exp was a third of a long prompt's pass.
-typedef int32_t i8v __attribute__((vector_size(32)));
 
 static inline f8 exp_nonpositive8(f8 x) {
   const f8 lo = f8{} - 87.3f;
@@ -665,17 +671,15 @@ void attend_queries(const AttendJob& job, int64_t p0, int64_t p1, float* wp) {
     const int64_t last = job.masked ? T : T - t + i + 1;  // causal without a mask
     float top = lowest;
     int64_t j = 0;
-    if (!mb) {
-      for (; j + 4 <= last; j += 4) {
-        float scores[4];
-        dot64x4(qh, kh + j * job.k_key, job.k_key, dim, scores);
-        for (int l = 0; l < 4; ++l) {
-          float score = scores[l] * scale;
-          if (mf) score += mf[row + j + l];
-          wp[j + l] = score;
-          top = std::max(top, score);
-        }
+    if (!mb && dim % 8 == 0) {
+      f8 tops = f8{} + lowest;  // the running maximum lane by lane: a maximum is the same in any order
+      for (; j + 8 <= last; j += 8) {
+        f8 scores = dot64x8(qh, kh + j * job.k_key, job.k_key, dim) * scale;
+        if (mf) scores += load8(mf + row + j);
+        store8(wp + j, scores);
+        tops = tops < scores ? scores : tops;
       }
+      for (int l = 0; l < 8; ++l) top = std::max(top, tops[l]);
     }
     for (; j < last; ++j) {
       if (mb && !mb[row + j]) {
@@ -690,16 +694,24 @@ void attend_queries(const AttendJob& job, int64_t p0, int64_t p1, float* wp) {
     float* o = op + ((batch * t + i) * heads + h) * dim;
     std::fill(o, o + dim, 0.f);
     if (top == lowest) continue;
-    for (int64_t e8 = 0; e8 < last; e8 += 8) {  // the last group padded with masked lanes, not stored
+    // Exponentials eight at once, their sum key after key; the last group padded with masked lanes, not stored.
+    // Whole groups are loaded and stored as vectors (a vector read back after a narrower copy into it stalls).
+    float total = 0.f;
+    for (int64_t e8 = 0; e8 < last; e8 += 8) {
       const int64_t count = std::min<int64_t>(8, last - e8);
       f8 w = f8{} + lowest;
-      std::memcpy(&w, wp + e8, count * sizeof(float));
+      if (count == 8)
+        w = load8(wp + e8);
+      else
+        std::memcpy(&w, wp + e8, count * sizeof(float));
       const f8 e = exp_nonpositive8(w - top);
       const f8 kept = w == lowest ? f8{} : e;  // masked: exactly nothing
-      std::memcpy(wp + e8, &kept, count * sizeof(float));
+      if (count == 8)
+        store8(wp + e8, kept);
+      else
+        std::memcpy(wp + e8, &kept, count * sizeof(float));
+      for (int64_t l = 0; l < count; ++l) total += kept[l];
     }
-    float total = 0.f;
-    for (int64_t j = 0; j < last; ++j) total += wp[j];
     const float inv = 1.f / total;
     if (dim == 64) {  // the usual head size: the sums stay in registers, key after key (the same order)
       f8 acc[8] = {};

@@ -200,6 +200,8 @@ def test_failed_build_falls_back_with_one_line(monkeypatch, capfd):
 
 @pytest.mark.parametrize("dim", [64, 48])
 def test_attention_over_many_keys_is_softmax_attention_and_the_same_bits_alone_and_padded(dim):
+    """One query alone and left-padded beside another row; several queries under the causal default and under
+    the same mask given: softmax attention, and the same bits whichever way the keys are grouped."""
     if not ggml.native_kernels():
         pytest.skip("the native kernels are not available here")
     torch.manual_seed(5)
@@ -215,3 +217,13 @@ def test_attention_over_many_keys_is_softmax_attention_and_the_same_bits_alone_a
     mask[1, ..., :pad] = False
     batched = torch.ops.rungen_ggml.attend(torch.cat([torch.randn_like(q), q]), padded_k, padded_v, mask, dim ** -0.5)
     assert torch.equal(batched[1], alone[0])
+    # A prompt's last 5 tokens over the keys (the rest after a cached start): the causal default is softmax
+    # attention with its causal mask, and gives the bits of that mask given as booleans (another code path).
+    tokens = 5
+    rest = torch.randn(1, heads, tokens, dim)
+    causal = torch.ones(tokens, keys, dtype=torch.bool).tril(keys - tokens)
+    default = torch.ops.rungen_ggml.attend(rest, k, v, None, dim ** -0.5)
+    reference = torch.nn.functional.scaled_dot_product_attention(rest, k, v, attn_mask=causal, enable_gqa=True,
+                                                                 scale=dim ** -0.5)
+    torch.testing.assert_close(default, reference.transpose(1, 2).reshape(1, tokens, -1), rtol=1e-5, atol=1e-5)
+    assert torch.equal(torch.ops.rungen_ggml.attend(rest, k, v, causal[None, None], dim ** -0.5), default)
