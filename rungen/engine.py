@@ -398,7 +398,7 @@ class Engine:
         if request.n > 1:
             new_layers = [(k.repeat(request.n, 1, 1, 1), v.repeat(request.n, 1, 1, 1)) for k, v in new_layers]
         mask = torch.ones(request.n, len(ids), dtype=torch.long, device=self.device)
-        self.merge(new_layers, mask)
+        self.merge(new_layers, mask, cache=output.past_key_values if request.n == 1 else None)
         generator = torch.Generator(device="cpu")
         generator.manual_seed(request.sampling.seed if request.sampling.seed is not None else secrets.randbits(63))
         with self.tokenizer_lock:
@@ -414,10 +414,11 @@ class Engine:
         logits = output.logits[:, -1].float()
         self.advance(new_rows, logits.expand(request.n, -1))
 
-    def merge(self, layers, mask):
-        """Appends rows (their keys/values and mask) to the batch, left-padding whichever is shorter."""
+    def merge(self, layers, mask, cache=None):
+        """Appends rows (their keys/values and mask) to the batch, left-padding whichever is shorter; an empty
+        batch takes `cache` (the cache that holds `layers`, when the batch may have it) without a copy."""
         if self.cache is None:
-            self.cache, self.mask = new_cache(self.model, layers), mask
+            self.cache, self.mask = cache if cache is not None else new_cache(self.model, layers), mask
             return
         old = layers_of(self.cache)
         width = max(self.mask.shape[1], mask.shape[1])
