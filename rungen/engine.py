@@ -35,7 +35,7 @@ from transformers.cache_utils import DynamicLayer
 
 from . import logger
 from .generation import UNBATCHABLE_TYPES
-from .kvcache import MIN_ROOM, new_cache
+from .kvcache import MIN_ROOM, GrowingLayer, new_cache
 from .logprobs import content
 
 # Prompt tokens decoded before a row's new tokens to get their text in context: decoding the whole prompt at
@@ -173,33 +173,42 @@ class PrefixCache:
 
     def __init__(self, max_bytes):
         self.max_bytes, self.bytes = max_bytes, 0
-        self.entries = collections.OrderedDict()  # tuple(tokens) -> (layers, bytes)
+        self.entries = collections.OrderedDict()  # tuple(tokens) -> (layers, bytes, buffers or None)
 
-    def put(self, tokens, layers):
-        size = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers)
+    def put(self, tokens, layers, size=None, buffers=None):
+        """Keeps `layers` for `tokens`. `buffers`: per layer the (keys, values) buffers whose starts the layers
+        are, with room after them, that a next turn may take over; `size`: the bytes held alive, when more than
+        the layers' own."""
+        size = size or sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers)
         key = tuple(tokens)
         if size > self.max_bytes or len(key) < 2 or key in self.entries:
             return
-        self.entries[key] = (layers, size)
+        self.entries[key] = (layers, size, buffers)
         self.bytes += size
         while self.bytes > self.max_bytes:
-            _, (_, dropped) = self.entries.popitem(last=False)
+            _, (_, dropped, _) = self.entries.popitem(last=False)
             self.bytes -= dropped
 
     def longest(self, ids):
-        """(length, layers) of the longest start of ids that an entry holds, one token at least left to
-        prefill, or (0, None); the layers are views of the entry's first `length` positions, never written to.
-        A key or value depends only on the tokens up to its own, so a shared start's are the ones ids would
-        get."""
+        """(length, layers, buffers) for the longest start of ids that an entry holds, one token at least left
+        to prefill, or (0, None, None). `layers` are views of the entry's first `length` positions, never written
+        to: a key or value depends only on the tokens up to its own, so a shared start's are the ones ids would
+        get. When that start is the whole entry (a conversation's next turn) and the entry kept its buffers,
+        they come too and the entry leaves the cache: the request's cache grows in them, without a copy."""
         best, found = 0, None
         for key in self.entries:
             length = shared_start(key, ids, limit=len(ids) - 1)
             if length > best:
                 best, found = length, key
         if found is None:
-            return 0, None
+            return 0, None, None
+        layers, size, buffers = self.entries[found]
+        if buffers is not None and best == len(found):
+            del self.entries[found]
+            self.bytes -= size
+            return best, layers, buffers
         self.entries.move_to_end(found)
-        return best, [(k[:, :, :best], v[:, :, :best]) for k, v in self.entries[found][0]]
+        return best, [(k[:, :, :best], v[:, :, :best]) for k, v in layers], None
 
 
 def shared_start(a, b, limit):
@@ -378,9 +387,10 @@ class Engine:
     def join(self, request):
         ids = request.ids
         start = time.perf_counter()
-        reused, layers = self.prefix_cache.longest(ids) if self.prefix_cache else (0, None)
-        # The stored tensors are never written to: a cache copies what it is given (into new buffers).
-        cache = new_cache(self.model, layers)
+        reused, layers, buffers = self.prefix_cache.longest(ids) if self.prefix_cache else (0, None, None)
+        # The stored tensors are never written to: a cache copies what it is given into new buffers, unless
+        # the prefix cache gave the buffers up.
+        cache = new_cache(self.model, layers, buffers)
         rest = torch.tensor([ids[reused:]], device=self.device)
         kwargs = {}
         if self.use_positions:
@@ -569,7 +579,7 @@ class Engine:
         for number in done:
             row = self.rows[number]
             if self.prefix_cache is not None and row.index == 0 and row.finish.reason != "abort":
-                self.remember(number, row)
+                self.remember(number, row, last=len(self.rows) == 1)
             row.request.sink(("done", row.index, row.finish))
             if all(other.finish is not None for other in self.rows if other.request is row.request):
                 finished_requests.append(row.request)
@@ -588,14 +598,26 @@ class Engine:
                 for k, v in layers_of(self.cache)]
         self.cache = new_cache(self.model, kept)
 
-    def remember(self, number, row):
-        """Keeps a finished row's keys/values for a conversation that goes on from it."""
+    def remember(self, number, row, last=False):
+        """Keeps a finished row's keys/values for requests that start as it does. `last`: the batch ends with
+        this row, so its buffers are handed over (counted whole, room included) instead of copied, and the
+        next request does not wait for the copy."""
         length = row.position  # the positions the cache holds (the last token was never fed)
+        if not self.mask[number, -length:].all():
+            return
         tokens = (row.request.ids + row.new)[:length]
-        layers = [(k[number : number + 1, :, -length:].clone(), v[number : number + 1, :, -length:].clone())
+        layers = [(k[number : number + 1, :, -length:], v[number : number + 1, :, -length:])
                   for k, v in layers_of(self.cache)]
-        if self.mask[number, -length:].all():
-            self.prefix_cache.put(tokens, layers)
+        if last:
+            held = sum(k.untyped_storage().nbytes() + v.untyped_storage().nbytes() for k, v in layers)
+            # Growing layers that hold just this row from their buffers' start: a next turn can grow in them.
+            grown = [layer.buffers for layer in self.cache.layers if type(layer) is GrowingLayer
+                     and layer.buffers is not None and layer.keys.shape[0] == 1 and layer.keys.shape[-2] == length
+                     and layer.keys.data_ptr() == layer.buffers[0].data_ptr()]
+            buffers = grown if len(grown) == len(layers) else None
+            self.prefix_cache.put(tokens, layers, size=held, buffers=buffers)
+        else:
+            self.prefix_cache.put(tokens, [(k.clone(), v.clone()) for k, v in layers])
 
     def end_all(self, reason, error=None):
         """Ends every running, joining and waiting request (shutdown's grace is over, or a step failed)."""

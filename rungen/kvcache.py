@@ -68,18 +68,33 @@ class GrowingLayer(DynamicLayer):
                                           and self.keys.stride() == keys.stride())
         return held and values.shape == keys.shape[:-1] + value_states.shape[-1:]
 
+    @classmethod
+    def holding(cls, keys: torch.Tensor, values: torch.Tensor, length: int) -> GrowingLayer:
+        """A layer that holds the first `length` positions of these buffers and grows into the rest."""
+        layer = cls()
+        layer.lazy_initialization(keys, values)
+        layer.buffers = (keys, values)
+        layer.keys, layer.values = keys[..., :length, :], values[..., :length, :]
+        return layer
+
     def reset(self) -> None:
         self.buffers = None
         super().reset()
 
 
-def new_cache(model: torch.nn.Module, layers=None) -> DynamicCache:
+def new_cache(model: torch.nn.Module, layers=None, buffers=None) -> DynamicCache:
     """A DynamicCache for `model` (filled with `layers`, [(keys, values)] per layer, when given): its
     full-attention layers GrowingLayers when the model reads them in place (`cache_grows_in_place`), else
-    transformers' own."""
+    transformers' own. `buffers` [(keys, values)] per layer, whose starts hold `layers`: a growing cache takes
+    them over instead of copying (the caller gives them up)."""
     cache = DynamicCache(config=model.config)
     if getattr(model, "cache_grows_in_place", False):
         cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    if buffers is not None and len(buffers) == len(cache.layers) and all(
+            type(layer) is GrowingLayer for layer in cache.layers):
+        length = layers[0][0].shape[-2]
+        cache.layers = [GrowingLayer.holding(keys, values, length) for keys, values in buffers]
+        return cache
     for layer, (keys, values) in zip(cache.layers, layers or []):
         layer.update(keys, values)
     return cache

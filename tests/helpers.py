@@ -186,3 +186,27 @@ def error_line(result):
     stderr = result.stderr.decode()
     assert "Traceback" not in stderr, stderr
     return stderr.strip().splitlines()[-1]
+
+
+def to_blocks(layer, rng):
+    """Replaces a llama-like decoder `layer`'s linear weights by Q8_0/Q4_1 blocks of random weights (as a GGUF
+    file gives them), its norms by random ones."""
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from rungen.ggml import GGMLLinear
+
+    for parent, name, qtype in [(layer.self_attn, "q_proj", "Q8_0"), (layer.self_attn, "k_proj", "Q8_0"),
+                                (layer.self_attn, "v_proj", "Q8_0"), (layer.self_attn, "o_proj", "Q4_1"),
+                                (layer.mlp, "gate_proj", "Q4_1"), (layer.mlp, "up_proj", "Q4_1"),
+                                (layer.mlp, "down_proj", "Q8_0")]:
+        linear = getattr(parent, name)
+        weights = rng.standard_normal((linear.out_features, linear.in_features)).astype(np.float32) * 0.1
+        qtype = GGMLQuantizationType[qtype]
+        blocks = torch.from_numpy(quantize(weights, qtype)).reshape(linear.out_features, -1)
+        bias = None if linear.bias is None else torch.randn(linear.out_features) * 0.1
+        setattr(parent, name, GGMLLinear(blocks, qtype, linear.in_features, bias))
+    for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+        norm.weight.data = torch.rand(norm.weight.shape[0]) + 0.5

@@ -376,6 +376,43 @@ def test_requests_that_start_alike_reuse_their_shared_start(served, client, load
     assert reply.choices[0].message.content == fresh.choices[0].message.content
 
 
+def test_a_next_turn_grows_in_the_buffers_its_first_turn_left(checkpoint):
+    """Layers in GGUF blocks, their cache growing in place: a conversation's next turn takes over the buffers of
+    the turn before (no copy of the history), and answers as it does with no cache."""
+    import numpy as np
+
+    from helpers import to_blocks
+    from rungen.decoder import fuse_decoder_layers
+
+    blocked = load(checkpoint, device=torch.device("cpu"))
+    for layer in blocked.model.model.layers:
+        to_blocks(layer, np.random.default_rng(3))
+    assert fuse_decoder_layers(blocked.model) and blocked.model.cache_grows_in_place
+
+    def run(engine, ids, max_tokens):
+        _, finishes, _, _ = collect(engine, ids, max_tokens=max_tokens)
+        engine.admit()
+        while engine.rows:
+            engine.step()
+        return finishes[0].tokens
+
+    tokenizer = blocked.tokenizer
+    engine = Engine(blocked, eos_ids=())
+    first = tokenizer.encode("Hello, my dog is cute and")
+    reply = run(engine, first, 5)
+    [(held, (layers, _, buffers))] = engine.prefix_cache.entries.items()
+    assert buffers is not None and held == tuple(first + reply[:-1])
+    following = first + reply + tokenizer.encode(" so is the cat")
+    taken = [keys.data_ptr() for keys, _ in buffers]
+    _, finishes, _, _ = collect(engine, following, max_tokens=6)
+    engine.admit()
+    assert held not in engine.prefix_cache.entries
+    assert [layer.keys.data_ptr() for layer in engine.cache.layers] == taken
+    while engine.rows:
+        engine.step()
+    assert finishes[0].tokens == run(Engine(blocked, eos_ids=(), prefix_cache_bytes=0), following, 6)
+
+
 def test_api_key_and_a_full_queue(loaded, served):
     """With a key every route but /health needs it; CORS is off unless origins are named; a queue that is full
     answers 503 with Retry-After."""

@@ -12,6 +12,7 @@ from transformers.masking_utils import create_causal_mask
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 
+from helpers import to_blocks
 from rungen import decoder, ggml
 from rungen.decoder import DecoderStack, FusedDecoderLayer, fuse_decoder_layers
 from rungen.ggml import GGMLLinear
@@ -35,22 +36,6 @@ def layer_in_blocks(kind, seed=0):
     layer = (LlamaDecoderLayer if kind == "llama" else Qwen2DecoderLayer)(config, layer_idx=0).eval()
     to_blocks(layer, np.random.default_rng(seed))
     return layer, config
-
-
-def to_blocks(layer, rng):
-    """Replaces `layer`'s linear weights by Q8_0/Q4_1 blocks of random weights, its norms by random ones."""
-    for parent, name, qtype in [(layer.self_attn, "q_proj", "Q8_0"), (layer.self_attn, "k_proj", "Q8_0"),
-                                (layer.self_attn, "v_proj", "Q8_0"), (layer.self_attn, "o_proj", "Q4_1"),
-                                (layer.mlp, "gate_proj", "Q4_1"), (layer.mlp, "up_proj", "Q4_1"),
-                                (layer.mlp, "down_proj", "Q8_0")]:
-        linear = getattr(parent, name)
-        weights = rng.standard_normal((linear.out_features, linear.in_features)).astype(np.float32) * 0.1
-        qtype = GGMLQuantizationType[qtype]
-        blocks = torch.from_numpy(quantize(weights, qtype)).reshape(linear.out_features, -1)
-        bias = None if linear.bias is None else torch.randn(linear.out_features) * 0.1
-        setattr(parent, name, GGMLLinear(blocks, qtype, linear.in_features, bias))
-    for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-        norm.weight.data = torch.rand(HIDDEN) + 0.5
 
 
 def run(layer, config, hidden, attention_mask, past):

@@ -221,9 +221,42 @@ def test_prefix_cache_gives_the_longest_shared_start_and_leaves_a_token_to_prefi
     cache = PrefixCache(max_bytes=1 << 20)
     cache.put([1, 2, 3, 4, 5], layers([1, 2, 3, 4, 5]))
     cache.put([1, 2, 9, 9], layers([1, 2, 9, 9]))
-    assert cache.longest([7, 1, 2]) == (0, None)
-    length, [(k, v)] = cache.longest([1, 2, 3, 8, 8])
+    assert cache.longest([7, 1, 2]) == (0, None, None)
+    length, [(k, v)], buffers = cache.longest([1, 2, 3, 8, 8])
     assert length == 3 and k.flatten().tolist() == [1, 2, 3] and v.flatten().tolist() == [1.5, 2.5, 3.5]
+    assert buffers is None
     assert cache.longest([1, 2, 9, 9, 9])[0] == 4  # a whole entry: the next turn of its conversation
     assert cache.longest([1, 2, 3, 4, 5])[0] == 4  # all of it cached: the last token is still fed
     assert cache.longest([1])[0] == 0
+    assert len(cache.entries) == 2  # entries without buffers are only read
+
+
+def test_a_next_turn_takes_over_the_buffers_of_its_conversation_and_grows_in_them():
+    """An entry kept with its buffers (the last row of a batch): a request that extends all of it takes them,
+    and the entry leaves the cache; one that shares only a start gets views and leaves the entry there."""
+    from transformers import LlamaConfig
+
+    from rungen.engine import PrefixCache
+    from rungen.kvcache import GrowingLayer, new_cache
+
+    model = torch.nn.Module()
+    model.config = LlamaConfig(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, hidden_size=8)
+    model.cache_grows_in_place = True
+    filled = new_cache(model, [(torch.randn(1, 1, 6, 4), torch.randn(1, 1, 6, 4)) for _ in range(2)])
+    layers = [(layer.keys, layer.values) for layer in filled.layers]
+    buffers = [layer.buffers for layer in filled.layers]
+    held = sum(k.untyped_storage().nbytes() + v.untyped_storage().nbytes() for k, v in buffers)
+    cache = PrefixCache(max_bytes=1 << 20)
+    cache.put([1, 2, 3, 4, 5, 6], layers, size=held, buffers=buffers)
+    assert cache.bytes == held
+    shared, views, none = cache.longest([1, 2, 3, 7, 7])
+    assert (shared, none) == (3, None) and len(cache.entries) == 1
+    length, whole, given = cache.longest([1, 2, 3, 4, 5, 6, 7, 8])
+    assert (length, given) == (6, buffers) and not cache.entries and cache.bytes == 0
+    grown = new_cache(model, whole, given)
+    new = torch.randn(1, 1, 2, 4)
+    for layer, (keys, _) in zip(grown.layers, buffers):
+        assert type(layer) is GrowingLayer and layer.get_seq_length() == 6
+        layer.update(new, new)
+        assert layer.keys.data_ptr() == keys.data_ptr() and torch.equal(layer.keys[..., 6:, :], new)
+    assert torch.equal(grown.layers[0].keys[..., :6, :], layers[0][0][..., :6, :])
