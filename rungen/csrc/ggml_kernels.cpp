@@ -654,6 +654,15 @@ struct AttendJob {
   bool masked;
 };
 
+// Queries are taken in blocks of up to ATTEND_BLOCK that read the same keys and values (one sequence, one kv
+// head: its grouped query heads, each over the tokens): a group of key or value rows, once loaded, serves the
+// whole block from L1, where a query at a time streamed every row from L2 again (at a thousand keys that
+// streaming, not the arithmetic, bounded a prompt's attention). Each query's arithmetic is unchanged by its
+// block: its scores key by key (dot64x8 and dot64 give the same bits), its exponentials and their sum in order,
+// its weighted values added key after key into one chain (kept in memory between groups of keys).
+constexpr int64_t ATTEND_BLOCK = 16;
+constexpr int64_t VALUE_BLOCK = 32;  // keys whose value rows stay in L1 while the block's queries add them
+
 __attribute__((target_clones("avx2", "default")))
 void attend_queries(const AttendJob& job, int64_t p0, int64_t p1, float* wp) {
   const float *qp = job.q, *kp = job.k, *vp = job.v;
@@ -662,74 +671,103 @@ void attend_queries(const AttendJob& job, int64_t p0, int64_t p1, float* wp) {
   float* op = job.out;
   const int64_t heads = job.heads, t = job.t, dim = job.dim, kv = job.kv, T = job.T, group = heads / kv;
   const float scale = job.scale, lowest = -std::numeric_limits<float>::infinity();
-  for (int64_t p = p0; p < p1; ++p) {
-    const int64_t batch = p / (heads * t), h = (p / t) % heads, i = p % t;
-    const float* qh = qp + p * dim;  // q is [b, heads, t, dim]: p enumerates it in order
-    const float* kh = kp + batch * job.k_batch + (h / group) * job.k_head;
-    const float* vh = vp + batch * job.v_batch + (h / group) * job.v_head;
-    const int64_t row = (batch * t + i) * T;
-    const int64_t last = job.masked ? T : T - t + i + 1;  // causal without a mask
-    float top = lowest;
-    int64_t j = 0;
+  for (int64_t pb = p0; pb < p1;) {
+    // p = ((batch * heads + h) * t + i) and h = kv head * group + g: p / (group * t) names the keys read.
+    const int64_t shared = pb / (group * t), pe = std::min({p1, pb + ATTEND_BLOCK, (shared + 1) * group * t});
+    const int64_t batch = shared / kv, kvh = shared % kv, nq = pe - pb;
+    const float* kh = kp + batch * job.k_batch + kvh * job.k_head;
+    const float* vh = vp + batch * job.v_batch + kvh * job.v_head;
+    int64_t lasts[ATTEND_BLOCK], rows[ATTEND_BLOCK], most = 0;
+    float tops[ATTEND_BLOCK], invs[ATTEND_BLOCK];
+    f8 tops8[ATTEND_BLOCK];
+    float* outs[ATTEND_BLOCK];
+    for (int64_t n = 0; n < nq; ++n) {
+      const int64_t p = pb + n, h = (p / t) % heads, i = p % t;
+      lasts[n] = job.masked ? T : T - t + i + 1;  // causal without a mask
+      rows[n] = (batch * t + i) * T;
+      tops[n] = lowest;
+      tops8[n] = f8{} + lowest;  // the running maximum lane by lane: a maximum is the same in any order
+      outs[n] = op + ((batch * t + i) * heads + h) * dim;
+      std::fill(outs[n], outs[n] + dim, 0.f);
+      most = std::max(most, lasts[n]);
+    }
+    // Scores: eight keys at a time, for every query of the block that sees all eight and has no boolean mask.
     if (!mb && dim % 8 == 0) {
-      f8 tops = f8{} + lowest;  // the running maximum lane by lane: a maximum is the same in any order
-      for (; j + 8 <= last; j += 8) {
-        f8 scores = dot64x8(qh, kh + j * job.k_key, job.k_key, dim) * scale;
-        if (mf) scores += load8(mf + row + j);
-        store8(wp + j, scores);
-        tops = tops < scores ? scores : tops;
+      for (int64_t j = 0; j + 8 <= most; j += 8) {
+        for (int64_t n = 0; n < nq; ++n) {
+          if (j + 8 > lasts[n]) continue;
+          f8 scores = dot64x8(qp + (pb + n) * dim, kh + j * job.k_key, job.k_key, dim) * scale;
+          if (mf) scores += load8(mf + rows[n] + j);
+          store8(wp + n * T + j, scores);
+          tops8[n] = tops8[n] < scores ? scores : tops8[n];
+        }
       }
-      for (int l = 0; l < 8; ++l) top = std::max(top, tops[l]);
     }
-    for (; j < last; ++j) {
-      if (mb && !mb[row + j]) {
-        wp[j] = lowest;
-        continue;
+    for (int64_t n = 0; n < nq; ++n) {
+      const float* qh = qp + (pb + n) * dim;
+      float* w = wp + n * T;
+      for (int l = 0; l < 8; ++l) tops[n] = std::max(tops[n], tops8[n][l]);
+      for (int64_t j = !mb && dim % 8 == 0 ? lasts[n] / 8 * 8 : 0; j < lasts[n]; ++j) {
+        if (mb && !mb[rows[n] + j]) {
+          w[j] = lowest;
+          continue;
+        }
+        float score = dot64(qh, kh + j * job.k_key, dim) * scale;
+        if (mf) score += mf[rows[n] + j];
+        w[j] = score;
+        tops[n] = std::max(tops[n], score);
       }
-      float score = dot64(qh, kh + j * job.k_key, dim) * scale;
-      if (mf) score += mf[row + j];
-      wp[j] = score;
-      top = std::max(top, score);
-    }
-    float* o = op + ((batch * t + i) * heads + h) * dim;
-    std::fill(o, o + dim, 0.f);
-    if (top == lowest) continue;
-    // Exponentials eight at once, their sum key after key; the last group padded with masked lanes, not stored.
-    // Whole groups are loaded and stored as vectors (a vector read back after a narrower copy into it stalls).
-    float total = 0.f;
-    for (int64_t e8 = 0; e8 < last; e8 += 8) {
-      const int64_t count = std::min<int64_t>(8, last - e8);
-      f8 w = f8{} + lowest;
-      if (count == 8)
-        w = load8(wp + e8);
-      else
-        std::memcpy(&w, wp + e8, count * sizeof(float));
-      const f8 e = exp_nonpositive8(w - top);
-      const f8 kept = w == lowest ? f8{} : e;  // masked: exactly nothing
-      if (count == 8)
-        store8(wp + e8, kept);
-      else
-        std::memcpy(wp + e8, &kept, count * sizeof(float));
-      for (int64_t l = 0; l < count; ++l) total += kept[l];
-    }
-    const float inv = 1.f / total;
-    if (dim == 64) {  // the usual head size: the sums stay in registers, key after key (the same order)
-      f8 acc[8] = {};
-      for (int64_t j = 0; j < last; ++j) {
-        if (wp[j] == 0.f) continue;
-        const float a = wp[j] * inv;
-        const float* vj = vh + j * job.v_key;
-        for (int d = 0; d < 8; ++d) acc[d] += a * load8(vj + 8 * d);
+      if (tops[n] == lowest) continue;  // sees no key: zeros
+      // Exponentials eight at once, their sum key after key; whole groups loaded and stored as vectors (a
+      // vector read back after a narrower copy into it stalls), the last group padded with masked lanes.
+      float total = 0.f;
+      int64_t e8 = 0;
+      for (; e8 + 8 <= lasts[n]; e8 += 8) {
+        const f8 x = load8(w + e8);
+        const f8 kept = x == lowest ? f8{} : exp_nonpositive8(x - tops[n]);  // masked: exactly nothing
+        store8(w + e8, kept);
+        for (int l = 0; l < 8; ++l) total += kept[l];
       }
-      std::memcpy(o, acc, sizeof(acc));
-      continue;
+      if (e8 < lasts[n]) {
+        const int64_t count = lasts[n] - e8;
+        f8 x = f8{} + lowest;
+        std::memcpy(&x, w + e8, count * sizeof(float));
+        const f8 kept = x == lowest ? f8{} : exp_nonpositive8(x - tops[n]);
+        std::memcpy(w + e8, &kept, count * sizeof(float));
+        for (int64_t l = 0; l < count; ++l) total += kept[l];
+      }
+      invs[n] = 1.f / total;
     }
-    for (int64_t j = 0; j < last; ++j) {
-      if (wp[j] == 0.f) continue;  // masked (or underflowed): skipped, so padding leaves no trace
-      const float a = wp[j] * inv;
-      const float* vj = vh + j * job.v_key;
-      for (int64_t d = 0; d < dim; ++d) o[d] += a * vj[d];
+    // Values: each query's sum key after key, skipping the zero weights (masked or underflowed), so padding
+    // leaves no trace.
+    for (int64_t j0 = 0; j0 < most; j0 += VALUE_BLOCK) {
+      for (int64_t n = 0; n < nq; ++n) {
+        if (tops[n] == lowest || j0 >= lasts[n]) continue;
+        const float* w = wp + n * T;
+        const float inv = invs[n];
+        float* o = outs[n];
+        const int64_t j1 = std::min(j0 + VALUE_BLOCK, lasts[n]);
+        if (dim == 64) {  // the usual head size: the sums in registers across the group of keys
+          f8 acc[8];
+          std::memcpy(acc, o, sizeof(acc));
+          for (int64_t j = j0; j < j1; ++j) {
+            if (w[j] == 0.f) continue;
+            const float a = w[j] * inv;
+            const float* vj = vh + j * job.v_key;
+            for (int d = 0; d < 8; ++d) acc[d] += a * load8(vj + 8 * d);
+          }
+          std::memcpy(o, acc, sizeof(acc));
+          continue;
+        }
+        for (int64_t j = j0; j < j1; ++j) {
+          if (w[j] == 0.f) continue;
+          const float a = w[j] * inv;
+          const float* vj = vh + j * job.v_key;
+          for (int64_t d = 0; d < dim; ++d) o[d] += a * vj[d];
+        }
+      }
     }
+    pb = pe;
   }
 }
 
@@ -759,7 +797,7 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tens
   float* op = out.data_ptr<float>();
   at::parallel_for(0, b * heads * t, std::max<int64_t>(1, 32768 / std::max<int64_t>(T * dim, 1)),
                    [&](int64_t p0, int64_t p1) {
-    std::vector<float> w(T);
+    std::vector<float> w(ATTEND_BLOCK * T);
     attend_queries(AttendJob{qp, kp, vp, mb, mf, op, heads, t, dim, kv, T, k.stride(0), k.stride(1), k.stride(2),
                              v.stride(0), v.stride(1), v.stride(2), float(scale), mask.defined()}, p0, p1, w.data());
   });
