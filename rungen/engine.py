@@ -262,6 +262,7 @@ class Engine:
         self.calls = queue.Queue()  # functions to run on the model thread between steps (prompt scoring)
         self.wake = threading.Condition()
         self.rows, self.cache, self.mask = [], None, None
+        self.pending = []  # (layers, mask, cache) of rows joined since the last merge
         self.peak_rows = 0  # the most rows decoded together so far
         self.closing = self.stopped = False
         self.bytes_per_token = self.measure_bytes_per_token()
@@ -367,22 +368,28 @@ class Engine:
                     future.set_exception(error)
 
     def admit(self):
-        """Moves waiting requests into the batch while rows and cache positions allow."""
+        """Moves waiting requests into the batch while rows and cache positions allow. Each is prefilled and
+        gets its first token as it joins; their keys/values enter the batch together, after the last of them
+        (merging at every join copied the whole batch each time: most of a wave of joins' time)."""
         while True:
             with self.wake:
                 while self.waiting and self.waiting[0].cancelled:
                     self.waiting.popleft().sink(("end", None))
                 if not self.waiting:
-                    return
+                    break
                 request = self.waiting[0]
                 reserve = max([request.reserve] + [row.request.reserve for row in self.rows])
                 rows = len(self.rows) + request.n
                 if self.rows and (rows > self.max_batch or rows * reserve > self.max_cache_tokens):
-                    return  # waits for rows to leave
+                    break  # waits for rows to leave
                 self.waiting.popleft()
             self.joining = request
             self.join(request)
             self.joining = None
+        pending, self.pending = self.pending, []
+        if pending:
+            self.merge(pending)
+            self.remove_finished()  # rows done at their first token
 
     def join(self, request):
         ids = request.ids
@@ -408,7 +415,7 @@ class Engine:
         if request.n > 1:
             new_layers = [(k.repeat(request.n, 1, 1, 1), v.repeat(request.n, 1, 1, 1)) for k, v in new_layers]
         mask = torch.ones(request.n, len(ids), dtype=torch.long, device=self.device)
-        self.merge(new_layers, mask, cache=output.past_key_values if request.n == 1 else None)
+        self.pending.append((new_layers, mask, output.past_key_values if request.n == 1 else None))
         generator = torch.Generator(device="cpu")
         generator.manual_seed(request.sampling.seed if request.sampling.seed is not None else secrets.randbits(63))
         with self.tokenizer_lock:
@@ -422,20 +429,24 @@ class Engine:
         self.rows += new_rows
         self.peak_rows = max(self.peak_rows, len(self.rows))
         logits = output.logits[:, -1].float()
-        self.advance(new_rows, logits.expand(request.n, -1))
+        self.advance(new_rows, logits.expand(request.n, -1), remove=False)  # they leave once merged
 
-    def merge(self, layers, mask, cache=None):
-        """Appends rows (their keys/values and mask) to the batch, left-padding whichever is shorter; an empty
-        batch takes `cache` (the cache that holds `layers`, when the batch may have it) without a copy."""
-        if self.cache is None:
+    def merge(self, parts):
+        """Appends rows to the batch in one copy: parts [(layers, mask, cache)] in the order of their rows, all
+        left-padded to the longest. A lone part joining an empty batch gives it its `cache` (the cache that
+        holds its layers, when the batch may have it) without a copy."""
+        if self.cache is None and len(parts) == 1:
+            layers, mask, cache = parts[0]
             self.cache, self.mask = cache if cache is not None else new_cache(self.model, layers), mask
             return
-        old = layers_of(self.cache)
-        width = max(self.mask.shape[1], mask.shape[1])
-        merged = [(torch.cat([left_pad(k1, width), left_pad(k2, width)]), torch.cat([left_pad(v1, width),
-                   left_pad(v2, width)])) for (k1, v1), (k2, v2) in zip(old, layers)]
+        groups = [(layers, mask) for layers, mask, _ in parts]
+        if self.cache is not None:
+            groups.insert(0, (layers_of(self.cache), self.mask))
+        width = max(mask.shape[1] for _, mask in groups)
+        merged = [tuple(torch.cat([left_pad(layers[layer][kind], width) for layers, _ in groups]) for kind in (0, 1))
+                  for layer in range(len(groups[0][0]))]
         self.cache = new_cache(self.model, merged)
-        self.mask = torch.cat([left_pad(self.mask, width, dim=1), left_pad(mask, width, dim=1)])
+        self.mask = torch.cat([left_pad(mask, width, dim=1) for _, mask in groups])
 
     def step(self):
         """One decode step for every row."""
@@ -452,8 +463,9 @@ class Engine:
             row.position += 1
         self.advance(list(self.rows), output.logits[:, -1].float())
 
-    def advance(self, rows, logits):
-        """Chooses each row's next token, reports it, and ends the rows that are done."""
+    def advance(self, rows, logits, remove=True):
+        """Chooses each row's next token, reports it, and ends the rows that are done (`remove`: lets them
+        leave the batch now)."""
         now = time.perf_counter()
         for row, row_logits in zip(rows, logits):
             request = row.request
@@ -480,7 +492,8 @@ class Engine:
                 with self.tokenizer_lock:
                     items = content(self.tokenizer, request.ids + row.new[:-1], [token], raw, request.logprobs)
             self.report(row, token, items)
-        self.remove_finished()
+        if remove:
+            self.remove_finished()
 
     def choose(self, row, logits):
         """The next token under the request's sampling settings; None when the grammar allows none."""
@@ -629,7 +642,7 @@ class Engine:
             if row.request not in requests:
                 requests.append(row.request)
         joining = self.joining if self.joining is not None and self.joining not in requests else None
-        self.rows, self.joining, self.cache, self.mask = [], None, None, None
+        self.rows, self.joining, self.cache, self.mask, self.pending = [], None, None, None, []
         with self.wake:
             waiting, self.waiting = list(self.waiting), collections.deque()
         for request in ([joining] if joining else []) + waiting:

@@ -1,6 +1,7 @@
 """--serve: the OpenAI-compatible server against a live uvicorn on a free loopback port, through the official
 openai client and raw HTTP, on a tiny llama (with a chat template added, as an instruct checkpoint has)."""
 
+import collections
 import concurrent.futures
 import json
 import os
@@ -411,6 +412,26 @@ def test_a_next_turn_grows_in_the_buffers_its_first_turn_left(checkpoint):
     while engine.rows:
         engine.step()
     assert finishes[0].tokens == run(Engine(blocked, eos_ids=(), prefix_cache_bytes=0), following, 6)
+
+
+def test_requests_joining_together_enter_the_batch_at_once_and_each_gives_what_it_gives_alone(loaded):
+    """Several requests admitted between two steps (their keys/values merged into the batch together, after the
+    last prefill), one of them done at its first token: each gives the tokens it gives alone."""
+    tokenizer = loaded.tokenizer
+    prompts = [("Hello, my dog is cute", 6), ("The capital of France", 1), ("Once upon a time there was a", 5)]
+
+    def tokens(engine, asked):
+        runs = [collect(engine, tokenizer.encode(text), max_tokens=count)[1] for text, count in asked]
+        engine.admit()
+        assert engine.waiting == collections.deque() and not engine.pending
+        while engine.rows:
+            engine.step()
+        return [finishes[0].tokens for finishes in runs]
+
+    alone = [tokens(Engine(loaded, eos_ids=(), prefix_cache_bytes=0), [asked]) for asked in prompts]
+    together = Engine(loaded, eos_ids=(), prefix_cache_bytes=0)
+    assert tokens(together, prompts) == [run[0] for run in alone]
+    assert together.peak_rows == 3 and together.cache is None
 
 
 def test_api_key_and_a_full_queue(loaded, served):
