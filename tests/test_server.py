@@ -558,7 +558,10 @@ def test_sigterm_under_load_ends_every_stream_and_exits_0(checkpoint, tmp_path):
         streams, started = [], threading.Barrier(5, timeout=60)
 
         def stream(number):
-            body = {"model": "llama", "prompt": "Once" * (1 + number), "max_tokens": 110, "stream": True}
+            # ignore_eos: a sampled EOS would end a stream with "stop" before the signal, the sooner the faster
+            # the server; every stream must still be running when SIGTERM comes.
+            body = {"model": "llama", "prompt": "Once" * (1 + number), "max_tokens": 110, "stream": True,
+                    "ignore_eos": True}
             lines = []
             with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
                 for line in response.iter_lines():
