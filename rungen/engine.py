@@ -2,9 +2,9 @@
 
 Requests wait in a bounded queue. The model thread runs one decode step at a time for every active row;
 between steps it admits waiting requests: each is prefilled alone (after the longest start of its tokens
-that a recently finished sequence shares: a conversation's earlier turns, a common system prompt), its
-keys/values are left-padded to the batch's length (or the batch to its length) and concatenated, and it
-decodes with the others from the next step on. A row that
+that a recently finished sequence shares: a conversation's earlier turns, a common system prompt) and gets
+its first token; then their keys/values and the batch's are left-padded to the longest and concatenated in
+one copy, and they decode with the others from the next step on. A row that
 ends (EOS, max_tokens, a stop string, its grammar, a cancelled request) leaves the batch by index_select,
 and the columns no row needs any more are trimmed.
 
