@@ -10,9 +10,9 @@ Starts the real CLI (`run_generation.py --serve`) on a free loopback port, waits
 level of concurrency lets that many clients send streaming chat requests (greedy, ignore_eos so that every
 request generates exactly --max_tokens tokens) back to back, 2 x clients requests in all, each client on one
 kept HTTP connection pool. Per request, the client clocks the time to the first token and the time per output
-token after it; output tokens/s is all
-tokens generated over the level's wall time. Levels run in order and then in reverse (--repeats rounds), so
-a slow phase of the shared machine touches every level; each level's figures are medians over the rounds.
+token after it; output tokens/s is all tokens generated over the level's wall time. Levels run in order and
+then in reverse (--repeats rounds), so a slow phase of the shared machine touches every level; each level's
+figures are medians over the rounds.
 
 --compare_transformers also starts `transformers serve --continuous-batching` (paged attention) on the same
 checkpoint and runs every level on both servers back to back, alternating which goes first; ignore_eos is

@@ -370,7 +370,7 @@ class Engine:
     def admit(self):
         """Moves waiting requests into the batch while rows and cache positions allow. Each is prefilled and
         gets its first token as it joins; their keys/values enter the batch together, after the last of them
-        (merging at every join copied the whole batch each time: most of a wave of joins' time)."""
+        (a merge at every join would copy the whole batch each time: most of a wave of joins' time)."""
         while True:
             with self.wake:
                 while self.waiting and self.waiting[0].cancelled:

@@ -1,7 +1,6 @@
 """--serve: the OpenAI-compatible server against a live uvicorn on a free loopback port, through the official
 openai client and raw HTTP, on a tiny llama (with a chat template added, as an instruct checkpoint has)."""
 
-import collections
 import concurrent.futures
 import json
 import os
@@ -423,7 +422,7 @@ def test_requests_joining_together_enter_the_batch_at_once_and_each_gives_what_i
     def tokens(engine, asked):
         runs = [collect(engine, tokenizer.encode(text), max_tokens=count)[1] for text, count in asked]
         engine.admit()
-        assert engine.waiting == collections.deque() and not engine.pending
+        assert not engine.waiting and not engine.pending
         while engine.rows:
             engine.step()
         return [finishes[0].tokens for finishes in runs]
