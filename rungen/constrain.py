@@ -130,7 +130,8 @@ def compile_constraint(kind: str, source: str, tokenizer, vocab_size: int, eos_i
     try:
         if kind == "json_schema":
             # Compact JSON: free whitespace lets a small model pad with spaces until --length runs out.
-            compiled = compiler.compile_json_schema(source, any_whitespace=False)
+            grammar = xgr.Grammar.from_json_schema(source, any_whitespace=False)
+            compiled = compiler.compile_grammar(json_string_characters(str(grammar)))
         elif kind == "regex":
             compiled = compiler.compile_regex(source)
         else:
@@ -145,6 +146,19 @@ def compile_constraint(kind: str, source: str, tokenizer, vocab_size: int, eos_i
     if nothing_allowed(bitmask)[0]:
         raise ConstraintError(f"{flag}: no token of this model's vocabulary can start the output")
     return constraint
+
+
+# xgrammar 0.2.8 writes a string with minLength/maxLength (or a bounded property name) as a repetition of this
+# class, which lets raw control characters through (invalid JSON: "Invalid control character") and no escape
+# at all (mlc-ai/xgrammar#800). Each repetition is made one JSON character instead, as its unbounded strings
+# spell one: anything but a control character, a quote or a backslash, or an escape.
+BOUNDED_STRING_CHARACTER = r'[^\"\\\r\n]'
+JSON_CHARACTER = r'([^\0-\x1f\"\\] | ("\\" basic_escape))'
+
+
+def json_string_characters(ebnf: str) -> str:
+    """A JSON schema's grammar (xgrammar's EBNF) with its bounded strings' characters made valid JSON ones."""
+    return ebnf.replace(BOUNDED_STRING_CHARACTER, JSON_CHARACTER)
 
 
 def nothing_allowed(bitmask: torch.Tensor) -> bool:

@@ -1,6 +1,7 @@
 """The grammar's logits processor follows each sequence by its tokens, not its row: beam search reorders
 rows, several rows share a parent, and a finished or stuck row must not break sampling."""
 
+import json
 import math
 
 import torch
@@ -52,3 +53,23 @@ def test_without_eos_the_grammar_ends_the_sequence_where_it_is_complete():
     assert stop(torch.tensor([PROMPT + [A]]), None).tolist() == [False]
     assert stop(torch.tensor([PROMPT + [A, B]]), None).tolist() == [True]
     assert constraint.follow([A, B, A]) == (2, None)
+
+
+def test_a_length_bounded_json_string_takes_escapes_and_no_raw_control_character(gpt2_tokenizer):
+    # xgrammar's own grammar for a string with maxLength admits raw control characters (json.loads rejects
+    # them) and no escape; compile_constraint gives each bounded character JSON's own spelling.
+    from rungen.constrain import compile_constraint
+
+    schema = json.dumps({"type": "object", "properties": {"name": {"type": "string", "maxLength": 4}},
+                         "required": ["name"], "additionalProperties": False})
+    eos = gpt2_tokenizer.eos_token_id
+    constraint = compile_constraint("json_schema", schema, gpt2_tokenizer, len(gpt2_tokenizer), {eos})
+
+    def stuck_at(text):
+        return constraint.follow(gpt2_tokenizer(text)["input_ids"] + [eos])[1]
+
+    for valid in ('{"name": "abcd"}', '{"name": "a\\"b"}', '{"name": "\\u00e9\\n"}', '{"name": ""}'):
+        json.loads(valid)
+        assert stuck_at(valid) is None, valid
+    for invalid in ('{"name": "a\x13"}', '{"name": "a\tb"}', '{"name": "abcde"}'):
+        assert stuck_at(invalid) is not None, invalid
