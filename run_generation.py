@@ -40,6 +40,7 @@ from transformers.utils import logging as transformers_logging
 from rungen import PROG, logger, processes, session
 from rungen.arguments import max_memory_map, parse_args, serve_options, settings_from_args
 from rungen.controls import load_assistant
+from rungen.engine import open_engine, run_prompts
 from rungen.errors import PromptError, PromptsFailed, RunGenerationError, UsageError
 from rungen.generation import UNBATCHABLE_TYPES, StopTokenStreamer, eos_token_ids, generate_batch, make_batches
 from rungen.ggml import holds_blocks, native_kernels
@@ -147,22 +148,44 @@ def main(argv=None):
     pending = [prompt for prompt in prompts if prompt.error is None]
 
     batch_size = 1 if loaded.model_type in UNBATCHABLE_TYPES else args.batch_size
-    batches = list(make_batches(processes.my_share(state, pending), batch_size))
+    mine = processes.my_share(state, pending)
     show_progress = len(prompts) > 1 and sys.stderr.isatty() and state.is_main_process
     progress = progress_bar(len(pending)) if show_progress else None
-    start = time.perf_counter()
-    for number in range(processes.rounds(state, len(batches))):
-        batch = batches[number] if number < len(batches) else []
-        streamer = None
-        if stream:
-            print_stream_header(batch[0], settings.chat)
-            streamer = StopTokenStreamer(loaded.tokenizer, settings.stop_token)
-        results = generate_batch(loaded, settings, batch, streamer) if batch else {}
-        done = processes.gather(state, [(prompt, results[prompt.index]) for prompt in batch])
+
+    def write(done):
         for prompt, sequences in done:
             writer.add(prompt, sequences, streamed=stream)
         if progress:
             progress.update(len(done))
+
+    # The engine the server runs (continuous batching: a prompt that ends frees its row for the next one),
+    # unless the settings need generate() (beam search, typical_p, prompt lookup...; rungen/engine.py).
+    engine = open_engine(loaded, settings, batch_size) if settings.length != 0 else None
+    start = time.perf_counter()
+    if engine is not None:
+        finished = []
+
+        def done(prompt, sequences):  # one process writes each as it ends; several gather them at the end
+            if state.num_processes == 1:
+                write([(prompt, sequences)])
+            else:
+                finished.append((prompt, sequences))
+
+        if stream and mine:
+            print_stream_header(mine[0], settings.chat)
+        run_prompts(engine, settings, mine, done, stream=stream)
+        if state.num_processes > 1:
+            write(processes.gather(state, finished))
+    else:
+        batches = list(make_batches(mine, batch_size))
+        for number in range(processes.rounds(state, len(batches))):
+            batch = batches[number] if number < len(batches) else []
+            streamer = None
+            if stream:
+                print_stream_header(batch[0], settings.chat)
+                streamer = StopTokenStreamer(loaded.tokenizer, settings.stop_token)
+            results = generate_batch(loaded, settings, batch, streamer) if batch else {}
+            write(processes.gather(state, [(prompt, results[prompt.index]) for prompt in batch]))
     if progress:
         progress.close()
     seconds = time.perf_counter() - start

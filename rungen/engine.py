@@ -1,4 +1,6 @@
-"""The server's scheduler: one model thread, continuous batching, per-row sampling and stopping.
+"""The generation engine of the server and the command line's prompts: continuous batching, per-row sampling
+and stopping. The server runs it on a model thread of its own; the command line on its own thread
+(run_prompts), for every setting it can honour (engine_refusal says which it cannot: generate() runs those).
 
 Requests wait in a bounded queue. The model thread runs one decode step at a time for every active row;
 between steps it admits waiting requests: each is prefilled alone (after the longest start of its tokens
@@ -26,6 +28,7 @@ import dataclasses
 import inspect
 import queue
 import secrets
+import sys
 import threading
 import time
 
@@ -34,7 +37,8 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from . import logger
-from .generation import UNBATCHABLE_TYPES
+from .errors import GenerationError, one_line
+from .generation import UNBATCHABLE_TYPES, StuckError, describe_sequence, eos_token_ids, stop_strings, stuck_error
 from .kvcache import MIN_ROOM, GrowingLayer, new_cache
 from .logprobs import content
 
@@ -80,6 +84,7 @@ class Request:
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # top alternatives per token; None: no log-probabilities
     constraint: object = None  # rungen.constrain.Constraint
+    deltas: bool = True  # text as it grows (a stream); False: the text once, at the end (a stop string is still cut)
     cancelled: bool = False  # set by the server (client gone); the row leaves at the next step
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
 
@@ -254,7 +259,7 @@ class Engine:
             raise ValueError(f"{loaded.model_type} drops the attention mask when decoding, so it cannot share a "
                              "padded batch with other requests")
         if "past_key_values" not in parameters:
-            raise ValueError(f"{loaded.model_type} keeps no key/value cache, which the server's batching needs")
+            raise ValueError(f"{loaded.model_type} keeps no key/value cache, which continuous batching needs")
         self.use_positions = "position_ids" in parameters
         self.keep_last = "logits_to_keep" in parameters
         self.joining = None  # the request being prefilled (ended too if that fails)
@@ -328,7 +333,7 @@ class Engine:
             # A sliding-window, chunked or recurrent layer keeps other state than all keys/values, which the
             # batch's left-padded merge and trim do not know how to move.
             raise ValueError(f"{self.loaded.model_type} has layers other than full attention (sliding window, "
-                             "chunked or recurrent), which the server's padded batch cannot hold")
+                             "chunked or recurrent), which a padded batch cannot hold")
         with torch.inference_mode():
             self.model(input_ids=torch.tensor([[token]], device=self.device), past_key_values=cache, use_cache=True)
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers_of(cache))
@@ -354,6 +359,14 @@ class Engine:
             except Exception as error:  # a failed step fails its requests, never the server
                 logger.exception("the engine step failed")
                 self.end_all("abort", error=f"generation failed: {error}")
+
+    def run_here(self):
+        """Runs the model loop on the calling thread until every submitted request has ended (the command
+        line's batches: no second thread, and a failed step raises to the caller)."""
+        while self.rows or self.waiting:
+            self.admit()
+            if self.rows:
+                self.step()
 
     def run_calls(self):
         while True:
@@ -547,9 +560,11 @@ class Engine:
         request = row.request
         if row.matcher is not None:
             row.matcher.accept_token(token)
-        text = self.continuation(row)
+        # The text is decoded at every step only where something reads it: a stream, or stop strings to find
+        # (a decode of the new tokens so far, which grows with them).
+        text = self.continuation(row) if request.deltas or request.stop else None
         reason = None
-        cuts = [text.index(stop) for stop in request.stop if stop in text]
+        cuts = [text.index(stop) for stop in request.stop if stop in text] if text is not None else []
         if cuts:
             text, reason = text[: min(cuts)], "stop"
         elif token in self.eos_ids and not request.sampling.ignore_eos:
@@ -558,15 +573,16 @@ class Engine:
             reason = "stop"
         elif len(row.new) >= request.max_tokens:
             reason = "length"
-        if reason is None:
-            ready = len(text) - held_back(text, request.stop)
-        else:
-            ready = len(text)
-        delta = text[row.emitted : ready] if ready > row.emitted else ""
-        row.emitted = max(row.emitted, ready)
+        delta = ""
+        if request.deltas:
+            ready = len(text) if reason is not None else len(text) - held_back(text, request.stop)
+            delta = text[row.emitted : ready] if ready > row.emitted else ""
+            row.emitted = max(row.emitted, ready)
         if delta or items:
             request.sink(("delta", row.index, delta, items))
         if reason is not None:
+            if text is None:
+                text = self.continuation(row)
             row.finish = Finish(reason, text, list(row.new), len(request.ids))
 
     def continuation(self, row):
@@ -580,7 +596,7 @@ class Engine:
 
     def finish_row(self, row, reason, error=None):
         text = self.continuation(row)
-        if len(text) > row.emitted:
+        if row.request.deltas and len(text) > row.emitted:
             row.request.sink(("delta", row.index, text[row.emitted :], None))
         return Finish(reason, text, list(row.new), len(row.request.ids), error)
 
@@ -657,6 +673,106 @@ class Engine:
             except queue.Empty:
                 break
             future.cancel()
+
+
+# -- the command line's prompts --------------------------------------------------------------------------
+
+
+def engine_refusal(loaded, settings):
+    """Why the engine cannot generate with these settings (generate() then runs them, a batch at a time), or
+    None. It samples as the server does; what only generate() has stays there."""
+    sampling = settings.temperature != 0
+    reasons = [reason for reason, applies in (
+        ("beam search (--num_beams)", settings.num_beams > 1),
+        ("--typical_p", sampling and settings.typical_p is not None),
+        ("--no_repeat_ngram_size", bool(settings.no_repeat_ngram_size)),
+        ("--prompt_lookup_num_tokens", bool(settings.prompt_lookup_num_tokens)),
+        ("--assistant_model", getattr(loaded, "assistant_model", None) is not None),
+        ("--generation_config keys " + ", ".join(sorted(set(settings.generation_config) - {"eos_token_id"})),
+         bool(set(settings.generation_config) - {"eos_token_id"})),
+    ) if applies]
+    return ", ".join(reasons) or None
+
+
+def open_engine(loaded, settings, batch_size):
+    """An Engine for the command line's prompts (run_prompts drives it on the calling thread), or None where
+    generate() must run them (logged with the reason). Up to batch_size prompts decode together."""
+    why = engine_refusal(loaded, settings)
+    if why is None:
+        try:
+            # No bound on the cache beyond the batch's rows (the prompts are all known), and no prefix cache:
+            # the same memory generate() would take for these batches.
+            return Engine(loaded, max_batch=batch_size * settings.num_return_sequences, max_queue=sys.maxsize,
+                          max_cache_tokens=sys.maxsize, prefix_cache_bytes=0,
+                          eos_ids=eos_token_ids(settings, loaded.model))
+        except ValueError as error:
+            why = str(error)
+    logger.info("generating a batch at a time with generate(): %s", why)
+    return None
+
+
+def sampling_of(settings, seed):
+    """The engine's Sampling for the command line's settings (greedy at temperature 0, as generate())."""
+    if settings.temperature == 0:
+        return Sampling(temperature=0, repetition_penalty=settings.repetition_penalty, seed=seed)
+    return Sampling(temperature=settings.temperature, top_p=settings.p, top_k=settings.k,
+                    min_p=settings.min_p or 0.0, repetition_penalty=settings.repetition_penalty, seed=seed)
+
+
+def run_prompts(engine, settings, prompts, on_done, stream=False):
+    """Generates every encoded prompt through `engine` on this thread, continuously batched: a prompt that
+    ends frees its rows for the next one waiting, and each row computes what it would alone. Calls
+    on_done(prompt, sequences) as each prompt ends (in the order they end; an error sets prompt.error and
+    gives no sequences). `stream`: the one prompt's text goes to stdout as it grows."""
+    tokenizer, context, eos_ids = engine.tokenizer, engine.loaded.context, engine.eos_ids
+    stops = stop_strings(settings.stop_token)
+
+    def collect(prompt):
+        finishes, items = {}, collections.defaultdict(list)
+
+        def sink(event):
+            kind = event[0]
+            if kind == "delta":
+                _, index, text, logprob_items = event
+                items[index] += logprob_items or []
+                if stream and text:
+                    sys.stdout.write(text)
+                    sys.stdout.flush()
+            elif kind == "done":
+                finishes[event[1]] = event[2]
+            else:
+                if stream:
+                    sys.stdout.write("\n")
+                on_done(prompt, sequences_of(prompt, finishes, items))
+
+        return sink
+
+    def sequences_of(prompt, finishes, items):
+        sequences = []
+        for index in sorted(finishes):
+            finish = finishes[index]
+            try:
+                if finish.error is not None and settings.constraint is not None:
+                    raise stuck_error(settings, tokenizer, finish.tokens)
+                described = describe_sequence(settings, tokenizer, prompt, finish.tokens, eos_ids)
+            except StuckError as error:  # that prompt fails (an error record), the others go on
+                prompt.error = str(error)
+                return []
+            if settings.logprobs is not None:
+                described.logprobs = {"content": items[index][: described.num_generated_tokens]}
+            sequences.append(described)
+        return sequences
+
+    for prompt in prompts:
+        new_tokens = settings.length if not context else min(settings.length, context - len(prompt.ids))
+        seed = int(torch.randint(2**63 - 1, ()))  # drawn from the generator --seed set: reproducible runs
+        engine.submit(Request(prompt.ids, new_tokens, sampling_of(settings, seed), collect(prompt),
+                              n=settings.num_return_sequences, stop=stops, logprobs=settings.logprobs,
+                              constraint=settings.constraint, deltas=stream))
+    try:
+        engine.run_here()
+    except ValueError as error:
+        raise GenerationError(one_line(error)) from error
 
 
 def layers_of(cache):

@@ -240,6 +240,13 @@ class StuckError(PromptError):
     """A constrained sequence reached a point its vocabulary cannot spell (rungen/constrain.py)."""
 
 
+def stuck_error(settings: Settings, tokenizer, accepted: list[int]) -> StuckError:
+    """The error of a constrained sequence whose grammar allows no token of the vocabulary after `accepted`."""
+    spelled = tokenizer.decode(accepted, skip_special_tokens=True)
+    return StuckError(f"{settings.constraint.flag}: the model's vocabulary has no token to continue {spelled!r} "
+                      "as the grammar requires")
+
+
 def eos_token_ids(settings: Settings, model) -> set[int]:
     """The ids that end a sequence: the model's EOS (one or several), or --generation_config's."""
     eos_ids = settings.generation_config.get("eos_token_id", model.generation_config.eos_token_id)
@@ -258,9 +265,7 @@ def describe_sequence(settings: Settings, tokenizer, prompt: Prompt, new: list[i
         if ended is not None:  # where the grammar ended: at EOS, or without one at completion (padding follows)
             finish, produced = "grammar", ended
         elif stuck is not None:
-            spelled = tokenizer.decode(new[:stuck], skip_special_tokens=True)
-            raise StuckError(f"{settings.constraint.flag}: the model's vocabulary has no token to continue "
-                             f"{spelled!r} as the grammar requires")
+            raise stuck_error(settings, tokenizer, new[:stuck])
     # Decode prompt and continuation together and cut the prompt's text off, as the original script does:
     # decoding the continuation alone loses a SentencePiece tokenizer's leading space.
     head = tokenizer.decode(prompt.ids, skip_special_tokens=True)

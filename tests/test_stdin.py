@@ -140,3 +140,41 @@ def test_streaming_prints_the_same_text_as_the_blocks(tiny_models):
     assert streamed.stdout == plain.stdout
     stop = blocks(plain.stdout)["=== GENERATED SEQUENCE 1 ==="][len(PROMPTS[0]):].strip()[4]
     assert run_main(base + ["--stream", "--stop_token", stop]).stdout == run_main(base + ["--stop_token", stop]).stdout
+
+
+def test_prompts_join_the_running_batch_and_each_gives_what_generate_gives_alone(tiny_models):
+    # Rows end at different steps (a stop string, the lengths of their prompts) and the prompts waiting take
+    # their places in the running batch; each prompt's text is still greedy generate()'s for it alone.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = tiny_models["llama"]
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    prompts = PROMPTS + [prompt[::-1] for prompt in PROMPTS]
+    expected = []
+    for prompt in prompts:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        new = model.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=None)[0, ids.shape[1]:]
+        whole = tokenizer.decode(ids[0].tolist() + new.tolist(), skip_special_tokens=True)
+        expected.append(whole[len(tokenizer.decode(ids[0], skip_special_tokens=True)):])
+    stop = expected[1].strip()[2]  # ends some rows early, not all
+    args = tiny_args(tiny_models, "llama", "--temperature", "0", "--length", "10", "--output_format", "jsonl",
+                     "--batch_size", "3", "--stop_token", stop)
+    result = run_main(args, stdin="\n".join(prompts))
+    assert result.returncode == 0, result.stderr.decode()
+    records = jsonl(result.stdout)
+    assert [record["prompt_index"] for record in records] == list(range(len(prompts)))
+    stopped = [record for record in records if record["finish_reason"] == "stop_token"]
+    assert 0 < len(stopped) < len(prompts)
+    for record, text in zip(records, expected):
+        assert record["generated_text"] == text.split(stop)[0], record
+
+
+def test_sampled_text_follows_the_seed_whatever_the_batch(tiny_models):
+    # Each prompt draws from its own generator, seeded in input order from --seed: the batch a prompt
+    # decodes in does not change its text.
+    args = tiny_args(tiny_models, "gpt2", "--length", "8", "--output_format", "jsonl", "--num_return_sequences", "2")
+    runs = [jsonl(run_main(args + ["--seed", seed, "--batch_size", size], stdin="\n".join(PROMPTS)).stdout)
+            for seed, size in (("5", "1"), ("5", "3"), ("6", "3"))]
+    texts = [[record["generated_text"] for record in run] for run in runs]
+    assert len(texts[0]) == 8 and texts[0] == texts[1]
+    assert texts[2] != texts[1]
