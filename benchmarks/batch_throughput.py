@@ -2,6 +2,7 @@
 
     python -m benchmarks.batch_throughput                   # default model, 32 prompts, sizes 1 and 16 (the default)
     python -m benchmarks.batch_throughput --sizes 1 4 8 16 32 --processes 1 2
+    python -m benchmarks.batch_throughput --sizes 16 --scripts run_generation.py ../before/run_generation.py
 
 Each size runs the real CLI on the same 32 prompts (greedy, jsonl). Tokens/s counts the tokens the
 model generated (jsonl's num_generated_tokens) over the generation time the tool reports on stderr,
@@ -34,12 +35,12 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run(batch_size, processes, length, extra):
-    command = [sys.executable, SCRIPT]
+def run(script, batch_size, processes, length, extra):
+    command = [sys.executable, script]
     if processes > 1:
         command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
                    str(processes), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                   "--main_process_port", str(free_port()), SCRIPT]
+                   "--main_process_port", str(free_port()), script]
     command += ["--temperature", "0", "--length", str(length), "--output_format", "jsonl",
                 "--batch_size", str(batch_size), *extra]
     result = subprocess.run(command, input="\n".join(PROMPTS).encode(), capture_output=True,
@@ -57,27 +58,31 @@ def main():
     parser.add_argument("--processes", type=int, nargs="+", default=[1])
     parser.add_argument("--length", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--scripts", nargs="+", default=[SCRIPT],
+                        help="run_generation.py of each checkout to compare (another commit's worktree)")
     parser.add_argument("extra", nargs="*", help="more run_generation.py flags, after --")
     args = parser.parse_args()
 
-    configs = [(size, processes) for processes in args.processes for size in args.sizes]
+    configs = [(script, size, processes) for script in args.scripts for processes in args.processes
+               for size in args.sizes]
     samples = {config: [] for config in configs}
     for _ in range(args.repeats):
         for config in configs:
             samples[config].append(run(*config, args.length, args.extra))
-            print(f"  batch {config[0]}, {config[1]} process(es): {samples[config][-1]}", file=sys.stderr)
+            print(f"  {config[0]}, batch {config[1]}, {config[2]} process(es): {samples[config][-1]}", file=sys.stderr)
 
     base = None
     print(f"{len(PROMPTS)} prompts, --length {args.length}, greedy, median of {args.repeats}\n")
-    print("| processes | batch size | tokens | generation s | tokens/s | vs first row |")
-    print("|---|---|---|---|---|---|")
+    print("| script | processes | batch size | tokens | generation s | tokens/s | vs first row |")
+    print("|---|---|---|---|---|---|---|")
     for config in configs:
         tokens = samples[config][0][0]
         seconds = statistics.median(s for _, s in samples[config])
         rate = tokens / seconds
         base = base or rate
         ratio = f"{rate / base:.2f}x"
-        print(f"| {config[1]} | {config[0]} | {tokens} | {seconds:.2f} | {rate:.1f} | {ratio} |")
+        script = os.path.relpath(config[0])
+        print(f"| {script} | {config[2]} | {config[1]} | {tokens} | {seconds:.2f} | {rate:.1f} | {ratio} |")
 
 
 if __name__ == "__main__":

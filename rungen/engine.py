@@ -38,7 +38,15 @@ from transformers.cache_utils import DynamicLayer
 
 from . import logger
 from .errors import GenerationError, one_line
-from .generation import UNBATCHABLE_TYPES, StuckError, describe_sequence, eos_token_ids, stop_strings, stuck_error
+from .generation import (
+    UNBATCHABLE_TYPES,
+    StuckError,
+    describe_sequence,
+    eos_token_ids,
+    make_batches,
+    stop_strings,
+    stuck_error,
+)
 from .kvcache import MIN_ROOM, GrowingLayer, new_cache
 from .logprobs import content
 
@@ -480,12 +488,15 @@ class Engine:
         """Chooses each row's next token, reports it, and ends the rows that are done (`remove`: lets them
         leave the batch now)."""
         now = time.perf_counter()
-        for row, row_logits in zip(rows, logits):
+        # Plain greedy rows take their tokens from one argmax over the batch (a clone and an argmax a row were
+        # a tenth of a 16-row step's time outside the model).
+        greedy = logits.argmax(-1).tolist() if any(plain_greedy(row) for row in rows) else None
+        for number, (row, row_logits) in enumerate(zip(rows, logits)):
             request = row.request
             if request.cancelled:
                 row.finish = Finish("abort", "", row.new, len(request.ids))
                 continue
-            token = self.choose(row, row_logits)
+            token = greedy[number] if greedy is not None and plain_greedy(row) else self.choose(row, row_logits)
             if token is None:
                 logger.warning("%s: no token of the vocabulary continues the output; it ends incomplete",
                                request.constraint.flag)
@@ -763,16 +774,26 @@ def run_prompts(engine, settings, prompts, on_done, stream=False):
             sequences.append(described)
         return sequences
 
-    for prompt in prompts:
+    # Seeds drawn in input order from the generator --seed set: a prompt's sampled text does not depend on the
+    # batch. Prompts then join in make_batches' order (similar lengths together): less left padding.
+    seeds = {prompt.index: int(torch.randint(2**63 - 1, ())) for prompt in prompts}
+    for prompt in [prompt for batch in make_batches(prompts, engine.max_batch) for prompt in batch]:
         new_tokens = settings.length if not context else min(settings.length, context - len(prompt.ids))
-        seed = int(torch.randint(2**63 - 1, ()))  # drawn from the generator --seed set: reproducible runs
-        engine.submit(Request(prompt.ids, new_tokens, sampling_of(settings, seed), collect(prompt),
+        engine.submit(Request(prompt.ids, new_tokens, sampling_of(settings, seeds[prompt.index]), collect(prompt),
                               n=settings.num_return_sequences, stop=stops, logprobs=settings.logprobs,
                               constraint=settings.constraint, deltas=stream))
     try:
         engine.run_here()
     except ValueError as error:
         raise GenerationError(one_line(error)) from error
+
+
+def plain_greedy(row):
+    """Whether the row's next token is the argmax of its raw logits (choose() would change nothing)."""
+    sampling = row.request.sampling
+    return (sampling.temperature == 0 and row.matcher is None and not sampling.ignore_eos and not sampling.logit_bias
+            and sampling.repetition_penalty == 1.0 and not sampling.presence_penalty
+            and not sampling.frequency_penalty)
 
 
 def layers_of(cache):
