@@ -17,11 +17,11 @@
     constrain.py   --json_schema/--regex/--grammar with xgrammar (imported only for those flags)
     ggml.py        GGUF's quantized blocks as torch layers
     server.py      --serve: the OpenAI-compatible HTTP server (FastAPI + uvicorn; imported only for --serve)
-    engine.py      the generation engine of the server and the piped prompts: continuous batching, per-row
-                   sampling and stopping
+    engine.py      the generation engine of the server, the piped prompts and the session: continuous
+                   batching, per-row sampling and stopping
     errors.py      the exceptions library code raises; run_generation.cli turns them into exit codes
 
-Imports point one way: run_generation.py -> arguments/controls -> session -> generation -> the rest;
+Imports point one way: run_generation.py -> arguments/controls -> session -> engine -> generation -> the rest;
 errors.py is imported by all and imports nothing. "The original script" is transformers'
 examples/pytorch/text-generation/run_generation.py, which this tool grew from.
 """

@@ -1,6 +1,7 @@
-"""The generation engine of the server and the command line's prompts: continuous batching, per-row sampling
-and stopping. The server runs it on a model thread of its own; the command line on its own thread
-(run_prompts), for every setting it can honour (engine_refusal says which it cannot: generate() runs those).
+"""The generation engine of the server, the piped prompts and the session's turns: continuous batching,
+per-row sampling and stopping. The server runs it on a model thread of its own; the command line and the
+session on their own thread (run_prompts), for every setting it can honour (engine_refusal says which it
+cannot: generate() runs those).
 
 Requests wait in a bounded queue. The model thread runs one decode step at a time for every active row;
 between steps it admits waiting requests: each is prefilled alone (after the longest start of its tokens
@@ -93,8 +94,10 @@ class Request:
     logprobs: int | None = None  # top alternatives per token; None: no log-probabilities
     constraint: object = None  # rungen.constrain.Constraint
     deltas: bool = True  # text as it grows (a stream); False: the text once, at the end (a stop string is still cut)
-    cancelled: bool = False  # set by the server (client gone); the row leaves at the next step
+    cancelled: bool = False  # set by the server (client gone) or a session (Ctrl-C); the row leaves at the next step
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    reused: int = 0  # prompt tokens whose keys/values came from the prefix cache
 
     @property
     def reserve(self):
@@ -371,10 +374,17 @@ class Engine:
     def run_here(self):
         """Runs the model loop on the calling thread until every submitted request has ended (the command
         line's batches: no second thread, and a failed step raises to the caller)."""
-        while self.rows or self.waiting:
-            self.admit()
-            if self.rows:
-                self.step()
+        try:
+            while self.rows or self.waiting:
+                self.admit()
+                if self.rows:
+                    self.step()
+        except BaseException:
+            # Stopped mid-step (an error, a second Ctrl-C in a session): the batch is half-updated, and its
+            # requests are given up; the engine is left empty for the next ones.
+            self.rows, self.pending, self.joining, self.cache, self.mask = [], [], None, None, None
+            self.waiting.clear()
+            raise
 
     def run_calls(self):
         while True:
@@ -430,6 +440,7 @@ class Engine:
         with torch.inference_mode():
             output = self.model(input_ids=rest, past_key_values=cache, use_cache=True, **kwargs)
         self.metrics.add_tokens(prompt=len(ids) - reused, reused=reused)
+        request.reused = reused
         if reused:
             logger.info("prefix cache: reused %d of %d prompt tokens", reused, len(ids))
         new_layers = layers_of(output.past_key_values)
@@ -494,7 +505,7 @@ class Engine:
         for number, (row, row_logits) in enumerate(zip(rows, logits)):
             request = row.request
             if request.cancelled:
-                row.finish = Finish("abort", "", row.new, len(request.ids))
+                row.finish = self.finish_row(row, "abort")  # what it holds back is sent: a session shows it
                 continue
             token = greedy[number] if greedy is not None and plain_greedy(row) else self.choose(row, row_logits)
             if token is None:
@@ -505,6 +516,7 @@ class Engine:
                 continue
             row.new.append(token)
             if not row.new[:-1]:
+                request.first_token_at = request.first_token_at or now
                 self.metrics.observe(self.metrics.ttft, Metrics.TTFT_BUCKETS, now - request.submitted)
             else:
                 self.metrics.observe(self.metrics.tpot, Metrics.TPOT_BUCKETS, now - row.last_time)
@@ -705,20 +717,27 @@ def engine_refusal(loaded, settings):
     return ", ".join(reasons) or None
 
 
-def open_engine(loaded, settings, batch_size):
-    """An Engine for the command line's prompts (run_prompts drives it on the calling thread), or None where
-    generate() must run them (logged with the reason). Up to batch_size prompts decode together."""
+def open_engine(loaded, settings, batch_size, conversation=False):
+    """An Engine for the command line's prompts or a session's turns (run_prompts drives it on the calling
+    thread), or None where generate() must run them (logged with the reason). Up to batch_size prompts decode
+    together. `conversation`: a turn reuses the keys/values of the turns before it (a prefix cache that holds
+    one conversation as long as the context, with its room to grow)."""
     why = engine_refusal(loaded, settings)
     if why is None:
         try:
-            # No bound on the cache beyond the batch's rows (the prompts are all known), and no prefix cache:
-            # the same memory generate() would take for these batches.
-            return Engine(loaded, max_batch=batch_size * settings.num_return_sequences, max_queue=sys.maxsize,
-                          max_cache_tokens=sys.maxsize, prefix_cache_bytes=0,
-                          eos_ids=eos_token_ids(settings, loaded.model))
+            # No bound on the cache beyond the batch's rows (the prompts are all known), and no prefix cache
+            # for independent prompts: the memory generate() would take for these batches.
+            engine = Engine(loaded, max_batch=batch_size * settings.num_return_sequences, max_queue=sys.maxsize,
+                            max_cache_tokens=sys.maxsize, prefix_cache_bytes=0,
+                            eos_ids=eos_token_ids(settings, loaded.model))
         except ValueError as error:
             why = str(error)
-    logger.info("generating a batch at a time with generate(): %s", why)
+        else:
+            if conversation:
+                positions = 2 * loaded.context if loaded.context else sys.maxsize // engine.bytes_per_token
+                engine.prefix_cache = PrefixCache(positions * engine.bytes_per_token)
+            return engine
+    logger.info("generating with generate(): %s", why)
     return None
 
 
@@ -735,6 +754,15 @@ def run_prompts(engine, settings, prompts, on_done, stream=False):
     ends frees its rows for the next one waiting, and each row computes what it would alone. Calls
     on_done(prompt, sequences) as each prompt ends (in the order they end; an error sets prompt.error and
     gives no sequences). `stream`: the one prompt's text goes to stdout as it grows."""
+    submit_prompts(engine, settings, prompts, on_done, stream)
+    try:
+        engine.run_here()
+    except ValueError as error:
+        raise GenerationError(one_line(error)) from error
+
+
+def submit_prompts(engine, settings, prompts, on_done, stream=False):
+    """Queues the prompts as run_prompts does, without running them; returns their Requests."""
     tokenizer, context, eos_ids = engine.tokenizer, engine.loaded.context, engine.eos_ids
     stops = stop_strings(settings.stop_token)
 
@@ -777,15 +805,14 @@ def run_prompts(engine, settings, prompts, on_done, stream=False):
     # Seeds drawn in input order from the generator --seed set: a prompt's sampled text does not depend on the
     # batch. Prompts then join in make_batches' order (similar lengths together): less left padding.
     seeds = {prompt.index: int(torch.randint(2**63 - 1, ())) for prompt in prompts}
+    requests = []
     for prompt in [prompt for batch in make_batches(prompts, engine.max_batch) for prompt in batch]:
         new_tokens = settings.length if not context else min(settings.length, context - len(prompt.ids))
-        engine.submit(Request(prompt.ids, new_tokens, sampling_of(settings, seeds[prompt.index]), collect(prompt),
-                              n=settings.num_return_sequences, stop=stops, logprobs=settings.logprobs,
-                              constraint=settings.constraint, deltas=stream))
-    try:
-        engine.run_here()
-    except ValueError as error:
-        raise GenerationError(one_line(error)) from error
+        requests.append(Request(prompt.ids, new_tokens, sampling_of(settings, seeds[prompt.index]),
+                                collect(prompt), n=settings.num_return_sequences, stop=stops,
+                                logprobs=settings.logprobs, constraint=settings.constraint, deltas=stream))
+        engine.submit(requests[-1])
+    return requests
 
 
 def plain_greedy(row):

@@ -24,7 +24,8 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from . import PROG, logger
-from .errors import PromptError, UsageError
+from .engine import engine_refusal, open_engine, submit_prompts
+from .errors import GenerationError, PromptError, UsageError, one_line
 from .generation import Settings, StopTokenStreamer, adjust_length_to_model, generate_batch
 from .loading import Loaded, cache_dir
 from .prompts import Prompt, encode_prompt
@@ -187,11 +188,14 @@ class TurnControl(StoppingCriteria):
         return torch.full((input_ids.shape[0],), self.interrupted, dtype=torch.bool, device=input_ids.device)
 
     @contextlib.contextmanager
-    def ctrl_c_stops_the_reply(self):
+    def ctrl_c_stops_the_reply(self, requests=()):
+        """`requests`: the engine's requests of this reply, cancelled (they end at the next step)."""
         def on_ctrl_c(signum, frame):
             if self.interrupted:
                 raise KeyboardInterrupt
             self.interrupted = True
+            for request in requests:
+                request.cancelled = True
 
         previous = signal.signal(signal.SIGINT, on_ctrl_c)
         try:
@@ -326,7 +330,18 @@ class Session:
         self.stream = stream
         self.stdout_is_terminal = _is_terminal(sys.stdout, 1)
         self.replies = []  # what main() returns: each reply (prompt + continuation in plain continuation)
-        self.turn_cache = TurnCache() if self.chat else None
+        self.turn_cache = TurnCache() if self.chat else None  # generate()'s turns
+        self.engine, self.engine_opened = None, False
+
+    def engine_for(self, settings):
+        """The engine for a turn under these settings (opened at the first such turn), or None: generate()
+        runs the turn (beam search, typical_p...; a model the engine cannot run)."""
+        if engine_refusal(self.loaded, settings) is not None:
+            return None
+        if not self.engine_opened:
+            self.engine_opened = True
+            self.engine = open_engine(self.loaded, settings, 1, conversation=self.chat)
+        return self.engine
 
     def loop(self, terminal):
         joiner = LineJoiner()
@@ -432,28 +447,53 @@ class Session:
             say(f"error: {error}")
             return
         settings, control = self.settings, TurnControl()
+        engine = self.engine_for(settings)
+        started = time.perf_counter()
+        if engine is not None:
+            sequences, streamed, first_token_at, reused = self.reply_on_engine(engine, prompt, settings, control)
+        else:
+            sequences, streamed, first_token_at, reused = self.reply_by_generate(prompt, settings, control)
+        ended = time.perf_counter()
+        if not sequences:  # a constraint the vocabulary could not follow
+            say(f"error: {prompt.error}")
+            return
+        [sequence] = sequences
+        if not streamed:
+            print(sequence.generated_text, flush=True)
+        self.messages += [user, {"role": "assistant", "content": sequence.generated_text}]
+        self.replies.append(sequence.text)
+        if control.interrupted and not self.stdout_is_terminal:
+            sys.stderr.write("\n")  # after the ^C the terminal echoed; the reply's own newline went to stdout
+        say(turn_stats(len(prompt.ids), sequence.num_generated_tokens, started, first_token_at, ended,
+                       control.interrupted, reused))
+
+    def reply_on_engine(self, engine, prompt, settings, control):
+        """(sequences, streamed, first token's time, reused prompt tokens) of a turn on the engine: the
+        conversation's earlier turns come from its prefix cache."""
+        done = {}
+        [request] = submit_prompts(engine, settings, [prompt], lambda _, sequences: done.update(sequences=sequences),
+                                   stream=self.stream)
+        with control.ctrl_c_stops_the_reply([request]):
+            try:
+                engine.run_here()
+            except ValueError as error:
+                raise GenerationError(one_line(error)) from error
+        return done["sequences"], self.stream, request.first_token_at, request.reused
+
+    def reply_by_generate(self, prompt, settings, control):
+        """The same through generate(), for the settings only it has; the turns before come from TurnCache."""
         streamer = StopTokenStreamer(self.loaded.tokenizer, settings.stop_token) if self.stream else None
         if settings.num_beams > 1:
             streamer = None  # beam search cannot stream: the reply comes when it is done
         cache, reused = None, 0
         if self.turn_cache is not None and self.turn_cache.usable(self.loaded, settings):
             cache, reused = self.turn_cache.take(prompt.ids, self.loaded.model)
-        started = time.perf_counter()
         with control.ctrl_c_stops_the_reply():
             results = generate_batch(self.loaded, settings, [prompt], streamer, StoppingCriteriaList([control]),
                                      past_key_values=cache)
-        ended = time.perf_counter()
-        [sequence] = results[prompt.index]
         if cache is not None and control.ids is not None:
             self.turn_cache.keep(cache, control.ids[0].tolist())
-        if streamer is None:
-            print(sequence.generated_text, flush=True)
-        self.messages += [user, {"role": "assistant", "content": sequence.generated_text}]
-        self.replies.append(sequence.text)
-        if control.interrupted and not self.stdout_is_terminal:
-            sys.stderr.write("\n")  # after the ^C the terminal echoed; the reply's own newline went to stdout
-        say(turn_stats(len(prompt.ids), sequence.num_generated_tokens, started, control.first_token_at, ended,
-                       control.interrupted, reused))
+        return results[prompt.index], streamer is not None, control.first_token_at, reused
 
 
 def run(loaded: Loaded, settings: Settings, *, chat: bool | None = None, system: str | None = None,

@@ -152,9 +152,9 @@ def test_two_turns_make_one_conversation_that_a_pipe_replays(chat_llama, tokeniz
     first = terminal.ask("Hello there")
     second = terminal.ask("How are you")
     # The second turn takes at least the first prompt's keys and values from the cache (the reply's too where
-    # it tokenizes back as generated; not with --jit: its graph keeps its own buffers), and its reply is the
-    # one the whole conversation gives read afresh (the pipe below).
-    assert terminal.cached >= first[0] if not jit else terminal.cached == 0
+    # it tokenizes back as generated; with --jit as without), and its reply is the one the whole conversation
+    # gives read afresh (the pipe below).
+    assert terminal.cached >= first[0]
     terminal.command(f"/save {tmp_path / 'chat.jsonl'}")
     terminal.send("\x04")  # Ctrl-D
     assert terminal.wait() == 0
@@ -183,6 +183,29 @@ def test_two_turns_make_one_conversation_that_a_pipe_replays(chat_llama, tokeniz
     assert [r["prompt"] for r in records] == ["Hello there", "How are you"]  # the last user message
     assert [r["messages"] for r in records] == [messages[:1], messages[:3]] and records[1]["id"] == 3
     assert [r["num_prompt_tokens"] for r in records] == [first[0], second[0]]
+
+
+@pytest.mark.slow
+def test_turns_on_the_engine_and_through_generate_make_one_conversation(chat_llama, tmp_path):
+    # Beam search is generate()'s alone: a turn under it runs there, the turns around it on the engine, and
+    # each reply is the one the command line gives for the same conversation with the same settings.
+    args = ["--model_name_or_path", chat_llama, "--temperature", "0", "--length", "8"]
+    terminal = start(args, tmp_path)
+    terminal.ask("Hello there")
+    terminal.command("/set num_beams 3")
+    terminal.ask("How are you")
+    terminal.command("/set num_beams 1")
+    terminal.ask("Goodbye")
+    assert terminal.cached > 0  # the engine's turn took the conversation's start from its cache
+    terminal.command(f"/save {tmp_path / 'chat.jsonl'}")
+    terminal.send("/exit\r")
+    assert terminal.wait() == 0
+    messages = json.loads((tmp_path / "chat.jsonl").read_text())["messages"]
+    for end, beams in ((1, "1"), (3, "3"), (5, "1")):
+        piped = run_main(args + ["--num_beams", beams, "--input_format", "jsonl", "--output_format", "jsonl"],
+                         stdin=json.dumps({"messages": messages[:end]}))
+        assert piped.returncode == 0, piped.stderr.decode()
+        assert jsonl(piped.stdout)[0]["generated_text"] == messages[end]["content"], end
 
 
 @pytest.mark.slow
