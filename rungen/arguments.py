@@ -101,7 +101,7 @@ SERVE_REFUSED = ("prompt", "stream", "output_format", "input_format", "whole_std
                  "temperature", "k", "p", "repetition_penalty", "num_beams", "num_return_sequences", "stop_token",
                  "chat", "system", "prefix", "padding_text", "xlm_language", "min_p", "typical_p",
                  "no_repeat_ngram_size", "logprobs", "prompt_lookup_num_tokens", "assistant_model",
-                 "generation_config", "json_schema", "regex", "grammar", "jit")
+                 "generation_config", "json_schema", "regex", "grammar")
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -155,9 +155,6 @@ def check_serve(args: argparse.Namespace, given: set[str]) -> None:
         return
     for dest in SERVE_REFUSED:
         if dest in given and getattr(args, dest) not in (False, None):
-            if dest == "jit":
-                raise UsageError("--jit traces the decode step of one generate() call; the server's batch changes "
-                                 "rows and length at every step, so --serve runs eagerly (drop --jit)")
             raise UsageError(f"--{dest} does not apply to --serve: each request sets its own (see docs/server.md)")
     for dest, low in (("port", 0), ("max_queue", 0), ("max_batch", 1), ("max_cache_tokens", 1),
                       ("prefix_cache_mb", 0), ("shutdown_grace", 0)):

@@ -522,6 +522,32 @@ def test_every_batchable_type_decodes_as_generate_does(model_type, tmp_path):
     engine.thread.join(timeout=10)
 
 
+def test_jit_serves_the_batch_steps_with_the_eager_tokens(checkpoint):
+    """--serve --jit: the traced step decodes the batch as rows join and leave, with generate()'s tokens."""
+    from rungen.jit import enable_jit
+
+    loaded = load(checkpoint, device=torch.device("cpu"))
+    prompts = ["The capital of France is", "Once upon a time there was a little girl", "Hello"]
+    expected = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = loaded.tokenizer.encode(prompt)
+            new = loaded.model.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False,
+                                        pad_token_id=loaded.tokenizer.pad_token_id)[0, len(ids):].tolist()
+            expected.append(new)
+    assert enable_jit(loaded.model, loaded.tokenizer) is not None
+    engine = Engine(loaded, eos_ids=(), prefix_cache_bytes=0)
+    engine.start()
+    runs = [collect(engine, loaded.tokenizer.encode(prompt), max_tokens=10 - 3 * number)
+            for number, prompt in enumerate(prompts)]
+    for number, ((_, finishes, _, done), tokens) in enumerate(zip(runs, expected)):
+        assert done.wait(60)
+        assert finishes[0].tokens == tokens[: 10 - 3 * number]
+    assert loaded.model.forward.graph_steps > 0
+    engine.close()
+    engine.thread.join(timeout=10)
+
+
 def test_flags_that_do_not_apply_are_refused(checkpoint, capsys):
     import run_generation
 
