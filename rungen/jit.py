@@ -346,8 +346,14 @@ def _install_dispatcher(model, graphs, with_pos):
 def enable_jit(model, tokenizer) -> float | None:
     """Trace the decode step and route decode steps of `model.generate` through it.
 
-    Returns the tracing time in seconds, or None (after one warning line) when the model cannot
-    be traced; the model is then left untouched and generates eagerly."""
+    Returns the tracing time in seconds, or None (after one line) when the model cannot be traced or
+    the graph would never run; the model is then left untouched and generates eagerly."""
+    if getattr(model, "cache_grows_in_place", False):
+        # Its whole decoder stack is one native call a step over a cache that grows in place, which the graph
+        # (over transformers' own cache layers) would never be given: tracing would only cost time.
+        logger.warning("--jit: not traced: this model's decode step already runs as one fused native call "
+                       "(add --dequantize or --quantize to trace it)")
+        return None
     start = time.perf_counter()
     try:
         with torch.random.fork_rng():  # the dummy inputs must not move the --seed'ed sampling stream
