@@ -5,7 +5,9 @@
     ATEN_CPU_CAPABILITY=avx2 python -m benchmarks.ggml_decode --isa avx2 --llama-python AVX2_BUILD/bin/python
 
 Every torch row is a model loaded by the tool's own rungen.loading.load, as the command line loads it for
-those flags; --jit adds the traced rows (the tool's --jit, its tracing time printed). llama.cpp runs through
+those flags, decoding through generate(), except "on the engine": the same model through rungen/engine.py,
+as the command line, the session and the server decode it. --jit adds the traced rows (the tool's --jit, its
+tracing time printed). llama.cpp runs through
 llama-cpp-python in a separate virtualenv (--llama-python, a benchmark-only install) as a child process
 driven line by line, so its runs interleave with the others. Same prompt, greedy, batch 1, every mode once
 a repeat, back to back; ratios are medians of per-repeat ratios (the machine may be shared). --batch adds
@@ -76,6 +78,42 @@ class LlamaCpp:
         self.text = result["text"]
 
 
+class EngineMode:
+    """The default model as the command line and the server run it: prompts through the engine
+    (rungen/engine.py), greedy, every new token decoded (no EOS, as llama.cpp's loop here)."""
+
+    def __init__(self, name, loaded):
+        from rungen.engine import Engine
+
+        self.name, self.loaded = name, loaded
+        self.engine = Engine(loaded, max_batch=64, max_queue=64, prefix_cache_bytes=0, eos_ids=())
+        self.tokens_per_s, self.ms_per_token, self.text = [], [], None
+
+    def generate(self, batch, new_tokens):
+        from rungen.engine import Request, Sampling
+
+        ids = self.loaded.tokenizer(PROMPT)["input_ids"]
+        finishes = []
+        requests = [Request(ids, new_tokens, Sampling(temperature=0), deltas=False,
+                            sink=lambda event: event[0] == "done" and finishes.append(event[2]))
+                    for _ in range(batch)]
+        start = time.perf_counter()
+        for request in requests:
+            self.engine.submit(request)
+        self.engine.run_here()
+        return start, time.perf_counter(), requests[0].first_token_at, finishes
+
+    def run(self, new_tokens):
+        start, end, first, finishes = self.generate(1, new_tokens)
+        self.tokens_per_s.append(new_tokens / (end - start))
+        self.ms_per_token.append((end - first) / (new_tokens - 1) * 1e3)
+        self.text = finishes[0].text
+
+    def batch_speed(self, batch, new_tokens):
+        start, end, _, _ = self.generate(batch, new_tokens)
+        return batch * new_tokens / (end - start)
+
+
 def batch_speed(model, tokenizer, batch, new_tokens):
     """New tokens per second over a batch of `batch` copies of the prompt (greedy, no early stop)."""
     enc = tokenizer([PROMPT] * batch, return_tensors="pt")
@@ -107,7 +145,8 @@ def main():
     tokenizer = float32.tokenizer
     modes = [Mode("--dequantize (float32)", float32.model, tokenizer),
              Mode("--quantize int4", load(None, device=cpu, quantize="int4").model, tokenizer),
-             Mode("default: the file's own blocks", load(None, device=cpu).model, tokenizer)]
+             Mode("default through generate()", load(None, device=cpu).model, tokenizer),
+             EngineMode("default on the engine (the command line, the server)", load(None, device=cpu))]
     traced = {}
     if args.jit:
         # The default mode is not traced with --jit (its stack is one native call a step): no row of its own.
@@ -154,7 +193,8 @@ def main():
             speeds = [[] for _ in torch_modes]
             for _ in range(args.repeats):
                 for speed, mode in zip(speeds, torch_modes):
-                    speed.append(batch_speed(mode.model, tokenizer, batch, args.new_tokens // 4))
+                    speed.append(mode.batch_speed(batch, args.new_tokens // 4) if isinstance(mode, EngineMode)
+                                 else batch_speed(mode.model, tokenizer, batch, args.new_tokens // 4))
             print(f"| {batch} | {' | '.join(f'{med(s):.1f}' for s in speeds)} |")
     if reference:
         reference.child.stdin.close()
