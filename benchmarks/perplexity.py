@@ -93,7 +93,7 @@ def main():
     row(f"default: the file's own blocks, as it runs ({torch.ops.rungen_ggml.isa()})", drawn(model, ids, args.draws),
         reference[0])
     GGMLLinear._matmul = lambda self, x: torch.ops.rungen_ggml.mm_tiled(
-        x.float().contiguous(), self.blocks, int(self.qtype), self.in_features)
+        x.float().contiguous(), self.blocks, self.code, self.in_features)
     with products_one_by_one(model):  # the layers' own native calls do not go through _matmul
         row("default: the file's own blocks, activations not rounded", drawn(model, ids, args.draws), reference[0])
 

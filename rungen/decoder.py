@@ -97,13 +97,13 @@ class FusedDecoderLayer(torch.nn.Module):
         ops, (cos, sin) = torch.ops.rungen_ggml, position_embeddings
         qkv, gate_up, o, down = self.qkv, self.gate_up, self.o_proj, self.down_proj
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-        q, k, v = ops.attention_in(hidden_states, norm1.weight, norm1.variance_epsilon, qkv.blocks, qkv.qtype,
+        q, k, v = ops.attention_in(hidden_states, norm1.weight, norm1.variance_epsilon, qkv.blocks, qkv.code,
                                    qkv.bias, cos, sin, self.heads, self.kv_heads)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
-        return ops.attention_out_mlp(hidden_states, q, k, v, attention_mask, self.scaling, o.blocks, o.qtype,
-                                     norm2.weight, norm2.variance_epsilon, gate_up.blocks, gate_up.qtype,
-                                     down.blocks, down.qtype)
+        return ops.attention_out_mlp(hidden_states, q, k, v, attention_mask, self.scaling, o.blocks, o.code,
+                                     norm2.weight, norm2.variance_epsilon, gate_up.blocks, gate_up.code,
+                                     down.blocks, down.code)
 
     def _attention(self, q, k, v, attention_mask, kwargs):
         """transformers' attention interface of the model's implementation (sdpa, eager, ...)."""
@@ -173,7 +173,7 @@ class DecoderStack:
                         [layer.qkv.bias for layer in layers], [layer.o_proj.blocks for layer in layers],
                         [layer.post_attention_layernorm.weight for layer in layers],
                         [layer.gate_up.blocks for layer in layers], [layer.down_proj.blocks for layer in layers],
-                        [int(p.qtype) for layer in layers
+                        [p.code for layer in layers
                          for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down_proj)])
 
     @classmethod

@@ -7,7 +7,8 @@ A GGUF file is read in two parts:
   converting the tokenizer takes seconds (the vocabulary and merges are tens of thousands of fields), so
   the result is cached once per file (see HeaderCache): later runs read three small files.
 - its tensors, each a view of one memory map of the file. Quantized linear weights become
-  rungen.ggml.GGMLLinear layers over those views; a quantized embedding becomes GGMLEmbedding, which
+  rungen.ggml.GGMLLinear layers over those views (Q4_0/Q4_1 ones read into memory instead, their rows
+  interleaved for the native kernels); a quantized embedding becomes GGMLEmbedding, which
   de-quantizes only the rows it looks up; a tied output head is a GGMLLinear over the embedding's own
   blocks. F32/F16/BF16 weights keep their dtype (a layer of another dtype than the model's casts them
   per call); norms and biases take the model's float dtype.
@@ -37,7 +38,7 @@ import torch
 
 from .decoder import FUSED_WEIGHTS, fusable, fuse_decoder_layers
 from .errors import UsageError
-from .ggml import SUPPORTED, GGMLLinear, dequantize, native_kernels
+from .ggml import SUPPORTED, GGMLLinear, dequantize, interleavable, native_kernels
 
 logger = logging.getLogger("run_generation")
 
@@ -330,8 +331,9 @@ def build_model(header: GGUFHeader, dtype: torch.dtype) -> torch.nn.Module:
     names = header.weights_map(model, processor)
 
     file = np.memmap(header.path, dtype=np.uint8, mode="c")  # private and writable: torch warns on read-only
-    # Weights that FusedDecoderLayer concatenates are read into memory rather than viewed in the map: the
-    # concatenation copies them, and a copy of mapped pages would count them twice in the process's memory.
+    # Weights that FusedDecoderLayer concatenates, and those whose rows are interleaved for the kernels, are read
+    # into memory rather than viewed in the map: the concatenation and the interleaving copy them, and a copy of
+    # mapped pages would count them twice in the process's memory.
     fused = FUSED_WEIGHTS if fusable(model) else ()
     collected = {"tensors": {}}  # what processors that merge or split tensors (MoE experts) leave
     biases = {}  # module name -> bias, given to the layer that ends up there
@@ -373,15 +375,19 @@ def build_model(header: GGUFHeader, dtype: torch.dtype) -> torch.nn.Module:
         in_features = _in_features(qtype, shape[-1])
         if len(shape) == 2 and attr == "weight" and isinstance(module, (torch.nn.Linear, Conv1D, torch.nn.Embedding)):
             order = _row_permutation(processor, name, shape[0])
-            if order is not False and hf_name.endswith(fused):
+            embedding = isinstance(module, torch.nn.Embedding)
+            interleave = not embedding and interleavable(qtype, shape[0])
+            if order is not False and (hf_name.endswith(fused) or interleave):
                 blocks = np.fromfile(header.path, dtype=np.uint8, count=nbytes, offset=offset).reshape(shape)
             if order is not False:
                 rows = torch.from_numpy(blocks if order is None else np.ascontiguousarray(blocks[order]))
-                if isinstance(module, torch.nn.Embedding):
+                if embedding:
                     layers[module_name] = GGMLEmbedding(rows, qtype, in_features, dtype,
                                                         getattr(module, "embed_scale", None))
                 else:  # GGUF rows are output channels, also for GPT-2's transposed Conv1D
                     layers[module_name] = GGMLLinear(rows, qtype, in_features)
+                    if interleave:
+                        layers[module_name].interleave()
                 continue
         # A transform only float values can take: this tensor alone is de-quantized, as transformers does.
         logger.info("GGUF tensor %s (%s) de-quantized to float: its layout needs it", name, qtype.name)

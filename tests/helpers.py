@@ -189,8 +189,8 @@ def error_line(result):
 
 
 def to_blocks(layer, rng):
-    """Replaces a llama-like decoder `layer`'s linear weights by Q8_0/Q4_1 blocks of random weights (as a GGUF
-    file gives them), its norms by random ones."""
+    """Replaces a llama-like decoder `layer`'s linear weights by Q8_0/Q4_1 blocks of random weights (as the GGUF
+    loader holds them: Q4_1 rows interleaved where the native kernels take them), its norms by random ones."""
     import numpy as np
     import torch
     from gguf import GGMLQuantizationType
@@ -208,5 +208,6 @@ def to_blocks(layer, rng):
         blocks = torch.from_numpy(quantize(weights, qtype)).reshape(linear.out_features, -1)
         bias = None if linear.bias is None else torch.randn(linear.out_features) * 0.1
         setattr(parent, name, GGMLLinear(blocks, qtype, linear.in_features, bias))
+        getattr(parent, name).interleave()
     for norm in (layer.input_layernorm, layer.post_attention_layernorm):
         norm.weight.data = torch.rand(norm.weight.shape[0]) + 0.5

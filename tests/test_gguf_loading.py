@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType as Q
 
 import run_generation
 from rungen.decoder import FusedDecoderLayer, products_one_by_one
-from rungen.ggml import SUPPORTED, GGMLLinear, native_kernels
+from rungen.ggml import INTERLEAVED_TYPES, SUPPORTED, GGMLLinear, native_kernels
 from rungen.gguf_loading import CastLinear, GGMLEmbedding, GGUFHeader, build_model, metadata_parsed_once
 from rungen.loading import default_model_file
 
@@ -204,7 +204,7 @@ def exact_weights(model, run, monkeypatch):
         pytest.skip("the exact path is the native kernels' (torch's fallback rounds scales to bfloat16)")
     with monkeypatch.context() as patch, products_one_by_one(model):
         patch.setattr(GGMLLinear, "_matmul", lambda self, x: torch.ops.rungen_ggml.mm_tiled(
-            x.float().contiguous(), self.blocks, int(self.qtype), self.in_features))
+            x.float().contiguous(), self.blocks, self.code, self.in_features))
         return run()
 
 
@@ -218,7 +218,10 @@ def test_every_supported_type_runs_in_its_blocks(loaded):
     # The tied head multiplies the embedding's own blocks: one copy of them in memory.
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     assert isinstance(embedding, GGMLEmbedding) and isinstance(head, GGMLLinear)
-    assert head.blocks.data_ptr() == embedding.blocks.data_ptr()
+    assert head.blocks.data_ptr() == embedding.blocks.data_ptr() and not head.interleaved
+    # The other Q4_0/Q4_1 weights run with their rows interleaved for the native kernels.
+    interleaved = {m.qtype for m in layers if m.interleaved}
+    assert interleaved == (set(INTERLEAVED_TYPES) if native_kernels() else set())
     assert not any(p.device.type == "meta" for p in [*model.parameters(), *model.buffers()])
 
 

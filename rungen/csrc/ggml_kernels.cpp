@@ -38,12 +38,23 @@ namespace {
 
 enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q5_K = 13, Q4_K = 12, Q6_K = 14 };
 
+// X8 | Q4_0 or X8 | Q4_1: the same blocks with the rows interleaved eight by eight (interleave() makes them), a
+// tensor [rows / 8, 8 * row bytes]: for each group of eight rows and each block of 32 columns, the eight rows'
+// float16 scales d, then (Q4_1) their float16 offsets m, then 128 bytes of nibbles, four bytes of every row in
+// turn: bytes 4j .. 4j + 3 of rows 0..7 for j = 0..3. A 32-byte load then holds four codes of each of the eight
+// rows (and their high nibbles four more), so that one register's eight lanes are eight rows' sums: a block's
+// integer dot product takes no horizontal additions, and its scaling one multiply-add for eight rows.
+// Arithmetic per row and token, the same on every path: acc = fma(float(dot), d * dx, acc) then
+// acc = fma(m, dx * sum(xq), acc) for each block in order (dot: the block's exact integer dot product).
+constexpr int64_t X8 = 256;
+
 int64_t block_elements(int64_t qtype) {
+  qtype &= ~X8;
   return (qtype == Q4_K || qtype == Q5_K || qtype == Q6_K) ? 256 : 32;
 }
 
 int64_t block_bytes(int64_t qtype) {
-  switch (qtype) {
+  switch (qtype & ~X8) {
     case Q4_0: return 18;
     case Q4_1: return 20;
     case Q8_0: return 34;
@@ -208,6 +219,36 @@ float dot_krow(const KRow& r, int64_t nb, const int8_t* xq, const float* xd, con
   return acc;
 }
 
+// X8 groups [g0, g1): each row and token as x8_group computes them, one row at a time.
+void x8_rows(const Job& job, int64_t g0, int64_t g1) {
+  const Act& a = *job.act;
+  const int64_t nb = job.in_features / 32;
+  const bool has_min = (job.qtype & ~X8) == Q4_1;
+  const int64_t bytes = has_min ? 160 : 144, head = has_min ? 32 : 16;
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* group = job.blocks + g * job.pitch;
+    for (int64_t lane = 0; lane < 8; ++lane)
+      for (int64_t t = 0; t < a.n; ++t) {
+        const int8_t* xq = a.q + t * job.in_features;
+        float acc = 0.f;
+        for (int64_t b = 0; b < nb; ++b) {
+          const uint8_t* p = group + b * bytes;
+          const float d = half_bits_to_float(p + 2 * lane);
+          const float m = has_min ? half_bits_to_float(p + 16 + 2 * lane) : -8.f * d;
+          int32_t dot = 0;
+          for (int j = 0; j < 4; ++j)
+            for (int i = 0; i < 4; ++i) {
+              const uint8_t byte = p[head + 32 * j + 4 * lane + i];
+              dot += int32_t(byte & 0x0F) * xq[b * 32 + 4 * j + i] + int32_t(byte >> 4) * xq[b * 32 + 16 + 4 * j + i];
+            }
+          acc = std::fma(float(dot), d * a.d[t * nb + b], acc);
+          acc = std::fma(m, a.s[t * nb + b], acc);
+        }
+        job.y[t * job.out_features + 8 * g + lane] = acc;
+      }
+  }
+}
+
 void rows(const Job& job, int64_t r0, int64_t r1) {
   const Act& a = *job.act;
   const int64_t nb = job.in_features / 32;
@@ -270,23 +311,28 @@ int detect_isa() {
 const int best_isa = detect_isa();
 int current_isa = best_isa;
 
-RowsFn rows_fn() {
+RowsFn rows_fn(int64_t qtype) {
+  const bool x8 = qtype & X8;
   switch (current_isa) {
-    case VNNI: return vnni::rows;
-    case AVX2: return avx2::rows;
-    default: return scalar::rows;
+    case VNNI: return x8 ? vnni::x8_rows : vnni::rows;
+    case AVX2: return x8 ? avx2::x8_rows : avx2::rows;
+    default: return x8 ? scalar::x8_rows : scalar::rows;
   }
 }
 
 // ---------------------------------------------------------------------------------------------------
 
+// Output rows of a weight's blocks (a tensor row holds eight of them in the X8 layout).
+int64_t out_rows(const at::Tensor& blocks, int64_t qtype) { return blocks.size(0) * (qtype & X8 ? 8 : 1); }
+
 void check_inputs(const at::Tensor& blocks, int64_t qtype, int64_t in_features) {
   TORCH_CHECK(blocks.dtype() == at::kByte && blocks.dim() == 2, "rungen_ggml: blocks must be uint8 [rows, bytes]");
+  TORCH_CHECK(!(qtype & X8) || (qtype & ~X8) == Q4_0 || (qtype & ~X8) == Q4_1,
+              "rungen_ggml: only Q4_0 and Q4_1 rows are interleaved");
   TORCH_CHECK(in_features % block_elements(qtype) == 0, "rungen_ggml: in_features ", in_features,
               " is not a multiple of the block size");
-  TORCH_CHECK(blocks.size(1) == in_features / block_elements(qtype) * block_bytes(qtype),
-              "rungen_ggml: blocks have ", blocks.size(1), " bytes a row, expected ",
-              in_features / block_elements(qtype) * block_bytes(qtype));
+  const int64_t bytes = in_features / block_elements(qtype) * block_bytes(qtype) * (qtype & X8 ? 8 : 1);
+  TORCH_CHECK(blocks.size(1) == bytes, "rungen_ggml: blocks have ", blocks.size(1), " bytes a row, expected ", bytes);
   TORCH_CHECK(blocks.stride(1) == 1, "rungen_ggml: each row of blocks must be contiguous");
   TORCH_CHECK(blocks.device().is_cpu(), "rungen_ggml: blocks must be on the CPU");
 }
@@ -347,20 +393,42 @@ at::Tensor mm_int(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtyp
   check_inputs(blocks, qtype, in_features);
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == in_features, "rungen_ggml: x must be [n, ", in_features, "]");
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
-  const int64_t n = x.size(0), out = blocks.size(0);
+  const int64_t n = x.size(0), out = out_rows(blocks, qtype);
   at::Tensor y = at::empty({n, out}, x.options());
   if (n == 0 || out == 0) return y;
   const Act& act = quantize_activations(x);
   Job job{&act, blocks.data_ptr<uint8_t>(), blocks.stride(0), qtype, in_features, out, y.data_ptr<float>()};
-  const RowsFn fn = rows_fn();
-  // Enough rows a task that a thread's share is worth waking it for (about 64k multiply-adds).
-  const int64_t grain = std::max<int64_t>(1, 65536 / (in_features * n));
-  at::parallel_for(0, out, grain, [&](int64_t r0, int64_t r1) { fn(job, r0, r1); });
+  const RowsFn fn = rows_fn(qtype);
+  // Enough rows a task that a thread's share is worth waking it for (about 64k multiply-adds); X8 tasks are
+  // groups of eight rows.
+  const int64_t per = qtype & X8 ? 8 : 1;
+  const int64_t grain = std::max<int64_t>(1, 65536 / (in_features * n * per));
+  at::parallel_for(0, blocks.size(0), grain, [&](int64_t r0, int64_t r1) { fn(job, r0, r1); });
   return y;
 }
 
 void dequantize_rows(const uint8_t* blocks, int64_t pitch, int64_t qtype, int64_t k, int64_t r0, int64_t r1,
                      float* out) {
+  if (qtype & X8) {
+    const bool has_min = (qtype & ~X8) == Q4_1;
+    const int64_t bytes = has_min ? 160 : 144, head = has_min ? 32 : 16;
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t lane = r % 8;
+      float* o = out + (r - r0) * k;
+      for (int64_t b = 0; b < k / 32; ++b) {
+        const uint8_t* p = blocks + (r / 8) * pitch + b * bytes;
+        const float d = half_bits_to_float(p + 2 * lane);
+        const float m = has_min ? half_bits_to_float(p + 16 + 2 * lane) : -8.f * d;
+        for (int j = 0; j < 4; ++j)
+          for (int i = 0; i < 4; ++i) {
+            const uint8_t byte = p[head + 32 * j + 4 * lane + i];
+            o[b * 32 + 4 * j + i] = d * float(byte & 0x0F) + m;
+            o[b * 32 + 16 + 4 * j + i] = d * float(byte >> 4) + m;
+          }
+      }
+    }
+    return;
+  }
   const int64_t bytes = block_bytes(qtype);
   KRow kr(block_elements(qtype) == 256 ? k : 0);
   for (int64_t r = r0; r < r1; ++r) {
@@ -398,7 +466,7 @@ void dequantize_rows(const uint8_t* blocks, int64_t pitch, int64_t qtype, int64_
 
 at::Tensor dequantize(const at::Tensor& blocks, int64_t qtype, int64_t in_features) {
   check_inputs(blocks, qtype, in_features);
-  const int64_t out = blocks.size(0);
+  const int64_t out = out_rows(blocks, qtype);
   at::Tensor w = at::empty({out, in_features}, at::TensorOptions().dtype(at::kFloat));
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   float* wp = w.data_ptr<float>();
@@ -416,7 +484,7 @@ int64_t tile_threshold = std::numeric_limits<int64_t>::max();
 
 at::Tensor mm_tiled(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype, int64_t in_features) {
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
-  const int64_t out = blocks.size(0);
+  const int64_t out = out_rows(blocks, qtype);
   // y.T = W @ x.T, a tile of W's rows at a time (about 4 MB of float32), each tile's rows of y.T contiguous.
   at::Tensor yt = at::empty({out, x.size(0)}, x.options());
   const int64_t tile = std::max<int64_t>(16, (int64_t(1) << 20) / in_features);
@@ -877,6 +945,33 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decoder
   return {h, keys, values};
 }
 
+// Q4_0/Q4_1 blocks [rows, row bytes] (rows a multiple of 8; rows may be strided) in the X8 layout
+// [rows / 8, 8 * row bytes]: the same bytes, rearranged (see X8).
+at::Tensor interleave(const at::Tensor& blocks, int64_t qtype) {
+  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1, "rungen_ggml: only Q4_0 and Q4_1 rows are interleaved");
+  TORCH_CHECK(blocks.dtype() == at::kByte && blocks.dim() == 2 && blocks.stride(1) == 1 && blocks.size(0) % 8 == 0,
+              "rungen_ggml: interleave takes uint8 [rows, bytes] with rows a multiple of 8");
+  const int64_t bytes = block_bytes(qtype), head = qtype == Q4_1 ? 4 : 2, nb = blocks.size(1) / bytes;
+  TORCH_CHECK(blocks.size(1) == nb * bytes, "rungen_ggml: rows are not whole blocks");
+  at::Tensor out = at::empty({blocks.size(0) / 8, 8 * blocks.size(1)}, blocks.options());
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const int64_t pitch = blocks.stride(0);
+  at::parallel_for(0, out.size(0), 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t* o = dst + (g * nb + b) * 8 * bytes;
+        for (int64_t lane = 0; lane < 8; ++lane) {
+          const uint8_t* p = src + (8 * g + lane) * pitch + b * bytes;
+          std::memcpy(o + 2 * lane, p, 2);                           // d
+          if (qtype == Q4_1) std::memcpy(o + 16 + 2 * lane, p + 2, 2);  // m
+          for (int j = 0; j < 4; ++j) std::memcpy(o + 8 * head + 32 * j + 4 * lane, p + head + 4 * j, 4);
+        }
+      }
+  });
+  return out;
+}
+
 std::string isa() { return isa_names[current_isa]; }
 
 std::string set_isa(const std::string& name) {
@@ -903,6 +998,7 @@ TORCH_LIBRARY(rungen_ggml, m) {
   m.def("mm_int(Tensor x, Tensor blocks, int qtype, int in_features) -> Tensor", &mm_int);
   m.def("mm_tiled(Tensor x, Tensor blocks, int qtype, int in_features) -> Tensor", &mm_tiled);
   m.def("dequantize(Tensor blocks, int qtype, int in_features) -> Tensor", &dequantize);
+  m.def("interleave(Tensor blocks, int qtype) -> Tensor", &interleave);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("rope_split(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads) -> Tensor[]", &rope_split);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);

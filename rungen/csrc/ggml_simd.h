@@ -405,3 +405,94 @@ static void rows(const Job& job, int64_t r0, int64_t r1) {
     }
   }
 }
+
+// Four int8 activations in every 32-bit lane (one load, a vbroadcastss).
+static inline __m256i broadcast4(const int8_t* x) {
+  return _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(x)));
+}
+
+// Q4_0/Q4_1 rows interleaved eight by eight (X8: see ggml_kernels.cpp), against NT tokens (1 to 4) a pass over
+// a group's blocks. A register's eight 32-bit lanes are the group's eight rows: a block's codes are four loads of
+// 32 bytes (each four codes of every row, and in their high nibbles four more), unpacked once for the NT tokens;
+// a token's four activations at a time are broadcast to every lane, and the block's 32 products of each row are
+// summed in integers (on AVX2 in int16: eight maddubs sums of at most 2 * 15 * 127 fit; on VNNI dpbusd adds into
+// int32: the same exact sums). Then per block and token two fused multiply-adds for eight rows: acc = fma(dot, d * dx, acc) and
+// acc = fma(m, dx * sum(xq), acc), m = -8 d for Q4_0, as the scalar reference does row by row.
+template <bool HAS_MIN, int NT>
+static void x8_group(const uint8_t* group, int64_t nblocks, const int8_t* const* xq, const float* const* xd,
+                     const float* const* xs, float* const* out) {
+  constexpr int64_t BYTES = HAS_MIN ? 160 : 144, HEAD = HAS_MIN ? 32 : 16;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  __m256 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const uint8_t* p = group + b * BYTES;
+    __m256i lo[4], hi[4];
+    for (int j = 0; j < 4; ++j) {
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(p + HEAD + 32 * j));
+      lo[j] = _mm256_and_si256(v, low);
+      hi[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+    const __m256 m = HAS_MIN ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16)))
+                             : _mm256_mul_ps(_mm256_set1_ps(-8.f), d);
+    for (int t = 0; t < NT; ++t) {
+      const int8_t* x = xq[t] + b * 32;
+#ifdef GGML_VNNI
+      __m256i dot = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j)
+        dot = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(dot, lo[j], broadcast4(x + 4 * j)), hi[j],
+                                  broadcast4(x + 16 + 4 * j));
+#else
+      __m256i sum = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j)
+        sum = _mm256_add_epi16(sum, _mm256_add_epi16(_mm256_maddubs_epi16(lo[j], broadcast4(x + 4 * j)),
+                                                     _mm256_maddubs_epi16(hi[j], broadcast4(x + 16 + 4 * j))));
+      const __m256i dot = _mm256_madd_epi16(sum, _mm256_set1_epi16(1));
+#endif
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_broadcast_ss(xd[t] + b)), acc[t]);
+      acc[t] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xs[t] + b), acc[t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) _mm256_storeu_ps(out[t], acc[t]);
+}
+
+template <bool HAS_MIN, int NT>
+static int64_t x8_pass(const uint8_t* group, int64_t nb, const Act& a, int64_t k, float* y, int64_t stride,
+                       int64_t t, int64_t end) {
+  for (; t + NT <= end; t += NT) {
+    const int8_t* xq[NT];
+    const float *xd[NT], *xs[NT];
+    float* out[NT];
+    for (int i = 0; i < NT; ++i) {
+      xq[i] = a.q + (t + i) * k;
+      xd[i] = a.d + (t + i) * nb;
+      xs[i] = a.s + (t + i) * nb;
+      out[i] = y + (t + i) * stride;
+    }
+    x8_group<HAS_MIN, NT>(group, nb, xq, xd, xs, out);
+  }
+  return t;
+}
+
+// Groups [g0, g1) of an X8 weight against every token: four tokens a pass while a group's blocks (a few KB)
+// stay in the L1 cache, then two, then one (eight a pass measured slower: the codes and accumulators no longer
+// fit the sixteen registers).
+static void x8_rows(const Job& job, int64_t g0, int64_t g1) {
+  const Act& a = *job.act;
+  const int64_t nb = job.in_features / 32;
+  const bool has_min = (job.qtype & ~X8) == Q4_1;
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* group = job.blocks + g * job.pitch;
+    float* y = job.y + 8 * g;
+    if (has_min) {
+      int64_t t = x8_pass<true, 4>(group, nb, a, job.in_features, y, job.out_features, 0, a.n);
+      t = x8_pass<true, 2>(group, nb, a, job.in_features, y, job.out_features, t, a.n);
+      x8_pass<true, 1>(group, nb, a, job.in_features, y, job.out_features, t, a.n);
+    } else {
+      int64_t t = x8_pass<false, 4>(group, nb, a, job.in_features, y, job.out_features, 0, a.n);
+      t = x8_pass<false, 2>(group, nb, a, job.in_features, y, job.out_features, t, a.n);
+      x8_pass<false, 1>(group, nb, a, job.in_features, y, job.out_features, t, a.n);
+    }
+  }
+}

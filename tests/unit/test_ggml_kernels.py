@@ -144,6 +144,61 @@ def test_native_dequantize_and_tiled_path_match_gguf(qtype):
     torch.testing.assert_close(y, x @ weight.T, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("qtype", ggml.INTERLEAVED_TYPES, ids=lambda q: q.name)
+def test_interleaved_rows_match_reference_with_the_same_bits_on_every_path_and_alone(qtype, each_isa):
+    # The layout Q4_0/Q4_1 weights run in: the same weights (de-quantized exactly as the file's blocks), the
+    # product within the activations' rounding, and one arithmetic (integer block sums, then a multiply-add per
+    # block in order) that every instruction set computes to the same bits, a token alone or among any others.
+    paths = isas()  # builds or loads the kernels
+    ops = torch.ops.rungen_ggml
+    cases = [(8, 1, "random", "random"), (64, 3, "extremes", "outlier"), (40, 17, "zero-block", "zero-block"),
+             (16, 37, "zeros", "random"), (24, 6, "random", "outlier")]
+    for seed, ((rows, n, weights, xs), in_features) in enumerate(itertools.product(cases, (512, 544))):
+        blocks = blocks_for(qtype, rows, in_features, seed, weights)
+        weight = dequantize(blocks, qtype, in_features)
+        x8 = ops.interleave(blocks, int(qtype))
+        assert x8.shape == (rows // 8, 8 * blocks.shape[1])
+        assert torch.equal(ops.dequantize(x8, int(qtype) | ggml.X8, in_features), weight)
+        x = inputs(n, in_features, seed, xs)
+        results = []
+        for isa in paths:
+            ops.set_isa(isa)
+            y = ops.mm_int(x, x8, int(qtype) | ggml.X8, in_features)
+            check_native(y, x, weight)
+            for i in range(n):
+                assert torch.equal(ops.mm_int(x[i:i + 1], x8, int(qtype) | ggml.X8, in_features)[0], y[i]), (isa, i)
+            results.append(y)
+        assert all(torch.equal(y, results[0]) for y in results[1:]), paths
+        torch.testing.assert_close(ops.mm_tiled(x, x8, int(qtype) | ggml.X8, in_features), x @ weight.T,
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_a_layer_interleaves_in_place_where_the_kernels_take_it():
+    if not ggml.native_kernels():
+        pytest.skip("native kernels unavailable")
+    blocks = blocks_for(T.Q4_0, 32, 256, seed=9)
+    x = inputs(5, 256, 9)
+    plain, layer = GGMLLinear(blocks, T.Q4_0, 256), GGMLLinear(blocks, T.Q4_0, 256)
+    assert layer.interleave() and layer.interleaved and layer.blocks.shape == (4, 8 * blocks.shape[1])
+    assert layer.out_features == 32 and layer.code == int(T.Q4_0) | ggml.X8
+    torch.testing.assert_close(layer(x), plain(x), rtol=1e-4, atol=1e-4)
+    # q/k/v-like parts concatenate as they are, rows in order; a mix of layouts does not.
+    parts = [GGMLLinear(blocks_for(T.Q4_0, rows, 256, seed=rows), T.Q4_0, 256) for rows in (16, 8, 8)]
+    expected = torch.cat([part(x) for part in parts], dim=-1)
+    assert ggml.concat([parts[0], parts[1]]) is not None and parts[0].interleave()
+    assert ggml.concat(parts) is None
+    for part in parts[1:]:
+        part.interleave()
+    joined = ggml.concat(parts)
+    assert joined.interleaved and joined.out_features == 32
+    torch.testing.assert_close(joined(x), expected, rtol=1e-4, atol=1e-4)
+    # Neither other types nor rows that are not whole groups of eight are interleaved.
+    assert not GGMLLinear(blocks_for(T.Q8_0, 16, 256), T.Q8_0, 256).interleave()
+    assert not GGMLLinear(blocks_for(T.Q4_1, 12, 256), T.Q4_1, 256).interleave()
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        torch.ops.rungen_ggml.interleave(blocks_for(T.Q4_1, 12, 256), int(T.Q4_1))
+
+
 def test_layer_takes_any_leading_shape_strided_rows_and_bias():
     blocks = blocks_for(T.Q4_1, 24, 256, seed=5)
     bias = torch.randn(12)
