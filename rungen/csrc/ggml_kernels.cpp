@@ -344,9 +344,9 @@ struct QuantizedX {
   Act act;
 };
 
-const Act& quantize_activations(const at::Tensor& x) {
+const Act& quantize_activations(const float* xp, int64_t n, int64_t k) {
   static thread_local QuantizedX r;
-  const int64_t n = x.size(0), k = x.size(1), nb = k / 32;
+  const int64_t nb = k / 32;
   // d, s, s16 (2), s4, d16 (8), then the codes; d16 and the codes start on a cache line (64 bytes), so that
   // the 512-bit loads of a token's blocks do not straddle two lines.
   const size_t floats = size_t(n * nb * 13) + size_t(n * k + 3) / 4 + 48;
@@ -358,7 +358,6 @@ const Act& quantize_activations(const at::Tensor& x) {
   float* s4 = s16 + 2 * n * nb;
   float* d16 = line(s4 + n * nb);
   int8_t* q = reinterpret_cast<int8_t*>(line(d16 + 8 * n * nb));
-  const float* xp = x.data_ptr<float>();
   at::parallel_for(0, n * nb, 128, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const float* v = xp + b * 32;
@@ -389,21 +388,26 @@ const Act& quantize_activations(const at::Tensor& x) {
   return r.act;
 }
 
-at::Tensor mm_int(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype, int64_t in_features) {
-  check_inputs(blocks, qtype, in_features);
-  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == in_features, "rungen_ggml: x must be [n, ", in_features, "]");
-  const at::Tensor x = x_in.to(at::kFloat).contiguous();
-  const int64_t n = x.size(0), out = out_rows(blocks, qtype);
-  at::Tensor y = at::empty({n, out}, x.options());
-  if (n == 0 || out == 0) return y;
-  const Act& act = quantize_activations(x);
-  Job job{&act, blocks.data_ptr<uint8_t>(), blocks.stride(0), qtype, in_features, out, y.data_ptr<float>()};
+// y [n, out rows] = x [n, K] times the blocks' rows, by the integer kernels (y may be any buffer of that size).
+void product_into(const float* x, int64_t n, const at::Tensor& blocks, int64_t qtype, int64_t in_features, float* y) {
+  const int64_t out = out_rows(blocks, qtype);
+  if (n == 0 || out == 0) return;
+  const Act& act = quantize_activations(x, n, in_features);
+  Job job{&act, blocks.data_ptr<uint8_t>(), blocks.stride(0), qtype, in_features, out, y};
   const RowsFn fn = rows_fn(qtype);
   // Enough rows a task that a thread's share is worth waking it for (about 64k multiply-adds); X8 tasks are
   // groups of eight rows.
   const int64_t per = qtype & X8 ? 8 : 1;
   const int64_t grain = std::max<int64_t>(1, 65536 / (in_features * n * per));
   at::parallel_for(0, blocks.size(0), grain, [&](int64_t r0, int64_t r1) { fn(job, r0, r1); });
+}
+
+at::Tensor mm_int(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype, int64_t in_features) {
+  check_inputs(blocks, qtype, in_features);
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == in_features, "rungen_ggml: x must be [n, ", in_features, "]");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({x.size(0), out_rows(blocks, qtype)}, x.options());
+  product_into(x.data_ptr<float>(), x.size(0), blocks, qtype, in_features, y.data_ptr<float>());
   return y;
 }
 
@@ -534,19 +538,23 @@ at::Tensor mm(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, int6
   return mm_int(x, blocks, qtype, in_features);
 }
 
+// mm of x [n, K] (float32, contiguous) into y, a buffer of [n, out rows].
+void mm_into(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, int64_t in_features, float* y) {
+  check_inputs(blocks, qtype, in_features);
+  if (x.size(0) >= tile_threshold) {
+    const at::Tensor r = mm_tiled(rounded_activations(x), blocks, qtype, in_features);
+    std::memcpy(y, r.data_ptr<float>(), r.numel() * sizeof(float));
+    return;
+  }
+  product_into(x.data_ptr<float>(), x.size(0), blocks, qtype, in_features, y);
+}
+
 // The small steps of a llama decoder layer around its matmuls. At one token a step each is a few hundred
 // floats, and as torch operators each costs several calls of 3-5 microseconds (dispatch, allocation);
 // these take one call each. Plain loops: the work is far below what vector code would save.
 
 // RMSNorm as transformers' LlamaRMSNorm: x / sqrt(mean(x^2) + eps) * weight, over the last dimension.
-at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double eps) {
-  const at::Tensor x = x_in.to(at::kFloat).contiguous(), weight = weight_in.to(at::kFloat).contiguous();
-  const int64_t d = x.size(-1), rows = x.numel() / std::max<int64_t>(d, 1);
-  TORCH_CHECK(weight.numel() == d, "rungen_ggml: rms_norm weight must have ", d, " values");
-  at::Tensor y = at::empty_like(x);
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+void rms_norm_rows(const float* xp, const float* wp, double eps, int64_t rows, int64_t d, float* yp) {
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / d), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* v = xp + r * d;
@@ -556,29 +564,30 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double 
       for (int64_t i = 0; i < d; ++i) yp[r * d + i] = wp[i] * (v[i] * inv);
     }
   });
+}
+
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double eps) {
+  const at::Tensor x = x_in.to(at::kFloat).contiguous(), weight = weight_in.to(at::kFloat).contiguous();
+  const int64_t d = x.size(-1), rows = x.numel() / std::max<int64_t>(d, 1);
+  TORCH_CHECK(weight.numel() == d, "rungen_ggml: rms_norm weight must have ", d, " values");
+  at::Tensor y = at::empty_like(x);
+  rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), eps, rows, d, y.data_ptr<float>());
   return y;
 }
 
 // The fused q/k/v product [b, t, (heads + 2 kv_heads) * head_dim] split into q [b, heads, t, head_dim],
 // k and v [b, kv_heads, t, head_dim], q and k rotated as transformers' apply_rotary_pos_emb rotates them
 // (rotate_half: the first half of a head pairs with the second).
-std::vector<at::Tensor> rope_split(const at::Tensor& qkv_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
-                                   int64_t heads, int64_t kv_heads) {
-  const at::Tensor qkv = qkv_in.to(at::kFloat).contiguous();
-  const at::Tensor cos = cos_in.to(at::kFloat).contiguous(), sin = sin_in.to(at::kFloat).contiguous();
-  TORCH_CHECK(qkv.dim() == 3, "rungen_ggml: qkv must be [batch, tokens, features]");
-  const int64_t b = qkv.size(0), t = qkv.size(1), all = heads + 2 * kv_heads;
-  TORCH_CHECK(qkv.size(2) % all == 0, "rungen_ggml: qkv features are not (heads + 2 kv_heads) * head_dim");
-  const int64_t dim = qkv.size(2) / all, half = dim / 2;
-  // cos/sin per sequence [b, t, dim], or one [1, t, dim] for all (positions without padding).
-  const bool shared = cos.numel() == t * dim;
-  TORCH_CHECK((shared || cos.numel() == b * t * dim) && sin.numel() == cos.numel(), "rungen_ggml: cos/sin must be "
-              "[b or 1, t, ", dim, "]");
-  at::Tensor q = at::empty({b, heads, t, dim}, qkv.options());
-  at::Tensor k = at::empty({b, kv_heads, t, dim}, qkv.options());
-  at::Tensor v = at::empty({b, kv_heads, t, dim}, qkv.options());
-  const float *src = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+// Where rope_rows writes keys or values: [b, kv_heads, positions, head_dim] with these strides (elements), from
+// its position 0 (a cache's buffer from the first free position, or a tensor of its own).
+struct Rows4 {
+  float* p;
+  int64_t batch, head, token;
+};
+
+void rope_rows(const float* src, const float* cp, const float* sp, bool shared, int64_t b, int64_t t, int64_t heads,
+               int64_t kv_heads, int64_t dim, float* qp, const Rows4& k, const Rows4& v) {
+  const int64_t all = heads + 2 * kv_heads, half = dim / 2;
   at::parallel_for(0, b * t, std::max<int64_t>(1, 4096 / (all * dim)), [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t batch = p / t, token = p % t;
@@ -591,9 +600,10 @@ std::vector<at::Tensor> rope_split(const at::Tensor& qkv_in, const at::Tensor& c
         if (h < heads)
           out = qp + ((batch * heads + h) * t + token) * dim;
         else if (h < heads + kv_heads)
-          out = kp + ((batch * kv_heads + h - heads) * t + token) * dim;
+          out = k.p + batch * k.batch + (h - heads) * k.head + token * k.token;
         else {
-          std::memcpy(vp + ((batch * kv_heads + h - heads - kv_heads) * t + token) * dim, x, dim * sizeof(float));
+          std::memcpy(v.p + batch * v.batch + (h - heads - kv_heads) * v.head + token * v.token, x,
+                      dim * sizeof(float));
           continue;
         }
         for (int64_t i = 0; i < half; ++i) {
@@ -603,18 +613,36 @@ std::vector<at::Tensor> rope_split(const at::Tensor& qkv_in, const at::Tensor& c
       }
     }
   });
+}
+
+// cos/sin per sequence [b, t, dim], or one [1, t, dim] for all (positions without padding): whether shared.
+bool rope_shared(const at::Tensor& cos, const at::Tensor& sin, int64_t b, int64_t t, int64_t dim) {
+  const bool shared = cos.numel() == t * dim;
+  TORCH_CHECK((shared || cos.numel() == b * t * dim) && sin.numel() == cos.numel(), "rungen_ggml: cos/sin must be "
+              "[b or 1, t, ", dim, "]");
+  return shared;
+}
+
+std::vector<at::Tensor> rope_split(const at::Tensor& qkv_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
+                                   int64_t heads, int64_t kv_heads) {
+  const at::Tensor qkv = qkv_in.to(at::kFloat).contiguous();
+  const at::Tensor cos = cos_in.to(at::kFloat).contiguous(), sin = sin_in.to(at::kFloat).contiguous();
+  TORCH_CHECK(qkv.dim() == 3, "rungen_ggml: qkv must be [batch, tokens, features]");
+  const int64_t b = qkv.size(0), t = qkv.size(1), all = heads + 2 * kv_heads;
+  TORCH_CHECK(qkv.size(2) % all == 0, "rungen_ggml: qkv features are not (heads + 2 kv_heads) * head_dim");
+  const int64_t dim = qkv.size(2) / all;
+  const bool shared = rope_shared(cos, sin, b, t, dim);
+  at::Tensor q = at::empty({b, heads, t, dim}, qkv.options());
+  at::Tensor k = at::empty({b, kv_heads, t, dim}, qkv.options());
+  at::Tensor v = at::empty({b, kv_heads, t, dim}, qkv.options());
+  rope_rows(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), shared, b, t, heads, kv_heads, dim,
+            q.data_ptr<float>(), Rows4{k.data_ptr<float>(), k.stride(0), k.stride(1), k.stride(2)},
+            Rows4{v.data_ptr<float>(), v.stride(0), v.stride(1), v.stride(2)});
   return {q, k, v};
 }
 
 // silu(gate) * up, from the fused gate/up product [..., 2 * ffn] (gate first).
-at::Tensor silu_mul(const at::Tensor& gu_in) {
-  const at::Tensor gu = gu_in.to(at::kFloat).contiguous();
-  const int64_t f = gu.size(-1) / 2, rows = gu.numel() / std::max<int64_t>(2 * f, 1);
-  std::vector<int64_t> shape(gu.sizes().begin(), gu.sizes().end());
-  shape.back() = f;
-  at::Tensor y = at::empty(shape, gu.options());
-  const float* gp = gu.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+void silu_mul_rows(const float* gp, int64_t rows, int64_t f, float* yp) {
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(f, 1)), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
       for (int64_t i = 0; i < f; ++i) {
@@ -622,6 +650,15 @@ at::Tensor silu_mul(const at::Tensor& gu_in) {
         yp[r * f + i] = g / (1.f + std::exp(-g)) * gp[r * 2 * f + f + i];
       }
   });
+}
+
+at::Tensor silu_mul(const at::Tensor& gu_in) {
+  const at::Tensor gu = gu_in.to(at::kFloat).contiguous();
+  const int64_t f = gu.size(-1) / 2, rows = gu.numel() / std::max<int64_t>(2 * f, 1);
+  std::vector<int64_t> shape(gu.sizes().begin(), gu.sizes().end());
+  shape.back() = f;
+  at::Tensor y = at::empty(shape, gu.options());
+  silu_mul_rows(gu.data_ptr<float>(), rows, f, y.data_ptr<float>());
   return y;
 }
 
@@ -839,6 +876,44 @@ void attend_queries(const AttendJob& job, int64_t p0, int64_t p1, float* wp) {
   }
 }
 
+// attend's mask as the kernel reads it: bool or additive float [b, 1, t, T], or none (causal).
+struct AttendMask {
+  at::Tensor held;
+  const bool* bools = nullptr;
+  const float* adds = nullptr;
+};
+
+AttendMask attend_mask(const c10::optional<at::Tensor>& mask_in, int64_t b, int64_t t, int64_t T) {
+  AttendMask m;
+  if (!mask_in.has_value()) return m;
+  const bool additive = mask_in->is_floating_point();
+  m.held = additive ? mask_in->to(at::kFloat).contiguous() : mask_in->to(at::kBool).contiguous();
+  TORCH_CHECK(m.held.numel() == b * t * T, "rungen_ggml: attend's mask must be [b, 1, ", t, ", ", T, "]");
+  if (additive)
+    m.adds = m.held.data_ptr<float>();
+  else
+    m.bools = m.held.data_ptr<bool>();
+  return m;
+}
+
+// attend of q [b, heads, t, dim] (float32, contiguous) over k, v [b, kv, T, dim] (float32, last dimension
+// contiguous: read in place), into out [b, t, heads * dim].
+void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttendMask& mask, double scale,
+                 float* op) {
+  const int64_t b = q.size(0), heads = q.size(1), t = q.size(2), dim = q.size(3), kv = k.size(1), T = k.size(2);
+  TORCH_CHECK(k.size(0) == b && k.size(3) == dim && kv > 0 && heads % kv == 0 && T >= t,
+              "rungen_ggml: attend's shapes differ");
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const bool masked = mask.bools != nullptr || mask.adds != nullptr;
+  at::parallel_for(0, b * heads * t, std::max<int64_t>(1, 32768 / std::max<int64_t>(T * dim, 1)),
+                   [&](int64_t p0, int64_t p1) {
+    std::vector<float> w(ATTEND_BLOCK * T);
+    attend_queries(AttendJob{qp, kp, vp, mask.bools, mask.adds, op, heads, t, dim, kv, T, k.stride(0), k.stride(1),
+                             k.stride(2), v.stride(0), v.stride(1), v.stride(2), float(scale), masked}, p0, p1,
+                   w.data());
+  });
+}
+
 at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                   const c10::optional<at::Tensor>& mask_in, double scale) {
   // k and v may be views of a cache with room to grow (strided over keys, heads and batch): read in place.
@@ -848,27 +923,8 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tens
   const at::Tensor q = q_in.to(at::kFloat).contiguous(), k = in_place(k_in), v = in_place(v_in);
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes(),
               "rungen_ggml: attend takes q [b, h, t, d] and k, v [b, kv, T, d]");
-  const int64_t b = q.size(0), heads = q.size(1), t = q.size(2), dim = q.size(3), kv = k.size(1), T = k.size(2);
-  TORCH_CHECK(k.size(0) == b && k.size(3) == dim && kv > 0 && heads % kv == 0 && T >= t,
-              "rungen_ggml: attend's shapes differ");
-  at::Tensor mask;
-  bool additive = false;
-  if (mask_in.has_value()) {
-    additive = mask_in->is_floating_point();
-    mask = additive ? mask_in->to(at::kFloat).contiguous() : mask_in->to(at::kBool).contiguous();
-    TORCH_CHECK(mask.numel() == b * t * T, "rungen_ggml: attend's mask must be [b, 1, ", t, ", ", T, "]");
-  }
-  const bool* mb = mask.defined() && !additive ? mask.data_ptr<bool>() : nullptr;
-  const float* mf = mask.defined() && additive ? mask.data_ptr<float>() : nullptr;
-  at::Tensor out = at::empty({b, t, heads * dim}, q.options());
-  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, b * heads * t, std::max<int64_t>(1, 32768 / std::max<int64_t>(T * dim, 1)),
-                   [&](int64_t p0, int64_t p1) {
-    std::vector<float> w(ATTEND_BLOCK * T);
-    attend_queries(AttendJob{qp, kp, vp, mb, mf, op, heads, t, dim, kv, T, k.stride(0), k.stride(1), k.stride(2),
-                             v.stride(0), v.stride(1), v.stride(2), float(scale), mask.defined()}, p0, p1, w.data());
-  });
+  at::Tensor out = at::empty({q.size(0), q.size(2), q.size(1) * q.size(3)}, q.options());
+  attend_into(q, k, v, attend_mask(mask_in, q.size(0), q.size(2), k.size(2)), scale, out.data_ptr<float>());
   return out;
 }
 
@@ -914,35 +970,74 @@ at::Tensor attention_out_mlp(const at::Tensor& hidden, const at::Tensor& q, cons
 // layer i's [b, kv_heads, capacity, head_dim] with `length` positions filled and room for this call's tokens.
 // qtypes: four a layer (q/k/v, o, gate/up, down). Returns the hidden states and each layer's filled keys and
 // values (views of the buffers).
+//
+// At one token a step the layers' arithmetic is a few milliseconds, and a torch operator inside them (an
+// allocation, a view, a copy) costs a microsecond or more: the call allocates its working buffers once, the
+// rotation writes keys and values straight into the cache, and the residual sums are plain loops (hidden + o and
+// then + down: a float sum is the same in either order, so the bits are the separate operators').
 std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decoder_stack(
-    const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin, const c10::optional<at::Tensor>& mask,
-    at::TensorList input_norms, at::TensorList qkv, const c10::List<c10::optional<at::Tensor>>& qkv_bias,
-    at::TensorList o, at::TensorList post_norms, at::TensorList gate_up, at::TensorList down, at::IntArrayRef qtypes,
-    double eps, int64_t heads, int64_t kv_heads, double scale, at::TensorList k_buffers, at::TensorList v_buffers,
-    int64_t length) {
+    const at::Tensor& hidden, const at::Tensor& cos_in, const at::Tensor& sin_in,
+    const c10::optional<at::Tensor>& mask, at::TensorList input_norms, at::TensorList qkv,
+    const c10::List<c10::optional<at::Tensor>>& qkv_bias, at::TensorList o, at::TensorList post_norms,
+    at::TensorList gate_up, at::TensorList down, at::IntArrayRef qtypes, double eps, int64_t heads, int64_t kv_heads,
+    double scale, at::TensorList k_buffers, at::TensorList v_buffers, int64_t length) {
   const size_t layers = qkv.size();
   TORCH_CHECK(input_norms.size() == layers && qkv_bias.size() == layers && o.size() == layers &&
               post_norms.size() == layers && gate_up.size() == layers && down.size() == layers &&
               k_buffers.size() == layers && v_buffers.size() == layers && qtypes.size() == 4 * layers,
               "rungen_ggml: decoder_stack takes the same number of each layer's tensors");
-  const int64_t t = hidden.size(1);
+  TORCH_CHECK(hidden.dim() == 3, "rungen_ggml: hidden must be [batch, tokens, features]");
+  const int64_t b = hidden.size(0), t = hidden.size(1), features = hidden.size(2), n = b * t;
+  at::Tensor h = hidden.to(at::kFloat).contiguous().clone();  // the residual stream, [n, features]
+  if (layers == 0) return {h, {}, {}};
+  const int64_t qkv_width = out_rows(qkv[0], qtypes[0]), all = heads + 2 * kv_heads, dim = qkv_width / all;
+  TORCH_CHECK(qkv_width % all == 0, "rungen_ggml: qkv features are not (heads + 2 kv_heads) * head_dim");
+  const at::Tensor cos = cos_in.to(at::kFloat).contiguous(), sin = sin_in.to(at::kFloat).contiguous();
+  const bool shared = rope_shared(cos, sin, b, t, dim);
+  const AttendMask attend_mask_once = attend_mask(mask, b, t, length + t);
+  int64_t ffn = 0;
+  for (size_t i = 0; i < layers; ++i) ffn = std::max(ffn, out_rows(gate_up[i], qtypes[4 * i + 2]) / 2);
+  const auto options = h.options();
+  at::Tensor x = at::empty({n, features}, options), part = at::empty({n, features}, options);
+  at::Tensor qkv_out = at::empty({n, qkv_width}, options), q = at::empty({b, heads, t, dim}, options);
+  at::Tensor attended = at::empty({n, heads * dim}, options);
+  at::Tensor gu = at::empty({n, 2 * ffn}, options), act = at::empty({n, ffn}, options);
+  float *hp = h.data_ptr<float>(), *xp = x.data_ptr<float>(), *pp = part.data_ptr<float>();
   std::vector<at::Tensor> keys, values;
   keys.reserve(layers);
   values.reserve(layers);
-  at::Tensor h = hidden;
   for (size_t i = 0; i < layers; ++i) {
-    TORCH_CHECK(k_buffers[i].size(2) >= length + t && v_buffers[i].size(2) >= length + t,
-                "rungen_ggml: decoder_stack's cache buffers have no room for ", t, " more positions");
-    const std::vector<at::Tensor> qkv_out = attention_in(h, input_norms[i], eps, qkv[i], qtypes[4 * i], qkv_bias.get(i),
-                                                         cos, sin, heads, kv_heads);
-    k_buffers[i].narrow(2, length, t).copy_(qkv_out[1]);
-    v_buffers[i].narrow(2, length, t).copy_(qkv_out[2]);
-    keys.push_back(k_buffers[i].narrow(2, 0, length + t));
-    values.push_back(v_buffers[i].narrow(2, 0, length + t));
-    h = attention_out_mlp(h, qkv_out[0], keys.back(), values.back(), mask, scale, o[i], qtypes[4 * i + 1],
-                          post_norms[i], eps, gate_up[i], qtypes[4 * i + 2], down[i], qtypes[4 * i + 3]);
+    const at::Tensor &kb = k_buffers[i], &vb = v_buffers[i];
+    TORCH_CHECK(kb.size(2) >= length + t && vb.size(2) >= length + t && kb.size(3) == dim && vb.size(3) == dim &&
+                kb.stride(3) == 1 && vb.stride(3) == 1 && kb.scalar_type() == at::kFloat &&
+                vb.scalar_type() == at::kFloat,
+                "rungen_ggml: decoder_stack's cache buffers must be float32 [b, kv_heads, room for ", length + t,
+                ", ", dim, "]");
+    TORCH_CHECK(out_rows(qkv[i], qtypes[4 * i]) == qkv_width, "rungen_ggml: decoder_stack's layers differ in q/k/v");
+    const int64_t width = out_rows(gate_up[i], qtypes[4 * i + 2]) / 2;
+    // attention_in: norm, the q/k/v product (and bias), rotation; keys and values into the cache.
+    rms_norm_rows(hp, input_norms[i].to(at::kFloat).contiguous().data_ptr<float>(), eps, n, features, xp);
+    mm_into(x, qkv[i], qtypes[4 * i], features, qkv_out.data_ptr<float>());
+    if (qkv_bias.get(i).has_value()) qkv_out.add_(*qkv_bias.get(i));
+    rope_rows(qkv_out.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), shared, b, t, heads, kv_heads,
+              dim, q.data_ptr<float>(),
+              Rows4{kb.data_ptr<float>() + length * kb.stride(2), kb.stride(0), kb.stride(1), kb.stride(2)},
+              Rows4{vb.data_ptr<float>() + length * vb.stride(2), vb.stride(0), vb.stride(1), vb.stride(2)});
+    keys.push_back(kb.narrow(2, 0, length + t));
+    values.push_back(vb.narrow(2, 0, length + t));
+    // attention_out_mlp: attention, the output product, the residual; norm, gate/up, SiLU, down, the residual.
+    attend_into(q, keys.back(), values.back(), attend_mask_once, scale, attended.data_ptr<float>());
+    mm_into(attended, o[i], qtypes[4 * i + 1], heads * dim, pp);
+    for (int64_t j = 0; j < n * features; ++j) hp[j] += pp[j];
+    rms_norm_rows(hp, post_norms[i].to(at::kFloat).contiguous().data_ptr<float>(), eps, n, features, xp);
+    // A layer narrower than the widest (models whose MLP width varies) uses the start of the buffers.
+    const at::Tensor act_i = width == ffn ? act : act.view({-1}).narrow(0, 0, n * width).view({n, width});
+    mm_into(x, gate_up[i], qtypes[4 * i + 2], features, gu.data_ptr<float>());
+    silu_mul_rows(gu.data_ptr<float>(), n, width, act_i.data_ptr<float>());
+    mm_into(act_i, down[i], qtypes[4 * i + 3], width, pp);
+    for (int64_t j = 0; j < n * features; ++j) hp[j] += pp[j];
   }
-  return {h, keys, values};
+  return {h.view({b, t, features}), keys, values};
 }
 
 // Q4_0/Q4_1 blocks [rows, row bytes] (rows a multiple of 8; rows may be strided) in the X8 layout
