@@ -2,9 +2,9 @@
 
 A GGMLLinear holds a weight exactly as a GGUF file stores it: a uint8 tensor of shape
 [out_features, bytes per row], one row of blocks per output channel (a view of the memory-mapped file
-where possible). Nothing is de-quantized ahead of time. Q4_0/Q4_1 weights the native kernels multiply are
+where possible). Nothing is de-quantized ahead of time. Q4_0/Q4_1/Q8_0 weights the native kernels multiply are
 rearranged once, at load, with their rows interleaved eight by eight (`interleave`: the same bytes in another
-order, [out_features / 8, 8 x bytes per row]), which the kernels multiply two to three times faster.
+order, [out_features / 8, 8 x bytes per row]), which the kernels multiply up to two or three times faster.
 
 A forward multiplies with the C++ kernels of rungen/csrc (torch.ops.rungen_ggml, built on first use and
 cached, see docs/kernels.md): activations quantized to int8 per block of 32, integer dot products per
@@ -40,7 +40,7 @@ SUPPORTED = (
 
 # The types whose rows are interleaved eight by eight for the native kernels (GGMLLinear.interleave), and the
 # flag added to their type number when the kernels are given them so (rungen_ggml's X8).
-INTERLEAVED_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
+INTERLEAVED_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
 X8 = 256
 
 
@@ -91,7 +91,7 @@ class GGMLLinear(torch.nn.Module):
 
     def interleave(self) -> bool:
         """Rearranges the blocks, in place, with their rows interleaved eight by eight where the native kernels
-        take them so (Q4_0/Q4_1, rows a multiple of 8); returns whether they are."""
+        take them so (INTERLEAVED_TYPES, rows a multiple of 8); returns whether they are."""
         if not self.interleaved and interleavable(self.qtype, self.out_features):
             self.blocks = torch.ops.rungen_ggml.interleave(self.blocks, int(self.qtype))
             self.interleaved = True

@@ -7,11 +7,11 @@ A GGUF file is read in two parts:
   converting the tokenizer takes seconds (the vocabulary and merges are tens of thousands of fields), so
   the result is cached once per file (see HeaderCache): later runs read three small files.
 - its tensors, each a view of one memory map of the file. Quantized linear weights become
-  rungen.ggml.GGMLLinear layers over those views (Q4_0/Q4_1 ones read into memory instead, their rows
-  interleaved for the native kernels); a quantized embedding becomes GGMLEmbedding, which
-  de-quantizes only the rows it looks up; a tied output head is a GGMLLinear over the embedding's own
-  blocks. F32/F16/BF16 weights keep their dtype (a layer of another dtype than the model's casts them
-  per call); norms and biases take the model's float dtype.
+  rungen.ggml.GGMLLinear layers over those views (Q4_0/Q4_1/Q8_0 ones read into memory instead, their rows
+  interleaved for the native kernels); a quantized embedding becomes GGMLEmbedding, which de-quantizes only
+  the rows it looks up; a tied output head is a GGMLLinear over the embedding's own blocks (interleaved, and
+  so read into memory, when their type is). F32/F16/BF16 weights keep their dtype (a layer of another dtype
+  than the model's casts them per call); norms and biases take the model's float dtype.
 
 GGUF names map to the model's parameters with transformers' own tables (get_gguf_hf_weights_map and
 the per-architecture TensorProcessor), the ones its de-quantizing loader uses. A processor's transform of
@@ -38,7 +38,7 @@ import torch
 
 from .decoder import FUSED_WEIGHTS, fusable, fuse_decoder_layers
 from .errors import UsageError
-from .ggml import SUPPORTED, GGMLLinear, dequantize, interleavable, native_kernels
+from .ggml import SUPPORTED, X8, GGMLLinear, dequantize, interleavable, native_kernels
 
 logger = logging.getLogger("run_generation")
 
@@ -236,22 +236,26 @@ class GGMLEmbedding(torch.nn.Module):
     """An embedding table held in GGUF blocks; a lookup de-quantizes only the rows it returns."""
 
     def __init__(self, blocks: torch.Tensor, qtype: int, embedding_dim: int, dtype: torch.dtype,
-                 scale: float | torch.Tensor | None = None):
+                 scale: float | torch.Tensor | None = None, interleaved: bool = False):
         super().__init__()
         from gguf import GGMLQuantizationType
 
         self.qtype = GGMLQuantizationType(qtype)
         self.register_buffer("blocks", blocks, persistent=False)
-        self.num_embeddings, self.embedding_dim, self.dtype = blocks.shape[0], embedding_dim, dtype
+        # interleaved: rows eight by eight (GGMLLinear.interleave), for a tied output head that multiplies them.
+        self.interleaved = interleaved
+        self.num_embeddings = blocks.shape[0] * (8 if interleaved else 1)
+        self.embedding_dim, self.dtype = embedding_dim, dtype
         self.embed_scale = scale  # Gemma-style scaled embeddings multiply the looked-up rows
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, qtype={self.qtype.name}"
+        return (f"{self.num_embeddings}, {self.embedding_dim}, qtype={self.qtype.name}"
+                + (", rows interleaved by 8" if self.interleaved else ""))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if native_kernels():  # torch operators only, so that --jit can trace the lookup
-            blocks = self.blocks.index_select(0, ids.reshape(-1))
-            rows = torch.ops.rungen_ggml.dequantize(blocks, int(self.qtype), self.embedding_dim)
+            code = int(self.qtype) | (X8 if self.interleaved else 0)
+            rows = torch.ops.rungen_ggml.embed(self.blocks, code, self.embedding_dim, ids.reshape(-1))
             out = rows.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
         else:
             unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
@@ -335,6 +339,16 @@ def build_model(header: GGUFHeader, dtype: torch.dtype) -> torch.nn.Module:
     # into memory rather than viewed in the map: the concatenation and the interleaving copy them, and a copy of
     # mapped pages would count them twice in the process's memory.
     fused = FUSED_WEIGHTS if fusable(model) else ()
+    # An output head tied to the input embedding multiplies the embedding's blocks: interleaved for the kernels,
+    # they serve both (the lookup reads either layout).
+    tied_embedding = None
+    head = model.get_output_embeddings()
+    if getattr(config, "tie_word_embeddings", False) and head is not None:
+        head_name = next(n for n, m in model.named_modules() if m is head) + ".weight"
+        in_file = {name for name, *_ in header.tensors}
+        if not any(names.get(name) == head_name for name in in_file):
+            embedding = model.get_input_embeddings()
+            tied_embedding = next(n for n, m in model.named_modules() if m is embedding)
     collected = {"tensors": {}}  # what processors that merge or split tensors (MoE experts) leave
     biases = {}  # module name -> bias, given to the layer that ends up there
     layers = {}  # module name -> the layer that replaces the model's own
@@ -376,14 +390,16 @@ def build_model(header: GGUFHeader, dtype: torch.dtype) -> torch.nn.Module:
         if len(shape) == 2 and attr == "weight" and isinstance(module, (torch.nn.Linear, Conv1D, torch.nn.Embedding)):
             order = _row_permutation(processor, name, shape[0])
             embedding = isinstance(module, torch.nn.Embedding)
-            interleave = not embedding and interleavable(qtype, shape[0])
+            interleave = (not embedding or module_name == tied_embedding) and interleavable(qtype, shape[0])
             if order is not False and (hf_name.endswith(fused) or interleave):
                 blocks = np.fromfile(header.path, dtype=np.uint8, count=nbytes, offset=offset).reshape(shape)
             if order is not False:
                 rows = torch.from_numpy(blocks if order is None else np.ascontiguousarray(blocks[order]))
                 if embedding:
+                    if interleave:
+                        rows = torch.ops.rungen_ggml.interleave(rows, int(qtype))
                     layers[module_name] = GGMLEmbedding(rows, qtype, in_features, dtype,
-                                                        getattr(module, "embed_scale", None))
+                                                        getattr(module, "embed_scale", None), interleaved=interleave)
                 else:  # GGUF rows are output channels, also for GPT-2's transposed Conv1D
                     layers[module_name] = GGMLLinear(rows, qtype, in_features)
                     if interleave:
@@ -435,7 +451,8 @@ def _tie_head(model, config):
     name = next(n for n, m in model.named_modules() if m is head)
     bias = head.bias if head.bias is not None and head.bias.device.type != "meta" else None
     if isinstance(embedding, GGMLEmbedding):
-        model.set_submodule(name, GGMLLinear(embedding.blocks, embedding.qtype, embedding.embedding_dim, bias))
+        model.set_submodule(name, GGMLLinear(embedding.blocks, embedding.qtype, embedding.embedding_dim, bias,
+                                             interleaved=embedding.interleaved))
     elif isinstance(embedding, CastEmbedding):
         model.set_submodule(name, CastLinear(embedding.weight, bias))
     else:

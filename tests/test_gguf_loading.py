@@ -218,10 +218,12 @@ def test_every_supported_type_runs_in_its_blocks(loaded):
     # The tied head multiplies the embedding's own blocks: one copy of them in memory.
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     assert isinstance(embedding, GGMLEmbedding) and isinstance(head, GGMLLinear)
-    assert head.blocks.data_ptr() == embedding.blocks.data_ptr() and not head.interleaved
-    # The other Q4_0/Q4_1 weights run with their rows interleaved for the native kernels.
+    assert head.blocks.data_ptr() == embedding.blocks.data_ptr()
+    # Q4_0/Q4_1/Q8_0 weights run with their rows interleaved for the native kernels, the shared ones too (the
+    # lookup reads them so).
     interleaved = {m.qtype for m in layers if m.interleaved}
     assert interleaved == (set(INTERLEAVED_TYPES) if native_kernels() else set())
+    assert head.interleaved == embedding.interleaved == native_kernels()
     assert not any(p.device.type == "meta" for p in [*model.parameters(), *model.buffers()])
 
 
@@ -229,6 +231,7 @@ def test_untied_file_has_its_own_head(loaded):
     _, model, _ = loaded["q4_0_untied"]
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
     assert head.qtype == Q.Q6_K and embedding.qtype == Q.Q4_0
+    assert not embedding.interleaved  # only looked up: it stays a view of the file's map
 
 
 def test_biases_go_to_their_quantized_layers(loaded):

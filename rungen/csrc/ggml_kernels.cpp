@@ -38,14 +38,15 @@ namespace {
 
 enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q5_K = 13, Q4_K = 12, Q6_K = 14 };
 
-// X8 | Q4_0 or X8 | Q4_1: the same blocks with the rows interleaved eight by eight (interleave() makes them), a
-// tensor [rows / 8, 8 * row bytes]: for each group of eight rows and each block of 32 columns, the eight rows'
-// float16 scales d, then (Q4_1) their float16 offsets m, then 128 bytes of nibbles, four bytes of every row in
-// turn: bytes 4j .. 4j + 3 of rows 0..7 for j = 0..3. A 32-byte load then holds four codes of each of the eight
-// rows (and their high nibbles four more), so that one register's eight lanes are eight rows' sums: a block's
-// integer dot product takes no horizontal additions, and its scaling one multiply-add for eight rows.
-// Arithmetic per row and token, the same on every path: acc = fma(float(dot), d * dx, acc) then
-// acc = fma(m, dx * sum(xq), acc) for each block in order (dot: the block's exact integer dot product).
+// X8 | Q4_0, X8 | Q4_1 or X8 | Q8_0: the same blocks with the rows interleaved eight by eight (interleave() makes
+// them), a tensor [rows / 8, 8 * row bytes]: for each group of eight rows and each block of 32 columns, the eight
+// rows' float16 scales d, then (Q4_1) their float16 offsets m, then the codes, four bytes of every row in turn:
+// bytes 4j .. 4j + 3 of rows 0..7 for j = 0..3 (4-bit: 128 bytes of nibbles) or j = 0..7 (Q8_0: 256 bytes). A
+// 32-byte load then holds four codes of each of the eight rows (4-bit: and in their high nibbles four more), so
+// that one register's eight lanes are eight rows' sums: a block's integer dot product takes no horizontal
+// additions, and its scaling one multiply-add for eight rows. Arithmetic per row and token, the same on every
+// path: acc = fma(float(dot), d * dx, acc), then for Q4_0/Q4_1 acc = fma(m, dx * sum(xq), acc) (m = -8 d for
+// Q4_0), for each block in order (dot: the block's exact integer dot product).
 constexpr int64_t X8 = 256;
 
 int64_t block_elements(int64_t qtype) {
@@ -222,9 +223,9 @@ float dot_krow(const KRow& r, int64_t nb, const int8_t* xq, const float* xd, con
 // X8 groups [g0, g1): each row and token as x8_group computes them, one row at a time.
 void x8_rows(const Job& job, int64_t g0, int64_t g1) {
   const Act& a = *job.act;
-  const int64_t nb = job.in_features / 32;
-  const bool has_min = (job.qtype & ~X8) == Q4_1;
-  const int64_t bytes = has_min ? 160 : 144, head = has_min ? 32 : 16;
+  const int64_t nb = job.in_features / 32, base = job.qtype & ~X8;
+  const bool has_min = base == Q4_1, q8 = base == Q8_0;
+  const int64_t bytes = 8 * block_bytes(base), head = has_min ? 32 : 16;
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* group = job.blocks + g * job.pitch;
     for (int64_t lane = 0; lane < 8; ++lane)
@@ -234,8 +235,14 @@ void x8_rows(const Job& job, int64_t g0, int64_t g1) {
         for (int64_t b = 0; b < nb; ++b) {
           const uint8_t* p = group + b * bytes;
           const float d = half_bits_to_float(p + 2 * lane);
-          const float m = has_min ? half_bits_to_float(p + 16 + 2 * lane) : -8.f * d;
           int32_t dot = 0;
+          if (q8) {
+            for (int j = 0; j < 8; ++j)
+              for (int i = 0; i < 4; ++i) dot += int32_t(int8_t(p[16 + 32 * j + 4 * lane + i])) * xq[b * 32 + 4 * j + i];
+            acc = std::fma(float(dot), d * a.d[t * nb + b], acc);
+            continue;
+          }
+          const float m = has_min ? half_bits_to_float(p + 16 + 2 * lane) : -8.f * d;
           for (int j = 0; j < 4; ++j)
             for (int i = 0; i < 4; ++i) {
               const uint8_t byte = p[head + 32 * j + 4 * lane + i];
@@ -327,8 +334,8 @@ int64_t out_rows(const at::Tensor& blocks, int64_t qtype) { return blocks.size(0
 
 void check_inputs(const at::Tensor& blocks, int64_t qtype, int64_t in_features) {
   TORCH_CHECK(blocks.dtype() == at::kByte && blocks.dim() == 2, "rungen_ggml: blocks must be uint8 [rows, bytes]");
-  TORCH_CHECK(!(qtype & X8) || (qtype & ~X8) == Q4_0 || (qtype & ~X8) == Q4_1,
-              "rungen_ggml: only Q4_0 and Q4_1 rows are interleaved");
+  TORCH_CHECK(!(qtype & X8) || (qtype & ~X8) == Q4_0 || (qtype & ~X8) == Q4_1 || (qtype & ~X8) == Q8_0,
+              "rungen_ggml: only Q4_0, Q4_1 and Q8_0 rows are interleaved");
   TORCH_CHECK(in_features % block_elements(qtype) == 0, "rungen_ggml: in_features ", in_features,
               " is not a multiple of the block size");
   const int64_t bytes = in_features / block_elements(qtype) * block_bytes(qtype) * (qtype & X8 ? 8 : 1);
@@ -414,14 +421,20 @@ at::Tensor mm_int(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtyp
 void dequantize_rows(const uint8_t* blocks, int64_t pitch, int64_t qtype, int64_t k, int64_t r0, int64_t r1,
                      float* out) {
   if (qtype & X8) {
-    const bool has_min = (qtype & ~X8) == Q4_1;
-    const int64_t bytes = has_min ? 160 : 144, head = has_min ? 32 : 16;
+    const int64_t base = qtype & ~X8;
+    const bool has_min = base == Q4_1;
+    const int64_t bytes = 8 * block_bytes(base), head = has_min ? 32 : 16;
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t lane = r % 8;
       float* o = out + (r - r0) * k;
       for (int64_t b = 0; b < k / 32; ++b) {
         const uint8_t* p = blocks + (r / 8) * pitch + b * bytes;
         const float d = half_bits_to_float(p + 2 * lane);
+        if (base == Q8_0) {
+          for (int j = 0; j < 8; ++j)
+            for (int i = 0; i < 4; ++i) o[b * 32 + 4 * j + i] = d * float(int8_t(p[16 + 32 * j + 4 * lane + i]));
+          continue;
+        }
         const float m = has_min ? half_bits_to_float(p + 16 + 2 * lane) : -8.f * d;
         for (int j = 0; j < 4; ++j)
           for (int i = 0; i < 4; ++i) {
@@ -1040,13 +1053,15 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decoder
   return {h.view({b, t, features}), keys, values};
 }
 
-// Q4_0/Q4_1 blocks [rows, row bytes] (rows a multiple of 8; rows may be strided) in the X8 layout
+// Q4_0/Q4_1/Q8_0 blocks [rows, row bytes] (rows a multiple of 8; rows may be strided) in the X8 layout
 // [rows / 8, 8 * row bytes]: the same bytes, rearranged (see X8).
 at::Tensor interleave(const at::Tensor& blocks, int64_t qtype) {
-  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1, "rungen_ggml: only Q4_0 and Q4_1 rows are interleaved");
+  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0,
+              "rungen_ggml: only Q4_0, Q4_1 and Q8_0 rows are interleaved");
   TORCH_CHECK(blocks.dtype() == at::kByte && blocks.dim() == 2 && blocks.stride(1) == 1 && blocks.size(0) % 8 == 0,
               "rungen_ggml: interleave takes uint8 [rows, bytes] with rows a multiple of 8");
   const int64_t bytes = block_bytes(qtype), head = qtype == Q4_1 ? 4 : 2, nb = blocks.size(1) / bytes;
+  const int64_t groups_of_4 = qtype == Q8_0 ? 8 : 4;  // four-byte pieces of a row's codes
   TORCH_CHECK(blocks.size(1) == nb * bytes, "rungen_ggml: rows are not whole blocks");
   at::Tensor out = at::empty({blocks.size(0) / 8, 8 * blocks.size(1)}, blocks.options());
   const uint8_t* src = blocks.data_ptr<uint8_t>();
@@ -1060,9 +1075,27 @@ at::Tensor interleave(const at::Tensor& blocks, int64_t qtype) {
           const uint8_t* p = src + (8 * g + lane) * pitch + b * bytes;
           std::memcpy(o + 2 * lane, p, 2);                           // d
           if (qtype == Q4_1) std::memcpy(o + 16 + 2 * lane, p + 2, 2);  // m
-          for (int j = 0; j < 4; ++j) std::memcpy(o + 8 * head + 32 * j + 4 * lane, p + head + 4 * j, 4);
+          for (int j = 0; j < groups_of_4; ++j) std::memcpy(o + 8 * head + 32 * j + 4 * lane, p + head + 4 * j, 4);
         }
       }
+  });
+  return out;
+}
+
+// The rows `ids` of a weight's blocks (either layout), de-quantized: an embedding's lookup [ids, in_features].
+at::Tensor embed(const at::Tensor& blocks, int64_t qtype, int64_t in_features, const at::Tensor& ids_in) {
+  check_inputs(blocks, qtype, in_features);
+  const at::Tensor ids = ids_in.to(at::kLong).contiguous();
+  const int64_t n = ids.numel(), rows = out_rows(blocks, qtype);
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < rows, "rungen_ggml: embed: id ", ip[i], " is not below ", rows);
+  at::Tensor out = at::empty({n, in_features}, at::TensorOptions().dtype(at::kFloat));
+  const uint8_t* bp = blocks.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n, std::max<int64_t>(1, 16384 / in_features), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i)
+      dequantize_rows(bp, blocks.stride(0), qtype, in_features, ip[i], ip[i] + 1, op + i * in_features);
   });
   return out;
 }
@@ -1094,6 +1127,7 @@ TORCH_LIBRARY(rungen_ggml, m) {
   m.def("mm_tiled(Tensor x, Tensor blocks, int qtype, int in_features) -> Tensor", &mm_tiled);
   m.def("dequantize(Tensor blocks, int qtype, int in_features) -> Tensor", &dequantize);
   m.def("interleave(Tensor blocks, int qtype) -> Tensor", &interleave);
+  m.def("embed(Tensor blocks, int qtype, int in_features, Tensor ids) -> Tensor", &embed);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("rope_split(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads) -> Tensor[]", &rope_split);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);

@@ -457,7 +457,40 @@ static void x8_group(const uint8_t* group, int64_t nblocks, const int8_t* const*
   for (int t = 0; t < NT; ++t) _mm256_storeu_ps(out[t], acc[t]);
 }
 
-template <bool HAS_MIN, int NT>
+// Q8_0 rows interleaved eight by eight (X8), against NT tokens a pass: as x8_group, with signed codes (the
+// unsigned x signed product is |w| times x with w's sign; maddubs's pairs stay below 2 * 128 * 127, and each
+// four codes' sums go to int32 at once, where two would not fit int16), eight loads of 32 bytes a block, and no
+// offsets.
+template <int NT>
+static void x8_group_q8(const uint8_t* group, int64_t nblocks, const int8_t* const* xq, const float* const* xd,
+                        float* const* out) {
+  __m256 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const uint8_t* p = group + b * 272;
+    __m256i sum[NT];
+    for (int t = 0; t < NT; ++t) sum[t] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {
+      const __m256i w = _mm256_loadu_si256((const __m256i*)(p + 16 + 32 * j));
+      const __m256i magnitude = _mm256_sign_epi8(w, w);
+      for (int t = 0; t < NT; ++t) {
+        const __m256i x = _mm256_sign_epi8(broadcast4(xq[t] + b * 32 + 4 * j), w);
+#ifdef GGML_VNNI
+        sum[t] = _mm256_dpbusd_epi32(sum[t], magnitude, x);
+#else
+        sum[t] = _mm256_add_epi32(sum[t], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, x), _mm256_set1_epi16(1)));
+#endif
+      }
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+    for (int t = 0; t < NT; ++t)
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[t]), _mm256_mul_ps(d, _mm256_broadcast_ss(xd[t] + b)), acc[t]);
+  }
+  for (int t = 0; t < NT; ++t) _mm256_storeu_ps(out[t], acc[t]);
+}
+
+// NT tokens a pass over one group, for tokens [t, end); BASE: the blocks' type (Q4_0, Q4_1 or Q8_0).
+template <int64_t BASE, int NT>
 static int64_t x8_pass(const uint8_t* group, int64_t nb, const Act& a, int64_t k, float* y, int64_t stride,
                        int64_t t, int64_t end) {
   for (; t + NT <= end; t += NT) {
@@ -470,9 +503,19 @@ static int64_t x8_pass(const uint8_t* group, int64_t nb, const Act& a, int64_t k
       xs[i] = a.s + (t + i) * nb;
       out[i] = y + (t + i) * stride;
     }
-    x8_group<HAS_MIN, NT>(group, nb, xq, xd, xs, out);
+    if (BASE == Q8_0)
+      x8_group_q8<NT>(group, nb, xq, xd, out);
+    else
+      x8_group<BASE == Q4_1, NT>(group, nb, xq, xd, xs, out);
   }
   return t;
+}
+
+template <int64_t BASE>
+static void x8_tokens(const uint8_t* group, int64_t nb, const Act& a, int64_t k, float* y, int64_t stride) {
+  int64_t t = x8_pass<BASE, 4>(group, nb, a, k, y, stride, 0, a.n);
+  t = x8_pass<BASE, 2>(group, nb, a, k, y, stride, t, a.n);
+  x8_pass<BASE, 1>(group, nb, a, k, y, stride, t, a.n);
 }
 
 // Groups [g0, g1) of an X8 weight against every token: four tokens a pass while a group's blocks (a few KB)
@@ -480,19 +523,15 @@ static int64_t x8_pass(const uint8_t* group, int64_t nb, const Act& a, int64_t k
 // fit the sixteen registers).
 static void x8_rows(const Job& job, int64_t g0, int64_t g1) {
   const Act& a = *job.act;
-  const int64_t nb = job.in_features / 32;
-  const bool has_min = (job.qtype & ~X8) == Q4_1;
+  const int64_t nb = job.in_features / 32, base = job.qtype & ~X8;
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* group = job.blocks + g * job.pitch;
     float* y = job.y + 8 * g;
-    if (has_min) {
-      int64_t t = x8_pass<true, 4>(group, nb, a, job.in_features, y, job.out_features, 0, a.n);
-      t = x8_pass<true, 2>(group, nb, a, job.in_features, y, job.out_features, t, a.n);
-      x8_pass<true, 1>(group, nb, a, job.in_features, y, job.out_features, t, a.n);
-    } else {
-      int64_t t = x8_pass<false, 4>(group, nb, a, job.in_features, y, job.out_features, 0, a.n);
-      t = x8_pass<false, 2>(group, nb, a, job.in_features, y, job.out_features, t, a.n);
-      x8_pass<false, 1>(group, nb, a, job.in_features, y, job.out_features, t, a.n);
-    }
+    if (base == Q4_1)
+      x8_tokens<Q4_1>(group, nb, a, job.in_features, y, job.out_features);
+    else if (base == Q4_0)
+      x8_tokens<Q4_0>(group, nb, a, job.in_features, y, job.out_features);
+    else
+      x8_tokens<Q8_0>(group, nb, a, job.in_features, y, job.out_features);
   }
 }

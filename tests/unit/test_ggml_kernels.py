@@ -146,7 +146,7 @@ def test_native_dequantize_and_tiled_path_match_gguf(qtype):
 
 @pytest.mark.parametrize("qtype", ggml.INTERLEAVED_TYPES, ids=lambda q: q.name)
 def test_interleaved_rows_match_reference_with_the_same_bits_on_every_path_and_alone(qtype, each_isa):
-    # The layout Q4_0/Q4_1 weights run in: the same weights (de-quantized exactly as the file's blocks), the
+    # The layout Q4_0/Q4_1/Q8_0 weights run in: the same weights (de-quantized exactly as the file's blocks), the
     # product within the activations' rounding, and one arithmetic (integer block sums, then a multiply-add per
     # block in order) that every instruction set computes to the same bits, a token alone or among any others.
     paths = isas()  # builds or loads the kernels
@@ -159,6 +159,9 @@ def test_interleaved_rows_match_reference_with_the_same_bits_on_every_path_and_a
         x8 = ops.interleave(blocks, int(qtype))
         assert x8.shape == (rows // 8, 8 * blocks.shape[1])
         assert torch.equal(ops.dequantize(x8, int(qtype) | ggml.X8, in_features), weight)
+        ids = torch.tensor([rows - 1, 0, 3, 3, rows // 2])  # an embedding's lookup reads either layout
+        for layout, code in ((blocks, int(qtype)), (x8, int(qtype) | ggml.X8)):
+            assert torch.equal(ops.embed(layout, code, in_features, ids), weight[ids])
         x = inputs(n, in_features, seed, xs)
         results = []
         for isa in paths:
@@ -193,7 +196,7 @@ def test_a_layer_interleaves_in_place_where_the_kernels_take_it():
     assert joined.interleaved and joined.out_features == 32
     torch.testing.assert_close(joined(x), expected, rtol=1e-4, atol=1e-4)
     # Neither other types nor rows that are not whole groups of eight are interleaved.
-    assert not GGMLLinear(blocks_for(T.Q8_0, 16, 256), T.Q8_0, 256).interleave()
+    assert not GGMLLinear(blocks_for(T.Q6_K, 16, 256), T.Q6_K, 256).interleave()
     assert not GGMLLinear(blocks_for(T.Q4_1, 12, 256), T.Q4_1, 256).interleave()
     with pytest.raises(RuntimeError, match="multiple of 8"):
         torch.ops.rungen_ggml.interleave(blocks_for(T.Q4_1, 12, 256), int(T.Q4_1))
