@@ -220,6 +220,27 @@ float dot_krow(const KRow& r, int64_t nb, const int8_t* xq, const float* xd, con
   return acc;
 }
 
+// Blocks [b0, b1) of activations x quantized: d = max|x| / 127, q = round(x / d) (ties to even), and the sums.
+void quantize_blocks(const float* xp, int64_t b0, int64_t b1, int8_t* q, float* d, float* s, float* s16) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const float* v = xp + b * 32;
+    float amax = 0.f;
+    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
+    const float scale = amax / 127.f;
+    const float inv = scale != 0.f ? 1.f / scale : 0.f;
+    int32_t sum0 = 0, sum1 = 0;
+    for (int i = 0; i < 32; ++i) {
+      const int32_t c = int32_t(std::nearbyint(v[i] * inv));
+      q[b * 32 + i] = int8_t(c);
+      (i < 16 ? sum0 : sum1) += c;
+    }
+    d[b] = scale;
+    s[b] = scale * float(sum0 + sum1);
+    s16[2 * b] = scale * float(sum0);
+    s16[2 * b + 1] = scale * float(sum1);
+  }
+}
+
 // X8 groups [g0, g1): each row and token as x8_group computes them, one row at a time.
 void x8_rows(const Job& job, int64_t g0, int64_t g1) {
   const Act& a = *job.act;
@@ -365,25 +386,10 @@ const Act& quantize_activations(const float* xp, int64_t n, int64_t k) {
   float* s4 = s16 + 2 * n * nb;
   float* d16 = line(s4 + n * nb);
   int8_t* q = reinterpret_cast<int8_t*>(line(d16 + 8 * n * nb));
-  at::parallel_for(0, n * nb, 128, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const float* v = xp + b * 32;
-      float amax = 0.f;
-      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
-      const float scale = amax / 127.f;
-      const float inv = scale != 0.f ? 1.f / scale : 0.f;
-      int32_t sum0 = 0, sum1 = 0;
-      for (int i = 0; i < 32; ++i) {
-        const int32_t c = int32_t(std::nearbyint(v[i] * inv));
-        q[b * 32 + i] = int8_t(c);
-        (i < 16 ? sum0 : sum1) += c;
-      }
-      d[b] = scale;
-      s[b] = scale * float(sum0 + sum1);
-      s16[2 * b] = scale * float(sum0);
-      s16[2 * b + 1] = scale * float(sum1);
-    }
-  });
+  const auto blocks_fn = current_isa == VNNI ? vnni::quantize_blocks
+                        : current_isa == AVX2 ? avx2::quantize_blocks
+                                              : scalar::quantize_blocks;
+  at::parallel_for(0, n * nb, 128, [&](int64_t b0, int64_t b1) { blocks_fn(xp, b0, b1, q, d, s, s16); });
   for (int64_t g = 0; g < n / 4; ++g)
     for (int64_t b = 0; b < nb; ++b)
       for (int64_t i = 0; i < 4; ++i) s4[(g * nb + b) * 4 + i] = s[(4 * g + i) * nb + b];

@@ -406,6 +406,45 @@ static void rows(const Job& job, int64_t r0, int64_t r1) {
   }
 }
 
+// Activations quantized per block of 32 (quantize_activations): the scalar loop's results, eight lanes at a time
+// (the maximum of |x| is exact in any order, x * inv is the same product, and the rounding the same: to nearest,
+// ties to even, as nearbyint in the default mode). A NaN is passed over in the maximum, as std::max passes it.
+static void quantize_blocks(const float* x, int64_t b0, int64_t b1, int8_t* q, float* d, float* s, float* s16) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t b = b0; b < b1; ++b) {
+    const float* v = x + b * 32;
+    __m256 part[4], top = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      part[i] = _mm256_loadu_ps(v + 8 * i);
+      top = _mm256_max_ps(_mm256_andnot_ps(sign, part[i]), top);
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    const float scale = _mm_cvtss_f32(m) / 127.f;
+    const __m256 inv = _mm256_set1_ps(scale != 0.f ? 1.f / scale : 0.f);
+    __m256i c[4];
+    for (int i = 0; i < 4; ++i)
+      c[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(part[i], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    // int32 -> int8 in order: the packs interleave 128-bit lanes, the permutation puts them back.
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+    _mm256_storeu_si256((__m256i*)(q + b * 32), _mm256_permutevar8x32_epi32(bytes, order));
+    int32_t halves[2];
+    for (int h = 0; h < 2; ++h) {
+      const __m256i sum8 = _mm256_add_epi32(c[2 * h], c[2 * h + 1]);
+      __m128i sum4 = _mm_add_epi32(_mm256_castsi256_si128(sum8), _mm256_extracti128_si256(sum8, 1));
+      sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0x4E));
+      sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0xB1));
+      halves[h] = _mm_cvtsi128_si32(sum4);
+    }
+    d[b] = scale;
+    s[b] = scale * float(halves[0] + halves[1]);
+    s16[2 * b] = scale * float(halves[0]);
+    s16[2 * b + 1] = scale * float(halves[1]);
+  }
+}
+
 // Four int8 activations in every 32-bit lane (one load, a vbroadcastss).
 static inline __m256i broadcast4(const int8_t* x) {
   return _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(x)));

@@ -93,6 +93,9 @@ def inputs(n, in_features, seed, kind="random"):
         x[:, 3] = 80.0
     if kind == "zero-block":
         x[:, :32] = 0
+    if kind == "ties":  # each block's scale exactly 1 and its values halfway between codes: rounded to even
+        x = (torch.randint(-120, 120, (n, in_features), generator=g) + 0.5).float()
+        x[:, ::32] = 127.0
     return x
 
 
@@ -152,7 +155,7 @@ def test_interleaved_rows_match_reference_with_the_same_bits_on_every_path_and_a
     paths = isas()  # builds or loads the kernels
     ops = torch.ops.rungen_ggml
     cases = [(8, 1, "random", "random"), (64, 3, "extremes", "outlier"), (40, 17, "zero-block", "zero-block"),
-             (16, 37, "zeros", "random"), (24, 6, "random", "outlier")]
+             (16, 37, "zeros", "random"), (24, 6, "random", "outlier"), (8, 5, "random", "ties")]
     for seed, ((rows, n, weights, xs), in_features) in enumerate(itertools.product(cases, (512, 544))):
         blocks = blocks_for(qtype, rows, in_features, seed, weights)
         weight = dequantize(blocks, qtype, in_features)
