@@ -23,7 +23,7 @@ import weakref
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from .ggml import GGMLLinear, concat, native_kernels
+from .ggml import GGMLLinear, concat, native_kernels, release_freed_memory
 from .kvcache import GrowingLayer
 
 # Decoder layers whose forward is LlamaDecoderLayer's: pre-norm attention with rotary q/k, then a SiLU-gated
@@ -139,11 +139,12 @@ def fuse_decoder_layers(model: torch.nn.Module) -> int:
     if not fusable(model):
         return 0
     layers, replaced = model.model.layers, 0
-    for index, layer in enumerate(layers):
-        fused = FusedDecoderLayer.fuse(layer)
+    for index in range(len(layers)):
+        fused = FusedDecoderLayer.fuse(layers[index])
         if fused is not None:
-            layers[index] = fused
+            layers[index] = fused  # the separate q/k/v and gate/up leave with the layer
             replaced += 1
+            release_freed_memory()
     DecoderStack.install(model)
     return replaced
 

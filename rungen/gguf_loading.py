@@ -38,7 +38,7 @@ import torch
 
 from .decoder import FUSED_WEIGHTS, fusable, fuse_decoder_layers
 from .errors import UsageError
-from .ggml import SUPPORTED, X8, GGMLLinear, dequantize, interleavable, native_kernels
+from .ggml import SUPPORTED, X8, GGMLLinear, dequantize, interleavable, native_kernels, release_freed_memory
 
 logger = logging.getLogger("run_generation")
 
@@ -391,19 +391,20 @@ def build_model(header: GGUFHeader, dtype: torch.dtype) -> torch.nn.Module:
             order = _row_permutation(processor, name, shape[0])
             embedding = isinstance(module, torch.nn.Embedding)
             interleave = (not embedding or module_name == tied_embedding) and interleavable(qtype, shape[0])
-            if order is not False and (hf_name.endswith(fused) or interleave):
-                blocks = np.fromfile(header.path, dtype=np.uint8, count=nbytes, offset=offset).reshape(shape)
             if order is not False:
-                rows = torch.from_numpy(blocks if order is None else np.ascontiguousarray(blocks[order]))
-                if embedding:
+                if interleave and order is None:
+                    rows = read_interleaved(header.path, offset, shape, qtype)
+                else:
+                    if hf_name.endswith(fused) or interleave:
+                        blocks = np.fromfile(header.path, dtype=np.uint8, count=nbytes, offset=offset).reshape(shape)
+                    rows = torch.from_numpy(blocks if order is None else np.ascontiguousarray(blocks[order]))
                     if interleave:
                         rows = torch.ops.rungen_ggml.interleave(rows, int(qtype))
+                if embedding:
                     layers[module_name] = GGMLEmbedding(rows, qtype, in_features, dtype,
                                                         getattr(module, "embed_scale", None), interleaved=interleave)
                 else:  # GGUF rows are output channels, also for GPT-2's transposed Conv1D
-                    layers[module_name] = GGMLLinear(rows, qtype, in_features)
-                    if interleave:
-                        layers[module_name].interleave()
+                    layers[module_name] = GGMLLinear(rows, qtype, in_features, interleaved=interleave)
                 continue
         # A transform only float values can take: this tensor alone is de-quantized, as transformers does.
         logger.info("GGUF tensor %s (%s) de-quantized to float: its layout needs it", name, qtype.name)
@@ -430,6 +431,36 @@ def build_model(header: GGUFHeader, dtype: torch.dtype) -> torch.nn.Module:
                         + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
     model.eval()
     return model
+
+
+READ_CHUNK = 4 << 20  # bytes of a weight read and interleaved at a time
+
+
+def read_interleaved(path: str, offset: int, shape, qtype) -> torch.Tensor:
+    """The blocks [rows, row bytes] at `offset` of the file, with their rows interleaved eight by eight for the
+    kernels (rungen.ggml.GGMLLinear.interleave), read a few MB at a time straight into that layout: no copy of
+    the whole weight in the file's order is held, and what the reading freed goes back to the system."""
+    rows, row_bytes = shape
+    out = torch.empty(rows // 8, 8 * row_bytes, dtype=torch.uint8)
+    step = max(8, READ_CHUNK // row_bytes // 8 * 8)
+    buffer = np.empty(min(step, rows) * row_bytes, dtype=np.uint8)
+    with open(path, "rb", buffering=0) as f:
+        for start in range(0, rows, step):
+            count = min(step, rows - start)
+            part = memoryview(buffer)[: count * row_bytes]
+            f.seek(offset + start * row_bytes)
+            done = 0
+            while done < len(part):
+                got = f.readinto(part[done:])
+                if not got:
+                    raise GGUFError(f"{path}: truncated (a tensor ends at byte {offset + rows * row_bytes}, "
+                                    f"after the end of the file)")
+                done += got
+            chunk = torch.from_numpy(buffer[: count * row_bytes]).view(count, row_bytes)
+            out[start // 8 : (start + count) // 8] = torch.ops.rungen_ggml.interleave(chunk, int(qtype))
+    del buffer, chunk
+    release_freed_memory()
+    return out
 
 
 def _in_features(qtype, bytes_per_row: int) -> int:

@@ -18,6 +18,7 @@ from gguf import GGML_QUANT_SIZES, GGUFWriter, quants
 from gguf import GGMLQuantizationType as Q
 
 import run_generation
+from rungen import gguf_loading
 from rungen.decoder import FusedDecoderLayer, products_one_by_one
 from rungen.ggml import INTERLEAVED_TYPES, SUPPORTED, GGMLLinear, native_kernels
 from rungen.gguf_loading import CastLinear, GGMLEmbedding, GGUFHeader, build_model, metadata_parsed_once
@@ -278,6 +279,23 @@ def test_corrupt_and_truncated_files_fail_in_one_line(gguf_files, tmp_path, caps
     for path in (corrupt, truncated):
         code, line = error_of(["--model_name_or_path", str(path), "--prompt", "Hi"], capsys)
         assert code == 2 and line.startswith(f"run_generation.py: error: {path}")
+
+
+def test_interleaved_weights_are_read_a_chunk_at_a_time_into_their_layout(tmp_path, monkeypatch):
+    # The loader reads a Q4_0/Q4_1/Q8_0 weight straight into the kernels' layout, a few MB at a time; chunks
+    # that split the rows give the layout of the whole, and a file that ends early is an error, not zeros.
+    if not native_kernels():
+        pytest.skip("weights are interleaved only for the native kernels")
+    rng = np.random.default_rng(3)
+    blocks = quants.quantize(rng.standard_normal((40, 256)).astype(np.float32), Q.Q4_1)
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"header" + blocks.tobytes())
+    expected = torch.ops.rungen_ggml.interleave(torch.from_numpy(blocks), int(Q.Q4_1))
+    monkeypatch.setattr(gguf_loading, "READ_CHUNK", 16 * blocks.shape[1])  # 16 rows a chunk: 16, 16 and 8
+    assert torch.equal(gguf_loading.read_interleaved(str(path), 6, blocks.shape, Q.Q4_1), expected)
+    path.write_bytes(b"header" + blocks.tobytes()[:-10])
+    with pytest.raises(gguf_loading.GGUFError, match="truncated"):
+        gguf_loading.read_interleaved(str(path), 6, blocks.shape, Q.Q4_1)
 
 
 def test_unsupported_type_fails_in_one_line(tokenizer_fields, tmp_path, capsys):
