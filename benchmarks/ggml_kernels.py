@@ -1,13 +1,15 @@
 """Per-layer speed of the GGUF block kernels on the default model's own weights, beside torch's kernels.
 
-    python -m benchmarks.ggml_kernels [--threads 2] [--repeats 200] [--crossover]
+    python -m benchmarks.ggml_kernels [--threads 2] [--repeats 200] [--crossover] [--layouts]
 
-Each row is one of the default model's weight shapes, as the file holds it (Q4_1 linears, the Q8_0
-tied head): microseconds per call at one token, and the weight bytes read per second. Beside it,
+Each row is one of the default model's weight shapes (Q4_1 linears, the Q8_0 tied head), as the tool holds it
+(rows interleaved eight by eight, rungen.ggml.GGMLLinear.interleave): microseconds per call at one token, and
+the weight bytes read per second. Beside it,
 torch's int4 kernel on the same weight (rungen.quantize's Int4Linear, bfloat16 activations) and, for
 the head, fbgemm's float16 (Fp16Linear). Calls of the modes alternate, each figure a median, as the
 machine may be shared. --crossover times the integer kernel against de-quantized float tiles with torch's
-matmul for growing numbers of tokens: where the second wins is where rungen_ggml.mm switches.
+matmul for growing numbers of tokens: where the second wins is where rungen_ggml.mm switches. --layouts times
+the file's row-major blocks against the interleaved ones at 1, 4, 16 and 64 tokens.
 """
 
 import argparse
@@ -20,7 +22,7 @@ import gguf
 import torch
 
 from benchmarks.common import cpu_flags
-from rungen.ggml import dequantize, native_kernels
+from rungen.ggml import X8, dequantize, interleavable, native_kernels
 from rungen.loading import default_model_file
 from rungen.quantize import Int4Linear, head_class
 
@@ -53,6 +55,7 @@ def main():
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--crossover", action="store_true")
+    parser.add_argument("--layouts", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not native_kernels():
@@ -77,11 +80,30 @@ def main():
                 theirs, label = Int4Linear(weight, None), "int4pack (bf16)"
                 their_bytes = theirs.packed.numel() + theirs.scales_and_zeros.numel() * 2  # uint8, bfloat16
             x = torch.randn(1, in_features)
-            mine, torchs = interleaved([functools.partial(ops.mm, x, blocks, int(qtype), in_features),
+            held, code = blocks, int(qtype)
+            if interleavable(qtype, rows):
+                held, code = ops.interleave(blocks, int(qtype)), int(qtype) | X8
+            mine, torchs = interleaved([functools.partial(ops.mm, x, held, code, in_features),
                                         functools.partial(theirs, x)], args.repeats)
             print(f"| {name} | {qtype.name} | {rows} x {in_features} | {mine * 1e6:.0f} | "
                   f"{blocks.numel() / mine / 1e9:.1f} | {torchs * 1e6:.0f} | {label} | "
                   f"{their_bytes / torchs / 1e9:.1f} | {torchs / mine:.2f}x |")
+        if args.layouts:
+            print("")
+            print("| weight | type | out x in | tokens | row-major µs | interleaved µs | ratio |")
+            print("| --- | --- | --- | ---: | ---: | ---: | ---: |")
+            for name in SHAPES:
+                tensor = tensors[name]
+                blocks = torch.from_numpy(tensor.data.copy())
+                qtype, rows, in_features = tensor.tensor_type, blocks.shape[0], int(tensor.shape[0])
+                x8 = ops.interleave(blocks, int(qtype))
+                for n in (1, 4, 16, 64):
+                    x = torch.randn(n, in_features)
+                    a, b = interleaved([functools.partial(ops.mm_int, x, blocks, int(qtype), in_features),
+                                        functools.partial(ops.mm_int, x, x8, int(qtype) | X8, in_features)],
+                                       max(10, args.repeats // max(1, n // 4)))
+                    print(f"| {name} | {qtype.name} | {rows} x {in_features} | {n} | {a * 1e6:.0f} | {b * 1e6:.0f} | "
+                          f"{a / b:.2f}x |")
         if args.crossover:
             print("")
             print("| weight | tokens | integer kernel µs | float tiles + matmul µs | tiles / integer |")
@@ -89,7 +111,8 @@ def main():
             for name in ("blk.0.ffn_gate.weight", "blk.0.ffn_down.weight"):
                 tensor = tensors[name]
                 blocks = torch.from_numpy(tensor.data.copy())
-                qtype, in_features = int(tensor.tensor_type), int(tensor.shape[0])
+                qtype, in_features = int(tensor.tensor_type) | X8, int(tensor.shape[0])
+                blocks = ops.interleave(blocks, qtype & ~X8)  # as the tool holds them
                 for n in (1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256):
                     x = torch.randn(n, in_features)
                     a, b = interleaved([functools.partial(ops.mm_int, x, blocks, qtype, in_features),
