@@ -68,8 +68,7 @@ int64_t block_bytes(int64_t qtype) {
 
 // The activations of n tokens, quantized per block of 32: codes q [n, K], scale d [n, K/32] (q * d ~ x),
 // s = d * sum(q) per 32 [n, K/32] (what a block's offset multiplies), s16 = d * sum(q) per 16 [n, K/16], and
-// s4: s of each whole group of four tokens, the four side by side [n/4, K/32, 4] (one vector a block), and
-// for the 512-bit path d16: each pair of blocks' two scales, each eight times [n, K/64, 16] (one vector a pair).
+// s4: s of each whole group of four tokens, the four side by side [n/4, K/32, 4] (one vector a block).
 struct Act {
   int64_t n;
   const int8_t* q;
@@ -77,7 +76,6 @@ struct Act {
   const float* s;
   const float* s16;
   const float* s4;
-  const float* d16;
 };
 
 struct Job {
@@ -375,17 +373,15 @@ struct QuantizedX {
 const Act& quantize_activations(const float* xp, int64_t n, int64_t k) {
   static thread_local QuantizedX r;
   const int64_t nb = k / 32;
-  // d, s, s16 (2), s4, d16 (8), then the codes; d16 and the codes start on a cache line (64 bytes), so that
-  // the 512-bit loads of a token's blocks do not straddle two lines.
-  const size_t floats = size_t(n * nb * 13) + size_t(n * k + 3) / 4 + 48;
+  // d, s, s16 (2), s4, then the codes, which start on a cache line (64 bytes).
+  const size_t floats = size_t(n * nb * 5) + size_t(n * k + 3) / 4 + 32;
   if (r.buffer.size() < floats) r.buffer.resize(floats);
   const auto line = [](float* p) { return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63)); };
   float* d = r.buffer.data();
   float* s = d + n * nb;
   float* s16 = s + n * nb;
   float* s4 = s16 + 2 * n * nb;
-  float* d16 = line(s4 + n * nb);
-  int8_t* q = reinterpret_cast<int8_t*>(line(d16 + 8 * n * nb));
+  int8_t* q = reinterpret_cast<int8_t*>(line(s4 + n * nb));
   const auto blocks_fn = current_isa == VNNI ? vnni::quantize_blocks
                         : current_isa == AVX2 ? avx2::quantize_blocks
                                               : scalar::quantize_blocks;
@@ -393,11 +389,7 @@ const Act& quantize_activations(const float* xp, int64_t n, int64_t k) {
   for (int64_t g = 0; g < n / 4; ++g)
     for (int64_t b = 0; b < nb; ++b)
       for (int64_t i = 0; i < 4; ++i) s4[(g * nb + b) * 4 + i] = s[(4 * g + i) * nb + b];
-  if (current_isa == VNNI)
-    for (int64_t t = 0; t < n; ++t)
-      for (int64_t p = 0; p < nb / 2; ++p)
-        for (int64_t i = 0; i < 16; ++i) d16[(t * (nb / 2) + p) * 16 + i] = d[t * nb + 2 * p + i / 8];
-  r.act = Act{n, q, d, s, s16, s4, d16};
+  r.act = Act{n, q, d, s, s16, s4};
   return r.act;
 }
 

@@ -1,6 +1,7 @@
 // The SIMD kernels, compiled once per instruction set: ggml_kernels.cpp includes this file inside a
 // namespace under `#pragma GCC target(...)`, with GGML_VNNI defined (AVX-512 VNNI, 256-bit registers) or
-// not (AVX2). Only the 8-bit dot product of 32 codes differs between the two; everything else is AVX2.
+// not (AVX2). Only the 8-bit dot products differ between the two (maddubs and madd, or vpdpbusd); everything
+// else is AVX2.
 // It relies on what ggml_kernels.cpp defines before including it: Act, KRow, the block sizes.
 
 static inline float hsum(__m256 v) {
@@ -94,118 +95,13 @@ static void dot_q4(const uint8_t* row, int64_t nblocks, const int8_t* const* xq,
   for (int t = 0; t < NT; ++t) out[t] = hsum(_mm256_add_ps(acc0[t], acc1[t])) + mins[t];
 }
 
-#ifdef GGML_VNNI
-// dot_q4 on 512-bit registers: a register holds a pair of blocks, the even block in its low half and the odd
-// one in its high half, which are dot_q4's two accumulators lane for lane. Each token's float operations are
-// dot_q4's, in its order (the pair's scale products d * dx come from a.d16, the same products), so both give
-// the same bits; per pair of blocks and token this is four operations where dot_q4 takes eight.
-static inline __m512 halves(__m256 low, __m256 high) {
-  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(low)), _mm256_castps_pd(high), 1));
-}
 
-template <bool HAS_MIN, int NT>
-static void dot_q4_pairs(const uint8_t* row, int64_t nblocks, const int8_t* const* xq, const float* const* xd,
-                         const float* const* xd16, const float* const* xs, float* out) {
-  // NT 1: xs[0] is the token's s [nb]; NT 4, 8, 16: xs[g] is group g's s4 [nb][4]. Unpacking a pair of blocks
-  // and their scales costs more than a token's share of work: sixteen tokens a pass make it a small part.
-  static_assert(NT == 1 || NT % 4 == 0, "one token or groups of four");
-  constexpr int G = NT / 4 > 0 ? NT / 4 : 1;
-  const int64_t bytes = HAS_MIN ? 20 : 18;
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  __m512 acc[NT];
-  for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
-  float mins1 = 0.f;
-  __m128 mins4[G];
-  for (int g = 0; g < G; ++g) mins4[g] = _mm_setzero_ps();
-  int64_t b = 0;
-  for (; b + 1 < nblocks; b += 2) {
-    const uint8_t* p0 = row + b * bytes;
-    const uint8_t* p1 = p0 + bytes;
-    const float d0 = half_to_float(p0), d1 = half_to_float(p1);
-    const float m0 = HAS_MIN ? half_to_float(p0 + 2) : -8.f * d0;
-    const float m1 = HAS_MIN ? half_to_float(p1 + 2) : -8.f * d1;
-    const __m128i n0 = _mm_loadu_si128((const __m128i*)(p0 + bytes - 16));
-    const __m128i n1 = _mm_loadu_si128((const __m128i*)(p1 + bytes - 16));
-    const __m256i w0 = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(n0, 4), n0), low);
-    const __m256i w1 = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(n1, 4), n1), low);
-    const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1);
-    const __m512 dw = halves(_mm256_set1_ps(d0), _mm256_set1_ps(d1));
-    for (int t = 0; t < NT; ++t) {
-      const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(xq[t] + b * 32));
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_loadu_ps(xd16[t] + b * 8)), acc[t]);
-    }
-    if (NT == 1) {
-      mins1 += m0 * xs[0][b] + m1 * xs[0][b + 1];
-    } else {
-      const __m128 mv0 = _mm_set1_ps(m0), mv1 = _mm_set1_ps(m1);
-      for (int g = 0; g < G; ++g)
-        mins4[g] = _mm_add_ps(mins4[g], _mm_add_ps(_mm_mul_ps(mv0, _mm_loadu_ps(xs[g] + 4 * b)),
-                                                   _mm_mul_ps(mv1, _mm_loadu_ps(xs[g] + 4 * b + 4))));
-    }
-  }
-  __m256 acc0[NT], acc1[NT];
-  for (int t = 0; t < NT; ++t) {
-    acc0[t] = _mm512_castps512_ps256(acc[t]);
-    acc1[t] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[t]), 1));
-  }
-  if (b < nblocks) {  // an odd last block: the even accumulator's, as in dot_q4
-    const uint8_t* p = row + b * bytes;
-    const float d = half_to_float(p);
-    const float m = HAS_MIN ? half_to_float(p + 2) : -8.f * d;
-    const __m128i n = _mm_loadu_si128((const __m128i*)(p + bytes - 16));
-    const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(n, 4), n), low);
-    const __m256 dv = _mm256_set1_ps(d);
-    for (int t = 0; t < NT; ++t) {
-      const __m256i s = dot_u8s8(w, _mm256_loadu_si256((const __m256i*)(xq[t] + b * 32)));
-      acc0[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dv, _mm256_broadcast_ss(xd[t] + b)), acc0[t]);
-    }
-    if (NT == 1)
-      mins1 += m * xs[0][b];
-    else
-      for (int g = 0; g < G; ++g) mins4[g] = _mm_add_ps(mins4[g], _mm_mul_ps(_mm_set1_ps(m), _mm_loadu_ps(xs[g] + 4 * b)));
-  }
-  float mins[4 * G];
-  for (int g = 0; g < G; ++g) _mm_storeu_ps(mins + 4 * g, mins4[g]);
-  if (NT == 1) mins[0] = mins1;
-  for (int t = 0; t < NT; ++t) out[t] = hsum(_mm256_add_ps(acc0[t], acc1[t])) + mins[t];
-}
-
-// One row of Q4_0/Q4_1 against every token on 512-bit registers: sixteen tokens a pass, then fours, then ones.
-template <bool HAS_MIN, int NT>
-static int64_t q4_pairs_pass(const uint8_t* row, int64_t nb, const Act& a, int64_t k, float* y, int64_t stride,
-                             int64_t first, int64_t t, int64_t end) {
-  for (; t + NT <= end; t += NT) {
-    const int8_t* xq[NT];
-    const float *xd[NT], *xd16[NT], *xs[NT / 4 > 0 ? NT / 4 : 1];
-    for (int i = 0; i < NT; ++i) {
-      xq[i] = a.q + (t + i) * k;
-      xd[i] = a.d + (t + i) * nb;
-      xd16[i] = a.d16 + (t + i) * (nb / 2) * 16;
-    }
-    if (NT == 1)
-      xs[0] = a.s + t * nb;
-    else
-      for (int g = 0; g < NT / 4; ++g) xs[g] = a.s4 + (t + 4 * g) * nb;
-    float out[NT];
-    dot_q4_pairs<HAS_MIN, NT>(row, nb, xq, xd, xd16, xs, out);
-    for (int i = 0; i < NT; ++i) y[(t + i - first) * stride] = out[i];
-  }
-  return t;
-}
-#endif
-
-// One row of Q4_0/Q4_1 against tokens [first, end) (first a multiple of four), four tokens a pass (on 512-bit
-// registers sixteen, then fours, then ones); token u's output goes to y[(u - first) * stride].
+// One row of Q4_0/Q4_1 against tokens [first, end) (first a multiple of four), four tokens a pass; token u's
+// output goes to y[(u - first) * stride].
 template <bool HAS_MIN>
 static void q4_row(const uint8_t* row, int64_t nb, const Act& a, int64_t k, float* y, int64_t stride,
                    const int64_t first, int64_t end) {
   int64_t t = first;
-#ifdef GGML_VNNI
-  t = q4_pairs_pass<HAS_MIN, 16>(row, nb, a, k, y, stride, first, t, end);
-  t = q4_pairs_pass<HAS_MIN, 4>(row, nb, a, k, y, stride, first, t, end);
-  q4_pairs_pass<HAS_MIN, 1>(row, nb, a, k, y, stride, first, t, end);
-  return;
-#endif
   for (; t + 4 <= end; t += 4) {
     const int8_t* xq[4];
     const float* xd[4];
