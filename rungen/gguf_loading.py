@@ -38,7 +38,7 @@ import torch
 
 from .decoder import FUSED_WEIGHTS, fusable, fuse_decoder_layers
 from .errors import UsageError
-from .ggml import SUPPORTED, X8, GGMLLinear, dequantize, interleavable, native_kernels, release_freed_memory
+from .ggml import SUPPORTED, X8, GGMLLinear, dequantize, interleavable, native_kernels
 
 logger = logging.getLogger("run_generation")
 
@@ -349,6 +349,7 @@ def build_model(header: GGUFHeader, dtype: torch.dtype) -> torch.nn.Module:
         if not any(names.get(name) == head_name for name in in_file):
             embedding = model.get_input_embeddings()
             tied_embedding = next(n for n, m in model.named_modules() if m is embedding)
+    scratch = np.empty(READ_CHUNK, dtype=np.uint8)  # read_interleaved's buffer, for every weight
     collected = {"tensors": {}}  # what processors that merge or split tensors (MoE experts) leave
     biases = {}  # module name -> bias, given to the layer that ends up there
     layers = {}  # module name -> the layer that replaces the model's own
@@ -393,7 +394,7 @@ def build_model(header: GGUFHeader, dtype: torch.dtype) -> torch.nn.Module:
             interleave = (not embedding or module_name == tied_embedding) and interleavable(qtype, shape[0])
             if order is not False:
                 if interleave and order is None:
-                    rows = read_interleaved(header.path, offset, shape, qtype)
+                    rows = read_interleaved(header.path, offset, shape, qtype, scratch)
                 else:
                     if hf_name.endswith(fused) or interleave:
                         blocks = np.fromfile(header.path, dtype=np.uint8, count=nbytes, offset=offset).reshape(shape)
@@ -436,18 +437,20 @@ def build_model(header: GGUFHeader, dtype: torch.dtype) -> torch.nn.Module:
 READ_CHUNK = 4 << 20  # bytes of a weight read and interleaved at a time
 
 
-def read_interleaved(path: str, offset: int, shape, qtype) -> torch.Tensor:
+def read_interleaved(path: str, offset: int, shape, qtype, scratch: np.ndarray | None = None) -> torch.Tensor:
     """The blocks [rows, row bytes] at `offset` of the file, with their rows interleaved eight by eight for the
-    kernels (rungen.ggml.GGMLLinear.interleave), read a few MB at a time straight into that layout: no copy of
-    the whole weight in the file's order is held, and what the reading freed goes back to the system."""
+    kernels (rungen.ggml.GGMLLinear.interleave), read a few MB at a time straight into that layout. `scratch`:
+    a uint8 buffer of READ_CHUNK bytes to read into, kept from call to call; no copy of the whole weight in the
+    file's order is ever held (its freed space would stay in the process's heap)."""
     rows, row_bytes = shape
     out = torch.empty(rows // 8, 8 * row_bytes, dtype=torch.uint8)
     step = max(8, READ_CHUNK // row_bytes // 8 * 8)
-    buffer = np.empty(min(step, rows) * row_bytes, dtype=np.uint8)
+    if scratch is None or len(scratch) < step * row_bytes:
+        scratch = np.empty(step * row_bytes, dtype=np.uint8)
     with open(path, "rb", buffering=0) as f:
         for start in range(0, rows, step):
             count = min(step, rows - start)
-            part = memoryview(buffer)[: count * row_bytes]
+            part = memoryview(scratch)[: count * row_bytes]
             f.seek(offset + start * row_bytes)
             done = 0
             while done < len(part):
@@ -456,10 +459,8 @@ def read_interleaved(path: str, offset: int, shape, qtype) -> torch.Tensor:
                     raise GGUFError(f"{path}: truncated (a tensor ends at byte {offset + rows * row_bytes}, "
                                     f"after the end of the file)")
                 done += got
-            chunk = torch.from_numpy(buffer[: count * row_bytes]).view(count, row_bytes)
-            out[start // 8 : (start + count) // 8] = torch.ops.rungen_ggml.interleave(chunk, int(qtype))
-    del buffer, chunk
-    release_freed_memory()
+            chunk = torch.from_numpy(scratch[: count * row_bytes]).view(count, row_bytes)
+            torch.ops.rungen_ggml.interleave(chunk, int(qtype), out[start // 8 : (start + count) // 8])
     return out
 
 

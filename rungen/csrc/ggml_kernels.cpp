@@ -492,9 +492,10 @@ at::Tensor dequantize(const at::Tensor& blocks, int64_t qtype, int64_t in_featur
 }
 
 // Tokens from which a product goes through de-quantized float tiles and torch's matmul rather than the
-// integer kernel. Off by default: the tiles are faster from about 16 tokens (docs/kernels.md), but their float
-// sums come in another order, and a token's product must not depend on how many others share the call (a
-// greedy sequence would change with its batch). Settable for benchmarks.
+// integer kernel. Off by default: the tiles are slower than the interleaved integer kernel at every size
+// measured (docs/kernels.md), and their float sums come in another order, while a token's product must not
+// depend on how many others share the call (a greedy sequence would change with its batch). Settable for
+// benchmarks (benchmarks.perplexity's unrounded activations).
 int64_t tile_threshold = std::numeric_limits<int64_t>::max();
 
 at::Tensor mm_tiled(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype, int64_t in_features) {
@@ -1052,8 +1053,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decoder
 }
 
 // Q4_0/Q4_1/Q8_0 blocks [rows, row bytes] (rows a multiple of 8; rows may be strided) in the X8 layout
-// [rows / 8, 8 * row bytes]: the same bytes, rearranged (see X8).
-at::Tensor interleave(const at::Tensor& blocks, int64_t qtype) {
+// [rows / 8, 8 * row bytes]: the same bytes, rearranged (see X8); into `out` when given (contiguous, that shape).
+at::Tensor interleave(const at::Tensor& blocks, int64_t qtype, const c10::optional<at::Tensor>& out_in) {
   TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0,
               "rungen_ggml: only Q4_0, Q4_1 and Q8_0 rows are interleaved");
   TORCH_CHECK(blocks.dtype() == at::kByte && blocks.dim() == 2 && blocks.stride(1) == 1 && blocks.size(0) % 8 == 0,
@@ -1061,7 +1062,10 @@ at::Tensor interleave(const at::Tensor& blocks, int64_t qtype) {
   const int64_t bytes = block_bytes(qtype), head = qtype == Q4_1 ? 4 : 2, nb = blocks.size(1) / bytes;
   const int64_t groups_of_4 = qtype == Q8_0 ? 8 : 4;  // four-byte pieces of a row's codes
   TORCH_CHECK(blocks.size(1) == nb * bytes, "rungen_ggml: rows are not whole blocks");
-  at::Tensor out = at::empty({blocks.size(0) / 8, 8 * blocks.size(1)}, blocks.options());
+  at::Tensor out = out_in.has_value() ? *out_in : at::empty({blocks.size(0) / 8, 8 * blocks.size(1)}, blocks.options());
+  TORCH_CHECK(out.dtype() == at::kByte && out.dim() == 2 && out.size(0) == blocks.size(0) / 8 &&
+              out.size(1) == 8 * blocks.size(1) && out.is_contiguous(),
+              "rungen_ggml: interleave's out must be contiguous uint8 [rows / 8, 8 * row bytes]");
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   const int64_t pitch = blocks.stride(0);
@@ -1124,7 +1128,7 @@ TORCH_LIBRARY(rungen_ggml, m) {
   m.def("mm_int(Tensor x, Tensor blocks, int qtype, int in_features) -> Tensor", &mm_int);
   m.def("mm_tiled(Tensor x, Tensor blocks, int qtype, int in_features) -> Tensor", &mm_tiled);
   m.def("dequantize(Tensor blocks, int qtype, int in_features) -> Tensor", &dequantize);
-  m.def("interleave(Tensor blocks, int qtype) -> Tensor", &interleave);
+  m.def("interleave(Tensor blocks, int qtype, Tensor? out=None) -> Tensor", &interleave);
   m.def("embed(Tensor blocks, int qtype, int in_features, Tensor ids) -> Tensor", &embed);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("rope_split(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads) -> Tensor[]", &rope_split);
