@@ -318,7 +318,8 @@ def _set_tensor(model, hf_name: str, value: torch.Tensor):
 
 
 def build_model(header: GGUFHeader, dtype: torch.dtype) -> torch.nn.Module:
-    """The causal LM of `header`'s config, every weight a view of the file (see the module docstring)."""
+    """The causal LM of `header`'s config over the file's weights: views of its map, or read and interleaved for
+    the kernels (see the module docstring)."""
     from accelerate import init_empty_weights
     from gguf import GGMLQuantizationType
     from transformers import AutoModelForCausalLM
