@@ -118,6 +118,27 @@ inline float half_bits_to_float(const uint8_t* p) {
   return c10::detail::fp16_ieee_to_fp32_value(h);
 }
 
+// One row's block in the X8 layout (p: the group's block, lane: the row in the group): its 32 codes in the
+// block's order (Q4_0/Q4_1 unsigned 0..15, Q8_0 signed), its scale d and offset m (m = -8 d for Q4_0, 0 for
+// Q8_0): the weights are d * code + m.
+inline void x8_block(const uint8_t* p, int64_t base, int64_t lane, int32_t* codes, float& d, float& m) {
+  d = half_bits_to_float(p + 2 * lane);
+  if (base == Q8_0) {
+    m = 0.f;
+    for (int j = 0; j < 8; ++j)
+      for (int i = 0; i < 4; ++i) codes[4 * j + i] = int8_t(p[16 + 32 * j + 4 * lane + i]);
+    return;
+  }
+  const int64_t head = base == Q4_1 ? 32 : 16;
+  m = base == Q4_1 ? half_bits_to_float(p + 16 + 2 * lane) : -8.f * d;
+  for (int j = 0; j < 4; ++j)
+    for (int i = 0; i < 4; ++i) {
+      const uint8_t byte = p[head + 32 * j + 4 * lane + i];
+      codes[4 * j + i] = byte & 0x0F;
+      codes[16 + 4 * j + i] = byte >> 4;
+    }
+}
+
 // ---------------------------------------------------------------------------------------------------
 // Portable path: the same integer arithmetic, plain loops.
 namespace scalar {
@@ -242,9 +263,9 @@ void quantize_blocks(const float* xp, int64_t b0, int64_t b1, int8_t* q, float* 
 // X8 groups [g0, g1): each row and token as x8_group computes them, one row at a time.
 void x8_rows(const Job& job, int64_t g0, int64_t g1) {
   const Act& a = *job.act;
-  const int64_t nb = job.in_features / 32, base = job.qtype & ~X8;
-  const bool has_min = base == Q4_1, q8 = base == Q8_0;
-  const int64_t bytes = 8 * block_bytes(base), head = has_min ? 32 : 16;
+  const int64_t nb = job.in_features / 32, base = job.qtype & ~X8, bytes = 8 * block_bytes(base);
+  int32_t codes[32];
+  float d, m;
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* group = job.blocks + g * job.pitch;
     for (int64_t lane = 0; lane < 8; ++lane)
@@ -252,23 +273,11 @@ void x8_rows(const Job& job, int64_t g0, int64_t g1) {
         const int8_t* xq = a.q + t * job.in_features;
         float acc = 0.f;
         for (int64_t b = 0; b < nb; ++b) {
-          const uint8_t* p = group + b * bytes;
-          const float d = half_bits_to_float(p + 2 * lane);
+          x8_block(group + b * bytes, base, lane, codes, d, m);
           int32_t dot = 0;
-          if (q8) {
-            for (int j = 0; j < 8; ++j)
-              for (int i = 0; i < 4; ++i) dot += int32_t(int8_t(p[16 + 32 * j + 4 * lane + i])) * xq[b * 32 + 4 * j + i];
-            acc = std::fma(float(dot), d * a.d[t * nb + b], acc);
-            continue;
-          }
-          const float m = has_min ? half_bits_to_float(p + 16 + 2 * lane) : -8.f * d;
-          for (int j = 0; j < 4; ++j)
-            for (int i = 0; i < 4; ++i) {
-              const uint8_t byte = p[head + 32 * j + 4 * lane + i];
-              dot += int32_t(byte & 0x0F) * xq[b * 32 + 4 * j + i] + int32_t(byte >> 4) * xq[b * 32 + 16 + 4 * j + i];
-            }
+          for (int i = 0; i < 32; ++i) dot += codes[i] * xq[b * 32 + i];
           acc = std::fma(float(dot), d * a.d[t * nb + b], acc);
-          acc = std::fma(m, a.s[t * nb + b], acc);
+          if (base != Q8_0) acc = std::fma(m, a.s[t * nb + b], acc);
         }
         job.y[t * job.out_features + 8 * g + lane] = acc;
       }
@@ -419,27 +428,14 @@ at::Tensor mm_int(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtyp
 void dequantize_rows(const uint8_t* blocks, int64_t pitch, int64_t qtype, int64_t k, int64_t r0, int64_t r1,
                      float* out) {
   if (qtype & X8) {
-    const int64_t base = qtype & ~X8;
-    const bool has_min = base == Q4_1;
-    const int64_t bytes = 8 * block_bytes(base), head = has_min ? 32 : 16;
+    const int64_t base = qtype & ~X8, bytes = 8 * block_bytes(base);
+    int32_t codes[32];
+    float d, m;
     for (int64_t r = r0; r < r1; ++r) {
-      const int64_t lane = r % 8;
       float* o = out + (r - r0) * k;
       for (int64_t b = 0; b < k / 32; ++b) {
-        const uint8_t* p = blocks + (r / 8) * pitch + b * bytes;
-        const float d = half_bits_to_float(p + 2 * lane);
-        if (base == Q8_0) {
-          for (int j = 0; j < 8; ++j)
-            for (int i = 0; i < 4; ++i) o[b * 32 + 4 * j + i] = d * float(int8_t(p[16 + 32 * j + 4 * lane + i]));
-          continue;
-        }
-        const float m = has_min ? half_bits_to_float(p + 16 + 2 * lane) : -8.f * d;
-        for (int j = 0; j < 4; ++j)
-          for (int i = 0; i < 4; ++i) {
-            const uint8_t byte = p[head + 32 * j + 4 * lane + i];
-            o[b * 32 + 4 * j + i] = d * float(byte & 0x0F) + m;
-            o[b * 32 + 16 + 4 * j + i] = d * float(byte >> 4) + m;
-          }
+        x8_block(blocks + (r / 8) * pitch + b * bytes, base, r % 8, codes, d, m);
+        for (int i = 0; i < 32; ++i) o[b * 32 + i] = base == Q8_0 ? d * float(codes[i]) : d * float(codes[i]) + m;
       }
     }
     return;
@@ -540,17 +536,10 @@ at::Tensor rounded_activations(const at::Tensor& x_in) {
   return r;
 }
 
-// Many tokens go through float tiles, their activations rounded as the integer kernel rounds them: a token's
-// product is then the same (up to the order of float sums) alone, in a batch of any size and in a prompt, so
-// a greedy sequence does not change with the batch it decodes in.
-at::Tensor mm(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, int64_t in_features) {
-  check_inputs(blocks, qtype, in_features);
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == in_features, "rungen_ggml: x must be [n, ", in_features, "]");
-  if (x.size(0) >= tile_threshold) return mm_tiled(rounded_activations(x), blocks, qtype, in_features);
-  return mm_int(x, blocks, qtype, in_features);
-}
-
-// mm of x [n, K] (float32, contiguous) into y, a buffer of [n, out rows].
+// x [n, K] (float32, contiguous) times the blocks' rows into y, a buffer of [n, out rows]: the integer kernel,
+// or from tile_threshold tokens float tiles, their activations rounded as the integer kernel rounds them (a
+// token's product is then the same, up to the order of float sums, alone, in a batch of any size and in a
+// prompt, so a greedy sequence does not change with the batch it decodes in).
 void mm_into(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, int64_t in_features, float* y) {
   check_inputs(blocks, qtype, in_features);
   if (x.size(0) >= tile_threshold) {
@@ -559,6 +548,14 @@ void mm_into(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, int64
     return;
   }
   product_into(x.data_ptr<float>(), x.size(0), blocks, qtype, in_features, y);
+}
+
+at::Tensor mm(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype, int64_t in_features) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == in_features, "rungen_ggml: x must be [n, ", in_features, "]");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({x.size(0), out_rows(blocks, qtype)}, x.options());
+  mm_into(x, blocks, qtype, in_features, y.data_ptr<float>());
+  return y;
 }
 
 // The small steps of a llama decoder layer around its matmuls. At one token a step each is a few hundred
