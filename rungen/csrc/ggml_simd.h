@@ -436,24 +436,23 @@ static inline __m256i scale_pairs(__m256i sc) {
   return _mm256_or_si256(_mm256_and_si256(sc, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(sc, 16));
 }
 
-// Sixteen codes of each lane (w[k]: four of them in each 32-bit lane, for activations x + 4k) against one token's
-// activations, times the lane's scale. SIGNED: w holds q - 32 (Q6_K), taken as |w| times x with w's sign.
+// Sixteen codes of each lane (four of them in each 32-bit lane for activations x + 4k: w[k], unsigned) against
+// one token's activations, times the lane's scale. SIGNED (Q6_K's q - 32): w[k] holds |q - 32| and sign[k] the
+// signed codes, whose signs the activations take.
 template <bool SIGNED>
-static inline __m256i kx8_half(const __m256i* w, const int8_t* x, __m256i sc) {
+static inline __m256i kx8_half(const __m256i* w, const __m256i* sign, const int8_t* x, __m256i sc) {
 #ifdef GGML_VNNI
   __m256i dot = _mm256_setzero_si256();
   for (int k = 0; k < 4; ++k) {
     const __m256i xs = broadcast4(x + 4 * k);
-    dot = SIGNED ? _mm256_dpbusd_epi32(dot, _mm256_abs_epi8(w[k]), _mm256_sign_epi8(xs, w[k]))
-                 : _mm256_dpbusd_epi32(dot, w[k], xs);
+    dot = _mm256_dpbusd_epi32(dot, w[k], SIGNED ? _mm256_sign_epi8(xs, sign[k]) : xs);
   }
   return _mm256_mullo_epi32(dot, sc);
 #else
   __m256i sum = _mm256_setzero_si256();
   for (int k = 0; k < 4; ++k) {
     const __m256i xs = broadcast4(x + 4 * k);
-    sum = _mm256_add_epi16(sum, SIGNED ? _mm256_maddubs_epi16(_mm256_abs_epi8(w[k]), _mm256_sign_epi8(xs, w[k]))
-                                       : _mm256_maddubs_epi16(w[k], xs));
+    sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(w[k], SIGNED ? _mm256_sign_epi8(xs, sign[k]) : xs));
   }
   return _mm256_madd_epi16(sum, scale_pairs(sc));
 #endif
@@ -482,7 +481,7 @@ static void kx8_group(const uint8_t* group, int64_t nsb, const int8_t* const* xq
     for (int64_t j = 0; j < 8; ++j) {
       const int64_t b = 8 * s + j;
       const uint8_t* nib = p + CODES + BLOCK * j;
-      __m256i lo[4], hi[4];
+      __m256i lo[4], hi[4], lo_abs[4], hi_abs[4];
       for (int k = 0; k < 4; ++k) {
         const __m256i v = _mm256_loadu_si256((const __m256i*)(nib + 32 * k));
         lo[k] = _mm256_and_si256(v, low);
@@ -505,6 +504,8 @@ static void kx8_group(const uint8_t* group, int64_t nsb, const int8_t* const* xq
           const __m256i t1 = k < 2 ? _mm256_slli_epi32(h1, 4 - 2 * k) : _mm256_srli_epi32(h1, 2 * k - 4);
           lo[k] = _mm256_sub_epi8(_mm256_or_si256(lo[k], _mm256_and_si256(t0, bits)), offset);
           hi[k] = _mm256_sub_epi8(_mm256_or_si256(hi[k], _mm256_and_si256(t1, bits)), offset);
+          lo_abs[k] = _mm256_abs_epi8(lo[k]);
+          hi_abs[k] = _mm256_abs_epi8(hi[k]);
         }
       }
       __m256i sc0, sc1;
@@ -534,7 +535,8 @@ static void kx8_group(const uint8_t* group, int64_t nsb, const int8_t* const* xq
           dot = _mm256_madd_epi16(sum, scale_pairs(sc0));
 #endif
         } else {
-          dot = _mm256_add_epi32(kx8_half<Q6>(lo, x, sc0), kx8_half<Q6>(hi, x + 16, sc1));
+          dot = Q6 ? _mm256_add_epi32(kx8_half<true>(lo_abs, lo, x, sc0), kx8_half<true>(hi_abs, hi, x + 16, sc1))
+                   : _mm256_add_epi32(kx8_half<false>(lo, lo, x, sc0), kx8_half<false>(hi, hi, x + 16, sc1));
         }
         acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_broadcast_ss(xd[t] + b)), acc[t]);
         if (!Q6) acc[t] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xs[t] + b), acc[t]);
