@@ -1,6 +1,6 @@
 """Per-layer speed of the GGUF block kernels on the default model's own weights, beside torch's kernels.
 
-    python -m benchmarks.ggml_kernels [--threads 2] [--repeats 200] [--crossover] [--layouts]
+    python -m benchmarks.ggml_kernels [--threads 2] [--repeats 200] [--crossover] [--layouts] [--isa avx2]
 
 Each row is one of the default model's weight shapes (Q4_1 linears, the Q8_0 tied head), as the tool holds it
 (rows interleaved eight by eight, rungen.ggml.GGMLLinear.interleave): microseconds per call at one token, and
@@ -90,11 +90,18 @@ def main():
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--crossover", action="store_true")
     parser.add_argument("--layouts", action="store_true")
+    parser.add_argument("--isa", help="the kernels' instruction set (avx512vnni, avx2, scalar): the CPU's best "
+                        "unless given, as the tool runs")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not native_kernels():
         sys.exit("native kernels unavailable")
     ops = torch.ops.rungen_ggml
+    if args.isa:
+        try:
+            ops.set_isa(args.isa)
+        except RuntimeError as error:
+            sys.exit(f"--isa {args.isa}: {str(error).splitlines()[0]}")
     tensors = {t.name: t for t in gguf.GGUFReader(default_model_file()).tensors}
     print(f"CPU flags: {cpu_flags()}; kernel path: {ops.isa()}; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; one token; median µs per call")
