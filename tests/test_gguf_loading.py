@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType as Q
 
 import run_generation
 from rungen import gguf_loading
-from rungen.decoder import FusedDecoderLayer, products_one_by_one
+from rungen.decoder import DecoderStack, FusedDecoderLayer, products_one_by_one
 from rungen.ggml import INTERLEAVED_TYPES, SUPPORTED, GGMLLinear, native_kernels
 from rungen.gguf_loading import CastLinear, GGMLEmbedding, GGUFHeader, build_model, metadata_parsed_once
 from rungen.loading import default_model_file
@@ -42,6 +42,8 @@ FILES = {
     # as the output head it also is) and, in the layers it gives more bits (here the last), attn_v and ffn_down.
     "q4_k_m_tied": dict(layers=[{}, {"attn_v": Q.Q6_K, "ffn_down": Q.Q6_K}], default=Q.Q4_K, embedding=Q.Q6_K,
                         output=None),
+    # llama.cpp's Q6_K: every weight Q6_K, the head its own tensor.
+    "q6_k_untied": dict(layers=[{}] * LAYERS, default=Q.Q6_K, embedding=Q.Q6_K, output=Q.Q6_K),
     # Qwen2: biases on q/k/v (F32), no q/k permutation; transformers' generic tensor processor.
     "qwen2_biases": dict(arch="qwen2", layers=[{}] * LAYERS, default=Q.Q8_0, embedding=Q.Q8_0, output=Q.Q4_K),
 }
@@ -242,6 +244,16 @@ def test_k_quant_file_runs_interleaved_with_its_tied_head(loaded):
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     assert head.blocks.data_ptr() == embedding.blocks.data_ptr() and embedding.qtype == Q.Q6_K
     assert head.interleaved == embedding.interleaved == native_kernels()
+
+
+def test_k_quant_layers_run_as_one_stack(loaded):
+    # A Q6_K file's layers fuse (q/k/v of one type) and run as one native call on the interleaved Q6_K rows
+    # (the logits test holds it to the de-quantized model).
+    _, model, _ = loaded["q6_k_untied"]
+    layers = [m for m in model.modules() if isinstance(m, GGMLLinear)]
+    assert {m.qtype for m in layers} == {Q.Q6_K} and all(m.interleaved for m in layers) == native_kernels()
+    assert all(isinstance(layer, FusedDecoderLayer) for layer in model.model.layers)
+    assert isinstance(model.model.forward, DecoderStack) == native_kernels()
 
 
 def test_untied_file_has_its_own_head(loaded):
