@@ -2,7 +2,8 @@
 // namespace under `#pragma GCC target(...)`, with GGML_VNNI defined (AVX-512 VNNI, 256-bit registers) or
 // not (AVX2). Only the 8-bit dot products differ between the two (maddubs and madd, or vpdpbusd); everything
 // else is AVX2.
-// It relies on what ggml_kernels.cpp defines before including it: Act, KRow, the block sizes.
+// It relies on what ggml_kernels.cpp defines before including it: Act, KRow, the block sizes, the code kinds and
+// the unpacking of the types it has no SIMD unpacking for (scalar::unpack_block).
 
 static inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -219,18 +220,23 @@ static void unpack_q6_k(const uint8_t* sb, KRow& r, int64_t s) {
   }
 }
 
-// One unpacked k-quant row against one token. SCALED (Q6_K): the int16 products of maddubs are weighted by
-// the sub-block's int8 scale in madd (2 * 16002 * 128 fits int32).
-template <bool SCALED>
-static float dot_krow(const KRow& r, int64_t nblocks, const int8_t* xq, const float* xd, const float* xs16) {
+// One unpacked row against one token (scalar::dot_krow computes the same bits lane by lane). KIND SCALED16
+// (Q2_K, Q3_K, Q6_K): the int16 products of maddubs are weighted by the sub-block's integer scale in madd
+// (2 * 16002 * 128 fits int32); SIGNED (IQ4's values): as Q8_0's codes, |w| times x with w's sign (maddubs's pairs
+// at most 2 * 127 * 127). OFFSETS: whether the row has wm to add (all but the signed types).
+template <int KIND>
+static float dot_krow(const KRow& r, int64_t nblocks, bool offsets, const int8_t* xq, const float* xd,
+                      const float* xs16) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   for (int64_t b = 0; b < nblocks; ++b) {
     const __m256i w = _mm256_loadu_si256((const __m256i*)(r.codes + b * 32));
     const __m256i x = _mm256_loadu_si256((const __m256i*)(xq + b * 32));
     __m256i s;
-    if (SCALED) {
+    if (KIND == SCALED16) {
       const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(r.sc16[2 * b + 1]), _mm_set1_epi16(r.sc16[2 * b]));
       s = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), scale);
+    } else if (KIND == SIGNED) {
+      s = dot_u8s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
     } else {
       s = dot_u8s8(w, x);
     }
@@ -239,9 +245,18 @@ static float dot_krow(const KRow& r, int64_t nblocks, const int8_t* xq, const fl
     else
       acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(r.wd[b] * xd[b]), acc0);
   }
-  const int64_t n16 = nblocks * 2;  // a multiple of 16: k-quant rows are whole superblocks of 256
-  for (int64_t i = 0; i < n16; i += 8)
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(r.wm + i), _mm256_loadu_ps(xs16 + i), acc1);
+  if (offsets) {
+    const int64_t n16 = nblocks * 2;
+    int64_t i = 0;
+    for (; i + 8 <= n16; i += 8)
+      acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(r.wm + i), _mm256_loadu_ps(xs16 + i), acc1);
+    if (i < n16) {  // rows of blocks of 32 end on any even number of offsets: the last ones padded with zeros
+      float wm[8] = {}, xs[8] = {};
+      memcpy(wm, r.wm + i, (n16 - i) * sizeof(float));
+      memcpy(xs, xs16 + i, (n16 - i) * sizeof(float));
+      acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(wm), _mm256_loadu_ps(xs), acc1);
+    }
+  }
   return hsum(_mm256_add_ps(acc0, acc1));
 }
 
@@ -281,23 +296,32 @@ static void rows(const Job& job, int64_t r0, int64_t r1) {
     return;
   }
   KRow kr(job.in_features);
-  const int64_t nsb = job.in_features / 256;
+  const int64_t nblocks = job.in_features / block_elements(job.qtype), bytes = block_bytes(job.qtype);
+  const int kind = code_kind(job.qtype);
+  const bool offsets = kind != SIGNED;
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = job.blocks + r * job.pitch;
-    for (int64_t s = 0; s < nsb; ++s) {
+    for (int64_t s = 0; s < nblocks; ++s) {
       if (job.qtype == Q4_K)
         unpack_q4_k(row + s * 144, kr, s);
       else if (job.qtype == Q5_K)
         unpack_q5_k(row + s * 176, kr, s);
-      else
+      else if (job.qtype == Q6_K)
         unpack_q6_k(row + s * 210, kr, s);
+      else
+        scalar::unpack_block(job.qtype, row + s * bytes, kr, s);
     }
     for (int64_t t = 0; t < a.n; ++t) {
       const int8_t* xq = a.q + t * job.in_features;
       const float* xd = a.d + t * nb;
       const float* xs16 = a.s16 + t * nb * 2;
-      job.y[t * job.out_features + r] =
-          job.qtype == Q6_K ? dot_krow<true>(kr, nb, xq, xd, xs16) : dot_krow<false>(kr, nb, xq, xd, xs16);
+      float& y = job.y[t * job.out_features + r];
+      if (kind == SCALED16)
+        y = dot_krow<SCALED16>(kr, nb, offsets, xq, xd, xs16);
+      else if (kind == SIGNED)
+        y = dot_krow<SIGNED>(kr, nb, offsets, xq, xd, xs16);
+      else
+        y = dot_krow<PLAIN>(kr, nb, offsets, xq, xd, xs16);
     }
   }
 }
