@@ -9,7 +9,7 @@ order, [out_features / 8, 8 x bytes per row]), which the kernels multiply up to 
 A forward multiplies with the C++ kernels of rungen/csrc (torch.ops.rungen_ggml, built on first use and
 cached, see docs/kernels.md): activations quantized to int8 per block of 32, integer dot products per
 block, as llama.cpp does. Where they cannot be built, or RUN_GENERATION_KERNELS=torch is set, a layer
-converts itself on its first call to torch's own kernels instead (4-bit types to torch's int4 packing,
+converts itself on its first call to torch's own kernels instead (Q4_0/Q4_1/Q4_K to torch's int4 packing,
 the others to float16), after one warning on stderr. `dequantize` stays the gguf package's reference.
 """
 

@@ -235,6 +235,26 @@ def test_greedy_tokens_match_the_dequantized_float_model(loaded, monkeypatch):
         assert torch.equal(ours, theirs), prompt
 
 
+def test_torch_fallback_runs_every_type(gguf_files, loaded, monkeypatch, capfd):
+    # Without the native kernels (RUN_GENERATION_KERNELS=torch, or no compiler) every supported type loads and
+    # runs on torch's kernels (int4 packing for Q4_0/Q4_1/Q4_K, float16 for the others): the logits within their
+    # rounding of the de-quantized float model's.
+    from rungen import ggml
+
+    monkeypatch.setenv(ggml.KERNELS_ENV, "torch")
+    monkeypatch.setattr(ggml, "_native", None)
+    header, _, reference = loaded["mixed_tied"]
+    model = build_model(GGUFHeader(gguf_files["mixed_tied"]), torch.float32)
+    assert {m.qtype for m in model.modules() if isinstance(m, GGMLLinear)} == set(SUPPORTED)
+    batch = header.tokenizer(PROMPTS[:1], return_tensors="pt")
+    with torch.no_grad():
+        ours, theirs = model(**batch).logits, reference(**batch).logits
+    assert "RUN_GENERATION_KERNELS=torch" in capfd.readouterr().err
+    assert all("_fallback" in m.__dict__ for m in model.modules() if isinstance(m, GGMLLinear))
+    error = (ours - theirs).abs()
+    assert error.mean() < 0.01 * theirs.abs().max() and error.max() < 0.1 * theirs.abs().max()
+
+
 def exact_weights(model, run, monkeypatch):
     """run() with every product of `model` taken on the exactly de-quantized weights and float32 activations."""
     if not native_kernels():
