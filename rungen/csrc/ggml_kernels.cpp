@@ -177,12 +177,19 @@ inline int code_center(int64_t qtype) {
 // The non-linear 4-bit values of IQ4_NL and IQ4_XS (ggml's kvalues_iq4nl).
 constexpr int8_t kvalues_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
-// The blocks of the types below unpacked into a KRow, at element e0 of the row: plain loops shared by every
-// instruction set (the codes are exact, so any unpacking gives the same KRow).
+// The blocks of the types below unpacked into a KRow, at element e0 of the row. Their scales and offsets here,
+// shared by every path; their codes by the plain loops below (scalar path, de-quantization) and by SIMD twins in
+// ggml_simd.h (the codes are exact: any unpacking gives the same KRow).
 
 // Q5_0 (d, 32 high bits, 16 bytes of nibbles; w = d * (q - 16)) and Q5_1 (d, m, high bits, nibbles;
 // w = d * q + m): element i < 16 is the low nibble of byte i with high bit i, element 16 + i its high nibble with
 // high bit 16 + i.
+inline void q5_scales(const uint8_t* p, bool has_min, KRow& r, int64_t e0) {
+  const float d = half_bits_to_float(p);
+  r.wd[e0 / 32] = d;
+  r.wm[e0 / 16] = r.wm[e0 / 16 + 1] = has_min ? half_bits_to_float(p + 2) : -16.f * d;
+}
+
 inline void unpack_q5(const uint8_t* p, bool has_min, KRow& r, int64_t e0) {
   const int64_t head = has_min ? 4 : 2;
   uint32_t qh;
@@ -193,19 +200,13 @@ inline void unpack_q5(const uint8_t* p, bool has_min, KRow& r, int64_t e0) {
     c[i] = (qs[i] & 0x0F) | (((qh >> i) & 1) << 4);
     c[i + 16] = (qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4);
   }
-  const float d = half_bits_to_float(p);
-  r.wd[e0 / 32] = d;
-  r.wm[e0 / 16] = r.wm[e0 / 16 + 1] = has_min ? half_bits_to_float(p + 2) : -16.f * d;
+  q5_scales(p, has_min, r, e0);
 }
 
 // Q2_K (16 bytes of 4-bit scale | 4-bit min per 16, 64 bytes of 2-bit codes, d, dmin): element 128 h + 32 j + l
-// is bits 2j of byte 32 h + l; w = (d * scale) * q - dmin * min.
-inline void unpack_q2_k(const uint8_t* p, KRow& r, int64_t e0) {
-  const uint8_t* qs = p + 16;
+// is bits 2j of byte 16 + 32 h + l; w = (d * scale) * q - dmin * min.
+inline void q2_k_scales(const uint8_t* p, KRow& r, int64_t e0) {
   const float d = half_bits_to_float(p + 80), dmin = half_bits_to_float(p + 82);
-  for (int h = 0; h < 2; ++h)
-    for (int j = 0; j < 4; ++j)
-      for (int l = 0; l < 32; ++l) r.codes[e0 + 128 * h + 32 * j + l] = (qs[32 * h + l] >> (2 * j)) & 3;
   for (int j = 0; j < 8; ++j) r.wd[e0 / 32 + j] = d;
   for (int k = 0; k < 16; ++k) {
     r.sc16[e0 / 16 + k] = p[k] & 0x0F;
@@ -213,22 +214,35 @@ inline void unpack_q2_k(const uint8_t* p, KRow& r, int64_t e0) {
   }
 }
 
-// Q3_K (32 bytes of high bits, 64 bytes of 2-bit codes, 12 bytes of 6-bit scales, d): element 128 h + 32 j + l
-// is bits 2j of byte 32 h + l, its high bit bit 4h + j of byte l; w = (d * (scale - 32)) * (q - 4).
-inline void unpack_q3_k(const uint8_t* p, KRow& r, int64_t e0) {
-  const uint8_t *hmask = p, *qs = p + 32, *sc = p + 96;
-  const float d = half_bits_to_float(p + 108);
+inline void unpack_q2_k(const uint8_t* p, KRow& r, int64_t e0) {
+  const uint8_t* qs = p + 16;
   for (int h = 0; h < 2; ++h)
     for (int j = 0; j < 4; ++j)
-      for (int l = 0; l < 32; ++l)
-        r.codes[e0 + 128 * h + 32 * j + l] =
-            ((qs[32 * h + l] >> (2 * j)) & 3) | (((hmask[l] >> (4 * h + j)) & 1) << 2);
+      for (int l = 0; l < 32; ++l) r.codes[e0 + 128 * h + 32 * j + l] = (qs[32 * h + l] >> (2 * j)) & 3;
+  q2_k_scales(p, r, e0);
+}
+
+// Q3_K (32 bytes of high bits, 64 bytes of 2-bit codes, 12 bytes of 6-bit scales, d): element 128 h + 32 j + l
+// is bits 2j of byte 32 + 32 h + l, its high bit bit 4h + j of byte l; w = (d * (scale - 32)) * (q - 4).
+inline void q3_k_scales(const uint8_t* p, KRow& r, int64_t e0) {
+  const uint8_t* sc = p + 96;
+  const float d = half_bits_to_float(p + 108);
   for (int j = 0; j < 8; ++j) r.wd[e0 / 32 + j] = d;
   for (int k = 0; k < 16; ++k) {
     const int scale = ((sc[k % 8] >> (4 * (k / 8))) & 0x0F) | (((sc[8 + k % 4] >> (2 * (k / 4))) & 3) << 4);
     r.sc16[e0 / 16 + k] = int16_t(scale - 32);
     r.wm[e0 / 16 + k] = -4.f * d * float(scale - 32);
   }
+}
+
+inline void unpack_q3_k(const uint8_t* p, KRow& r, int64_t e0) {
+  const uint8_t *hmask = p, *qs = p + 32;
+  for (int h = 0; h < 2; ++h)
+    for (int j = 0; j < 4; ++j)
+      for (int l = 0; l < 32; ++l)
+        r.codes[e0 + 128 * h + 32 * j + l] =
+            ((qs[32 * h + l] >> (2 * j)) & 3) | (((hmask[l] >> (4 * h + j)) & 1) << 2);
+  q3_k_scales(p, r, e0);
 }
 
 // IQ4's 16 bytes of nibbles: element i < 16 the table's value at the low nibble of byte i, 16 + i at its high one.
@@ -240,21 +254,25 @@ inline void iq4_codes(const uint8_t* qs, uint8_t* c) {
 }
 
 // IQ4_NL (d, nibbles; w = d * value) and IQ4_XS (d, 16 high and 8 bytes of low bits of a 6-bit scale per 32,
-// nibbles; w = (d * (scale - 32)) * value). No offsets: wm stays zero.
+// nibbles from byte 8; w = (d * (scale - 32)) * value). No offsets: wm stays zero.
 inline void unpack_iq4_nl(const uint8_t* p, KRow& r, int64_t e0) {
   r.wd[e0 / 32] = half_bits_to_float(p);
   iq4_codes(p + 2, r.codes + e0);
 }
 
-inline void unpack_iq4_xs(const uint8_t* p, KRow& r, int64_t e0) {
+inline void iq4_xs_scales(const uint8_t* p, KRow& r, int64_t e0) {
   const float d = half_bits_to_float(p);
   uint16_t high;
   std::memcpy(&high, p + 2, 2);
   for (int j = 0; j < 8; ++j) {
     const int scale = ((p[4 + j / 2] >> (4 * (j % 2))) & 0x0F) | (((high >> (2 * j)) & 3) << 4);
     r.wd[e0 / 32 + j] = d * float(scale - 32);
-    iq4_codes(p + 8 + 16 * j, r.codes + e0 + 32 * j);
   }
+}
+
+inline void unpack_iq4_xs(const uint8_t* p, KRow& r, int64_t e0) {
+  for (int j = 0; j < 8; ++j) iq4_codes(p + 8 + 16 * j, r.codes + e0 + 32 * j);
+  iq4_xs_scales(p, r, e0);
 }
 
 // ---------------------------------------------------------------------------------------------------
