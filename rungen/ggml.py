@@ -10,7 +10,7 @@ each: `interleaved_row_bytes`), which the kernels multiply up to two or three ti
 A forward multiplies with the C++ kernels of rungen/csrc (torch.ops.rungen_ggml, built on first use and
 cached, see docs/kernels.md): activations quantized to int8 per block of 32, integer dot products per
 block, as llama.cpp does. Where they cannot be built, or RUN_GENERATION_KERNELS=torch is set, a layer
-converts itself on its first call to torch's own kernels instead (4-bit types to torch's int4 packing,
+converts itself on its first call to torch's own kernels instead (Q4_0/Q4_1/Q4_K to torch's int4 packing,
 the others to float16), after one warning on stderr. `dequantize` stays the gguf package's reference.
 """
 
@@ -34,10 +34,16 @@ from gguf.quants import dequantize as _gguf_dequantize
 SUPPORTED = (
     GGMLQuantizationType.Q4_0,
     GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.Q5_0,
+    GGMLQuantizationType.Q5_1,
     GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q2_K,
+    GGMLQuantizationType.Q3_K,
     GGMLQuantizationType.Q4_K,
     GGMLQuantizationType.Q5_K,
     GGMLQuantizationType.Q6_K,
+    GGMLQuantizationType.IQ4_NL,
+    GGMLQuantizationType.IQ4_XS,
 )
 
 

@@ -32,6 +32,12 @@ MIXED = [
      "ffn_gate": Q.Q5_K, "ffn_up": Q.Q6_K, "ffn_down": Q.F16},
     {"attn_q": Q.Q4_K, "attn_k": Q.Q5_K, "attn_v": Q.Q6_K, "attn_output": Q.Q4_0,
      "ffn_gate": Q.BF16, "ffn_up": Q.Q8_0, "ffn_down": Q.Q4_1},
+    # As llama.cpp's Q4_K_M of a small model whose rows are not whole superblocks: q/k/v in Q5_0 (fused into one
+    # product), and the other types a published file may hold.
+    {"attn_q": Q.Q5_0, "attn_k": Q.Q5_0, "attn_v": Q.Q5_0, "attn_output": Q.Q5_1,
+     "ffn_gate": Q.Q2_K, "ffn_up": Q.Q2_K, "ffn_down": Q.IQ4_XS},
+    {"attn_q": Q.Q3_K, "attn_k": Q.IQ4_NL, "attn_v": Q.Q3_K, "attn_output": Q.IQ4_NL,
+     "ffn_gate": Q.Q3_K, "ffn_up": Q.IQ4_XS, "ffn_down": Q.Q5_1},
 ]
 FILES = {
     # The default model's layout: Q8_0 embedding tied to the head, no output.weight.
@@ -99,20 +105,29 @@ def permute(weights, heads, kv_heads):
         .reshape(weights.shape)
 
 
+# Types the gguf package cannot quantize to, written as random blocks: where their float16 scales lie (byte
+# offset, and how many: d, or d and dmin); their other bytes (codes, sub-scales) may be anything.
+RAW_SCALES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208, 1), Q.Q2_K: (80, 2), Q.Q3_K: (108, 1),
+              Q.IQ4_NL: (0, 1), Q.IQ4_XS: (0, 1), Q.IQ2_XXS: (0, 1)}
+
+
 def encode(values, qtype, rng):
-    """(data, raw_dtype) for GGUFWriter.add_tensor: float values in `qtype`, or random k-quant blocks."""
+    """(data, raw_dtype) for GGUFWriter.add_tensor: float values in `qtype`, or random blocks (RAW_SCALES)."""
     if qtype == Q.F32:
         return values.astype(np.float32), None
     if qtype == Q.F16:
         return values.astype(np.float16), None
-    if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+    if qtype in RAW_SCALES:
         block, size = GGML_QUANT_SIZES[qtype]
         blocks = rng.integers(0, 256, (values.shape[0], values.shape[1] // block, size), dtype=np.uint8)
-        scales = rng.uniform(2e-4, 1e-3, blocks.shape[:2] + (2,)).astype(np.float16).view(np.uint8)
-        if qtype == Q.Q6_K:  # d is the block's last two bytes; the 16 int8 sub-scales may be anything
-            blocks[..., -2:] = scales[..., :2]
-        else:  # d and dmin open the block
-            blocks[..., :4] = scales
+        offset, count = RAW_SCALES[qtype]
+        # d of the IQ4 types multiplies values up to 127 (and IQ4_XS's sub-scales up to 32): smaller. Q6_K's d
+        # multiplies random int8 sub-scales times codes up to 32 (up to 4096 d): smaller, so that its weights stay
+        # below one rather than reaching four, whose activations grow until float32 rounding alone moves the
+        # logits past the comparison's tolerance.
+        high = {Q.IQ4_NL: 1e-4, Q.IQ4_XS: 1e-4, Q.Q6_K: 2e-4}.get(qtype, 1e-3)
+        scales = rng.uniform(high / 5, high, blocks.shape[:2] + (count,)).astype(np.float16).view(np.uint8)
+        blocks[..., offset:offset + 2 * count] = scales
         return blocks.reshape(values.shape[0], -1), qtype
     return quants.quantize(values.astype(np.float32), qtype), qtype
 
@@ -124,7 +139,7 @@ def write_llama_gguf(path, tokenizer_fields, layers, embedding, output, default=
     writer.add_name("Synthetic Llama")
     writer.add_context_length(2048)
     writer.add_embedding_length(HIDDEN)
-    writer.add_block_count(LAYERS)
+    writer.add_block_count(len(layers))
     writer.add_feed_forward_length(FFN)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
@@ -203,6 +218,50 @@ def test_logits_match_the_dequantized_float_model(loaded, name, monkeypatch):
     real = batch["attention_mask"].bool()
     error = (decoding - theirs)[real].abs()
     assert error.mean() < 0.01 * theirs[real].abs().max() and error.max() < 0.1 * theirs[real].abs().max()
+
+
+def greedy(model, input_ids, steps):
+    """`steps` tokens, each the argmax of a full forward pass over the sequence so far."""
+    for _ in range(steps):
+        next_token = model(input_ids=input_ids).logits[:, -1].argmax(-1, keepdim=True)
+        input_ids = torch.cat([input_ids, next_token], dim=-1)
+    return input_ids
+
+
+def test_greedy_tokens_match_the_dequantized_float_model(loaded, monkeypatch):
+    # Every supported type in its own blocks (the file's third and fourth layers hold the types published Q4_K_M,
+    # Q3_K, Q2_K and IQ4 files add), products on float32 activations: the greedy text of --dequantize's model
+    # (the weights are the same values, the sums in another order). With activations rounded to int8 per block
+    # the logits move by about a percent (test above), which may change a near tie: that path is not held to it.
+    header, model, reference = loaded["mixed_tied"]
+    assert {m.qtype for m in model.model.layers[2:].modules() if isinstance(m, GGMLLinear)} >= {
+        Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS}
+    for prompt in PROMPTS[:2]:
+        input_ids = header.tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            theirs = greedy(reference, input_ids, 8)
+            ours = exact_weights(model, lambda ids=input_ids: greedy(model, ids, 8), monkeypatch)
+        assert torch.equal(ours, theirs), prompt
+
+
+def test_torch_fallback_runs_every_type(gguf_files, loaded, monkeypatch, capfd):
+    # Without the native kernels (RUN_GENERATION_KERNELS=torch, or no compiler) every supported type loads and
+    # runs on torch's kernels (int4 packing for Q4_0/Q4_1/Q4_K, float16 for the others): the logits within their
+    # rounding of the de-quantized float model's.
+    from rungen import ggml
+
+    monkeypatch.setenv(ggml.KERNELS_ENV, "torch")
+    monkeypatch.setattr(ggml, "_native", None)
+    header, _, reference = loaded["mixed_tied"]
+    model = build_model(GGUFHeader(gguf_files["mixed_tied"]), torch.float32)
+    assert {m.qtype for m in model.modules() if isinstance(m, GGMLLinear)} == set(SUPPORTED)
+    batch = header.tokenizer(PROMPTS[:1], return_tensors="pt")
+    with torch.no_grad():
+        ours, theirs = model(**batch).logits, reference(**batch).logits
+    assert "RUN_GENERATION_KERNELS=torch" in capfd.readouterr().err
+    assert all("_fallback" in m.__dict__ for m in model.modules() if isinstance(m, GGMLLinear))
+    error = (ours - theirs).abs()
+    assert error.mean() < 0.01 * theirs.abs().max() and error.max() < 0.1 * theirs.abs().max()
 
 
 def exact_weights(model, run, monkeypatch):
@@ -328,10 +387,11 @@ def test_interleaved_weights_are_read_a_chunk_at_a_time_into_their_layout(qtype,
 
 
 def test_unsupported_type_fails_in_one_line(tokenizer_fields, tmp_path, capsys):
-    path = write_llama_gguf(tmp_path / "q5_0.gguf", tokenizer_fields, layers=[{"ffn_up": Q.Q5_0}, {}],
+    path = write_llama_gguf(tmp_path / "iq2_xxs.gguf", tokenizer_fields, layers=[{"ffn_up": Q.IQ2_XXS}, {}],
                             default=Q.Q4_0, embedding=Q.Q8_0, output=None)
     code, line = error_of(["--model_name_or_path", path, "--prompt", "Hi"], capsys)
-    assert code == 2 and "blk.0.ffn_up.weight is Q5_0" in line
+    assert code == 2 and "blk.0.ffn_up.weight is IQ2_XXS" in line and "--dequantize" in line
+    assert all(qtype.name in line for qtype in SUPPORTED)  # the message lists what does run
 
 
 def test_dequantize_on_a_float_checkpoint_is_refused(tiny_models, capsys):

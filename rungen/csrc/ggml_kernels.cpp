@@ -36,7 +36,10 @@
 
 namespace {
 
-enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q5_K = 13, Q4_K = 12, Q6_K = 14 };
+enum QType : int64_t {
+  Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q5_K = 13, Q4_K = 12, Q6_K = 14,
+  IQ4_NL = 20, IQ4_XS = 23
+};
 
 // X8 | Q4_0, X8 | Q4_1 or X8 | Q8_0: the same blocks with the rows interleaved eight by eight (interleave() makes
 // them), a tensor [rows / 8, 8 * row bytes]: for each group of eight rows and each block of 32 columns, the eight
@@ -68,14 +71,21 @@ constexpr int64_t X8 = 256;
 
 int64_t block_elements(int64_t qtype) {
   qtype &= ~X8;
-  return (qtype == Q4_K || qtype == Q5_K || qtype == Q6_K) ? 256 : 32;
+  return (qtype == Q2_K || qtype == Q3_K || qtype == Q4_K || qtype == Q5_K || qtype == Q6_K || qtype == IQ4_XS) ? 256
+                                                                                                             : 32;
 }
 
 int64_t block_bytes(int64_t qtype) {
   switch (qtype & ~X8) {
     case Q4_0: return 18;
     case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
     case Q8_0: return 34;
+    case Q2_K: return 84;
+    case Q3_K: return 110;
+    case IQ4_NL: return 18;
+    case IQ4_XS: return 136;
     case Q4_K: return 144;
     case Q5_K: return 176;
     case Q6_K: return 210;
@@ -117,7 +127,10 @@ struct Job {
   float* y;  // [n, out_features]
 };
 
-// One k-quant row unpacked: codes [K] (unsigned), wd [K/32], sc16 [K/16] (Q6_K's int8 scales), wm [K/16].
+// One row unpacked (every type but Q4_0, Q4_1 and Q8_0, which the kernels read as stored): codes [K] (unsigned,
+// or for IQ4 the signed values of its table), wd [K/32], sc16 [K/16] (integer scales per 16: Q2_K, Q3_K, Q6_K),
+// wm [K/16]. A weight is (wd * sc16) * code + wm, or (wd * sc16) * (code - center) for the types whose codes are
+// centred (wm = -center * wd * sc16 is then what the product adds).
 struct KRow {
   std::vector<uint8_t> codes_v;
   std::vector<float> wd_v, wm_v;
@@ -202,6 +215,129 @@ inline void kx8_block(const uint8_t* p, int64_t base, int64_t lane, int64_t j, i
       codes[4 * k + i] = lo;
       codes[16 + 4 * k + i] = hi;
     }
+}
+
+// Whether a type's rows are unpacked into a KRow, and how its codes multiply: unsigned codes (their products
+// summed per 32, then scaled by wd), unsigned codes whose products are weighted per 16 by sc16 in integers, or
+// signed codes (IQ4's table values, -127..113).
+enum CodeKind { PLAIN = 0, SCALED16 = 1, SIGNED = 2 };
+
+inline bool krow_type(int64_t qtype) { return qtype != Q4_0 && qtype != Q4_1 && qtype != Q8_0 && !(qtype & X8); }
+
+inline int code_kind(int64_t qtype) {
+  if (qtype == Q2_K || qtype == Q3_K || qtype == Q6_K) return SCALED16;
+  return qtype == IQ4_NL || qtype == IQ4_XS ? SIGNED : PLAIN;
+}
+
+// The code a centred type's zero is (its weights d * (code - center)), 0 for the others.
+inline int code_center(int64_t qtype) {
+  switch (qtype) {
+    case Q5_0: return 16;
+    case Q3_K: return 4;
+    case Q6_K: return 32;
+  }
+  return 0;
+}
+
+// The non-linear 4-bit values of IQ4_NL and IQ4_XS (ggml's kvalues_iq4nl).
+constexpr int8_t kvalues_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+// The blocks of the types below unpacked into a KRow, at element e0 of the row. Their scales and offsets here,
+// shared by every path; their codes by the plain loops below (scalar path, de-quantization) and by SIMD twins in
+// ggml_simd.h (the codes are exact: any unpacking gives the same KRow).
+
+// Q5_0 (d, 32 high bits, 16 bytes of nibbles; w = d * (q - 16)) and Q5_1 (d, m, high bits, nibbles;
+// w = d * q + m): element i < 16 is the low nibble of byte i with high bit i, element 16 + i its high nibble with
+// high bit 16 + i.
+inline void q5_scales(const uint8_t* p, bool has_min, KRow& r, int64_t e0) {
+  const float d = half_bits_to_float(p);
+  r.wd[e0 / 32] = d;
+  r.wm[e0 / 16] = r.wm[e0 / 16 + 1] = has_min ? half_bits_to_float(p + 2) : -16.f * d;
+}
+
+inline void unpack_q5(const uint8_t* p, bool has_min, KRow& r, int64_t e0) {
+  const int64_t head = has_min ? 4 : 2;
+  uint32_t qh;
+  std::memcpy(&qh, p + head, 4);
+  const uint8_t* qs = p + head + 4;
+  uint8_t* c = r.codes + e0;
+  for (int i = 0; i < 16; ++i) {
+    c[i] = (qs[i] & 0x0F) | (((qh >> i) & 1) << 4);
+    c[i + 16] = (qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4);
+  }
+  q5_scales(p, has_min, r, e0);
+}
+
+// Q2_K (16 bytes of 4-bit scale | 4-bit min per 16, 64 bytes of 2-bit codes, d, dmin): element 128 h + 32 j + l
+// is bits 2j of byte 16 + 32 h + l; w = (d * scale) * q - dmin * min.
+inline void q2_k_scales(const uint8_t* p, KRow& r, int64_t e0) {
+  const float d = half_bits_to_float(p + 80), dmin = half_bits_to_float(p + 82);
+  for (int j = 0; j < 8; ++j) r.wd[e0 / 32 + j] = d;
+  for (int k = 0; k < 16; ++k) {
+    r.sc16[e0 / 16 + k] = p[k] & 0x0F;
+    r.wm[e0 / 16 + k] = -(dmin * float(p[k] >> 4));
+  }
+}
+
+inline void unpack_q2_k(const uint8_t* p, KRow& r, int64_t e0) {
+  const uint8_t* qs = p + 16;
+  for (int h = 0; h < 2; ++h)
+    for (int j = 0; j < 4; ++j)
+      for (int l = 0; l < 32; ++l) r.codes[e0 + 128 * h + 32 * j + l] = (qs[32 * h + l] >> (2 * j)) & 3;
+  q2_k_scales(p, r, e0);
+}
+
+// Q3_K (32 bytes of high bits, 64 bytes of 2-bit codes, 12 bytes of 6-bit scales, d): element 128 h + 32 j + l
+// is bits 2j of byte 32 + 32 h + l, its high bit bit 4h + j of byte l; w = (d * (scale - 32)) * (q - 4).
+inline void q3_k_scales(const uint8_t* p, KRow& r, int64_t e0) {
+  const uint8_t* sc = p + 96;
+  const float d = half_bits_to_float(p + 108);
+  for (int j = 0; j < 8; ++j) r.wd[e0 / 32 + j] = d;
+  for (int k = 0; k < 16; ++k) {
+    const int scale = ((sc[k % 8] >> (4 * (k / 8))) & 0x0F) | (((sc[8 + k % 4] >> (2 * (k / 4))) & 3) << 4);
+    r.sc16[e0 / 16 + k] = int16_t(scale - 32);
+    r.wm[e0 / 16 + k] = -4.f * d * float(scale - 32);
+  }
+}
+
+inline void unpack_q3_k(const uint8_t* p, KRow& r, int64_t e0) {
+  const uint8_t *hmask = p, *qs = p + 32;
+  for (int h = 0; h < 2; ++h)
+    for (int j = 0; j < 4; ++j)
+      for (int l = 0; l < 32; ++l)
+        r.codes[e0 + 128 * h + 32 * j + l] =
+            ((qs[32 * h + l] >> (2 * j)) & 3) | (((hmask[l] >> (4 * h + j)) & 1) << 2);
+  q3_k_scales(p, r, e0);
+}
+
+// IQ4's 16 bytes of nibbles: element i < 16 the table's value at the low nibble of byte i, 16 + i at its high one.
+inline void iq4_codes(const uint8_t* qs, uint8_t* c) {
+  for (int i = 0; i < 16; ++i) {
+    c[i] = uint8_t(kvalues_iq4nl[qs[i] & 0x0F]);
+    c[i + 16] = uint8_t(kvalues_iq4nl[qs[i] >> 4]);
+  }
+}
+
+// IQ4_NL (d, nibbles; w = d * value) and IQ4_XS (d, 16 high and 8 bytes of low bits of a 6-bit scale per 32,
+// nibbles from byte 8; w = (d * (scale - 32)) * value). No offsets: wm stays zero.
+inline void unpack_iq4_nl(const uint8_t* p, KRow& r, int64_t e0) {
+  r.wd[e0 / 32] = half_bits_to_float(p);
+  iq4_codes(p + 2, r.codes + e0);
+}
+
+inline void iq4_xs_scales(const uint8_t* p, KRow& r, int64_t e0) {
+  const float d = half_bits_to_float(p);
+  uint16_t high;
+  std::memcpy(&high, p + 2, 2);
+  for (int j = 0; j < 8; ++j) {
+    const int scale = ((p[4 + j / 2] >> (4 * (j % 2))) & 0x0F) | (((high >> (2 * j)) & 3) << 4);
+    r.wd[e0 / 32 + j] = d * float(scale - 32);
+  }
+}
+
+inline void unpack_iq4_xs(const uint8_t* p, KRow& r, int64_t e0) {
+  for (int j = 0; j < 8; ++j) iq4_codes(p + 8 + 16 * j, r.codes + e0 + 32 * j);
+  iq4_xs_scales(p, r, e0);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -289,19 +425,51 @@ void unpack_k(int64_t qtype, const uint8_t* sb, KRow& r, int64_t s) {
   }
 }
 
-float dot_krow(const KRow& r, int64_t nb, const int8_t* xq, const float* xd, const float* xs16) {
-  float acc = 0.f;
-  for (int64_t b = 0; b < nb; ++b) {
-    int32_t s = 0;
-    for (int h = 0; h < 2; ++h) {
-      int32_t part = 0;
-      for (int i = 0; i < 16; ++i) part += int32_t(r.codes[b * 32 + 16 * h + i]) * xq[b * 32 + 16 * h + i];
-      s += part * r.sc16[2 * b + h];
-    }
-    acc += float(s) * (r.wd[b] * xd[b]);
+// Block b (of the type's blocks, at element offset b * block_elements) of a row into the KRow.
+void unpack_block(int64_t qtype, const uint8_t* p, KRow& r, int64_t b) {
+  switch (qtype) {
+    case Q4_K:
+    case Q5_K:
+    case Q6_K: return unpack_k(qtype, p, r, b);
+    case Q5_0:
+    case Q5_1: return unpack_q5(p, qtype == Q5_1, r, b * 32);
+    case Q2_K: return unpack_q2_k(p, r, b * 256);
+    case Q3_K: return unpack_q3_k(p, r, b * 256);
+    case IQ4_NL: return unpack_iq4_nl(p, r, b * 32);
+    case IQ4_XS: return unpack_iq4_xs(p, r, b * 256);
   }
-  for (int64_t i = 0; i < nb * 2; ++i) acc += r.wm[i] * xs16[i];
-  return acc;
+  TORCH_CHECK(false, "rungen_ggml: GGML type ", qtype, " is not unpacked");
+}
+
+// An unpacked row against one token, in the SIMD kernels' order (dot_krow in ggml_simd.h), so that every
+// instruction set gives the same bits: eight lanes, lane l of a block holding the exact integer sum of its
+// elements 4l .. 4l + 3 (times the sub-block's sc16 for SCALED16), added as acc = fma(sum, wd * dx, acc) into one
+// of two accumulators by the block's parity; then the offsets, eight per 16 at a time into the second (the last
+// eight padded with zeros); then the lanes summed as the SIMD hsum pairs them.
+float dot_krow(const KRow& r, int64_t nb, int kind, bool offsets, const int8_t* xq, const float* xd,
+               const float* xs16) {
+  float acc[2][8] = {};
+  for (int64_t b = 0; b < nb; ++b) {
+    const float scale = r.wd[b] * xd[b];
+    for (int l = 0; l < 8; ++l) {
+      int32_t sum = 0;
+      for (int i = 0; i < 4; ++i) {
+        const int64_t e = b * 32 + 4 * l + i;
+        sum += (kind == SIGNED ? int32_t(int8_t(r.codes[e])) : int32_t(r.codes[e])) * xq[e];
+      }
+      if (kind == SCALED16) sum *= r.sc16[2 * b + l / 4];
+      acc[b & 1][l] = std::fma(float(sum), scale, acc[b & 1][l]);
+    }
+  }
+  if (offsets)
+    for (int64_t i = 0; i < 2 * nb; i += 8)
+      for (int64_t l = 0; l < 8; ++l) {
+        const bool in = i + l < 2 * nb;
+        acc[1][l] = std::fma(in ? r.wm[i + l] : 0.f, in ? xs16[i + l] : 0.f, acc[1][l]);
+      }
+  float half[4];
+  for (int l = 0; l < 4; ++l) half[l] = (acc[0][l] + acc[1][l]) + (acc[0][l + 4] + acc[1][l + 4]);
+  return (half[0] + half[2]) + (half[1] + half[3]);
 }
 
 // Blocks [b0, b1) of activations x quantized: d = max|x| / 127, q = round(x / d) (ties to even), and the sums.
@@ -362,19 +530,21 @@ void x8_rows(const Job& job, int64_t g0, int64_t g1) {
 void rows(const Job& job, int64_t r0, int64_t r1) {
   const Act& a = *job.act;
   const int64_t nb = job.in_features / 32;
-  const bool kquant = block_elements(job.qtype) == 256;
-  KRow kr(kquant ? job.in_features : 0);
-  const int64_t bytes = block_bytes(job.qtype);
+  const bool unpacked = krow_type(job.qtype);
+  const int kind = code_kind(job.qtype);
+  const bool offsets = kind != SIGNED;
+  KRow kr(unpacked ? job.in_features : 0);
+  const int64_t bytes = block_bytes(job.qtype), nblocks = job.in_features / block_elements(job.qtype);
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = job.blocks + r * job.pitch;
-    if (kquant)
-      for (int64_t s = 0; s < job.in_features / 256; ++s) unpack_k(job.qtype, row + s * bytes, kr, s);
+    if (unpacked)
+      for (int64_t s = 0; s < nblocks; ++s) unpack_block(job.qtype, row + s * bytes, kr, s);
     for (int64_t t = 0; t < a.n; ++t) {
       const int8_t* xq = a.q + t * job.in_features;
       const float* xd = a.d + t * nb;
       float v;
-      if (kquant)
-        v = dot_krow(kr, nb, xq, xd, a.s16 + t * nb * 2);
+      if (unpacked)
+        v = dot_krow(kr, nb, kind, offsets, xq, xd, a.s16 + t * nb * 2);
       else if (job.qtype == Q8_0)
         v = dot_q8_0(row, nb, xq, xd);
       else
@@ -521,20 +691,26 @@ void dequantize_rows(const uint8_t* blocks, int64_t pitch, int64_t qtype, int64_
     }
     return;
   }
-  const int64_t bytes = block_bytes(qtype);
-  KRow kr(block_elements(qtype) == 256 ? k : 0);
+  const int64_t bytes = block_bytes(qtype), elements = block_elements(qtype);
+  const bool unpacked = krow_type(qtype);
+  const int kind = code_kind(qtype), center = code_center(qtype);
+  KRow kr(unpacked ? k : 0);
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = blocks + r * pitch;
     float* o = out + (r - r0) * k;
-    if (block_elements(qtype) == 256) {
-      for (int64_t s = 0; s < k / 256; ++s) scalar::unpack_k(qtype, row + s * bytes, kr, s);
-      // As the gguf package computes it: (d * scale) * code + offset, Q6_K's offset being -32 codes.
+    if (unpacked) {
+      for (int64_t s = 0; s < k / elements; ++s) scalar::unpack_block(qtype, row + s * bytes, kr, s);
+      // As the gguf package computes it: (d * scale) * code + offset, or for centred and signed codes
+      // (d * scale) * (code - center) (sc16 is 1 where a type has no integer scales: the product is exact).
       for (int64_t i = 0; i < k; ++i) {
         const int64_t j16 = i / 16;
-        if (qtype == Q6_K)
-          o[i] = (kr.wd[i / 32] * float(kr.sc16[j16])) * float(int32_t(kr.codes[i]) - 32);
+        const float w = kr.wd[i / 32] * float(kr.sc16[j16]);
+        if (kind == SIGNED)
+          o[i] = w * float(int8_t(kr.codes[i]));
+        else if (center)
+          o[i] = w * float(int32_t(kr.codes[i]) - center);
         else
-          o[i] = kr.wd[i / 32] * float(kr.codes[i]) + kr.wm[j16];
+          o[i] = w * float(kr.codes[i]) + kr.wm[j16];
       }
       continue;
     }

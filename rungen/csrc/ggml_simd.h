@@ -2,7 +2,8 @@
 // namespace under `#pragma GCC target(...)`, with GGML_VNNI defined (AVX-512 VNNI, 256-bit registers) or
 // not (AVX2). Only the 8-bit dot products differ between the two (maddubs and madd, or vpdpbusd); everything
 // else is AVX2.
-// It relies on what ggml_kernels.cpp defines before including it: Act, KRow, the block sizes.
+// It relies on what ggml_kernels.cpp defines before including it: Act, KRow, the block sizes, the code kinds,
+// the IQ4 table and the unpacked types' scale helpers.
 
 static inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -219,18 +220,88 @@ static void unpack_q6_k(const uint8_t* sb, KRow& r, int64_t s) {
   }
 }
 
-// One unpacked k-quant row against one token. SCALED (Q6_K): the int16 products of maddubs are weighted by
-// the sub-block's int8 scale in madd (2 * 16002 * 128 fits int32).
-template <bool SCALED>
-static float dot_krow(const KRow& r, int64_t nblocks, const int8_t* xq, const float* xd, const float* xs16) {
+// The other unpacked types' codes (their scales: ggml_kernels.cpp's helpers), the plain loops' results.
+
+// Q5_0/Q5_1: the 32 high bits, bit i to byte i (as 16): each 128-bit lane of the broadcast holds the four bytes of
+// qh, byte i takes byte i / 8 of them and keeps its bit i % 8.
+static void unpack_q5_simd(const uint8_t* p, bool has_min, KRow& r, int64_t e0) {
+  const int64_t head = has_min ? 4 : 2;
+  uint32_t qh;
+  memcpy(&qh, p + head, 4);
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(int(qh)), _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2,
+                                                   2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i bit = _mm256_set1_epi64x(int64_t(0x8040201008040201));
+  const __m256i high = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+  const __m128i n = _mm_loadu_si128((const __m128i*)(p + head + 4));
+  const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(n, 4), n), _mm256_set1_epi8(0x0F));
+  _mm256_storeu_si256((__m256i*)(r.codes + e0), _mm256_or_si256(nib, high));
+  const float d = half_to_float(p);  // q5_scales' values, by F16C
+  r.wd[e0 / 32] = d;
+  r.wm[e0 / 16] = r.wm[e0 / 16 + 1] = has_min ? half_to_float(p + 2) : -16.f * d;
+}
+
+// Q2_K and Q3_K: four 2-bit codes a byte, masked after the shift (no bit crosses between bytes); Q3_K's high bit
+// masked before its shift left.
+static void unpack_q2_k_simd(const uint8_t* p, KRow& r, int64_t e0) {
+  const __m256i three = _mm256_set1_epi8(3);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i v = _mm256_loadu_si256((const __m256i*)(p + 16 + 32 * h));
+    for (int j = 0; j < 4; ++j)
+      _mm256_storeu_si256((__m256i*)(r.codes + e0 + 128 * h + 32 * j), _mm256_and_si256(_mm256_srli_epi16(v, 2 * j), three));
+  }
+  q2_k_scales(p, r, e0);
+}
+
+static void unpack_q3_k_simd(const uint8_t* p, KRow& r, int64_t e0) {
+  const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+  const __m256i hmask = _mm256_loadu_si256((const __m256i*)p);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i v = _mm256_loadu_si256((const __m256i*)(p + 32 + 32 * h));
+    for (int j = 0; j < 4; ++j) {
+      const __m256i low = _mm256_and_si256(_mm256_srli_epi16(v, 2 * j), three);
+      const __m256i high = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hmask, 4 * h + j), one), 2);
+      _mm256_storeu_si256((__m256i*)(r.codes + e0 + 128 * h + 32 * j), _mm256_or_si256(low, high));
+    }
+  }
+  q3_k_scales(p, r, e0);
+}
+
+// IQ4: the nibbles as indices into the 16-value table, one byte shuffle.
+static inline __m256i iq4_values(const uint8_t* qs) {
+  const __m128i table = _mm_loadu_si128((const __m128i*)kvalues_iq4nl);
+  const __m128i n = _mm_loadu_si128((const __m128i*)qs);
+  const __m256i index = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(n, 4), n), _mm256_set1_epi8(0x0F));
+  return _mm256_shuffle_epi8(_mm256_set_m128i(table, table), index);
+}
+
+static void unpack_iq4_nl_simd(const uint8_t* p, KRow& r, int64_t e0) {
+  _mm256_storeu_si256((__m256i*)(r.codes + e0), iq4_values(p + 2));
+  r.wd[e0 / 32] = half_to_float(p);
+}
+
+static void unpack_iq4_xs_simd(const uint8_t* p, KRow& r, int64_t e0) {
+  for (int j = 0; j < 8; ++j) _mm256_storeu_si256((__m256i*)(r.codes + e0 + 32 * j), iq4_values(p + 8 + 16 * j));
+  iq4_xs_scales(p, r, e0);
+}
+
+// One unpacked row against one token (scalar::dot_krow computes the same bits lane by lane). KIND SCALED16
+// (Q2_K, Q3_K, Q6_K): the int16 products of maddubs are weighted by the sub-block's integer scale in madd
+// (2 * 16002 * 128 fits int32); SIGNED (IQ4's values): as Q8_0's codes, |w| times x with w's sign (maddubs's pairs
+// at most 2 * 127 * 127). OFFSETS: whether the row has wm to add (all but the signed types).
+template <int KIND>
+static float dot_krow(const KRow& r, int64_t nblocks, bool offsets, const int8_t* xq, const float* xd,
+                      const float* xs16) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   for (int64_t b = 0; b < nblocks; ++b) {
     const __m256i w = _mm256_loadu_si256((const __m256i*)(r.codes + b * 32));
     const __m256i x = _mm256_loadu_si256((const __m256i*)(xq + b * 32));
     __m256i s;
-    if (SCALED) {
+    if (KIND == SCALED16) {
       const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(r.sc16[2 * b + 1]), _mm_set1_epi16(r.sc16[2 * b]));
       s = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), scale);
+    } else if (KIND == SIGNED) {
+      s = dot_u8s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
     } else {
       s = dot_u8s8(w, x);
     }
@@ -239,9 +310,18 @@ static float dot_krow(const KRow& r, int64_t nblocks, const int8_t* xq, const fl
     else
       acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(r.wd[b] * xd[b]), acc0);
   }
-  const int64_t n16 = nblocks * 2;  // a multiple of 16: k-quant rows are whole superblocks of 256
-  for (int64_t i = 0; i < n16; i += 8)
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(r.wm + i), _mm256_loadu_ps(xs16 + i), acc1);
+  if (offsets) {
+    const int64_t n16 = nblocks * 2;
+    int64_t i = 0;
+    for (; i + 8 <= n16; i += 8)
+      acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(r.wm + i), _mm256_loadu_ps(xs16 + i), acc1);
+    if (i < n16) {  // rows of blocks of 32 end on any even number of offsets: the last ones padded with zeros
+      float wm[8] = {}, xs[8] = {};
+      memcpy(wm, r.wm + i, (n16 - i) * sizeof(float));
+      memcpy(xs, xs16 + i, (n16 - i) * sizeof(float));
+      acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(wm), _mm256_loadu_ps(xs), acc1);
+    }
+  }
   return hsum(_mm256_add_ps(acc0, acc1));
 }
 
@@ -281,23 +361,36 @@ static void rows(const Job& job, int64_t r0, int64_t r1) {
     return;
   }
   KRow kr(job.in_features);
-  const int64_t nsb = job.in_features / 256;
+  const int64_t nblocks = job.in_features / block_elements(job.qtype), bytes = block_bytes(job.qtype);
+  const int kind = code_kind(job.qtype);
+  const bool offsets = kind != SIGNED;
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = job.blocks + r * job.pitch;
-    for (int64_t s = 0; s < nsb; ++s) {
-      if (job.qtype == Q4_K)
-        unpack_q4_k(row + s * 144, kr, s);
-      else if (job.qtype == Q5_K)
-        unpack_q5_k(row + s * 176, kr, s);
-      else
-        unpack_q6_k(row + s * 210, kr, s);
+    for (int64_t s = 0; s < nblocks; ++s) {
+      const uint8_t* p = row + s * bytes;
+      switch (job.qtype) {
+        case Q4_K: unpack_q4_k(p, kr, s); break;
+        case Q5_K: unpack_q5_k(p, kr, s); break;
+        case Q6_K: unpack_q6_k(p, kr, s); break;
+        case Q5_0:
+        case Q5_1: unpack_q5_simd(p, job.qtype == Q5_1, kr, 32 * s); break;
+        case Q2_K: unpack_q2_k_simd(p, kr, 256 * s); break;
+        case Q3_K: unpack_q3_k_simd(p, kr, 256 * s); break;
+        case IQ4_NL: unpack_iq4_nl_simd(p, kr, 32 * s); break;
+        default: unpack_iq4_xs_simd(p, kr, 256 * s);
+      }
     }
     for (int64_t t = 0; t < a.n; ++t) {
       const int8_t* xq = a.q + t * job.in_features;
       const float* xd = a.d + t * nb;
       const float* xs16 = a.s16 + t * nb * 2;
-      job.y[t * job.out_features + r] =
-          job.qtype == Q6_K ? dot_krow<true>(kr, nb, xq, xd, xs16) : dot_krow<false>(kr, nb, xq, xd, xs16);
+      float& y = job.y[t * job.out_features + r];
+      if (kind == SCALED16)
+        y = dot_krow<SCALED16>(kr, nb, offsets, xq, xd, xs16);
+      else if (kind == SIGNED)
+        y = dot_krow<SIGNED>(kr, nb, offsets, xq, xd, xs16);
+      else
+        y = dot_krow<PLAIN>(kr, nb, offsets, xq, xd, xs16);
     }
   }
 }

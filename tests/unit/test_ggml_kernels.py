@@ -17,12 +17,28 @@ from rungen import ggml
 from rungen.ggml import GGMLLinear, dequantize, torch_layer
 
 T = GGMLQuantizationType
-SIMPLE = (T.Q4_1, T.Q8_0, T.Q4_0)  # the gguf package quantizes these
-KQUANTS = (T.Q4_K, T.Q6_K, T.Q5_K)  # raw random superblocks with sane float16 scales
+SIMPLE = (T.Q4_1, T.Q8_0, T.Q4_0, T.Q5_0, T.Q5_1)  # the gguf package quantizes these
+# Raw random blocks with sane float16 scales (the gguf package cannot quantize to these).
+RAW = (T.Q4_K, T.Q6_K, T.Q5_K, T.Q2_K, T.Q3_K, T.IQ4_XS, T.IQ4_NL)
+# The k-quants interleaved with their scales unpacked (a few percent larger than the file's blocks).
+KQUANTS = (T.Q4_K, T.Q6_K, T.Q5_K)
+# The types the kernels unpack row by row (all but Q4_0, Q4_1 and Q8_0).
+UNPACKED = (T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS)
+# Where a raw block's float16 scales lie: (byte offset, how many: d, or d and dmin).
+SCALES_AT = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208, 1), T.Q2_K: (80, 2), T.Q3_K: (108, 1),
+             T.IQ4_NL: (0, 1), T.IQ4_XS: (0, 1)}
+
+
+def widths(qtype):
+    """Row widths to try: whole superblocks, or for blocks of 32 an even and an odd number of them, and 18 (the
+    default model's 576: offsets per 16 not a multiple of 8)."""
+    return (512, 544, 576) if GGML_QUANT_SIZES[qtype][0] == 32 else (512,)
 
 
 def blocks_for(qtype, rows, in_features, seed=0, kind="random"):
-    """uint8 [rows, row_bytes] as a GGUF file holds them."""
+    """uint8 [rows, row_bytes] as a GGUF file holds them. kind (raw types): random, zero-block, zeros, max (every
+    other byte 0xFF: the largest codes, scales and mins) or min (0x00: the smallest; IQ4's -127, Q3_K's scale -32
+    and code -4)."""
     rng = np.random.default_rng(seed)
     if qtype in SIMPLE:
         w = rng.standard_normal((rows, in_features)).astype(np.float32) * 0.05
@@ -48,8 +64,9 @@ def blocks_for(qtype, rows, in_features, seed=0, kind="random"):
     if kind == "zeros":
         raw[:] = 0
         scales[:] = 0
-    offset = 208 if qtype == T.Q6_K else 0  # d (and dmin) lead a Q4_K/Q5_K superblock, end a Q6_K one
-    count = 1 if qtype == T.Q6_K else 2
+    if kind in ("max", "min"):
+        raw[:] = 0xFF if kind == "max" else 0
+    offset, count = SCALES_AT[qtype]
     raw[..., offset:offset + 2 * count] = scales[..., :count].view(np.uint8).reshape(rows, -1, 2 * count)
     return torch.from_numpy(raw.reshape(rows, -1))
 
@@ -105,18 +122,20 @@ def inputs(n, in_features, seed, kind="random"):
     if kind == "ties":  # each block's scale exactly 1 and its values halfway between codes: rounded to even
         x = (torch.randint(-120, 120, (n, in_features), generator=g) + 0.5).float()
         x[:, ::32] = 127.0
+    if kind == "full":  # every code +-127: the largest integer products
+        x = torch.where(torch.rand(n, in_features, generator=g) < 0.5, -3.0, 3.0)
     return x
 
 
-@pytest.mark.parametrize("qtype", SIMPLE + KQUANTS, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", SIMPLE + RAW, ids=lambda q: q.name)
 def test_native_kernel_matches_reference_on_every_instruction_set(qtype, each_isa):
+    simple = qtype in SIMPLE
     cases = [(7, 1, "random", "random"), (1, 3, "zeros", "random"), (33, 17, "zero-block", "outlier"),
-             (16, 3, "extremes" if qtype in SIMPLE else "random", "zero-block"), (5, 37, "random", "random")]
-    # 32-blocks a row: even, and odd (the 512-bit path takes blocks in pairs and the last one alone).
-    widths = (512, 544) if qtype in SIMPLE else (512,)
+             (16, 3, "extremes" if simple else "max", "zero-block"), (5, 37, "random", "random"),
+             (9, 4, "extremes" if simple else "min", "full"), (6, 2, "random" if simple else "max", "full")]
     for isa in isas():
         torch.ops.rungen_ggml.set_isa(isa)
-        for seed, ((rows, n, weights, xs), in_features) in enumerate(itertools.product(cases, widths)):
+        for seed, ((rows, n, weights, xs), in_features) in enumerate(itertools.product(cases, widths(qtype))):
             blocks = blocks_for(qtype, rows, in_features, seed, weights)
             weight = dequantize(blocks, qtype, in_features)
             x = inputs(n, in_features, seed, xs)
@@ -125,11 +144,11 @@ def test_native_kernel_matches_reference_on_every_instruction_set(qtype, each_is
             check_native(y, x, weight)
 
 
-@pytest.mark.parametrize("qtype", SIMPLE + KQUANTS, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", SIMPLE + RAW, ids=lambda q: q.name)
 def test_a_token_gets_the_same_bits_alone_and_among_others(qtype, each_isa):
     # Tokens go sixteen, four or one at a time through the 4-bit kernels, in tiles of sixteen: a token's product
     # must not depend on its company, or a greedy text would change with the batch it decodes in.
-    for in_features in (512, 544) if qtype in SIMPLE else (512,):
+    for in_features in widths(qtype):
         blocks = blocks_for(qtype, 19, in_features, seed=5)
         x = inputs(37, in_features, seed=5, kind="outlier")
         for isa in isas():
@@ -143,7 +162,7 @@ def test_a_token_gets_the_same_bits_alone_and_among_others(qtype, each_isa):
                 assert torch.equal(alone[0], together[i]), (isa, in_features, i)
 
 
-@pytest.mark.parametrize("qtype", SIMPLE + KQUANTS, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", SIMPLE + RAW, ids=lambda q: q.name)
 def test_native_dequantize_and_tiled_path_match_gguf(qtype):
     if not ggml.native_kernels():
         pytest.skip("native kernels unavailable")
@@ -154,6 +173,36 @@ def test_native_dequantize_and_tiled_path_match_gguf(qtype):
     x = inputs(40, 768, 4)
     y = torch.ops.rungen_ggml.mm_tiled(x, blocks, int(qtype), 768)  # float tiles: float32 matmul accuracy
     torch.testing.assert_close(y, x @ weight.T, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("qtype", UNPACKED, ids=lambda q: q.name)
+def test_unpacked_rows_give_the_same_bits_on_every_instruction_set(qtype, each_isa):
+    # The types a row of which is unpacked (codes, scales per 32 and 16, offsets per 16) and multiplied by one
+    # kernel: the weights are the gguf package's to the bit (a lookup too), the product within the activations'
+    # rounding, and one arithmetic (exact integer sums per four codes, float sums in a fixed order) that every
+    # instruction set computes to the same bits. Adversarial blocks: zero scales, the extreme codes and scales
+    # (IQ4's -127 against activations all +-127, at the edge of AVX2's 16-bit pair sums), odd numbers of blocks.
+    paths = isas()
+    ops = torch.ops.rungen_ggml
+    raw = qtype in RAW
+    cases = [(8, 1, "random", "random"), (5, 3, "max" if raw else "extremes", "full"),
+             (7, 4, "min" if raw else "extremes", "full"), (3, 5, "zero-block", "zero-block"),
+             (4, 2, "zeros", "outlier"), (6, 6, "random", "ties")]
+    sizes = widths(qtype) + ((96,) if GGML_QUANT_SIZES[qtype][0] == 32 else (768,))
+    for seed, ((rows, n, weights, xs), in_features) in enumerate(itertools.product(cases, sizes)):
+        blocks = blocks_for(qtype, rows, in_features, seed, weights)
+        weight = dequantize(blocks, qtype, in_features)
+        assert torch.equal(ops.dequantize(blocks, int(qtype), in_features), weight)
+        ids = torch.tensor([rows - 1, 0, rows // 2, 0])
+        assert torch.equal(ops.embed(blocks, int(qtype), in_features, ids), weight[ids])
+        x = inputs(n, in_features, seed, xs)
+        results = []
+        for isa in paths:
+            ops.set_isa(isa)
+            y = ops.mm_int(x, blocks, int(qtype), in_features)
+            check_native(y, x, weight)
+            results.append(y)
+        assert all(torch.equal(y, results[0]) for y in results[1:]), (paths, weights, xs, in_features)
 
 
 @pytest.mark.parametrize("qtype", ggml.INTERLEAVED_TYPES, ids=lambda q: q.name)
@@ -236,7 +285,7 @@ def test_layer_takes_any_leading_shape_strided_rows_and_bias():
     check_native((y - bias).reshape(6, 12), x.reshape(6, 256), weight)
 
 
-@pytest.mark.parametrize("qtype", SIMPLE + KQUANTS, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", SIMPLE + RAW, ids=lambda q: q.name)
 def test_torch_fallback_stays_within_its_rounding(qtype):
     """int4 packing: codes exact, scale/zero and activations rounded to bfloat16 (2^-8 relative each);
     float16: weights rounded to 2^-11 relative. 2^-6 of the sum of |terms| covers both."""
