@@ -18,6 +18,7 @@ in a batch, which torch's attention kernels do not promise.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
 
 import torch
@@ -26,11 +27,39 @@ from transformers.cache_utils import DynamicLayer
 from .ggml import GGMLLinear, concat, native_kernels, release_freed_memory
 from .kvcache import GrowingLayer
 
-# Decoder layers whose forward is LlamaDecoderLayer's: pre-norm attention with rotary q/k, then a SiLU-gated
-# MLP (mistral and qwen2 add a sliding window, passed to the attention as they pass it; qwen2 q/k/v biases).
-FUSABLE = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """What a family's decoder layer holds where LlamaDecoderLayer's has it: everything FusedDecoderLayer needs to
+    know of one architecture, in one place. Every family here is pre-norm attention with rotary q/k, then a
+    SiLU-gated MLP, each added to the residual stream."""
+
+    # The attention's projections whose rows make the fused q/k/v product, in that order (one name: the file and
+    # the model already hold them as one), and the MLP's for gate/up (gate first).
+    qkv: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
+    gate_up: tuple[str, ...] = ("gate_proj", "up_proj")
+    # The attention's per-head RMS norms of q and k, applied before the rotation (qwen3's q_norm/k_norm).
+    head_norms: tuple[str, str] | None = None
+    # Where the layer's sliding window is read: the attention module's own attribute (None on full-attention
+    # layers), or the config's (mistral's and phi3's attention pass config.sliding_window to every layer).
+    window_from_config: bool = False
+
+
+# Decoder layers FusedDecoderLayer computes, by class name. mistral, qwen2 and qwen3 may add a sliding window,
+# passed to the attention as they pass it; qwen2 has q/k/v biases; phi3 may rotate only part of each head
+# (partial_rotary_factor: cos/sin are narrower than a head, which rope_split reads from their shape) and its
+# longrope scaling of 128k contexts is in the cos/sin its rotary embedding computes, which the layers take as given.
+FAMILIES = {
+    "LlamaDecoderLayer": Family(),
+    "MistralDecoderLayer": Family(window_from_config=True),
+    "Qwen2DecoderLayer": Family(),
+    "Qwen3DecoderLayer": Family(head_norms=("q_norm", "k_norm")),
+    "Phi3DecoderLayer": Family(qkv=("qkv_proj",), gate_up=("gate_up_proj",), window_from_config=True),
+}
+FUSABLE = tuple(FAMILIES)
 # The weights FusedDecoderLayer concatenates (q/k/v, gate/up), by the endings of their parameter names.
-FUSED_WEIGHTS = tuple(f".{name}.weight" for name in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
+FUSED_WEIGHTS = tuple(sorted({f".{name}.weight" for family in FAMILIES.values()
+                              for group in (family.qkv, family.gate_up) if len(group) > 1 for name in group}))
 
 
 class FusedDecoderLayer(torch.nn.Module):
@@ -38,17 +67,18 @@ class FusedDecoderLayer(torch.nn.Module):
 
     def __init__(self, layer: torch.nn.Module, qkv: GGMLLinear, gate_up: GGMLLinear):
         super().__init__()
+        family = FAMILIES[type(layer).__name__]
         attention, config = layer.self_attn, layer.self_attn.config
         self.qkv, self.o_proj = qkv, attention.o_proj
         self.gate_up, self.down_proj = gate_up, layer.mlp.down_proj
         self.input_layernorm, self.post_attention_layernorm = layer.input_layernorm, layer.post_attention_layernorm
+        self.q_norm, self.k_norm = (getattr(attention, name) for name in family.head_norms) if family.head_norms \
+            else (None, None)
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         # What transformers' attention interface reads from the module it is given.
         self.config, self.layer_idx, self.is_causal = config, attention.layer_idx, True
         self.num_key_value_groups, self.scaling = attention.num_key_value_groups, attention.scaling
-        self.sliding_window = getattr(attention, "sliding_window", None)
-        if self.sliding_window is None and type(layer).__name__ == "MistralDecoderLayer":
-            self.sliding_window = getattr(config, "sliding_window", None)
+        self.sliding_window = getattr(config if family.window_from_config else attention, "sliding_window", None)
         # Every product in blocks, no bias but q/k/v's, full attention: the layer runs as two native calls.
         self.two_calls = self.sliding_window is None and all(
             isinstance(p, GGMLLinear) and p.bias is None for p in (self.o_proj, self.down_proj))
@@ -57,18 +87,25 @@ class FusedDecoderLayer(torch.nn.Module):
     def fuse(cls, layer: torch.nn.Module) -> FusedDecoderLayer | None:
         """The fused layer, or None when `layer` is not one this class computes (another architecture, an
         activation other than SiLU, projections in different block types)."""
-        if type(layer).__name__ not in FUSABLE or getattr(layer.self_attn.config, "hidden_act", None) != "silu":
+        family = FAMILIES.get(type(layer).__name__)
+        if family is None or getattr(layer.self_attn.config, "hidden_act", None) != "silu":
             return None
         attention, mlp = layer.self_attn, layer.mlp
-        parts = [attention.q_proj, attention.k_proj, attention.v_proj], [mlp.gate_proj, mlp.up_proj]
+        parts = [getattr(attention, name) for name in family.qkv], [getattr(mlp, name) for name in family.gate_up]
         if not all(isinstance(p, GGMLLinear) for group in parts for p in group):
             return None
         if any(p.bias is not None for p in parts[1]) or getattr(attention.o_proj, "bias", None) is not None:
             return None
-        qkv, gate_up = concat(parts[0]), concat(parts[1])
+        qkv, gate_up = (group[0] if len(group) == 1 else concat(group) for group in parts)
         if qkv is None or gate_up is None:
             return None
         return cls(layer, qkv, gate_up)
+
+    def head_norm_args(self) -> tuple:
+        """The native ops' (q_norm, k_norm, norm_eps): the per-head norms' weights, or None for families without."""
+        if self.q_norm is None:
+            return None, None, 0.0
+        return self.q_norm.weight, self.k_norm.weight, self.q_norm.variance_epsilon
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, past_key_values=None, use_cache: bool | None = False,
@@ -79,7 +116,8 @@ class FusedDecoderLayer(torch.nn.Module):
         batch, tokens, _ = hidden_states.shape
         x = rms_norm(hidden_states, self.input_layernorm, native)
         cos, sin = position_embeddings
-        q, k, v = rope_split(product(self.qkv, x, native), cos, sin, self.heads, self.kv_heads, native)
+        q, k, v = rope_split(product(self.qkv, x, native), cos, sin, self.heads, self.kv_heads, native,
+                             self.q_norm, self.k_norm)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
         if native and self.sliding_window is None:
@@ -98,7 +136,7 @@ class FusedDecoderLayer(torch.nn.Module):
         qkv, gate_up, o, down = self.qkv, self.gate_up, self.o_proj, self.down_proj
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         q, k, v = ops.attention_in(hidden_states, norm1.weight, norm1.variance_epsilon, qkv.blocks, qkv.code,
-                                   qkv.bias, cos, sin, self.heads, self.kv_heads)
+                                   qkv.bias, cos, sin, self.heads, self.kv_heads, *self.head_norm_args())
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
         return ops.attention_out_mlp(hidden_states, q, k, v, attention_mask, self.scaling, o.blocks, o.code,
@@ -171,7 +209,8 @@ class DecoderStack:
         self.heads, self.kv_heads = first.heads, first.kv_heads
         self.head_dim = first.qkv.out_features // (first.heads + 2 * first.kv_heads)
         self.weights = ([layer.input_layernorm.weight for layer in layers], [layer.qkv.blocks for layer in layers],
-                        [layer.qkv.bias for layer in layers], [layer.o_proj.blocks for layer in layers],
+                        [layer.qkv.bias for layer in layers], [layer.head_norm_args()[0] for layer in layers],
+                        [layer.head_norm_args()[1] for layer in layers], [layer.o_proj.blocks for layer in layers],
                         [layer.post_attention_layernorm.weight for layer in layers],
                         [layer.gate_up.blocks for layer in layers], [layer.down_proj.blocks for layer in layers],
                         [p.code for layer in layers
@@ -187,8 +226,11 @@ class DecoderStack:
                 isinstance(layer, FusedDecoderLayer) and layer.two_calls for layer in layers):
             return False
         first = layers[0]
+        # One epsilon for every norm, the per-head ones too (the stack takes one).
         if any((layer.heads, layer.kv_heads, layer.scaling) != (first.heads, first.kv_heads, first.scaling)
-               or {layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon}
+               or (layer.q_norm is None) != (first.q_norm is None)
+               or {layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon,
+                   *((layer.q_norm.variance_epsilon, layer.k_norm.variance_epsilon) if layer.q_norm else ())}
                != {first.input_layernorm.variance_epsilon} for layer in layers):
             return False
         inner.forward = cls(inner, layers)  # an instance attribute: Module.__call__ finds it before the method
@@ -280,18 +322,29 @@ def rms_norm(x: torch.Tensor, norm: torch.nn.Module, native: bool) -> torch.Tens
     return norm(x)
 
 
-def rope_split(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, native: bool):
-    """q [b, heads, t, d], k and v [b, kv_heads, t, d] of the fused product [b, t, (heads + 2 kv_heads) d],
-    q and k rotated as transformers' apply_rotary_pos_emb rotates them."""
+def rope_split(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, native: bool,
+               q_norm: torch.nn.Module | None = None, k_norm: torch.nn.Module | None = None):
+    """q [b, heads, t, d], k and v [b, kv_heads, t, d] of the fused product [b, t, (heads + 2 kv_heads) d], q and k
+    normalized per head by q_norm/k_norm when given (qwen3), then rotated as transformers' apply_rotary_pos_emb
+    rotates them (the first cos.shape[-1] values of each head: all of them but for a partial rotary)."""
     if native:
-        return torch.ops.rungen_ggml.rope_split(qkv, cos, sin, heads, kv_heads)
+        if q_norm is None:
+            return torch.ops.rungen_ggml.rope_split(qkv, cos, sin, heads, kv_heads)
+        return torch.ops.rungen_ggml.rope_split(qkv, cos, sin, heads, kv_heads, q_norm.weight, k_norm.weight,
+                                                q_norm.variance_epsilon)
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as apply_partial
 
     batch, tokens, features = qkv.shape
-    heads_all = qkv.view(batch, tokens, heads + 2 * kv_heads, features // (heads + 2 * kv_heads)).transpose(1, 2)
-    q, k, v = heads_all.split([heads, kv_heads, kv_heads], dim=1)
-    q, k = apply_rotary_pos_emb(q, k, cos, sin)
-    return q, k, v.contiguous()
+    head_dim = features // (heads + 2 * kv_heads)
+    heads_all = qkv.view(batch, tokens, heads + 2 * kv_heads, head_dim)
+    if cos.shape[-1] != head_dim:
+        apply_rotary_pos_emb = apply_partial
+    q, k, v = heads_all.split([heads, kv_heads, kv_heads], dim=2)
+    if q_norm is not None:
+        q, k = q_norm(q), k_norm(k)
+    q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    return q, k, v.transpose(1, 2).contiguous()
 
 
 def silu_mul(gate_up: torch.Tensor, native: bool) -> torch.Tensor:

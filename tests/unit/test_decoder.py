@@ -1,16 +1,29 @@
-"""Fast tier: FusedDecoderLayer computes transformers' LlamaDecoderLayer (and Qwen2's, with q/k/v biases)
-over the same GGUF blocks, within float32 rounding: one token after a prompt, a prompt, a left-padded batch;
-with the native kernels' steps and with the torch fallback of each step."""
+"""Fast tier: FusedDecoderLayer computes transformers' LlamaDecoderLayer (and Qwen2's, with q/k/v biases; Qwen3's,
+with per-head q/k norms and heads wider than hidden / heads; Phi3's, with q/k/v and gate/up as one projection each
+and a partial rotary) over the same GGUF blocks, within float32 rounding: one token after a prompt, a prompt, a
+left-padded batch; with the native kernels' steps and with the torch fallback of each step."""
 
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    DynamicCache,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 from transformers.masking_utils import create_causal_mask
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
-from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
+from transformers.models.phi3.modeling_phi3 import Phi3DecoderLayer, Phi3RotaryEmbedding
+from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding
+from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
 
 from helpers import to_blocks
 from rungen import decoder, ggml
@@ -19,21 +32,33 @@ from rungen.ggml import GGMLLinear
 from rungen.kvcache import GrowingLayer, new_cache
 
 HIDDEN, FFN, HEADS, KV_HEADS = 128, 256, 4, 2
+KINDS = ("llama", "qwen2", "qwen3", "phi3")
+CLASSES = {"llama": (LlamaConfig, LlamaDecoderLayer, LlamaForCausalLM, LlamaRotaryEmbedding),
+           "qwen2": (Qwen2Config, Qwen2DecoderLayer, Qwen2ForCausalLM, Qwen2RotaryEmbedding),
+           "qwen3": (Qwen3Config, Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3RotaryEmbedding),
+           "phi3": (Phi3Config, Phi3DecoderLayer, Phi3ForCausalLM, Phi3RotaryEmbedding)}
+# The published checkpoints' quirks: Qwen3's heads are wider than hidden / heads (0.6B: 1024 / 16 heads of 128),
+# Phi-4-mini (a phi3 model) rotates 3/4 of each head.
+QUIRKS = {"qwen3": dict(head_dim=2 * HIDDEN // HEADS), "phi3": dict(partial_rotary_factor=0.75, pad_token_id=0)}
 
 
 def config_of(kind, layers=1):
     common = dict(hidden_size=HIDDEN, intermediate_size=FFN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
                   num_hidden_layers=layers, rms_norm_eps=1e-5, vocab_size=64)
-    config = LlamaConfig(**common) if kind == "llama" else Qwen2Config(**common)
+    config = CLASSES[kind][0](**common, **QUIRKS.get(kind, {}))
     config._attn_implementation = "sdpa"
     return config
+
+
+def head_dim_of(config):
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def layer_in_blocks(kind, seed=0):
     """A decoder layer of `kind` whose linear weights are Q8_0/Q4_1 blocks (GGMLLinear), norms random."""
     torch.manual_seed(seed)
     config = config_of(kind)
-    layer = (LlamaDecoderLayer if kind == "llama" else Qwen2DecoderLayer)(config, layer_idx=0).eval()
+    layer = CLASSES[kind][1](config, layer_idx=0).eval()
     to_blocks(layer, np.random.default_rng(seed))
     return layer, config
 
@@ -48,19 +73,19 @@ def run(layer, config, hidden, attention_mask, past):
         positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -tokens:]
     mask = create_causal_mask(config=config, inputs_embeds=hidden, attention_mask=attention_mask,
                               past_key_values=past, position_ids=positions)
-    cos_sin = LlamaRotaryEmbedding(config)(hidden, positions)
+    cos_sin = CLASSES[config.model_type][3](config)(hidden, positions)
     return layer(hidden, attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True,
                  position_embeddings=cos_sin)
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "torch-fallback"])
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_fused_layer_equals_transformers_layer(kind, native, monkeypatch):
     if native and not ggml.native_kernels():
         pytest.skip("the native kernels are not available here")
     reference, config = layer_in_blocks(kind)
     fused = FusedDecoderLayer.fuse(reference)
-    assert fused is not None and fused.qkv.out_features == HIDDEN + 2 * HIDDEN // HEADS * KV_HEADS
+    assert fused is not None and fused.qkv.out_features == (HEADS + 2 * KV_HEADS) * head_dim_of(config)
     monkeypatch.setattr(decoder, "native_kernels", lambda: native)
     torch.manual_seed(1)
     prompt, step = torch.randn(2, 5, HIDDEN), torch.randn(2, 1, HIDDEN)
@@ -109,7 +134,7 @@ def test_a_sequence_gets_the_same_bits_alone_and_left_padded_in_a_batch():
         assert torch.equal(outputs[1][1], outputs[0][0])  # a decoding step
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_the_layer_in_two_native_calls_gives_the_bits_of_its_separate_operators(kind):
     if not ggml.native_kernels():
         pytest.skip("the native kernels are not available here")
@@ -135,7 +160,7 @@ def test_the_layer_in_two_native_calls_gives_the_bits_of_its_separate_operators(
 def model_in_blocks(kind, layers=3):
     torch.manual_seed(4)
     config = config_of(kind, layers)
-    model = (LlamaForCausalLM if kind == "llama" else Qwen2ForCausalLM)(config).eval()
+    model = CLASSES[kind][2](config).eval()
     rng = np.random.default_rng(4)
     for layer in model.model.layers:
         to_blocks(layer, rng)
@@ -143,7 +168,7 @@ def model_in_blocks(kind, layers=3):
     return model
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_the_decoder_stack_in_one_call_gives_the_bits_of_the_layers_one_by_one(kind, monkeypatch):
     if not ggml.native_kernels():
         pytest.skip("the native kernels are not available here")
