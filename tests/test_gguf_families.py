@@ -1,0 +1,134 @@
+"""GGUF files of the families beyond llama (qwen3, phi3) run through the fused decoder layers: their config as the
+file states it (qwen3's head size, Phi-4-mini's partial rotary), their logits those of transformers' own model over
+the de-quantized weights, the same greedy tokens fused and unfused, and what the tool cannot compute refused in one
+line. The files imitate the published ones (tests/tiny_models.py, GGUF_FAMILIES)."""
+
+import os
+
+import pytest
+import torch
+
+import run_generation
+from rungen import gguf_loading
+from rungen.decoder import DecoderStack, FusedDecoderLayer, products_one_by_one
+from rungen.ggml import GGMLLinear, native_kernels
+from rungen.gguf_loading import GGUFHeader, build_model, metadata_parsed_once
+from rungen.loading import default_model_file
+from tiny_models import default_tokenizer_fields, write_family_gguf
+
+VOCAB = 2048
+PROMPTS = ["The capital of France is", "Hello, my dog"]
+# name -> (family, write_family_gguf's keywords)
+FILES = {"qwen3": ("qwen3", {}), "phi3": ("phi3", {}), "phi3_partial_rotary": ("phi3", {"rotary": 24})}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def cache_home(tmp_path_factory):
+    """A fresh cache for the module's header caches (restored afterwards)."""
+    saved = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg_cache"))
+    yield os.environ["XDG_CACHE_HOME"]
+    if saved is None:
+        del os.environ["XDG_CACHE_HOME"]
+    else:
+        os.environ["XDG_CACHE_HOME"] = saved
+
+
+@pytest.fixture(scope="module")
+def tokenizer_fields():
+    return default_tokenizer_fields(default_model_file(), VOCAB)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, tokenizer_fields):
+    folder = tmp_path_factory.mktemp("families")
+    return {name: write_family_gguf(folder / f"{name}.gguf", family, tokenizer_fields, **options)
+            for name, (family, options) in FILES.items()}
+
+
+@pytest.fixture(scope="module")
+def loaded(files):
+    """{file: (header, model in its own blocks, transformers' de-quantized float32 model)}, each loaded once."""
+    from transformers import AutoModelForCausalLM
+
+    out = {}
+    for name, path in files.items():
+        with metadata_parsed_once():
+            header = GGUFHeader(path)
+            reference = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+        out[name] = header, build_model(header, torch.float32), reference.eval()
+    return out
+
+
+def test_the_config_has_the_files_head_size_and_rotary(loaded):
+    config = loaded["qwen3"][0].config
+    assert config.head_dim == 64 and config.hidden_size // config.num_attention_heads == 32  # key_length, not 64 / 2
+    assert loaded["phi3_partial_rotary"][0].config.rope_parameters["partial_rotary_factor"] == 0.75  # 24 of 32
+    assert loaded["phi3"][0].config.rope_parameters.get("partial_rotary_factor", 1.0) == 1.0
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_every_layer_is_fused_and_runs_in_the_one_call_stack(loaded, name):
+    if not native_kernels():
+        pytest.skip("the layers are fused over the native kernels' blocks")
+    _, model, _ = loaded[name]
+    layers = model.model.layers
+    assert all(isinstance(layer, FusedDecoderLayer) for layer in layers)
+    assert isinstance(model.model.forward, DecoderStack)
+    assert all((layer.q_norm is not None) == (name == "qwen3") for layer in layers)
+    if name.startswith("phi3"):  # the file's attn_qkv and ffn_up are the fused products as they are
+        assert layers[0].qkv.out_features == 3 * 64 and layers[0].gate_up.out_features == 2 * 128
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_logits_match_transformers_over_the_dequantized_weights(loaded, name, monkeypatch):
+    if not native_kernels():
+        pytest.skip("the exact path is the native kernels' (torch's fallback rounds scales to bfloat16)")
+    header, model, reference = loaded[name]
+    batch = header.tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    with torch.no_grad(), monkeypatch.context() as patch, products_one_by_one(model):
+        patch.setattr(GGMLLinear, "_matmul", lambda self, x: torch.ops.rungen_ggml.mm_tiled(
+            x.float().contiguous(), self.blocks, self.code, self.in_features))
+        exact = model(**batch).logits
+        theirs = reference(**batch).logits
+    real = batch["attention_mask"].bool()  # padding's logits are never read
+    torch.testing.assert_close(exact[real], theirs[real], rtol=1e-4, atol=1e-4)
+    assert theirs.abs().max() > 1  # a real computation
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_greedy_tokens_are_the_same_fused_and_unfused(loaded, files, name, monkeypatch):
+    """The fused layers in one call give the greedy tokens of transformers' own layers over the same blocks."""
+    header, fused, _ = loaded[name]
+    monkeypatch.setattr(gguf_loading, "fuse_decoder_layers", lambda model: 0)
+    unfused = build_model(header, torch.float32)
+    assert not any(isinstance(layer, FusedDecoderLayer) for layer in unfused.model.layers)
+    tokens = []
+    for model in (fused, unfused):
+        ids = header.tokenizer(PROMPTS[:1], return_tensors="pt").input_ids
+        with torch.no_grad():
+            tokens.append(model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None,
+                                         pad_token_id=0)[0, ids.shape[1]:].tolist())
+    assert tokens[0] == tokens[1]
+    assert len(set(tokens[0])) > 1  # not one token repeated, which any two models might agree on
+
+
+def error_of(args, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run_generation.cli(args)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert "Traceback" not in "\n".join(lines)
+    return exit_info.value.code, lines[-1]
+
+
+@pytest.mark.parametrize("family, options, reason", [
+    ("phi3", {"longrope": True}, "rope_factors_long/short"),
+    ("qwen3", {"value_length": 32}, "keys of 64 and values of 32"),
+], ids=["phi3-longrope", "qwen3-value-length"])
+def test_what_the_tool_cannot_compute_is_refused_in_one_line(tokenizer_fields, tmp_path, capsys, family, options,
+                                                            reason):
+    path = write_family_gguf(tmp_path / f"{family}.gguf", family, tokenizer_fields, **options)
+    code, line = error_of(["--model_name_or_path", path, "--prompt", "Hi"], capsys)
+    assert code == 2 and line.startswith(f"run_generation.py: error: {path}") and reason in line
+    code, line = error_of(["--model_name_or_path", path, "--prompt", "Hi", "--dequantize"], capsys)
+    assert code == 2 and reason in line  # transformers' own loader would compute another function
