@@ -83,6 +83,14 @@ def metadata_parsed_once():
 # unset; qwen3's class defaults to 128), where transformers' GGUF reading does not map llama.cpp's
 # <arch>.attention.key_length to it: qwen3's heads are 128 wide whatever hidden_size / heads is (0.6B: 1024 / 16).
 HEAD_DIM_FROM_KEY_LENGTH = ("qwen2", "qwen3", "phi3")
+# Other metadata transformers' GGUF reading does not map, by architecture: key after "<arch>." -> config field
+# (gemma2's class defaults are the published 50 and 30, which a file may not hold).
+EXTRA_CONFIG_KEYS = {"gemma2": {"attn_logit_softcapping": "attn_logit_softcapping",
+                                "final_logit_softcapping": "final_logit_softcapping"}}
+# Gemma's scores are scaled by query_pre_attn_scalar ** -0.5, which no GGUF key holds: llama.cpp scales by the head
+# size but for the 27B models (by hidden / heads), which it knows by their layer count; transformers' classes
+# default to 256 (the head size of gemma2's 2B/9B and gemma3's 1B-12B).
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
 def complete_config(path: str, config: dict) -> None:
@@ -102,6 +110,19 @@ def complete_config(path: str, config: dict) -> None:
                         "(attention.key_length/value_length): transformers' attention takes one head size")
     heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
     head_dim = config.get("head_dim") or (hidden // heads if heads and hidden else None)
+    for key, field in EXTRA_CONFIG_KEYS.get(arch, {}).items():
+        if f"{arch}.{key}" in metadata:
+            config[field] = metadata[f"{arch}.{key}"]
+    if arch in GEMMA_27B_LAYERS and head_dim:
+        big = metadata.get(f"{arch}.block_count") == GEMMA_27B_LAYERS[arch]
+        config["query_pre_attn_scalar"] = hidden // heads if big else head_dim
+    if arch == "gemma3" and metadata.get(f"{arch}.rope.scaling.type", "none") != "none":
+        # gemma3 4B-27B rotate their global layers by positions / 8 (linear); transformers' reading drops it.
+        kind = metadata[f"{arch}.rope.scaling.type"]
+        if kind != "linear":
+            raise GGUFError(f"{path}: its rotary embedding is scaled by {kind!r}, which this tool does not read "
+                            "from a gemma3 GGUF file")
+        config["rope_scaling"] = {"rope_type": "linear", "factor": metadata[f"{arch}.rope.scaling.factor"]}
     rotary = metadata.get(f"{arch}.rope.dimension_count")
     if arch == "phi3":
         # Phi-4-mini (a "phi3" file) rotates 96 of each head's 128 values; transformers' reading drops the count.

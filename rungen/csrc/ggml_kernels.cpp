@@ -9,7 +9,7 @@
 //   torch.ops.rungen_ggml.rms_norm(x, weight, eps)               a decoder layer's small steps, one operator
 //   torch.ops.rungen_ggml.rope_split(qkv, cos, sin, heads, kv_heads[, q_norm, k_norm, norm_eps])  each instead
 //                                                               of several (see below)
-//   torch.ops.rungen_ggml.silu_mul(gate_up)
+//   torch.ops.rungen_ggml.silu_mul(gate_up), gelu_tanh_mul(gate_up)
 //   torch.ops.rungen_ggml.attend(q, k, v, mask, scale)           attention, the same bits with or without padding
 //   torch.ops.rungen_ggml.attention_in(...), attention_out_mlp(...)  a decoder layer in two calls (see below)
 //   torch.ops.rungen_ggml.decoder_stack(...)                     every decoder layer in one call (see below)
@@ -711,6 +711,27 @@ at::Tensor silu_mul(const at::Tensor& gu_in) {
   return y;
 }
 
+// gelu(gate) * up with GELU's tanh approximation (gemma's gelu_pytorch_tanh), from the fused gate/up product
+// [..., 2 * ffn] (gate first): 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), as torch computes it.
+at::Tensor gelu_tanh_mul(const at::Tensor& gu_in) {
+  const at::Tensor gu = gu_in.to(at::kFloat).contiguous();
+  const int64_t f = gu.size(-1) / 2, rows = gu.numel() / std::max<int64_t>(2 * f, 1);
+  std::vector<int64_t> shape(gu.sizes().begin(), gu.sizes().end());
+  shape.back() = f;
+  at::Tensor y = at::empty(shape, gu.options());
+  const float* gp = gu.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const float k0 = 0.7978845608028654f, k1 = 0.044715f;  // sqrt(2 / pi)
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(f, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t i = 0; i < f; ++i) {
+        const float g = gp[r * 2 * f + i];
+        yp[r * f + i] = 0.5f * g * (1.f + std::tanh(k0 * (g + k1 * g * g * g))) * gp[r * 2 * f + f + i];
+      }
+  });
+  return y;
+}
+
 // Attention of t query tokens a sequence over T keys (the cached ones and their own): q [b, heads, t, dim],
 // k and v [b, kv_heads, T, dim] (grouped heads: query head h reads kv head h / (heads / kv_heads)). mask None:
 // causal, query i sees keys 0 .. T - t + i; else bool [b, 1, t, T] (true: attend) or additive float of that
@@ -1180,6 +1201,7 @@ TORCH_LIBRARY(rungen_ggml, m) {
   m.def("rope_split(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads, Tensor? q_norm=None, "
         "Tensor? k_norm=None, float norm_eps=0.) -> Tensor[]", &rope_split);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
+  m.def("gelu_tanh_mul(Tensor gate_up) -> Tensor", &gelu_tanh_mul);
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor", &attend);
   m.def("attention_in(Tensor hidden, Tensor norm_weight, float eps, Tensor qkv_blocks, int qkv_qtype, "
         "Tensor? qkv_bias, Tensor cos, Tensor sin, int heads, int kv_heads, Tensor? q_norm=None, Tensor? k_norm=None, "
