@@ -74,6 +74,8 @@ FAMILIES = {
     "Gemma3DecoderLayer": Family(head_norms=("q_norm", "k_norm"), **GEMMA),
 }
 FUSABLE = tuple(FAMILIES)
+# FusedDecoderLayer's attributes that hold norms (None where a family has no such norm).
+NORMS = ("input_layernorm", "mlp_norm", "attention_out_norm", "mlp_out_norm", "q_norm", "k_norm")
 # The weights FusedDecoderLayer concatenates (q/k/v, gate/up), by the endings of their parameter names.
 FUSED_WEIGHTS = tuple(sorted({f".{name}.weight" for family in FAMILIES.values()
                               for group in (family.qkv, family.gate_up) if len(group) > 1 for name in group}))
@@ -95,12 +97,12 @@ class FusedDecoderLayer(torch.nn.Module):
                                                       for name in (family.attention_out_norm, family.mlp_out_norm))
         self.q_norm, self.k_norm = (getattr(attention, name) for name in family.head_norms) if family.head_norms \
             else (None, None)
-        # (weight, epsilon) of each norm as the native rms_norm takes them: the module's own weight, or for gemma
-        # 1 + weight (computed in float32 once, as GemmaRMSNorm computes it every call).
-        self.native_norms = {id(norm): (norm.weight + family.norm_offset if family.norm_offset else norm.weight,
-                                        getattr(norm, "variance_epsilon", None) or norm.eps)
-                             for norm in (self.input_layernorm, self.mlp_norm, self.attention_out_norm,
-                                          self.mlp_out_norm, self.q_norm, self.k_norm) if norm is not None}
+        # (weight, epsilon) of each norm as the native rms_norm takes them, by the attribute that holds the norm
+        # (names survive a deep copy, which gives the modules new identities): the module's own weight, or for
+        # gemma 1 + weight (computed in float32 once, as GemmaRMSNorm computes it every call).
+        self.native_norms = {name: (norm.weight.detach() + family.norm_offset if family.norm_offset else norm.weight,
+                                    getattr(norm, "variance_epsilon", None) or norm.eps)
+                             for name in NORMS if (norm := getattr(self, name)) is not None}
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         # What transformers' attention interface reads from the module it is given.
         self.config, self.layer_idx, self.is_causal = config, attention.layer_idx, True
@@ -133,13 +135,13 @@ class FusedDecoderLayer(torch.nn.Module):
             return None
         return cls(layer, qkv, gate_up)
 
-    def norm_args(self, norm: torch.nn.Module | None) -> tuple:
-        """(weight, epsilon) of `norm` for the native ops; (None, 0.0) for none."""
-        return self.native_norms[id(norm)] if norm is not None else (None, 0.0)
+    def norm_args(self, name: str) -> tuple:
+        """(weight, epsilon) of the norm held as attribute `name`, for the native ops; (None, 0.0) for none."""
+        return self.native_norms.get(name, (None, 0.0))
 
     def head_norm_args(self) -> tuple:
         """The native ops' (q_norm, k_norm, norm_eps): the per-head norms' weights, or None for families without."""
-        (q, eps), (k, _) = self.norm_args(self.q_norm), self.norm_args(self.k_norm)
+        (q, eps), (k, _) = self.norm_args("q_norm"), self.norm_args("k_norm")
         return q, k, eps
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -149,7 +151,7 @@ class FusedDecoderLayer(torch.nn.Module):
         if native and self.two_calls:
             return self._two_calls(hidden_states, attention_mask, past_key_values, position_embeddings)
         batch, tokens, _ = hidden_states.shape
-        x = self._norm(hidden_states, self.input_layernorm, native)
+        x = self._norm(hidden_states, "input_layernorm", native)
         cos, sin = position_embeddings
         qkv = product(self.qkv, x, native)
         if native:
@@ -167,29 +169,30 @@ class FusedDecoderLayer(torch.nn.Module):
             attended = self._attention(q, k, v, attention_mask, kwargs).reshape(batch, tokens, -1)
         out = product(self.o_proj, attended, native)
         if self.attention_out_norm is not None:
-            out = self._norm(out, self.attention_out_norm, native)
+            out = self._norm(out, "attention_out_norm", native)
         hidden_states = hidden_states + out
-        x = self._norm(hidden_states, self.mlp_norm, native)
+        x = self._norm(hidden_states, "mlp_norm", native)
         gated = ACTIVATIONS[self.activation](product(self.gate_up, x, native), native)
         out = product(self.down_proj, gated, native)
         if self.mlp_out_norm is not None:
-            out = self._norm(out, self.mlp_out_norm, native)
+            out = self._norm(out, "mlp_out_norm", native)
         return hidden_states + out
 
-    def _norm(self, x: torch.Tensor, norm: torch.nn.Module, native: bool) -> torch.Tensor:
-        """transformers' RMSNorm of x by `norm` (the native step with its weight and epsilon, or the module)."""
-        return torch.ops.rungen_ggml.rms_norm(x, *self.norm_args(norm)) if native else norm(x)
+    def _norm(self, x: torch.Tensor, name: str, native: bool) -> torch.Tensor:
+        """transformers' RMSNorm of x by the norm held as attribute `name` (the native step with its weight and
+        epsilon, or the module)."""
+        return torch.ops.rungen_ggml.rms_norm(x, *self.norm_args(name)) if native else getattr(self, name)(x)
 
     def _two_calls(self, hidden_states, attention_mask, past_key_values, position_embeddings):
         """forward's arithmetic, in the same order, as rungen_ggml's attention_in and attention_out_mlp."""
         ops, (cos, sin) = torch.ops.rungen_ggml, position_embeddings
         qkv, gate_up, o, down = self.qkv, self.gate_up, self.o_proj, self.down_proj
-        q, k, v = ops.attention_in(hidden_states, *self.norm_args(self.input_layernorm), qkv.blocks, qkv.code,
+        q, k, v = ops.attention_in(hidden_states, *self.norm_args("input_layernorm"), qkv.blocks, qkv.code,
                                    qkv.bias, cos, sin, self.heads, self.kv_heads, *self.head_norm_args())
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
         return ops.attention_out_mlp(hidden_states, q, k, v, attention_mask, self.scaling, o.blocks, o.code,
-                                     *self.norm_args(self.mlp_norm), gate_up.blocks, gate_up.code,
+                                     *self.norm_args("mlp_norm"), gate_up.blocks, gate_up.code,
                                      down.blocks, down.code)
 
     def _attention(self, q, k, v, attention_mask, kwargs):
@@ -257,14 +260,14 @@ class DecoderStack:
         # at each layer's buffers; nothing here keeps a finished cache alive.
         self.last = None
         first = layers[0]
-        self.eps, self.scale = first.norm_args(first.input_layernorm)[1], first.scaling
+        self.eps, self.scale = first.norm_args("input_layernorm")[1], first.scaling
         self.heads, self.kv_heads = first.heads, first.kv_heads
         self.head_dim = first.qkv.out_features // (first.heads + 2 * first.kv_heads)
-        self.weights = ([layer.norm_args(layer.input_layernorm)[0] for layer in layers],
+        self.weights = ([layer.norm_args("input_layernorm")[0] for layer in layers],
                         [layer.qkv.blocks for layer in layers],
                         [layer.qkv.bias for layer in layers], [layer.head_norm_args()[0] for layer in layers],
                         [layer.head_norm_args()[1] for layer in layers], [layer.o_proj.blocks for layer in layers],
-                        [layer.norm_args(layer.mlp_norm)[0] for layer in layers],
+                        [layer.norm_args("mlp_norm")[0] for layer in layers],
                         [layer.gate_up.blocks for layer in layers], [layer.down_proj.blocks for layer in layers],
                         [p.code for layer in layers
                          for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down_proj)])
@@ -282,7 +285,7 @@ class DecoderStack:
         # One epsilon for every norm, the per-head ones too (the stack takes one).
         if any((layer.heads, layer.kv_heads, layer.scaling) != (first.heads, first.kv_heads, first.scaling)
                or (layer.q_norm is None) != (first.q_norm is None)
-               or {eps for _, eps in layer.native_norms.values()} != {first.norm_args(first.input_layernorm)[1]}
+               or {eps for _, eps in layer.native_norms.values()} != {first.norm_args("input_layernorm")[1]}
                for layer in layers):
             return False
         inner.forward = cls(inner, layers)  # an instance attribute: Module.__call__ finds it before the method

@@ -298,3 +298,6 @@ def test_a_gemma_model_runs_every_layer_fused_and_computes_transformers_logits(k
     for theirs, ours in zip(*logits):
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
     assert logits[0][0].abs().max() > 0.1  # a real computation (gemma's logits are small at random weights)
+    with torch.no_grad():  # a deep copy (the tests' model memo, a caller's) computes the same
+        torch.testing.assert_close(copy.deepcopy(model)(ids, attention_mask=mask[:, :6]).logits,
+                                   model(ids, attention_mask=mask[:, :6]).logits, rtol=0, atol=0)
