@@ -1,13 +1,14 @@
-"""Llama-family decoder layers over GGUF blocks, in a few operators a step.
+"""Decoder layers over GGUF blocks, in a few operators a step: llama's, and the families shaped like it (FAMILIES:
+mistral, qwen2, qwen3, phi3, gemma2, gemma3), what each differs in declared in one table.
 
 transformers' LlamaDecoderLayer runs about 80 torch operators a token (the norms' casts and reductions,
 rotate_half's slices and concatenations, three separate q/k/v products, ...), each 3-5 µs of dispatch on a
 CPU: at one token a step of a small model they cost more than its matmuls. FusedDecoderLayer computes the
 same function with one product for q/k/v and one for gate/up (their rows concatenated once, at load), and
-the native kernels' rms_norm, rope_split, silu_mul and attend for what lies between. The key/value cache and
-the attention masks stay transformers' (Cache.update, the mask the model passes in), so generate() and
-everything built on it work unchanged; a sliding-window layer attends through transformers' attention
-interface.
+the native kernels' rms_norm, rope_split, silu_mul (gelu_tanh_mul) and attend for what lies between. The
+key/value cache and the attention masks stay transformers' (Cache.update, the mask the model passes in), so
+generate() and everything built on it work unchanged; a sliding-window layer (and gemma2's soft-capped logits)
+attends through transformers' attention interface.
 
 The float arithmetic differs from transformers' only in summation order and fused multiply-adds:
 tests/unit/test_decoder.py holds it to transformers' own layer within float32 rounding. The attention visits
@@ -101,7 +102,7 @@ class FusedDecoderLayer(torch.nn.Module):
         # (names survive a deep copy, which gives the modules new identities): the module's own weight, or for
         # gemma 1 + weight (computed in float32 once, as GemmaRMSNorm computes it every call).
         self.native_norms = {name: (norm.weight.detach() + family.norm_offset if family.norm_offset else norm.weight,
-                                    getattr(norm, "variance_epsilon", None) or norm.eps)
+                                    norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps)
                              for name in NORMS if (norm := getattr(self, name)) is not None}
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         # What transformers' attention interface reads from the module it is given.

@@ -165,3 +165,11 @@ def test_what_the_tool_cannot_compute_is_refused_in_one_line(tokenizer_fields, t
     assert code == 2 and line.startswith(f"run_generation.py: error: {path}") and reason in line
     code, line = error_of(["--model_name_or_path", path, "--prompt", "Hi", "--dequantize"], capsys)
     assert code == 2 and reason in line  # transformers' own loader would compute another function
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma3"])
+def test_the_command_line_generates_from_the_file(files, name):
+    args = ["--model_name_or_path", files[name], "--prompt", PROMPTS[0], "--temperature", "0", "--length", "5"]
+    first, second = run_generation.main(args), run_generation.main(args)
+    assert len(first) == 1 and first[0].startswith(PROMPTS[0]) and len(first[0]) > len(PROMPTS[0])
+    assert first == second  # greedy: the same text again
