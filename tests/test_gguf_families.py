@@ -173,3 +173,11 @@ def test_the_command_line_generates_from_the_file(files, name):
     first, second = run_generation.main(args), run_generation.main(args)
     assert len(first) == 1 and first[0].startswith(PROMPTS[0]) and len(first[0]) > len(PROMPTS[0])
     assert first == second  # greedy: the same text again
+
+
+def test_gemma2_27b_scales_its_scores_by_hidden_over_heads(tokenizer_fields, tmp_path):
+    # llama.cpp knows gemma-2-27b by its 46 layers and scales by hidden / heads (4608 / 32 = 144, its
+    # query_pre_attn_scalar), not by the head size (128); here 64 / 2 = 32, the head size 64.
+    path = write_family_gguf(tmp_path / "gemma2_27b.gguf", "gemma2", tokenizer_fields, layers=46)
+    config = GGUFHeader(path).config
+    assert config.query_pre_attn_scalar == 32 and config.head_dim == 64
