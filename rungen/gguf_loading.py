@@ -129,10 +129,33 @@ def complete_config(path: str, config: dict) -> None:
         if rotary is not None and head_dim and rotary != head_dim:
             config["partial_rotary_factor"] = rotary / head_dim
         if any(name.startswith("rope_factors_") for name in tensors):
-            # The 128k variants' longrope scaling is in these tensors, which transformers' GGUF reading does not
-            # carry into its config: its model would rotate by the plain frequencies, another function.
-            raise GGUFError(f"{path}: its rotary embedding is scaled by rope_factors_long/short (longrope, the "
-                            "128k-context variants), which this tool does not read from a GGUF file")
+            # The 128k variants (Phi-3-mini-128k, Phi-3.5-mini) scale their rotary frequencies by these tensors
+            # (longrope), which transformers' GGUF reading drops: its model would rotate by the plain frequencies.
+            config["rope_scaling"] = _longrope(path, arch, metadata)
+            config["original_max_position_embeddings"] = config["rope_scaling"]["original_max_position_embeddings"]
+
+
+def _longrope(path: str, arch: str, metadata: dict) -> dict:
+    """transformers' longrope rope_scaling of a file's rope_factors_long/short tensors (F32, one factor per rotated
+    pair) and rope.scaling keys, as llama.cpp's converter wrote them from the checkpoint's config."""
+    from transformers.integrations.gguf.reader import GgufHeader
+
+    original = metadata.get(f"{arch}.rope.scaling.original_context_length")
+    header = GgufHeader.from_file(path)
+    tensors = {t.name: t for t in header.tensors}
+    factors = {}
+    for kind in ("long", "short"):
+        tensor = tensors.get(f"rope_factors_{kind}.weight")
+        if tensor is None or tensor.ggml_type != 0 or original is None:
+            raise GGUFError(f"{path}: its longrope scaling needs rope_factors_long/short (F32) and "
+                            f"{arch}.rope.scaling.original_context_length, which it does not all have")
+        data = np.fromfile(path, dtype="<f4", count=int(np.prod(tensor.shape)),
+                           offset=header.data_start + tensor.offset)
+        factors[f"{kind}_factor"] = [float(x) for x in data]
+    scaling = {"rope_type": "longrope", **factors, "original_max_position_embeddings": int(original)}
+    if f"{arch}.rope.scaling.attn_factor" in metadata:  # the cos/sin scale llama.cpp was given; transformers'
+        scaling["attention_factor"] = float(metadata[f"{arch}.rope.scaling.attn_factor"])  # default is the same rule
+    return scaling
 
 
 def cache_root() -> str:

@@ -22,8 +22,10 @@ PROMPTS = ["The capital of France is", "Hello, my dog"]
 # name -> (family, write_family_gguf's keywords)
 FILES = {"qwen3": ("qwen3", {}), "phi3": ("phi3", {}), "phi3_partial_rotary": ("phi3", {"rotary": 24}),
          "gemma2": ("gemma2", {}), "gemma3": ("gemma3", {"layers": 6})}  # gemma3: five sliding layers, one global
+FILES["phi3_longrope"] = ("phi3", {"longrope": True})  # Phi-3-mini-128k's, Phi-3.5-mini's
 FILES["gemma3_linear_rope"] = ("gemma3", {"layers": 6, "rope_scaling": ("linear", 8.0)})  # gemma-3-4b's
-STACKED = ("qwen3", "phi3", "phi3_partial_rotary")  # gemma's sliding-window layers attend through transformers
+# In the one-call stack (gemma's sliding-window layers attend through transformers).
+STACKED = ("qwen3", "phi3", "phi3_partial_rotary", "phi3_longrope")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -69,6 +71,10 @@ def test_the_config_has_the_files_head_size_and_rotary(loaded):
     assert config.head_dim == 64 and config.hidden_size // config.num_attention_heads == 32  # key_length, not 64 / 2
     assert loaded["phi3_partial_rotary"][0].config.rope_parameters["partial_rotary_factor"] == 0.75  # 24 of 32
     assert loaded["phi3"][0].config.rope_parameters.get("partial_rotary_factor", 1.0) == 1.0
+    longrope = loaded["phi3_longrope"][0].config.rope_parameters
+    assert longrope["rope_type"] == "longrope" and longrope["original_max_position_embeddings"] == 128
+    assert len(longrope["long_factor"]) == len(longrope["short_factor"]) == 16  # a factor per rotated pair
+    assert 1 <= min(longrope["short_factor"]) and max(longrope["long_factor"]) <= 4
     gemma2, gemma3 = loaded["gemma2"][0].config, loaded["gemma3"][0].config
     assert (gemma2.attn_logit_softcapping, gemma2.final_logit_softcapping) == (20.0, 15.0)  # not the class's 50, 30
     assert gemma2.query_pre_attn_scalar == gemma3.query_pre_attn_scalar == 64  # the head size, as llama.cpp scales
@@ -90,6 +96,26 @@ def test_every_layer_is_fused_and_the_llama_shaped_run_in_the_one_call_stack(loa
     assert all((layer.q_norm is not None) == name.startswith(("qwen3", "gemma3")) for layer in layers)
     if name.startswith("phi3"):  # the file's attn_qkv and ffn_up are the fused products as they are
         assert layers[0].qkv.out_features == 3 * 64 and layers[0].gate_up.out_features == 2 * 128
+
+
+def test_the_longrope_factors_change_the_function(loaded):
+    """phi3_longrope holds phi3's weights, and its factors: its logits are another function's."""
+    (header, plain, _), (_, scaled, _) = loaded["phi3"], loaded["phi3_longrope"]
+    batch = header.tokenizer(PROMPTS[:1], return_tensors="pt")
+    with torch.no_grad():
+        assert (plain(**batch).logits - scaled(**batch).logits).abs().max() > 0.1
+
+
+def test_past_the_original_context_longrope_switches_to_its_long_factors_as_transformers_does(loaded, monkeypatch):
+    if not native_kernels():
+        pytest.skip("the exact path is the native kernels' (torch's fallback rounds scales to bfloat16)")
+    _, model, reference = loaded["phi3_longrope"]
+    ids = torch.arange(3, 3 + 150)[None] % 2000  # past the original 128 positions
+    with torch.no_grad(), monkeypatch.context() as patch, products_one_by_one(model):
+        exact_products(patch)
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-4)
+    assert torch.equal(model.model.rotary_emb.inv_freq, reference.model.rotary_emb.inv_freq)
+    assert not torch.equal(model.model.rotary_emb.inv_freq, model.model.rotary_emb.original_inv_freq)  # long
 
 
 @pytest.mark.parametrize("name", FILES)
@@ -154,7 +180,7 @@ def error_of(args, capsys):
 
 
 @pytest.mark.parametrize("family, options, reason", [
-    ("phi3", {"longrope": True}, "rope_factors_long/short"),
+    ("phi3", {"longrope": "factors only"}, "rope.scaling.original_context_length"),
     ("qwen3", {"value_length": 32}, "keys of 64 and values of 32"),
     ("gemma3", {"rope_scaling": ("yarn", 4.0)}, "scaled by 'yarn'"),
 ], ids=["phi3-longrope", "qwen3-value-length", "gemma3-yarn"])

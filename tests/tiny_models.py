@@ -736,7 +736,10 @@ def write_family_gguf(path, family, tokenizer_fields, layers=2, seed=0, rotary=N
     """A tiny GGUF file of `family` (GGUF_FAMILIES) at `path`: Q8_0 attention, Q4_0 gate/up, Q4_1 down, a Q8_0
     embedding (and output when untied), F32 norms, random weights. rotary: rope.dimension_count when not the head
     size; value_length: attention.value_length when not the key length; rope_scaling: (rope.scaling.type,
-    rope.scaling.factor), as gemma-3-4b's (linear, 8)."""
+    rope.scaling.factor), as gemma-3-4b's (linear, 8); longrope: True for the 128k variants' factor tensors and
+    rope.scaling keys, "factors only" for the tensors alone."""
+    import math
+
     import numpy as np
     from gguf import GGMLQuantizationType as Q
     from gguf import GGUFWriter, quants
@@ -760,6 +763,10 @@ def write_family_gguf(path, family, tokenizer_fields, layers=2, seed=0, rotary=N
     else:
         writer.add_key_length(head_dim)
         writer.add_value_length(value_length or head_dim)
+    if longrope is True:  # Phi-3-mini-128k: 131072 positions over an original 4096 (here 4096 over 128), both x32
+        original = MAX_POSITIONS
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(32) / math.log(original)))
     if rope_scaling is not None:
         writer.add_string(f"{family}.rope.scaling.type", rope_scaling[0])
         writer.add_float32(f"{family}.rope.scaling.factor", rope_scaling[1])
@@ -802,11 +809,12 @@ def write_family_gguf(path, family, tokenizer_fields, layers=2, seed=0, rotary=N
         add(f"blk.{n}.attn_output.weight", rng.normal(0, 0.15, (hidden, q)), Q.Q8_0)
         add(f"blk.{n}.ffn_down.weight", rng.normal(0, 0.15, (hidden, ffn)), Q.Q4_1)
     add("output_norm.weight", rng.uniform(0.8, 1.2, hidden), Q.F32)
-    if longrope:  # llama.cpp's phi3 128k files: one factor per rotated pair
-        add("rope_factors_long.weight", rng.uniform(1, 4, (rotary or head_dim) // 2), Q.F32)
-        add("rope_factors_short.weight", rng.uniform(1, 1.1, (rotary or head_dim) // 2), Q.F32)
     if not spec["tied"]:
         add("output.weight", rng.normal(0, 0.15, (vocab, hidden)), Q.Q8_0)
+    if longrope:  # llama.cpp's phi3 128k files: one factor per rotated pair (after every weight: the same weights)
+        add("rope_factors_long.weight", rng.uniform(1, 4, (rotary or head_dim) // 2), Q.F32)
+        # (the short factors: above 1, as Phi-3's, so that the scaling shows even at a few positions)
+        add("rope_factors_short.weight", rng.uniform(1, 3, (rotary or head_dim) // 2), Q.F32)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
