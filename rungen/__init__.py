@@ -10,7 +10,8 @@
     processes.py   several processes under accelerate: who reads, who generates what, who writes
     session.py     a session in the terminal: the prompt loop, /commands, the conversation and its context
     gguf_loading.py  a GGUF file run in its own quantized blocks, memory-mapped, its header cached
-    decoder.py     llama-family decoder layers over GGUF blocks, fused into a few native operators
+    decoder.py     decoder layers over GGUF blocks (llama, mistral, qwen2/3, phi3, gemma2/3; FAMILIES says
+                   what differs), fused into a few native operators
     kvcache.py     the key/value cache that grows in place (for the fused layers' native attention)
     quantize.py    --quantize int8/int4: weight-only quantized linear layers (imported only for --quantize)
     jit.py         --jit: the traced decode step (private torch/transformers APIs; imported only for --jit)

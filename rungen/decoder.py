@@ -1,13 +1,14 @@
-"""Llama-family decoder layers over GGUF blocks, in a few operators a step.
+"""Decoder layers over GGUF blocks, in a few operators a step: llama's, and the families shaped like it (FAMILIES:
+mistral, qwen2, qwen3, phi3, gemma2, gemma3), what each differs in declared in one table.
 
 transformers' LlamaDecoderLayer runs about 80 torch operators a token (the norms' casts and reductions,
 rotate_half's slices and concatenations, three separate q/k/v products, ...), each 3-5 µs of dispatch on a
 CPU: at one token a step of a small model they cost more than its matmuls. FusedDecoderLayer computes the
 same function with one product for q/k/v and one for gate/up (their rows concatenated once, at load), and
-the native kernels' rms_norm, rope_split, silu_mul and attend for what lies between. The key/value cache and
-the attention masks stay transformers' (Cache.update, the mask the model passes in), so generate() and
-everything built on it work unchanged; a sliding-window layer attends through transformers' attention
-interface.
+the native kernels' rms_norm, rope_split, silu_mul (gelu_tanh_mul) and attend for what lies between. The
+key/value cache and the attention masks stay transformers' (Cache.update, the mask the model passes in), so
+generate() and everything built on it work unchanged; a sliding-window layer (and gemma2's soft-capped logits)
+attends through transformers' attention interface.
 
 The float arithmetic differs from transformers' only in summation order and fused multiply-adds:
 tests/unit/test_decoder.py holds it to transformers' own layer within float32 rounding. The attention visits
@@ -18,6 +19,8 @@ in a batch, which torch's attention kernels do not promise.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import sys
 import weakref
 
 import torch
@@ -26,49 +29,121 @@ from transformers.cache_utils import DynamicLayer
 from .ggml import GGMLLinear, concat, native_kernels, release_freed_memory
 from .kvcache import GrowingLayer
 
-# Decoder layers whose forward is LlamaDecoderLayer's: pre-norm attention with rotary q/k, then a SiLU-gated
-# MLP (mistral and qwen2 add a sliding window, passed to the attention as they pass it; qwen2 q/k/v biases).
-FUSABLE = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """What a family's decoder layer holds where LlamaDecoderLayer's has it: everything FusedDecoderLayer needs to
+    know of one architecture, in one place. Every family here is pre-norm attention with rotary q/k, then a gated
+    MLP, each added to the residual stream."""
+
+    # The attention's projections whose rows make the fused q/k/v product, in that order (one name: the file and
+    # the model already hold them as one), and the MLP's for gate/up (gate first).
+    qkv: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
+    gate_up: tuple[str, ...] = ("gate_proj", "up_proj")
+    # The attention's per-head RMS norms of q and k, applied before the rotation (qwen3's and gemma3's).
+    head_norms: tuple[str, str] | None = None
+    # Where the layer's sliding window is read: the attention module's own attribute (None on full-attention
+    # layers), or the config's (mistral's and phi3's attention pass config.sliding_window to every layer).
+    window_from_config: bool = False
+    # The config attribute that names the MLP's activation (a key of ACTIVATIONS).
+    activation: str = "hidden_act"
+    # The layer's norms: before the MLP, and (gemma) of the attention's and of the MLP's output before each is
+    # added to the residual stream.
+    mlp_norm: str = "post_attention_layernorm"
+    attention_out_norm: str | None = None
+    mlp_out_norm: str | None = None
+    # What the norms multiply by is this plus their weight (gemma's RMSNorm: 1 + weight).
+    norm_offset: float = 0.0
+
+
+GEMMA = dict(activation="hidden_activation", mlp_norm="pre_feedforward_layernorm",
+             attention_out_norm="post_attention_layernorm", mlp_out_norm="post_feedforward_layernorm", norm_offset=1.0)
+# Decoder layers FusedDecoderLayer computes, by class name. mistral, qwen2 and qwen3 may add a sliding window,
+# passed to the attention as they pass it; qwen2 has q/k/v biases; phi3 may rotate only part of each head
+# (partial_rotary_factor: cos/sin are narrower than a head, which rope_split reads from their shape) and its
+# longrope scaling of 128k contexts is in the cos/sin its rotary embedding computes, which the layers take as given.
+# gemma 2/3: a GELU-tanh gate and two more norms; their sliding-window layers (and gemma2's soft-capped attention
+# logits) attend through transformers' attention, gemma3's local rope base is in the cos/sin its model passes each
+# layer, the embedding's scaling and gemma2's final soft-capping lie outside the layers.
+FAMILIES = {
+    "LlamaDecoderLayer": Family(),
+    "MistralDecoderLayer": Family(window_from_config=True),
+    "Qwen2DecoderLayer": Family(),
+    "Qwen3DecoderLayer": Family(head_norms=("q_norm", "k_norm")),
+    "Phi3DecoderLayer": Family(qkv=("qkv_proj",), gate_up=("gate_up_proj",), window_from_config=True),
+    "Gemma2DecoderLayer": Family(**GEMMA),
+    "Gemma3DecoderLayer": Family(head_norms=("q_norm", "k_norm"), **GEMMA),
+}
+FUSABLE = tuple(FAMILIES)
+# FusedDecoderLayer's attributes that hold norms (None where a family has no such norm).
+NORMS = ("input_layernorm", "mlp_norm", "attention_out_norm", "mlp_out_norm", "q_norm", "k_norm")
 # The weights FusedDecoderLayer concatenates (q/k/v, gate/up), by the endings of their parameter names.
-FUSED_WEIGHTS = tuple(f".{name}.weight" for name in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
+FUSED_WEIGHTS = tuple(sorted({f".{name}.weight" for family in FAMILIES.values()
+                              for group in (family.qkv, family.gate_up) if len(group) > 1 for name in group}))
 
 
 class FusedDecoderLayer(torch.nn.Module):
-    """A LlamaDecoderLayer (or a same-shaped one) with fused q/k/v and gate/up products over GGUF blocks."""
+    """A LlamaDecoderLayer (or a layer of another family of FAMILIES) with fused q/k/v and gate/up products over
+    GGUF blocks."""
 
     def __init__(self, layer: torch.nn.Module, qkv: GGMLLinear, gate_up: GGMLLinear):
         super().__init__()
+        family = FAMILIES[type(layer).__name__]
         attention, config = layer.self_attn, layer.self_attn.config
         self.qkv, self.o_proj = qkv, attention.o_proj
         self.gate_up, self.down_proj = gate_up, layer.mlp.down_proj
-        self.input_layernorm, self.post_attention_layernorm = layer.input_layernorm, layer.post_attention_layernorm
+        self.activation = getattr(config, family.activation)
+        self.input_layernorm, self.mlp_norm = layer.input_layernorm, getattr(layer, family.mlp_norm)
+        self.attention_out_norm, self.mlp_out_norm = (None if name is None else getattr(layer, name)
+                                                      for name in (family.attention_out_norm, family.mlp_out_norm))
+        self.q_norm, self.k_norm = (getattr(attention, name) for name in family.head_norms) if family.head_norms \
+            else (None, None)
+        # (weight, epsilon) of each norm as the native rms_norm takes them, by the attribute that holds the norm
+        # (names survive a deep copy, which gives the modules new identities): the module's own weight, or for
+        # gemma 1 + weight (computed in float32 once, as GemmaRMSNorm computes it every call).
+        self.native_norms = {name: (norm.weight.detach() + family.norm_offset if family.norm_offset else norm.weight,
+                                    norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps)
+                             for name in NORMS if (norm := getattr(self, name)) is not None}
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         # What transformers' attention interface reads from the module it is given.
         self.config, self.layer_idx, self.is_causal = config, attention.layer_idx, True
         self.num_key_value_groups, self.scaling = attention.num_key_value_groups, attention.scaling
-        self.sliding_window = getattr(attention, "sliding_window", None)
-        if self.sliding_window is None and type(layer).__name__ == "MistralDecoderLayer":
-            self.sliding_window = getattr(config, "sliding_window", None)
-        # Every product in blocks, no bias but q/k/v's, full attention: the layer runs as two native calls.
-        self.two_calls = self.sliding_window is None and all(
+        self.sliding_window = getattr(config if family.window_from_config else attention, "sliding_window", None)
+        self.softcap = getattr(attention, "attn_logit_softcapping", None)
+        # The family's own eager attention (gemma2's soft-caps the logits), as its attention module falls back to.
+        self.eager = getattr(sys.modules[type(attention).__module__], "eager_attention_forward", None)
+        # Every product in blocks, no bias but q/k/v's, full attention, llama's norms and activation: the layer runs
+        # as two native calls.
+        self.two_calls = self.sliding_window is None and self.softcap is None and self.activation == "silu" and (
+            self.attention_out_norm is None and self.mlp_out_norm is None) and all(
             isinstance(p, GGMLLinear) and p.bias is None for p in (self.o_proj, self.down_proj))
 
     @classmethod
     def fuse(cls, layer: torch.nn.Module) -> FusedDecoderLayer | None:
         """The fused layer, or None when `layer` is not one this class computes (another architecture, an
-        activation other than SiLU, projections in different block types)."""
-        if type(layer).__name__ not in FUSABLE or getattr(layer.self_attn.config, "hidden_act", None) != "silu":
+        activation without a native step, projections in different block types)."""
+        family = FAMILIES.get(type(layer).__name__)
+        if family is None or getattr(layer.self_attn.config, family.activation, None) not in ACTIVATIONS:
             return None
         attention, mlp = layer.self_attn, layer.mlp
-        parts = [attention.q_proj, attention.k_proj, attention.v_proj], [mlp.gate_proj, mlp.up_proj]
+        parts = [getattr(attention, name) for name in family.qkv], [getattr(mlp, name) for name in family.gate_up]
         if not all(isinstance(p, GGMLLinear) for group in parts for p in group):
             return None
         if any(p.bias is not None for p in parts[1]) or getattr(attention.o_proj, "bias", None) is not None:
             return None
-        qkv, gate_up = concat(parts[0]), concat(parts[1])
+        qkv, gate_up = (group[0] if len(group) == 1 else concat(group) for group in parts)
         if qkv is None or gate_up is None:
             return None
         return cls(layer, qkv, gate_up)
+
+    def norm_args(self, name: str) -> tuple:
+        """(weight, epsilon) of the norm held as attribute `name`, for the native ops; (None, 0.0) for none."""
+        return self.native_norms.get(name, (None, 0.0))
+
+    def head_norm_args(self) -> tuple:
+        """The native ops' (q_norm, k_norm, norm_eps): the per-head norms' weights, or None for families without."""
+        (q, eps), (k, _) = self.norm_args("q_norm"), self.norm_args("k_norm")
+        return q, k, eps
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, past_key_values=None, use_cache: bool | None = False,
@@ -77,32 +152,48 @@ class FusedDecoderLayer(torch.nn.Module):
         if native and self.two_calls:
             return self._two_calls(hidden_states, attention_mask, past_key_values, position_embeddings)
         batch, tokens, _ = hidden_states.shape
-        x = rms_norm(hidden_states, self.input_layernorm, native)
+        x = self._norm(hidden_states, "input_layernorm", native)
         cos, sin = position_embeddings
-        q, k, v = rope_split(product(self.qkv, x, native), cos, sin, self.heads, self.kv_heads, native)
+        qkv = product(self.qkv, x, native)
+        if native:
+            q, k, v = torch.ops.rungen_ggml.rope_split(qkv, cos, sin, self.heads, self.kv_heads,
+                                                       *self.head_norm_args())
+        else:
+            q, k, v = rope_split(qkv, cos, sin, self.heads, self.kv_heads, self.q_norm, self.k_norm)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
-        if native and self.sliding_window is None:
+        if native and self.sliding_window is None and self.softcap is None:
             # One call, and the same bits with or without padding beside the sequence (torch's kernels block
             # the keys differently once padding shifts them): a greedy text is the same alone and in a batch.
             attended = torch.ops.rungen_ggml.attend(q, k, v, attention_mask, self.scaling)
         else:
             attended = self._attention(q, k, v, attention_mask, kwargs).reshape(batch, tokens, -1)
-        hidden_states = hidden_states + product(self.o_proj, attended, native)
-        x = rms_norm(hidden_states, self.post_attention_layernorm, native)
-        return hidden_states + product(self.down_proj, silu_mul(product(self.gate_up, x, native), native), native)
+        out = product(self.o_proj, attended, native)
+        if self.attention_out_norm is not None:
+            out = self._norm(out, "attention_out_norm", native)
+        hidden_states = hidden_states + out
+        x = self._norm(hidden_states, "mlp_norm", native)
+        gated = ACTIVATIONS[self.activation](product(self.gate_up, x, native), native)
+        out = product(self.down_proj, gated, native)
+        if self.mlp_out_norm is not None:
+            out = self._norm(out, "mlp_out_norm", native)
+        return hidden_states + out
+
+    def _norm(self, x: torch.Tensor, name: str, native: bool) -> torch.Tensor:
+        """transformers' RMSNorm of x by the norm held as attribute `name` (the native step with its weight and
+        epsilon, or the module)."""
+        return torch.ops.rungen_ggml.rms_norm(x, *self.norm_args(name)) if native else getattr(self, name)(x)
 
     def _two_calls(self, hidden_states, attention_mask, past_key_values, position_embeddings):
         """forward's arithmetic, in the same order, as rungen_ggml's attention_in and attention_out_mlp."""
         ops, (cos, sin) = torch.ops.rungen_ggml, position_embeddings
         qkv, gate_up, o, down = self.qkv, self.gate_up, self.o_proj, self.down_proj
-        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-        q, k, v = ops.attention_in(hidden_states, norm1.weight, norm1.variance_epsilon, qkv.blocks, qkv.code,
-                                   qkv.bias, cos, sin, self.heads, self.kv_heads)
+        q, k, v = ops.attention_in(hidden_states, *self.norm_args("input_layernorm"), qkv.blocks, qkv.code,
+                                   qkv.bias, cos, sin, self.heads, self.kv_heads, *self.head_norm_args())
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
         return ops.attention_out_mlp(hidden_states, q, k, v, attention_mask, self.scaling, o.blocks, o.code,
-                                     norm2.weight, norm2.variance_epsilon, gate_up.blocks, gate_up.code,
+                                     *self.norm_args("mlp_norm"), gate_up.blocks, gate_up.code,
                                      down.blocks, down.code)
 
     def _attention(self, q, k, v, attention_mask, kwargs):
@@ -110,9 +201,12 @@ class FusedDecoderLayer(torch.nn.Module):
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
         from transformers.models.llama.modeling_llama import eager_attention_forward
 
-        attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                       self.eager or eager_attention_forward)
         if self.sliding_window is not None:
             kwargs = dict(kwargs, sliding_window=self.sliding_window)
+        if self.softcap is not None:
+            kwargs = dict(kwargs, softcap=self.softcap)
         return attend(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)[0]
 
 
@@ -167,12 +261,14 @@ class DecoderStack:
         # at each layer's buffers; nothing here keeps a finished cache alive.
         self.last = None
         first = layers[0]
-        self.eps, self.scale = first.input_layernorm.variance_epsilon, first.scaling
+        self.eps, self.scale = first.norm_args("input_layernorm")[1], first.scaling
         self.heads, self.kv_heads = first.heads, first.kv_heads
         self.head_dim = first.qkv.out_features // (first.heads + 2 * first.kv_heads)
-        self.weights = ([layer.input_layernorm.weight for layer in layers], [layer.qkv.blocks for layer in layers],
-                        [layer.qkv.bias for layer in layers], [layer.o_proj.blocks for layer in layers],
-                        [layer.post_attention_layernorm.weight for layer in layers],
+        self.weights = ([layer.norm_args("input_layernorm")[0] for layer in layers],
+                        [layer.qkv.blocks for layer in layers],
+                        [layer.qkv.bias for layer in layers], [layer.head_norm_args()[0] for layer in layers],
+                        [layer.head_norm_args()[1] for layer in layers], [layer.o_proj.blocks for layer in layers],
+                        [layer.norm_args("mlp_norm")[0] for layer in layers],
                         [layer.gate_up.blocks for layer in layers], [layer.down_proj.blocks for layer in layers],
                         [p.code for layer in layers
                          for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down_proj)])
@@ -187,9 +283,11 @@ class DecoderStack:
                 isinstance(layer, FusedDecoderLayer) and layer.two_calls for layer in layers):
             return False
         first = layers[0]
+        # One epsilon for every norm, the per-head ones too (the stack takes one).
         if any((layer.heads, layer.kv_heads, layer.scaling) != (first.heads, first.kv_heads, first.scaling)
-               or {layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon}
-               != {first.input_layernorm.variance_epsilon} for layer in layers):
+               or (layer.q_norm is None) != (first.q_norm is None)
+               or {eps for _, eps in layer.native_norms.values()} != {first.norm_args("input_layernorm")[1]}
+               for layer in layers):
             return False
         inner.forward = cls(inner, layers)  # an instance attribute: Module.__call__ finds it before the method
         model.cache_grows_in_place = True  # rungen.kvcache.new_cache gives it GrowingLayers
@@ -273,25 +371,25 @@ def products_one_by_one(model: torch.nn.Module):
             inner.forward = stack
 
 
-def rms_norm(x: torch.Tensor, norm: torch.nn.Module, native: bool) -> torch.Tensor:
-    """transformers' LlamaRMSNorm of x, by `norm`'s weight and epsilon."""
-    if native:
-        return torch.ops.rungen_ggml.rms_norm(x, norm.weight, norm.variance_epsilon)
-    return norm(x)
-
-
-def rope_split(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, native: bool):
-    """q [b, heads, t, d], k and v [b, kv_heads, t, d] of the fused product [b, t, (heads + 2 kv_heads) d],
-    q and k rotated as transformers' apply_rotary_pos_emb rotates them."""
-    if native:
-        return torch.ops.rungen_ggml.rope_split(qkv, cos, sin, heads, kv_heads)
+def rope_split(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
+               q_norm: torch.nn.Module | None = None, k_norm: torch.nn.Module | None = None):
+    """q [b, heads, t, d], k and v [b, kv_heads, t, d] of the fused product [b, t, (heads + 2 kv_heads) d], q and k
+    normalized per head by q_norm/k_norm when given (qwen3, gemma3), then rotated as transformers'
+    apply_rotary_pos_emb rotates them (the first cos.shape[-1] values of each head: all of them but for a partial
+    rotary): torch's operators, what the native rope_split computes in one call."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as apply_partial
 
     batch, tokens, features = qkv.shape
-    heads_all = qkv.view(batch, tokens, heads + 2 * kv_heads, features // (heads + 2 * kv_heads)).transpose(1, 2)
-    q, k, v = heads_all.split([heads, kv_heads, kv_heads], dim=1)
-    q, k = apply_rotary_pos_emb(q, k, cos, sin)
-    return q, k, v.contiguous()
+    head_dim = features // (heads + 2 * kv_heads)
+    heads_all = qkv.view(batch, tokens, heads + 2 * kv_heads, head_dim)
+    if cos.shape[-1] != head_dim:
+        apply_rotary_pos_emb = apply_partial
+    q, k, v = heads_all.split([heads, kv_heads, kv_heads], dim=2)
+    if q_norm is not None:
+        q, k = q_norm(q), k_norm(k)
+    q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    return q, k, v.transpose(1, 2).contiguous()
 
 
 def silu_mul(gate_up: torch.Tensor, native: bool) -> torch.Tensor:
@@ -300,3 +398,15 @@ def silu_mul(gate_up: torch.Tensor, native: bool) -> torch.Tensor:
         return torch.ops.rungen_ggml.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor, native: bool) -> torch.Tensor:
+    """gelu(gate) * up with GELU's tanh approximation (gemma's gelu_pytorch_tanh) of the fused gate/up product."""
+    if native:
+        return torch.ops.rungen_ggml.gelu_tanh_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.gelu(gate, approximate="tanh") * up
+
+
+# The MLP activations FusedDecoderLayer computes, by the name transformers' configs give them.
+ACTIVATIONS = {"silu": silu_mul, "gelu_pytorch_tanh": gelu_tanh_mul}

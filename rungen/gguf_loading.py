@@ -44,7 +44,7 @@ logger = logging.getLogger("run_generation")
 
 # Bump when what the header cache holds changes meaning; transformers' version is part of the key too,
 # since its tokenizer conversion and config parsing decide the cached files.
-HEADER_CACHE_VERSION = 1
+HEADER_CACHE_VERSION = 2
 FLOAT_TYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # GGMLQuantizationType F32, F16, BF16
 
 
@@ -67,7 +67,9 @@ def metadata_parsed_once():
         if return_tensors or args or kwargs:  # weights are read as asked, never shared
             return original(path, return_tensors, *args, **kwargs)
         if path not in parsed:
-            parsed[path] = original(path, return_tensors=False)
+            result = original(path, return_tensors=False)
+            complete_config(path, result["config"])
+            parsed[path] = result
         return copy.deepcopy(parsed[path])  # callers edit what they get
 
     gguf_utils.load_gguf_checkpoint = once
@@ -75,6 +77,85 @@ def metadata_parsed_once():
         yield
     finally:
         gguf_utils.load_gguf_checkpoint = original
+
+
+# Architectures whose transformers classes take their head size from config.head_dim (hidden_size / heads when
+# unset; qwen3's class defaults to 128), where transformers' GGUF reading does not map llama.cpp's
+# <arch>.attention.key_length to it: qwen3's heads are 128 wide whatever hidden_size / heads is (0.6B: 1024 / 16).
+HEAD_DIM_FROM_KEY_LENGTH = ("qwen2", "qwen3", "phi3")
+# Other metadata transformers' GGUF reading does not map, by architecture: key after "<arch>." -> config field
+# (gemma2's class defaults are the published 50 and 30, which a file may not hold).
+EXTRA_CONFIG_KEYS = {"gemma2": {"attn_logit_softcapping": "attn_logit_softcapping",
+                                "final_logit_softcapping": "final_logit_softcapping"}}
+# Gemma's scores are scaled by query_pre_attn_scalar ** -0.5, which no GGUF key holds: llama.cpp scales by the head
+# size but for the 27B models (by hidden / heads), which it knows by their layer count; transformers' classes
+# default to 256 (the head size of gemma2's 2B/9B and gemma3's 1B-12B).
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def complete_config(path: str, config: dict) -> None:
+    """What transformers' GGUF config reading leaves out and the model needs, read from the file's metadata into
+    the config's fields (`config`: load_gguf_checkpoint's config dict, edited in place); GGUFError for a file whose
+    model transformers' classes cannot compute."""
+    from transformers.integrations.gguf.reader import read_gguf_metadata
+
+    metadata, tensors = read_gguf_metadata(path)
+    arch = metadata["general.architecture"]
+    key_length = metadata.get(f"{arch}.attention.key_length")
+    value_length = metadata.get(f"{arch}.attention.value_length", key_length)
+    if key_length is not None and arch in HEAD_DIM_FROM_KEY_LENGTH:
+        config["head_dim"] = key_length
+    if key_length != value_length:  # one head_dim for queries, keys and values in every transformers class here
+        raise GGUFError(f"{path}: keys of {key_length} and values of {value_length} values a head "
+                        "(attention.key_length/value_length): transformers' attention takes one head size")
+    heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
+    head_dim = config.get("head_dim") or (hidden // heads if heads and hidden else None)
+    for key, field in EXTRA_CONFIG_KEYS.get(arch, {}).items():
+        if f"{arch}.{key}" in metadata:
+            config[field] = metadata[f"{arch}.{key}"]
+    if arch in GEMMA_27B_LAYERS and head_dim:
+        big = metadata.get(f"{arch}.block_count") == GEMMA_27B_LAYERS[arch]
+        config["query_pre_attn_scalar"] = hidden // heads if big else head_dim
+    if arch == "gemma3" and metadata.get(f"{arch}.rope.scaling.type", "none") != "none":
+        # gemma3 4B-27B rotate their global layers by positions / 8 (linear); transformers' reading drops it.
+        kind = metadata[f"{arch}.rope.scaling.type"]
+        if kind != "linear":
+            raise GGUFError(f"{path}: its rotary embedding is scaled by {kind!r}, which this tool does not read "
+                            "from a gemma3 GGUF file")
+        config["rope_scaling"] = {"rope_type": "linear", "factor": metadata[f"{arch}.rope.scaling.factor"]}
+    rotary = metadata.get(f"{arch}.rope.dimension_count")
+    if arch == "phi3":
+        # Phi-4-mini (a "phi3" file) rotates 96 of each head's 128 values; transformers' reading drops the count.
+        if rotary is not None and head_dim and rotary != head_dim:
+            config["partial_rotary_factor"] = rotary / head_dim
+        if any(name.startswith("rope_factors_") for name in tensors):
+            # The 128k variants (Phi-3-mini-128k, Phi-3.5-mini) scale their rotary frequencies by these tensors
+            # (longrope), which transformers' GGUF reading drops: its model would rotate by the plain frequencies.
+            config["rope_scaling"] = _longrope(path, arch, metadata)
+            config["original_max_position_embeddings"] = config["rope_scaling"]["original_max_position_embeddings"]
+
+
+def _longrope(path: str, arch: str, metadata: dict) -> dict:
+    """transformers' longrope rope_scaling of a file's rope_factors_long/short tensors (F32, one factor per rotated
+    pair) and rope.scaling keys, as llama.cpp's converter wrote them from the checkpoint's config."""
+    from transformers.integrations.gguf.reader import GgufHeader
+
+    original = metadata.get(f"{arch}.rope.scaling.original_context_length")
+    header = GgufHeader.from_file(path)
+    tensors = {t.name: t for t in header.tensors}
+    factors = {}
+    for kind in ("long", "short"):
+        tensor = tensors.get(f"rope_factors_{kind}.weight")
+        if tensor is None or tensor.ggml_type != 0 or original is None:
+            raise GGUFError(f"{path}: its longrope scaling needs rope_factors_long/short (F32) and "
+                            f"{arch}.rope.scaling.original_context_length, which it does not all have")
+        data = np.fromfile(path, dtype="<f4", count=int(np.prod(tensor.shape)),
+                           offset=header.data_start + tensor.offset)
+        factors[f"{kind}_factor"] = [float(x) for x in data]
+    scaling = {"rope_type": "longrope", **factors, "original_max_position_embeddings": int(original)}
+    if f"{arch}.rope.scaling.attn_factor" in metadata:  # the cos/sin scale llama.cpp was given; transformers'
+        scaling["attention_factor"] = float(metadata[f"{arch}.rope.scaling.attn_factor"])  # default is the same rule
+    return scaling
 
 
 def cache_root() -> str:
@@ -151,6 +232,8 @@ class GGUFHeader:
             with metadata_parsed_once():
                 config = AutoConfig.from_pretrained(directory, gguf_file=file)
                 tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=file)
+        except GGUFError:
+            raise
         except Exception as error:  # transformers: ValueError for an architecture it cannot read, and others
             raise GGUFError(f"{self.path}: transformers cannot load it ({_first_line(error)})") from None
         os.makedirs(cache_root(), exist_ok=True)
@@ -375,6 +458,7 @@ def build_model(header: GGUFHeader, dtype: torch.dtype) -> torch.nn.Module:
                                 "cannot take here; --dequantize loads it in float32")
             tensor = torch.from_numpy(raw if result.weights is raw else np.ascontiguousarray(result.weights))
             tensor = tensor.view(torch.bfloat16) if bf16 else tensor
+            _check_shape(header.path, name, module, attr, tensor.shape)
             if attr == "bias" and isinstance(module, (torch.nn.Linear, Conv1D)):
                 biases[module_name] = tensor.to(dtype)
             elif attr == "weight" and tensor.dtype != dtype and isinstance(module, torch.nn.Linear):
@@ -390,6 +474,8 @@ def build_model(header: GGUFHeader, dtype: torch.dtype) -> torch.nn.Module:
         blocks = array.reshape(shape)
         in_features = _in_features(qtype, shape[-1])
         if len(shape) == 2 and attr == "weight" and isinstance(module, (torch.nn.Linear, Conv1D, torch.nn.Embedding)):
+            _check_shape(header.path, name, module, attr,
+                         (in_features, shape[0]) if isinstance(module, Conv1D) else (shape[0], in_features))
             order = _row_permutation(processor, name, shape[0])
             embedding = isinstance(module, torch.nn.Embedding)
             interleave = (not embedding or module_name == tied_embedding) and interleavable(qtype, shape[0])
@@ -433,6 +519,16 @@ def build_model(header: GGUFHeader, dtype: torch.dtype) -> torch.nn.Module:
                         + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
     model.eval()
     return model
+
+
+def _check_shape(path: str, name: str, module: torch.nn.Module, attr: str, shape) -> None:
+    """GGUFError when tensor `name` of the file is not the shape of the parameter it replaces: the model built from
+    the metadata is not the file's (a size transformers' GGUF reading does not take from it), and would fail or
+    compute something else at the first step."""
+    expected = getattr(module, attr, None)
+    if isinstance(expected, torch.Tensor) and tuple(expected.shape) != tuple(shape):
+        raise GGUFError(f"{path}: tensor {name} is {list(shape)}, where the model its metadata describes has "
+                        f"{list(expected.shape)}")
 
 
 READ_CHUNK = 4 << 20  # bytes of a weight read and interleaved at a time

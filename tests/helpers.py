@@ -190,7 +190,8 @@ def error_line(result):
 
 def to_blocks(layer, rng):
     """Replaces a llama-like decoder `layer`'s linear weights by Q8_0/Q4_1 blocks of random weights (as the GGUF
-    loader holds them: Q4_1 rows interleaved where the native kernels take them), its norms by random ones."""
+    loader holds them: Q4_1 rows interleaved where the native kernels take them), its norms (qwen3's per-head ones
+    too) by random ones. phi3's q/k/v and gate/up are one projection each, as its file holds them."""
     import numpy as np
     import torch
     from gguf import GGMLQuantizationType
@@ -198,16 +199,19 @@ def to_blocks(layer, rng):
 
     from rungen.ggml import GGMLLinear
 
-    for parent, name, qtype in [(layer.self_attn, "q_proj", "Q8_0"), (layer.self_attn, "k_proj", "Q8_0"),
-                                (layer.self_attn, "v_proj", "Q8_0"), (layer.self_attn, "o_proj", "Q4_1"),
-                                (layer.mlp, "gate_proj", "Q4_1"), (layer.mlp, "up_proj", "Q4_1"),
-                                (layer.mlp, "down_proj", "Q8_0")]:
-        linear = getattr(parent, name)
-        weights = rng.standard_normal((linear.out_features, linear.in_features)).astype(np.float32) * 0.1
-        qtype = GGMLQuantizationType[qtype]
-        blocks = torch.from_numpy(quantize(weights, qtype)).reshape(linear.out_features, -1)
-        bias = None if linear.bias is None else torch.randn(linear.out_features) * 0.1
-        setattr(parent, name, GGMLLinear(blocks, qtype, linear.in_features, bias))
-        getattr(parent, name).interleave()
-    for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+    qtypes = {"q_proj": "Q8_0", "k_proj": "Q8_0", "v_proj": "Q8_0", "qkv_proj": "Q8_0", "o_proj": "Q4_1",
+              "gate_proj": "Q4_1", "up_proj": "Q4_1", "gate_up_proj": "Q4_1", "down_proj": "Q8_0"}
+    for parent in (layer.self_attn, layer.mlp):
+        for name, linear in list(parent.named_children()):
+            if name not in qtypes:
+                continue
+            weights = rng.standard_normal((linear.out_features, linear.in_features)).astype(np.float32) * 0.1
+            qtype = GGMLQuantizationType[qtypes[name]]
+            blocks = torch.from_numpy(quantize(weights, qtype)).reshape(linear.out_features, -1)
+            bias = None if linear.bias is None else torch.randn(linear.out_features) * 0.1
+            setattr(parent, name, GGMLLinear(blocks, qtype, linear.in_features, bias))
+            getattr(parent, name).interleave()
+    norms = [layer.input_layernorm, layer.post_attention_layernorm]
+    norms += [getattr(layer.self_attn, name) for name in ("q_norm", "k_norm") if hasattr(layer.self_attn, name)]
+    for norm in norms:
         norm.weight.data = torch.rand(norm.weight.shape[0]) + 0.5

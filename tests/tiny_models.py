@@ -668,3 +668,155 @@ if __name__ == "__main__":  # python tests/tiny_models.py OUT_DIR
     for k, v in paths.items():
         print(f"{k:12s} {v}")
     print(f"built {len(paths)} checkpoints in {time.perf_counter() - start:.1f}s")
+
+
+# --------------------------------------------------------------------------- #
+# GGUF files of the families the fused decoder layers compute
+# --------------------------------------------------------------------------- #
+# Tiny files laid out as llama.cpp's converter writes each family, with the published checkpoints' quirks:
+#
+#   qwen3  Qwen/Qwen3-0.6B-GGUF: heads wider than hidden / heads (16 heads of 128 over hidden 1024; here 2 of 64
+#          over 64), written as attention.key_length/value_length; per-head q/k norms (blk.N.attn_q_norm/attn_k_norm,
+#          head_dim values); no q/k biases, no q/k row permutation; the embedding tied to the output (no
+#          output.weight); rms eps 1e-6, rope base 1e6; tokenizer.ggml.model gpt2 (byte-level BPE).
+#   phi3   microsoft/Phi-3-mini-4k-instruct-gguf: q/k/v in one attn_qkv, gate and up in one ffn_up of twice the
+#          feed-forward width (gate first); an untied output; rope.dimension_count = head_dim. `rotary` below a
+#          head's size: Phi-4-mini's partial rotary (96 of 128). `longrope`: the 128k variants' rope_factors_long/
+#          short tensors.
+#   gemma2 google/gemma-2-2b-it (GGUF): heads not hidden / heads wide (8 of 256 over 2304; here 2 of 64 over 64,
+#          attention.key_length), four norms a layer (attn_norm, post_attention_norm, ffn_norm, post_ffw_norm) stored
+#          as llama.cpp writes them, 1 + weight; a tied embedding; every other layer slides a window
+#          (attention.sliding_window, 4096 published, 4 here so that a short text crosses it); soft-capped
+#          attention and final logits (attn_logit_softcapping/final_logit_softcapping: 50 and 30 published, 20 and
+#          15 here, so that reading them is seen); rms eps 1e-6.
+#   gemma3 google/gemma-3-1b-it (GGUF): as gemma2 without the soft-capping, with per-head q/k norms (attn_q_norm/
+#          attn_k_norm, 1 + weight), five sliding layers in six (window 512 published, 4 here), rope base 1e6 for
+#          the global layers (the local ones' 1e4 is not in the file).
+# Phi-3's and Gemma's own tokenizers are sentencepiece; these files carry the default model's byte-level one (the
+# tokenizer is not what they test).
+GGUF_FAMILIES = {
+    "qwen3": dict(hidden=64, heads=2, kv_heads=1, head_dim=64, ffn=128, eps=1e-6, rope_base=1e6, tied=True,
+                  head_norms=True, fused_qkv=False),
+    "phi3": dict(hidden=64, heads=2, kv_heads=2, head_dim=32, ffn=128, eps=1e-5, rope_base=1e4, tied=False,
+                 head_norms=False, fused_qkv=True),
+    "gemma2": dict(hidden=64, heads=2, kv_heads=1, head_dim=64, ffn=128, eps=1e-6, rope_base=1e4, tied=True,
+                   head_norms=False, fused_qkv=False, gemma_norms=True, sliding_window=4,
+                   softcapping=(20.0, 15.0)),
+    "gemma3": dict(hidden=64, heads=2, kv_heads=1, head_dim=64, ffn=128, eps=1e-6, rope_base=1e6, tied=True,
+                   head_norms=True, fused_qkv=False, gemma_norms=True, sliding_window=4),
+}
+
+
+def default_tokenizer_fields(gguf_path, vocab):
+    """The tokenizer.* metadata of the GGUF file `gguf_path` as (key, value, type, element type), its vocabulary cut
+    to its first `vocab` tokens and the merges among them."""
+    from gguf import GGUFValueType as V
+    from transformers.integrations.gguf.reader import read_gguf_metadata
+
+    metadata, _ = read_gguf_metadata(gguf_path, ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"))
+    tokens = metadata["tokenizer.ggml.tokens"][:vocab]
+    kept = set(tokens)
+    merges = [m for m in metadata["tokenizer.ggml.merges"] if {*m.split(" "), m.replace(" ", "")} <= kept]
+    cut = {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": metadata["tokenizer.ggml.token_type"][:vocab],
+           "tokenizer.ggml.merges": merges}
+    types = {bool: (V.BOOL, None), int: (V.UINT32, None), str: (V.STRING, None)}
+    fields = []
+    for key, value in metadata.items():
+        if key.startswith("tokenizer."):
+            value = cut.get(key, value)
+            if isinstance(value, list):
+                fields.append((key, value, V.ARRAY, V.STRING if isinstance(value[0], str) else V.INT32))
+            else:
+                fields.append((key, value, *types[type(value)]))
+    return fields
+
+
+def write_family_gguf(path, family, tokenizer_fields, layers=2, seed=0, rotary=None, longrope=False,
+                      value_length=None, rope_scaling=None):
+    """A tiny GGUF file of `family` (GGUF_FAMILIES) at `path`: Q8_0 attention, Q4_0 gate/up, Q4_1 down, a Q8_0
+    embedding (and output when untied), F32 norms, random weights. rotary: rope.dimension_count when not the head
+    size; value_length: attention.value_length when not the key length; rope_scaling: (rope.scaling.type,
+    rope.scaling.factor), as gemma-3-4b's (linear, 8); longrope: True for the 128k variants' factor tensors and
+    rope.scaling keys, "factors only" for the tensors alone."""
+    import math
+
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from gguf import GGUFWriter, quants
+
+    spec = GGUF_FAMILIES[family]
+    hidden, heads, kv_heads, head_dim, ffn = (spec[k] for k in ("hidden", "heads", "kv_heads", "head_dim", "ffn"))
+    rng = np.random.default_rng(seed)
+    vocab = next(len(value) for key, value, *_ in tokenizer_fields if key == "tokenizer.ggml.tokens")
+    writer = GGUFWriter(str(path), family)
+    writer.add_name(f"Synthetic {family}")
+    writer.add_context_length(MAX_POSITIONS * 32)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(spec["eps"])
+    writer.add_rope_freq_base(spec["rope_base"])
+    if family == "phi3":
+        writer.add_rope_dimension_count(rotary or head_dim)
+    else:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(value_length or head_dim)
+    if longrope is True:  # Phi-3-mini-128k: 131072 positions over an original 4096 (here 4096 over 128), both x32
+        original = MAX_POSITIONS
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(32) / math.log(original)))
+    if rope_scaling is not None:
+        writer.add_string(f"{family}.rope.scaling.type", rope_scaling[0])
+        writer.add_float32(f"{family}.rope.scaling.factor", rope_scaling[1])
+    if "sliding_window" in spec:
+        writer.add_sliding_window(spec["sliding_window"])
+    if "softcapping" in spec:
+        writer.add_attn_logit_softcapping(spec["softcapping"][0])
+        writer.add_final_logit_softcapping(spec["softcapping"][1])
+    for key, value, vtype, sub_type in tokenizer_fields:
+        writer.add_key_value(key, value, vtype, sub_type)
+
+    def add(name, values, qtype):
+        if qtype == Q.F32:
+            writer.add_tensor(name, values.astype(np.float32))
+        else:
+            writer.add_tensor(name, quants.quantize(values.astype(np.float32), qtype), raw_dtype=qtype)
+
+    # Gemma's model multiplies its embedding by sqrt(hidden): its rows are that much smaller (or the residual stream
+    # is the input token's row, and a tied head repeats it).
+    add("token_embd.weight", rng.normal(0, 0.5 / hidden ** 0.5 if spec.get("gemma_norms") else 0.5, (vocab, hidden)),
+        Q.Q8_0)
+    q, kv = heads * head_dim, kv_heads * head_dim
+    for n in range(layers):
+        add(f"blk.{n}.attn_norm.weight", rng.uniform(0.8, 1.2, hidden), Q.F32)
+        add(f"blk.{n}.ffn_norm.weight", rng.uniform(0.8, 1.2, hidden), Q.F32)
+        if spec["fused_qkv"]:
+            add(f"blk.{n}.attn_qkv.weight", rng.normal(0, 0.15, (q + 2 * kv, hidden)), Q.Q8_0)
+            add(f"blk.{n}.ffn_up.weight", rng.normal(0, 0.15, (2 * ffn, hidden)), Q.Q4_0)
+        else:
+            for name, rows in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
+                add(f"blk.{n}.{name}.weight", rng.normal(0, 0.15, (rows, hidden)), Q.Q8_0)
+            add(f"blk.{n}.ffn_gate.weight", rng.normal(0, 0.15, (ffn, hidden)), Q.Q4_0)
+            add(f"blk.{n}.ffn_up.weight", rng.normal(0, 0.15, (ffn, hidden)), Q.Q4_0)
+        if spec["head_norms"]:
+            add(f"blk.{n}.attn_q_norm.weight", rng.uniform(0.8, 1.2, head_dim), Q.F32)
+            add(f"blk.{n}.attn_k_norm.weight", rng.uniform(0.8, 1.2, head_dim), Q.F32)
+        if spec.get("gemma_norms"):
+            add(f"blk.{n}.post_attention_norm.weight", rng.uniform(0.8, 1.2, hidden), Q.F32)
+            add(f"blk.{n}.post_ffw_norm.weight", rng.uniform(0.8, 1.2, hidden), Q.F32)
+        add(f"blk.{n}.attn_output.weight", rng.normal(0, 0.15, (hidden, q)), Q.Q8_0)
+        add(f"blk.{n}.ffn_down.weight", rng.normal(0, 0.15, (hidden, ffn)), Q.Q4_1)
+    add("output_norm.weight", rng.uniform(0.8, 1.2, hidden), Q.F32)
+    if not spec["tied"]:
+        add("output.weight", rng.normal(0, 0.15, (vocab, hidden)), Q.Q8_0)
+    if longrope:  # llama.cpp's phi3 128k files: one factor per rotated pair (after every weight: the same weights)
+        add("rope_factors_long.weight", rng.uniform(1, 4, (rotary or head_dim) // 2), Q.F32)
+        # (the short factors: above 1, as Phi-3's, so that the scaling shows even at a few positions)
+        add("rope_factors_short.weight", rng.uniform(1, 3, (rotary or head_dim) // 2), Q.F32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)

@@ -7,8 +7,9 @@
 //   torch.ops.rungen_ggml.mm_int(x, blocks, qtype, in_features)  integer kernel, any number of tokens
 //   torch.ops.rungen_ggml.dequantize(blocks, qtype, in_features) float32 weight
 //   torch.ops.rungen_ggml.rms_norm(x, weight, eps)               a decoder layer's small steps, one operator
-//   torch.ops.rungen_ggml.rope_split(qkv, cos, sin, heads, kv_heads)  each instead of several (see below)
-//   torch.ops.rungen_ggml.silu_mul(gate_up)
+//   torch.ops.rungen_ggml.rope_split(qkv, cos, sin, heads, kv_heads[, q_norm, k_norm, norm_eps])  each instead
+//                                                               of several (see below)
+//   torch.ops.rungen_ggml.silu_mul(gate_up), gelu_tanh_mul(gate_up)
 //   torch.ops.rungen_ggml.attend(q, k, v, mask, scale)           attention, the same bits with or without padding
 //   torch.ops.rungen_ggml.attention_in(...), attention_out_mlp(...)  a decoder layer in two calls (see below)
 //   torch.ops.rungen_ggml.decoder_stack(...)                     every decoder layer in one call (see below)
@@ -820,15 +821,16 @@ at::Tensor mm(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype, i
 // these take one call each. Plain loops: the work is far below what vector code would save.
 
 // RMSNorm as transformers' LlamaRMSNorm: x / sqrt(mean(x^2) + eps) * weight, over the last dimension.
+inline void rms_row(const float* v, const float* wp, double eps, int64_t d, float* y) {
+  float sum = 0.f;
+  for (int64_t i = 0; i < d; ++i) sum += v[i] * v[i];
+  const float inv = 1.f / std::sqrt(sum / float(d) + float(eps));
+  for (int64_t i = 0; i < d; ++i) y[i] = wp[i] * (v[i] * inv);
+}
+
 void rms_norm_rows(const float* xp, const float* wp, double eps, int64_t rows, int64_t d, float* yp) {
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / d), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* v = xp + r * d;
-      float sum = 0.f;
-      for (int64_t i = 0; i < d; ++i) sum += v[i] * v[i];
-      const float inv = 1.f / std::sqrt(sum / float(d) + float(eps));
-      for (int64_t i = 0; i < d; ++i) yp[r * d + i] = wp[i] * (v[i] * inv);
-    }
+    for (int64_t r = r0; r < r1; ++r) rms_row(xp + r * d, wp, eps, d, yp + r * d);
   });
 }
 
@@ -843,7 +845,10 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double 
 
 // The fused q/k/v product [b, t, (heads + 2 kv_heads) * head_dim] split into q [b, heads, t, head_dim],
 // k and v [b, kv_heads, t, head_dim], q and k rotated as transformers' apply_rotary_pos_emb rotates them
-// (rotate_half: the first half of a head pairs with the second).
+// (rotate_half: the first half of the rotated part pairs with the second). cos/sin [.., rot]: a head's first rot
+// values are rotated, the rest pass as they are (partial rotary, phi3's partial_rotary_factor); rot = head_dim
+// for llama. Where a family normalizes each head of q and k before the rotation (qwen3's q_norm/k_norm: an
+// RMSNorm over head_dim), HeadNorms carries their weights; none for llama, whose arithmetic is then unchanged.
 // Where rope_rows writes keys or values: [b, kv_heads, positions, head_dim] with these strides (elements), from
 // its position 0 (a cache's buffer from the first free position, or a tensor of its own).
 struct Rows4 {
@@ -851,59 +856,94 @@ struct Rows4 {
   int64_t batch, head, token;
 };
 
+struct HeadNorms {
+  const float* q = nullptr;  // [head_dim] weights, or none
+  const float* k = nullptr;
+  double eps = 0.;
+};
+
 void rope_rows(const float* src, const float* cp, const float* sp, bool shared, int64_t b, int64_t t, int64_t heads,
-               int64_t kv_heads, int64_t dim, float* qp, const Rows4& k, const Rows4& v) {
-  const int64_t all = heads + 2 * kv_heads, half = dim / 2;
+               int64_t kv_heads, int64_t dim, int64_t rot, float* qp, const Rows4& k, const Rows4& v,
+               const HeadNorms& norms = HeadNorms{}) {
+  const int64_t all = heads + 2 * kv_heads, half = rot / 2;
   at::parallel_for(0, b * t, std::max<int64_t>(1, 4096 / (all * dim)), [&](int64_t p0, int64_t p1) {
+    std::vector<float> normed(norms.q || norms.k ? dim : 0);
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t batch = p / t, token = p % t;
       const float* row = src + p * all * dim;
-      const float* c = cp + (shared ? token : p) * dim;
-      const float* s = sp + (shared ? token : p) * dim;
+      const float* c = cp + (shared ? token : p) * rot;
+      const float* s = sp + (shared ? token : p) * rot;
       for (int64_t h = 0; h < all; ++h) {
         const float* x = row + h * dim;
         float* out;
-        if (h < heads)
+        const float* norm;
+        if (h < heads) {
           out = qp + ((batch * heads + h) * t + token) * dim;
-        else if (h < heads + kv_heads)
+          norm = norms.q;
+        } else if (h < heads + kv_heads) {
           out = k.p + batch * k.batch + (h - heads) * k.head + token * k.token;
-        else {
+          norm = norms.k;
+        } else {
           std::memcpy(v.p + batch * v.batch + (h - heads - kv_heads) * v.head + token * v.token, x,
                       dim * sizeof(float));
           continue;
+        }
+        if (norm) {
+          rms_row(x, norm, norms.eps, dim, normed.data());
+          x = normed.data();
         }
         for (int64_t i = 0; i < half; ++i) {
           out[i] = x[i] * c[i] - x[i + half] * s[i];
           out[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
         }
+        if (rot < dim) std::memcpy(out + rot, x + rot, (dim - rot) * sizeof(float));
       }
     }
   });
 }
 
-// cos/sin per sequence [b, t, dim], or one [1, t, dim] for all (positions without padding): whether shared.
-bool rope_shared(const at::Tensor& cos, const at::Tensor& sin, int64_t b, int64_t t, int64_t dim) {
-  const bool shared = cos.numel() == t * dim;
-  TORCH_CHECK((shared || cos.numel() == b * t * dim) && sin.numel() == cos.numel(), "rungen_ggml: cos/sin must be "
-              "[b or 1, t, ", dim, "]");
+// cos/sin per sequence [b, t, rot], or one [1, t, rot] for all (positions without padding): whether shared.
+bool rope_shared(const at::Tensor& cos, const at::Tensor& sin, int64_t b, int64_t t, int64_t rot) {
+  const bool shared = cos.numel() == t * rot;
+  TORCH_CHECK((shared || cos.numel() == b * t * rot) && sin.numel() == cos.numel(), "rungen_ggml: cos/sin must be "
+              "[b or 1, t, ", rot, "]");
   return shared;
 }
 
+// The rotated width of cos (its last dimension): even, at most head_dim.
+int64_t rotary_width(const at::Tensor& cos, int64_t dim) {
+  const int64_t rot = cos.dim() ? cos.size(-1) : 0;
+  TORCH_CHECK(rot > 0 && rot % 2 == 0 && rot <= dim, "rungen_ggml: cos/sin's last dimension must be even and at "
+              "most head_dim (", dim, "), not ", rot);
+  return rot;
+}
+
+// A per-head norm's weights as float32 [head_dim], held by `held` while they are read.
+const float* head_norm(const c10::optional<at::Tensor>& weight, int64_t dim, at::Tensor& held) {
+  if (!weight.has_value()) return nullptr;
+  held = weight->to(at::kFloat).contiguous();
+  TORCH_CHECK(held.numel() == dim, "rungen_ggml: a per-head norm must have head_dim (", dim, ") weights");
+  return held.data_ptr<float>();
+}
+
 std::vector<at::Tensor> rope_split(const at::Tensor& qkv_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
-                                   int64_t heads, int64_t kv_heads) {
+                                   int64_t heads, int64_t kv_heads, const c10::optional<at::Tensor>& q_norm,
+                                   const c10::optional<at::Tensor>& k_norm, double norm_eps) {
   const at::Tensor qkv = qkv_in.to(at::kFloat).contiguous();
   const at::Tensor cos = cos_in.to(at::kFloat).contiguous(), sin = sin_in.to(at::kFloat).contiguous();
   TORCH_CHECK(qkv.dim() == 3, "rungen_ggml: qkv must be [batch, tokens, features]");
   const int64_t b = qkv.size(0), t = qkv.size(1), all = heads + 2 * kv_heads;
   TORCH_CHECK(qkv.size(2) % all == 0, "rungen_ggml: qkv features are not (heads + 2 kv_heads) * head_dim");
-  const int64_t dim = qkv.size(2) / all;
-  const bool shared = rope_shared(cos, sin, b, t, dim);
+  const int64_t dim = qkv.size(2) / all, rot = rotary_width(cos, dim);
+  const bool shared = rope_shared(cos, sin, b, t, rot);
+  at::Tensor held_q, held_k;
+  const HeadNorms norms{head_norm(q_norm, dim, held_q), head_norm(k_norm, dim, held_k), norm_eps};
   at::Tensor q = at::empty({b, heads, t, dim}, qkv.options());
   at::Tensor k = at::empty({b, kv_heads, t, dim}, qkv.options());
   at::Tensor v = at::empty({b, kv_heads, t, dim}, qkv.options());
   rope_rows(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), shared, b, t, heads, kv_heads, dim,
-            q.data_ptr<float>(), Rows4{k.data_ptr<float>(), k.stride(0), k.stride(1), k.stride(2)},
-            Rows4{v.data_ptr<float>(), v.stride(0), v.stride(1), v.stride(2)});
+            rot, q.data_ptr<float>(), Rows4{k.data_ptr<float>(), k.stride(0), k.stride(1), k.stride(2)},
+            Rows4{v.data_ptr<float>(), v.stride(0), v.stride(1), v.stride(2)}, norms);
   return {q, k, v};
 }
 
@@ -925,6 +965,27 @@ at::Tensor silu_mul(const at::Tensor& gu_in) {
   shape.back() = f;
   at::Tensor y = at::empty(shape, gu.options());
   silu_mul_rows(gu.data_ptr<float>(), rows, f, y.data_ptr<float>());
+  return y;
+}
+
+// gelu(gate) * up with GELU's tanh approximation (gemma's gelu_pytorch_tanh), from the fused gate/up product
+// [..., 2 * ffn] (gate first): 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), as torch computes it.
+at::Tensor gelu_tanh_mul(const at::Tensor& gu_in) {
+  const at::Tensor gu = gu_in.to(at::kFloat).contiguous();
+  const int64_t f = gu.size(-1) / 2, rows = gu.numel() / std::max<int64_t>(2 * f, 1);
+  std::vector<int64_t> shape(gu.sizes().begin(), gu.sizes().end());
+  shape.back() = f;
+  at::Tensor y = at::empty(shape, gu.options());
+  const float* gp = gu.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const float k0 = 0.7978845608028654f, k1 = 0.044715f;  // sqrt(2 / pi)
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(f, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t i = 0; i < f; ++i) {
+        const float g = gp[r * 2 * f + i];
+        yp[r * f + i] = 0.5f * g * (1.f + std::tanh(k0 * (g + k1 * g * g * g))) * gp[r * 2 * f + f + i];
+      }
+  });
   return y;
 }
 
@@ -1198,17 +1259,20 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tens
 // each of its dozen operators costs more in dispatch and Python than in arithmetic. The same functions as the
 // separate operators, in the same order: the bits are theirs.
 //
-// attention_in: q, k, v of rms_norm(hidden) (the fused q/k/v product, its bias if any, rotated).
+// attention_in: q, k, v of rms_norm(hidden) (the fused q/k/v product, its bias if any, q and k normalized
+// per head where the family does, rotated).
 std::vector<at::Tensor> attention_in(const at::Tensor& hidden, const at::Tensor& norm_weight, double eps,
                                      const at::Tensor& qkv_blocks, int64_t qkv_qtype,
                                      const c10::optional<at::Tensor>& qkv_bias, const at::Tensor& cos,
-                                     const at::Tensor& sin, int64_t heads, int64_t kv_heads) {
+                                     const at::Tensor& sin, int64_t heads, int64_t kv_heads,
+                                     const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
+                                     double norm_eps) {
   TORCH_CHECK(hidden.dim() == 3, "rungen_ggml: hidden must be [batch, tokens, features]");
   const int64_t b = hidden.size(0), t = hidden.size(1), features = hidden.size(2);
   const at::Tensor x = rms_norm(hidden, norm_weight, eps);
   at::Tensor qkv = mm(x.view({b * t, features}), qkv_blocks, qkv_qtype, features);
   if (qkv_bias.has_value()) qkv.add_(*qkv_bias);
-  return rope_split(qkv.view({b, t, qkv.size(1)}), cos, sin, heads, kv_heads);
+  return rope_split(qkv.view({b, t, qkv.size(1)}), cos, sin, heads, kv_heads, q_norm, k_norm, norm_eps);
 }
 
 // attention_out_mlp: the rest of the layer, k and v the whole cache: h = hidden + o(attend(q, k, v)), then
@@ -1234,7 +1298,8 @@ at::Tensor attention_out_mlp(const at::Tensor& hidden, const at::Tensor& q, cons
 // Every decoder layer of a model in one call (the same functions as attention_in and attention_out_mlp, in the
 // same order: the same bits), the cache's keys and values written in place: k_buffers[i] and v_buffers[i] are
 // layer i's [b, kv_heads, capacity, head_dim] with `length` positions filled and room for this call's tokens.
-// qtypes: four a layer (q/k/v, o, gate/up, down). Returns the hidden states and each layer's filled keys and
+// qtypes: four a layer (q/k/v, o, gate/up, down). q_norms/k_norms: each layer's per-head norms of q and k (None
+// for llama; their epsilon is the layers' `eps`). Returns the hidden states and each layer's filled keys and
 // values (views of the buffers).
 //
 // At one token a step the layers' arithmetic is a few milliseconds, and a torch operator inside them (an
@@ -1244,11 +1309,13 @@ at::Tensor attention_out_mlp(const at::Tensor& hidden, const at::Tensor& q, cons
 std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decoder_stack(
     const at::Tensor& hidden, const at::Tensor& cos_in, const at::Tensor& sin_in,
     const c10::optional<at::Tensor>& mask, at::TensorList input_norms, at::TensorList qkv,
-    const c10::List<c10::optional<at::Tensor>>& qkv_bias, at::TensorList o, at::TensorList post_norms,
+    const c10::List<c10::optional<at::Tensor>>& qkv_bias, const c10::List<c10::optional<at::Tensor>>& q_norms,
+    const c10::List<c10::optional<at::Tensor>>& k_norms, at::TensorList o, at::TensorList post_norms,
     at::TensorList gate_up, at::TensorList down, at::IntArrayRef qtypes, double eps, int64_t heads, int64_t kv_heads,
     double scale, at::TensorList k_buffers, at::TensorList v_buffers, int64_t length) {
   const size_t layers = qkv.size();
-  TORCH_CHECK(input_norms.size() == layers && qkv_bias.size() == layers && o.size() == layers &&
+  TORCH_CHECK(input_norms.size() == layers && qkv_bias.size() == layers && q_norms.size() == layers &&
+              k_norms.size() == layers && o.size() == layers &&
               post_norms.size() == layers && gate_up.size() == layers && down.size() == layers &&
               k_buffers.size() == layers && v_buffers.size() == layers && qtypes.size() == 4 * layers,
               "rungen_ggml: decoder_stack takes the same number of each layer's tensors");
@@ -1259,7 +1326,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decoder
   const int64_t qkv_width = out_rows(qkv[0], qtypes[0]), all = heads + 2 * kv_heads, dim = qkv_width / all;
   TORCH_CHECK(qkv_width % all == 0, "rungen_ggml: qkv features are not (heads + 2 kv_heads) * head_dim");
   const at::Tensor cos = cos_in.to(at::kFloat).contiguous(), sin = sin_in.to(at::kFloat).contiguous();
-  const bool shared = rope_shared(cos, sin, b, t, dim);
+  const int64_t rot = rotary_width(cos, dim);
+  const bool shared = rope_shared(cos, sin, b, t, rot);
   const AttendMask attend_mask_once = attend_mask(mask, b, t, length + t);
   int64_t ffn = 0;
   for (size_t i = 0; i < layers; ++i) ffn = std::max(ffn, out_rows(gate_up[i], qtypes[4 * i + 2]) / 2);
@@ -1285,10 +1353,12 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decoder
     rms_norm_rows(hp, input_norms[i].to(at::kFloat).contiguous().data_ptr<float>(), eps, n, features, xp);
     mm_into(x, qkv[i], qtypes[4 * i], features, qkv_out.data_ptr<float>());
     if (qkv_bias.get(i).has_value()) qkv_out.add_(*qkv_bias.get(i));
+    at::Tensor held_q, held_k;
+    const HeadNorms norms{head_norm(q_norms.get(i), dim, held_q), head_norm(k_norms.get(i), dim, held_k), eps};
     rope_rows(qkv_out.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), shared, b, t, heads, kv_heads,
-              dim, q.data_ptr<float>(),
+              dim, rot, q.data_ptr<float>(),
               Rows4{kb.data_ptr<float>() + length * kb.stride(2), kb.stride(0), kb.stride(1), kb.stride(2)},
-              Rows4{vb.data_ptr<float>() + length * vb.stride(2), vb.stride(0), vb.stride(1), vb.stride(2)});
+              Rows4{vb.data_ptr<float>() + length * vb.stride(2), vb.stride(0), vb.stride(1), vb.stride(2)}, norms);
     keys.push_back(kb.narrow(2, 0, length + t));
     values.push_back(vb.narrow(2, 0, length + t));
     // attention_out_mlp: attention, the output product, the residual; norm, gate/up, SiLU, down, the residual.
@@ -1443,16 +1513,20 @@ TORCH_LIBRARY(rungen_ggml, m) {
   m.def("interleave(Tensor blocks, int qtype, Tensor? out=None) -> Tensor", &interleave);
   m.def("embed(Tensor blocks, int qtype, int in_features, Tensor ids) -> Tensor", &embed);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
-  m.def("rope_split(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads) -> Tensor[]", &rope_split);
+  m.def("rope_split(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads, Tensor? q_norm=None, "
+        "Tensor? k_norm=None, float norm_eps=0.) -> Tensor[]", &rope_split);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
+  m.def("gelu_tanh_mul(Tensor gate_up) -> Tensor", &gelu_tanh_mul);
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor", &attend);
   m.def("attention_in(Tensor hidden, Tensor norm_weight, float eps, Tensor qkv_blocks, int qkv_qtype, "
-        "Tensor? qkv_bias, Tensor cos, Tensor sin, int heads, int kv_heads) -> Tensor[]", &attention_in);
+        "Tensor? qkv_bias, Tensor cos, Tensor sin, int heads, int kv_heads, Tensor? q_norm=None, Tensor? k_norm=None, "
+        "float norm_eps=0.) -> Tensor[]", &attention_in);
   m.def("attention_out_mlp(Tensor hidden, Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, "
         "Tensor o_blocks, int o_qtype, Tensor norm_weight, float eps, Tensor gate_up_blocks, int gate_up_qtype, "
         "Tensor down_blocks, int down_qtype) -> Tensor", &attention_out_mlp);
   m.def("decoder_stack(Tensor hidden, Tensor cos, Tensor sin, Tensor? mask, Tensor[] input_norms, Tensor[] qkv, "
-        "Tensor?[] qkv_bias, Tensor[] o, Tensor[] post_norms, Tensor[] gate_up, Tensor[] down, int[] qtypes, float eps, "
+        "Tensor?[] qkv_bias, Tensor?[] q_norms, Tensor?[] k_norms, Tensor[] o, Tensor[] post_norms, Tensor[] gate_up, "
+        "Tensor[] down, int[] qtypes, float eps, "
         "int heads, int kv_heads, float scale, Tensor[] k_buffers, Tensor[] v_buffers, int length) "
         "-> (Tensor, Tensor[], Tensor[])", &decoder_stack);
   m.def("isa() -> str", &isa);

@@ -1,16 +1,35 @@
-"""Fast tier: FusedDecoderLayer computes transformers' LlamaDecoderLayer (and Qwen2's, with q/k/v biases)
-over the same GGUF blocks, within float32 rounding: one token after a prompt, a prompt, a left-padded batch;
-with the native kernels' steps and with the torch fallback of each step."""
+"""Fast tier: FusedDecoderLayer computes transformers' LlamaDecoderLayer (and Qwen2's, with q/k/v biases; Qwen3's,
+with per-head q/k norms and heads wider than hidden / heads; Phi3's, with q/k/v and gate/up as one projection each
+and a partial rotary; Gemma 2's and 3's, with a GELU-tanh gate, four norms of 1 + weight, sliding-window layers,
+soft-capped attention logits, per-head q/k norms) over the same GGUF blocks, within float32 rounding: one token
+after a prompt, a prompt, a left-padded batch; with the native kernels' steps and with the torch fallback of each
+step."""
+
+import copy
 
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-from transformers.masking_utils import create_causal_mask
+from transformers import (
+    DynamicCache,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.models.gemma2 import modeling_gemma2 as gemma2
+from transformers.models.gemma3 import modeling_gemma3 as gemma3
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
-from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
+from transformers.models.phi3.modeling_phi3 import Phi3DecoderLayer, Phi3RotaryEmbedding
+from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding
+from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
 
 from helpers import to_blocks
 from rungen import decoder, ggml
@@ -19,21 +38,48 @@ from rungen.ggml import GGMLLinear
 from rungen.kvcache import GrowingLayer, new_cache
 
 HIDDEN, FFN, HEADS, KV_HEADS = 128, 256, 4, 2
+KINDS = ("llama", "qwen2", "qwen3", "phi3")  # with the one-call stack
+GEMMAS = ("gemma2", "gemma3")  # fused layer by layer: their sliding-window layers attend through transformers
+CLASSES = {"llama": (LlamaConfig, LlamaDecoderLayer, LlamaForCausalLM, LlamaRotaryEmbedding),
+           "qwen2": (Qwen2Config, Qwen2DecoderLayer, Qwen2ForCausalLM, Qwen2RotaryEmbedding),
+           "qwen3": (Qwen3Config, Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3RotaryEmbedding),
+           "phi3": (Phi3Config, Phi3DecoderLayer, Phi3ForCausalLM, Phi3RotaryEmbedding),
+           "gemma2": (gemma2.Gemma2Config, gemma2.Gemma2DecoderLayer, gemma2.Gemma2ForCausalLM,
+                      gemma2.Gemma2RotaryEmbedding),
+           "gemma3": (gemma3.Gemma3TextConfig, gemma3.Gemma3DecoderLayer, gemma3.Gemma3ForCausalLM,
+                      gemma3.Gemma3RotaryEmbedding)}
+# The published checkpoints' quirks: Qwen3's heads are wider than hidden / heads (0.6B: 1024 / 16 heads of 128),
+# Phi-4-mini (a phi3 model) rotates 3/4 of each head; Gemma's heads are not hidden / heads wide either, their scores
+# are scaled by query_pre_attn_scalar (gemma-2-27b: hidden / heads, not the head size), every other gemma2 layer and
+# five gemma3 layers in six slide a window (3 positions here, so that a 5-token prompt crosses it), gemma3's local
+# layers rotate by a base of their own, and gemma2 soft-caps its attention logits (at 1 here rather than 50, so
+# that the capping changes these small scores).
+QUIRKS = {"qwen3": dict(head_dim=2 * HIDDEN // HEADS), "phi3": dict(partial_rotary_factor=0.75, pad_token_id=0),
+          "gemma2": dict(head_dim=2 * HIDDEN // HEADS, query_pre_attn_scalar=HIDDEN // HEADS, sliding_window=3,
+                         attn_logit_softcapping=1.0),
+          "gemma3": dict(head_dim=2 * HIDDEN // HEADS, query_pre_attn_scalar=HIDDEN // HEADS, sliding_window=3,
+                         sliding_window_pattern=6, rope_theta=1e6, rope_local_base_freq=1e4)}
+# (kind, layer index): gemma's first layer slides a window, gemma2's second and gemma3's sixth attend to everything.
+LAYERS = [(kind, 0) for kind in KINDS + GEMMAS] + [("gemma2", 1), ("gemma3", 5)]
 
 
 def config_of(kind, layers=1):
     common = dict(hidden_size=HIDDEN, intermediate_size=FFN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
                   num_hidden_layers=layers, rms_norm_eps=1e-5, vocab_size=64)
-    config = LlamaConfig(**common) if kind == "llama" else Qwen2Config(**common)
-    config._attn_implementation = "sdpa"
+    config = CLASSES[kind][0](**common, **QUIRKS.get(kind, {}))
+    config._attn_implementation = "eager" if kind in GEMMAS else "sdpa"  # gemma2's soft-capping is eager's
     return config
 
 
-def layer_in_blocks(kind, seed=0):
+def head_dim_of(config):
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def layer_in_blocks(kind, seed=0, index=0):
     """A decoder layer of `kind` whose linear weights are Q8_0/Q4_1 blocks (GGMLLinear), norms random."""
     torch.manual_seed(seed)
-    config = config_of(kind)
-    layer = (LlamaDecoderLayer if kind == "llama" else Qwen2DecoderLayer)(config, layer_idx=0).eval()
+    config = config_of(kind, index + 1)
+    layer = CLASSES[kind][1](config, layer_idx=index).eval()
     to_blocks(layer, np.random.default_rng(seed))
     return layer, config
 
@@ -46,21 +92,25 @@ def run(layer, config, hidden, attention_mask, past):
         positions = torch.arange(seen, seen + tokens).unsqueeze(0)
     else:
         positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -tokens:]
-    mask = create_causal_mask(config=config, inputs_embeds=hidden, attention_mask=attention_mask,
-                              past_key_values=past, position_ids=positions)
-    cos_sin = LlamaRotaryEmbedding(config)(hidden, positions)
+    index = layer.layer_idx if isinstance(layer, FusedDecoderLayer) else layer.self_attn.layer_idx
+    layer_type = getattr(config, "layer_types", ["full_attention"] * (index + 1))[index]
+    masking = create_sliding_window_causal_mask if layer_type == "sliding_attention" else create_causal_mask
+    mask = masking(config=config, inputs_embeds=hidden, attention_mask=attention_mask, past_key_values=past,
+                   position_ids=positions)
+    rotary = CLASSES[{"gemma3_text": "gemma3"}.get(config.model_type, config.model_type)][3](config)
+    cos_sin = rotary(hidden, positions, *[layer_type] * (config.model_type == "gemma3_text"))
     return layer(hidden, attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True,
                  position_embeddings=cos_sin)
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "torch-fallback"])
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_fused_layer_equals_transformers_layer(kind, native, monkeypatch):
+@pytest.mark.parametrize("kind, index", LAYERS, ids=[f"{kind}-{index}" for kind, index in LAYERS])
+def test_fused_layer_equals_transformers_layer(kind, index, native, monkeypatch):
     if native and not ggml.native_kernels():
         pytest.skip("the native kernels are not available here")
-    reference, config = layer_in_blocks(kind)
+    reference, config = layer_in_blocks(kind, index=index)
     fused = FusedDecoderLayer.fuse(reference)
-    assert fused is not None and fused.qkv.out_features == HIDDEN + 2 * HIDDEN // HEADS * KV_HEADS
+    assert fused is not None and fused.qkv.out_features == (HEADS + 2 * KV_HEADS) * head_dim_of(config)
     monkeypatch.setattr(decoder, "native_kernels", lambda: native)
     torch.manual_seed(1)
     prompt, step = torch.randn(2, 5, HIDDEN), torch.randn(2, 1, HIDDEN)
@@ -75,8 +125,9 @@ def test_fused_layer_equals_transformers_layer(kind, native, monkeypatch):
         torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-4, atol=1e-4)
         assert outputs[0].abs().max() > 0.1  # a real computation
         # The cache holds the same (rotated) keys and values.
-        torch.testing.assert_close(caches[1].layers[0].keys, caches[0].layers[0].keys, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(caches[1].layers[0].values, caches[0].layers[0].values, rtol=1e-4, atol=1e-4)
+        ours, theirs = caches[1].layers[index], caches[0].layers[index]
+        torch.testing.assert_close(ours.keys, theirs.keys, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(ours.values, theirs.values, rtol=1e-4, atol=1e-4)
 
 
 def test_only_layers_it_computes_are_fused():
@@ -109,7 +160,7 @@ def test_a_sequence_gets_the_same_bits_alone_and_left_padded_in_a_batch():
         assert torch.equal(outputs[1][1], outputs[0][0])  # a decoding step
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_the_layer_in_two_native_calls_gives_the_bits_of_its_separate_operators(kind):
     if not ggml.native_kernels():
         pytest.skip("the native kernels are not available here")
@@ -135,7 +186,7 @@ def test_the_layer_in_two_native_calls_gives_the_bits_of_its_separate_operators(
 def model_in_blocks(kind, layers=3):
     torch.manual_seed(4)
     config = config_of(kind, layers)
-    model = (LlamaForCausalLM if kind == "llama" else Qwen2ForCausalLM)(config).eval()
+    model = CLASSES[kind][2](config).eval()
     rng = np.random.default_rng(4)
     for layer in model.model.layers:
         to_blocks(layer, rng)
@@ -143,7 +194,7 @@ def model_in_blocks(kind, layers=3):
     return model
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_the_decoder_stack_in_one_call_gives_the_bits_of_the_layers_one_by_one(kind, monkeypatch):
     if not ggml.native_kernels():
         pytest.skip("the native kernels are not available here")
@@ -215,3 +266,38 @@ def test_the_stack_without_padding_gives_the_layers_bits_for_a_prompt_and_for_th
         else:
             for x, y in zip(a.layers, b.layers):
                 assert torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch-fallback"])
+@pytest.mark.parametrize("kind", GEMMAS)
+def test_a_gemma_model_runs_every_layer_fused_and_computes_transformers_logits(kind, native, monkeypatch):
+    """Six layers (gemma3: five sliding, one global, each with its rope base): every one fused, none in a one-call
+    stack (the sliding ones attend through transformers), the logits of transformers' own layers over the same
+    blocks, for a left-padded prompt and two steps."""
+    if native and not ggml.native_kernels():
+        pytest.skip("the native kernels are not available here")
+    monkeypatch.setattr(decoder, "native_kernels", lambda: native)
+    torch.manual_seed(4)
+    reference = CLASSES[kind][2](config_of(kind, 6)).eval()
+    rng = np.random.default_rng(4)
+    for layer in reference.model.layers:
+        to_blocks(layer, rng)
+    model = copy.deepcopy(reference)
+    assert fuse_decoder_layers(model) == 6 and not isinstance(model.model.forward, DecoderStack)
+    assert not any(layer.two_calls for layer in model.model.layers)
+    ids = torch.tensor([[0, 0, 5, 9, 13, 2], [7, 3, 5, 9, 13, 2]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    caches, logits = (DynamicCache(config=model.config), DynamicCache(config=model.config)), ([], [])
+    with torch.no_grad():
+        for step in (None, 11, 17):
+            if step is not None:
+                mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], -1)
+            step_ids = ids if step is None else torch.tensor([[step], [step + 1]])
+            for m, cache, out in zip((reference, model), caches, logits):
+                out.append(m(step_ids, attention_mask=mask, past_key_values=cache).logits)
+    for theirs, ours in zip(*logits):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    assert logits[0][0].abs().max() > 0.1  # a real computation (gemma's logits are small at random weights)
+    with torch.no_grad():  # a deep copy (the tests' model memo, a caller's) computes the same
+        torch.testing.assert_close(copy.deepcopy(model)(ids, attention_mask=mask[:, :6]).logits,
+                                   model(ids, attention_mask=mask[:, :6]).logits, rtol=0, atol=0)
