@@ -317,6 +317,27 @@ def _set_tensor(model, hf_name: str, value: torch.Tensor):
         setattr(module, attr, value)
 
 
+def _process(processor, header: GGUFHeader, name: str, weights: np.ndarray, names: dict, collected: dict):
+    """transformers' processor of the architecture on one tensor; a shape it cannot take (a header whose
+    dimensions disagree with its config) is a GGUFError."""
+    try:
+        return processor.process(weights=weights, name=name, tensor_key_mapping=names, parsed_parameters=collected)
+    except (ValueError, IndexError, RuntimeError) as error:
+        raise GGUFError(f"{header.path}: tensor {name} {list(weights.shape)}: {_first_line(error)}") from None
+
+
+def _check_shape(header: GGUFHeader, name: str, model: torch.nn.Module, hf_name: str, shape: tuple) -> None:
+    """GGUFError when a tensor's shape is not the one the file's own config gives its parameter (a header
+    whose dimensions disagree would otherwise fail in the first forward pass, or read past a row)."""
+    try:
+        expected = tuple(model.get_parameter(hf_name).shape)
+    except AttributeError:
+        return  # not a parameter of the model as built (a buffer, a merged expert): transformers decides
+    if tuple(shape) != expected:
+        raise GGUFError(f"{header.path}: tensor {name} is {list(shape)}, but the file's config makes "
+                        f"{hf_name} {list(expected)}")
+
+
 def build_model(header: GGUFHeader, dtype: torch.dtype) -> torch.nn.Module:
     """The causal LM of `header`'s config over the file's weights: views of its map, or read and interleaved for
     the kernels (see the module docstring)."""
@@ -367,7 +388,7 @@ def build_model(header: GGUFHeader, dtype: torch.dtype) -> torch.nn.Module:
                 raw = array.view(np.int16).reshape(*shape[:-1], shape[-1] // 2)
             else:
                 raw = array.view(np_dtype).reshape(shape)
-            result = processor.process(weights=raw, name=name, tensor_key_mapping=names, parsed_parameters=collected)
+            result = _process(processor, header, name, raw, names, collected)
             if result.name is None:
                 continue  # the processor stored it in `collected`
             if bf16 and result.weights.dtype != np.int16:
@@ -375,6 +396,7 @@ def build_model(header: GGUFHeader, dtype: torch.dtype) -> torch.nn.Module:
                                 "cannot take here; --dequantize loads it in float32")
             tensor = torch.from_numpy(raw if result.weights is raw else np.ascontiguousarray(result.weights))
             tensor = tensor.view(torch.bfloat16) if bf16 else tensor
+            _check_shape(header, name, model, hf_name, tuple(tensor.shape))
             if attr == "bias" and isinstance(module, (torch.nn.Linear, Conv1D)):
                 biases[module_name] = tensor.to(dtype)
             elif attr == "weight" and tensor.dtype != dtype and isinstance(module, torch.nn.Linear):
@@ -390,6 +412,10 @@ def build_model(header: GGUFHeader, dtype: torch.dtype) -> torch.nn.Module:
         blocks = array.reshape(shape)
         in_features = _in_features(qtype, shape[-1])
         if len(shape) == 2 and attr == "weight" and isinstance(module, (torch.nn.Linear, Conv1D, torch.nn.Embedding)):
+            # GGUF rows are output channels, also for GPT-2's transposed Conv1D
+            rows_columns = (shape[0], in_features)
+            _check_shape(header, name, model, hf_name,
+                         rows_columns[::-1] if isinstance(module, Conv1D) else rows_columns)
             order = _row_permutation(processor, name, shape[0])
             embedding = isinstance(module, torch.nn.Embedding)
             interleave = (not embedding or module_name == tied_embedding) and interleavable(qtype, shape[0])
@@ -412,8 +438,9 @@ def build_model(header: GGUFHeader, dtype: torch.dtype) -> torch.nn.Module:
         logger.info("GGUF tensor %s (%s) de-quantized to float: its layout needs it", name, qtype.name)
         values = dequantize(torch.from_numpy(blocks.reshape(-1, shape[-1])), qtype, in_features)
         values = values.numpy().reshape(*shape[:-1], in_features)
-        result = processor.process(weights=values, name=name, tensor_key_mapping=names, parsed_parameters=collected)
+        result = _process(processor, header, name, values, names, collected)
         if result.name is not None:
+            _check_shape(header, name, model, hf_name, tuple(result.weights.shape))
             _set_tensor(model, hf_name, torch.from_numpy(np.ascontiguousarray(result.weights)).to(dtype))
     for hf_name, value in collected["tensors"].items():
         _set_tensor(model, hf_name, value.to(dtype))

@@ -11,9 +11,7 @@ import dataclasses
 import functools
 import hmac
 import ipaddress
-import itertools
 import json
-import math
 import re
 import signal
 import threading
@@ -25,7 +23,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from . import logger
+from . import logger, strict_json
 from .engine import Engine, EngineBusy, EngineClosed, Metrics, Sampling, describe_memory
 from .engine import Request as EngineRequest
 from .errors import PromptError, UsageError
@@ -38,7 +36,7 @@ MAX_LOGPROBS = 20
 MAX_STOPS = 16
 # Arrays and objects nested deeper than this are refused before parsing: the decoder recurses once a level
 # (thousands of levels exhaust Python's stack), and no request of the API nests past a dozen.
-MAX_BODY_DEPTH = 64
+MAX_BODY_DEPTH = strict_json.MAX_DEPTH
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 # Fields that name the same constraint in vLLM (guided_*, structured_outputs) and llama-server (grammar,
@@ -497,91 +495,20 @@ async def read_body(request, limit):
     return parse_body(bytes(raw))
 
 
-class NotJSON:
-    """What parse_body's decoder makes of NaN, Infinity or a number past a float's range: found after parsing,
-    so that the error names the field."""
-
-    def __init__(self, text):
-        self.text = text
-
-
 def parse_body(raw):
-    """A request body (bytes) as a JSON object, or an APIError naming what is wrong (and the field, where there
-    is one)."""
+    """A request body (bytes) as a JSON object (rungen/strict_json.py), or an APIError naming what is wrong
+    (and the field, where there is one)."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
         raise APIError(f"the request body is not valid UTF-8 (byte {error.start})") from error
-    depth = nesting_depth(text)
-    if depth > MAX_BODY_DEPTH:
-        raise APIError(f"the request body nests arrays and objects {depth} deep; at most {MAX_BODY_DEPTH}")
-    odd = []
-
-    def constant(word):
-        odd.append(word)
-        return NotJSON(word)
-
-    def real(word):
-        value = float(word)
-        if math.isfinite(value):
-            return value
-        odd.append(word)
-        return NotJSON(word)
-
     try:
-        body = json.loads(text, parse_constant=constant, parse_float=real)
-    except json.JSONDecodeError as error:
-        raise APIError(f"the request body is not valid JSON ({error.msg} at line {error.lineno} column "
-                       f"{error.colno})") from error
-    except (ValueError, RecursionError) as error:  # an integer of over 4,300 digits (Python's limit)
-        raise APIError(f"the request body is not valid JSON ({error})") from error
+        body = strict_json.loads(text, MAX_BODY_DEPTH)
+    except strict_json.JSONError as error:
+        raise APIError(f"the request body: {error.message}", error.field) from None
     if not isinstance(body, dict):
         raise APIError(f"the request body must be a JSON object, got {type(body).__name__}")
-    if odd or re.search(r"\\u[dD][89a-fA-F]", text):
-        check_values(body)
     return body
-
-
-def nesting_depth(text):
-    """How deep the arrays and objects of a JSON text nest (without recursion, and in C loops: a 4 MiB body
-    takes milliseconds). Brackets inside strings do not count; a broken text gets some number and fails to
-    parse after."""
-    brackets = NOT_A_BRACKET.sub("", JSON_STRING.sub("", text))
-    if len(brackets) <= MAX_BODY_DEPTH:
-        return len(brackets)  # at least as deep as the text nests, and within the limit
-    steps = brackets.translate(BRACKET_STEPS).encode("latin-1")
-    return max(itertools.accumulate(memoryview(steps).cast("b")))
-
-
-JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
-NOT_A_BRACKET = re.compile(r"[^\[\]{}]+")
-BRACKET_STEPS = str.maketrans("[{]}", "\x01\x01\xff\xff")  # +1 and -1 as signed bytes
-
-
-def check_values(body):
-    """Refuses NaN, Infinity and lone UTF-16 surrogates (JSON's \\ud800 escapes) anywhere in the body, naming
-    the top-level field they are under. Iterative: the depth is bounded, but no recursion is needed."""
-    stack = [(value, printable(key), printable(key)) for key, value in body.items()]
-    stack += [(key, printable(key), printable(key)) for key in body]
-    while stack:
-        value, path, field = stack.pop()
-        if isinstance(value, NotJSON):
-            raise APIError(f"{path}: {value.text} is not a JSON number (numbers must be finite)", field)
-        if isinstance(value, str) and not value.isascii():
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError as error:
-                raise APIError(f"{path}: a string holds a lone UTF-16 surrogate "
-                               f"({value[error.start]!a}), which is not text", field) from error
-        elif isinstance(value, dict):
-            stack += [(item, f"{path}.{printable(key)}", field) for key, item in value.items()]
-            stack += [(key, f"{path} (a key)", field) for key in value]
-        elif isinstance(value, list):
-            stack += [(item, f"{path}[{index}]", field) for index, item in enumerate(value)]
-
-
-def printable(key):
-    return key.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def check_model(body, model_id):
