@@ -561,9 +561,12 @@ class Engine:
         if (sampling.presence_penalty or sampling.frequency_penalty) and row.new:
             counts = torch.bincount(torch.tensor(row.new), minlength=scores.shape[0])[: scores.shape[0]].to(scores)
             scores -= sampling.frequency_penalty * counts + sampling.presence_penalty * (counts > 0).to(scores)
-        if sampling.temperature == 0:
+        top = scores.max()
+        if sampling.temperature == 0 or top == float("inf"):  # +inf: a repetition penalty near 0 made one
             return int(scores.argmax())
-        scores = scores / sampling.temperature
+        # Shifted first, so that a temperature near 0 (1e-45) sends the others to -inf rather than the top to
+        # inf, whose softmax would be NaN; the softmax is the same.
+        scores = (scores - top) / sampling.temperature
         if sampling.top_k and sampling.top_k < scores.shape[0]:
             kth = scores.topk(sampling.top_k).values[-1]
             scores[scores < kth] = float("-inf")
