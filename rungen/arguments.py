@@ -207,7 +207,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             values["prefix"] = values["padding_text"]
         logger.warning("--padding_text is deprecated; use --prefix")
     for action in parser._actions:  # argparse gives `--temperature=--` the value [] without converting it
-        value = values[action.dest]
+        value = values.get(action.dest)
         if action.type in (int, float) and value is not None and not isinstance(value, (int, float)):
             raise UsageError(f"{action.option_strings[0]} needs a number, got {value!r}")
     args = argparse.Namespace(**values)
