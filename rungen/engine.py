@@ -565,8 +565,9 @@ class Engine:
         if sampling.temperature == 0 or top == float("inf"):  # +inf: a repetition penalty near 0 made one
             return int(scores.argmax())
         # Shifted first, so that a temperature near 0 (1e-45) sends the others to -inf rather than the top to
-        # inf, whose softmax would be NaN; the softmax is the same.
-        scores = (scores - top) / sampling.temperature
+        # inf, whose softmax would be NaN; and in float64, where no temperature a request can give rounds to 0
+        # (4e-141 does in float32). The softmax is the same.
+        scores = (scores - top).double() / sampling.temperature
         if sampling.top_k and sampling.top_k < scores.shape[0]:
             kth = scores.topk(sampling.top_k).values[-1]
             scores[scores < kth] = float("-inf")
