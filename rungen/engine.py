@@ -562,6 +562,8 @@ class Engine:
             counts = torch.bincount(torch.tensor(row.new), minlength=scores.shape[0])[: scores.shape[0]].to(scores)
             scores -= sampling.frequency_penalty * counts + sampling.presence_penalty * (counts > 0).to(scores)
         top = scores.max()
+        if torch.isnan(top):  # torch.multinomial would fail with a message about probabilities
+            raise GenerationError("the model's scores are NaN: its weights are broken (a damaged file?)")
         if sampling.temperature == 0 or top == float("inf"):  # +inf: a repetition penalty near 0 made one
             return int(scores.argmax())
         # Shifted first, so that a temperature near 0 (1e-45) sends the others to -inf rather than the top to
