@@ -143,7 +143,7 @@ def test_jsonl_lines_each_bad_one_an_error_record(chat_llama, expected_texts, li
 
 
 @pytest.mark.slow
-@settings(FAST, max_examples=300)
+@settings(FAST, max_examples=150)
 @given(lines=LINES, output_format=st.sampled_from(["jsonl", "text"]))
 def test_jsonl_lines_each_bad_one_an_error_record_at_length(chat_llama, expected_texts, lines, output_format):
     check_jsonl_run(chat_llama, expected_texts, lines, output_format)
@@ -231,7 +231,7 @@ def test_any_flag_value_is_accepted_or_one_line(monkeypatch, argv):
 
 
 @pytest.mark.slow
-@settings(FAST, max_examples=1000)
+@settings(FAST, max_examples=500)
 @given(argv=command_lines())
 def test_any_flag_value_is_accepted_or_one_line_at_length(monkeypatch, argv):
     check_flags(monkeypatch, argv)
@@ -381,7 +381,7 @@ def test_gguf_headers_broken_anywhere_fail_in_one_line(gguf_bytes, tmp_path_fact
 def test_gguf_headers_broken_anywhere_fail_in_one_line_at_length(gguf_bytes, tmp_path_factory, monkeypatch):
     data, fields = gguf_bytes
 
-    @settings(FAST, max_examples=400)
+    @settings(FAST, max_examples=250)
     @given(case=broken_ggufs(data, fields))
     def run(case):
         check_gguf(tmp_path_factory.mktemp("broken"), case[1], monkeypatch)

@@ -318,21 +318,21 @@ def test_every_route_and_method(client, method, target, content, content_type):
 
 
 @pytest.mark.slow
-@settings(FAST, max_examples=700)
+@settings(FAST, max_examples=400)
 @given(request=json_requests())
 def test_any_field_holding_any_json_value_at_length(client, request):
     send_json_request(client, request)
 
 
 @pytest.mark.slow
-@settings(FAST, max_examples=500)
+@settings(FAST, max_examples=300)
 @given(request=raw_bodies(), content_type=CONTENT_TYPES)
 def test_bodies_that_are_not_a_json_object_at_length(client, request, content_type):
     send_raw_body(client, request, content_type)
 
 
 @pytest.mark.slow
-@settings(FAST, max_examples=300)
+@settings(FAST, max_examples=200)
 @given(method=METHODS, target=TARGETS, content=st.binary(max_size=40) | json_requests().map(
     lambda request: json.dumps(request[1]).encode()), content_type=CONTENT_TYPES)
 def test_every_route_and_method_at_length(client, method, target, content, content_type):
