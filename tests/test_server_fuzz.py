@@ -9,6 +9,7 @@ import math
 import os
 import socket
 import string
+import time
 
 import h11
 import pytest
@@ -394,3 +395,24 @@ def test_a_temperature_near_zero_samples_the_greedy_token(client):
         body = json.dumps({**BASES[COMPLETIONS], "max_tokens": 8, "temperature": temperature}).encode()
         status, _, answer = client.request("POST", COMPLETIONS, body)
         assert status == 200 and json.loads(answer)["choices"][0]["text"] == greedy, (temperature, answer)
+
+
+def test_a_client_leaving_mid_body_is_no_server_error(served, client, caplog):
+    """A body cut short by the client closing its connection: nothing to answer, nothing logged as a failure,
+    and the server goes on serving the module's connection."""
+    def completions_counted():
+        _, _, metrics = client.request("GET", "/metrics")
+        return sum(int(line.rsplit(" ", 1)[1]) for line in metrics.decode().splitlines()
+                   if line.startswith('rungen_requests_total{endpoint="/v1/completions"'))
+
+    before = completions_counted()
+    with socket.create_connection(("127.0.0.1", served.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: 100\r\n\r\n" + b'{"model": "' + MODEL_ID.encode())
+    for _ in range(500):  # until the server has ended that request
+        if completions_counted() > before:
+            break
+        time.sleep(0.01)
+    assert completions_counted() == before + 1
+    assert not [record for record in caplog.records if record.levelname == "ERROR"], caplog.text
+    assert normal_answer(client)
