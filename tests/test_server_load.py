@@ -40,11 +40,13 @@ def request_body(number, stream):
             "max_tokens": TOKENS, "ignore_eos": True, "temperature": 0.8, "seed": number, "stream": stream}
 
 
-def ask(url, number, plan, started):
+def ask(url, number, plan, started, ready):
     """One client: a plain request, a stream read to its end, or a stream it hangs up on after `plan` events.
-    Returns (status, outcome); `started` is set when the server has answered its headers."""
+    Returns (status, outcome); `started` is set when the server has answered its headers. Every client is made
+    before the barrier `ready` (a client builds an SSL context, some 25 ms), so that the requests come at once."""
     stream = plan is not None
     with httpx.Client(timeout=120) as client:
+        ready.wait()
         if not stream:
             started.set()  # a plain request's headers come with its whole answer
             response = client.post(url + "/v1/chat/completions", json=request_body(number, False))
@@ -98,9 +100,9 @@ def test_64_clients_against_a_queue_of_16_and_hang_ups_at_random(checkpoint):
     live = LiveServer(app)
     try:
         chosen = plans(20261125)
-        started = [threading.Event() for _ in range(CLIENTS)]
+        started, ready = [threading.Event() for _ in range(CLIENTS)], threading.Barrier(CLIENTS, timeout=60)
         with concurrent.futures.ThreadPoolExecutor(CLIENTS) as pool:
-            futures = [pool.submit(ask, live.url, number, plan, started[number])
+            futures = [pool.submit(ask, live.url, number, plan, started[number], ready)
                        for number, plan in enumerate(chosen)]
             outcomes = [future.result(timeout=300) for future in futures]  # none hung
         kinds = [check_outcome(*outcome) for outcome in outcomes]
@@ -149,9 +151,10 @@ def test_sigterm_under_64_clients_ends_every_accepted_request_and_exits_0(checkp
         # Streams only (each gets its headers and role chunk as soon as it is queued), so that SIGTERM comes
         # when every request has been taken or refused, not while one is still on its way in.
         chosen = [-1 if plan is None else plan for plan in plans(7)]
-        started = [threading.Event() for _ in range(CLIENTS)]
+        started, ready = [threading.Event() for _ in range(CLIENTS)], threading.Barrier(CLIENTS, timeout=60)
         with concurrent.futures.ThreadPoolExecutor(CLIENTS) as pool:
-            futures = [pool.submit(ask, url, number, plan, started[number]) for number, plan in enumerate(chosen)]
+            futures = [pool.submit(ask, url, number, plan, started[number], ready)
+                       for number, plan in enumerate(chosen)]
             for event in started:
                 assert event.wait(120)
             process.send_signal(signal.SIGTERM)
