@@ -34,9 +34,7 @@ from .prompts import Prompt, encode_prompt
 API_KEY_ENV = "RUN_GENERATION_API_KEY"
 MAX_LOGPROBS = 20
 MAX_STOPS = 16
-# Arrays and objects nested deeper than this are refused before parsing: the decoder recurses once a level
-# (thousands of levels exhaust Python's stack), and no request of the API nests past a dozen.
-MAX_BODY_DEPTH = strict_json.MAX_DEPTH
+MAX_BODY_DEPTH = strict_json.MAX_DEPTH  # refused before parsing: the decoder recurses once a level
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 # Fields that name the same constraint in vLLM (guided_*, structured_outputs) and llama-server (grammar,
@@ -339,7 +337,6 @@ def create_app(loaded, engine, options):
         kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
         return APIError(str(error.detail), status=error.status_code, kind=kind, headers=error.headers).response()
 
-
     @app.get("/health")
     async def health():
         if engine.closing or engine.stopped or not engine.thread.is_alive():
@@ -450,9 +447,11 @@ class Shield:
 
         try:
             await self.app(scope, receive, watch)
-        except (ClientDisconnect, OSError):  # the client went away: nobody to answer
+        except ClientDisconnect:  # the client went away: nobody to answer
             return
         except Exception as error:
+            if isinstance(error, OSError) and "headers" in response:
+                return  # writing the answer to a client that went away
             logger.exception("request failed: %s %s", scope.get("method"), scope.get("path"))
             if response.get("complete"):
                 return
