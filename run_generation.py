@@ -221,7 +221,9 @@ def cli(argv=None):
     try:
         main(argv)
     except RunGenerationError as error:
-        print(f"{PROG}: error: {error}", file=sys.stderr, flush=True)
+        # One line whatever the message quotes (a flag's value may hold a newline or a carriage return).
+        text = "".join(char if char.isprintable() else repr(char)[1:-1] for char in str(error))
+        print(f"{PROG}: error: {text}", file=sys.stderr, flush=True)
         sys.exit(error.exit_code)
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr, flush=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 
 from . import PROG, logger
 from .controls import FILE_KEY_FLAGS, add_control_arguments, check_controls, validate_generation_config
@@ -16,9 +17,22 @@ from .loading import DTYPES, MODEL_CLASSES, check_model_type
 _UNSET = object()  # marks the flags a command line leaves out, so that a --generation_config file can fill them
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, its errors (an unknown flag, a value of the wrong type) one line as the tool's others
+    are, not a usage block."""
+
+    def error(self, message):
+        raise UsageError(message)
+
+
+# Flags of float type: NaN and the infinities parse as floats, and pass every range check written with < and >.
+FLOAT_FLAGS = ("temperature", "repetition_penalty", "p", "min_p", "typical_p", "shutdown_grace")
+SEED_RANGE = (0, 2**32 - 1)  # numpy's, which transformers' set_seed seeds too
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line's parser: every flag, with its default and help."""
-    parser = argparse.ArgumentParser(prog=PROG, description="Conditional text generation with causal language models.")
+    parser = Parser(prog=PROG, description="Conditional text generation with causal language models.")
     parser.add_argument(
         "--model_type",
         default=None,
@@ -160,6 +174,8 @@ def check_serve(args: argparse.Namespace, given: set[str]) -> None:
                       ("prefix_cache_mb", 0), ("shutdown_grace", 0)):
         if getattr(args, dest) < low:
             raise UsageError(f"--{dest} must be >= {low}, got {getattr(args, dest)}")
+    if args.port > 65535:
+        raise UsageError(f"--port must be at most 65535, got {args.port}")
 # --- end --serve ---
 
 
@@ -190,7 +206,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if not values["prefix"]:
             values["prefix"] = values["padding_text"]
         logger.warning("--padding_text is deprecated; use --prefix")
+    for action in parser._actions:  # argparse gives `--temperature=--` the value [] without converting it
+        value = values.get(action.dest)
+        if action.type in (int, float) and value is not None and not isinstance(value, (int, float)):
+            raise UsageError(f"{action.option_strings[0]} needs a number, got {value!r}")
     args = argparse.Namespace(**values)
+    for name in FLOAT_FLAGS:  # from the command line or a --generation_config file
+        if values[name] is not None and not math.isfinite(values[name]):
+            raise UsageError(f"--{name} must be a finite number, got {values[name]}")
+    if not SEED_RANGE[0] <= args.seed <= SEED_RANGE[1]:
+        raise UsageError(f"--seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {args.seed}")
     check_serve(args, given)
     settings = settings_from_args(args)
     settings.check()

@@ -561,9 +561,15 @@ class Engine:
         if (sampling.presence_penalty or sampling.frequency_penalty) and row.new:
             counts = torch.bincount(torch.tensor(row.new), minlength=scores.shape[0])[: scores.shape[0]].to(scores)
             scores -= sampling.frequency_penalty * counts + sampling.presence_penalty * (counts > 0).to(scores)
-        if sampling.temperature == 0:
+        top = scores.max()
+        if torch.isnan(top):  # torch.multinomial would fail with a message about probabilities
+            raise GenerationError("the model's scores are NaN: its weights are broken (a damaged file?)")
+        if sampling.temperature == 0 or top == float("inf"):  # +inf: a repetition penalty near 0 made one
             return int(scores.argmax())
-        scores = scores / sampling.temperature
+        # Shifted first, so that a temperature near 0 (1e-45) sends the others to -inf rather than the top to
+        # inf, whose softmax would be NaN; and in float64, where no temperature a request can give rounds to 0
+        # (4e-141 does in float32). The softmax is the same.
+        scores = (scores - top).double() / sampling.temperature
         if sampling.top_k and sampling.top_k < scores.shape[0]:
             kth = scores.topk(sampling.top_k).values[-1]
             scores[scores < kth] = float("-inf")

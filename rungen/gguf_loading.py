@@ -400,6 +400,15 @@ def _set_tensor(model, hf_name: str, value: torch.Tensor):
         setattr(module, attr, value)
 
 
+def _process(processor, header: GGUFHeader, name: str, weights: np.ndarray, names: dict, collected: dict):
+    """transformers' processor of the architecture on one tensor; a shape it cannot take (a header whose
+    dimensions disagree with its config) is a GGUFError."""
+    try:
+        return processor.process(weights=weights, name=name, tensor_key_mapping=names, parsed_parameters=collected)
+    except (ValueError, IndexError, RuntimeError) as error:
+        raise GGUFError(f"{header.path}: tensor {name} {list(weights.shape)}: {_first_line(error)}") from None
+
+
 def build_model(header: GGUFHeader, dtype: torch.dtype) -> torch.nn.Module:
     """The causal LM of `header`'s config over the file's weights: views of its map, or read and interleaved for
     the kernels (see the module docstring)."""
@@ -450,7 +459,7 @@ def build_model(header: GGUFHeader, dtype: torch.dtype) -> torch.nn.Module:
                 raw = array.view(np.int16).reshape(*shape[:-1], shape[-1] // 2)
             else:
                 raw = array.view(np_dtype).reshape(shape)
-            result = processor.process(weights=raw, name=name, tensor_key_mapping=names, parsed_parameters=collected)
+            result = _process(processor, header, name, raw, names, collected)
             if result.name is None:
                 continue  # the processor stored it in `collected`
             if bf16 and result.weights.dtype != np.int16:
@@ -498,8 +507,9 @@ def build_model(header: GGUFHeader, dtype: torch.dtype) -> torch.nn.Module:
         logger.info("GGUF tensor %s (%s) de-quantized to float: its layout needs it", name, qtype.name)
         values = dequantize(torch.from_numpy(blocks.reshape(-1, shape[-1])), qtype, in_features)
         values = values.numpy().reshape(*shape[:-1], in_features)
-        result = processor.process(weights=values, name=name, tensor_key_mapping=names, parsed_parameters=collected)
+        result = _process(processor, header, name, values, names, collected)
         if result.name is not None:
+            _check_shape(header.path, name, module, attr, result.weights.shape)
             _set_tensor(model, hf_name, torch.from_numpy(np.ascontiguousarray(result.weights)).to(dtype))
     for hf_name, value in collected["tensors"].items():
         _set_tensor(model, hf_name, value.to(dtype))

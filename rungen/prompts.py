@@ -4,11 +4,10 @@ and encoding to token ids."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 from typing import TYPE_CHECKING
 
-from . import logger
+from . import logger, strict_json
 from .errors import PromptError, UsageError
 
 if TYPE_CHECKING:
@@ -27,6 +26,11 @@ father initially slaps him for making such an accusation, Rasputin watches as th
 man is chased outside and beaten. Twenty years later, Rasputin sees a vision of
 the Virgin Mary, prompting him to become a priest. Rasputin quickly becomes famous,
 with people, even a bishop, begging for his blessing. <eod> </s> <eos>"""
+
+
+# What an output record holds besides the input line's other fields (rungen/output.py, generation.Sequence).
+RECORD_FIELDS = {"prompt_index", "sequence_index", "generated_text", "text", "num_prompt_tokens",
+                 "num_generated_tokens", "finish_reason", "logprobs", "prompt_logprobs", "perplexity", "error"}
 
 
 @dataclasses.dataclass
@@ -72,21 +76,33 @@ def parse_prompt_line(index: int, line: bytes, input_format: str) -> Prompt:
     if input_format == "text":
         return Prompt(index, text)
     try:
-        record = json.loads(text)
-    except json.JSONDecodeError as error:
-        return Prompt(index, None, error=f"input is not valid JSON ({error.msg})")
+        record = strict_json.loads(text)
+    except strict_json.JSONError as error:
+        return Prompt(index, None, error=f"input is not valid JSON: {error.message}")
     if isinstance(record, dict) and "messages" in record and "prompt" not in record:
         messages = record.pop("messages")
         problem = messages_problem(messages)
         if problem:
             return Prompt(index, None, extra=record, error=f'"messages": {problem}')
         last_user = [message["content"] for message in messages if message["role"] == "user"][-1:]
+        problem = carried_fields_problem(record)
+        if problem:
+            return Prompt(index, "".join(last_user), error=problem)
         return Prompt(index, "".join(last_user), extra=dict(record, messages=messages), messages=messages)
     if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
         return Prompt(index, None, error='a jsonl input line must be an object with a string "prompt" field '
                       'or a "messages" list')
+    problem = carried_fields_problem(record)
+    if problem:
+        return Prompt(index, record["prompt"], error=problem)
     text = record.pop("prompt")
     return Prompt(index, text, extra=record)
+
+
+def carried_fields_problem(record: dict) -> str | None:
+    """A carried field named as one of the output record's own would overwrite it (or be lost)."""
+    taken = sorted(RECORD_FIELDS.intersection(record))
+    return f'the field "{taken[0]}" is one the output record writes; rename it' if taken else None
 
 
 def messages_problem(messages) -> str | None:

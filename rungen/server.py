@@ -12,6 +12,7 @@ import functools
 import hmac
 import ipaddress
 import json
+import re
 import signal
 import threading
 import time
@@ -20,8 +21,9 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
-from . import logger
+from . import logger, strict_json
 from .engine import Engine, EngineBusy, EngineClosed, Metrics, Sampling, describe_memory
 from .engine import Request as EngineRequest
 from .errors import PromptError, UsageError
@@ -32,6 +34,8 @@ from .prompts import Prompt, encode_prompt
 API_KEY_ENV = "RUN_GENERATION_API_KEY"
 MAX_LOGPROBS = 20
 MAX_STOPS = 16
+MAX_BODY_DEPTH = strict_json.MAX_DEPTH  # refused before parsing: the decoder recurses once a level
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 # Fields that name the same constraint in vLLM (guided_*, structured_outputs) and llama-server (grammar,
 # json_schema); each maps to rungen/constrain.py's kind.
@@ -93,18 +97,25 @@ def number(body, name, default, low=None, high=None, integer=False, low_open=Fal
         return default
     value = body[name]
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and value != int(value)):
-        raise APIError(f"{name} must be {'an integer' if integer else 'a number'}, got {json.dumps(value)}", name)
-    if (low is not None and (value <= low if low_open else value < low)) or (high is not None and value > high):
-        bounds = f"{'(' if low_open else '['}{low}, {high}]"
-        raise APIError(f"{name} must be in {bounds}, got {value}", name)
+        raise APIError(f"{name} must be {'an integer' if integer else 'a number'}, got {shown(value)}", name)
+    too_low = low is not None and (value <= low if low_open else value < low)
+    if too_low or (high is not None and value > high) or abs(value) > 2**64:  # 2**64: past a float's reach too
+        bounds = f"{'(' if low_open else '['}{'-inf' if low is None else low}, {'inf' if high is None else high}]"
+        raise APIError(f"{name} must be in {bounds}, got {shown(value)}", name)
     return int(value) if integer else float(value)
+
+
+def shown(value, limit=60):
+    """A request's value in an error message, cut short."""
+    text = json.dumps(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def boolean(body, name, default=False):
     if not present(body, name):
         return default
     if not isinstance(body[name], bool):
-        raise APIError(f"{name} must be true or false, got {json.dumps(body[name])}", name)
+        raise APIError(f"{name} must be true or false, got {shown(body[name])}", name)
     return body[name]
 
 
@@ -128,10 +139,11 @@ def read_logit_bias(body, vocab_size):
         raise APIError("logit_bias must be an object mapping token ids to values in [-100, 100]", "logit_bias")
     pairs = []
     for key, value in bias.items():
-        if not (isinstance(key, str) and key.isdigit() and int(key) < vocab_size):
-            raise APIError(f"logit_bias: {key!r} is not a token id of this model (0..{vocab_size - 1})", "logit_bias")
+        if not (isinstance(key, str) and re.fullmatch(r"[0-9]{1,12}", key) and int(key) < vocab_size):
+            raise APIError(f"logit_bias: {shown(key)} is not a token id of this model (0..{vocab_size - 1})",
+                           "logit_bias")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
-            raise APIError(f"logit_bias[{key}] must be a number in [-100, 100], got {json.dumps(value)}", "logit_bias")
+            raise APIError(f"logit_bias[{key}] must be a number in [-100, 100], got {shown(value)}", "logit_bias")
         pairs.append((int(key), float(value)))
     return tuple(pairs)
 
@@ -147,7 +159,7 @@ def read_sampling(body, vocab_size):
         frequency_penalty=number(body, "frequency_penalty", 0.0, -2, 2),
         repetition_penalty=number(body, "repetition_penalty", 1.0, 0, None, low_open=True),
         logit_bias=read_logit_bias(body, vocab_size),
-        seed=number(body, "seed", None, integer=True),
+        seed=number(body, "seed", None, *SEED_RANGE, integer=True),
         ignore_eos=boolean(body, "ignore_eos"),
     )
 
@@ -222,7 +234,7 @@ def read_messages(body):
             raise APIError(f"messages[{number}] must be an object", "messages")
         role = message.get("role")
         if role not in CHAT_ROLES:
-            raise APIError(f"messages[{number}].role {role!r} is not supported (roles: "
+            raise APIError(f"messages[{number}].role {shown(role)} is not supported (roles: "
                            f"{', '.join(sorted(CHAT_ROLES))})", "messages")
         extra = sorted(key for key in message if key not in ("role", "content") and message[key] is not None)
         if extra:
@@ -307,6 +319,9 @@ def create_app(loaded, engine, options):
     metrics = engine.metrics
     app = FastAPI(title="run_generation", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
+    # Inside Starlette's outermost layer, whose handler for Exception would answer and then re-raise to uvicorn,
+    # which closes the connection after it.
+    app.add_middleware(Shield)
     if options.cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
 
@@ -320,12 +335,7 @@ def create_app(loaded, engine, options):
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, error):
         kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
-        return APIError(str(error.detail), status=error.status_code, kind=kind).response()
-
-    @app.exception_handler(Exception)
-    async def internal_error(request, error):
-        logger.exception("request failed")
-        return APIError(f"internal error: {error}", status=500, kind="server_error").response()
+        return APIError(str(error.detail), status=error.status_code, kind=kind, headers=error.headers).response()
 
     @app.get("/health")
     async def health():
@@ -346,8 +356,8 @@ def create_app(loaded, engine, options):
     @app.get("/v1/models/{model:path}")
     async def model_card(model: str):
         if model != options.model_id:
-            raise APIError(f"the model {model!r} does not exist; this server serves {options.model_id!r}", "model",
-                           status=404, code="model_not_found")
+            raise APIError(f"the model {shown(model)} does not exist; this server serves {options.model_id!r}",
+                           "model", status=404, code="model_not_found")
         return {"id": options.model_id, "object": "model", "created": service.created, "owned_by": "run_generation"}
 
     @app.post("/v1/chat/completions")
@@ -415,26 +425,88 @@ class Guard:
             self.metrics.count_request(endpoint_label(path), status.get("code", 499))
 
 
+class Shield:
+    """ASGI middleware: an exception the routes let out is logged and answered with a 500 in OpenAI's shape (a
+    stream already under way gets an error event and its end), and goes no further, so uvicorn keeps the
+    connection for the client's next request."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        response = {}
+
+        async def watch(message):
+            if message["type"] == "http.response.start":
+                response["headers"] = dict(message.get("headers", ()))
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                response["complete"] = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except ClientDisconnect:  # the client went away: nobody to answer
+            return
+        except Exception as error:
+            if isinstance(error, OSError) and "headers" in response:
+                return  # writing the answer to a client that went away
+            logger.exception("request failed: %s %s", scope.get("method"), scope.get("path"))
+            if response.get("complete"):
+                return
+            failure = APIError(f"internal error: {type(error).__name__}: {error}", status=500, kind="server_error")
+            with contextlib.suppress(ClientDisconnect, OSError):
+                if "headers" not in response:
+                    await failure.response()(scope, receive, send)
+                    return
+                tail = b""
+                if response["headers"].get(b"content-type", b"").startswith(b"text/event-stream"):
+                    body = {"error": {"message": failure.message, "type": failure.kind, "param": None, "code": None}}
+                    tail = ("data: " + json.dumps(body) + "\n\ndata: [DONE]\n\n").encode()
+                await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+
 def endpoint_label(path):
     known = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
     return path if path in known else "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
 
 
 async def read_body(request, limit):
+    """The request's JSON object, parsed strictly (RFC 8259: UTF-8, no NaN or Infinity, no lone surrogates),
+    at most `limit` bytes and MAX_BODY_DEPTH levels deep; anything else is a 400 (413 for the size)."""
+    kind = request.headers.get("content-type")
+    # No Content-Type reads as JSON (as FastAPI's own body parsing does); any other type is refused.
+    if kind is not None and not re.fullmatch(r"application/json\s*(;\s*charset=\"?utf-8\"?\s*)?", kind, re.I):
+        raise APIError(f"the request body must be application/json (UTF-8), got Content-Type: {shown(kind)}")
     length = request.headers.get("content-length")
+    too_big = APIError(f"the request body is larger than {limit} bytes", status=413)
     if length is not None and length.isdigit() and int(length) > limit:
-        raise APIError(f"the request body is larger than {limit} bytes", status=413)
-    raw = b""
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > limit:
-            raise APIError(f"the request body is larger than {limit} bytes", status=413)
+        raise too_big
+    raw = bytearray()
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise APIError(f"the request body is not valid JSON ({getattr(error, 'msg', error)})") from error
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > limit:
+                raise too_big
+    except ClientDisconnect as error:  # nobody reads the answer; it ends the request quietly
+        raise APIError("the client disconnected before the request body ended") from error
+    return parse_body(bytes(raw))
+
+
+def parse_body(raw):
+    """A request body (bytes) as a JSON object (rungen/strict_json.py), or an APIError naming what is wrong
+    (and the field, where there is one)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise APIError(f"the request body is not valid UTF-8 (byte {error.start})") from error
+    try:
+        body = strict_json.loads(text, MAX_BODY_DEPTH)
+    except strict_json.JSONError as error:
+        raise APIError(f"the request body: {error.message}", error.field) from None
     if not isinstance(body, dict):
-        raise APIError("the request body must be a JSON object")
+        raise APIError(f"the request body must be a JSON object, got {type(body).__name__}")
     return body
 
 
@@ -443,8 +515,8 @@ def check_model(body, model_id):
     if not isinstance(model, str):
         raise APIError("model is required (GET /v1/models lists it)", "model")
     if model != model_id:
-        raise APIError(f"the model {model!r} does not exist; this server serves {model_id!r}", "model", status=404,
-                       code="model_not_found")
+        raise APIError(f"the model {shown(model)} does not exist; this server serves {model_id!r}", "model",
+                       status=404, code="model_not_found")
 
 
 def read_completion_prompts(service, body):
@@ -486,6 +558,8 @@ async def generate(service, http_request, body, prompts, logprobs, *, chat, max_
             raise APIError("stream_options takes include_usage only", "stream_options")
         include_usage = boolean(stream_options, "include_usage")
     echo = not chat and boolean(body, "echo")
+    if present(body, "user") and not isinstance(body["user"], str):
+        raise APIError(f"user must be a string, got {shown(body['user'])}", "user")
     sampling = read_sampling(body, loaded.vocab_size)
     stops = read_stop(body)
     constraint_source = read_constraint_source(body, response_format_allowed=chat)
