@@ -149,12 +149,13 @@ def prepare_model(loaded: Loaded, *, temperature: float, xlm_language: str = "")
 
 
 def encode_prompt(loaded: Loaded, prompt: Prompt, prefix: str = "", chat: bool = False,
-                  system: str | None = None) -> list[int]:
+                  system: str | None = None, tools: list[dict] | None = None) -> list[int]:
     """Token ids for one Prompt, with the original script's per-model preparation; raises PromptError.
 
     A conversation (prompt.messages), or with `chat` the text as one user message, goes through the
     chat template; `system` is put first when the conversation has no system message of its own.
-    --prefix applies to text prompts only: a conversation is taken as it is."""
+    --prefix applies to text prompts only: a conversation is taken as it is. `tools` (OpenAI's function
+    tools) go to the chat template, which renders them as the model expects."""
     tokenizer, model = loaded.tokenizer, loaded.model
     messages = prompt.messages
     if messages is None and chat:
@@ -164,7 +165,13 @@ def encode_prompt(loaded: Loaded, prompt: Prompt, prefix: str = "", chat: bool =
             raise PromptError(("--chat: " if prompt.messages is None else "") + "this tokenizer has no chat template")
         if system and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": system}, *messages]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        import jinja2
+
+        extra = {"tools": tools} if tools is not None else {}
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
+        except jinja2.TemplateError as error:  # the template's raise_exception: a conversation it refuses
+            raise PromptError(f"the chat template refused the conversation: {error}") from error
         add_special_tokens = False  # the template already holds them
     else:
         text = prompt.text
