@@ -730,7 +730,8 @@ class Answer:
 
     def finish_reason(self, choice):
         """A reply that ended by itself after calling tools says so (OpenAI's "tool_calls")."""
-        if self.parsers and self.parsers[choice].calls and self.finish[choice] == "stop":
+        parser = self.parsers[choice] if self.parsers else None
+        if parser is not None and parser.calls and parser.complete and self.finish[choice] == "stop":
             return "tool_calls"
         return self.finish[choice]
 

@@ -412,10 +412,12 @@ class CallParser:
         self.text = ""
         self.content_sent = 0  # characters of the (left-stripped) content sent
         self.calls = []  # [id, name, arguments sent]
+        self.complete = True  # every call so far is finished (a stop string may cut one)
 
     def feed(self, text, final=False):
         self.text += text
         content, calls = parse(self.fmt, self.text, final)
+        self.complete = all(call.complete for call in calls)
         events = []
         # Whitespace at the end may be all there is between two calls: it waits for text to follow it.
         content = content.strip()

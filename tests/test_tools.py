@@ -179,6 +179,14 @@ def test_streamed_calls_assemble_to_the_plain_reply(servers, fmt):
     assert pieces > 1  # the arguments came as they were generated, not at the end
 
 
+def test_a_stop_string_inside_a_call_is_no_finished_call(servers):
+    response = create(servers, "hermes", tools=[WEATHER], tool_choice="required", temperature=1.0, seed=4,
+                      stop=['"unit"'])
+    choice = response.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.tool_calls[0].function.name == "get_weather"
+    assert '"unit"' not in choice.message.tool_calls[0].function.arguments
+
+
 @pytest.mark.parametrize("fmt", sorted(MODELS))
 def test_a_round_trip_call_result_answer(servers, fmt):
     first = create(servers, fmt, tools=TOOLS, tool_choice="required", temperature=1.0, seed=1,

@@ -114,9 +114,14 @@ def test_llama_python_tag_and_text_that_only_looks_like_a_call():
 
 def test_a_reply_cut_inside_a_call_keeps_what_was_generated():
     text = PUBLISHED["hermes"][:90]
-    content, calls = message_of(CallParser(HERMES), text)
+    parser = CallParser(HERMES)
+    content, calls = message_of(parser, text)
     assert content == "I will look both up." and calls[0]["function"]["name"] == "get_weather"
     assert '{"city": "Paris", "unit": "celsius"}'.startswith(calls[0]["function"]["arguments"])
+    assert not parser.complete  # the reply does not say "tool_calls" then
+    whole = CallParser(HERMES)
+    message_of(whole, PUBLISHED["hermes"])
+    assert whole.complete
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
