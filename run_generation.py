@@ -135,10 +135,15 @@ def main(argv=None):
 
     stream = choose_streaming(args.stream, settings, len(prompts), state.num_processes, args.output_format)
     writer = Writer(args.output_format, len(prompts), active=state.is_main_process)
+    tool_grammars = {}
     for prompt in prompts:
         if prompt.error is None:
             try:
                 prompt.ids = encode_prompt(loaded, prompt, args.prefix, settings.chat, args.system)
+                if prompt.tool_plan is not None and prompt.tool_plan.grammar and settings.length != 0:
+                    from rungen.tools import prompt_constraint
+
+                    prompt.constraint = prompt_constraint(prompt.tool_plan, loaded, settings, tool_grammars)
             except PromptError as error:
                 if args.prompt is not None:
                     raise UsageError(str(error)) from error  # the one prompt given as an argument is bad input

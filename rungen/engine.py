@@ -810,7 +810,8 @@ def submit_prompts(engine, settings, prompts, on_done, stream=False):
         new_tokens = settings.length if not context else min(settings.length, context - len(prompt.ids))
         requests.append(Request(prompt.ids, new_tokens, sampling_of(settings, seeds[prompt.index]),
                                 collect(prompt), n=settings.num_return_sequences, stop=stops,
-                                logprobs=settings.logprobs, constraint=settings.constraint, deltas=stream))
+                                logprobs=settings.logprobs, constraint=prompt.constraint or settings.constraint,
+                                deltas=stream))
         engine.submit(requests[-1])
     return requests
 

@@ -41,6 +41,11 @@ class Prompt:
     error: str | None = None
     ids: list[int] | None = None
     messages: list[dict] | None = None
+    # A jsonl line's tools, tool_choice, parallel_tool_calls ({} for a conversation with calls but no tools),
+    # planned by rungen/tools.py when encoded.
+    tools: dict | None = None
+    tool_plan: object = None  # rungen.tools.ToolPlan, once encoded
+    constraint: object = None  # the grammar of its tool calls, compiled
 
 
 #
@@ -77,16 +82,33 @@ def parse_prompt_line(index: int, line: bytes, input_format: str) -> Prompt:
         return Prompt(index, None, error=f"input is not valid JSON ({error.msg})")
     if isinstance(record, dict) and "messages" in record and "prompt" not in record:
         messages = record.pop("messages")
-        problem = messages_problem(messages)
-        if problem:
-            return Prompt(index, None, extra=record, error=f'"messages": {problem}')
-        last_user = [message["content"] for message in messages if message["role"] == "user"][-1:]
-        return Prompt(index, "".join(last_user), extra=dict(record, messages=messages), messages=messages)
+        tools = {key: record.pop(key) for key in ("tools", "tool_choice", "parallel_tool_calls") if key in record}
+        if tools or has_tool_fields(messages):
+            from .tools import ToolError, read_conversation
+
+            try:
+                conversation = read_conversation(messages)
+            except ToolError as error:
+                return Prompt(index, None, extra=record, error=f'"{error.param}": {error}')
+        else:
+            problem = messages_problem(messages)
+            if problem:
+                return Prompt(index, None, extra=record, error=f'"messages": {problem}')
+            conversation = messages
+        last_user = [message["content"] for message in conversation if message["role"] == "user"][-1:]
+        return Prompt(index, "".join(last_user), extra=dict(record, messages=messages), messages=conversation,
+                      tools=tools if tools or conversation is not messages else None)
     if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
         return Prompt(index, None, error='a jsonl input line must be an object with a string "prompt" field '
                       'or a "messages" list')
     text = record.pop("prompt")
     return Prompt(index, text, extra=record)
+
+
+def has_tool_fields(messages) -> bool:
+    return isinstance(messages, list) and any(
+        isinstance(message, dict) and (message.get("role") == "tool" or "tool_calls" in message)
+        for message in messages)
 
 
 def messages_problem(messages) -> str | None:
@@ -158,6 +180,14 @@ def encode_prompt(loaded: Loaded, prompt: Prompt, prefix: str = "", chat: bool =
     tools) go to the chat template, which renders them as the model expects."""
     tokenizer, model = loaded.tokenizer, loaded.model
     messages = prompt.messages
+    if messages is not None and prompt.tools is not None and tools is None:
+        from .tools import ToolError, plan_tools
+
+        try:
+            prompt.tool_plan = plan_tools(prompt.tools or {}, messages, tokenizer.chat_template)
+        except ToolError as error:
+            raise PromptError(f'"{error.param}": {error}') from error
+        messages, tools = prompt.tool_plan.messages, prompt.tool_plan.template_tools
     if messages is None and chat:
         messages = [{"role": "user", "content": prefix + prompt.text}]
     if messages is not None:

@@ -274,6 +274,27 @@ def read_tool_message_fields(message, number):
     return {"tool_calls": checked}
 
 
+TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
+
+
+def read_conversation(messages):
+    """A jsonl line's messages holding tool calls or results, checked and in the server's shape (tool fields
+    as read_tool_message_fields gives them, content None for an assistant message that only calls)."""
+    if not isinstance(messages, list) or not messages:
+        raise ToolError("must be a non-empty list", "messages")
+    out = []
+    for number, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant", "tool"):
+            raise ToolError(f"messages[{number}] must be an object with role system, user, assistant or tool",
+                            "messages")
+        fields = read_tool_message_fields(message, number)
+        content = message.get("content")
+        if not (isinstance(content, str) or (content is None and fields.get("tool_calls"))):
+            raise ToolError(f"messages[{number}].content must be a string", "messages")
+        out.append({"role": message["role"], "content": content, **fields})
+    return out
+
+
 def template_messages(messages, fmt: Format, request: ToolRequest | None):
     """The conversation as the chat template takes it: calls and results in the format's shape (a native
     template's tool_calls with arguments as objects; the generic format's JSON lines in plain turns), and,
@@ -692,6 +713,36 @@ def plan_tools(body, messages, chat_template) -> ToolPlan:
                     template_tools=list(request.tools) if calling and fmt.native else None,
                     grammar=tool_grammar(fmt, request) if calling else None,
                     fmt=fmt if calling else None)
+
+
+def prompt_constraint(plan: ToolPlan, loaded, settings, compiled: dict):
+    """The compiled grammar of a jsonl line's tool calls (`compiled` caches them by grammar); raises
+    PromptError where these settings cannot take it."""
+    from .constrain import ConstraintError, compile_constraint
+    from .engine import engine_refusal
+    from .errors import PromptError
+    from .generation import eos_token_ids
+
+    if settings.constraint is not None:
+        raise PromptError('"tools": one constraint per prompt, and --json_schema, --regex or --grammar is one')
+    why = engine_refusal(loaded, settings)
+    if why:
+        raise PromptError(f'"tools": the calls are constrained per prompt on the engine, which {why} does not run on')
+    if plan.grammar not in compiled:
+        try:
+            compiled[plan.grammar] = compile_constraint("tools", plan.grammar, loaded.tokenizer, loaded.vocab_size,
+                                                        eos_token_ids(settings, loaded.model))
+        except ConstraintError as error:
+            raise PromptError(str(error)) from error
+    return compiled[plan.grammar]
+
+
+def record_of(plan: ToolPlan | None, generated_text: str) -> dict:
+    """A jsonl record's tool fields: the reply's content and tool_calls (OpenAI's shapes), when it may call."""
+    if plan is None or plan.fmt is None:
+        return {}
+    content, calls = message_of(CallParser(plan.fmt), generated_text)
+    return {"content": content, "tool_calls": calls}
 
 
 def message_of(parser: CallParser, text: str):

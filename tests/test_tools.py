@@ -14,6 +14,7 @@ import torch
 from test_server import CHAT_TEMPLATE, LiveServer
 from transformers import AutoTokenizer
 
+from helpers import run_main
 from rungen.loading import load
 from rungen.server import ServeOptions, build
 from tiny_models import build_tiny_checkpoint
@@ -39,12 +40,12 @@ CONTEXT = 4096
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    """{format: (url, engine)}, each started on first use."""
-    started = {}
+def checkpoints(tmp_path_factory):
+    """The checkpoint of each format, built on first use."""
+    built = {}
 
     def get(fmt):
-        if fmt not in started:
+        if fmt not in built:
             model_type, template = MODELS[fmt]
             path = str(tmp_path_factory.mktemp(fmt) / model_type)
             build_tiny_checkpoint(model_type, path)
@@ -66,7 +67,20 @@ def servers(tmp_path_factory):
             else:
                 tokenizer.chat_template = CHAT_TEMPLATE
             tokenizer.save_pretrained(path)
-            loaded = load(path, device=torch.device("cpu"))
+            built[fmt] = path
+        return built[fmt]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def servers(checkpoints):
+    """{format: (url, engine)}, each started on first use."""
+    started = {}
+
+    def get(fmt):
+        if fmt not in started:
+            loaded = load(checkpoints(fmt), device=torch.device("cpu"))
             assert len(loaded.tokenizer) <= loaded.vocab_size
             app, engine = build(loaded, ServeOptions(model_id=fmt, max_batch=8))
             started[fmt] = (LiveServer(app), engine, loaded)
@@ -245,3 +259,29 @@ def test_a_template_with_tools_in_an_unknown_format_is_refused(servers):
         loaded.tokenizer.chat_template = saved
     assert response.status_code == 400 and response.json()["error"]["param"] == "tools"
     assert "does not parse" in response.json()["error"]["message"]
+
+
+def test_jsonl_lines_with_tools(checkpoints):
+    """The command line's jsonl input takes tools as the server does: each line its own tools and grammar, the
+    record's content and tool_calls parsed as the server's; a line with bad tools is an error record."""
+    required = {"messages": ASK, "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False, "id": 1}
+    bad = {"messages": ASK, "tools": [{"type": "function", "function": {"name": "no spaces"}}]}
+    history = ASK + [{"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+                     {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees"}]
+    lines = "\n".join(json.dumps(line) for line in (required, bad, {"messages": history}, {"messages": ASK}))
+    args = ["--model_name_or_path", checkpoints("hermes"), "--input_format", "jsonl", "--output_format", "jsonl",
+            "--temperature", "0", "--length", "120"]
+    result = run_main(args, stdin=lines)
+    assert result.returncode == 1, result.stderr.decode()[-2000:]
+    records = [json.loads(line) for line in result.stdout.decode().splitlines()]
+    call, error, answer, plain = records
+    assert call["id"] == 1 and call["content"] is None and len(call["tool_calls"]) == 1
+    function = call["tool_calls"][0]["function"]
+    jsonschema.validate(json.loads(function["arguments"]), SCHEMAS[function["name"]])
+    assert "tools[0].function.name" in error["error"]
+    assert "tool_calls" not in answer and answer["num_prompt_tokens"] > plain["num_prompt_tokens"]
+    # Where the engine does not run (beam search) or another constraint is asked for, the line is refused.
+    for extra, words in ((["--num_beams", "2"], "beam search"), (["--regex", "a+"], "one constraint")):
+        refused = run_main(args + extra, stdin=json.dumps(required))
+        assert refused.returncode == 1 and words in json.loads(refused.stdout.decode())["error"]
