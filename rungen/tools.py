@@ -245,14 +245,14 @@ def read_tool_message_fields(message, number):
             raise ToolError(f"messages[{number}]: a tool message needs tool_call_id", "messages")
         return {"tool_call_id": call_id}
     calls = message.get("tool_calls")
-    if calls is None:
+    if calls is None or calls == []:  # some clients send an empty list for "no calls"
         if message.get("tool_call_id") is not None:
             raise ToolError(f"messages[{number}].tool_call_id belongs on a tool message", "messages")
         return {}
     if role != "assistant":
         raise ToolError(f"messages[{number}].tool_calls belongs on an assistant message", "messages")
-    if not isinstance(calls, list) or not calls:
-        raise ToolError(f"messages[{number}].tool_calls must be a non-empty list", "messages")
+    if not isinstance(calls, list):
+        raise ToolError(f"messages[{number}].tool_calls must be a list", "messages")
     checked = []
     for index, call in enumerate(calls):
         where = f"messages[{number}].tool_calls[{index}]"

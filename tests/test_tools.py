@@ -3,8 +3,10 @@ its family's published chat template (tests/chat_templates), and the generic for
 renders no tools (ChatML, as SmolLM2-Instruct's). The tiny models are random: the constraint is what makes
 their calls valid, so the calls checked here are the grammar's work, their parsing the parser's."""
 
+import dataclasses
 import json
 import os
+import re
 
 import httpx
 import jsonschema
@@ -285,3 +287,38 @@ def test_jsonl_lines_with_tools(checkpoints):
     for extra, words in ((["--num_beams", "2"], "beam search"), (["--regex", "a+"], "one constraint")):
         refused = run_main(args + extra, stdin=json.dumps(required))
         assert refused.returncode == 1 and words in json.loads(refused.stdout.decode())["error"]
+
+
+def test_a_session_with_tools_prints_the_call_it_would_make(checkpoints, tmp_path, capsys):
+    from rungen.arguments import parse_args, settings_from_args
+    from rungen.session import Session
+
+    path = checkpoints("hermes")
+    tools_file = tmp_path / "tools.json"
+    tools_file.write_text(json.dumps({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}))
+    args = parse_args(["--model_name_or_path", path, "--tools", str(tools_file), "--temperature", "0",
+                       "--length", "120"])
+    loaded = load(path, device=torch.device("cpu"))
+    settings = dataclasses.replace(settings_from_args(args, loaded.context), chat=True)
+    session = Session(loaded, settings, stream=False, tools=args.tools)
+    session.turn("What is the weather in Paris?")
+    shown = capsys.readouterr()
+    call = re.search(r"^\(tool call: (\w+)\((.*)\)\)$", shown.err, re.M)
+    assert call, shown.err
+    jsonschema.validate(json.loads(call[2]), SCHEMAS[call[1]])
+    assert "<tool_call>" in shown.out  # the reply as the model wrote it
+    assert session.messages[-1]["content"] == shown.out.strip()
+
+
+def test_tools_flag_is_checked_and_only_for_a_session(checkpoints, tmp_path):
+    tools_file = tmp_path / "tools.json"
+    tools_file.write_text(json.dumps(TOOLS))
+    base = ["--model_name_or_path", checkpoints("hermes")]
+    piped = run_main(base + ["--tools", str(tools_file), "--prompt", "Hi"])
+    assert piped.returncode == 2 and "--tools is for the terminal session" in piped.stderr.decode()
+    served = run_main(base + ["--serve", "--tools", str(tools_file)])
+    assert served.returncode == 2 and "--tools does not apply to --serve" in served.stderr.decode()
+    tools_file.write_text(json.dumps([{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "nope"}}}}}]))
+    bad = run_main(base + ["--tools", str(tools_file), "--prompt", "Hi"])
+    assert bad.returncode == 2 and "not a valid JSON schema" in bad.stderr.decode()

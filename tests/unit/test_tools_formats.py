@@ -19,6 +19,7 @@ from rungen.tools import (
     assemble,
     detect_format,
     message_of,
+    read_tool_message_fields,
     read_tool_request,
     template_messages,
     tool_grammar,
@@ -199,5 +200,6 @@ def test_calls_and_results_in_the_history_take_each_format_shape():
     assert json.loads(generic[2]["content"]) == {"tool_call": {"name": "get_weather", "arguments": {"city": "Paris"}}}
     assert generic[3] == {"role": "user", "content": json.dumps({"tool_response": {"name": "get_weather",
                                                                                    "content": "18 C"}})}
+    assert read_tool_message_fields({"role": "assistant", "content": "Hi", "tool_calls": []}, 0) == {}
     with pytest.raises(ToolError, match="answers no tool call"):
         template_messages([messages[0], dict(messages[2], tool_call_id="call_other")], HERMES, None)
