@@ -65,6 +65,9 @@ def main(argv=None):
         raise UsageError("--device_map spreads one model over all devices; run it in a single process")
     if args.serve and state.num_processes > 1:
         raise UsageError("--serve runs in a single process")
+    if args.tools is not None and not interactive:
+        raise UsageError("--tools is for the terminal session; jsonl input lines carry their own tools (and "
+                         "--serve requests theirs)")
     if interactive and state.num_processes > 1:
         raise UsageError("a terminal session runs in a single process; pipe prompts through stdin to use several")
     constraint_source = None
@@ -131,14 +134,19 @@ def main(argv=None):
             logger.warning("A session prints its replies as text (/save writes the conversation as JSON); "
                            "--output_format is for piped prompts.")
         return session.run(loaded, settings, chat=args.chat, system=args.system, stream=args.stream,
-                           prefix=args.prefix)
+                           prefix=args.prefix, tools=args.tools)
 
     stream = choose_streaming(args.stream, settings, len(prompts), state.num_processes, args.output_format)
     writer = Writer(args.output_format, len(prompts), active=state.is_main_process)
+    tool_grammars = {}
     for prompt in prompts:
         if prompt.error is None:
             try:
                 prompt.ids = encode_prompt(loaded, prompt, args.prefix, settings.chat, args.system)
+                if prompt.tool_plan is not None and prompt.tool_plan.grammar and settings.length != 0:
+                    from rungen.tools import prompt_constraint
+
+                    prompt.constraint = prompt_constraint(prompt.tool_plan, loaded, settings, tool_grammars)
             except PromptError as error:
                 if args.prompt is not None:
                     raise UsageError(str(error)) from error  # the one prompt given as an argument is bad input

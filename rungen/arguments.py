@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 
 from . import PROG, logger
@@ -71,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
         "tokenizer has one, off for piped prompts.",
     )
     parser.add_argument("--system", default=None, help="A system message for chat-template prompts and sessions.")
+    parser.add_argument(
+        "--tools", default=None, metavar="FILE.json",
+        help='Tools the model may call in a terminal session: OpenAI function tools, a JSON list or {"tools", '
+        '"tool_choice", "parallel_tool_calls"}; the session prints each call the model would make.',
+    )
     parser.add_argument("--seed", type=int, default=42, help="random seed for initialization")
     parser.add_argument("--use_cpu", action="store_true", help="Use the CPU even when an accelerator is available.")
     parser.add_argument("--num_return_sequences", type=int, default=1, help="The number of samples to generate.")
@@ -115,7 +121,7 @@ SERVE_REFUSED = ("prompt", "stream", "output_format", "input_format", "whole_std
                  "temperature", "k", "p", "repetition_penalty", "num_beams", "num_return_sequences", "stop_token",
                  "chat", "system", "prefix", "padding_text", "xlm_language", "min_p", "typical_p",
                  "no_repeat_ngram_size", "logprobs", "prompt_lookup_num_tokens", "assistant_model",
-                 "generation_config", "json_schema", "regex", "grammar")
+                 "generation_config", "json_schema", "regex", "grammar", "tools")
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -217,6 +223,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not SEED_RANGE[0] <= args.seed <= SEED_RANGE[1]:
         raise UsageError(f"--seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {args.seed}")
     check_serve(args, given)
+    if args.tools is not None:
+        args.tools = read_tools_file(args.tools)
     settings = settings_from_args(args)
     settings.check()
     check_controls(args)
@@ -234,6 +242,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             raise UsageError("--max_memory needs --device_map")
         max_memory_map(args.max_memory)
     return args
+
+
+def read_tools_file(path: str) -> dict:
+    """--tools FILE.json as a request's tool fields ({"tools", "tool_choice", "parallel_tool_calls"}), checked as
+    the server checks them; UsageError naming what is wrong."""
+    from .tools import ToolError, read_tool_request
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, UnicodeDecodeError) as error:
+        raise UsageError(f"--tools {path}: {getattr(error, 'strerror', None) or error}") from error
+    except json.JSONDecodeError as error:
+        raise UsageError(f"--tools {path}: not valid JSON ({error.msg})") from error
+    fields = {"tools": value} if isinstance(value, list) else value
+    if not isinstance(fields, dict) or set(fields) - {"tools", "tool_choice", "parallel_tool_calls"}:
+        raise UsageError(f'--tools {path}: a list of tools, or an object with "tools", "tool_choice" and '
+                         '"parallel_tool_calls"')
+    try:
+        if read_tool_request(fields) is None:
+            raise ToolError("no tools", "tools")
+    except ToolError as error:
+        raise UsageError(f"--tools {path}: {error}") from error
+    return fields
 
 
 def max_memory_map(items: list[str] | None) -> dict | None:

@@ -19,7 +19,8 @@ from transformers import LogitsProcessor, StoppingCriteria
 
 from .errors import UsageError, one_line
 
-KINDS = {"json_schema": "--json_schema", "regex": "--regex", "grammar": "--grammar"}
+KINDS = {"json_schema": "--json_schema", "regex": "--regex", "grammar": "--grammar",
+         "tools": "tools"}  # a chat request's tool calls: a grammar built by rungen/tools.py
 
 
 class ConstraintError(UsageError):

@@ -816,7 +816,8 @@ def submit_prompts(engine, settings, prompts, on_done, stream=False):
         new_tokens = settings.length if not context else min(settings.length, context - len(prompt.ids))
         requests.append(Request(prompt.ids, new_tokens, sampling_of(settings, seeds[prompt.index]),
                                 collect(prompt), n=settings.num_return_sequences, stop=stops,
-                                logprobs=settings.logprobs, constraint=settings.constraint, deltas=stream))
+                                logprobs=settings.logprobs, constraint=prompt.constraint or settings.constraint,
+                                deltas=stream))
         engine.submit(requests[-1])
     return requests
 
@@ -845,8 +846,11 @@ def left_pad(tensor, width, dim=2):
 
 def held_back(text, stops):
     """How many characters at the end of text to keep back: an unfinished UTF-8 character, or the longest
-    ending that is the start of a stop string (it may become one with the next token)."""
-    hold = 1 if text.endswith("\ufffd") else 0
+    ending that is the start of a stop string (it may become one with the next token). An unfinished
+    character is the whole run of replacement characters at the end: byte tokens that do not make a character
+    yet decode to one each, and fewer once the next token ends the run (a byte-fallback decoder replaces each
+    invalid stretch as one), so sending any of them could send text that is not there."""
+    hold = len(text) - len(text.rstrip("\ufffd"))
     for stop in stops:
         for size in range(min(len(stop) - 1, len(text)), 0, -1):
             if text.endswith(stop[:size]):

@@ -43,8 +43,13 @@ class Writer:
             self.sequences.append(sequence.text)
             self.tokens += sequence.num_generated_tokens
             if self.jsonl:
+                tools = {}
+                if prompt.tool_plan is not None:
+                    from .tools import record_of
+
+                    tools = record_of(prompt.tool_plan, sequence.generated_text)
                 print(json.dumps({"prompt_index": prompt.index, "sequence_index": number, "prompt": prompt.text,
-                                  **record_fields(sequence), **prompt.extra}, ensure_ascii=False))
+                                  **record_fields(sequence), **tools, **prompt.extra}, ensure_ascii=False))
             elif not streamed:  # the streamer has printed it already
                 where = f"PROMPT {prompt.index + 1}, " if self.num_prompts > 1 else ""
                 print(f"=== {where}GENERATED SEQUENCE {number + 1} ===")

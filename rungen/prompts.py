@@ -30,7 +30,8 @@ with people, even a bishop, begging for his blessing. <eod> </s> <eos>"""
 
 # What an output record holds besides the input line's other fields (rungen/output.py, generation.Sequence).
 RECORD_FIELDS = {"prompt_index", "sequence_index", "generated_text", "text", "num_prompt_tokens",
-                 "num_generated_tokens", "finish_reason", "logprobs", "prompt_logprobs", "perplexity", "error"}
+                 "num_generated_tokens", "finish_reason", "logprobs", "prompt_logprobs", "perplexity", "error",
+                 "content", "tool_calls"}
 
 
 @dataclasses.dataclass
@@ -45,6 +46,11 @@ class Prompt:
     error: str | None = None
     ids: list[int] | None = None
     messages: list[dict] | None = None
+    # A jsonl line's tools, tool_choice, parallel_tool_calls ({} for a conversation with calls but no tools),
+    # planned by rungen/tools.py when encoded.
+    tools: dict | None = None
+    tool_plan: object = None  # rungen.tools.ToolPlan, once encoded
+    constraint: object = None  # the grammar of its tool calls, compiled
 
 
 #
@@ -81,14 +87,25 @@ def parse_prompt_line(index: int, line: bytes, input_format: str) -> Prompt:
         return Prompt(index, None, error=f"input is not valid JSON: {error.message}")
     if isinstance(record, dict) and "messages" in record and "prompt" not in record:
         messages = record.pop("messages")
-        problem = messages_problem(messages)
-        if problem:
-            return Prompt(index, None, extra=record, error=f'"messages": {problem}')
-        last_user = [message["content"] for message in messages if message["role"] == "user"][-1:]
+        tools = {key: record.pop(key) for key in ("tools", "tool_choice", "parallel_tool_calls") if key in record}
+        if tools or has_tool_fields(messages):
+            from .tools import ToolError, read_conversation
+
+            try:
+                conversation = read_conversation(messages)
+            except ToolError as error:
+                return Prompt(index, None, extra=record, error=f'"{error.param}": {error}')
+        else:
+            problem = messages_problem(messages)
+            if problem:
+                return Prompt(index, None, extra=record, error=f'"messages": {problem}')
+            conversation = messages
+        last_user = [message["content"] for message in conversation if message["role"] == "user"][-1:]
         problem = carried_fields_problem(record)
         if problem:
             return Prompt(index, "".join(last_user), error=problem)
-        return Prompt(index, "".join(last_user), extra=dict(record, messages=messages), messages=messages)
+        return Prompt(index, "".join(last_user), extra=dict(record, messages=messages), messages=conversation,
+                      tools=tools if tools or conversation is not messages else None)
     if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
         return Prompt(index, None, error='a jsonl input line must be an object with a string "prompt" field '
                       'or a "messages" list')
@@ -103,6 +120,12 @@ def carried_fields_problem(record: dict) -> str | None:
     """A carried field named as one of the output record's own would overwrite it (or be lost)."""
     taken = sorted(RECORD_FIELDS.intersection(record))
     return f'the field "{taken[0]}" is one the output record writes; rename it' if taken else None
+
+
+def has_tool_fields(messages) -> bool:
+    return isinstance(messages, list) and any(
+        isinstance(message, dict) and (message.get("role") == "tool" or "tool_calls" in message)
+        for message in messages)
 
 
 def messages_problem(messages) -> str | None:
@@ -165,14 +188,23 @@ def prepare_model(loaded: Loaded, *, temperature: float, xlm_language: str = "")
 
 
 def encode_prompt(loaded: Loaded, prompt: Prompt, prefix: str = "", chat: bool = False,
-                  system: str | None = None) -> list[int]:
+                  system: str | None = None, tools: list[dict] | None = None) -> list[int]:
     """Token ids for one Prompt, with the original script's per-model preparation; raises PromptError.
 
     A conversation (prompt.messages), or with `chat` the text as one user message, goes through the
     chat template; `system` is put first when the conversation has no system message of its own.
-    --prefix applies to text prompts only: a conversation is taken as it is."""
+    --prefix applies to text prompts only: a conversation is taken as it is. `tools` (OpenAI's function
+    tools) go to the chat template, which renders them as the model expects."""
     tokenizer, model = loaded.tokenizer, loaded.model
     messages = prompt.messages
+    if messages is not None and prompt.tools is not None and tools is None:
+        from .tools import ToolError, plan_tools
+
+        try:
+            prompt.tool_plan = plan_tools(prompt.tools or {}, messages, tokenizer.chat_template)
+        except ToolError as error:
+            raise PromptError(f'"{error.param}": {error}') from error
+        messages, tools = prompt.tool_plan.messages, prompt.tool_plan.template_tools
     if messages is None and chat:
         messages = [{"role": "user", "content": prefix + prompt.text}]
     if messages is not None:
@@ -180,7 +212,13 @@ def encode_prompt(loaded: Loaded, prompt: Prompt, prefix: str = "", chat: bool =
             raise PromptError(("--chat: " if prompt.messages is None else "") + "this tokenizer has no chat template")
         if system and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": system}, *messages]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        import jinja2
+
+        extra = {"tools": tools} if tools is not None else {}
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
+        except jinja2.TemplateError as error:  # the template's raise_exception: a conversation it refuses
+            raise PromptError(f"the chat template refused the conversation: {error}") from error
         add_special_tokens = False  # the template already holds them
     else:
         text = prompt.text

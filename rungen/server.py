@@ -30,6 +30,7 @@ from .errors import PromptError, UsageError
 from .generation import eos_token_ids
 from .logprobs import score_prompts
 from .prompts import Prompt, encode_prompt
+from .tools import ToolError, message_of, plan_tools, read_tool_message_fields, stream_deltas
 
 API_KEY_ENV = "RUN_GENERATION_API_KEY"
 MAX_LOGPROBS = 20
@@ -45,9 +46,10 @@ STRUCTURED_OUTPUT_KEYS = {"json": "json_schema", "regex": "regex", "grammar": "g
 COMMON_FIELDS = {"model", "max_tokens", "n", "stop", "stream", "stream_options", "temperature", "top_p", "seed",
                  "presence_penalty", "frequency_penalty", "logit_bias", "user", "top_k", "min_p",
                  "repetition_penalty", "ignore_eos", "structured_outputs", *CONSTRAINT_FIELDS}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
+                               "tools", "tool_choice", "parallel_tool_calls"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs", "best_of", "suffix"}
-CHAT_ROLES = {"system", "developer", "user", "assistant"}
+CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,12 +238,19 @@ def read_messages(body):
         if role not in CHAT_ROLES:
             raise APIError(f"messages[{number}].role {shown(role)} is not supported (roles: "
                            f"{', '.join(sorted(CHAT_ROLES))})", "messages")
-        extra = sorted(key for key in message if key not in ("role", "content") and message[key] is not None)
+        extra = sorted(key for key in message if key not in ("role", "content", "tool_calls", "tool_call_id")
+                       and message[key] is not None)
         if extra:
             raise APIError(f"messages[{number}].{extra[0]} is not supported by this server", "messages")
+        try:
+            tool_fields = read_tool_message_fields(message, number)
+        except ToolError as error:
+            raise APIError(str(error), error.param) from error
+        # An assistant message that only calls tools has no content.
+        content = None if tool_fields.get("tool_calls") and message.get("content") is None \
+            else message_text(message, number)
         # "developer" is OpenAI's newer name for the system message; chat templates know "system".
-        conversation.append({"role": "system" if role == "developer" else role,
-                             "content": message_text(message, number)})
+        conversation.append({"role": "system" if role == "developer" else role, "content": content, **tool_fields})
     return conversation
 
 
@@ -285,10 +294,10 @@ class Service:
             self.constraints[key] = constraint
         return self.constraints[key]
 
-    def encode(self, prompt, param):
+    def encode(self, prompt, param, tools=None):
         try:
             with self.tokenizer_lock:
-                return encode_prompt(self.loaded, prompt)
+                return encode_prompt(self.loaded, prompt, tools=tools)
         except PromptError as error:
             raise APIError(str(error), param) from error
 
@@ -366,15 +375,19 @@ def create_app(loaded, engine, options):
         check_fields(body, CHAT_FIELDS)
         check_model(body, options.model_id)
         messages = read_messages(body)
+        try:
+            tools = plan_tools(body, messages, loaded.tokenizer.chat_template)
+        except ToolError as error:
+            raise APIError(str(error), error.param) from error
         last_user = [message["content"] for message in messages if message["role"] == "user"][-1:]
-        ids = service.encode(Prompt(0, "".join(last_user), messages=messages), "messages")
+        ids = service.encode(Prompt(0, "".join(last_user), messages=tools.messages), "messages", tools.template_tools)
         logprobs = None
         if boolean(body, "logprobs"):
             logprobs = number(body, "top_logprobs", 0, 0, MAX_LOGPROBS, integer=True)
         elif present(body, "top_logprobs"):
             raise APIError("top_logprobs needs logprobs: true", "top_logprobs")
         return await generate(service, request, body, [ids], logprobs, chat=True,
-                              max_token_names=("max_completion_tokens", "max_tokens"), default_max=None)
+                              max_token_names=("max_completion_tokens", "max_tokens"), default_max=None, tools=tools)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -544,7 +557,7 @@ def read_completion_prompts(service, body):
     return encoded
 
 
-async def generate(service, http_request, body, prompts, logprobs, *, chat, max_token_names, default_max):
+async def generate(service, http_request, body, prompts, logprobs, *, chat, max_token_names, default_max, tools=None):
     """Validates the generation fields, queues one engine request per prompt, and answers (or streams)."""
     options, engine, loaded = service.options, service.engine, service.loaded
     n = number(body, "n", 1, 1, options.max_n, integer=True)
@@ -563,6 +576,10 @@ async def generate(service, http_request, body, prompts, logprobs, *, chat, max_
     sampling = read_sampling(body, loaded.vocab_size)
     stops = read_stop(body)
     constraint_source = read_constraint_source(body, response_format_allowed=chat)
+    if tools is not None and tools.grammar is not None:
+        if constraint_source:
+            raise APIError(f"one constraint per request; got tools and {constraint_source[2]}", constraint_source[2])
+        constraint_source = ("tools", tools.grammar, "tools")
     constraint = None
     if constraint_source:
         loop = asyncio.get_running_loop()
@@ -605,7 +622,7 @@ async def generate(service, http_request, body, prompts, logprobs, *, chat, max_
         status = 503
         raise APIError(f"the server is busy: {error}; retry later", status=status, kind="server_error",
                        headers={"Retry-After": "1"}) from error
-    answer = Answer(service, chat, prompts, n, logprobs, echo, prompt_scores, include_usage)
+    answer = Answer(service, chat, prompts, n, logprobs, echo, prompt_scores, include_usage, tools)
     for number_, (_, max_tokens) in enumerate(plans):
         if max_tokens == 0:
             answer.score_only(number_)
@@ -642,12 +659,14 @@ async def generate(service, http_request, body, prompts, logprobs, *, chat, max_
 class Answer:
     """Builds a response (or its stream of chunks) from the engine's events."""
 
-    def __init__(self, service, chat, prompts, n, logprobs, echo, prompt_scores, include_usage):
+    def __init__(self, service, chat, prompts, n, logprobs, echo, prompt_scores, include_usage, tools=None):
         self.service, self.chat, self.prompts, self.n = service, chat, prompts, n
         self.logprobs, self.echo, self.prompt_scores, self.include_usage = logprobs, echo, prompt_scores, include_usage
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         total = len(prompts) * n
+        # One tool-call parser a choice (rungen/tools.py), when the reply may hold calls.
+        self.parsers = [tools.parser() for _ in range(total)] if tools is not None and tools.fmt else None
         self.texts, self.items, self.finish = [""] * total, [[] for _ in range(total)], [None] * total
         self.error = None
         self.completion_tokens = 0
@@ -692,8 +711,12 @@ class Answer:
             if self.chat:
                 logprobs = {"content": [chat_item(item) for item in self.items[choice]]} \
                     if self.logprobs is not None else None
-                choices.append({"index": choice, "message": {"role": "assistant", "content": text},
-                                "logprobs": logprobs, "finish_reason": self.finish[choice]})
+                message = {"role": "assistant", "content": text}
+                if self.parsers:
+                    content, calls = message_of(self.parsers[choice], text)
+                    message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+                choices.append({"index": choice, "message": message, "logprobs": logprobs,
+                                "finish_reason": self.finish_reason(choice)})
             else:
                 prefix = self.prompt_text(job) if self.echo else ""
                 logprobs = None
@@ -753,14 +776,21 @@ class Answer:
                     if self.chat:
                         logprobs = {"content": [chat_item(item) for item in items]} if self.logprobs is not None \
                             else None
-                        yield self.chunk([{"index": choice, "delta": {"content": text}, "logprobs": logprobs,
-                                           "finish_reason": None}])
+                        deltas = [{"content": text}] if not self.parsers else \
+                            stream_deltas(self.parsers[choice].feed(text)) or ([{}] if logprobs else [])
+                        for number_, delta in enumerate(deltas):
+                            yield self.chunk([{"index": choice, "delta": delta,
+                                               "logprobs": logprobs if number_ == 0 else None, "finish_reason": None}])
                     else:
                         logprobs = completion_logprobs(items, offsets[choice]) if self.logprobs is not None else None
                         offsets[choice] += len(text)
                         yield self.chunk([{"index": choice, "text": text, "logprobs": logprobs,
                                            "finish_reason": None}])
                 elif event[0] == "done":
+                    if self.parsers:  # what the parser held back (text that might have opened a call)
+                        for delta in stream_deltas(self.parsers[choice].finish()):
+                            yield self.chunk([{"index": choice, "delta": delta, "logprobs": None,
+                                               "finish_reason": None}])
                     if self.error:
                         yield "data: " + json.dumps({"error": {"message": self.error, "type": "server_error",
                                                                "param": None, "code": None}}) + "\n\n"
@@ -772,9 +802,16 @@ class Answer:
             if pending:  # the client went away (or the server cancels the response): free the rows
                 cancel()
 
+    def finish_reason(self, choice):
+        """A reply that ended by itself after calling tools says so (OpenAI's "tool_calls")."""
+        parser = self.parsers[choice] if self.parsers else None
+        if parser is not None and parser.calls and parser.complete and self.finish[choice] == "stop":
+            return "tool_calls"
+        return self.finish[choice]
+
     def final_choice(self, choice):
         if self.chat:
-            return [{"index": choice, "delta": {}, "logprobs": None, "finish_reason": self.finish[choice]}]
+            return [{"index": choice, "delta": {}, "logprobs": None, "finish_reason": self.finish_reason(choice)}]
         return [{"index": choice, "text": "", "logprobs": None, "finish_reason": self.finish[choice]}]
 
 

@@ -322,8 +322,9 @@ class Session:
     """One conversation (or, without a chat template, a run of independent prompts) on a loaded model."""
 
     def __init__(self, loaded: Loaded, settings: Settings, *, system: str | None = None, stream: bool = True,
-                 prefix: str = ""):
+                 prefix: str = "", tools: dict | None = None):
         self.loaded, self.settings, self.prefix = loaded, settings, prefix
+        self.tools, self.tool_grammars = tools, {}  # --tools: each turn may call them (rungen/tools.py)
         self.chat = settings.chat
         self.system = [{"role": "system", "content": system}] if self.chat and system else []
         self.messages = []  # the conversation after the system message: user and assistant turns
@@ -429,8 +430,12 @@ class Session:
                     turns = "turn" if dropped == 1 else f"{dropped} turns"
                     say(f"(dropped the oldest {turns} to fit the model's context of {self.loaded.context} tokens)")
                     self.messages = messages[len(self.system) : -1]
-            prompt = Prompt(len(self.replies), text, messages=messages)
+            prompt = Prompt(len(self.replies), text, messages=messages, tools=self.tools)
         prompt.ids = encode_prompt(self.loaded, prompt, self.prefix, self.chat)
+        if prompt.tool_plan is not None and prompt.tool_plan.grammar:
+            from .tools import prompt_constraint
+
+            prompt.constraint = prompt_constraint(prompt.tool_plan, self.loaded, self.settings, self.tool_grammars)
         return prompt, user
 
     def count_tokens(self, messages):
@@ -460,6 +465,11 @@ class Session:
         [sequence] = sequences
         if not streamed:
             print(sequence.generated_text, flush=True)
+        if prompt.tool_plan is not None and prompt.tool_plan.fmt is not None:
+            from .tools import record_of
+
+            for call in record_of(prompt.tool_plan, sequence.generated_text)["tool_calls"]:
+                say(f"(tool call: {call['function']['name']}({call['function']['arguments']}))")
         self.messages += [user, {"role": "assistant", "content": sequence.generated_text}]
         self.replies.append(sequence.text)
         if control.interrupted and not self.stdout_is_terminal:
@@ -497,19 +507,22 @@ class Session:
 
 
 def run(loaded: Loaded, settings: Settings, *, chat: bool | None = None, system: str | None = None,
-        stream: bool | None = None, prefix: str = "") -> list[str]:
+        stream: bool | None = None, prefix: str = "", tools: dict | None = None) -> list[str]:
     """The session, until /exit, Ctrl-D or Ctrl-C at an empty prompt; returns the replies. `chat` None:
     a conversation when the tokenizer has a chat template; `stream` None: on (False: each reply whole)."""
     has_template = bool(loaded.tokenizer.chat_template)
     chat = chat if chat is not None else has_template
     if chat and not has_template:
         raise UsageError("--chat: this tokenizer has no chat template")
+    if tools is not None and not chat:
+        raise UsageError("--tools needs a conversation: this model has no chat template" if not has_template
+                         else "--tools needs a conversation; it cannot be used with --no-chat")
     if system and not chat:
         logger.warning("--system is ignored: plain continuation has no chat template to put it in")
     if settings.num_return_sequences > 1:
         logger.warning("A session gives one reply per prompt; --num_return_sequences is ignored.")
     session = Session(loaded, dataclasses.replace(settings, chat=chat, num_return_sequences=1), system=system,
-                      stream=stream is not False, prefix=prefix)
+                      stream=stream is not False, prefix=prefix, tools=tools)
     kind = "Chat (the model's chat template)" if chat else "Plain continuation"
     say(f"{PROG}: {kind}. /help for commands, Ctrl-D or /exit to end.")
     terminal = Terminal()

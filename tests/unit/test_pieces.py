@@ -260,3 +260,21 @@ def test_a_next_turn_takes_over_the_buffers_of_its_conversation_and_grows_in_the
         layer.update(new, new)
         assert layer.keys.data_ptr() == keys.data_ptr() and torch.equal(layer.keys[..., 6:, :], new)
     assert torch.equal(grown.layers[0].keys[..., :6, :], layers[0][0][..., :6, :])
+
+
+def test_text_sent_as_byte_tokens_come_is_the_text_they_end_as(tmp_path):
+    """Byte-fallback tokens that make no character yet decode to one replacement character each, and to one
+    character once the last byte comes: what the engine sends as it goes must add up to the final text."""
+    from rungen.engine import held_back
+    from tiny_models import build_tokenizer
+
+    tokenizer, _ = build_tokenizer("llama", str(tmp_path))
+    vocab = tokenizer.get_vocab()
+    ids = [vocab["a"], vocab["<0xF0>"], vocab["<0x9F>"], vocab["<0x98>"], vocab["<0x80>"], vocab['"'], vocab["a"]]
+    sent = ""
+    for end in range(1, len(ids) + 1):
+        text = tokenizer.decode(ids[:end])
+        ready = len(text) if end == len(ids) else len(text) - held_back(text, ())
+        assert text[: len(sent)] == sent  # nothing sent is taken back
+        sent += text[len(sent) : ready] if ready > len(sent) else ""
+    assert sent == tokenizer.decode(ids) == 'a\U0001f600"a'

@@ -1,0 +1,777 @@
+"""Tool calling (OpenAI's `tools` API) in the model's own format: reading the request's tools, detecting the
+format from the chat template, rendering the conversation, constraining the calls, parsing the reply.
+
+Formats (docs/server.md#tool-calling):
+
+- hermes: Qwen2.5 / Hermes, `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one block a call.
+- llama3_json: Llama 3.1-3.3, `{"name": ..., "parameters": {...}}` as the reply (after `<|python_tag|>` at
+  times); one call a reply, as the published template allows.
+- mistral: `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`.
+- generic: a template that does not render tools (SmolLM2's among them): the tools are described in a system
+  message and a call is the line `{"tool_call": {"name": ..., "arguments": {...}}}`, as llama-server's
+  generic handler does.
+
+The format is read from the template's text, never configured. A call is constrained by a grammar built per
+request (xgrammar's structural tags; at most one whitespace character at a time in the arguments, so that a
+small model cannot pad them until max_tokens runs out): with `required` or a named function the reply is
+calls only; with `auto` the grammar lets text through until the model writes the call's opening marker, and
+from there holds the call to its function's schema. The reply is parsed by one incremental parser, fed the whole
+text for a plain answer and token by token for a stream, so both give the same calls.
+
+transformers' declarative response parsing (tokenizer.parse_response) is not used: it ships response
+templates for a few families keyed by model type (not template), has none for Llama 3 JSON, Mistral or
+the generic format, and reports a call when its region closes, where a stream here sends the arguments
+as they are generated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+import uuid
+
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
+EMPTY_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+class ToolError(ValueError):
+    """A tools field, tool message or tool choice that cannot be honoured (HTTP 400 naming `param`)."""
+
+    def __init__(self, message, param):
+        super().__init__(message)
+        self.param = param
+
+
+#
+# Formats
+#
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+    """How one family writes a call. `begin`/`end` wrap one call's arguments (the name goes between),
+    `trigger` opens a call in free text, `separator` goes between calls; `region` (begin, end) wraps the
+    whole list of calls (Mistral's bracketed list)."""
+
+    name: str
+    begin: str  # before the function's name
+    middle: str  # between the name and the arguments
+    end: str  # after the arguments
+    trigger: str
+    separator: str
+    markers: tuple[str, ...]  # literal text that opens a call region when parsing
+    arguments_keys: tuple[str, ...] = ("arguments",)
+    region: tuple[str, str] | None = None
+    one_call: bool = False  # the template renders one call a reply at most
+    native: bool = True  # the template renders the tools itself
+
+
+HERMES = Format("hermes", '<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>", "<tool_call>", "\n",
+                ("<tool_call>",))
+LLAMA3_JSON = Format("llama3_json", '{"name": "', '", "parameters": ', "}", '{"name": ', "",
+                     ('{"name"', "<|python_tag|>"), arguments_keys=("parameters", "arguments"), one_call=True)
+MISTRAL = Format("mistral", '{"name": "', '", "arguments": ', "}", "[TOOL_CALLS]", ", ", ("[TOOL_CALLS]",),
+                 region=("[TOOL_CALLS] [", "]"))
+GENERIC = Format("generic", '{"tool_call": {"name": "', '", "arguments": ', "}}", '{"tool_call": ', "\n",
+                 ('{"tool_call"',), native=False)
+FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, GENERIC)}
+
+
+def template_text(chat_template) -> str | None:
+    """The template that renders tools: a tokenizer may hold several by name (tool_use, default)."""
+    if isinstance(chat_template, dict):
+        return chat_template.get("tool_use") or chat_template.get("default")
+    return chat_template
+
+
+def detect_format(chat_template) -> Format | str:
+    """The format the chat template asks for, or a one-line reason why tools cannot be served (a template
+    that renders tools in a format not known here, or no template)."""
+    text = template_text(chat_template)
+    if not text:
+        return "this model has no chat template"
+    if "[TOOL_CALLS]" in text:
+        return MISTRAL
+    if "<tool_call>" in text:
+        return HERMES
+    if '"parameters": ' in text and ("<|start_header_id|>" in text or "<|python_tag|>" in text):
+        return LLAMA3_JSON
+    if re.search(r"\btools\b", text):
+        return ("this model's chat template renders tools in a format this server does not parse (it knows "
+                "Hermes/Qwen <tool_call>, Llama 3 JSON and Mistral [TOOL_CALLS])")
+    return GENERIC
+
+
+#
+# The request
+#
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolRequest:
+    """The request's tools (OpenAI's shape, parameters filled in), its choice ("auto", "none", "required" or
+    a function's name) and whether several calls may come at once."""
+
+    tools: tuple
+    choice: str
+    parallel: bool
+
+    def names(self):
+        return [tool["function"]["name"] for tool in self.tools]
+
+
+def read_tool_request(body) -> ToolRequest | None:
+    """tools, tool_choice and parallel_tool_calls from a chat request body, checked; None without tools."""
+    tools = body.get("tools")
+    if tools is None:
+        for name in ("tool_choice", "parallel_tool_calls"):
+            if body.get(name) is not None:
+                raise ToolError(f"{name} needs tools", name)
+        return None
+    if not isinstance(tools, list) or not tools:
+        raise ToolError("tools must be a non-empty list of {\"type\": \"function\", \"function\": {...}}", "tools")
+    checked, names = [], set()
+    for number, tool in enumerate(tools):
+        where = f"tools[{number}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+            raise ToolError(f"{where}: only function tools are supported, got type {kind!r}", "tools")
+        extra = sorted(key for key in tool if key not in ("type", "function"))
+        if extra:
+            raise ToolError(f"{where}.{extra[0]} is not supported by this server", "tools")
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            raise ToolError(f"{where}.function must be an object", "tools")
+        extra = sorted(key for key in function if key not in FUNCTION_KEYS and function[key] is not None)
+        if extra:
+            raise ToolError(f"{where}.function.{extra[0]} is not supported by this server", "tools")
+        name = function.get("name")
+        if not isinstance(name, str) or not NAME_PATTERN.match(name):
+            raise ToolError(f"{where}.function.name must be 1-64 letters, digits, _ or -, got {json.dumps(name)}",
+                            "tools")
+        if name in names:
+            raise ToolError(f"{where}: two tools are named {name!r}", "tools")
+        names.add(name)
+        if function.get("description") is not None and not isinstance(function["description"], str):
+            raise ToolError(f"{where}.function.description must be a string", "tools")
+        if function.get("strict") is not None and not isinstance(function["strict"], bool):
+            raise ToolError(f"{where}.function.strict must be true or false", "tools")
+        parameters = function.get("parameters")
+        if parameters is None:
+            parameters = EMPTY_PARAMETERS
+        check_schema(parameters, f"{where}.function.parameters")
+        clean = {"name": name}
+        if function.get("description") is not None:
+            clean["description"] = function["description"]
+        clean["parameters"] = parameters
+        checked.append({"type": "function", "function": clean})
+    return ToolRequest(tuple(checked), read_choice(body.get("tool_choice"), names),
+                       read_parallel(body.get("parallel_tool_calls")))
+
+
+def check_schema(schema, where):
+    """A function's parameters: a valid JSON schema (Draft 2020-12) describing an object."""
+    import jsonschema
+
+    if not isinstance(schema, dict):
+        raise ToolError(f"{where} must be a JSON schema object", "tools")
+    if schema.get("type", "object") != "object":
+        raise ToolError(f"{where} must describe an object (type \"object\"), got type {json.dumps(schema['type'])}",
+                        "tools")
+    try:
+        jsonschema.Draft202012Validator.check_schema(schema)
+    except jsonschema.SchemaError as error:
+        path = "".join(f"[{json.dumps(part)}]" for part in error.absolute_path)
+        raise ToolError(f"{where}{path} is not a valid JSON schema: {error.message}", "tools") from error
+    remote = next(remote_refs(schema), None)
+    if remote is not None:  # xgrammar would warn and constrain nothing there
+        raise ToolError(f"{where}: $ref {remote!r} points outside the schema; only local refs (#/...) are "
+                        "supported", "tools")
+
+
+def remote_refs(value):
+    if isinstance(value, dict):
+        ref = value.get("$ref")
+        if isinstance(ref, str) and not ref.startswith("#"):
+            yield ref
+        for item in value.values():
+            yield from remote_refs(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from remote_refs(item)
+
+
+def read_choice(choice, names):
+    if choice is None:
+        return "auto"
+    if choice in ("auto", "none", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and set(choice) <= {"type", "function"}:
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str) or set(function) - {"name"}:
+            raise ToolError('tool_choice.function must be {"name": ...}', "tool_choice")
+        if name not in names:
+            raise ToolError(f"tool_choice names {name!r}, which is not among the tools ({', '.join(sorted(names))})",
+                            "tool_choice")
+        return name
+    raise ToolError('tool_choice must be "auto", "none", "required" or {"type": "function", "function": '
+                    '{"name": ...}}', "tool_choice")
+
+
+def read_parallel(value):
+    if value is None:
+        return True  # OpenAI's default
+    if not isinstance(value, bool):
+        raise ToolError(f"parallel_tool_calls must be true or false, got {json.dumps(value)}", "parallel_tool_calls")
+    return value
+
+
+#
+# The conversation
+#
+
+
+def read_tool_message_fields(message, number):
+    """The tool fields of one message (already a dict with a role): {"tool_calls": [...]} for an assistant
+    message that calls, {"tool_call_id": ...} for a tool message, {} otherwise."""
+    role = message.get("role")
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise ToolError(f"messages[{number}]: a tool message needs tool_call_id", "messages")
+        return {"tool_call_id": call_id}
+    calls = message.get("tool_calls")
+    if calls is None or calls == []:  # some clients send an empty list for "no calls"
+        if message.get("tool_call_id") is not None:
+            raise ToolError(f"messages[{number}].tool_call_id belongs on a tool message", "messages")
+        return {}
+    if role != "assistant":
+        raise ToolError(f"messages[{number}].tool_calls belongs on an assistant message", "messages")
+    if not isinstance(calls, list):
+        raise ToolError(f"messages[{number}].tool_calls must be a list", "messages")
+    checked = []
+    for index, call in enumerate(calls):
+        where = f"messages[{number}].tool_calls[{index}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(call, dict) or call.get("type", "function") != "function" or not isinstance(function, dict):
+            raise ToolError(f'{where} must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}',
+                            "messages")
+        if not isinstance(call.get("id"), str) or not call["id"]:
+            raise ToolError(f"{where}.id must be a non-empty string", "messages")
+        if not isinstance(function.get("name"), str) or not isinstance(function.get("arguments"), str):
+            raise ToolError(f"{where}.function needs a string name and arguments (a JSON string)", "messages")
+        try:
+            arguments = json.loads(function["arguments"])
+        except json.JSONDecodeError as error:
+            raise ToolError(f"{where}.function.arguments is not valid JSON ({error.msg})", "messages") from error
+        if not isinstance(arguments, dict):
+            raise ToolError(f"{where}.function.arguments must be a JSON object", "messages")
+        checked.append({"id": call["id"], "name": function["name"], "arguments": arguments})
+    return {"tool_calls": checked}
+
+
+TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
+
+
+def read_conversation(messages):
+    """A jsonl line's messages holding tool calls or results, checked and in the server's shape (tool fields
+    as read_tool_message_fields gives them, content None for an assistant message that only calls)."""
+    if not isinstance(messages, list) or not messages:
+        raise ToolError("must be a non-empty list", "messages")
+    out = []
+    for number, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant", "tool"):
+            raise ToolError(f"messages[{number}] must be an object with role system, user, assistant or tool",
+                            "messages")
+        fields = read_tool_message_fields(message, number)
+        content = message.get("content")
+        if not (isinstance(content, str) or (content is None and fields.get("tool_calls"))):
+            raise ToolError(f"messages[{number}].content must be a string", "messages")
+        out.append({"role": message["role"], "content": content, **fields})
+    return out
+
+
+def template_messages(messages, fmt: Format, request: ToolRequest | None):
+    """The conversation as the chat template takes it: calls and results in the format's shape (a native
+    template's tool_calls with arguments as objects; the generic format's JSON lines in plain turns), and,
+    for the generic format, the tools described in the system message. Checks that every tool message
+    answers a call made before it."""
+    calls = {}  # id -> name
+    out = []
+    for number, message in enumerate(messages):
+        role = message["role"]
+        if role == "tool":
+            if message["tool_call_id"] not in calls:
+                raise ToolError(f"messages[{number}]: tool_call_id {message['tool_call_id']!r} answers no tool call "
+                                "of an earlier assistant message", "messages")
+            name = calls[message["tool_call_id"]]
+            if fmt.native:
+                out.append({"role": "tool", "content": message["content"], "name": name,
+                            "tool_call_id": call_id_for(fmt, message["tool_call_id"])})
+            else:
+                result = json.dumps({"tool_response": {"name": name, "content": message["content"]}})
+                if out and out[-1].get("tool_results"):
+                    out[-1]["content"] += "\n" + result
+                else:
+                    out.append({"role": "user", "content": result, "tool_results": True})
+        elif message.get("tool_calls"):
+            for call in message["tool_calls"]:
+                calls[call["id"]] = call["name"]
+            if fmt.native:
+                out.append({"role": "assistant", "content": message.get("content") or "",
+                            "tool_calls": [{"id": call_id_for(fmt, call["id"]), "type": "function",
+                                            "function": {"name": call["name"], "arguments": call["arguments"]}}
+                                           for call in message["tool_calls"]]})
+            else:
+                lines = [json.dumps({"tool_call": {"name": call["name"], "arguments": call["arguments"]}})
+                         for call in message["tool_calls"]]
+                text = "\n".join(([message["content"]] if message.get("content") else []) + lines)
+                out.append({"role": "assistant", "content": text})
+        else:
+            out.append({"role": role, "content": message["content"] if message["content"] is not None else ""})
+    for message in out:
+        message.pop("tool_results", None)
+    if not fmt.native and request is not None and request.choice != "none":
+        described = generic_instructions(request)
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + described}
+        else:
+            out.insert(0, {"role": "system", "content": described})
+    return out
+
+
+def call_id_for(fmt, call_id):
+    """Mistral's template takes 9-character alphanumeric ids only: other ids are mapped to one, the same
+    for a call and its result."""
+    if fmt is MISTRAL and not (len(call_id) == 9 and call_id.isalnum()):
+        return hashlib.sha256(call_id.encode()).hexdigest()[:9]
+    return call_id
+
+
+def generic_instructions(request: ToolRequest) -> str:
+    described = "\n".join(json.dumps(tool["function"]) for tool in request.tools)
+    several = "one JSON object per call, each on its own line" if request.parallel else "one JSON object"
+    return ("You can call the following tools, each given with its name, what it does and a JSON schema of its "
+            f"arguments:\n{described}\n\nTo call a tool, answer with {several}, and nothing else:\n"
+            '{"tool_call": {"name": <tool name>, "arguments": <arguments object>}}\n'
+            'A tool\'s result comes back as {"tool_response": {"name": <tool name>, "content": <result>}}.')
+
+
+#
+# The constraint
+#
+
+
+def tool_grammar(fmt: Format, request: ToolRequest) -> str | None:
+    """The EBNF grammar (xgrammar's dialect) a reply must follow, or None for tool_choice none."""
+    import xgrammar as xgr
+    from xgrammar.structural_tag import (
+        JSONSchemaFormat,
+        StructuralTag,
+        TagFormat,
+        TagsWithSeparatorFormat,
+        TriggeredTagsFormat,
+    )
+
+    from .constrain import json_string_characters
+
+    if request.choice == "none":
+        return None
+    tools = [tool for tool in request.tools if request.choice in ("auto", "required", tool["function"]["name"])]
+    tags = []
+    for tool in tools:
+        function = tool["function"]
+        try:
+            xgr.Grammar.from_json_schema(json.dumps(function["parameters"]))
+        except (RuntimeError, ValueError, TypeError) as error:
+            message = re.sub(r"^\[[0-9:]+\] \S+: ", "", str(error).splitlines()[0] if str(error) else "")
+            raise ToolError(f"tools: the parameters of {function['name']!r} cannot be compiled: {message}",
+                            "tools") from error
+        tags.append(TagFormat(begin=fmt.begin + function["name"] + fmt.middle,
+                              content=JSONSchemaFormat(json_schema=function["parameters"], max_whitespace_cnt=1),
+                              end=fmt.end))
+    single = fmt.one_call or not request.parallel or request.choice not in ("auto", "required")
+    calls = TagsWithSeparatorFormat(tags=tags, separator=fmt.separator or " ", at_least_one=True,
+                                    stop_after_first=single)
+    if fmt.region is not None:
+        calls = TagFormat(begin=fmt.region[0], content=calls, end=fmt.region[1])
+    if request.choice == "auto":
+        if fmt.region is not None:
+            structure = TriggeredTagsFormat(triggers=[fmt.trigger], tags=[calls], stop_after_first=True)
+        else:
+            structure = TriggeredTagsFormat(triggers=[fmt.trigger], tags=tags, stop_after_first=single)
+    else:
+        structure = calls
+    grammar = xgr.Grammar.from_structural_tag(StructuralTag(format=structure).model_dump_json())
+    return json_string_characters(str(grammar))
+
+
+#
+# The reply
+#
+
+
+@dataclasses.dataclass
+class Call:
+    name: str | None
+    arguments: str  # the raw JSON text of the arguments as far as generated
+    complete: bool
+
+
+class CallParser:
+    """Splits one reply into content and calls as its text grows. feed() returns events: ("content", text),
+    ("call", index, id, name) once a call's name is known, ("arguments", index, text) for each piece of its
+    arguments; finish() those left (text held back because it might open a call). Content is the reply's
+    text outside calls, leading and trailing whitespace dropped."""
+
+    def __init__(self, fmt: Format):
+        self.fmt = fmt
+        self.text = ""
+        self.content_sent = 0  # characters of the (left-stripped) content sent
+        self.calls = []  # [id, name, arguments sent]
+        self.complete = True  # every call so far is finished (a stop string may cut one)
+
+    def feed(self, text, final=False):
+        self.text += text
+        content, calls = parse(self.fmt, self.text, final)
+        self.complete = all(call.complete for call in calls)
+        events = []
+        # Whitespace at the end may be all there is between two calls: it waits for text to follow it.
+        content = content.strip()
+        if len(content) > self.content_sent:
+            events.append(("content", content[self.content_sent :]))
+            self.content_sent = len(content)
+        for index, call in enumerate(calls):
+            if call.name is None:
+                break
+            if index == len(self.calls):
+                self.calls.append(["call_" + uuid.uuid4().hex[:24], call.name, 0])
+                events.append(("call", index, self.calls[index][0], call.name))
+            sent = self.calls[index][2]
+            arguments = call.arguments if call.arguments or not call.complete else "{}"
+            if len(arguments) > sent:
+                events.append(("arguments", index, arguments[sent:]))
+                self.calls[index][2] = len(arguments)
+        return events
+
+    def finish(self):
+        return self.feed("", final=True)
+
+
+def parse(fmt: Format, text: str, final: bool):
+    """(content, calls) of a reply so far. Text that may be the start of a marker is left out unless
+    `final`; a region that is not a call after all (no JSON where one must be) stays content."""
+    content, calls, position = [], [], 0
+    while True:
+        start, marker = find_marker(fmt, text, position)
+        if start is None:
+            rest = text[position:]
+            if not final:
+                rest = rest[: len(rest) - marker_prefix(fmt, rest)]
+            content.append(rest)
+            break
+        content.append(text[position:start])
+        found = []
+        end = parse_region(fmt, text, start, marker, found)
+        if end == -1:  # not a call: the marker is text
+            content.append(marker)
+            position = start + len(marker)
+            continue
+        calls += found
+        if end is None:
+            break
+        position = end
+    return "".join(content), calls
+
+
+def find_marker(fmt, text, position):
+    best = (None, None)
+    for marker in fmt.markers:
+        index = text.find(marker, position)
+        if index != -1 and (best[0] is None or index < best[0]):
+            best = (index, marker)
+    return best
+
+
+def marker_prefix(fmt, text):
+    """The length of the longest end of `text` that begins a marker."""
+    longest = 0
+    for marker in fmt.markers:
+        for size in range(min(len(marker) - 1, len(text)), longest, -1):
+            if text.endswith(marker[:size]):
+                longest = size
+                break
+    return longest
+
+
+def skip_space(text, position):
+    while position < len(text) and text[position] in " \t\r\n":
+        position += 1
+    return position
+
+
+def parse_region(fmt, text, start, marker, found):
+    """Parses the calls of one region into `found`; returns where it ends, None if the text ends inside it,
+    -1 if it is not a call region."""
+    if marker in ("<tool_call>", "<|python_tag|>", "[TOOL_CALLS]"):
+        position = skip_space(text, start + len(marker))
+    else:
+        position = start  # the marker is the call's own opening
+    if marker == "[TOOL_CALLS]":
+        if position == len(text):
+            return None
+        if text[position] != "[":
+            return -1
+        position += 1
+    while True:
+        position = skip_space(text, position)
+        if position == len(text):
+            return None
+        if text[position] != "{":
+            return -1 if not found else position
+        call, end = parse_call(fmt, text, position)
+        if call is None:
+            return -1
+        found.append(call)
+        if end is None:
+            return None
+        position = skip_space(text, end)
+        if marker == "<tool_call>":
+            closing = "</tool_call>"
+            if text.startswith(closing, position):
+                return position + len(closing)
+            if closing.startswith(text[position:]):
+                return None  # the closing tag is on its way (or the reply ended before it)
+            return -1 if not found[:-1] else position
+        if marker == "[TOOL_CALLS]":
+            if position == len(text):
+                return None
+            if text[position] == "]":
+                return position + 1
+            if text[position] != ",":
+                return -1
+            position += 1
+            continue
+        if marker == "<|python_tag|>" and text.startswith(";", position):
+            position += 1
+            continue
+        return end
+
+
+def parse_call(fmt, text, position):
+    """(Call, end) for the JSON object at `position`; end None while it is unfinished, Call None if it is no
+    call (not an object with a name)."""
+    fields, end = object_fields(text, position)
+    if fields is None:
+        return None, None
+    if fmt is GENERIC:
+        inner = fields.get("tool_call")
+        if inner is None or inner[0] == len(text):
+            return (None, None) if end is not None else (Call(None, "", False), None)
+        if text[inner[0]] != "{":
+            return None, None
+        call, _ = parse_call(HERMES, text, inner[0])
+        if call is None:
+            return None, None
+        call.complete = call.complete and end is not None
+        return call, end
+    name = None
+    if "name" in fields and fields["name"][1] is not None:
+        try:
+            name = json.loads(text[fields["name"][0] : fields["name"][1]])
+        except json.JSONDecodeError:
+            return None, None
+        if not isinstance(name, str):
+            return None, None
+    elif end is not None:
+        return None, None
+    arguments = ""
+    for key in fmt.arguments_keys:
+        if key in fields:
+            value_start, value_end = fields[key]
+            arguments = text[value_start:value_end] if value_end is not None else text[value_start:]
+            break
+    return Call(name, arguments, end is not None), end
+
+
+def object_fields(text, position):
+    """({key: (value start, value end or None)}, end of the object or None) for the JSON object at
+    `position`, as far as the text goes; (None, None) if it is not JSON."""
+    assert text[position] == "{"
+    fields = {}
+    position = skip_space(text, position + 1)
+    if position == len(text):
+        return fields, None
+    if text[position] == "}":
+        return fields, position + 1
+    while True:
+        if position == len(text):
+            return fields, None
+        if text[position] != '"':
+            return None, None
+        key_end = value_end(text, position)
+        if key_end is None:
+            return fields, None
+        if key_end == -1:
+            return None, None
+        key = json.loads(text[position:key_end])
+        position = skip_space(text, key_end)
+        if position == len(text):
+            return fields, None
+        if text[position] != ":":
+            return None, None
+        position = skip_space(text, position + 1)
+        if position == len(text):
+            fields[key] = (position, None)
+            return fields, None
+        end = value_end(text, position)
+        if end == -1:
+            return None, None
+        fields[key] = (position, end)
+        if end is None:
+            return fields, None
+        position = skip_space(text, end)
+        if position == len(text):
+            return fields, None
+        if text[position] == "}":
+            return fields, position + 1
+        if text[position] != ",":
+            return None, None
+        position = skip_space(text, position + 1)
+
+
+def value_end(text, position):
+    """Where the JSON value at `position` ends; None if the text ends first, -1 if it is not JSON."""
+    first = text[position]
+    if first == '"':
+        index = position + 1
+        while index < len(text):
+            if text[index] == "\\":
+                index += 2
+                continue
+            if text[index] == '"':
+                return index + 1
+            index += 1
+        return None
+    if first in "{[":
+        depth, index, in_string = 0, position, False
+        while index < len(text):
+            char = text[index]
+            if in_string:
+                if char == "\\":
+                    index += 1
+                elif char == '"':
+                    in_string = False
+            elif char == '"':
+                in_string = True
+            elif char in "{[":
+                depth += 1
+            elif char in "}]":
+                depth -= 1
+                if depth == 0:
+                    return index + 1
+            index += 1
+        return None
+    match = re.compile(r"-?\d+(\.\d+)?([eE][-+]?\d+)?|true|false|null").match(text, position)
+    if match is None:
+        prefixes = ("true", "false", "null")
+        return None if any(p.startswith(text[position:]) for p in prefixes) or text[position] in "-0123456789" \
+            else -1
+    if match.end() == len(text):
+        return None  # a number may go on
+    return match.end()
+
+
+@dataclasses.dataclass
+class ToolPlan:
+    """What a chat request's tools make of it: the conversation and tools for the chat template, the
+    grammar of the reply (None: unconstrained) and the format its calls are parsed in (None: not parsed)."""
+
+    messages: list
+    template_tools: list | None = None
+    grammar: str | None = None
+    fmt: Format | None = None
+
+    def parser(self):
+        return CallParser(self.fmt) if self.fmt is not None else None
+
+
+def plan_tools(body, messages, chat_template) -> ToolPlan:
+    """The ToolPlan of a chat request (messages as read, with their tool fields). Raises ToolError."""
+    request = read_tool_request(body)
+    if request is None and not any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
+        return ToolPlan(messages)
+    fmt = detect_format(chat_template)
+    if isinstance(fmt, str):
+        raise ToolError(f"tools: {fmt}", "tools" if request is not None else "messages")
+    calling = request is not None and request.choice != "none"
+    return ToolPlan(template_messages(messages, fmt, request),
+                    template_tools=list(request.tools) if calling and fmt.native else None,
+                    grammar=tool_grammar(fmt, request) if calling else None,
+                    fmt=fmt if calling else None)
+
+
+def prompt_constraint(plan: ToolPlan, loaded, settings, compiled: dict):
+    """The compiled grammar of a jsonl line's tool calls (`compiled` caches them by grammar); raises
+    PromptError where these settings cannot take it."""
+    from .constrain import ConstraintError, compile_constraint
+    from .engine import engine_refusal
+    from .errors import PromptError
+    from .generation import eos_token_ids
+
+    if settings.constraint is not None:
+        raise PromptError('"tools": one constraint per prompt, and --json_schema, --regex or --grammar is one')
+    why = engine_refusal(loaded, settings)
+    if why:
+        raise PromptError(f'"tools": the calls are constrained per prompt on the engine, which {why} does not run on')
+    if plan.grammar not in compiled:
+        try:
+            compiled[plan.grammar] = compile_constraint("tools", plan.grammar, loaded.tokenizer, loaded.vocab_size,
+                                                        eos_token_ids(settings, loaded.model))
+        except ConstraintError as error:
+            raise PromptError(str(error)) from error
+    return compiled[plan.grammar]
+
+
+def record_of(plan: ToolPlan | None, generated_text: str) -> dict:
+    """A jsonl record's tool fields: the reply's content and tool_calls (OpenAI's shapes), when it may call."""
+    if plan is None or plan.fmt is None:
+        return {}
+    content, calls = message_of(CallParser(plan.fmt), generated_text)
+    return {"content": content, "tool_calls": calls}
+
+
+def message_of(parser: CallParser, text: str):
+    """(content or None, tool_calls in OpenAI's shape) of a whole reply."""
+    events = parser.feed(text) + parser.finish()
+    return assemble(events)
+
+
+def assemble(events):
+    content, calls = "", []
+    for event in events:
+        if event[0] == "content":
+            content += event[1]
+        elif event[0] == "call":
+            calls.append({"id": event[2], "type": "function", "function": {"name": event[3], "arguments": ""}})
+        else:
+            calls[event[1]]["function"]["arguments"] += event[2]
+    return (content or None) if calls else content, calls
+
+
+def stream_deltas(events):
+    """Chunk deltas (OpenAI's stream shape) for parser events."""
+    deltas = []
+    for event in events:
+        if event[0] == "content":
+            deltas.append({"content": event[1]})
+        elif event[0] == "call":
+            deltas.append({"tool_calls": [{"index": event[1], "id": event[2], "type": "function",
+                                           "function": {"name": event[3], "arguments": ""}}]})
+        else:
+            deltas.append({"tool_calls": [{"index": event[1], "function": {"arguments": event[2]}}]})
+    return deltas

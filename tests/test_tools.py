@@ -1,0 +1,324 @@
+"""Tool calling on a live server through the official openai client: each format on a tiny model carrying
+its family's published chat template (tests/chat_templates), and the generic format on one whose template
+renders no tools (ChatML, as SmolLM2-Instruct's). The tiny models are random: the constraint is what makes
+their calls valid, so the calls checked here are the grammar's work, their parsing the parser's."""
+
+import dataclasses
+import json
+import os
+import re
+
+import httpx
+import jsonschema
+import openai
+import pytest
+import torch
+from test_server import CHAT_TEMPLATE, LiveServer
+from transformers import AutoTokenizer
+
+from helpers import run_main
+from rungen.loading import load
+from rungen.server import ServeOptions, build
+from tiny_models import build_tiny_checkpoint
+
+TEMPLATES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_templates")
+# format: (tiny model type, chat template file or None for ChatML)
+MODELS = {"hermes": ("qwen2", "qwen2.5-instruct.jinja"), "llama3_json": ("llama", "llama3.1-instruct.jinja"),
+          "mistral": ("mistral", "mistral-7b-instruct-v0.3.jinja"), "generic": ("qwen2", None)}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]},
+                                                    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The time in a time zone",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 8}},
+                   "required": ["zone"], "additionalProperties": False}}}
+TOOLS = [WEATHER, TIME]
+SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+CONTEXT = 4096
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """The checkpoint of each format, built on first use."""
+    built = {}
+
+    def get(fmt):
+        if fmt not in built:
+            model_type, template = MODELS[fmt]
+            path = str(tmp_path_factory.mktemp(fmt) / model_type)
+            build_tiny_checkpoint(model_type, path)
+            # A tool prompt takes hundreds of the tiny vocabulary's tokens: a context as an instruct model's
+            # (the rotary positions go on past the tiny default).
+            with open(os.path.join(path, "config.json")) as f:
+                config = json.load(f)
+            config["max_position_embeddings"] = CONTEXT
+            with open(os.path.join(path, "config.json"), "w") as f:
+                json.dump(config, f)
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            tokenizer.model_max_length = CONTEXT
+            if fmt == "hermes":
+                # Qwen2.5's tokenizer holds the tags as tokens of their own (added, not special).
+                tokenizer.add_tokens(["<tool_call>", "</tool_call>"])
+            if template:
+                with open(os.path.join(TEMPLATES, template), encoding="utf-8") as f:
+                    tokenizer.chat_template = f.read()
+            else:
+                tokenizer.chat_template = CHAT_TEMPLATE
+            tokenizer.save_pretrained(path)
+            built[fmt] = path
+        return built[fmt]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def servers(checkpoints):
+    """{format: (url, engine)}, each started on first use."""
+    started = {}
+
+    def get(fmt):
+        if fmt not in started:
+            loaded = load(checkpoints(fmt), device=torch.device("cpu"))
+            assert len(loaded.tokenizer) <= loaded.vocab_size
+            app, engine = build(loaded, ServeOptions(model_id=fmt, max_batch=8))
+            started[fmt] = (LiveServer(app), engine, loaded)
+        live, engine, loaded = started[fmt]
+        return live.url, loaded
+
+    yield get
+    for live, engine, _ in started.values():
+        live.stop()
+        engine.close()
+        engine.abort()
+
+
+def client_for(servers, fmt):
+    url, _ = servers(fmt)
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def create(servers, fmt, **kwargs):
+    kwargs.setdefault("messages", ASK)
+    kwargs.setdefault("max_tokens", 120)
+    return client_for(servers, fmt).chat.completions.create(model=fmt, **kwargs)
+
+
+def check_calls(choice, names):
+    """Each call: an id, one of `names`, arguments that are a JSON object matching the function's schema."""
+    calls = choice.message.tool_calls
+    assert calls and choice.finish_reason == "tool_calls" and choice.message.content is None
+    for call in calls:
+        assert call.id.startswith("call_") and call.type == "function" and call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    assert len({call.id for call in calls}) == len(calls)
+    return [(call.function.name, json.loads(call.function.arguments)) for call in calls]
+
+
+@pytest.mark.parametrize("fmt", sorted(MODELS))
+def test_a_required_call_matches_its_schema(servers, fmt):
+    response = create(servers, fmt, tools=TOOLS, tool_choice="required", temperature=1.0, seed=3, n=4,
+                      parallel_tool_calls=False)
+    for choice in response.choices:
+        assert len(check_calls(choice, SCHEMAS)) == 1
+
+
+@pytest.mark.parametrize("fmt", sorted(MODELS))
+def test_a_named_function_is_the_one_called(servers, fmt):
+    response = create(servers, fmt, tools=TOOLS, temperature=1.0, seed=5, n=3,
+                      tool_choice={"type": "function", "function": {"name": "get_time"}})
+    for choice in response.choices:
+        assert [name for name, _ in check_calls(choice, {"get_time"})] == ["get_time"]
+
+
+def test_parallel_calls_come_when_allowed_and_not_otherwise(servers):
+    for fmt in ("hermes", "generic", "mistral"):
+        several = create(servers, fmt, tools=TOOLS, tool_choice="required", temperature=1.0, seed=11, n=8,
+                         max_tokens=250)
+        counts = [len(check_calls(choice, SCHEMAS)) for choice in several.choices if choice.finish_reason != "length"]
+        assert max(counts) >= 2, (fmt, counts)
+
+
+def test_none_answers_in_text_without_the_tools(servers):
+    plain = create(servers, "hermes", temperature=0, max_tokens=10)
+    none = create(servers, "hermes", tools=TOOLS, tool_choice="none", temperature=0, max_tokens=10)
+    assert none.choices[0].message.tool_calls is None and none.choices[0].finish_reason in ("stop", "length")
+    # none: the tools stay out of the prompt, so the reply is the one without tools.
+    assert none.usage.prompt_tokens == plain.usage.prompt_tokens
+    assert none.choices[0].message.content == plain.choices[0].message.content
+
+
+@pytest.mark.parametrize("fmt", sorted(MODELS))
+def test_auto_on_a_prompt_that_needs_no_tool_answers_in_text(servers, fmt):
+    plain = create(servers, fmt, temperature=0, max_tokens=12)
+    auto = create(servers, fmt, tools=TOOLS, temperature=0, max_tokens=12)
+    choice = auto.choices[0]
+    assert choice.message.tool_calls is None and choice.finish_reason in ("stop", "length")
+    assert choice.message.content
+    assert auto.usage.prompt_tokens > plain.usage.prompt_tokens  # the template rendered the tools
+
+
+def test_auto_holds_a_call_the_model_opens_to_its_schema(servers):
+    """The lazy constraint: free text until the model writes <tool_call> (pushed here with logit_bias on
+    Qwen2.5's tag token), the call's schema from there."""
+    _, loaded = servers("hermes")
+    tag = loaded.tokenizer.convert_tokens_to_ids("<tool_call>")
+    response = create(servers, "hermes", tools=TOOLS, temperature=1.0, seed=2, n=4, logit_bias={str(tag): 100},
+                      parallel_tool_calls=False)
+    for choice in response.choices:
+        assert len(check_calls(choice, SCHEMAS)) == 1
+
+
+@pytest.mark.parametrize("fmt", sorted(MODELS))
+def test_streamed_calls_assemble_to_the_plain_reply(servers, fmt):
+    kwargs = dict(tools=TOOLS, tool_choice="required", temperature=1.0, seed=7, parallel_tool_calls=False)
+    whole = create(servers, fmt, **kwargs)
+    expected = check_calls(whole.choices[0], SCHEMAS)
+    calls, pieces, finish, content = {}, 0, None, ""
+    for chunk in create(servers, fmt, stream=True, **kwargs):
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            content += choice.delta.content or ""
+            for delta in choice.delta.tool_calls or []:
+                if delta.index not in calls:  # a call opens with its id and name, its arguments follow
+                    assert delta.id.startswith("call_") and delta.function.name
+                    calls[delta.index] = [delta.function.name, delta.function.arguments or ""]
+                else:
+                    assert delta.id is None and delta.function.name is None
+                    calls[delta.index][1] += delta.function.arguments
+                    pieces += 1
+    assert finish == "tool_calls" and content == ""
+    assert [(name, json.loads(arguments)) for name, arguments in calls.values()] == expected
+    assert pieces > 1  # the arguments came as they were generated, not at the end
+
+
+def test_a_stop_string_inside_a_call_is_no_finished_call(servers):
+    response = create(servers, "hermes", tools=[WEATHER], tool_choice="required", temperature=1.0, seed=4,
+                      stop=['"unit"'])
+    choice = response.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.tool_calls[0].function.name == "get_weather"
+    assert '"unit"' not in choice.message.tool_calls[0].function.arguments
+
+
+@pytest.mark.parametrize("fmt", sorted(MODELS))
+def test_a_round_trip_call_result_answer(servers, fmt):
+    first = create(servers, fmt, tools=TOOLS, tool_choice="required", temperature=1.0, seed=1,
+                   parallel_tool_calls=False)
+    message = first.choices[0].message
+    check_calls(first.choices[0], SCHEMAS)
+    history = ASK + [{"role": "assistant", "content": None,
+                      "tool_calls": [call.model_dump() for call in message.tool_calls]},
+                     {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "18 degrees, sunny"}]
+    answer = create(servers, fmt, messages=history, tools=TOOLS, temperature=0, max_tokens=8)
+    assert answer.choices[0].finish_reason in ("stop", "length") and answer.usage.prompt_tokens > \
+        first.usage.prompt_tokens
+    # Without tools in the request the history still renders (the result is in the prompt).
+    again = create(servers, fmt, messages=history, temperature=0, max_tokens=8)
+    assert again.choices[0].message.tool_calls is None
+
+
+BAD = [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "nope"}}}}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "string", "pattern": "(a)\\1"}}}}}]}, "tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [{"type": "code_interpreter"}]}, "tools"),
+    ({"tools": [dict(WEATHER, function=dict(WEATHER["function"], examples=[1]))]}, "tools"),
+    ({"parallel_tool_calls": False}, "parallel_tool_calls"),
+    ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": ASK + [{"role": "tool", "tool_call_id": "call_x", "content": "18"}]}, "messages"),
+    ({"messages": ASK + [{"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": "{not json"}}]}]}, "messages"),
+    ({"messages": [{"role": "tool", "content": "18"}]}, "messages"),
+]
+
+
+@pytest.mark.parametrize("fields, param", BAD, ids=[f"{case[1]}-{number}" for number, case in enumerate(BAD)])
+def test_bad_tools_are_a_400_naming_them(servers, fields, param):
+    url, _ = servers("hermes")
+    body = {"model": "hermes", "messages": ASK, **fields}
+    response = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"]
+    assert create(servers, "hermes", max_tokens=2).choices[0].message.content is not None  # still serving
+
+
+def test_a_template_with_tools_in_an_unknown_format_is_refused(servers):
+    _, loaded = servers("generic")
+    saved = loaded.tokenizer.chat_template
+    loaded.tokenizer.chat_template = "{% for tool in tools %}<function={{ tool.function.name }}>{% endfor %}" + saved
+    try:
+        url, _ = servers("generic")
+        response = httpx.post(url + "/v1/chat/completions", json={"model": "generic", "messages": ASK,
+                                                                  "tools": TOOLS}, timeout=60)
+    finally:
+        loaded.tokenizer.chat_template = saved
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tools"
+    assert "does not parse" in response.json()["error"]["message"]
+
+
+def test_jsonl_lines_with_tools(checkpoints):
+    """The command line's jsonl input takes tools as the server does: each line its own tools and grammar, the
+    record's content and tool_calls parsed as the server's; a line with bad tools is an error record."""
+    required = {"messages": ASK, "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False, "id": 1}
+    bad = {"messages": ASK, "tools": [{"type": "function", "function": {"name": "no spaces"}}]}
+    history = ASK + [{"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+                     {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees"}]
+    lines = "\n".join(json.dumps(line) for line in (required, bad, {"messages": history}, {"messages": ASK}))
+    args = ["--model_name_or_path", checkpoints("hermes"), "--input_format", "jsonl", "--output_format", "jsonl",
+            "--temperature", "0", "--length", "120"]
+    result = run_main(args, stdin=lines)
+    assert result.returncode == 1, result.stderr.decode()[-2000:]
+    records = [json.loads(line) for line in result.stdout.decode().splitlines()]
+    call, error, answer, plain = records
+    assert call["id"] == 1 and call["content"] is None and len(call["tool_calls"]) == 1
+    function = call["tool_calls"][0]["function"]
+    jsonschema.validate(json.loads(function["arguments"]), SCHEMAS[function["name"]])
+    assert "tools[0].function.name" in error["error"]
+    assert "tool_calls" not in answer and answer["num_prompt_tokens"] > plain["num_prompt_tokens"]
+    # Where the engine does not run (beam search) or another constraint is asked for, the line is refused.
+    for extra, words in ((["--num_beams", "2"], "beam search"), (["--regex", "a+"], "one constraint")):
+        refused = run_main(args + extra, stdin=json.dumps(required))
+        assert refused.returncode == 1 and words in json.loads(refused.stdout.decode())["error"]
+
+
+def test_a_session_with_tools_prints_the_call_it_would_make(checkpoints, tmp_path, capsys):
+    from rungen.arguments import parse_args, settings_from_args
+    from rungen.session import Session
+
+    path = checkpoints("hermes")
+    tools_file = tmp_path / "tools.json"
+    tools_file.write_text(json.dumps({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}))
+    args = parse_args(["--model_name_or_path", path, "--tools", str(tools_file), "--temperature", "0",
+                       "--length", "120"])
+    loaded = load(path, device=torch.device("cpu"))
+    settings = dataclasses.replace(settings_from_args(args, loaded.context), chat=True)
+    session = Session(loaded, settings, stream=False, tools=args.tools)
+    session.turn("What is the weather in Paris?")
+    shown = capsys.readouterr()
+    call = re.search(r"^\(tool call: (\w+)\((.*)\)\)$", shown.err, re.M)
+    assert call, shown.err
+    jsonschema.validate(json.loads(call[2]), SCHEMAS[call[1]])
+    assert "<tool_call>" in shown.out  # the reply as the model wrote it
+    assert session.messages[-1]["content"] == shown.out.strip()
+
+
+def test_tools_flag_is_checked_and_only_for_a_session(checkpoints, tmp_path):
+    tools_file = tmp_path / "tools.json"
+    tools_file.write_text(json.dumps(TOOLS))
+    base = ["--model_name_or_path", checkpoints("hermes")]
+    piped = run_main(base + ["--tools", str(tools_file), "--prompt", "Hi"])
+    assert piped.returncode == 2 and "--tools is for the terminal session" in piped.stderr.decode()
+    served = run_main(base + ["--serve", "--tools", str(tools_file)])
+    assert served.returncode == 2 and "--tools does not apply to --serve" in served.stderr.decode()
+    tools_file.write_text(json.dumps([{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "nope"}}}}}]))
+    bad = run_main(base + ["--tools", str(tools_file), "--prompt", "Hi"])
+    assert bad.returncode == 2 and "not a valid JSON schema" in bad.stderr.decode()

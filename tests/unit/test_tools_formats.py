@@ -1,0 +1,205 @@
+"""rungen/tools.py on its own: format detection from the published chat templates, the parsers on text the
+published models write (whole and streamed), the grammars on the same text, and the checks of a request's
+tools."""
+
+import dataclasses
+import json
+import os
+
+import pytest
+from xgrammar.testing import _is_grammar_accept_string as grammar_accepts
+
+from rungen.tools import (
+    GENERIC,
+    HERMES,
+    LLAMA3_JSON,
+    MISTRAL,
+    CallParser,
+    ToolError,
+    assemble,
+    detect_format,
+    message_of,
+    read_tool_message_fields,
+    read_tool_request,
+    template_messages,
+    tool_grammar,
+)
+
+TEMPLATES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "chat_templates")
+# SmolLM2-135M-Instruct's template (ChatML, no tools).
+SMOLLM2_TEMPLATE = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+                    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+                    "<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+                    "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+                    "{% endif %}")
+
+
+def template(name):
+    with open(os.path.join(TEMPLATES, name), encoding="utf-8") as f:
+        return f.read()
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+
+# Replies as the published models write them (spacing as their templates render calls in the history).
+PUBLISHED = {
+    "hermes": ('I will look both up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
+               '"celsius"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'),
+    "llama3_json": '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}',
+    "mistral": ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
+                '{"name": "get_time", "arguments": {}}]'),
+    "generic": ('{"tool_call": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}}\n'
+                '{"tool_call": {"name": "get_time", "arguments": {}}}'),
+}
+FORMATS = {"hermes": HERMES, "llama3_json": LLAMA3_JSON, "mistral": MISTRAL, "generic": GENERIC}
+
+
+def calls_of(message):
+    content, calls = message
+    return content, [(call["function"]["name"], json.loads(call["function"]["arguments"])) for call in calls]
+
+
+def streamed(fmt, text, step=1):
+    parser, events = CallParser(fmt), []
+    for start in range(0, len(text), step):
+        events += parser.feed(text[start : start + step])
+    return events + parser.finish()
+
+
+def test_the_format_is_detected_from_the_template():
+    assert detect_format(template("qwen2.5-instruct.jinja")) is HERMES
+    assert detect_format(template("llama3.1-instruct.jinja")) is LLAMA3_JSON
+    assert detect_format(template("mistral-7b-instruct-v0.3.jinja")) is MISTRAL
+    assert detect_format(SMOLLM2_TEMPLATE) is GENERIC
+    assert detect_format({"default": SMOLLM2_TEMPLATE, "tool_use": template("qwen2.5-instruct.jinja")}) is HERMES
+    # A template that renders tools in a format not known here is refused, not parsed as something else.
+    unknown = "{% for tool in tools %}<function={{ tool.function.name }}>{% endfor %}"
+    assert "does not parse" in detect_format(unknown)
+    assert "no chat template" in detect_format(None)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_replies_parse_whole_and_streamed_alike(name):
+    fmt, text = FORMATS[name], PUBLISHED[name]
+    whole = message_of(CallParser(fmt), text)
+    content, calls = calls_of(whole)
+    expected = [("get_weather", {"city": "Paris", "unit": "celsius"})]
+    if not fmt.one_call:
+        expected.append(("get_time", {}))
+    assert calls == expected
+    assert content == ("I will look both up." if name == "hermes" else None)
+    assert all(call["id"].startswith("call_") for call in whole[1])
+    for step in (1, 3, 7):
+        events = streamed(fmt, text, step)
+        assert calls_of(assemble(events)) == (content, calls)
+        # A call's name comes first, then its arguments in several pieces as they are written.
+        pieces = [event for event in events if event[0] == "arguments" and event[1] == 0]
+        assert len(pieces) > 1 if step == 1 else pieces
+        assert events.index(next(e for e in events if e[0] == "call")) < events.index(pieces[0])
+
+
+def test_llama_python_tag_and_text_that_only_looks_like_a_call():
+    content, calls = calls_of(message_of(CallParser(LLAMA3_JSON), '<|python_tag|>{"name": "get_time", '
+                                                                  '"parameters": {}}'))
+    assert content is None and calls == [("get_time", {})]
+    for fmt, text in ((HERMES, "Write <tool_call> tags around a call."), (GENERIC, 'JSON such as {"a": 1}.'),
+                      (LLAMA3_JSON, 'A name: {"name": 5}'), (MISTRAL, "[TOOL_CALLS] then words")):
+        assert message_of(CallParser(fmt), text) == (text, [])
+        assert assemble(streamed(fmt, text)) == (text, [])
+
+
+def test_a_reply_cut_inside_a_call_keeps_what_was_generated():
+    text = PUBLISHED["hermes"][:90]
+    parser = CallParser(HERMES)
+    content, calls = message_of(parser, text)
+    assert content == "I will look both up." and calls[0]["function"]["name"] == "get_weather"
+    assert '{"city": "Paris", "unit": "celsius"}'.startswith(calls[0]["function"]["arguments"])
+    assert not parser.complete  # the reply does not say "tool_calls" then
+    whole = CallParser(HERMES)
+    message_of(whole, PUBLISHED["hermes"])
+    assert whole.complete
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_the_grammar_takes_the_published_replies_and_nothing_else(name):
+    fmt, text = FORMATS[name], PUBLISHED[name]
+    request = read_tool_request({"tools": [WEATHER, TIME]})
+    required = tool_grammar(fmt, dataclasses.replace(request, choice="required"))
+    auto = tool_grammar(fmt, request)
+    named = tool_grammar(fmt, dataclasses.replace(request, choice="get_weather"))
+    calls_only = text.split("\n", 1)[1] if name == "hermes" else text
+    assert grammar_accepts(required, calls_only) and grammar_accepts(auto, text)
+    assert grammar_accepts(auto, "No tool is needed here.")
+    assert not grammar_accepts(required, "No tool is needed here.")
+    # Arguments that do not match the schema: a value outside the enum, a missing required key.
+    assert not grammar_accepts(auto, text.replace('"celsius"', '"kelvin"'))
+    assert not grammar_accepts(required, calls_only.replace('"city": "Paris", ', ""))
+    if fmt.one_call:
+        assert grammar_accepts(named, text)
+    else:
+        assert not grammar_accepts(named, calls_only)  # two calls, one of another function
+        single = tool_grammar(fmt, dataclasses.replace(request, choice="required", parallel=False))
+        assert not grammar_accepts(single, calls_only)
+    assert tool_grammar(fmt, dataclasses.replace(request, choice="none")) is None
+
+
+BAD_TOOLS = [
+    ({"tools": []}, "tools", "non-empty"),
+    ({"tools": [{"type": "retrieval"}]}, "tools", "only function tools"),
+    ({"tools": [dict(WEATHER, extra=1)]}, "tools", "tools[0].extra"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools", "name"),
+    ({"tools": [WEATHER, WEATHER]}, "tools", "two tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties":
+                                                                                {"a": {"type": "nope"}}}}}]},
+     "tools", "not a valid JSON schema"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}, "tools",
+     "object"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]}, "tools", "strict"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "not among"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice", "tool_choice"),
+    ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls", "true or false"),
+    ({"tool_choice": "auto"}, "tool_choice", "needs tools"),
+]
+
+
+@pytest.mark.parametrize("body, param, words", BAD_TOOLS, ids=[case[2] for case in BAD_TOOLS])
+def test_bad_tools_are_named(body, param, words):
+    with pytest.raises(ToolError) as error:
+        read_tool_request(body)
+    assert error.value.param == param and words in str(error.value)
+
+
+def test_a_schema_the_compiler_cannot_take_is_named():
+    backreference = {"type": "object", "properties": {"a": {"type": "string", "pattern": "(a)\\1"}}}
+    request = read_tool_request({"tools": [{"type": "function", "function": {"name": "f",
+                                                                             "parameters": backreference}}]})
+    with pytest.raises(ToolError, match="parameters of 'f' cannot be compiled: .*Backreference"):
+        tool_grammar(HERMES, request)
+    remote = {"type": "object", "properties": {"a": {"$ref": "https://example.com/schema.json"}}}
+    with pytest.raises(ToolError, match="outside the schema"):
+        read_tool_request({"tools": [{"type": "function", "function": {"name": "f", "parameters": remote}}]})
+
+
+def test_calls_and_results_in_the_history_take_each_format_shape():
+    call = {"id": "call_abc", "name": "get_weather", "arguments": {"city": "Paris"}}
+    messages = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "content": "18 C", "tool_call_id": "call_abc"}]
+    native = template_messages(messages, MISTRAL, None)
+    # Mistral's template takes 9-character alphanumeric ids: a call and its result keep the same one.
+    assert native[1]["tool_calls"][0]["id"] == native[2]["tool_call_id"] and len(native[2]["tool_call_id"]) == 9
+    assert native[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    request = read_tool_request({"tools": [WEATHER]})
+    generic = template_messages(messages, GENERIC, request)
+    assert generic[0]["role"] == "system" and "get_weather" in generic[0]["content"]
+    assert json.loads(generic[2]["content"]) == {"tool_call": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    assert generic[3] == {"role": "user", "content": json.dumps({"tool_response": {"name": "get_weather",
+                                                                                   "content": "18 C"}})}
+    assert read_tool_message_fields({"role": "assistant", "content": "Hi", "tool_calls": []}, 0) == {}
+    with pytest.raises(ToolError, match="answers no tool call"):
+        template_messages([messages[0], dict(messages[2], tool_call_id="call_other")], HERMES, None)
