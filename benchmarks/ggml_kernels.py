@@ -1,6 +1,6 @@
 """Per-layer speed of the GGUF block kernels on the default model's own weights, beside torch's kernels.
 
-    python -m benchmarks.ggml_kernels [--threads 2] [--repeats 200] [--crossover] [--layouts]
+    python -m benchmarks.ggml_kernels [--threads 2] [--repeats 200] [--crossover] [--layouts] [--isa avx2]
 
 Each row is one of the default model's weight shapes (Q4_1 linears, the Q8_0 tied head), as the tool holds it
 (rows interleaved eight by eight, rungen.ggml.GGMLLinear.interleave): microseconds per call at one token, and
@@ -9,7 +9,9 @@ torch's int4 kernel on the same weight (rungen.quantize's Int4Linear, bfloat16 a
 the head, fbgemm's float16 (Fp16Linear). Calls of the modes alternate, each figure a median, as the
 machine may be shared. --crossover times the integer kernel against de-quantized float tiles with torch's
 matmul for growing numbers of tokens: where the second wins is where rungen_ggml.mm switches. --layouts times
-the file's row-major blocks against the interleaved ones at 1, 4, 16 and 64 tokens.
+the file's row-major blocks against the interleaved ones at 1, 4, 16 and 64 tokens: the default model's weights,
+then k-quant weights of a 1.1B llama's shapes (TinyLlama's, as a Q4_K_M/Q5_K_M file holds them: random blocks
+with valid scales, as the default model has none; the kernels' speed does not depend on the values).
 """
 
 import argparse
@@ -28,6 +30,38 @@ from rungen.quantize import Int4Linear, head_class
 
 SHAPES = ("blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.ffn_gate.weight", "blk.0.ffn_down.weight",
           "token_embd.weight")
+Q = gguf.GGMLQuantizationType
+# (name, type, rows, inputs): a 1.1B llama's (TinyLlama's) weights in a Q4_K_M file, and Q5_K_M's gate.
+K_SHAPES = (("attn_q", Q.Q4_K, 2048, 2048), ("attn_k", Q.Q4_K, 256, 2048), ("ffn_gate", Q.Q4_K, 5632, 2048),
+            ("ffn_gate", Q.Q5_K, 5632, 2048), ("ffn_down", Q.Q6_K, 2048, 5632))
+
+
+def random_k_blocks(qtype, rows, in_features, seed=0):
+    """uint8 [rows, row bytes] of random k-quant superblocks whose float16 scales are small and finite."""
+    import numpy as np
+
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, in_features // block, size), dtype=np.uint8)
+    scales = (rng.random((rows, in_features // block, 2)) * 1e-3).astype(np.float16).view(np.uint8)
+    if qtype == Q.Q6_K:
+        raw[..., 208:210] = scales[..., :2]
+    else:
+        raw[..., 0:4] = scales
+    return torch.from_numpy(raw.reshape(rows, -1))
+
+
+def layouts_row(name, qtype, blocks, in_features, repeats):
+    """Prints the row-major and interleaved products of one weight at 1, 4, 16 and 64 tokens."""
+    ops = torch.ops.rungen_ggml
+    x8 = ops.interleave(blocks, int(qtype))
+    for n in (1, 4, 16, 64):
+        x = torch.randn(n, in_features)
+        a, b = interleaved([functools.partial(ops.mm_int, x, blocks, int(qtype), in_features),
+                            functools.partial(ops.mm_int, x, x8, int(qtype) | X8, in_features)],
+                           max(10, repeats // max(1, n // 4)))
+        print(f"| {name} | {qtype.name} | {blocks.shape[0]} x {in_features} | {n} | {a * 1e6:.0f} | {b * 1e6:.0f} | "
+              f"{a / b:.2f}x |")
 
 
 def timed(function, repeats):
@@ -56,11 +90,18 @@ def main():
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--crossover", action="store_true")
     parser.add_argument("--layouts", action="store_true")
+    parser.add_argument("--isa", help="the kernels' instruction set (avx512vnni, avx2, scalar): the CPU's best "
+                        "unless given, as the tool runs")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not native_kernels():
         sys.exit("native kernels unavailable")
     ops = torch.ops.rungen_ggml
+    if args.isa:
+        try:
+            ops.set_isa(args.isa)
+        except RuntimeError as error:
+            sys.exit(f"--isa {args.isa}: {str(error).splitlines()[0]}")
     tensors = {t.name: t for t in gguf.GGUFReader(default_model_file()).tensors}
     print(f"CPU flags: {cpu_flags()}; kernel path: {ops.isa()}; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; one token; median µs per call")
@@ -95,15 +136,10 @@ def main():
             for name in SHAPES:
                 tensor = tensors[name]
                 blocks = torch.from_numpy(tensor.data.copy())
-                qtype, rows, in_features = tensor.tensor_type, blocks.shape[0], int(tensor.shape[0])
-                x8 = ops.interleave(blocks, int(qtype))
-                for n in (1, 4, 16, 64):
-                    x = torch.randn(n, in_features)
-                    a, b = interleaved([functools.partial(ops.mm_int, x, blocks, int(qtype), in_features),
-                                        functools.partial(ops.mm_int, x, x8, int(qtype) | X8, in_features)],
-                                       max(10, args.repeats // max(1, n // 4)))
-                    print(f"| {name} | {qtype.name} | {rows} x {in_features} | {n} | {a * 1e6:.0f} | {b * 1e6:.0f} | "
-                          f"{a / b:.2f}x |")
+                layouts_row(name, tensor.tensor_type, blocks, int(tensor.shape[0]), args.repeats)
+            for seed, (name, qtype, rows, in_features) in enumerate(K_SHAPES):
+                layouts_row(f"1.1B {name}", qtype, random_k_blocks(qtype, rows, in_features, seed), in_features,
+                            args.repeats)
         if args.crossover:
             print("")
             print("| weight | tokens | integer kernel µs | float tiles + matmul µs | tiles / integer |")

@@ -7,8 +7,8 @@ A GGUF file is read in two parts:
   converting the tokenizer takes seconds (the vocabulary and merges are tens of thousands of fields), so
   the result is cached once per file (see HeaderCache): later runs read three small files.
 - its tensors, each a view of one memory map of the file. Quantized linear weights become
-  rungen.ggml.GGMLLinear layers over those views (Q4_0/Q4_1/Q8_0 ones read into memory instead, their rows
-  interleaved for the native kernels); a quantized embedding becomes GGMLEmbedding, which de-quantizes only
+  rungen.ggml.GGMLLinear layers over those views (Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K ones read into memory instead,
+  their rows interleaved for the native kernels); a quantized embedding becomes GGMLEmbedding, which de-quantizes only
   the rows it looks up; a tied output head is a GGMLLinear over the embedding's own blocks (interleaved, and
   so read into memory, when their type is). F32/F16/BF16 weights keep their dtype (a layer of another dtype
   than the model's casts them per call); norms and biases take the model's float dtype.
@@ -38,7 +38,7 @@ import torch
 
 from .decoder import FUSED_WEIGHTS, fusable, fuse_decoder_layers
 from .errors import UsageError
-from .ggml import SUPPORTED, X8, GGMLLinear, dequantize, interleavable, native_kernels
+from .ggml import SUPPORTED, X8, GGMLLinear, dequantize, interleavable, interleaved_row_bytes, native_kernels
 
 logger = logging.getLogger("run_generation")
 
@@ -517,7 +517,7 @@ def read_interleaved(path: str, offset: int, shape, qtype, scratch: np.ndarray |
     a uint8 buffer of READ_CHUNK bytes to read into, kept from call to call; no copy of the whole weight in the
     file's order is ever held (its freed space would stay in the process's heap)."""
     rows, row_bytes = shape
-    out = torch.empty(rows // 8, 8 * row_bytes, dtype=torch.uint8)
+    out = torch.empty(rows // 8, interleaved_row_bytes(qtype, _in_features(qtype, row_bytes)), dtype=torch.uint8)
     step = max(8, READ_CHUNK // row_bytes // 8 * 8)
     if scratch is None or len(scratch) < step * row_bytes:
         scratch = np.empty(step * row_bytes, dtype=np.uint8)

@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType as Q
 
 import run_generation
 from rungen import gguf_loading
-from rungen.decoder import FusedDecoderLayer, products_one_by_one
+from rungen.decoder import DecoderStack, FusedDecoderLayer, products_one_by_one
 from rungen.ggml import INTERLEAVED_TYPES, SUPPORTED, GGMLLinear, native_kernels
 from rungen.gguf_loading import CastLinear, GGMLEmbedding, GGUFHeader, build_model, metadata_parsed_once
 from rungen.loading import default_model_file
@@ -38,6 +38,12 @@ FILES = {
     "mixed_tied": dict(layers=MIXED, embedding=Q.Q8_0, output=None),
     # llama.cpp's Q4_0 files: Q4_0 everywhere but a Q6_K output head.
     "q4_0_untied": dict(layers=[{}] * LAYERS, default=Q.Q4_0, embedding=Q.Q4_0, output=Q.Q6_K),
+    # llama.cpp's Q4_K_M of a model with tied embeddings: Q4_K, but Q6_K for the embedding (which it quantizes
+    # as the output head it also is) and, in the layers it gives more bits (here the last), attn_v and ffn_down.
+    "q4_k_m_tied": dict(layers=[{}, {"attn_v": Q.Q6_K, "ffn_down": Q.Q6_K}], default=Q.Q4_K, embedding=Q.Q6_K,
+                        output=None),
+    # llama.cpp's Q6_K: every weight Q6_K, the head its own tensor.
+    "q6_k_untied": dict(layers=[{}] * LAYERS, default=Q.Q6_K, embedding=Q.Q6_K, output=Q.Q6_K),
     # Qwen2: biases on q/k/v (F32), no q/k permutation; transformers' generic tensor processor.
     "qwen2_biases": dict(arch="qwen2", layers=[{}] * LAYERS, default=Q.Q8_0, embedding=Q.Q8_0, output=Q.Q4_K),
 }
@@ -228,6 +234,28 @@ def test_every_supported_type_runs_in_its_blocks(loaded):
     assert not any(p.device.type == "meta" for p in [*model.parameters(), *model.buffers()])
 
 
+def test_k_quant_file_runs_interleaved_with_its_tied_head(loaded):
+    # Q4_K/Q6_K weights run with their rows interleaved, the Q6_K embedding too: the head multiplies it so, and
+    # the lookup reads it so (the logits test holds both to the de-quantized model).
+    _, model, _ = loaded["q4_k_m_tied"]
+    layers = [m for m in model.modules() if isinstance(m, GGMLLinear)]
+    assert {m.qtype for m in layers} == {Q.Q4_K, Q.Q6_K}
+    assert all(m.interleaved for m in layers) == native_kernels()
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    assert head.blocks.data_ptr() == embedding.blocks.data_ptr() and embedding.qtype == Q.Q6_K
+    assert head.interleaved == embedding.interleaved == native_kernels()
+
+
+def test_k_quant_layers_run_as_one_stack(loaded):
+    # A Q6_K file's layers fuse (q/k/v of one type) and run as one native call on the interleaved Q6_K rows
+    # (the logits test holds it to the de-quantized model).
+    _, model, _ = loaded["q6_k_untied"]
+    layers = [m for m in model.modules() if isinstance(m, GGMLLinear)]
+    assert {m.qtype for m in layers} == {Q.Q6_K} and all(m.interleaved for m in layers) == native_kernels()
+    assert all(isinstance(layer, FusedDecoderLayer) for layer in model.model.layers)
+    assert isinstance(model.model.forward, DecoderStack) == native_kernels()
+
+
 def test_untied_file_has_its_own_head(loaded):
     _, model, _ = loaded["q4_0_untied"]
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
@@ -281,21 +309,22 @@ def test_corrupt_and_truncated_files_fail_in_one_line(gguf_files, tmp_path, caps
         assert code == 2 and line.startswith(f"run_generation.py: error: {path}")
 
 
-def test_interleaved_weights_are_read_a_chunk_at_a_time_into_their_layout(tmp_path, monkeypatch):
-    # The loader reads a Q4_0/Q4_1/Q8_0 weight straight into the kernels' layout, a few MB at a time; chunks
-    # that split the rows give the layout of the whole, and a file that ends early is an error, not zeros.
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
+def test_interleaved_weights_are_read_a_chunk_at_a_time_into_their_layout(qtype, tmp_path, monkeypatch):
+    # The loader reads a weight straight into the kernels' layout, a few MB at a time; chunks that split the
+    # rows give the layout of the whole, and a file that ends early is an error, not zeros.
     if not native_kernels():
         pytest.skip("weights are interleaved only for the native kernels")
     rng = np.random.default_rng(3)
-    blocks = quants.quantize(rng.standard_normal((40, 256)).astype(np.float32), Q.Q4_1)
+    blocks, _ = encode(rng.standard_normal((40, 512)), qtype, rng)
     path = tmp_path / "weights.bin"
     path.write_bytes(b"header" + blocks.tobytes())
-    expected = torch.ops.rungen_ggml.interleave(torch.from_numpy(blocks), int(Q.Q4_1))
+    expected = torch.ops.rungen_ggml.interleave(torch.from_numpy(blocks), int(qtype))
     monkeypatch.setattr(gguf_loading, "READ_CHUNK", 16 * blocks.shape[1])  # 16 rows a chunk: 16, 16 and 8
-    assert torch.equal(gguf_loading.read_interleaved(str(path), 6, blocks.shape, Q.Q4_1), expected)
+    assert torch.equal(gguf_loading.read_interleaved(str(path), 6, blocks.shape, qtype), expected)
     path.write_bytes(b"header" + blocks.tobytes()[:-10])
     with pytest.raises(gguf_loading.GGUFError, match="truncated"):
-        gguf_loading.read_interleaved(str(path), 6, blocks.shape, Q.Q4_1)
+        gguf_loading.read_interleaved(str(path), 6, blocks.shape, qtype)
 
 
 def test_unsupported_type_fails_in_one_line(tokenizer_fields, tmp_path, capsys):

@@ -48,6 +48,23 @@ enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q5_K = 13, Q4_K = 12, Q6_K 
 // additions, and its scaling one multiply-add for eight rows. Arithmetic per row and token, the same on every
 // path: acc = fma(float(dot), d * dx, acc), then for Q4_0/Q4_1 acc = fma(m, dx * sum(xq), acc) (m = -8 d for
 // Q4_0), for each block in order (dot: the block's exact integer dot product).
+//
+// X8 | Q4_K, X8 | Q5_K, X8 | Q6_K: a group of eight rows' superblock of 256 columns as its eight blocks of 32
+// want it (kx8_block reads one row's block, interleave() writes them): the codes packed as the file packs them
+// (4 bits, and Q5_K's fifth or Q6_K's two high bits apart), the 6-bit scales and mins unpacked to a byte each.
+// Q4_K (1184 bytes, 148 a row: the file's 144 and 4 for the unpacked scales), Q5_K (1440; 180 for 176):
+//   d[8], dmin[8] (float16, one a row), sc[8 blocks][8 rows], mn[8][8] (bytes), then per block 128 bytes of
+//   nibbles as X8 | Q4_0 lays them (bytes 4j .. 4j + 3 of rows 0..7 for j = 0..3; a row's byte i holds its
+//   codes i and 16 + i), and for Q5_K 32 bytes of fifth bits, a 32-bit word a row: bit k of byte i is the bit
+//   of code 4k + i, bit 4 + k that of code 16 + 4k + i (what load j's lanes need, by one shift).
+// Q6_K (1680 bytes, 210 a row: the file's size): d[8] (float16), sc[16 halves][8 rows] (int8), then per block
+//   the nibbles as above and 64 bytes of high bit pairs, two 32-bit words a row (the first for codes 0..15,
+//   the second for 16..31): bits 2k, 2k + 1 of byte i are those of code 4k + i (or 16 + 4k + i).
+// A block's integer sum is weighted by its scales in integers, exactly: Q4_K/Q5_K dot = sc * (q . xq) (at most
+// 63 * 32 * 31 * 127 < 2^24); Q6_K dot = sc0 * ((q - 32) . xq over 0..15) + sc1 * (... over 16..31), the codes
+// made signed so that the offset -32 stays in the integers (at most 2 * 128 * 16 * 32 * 127 < 2^24). Then per
+// row and token, for each block in order: acc = fma(float(dot), d * dx, acc), and for Q4_K/Q5_K
+// acc = fma(-dmin * mn, dx * sum(xq), acc): the same bits on every path, alone or among other tokens.
 constexpr int64_t X8 = 256;
 
 int64_t block_elements(int64_t qtype) {
@@ -66,6 +83,20 @@ int64_t block_bytes(int64_t qtype) {
   }
   TORCH_CHECK(false, "rungen_ggml: unsupported GGML type ", qtype);
 }
+
+// Bytes of a group of eight rows' block (or superblock) in the X8 layout.
+int64_t x8_bytes(int64_t base) {
+  switch (base) {
+    case Q4_K: return 1184;
+    case Q5_K: return 1440;
+    case Q6_K: return 1680;
+  }
+  return 8 * block_bytes(base);
+}
+
+bool x8_kquant(int64_t base) { return base == Q4_K || base == Q5_K || base == Q6_K; }
+
+bool interleaved_type(int64_t base) { return base == Q4_0 || base == Q4_1 || base == Q8_0 || x8_kquant(base); }
 
 // The activations of n tokens, quantized per block of 32: codes q [n, K], scale d [n, K/32] (q * d ~ x),
 // s = d * sum(q) per 32 [n, K/32] (what a block's offset multiplies), s16 = d * sum(q) per 16 [n, K/16], and
@@ -137,6 +168,40 @@ inline void x8_block(const uint8_t* p, int64_t base, int64_t lane, int32_t* code
       const uint8_t byte = p[head + 32 * j + 4 * lane + i];
       codes[4 * j + i] = byte & 0x0F;
       codes[16 + 4 * j + i] = byte >> 4;
+    }
+}
+
+// One row's block j (0..7) of a group's superblock p in the X8 k-quant layout: its 32 codes (Q4_K/Q5_K
+// unsigned, Q6_K signed: q - 32), the integer scales of its two halves of 16 (Q4_K/Q5_K: the block's, twice),
+// d and the offset m (-dmin * mn; 0 for Q6_K): the weights are d * sc * code + m.
+inline void kx8_block(const uint8_t* p, int64_t base, int64_t lane, int64_t j, int32_t* codes, int32_t* sc, float& d,
+                      float& m) {
+  d = half_bits_to_float(p + 2 * lane);
+  const uint8_t* nib;
+  if (base == Q6_K) {
+    sc[0] = int8_t(p[16 + 16 * j + lane]);
+    sc[1] = int8_t(p[16 + 16 * j + 8 + lane]);
+    m = 0.f;
+    nib = p + 144 + 192 * j;
+  } else {
+    sc[0] = sc[1] = p[32 + 8 * j + lane];
+    m = -half_bits_to_float(p + 16 + 2 * lane) * float(p[96 + 8 * j + lane]);
+    nib = p + 160 + (base == Q5_K ? 160 : 128) * j;
+  }
+  const uint8_t* high = nib + 128 + 4 * lane;
+  for (int k = 0; k < 4; ++k)
+    for (int i = 0; i < 4; ++i) {
+      const uint8_t byte = nib[32 * k + 4 * lane + i];
+      int32_t lo = byte & 0x0F, hi = byte >> 4;
+      if (base == Q5_K) {
+        lo |= ((high[i] >> k) & 1) << 4;
+        hi |= ((high[i] >> (4 + k)) & 1) << 4;
+      } else if (base == Q6_K) {
+        lo = (lo | (((high[i] >> (2 * k)) & 3) << 4)) - 32;
+        hi = (hi | (((high[32 + i] >> (2 * k)) & 3) << 4)) - 32;
+      }
+      codes[4 * k + i] = lo;
+      codes[16 + 4 * k + i] = hi;
     }
 }
 
@@ -264,8 +329,9 @@ void quantize_blocks(const float* xp, int64_t b0, int64_t b1, int8_t* q, float* 
 // X8 groups [g0, g1): each row and token as x8_group computes them, one row at a time.
 void x8_rows(const Job& job, int64_t g0, int64_t g1) {
   const Act& a = *job.act;
-  const int64_t nb = job.in_features / 32, base = job.qtype & ~X8, bytes = 8 * block_bytes(base);
-  int32_t codes[32];
+  const int64_t nb = job.in_features / 32, base = job.qtype & ~X8, bytes = x8_bytes(base);
+  const bool kquant = x8_kquant(base);
+  int32_t codes[32], sc[2];
   float d, m;
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* group = job.blocks + g * job.pitch;
@@ -274,11 +340,20 @@ void x8_rows(const Job& job, int64_t g0, int64_t g1) {
         const int8_t* xq = a.q + t * job.in_features;
         float acc = 0.f;
         for (int64_t b = 0; b < nb; ++b) {
-          x8_block(group + b * bytes, base, lane, codes, d, m);
           int32_t dot = 0;
-          for (int i = 0; i < 32; ++i) dot += codes[i] * xq[b * 32 + i];
+          if (kquant) {
+            kx8_block(group + b / 8 * bytes, base, lane, b % 8, codes, sc, d, m);
+            for (int h = 0; h < 2; ++h) {
+              int32_t half = 0;
+              for (int i = 16 * h; i < 16 * h + 16; ++i) half += codes[i] * xq[b * 32 + i];
+              dot += sc[h] * half;
+            }
+          } else {
+            x8_block(group + b * bytes, base, lane, codes, d, m);
+            for (int i = 0; i < 32; ++i) dot += codes[i] * xq[b * 32 + i];
+          }
           acc = std::fma(float(dot), d * a.d[t * nb + b], acc);
-          if (base != Q8_0) acc = std::fma(m, a.s[t * nb + b], acc);
+          if (base != Q8_0 && base != Q6_K) acc = std::fma(m, a.s[t * nb + b], acc);
         }
         job.y[t * job.out_features + 8 * g + lane] = acc;
       }
@@ -363,11 +438,11 @@ int64_t out_rows(const at::Tensor& blocks, int64_t qtype) { return blocks.size(0
 
 void check_inputs(const at::Tensor& blocks, int64_t qtype, int64_t in_features) {
   TORCH_CHECK(blocks.dtype() == at::kByte && blocks.dim() == 2, "rungen_ggml: blocks must be uint8 [rows, bytes]");
-  TORCH_CHECK(!(qtype & X8) || (qtype & ~X8) == Q4_0 || (qtype & ~X8) == Q4_1 || (qtype & ~X8) == Q8_0,
-              "rungen_ggml: only Q4_0, Q4_1 and Q8_0 rows are interleaved");
+  TORCH_CHECK(!(qtype & X8) || interleaved_type(qtype & ~X8), "rungen_ggml: only Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and "
+              "Q6_K rows are interleaved");
   TORCH_CHECK(in_features % block_elements(qtype) == 0, "rungen_ggml: in_features ", in_features,
               " is not a multiple of the block size");
-  const int64_t bytes = in_features / block_elements(qtype) * block_bytes(qtype) * (qtype & X8 ? 8 : 1);
+  const int64_t bytes = in_features / block_elements(qtype) * (qtype & X8 ? x8_bytes(qtype & ~X8) : block_bytes(qtype));
   TORCH_CHECK(blocks.size(1) == bytes, "rungen_ggml: blocks have ", blocks.size(1), " bytes a row, expected ", bytes);
   TORCH_CHECK(blocks.stride(1) == 1, "rungen_ggml: each row of blocks must be contiguous");
   TORCH_CHECK(blocks.device().is_cpu(), "rungen_ggml: blocks must be on the CPU");
@@ -429,12 +504,18 @@ at::Tensor mm_int(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtyp
 void dequantize_rows(const uint8_t* blocks, int64_t pitch, int64_t qtype, int64_t k, int64_t r0, int64_t r1,
                      float* out) {
   if (qtype & X8) {
-    const int64_t base = qtype & ~X8, bytes = 8 * block_bytes(base);
-    int32_t codes[32];
+    const int64_t base = qtype & ~X8, bytes = x8_bytes(base);
+    int32_t codes[32], sc[2];
     float d, m;
     for (int64_t r = r0; r < r1; ++r) {
       float* o = out + (r - r0) * k;
       for (int64_t b = 0; b < k / 32; ++b) {
+        if (x8_kquant(base)) {
+          // As the row-major path (and the gguf package): (d * scale) * code + offset.
+          kx8_block(blocks + (r / 8) * pitch + b / 8 * bytes, base, r % 8, b % 8, codes, sc, d, m);
+          for (int i = 0; i < 32; ++i) o[b * 32 + i] = (d * float(sc[i / 16])) * float(codes[i]) + m;
+          continue;
+        }
         x8_block(blocks + (r / 8) * pitch + b * bytes, base, r % 8, codes, d, m);
         for (int i = 0; i < 32; ++i) o[b * 32 + i] = base == Q8_0 ? d * float(codes[i]) : d * float(codes[i]) + m;
       }
@@ -1119,23 +1200,81 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decoder
   return {h.view({b, t, features}), keys, values};
 }
 
-// Q4_0/Q4_1/Q8_0 blocks [rows, row bytes] (rows a multiple of 8; rows may be strided) in the X8 layout
-// [rows / 8, 8 * row bytes]: the same bytes, rearranged (see X8); into `out` when given (contiguous, that shape).
+// Group g's superblocks of k-quant rows (pitch bytes apart from src) in the X8 layout at dst (see X8).
+void interleave_kquant(const uint8_t* src, int64_t pitch, int64_t qtype, int64_t nsb, int64_t g, uint8_t* dst,
+                       KRow& kr) {
+  const int64_t bytes = block_bytes(qtype), block = qtype == Q6_K ? 192 : qtype == Q5_K ? 160 : 128;
+  for (int64_t s = 0; s < nsb; ++s) {
+    uint8_t* o = dst + (g * nsb + s) * x8_bytes(qtype);
+    uint8_t* codes_out = o + (qtype == Q6_K ? 144 : 160);
+    for (int64_t r = 0; r < 8; ++r) {
+      const uint8_t* sb = src + (8 * g + r) * pitch + s * bytes;
+      scalar::unpack_k(qtype, sb, kr, 0);
+      const uint8_t* c = kr.codes;
+      if (qtype == Q6_K) {
+        std::memcpy(o + 2 * r, sb + 208, 2);
+        for (int h = 0; h < 16; ++h) o[16 + 8 * h + r] = sb[192 + h];
+      } else {
+        uint8_t sc[8], mn[8];
+        kquant_scales(sb + 4, sc, mn);
+        std::memcpy(o + 2 * r, sb, 2);
+        std::memcpy(o + 16 + 2 * r, sb + 2, 2);
+        for (int j = 0; j < 8; ++j) {
+          o[32 + 8 * j + r] = sc[j];
+          o[96 + 8 * j + r] = mn[j];
+        }
+      }
+      for (int j = 0; j < 8; ++j) {
+        const uint8_t* cj = c + 32 * j;
+        uint8_t* nib = codes_out + block * j;
+        for (int k = 0; k < 4; ++k)
+          for (int i = 0; i < 4; ++i)
+            nib[32 * k + 4 * r + i] = (cj[4 * k + i] & 0x0F) | ((cj[16 + 4 * k + i] & 0x0F) << 4);
+        uint8_t* high = nib + 128 + 4 * r;
+        for (int i = 0; i < 4 && qtype != Q4_K; ++i) {
+          uint8_t first = 0, second = 0;
+          for (int k = 0; k < 4; ++k) {
+            const int lo = cj[4 * k + i] >> 4, hi = cj[16 + 4 * k + i] >> 4;
+            if (qtype == Q5_K) {
+              first |= (lo << k) | (hi << (4 + k));
+            } else {
+              first |= lo << (2 * k);
+              second |= hi << (2 * k);
+            }
+          }
+          high[i] = first;
+          if (qtype == Q6_K) high[32 + i] = second;
+        }
+      }
+    }
+  }
+}
+
+// Blocks [rows, row bytes] (rows a multiple of 8; rows may be strided) in the X8 layout [rows / 8, 8 row bytes
+// as X8 holds them]: Q4_0/Q4_1/Q8_0 the same bytes rearranged, the k-quants with their scales unpacked (see X8);
+// into `out` when given (contiguous, that shape).
 at::Tensor interleave(const at::Tensor& blocks, int64_t qtype, const c10::optional<at::Tensor>& out_in) {
-  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0,
-              "rungen_ggml: only Q4_0, Q4_1 and Q8_0 rows are interleaved");
+  TORCH_CHECK(interleaved_type(qtype), "rungen_ggml: only Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K rows are interleaved");
   TORCH_CHECK(blocks.dtype() == at::kByte && blocks.dim() == 2 && blocks.stride(1) == 1 && blocks.size(0) % 8 == 0,
               "rungen_ggml: interleave takes uint8 [rows, bytes] with rows a multiple of 8");
   const int64_t bytes = block_bytes(qtype), head = qtype == Q4_1 ? 4 : 2, nb = blocks.size(1) / bytes;
   const int64_t groups_of_4 = qtype == Q8_0 ? 8 : 4;  // four-byte pieces of a row's codes
   TORCH_CHECK(blocks.size(1) == nb * bytes, "rungen_ggml: rows are not whole blocks");
-  at::Tensor out = out_in.has_value() ? *out_in : at::empty({blocks.size(0) / 8, 8 * blocks.size(1)}, blocks.options());
+  const int64_t out_bytes = nb * x8_bytes(qtype);
+  at::Tensor out = out_in.has_value() ? *out_in : at::empty({blocks.size(0) / 8, out_bytes}, blocks.options());
   TORCH_CHECK(out.dtype() == at::kByte && out.dim() == 2 && out.size(0) == blocks.size(0) / 8 &&
-              out.size(1) == 8 * blocks.size(1) && out.is_contiguous(),
-              "rungen_ggml: interleave's out must be contiguous uint8 [rows / 8, 8 * row bytes]");
+              out.size(1) == out_bytes && out.is_contiguous(),
+              "rungen_ggml: interleave's out must be contiguous uint8 [rows / 8, ", out_bytes, "]");
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   const int64_t pitch = blocks.stride(0);
+  if (x8_kquant(qtype)) {
+    at::parallel_for(0, out.size(0), 1, [&](int64_t g0, int64_t g1) {
+      KRow kr(256);
+      for (int64_t g = g0; g < g1; ++g) interleave_kquant(src, pitch, qtype, nb, g, dst, kr);
+    });
+    return out;
+  }
   at::parallel_for(0, out.size(0), 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
       for (int64_t b = 0; b < nb; ++b) {

@@ -424,7 +424,129 @@ static void x8_group_q8(const uint8_t* group, int64_t nblocks, const int8_t* con
   for (int t = 0; t < NT; ++t) _mm256_storeu_ps(out[t], acc[t]);
 }
 
-// NT tokens a pass over one group, for tokens [t, end); BASE: the blocks' type (Q4_0, Q4_1 or Q8_0).
+// Eight bytes as the eight int32 lanes, unsigned or signed.
+static inline __m256i lanes_u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
+static inline __m256i lanes_s8(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
+
+// A block's integer sums weighted by per-lane scales sc (int32 lanes of int16 values), exactly. On AVX2 the
+// maddubs pairs gather in int16 (at most four of them for 5-bit codes or 6-bit magnitudes, eight for 4-bit ones,
+// see kx8_group) and madd weights them by the scale in both halves of the lane; on VNNI dpbusd sums in int32 and
+// a multiply weights the sum.
+static inline __m256i scale_pairs(__m256i sc) {
+  return _mm256_or_si256(_mm256_and_si256(sc, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(sc, 16));
+}
+
+// Sixteen codes of each lane (four of them in each 32-bit lane for activations x + 4k: w[k], unsigned) against
+// one token's activations, times the lane's scale. SIGNED (Q6_K's q - 32): w[k] holds |q - 32| and sign[k] the
+// signed codes, whose signs the activations take.
+template <bool SIGNED>
+static inline __m256i kx8_half(const __m256i* w, const __m256i* sign, const int8_t* x, __m256i sc) {
+#ifdef GGML_VNNI
+  __m256i dot = _mm256_setzero_si256();
+  for (int k = 0; k < 4; ++k) {
+    const __m256i xs = broadcast4(x + 4 * k);
+    dot = _mm256_dpbusd_epi32(dot, w[k], SIGNED ? _mm256_sign_epi8(xs, sign[k]) : xs);
+  }
+  return _mm256_mullo_epi32(dot, sc);
+#else
+  __m256i sum = _mm256_setzero_si256();
+  for (int k = 0; k < 4; ++k) {
+    const __m256i xs = broadcast4(x + 4 * k);
+    sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(w[k], SIGNED ? _mm256_sign_epi8(xs, sign[k]) : xs));
+  }
+  return _mm256_madd_epi16(sum, scale_pairs(sc));
+#endif
+}
+
+// Q4_K/Q5_K/Q6_K rows interleaved eight by eight (X8, see ggml_kernels.cpp), against NT tokens a pass over a
+// group's superblocks. Per block of 32, its codes are unpacked once for the NT tokens: four loads of nibbles
+// (codes i and 16 + i of each row's lane), Q5_K's fifth bits and Q6_K's two high bits shifted into place from
+// one or two more loads. The integer sum per row (Q4_K: eight maddubs pairs of at most 2 * 15 * 127 in int16,
+// weighted once; Q5_K: each half's four pairs of at most 2 * 31 * 127; Q6_K: each half's four of at most
+// 2 * 32 * 127, by its own scale) is exact, and then per block and token one multiply-add for eight rows,
+// and one more for the mins of Q4_K/Q5_K: the arithmetic x8_rows of the scalar path does row by row.
+template <int64_t BASE, int NT>
+static void kx8_group(const uint8_t* group, int64_t nsb, const int8_t* const* xq, const float* const* xd,
+                      const float* const* xs, float* const* out) {
+  constexpr bool Q6 = BASE == Q6_K, Q5 = BASE == Q5_K;
+  constexpr int64_t BYTES = Q6 ? 1680 : Q5 ? 1440 : 1184, BLOCK = Q6 ? 192 : Q5 ? 160 : 128, CODES = Q6 ? 144 : 160;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  __m256 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < nsb; ++s) {
+    const uint8_t* p = group + s * BYTES;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+    const __m256 neg_dmin = Q6 ? d : _mm256_xor_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16))),
+                                                    _mm256_set1_ps(-0.f));
+    for (int64_t j = 0; j < 8; ++j) {
+      const int64_t b = 8 * s + j;
+      const uint8_t* nib = p + CODES + BLOCK * j;
+      __m256i lo[4], hi[4], lo_abs[4], hi_abs[4];
+      for (int k = 0; k < 4; ++k) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(nib + 32 * k));
+        lo[k] = _mm256_and_si256(v, low);
+        hi[k] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      }
+      if (Q5) {
+        const __m256i h = _mm256_loadu_si256((const __m256i*)(nib + 128)), bit = _mm256_set1_epi8(16);
+        for (int k = 0; k < 4; ++k) {
+          lo[k] = _mm256_or_si256(lo[k], _mm256_and_si256(_mm256_slli_epi32(h, 4 - k), bit));
+          hi[k] = _mm256_or_si256(hi[k], _mm256_and_si256(_mm256_srli_epi32(h, k), bit));
+        }
+      }
+      if (Q6) {
+        const __m256i h0 = _mm256_loadu_si256((const __m256i*)(nib + 128));
+        const __m256i h1 = _mm256_loadu_si256((const __m256i*)(nib + 160));
+        const __m256i bits = _mm256_set1_epi8(0x30), offset = _mm256_set1_epi8(32);
+        for (int k = 0; k < 4; ++k) {
+          // Bits 2k, 2k + 1 of each byte to bits 4, 5 (masked after the shift: no bit of a neighbour stays).
+          const __m256i t0 = k < 2 ? _mm256_slli_epi32(h0, 4 - 2 * k) : _mm256_srli_epi32(h0, 2 * k - 4);
+          const __m256i t1 = k < 2 ? _mm256_slli_epi32(h1, 4 - 2 * k) : _mm256_srli_epi32(h1, 2 * k - 4);
+          lo[k] = _mm256_sub_epi8(_mm256_or_si256(lo[k], _mm256_and_si256(t0, bits)), offset);
+          hi[k] = _mm256_sub_epi8(_mm256_or_si256(hi[k], _mm256_and_si256(t1, bits)), offset);
+          lo_abs[k] = _mm256_abs_epi8(lo[k]);
+          hi_abs[k] = _mm256_abs_epi8(hi[k]);
+        }
+      }
+      __m256i sc0, sc1;
+      __m256 m = d;
+      if (Q6) {
+        sc0 = lanes_s8(p + 16 + 16 * j);
+        sc1 = lanes_s8(p + 24 + 16 * j);
+      } else {
+        sc0 = sc1 = lanes_u8(p + 32 + 8 * j);
+        m = _mm256_mul_ps(neg_dmin, _mm256_cvtepi32_ps(lanes_u8(p + 96 + 8 * j)));
+      }
+      for (int t = 0; t < NT; ++t) {
+        const int8_t* x = xq[t] + b * 32;
+        __m256i dot;
+        if (BASE == Q4_K) {
+#ifdef GGML_VNNI
+          dot = _mm256_setzero_si256();
+          for (int k = 0; k < 4; ++k)
+            dot = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(dot, lo[k], broadcast4(x + 4 * k)), hi[k],
+                                      broadcast4(x + 16 + 4 * k));
+          dot = _mm256_mullo_epi32(dot, sc0);
+#else
+          __m256i sum = _mm256_setzero_si256();
+          for (int k = 0; k < 4; ++k)
+            sum = _mm256_add_epi16(sum, _mm256_add_epi16(_mm256_maddubs_epi16(lo[k], broadcast4(x + 4 * k)),
+                                                         _mm256_maddubs_epi16(hi[k], broadcast4(x + 16 + 4 * k))));
+          dot = _mm256_madd_epi16(sum, scale_pairs(sc0));
+#endif
+        } else {
+          dot = Q6 ? _mm256_add_epi32(kx8_half<true>(lo_abs, lo, x, sc0), kx8_half<true>(hi_abs, hi, x + 16, sc1))
+                   : _mm256_add_epi32(kx8_half<false>(lo, lo, x, sc0), kx8_half<false>(hi, hi, x + 16, sc1));
+        }
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_broadcast_ss(xd[t] + b)), acc[t]);
+        if (!Q6) acc[t] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xs[t] + b), acc[t]);
+      }
+    }
+  }
+  for (int t = 0; t < NT; ++t) _mm256_storeu_ps(out[t], acc[t]);
+}
+
+// NT tokens a pass over one group, for tokens [t, end); BASE: the blocks' type.
 template <int64_t BASE, int NT>
 static int64_t x8_pass(const uint8_t* group, int64_t nb, const Act& a, int64_t k, float* y, int64_t stride,
                        int64_t t, int64_t end) {
@@ -438,8 +560,10 @@ static int64_t x8_pass(const uint8_t* group, int64_t nb, const Act& a, int64_t k
       xs[i] = a.s + (t + i) * nb;
       out[i] = y + (t + i) * stride;
     }
-    if (BASE == Q8_0)
+    if constexpr (BASE == Q8_0)
       x8_group_q8<NT>(group, nb, xq, xd, out);
+    else if constexpr (BASE == Q4_K || BASE == Q5_K || BASE == Q6_K)
+      kx8_group<BASE, NT>(group, nb / 8, xq, xd, xs, out);
     else
       x8_group<BASE == Q4_1, NT>(group, nb, xq, xd, xs, out);
   }
@@ -466,6 +590,12 @@ static void x8_rows(const Job& job, int64_t g0, int64_t g1) {
       x8_tokens<Q4_1>(group, nb, a, job.in_features, y, job.out_features);
     else if (base == Q4_0)
       x8_tokens<Q4_0>(group, nb, a, job.in_features, y, job.out_features);
+    else if (base == Q4_K)
+      x8_tokens<Q4_K>(group, nb, a, job.in_features, y, job.out_features);
+    else if (base == Q5_K)
+      x8_tokens<Q5_K>(group, nb, a, job.in_features, y, job.out_features);
+    else if (base == Q6_K)
+      x8_tokens<Q6_K>(group, nb, a, job.in_features, y, job.out_features);
     else
       x8_tokens<Q8_0>(group, nb, a, job.in_features, y, job.out_features);
   }

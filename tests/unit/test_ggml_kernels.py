@@ -36,6 +36,12 @@ def blocks_for(qtype, rows, in_features, seed=0, kind="random"):
         return torch.from_numpy(quantize(w, qtype)).reshape(rows, -1)
     block, size = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (rows, in_features // block, size), dtype=np.uint8)
+    if kind == "extremes":  # every byte all zeros or all ones: codes, scales and mins at their ends
+        raw = np.where(rng.random(raw.shape) < 0.5, 0, 255).astype(np.uint8)
+        # The largest integer sums: the first rows' codes all at the top (Q6_K at q - 32 = -32, scales -128).
+        raw[:8] = 0 if qtype == T.Q6_K else 255
+        if qtype == T.Q6_K:
+            raw[:8, :, 192:208] = 0x80
     scales = (rng.random((rows, in_features // block, 2)) * 0.01).astype(np.float16)
     if kind == "zero-block":
         scales[:, 0] = 0
@@ -93,6 +99,9 @@ def inputs(n, in_features, seed, kind="random"):
         x[:, 3] = 80.0
     if kind == "zero-block":
         x[:, :32] = 0
+    if kind == "saturating":  # every code 127 or -127: with extreme weights, the largest integer sums
+        x = torch.where(torch.rand(n, in_features, generator=g) < 0.5, -1.0, 1.0)
+        x[0] = 1.0
     if kind == "ties":  # each block's scale exactly 1 and its values halfway between codes: rounded to even
         x = (torch.randint(-120, 120, (n, in_features), generator=g) + 0.5).float()
         x[:, ::32] = 127.0
@@ -149,18 +158,23 @@ def test_native_dequantize_and_tiled_path_match_gguf(qtype):
 
 @pytest.mark.parametrize("qtype", ggml.INTERLEAVED_TYPES, ids=lambda q: q.name)
 def test_interleaved_rows_match_reference_with_the_same_bits_on_every_path_and_alone(qtype, each_isa):
-    # The layout Q4_0/Q4_1/Q8_0 weights run in: the same weights (de-quantized exactly as the file's blocks), the
-    # product within the activations' rounding, and one arithmetic (integer block sums, then a multiply-add per
-    # block in order) that every instruction set computes to the same bits, a token alone or among any others.
+    # The layout these weights run in: the same weights (de-quantized exactly as the file's blocks), the product
+    # within the activations' rounding, and one arithmetic (integer block sums, then a multiply-add per block in
+    # order) that every instruction set computes to the same bits, a token alone or among any others.
     paths = isas()  # builds or loads the kernels
     ops = torch.ops.rungen_ggml
     cases = [(8, 1, "random", "random"), (64, 3, "extremes", "outlier"), (40, 17, "zero-block", "zero-block"),
-             (16, 37, "zeros", "random"), (24, 6, "random", "outlier"), (8, 5, "random", "ties")]
-    for seed, ((rows, n, weights, xs), in_features) in enumerate(itertools.product(cases, (512, 544))):
+             (16, 37, "zeros", "random"), (24, 6, "random", "outlier"), (8, 5, "random", "ties"),
+             (16, 4, "extremes", "saturating")]
+    # 32-blocks a row, even and odd; superblocks of 256 a row, odd and even.
+    widths = (512, 544) if qtype in SIMPLE else (768, 512)
+    for seed, ((rows, n, weights, xs), in_features) in enumerate(itertools.product(cases, widths)):
         blocks = blocks_for(qtype, rows, in_features, seed, weights)
         weight = dequantize(blocks, qtype, in_features)
         x8 = ops.interleave(blocks, int(qtype))
-        assert x8.shape == (rows // 8, 8 * blocks.shape[1])
+        assert x8.shape == (rows // 8, ggml.interleaved_row_bytes(qtype, in_features))
+        # The k-quants' packed 6-bit scales are unpacked to a byte each: a few percent more than the file's.
+        assert x8.numel() <= blocks.numel() * (1.03 if qtype in KQUANTS else 1)
         assert torch.equal(ops.dequantize(x8, int(qtype) | ggml.X8, in_features), weight)
         ids = torch.tensor([rows - 1, 0, 3, 3, rows // 2])  # an embedding's lookup reads either layout
         for layout, code in ((blocks, int(qtype)), (x8, int(qtype) | ggml.X8)):
@@ -198,9 +212,15 @@ def test_a_layer_interleaves_in_place_where_the_kernels_take_it():
     joined = ggml.concat(parts)
     assert joined.interleaved and joined.out_features == 32
     torch.testing.assert_close(joined(x), expected, rtol=1e-4, atol=1e-4)
-    # Neither other types nor rows that are not whole groups of eight are interleaved.
-    assert not GGMLLinear(blocks_for(T.Q6_K, 16, 256), T.Q6_K, 256).interleave()
-    assert not GGMLLinear(blocks_for(T.Q4_1, 12, 256), T.Q4_1, 256).interleave()
+    # k-quant layers too; rows that are not whole groups of eight are not interleaved, and stay row-major.
+    for qtype in KQUANTS:
+        blocks, x = blocks_for(qtype, 16, 512), inputs(3, 512, 1)
+        plain, layer = GGMLLinear(blocks, qtype, 512), GGMLLinear(blocks, qtype, 512)
+        assert layer.interleave() and layer.blocks.shape == (2, ggml.interleaved_row_bytes(qtype, 512))
+        torch.testing.assert_close(layer(x), plain(x), rtol=1e-4, atol=1e-4)
+    for qtype in (T.Q4_1, T.Q4_K):
+        layer = GGMLLinear(blocks_for(qtype, 12, 256), qtype, 256)
+        assert not layer.interleave() and layer.blocks.shape[0] == 12
     with pytest.raises(RuntimeError, match="multiple of 8"):
         torch.ops.rungen_ggml.interleave(blocks_for(T.Q4_1, 12, 256), int(T.Q4_1))
 
