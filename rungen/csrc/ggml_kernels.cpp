@@ -1173,7 +1173,8 @@ std::vector<at::Tensor> attention_in(const at::Tensor& hidden, const at::Tensor&
 at::Tensor attention_out_mlp(const at::Tensor& hidden, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const c10::optional<at::Tensor>& mask, double scale, const at::Tensor& o_blocks,
                              int64_t o_qtype, const at::Tensor& norm_weight, double eps,
-                             at::TensorList gate_up_blocks, at::IntArrayRef gate_up_qtypes, const at::Tensor& down_blocks,
+                             at::TensorList gate_up_blocks, at::IntArrayRef gate_up_qtypes,
+                             const at::Tensor& down_blocks,
                              int64_t down_qtype) {
   TORCH_CHECK(hidden.dim() == 3, "rungen_ggml: hidden must be [batch, tokens, features]");
   const int64_t b = hidden.size(0), t = hidden.size(1), features = hidden.size(2);
@@ -1192,9 +1193,9 @@ at::Tensor attention_out_mlp(const at::Tensor& hidden, const at::Tensor& q, cons
 // same order: the same bits), the cache's keys and values written in place: k_buffers[i] and v_buffers[i] are
 // layer i's [b, kv_heads, capacity, head_dim] with `length` positions filled and room for this call's tokens.
 // qkv: QKV_PARTS parts a layer, gate_up: GATE_UP_PARTS (mm_parts; a layer with fewer passes empty ones: zero
-// rows cost nothing); qtypes: seven a layer (the q/k/v parts', o, the gate/up parts', down). q_norms/k_norms: each layer's per-head norms of q and k (None
-// for llama; their epsilon is the layers' `eps`). Returns the hidden states and each layer's filled keys and
-// values (views of the buffers).
+// rows cost nothing); qtypes: seven a layer (the q/k/v parts', o, the gate/up parts', down). q_norms/k_norms:
+// each layer's per-head norms of q and k (None for llama; their epsilon is the layers' `eps`). Returns the hidden
+// states and each layer's filled keys and values (views of the buffers).
 //
 // At one token a step the layers' arithmetic is a few milliseconds, and a torch operator inside them (an
 // allocation, a view, a copy) costs a microsecond or more: the call allocates its working buffers once, the
@@ -1249,7 +1250,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decoder
                 vb.scalar_type() == at::kFloat,
                 "rungen_ggml: decoder_stack's cache buffers must be float32 [b, kv_heads, room for ", length + t,
                 ", ", dim, "]");
-    TORCH_CHECK(parts_rows(qkv_of(i), qkv_types(i)) == qkv_width, "rungen_ggml: decoder_stack's layers differ in q/k/v");
+    TORCH_CHECK(parts_rows(qkv_of(i), qkv_types(i)) == qkv_width,
+                "rungen_ggml: decoder_stack's layers differ in q/k/v");
     const int64_t width = parts_rows(gate_up_of(i), gate_up_types(i)) / 2;
     const int64_t* types = qtypes.data() + LAYER_TYPES * i;
     // attention_in: norm, the q/k/v product (and bias), rotation; keys and values into the cache.
