@@ -4,11 +4,13 @@ mistral, qwen2, qwen3, phi3, gemma2, gemma3), what each differs in declared in o
 transformers' LlamaDecoderLayer runs about 80 torch operators a token (the norms' casts and reductions,
 rotate_half's slices and concatenations, three separate q/k/v products, ...), each 3-5 µs of dispatch on a
 CPU: at one token a step of a small model they cost more than its matmuls. FusedDecoderLayer computes the
-same function with one product for q/k/v and one for gate/up (their rows concatenated once, at load), and
-the native kernels' rms_norm, rope_split, silu_mul (gelu_tanh_mul) and attend for what lies between. The
-key/value cache and the attention masks stay transformers' (Cache.update, the mask the model passes in), so
-generate() and everything built on it work unchanged; a sliding-window layer (and gemma2's soft-capped logits)
-attends through transformers' attention interface.
+same function with one product for q/k/v and one for gate/up (their rows concatenated once, at load; where
+their block types differ, as a Q4_K_M file's attn_v and attn_q do, each type's rows a part of one product that
+quantizes the activations once: rungen.ggml.GGMLParts), and the native kernels' rms_norm, rope_split, silu_mul
+(gelu_tanh_mul) and attend for what lies between. The key/value cache and the attention masks stay
+transformers' (Cache.update, the mask the model passes in), so generate() and everything built on it work
+unchanged; a sliding-window layer (and gemma2's soft-capped logits) attends through transformers' attention
+interface.
 
 The float arithmetic differs from transformers' only in summation order and fused multiply-adds:
 tests/unit/test_decoder.py holds it to transformers' own layer within float32 rounding. The attention visits
@@ -26,7 +28,7 @@ import weakref
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from .ggml import GGMLLinear, concat, native_kernels, release_freed_memory
+from .ggml import GGMLLinear, GGMLParts, join, native_kernels, release_freed_memory
 from .kvcache import GrowingLayer
 
 
@@ -86,12 +88,14 @@ class FusedDecoderLayer(torch.nn.Module):
     """A LlamaDecoderLayer (or a layer of another family of FAMILIES) with fused q/k/v and gate/up products over
     GGUF blocks."""
 
-    def __init__(self, layer: torch.nn.Module, qkv: GGMLLinear, gate_up: GGMLLinear):
+    def __init__(self, layer: torch.nn.Module, qkv: GGMLLinear | GGMLParts, gate_up: GGMLLinear | GGMLParts):
         super().__init__()
         family = FAMILIES[type(layer).__name__]
         attention, config = layer.self_attn, layer.self_attn.config
         self.qkv, self.o_proj = qkv, attention.o_proj
         self.gate_up, self.down_proj = gate_up, layer.mlp.down_proj
+        # The two products' blocks and codes as the native layer calls take them (parts side by side).
+        self.qkv_parts, self.gate_up_parts = native_parts(qkv), native_parts(gate_up)
         self.activation = getattr(config, family.activation)
         self.input_layernorm, self.mlp_norm = layer.input_layernorm, getattr(layer, family.mlp_norm)
         self.attention_out_norm, self.mlp_out_norm = (None if name is None else getattr(layer, name)
@@ -121,7 +125,7 @@ class FusedDecoderLayer(torch.nn.Module):
     @classmethod
     def fuse(cls, layer: torch.nn.Module) -> FusedDecoderLayer | None:
         """The fused layer, or None when `layer` is not one this class computes (another architecture, an
-        activation without a native step, projections in different block types)."""
+        activation without a native step, projections not all in blocks)."""
         family = FAMILIES.get(type(layer).__name__)
         if family is None or getattr(layer.self_attn.config, family.activation, None) not in ACTIVATIONS:
             return None
@@ -131,7 +135,7 @@ class FusedDecoderLayer(torch.nn.Module):
             return None
         if any(p.bias is not None for p in parts[1]) or getattr(attention.o_proj, "bias", None) is not None:
             return None
-        qkv, gate_up = (group[0] if len(group) == 1 else concat(group) for group in parts)
+        qkv, gate_up = (group[0] if len(group) == 1 else join(group) for group in parts)
         if qkv is None or gate_up is None:
             return None
         return cls(layer, qkv, gate_up)
@@ -187,14 +191,13 @@ class FusedDecoderLayer(torch.nn.Module):
     def _two_calls(self, hidden_states, attention_mask, past_key_values, position_embeddings):
         """forward's arithmetic, in the same order, as rungen_ggml's attention_in and attention_out_mlp."""
         ops, (cos, sin) = torch.ops.rungen_ggml, position_embeddings
-        qkv, gate_up, o, down = self.qkv, self.gate_up, self.o_proj, self.down_proj
-        q, k, v = ops.attention_in(hidden_states, *self.norm_args("input_layernorm"), qkv.blocks, qkv.code,
+        qkv, o, down = self.qkv, self.o_proj, self.down_proj
+        q, k, v = ops.attention_in(hidden_states, *self.norm_args("input_layernorm"), *self.qkv_parts,
                                    qkv.bias, cos, sin, self.heads, self.kv_heads, *self.head_norm_args())
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
         return ops.attention_out_mlp(hidden_states, q, k, v, attention_mask, self.scaling, o.blocks, o.code,
-                                     *self.norm_args("mlp_norm"), gate_up.blocks, gate_up.code,
-                                     down.blocks, down.code)
+                                     *self.norm_args("mlp_norm"), *self.gate_up_parts, down.blocks, down.code)
 
     def _attention(self, q, k, v, attention_mask, kwargs):
         """transformers' attention interface of the model's implementation (sdpa, eager, ...)."""
@@ -211,13 +214,31 @@ class FusedDecoderLayer(torch.nn.Module):
 
 
 def product(layer: torch.nn.Module, x: torch.Tensor, native: bool) -> torch.Tensor:
-    """layer(x); for a GGMLLinear with the native kernels, its product called directly (a module call and
-    its reshapes cost more than the operator's own work at one token)."""
-    if not native or not isinstance(layer, GGMLLinear):
+    """layer(x); for a GGMLLinear (or GGMLParts) with the native kernels, its product called directly (a module
+    call and its reshapes cost more than the operator's own work at one token)."""
+    if not native or not isinstance(layer, (GGMLLinear, GGMLParts)):
         return layer(x)
     y = layer._matmul(x.reshape(-1, layer.in_features))
     y = y.view(*x.shape[:-1], layer.out_features)
     return y if layer.bias is None else y + layer.bias
+
+
+def native_parts(fused: GGMLLinear | GGMLParts, count: int | None = None) -> tuple[list, list]:
+    """([blocks], [codes]) of a fused product's parts, as rungen_ggml's mm_parts, attention_in, attention_out_mlp
+    and decoder_stack take them: the whole weight as one part, or a GGMLParts' parts; up to `count` parts with
+    empty ones of zero rows (which cost nothing) when given."""
+    parts = list(fused.parts) if isinstance(fused, GGMLParts) else [fused]
+    blocks, codes = [p.blocks for p in parts], [p.code for p in parts]
+    if count is not None:
+        if len(parts) > count:
+            raise ValueError(f"a fused product of {len(parts)} parts; the native stack takes {count}")
+        blocks += [parts[0].blocks[:0]] * (count - len(parts))
+        codes += [parts[0].code] * (count - len(parts))
+    return blocks, codes
+
+
+# Parts a layer's q/k/v and gate/up products take in rungen_ggml.decoder_stack (its QKV_PARTS, GATE_UP_PARTS).
+QKV_PARTS, GATE_UP_PARTS = 3, 2
 
 
 def fusable(model: torch.nn.Module) -> bool:
@@ -264,14 +285,17 @@ class DecoderStack:
         self.eps, self.scale = first.norm_args("input_layernorm")[1], first.scaling
         self.heads, self.kv_heads = first.heads, first.kv_heads
         self.head_dim = first.qkv.out_features // (first.heads + 2 * first.kv_heads)
+        qkv = [native_parts(layer.qkv, QKV_PARTS) for layer in layers]
+        gate_up = [native_parts(layer.gate_up, GATE_UP_PARTS) for layer in layers]
         self.weights = ([layer.norm_args("input_layernorm")[0] for layer in layers],
-                        [layer.qkv.blocks for layer in layers],
+                        [blocks for layer_blocks, _ in qkv for blocks in layer_blocks],
                         [layer.qkv.bias for layer in layers], [layer.head_norm_args()[0] for layer in layers],
                         [layer.head_norm_args()[1] for layer in layers], [layer.o_proj.blocks for layer in layers],
                         [layer.norm_args("mlp_norm")[0] for layer in layers],
-                        [layer.gate_up.blocks for layer in layers], [layer.down_proj.blocks for layer in layers],
-                        [p.code for layer in layers
-                         for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down_proj)])
+                        [blocks for layer_blocks, _ in gate_up for blocks in layer_blocks],
+                        [layer.down_proj.blocks for layer in layers],
+                        [code for layer, (_, qkv_codes), (_, gate_up_codes) in zip(layers, qkv, gate_up)
+                         for code in (*qkv_codes, layer.o_proj.code, *gate_up_codes, layer.down_proj.code)])
 
     @classmethod
     def install(cls, model: torch.nn.Module) -> bool:
@@ -280,7 +304,9 @@ class DecoderStack:
         inner = model.model
         layers = list(inner.layers)
         if not layers or len(layers) != model.config.num_hidden_layers or not all(
-                isinstance(layer, FusedDecoderLayer) and layer.two_calls for layer in layers):
+                isinstance(layer, FusedDecoderLayer) and layer.two_calls
+                and len(layer.qkv_parts[0]) <= QKV_PARTS and len(layer.gate_up_parts[0]) <= GATE_UP_PARTS
+                for layer in layers):
             return False
         first = layers[0]
         # One epsilon for every norm, the per-head ones too (the stack takes one).

@@ -179,6 +179,63 @@ def concat(layers: list[GGMLLinear]) -> GGMLLinear | None:
                       interleaved=first.interleaved)
 
 
+class GGMLParts(torch.nn.Module):
+    """y = x @ [W_1; W_2; ...].T (+ bias): projections of one input side by side (q/k/v, gate/up) whose blocks
+    differ in type (a Q4_K_M file's Q6_K attn_v beside Q4_K attn_q/attn_k), as one product. With the native
+    kernels each part is multiplied by its own kernel into its own columns of one output, the activations
+    quantized once for all (rungen_ggml.mm_parts): each output the bits of its part multiplied alone."""
+
+    def __init__(self, parts: list[GGMLLinear], bias: torch.Tensor | None = None):
+        super().__init__()
+        self.parts = torch.nn.ModuleList(parts)
+        self.in_features, self.out_features = parts[0].in_features, sum(p.out_features for p in parts)
+        self.bias = bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._matmul(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        # A caller that replaced GGMLLinear._matmul (to measure a product's own rounding: products_one_by_one)
+        # gets its replacement on each part.
+        if native_kernels() and GGMLLinear._matmul is _BLOCKS_MATMUL:
+            return torch.ops.rungen_ggml.mm_parts(x.float().contiguous(), [p.blocks for p in self.parts],
+                                                  [p.code for p in self.parts], self.in_features)
+        return torch.cat([p._matmul(x) for p in self.parts], dim=-1)
+
+
+_BLOCKS_MATMUL = GGMLLinear._matmul
+
+
+def join(layers: list[GGMLLinear]) -> GGMLLinear | GGMLParts | None:
+    """One product of the given layers' rows, in order (q/k/v, gate/up: one call for projections of the same
+    input): their rows concatenated where they share type and layout (concat), else each run of one type
+    concatenated as a part of a GGMLParts; None when their input widths differ."""
+    joined = concat(layers)
+    if joined is not None or any(layer.in_features != layers[0].in_features for layer in layers):
+        return joined
+    runs = [[layers[0]]]
+    for layer in layers[1:]:
+        if layer.code == runs[-1][-1].code:
+            runs[-1].append(layer)
+        else:
+            runs.append([layer])
+    parts = []
+    for run in runs:  # a run of one keeps its blocks (no copy); the biases go to the whole product, added once
+        part = concat(run) if len(run) > 1 else GGMLLinear(run[0].blocks, run[0].qtype, run[0].in_features,
+                                                             interleaved=run[0].interleaved)
+        part.bias = None
+        parts.append(part)
+    bias = None
+    if any(layer.bias is not None for layer in layers):
+        bias = torch.cat([layer.bias if layer.bias is not None else torch.zeros(layer.out_features)
+                          for layer in layers])
+    return GGMLParts(parts, bias)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The native kernels: built from rungen/csrc on first use, cached by the hash of their sources and torch's
 # version, loaded from the cache afterwards.

@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType as Q
 import run_generation
 from rungen import gguf_loading
 from rungen.decoder import DecoderStack, FusedDecoderLayer, products_one_by_one
-from rungen.ggml import INTERLEAVED_TYPES, SUPPORTED, GGMLLinear, native_kernels
+from rungen.ggml import INTERLEAVED_TYPES, SUPPORTED, GGMLLinear, GGMLParts, native_kernels
 from rungen.gguf_loading import CastLinear, GGMLEmbedding, GGUFHeader, build_model, metadata_parsed_once
 from rungen.loading import default_model_file
 
@@ -313,6 +313,27 @@ def test_k_quant_layers_run_as_one_stack(loaded):
     assert {m.qtype for m in layers} == {Q.Q6_K} and all(m.interleaved for m in layers) == native_kernels()
     assert all(isinstance(layer, FusedDecoderLayer) for layer in model.model.layers)
     assert isinstance(model.model.forward, DecoderStack) == native_kernels()
+
+
+def test_q4_k_m_layers_with_q6_k_attn_v_run_fused_as_one_stack(loaded, monkeypatch):
+    # llama.cpp's Q4_K_M mix: the last layer's attn_v (and ffn_down) Q6_K beside Q4_K attn_q/attn_k. Every layer
+    # fuses, that one's q/k/v as a product of two parts (q and k's rows, then v's), and the model runs its one
+    # decoder_stack call (the logits test holds it to the de-quantized model).
+    _, model, _ = loaded["q4_k_m_tied"]
+    layers = model.model.layers
+    assert all(isinstance(layer, FusedDecoderLayer) and layer.two_calls for layer in layers)
+    assert isinstance(layers[0].qkv, GGMLLinear) and isinstance(layers[1].qkv, GGMLParts)
+    assert [part.qtype for part in layers[1].qkv.parts] == [Q.Q4_K, Q.Q6_K]
+    assert layers[1].down_proj.qtype == Q.Q6_K
+    if not native_kernels():
+        return
+    assert isinstance(model.model.forward, DecoderStack)
+    calls = []
+    monkeypatch.setattr(torch.ops.rungen_ggml, "decoder_stack",
+                        lambda *a, original=torch.ops.rungen_ggml.decoder_stack: calls.append(1) or original(*a))
+    with torch.no_grad():
+        model(torch.tensor([[5, 9, 13]]))
+    assert calls == [1]
 
 
 def test_untied_file_has_its_own_head(loaded):

@@ -4,6 +4,7 @@
 //
 //   torch.ops.rungen_ggml.mm(x, blocks, qtype, in_features)      auto: integer kernel, or for many tokens
 //                                                               de-quantized float tiles and torch's matmul
+//   torch.ops.rungen_ggml.mm_parts(x, [blocks], [qtype], in_features)  mm of several weights side by side
 //   torch.ops.rungen_ggml.mm_int(x, blocks, qtype, in_features)  integer kernel, any number of tokens
 //   torch.ops.rungen_ggml.dequantize(blocks, qtype, in_features) float32 weight
 //   torch.ops.rungen_ggml.rms_norm(x, weight, eps)               a decoder layer's small steps, one operator
@@ -648,18 +649,47 @@ const Act& quantize_activations(const float* xp, int64_t n, int64_t k) {
   return r.act;
 }
 
+// y [n, width] = x [n, K] times each part's rows (blocks[i] of type qtypes[i]) side by side, part i's outputs in
+// the columns after part i - 1's: projections of one input whose weights differ in block type (q/k/v, gate/up
+// of a Q4_K_M file) as one product. The activations are quantized once for all parts, and one parallel loop
+// covers every part's rows. Job.out_features is y's row stride, so a part writes straight into its own columns;
+// each row is the kernel's own arithmetic, so its bits are those of the part multiplied alone. A part of zero
+// rows (the callers' padding to a fixed number of parts) costs nothing.
+void products_into(const float* x, int64_t n, at::TensorList blocks, at::IntArrayRef qtypes, int64_t in_features,
+                   float* y) {
+  int64_t width = 0;
+  for (size_t i = 0; i < blocks.size(); ++i) width += out_rows(blocks[i], qtypes[i]);
+  std::vector<Job> jobs;
+  std::vector<RowsFn> fns;
+  std::vector<int64_t> starts{0};  // where each job's tasks (tensor rows) start in the one loop
+  int64_t column = 0, per = 1;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const int64_t out = out_rows(blocks[i], qtypes[i]);
+    if (out > 0) {
+      jobs.push_back(Job{nullptr, blocks[i].data_ptr<uint8_t>(), blocks[i].stride(0), qtypes[i], in_features, width,
+                         y + column});
+      fns.push_back(rows_fn(qtypes[i]));
+      starts.push_back(starts.back() + blocks[i].size(0));
+      if (qtypes[i] & X8) per = 8;  // X8 tasks are groups of eight rows
+    }
+    column += out;
+  }
+  if (n == 0 || jobs.empty()) return;
+  const Act& act = quantize_activations(x, n, in_features);
+  for (Job& job : jobs) job.act = &act;
+  // Enough rows a task that a thread's share is worth waking it for (about 64k multiply-adds).
+  const int64_t grain = std::max<int64_t>(1, 65536 / (in_features * n * per));
+  at::parallel_for(0, starts.back(), grain, [&](int64_t r0, int64_t r1) {
+    for (size_t j = 0; j < jobs.size(); ++j) {
+      const int64_t a = std::max(r0, starts[j]), b = std::min(r1, starts[j + 1]);
+      if (a < b) fns[j](jobs[j], a - starts[j], b - starts[j]);
+    }
+  });
+}
+
 // y [n, out rows] = x [n, K] times the blocks' rows, by the integer kernels (y may be any buffer of that size).
 void product_into(const float* x, int64_t n, const at::Tensor& blocks, int64_t qtype, int64_t in_features, float* y) {
-  const int64_t out = out_rows(blocks, qtype);
-  if (n == 0 || out == 0) return;
-  const Act& act = quantize_activations(x, n, in_features);
-  Job job{&act, blocks.data_ptr<uint8_t>(), blocks.stride(0), qtype, in_features, out, y};
-  const RowsFn fn = rows_fn(qtype);
-  // Enough rows a task that a thread's share is worth waking it for (about 64k multiply-adds); X8 tasks are
-  // groups of eight rows.
-  const int64_t per = qtype & X8 ? 8 : 1;
-  const int64_t grain = std::max<int64_t>(1, 65536 / (in_features * n * per));
-  at::parallel_for(0, blocks.size(0), grain, [&](int64_t r0, int64_t r1) { fn(job, r0, r1); });
+  products_into(x, n, at::TensorList(blocks), at::IntArrayRef(qtype), in_features, y);
 }
 
 at::Tensor mm_int(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype, int64_t in_features) {
@@ -794,18 +824,37 @@ at::Tensor rounded_activations(const at::Tensor& x_in) {
   return r;
 }
 
-// x [n, K] (float32, contiguous) times the blocks' rows into y, a buffer of [n, out rows]: the integer kernel,
-// or from tile_threshold tokens float tiles, their activations rounded as the integer kernel rounds them (a
-// token's product is then the same, up to the order of float sums, alone, in a batch of any size and in a
-// prompt, so a greedy sequence does not change with the batch it decodes in).
-void mm_into(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, int64_t in_features, float* y) {
-  check_inputs(blocks, qtype, in_features);
-  if (x.size(0) >= tile_threshold) {
-    const at::Tensor r = mm_tiled(rounded_activations(x), blocks, qtype, in_features);
-    std::memcpy(y, r.data_ptr<float>(), r.numel() * sizeof(float));
+// x [n, K] (float32, contiguous) times the parts' rows side by side (products_into) into y, a buffer of
+// [n, all their rows]: the integer kernel, or from tile_threshold tokens float tiles, their activations rounded as
+// the integer kernel rounds them (a token's product is then the same, up to the order of float sums, alone, in a
+// batch of any size and in a prompt, so a greedy sequence does not change with the batch it decodes in).
+void mm_parts_into(const at::Tensor& x, at::TensorList blocks, at::IntArrayRef qtypes, int64_t in_features,
+                   float* y) {
+  TORCH_CHECK(blocks.size() == qtypes.size() && !blocks.empty(), "rungen_ggml: one type for each part's blocks");
+  int64_t width = 0;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    check_inputs(blocks[i], qtypes[i], in_features);
+    width += out_rows(blocks[i], qtypes[i]);
+  }
+  const int64_t n = x.size(0);
+  if (n >= tile_threshold) {
+    const at::Tensor rounded = rounded_activations(x);
+    int64_t column = 0;
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      const int64_t out = out_rows(blocks[i], qtypes[i]);
+      if (out == 0) continue;
+      const at::Tensor r = mm_tiled(rounded, blocks[i], qtypes[i], in_features);
+      const float* rp = r.data_ptr<float>();
+      for (int64_t t = 0; t < n; ++t) std::memcpy(y + t * width + column, rp + t * out, out * sizeof(float));
+      column += out;
+    }
     return;
   }
-  product_into(x.data_ptr<float>(), x.size(0), blocks, qtype, in_features, y);
+  products_into(x.data_ptr<float>(), n, blocks, qtypes, in_features, y);
+}
+
+void mm_into(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, int64_t in_features, float* y) {
+  mm_parts_into(x, at::TensorList(blocks), at::IntArrayRef(qtype), in_features, y);
 }
 
 at::Tensor mm(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype, int64_t in_features) {
@@ -813,6 +862,23 @@ at::Tensor mm(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype, i
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   at::Tensor y = at::empty({x.size(0), out_rows(blocks, qtype)}, x.options());
   mm_into(x, blocks, qtype, in_features, y.data_ptr<float>());
+  return y;
+}
+
+// Output features of parts side by side.
+int64_t parts_rows(at::TensorList blocks, at::IntArrayRef qtypes) {
+  TORCH_CHECK(blocks.size() == qtypes.size(), "rungen_ggml: one type for each part's blocks");
+  int64_t rows = 0;
+  for (size_t i = 0; i < blocks.size(); ++i) rows += out_rows(blocks[i], qtypes[i]);
+  return rows;
+}
+
+// x [n, K] times the parts' rows side by side: [n, all their rows] (mm_parts_into).
+at::Tensor mm_parts(const at::Tensor& x_in, at::TensorList blocks, at::IntArrayRef qtypes, int64_t in_features) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == in_features, "rungen_ggml: x must be [n, ", in_features, "]");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({x.size(0), parts_rows(blocks, qtypes)}, x.options());
+  mm_parts_into(x, blocks, qtypes, in_features, y.data_ptr<float>());
   return y;
 }
 
@@ -1259,10 +1325,13 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tens
 // each of its dozen operators costs more in dispatch and Python than in arithmetic. The same functions as the
 // separate operators, in the same order: the bits are theirs.
 //
+// The fused products (q/k/v, gate/up) come as parts side by side (mm_parts): the whole weight as one part
+// where the projections share a block type, else each run of one type its own part.
+//
 // attention_in: q, k, v of rms_norm(hidden) (the fused q/k/v product, its bias if any, q and k normalized
 // per head where the family does, rotated).
 std::vector<at::Tensor> attention_in(const at::Tensor& hidden, const at::Tensor& norm_weight, double eps,
-                                     const at::Tensor& qkv_blocks, int64_t qkv_qtype,
+                                     at::TensorList qkv_blocks, at::IntArrayRef qkv_qtypes,
                                      const c10::optional<at::Tensor>& qkv_bias, const at::Tensor& cos,
                                      const at::Tensor& sin, int64_t heads, int64_t kv_heads,
                                      const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
@@ -1270,7 +1339,7 @@ std::vector<at::Tensor> attention_in(const at::Tensor& hidden, const at::Tensor&
   TORCH_CHECK(hidden.dim() == 3, "rungen_ggml: hidden must be [batch, tokens, features]");
   const int64_t b = hidden.size(0), t = hidden.size(1), features = hidden.size(2);
   const at::Tensor x = rms_norm(hidden, norm_weight, eps);
-  at::Tensor qkv = mm(x.view({b * t, features}), qkv_blocks, qkv_qtype, features);
+  at::Tensor qkv = mm_parts(x.view({b * t, features}), qkv_blocks, qkv_qtypes, features);
   if (qkv_bias.has_value()) qkv.add_(*qkv_bias);
   return rope_split(qkv.view({b, t, qkv.size(1)}), cos, sin, heads, kv_heads, q_norm, k_norm, norm_eps);
 }
@@ -1280,7 +1349,8 @@ std::vector<at::Tensor> attention_in(const at::Tensor& hidden, const at::Tensor&
 at::Tensor attention_out_mlp(const at::Tensor& hidden, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const c10::optional<at::Tensor>& mask, double scale, const at::Tensor& o_blocks,
                              int64_t o_qtype, const at::Tensor& norm_weight, double eps,
-                             const at::Tensor& gate_up_blocks, int64_t gate_up_qtype, const at::Tensor& down_blocks,
+                             at::TensorList gate_up_blocks, at::IntArrayRef gate_up_qtypes,
+                             const at::Tensor& down_blocks,
                              int64_t down_qtype) {
   TORCH_CHECK(hidden.dim() == 3, "rungen_ggml: hidden must be [batch, tokens, features]");
   const int64_t b = hidden.size(0), t = hidden.size(1), features = hidden.size(2);
@@ -1288,7 +1358,7 @@ at::Tensor attention_out_mlp(const at::Tensor& hidden, const at::Tensor& q, cons
   at::Tensor h = mm(attended.view({b * t, attended.size(2)}), o_blocks, o_qtype, attended.size(2));
   h.add_(hidden.to(at::kFloat).reshape({b * t, features}));  // hidden + o: a float sum is the same either way
   const at::Tensor x = rms_norm(h, norm_weight, eps);
-  const at::Tensor gate_up = mm(x, gate_up_blocks, gate_up_qtype, features);
+  const at::Tensor gate_up = mm_parts(x, gate_up_blocks, gate_up_qtypes, features);
   const at::Tensor act = silu_mul(gate_up);
   at::Tensor out = mm(act, down_blocks, down_qtype, act.size(1));
   out.add_(h);
@@ -1298,14 +1368,17 @@ at::Tensor attention_out_mlp(const at::Tensor& hidden, const at::Tensor& q, cons
 // Every decoder layer of a model in one call (the same functions as attention_in and attention_out_mlp, in the
 // same order: the same bits), the cache's keys and values written in place: k_buffers[i] and v_buffers[i] are
 // layer i's [b, kv_heads, capacity, head_dim] with `length` positions filled and room for this call's tokens.
-// qtypes: four a layer (q/k/v, o, gate/up, down). q_norms/k_norms: each layer's per-head norms of q and k (None
-// for llama; their epsilon is the layers' `eps`). Returns the hidden states and each layer's filled keys and
-// values (views of the buffers).
+// qkv: QKV_PARTS parts a layer, gate_up: GATE_UP_PARTS (mm_parts; a layer with fewer passes empty ones: zero
+// rows cost nothing); qtypes: seven a layer (the q/k/v parts', o, the gate/up parts', down). q_norms/k_norms:
+// each layer's per-head norms of q and k (None for llama; their epsilon is the layers' `eps`). Returns the hidden
+// states and each layer's filled keys and values (views of the buffers).
 //
 // At one token a step the layers' arithmetic is a few milliseconds, and a torch operator inside them (an
 // allocation, a view, a copy) costs a microsecond or more: the call allocates its working buffers once, the
 // rotation writes keys and values straight into the cache, and the residual sums are plain loops (hidden + o and
 // then + down: a float sum is the same in either order, so the bits are the separate operators').
+constexpr size_t QKV_PARTS = 3, GATE_UP_PARTS = 2, LAYER_TYPES = QKV_PARTS + 1 + GATE_UP_PARTS + 1;
+
 std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decoder_stack(
     const at::Tensor& hidden, const at::Tensor& cos_in, const at::Tensor& sin_in,
     const c10::optional<at::Tensor>& mask, at::TensorList input_norms, at::TensorList qkv,
@@ -1313,24 +1386,30 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decoder
     const c10::List<c10::optional<at::Tensor>>& k_norms, at::TensorList o, at::TensorList post_norms,
     at::TensorList gate_up, at::TensorList down, at::IntArrayRef qtypes, double eps, int64_t heads, int64_t kv_heads,
     double scale, at::TensorList k_buffers, at::TensorList v_buffers, int64_t length) {
-  const size_t layers = qkv.size();
+  const size_t layers = o.size();
   TORCH_CHECK(input_norms.size() == layers && qkv_bias.size() == layers && q_norms.size() == layers &&
-              k_norms.size() == layers && o.size() == layers &&
-              post_norms.size() == layers && gate_up.size() == layers && down.size() == layers &&
-              k_buffers.size() == layers && v_buffers.size() == layers && qtypes.size() == 4 * layers,
+              k_norms.size() == layers && qkv.size() == QKV_PARTS * layers &&
+              post_norms.size() == layers && gate_up.size() == GATE_UP_PARTS * layers && down.size() == layers &&
+              k_buffers.size() == layers && v_buffers.size() == layers && qtypes.size() == LAYER_TYPES * layers,
               "rungen_ggml: decoder_stack takes the same number of each layer's tensors");
   TORCH_CHECK(hidden.dim() == 3, "rungen_ggml: hidden must be [batch, tokens, features]");
   const int64_t b = hidden.size(0), t = hidden.size(1), features = hidden.size(2), n = b * t;
   at::Tensor h = hidden.to(at::kFloat).contiguous().clone();  // the residual stream, [n, features]
   if (layers == 0) return {h, {}, {}};
-  const int64_t qkv_width = out_rows(qkv[0], qtypes[0]), all = heads + 2 * kv_heads, dim = qkv_width / all;
+  // Layer i's parts and their types.
+  const auto qkv_of = [&](size_t i) { return qkv.slice(QKV_PARTS * i, QKV_PARTS); };
+  const auto qkv_types = [&](size_t i) { return qtypes.slice(LAYER_TYPES * i, QKV_PARTS); };
+  const auto gate_up_of = [&](size_t i) { return gate_up.slice(GATE_UP_PARTS * i, GATE_UP_PARTS); };
+  const auto gate_up_types = [&](size_t i) { return qtypes.slice(LAYER_TYPES * i + QKV_PARTS + 1, GATE_UP_PARTS); };
+  const int64_t o_type = QKV_PARTS, down_type = LAYER_TYPES - 1;  // within a layer's types
+  const int64_t qkv_width = parts_rows(qkv_of(0), qkv_types(0)), all = heads + 2 * kv_heads, dim = qkv_width / all;
   TORCH_CHECK(qkv_width % all == 0, "rungen_ggml: qkv features are not (heads + 2 kv_heads) * head_dim");
   const at::Tensor cos = cos_in.to(at::kFloat).contiguous(), sin = sin_in.to(at::kFloat).contiguous();
   const int64_t rot = rotary_width(cos, dim);
   const bool shared = rope_shared(cos, sin, b, t, rot);
   const AttendMask attend_mask_once = attend_mask(mask, b, t, length + t);
   int64_t ffn = 0;
-  for (size_t i = 0; i < layers; ++i) ffn = std::max(ffn, out_rows(gate_up[i], qtypes[4 * i + 2]) / 2);
+  for (size_t i = 0; i < layers; ++i) ffn = std::max(ffn, parts_rows(gate_up_of(i), gate_up_types(i)) / 2);
   const auto options = h.options();
   at::Tensor x = at::empty({n, features}, options), part = at::empty({n, features}, options);
   at::Tensor qkv_out = at::empty({n, qkv_width}, options), q = at::empty({b, heads, t, dim}, options);
@@ -1347,11 +1426,13 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decoder
                 vb.scalar_type() == at::kFloat,
                 "rungen_ggml: decoder_stack's cache buffers must be float32 [b, kv_heads, room for ", length + t,
                 ", ", dim, "]");
-    TORCH_CHECK(out_rows(qkv[i], qtypes[4 * i]) == qkv_width, "rungen_ggml: decoder_stack's layers differ in q/k/v");
-    const int64_t width = out_rows(gate_up[i], qtypes[4 * i + 2]) / 2;
+    TORCH_CHECK(parts_rows(qkv_of(i), qkv_types(i)) == qkv_width,
+                "rungen_ggml: decoder_stack's layers differ in q/k/v");
+    const int64_t width = parts_rows(gate_up_of(i), gate_up_types(i)) / 2;
+    const int64_t* types = qtypes.data() + LAYER_TYPES * i;
     // attention_in: norm, the q/k/v product (and bias), rotation; keys and values into the cache.
     rms_norm_rows(hp, input_norms[i].to(at::kFloat).contiguous().data_ptr<float>(), eps, n, features, xp);
-    mm_into(x, qkv[i], qtypes[4 * i], features, qkv_out.data_ptr<float>());
+    mm_parts_into(x, qkv_of(i), qkv_types(i), features, qkv_out.data_ptr<float>());
     if (qkv_bias.get(i).has_value()) qkv_out.add_(*qkv_bias.get(i));
     at::Tensor held_q, held_k;
     const HeadNorms norms{head_norm(q_norms.get(i), dim, held_q), head_norm(k_norms.get(i), dim, held_k), eps};
@@ -1363,14 +1444,14 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decoder
     values.push_back(vb.narrow(2, 0, length + t));
     // attention_out_mlp: attention, the output product, the residual; norm, gate/up, SiLU, down, the residual.
     attend_into(q, keys.back(), values.back(), attend_mask_once, scale, attended.data_ptr<float>());
-    mm_into(attended, o[i], qtypes[4 * i + 1], heads * dim, pp);
+    mm_into(attended, o[i], types[o_type], heads * dim, pp);
     for (int64_t j = 0; j < n * features; ++j) hp[j] += pp[j];
     rms_norm_rows(hp, post_norms[i].to(at::kFloat).contiguous().data_ptr<float>(), eps, n, features, xp);
     // A layer narrower than the widest (models whose MLP width varies) uses the start of the buffers.
     const at::Tensor act_i = width == ffn ? act : act.view({-1}).narrow(0, 0, n * width).view({n, width});
-    mm_into(x, gate_up[i], qtypes[4 * i + 2], features, gu.data_ptr<float>());
+    mm_parts_into(x, gate_up_of(i), gate_up_types(i), features, gu.data_ptr<float>());
     silu_mul_rows(gu.data_ptr<float>(), n, width, act_i.data_ptr<float>());
-    mm_into(act_i, down[i], qtypes[4 * i + 3], width, pp);
+    mm_into(act_i, down[i], types[down_type], width, pp);
     for (int64_t j = 0; j < n * features; ++j) hp[j] += pp[j];
   }
   return {h.view({b, t, features}), keys, values};
@@ -1507,6 +1588,7 @@ int64_t set_tile_threshold(int64_t n) {
 
 TORCH_LIBRARY(rungen_ggml, m) {
   m.def("mm(Tensor x, Tensor blocks, int qtype, int in_features) -> Tensor", &mm);
+  m.def("mm_parts(Tensor x, Tensor[] blocks, int[] qtypes, int in_features) -> Tensor", &mm_parts);
   m.def("mm_int(Tensor x, Tensor blocks, int qtype, int in_features) -> Tensor", &mm_int);
   m.def("mm_tiled(Tensor x, Tensor blocks, int qtype, int in_features) -> Tensor", &mm_tiled);
   m.def("dequantize(Tensor blocks, int qtype, int in_features) -> Tensor", &dequantize);
@@ -1518,11 +1600,11 @@ TORCH_LIBRARY(rungen_ggml, m) {
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
   m.def("gelu_tanh_mul(Tensor gate_up) -> Tensor", &gelu_tanh_mul);
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor", &attend);
-  m.def("attention_in(Tensor hidden, Tensor norm_weight, float eps, Tensor qkv_blocks, int qkv_qtype, "
+  m.def("attention_in(Tensor hidden, Tensor norm_weight, float eps, Tensor[] qkv_blocks, int[] qkv_qtypes, "
         "Tensor? qkv_bias, Tensor cos, Tensor sin, int heads, int kv_heads, Tensor? q_norm=None, Tensor? k_norm=None, "
         "float norm_eps=0.) -> Tensor[]", &attention_in);
   m.def("attention_out_mlp(Tensor hidden, Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, "
-        "Tensor o_blocks, int o_qtype, Tensor norm_weight, float eps, Tensor gate_up_blocks, int gate_up_qtype, "
+        "Tensor o_blocks, int o_qtype, Tensor norm_weight, float eps, Tensor[] gate_up_blocks, int[] gate_up_qtypes, "
         "Tensor down_blocks, int down_qtype) -> Tensor", &attention_out_mlp);
   m.def("decoder_stack(Tensor hidden, Tensor cos, Tensor sin, Tensor? mask, Tensor[] input_norms, Tensor[] qkv, "
         "Tensor?[] qkv_bias, Tensor?[] q_norms, Tensor?[] k_norms, Tensor[] o, Tensor[] post_norms, Tensor[] gate_up, "

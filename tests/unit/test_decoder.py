@@ -131,13 +131,90 @@ def test_fused_layer_equals_transformers_layer(kind, index, native, monkeypatch)
 
 
 def test_only_layers_it_computes_are_fused():
-    layer, _ = layer_in_blocks("llama")
-    layer.self_attn.v_proj = GGMLLinear(torch.from_numpy(quantize(np.zeros((64, HIDDEN), np.float32),
-                                                                  GGMLQuantizationType.Q4_1)).reshape(64, -1),
-                                        GGMLQuantizationType.Q4_1, HIDDEN)
-    assert FusedDecoderLayer.fuse(layer) is None  # q/k in Q8_0, v in Q4_1: no one product
     float_layer = LlamaDecoderLayer(config_of("llama"), layer_idx=0)
     assert FusedDecoderLayer.fuse(float_layer) is None  # float weights: transformers' layer as it is
+
+
+# Projections in other block types than to_blocks gives them, as llama.cpp's mixes give some layers (a Q4_K_M
+# file's attn_v in Q6_K beside Q4_K attn_q/attn_k; the k-quants need 256 inputs, these types stand for them):
+# q, k and v each in its own type, gate and up in two.
+MIXED_TYPES = {"k_proj": "Q4_0", "v_proj": "Q4_1", "up_proj": "Q8_0"}
+MIXED_KINDS = ("llama", "qwen2", "qwen3")  # phi3's file holds q/k/v and gate/up as one tensor each
+
+
+def retype(layer, seed, types=MIXED_TYPES):
+    """`layer` with the named projections re-quantized, random weights, in other block types (interleaved as the
+    loader leaves them), their biases kept."""
+    rng = np.random.default_rng(seed)
+    for parent in (layer.self_attn, layer.mlp):
+        for name, qtype in types.items():
+            linear = getattr(parent, name, None)
+            if linear is None:
+                continue
+            weights = rng.standard_normal((linear.out_features, linear.in_features)).astype(np.float32) * 0.1
+            qtype = GGMLQuantizationType[qtype]
+            blocks = torch.from_numpy(quantize(weights, qtype)).reshape(linear.out_features, -1)
+            setattr(parent, name, GGMLLinear(blocks, qtype, linear.in_features, linear.bias))
+            getattr(parent, name).interleave()
+    return layer
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch-fallback"])
+@pytest.mark.parametrize("kind", MIXED_KINDS + ("gemma3",))
+def test_a_layer_with_projections_in_different_block_types_is_fused_and_equals_transformers_layer(
+        kind, native, monkeypatch):
+    if native and not ggml.native_kernels():
+        pytest.skip("the native kernels are not available here")
+    reference, config = layer_in_blocks(kind)
+    retype(reference, 5)
+    fused = FusedDecoderLayer.fuse(reference)
+    assert fused is not None and fused.two_calls == (kind != "gemma3")
+    assert isinstance(fused.qkv, ggml.GGMLParts) and [p.qtype.name for p in fused.qkv.parts] == ["Q8_0", "Q4_0",
+                                                                                                  "Q4_1"]
+    assert isinstance(fused.gate_up, ggml.GGMLParts) and len(fused.gate_up.parts) == 2
+    monkeypatch.setattr(decoder, "native_kernels", lambda: native)
+    torch.manual_seed(1)
+    prompt, step = torch.randn(2, 5, HIDDEN), torch.randn(2, 1, HIDDEN)
+    padding = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    for mask in (None, padding):
+        caches = DynamicCache(config=config), DynamicCache(config=config)
+        after = None if mask is None else torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], -1)
+        with torch.no_grad():
+            for hidden, attention in ((prompt, mask), (step, after)):
+                outputs = [run(layer, config, hidden, attention, cache) for layer, cache in zip((reference, fused),
+                                                                                                caches)]
+                torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-4, atol=1e-4)
+        assert outputs[0].abs().max() > 0.1
+        torch.testing.assert_close(caches[1].layers[0].keys, caches[0].layers[0].keys, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(caches[1].layers[0].values, caches[0].layers[0].values, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", MIXED_KINDS)
+def test_a_layer_in_different_block_types_gives_the_bits_of_its_parts_multiplied_one_by_one(kind):
+    """The layer in two native calls, and layer by layer with its products of parts, against the same layer
+    whose q/k/v and gate/up are each taken by their own modules (one mm a projection, as the parts multiplied
+    one by one): the same bits."""
+    if not ggml.native_kernels():
+        pytest.skip("the native kernels are not available here")
+    layer, config = layer_in_blocks(kind)
+    retype(layer, 5)
+    fused = FusedDecoderLayer.fuse(layer)
+    projections = {"qkv": [getattr(layer.self_attn, name) for name in ("q_proj", "k_proj", "v_proj")],
+                   "gate_up": [layer.mlp.gate_proj, layer.mlp.up_proj]}
+    torch.manual_seed(3)
+    prompt = torch.randn(2, 5, HIDDEN)
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    outputs = []
+    for way in ("two calls", "layer by layer", "one by one"):
+        fused.two_calls = way == "two calls"
+        with pytest.MonkeyPatch.context() as patch:
+            if way == "one by one":  # q, k, v (and gate, up) each through its own module's product
+                for name, parts in projections.items():
+                    patch.setattr(getattr(fused, name), "_matmul",
+                                  lambda x, parts=parts: torch.cat([part._matmul(x) for part in parts], -1))
+            with torch.no_grad():
+                outputs.append(run(fused, config, prompt, mask, DynamicCache(config=config)))
+    assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[1], outputs[2])
 
 
 def test_a_sequence_gets_the_same_bits_alone_and_left_padded_in_a_batch():
@@ -221,6 +298,57 @@ def test_the_decoder_stack_in_one_call_gives_the_bits_of_the_layers_one_by_one(k
         assert torch.equal(a, b)
     for a, b in zip(runs[0][1].layers, runs[1][1].layers):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+@pytest.mark.parametrize("kind", MIXED_KINDS)
+def test_a_model_whose_layers_mix_block_types_runs_one_stack_with_the_layers_bits(kind, monkeypatch):
+    """Layers as a Q4_K_M file mixes them: one of one type, one with q/k/v and gate/up in several, one with only
+    v and down in another. Every layer fused, the stack installed and called, the bits of the fused layers one
+    by one; with every product taken on the de-quantized weights (no int8 rounding of the activations, whose
+    codes a float32 difference may flip), transformers' own layers' logits over the same blocks within float32
+    rounding."""
+    if not ggml.native_kernels():
+        pytest.skip("the native kernels are not available here")
+    torch.manual_seed(4)
+    reference = CLASSES[kind][2](config_of(kind, 3)).eval()
+    rng = np.random.default_rng(4)
+    for layer, types in zip(reference.model.layers, ({}, MIXED_TYPES, {"v_proj": "Q4_1", "down_proj": "Q4_1"})):
+        to_blocks(layer, rng)
+        retype(layer, 6, types)
+    model = copy.deepcopy(reference)
+    assert fuse_decoder_layers(model) == 3
+    stack = model.model.forward
+    assert isinstance(stack, DecoderStack)
+    assert [isinstance(layer.qkv, ggml.GGMLParts) for layer in model.model.layers] == [False, True, True]
+    calls = []
+    monkeypatch.setattr(torch.ops.rungen_ggml, "decoder_stack",
+                        lambda *a, original=torch.ops.rungen_ggml.decoder_stack: calls.append(1) or original(*a))
+    ids = torch.tensor([[0, 0, 5, 9, 13, 2], [7, 3, 5, 9, 13, 2]])
+
+    def passes(runner):
+        """The logits of a left-padded prompt and two steps."""
+        mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+        cache, out = new_cache(runner), []
+        with torch.no_grad():
+            out.append(runner(ids, attention_mask=mask, past_key_values=cache).logits)
+            for step in (11, 17):
+                mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], -1)
+                out.append(runner(torch.tensor([[step], [step + 1]]), attention_mask=mask,
+                                  past_key_values=cache).logits)
+        return out
+
+    stacked = passes(model)
+    assert len(calls) == 3  # the prompt and two steps, each in one call
+    monkeypatch.setattr(model.model, "forward", stack.original)
+    for ours, theirs in zip(stacked, passes(model)):
+        assert torch.equal(ours, theirs)
+    monkeypatch.setattr(GGMLLinear, "_matmul", lambda self, x: torch.ops.rungen_ggml.mm_tiled(
+        x.float().contiguous(), self.blocks, self.code, self.in_features))
+    with decoder.products_one_by_one(model):
+        exact = passes(model)
+    for ours, theirs in zip(exact, passes(reference)):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    assert exact[0].abs().max() > 0.1 and len(calls) == 3
 
 
 def test_generate_runs_the_stack_on_its_own_cache_and_gives_the_layers_tokens(monkeypatch):

@@ -274,6 +274,39 @@ def test_a_layer_interleaves_in_place_where_the_kernels_take_it():
         torch.ops.rungen_ggml.interleave(blocks_for(T.Q4_1, 12, 256), int(T.Q4_1))
 
 
+def test_parts_of_different_types_side_by_side_give_each_parts_own_bits(each_isa):
+    """A Q4_K_M layer's q/k/v (Q4_K q and k, Q6_K v; Q8_0 and Q4_1 beside them) as one product of parts: each
+    part's columns hold the bits of that part multiplied alone, on every instruction set, interleaved and
+    row-major, for one token and many, on the tiled path too; a whole weight with empty parts gives mm's bits."""
+    ops = torch.ops.rungen_ggml
+    parts = [GGMLLinear(blocks_for(qtype, rows, 512, seed=rows), qtype, 512)
+             for qtype, rows in ((T.Q4_K, 32), (T.Q4_K, 16), (T.Q6_K, 16), (T.Q8_0, 8), (T.Q4_1, 24))]
+    for isa, interleaved in itertools.product(isas(), (False, True)):
+        ops.set_isa(isa)
+        if interleaved:
+            assert all(part.interleave() for part in parts)
+        blocks, codes = [p.blocks for p in parts], [p.code for p in parts]
+        for n in (1, 5, 17):
+            x = inputs(n, 512, n)
+            joined = ops.mm_parts(x, blocks, codes, 512)
+            assert torch.equal(joined, torch.cat([ops.mm(x, b, c, 512) for b, c in zip(blocks, codes)], -1))
+            empty = blocks[0][:0]
+            assert torch.equal(ops.mm_parts(x, [blocks[0], empty, empty], [codes[0]] * 3, 512),
+                               ops.mm(x, blocks[0], codes[0], 512))
+            layer = ggml.join(parts[:3])  # q/k of one type: one part of their rows, v another
+            assert isinstance(layer, ggml.GGMLParts) and [p.out_features for p in layer.parts] == [48, 16]
+            assert torch.equal(layer(x), joined[:, :64])
+        threshold = ops.set_tile_threshold(4)  # the tiled path: each part tiled alone, into its columns
+        try:
+            x = inputs(6, 512, 6)
+            assert torch.equal(ops.mm_parts(x, blocks, codes, 512),
+                               torch.cat([ops.mm(x, b, c, 512) for b, c in zip(blocks, codes)], -1))
+        finally:
+            ops.set_tile_threshold(threshold)
+    with pytest.raises(RuntimeError, match="one type for each"):
+        ops.mm_parts(inputs(1, 512, 0), blocks, codes[:2], 512)
+
+
 def test_layer_takes_any_leading_shape_strided_rows_and_bias():
     blocks = blocks_for(T.Q4_1, 24, 256, seed=5)
     bias = torch.randn(12)
