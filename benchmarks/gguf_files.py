@@ -111,6 +111,13 @@ class Tool:
         pass
 
 
+def has_llama_cpp(python):
+    try:
+        return subprocess.run([python, "-c", "import llama_cpp"], capture_output=True).returncode == 0
+    except OSError:  # no such interpreter
+        return False
+
+
 def measure(path, args):
     import random
 
@@ -123,7 +130,7 @@ def measure(path, args):
     pp_ids = [rng.randrange(vocab) for _ in range(args.pp)]
     tg_ids = tool.loaded.tokenizer("The capital of France is")["input_ids"]
     runners = {"tool": tool}
-    if subprocess.run([args.llama_python, "-c", "import llama_cpp"], capture_output=True).returncode == 0:
+    if has_llama_cpp(args.llama_python):
         runners["llama.cpp"] = LlamaCpp(args.llama_python, path, args.threads)
     else:
         print(f"no llama.cpp column: {args.llama_python} cannot import llama_cpp", file=sys.stderr)
