@@ -28,6 +28,7 @@ exceptions into a one-line message and an exit code (2 bad input, 1 some prompts
 """
 
 import dataclasses
+import gc
 import logging
 import os
 import sys
@@ -240,5 +241,18 @@ def cli(argv=None):
         sys.exit(0)
 
 
+def command():
+    """The process (`python run_generation.py`, the `run-generation` script): cli(), then an exit that skips the
+    collector's passes over every object torch and transformers created. Interpreter shutdown runs full
+    collections over millions of them, about a second of CPU (docs/performance.md#start-up); frozen, they are
+    left to the operating system. Objects still free as their last reference goes (files close, buffers
+    flush), and atexit handlers run; only reference cycles among them are not collected, as the process ends.
+    Not in cli(): a caller in the same process (tests, a notebook) keeps its collector."""
+    try:
+        cli()
+    finally:
+        gc.freeze()
+
+
 if __name__ == "__main__":
-    cli()
+    command()
