@@ -242,12 +242,14 @@ def cli(argv=None):
 
 
 def command():
-    """The process (`python run_generation.py`, the `run-generation` script): cli(), then an exit that skips the
-    collector's passes over every object torch and transformers created. Interpreter shutdown runs full
-    collections over millions of them, about a second of CPU (docs/performance.md#start-up); frozen, they are
-    left to the operating system. Objects still free as their last reference goes (files close, buffers
-    flush), and atexit handlers run; only reference cycles among them are not collected, as the process ends.
-    Not in cli(): a caller in the same process (tests, a notebook) keeps its collector."""
+    """The process (`python run_generation.py`, the `run-generation` script): cli() with the garbage collector
+    kept off what lives until the exit. The objects the imports made (millions, torch's and transformers')
+    are frozen first, so the collections the run triggers skip them; at the end everything is frozen, so the
+    interpreter's shutdown does not walk them all again (about a second of CPU, docs/performance.md#start-up)
+    and the operating system takes them. Objects still free as their last reference goes (files close,
+    buffers flush) and atexit handlers run; only reference cycles among frozen objects are not collected.
+    Not in cli(): a caller in the same process (tests, a notebook) keeps its collector as it is."""
+    gc.freeze()
     try:
         cli()
     finally:
