@@ -68,6 +68,8 @@ from rungen.gguf_loading import GGUFHeader, build_model
 from rungen.loading import default_model_file, finish, resolve_dtype
 from rungen.prompts import encode_prompt, prepare_model, read_prompts
 lap("import the tool's own modules")
+import gc
+gc.freeze()  # as run_generation.command() does: the run's collections skip what the imports made
 args = parse_args(sys.argv[1:])
 lap("parse the arguments")
 tokenizer_seconds = []
@@ -99,8 +101,9 @@ lap("open the engine: a one-token pass measures the cache's bytes per token")
 [request] = submit_prompts(engine, settings, [prompt], lambda prompt, sequences: None)
 engine.run_here()
 lap(f"{args.length} tokens")
-out[f"  of which the first (the prompt's pass)"] = (request.first_token_at - clock[-2], None)
+out["  of which the first (the prompt's pass)"] = (request.first_token_at - clock[-2], None)
 print(json.dumps(out))
+gc.freeze()  # and the exit skips the collections over everything (command() again)
 """
 
 LLAMA_STAGES = r"""
@@ -152,10 +155,19 @@ def measured(command, env):
 
 
 def stages(command, env):
-    result = subprocess.run(command, env=env, capture_output=True, check=False)
-    if result.returncode:
-        raise RuntimeError(f"stages failed: {result.stderr.decode()[-2000:]}")
-    return json.loads(result.stdout.decode().splitlines()[-1])
+    """{stage: (wall s, CPU s or None)} of one process, and a last row for what no stage holds: the interpreter's
+    start and exit (the whole process by /usr/bin/time, less the stages)."""
+    with tempfile.NamedTemporaryFile("r") as report:
+        result = subprocess.run(["/usr/bin/time", "-f", "%e %U %S", "-o", report.name, *command], env=env,
+                                capture_output=True)
+        if result.returncode:
+            raise RuntimeError(f"stages failed: {result.stderr.decode()[-2000:]}")
+        wall, user, system = (float(value) for value in report.read().split())
+    out = json.loads(result.stdout.decode().splitlines()[-1])
+    counted = [times for name, times in out.items() if not name.startswith(" ")]
+    out["interpreter start and exit (the process less its stages)"] = (
+        wall - sum(times[0] for times in counted), user + system - sum(times[1] for times in counted))
+    return out
 
 
 def main():
