@@ -28,6 +28,7 @@ exceptions into a one-line message and an exit code (2 bad input, 1 some prompts
 """
 
 import dataclasses
+import gc
 import logging
 import os
 import sys
@@ -37,7 +38,7 @@ import torch
 from transformers import set_seed
 from transformers.utils import logging as transformers_logging
 
-from rungen import PROG, logger, processes, session
+from rungen import NOTICE, PROG, logger, processes
 from rungen.arguments import max_memory_map, parse_args, serve_options, settings_from_args
 from rungen.controls import load_assistant
 from rungen.engine import open_engine, run_prompts
@@ -55,11 +56,14 @@ def main(argv=None):
     # answers prompt after prompt on one loaded model; otherwise the prompts are read and generated in batches.
     interactive = args.prompt is None and sys.stdin is not None and sys.stdin.isatty() and not args.serve
     state = processes.start(args.use_cpu)
-    quiet = interactive and not args.verbose  # a session's terminal shows no logs or loading bars
-    level = logging.INFO if state.is_main_process and not quiet else logging.WARNING
-    logging.basicConfig(format="%(message)s", level=level, stream=sys.stderr)
-    if quiet:
+    # stderr carries one line of figures by default (a session: one a turn), a first run's long steps and any
+    # warning; --verbose adds the arguments and loading detail, --quiet leaves only warnings and errors.
+    level = logging.INFO if args.verbose else logging.WARNING if args.quiet else NOTICE
+    logging.basicConfig(format="%(message)s", level=level if state.is_main_process else logging.WARNING,
+                        stream=sys.stderr)
+    if not args.verbose:
         transformers_logging.disable_progress_bar()
+    logger.info("%s", args)
     logger.info("device: %s, processes: %d, dtype: %s", state.device, state.num_processes, args.dtype)
     if args.device_map and state.num_processes > 1:
         raise UsageError("--device_map spreads one model over all devices; run it in a single process")
@@ -90,16 +94,18 @@ def main(argv=None):
         if state.is_main_process:  # the others must not read: they would take lines of the same pipe
             mine = read_prompts(args.prompt, whole_stdin=args.whole_stdin, input_format=args.input_format)
         prompts = processes.share_prompts(state, mine)
+    loading = time.perf_counter()
     with state.main_process_first():  # only one process converts the default model
         loaded = load(args.model_name_or_path, model_type=args.model_type, dtype=args.dtype, device=state.device,
                       device_map=args.device_map, max_memory=max_memory_map(args.max_memory),
                       dequantize=args.dequantize, quantize=args.quantize)
+    logger.info("loaded %s (%s) in %.2f s", args.model_name_or_path or "the default model",
+                type(loaded.model).__name__, time.perf_counter() - loading)
     settings = settings_from_args(args, loaded.context)
     if args.assistant_model:
         with state.main_process_first():
             loaded.assistant_model = load_assistant(args.assistant_model, loaded, dtype=args.dtype,
                                                     device=loaded.input_device)
-    logger.info("%s", args)
 
     prepare_model(loaded, temperature=args.temperature, xlm_language=args.xlm_language)
     if constraint_source:
@@ -133,8 +139,10 @@ def main(argv=None):
         if args.output_format != "text":
             logger.warning("A session prints its replies as text (/save writes the conversation as JSON); "
                            "--output_format is for piped prompts.")
+        from rungen import session  # transformers' stopping criteria and a terminal's line editing
+
         return session.run(loaded, settings, chat=args.chat, system=args.system, stream=args.stream,
-                           prefix=args.prefix, tools=args.tools)
+                           prefix=args.prefix, tools=args.tools, figures=not args.quiet)
 
     stream = choose_streaming(args.stream, settings, len(prompts), state.num_processes, args.output_format)
     writer = Writer(args.output_format, len(prompts), active=state.is_main_process)
@@ -157,7 +165,7 @@ def main(argv=None):
 
     batch_size = 1 if loaded.model_type in UNBATCHABLE_TYPES else args.batch_size
     mine = processes.my_share(state, pending)
-    show_progress = len(prompts) > 1 and sys.stderr.isatty() and state.is_main_process
+    show_progress = len(prompts) > 1 and sys.stderr.isatty() and state.is_main_process and not args.quiet
     progress = progress_bar(len(pending)) if show_progress else None
 
     def write(done):
@@ -197,8 +205,9 @@ def main(argv=None):
     if progress:
         progress.close()
     seconds = time.perf_counter() - start
-    if writer.tokens:
-        logger.info("Generated %d tokens in %.2f s (%.1f tokens/s)", writer.tokens, seconds, writer.tokens / seconds)
+    if settings.length != 0 and pending:  # --length 0 scores prompts: no tokens to count
+        logger.log(NOTICE, "Generated %d tokens in %.2f s (%.1f tokens/s)", writer.tokens, seconds,
+                   writer.tokens / seconds)
     processes.finish(state)
 
     if writer.failed:
@@ -242,5 +251,20 @@ def cli(argv=None):
         sys.exit(0)
 
 
+def command():
+    """The process (`python run_generation.py`, the `run-generation` script): cli() with the garbage collector
+    kept off what lives until the exit. The objects the imports made (millions, torch's and transformers')
+    are frozen first, so the collections the run triggers skip them; at the end everything is frozen, so the
+    interpreter's shutdown does not walk them all again (about a second of CPU, docs/performance.md#start-up)
+    and the operating system takes them. Objects still free as their last reference goes (files close,
+    buffers flush) and atexit handlers run; only reference cycles among frozen objects are not collected.
+    Not in cli(): a caller in the same process (tests, a notebook) keeps its collector as it is."""
+    gc.freeze()
+    try:
+        cli()
+    finally:
+        gc.freeze()
+
+
 if __name__ == "__main__":
-    cli()
+    command()

@@ -1,97 +1,221 @@
-"""Whole-process time of a default-model run against the import floor, and where the difference goes.
+"""A cached one-shot run of the default model, whole process, against the torch floor and llama-cpp-python;
+then where its time goes, stage by stage.
 
-    python -m benchmarks.startup [--runs 5] [--first_runs 3]
+    python -m benchmarks.startup [--runs 3] [--length 16] [--llama-python /work/bench-venv/bin/python]
 
-Rows (each a median over runs, whole processes): the floor, `import torch, transformers` plus the
-llama modeling module, which any tool running this model pays; a cached 1-token run of the tool
-(`--prompt "The capital of France is" --temperature 0 --length 1`) and the same with 20 tokens;
-a first run, which converts the GGUF file into a fresh cache. Then, in this process after the floor's
-imports, the stages of a cached 1-token run, timed one by one.
+Whole processes, interleaved round by round (the host's load drifts), each row a median over the rounds of
+wall time, CPU time (user + system: steadier than wall time on a shared host, since start-up is one thread)
+and peak RSS, as /usr/bin/time reports them:
+
+- `import torch`: the floor of any tool on torch;
+- `import torch, tokenizers, jinja2, gguf`: what a tool running the GGUF file on its own model code would
+  still import (the tokenizer, chat templates, the file's constants);
+- `... transformers' llama modeling`: what the tool's GGUF path imports today through transformers;
+- the tool: `run_generation.py --prompt "The capital of France is" --temperature 0 --length 16` (cached
+  header and kernels, default output);
+- llama-cpp-python on the same GGUF file, the same prompt and 16 greedy tokens, where that virtualenv has it.
+
+"minus torch" is the median of each round's difference with that round's `import torch`. Then one fresh
+process of each runs the stages one by one and reports the seconds of each; the tool's stages are the
+library calls main() makes, in its order.
 """
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
+
+from benchmarks.common import cpu_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOOL = [sys.executable, os.path.join(ROOT, "run_generation.py"), "--prompt", "The capital of France is",
-        "--temperature", "0"]
-FLOOR = [sys.executable, "-c", "import torch, transformers, transformers.models.llama.modeling_llama"]
+PROMPT = "The capital of France is"
+FLOORS = {
+    "import torch": "import torch",
+    "import torch, tokenizers, jinja2, gguf": "import torch, tokenizers, jinja2, gguf",
+    "... + transformers' llama modeling": "import torch, tokenizers, jinja2, gguf, transformers.models.llama."
+                                          "modeling_llama; from transformers import AutoConfig, AutoTokenizer",
+}
 
+# The tool's stages in a fresh process, as main() runs them (its imports split where transformers' chain splits).
+TOOL_STAGES = r"""
+import json, sys, time
+clock, cpu_clock, out = [time.perf_counter()], [time.process_time()], {}
 
-def timed(command, cache_home):
+def lap(name):  # (wall s, CPU s of this process) since the last lap
+    clock.append(time.perf_counter())
+    cpu_clock.append(time.process_time())
+    out[name] = (clock[-1] - clock[-2], cpu_clock[-1] - cpu_clock[-2])
+
+import torch
+lap("import torch")
+import gguf, jinja2, numpy, tokenizers
+lap("import tokenizers, jinja2, gguf")
+import transformers
+lap("import transformers (its top level)")
+import transformers.models.llama.configuration_llama
+lap("import llama's config: activations, hub kernels, torch.distributed.tensor, continuous batching, dynamo")
+import transformers.models.llama.modeling_llama
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+lap("import llama's modeling: modeling_utils, generation, accelerate; the Auto classes")
+import run_generation
+from rungen.arguments import parse_args, settings_from_args
+from rungen.engine import open_engine, submit_prompts
+from rungen.ggml import native_kernels
+from rungen.gguf_loading import GGUFHeader, build_model
+from rungen.loading import default_model_file, finish, resolve_dtype
+from rungen.prompts import encode_prompt, prepare_model, read_prompts
+lap("import the tool's own modules")
+import gc
+gc.freeze()  # as run_generation.command() does: the run's collections skip what the imports made
+args = parse_args(sys.argv[1:])
+lap("parse the arguments")
+tokenizer_seconds = []
+load_tokenizer = AutoTokenizer.from_pretrained
+def timed_tokenizer(*a, **k):
     start = time.perf_counter()
-    subprocess.run(command, check=True, capture_output=True,
-                   env=dict(os.environ, XDG_CACHE_HOME=cache_home, HF_HUB_OFFLINE="1"))
-    return time.perf_counter() - start
+    try:
+        return load_tokenizer(*a, **k)
+    finally:
+        tokenizer_seconds.append(time.perf_counter() - start)
+AutoTokenizer.from_pretrained = timed_tokenizer  # timed, not changed
+header = GGUFHeader(default_model_file())
+AutoTokenizer.from_pretrained = load_tokenizer
+lap("header from its cache: config, tokenizer, tensor table")
+out["  of which the tokenizer (tokenizer.json)"] = (sum(tokenizer_seconds), None)
+native_kernels()
+lap("load the native kernels (built and cached)")
+cpu = torch.device("cpu")
+model = build_model(header, resolve_dtype(args.dtype, header.config, cpu))
+loaded = finish(model, header.tokenizer, "llama", cpu)
+lap("model build: from_config on meta, weights read and interleaved, layers fused")
+settings = settings_from_args(args, loaded.context)
+prepare_model(loaded, temperature=args.temperature, xlm_language=args.xlm_language)
+[prompt] = read_prompts(args.prompt, whole_stdin=False, input_format="text")
+prompt.ids = encode_prompt(loaded, prompt, args.prefix, settings.chat, args.system)
+lap("encode the prompt")
+engine = open_engine(loaded, settings, 1)
+lap("open the engine: a one-token pass measures the cache's bytes per token")
+[request] = submit_prompts(engine, settings, [prompt], lambda prompt, sequences: None)
+engine.run_here()
+lap(f"{args.length} tokens")
+out["  of which the first (the prompt's pass)"] = (request.first_token_at - clock[-2], None)
+print(json.dumps(out))
+gc.freeze()  # and the exit skips the collections over everything (command() again)
+"""
+
+LLAMA_STAGES = r"""
+import json, sys, time
+clock, cpu_clock, out = [time.perf_counter()], [time.process_time()], {}
+
+def lap(name):  # (wall s, CPU s of this process) since the last lap
+    clock.append(time.perf_counter())
+    cpu_clock.append(time.process_time())
+    out[name] = (clock[-1] - clock[-2], cpu_clock[-1] - cpu_clock[-2])
+
+path, length, prompt = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+from llama_cpp import Llama
+lap("import llama_cpp")
+llm = Llama(model_path=path, n_ctx=512, verbose=False)
+lap("load the GGUF file: header, vocabulary, weights")
+tokens = llm.tokenize(prompt.encode())
+lap("encode the prompt")
+stamps = []
+for token in llm.generate(tokens, top_k=1, temp=0.0, repeat_penalty=1.0):
+    stamps.append(time.perf_counter())
+    if len(stamps) == length:
+        break
+lap(f"{length} tokens")
+out["  of which the first (the prompt's pass)"] = (stamps[0] - clock[-2], None)
+print(json.dumps(out))
+"""
+
+LLAMA_RUN = r"""
+import sys
+from llama_cpp import Llama
+path, length, prompt = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+llm = Llama(model_path=path, n_ctx=512, verbose=False)
+result = llm(prompt, max_tokens=length, temperature=0.0, top_k=1, repeat_penalty=1.0)
+print(prompt + result["choices"][0]["text"])
+"""
 
 
-def stages(cache_home):
-    """Seconds of each stage of a cached 1-token run, in this process (imports already paid)."""
-    os.environ.update(XDG_CACHE_HOME=cache_home, HF_HUB_OFFLINE="1")
-    clock = [time.perf_counter()]
-    out = {}
+def measured(command, env):
+    """(wall s, CPU s, peak RSS MB) of one process, by /usr/bin/time: its own small process forks the command, so
+    the peak is the command's alone (a child forked from this process would start from this one's RSS)."""
+    with tempfile.NamedTemporaryFile("r") as report:
+        result = subprocess.run(["/usr/bin/time", "-f", "%e %U %S %M", "-o", report.name, *command], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        if result.returncode:
+            raise RuntimeError(f"{' '.join(command[:4])} failed: {result.stderr.decode()[-2000:]}")
+        wall, user, system, rss_kb = report.read().split()
+    return float(wall), float(user) + float(system), int(rss_kb) / 1024
 
-    def lap(name):
-        clock.append(time.perf_counter())
-        out[name] = clock[-1] - clock[-2]
 
-    import torch  # noqa: F401
-    import transformers.models.llama.modeling_llama  # noqa: F401
-    lap("floor imports (in process)")
-    import run_generation  # noqa: F401
-    from rungen.loading import default_model_dir
-
-    lap("the tool's own imports")
-    path = default_model_dir()
-    config = transformers.AutoConfig.from_pretrained(path)
-    lap("config")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    lap("tokenizer")
-    from transformers import conversion_mapping
-
-    conversion_mapping._build_checkpoint_conversion_mapping()  # what from_pretrained builds first
-    lap("  of which: transformers' weight-renaming table (all model types)")
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, config=config).eval()
-    lap("model (from_pretrained)")
-    with torch.inference_mode():
-        model.generate(**tokenizer(["The capital of France is"], return_tensors="pt"), max_new_tokens=1,
-                       do_sample=False)
-    lap("1-token generate (first forward)")
+def stages(command, env):
+    """{stage: (wall s, CPU s or None)} of one process, and a last row for what no stage holds: the interpreter's
+    start and exit (the whole process by /usr/bin/time, less the stages)."""
+    with tempfile.NamedTemporaryFile("r") as report:
+        result = subprocess.run(["/usr/bin/time", "-f", "%e %U %S", "-o", report.name, *command], env=env,
+                                capture_output=True)
+        if result.returncode:
+            raise RuntimeError(f"stages failed: {result.stderr.decode()[-2000:]}")
+        wall, user, system = (float(value) for value in report.read().split())
+    out = json.loads(result.stdout.decode().splitlines()[-1])
+    counted = [times for name, times in out.items() if not name.startswith(" ")]
+    out["interpreter start and exit (the process less its stages)"] = (
+        wall - sum(times[0] for times in counted), user + system - sum(times[1] for times in counted))
     return out
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--first_runs", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--length", type=int, default=16)
+    parser.add_argument("--llama-python", default="/work/bench-venv/bin/python",
+                        help="a Python that imports llama_cpp (llama-cpp-python); its rows are left out otherwise")
+    parser.add_argument("--cache_home", default=None,
+                        help="XDG_CACHE_HOME with the header cached (default: the user's; a run fills it first)")
     args = parser.parse_args()
+    sys.path.insert(0, ROOT)
+    from rungen.loading import default_model_file
 
-    rows = {"floor: import torch, transformers, llama modeling": [], "tool, cached, 1 token": [],
-            "tool, cached, 20 tokens": [], "tool, first run (converts GGUF)": []}
-    for _ in range(args.first_runs):
-        with tempfile.TemporaryDirectory() as cache_home:
-            rows["tool, first run (converts GGUF)"].append(timed(TOOL + ["--length", "20"], cache_home))
-    with tempfile.TemporaryDirectory() as cache_home:
-        timed(TOOL + ["--length", "1"], cache_home)  # builds the cache
-        for _ in range(args.runs):  # interleaved: the machine's load drifts
-            rows["floor: import torch, transformers, llama modeling"].append(timed(FLOOR, cache_home))
-            rows["tool, cached, 1 token"].append(timed(TOOL + ["--length", "1"], cache_home))
-            rows["tool, cached, 20 tokens"].append(timed(TOOL + ["--length", "20"], cache_home))
-        parts = stages(cache_home)
-    med = {name: statistics.median(times) for name, times in rows.items()}
-    print("| run | median s | all runs s |\n|---|---:|---|")
-    for name, times in rows.items():
-        print(f"| {name} | {med[name]:.2f} | {', '.join(f'{t:.2f}' for t in times)} |")
-    floor = med["floor: import torch, transformers, llama modeling"]
-    print(f"\ncached 1-token run minus the floor: {med['tool, cached, 1 token'] - floor:.2f} s\n")
-    print("| stage of a cached 1-token run (one process) | s |\n|---|---:|")
-    for name, seconds in parts.items():
-        print(f"| {name} | {seconds:.2f} |")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=ROOT)
+    if args.cache_home:
+        env["XDG_CACHE_HOME"] = args.cache_home
+    tool_args = ["--prompt", PROMPT, "--temperature", "0", "--length", str(args.length)]
+    commands = {name: [sys.executable, "-c", code] for name, code in FLOORS.items()}
+    commands["the tool (cached)"] = [sys.executable, os.path.join(ROOT, "run_generation.py"), *tool_args]
+    has_llama = subprocess.run([args.llama_python, "-c", "import llama_cpp"], capture_output=True).returncode == 0
+    gguf_path = default_model_file()
+    if has_llama:
+        commands["llama-cpp-python (same GGUF)"] = [args.llama_python, "-c", LLAMA_RUN, gguf_path, str(args.length),
+                                                   PROMPT]
+    else:
+        print(f"no llama-cpp-python rows: {args.llama_python} cannot import llama_cpp", file=sys.stderr)
+    measured(commands["the tool (cached)"], env)  # fills the header cache (and builds the kernels) if need be
+    rows = {name: [] for name in commands}
+    for _ in range(args.runs):
+        for name, command in commands.items():
+            rows[name].append(measured(command, env))
+
+    print(f"CPU flags: {cpu_flags()}; {args.runs} rounds, {os.cpu_count()} cores\n")
+    floor = rows["import torch"]
+    print("| process | wall s | CPU s | peak RSS MB | minus torch: wall s | CPU s |\n|---|---:|---:|---:|---:|---:|")
+    for name, runs in rows.items():
+        wall, cpu, rss = (statistics.median(run[i] for run in runs) for i in range(3))
+        less = [statistics.median(run[i] - base[i] for run, base in zip(runs, floor)) for i in range(2)]
+        print(f"| {name} | {wall:.2f} | {cpu:.2f} | {rss:.0f} | {less[0]:+.2f} | {less[1]:+.2f} |")
+
+    tables = {"the tool": [sys.executable, "-c", TOOL_STAGES, *tool_args]}
+    if has_llama:
+        tables["llama-cpp-python"] = [args.llama_python, "-c", LLAMA_STAGES, gguf_path, str(args.length), PROMPT]
+    for name, command in tables.items():
+        print(f"\n| stage of {name} (one fresh process) | wall s | CPU s |\n|---|---:|---:|")
+        for stage, (wall, cpu) in stages(command, env).items():
+            print(f"| {stage} | {wall:.2f} | {'' if cpu is None else f'{cpu:.2f}'} |")
 
 
 if __name__ == "__main__":

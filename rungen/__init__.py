@@ -32,3 +32,7 @@ import logging
 __version__ = "0.3.0"
 PROG = "run_generation.py"
 logger = logging.getLogger("run_generation")
+# What a run shows on stderr by default, between INFO (--verbose: arguments, device, loading detail) and WARNING
+# (all --quiet leaves): a run's one line of figures, a first run's long steps, where a server listens.
+NOTICE = 25
+logging.addLevelName(NOTICE, "NOTICE")

@@ -91,8 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--dequantize", action="store_true",
         help="Run a GGUF file in float32, de-quantized on loading (default: in its own quantized blocks).",
     )
-    parser.add_argument(
-        "--verbose", action="store_true", help="In a terminal session, show the logs and loading bars it hides."
+    shown = parser.add_mutually_exclusive_group()
+    shown.add_argument(
+        "--verbose", action="store_true",
+        help="Also show the arguments, the device, loading detail and bars (with --serve: a line per request).",
+    )
+    shown.add_argument(
+        "--quiet", action="store_true",
+        help="Nothing on stderr but warnings and errors: no figures, no first-run progress (default: one line).",
     )
     # Models larger than one device: accelerate's big-model loading.
     parser.add_argument("--device_map", default=None, help='e.g. "auto": spread the model over GPUs, CPU and disk.')

@@ -20,10 +20,12 @@ import ctypes
 import fcntl
 import functools
 import hashlib
+import logging
 import os
 import shutil
 import sys
 import tempfile
+import time
 
 import numpy as np
 import torch
@@ -281,6 +283,11 @@ def build_kernels(verbose: bool = False) -> str:
         if not os.path.exists(library):
             from torch.utils import cpp_extension  # slow to import (setuptools): only to build
 
+            from . import NOTICE
+
+            log = logging.getLogger("run_generation")
+            log.log(NOTICE, "Building the native GGUF kernels (once: about a minute; cached in %s)", cache)
+            start = time.perf_counter()
             build = tempfile.mkdtemp(prefix="build-", dir=cache)
             try:
                 name = f"rungen_ggml_{key}"
@@ -289,6 +296,7 @@ def build_kernels(verbose: bool = False) -> str:
                                    build_directory=build, is_python_module=False, verbose=verbose)
                 # load() has loaded the library from the build folder; the rename keeps that mapping valid.
                 os.replace(os.path.join(build, f"{name}.so"), library)
+                log.log(NOTICE, "Built the native GGUF kernels in %.0f s", time.perf_counter() - start)
                 return library
             finally:
                 shutil.rmtree(build, ignore_errors=True)

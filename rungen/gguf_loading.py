@@ -36,6 +36,7 @@ import time
 import numpy as np
 import torch
 
+from . import NOTICE
 from .decoder import FUSED_WEIGHTS, fusable, fuse_decoder_layers
 from .errors import UsageError
 from .ggml import SUPPORTED, X8, GGMLLinear, dequantize, interleavable, interleaved_row_bytes, native_kernels
@@ -212,6 +213,8 @@ class GGUFHeader:
 
     def _read_and_cache(self):
         start = time.perf_counter()
+        logger.log(NOTICE, "Reading the GGUF header of %s (once: later runs read it from the cache)",
+                   os.path.basename(self.path))
         from transformers import AutoConfig, AutoTokenizer
         from transformers.integrations.gguf.reader import GgufHeader
 
@@ -250,7 +253,7 @@ class GGUFHeader:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         self.read_seconds = time.perf_counter() - start
-        logger.info("Read the GGUF header in %.1f s (cached in %s)", self.read_seconds, self.cache_dir)
+        logger.log(NOTICE, "Read the GGUF header in %.1f s (cached in %s)", self.read_seconds, self.cache_dir)
 
 
     def weights_map(self, model: torch.nn.Module, processor) -> dict[str, str]:

@@ -16,7 +16,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from . import logger
+from . import NOTICE, logger
 from .errors import UsageError
 
 # The original script's model types and classes, imported by name only when used: importing all of them
@@ -100,7 +100,7 @@ def default_model_dir() -> str:
     if os.path.isfile(os.path.join(target, "config.json")):
         return target
 
-    logger.warning("Converting the default model from GGUF (first run only) into %s", target)
+    logger.log(NOTICE, "Converting the default model from GGUF (first run only) into %s", target)
     start = time.perf_counter()
     os.makedirs(cache_dir(), exist_ok=True)
     from .gguf_loading import metadata_parsed_once
@@ -118,7 +118,7 @@ def default_model_dir() -> str:
         os.replace(tmp, target)  # atomic: a concurrent or interrupted run never sees half a checkpoint
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)  # another process finished first
-    logger.warning("Cached the default model in %.1f s", time.perf_counter() - start)
+    logger.log(NOTICE, "Cached the default model in %.1f s", time.perf_counter() - start)
     return target
 
 

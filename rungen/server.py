@@ -12,6 +12,7 @@ import functools
 import hmac
 import ipaddress
 import json
+import logging
 import re
 import signal
 import threading
@@ -23,7 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from . import logger, strict_json
+from . import NOTICE, logger, strict_json
 from .engine import Engine, EngineBusy, EngineClosed, Metrics, Sampling, describe_memory
 from .engine import Request as EngineRequest
 from .errors import PromptError, UsageError
@@ -905,17 +906,19 @@ def run(loaded, options):
 
         def handle_exit(self, sig, frame):
             if not self.should_exit:
-                logger.info("shutting down: finishing running requests (at most %.0f s)", options.grace)
+                logger.log(NOTICE, "shutting down: finishing running requests (at most %.0f s)", options.grace)
                 engine.close()
                 timer = threading.Timer(options.grace, engine.abort)
                 timer.daemon = True
                 timer.start()
             super().handle_exit(sig, frame)
 
-    config = uvicorn.Config(app, host=options.host, port=options.port, log_level="warning",
-                            timeout_graceful_shutdown=options.grace + 5, access_log=False)
+    # A line per request (uvicorn's access log) only with --verbose: the log level main() set says so.
+    verbose = logger.isEnabledFor(logging.INFO)
+    config = uvicorn.Config(app, host=options.host, port=options.port, log_level="info" if verbose else "warning",
+                            timeout_graceful_shutdown=options.grace + 5, access_log=verbose)
     server = Server(config)
-    logger.info("serving %s on http://%s:%d (OpenAI-compatible: /v1/chat/completions, /v1/completions)",
+    logger.log(NOTICE, "serving %s on http://%s:%d (OpenAI-compatible: /v1/chat/completions, /v1/completions)",
                 options.model_id, options.host, options.port)
     server.run()
     engine.close()

@@ -322,9 +322,10 @@ class Session:
     """One conversation (or, without a chat template, a run of independent prompts) on a loaded model."""
 
     def __init__(self, loaded: Loaded, settings: Settings, *, system: str | None = None, stream: bool = True,
-                 prefix: str = "", tools: dict | None = None):
+                 prefix: str = "", tools: dict | None = None, figures: bool = True):
         self.loaded, self.settings, self.prefix = loaded, settings, prefix
         self.tools, self.tool_grammars = tools, {}  # --tools: each turn may call them (rungen/tools.py)
+        self.figures = figures  # a line of figures after each reply (not with --quiet)
         self.chat = settings.chat
         self.system = [{"role": "system", "content": system}] if self.chat and system else []
         self.messages = []  # the conversation after the system message: user and assistant turns
@@ -474,8 +475,9 @@ class Session:
         self.replies.append(sequence.text)
         if control.interrupted and not self.stdout_is_terminal:
             sys.stderr.write("\n")  # after the ^C the terminal echoed; the reply's own newline went to stdout
-        say(turn_stats(len(prompt.ids), sequence.num_generated_tokens, started, first_token_at, ended,
-                       control.interrupted, reused))
+        if self.figures:
+            say(turn_stats(len(prompt.ids), sequence.num_generated_tokens, started, first_token_at, ended,
+                           control.interrupted, reused))
 
     def reply_on_engine(self, engine, prompt, settings, control):
         """(sequences, streamed, first token's time, reused prompt tokens) of a turn on the engine: the
@@ -507,9 +509,11 @@ class Session:
 
 
 def run(loaded: Loaded, settings: Settings, *, chat: bool | None = None, system: str | None = None,
-        stream: bool | None = None, prefix: str = "", tools: dict | None = None) -> list[str]:
+        stream: bool | None = None, prefix: str = "", tools: dict | None = None,
+        figures: bool = True) -> list[str]:
     """The session, until /exit, Ctrl-D or Ctrl-C at an empty prompt; returns the replies. `chat` None:
-    a conversation when the tokenizer has a chat template; `stream` None: on (False: each reply whole)."""
+    a conversation when the tokenizer has a chat template; `stream` None: on (False: each reply whole);
+    `figures`: a line of figures after each reply."""
     has_template = bool(loaded.tokenizer.chat_template)
     chat = chat if chat is not None else has_template
     if chat and not has_template:
@@ -522,7 +526,7 @@ def run(loaded: Loaded, settings: Settings, *, chat: bool | None = None, system:
     if settings.num_return_sequences > 1:
         logger.warning("A session gives one reply per prompt; --num_return_sequences is ignored.")
     session = Session(loaded, dataclasses.replace(settings, chat=chat, num_return_sequences=1), system=system,
-                      stream=stream is not False, prefix=prefix, tools=tools)
+                      stream=stream is not False, prefix=prefix, tools=tools, figures=figures)
     kind = "Chat (the model's chat template)" if chat else "Plain continuation"
     say(f"{PROG}: {kind}. /help for commands, Ctrl-D or /exit to end.")
     terminal = Terminal()

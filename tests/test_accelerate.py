@@ -36,7 +36,7 @@ def test_two_cpu_processes_give_the_single_process_output(tiny_models):
         args = tiny_args(tiny_models, "llama", "--temperature", "0", "--length", "8", "--batch_size", "2",
                          "--output_format", output_format)
         single = run_cli(args, stdin=PROMPTS)  # a process too: nothing of an in-process run reaches the launch
-        double = launch(2, args, PROMPTS)
+        double = launch(2, args + ["--verbose"], PROMPTS)  # --verbose: the device line, with the process count
         assert single.returncode == double.returncode == 0, double.stderr.decode()[-3000:]
         assert "processes: 2" in double.stderr.decode()
         assert double.stdout == single.stdout  # main process alone writes, in input order

@@ -1,6 +1,7 @@
 """The original script's behaviour on transformers 5: every model type, its flags, its output, its errors."""
 
 import logging
+import re
 import sys
 
 import pytest
@@ -8,12 +9,13 @@ import torch
 
 import run_generation
 import rungen.loading
-from helpers import SEED_TYPES, blocks, error_line, run_main, tiny_args
+from helpers import SEED_TYPES, blocks, error_line, jsonl, run_main, tiny_args
 from rungen.arguments import parse_args
 from rungen.generation import UNBOUNDED_LENGTH, adjust_length_to_model
 from rungen.loading import load
 
 PROMPT = "Hello, my dog is cute"
+FIGURES = re.compile(r"Generated (\d+) tokens in \d+\.\d\d s \(\d+\.\d tokens/s\)")
 
 
 @pytest.mark.parametrize("model_type", SEED_TYPES)
@@ -25,7 +27,10 @@ def test_every_seed_type_generates_through_the_cli(tiny_models, model_type):
     text = out["=== GENERATED SEQUENCE 1 ==="]
     # The prompt, not the prefix XLNet generates from, then a continuation.
     assert text.startswith(PROMPT) and len(text) > len(PROMPT)
-    assert "device:" in result.stderr.decode() and "device:" not in result.stdout.decode()
+    # stderr ends with the run's figures; no arguments or device unless --verbose (warnings may come before).
+    stderr = result.stderr.decode()
+    assert FIGURES.fullmatch(stderr.splitlines()[-1]), stderr
+    assert "device:" not in stderr and "Namespace(" not in stderr and "device:" not in result.stdout.decode()
 
 
 @pytest.mark.parametrize("model_type", SEED_TYPES + ["mistral", "qwen2"])
@@ -35,6 +40,31 @@ def test_every_type_through_main_with_the_type_inferred(tiny_models, model_type,
     )
     assert len(sequences) == 1 and sequences[0].startswith(PROMPT) and len(sequences[0]) > len(PROMPT)
     assert capsys.readouterr().out == f"=== GENERATED SEQUENCE 1 ===\n{sequences[0]}\n"
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+def test_stderr_is_one_line_of_figures_or_nothing_with_quiet(tiny_models, model_type):
+    args = tiny_args(tiny_models, model_type, "--prompt", PROMPT, "--length", "6", "--output_format", "jsonl")
+    plain, quiet = run_main(args), run_main(args + ["--quiet"])
+    assert plain.returncode == quiet.returncode == 0, plain.stderr.decode()
+    [line] = plain.stderr.decode().splitlines()
+    assert int(FIGURES.fullmatch(line)[1]) == sum(record["num_generated_tokens"] for record in jsonl(plain.stdout))
+    assert quiet.stderr == b"" and quiet.stdout == plain.stdout
+
+
+def test_verbose_shows_the_arguments_and_the_device(tiny_models):
+    result = run_main(tiny_args(tiny_models, "llama", "--prompt", PROMPT, "--length", "3", "--verbose"))
+    assert result.returncode == 0, result.stderr.decode()
+    stderr = result.stderr.decode()
+    assert f"prompt='{PROMPT}'" in stderr and "length=3" in stderr and "device: cpu, processes: 1" in stderr
+    assert FIGURES.fullmatch(stderr.splitlines()[-1]) and "Namespace(" not in result.stdout.decode()
+
+
+def test_quiet_and_verbose_exclude_each_other(tiny_models, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        run_generation.cli(["--quiet", "--verbose"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "not allowed with argument" in err and len(err.strip().splitlines()) == 1
 
 
 def test_main_reads_patched_sys_argv(tiny_models, monkeypatch, capsys):

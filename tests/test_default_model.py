@@ -2,13 +2,16 @@
 answer a simple question."""
 
 import importlib.util
+import json
 import os
 import re
 import shlex
+import subprocess
+import sys
 
 import pytest
 
-from helpers import ROOT, blocks, gguf_header_dir, run_cli, run_main
+from helpers import ROOT, blocks, cli_env, gguf_header_dir, run_cli, run_main
 
 
 @pytest.mark.slow
@@ -42,6 +45,27 @@ def test_first_run_builds_the_cache_and_later_runs_reuse_it(default_model):
     second = run_main(["--prompt", "Hi", "--length", "2"], cache_home=cache_home)
     assert second.returncode == 0
     assert "Read the GGUF header" not in second.stderr.decode()
+    # A cached run's stderr is its one line of figures: no header reading, no arguments, no device.
+    [figures] = second.stderr.decode().splitlines()
+    assert figures.startswith("Generated ") and figures.endswith(" tokens/s)")
+
+
+@pytest.mark.slow  # a fresh interpreter: what it imports is the point
+def test_a_one_shot_run_imports_only_what_it_uses(default_model):
+    # The modules of sessions, the server, --json_schema/--regex/--grammar, --jit, --quantize and the kernels'
+    # build cost start-up time a cached one-shot run has no use for: each is imported where it is used.
+    cache_home, _, _ = default_model
+    code = ("import json, sys, run_generation; run_generation.main(['--prompt', 'Hi', '--length', '2', '--quiet']); "
+            "print(json.dumps(sorted(sys.modules)))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, env=cli_env(cache_home),
+                            timeout=600)
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    modules = set(json.loads(result.stdout.decode().splitlines()[-1]))
+    assert {"rungen.gguf_loading", "rungen.engine"} <= modules  # the GGUF file ran, on the engine
+    unused = {"rungen.session", "rungen.server", "rungen.constrain", "rungen.jit", "rungen.quantize", "fastapi",
+              "uvicorn", "starlette", "xgrammar", "torch.utils.cpp_extension", "readline"}
+    assert not unused & modules, sorted(unused & modules)
+    assert result.stderr == b""  # --quiet
 
 
 def test_default_model_knows_the_capital_of_france(default_model):

@@ -30,7 +30,7 @@ def test_the_memo_loads_a_model_once_and_hands_out_copies(tiny_models, load_memo
     args = tiny_args(tiny_models, "llama", "--prompt", "Hello", "--length", "4", "--temperature", "0")
     plain = run_main(args)
     misses = load_memo.misses
-    traced = run_main(args + ["--jit"])
+    traced = run_main(args + ["--jit", "--verbose"])  # --verbose: the loading detail, tracing's line among it
     again = run_main(args)
     assert plain.returncode == traced.returncode == again.returncode == 0, again.stderr.decode()
     assert load_memo.misses == misses  # both from the memo

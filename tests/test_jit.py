@@ -59,7 +59,7 @@ def test_jit_on_the_default_model(default_model):
         # --jit traces float models: the GGUF file de-quantized.
         args = ["--dequantize", "--temperature", "0", "--length", "16", "--output_format", "jsonl", *CASES[case]]
         eager = run_main(args, stdin=PROMPTS, cache_home=cache_home)
-        traced = run_main(args + ["--jit"], stdin=PROMPTS, cache_home=cache_home)
+        traced = run_main(args + ["--jit", "--verbose"], stdin=PROMPTS, cache_home=cache_home)  # the tracing line
         assert eager.returncode == traced.returncode == 0, traced.stderr.decode()[-2000:]
         assert jsonl(traced.stdout) == jsonl(eager.stdout)
         stderr = traced.stderr.decode()

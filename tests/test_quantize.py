@@ -12,7 +12,7 @@ PROMPTS = "Hello, my dog is cute\nThe capital of France is\nA\nOnce upon a time 
 @pytest.mark.parametrize("model_type", ["llama", "gpt2", "opt"])
 def test_batch_equals_single_and_jit_equals_eager(tiny_models, model_type, mode):
     args = tiny_args(tiny_models, model_type, "--quantize", mode, "--temperature", "0", "--length", "10",
-                     "--output_format", "jsonl")
+                     "--output_format", "jsonl", "--verbose")  # --verbose: the quantizing and tracing lines
     alone = run_main(args + ["--batch_size", "1"], stdin=PROMPTS)
     batched = run_main(args + ["--batch_size", "4"], stdin=PROMPTS)
     traced = run_main(args + ["--batch_size", "4", "--jit"], stdin=PROMPTS)

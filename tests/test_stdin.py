@@ -46,6 +46,9 @@ def test_jsonl_in_and_out(tiny_models):
         assert 0 < record["num_generated_tokens"] <= 6 and record["num_prompt_tokens"] > 0
         if record["finish_reason"] == "length":
             assert record["num_generated_tokens"] == 6
+    # A piped batch's stderr: one line of figures for the whole batch, as a single prompt's.
+    [figures] = result.stderr.decode().splitlines()
+    assert figures.startswith(f"Generated {sum(record['num_generated_tokens'] for record in records)} tokens in ")
 
 
 def test_default_model_batch_equals_single(default_model):
