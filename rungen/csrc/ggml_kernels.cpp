@@ -43,15 +43,19 @@ enum QType : int64_t {
   IQ4_NL = 20, IQ4_XS = 23
 };
 
-// X8 | Q4_0, X8 | Q4_1 or X8 | Q8_0: the same blocks with the rows interleaved eight by eight (interleave() makes
-// them), a tensor [rows / 8, 8 * row bytes]: for each group of eight rows and each block of 32 columns, the eight
-// rows' float16 scales d, then (Q4_1) their float16 offsets m, then the codes, four bytes of every row in turn:
-// bytes 4j .. 4j + 3 of rows 0..7 for j = 0..3 (4-bit: 128 bytes of nibbles) or j = 0..7 (Q8_0: 256 bytes). A
-// 32-byte load then holds four codes of each of the eight rows (4-bit: and in their high nibbles four more), so
-// that one register's eight lanes are eight rows' sums: a block's integer dot product takes no horizontal
-// additions, and its scaling one multiply-add for eight rows. Arithmetic per row and token, the same on every
-// path: acc = fma(float(dot), d * dx, acc), then for Q4_0/Q4_1 acc = fma(m, dx * sum(xq), acc) (m = -8 d for
-// Q4_0), for each block in order (dot: the block's exact integer dot product).
+// X8 | Q4_0, X8 | Q4_1 or X8 | Q8_0 (and Q5_0/Q5_1, below): the same blocks with the rows interleaved eight by
+// eight (interleave() makes them), a tensor [rows / 8, 8 * row bytes]: for each group of eight rows and each block
+// of 32 columns, the eight rows' float16 scales d, then (Q4_1) their float16 offsets m, then the codes, four bytes
+// of every row in turn: bytes 4j .. 4j + 3 of rows 0..7 for j = 0..3 (4-bit: 128 bytes of nibbles) or j = 0..7
+// (Q8_0: 256 bytes). A 32-byte load then holds four codes of each of the eight rows (4-bit: and in their high
+// nibbles four more), so that one register's eight lanes are eight rows' sums: a block's integer dot product takes
+// no horizontal additions, and its scaling one multiply-add for eight rows. Arithmetic per row and token, the same
+// on every path: acc = fma(float(dot), d * dx, acc), then for Q4_0/Q4_1 acc = fma(m, dx * sum(xq), acc) (m = -8 d
+// for Q4_0), for each block in order (dot: the block's exact integer dot product).
+// X8 | Q5_0 and X8 | Q5_1 likewise, their fifth bits as a 32-byte plane between the scales (and offsets) and the
+// nibbles: byte 4 * row + i holds in bit j the fifth bit of code 4j + i (the low nibble of the nibbles' byte 4j +
+// i) and in bit 4 + j that of code 16 + 4j + i (its high nibble), j = 0..3; the same size as the blocks, the same
+// arithmetic with m = -16 d for Q5_0.
 //
 // X8 | Q4_K, X8 | Q5_K, X8 | Q6_K: a group of eight rows' superblock of 256 columns as its eight blocks of 32
 // want it (kx8_block reads one row's block, interleave() writes them): the codes packed as the file packs them
@@ -107,7 +111,9 @@ int64_t x8_bytes(int64_t base) {
 
 bool x8_kquant(int64_t base) { return base == Q4_K || base == Q5_K || base == Q6_K; }
 
-bool interleaved_type(int64_t base) { return base == Q4_0 || base == Q4_1 || base == Q8_0 || x8_kquant(base); }
+bool interleaved_type(int64_t base) {
+  return base == Q4_0 || base == Q4_1 || base == Q5_0 || base == Q5_1 || base == Q8_0 || x8_kquant(base);
+}
 
 // The activations of n tokens, quantized per block of 32: codes q [n, K], scale d [n, K/32] (q * d ~ x),
 // s = d * sum(q) per 32 [n, K/32] (what a block's offset multiplies), s16 = d * sum(q) per 16 [n, K/16], and
@@ -165,8 +171,8 @@ inline float half_bits_to_float(const uint8_t* p) {
 }
 
 // One row's block in the X8 layout (p: the group's block, lane: the row in the group): its 32 codes in the
-// block's order (Q4_0/Q4_1 unsigned 0..15, Q8_0 signed), its scale d and offset m (m = -8 d for Q4_0, 0 for
-// Q8_0): the weights are d * code + m.
+// block's order (Q4_0/Q4_1 unsigned 0..15, Q5_0/Q5_1 0..31, Q8_0 signed), its scale d and offset m (m = -8 d for
+// Q4_0, -16 d for Q5_0, 0 for Q8_0): the weights are d * code + m.
 inline void x8_block(const uint8_t* p, int64_t base, int64_t lane, int32_t* codes, float& d, float& m) {
   d = half_bits_to_float(p + 2 * lane);
   if (base == Q8_0) {
@@ -175,13 +181,15 @@ inline void x8_block(const uint8_t* p, int64_t base, int64_t lane, int32_t* code
       for (int i = 0; i < 4; ++i) codes[4 * j + i] = int8_t(p[16 + 32 * j + 4 * lane + i]);
     return;
   }
-  const int64_t head = base == Q4_1 ? 32 : 16;
-  m = base == Q4_1 ? half_bits_to_float(p + 16 + 2 * lane) : -8.f * d;
+  const bool has_min = base == Q4_1 || base == Q5_1, five = base == Q5_0 || base == Q5_1;
+  const uint8_t* high = p + (has_min ? 32 : 16);  // Q5's plane of fifth bits
+  const int64_t head = (has_min ? 32 : 16) + (five ? 32 : 0);
+  m = has_min ? half_bits_to_float(p + 16 + 2 * lane) : (five ? -16.f : -8.f) * d;
   for (int j = 0; j < 4; ++j)
     for (int i = 0; i < 4; ++i) {
-      const uint8_t byte = p[head + 32 * j + 4 * lane + i];
-      codes[4 * j + i] = byte & 0x0F;
-      codes[16 + 4 * j + i] = byte >> 4;
+      const uint8_t byte = p[head + 32 * j + 4 * lane + i], bits = five ? high[4 * lane + i] : 0;
+      codes[4 * j + i] = (byte & 0x0F) | (((bits >> j) & 1) << 4);
+      codes[16 + 4 * j + i] = (byte >> 4) | (((bits >> (4 + j)) & 1) << 4);
     }
 }
 
@@ -609,8 +617,8 @@ int64_t out_rows(const at::Tensor& blocks, int64_t qtype) { return blocks.size(0
 
 void check_inputs(const at::Tensor& blocks, int64_t qtype, int64_t in_features) {
   TORCH_CHECK(blocks.dtype() == at::kByte && blocks.dim() == 2, "rungen_ggml: blocks must be uint8 [rows, bytes]");
-  TORCH_CHECK(!(qtype & X8) || interleaved_type(qtype & ~X8), "rungen_ggml: only Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and "
-              "Q6_K rows are interleaved");
+  TORCH_CHECK(!(qtype & X8) || interleaved_type(qtype & ~X8), "rungen_ggml: only Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
+              "Q4_K, Q5_K and Q6_K rows are interleaved");
   TORCH_CHECK(in_features % block_elements(qtype) == 0, "rungen_ggml: in_features ", in_features,
               " is not a multiple of the block size");
   const int64_t bytes = in_features / block_elements(qtype) * (qtype & X8 ? x8_bytes(qtype & ~X8) : block_bytes(qtype));
@@ -1508,13 +1516,15 @@ void interleave_kquant(const uint8_t* src, int64_t pitch, int64_t qtype, int64_t
 }
 
 // Blocks [rows, row bytes] (rows a multiple of 8; rows may be strided) in the X8 layout [rows / 8, 8 row bytes
-// as X8 holds them]: Q4_0/Q4_1/Q8_0 the same bytes rearranged, the k-quants with their scales unpacked (see X8);
-// into `out` when given (contiguous, that shape).
+// as X8 holds them]: Q4_0/Q4_1/Q8_0 the same bytes rearranged, Q5_0/Q5_1 too with their fifth bits regrouped, the
+// k-quants with their scales unpacked (see X8); into `out` when given (contiguous, that shape).
 at::Tensor interleave(const at::Tensor& blocks, int64_t qtype, const c10::optional<at::Tensor>& out_in) {
-  TORCH_CHECK(interleaved_type(qtype), "rungen_ggml: only Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K rows are interleaved");
+  TORCH_CHECK(interleaved_type(qtype), "rungen_ggml: only Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K rows are "
+              "interleaved");
   TORCH_CHECK(blocks.dtype() == at::kByte && blocks.dim() == 2 && blocks.stride(1) == 1 && blocks.size(0) % 8 == 0,
               "rungen_ggml: interleave takes uint8 [rows, bytes] with rows a multiple of 8");
-  const int64_t bytes = block_bytes(qtype), head = qtype == Q4_1 ? 4 : 2, nb = blocks.size(1) / bytes;
+  const bool five = qtype == Q5_0 || qtype == Q5_1;
+  const int64_t bytes = block_bytes(qtype), head = qtype == Q4_1 || qtype == Q5_1 ? 4 : 2, nb = blocks.size(1) / bytes;
   const int64_t groups_of_4 = qtype == Q8_0 ? 8 : 4;  // four-byte pieces of a row's codes
   TORCH_CHECK(blocks.size(1) == nb * bytes, "rungen_ggml: rows are not whole blocks");
   const int64_t out_bytes = nb * x8_bytes(qtype);
@@ -1538,8 +1548,20 @@ at::Tensor interleave(const at::Tensor& blocks, int64_t qtype, const c10::option
         uint8_t* o = dst + (g * nb + b) * 8 * bytes;
         for (int64_t lane = 0; lane < 8; ++lane) {
           const uint8_t* p = src + (8 * g + lane) * pitch + b * bytes;
-          std::memcpy(o + 2 * lane, p, 2);                           // d
-          if (qtype == Q4_1) std::memcpy(o + 16 + 2 * lane, p + 2, 2);  // m
+          std::memcpy(o + 2 * lane, p, 2);                                        // d
+          if (head == 4) std::memcpy(o + 16 + 2 * lane, p + 2, 2);                // m
+          if (five) {  // the fifth bits' plane, then the nibbles
+            uint32_t qh;
+            std::memcpy(&qh, p + head, 4);
+            for (int i = 0; i < 4; ++i) {
+              uint8_t bits = 0;
+              for (int j = 0; j < 4; ++j)
+                bits |= uint8_t(((qh >> (4 * j + i)) & 1) << j | ((qh >> (16 + 4 * j + i)) & 1) << (4 + j));
+              o[8 * head + 4 * lane + i] = bits;
+            }
+            for (int j = 0; j < 4; ++j) std::memcpy(o + 8 * head + 32 + 32 * j + 4 * lane, p + head + 4 + 4 * j, 4);
+            continue;
+          }
           for (int j = 0; j < groups_of_4; ++j) std::memcpy(o + 8 * head + 32 * j + 4 * lane, p + head + 4 * j, 4);
         }
       }

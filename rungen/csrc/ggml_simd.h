@@ -517,6 +517,53 @@ static void x8_group_q8(const uint8_t* group, int64_t nblocks, const int8_t* con
   for (int t = 0; t < NT; ++t) _mm256_storeu_ps(out[t], acc[t]);
 }
 
+// Q5_0/Q5_1 rows interleaved eight by eight (X8), against NT tokens a pass: as x8_group, each nibble's fifth bit
+// (bit j or 4 + j of its plane byte: see X8) shifted to bit 4 and or-ed in; on AVX2 four maddubs sums of codes up
+// to 31 (4 x 2 x 31 x 127 = 31496) fit int16 before widening, eight would not. m = -16 d for Q5_0.
+template <bool HAS_MIN, int NT>
+static void x8_group_q5(const uint8_t* group, int64_t nblocks, const int8_t* const* xq, const float* const* xd,
+                        const float* const* xs, float* const* out) {
+  constexpr int64_t BYTES = HAS_MIN ? 192 : 176, HEAD = HAS_MIN ? 64 : 48, PLANE = HAS_MIN ? 32 : 16;
+  const __m256i low = _mm256_set1_epi8(0x0F), sixteen = _mm256_set1_epi8(16);
+  __m256 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const uint8_t* p = group + b * BYTES;
+    const __m256i plane = _mm256_loadu_si256((const __m256i*)(p + PLANE));
+    __m256i lo[4], hi[4];
+    for (int j = 0; j < 4; ++j) {
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(p + HEAD + 32 * j));
+      // Bit j to bit 4 (left by 4 - j), bit 4 + j to bit 4 (right by j): within each byte, then masked.
+      lo[j] = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(_mm256_slli_epi16(plane, 4 - j), sixteen));
+      hi[j] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+                              _mm256_and_si256(_mm256_srli_epi16(plane, j), sixteen));
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+    const __m256 m = HAS_MIN ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16)))
+                             : _mm256_mul_ps(_mm256_set1_ps(-16.f), d);
+    for (int t = 0; t < NT; ++t) {
+      const int8_t* x = xq[t] + b * 32;
+#ifdef GGML_VNNI
+      __m256i dot = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j)
+        dot = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(dot, lo[j], broadcast4(x + 4 * j)), hi[j],
+                                  broadcast4(x + 16 + 4 * j));
+#else
+      __m256i sum_lo = _mm256_setzero_si256(), sum_hi = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {
+        sum_lo = _mm256_add_epi16(sum_lo, _mm256_maddubs_epi16(lo[j], broadcast4(x + 4 * j)));
+        sum_hi = _mm256_add_epi16(sum_hi, _mm256_maddubs_epi16(hi[j], broadcast4(x + 16 + 4 * j)));
+      }
+      const __m256i one = _mm256_set1_epi16(1);
+      const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(sum_lo, one), _mm256_madd_epi16(sum_hi, one));
+#endif
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_broadcast_ss(xd[t] + b)), acc[t]);
+      acc[t] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xs[t] + b), acc[t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) _mm256_storeu_ps(out[t], acc[t]);
+}
+
 // Eight bytes as the eight int32 lanes, unsigned or signed.
 static inline __m256i lanes_u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
 static inline __m256i lanes_s8(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
@@ -655,6 +702,8 @@ static int64_t x8_pass(const uint8_t* group, int64_t nb, const Act& a, int64_t k
     }
     if constexpr (BASE == Q8_0)
       x8_group_q8<NT>(group, nb, xq, xd, out);
+    else if constexpr (BASE == Q5_0 || BASE == Q5_1)
+      x8_group_q5<BASE == Q5_1, NT>(group, nb, xq, xd, xs, out);
     else if constexpr (BASE == Q4_K || BASE == Q5_K || BASE == Q6_K)
       kx8_group<BASE, NT>(group, nb / 8, xq, xd, xs, out);
     else
@@ -683,6 +732,10 @@ static void x8_rows(const Job& job, int64_t g0, int64_t g1) {
       x8_tokens<Q4_1>(group, nb, a, job.in_features, y, job.out_features);
     else if (base == Q4_0)
       x8_tokens<Q4_0>(group, nb, a, job.in_features, y, job.out_features);
+    else if (base == Q5_0)
+      x8_tokens<Q5_0>(group, nb, a, job.in_features, y, job.out_features);
+    else if (base == Q5_1)
+      x8_tokens<Q5_1>(group, nb, a, job.in_features, y, job.out_features);
     else if (base == Q4_K)
       x8_tokens<Q4_K>(group, nb, a, job.in_features, y, job.out_features);
     else if (base == Q5_K)

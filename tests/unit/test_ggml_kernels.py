@@ -36,9 +36,9 @@ def widths(qtype):
 
 
 def blocks_for(qtype, rows, in_features, seed=0, kind="random"):
-    """uint8 [rows, row_bytes] as a GGUF file holds them. kind (raw types): random, zero-block, zeros, max (every
-    other byte 0xFF: the largest codes, scales and mins) or min (0x00: the smallest; IQ4's -127, Q3_K's scale -32
-    and code -4)."""
+    """uint8 [rows, row_bytes] as a GGUF file holds them. kind: random, zero-block or zeros; for the types the gguf
+    package quantizes also extremes (+-3e3) or high (the largest codes); for raw types max (every other byte 0xFF:
+    the largest codes, scales and mins) or min (0x00: the smallest; IQ4's -127, Q3_K's scale -32 and code -4)."""
     rng = np.random.default_rng(seed)
     if qtype in SIMPLE:
         w = rng.standard_normal((rows, in_features)).astype(np.float32) * 0.05
@@ -49,6 +49,9 @@ def blocks_for(qtype, rows, in_features, seed=0, kind="random"):
             w[:, 32:64] = 0
         if kind == "zeros":
             w[:] = 0
+        if kind == "high":  # one low value a block, the others at the top: the largest codes (15, 31, 119)
+            w[:] = 0.9375
+            w[:, ::32] = -1
         return torch.from_numpy(quantize(w, qtype)).reshape(rows, -1)
     block, size = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (rows, in_features // block, size), dtype=np.uint8)
@@ -124,6 +127,8 @@ def inputs(n, in_features, seed, kind="random"):
         x[:, ::32] = 127.0
     if kind == "full":  # every code +-127: the largest integer products
         x = torch.where(torch.rand(n, in_features, generator=g) < 0.5, -3.0, 3.0)
+    if kind == "positive":  # every code 127: with the largest weight codes, the largest sums of one sign
+        x = torch.full((n, in_features), 3.0)
     return x
 
 
@@ -187,7 +192,7 @@ def test_unpacked_rows_give_the_same_bits_on_every_instruction_set(qtype, each_i
     raw = qtype in RAW
     cases = [(8, 1, "random", "random"), (5, 3, "max" if raw else "extremes", "full"),
              (7, 4, "min" if raw else "extremes", "full"), (3, 5, "zero-block", "zero-block"),
-             (4, 2, "zeros", "outlier"), (6, 6, "random", "ties")]
+             (4, 2, "zeros", "outlier"), (6, 6, "random", "ties"), (8, 2, "max" if raw else "high", "positive")]
     sizes = widths(qtype) + ((96,) if GGML_QUANT_SIZES[qtype][0] == 32 else (768,))
     for seed, ((rows, n, weights, xs), in_features) in enumerate(itertools.product(cases, sizes)):
         blocks = blocks_for(qtype, rows, in_features, seed, weights)
@@ -214,7 +219,8 @@ def test_interleaved_rows_match_reference_with_the_same_bits_on_every_path_and_a
     ops = torch.ops.rungen_ggml
     cases = [(8, 1, "random", "random"), (64, 3, "extremes", "outlier"), (40, 17, "zero-block", "zero-block"),
              (16, 37, "zeros", "random"), (24, 6, "random", "outlier"), (8, 5, "random", "ties"),
-             (16, 4, "extremes", "saturating")]
+             (16, 4, "extremes", "saturating"), (16, 2, "high" if qtype in SIMPLE else "max", "positive"),
+             (8, 3, "extremes", "full")]
     # 32-blocks a row, even and odd; superblocks of 256 a row, odd and even.
     widths = (512, 544) if qtype in SIMPLE else (768, 512)
     for seed, ((rows, n, weights, xs), in_features) in enumerate(itertools.product(cases, widths)):
