@@ -1,15 +1,18 @@
 """Decode (tg) and prompt processing (pp) of any GGUF file, the tool against llama.cpp on the same file, paired.
 
     python -m benchmarks.gguf_files --model FILE [FILE ...] [--repeats 3] [--threads 2] [--tg 128] [--pp 512]
+                                    [--llama-bench LLAMA_CPP/build/bin/llama-bench]
     python -m benchmarks.gguf_files --write DIR [--families llama qwen3] [--types Q4_K_M Q6_K ...]
 
 Measuring: every file is loaded by the tool as the command line loads it (rungen.loading.load) and run on the
 engine (rungen/engine.py: the loop the command line, the session and the server decode in); llama.cpp runs the same
-file through llama-cpp-python in a child process of a benchmark-only virtualenv (--llama-python), driven line by
-line, so that a round measures both back to back under the same load. tg: a short prompt, then `--tg` new tokens
-greedily (no EOS), tokens per second over the decode steps after the first token, as llama-bench's tg counts them.
-pp: `--pp` random token ids (the same ids for both) processed in one call, tokens per second to the first token, as
-llama-bench's pp counts them. Ratios are medians of per-round ratios. CPU flags are printed with the figures.
+file through its own llama-bench (--llama-bench BINARY, one run a job) or through llama-cpp-python in a child
+process of a benchmark-only virtualenv (--llama-python, driven line by line; its Python sampling loop costs about a
+millisecond a token, a fifth of a small model's step), so that a round measures both back to back under the same
+load. tg: a short prompt, then `--tg` new tokens greedily (no EOS), tokens per second over the decode steps after
+the first token, as llama-bench's tg counts them. pp: `--pp` random token ids (the same ids for both) processed in
+one call, tokens per second to the first token, as llama-bench's pp counts them. Ratios are medians of per-round
+ratios. CPU flags are printed with the figures.
 
 Writing: files in published shapes with random weights (the text is meaningless, the memory and time are real),
 the default model's tokenizer as vocabulary: each family in Q4_0 and Q8_0 as the gguf package writes them (random
@@ -81,6 +84,23 @@ class LlamaCpp:
         self.child.wait()
 
 
+class LlamaBench:
+    """llama.cpp's own llama-bench (built from the source llama-cpp-python vendors), one run a job: no Python in
+    its decode loop, the fairer reference for a small model whose step takes a few milliseconds."""
+
+    def __init__(self, binary, path, threads):
+        self.binary, self.path, self.threads = binary, path, threads
+
+    def run(self, kind, ids, new_tokens=0):
+        sizes = ["-p", str(len(ids)), "-n", "0"] if kind == "pp" else ["-p", "0", "-n", str(new_tokens)]
+        out = subprocess.run([self.binary, "-m", self.path, "-t", str(self.threads), "-r", "1", "-o", "json", *sizes],
+                             capture_output=True, text=True, check=True)
+        return json.loads(out.stdout)[0]["avg_ts"]
+
+    def close(self):
+        pass
+
+
 class Tool:
     def __init__(self, path):
         import torch
@@ -130,7 +150,9 @@ def measure(path, args):
     pp_ids = [rng.randrange(vocab) for _ in range(args.pp)]
     tg_ids = tool.loaded.tokenizer("The capital of France is")["input_ids"]
     runners = {"tool": tool}
-    if has_llama_cpp(args.llama_python):
+    if args.llama_bench:
+        runners["llama.cpp"] = LlamaBench(args.llama_bench, path, args.threads)
+    elif has_llama_cpp(args.llama_python):
         runners["llama.cpp"] = LlamaCpp(args.llama_python, path, args.threads)
     else:
         print(f"no llama.cpp column: {args.llama_python} cannot import llama_cpp", file=sys.stderr)
@@ -265,6 +287,8 @@ def main():
     parser.add_argument("--tg", type=int, default=128, help="new tokens of the decode row")
     parser.add_argument("--pp", type=int, default=512, help="prompt tokens of the prompt-processing row")
     parser.add_argument("--llama-python", default=BENCH_PYTHON)
+    parser.add_argument("--llama-bench", metavar="BINARY", help="llama.cpp's llama-bench as the reference instead of "
+                        "llama-cpp-python (whose Python sampling loop costs a small model's decode ~1 ms a token)")
     parser.add_argument("--write", metavar="DIR", help="write the synthetic files into DIR instead")
     parser.add_argument("--families", nargs="*", default=list(FAMILIES), choices=list(FAMILIES))
     parser.add_argument("--types", nargs="*", default=["Q4_K_M", "Q5_K_M", "Q6_K", "Q3_K_M", "IQ4_XS", "Q8_0",
@@ -273,8 +297,9 @@ def main():
     if args.write:
         write(args)
         return
+    reference = f"llama-bench ({args.llama_bench})" if args.llama_bench else f"llama-cpp-python ({args.llama_python})"
     print(f"CPU flags: {cpu_flags()}; {args.threads} threads; tg{args.tg}, pp{args.pp}; median of {args.repeats} "
-          f"paired rounds")
+          f"paired rounds; llama.cpp: {reference}")
     print("")
     print("| file | test | tool tok/s | llama.cpp tok/s | ratio |")
     print("| --- | --- | ---: | ---: | ---: |")

@@ -27,12 +27,12 @@ import tempfile
 import time
 
 from benchmarks.common import cpu_flags
+from benchmarks.gguf_files import write_family
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 BENCH_PYTHON = "/work/bench-venv/bin/python"
 PROMPT = "The capital of France is"
-TINYLLAMA = dict(layers=22, hidden=2048, ffn=5632, heads=32, kv_heads=4)
 
 
 def peak_mb():
@@ -87,60 +87,6 @@ def tool_row(path, cache_home, dequantize=False):
     return run_child(args + (["--dequantize"] if dequantize else []), cache_home)
 
 
-def write_tinyllama_q4_0(path, tokenizer_source):
-    """A llama of TinyLlama's shape in llama.cpp's Q4_0 layout, random blocks with valid fp16 scales."""
-    import numpy as np
-    from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFWriter
-    from gguf import GGMLQuantizationType as Q
-
-    fields = [(key, field.contents(), field.types[0], field.types[-1] if len(field.types) > 1 else None)
-              for key, field in GGUFReader(tokenizer_source).fields.items() if key.startswith("tokenizer.")]
-    vocab = next(len(value) for key, value, *_ in fields if key == "tokenizer.ggml.tokens")
-    shape = TINYLLAMA
-    rng = np.random.default_rng(0)
-    writer = GGUFWriter(path, "llama", use_temp_file=True)
-    writer.add_name("Random TinyLlama-shaped")
-    writer.add_context_length(2048)
-    writer.add_embedding_length(shape["hidden"])
-    writer.add_block_count(shape["layers"])
-    writer.add_feed_forward_length(shape["ffn"])
-    writer.add_head_count(shape["heads"])
-    writer.add_head_count_kv(shape["kv_heads"])
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_rope_dimension_count(shape["hidden"] // shape["heads"])
-    writer.add_vocab_size(vocab)
-    writer.add_file_type(2)  # LLAMA_FTYPE_MOSTLY_Q4_0
-    for key, value, vtype, sub_type in fields:
-        writer.add_key_value(key, value, vtype, sub_type)
-
-    def blocks(name, rows, cols, qtype, scale):
-        block, size = GGML_QUANT_SIZES[qtype]
-        data = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
-        d = np.full(data.shape[:2], scale, dtype=np.float16).view(np.uint8).reshape(*data.shape[:2], 2)
-        if qtype == Q.Q6_K:
-            data[..., -2:] = d
-        else:
-            data[..., :2] = d
-        writer.add_tensor(name, data.reshape(rows, -1), raw_dtype=qtype)
-
-    hidden, ffn, kv = shape["hidden"], shape["ffn"], shape["hidden"] // shape["heads"] * shape["kv_heads"]
-    blocks("token_embd.weight", vocab, hidden, Q.Q4_0, 0.01)
-    for layer in range(shape["layers"]):
-        for norm in ("attn_norm", "ffn_norm"):
-            writer.add_tensor(f"blk.{layer}.{norm}.weight", np.ones(hidden, dtype=np.float32))
-        for part, rows, cols in (("attn_q", hidden, hidden), ("attn_k", kv, hidden), ("attn_v", kv, hidden),
-                                 ("attn_output", hidden, hidden), ("ffn_gate", ffn, hidden),
-                                 ("ffn_up", ffn, hidden), ("ffn_down", hidden, ffn)):
-            blocks(f"blk.{layer}.{part}.weight", rows, cols, Q.Q4_0, 0.002)
-    writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
-    blocks("output.weight", vocab, hidden, Q.Q6_K, 0.0005)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 QUANTIZE_CHILD = """
 import sys, llama_cpp
 params = llama_cpp.llama_model_quantize_default_params()
@@ -190,7 +136,7 @@ def main():
         q4_0 = os.path.join(args.workdir, "tinyllama-shape-Q4_0.gguf")
         if not os.path.exists(q4_0):
             print(f"writing {q4_0} ...", flush=True)
-            write_tinyllama_q4_0(q4_0 + ".tmp", default)
+            write_family(q4_0 + ".tmp", "llama", "Q4_0", default)
             os.replace(q4_0 + ".tmp", q4_0)
         files["1.1B random Q4_0"] = q4_0
         if has_llama_cpp():

@@ -23,6 +23,7 @@ from rungen.decoder import DecoderStack, FusedDecoderLayer, products_one_by_one
 from rungen.ggml import INTERLEAVED_TYPES, SUPPORTED, GGMLLinear, GGMLParts, native_kernels
 from rungen.gguf_loading import CastLinear, GGMLEmbedding, GGUFHeader, build_model, metadata_parsed_once
 from rungen.loading import default_model_file
+from tiny_models import default_tokenizer_fields
 
 DEFAULT_GGUF = default_model_file()
 HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2  # k-quant rows need multiples of 256
@@ -76,26 +77,7 @@ def tokenizer_fields():
     """The default model's tokenizer.* metadata as (key, value, type, element type), its vocabulary cut to
     its first VOCAB tokens and the merges among them: the same byte-level BPE, special tokens and chat
     template, in a file whose metadata parses in a fraction of a second instead of seconds."""
-    from gguf import GGUFValueType as V
-    from transformers.integrations.gguf.reader import read_gguf_metadata
-
-    metadata, _ = read_gguf_metadata(DEFAULT_GGUF, ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"))
-    tokens = metadata["tokenizer.ggml.tokens"][:VOCAB]
-    kept = set(tokens)
-    merges = [m for m in metadata["tokenizer.ggml.merges"] if {*m.split(" "), m.replace(" ", "")} <= kept]
-    cut = {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": metadata["tokenizer.ggml.token_type"][:VOCAB],
-           "tokenizer.ggml.merges": merges}
-    # The value types llama.cpp's converter writes: token ids UINT32, token types INT32, flags BOOL.
-    types = {bool: (V.BOOL, None), int: (V.UINT32, None), str: (V.STRING, None)}
-    fields = []
-    for key, value in metadata.items():
-        if key.startswith("tokenizer."):
-            value = cut.get(key, value)
-            if isinstance(value, list):
-                fields.append((key, value, V.ARRAY, V.STRING if isinstance(value[0], str) else V.INT32))
-            else:
-                fields.append((key, value, *types[type(value)]))
-    return fields
+    return default_tokenizer_fields(DEFAULT_GGUF, VOCAB)
 
 
 def permute(weights, heads, kv_heads):

@@ -719,6 +719,7 @@ def default_tokenizer_fields(gguf_path, vocab):
     merges = [m for m in metadata["tokenizer.ggml.merges"] if {*m.split(" "), m.replace(" ", "")} <= kept]
     cut = {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": metadata["tokenizer.ggml.token_type"][:vocab],
            "tokenizer.ggml.merges": merges}
+    # The value types llama.cpp's converter writes: token ids UINT32, token types INT32, flags BOOL.
     types = {bool: (V.BOOL, None), int: (V.UINT32, None), str: (V.STRING, None)}
     fields = []
     for key, value in metadata.items():
