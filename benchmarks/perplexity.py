@@ -2,6 +2,8 @@
 the default mode (the GGUF file's own blocks), every model loaded by the tool's own load().
 
     python -m benchmarks.perplexity [--text benchmarks/data/declaration.txt] [--threads 2] [--draws 5]
+    python -m benchmarks.perplexity --model FILE.gguf   # another GGUF file (the default model requantized to
+                                                        # Q4_K_M, say): float32 and its own blocks, no --quantize
 
 The text (benchmarks/data/declaration.txt, about 2,350 tokens) is the Declaration of Independence
 (1776), the Gettysburg Address (1863) and the Preamble and Article I, sections 1-3, of the US
@@ -72,24 +74,26 @@ def main():
     parser.add_argument("--text", default=TEXT)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--draws", type=int, default=5, help="scorings a row: one as it is, the rest jittered")
+    parser.add_argument("--model", help="a GGUF file of the default model's tokenizer (default: the default model)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    float32 = load_float32()
+    float32 = load_float32(args.model)
     ids = float32.tokenizer(open(args.text).read(), return_tensors="pt")["input_ids"]
     reference = drawn(float32.model, ids, args.draws)
     del float32
-    print(f"default model, {ids.shape[1]} tokens of {os.path.basename(args.text)}, {args.draws} draws a row, "
+    name = os.path.basename(args.model) if args.model else "default model"
+    print(f"{name}, {ids.shape[1]} tokens of {os.path.basename(args.text)}, {args.draws} draws a row, "
           f"torch {torch.__version__}, {args.threads} threads, CPU flags: {cpu_flags()}")
     print("")
     print("| weights | perplexity (median) | range | vs float32's median (range) |")
     print("| --- | ---: | ---: | ---: |")
     row("`--dequantize` (float32)", reference, reference[0])
-    for mode in ("int8", "int4"):
+    for mode in () if args.model else ("int8", "int4"):
         row(f"`--quantize {mode}`", drawn(load(None, device=torch.device("cpu"), quantize=mode).model, ids,
                                           args.draws), reference[0])
     if not native_kernels():
         sys.exit("the native kernels are not available")
-    model = load(None, device=torch.device("cpu")).model
+    model = load(args.model, device=torch.device("cpu")).model
     row(f"default: the file's own blocks, as it runs ({torch.ops.rungen_ggml.isa()})", drawn(model, ids, args.draws),
         reference[0])
     GGMLLinear._matmul = lambda self, x: torch.ops.rungen_ggml.mm_tiled(
