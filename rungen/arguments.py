@@ -202,6 +202,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parsed = vars(parser.parse_args(argv, namespace=argparse.Namespace(**start)))
     given = {name for name, value in parsed.items() if value is not _UNSET and value is not None}
     values = {name: defaults[name] if value is _UNSET else value for name, value in parsed.items()}
+    for action in parser._actions:  # argparse gives `--temperature=--` the value [] without converting it
+        if (type(action) is argparse._StoreAction and action.nargs is None
+                and isinstance(values.get(action.dest), list)):
+            kind = "a number" if action.type in (int, float) else "a value"
+            raise UsageError(f"{action.option_strings[0]} needs {kind}, got {values[action.dest]!r}")
     file = values["generation_config"]
     if file is not None:
         for flag in FILE_KEY_FLAGS.values():
@@ -218,10 +223,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if not values["prefix"]:
             values["prefix"] = values["padding_text"]
         logger.warning("--padding_text is deprecated; use --prefix")
-    for action in parser._actions:  # argparse gives `--temperature=--` the value [] without converting it
-        value = values.get(action.dest)
-        if action.type in (int, float) and value is not None and not isinstance(value, (int, float)):
-            raise UsageError(f"{action.option_strings[0]} needs a number, got {value!r}")
     args = argparse.Namespace(**values)
     for name in FLOAT_FLAGS:  # from the command line or a --generation_config file
         if values[name] is not None and not math.isfinite(values[name]):

@@ -589,8 +589,8 @@ async def generate(service, http_request, body, prompts, logprobs, *, chat, max_
     for ids in prompts:
         max_tokens = service.max_tokens(body, len(ids), default_max, n, max_token_names)
         if max_tokens == 0 and not echo:
-            raise APIError(f"{max_token_names[0]} 0 generates nothing: it scores the prompt with echo and logprobs",
-                           max_token_names[0])
+            name = next((name for name in max_token_names if present(body, name)), max_token_names[0])
+            raise APIError(f"{name} 0 generates nothing: it scores the prompt with echo and logprobs", name)
         plans.append((ids, max_tokens))
 
     # Prompt scoring (echo with logprobs) runs on the model thread between two decode steps.

@@ -9,7 +9,7 @@ import re
 import struct
 
 import pytest
-from hypothesis import HealthCheck, assume, given, seed, settings
+from hypothesis import HealthCheck, assume, example, given, seed, settings
 from hypothesis import strategies as st
 from test_server import CHAT_TEMPLATE
 
@@ -226,6 +226,8 @@ def check_flags(monkeypatch, argv):
 @seed(20261125)
 @settings(FAST, max_examples=120)
 @given(argv=command_lines())
+@example(argv=["--generation_config=--"])  # argparse's [] for a flag of any type, found at length
+@example(argv=["--tools=--"])
 def test_any_flag_value_is_accepted_or_one_line(monkeypatch, argv):
     check_flags(monkeypatch, argv)
 
