@@ -78,8 +78,9 @@ enum QType : int64_t {
 // nibble indexes kvalues_iq4nl (-127..113), looked up by a byte shuffle. X8 | IQ4_XS (1104 bytes, 138 a row: the
 // file's 136 and 2 for the unpacked scales): d[8] (float16), sc[8 blocks][8 rows] (int8: the 6-bit scale - 32),
 // then per block the nibbles as X8 | Q4_0 lays them. The table's values are signed: multiplied as Q8_0's codes
-// (|w| times x with w's sign). Per block dot = sc * (values . xq) (IQ4_NL: sc = 1), exact in integers (at most
-// 32 * 32 * 127 * 127 < 2^24), then per row and token acc = fma(float(dot), d * dx, acc), no offsets.
+// (|w| times x with w's sign), or on VNNI offset by 128 (unsigned), less 128 times the activations' integer sum.
+// Per block dot = sc * (values . xq) (IQ4_NL: sc = 1), exact in integers (at most 32 * 32 * 127 * 127 < 2^24),
+// then per row and token acc = fma(float(dot), d * dx, acc), no offsets.
 constexpr int64_t X8 = 256;
 
 int64_t block_elements(int64_t qtype) {
@@ -135,7 +136,8 @@ constexpr int8_t kvalues_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 
 
 // The activations of n tokens, quantized per block of 32: codes q [n, K], scale d [n, K/32] (q * d ~ x),
 // s = d * sum(q) per 32 [n, K/32] (what a block's offset multiplies), s16 = d * sum(q) per 16 [n, K/16], and
-// s4: s of each whole group of four tokens, the four side by side [n/4, K/32, 4] (one vector a block).
+// s4: s of each whole group of four tokens, the four side by side [n/4, K/32, 4] (one vector a block), and
+// sum: sum(q) per 32 [n, K/32] in integers.
 struct Act {
   int64_t n;
   const int8_t* q;
@@ -143,6 +145,7 @@ struct Act {
   const float* s;
   const float* s16;
   const float* s4;
+  const int32_t* sum;
 };
 
 struct Job {
@@ -521,7 +524,8 @@ float dot_krow(const KRow& r, int64_t nb, int kind, bool offsets, const int8_t* 
 }
 
 // Blocks [b0, b1) of activations x quantized: d = max|x| / 127, q = round(x / d) (ties to even), and the sums.
-void quantize_blocks(const float* xp, int64_t b0, int64_t b1, int8_t* q, float* d, float* s, float* s16) {
+void quantize_blocks(const float* xp, int64_t b0, int64_t b1, int8_t* q, float* d, float* s, float* s16,
+                     int32_t* sum) {
   for (int64_t b = b0; b < b1; ++b) {
     const float* v = xp + b * 32;
     float amax = 0.f;
@@ -535,6 +539,7 @@ void quantize_blocks(const float* xp, int64_t b0, int64_t b1, int8_t* q, float* 
       (i < 16 ? sum0 : sum1) += c;
     }
     d[b] = scale;
+    sum[b] = sum0 + sum1;
     s[b] = scale * float(sum0 + sum1);
     s16[2 * b] = scale * float(sum0);
     s16[2 * b + 1] = scale * float(sum1);
@@ -675,23 +680,24 @@ struct QuantizedX {
 const Act& quantize_activations(const float* xp, int64_t n, int64_t k) {
   static thread_local QuantizedX r;
   const int64_t nb = k / 32;
-  // d, s, s16 (2), s4, then the codes, which start on a cache line (64 bytes).
-  const size_t floats = size_t(n * nb * 5) + size_t(n * k + 3) / 4 + 32;
+  // d, s, s16 (2), s4, sum (int32), then the codes, which start on a cache line (64 bytes).
+  const size_t floats = size_t(n * nb * 6) + size_t(n * k + 3) / 4 + 32;
   if (r.buffer.size() < floats) r.buffer.resize(floats);
   const auto line = [](float* p) { return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63)); };
   float* d = r.buffer.data();
   float* s = d + n * nb;
   float* s16 = s + n * nb;
   float* s4 = s16 + 2 * n * nb;
-  int8_t* q = reinterpret_cast<int8_t*>(line(s4 + n * nb));
+  int32_t* sum = reinterpret_cast<int32_t*>(s4 + n * nb);
+  int8_t* q = reinterpret_cast<int8_t*>(line(s4 + 2 * n * nb));
   const auto blocks_fn = current_isa == VNNI ? vnni::quantize_blocks
                         : current_isa == AVX2 ? avx2::quantize_blocks
                                               : scalar::quantize_blocks;
-  at::parallel_for(0, n * nb, 128, [&](int64_t b0, int64_t b1) { blocks_fn(xp, b0, b1, q, d, s, s16); });
+  at::parallel_for(0, n * nb, 128, [&](int64_t b0, int64_t b1) { blocks_fn(xp, b0, b1, q, d, s, s16, sum); });
   for (int64_t g = 0; g < n / 4; ++g)
     for (int64_t b = 0; b < nb; ++b)
       for (int64_t i = 0; i < 4; ++i) s4[(g * nb + b) * 4 + i] = s[(4 * g + i) * nb + b];
-  r.act = Act{n, q, d, s, s16, s4};
+  r.act = Act{n, q, d, s, s16, s4, sum};
   return r.act;
 }
 
