@@ -10,8 +10,8 @@ the head, fbgemm's float16 (Fp16Linear). Calls of the modes alternate, each figu
 machine may be shared. --crossover times the integer kernel against de-quantized float tiles with torch's
 matmul for growing numbers of tokens: where the second wins is where rungen_ggml.mm switches. --layouts times
 the file's row-major blocks against the interleaved ones at 1, 4, 16 and 64 tokens: the default model's weights,
-then k-quant weights of a 1.1B llama's shapes (TinyLlama's, as a Q4_K_M/Q5_K_M file holds them: random blocks
-with valid scales, as the default model has none; the kernels' speed does not depend on the values).
+then k-quant and IQ4 weights of a 1.1B llama's shapes (TinyLlama's, as a Q4_K_M/Q5_K_M/IQ4_XS file holds them:
+random blocks with valid scales, as the default model has none; the kernels' speed does not depend on the values).
 """
 
 import argparse
@@ -33,11 +33,12 @@ SHAPES = ("blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.ffn_gate.weight",
 Q = gguf.GGMLQuantizationType
 # (name, type, rows, inputs): a 1.1B llama's (TinyLlama's) weights in a Q4_K_M file, and Q5_K_M's gate.
 K_SHAPES = (("attn_q", Q.Q4_K, 2048, 2048), ("attn_k", Q.Q4_K, 256, 2048), ("ffn_gate", Q.Q4_K, 5632, 2048),
-            ("ffn_gate", Q.Q5_K, 5632, 2048), ("ffn_down", Q.Q6_K, 2048, 5632))
+            ("ffn_gate", Q.Q5_K, 5632, 2048), ("ffn_down", Q.Q6_K, 2048, 5632), ("ffn_gate", Q.IQ4_XS, 5632, 2048),
+            ("ffn_gate", Q.IQ4_NL, 5632, 2048))
 
 
 def random_k_blocks(qtype, rows, in_features, seed=0):
-    """uint8 [rows, row bytes] of random k-quant superblocks whose float16 scales are small and finite."""
+    """uint8 [rows, row bytes] of random k-quant (or IQ4) blocks whose float16 scales are small and finite."""
     import numpy as np
 
     block, size = gguf.GGML_QUANT_SIZES[qtype]

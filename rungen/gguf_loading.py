@@ -7,11 +7,12 @@ A GGUF file is read in two parts:
   converting the tokenizer takes seconds (the vocabulary and merges are tens of thousands of fields), so
   the result is cached once per file (see HeaderCache): later runs read three small files.
 - its tensors, each a view of one memory map of the file. Quantized linear weights become
-  rungen.ggml.GGMLLinear layers over those views (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K ones read into memory
-  instead, their rows interleaved for the native kernels); a quantized embedding becomes GGMLEmbedding, which
-  de-quantizes only the rows it looks up; a tied output head is a GGMLLinear over the embedding's own blocks
-  (interleaved, and so read into memory, when their type is). F32/F16/BF16 weights keep their dtype (a layer of
-  another dtype than the model's casts them per call); norms and biases take the model's float dtype.
+  rungen.ggml.GGMLLinear layers over those views (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K/IQ4_NL/IQ4_XS ones read
+  into memory instead, their rows interleaved for the native kernels); a quantized embedding becomes
+  GGMLEmbedding, which de-quantizes only the rows it looks up; a tied output head is a GGMLLinear over the
+  embedding's own blocks (interleaved, and so read into memory, when their type is). F32/F16/BF16 weights keep
+  their dtype (a layer of another dtype than the model's casts them per call); norms and biases take the model's
+  float dtype.
 
 GGUF names map to the model's parameters with transformers' own tables (get_gguf_hf_weights_map and
 the per-architecture TensorProcessor), the ones its de-quantizing loader uses. A processor's transform of

@@ -267,8 +267,8 @@ def test_every_supported_type_runs_in_its_blocks(loaded):
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     assert isinstance(embedding, GGMLEmbedding) and isinstance(head, GGMLLinear)
     assert head.blocks.data_ptr() == embedding.blocks.data_ptr()
-    # Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and Q4_K/Q5_K/Q6_K weights run with their rows interleaved for the native kernels,
-    # the shared ones too (the lookup reads them so).
+    # Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, Q4_K/Q5_K/Q6_K and IQ4_NL/IQ4_XS weights run with their rows interleaved for the
+    # native kernels, the shared ones too (the lookup reads them so).
     interleaved = {m.qtype for m in layers if m.interleaved}
     assert interleaved == (set(INTERLEAVED_TYPES) if native_kernels() else set())
     assert head.interleaved == embedding.interleaved == native_kernels()
@@ -371,7 +371,8 @@ def test_corrupt_and_truncated_files_fail_in_one_line(gguf_files, tmp_path, caps
         assert code == 2 and line.startswith(f"run_generation.py: error: {path}")
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q5_0, Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q5_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS],
+                         ids=lambda q: q.name)
 def test_interleaved_weights_are_read_a_chunk_at_a_time_into_their_layout(qtype, tmp_path, monkeypatch):
     # The loader reads a weight straight into the kernels' layout, a few MB at a time; chunks that split the
     # rows give the layout of the whole, and a file that ends early is an error, not zeros.

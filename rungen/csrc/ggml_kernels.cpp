@@ -73,6 +73,14 @@ enum QType : int64_t {
 // made signed so that the offset -32 stays in the integers (at most 2 * 128 * 16 * 32 * 127 < 2^24). Then per
 // row and token, for each block in order: acc = fma(float(dot), d * dx, acc), and for Q4_K/Q5_K
 // acc = fma(-dmin * mn, dx * sum(xq), acc): the same bits on every path, alone or among other tokens.
+//
+// X8 | IQ4_NL (144 bytes, 18 a row: the file's size): d[8] (float16), then the nibbles as X8 | Q4_0 lays them; a
+// nibble indexes kvalues_iq4nl (-127..113), looked up by a byte shuffle. X8 | IQ4_XS (1104 bytes, 138 a row: the
+// file's 136 and 2 for the unpacked scales): d[8] (float16), sc[8 blocks][8 rows] (int8: the 6-bit scale - 32),
+// then per block the nibbles as X8 | Q4_0 lays them. The table's values are signed: multiplied as Q8_0's codes
+// (|w| times x with w's sign), or on VNNI offset by 128 (unsigned), less 128 times the activations' integer sum.
+// Per block dot = sc * (values . xq) (IQ4_NL: sc = 1), exact in integers (at most 32 * 32 * 127 * 127 < 2^24),
+// then per row and token acc = fma(float(dot), d * dx, acc), no offsets.
 constexpr int64_t X8 = 256;
 
 int64_t block_elements(int64_t qtype) {
@@ -105,19 +113,31 @@ int64_t x8_bytes(int64_t base) {
     case Q4_K: return 1184;
     case Q5_K: return 1440;
     case Q6_K: return 1680;
+    case IQ4_XS: return 1104;
   }
   return 8 * block_bytes(base);
 }
 
 bool x8_kquant(int64_t base) { return base == Q4_K || base == Q5_K || base == Q6_K; }
 
+// The X8 types read a superblock of 256 at a time (kx8_block).
+bool x8_super(int64_t base) { return x8_kquant(base) || base == IQ4_XS; }
+
 bool interleaved_type(int64_t base) {
-  return base == Q4_0 || base == Q4_1 || base == Q5_0 || base == Q5_1 || base == Q8_0 || x8_kquant(base);
+  return base == Q4_0 || base == Q4_1 || base == Q5_0 || base == Q5_1 || base == Q8_0 || base == IQ4_NL ||
+         x8_super(base);
 }
+
+// Whether an X8 type's blocks have offsets m (acc = fma(m, dx * sum(xq), acc)).
+bool x8_offsets(int64_t base) { return base != Q8_0 && base != Q6_K && base != IQ4_NL && base != IQ4_XS; }
+
+// The non-linear 4-bit values of IQ4_NL and IQ4_XS (ggml's kvalues_iq4nl).
+constexpr int8_t kvalues_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 // The activations of n tokens, quantized per block of 32: codes q [n, K], scale d [n, K/32] (q * d ~ x),
 // s = d * sum(q) per 32 [n, K/32] (what a block's offset multiplies), s16 = d * sum(q) per 16 [n, K/16], and
-// s4: s of each whole group of four tokens, the four side by side [n/4, K/32, 4] (one vector a block).
+// s4: s of each whole group of four tokens, the four side by side [n/4, K/32, 4] (one vector a block), and
+// sum: sum(q) per 32 [n, K/32] in integers.
 struct Act {
   int64_t n;
   const int8_t* q;
@@ -125,6 +145,7 @@ struct Act {
   const float* s;
   const float* s16;
   const float* s4;
+  const int32_t* sum;
 };
 
 struct Job {
@@ -171,10 +192,20 @@ inline float half_bits_to_float(const uint8_t* p) {
 }
 
 // One row's block in the X8 layout (p: the group's block, lane: the row in the group): its 32 codes in the
-// block's order (Q4_0/Q4_1 unsigned 0..15, Q5_0/Q5_1 0..31, Q8_0 signed), its scale d and offset m (m = -8 d for
-// Q4_0, -16 d for Q5_0, 0 for Q8_0): the weights are d * code + m.
+// block's order (Q4_0/Q4_1 unsigned 0..15, Q5_0/Q5_1 0..31, Q8_0 and IQ4_NL signed), its scale d and offset m
+// (m = -8 d for Q4_0, -16 d for Q5_0, 0 for Q8_0 and IQ4_NL): the weights are d * code + m.
 inline void x8_block(const uint8_t* p, int64_t base, int64_t lane, int32_t* codes, float& d, float& m) {
   d = half_bits_to_float(p + 2 * lane);
+  if (base == IQ4_NL) {
+    m = 0.f;
+    for (int j = 0; j < 4; ++j)
+      for (int i = 0; i < 4; ++i) {
+        const uint8_t byte = p[16 + 32 * j + 4 * lane + i];
+        codes[4 * j + i] = kvalues_iq4nl[byte & 0x0F];
+        codes[16 + 4 * j + i] = kvalues_iq4nl[byte >> 4];
+      }
+    return;
+  }
   if (base == Q8_0) {
     m = 0.f;
     for (int j = 0; j < 8; ++j)
@@ -193,13 +224,26 @@ inline void x8_block(const uint8_t* p, int64_t base, int64_t lane, int32_t* code
     }
 }
 
-// One row's block j (0..7) of a group's superblock p in the X8 k-quant layout: its 32 codes (Q4_K/Q5_K
-// unsigned, Q6_K signed: q - 32), the integer scales of its two halves of 16 (Q4_K/Q5_K: the block's, twice),
-// d and the offset m (-dmin * mn; 0 for Q6_K): the weights are d * sc * code + m.
+// One row's block j (0..7) of a group's superblock p in the X8 k-quant or IQ4_XS layout: its 32 codes (Q4_K/Q5_K
+// unsigned, Q6_K signed: q - 32, IQ4_XS the table's values), the integer scales of its two halves of 16
+// (Q4_K/Q5_K/IQ4_XS: the block's, twice), d and the offset m (-dmin * mn; 0 for Q6_K and IQ4_XS): the weights are
+// d * sc * code + m.
 inline void kx8_block(const uint8_t* p, int64_t base, int64_t lane, int64_t j, int32_t* codes, int32_t* sc, float& d,
                       float& m) {
   d = half_bits_to_float(p + 2 * lane);
   const uint8_t* nib;
+  if (base == IQ4_XS) {
+    sc[0] = sc[1] = int8_t(p[16 + 8 * j + lane]);
+    m = 0.f;
+    nib = p + 80 + 128 * j;
+    for (int k = 0; k < 4; ++k)
+      for (int i = 0; i < 4; ++i) {
+        const uint8_t byte = nib[32 * k + 4 * lane + i];
+        codes[4 * k + i] = kvalues_iq4nl[byte & 0x0F];
+        codes[16 + 4 * k + i] = kvalues_iq4nl[byte >> 4];
+      }
+    return;
+  }
   if (base == Q6_K) {
     sc[0] = int8_t(p[16 + 16 * j + lane]);
     sc[1] = int8_t(p[16 + 16 * j + 8 + lane]);
@@ -248,9 +292,6 @@ inline int code_center(int64_t qtype) {
   }
   return 0;
 }
-
-// The non-linear 4-bit values of IQ4_NL and IQ4_XS (ggml's kvalues_iq4nl).
-constexpr int8_t kvalues_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 // The blocks of the types below unpacked into a KRow, at element e0 of the row. Their scales and offsets here,
 // shared by every path; their codes by the plain loops below (scalar path, de-quantization) and by SIMD twins in
@@ -483,7 +524,8 @@ float dot_krow(const KRow& r, int64_t nb, int kind, bool offsets, const int8_t* 
 }
 
 // Blocks [b0, b1) of activations x quantized: d = max|x| / 127, q = round(x / d) (ties to even), and the sums.
-void quantize_blocks(const float* xp, int64_t b0, int64_t b1, int8_t* q, float* d, float* s, float* s16) {
+void quantize_blocks(const float* xp, int64_t b0, int64_t b1, int8_t* q, float* d, float* s, float* s16,
+                     int32_t* sum) {
   for (int64_t b = b0; b < b1; ++b) {
     const float* v = xp + b * 32;
     float amax = 0.f;
@@ -497,6 +539,7 @@ void quantize_blocks(const float* xp, int64_t b0, int64_t b1, int8_t* q, float* 
       (i < 16 ? sum0 : sum1) += c;
     }
     d[b] = scale;
+    sum[b] = sum0 + sum1;
     s[b] = scale * float(sum0 + sum1);
     s16[2 * b] = scale * float(sum0);
     s16[2 * b + 1] = scale * float(sum1);
@@ -507,7 +550,7 @@ void quantize_blocks(const float* xp, int64_t b0, int64_t b1, int8_t* q, float* 
 void x8_rows(const Job& job, int64_t g0, int64_t g1) {
   const Act& a = *job.act;
   const int64_t nb = job.in_features / 32, base = job.qtype & ~X8, bytes = x8_bytes(base);
-  const bool kquant = x8_kquant(base);
+  const bool kquant = x8_super(base), offsets = x8_offsets(base);
   int32_t codes[32], sc[2];
   float d, m;
   for (int64_t g = g0; g < g1; ++g) {
@@ -530,7 +573,7 @@ void x8_rows(const Job& job, int64_t g0, int64_t g1) {
             for (int i = 0; i < 32; ++i) dot += codes[i] * xq[b * 32 + i];
           }
           acc = std::fma(float(dot), d * a.d[t * nb + b], acc);
-          if (base != Q8_0 && base != Q6_K) acc = std::fma(m, a.s[t * nb + b], acc);
+          if (offsets) acc = std::fma(m, a.s[t * nb + b], acc);
         }
         job.y[t * job.out_features + 8 * g + lane] = acc;
       }
@@ -618,7 +661,7 @@ int64_t out_rows(const at::Tensor& blocks, int64_t qtype) { return blocks.size(0
 void check_inputs(const at::Tensor& blocks, int64_t qtype, int64_t in_features) {
   TORCH_CHECK(blocks.dtype() == at::kByte && blocks.dim() == 2, "rungen_ggml: blocks must be uint8 [rows, bytes]");
   TORCH_CHECK(!(qtype & X8) || interleaved_type(qtype & ~X8), "rungen_ggml: only Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
-              "Q4_K, Q5_K and Q6_K rows are interleaved");
+              "Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS rows are interleaved");
   TORCH_CHECK(in_features % block_elements(qtype) == 0, "rungen_ggml: in_features ", in_features,
               " is not a multiple of the block size");
   const int64_t bytes = in_features / block_elements(qtype) * (qtype & X8 ? x8_bytes(qtype & ~X8) : block_bytes(qtype));
@@ -637,23 +680,24 @@ struct QuantizedX {
 const Act& quantize_activations(const float* xp, int64_t n, int64_t k) {
   static thread_local QuantizedX r;
   const int64_t nb = k / 32;
-  // d, s, s16 (2), s4, then the codes, which start on a cache line (64 bytes).
-  const size_t floats = size_t(n * nb * 5) + size_t(n * k + 3) / 4 + 32;
+  // d, s, s16 (2), s4, sum (int32), then the codes, which start on a cache line (64 bytes).
+  const size_t floats = size_t(n * nb * 6) + size_t(n * k + 3) / 4 + 32;
   if (r.buffer.size() < floats) r.buffer.resize(floats);
   const auto line = [](float* p) { return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63)); };
   float* d = r.buffer.data();
   float* s = d + n * nb;
   float* s16 = s + n * nb;
   float* s4 = s16 + 2 * n * nb;
-  int8_t* q = reinterpret_cast<int8_t*>(line(s4 + n * nb));
+  int32_t* sum = reinterpret_cast<int32_t*>(s4 + n * nb);
+  int8_t* q = reinterpret_cast<int8_t*>(line(s4 + 2 * n * nb));
   const auto blocks_fn = current_isa == VNNI ? vnni::quantize_blocks
                         : current_isa == AVX2 ? avx2::quantize_blocks
                                               : scalar::quantize_blocks;
-  at::parallel_for(0, n * nb, 128, [&](int64_t b0, int64_t b1) { blocks_fn(xp, b0, b1, q, d, s, s16); });
+  at::parallel_for(0, n * nb, 128, [&](int64_t b0, int64_t b1) { blocks_fn(xp, b0, b1, q, d, s, s16, sum); });
   for (int64_t g = 0; g < n / 4; ++g)
     for (int64_t b = 0; b < nb; ++b)
       for (int64_t i = 0; i < 4; ++i) s4[(g * nb + b) * 4 + i] = s[(4 * g + i) * nb + b];
-  r.act = Act{n, q, d, s, s16, s4};
+  r.act = Act{n, q, d, s, s16, s4, sum};
   return r.act;
 }
 
@@ -713,19 +757,23 @@ void dequantize_rows(const uint8_t* blocks, int64_t pitch, int64_t qtype, int64_
                      float* out) {
   if (qtype & X8) {
     const int64_t base = qtype & ~X8, bytes = x8_bytes(base);
+    const bool offsets = x8_offsets(base);
     int32_t codes[32], sc[2];
     float d, m;
     for (int64_t r = r0; r < r1; ++r) {
       float* o = out + (r - r0) * k;
       for (int64_t b = 0; b < k / 32; ++b) {
-        if (x8_kquant(base)) {
+        if (x8_super(base)) {
           // As the row-major path (and the gguf package): (d * scale) * code + offset.
           kx8_block(blocks + (r / 8) * pitch + b / 8 * bytes, base, r % 8, b % 8, codes, sc, d, m);
-          for (int i = 0; i < 32; ++i) o[b * 32 + i] = (d * float(sc[i / 16])) * float(codes[i]) + m;
+          for (int i = 0; i < 32; ++i) {
+            const float w = (d * float(sc[i / 16])) * float(codes[i]);
+            o[b * 32 + i] = offsets ? w + m : w;
+          }
           continue;
         }
         x8_block(blocks + (r / 8) * pitch + b * bytes, base, r % 8, codes, d, m);
-        for (int i = 0; i < 32; ++i) o[b * 32 + i] = base == Q8_0 ? d * float(codes[i]) : d * float(codes[i]) + m;
+        for (int i = 0; i < 32; ++i) o[b * 32 + i] = offsets ? d * float(codes[i]) + m : d * float(codes[i]);
       }
     }
     return;
@@ -1515,12 +1563,37 @@ void interleave_kquant(const uint8_t* src, int64_t pitch, int64_t qtype, int64_t
   }
 }
 
+// Group g's IQ4_XS superblocks (pitch bytes apart from src) in the X8 layout at dst (see X8): the 6-bit scales
+// unpacked to a signed byte (scale - 32), the nibbles rearranged as X8 | Q4_0's.
+void interleave_iq4_xs(const uint8_t* src, int64_t pitch, int64_t nsb, int64_t g, uint8_t* dst) {
+  for (int64_t s = 0; s < nsb; ++s) {
+    uint8_t* o = dst + (g * nsb + s) * x8_bytes(IQ4_XS);
+    for (int64_t r = 0; r < 8; ++r) {
+      const uint8_t* sb = src + (8 * g + r) * pitch + s * block_bytes(IQ4_XS);
+      // d and the scales' bytes copied to a local first: read straight from sb, GCC 12.2 at -O3 (its induction
+      // variable optimization) compiles this loop into one that writes nothing.
+      uint8_t head[8];
+      std::memcpy(head, sb, 8);
+      const int high = head[2] | (head[3] << 8);
+      o[2 * r] = head[0];
+      o[2 * r + 1] = head[1];
+      for (int j = 0; j < 8; ++j) {
+        const int scale = ((head[4 + j / 2] >> (4 * (j % 2))) & 0x0F) | (((high >> (2 * j)) & 3) << 4);
+        o[16 + 8 * j + r] = uint8_t(scale - 32);
+      }
+      for (int j = 0; j < 8; ++j)
+        for (int k = 0; k < 4; ++k) std::memcpy(o + 80 + 128 * j + 32 * k + 4 * r, sb + 8 + 16 * j + 4 * k, 4);
+    }
+  }
+}
+
 // Blocks [rows, row bytes] (rows a multiple of 8; rows may be strided) in the X8 layout [rows / 8, 8 row bytes
-// as X8 holds them]: Q4_0/Q4_1/Q8_0 the same bytes rearranged, Q5_0/Q5_1 too with their fifth bits regrouped, the
+// as X8 holds them]: Q4_0/Q4_1/Q8_0/IQ4_NL the same bytes rearranged, Q5_0/Q5_1 too with their fifth bits regrouped,
+// IQ4_XS with its scales unpacked, the
 // k-quants with their scales unpacked (see X8); into `out` when given (contiguous, that shape).
 at::Tensor interleave(const at::Tensor& blocks, int64_t qtype, const c10::optional<at::Tensor>& out_in) {
-  TORCH_CHECK(interleaved_type(qtype), "rungen_ggml: only Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K rows are "
-              "interleaved");
+  TORCH_CHECK(interleaved_type(qtype), "rungen_ggml: only Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL "
+              "and IQ4_XS rows are interleaved");
   TORCH_CHECK(blocks.dtype() == at::kByte && blocks.dim() == 2 && blocks.stride(1) == 1 && blocks.size(0) % 8 == 0,
               "rungen_ggml: interleave takes uint8 [rows, bytes] with rows a multiple of 8");
   const bool five = qtype == Q5_0 || qtype == Q5_1;
@@ -1535,6 +1608,12 @@ at::Tensor interleave(const at::Tensor& blocks, int64_t qtype, const c10::option
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   const int64_t pitch = blocks.stride(0);
+  if (qtype == IQ4_XS) {
+    at::parallel_for(0, out.size(0), 1, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) interleave_iq4_xs(src, pitch, nb, g, dst);
+    });
+    return out;
+  }
   if (x8_kquant(qtype)) {
     at::parallel_for(0, out.size(0), 1, [&](int64_t g0, int64_t g1) {
       KRow kr(256);

@@ -398,7 +398,8 @@ static void rows(const Job& job, int64_t r0, int64_t r1) {
 // Activations quantized per block of 32 (quantize_activations): the scalar loop's results, eight lanes at a time
 // (the maximum of |x| is exact in any order, x * inv is the same product, and the rounding the same: to nearest,
 // ties to even, as nearbyint in the default mode). A NaN is passed over in the maximum, as std::max passes it.
-static void quantize_blocks(const float* x, int64_t b0, int64_t b1, int8_t* q, float* d, float* s, float* s16) {
+static void quantize_blocks(const float* x, int64_t b0, int64_t b1, int8_t* q, float* d, float* s, float* s16,
+                            int32_t* sum) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t b = b0; b < b1; ++b) {
@@ -428,6 +429,7 @@ static void quantize_blocks(const float* x, int64_t b0, int64_t b1, int8_t* q, f
       halves[h] = _mm_cvtsi128_si32(sum4);
     }
     d[b] = scale;
+    sum[b] = halves[0] + halves[1];
     s[b] = scale * float(halves[0] + halves[1]);
     s16[2 * b] = scale * float(halves[0]);
     s16[2 * b + 1] = scale * float(halves[1]);
@@ -686,6 +688,64 @@ static void kx8_group(const uint8_t* group, int64_t nsb, const int8_t* const* xq
   for (int t = 0; t < NT; ++t) _mm256_storeu_ps(out[t], acc[t]);
 }
 
+// IQ4_NL and IQ4_XS rows interleaved eight by eight (X8), against NT tokens a pass: per block of 32, four loads of
+// nibbles (codes i and 16 + i of each row's lane) looked up in the table by a byte shuffle, once for the NT tokens.
+// On AVX2 the signed values multiply as Q8_0's codes, |w| times x with w's sign (maddubs's pairs at most
+// 2 * 127 * 127: each widened to int32 at once, where two would not fit int16); on VNNI the table is offset by 128
+// (unsigned 1..241: dpbusd's sums of four stay far from int32's limit) and 128 times the token's integer sum of
+// the block is taken off: the same exact sum with no sign instruction per token. IQ4_XS: the block's sum times its
+// signed scale per lane (on AVX2 madd weights each pair by it, exactly; on VNNI a multiply). Then per block and
+// token one multiply-add for eight rows: the arithmetic x8_rows of the scalar path does row by row.
+template <bool XS, int NT>
+static void x8_group_iq4(const uint8_t* group, int64_t nblocks, const int8_t* const* xq, const float* const* xd,
+                         const int32_t* const* xsum, float* const* out) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m128i table128 = _mm_loadu_si128((const __m128i*)kvalues_iq4nl);
+#ifdef GGML_VNNI
+  const __m256i table = _mm256_xor_si256(_mm256_set_m128i(table128, table128), _mm256_set1_epi8(char(0x80)));
+#else
+  const __m256i table = _mm256_set_m128i(table128, table128);
+#endif
+  __m256 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+  __m256 d = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const uint8_t* p = XS ? group + (b / 8) * 1104 : group + b * 144;
+    const uint8_t* nib = XS ? p + 80 + 128 * (b % 8) : p + 16;
+    if (!XS || b % 8 == 0) d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+    // w[k] holds codes 4k' + i (k = k' < 4) or 16 + 4k' + i (k = 4 + k') of each row (on VNNI offset by 128).
+    __m256i w[8];
+    for (int k = 0; k < 4; ++k) {
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(nib + 32 * k));
+      w[k] = _mm256_shuffle_epi8(table, _mm256_and_si256(v, low));
+      w[4 + k] = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+    }
+    const __m256i sc = XS ? lanes_s8(p + 16 + 8 * (b % 8)) : _mm256_set1_epi32(1);
+#ifdef GGML_VNNI
+    for (int t = 0; t < NT; ++t) {
+      const int8_t* x = xq[t] + b * 32;
+      __m256i dot = _mm256_set1_epi32(-128 * xsum[t][b]);
+      for (int k = 0; k < 8; ++k)
+        dot = _mm256_dpbusd_epi32(dot, w[k], broadcast4(x + (k < 4 ? 4 * k : 16 + 4 * (k - 4))));
+      if (XS) dot = _mm256_mullo_epi32(dot, sc);
+#else
+    __m256i magnitude[8];
+    for (int k = 0; k < 8; ++k) magnitude[k] = _mm256_abs_epi8(w[k]);
+    const __m256i pair_scale = scale_pairs(sc);
+    for (int t = 0; t < NT; ++t) {
+      const int8_t* x = xq[t] + b * 32;
+      __m256i dot = _mm256_setzero_si256();
+      for (int k = 0; k < 8; ++k) {
+        const __m256i xs = _mm256_sign_epi8(broadcast4(x + (k < 4 ? 4 * k : 16 + 4 * (k - 4))), w[k]);
+        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude[k], xs), pair_scale));
+      }
+#endif
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_broadcast_ss(xd[t] + b)), acc[t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) _mm256_storeu_ps(out[t], acc[t]);
+}
+
 // NT tokens a pass over one group, for tokens [t, end); BASE: the blocks' type.
 template <int64_t BASE, int NT>
 static int64_t x8_pass(const uint8_t* group, int64_t nb, const Act& a, int64_t k, float* y, int64_t stride,
@@ -693,15 +753,19 @@ static int64_t x8_pass(const uint8_t* group, int64_t nb, const Act& a, int64_t k
   for (; t + NT <= end; t += NT) {
     const int8_t* xq[NT];
     const float *xd[NT], *xs[NT];
+    const int32_t* xsum[NT];
     float* out[NT];
     for (int i = 0; i < NT; ++i) {
       xq[i] = a.q + (t + i) * k;
       xd[i] = a.d + (t + i) * nb;
       xs[i] = a.s + (t + i) * nb;
+      xsum[i] = a.sum + (t + i) * nb;
       out[i] = y + (t + i) * stride;
     }
     if constexpr (BASE == Q8_0)
       x8_group_q8<NT>(group, nb, xq, xd, out);
+    else if constexpr (BASE == IQ4_NL || BASE == IQ4_XS)
+      x8_group_iq4<BASE == IQ4_XS, NT>(group, nb, xq, xd, xsum, out);
     else if constexpr (BASE == Q5_0 || BASE == Q5_1)
       x8_group_q5<BASE == Q5_1, NT>(group, nb, xq, xd, xs, out);
     else if constexpr (BASE == Q4_K || BASE == Q5_K || BASE == Q6_K)
@@ -742,6 +806,10 @@ static void x8_rows(const Job& job, int64_t g0, int64_t g1) {
       x8_tokens<Q5_K>(group, nb, a, job.in_features, y, job.out_features);
     else if (base == Q6_K)
       x8_tokens<Q6_K>(group, nb, a, job.in_features, y, job.out_features);
+    else if (base == IQ4_NL)
+      x8_tokens<IQ4_NL>(group, nb, a, job.in_features, y, job.out_features);
+    else if (base == IQ4_XS)
+      x8_tokens<IQ4_XS>(group, nb, a, job.in_features, y, job.out_features);
     else
       x8_tokens<Q8_0>(group, nb, a, job.in_features, y, job.out_features);
   }

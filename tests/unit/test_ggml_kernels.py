@@ -221,15 +221,18 @@ def test_interleaved_rows_match_reference_with_the_same_bits_on_every_path_and_a
              (16, 37, "zeros", "random"), (24, 6, "random", "outlier"), (8, 5, "random", "ties"),
              (16, 4, "extremes", "saturating"), (16, 2, "high" if qtype in SIMPLE else "max", "positive"),
              (8, 3, "extremes", "full")]
+    if qtype in RAW:  # every code and scale at its lowest (IQ4: -127, IQ4_XS's scale -32) against +-127
+        cases.append((8, 3, "min", "full"))
     # 32-blocks a row, even and odd; superblocks of 256 a row, odd and even.
-    widths = (512, 544) if qtype in SIMPLE else (768, 512)
+    widths = (512, 544) if GGML_QUANT_SIZES[qtype][0] == 32 else (768, 512)
     for seed, ((rows, n, weights, xs), in_features) in enumerate(itertools.product(cases, widths)):
         blocks = blocks_for(qtype, rows, in_features, seed, weights)
         weight = dequantize(blocks, qtype, in_features)
         x8 = ops.interleave(blocks, int(qtype))
         assert x8.shape == (rows // 8, ggml.interleaved_row_bytes(qtype, in_features))
-        # The k-quants' packed 6-bit scales are unpacked to a byte each: a few percent more than the file's.
-        assert x8.numel() <= blocks.numel() * (1.03 if qtype in KQUANTS else 1)
+        # The k-quants' and IQ4_XS's packed 6-bit scales are unpacked to a byte each: a few percent more than the
+        # file's.
+        assert x8.numel() <= blocks.numel() * (1.03 if qtype in KQUANTS + (T.IQ4_XS,) else 1)
         assert torch.equal(ops.dequantize(x8, int(qtype) | ggml.X8, in_features), weight)
         ids = torch.tensor([rows - 1, 0, 3, 3, rows // 2])  # an embedding's lookup reads either layout
         for layout, code in ((blocks, int(qtype)), (x8, int(qtype) | ggml.X8)):
