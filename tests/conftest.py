@@ -64,6 +64,18 @@ def memoized_loads(request, load_memo, monkeypatch):
         monkeypatch.setattr(rungen.loading, "load", load_memo)
 
 
+@pytest.fixture(scope="module")
+def module_cache_home(tmp_path_factory):
+    """$XDG_CACHE_HOME a fresh folder for one module's header caches (restored afterwards)."""
+    saved = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg_cache"))
+    yield os.environ["XDG_CACHE_HOME"]
+    if saved is None:
+        del os.environ["XDG_CACHE_HOME"]
+    else:
+        os.environ["XDG_CACHE_HOME"] = saved
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """{model_type: checkpoint_dir} for every type in tiny_models.MODEL_TYPES, built once per session."""

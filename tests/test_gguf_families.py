@@ -28,16 +28,8 @@ FILES["gemma3_linear_rope"] = ("gemma3", {"layers": 6, "rope_scaling": ("linear"
 STACKED = ("qwen3", "phi3", "phi3_partial_rotary", "phi3_longrope")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def cache_home(tmp_path_factory):
-    """A fresh cache for the module's header caches (restored afterwards)."""
-    saved = os.environ.get("XDG_CACHE_HOME")
-    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg_cache"))
-    yield os.environ["XDG_CACHE_HOME"]
-    if saved is None:
-        del os.environ["XDG_CACHE_HOME"]
-    else:
-        os.environ["XDG_CACHE_HOME"] = saved
+# Each module's GGUF header caches in a fresh folder (conftest's module_cache_home).
+pytestmark = pytest.mark.usefixtures("module_cache_home")
 
 
 @pytest.fixture(scope="module")

@@ -57,16 +57,8 @@ FILES = {
 PROMPTS = ["The capital of France is", "Hello, my dog", "A"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def cache_home(tmp_path_factory):
-    """A fresh cache for the module's header caches (restored afterwards)."""
-    saved = os.environ.get("XDG_CACHE_HOME")
-    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg_cache"))
-    yield os.environ["XDG_CACHE_HOME"]
-    if saved is None:
-        del os.environ["XDG_CACHE_HOME"]
-    else:
-        os.environ["XDG_CACHE_HOME"] = saved
+# Each module's GGUF header caches in a fresh folder (conftest's module_cache_home).
+pytestmark = pytest.mark.usefixtures("module_cache_home")
 
 
 VOCAB = 4096  # the default model's first tokens: its special tokens, the 256 bytes and the commonest merges
