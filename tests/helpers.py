@@ -28,6 +28,21 @@ def cli_env(cache_home=None):
     return env
 
 
+def wait_until_healthy(url, tries=600):
+    """Returns once a server started in another process answers GET /health with 200 (or after `tries` polls:
+    the test's next request then fails with what is wrong)."""
+    import time
+
+    import httpx
+
+    for _ in range(tries):
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.1)
+
+
 def run_cli(args, stdin=None, cache_home=None, timeout=600):
     """Runs run_generation.py; stdin is bytes or str (None: no stdin, like CI)."""
     if isinstance(stdin, str):

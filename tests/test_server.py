@@ -19,7 +19,7 @@ import pytest
 import torch
 import uvicorn
 
-from helpers import SCRIPT, cli_env, run_cli
+from helpers import SCRIPT, cli_env, run_cli, wait_until_healthy
 from rungen.engine import Engine
 from rungen.loading import load
 from rungen.server import Guard, ServeOptions, build, create_app
@@ -574,12 +574,7 @@ def test_sigterm_under_load_ends_every_stream_and_exits_0(checkpoint, tmp_path):
                                stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        wait_until_healthy(url)
         streams, started = [], threading.Barrier(5, timeout=60)
 
         def stream(number):

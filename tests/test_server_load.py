@@ -17,7 +17,7 @@ import pytest
 import torch
 from test_server import CHAT_TEMPLATE, MODEL_ID, LiveServer, free_port
 
-from helpers import SCRIPT, cli_env
+from helpers import SCRIPT, cli_env, wait_until_healthy
 from rungen.loading import load
 from rungen.server import ServeOptions, build
 from tiny_models import build_tiny_checkpoint
@@ -143,12 +143,7 @@ def test_sigterm_under_64_clients_ends_every_accepted_request_and_exits_0(checkp
                                stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        wait_until_healthy(url)
         # Streams only (each gets its headers and role chunk as soon as it is queued), so that SIGTERM comes
         # when every request has been taken or refused, not while one is still on its way in.
         chosen = [-1 if plan is None else plan for plan in plans(7)]
