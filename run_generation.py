@@ -41,7 +41,7 @@ from transformers.utils import logging as transformers_logging
 from rungen import NOTICE, PROG, logger, processes
 from rungen.arguments import max_memory_map, parse_args, serve_options, settings_from_args
 from rungen.controls import load_assistant
-from rungen.engine import open_engine, run_prompts
+from rungen.engine import open_engine, run_prompts, settings_refusal
 from rungen.errors import PromptError, PromptsFailed, RunGenerationError, UsageError
 from rungen.generation import UNBATCHABLE_TYPES, StopTokenStreamer, eos_token_ids, generate_batch, make_batches
 from rungen.ggml import holds_blocks, native_kernels
@@ -94,11 +94,14 @@ def main(argv=None):
         if state.is_main_process:  # the others must not read: they would take lines of the same pipe
             mine = read_prompts(args.prompt, whole_stdin=args.whole_stdin, input_format=args.input_format)
         prompts = processes.share_prompts(state, mine)
+    # A GGUF file runs on the project's own model code (rungen/gguf_model.py) unless the flags already ask for
+    # what only transformers' model has: generate()'s controls, or --jit's traced step.
+    own_model = not args.jit and settings_refusal(settings_from_args(args), bool(args.assistant_model)) is None
     loading = time.perf_counter()
     with state.main_process_first():  # only one process converts the default model
         loaded = load(args.model_name_or_path, model_type=args.model_type, dtype=args.dtype, device=state.device,
                       device_map=args.device_map, max_memory=max_memory_map(args.max_memory),
-                      dequantize=args.dequantize, quantize=args.quantize)
+                      dequantize=args.dequantize, quantize=args.quantize, own_model=own_model)
     logger.info("loaded %s (%s) in %.2f s", args.model_name_or_path or "the default model",
                 type(loaded.model).__name__, time.perf_counter() - loading)
     settings = settings_from_args(args, loaded.context)

@@ -264,9 +264,84 @@ def fuse_decoder_layers(model: torch.nn.Module) -> int:
     return replaced
 
 
+class NativeStack:
+    """Every decoder layer of a model in one native call (rungen_ggml.decoder_stack): its weights as the call takes
+    them, and the bookkeeping that writes each layer's keys and values straight into a cache's GrowingLayer
+    buffers. DecoderStack runs it as a transformers model's inner forward; rungen/gguf_model.py's own model calls it
+    directly."""
+
+    def __init__(self, weights: tuple, eps: float, scale: float, heads: int, kv_heads: int, head_dim: int):
+        self.weights, self.eps, self.scale = weights, eps, scale
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        # What the last call left: (a weak reference to the cache, the addresses of its layers' keys, the
+        # positions they hold, the least capacity of any buffer). A step that finds the same keys needs no look
+        # at each layer's buffers; nothing here keeps a finished cache alive.
+        self.last = None
+
+    @classmethod
+    def of_layers(cls, layers: list[FusedDecoderLayer]) -> NativeStack:
+        """The stack of these fused layers (all in two calls, alike: see DecoderStack.install)."""
+        first = layers[0]
+        qkv = [native_parts(layer.qkv, QKV_PARTS) for layer in layers]
+        gate_up = [native_parts(layer.gate_up, GATE_UP_PARTS) for layer in layers]
+        weights = ([layer.norm_args("input_layernorm")[0] for layer in layers],
+                   [blocks for layer_blocks, _ in qkv for blocks in layer_blocks],
+                   [layer.qkv.bias for layer in layers], [layer.head_norm_args()[0] for layer in layers],
+                   [layer.head_norm_args()[1] for layer in layers], [layer.o_proj.blocks for layer in layers],
+                   [layer.norm_args("mlp_norm")[0] for layer in layers],
+                   [blocks for layer_blocks, _ in gate_up for blocks in layer_blocks],
+                   [layer.down_proj.blocks for layer in layers],
+                   [code for layer, (_, qkv_codes), (_, gate_up_codes) in zip(layers, qkv, gate_up)
+                    for code in (*qkv_codes, layer.o_proj.code, *gate_up_codes, layer.down_proj.code)])
+        head_dim = first.qkv.out_features // (first.heads + 2 * first.kv_heads)
+        return cls(weights, first.norm_args("input_layernorm")[1], first.scaling, first.heads, first.kv_heads,
+                   head_dim)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.weights[0])
+
+    def takes(self, cache) -> bool:
+        """Whether the stack can run on `cache`: one full-attention layer (transformers' or a GrowingLayer) per
+        decoder layer."""
+        layers = getattr(cache, "layers", None)
+        return bool(layers) and len(layers) == self.num_layers and all(
+            type(layer) in (DynamicLayer, GrowingLayer) for layer in layers)
+
+    def __call__(self, hidden: torch.Tensor, cache, mask: torch.Tensor | None, cos: torch.Tensor,
+                 sin: torch.Tensor) -> torch.Tensor | None:
+        """The hidden states after the last layer, the cache extended by the new positions; None (nothing done)
+        when the cache's layers hold different lengths (cut one by one)."""
+        layers = cache.layers
+        for index, layer in enumerate(layers):
+            if type(layer) is DynamicLayer:  # generate()'s own cache: moved into buffers with room
+                growing = GrowingLayer()
+                if layer.get_seq_length():
+                    growing.update(layer.keys, layer.values)
+                layers[index] = growing
+        batch, tokens = hidden.shape[:2]
+        length = layers[0].get_seq_length()
+        last = self.last
+        if (last is not None and last[0]() is cache and last[2] == length and length + tokens <= last[3]
+                and [layer.keys.data_ptr() for layer in layers] == last[1]):
+            buffers = [layer.buffers for layer in layers]  # as this call left them, with room enough
+        else:
+            shape = hidden.new_empty((batch, self.kv_heads, tokens, self.head_dim))  # the new states' shape
+            buffers = [layer.reserve(shape, shape) for layer in layers]
+            if any(layer.get_seq_length() != length for layer in layers):
+                return None
+        hidden, keys, values = torch.ops.rungen_ggml.decoder_stack(
+            hidden, cos, sin, mask, *self.weights, self.eps, self.heads, self.kv_heads, self.scale,
+            [k for k, _ in buffers], [v for _, v in buffers], length)
+        for layer, k, v in zip(layers, keys, values):
+            layer.keys, layer.values = k, v
+        self.last = (weakref.ref(cache), [k.data_ptr() for k in keys], length + tokens,
+                     min(k.shape[-2] for k, _ in buffers))
+        return hidden
+
+
 class DecoderStack:
-    """Every decoder layer of a model in one native call (rungen_ggml.decoder_stack), installed as the inner
-    model's forward (LlamaModel's, or a same-shaped one).
+    """A NativeStack installed as a transformers model's inner forward (LlamaModel's, or a same-shaped one).
 
     Layer by layer, a step costs two operator calls, a cache update and a module call a layer in Python: for a
     small model at one token, about a fifth of the step. The stack computes the same functions in the same order
@@ -277,25 +352,7 @@ class DecoderStack:
 
     def __init__(self, inner: torch.nn.Module, layers: list[FusedDecoderLayer]):
         self.inner, self.original = inner, inner.forward
-        # What the last call left: (a weak reference to the cache, the addresses of its layers' keys, the
-        # positions they hold, the least capacity of any buffer). A step that finds the same keys needs no look
-        # at each layer's buffers; nothing here keeps a finished cache alive.
-        self.last = None
-        first = layers[0]
-        self.eps, self.scale = first.norm_args("input_layernorm")[1], first.scaling
-        self.heads, self.kv_heads = first.heads, first.kv_heads
-        self.head_dim = first.qkv.out_features // (first.heads + 2 * first.kv_heads)
-        qkv = [native_parts(layer.qkv, QKV_PARTS) for layer in layers]
-        gate_up = [native_parts(layer.gate_up, GATE_UP_PARTS) for layer in layers]
-        self.weights = ([layer.norm_args("input_layernorm")[0] for layer in layers],
-                        [blocks for layer_blocks, _ in qkv for blocks in layer_blocks],
-                        [layer.qkv.bias for layer in layers], [layer.head_norm_args()[0] for layer in layers],
-                        [layer.head_norm_args()[1] for layer in layers], [layer.o_proj.blocks for layer in layers],
-                        [layer.norm_args("mlp_norm")[0] for layer in layers],
-                        [blocks for layer_blocks, _ in gate_up for blocks in layer_blocks],
-                        [layer.down_proj.blocks for layer in layers],
-                        [code for layer, (_, qkv_codes), (_, gate_up_codes) in zip(layers, qkv, gate_up)
-                         for code in (*qkv_codes, layer.o_proj.code, *gate_up_codes, layer.down_proj.code)])
+        self.stack = NativeStack.of_layers(layers)
 
     @classmethod
     def install(cls, model: torch.nn.Module) -> bool:
@@ -329,23 +386,15 @@ class DecoderStack:
         use_cache = inner.config.use_cache if use_cache is None else use_cache
         if use_cache and cache is None:
             cache = DynamicCache(config=inner.config)
-        layers = getattr(cache, "layers", None)
         if (not use_cache or not native_kernels() or torch.jit.is_tracing()
                 or (input_ids is None) == (inputs_embeds is None)
                 or kwargs.get("output_attentions") or kwargs.get("output_hidden_states")
-                or not layers or len(layers) != len(self.weights[0])
-                or any(type(layer) not in (DynamicLayer, GrowingLayer) for layer in layers)):
+                or not self.stack.takes(cache)):
             return self.original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                  past_key_values=cache, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
-        for index, layer in enumerate(layers):
-            if type(layer) is DynamicLayer:  # generate()'s own cache: moved into buffers with room
-                growing = GrowingLayer()
-                if layer.get_seq_length():
-                    growing.update(layer.keys, layer.values)
-                layers[index] = growing
         hidden = inner.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        batch, tokens = hidden.shape[:2]
-        length = layers[0].get_seq_length()
+        tokens = hidden.shape[1]
+        length = cache.layers[0].get_seq_length()
         if position_ids is None:
             position_ids = (torch.arange(tokens, device=hidden.device) + length).unsqueeze(0)
         if attention_mask is None or bool(attention_mask.all()):
@@ -356,24 +405,11 @@ class DecoderStack:
             mask = create_causal_mask(config=inner.config, inputs_embeds=hidden, attention_mask=attention_mask,
                                       past_key_values=cache, position_ids=position_ids)
         cos, sin = inner.rotary_emb(hidden, position_ids=position_ids)
-        last = self.last
-        if (last is not None and last[0]() is cache and last[2] == length and length + tokens <= last[3]
-                and [layer.keys.data_ptr() for layer in layers] == last[1]):
-            buffers = [layer.buffers for layer in layers]  # as this call left them, with room enough
-        else:
-            shape = hidden.new_empty((batch, self.kv_heads, tokens, self.head_dim))  # the new states' shape
-            buffers = [layer.reserve(shape, shape) for layer in layers]
-            if any(layer.get_seq_length() != length for layer in layers):  # layers cut differently: one by one
-                return self.original(input_ids=None, attention_mask=attention_mask, position_ids=position_ids,
-                                     past_key_values=cache, inputs_embeds=hidden, use_cache=use_cache, **kwargs)
-        hidden, keys, values = torch.ops.rungen_ggml.decoder_stack(
-            hidden, cos, sin, mask, *self.weights, self.eps, self.heads, self.kv_heads, self.scale,
-            [k for k, _ in buffers], [v for _, v in buffers], length)
-        for layer, k, v in zip(layers, keys, values):
-            layer.keys, layer.values = k, v
-        self.last = (weakref.ref(cache), [k.data_ptr() for k in keys], length + tokens,
-                     min(k.shape[-2] for k, _ in buffers))
-        return BaseModelOutputWithPast(last_hidden_state=inner.norm(hidden), past_key_values=cache)
+        out = self.stack(hidden, cache, mask, cos, sin)
+        if out is None:  # layers cut differently: one by one
+            return self.original(input_ids=None, attention_mask=attention_mask, position_ids=position_ids,
+                                 past_key_values=cache, inputs_embeds=hidden, use_cache=use_cache, **kwargs)
+        return BaseModelOutputWithPast(last_hidden_state=inner.norm(out), past_key_values=cache)
 
 
 @contextlib.contextmanager

@@ -710,13 +710,19 @@ class Engine:
 def engine_refusal(loaded, settings):
     """Why the engine cannot generate with these settings (generate() then runs them, a batch at a time), or
     None. It samples as the server does; what only generate() has stays there."""
+    return settings_refusal(settings, getattr(loaded, "assistant_model", None) is not None)
+
+
+def settings_refusal(settings, assistant: bool):
+    """engine_refusal's reasons, from the settings and whether a draft model (`assistant`) is given: known before
+    the model loads (rungen/loading.py then loads the model generate() runs on)."""
     sampling = settings.temperature != 0
     reasons = [reason for reason, applies in (
         ("beam search (--num_beams)", settings.num_beams > 1),
         ("--typical_p", sampling and settings.typical_p is not None),
         ("--no_repeat_ngram_size", bool(settings.no_repeat_ngram_size)),
         ("--prompt_lookup_num_tokens", bool(settings.prompt_lookup_num_tokens)),
-        ("--assistant_model", getattr(loaded, "assistant_model", None) is not None),
+        ("--assistant_model", assistant),
         ("--generation_config keys " + ", ".join(sorted(set(settings.generation_config) - {"eos_token_id"})),
          bool(set(settings.generation_config) - {"eos_token_id"})),
     ) if applies]

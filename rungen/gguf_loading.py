@@ -199,10 +199,6 @@ class GGUFHeader:
         self.read_seconds = None  # set when the header was read from the file rather than the cache
         if not os.path.isfile(os.path.join(self.cache_dir, "tensors.json")):
             self._read_and_cache()
-        from transformers import AutoConfig, AutoTokenizer
-
-        self.config = AutoConfig.from_pretrained(self.cache_dir)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.cache_dir)
         with open(os.path.join(self.cache_dir, "tensors.json")) as f:
             table = json.load(f)
         self.architecture = table["architecture"]
@@ -211,6 +207,36 @@ class GGUFHeader:
             if offset + nbytes > self.size:
                 raise GGUFError(f"{path}: truncated (tensor {name} ends at byte {offset + nbytes}, "
                                 f"the file has {self.size})")
+
+    @functools.cached_property
+    def config(self):
+        """transformers' config class of the architecture (AutoConfig: it imports that model's module)."""
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(self.cache_dir)
+
+    @functools.cached_property
+    def tokenizer(self):
+        """The tokenizer AutoTokenizer gives for the cached files; where tokenizer_config.json names the
+        tokenizers library's backend, that class itself (AutoTokenizer's choice, without its import of the
+        model-type tables)."""
+        with open(os.path.join(self.cache_dir, "tokenizer_config.json")) as f:
+            tokenizer_class = json.load(f).get("tokenizer_class")
+        if tokenizer_class in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast.from_pretrained(self.cache_dir)
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.cache_dir)
+
+    def cached_weights_map(self) -> dict[str, str] | None:
+        """weights_map()'s result where a run before cached it, else None."""
+        path = os.path.join(self.cache_dir, "weights_map.json")
+        if not os.path.isfile(path):
+            return None
+        with open(path) as f:
+            return json.load(f)
 
     def _read_and_cache(self):
         start = time.perf_counter()

@@ -13,15 +13,15 @@ import time
 
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from . import NOTICE, logger
 from .errors import UsageError
 
 # The original script's model types and classes, imported by name only when used: importing all of them
-# costs seconds at start-up. Tokenizers load through AutoTokenizer: transformers 5 folded the
-# per-model slow/fast tokenizer pairs into one class per checkpoint, named in tokenizer_config.json.
+# costs seconds at start-up. The Auto classes import transformers' model tables: they too are imported where
+# used, never on a GGUF file's own-model path (rungen/gguf_model.py). Tokenizers load through AutoTokenizer:
+# transformers 5 folded the per-model slow/fast tokenizer pairs into one class per checkpoint, named in
+# tokenizer_config.json.
 MODEL_CLASSES = {
     "gpt2": "GPT2LMHeadModel",
     "ctrl": "CTRLLMHeadModel",
@@ -61,6 +61,8 @@ class Loaded:
 
 def check_model_type(model_type: str) -> str:
     """The --model_type a user typed, lower-cased; UsageError for a removed or unknown type."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     model_type = model_type.lower()
     if model_type in REMOVED_TYPES:
         raise UsageError(f"--model_type {model_type}: {REMOVED_TYPES[model_type]}")
@@ -103,6 +105,8 @@ def default_model_dir() -> str:
     logger.log(NOTICE, "Converting the default model from GGUF (first run only) into %s", target)
     start = time.perf_counter()
     os.makedirs(cache_dir(), exist_ok=True)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     from .gguf_loading import metadata_parsed_once
 
     with metadata_parsed_once():
@@ -148,6 +152,8 @@ def resolve_checkpoint(model_name_or_path: str | None, model_type: str | None, d
 
 def load_config(path: str, load_kwargs: dict) -> transformers.PretrainedConfig:
     """The checkpoint's config; UsageError when there is none to be had (offline, not a model)."""
+    from transformers import AutoConfig
+
     try:
         return AutoConfig.from_pretrained(path, **load_kwargs)
     except (OSError, ValueError) as error:
@@ -161,6 +167,9 @@ def load_config(path: str, load_kwargs: dict) -> transformers.PretrainedConfig:
 
 def resolve_model_class(model_type: str | None, config) -> tuple[str, type]:
     """The original script's class for its types; any other causal LM through AutoModelForCausalLM."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     model_type = model_type or config.model_type
     if model_type not in MODEL_CLASSES and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise UsageError(f"{config.model_type!r} is not a causal language model type")
@@ -205,20 +214,23 @@ def model_context(config) -> int:
 
 def load(model_name_or_path: str | None, *, device: torch.device, model_type: str | None = None,
          dtype: str = "auto", device_map: str | None = None, max_memory: dict | None = None,
-         dequantize: bool = False, quantize: str | None = None) -> Loaded:
+         dequantize: bool = False, quantize: str | None = None, own_model: bool = True) -> Loaded:
     """Loads the model and tokenizer at `model_name_or_path` (the default model when None), placed on
     `device`, or spread by accelerate's `device_map` within `max_memory` ({0: "10GiB", "cpu": "30GiB"}).
 
     A GGUF file (the default model is one) runs in its own quantized blocks (rungen/gguf_loading.py)
     unless `dequantize` asks for float weights, or `quantize` ("int8"/"int4") re-quantizes them: a local
-    safetensors checkpoint is then quantized block by block as it loads (rungen/quantize.py)."""
+    safetensors checkpoint is then quantized block by block as it loads (rungen/quantize.py). `own_model`: a GGUF
+    file of the families rungen/gguf_model.py computes runs on that code; False loads transformers' model class (for
+    generate() and --jit)."""
     dequantize = dequantize or quantize is not None
     path, load_kwargs = resolve_checkpoint(model_name_or_path, model_type, dequantize)
     if "gguf_file" in load_kwargs and not dequantize:
         if device.type != "cpu" or device_map:
             raise UsageError("a GGUF file runs in its own blocks on the CPU: add --use_cpu, or --dequantize to "
                              f"run it in float32{' over --device_map' if device_map else ' on ' + device.type}")
-        return load_gguf(os.path.join(path, load_kwargs["gguf_file"]), model_type=model_type, dtype=dtype)
+        return load_gguf(os.path.join(path, load_kwargs["gguf_file"]), model_type=model_type, dtype=dtype,
+                         own_model=own_model)
     parsing = contextlib.nullcontext()
     if "gguf_file" in load_kwargs:  # de-quantized: its config, tokenizer and weights share one metadata parse
         from .gguf_loading import metadata_parsed_once
@@ -228,6 +240,8 @@ def load(model_name_or_path: str | None, *, device: torch.device, model_type: st
         config = load_config(path, load_kwargs)
         model_type, model_class = resolve_model_class(model_type, config)
         torch_dtype = resolve_dtype(dtype, config, device)
+        from transformers import AutoTokenizer
+
         tokenizer = AutoTokenizer.from_pretrained(path, **load_kwargs)
         placement = {}
         if device_map:
@@ -253,14 +267,50 @@ def load(model_name_or_path: str | None, *, device: torch.device, model_type: st
     return finish(model, tokenizer, model_type, input_device)
 
 
-def load_gguf(gguf_path: str, *, model_type: str | None = None, dtype: str = "auto") -> Loaded:
-    """A GGUF file's model on the CPU, its weights in the file's own blocks (rungen/gguf_loading.py)."""
+def load_gguf(gguf_path: str, *, model_type: str | None = None, dtype: str = "auto", own_model: bool = True
+              ) -> Loaded:
+    """A GGUF file's model on the CPU, its weights in the file's own blocks: on the project's own model code
+    (rungen/gguf_model.py) where it covers the file and `own_model`, else transformers' model class fused
+    (rungen/gguf_loading.py)."""
+    from . import gguf_model
     from .gguf_loading import GGUFHeader, build_model
 
     header = GGUFHeader(gguf_path)
+    config = gguf_model.read_config(header.cache_dir)
+    torch_dtype = resolve_dtype(dtype, config, torch.device("cpu"))
+    if own_model:
+        weights_map = header.cached_weights_map()
+        why = "it runs in " + str(torch_dtype).removeprefix("torch.") if torch_dtype != torch.float32 else \
+            gguf_model.refusal(config, header, weights_map)
+        if why is None:
+            if model_type not in (None, config.model_type):
+                raise UsageError(f"--model_type {model_type} does not match the checkpoint's model_type "
+                                 f"{config.model_type}")
+            model = gguf_model.build(header, config, weights_map)
+            return finish(model, header.tokenizer, config.model_type, torch.device("cpu"))
+        logger.info("GGUF file on transformers' model class: %s", why)
     model_type, _ = resolve_model_class(model_type, header.config)
-    model = build_model(header, resolve_dtype(dtype, header.config, torch.device("cpu")))
+    model = build_model(header, torch_dtype)
     return finish(model, header.tokenizer, model_type, torch.device("cpu"))
+
+
+def use_transformers_model(loaded: Loaded) -> bool:
+    """Replaces an own-code GGUF model (rungen/gguf_model.py) in `loaded` by transformers' model of the same file,
+    for what only it runs (generate()); returns whether it did. The own model is released first: the caller holds
+    no other reference to it (an engine over it is closed), so the two never share the memory."""
+    from .gguf_model import GGUFCausalLM
+
+    if not isinstance(loaded.model, GGUFCausalLM):
+        return False
+    import gc
+
+    from .gguf_loading import GGUFHeader, build_model
+
+    path, loaded.model = loaded.model.gguf_path, None
+    gc.collect()
+    logger.info("Loading transformers' model of %s for generate()", os.path.basename(path))
+    loaded.model = build_model(GGUFHeader(path), torch.float32)
+    return True
 
 
 def finish(model: torch.nn.Module, tokenizer, model_type: str, input_device: torch.device) -> Loaded:

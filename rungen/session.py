@@ -27,7 +27,7 @@ from . import PROG, logger
 from .engine import engine_refusal, open_engine, submit_prompts
 from .errors import GenerationError, PromptError, UsageError, one_line
 from .generation import Settings, StopTokenStreamer, adjust_length_to_model, generate_batch
-from .loading import Loaded, cache_dir
+from .loading import Loaded, cache_dir, use_transformers_model
 from .prompts import Prompt, encode_prompt
 
 PROMPT, CONTINUATION = ">>> ", "... "
@@ -339,6 +339,11 @@ class Session:
         """The engine for a turn under these settings (opened at the first such turn), or None: generate()
         runs the turn (beam search, typical_p...; a model the engine cannot run)."""
         if engine_refusal(self.loaded, settings) is not None:
+            from .gguf_model import GGUFCausalLM
+
+            if isinstance(self.loaded.model, GGUFCausalLM):  # generate() runs on transformers' model of the file
+                self.engine, self.engine_opened = None, False  # the engine holds the own model, released now
+                use_transformers_model(self.loaded)
             return None
         if not self.engine_opened:
             self.engine_opened = True

@@ -1,0 +1,300 @@
+"""The causal LM of a GGUF file of the llama-shaped families (llama, mistral, qwen2, qwen3) on the project's own model
+code: the embedding, rungen/decoder.py's NativeStack (every decoder layer in one native call), the final norm and
+the output head, with the rotary cos/sin and the padded batch's mask computed here.
+
+transformers' model classes cost their import (its model modules, modeling_utils and masking_utils: seconds at
+start-up, more than the model's own load), and their forward passes through generic machinery (mask construction,
+rotary module, output classes) a step. This model computes the same function as GGUFHeader's transformers model
+fused by rungen/decoder.py, in the same order (the same bits: tests/test_gguf_model.py), built straight from the
+header cache (config.json, tensors.json, weights_map.json). What only transformers' model has (generate()'s beam
+search and the other generate()-only controls, --jit, the torch fallback kernels) loads that model instead
+(rungen/loading.py). Like gpt-fast's model.py and mlx-lm's models/llama.py: one small file for the family.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import torch
+from transformers import GenerationConfig, PretrainedConfig
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .decoder import GATE_UP_PARTS, QKV_PARTS, NativeStack, native_parts
+from .ggml import SUPPORTED, GGMLLinear, interleavable, join, native_kernels, release_freed_memory
+
+# config.model_type -> the GGUF architectures whose q/k rows transformers' tensor processor un-permutes (llama.cpp's
+# converter permutes them for its interleaved rotary; the native kernels rotate halves, as transformers does).
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+PERMUTED_ARCHITECTURES = ("llama",)
+# Rotary types whose frequencies are fixed at load (transformers' dynamic and longrope ones change with the length).
+ROPE_TYPES = ("default", "linear", "llama3")
+LAYER_TENSORS = {  # the HF name's ending of each decoder-layer weight, as weights_map.json names them
+    "input_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight",
+    "q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight", "v": "self_attn.v_proj.weight",
+    "o": "self_attn.o_proj.weight", "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight",
+    "down": "mlp.down_proj.weight",
+}
+OPTIONAL_LAYER_TENSORS = {"q_bias": "self_attn.q_proj.bias", "k_bias": "self_attn.k_proj.bias",
+                          "v_bias": "self_attn.v_proj.bias", "q_norm": "self_attn.q_norm.weight",
+                          "k_norm": "self_attn.k_norm.weight"}
+PRODUCTS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+def read_config(cache_dir: str) -> PretrainedConfig:
+    """The header cache's config.json as transformers' base config class (the model-specific classes cost their
+    module's import): the same fields, model_type included."""
+    with open(os.path.join(cache_dir, "config.json")) as f:
+        return PretrainedConfig.from_dict(json.load(f))
+
+
+def refusal(config: PretrainedConfig, header, weights_map: dict | None) -> str | None:
+    """Why this model code cannot run the file (it then loads through transformers' classes), or None."""
+    if config.model_type not in FAMILIES:
+        return f"its family {config.model_type} has no own model code"
+    if weights_map is None:
+        return "its weights map is not cached yet"
+    if not native_kernels():
+        return "the native kernels are not available"
+    if config.hidden_act != "silu":
+        return f"its MLP's activation is {config.hidden_act}"
+    if config.model_type == "mistral" and getattr(config, "sliding_window", None) is not None:
+        return "its layers attend in a sliding window"
+    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
+        return "some of its layers attend in a sliding window"
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") not in ROPE_TYPES or rope.get("partial_rotary_factor", 1.0) != 1.0:
+        return f"its rotary embedding is {rope.get('rope_type')}"
+    codes = {name: code for name, code, *_ in header.tensors}
+    products = {gguf for gguf, hf in weights_map.items()
+                if any(hf.endswith("." + LAYER_TENSORS[p]) for p in PRODUCTS)}
+    if len(products) != len(PRODUCTS) * config.num_hidden_layers:
+        return "its file holds other layer weights"
+    if any(codes.get(name) not in SUPPORTED for name in products):
+        return "some of its layer weights are not in quantized blocks"
+    if any(hf.endswith(".bias") and not hf.endswith(tuple(OPTIONAL_LAYER_TENSORS.values()))
+           for hf in weights_map.values()):
+        return "some of its products have biases"
+    return None
+
+
+class GGUFCausalLM(torch.nn.Module):
+    """A llama-shaped causal LM over a GGUF file's blocks: what the engine, the scoring and the tool's stages read
+    from a transformers model (forward's arguments and output, config, generation_config, the embeddings, dtype
+    and device), computed by one native stack call a step."""
+
+    cache_grows_in_place = True  # rungen.kvcache.new_cache gives it GrowingLayers, which the stack writes into
+    main_input_name = "input_ids"
+
+    def __init__(self, config: PretrainedConfig, embed_tokens: torch.nn.Module, stack: NativeStack,
+                 norm: torch.Tensor, lm_head: torch.nn.Module, gguf_path: str):
+        super().__init__()
+        self.config, self.gguf_path = config, gguf_path
+        self.generation_config = GenerationConfig.from_model_config(config)
+        self.embed_tokens, self.lm_head, self.stack = embed_tokens, lm_head, stack
+        self.register_buffer("norm_weight", norm, persistent=False)
+        self.norm_eps = config.rms_norm_eps
+        self.inv_freq, self.attention_scaling = rotary_frequencies(config)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.embed_tokens
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.lm_head
+
+    def can_generate(self) -> bool:
+        return False  # generate() is transformers' model's: rungen/loading.py loads it where it is needed
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, past_key_values=None, use_cache: bool | None = None,
+                logits_to_keep: int = 0) -> CausalLMOutputWithPast:
+        """Logits of `input_ids` [batch, tokens] after what `past_key_values` (rungen.kvcache.new_cache's, extended
+        in place) holds; `attention_mask` [batch, held + tokens] marks left padding, `position_ids` each row's
+        positions (the held length onwards when None); `logits_to_keep`: the last ones only (0: all)."""
+        from .kvcache import new_cache
+
+        cache = past_key_values if past_key_values is not None else new_cache(self)
+        if not self.stack.takes(cache):
+            raise ValueError("this model's cache holds one full-attention layer per decoder layer "
+                             "(rungen.kvcache.new_cache)")
+        hidden = self.embed_tokens(input_ids)
+        tokens = hidden.shape[1]
+        length = cache.layers[0].get_seq_length()
+        if position_ids is None:
+            position_ids = (torch.arange(tokens, device=hidden.device) + length).unsqueeze(0)
+        # No padding: the native attention's causal default, which visits only the keys up to each query.
+        mask = None if attention_mask is None or bool(attention_mask.all()) else \
+            padded_causal_mask(attention_mask, length, tokens)
+        cos, sin = rotary_cos_sin(self.inv_freq, self.attention_scaling, position_ids)
+        hidden = self.stack(hidden, cache, mask, cos, sin)
+        if hidden is None:
+            raise ValueError("the cache's layers hold different lengths")
+        hidden = rms_norm(hidden, self.norm_weight, self.norm_eps)
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:, :]
+        logits = self.lm_head(hidden)
+        return CausalLMOutputWithPast(logits=logits, past_key_values=None if use_cache is False else cache)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LlamaRMSNorm's forward (Qwen2's and Qwen3's are the same), in its order of operations."""
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    variance = x.pow(2).mean(-1, keepdim=True)
+    x = x * torch.rsqrt(variance + eps)
+    return weight * x.to(dtype)
+
+
+def rotary_frequencies(config: PretrainedConfig) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies, cos/sin scale) as LlamaRotaryEmbedding computes them at init: its own default, or
+    transformers' function of the rope type (fixed at load: ROPE_TYPES)."""
+    rope_type = config.rope_parameters.get("rope_type", "default")
+    if rope_type == "default":
+        base = config.rope_parameters["rope_theta"]
+        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    return ROPE_INIT_FUNCTIONS[rope_type](config)
+
+
+def rotary_cos_sin(inv_freq: torch.Tensor, scaling: float, position_ids: torch.Tensor):
+    """cos, sin [batch, tokens, head_dim] of `position_ids` [batch, tokens]: LlamaRotaryEmbedding's forward."""
+    freqs = position_ids[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * scaling, emb.sin() * scaling
+
+
+def padded_causal_mask(attention_mask: torch.Tensor, length: int, tokens: int) -> torch.Tensor:
+    """The boolean mask [batch, 1, tokens, length + tokens] transformers' create_causal_mask gives a full-attention
+    layer for a left-padded batch (sdpa's form, which the native attention reads): query i (at cache position
+    length + i) sees the keys up to its own position that are not padding."""
+    keys = torch.arange(length + tokens, device=attention_mask.device)
+    queries = torch.arange(length, length + tokens, device=attention_mask.device)
+    causal = keys[None, :] <= queries[:, None]
+    return (causal[None] & attention_mask.bool()[:, None, :])[:, None]
+
+
+def build(header, config: PretrainedConfig, weights_map: dict) -> GGUFCausalLM:
+    """The own model of `header`'s file (refusal() said it can), its weights loaded as build_model loads them for
+    the fused layers: the products' rows read (and interleaved) for the kernels and joined q/k/v and gate/up, the
+    norms views of the file's map."""
+    from gguf import GGMLQuantizationType
+
+    from .gguf_loading import CastEmbedding, CastLinear, GGMLEmbedding, GGUFError, _in_features, read_interleaved
+
+    file = np.memmap(header.path, dtype=np.uint8, mode="c")  # private and writable: torch warns on read-only
+    table = {name: (code, shape, np_dtype, offset, nbytes) for name, code, shape, np_dtype, offset, nbytes
+             in header.tensors}
+    by_hf = {hf: gguf for gguf, hf in weights_map.items() if gguf in table}
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    permute = header.architecture in PERMUTED_ARCHITECTURES
+    scratch = np.empty(4 << 20, dtype=np.uint8)
+
+    def tensor(hf_name: str, required: bool = True):
+        name = by_hf.get(hf_name)
+        if name is None:
+            if required:
+                raise GGUFError(f"{header.path}: the file has no tensor for {hf_name}")
+            return None
+        return (name, *table[name])
+
+    def float_tensor(entry) -> torch.Tensor:
+        name, code, shape, np_dtype, offset, nbytes = entry
+        array = file[offset:offset + nbytes]
+        if code == GGMLQuantizationType.BF16:  # numpy has no bfloat16: its bits travel as int16
+            return torch.from_numpy(array.view(np.int16).reshape(*shape[:-1], shape[-1] // 2)).view(torch.bfloat16)
+        return torch.from_numpy(array.view(np_dtype).reshape(shape))
+
+    def blocks_of(entry, interleave: bool, order=None, fused: bool = False) -> tuple[torch.Tensor, int]:
+        """(rows, in_features) of a quantized 2-D weight, as build_model reads it: interleaved as read, or read
+        into memory where the fusing or the interleaving copies it (a copy of mapped pages would count twice),
+        else a view of the map."""
+        name, code, shape, _, offset, nbytes = entry
+        qtype = GGMLQuantizationType(code)
+        if interleave and order is None:
+            rows = read_interleaved(header.path, offset, shape, qtype, scratch)
+        else:
+            blocks = file[offset:offset + nbytes].reshape(shape)
+            if fused or interleave:
+                blocks = np.fromfile(header.path, dtype=np.uint8, count=nbytes, offset=offset).reshape(shape)
+            rows = torch.from_numpy(blocks if order is None else np.ascontiguousarray(blocks[order]))
+            if interleave:
+                rows = torch.ops.rungen_ggml.interleave(rows, int(qtype))
+        return rows, _in_features(qtype, shape[-1])
+
+    def linear(entry, order=None, fused: bool = False) -> GGMLLinear:
+        qtype = GGMLQuantizationType(entry[1])
+        interleave = interleavable(qtype, entry[2][0])
+        rows, in_features = blocks_of(entry, interleave, order, fused)
+        return GGMLLinear(rows, qtype, in_features, interleaved=interleave)
+
+    def q_k_order(rows: int, n_head: int):
+        """transformers' LlamaTensorProcessor._reverse_permute_weights as a permutation of the rows."""
+        if not permute:
+            return None
+        order = np.arange(rows)
+        dim = rows // n_head // 2
+        return order.reshape(n_head, dim, 2).swapaxes(2, 1).reshape(rows)
+
+    tied = getattr(config, "tie_word_embeddings", False) and tensor("lm_head.weight", required=False) is None
+    embedding_entry = tensor("model.embed_tokens.weight")
+    if embedding_entry[1] in SUPPORTED:
+        qtype = GGMLQuantizationType(embedding_entry[1])
+        interleave = tied and interleavable(qtype, embedding_entry[2][0])
+        rows, in_features = blocks_of(embedding_entry, interleave)
+        embed_tokens = GGMLEmbedding(rows, qtype, in_features, torch.float32, None, interleaved=interleave)
+        head = GGMLLinear(embed_tokens.blocks, qtype, in_features, interleaved=interleave) if tied else None
+    else:
+        weight = float_tensor(embedding_entry)
+        embed_tokens = CastEmbedding(weight, torch.float32)
+        head = CastLinear(weight, None) if tied else None
+    if head is None:
+        entry = tensor("lm_head.weight")
+        head = linear(entry) if entry[1] in SUPPORTED else CastLinear(float_tensor(entry), None)
+
+    norms, mlp_norms, qkv, o, gate_up, down, biases, q_norms, k_norms = ([] for _ in range(9))
+    for index in range(config.num_hidden_layers):
+        prefix = f"model.layers.{index}."
+        norms.append(float_tensor(tensor(prefix + LAYER_TENSORS["input_norm"])).to(torch.float32))
+        mlp_norms.append(float_tensor(tensor(prefix + LAYER_TENSORS["mlp_norm"])).to(torch.float32))
+        q_entry, k_entry = tensor(prefix + LAYER_TENSORS["q"]), tensor(prefix + LAYER_TENSORS["k"])
+        parts = [linear(q_entry, q_k_order(q_entry[2][0], heads), fused=True),
+                 linear(k_entry, q_k_order(k_entry[2][0], kv_heads), fused=True),
+                 linear(tensor(prefix + LAYER_TENSORS["v"]), fused=True)]
+        for part, key in zip(parts, ("q_bias", "k_bias", "v_bias")):
+            bias = tensor(prefix + OPTIONAL_LAYER_TENSORS[key], required=False)
+            part.bias = None if bias is None else float_tensor(bias).to(torch.float32)
+        fused_qkv = join(parts)
+        gate_up_parts = [linear(tensor(prefix + LAYER_TENSORS[p]), fused=True) for p in ("gate", "up")]
+        fused_gate_up = join(gate_up_parts)
+        if fused_qkv is None or fused_gate_up is None:
+            raise GGUFError(f"{header.path}: layer {index}'s products take inputs of different widths")
+        del parts, gate_up_parts
+        qkv.append(native_parts(fused_qkv, QKV_PARTS))
+        gate_up.append(native_parts(fused_gate_up, GATE_UP_PARTS))
+        biases.append(fused_qkv.bias)
+        o.append(linear(tensor(prefix + LAYER_TENSORS["o"])))
+        down.append(linear(tensor(prefix + LAYER_TENSORS["down"])))
+        head_norms = [tensor(prefix + OPTIONAL_LAYER_TENSORS[key], required=False) for key in ("q_norm", "k_norm")]
+        q_norms.append(None if head_norms[0] is None else float_tensor(head_norms[0]).to(torch.float32))
+        k_norms.append(None if head_norms[1] is None else float_tensor(head_norms[1]).to(torch.float32))
+        release_freed_memory()
+    weights = (norms, [b for blocks, _ in qkv for b in blocks], biases, q_norms, k_norms, [p.blocks for p in o],
+               mlp_norms, [b for blocks, _ in gate_up for b in blocks], [p.blocks for p in down],
+               [code for (_, qkv_codes), out, (_, gate_up_codes), dn in zip(qkv, o, gate_up, down)
+                for code in (*qkv_codes, out.code, *gate_up_codes, dn.code)])
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    stack = NativeStack(weights, config.rms_norm_eps, head_dim ** -0.5, heads, kv_heads, head_dim)
+    norm = float_tensor(tensor("model.norm.weight")).to(torch.float32)
+    model = GGUFCausalLM(config, embed_tokens, stack, norm, head, header.path)
+    return model.eval()
