@@ -1,0 +1,187 @@
+"""A GGUF file of the llama-shaped families on the project's own model code (rungen/gguf_model.py): the same logits,
+bit for bit, as transformers' model of the file fused by rungen/decoder.py (a prompt, decode steps, a left-padded
+batch), the same config values, generation config and tokenizer; transformers' model where only it runs
+(generate()'s controls, --jit, a session turn that needs them); and a one-shot run that never imports transformers'
+model modules. The files imitate the published ones (tests/test_gguf_loading.py's llama/qwen2 files, tests/
+tiny_models.py's qwen3, and the embedded SmolLM2)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_gguf_loading import FILES as LLAMA_FILES
+from test_gguf_loading import VOCAB, write_llama_gguf
+
+import run_generation
+from helpers import ROOT, cli_env
+from rungen import loading
+from rungen.ggml import native_kernels
+from rungen.gguf_loading import GGUFHeader, build_model
+from rungen.gguf_model import GGUFCausalLM, padded_causal_mask
+from rungen.kvcache import new_cache
+from rungen.loading import default_model_file, load_gguf
+from tiny_models import default_tokenizer_fields, write_family_gguf
+
+pytestmark = [pytest.mark.usefixtures("module_cache_home"),
+              pytest.mark.skipif(not native_kernels(), reason="the own model code runs on the native kernels")]
+PROMPTS = ["The capital of France is", "Hello, my dog", "A"]
+# mixed_tied holds F16/BF16 layer weights beside the blocks: transformers' model runs it (its own test below).
+NAMES = [*(name for name in LLAMA_FILES if name != "mixed_tied"), "qwen3", "default"]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    fields = default_tokenizer_fields(default_model_file(), VOCAB)
+    folder = tmp_path_factory.mktemp("own")
+    out = {name: write_llama_gguf(folder / f"{name}.gguf", fields, **spec) for name, spec in LLAMA_FILES.items()}
+    out["qwen3"] = write_family_gguf(folder / "qwen3.gguf", "qwen3", fields)
+    out["default"] = default_model_file()
+    return out
+
+
+@pytest.fixture(scope="module")
+def models(files):
+    """{file: (own Loaded, transformers' model of the file as today's loader builds it)}; the first load writes the
+    weights map the own model reads."""
+    out = {}
+    for name in NAMES:
+        path = files[name]
+        reference = build_model(GGUFHeader(path), torch.float32)
+        own = load_gguf(path)
+        assert isinstance(own.model, GGUFCausalLM), name
+        out[name] = own, reference
+    return out
+
+
+def steps(model, tokenizer, prompts, decode=3):
+    """The engine's calls on `model`: a left-padded batch's prompt (with each row's positions), then `decode` greedy
+    steps; every call's logits."""
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache, out = new_cache(model), []
+    with torch.inference_mode():
+        for _ in range(decode + 1):
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                           use_cache=True).logits
+            out.append(logits)
+            ids = logits[:, -1].argmax(-1, keepdim=True)
+            mask = torch.cat([mask, torch.ones_like(ids)], 1)
+            positions = positions[:, -1:] + 1
+    return out
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_logits_are_those_of_transformers_model_of_the_file(models, name):
+    own, reference = models[name]
+    for prompts in (PROMPTS[:1], PROMPTS):  # alone (no mask), then a left-padded batch
+        got, expected = steps(own.model, own.tokenizer, prompts), steps(reference, own.tokenizer, prompts)
+        for step, (a, b) in enumerate(zip(got, expected)):
+            assert torch.equal(a, b), (name, len(prompts), step, (a - b).abs().max())
+
+
+@pytest.mark.parametrize("name", ["q4_0_untied", "default"])
+def test_scoring_and_the_last_logits_only(models, name):
+    # --length 0 scores a padded batch without a cache (use_cache=False); the engine's prefill keeps the last logits.
+    own, reference = models[name]
+    batch = own.tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    with torch.inference_mode():
+        scored = own.model(**batch, use_cache=False)
+        assert scored.past_key_values is None
+        assert torch.equal(scored.logits[:, -1], reference(**batch).logits[:, -1])
+        last = own.model(input_ids=batch["input_ids"][:1], logits_to_keep=1).logits
+    assert last.shape[1] == 1 and torch.equal(last[0, -1], scored.logits[0, -1])
+
+
+@pytest.mark.parametrize("name", ["q4_0_untied", "qwen2_biases", "qwen3", "default"])
+def test_config_generation_config_and_tokenizer_are_transformers(models, files, name):
+    own, reference = models[name]
+    header = GGUFHeader(files[name])
+    for field in ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size",
+                  "max_position_embeddings", "rms_norm_eps", "vocab_size", "tie_word_embeddings", "rope_parameters",
+                  "bos_token_id", "eos_token_id", "pad_token_id"):
+        assert getattr(own.model.config, field, None) == getattr(reference.config, field, None), field
+    for field in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        assert getattr(own.model.generation_config, field) == getattr(reference.generation_config, field), field
+    assert own.context == loading.model_context(reference.config)
+    assert own.vocab_size == reference.get_input_embeddings().num_embeddings
+    from transformers import AutoTokenizer
+
+    auto = AutoTokenizer.from_pretrained(header.cache_dir)
+    assert type(own.tokenizer) is type(auto)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi <|im_end|> there"}]
+    assert (own.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            == auto.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    assert own.tokenizer(PROMPTS)["input_ids"] == auto(PROMPTS)["input_ids"]
+
+
+def test_the_padded_mask_is_create_causal_masks(models):
+    from transformers.masking_utils import create_causal_mask
+
+    _, reference = models["default"]
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 1, 1, 1, 1]])
+    for held, tokens in ((0, 5), (4, 1), (3, 2)):
+        cache = new_cache(reference)
+        if held:
+            states = torch.zeros(3, reference.config.num_key_value_heads, held, 64)
+            for layer in cache.layers:
+                layer.update(states, states)
+        hidden = torch.zeros(3, tokens, reference.config.hidden_size)
+        seen = mask[:, :held + tokens]
+        expected = create_causal_mask(config=reference.config, inputs_embeds=hidden, attention_mask=seen,
+                                      past_key_values=cache, position_ids=None)
+        assert torch.equal(padded_causal_mask(seen, held, tokens), expected), (held, tokens)
+
+
+def test_a_file_with_float_layer_weights_runs_on_transformers_model(models, files):
+    # Layers not all in blocks are not one native stack: transformers' model computes them, as before.
+    loaded = load_gguf(files["mixed_tied"])
+    assert not isinstance(loaded.model, GGUFCausalLM) and loaded.model.config.model_type == "llama"
+
+
+def test_what_only_transformers_model_runs_loads_it(models, files, monkeypatch):
+    # Flags that need generate() (beam search here) or --jit load transformers' model: decided before loading.
+    calls = []
+    original = run_generation.load
+    monkeypatch.setattr(run_generation, "load", lambda *a, **k: calls.append(k["own_model"]) or original(*a, **k))
+    sequences = run_generation.main(["--model_name_or_path", files["q4_0_untied"], "--prompt", "Hello, my dog",
+                                     "--length", "4", "--num_beams", "2", "--temperature", "0", "--quiet"])
+    assert calls == [False] and len(sequences) == 1 and sequences[0].startswith("Hello, my dog")
+    greedy = run_generation.main(["--model_name_or_path", files["q4_0_untied"], "--prompt", "Hello, my dog",
+                                  "--length", "4", "--temperature", "0", "--quiet"])
+    assert calls == [False, True] and greedy[0].startswith("Hello, my dog")
+
+
+def test_the_swap_to_transformers_model_keeps_the_function(files):
+    # A session turn that needs generate() swaps the own model for transformers' (the own one released first).
+    loaded = load_gguf(files["q4_k_m_tied"])
+    before = steps(loaded.model, loaded.tokenizer, PROMPTS, decode=1)
+    assert loading.use_transformers_model(loaded) and not isinstance(loaded.model, GGUFCausalLM)
+    assert not loading.use_transformers_model(loaded)  # already transformers'
+    after = steps(loaded.model, loaded.tokenizer, PROMPTS, decode=1)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    ids = loaded.tokenizer(PROMPTS[:1], return_tensors="pt")
+    with torch.inference_mode():
+        beams = loaded.model.generate(**ids, max_new_tokens=3, num_beams=2, do_sample=False)
+    assert beams.shape == (1, ids["input_ids"].shape[1] + 3)
+
+
+@pytest.mark.slow  # a fresh interpreter: what it imports is the point
+def test_a_gguf_one_shot_run_imports_no_transformers_model_module(models):
+    # A cached one-shot run on the own model code imports none of transformers' model modules, its modeling_utils
+    # (PreTrainedModel, generate()), masking_utils, GGUF conversion or Auto classes: seconds of start-up.
+    code = ("import json, sys, run_generation; run_generation.main(['--prompt', 'Hi', '--length', '2', '--quiet']); "
+            "print(json.dumps(sorted(sys.modules)))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            env=cli_env(os.environ["XDG_CACHE_HOME"]), timeout=600)
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    modules = set(json.loads(result.stdout.decode().splitlines()[-1]))
+    assert "rungen.gguf_model" in modules and "rungen.engine" in modules
+    loaded = sorted(m for m in modules if m.startswith(("transformers.models", "transformers.modeling_utils",
+                                                          "transformers.masking_utils",
+                                                          "transformers.modeling_gguf_pytorch_utils",
+                                                          "transformers.generation.utils")))
+    assert loaded == []
