@@ -185,3 +185,33 @@ def test_a_gguf_one_shot_run_imports_no_transformers_model_module(models):
                                                           "transformers.modeling_gguf_pytorch_utils",
                                                           "transformers.generation.utils")))
     assert loaded == []
+
+
+@pytest.mark.slow  # a terminal session is a process on a pseudo-terminal
+def test_a_session_turn_under_beam_search_swaps_to_transformers_model(files, tmp_path, monkeypatch):
+    # The first turn runs on the own model (the engine); beam search needs generate(): transformers' model of the
+    # file replaces it for that turn and the rest, and every reply is the one a pipe gives the same conversation.
+    from test_session import start
+
+    from helpers import jsonl, run_main
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    build_model(GGUFHeader(files["q4_k_m_tied"]), torch.float32)  # the header cache and its weights map
+    args = ["--model_name_or_path", files["q4_k_m_tied"], "--temperature", "0", "--length", "6"]
+    terminal = start(args + ["--verbose"], tmp_path)
+    terminal.ask("Hello there")
+    terminal.command("/set num_beams 2")
+    terminal.ask("How are you")
+    terminal.command("/set num_beams 1")
+    terminal.ask("Goodbye")
+    terminal.command(f"/save {tmp_path / 'chat.jsonl'}")
+    terminal.send("/exit\r")
+    assert terminal.wait() == 0
+    shown = terminal.output.decode()
+    assert "(GGUFCausalLM)" in shown and shown.count("Loading transformers' model") == 1
+    messages = json.loads((tmp_path / "chat.jsonl").read_text())["messages"]
+    for end, beams in ((1, "1"), (3, "2"), (5, "1")):
+        piped = run_main(args + ["--num_beams", beams, "--input_format", "jsonl", "--output_format", "jsonl"],
+                         stdin=json.dumps({"messages": messages[:end]}), cache_home=tmp_path)
+        assert piped.returncode == 0, piped.stderr.decode()
+        assert jsonl(piped.stdout)[0]["generated_text"] == messages[end]["content"], end
