@@ -231,7 +231,7 @@ def load_assistant(path: str, loaded, *, dtype: str, device) -> object:
     expanded = os.path.expanduser(path)
     if expanded.startswith((".", "/", "~")) and not os.path.exists(expanded):
         raise UsageError(f"--assistant_model {path}: no such file or directory")
-    assistant = load(path, device=device, dtype=dtype)
+    assistant = load(path, device=device, dtype=dtype, own_model=False)  # generate() drafts with it
     if assistant.tokenizer.get_vocab() != loaded.tokenizer.get_vocab():
         raise UsageError(f"--assistant_model {path}: its tokenizer differs from the model's; "
                          "assisted decoding needs the same vocabulary")

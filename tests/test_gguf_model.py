@@ -153,6 +153,14 @@ def test_what_only_transformers_model_runs_loads_it(models, files, monkeypatch):
     greedy = run_generation.main(["--model_name_or_path", files["q4_0_untied"], "--prompt", "Hello, my dog",
                                   "--length", "4", "--temperature", "0", "--quiet"])
     assert calls == [False, True] and greedy[0].startswith("Hello, my dog")
+    # A draft model drafts through generate(): it and the main model load as transformers' models.
+    drafts = []
+    draft_load = loading.load
+    monkeypatch.setattr(loading, "load", lambda *a, **k: drafts.append(k["own_model"]) or draft_load(*a, **k))
+    assisted = run_generation.main(["--model_name_or_path", files["q4_0_untied"], "--prompt", "Hello, my dog",
+                                    "--length", "4", "--temperature", "0", "--quiet",
+                                    "--assistant_model", files["q6_k_untied"]])
+    assert calls == [False, True, False] and drafts == [False] and assisted[0].startswith("Hello, my dog")
 
 
 def test_the_swap_to_transformers_model_keeps_the_function(files):
