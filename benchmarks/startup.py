@@ -10,7 +10,9 @@ and peak RSS, as /usr/bin/time reports them:
 - `import torch`: the floor of any tool on torch;
 - `import torch, tokenizers, jinja2, gguf`: what a tool running the GGUF file on its own model code would
   still import (the tokenizer, chat templates, the file's constants);
-- `... transformers' llama modeling`: what the tool's GGUF path imports today through transformers;
+- `... transformers (its top level)`: what the tool's GGUF path imports (rungen/gguf_model.py: the model code
+  of its own, transformers' cheap pieces: config, tokenizer, cache, generation config);
+- `... transformers' llama modeling`: what a GGUF path through transformers' model classes would import;
 - the tool: `run_generation.py --prompt "The capital of France is" --temperature 0 --length 16` (cached
   header and kernels, default output);
 - llama-cpp-python on the same GGUF file, the same prompt and 16 greedy tokens, where that virtualenv has it.
@@ -35,6 +37,7 @@ PROMPT = "The capital of France is"
 FLOORS = {
     "import torch": "import torch",
     "import torch, tokenizers, jinja2, gguf": "import torch, tokenizers, jinja2, gguf",
+    "... + transformers (its top level)": "import torch, tokenizers, jinja2, gguf, transformers",
     "... + transformers' llama modeling": "import torch, tokenizers, jinja2, gguf, transformers.models.llama."
                                           "modeling_llama; from transformers import AutoConfig, AutoTokenizer",
 }
@@ -55,42 +58,31 @@ import gguf, jinja2, numpy, tokenizers
 lap("import tokenizers, jinja2, gguf")
 import transformers
 lap("import transformers (its top level)")
-import transformers.models.llama.configuration_llama
-lap("import llama's config: activations, hub kernels, torch.distributed.tensor, continuous batching, dynamo")
-import transformers.models.llama.modeling_llama
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-lap("import llama's modeling: modeling_utils, generation, accelerate; the Auto classes")
 import run_generation
+from rungen import gguf_model
 from rungen.arguments import parse_args, settings_from_args
 from rungen.engine import open_engine, submit_prompts
 from rungen.ggml import native_kernels
-from rungen.gguf_loading import GGUFHeader, build_model
-from rungen.loading import default_model_file, finish, resolve_dtype
+from rungen.gguf_loading import GGUFHeader
+from rungen.loading import default_model_file, finish
 from rungen.prompts import encode_prompt, prepare_model, read_prompts
-lap("import the tool's own modules")
+lap("import the tool's own modules (and transformers' config, tokenizer, cache and output classes)")
 import gc
 gc.freeze()  # as run_generation.command() does: the run's collections skip what the imports made
 args = parse_args(sys.argv[1:])
 lap("parse the arguments")
-tokenizer_seconds = []
-load_tokenizer = AutoTokenizer.from_pretrained
-def timed_tokenizer(*a, **k):
-    start = time.perf_counter()
-    try:
-        return load_tokenizer(*a, **k)
-    finally:
-        tokenizer_seconds.append(time.perf_counter() - start)
-AutoTokenizer.from_pretrained = timed_tokenizer  # timed, not changed
 header = GGUFHeader(default_model_file())
-AutoTokenizer.from_pretrained = load_tokenizer
-lap("header from its cache: config, tokenizer, tensor table")
-out["  of which the tokenizer (tokenizer.json)"] = (sum(tokenizer_seconds), None)
+config, weights_map = gguf_model.read_config(header.cache_dir), header.cached_weights_map()
+lap("header from its cache: config, tensor table, weights map")
+tokenizer = header.tokenizer
+lap("tokenizer (tokenizer.json, by the tokenizers library)")
 native_kernels()
 lap("load the native kernels (built and cached)")
 cpu = torch.device("cpu")
-model = build_model(header, resolve_dtype(args.dtype, header.config, cpu))
-loaded = finish(model, header.tokenizer, "llama", cpu)
-lap("model build: from_config on meta, weights read and interleaved, layers fused")
+assert gguf_model.refusal(config, header, weights_map) is None
+model = gguf_model.build(header, config, weights_map)
+loaded = finish(model, tokenizer, config.model_type, cpu)
+lap("model build (rungen/gguf_model.py): weights read and interleaved, q/k/v and gate/up joined")
 settings = settings_from_args(args, loaded.context)
 prepare_model(loaded, temperature=args.temperature, xlm_language=args.xlm_language)
 [prompt] = read_prompts(args.prompt, whole_stdin=False, input_format="text")

@@ -574,13 +574,16 @@ def _check_shape(path: str, name: str, module: torch.nn.Module, attr: str, shape
 READ_CHUNK = 4 << 20  # bytes of a weight read and interleaved at a time
 
 
-def read_interleaved(path: str, offset: int, shape, qtype, scratch: np.ndarray | None = None) -> torch.Tensor:
+def read_interleaved(path: str, offset: int, shape, qtype, scratch: np.ndarray | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """The blocks [rows, row bytes] at `offset` of the file, with their rows interleaved eight by eight for the
-    kernels (rungen.ggml.GGMLLinear.interleave), read a few MB at a time straight into that layout. `scratch`:
-    a uint8 buffer of READ_CHUNK bytes to read into, kept from call to call; no copy of the whole weight in the
-    file's order is ever held (its freed space would stay in the process's heap)."""
+    kernels (rungen.ggml.GGMLLinear.interleave), read a few MB at a time straight into that layout (into `out`
+    when given: rows of a larger product). `scratch`: a uint8 buffer of READ_CHUNK bytes to read into, kept from
+    call to call; no copy of the whole weight in the file's order is ever held (its freed space would stay in
+    the process's heap)."""
     rows, row_bytes = shape
-    out = torch.empty(rows // 8, interleaved_row_bytes(qtype, _in_features(qtype, row_bytes)), dtype=torch.uint8)
+    if out is None:
+        out = torch.empty(rows // 8, interleaved_row_bytes(qtype, _in_features(qtype, row_bytes)), dtype=torch.uint8)
     step = max(8, READ_CHUNK // row_bytes // 8 * 8)
     if scratch is None or len(scratch) < step * row_bytes:
         scratch = np.empty(step * row_bytes, dtype=np.uint8)

@@ -22,7 +22,16 @@ from transformers import GenerationConfig, PretrainedConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .decoder import GATE_UP_PARTS, QKV_PARTS, NativeStack, native_parts
-from .ggml import SUPPORTED, GGMLLinear, interleavable, join, native_kernels, release_freed_memory
+from .ggml import (
+    SUPPORTED,
+    GGMLLinear,
+    GGMLParts,
+    interleavable,
+    interleaved_row_bytes,
+    join,
+    native_kernels,
+    release_freed_memory,
+)
 
 # config.model_type -> the GGUF architectures whose q/k rows transformers' tensor processor un-permutes (llama.cpp's
 # converter permutes them for its interleaved rotary; the native kernels rotate halves, as transformers does).
@@ -238,6 +247,36 @@ def build(header, config: PretrainedConfig, weights_map: dict) -> GGUFCausalLM:
         rows, in_features = blocks_of(entry, interleave, order, fused)
         return GGMLLinear(rows, qtype, in_features, interleaved=interleave)
 
+    def fused(entries: list, orders: list, biases: list) -> GGMLLinear | GGMLParts | None:
+        """One product of these weights' rows, in order: where they are one interleaved type, read (and
+        interleaved) straight into their rows of one buffer, the layer concat would make without its copy; else
+        join's product of the layers."""
+        codes = {entry[1] for entry in entries}
+        qtype = GGMLQuantizationType(entries[0][1])
+        widths = {_in_features(qtype, entry[2][-1]) for entry in entries}
+        if len(codes) > 1 or len(widths) > 1 or not all(interleavable(qtype, entry[2][0]) for entry in entries):
+            parts = [linear(entry, order, fused=True) for entry, order in zip(entries, orders)]
+            for part, bias in zip(parts, biases):
+                part.bias = bias
+            return join(parts)
+        in_features = widths.pop()
+        blocks = torch.empty(sum(entry[2][0] for entry in entries) // 8, interleaved_row_bytes(qtype, in_features),
+                             dtype=torch.uint8)
+        start = 0
+        for entry, order in zip(entries, orders):
+            _, _, shape, _, offset, nbytes = entry
+            rows = blocks[start:start + shape[0] // 8]
+            if order is None:
+                read_interleaved(header.path, offset, shape, qtype, scratch, out=rows)
+            else:
+                read = np.fromfile(header.path, dtype=np.uint8, count=nbytes, offset=offset).reshape(shape)
+                torch.ops.rungen_ggml.interleave(torch.from_numpy(np.ascontiguousarray(read[order])), int(qtype), rows)
+            start += shape[0] // 8
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat([b if b is not None else torch.zeros(entry[2][0]) for entry, b in zip(entries, biases)])
+        return GGMLLinear(blocks, qtype, in_features, bias, interleaved=True)
+
     def q_k_order(rows: int, n_head: int):
         """transformers' LlamaTensorProcessor._reverse_permute_weights as a permutation of the rows."""
         if not permute:
@@ -268,18 +307,14 @@ def build(header, config: PretrainedConfig, weights_map: dict) -> GGUFCausalLM:
         norms.append(float_tensor(tensor(prefix + LAYER_TENSORS["input_norm"])).to(torch.float32))
         mlp_norms.append(float_tensor(tensor(prefix + LAYER_TENSORS["mlp_norm"])).to(torch.float32))
         q_entry, k_entry = tensor(prefix + LAYER_TENSORS["q"]), tensor(prefix + LAYER_TENSORS["k"])
-        parts = [linear(q_entry, q_k_order(q_entry[2][0], heads), fused=True),
-                 linear(k_entry, q_k_order(k_entry[2][0], kv_heads), fused=True),
-                 linear(tensor(prefix + LAYER_TENSORS["v"]), fused=True)]
-        for part, key in zip(parts, ("q_bias", "k_bias", "v_bias")):
-            bias = tensor(prefix + OPTIONAL_LAYER_TENSORS[key], required=False)
-            part.bias = None if bias is None else float_tensor(bias).to(torch.float32)
-        fused_qkv = join(parts)
-        gate_up_parts = [linear(tensor(prefix + LAYER_TENSORS[p]), fused=True) for p in ("gate", "up")]
-        fused_gate_up = join(gate_up_parts)
+        bias_entries = [tensor(prefix + OPTIONAL_LAYER_TENSORS[key], required=False)
+                        for key in ("q_bias", "k_bias", "v_bias")]
+        fused_qkv = fused([q_entry, k_entry, tensor(prefix + LAYER_TENSORS["v"])],
+                          [q_k_order(q_entry[2][0], heads), q_k_order(k_entry[2][0], kv_heads), None],
+                          [None if b is None else float_tensor(b).to(torch.float32) for b in bias_entries])
+        fused_gate_up = fused([tensor(prefix + LAYER_TENSORS[p]) for p in ("gate", "up")], [None, None], [None, None])
         if fused_qkv is None or fused_gate_up is None:
             raise GGUFError(f"{header.path}: layer {index}'s products take inputs of different widths")
-        del parts, gate_up_parts
         qkv.append(native_parts(fused_qkv, QKV_PARTS))
         gate_up.append(native_parts(fused_gate_up, GATE_UP_PARTS))
         biases.append(fused_qkv.bias)
