@@ -223,3 +223,24 @@ def test_a_session_turn_under_beam_search_swaps_to_transformers_model(files, tmp
                          stdin=json.dumps({"messages": messages[:end]}), cache_home=tmp_path)
         assert piped.returncode == 0, piped.stderr.decode()
         assert jsonl(piped.stdout)[0]["generated_text"] == messages[end]["content"], end
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "default"}, {"rope_type": "linear", "factor": 4.0},
+                                  {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64}])
+def test_rotary_cos_sin_are_llamas(rope, tmp_path):
+    # The frequencies llama 3.x files (llama3) and linearly scaled ones carry, as LlamaRotaryEmbedding computes them.
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from rungen.gguf_model import read_config, rotary_cos_sin, rotary_frequencies
+
+    fields = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rope_parameters={"rope_theta": 500000.0, **rope})
+    reference = LlamaRotaryEmbedding(LlamaConfig(**fields))
+    (tmp_path / "config.json").write_text(json.dumps(LlamaConfig(**fields).to_dict()))  # as the header cache holds
+    inv_freq, scaling = rotary_frequencies(read_config(str(tmp_path)))
+    positions = torch.tensor([[0, 1, 2, 100, 511], [0, 0, 0, 7, 8]])
+    expected = reference(torch.zeros(1, dtype=torch.float32), positions)
+    got = rotary_cos_sin(inv_freq, scaling, positions)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
