@@ -94,7 +94,6 @@ class GGUFCausalLM(torch.nn.Module):
     and device), computed by one native stack call a step."""
 
     cache_grows_in_place = True  # rungen.kvcache.new_cache gives it GrowingLayers, which the stack writes into
-    main_input_name = "input_ids"
 
     def __init__(self, config: PretrainedConfig, embed_tokens: torch.nn.Module, stack: NativeStack,
                  norm: torch.Tensor, lm_head: torch.nn.Module, gguf_path: str):
