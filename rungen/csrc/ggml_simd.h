@@ -399,7 +399,7 @@ static void rows(const Job& job, int64_t r0, int64_t r1) {
 // (the maximum of |x| is exact in any order, x * inv is the same product, and the rounding the same: to nearest,
 // ties to even, as nearbyint in the default mode). A NaN is passed over in the maximum, as std::max passes it.
 static void quantize_blocks(const float* x, int64_t b0, int64_t b1, int8_t* q, float* d, float* s, float* s16,
-                            int32_t* sum) {
+                            int32_t* sum, int32_t* sum16) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t b = b0; b < b1; ++b) {
@@ -430,6 +430,8 @@ static void quantize_blocks(const float* x, int64_t b0, int64_t b1, int8_t* q, f
     }
     d[b] = scale;
     sum[b] = halves[0] + halves[1];
+    sum16[2 * b] = halves[0];
+    sum16[2 * b + 1] = halves[1];
     s[b] = scale * float(halves[0] + halves[1]);
     s16[2 * b] = scale * float(halves[0]);
     s16[2 * b + 1] = scale * float(halves[1]);
@@ -783,6 +785,94 @@ static void x8_tokens(const uint8_t* group, int64_t nb, const Act& a, int64_t k,
   x8_pass<BASE, 1>(group, nb, a, k, y, stride, t, a.n);
 }
 
+// ---------------------------------------------------------------------------------------------------
+// X8 | Q3_K (see X8 in ggml_kernels.cpp).
+
+// One half block (16 codes of each row: w[k] codes 4k .. 4k + 3 of every lane, 0..7) against one token's
+// activations x, less 4 times their integer sum (sum16), times the lane's scale sc: sc * ((q - 4) . x), exactly. On
+// AVX2 the four maddubs sums gather in int16 (at most 4 * 2 * 7 * 127 = 7112) and each of a lane's two halves gives
+// up 2 * sum16 (at most 2 * 16 * 127 more: 11176 in all), then madd weights both by the scale; on VNNI dpbusd
+// starts from -4 * sum16 and a multiply weights the sum.
+static inline __m256i q3kx8_half(const __m256i* w, const int8_t* x, int32_t sum16, __m256i sc) {
+#ifdef GGML_VNNI
+  __m256i dot = _mm256_set1_epi32(-4 * sum16);
+  for (int k = 0; k < 4; ++k) dot = _mm256_dpbusd_epi32(dot, w[k], broadcast4(x + 4 * k));
+  return _mm256_mullo_epi32(dot, sc);
+#else
+  __m256i sum = _mm256_maddubs_epi16(w[0], broadcast4(x));
+  for (int k = 1; k < 4; ++k) sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(w[k], broadcast4(x + 4 * k)));
+  sum = _mm256_sub_epi16(sum, _mm256_set1_epi16(int16_t(2 * sum16)));
+  return _mm256_madd_epi16(sum, scale_pairs(sc));
+#endif
+}
+
+// Q3_K rows interleaved eight by eight, against NT tokens a pass over a group's superblocks. Per block of 32 its
+// codes are unpacked once for the NT tokens: two loads of low bits (each four codes of every row in each of
+// four bit pairs) and one of high bits, each code's high bit shifted to bit 2. Then per token the two halves'
+// exact integer sums weighted by their scales (q3kx8_half) and one multiply-add for eight rows: the arithmetic
+// x8_rows of the scalar path does row by row.
+template <int NT>
+static void q3kx8_group(const uint8_t* group, int64_t nsb, const int8_t* const* xq, const float* const* xd,
+                        const int32_t* const* xsum16, float* const* out) {
+  const __m256i three = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
+  __m256 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < nsb; ++s) {
+    const uint8_t* p = group + s * 912;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+    for (int64_t j = 0; j < 8; ++j) {
+      const int64_t b = 8 * s + j;
+      const uint8_t* codes = p + 144 + 96 * j;
+      const __m256i l0 = _mm256_loadu_si256((const __m256i*)codes);
+      const __m256i l1 = _mm256_loadu_si256((const __m256i*)(codes + 32));
+      const __m256i h = _mm256_loadu_si256((const __m256i*)(codes + 64));
+      __m256i lo[4], hi[4];
+      for (int k = 0; k < 4; ++k) {
+        // Masked after each shift: bit 2 comes from bit k (2 - k left, or 1 right) or 4 + k (2 + k right) of the
+        // same byte, bits 0, 1 from bits 2k, 2k + 1.
+        const __m256i hl = k < 3 ? _mm256_slli_epi32(h, 2 - k) : _mm256_srli_epi32(h, 1);
+        lo[k] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(l0, 2 * k), three), _mm256_and_si256(hl, four));
+        hi[k] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(l1, 2 * k), three),
+                                _mm256_and_si256(_mm256_srli_epi32(h, 2 + k), four));
+      }
+      const __m256i sc0 = lanes_s8(p + 16 + 16 * j), sc1 = lanes_s8(p + 24 + 16 * j);
+      for (int t = 0; t < NT; ++t) {
+        const int8_t* x = xq[t] + b * 32;
+        const __m256i dot = _mm256_add_epi32(q3kx8_half(lo, x, xsum16[t][2 * b], sc0),
+                                             q3kx8_half(hi, x + 16, xsum16[t][2 * b + 1], sc1));
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_broadcast_ss(xd[t] + b)), acc[t]);
+      }
+    }
+  }
+  for (int t = 0; t < NT; ++t) _mm256_storeu_ps(out[t], acc[t]);
+}
+
+// NT tokens a pass over one Q3_K group, for tokens [t, end).
+template <int NT>
+static int64_t q3kx8_pass(const uint8_t* group, int64_t nb, const Act& a, int64_t k, float* y, int64_t stride,
+                          int64_t t, int64_t end) {
+  for (; t + NT <= end; t += NT) {
+    const int8_t* xq[NT];
+    const float* xd[NT];
+    const int32_t* xsum16[NT];
+    float* out[NT];
+    for (int i = 0; i < NT; ++i) {
+      xq[i] = a.q + (t + i) * k;
+      xd[i] = a.d + (t + i) * nb;
+      xsum16[i] = a.sum16 + (t + i) * 2 * nb;
+      out[i] = y + (t + i) * stride;
+    }
+    q3kx8_group<NT>(group, nb / 8, xq, xd, xsum16, out);
+  }
+  return t;
+}
+
+static void q3kx8_tokens(const uint8_t* group, int64_t nb, const Act& a, int64_t k, float* y, int64_t stride) {
+  int64_t t = q3kx8_pass<4>(group, nb, a, k, y, stride, 0, a.n);
+  t = q3kx8_pass<2>(group, nb, a, k, y, stride, t, a.n);
+  q3kx8_pass<1>(group, nb, a, k, y, stride, t, a.n);
+}
+
 // Groups [g0, g1) of an X8 weight against every token: four tokens a pass while a group's blocks (a few KB)
 // stay in the L1 cache, then two, then one (eight a pass measured slower: the codes and accumulators no longer
 // fit the sixteen registers).
@@ -810,6 +900,8 @@ static void x8_rows(const Job& job, int64_t g0, int64_t g1) {
       x8_tokens<IQ4_NL>(group, nb, a, job.in_features, y, job.out_features);
     else if (base == IQ4_XS)
       x8_tokens<IQ4_XS>(group, nb, a, job.in_features, y, job.out_features);
+    else if (base == Q3_K)
+      q3kx8_tokens(group, nb, a, job.in_features, y, job.out_features);
     else
       x8_tokens<Q8_0>(group, nb, a, job.in_features, y, job.out_features);
   }
