@@ -917,12 +917,14 @@ static void q3kx8_tokens(const uint8_t* group, int64_t nb, const Act& a, int64_t
     q3kx8_pass<1, false>(group, nullptr, nb, a, k, y, stride, t, a.n);
     return;
   }
-  static thread_local std::vector<Q3kBlock> ready;
-  if (ready.size() < size_t(nb)) ready.resize(nb);
+  // Bytes aligned by hand: Q3kBlock is read with aligned loads, and a vector of it was not 32-byte aligned here.
+  static thread_local std::vector<uint8_t> buffer;
+  if (buffer.size() < nb * sizeof(Q3kBlock) + 64) buffer.resize(nb * sizeof(Q3kBlock) + 64);
+  Q3kBlock* ready = reinterpret_cast<Q3kBlock*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t(63));
   for (int64_t b = 0; b < nb; ++b) q3kx8_unpack(group + (b / 8) * 912, b % 8, ready[b]);
-  int64_t t = q3kx8_pass<4, true>(group, ready.data(), nb, a, k, y, stride, 0, a.n);
-  t = q3kx8_pass<2, true>(group, ready.data(), nb, a, k, y, stride, t, a.n);
-  q3kx8_pass<1, true>(group, ready.data(), nb, a, k, y, stride, t, a.n);
+  int64_t t = q3kx8_pass<4, true>(group, ready, nb, a, k, y, stride, 0, a.n);
+  t = q3kx8_pass<2, true>(group, ready, nb, a, k, y, stride, t, a.n);
+  q3kx8_pass<1, true>(group, ready, nb, a, k, y, stride, t, a.n);
 }
 
 // Groups [g0, g1) of an X8 weight against every token: four tokens a pass while a group's blocks (a few KB)
