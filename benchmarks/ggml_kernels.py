@@ -10,7 +10,7 @@ the head, fbgemm's float16 (Fp16Linear). Calls of the modes alternate, each figu
 machine may be shared. --crossover times the integer kernel against de-quantized float tiles with torch's
 matmul for growing numbers of tokens: where the second wins is where rungen_ggml.mm switches. --layouts times
 the file's row-major blocks against the interleaved ones at 1, 4, 16 and 64 tokens: the default model's weights,
-then k-quant and IQ4 weights of a 1.1B llama's shapes (TinyLlama's, as a Q4_K_M/Q5_K_M/IQ4_XS file holds them:
+then k-quant and IQ4 weights of a 1.1B llama's shapes (TinyLlama's, as a Q4_K_M/Q5_K_M/Q3_K_M/IQ4_XS file holds them:
 random blocks with valid scales, as the default model has none; the kernels' speed does not depend on the values).
 """
 
@@ -34,7 +34,7 @@ Q = gguf.GGMLQuantizationType
 # (name, type, rows, inputs): a 1.1B llama's (TinyLlama's) weights in a Q4_K_M file, and Q5_K_M's gate.
 K_SHAPES = (("attn_q", Q.Q4_K, 2048, 2048), ("attn_k", Q.Q4_K, 256, 2048), ("ffn_gate", Q.Q4_K, 5632, 2048),
             ("ffn_gate", Q.Q5_K, 5632, 2048), ("ffn_down", Q.Q6_K, 2048, 5632), ("ffn_gate", Q.IQ4_XS, 5632, 2048),
-            ("ffn_gate", Q.IQ4_NL, 5632, 2048))
+            ("ffn_gate", Q.IQ4_NL, 5632, 2048), ("attn_q", Q.Q3_K, 2048, 2048), ("ffn_gate", Q.Q3_K, 5632, 2048))
 
 
 def random_k_blocks(qtype, rows, in_features, seed=0):
@@ -45,8 +45,8 @@ def random_k_blocks(qtype, rows, in_features, seed=0):
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, (rows, in_features // block, size), dtype=np.uint8)
     scales = (rng.random((rows, in_features // block, 2)) * 1e-3).astype(np.float16).view(np.uint8)
-    if qtype == Q.Q6_K:
-        raw[..., 208:210] = scales[..., :2]
+    if qtype in (Q.Q6_K, Q.Q3_K):  # d alone, at the block's end
+        raw[..., size - 2:size] = scales[..., :2]
     else:
         raw[..., 0:4] = scales
     return torch.from_numpy(raw.reshape(rows, -1))

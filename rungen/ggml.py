@@ -2,7 +2,7 @@
 
 A GGMLLinear holds a weight exactly as a GGUF file stores it: a uint8 tensor of shape
 [out_features, bytes per row], one row of blocks per output channel (a view of the memory-mapped file
-where possible). Nothing is de-quantized ahead of time. Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, Q4_K/Q5_K/Q6_K and
+where possible). Nothing is de-quantized ahead of time. Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, Q3_K/Q4_K/Q5_K/Q6_K and
 IQ4_NL/IQ4_XS weights the native kernels multiply are rearranged once, at load, with their rows interleaved eight
 by eight (`interleave`: the same bytes in another order, [out_features / 8, 8 x bytes per row], the k-quants' and
 IQ4_XS's packed scales unpacked to a byte each: `interleaved_row_bytes`), which the kernels multiply up to two or
@@ -55,12 +55,13 @@ SUPPORTED = (
 INTERLEAVED_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0,
                      GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K,
                      GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K, GGMLQuantizationType.IQ4_NL,
-                     GGMLQuantizationType.IQ4_XS)
+                     GGMLQuantizationType.IQ4_XS, GGMLQuantizationType.Q3_K)
 X8 = 256
 # Bytes of eight rows' superblock interleaved where it differs from eight of the file's: Q4_K/Q5_K's 6-bit
-# scales and mins, IQ4_XS's 6-bit scales, unpacked to a byte each (2.8%, 2.3% and 1.5% more); Q6_K keeps its size.
+# scales and mins, Q3_K's and IQ4_XS's 6-bit scales, unpacked to a byte each (2.8%, 2.3%, 3.6% and 1.5% more);
+# Q6_K keeps its size.
 X8_SUPERBLOCK_BYTES = {GGMLQuantizationType.Q4_K: 1184, GGMLQuantizationType.Q5_K: 1440,
-                       GGMLQuantizationType.IQ4_XS: 1104}
+                       GGMLQuantizationType.Q3_K: 912, GGMLQuantizationType.IQ4_XS: 1104}
 
 
 class GGMLError(ValueError):

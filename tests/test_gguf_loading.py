@@ -363,7 +363,7 @@ def test_corrupt_and_truncated_files_fail_in_one_line(gguf_files, tmp_path, caps
         assert code == 2 and line.startswith(f"run_generation.py: error: {path}")
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q5_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS],
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q5_0, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS],
                          ids=lambda q: q.name)
 def test_interleaved_weights_are_read_a_chunk_at_a_time_into_their_layout(qtype, tmp_path, monkeypatch):
     # The loader reads a weight straight into the kernels' layout, a few MB at a time; chunks that split the

@@ -81,6 +81,15 @@ enum QType : int64_t {
 // (|w| times x with w's sign), or on VNNI offset by 128 (unsigned), less 128 times the activations' integer sum.
 // Per block dot = sc * (values . xq) (IQ4_NL: sc = 1), exact in integers (at most 32 * 32 * 127 * 127 < 2^24),
 // then per row and token acc = fma(float(dot), d * dx, acc), no offsets.
+//
+// X8 | Q3_K (912 bytes, 114 a row: the file's 110 and 4 for the unpacked scales): d[8] (float16), sc[16 halves][8
+// rows] (int8: the 6-bit scale - 32), then per block of 32, 96 bytes: two planes of low bits, 32 bytes each (the
+// first for codes 0..15, the second for 16..31), bits 2k, 2k + 1 of a row's byte i those of code 4k + i (or
+// 16 + 4k + i), then 32 bytes of high bits, a 32-bit word a row: bit k of byte i is the high bit of code 4k + i,
+// bit 4 + k that of code 16 + 4k + i (Q5_K's arrangement). The code is q = low | high << 2 (0..7; the file's
+// "high bit set: no -4"), the weight d * sc * (q - 4). Per block dot = sc0 * ((q - 4) . xq)_0..15 + sc1 * (...)_16..31,
+// the offset taken in integers as 4 times the activations' integer sum of each half (at most
+// 2 * 32 * 16 * 4 * 127 = 520192 < 2^24), then per row and token acc = fma(float(dot), d * dx, acc).
 constexpr int64_t X8 = 256;
 
 int64_t block_elements(int64_t qtype) {
@@ -114,6 +123,7 @@ int64_t x8_bytes(int64_t base) {
     case Q5_K: return 1440;
     case Q6_K: return 1680;
     case IQ4_XS: return 1104;
+    case Q3_K: return 912;
   }
   return 8 * block_bytes(base);
 }
@@ -121,7 +131,7 @@ int64_t x8_bytes(int64_t base) {
 bool x8_kquant(int64_t base) { return base == Q4_K || base == Q5_K || base == Q6_K; }
 
 // The X8 types read a superblock of 256 at a time (kx8_block).
-bool x8_super(int64_t base) { return x8_kquant(base) || base == IQ4_XS; }
+bool x8_super(int64_t base) { return x8_kquant(base) || base == IQ4_XS || base == Q3_K; }
 
 bool interleaved_type(int64_t base) {
   return base == Q4_0 || base == Q4_1 || base == Q5_0 || base == Q5_1 || base == Q8_0 || base == IQ4_NL ||
@@ -129,7 +139,9 @@ bool interleaved_type(int64_t base) {
 }
 
 // Whether an X8 type's blocks have offsets m (acc = fma(m, dx * sum(xq), acc)).
-bool x8_offsets(int64_t base) { return base != Q8_0 && base != Q6_K && base != IQ4_NL && base != IQ4_XS; }
+bool x8_offsets(int64_t base) {
+  return base != Q8_0 && base != Q6_K && base != IQ4_NL && base != IQ4_XS && base != Q3_K;
+}
 
 // The non-linear 4-bit values of IQ4_NL and IQ4_XS (ggml's kvalues_iq4nl).
 constexpr int8_t kvalues_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -137,7 +149,8 @@ constexpr int8_t kvalues_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 
 // The activations of n tokens, quantized per block of 32: codes q [n, K], scale d [n, K/32] (q * d ~ x),
 // s = d * sum(q) per 32 [n, K/32] (what a block's offset multiplies), s16 = d * sum(q) per 16 [n, K/16], and
 // s4: s of each whole group of four tokens, the four side by side [n/4, K/32, 4] (one vector a block), and
-// sum: sum(q) per 32 [n, K/32] in integers.
+// sum: sum(q) per 32 [n, K/32] in integers; for X8 | Q3_K's offsets, sum16: sum(q) per 16 [n, K/16] in integers,
+// and high16: the same sums as (sum16 << 16) + 16384 (where the VNNI kernel starts a half block's sum).
 struct Act {
   int64_t n;
   const int8_t* q;
@@ -146,6 +159,8 @@ struct Act {
   const float* s16;
   const float* s4;
   const int32_t* sum;
+  const int32_t* sum16;
+  const int32_t* high16;
 };
 
 struct Job {
@@ -225,12 +240,25 @@ inline void x8_block(const uint8_t* p, int64_t base, int64_t lane, int32_t* code
 }
 
 // One row's block j (0..7) of a group's superblock p in the X8 k-quant or IQ4_XS layout: its 32 codes (Q4_K/Q5_K
-// unsigned, Q6_K signed: q - 32, IQ4_XS the table's values), the integer scales of its two halves of 16
-// (Q4_K/Q5_K/IQ4_XS: the block's, twice), d and the offset m (-dmin * mn; 0 for Q6_K and IQ4_XS): the weights are
+// unsigned, Q6_K signed: q - 32, Q3_K signed: q - 4, IQ4_XS the table's values), the integer scales of its two halves of 16
+// (Q4_K/Q5_K/IQ4_XS: the block's, twice), d and the offset m (-dmin * mn; 0 for Q6_K, Q3_K and IQ4_XS): the weights are
 // d * sc * code + m.
 inline void kx8_block(const uint8_t* p, int64_t base, int64_t lane, int64_t j, int32_t* codes, int32_t* sc, float& d,
                       float& m) {
   d = half_bits_to_float(p + 2 * lane);
+  if (base == Q3_K) {
+    sc[0] = int8_t(p[16 + 16 * j + lane]);
+    sc[1] = int8_t(p[16 + 16 * j + 8 + lane]);
+    m = 0.f;
+    const uint8_t* low = p + 144 + 96 * j + 4 * lane;
+    const uint8_t* high = p + 144 + 96 * j + 64 + 4 * lane;
+    for (int k = 0; k < 4; ++k)
+      for (int i = 0; i < 4; ++i) {
+        codes[4 * k + i] = (((low[i] >> (2 * k)) & 3) | (((high[i] >> k) & 1) << 2)) - 4;
+        codes[16 + 4 * k + i] = (((low[32 + i] >> (2 * k)) & 3) | (((high[i] >> (4 + k)) & 1) << 2)) - 4;
+      }
+    return;
+  }
   const uint8_t* nib;
   if (base == IQ4_XS) {
     sc[0] = sc[1] = int8_t(p[16 + 8 * j + lane]);
@@ -525,7 +553,7 @@ float dot_krow(const KRow& r, int64_t nb, int kind, bool offsets, const int8_t* 
 
 // Blocks [b0, b1) of activations x quantized: d = max|x| / 127, q = round(x / d) (ties to even), and the sums.
 void quantize_blocks(const float* xp, int64_t b0, int64_t b1, int8_t* q, float* d, float* s, float* s16,
-                     int32_t* sum) {
+                     int32_t* sum, int32_t* sum16, int32_t* high16) {
   for (int64_t b = b0; b < b1; ++b) {
     const float* v = xp + b * 32;
     float amax = 0.f;
@@ -540,6 +568,10 @@ void quantize_blocks(const float* xp, int64_t b0, int64_t b1, int8_t* q, float* 
     }
     d[b] = scale;
     sum[b] = sum0 + sum1;
+    sum16[2 * b] = sum0;
+    sum16[2 * b + 1] = sum1;
+    high16[2 * b] = sum0 * 65536 + 16384;
+    high16[2 * b + 1] = sum1 * 65536 + 16384;
     s[b] = scale * float(sum0 + sum1);
     s16[2 * b] = scale * float(sum0);
     s16[2 * b + 1] = scale * float(sum1);
@@ -661,7 +693,7 @@ int64_t out_rows(const at::Tensor& blocks, int64_t qtype) { return blocks.size(0
 void check_inputs(const at::Tensor& blocks, int64_t qtype, int64_t in_features) {
   TORCH_CHECK(blocks.dtype() == at::kByte && blocks.dim() == 2, "rungen_ggml: blocks must be uint8 [rows, bytes]");
   TORCH_CHECK(!(qtype & X8) || interleaved_type(qtype & ~X8), "rungen_ggml: only Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
-              "Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS rows are interleaved");
+              "Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS rows are interleaved");
   TORCH_CHECK(in_features % block_elements(qtype) == 0, "rungen_ggml: in_features ", in_features,
               " is not a multiple of the block size");
   const int64_t bytes = in_features / block_elements(qtype) * (qtype & X8 ? x8_bytes(qtype & ~X8) : block_bytes(qtype));
@@ -680,8 +712,9 @@ struct QuantizedX {
 const Act& quantize_activations(const float* xp, int64_t n, int64_t k) {
   static thread_local QuantizedX r;
   const int64_t nb = k / 32;
-  // d, s, s16 (2), s4, sum (int32), then the codes, which start on a cache line (64 bytes).
-  const size_t floats = size_t(n * nb * 6) + size_t(n * k + 3) / 4 + 32;
+  // d, s, s16 (2), s4, sum (int32), sum16 and high16 (int32, 2 each), then the codes, which start on a cache line
+  // (64 bytes).
+  const size_t floats = size_t(n * nb * 10) + size_t(n * k + 3) / 4 + 32;
   if (r.buffer.size() < floats) r.buffer.resize(floats);
   const auto line = [](float* p) { return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63)); };
   float* d = r.buffer.data();
@@ -689,15 +722,17 @@ const Act& quantize_activations(const float* xp, int64_t n, int64_t k) {
   float* s16 = s + n * nb;
   float* s4 = s16 + 2 * n * nb;
   int32_t* sum = reinterpret_cast<int32_t*>(s4 + n * nb);
-  int8_t* q = reinterpret_cast<int8_t*>(line(s4 + 2 * n * nb));
+  int32_t* sum16 = sum + n * nb;
+  int32_t* high16 = sum16 + 2 * n * nb;
+  int8_t* q = reinterpret_cast<int8_t*>(line(s4 + 6 * n * nb));
   const auto blocks_fn = current_isa == VNNI ? vnni::quantize_blocks
                         : current_isa == AVX2 ? avx2::quantize_blocks
                                               : scalar::quantize_blocks;
-  at::parallel_for(0, n * nb, 128, [&](int64_t b0, int64_t b1) { blocks_fn(xp, b0, b1, q, d, s, s16, sum); });
+  at::parallel_for(0, n * nb, 128, [&](int64_t b0, int64_t b1) { blocks_fn(xp, b0, b1, q, d, s, s16, sum, sum16, high16); });
   for (int64_t g = 0; g < n / 4; ++g)
     for (int64_t b = 0; b < nb; ++b)
       for (int64_t i = 0; i < 4; ++i) s4[(g * nb + b) * 4 + i] = s[(4 * g + i) * nb + b];
-  r.act = Act{n, q, d, s, s16, s4, sum};
+  r.act = Act{n, q, d, s, s16, s4, sum, sum16, high16};
   return r.act;
 }
 
@@ -1587,13 +1622,43 @@ void interleave_iq4_xs(const uint8_t* src, int64_t pitch, int64_t nsb, int64_t g
   }
 }
 
+// Group g's Q3_K superblocks (pitch bytes apart from src) in the X8 layout at dst (see X8): d as it is, the 6-bit
+// scales unpacked to a signed byte (scale - 32), the codes' low bits and high bits regrouped for the kernels' loads.
+void interleave_q3_k(const uint8_t* src, int64_t pitch, int64_t nsb, int64_t g, uint8_t* dst, KRow& kr) {
+  for (int64_t s = 0; s < nsb; ++s) {
+    uint8_t* o = dst + (g * nsb + s) * x8_bytes(Q3_K);
+    for (int64_t r = 0; r < 8; ++r) {
+      const uint8_t* sb = src + (8 * g + r) * pitch + s * block_bytes(Q3_K);
+      unpack_q3_k(sb, kr, 0);  // codes 0..7 (the high bit at bit 2), sc16 = scale - 32
+      std::memcpy(o + 2 * r, sb + 108, 2);
+      for (int h = 0; h < 16; ++h) o[16 + 8 * h + r] = uint8_t(int8_t(kr.sc16[h]));
+      for (int j = 0; j < 8; ++j) {
+        const uint8_t* c = kr.codes + 32 * j;
+        uint8_t* block = o + 144 + 96 * j;
+        for (int i = 0; i < 4; ++i) {
+          uint8_t first = 0, second = 0, high = 0;
+          for (int k = 0; k < 4; ++k) {
+            const uint8_t lo = c[4 * k + i], hi = c[16 + 4 * k + i];
+            first |= (lo & 3) << (2 * k);
+            second |= (hi & 3) << (2 * k);
+            high |= ((lo >> 2) << k) | ((hi >> 2) << (4 + k));
+          }
+          block[4 * r + i] = first;
+          block[32 + 4 * r + i] = second;
+          block[64 + 4 * r + i] = high;
+        }
+      }
+    }
+  }
+}
+
 // Blocks [rows, row bytes] (rows a multiple of 8; rows may be strided) in the X8 layout [rows / 8, 8 row bytes
 // as X8 holds them]: Q4_0/Q4_1/Q8_0/IQ4_NL the same bytes rearranged, Q5_0/Q5_1 too with their fifth bits regrouped,
 // IQ4_XS with its scales unpacked, the
 // k-quants with their scales unpacked (see X8); into `out` when given (contiguous, that shape).
 at::Tensor interleave(const at::Tensor& blocks, int64_t qtype, const c10::optional<at::Tensor>& out_in) {
-  TORCH_CHECK(interleaved_type(qtype), "rungen_ggml: only Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL "
-              "and IQ4_XS rows are interleaved");
+  TORCH_CHECK(interleaved_type(qtype), "rungen_ggml: only Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, "
+              "IQ4_NL and IQ4_XS rows are interleaved");
   TORCH_CHECK(blocks.dtype() == at::kByte && blocks.dim() == 2 && blocks.stride(1) == 1 && blocks.size(0) % 8 == 0,
               "rungen_ggml: interleave takes uint8 [rows, bytes] with rows a multiple of 8");
   const bool five = qtype == Q5_0 || qtype == Q5_1;
@@ -1611,6 +1676,13 @@ at::Tensor interleave(const at::Tensor& blocks, int64_t qtype, const c10::option
   if (qtype == IQ4_XS) {
     at::parallel_for(0, out.size(0), 1, [&](int64_t g0, int64_t g1) {
       for (int64_t g = g0; g < g1; ++g) interleave_iq4_xs(src, pitch, nb, g, dst);
+    });
+    return out;
+  }
+  if (qtype == Q3_K) {
+    at::parallel_for(0, out.size(0), 1, [&](int64_t g0, int64_t g1) {
+      KRow kr(256);
+      for (int64_t g = g0; g < g1; ++g) interleave_q3_k(src, pitch, nb, g, dst, kr);
     });
     return out;
   }

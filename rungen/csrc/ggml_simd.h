@@ -399,7 +399,7 @@ static void rows(const Job& job, int64_t r0, int64_t r1) {
 // (the maximum of |x| is exact in any order, x * inv is the same product, and the rounding the same: to nearest,
 // ties to even, as nearbyint in the default mode). A NaN is passed over in the maximum, as std::max passes it.
 static void quantize_blocks(const float* x, int64_t b0, int64_t b1, int8_t* q, float* d, float* s, float* s16,
-                            int32_t* sum) {
+                            int32_t* sum, int32_t* sum16, int32_t* high16) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t b = b0; b < b1; ++b) {
@@ -430,6 +430,10 @@ static void quantize_blocks(const float* x, int64_t b0, int64_t b1, int8_t* q, f
     }
     d[b] = scale;
     sum[b] = halves[0] + halves[1];
+    sum16[2 * b] = halves[0];
+    sum16[2 * b + 1] = halves[1];
+    high16[2 * b] = halves[0] * 65536 + 16384;
+    high16[2 * b + 1] = halves[1] * 65536 + 16384;
     s[b] = scale * float(halves[0] + halves[1]);
     s16[2 * b] = scale * float(halves[0]);
     s16[2 * b + 1] = scale * float(halves[1]);
@@ -783,6 +787,146 @@ static void x8_tokens(const uint8_t* group, int64_t nb, const Act& a, int64_t k,
   x8_pass<BASE, 1>(group, nb, a, k, y, stride, t, a.n);
 }
 
+// ---------------------------------------------------------------------------------------------------
+// X8 | Q3_K (see X8 in ggml_kernels.cpp).
+
+// A block of 32 of a group of eight Q3_K rows, unpacked for the kernel: w[k] (k < 4) codes 4k .. 4k + 3 of each
+// row's lane, w[4 + k] codes 16 + 4k .. 16 + 4k + 3 (q = 0..7), and the scales in the form the products take them
+// (see q3kx8_group).
+struct Q3kBlock {
+  __m256i w[8], pair0, pair1, start;
+};
+
+// Block j of a group's superblock p: two loads of low bits (each four codes of every row in each of four bit pairs)
+// and one of high bits, each code's high bit shifted to bit 2.
+static inline void q3kx8_unpack(const uint8_t* p, int64_t j, Q3kBlock& u) {
+  const __m256i three = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
+  const uint8_t* codes = p + 144 + 96 * j;
+  const __m256i l0 = _mm256_loadu_si256((const __m256i*)codes);
+  const __m256i l1 = _mm256_loadu_si256((const __m256i*)(codes + 32));
+  const __m256i h = _mm256_loadu_si256((const __m256i*)(codes + 64));
+  for (int k = 0; k < 4; ++k) {
+    // Masked after each shift: bit 2 comes from bit k (2 - k left, or 1 right) or 4 + k (2 + k right) of the
+    // same byte, bits 0, 1 from bits 2k, 2k + 1.
+    const __m256i hl = _mm256_and_si256(k < 3 ? _mm256_slli_epi32(h, 2 - k) : _mm256_srli_epi32(h, 1), four);
+    const __m256i hh = _mm256_and_si256(_mm256_srli_epi32(h, 2 + k), four);
+    const __m256i ll = k ? _mm256_srli_epi32(l0, 2 * k) : l0, lh = k ? _mm256_srli_epi32(l1, 2 * k) : l1;
+#ifdef GGML_VNNI
+    // (low & 3) | high in one instruction.
+    u.w[k] = _mm256_ternarylogic_epi32(ll, hl, three, 0xEC);
+    u.w[4 + k] = _mm256_ternarylogic_epi32(lh, hh, three, 0xEC);
+#else
+    u.w[k] = _mm256_or_si256(_mm256_and_si256(ll, three), hl);
+    u.w[4 + k] = _mm256_or_si256(_mm256_and_si256(lh, three), hh);
+#endif
+  }
+  const __m256i sc0 = lanes_s8(p + 16 + 16 * j), sc1 = lanes_s8(p + 24 + 16 * j);
+#ifdef GGML_VNNI
+  const __m256i low16 = _mm256_set1_epi32(0xFFFF), zero = _mm256_setzero_si256();
+  u.pair0 = _mm256_or_si256(_mm256_and_si256(sc0, low16), _mm256_slli_epi32(_mm256_sub_epi32(zero, sc0), 18));
+  u.pair1 = _mm256_or_si256(_mm256_and_si256(sc1, low16), _mm256_slli_epi32(_mm256_sub_epi32(zero, sc1), 18));
+  u.start = _mm256_sub_epi32(zero, _mm256_slli_epi32(_mm256_add_epi32(sc0, sc1), 14));
+#else
+  u.pair0 = scale_pairs(sc0);
+  u.pair1 = scale_pairs(sc1);
+#endif
+}
+
+// Q3_K rows interleaved eight by eight, against NT tokens a pass over a group's superblocks, each block's codes
+// unpacked once for the NT tokens (READY: once for all passes, into `ready`, one Q3kBlock a block). Per token and
+// half of 16 the integer sum sc * ((q - 4) . x), exactly, the offset taken as 4 times the activations' integer
+// sum S:
+// - AVX2: the four maddubs sums of a half gather in int16 (at most 4 * 2 * 7 * 127 = 7112), each of a lane's two
+//   int16 halves gives up 2 S (|S| <= 16 * 127: 11176 in all), and madd weights both by the scale.
+// - VNNI: dpbusd sums the half's codes from (S << 16) + 16384 (Act's high16), so that a lane's low int16 holds the
+//   codes' sum plus 16384 (2160..30608: no borrow from the high half, which holds S), and dpwssd multiplies the pair
+//   by (sc, -4 sc): sc (q . x) - 4 sc S + 16384 sc, the last term taken off once a block for all tokens (the
+//   block's dot starts from -16384 (sc0 + sc1)). One instruction weights a half and takes its offset.
+// Then one multiply-add for eight rows: the arithmetic x8_rows of the scalar path does row by row. xsum: the
+// tokens' sum16 (AVX2) or high16 (VNNI).
+template <int NT, bool READY>
+static void q3kx8_group(const uint8_t* group, int64_t nsb, const Q3kBlock* ready, const int8_t* const* xq,
+                        const float* const* xd, const int32_t* const* xsum, float* const* out) {
+  __m256 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < nsb; ++s) {
+    const uint8_t* p = group + s * 912;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+    for (int64_t j = 0; j < 8; ++j) {
+      const int64_t b = 8 * s + j;
+      Q3kBlock local;
+      if (!READY) q3kx8_unpack(p, j, local);
+      const Q3kBlock& u = READY ? ready[b] : local;
+      for (int t = 0; t < NT; ++t) {
+        const int8_t* x = xq[t] + b * 32;
+#ifdef GGML_VNNI
+        __m256i c0 = _mm256_set1_epi32(xsum[t][2 * b]), c1 = _mm256_set1_epi32(xsum[t][2 * b + 1]);
+        for (int k = 0; k < 4; ++k) {
+          c0 = _mm256_dpbusd_epi32(c0, u.w[k], broadcast4(x + 4 * k));
+          c1 = _mm256_dpbusd_epi32(c1, u.w[4 + k], broadcast4(x + 16 + 4 * k));
+        }
+        const __m256i dot = _mm256_dpwssd_epi32(_mm256_dpwssd_epi32(u.start, c0, u.pair0), c1, u.pair1);
+#else
+        __m256i s0 = _mm256_maddubs_epi16(u.w[0], broadcast4(x));
+        __m256i s1 = _mm256_maddubs_epi16(u.w[4], broadcast4(x + 16));
+        for (int k = 1; k < 4; ++k) {
+          s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(u.w[k], broadcast4(x + 4 * k)));
+          s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(u.w[4 + k], broadcast4(x + 16 + 4 * k)));
+        }
+        s0 = _mm256_sub_epi16(s0, _mm256_set1_epi16(int16_t(2 * xsum[t][2 * b])));
+        s1 = _mm256_sub_epi16(s1, _mm256_set1_epi16(int16_t(2 * xsum[t][2 * b + 1])));
+        const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(s0, u.pair0), _mm256_madd_epi16(s1, u.pair1));
+#endif
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_broadcast_ss(xd[t] + b)), acc[t]);
+      }
+    }
+  }
+  for (int t = 0; t < NT; ++t) _mm256_storeu_ps(out[t], acc[t]);
+}
+
+// NT tokens a pass over one Q3_K group, for tokens [t, end).
+template <int NT, bool READY>
+static int64_t q3kx8_pass(const uint8_t* group, const Q3kBlock* ready, int64_t nb, const Act& a, int64_t k, float* y,
+                          int64_t stride, int64_t t, int64_t end) {
+  for (; t + NT <= end; t += NT) {
+    const int8_t* xq[NT];
+    const float* xd[NT];
+    const int32_t* xsum[NT];
+    float* out[NT];
+    for (int i = 0; i < NT; ++i) {
+      xq[i] = a.q + (t + i) * k;
+      xd[i] = a.d + (t + i) * nb;
+#ifdef GGML_VNNI
+      xsum[i] = a.high16 + (t + i) * 2 * nb;
+#else
+      xsum[i] = a.sum16 + (t + i) * 2 * nb;
+#endif
+      out[i] = y + (t + i) * stride;
+    }
+    q3kx8_group<NT, READY>(group, nb / 8, ready, xq, xd, xsum, out);
+  }
+  return t;
+}
+
+// A group against every token. More than one pass of four: the group's blocks unpacked once, into a buffer of the
+// thread's (8 KB for 256 columns) that the passes read, rather than once a pass.
+static void q3kx8_tokens(const uint8_t* group, int64_t nb, const Act& a, int64_t k, float* y, int64_t stride) {
+  if (a.n <= 4) {
+    int64_t t = q3kx8_pass<4, false>(group, nullptr, nb, a, k, y, stride, 0, a.n);
+    t = q3kx8_pass<2, false>(group, nullptr, nb, a, k, y, stride, t, a.n);
+    q3kx8_pass<1, false>(group, nullptr, nb, a, k, y, stride, t, a.n);
+    return;
+  }
+  // Bytes aligned by hand: Q3kBlock is read with aligned loads, and a vector of it was not 32-byte aligned here.
+  static thread_local std::vector<uint8_t> buffer;
+  if (buffer.size() < nb * sizeof(Q3kBlock) + 64) buffer.resize(nb * sizeof(Q3kBlock) + 64);
+  Q3kBlock* ready = reinterpret_cast<Q3kBlock*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t(63));
+  for (int64_t b = 0; b < nb; ++b) q3kx8_unpack(group + (b / 8) * 912, b % 8, ready[b]);
+  int64_t t = q3kx8_pass<4, true>(group, ready, nb, a, k, y, stride, 0, a.n);
+  t = q3kx8_pass<2, true>(group, ready, nb, a, k, y, stride, t, a.n);
+  q3kx8_pass<1, true>(group, ready, nb, a, k, y, stride, t, a.n);
+}
+
 // Groups [g0, g1) of an X8 weight against every token: four tokens a pass while a group's blocks (a few KB)
 // stay in the L1 cache, then two, then one (eight a pass measured slower: the codes and accumulators no longer
 // fit the sixteen registers).
@@ -810,6 +954,8 @@ static void x8_rows(const Job& job, int64_t g0, int64_t g1) {
       x8_tokens<IQ4_NL>(group, nb, a, job.in_features, y, job.out_features);
     else if (base == IQ4_XS)
       x8_tokens<IQ4_XS>(group, nb, a, job.in_features, y, job.out_features);
+    else if (base == Q3_K)
+      q3kx8_tokens(group, nb, a, job.in_features, y, job.out_features);
     else
       x8_tokens<Q8_0>(group, nb, a, job.in_features, y, job.out_features);
   }

@@ -21,7 +21,9 @@ SIMPLE = (T.Q4_1, T.Q8_0, T.Q4_0, T.Q5_0, T.Q5_1)  # the gguf package quantizes 
 # Raw random blocks with sane float16 scales (the gguf package cannot quantize to these).
 RAW = (T.Q4_K, T.Q6_K, T.Q5_K, T.Q2_K, T.Q3_K, T.IQ4_XS, T.IQ4_NL)
 # The k-quants interleaved with their scales unpacked (a few percent larger than the file's blocks).
-KQUANTS = (T.Q4_K, T.Q6_K, T.Q5_K)
+KQUANTS = (T.Q4_K, T.Q6_K, T.Q5_K, T.Q3_K)
+# How much larger than the file's blocks interleaved ones may be: the unpacked scales (Q3_K: 114 bytes a row for 110).
+X8_GROWTH = {T.Q4_K: 1.03, T.Q5_K: 1.03, T.Q6_K: 1.0, T.IQ4_XS: 1.03, T.Q3_K: 1.04}
 # The types the kernels unpack row by row (all but Q4_0, Q4_1 and Q8_0).
 UNPACKED = (T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS)
 # Where a raw block's float16 scales lie: (byte offset, how many: d, or d and dmin).
@@ -232,7 +234,7 @@ def test_interleaved_rows_match_reference_with_the_same_bits_on_every_path_and_a
         assert x8.shape == (rows // 8, ggml.interleaved_row_bytes(qtype, in_features))
         # The k-quants' and IQ4_XS's packed 6-bit scales are unpacked to a byte each: a few percent more than the
         # file's.
-        assert x8.numel() <= blocks.numel() * (1.03 if qtype in KQUANTS + (T.IQ4_XS,) else 1)
+        assert x8.numel() <= blocks.numel() * X8_GROWTH.get(qtype, 1)
         assert torch.equal(ops.dequantize(x8, int(qtype) | ggml.X8, in_features), weight)
         ids = torch.tensor([rows - 1, 0, 3, 3, rows // 2])  # an embedding's lookup reads either layout
         for layout, code in ((blocks, int(qtype)), (x8, int(qtype) | ggml.X8)):
@@ -276,7 +278,7 @@ def test_a_layer_interleaves_in_place_where_the_kernels_take_it():
         plain, layer = GGMLLinear(blocks, qtype, 512), GGMLLinear(blocks, qtype, 512)
         assert layer.interleave() and layer.blocks.shape == (2, ggml.interleaved_row_bytes(qtype, 512))
         torch.testing.assert_close(layer(x), plain(x), rtol=1e-4, atol=1e-4)
-    for qtype in (T.Q4_1, T.Q4_K):
+    for qtype in (T.Q4_1, T.Q4_K, T.Q3_K):
         layer = GGMLLinear(blocks_for(qtype, 12, 256), qtype, 256)
         assert not layer.interleave() and layer.blocks.shape[0] == 12
     with pytest.raises(RuntimeError, match="multiple of 8"):
