@@ -1,7 +1,8 @@
 """Decode (tg) and prompt processing (pp) of any GGUF file, the tool against llama.cpp on the same file, paired.
 
     python -m benchmarks.gguf_files --model FILE [FILE ...] [--repeats 3] [--threads 2] [--tg 128] [--pp 512]
-                                    [--llama-bench LLAMA_CPP/build/bin/llama-bench]
+                                    [--tests tg pp] [--llama-bench LLAMA_CPP/build/bin/llama-bench]
+                                    [--ik-llama-bench IK_LLAMA_CPP/build/bin/llama-bench [--ik-tests pp]]
     python -m benchmarks.gguf_files --write DIR [--families llama qwen3] [--types Q4_K_M Q6_K ...]
 
 Measuring: every file is loaded by the tool as the command line loads it (rungen.loading.load) and run on the
@@ -9,7 +10,12 @@ engine (rungen/engine.py: the loop the command line, the session and the server 
 file through its own llama-bench (--llama-bench BINARY, one run a job) or through llama-cpp-python in a child
 process of a benchmark-only virtualenv (--llama-python, driven line by line; its Python sampling loop costs about a
 millisecond a token, a fifth of a small model's step), so that a round measures both back to back under the same
-load. tg: a short prompt, then `--tg` new tokens greedily (no EOS), tokens per second over the decode steps after
+load. --ik-llama-bench adds ik_llama.cpp's llama-bench (the CPU-focused fork) as a second reference column
+for the tests --ik-tests names (--ik-args passed to it, e.g. "-rtr 1" for its run-time repacking). --isa avx2
+forces the tool's kernels and torch's ops onto their AVX2 code paths (set ATEN_CPU_CAPABILITY=avx2 too), to be
+paired with a llama.cpp built without AVX-512: on an AVX-512 machine a proxy for an AVX2 one (same cores and
+memory, AVX2 code on both sides), not a measurement of one. tg: a short prompt, then `--tg` new tokens greedily
+(no EOS), tokens per second over the decode steps after
 the first token, as llama-bench's tg counts them. pp: `--pp` random token ids (the same ids for both) processed in
 one call, tokens per second to the first token, as llama-bench's pp counts them. Ratios are medians of per-round
 ratios. CPU flags are printed with the figures.
@@ -23,6 +29,7 @@ allow_requantize), as published files are made; and the default model itself req
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -33,6 +40,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from benchmarks.common import cpu_flags  # noqa: E402
 
 BENCH_PYTHON = "/work/bench-venv/bin/python"
+# The reference columns, in the table's order.
+REFERENCES = ("llama.cpp", "ik_llama.cpp")
 
 # Published shapes (config.json of each family's model of about 1-2B parameters); vocabulary: the default model's.
 FAMILIES = {
@@ -85,16 +94,21 @@ class LlamaCpp:
 
 
 class LlamaBench:
-    """llama.cpp's own llama-bench (built from the source llama-cpp-python vendors), one run a job: no Python in
-    its decode loop, the fairer reference for a small model whose step takes a few milliseconds."""
+    """llama.cpp's own llama-bench (built from the source llama-cpp-python vendors), or ik_llama.cpp's, one run a
+    job: no Python in its decode loop, the fairer reference for a small model whose step takes a few
+    milliseconds. extra_args: more llama-bench arguments (ik_llama.cpp's "-rtr 1")."""
 
-    def __init__(self, binary, path, threads):
-        self.binary, self.path, self.threads = binary, path, threads
+    def __init__(self, binary, path, threads, extra_args=()):
+        self.binary, self.path, self.threads, self.extra_args = binary, path, threads, list(extra_args)
 
     def run(self, kind, ids, new_tokens=0):
         sizes = ["-p", str(len(ids)), "-n", "0"] if kind == "pp" else ["-p", "0", "-n", str(new_tokens)]
-        out = subprocess.run([self.binary, "-m", self.path, "-t", str(self.threads), "-r", "1", "-o", "json", *sizes],
-                             capture_output=True, text=True, check=True)
+        command = [self.binary, "-m", self.path, "-t", str(self.threads), "-r", "1", "-o", "json", *self.extra_args,
+                   *sizes]
+        out = subprocess.run(command, capture_output=True, text=True)
+        if out.returncode:
+            last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"{os.path.basename(self.binary)} failed ({out.returncode}): {last}")
         return json.loads(out.stdout)[0]["avg_ts"]
 
     def close(self):
@@ -139,6 +153,8 @@ def has_llama_cpp(python):
 
 
 def measure(path, args):
+    """Per test of args.tests: (test, the tool's median tok/s, {reference: (median tok/s, median ratio)}), a
+    reference only for the tests it ran."""
     import random
 
     import torch
@@ -149,30 +165,41 @@ def measure(path, args):
     rng = random.Random(0)
     pp_ids = [rng.randrange(vocab) for _ in range(args.pp)]
     tg_ids = tool.loaded.tokenizer("The capital of France is")["input_ids"]
-    runners = {"tool": tool}
+    runners = {"tool": (tool, args.tests)}
     if args.llama_bench:
-        runners["llama.cpp"] = LlamaBench(args.llama_bench, path, args.threads)
+        runners["llama.cpp"] = (LlamaBench(args.llama_bench, path, args.threads), args.tests)
     elif has_llama_cpp(args.llama_python):
-        runners["llama.cpp"] = LlamaCpp(args.llama_python, path, args.threads)
+        runners["llama.cpp"] = (LlamaCpp(args.llama_python, path, args.threads), args.tests)
     else:
         print(f"no llama.cpp column: {args.llama_python} cannot import llama_cpp", file=sys.stderr)
+    if args.ik_llama_bench:
+        ik_tests = [kind for kind in args.tests if kind in args.ik_tests]
+        runners["ik_llama.cpp"] = (LlamaBench(args.ik_llama_bench, path, args.threads, shlex.split(args.ik_args)),
+                                   ik_tests)
     jobs = {"tg": lambda r: r.run("tg", tg_ids, args.tg), "pp": lambda r: r.run("pp", pp_ids)}
-    for runner in runners.values():  # warm-up, uncounted
-        runner.run("tg", tg_ids, 8)
-        runner.run("pp", pp_ids[:64])
-    results = {(name, kind): [] for name in runners for kind in jobs}
-    for _ in range(args.repeats):
-        for kind, job in jobs.items():
-            for name, runner in runners.items():
-                results[name, kind].append(job(runner))
-    for runner in runners.values():
-        runner.close()
+    warm_ups = {"tg": lambda r: r.run("tg", tg_ids, 8), "pp": lambda r: r.run("pp", pp_ids[:64])}
+    try:
+        for runner, kinds in runners.values():  # warm-up, uncounted
+            for kind in kinds:
+                warm_ups[kind](runner)
+        results = {(name, kind): [] for name, (_, kinds) in runners.items() for kind in kinds}
+        for _ in range(args.repeats):
+            for kind in args.tests:
+                for name, (runner, kinds) in runners.items():
+                    if kind in kinds:
+                        results[name, kind].append(jobs[kind](runner))
+    finally:
+        for runner, _ in runners.values():
+            runner.close()
     rows = []
-    for kind in jobs:
+    for kind in args.tests:
         tool_speeds = results["tool", kind]
-        ref = results.get(("llama.cpp", kind))
-        ratio = statistics.median(t / r for t, r in zip(tool_speeds, ref)) if ref else None
-        rows.append((kind, statistics.median(tool_speeds), statistics.median(ref) if ref else None, ratio))
+        refs = {}
+        for name in REFERENCES:
+            ref = results.get((name, kind))
+            if ref:
+                refs[name] = (statistics.median(ref), statistics.median(t / r for t, r in zip(tool_speeds, ref)))
+        rows.append((kind, statistics.median(tool_speeds), refs))
     return rows
 
 
@@ -279,6 +306,33 @@ def write(args):
     print("\n".join(written))
 
 
+def fail(message):
+    """Bad input: one line on stderr, exit status 2."""
+    print(message, file=sys.stderr)
+    sys.exit(2)
+
+
+def set_isa(isa):
+    """Force the tool's kernels to `isa`'s code path; torch's own ops must take the same (ATEN_CPU_CAPABILITY,
+    which torch reads when imported, so it has to come from the environment): a comparison of AVX2 code paths
+    with AVX-512 in torch's attention and norms would not be one. Exits 2 with one line when it cannot."""
+    import torch
+
+    from rungen.ggml import native_kernels
+
+    wanted = {"avx2": "AVX2", "scalar": "DEFAULT"}.get(isa)
+    have = torch.backends.cpu.get_cpu_capability()
+    if wanted and have != wanted:
+        fail(f"--isa {isa}: torch's own ops run {have} here; set ATEN_CPU_CAPABILITY={wanted.lower()} in the "
+                 "environment too")
+    if not native_kernels():
+        fail(f"--isa {isa}: the native kernels are not available")
+    try:
+        torch.ops.rungen_ggml.set_isa(isa)
+    except RuntimeError as error:
+        fail(f"--isa {isa}: {str(error).splitlines()[0]}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", nargs="*", default=[], help="GGUF files to measure")
@@ -286,9 +340,16 @@ def main():
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tg", type=int, default=128, help="new tokens of the decode row")
     parser.add_argument("--pp", type=int, default=512, help="prompt tokens of the prompt-processing row")
+    parser.add_argument("--tests", nargs="+", default=["tg", "pp"], choices=["tg", "pp"])
     parser.add_argument("--llama-python", default=BENCH_PYTHON)
     parser.add_argument("--llama-bench", metavar="BINARY", help="llama.cpp's llama-bench as the reference instead of "
                         "llama-cpp-python (whose Python sampling loop costs a small model's decode ~1 ms a token)")
+    parser.add_argument("--ik-llama-bench", metavar="BINARY", help="ik_llama.cpp's llama-bench as a second reference")
+    parser.add_argument("--ik-tests", nargs="+", default=["tg", "pp"], choices=["tg", "pp"],
+                        help="the tests ik_llama.cpp runs (of --tests)")
+    parser.add_argument("--ik-args", default="", help="more arguments for ik_llama.cpp's llama-bench, e.g. '-rtr 1'")
+    parser.add_argument("--isa", choices=("avx512vnni", "avx2", "scalar"), help="the tool's kernel path (default: "
+                        "the best the CPU has); avx2 needs ATEN_CPU_CAPABILITY=avx2 in the environment")
     parser.add_argument("--write", metavar="DIR", help="write the synthetic files into DIR instead")
     parser.add_argument("--families", nargs="*", default=list(FAMILIES), choices=list(FAMILIES))
     parser.add_argument("--types", nargs="*", default=["Q4_K_M", "Q5_K_M", "Q6_K", "Q3_K_M", "IQ4_XS", "Q8_0",
@@ -297,24 +358,38 @@ def main():
     if args.write:
         write(args)
         return
+    for binary in (args.llama_bench, args.ik_llama_bench):
+        if binary and not os.access(binary, os.X_OK):
+            fail(f"{binary}: not an executable file")
+    import torch
+
+    if args.isa:
+        set_isa(args.isa)
+    isa = torch.ops.rungen_ggml.isa() if args.isa else "the CPU's best"
     reference = f"llama-bench ({args.llama_bench})" if args.llama_bench else f"llama-cpp-python ({args.llama_python})"
-    print(f"CPU flags: {cpu_flags()}; {args.threads} threads; tg{args.tg}, pp{args.pp}; median of {args.repeats} "
-          f"paired rounds; llama.cpp: {reference}")
+    if args.ik_llama_bench:
+        reference += f"; ik_llama.cpp: llama-bench ({args.ik_llama_bench}{' ' + args.ik_args if args.ik_args else ''})"
+    print(f"CPU flags: {cpu_flags()}; kernel path {isa}, torch's CPU capability "
+          f"{torch.backends.cpu.get_cpu_capability()}; {args.threads} threads; tg{args.tg}, pp{args.pp}; median of "
+          f"{args.repeats} paired rounds; llama.cpp: {reference}")
     print("")
-    print("| file | test | tool tok/s | llama.cpp tok/s | ratio |")
-    print("| --- | --- | ---: | ---: | ---: |")
+    references = REFERENCES if args.ik_llama_bench else REFERENCES[:1]
+    print("| file | test | tool tok/s | " + " | ".join(f"{name} tok/s | ratio" for name in references) + " |")
+    print("| --- | --- | ---: |" + " ---: | ---: |" * len(references))
     for path in args.model:
         try:
             rows = measure(path, args)
         except Exception as error:  # one file's failure (a refused type) is a row, not the end of the table
-            print(f"| {os.path.basename(path)} | - | {type(error).__name__}: {str(error).splitlines()[0][:80]} | | |",
-                  flush=True)
+            print(f"| {os.path.basename(path)} | - | {type(error).__name__}: {str(error).splitlines()[0][:80]} |"
+                  + " |" * 2 * len(references), flush=True)
             continue
-        for kind, tool, ref, ratio in rows:
-            ref_s = f"{ref:.1f}" if ref else "-"
-            ratio_s = f"{ratio:.2f}x" if ratio else "-"
+        for kind, tool, refs in rows:
+            cells = []
+            for name in references:
+                speed, ratio = refs.get(name, (None, None))
+                cells += [f"{speed:.1f}" if speed else "-", f"{ratio:.2f}x" if ratio else "-"]
             print(f"| {os.path.basename(path)} | {kind}{args.tg if kind == 'tg' else args.pp} | {tool:.1f} | "
-                  f"{ref_s} | {ratio_s} |", flush=True)
+                  + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":
