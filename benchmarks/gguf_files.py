@@ -43,12 +43,25 @@ BENCH_PYTHON = "/work/bench-venv/bin/python"
 # The reference columns, in the table's order.
 REFERENCES = ("llama.cpp", "ik_llama.cpp")
 
-# Published shapes (config.json of each family's model of about 1-2B parameters); vocabulary: the default model's.
+# Published shapes (config.json of each family's model of about 1-4B parameters); vocabulary: the default model's.
 FAMILIES = {
     "llama": dict(arch="llama", layers=22, hidden=2048, ffn=5632, heads=32, kv_heads=4, head_dim=64,
                   rope_base=10000.0, eps=1e-5, tied=False),  # TinyLlama-1.1B
     "qwen3": dict(arch="qwen3", layers=28, hidden=2048, ffn=6144, heads=16, kv_heads=8, head_dim=128,
                   rope_base=1000000.0, eps=1e-6, tied=True, qk_norm=True),  # Qwen3-1.7B
+    # gemma-2-2b: heads of 256 over 2304, every other layer a 4096-token window, soft-capped attention and logits.
+    "gemma2": dict(arch="gemma2", layers=26, hidden=2304, ffn=9216, heads=8, kv_heads=4, head_dim=256,
+                   rope_base=10000.0, eps=1e-6, tied=True, gemma=True, context=8192, sliding_window=4096,
+                   softcapping=(50.0, 30.0)),
+    # gemma-3-1b: one kv head, q/k norms, five layers in six a 512-token window (llama.cpp's and transformers'
+    # pattern, not a key of the file).
+    "gemma3": dict(arch="gemma3", layers=26, hidden=1152, ffn=6912, heads=4, kv_heads=1, head_dim=256,
+                   rope_base=1000000.0, eps=1e-6, tied=True, qk_norm=True, gemma=True, context=32768,
+                   sliding_window=512),
+    # Phi-3-mini-4k (3.8B, the smallest published phi3 model): q/k/v in one attn_qkv, gate and up in one ffn_up,
+    # heads of 96; its sliding_window key (2047) is what llama.cpp's converter writes and both runtimes ignore.
+    "phi3": dict(arch="phi3", layers=32, hidden=3072, ffn=8192, heads=32, kv_heads=32, head_dim=96,
+                 rope_base=10000.0, eps=1e-5, tied=False, fused=True, context=4096, sliding_window=2047),
 }
 # llama.cpp's file types (llama_ftype) by the names its quantizer uses.
 FTYPES = {"Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "Q3_K_M": 12, "IQ4_XS": 30, "Q4_K_S": 14,
@@ -116,6 +129,9 @@ class LlamaBench:
 
 
 class Tool:
+    """The tool on one file: on the engine, or through generate() where the engine refuses the model (sliding-window
+    layers: gemma 2/3), as the command line falls back (rungen.generation.open_engine)."""
+
     def __init__(self, path):
         import torch
 
@@ -123,9 +139,18 @@ class Tool:
         from rungen.loading import load
 
         self.loaded = load(path, device=torch.device("cpu"))
-        self.engine = Engine(self.loaded, max_batch=16, max_queue=16, prefix_cache_bytes=0, eos_ids=())
+        try:
+            self.engine = Engine(self.loaded, max_batch=16, max_queue=16, prefix_cache_bytes=0, eos_ids=())
+            self.how = "engine"
+        except ValueError as error:
+            print(f"{os.path.basename(path)}: through generate(), as the command line runs it ({error})",
+                  file=sys.stderr)
+            self.engine, self.how = None, "generate()"
 
     def _request(self, ids, new_tokens):
+        """(start, first token, end) times of greedy decoding `new_tokens` after `ids`."""
+        if self.engine is None:
+            return self._generate(ids, new_tokens)
         from rungen.engine import Request, Sampling
 
         request = Request(list(ids), new_tokens, Sampling(temperature=0), deltas=False, sink=lambda event: None)
@@ -133,6 +158,22 @@ class Tool:
         self.engine.submit(request)
         self.engine.run_here()
         return start, request.first_token_at, time.perf_counter()
+
+    def _generate(self, ids, new_tokens):
+        import torch
+        from transformers import LogitsProcessorList
+
+        from benchmarks.common import StepClock
+
+        clock = StepClock()  # called as each token is chosen: the first after the prompt's pass
+        inputs = torch.tensor([list(ids)])
+        start = time.perf_counter()
+        with torch.inference_mode():
+            # eos_token_id=None runs all new_tokens, as llama-bench does
+            self.loaded.model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=new_tokens,
+                                       eos_token_id=None, do_sample=False,
+                                       logits_processor=LogitsProcessorList([clock]))
+        return start, clock.stamps[0], time.perf_counter()
 
     def run(self, kind, ids, new_tokens=0):
         if kind == "pp":
@@ -153,8 +194,8 @@ def has_llama_cpp(python):
 
 
 def measure(path, args):
-    """Per test of args.tests: (test, the tool's median tok/s, {reference: (median tok/s, median ratio)}), a
-    reference only for the tests it ran."""
+    """How the tool ran the file ("engine" or "generate()") and per test of args.tests: (test, the tool's median
+    tok/s, {reference: (median tok/s, median ratio)}), a reference only for the tests it ran."""
     import random
 
     import torch
@@ -200,7 +241,7 @@ def measure(path, args):
             if ref:
                 refs[name] = (statistics.median(ref), statistics.median(t / r for t, r in zip(tool_speeds, ref)))
         rows.append((kind, statistics.median(tool_speeds), refs))
-    return rows
+    return tool.how, rows
 
 
 def quantize_with_llama_cpp(source, target, ftype):
@@ -214,7 +255,8 @@ def quantize_with_llama_cpp(source, target, ftype):
 
 def write_family(path, family, qtype_name, tokenizer_source):
     """A model of `family`'s published shape with random weights, every matrix in `qtype_name` (Q4_0 or Q8_0)
-    blocks with valid fp16 scales, norms float32 ones, the head Q6_K as llama.cpp's Q4_0 files have it."""
+    blocks with valid fp16 scales, norms float32 ones, the head Q6_K as llama.cpp's Q4_0 files have it; the keys
+    and tensor names llama.cpp's converter writes for the family."""
     import numpy as np
     from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFWriter
     from gguf import GGMLQuantizationType as Q
@@ -228,17 +270,26 @@ def write_family(path, family, qtype_name, tokenizer_source):
     arch = shape["arch"]
     writer = GGUFWriter(path, arch, use_temp_file=True)
     writer.add_name(f"Random {family}-shaped")
-    writer.add_context_length(4096)
+    writer.add_context_length(shape.get("context", 4096))
     writer.add_embedding_length(shape["hidden"])
     writer.add_block_count(shape["layers"])
     writer.add_feed_forward_length(shape["ffn"])
     writer.add_head_count(shape["heads"])
     writer.add_head_count_kv(shape["kv_heads"])
-    writer.add_key_length(shape["head_dim"])
-    writer.add_value_length(shape["head_dim"])
+    if shape.get("fused"):  # phi3's converter: no key/value length (hidden / heads), the original context
+        writer.add_rope_scaling_orig_ctx_len(shape["context"])
+    else:
+        writer.add_key_length(shape["head_dim"])
+        writer.add_value_length(shape["head_dim"])
     writer.add_layer_norm_rms_eps(shape["eps"])
     writer.add_rope_freq_base(shape["rope_base"])
-    writer.add_rope_dimension_count(shape["head_dim"])
+    if not shape.get("gemma"):  # gemma's converters write no rotary dimension (the whole head)
+        writer.add_rope_dimension_count(shape["head_dim"])
+    if "sliding_window" in shape:
+        writer.add_sliding_window(shape["sliding_window"])
+    if "softcapping" in shape:
+        writer.add_attn_logit_softcapping(shape["softcapping"][0])
+        writer.add_final_logit_softcapping(shape["softcapping"][1])
     writer.add_vocab_size(vocab)
     writer.add_file_type({"Q4_0": 2, "Q8_0": 7}[qtype_name])
     for key, value, vtype, sub_type in fields:
@@ -259,14 +310,21 @@ def write_family(path, family, qtype_name, tokenizer_source):
     small = 0.002 if qtype == Q.Q4_0 else 0.0002
     blocks("token_embd.weight", vocab, hidden, qtype, small * 5)
     for layer in range(shape["layers"]):
-        for norm in ("attn_norm", "ffn_norm"):
+        # (gemma's norms multiply by 1 + weight, which its converter stores: ones here too)
+        norms = ("attn_norm", "ffn_norm") + (("post_attention_norm", "post_ffw_norm") if shape.get("gemma") else ())
+        for norm in norms:
             writer.add_tensor(f"blk.{layer}.{norm}.weight", np.ones(hidden, dtype=np.float32))
         if shape.get("qk_norm"):
             for norm in ("attn_q_norm", "attn_k_norm"):
                 writer.add_tensor(f"blk.{layer}.{norm}.weight", np.ones(hd, dtype=np.float32))
-        for part, rows, cols in (("attn_q", q_rows, hidden), ("attn_k", kv_rows, hidden), ("attn_v", kv_rows, hidden),
-                                 ("attn_output", hidden, q_rows), ("ffn_gate", ffn, hidden),
-                                 ("ffn_up", ffn, hidden), ("ffn_down", hidden, ffn)):
+        if shape.get("fused"):
+            parts = (("attn_qkv", q_rows + 2 * kv_rows, hidden), ("attn_output", hidden, q_rows),
+                     ("ffn_up", 2 * ffn, hidden), ("ffn_down", hidden, ffn))
+        else:
+            parts = (("attn_q", q_rows, hidden), ("attn_k", kv_rows, hidden), ("attn_v", kv_rows, hidden),
+                     ("attn_output", hidden, q_rows), ("ffn_gate", ffn, hidden), ("ffn_up", ffn, hidden),
+                     ("ffn_down", hidden, ffn))
+        for part, rows, cols in parts:
             blocks(f"blk.{layer}.{part}.weight", rows, cols, qtype, small)
     writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
     if not shape["tied"]:
@@ -378,7 +436,7 @@ def main():
     print("| --- | --- | ---: |" + " ---: | ---: |" * len(references))
     for path in args.model:
         try:
-            rows = measure(path, args)
+            how, rows = measure(path, args)
         except Exception as error:  # one file's failure (a refused type) is a row, not the end of the table
             print(f"| {os.path.basename(path)} | - | {type(error).__name__}: {str(error).splitlines()[0][:80]} |"
                   + " |" * 2 * len(references), flush=True)
@@ -388,7 +446,8 @@ def main():
             for name in references:
                 speed, ratio = refs.get(name, (None, None))
                 cells += [f"{speed:.1f}" if speed else "-", f"{ratio:.2f}x" if ratio else "-"]
-            print(f"| {os.path.basename(path)} | {kind}{args.tg if kind == 'tg' else args.pp} | {tool:.1f} | "
+            name = os.path.basename(path) + ("" if how == "engine" else f" ({how})")
+            print(f"| {name} | {kind}{args.tg if kind == 'tg' else args.pp} | {tool:.1f} | "
                   + " | ".join(cells) + " |", flush=True)
 
 
