@@ -269,7 +269,9 @@ def write_family(path, family, qtype_name, tokenizer_source):
     rng = np.random.default_rng(0)
     arch = shape["arch"]
     writer = GGUFWriter(path, arch, use_temp_file=True)
-    writer.add_name(f"Random {family}-shaped")
+    # (no family in the name: llama.cpp gives Phi-3's special tokens their attributes by a "phi3" in it, and fails
+    # on this vocabulary, which lacks them)
+    writer.add_name(f"Random weights, {shape['layers']} layers of {shape['hidden']}")
     writer.add_context_length(shape.get("context", 4096))
     writer.add_embedding_length(shape["hidden"])
     writer.add_block_count(shape["layers"])
