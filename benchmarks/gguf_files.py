@@ -423,9 +423,11 @@ def main():
             fail(f"{binary}: not an executable file")
     import torch
 
+    from rungen.ggml import native_kernels
+
     if args.isa:
         set_isa(args.isa)
-    isa = torch.ops.rungen_ggml.isa() if args.isa else "the CPU's best"
+    isa = torch.ops.rungen_ggml.isa() if native_kernels() else "none (torch's fallback)"
     reference = f"llama-bench ({args.llama_bench})" if args.llama_bench else f"llama-cpp-python ({args.llama_python})"
     if args.ik_llama_bench:
         reference += f"; ik_llama.cpp: llama-bench ({args.ik_llama_bench}{' ' + args.ik_args if args.ik_args else ''})"
