@@ -15,10 +15,11 @@ for the tests --ik-tests names (--ik-args passed to it, e.g. "-rtr 1" for its ru
 forces the tool's kernels and torch's ops onto their AVX2 code paths (set ATEN_CPU_CAPABILITY=avx2 too), to be
 paired with a llama.cpp built without AVX-512: on an AVX-512 machine a proxy for an AVX2 one (same cores and
 memory, AVX2 code on both sides), not a measurement of one. tg: a short prompt, then `--tg` new tokens greedily
-(no EOS), tokens per second over the decode steps after
-the first token, as llama-bench's tg counts them. pp: `--pp` random token ids (the same ids for both) processed in
-one call, tokens per second to the first token, as llama-bench's pp counts them. Ratios are medians of per-round
-ratios. CPU flags are printed with the figures.
+(no EOS), tokens per second over the decode steps after the first token, as llama-bench's tg counts them. pp:
+`--pp` random token ids (the same ids for both) processed in one call, tokens per second to the first token, as
+llama-bench's pp counts them. Ratios are medians of per-round ratios. CPU flags are printed with the figures.
+Models the engine refuses (gemma 2/3's sliding-window layers) run through generate(), as the command line runs
+them, and their rows say so.
 
 Writing: files in published shapes with random weights (the text is meaningless, the memory and time are real),
 the default model's tokenizer as vocabulary: each family in Q4_0 and Q8_0 as the gguf package writes them (random
