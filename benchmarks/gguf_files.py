@@ -1,7 +1,8 @@
 """Decode (tg) and prompt processing (pp) of any GGUF file, the tool against llama.cpp on the same file, paired.
 
     python -m benchmarks.gguf_files --model FILE [FILE ...] [--repeats 3] [--threads 2] [--tg 128] [--pp 512]
-                                    [--llama-bench LLAMA_CPP/build/bin/llama-bench]
+                                    [--tests tg pp] [--llama-bench LLAMA_CPP/build/bin/llama-bench]
+                                    [--ik-llama-bench IK_LLAMA_CPP/build/bin/llama-bench [--ik-tests pp]]
     python -m benchmarks.gguf_files --write DIR [--families llama qwen3] [--types Q4_K_M Q6_K ...]
 
 Measuring: every file is loaded by the tool as the command line loads it (rungen.loading.load) and run on the
@@ -9,10 +10,16 @@ engine (rungen/engine.py: the loop the command line, the session and the server 
 file through its own llama-bench (--llama-bench BINARY, one run a job) or through llama-cpp-python in a child
 process of a benchmark-only virtualenv (--llama-python, driven line by line; its Python sampling loop costs about a
 millisecond a token, a fifth of a small model's step), so that a round measures both back to back under the same
-load. tg: a short prompt, then `--tg` new tokens greedily (no EOS), tokens per second over the decode steps after
-the first token, as llama-bench's tg counts them. pp: `--pp` random token ids (the same ids for both) processed in
-one call, tokens per second to the first token, as llama-bench's pp counts them. Ratios are medians of per-round
-ratios. CPU flags are printed with the figures.
+load. --ik-llama-bench adds ik_llama.cpp's llama-bench (the CPU-focused fork) as a second reference column
+for the tests --ik-tests names (--ik-args passed to it, e.g. "-rtr 1" for its run-time repacking). --isa avx2
+forces the tool's kernels and torch's ops onto their AVX2 code paths (set ATEN_CPU_CAPABILITY=avx2 too), to be
+paired with a llama.cpp built without AVX-512: on an AVX-512 machine a proxy for an AVX2 one (same cores and
+memory, AVX2 code on both sides), not a measurement of one. tg: a short prompt, then `--tg` new tokens greedily
+(no EOS), tokens per second over the decode steps after the first token, as llama-bench's tg counts them. pp:
+`--pp` random token ids (the same ids for both) processed in one call, tokens per second to the first token, as
+llama-bench's pp counts them. Ratios are medians of per-round ratios. CPU flags are printed with the figures.
+Models the engine refuses (gemma 2/3's sliding-window layers) run through generate(), as the command line runs
+them, and their rows say so.
 
 Writing: files in published shapes with random weights (the text is meaningless, the memory and time are real),
 the default model's tokenizer as vocabulary: each family in Q4_0 and Q8_0 as the gguf package writes them (random
@@ -23,6 +30,7 @@ allow_requantize), as published files are made; and the default model itself req
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -33,13 +41,28 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from benchmarks.common import cpu_flags  # noqa: E402
 
 BENCH_PYTHON = "/work/bench-venv/bin/python"
+# The reference columns, in the table's order.
+REFERENCES = ("llama.cpp", "ik_llama.cpp")
 
-# Published shapes (config.json of each family's model of about 1-2B parameters); vocabulary: the default model's.
+# Published shapes (config.json of each family's model of about 1-4B parameters); vocabulary: the default model's.
 FAMILIES = {
     "llama": dict(arch="llama", layers=22, hidden=2048, ffn=5632, heads=32, kv_heads=4, head_dim=64,
                   rope_base=10000.0, eps=1e-5, tied=False),  # TinyLlama-1.1B
     "qwen3": dict(arch="qwen3", layers=28, hidden=2048, ffn=6144, heads=16, kv_heads=8, head_dim=128,
                   rope_base=1000000.0, eps=1e-6, tied=True, qk_norm=True),  # Qwen3-1.7B
+    # gemma-2-2b: heads of 256 over 2304, every other layer a 4096-token window, soft-capped attention and logits.
+    "gemma2": dict(arch="gemma2", layers=26, hidden=2304, ffn=9216, heads=8, kv_heads=4, head_dim=256,
+                   rope_base=10000.0, eps=1e-6, tied=True, gemma=True, context=8192, sliding_window=4096,
+                   softcapping=(50.0, 30.0)),
+    # gemma-3-1b: one kv head, q/k norms, five layers in six a 512-token window (llama.cpp's and transformers'
+    # pattern, not a key of the file).
+    "gemma3": dict(arch="gemma3", layers=26, hidden=1152, ffn=6912, heads=4, kv_heads=1, head_dim=256,
+                   rope_base=1000000.0, eps=1e-6, tied=True, qk_norm=True, gemma=True, context=32768,
+                   sliding_window=512),
+    # Phi-3-mini-4k (3.8B, the smallest published phi3 model): q/k/v in one attn_qkv, gate and up in one ffn_up,
+    # heads of 96; its sliding_window key (2047) is what llama.cpp's converter writes and both runtimes ignore.
+    "phi3": dict(arch="phi3", layers=32, hidden=3072, ffn=8192, heads=32, kv_heads=32, head_dim=96,
+                 rope_base=10000.0, eps=1e-5, tied=False, fused=True, context=4096, sliding_window=2047),
 }
 # llama.cpp's file types (llama_ftype) by the names its quantizer uses.
 FTYPES = {"Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "Q3_K_M": 12, "IQ4_XS": 30, "Q4_K_S": 14,
@@ -85,16 +108,21 @@ class LlamaCpp:
 
 
 class LlamaBench:
-    """llama.cpp's own llama-bench (built from the source llama-cpp-python vendors), one run a job: no Python in
-    its decode loop, the fairer reference for a small model whose step takes a few milliseconds."""
+    """llama.cpp's own llama-bench (built from the source llama-cpp-python vendors), or ik_llama.cpp's, one run a
+    job: no Python in its decode loop, the fairer reference for a small model whose step takes a few
+    milliseconds. extra_args: more llama-bench arguments (ik_llama.cpp's "-rtr 1")."""
 
-    def __init__(self, binary, path, threads):
-        self.binary, self.path, self.threads = binary, path, threads
+    def __init__(self, binary, path, threads, extra_args=()):
+        self.binary, self.path, self.threads, self.extra_args = binary, path, threads, list(extra_args)
 
     def run(self, kind, ids, new_tokens=0):
         sizes = ["-p", str(len(ids)), "-n", "0"] if kind == "pp" else ["-p", "0", "-n", str(new_tokens)]
-        out = subprocess.run([self.binary, "-m", self.path, "-t", str(self.threads), "-r", "1", "-o", "json", *sizes],
-                             capture_output=True, text=True, check=True)
+        command = [self.binary, "-m", self.path, "-t", str(self.threads), "-r", "1", "-o", "json", *self.extra_args,
+                   *sizes]
+        out = subprocess.run(command, capture_output=True, text=True)
+        if out.returncode:
+            last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"{os.path.basename(self.binary)} failed ({out.returncode}): {last}")
         return json.loads(out.stdout)[0]["avg_ts"]
 
     def close(self):
@@ -102,6 +130,9 @@ class LlamaBench:
 
 
 class Tool:
+    """The tool on one file: on the engine, or through generate() where the engine refuses the model (sliding-window
+    layers: gemma 2/3), as the command line falls back (rungen.generation.open_engine)."""
+
     def __init__(self, path):
         import torch
 
@@ -109,9 +140,18 @@ class Tool:
         from rungen.loading import load
 
         self.loaded = load(path, device=torch.device("cpu"))
-        self.engine = Engine(self.loaded, max_batch=16, max_queue=16, prefix_cache_bytes=0, eos_ids=())
+        try:
+            self.engine = Engine(self.loaded, max_batch=16, max_queue=16, prefix_cache_bytes=0, eos_ids=())
+            self.how = "engine"
+        except ValueError as error:
+            print(f"{os.path.basename(path)}: through generate(), as the command line runs it ({error})",
+                  file=sys.stderr)
+            self.engine, self.how = None, "generate()"
 
     def _request(self, ids, new_tokens):
+        """(start, first token, end) times of greedy decoding `new_tokens` after `ids`."""
+        if self.engine is None:
+            return self._generate(ids, new_tokens)
         from rungen.engine import Request, Sampling
 
         request = Request(list(ids), new_tokens, Sampling(temperature=0), deltas=False, sink=lambda event: None)
@@ -119,6 +159,22 @@ class Tool:
         self.engine.submit(request)
         self.engine.run_here()
         return start, request.first_token_at, time.perf_counter()
+
+    def _generate(self, ids, new_tokens):
+        import torch
+        from transformers import LogitsProcessorList
+
+        from benchmarks.common import StepClock
+
+        clock = StepClock()  # called as each token is chosen: the first after the prompt's pass
+        inputs = torch.tensor([list(ids)])
+        start = time.perf_counter()
+        with torch.inference_mode():
+            # eos_token_id=None runs all new_tokens, as llama-bench does
+            self.loaded.model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=new_tokens,
+                                       eos_token_id=None, do_sample=False,
+                                       logits_processor=LogitsProcessorList([clock]))
+        return start, clock.stamps[0], time.perf_counter()
 
     def run(self, kind, ids, new_tokens=0):
         if kind == "pp":
@@ -139,6 +195,8 @@ def has_llama_cpp(python):
 
 
 def measure(path, args):
+    """How the tool ran the file ("engine" or "generate()") and per test of args.tests: (test, the tool's median
+    tok/s, {reference: (median tok/s, median ratio)}), a reference only for the tests it ran."""
     import random
 
     import torch
@@ -149,31 +207,42 @@ def measure(path, args):
     rng = random.Random(0)
     pp_ids = [rng.randrange(vocab) for _ in range(args.pp)]
     tg_ids = tool.loaded.tokenizer("The capital of France is")["input_ids"]
-    runners = {"tool": tool}
+    runners = {"tool": (tool, args.tests)}
     if args.llama_bench:
-        runners["llama.cpp"] = LlamaBench(args.llama_bench, path, args.threads)
+        runners["llama.cpp"] = (LlamaBench(args.llama_bench, path, args.threads), args.tests)
     elif has_llama_cpp(args.llama_python):
-        runners["llama.cpp"] = LlamaCpp(args.llama_python, path, args.threads)
+        runners["llama.cpp"] = (LlamaCpp(args.llama_python, path, args.threads), args.tests)
     else:
         print(f"no llama.cpp column: {args.llama_python} cannot import llama_cpp", file=sys.stderr)
+    if args.ik_llama_bench:
+        ik_tests = [kind for kind in args.tests if kind in args.ik_tests]
+        runners["ik_llama.cpp"] = (LlamaBench(args.ik_llama_bench, path, args.threads, shlex.split(args.ik_args)),
+                                   ik_tests)
     jobs = {"tg": lambda r: r.run("tg", tg_ids, args.tg), "pp": lambda r: r.run("pp", pp_ids)}
-    for runner in runners.values():  # warm-up, uncounted
-        runner.run("tg", tg_ids, 8)
-        runner.run("pp", pp_ids[:64])
-    results = {(name, kind): [] for name in runners for kind in jobs}
-    for _ in range(args.repeats):
-        for kind, job in jobs.items():
-            for name, runner in runners.items():
-                results[name, kind].append(job(runner))
-    for runner in runners.values():
-        runner.close()
+    warm_ups = {"tg": lambda r: r.run("tg", tg_ids, 8), "pp": lambda r: r.run("pp", pp_ids[:64])}
+    try:
+        for runner, kinds in runners.values():  # warm-up, uncounted
+            for kind in kinds:
+                warm_ups[kind](runner)
+        results = {(name, kind): [] for name, (_, kinds) in runners.items() for kind in kinds}
+        for _ in range(args.repeats):
+            for kind in args.tests:
+                for name, (runner, kinds) in runners.items():
+                    if kind in kinds:
+                        results[name, kind].append(jobs[kind](runner))
+    finally:
+        for runner, _ in runners.values():
+            runner.close()
     rows = []
-    for kind in jobs:
+    for kind in args.tests:
         tool_speeds = results["tool", kind]
-        ref = results.get(("llama.cpp", kind))
-        ratio = statistics.median(t / r for t, r in zip(tool_speeds, ref)) if ref else None
-        rows.append((kind, statistics.median(tool_speeds), statistics.median(ref) if ref else None, ratio))
-    return rows
+        refs = {}
+        for name in REFERENCES:
+            ref = results.get((name, kind))
+            if ref:
+                refs[name] = (statistics.median(ref), statistics.median(t / r for t, r in zip(tool_speeds, ref)))
+        rows.append((kind, statistics.median(tool_speeds), refs))
+    return tool.how, rows
 
 
 def quantize_with_llama_cpp(source, target, ftype):
@@ -187,7 +256,8 @@ def quantize_with_llama_cpp(source, target, ftype):
 
 def write_family(path, family, qtype_name, tokenizer_source):
     """A model of `family`'s published shape with random weights, every matrix in `qtype_name` (Q4_0 or Q8_0)
-    blocks with valid fp16 scales, norms float32 ones, the head Q6_K as llama.cpp's Q4_0 files have it."""
+    blocks with valid fp16 scales, norms float32 ones, the head Q6_K as llama.cpp's Q4_0 files have it; the keys
+    and tensor names llama.cpp's converter writes for the family."""
     import numpy as np
     from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFWriter
     from gguf import GGMLQuantizationType as Q
@@ -200,18 +270,29 @@ def write_family(path, family, qtype_name, tokenizer_source):
     rng = np.random.default_rng(0)
     arch = shape["arch"]
     writer = GGUFWriter(path, arch, use_temp_file=True)
-    writer.add_name(f"Random {family}-shaped")
-    writer.add_context_length(4096)
+    # (no family in the name: llama.cpp gives Phi-3's special tokens their attributes by a "phi3" in it, and fails
+    # on this vocabulary, which lacks them)
+    writer.add_name(f"Random weights, {shape['layers']} layers of {shape['hidden']}")
+    writer.add_context_length(shape.get("context", 4096))
     writer.add_embedding_length(shape["hidden"])
     writer.add_block_count(shape["layers"])
     writer.add_feed_forward_length(shape["ffn"])
     writer.add_head_count(shape["heads"])
     writer.add_head_count_kv(shape["kv_heads"])
-    writer.add_key_length(shape["head_dim"])
-    writer.add_value_length(shape["head_dim"])
+    if shape.get("fused"):  # phi3's converter: no key/value length (hidden / heads), the original context
+        writer.add_rope_scaling_orig_ctx_len(shape["context"])
+    else:
+        writer.add_key_length(shape["head_dim"])
+        writer.add_value_length(shape["head_dim"])
     writer.add_layer_norm_rms_eps(shape["eps"])
     writer.add_rope_freq_base(shape["rope_base"])
-    writer.add_rope_dimension_count(shape["head_dim"])
+    if not shape.get("gemma"):  # gemma's converters write no rotary dimension (the whole head)
+        writer.add_rope_dimension_count(shape["head_dim"])
+    if "sliding_window" in shape:
+        writer.add_sliding_window(shape["sliding_window"])
+    if "softcapping" in shape:
+        writer.add_attn_logit_softcapping(shape["softcapping"][0])
+        writer.add_final_logit_softcapping(shape["softcapping"][1])
     writer.add_vocab_size(vocab)
     writer.add_file_type({"Q4_0": 2, "Q8_0": 7}[qtype_name])
     for key, value, vtype, sub_type in fields:
@@ -232,14 +313,21 @@ def write_family(path, family, qtype_name, tokenizer_source):
     small = 0.002 if qtype == Q.Q4_0 else 0.0002
     blocks("token_embd.weight", vocab, hidden, qtype, small * 5)
     for layer in range(shape["layers"]):
-        for norm in ("attn_norm", "ffn_norm"):
+        # (gemma's norms multiply by 1 + weight, which its converter stores: ones here too)
+        norms = ("attn_norm", "ffn_norm") + (("post_attention_norm", "post_ffw_norm") if shape.get("gemma") else ())
+        for norm in norms:
             writer.add_tensor(f"blk.{layer}.{norm}.weight", np.ones(hidden, dtype=np.float32))
         if shape.get("qk_norm"):
             for norm in ("attn_q_norm", "attn_k_norm"):
                 writer.add_tensor(f"blk.{layer}.{norm}.weight", np.ones(hd, dtype=np.float32))
-        for part, rows, cols in (("attn_q", q_rows, hidden), ("attn_k", kv_rows, hidden), ("attn_v", kv_rows, hidden),
-                                 ("attn_output", hidden, q_rows), ("ffn_gate", ffn, hidden),
-                                 ("ffn_up", ffn, hidden), ("ffn_down", hidden, ffn)):
+        if shape.get("fused"):
+            parts = (("attn_qkv", q_rows + 2 * kv_rows, hidden), ("attn_output", hidden, q_rows),
+                     ("ffn_up", 2 * ffn, hidden), ("ffn_down", hidden, ffn))
+        else:
+            parts = (("attn_q", q_rows, hidden), ("attn_k", kv_rows, hidden), ("attn_v", kv_rows, hidden),
+                     ("attn_output", hidden, q_rows), ("ffn_gate", ffn, hidden), ("ffn_up", ffn, hidden),
+                     ("ffn_down", hidden, ffn))
+        for part, rows, cols in parts:
             blocks(f"blk.{layer}.{part}.weight", rows, cols, qtype, small)
     writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
     if not shape["tied"]:
@@ -279,6 +367,33 @@ def write(args):
     print("\n".join(written))
 
 
+def fail(message):
+    """Bad input: one line on stderr, exit status 2."""
+    print(message, file=sys.stderr)
+    sys.exit(2)
+
+
+def set_isa(isa):
+    """Force the tool's kernels to `isa`'s code path; torch's own ops must take the same (ATEN_CPU_CAPABILITY,
+    which torch reads when imported, so it has to come from the environment): a comparison of AVX2 code paths
+    with AVX-512 in torch's attention and norms would not be one. Exits 2 with one line when it cannot."""
+    import torch
+
+    from rungen.ggml import native_kernels
+
+    wanted = {"avx2": "AVX2", "scalar": "DEFAULT"}.get(isa)
+    have = torch.backends.cpu.get_cpu_capability()
+    if wanted and have != wanted:
+        fail(f"--isa {isa}: torch's own ops run {have} here; set ATEN_CPU_CAPABILITY={wanted.lower()} in the "
+                 "environment too")
+    if not native_kernels():
+        fail(f"--isa {isa}: the native kernels are not available")
+    try:
+        torch.ops.rungen_ggml.set_isa(isa)
+    except RuntimeError as error:
+        fail(f"--isa {isa}: {str(error).splitlines()[0]}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", nargs="*", default=[], help="GGUF files to measure")
@@ -286,9 +401,16 @@ def main():
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tg", type=int, default=128, help="new tokens of the decode row")
     parser.add_argument("--pp", type=int, default=512, help="prompt tokens of the prompt-processing row")
+    parser.add_argument("--tests", nargs="+", default=["tg", "pp"], choices=["tg", "pp"])
     parser.add_argument("--llama-python", default=BENCH_PYTHON)
     parser.add_argument("--llama-bench", metavar="BINARY", help="llama.cpp's llama-bench as the reference instead of "
                         "llama-cpp-python (whose Python sampling loop costs a small model's decode ~1 ms a token)")
+    parser.add_argument("--ik-llama-bench", metavar="BINARY", help="ik_llama.cpp's llama-bench as a second reference")
+    parser.add_argument("--ik-tests", nargs="+", default=["tg", "pp"], choices=["tg", "pp"],
+                        help="the tests ik_llama.cpp runs (of --tests)")
+    parser.add_argument("--ik-args", default="", help="more arguments for ik_llama.cpp's llama-bench, e.g. '-rtr 1'")
+    parser.add_argument("--isa", choices=("avx512vnni", "avx2", "scalar"), help="the tool's kernel path (default: "
+                        "the best the CPU has); avx2 needs ATEN_CPU_CAPABILITY=avx2 in the environment")
     parser.add_argument("--write", metavar="DIR", help="write the synthetic files into DIR instead")
     parser.add_argument("--families", nargs="*", default=list(FAMILIES), choices=list(FAMILIES))
     parser.add_argument("--types", nargs="*", default=["Q4_K_M", "Q5_K_M", "Q6_K", "Q3_K_M", "IQ4_XS", "Q8_0",
@@ -297,24 +419,41 @@ def main():
     if args.write:
         write(args)
         return
+    for binary in (args.llama_bench, args.ik_llama_bench):
+        if binary and not os.access(binary, os.X_OK):
+            fail(f"{binary}: not an executable file")
+    import torch
+
+    from rungen.ggml import native_kernels
+
+    if args.isa:
+        set_isa(args.isa)
+    isa = torch.ops.rungen_ggml.isa() if native_kernels() else "none (torch's fallback)"
     reference = f"llama-bench ({args.llama_bench})" if args.llama_bench else f"llama-cpp-python ({args.llama_python})"
-    print(f"CPU flags: {cpu_flags()}; {args.threads} threads; tg{args.tg}, pp{args.pp}; median of {args.repeats} "
-          f"paired rounds; llama.cpp: {reference}")
+    if args.ik_llama_bench:
+        reference += f"; ik_llama.cpp: llama-bench ({args.ik_llama_bench}{' ' + args.ik_args if args.ik_args else ''})"
+    print(f"CPU flags: {cpu_flags()}; kernel path {isa}, torch's CPU capability "
+          f"{torch.backends.cpu.get_cpu_capability()}; {args.threads} threads; tg{args.tg}, pp{args.pp}; median of "
+          f"{args.repeats} paired rounds; llama.cpp: {reference}")
     print("")
-    print("| file | test | tool tok/s | llama.cpp tok/s | ratio |")
-    print("| --- | --- | ---: | ---: | ---: |")
+    references = REFERENCES if args.ik_llama_bench else REFERENCES[:1]
+    print("| file | test | tool tok/s | " + " | ".join(f"{name} tok/s | ratio" for name in references) + " |")
+    print("| --- | --- | ---: |" + " ---: | ---: |" * len(references))
     for path in args.model:
         try:
-            rows = measure(path, args)
+            how, rows = measure(path, args)
         except Exception as error:  # one file's failure (a refused type) is a row, not the end of the table
-            print(f"| {os.path.basename(path)} | - | {type(error).__name__}: {str(error).splitlines()[0][:80]} | | |",
-                  flush=True)
+            print(f"| {os.path.basename(path)} | - | {type(error).__name__}: {str(error).splitlines()[0][:80]} |"
+                  + " |" * 2 * len(references), flush=True)
             continue
-        for kind, tool, ref, ratio in rows:
-            ref_s = f"{ref:.1f}" if ref else "-"
-            ratio_s = f"{ratio:.2f}x" if ratio else "-"
-            print(f"| {os.path.basename(path)} | {kind}{args.tg if kind == 'tg' else args.pp} | {tool:.1f} | "
-                  f"{ref_s} | {ratio_s} |", flush=True)
+        for kind, tool, refs in rows:
+            cells = []
+            for name in references:
+                speed, ratio = refs.get(name, (None, None))
+                cells += [f"{speed:.1f}" if speed else "-", f"{ratio:.2f}x" if ratio else "-"]
+            name = os.path.basename(path) + ("" if how == "engine" else f" ({how})")
+            print(f"| {name} | {kind}{args.tg if kind == 'tg' else args.pp} | {tool:.1f} | "
+                  + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":
