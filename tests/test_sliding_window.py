@@ -86,6 +86,15 @@ def test_the_window_decides_these_tokens(models, monkeypatch):
         assert engine_batch(loaded, prompts) != windowed
 
 
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "mistral"])
+def test_the_command_line_decodes_them_on_the_engine(models, name):
+    """Piped prompts and a session's turns go to the engine, not to generate() a batch at a time."""
+    from rungen.engine import open_engine
+    from rungen.generation import Settings
+
+    assert isinstance(open_engine(models[name], Settings(temperature=0), batch_size=4), Engine)
+
+
 def test_every_layer_holds_every_position_and_bytes_per_token_count_them(models):
     """The local layers keep the whole context: the cache bound (max_cache_tokens) counts them as full layers."""
     loaded = models["gemma3"]
