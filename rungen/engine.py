@@ -12,7 +12,8 @@ ends (EOS, max_tokens, a stop string, its grammar, a cancelled request) leaves t
 and the columns no row needs any more are trimmed.
 
 The cache is transformers' DynamicCache (rungen/kvcache.py: growing in place where the model's attention
-reads it so) holding [batch, kv_heads, length, head_dim] per layer; an
+reads it so; a sliding-window layer holds every position too, its mask applying the window) holding
+[batch, kv_heads, length, head_dim] per layer; an
 attention mask and per-row position ids hide the padding, so each row computes what it would alone (the
 same layout generate() uses for a left-padded batch). Memory: a request is admitted only while
 rows x the longest (prompt + max_tokens) of the batch fits in `max_cache_tokens`, so the cache never holds
@@ -34,7 +35,6 @@ import threading
 import time
 
 import torch
-from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from . import logger
@@ -339,12 +339,12 @@ class Engine:
     def measure_bytes_per_token(self):
         """Bytes of keys/values one token position takes, measured on a one-token forward pass."""
         token = self.tokenizer.bos_token_id if self.tokenizer.bos_token_id is not None else 0
-        cache = DynamicCache(config=self.model.config)
-        if any(type(layer) is not DynamicLayer for layer in cache.layers):
-            # A sliding-window, chunked or recurrent layer keeps other state than all keys/values, which the
-            # batch's left-padded merge and trim do not know how to move.
-            raise ValueError(f"{self.loaded.model_type} has layers other than full attention (sliding window, "
-                             "chunked or recurrent), which a padded batch cannot hold")
+        cache = new_cache(self.model)  # sliding-window layers hold every position: the mask applies the window
+        if any(type(layer) not in (DynamicLayer, GrowingLayer) for layer in cache.layers):
+            # A chunked or recurrent layer keeps other state than all keys/values, which the batch's left-padded
+            # merge and trim do not know how to move (and a chunk's bounds would move with the padding).
+            raise ValueError(f"{self.loaded.model_type} has chunked-attention or recurrent layers, which a padded "
+                             "batch cannot hold")
         with torch.inference_mode():
             self.model(input_ids=torch.tensor([[token]], device=self.device), past_key_values=cache, use_cache=True)
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers_of(cache))

@@ -12,13 +12,21 @@ Memory: the room is a quarter of the length, at least MIN_ROOM and at most MAX_R
 The views are strided along the sequence; the native attention (rungen_ggml.attend) reads them in place, so
 only models that say so (`cache_grows_in_place`, set where rungen/decoder.py fuses their layers) get this
 cache from new_cache; their forward also moves a cache generate() made into GrowingLayers.
+
+Sliding-window layers (gemma 2/3's local layers, mistral's or qwen2's with a window) get full-attention layers
+from new_cache too: they keep every position, and the attention mask applies the window. transformers builds
+each layer type's mask from config.sliding_window and the cache's sizes, so a sliding layer attends to the same
+keys whether its cache holds the window or everything, and every layer of the cache is then one
+[batch, heads, length, dim] pair that the engine can left-pad, merge, select rows of and trim (a
+DynamicSlidingWindowLayer drops what leaves its window, so its length is not the batch's). The cost is memory:
+the local layers hold the whole context (docs/server.md).
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs
 
 MIN_ROOM, MAX_ROOM = 32, 512  # positions a row
 
@@ -84,12 +92,15 @@ class GrowingLayer(DynamicLayer):
 
 def new_cache(model: torch.nn.Module, layers=None, buffers=None) -> DynamicCache:
     """A DynamicCache for `model` (filled with `layers`, [(keys, values)] per layer, when given): its
-    full-attention layers GrowingLayers when the model reads them in place (`cache_grows_in_place`), else
-    transformers' own. `buffers` [(keys, values)] per layer, whose starts hold `layers`: a growing cache takes
-    them over instead of copying (the caller gives them up)."""
+    full-attention and sliding-window layers full-attention ones (the mask applies a window), GrowingLayers when
+    the model reads them in place (`cache_grows_in_place`), else transformers' own; chunked or recurrent layers
+    stay as transformers makes them. `buffers` [(keys, values)] per layer, whose starts hold `layers`: a growing
+    cache takes them over instead of copying (the caller gives them up)."""
     cache = DynamicCache(config=model.config)
-    if getattr(model, "cache_grows_in_place", False):
-        cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    kinds, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
+    full = GrowingLayer if getattr(model, "cache_grows_in_place", False) else DynamicLayer
+    cache.layers = [full() if type(layer) is DynamicLayer or kind == "sliding_attention" else layer
+                    for layer, kind in zip(cache.layers, kinds, strict=True)]
     if buffers is not None and len(buffers) == len(cache.layers) and all(
             type(layer) is GrowingLayer for layer in cache.layers):
         length = layers[0][0].shape[-2]

@@ -39,7 +39,7 @@ from rungen.kvcache import GrowingLayer, new_cache
 
 HIDDEN, FFN, HEADS, KV_HEADS = 128, 256, 4, 2
 KINDS = ("llama", "qwen2", "qwen3", "phi3")  # with the one-call stack
-GEMMAS = ("gemma2", "gemma3")  # fused layer by layer: their sliding-window layers attend through transformers
+GEMMAS = ("gemma2", "gemma3")  # fused layer by layer: gemma2's soft-capped layers attend through transformers
 CLASSES = {"llama": (LlamaConfig, LlamaDecoderLayer, LlamaForCausalLM, LlamaRotaryEmbedding),
            "qwen2": (Qwen2Config, Qwen2DecoderLayer, Qwen2ForCausalLM, Qwen2RotaryEmbedding),
            "qwen3": (Qwen3Config, Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3RotaryEmbedding),
@@ -400,7 +400,7 @@ def test_the_stack_without_padding_gives_the_layers_bits_for_a_prompt_and_for_th
 @pytest.mark.parametrize("kind", GEMMAS)
 def test_a_gemma_model_runs_every_layer_fused_and_computes_transformers_logits(kind, native, monkeypatch):
     """Six layers (gemma3: five sliding, one global, each with its rope base): every one fused, none in a one-call
-    stack (the sliding ones attend through transformers), the logits of transformers' own layers over the same
+    stack (their layers differ from llama's beyond its two calls), the logits of transformers' own layers over the same
     blocks, for a left-padded prompt and two steps."""
     if native and not ggml.native_kernels():
         pytest.skip("the native kernels are not available here")

@@ -1,0 +1,126 @@
+"""Models whose layers attend in a sliding window (gemma2's every other layer, gemma3's five in six, mistral's
+every layer when its config has a window) decode on the engine: its cache keeps every position of those layers
+and the attention mask applies the window (rungen/kvcache.py), so the greedy tokens of a left-padded batch are
+those generate() gives each prompt alone over transformers' own window cache (DynamicSlidingWindowLayer, which
+drops what leaves the window). Prompts are longer than the window (4 positions here), and every row decodes past
+it (a prompt shorter than the window crosses it while it decodes). The gemma files are GGUF (their layers fused,
+rungen/decoder.py); mistral is a safetensors checkpoint."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from rungen.engine import Engine, Request, Sampling
+from rungen.loading import default_model_file, load
+from tiny_models import build_tiny_checkpoint, default_tokenizer_fields, write_family_gguf
+
+WINDOW = 4  # tiny_models' gemma files; the mistral checkpoint is given the same
+PROMPTS = ["The capital of France is Paris and the capital of Germany is", "Hello, my dog",
+           "Once upon a time there was a little girl"]
+NEW_TOKENS = 12
+
+pytestmark = pytest.mark.usefixtures("module_cache_home")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """{name: Loaded} of a gemma2 and a gemma3 GGUF file (gemma3: five sliding layers, one global) and a mistral
+    checkpoint with a sliding window."""
+    folder = tmp_path_factory.mktemp("sliding")
+    fields = default_tokenizer_fields(default_model_file(), 2048)
+    paths = {"gemma2": write_family_gguf(folder / "gemma2.gguf", "gemma2", fields),
+             "gemma3": write_family_gguf(folder / "gemma3.gguf", "gemma3", fields, layers=6)}
+    mistral = build_tiny_checkpoint("mistral", str(folder / "mistral"))
+    with open(os.path.join(mistral, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(mistral, "config.json"), "w") as f:
+        json.dump(dict(config, sliding_window=WINDOW), f)
+    paths["mistral"] = mistral
+    return {name: load(str(path), device=torch.device("cpu")) for name, path in paths.items()}
+
+
+def generate_alone(model, ids):
+    """generate()'s greedy tokens for one prompt, no padding, transformers' own cache (window layers included)."""
+    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                         do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=None,
+                         pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def engine_batch(loaded, prompts):
+    """The engine's greedy tokens for the prompts, decoded together (left-padded to the longest)."""
+    engine = Engine(loaded, eos_ids=(), prefix_cache_bytes=0)
+    tokens = {}
+    for number, ids in enumerate(prompts):
+        def sink(event, number=number):
+            if event[0] == "done":
+                tokens[number] = event[2].tokens
+        engine.submit(Request(ids, max_tokens=NEW_TOKENS, sampling=Sampling(temperature=0), sink=sink))
+    engine.run_here()
+    assert engine.peak_rows == len(prompts)
+    return [tokens[number] for number in range(len(prompts))]
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "mistral"])
+def test_a_left_padded_batch_decodes_past_the_window_as_generate_does_each_prompt(models, name):
+    loaded = models[name]
+    config = loaded.model.config
+    assert config.sliding_window == WINDOW
+    prompts = [loaded.tokenizer.encode(text) for text in PROMPTS]
+    # Prompts past the window, of different lengths (padded differently); every row decodes past it.
+    assert max(len(ids) for ids in prompts) > 2 * WINDOW and len({len(ids) for ids in prompts}) == len(prompts)
+    with torch.inference_mode():
+        alone = [generate_alone(loaded.model, ids) for ids in prompts]
+    assert engine_batch(loaded, prompts) == alone
+
+
+def test_the_window_decides_these_tokens(models, monkeypatch):
+    """The comparison above can fail: without the window the same prompts give other tokens."""
+    loaded = models["gemma3"]
+    prompts = [loaded.tokenizer.encode(text) for text in PROMPTS]
+    with torch.inference_mode():
+        windowed = [generate_alone(loaded.model, ids) for ids in prompts]
+        monkeypatch.setattr(loaded.model.config, "sliding_window", 4096)
+        assert engine_batch(loaded, prompts) != windowed
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "mistral"])
+def test_the_command_line_decodes_them_on_the_engine(models, name):
+    """Piped prompts and a session's turns go to the engine, not to generate() a batch at a time."""
+    from rungen.engine import open_engine
+    from rungen.generation import Settings
+
+    assert isinstance(open_engine(models[name], Settings(temperature=0), batch_size=4), Engine)
+
+
+def test_every_layer_holds_every_position_and_bytes_per_token_count_them(models):
+    """The local layers keep the whole context: the cache bound (max_cache_tokens) counts them as full layers."""
+    loaded = models["gemma3"]
+    engine = Engine(loaded, eos_ids=(), prefix_cache_bytes=0)
+    config = loaded.model.config
+    assert engine.bytes_per_token == config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 4
+
+
+def test_a_gemma3_model_is_served(models):
+    from starlette.testclient import TestClient
+
+    from rungen.server import ServeOptions, build
+
+    loaded = models["gemma3"]
+    app, engine = build(loaded, ServeOptions(model_id="tiny-gemma3"))
+    try:
+        with TestClient(app) as client:
+            response = client.post("/v1/completions", json={"model": "tiny-gemma3", "prompt": PROMPTS[0],
+                                                            "max_tokens": NEW_TOKENS, "temperature": 0})
+    finally:
+        engine.close()
+        engine.abort()
+    assert response.status_code == 200, response.text
+    ids = loaded.tokenizer.encode(PROMPTS[0])
+    with torch.inference_mode():
+        expected = loaded.tokenizer.decode(generate_alone(loaded.model, ids), skip_special_tokens=True)
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == "length" and response.json()["usage"]["completion_tokens"] == NEW_TOKENS
+    assert choice["text"] == expected
