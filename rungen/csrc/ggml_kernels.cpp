@@ -69,8 +69,9 @@ enum QType : int64_t {
 //   the nibbles as above and 64 bytes of high bit pairs, two 32-bit words a row (the first for codes 0..15,
 //   the second for 16..31): bits 2k, 2k + 1 of byte i are those of code 4k + i (or 16 + 4k + i).
 // A block's integer sum is weighted by its scales in integers, exactly: Q4_K/Q5_K dot = sc * (q . xq) (at most
-// 63 * 32 * 31 * 127 < 2^24); Q6_K dot = sc0 * ((q - 32) . xq over 0..15) + sc1 * (... over 16..31), the codes
-// made signed so that the offset -32 stays in the integers (at most 2 * 128 * 16 * 32 * 127 < 2^24). Then per
+// 63 * 32 * 31 * 127 < 2^24); Q6_K dot = sc0 * ((q - 32) . xq over 0..15) + sc1 * (... over 16..31), the offset
+// -32 kept in the integers (at most 2 * 128 * 16 * 32 * 127 < 2^24): on AVX2 the codes made signed, on VNNI
+// q . xq less 32 times the half's integer sum of xq (Act's sum16). Then per
 // row and token, for each block in order: acc = fma(float(dot), d * dx, acc), and for Q4_K/Q5_K
 // acc = fma(-dmin * mn, dx * sum(xq), acc): the same bits on every path, alone or among other tokens.
 //
@@ -137,7 +138,7 @@ constexpr int8_t kvalues_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 
 // The activations of n tokens, quantized per block of 32: codes q [n, K], scale d [n, K/32] (q * d ~ x),
 // s = d * sum(q) per 32 [n, K/32] (what a block's offset multiplies), s16 = d * sum(q) per 16 [n, K/16], and
 // s4: s of each whole group of four tokens, the four side by side [n/4, K/32, 4] (one vector a block), and
-// sum: sum(q) per 32 [n, K/32] in integers.
+// sum: sum(q) per 32 [n, K/32] and sum16: sum(q) per 16 [n, K/16] in integers.
 struct Act {
   int64_t n;
   const int8_t* q;
@@ -146,6 +147,7 @@ struct Act {
   const float* s16;
   const float* s4;
   const int32_t* sum;
+  const int32_t* sum16;
 };
 
 struct Job {
@@ -525,7 +527,7 @@ float dot_krow(const KRow& r, int64_t nb, int kind, bool offsets, const int8_t* 
 
 // Blocks [b0, b1) of activations x quantized: d = max|x| / 127, q = round(x / d) (ties to even), and the sums.
 void quantize_blocks(const float* xp, int64_t b0, int64_t b1, int8_t* q, float* d, float* s, float* s16,
-                     int32_t* sum) {
+                     int32_t* sum, int32_t* sum16) {
   for (int64_t b = b0; b < b1; ++b) {
     const float* v = xp + b * 32;
     float amax = 0.f;
@@ -540,6 +542,8 @@ void quantize_blocks(const float* xp, int64_t b0, int64_t b1, int8_t* q, float* 
     }
     d[b] = scale;
     sum[b] = sum0 + sum1;
+    sum16[2 * b] = sum0;
+    sum16[2 * b + 1] = sum1;
     s[b] = scale * float(sum0 + sum1);
     s16[2 * b] = scale * float(sum0);
     s16[2 * b + 1] = scale * float(sum1);
@@ -680,8 +684,8 @@ struct QuantizedX {
 const Act& quantize_activations(const float* xp, int64_t n, int64_t k) {
   static thread_local QuantizedX r;
   const int64_t nb = k / 32;
-  // d, s, s16 (2), s4, sum (int32), then the codes, which start on a cache line (64 bytes).
-  const size_t floats = size_t(n * nb * 6) + size_t(n * k + 3) / 4 + 32;
+  // d, s, s16 (2), s4, sum (int32), sum16 (2 int32), then the codes, which start on a cache line (64 bytes).
+  const size_t floats = size_t(n * nb * 8) + size_t(n * k + 3) / 4 + 32;
   if (r.buffer.size() < floats) r.buffer.resize(floats);
   const auto line = [](float* p) { return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63)); };
   float* d = r.buffer.data();
@@ -689,15 +693,16 @@ const Act& quantize_activations(const float* xp, int64_t n, int64_t k) {
   float* s16 = s + n * nb;
   float* s4 = s16 + 2 * n * nb;
   int32_t* sum = reinterpret_cast<int32_t*>(s4 + n * nb);
-  int8_t* q = reinterpret_cast<int8_t*>(line(s4 + 2 * n * nb));
+  int32_t* sum16 = sum + n * nb;
+  int8_t* q = reinterpret_cast<int8_t*>(line(s4 + 4 * n * nb));
   const auto blocks_fn = current_isa == VNNI ? vnni::quantize_blocks
                         : current_isa == AVX2 ? avx2::quantize_blocks
                                               : scalar::quantize_blocks;
-  at::parallel_for(0, n * nb, 128, [&](int64_t b0, int64_t b1) { blocks_fn(xp, b0, b1, q, d, s, s16, sum); });
+  at::parallel_for(0, n * nb, 128, [&](int64_t b0, int64_t b1) { blocks_fn(xp, b0, b1, q, d, s, s16, sum, sum16); });
   for (int64_t g = 0; g < n / 4; ++g)
     for (int64_t b = 0; b < nb; ++b)
       for (int64_t i = 0; i < 4; ++i) s4[(g * nb + b) * 4 + i] = s[(4 * g + i) * nb + b];
-  r.act = Act{n, q, d, s, s16, s4, sum};
+  r.act = Act{n, q, d, s, s16, s4, sum, sum16};
   return r.act;
 }
 
