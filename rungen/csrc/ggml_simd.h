@@ -471,10 +471,14 @@ static void x8_group(const uint8_t* group, int64_t nblocks, const int8_t* const*
     for (int t = 0; t < NT; ++t) {
       const int8_t* x = xq[t] + b * 32;
 #ifdef GGML_VNNI
-      __m256i dot = _mm256_setzero_si256();
-      for (int j = 0; j < 4; ++j)
-        dot = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(dot, lo[j], broadcast4(x + 4 * j)), hi[j],
-                                  broadcast4(x + 16 + 4 * j));
+      // Two dpbusd chains of four, not one of eight: a token alone (decode) waits on their latency half as long;
+      // an integer sum is the same in any order.
+      __m256i dot0 = _mm256_setzero_si256(), dot1 = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {
+        dot0 = _mm256_dpbusd_epi32(dot0, lo[j], broadcast4(x + 4 * j));
+        dot1 = _mm256_dpbusd_epi32(dot1, hi[j], broadcast4(x + 16 + 4 * j));
+      }
+      const __m256i dot = _mm256_add_epi32(dot0, dot1);
 #else
       __m256i sum = _mm256_setzero_si256();
       for (int j = 0; j < 4; ++j)
@@ -548,10 +552,12 @@ static void x8_group_q5(const uint8_t* group, int64_t nblocks, const int8_t* con
     for (int t = 0; t < NT; ++t) {
       const int8_t* x = xq[t] + b * 32;
 #ifdef GGML_VNNI
-      __m256i dot = _mm256_setzero_si256();
-      for (int j = 0; j < 4; ++j)
-        dot = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(dot, lo[j], broadcast4(x + 4 * j)), hi[j],
-                                  broadcast4(x + 16 + 4 * j));
+      __m256i dot0 = _mm256_setzero_si256(), dot1 = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {
+        dot0 = _mm256_dpbusd_epi32(dot0, lo[j], broadcast4(x + 4 * j));
+        dot1 = _mm256_dpbusd_epi32(dot1, hi[j], broadcast4(x + 16 + 4 * j));
+      }
+      const __m256i dot = _mm256_add_epi32(dot0, dot1);
 #else
       __m256i sum_lo = _mm256_setzero_si256(), sum_hi = _mm256_setzero_si256();
       for (int j = 0; j < 4; ++j) {
@@ -675,11 +681,13 @@ static void kx8_group(const uint8_t* group, int64_t nsb, const int8_t* const* xq
         __m256i dot;
         if (BASE == Q4_K) {
 #ifdef GGML_VNNI
-          dot = _mm256_setzero_si256();
-          for (int k = 0; k < 4; ++k)
-            dot = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(dot, lo[k], broadcast4(x + 4 * k)), hi[k],
-                                      broadcast4(x + 16 + 4 * k));
-          dot = _mm256_mullo_epi32(dot, sc0);
+          // Two chains, as x8_group's (one token at a time: 1.13x on a 5632 x 2048 weight).
+          __m256i dot0 = _mm256_setzero_si256(), dot1 = _mm256_setzero_si256();
+          for (int k = 0; k < 4; ++k) {
+            dot0 = _mm256_dpbusd_epi32(dot0, lo[k], broadcast4(x + 4 * k));
+            dot1 = _mm256_dpbusd_epi32(dot1, hi[k], broadcast4(x + 16 + 4 * k));
+          }
+          dot = _mm256_mullo_epi32(_mm256_add_epi32(dot0, dot1), sc0);
 #else
           __m256i sum = _mm256_setzero_si256();
           for (int k = 0; k < 4; ++k)
@@ -748,9 +756,13 @@ static void x8_group_iq4(const uint8_t* group, int64_t nblocks, const int8_t* co
 #ifdef GGML_VNNI
     for (int t = 0; t < NT; ++t) {
       const int8_t* x = xq[t] + b * 32;
-      __m256i dot = _mm256_set1_epi32(-128 * xsum[t][b]);
-      for (int k = 0; k < 8; ++k)
-        dot = _mm256_dpbusd_epi32(dot, w[k], broadcast4(x + (k < 4 ? 4 * k : 16 + 4 * (k - 4))));
+      // Two chains, as x8_group's.
+      __m256i dot = _mm256_set1_epi32(-128 * xsum[t][b]), dot1 = _mm256_setzero_si256();
+      for (int k = 0; k < 4; ++k) {
+        dot = _mm256_dpbusd_epi32(dot, w[k], broadcast4(x + 4 * k));
+        dot1 = _mm256_dpbusd_epi32(dot1, w[4 + k], broadcast4(x + 16 + 4 * k));
+      }
+      dot = _mm256_add_epi32(dot, dot1);
       if (XS) dot = _mm256_mullo_epi32(dot, sc);
 #else
     __m256i magnitude[8];
