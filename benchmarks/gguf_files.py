@@ -1,7 +1,7 @@
 """Decode (tg) and prompt processing (pp) of any GGUF file, the tool against llama.cpp on the same file, paired.
 
     python -m benchmarks.gguf_files --model FILE [FILE ...] [--repeats 3] [--threads 2] [--tg 128] [--pp 512]
-                                    [--llama-bench LLAMA_CPP/build/bin/llama-bench]
+                                    [--tests tg pp] [--llama-bench LLAMA_CPP/build/bin/llama-bench]
     python -m benchmarks.gguf_files --write DIR [--families llama qwen3] [--types Q4_K_M Q6_K ...]
 
 Measuring: every file is loaded by the tool as the command line loads it (rungen.loading.load) and run on the
@@ -157,6 +157,7 @@ def measure(path, args):
     else:
         print(f"no llama.cpp column: {args.llama_python} cannot import llama_cpp", file=sys.stderr)
     jobs = {"tg": lambda r: r.run("tg", tg_ids, args.tg), "pp": lambda r: r.run("pp", pp_ids)}
+    jobs = {kind: job for kind, job in jobs.items() if kind in args.tests}
     for runner in runners.values():  # warm-up, uncounted
         runner.run("tg", tg_ids, 8)
         runner.run("pp", pp_ids[:64])
@@ -286,6 +287,8 @@ def main():
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tg", type=int, default=128, help="new tokens of the decode row")
     parser.add_argument("--pp", type=int, default=512, help="prompt tokens of the prompt-processing row")
+    parser.add_argument("--tests", nargs="+", choices=("tg", "pp"), default=["tg", "pp"],
+                        help="the rows to measure (--tests pp: prompt processing alone)")
     parser.add_argument("--llama-python", default=BENCH_PYTHON)
     parser.add_argument("--llama-bench", metavar="BINARY", help="llama.cpp's llama-bench as the reference instead of "
                         "llama-cpp-python (whose Python sampling loop costs a small model's decode ~1 ms a token)")
