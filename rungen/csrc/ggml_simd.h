@@ -588,7 +588,7 @@ static inline __m256i scale_pairs(__m256i sc) {
 
 // Sixteen codes of each lane (four of them in each 32-bit lane for activations x + 4k: w[k], unsigned) against
 // one token's activations, times the lane's scale. SIGNED (Q6_K's q - 32): w[k] holds |q - 32| and sign[k] the
-// signed codes, whose signs the activations take.
+// signed codes, whose signs the activations take (on AVX2; VNNI's Q6_K subtracts its offset instead, kx8_group).
 template <bool SIGNED>
 static inline __m256i kx8_half(const __m256i* w, const __m256i* sign, const int8_t* x, __m256i sc) {
 #ifdef GGML_VNNI
