@@ -69,8 +69,9 @@ enum QType : int64_t {
 //   the nibbles as above and 64 bytes of high bit pairs, two 32-bit words a row (the first for codes 0..15,
 //   the second for 16..31): bits 2k, 2k + 1 of byte i are those of code 4k + i (or 16 + 4k + i).
 // A block's integer sum is weighted by its scales in integers, exactly: Q4_K/Q5_K dot = sc * (q . xq) (at most
-// 63 * 32 * 31 * 127 < 2^24); Q6_K dot = sc0 * ((q - 32) . xq over 0..15) + sc1 * (... over 16..31), the codes
-// made signed so that the offset -32 stays in the integers (at most 2 * 128 * 16 * 32 * 127 < 2^24). Then per
+// 63 * 32 * 31 * 127 < 2^24); Q6_K dot = sc0 * ((q - 32) . xq over 0..15) + sc1 * (... over 16..31), the offset
+// -32 kept in the integers (at most 2 * 128 * 16 * 32 * 127 < 2^24): on AVX2 the codes made signed, on VNNI
+// q . xq less 32 times the half's integer sum of xq (Act's sum16). Then per
 // row and token, for each block in order: acc = fma(float(dot), d * dx, acc), and for Q4_K/Q5_K
 // acc = fma(-dmin * mn, dx * sum(xq), acc): the same bits on every path, alone or among other tokens.
 //
