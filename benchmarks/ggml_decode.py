@@ -145,7 +145,7 @@ def main():
     tokenizer = float32.tokenizer
     modes = [Mode("--dequantize (float32)", float32.model, tokenizer),
              Mode("--quantize int4", load(None, device=cpu, quantize="int4").model, tokenizer),
-             Mode("default through generate()", load(None, device=cpu).model, tokenizer),
+             Mode("default through generate()", load(None, device=cpu, own_model=False).model, tokenizer),
              EngineMode("default on the engine (the command line, the server)", load(None, device=cpu))]
     traced = {}
     if args.jit:
