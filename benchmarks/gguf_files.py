@@ -18,7 +18,7 @@ memory, AVX2 code on both sides), not a measurement of one. tg: a short prompt, 
 (no EOS), tokens per second over the decode steps after the first token, as llama-bench's tg counts them. pp:
 `--pp` random token ids (the same ids for both) processed in one call, tokens per second to the first token, as
 llama-bench's pp counts them. Ratios are medians of per-round ratios. CPU flags are printed with the figures.
-Models the engine refuses (gemma 2/3's sliding-window layers) run through generate(), as the command line runs
+Models the engine refuses (chunked-attention or recurrent layers) run through generate(), as the command line runs
 them, and their rows say so.
 
 Writing: files in published shapes with random weights (the text is meaningless, the memory and time are real),
@@ -130,8 +130,8 @@ class LlamaBench:
 
 
 class Tool:
-    """The tool on one file: on the engine, or through generate() where the engine refuses the model (sliding-window
-    layers: gemma 2/3), as the command line falls back (rungen.generation.open_engine)."""
+    """The tool on one file: on the engine, or through generate() where the engine refuses the model (chunked-attention
+    or recurrent layers), as the command line falls back (rungen.engine.open_engine)."""
 
     def __init__(self, path):
         import torch
