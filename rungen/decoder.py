@@ -10,8 +10,8 @@ quantizes the activations once: rungen.ggml.GGMLParts), and the native kernels' 
 (gelu_tanh_mul) and attend for what lies between. The key/value cache and the attention masks stay
 transformers' (Cache.update, the mask the model passes in), so generate() and everything built on it work
 unchanged. A sliding-window layer attends through the native attend too, under the mask the model builds for
-its layer type, which holds the window; gemma2's soft-capped logits, and a window without a mask once the keys
-outrun it, go through transformers' attention interface.
+its layer type, which holds the window, and gemma2's soft-capped logits are capped in it; a window without a
+mask once the keys outrun it goes through transformers' attention interface.
 
 The float arithmetic differs from transformers' only in summation order and fused multiply-adds:
 tests/unit/test_decoder.py holds it to transformers' own layer within float32 rounding. The attention visits
@@ -65,9 +65,9 @@ GEMMA = dict(activation="hidden_activation", mlp_norm="pre_feedforward_layernorm
 # passed to the attention as they pass it; qwen2 has q/k/v biases; phi3 may rotate only part of each head
 # (partial_rotary_factor: cos/sin are narrower than a head, which rope_split reads from their shape) and its
 # longrope scaling of 128k contexts is in the cos/sin its rotary embedding computes, which the layers take as given.
-# gemma 2/3: a GELU-tanh gate and two more norms; gemma2's soft-capped attention logits go through transformers'
-# attention (its sliding window too), gemma3's local rope base is in the cos/sin its model passes each
-# layer, the embedding's scaling and gemma2's final soft-capping lie outside the layers.
+# gemma 2/3: a GELU-tanh gate and two more norms; gemma2's attention logits are soft-capped in the native attend,
+# gemma3's local rope base is in the cos/sin its model passes each layer, the embedding's scaling and gemma2's
+# final soft-capping lie outside the layers.
 FAMILIES = {
     "LlamaDecoderLayer": Family(),
     "MistralDecoderLayer": Family(window_from_config=True),
@@ -167,13 +167,14 @@ class FusedDecoderLayer(torch.nn.Module):
             q, k, v = rope_split(qkv, cos, sin, self.heads, self.kv_heads, self.q_norm, self.k_norm)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
-        if native and self.softcap is None and (self.sliding_window is None or attention_mask is not None
-                                                or k.shape[-2] <= self.sliding_window):
+        if native and (self.sliding_window is None or attention_mask is not None
+                       or k.shape[-2] <= self.sliding_window):
             # One call, and the same bits with or without padding beside the sequence (torch's kernels block
             # the keys differently once padding shifts them): a greedy text is the same alone and in a batch.
             # A sliding-window layer's mask holds its window (transformers builds it from the cache's sizes,
             # whichever keys the cache keeps); without a mask, only while every key lies within the window.
-            attended = torch.ops.rungen_ggml.attend(q, k, v, attention_mask, self.scaling)
+            # gemma2's soft-capped scores are capped in the kernel (0: none).
+            attended = torch.ops.rungen_ggml.attend(q, k, v, attention_mask, self.scaling, self.softcap or 0.0)
         else:
             attended = self._attention(q, k, v, attention_mask, kwargs).reshape(batch, tokens, -1)
         out = product(self.o_proj, attended, native)

@@ -11,7 +11,7 @@
 //   torch.ops.rungen_ggml.rope_split(qkv, cos, sin, heads, kv_heads[, q_norm, k_norm, norm_eps])  each instead
 //                                                               of several (see below)
 //   torch.ops.rungen_ggml.silu_mul(gate_up), gelu_tanh_mul(gate_up)
-//   torch.ops.rungen_ggml.attend(q, k, v, mask, scale)           attention, the same bits with or without padding
+//   torch.ops.rungen_ggml.attend(q, k, v, mask, scale, softcap)  attention, the same bits with or without padding
 //   torch.ops.rungen_ggml.attention_in(...), attention_out_mlp(...)  a decoder layer in two calls (see below)
 //   torch.ops.rungen_ggml.decoder_stack(...)                     every decoder layer in one call (see below)
 //   torch.ops.rungen_ggml.isa() / set_isa(name)                  the code path in use ("avx512vnni", "avx2",
@@ -1126,32 +1126,12 @@ at::Tensor silu_mul(const at::Tensor& gu_in) {
   return y;
 }
 
-// gelu(gate) * up with GELU's tanh approximation (gemma's gelu_pytorch_tanh), from the fused gate/up product
-// [..., 2 * ffn] (gate first): 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), as torch computes it.
-at::Tensor gelu_tanh_mul(const at::Tensor& gu_in) {
-  const at::Tensor gu = gu_in.to(at::kFloat).contiguous();
-  const int64_t f = gu.size(-1) / 2, rows = gu.numel() / std::max<int64_t>(2 * f, 1);
-  std::vector<int64_t> shape(gu.sizes().begin(), gu.sizes().end());
-  shape.back() = f;
-  at::Tensor y = at::empty(shape, gu.options());
-  const float* gp = gu.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const float k0 = 0.7978845608028654f, k1 = 0.044715f;  // sqrt(2 / pi)
-  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(f, 1)), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t i = 0; i < f; ++i) {
-        const float g = gp[r * 2 * f + i];
-        yp[r * f + i] = 0.5f * g * (1.f + std::tanh(k0 * (g + k1 * g * g * g))) * gp[r * 2 * f + f + i];
-      }
-  });
-  return y;
-}
-
 // Attention of t query tokens a sequence over T keys (the cached ones and their own): q [b, heads, t, dim],
 // k and v [b, kv_heads, T, dim] (grouped heads: query head h reads kv head h / (heads / kv_heads)). mask None:
 // causal, query i sees keys 0 .. T - t + i; else bool [b, 1, t, T] (true: attend) or additive float of that
 // shape (0 attends, a large negative value does not). Out [b, t, heads * dim], as transformers' attention
-// returns it reshaped.
+// returns it reshaped. softcap > 0 (gemma2's attn_logit_softcapping) bounds each score to tanh(s / cap) * cap
+// before the mask is added, as transformers' gemma2 eager attention does; 0: none.
 //
 // Each query's keys are visited in order and the masked ones skipped, so a sequence's result does not depend on
 // the padding beside it: a prompt alone and the same prompt left-padded in a batch give the same bits (torch's
@@ -1229,6 +1209,62 @@ static inline f8 exp_nonpositive8(f8 x) {
   return r * scale;
 }
 
+// tanh of eight values (Cephes' tanhf: below 0.625 an odd polynomial, above it (1 - e) / (1 + e) of
+// e = exp(-2|x|), which then loses nothing to cancellation; relative error about 1e-7), without branches or
+// library calls.
+static inline f8 tanh8(f8 x) {
+  const f8 a = x < 0.f ? -x : x, z = a * a;
+  f8 p = f8{} - 5.70498872745e-3f;
+  p = p * z + 2.06390887954e-2f;
+  p = p * z - 5.37397155531e-2f;
+  p = p * z + 1.33314422036e-1f;
+  p = p * z - 3.33332819422e-1f;
+  const f8 small = p * z * a + a;
+  const f8 e = exp_nonpositive8(f8{} - (a + a));
+  const f8 large = (1.f - e) / (1.f + e);
+  const f8 t = a < 0.625f ? small : large;
+  return x < 0.f ? -t : t;
+}
+
+// tanh(s / cap) * cap of eight scores. The scalar scores go through it too, one lane used: every key's score
+// the same bits, on either clone.
+static inline f8 softcap8(f8 s, float cap) { return tanh8(s / cap) * cap; }
+
+// gelu(gate) * up with GELU's tanh approximation (gemma's gelu_pytorch_tanh), from the fused gate/up product
+// [..., 2 * ffn] (gate first): 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), as torch computes it. Eight
+// values at once through tanh8: the library's scalar tanh took a decode step's layer about as long as its
+// attention. Compiled twice as attend_queries is, the same operations in both clones: the same bits.
+__attribute__((target_clones("avx2", "default")))
+void gelu_tanh_mul_rows(const float* gp, int64_t r0, int64_t r1, int64_t f, float* yp) {
+  const float k0 = 0.7978845608028654f, k1 = 0.044715f;  // sqrt(2 / pi)
+  for (int64_t r = r0; r < r1; ++r) {
+    const float *g_row = gp + r * 2 * f, *u_row = g_row + f;
+    float* y_row = yp + r * f;
+    for (int64_t i = 0; i < f; i += 8) {
+      const int64_t count = std::min<int64_t>(8, f - i);
+      f8 g = f8{}, u = f8{};
+      std::memcpy(&g, g_row + i, count * sizeof(float));
+      std::memcpy(&u, u_row + i, count * sizeof(float));
+      const f8 y = 0.5f * g * (1.f + tanh8(k0 * (g + k1 * g * g * g))) * u;
+      std::memcpy(y_row + i, &y, count * sizeof(float));
+    }
+  }
+}
+
+at::Tensor gelu_tanh_mul(const at::Tensor& gu_in) {
+  const at::Tensor gu = gu_in.to(at::kFloat).contiguous();
+  const int64_t f = gu.size(-1) / 2, rows = gu.numel() / std::max<int64_t>(2 * f, 1);
+  std::vector<int64_t> shape(gu.sizes().begin(), gu.sizes().end());
+  shape.back() = f;
+  at::Tensor y = at::empty(shape, gu.options());
+  const float* gp = gu.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / std::max<int64_t>(f, 1)), [&](int64_t r0, int64_t r1) {
+    gelu_tanh_mul_rows(gp, r0, r1, f, yp);
+  });
+  return y;
+}
+
 // Each query of [p0, p1) (q enumerated in [b, heads, t] order): see attend below. Compiled twice, for AVX2 and
 // for the baseline, chosen at load by the CPU's avx2 flag (GCC's target_clones; "arch=haswell" would ask for an
 // Intel Haswell by name and leave every AMD CPU on the baseline): the loops vectorize, the same operations in
@@ -1240,7 +1276,7 @@ struct AttendJob {
   float* out;
   int64_t heads, t, dim, kv, T;
   int64_t k_batch, k_head, k_key, v_batch, v_head, v_key;  // strides (elements) of k and v
-  float scale;
+  float scale, softcap;  // softcap 0: none
   bool masked;
 };
 
@@ -1260,7 +1296,7 @@ void attend_queries(const AttendJob& job, int64_t p0, int64_t p1, float* wp) {
   const float* mf = job.mask_add;
   float* op = job.out;
   const int64_t heads = job.heads, t = job.t, dim = job.dim, kv = job.kv, T = job.T, group = heads / kv;
-  const float scale = job.scale, lowest = -std::numeric_limits<float>::infinity();
+  const float scale = job.scale, cap = job.softcap, lowest = -std::numeric_limits<float>::infinity();
   for (int64_t pb = p0; pb < p1;) {
     // p = ((batch * heads + h) * t + i) and h = kv head * group + g: p / (group * t) names the keys read.
     const int64_t shared = pb / (group * t), pe = std::min({p1, pb + ATTEND_BLOCK, (shared + 1) * group * t});
@@ -1287,6 +1323,7 @@ void attend_queries(const AttendJob& job, int64_t p0, int64_t p1, float* wp) {
         for (int64_t n = 0; n < nq; ++n) {
           if (j + 8 > lasts[n]) continue;
           f8 scores = dot64x8(qp + (pb + n) * dim, kh + j * job.k_key, job.k_key, dim) * scale;
+          if (cap > 0.f) scores = softcap8(scores, cap);
           if (mf) scores += load8(mf + rows[n] + j);
           store8(wp + n * T + j, scores);
           tops8[n] = tops8[n] < scores ? scores : tops8[n];
@@ -1303,6 +1340,7 @@ void attend_queries(const AttendJob& job, int64_t p0, int64_t p1, float* wp) {
           continue;
         }
         float score = dot64(qh, kh + j * job.k_key, dim) * scale;
+        if (cap > 0.f) score = softcap8(f8{} + score, cap)[0];
         if (mf) score += mf[rows[n] + j];
         w[j] = score;
         tops[n] = std::max(tops[n], score);
@@ -1384,7 +1422,7 @@ AttendMask attend_mask(const c10::optional<at::Tensor>& mask_in, int64_t b, int6
 // attend of q [b, heads, t, dim] (float32, contiguous) over k, v [b, kv, T, dim] (float32, last dimension
 // contiguous: read in place), into out [b, t, heads * dim].
 void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttendMask& mask, double scale,
-                 float* op) {
+                 double softcap, float* op) {
   const int64_t b = q.size(0), heads = q.size(1), t = q.size(2), dim = q.size(3), kv = k.size(1), T = k.size(2);
   TORCH_CHECK(k.size(0) == b && k.size(3) == dim && kv > 0 && heads % kv == 0 && T >= t,
               "rungen_ggml: attend's shapes differ");
@@ -1394,22 +1432,24 @@ void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
                    [&](int64_t p0, int64_t p1) {
     std::vector<float> w(ATTEND_BLOCK * T);
     attend_queries(AttendJob{qp, kp, vp, mask.bools, mask.adds, op, heads, t, dim, kv, T, k.stride(0), k.stride(1),
-                             k.stride(2), v.stride(0), v.stride(1), v.stride(2), float(scale), masked}, p0, p1,
+                             k.stride(2), v.stride(0), v.stride(1), v.stride(2), float(scale), float(softcap),
+                             masked}, p0, p1,
                    w.data());
   });
 }
 
 at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-                  const c10::optional<at::Tensor>& mask_in, double scale) {
+                  const c10::optional<at::Tensor>& mask_in, double scale, double softcap) {
   // k and v may be views of a cache with room to grow (strided over keys, heads and batch): read in place.
   const auto in_place = [](const at::Tensor& x) {
     return x.scalar_type() == at::kFloat && x.dim() == 4 && x.stride(3) == 1 ? x : x.to(at::kFloat).contiguous();
   };
   const at::Tensor q = q_in.to(at::kFloat).contiguous(), k = in_place(k_in), v = in_place(v_in);
+  TORCH_CHECK(softcap >= 0.0, "rungen_ggml: attend's softcap must be positive, or 0 for none");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes(),
               "rungen_ggml: attend takes q [b, h, t, d] and k, v [b, kv, T, d]");
   at::Tensor out = at::empty({q.size(0), q.size(2), q.size(1) * q.size(3)}, q.options());
-  attend_into(q, k, v, attend_mask(mask_in, q.size(0), q.size(2), k.size(2)), scale, out.data_ptr<float>());
+  attend_into(q, k, v, attend_mask(mask_in, q.size(0), q.size(2), k.size(2)), scale, softcap, out.data_ptr<float>());
   return out;
 }
 
@@ -1446,7 +1486,7 @@ at::Tensor attention_out_mlp(const at::Tensor& hidden, const at::Tensor& q, cons
                              int64_t down_qtype) {
   TORCH_CHECK(hidden.dim() == 3, "rungen_ggml: hidden must be [batch, tokens, features]");
   const int64_t b = hidden.size(0), t = hidden.size(1), features = hidden.size(2);
-  const at::Tensor attended = attend(q, k, v, mask, scale);
+  const at::Tensor attended = attend(q, k, v, mask, scale, 0.0);
   at::Tensor h = mm(attended.view({b * t, attended.size(2)}), o_blocks, o_qtype, attended.size(2));
   h.add_(hidden.to(at::kFloat).reshape({b * t, features}));  // hidden + o: a float sum is the same either way
   const at::Tensor x = rms_norm(h, norm_weight, eps);
@@ -1535,7 +1575,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decoder
     keys.push_back(kb.narrow(2, 0, length + t));
     values.push_back(vb.narrow(2, 0, length + t));
     // attention_out_mlp: attention, the output product, the residual; norm, gate/up, SiLU, down, the residual.
-    attend_into(q, keys.back(), values.back(), attend_mask_once, scale, attended.data_ptr<float>());
+    attend_into(q, keys.back(), values.back(), attend_mask_once, scale, 0.0, attended.data_ptr<float>());
     mm_into(attended, o[i], types[o_type], heads * dim, pp);
     for (int64_t j = 0; j < n * features; ++j) hp[j] += pp[j];
     rms_norm_rows(hp, post_norms[i].to(at::kFloat).contiguous().data_ptr<float>(), eps, n, features, xp);
@@ -1773,7 +1813,7 @@ TORCH_LIBRARY(rungen_ggml, m) {
         "Tensor? k_norm=None, float norm_eps=0.) -> Tensor[]", &rope_split);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
   m.def("gelu_tanh_mul(Tensor gate_up) -> Tensor", &gelu_tanh_mul);
-  m.def("attend(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor", &attend);
+  m.def("attend(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, float softcap=0.) -> Tensor", &attend);
   m.def("attention_in(Tensor hidden, Tensor norm_weight, float eps, Tensor[] qkv_blocks, int[] qkv_qtypes, "
         "Tensor? qkv_bias, Tensor cos, Tensor sin, int heads, int kv_heads, Tensor? q_norm=None, Tensor? k_norm=None, "
         "float norm_eps=0.) -> Tensor[]", &attention_in);

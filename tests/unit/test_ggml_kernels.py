@@ -424,3 +424,57 @@ def test_attention_over_many_keys_is_softmax_attention_and_the_same_bits_alone_a
                                                                  scale=dim ** -0.5)
     torch.testing.assert_close(default, reference.transpose(1, 2).reshape(1, tokens, -1), rtol=1e-5, atol=1e-5)
     assert torch.equal(torch.ops.rungen_ggml.attend(rest, k, v, causal[None, None], dim ** -0.5), default)
+
+
+@pytest.mark.parametrize("dim", [64, 48])
+def test_soft_capped_attention_is_gemma2s_eager_attention_and_the_same_bits_alone_and_padded(dim):
+    """gemma2's attention: scores tanh(s / cap) * cap before the mask and the softmax, as transformers' own gemma2
+    eager attention computes them; scores both sides of the cap's polynomial/exponential switch (|s| / cap about
+    0.625), key counts off the kernel's groups of eight; a left-padded batch and an additive mask give a query the
+    bits it gets alone."""
+    if not ggml.native_kernels():
+        pytest.skip("the native kernels are not available here")
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    torch.manual_seed(7)
+    heads, kv, keys, pad, cap, tokens = 4, 2, 77, 3, 5.0, 6
+    q, k, v = torch.randn(1, heads, tokens, dim), torch.randn(1, kv, keys, dim) * 3, torch.randn(1, kv, keys, dim)
+    scores = torch.einsum("bhtd,bhkd->bhtk", q, k.repeat_interleave(heads // kv, 1)) * dim ** -0.5
+    assert (scores.abs() < 0.5 * cap).any() and (scores.abs() > cap).any()
+    causal = torch.ones(tokens, keys, dtype=torch.bool).tril(keys - tokens)
+    additive = torch.zeros(1, 1, tokens, keys).masked_fill(~causal, torch.finfo(torch.float32).min)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.training = heads // kv, False
+    reference = eager_attention_forward(module, q, k, v, additive, dropout=0.0, scaling=dim ** -0.5, softcap=cap)[0]
+    capped = torch.ops.rungen_ggml.attend(q, k, v, None, dim ** -0.5, cap)
+    torch.testing.assert_close(capped, reference.reshape(1, tokens, -1), rtol=1e-5, atol=1e-5)
+    assert torch.equal(torch.ops.rungen_ggml.attend(q, k, v, additive, dim ** -0.5, cap), capped)
+    assert not torch.allclose(torch.ops.rungen_ggml.attend(q, k, v, None, dim ** -0.5), capped, atol=1e-3)
+    # The last query beside a row with no padding, its keys shifted right by the padding, masked out.
+    last = q[:, :, -1:]
+    padded_k = torch.cat([torch.randn(1, kv, keys + pad, dim), torch.cat([torch.zeros(1, kv, pad, dim), k], 2)])
+    padded_v = torch.cat([torch.randn(1, kv, keys + pad, dim), torch.cat([torch.zeros(1, kv, pad, dim), v], 2)])
+    mask = torch.ones(2, 1, 1, keys + pad, dtype=torch.bool)
+    mask[1, ..., :pad] = False
+    batched = torch.ops.rungen_ggml.attend(torch.cat([torch.randn_like(last), last]), padded_k, padded_v, mask,
+                                           dim ** -0.5, cap)
+    assert torch.equal(batched[1, 0], capped[0, -1])
+    with pytest.raises(RuntimeError, match="softcap"):
+        torch.ops.rungen_ggml.attend(q, k, v, None, dim ** -0.5, -1.0)
+
+
+@pytest.mark.parametrize("ffn", [9216, 37])
+def test_gelu_tanh_gate_is_torchs_and_a_row_gets_the_same_bits_alone_and_among_others(ffn):
+    """gemma's gate: gelu(gate, approximate="tanh") * up of the fused [gate, up] product, within float32 rounding
+    of torch's over the range a gate takes and beyond (both sides of tanh's polynomial/exponential switch, and
+    saturated), a width off the kernel's groups of eight included; a row alone and among others the same bits."""
+    if not ggml.native_kernels():
+        pytest.skip("the native kernels are not available here")
+    torch.manual_seed(9)
+    gate_up = torch.randn(5, 2 * ffn) * torch.tensor([0.05, 1.0, 4.0, 30.0, 1.0])[:, None]
+    gated = torch.ops.rungen_ggml.gelu_tanh_mul(gate_up)
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    reference = torch.nn.functional.gelu(gate, approximate="tanh") * up
+    torch.testing.assert_close(gated.double(), reference, rtol=1e-6, atol=1e-6 * reference.abs().max().item())
+    for row in range(gate_up.shape[0]):
+        assert torch.equal(torch.ops.rungen_ggml.gelu_tanh_mul(gate_up[row:row + 1]), gated[row:row + 1])
