@@ -39,7 +39,7 @@ from rungen.kvcache import GrowingLayer, new_cache
 
 HIDDEN, FFN, HEADS, KV_HEADS = 128, 256, 4, 2
 KINDS = ("llama", "qwen2", "qwen3", "phi3")  # with the one-call stack
-GEMMAS = ("gemma2", "gemma3")  # fused layer by layer: gemma2's soft-capped layers attend through transformers
+GEMMAS = ("gemma2", "gemma3")  # fused layer by layer: gemma2 soft-caps its scores in the native attend
 CLASSES = {"llama": (LlamaConfig, LlamaDecoderLayer, LlamaForCausalLM, LlamaRotaryEmbedding),
            "qwen2": (Qwen2Config, Qwen2DecoderLayer, Qwen2ForCausalLM, Qwen2RotaryEmbedding),
            "qwen3": (Qwen3Config, Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3RotaryEmbedding),
