@@ -445,6 +445,19 @@ static inline __m256i broadcast4(const int8_t* x) {
   return _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(x)));
 }
 
+#ifdef GGML_VNNI
+// A block of 32 codes of eight interleaved rows against one token's activations x, in two dpbusd chains added into
+// c0 (the block's first 16 values: w0[0..3]) and c1 (its last 16: w1[0..3]): a token alone (decode) waits on two
+// chains of four half as long as on one of eight; an integer sum is the same in any order. The callers start the
+// chains where their offsets need them (zero, or minus the offset times the activations' integer sums).
+static inline void dpbusd_block(__m256i& c0, __m256i& c1, const __m256i* w0, const __m256i* w1, const int8_t* x) {
+  for (int k = 0; k < 4; ++k) {
+    c0 = _mm256_dpbusd_epi32(c0, w0[k], broadcast4(x + 4 * k));
+    c1 = _mm256_dpbusd_epi32(c1, w1[k], broadcast4(x + 16 + 4 * k));
+  }
+}
+#endif
+
 // Q4_0/Q4_1 rows interleaved eight by eight (X8: see ggml_kernels.cpp), against NT tokens (1 to 4) a pass over
 // a group's blocks. A register's eight 32-bit lanes are the group's eight rows: a block's codes are four loads of
 // 32 bytes (each four codes of every row, and in their high nibbles four more), unpacked once for the NT tokens;
@@ -473,13 +486,8 @@ static void x8_group(const uint8_t* group, int64_t nblocks, const int8_t* const*
     for (int t = 0; t < NT; ++t) {
       const int8_t* x = xq[t] + b * 32;
 #ifdef GGML_VNNI
-      // Two dpbusd chains of four, not one of eight: a token alone (decode) waits on their latency half as long;
-      // an integer sum is the same in any order.
       __m256i dot0 = _mm256_setzero_si256(), dot1 = _mm256_setzero_si256();
-      for (int j = 0; j < 4; ++j) {
-        dot0 = _mm256_dpbusd_epi32(dot0, lo[j], broadcast4(x + 4 * j));
-        dot1 = _mm256_dpbusd_epi32(dot1, hi[j], broadcast4(x + 16 + 4 * j));
-      }
+      dpbusd_block(dot0, dot1, lo, hi, x);
       const __m256i dot = _mm256_add_epi32(dot0, dot1);
 #else
       __m256i sum = _mm256_setzero_si256();
@@ -555,10 +563,7 @@ static void x8_group_q5(const uint8_t* group, int64_t nblocks, const int8_t* con
       const int8_t* x = xq[t] + b * 32;
 #ifdef GGML_VNNI
       __m256i dot0 = _mm256_setzero_si256(), dot1 = _mm256_setzero_si256();
-      for (int j = 0; j < 4; ++j) {
-        dot0 = _mm256_dpbusd_epi32(dot0, lo[j], broadcast4(x + 4 * j));
-        dot1 = _mm256_dpbusd_epi32(dot1, hi[j], broadcast4(x + 16 + 4 * j));
-      }
+      dpbusd_block(dot0, dot1, lo, hi, x);
       const __m256i dot = _mm256_add_epi32(dot0, dot1);
 #else
       __m256i sum_lo = _mm256_setzero_si256(), sum_hi = _mm256_setzero_si256();
@@ -683,12 +688,9 @@ static void kx8_group(const uint8_t* group, int64_t nsb, const int8_t* const* xq
         __m256i dot;
         if (BASE == Q4_K) {
 #ifdef GGML_VNNI
-          // Two chains, as x8_group's (one token at a time: 1.13x on a 5632 x 2048 weight).
+          // Two chains (one token at a time: 1.13x on a 5632 x 2048 weight).
           __m256i dot0 = _mm256_setzero_si256(), dot1 = _mm256_setzero_si256();
-          for (int k = 0; k < 4; ++k) {
-            dot0 = _mm256_dpbusd_epi32(dot0, lo[k], broadcast4(x + 4 * k));
-            dot1 = _mm256_dpbusd_epi32(dot1, hi[k], broadcast4(x + 16 + 4 * k));
-          }
+          dpbusd_block(dot0, dot1, lo, hi, x);
           dot = _mm256_mullo_epi32(_mm256_add_epi32(dot0, dot1), sc0);
 #else
           __m256i sum = _mm256_setzero_si256();
@@ -703,10 +705,7 @@ static void kx8_group(const uint8_t* group, int64_t nsb, const int8_t* const* xq
           // same integer as (q - 32) . xq, with no sign instruction per token.
           __m256i dot0 = _mm256_set1_epi32(-32 * xsum16[t][2 * b]);
           __m256i dot1 = _mm256_set1_epi32(-32 * xsum16[t][2 * b + 1]);
-          for (int k = 0; k < 4; ++k) {
-            dot0 = _mm256_dpbusd_epi32(dot0, lo[k], broadcast4(x + 4 * k));
-            dot1 = _mm256_dpbusd_epi32(dot1, hi[k], broadcast4(x + 16 + 4 * k));
-          }
+          dpbusd_block(dot0, dot1, lo, hi, x);
           dot = _mm256_add_epi32(_mm256_mullo_epi32(dot0, sc0), _mm256_mullo_epi32(dot1, sc1));
 #else
           dot = _mm256_add_epi32(kx8_half<true>(lo_abs, lo, x, sc0), kx8_half<true>(hi_abs, hi, x + 16, sc1));
@@ -758,12 +757,8 @@ static void x8_group_iq4(const uint8_t* group, int64_t nblocks, const int8_t* co
 #ifdef GGML_VNNI
     for (int t = 0; t < NT; ++t) {
       const int8_t* x = xq[t] + b * 32;
-      // Two chains, as x8_group's.
       __m256i dot = _mm256_set1_epi32(-128 * xsum[t][b]), dot1 = _mm256_setzero_si256();
-      for (int k = 0; k < 4; ++k) {
-        dot = _mm256_dpbusd_epi32(dot, w[k], broadcast4(x + 4 * k));
-        dot1 = _mm256_dpbusd_epi32(dot1, w[4 + k], broadcast4(x + 16 + 4 * k));
-      }
+      dpbusd_block(dot, dot1, w, w + 4, x);
       dot = _mm256_add_epi32(dot, dot1);
       if (XS) dot = _mm256_mullo_epi32(dot, sc);
 #else
@@ -896,10 +891,7 @@ static void q3kx8_group(const uint8_t* group, int64_t nsb, const Q3kBlock* ready
         const int8_t* x = xq[t] + b * 32;
 #ifdef GGML_VNNI
         __m256i c0 = _mm256_set1_epi32(xsum[t][2 * b]), c1 = _mm256_set1_epi32(xsum[t][2 * b + 1]);
-        for (int k = 0; k < 4; ++k) {
-          c0 = _mm256_dpbusd_epi32(c0, u.w[k], broadcast4(x + 4 * k));
-          c1 = _mm256_dpbusd_epi32(c1, u.w[4 + k], broadcast4(x + 16 + 4 * k));
-        }
+        dpbusd_block(c0, c1, u.w, u.w + 4, x);
         const __m256i dot = _mm256_dpwssd_epi32(_mm256_dpwssd_epi32(u.start, c0, u.pair0), c1, u.pair1);
 #else
         __m256i s0 = _mm256_maddubs_epi16(u.w[0], broadcast4(x));
