@@ -11,13 +11,12 @@ import struct
 import pytest
 from hypothesis import HealthCheck, assume, example, given, seed, settings
 from hypothesis import strategies as st
-from test_server import CHAT_TEMPLATE
+from test_server import build_chat_llama
 
 import run_generation
 import rungen.loading
 from helpers import run_main
 from rungen.arguments import build_parser
-from tiny_models import build_tiny_checkpoint
 
 FAST = settings(deadline=None, database=None, suppress_health_check=list(HealthCheck))
 ERROR_LINE = re.compile(r"run_generation\.py: error: \S.*")
@@ -41,11 +40,7 @@ def one_line_error(result):
 @pytest.fixture(scope="module")
 def chat_llama(tmp_path_factory):
     """A tiny llama with a chat template (as an instruct checkpoint has), so that "messages" lines run."""
-    path = str(tmp_path_factory.mktemp("input_fuzz") / "llama")
-    build_tiny_checkpoint("llama", path)
-    with open(os.path.join(path, "chat_template.jinja"), "w") as f:
-        f.write(CHAT_TEMPLATE)
-    return path
+    return build_chat_llama(str(tmp_path_factory.mktemp("input_fuzz") / "llama"))
 
 
 GOOD_LINES = [{"prompt": "The capital of France is"}, {"prompt": "Hello", "id": 7, "meta": {"tags": ["a", 1.5]}},

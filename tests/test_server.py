@@ -32,6 +32,15 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
 HELLO = [{"role": "user", "content": "Hello, my dog is cute."}]
 
 
+def build_chat_llama(path: str) -> str:
+    """A tiny llama checkpoint at `path` with SmolLM2-Instruct's ChatML template (as an instruct checkpoint has),
+    so that "messages" run; returns `path`."""
+    build_tiny_checkpoint("llama", path)
+    with open(os.path.join(path, "chat_template.jinja"), "w") as f:
+        f.write(CHAT_TEMPLATE)
+    return path
+
+
 def free_port():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -60,11 +69,7 @@ class LiveServer:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("serve") / "llama")
-    build_tiny_checkpoint("llama", path)
-    with open(os.path.join(path, "chat_template.jinja"), "w") as f:
-        f.write(CHAT_TEMPLATE)
-    return path
+    return build_chat_llama(str(tmp_path_factory.mktemp("serve") / "llama"))
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ answers as it did before."""
 
 import json
 import math
-import os
 import socket
 import string
 import time
@@ -16,11 +15,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, example, given, seed, settings
 from hypothesis import strategies as st
-from test_server import CHAT_TEMPLATE, MODEL_ID, LiveServer
+from test_server import MODEL_ID, LiveServer, build_chat_llama
 
 from rungen.loading import load
 from rungen.server import MAX_BODY_DEPTH, ServeOptions, build
-from tiny_models import build_tiny_checkpoint
 
 MAX_BODY = 64 << 10  # small, so that oversized bodies are cheap to make
 CHAT = "/v1/chat/completions"
@@ -86,11 +84,7 @@ class KeepAlive:
 
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("fuzz") / "llama")
-    build_tiny_checkpoint("llama", path)
-    with open(os.path.join(path, "chat_template.jinja"), "w") as f:
-        f.write(CHAT_TEMPLATE)
-    return load(path, device=torch.device("cpu"))
+    return load(build_chat_llama(str(tmp_path_factory.mktemp("fuzz") / "llama")), device=torch.device("cpu"))
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ accepted request ends with a complete response or a proper end of stream, and th
 
 import concurrent.futures
 import json
-import os
 import random
 import signal
 import subprocess
@@ -15,12 +14,11 @@ import time
 import httpx
 import pytest
 import torch
-from test_server import CHAT_TEMPLATE, MODEL_ID, LiveServer, free_port
+from test_server import MODEL_ID, LiveServer, build_chat_llama, free_port
 
 from helpers import SCRIPT, cli_env, wait_until_healthy
 from rungen.loading import load
 from rungen.server import ServeOptions, build
-from tiny_models import build_tiny_checkpoint
 
 CLIENTS, QUEUE, BATCH = 64, 16, 4
 TOKENS = 40  # long enough that the first requests still run when the last ones arrive
@@ -28,11 +26,8 @@ TOKENS = 40  # long enough that the first requests still run when the last ones 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("load") / MODEL_ID)  # --serve names the model after its directory
-    build_tiny_checkpoint("llama", path)
-    with open(os.path.join(path, "chat_template.jinja"), "w") as f:
-        f.write(CHAT_TEMPLATE)
-    return path
+    # --serve names the model after its directory
+    return build_chat_llama(str(tmp_path_factory.mktemp("load") / MODEL_ID))
 
 
 def request_body(number, stream):
