@@ -42,8 +42,8 @@ FLOORS = {
                                           "modeling_llama; from transformers import AutoConfig, AutoTokenizer",
 }
 
-# The tool's stages in a fresh process, as main() runs them (its imports split where transformers' chain splits).
-TOOL_STAGES = r"""
+# What both stage scripts start with: lap() times each stage as it ends.
+LAPS = r"""
 import json, sys, time
 clock, cpu_clock, out = [time.perf_counter()], [time.process_time()], {}
 
@@ -51,7 +51,10 @@ def lap(name):  # (wall s, CPU s of this process) since the last lap
     clock.append(time.perf_counter())
     cpu_clock.append(time.process_time())
     out[name] = (clock[-1] - clock[-2], cpu_clock[-1] - cpu_clock[-2])
+"""
 
+# The tool's stages in a fresh process, as main() runs them (its imports split where transformers' chain splits).
+TOOL_STAGES = LAPS + r"""
 import torch
 lap("import torch")
 import gguf, jinja2, numpy, tokenizers
@@ -98,15 +101,7 @@ print(json.dumps(out))
 gc.freeze()  # and the exit skips the collections over everything (command() again)
 """
 
-LLAMA_STAGES = r"""
-import json, sys, time
-clock, cpu_clock, out = [time.perf_counter()], [time.process_time()], {}
-
-def lap(name):  # (wall s, CPU s of this process) since the last lap
-    clock.append(time.perf_counter())
-    cpu_clock.append(time.process_time())
-    out[name] = (clock[-1] - clock[-2], cpu_clock[-1] - cpu_clock[-2])
-
+LLAMA_STAGES = LAPS + r"""
 path, length, prompt = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 from llama_cpp import Llama
 lap("import llama_cpp")
