@@ -32,6 +32,7 @@ from .ggml import (
     native_kernels,
     release_freed_memory,
 )
+from .kvcache import new_cache
 
 # config.model_type -> the GGUF architectures whose q/k rows transformers' tensor processor un-permutes (llama.cpp's
 # converter permutes them for its interleaved rotary; the native kernels rotate halves, as transformers does).
@@ -128,8 +129,6 @@ class GGUFCausalLM(torch.nn.Module):
         """Logits of `input_ids` [batch, tokens] after what `past_key_values` (rungen.kvcache.new_cache's, extended
         in place) holds; `attention_mask` [batch, held + tokens] marks left padding, `position_ids` each row's
         positions (the held length onwards when None); `logits_to_keep`: the last ones only (0: all)."""
-        from .kvcache import new_cache
-
         cache = past_key_values if past_key_values is not None else new_cache(self)
         if not self.stack.takes(cache):
             raise ValueError("this model's cache holds one full-attention layer per decoder layer "
