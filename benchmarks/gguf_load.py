@@ -2,12 +2,14 @@
 and llama.cpp, each run a fresh process.
 
     python -m benchmarks.gguf_load [--skip-big] [--dequantize] [--workdir /tmp/gguf_bench]
+    python -m benchmarks.gguf_load --model FILE [FILE ...] [--repeats 0]
 
 Files: the default model's (SmolLM2-135M Q4_1, embedding Q8_0), and a llama of TinyLlama's shape
 (22 layers, hidden 2048, ffn 5632, 32 heads, 4 kv heads; 1.1B parameters, vocabulary = the default
 model's tokenizer, 49152) with random weights, written here under --workdir: in Q4_0 as llama.cpp's Q4_0
 files are (token_embd Q4_0, output Q6_K; random blocks with valid fp16 scales), and, when llama-cpp-python
-is installed in /work/bench-venv, turned into a real Q4_K_M mix by llama.cpp's own llama_model_quantize.
+is installed in /work/bench-venv, turned into a real Q4_K_M mix by llama.cpp's own llama_model_quantize. Or,
+with --model, the files given (e.g. those `benchmarks.gguf_files --write` makes: every type and family).
 
 Rows: the floor (`import torch, transformers` and the llama modeling module); the tool's first run (empty
 cache: the header is read and cached) and a repeat run, each loading with rungen.loading.load and
@@ -119,6 +121,8 @@ def main():
     parser.add_argument("--skip-big", action="store_true", help="only the default model's file")
     parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "gguf_bench"))
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")
+    parser.add_argument("--model", nargs="+", help="these GGUF files instead of the default list")
+    parser.add_argument("--repeats", type=int, default=2, help="repeat runs (cached header) after the first")
     args = parser.parse_args()
     if args.child:
         start = time.perf_counter()  # from here: the interpreter's own start is the same for every row
@@ -132,7 +136,9 @@ def main():
     os.makedirs(args.workdir, exist_ok=True)
     default = default_model_file()
     files = {"default model (SmolLM2-135M Q4_1)": default}
-    if not args.skip_big:
+    if args.model:
+        files = {os.path.basename(path): os.path.abspath(path) for path in args.model}
+    elif not args.skip_big:
         q4_0 = os.path.join(args.workdir, "tinyllama-shape-Q4_0.gguf")
         if not os.path.exists(q4_0):
             print(f"writing {q4_0} ...", flush=True)
@@ -162,7 +168,7 @@ def main():
                   f"repeat first token <= {floor['ready_s'] + 2:.1f} s")
             tool_path = None if path == default else path
             show("tool, first run (header read and cached)", tool_row(tool_path, cache), file_mb, floor)
-            for repeat in range(2):  # each beside a fresh floor: the shared CPU's load drifts
+            for repeat in range(args.repeats):  # each beside a fresh floor: the shared CPU's load drifts
                 paired = run_child([sys.executable, "-m", "benchmarks.gguf_load", "--child", "floor"], cache)
                 row = tool_row(tool_path, cache)
                 show(f"tool, repeat run {repeat + 1}", row, file_mb, floor)
