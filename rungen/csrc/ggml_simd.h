@@ -779,15 +779,14 @@ static void x8_group_iq4(const uint8_t* group, int64_t nblocks, const int8_t* co
   for (int t = 0; t < NT; ++t) _mm256_storeu_ps(out[t], acc[t]);
 }
 
-// NT tokens a pass over one group, for tokens [t, end); BASE: the blocks' type.
-template <int64_t BASE, int NT>
-static int64_t x8_pass(const uint8_t* group, int64_t nb, const Act& a, int64_t k, float* y, int64_t stride,
-                       int64_t t, int64_t end) {
-  for (; t + NT <= end; t += NT) {
-    const int8_t* xq[NT];
-    const float *xd[NT], *xs[NT];
-    const int32_t *xsum[NT], *xsum16[NT];
-    float* out[NT];
+// A pass's NT tokens from token t on: their activations (codes, scales, the offsets' sums) and outputs.
+template <int NT>
+struct Tokens {
+  const int8_t* xq[NT];
+  const float *xd[NT], *xs[NT];
+  const int32_t *xsum[NT], *xsum16[NT];
+  float* out[NT];
+  Tokens(const Act& a, int64_t k, int64_t nb, float* y, int64_t stride, int64_t t) {
     for (int i = 0; i < NT; ++i) {
       xq[i] = a.q + (t + i) * k;
       xd[i] = a.d + (t + i) * nb;
@@ -796,16 +795,25 @@ static int64_t x8_pass(const uint8_t* group, int64_t nb, const Act& a, int64_t k
       xsum16[i] = a.sum16 + (t + i) * nb * 2;
       out[i] = y + (t + i) * stride;
     }
+  }
+};
+
+// NT tokens a pass over one group, for tokens [t, end); BASE: the blocks' type.
+template <int64_t BASE, int NT>
+static int64_t x8_pass(const uint8_t* group, int64_t nb, const Act& a, int64_t k, float* y, int64_t stride,
+                       int64_t t, int64_t end) {
+  for (; t + NT <= end; t += NT) {
+    const Tokens<NT> x(a, k, nb, y, stride, t);
     if constexpr (BASE == Q8_0)
-      x8_group_q8<NT>(group, nb, xq, xd, out);
+      x8_group_q8<NT>(group, nb, x.xq, x.xd, x.out);
     else if constexpr (BASE == IQ4_NL || BASE == IQ4_XS)
-      x8_group_iq4<BASE == IQ4_XS, NT>(group, nb, xq, xd, xsum, out);
+      x8_group_iq4<BASE == IQ4_XS, NT>(group, nb, x.xq, x.xd, x.xsum, x.out);
     else if constexpr (BASE == Q5_0 || BASE == Q5_1)
-      x8_group_q5<BASE == Q5_1, NT>(group, nb, xq, xd, xs, out);
+      x8_group_q5<BASE == Q5_1, NT>(group, nb, x.xq, x.xd, x.xs, x.out);
     else if constexpr (BASE == Q4_K || BASE == Q5_K || BASE == Q6_K)
-      kx8_group<BASE, NT>(group, nb / 8, xq, xd, xs, xsum16, out);
+      kx8_group<BASE, NT>(group, nb / 8, x.xq, x.xd, x.xs, x.xsum16, x.out);
     else
-      x8_group<BASE == Q4_1, NT>(group, nb, xq, xd, xs, out);
+      x8_group<BASE == Q4_1, NT>(group, nb, x.xq, x.xd, x.xs, x.out);
   }
   return t;
 }
@@ -954,36 +962,138 @@ static void q3kx8_tokens(const uint8_t* group, int64_t nb, const Act& a, int64_t
   q3kx8_pass<1, true>(group, ready, nb, a, k, y, stride, t, a.n);
 }
 
-// Groups [g0, g1) of an X8 weight against every token: four tokens a pass while a group's blocks (a few KB)
-// stay in the L1 cache, then two, then one (eight a pass measured slower: the codes and accumulators no longer
-// fit the sixteen registers).
-static void x8_rows(const Job& job, int64_t g0, int64_t g1) {
+#ifdef GGML_VNNI
+// ---------------------------------------------------------------------------------------------------
+// X16: two X8 groups side by side in the 16 lanes of a zmm register (VNNI build: AVX-512's 32 registers), for
+// several tokens. One broadcast of a token's four activations and one dpbusd feed 16 rows, and each block's
+// float conversion, scale product and multiply-adds cover 16 rows a token: per dpbusd half the instructions of
+// the X8 kernels, which spent as many issue slots on those as on the dot products (docs/kernels.md, "What bounds
+// the VNNI kernels"). Each lane computes what the X8 kernel computes for its row, in the same order: the same bits.
+// Group g's bytes are in the low half, g + 1's (pitch bytes on) in the high half.
+
+static inline __m512i pair_load(const uint8_t* p, int64_t pitch) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)p)),
+                            _mm256_loadu_si256((const __m256i*)(p + pitch)), 1);
+}
+
+// Eight float16 of each group (its rows' scales) as 16 floats.
+static inline __m512 pair_halves(const uint8_t* p, int64_t pitch) {
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)p)),
+                                                 _mm_loadu_si128((const __m128i*)(p + pitch)), 1));
+}
+
+// Eight bytes of each group as the 16 int32 lanes, unsigned or signed.
+static inline __m128i pair_bytes(const uint8_t* p, int64_t pitch) {
+  return _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i*)p), _mm_loadl_epi64((const __m128i*)(p + pitch)));
+}
+static inline __m512i pair_lanes_u8(const uint8_t* p, int64_t pitch) { return _mm512_cvtepu8_epi32(pair_bytes(p, pitch)); }
+static inline __m512i pair_lanes_s8(const uint8_t* p, int64_t pitch) { return _mm512_cvtepi8_epi32(pair_bytes(p, pitch)); }
+
+static inline __m512i broadcast4_16(const int8_t* x) {
+  int32_t v;
+  memcpy(&v, x, 4);
+  return _mm512_set1_epi32(v);
+}
+
+static inline __m512 broadcast_f16(const float* p) { return _mm512_set1_ps(*p); }
+
+// dpbusd_block for 16 rows.
+static inline void dpbusd_block16(__m512i& c0, __m512i& c1, const __m512i* w0, const __m512i* w1, const int8_t* x) {
+  for (int k = 0; k < 4; ++k) {
+    c0 = _mm512_dpbusd_epi32(c0, w0[k], broadcast4_16(x + 4 * k));
+    c1 = _mm512_dpbusd_epi32(c1, w1[k], broadcast4_16(x + 16 + 4 * k));
+  }
+}
+
+// Q4_0/Q4_1: x8_group for two groups.
+template <bool HAS_MIN, int NT>
+static void x16_group(const uint8_t* group, int64_t pitch, int64_t nblocks, const int8_t* const* xq,
+                      const float* const* xd, const float* const* xs, float* const* out) {
+  constexpr int64_t BYTES = HAS_MIN ? 160 : 144, HEAD = HAS_MIN ? 32 : 16;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const uint8_t* p = group + b * BYTES;
+    __m512i lo[4], hi[4];
+    for (int j = 0; j < 4; ++j) {
+      const __m512i v = pair_load(p + HEAD + 32 * j, pitch);
+      lo[j] = _mm512_and_si512(v, low);
+      hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    }
+    const __m512 d = pair_halves(p, pitch);
+    const __m512 m = HAS_MIN ? pair_halves(p + 16, pitch) : _mm512_mul_ps(_mm512_set1_ps(-8.f), d);
+    for (int t = 0; t < NT; ++t) {
+      __m512i dot0 = _mm512_setzero_si512(), dot1 = _mm512_setzero_si512();
+      dpbusd_block16(dot0, dot1, lo, hi, xq[t] + b * 32);
+      const __m512i dot = _mm512_add_epi32(dot0, dot1);
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, broadcast_f16(xd[t] + b)), acc[t]);
+      acc[t] = _mm512_fmadd_ps(m, broadcast_f16(xs[t] + b), acc[t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) _mm512_storeu_ps(out[t], acc[t]);
+}
+
+// The types that have an X16 kernel.
+static constexpr bool x16_type(int64_t base) { return base == Q4_0 || base == Q4_1; }
+
+template <int64_t BASE, int NT>
+static int64_t x16_pass(const uint8_t* group, int64_t pitch, int64_t nb, const Act& a, int64_t k, float* y,
+                        int64_t stride, int64_t t, int64_t end) {
+  for (; t + NT <= end; t += NT) {
+    const Tokens<NT> x(a, k, nb, y, stride, t);
+    x16_group<BASE == Q4_1, NT>(group, pitch, nb, x.xq, x.xd, x.xs, x.out);
+  }
+  return t;
+}
+
+template <int64_t BASE>
+static void x16_tokens(const uint8_t* group, int64_t pitch, int64_t nb, const Act& a, int64_t k, float* y,
+                       int64_t stride) {
+  int64_t t = x16_pass<BASE, 4>(group, pitch, nb, a, k, y, stride, 0, a.n);
+  t = x16_pass<BASE, 2>(group, pitch, nb, a, k, y, stride, t, a.n);
+  x16_pass<BASE, 1>(group, pitch, nb, a, k, y, stride, t, a.n);
+}
+#endif
+
+// Groups [g0, g1) of one type against every token: four tokens a pass while a group's blocks (a few KB) stay in
+// the L1 cache, then two, then one (eight a pass measured slower: the codes and accumulators no longer fit the
+// sixteen registers). On VNNI, two groups at a time where the type has an X16 kernel and there are several
+// tokens; a token alone (decode) keeps the X8 kernels.
+template <int64_t BASE>
+static void x8_span(const Job& job, int64_t g0, int64_t g1) {
   const Act& a = *job.act;
-  const int64_t nb = job.in_features / 32, base = job.qtype & ~X8;
-  for (int64_t g = g0; g < g1; ++g) {
+  const int64_t nb = job.in_features / 32;
+  int64_t g = g0;
+#ifdef GGML_VNNI
+  if constexpr (x16_type(BASE))
+    if (a.n > 1)
+      for (; g + 2 <= g1; g += 2)
+        x16_tokens<BASE>(job.blocks + g * job.pitch, job.pitch, nb, a, job.in_features, job.y + 8 * g,
+                         job.out_features);
+#endif
+  for (; g < g1; ++g) {
     const uint8_t* group = job.blocks + g * job.pitch;
-    float* y = job.y + 8 * g;
-    if (base == Q4_1)
-      x8_tokens<Q4_1>(group, nb, a, job.in_features, y, job.out_features);
-    else if (base == Q4_0)
-      x8_tokens<Q4_0>(group, nb, a, job.in_features, y, job.out_features);
-    else if (base == Q5_0)
-      x8_tokens<Q5_0>(group, nb, a, job.in_features, y, job.out_features);
-    else if (base == Q5_1)
-      x8_tokens<Q5_1>(group, nb, a, job.in_features, y, job.out_features);
-    else if (base == Q4_K)
-      x8_tokens<Q4_K>(group, nb, a, job.in_features, y, job.out_features);
-    else if (base == Q5_K)
-      x8_tokens<Q5_K>(group, nb, a, job.in_features, y, job.out_features);
-    else if (base == Q6_K)
-      x8_tokens<Q6_K>(group, nb, a, job.in_features, y, job.out_features);
-    else if (base == IQ4_NL)
-      x8_tokens<IQ4_NL>(group, nb, a, job.in_features, y, job.out_features);
-    else if (base == IQ4_XS)
-      x8_tokens<IQ4_XS>(group, nb, a, job.in_features, y, job.out_features);
-    else if (base == Q3_K)
-      q3kx8_tokens(group, nb, a, job.in_features, y, job.out_features);
+    if constexpr (BASE == Q3_K)
+      q3kx8_tokens(group, nb, a, job.in_features, job.y + 8 * g, job.out_features);
     else
-      x8_tokens<Q8_0>(group, nb, a, job.in_features, y, job.out_features);
+      x8_tokens<BASE>(group, nb, a, job.in_features, job.y + 8 * g, job.out_features);
+  }
+}
+
+// Groups [g0, g1) of an X8 weight against every token.
+static void x8_rows(const Job& job, int64_t g0, int64_t g1) {
+  switch (job.qtype & ~X8) {
+    case Q4_0: return x8_span<Q4_0>(job, g0, g1);
+    case Q4_1: return x8_span<Q4_1>(job, g0, g1);
+    case Q5_0: return x8_span<Q5_0>(job, g0, g1);
+    case Q5_1: return x8_span<Q5_1>(job, g0, g1);
+    case Q4_K: return x8_span<Q4_K>(job, g0, g1);
+    case Q5_K: return x8_span<Q5_K>(job, g0, g1);
+    case Q6_K: return x8_span<Q6_K>(job, g0, g1);
+    case IQ4_NL: return x8_span<IQ4_NL>(job, g0, g1);
+    case IQ4_XS: return x8_span<IQ4_XS>(job, g0, g1);
+    case Q3_K: return x8_span<Q3_K>(job, g0, g1);
+    default: return x8_span<Q8_0>(job, g0, g1);
   }
 }
