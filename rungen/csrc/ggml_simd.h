@@ -1034,15 +1034,187 @@ static void x16_group(const uint8_t* group, int64_t pitch, int64_t nblocks, cons
   for (int t = 0; t < NT; ++t) _mm512_storeu_ps(out[t], acc[t]);
 }
 
+// Q5_0/Q5_1: x8_group_q5 for two groups.
+template <bool HAS_MIN, int NT>
+static void x16_group_q5(const uint8_t* group, int64_t pitch, int64_t nblocks, const int8_t* const* xq,
+                         const float* const* xd, const float* const* xs, float* const* out) {
+  constexpr int64_t BYTES = HAS_MIN ? 192 : 176, HEAD = HAS_MIN ? 64 : 48, PLANE = HAS_MIN ? 32 : 16;
+  const __m512i low = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
+  __m512 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const uint8_t* p = group + b * BYTES;
+    const __m512i plane = pair_load(p + PLANE, pitch);
+    __m512i lo[4], hi[4];
+    for (int j = 0; j < 4; ++j) {
+      const __m512i v = pair_load(p + HEAD + 32 * j, pitch);
+      lo[j] = _mm512_or_si512(_mm512_and_si512(v, low), _mm512_and_si512(_mm512_slli_epi16(plane, 4 - j), sixteen));
+      hi[j] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low),
+                              _mm512_and_si512(_mm512_srli_epi16(plane, j), sixteen));
+    }
+    const __m512 d = pair_halves(p, pitch);
+    const __m512 m = HAS_MIN ? pair_halves(p + 16, pitch) : _mm512_mul_ps(_mm512_set1_ps(-16.f), d);
+    for (int t = 0; t < NT; ++t) {
+      __m512i dot0 = _mm512_setzero_si512(), dot1 = _mm512_setzero_si512();
+      dpbusd_block16(dot0, dot1, lo, hi, xq[t] + b * 32);
+      const __m512i dot = _mm512_add_epi32(dot0, dot1);
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, broadcast_f16(xd[t] + b)), acc[t]);
+      acc[t] = _mm512_fmadd_ps(m, broadcast_f16(xs[t] + b), acc[t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) _mm512_storeu_ps(out[t], acc[t]);
+}
+
+// Q8_0: x8_group_q8 for two groups. AVX-512 has no byte sign instruction: the codes offset by 128 (unsigned
+// 0..255) against the activations, less 128 times the token's integer sum of the block, the same exact sum.
+template <int NT>
+static void x16_group_q8(const uint8_t* group, int64_t pitch, int64_t nblocks, const int8_t* const* xq,
+                         const float* const* xd, const int32_t* const* xsum, float* const* out) {
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
+  __m512 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const uint8_t* p = group + b * 272;
+    __m512i w[8];
+    for (int j = 0; j < 8; ++j) w[j] = _mm512_xor_si512(pair_load(p + 16 + 32 * j, pitch), flip);
+    const __m512 d = pair_halves(p, pitch);
+    for (int t = 0; t < NT; ++t) {
+      const int8_t* x = xq[t] + b * 32;
+      __m512i dot0 = _mm512_set1_epi32(-128 * xsum[t][b]), dot1 = _mm512_setzero_si512();
+      for (int j = 0; j < 4; ++j) {
+        dot0 = _mm512_dpbusd_epi32(dot0, w[2 * j], broadcast4_16(x + 8 * j));
+        dot1 = _mm512_dpbusd_epi32(dot1, w[2 * j + 1], broadcast4_16(x + 8 * j + 4));
+      }
+      const __m512i dot = _mm512_add_epi32(dot0, dot1);
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, broadcast_f16(xd[t] + b)), acc[t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) _mm512_storeu_ps(out[t], acc[t]);
+}
+
+// Q4_K/Q5_K/Q6_K: kx8_group's VNNI arithmetic for two groups (Q5_K's halves share a scale: its two chains' sum
+// weighted once, as Q4_K's).
+template <int64_t BASE, int NT>
+static void kx16_group(const uint8_t* group, int64_t pitch, int64_t nsb, const int8_t* const* xq,
+                       const float* const* xd, const float* const* xs, const int32_t* const* xsum16,
+                       float* const* out) {
+  constexpr bool Q6 = BASE == Q6_K, Q5 = BASE == Q5_K;
+  constexpr int64_t BYTES = Q6 ? 1680 : Q5 ? 1440 : 1184, BLOCK = Q6 ? 192 : Q5 ? 160 : 128, CODES = Q6 ? 144 : 160;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < nsb; ++s) {
+    const uint8_t* p = group + s * BYTES;
+    const __m512 d = pair_halves(p, pitch);
+    // -dmin by its sign bit, as kx8_group's xor (AVX-512F has no float xor).
+    const __m512 neg_dmin = Q6 ? d : _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(pair_halves(p + 16, pitch)),
+                                                                          _mm512_set1_epi32(int32_t(0x80000000u))));
+    for (int64_t j = 0; j < 8; ++j) {
+      const int64_t b = 8 * s + j;
+      const uint8_t* nib = p + CODES + BLOCK * j;
+      __m512i lo[4], hi[4];
+      for (int k = 0; k < 4; ++k) {
+        const __m512i v = pair_load(nib + 32 * k, pitch);
+        lo[k] = _mm512_and_si512(v, low);
+        hi[k] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+      if (Q5) {
+        const __m512i h = pair_load(nib + 128, pitch), bit = _mm512_set1_epi8(16);
+        for (int k = 0; k < 4; ++k) {
+          lo[k] = _mm512_or_si512(lo[k], _mm512_and_si512(_mm512_slli_epi32(h, 4 - k), bit));
+          hi[k] = _mm512_or_si512(hi[k], _mm512_and_si512(_mm512_srli_epi32(h, k), bit));
+        }
+      }
+      if (Q6) {
+        const __m512i h0 = pair_load(nib + 128, pitch), h1 = pair_load(nib + 160, pitch);
+        const __m512i bits = _mm512_set1_epi8(0x30);
+        for (int k = 0; k < 4; ++k) {
+          const __m512i t0 = k < 2 ? _mm512_slli_epi32(h0, 4 - 2 * k) : _mm512_srli_epi32(h0, 2 * k - 4);
+          const __m512i t1 = k < 2 ? _mm512_slli_epi32(h1, 4 - 2 * k) : _mm512_srli_epi32(h1, 2 * k - 4);
+          lo[k] = _mm512_or_si512(lo[k], _mm512_and_si512(t0, bits));
+          hi[k] = _mm512_or_si512(hi[k], _mm512_and_si512(t1, bits));
+        }
+      }
+      __m512i sc0, sc1;
+      __m512 m = d;
+      if (Q6) {
+        sc0 = pair_lanes_s8(p + 16 + 16 * j, pitch);
+        sc1 = pair_lanes_s8(p + 24 + 16 * j, pitch);
+      } else {
+        sc0 = sc1 = pair_lanes_u8(p + 32 + 8 * j, pitch);
+        m = _mm512_mul_ps(neg_dmin, _mm512_cvtepi32_ps(pair_lanes_u8(p + 96 + 8 * j, pitch)));
+      }
+      for (int t = 0; t < NT; ++t) {
+        const int8_t* x = xq[t] + b * 32;
+        __m512i dot;
+        if (Q6) {
+          __m512i dot0 = _mm512_set1_epi32(-32 * xsum16[t][2 * b]);
+          __m512i dot1 = _mm512_set1_epi32(-32 * xsum16[t][2 * b + 1]);
+          dpbusd_block16(dot0, dot1, lo, hi, x);
+          dot = _mm512_add_epi32(_mm512_mullo_epi32(dot0, sc0), _mm512_mullo_epi32(dot1, sc1));
+        } else {
+          __m512i dot0 = _mm512_setzero_si512(), dot1 = _mm512_setzero_si512();
+          dpbusd_block16(dot0, dot1, lo, hi, x);
+          dot = _mm512_mullo_epi32(_mm512_add_epi32(dot0, dot1), sc0);
+        }
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, broadcast_f16(xd[t] + b)), acc[t]);
+        if (!Q6) acc[t] = _mm512_fmadd_ps(m, broadcast_f16(xs[t] + b), acc[t]);
+      }
+    }
+  }
+  for (int t = 0; t < NT; ++t) _mm512_storeu_ps(out[t], acc[t]);
+}
+
+// IQ4_NL/IQ4_XS: x8_group_iq4's VNNI arithmetic for two groups.
+template <bool XS, int NT>
+static void x16_group_iq4(const uint8_t* group, int64_t pitch, int64_t nblocks, const int8_t* const* xq,
+                          const float* const* xd, const int32_t* const* xsum, float* const* out) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i table = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)kvalues_iq4nl)),
+                                         _mm512_set1_epi8(char(0x80)));
+  __m512 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
+  __m512 d = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const uint8_t* p = XS ? group + (b / 8) * 1104 : group + b * 144;
+    const uint8_t* nib = XS ? p + 80 + 128 * (b % 8) : p + 16;
+    if (!XS || b % 8 == 0) d = pair_halves(p, pitch);
+    __m512i w[8];
+    for (int k = 0; k < 4; ++k) {
+      const __m512i v = pair_load(nib + 32 * k, pitch);
+      w[k] = _mm512_shuffle_epi8(table, _mm512_and_si512(v, low));
+      w[4 + k] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+    }
+    const __m512i sc = XS ? pair_lanes_s8(p + 16 + 8 * (b % 8), pitch) : _mm512_set1_epi32(1);
+    for (int t = 0; t < NT; ++t) {
+      __m512i dot = _mm512_set1_epi32(-128 * xsum[t][b]), dot1 = _mm512_setzero_si512();
+      dpbusd_block16(dot, dot1, w, w + 4, xq[t] + b * 32);
+      dot = _mm512_add_epi32(dot, dot1);
+      if (XS) dot = _mm512_mullo_epi32(dot, sc);
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, broadcast_f16(xd[t] + b)), acc[t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) _mm512_storeu_ps(out[t], acc[t]);
+}
+
 // The types that have an X16 kernel.
-static constexpr bool x16_type(int64_t base) { return base == Q4_0 || base == Q4_1; }
+static constexpr bool x16_type(int64_t base) { return base != Q3_K; }
 
 template <int64_t BASE, int NT>
 static int64_t x16_pass(const uint8_t* group, int64_t pitch, int64_t nb, const Act& a, int64_t k, float* y,
                         int64_t stride, int64_t t, int64_t end) {
   for (; t + NT <= end; t += NT) {
     const Tokens<NT> x(a, k, nb, y, stride, t);
-    x16_group<BASE == Q4_1, NT>(group, pitch, nb, x.xq, x.xd, x.xs, x.out);
+    if constexpr (BASE == Q8_0)
+      x16_group_q8<NT>(group, pitch, nb, x.xq, x.xd, x.xsum, x.out);
+    else if constexpr (BASE == IQ4_NL || BASE == IQ4_XS)
+      x16_group_iq4<BASE == IQ4_XS, NT>(group, pitch, nb, x.xq, x.xd, x.xsum, x.out);
+    else if constexpr (BASE == Q5_0 || BASE == Q5_1)
+      x16_group_q5<BASE == Q5_1, NT>(group, pitch, nb, x.xq, x.xd, x.xs, x.out);
+    else if constexpr (BASE == Q4_K || BASE == Q5_K || BASE == Q6_K)
+      kx16_group<BASE, NT>(group, pitch, nb / 8, x.xq, x.xd, x.xs, x.xsum16, x.out);
+    else
+      x16_group<BASE == Q4_1, NT>(group, pitch, nb, x.xq, x.xd, x.xs, x.out);
   }
   return t;
 }
