@@ -1197,8 +1197,84 @@ static void x16_group_iq4(const uint8_t* group, int64_t pitch, int64_t nblocks, 
   for (int t = 0; t < NT; ++t) _mm512_storeu_ps(out[t], acc[t]);
 }
 
-// The types that have an X16 kernel.
-static constexpr bool x16_type(int64_t base) { return base != Q3_K; }
+// Q3_K: q3kx8_unpack and q3kx8_group's VNNI arithmetic for two groups.
+struct Q3kBlock16 {
+  __m512i w[8], pair0, pair1, start;
+};
+
+static inline void q3kx16_unpack(const uint8_t* p, int64_t pitch, int64_t j, Q3kBlock16& u) {
+  const __m512i three = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4);
+  const uint8_t* codes = p + 144 + 96 * j;
+  const __m512i l0 = pair_load(codes, pitch), l1 = pair_load(codes + 32, pitch), h = pair_load(codes + 64, pitch);
+  for (int k = 0; k < 4; ++k) {
+    const __m512i hl = _mm512_and_si512(k < 3 ? _mm512_slli_epi32(h, 2 - k) : _mm512_srli_epi32(h, 1), four);
+    const __m512i hh = _mm512_and_si512(_mm512_srli_epi32(h, 2 + k), four);
+    const __m512i ll = k ? _mm512_srli_epi32(l0, 2 * k) : l0, lh = k ? _mm512_srli_epi32(l1, 2 * k) : l1;
+    u.w[k] = _mm512_ternarylogic_epi32(ll, hl, three, 0xEC);
+    u.w[4 + k] = _mm512_ternarylogic_epi32(lh, hh, three, 0xEC);
+  }
+  const __m512i sc0 = pair_lanes_s8(p + 16 + 16 * j, pitch), sc1 = pair_lanes_s8(p + 24 + 16 * j, pitch);
+  const __m512i low16 = _mm512_set1_epi32(0xFFFF), zero = _mm512_setzero_si512();
+  u.pair0 = _mm512_or_si512(_mm512_and_si512(sc0, low16), _mm512_slli_epi32(_mm512_sub_epi32(zero, sc0), 18));
+  u.pair1 = _mm512_or_si512(_mm512_and_si512(sc1, low16), _mm512_slli_epi32(_mm512_sub_epi32(zero, sc1), 18));
+  u.start = _mm512_sub_epi32(zero, _mm512_slli_epi32(_mm512_add_epi32(sc0, sc1), 14));
+}
+
+template <int NT, bool READY>
+static void q3kx16_group(const uint8_t* group, int64_t pitch, int64_t nsb, const Q3kBlock16* ready,
+                         const int8_t* const* xq, const float* const* xd, const int32_t* const* high16,
+                         float* const* out) {
+  __m512 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < nsb; ++s) {
+    const uint8_t* p = group + s * 912;
+    const __m512 d = pair_halves(p, pitch);
+    for (int64_t j = 0; j < 8; ++j) {
+      const int64_t b = 8 * s + j;
+      Q3kBlock16 local;
+      if (!READY) q3kx16_unpack(p, pitch, j, local);
+      const Q3kBlock16& u = READY ? ready[b] : local;
+      for (int t = 0; t < NT; ++t) {
+        __m512i c0 = _mm512_set1_epi32(high16[t][2 * b]), c1 = _mm512_set1_epi32(high16[t][2 * b + 1]);
+        dpbusd_block16(c0, c1, u.w, u.w + 4, xq[t] + b * 32);
+        const __m512i dot = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(u.start, c0, u.pair0), c1, u.pair1);
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, broadcast_f16(xd[t] + b)), acc[t]);
+      }
+    }
+  }
+  for (int t = 0; t < NT; ++t) _mm512_storeu_ps(out[t], acc[t]);
+}
+
+template <int NT, bool READY>
+static int64_t q3kx16_pass(const uint8_t* group, int64_t pitch, const Q3kBlock16* ready, int64_t nb, const Act& a,
+                           int64_t k, float* y, int64_t stride, int64_t t, int64_t end) {
+  for (; t + NT <= end; t += NT) {
+    const Tokens<NT> x(a, k, nb, y, stride, t);
+    const int32_t* high16[NT];
+    for (int i = 0; i < NT; ++i) high16[i] = a.high16 + (t + i) * 2 * nb;
+    q3kx16_group<NT, READY>(group, pitch, nb / 8, ready, x.xq, x.xd, high16, x.out);
+  }
+  return t;
+}
+
+// As q3kx8_tokens: the two groups' blocks unpacked once into the thread's buffer when there is more than one pass.
+static void q3kx16_tokens(const uint8_t* group, int64_t pitch, int64_t nb, const Act& a, int64_t k, float* y,
+                          int64_t stride) {
+  if (a.n <= 4) {
+    int64_t t = q3kx16_pass<4, false>(group, pitch, nullptr, nb, a, k, y, stride, 0, a.n);
+    t = q3kx16_pass<2, false>(group, pitch, nullptr, nb, a, k, y, stride, t, a.n);
+    q3kx16_pass<1, false>(group, pitch, nullptr, nb, a, k, y, stride, t, a.n);
+    return;
+  }
+  static thread_local std::vector<uint8_t> buffer;
+  if (buffer.size() < nb * sizeof(Q3kBlock16) + 64) buffer.resize(nb * sizeof(Q3kBlock16) + 64);
+  Q3kBlock16* ready =
+      reinterpret_cast<Q3kBlock16*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t(63));
+  for (int64_t b = 0; b < nb; ++b) q3kx16_unpack(group + (b / 8) * 912, pitch, b % 8, ready[b]);
+  int64_t t = q3kx16_pass<4, true>(group, pitch, ready, nb, a, k, y, stride, 0, a.n);
+  t = q3kx16_pass<2, true>(group, pitch, ready, nb, a, k, y, stride, t, a.n);
+  q3kx16_pass<1, true>(group, pitch, ready, nb, a, k, y, stride, t, a.n);
+}
 
 template <int64_t BASE, int NT>
 static int64_t x16_pass(const uint8_t* group, int64_t pitch, int64_t nb, const Act& a, int64_t k, float* y,
@@ -1230,19 +1306,22 @@ static void x16_tokens(const uint8_t* group, int64_t pitch, int64_t nb, const Ac
 
 // Groups [g0, g1) of one type against every token: four tokens a pass while a group's blocks (a few KB) stay in
 // the L1 cache, then two, then one (eight a pass measured slower: the codes and accumulators no longer fit the
-// sixteen registers). On VNNI, two groups at a time where the type has an X16 kernel and there are several
-// tokens; a token alone (decode) keeps the X8 kernels.
+// sixteen registers). On VNNI with several tokens, two groups at a time (X16; an odd one left over takes the X8
+// kernel); a token alone (decode) keeps the X8 kernels.
 template <int64_t BASE>
 static void x8_span(const Job& job, int64_t g0, int64_t g1) {
   const Act& a = *job.act;
   const int64_t nb = job.in_features / 32;
   int64_t g = g0;
 #ifdef GGML_VNNI
-  if constexpr (x16_type(BASE))
-    if (a.n > 1)
-      for (; g + 2 <= g1; g += 2)
-        x16_tokens<BASE>(job.blocks + g * job.pitch, job.pitch, nb, a, job.in_features, job.y + 8 * g,
-                         job.out_features);
+  if (a.n > 1)
+    for (; g + 2 <= g1; g += 2) {
+      const uint8_t* group = job.blocks + g * job.pitch;
+      if constexpr (BASE == Q3_K)
+        q3kx16_tokens(group, job.pitch, nb, a, job.in_features, job.y + 8 * g, job.out_features);
+      else
+        x16_tokens<BASE>(group, job.pitch, nb, a, job.in_features, job.y + 8 * g, job.out_features);
+    }
 #endif
   for (; g < g1; ++g) {
     const uint8_t* group = job.blocks + g * job.pitch;
