@@ -255,25 +255,27 @@ def test_interleaved_rows_match_reference_with_the_same_bits_on_every_path_and_a
 
 @pytest.mark.parametrize("qtype", ggml.INTERLEAVED_TYPES, ids=lambda q: q.name)
 def test_interleaved_rows_give_each_token_its_bits_for_every_count_of_tokens(qtype, each_isa):
-    # The kernels take tokens a few at a time (a pass of four, then two, then one): every count from 1 to 17
-    # leaves other remainders, and each token's product must be the one it gets alone, on every path.
+    # The kernels take tokens a few at a time (a pass of four, then two, then one) and, on AVX-512, groups of eight
+    # rows two at a time (an odd group left over with 24 rows): every count from 1 to 17 and 33 leaves other
+    # remainders, and each token's product must be the one it gets alone, on every path.
     paths = isas()
     ops = torch.ops.rungen_ggml
     in_features = 512
-    blocks = blocks_for(qtype, 16, in_features, 7, "extremes" if qtype in SIMPLE else "max")
-    x8 = ops.interleave(blocks, int(qtype))
     code = int(qtype) | ggml.X8
-    x = inputs(17, in_features, 7, "full")
-    x[::3] = inputs(17, in_features, 8)[::3]
-    for isa in paths:
-        ops.set_isa(isa)
-        alone = torch.cat([ops.mm_int(x[i:i + 1], x8, code, in_features) for i in range(17)])
-        if isa == paths[0]:
-            check_native(alone, x, dequantize(blocks, qtype, in_features))
-            reference = alone
-        assert torch.equal(alone, reference), isa
-        for n in range(1, 18):
-            assert torch.equal(ops.mm_int(x[:n], x8, code, in_features), alone[:n]), (isa, n)
+    x = inputs(33, in_features, 7, "full")
+    x[::3] = inputs(33, in_features, 8)[::3]
+    for rows in (16, 24):
+        blocks = blocks_for(qtype, rows, in_features, 7, "extremes" if qtype in SIMPLE else "max")
+        x8 = ops.interleave(blocks, int(qtype))
+        for isa in paths:
+            ops.set_isa(isa)
+            alone = torch.cat([ops.mm_int(x[i:i + 1], x8, code, in_features) for i in range(33)])
+            if isa == paths[0]:
+                check_native(alone, x, dequantize(blocks, qtype, in_features))
+                reference = alone
+            assert torch.equal(alone, reference), (rows, isa)
+            for n in list(range(1, 18)) + [33]:
+                assert torch.equal(ops.mm_int(x[:n], x8, code, in_features), alone[:n]), (rows, isa, n)
 
 
 def test_a_layer_interleaves_in_place_where_the_kernels_take_it():
