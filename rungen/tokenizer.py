@@ -19,10 +19,10 @@ import os
 import torch
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-# tokenizer_config.json keys that change nothing this class computes: what loading recorded, the length limit
-# (the tool takes the model's context), transformers' class choice.
+# tokenizer_config.json keys that change nothing this class computes (what loading recorded, the length limit and
+# truncation side: the tool never truncates, transformers' class choice) or that it applies (padding_side).
 INERT_KEYS = {"backend", "is_local", "local_files_only", "model_max_length", "tokenizer_class", "name_or_path",
-              "model_input_names", "clean_up_tokenization_spaces", "padding_side", "truncation_side"}
+              "clean_up_tokenization_spaces", "padding_side", "truncation_side"}
 BACKEND_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
@@ -40,8 +40,6 @@ def own(directory: str) -> str | None:
         return f"its tokenizer_config.json sets {', '.join(other)}"
     if config.get("clean_up_tokenization_spaces"):
         return "it cleans up tokenization spaces"
-    if config.get("padding_side", "left") != "left" or config.get("truncation_side", "right") != "right":
-        return "it pads or truncates on a side of its own"  # the tool sets left padding; truncation: never
     if os.path.isdir(os.path.join(directory, "additional_chat_templates")):
         return "it has several chat templates"
     return None
@@ -83,7 +81,7 @@ class GGUFTokenizer:
         if os.path.isfile(template):
             with open(template, encoding="utf-8") as f:
                 self.chat_template = f.read()
-        self.padding_side = "left"
+        self.padding_side = config.get("padding_side", "right")  # transformers' default; the tool sets left
         self.name_or_path = directory
 
     def __getattr__(self, name: str):

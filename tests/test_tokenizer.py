@@ -74,6 +74,7 @@ def test_which_files_get_the_own_tokenizer(caches):
 
 @pytest.mark.parametrize("name", OWN)
 def test_ids_text_and_special_tokens_are_transformers(caches, name):
+    assert GGUFTokenizer(caches[name]).padding_side == AutoTokenizer.from_pretrained(caches[name]).padding_side
     mine, theirs = pair(caches[name])
     for attribute in ("bos_token", "eos_token", "unk_token", "pad_token", "bos_token_id", "eos_token_id",
                       "unk_token_id", "pad_token_id", "all_special_ids", "all_special_tokens", "special_tokens_map",
