@@ -135,3 +135,34 @@ def test_chat_templates_render_as_transformers(caches, tmp_path, template):
     assert mine.apply_chat_template(CONVERSATIONS[0], add_generation_prompt=True) == mine.encode(
         text, add_special_tokens=False)
     assert CONVERSATIONS[2][1]["content"] is None and "thinking" not in CONVERSATIONS[2][1]  # left as given
+
+
+FEATURES_TEMPLATE = """{%- set ns = namespace(n=0) -%}
+{%- for message in messages -%}
+  {%- if message.role == 'system' %}{% continue %}{% endif -%}
+  {%- if loop.index > 7 %}{% break %}{% endif -%}
+  {%- set ns.n = ns.n + 1 -%}
+  <{{ message.role }}>{% if message.role == 'assistant' %}{% generation %}{{ message.content }}{% endgeneration %}
+  {%- else %}{{ message.content | trim }}{% endif %}</{{ message.role }}>
+  {%- if message.tool_calls is defined %}{{ message.tool_calls | tojson }}{% endif -%}
+  {%- if message.reasoning_content is defined %}[{{ message.thinking }}|{{ message.reasoning_content }}]{% endif %}
+{% endfor -%}
+{{ ns.n }} {{ tools | tojson(indent=2) }} {{ dict(a=1) | tojson }} {{ bos_token }}{{ eos_token }}
+{%- if messages[-1].content == 'refuse' %}{{ raise_exception('refused: ' ~ messages[-1].role) }}{% endif -%}
+{%- if add_generation_prompt %}<assistant>{% endif %}"""
+
+
+def test_the_template_environment_is_transformers(caches, tmp_path):
+    # What transformers' environment adds to jinja2's: loop controls, {% generation %}, namespace, dict, tojson
+    # (non-ASCII kept, indent), raise_exception, trim_blocks/lstrip_blocks, reasoning under its names, None dropped.
+    directory = tmp_path / "tok"
+    shutil.copytree(caches["default"], directory)
+    (directory / "chat_template.jinja").write_text(FEATURES_TEMPLATE)
+    mine, theirs = pair(str(directory))
+    messages = [*CONVERSATIONS[1], {"role": "assistant", "content": "Paris", "reasoning": "la capitale…"},
+                *CONVERSATIONS[2]]
+    for conversation in (messages, messages[:3], [{"role": "user", "content": "refuse"}]):
+        for generation in (True, False):
+            for tools in (None, TOOLS):
+                render_both(mine, theirs, conversation, add_generation_prompt=generation, tools=tools)
+    assert render_both(mine, theirs, [{"role": "user", "content": "refuse"}]) == ("refused", "refused: user")
