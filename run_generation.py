@@ -31,19 +31,19 @@ import dataclasses
 import gc
 import logging
 import os
+import random
 import sys
 import time
 
+import numpy
 import torch
-from transformers import set_seed
-from transformers.utils import logging as transformers_logging
 
 from rungen import NOTICE, PROG, logger, processes
 from rungen.arguments import max_memory_map, parse_args, serve_options, settings_from_args
 from rungen.controls import load_assistant
 from rungen.engine import open_engine, run_prompts, settings_refusal
 from rungen.errors import PromptError, PromptsFailed, RunGenerationError, UsageError
-from rungen.generation import UNBATCHABLE_TYPES, StopTokenStreamer, eos_token_ids, generate_batch, make_batches
+from rungen.generation import UNBATCHABLE_TYPES, eos_token_ids, generate_batch, make_batches
 from rungen.ggml import holds_blocks, native_kernels
 from rungen.loading import load
 from rungen.output import Writer, print_stream_header
@@ -62,7 +62,7 @@ def main(argv=None):
     logging.basicConfig(format="%(message)s", level=level if state.is_main_process else logging.WARNING,
                         stream=sys.stderr)
     if not args.verbose:
-        transformers_logging.disable_progress_bar()
+        quiet_progress_bars()
     logger.info("%s", args)
     logger.info("device: %s, processes: %d, dtype: %s", state.device, state.num_processes, args.dtype)
     if args.device_map and state.num_processes > 1:
@@ -202,6 +202,8 @@ def main(argv=None):
             streamer = None
             if stream:
                 print_stream_header(batch[0], settings.chat)
+                from rungen.generation import StopTokenStreamer  # transformers' TextStreamer: generate() only
+
                 streamer = StopTokenStreamer(loaded.tokenizer, settings.stop_token)
             results = generate_batch(loaded, settings, batch, streamer) if batch else {}
             write(processes.gather(state, [(prompt, results[prompt.index]) for prompt in batch]))
@@ -216,6 +218,24 @@ def main(argv=None):
     if writer.failed:
         raise PromptsFailed(f"{writer.failed} of {len(prompts)} prompts failed")
     return writer.sequences
+
+
+def set_seed(seed: int) -> None:
+    """transformers' set_seed without its import: Python's, numpy's and torch's generators (every device's)."""
+    random.seed(seed)
+    numpy.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def quiet_progress_bars() -> None:
+    """No download or loading progress bars from transformers and huggingface_hub: by their call where transformers
+    is imported already, else by the variable both read when imported (a GGUF run may never import them)."""
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
+    else:
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def choose_streaming(requested, settings, num_prompts, num_processes, output_format):

@@ -8,10 +8,11 @@ wall time, CPU time (user + system: steadier than wall time on a shared host, si
 and peak RSS, as /usr/bin/time reports them:
 
 - `import torch`: the floor of any tool on torch;
-- `import torch, tokenizers, jinja2, gguf`: what a tool running the GGUF file on its own model code would
-  still import (the tokenizer, chat templates, the file's constants);
-- `... transformers (its top level)`: what the tool's GGUF path imports (rungen/gguf_model.py: the model code
-  of its own, transformers' cheap pieces: config, tokenizer, cache, generation config);
+- `import torch, tokenizers, jinja2, gguf`: what the tool's GGUF path imports above torch (rungen/gguf_model.py's
+  model code, rungen/tokenizer.py's tokenizer on the tokenizers library, chat templates by jinja2, the file's
+  constants); no transformers;
+- `... transformers (its top level)`: what a path taking transformers' config, tokenizer and cache classes would
+  import (a safetensors checkpoint, generate());
 - `... transformers' llama modeling`: what a GGUF path through transformers' model classes would import;
 - the tool: `run_generation.py --prompt "The capital of France is" --temperature 0 --length 16` (cached
   header and kernels, default output);
@@ -53,14 +54,12 @@ def lap(name):  # (wall s, CPU s of this process) since the last lap
     out[name] = (clock[-1] - clock[-2], cpu_clock[-1] - cpu_clock[-2])
 """
 
-# The tool's stages in a fresh process, as main() runs them (its imports split where transformers' chain splits).
+# The tool's stages in a fresh process, as main() runs them (its imports split from torch's and the libraries').
 TOOL_STAGES = LAPS + r"""
 import torch
 lap("import torch")
 import gguf, jinja2, numpy, tokenizers
 lap("import tokenizers, jinja2, gguf")
-import transformers
-lap("import transformers (its top level)")
 import run_generation
 from rungen import gguf_model
 from rungen.arguments import parse_args, settings_from_args
@@ -69,7 +68,7 @@ from rungen.ggml import native_kernels
 from rungen.gguf_loading import GGUFHeader
 from rungen.loading import default_model_file, finish
 from rungen.prompts import encode_prompt, prepare_model, read_prompts
-lap("import the tool's own modules (and transformers' config, tokenizer, cache and output classes)")
+lap("import the tool's own modules")
 import gc
 gc.freeze()  # as run_generation.command() does: the run's collections skip what the imports made
 args = parse_args(sys.argv[1:])
@@ -78,7 +77,7 @@ header = GGUFHeader(default_model_file())
 config, weights_map = gguf_model.read_config(header.cache_dir), header.cached_weights_map()
 lap("header from its cache: config, tensor table, weights map")
 tokenizer = header.tokenizer
-lap("tokenizer (tokenizer.json, by the tokenizers library)")
+lap("tokenizer (tokenizer.json, by the tokenizers library; rungen/tokenizer.py)")
 native_kernels()
 lap("load the native kernels (built and cached)")
 cpu = torch.device("cpu")

@@ -7,13 +7,17 @@
     generation.py  generation Settings -> generate() kwargs, batching, decoding a sequence, streaming
     logprobs.py    --logprobs: per-token log-probabilities, and scoring prompts (--length 0)
     output.py      writing results in input order, as text blocks or JSON lines
-    processes.py   several processes under accelerate: who reads, who generates what, who writes
+    processes.py   several processes under accelerate: who reads, who generates what, who writes (accelerate
+                   imported only where a launcher started several)
     session.py     a session in the terminal: the prompt loop, /commands, the conversation and its context
     gguf_loading.py  a GGUF file run in its own quantized blocks, memory-mapped, its header cached
-    gguf_model.py  the own model code of a GGUF file's llama/mistral/qwen2/qwen3 decoder (no transformers model)
+    gguf_model.py  the own model code of a GGUF file's llama/mistral/qwen2/qwen3 decoder (no transformers import)
+    tokenizer.py   a GGUF file's tokenizer on the tokenizers library, with transformers' results for its files
+    chat_template.py  chat templates rendered by jinja2 as transformers renders them (for tokenizer.py)
     decoder.py     decoder layers over GGUF blocks (llama, mistral, qwen2/3, phi3, gemma2/3; FAMILIES says
                    what differs), fused into a few native operators
-    kvcache.py     the key/value cache that grows in place (for the fused layers' native attention)
+    kvcache.py     the key/value cache that grows in place (for the fused layers' native attention): the own
+                   model's Cache, or layers in transformers' DynamicCache
     quantize.py    --quantize int8/int4: weight-only quantized linear layers (imported only for --quantize)
     jit.py         --jit: the traced decode step (private torch/transformers APIs; imported only for --jit)
     constrain.py   --json_schema/--regex/--grammar with xgrammar (imported only for those flags)

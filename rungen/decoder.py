@@ -27,10 +27,9 @@ import sys
 import weakref
 
 import torch
-from transformers.cache_utils import DynamicLayer
 
 from .ggml import GGMLLinear, GGMLParts, join, native_kernels, release_freed_memory
-from .kvcache import GrowingLayer
+from .kvcache import full_attention, growing, growing_like
 
 
 @dataclasses.dataclass(frozen=True)
@@ -311,7 +310,7 @@ class NativeStack:
         decoder layer."""
         layers = getattr(cache, "layers", None)
         return bool(layers) and len(layers) == self.num_layers and all(
-            type(layer) in (DynamicLayer, GrowingLayer) for layer in layers)
+            full_attention(layer) for layer in layers)
 
     def __call__(self, hidden: torch.Tensor, cache, mask: torch.Tensor | None, cos: torch.Tensor,
                  sin: torch.Tensor) -> torch.Tensor | None:
@@ -319,11 +318,11 @@ class NativeStack:
         when the cache's layers hold different lengths (cut one by one)."""
         layers = cache.layers
         for index, layer in enumerate(layers):
-            if type(layer) is DynamicLayer:  # generate()'s own cache: moved into buffers with room
-                growing = GrowingLayer()
+            if not growing(layer):  # generate()'s own cache: moved into buffers with room
+                grown = growing_like(layer)
                 if layer.get_seq_length():
-                    growing.update(layer.keys, layer.values)
-                layers[index] = growing
+                    grown.update(layer.keys, layer.values)
+                layers[index] = grown
         batch, tokens = hidden.shape[:2]
         length = layers[0].get_seq_length()
         last = self.last

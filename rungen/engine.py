@@ -11,13 +11,12 @@ one copy, and they decode with the others from the next step on. A row that
 ends (EOS, max_tokens, a stop string, its grammar, a cancelled request) leaves the batch by index_select,
 and the columns no row needs any more are trimmed.
 
-The cache is transformers' DynamicCache (rungen/kvcache.py: growing in place where the model's attention
-reads it so; a sliding-window layer holds every position too, its mask applying the window) holding
-[batch, kv_heads, length, head_dim] per layer; an
-attention mask and per-row position ids hide the padding, so each row computes what it would alone (the
-same layout generate() uses for a left-padded batch). Memory: a request is admitted only while
-rows x the longest (prompt + max_tokens) of the batch fits in `max_cache_tokens`, so the cache never holds
-more than that many token positions.
+The cache is transformers' DynamicCache, or the own model's Cache (rungen/kvcache.py: growing in place where
+the model's attention reads it so; a sliding-window layer holds every position too, its mask applying the
+window) holding [batch, kv_heads, length, head_dim] per layer; an attention mask and per-row position ids
+hide the padding, so each row computes what it would alone (the same layout generate() uses for a left-padded
+batch). Memory: a request is admitted only while rows x the longest (prompt + max_tokens) of the batch fits in
+`max_cache_tokens`, so the cache never holds more than that many token positions.
 
 Sampling per row (OpenAI's definitions): logit_bias, presence/frequency penalties over the generated
 tokens, repetition_penalty (transformers' definition, prompt included), the grammar's mask, then greedy at
@@ -35,7 +34,6 @@ import threading
 import time
 
 import torch
-from transformers.cache_utils import DynamicLayer
 
 from . import logger
 from .errors import GenerationError, one_line
@@ -48,7 +46,7 @@ from .generation import (
     stop_strings,
     stuck_error,
 )
-from .kvcache import MIN_ROOM, GrowingLayer, new_cache
+from .kvcache import MIN_ROOM, full_attention, growing, new_cache
 from .logprobs import content
 
 # Prompt tokens decoded before a row's new tokens to get their text in context: decoding the whole prompt at
@@ -340,7 +338,7 @@ class Engine:
         """Bytes of keys/values one token position takes, measured on a one-token forward pass."""
         token = self.tokenizer.bos_token_id if self.tokenizer.bos_token_id is not None else 0
         cache = new_cache(self.model)  # sliding-window layers hold every position: the mask applies the window
-        if any(type(layer) not in (DynamicLayer, GrowingLayer) for layer in cache.layers):
+        if not all(full_attention(layer) for layer in cache.layers):
             # A chunked or recurrent layer keeps other state than all keys/values, which the batch's left-padded
             # merge and trim do not know how to move (and a chunk's bounds would move with the padding).
             raise ValueError(f"{self.loaded.model_type} has chunked-attention or recurrent layers, which a padded "
@@ -669,7 +667,7 @@ class Engine:
         if last:
             held = sum(k.untyped_storage().nbytes() + v.untyped_storage().nbytes() for k, v in layers)
             # Growing layers that hold just this row from their buffers' start: a next turn can grow in them.
-            grown = [layer.buffers for layer in self.cache.layers if type(layer) is GrowingLayer
+            grown = [layer.buffers for layer in self.cache.layers if growing(layer)
                      and layer.buffers is not None and layer.keys.shape[0] == 1 and layer.keys.shape[-2] == length
                      and layer.keys.data_ptr() == layer.buffers[0].data_ptr()]
             buffers = grown if len(grown) == len(layers) else None

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import LogitsProcessorList, StoppingCriteriaList, TextStreamer
 
 from .errors import GenerationError, PromptError, UsageError, one_line
 from .logprobs import score_prompts, step_logits, token_logprobs
@@ -183,6 +183,8 @@ def generate_batch(loaded: Loaded, settings: Settings, batch: list[Prompt], stre
     if past_key_values is not None:
         extra["past_key_values"] = past_key_values
     if settings.constraint is not None:  # fresh per call: the processor follows these sequences
+        from transformers import LogitsProcessorList, StoppingCriteriaList
+
         processor, grammar_stop = settings.constraint.processors()
         extra["logits_processor"] = LogitsProcessorList([processor])
         stopping_criteria = StoppingCriteriaList([*(stopping_criteria or []), grammar_stop])
@@ -282,23 +284,38 @@ def describe_sequence(settings: Settings, tokenizer, prompt: Prompt, new: list[i
     return Sequence(continuation, text, len(prompt.ids), produced, finish)
 
 
-class StopTokenStreamer(TextStreamer):
-    """The library's streamer, writing to our stdout and cutting the text at --stop_token (the earliest
-    of several)."""
+def __getattr__(name: str):
+    # StopTokenStreamer subclasses transformers' TextStreamer: made on first use (generate()'s streaming), so that
+    # importing this module does not import transformers.
+    if name == "StopTokenStreamer":
+        return _stop_token_streamer()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-    def __init__(self, tokenizer, stop_token: str | tuple[str, ...] | None):
-        super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
-        self.stop_token, self.text, self.stopped = stop_token, "", False
 
-    def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
-        if not self.stopped:
-            printed = len(self.text)
-            self.text += text
-            cuts = [self.text.index(stop) for stop in stop_strings(self.stop_token) if stop in self.text]
-            if cuts:
-                text = text[: max(0, min(cuts) - printed)]  # what is printed already stays printed
-                self.stopped = True
-            sys.stdout.write(text)
-        if stream_end:
-            sys.stdout.write("\n")
-        sys.stdout.flush()
+@functools.cache
+def _stop_token_streamer() -> type:
+    from transformers import TextStreamer
+
+    class StopTokenStreamer(TextStreamer):
+        """The library's streamer, writing to our stdout and cutting the text at --stop_token (the earliest
+        of several)."""
+
+        def __init__(self, tokenizer, stop_token: str | tuple[str, ...] | None):
+            super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
+            self.stop_token, self.text, self.stopped = stop_token, "", False
+
+        def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+            if not self.stopped:
+                printed = len(self.text)
+                self.text += text
+                cuts = [self.text.index(stop) for stop in stop_strings(self.stop_token) if stop in self.text]
+                if cuts:
+                    text = text[: max(0, min(cuts) - printed)]  # what is printed already stays printed
+                    self.stopped = True
+                sys.stdout.write(text)
+            if stream_end:
+                sys.stdout.write("\n")
+            sys.stdout.flush()
+
+    StopTokenStreamer.__module__ = __name__
+    return StopTokenStreamer

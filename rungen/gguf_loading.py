@@ -27,6 +27,7 @@ import contextlib
 import copy
 import functools
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -190,10 +191,9 @@ class GGUFHeader:
         except OSError as error:
             raise GGUFError(f"{path}: {error.strerror}") from None
         self.size = stat.st_size
-        import transformers
-
-        identity = "\0".join(str(part) for part in (self.path, stat.st_size, stat.st_mtime_ns,
-                                                      HEADER_CACHE_VERSION, transformers.__version__))
+        # transformers' version by its metadata: importing it is most of a cached run's start-up above torch's.
+        versions = HEADER_CACHE_VERSION, importlib.metadata.version("transformers")
+        identity = "\0".join(str(part) for part in (self.path, stat.st_size, stat.st_mtime_ns, *versions))
         name = os.path.basename(self.path).removesuffix(".gguf")
         self.cache_dir = os.path.join(cache_root(), f"{name}-{hashlib.sha256(identity.encode()).hexdigest()[:16]}")
         self.read_seconds = None  # set when the header was read from the file rather than the cache
@@ -217,6 +217,18 @@ class GGUFHeader:
 
     @functools.cached_property
     def tokenizer(self):
+        """The cached files' tokenizer on the tokenizers library alone (rungen/tokenizer.py) where it gives
+        transformers' results for them, else transformers' tokenizer (transformers_tokenizer)."""
+        from .tokenizer import GGUFTokenizer, own
+
+        why = own(self.cache_dir)
+        if why is None:
+            return GGUFTokenizer(self.cache_dir)
+        logger.info("transformers' tokenizer: %s", why)
+        return self.transformers_tokenizer
+
+    @functools.cached_property
+    def transformers_tokenizer(self):
         """The tokenizer AutoTokenizer gives for the cached files; where tokenizer_config.json names the
         tokenizers library's backend, that class itself (AutoTokenizer's choice, without its import of the
         model-type tables)."""

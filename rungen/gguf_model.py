@@ -13,13 +13,12 @@ search and the other generate()-only controls, --jit, the torch fallback kernels
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
 import numpy as np
 import torch
-from transformers import GenerationConfig, PretrainedConfig
-from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .decoder import GATE_UP_PARTS, QKV_PARTS, NativeStack, native_parts
 from .ggml import (
@@ -52,14 +51,49 @@ OPTIONAL_LAYER_TENSORS = {"q_bias": "self_attn.q_proj.bias", "k_bias": "self_att
 PRODUCTS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
-def read_config(cache_dir: str) -> PretrainedConfig:
-    """The header cache's config.json as transformers' base config class (the model-specific classes cost their
-    module's import): the same fields, model_type included."""
+class Config:
+    """The header cache's config.json as attributes, the fields transformers' config class of the file saved there
+    (model_type included): what this model code and the tool's stages read of a model's config, without the import
+    of transformers (its config classes come with its top level, most of a run's start-up above torch)."""
+
+    dtype = None  # as PretrainedConfig's default: a file's config.json names none
+
+    def __init__(self, fields: dict):
+        self.fields = fields
+        self.__dict__.update(fields)
+
+    def to_dict(self) -> dict:
+        return dict(self.fields)
+
+    def get_text_config(self, decoder: bool = False) -> Config:
+        return self
+
+
+@dataclasses.dataclass
+class GenerationDefaults:
+    """The special-token ids the tool reads of a model's generation_config: GenerationConfig.from_model_config's
+    for a config that names them (a GGUF file has no generation_config.json)."""
+
+    bos_token_id: int | list[int] | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+
+
+@dataclasses.dataclass
+class CausalLMOutput:
+    """What the engine and the scoring read of transformers' CausalLMOutputWithPast."""
+
+    logits: torch.Tensor
+    past_key_values: object = None
+
+
+def read_config(cache_dir: str) -> Config:
+    """The header cache's config.json: the same fields as transformers' config of the file, model_type included."""
     with open(os.path.join(cache_dir, "config.json")) as f:
-        return PretrainedConfig.from_dict(json.load(f))
+        return Config(json.load(f))
 
 
-def refusal(config: PretrainedConfig, header, weights_map: dict | None) -> str | None:
+def refusal(config: Config, header, weights_map: dict | None) -> str | None:
     """Why this model code cannot run the file (it then loads through transformers' classes), or None."""
     if config.model_type not in FAMILIES:
         return f"its family {config.model_type} has no own model code"
@@ -95,12 +129,14 @@ class GGUFCausalLM(torch.nn.Module):
     and device), computed by one native stack call a step."""
 
     cache_grows_in_place = True  # rungen.kvcache.new_cache gives it GrowingLayers, which the stack writes into
+    own_cache = True  # in rungen.kvcache's Cache, not transformers' DynamicCache
 
-    def __init__(self, config: PretrainedConfig, embed_tokens: torch.nn.Module, stack: NativeStack,
+    def __init__(self, config: Config, embed_tokens: torch.nn.Module, stack: NativeStack,
                  norm: torch.Tensor, lm_head: torch.nn.Module, gguf_path: str):
         super().__init__()
         self.config, self.gguf_path = config, gguf_path
-        self.generation_config = GenerationConfig.from_model_config(config)
+        self.generation_config = GenerationDefaults(**{name: getattr(config, name, None) for name in (
+            "bos_token_id", "eos_token_id", "pad_token_id")})
         self.embed_tokens, self.lm_head, self.stack = embed_tokens, lm_head, stack
         self.register_buffer("norm_weight", norm, persistent=False)
         self.norm_eps = config.rms_norm_eps
@@ -125,7 +161,7 @@ class GGUFCausalLM(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, past_key_values=None, use_cache: bool | None = None,
-                logits_to_keep: int = 0) -> CausalLMOutputWithPast:
+                logits_to_keep: int = 0) -> CausalLMOutput:
         """Logits of `input_ids` [batch, tokens] after what `past_key_values` (rungen.kvcache.new_cache's, extended
         in place) holds; `attention_mask` [batch, held + tokens] marks left padding, `position_ids` each row's
         positions (the held length onwards when None); `logits_to_keep`: the last ones only (0: all)."""
@@ -149,7 +185,7 @@ class GGUFCausalLM(torch.nn.Module):
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:, :]
         logits = self.lm_head(hidden)
-        return CausalLMOutputWithPast(logits=logits, past_key_values=None if use_cache is False else cache)
+        return CausalLMOutput(logits=logits, past_key_values=None if use_cache is False else cache)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -161,7 +197,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x.to(dtype)
 
 
-def rotary_frequencies(config: PretrainedConfig) -> tuple[torch.Tensor, float]:
+def rotary_frequencies(config: Config) -> tuple[torch.Tensor, float]:
     """(inverse frequencies, cos/sin scale) as LlamaRotaryEmbedding computes them at init: its own default, or
     transformers' function of the rope type (fixed at load: ROPE_TYPES)."""
     rope_type = config.rope_parameters.get("rope_type", "default")
@@ -169,9 +205,10 @@ def rotary_frequencies(config: PretrainedConfig) -> tuple[torch.Tensor, float]:
         base = config.rope_parameters["rope_theta"]
         dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+    from transformers import PretrainedConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    return ROPE_INIT_FUNCTIONS[rope_type](config)
+    return ROPE_INIT_FUNCTIONS[rope_type](PretrainedConfig.from_dict(config.to_dict()))
 
 
 def rotary_cos_sin(inv_freq: torch.Tensor, scaling: float, position_ids: torch.Tensor):
@@ -191,7 +228,7 @@ def padded_causal_mask(attention_mask: torch.Tensor, length: int, tokens: int) -
     return (causal[None] & attention_mask.bool()[:, None, :])[:, None]
 
 
-def build(header, config: PretrainedConfig, weights_map: dict) -> GGUFCausalLM:
+def build(header, config: Config, weights_map: dict) -> GGUFCausalLM:
     """The own model of `header`'s file (refusal() said it can), its weights loaded as build_model loads them for
     the fused layers: the products' rows read (and interleaved) for the kernels and joined q/k/v and gate/up, the
     norms views of the file's map."""

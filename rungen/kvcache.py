@@ -1,5 +1,6 @@
-"""A key/value cache that grows in place: transformers' DynamicCache whose full-attention layers keep their
-keys and values in buffers with room for the next tokens.
+"""A key/value cache that grows in place: full-attention layers that keep their keys and values in buffers with
+room for the next tokens; for the own model code (rungen/gguf_model.py) in a Cache of the project's own, for
+transformers' models in their DynamicCache.
 
 transformers' DynamicLayer appends a step's keys with torch.cat, which copies the whole cache: a step costs
 as much as the sequence is long (at 16 rows of a thousand tokens, tens of megabytes a step). GrowingLayer
@@ -13,6 +14,11 @@ The views are strided along the sequence; the native attention (rungen_ggml.atte
 only models that say so (`cache_grows_in_place`, set where rungen/decoder.py fuses their layers) get this
 cache from new_cache; their forward also moves a cache generate() made into GrowingLayers.
 
+transformers is not imported here unless a transformers model asks for a cache: its import is most of a GGUF
+run's start-up above torch's (docs/performance.md#start-up). GrowingLayer is a layer of the project's own (the
+few DynamicLayer methods the own model's Cache and the engine use); in transformers' DynamicCache, whose methods
+take only its CacheLayerMixin's subclasses, the same growing goes on a DynamicLayer (transformers_layer()).
+
 Sliding-window layers (gemma 2/3's local layers, mistral's or qwen2's with a window) get full-attention layers
 from new_cache too: they keep every position, and the attention mask applies the window. transformers builds
 each layer type's mask from config.sliding_window and the cache's sizes, so a sliding layer attends to the same
@@ -24,15 +30,17 @@ the local layers hold the whole context (docs/server.md).
 
 from __future__ import annotations
 
+import functools
+import sys
+
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs
 
 MIN_ROOM, MAX_ROOM = 32, 512  # positions a row
 
 
-class GrowingLayer(DynamicLayer):
-    """DynamicLayer whose update writes into spare room instead of concatenating."""
+class Growing:
+    """The growing of GrowingLayer, over a base with DynamicLayer's keys, values, is_initialized,
+    lazy_initialization and get_seq_length: update writes into spare room instead of concatenating."""
 
     def __init__(self):
         super().__init__()
@@ -77,7 +85,7 @@ class GrowingLayer(DynamicLayer):
         return held and values.shape == keys.shape[:-1] + value_states.shape[-1:]
 
     @classmethod
-    def holding(cls, keys: torch.Tensor, values: torch.Tensor, length: int) -> GrowingLayer:
+    def holding(cls, keys: torch.Tensor, values: torch.Tensor, length: int):
         """A layer that holds the first `length` positions of these buffers and grows into the rest."""
         layer = cls()
         layer.lazy_initialization(keys, values)
@@ -90,21 +98,117 @@ class GrowingLayer(DynamicLayer):
         super().reset()
 
 
-def new_cache(model: torch.nn.Module, layers=None, buffers=None) -> DynamicCache:
-    """A DynamicCache for `model` (filled with `layers`, [(keys, values)] per layer, when given): its
-    full-attention and sliding-window layers full-attention ones (the mask applies a window), GrowingLayers when
-    the model reads them in place (`cache_grows_in_place`), else transformers' own; chunked or recurrent layers
-    stay as transformers makes them. `buffers` [(keys, values)] per layer, whose starts hold `layers`: a growing
-    cache takes them over instead of copying (the caller gives them up)."""
-    cache = DynamicCache(config=model.config)
-    kinds, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
-    full = GrowingLayer if getattr(model, "cache_grows_in_place", False) else DynamicLayer
-    cache.layers = [full() if type(layer) is DynamicLayer or kind == "sliding_attention" else layer
-                    for layer, kind in zip(cache.layers, kinds, strict=True)]
+class Layer:
+    """What the own model's cache and the engine use of transformers' DynamicLayer, with its meaning: one
+    full-attention layer's keys and values [batch, heads, length, dim]."""
+
+    is_sliding = False
+
+    def __init__(self):
+        self.keys = self.values = None
+        self.is_initialized = False
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = torch.tensor([], dtype=self.dtype, device=self.device)
+        self.values = torch.tensor([], dtype=self.dtype, device=self.device)
+        self.is_initialized = True
+
+    def get_seq_length(self) -> int:
+        if not self.is_initialized or self.keys.numel() == 0:
+            return 0
+        return self.keys.shape[-2]
+
+    def reset(self) -> None:
+        self.keys = self.values = None
+        self.is_initialized = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drops the last -`tokens_to_remove` positions (a negative count, as DynamicLayer.crop takes)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative count of positions to remove, not {tokens_to_remove}")
+        if tokens_to_remove and self.is_initialized:
+            self.keys = self.keys[..., :tokens_to_remove, :]
+            self.values = self.values[..., :tokens_to_remove, :]
+
+
+class GrowingLayer(Growing, Layer):
+    """A full-attention layer of the own Cache whose update writes into spare room instead of concatenating."""
+
+
+class Cache:
+    """The own model's cache: one GrowingLayer per decoder layer, with what the engine and the session use of
+    transformers' DynamicCache (layers, get_seq_length, crop, update)."""
+
+    def __init__(self, layers: list):
+        self.layers = layers
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.layers[layer_idx].get_seq_length() if layer_idx < len(self.layers) else 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drops the last -`tokens_to_remove` positions of every layer (a negative count, as DynamicCache.crop)."""
+        for layer in self.layers:
+            layer.crop(tokens_to_remove)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        return self.layers[layer_idx].update(key_states, value_states)
+
+
+@functools.cache
+def transformers_layer() -> type:
+    """GrowingLayer for transformers' DynamicCache: the same growing on its DynamicLayer."""
+    from transformers.cache_utils import DynamicLayer
+
+    return type("GrowingDynamicLayer", (Growing, DynamicLayer), {"__doc__": GrowingLayer.__doc__})
+
+
+def growing(layer) -> bool:
+    """Whether `layer` grows in place (a GrowingLayer, in the own cache or in transformers')."""
+    return isinstance(layer, Growing)
+
+
+def full_attention(layer) -> bool:
+    """Whether `layer` is a plain full-attention layer: growing, or transformers' DynamicLayer itself (not one
+    of its subclasses: sliding window, quantized...)."""
+    if growing(layer):
+        return True
+    cache_utils = sys.modules.get("transformers.cache_utils")  # not imported: the layer cannot be one of its
+    return cache_utils is not None and type(layer) is cache_utils.DynamicLayer
+
+
+def growing_like(layer):
+    """A new empty growing layer of the kind `layer`'s cache holds (the own one, or transformers')."""
+    return GrowingLayer() if isinstance(layer, Layer) else transformers_layer()()
+
+
+def new_cache(model: torch.nn.Module, layers=None, buffers=None):
+    """A cache for `model` (filled with `layers`, [(keys, values)] per layer, when given). The own model
+    (`own_cache`): the project's Cache of GrowingLayers. transformers' models: a DynamicCache whose full-attention
+    and sliding-window layers are full-attention ones (the mask applies a window), growing when the model reads
+    them in place (`cache_grows_in_place`), else transformers' own; chunked or recurrent layers stay as
+    transformers makes them. `buffers` [(keys, values)] per layer, whose starts hold `layers`: a growing cache
+    takes them over instead of copying (the caller gives them up)."""
+    if getattr(model, "own_cache", False):
+        grown = GrowingLayer
+        cache = Cache([GrowingLayer() for _ in range(model.config.num_hidden_layers)])
+    else:
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs
+
+        cache = DynamicCache(config=model.config)
+        kinds, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
+        grown = transformers_layer()
+        full = grown if getattr(model, "cache_grows_in_place", False) else DynamicLayer
+        cache.layers = [full() if type(layer) is DynamicLayer or kind == "sliding_attention" else layer
+                        for layer, kind in zip(cache.layers, kinds, strict=True)]
     if buffers is not None and len(buffers) == len(cache.layers) and all(
-            type(layer) is GrowingLayer for layer in cache.layers):
+            type(layer) is grown for layer in cache.layers):
         length = layers[0][0].shape[-2]
-        cache.layers = [GrowingLayer.holding(keys, values, length) for keys, values in buffers]
+        cache.layers = [grown.holding(keys, values, length) for keys, values in buffers]
         return cache
     for layer, (keys, values) in zip(cache.layers, layers or []):
         layer.update(keys, values)

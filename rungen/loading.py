@@ -10,12 +10,15 @@ import os
 import shutil
 import tempfile
 import time
+from typing import TYPE_CHECKING
 
 import torch
-import transformers
 
 from . import NOTICE, logger
 from .errors import UsageError
+
+if TYPE_CHECKING:  # transformers is imported where a checkpoint needs it, not on a GGUF file's own-model path
+    import transformers
 
 # The original script's model types and classes, imported by name only when used: importing all of them
 # costs seconds at start-up. The Auto classes import transformers' model tables: they too are imported where
@@ -167,6 +170,7 @@ def load_config(path: str, load_kwargs: dict) -> transformers.PretrainedConfig:
 
 def resolve_model_class(model_type: str | None, config) -> tuple[str, type]:
     """The original script's class for its types; any other causal LM through AutoModelForCausalLM."""
+    import transformers
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -291,7 +295,8 @@ def load_gguf(gguf_path: str, *, model_type: str | None = None, dtype: str = "au
         logger.info("GGUF file on transformers' model class: %s", why)
     model_type, _ = resolve_model_class(model_type, header.config)
     model = build_model(header, torch_dtype)
-    return finish(model, header.tokenizer, model_type, torch.device("cpu"))
+    # transformers' model with transformers' tokenizer: generate()'s stop strings and streamer read its internals.
+    return finish(model, header.transformers_tokenizer, model_type, torch.device("cpu"))
 
 
 def use_transformers_model(loaded: Loaded) -> bool:
@@ -309,7 +314,11 @@ def use_transformers_model(loaded: Loaded) -> bool:
     path, loaded.model = loaded.model.gguf_path, None
     gc.collect()
     logger.info("Loading transformers' model of %s for generate()", os.path.basename(path))
-    loaded.model = build_model(GGUFHeader(path), torch.float32)
+    header = GGUFHeader(path)
+    loaded.model = build_model(header, torch.float32)
+    # and transformers' tokenizer (generate()'s stop strings and streamer read its internals), padded as finish's
+    loaded.tokenizer = finish(loaded.model, header.transformers_tokenizer, loaded.model_type,
+                              loaded.input_device).tokenizer
     return True
 
 

@@ -1,42 +1,91 @@
 """Several processes under accelerate (data parallel): the main process reads and writes, every
-process generates a contiguous share of the prompts, and results are gathered after each round."""
+process generates a contiguous share of the prompts, and results are gathered after each round.
+
+accelerate is imported only where a launcher started several processes (its import costs about 0.05 s of
+every run's start-up); a process on its own gets OneProcess, which answers what this module and
+run_generation.py ask of accelerate's PartialState."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import os
+
 import torch
-from accelerate import PartialState
-from accelerate.utils import broadcast_object_list, gather_object
 
 
-def start(use_cpu: bool) -> PartialState:
+@dataclasses.dataclass
+class OneProcess:
+    """PartialState's answers for a process that no launcher started: the main and only one."""
+
+    device: torch.device
+    num_processes: int = 1
+    is_main_process: bool = True
+
+    @contextlib.contextmanager
+    def main_process_first(self):
+        yield
+
+    @contextlib.contextmanager
+    def split_between_processes(self, items):
+        yield items
+
+
+def launched() -> bool:
+    """Whether a launcher (accelerate launch, torchrun) started this process among others."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 or int(os.environ.get("LOCAL_RANK", "-1")) != -1
+
+
+def start(use_cpu: bool):
     """This process's place among the launched ones (one process, when not launched)."""
     # Without an accelerator, several launched processes must ask for CPU to get a gloo group.
-    return PartialState(cpu=use_cpu or not torch.accelerator.is_available())
+    cpu = use_cpu or not torch.accelerator.is_available()
+    if not launched():
+        # PartialState's device for one process: the accelerator's type without an index, or the CPU.
+        device = torch.device("cpu") if cpu else torch.device(torch.accelerator.current_accelerator().type)
+        if device.type == "mps":  # as PartialState: operators MPS lacks run on the CPU
+            os.environ["PYTORCH_ENABLE_MPS_FALLBACK"] = "1"
+        return OneProcess(device)
+    from accelerate import PartialState
+
+    return PartialState(cpu=cpu)
 
 
-def share_prompts(state: PartialState, prompts: list | None) -> list:
+def share_prompts(state, prompts: list | None) -> list:
     """The main process's prompts, on every process (only the main process reads stdin)."""
-    return broadcast_object_list([prompts])[0] if state.num_processes > 1 else prompts
+    if state.num_processes == 1:
+        return prompts
+    from accelerate.utils import broadcast_object_list
+
+    return broadcast_object_list([prompts])[0]
 
 
-def my_share(state: PartialState, items: list) -> list:
+def my_share(state, items: list) -> list:
     """This process's contiguous share of `items`."""
     with state.split_between_processes(items) as share:
         return share
 
 
-def rounds(state: PartialState, my_rounds: int) -> int:
+def rounds(state, my_rounds: int) -> int:
     """How many rounds everyone runs: gathers are collective, so every process joins each round,
     with an empty batch if it has none left."""
-    return max(gather_object([my_rounds])) if state.num_processes > 1 else my_rounds
+    if state.num_processes == 1:
+        return my_rounds
+    from accelerate.utils import gather_object
+
+    return max(gather_object([my_rounds]))
 
 
-def gather(state: PartialState, results: list) -> list:
+def gather(state, results: list) -> list:
     """Every process's results, in process order (on every process)."""
-    return gather_object(results) if state.num_processes > 1 else results
+    if state.num_processes == 1:
+        return results
+    from accelerate.utils import gather_object
+
+    return gather_object(results)
 
 
-def finish(state: PartialState) -> None:
+def finish(state) -> None:
     """Leaves the process group, all processes together."""
     if state.num_processes > 1:
         # Everyone leaves the group together: CI once saw the main process abort while tearing it down

@@ -21,12 +21,11 @@ import sys
 import time
 
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
 
 from . import PROG, logger
 from .engine import engine_refusal, open_engine, submit_prompts
 from .errors import GenerationError, PromptError, UsageError, one_line
-from .generation import Settings, StopTokenStreamer, adjust_length_to_model, generate_batch
+from .generation import Settings, adjust_length_to_model, generate_batch
 from .loading import Loaded, cache_dir, use_transformers_model
 from .prompts import Prompt, encode_prompt
 
@@ -174,9 +173,11 @@ def turn_stats(prompt_tokens: int, reply_tokens: int, started: float, first_toke
 #
 
 
-class TurnControl(StoppingCriteria):
+class TurnControl:
     """Asked by generate() after every new token: notes when the first one came and the tokens so far, and
-    stops the reply once Ctrl-C was pressed (a second Ctrl-C raises KeyboardInterrupt: the reply is given up)."""
+    stops the reply once Ctrl-C was pressed (a second Ctrl-C raises KeyboardInterrupt: the reply is given up).
+    A stopping criterion by its call alone (generate() calls each, whatever its class): transformers' base class
+    would import transformers in every session, most of whose turns run on the engine."""
 
     def __init__(self):
         self.interrupted, self.first_token_at, self.ids = False, None, None
@@ -499,6 +500,10 @@ class Session:
 
     def reply_by_generate(self, prompt, settings, control):
         """The same through generate(), for the settings only it has; the turns before come from TurnCache."""
+        from transformers import StoppingCriteriaList
+
+        from .generation import StopTokenStreamer
+
         streamer = StopTokenStreamer(self.loaded.tokenizer, settings.stop_token) if self.stream else None
         if settings.num_beams > 1:
             streamer = None  # beam search cannot stream: the reply comes when it is done

@@ -35,7 +35,7 @@ from helpers import to_blocks
 from rungen import decoder, ggml
 from rungen.decoder import DecoderStack, FusedDecoderLayer, fuse_decoder_layers
 from rungen.ggml import GGMLLinear
-from rungen.kvcache import GrowingLayer, new_cache
+from rungen.kvcache import growing, new_cache
 
 HIDDEN, FFN, HEADS, KV_HEADS = 128, 256, 4, 2
 KINDS = ("llama", "qwen2", "qwen3", "phi3")  # with the one-call stack
@@ -293,7 +293,7 @@ def test_the_decoder_stack_in_one_call_gives_the_bits_of_the_layers_one_by_one(k
                 logits.append(model(step_ids, attention_mask=mask, past_key_values=cache).logits)
         mask = mask[:, :6]
         runs.append((logits, cache))
-    assert all(isinstance(layer, GrowingLayer) for layer in runs[0][1].layers)
+    assert all(growing(layer) for layer in runs[0][1].layers)
     for a, b in zip(runs[0][0], runs[1][0]):
         assert torch.equal(a, b)
     for a, b in zip(runs[0][1].layers, runs[1][1].layers):

@@ -1,13 +1,14 @@
-"""Fast tier: GrowingLayer holds what transformers' DynamicLayer holds through every operation generate(), the
-terminal session and the server apply (steps, crop, row selection, repeat), writing steps in place; the native
-attention reads its strided views as it reads contiguous tensors."""
+"""Fast tier: GrowingLayer (the own Cache's, and the one on transformers' DynamicLayer) holds what transformers'
+DynamicLayer holds through every operation generate(), the terminal session and the server apply (steps, crop, row
+selection, repeat), writing steps in place; the own Cache crops as DynamicCache does; the native attention reads
+its strided views as it reads contiguous tensors."""
 
 import pytest
 import torch
 from transformers.cache_utils import DynamicLayer
 
 from rungen import ggml
-from rungen.kvcache import MIN_ROOM, GrowingLayer
+from rungen.kvcache import MIN_ROOM, Cache, GrowingLayer, transformers_layer
 
 
 def states(batch, tokens, seed):
@@ -23,8 +24,9 @@ def both(operation, layers):
     assert layers[0].get_seq_length() == layers[1].get_seq_length()
 
 
-def test_growing_layer_holds_what_dynamic_layer_holds():
-    layers = GrowingLayer(), DynamicLayer()
+@pytest.mark.parametrize("kind", ["own", "transformers"])
+def test_growing_layer_holds_what_dynamic_layer_holds(kind):
+    layers = GrowingLayer() if kind == "own" else transformers_layer()(), DynamicLayer()
     both(lambda layer: layer.update(*states(2, 5, 0)), layers)  # a prompt
     buffer = layers[0].buffers[0].data_ptr()
     for step in range(MIN_ROOM - 5):  # steps within the room: written in place, no new buffer
@@ -35,10 +37,30 @@ def test_growing_layer_holds_what_dynamic_layer_holds():
     assert layers[0].buffers[0].shape[-2] > MIN_ROOM + 1
     both(lambda layer: layer.crop(-4), layers)  # a session's next turn rewinds...
     both(lambda layer: layer.update(*states(2, 3, 101)), layers)  # ...and overwrites what was cut
+    if kind == "own":
+        return  # the engine selects the own cache's rows by new_cache from (keys, values), not on its layers
     both(lambda layer: layer.batch_select_indices(torch.tensor([1])), layers)  # a row leaves
     both(lambda layer: layer.update(*states(1, 1, 102)), layers)
     both(lambda layer: layer.batch_repeat_interleave(3), layers)  # beams, n > 1
     both(lambda layer: layer.update(*states(3, 2, 103)), layers)
+
+
+def test_own_cache_crops_as_dynamic_cache():
+    from transformers import DynamicCache
+
+    own, theirs = Cache([GrowingLayer(), GrowingLayer()]), DynamicCache()
+    for cache in (own, theirs):
+        for index in range(2):
+            cache.update(*states(1, 7, index), index)
+    for remove in (-2, 0, -5):  # some, none, all that is left
+        own.crop(remove)
+        theirs.crop(remove)
+        assert own.get_seq_length() == theirs.get_seq_length()
+        for a, b in zip(own.layers, theirs.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    for cache in (own, theirs):
+        with pytest.raises(ValueError):
+            cache.crop(1)
 
 
 def test_what_the_layer_was_filled_from_is_never_written():

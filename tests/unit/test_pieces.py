@@ -237,7 +237,7 @@ def test_a_next_turn_takes_over_the_buffers_of_its_conversation_and_grows_in_the
     from transformers import LlamaConfig
 
     from rungen.engine import PrefixCache
-    from rungen.kvcache import GrowingLayer, new_cache
+    from rungen.kvcache import new_cache, transformers_layer
 
     model = torch.nn.Module()
     model.config = LlamaConfig(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, hidden_size=8)
@@ -256,7 +256,7 @@ def test_a_next_turn_takes_over_the_buffers_of_its_conversation_and_grows_in_the
     grown = new_cache(model, whole, given)
     new = torch.randn(1, 1, 2, 4)
     for layer, (keys, _) in zip(grown.layers, buffers):
-        assert type(layer) is GrowingLayer and layer.get_seq_length() == 6
+        assert type(layer) is transformers_layer() and layer.get_seq_length() == 6
         layer.update(new, new)
         assert layer.keys.data_ptr() == keys.data_ptr() and torch.equal(layer.keys[..., 6:, :], new)
     assert torch.equal(grown.layers[0].keys[..., :6, :], layers[0][0][..., :6, :])

@@ -1,0 +1,168 @@
+"""A GGUF file's tokenizer without transformers (rungen/tokenizer.py, rungen/chat_template.py) gives transformers'
+results for the same header cache: ids, text, special tokens, padding and chat templates, on the fixture GGUF files
+(the llama-shaped ones of tests/test_gguf_loading.py, tests/tiny_models.py's families) and the default model, and
+the published templates of tests/chat_templates on the default model's vocabulary."""
+
+import os
+import shutil
+
+import jinja2
+import pytest
+import torch
+from test_gguf_loading import FILES as LLAMA_FILES
+from test_gguf_loading import VOCAB, write_llama_gguf
+from transformers import AutoTokenizer
+
+from helpers import ROOT
+from rungen.gguf_loading import GGUFHeader
+from rungen.loading import default_model_file, finish
+from rungen.tokenizer import GGUFTokenizer, own
+from tiny_models import default_tokenizer_fields, write_family_gguf
+
+pytestmark = pytest.mark.usefixtures("module_cache_home")
+TEMPLATES = os.path.join(ROOT, "tests", "chat_templates")
+OWN = ["default", "q4_0_untied", "phi3"]  # the fixture files whose tokenizer the own class runs
+TEXTS = ["The capital of France is", " leading and  double  spaces ", "tabs\tand\nnew\r\nlines\n\n",
+         "Hi <|im_end|> there<|im_start|>user", "<|endoftext|><|im_start|>", "café naïve 日本語 🙂 emoji👍🏽",
+         "", " ", "a" * 300, "x = {'k': [1, 2.5e-3]}  # code", "Ünïcödé\u00a0nbsp\u200bzero width", "<|im_end|>"]
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi <|im_end|> there"},
+     {"role": "assistant", "content": "Hello! 🙂"}, {"role": "user", "content": "  spaced\n\nlines  "}],
+    [{"role": "user", "content": "ça va?"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}, "id": "call_1"}]},
+     {"role": "tool", "content": "{\"temperature\": 21}", "tool_call_id": "call_1", "name": "get_weather"}],
+]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+
+
+@pytest.fixture(scope="module")
+def caches(tmp_path_factory):
+    """{name: header cache directory} of the fixture GGUF files and the default model."""
+    fields = default_tokenizer_fields(default_model_file(), VOCAB)
+    folder = tmp_path_factory.mktemp("tok")
+    paths = {name: write_llama_gguf(folder / f"{name}.gguf", fields, **spec) for name, spec in LLAMA_FILES.items()
+             if name in ("q4_0_untied", "qwen2_biases")}
+    for family in ("qwen3", "phi3", "gemma2"):
+        paths[family] = write_family_gguf(folder / f"{family}.gguf", family, fields)
+    paths["default"] = default_model_file()
+    return {name: GGUFHeader(path).cache_dir for name, path in paths.items()}
+
+
+def pair(directory):
+    """(own tokenizer, transformers' tokenizer) of a header cache, padded as the tool pads them (loading.finish)."""
+    model = torch.nn.Module()
+    model.config = type("Config", (), {"max_position_embeddings": 64, "model_type": "llama"})()
+    model.get_input_embeddings = lambda: torch.nn.Embedding(1, 1)
+    return tuple(finish(model, tokenizer, "llama", torch.device("cpu")).tokenizer
+                 for tokenizer in (GGUFTokenizer(directory), AutoTokenizer.from_pretrained(directory)))
+
+
+def test_which_files_get_the_own_tokenizer(caches):
+    # Byte-level BPE files transformers reads as TokenizersBackend (llama, phi3 and the default model) get the own
+    # class; qwen2/3 and gemma files name a class of transformers' that rebuilds the pipeline from the vocabulary
+    # (Qwen2Tokenizer, GemmaTokenizer): they keep it.
+    for name in OWN:
+        assert own(caches[name]) is None, name
+    for name, tokenizer_class in (("qwen2_biases", "Qwen2Tokenizer"), ("qwen3", "Qwen2Tokenizer"),
+                                  ("gemma2", "GemmaTokenizer")):
+        assert own(caches[name]) == f"its tokenizer class is {tokenizer_class}", name
+    assert isinstance(GGUFHeader(default_model_file()).tokenizer, GGUFTokenizer)
+
+
+@pytest.mark.parametrize("name", OWN)
+def test_ids_text_and_special_tokens_are_transformers(caches, name):
+    assert GGUFTokenizer(caches[name]).padding_side == AutoTokenizer.from_pretrained(caches[name]).padding_side
+    mine, theirs = pair(caches[name])
+    for attribute in ("bos_token", "eos_token", "unk_token", "pad_token", "bos_token_id", "eos_token_id",
+                      "unk_token_id", "pad_token_id", "all_special_ids", "all_special_tokens", "special_tokens_map",
+                      "padding_side", "chat_template"):
+        assert getattr(mine, attribute) == getattr(theirs, attribute), attribute
+    assert mine.get_vocab() == theirs.get_vocab() and len(mine) == len(theirs)
+    for text in TEXTS:
+        for special in (True, False):
+            ids = mine.encode(text, add_special_tokens=special)
+            assert ids == theirs.encode(text, add_special_tokens=special), (text, special)
+            for skip in (True, False):
+                assert mine.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
+        assert mine.convert_ids_to_tokens(ids) == theirs.convert_ids_to_tokens(ids)
+    specials = mine.all_special_ids
+    for ids in ([specials[0], 300, specials[-1], 301, 1000], [257, 258], specials, [0, 1, 2, 3, 4, 5]):
+        for skip in (True, False):
+            assert mine.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip), ids
+    batch = TEXTS[:4]
+    assert mine(batch)["input_ids"] == theirs(batch)["input_ids"]
+    for got, expected in ((mine(batch, return_tensors="pt", padding=True), theirs(batch, return_tensors="pt",
+                                                                                    padding=True)),
+                          (mine.pad({"input_ids": [[5, 6, 7], [8]]}, return_tensors="pt"),
+                           theirs.pad({"input_ids": [[5, 6, 7], [8]]}, return_tensors="pt"))):
+        assert torch.equal(got["input_ids"], expected["input_ids"])
+        assert torch.equal(got.attention_mask, expected.attention_mask.to(got.attention_mask.dtype))
+
+
+def render_both(mine, theirs, conversation, **kwargs):
+    """Both renderings, or both refusals (the template's raise_exception)."""
+    results = []
+    for tokenizer in (mine, theirs):
+        try:
+            results.append(tokenizer.apply_chat_template(conversation, tokenize=False, **kwargs))
+        except jinja2.TemplateError as error:
+            results.append(("refused", str(error)))
+    assert results[0] == results[1], kwargs
+    return results[0]
+
+
+@pytest.mark.parametrize("template", [None, *sorted(f for f in os.listdir(TEMPLATES) if f.endswith(".jinja"))])
+def test_chat_templates_render_as_transformers(caches, tmp_path, template):
+    # The default model's files with each published template (None: its own), every conversation with and without
+    # the generation prompt, and with tools where the template takes them.
+    directory = tmp_path / "tok"
+    shutil.copytree(caches["default"], directory)
+    if template is not None:
+        shutil.copy(os.path.join(TEMPLATES, template), directory / "chat_template.jinja")
+    mine, theirs = pair(str(directory))
+    rendered = []
+    for conversation in CONVERSATIONS:
+        for generation in (True, False):
+            rendered.append(render_both(mine, theirs, conversation, add_generation_prompt=generation))
+            if "tools" in mine.chat_template:
+                rendered.append(render_both(mine, theirs, conversation, add_generation_prompt=generation,
+                                            tools=TOOLS))
+    assert any(isinstance(text, str) and "France" in text for text in rendered)  # not all refused
+    text = mine.apply_chat_template(CONVERSATIONS[0], add_generation_prompt=True, tokenize=False)
+    assert mine.apply_chat_template(CONVERSATIONS[0], add_generation_prompt=True) == mine.encode(
+        text, add_special_tokens=False)
+    assert CONVERSATIONS[2][1]["content"] is None and "thinking" not in CONVERSATIONS[2][1]  # left as given
+
+
+FEATURES_TEMPLATE = """{%- set ns = namespace(n=0) -%}
+{%- for message in messages -%}
+  {%- if message.role == 'system' %}{% continue %}{% endif -%}
+  {%- if loop.index > 7 %}{% break %}{% endif -%}
+  {%- set ns.n = ns.n + 1 -%}
+  <{{ message.role }}>{% if message.role == 'assistant' %}{% generation %}{{ message.content }}{% endgeneration %}
+  {%- else %}{{ message.content | trim }}{% endif %}</{{ message.role }}>
+  {%- if message.tool_calls is defined %}{{ message.tool_calls | tojson }}{% endif -%}
+  {%- if message.reasoning_content is defined %}[{{ message.thinking }}|{{ message.reasoning_content }}]{% endif %}
+{% endfor -%}
+{{ ns.n }} {{ tools | tojson(indent=2) }} {{ dict(a=1) | tojson }} {{ bos_token }}{{ eos_token }}
+{%- if messages[-1].content == 'refuse' %}{{ raise_exception('refused: ' ~ messages[-1].role) }}{% endif -%}
+{%- if add_generation_prompt %}<assistant>{% endif %}"""
+
+
+def test_the_template_environment_is_transformers(caches, tmp_path):
+    # What transformers' environment adds to jinja2's: loop controls, {% generation %}, namespace, dict, tojson
+    # (non-ASCII kept, indent), raise_exception, trim_blocks/lstrip_blocks, reasoning under its names, None dropped.
+    directory = tmp_path / "tok"
+    shutil.copytree(caches["default"], directory)
+    (directory / "chat_template.jinja").write_text(FEATURES_TEMPLATE)
+    mine, theirs = pair(str(directory))
+    messages = [*CONVERSATIONS[1], {"role": "assistant", "content": "Paris", "reasoning": "la capitale…"},
+                *CONVERSATIONS[2]]
+    for conversation in (messages, messages[:3], [{"role": "user", "content": "refuse"}]):
+        for generation in (True, False):
+            for tools in (None, TOOLS):
+                render_both(mine, theirs, conversation, add_generation_prompt=generation, tools=tools)
+    assert render_both(mine, theirs, [{"role": "user", "content": "refuse"}]) == ("refused", "refused: user")
