@@ -10,7 +10,8 @@
     processes.py   several processes under accelerate: who reads, who generates what, who writes
     session.py     a session in the terminal: the prompt loop, /commands, the conversation and its context
     gguf_loading.py  a GGUF file run in its own quantized blocks, memory-mapped, its header cached
-    gguf_model.py  the own model code of a GGUF file's llama/mistral/qwen2/qwen3 decoder (no transformers model)
+    gguf_model.py  the own model code of a GGUF file's llama/mistral/qwen2/qwen3/gemma2/3 decoder (no transformers
+                   model)
     decoder.py     decoder layers over GGUF blocks (llama, mistral, qwen2/3, phi3, gemma2/3; FAMILIES says
                    what differs), fused into a few native operators
     kvcache.py     the key/value cache that grows in place (for the fused layers' native attention)

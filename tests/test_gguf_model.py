@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.usefixtures("module_cache_home"),
               pytest.mark.skipif(not native_kernels(), reason="the own model code runs on the native kernels")]
 PROMPTS = ["The capital of France is", "Hello, my dog", "A"]
 # mixed_tied holds F16/BF16 layer weights beside the blocks: transformers' model runs it (its own test below).
-NAMES = [*(name for name in LLAMA_FILES if name != "mixed_tied"), "qwen3", "default"]
+NAMES = [*(name for name in LLAMA_FILES if name != "mixed_tied"), "qwen3", "gemma2", "gemma3", "default"]
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +38,9 @@ def files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("own")
     out = {name: write_llama_gguf(folder / f"{name}.gguf", fields, **spec) for name, spec in LLAMA_FILES.items()}
     out["qwen3"] = write_family_gguf(folder / "qwen3.gguf", "qwen3", fields)
+    # gemma3: five sliding layers and a global one (their window of 4 crossed by the prompts and decode steps).
+    out["gemma2"] = write_family_gguf(folder / "gemma2.gguf", "gemma2", fields)
+    out["gemma3"] = write_family_gguf(folder / "gemma3.gguf", "gemma3", fields, layers=6)
     out["default"] = default_model_file()
     return out
 
