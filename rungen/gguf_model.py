@@ -1,9 +1,11 @@
-"""The causal LM of a GGUF file of the llama-shaped families (llama, mistral, qwen2, qwen3, gemma2, gemma3) on the
-project's own model code: the embedding, rungen/decoder.py's NativeStack (every decoder layer in one native call),
+"""The causal LM of a GGUF file of the llama-shaped families (llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3) on
+the project's own model code: the embedding, rungen/decoder.py's NativeStack (every decoder layer in one native call),
 the final norm and the output head, with the rotary cos/sin and the padded batch's mask computed here. gemma's
 differences (GEMMA below): the embedding scaled by sqrt(hidden), norms of 1 + weight, two more norms a layer, a
 GELU-tanh gate, scores scaled by query_pre_attn_scalar, soft-capped attention and final logits (gemma2), sliding
 windows on some layers (also mistral's and qwen2's with a window), each layer type's own rope base (gemma3).
+phi3's: q/k/v and gate/up one weight each in the file (taken as they are), a partial rotary (Phi-4-mini); its
+longrope (the 128k variants) changes with the length and stays transformers' model's.
 
 transformers' model classes cost their import (its model modules, modeling_utils and masking_utils: seconds at
 start-up, more than the model's own load), and their forward passes through generic machinery (mask construction,
@@ -39,12 +41,12 @@ from .kvcache import new_cache
 
 # config.model_type -> the GGUF architectures whose q/k rows transformers' tensor processor un-permutes (llama.cpp's
 # converter permutes them for its interleaved rotary; the native kernels rotate halves, as transformers does).
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
 PERMUTED_ARCHITECTURES = ("llama",)
 GEMMA = ("gemma2", "gemma3_text")
 # Families whose attention slides its window on every layer when the config has one (the others: the layers that
 # config.layer_types names sliding_attention).
-WINDOW_ON_EVERY_LAYER = ("mistral",)
+WINDOW_ON_EVERY_LAYER = ("mistral", "phi3")
 # Rotary types whose frequencies are fixed at load (transformers' dynamic and longrope ones change with the length).
 ROPE_TYPES = ("default", "linear", "llama3")
 LAYER_TENSORS = {  # the HF name's ending of each decoder-layer weight, as weights_map.json names them
@@ -60,6 +62,10 @@ OPTIONAL_LAYER_TENSORS = {"q_bias": "self_attn.q_proj.bias", "k_bias": "self_att
 GEMMA_NORMS = {"mlp_norm": "pre_feedforward_layernorm.weight", "attention_out_norm": "post_attention_layernorm.weight",
                "mlp_out_norm": "post_feedforward_layernorm.weight"}
 PRODUCTS = ("q", "k", "v", "o", "gate", "up", "down")
+# phi3's file (and transformers' model) hold q/k/v as one weight and gate/up as one of twice the width, gate first.
+JOINED_TENSORS = {"qkv": "self_attn.qkv_proj.weight", "gate_up": "mlp.gate_up_proj.weight"}
+JOINED_PRODUCTS = ("qkv", "o", "gate_up", "down")
+JOINED = ("phi3",)
 # The MLP activations the native stack computes: SiLU, GELU-tanh (gemma's).
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
@@ -85,12 +91,15 @@ def refusal(config: PretrainedConfig, header, weights_map: dict | None) -> str |
         return "some of its layers attend neither to every key nor in a sliding window"
     for layer_type, rope in rope_types(config).items():
         allowed = ROPE_TYPES if layer_type is None else ("default", "linear")  # what rotary_frequencies computes
-        if rope.get("rope_type", "default") not in allowed or rope.get("partial_rotary_factor", 1.0) != 1.0:
+        if rope.get("rope_type", "default") not in allowed:
             return f"its rotary embedding is {rope.get('rope_type')}"
+        if rope.get("partial_rotary_factor", 1.0) != 1.0 and rope.get("rope_type", "default") != "default":
+            return f"its rotary embedding is {rope.get('rope_type')} over part of each head"
     codes = {name: code for name, code, *_ in header.tensors}
-    products = {gguf for gguf, hf in weights_map.items()
-                if any(hf.endswith("." + LAYER_TENSORS[p]) for p in PRODUCTS)}
-    if len(products) != len(PRODUCTS) * config.num_hidden_layers:
+    names, wanted = (dict(LAYER_TENSORS, **JOINED_TENSORS), JOINED_PRODUCTS) if config.model_type in JOINED else (
+        LAYER_TENSORS, PRODUCTS)
+    products = {gguf for gguf, hf in weights_map.items() if any(hf.endswith("." + names[p]) for p in wanted)}
+    if len(products) != len(wanted) * config.num_hidden_layers:
         return "its file holds other layer weights"
     if config.model_type in GEMMA and len({hf for hf in weights_map.values() if hf.endswith(
             tuple("." + name for name in GEMMA_NORMS.values()))}) != len(GEMMA_NORMS) * config.num_hidden_layers:
@@ -230,7 +239,8 @@ def rotary_frequencies(config: PretrainedConfig, layer_type: str | None = None) 
     rope_type = rope.get("rope_type", "default")
     if rope_type == "default" or layer_type is not None:
         base = rope["rope_theta"]
-        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))  # phi3's partial rotary: the first dim values
         inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         if rope_type == "linear":  # transformers' linear scaling, in its order: the default frequencies / factor
             inv_freq /= rope["factor"]
@@ -384,13 +394,17 @@ def build(header, config: PretrainedConfig, weights_map: dict) -> GGUFCausalLM:
         if gemma:
             attention_out_norms.append(norm_weight(tensor(prefix + layer_norms["attention_out_norm"])))
             mlp_out_norms.append(norm_weight(tensor(prefix + layer_norms["mlp_out_norm"])))
-        q_entry, k_entry = tensor(prefix + LAYER_TENSORS["q"]), tensor(prefix + LAYER_TENSORS["k"])
-        bias_entries = [tensor(prefix + OPTIONAL_LAYER_TENSORS[key], required=False)
-                        for key in ("q_bias", "k_bias", "v_bias")]
-        fused_qkv = fused([q_entry, k_entry, tensor(prefix + LAYER_TENSORS["v"])],
-                          [q_k_order(q_entry[2][0], heads), q_k_order(k_entry[2][0], kv_heads), None],
-                          [None if b is None else float_tensor(b).to(torch.float32) for b in bias_entries])
-        fused_gate_up = fused([tensor(prefix + LAYER_TENSORS[p]) for p in ("gate", "up")], [None, None], [None, None])
+        if config.model_type in JOINED:  # one weight each in the file: one product each, as they are
+            fused_qkv, fused_gate_up = (linear(tensor(prefix + JOINED_TENSORS[p])) for p in ("qkv", "gate_up"))
+        else:
+            q_entry, k_entry = tensor(prefix + LAYER_TENSORS["q"]), tensor(prefix + LAYER_TENSORS["k"])
+            bias_entries = [tensor(prefix + OPTIONAL_LAYER_TENSORS[key], required=False)
+                            for key in ("q_bias", "k_bias", "v_bias")]
+            fused_qkv = fused([q_entry, k_entry, tensor(prefix + LAYER_TENSORS["v"])],
+                              [q_k_order(q_entry[2][0], heads), q_k_order(k_entry[2][0], kv_heads), None],
+                              [None if b is None else float_tensor(b).to(torch.float32) for b in bias_entries])
+            fused_gate_up = fused([tensor(prefix + LAYER_TENSORS[p]) for p in ("gate", "up")], [None, None],
+                                  [None, None])
         if fused_qkv is None or fused_gate_up is None:
             raise GGUFError(f"{header.path}: layer {index}'s products take inputs of different widths")
         qkv.append(native_parts(fused_qkv, QKV_PARTS))
