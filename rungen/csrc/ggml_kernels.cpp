@@ -11,7 +11,8 @@
 //   torch.ops.rungen_ggml.rope_split(qkv, cos, sin, heads, kv_heads[, q_norm, k_norm, norm_eps])  each instead
 //                                                               of several (see below)
 //   torch.ops.rungen_ggml.silu_mul(gate_up), gelu_tanh_mul(gate_up)
-//   torch.ops.rungen_ggml.attend(q, k, v, mask, scale, softcap)  attention, the same bits with or without padding
+//   torch.ops.rungen_ggml.attend(q, k, v, mask, scale, softcap, window)  attention, the same bits with or
+//                                                               without padding
 //   torch.ops.rungen_ggml.attention_in(...), attention_out_mlp(...)  a decoder layer in two calls (see below)
 //   torch.ops.rungen_ggml.decoder_stack(...)                     every decoder layer in one call (see below)
 //   torch.ops.rungen_ggml.isa() / set_isa(name)                  the code path in use ("avx512vnni", "avx2",
@@ -1131,7 +1132,9 @@ at::Tensor silu_mul(const at::Tensor& gu_in) {
 // causal, query i sees keys 0 .. T - t + i; else bool [b, 1, t, T] (true: attend) or additive float of that
 // shape (0 attends, a large negative value does not). Out [b, t, heads * dim], as transformers' attention
 // returns it reshaped. softcap > 0 (gemma2's attn_logit_softcapping) bounds each score to tanh(s / cap) * cap
-// before the mask is added, as transformers' gemma2 eager attention does; 0: none.
+// before the mask is added, as transformers' gemma2 eager attention does; 0: none. window > 0 (a sliding-window
+// layer's): query i, at cache position T - t + i, also skips the keys at or before that position - window, on top
+// of the mask (transformers' sliding_window_overlay; the cache keeps every position); 0: none.
 //
 // Each query's keys are visited in order and the masked ones skipped, so a sequence's result does not depend on
 // the padding beside it: a prompt alone and the same prompt left-padded in a batch give the same bits (torch's
