@@ -11,7 +11,8 @@
                    imported only where a launcher started several)
     session.py     a session in the terminal: the prompt loop, /commands, the conversation and its context
     gguf_loading.py  a GGUF file run in its own quantized blocks, memory-mapped, its header cached
-    gguf_model.py  the own model code of a GGUF file's llama/mistral/qwen2/qwen3 decoder (no transformers import)
+    gguf_model.py  the own model code of a GGUF file's decoder (llama, mistral, qwen2/3, phi3, gemma2/3; no
+                   transformers import)
     tokenizer.py   a GGUF file's tokenizer on the tokenizers library, with transformers' results for its files
     chat_template.py  chat templates rendered by jinja2 as transformers renders them (for tokenizer.py)
     decoder.py     decoder layers over GGUF blocks (llama, mistral, qwen2/3, phi3, gemma2/3; FAMILIES says

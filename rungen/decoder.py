@@ -9,9 +9,11 @@ their block types differ, as a Q4_K_M file's attn_v and attn_q do, each type's r
 quantizes the activations once: rungen.ggml.GGMLParts), and the native kernels' rms_norm, rope_split, silu_mul
 (gelu_tanh_mul) and attend for what lies between. The key/value cache and the attention masks stay
 transformers' (Cache.update, the mask the model passes in), so generate() and everything built on it work
-unchanged. A sliding-window layer attends through the native attend too, under the mask the model builds for
-its layer type, which holds the window, and gemma2's soft-capped logits are capped in it; a window without a
-mask once the keys outrun it goes through transformers' attention interface.
+unchanged. A sliding-window layer attends through the native attend too, which applies the window (key positions
+in the cache, as transformers' window mask counts them) on top of whatever mask the model passes, and gemma2's
+soft-capped logits are capped in it. A model whose layers are all in blocks and alike (llama's and the families
+of FAMILIES, gemma's extra norms, GELU gate, soft cap, per-layer windows and local rotary included) runs them as
+one NativeStack call a step on the engine's cache (DecoderStack).
 
 The float arithmetic differs from transformers' only in summation order and fused multiply-adds:
 tests/unit/test_decoder.py holds it to transformers' own layer within float32 rounding. The attention visits
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import sys
 import weakref
 
@@ -116,11 +119,11 @@ class FusedDecoderLayer(torch.nn.Module):
         self.softcap = getattr(attention, "attn_logit_softcapping", None)
         # The family's own eager attention (gemma2's soft-caps the logits), as its attention module falls back to.
         self.eager = getattr(sys.modules[type(attention).__module__], "eager_attention_forward", None)
-        # Every product in blocks, no bias but q/k/v's, full attention, llama's norms and activation: the layer runs
-        # as two native calls.
-        self.two_calls = self.sliding_window is None and self.softcap is None and self.activation == "silu" and (
-            self.attention_out_norm is None and self.mlp_out_norm is None) and all(
-            isinstance(p, GGMLLinear) and p.bias is None for p in (self.o_proj, self.down_proj))
+        # Every product in blocks, no bias but q/k/v's: the layer can be one of a NativeStack's; with full
+        # attention and llama's norms and activation besides, it runs as two native calls.
+        self.in_blocks = all(isinstance(p, GGMLLinear) and p.bias is None for p in (self.o_proj, self.down_proj))
+        self.two_calls = self.in_blocks and self.sliding_window is None and self.softcap is None and (
+            self.activation == "silu" and self.attention_out_norm is None and self.mlp_out_norm is None)
 
     @classmethod
     def fuse(cls, layer: torch.nn.Module) -> FusedDecoderLayer | None:
@@ -166,14 +169,15 @@ class FusedDecoderLayer(torch.nn.Module):
             q, k, v = rope_split(qkv, cos, sin, self.heads, self.kv_heads, self.q_norm, self.k_norm)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
-        if native and (self.sliding_window is None or attention_mask is not None
-                       or k.shape[-2] <= self.sliding_window):
+        if native:
             # One call, and the same bits with or without padding beside the sequence (torch's kernels block
             # the keys differently once padding shifts them): a greedy text is the same alone and in a batch.
-            # A sliding-window layer's mask holds its window (transformers builds it from the cache's sizes,
-            # whichever keys the cache keeps); without a mask, only while every key lies within the window.
-            # gemma2's soft-capped scores are capped in the kernel (0: none).
-            attended = torch.ops.rungen_ggml.attend(q, k, v, attention_mask, self.scaling, self.softcap or 0.0)
+            # A sliding-window layer's window is applied by the kernel too (key positions in the cache, as
+            # transformers' window mask counts them, whichever keys the cache keeps), where the mask, when there
+            # is one, holds it already: the same keys, the same bits, with or without a mask. gemma2's
+            # soft-capped scores are capped in the kernel (0: none).
+            attended = torch.ops.rungen_ggml.attend(q, k, v, attention_mask, self.scaling, self.softcap or 0.0,
+                                                    self.sliding_window or 0)
         else:
             attended = self._attention(q, k, v, attention_mask, kwargs).reshape(batch, tokens, -1)
         out = product(self.o_proj, attended, native)
@@ -274,9 +278,18 @@ class NativeStack:
     buffers. DecoderStack runs it as a transformers model's inner forward; rungen/gguf_model.py's own model calls it
     directly."""
 
-    def __init__(self, weights: tuple, eps: float, scale: float, heads: int, kv_heads: int, head_dim: int):
+    def __init__(self, weights: tuple, eps: float, scale: float, heads: int, kv_heads: int, head_dim: int,
+                 out_norms: tuple[list, list] = ([], []), windows: list[int] = (), softcap: float = 0.0,
+                 gelu: bool = False):
+        """weights: the layers' tensors as decoder_stack takes them (input norms to qtypes); eps: every norm's;
+        scale: the attention scores'. What gemma's layers add (empty or defaults for llama's): out_norms, each
+        layer's norms of the attention's and of the MLP's output (None: none); windows, each layer's sliding
+        window (0: none); softcap, the attention logits' cap (0: none); gelu, a GELU-tanh gate instead of SiLU.
+        Gemma's norm weights come as 1 + weight."""
         self.weights, self.eps, self.scale = weights, eps, scale
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.out_norms, self.windows = (list(out_norms[0]), list(out_norms[1])), list(windows)
+        self.softcap, self.gelu = float(softcap), bool(gelu)
         # What the last call left: (a weak reference to the cache, the addresses of its layers' keys, the
         # positions they hold, the least capacity of any buffer). A step that finds the same keys needs no look
         # at each layer's buffers; nothing here keeps a finished cache alive.
@@ -284,7 +297,7 @@ class NativeStack:
 
     @classmethod
     def of_layers(cls, layers: list[FusedDecoderLayer]) -> NativeStack:
-        """The stack of these fused layers (all in two calls, alike: see DecoderStack.install)."""
+        """The stack of these fused layers (all in blocks, alike: see DecoderStack.install)."""
         first = layers[0]
         qkv = [native_parts(layer.qkv, QKV_PARTS) for layer in layers]
         gate_up = [native_parts(layer.gate_up, GATE_UP_PARTS) for layer in layers]
@@ -298,8 +311,13 @@ class NativeStack:
                    [code for layer, (_, qkv_codes), (_, gate_up_codes) in zip(layers, qkv, gate_up)
                     for code in (*qkv_codes, layer.o_proj.code, *gate_up_codes, layer.down_proj.code)])
         head_dim = first.qkv.out_features // (first.heads + 2 * first.kv_heads)
+        out_norms = tuple([layer.norm_args(name)[0] for layer in layers]
+                          if any(layer.norm_args(name)[0] is not None for layer in layers) else []
+                          for name in ("attention_out_norm", "mlp_out_norm"))
+        windows = [layer.sliding_window or 0 for layer in layers]
         return cls(weights, first.norm_args("input_layernorm")[1], first.scaling, first.heads, first.kv_heads,
-                   head_dim)
+                   head_dim, out_norms, windows if any(windows) else [], first.softcap or 0.0,
+                   first.activation == "gelu_pytorch_tanh")
 
     @property
     def num_layers(self) -> int:
@@ -313,9 +331,10 @@ class NativeStack:
             full_attention(layer) for layer in layers)
 
     def __call__(self, hidden: torch.Tensor, cache, mask: torch.Tensor | None, cos: torch.Tensor,
-                 sin: torch.Tensor) -> torch.Tensor | None:
+                 sin: torch.Tensor, local: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
         """The hidden states after the last layer, the cache extended by the new positions; None (nothing done)
-        when the cache's layers hold different lengths (cut one by one)."""
+        when the cache's layers hold different lengths (cut one by one). `mask`: the padded batch's (None: causal),
+        the windows applied on top of it; `local`: the windowed layers' cos/sin where they differ (gemma3's)."""
         layers = cache.layers
         for index, layer in enumerate(layers):
             if not growing(layer):  # generate()'s own cache: moved into buffers with room
@@ -336,7 +355,8 @@ class NativeStack:
                 return None
         hidden, keys, values = torch.ops.rungen_ggml.decoder_stack(
             hidden, cos, sin, mask, *self.weights, self.eps, self.heads, self.kv_heads, self.scale,
-            [k for k, _ in buffers], [v for _, v in buffers], length)
+            [k for k, _ in buffers], [v for _, v in buffers], length, *self.out_norms, self.windows,
+            *(local or (None, None)), self.softcap, self.gelu)
         for layer, k, v in zip(layers, keys, values):
             layer.keys, layer.values = k, v
         self.last = (weakref.ref(cache), [k.data_ptr() for k in keys], length + tokens,
@@ -357,21 +377,30 @@ class DecoderStack:
     def __init__(self, inner: torch.nn.Module, layers: list[FusedDecoderLayer]):
         self.inner, self.original = inner, inner.forward
         self.stack = NativeStack.of_layers(layers)
+        # gemma3's rotary embedding rotates each layer type by its own base: (full, sliding) layer types to ask
+        # it for, else None (one rotation for every layer).
+        self.rotary_types = None
+        if "layer_type" in inspect.signature(inner.rotary_emb.forward).parameters:
+            kinds = set(inner.config.layer_types)
+            self.rotary_types = ("full_attention" if "full_attention" in kinds else "sliding_attention",
+                                 "sliding_attention" if "sliding_attention" in kinds else None)
 
     @classmethod
     def install(cls, model: torch.nn.Module) -> bool:
-        """Runs `model`'s decoder layers as one stack when every one is a FusedDecoderLayer in two calls, all
-        alike (norm epsilon, heads); returns whether it did."""
+        """Runs `model`'s decoder layers as one stack when every one is a FusedDecoderLayer in blocks, all alike
+        (norm epsilon, heads, activation, soft cap; a sliding window may differ by layer); returns whether it
+        did."""
         inner = model.model
         layers = list(inner.layers)
         if not layers or len(layers) != model.config.num_hidden_layers or not all(
-                isinstance(layer, FusedDecoderLayer) and layer.two_calls
+                isinstance(layer, FusedDecoderLayer) and layer.in_blocks
                 and len(layer.qkv_parts[0]) <= QKV_PARTS and len(layer.gate_up_parts[0]) <= GATE_UP_PARTS
                 for layer in layers):
             return False
         first = layers[0]
         # One epsilon for every norm, the per-head ones too (the stack takes one).
-        if any((layer.heads, layer.kv_heads, layer.scaling) != (first.heads, first.kv_heads, first.scaling)
+        if any((layer.heads, layer.kv_heads, layer.scaling, layer.activation, layer.softcap)
+               != (first.heads, first.kv_heads, first.scaling, first.activation, first.softcap)
                or (layer.q_norm is None) != (first.q_norm is None)
                or {eps for _, eps in layer.native_norms.values()} != {first.norm_args("input_layernorm")[1]}
                for layer in layers):
@@ -408,8 +437,14 @@ class DecoderStack:
         else:
             mask = create_causal_mask(config=inner.config, inputs_embeds=hidden, attention_mask=attention_mask,
                                       past_key_values=cache, position_ids=position_ids)
-        cos, sin = inner.rotary_emb(hidden, position_ids=position_ids)
-        out = self.stack(hidden, cache, mask, cos, sin)
+        local = None
+        if self.rotary_types is None:
+            cos, sin = inner.rotary_emb(hidden, position_ids=position_ids)
+        else:
+            cos, sin = inner.rotary_emb(hidden, position_ids, self.rotary_types[0])
+            if self.rotary_types[1] is not None:
+                local = inner.rotary_emb(hidden, position_ids, self.rotary_types[1])
+        out = self.stack(hidden, cache, mask, cos, sin, local)
         if out is None:  # layers cut differently: one by one
             return self.original(input_ids=None, attention_mask=attention_mask, position_ids=position_ids,
                                  past_key_values=cache, inputs_embeds=hidden, use_cache=use_cache, **kwargs)

@@ -1,6 +1,11 @@
-"""The causal LM of a GGUF file of the llama-shaped families (llama, mistral, qwen2, qwen3) on the project's own model
-code: the embedding, rungen/decoder.py's NativeStack (every decoder layer in one native call), the final norm and
-the output head, with the rotary cos/sin and the padded batch's mask computed here.
+"""The causal LM of a GGUF file of the llama-shaped families (llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3) on
+the project's own model code: the embedding, rungen/decoder.py's NativeStack (every decoder layer in one native call),
+the final norm and the output head, with the rotary cos/sin and the padded batch's mask computed here. gemma's
+differences (GEMMA below): the embedding scaled by sqrt(hidden), norms of 1 + weight, two more norms a layer, a
+GELU-tanh gate, scores scaled by query_pre_attn_scalar, soft-capped attention and final logits (gemma2), sliding
+windows on some layers (also mistral's and qwen2's with a window), each layer type's own rope base (gemma3).
+phi3's: q/k/v and gate/up one weight each in the file (taken as they are), a partial rotary (Phi-4-mini); its
+longrope (the 128k variants) changes with the length and stays transformers' model's.
 
 transformers' model classes cost their import (its model modules, modeling_utils and masking_utils: seconds at
 start-up, more than the model's own load), and their forward passes through generic machinery (mask construction,
@@ -35,8 +40,12 @@ from .kvcache import new_cache
 
 # config.model_type -> the GGUF architectures whose q/k rows transformers' tensor processor un-permutes (llama.cpp's
 # converter permutes them for its interleaved rotary; the native kernels rotate halves, as transformers does).
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
 PERMUTED_ARCHITECTURES = ("llama",)
+GEMMA = ("gemma2", "gemma3_text")
+# Families whose attention slides its window on every layer when the config has one (the others: the layers that
+# config.layer_types names sliding_attention).
+WINDOW_ON_EVERY_LAYER = ("mistral", "phi3")
 # Rotary types whose frequencies are fixed at load (transformers' dynamic and longrope ones change with the length).
 ROPE_TYPES = ("default", "linear", "llama3")
 LAYER_TENSORS = {  # the HF name's ending of each decoder-layer weight, as weights_map.json names them
@@ -48,7 +57,16 @@ LAYER_TENSORS = {  # the HF name's ending of each decoder-layer weight, as weigh
 OPTIONAL_LAYER_TENSORS = {"q_bias": "self_attn.q_proj.bias", "k_bias": "self_attn.k_proj.bias",
                           "v_bias": "self_attn.v_proj.bias", "q_norm": "self_attn.q_norm.weight",
                           "k_norm": "self_attn.k_norm.weight"}
+# gemma's layer norms: before the MLP, and of the attention's and of the MLP's output before each residual sum.
+GEMMA_NORMS = {"mlp_norm": "pre_feedforward_layernorm.weight", "attention_out_norm": "post_attention_layernorm.weight",
+               "mlp_out_norm": "post_feedforward_layernorm.weight"}
 PRODUCTS = ("q", "k", "v", "o", "gate", "up", "down")
+# phi3's file (and transformers' model) hold q/k/v as one weight and gate/up as one of twice the width, gate first.
+JOINED_TENSORS = {"qkv": "self_attn.qkv_proj.weight", "gate_up": "mlp.gate_up_proj.weight"}
+JOINED_PRODUCTS = ("qkv", "o", "gate_up", "down")
+JOINED = ("phi3",)
+# The MLP activations the native stack computes: SiLU, GELU-tanh (gemma's).
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 class Config:
@@ -101,26 +119,57 @@ def refusal(config: Config, header, weights_map: dict | None) -> str | None:
         return "its weights map is not cached yet"
     if not native_kernels():
         return "the native kernels are not available"
-    if config.hidden_act != "silu":
-        return f"its MLP's activation is {config.hidden_act}"
-    if config.model_type == "mistral" and getattr(config, "sliding_window", None) is not None:
-        return "its layers attend in a sliding window"
-    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
-        return "some of its layers attend in a sliding window"
-    rope = getattr(config, "rope_parameters", None) or {}
-    if rope.get("rope_type", "default") not in ROPE_TYPES or rope.get("partial_rotary_factor", 1.0) != 1.0:
-        return f"its rotary embedding is {rope.get('rope_type')}"
+    if activation(config) not in ACTIVATIONS:
+        return f"its MLP's activation is {activation(config)}"
+    if any(kind not in ("full_attention", "sliding_attention") for kind in getattr(config, "layer_types", None) or ()):
+        return "some of its layers attend neither to every key nor in a sliding window"
+    for layer_type, rope in rope_types(config).items():
+        allowed = ROPE_TYPES if layer_type is None else ("default", "linear")  # what rotary_frequencies computes
+        if rope.get("rope_type", "default") not in allowed:
+            return f"its rotary embedding is {rope.get('rope_type')}"
+        if rope.get("partial_rotary_factor", 1.0) != 1.0 and rope.get("rope_type", "default") != "default":
+            return f"its rotary embedding is {rope.get('rope_type')} over part of each head"
     codes = {name: code for name, code, *_ in header.tensors}
-    products = {gguf for gguf, hf in weights_map.items()
-                if any(hf.endswith("." + LAYER_TENSORS[p]) for p in PRODUCTS)}
-    if len(products) != len(PRODUCTS) * config.num_hidden_layers:
+    names, wanted = (dict(LAYER_TENSORS, **JOINED_TENSORS), JOINED_PRODUCTS) if config.model_type in JOINED else (
+        LAYER_TENSORS, PRODUCTS)
+    products = {gguf for gguf, hf in weights_map.items() if any(hf.endswith("." + names[p]) for p in wanted)}
+    if len(products) != len(wanted) * config.num_hidden_layers:
         return "its file holds other layer weights"
+    if config.model_type in GEMMA and len({hf for hf in weights_map.values() if hf.endswith(
+            tuple("." + name for name in GEMMA_NORMS.values()))}) != len(GEMMA_NORMS) * config.num_hidden_layers:
+        return "its file lacks some of gemma's layer norms"
     if any(codes.get(name) not in SUPPORTED for name in products):
         return "some of its layer weights are not in quantized blocks"
     if any(hf.endswith(".bias") and not hf.endswith(tuple(OPTIONAL_LAYER_TENSORS.values()))
            for hf in weights_map.values()):
         return "some of its products have biases"
     return None
+
+
+def activation(config: Config) -> str | None:
+    """The MLP's activation as transformers' config names it (gemma's config: hidden_activation)."""
+    return getattr(config, "hidden_activation" if config.model_type in GEMMA else "hidden_act", None)
+
+
+def rope_types(config: Config) -> dict:
+    """{layer type: its rope parameters} for a config with one rotary embedding a layer type (gemma3's), else
+    {None: the rope parameters}."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    if "full_attention" in rope or "sliding_attention" in rope:
+        return {kind: params or {} for kind, params in rope.items()}
+    return {None: rope}
+
+
+def layer_windows(config: Config) -> list[int]:
+    """Each decoder layer's sliding window (0: it attends to every key), as transformers' attention reads it."""
+    window = getattr(config, "sliding_window", None) or 0
+    layers = config.num_hidden_layers
+    if not window:
+        return [0] * layers
+    if config.model_type in WINDOW_ON_EVERY_LAYER:
+        return [window] * layers
+    kinds = getattr(config, "layer_types", None) or ["full_attention"] * layers
+    return [window if kind == "sliding_attention" else 0 for kind in kinds]
 
 
 class GGUFCausalLM(torch.nn.Module):
@@ -140,7 +189,16 @@ class GGUFCausalLM(torch.nn.Module):
         self.embed_tokens, self.lm_head, self.stack = embed_tokens, lm_head, stack
         self.register_buffer("norm_weight", norm, persistent=False)
         self.norm_eps = config.rms_norm_eps
-        self.inv_freq, self.attention_scaling = rotary_frequencies(config)
+        # The rotation of every layer, or of the full-attention ones with the sliding ones' beside it (gemma3).
+        kinds = rope_types(config)
+        self.rotary = rotary_frequencies(config, "full_attention" if "full_attention" in kinds else next(iter(kinds)))
+        self.local_rotary = rotary_frequencies(config, "sliding_attention") if (
+            "sliding_attention" in kinds and "full_attention" in kinds) else None
+        # gemma: the embedding's rows times sqrt(hidden) in the embedding's dtype (transformers' scaled embedding
+        # holds it as a float32 tensor), the final logits soft-capped (gemma2).
+        gemma = config.model_type in GEMMA
+        self.embed_scale = torch.tensor(config.hidden_size ** 0.5, dtype=torch.float32) if gemma else None
+        self.final_softcap = getattr(config, "final_logit_softcapping", None) if gemma else None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -170,6 +228,8 @@ class GGUFCausalLM(torch.nn.Module):
             raise ValueError("this model's cache holds one full-attention layer per decoder layer "
                              "(rungen.kvcache.new_cache)")
         hidden = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            hidden = hidden * self.embed_scale.to(hidden.dtype)
         tokens = hidden.shape[1]
         length = cache.layers[0].get_seq_length()
         if position_ids is None:
@@ -177,19 +237,28 @@ class GGUFCausalLM(torch.nn.Module):
         # No padding: the native attention's causal default, which visits only the keys up to each query.
         mask = None if attention_mask is None or bool(attention_mask.all()) else \
             padded_causal_mask(attention_mask, length, tokens)
-        cos, sin = rotary_cos_sin(self.inv_freq, self.attention_scaling, position_ids)
-        hidden = self.stack(hidden, cache, mask, cos, sin)
+        if mask is not None and self.config.model_type == "gemma2":
+            # transformers' gemma2 attends eagerly (its soft cap), under the additive form of the mask: a padding
+            # position's query, which sees no key, then averages the values rather than giving zeros. Nothing reads
+            # those logits, but in this form they are transformers' too (the real positions' bits are the same).
+            mask = torch.zeros(mask.shape).masked_fill_(~mask, torch.finfo(torch.float32).min)
+        cos, sin = rotary_cos_sin(*self.rotary, position_ids)
+        local = None if self.local_rotary is None else rotary_cos_sin(*self.local_rotary, position_ids)
+        hidden = self.stack(hidden, cache, mask, cos, sin, local)
         if hidden is None:
             raise ValueError("the cache's layers hold different lengths")
         hidden = rms_norm(hidden, self.norm_weight, self.norm_eps)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:, :]
         logits = self.lm_head(hidden)
+        if self.final_softcap is not None:  # Gemma2ForCausalLM's order of operations
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return CausalLMOutput(logits=logits, past_key_values=None if use_cache is False else cache)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """LlamaRMSNorm's forward (Qwen2's and Qwen3's are the same), in its order of operations."""
+    """LlamaRMSNorm's forward (Qwen2's and Qwen3's are the same), in its order of operations; gemma's with its
+    1 + weight as `weight` (float32: the same products)."""
     dtype = x.dtype
     x = x.to(torch.float32)
     variance = x.pow(2).mean(-1, keepdim=True)
@@ -197,14 +266,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x.to(dtype)
 
 
-def rotary_frequencies(config: Config) -> tuple[torch.Tensor, float]:
+def rotary_frequencies(config: Config, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
     """(inverse frequencies, cos/sin scale) as LlamaRotaryEmbedding computes them at init: its own default, or
-    transformers' function of the rope type (fixed at load: ROPE_TYPES)."""
-    rope_type = config.rope_parameters.get("rope_type", "default")
-    if rope_type == "default":
-        base = config.rope_parameters["rope_theta"]
-        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+    transformers' function of the rope type (fixed at load: ROPE_TYPES); of `layer_type`'s parameters where the
+    config holds one set a layer type (gemma3's rotary embedding: default, or linear as gemma-3-4b's global
+    layers scale theirs)."""
+    rope = rope_types(config)[layer_type]
+    rope_type = rope.get("rope_type", "default")
+    if rope_type == "default" or layer_type is not None:
+        base = rope["rope_theta"]
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))  # phi3's partial rotary: the first dim values
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        if rope_type == "linear":  # transformers' linear scaling, in its order: the default frequencies / factor
+            inv_freq /= rope["factor"]
+        return inv_freq, 1.0
     from transformers import PretrainedConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -336,18 +412,36 @@ def build(header, config: Config, weights_map: dict) -> GGUFCausalLM:
         entry = tensor("lm_head.weight")
         head = linear(entry) if entry[1] in SUPPORTED else CastLinear(float_tensor(entry), None)
 
+    gemma = config.model_type in GEMMA
+
+    def norm_weight(entry) -> torch.Tensor:
+        """A norm's weight as the native steps multiply by it: gemma's 1 + weight, which llama.cpp's converter
+        stores; computed as transformers' model does from the weight its GGUF reading gives (the stored value
+        minus 1), for the same bits."""
+        weight = float_tensor(entry).to(torch.float32)
+        return (weight - 1) + 1.0 if gemma else weight
+
+    layer_norms = dict(LAYER_TENSORS, **GEMMA_NORMS) if gemma else LAYER_TENSORS
     norms, mlp_norms, qkv, o, gate_up, down, biases, q_norms, k_norms = ([] for _ in range(9))
+    attention_out_norms, mlp_out_norms = [], []
     for index in range(config.num_hidden_layers):
         prefix = f"model.layers.{index}."
-        norms.append(float_tensor(tensor(prefix + LAYER_TENSORS["input_norm"])).to(torch.float32))
-        mlp_norms.append(float_tensor(tensor(prefix + LAYER_TENSORS["mlp_norm"])).to(torch.float32))
-        q_entry, k_entry = tensor(prefix + LAYER_TENSORS["q"]), tensor(prefix + LAYER_TENSORS["k"])
-        bias_entries = [tensor(prefix + OPTIONAL_LAYER_TENSORS[key], required=False)
-                        for key in ("q_bias", "k_bias", "v_bias")]
-        fused_qkv = fused([q_entry, k_entry, tensor(prefix + LAYER_TENSORS["v"])],
-                          [q_k_order(q_entry[2][0], heads), q_k_order(k_entry[2][0], kv_heads), None],
-                          [None if b is None else float_tensor(b).to(torch.float32) for b in bias_entries])
-        fused_gate_up = fused([tensor(prefix + LAYER_TENSORS[p]) for p in ("gate", "up")], [None, None], [None, None])
+        norms.append(norm_weight(tensor(prefix + layer_norms["input_norm"])))
+        mlp_norms.append(norm_weight(tensor(prefix + layer_norms["mlp_norm"])))
+        if gemma:
+            attention_out_norms.append(norm_weight(tensor(prefix + layer_norms["attention_out_norm"])))
+            mlp_out_norms.append(norm_weight(tensor(prefix + layer_norms["mlp_out_norm"])))
+        if config.model_type in JOINED:  # one weight each in the file: one product each, as they are
+            fused_qkv, fused_gate_up = (linear(tensor(prefix + JOINED_TENSORS[p])) for p in ("qkv", "gate_up"))
+        else:
+            q_entry, k_entry = tensor(prefix + LAYER_TENSORS["q"]), tensor(prefix + LAYER_TENSORS["k"])
+            bias_entries = [tensor(prefix + OPTIONAL_LAYER_TENSORS[key], required=False)
+                            for key in ("q_bias", "k_bias", "v_bias")]
+            fused_qkv = fused([q_entry, k_entry, tensor(prefix + LAYER_TENSORS["v"])],
+                              [q_k_order(q_entry[2][0], heads), q_k_order(k_entry[2][0], kv_heads), None],
+                              [None if b is None else float_tensor(b).to(torch.float32) for b in bias_entries])
+            fused_gate_up = fused([tensor(prefix + LAYER_TENSORS[p]) for p in ("gate", "up")], [None, None],
+                                  [None, None])
         if fused_qkv is None or fused_gate_up is None:
             raise GGUFError(f"{header.path}: layer {index}'s products take inputs of different widths")
         qkv.append(native_parts(fused_qkv, QKV_PARTS))
@@ -356,15 +450,21 @@ def build(header, config: Config, weights_map: dict) -> GGUFCausalLM:
         o.append(linear(tensor(prefix + LAYER_TENSORS["o"])))
         down.append(linear(tensor(prefix + LAYER_TENSORS["down"])))
         head_norms = [tensor(prefix + OPTIONAL_LAYER_TENSORS[key], required=False) for key in ("q_norm", "k_norm")]
-        q_norms.append(None if head_norms[0] is None else float_tensor(head_norms[0]).to(torch.float32))
-        k_norms.append(None if head_norms[1] is None else float_tensor(head_norms[1]).to(torch.float32))
+        q_norms.append(None if head_norms[0] is None else norm_weight(head_norms[0]))
+        k_norms.append(None if head_norms[1] is None else norm_weight(head_norms[1]))
         release_freed_memory()
     weights = (norms, [b for blocks, _ in qkv for b in blocks], biases, q_norms, k_norms, [p.blocks for p in o],
                mlp_norms, [b for blocks, _ in gate_up for b in blocks], [p.blocks for p in down],
                [code for (_, qkv_codes), out, (_, gate_up_codes), dn in zip(qkv, o, gate_up, down)
                 for code in (*qkv_codes, out.code, *gate_up_codes, dn.code)])
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    stack = NativeStack(weights, config.rms_norm_eps, head_dim ** -0.5, heads, kv_heads, head_dim)
-    norm = float_tensor(tensor("model.norm.weight")).to(torch.float32)
+    # gemma scales the scores by query_pre_attn_scalar ** -0.5 (gemma-2-27b: hidden / heads, not the head size).
+    scale = config.query_pre_attn_scalar ** -0.5 if gemma else head_dim ** -0.5
+    windows = layer_windows(config)
+    stack = NativeStack(weights, config.rms_norm_eps, scale, heads, kv_heads, head_dim,
+                        (attention_out_norms, mlp_out_norms), windows if any(windows) else [],
+                        (getattr(config, "attn_logit_softcapping", None) or 0.0) if gemma else 0.0,
+                        activation(config) == "gelu_pytorch_tanh")
+    norm = norm_weight(tensor("model.norm.weight"))
     model = GGUFCausalLM(config, embed_tokens, stack, norm, head, header.path)
     return model.eval()

@@ -24,8 +24,8 @@ FILES = {"qwen3": ("qwen3", {}), "phi3": ("phi3", {}), "phi3_partial_rotary": ("
          "gemma2": ("gemma2", {}), "gemma3": ("gemma3", {"layers": 6})}  # gemma3: five sliding layers, one global
 FILES["phi3_longrope"] = ("phi3", {"longrope": True})  # Phi-3-mini-128k's, Phi-3.5-mini's
 FILES["gemma3_linear_rope"] = ("gemma3", {"layers": 6, "rope_scaling": ("linear", 8.0)})  # gemma-3-4b's
-# In the one-call stack (gemma's sliding-window layers attend through transformers).
-STACKED = ("qwen3", "phi3", "phi3_partial_rotary", "phi3_longrope")
+# In the one-call stack: every one (gemma's sliding-window layers with their windows).
+STACKED = tuple(FILES)
 
 
 # Each module's GGUF header caches in a fresh folder (conftest's module_cache_home).

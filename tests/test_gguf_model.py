@@ -3,7 +3,7 @@ bit for bit, as transformers' model of the file fused by rungen/decoder.py (a pr
 batch), the same config values, generation config and tokenizer; transformers' model where only it runs
 (generate()'s controls, --jit, a session turn that needs them); and a one-shot run that never imports transformers'
 model modules. The files imitate the published ones (tests/test_gguf_loading.py's llama/qwen2 files, tests/
-tiny_models.py's qwen3, and the embedded SmolLM2)."""
+tiny_models.py's qwen3, phi3 (Phi-4-mini's partial rotary too), gemma2 and gemma3, and the embedded SmolLM2)."""
 
 import json
 import os
@@ -31,7 +31,8 @@ pytestmark = [pytest.mark.usefixtures("module_cache_home"),
               pytest.mark.skipif(not native_kernels(), reason="the own model code runs on the native kernels")]
 PROMPTS = ["The capital of France is", "Hello, my dog", "A"]
 # mixed_tied holds F16/BF16 layer weights beside the blocks: transformers' model runs it (its own test below).
-NAMES = [*(name for name in LLAMA_FILES if name != "mixed_tied"), "qwen3", "default"]
+NAMES = [*(name for name in LLAMA_FILES if name != "mixed_tied"), "qwen3", "phi3", "phi4_partial", "gemma2", "gemma3",
+         "default"]
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +41,12 @@ def files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("own")
     out = {name: write_llama_gguf(folder / f"{name}.gguf", fields, **spec) for name, spec in LLAMA_FILES.items()}
     out["qwen3"] = write_family_gguf(folder / "qwen3.gguf", "qwen3", fields)
+    # Phi-4-mini's partial rotary: 24 of each head's 32 values rotated.
+    out["phi3"] = write_family_gguf(folder / "phi3.gguf", "phi3", fields)
+    out["phi4_partial"] = write_family_gguf(folder / "phi4_partial.gguf", "phi3", fields, rotary=24)
+    # gemma3: five sliding layers and a global one (their window of 4 crossed by the prompts and decode steps).
+    out["gemma2"] = write_family_gguf(folder / "gemma2.gguf", "gemma2", fields)
+    out["gemma3"] = write_family_gguf(folder / "gemma3.gguf", "gemma3", fields, layers=6)
     out["default"] = default_model_file()
     return out
 
@@ -143,6 +150,16 @@ def test_a_file_with_float_layer_weights_runs_on_transformers_model(models, file
     # Layers not all in blocks are not one native stack: transformers' model computes them, as before.
     loaded = load_gguf(files["mixed_tied"])
     assert not isinstance(loaded.model, GGUFCausalLM) and loaded.model.config.model_type == "llama"
+
+
+def test_a_phi3_file_with_longrope_runs_on_transformers_model(tmp_path):
+    # The 128k variants' longrope switches its factors with the length: transformers' model computes it.
+    fields = default_tokenizer_fields(default_model_file(), VOCAB)
+    path = write_family_gguf(tmp_path / "phi3_128k.gguf", "phi3", fields, longrope=True)
+    load_gguf(path)  # the first load writes the weights map
+    loaded = load_gguf(path)
+    assert not isinstance(loaded.model, GGUFCausalLM)
+    assert loaded.model.config.rope_parameters["rope_type"] == "longrope"
 
 
 def test_what_only_transformers_model_runs_loads_it(models, files, monkeypatch):

@@ -3,8 +3,9 @@ every layer when its config has a window) decode on the engine: its cache keeps 
 and the attention mask applies the window (rungen/kvcache.py), so the greedy tokens of a left-padded batch are
 those generate() gives each prompt alone over transformers' own window cache (DynamicSlidingWindowLayer, which
 drops what leaves the window). Prompts are longer than the window (4 positions here), and every row decodes past
-it (a prompt shorter than the window crosses it while it decodes). The gemma files are GGUF (their layers fused,
-rungen/decoder.py); mistral is a safetensors checkpoint."""
+it (a prompt shorter than the window crosses it while it decodes). The gemma files are GGUF, run on the own model
+code (rungen/gguf_model.py: one native stack call a step, the kernel applying each layer's window) and compared
+with generate() on transformers' model of the same file; mistral is a safetensors checkpoint."""
 
 import json
 import os
@@ -13,8 +14,9 @@ import pytest
 import torch
 
 from rungen.engine import Engine, Request, Sampling
+from rungen.gguf_model import GGUFCausalLM
 from rungen.loading import default_model_file, load
-from tiny_models import build_tiny_checkpoint, default_tokenizer_fields, write_family_gguf
+from tiny_models import GGUF_FAMILIES, build_tiny_checkpoint, default_tokenizer_fields, write_family_gguf
 
 WINDOW = 4  # tiny_models' gemma files; the mistral checkpoint is given the same
 PROMPTS = ["The capital of France is Paris and the capital of Germany is", "Hello, my dog",
@@ -24,10 +26,20 @@ NEW_TOKENS = 12
 pytestmark = pytest.mark.usefixtures("module_cache_home")
 
 
+def load_both(path):
+    """(Loaded on the own model code, transformers' model) of a GGUF file: its first load is transformers' model
+    (and writes the weights map the own model code reads)."""
+    reference = load(str(path), device=torch.device("cpu")).model
+    own = load(str(path), device=torch.device("cpu"))
+    assert isinstance(own.model, GGUFCausalLM) and not isinstance(reference, GGUFCausalLM)
+    return own, reference
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """{name: Loaded} of a gemma2 and a gemma3 GGUF file (gemma3: five sliding layers, one global) and a mistral
-    checkpoint with a sliding window."""
+    """{name: (Loaded, the model generate() runs)} of a gemma2 and a gemma3 GGUF file (gemma3: five sliding layers,
+    one global; the own model code, and transformers' model of the file) and a mistral checkpoint with a sliding
+    window (transformers' model, both)."""
     folder = tmp_path_factory.mktemp("sliding")
     fields = default_tokenizer_fields(default_model_file(), 2048)
     paths = {"gemma2": write_family_gguf(folder / "gemma2.gguf", "gemma2", fields),
@@ -37,8 +49,10 @@ def models(tmp_path_factory):
         config = json.load(f)
     with open(os.path.join(mistral, "config.json"), "w") as f:
         json.dump(dict(config, sliding_window=WINDOW), f)
-    paths["mistral"] = mistral
-    return {name: load(str(path), device=torch.device("cpu")) for name, path in paths.items()}
+    out = {name: load_both(paths[name]) for name in ("gemma2", "gemma3")}
+    loaded = load(mistral, device=torch.device("cpu"))
+    out["mistral"] = loaded, loaded.model
+    return out
 
 
 def generate_alone(model, ids):
@@ -65,25 +79,28 @@ def engine_batch(loaded, prompts):
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3", "mistral"])
 def test_a_left_padded_batch_decodes_past_the_window_as_generate_does_each_prompt(models, name):
-    loaded = models[name]
+    loaded, reference = models[name]
     config = loaded.model.config
     assert config.sliding_window == WINDOW
     prompts = [loaded.tokenizer.encode(text) for text in PROMPTS]
     # Prompts past the window, of different lengths (padded differently); every row decodes past it.
     assert max(len(ids) for ids in prompts) > 2 * WINDOW and len({len(ids) for ids in prompts}) == len(prompts)
     with torch.inference_mode():
-        alone = [generate_alone(loaded.model, ids) for ids in prompts]
+        alone = [generate_alone(reference, ids) for ids in prompts]
     assert engine_batch(loaded, prompts) == alone
 
 
-def test_the_window_decides_these_tokens(models, monkeypatch):
-    """The comparison above can fail: without the window the same prompts give other tokens."""
-    loaded = models["gemma3"]
+def test_the_window_decides_these_tokens(models, tmp_path, monkeypatch):
+    """The comparison above can fail: without the window (the same weights in a file whose window outlasts the
+    text) the same prompts give other tokens."""
+    loaded, reference = models["gemma3"]
     prompts = [loaded.tokenizer.encode(text) for text in PROMPTS]
+    monkeypatch.setitem(GGUF_FAMILIES["gemma3"], "sliding_window", 4096)
+    fields = default_tokenizer_fields(default_model_file(), 2048)
+    unwindowed, _ = load_both(write_family_gguf(tmp_path / "gemma3.gguf", "gemma3", fields, layers=6))
     with torch.inference_mode():
-        windowed = [generate_alone(loaded.model, ids) for ids in prompts]
-        monkeypatch.setattr(loaded.model.config, "sliding_window", 4096)
-        assert engine_batch(loaded, prompts) != windowed
+        windowed = [generate_alone(reference, ids) for ids in prompts]
+        assert engine_batch(unwindowed, prompts) != windowed
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3", "mistral"])
@@ -92,12 +109,12 @@ def test_the_command_line_decodes_them_on_the_engine(models, name):
     from rungen.engine import open_engine
     from rungen.generation import Settings
 
-    assert isinstance(open_engine(models[name], Settings(temperature=0), batch_size=4), Engine)
+    assert isinstance(open_engine(models[name][0], Settings(temperature=0), batch_size=4), Engine)
 
 
 def test_every_layer_holds_every_position_and_bytes_per_token_count_them(models):
     """The local layers keep the whole context: the cache bound (max_cache_tokens) counts them as full layers."""
-    loaded = models["gemma3"]
+    loaded, _ = models["gemma3"]
     engine = Engine(loaded, eos_ids=(), prefix_cache_bytes=0)
     config = loaded.model.config
     assert engine.bytes_per_token == config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 4
@@ -108,7 +125,7 @@ def test_a_gemma3_model_is_served(models):
 
     from rungen.server import ServeOptions, build
 
-    loaded = models["gemma3"]
+    loaded, reference = models["gemma3"]
     app, engine = build(loaded, ServeOptions(model_id="tiny-gemma3"))
     try:
         with TestClient(app) as client:
@@ -120,7 +137,7 @@ def test_a_gemma3_model_is_served(models):
     assert response.status_code == 200, response.text
     ids = loaded.tokenizer.encode(PROMPTS[0])
     with torch.inference_mode():
-        expected = loaded.tokenizer.decode(generate_alone(loaded.model, ids), skip_special_tokens=True)
+        expected = loaded.tokenizer.decode(generate_alone(reference, ids), skip_special_tokens=True)
     choice = response.json()["choices"][0]
     assert choice["finish_reason"] == "length" and response.json()["usage"]["completion_tokens"] == NEW_TOKENS
     assert choice["text"] == expected

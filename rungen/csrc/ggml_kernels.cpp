@@ -11,7 +11,8 @@
 //   torch.ops.rungen_ggml.rope_split(qkv, cos, sin, heads, kv_heads[, q_norm, k_norm, norm_eps])  each instead
 //                                                               of several (see below)
 //   torch.ops.rungen_ggml.silu_mul(gate_up), gelu_tanh_mul(gate_up)
-//   torch.ops.rungen_ggml.attend(q, k, v, mask, scale, softcap)  attention, the same bits with or without padding
+//   torch.ops.rungen_ggml.attend(q, k, v, mask, scale, softcap, window)  attention, the same bits with or
+//                                                               without padding
 //   torch.ops.rungen_ggml.attention_in(...), attention_out_mlp(...)  a decoder layer in two calls (see below)
 //   torch.ops.rungen_ggml.decoder_stack(...)                     every decoder layer in one call (see below)
 //   torch.ops.rungen_ggml.isa() / set_isa(name)                  the code path in use ("avx512vnni", "avx2",
@@ -1131,7 +1132,9 @@ at::Tensor silu_mul(const at::Tensor& gu_in) {
 // causal, query i sees keys 0 .. T - t + i; else bool [b, 1, t, T] (true: attend) or additive float of that
 // shape (0 attends, a large negative value does not). Out [b, t, heads * dim], as transformers' attention
 // returns it reshaped. softcap > 0 (gemma2's attn_logit_softcapping) bounds each score to tanh(s / cap) * cap
-// before the mask is added, as transformers' gemma2 eager attention does; 0: none.
+// before the mask is added, as transformers' gemma2 eager attention does; 0: none. window > 0 (a sliding-window
+// layer's): query i, at cache position T - t + i, also skips the keys at or before that position - window, on top
+// of the mask (transformers' sliding_window_overlay; the cache keeps every position); 0: none.
 //
 // Each query's keys are visited in order and the masked ones skipped, so a sequence's result does not depend on
 // the padding beside it: a prompt alone and the same prompt left-padded in a batch give the same bits (torch's
@@ -1277,6 +1280,7 @@ struct AttendJob {
   int64_t heads, t, dim, kv, T;
   int64_t k_batch, k_head, k_key, v_batch, v_head, v_key;  // strides (elements) of k and v
   float scale, softcap;  // softcap 0: none
+  int64_t window;        // > 0: query i sees only the keys within `window` positions of its own (0: all)
   bool masked;
 };
 
@@ -1303,13 +1307,16 @@ void attend_queries(const AttendJob& job, int64_t p0, int64_t p1, float* wp) {
     const int64_t batch = shared / kv, kvh = shared % kv, nq = pe - pb;
     const float* kh = kp + batch * job.k_batch + kvh * job.k_head;
     const float* vh = vp + batch * job.v_batch + kvh * job.v_head;
-    int64_t lasts[ATTEND_BLOCK], rows[ATTEND_BLOCK], most = 0;
+    int64_t firsts[ATTEND_BLOCK], lasts[ATTEND_BLOCK], rows[ATTEND_BLOCK], most = 0;
     float tops[ATTEND_BLOCK], invs[ATTEND_BLOCK];
     f8 tops8[ATTEND_BLOCK];
     float* outs[ATTEND_BLOCK];
     for (int64_t n = 0; n < nq; ++n) {
       const int64_t p = pb + n, h = (p / t) % heads, i = p % t;
       lasts[n] = job.masked ? T : T - t + i + 1;  // causal without a mask
+      // A sliding window (transformers' sliding_window_overlay: key position > query position - window), the
+      // query at cache position T - t + i: the keys before it are masked, as a windowed mask masks them.
+      firsts[n] = job.window > 0 ? std::max<int64_t>(0, T - t + i - job.window + 1) : 0;
       rows[n] = (batch * t + i) * T;
       tops[n] = lowest;
       tops8[n] = f8{} + lowest;  // the running maximum lane by lane: a maximum is the same in any order
@@ -1321,7 +1328,7 @@ void attend_queries(const AttendJob& job, int64_t p0, int64_t p1, float* wp) {
     if (!mb && dim % 8 == 0) {
       for (int64_t j = 0; j + 8 <= most; j += 8) {
         for (int64_t n = 0; n < nq; ++n) {
-          if (j + 8 > lasts[n]) continue;
+          if (j + 8 > lasts[n] || j < firsts[n]) continue;
           f8 scores = dot64x8(qp + (pb + n) * dim, kh + j * job.k_key, job.k_key, dim) * scale;
           if (cap > 0.f) scores = softcap8(scores, cap);
           if (mf) scores += load8(mf + rows[n] + j);
@@ -1334,7 +1341,16 @@ void attend_queries(const AttendJob& job, int64_t p0, int64_t p1, float* wp) {
       const float* qh = qp + (pb + n) * dim;
       float* w = wp + n * T;
       for (int l = 0; l < 8; ++l) tops[n] = std::max(tops[n], tops8[n][l]);
-      for (int64_t j = !mb && dim % 8 == 0 ? lasts[n] / 8 * 8 : 0; j < lasts[n]; ++j) {
+      // The keys the eight-at-a-time loop above scored: whole groups from the window's first key on.
+      const bool grouped = !mb && dim % 8 == 0;
+      const int64_t first = firsts[n], g0 = grouped ? (first + 7) / 8 * 8 : lasts[n];
+      const int64_t g1 = grouped ? lasts[n] / 8 * 8 : lasts[n];
+      for (int64_t j = first / 8 * 8; j < first; ++j) w[j] = lowest;  // outside the window: masked
+      for (int64_t j = first; j < lasts[n]; ++j) {
+        if (j >= g0 && j < g1) {
+          j = g1 - 1;
+          continue;
+        }
         if (mb && !mb[rows[n] + j]) {
           w[j] = lowest;
           continue;
@@ -1348,8 +1364,10 @@ void attend_queries(const AttendJob& job, int64_t p0, int64_t p1, float* wp) {
       if (tops[n] == lowest) continue;  // sees no key: zeros
       // Exponentials eight at once, their sum key after key; whole groups loaded and stored as vectors (a
       // vector read back after a narrower copy into it stalls), the last group padded with masked lanes.
+      // The keys before the window's group weigh nothing: they are left out of the sum (adding a zero to
+      // it changes no bit) and of the values.
       float total = 0.f;
-      int64_t e8 = 0;
+      int64_t e8 = first / 8 * 8;
       for (; e8 + 8 <= lasts[n]; e8 += 8) {
         const f8 x = load8(w + e8);
         const f8 kept = x == lowest ? f8{} : exp_nonpositive8(x - tops[n]);  // masked: exactly nothing
@@ -1374,11 +1392,12 @@ void attend_queries(const AttendJob& job, int64_t p0, int64_t p1, float* wp) {
         const float* w = wp + n * T;
         const float inv = invs[n];
         float* o = outs[n];
-        const int64_t j1 = std::min(j0 + VALUE_BLOCK, lasts[n]);
+        const int64_t j1 = std::min(j0 + VALUE_BLOCK, lasts[n]), jw = std::max(j0, firsts[n]);
+        if (jw >= j1) continue;
         if (dim == 64) {  // the usual head size: the sums in registers across the group of keys
           f8 acc[8];
           std::memcpy(acc, o, sizeof(acc));
-          for (int64_t j = j0; j < j1; ++j) {
+          for (int64_t j = jw; j < j1; ++j) {
             if (w[j] == 0.f) continue;
             const float a = w[j] * inv;
             const float* vj = vh + j * job.v_key;
@@ -1387,7 +1406,7 @@ void attend_queries(const AttendJob& job, int64_t p0, int64_t p1, float* wp) {
           std::memcpy(o, acc, sizeof(acc));
           continue;
         }
-        for (int64_t j = j0; j < j1; ++j) {
+        for (int64_t j = jw; j < j1; ++j) {
           if (w[j] == 0.f) continue;
           const float a = w[j] * inv;
           const float* vj = vh + j * job.v_key;
@@ -1422,7 +1441,7 @@ AttendMask attend_mask(const c10::optional<at::Tensor>& mask_in, int64_t b, int6
 // attend of q [b, heads, t, dim] (float32, contiguous) over k, v [b, kv, T, dim] (float32, last dimension
 // contiguous: read in place), into out [b, t, heads * dim].
 void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttendMask& mask, double scale,
-                 double softcap, float* op) {
+                 double softcap, int64_t window, float* op) {
   const int64_t b = q.size(0), heads = q.size(1), t = q.size(2), dim = q.size(3), kv = k.size(1), T = k.size(2);
   TORCH_CHECK(k.size(0) == b && k.size(3) == dim && kv > 0 && heads % kv == 0 && T >= t,
               "rungen_ggml: attend's shapes differ");
@@ -1433,23 +1452,25 @@ void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
     std::vector<float> w(ATTEND_BLOCK * T);
     attend_queries(AttendJob{qp, kp, vp, mask.bools, mask.adds, op, heads, t, dim, kv, T, k.stride(0), k.stride(1),
                              k.stride(2), v.stride(0), v.stride(1), v.stride(2), float(scale), float(softcap),
-                             masked}, p0, p1,
+                             window, masked}, p0, p1,
                    w.data());
   });
 }
 
 at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-                  const c10::optional<at::Tensor>& mask_in, double scale, double softcap) {
+                  const c10::optional<at::Tensor>& mask_in, double scale, double softcap, int64_t window) {
   // k and v may be views of a cache with room to grow (strided over keys, heads and batch): read in place.
   const auto in_place = [](const at::Tensor& x) {
     return x.scalar_type() == at::kFloat && x.dim() == 4 && x.stride(3) == 1 ? x : x.to(at::kFloat).contiguous();
   };
   const at::Tensor q = q_in.to(at::kFloat).contiguous(), k = in_place(k_in), v = in_place(v_in);
   TORCH_CHECK(softcap >= 0.0, "rungen_ggml: attend's softcap must be positive, or 0 for none");
+  TORCH_CHECK(window >= 0, "rungen_ggml: attend's window must be positive, or 0 for none");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes(),
               "rungen_ggml: attend takes q [b, h, t, d] and k, v [b, kv, T, d]");
   at::Tensor out = at::empty({q.size(0), q.size(2), q.size(1) * q.size(3)}, q.options());
-  attend_into(q, k, v, attend_mask(mask_in, q.size(0), q.size(2), k.size(2)), scale, softcap, out.data_ptr<float>());
+  attend_into(q, k, v, attend_mask(mask_in, q.size(0), q.size(2), k.size(2)), scale, softcap, window,
+              out.data_ptr<float>());
   return out;
 }
 
@@ -1486,7 +1507,7 @@ at::Tensor attention_out_mlp(const at::Tensor& hidden, const at::Tensor& q, cons
                              int64_t down_qtype) {
   TORCH_CHECK(hidden.dim() == 3, "rungen_ggml: hidden must be [batch, tokens, features]");
   const int64_t b = hidden.size(0), t = hidden.size(1), features = hidden.size(2);
-  const at::Tensor attended = attend(q, k, v, mask, scale, 0.0);
+  const at::Tensor attended = attend(q, k, v, mask, scale, 0.0, 0);
   at::Tensor h = mm(attended.view({b * t, attended.size(2)}), o_blocks, o_qtype, attended.size(2));
   h.add_(hidden.to(at::kFloat).reshape({b * t, features}));  // hidden + o: a float sum is the same either way
   const at::Tensor x = rms_norm(h, norm_weight, eps);
@@ -1505,6 +1526,13 @@ at::Tensor attention_out_mlp(const at::Tensor& hidden, const at::Tensor& q, cons
 // each layer's per-head norms of q and k (None for llama; their epsilon is the layers' `eps`). Returns the hidden
 // states and each layer's filled keys and values (views of the buffers).
 //
+// What gemma's layers add, each list empty where no layer has it: attention_out_norms/mlp_out_norms, each layer's
+// norm of the attention's and of the MLP's output before its residual sum (None: none); windows, each layer's
+// sliding window (0: it attends to every key; the kernel masks what lies outside it, whatever `mask` masks
+// besides); local_cos/local_sin, the rotation of the windowed layers where it differs (gemma3's local rope
+// base); softcap, the attention logits' soft cap (gemma2; 0: none); gelu, a GELU-tanh gate instead of SiLU.
+// Gemma's norms multiply by 1 + weight: the caller passes that sum as the weight.
+//
 // At one token a step the layers' arithmetic is a few milliseconds, and a torch operator inside them (an
 // allocation, a view, a copy) costs a microsecond or more: the call allocates its working buffers once, the
 // rotation writes keys and values straight into the cache, and the residual sums are plain loops (hidden + o and
@@ -1517,8 +1545,17 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decoder
     const c10::List<c10::optional<at::Tensor>>& qkv_bias, const c10::List<c10::optional<at::Tensor>>& q_norms,
     const c10::List<c10::optional<at::Tensor>>& k_norms, at::TensorList o, at::TensorList post_norms,
     at::TensorList gate_up, at::TensorList down, at::IntArrayRef qtypes, double eps, int64_t heads, int64_t kv_heads,
-    double scale, at::TensorList k_buffers, at::TensorList v_buffers, int64_t length) {
+    double scale, at::TensorList k_buffers, at::TensorList v_buffers, int64_t length,
+    const c10::List<c10::optional<at::Tensor>>& attention_out_norms,
+    const c10::List<c10::optional<at::Tensor>>& mlp_out_norms, at::IntArrayRef windows,
+    const c10::optional<at::Tensor>& local_cos_in, const c10::optional<at::Tensor>& local_sin_in, double softcap,
+    bool gelu) {
   const size_t layers = o.size();
+  const auto per_layer = [&](size_t count) { return count == 0 || count == layers; };
+  TORCH_CHECK(per_layer(attention_out_norms.size()) && per_layer(mlp_out_norms.size()) && per_layer(windows.size()),
+              "rungen_ggml: decoder_stack's per-layer lists hold one entry a layer, or none");
+  TORCH_CHECK(local_cos_in.has_value() == local_sin_in.has_value() && softcap >= 0.0,
+              "rungen_ggml: decoder_stack takes local cos and sin together, and a softcap >= 0");
   TORCH_CHECK(input_norms.size() == layers && qkv_bias.size() == layers && q_norms.size() == layers &&
               k_norms.size() == layers && qkv.size() == QKV_PARTS * layers &&
               post_norms.size() == layers && gate_up.size() == GATE_UP_PARTS * layers && down.size() == layers &&
@@ -1539,6 +1576,10 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decoder
   const at::Tensor cos = cos_in.to(at::kFloat).contiguous(), sin = sin_in.to(at::kFloat).contiguous();
   const int64_t rot = rotary_width(cos, dim);
   const bool shared = rope_shared(cos, sin, b, t, rot);
+  const at::Tensor local_cos = local_cos_in.has_value() ? local_cos_in->to(at::kFloat).contiguous() : cos;
+  const at::Tensor local_sin = local_sin_in.has_value() ? local_sin_in->to(at::kFloat).contiguous() : sin;
+  TORCH_CHECK(local_cos.sizes() == cos.sizes() && local_sin.sizes() == sin.sizes(),
+              "rungen_ggml: decoder_stack's local cos/sin differ in shape from cos/sin");
   const AttendMask attend_mask_once = attend_mask(mask, b, t, length + t);
   int64_t ffn = 0;
   for (size_t i = 0; i < layers; ++i) ffn = std::max(ffn, parts_rows(gate_up_of(i), gate_up_types(i)) / 2);
@@ -1548,6 +1589,13 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decoder
   at::Tensor attended = at::empty({n, heads * dim}, options);
   at::Tensor gu = at::empty({n, 2 * ffn}, options), act = at::empty({n, ffn}, options);
   float *hp = h.data_ptr<float>(), *xp = x.data_ptr<float>(), *pp = part.data_ptr<float>();
+  // Layer i's norm of a product's output (in place) where `norms` holds one.
+  const auto out_norm = [&](const c10::List<c10::optional<at::Tensor>>& norms, size_t i, float* yp) {
+    if (norms.empty() || !norms.get(i).has_value()) return;
+    const at::Tensor weight = norms.get(i)->to(at::kFloat).contiguous();
+    TORCH_CHECK(weight.numel() == features, "rungen_ggml: an output norm must have ", features, " weights");
+    rms_norm_rows(yp, weight.data_ptr<float>(), eps, n, features, yp);
+  };
   std::vector<at::Tensor> keys, values;
   keys.reserve(layers);
   values.reserve(layers);
@@ -1568,22 +1616,34 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decoder
     if (qkv_bias.get(i).has_value()) qkv_out.add_(*qkv_bias.get(i));
     at::Tensor held_q, held_k;
     const HeadNorms norms{head_norm(q_norms.get(i), dim, held_q), head_norm(k_norms.get(i), dim, held_k), eps};
-    rope_rows(qkv_out.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), shared, b, t, heads, kv_heads,
+    const int64_t window = windows.empty() ? 0 : windows[i];
+    TORCH_CHECK(window >= 0, "rungen_ggml: decoder_stack's windows must be positive, or 0 for none");
+    const at::Tensor &c = window ? local_cos : cos, &s = window ? local_sin : sin;
+    rope_rows(qkv_out.data_ptr<float>(), c.data_ptr<float>(), s.data_ptr<float>(), shared, b, t, heads, kv_heads,
               dim, rot, q.data_ptr<float>(),
               Rows4{kb.data_ptr<float>() + length * kb.stride(2), kb.stride(0), kb.stride(1), kb.stride(2)},
               Rows4{vb.data_ptr<float>() + length * vb.stride(2), vb.stride(0), vb.stride(1), vb.stride(2)}, norms);
     keys.push_back(kb.narrow(2, 0, length + t));
     values.push_back(vb.narrow(2, 0, length + t));
     // attention_out_mlp: attention, the output product, the residual; norm, gate/up, SiLU, down, the residual.
-    attend_into(q, keys.back(), values.back(), attend_mask_once, scale, 0.0, attended.data_ptr<float>());
+    attend_into(q, keys.back(), values.back(), attend_mask_once, scale, softcap, window, attended.data_ptr<float>());
     mm_into(attended, o[i], types[o_type], heads * dim, pp);
+    out_norm(attention_out_norms, i, pp);
     for (int64_t j = 0; j < n * features; ++j) hp[j] += pp[j];
     rms_norm_rows(hp, post_norms[i].to(at::kFloat).contiguous().data_ptr<float>(), eps, n, features, xp);
     // A layer narrower than the widest (models whose MLP width varies) uses the start of the buffers.
     const at::Tensor act_i = width == ffn ? act : act.view({-1}).narrow(0, 0, n * width).view({n, width});
     mm_parts_into(x, gate_up_of(i), gate_up_types(i), features, gu.data_ptr<float>());
-    silu_mul_rows(gu.data_ptr<float>(), n, width, act_i.data_ptr<float>());
+    if (gelu) {
+      const float* gp = gu.data_ptr<float>();
+      float* ap = act_i.data_ptr<float>();
+      at::parallel_for(0, n, std::max<int64_t>(1, 65536 / std::max<int64_t>(width, 1)),
+                       [&](int64_t r0, int64_t r1) { gelu_tanh_mul_rows(gp, r0, r1, width, ap); });
+    } else {
+      silu_mul_rows(gu.data_ptr<float>(), n, width, act_i.data_ptr<float>());
+    }
     mm_into(act_i, down[i], types[down_type], width, pp);
+    out_norm(mlp_out_norms, i, pp);
     for (int64_t j = 0; j < n * features; ++j) hp[j] += pp[j];
   }
   return {h.view({b, t, features}), keys, values};
@@ -1813,7 +1873,8 @@ TORCH_LIBRARY(rungen_ggml, m) {
         "Tensor? k_norm=None, float norm_eps=0.) -> Tensor[]", &rope_split);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
   m.def("gelu_tanh_mul(Tensor gate_up) -> Tensor", &gelu_tanh_mul);
-  m.def("attend(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, float softcap=0.) -> Tensor", &attend);
+  m.def("attend(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, float softcap=0., int window=0) -> Tensor",
+        &attend);
   m.def("attention_in(Tensor hidden, Tensor norm_weight, float eps, Tensor[] qkv_blocks, int[] qkv_qtypes, "
         "Tensor? qkv_bias, Tensor cos, Tensor sin, int heads, int kv_heads, Tensor? q_norm=None, Tensor? k_norm=None, "
         "float norm_eps=0.) -> Tensor[]", &attention_in);
@@ -1823,8 +1884,9 @@ TORCH_LIBRARY(rungen_ggml, m) {
   m.def("decoder_stack(Tensor hidden, Tensor cos, Tensor sin, Tensor? mask, Tensor[] input_norms, Tensor[] qkv, "
         "Tensor?[] qkv_bias, Tensor?[] q_norms, Tensor?[] k_norms, Tensor[] o, Tensor[] post_norms, Tensor[] gate_up, "
         "Tensor[] down, int[] qtypes, float eps, "
-        "int heads, int kv_heads, float scale, Tensor[] k_buffers, Tensor[] v_buffers, int length) "
-        "-> (Tensor, Tensor[], Tensor[])", &decoder_stack);
+        "int heads, int kv_heads, float scale, Tensor[] k_buffers, Tensor[] v_buffers, int length, "
+        "Tensor?[] attention_out_norms, Tensor?[] mlp_out_norms, int[] windows, Tensor? local_cos, Tensor? local_sin, "
+        "float softcap, bool gelu) -> (Tensor, Tensor[], Tensor[])", &decoder_stack);
   m.def("isa() -> str", &isa);
   m.def("set_isa(str name) -> str", &set_isa);
   m.def("set_tile_threshold(int n) -> int", &set_tile_threshold);

@@ -16,6 +16,8 @@ from transformers import (
     DynamicCache,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     Qwen2Config,
@@ -27,6 +29,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from transformers.models.gemma2 import modeling_gemma2 as gemma2
 from transformers.models.gemma3 import modeling_gemma3 as gemma3
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+from transformers.models.mistral.modeling_mistral import MistralDecoderLayer, MistralRotaryEmbedding
 from transformers.models.phi3.modeling_phi3 import Phi3DecoderLayer, Phi3RotaryEmbedding
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
@@ -39,8 +42,9 @@ from rungen.kvcache import growing, new_cache
 
 HIDDEN, FFN, HEADS, KV_HEADS = 128, 256, 4, 2
 KINDS = ("llama", "qwen2", "qwen3", "phi3")  # with the one-call stack
-GEMMAS = ("gemma2", "gemma3")  # fused layer by layer: gemma2 soft-caps its scores in the native attend
+GEMMAS = ("gemma2", "gemma3")  # also in the one-call stack, with their extra norms, windows and soft cap
 CLASSES = {"llama": (LlamaConfig, LlamaDecoderLayer, LlamaForCausalLM, LlamaRotaryEmbedding),
+           "mistral": (MistralConfig, MistralDecoderLayer, MistralForCausalLM, MistralRotaryEmbedding),
            "qwen2": (Qwen2Config, Qwen2DecoderLayer, Qwen2ForCausalLM, Qwen2RotaryEmbedding),
            "qwen3": (Qwen3Config, Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3RotaryEmbedding),
            "phi3": (Phi3Config, Phi3DecoderLayer, Phi3ForCausalLM, Phi3RotaryEmbedding),
@@ -53,8 +57,9 @@ CLASSES = {"llama": (LlamaConfig, LlamaDecoderLayer, LlamaForCausalLM, LlamaRota
 # are scaled by query_pre_attn_scalar (gemma-2-27b: hidden / heads, not the head size), every other gemma2 layer and
 # five gemma3 layers in six slide a window (3 positions here, so that a 5-token prompt crosses it), gemma3's local
 # layers rotate by a base of their own, and gemma2 soft-caps its attention logits (at 1 here rather than 50, so
-# that the capping changes these small scores).
-QUIRKS = {"qwen3": dict(head_dim=2 * HIDDEN // HEADS), "phi3": dict(partial_rotary_factor=0.75, pad_token_id=0),
+# that the capping changes these small scores); Mistral-7B-v0.1 slides a window on every layer (3 here).
+QUIRKS = {"mistral": dict(sliding_window=3),
+          "qwen3": dict(head_dim=2 * HIDDEN // HEADS), "phi3": dict(partial_rotary_factor=0.75, pad_token_id=0),
           "gemma2": dict(head_dim=2 * HIDDEN // HEADS, query_pre_attn_scalar=HIDDEN // HEADS, sliding_window=3,
                          attn_logit_softcapping=1.0),
           "gemma3": dict(head_dim=2 * HIDDEN // HEADS, query_pre_attn_scalar=HIDDEN // HEADS, sliding_window=3,
@@ -271,13 +276,19 @@ def model_in_blocks(kind, layers=3):
     return model
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", KINDS + GEMMAS + ("mistral",))
 def test_the_decoder_stack_in_one_call_gives_the_bits_of_the_layers_one_by_one(kind, monkeypatch):
+    """gemma's six layers: sliding ones (a 6-token prompt crosses their window of 3) and a global one, gemma3's
+    each with its rope base; mistral's window of 3 on every layer; the layers one by one attend under
+    transformers' window masks, the stack under the padding's mask and its own windows."""
     if not ggml.native_kernels():
         pytest.skip("the native kernels are not available here")
-    model = model_in_blocks(kind)
+    model = model_in_blocks(kind, 6 if kind in GEMMAS else 3)
     stack = model.model.forward
     assert isinstance(stack, DecoderStack) and model.cache_grows_in_place
+    calls = []
+    monkeypatch.setattr(torch.ops.rungen_ggml, "decoder_stack",
+                        lambda *a, original=torch.ops.rungen_ggml.decoder_stack: calls.append(1) or original(*a))
     ids = torch.tensor([[0, 0, 5, 9, 13, 2], [7, 3, 5, 9, 13, 2]])
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
     runs = []
@@ -293,6 +304,7 @@ def test_the_decoder_stack_in_one_call_gives_the_bits_of_the_layers_one_by_one(k
                 logits.append(model(step_ids, attention_mask=mask, past_key_values=cache).logits)
         mask = mask[:, :6]
         runs.append((logits, cache))
+    assert len(calls) == 3  # the prompt and two steps, each in one call
     assert all(growing(layer) for layer in runs[0][1].layers)
     for a, b in zip(runs[0][0], runs[1][0]):
         assert torch.equal(a, b)
@@ -399,9 +411,10 @@ def test_the_stack_without_padding_gives_the_layers_bits_for_a_prompt_and_for_th
 @pytest.mark.parametrize("native", [True, False], ids=["native", "torch-fallback"])
 @pytest.mark.parametrize("kind", GEMMAS)
 def test_a_gemma_model_runs_every_layer_fused_and_computes_transformers_logits(kind, native, monkeypatch):
-    """Six layers (gemma3: five sliding, one global, each with its rope base): every one fused, none in a one-call
-    stack (their layers differ from llama's beyond its two calls), the logits of transformers' own layers over the same
-    blocks, for a left-padded prompt and two steps."""
+    """Six layers (gemma3: five sliding, one global, each with its rope base): every one fused, all in one native
+    stack, the logits of transformers' own layers over the same blocks (its own cache, which drops what leaves the
+    window), for a left-padded prompt and two steps: through the stack on the engine's cache (native), through the
+    fused layers one by one on transformers' cache (both)."""
     if native and not ggml.native_kernels():
         pytest.skip("the native kernels are not available here")
     monkeypatch.setattr(decoder, "native_kernels", lambda: native)
@@ -411,20 +424,26 @@ def test_a_gemma_model_runs_every_layer_fused_and_computes_transformers_logits(k
     for layer in reference.model.layers:
         to_blocks(layer, rng)
     model = copy.deepcopy(reference)
-    assert fuse_decoder_layers(model) == 6 and not isinstance(model.model.forward, DecoderStack)
+    assert fuse_decoder_layers(model) == 6 and isinstance(model.model.forward, DecoderStack)
     assert not any(layer.two_calls for layer in model.model.layers)
+    calls = []
+    monkeypatch.setattr(torch.ops.rungen_ggml, "decoder_stack",
+                        lambda *a, original=torch.ops.rungen_ggml.decoder_stack: calls.append(1) or original(*a))
     ids = torch.tensor([[0, 0, 5, 9, 13, 2], [7, 3, 5, 9, 13, 2]])
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
-    caches, logits = (DynamicCache(config=model.config), DynamicCache(config=model.config)), ([], [])
+    caches = DynamicCache(config=model.config), DynamicCache(config=model.config), new_cache(model)
+    logits = [], [], []
     with torch.no_grad():
         for step in (None, 11, 17):
             if step is not None:
                 mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], -1)
             step_ids = ids if step is None else torch.tensor([[step], [step + 1]])
-            for m, cache, out in zip((reference, model), caches, logits):
+            for m, cache, out in zip((reference, model, model), caches, logits):
                 out.append(m(step_ids, attention_mask=mask, past_key_values=cache).logits)
-    for theirs, ours in zip(*logits):
+    assert len(calls) == (3 if native else 0)  # transformers' window cache: the layers one by one
+    for theirs, ours, stacked in zip(*logits):
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(stacked, theirs, rtol=1e-4, atol=1e-4)
     assert logits[0][0].abs().max() > 0.1  # a real computation (gemma's logits are small at random weights)
     with torch.no_grad():  # a deep copy (the tests' model memo, a caller's) computes the same
         torch.testing.assert_close(copy.deepcopy(model)(ids, attention_mask=mask[:, :6]).logits,

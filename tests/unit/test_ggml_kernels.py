@@ -465,6 +465,36 @@ def test_soft_capped_attention_is_gemma2s_eager_attention_and_the_same_bits_alon
         torch.ops.rungen_ggml.attend(q, k, v, None, dim ** -0.5, -1.0)
 
 
+@pytest.mark.parametrize("dim", [64, 48])
+@pytest.mark.parametrize("window", [5, 13, 500])
+def test_windowed_attention_is_attention_under_the_window_mask_and_the_same_bits_as_that_mask_given(dim, window):
+    """A sliding window (gemma's local layers, mistral's): query i at cache position T - t + i sees the keys after
+    position - window (transformers' sliding_window_overlay), within float32 rounding of torch's attention under
+    that mask, and the bits of that mask given as booleans, or as an additive mask with gemma2's soft cap, with or
+    without the window passed too; windows off the kernel's groups of eight, and one wider than the keys."""
+    if not ggml.native_kernels():
+        pytest.skip("the native kernels are not available here")
+    torch.manual_seed(9)
+    heads, kv, keys, tokens = 4, 2, 61, 7
+    q, k, v = torch.randn(1, heads, tokens, dim), torch.randn(1, kv, keys, dim) * 2, torch.randn(1, kv, keys, dim)
+    positions, seen = torch.arange(keys - tokens, keys)[:, None], torch.arange(keys)[None, :]
+    windowed = (seen <= positions) & (seen > positions - window)
+    reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=windowed, enable_gqa=True,
+                                                                 scale=dim ** -0.5)
+    got = torch.ops.rungen_ggml.attend(q, k, v, None, dim ** -0.5, 0.0, window)
+    torch.testing.assert_close(got, reference.transpose(1, 2).reshape(1, tokens, -1), rtol=1e-5, atol=1e-5)
+    mask = windowed[None, None]
+    assert torch.equal(torch.ops.rungen_ggml.attend(q, k, v, mask, dim ** -0.5), got)
+    assert torch.equal(torch.ops.rungen_ggml.attend(q, k, v, mask, dim ** -0.5, 0.0, window), got)
+    additive = torch.zeros(1, 1, tokens, keys).masked_fill(~mask, torch.finfo(torch.float32).min)
+    capped = torch.ops.rungen_ggml.attend(q, k, v, None, dim ** -0.5, 5.0, window)
+    assert torch.equal(torch.ops.rungen_ggml.attend(q, k, v, additive, dim ** -0.5, 5.0), capped)
+    if window < keys:
+        assert not torch.allclose(torch.ops.rungen_ggml.attend(q, k, v, None, dim ** -0.5), got, atol=1e-3)
+    with pytest.raises(RuntimeError, match="window"):
+        torch.ops.rungen_ggml.attend(q, k, v, None, dim ** -0.5, 0.0, -1)
+
+
 @pytest.mark.parametrize("ffn", [9216, 37])
 def test_gelu_tanh_gate_is_torchs_and_a_row_gets_the_same_bits_alone_and_among_others(ffn):
     """gemma's gate: gelu(gate, approximate="tanh") * up of the fused [gate, up] product, within float32 rounding
