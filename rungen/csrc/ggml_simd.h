@@ -1005,6 +1005,20 @@ static inline void dpbusd_block16(__m512i& c0, __m512i& c1, const __m512i* w0, c
   }
 }
 
+// Block b of two groups (their codes lo/hi, scales d, offsets m) for the NT tokens of a pass, as Q4_0/Q4_1 and
+// Q5_0/Q5_1 weigh it: the exact integer dot, then its scale and the offset.
+template <int NT>
+static inline void x16_tokens_q4(__m512* acc, const __m512i* lo, const __m512i* hi, __m512 d, __m512 m,
+                                 const int8_t* const* xq, const float* const* xd, const float* const* xs, int64_t b) {
+  for (int t = 0; t < NT; ++t) {
+    __m512i dot0 = _mm512_setzero_si512(), dot1 = _mm512_setzero_si512();
+    dpbusd_block16(dot0, dot1, lo, hi, xq[t] + b * 32);
+    const __m512i dot = _mm512_add_epi32(dot0, dot1);
+    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, broadcast_f16(xd[t] + b)), acc[t]);
+    acc[t] = _mm512_fmadd_ps(m, broadcast_f16(xs[t] + b), acc[t]);
+  }
+}
+
 // Q4_0/Q4_1: x8_group for two groups.
 template <bool HAS_MIN, int NT>
 static void x16_group(const uint8_t* group, int64_t pitch, int64_t nblocks, const int8_t* const* xq,
@@ -1023,13 +1037,7 @@ static void x16_group(const uint8_t* group, int64_t pitch, int64_t nblocks, cons
     }
     const __m512 d = pair_halves(p, pitch);
     const __m512 m = HAS_MIN ? pair_halves(p + 16, pitch) : _mm512_mul_ps(_mm512_set1_ps(-8.f), d);
-    for (int t = 0; t < NT; ++t) {
-      __m512i dot0 = _mm512_setzero_si512(), dot1 = _mm512_setzero_si512();
-      dpbusd_block16(dot0, dot1, lo, hi, xq[t] + b * 32);
-      const __m512i dot = _mm512_add_epi32(dot0, dot1);
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, broadcast_f16(xd[t] + b)), acc[t]);
-      acc[t] = _mm512_fmadd_ps(m, broadcast_f16(xs[t] + b), acc[t]);
-    }
+    x16_tokens_q4<NT>(acc, lo, hi, d, m, xq, xd, xs, b);
   }
   for (int t = 0; t < NT; ++t) _mm512_storeu_ps(out[t], acc[t]);
 }
@@ -1054,13 +1062,7 @@ static void x16_group_q5(const uint8_t* group, int64_t pitch, int64_t nblocks, c
     }
     const __m512 d = pair_halves(p, pitch);
     const __m512 m = HAS_MIN ? pair_halves(p + 16, pitch) : _mm512_mul_ps(_mm512_set1_ps(-16.f), d);
-    for (int t = 0; t < NT; ++t) {
-      __m512i dot0 = _mm512_setzero_si512(), dot1 = _mm512_setzero_si512();
-      dpbusd_block16(dot0, dot1, lo, hi, xq[t] + b * 32);
-      const __m512i dot = _mm512_add_epi32(dot0, dot1);
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, broadcast_f16(xd[t] + b)), acc[t]);
-      acc[t] = _mm512_fmadd_ps(m, broadcast_f16(xs[t] + b), acc[t]);
-    }
+    x16_tokens_q4<NT>(acc, lo, hi, d, m, xq, xd, xs, b);
   }
   for (int t = 0; t < NT; ++t) _mm512_storeu_ps(out[t], acc[t]);
 }
