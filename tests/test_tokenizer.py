@@ -18,13 +18,14 @@ from helpers import ROOT
 from rungen.gguf_loading import GGUFHeader
 from rungen.loading import default_model_file, finish
 from rungen.tokenizer import GGUFTokenizer, own
-from tiny_models import default_tokenizer_fields, write_family_gguf
+from tiny_models import default_tokenizer_fields, gemma_tokenizer_fields, write_family_gguf
 
 pytestmark = pytest.mark.usefixtures("module_cache_home")
 TEMPLATES = os.path.join(ROOT, "tests", "chat_templates")
 # The fixture files whose tokenizer the own class runs: llama-style ones (TokenizersBackend), and the qwen2/qwen3
-# (Qwen2Tokenizer) and gemma2/gemma3 (GemmaTokenizer) ones through what their header cache records of the class.
-OWN = ["default", "q4_0_untied", "phi3", "qwen2_biases", "qwen3", "gemma2", "gemma3"]
+# (Qwen2Tokenizer) and gemma2/gemma3 (GemmaTokenizer) ones through what their header cache records of the class;
+# the *_spm ones carry a sentencepiece vocabulary as the published Gemma files do (tiny_models.gemma_tokenizer_fields).
+OWN = ["default", "q4_0_untied", "phi3", "qwen2_biases", "qwen3", "gemma2", "gemma3", "gemma2_spm", "gemma3_spm"]
 TEXTS = ["The capital of France is", " leading and  double  spaces ", "tabs\tand\nnew\r\nlines\n\n",
          "Hi <|im_end|> there<|im_start|>user", "<|endoftext|><|im_start|>", "café naïve 日本語 🙂 emoji👍🏽",
          "", " ", "a" * 300, "x = {'k': [1, 2.5e-3]}  # code", "Ünïcödé\u00a0nbsp\u200bzero width",
@@ -52,6 +53,8 @@ def caches(tmp_path_factory):
              if name in ("q4_0_untied", "qwen2_biases")}
     for family in ("qwen3", "phi3", "gemma2", "gemma3"):
         paths[family] = write_family_gguf(folder / f"{family}.gguf", family, fields)
+    for family in ("gemma2", "gemma3"):
+        paths[f"{family}_spm"] = write_family_gguf(folder / f"{family}_spm.gguf", family, gemma_tokenizer_fields())
     paths["default"] = default_model_file()
     return {name: GGUFHeader(path).cache_dir for name, path in paths.items()}
 
@@ -139,11 +142,14 @@ def test_each_files_chat_template_renders_as_transformers(caches, name):
     # The file's own template (as the header cache holds it), with and without the generation prompt, as text and ids.
     mine, theirs = pair(caches[name])
     assert mine.chat_template == theirs.chat_template
+    rendered = []
     for conversation in CONVERSATIONS:
         for generation in (True, False):
-            if isinstance(render_both(mine, theirs, conversation, add_generation_prompt=generation), str):
+            rendered.append(render_both(mine, theirs, conversation, add_generation_prompt=generation))
+            if isinstance(rendered[-1], str):
                 assert (mine.apply_chat_template(conversation, add_generation_prompt=generation)
                         == theirs.apply_chat_template(conversation, add_generation_prompt=generation)["input_ids"])
+    assert any(isinstance(text, str) and "France" in text for text in rendered)  # not all refused
 
 
 @pytest.mark.parametrize("template", [None, *sorted(f for f in os.listdir(TEMPLATES) if f.endswith(".jinja"))])
