@@ -5,7 +5,7 @@ by jinja2 in the environment transformers renders it in (rungen/chat_template.py
 Importing transformers is most of a cached one-shot run's start-up above torch's (docs/performance.md#start-up);
 its tokenizer class adds nothing to what the tokenizers library computes for these files but bookkeeping. This class
 offers what the tool uses of a tokenizer (encode, decode, padding, the special tokens, the vocabulary, the chat
-template) with transformers' results for the same files (tests/unit/test_tokenizer.py compares them on every
+template) with transformers' results for the same files (tests/test_tokenizer.py compares them on every
 fixture tokenizer and template, and the default model's). Files it does not cover (another tokenizer class, options
 in tokenizer_config.json it does not apply, several named templates) load transformers' tokenizer: own() says which.
 Where only transformers' runs (generate()'s stop strings and streamer), rungen/loading.py swaps that one in.
