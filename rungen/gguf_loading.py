@@ -47,7 +47,7 @@ logger = logging.getLogger("run_generation")
 
 # Bump when what the header cache holds changes meaning; transformers' version is part of the key too,
 # since its tokenizer conversion and config parsing decide the cached files.
-HEADER_CACHE_VERSION = 2
+HEADER_CACHE_VERSION = 3
 FLOAT_TYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # GGMLQuantizationType F32, F16, BF16
 
 
@@ -257,6 +257,8 @@ class GGUFHeader:
         from transformers import AutoConfig, AutoTokenizer
         from transformers.integrations.gguf.reader import GgufHeader
 
+        from .tokenizer import save_class_run
+
         directory, file = os.path.split(self.path)
         try:
             # transformers' own header reader: the gguf package's GGUFReader builds an object per
@@ -283,6 +285,7 @@ class GGUFHeader:
         try:
             config.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
+            save_class_run(tmp)
             with open(os.path.join(tmp, "tensors.json"), "w") as f:
                 json.dump({"architecture": architecture, "tensors": tensors}, f)
             try:

@@ -5,10 +5,16 @@ by jinja2 in the environment transformers renders it in (rungen/chat_template.py
 Importing transformers is most of a cached one-shot run's start-up above torch's (docs/performance.md#start-up);
 its tokenizer class adds nothing to what the tokenizers library computes for these files but bookkeeping. This class
 offers what the tool uses of a tokenizer (encode, decode, padding, the special tokens, the vocabulary, the chat
-template) with transformers' results for the same files (tests/unit/test_tokenizer.py compares them on every
+template) with transformers' results for the same files (tests/test_tokenizer.py compares them on every
 fixture tokenizer and template, and the default model's). Files it does not cover (another tokenizer class, options
 in tokenizer_config.json it does not apply, several named templates) load transformers' tokenizer: own() says which.
 Where only transformers' runs (generate()'s stop strings and streamer), rungen/loading.py swaps that one in.
+
+Some of transformers' classes (Qwen2Tokenizer, GemmaTokenizer) do not run tokenizer.json as saved: they rebuild the
+pipeline from its vocabulary in Python (their own normalizer, pre-tokenizer, decoder) and pad on their own side. For
+those the header cache also holds what the class runs, written where transformers is loaded anyway (save_class_run,
+called by rungen/gguf_loading.py): its pipeline (PIPELINE_FILE) and the Python-side behaviour (CLASS_FILE), which this
+class runs in place of tokenizer.json and the class defaults.
 """
 
 from __future__ import annotations
@@ -24,6 +30,44 @@ SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token
 INERT_KEYS = {"backend", "is_local", "local_files_only", "model_max_length", "tokenizer_class", "name_or_path",
               "clean_up_tokenization_spaces", "padding_side", "truncation_side"}
 BACKEND_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+# Classes whose whole behaviour the header cache records (save_class_run), the recorded pipeline holding what their
+# tokenizer_config.json keys below set (a prefix space, bos/eos added by the post-processor).
+RECORDED_CLASSES = {"Qwen2Tokenizer": {"add_prefix_space"}, "GemmaTokenizer": {"add_bos_token", "add_eos_token"}}
+PIPELINE_FILE = "tokenizer_pipeline.json"  # the class's backend_tokenizer, as it runs
+CLASS_FILE = "tokenizer_class.json"  # what the class adds to it in Python
+
+
+def save_class_run(directory: str) -> None:
+    """Record in the header cache `directory` what transformers' tokenizer of its files runs, for GGUFTokenizer: its
+    tokenizers pipeline and the behaviour of its class outside it (padding side, special tokens, clean-up of spaces).
+    That is the tokenizer loaded from the saved files, which the tool runs, not the one converted from the GGUF file
+    (Qwen2Tokenizer's differs: its pre-tokenizer and normalizer come with the class). Its added tokens go into
+    tokenizer_config.json too: without them transformers' from_pretrained parses the whole tokenizer.json again."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    config_path = os.path.join(directory, "tokenizer_config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config["added_tokens_decoder"] = {str(index): token.__getstate__()
+                                      for index, token in tokenizer.added_tokens_decoder.items()}
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2, ensure_ascii=False)
+    tokenizer.backend_tokenizer.save(os.path.join(directory, PIPELINE_FILE))
+    behaviour = {"tokenizer_class": type(tokenizer).__name__, "padding_side": tokenizer.padding_side,
+                 "clean_up_tokenization_spaces": bool(tokenizer.clean_up_tokenization_spaces),
+                 "special_tokens": dict(tokenizer.special_tokens_map),
+                 "all_special_tokens": list(tokenizer.all_special_tokens)}
+    with open(os.path.join(directory, CLASS_FILE), "w") as f:
+        json.dump(behaviour, f, ensure_ascii=False)
+
+
+def _recorded(directory: str) -> dict | None:
+    path = os.path.join(directory, CLASS_FILE)
+    if not os.path.isfile(path) or not os.path.isfile(os.path.join(directory, PIPELINE_FILE)):
+        return None
+    with open(path) as f:
+        return json.load(f)
 
 
 def own(directory: str) -> str | None:
@@ -31,11 +75,21 @@ def own(directory: str) -> str | None:
     gives transformers' results."""
     with open(os.path.join(directory, "tokenizer_config.json")) as f:
         config = json.load(f)
-    if config.get("tokenizer_class") not in BACKEND_CLASSES:
-        return f"its tokenizer class is {config.get('tokenizer_class')}"
-    if not os.path.isfile(os.path.join(directory, "tokenizer.json")):
+    tokenizer_class = config.get("tokenizer_class")
+    recorded = _recorded(directory)
+    if tokenizer_class not in BACKEND_CLASSES and (tokenizer_class not in RECORDED_CLASSES or recorded is None):
+        return f"its tokenizer class is {tokenizer_class}"
+    if recorded is not None:
+        if recorded["tokenizer_class"] != tokenizer_class:
+            return f"its recorded tokenizer class is {recorded['tokenizer_class']}, not {tokenizer_class}"
+        if recorded["all_special_tokens"] != list(dict.fromkeys(recorded["special_tokens"].values())):
+            return "its class has special tokens beyond bos/eos/unk/sep/pad/cls/mask"
+        if recorded["clean_up_tokenization_spaces"]:
+            return "it cleans up tokenization spaces"
+    elif not os.path.isfile(os.path.join(directory, "tokenizer.json")):
         return "it has no tokenizer.json"
-    other = sorted(set(config) - INERT_KEYS - set(SPECIAL_TOKENS))
+    inert = INERT_KEYS | RECORDED_CLASSES.get(tokenizer_class, set())
+    other = sorted(set(config) - inert - set(SPECIAL_TOKENS) - {"added_tokens_decoder"})
     if other:
         return f"its tokenizer_config.json sets {', '.join(other)}"
     if config.get("clean_up_tokenization_spaces"):
@@ -70,18 +124,22 @@ class GGUFTokenizer:
     def __init__(self, directory: str):
         from tokenizers import Tokenizer
 
-        self.backend_tokenizer = Tokenizer.from_file(os.path.join(directory, "tokenizer.json"))
+        recorded = _recorded(directory) or {}
+        pipeline = PIPELINE_FILE if recorded else "tokenizer.json"
+        self.backend_tokenizer = Tokenizer.from_file(os.path.join(directory, pipeline))
         self.backend_tokenizer.no_truncation()
         self.backend_tokenizer.no_padding()
         with open(os.path.join(directory, "tokenizer_config.json")) as f:
             config = json.load(f)
         self.special_tokens = {name: _content(config[name]) for name in SPECIAL_TOKENS if config.get(name) is not None}
+        self.special_tokens.update(recorded.get("special_tokens", {}))
         template = os.path.join(directory, "chat_template.jinja")
         self.chat_template = None
         if os.path.isfile(template):
             with open(template, encoding="utf-8") as f:
                 self.chat_template = f.read()
-        self.padding_side = config.get("padding_side", "right")  # transformers' default; the tool sets left
+        # The class's side where recorded, else transformers' default; the tool sets left.
+        self.padding_side = recorded.get("padding_side", config.get("padding_side", "right"))
         self.name_or_path = directory
 
     def __getattr__(self, name: str):

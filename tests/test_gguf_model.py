@@ -198,12 +198,16 @@ def test_the_swap_to_transformers_model_keeps_the_function(files):
 
 
 @pytest.mark.slow  # a fresh interpreter: what it imports is the point
-def test_a_gguf_one_shot_run_imports_no_transformers(models):
+@pytest.mark.parametrize("name", ["default", "qwen3"])
+def test_a_gguf_one_shot_run_imports_no_transformers(models, files, name):
     # A cached one-shot run on the own model code imports none of transformers (its top level alone is most of the
-    # start-up above torch's), nor accelerate (several processes only).
+    # start-up above torch's), nor accelerate (several processes only): the default model's file, and a qwen3 one,
+    # whose Qwen2Tokenizer runs as its header cache recorded it (rungen/tokenizer.py).
     # A prompt, then a chat (its template rendered by jinja2).
-    code = ("import json, sys, run_generation; run_generation.main(['--prompt', 'Hi', '--length', '2', '--quiet']); "
-            "run_generation.main(['--chat', '--prompt', 'Hi', '--length', '2', '--quiet']); "
+    model = [] if name == "default" else ["--model_name_or_path", files[name]]
+    code = ("import json, sys, run_generation; "
+            f"run_generation.main({model} + ['--prompt', 'Hi', '--length', '2', '--quiet']); "
+            f"run_generation.main({model} + ['--chat', '--prompt', 'Hi', '--length', '2', '--quiet']); "
             "print(json.dumps(sorted(sys.modules)))")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                             env=cli_env(os.environ["XDG_CACHE_HOME"]), timeout=600)

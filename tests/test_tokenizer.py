@@ -3,6 +3,7 @@ results for the same header cache: ids, text, special tokens, padding and chat t
 (the llama-shaped ones of tests/test_gguf_loading.py, tests/tiny_models.py's families) and the default model, and
 the published templates of tests/chat_templates on the default model's vocabulary."""
 
+import json
 import os
 import shutil
 
@@ -17,14 +18,19 @@ from helpers import ROOT
 from rungen.gguf_loading import GGUFHeader
 from rungen.loading import default_model_file, finish
 from rungen.tokenizer import GGUFTokenizer, own
-from tiny_models import default_tokenizer_fields, write_family_gguf
+from tiny_models import default_tokenizer_fields, gemma_tokenizer_fields, write_family_gguf
 
 pytestmark = pytest.mark.usefixtures("module_cache_home")
 TEMPLATES = os.path.join(ROOT, "tests", "chat_templates")
-OWN = ["default", "q4_0_untied", "phi3"]  # the fixture files whose tokenizer the own class runs
+# The fixture files whose tokenizer the own class runs: llama-style ones (TokenizersBackend), and the qwen2/qwen3
+# (Qwen2Tokenizer) and gemma2/gemma3 (GemmaTokenizer) ones through what their header cache records of the class;
+# the *_spm ones carry a sentencepiece vocabulary as the published Gemma files do (tiny_models.gemma_tokenizer_fields).
+OWN = ["default", "q4_0_untied", "phi3", "qwen2_biases", "qwen3", "gemma2", "gemma3", "gemma2_spm", "gemma3_spm"]
 TEXTS = ["The capital of France is", " leading and  double  spaces ", "tabs\tand\nnew\r\nlines\n\n",
          "Hi <|im_end|> there<|im_start|>user", "<|endoftext|><|im_start|>", "café naïve 日本語 🙂 emoji👍🏽",
-         "", " ", "a" * 300, "x = {'k': [1, 2.5e-3]}  # code", "Ünïcödé\u00a0nbsp\u200bzero width", "<|im_end|>"]
+         "", " ", "a" * 300, "x = {'k': [1, 2.5e-3]}  # code", "Ünïcödé\u00a0nbsp\u200bzero width",
+         "<|im_end|>", "12345 678 3.14159 1,000,000", "a    b\t\t\tc   \n\n\n  d  ",
+         "中文分词测试，你好！", "e\u0301 vs \u00e9 (NFC)"]
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi <|im_end|> there"},
@@ -45,8 +51,10 @@ def caches(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tok")
     paths = {name: write_llama_gguf(folder / f"{name}.gguf", fields, **spec) for name, spec in LLAMA_FILES.items()
              if name in ("q4_0_untied", "qwen2_biases")}
-    for family in ("qwen3", "phi3", "gemma2"):
+    for family in ("qwen3", "phi3", "gemma2", "gemma3"):
         paths[family] = write_family_gguf(folder / f"{family}.gguf", family, fields)
+    for family in ("gemma2", "gemma3"):
+        paths[f"{family}_spm"] = write_family_gguf(folder / f"{family}_spm.gguf", family, gemma_tokenizer_fields())
     paths["default"] = default_model_file()
     return {name: GGUFHeader(path).cache_dir for name, path in paths.items()}
 
@@ -60,21 +68,36 @@ def pair(directory):
                  for tokenizer in (GGUFTokenizer(directory), AutoTokenizer.from_pretrained(directory)))
 
 
-def test_which_files_get_the_own_tokenizer(caches):
-    # Byte-level BPE files transformers reads as TokenizersBackend (llama, phi3 and the default model) get the own
-    # class; qwen2/3 and gemma files name a class of transformers' that rebuilds the pipeline from the vocabulary
-    # (Qwen2Tokenizer, GemmaTokenizer): they keep it.
+def test_which_files_get_the_own_tokenizer(caches, tmp_path):
+    # Every fixture file: llama-style ones as their tokenizer.json is saved, qwen2/3 and gemma ones (whose class of
+    # transformers' rebuilds the pipeline from the vocabulary) as the header cache records their class running it.
     for name in OWN:
         assert own(caches[name]) is None, name
-    for name, tokenizer_class in (("qwen2_biases", "Qwen2Tokenizer"), ("qwen3", "Qwen2Tokenizer"),
-                                  ("gemma2", "GemmaTokenizer")):
-        assert own(caches[name]) == f"its tokenizer class is {tokenizer_class}", name
     assert isinstance(GGUFHeader(default_model_file()).tokenizer, GGUFTokenizer)
+    # A cache without that record (or with another class's) keeps transformers' class.
+    for name, tokenizer_class in (("qwen3", "Qwen2Tokenizer"), ("gemma2", "GemmaTokenizer")):
+        directory = tmp_path / name
+        shutil.copytree(caches[name], directory)
+        (directory / "tokenizer_pipeline.json").unlink()
+        assert own(str(directory)) == f"its tokenizer class is {tokenizer_class}", name
+
+
+def test_the_header_cache_names_its_added_tokens(caches):
+    # tokenizer_config.json lists the added tokens (transformers' from_pretrained re-reads tokenizer.json without).
+    for name in OWN:
+        with open(os.path.join(caches[name], "tokenizer_config.json")) as f:
+            added = json.load(f)["added_tokens_decoder"]
+        theirs = AutoTokenizer.from_pretrained(caches[name]).added_tokens_decoder
+        assert {int(index): token["content"] for index, token in added.items()} == {
+            index: token.content for index, token in theirs.items()}, name
 
 
 @pytest.mark.parametrize("name", OWN)
 def test_ids_text_and_special_tokens_are_transformers(caches, name):
-    assert GGUFTokenizer(caches[name]).padding_side == AutoTokenizer.from_pretrained(caches[name]).padding_side
+    # The class's own padding side (GemmaTokenizer's left, the others' right), before the tool sets left.
+    mine, theirs = GGUFTokenizer(caches[name]), AutoTokenizer.from_pretrained(caches[name])
+    assert mine.padding_side == theirs.padding_side
+    assert mine.pad({"input_ids": [[5, 6, 7], [8]]}) == dict(theirs.pad({"input_ids": [[5, 6, 7], [8]]}))
     mine, theirs = pair(caches[name])
     for attribute in ("bos_token", "eos_token", "unk_token", "pad_token", "bos_token_id", "eos_token_id",
                       "unk_token_id", "pad_token_id", "all_special_ids", "all_special_tokens", "special_tokens_map",
@@ -112,6 +135,21 @@ def render_both(mine, theirs, conversation, **kwargs):
             results.append(("refused", str(error)))
     assert results[0] == results[1], kwargs
     return results[0]
+
+
+@pytest.mark.parametrize("name", OWN)
+def test_each_files_chat_template_renders_as_transformers(caches, name):
+    # The file's own template (as the header cache holds it), with and without the generation prompt, as text and ids.
+    mine, theirs = pair(caches[name])
+    assert mine.chat_template == theirs.chat_template
+    rendered = []
+    for conversation in CONVERSATIONS:
+        for generation in (True, False):
+            rendered.append(render_both(mine, theirs, conversation, add_generation_prompt=generation))
+            if isinstance(rendered[-1], str):
+                assert (mine.apply_chat_template(conversation, add_generation_prompt=generation)
+                        == theirs.apply_chat_template(conversation, add_generation_prompt=generation)["input_ids"])
+    assert any(isinstance(text, str) and "France" in text for text in rendered)  # not all refused
 
 
 @pytest.mark.parametrize("template", [None, *sorted(f for f in os.listdir(TEMPLATES) if f.endswith(".jinja"))])

@@ -821,3 +821,39 @@ def write_family_gguf(path, family, tokenizer_fields, layers=2, seed=0, rotary=N
     writer.write_tensors_to_file()
     writer.close()
     return str(path)
+
+
+# google/gemma-2-2b-it's chat template (gemma-3's differs in taking a system message into the first user turn).
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
+    "{% endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}")
+
+
+def gemma_tokenizer_fields(vocab_size=700):
+    """tokenizer.* metadata as llama.cpp writes a Gemma file's (google/gemma-2-2b-it, gemma-3-1b-it GGUF), for
+    write_family_gguf: tokenizer.ggml.model "llama" (sentencepiece BPE with byte fallback, no merges: transformers
+    rebuilds them from the order of the tokens), <pad> <eos> <bos> <unk> <mask> first, <start_of_turn>/<end_of_turn>
+    control tokens, <0xNN> byte tokens, "\u2581"-prefixed pieces, runs of spaces stored as real spaces (as the
+    published vocabulary's "\u2581\u2581" tokens are), add_bos_token true, add_eos_token false, the published
+    template."""
+    from gguf import GGUFValueType as V
+
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
+    vocab, _ = _metaspace_bpe(vocab_size - 4, specials)
+    tokens = list(vocab) + ["  ", "   ", "    ", "\n\n"]  # whitespace-only runs spelled with spaces, as published
+    types = [3 if t in specials and t != "<unk>" else 2 if t == "<unk>" else 6 if t.startswith("<0x") else 1
+             for t in tokens]
+    return [("tokenizer.ggml.model", "llama", V.STRING, None), ("tokenizer.ggml.pre", "default", V.STRING, None),
+            ("tokenizer.ggml.tokens", tokens, V.ARRAY, V.STRING),
+            ("tokenizer.ggml.scores", [float(-i) for i in range(len(tokens))], V.ARRAY, V.FLOAT32),
+            ("tokenizer.ggml.token_type", types, V.ARRAY, V.INT32),
+            ("tokenizer.ggml.bos_token_id", 2, V.UINT32, None), ("tokenizer.ggml.eos_token_id", 1, V.UINT32, None),
+            ("tokenizer.ggml.unknown_token_id", 3, V.UINT32, None),
+            ("tokenizer.ggml.padding_token_id", 0, V.UINT32, None),
+            ("tokenizer.ggml.add_bos_token", True, V.BOOL, None),
+            ("tokenizer.ggml.add_eos_token", False, V.BOOL, None),
+            ("tokenizer.chat_template", GEMMA_CHAT_TEMPLATE, V.STRING, None)]
