@@ -1308,16 +1308,16 @@ static void x16_tokens(const uint8_t* group, int64_t pitch, int64_t nb, const Ac
 
 // Groups [g0, g1) of one type against every token: four tokens a pass while a group's blocks (a few KB) stay in
 // the L1 cache, then two, then one (eight a pass measured slower: the codes and accumulators no longer fit the
-// sixteen registers). On VNNI with several tokens, two groups at a time (X16; an odd one left over takes the X8
-// kernel); a token alone (decode) keeps the X8 kernels: X16 is faster there with the weights in the cache, but a
-// model's decode, streaming them from memory, ran 0.7-0.8x as fast with it.
+// sixteen registers). On VNNI from eight tokens on, two groups at a time (X16; an odd one left over takes the X8
+// kernel); fewer tokens (decode, small batches) keep the X8 kernels: X16 is faster there with the weights in the
+// cache, but a model's decode, streaming them from memory, ran 0.7-0.8x as fast with it at one and four tokens.
 template <int64_t BASE>
 static void x8_span(const Job& job, int64_t g0, int64_t g1) {
   const Act& a = *job.act;
   const int64_t nb = job.in_features / 32;
   int64_t g = g0;
 #ifdef GGML_VNNI
-  if (a.n > 1)
+  if (a.n >= 8)
     for (; g + 2 <= g1; g += 2) {
       const uint8_t* group = job.blocks + g * job.pitch;
       if constexpr (BASE == Q3_K)
