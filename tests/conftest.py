@@ -6,7 +6,14 @@ of CPU on the real model (its GGUF file read directly, --jit and --quantize on i
 `-m "slow or not slow"`, as CI does."""
 
 import os
+import signal
 import sys
+
+# A suite started in the background by a non-interactive shell (`pytest &` in a script) has SIGINT ignored, and
+# every process it starts would inherit that (an ignored signal stays ignored across exec): the tests that press
+# Ctrl-C on the tool need it at Python's default, as a terminal gives it.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Never touch the Hugging Face hub from the test suite (also inherited by any
 # subprocess a test starts, e.g. the CLI).
