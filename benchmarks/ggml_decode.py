@@ -131,7 +131,7 @@ def main():
     parser.add_argument("--batch", type=int, nargs="*", default=[])
     parser.add_argument("--jit", action="store_true", help="also a GGUF-blocks row with --jit")
     parser.add_argument("--llama-python", default="/work/bench-venv/bin/python")
-    parser.add_argument("--isa", choices=("avx512vnni", "avx2", "scalar"),
+    parser.add_argument("--isa", choices=("amx", "avx512vnni", "avx2", "scalar"),
                         help="the tool's kernel path (default: the best the CPU has)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

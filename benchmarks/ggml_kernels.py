@@ -91,7 +91,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--crossover", action="store_true")
     parser.add_argument("--layouts", action="store_true")
-    parser.add_argument("--isa", help="the kernels' instruction set (avx512vnni, avx2, scalar): the CPU's best "
+    parser.add_argument("--isa", help="the kernels' instruction set (amx, avx512vnni, avx2, scalar): the CPU's best "
                         "unless given, as the tool runs")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

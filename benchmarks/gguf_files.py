@@ -4,6 +4,7 @@
                                     [--tests tg pp] [--llama-bench LLAMA_CPP/build/bin/llama-bench]
                                     [--ik-llama-bench IK_LLAMA_CPP/build/bin/llama-bench [--ik-tests pp]]
     python -m benchmarks.gguf_files --write DIR [--families llama qwen3] [--types Q4_K_M Q6_K ...]
+                                    [--quantize LLAMA_CPP/build/bin/llama-quantize]
 
 Measuring: every file is loaded by the tool as the command line loads it (rungen.loading.load) and run on the
 engine (rungen/engine.py: the loop the command line, the session and the server decode in); llama.cpp runs the same
@@ -245,7 +246,15 @@ def measure(path, args):
     return tool.how, rows
 
 
-def quantize_with_llama_cpp(source, target, ftype):
+def quantize_with_llama_cpp(source, target, ftype, binary=None):
+    """llama.cpp's quantizer: its `llama-quantize` tool where `binary` names one, else llama_model_quantize through
+    llama-cpp-python in the benchmark virtualenv."""
+    if binary:
+        name = next(name for name, number in FTYPES.items() if number == ftype)
+        subprocess.run([binary, "--allow-requantize", source, target + ".tmp", name, "2"], check=True,
+                       capture_output=True)
+        os.replace(target + ".tmp", target)
+        return
     code = ("import sys, llama_cpp\n"
             "p = llama_cpp.llama_model_quantize_default_params()\n"
             f"p.ftype = {ftype}\np.allow_requantize = True\np.nthread = 2\n"
@@ -356,13 +365,13 @@ def write(args):
             target = os.path.join(args.write, f"{family}-{name}.gguf")
             if name not in bases and not os.path.exists(target):
                 print(f"writing {target} (llama.cpp's quantizer)", file=sys.stderr, flush=True)
-                quantize_with_llama_cpp(bases["Q8_0"], target, FTYPES[name])
+                quantize_with_llama_cpp(bases["Q8_0"], target, FTYPES[name], args.quantize)
             written.append(target)
     for name in args.types:
         target = os.path.join(args.write, f"default-{name}.gguf")
         if not os.path.exists(target):
             print(f"writing {target} (llama.cpp's quantizer)", file=sys.stderr, flush=True)
-            quantize_with_llama_cpp(default, target, FTYPES[name])
+            quantize_with_llama_cpp(default, target, FTYPES[name], args.quantize)
         written.append(target)
     print("\n".join(written))
 
@@ -409,9 +418,12 @@ def main():
     parser.add_argument("--ik-tests", nargs="+", default=["tg", "pp"], choices=["tg", "pp"],
                         help="the tests ik_llama.cpp runs (of --tests)")
     parser.add_argument("--ik-args", default="", help="more arguments for ik_llama.cpp's llama-bench, e.g. '-rtr 1'")
-    parser.add_argument("--isa", choices=("avx512vnni", "avx2", "scalar"), help="the tool's kernel path (default: "
-                        "the best the CPU has); avx2 needs ATEN_CPU_CAPABILITY=avx2 in the environment")
+    parser.add_argument("--isa", choices=("amx", "avx512vnni", "avx2", "scalar"),
+                        help="the tool's kernel path (default: the best the CPU has); avx2 needs "
+                        "ATEN_CPU_CAPABILITY=avx2 in the environment")
     parser.add_argument("--write", metavar="DIR", help="write the synthetic files into DIR instead")
+    parser.add_argument("--quantize", metavar="BINARY", help="llama.cpp's llama-quantize for --write (default: "
+                        "llama-cpp-python's llama_model_quantize in --llama-python's virtualenv)")
     parser.add_argument("--families", nargs="*", default=list(FAMILIES), choices=list(FAMILIES))
     parser.add_argument("--types", nargs="*", default=["Q4_K_M", "Q5_K_M", "Q6_K", "Q3_K_M", "IQ4_XS", "Q8_0",
                                                        "Q4_0"], choices=list(FTYPES))

@@ -27,8 +27,12 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -645,6 +649,10 @@ void rows(const Job& job, int64_t r0, int64_t r1) {
 
 // ---------------------------------------------------------------------------------------------------
 // SIMD paths: one body, compiled for AVX2 and for AVX-512 VNNI (256-bit registers, dpbusd).
+// Whether the VNNI kernels take sixteen tokens at a time through AMX's tiles (ggml_amx.h): set where the CPU has
+// them and the kernel lets this process use them.
+bool amx_tiles = false;
+
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
@@ -663,24 +671,39 @@ namespace vnni {
 
 using RowsFn = void (*)(const Job&, int64_t, int64_t);
 
-enum Isa { SCALAR = 0, AVX2 = 1, VNNI = 2 };
-const char* isa_names[] = {"scalar", "avx2", "avx512vnni"};
+enum Isa { SCALAR = 0, AVX2 = 1, VNNI = 2, AMX = 3 };
+const char* isa_names[] = {"scalar", "avx2", "avx512vnni", "amx"};
+
+// AMX-TILE and AMX-INT8 (CPUID leaf 7, EDX bits 24 and 25), and Linux's leave to use their state (tile data is
+// off until a process asks for it).
+bool amx_usable() {
+  unsigned eax, ebx, ecx, edx;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !(edx & (1u << 24)) || !(edx & (1u << 25))) return false;
+#ifdef __linux__
+  constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+  return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+#else
+  return false;
+#endif
+}
 
 int detect_isa() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
       __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-    return VNNI;
+    return amx_usable() ? AMX : VNNI;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return AVX2;
   return SCALAR;
 }
 
 const int best_isa = detect_isa();
 int current_isa = best_isa;
+const bool amx_set = (amx_tiles = best_isa == AMX);
 
 RowsFn rows_fn(int64_t qtype) {
   const bool x8 = qtype & X8;
   switch (current_isa) {
+    case AMX:
     case VNNI: return x8 ? vnni::x8_rows : vnni::rows;
     case AVX2: return x8 ? avx2::x8_rows : avx2::rows;
     default: return x8 ? scalar::x8_rows : scalar::rows;
@@ -727,7 +750,7 @@ const Act& quantize_activations(const float* xp, int64_t n, int64_t k) {
   int32_t* sum16 = sum + n * nb;
   int32_t* high16 = sum16 + 2 * n * nb;
   int8_t* q = reinterpret_cast<int8_t*>(line(s4 + 6 * n * nb));
-  const auto blocks_fn = current_isa == VNNI ? vnni::quantize_blocks
+  const auto blocks_fn = current_isa >= VNNI ? vnni::quantize_blocks
                         : current_isa == AVX2 ? avx2::quantize_blocks
                                               : scalar::quantize_blocks;
   at::parallel_for(0, n * nb, 128, [&](int64_t b0, int64_t b1) { blocks_fn(xp, b0, b1, q, d, s, s16, sum, sum16, high16); });
@@ -1843,12 +1866,13 @@ std::string isa() { return isa_names[current_isa]; }
 
 std::string set_isa(const std::string& name) {
   int want = -1;
-  for (int i = 0; i < 3; ++i)
+  for (int i = 0; i < 4; ++i)
     if (name == isa_names[i]) want = i;
   if (name == "best") want = best_isa;
   TORCH_CHECK(want >= 0, "rungen_ggml: unknown instruction set ", name);
   TORCH_CHECK(want <= best_isa, "rungen_ggml: this CPU cannot run ", name);
   current_isa = want;
+  amx_tiles = want == AMX;
   return isa_names[current_isa];
 }
 

@@ -1019,22 +1019,40 @@ static inline void x16_tokens_q4(__m512* acc, const __m512i* lo, const __m512i* 
   }
 }
 
+// The codes of a 4-bit block of two groups (its nibbles at nib): lo[j] holds codes 4j .. 4j + 3 of the 16 rows,
+// hi[j] codes 16 + 4j .. 16 + 4j + 3.
+static inline void x16_codes_q4(const uint8_t* nib, int64_t pitch, __m512i* lo, __m512i* hi) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int j = 0; j < 4; ++j) {
+    const __m512i v = pair_load(nib + 32 * j, pitch);
+    lo[j] = _mm512_and_si512(v, low);
+    hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+  }
+}
+
+// Q5_0/Q5_1's: the nibbles with their fifth bits (the plane).
+static inline void x16_codes_q5(const uint8_t* nib, const uint8_t* planep, int64_t pitch, __m512i* lo, __m512i* hi) {
+  const __m512i low = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
+  const __m512i plane = pair_load(planep, pitch);
+  for (int j = 0; j < 4; ++j) {
+    const __m512i v = pair_load(nib + 32 * j, pitch);
+    lo[j] = _mm512_or_si512(_mm512_and_si512(v, low), _mm512_and_si512(_mm512_slli_epi16(plane, 4 - j), sixteen));
+    hi[j] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low),
+                            _mm512_and_si512(_mm512_srli_epi16(plane, j), sixteen));
+  }
+}
+
 // Q4_0/Q4_1: x8_group for two groups.
 template <bool HAS_MIN, int NT>
 static void x16_group(const uint8_t* group, int64_t pitch, int64_t nblocks, const int8_t* const* xq,
                       const float* const* xd, const float* const* xs, float* const* out) {
   constexpr int64_t BYTES = HAS_MIN ? 160 : 144, HEAD = HAS_MIN ? 32 : 16;
-  const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nblocks; ++b) {
     const uint8_t* p = group + b * BYTES;
     __m512i lo[4], hi[4];
-    for (int j = 0; j < 4; ++j) {
-      const __m512i v = pair_load(p + HEAD + 32 * j, pitch);
-      lo[j] = _mm512_and_si512(v, low);
-      hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-    }
+    x16_codes_q4(p + HEAD, pitch, lo, hi);
     const __m512 d = pair_halves(p, pitch);
     const __m512 m = HAS_MIN ? pair_halves(p + 16, pitch) : _mm512_mul_ps(_mm512_set1_ps(-8.f), d);
     x16_tokens_q4<NT>(acc, lo, hi, d, m, xq, xd, xs, b);
@@ -1047,19 +1065,12 @@ template <bool HAS_MIN, int NT>
 static void x16_group_q5(const uint8_t* group, int64_t pitch, int64_t nblocks, const int8_t* const* xq,
                          const float* const* xd, const float* const* xs, float* const* out) {
   constexpr int64_t BYTES = HAS_MIN ? 192 : 176, HEAD = HAS_MIN ? 64 : 48, PLANE = HAS_MIN ? 32 : 16;
-  const __m512i low = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
   __m512 acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nblocks; ++b) {
     const uint8_t* p = group + b * BYTES;
-    const __m512i plane = pair_load(p + PLANE, pitch);
     __m512i lo[4], hi[4];
-    for (int j = 0; j < 4; ++j) {
-      const __m512i v = pair_load(p + HEAD + 32 * j, pitch);
-      lo[j] = _mm512_or_si512(_mm512_and_si512(v, low), _mm512_and_si512(_mm512_slli_epi16(plane, 4 - j), sixteen));
-      hi[j] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low),
-                              _mm512_and_si512(_mm512_srli_epi16(plane, j), sixteen));
-    }
+    x16_codes_q5(p + HEAD, p + PLANE, pitch, lo, hi);
     const __m512 d = pair_halves(p, pitch);
     const __m512 m = HAS_MIN ? pair_halves(p + 16, pitch) : _mm512_mul_ps(_mm512_set1_ps(-16.f), d);
     x16_tokens_q4<NT>(acc, lo, hi, d, m, xq, xd, xs, b);
@@ -1094,49 +1105,61 @@ static void x16_group_q8(const uint8_t* group, int64_t pitch, int64_t nblocks, c
   for (int t = 0; t < NT; ++t) _mm512_storeu_ps(out[t], acc[t]);
 }
 
+// Bytes of two groups' superblock (each group's, one pitch apart) of Q4_K, Q5_K or Q6_K, and where block j's codes
+// start in it.
+template <int64_t BASE>
+constexpr int64_t kx16_bytes() { return BASE == Q6_K ? 1680 : BASE == Q5_K ? 1440 : 1184; }
+
+// The codes of block j of two groups' superblock p (Q4_K, Q5_K 0..31, Q6_K 0..63, unsigned): lo[k] holds codes
+// 4k .. 4k + 3 of the 16 rows, hi[k] codes 16 + 4k .. 16 + 4k + 3.
+template <int64_t BASE>
+static inline void kx16_codes(const uint8_t* p, int64_t pitch, int64_t j, __m512i* lo, __m512i* hi) {
+  constexpr bool Q6 = BASE == Q6_K, Q5 = BASE == Q5_K;
+  constexpr int64_t BLOCK = Q6 ? 192 : Q5 ? 160 : 128, CODES = Q6 ? 144 : 160;
+  const uint8_t* nib = p + CODES + BLOCK * j;
+  x16_codes_q4(nib, pitch, lo, hi);
+  if (Q5) {
+    const __m512i h = pair_load(nib + 128, pitch), bit = _mm512_set1_epi8(16);
+    for (int k = 0; k < 4; ++k) {
+      lo[k] = _mm512_or_si512(lo[k], _mm512_and_si512(_mm512_slli_epi32(h, 4 - k), bit));
+      hi[k] = _mm512_or_si512(hi[k], _mm512_and_si512(_mm512_srli_epi32(h, k), bit));
+    }
+  }
+  if (Q6) {
+    const __m512i h0 = pair_load(nib + 128, pitch), h1 = pair_load(nib + 160, pitch);
+    const __m512i bits = _mm512_set1_epi8(0x30);
+    for (int k = 0; k < 4; ++k) {
+      const __m512i t0 = k < 2 ? _mm512_slli_epi32(h0, 4 - 2 * k) : _mm512_srli_epi32(h0, 2 * k - 4);
+      const __m512i t1 = k < 2 ? _mm512_slli_epi32(h1, 4 - 2 * k) : _mm512_srli_epi32(h1, 2 * k - 4);
+      lo[k] = _mm512_or_si512(lo[k], _mm512_and_si512(t0, bits));
+      hi[k] = _mm512_or_si512(hi[k], _mm512_and_si512(t1, bits));
+    }
+  }
+}
+
+// -dmin of two groups' Q4_K/Q5_K superblock, by its sign bit, as kx8_group's xor (AVX-512F has no float xor).
+static inline __m512 kx16_neg_dmin(const uint8_t* p, int64_t pitch) {
+  return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(pair_halves(p + 16, pitch)),
+                                              _mm512_set1_epi32(int32_t(0x80000000u))));
+}
+
 // Q4_K/Q5_K/Q6_K: kx8_group's VNNI arithmetic for two groups (Q5_K's halves share a scale: its two chains' sum
 // weighted once, as Q4_K's).
 template <int64_t BASE, int NT>
 static void kx16_group(const uint8_t* group, int64_t pitch, int64_t nsb, const int8_t* const* xq,
                        const float* const* xd, const float* const* xs, const int32_t* const* xsum16,
                        float* const* out) {
-  constexpr bool Q6 = BASE == Q6_K, Q5 = BASE == Q5_K;
-  constexpr int64_t BYTES = Q6 ? 1680 : Q5 ? 1440 : 1184, BLOCK = Q6 ? 192 : Q5 ? 160 : 128, CODES = Q6 ? 144 : 160;
-  const __m512i low = _mm512_set1_epi8(0x0F);
+  constexpr bool Q6 = BASE == Q6_K;
   __m512 acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t s = 0; s < nsb; ++s) {
-    const uint8_t* p = group + s * BYTES;
+    const uint8_t* p = group + s * kx16_bytes<BASE>();
     const __m512 d = pair_halves(p, pitch);
-    // -dmin by its sign bit, as kx8_group's xor (AVX-512F has no float xor).
-    const __m512 neg_dmin = Q6 ? d : _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(pair_halves(p + 16, pitch)),
-                                                                          _mm512_set1_epi32(int32_t(0x80000000u))));
+    const __m512 neg_dmin = Q6 ? d : kx16_neg_dmin(p, pitch);
     for (int64_t j = 0; j < 8; ++j) {
       const int64_t b = 8 * s + j;
-      const uint8_t* nib = p + CODES + BLOCK * j;
       __m512i lo[4], hi[4];
-      for (int k = 0; k < 4; ++k) {
-        const __m512i v = pair_load(nib + 32 * k, pitch);
-        lo[k] = _mm512_and_si512(v, low);
-        hi[k] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-      }
-      if (Q5) {
-        const __m512i h = pair_load(nib + 128, pitch), bit = _mm512_set1_epi8(16);
-        for (int k = 0; k < 4; ++k) {
-          lo[k] = _mm512_or_si512(lo[k], _mm512_and_si512(_mm512_slli_epi32(h, 4 - k), bit));
-          hi[k] = _mm512_or_si512(hi[k], _mm512_and_si512(_mm512_srli_epi32(h, k), bit));
-        }
-      }
-      if (Q6) {
-        const __m512i h0 = pair_load(nib + 128, pitch), h1 = pair_load(nib + 160, pitch);
-        const __m512i bits = _mm512_set1_epi8(0x30);
-        for (int k = 0; k < 4; ++k) {
-          const __m512i t0 = k < 2 ? _mm512_slli_epi32(h0, 4 - 2 * k) : _mm512_srli_epi32(h0, 2 * k - 4);
-          const __m512i t1 = k < 2 ? _mm512_slli_epi32(h1, 4 - 2 * k) : _mm512_srli_epi32(h1, 2 * k - 4);
-          lo[k] = _mm512_or_si512(lo[k], _mm512_and_si512(t0, bits));
-          hi[k] = _mm512_or_si512(hi[k], _mm512_and_si512(t1, bits));
-        }
-      }
+      kx16_codes<BASE>(p, pitch, j, lo, hi);
       __m512i sc0, sc1;
       __m512 m = d;
       if (Q6) {
@@ -1167,11 +1190,21 @@ static void kx16_group(const uint8_t* group, int64_t pitch, int64_t nsb, const i
   for (int t = 0; t < NT; ++t) _mm512_storeu_ps(out[t], acc[t]);
 }
 
+// The values of an IQ4 block of two groups (its nibbles at nib) by `table` (the 16 values, in each 128-bit lane):
+// w[k] holds values 4k .. 4k + 3 of the 16 rows, w[4 + k] values 16 + 4k .. 16 + 4k + 3.
+static inline void x16_codes_iq4(const uint8_t* nib, int64_t pitch, __m512i table, __m512i* w) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int k = 0; k < 4; ++k) {
+    const __m512i v = pair_load(nib + 32 * k, pitch);
+    w[k] = _mm512_shuffle_epi8(table, _mm512_and_si512(v, low));
+    w[4 + k] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+  }
+}
+
 // IQ4_NL/IQ4_XS: x8_group_iq4's VNNI arithmetic for two groups.
 template <bool XS, int NT>
 static void x16_group_iq4(const uint8_t* group, int64_t pitch, int64_t nblocks, const int8_t* const* xq,
                           const float* const* xd, const int32_t* const* xsum, float* const* out) {
-  const __m512i low = _mm512_set1_epi8(0x0F);
   const __m512i table = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)kvalues_iq4nl)),
                                          _mm512_set1_epi8(char(0x80)));
   __m512 acc[NT];
@@ -1182,11 +1215,7 @@ static void x16_group_iq4(const uint8_t* group, int64_t pitch, int64_t nblocks, 
     const uint8_t* nib = XS ? p + 80 + 128 * (b % 8) : p + 16;
     if (!XS || b % 8 == 0) d = pair_halves(p, pitch);
     __m512i w[8];
-    for (int k = 0; k < 4; ++k) {
-      const __m512i v = pair_load(nib + 32 * k, pitch);
-      w[k] = _mm512_shuffle_epi8(table, _mm512_and_si512(v, low));
-      w[4 + k] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
-    }
+    x16_codes_iq4(nib, pitch, table, w);
     const __m512i sc = XS ? pair_lanes_s8(p + 16 + 8 * (b % 8), pitch) : _mm512_set1_epi32(1);
     for (int t = 0; t < NT; ++t) {
       __m512i dot = _mm512_set1_epi32(-128 * xsum[t][b]), dot1 = _mm512_setzero_si512();
@@ -1204,17 +1233,22 @@ struct Q3kBlock16 {
   __m512i w[8], pair0, pair1, start;
 };
 
-static inline void q3kx16_unpack(const uint8_t* p, int64_t pitch, int64_t j, Q3kBlock16& u) {
+// The codes of a Q3_K block of two groups (its 96 bytes at `codes`), unsigned 0..7: w[k] holds codes 4k .. 4k + 3
+// of the 16 rows, w[4 + k] codes 16 + 4k .. 16 + 4k + 3.
+static inline void q3kx16_codes(const uint8_t* codes, int64_t pitch, __m512i* w) {
   const __m512i three = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4);
-  const uint8_t* codes = p + 144 + 96 * j;
   const __m512i l0 = pair_load(codes, pitch), l1 = pair_load(codes + 32, pitch), h = pair_load(codes + 64, pitch);
   for (int k = 0; k < 4; ++k) {
     const __m512i hl = _mm512_and_si512(k < 3 ? _mm512_slli_epi32(h, 2 - k) : _mm512_srli_epi32(h, 1), four);
     const __m512i hh = _mm512_and_si512(_mm512_srli_epi32(h, 2 + k), four);
     const __m512i ll = k ? _mm512_srli_epi32(l0, 2 * k) : l0, lh = k ? _mm512_srli_epi32(l1, 2 * k) : l1;
-    u.w[k] = _mm512_ternarylogic_epi32(ll, hl, three, 0xEC);
-    u.w[4 + k] = _mm512_ternarylogic_epi32(lh, hh, three, 0xEC);
+    w[k] = _mm512_ternarylogic_epi32(ll, hl, three, 0xEC);
+    w[4 + k] = _mm512_ternarylogic_epi32(lh, hh, three, 0xEC);
   }
+}
+
+static inline void q3kx16_unpack(const uint8_t* p, int64_t pitch, int64_t j, Q3kBlock16& u) {
+  q3kx16_codes(p + 144 + 96 * j, pitch, u.w);
   const __m512i sc0 = pair_lanes_s8(p + 16 + 16 * j, pitch), sc1 = pair_lanes_s8(p + 24 + 16 * j, pitch);
   const __m512i low16 = _mm512_set1_epi32(0xFFFF), zero = _mm512_setzero_si512();
   u.pair0 = _mm512_or_si512(_mm512_and_si512(sc0, low16), _mm512_slli_epi32(_mm512_sub_epi32(zero, sc0), 18));
@@ -1261,9 +1295,9 @@ static int64_t q3kx16_pass(const uint8_t* group, int64_t pitch, const Q3kBlock16
 
 // As q3kx8_tokens: the two groups' blocks unpacked once into the thread's buffer when there is more than one pass.
 static void q3kx16_tokens(const uint8_t* group, int64_t pitch, int64_t nb, const Act& a, int64_t k, float* y,
-                          int64_t stride) {
-  if (a.n <= 4) {
-    int64_t t = q3kx16_pass<4, false>(group, pitch, nullptr, nb, a, k, y, stride, 0, a.n);
+                          int64_t stride, int64_t t0 = 0) {
+  if (a.n - t0 <= 4) {
+    int64_t t = q3kx16_pass<4, false>(group, pitch, nullptr, nb, a, k, y, stride, t0, a.n);
     t = q3kx16_pass<2, false>(group, pitch, nullptr, nb, a, k, y, stride, t, a.n);
     q3kx16_pass<1, false>(group, pitch, nullptr, nb, a, k, y, stride, t, a.n);
     return;
@@ -1273,7 +1307,7 @@ static void q3kx16_tokens(const uint8_t* group, int64_t pitch, int64_t nb, const
   Q3kBlock16* ready =
       reinterpret_cast<Q3kBlock16*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t(63));
   for (int64_t b = 0; b < nb; ++b) q3kx16_unpack(group + (b / 8) * 912, pitch, b % 8, ready[b]);
-  int64_t t = q3kx16_pass<4, true>(group, pitch, ready, nb, a, k, y, stride, 0, a.n);
+  int64_t t = q3kx16_pass<4, true>(group, pitch, ready, nb, a, k, y, stride, t0, a.n);
   t = q3kx16_pass<2, true>(group, pitch, ready, nb, a, k, y, stride, t, a.n);
   q3kx16_pass<1, true>(group, pitch, ready, nb, a, k, y, stride, t, a.n);
 }
@@ -1299,11 +1333,13 @@ static int64_t x16_pass(const uint8_t* group, int64_t pitch, int64_t nb, const A
 
 template <int64_t BASE>
 static void x16_tokens(const uint8_t* group, int64_t pitch, int64_t nb, const Act& a, int64_t k, float* y,
-                       int64_t stride) {
-  int64_t t = x16_pass<BASE, 4>(group, pitch, nb, a, k, y, stride, 0, a.n);
+                       int64_t stride, int64_t t0 = 0) {
+  int64_t t = x16_pass<BASE, 4>(group, pitch, nb, a, k, y, stride, t0, a.n);
   t = x16_pass<BASE, 2>(group, pitch, nb, a, k, y, stride, t, a.n);
   x16_pass<BASE, 1>(group, pitch, nb, a, k, y, stride, t, a.n);
 }
+
+#include "ggml_amx.h"
 #endif
 
 // Groups [g0, g1) of one type against every token: four tokens a pass while a group's blocks (a few KB) stay in
@@ -1317,14 +1353,22 @@ static void x8_span(const Job& job, int64_t g0, int64_t g1) {
   const int64_t nb = job.in_features / 32;
   int64_t g = g0;
 #ifdef GGML_VNNI
+  // With the tiles, sixteen tokens at a time through them, the rest (fewer than sixteen) as without.
+  const int64_t tiled = amx_tiles && amx_type(BASE) && a.n >= 16 && g + 2 <= g1 ? a.n / 16 * 16 : 0;
+  if (tiled) amx_configure<BASE>();
   if (a.n >= 8)
     for (; g + 2 <= g1; g += 2) {
       const uint8_t* group = job.blocks + g * job.pitch;
+      float* y = job.y + 8 * g;
+      if constexpr (amx_type(BASE))
+        if (tiled) amx_pair<BASE>(group, job.pitch, nb, a, job.in_features, y, job.out_features, tiled);
+      if (tiled == a.n) continue;
       if constexpr (BASE == Q3_K)
-        q3kx16_tokens(group, job.pitch, nb, a, job.in_features, job.y + 8 * g, job.out_features);
+        q3kx16_tokens(group, job.pitch, nb, a, job.in_features, y, job.out_features, tiled);
       else
-        x16_tokens<BASE>(group, job.pitch, nb, a, job.in_features, job.y + 8 * g, job.out_features);
+        x16_tokens<BASE>(group, job.pitch, nb, a, job.in_features, y, job.out_features, tiled);
     }
+  if (tiled) amx_release();
 #endif
   for (; g < g1; ++g) {
     const uint8_t* group = job.blocks + g * job.pitch;

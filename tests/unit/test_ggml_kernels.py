@@ -103,7 +103,7 @@ def isas():
     if not ggml.native_kernels():
         pytest.skip("native kernels unavailable")
     best = torch.ops.rungen_ggml.isa()
-    names = ["avx512vnni", "avx2", "scalar"]
+    names = ["amx", "avx512vnni", "avx2", "scalar"]
     return names[names.index(best):]
 
 
