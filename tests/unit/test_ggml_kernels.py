@@ -278,6 +278,26 @@ def test_interleaved_rows_give_each_token_its_bits_for_every_count_of_tokens(qty
                 assert torch.equal(ops.mm_int(x[:n], x8, code, in_features), alone[:n]), (rows, isa, n)
 
 
+@pytest.mark.parametrize("qtype", ggml.INTERLEAVED_TYPES, ids=lambda q: q.name)
+def test_a_prompts_tokens_get_their_bits_past_the_kernels_chunks(qtype, each_isa):
+    # A prompt's product runs in chunks (on AMX: 64 tokens and 16 blocks at a time, 16 tokens a tile, the outputs
+    # carried from one chunk of blocks to the next; elsewhere passes of four): 97 tokens (64 + 16 + 16 + 1) over
+    # 17 or 24 blocks a row and 24 rows (a pair of groups and one left over) cross every boundary, and each token's
+    # product must still be the one it gets alone, on every path.
+    paths = isas()
+    ops = torch.ops.rungen_ggml
+    in_features = 544 if GGML_QUANT_SIZES[qtype][0] == 32 else 768
+    blocks = blocks_for(qtype, 24, in_features, 11, "random")
+    x8, code = ops.interleave(blocks, int(qtype)), int(qtype) | ggml.X8
+    x = inputs(97, in_features, 11, "outlier")
+    ops.set_isa(paths[-1])
+    alone = torch.cat([ops.mm_int(x[i:i + 1], x8, code, in_features) for i in range(97)])
+    check_native(alone, x, dequantize(blocks, qtype, in_features))
+    for isa in paths:
+        ops.set_isa(isa)
+        assert torch.equal(ops.mm_int(x, x8, code, in_features), alone), isa
+
+
 def test_a_layer_interleaves_in_place_where_the_kernels_take_it():
     if not ggml.native_kernels():
         pytest.skip("native kernels unavailable")
