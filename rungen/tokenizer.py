@@ -13,8 +13,8 @@ Where only transformers' runs (generate()'s stop strings and streamer), rungen/l
 Some of transformers' classes (Qwen2Tokenizer, GemmaTokenizer) do not run tokenizer.json as saved: they rebuild the
 pipeline from its vocabulary in Python (their own normalizer, pre-tokenizer, decoder) and pad on their own side. For
 those the header cache also holds what the class runs, written where transformers is loaded anyway (save_class_run,
-called by rungen/gguf_loading.py): its pipeline (PIPELINE_FILE) and the Python-side behaviour (CLASS_FILE), which this
-class runs in place of tokenizer.json and the class defaults.
+called by rungen/gguf_loading.py): its pipeline (PIPELINE_FILE, only where it differs from tokenizer.json) and the
+Python-side behaviour (CLASS_FILE), which this class runs in place of tokenizer.json and the class defaults.
 """
 
 from __future__ import annotations
@@ -53,7 +53,12 @@ def save_class_run(directory: str) -> None:
                                       for index, token in tokenizer.added_tokens_decoder.items()}
     with open(config_path, "w") as f:
         json.dump(config, f, indent=2, ensure_ascii=False)
-    tokenizer.backend_tokenizer.save(os.path.join(directory, PIPELINE_FILE))
+    # Most classes run tokenizer.json as saved: the pipeline is kept only where it differs (a 150k-260k vocabulary
+    # is several MB twice).
+    with open(os.path.join(directory, "tokenizer.json"), encoding="utf-8") as f:
+        saved = json.load(f)
+    if json.loads(tokenizer.backend_tokenizer.to_str()) != saved:
+        tokenizer.backend_tokenizer.save(os.path.join(directory, PIPELINE_FILE))
     behaviour = {"tokenizer_class": type(tokenizer).__name__, "padding_side": tokenizer.padding_side,
                  "clean_up_tokenization_spaces": bool(tokenizer.clean_up_tokenization_spaces),
                  "special_tokens": dict(tokenizer.special_tokens_map),
@@ -64,7 +69,7 @@ def save_class_run(directory: str) -> None:
 
 def _recorded(directory: str) -> dict | None:
     path = os.path.join(directory, CLASS_FILE)
-    if not os.path.isfile(path) or not os.path.isfile(os.path.join(directory, PIPELINE_FILE)):
+    if not os.path.isfile(path):
         return None
     with open(path) as f:
         return json.load(f)
@@ -125,8 +130,10 @@ class GGUFTokenizer:
         from tokenizers import Tokenizer
 
         recorded = _recorded(directory) or {}
-        pipeline = PIPELINE_FILE if recorded else "tokenizer.json"
-        self.backend_tokenizer = Tokenizer.from_file(os.path.join(directory, pipeline))
+        pipeline = os.path.join(directory, PIPELINE_FILE)
+        if not (recorded and os.path.isfile(pipeline)):
+            pipeline = os.path.join(directory, "tokenizer.json")
+        self.backend_tokenizer = Tokenizer.from_file(pipeline)
         self.backend_tokenizer.no_truncation()
         self.backend_tokenizer.no_padding()
         with open(os.path.join(directory, "tokenizer_config.json")) as f:

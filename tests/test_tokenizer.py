@@ -74,11 +74,15 @@ def test_which_files_get_the_own_tokenizer(caches, tmp_path):
     for name in OWN:
         assert own(caches[name]) is None, name
     assert isinstance(GGUFHeader(default_model_file()).tokenizer, GGUFTokenizer)
+    # The class's pipeline is recorded only where it is not tokenizer.json's (qwen's and gemma's classes rebuild it).
+    assert not os.path.exists(os.path.join(caches["default"], "tokenizer_pipeline.json"))
+    for name in ("qwen3", "gemma2"):
+        assert os.path.isfile(os.path.join(caches[name], "tokenizer_pipeline.json")), name
     # A cache without that record (or with another class's) keeps transformers' class.
     for name, tokenizer_class in (("qwen3", "Qwen2Tokenizer"), ("gemma2", "GemmaTokenizer")):
         directory = tmp_path / name
         shutil.copytree(caches[name], directory)
-        (directory / "tokenizer_pipeline.json").unlink()
+        (directory / "tokenizer_class.json").unlink()
         assert own(str(directory)) == f"its tokenizer class is {tokenizer_class}", name
 
 
