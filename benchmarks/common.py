@@ -2,6 +2,7 @@
 loaded as the tool loads it, and a clock on the decoding steps. Run the benchmarks from the repository's
 root as modules (`python -m benchmarks.NAME`), so that they import rungen as the tool does."""
 
+import subprocess
 import time
 
 import torch
@@ -49,3 +50,11 @@ class StepClock(LogitsProcessor):
     def __call__(self, input_ids, scores):
         self.stamps.append(time.perf_counter())
         return scores
+
+
+def has_llama_cpp(python):
+    """Whether the interpreter `python` (the benchmark-only virtualenv's) can import llama_cpp."""
+    try:
+        return subprocess.run([python, "-c", "import llama_cpp"], capture_output=True).returncode == 0
+    except OSError:  # no such interpreter
+        return False

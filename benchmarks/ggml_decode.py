@@ -30,7 +30,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from benchmarks.common import cpu_flags, load_float32, run_interleaved
+from benchmarks.common import cpu_flags, has_llama_cpp, load_float32, run_interleaved
 from benchmarks.quantized_decode import PROMPT, Mode
 from rungen.ggml import native_kernels
 from rungen.loading import default_model_file, load
@@ -156,8 +156,7 @@ def main():
             modes.append(Mode(name, model, tokenizer, jit=True))
             traced[name] = time.perf_counter() - start
     reference = None
-    check = subprocess.run([args.llama_python, "-c", "import llama_cpp"], capture_output=True)
-    if check.returncode == 0:
+    if has_llama_cpp(args.llama_python):
         reference = LlamaCpp(args.llama_python, args.threads)
         modes.append(reference)
     else:

@@ -39,7 +39,7 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from benchmarks.common import cpu_flags  # noqa: E402
+from benchmarks.common import cpu_flags, has_llama_cpp  # noqa: E402
 
 BENCH_PYTHON = "/work/bench-venv/bin/python"
 # The reference columns, in the table's order.
@@ -186,13 +186,6 @@ class Tool:
 
     def close(self):
         pass
-
-
-def has_llama_cpp(python):
-    try:
-        return subprocess.run([python, "-c", "import llama_cpp"], capture_output=True).returncode == 0
-    except OSError:  # no such interpreter
-        return False
 
 
 def measure(path, args):
