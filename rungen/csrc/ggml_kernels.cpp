@@ -657,6 +657,7 @@ bool amx_tiles = false;
 #pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
 #include "ggml_simd.h"
+#include "ggml_spans.h"
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -665,6 +666,8 @@ namespace avx2 {
 namespace vnni {
 #define GGML_VNNI
 #include "ggml_simd.h"
+#include "ggml_amx.h"
+#include "ggml_spans.h"
 #undef GGML_VNNI
 }  // namespace vnni
 #pragma GCC pop_options

@@ -1,0 +1,56 @@
+// Which kernel takes an interleaved weight's groups, by the number of tokens: ggml_kernels.cpp includes this file
+// after ggml_simd.h (and, in the VNNI build, ggml_amx.h), inside the same namespace and target.
+
+// Groups [g0, g1) of one type against every token: four tokens a pass while a group's blocks (a few KB) stay in
+// the L1 cache, then two, then one (eight a pass measured slower: the codes and accumulators no longer fit the
+// sixteen registers). On VNNI from eight tokens on, two groups at a time (X16; an odd one left over takes the X8
+// kernel); fewer tokens (decode, small batches) keep the X8 kernels: X16 is faster there with the weights in the
+// cache, but a model's decode, streaming them from memory, ran 0.7-0.8x as fast with it at one and four tokens.
+template <int64_t BASE>
+static void x8_span(const Job& job, int64_t g0, int64_t g1) {
+  const Act& a = *job.act;
+  const int64_t nb = job.in_features / 32;
+  int64_t g = g0;
+#ifdef GGML_VNNI
+  // With the tiles, sixteen tokens at a time through them, the rest (fewer than sixteen) as without.
+  const int64_t tiled = amx_tiles && amx_type(BASE) && a.n >= 16 && g + 2 <= g1 ? a.n / 16 * 16 : 0;
+  if (tiled) amx_configure<BASE>();
+  if (a.n >= 8)
+    for (; g + 2 <= g1; g += 2) {
+      const uint8_t* group = job.blocks + g * job.pitch;
+      float* y = job.y + 8 * g;
+      if constexpr (amx_type(BASE))
+        if (tiled) amx_pair<BASE>(group, job.pitch, nb, a, job.in_features, y, job.out_features, tiled);
+      if (tiled == a.n) continue;
+      if constexpr (BASE == Q3_K)
+        q3kx16_tokens(group, job.pitch, nb, a, job.in_features, y, job.out_features, tiled);
+      else
+        x16_tokens<BASE>(group, job.pitch, nb, a, job.in_features, y, job.out_features, tiled);
+    }
+  if (tiled) amx_release();
+#endif
+  for (; g < g1; ++g) {
+    const uint8_t* group = job.blocks + g * job.pitch;
+    if constexpr (BASE == Q3_K)
+      q3kx8_tokens(group, nb, a, job.in_features, job.y + 8 * g, job.out_features);
+    else
+      x8_tokens<BASE>(group, nb, a, job.in_features, job.y + 8 * g, job.out_features);
+  }
+}
+
+// Groups [g0, g1) of an X8 weight against every token.
+static void x8_rows(const Job& job, int64_t g0, int64_t g1) {
+  switch (job.qtype & ~X8) {
+    case Q4_0: return x8_span<Q4_0>(job, g0, g1);
+    case Q4_1: return x8_span<Q4_1>(job, g0, g1);
+    case Q5_0: return x8_span<Q5_0>(job, g0, g1);
+    case Q5_1: return x8_span<Q5_1>(job, g0, g1);
+    case Q4_K: return x8_span<Q4_K>(job, g0, g1);
+    case Q5_K: return x8_span<Q5_K>(job, g0, g1);
+    case Q6_K: return x8_span<Q6_K>(job, g0, g1);
+    case IQ4_NL: return x8_span<IQ4_NL>(job, g0, g1);
+    case IQ4_XS: return x8_span<IQ4_XS>(job, g0, g1);
+    case Q3_K: return x8_span<Q3_K>(job, g0, g1);
+    default: return x8_span<Q8_0>(job, g0, g1);
+  }
+}
