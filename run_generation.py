@@ -41,7 +41,7 @@ import torch
 from rungen import NOTICE, PROG, logger, processes
 from rungen.arguments import max_memory_map, parse_args, serve_options, settings_from_args
 from rungen.controls import load_assistant
-from rungen.engine import open_engine, run_prompts, settings_refusal
+from rungen.engine import engine_refusal, open_engine, run_prompts, settings_refusal
 from rungen.errors import PromptError, PromptsFailed, RunGenerationError, UsageError
 from rungen.generation import UNBATCHABLE_TYPES, eos_token_ids, generate_batch, make_batches
 from rungen.ggml import holds_blocks, native_kernels
@@ -157,7 +157,9 @@ def main(argv=None):
                 if prompt.tool_plan is not None and prompt.tool_plan.grammar and settings.length != 0:
                     from rungen.tools import prompt_constraint
 
-                    prompt.constraint = prompt_constraint(prompt.tool_plan, loaded, settings, tool_grammars)
+                    prompt.constraint = prompt_constraint(prompt.tool_plan, loaded, settings, tool_grammars,
+                                                          engine_refusal(loaded, settings),
+                                                          eos_token_ids(settings, loaded.model))
             except PromptError as error:
                 if args.prompt is not None:
                     raise UsageError(str(error)) from error  # the one prompt given as an argument is bad input

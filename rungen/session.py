@@ -25,7 +25,7 @@ import torch
 from . import PROG, logger
 from .engine import engine_refusal, open_engine, submit_prompts
 from .errors import GenerationError, PromptError, UsageError, one_line
-from .generation import Settings, adjust_length_to_model, generate_batch
+from .generation import Settings, adjust_length_to_model, eos_token_ids, generate_batch
 from .loading import Loaded, cache_dir, use_transformers_model
 from .prompts import Prompt, encode_prompt
 
@@ -442,7 +442,9 @@ class Session:
         if prompt.tool_plan is not None and prompt.tool_plan.grammar:
             from .tools import prompt_constraint
 
-            prompt.constraint = prompt_constraint(prompt.tool_plan, self.loaded, self.settings, self.tool_grammars)
+            prompt.constraint = prompt_constraint(prompt.tool_plan, self.loaded, self.settings, self.tool_grammars,
+                                                  engine_refusal(self.loaded, self.settings),
+                                                  eos_token_ids(self.settings, self.loaded.model))
         return prompt, user
 
     def count_tokens(self, messages):

@@ -715,23 +715,22 @@ def plan_tools(body, messages, chat_template) -> ToolPlan:
                     fmt=fmt if calling else None)
 
 
-def prompt_constraint(plan: ToolPlan, loaded, settings, compiled: dict):
+def prompt_constraint(plan: ToolPlan, loaded, settings, compiled: dict, refusal: str | None, eos_ids):
     """The compiled grammar of a jsonl line's tool calls (`compiled` caches them by grammar); raises
-    PromptError where these settings cannot take it."""
+    PromptError where these settings cannot take it. `refusal`: why the engine cannot run these settings
+    (rungen.engine.engine_refusal), or None; eos_ids: the ids that end a reply."""
     from .constrain import ConstraintError, compile_constraint
-    from .engine import engine_refusal
     from .errors import PromptError
-    from .generation import eos_token_ids
 
     if settings.constraint is not None:
         raise PromptError('"tools": one constraint per prompt, and --json_schema, --regex or --grammar is one')
-    why = engine_refusal(loaded, settings)
-    if why:
-        raise PromptError(f'"tools": the calls are constrained per prompt on the engine, which {why} does not run on')
+    if refusal:
+        raise PromptError(f'"tools": the calls are constrained per prompt on the engine, which {refusal} does not '
+                          'run on')
     if plan.grammar not in compiled:
         try:
             compiled[plan.grammar] = compile_constraint("tools", plan.grammar, loaded.tokenizer, loaded.vocab_size,
-                                                        eos_token_ids(settings, loaded.model))
+                                                        eos_ids)
         except ConstraintError as error:
             raise PromptError(str(error)) from error
     return compiled[plan.grammar]
