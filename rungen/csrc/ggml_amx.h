@@ -1,6 +1,6 @@
 // AMX: the X16 products of sixteen tokens at a time on Intel's tile unit (AMX-INT8: Sapphire Rapids and later).
 // ggml_kernels.cpp includes this file in the VNNI build, after ggml_simd.h (whose X16 helpers it uses); there the
-// tokens of x8_span (ggml_spans.h) go sixteen at a time through amx_pair when the CPU has the tiles (amx_tiles),
+// tokens of x8_span (ggml_spans.h) go sixteen at a time through amx_pair on the `amx` path (current_isa),
 // the rest through the X16 passes.
 //
 // The integer dot products move to the tiles; the float arithmetic stays the VNNI kernels' own. A pair of X8

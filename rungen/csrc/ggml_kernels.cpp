@@ -648,32 +648,8 @@ void rows(const Job& job, int64_t r0, int64_t r1) {
 }  // namespace scalar
 
 // ---------------------------------------------------------------------------------------------------
-// SIMD paths: one body, compiled for AVX2 and for AVX-512 VNNI (256-bit registers, dpbusd).
-// Whether the VNNI kernels take sixteen tokens at a time through AMX's tiles (ggml_amx.h): set where the CPU has
-// them and the kernel lets this process use them.
-bool amx_tiles = false;
-
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-namespace avx2 {
-#include "ggml_simd.h"
-#include "ggml_spans.h"
-}  // namespace avx2
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
-namespace vnni {
-#define GGML_VNNI
-#include "ggml_simd.h"
-#include "ggml_amx.h"
-#include "ggml_spans.h"
-#undef GGML_VNNI
-}  // namespace vnni
-#pragma GCC pop_options
-
-using RowsFn = void (*)(const Job&, int64_t, int64_t);
-
+// The code path in use, from the CPU's flags (set_isa forces a lesser one): the `amx` path is the VNNI build with
+// its prompts through the tiles (ggml_spans.h reads current_isa).
 enum Isa { SCALAR = 0, AVX2 = 1, VNNI = 2, AMX = 3 };
 const char* isa_names[] = {"scalar", "avx2", "avx512vnni", "amx"};
 
@@ -701,7 +677,28 @@ int detect_isa() {
 
 const int best_isa = detect_isa();
 int current_isa = best_isa;
-const bool amx_set = (amx_tiles = best_isa == AMX);
+
+// SIMD paths: one body, compiled for AVX2 and for AVX-512 VNNI (256-bit registers, dpbusd).
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+#include "ggml_simd.h"
+#include "ggml_spans.h"
+}  // namespace avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
+namespace vnni {
+#define GGML_VNNI
+#include "ggml_simd.h"
+#include "ggml_amx.h"
+#include "ggml_spans.h"
+#undef GGML_VNNI
+}  // namespace vnni
+#pragma GCC pop_options
+
+using RowsFn = void (*)(const Job&, int64_t, int64_t);
 
 RowsFn rows_fn(int64_t qtype) {
   const bool x8 = qtype & X8;
@@ -1875,7 +1872,6 @@ std::string set_isa(const std::string& name) {
   TORCH_CHECK(want >= 0, "rungen_ggml: unknown instruction set ", name);
   TORCH_CHECK(want <= best_isa, "rungen_ggml: this CPU cannot run ", name);
   current_isa = want;
-  amx_tiles = want == AMX;
   return isa_names[current_isa];
 }
 

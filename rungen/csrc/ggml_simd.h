@@ -1105,8 +1105,7 @@ static void x16_group_q8(const uint8_t* group, int64_t pitch, int64_t nblocks, c
   for (int t = 0; t < NT; ++t) _mm512_storeu_ps(out[t], acc[t]);
 }
 
-// Bytes of two groups' superblock (each group's, one pitch apart) of Q4_K, Q5_K or Q6_K, and where block j's codes
-// start in it.
+// Bytes of a group's superblock of Q4_K, Q5_K or Q6_K in the X8 layout (the second group of a pair one pitch on).
 template <int64_t BASE>
 constexpr int64_t kx16_bytes() { return BASE == Q6_K ? 1680 : BASE == Q5_K ? 1440 : 1184; }
 
@@ -1233,22 +1232,17 @@ struct Q3kBlock16 {
   __m512i w[8], pair0, pair1, start;
 };
 
-// The codes of a Q3_K block of two groups (its 96 bytes at `codes`), unsigned 0..7: w[k] holds codes 4k .. 4k + 3
-// of the 16 rows, w[4 + k] codes 16 + 4k .. 16 + 4k + 3.
-static inline void q3kx16_codes(const uint8_t* codes, int64_t pitch, __m512i* w) {
+static inline void q3kx16_unpack(const uint8_t* p, int64_t pitch, int64_t j, Q3kBlock16& u) {
   const __m512i three = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4);
+  const uint8_t* codes = p + 144 + 96 * j;
   const __m512i l0 = pair_load(codes, pitch), l1 = pair_load(codes + 32, pitch), h = pair_load(codes + 64, pitch);
   for (int k = 0; k < 4; ++k) {
     const __m512i hl = _mm512_and_si512(k < 3 ? _mm512_slli_epi32(h, 2 - k) : _mm512_srli_epi32(h, 1), four);
     const __m512i hh = _mm512_and_si512(_mm512_srli_epi32(h, 2 + k), four);
     const __m512i ll = k ? _mm512_srli_epi32(l0, 2 * k) : l0, lh = k ? _mm512_srli_epi32(l1, 2 * k) : l1;
-    w[k] = _mm512_ternarylogic_epi32(ll, hl, three, 0xEC);
-    w[4 + k] = _mm512_ternarylogic_epi32(lh, hh, three, 0xEC);
+    u.w[k] = _mm512_ternarylogic_epi32(ll, hl, three, 0xEC);
+    u.w[4 + k] = _mm512_ternarylogic_epi32(lh, hh, three, 0xEC);
   }
-}
-
-static inline void q3kx16_unpack(const uint8_t* p, int64_t pitch, int64_t j, Q3kBlock16& u) {
-  q3kx16_codes(p + 144 + 96 * j, pitch, u.w);
   const __m512i sc0 = pair_lanes_s8(p + 16 + 16 * j, pitch), sc1 = pair_lanes_s8(p + 24 + 16 * j, pitch);
   const __m512i low16 = _mm512_set1_epi32(0xFFFF), zero = _mm512_setzero_si512();
   u.pair0 = _mm512_or_si512(_mm512_and_si512(sc0, low16), _mm512_slli_epi32(_mm512_sub_epi32(zero, sc0), 18));

@@ -13,7 +13,7 @@ static void x8_span(const Job& job, int64_t g0, int64_t g1) {
   int64_t g = g0;
 #ifdef GGML_VNNI
   // With the tiles, sixteen tokens at a time through them, the rest (fewer than sixteen) as without.
-  const int64_t tiled = amx_tiles && amx_type(BASE) && a.n >= 16 && g + 2 <= g1 ? a.n / 16 * 16 : 0;
+  const int64_t tiled = current_isa == AMX && amx_type(BASE) && a.n >= 16 && g + 2 <= g1 ? a.n / 16 * 16 : 0;
   if (tiled) amx_configure<BASE>();
   if (a.n >= 8)
     for (; g + 2 <= g1; g += 2) {
