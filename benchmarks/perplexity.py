@@ -13,6 +13,9 @@ scores every token after the first; perplexity = exp(mean negative log-likelihoo
 The default mode is scored twice: as it runs (the integer kernel, activations rounded to 8 bits per block of
 32, as llama.cpp rounds them), and with every product taken on the exactly de-quantized blocks and unrounded
 float32 activations (torch.ops.rungen_ggml.mm_tiled), which isolates what the activations' rounding costs.
+--rounding adds two rows that round the activations in Python before those exact products: to 8 bits per block
+of 32 for every product (what the kernels do, in another order of float sums), and per 256 for the products of
+k-quant and IQ4_XS weights (what llama.cpp does there: its Q8_K), to weigh what the coarser rounding would cost.
 
 A model whose activations are rounded to 8 bits is chaotic in the last bits: a relative change of 1e-6 in its
 input (as another summation order gives, from another instruction set or thread count) moves a code across a
@@ -69,12 +72,37 @@ def row(name, value, reference):
           f"({low / reference - 1:+.2%} to {high / reference - 1:+.2%}) |")
 
 
+SUPERBLOCK_TYPES = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"}
+
+
+def rounded(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x rounded to 8 bits per block of `block` values along its last dimension as the kernels and llama.cpp
+    round them: scale max|x| / 127, codes round(x / scale) (an all-zero block stays zero); returned de-quantized."""
+    v = x.reshape(-1, block)
+    scale = v.abs().amax(-1, keepdim=True) / 127
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return (torch.round(v / safe) * scale).reshape(x.shape)
+
+
+def exact_products(superblock: int | None = None):
+    """GGMLLinear._matmul taking each product on the exactly de-quantized blocks; with `superblock`, its
+    activations rounded first, per `superblock` for the k-quant and IQ4_XS weights and per 32 for the others."""
+    def matmul(self, x):
+        x = x.float().contiguous()
+        if superblock is not None:
+            x = rounded(x, superblock if self.qtype.name in SUPERBLOCK_TYPES else 32)
+        return torch.ops.rungen_ggml.mm_tiled(x, self.blocks, self.code, self.in_features)
+    return matmul
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--text", default=TEXT)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--draws", type=int, default=5, help="scorings a row: one as it is, the rest jittered")
     parser.add_argument("--model", help="a GGUF file of the default model's tokenizer (default: the default model)")
+    parser.add_argument("--rounding", action="store_true",
+                        help="two more rows: the activations rounded per 32, and per 256 for k-quant products")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     float32 = load_float32(args.model)
@@ -96,10 +124,18 @@ def main():
     model = load(args.model, device=torch.device("cpu")).model
     row(f"default: the file's own blocks, as it runs ({torch.ops.rungen_ggml.isa()})", drawn(model, ids, args.draws),
         reference[0])
-    GGMLLinear._matmul = lambda self, x: torch.ops.rungen_ggml.mm_tiled(
-        x.float().contiguous(), self.blocks, self.code, self.in_features)
-    with products_one_by_one(model):  # the layers' own native calls do not go through _matmul
-        row("default: the file's own blocks, activations not rounded", drawn(model, ids, args.draws), reference[0])
+    # transformers' model class over the same blocks (the own model code gives the same logits: tests), whose
+    # products can be taken one by one through GGMLLinear._matmul; the own code's stack is one native call.
+    del model
+    model = load(args.model, device=torch.device("cpu"), own_model=False).model
+    rows = [("default: the file's own blocks, activations not rounded", None)]
+    if args.rounding:
+        rows += [("the blocks, activations rounded per 32 (in Python)", 32),
+                 ("the blocks, k-quant products' activations rounded per 256 (in Python)", 256)]
+    for name, superblock in rows:
+        GGMLLinear._matmul = exact_products(superblock)
+        with products_one_by_one(model):  # the layers' own native calls do not go through _matmul
+            row(name, drawn(model, ids, args.draws), reference[0])
 
 if __name__ == "__main__":
     main()
