@@ -249,7 +249,7 @@ def join(layers: list[GGMLLinear]) -> GGMLLinear | GGMLParts | None:
 
 KERNELS_ENV = "RUN_GENERATION_KERNELS"  # "torch": never build or load the native kernels
 _SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-_SOURCES = ("ggml_kernels.cpp", "ggml_simd.h", "ggml_amx.h", "ggml_spans.h")
+_SOURCES = ("ggml_kernels.cpp", "ggml_simd.h", "ggml_amx.h", "ggml_spans.h", "ggml_attend.h")
 # -ffp-contract=off: no multiply-add is fused unless the source says so, so that the same arithmetic compiled in
 # two functions (a token alone, tokens four at a time) gives the same bits.
 _CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")

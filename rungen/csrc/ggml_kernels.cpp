@@ -1129,27 +1129,6 @@ std::vector<at::Tensor> rope_split(const at::Tensor& qkv_in, const at::Tensor& c
   return {q, k, v};
 }
 
-// silu(gate) * up, from the fused gate/up product [..., 2 * ffn] (gate first).
-void silu_mul_rows(const float* gp, int64_t rows, int64_t f, float* yp) {
-  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(f, 1)), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t i = 0; i < f; ++i) {
-        const float g = gp[r * 2 * f + i];
-        yp[r * f + i] = g / (1.f + std::exp(-g)) * gp[r * 2 * f + f + i];
-      }
-  });
-}
-
-at::Tensor silu_mul(const at::Tensor& gu_in) {
-  const at::Tensor gu = gu_in.to(at::kFloat).contiguous();
-  const int64_t f = gu.size(-1) / 2, rows = gu.numel() / std::max<int64_t>(2 * f, 1);
-  std::vector<int64_t> shape(gu.sizes().begin(), gu.sizes().end());
-  shape.back() = f;
-  at::Tensor y = at::empty(shape, gu.options());
-  silu_mul_rows(gu.data_ptr<float>(), rows, f, y.data_ptr<float>());
-  return y;
-}
-
 // Attention of t query tokens a sequence over T keys (the cached ones and their own): q [b, heads, t, dim],
 // k and v [b, kv_heads, T, dim] (grouped heads: query head h reads kv head h / (heads / kv_heads)). mask None:
 // causal, query i sees keys 0 .. T - t + i; else bool [b, 1, t, T] (true: attend) or additive float of that
@@ -1163,138 +1142,9 @@ at::Tensor silu_mul(const at::Tensor& gu_in) {
 // the padding beside it: a prompt alone and the same prompt left-padded in a batch give the same bits (torch's
 // attention kernels block the keys differently once padding shifts them, which moves the last bits). A query
 // that sees no key gives zeros, where softmax would give NaN.
-static inline float dot64(const float* a, const float* b, int64_t n) {
-  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  // fixed lanes: vectorized, and the same order always
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int l = 0; l < 8; ++l) acc[l] += a[i + l] * b[i + l];
-  float tail = 0.f;
-  for (; i < n; ++i) tail += a[i] * b[i];
-  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail;
-}
 
-// Eight floats as one value (GCC's vector extension): a ymm register in the AVX2 clone, two xmm in the
-// baseline; each lane's arithmetic is the scalar code's.
-typedef float f8 __attribute__((vector_size(32)));
-
-static inline f8 load8(const float* p) {
-  f8 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-static inline void store8(float* p, f8 v) { std::memcpy(p, &v, sizeof(v)); }
-
-// dot64 of q with eight keys (k, k + stride, ...) for n a multiple of 8, each key's sum in dot64's order: the
-// same eight results, as one vector. The eight keys' lane sums are reduced together, pairwise additions across
-// the keys (as _mm256_hadd_ps pairs them), where a key at a time takes a dozen shuffles and additions for its
-// sum alone.
-typedef int32_t i8v __attribute__((vector_size(32)));
-
-static inline f8 pair_sums(f8 a, f8 b) {  // [a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, a6+a7, b4+b5, b6+b7]
-  return __builtin_shuffle(a, b, i8v{0, 2, 8, 10, 4, 6, 12, 14}) +
-         __builtin_shuffle(a, b, i8v{1, 3, 9, 11, 5, 7, 13, 15});
-}
-
-static inline f8 dot64x8(const float* a, const float* b, int64_t stride, int64_t n) {
-  f8 acc[8] = {};
-  for (int64_t i = 0; i < n; i += 8) {
-    const f8 x = load8(a + i);
-    for (int key = 0; key < 8; ++key) acc[key] += x * load8(b + key * stride + i);
-  }
-  // Lane l of key k: c_k[l]. After two rounds, lane k of `low` (k < 4) holds (c_k[0]+c_k[1]) + (c_k[2]+c_k[3])
-  // and lane k of `high` (c_k[4]+c_k[5]) + (c_k[6]+c_k[7]); keys 4..7 in lanes 4..7 likewise.
-  const f8 q0123 = pair_sums(pair_sums(acc[0], acc[1]), pair_sums(acc[2], acc[3]));
-  const f8 q4567 = pair_sums(pair_sums(acc[4], acc[5]), pair_sums(acc[6], acc[7]));
-  const f8 low = __builtin_shuffle(q0123, q4567, i8v{0, 1, 2, 3, 8, 9, 10, 11});
-  const f8 high = __builtin_shuffle(q0123, q4567, i8v{4, 5, 6, 7, 12, 13, 14, 15});
-  return low + high + f8{};  // + 0, as dot64's tail: -0 becomes +0 alike
-}
-
-// exp(x) for x <= 0 of eight values at once (Cephes' expf: range reduction by ln 2, a degree-6 polynomial;
-// relative error about 1e-7), without branches or library calls: a prompt's attention takes an exp per query
-// and key, and the library's scalar exp was a third of a long prompt's pass.
-
-static inline f8 exp_nonpositive8(f8 x) {
-  const f8 lo = f8{} - 87.3f;
-  x = x < lo ? lo : x;
-  const f8 y = x * 1.44269504088896341f;
-  const i8v n = __builtin_convertvector(y - 0.5f, i8v);
-  const f8 fn = __builtin_convertvector(n, f8);
-  x = x - fn * 0.693359375f - fn * -2.12194440e-4f;
-  f8 p = f8{} + 1.9875691500e-4f;
-  p = p * x + 1.3981999507e-3f;
-  p = p * x + 8.3334519073e-3f;
-  p = p * x + 4.1665795894e-2f;
-  p = p * x + 1.6666665459e-1f;
-  p = p * x + 5.0000001201e-1f;
-  const f8 r = p * (x * x) + x + 1.f;
-  const i8v bits = (n + 127) << 23;
-  f8 scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return r * scale;
-}
-
-// tanh of eight values (Cephes' tanhf: below 0.625 an odd polynomial, above it (1 - e) / (1 + e) of
-// e = exp(-2|x|), which then loses nothing to cancellation; relative error about 1e-7), without branches or
-// library calls.
-static inline f8 tanh8(f8 x) {
-  const f8 a = x < 0.f ? -x : x, z = a * a;
-  f8 p = f8{} - 5.70498872745e-3f;
-  p = p * z + 2.06390887954e-2f;
-  p = p * z - 5.37397155531e-2f;
-  p = p * z + 1.33314422036e-1f;
-  p = p * z - 3.33332819422e-1f;
-  const f8 small = p * z * a + a;
-  const f8 e = exp_nonpositive8(f8{} - (a + a));
-  const f8 large = (1.f - e) / (1.f + e);
-  const f8 t = a < 0.625f ? small : large;
-  return x < 0.f ? -t : t;
-}
-
-// tanh(s / cap) * cap of eight scores. The scalar scores go through it too, one lane used: every key's score
-// the same bits, on either clone.
-static inline f8 softcap8(f8 s, float cap) { return tanh8(s / cap) * cap; }
-
-// gelu(gate) * up with GELU's tanh approximation (gemma's gelu_pytorch_tanh), from the fused gate/up product
-// [..., 2 * ffn] (gate first): 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), as torch computes it. Eight
-// values at once through tanh8: the library's scalar tanh took a decode step's layer about as long as its
-// attention. Compiled twice as attend_queries is, the same operations in both clones: the same bits.
-__attribute__((target_clones("avx2", "default")))
-void gelu_tanh_mul_rows(const float* gp, int64_t r0, int64_t r1, int64_t f, float* yp) {
-  const float k0 = 0.7978845608028654f, k1 = 0.044715f;  // sqrt(2 / pi)
-  for (int64_t r = r0; r < r1; ++r) {
-    const float *g_row = gp + r * 2 * f, *u_row = g_row + f;
-    float* y_row = yp + r * f;
-    for (int64_t i = 0; i < f; i += 8) {
-      const int64_t count = std::min<int64_t>(8, f - i);
-      f8 g = f8{}, u = f8{};
-      std::memcpy(&g, g_row + i, count * sizeof(float));
-      std::memcpy(&u, u_row + i, count * sizeof(float));
-      const f8 y = 0.5f * g * (1.f + tanh8(k0 * (g + k1 * g * g * g))) * u;
-      std::memcpy(y_row + i, &y, count * sizeof(float));
-    }
-  }
-}
-
-at::Tensor gelu_tanh_mul(const at::Tensor& gu_in) {
-  const at::Tensor gu = gu_in.to(at::kFloat).contiguous();
-  const int64_t f = gu.size(-1) / 2, rows = gu.numel() / std::max<int64_t>(2 * f, 1);
-  std::vector<int64_t> shape(gu.sizes().begin(), gu.sizes().end());
-  shape.back() = f;
-  at::Tensor y = at::empty(shape, gu.options());
-  const float* gp = gu.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / std::max<int64_t>(f, 1)), [&](int64_t r0, int64_t r1) {
-    gelu_tanh_mul_rows(gp, r0, r1, f, yp);
-  });
-  return y;
-}
-
-// Each query of [p0, p1) (q enumerated in [b, heads, t] order): see attend below. Compiled twice, for AVX2 and
-// for the baseline, chosen at load by the CPU's avx2 flag (GCC's target_clones; "arch=haswell" would ask for an
-// Intel Haswell by name and leave every AMD CPU on the baseline): the loops vectorize, the same operations in
-// both (no fused multiply-adds), so the same bits.
+// Each query of [p0, p1) (q enumerated in [b, heads, t] order): see attend above; ggml_attend.h's
+// attend_queries takes them.
 struct AttendJob {
   const float *q, *k, *v;
   const bool* mask_bool;
@@ -1316,129 +1166,55 @@ struct AttendJob {
 constexpr int64_t ATTEND_BLOCK = 16;
 constexpr int64_t VALUE_BLOCK = 32;  // keys whose value rows stay in L1 while the block's queries add them
 
-__attribute__((target_clones("avx2", "default")))
-void attend_queries(const AttendJob& job, int64_t p0, int64_t p1, float* wp) {
-  const float *qp = job.q, *kp = job.k, *vp = job.v;
-  const bool* mb = job.mask_bool;
-  const float* mf = job.mask_add;
-  float* op = job.out;
-  const int64_t heads = job.heads, t = job.t, dim = job.dim, kv = job.kv, T = job.T, group = heads / kv;
-  const float scale = job.scale, cap = job.softcap, lowest = -std::numeric_limits<float>::infinity();
-  for (int64_t pb = p0; pb < p1;) {
-    // p = ((batch * heads + h) * t + i) and h = kv head * group + g: p / (group * t) names the keys read.
-    const int64_t shared = pb / (group * t), pe = std::min({p1, pb + ATTEND_BLOCK, (shared + 1) * group * t});
-    const int64_t batch = shared / kv, kvh = shared % kv, nq = pe - pb;
-    const float* kh = kp + batch * job.k_batch + kvh * job.k_head;
-    const float* vh = vp + batch * job.v_batch + kvh * job.v_head;
-    int64_t firsts[ATTEND_BLOCK], lasts[ATTEND_BLOCK], rows[ATTEND_BLOCK], most = 0;
-    float tops[ATTEND_BLOCK], invs[ATTEND_BLOCK];
-    f8 tops8[ATTEND_BLOCK];
-    float* outs[ATTEND_BLOCK];
-    for (int64_t n = 0; n < nq; ++n) {
-      const int64_t p = pb + n, h = (p / t) % heads, i = p % t;
-      lasts[n] = job.masked ? T : T - t + i + 1;  // causal without a mask
-      // A sliding window (transformers' sliding_window_overlay: key position > query position - window), the
-      // query at cache position T - t + i: the keys before it are masked, as a windowed mask masks them.
-      firsts[n] = job.window > 0 ? std::max<int64_t>(0, T - t + i - job.window + 1) : 0;
-      rows[n] = (batch * t + i) * T;
-      tops[n] = lowest;
-      tops8[n] = f8{} + lowest;  // the running maximum lane by lane: a maximum is the same in any order
-      outs[n] = op + ((batch * t + i) * heads + h) * dim;
-      std::fill(outs[n], outs[n] + dim, 0.f);
-      most = std::max(most, lasts[n]);
-    }
-    // Scores: eight keys at a time, for every query of the block that sees all eight and has no boolean mask.
-    if (!mb && dim % 8 == 0) {
-      for (int64_t j = 0; j + 8 <= most; j += 8) {
-        for (int64_t n = 0; n < nq; ++n) {
-          if (j + 8 > lasts[n] || j < firsts[n]) continue;
-          f8 scores = dot64x8(qp + (pb + n) * dim, kh + j * job.k_key, job.k_key, dim) * scale;
-          if (cap > 0.f) scores = softcap8(scores, cap);
-          if (mf) scores += load8(mf + rows[n] + j);
-          store8(wp + n * T + j, scores);
-          tops8[n] = tops8[n] < scores ? scores : tops8[n];
-        }
-      }
-    }
-    for (int64_t n = 0; n < nq; ++n) {
-      const float* qh = qp + (pb + n) * dim;
-      float* w = wp + n * T;
-      for (int l = 0; l < 8; ++l) tops[n] = std::max(tops[n], tops8[n][l]);
-      // The keys the eight-at-a-time loop above scored: whole groups from the window's first key on.
-      const bool grouped = !mb && dim % 8 == 0;
-      const int64_t first = firsts[n], g0 = grouped ? (first + 7) / 8 * 8 : lasts[n];
-      const int64_t g1 = grouped ? lasts[n] / 8 * 8 : lasts[n];
-      for (int64_t j = first / 8 * 8; j < first; ++j) w[j] = lowest;  // outside the window: masked
-      for (int64_t j = first; j < lasts[n]; ++j) {
-        if (j >= g0 && j < g1) {
-          j = g1 - 1;
-          continue;
-        }
-        if (mb && !mb[rows[n] + j]) {
-          w[j] = lowest;
-          continue;
-        }
-        float score = dot64(qh, kh + j * job.k_key, dim) * scale;
-        if (cap > 0.f) score = softcap8(f8{} + score, cap)[0];
-        if (mf) score += mf[rows[n] + j];
-        w[j] = score;
-        tops[n] = std::max(tops[n], score);
-      }
-      if (tops[n] == lowest) continue;  // sees no key: zeros
-      // Exponentials eight at once, their sum key after key; whole groups loaded and stored as vectors (a
-      // vector read back after a narrower copy into it stalls), the last group padded with masked lanes.
-      // The keys before the window's group weigh nothing: they are left out of the sum (adding a zero to
-      // it changes no bit) and of the values.
-      float total = 0.f;
-      int64_t e8 = first / 8 * 8;
-      for (; e8 + 8 <= lasts[n]; e8 += 8) {
-        const f8 x = load8(w + e8);
-        const f8 kept = x == lowest ? f8{} : exp_nonpositive8(x - tops[n]);  // masked: exactly nothing
-        store8(w + e8, kept);
-        for (int l = 0; l < 8; ++l) total += kept[l];
-      }
-      if (e8 < lasts[n]) {
-        const int64_t count = lasts[n] - e8;
-        f8 x = f8{} + lowest;
-        std::memcpy(&x, w + e8, count * sizeof(float));
-        const f8 kept = x == lowest ? f8{} : exp_nonpositive8(x - tops[n]);
-        std::memcpy(w + e8, &kept, count * sizeof(float));
-        for (int64_t l = 0; l < count; ++l) total += kept[l];
-      }
-      invs[n] = 1.f / total;
-    }
-    // Values: each query's sum key after key, skipping the zero weights (masked or underflowed), so padding
-    // leaves no trace.
-    for (int64_t j0 = 0; j0 < most; j0 += VALUE_BLOCK) {
-      for (int64_t n = 0; n < nq; ++n) {
-        if (tops[n] == lowest || j0 >= lasts[n]) continue;
-        const float* w = wp + n * T;
-        const float inv = invs[n];
-        float* o = outs[n];
-        const int64_t j1 = std::min(j0 + VALUE_BLOCK, lasts[n]), jw = std::max(j0, firsts[n]);
-        if (jw >= j1) continue;
-        if (dim == 64) {  // the usual head size: the sums in registers across the group of keys
-          f8 acc[8];
-          std::memcpy(acc, o, sizeof(acc));
-          for (int64_t j = jw; j < j1; ++j) {
-            if (w[j] == 0.f) continue;
-            const float a = w[j] * inv;
-            const float* vj = vh + j * job.v_key;
-            for (int d = 0; d < 8; ++d) acc[d] += a * load8(vj + 8 * d);
-          }
-          std::memcpy(o, acc, sizeof(acc));
-          continue;
-        }
-        for (int64_t j = jw; j < j1; ++j) {
-          if (w[j] == 0.f) continue;
-          const float a = w[j] * inv;
-          const float* vj = vh + j * job.v_key;
-          for (int64_t d = 0; d < dim; ++d) o[d] += a * vj[d];
-        }
-      }
-    }
-    pb = pe;
-  }
+// The attention's and the gates' loops (ggml_attend.h), compiled for AVX2 and for the baseline; the code path in
+// use picks one (scalar: the baseline), so set_isa reaches them as it reaches the products.
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+#include "ggml_attend.h"
+}  // namespace avx2
+#pragma GCC pop_options
+namespace scalar {
+#include "ggml_attend.h"
+}  // namespace scalar
+
+using AttendFn = void (*)(const AttendJob&, int64_t, int64_t, float*);
+AttendFn attend_fn() { return current_isa >= AVX2 ? avx2::attend_queries : scalar::attend_queries; }
+
+using GateFn = void (*)(const float*, int64_t, int64_t, int64_t, float*);
+GateFn gelu_fn() { return current_isa >= AVX2 ? avx2::gelu_rows : scalar::gelu_rows; }
+GateFn silu_fn() { return current_isa >= AVX2 ? avx2::silu_rows : scalar::silu_rows; }
+
+// silu(gate) * up, from the fused gate/up product [rows, 2 * f] (gate first), rows spread over the threads.
+void silu_mul_rows(const float* gp, int64_t rows, int64_t f, float* yp) {
+  const GateFn fn = silu_fn();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(f, 1)),
+                   [&](int64_t r0, int64_t r1) { fn(gp, r0, r1, f, yp); });
+}
+
+at::Tensor silu_mul(const at::Tensor& gu_in) {
+  const at::Tensor gu = gu_in.to(at::kFloat).contiguous();
+  const int64_t f = gu.size(-1) / 2, rows = gu.numel() / std::max<int64_t>(2 * f, 1);
+  std::vector<int64_t> shape(gu.sizes().begin(), gu.sizes().end());
+  shape.back() = f;
+  at::Tensor y = at::empty(shape, gu.options());
+  silu_mul_rows(gu.data_ptr<float>(), rows, f, y.data_ptr<float>());
+  return y;
+}
+
+at::Tensor gelu_tanh_mul(const at::Tensor& gu_in) {
+  const at::Tensor gu = gu_in.to(at::kFloat).contiguous();
+  const int64_t f = gu.size(-1) / 2, rows = gu.numel() / std::max<int64_t>(2 * f, 1);
+  std::vector<int64_t> shape(gu.sizes().begin(), gu.sizes().end());
+  shape.back() = f;
+  at::Tensor y = at::empty(shape, gu.options());
+  const float* gp = gu.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const GateFn fn = gelu_fn();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / std::max<int64_t>(f, 1)), [&](int64_t r0, int64_t r1) {
+    fn(gp, r0, r1, f, yp);
+  });
+  return y;
 }
 
 // attend's mask as the kernel reads it: bool or additive float [b, 1, t, T], or none (causal).
@@ -1473,7 +1249,7 @@ void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   at::parallel_for(0, b * heads * t, std::max<int64_t>(1, 32768 / std::max<int64_t>(T * dim, 1)),
                    [&](int64_t p0, int64_t p1) {
     std::vector<float> w(ATTEND_BLOCK * T);
-    attend_queries(AttendJob{qp, kp, vp, mask.bools, mask.adds, op, heads, t, dim, kv, T, k.stride(0), k.stride(1),
+    attend_fn()(AttendJob{qp, kp, vp, mask.bools, mask.adds, op, heads, t, dim, kv, T, k.stride(0), k.stride(1),
                              k.stride(2), v.stride(0), v.stride(1), v.stride(2), float(scale), float(softcap),
                              window, masked}, p0, p1,
                    w.data());
@@ -1661,7 +1437,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decoder
       const float* gp = gu.data_ptr<float>();
       float* ap = act_i.data_ptr<float>();
       at::parallel_for(0, n, std::max<int64_t>(1, 65536 / std::max<int64_t>(width, 1)),
-                       [&](int64_t r0, int64_t r1) { gelu_tanh_mul_rows(gp, r0, r1, width, ap); });
+                       [&](int64_t r0, int64_t r1) { gelu_fn()(gp, r0, r1, width, ap); });
     } else {
       silu_mul_rows(gu.data_ptr<float>(), n, width, act_i.data_ptr<float>());
     }

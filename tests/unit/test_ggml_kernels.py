@@ -530,3 +530,50 @@ def test_gelu_tanh_gate_is_torchs_and_a_row_gets_the_same_bits_alone_and_among_o
     torch.testing.assert_close(gated.double(), reference, rtol=1e-6, atol=1e-6 * reference.abs().max().item())
     for row in range(gate_up.shape[0]):
         assert torch.equal(torch.ops.rungen_ggml.gelu_tanh_mul(gate_up[row:row + 1]), gated[row:row + 1])
+
+
+@pytest.mark.parametrize("ffn", [1536, 37])
+def test_silu_gate_is_torchs_and_a_row_gets_the_same_bits_alone_and_among_others(ffn):
+    """llama's gate: silu(gate) * up of the fused [gate, up] product, within float32 rounding of torch's over the
+    range a gate takes and beyond (both signs, near zero, and far past where exp overflows or underflows), a width
+    off the kernel's groups of eight included; a row alone and among others the same bits."""
+    if not ggml.native_kernels():
+        pytest.skip("the native kernels are not available here")
+    torch.manual_seed(11)
+    gate_up = torch.randn(6, 2 * ffn) * torch.tensor([1e-3, 1.0, 4.0, 30.0, 120.0, 1.0])[:, None]
+    gated = torch.ops.rungen_ggml.silu_mul(gate_up)
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    reference = torch.nn.functional.silu(gate) * up
+    torch.testing.assert_close(gated.double(), reference, rtol=1e-6, atol=1e-6 * reference.abs().max().item())
+    assert torch.isfinite(gated).all()
+    for row in range(gate_up.shape[0]):
+        assert torch.equal(torch.ops.rungen_ggml.silu_mul(gate_up[row:row + 1]), gated[row:row + 1])
+
+
+@pytest.mark.parametrize("isa", ["avx512vnni", "avx2", "scalar"])
+def test_attention_and_gates_give_the_same_bits_on_every_code_path(isa, each_isa):
+    """The attention and the gates compiled for AVX2 and for the baseline (the code path in use picks one): the same
+    bits on either, under the causal default, a boolean mask, gemma2's soft cap and a window, at head sizes 64 (its
+    own loop) and 48."""
+    if isa not in isas():
+        pytest.skip(f"this CPU does not run {isa}")
+    torch.manual_seed(13)
+    heads, kv, keys, tokens = 4, 2, 45, 6
+    cases = []
+    for dim in (64, 48):
+        q, k, v = torch.randn(1, heads, tokens, dim), torch.randn(1, kv, keys, dim) * 2, torch.randn(1, kv, keys, dim)
+        mask = torch.ones(1, 1, tokens, keys, dtype=torch.bool).tril(keys - tokens)
+        mask[..., :3] = False
+        cases += [(q, k, v, None, dim ** -0.5), (q, k, v, mask, dim ** -0.5), (q, k, v, None, dim ** -0.5, 5.0),
+                  (q, k, v, None, dim ** -0.5, 0.0, 9)]
+    gate_up = torch.randn(3, 2 * 37) * 4
+
+    def run():
+        return ([torch.ops.rungen_ggml.attend(*case) for case in cases],
+                torch.ops.rungen_ggml.silu_mul(gate_up), torch.ops.rungen_ggml.gelu_tanh_mul(gate_up))
+
+    best = run()
+    torch.ops.rungen_ggml.set_isa(isa)
+    other = run()
+    for a, b in zip(best[0] + [best[1], best[2]], other[0] + [other[1], other[2]]):
+        assert torch.equal(a, b)
