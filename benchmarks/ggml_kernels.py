@@ -1,6 +1,7 @@
 """Per-layer speed of the GGUF block kernels on the default model's own weights, beside torch's kernels.
 
-    python -m benchmarks.ggml_kernels [--threads 2] [--repeats 200] [--crossover] [--layouts] [--isa avx2]
+    python -m benchmarks.ggml_kernels [--threads 2] [--repeats 200] [--crossover] [--layouts] [--attention]
+                                      [--isa avx2]
 
 Each row is one of the default model's weight shapes (Q4_1 linears, the Q8_0 tied head), as the tool holds it
 (rows interleaved eight by eight, rungen.ggml.GGMLLinear.interleave): microseconds per call at one token, and
@@ -12,6 +13,10 @@ matmul for growing numbers of tokens: where the second wins is where rungen_ggml
 the file's row-major blocks against the interleaved ones at 1, 4, 16 and 64 tokens: the default model's weights,
 then k-quant and IQ4 weights of a 1.1B llama's shapes (TinyLlama's, as a Q4_K_M/Q5_K_M/Q3_K_M/IQ4_XS file holds them:
 random blocks with valid scales, as the default model has none; the kernels' speed does not depend on the values).
+--attention times rungen_ggml.attend over a 512-token prompt in the default model's heads (9 over 3 key/value
+heads of 64) beside torch's scaled_dot_product_attention, for three kinds of scores: random (N(0, 1)), one key
+scored far above the rest (an attention sink: the others' weights below e^-87, at the end of float's normal range),
+and scores spread evenly down to 100 below the top.
 """
 
 import argparse
@@ -85,12 +90,30 @@ def interleaved(functions, repeats, rounds=5):
     return [statistics.median(r) for r in results]
 
 
+def attention_rows(repeats):
+    """Prints attend's and torch's milliseconds for a 512-token prompt under three kinds of scores."""
+    tokens, dim = 512, 64
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, heads, tokens, dim, generator=g) for heads in (9, 3, 3))
+    sink_q, sink_k = q.clone(), k.clone()
+    sink_q[..., 0], sink_k[:, :, 0, 0] = 30.0, 30.0  # key 0 scores about 110 above the others
+    spread_q, spread_k = q.clone(), k.clone()
+    spread_q[..., 0], spread_k[..., 0] = 10.0, torch.linspace(-80.0, 0.0, tokens)  # scores down to -100
+    for name, (qq, kk) in (("random", (q, k)), ("a sink", (sink_q, sink_k)), ("spread to -100", (spread_q, spread_k))):
+        ours, theirs = interleaved([
+            functools.partial(torch.ops.rungen_ggml.attend, qq, kk, v, None, dim ** -0.5),
+            functools.partial(torch.nn.functional.scaled_dot_product_attention, qq, kk, v, is_causal=True,
+                              enable_gqa=True, scale=dim ** -0.5)], repeats)
+        print(f"| {name} | {ours * 1e3:.1f} | {theirs * 1e3:.1f} | {theirs / ours:.2f}x |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--crossover", action="store_true")
     parser.add_argument("--layouts", action="store_true")
+    parser.add_argument("--attention", action="store_true")
     parser.add_argument("--isa", help="the kernels' instruction set (amx, avx512vnni, avx2, scalar): the CPU's best "
                         "unless given, as the tool runs")
     args = parser.parse_args()
@@ -156,6 +179,11 @@ def main():
                                         functools.partial(ops.mm_tiled, x, blocks, qtype, in_features)],
                                        max(10, args.repeats // 4))
                     print(f"| {name} | {n} | {a * 1e6:.0f} | {b * 1e6:.0f} | {b / a:.2f} |")
+        if args.attention:
+            print("")
+            print("| scores (512-token prompt, 9 heads over 3) | attend ms | torch sdpa ms | torch / attend |")
+            print("| --- | ---: | ---: | ---: |")
+            attention_rows(max(10, args.repeats // 20))
 
 
 if __name__ == "__main__":

@@ -577,3 +577,29 @@ def test_attention_and_gates_give_the_same_bits_on_every_code_path(isa, each_isa
     other = run()
     for a, b in zip(best[0] + [best[1], best[2]], other[0] + [other[1], other[2]]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("isa", ["avx512vnni", "avx2", "scalar"])
+@pytest.mark.parametrize("dim", [64, 48])
+def test_attention_with_a_sink_far_above_the_other_keys_is_softmax_attention(dim, isa, each_isa):
+    """A key scored far above the rest (an attention sink: the others' weights below e^-87, where float's normal
+    range ends; as float32's softmax makes them, they weigh exactly nothing, so a sink whose value row is zero
+    gives zeros), and scores spread evenly down to 100 below the top: softmax attention, on every code path."""
+    if isa not in isas():
+        pytest.skip(f"this CPU does not run {isa}")
+    torch.ops.rungen_ggml.set_isa(isa)
+    torch.manual_seed(17)
+    heads, kv, keys, tokens, scale = 4, 2, 83, 5, dim ** -0.5
+    q, k, v = torch.randn(1, heads, tokens, dim), torch.randn(1, kv, keys, dim), torch.randn(1, kv, keys, dim)
+    q[..., 0], k[:, :, 0, 0] = 40.0, 40.0 * dim ** 0.5 / 10  # key 0 scores about 160 above the others
+    v[:, :, 0] = 0.0
+    sink = torch.ops.rungen_ggml.attend(q, k, v, None, scale)
+    assert torch.equal(sink, torch.zeros_like(sink))
+    graded = k.clone()
+    graded[:, :, :, 0] = torch.linspace(-100.0, 0.0, keys) * dim ** 0.5 / 40  # scores spread over [-100, 0]
+    got = torch.ops.rungen_ggml.attend(q, graded, v, None, scale)
+    reference = torch.nn.functional.scaled_dot_product_attention(q, graded, v, enable_gqa=True, scale=scale,
+                                                                 is_causal=False,
+                                                                 attn_mask=torch.ones(tokens, keys).tril(
+                                                                     keys - tokens).bool())
+    torch.testing.assert_close(got, reference.transpose(1, 2).reshape(1, tokens, -1), rtol=1e-5, atol=1e-5)
