@@ -116,12 +116,10 @@ static inline f8 tanh8(f8 x) {
 // the same bits, on either build.
 static inline f8 softcap8(f8 s, float cap) { return tanh8(s / cap) * cap; }
 
-// gelu(gate) * up with GELU's tanh approximation (gemma's gelu_pytorch_tanh), from the fused gate/up product
-// [..., 2 * ffn] (gate first): 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), as torch computes it. Eight
-// values at once through tanh8: the library's scalar tanh took a decode step's layer about as long as its
-// attention.
-void gelu_rows(const float* gp, int64_t r0, int64_t r1, int64_t f, float* yp) {
-  const float k0 = 0.7978845608028654f, k1 = 0.044715f;  // sqrt(2 / pi)
+// gate(g, u) eight values at a time over rows [r0, r1) of a fused gate/up product [rows, 2 * f] (gate first) into
+// y [rows, f]: whole vectors loaded and stored, a row's last part copied.
+template <class Gate>
+static inline void gate_rows(const float* gp, int64_t r0, int64_t r1, int64_t f, float* yp, Gate gate) {
   for (int64_t r = r0; r < r1; ++r) {
     const float *g_row = gp + r * 2 * f, *u_row = g_row + f;
     float* y_row = yp + r * f;
@@ -130,27 +128,29 @@ void gelu_rows(const float* gp, int64_t r0, int64_t r1, int64_t f, float* yp) {
       f8 g, u;
       load_part8(g_row + i, count, g);
       load_part8(u_row + i, count, u);
-      store_part8(y_row + i, count, 0.5f * g * (1.f + tanh8(k0 * (g + k1 * g * g * g))) * u);
+      store_part8(y_row + i, count, gate(g, u));
     }
   }
 }
 
-// silu(gate) * up (SiLU: g / (1 + exp(-g)), as torch computes it) from the fused gate/up product, eight values at
-// once through exp_nonpositive8 of -|g|: e = exp(-|g|), and silu(g) = g / (1 + e) for g >= 0, g e / (1 + e)
-// below (neither side overflows). The library's scalar exp took a tenth of a prompt's pass of the default model.
+// gelu(gate) * up with GELU's tanh approximation (gemma's gelu_pytorch_tanh): 0.5 g (1 + tanh(sqrt(2 / pi) (g +
+// 0.044715 g^3))), as torch computes it, through tanh8: the library's scalar tanh took a decode step's layer about
+// as long as its attention.
+void gelu_rows(const float* gp, int64_t r0, int64_t r1, int64_t f, float* yp) {
+  gate_rows(gp, r0, r1, f, yp, [](f8 g, f8 u) {
+    const float k0 = 0.7978845608028654f, k1 = 0.044715f;  // sqrt(2 / pi)
+    return 0.5f * g * (1.f + tanh8(k0 * (g + k1 * g * g * g))) * u;
+  });
+}
+
+// silu(gate) * up (SiLU: g / (1 + exp(-g)), as torch computes it) through exp_nonpositive8 of -|g|: e = exp(-|g|),
+// and silu(g) = g / (1 + e) for g >= 0, g e / (1 + e) below (neither side overflows). The library's scalar exp
+// took a tenth of a prompt's pass of the default model.
 void silu_rows(const float* gp, int64_t r0, int64_t r1, int64_t f, float* yp) {
-  for (int64_t r = r0; r < r1; ++r) {
-    const float *g_row = gp + r * 2 * f, *u_row = g_row + f;
-    float* y_row = yp + r * f;
-    for (int64_t i = 0; i < f; i += 8) {
-      const int64_t count = std::min<int64_t>(8, f - i);
-      f8 g, u;
-      load_part8(g_row + i, count, g);
-      load_part8(u_row + i, count, u);
-      const f8 e = exp_nonpositive8(g < 0.f ? g : -g);
-      store_part8(y_row + i, count, (g < 0.f ? g * e : g) / (1.f + e) * u);
-    }
-  }
+  gate_rows(gp, r0, r1, f, yp, [](f8 g, f8 u) {
+    const f8 e = exp_nonpositive8(g < 0.f ? g : -g);
+    return (g < 0.f ? g * e : g) / (1.f + e) * u;
+  });
 }
 
 // The weights exp(s - top) of eight scores s, the query's largest score top: exactly zero for a masked key (s

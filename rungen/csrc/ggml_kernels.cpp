@@ -1185,37 +1185,28 @@ using GateFn = void (*)(const float*, int64_t, int64_t, int64_t, float*);
 GateFn gelu_fn() { return current_isa >= AVX2 ? avx2::gelu_rows : scalar::gelu_rows; }
 GateFn silu_fn() { return current_isa >= AVX2 ? avx2::silu_rows : scalar::silu_rows; }
 
-// silu(gate) * up, from the fused gate/up product [rows, 2 * f] (gate first), rows spread over the threads.
-void silu_mul_rows(const float* gp, int64_t rows, int64_t f, float* yp) {
-  const GateFn fn = silu_fn();
-  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(f, 1)),
+// A gate (silu_fn's or gelu_fn's) over the fused gate/up product [rows, 2 * f] (gate first) into [rows, f], the rows
+// spread over the threads, a task about `work` values (the GELU's tanh costs more a value than the SiLU's exp).
+void gate_mul_rows(GateFn fn, int64_t work, const float* gp, int64_t rows, int64_t f, float* yp) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, work / std::max<int64_t>(f, 1)),
                    [&](int64_t r0, int64_t r1) { fn(gp, r0, r1, f, yp); });
 }
 
-at::Tensor silu_mul(const at::Tensor& gu_in) {
+constexpr int64_t SILU_WORK = 16384, GELU_WORK = 65536;
+
+at::Tensor gate_mul(const at::Tensor& gu_in, GateFn fn, int64_t work) {
   const at::Tensor gu = gu_in.to(at::kFloat).contiguous();
   const int64_t f = gu.size(-1) / 2, rows = gu.numel() / std::max<int64_t>(2 * f, 1);
   std::vector<int64_t> shape(gu.sizes().begin(), gu.sizes().end());
   shape.back() = f;
   at::Tensor y = at::empty(shape, gu.options());
-  silu_mul_rows(gu.data_ptr<float>(), rows, f, y.data_ptr<float>());
+  gate_mul_rows(fn, work, gu.data_ptr<float>(), rows, f, y.data_ptr<float>());
   return y;
 }
 
-at::Tensor gelu_tanh_mul(const at::Tensor& gu_in) {
-  const at::Tensor gu = gu_in.to(at::kFloat).contiguous();
-  const int64_t f = gu.size(-1) / 2, rows = gu.numel() / std::max<int64_t>(2 * f, 1);
-  std::vector<int64_t> shape(gu.sizes().begin(), gu.sizes().end());
-  shape.back() = f;
-  at::Tensor y = at::empty(shape, gu.options());
-  const float* gp = gu.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const GateFn fn = gelu_fn();
-  at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / std::max<int64_t>(f, 1)), [&](int64_t r0, int64_t r1) {
-    fn(gp, r0, r1, f, yp);
-  });
-  return y;
-}
+at::Tensor silu_mul(const at::Tensor& gu) { return gate_mul(gu, silu_fn(), SILU_WORK); }
+
+at::Tensor gelu_tanh_mul(const at::Tensor& gu) { return gate_mul(gu, gelu_fn(), GELU_WORK); }
 
 // attend's mask as the kernel reads it: bool or additive float [b, 1, t, T], or none (causal).
 struct AttendMask {
@@ -1433,14 +1424,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decoder
     // A layer narrower than the widest (models whose MLP width varies) uses the start of the buffers.
     const at::Tensor act_i = width == ffn ? act : act.view({-1}).narrow(0, 0, n * width).view({n, width});
     mm_parts_into(x, gate_up_of(i), gate_up_types(i), features, gu.data_ptr<float>());
-    if (gelu) {
-      const float* gp = gu.data_ptr<float>();
-      float* ap = act_i.data_ptr<float>();
-      at::parallel_for(0, n, std::max<int64_t>(1, 65536 / std::max<int64_t>(width, 1)),
-                       [&](int64_t r0, int64_t r1) { gelu_fn()(gp, r0, r1, width, ap); });
-    } else {
-      silu_mul_rows(gu.data_ptr<float>(), n, width, act_i.data_ptr<float>());
-    }
+    gate_mul_rows(gelu ? gelu_fn() : silu_fn(), gelu ? GELU_WORK : SILU_WORK, gu.data_ptr<float>(), n, width,
+                  act_i.data_ptr<float>());
     mm_into(act_i, down[i], types[down_type], width, pp);
     out_norm(mlp_out_norms, i, pp);
     for (int64_t j = 0; j < n * features; ++j) hp[j] += pp[j];
