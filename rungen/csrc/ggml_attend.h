@@ -173,7 +173,6 @@ struct FlushSubnormals {
 };
 
 // Each query of [p0, p1) (q enumerated in [b, heads, t] order), in blocks of ATTEND_BLOCK (ggml_kernels.cpp).
-
 void attend_queries(const AttendJob& job, int64_t p0, int64_t p1, float* wp) {
   const FlushSubnormals flush;
   const float *qp = job.q, *kp = job.k, *vp = job.v;

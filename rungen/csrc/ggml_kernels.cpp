@@ -1143,8 +1143,7 @@ std::vector<at::Tensor> rope_split(const at::Tensor& qkv_in, const at::Tensor& c
 // attention kernels block the keys differently once padding shifts them, which moves the last bits). A query
 // that sees no key gives zeros, where softmax would give NaN.
 
-// Each query of [p0, p1) (q enumerated in [b, heads, t] order): see attend above; ggml_attend.h's
-// attend_queries takes them.
+// What ggml_attend.h's attend_queries reads: the tensors of attend above, their shapes and strides, its options.
 struct AttendJob {
   const float *q, *k, *v;
   const bool* mask_bool;
