@@ -143,25 +143,27 @@ void gelu_rows(const float* gp, int64_t r0, int64_t r1, int64_t f, float* yp) {
   });
 }
 
-// silu(gate) * up (SiLU: g / (1 + exp(-g)), as torch computes it) through exp_nonpositive8 of -|g|: e = exp(-|g|),
-// and silu(g) = g / (1 + e) for g >= 0, g e / (1 + e) below (neither side overflows). The library's scalar exp
-// took a tenth of a prompt's pass of the default model.
+// exp(x) for x <= 0, exactly zero below -87.3, where exp_nonpositive8 clamps to e^-87.3 (1.2e-38, the least normal
+// float) and float32's own exp is subnormal or zero.
+static inline f8 exp_or_zero8(f8 x) { return x < -87.3f ? f8{} : exp_nonpositive8(x); }
+
+// silu(gate) * up (SiLU: g / (1 + exp(-g)), as torch computes it) through exp_or_zero8 of -|g|: e = exp(-|g|),
+// and silu(g) = g / (1 + e) for g >= 0, g e / (1 + e) below (neither side overflows; a gate below -87.3 gives
+// zero, as torch's does, not g times the clamped e). The library's scalar exp took a tenth of a prompt's pass of
+// the default model.
 void silu_rows(const float* gp, int64_t r0, int64_t r1, int64_t f, float* yp) {
   gate_rows(gp, r0, r1, f, yp, [](f8 g, f8 u) {
-    const f8 e = exp_nonpositive8(g < 0.f ? g : -g);
+    const f8 e = exp_or_zero8(g < 0.f ? g : -g);
     return (g < 0.f ? g * e : g) / (1.f + e) * u;
   });
 }
 
 // The weights exp(s - top) of eight scores s, the query's largest score top: exactly zero for a masked key (s
-// -inf) and for one more than 87.3 below the top, whose weight exp_nonpositive8 would clamp to e^-87.3 (1.2e-38,
-// the least normal float): it adds nothing to the sum (at least 1, the top key's own weight), and the values then
-// skip it. Weights at the edge of float's range made the value products subnormal, each a microcode assist: a
-// head that gives one key (an attention sink) scores far above the rest ran 30 times as slow.
-static inline f8 weight8(f8 x, float top) {
-  const f8 z = x - top;
-  return z < -87.3f ? f8{} : exp_nonpositive8(z);
-}
+// -inf) and for one more than 87.3 below the top (exp_or_zero8): it adds nothing to the sum (at least 1, the top
+// key's own weight), and the values then skip it. Weights at the edge of float's range made the value products
+// subnormal, each a microcode assist: a head that gives one key (an attention sink) scores far above the rest
+// ran 30 times as slow.
+static inline f8 weight8(f8 x, float top) { return exp_or_zero8(x - top); }
 
 // While it lives, float arithmetic on this thread takes subnormal inputs and results as zero (MXCSR's DAZ and FTZ
 // bits), as it then does in both builds alike: a weight near e^-87 times a small value is subnormal, and each such

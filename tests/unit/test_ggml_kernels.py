@@ -548,6 +548,10 @@ def test_silu_gate_is_torchs_and_a_row_gets_the_same_bits_alone_and_among_others
     assert torch.isfinite(gated).all()
     for row in range(gate_up.shape[0]):
         assert torch.equal(torch.ops.rungen_ggml.silu_mul(gate_up[row:row + 1]), gated[row:row + 1])
+    # Gates far below zero (past where exp underflows) give torch's zeros, also against a huge up.
+    far = torch.tensor([[-90.0, -200.0, -1e30, 3.0, 1e30, 1e30, 1e30, 2.0]])
+    torch.testing.assert_close(torch.ops.rungen_ggml.silu_mul(far),
+                               torch.nn.functional.silu(far[:, :4]) * far[:, 4:], rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("isa", ["avx512vnni", "avx2", "scalar"])
