@@ -12,7 +12,8 @@
 // 16 tokens x 16 rows, and each token's row of them is scaled and added as x16_group's: the same integers, the
 // same float operations in the same order, so the same bits as every other path. The integer scales of Q4_K,
 // Q5_K, IQ4_XS and Q6_K multiply in float (the block's weighted sum is an integer below 2^24, which float
-// holds exactly: the same value as the VNNI kernels' integer product, in fewer instructions).
+// holds exactly: the same value as the VNNI kernels' integer product, in fewer instructions). Q3_K's scales go
+// into its codes instead (q3k_fold), so its blocks take one product each and no float scaling.
 
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-int8")
@@ -36,16 +37,25 @@ struct alignas(64) AmxBlock {
   __m512 d, m, sc0, sc1;
 };
 
-// The types that take the tiles: every interleaved one but Q3_K, whose VNNI kernel (its blocks unpacked once, the
-// scales applied by dpwssd) measured faster than the tiles' float scaling of its halves (docs/kernels.md).
-constexpr bool amx_type(int64_t t) { return t != Q3_K; }
-
-// Whether a type's codes go to the tiles signed (Q8_0, IQ4, Q6_K's q - 32) or unsigned, whether its integer sums
-// are weighted per half block (Q6_K) or per block (Q4_K, Q5_K, IQ4_XS), and whether it has offsets m.
-constexpr bool amx_signed(int64_t t) { return t == Q8_0 || t == IQ4_NL || t == IQ4_XS || t == Q6_K; }
+// Whether a type's codes go to the tiles signed (Q8_0, IQ4, Q6_K's q - 32, Q3_K's scaled codes) or unsigned,
+// whether its integer sums are weighted per half block (Q6_K) or per block (Q4_K, Q5_K, IQ4_XS), and whether it
+// has offsets m.
+constexpr bool amx_signed(int64_t t) { return t == Q8_0 || t == IQ4_NL || t == IQ4_XS || t == Q6_K || t == Q3_K; }
 constexpr bool amx_halves(int64_t t) { return t == Q6_K; }
 constexpr bool amx_scaled(int64_t t) { return t == Q4_K || t == Q5_K || t == IQ4_XS; }
 constexpr bool amx_offset(int64_t t) { return !amx_signed(t); }
+
+// Q3_K's codes w (q = 0..7, four a lane as q3kx16_unpack leaves them) times minus their half's scale sc (-32..31,
+// a lane's row): -(q - 4) sc lies in -128..124, so it fits a signed byte where (q - 4) sc (up to 128) would not.
+// The tiles then sum minus the VNNI kernel's integer dot exactly, and amx_unpack negates d to match: the float
+// product of the two negations is the same number.
+static inline __m512i q3k_fold(__m512i w, __m512i sc) {
+  const __m512i c = _mm512_sub_epi8(w, _mm512_set1_epi8(4)), neg = _mm512_sub_epi32(_mm512_setzero_si512(), sc);
+  const __m512i neg16 = _mm512_or_si512(_mm512_and_si512(neg, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(neg, 16));
+  const __m512i even = _mm512_mullo_epi16(_mm512_srai_epi16(_mm512_slli_epi16(c, 8), 8), neg16);
+  const __m512i odd = _mm512_mullo_epi16(_mm512_srai_epi16(c, 8), neg16);
+  return _mm512_mask_blend_epi8(0xAAAAAAAAAAAAAAAAull, even, _mm512_slli_epi16(odd, 8));
+}
 
 // Block b of the pair of groups at `group` (the second pitch bytes on) into `out`.
 template <int64_t BASE>
@@ -73,6 +83,17 @@ static void amx_unpack(const uint8_t* group, int64_t pitch, int64_t b, AmxBlock&
                   _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)kvalues_iq4nl)), w);
     d = pair_halves(p, pitch);
     if (XS) sc0 = pair_lanes_s8(p + 16 + 8 * (b % 8), pitch);
+  } else if constexpr (BASE == Q3_K) {
+    const int64_t j = b % 8;
+    const uint8_t* p = group + (b / 8) * 912;
+    Q3kBlock16 u;
+    q3kx16_unpack(p, pitch, j, u);
+    const __m512i s0 = pair_lanes_s8(p + 16 + 16 * j, pitch), s1 = pair_lanes_s8(p + 24 + 16 * j, pitch);
+    for (int k = 0; k < 4; ++k) {
+      w[k] = q3k_fold(u.w[k], s0);
+      w[4 + k] = q3k_fold(u.w[4 + k], s1);
+    }
+    d = _mm512_sub_ps(_mm512_setzero_ps(), pair_halves(p, pitch));
   } else {
     static_assert(BASE == Q4_K || BASE == Q5_K || BASE == Q6_K);
     const int64_t j = b % 8;
