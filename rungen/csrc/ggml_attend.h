@@ -174,6 +174,24 @@ struct FlushSubnormals {
   ~FlushSubnormals() { _mm_setcsr(saved); }
 };
 
+// One query's weighted values of keys [jw, j1) added to o, NV vectors of 8 dimensions (o's and each value row's
+// first 8 NV): the sums stay in registers across the keys (o read and written once, not once a key), each
+// dimension's sum key after key in the same order as one dimension at a time. Zero weights (masked or
+// underflowed keys) are skipped, so padding leaves no trace.
+template <int NV>
+static inline void add_values(const float* w, float inv, const float* v, int64_t v_key, int64_t jw, int64_t j1,
+                              float* o) {
+  f8 acc[NV];
+  std::memcpy(acc, o, sizeof(acc));
+  for (int64_t j = jw; j < j1; ++j) {
+    if (w[j] == 0.f) continue;
+    const float a = w[j] * inv;
+    const float* vj = v + j * v_key;
+    for (int d = 0; d < NV; ++d) acc[d] += a * load8(vj + 8 * d);
+  }
+  std::memcpy(o, acc, sizeof(acc));
+}
+
 // Each query of [p0, p1) (q enumerated in [b, heads, t] order), in blocks of ATTEND_BLOCK (ggml_kernels.cpp).
 void attend_queries(const AttendJob& job, int64_t p0, int64_t p1, float* wp) {
   const FlushSubnormals flush;
@@ -275,16 +293,17 @@ void attend_queries(const AttendJob& job, int64_t p0, int64_t p1, float* wp) {
         float* o = outs[n];
         const int64_t j1 = std::min(j0 + VALUE_BLOCK, lasts[n]), jw = std::max(j0, firsts[n]);
         if (jw >= j1) continue;
-        if (dim == 64) {  // the usual head size: the sums in registers across the group of keys
-          f8 acc[8];
-          std::memcpy(acc, o, sizeof(acc));
-          for (int64_t j = jw; j < j1; ++j) {
-            if (w[j] == 0.f) continue;
-            const float a = w[j] * inv;
-            const float* vj = vh + j * job.v_key;
-            for (int d = 0; d < 8; ++d) acc[d] += a * load8(vj + 8 * d);
+        if (dim % 8 == 0) {  // 64 dimensions at a time, their sums in registers across the group of keys
+          for (int64_t d0 = 0; d0 < dim; d0 += 64) {
+            const float* vd = vh + d0;
+            switch (std::min<int64_t>(8, (dim - d0) / 8)) {
+              case 8: add_values<8>(w, inv, vd, job.v_key, jw, j1, o + d0); break;
+              case 4: add_values<4>(w, inv, vd, job.v_key, jw, j1, o + d0); break;
+              case 2: add_values<2>(w, inv, vd, job.v_key, jw, j1, o + d0); break;
+              default:  // 1, 3, 5, 6, 7 vectors: one at a time
+                for (int64_t d = d0; d < dim; d += 8) add_values<1>(w, inv, vh + d, job.v_key, jw, j1, o + d);
+            }
           }
-          std::memcpy(o, acc, sizeof(acc));
           continue;
         }
         for (int64_t j = jw; j < j1; ++j) {

@@ -417,7 +417,7 @@ def test_failed_build_falls_back_with_one_line(monkeypatch, capfd):
     assert err.count("\n") == 1 and "could not be built" in err and "g++: not found" in err
 
 
-@pytest.mark.parametrize("dim", [64, 48])
+@pytest.mark.parametrize("dim", [64, 48, 128, 96])  # the default model's, odd, qwen3's and llama 3's, phi3's
 def test_attention_over_many_keys_is_softmax_attention_and_the_same_bits_alone_and_padded(dim):
     """One query alone and left-padded beside another row; several queries under the causal default and under
     the same mask given: softmax attention, and the same bits whichever way the keys are grouped."""
@@ -557,14 +557,14 @@ def test_silu_gate_is_torchs_and_a_row_gets_the_same_bits_alone_and_among_others
 @pytest.mark.parametrize("isa", ["avx512vnni", "avx2", "scalar"])
 def test_attention_and_gates_give_the_same_bits_on_every_code_path(isa, each_isa):
     """The attention and the gates compiled for AVX2 and for the baseline (the code path in use picks one): the same
-    bits on either, under the causal default, a boolean mask, gemma2's soft cap and a window, at head sizes 64 (its
-    own loop) and 48."""
+    bits on either, under the causal default, a boolean mask, gemma2's soft cap and a window, at head sizes 64, 48,
+    96 and 256 (the values' sums in registers 64 dimensions at a time, and the rest)."""
     if isa not in isas():
         pytest.skip(f"this CPU does not run {isa}")
     torch.manual_seed(13)
     heads, kv, keys, tokens = 4, 2, 45, 6
     cases = []
-    for dim in (64, 48):
+    for dim in (64, 48, 96, 256):
         q, k, v = torch.randn(1, heads, tokens, dim), torch.randn(1, kv, keys, dim) * 2, torch.randn(1, kv, keys, dim)
         mask = torch.ones(1, 1, tokens, keys, dtype=torch.bool).tril(keys - tokens)
         mask[..., :3] = False
