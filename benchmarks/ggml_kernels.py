@@ -16,7 +16,8 @@ random blocks with valid scales, as the default model has none; the kernels' spe
 --attention times rungen_ggml.attend over a 512-token prompt in the default model's heads (9 over 3 key/value
 heads of 64) beside torch's scaled_dot_product_attention, for three kinds of scores: random (N(0, 1)), one key
 scored far above the rest (an attention sink: the others' weights below e^-87, at the end of float's normal range),
-and scores spread evenly down to 100 below the top.
+and scores spread evenly down to 100 below the top; then random scores in the heads of the other families'
+published shapes (qwen3-1.7B's 16 over 8 of 128, gemma-3-1b's 4 over 1 of 256, Phi-3-mini's 32 over 32 of 96).
 """
 
 import argparse
@@ -107,6 +108,23 @@ def attention_rows(repeats):
         print(f"| {name} | {ours * 1e3:.1f} | {theirs * 1e3:.1f} | {theirs / ours:.2f}x |")
 
 
+# (name, heads, key/value heads, head size) of the families' published shapes beside the default model's.
+HEAD_SHAPES = (("qwen3 1.7B", 16, 8, 128), ("gemma3 1B", 4, 1, 256), ("phi3 3.8B", 32, 32, 96))
+
+
+def head_shape_rows(repeats):
+    """Prints attend's and torch's milliseconds for a 512-token prompt of random scores in each of HEAD_SHAPES."""
+    for name, heads, kv, dim in HEAD_SHAPES:
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, h, 512, dim, generator=g) for h in (heads, kv, kv))
+        ours, theirs = interleaved([
+            functools.partial(torch.ops.rungen_ggml.attend, q, k, v, None, dim ** -0.5),
+            functools.partial(torch.nn.functional.scaled_dot_product_attention, q, k, v, is_causal=True,
+                              enable_gqa=True, scale=dim ** -0.5)], repeats)
+        print(f"| {name}: {heads} heads over {kv} of {dim} | {ours * 1e3:.1f} | {theirs * 1e3:.1f} | "
+              f"{theirs / ours:.2f}x |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -184,6 +202,7 @@ def main():
             print("| scores (512-token prompt, 9 heads over 3) | attend ms | torch sdpa ms | torch / attend |")
             print("| --- | ---: | ---: | ---: |")
             attention_rows(max(10, args.repeats // 20))
+            head_shape_rows(max(10, args.repeats // 20))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
-// The attention and the MLP gates of the decoder layers (see attend in ggml_kernels.cpp): included twice by
-// ggml_kernels.cpp, in namespace avx2 compiled for AVX2 and in namespace scalar for the baseline, and chosen by the
-// code path in use (current_isa). Both do the same operations in the same order, no multiply-add fused (the file
-// is compiled with -ffp-contract=off), so they give the same bits. Fusing the scores' and the values' multiply-adds
+// The attention and the MLP gates of the decoder layers (see attend in ggml_kernels.cpp): included three times by
+// ggml_kernels.cpp, in namespace avx512 compiled for AVX-512 (ATTEND_WIDE: two queries' scores and sixteen value
+// sums a register), avx2 for AVX2 and scalar for the baseline, and chosen by the code path in use (current_isa).
+// All do the same operations in the same order, lane by lane, no multiply-add fused (the file is compiled with
+// -ffp-contract=off), so they give the same bits. Fusing the scores' and the values' multiply-adds
 // made a 512-token prompt's attention no faster on an AVX-512 Xeon, and moved its last bits, which the
 // activations' 8-bit rounding amplifies.
 
@@ -56,12 +57,9 @@ static inline f8 pair_sums(f8 a, f8 b) {  // [a0+a1, a2+a3, b0+b1, b2+b3, a4+a5,
          __builtin_shuffle(a, b, i8v{1, 3, 9, 11, 5, 7, 13, 15});
 }
 
-static inline f8 dot64x8(const float* a, const float* b, int64_t stride, int64_t n) {
-  f8 acc[8] = {};
-  for (int64_t i = 0; i < n; i += 8) {
-    const f8 x = load8(a + i);
-    for (int key = 0; key < 8; ++key) acc[key] += x * load8(b + key * stride + i);
-  }
+// dot64x8's sums of eight keys' lanes (acc[k] lane l: key k's products of dimensions l mod 8), reduced to one
+// vector of the eight keys' dot products.
+static inline f8 key_sums(const f8* acc) {
   // Lane l of key k: c_k[l]. After two rounds, lane k of `low` (k < 4) holds (c_k[0]+c_k[1]) + (c_k[2]+c_k[3])
   // and lane k of `high` (c_k[4]+c_k[5]) + (c_k[6]+c_k[7]); keys 4..7 in lanes 4..7 likewise.
   const f8 q0123 = pair_sums(pair_sums(acc[0], acc[1]), pair_sums(acc[2], acc[3]));
@@ -70,6 +68,38 @@ static inline f8 dot64x8(const float* a, const float* b, int64_t stride, int64_t
   const f8 high = __builtin_shuffle(q0123, q4567, i8v{4, 5, 6, 7, 12, 13, 14, 15});
   return low + high + f8{};  // + 0, as dot64's tail: -0 becomes +0 alike
 }
+
+static inline f8 dot64x8(const float* a, const float* b, int64_t stride, int64_t n) {
+  f8 acc[8] = {};
+  for (int64_t i = 0; i < n; i += 8) {
+    const f8 x = load8(a + i);
+    for (int key = 0; key < 8; ++key) acc[key] += x * load8(b + key * stride + i);
+  }
+  return key_sums(acc);
+}
+
+#ifdef ATTEND_WIDE
+// dot64x8 of two queries a and a2 against the same eight keys, in one 512-bit register: a's lanes in its low half,
+// a2's in its high half, each key's eight floats loaded once for both. Each half's arithmetic is dot64x8's, so
+// each query gets its bits alone.
+static inline void dot64x8_two(const float* a, const float* a2, const float* b, int64_t stride, int64_t n, f8& out,
+                               f8& out2) {
+  __m512 acc[8];
+  for (int key = 0; key < 8; ++key) acc[key] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m512 x = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a + i)), _mm256_loadu_ps(a2 + i), 1);
+    for (int key = 0; key < 8; ++key)
+      acc[key] = _mm512_add_ps(acc[key], _mm512_mul_ps(x, _mm512_broadcast_f32x8(_mm256_loadu_ps(b + key * stride + i))));
+  }
+  f8 low[8], high[8];
+  for (int key = 0; key < 8; ++key) {
+    low[key] = (f8)_mm512_castps512_ps256(acc[key]);
+    high[key] = (f8)_mm512_extractf32x8_ps(acc[key], 1);
+  }
+  out = key_sums(low);
+  out2 = key_sums(high);
+}
+#endif
 
 // exp(x) for x <= 0 of eight values at once (Cephes' expf: range reduction by ln 2, a degree-6 polynomial;
 // relative error about 1e-7), without branches or library calls: a prompt's attention takes an exp per query
@@ -174,22 +204,52 @@ struct FlushSubnormals {
   ~FlushSubnormals() { _mm_setcsr(saved); }
 };
 
-// One query's weighted values of keys [jw, j1) added to o, NV vectors of 8 dimensions (o's and each value row's
-// first 8 NV): the sums stay in registers across the keys (o read and written once, not once a key), each
-// dimension's sum key after key in the same order as one dimension at a time. Zero weights (masked or
-// underflowed keys) are skipped, so padding leaves no trace.
-template <int NV>
+// The values' sums: sixteen floats a vector in the AVX-512 build (ATTEND_WIDE), eight in the others. Each
+// dimension's sum is its own lane's, so the width changes no bit, only how many instructions a key takes.
+#ifdef ATTEND_WIDE
+typedef float fv __attribute__((vector_size(64)));
+#else
+typedef f8 fv;
+#endif
+constexpr int FV = sizeof(fv) / sizeof(float);
+
+// One query's weighted values of keys [jw, j1) added to o, NV vectors V (o's and each value row's first dimensions):
+// the sums stay in registers across the keys (o read and written once, not once a key), each dimension's sum key
+// after key in the same order as one dimension at a time. Zero weights (masked or underflowed keys) are skipped,
+// so padding leaves no trace.
+template <class V, int NV>
 static inline void add_values(const float* w, float inv, const float* v, int64_t v_key, int64_t jw, int64_t j1,
                               float* o) {
-  f8 acc[NV];
+  V acc[NV];
   std::memcpy(acc, o, sizeof(acc));
   for (int64_t j = jw; j < j1; ++j) {
     if (w[j] == 0.f) continue;
     const float a = w[j] * inv;
     const float* vj = v + j * v_key;
-    for (int d = 0; d < NV; ++d) acc[d] += a * load8(vj + 8 * d);
+    for (int d = 0; d < NV; ++d) {
+      V x;
+      std::memcpy(&x, vj + d * (sizeof(V) / sizeof(float)), sizeof(x));
+      acc[d] += a * x;
+    }
   }
   std::memcpy(o, acc, sizeof(acc));
+}
+
+// add_values over a head of dim (a multiple of 8) dimensions: 64 at a time (the sums fill eight AVX2 registers),
+// then 32, 16 and 8.
+static inline void add_head_values(const float* w, float inv, const float* v, int64_t v_key, int64_t jw, int64_t j1,
+                                   int64_t dim, float* o) {
+  int64_t d = 0;
+  for (; d + 64 <= dim; d += 64) add_values<fv, 64 / FV>(w, inv, v + d, v_key, jw, j1, o + d);
+  if (d + 32 <= dim) {
+    add_values<fv, 32 / FV>(w, inv, v + d, v_key, jw, j1, o + d);
+    d += 32;
+  }
+  if (d + 16 <= dim) {
+    add_values<fv, 16 / FV>(w, inv, v + d, v_key, jw, j1, o + d);
+    d += 16;
+  }
+  if (d < dim) add_values<f8, 1>(w, inv, v + d, v_key, jw, j1, o + d);
 }
 
 // Each query of [p0, p1) (q enumerated in [b, heads, t] order), in blocks of ATTEND_BLOCK (ggml_kernels.cpp).
@@ -227,13 +287,26 @@ void attend_queries(const AttendJob& job, int64_t p0, int64_t p1, float* wp) {
     // Scores: eight keys at a time, for every query of the block that sees all eight and has no boolean mask.
     if (!mb && dim % 8 == 0) {
       for (int64_t j = 0; j + 8 <= most; j += 8) {
-        for (int64_t n = 0; n < nq; ++n) {
-          if (j + 8 > lasts[n] || j < firsts[n]) continue;
-          f8 scores = dot64x8(qp + (pb + n) * dim, kh + j * job.k_key, job.k_key, dim) * scale;
+        const float* keys = kh + j * job.k_key;
+        auto keep = [&](int64_t n, f8 dots) {
+          f8 scores = dots * scale;
           if (cap > 0.f) scores = softcap8(scores, cap);
           if (mf) scores += load8(mf + rows[n] + j);
           store8(wp + n * T + j, scores);
           tops8[n] = tops8[n] < scores ? scores : tops8[n];
+        };
+        for (int64_t n = 0; n < nq; ++n) {
+          if (j + 8 > lasts[n] || j < firsts[n]) continue;
+#ifdef ATTEND_WIDE
+          if (n + 1 < nq && j + 8 <= lasts[n + 1] && j >= firsts[n + 1]) {  // the next query too: both at once
+            f8 dots, dots2;
+            dot64x8_two(qp + (pb + n) * dim, qp + (pb + n + 1) * dim, keys, job.k_key, dim, dots, dots2);
+            keep(n, dots);
+            keep(++n, dots2);
+            continue;
+          }
+#endif
+          keep(n, dot64x8(qp + (pb + n) * dim, keys, job.k_key, dim));
         }
       }
     }
@@ -293,17 +366,8 @@ void attend_queries(const AttendJob& job, int64_t p0, int64_t p1, float* wp) {
         float* o = outs[n];
         const int64_t j1 = std::min(j0 + VALUE_BLOCK, lasts[n]), jw = std::max(j0, firsts[n]);
         if (jw >= j1) continue;
-        if (dim % 8 == 0) {  // 64 dimensions at a time, their sums in registers across the group of keys
-          for (int64_t d0 = 0; d0 < dim; d0 += 64) {
-            const float* vd = vh + d0;
-            switch (std::min<int64_t>(8, (dim - d0) / 8)) {
-              case 8: add_values<8>(w, inv, vd, job.v_key, jw, j1, o + d0); break;
-              case 4: add_values<4>(w, inv, vd, job.v_key, jw, j1, o + d0); break;
-              case 2: add_values<2>(w, inv, vd, job.v_key, jw, j1, o + d0); break;
-              default:  // 1, 3, 5, 6, 7 vectors: one at a time
-                for (int64_t d = d0; d < dim; d += 8) add_values<1>(w, inv, vh + d, job.v_key, jw, j1, o + d);
-            }
-          }
+        if (dim % 8 == 0) {
+          add_head_values(w, inv, vh, job.v_key, jw, j1, dim, o);
           continue;
         }
         for (int64_t j = jw; j < j1; ++j) {
