@@ -283,12 +283,24 @@ def command():
     interpreter's shutdown does not walk them all again (about a second of CPU, docs/performance.md#start-up)
     and the operating system takes them. Objects still free as their last reference goes (files close,
     buffers flush) and atexit handlers run; only reference cycles among frozen objects are not collected.
-    Not in cli(): a caller in the same process (tests, a notebook) keeps its collector as it is."""
+    Not in cli(): a caller in the same process (tests, a notebook) keeps its collector as it is.
+
+    A process that a launcher started among others ends at once after cli(), with cli()'s exit code
+    (processes.end_launched_process: their native teardown could abort it)."""
     gc.freeze()
+    if not processes.launched():
+        try:
+            cli()
+        finally:
+            gc.freeze()
+        return
+    processes.exit_follows = True
     try:
         cli()
-    finally:
-        gc.freeze()
+        code = 0
+    except SystemExit as exit:
+        code = exit.code if isinstance(exit.code, int) else 0 if exit.code is None else 1
+    processes.end_launched_process(code)
 
 
 if __name__ == "__main__":
