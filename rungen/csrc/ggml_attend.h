@@ -87,14 +87,19 @@ static inline void dot64x8_two(const float* a, const float* a2, const float* b, 
   __m512 acc[8];
   for (int key = 0; key < 8; ++key) acc[key] = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 8) {
-    const __m512 x = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a + i)), _mm256_loadu_ps(a2 + i), 1);
-    for (int key = 0; key < 8; ++key)
-      acc[key] = _mm512_add_ps(acc[key], _mm512_mul_ps(x, _mm512_broadcast_f32x8(_mm256_loadu_ps(b + key * stride + i))));
+    // AVX-512 F's 64-bit forms of the 256-bit insert, broadcast and extract: the same bits moved, no DQ needed.
+    const __m512d low_half = _mm512_castpd256_pd512(_mm256_loadu_pd((const double*)(a + i)));
+    const __m512 x = _mm512_castpd_ps(_mm512_insertf64x4(low_half, _mm256_loadu_pd((const double*)(a2 + i)), 1));
+    for (int key = 0; key < 8; ++key) {
+      const __m256d key8 = _mm256_loadu_pd((const double*)(b + key * stride + i));
+      const __m512 k8 = _mm512_castpd_ps(_mm512_broadcast_f64x4(key8));
+      acc[key] = _mm512_add_ps(acc[key], _mm512_mul_ps(x, k8));
+    }
   }
   f8 low[8], high[8];
   for (int key = 0; key < 8; ++key) {
     low[key] = (f8)_mm512_castps512_ps256(acc[key]);
-    high[key] = (f8)_mm512_extractf32x8_ps(acc[key], 1);
+    high[key] = (f8)_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[key]), 1));
   }
   out = key_sums(low);
   out2 = key_sums(high);

@@ -1169,7 +1169,7 @@ constexpr int64_t VALUE_BLOCK = 32;  // keys whose value rows stay in L1 while t
 // registers), for AVX2 and for the baseline; the code path in use picks one (scalar: the baseline), so set_isa
 // reaches them as it reaches the products.
 #pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c,avx512f,avx512dq,avx512vl")
+#pragma GCC target("avx2,fma,f16c,avx512f")
 namespace avx512 {
 #define ATTEND_WIDE
 #include "ggml_attend.h"
