@@ -45,7 +45,7 @@ constexpr bool amx_halves(int64_t t) { return t == Q6_K; }
 constexpr bool amx_scaled(int64_t t) { return t == Q4_K || t == Q5_K || t == IQ4_XS; }
 constexpr bool amx_offset(int64_t t) { return !amx_signed(t); }
 
-// Q3_K's codes w (q = 0..7, four a lane as q3kx16_unpack leaves them) times minus their half's scale sc (-32..31,
+// Q3_K's codes w (q = 0..7, four a lane as q3kx16_codes leaves them) times minus their half's scale sc (-32..31,
 // a lane's row): -(q - 4) sc lies in -128..124, so it fits a signed byte where (q - 4) sc (up to 128) would not.
 // The tiles then sum minus the VNNI kernel's integer dot exactly, and amx_unpack negates d to match: the float
 // product of the two negations is the same number.
@@ -86,12 +86,11 @@ static void amx_unpack(const uint8_t* group, int64_t pitch, int64_t b, AmxBlock&
   } else if constexpr (BASE == Q3_K) {
     const int64_t j = b % 8;
     const uint8_t* p = group + (b / 8) * 912;
-    Q3kBlock16 u;
-    q3kx16_unpack(p, pitch, j, u);
+    q3kx16_codes(p, pitch, j, w);
     const __m512i s0 = pair_lanes_s8(p + 16 + 16 * j, pitch), s1 = pair_lanes_s8(p + 24 + 16 * j, pitch);
     for (int k = 0; k < 4; ++k) {
-      w[k] = q3k_fold(u.w[k], s0);
-      w[4 + k] = q3k_fold(u.w[4 + k], s1);
+      w[k] = q3k_fold(w[k], s0);
+      w[4 + k] = q3k_fold(w[4 + k], s1);
     }
     d = _mm512_sub_ps(_mm512_setzero_ps(), pair_halves(p, pitch));
   } else {

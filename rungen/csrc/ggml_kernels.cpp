@@ -1165,9 +1165,9 @@ struct AttendJob {
 constexpr int64_t ATTEND_BLOCK = 16;
 constexpr int64_t VALUE_BLOCK = 32;  // keys whose value rows stay in L1 while the block's queries add them
 
-// The attention's and the gates' loops (ggml_attend.h), compiled for AVX-512 (the attention's value sums in 512-bit
-// registers), for AVX2 and for the baseline; the code path in use picks one (scalar: the baseline), so set_isa
-// reaches them as it reaches the products.
+// The attention's and the gates' loops (ggml_attend.h), compiled for AVX-512 (two queries' scores and sixteen value
+// sums a 512-bit register), for AVX2 and for the baseline; the code path in use picks one (scalar: the baseline),
+// so set_isa reaches them as it reaches the products.
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f")
 namespace avx512 {
@@ -1188,7 +1188,8 @@ namespace scalar {
 
 using AttendFn = void (*)(const AttendJob&, int64_t, int64_t, float*);
 AttendFn attend_fn() {
-  return current_isa >= VNNI ? avx512::attend_queries : current_isa >= AVX2 ? avx2::attend_queries : scalar::attend_queries;
+  if (current_isa >= VNNI) return avx512::attend_queries;
+  return current_isa >= AVX2 ? avx2::attend_queries : scalar::attend_queries;
 }
 
 using GateFn = void (*)(const float*, int64_t, int64_t, int64_t, float*);

@@ -1232,7 +1232,9 @@ struct Q3kBlock16 {
   __m512i w[8], pair0, pair1, start;
 };
 
-static inline void q3kx16_unpack(const uint8_t* p, int64_t pitch, int64_t j, Q3kBlock16& u) {
+// Block j's codes (q = 0..7) of two groups' superblock p: w[k] codes 4k .. 4k + 3 of each row's lane, w[4 + k]
+// codes 16 + 4k .. 16 + 4k + 3 (the AMX path folds its scales into them: ggml_amx.h).
+static inline void q3kx16_codes(const uint8_t* p, int64_t pitch, int64_t j, __m512i* w) {
   const __m512i three = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4);
   const uint8_t* codes = p + 144 + 96 * j;
   const __m512i l0 = pair_load(codes, pitch), l1 = pair_load(codes + 32, pitch), h = pair_load(codes + 64, pitch);
@@ -1240,9 +1242,13 @@ static inline void q3kx16_unpack(const uint8_t* p, int64_t pitch, int64_t j, Q3k
     const __m512i hl = _mm512_and_si512(k < 3 ? _mm512_slli_epi32(h, 2 - k) : _mm512_srli_epi32(h, 1), four);
     const __m512i hh = _mm512_and_si512(_mm512_srli_epi32(h, 2 + k), four);
     const __m512i ll = k ? _mm512_srli_epi32(l0, 2 * k) : l0, lh = k ? _mm512_srli_epi32(l1, 2 * k) : l1;
-    u.w[k] = _mm512_ternarylogic_epi32(ll, hl, three, 0xEC);
-    u.w[4 + k] = _mm512_ternarylogic_epi32(lh, hh, three, 0xEC);
+    w[k] = _mm512_ternarylogic_epi32(ll, hl, three, 0xEC);
+    w[4 + k] = _mm512_ternarylogic_epi32(lh, hh, three, 0xEC);
   }
+}
+
+static inline void q3kx16_unpack(const uint8_t* p, int64_t pitch, int64_t j, Q3kBlock16& u) {
+  q3kx16_codes(p, pitch, j, u.w);
   const __m512i sc0 = pair_lanes_s8(p + 16 + 16 * j, pitch), sc1 = pair_lanes_s8(p + 24 + 16 * j, pitch);
   const __m512i low16 = _mm512_set1_epi32(0xFFFF), zero = _mm512_setzero_si512();
   u.pair0 = _mm512_or_si512(_mm512_and_si512(sc0, low16), _mm512_slli_epi32(_mm512_sub_epi32(zero, sc0), 18));
