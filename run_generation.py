@@ -298,8 +298,11 @@ def command():
     try:
         cli()
         code = 0
-    except SystemExit as exit:
-        code = exit.code if isinstance(exit.code, int) else 0 if exit.code is None else 1
+    except SystemExit as exit:  # as the interpreter ends on it: None is 0, an int itself, anything else printed and 1
+        code = 0 if exit.code is None else exit.code
+        if not isinstance(code, int):
+            print(code, file=sys.stderr)
+            code = 1
     processes.end_launched_process(code)
 
 

@@ -91,6 +91,15 @@ def interleaved(functions, repeats, rounds=5):
     return [statistics.median(r) for r in results]
 
 
+def attend_and_torch(q, k, v, repeats):
+    """Median seconds of attend and of torch's causal scaled_dot_product_attention on q, k, v, taking turns."""
+    scale = q.shape[-1] ** -0.5
+    return interleaved([
+        functools.partial(torch.ops.rungen_ggml.attend, q, k, v, None, scale),
+        functools.partial(torch.nn.functional.scaled_dot_product_attention, q, k, v, is_causal=True, enable_gqa=True,
+                          scale=scale)], repeats)
+
+
 def attention_rows(repeats):
     """Prints attend's and torch's milliseconds for a 512-token prompt under three kinds of scores."""
     tokens, dim = 512, 64
@@ -101,10 +110,7 @@ def attention_rows(repeats):
     spread_q, spread_k = q.clone(), k.clone()
     spread_q[..., 0], spread_k[..., 0] = 10.0, torch.linspace(-80.0, 0.0, tokens)  # scores down to -100
     for name, (qq, kk) in (("random", (q, k)), ("a sink", (sink_q, sink_k)), ("spread to -100", (spread_q, spread_k))):
-        ours, theirs = interleaved([
-            functools.partial(torch.ops.rungen_ggml.attend, qq, kk, v, None, dim ** -0.5),
-            functools.partial(torch.nn.functional.scaled_dot_product_attention, qq, kk, v, is_causal=True,
-                              enable_gqa=True, scale=dim ** -0.5)], repeats)
+        ours, theirs = attend_and_torch(qq, kk, v, repeats)
         print(f"| {name} | {ours * 1e3:.1f} | {theirs * 1e3:.1f} | {theirs / ours:.2f}x |")
 
 
@@ -117,10 +123,7 @@ def head_shape_rows(repeats):
     for name, heads, kv, dim in HEAD_SHAPES:
         g = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(1, h, 512, dim, generator=g) for h in (heads, kv, kv))
-        ours, theirs = interleaved([
-            functools.partial(torch.ops.rungen_ggml.attend, q, k, v, None, dim ** -0.5),
-            functools.partial(torch.nn.functional.scaled_dot_product_attention, q, k, v, is_causal=True,
-                              enable_gqa=True, scale=dim ** -0.5)], repeats)
+        ours, theirs = attend_and_torch(q, k, v, repeats)
         print(f"| {name}: {heads} heads over {kv} of {dim} | {ours * 1e3:.1f} | {theirs * 1e3:.1f} | "
               f"{theirs / ours:.2f}x |")
 

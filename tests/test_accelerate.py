@@ -65,15 +65,14 @@ def test_device_map_auto_offloads_and_keeps_the_greedy_text(tiny_models, capsys)
     assert run_generation.main(placed) == run_generation.main(base)
 
 
-
-
 class Ended(Exception):
     pass
 
 
 @pytest.mark.parametrize("outcome, code",
                          [(None, 0), (SystemExit(3), 3), (SystemExit(None), 0), (SystemExit("bad"), 1)])
-def test_a_launched_process_ends_at_once_with_its_exit_code_after_leaving_together(monkeypatch, outcome, code):
+def test_a_launched_process_ends_at_once_with_its_exit_code_after_leaving_together(monkeypatch, capsys, outcome,
+                                                                                  code):
     """A launched process leaves the group at the barrier and ends there (os._exit, its output flushed) with the
     code the command would have exited with: the group's native teardown had aborted such a process at exit."""
     from rungen import processes
@@ -105,6 +104,7 @@ def test_a_launched_process_ends_at_once_with_its_exit_code_after_leaving_togeth
     with pytest.raises(Ended):
         run_generation.command()
     assert calls == ["barrier", ("exit", code)]
+    assert capsys.readouterr().err == ("bad\n" if outcome is not None and outcome.code == "bad" else "")
     # Called as a library (main() in a process of its own making), the group is still torn down.
     monkeypatch.setattr(processes, "exit_follows", False)
     calls.clear()
