@@ -594,23 +594,15 @@ static inline __m256i scale_pairs(__m256i sc) {
 }
 
 // Sixteen codes of each lane (four of them in each 32-bit lane for activations x + 4k: w[k], unsigned) against
-// one token's activations, times the lane's scale. SIGNED (Q6_K's q - 32): w[k] holds |q - 32| and sign[k] the
-// signed codes, whose signs the activations take (on AVX2; VNNI's Q6_K subtracts its offset instead, kx8_group).
-template <bool SIGNED>
-static inline __m256i kx8_half(const __m256i* w, const __m256i* sign, const int8_t* x, __m256i sc) {
+// one token's activations, times the lane's scale (Q5_K's halves; Q6_K weighs its own, kx8_group).
+static inline __m256i kx8_half(const __m256i* w, const int8_t* x, __m256i sc) {
 #ifdef GGML_VNNI
   __m256i dot = _mm256_setzero_si256();
-  for (int k = 0; k < 4; ++k) {
-    const __m256i xs = broadcast4(x + 4 * k);
-    dot = _mm256_dpbusd_epi32(dot, w[k], SIGNED ? _mm256_sign_epi8(xs, sign[k]) : xs);
-  }
+  for (int k = 0; k < 4; ++k) dot = _mm256_dpbusd_epi32(dot, w[k], broadcast4(x + 4 * k));
   return _mm256_mullo_epi32(dot, sc);
 #else
   __m256i sum = _mm256_setzero_si256();
-  for (int k = 0; k < 4; ++k) {
-    const __m256i xs = broadcast4(x + 4 * k);
-    sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(w[k], SIGNED ? _mm256_sign_epi8(xs, sign[k]) : xs));
-  }
+  for (int k = 0; k < 4; ++k) sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(w[k], broadcast4(x + 4 * k)));
   return _mm256_madd_epi16(sum, scale_pairs(sc));
 #endif
 }
@@ -619,14 +611,17 @@ static inline __m256i kx8_half(const __m256i* w, const __m256i* sign, const int8
 // group's superblocks. Per block of 32, its codes are unpacked once for the NT tokens: four loads of nibbles
 // (codes i and 16 + i of each row's lane), Q5_K's fifth bits and Q6_K's two high bits shifted into place from
 // one or two more loads. The integer sum per row (Q4_K: eight maddubs pairs of at most 2 * 15 * 127 in int16,
-// weighted once; Q5_K: each half's four pairs of at most 2 * 31 * 127; Q6_K: each half's four of at most
-// 2 * 32 * 127, by its own scale; on VNNI Q6_K's unsigned codes, less 32 times the half's integer sum of
-// activations, xsum16) is exact, and then per block and token one multiply-add for eight rows,
+// weighted once; Q5_K: each half's four pairs of at most 2 * 31 * 127; Q6_K, VNNI build only (AVX2 takes
+// q6kx8_group): the unsigned codes by dpbusd, less 32 times the half's integer sum of activations, xsum16, each
+// half by its own scale) is exact, and then per block and token one multiply-add for eight rows,
 // and one more for the mins of Q4_K/Q5_K: the arithmetic x8_rows of the scalar path does row by row.
 template <int64_t BASE, int NT>
 static void kx8_group(const uint8_t* group, int64_t nsb, const int8_t* const* xq, const float* const* xd,
                       const float* const* xs, const int32_t* const* xsum16, float* const* out) {
   constexpr bool Q6 = BASE == Q6_K, Q5 = BASE == Q5_K;
+#ifndef GGML_VNNI
+  static_assert(!Q6, "AVX2's Q6_K is q6kx8_group's");
+#endif
   constexpr int64_t BYTES = Q6 ? 1680 : Q5 ? 1440 : 1184, BLOCK = Q6 ? 192 : Q5 ? 160 : 128, CODES = Q6 ? 144 : 160;
   const __m256i low = _mm256_set1_epi8(0x0F);
   __m256 acc[NT];
@@ -640,9 +635,6 @@ static void kx8_group(const uint8_t* group, int64_t nsb, const int8_t* const* xq
       const int64_t b = 8 * s + j;
       const uint8_t* nib = p + CODES + BLOCK * j;
       __m256i lo[4], hi[4];
-#ifndef GGML_VNNI
-      __m256i lo_abs[4], hi_abs[4];
-#endif
       for (int k = 0; k < 4; ++k) {
         const __m256i v = _mm256_loadu_si256((const __m256i*)(nib + 32 * k));
         lo[k] = _mm256_and_si256(v, low);
@@ -665,13 +657,6 @@ static void kx8_group(const uint8_t* group, int64_t nsb, const int8_t* const* xq
           const __m256i t1 = k < 2 ? _mm256_slli_epi32(h1, 4 - 2 * k) : _mm256_srli_epi32(h1, 2 * k - 4);
           lo[k] = _mm256_or_si256(lo[k], _mm256_and_si256(t0, bits));
           hi[k] = _mm256_or_si256(hi[k], _mm256_and_si256(t1, bits));
-#ifndef GGML_VNNI
-          const __m256i offset = _mm256_set1_epi8(32);
-          lo[k] = _mm256_sub_epi8(lo[k], offset);
-          hi[k] = _mm256_sub_epi8(hi[k], offset);
-          lo_abs[k] = _mm256_abs_epi8(lo[k]);
-          hi_abs[k] = _mm256_abs_epi8(hi[k]);
-#endif
         }
       }
       __m256i sc0, sc1;
@@ -707,11 +692,9 @@ static void kx8_group(const uint8_t* group, int64_t nsb, const int8_t* const* xq
           __m256i dot1 = _mm256_set1_epi32(-32 * xsum16[t][2 * b + 1]);
           dpbusd_block(dot0, dot1, lo, hi, x);
           dot = _mm256_add_epi32(_mm256_mullo_epi32(dot0, sc0), _mm256_mullo_epi32(dot1, sc1));
-#else
-          dot = _mm256_add_epi32(kx8_half<true>(lo_abs, lo, x, sc0), kx8_half<true>(hi_abs, hi, x + 16, sc1));
 #endif
         } else {
-          dot = _mm256_add_epi32(kx8_half<false>(lo, lo, x, sc0), kx8_half<false>(hi, hi, x + 16, sc1));
+          dot = _mm256_add_epi32(kx8_half(lo, x, sc0), kx8_half(hi, x + 16, sc1));
         }
         acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_broadcast_ss(xd[t] + b)), acc[t]);
         if (!Q6) acc[t] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xs[t] + b), acc[t]);
@@ -720,6 +703,64 @@ static void kx8_group(const uint8_t* group, int64_t nsb, const int8_t* const* xq
   }
   for (int t = 0; t < NT; ++t) _mm256_storeu_ps(out[t], acc[t]);
 }
+
+#ifndef GGML_VNNI
+// Q6_K on AVX2 (the VNNI build takes kx8_group): a half block of 16 columns at a time for the NT tokens, so that
+// a half's four code registers, its scales and the tokens' sums and accumulators fit the sixteen registers (a
+// whole block's eight code registers and their magnitudes spilled, and the loop was bound by the loads). The
+// codes unsigned (0..63) against the activations: two maddubs pairs (at most 2 x 2 x 63 x 127 = 32004) add in
+// int16 before the half's scale weighs them in madd; the offset, -32 times each half's scale times the token's
+// integer sum of that half's activations, is one madd of the token's two half sums (at most 16 x 127: int16)
+// against the lane's pair of -32 sc (at most 4096). The same integer as kx8_group's, so the same bits.
+template <int NT>
+static void q6kx8_group(const uint8_t* group, int64_t nsb, const int8_t* const* xq, const float* const* xd,
+                        const int32_t* const* xsum16, float* const* out) {
+  const __m256i low = _mm256_set1_epi8(0x0F), bits = _mm256_set1_epi8(0x30), word = _mm256_set1_epi32(0xFFFF);
+  __m256 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < nsb; ++s) {
+    const uint8_t* p = group + s * 1680;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+    for (int64_t j = 0; j < 8; ++j) {
+      const int64_t b = 8 * s + j;
+      const uint8_t* nib = p + 144 + 192 * j;
+      __m256i dot[NT];
+      {
+        const __m256i neg32 = _mm256_set1_epi32(-32);
+        const __m256i offset = _mm256_or_si256(
+            _mm256_and_si256(_mm256_mullo_epi16(lanes_s8(p + 16 + 16 * j), neg32), word),
+            _mm256_slli_epi32(_mm256_mullo_epi16(lanes_s8(p + 24 + 16 * j), neg32), 16));
+        for (int t = 0; t < NT; ++t) {
+          const __m128i sums = _mm_packs_epi32(_mm_loadl_epi64((const __m128i*)(xsum16[t] + 2 * b)), _mm_setzero_si128());
+          dot[t] = _mm256_madd_epi16(_mm256_broadcastd_epi32(sums), offset);
+        }
+      }
+      for (int h = 0; h < 2; ++h) {
+        const __m256i scale = scale_pairs(lanes_s8(p + 16 + 8 * h + 16 * j));
+        const __m256i high = _mm256_loadu_si256((const __m256i*)(nib + 128 + 32 * h));
+        __m256i w[4];
+        for (int k = 0; k < 4; ++k) {
+          const __m256i v = _mm256_loadu_si256((const __m256i*)(nib + 32 * k));
+          // Bits 2k, 2k + 1 of each byte of `high` to bits 4, 5 (masked after the shift: no bit of a neighbour stays).
+          const __m256i t = k < 2 ? _mm256_slli_epi32(high, 4 - 2 * k) : _mm256_srli_epi32(high, 2 * k - 4);
+          w[k] = _mm256_or_si256(_mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, low), _mm256_and_si256(t, bits));
+        }
+        for (int t = 0; t < NT; ++t) {
+          const int8_t* x = xq[t] + b * 32 + 16 * h;
+          const __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], broadcast4(x)),
+                                               _mm256_maddubs_epi16(w[1], broadcast4(x + 4)));
+          const __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(w[2], broadcast4(x + 8)),
+                                               _mm256_maddubs_epi16(w[3], broadcast4(x + 12)));
+          dot[t] = _mm256_add_epi32(dot[t], _mm256_add_epi32(_mm256_madd_epi16(s01, scale), _mm256_madd_epi16(s23, scale)));
+        }
+      }
+      for (int t = 0; t < NT; ++t)
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t]), _mm256_mul_ps(d, _mm256_broadcast_ss(xd[t] + b)), acc[t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) _mm256_storeu_ps(out[t], acc[t]);
+}
+#endif
 
 // IQ4_NL and IQ4_XS rows interleaved eight by eight (X8), against NT tokens a pass: per block of 32, four loads of
 // nibbles (codes i and 16 + i of each row's lane) looked up in the table by a byte shuffle, once for the NT tokens.
@@ -810,6 +851,10 @@ static int64_t x8_pass(const uint8_t* group, int64_t nb, const Act& a, int64_t k
       x8_group_iq4<BASE == IQ4_XS, NT>(group, nb, x.xq, x.xd, x.xsum, x.out);
     else if constexpr (BASE == Q5_0 || BASE == Q5_1)
       x8_group_q5<BASE == Q5_1, NT>(group, nb, x.xq, x.xd, x.xs, x.out);
+#ifndef GGML_VNNI
+    else if constexpr (BASE == Q6_K)
+      q6kx8_group<NT>(group, nb / 8, x.xq, x.xd, x.xsum16, x.out);
+#endif
     else if constexpr (BASE == Q4_K || BASE == Q5_K || BASE == Q6_K)
       kx8_group<BASE, NT>(group, nb / 8, x.xq, x.xd, x.xs, x.xsum16, x.out);
     else
