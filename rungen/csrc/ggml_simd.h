@@ -705,17 +705,53 @@ static void kx8_group(const uint8_t* group, int64_t nsb, const int8_t* const* xq
 }
 
 #ifndef GGML_VNNI
-// Q6_K on AVX2 (the VNNI build takes kx8_group): a half block of 16 columns at a time for the NT tokens, so that
-// a half's four code registers, its scales and the tokens' sums and accumulators fit the sixteen registers (a
-// whole block's eight code registers and their magnitudes spilled, and the loop was bound by the loads). The
-// codes unsigned (0..63) against the activations: two maddubs pairs (at most 2 x 2 x 63 x 127 = 32004) add in
-// int16 before the half's scale weighs them in madd; the offset, -32 times each half's scale times the token's
-// integer sum of that half's activations, is one madd of the token's two half sums (at most 16 x 127: int16)
-// against the lane's pair of -32 sc (at most 4096). The same integer as kx8_group's, so the same bits.
-template <int NT>
-static void q6kx8_group(const uint8_t* group, int64_t nsb, const int8_t* const* xq, const float* const* xd,
-                        const int32_t* const* xsum16, float* const* out) {
-  const __m256i low = _mm256_set1_epi8(0x0F), bits = _mm256_set1_epi8(0x30), word = _mm256_set1_epi32(0xFFFF);
+// Q6_K on AVX2 (the VNNI build takes kx8_group). A block of a group of eight rows, unpacked: w[k] (k < 4) codes
+// 4k .. 4k + 3 of each row's lane (0..63, unsigned), w[4 + k] codes 16 + 4k .. 16 + 4k + 3; pair0/pair1 the two
+// halves' scales in both int16 of a lane (madd's form); offset the lane's pair (-32 sc0, -32 sc1).
+struct Q6kBlock {
+  __m256i w[8], pair0, pair1, offset;
+};
+
+// Half h of block j of a group's superblock p: four loads of nibbles (low ones for h = 0, high ones for h = 1) and
+// one of high bits, bits 2k, 2k + 1 of each byte moved to bits 4, 5 (masked after the shift: no bit of a neighbour
+// stays).
+static inline void q6k_half_codes(const uint8_t* p, int64_t j, int h, __m256i* w) {
+  const __m256i low = _mm256_set1_epi8(0x0F), bits = _mm256_set1_epi8(0x30);
+  const uint8_t* nib = p + 144 + 192 * j;
+  const __m256i high = _mm256_loadu_si256((const __m256i*)(nib + 128 + 32 * h));
+  for (int k = 0; k < 4; ++k) {
+    const __m256i v = _mm256_loadu_si256((const __m256i*)(nib + 32 * k));
+    const __m256i t = k < 2 ? _mm256_slli_epi32(high, 4 - 2 * k) : _mm256_srli_epi32(high, 2 * k - 4);
+    w[k] = _mm256_or_si256(_mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, low), _mm256_and_si256(t, bits));
+  }
+}
+
+static inline __m256i q6k_scale(const uint8_t* p, int64_t j, int h) { return scale_pairs(lanes_s8(p + 16 + 8 * h + 16 * j)); }
+
+static inline __m256i q6k_offset(const uint8_t* p, int64_t j) {
+  const __m256i neg32 = _mm256_set1_epi32(-32);
+  return _mm256_or_si256(_mm256_and_si256(_mm256_mullo_epi16(lanes_s8(p + 16 + 16 * j), neg32), _mm256_set1_epi32(0xFFFF)),
+                         _mm256_slli_epi32(_mm256_mullo_epi16(lanes_s8(p + 24 + 16 * j), neg32), 16));
+}
+
+static inline void q6kx8_unpack(const uint8_t* p, int64_t j, Q6kBlock& u) {
+  q6k_half_codes(p, j, 0, u.w);
+  q6k_half_codes(p, j, 1, u.w + 4);
+  u.pair0 = q6k_scale(p, j, 0);
+  u.pair1 = q6k_scale(p, j, 1);
+  u.offset = q6k_offset(p, j);
+}
+
+// Q6_K rows interleaved eight by eight against NT tokens a pass, a half block of 16 columns at a time for the NT
+// tokens, so that a half's four code registers, its scale and the tokens' sums and accumulators fit the sixteen
+// registers (READY: the blocks unpacked once for all passes, into `ready`). The codes unsigned against the
+// activations: two maddubs pairs (at most 2 x 2 x 63 x 127 = 32004) add in int16 before the half's scale weighs
+// them in madd; the offset, -32 times each half's scale times the token's integer sum of that half's activations,
+// is one madd of the token's two half sums (at most 16 x 127: int16) against the lane's pair of -32 sc (at most
+// 4096). The same integer as kx8_group's (the scalar path's), so the same bits.
+template <int NT, bool READY>
+static void q6kx8_group(const uint8_t* group, int64_t nsb, const Q6kBlock* ready, const int8_t* const* xq,
+                        const float* const* xd, const int32_t* const* xsum16, float* const* out) {
   __m256 acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t s = 0; s < nsb; ++s) {
@@ -723,28 +759,19 @@ static void q6kx8_group(const uint8_t* group, int64_t nsb, const int8_t* const* 
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
     for (int64_t j = 0; j < 8; ++j) {
       const int64_t b = 8 * s + j;
-      const uint8_t* nib = p + 144 + 192 * j;
       __m256i dot[NT];
-      {
-        const __m256i neg32 = _mm256_set1_epi32(-32);
-        const __m256i offset = _mm256_or_si256(
-            _mm256_and_si256(_mm256_mullo_epi16(lanes_s8(p + 16 + 16 * j), neg32), word),
-            _mm256_slli_epi32(_mm256_mullo_epi16(lanes_s8(p + 24 + 16 * j), neg32), 16));
-        for (int t = 0; t < NT; ++t) {
-          const __m128i sums = _mm_packs_epi32(_mm_loadl_epi64((const __m128i*)(xsum16[t] + 2 * b)), _mm_setzero_si128());
-          dot[t] = _mm256_madd_epi16(_mm256_broadcastd_epi32(sums), offset);
-        }
+      const __m256i offset = READY ? ready[b].offset : q6k_offset(p, j);
+      for (int t = 0; t < NT; ++t) {
+        const __m128i sums = _mm_packs_epi32(_mm_loadl_epi64((const __m128i*)(xsum16[t] + 2 * b)), _mm_setzero_si128());
+        dot[t] = _mm256_madd_epi16(_mm256_broadcastd_epi32(sums), offset);
       }
       for (int h = 0; h < 2; ++h) {
-        const __m256i scale = scale_pairs(lanes_s8(p + 16 + 8 * h + 16 * j));
-        const __m256i high = _mm256_loadu_si256((const __m256i*)(nib + 128 + 32 * h));
         __m256i w[4];
-        for (int k = 0; k < 4; ++k) {
-          const __m256i v = _mm256_loadu_si256((const __m256i*)(nib + 32 * k));
-          // Bits 2k, 2k + 1 of each byte of `high` to bits 4, 5 (masked after the shift: no bit of a neighbour stays).
-          const __m256i t = k < 2 ? _mm256_slli_epi32(high, 4 - 2 * k) : _mm256_srli_epi32(high, 2 * k - 4);
-          w[k] = _mm256_or_si256(_mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, low), _mm256_and_si256(t, bits));
-        }
+        if (READY)
+          for (int k = 0; k < 4; ++k) w[k] = ready[b].w[4 * h + k];
+        else
+          q6k_half_codes(p, j, h, w);
+        const __m256i scale = READY ? (h ? ready[b].pair1 : ready[b].pair0) : q6k_scale(p, j, h);
         for (int t = 0; t < NT; ++t) {
           const int8_t* x = xq[t] + b * 32 + 16 * h;
           const __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], broadcast4(x)),
@@ -761,6 +788,7 @@ static void q6kx8_group(const uint8_t* group, int64_t nsb, const int8_t* const* 
   for (int t = 0; t < NT; ++t) _mm256_storeu_ps(out[t], acc[t]);
 }
 #endif
+
 
 // IQ4_NL and IQ4_XS rows interleaved eight by eight (X8), against NT tokens a pass: per block of 32, four loads of
 // nibbles (codes i and 16 + i of each row's lane) looked up in the table by a byte shuffle, once for the NT tokens.
@@ -851,10 +879,6 @@ static int64_t x8_pass(const uint8_t* group, int64_t nb, const Act& a, int64_t k
       x8_group_iq4<BASE == IQ4_XS, NT>(group, nb, x.xq, x.xd, x.xsum, x.out);
     else if constexpr (BASE == Q5_0 || BASE == Q5_1)
       x8_group_q5<BASE == Q5_1, NT>(group, nb, x.xq, x.xd, x.xs, x.out);
-#ifndef GGML_VNNI
-    else if constexpr (BASE == Q6_K)
-      q6kx8_group<NT>(group, nb / 8, x.xq, x.xd, x.xsum16, x.out);
-#endif
     else if constexpr (BASE == Q4_K || BASE == Q5_K || BASE == Q6_K)
       kx8_group<BASE, NT>(group, nb / 8, x.xq, x.xd, x.xs, x.xsum16, x.out);
     else
@@ -989,7 +1013,7 @@ static int64_t q3kx8_pass(const uint8_t* group, const Q3kBlock* ready, int64_t n
 }
 
 // A group against every token. More than one pass of four: the group's blocks unpacked once, into a buffer of the
-// thread's (8 KB for 256 columns) that the passes read, rather than once a pass.
+// thread's (352 bytes a block of 32: 22 KB for 2048 columns) that the passes read, rather than once a pass.
 static void q3kx8_tokens(const uint8_t* group, int64_t nb, const Act& a, int64_t k, float* y, int64_t stride) {
   if (a.n <= 4) {
     int64_t t = q3kx8_pass<4, false>(group, nullptr, nb, a, k, y, stride, 0, a.n);
@@ -1006,6 +1030,37 @@ static void q3kx8_tokens(const uint8_t* group, int64_t nb, const Act& a, int64_t
   t = q3kx8_pass<2, true>(group, ready, nb, a, k, y, stride, t, a.n);
   q3kx8_pass<1, true>(group, ready, nb, a, k, y, stride, t, a.n);
 }
+
+#ifndef GGML_VNNI
+// NT tokens a pass over one Q6_K group, for tokens [t, end).
+template <int NT, bool READY>
+static int64_t q6kx8_pass(const uint8_t* group, const Q6kBlock* ready, int64_t nb, const Act& a, int64_t k, float* y,
+                          int64_t stride, int64_t t, int64_t end) {
+  for (; t + NT <= end; t += NT) {
+    const Tokens<NT> x(a, k, nb, y, stride, t);
+    q6kx8_group<NT, READY>(group, nb / 8, ready, x.xq, x.xd, x.xsum16, x.out);
+  }
+  return t;
+}
+
+// As q3kx8_tokens: more than one pass of four, the group's blocks unpacked once into the thread's buffer (352
+// bytes a block of 32: 22 KB for 2048 columns) that the passes read, rather than once a pass.
+static void q6kx8_tokens(const uint8_t* group, int64_t nb, const Act& a, int64_t k, float* y, int64_t stride) {
+  if (a.n <= 4) {
+    int64_t t = q6kx8_pass<4, false>(group, nullptr, nb, a, k, y, stride, 0, a.n);
+    t = q6kx8_pass<2, false>(group, nullptr, nb, a, k, y, stride, t, a.n);
+    q6kx8_pass<1, false>(group, nullptr, nb, a, k, y, stride, t, a.n);
+    return;
+  }
+  static thread_local std::vector<uint8_t> buffer;
+  if (buffer.size() < nb * sizeof(Q6kBlock) + 64) buffer.resize(nb * sizeof(Q6kBlock) + 64);
+  Q6kBlock* ready = reinterpret_cast<Q6kBlock*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t(63));
+  for (int64_t b = 0; b < nb; ++b) q6kx8_unpack(group + (b / 8) * 1680, b % 8, ready[b]);
+  int64_t t = q6kx8_pass<4, true>(group, ready, nb, a, k, y, stride, 0, a.n);
+  t = q6kx8_pass<2, true>(group, ready, nb, a, k, y, stride, t, a.n);
+  q6kx8_pass<1, true>(group, ready, nb, a, k, y, stride, t, a.n);
+}
+#endif
 
 #ifdef GGML_VNNI
 // ---------------------------------------------------------------------------------------------------

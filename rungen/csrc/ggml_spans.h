@@ -32,6 +32,10 @@ static void x8_span(const Job& job, int64_t g0, int64_t g1) {
     const uint8_t* group = job.blocks + g * job.pitch;
     if constexpr (BASE == Q3_K)
       q3kx8_tokens(group, nb, a, job.in_features, job.y + 8 * g, job.out_features);
+#ifndef GGML_VNNI
+    else if constexpr (BASE == Q6_K)
+      q6kx8_tokens(group, nb, a, job.in_features, job.y + 8 * g, job.out_features);
+#endif
     else
       x8_tokens<BASE>(group, nb, a, job.in_features, job.y + 8 * g, job.out_features);
   }
