@@ -726,12 +726,15 @@ static inline void q6k_half_codes(const uint8_t* p, int64_t j, int h, __m256i* w
   }
 }
 
-static inline __m256i q6k_scale(const uint8_t* p, int64_t j, int h) { return scale_pairs(lanes_s8(p + 16 + 8 * h + 16 * j)); }
+static inline __m256i q6k_scale(const uint8_t* p, int64_t j, int h) {
+  return scale_pairs(lanes_s8(p + 16 + 8 * h + 16 * j));
+}
 
 static inline __m256i q6k_offset(const uint8_t* p, int64_t j) {
   const __m256i neg32 = _mm256_set1_epi32(-32);
-  return _mm256_or_si256(_mm256_and_si256(_mm256_mullo_epi16(lanes_s8(p + 16 + 16 * j), neg32), _mm256_set1_epi32(0xFFFF)),
-                         _mm256_slli_epi32(_mm256_mullo_epi16(lanes_s8(p + 24 + 16 * j), neg32), 16));
+  const __m256i first = _mm256_mullo_epi16(lanes_s8(p + 16 + 16 * j), neg32);
+  const __m256i second = _mm256_mullo_epi16(lanes_s8(p + 24 + 16 * j), neg32);
+  return _mm256_or_si256(_mm256_and_si256(first, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(second, 16));
 }
 
 static inline void q6kx8_unpack(const uint8_t* p, int64_t j, Q6kBlock& u) {
@@ -778,7 +781,8 @@ static void q6kx8_group(const uint8_t* group, int64_t nsb, const Q6kBlock* ready
                                                _mm256_maddubs_epi16(w[1], broadcast4(x + 4)));
           const __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(w[2], broadcast4(x + 8)),
                                                _mm256_maddubs_epi16(w[3], broadcast4(x + 12)));
-          dot[t] = _mm256_add_epi32(dot[t], _mm256_add_epi32(_mm256_madd_epi16(s01, scale), _mm256_madd_epi16(s23, scale)));
+          const __m256i half = _mm256_add_epi32(_mm256_madd_epi16(s01, scale), _mm256_madd_epi16(s23, scale));
+          dot[t] = _mm256_add_epi32(dot[t], half);
         }
       }
       for (int t = 0; t < NT; ++t)
