@@ -1246,49 +1246,60 @@ static inline __m512 kx16_neg_dmin(const uint8_t* p, int64_t pitch) {
                                               _mm512_set1_epi32(int32_t(0x80000000u))));
 }
 
+// Block j of two groups' Q4_K/Q5_K/Q6_K superblock p, unpacked: the codes (w[k], w[4 + k]: kx16_codes' lo[k], hi[k]),
+// the halves' integer scales as floats (Q4_K/Q5_K: the block's, twice) and the offset m (-dmin mn; Q6_K: unused).
+struct K16Block {
+  __m512i w[8];
+  __m512 sc0, sc1, m;
+};
+
+template <int64_t BASE>
+static inline void kx16_unpack(const uint8_t* p, int64_t pitch, int64_t j, K16Block& u) {
+  kx16_codes<BASE>(p, pitch, j, u.w, u.w + 4);
+  // The integer scales as floats: each weighted sum is an integer below 2^24 (docs/kernels.md), so the float
+  // products and their sum are exact, the value the integer multiply gave, in fewer and cheaper instructions.
+  if constexpr (BASE == Q6_K) {
+    u.sc0 = _mm512_cvtepi32_ps(pair_lanes_s8(p + 16 + 16 * j, pitch));
+    u.sc1 = _mm512_cvtepi32_ps(pair_lanes_s8(p + 24 + 16 * j, pitch));
+    u.m = _mm512_setzero_ps();
+  } else {
+    u.sc0 = u.sc1 = _mm512_cvtepi32_ps(pair_lanes_u8(p + 32 + 8 * j, pitch));
+    u.m = _mm512_mul_ps(kx16_neg_dmin(p, pitch), _mm512_cvtepi32_ps(pair_lanes_u8(p + 96 + 8 * j, pitch)));
+  }
+}
+
 // Q4_K/Q5_K/Q6_K: kx8_group's VNNI arithmetic for two groups (Q5_K's halves share a scale: its two chains' sum
-// weighted once, as Q4_K's).
-template <int64_t BASE, int NT>
-static void kx16_group(const uint8_t* group, int64_t pitch, int64_t nsb, const int8_t* const* xq,
-                       const float* const* xd, const float* const* xs, const int32_t* const* xsum16,
-                       float* const* out) {
+// weighted once, as Q4_K's). READY: the blocks unpacked once for all passes, into `ready`.
+template <int64_t BASE, int NT, bool READY>
+static void kx16_group(const uint8_t* group, int64_t pitch, int64_t nsb, const K16Block* ready,
+                       const int8_t* const* xq, const float* const* xd, const float* const* xs,
+                       const int32_t* const* xsum16, float* const* out) {
   constexpr bool Q6 = BASE == Q6_K;
   __m512 acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t s = 0; s < nsb; ++s) {
     const uint8_t* p = group + s * kx16_bytes<BASE>();
     const __m512 d = pair_halves(p, pitch);
-    const __m512 neg_dmin = Q6 ? d : kx16_neg_dmin(p, pitch);
     for (int64_t j = 0; j < 8; ++j) {
       const int64_t b = 8 * s + j;
-      __m512i lo[4], hi[4];
-      kx16_codes<BASE>(p, pitch, j, lo, hi);
-      // The integer scales as floats: each weighted sum is an integer below 2^24 (docs/kernels.md), so the float
-      // products and their sum are exact, the value the integer multiply gave, in fewer and cheaper instructions.
-      __m512 sc0, sc1;
-      __m512 m = d;
-      if (Q6) {
-        sc0 = _mm512_cvtepi32_ps(pair_lanes_s8(p + 16 + 16 * j, pitch));
-        sc1 = _mm512_cvtepi32_ps(pair_lanes_s8(p + 24 + 16 * j, pitch));
-      } else {
-        sc0 = sc1 = _mm512_cvtepi32_ps(pair_lanes_u8(p + 32 + 8 * j, pitch));
-        m = _mm512_mul_ps(neg_dmin, _mm512_cvtepi32_ps(pair_lanes_u8(p + 96 + 8 * j, pitch)));
-      }
+      K16Block local;
+      if (!READY) kx16_unpack<BASE>(p, pitch, j, local);
+      const K16Block& u = READY ? ready[b] : local;
       for (int t = 0; t < NT; ++t) {
         const int8_t* x = xq[t] + b * 32;
         __m512 dot;
         if (Q6) {
           __m512i dot0 = _mm512_set1_epi32(-32 * xsum16[t][2 * b]);
           __m512i dot1 = _mm512_set1_epi32(-32 * xsum16[t][2 * b + 1]);
-          dpbusd_block16(dot0, dot1, lo, hi, x);
-          dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot0), sc0, _mm512_mul_ps(_mm512_cvtepi32_ps(dot1), sc1));
+          dpbusd_block16(dot0, dot1, u.w, u.w + 4, x);
+          dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot0), u.sc0, _mm512_mul_ps(_mm512_cvtepi32_ps(dot1), u.sc1));
         } else {
           __m512i dot0 = _mm512_setzero_si512(), dot1 = _mm512_setzero_si512();
-          dpbusd_block16(dot0, dot1, lo, hi, x);
-          dot = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(dot0, dot1)), sc0);
+          dpbusd_block16(dot0, dot1, u.w, u.w + 4, x);
+          dot = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(dot0, dot1)), u.sc0);
         }
         acc[t] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, broadcast_f16(xd[t] + b)), acc[t]);
-        if (!Q6) acc[t] = _mm512_fmadd_ps(m, broadcast_f16(xs[t] + b), acc[t]);
+        if (!Q6) acc[t] = _mm512_fmadd_ps(u.m, broadcast_f16(xs[t] + b), acc[t]);
       }
     }
   }
@@ -1418,9 +1429,9 @@ static void q3kx16_tokens(const uint8_t* group, int64_t pitch, int64_t nb, const
   q3kx16_pass<1, true>(group, pitch, ready, nb, a, k, y, stride, t, a.n);
 }
 
-template <int64_t BASE, int NT>
+template <int64_t BASE, int NT, bool READY = false>
 static int64_t x16_pass(const uint8_t* group, int64_t pitch, int64_t nb, const Act& a, int64_t k, float* y,
-                        int64_t stride, int64_t t, int64_t end) {
+                        int64_t stride, int64_t t, int64_t end, const K16Block* ready = nullptr) {
   for (; t + NT <= end; t += NT) {
     const Tokens<NT> x(a, k, nb, y, stride, t);
     if constexpr (BASE == Q8_0)
@@ -1430,7 +1441,7 @@ static int64_t x16_pass(const uint8_t* group, int64_t pitch, int64_t nb, const A
     else if constexpr (BASE == Q5_0 || BASE == Q5_1)
       x16_group_q5<BASE == Q5_1, NT>(group, pitch, nb, x.xq, x.xd, x.xs, x.out);
     else if constexpr (BASE == Q4_K || BASE == Q5_K || BASE == Q6_K)
-      kx16_group<BASE, NT>(group, pitch, nb / 8, x.xq, x.xd, x.xs, x.xsum16, x.out);
+      kx16_group<BASE, NT, READY>(group, pitch, nb / 8, ready, x.xq, x.xd, x.xs, x.xsum16, x.out);
     else
       x16_group<BASE == Q4_1, NT>(group, pitch, nb, x.xq, x.xd, x.xs, x.out);
   }
@@ -1440,6 +1451,21 @@ static int64_t x16_pass(const uint8_t* group, int64_t pitch, int64_t nb, const A
 template <int64_t BASE>
 static void x16_tokens(const uint8_t* group, int64_t pitch, int64_t nb, const Act& a, int64_t k, float* y,
                        int64_t stride, int64_t t0 = 0) {
+  if constexpr (BASE == Q4_K || BASE == Q5_K || BASE == Q6_K) {
+    // More than two passes of four: the pair's blocks unpacked once into the thread's buffer (704 bytes a block
+    // of 32: 44 KB for 2048 columns), as q3kx16_tokens does, rather than once a pass (at two passes, 8 tokens,
+    // writing and reading the buffer measured 0.96x unpacking twice).
+    if (a.n - t0 > 8) {
+      static thread_local std::vector<uint8_t> buffer;
+      if (buffer.size() < nb * sizeof(K16Block) + 64) buffer.resize(nb * sizeof(K16Block) + 64);
+      K16Block* ready = reinterpret_cast<K16Block*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t(63));
+      for (int64_t b = 0; b < nb; ++b) kx16_unpack<BASE>(group + (b / 8) * kx16_bytes<BASE>(), pitch, b % 8, ready[b]);
+      int64_t t = x16_pass<BASE, 4, true>(group, pitch, nb, a, k, y, stride, t0, a.n, ready);
+      t = x16_pass<BASE, 2, true>(group, pitch, nb, a, k, y, stride, t, a.n, ready);
+      x16_pass<BASE, 1, true>(group, pitch, nb, a, k, y, stride, t, a.n, ready);
+      return;
+    }
+  }
   int64_t t = x16_pass<BASE, 4>(group, pitch, nb, a, k, y, stride, t0, a.n);
   t = x16_pass<BASE, 2>(group, pitch, nb, a, k, y, stride, t, a.n);
   x16_pass<BASE, 1>(group, pitch, nb, a, k, y, stride, t, a.n);
