@@ -1246,11 +1246,13 @@ static inline __m512 kx16_neg_dmin(const uint8_t* p, int64_t pitch) {
                                               _mm512_set1_epi32(int32_t(0x80000000u))));
 }
 
-// Block j of two groups' Q4_K/Q5_K/Q6_K superblock p, unpacked: the codes (w[k], w[4 + k]: kx16_codes' lo[k], hi[k]),
-// the halves' integer scales as floats (Q4_K/Q5_K: the block's, twice) and the offset m (-dmin mn; Q6_K: unused).
+// A block of 32 of two groups, unpacked for the X16 kernels (their passes read it when the pair's blocks are
+// unpacked once for all of them): the codes (w[k], w[4 + k]: codes 4k .. 4k + 3 and 16 + 4k .. 16 + 4k + 3 of the 16
+// rows), the halves' integer scales as floats (Q4_K/Q5_K/IQ4_XS: the block's, twice; IQ4_NL: 1), the offset m
+// (Q4_K/Q5_K: -dmin mn) and the scale d (IQ4_NL/IQ4_XS).
 struct K16Block {
   __m512i w[8];
-  __m512 sc0, sc1, m;
+  __m512 sc0, sc1, m, d;
 };
 
 template <int64_t BASE>
@@ -1317,28 +1319,35 @@ static inline void x16_codes_iq4(const uint8_t* nib, int64_t pitch, __m512i tabl
   }
 }
 
-// IQ4_NL/IQ4_XS: x8_group_iq4's VNNI arithmetic for two groups.
-template <bool XS, int NT>
-static void x16_group_iq4(const uint8_t* group, int64_t pitch, int64_t nblocks, const int8_t* const* xq,
-                          const float* const* xd, const int32_t* const* xsum, float* const* out) {
+// Block b of two groups of IQ4_NL/IQ4_XS rows, unpacked: the table's values offset by 128 (unsigned), the scale.
+template <bool XS>
+static inline void iq4x16_unpack(const uint8_t* group, int64_t pitch, int64_t b, K16Block& u) {
   const __m512i table = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)kvalues_iq4nl)),
                                          _mm512_set1_epi8(char(0x80)));
+  const uint8_t* p = XS ? group + (b / 8) * 1104 : group + b * 144;
+  x16_codes_iq4(XS ? p + 80 + 128 * (b % 8) : p + 16, pitch, table, u.w);
+  u.sc0 = u.sc1 = _mm512_cvtepi32_ps(XS ? pair_lanes_s8(p + 16 + 8 * (b % 8), pitch) : _mm512_set1_epi32(1));
+  u.m = _mm512_setzero_ps();
+  u.d = pair_halves(p, pitch);
+}
+
+// IQ4_NL/IQ4_XS: x8_group_iq4's VNNI arithmetic for two groups. READY: the blocks unpacked once for all passes.
+template <bool XS, int NT, bool READY>
+static void x16_group_iq4(const uint8_t* group, int64_t pitch, int64_t nblocks, const K16Block* ready,
+                          const int8_t* const* xq, const float* const* xd, const int32_t* const* xsum,
+                          float* const* out) {
   __m512 acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
-  __m512 d = _mm512_setzero_ps();
   for (int64_t b = 0; b < nblocks; ++b) {
-    const uint8_t* p = XS ? group + (b / 8) * 1104 : group + b * 144;
-    const uint8_t* nib = XS ? p + 80 + 128 * (b % 8) : p + 16;
-    if (!XS || b % 8 == 0) d = pair_halves(p, pitch);
-    __m512i w[8];
-    x16_codes_iq4(nib, pitch, table, w);
-    const __m512 sc = _mm512_cvtepi32_ps(XS ? pair_lanes_s8(p + 16 + 8 * (b % 8), pitch) : _mm512_set1_epi32(1));
+    K16Block local;
+    if (!READY) iq4x16_unpack<XS>(group, pitch, b, local);
+    const K16Block& u = READY ? ready[b] : local;
     for (int t = 0; t < NT; ++t) {
       __m512i dot0 = _mm512_set1_epi32(-128 * xsum[t][b]), dot1 = _mm512_setzero_si512();
-      dpbusd_block16(dot0, dot1, w, w + 4, xq[t] + b * 32);
+      dpbusd_block16(dot0, dot1, u.w, u.w + 4, xq[t] + b * 32);
       __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(dot0, dot1));
-      if (XS) dot = _mm512_mul_ps(dot, sc);  // exact, as kx16_group's scales
-      acc[t] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, broadcast_f16(xd[t] + b)), acc[t]);
+      if (XS) dot = _mm512_mul_ps(dot, u.sc0);  // exact, as kx16_group's scales
+      acc[t] = _mm512_fmadd_ps(dot, _mm512_mul_ps(u.d, broadcast_f16(xd[t] + b)), acc[t]);
     }
   }
   for (int t = 0; t < NT; ++t) _mm512_storeu_ps(out[t], acc[t]);
@@ -1437,7 +1446,7 @@ static int64_t x16_pass(const uint8_t* group, int64_t pitch, int64_t nb, const A
     if constexpr (BASE == Q8_0)
       x16_group_q8<NT>(group, pitch, nb, x.xq, x.xd, x.xsum, x.out);
     else if constexpr (BASE == IQ4_NL || BASE == IQ4_XS)
-      x16_group_iq4<BASE == IQ4_XS, NT>(group, pitch, nb, x.xq, x.xd, x.xsum, x.out);
+      x16_group_iq4<BASE == IQ4_XS, NT, READY>(group, pitch, nb, ready, x.xq, x.xd, x.xsum, x.out);
     else if constexpr (BASE == Q5_0 || BASE == Q5_1)
       x16_group_q5<BASE == Q5_1, NT>(group, pitch, nb, x.xq, x.xd, x.xs, x.out);
     else if constexpr (BASE == Q4_K || BASE == Q5_K || BASE == Q6_K)
@@ -1451,15 +1460,19 @@ static int64_t x16_pass(const uint8_t* group, int64_t pitch, int64_t nb, const A
 template <int64_t BASE>
 static void x16_tokens(const uint8_t* group, int64_t pitch, int64_t nb, const Act& a, int64_t k, float* y,
                        int64_t stride, int64_t t0 = 0) {
-  if constexpr (BASE == Q4_K || BASE == Q5_K || BASE == Q6_K) {
-    // More than two passes of four: the pair's blocks unpacked once into the thread's buffer (704 bytes a block
-    // of 32: 44 KB for 2048 columns), as q3kx16_tokens does, rather than once a pass (at two passes, 8 tokens,
+  if constexpr (BASE == Q4_K || BASE == Q5_K || BASE == Q6_K || BASE == IQ4_NL || BASE == IQ4_XS) {
+    // More than two passes of four: the pair's blocks unpacked once into the thread's buffer (768 bytes a block
+    // of 32: 48 KB for 2048 columns), as q3kx16_tokens does, rather than once a pass (at two passes, 8 tokens,
     // writing and reading the buffer measured 0.96x unpacking twice).
     if (a.n - t0 > 8) {
       static thread_local std::vector<uint8_t> buffer;
       if (buffer.size() < nb * sizeof(K16Block) + 64) buffer.resize(nb * sizeof(K16Block) + 64);
       K16Block* ready = reinterpret_cast<K16Block*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t(63));
-      for (int64_t b = 0; b < nb; ++b) kx16_unpack<BASE>(group + (b / 8) * kx16_bytes<BASE>(), pitch, b % 8, ready[b]);
+      for (int64_t b = 0; b < nb; ++b)
+        if constexpr (BASE == IQ4_NL || BASE == IQ4_XS)
+          iq4x16_unpack<BASE == IQ4_XS>(group, pitch, b, ready[b]);
+        else
+          kx16_unpack<BASE>(group + (b / 8) * kx16_bytes<BASE>(), pitch, b % 8, ready[b]);
       int64_t t = x16_pass<BASE, 4, true>(group, pitch, nb, a, k, y, stride, t0, a.n, ready);
       t = x16_pass<BASE, 2, true>(group, pitch, nb, a, k, y, stride, t, a.n, ready);
       x16_pass<BASE, 1, true>(group, pitch, nb, a, k, y, stride, t, a.n, ready);
