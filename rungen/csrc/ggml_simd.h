@@ -794,24 +794,19 @@ static void q6kx8_group(const uint8_t* group, int64_t nsb, const Q6kBlock* ready
 #endif
 
 
+#ifdef GGML_VNNI
 // IQ4_NL and IQ4_XS rows interleaved eight by eight (X8), against NT tokens a pass: per block of 32, four loads of
 // nibbles (codes i and 16 + i of each row's lane) looked up in the table by a byte shuffle, once for the NT tokens.
-// On AVX2 the signed values multiply as Q8_0's codes, |w| times x with w's sign (maddubs's pairs at most
-// 2 * 127 * 127: each widened to int32 at once, where two would not fit int16); on VNNI the table is offset by 128
-// (unsigned 1..241: dpbusd's sums of four stay far from int32's limit) and 128 times the token's integer sum of
-// the block is taken off: the same exact sum with no sign instruction per token. IQ4_XS: the block's sum times its
-// signed scale per lane (on AVX2 madd weights each pair by it, exactly; on VNNI a multiply). Then per block and
-// token one multiply-add for eight rows: the arithmetic x8_rows of the scalar path does row by row.
+// VNNI build (AVX2's: iq4x8_group): the table is offset by 128 (unsigned 1..241: dpbusd's sums of four stay far
+// from int32's limit) and 128 times the token's integer sum of the block is taken off: the same exact sum with no
+// sign instruction per token. IQ4_XS: the block's sum times its signed scale per lane. Then per block and token one
+// multiply-add for eight rows: the arithmetic x8_rows of the scalar path does row by row.
 template <bool XS, int NT>
 static void x8_group_iq4(const uint8_t* group, int64_t nblocks, const int8_t* const* xq, const float* const* xd,
                          const int32_t* const* xsum, float* const* out) {
   const __m256i low = _mm256_set1_epi8(0x0F);
   const __m128i table128 = _mm_loadu_si128((const __m128i*)kvalues_iq4nl);
-#ifdef GGML_VNNI
   const __m256i table = _mm256_xor_si256(_mm256_set_m128i(table128, table128), _mm256_set1_epi8(char(0x80)));
-#else
-  const __m256i table = _mm256_set_m128i(table128, table128);
-#endif
   __m256 acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
   __m256 d = _mm256_setzero_ps();
@@ -827,30 +822,71 @@ static void x8_group_iq4(const uint8_t* group, int64_t nblocks, const int8_t* co
       w[4 + k] = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
     }
     const __m256i sc = XS ? lanes_s8(p + 16 + 8 * (b % 8)) : _mm256_set1_epi32(1);
-#ifdef GGML_VNNI
     for (int t = 0; t < NT; ++t) {
       const int8_t* x = xq[t] + b * 32;
       __m256i dot = _mm256_set1_epi32(-128 * xsum[t][b]), dot1 = _mm256_setzero_si256();
       dpbusd_block(dot, dot1, w, w + 4, x);
       dot = _mm256_add_epi32(dot, dot1);
       if (XS) dot = _mm256_mullo_epi32(dot, sc);
-#else
-    __m256i magnitude[8];
-    for (int k = 0; k < 8; ++k) magnitude[k] = _mm256_abs_epi8(w[k]);
-    const __m256i pair_scale = scale_pairs(sc);
-    for (int t = 0; t < NT; ++t) {
-      const int8_t* x = xq[t] + b * 32;
-      __m256i dot = _mm256_setzero_si256();
-      for (int k = 0; k < 8; ++k) {
-        const __m256i xs = _mm256_sign_epi8(broadcast4(x + (k < 4 ? 4 * k : 16 + 4 * (k - 4))), w[k]);
-        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude[k], xs), pair_scale));
-      }
-#endif
       acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_broadcast_ss(xd[t] + b)), acc[t]);
     }
   }
   for (int t = 0; t < NT; ++t) _mm256_storeu_ps(out[t], acc[t]);
 }
+#else
+// IQ4_NL and IQ4_XS rows interleaved eight by eight (X8) on AVX2. A block unpacked: w[k] the signed values of codes
+// 4k' + i (k = k' < 4) or 16 + 4k' + i (k = 4 + k') of each row's lane (a byte shuffle through the table), m[k]
+// their magnitudes, pair the scale (IQ4_XS; IQ4_NL: 1) in both int16 of a lane, d the rows' scales.
+struct Iq4Block {
+  __m256i w[8], m[8], pair;
+  __m256 d;
+};
+
+template <bool XS>
+static inline void iq4x8_unpack(const uint8_t* group, int64_t b, Iq4Block& u) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m128i table128 = _mm_loadu_si128((const __m128i*)kvalues_iq4nl);
+  const __m256i table = _mm256_set_m128i(table128, table128);
+  const uint8_t* p = XS ? group + (b / 8) * 1104 : group + b * 144;
+  const uint8_t* nib = XS ? p + 80 + 128 * (b % 8) : p + 16;
+  for (int k = 0; k < 4; ++k) {
+    const __m256i v = _mm256_loadu_si256((const __m256i*)(nib + 32 * k));
+    u.w[k] = _mm256_shuffle_epi8(table, _mm256_and_si256(v, low));
+    u.w[4 + k] = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+  }
+  for (int k = 0; k < 8; ++k) u.m[k] = _mm256_abs_epi8(u.w[k]);
+  u.pair = scale_pairs(XS ? lanes_s8(p + 16 + 8 * (b % 8)) : _mm256_set1_epi32(1));
+  u.d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+}
+
+// Against NT tokens a pass (READY: the blocks unpacked once for all passes, into `ready`; else each block once a
+// pass): the signed values multiply as Q8_0's codes, |w| times x with w's sign (maddubs's pairs at most
+// 2 * 127 * 127: each widened to int32 at once by the madd that weights it by the scale, exactly, where two
+// would not fit int16). Then per block and token one multiply-add for eight rows, as x8_rows row by row.
+template <bool XS, int NT, bool READY>
+static void iq4x8_group(const uint8_t* group, int64_t nblocks, const Iq4Block* ready, const int8_t* const* xq,
+                        const float* const* xd, float* const* out) {
+  __m256 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nblocks; ++b) {
+    Iq4Block local;
+    if (!READY) iq4x8_unpack<XS>(group, b, local);
+    const Iq4Block& u = READY ? ready[b] : local;
+    __m256i dot[NT];
+    for (int t = 0; t < NT; ++t) dot[t] = _mm256_setzero_si256();
+    for (int k = 0; k < 8; ++k) {
+      const __m256i w = u.w[k], m = u.m[k];
+      for (int t = 0; t < NT; ++t) {
+        const __m256i xs = _mm256_sign_epi8(broadcast4(xq[t] + b * 32 + (k < 4 ? 4 * k : 16 + 4 * (k - 4))), w);
+        dot[t] = _mm256_add_epi32(dot[t], _mm256_madd_epi16(_mm256_maddubs_epi16(m, xs), u.pair));
+      }
+    }
+    for (int t = 0; t < NT; ++t)
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t]), _mm256_mul_ps(u.d, _mm256_broadcast_ss(xd[t] + b)), acc[t]);
+  }
+  for (int t = 0; t < NT; ++t) _mm256_storeu_ps(out[t], acc[t]);
+}
+#endif
 
 // A pass's NT tokens from token t on: their activations (codes, scales, the offsets' sums) and outputs.
 template <int NT>
@@ -879,8 +915,10 @@ static int64_t x8_pass(const uint8_t* group, int64_t nb, const Act& a, int64_t k
     const Tokens<NT> x(a, k, nb, y, stride, t);
     if constexpr (BASE == Q8_0)
       x8_group_q8<NT>(group, nb, x.xq, x.xd, x.out);
+#ifdef GGML_VNNI
     else if constexpr (BASE == IQ4_NL || BASE == IQ4_XS)
       x8_group_iq4<BASE == IQ4_XS, NT>(group, nb, x.xq, x.xd, x.xsum, x.out);
+#endif
     else if constexpr (BASE == Q5_0 || BASE == Q5_1)
       x8_group_q5<BASE == Q5_1, NT>(group, nb, x.xq, x.xd, x.xs, x.out);
     else if constexpr (BASE == Q4_K || BASE == Q5_K || BASE == Q6_K)
@@ -1063,6 +1101,35 @@ static void q6kx8_tokens(const uint8_t* group, int64_t nb, const Act& a, int64_t
   int64_t t = q6kx8_pass<4, true>(group, ready, nb, a, k, y, stride, 0, a.n);
   t = q6kx8_pass<2, true>(group, ready, nb, a, k, y, stride, t, a.n);
   q6kx8_pass<1, true>(group, ready, nb, a, k, y, stride, t, a.n);
+}
+
+// NT tokens a pass over one IQ4_NL/IQ4_XS group, for tokens [t, end).
+template <bool XS, int NT, bool READY>
+static int64_t iq4x8_pass(const uint8_t* group, const Iq4Block* ready, int64_t nb, const Act& a, int64_t k, float* y,
+                          int64_t stride, int64_t t, int64_t end) {
+  for (; t + NT <= end; t += NT) {
+    const Tokens<NT> x(a, k, nb, y, stride, t);
+    iq4x8_group<XS, NT, READY>(group, nb, ready, x.xq, x.xd, x.out);
+  }
+  return t;
+}
+
+// As q6kx8_tokens (576 bytes a block of 32: 36 KB for 2048 columns).
+template <bool XS>
+static void iq4x8_tokens(const uint8_t* group, int64_t nb, const Act& a, int64_t k, float* y, int64_t stride) {
+  if (a.n <= 4) {
+    int64_t t = iq4x8_pass<XS, 4, false>(group, nullptr, nb, a, k, y, stride, 0, a.n);
+    t = iq4x8_pass<XS, 2, false>(group, nullptr, nb, a, k, y, stride, t, a.n);
+    iq4x8_pass<XS, 1, false>(group, nullptr, nb, a, k, y, stride, t, a.n);
+    return;
+  }
+  static thread_local std::vector<uint8_t> buffer;
+  if (buffer.size() < nb * sizeof(Iq4Block) + 64) buffer.resize(nb * sizeof(Iq4Block) + 64);
+  Iq4Block* ready = reinterpret_cast<Iq4Block*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t(63));
+  for (int64_t b = 0; b < nb; ++b) iq4x8_unpack<XS>(group, b, ready[b]);
+  int64_t t = iq4x8_pass<XS, 4, true>(group, ready, nb, a, k, y, stride, 0, a.n);
+  t = iq4x8_pass<XS, 2, true>(group, ready, nb, a, k, y, stride, t, a.n);
+  iq4x8_pass<XS, 1, true>(group, ready, nb, a, k, y, stride, t, a.n);
 }
 #endif
 

@@ -35,6 +35,8 @@ static void x8_span(const Job& job, int64_t g0, int64_t g1) {
 #ifndef GGML_VNNI
     else if constexpr (BASE == Q6_K)
       q6kx8_tokens(group, nb, a, job.in_features, job.y + 8 * g, job.out_features);
+    else if constexpr (BASE == IQ4_NL || BASE == IQ4_XS)
+      iq4x8_tokens<BASE == IQ4_XS>(group, nb, a, job.in_features, job.y + 8 * g, job.out_features);
 #endif
     else
       x8_tokens<BASE>(group, nb, a, job.in_features, job.y + 8 * g, job.out_features);
