@@ -936,6 +936,15 @@ static void x8_tokens(const uint8_t* group, int64_t nb, const Act& a, int64_t k,
   x8_pass<BASE, 1>(group, nb, a, k, y, stride, t, a.n);
 }
 
+// A per-thread buffer for n unpacked blocks, 64-byte aligned by hand (the blocks are read with aligned loads, and a
+// vector of them was not aligned here): grown as needed, kept for the thread's later calls.
+template <class Block>
+static Block* thread_blocks(int64_t n) {
+  static thread_local std::vector<uint8_t> buffer;
+  if (buffer.size() < n * sizeof(Block) + 64) buffer.resize(n * sizeof(Block) + 64);
+  return reinterpret_cast<Block*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t(63));
+}
+
 // ---------------------------------------------------------------------------------------------------
 // X8 | Q3_K (see X8 in ggml_kernels.cpp).
 
@@ -1063,10 +1072,7 @@ static void q3kx8_tokens(const uint8_t* group, int64_t nb, const Act& a, int64_t
     q3kx8_pass<1, false>(group, nullptr, nb, a, k, y, stride, t, a.n);
     return;
   }
-  // Bytes aligned by hand: Q3kBlock is read with aligned loads, and a vector of it was not 32-byte aligned here.
-  static thread_local std::vector<uint8_t> buffer;
-  if (buffer.size() < nb * sizeof(Q3kBlock) + 64) buffer.resize(nb * sizeof(Q3kBlock) + 64);
-  Q3kBlock* ready = reinterpret_cast<Q3kBlock*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t(63));
+  Q3kBlock* ready = thread_blocks<Q3kBlock>(nb);
   for (int64_t b = 0; b < nb; ++b) q3kx8_unpack(group + (b / 8) * 912, b % 8, ready[b]);
   int64_t t = q3kx8_pass<4, true>(group, ready, nb, a, k, y, stride, 0, a.n);
   t = q3kx8_pass<2, true>(group, ready, nb, a, k, y, stride, t, a.n);
@@ -1094,9 +1100,7 @@ static void q6kx8_tokens(const uint8_t* group, int64_t nb, const Act& a, int64_t
     q6kx8_pass<1, false>(group, nullptr, nb, a, k, y, stride, t, a.n);
     return;
   }
-  static thread_local std::vector<uint8_t> buffer;
-  if (buffer.size() < nb * sizeof(Q6kBlock) + 64) buffer.resize(nb * sizeof(Q6kBlock) + 64);
-  Q6kBlock* ready = reinterpret_cast<Q6kBlock*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t(63));
+  Q6kBlock* ready = thread_blocks<Q6kBlock>(nb);
   for (int64_t b = 0; b < nb; ++b) q6kx8_unpack(group + (b / 8) * 1680, b % 8, ready[b]);
   int64_t t = q6kx8_pass<4, true>(group, ready, nb, a, k, y, stride, 0, a.n);
   t = q6kx8_pass<2, true>(group, ready, nb, a, k, y, stride, t, a.n);
@@ -1123,9 +1127,7 @@ static void iq4x8_tokens(const uint8_t* group, int64_t nb, const Act& a, int64_t
     iq4x8_pass<XS, 1, false>(group, nullptr, nb, a, k, y, stride, t, a.n);
     return;
   }
-  static thread_local std::vector<uint8_t> buffer;
-  if (buffer.size() < nb * sizeof(Iq4Block) + 64) buffer.resize(nb * sizeof(Iq4Block) + 64);
-  Iq4Block* ready = reinterpret_cast<Iq4Block*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t(63));
+  Iq4Block* ready = thread_blocks<Iq4Block>(nb);
   for (int64_t b = 0; b < nb; ++b) iq4x8_unpack<XS>(group, b, ready[b]);
   int64_t t = iq4x8_pass<XS, 4, true>(group, ready, nb, a, k, y, stride, 0, a.n);
   t = iq4x8_pass<XS, 2, true>(group, ready, nb, a, k, y, stride, t, a.n);
@@ -1495,10 +1497,7 @@ static void q3kx16_tokens(const uint8_t* group, int64_t pitch, int64_t nb, const
     q3kx16_pass<1, false>(group, pitch, nullptr, nb, a, k, y, stride, t, a.n);
     return;
   }
-  static thread_local std::vector<uint8_t> buffer;
-  if (buffer.size() < nb * sizeof(Q3kBlock16) + 64) buffer.resize(nb * sizeof(Q3kBlock16) + 64);
-  Q3kBlock16* ready =
-      reinterpret_cast<Q3kBlock16*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t(63));
+  Q3kBlock16* ready = thread_blocks<Q3kBlock16>(nb);
   for (int64_t b = 0; b < nb; ++b) q3kx16_unpack(group + (b / 8) * 912, pitch, b % 8, ready[b]);
   int64_t t = q3kx16_pass<4, true>(group, pitch, ready, nb, a, k, y, stride, t0, a.n);
   t = q3kx16_pass<2, true>(group, pitch, ready, nb, a, k, y, stride, t, a.n);
@@ -1532,9 +1531,7 @@ static void x16_tokens(const uint8_t* group, int64_t pitch, int64_t nb, const Ac
     // of 32: 48 KB for 2048 columns), as q3kx16_tokens does, rather than once a pass (at two passes, 8 tokens,
     // writing and reading the buffer measured 0.96x unpacking twice).
     if (a.n - t0 > 8) {
-      static thread_local std::vector<uint8_t> buffer;
-      if (buffer.size() < nb * sizeof(K16Block) + 64) buffer.resize(nb * sizeof(K16Block) + 64);
-      K16Block* ready = reinterpret_cast<K16Block*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t(63));
+      K16Block* ready = thread_blocks<K16Block>(nb);
       for (int64_t b = 0; b < nb; ++b)
         if constexpr (BASE == IQ4_NL || BASE == IQ4_XS)
           iq4x16_unpack<BASE == IQ4_XS>(group, pitch, b, ready[b]);
