@@ -893,7 +893,7 @@ template <int NT>
 struct Tokens {
   const int8_t* xq[NT];
   const float *xd[NT], *xs[NT];
-  const int32_t *xsum[NT], *xsum16[NT];
+  const int32_t *xsum[NT], *xsum16[NT], *xhigh16[NT];
   float* out[NT];
   Tokens(const Act& a, int64_t k, int64_t nb, float* y, int64_t stride, int64_t t) {
     for (int i = 0; i < NT; ++i) {
@@ -902,6 +902,7 @@ struct Tokens {
       xs[i] = a.s + (t + i) * nb;
       xsum[i] = a.sum + (t + i) * nb;
       xsum16[i] = a.sum16 + (t + i) * nb * 2;
+      xhigh16[i] = a.high16 + (t + i) * nb * 2;
       out[i] = y + (t + i) * stride;
     }
   }
@@ -1039,100 +1040,70 @@ static void q3kx8_group(const uint8_t* group, int64_t nsb, const Q3kBlock* ready
   for (int t = 0; t < NT; ++t) _mm256_storeu_ps(out[t], acc[t]);
 }
 
-// NT tokens a pass over one Q3_K group, for tokens [t, end).
-template <int NT, bool READY>
-static int64_t q3kx8_pass(const uint8_t* group, const Q3kBlock* ready, int64_t nb, const Act& a, int64_t k, float* y,
-                          int64_t stride, int64_t t, int64_t end) {
-  for (; t + NT <= end; t += NT) {
-    const int8_t* xq[NT];
-    const float* xd[NT];
-    const int32_t* xsum[NT];
-    float* out[NT];
-    for (int i = 0; i < NT; ++i) {
-      xq[i] = a.q + (t + i) * k;
-      xd[i] = a.d + (t + i) * nb;
-#ifdef GGML_VNNI
-      xsum[i] = a.high16 + (t + i) * 2 * nb;
-#else
-      xsum[i] = a.sum16 + (t + i) * 2 * nb;
-#endif
-      out[i] = y + (t + i) * stride;
-    }
-    q3kx8_group<NT, READY>(group, nb / 8, ready, xq, xd, xsum, out);
-  }
+// The X8 kernels whose passes can read a group's blocks unpacked (Q3_K; on AVX2 Q6_K and IQ4): Kernel::Block, one
+// block unpacked; Kernel::unpack(group, b, block); Kernel::run<NT, READY>(group, ready, nb, tokens), one pass of NT
+// tokens over the group (READY: from `ready`, else unpacking each block itself); Kernel::unbuffered, up to how many
+// tokens the passes unpack for themselves.
+template <class Kernel, int NT, bool READY>
+static int64_t unpacked_pass(const uint8_t* group, const typename Kernel::Block* ready, int64_t nb, const Act& a,
+                             int64_t k, float* y, int64_t stride, int64_t t) {
+  for (; t + NT <= a.n; t += NT) Kernel::template run<NT, READY>(group, ready, nb, Tokens<NT>(a, k, nb, y, stride, t));
   return t;
 }
 
-// A group against every token. More than one pass of four: the group's blocks unpacked once, into a buffer of the
-// thread's (352 bytes a block of 32: 22 KB for 2048 columns) that the passes read, rather than once a pass.
-static void q3kx8_tokens(const uint8_t* group, int64_t nb, const Act& a, int64_t k, float* y, int64_t stride) {
-  if (a.n <= 4) {
-    int64_t t = q3kx8_pass<4, false>(group, nullptr, nb, a, k, y, stride, 0, a.n);
-    t = q3kx8_pass<2, false>(group, nullptr, nb, a, k, y, stride, t, a.n);
-    q3kx8_pass<1, false>(group, nullptr, nb, a, k, y, stride, t, a.n);
+// A group against every token, four, two, then one a pass. More than Kernel::unbuffered tokens: the group's blocks
+// unpacked once, into a buffer of the thread's (Q3_K and Q6_K: 352 bytes a block of 32, 22 KB for 2048 columns;
+// IQ4: 576) that the passes read, rather than once a pass.
+template <class Kernel>
+static void unpacked_tokens(const uint8_t* group, int64_t nb, const Act& a, int64_t k, float* y, int64_t stride) {
+  if (a.n <= Kernel::unbuffered) {
+    int64_t t = unpacked_pass<Kernel, 4, false>(group, nullptr, nb, a, k, y, stride, 0);
+    t = unpacked_pass<Kernel, 2, false>(group, nullptr, nb, a, k, y, stride, t);
+    unpacked_pass<Kernel, 1, false>(group, nullptr, nb, a, k, y, stride, t);
     return;
   }
-  Q3kBlock* ready = thread_blocks<Q3kBlock>(nb);
-  for (int64_t b = 0; b < nb; ++b) q3kx8_unpack(group + (b / 8) * 912, b % 8, ready[b]);
-  int64_t t = q3kx8_pass<4, true>(group, ready, nb, a, k, y, stride, 0, a.n);
-  t = q3kx8_pass<2, true>(group, ready, nb, a, k, y, stride, t, a.n);
-  q3kx8_pass<1, true>(group, ready, nb, a, k, y, stride, t, a.n);
+  typename Kernel::Block* ready = thread_blocks<typename Kernel::Block>(nb);
+  for (int64_t b = 0; b < nb; ++b) Kernel::unpack(group, b, ready[b]);
+  int64_t t = unpacked_pass<Kernel, 4, true>(group, ready, nb, a, k, y, stride, 0);
+  t = unpacked_pass<Kernel, 2, true>(group, ready, nb, a, k, y, stride, t);
+  unpacked_pass<Kernel, 1, true>(group, ready, nb, a, k, y, stride, t);
 }
+
+struct Q3kX8 {
+  using Block = Q3kBlock;
+  static constexpr int64_t unbuffered = 4;
+  static void unpack(const uint8_t* group, int64_t b, Block& u) { q3kx8_unpack(group + (b / 8) * 912, b % 8, u); }
+  template <int NT, bool READY>
+  static void run(const uint8_t* group, const Block* ready, int64_t nb, const Tokens<NT>& x) {
+#ifdef GGML_VNNI
+    q3kx8_group<NT, READY>(group, nb / 8, ready, x.xq, x.xd, x.xhigh16, x.out);
+#else
+    q3kx8_group<NT, READY>(group, nb / 8, ready, x.xq, x.xd, x.xsum16, x.out);
+#endif
+  }
+};
 
 #ifndef GGML_VNNI
-// NT tokens a pass over one Q6_K group, for tokens [t, end).
-template <int NT, bool READY>
-static int64_t q6kx8_pass(const uint8_t* group, const Q6kBlock* ready, int64_t nb, const Act& a, int64_t k, float* y,
-                          int64_t stride, int64_t t, int64_t end) {
-  for (; t + NT <= end; t += NT) {
-    const Tokens<NT> x(a, k, nb, y, stride, t);
+struct Q6kX8 {
+  using Block = Q6kBlock;
+  static constexpr int64_t unbuffered = 4;
+  static void unpack(const uint8_t* group, int64_t b, Block& u) { q6kx8_unpack(group + (b / 8) * 1680, b % 8, u); }
+  template <int NT, bool READY>
+  static void run(const uint8_t* group, const Block* ready, int64_t nb, const Tokens<NT>& x) {
     q6kx8_group<NT, READY>(group, nb / 8, ready, x.xq, x.xd, x.xsum16, x.out);
   }
-  return t;
-}
+};
 
-// As q3kx8_tokens: more than one pass of four, the group's blocks unpacked once into the thread's buffer (352
-// bytes a block of 32: 22 KB for 2048 columns) that the passes read, rather than once a pass.
-static void q6kx8_tokens(const uint8_t* group, int64_t nb, const Act& a, int64_t k, float* y, int64_t stride) {
-  if (a.n <= 4) {
-    int64_t t = q6kx8_pass<4, false>(group, nullptr, nb, a, k, y, stride, 0, a.n);
-    t = q6kx8_pass<2, false>(group, nullptr, nb, a, k, y, stride, t, a.n);
-    q6kx8_pass<1, false>(group, nullptr, nb, a, k, y, stride, t, a.n);
-    return;
-  }
-  Q6kBlock* ready = thread_blocks<Q6kBlock>(nb);
-  for (int64_t b = 0; b < nb; ++b) q6kx8_unpack(group + (b / 8) * 1680, b % 8, ready[b]);
-  int64_t t = q6kx8_pass<4, true>(group, ready, nb, a, k, y, stride, 0, a.n);
-  t = q6kx8_pass<2, true>(group, ready, nb, a, k, y, stride, t, a.n);
-  q6kx8_pass<1, true>(group, ready, nb, a, k, y, stride, t, a.n);
-}
-
-// NT tokens a pass over one IQ4_NL/IQ4_XS group, for tokens [t, end).
-template <bool XS, int NT, bool READY>
-static int64_t iq4x8_pass(const uint8_t* group, const Iq4Block* ready, int64_t nb, const Act& a, int64_t k, float* y,
-                          int64_t stride, int64_t t, int64_t end) {
-  for (; t + NT <= end; t += NT) {
-    const Tokens<NT> x(a, k, nb, y, stride, t);
+template <bool XS>
+struct Iq4X8 {
+  using Block = Iq4Block;
+  static constexpr int64_t unbuffered = 4;
+  static void unpack(const uint8_t* group, int64_t b, Block& u) { iq4x8_unpack<XS>(group, b, u); }
+  template <int NT, bool READY>
+  static void run(const uint8_t* group, const Block* ready, int64_t nb, const Tokens<NT>& x) {
     iq4x8_group<XS, NT, READY>(group, nb, ready, x.xq, x.xd, x.out);
   }
-  return t;
-}
-
-// As q6kx8_tokens (576 bytes a block of 32: 36 KB for 2048 columns).
-template <bool XS>
-static void iq4x8_tokens(const uint8_t* group, int64_t nb, const Act& a, int64_t k, float* y, int64_t stride) {
-  if (a.n <= 4) {
-    int64_t t = iq4x8_pass<XS, 4, false>(group, nullptr, nb, a, k, y, stride, 0, a.n);
-    t = iq4x8_pass<XS, 2, false>(group, nullptr, nb, a, k, y, stride, t, a.n);
-    iq4x8_pass<XS, 1, false>(group, nullptr, nb, a, k, y, stride, t, a.n);
-    return;
-  }
-  Iq4Block* ready = thread_blocks<Iq4Block>(nb);
-  for (int64_t b = 0; b < nb; ++b) iq4x8_unpack<XS>(group, b, ready[b]);
-  int64_t t = iq4x8_pass<XS, 4, true>(group, ready, nb, a, k, y, stride, 0, a.n);
-  t = iq4x8_pass<XS, 2, true>(group, ready, nb, a, k, y, stride, t, a.n);
-  iq4x8_pass<XS, 1, true>(group, ready, nb, a, k, y, stride, t, a.n);
-}
+};
 #endif
 
 #ifdef GGML_VNNI
@@ -1488,7 +1459,7 @@ static int64_t q3kx16_pass(const uint8_t* group, int64_t pitch, const Q3kBlock16
   return t;
 }
 
-// As q3kx8_tokens: the two groups' blocks unpacked once into the thread's buffer when there is more than one pass.
+// As unpacked_tokens: the two groups' blocks unpacked once into the thread's buffer when there is more than one pass.
 static void q3kx16_tokens(const uint8_t* group, int64_t pitch, int64_t nb, const Act& a, int64_t k, float* y,
                           int64_t stride, int64_t t0 = 0) {
   if (a.n - t0 <= 4) {
