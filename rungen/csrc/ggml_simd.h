@@ -1097,7 +1097,9 @@ struct Q6kX8 {
 template <bool XS>
 struct Iq4X8 {
   using Block = Iq4Block;
-  static constexpr int64_t unbuffered = 4;
+  // Its block is four times the packed one and its unpacking cheap: buffered at 8-13 tokens it measured 0.84-0.97x
+  // the passes unpacking for themselves, at 28 and 64 1.03-1.16x.
+  static constexpr int64_t unbuffered = 24;
   static void unpack(const uint8_t* group, int64_t b, Block& u) { iq4x8_unpack<XS>(group, b, u); }
   template <int NT, bool READY>
   static void run(const uint8_t* group, const Block* ready, int64_t nb, const Tokens<NT>& x) {
@@ -1500,8 +1502,10 @@ static void x16_tokens(const uint8_t* group, int64_t pitch, int64_t nb, const Ac
   if constexpr (BASE == Q4_K || BASE == Q5_K || BASE == Q6_K || BASE == IQ4_NL || BASE == IQ4_XS) {
     // More than two passes of four: the pair's blocks unpacked once into the thread's buffer (768 bytes a block
     // of 32: 48 KB for 2048 columns), as q3kx16_tokens does, rather than once a pass (at two passes, 8 tokens,
-    // writing and reading the buffer measured 0.96x unpacking twice).
-    if (a.n - t0 > 8) {
+    // writing and reading the buffer measured 0.96x unpacking twice). IQ4_NL (the cheapest to unpack, a block five
+    // times its packed size) from 25 tokens: buffered at 12 and 16 it measured 0.90-0.94x.
+    constexpr int64_t unbuffered = BASE == IQ4_NL ? 24 : 8;
+    if (a.n - t0 > unbuffered) {
       K16Block* ready = thread_blocks<K16Block>(nb);
       for (int64_t b = 0; b < nb; ++b)
         if constexpr (BASE == IQ4_NL || BASE == IQ4_XS)
