@@ -1040,41 +1040,44 @@ static void q3kx8_group(const uint8_t* group, int64_t nsb, const Q3kBlock* ready
   for (int t = 0; t < NT; ++t) _mm256_storeu_ps(out[t], acc[t]);
 }
 
-// The X8 kernels whose passes can read a group's blocks unpacked (Q3_K; on AVX2 Q6_K and IQ4): Kernel::Block, one
-// block unpacked; Kernel::unpack(group, b, block); Kernel::run<NT, READY>(group, ready, nb, tokens), one pass of NT
-// tokens over the group (READY: from `ready`, else unpacking each block itself); Kernel::unbuffered, up to how many
-// tokens the passes unpack for themselves.
+// The kernels whose passes can read their blocks unpacked (X8: Q3_K, and on AVX2 Q6_K and IQ4; X16: the k-quants
+// and IQ4). A Kernel value says where its rows are (one group, or two pitch apart) and gives: Kernel::Block, one
+// block unpacked; unpack(b, block); run<NT, READY>(ready, nb, tokens), one pass of NT tokens over the rows (READY:
+// from `ready`, else unpacking each block itself); Kernel::unbuffered, up to how many tokens the passes unpack for
+// themselves.
 template <class Kernel, int NT, bool READY>
-static int64_t unpacked_pass(const uint8_t* group, const typename Kernel::Block* ready, int64_t nb, const Act& a,
+static int64_t unpacked_pass(const Kernel& kernel, const typename Kernel::Block* ready, int64_t nb, const Act& a,
                              int64_t k, float* y, int64_t stride, int64_t t) {
-  for (; t + NT <= a.n; t += NT) Kernel::template run<NT, READY>(group, ready, nb, Tokens<NT>(a, k, nb, y, stride, t));
+  for (; t + NT <= a.n; t += NT) kernel.template run<NT, READY>(ready, nb, Tokens<NT>(a, k, nb, y, stride, t));
   return t;
 }
 
-// A group against every token, four, two, then one a pass. More than Kernel::unbuffered tokens: the group's blocks
-// unpacked once, into a buffer of the thread's (Q3_K and Q6_K: 352 bytes a block of 32, 22 KB for 2048 columns;
-// IQ4: 576) that the passes read, rather than once a pass.
+// The rows against tokens [t0, a.n), four, two, then one a pass. More than Kernel::unbuffered of them: the blocks
+// unpacked once, into a buffer of the thread's that the passes read, rather than once a pass (X8: Q3_K's and Q6_K's
+// 352 bytes a block of 32, 22 KB for 2048 columns, IQ4's 576; X16: 768 and 48 KB).
 template <class Kernel>
-static void unpacked_tokens(const uint8_t* group, int64_t nb, const Act& a, int64_t k, float* y, int64_t stride) {
-  if (a.n <= Kernel::unbuffered) {
-    int64_t t = unpacked_pass<Kernel, 4, false>(group, nullptr, nb, a, k, y, stride, 0);
-    t = unpacked_pass<Kernel, 2, false>(group, nullptr, nb, a, k, y, stride, t);
-    unpacked_pass<Kernel, 1, false>(group, nullptr, nb, a, k, y, stride, t);
+static void unpacked_tokens(const Kernel& kernel, int64_t nb, const Act& a, int64_t k, float* y, int64_t stride,
+                            int64_t t0 = 0) {
+  if (a.n - t0 <= Kernel::unbuffered) {
+    int64_t t = unpacked_pass<Kernel, 4, false>(kernel, nullptr, nb, a, k, y, stride, t0);
+    t = unpacked_pass<Kernel, 2, false>(kernel, nullptr, nb, a, k, y, stride, t);
+    unpacked_pass<Kernel, 1, false>(kernel, nullptr, nb, a, k, y, stride, t);
     return;
   }
   typename Kernel::Block* ready = thread_blocks<typename Kernel::Block>(nb);
-  for (int64_t b = 0; b < nb; ++b) Kernel::unpack(group, b, ready[b]);
-  int64_t t = unpacked_pass<Kernel, 4, true>(group, ready, nb, a, k, y, stride, 0);
-  t = unpacked_pass<Kernel, 2, true>(group, ready, nb, a, k, y, stride, t);
-  unpacked_pass<Kernel, 1, true>(group, ready, nb, a, k, y, stride, t);
+  for (int64_t b = 0; b < nb; ++b) kernel.unpack(b, ready[b]);
+  int64_t t = unpacked_pass<Kernel, 4, true>(kernel, ready, nb, a, k, y, stride, t0);
+  t = unpacked_pass<Kernel, 2, true>(kernel, ready, nb, a, k, y, stride, t);
+  unpacked_pass<Kernel, 1, true>(kernel, ready, nb, a, k, y, stride, t);
 }
 
 struct Q3kX8 {
+  const uint8_t* group;
   using Block = Q3kBlock;
   static constexpr int64_t unbuffered = 4;
-  static void unpack(const uint8_t* group, int64_t b, Block& u) { q3kx8_unpack(group + (b / 8) * 912, b % 8, u); }
+  void unpack(int64_t b, Block& u) const { q3kx8_unpack(group + (b / 8) * 912, b % 8, u); }
   template <int NT, bool READY>
-  static void run(const uint8_t* group, const Block* ready, int64_t nb, const Tokens<NT>& x) {
+  void run(const Block* ready, int64_t nb, const Tokens<NT>& x) const {
 #ifdef GGML_VNNI
     q3kx8_group<NT, READY>(group, nb / 8, ready, x.xq, x.xd, x.xhigh16, x.out);
 #else
@@ -1085,24 +1088,26 @@ struct Q3kX8 {
 
 #ifndef GGML_VNNI
 struct Q6kX8 {
+  const uint8_t* group;
   using Block = Q6kBlock;
   static constexpr int64_t unbuffered = 4;
-  static void unpack(const uint8_t* group, int64_t b, Block& u) { q6kx8_unpack(group + (b / 8) * 1680, b % 8, u); }
+  void unpack(int64_t b, Block& u) const { q6kx8_unpack(group + (b / 8) * 1680, b % 8, u); }
   template <int NT, bool READY>
-  static void run(const uint8_t* group, const Block* ready, int64_t nb, const Tokens<NT>& x) {
+  void run(const Block* ready, int64_t nb, const Tokens<NT>& x) const {
     q6kx8_group<NT, READY>(group, nb / 8, ready, x.xq, x.xd, x.xsum16, x.out);
   }
 };
 
 template <bool XS>
 struct Iq4X8 {
+  const uint8_t* group;
   using Block = Iq4Block;
   // Its block is four times the packed one and its unpacking cheap: buffered at 8-13 tokens it measured 0.84-0.97x
   // the passes unpacking for themselves, at 28 and 64 1.03-1.16x.
   static constexpr int64_t unbuffered = 24;
-  static void unpack(const uint8_t* group, int64_t b, Block& u) { iq4x8_unpack<XS>(group, b, u); }
+  void unpack(int64_t b, Block& u) const { iq4x8_unpack<XS>(group, b, u); }
   template <int NT, bool READY>
-  static void run(const uint8_t* group, const Block* ready, int64_t nb, const Tokens<NT>& x) {
+  void run(const Block* ready, int64_t nb, const Tokens<NT>& x) const {
     iq4x8_group<XS, NT, READY>(group, nb, ready, x.xq, x.xd, x.out);
   }
 };
@@ -1449,78 +1454,73 @@ static void q3kx16_group(const uint8_t* group, int64_t pitch, int64_t nsb, const
   for (int t = 0; t < NT; ++t) _mm512_storeu_ps(out[t], acc[t]);
 }
 
-template <int NT, bool READY>
-static int64_t q3kx16_pass(const uint8_t* group, int64_t pitch, const Q3kBlock16* ready, int64_t nb, const Act& a,
-                           int64_t k, float* y, int64_t stride, int64_t t, int64_t end) {
-  for (; t + NT <= end; t += NT) {
-    const Tokens<NT> x(a, k, nb, y, stride, t);
-    const int32_t* high16[NT];
-    for (int i = 0; i < NT; ++i) high16[i] = a.high16 + (t + i) * 2 * nb;
-    q3kx16_group<NT, READY>(group, pitch, nb / 8, ready, x.xq, x.xd, high16, x.out);
+// X16's kernels whose passes can read the pair's blocks unpacked (as unpacked_tokens describes): the unpacking
+// once pays from three passes of four (at two, 8 tokens, writing and reading the buffer measured 0.96x unpacking
+// twice), IQ4_NL's (the cheapest to unpack, a block five times its packed size) from 25 tokens (buffered at 12 and
+// 16 it measured 0.90-0.94x); Q3_K's from two passes.
+template <int64_t BASE>
+struct K16 {
+  const uint8_t* group;
+  int64_t pitch;
+  static constexpr bool IQ4 = BASE == IQ4_NL || BASE == IQ4_XS;
+  using Block = K16Block;
+  static constexpr int64_t unbuffered = BASE == IQ4_NL ? 24 : 8;
+  void unpack(int64_t b, Block& u) const {
+    if constexpr (IQ4)
+      iq4x16_unpack<BASE == IQ4_XS>(group, pitch, b, u);
+    else
+      kx16_unpack<BASE>(group + (b / 8) * kx16_bytes<BASE>(), pitch, b % 8, u);
   }
-  return t;
-}
-
-// As unpacked_tokens: the two groups' blocks unpacked once into the thread's buffer when there is more than one pass.
-static void q3kx16_tokens(const uint8_t* group, int64_t pitch, int64_t nb, const Act& a, int64_t k, float* y,
-                          int64_t stride, int64_t t0 = 0) {
-  if (a.n - t0 <= 4) {
-    int64_t t = q3kx16_pass<4, false>(group, pitch, nullptr, nb, a, k, y, stride, t0, a.n);
-    t = q3kx16_pass<2, false>(group, pitch, nullptr, nb, a, k, y, stride, t, a.n);
-    q3kx16_pass<1, false>(group, pitch, nullptr, nb, a, k, y, stride, t, a.n);
-    return;
+  template <int NT, bool READY>
+  void run(const Block* ready, int64_t nb, const Tokens<NT>& x) const {
+    if constexpr (IQ4)
+      x16_group_iq4<BASE == IQ4_XS, NT, READY>(group, pitch, nb, ready, x.xq, x.xd, x.xsum, x.out);
+    else
+      kx16_group<BASE, NT, READY>(group, pitch, nb / 8, ready, x.xq, x.xd, x.xs, x.xsum16, x.out);
   }
-  Q3kBlock16* ready = thread_blocks<Q3kBlock16>(nb);
-  for (int64_t b = 0; b < nb; ++b) q3kx16_unpack(group + (b / 8) * 912, pitch, b % 8, ready[b]);
-  int64_t t = q3kx16_pass<4, true>(group, pitch, ready, nb, a, k, y, stride, t0, a.n);
-  t = q3kx16_pass<2, true>(group, pitch, ready, nb, a, k, y, stride, t, a.n);
-  q3kx16_pass<1, true>(group, pitch, ready, nb, a, k, y, stride, t, a.n);
-}
+};
 
-template <int64_t BASE, int NT, bool READY = false>
+struct Q3kX16 {
+  const uint8_t* group;
+  int64_t pitch;
+  using Block = Q3kBlock16;
+  static constexpr int64_t unbuffered = 4;
+  void unpack(int64_t b, Block& u) const { q3kx16_unpack(group + (b / 8) * 912, pitch, b % 8, u); }
+  template <int NT, bool READY>
+  void run(const Block* ready, int64_t nb, const Tokens<NT>& x) const {
+    q3kx16_group<NT, READY>(group, pitch, nb / 8, ready, x.xq, x.xd, x.xhigh16, x.out);
+  }
+};
+
+// The types whose blocks are cheap enough to unpack in every pass (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0).
+template <int64_t BASE, int NT>
 static int64_t x16_pass(const uint8_t* group, int64_t pitch, int64_t nb, const Act& a, int64_t k, float* y,
-                        int64_t stride, int64_t t, int64_t end, const K16Block* ready = nullptr) {
-  for (; t + NT <= end; t += NT) {
+                        int64_t stride, int64_t t) {
+  for (; t + NT <= a.n; t += NT) {
     const Tokens<NT> x(a, k, nb, y, stride, t);
     if constexpr (BASE == Q8_0)
       x16_group_q8<NT>(group, pitch, nb, x.xq, x.xd, x.xsum, x.out);
-    else if constexpr (BASE == IQ4_NL || BASE == IQ4_XS)
-      x16_group_iq4<BASE == IQ4_XS, NT, READY>(group, pitch, nb, ready, x.xq, x.xd, x.xsum, x.out);
     else if constexpr (BASE == Q5_0 || BASE == Q5_1)
       x16_group_q5<BASE == Q5_1, NT>(group, pitch, nb, x.xq, x.xd, x.xs, x.out);
-    else if constexpr (BASE == Q4_K || BASE == Q5_K || BASE == Q6_K)
-      kx16_group<BASE, NT, READY>(group, pitch, nb / 8, ready, x.xq, x.xd, x.xs, x.xsum16, x.out);
     else
       x16_group<BASE == Q4_1, NT>(group, pitch, nb, x.xq, x.xd, x.xs, x.out);
   }
   return t;
 }
 
+// Two groups (pitch bytes apart) against tokens [t0, a.n).
 template <int64_t BASE>
 static void x16_tokens(const uint8_t* group, int64_t pitch, int64_t nb, const Act& a, int64_t k, float* y,
                        int64_t stride, int64_t t0 = 0) {
-  if constexpr (BASE == Q4_K || BASE == Q5_K || BASE == Q6_K || BASE == IQ4_NL || BASE == IQ4_XS) {
-    // More than two passes of four: the pair's blocks unpacked once into the thread's buffer (768 bytes a block
-    // of 32: 48 KB for 2048 columns), as q3kx16_tokens does, rather than once a pass (at two passes, 8 tokens,
-    // writing and reading the buffer measured 0.96x unpacking twice). IQ4_NL (the cheapest to unpack, a block five
-    // times its packed size) from 25 tokens: buffered at 12 and 16 it measured 0.90-0.94x.
-    constexpr int64_t unbuffered = BASE == IQ4_NL ? 24 : 8;
-    if (a.n - t0 > unbuffered) {
-      K16Block* ready = thread_blocks<K16Block>(nb);
-      for (int64_t b = 0; b < nb; ++b)
-        if constexpr (BASE == IQ4_NL || BASE == IQ4_XS)
-          iq4x16_unpack<BASE == IQ4_XS>(group, pitch, b, ready[b]);
-        else
-          kx16_unpack<BASE>(group + (b / 8) * kx16_bytes<BASE>(), pitch, b % 8, ready[b]);
-      int64_t t = x16_pass<BASE, 4, true>(group, pitch, nb, a, k, y, stride, t0, a.n, ready);
-      t = x16_pass<BASE, 2, true>(group, pitch, nb, a, k, y, stride, t, a.n, ready);
-      x16_pass<BASE, 1, true>(group, pitch, nb, a, k, y, stride, t, a.n, ready);
-      return;
-    }
+  if constexpr (BASE == Q3_K) {
+    unpacked_tokens(Q3kX16{group, pitch}, nb, a, k, y, stride, t0);
+  } else if constexpr (BASE == Q4_K || BASE == Q5_K || BASE == Q6_K || BASE == IQ4_NL || BASE == IQ4_XS) {
+    unpacked_tokens(K16<BASE>{group, pitch}, nb, a, k, y, stride, t0);
+  } else {
+    int64_t t = x16_pass<BASE, 4>(group, pitch, nb, a, k, y, stride, t0);
+    t = x16_pass<BASE, 2>(group, pitch, nb, a, k, y, stride, t);
+    x16_pass<BASE, 1>(group, pitch, nb, a, k, y, stride, t);
   }
-  int64_t t = x16_pass<BASE, 4>(group, pitch, nb, a, k, y, stride, t0, a.n);
-  t = x16_pass<BASE, 2>(group, pitch, nb, a, k, y, stride, t, a.n);
-  x16_pass<BASE, 1>(group, pitch, nb, a, k, y, stride, t, a.n);
 }
 
 #endif

@@ -21,22 +21,19 @@ static void x8_span(const Job& job, int64_t g0, int64_t g1) {
       float* y = job.y + 8 * g;
       if (tiled) amx_pair<BASE>(group, job.pitch, nb, a, job.in_features, y, job.out_features, tiled);
       if (tiled == a.n) continue;
-      if constexpr (BASE == Q3_K)
-        q3kx16_tokens(group, job.pitch, nb, a, job.in_features, y, job.out_features, tiled);
-      else
-        x16_tokens<BASE>(group, job.pitch, nb, a, job.in_features, y, job.out_features, tiled);
+      x16_tokens<BASE>(group, job.pitch, nb, a, job.in_features, y, job.out_features, tiled);
     }
   if (tiled) amx_release();
 #endif
   for (; g < g1; ++g) {
     const uint8_t* group = job.blocks + g * job.pitch;
     if constexpr (BASE == Q3_K)
-      unpacked_tokens<Q3kX8>(group, nb, a, job.in_features, job.y + 8 * g, job.out_features);
+      unpacked_tokens(Q3kX8{group}, nb, a, job.in_features, job.y + 8 * g, job.out_features);
 #ifndef GGML_VNNI
     else if constexpr (BASE == Q6_K)
-      unpacked_tokens<Q6kX8>(group, nb, a, job.in_features, job.y + 8 * g, job.out_features);
+      unpacked_tokens(Q6kX8{group}, nb, a, job.in_features, job.y + 8 * g, job.out_features);
     else if constexpr (BASE == IQ4_NL || BASE == IQ4_XS)
-      unpacked_tokens<Iq4X8<BASE == IQ4_XS>>(group, nb, a, job.in_features, job.y + 8 * g, job.out_features);
+      unpacked_tokens(Iq4X8<BASE == IQ4_XS>{group}, nb, a, job.in_features, job.y + 8 * g, job.out_features);
 #endif
     else
       x8_tokens<BASE>(group, nb, a, job.in_features, job.y + 8 * g, job.out_features);

@@ -256,8 +256,10 @@ def test_interleaved_rows_match_reference_with_the_same_bits_on_every_path_and_a
 @pytest.mark.parametrize("qtype", ggml.INTERLEAVED_TYPES, ids=lambda q: q.name)
 def test_interleaved_rows_give_each_token_its_bits_for_every_count_of_tokens(qtype, each_isa):
     # The kernels take tokens a few at a time (a pass of four, then two, then one) and, with several tokens on
-    # AVX-512, groups of eight rows two at a time (an odd group left over with 24 rows): every count from 1 to 17
-    # and 33 leaves other remainders, and each token's product must be the one it gets alone, on every path.
+    # AVX-512, groups of eight rows two at a time (an odd group left over with 24 rows; the k-quants' and IQ4's
+    # blocks unpacked once for all passes past a few tokens; on AMX, sixteen tokens a tile and the rest so): every
+    # count from 1 to 17, 29 (AMX: 13 left after the tile) and 33 leaves other remainders, and each token's product
+    # must be the one it gets alone, on every path.
     paths = isas()
     ops = torch.ops.rungen_ggml
     in_features = 512
@@ -274,7 +276,7 @@ def test_interleaved_rows_give_each_token_its_bits_for_every_count_of_tokens(qty
                 check_native(alone, x, dequantize(blocks, qtype, in_features))
                 reference = alone
             assert torch.equal(alone, reference), (rows, isa)
-            for n in list(range(1, 18)) + [33]:
+            for n in list(range(1, 18)) + [29, 33]:
                 assert torch.equal(ops.mm_int(x[:n], x8, code, in_features), alone[:n]), (rows, isa, n)
 
 
