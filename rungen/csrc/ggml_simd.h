@@ -399,7 +399,7 @@ static void rows(const Job& job, int64_t r0, int64_t r1) {
 // (the maximum of |x| is exact in any order, x * inv is the same product, and the rounding the same: to nearest,
 // ties to even, as nearbyint in the default mode). A NaN is passed over in the maximum, as std::max passes it.
 static void quantize_blocks(const float* x, int64_t b0, int64_t b1, int8_t* q, float* d, float* s, float* s16,
-                            int32_t* sum, int32_t* sum16, int32_t* high16) {
+                            int32_t* sum, int32_t* sum16, int32_t* high16, int32_t* off16) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t b = b0; b < b1; ++b) {
@@ -434,6 +434,8 @@ static void quantize_blocks(const float* x, int64_t b0, int64_t b1, int8_t* q, f
     sum16[2 * b + 1] = halves[1];
     high16[2 * b] = halves[0] * 65536 + 16384;
     high16[2 * b + 1] = halves[1] * 65536 + 16384;
+    off16[2 * b] = -32 * halves[0];
+    off16[2 * b + 1] = -32 * halves[1];
     s[b] = scale * float(halves[0] + halves[1]);
     s16[2 * b] = scale * float(halves[0]);
     s16[2 * b + 1] = scale * float(halves[1]);
@@ -612,12 +614,13 @@ static inline __m256i kx8_half(const __m256i* w, const int8_t* x, __m256i sc) {
 // (codes i and 16 + i of each row's lane), Q5_K's fifth bits and Q6_K's two high bits shifted into place from
 // one or two more loads. The integer sum per row (Q4_K: eight maddubs pairs of at most 2 * 15 * 127 in int16,
 // weighted once; Q5_K: each half's four pairs of at most 2 * 31 * 127; Q6_K, VNNI build only (AVX2 takes
-// q6kx8_group): the unsigned codes by dpbusd, less 32 times the half's integer sum of activations, xsum16, each
-// half by its own scale) is exact, and then per block and token one multiply-add for eight rows,
-// and one more for the mins of Q4_K/Q5_K: the arithmetic x8_rows of the scalar path does row by row.
+// q6kx8_group): the unsigned codes by dpbusd, less 32 times the half's integer sum of activations (Act's off16,
+// loaded rather than computed a token and block), each half by its own scale) is exact, and then per block and
+// token one multiply-add for eight rows, and one more for the mins of Q4_K/Q5_K: the arithmetic x8_rows of the
+// scalar path does row by row.
 template <int64_t BASE, int NT>
 static void kx8_group(const uint8_t* group, int64_t nsb, const int8_t* const* xq, const float* const* xd,
-                      const float* const* xs, const int32_t* const* xsum16, float* const* out) {
+                      const float* const* xs, const int32_t* const* xoff16, float* const* out) {
   constexpr bool Q6 = BASE == Q6_K, Q5 = BASE == Q5_K;
 #ifndef GGML_VNNI
   static_assert(!Q6, "AVX2's Q6_K is q6kx8_group's");
@@ -688,8 +691,8 @@ static void kx8_group(const uint8_t* group, int64_t nsb, const int8_t* const* xq
 #ifdef GGML_VNNI
           // The unsigned codes (0..63) as they are, less 32 times the half's integer sum of activations: the
           // same integer as (q - 32) . xq, with no sign instruction per token.
-          __m256i dot0 = _mm256_set1_epi32(-32 * xsum16[t][2 * b]);
-          __m256i dot1 = _mm256_set1_epi32(-32 * xsum16[t][2 * b + 1]);
+          __m256i dot0 = _mm256_set1_epi32(xoff16[t][2 * b]);
+          __m256i dot1 = _mm256_set1_epi32(xoff16[t][2 * b + 1]);
           dpbusd_block(dot0, dot1, lo, hi, x);
           dot = _mm256_add_epi32(_mm256_mullo_epi32(dot0, sc0), _mm256_mullo_epi32(dot1, sc1));
 #endif
@@ -893,7 +896,7 @@ template <int NT>
 struct Tokens {
   const int8_t* xq[NT];
   const float *xd[NT], *xs[NT];
-  const int32_t *xsum[NT], *xsum16[NT], *xhigh16[NT];
+  const int32_t *xsum[NT], *xsum16[NT], *xhigh16[NT], *xoff16[NT];
   float* out[NT];
   Tokens(const Act& a, int64_t k, int64_t nb, float* y, int64_t stride, int64_t t) {
     for (int i = 0; i < NT; ++i) {
@@ -903,6 +906,7 @@ struct Tokens {
       xsum[i] = a.sum + (t + i) * nb;
       xsum16[i] = a.sum16 + (t + i) * nb * 2;
       xhigh16[i] = a.high16 + (t + i) * nb * 2;
+      xoff16[i] = a.off16 + (t + i) * nb * 2;
       out[i] = y + (t + i) * stride;
     }
   }
@@ -923,7 +927,7 @@ static int64_t x8_pass(const uint8_t* group, int64_t nb, const Act& a, int64_t k
     else if constexpr (BASE == Q5_0 || BASE == Q5_1)
       x8_group_q5<BASE == Q5_1, NT>(group, nb, x.xq, x.xd, x.xs, x.out);
     else if constexpr (BASE == Q4_K || BASE == Q5_K || BASE == Q6_K)
-      kx8_group<BASE, NT>(group, nb / 8, x.xq, x.xd, x.xs, x.xsum16, x.out);
+      kx8_group<BASE, NT>(group, nb / 8, x.xq, x.xd, x.xs, x.xoff16, x.out);
     else
       x8_group<BASE == Q4_1, NT>(group, nb, x.xq, x.xd, x.xs, x.out);
   }
@@ -1322,7 +1326,7 @@ static inline void kx16_unpack(const uint8_t* p, int64_t pitch, int64_t j, K16Bl
 template <int64_t BASE, int NT, bool READY>
 static void kx16_group(const uint8_t* group, int64_t pitch, int64_t nsb, const K16Block* ready,
                        const int8_t* const* xq, const float* const* xd, const float* const* xs,
-                       const int32_t* const* xsum16, float* const* out) {
+                       const int32_t* const* xoff16, float* const* out) {
   constexpr bool Q6 = BASE == Q6_K;
   __m512 acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
@@ -1338,8 +1342,8 @@ static void kx16_group(const uint8_t* group, int64_t pitch, int64_t nsb, const K
         const int8_t* x = xq[t] + b * 32;
         __m512 dot;
         if (Q6) {
-          __m512i dot0 = _mm512_set1_epi32(-32 * xsum16[t][2 * b]);
-          __m512i dot1 = _mm512_set1_epi32(-32 * xsum16[t][2 * b + 1]);
+          __m512i dot0 = _mm512_set1_epi32(xoff16[t][2 * b]);
+          __m512i dot1 = _mm512_set1_epi32(xoff16[t][2 * b + 1]);
           dpbusd_block16(dot0, dot1, u.w, u.w + 4, x);
           dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot0), u.sc0, _mm512_mul_ps(_mm512_cvtepi32_ps(dot1), u.sc1));
         } else {
@@ -1476,7 +1480,7 @@ struct K16 {
     if constexpr (IQ4)
       x16_group_iq4<BASE == IQ4_XS, NT, READY>(group, pitch, nb, ready, x.xq, x.xd, x.xsum, x.out);
     else
-      kx16_group<BASE, NT, READY>(group, pitch, nb / 8, ready, x.xq, x.xd, x.xs, x.xsum16, x.out);
+      kx16_group<BASE, NT, READY>(group, pitch, nb / 8, ready, x.xq, x.xd, x.xs, x.xoff16, x.out);
   }
 };
 
