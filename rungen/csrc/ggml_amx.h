@@ -8,40 +8,43 @@
 // unit's layout (a tile row of 64 bytes holds four consecutive codes of each of the 16 rows, which is what one
 // X16 register of codes already is), signed where the VNNI kernels offset them to unsigned, and the block's
 // scales as the X16 kernels load them. Then for each 16 tokens and each block: one tile product (TDPBSSD or
-// TDPBSUD; or two of 16 columns each for the types scaled per half block) gives the exact integer sums of
-// 16 tokens x 16 rows, and each token's row of them is scaled and added as x16_group's: the same integers, the
-// same float operations in the same order, so the same bits as every other path. The integer scales of Q4_K,
-// Q5_K, IQ4_XS and Q6_K multiply in float (the block's weighted sum is an integer below 2^24, which float
-// holds exactly: the same value as the VNNI kernels' integer product, in fewer instructions). Q3_K's scales go
-// into its codes instead (q3k_fold), so its blocks take one product each and no float scaling.
+// TDPBSUD) gives the exact integer sums of 16 tokens x 16 rows, and each token's row of them is scaled and added
+// as x16_group's: the same integers, the same float operations in the same order, so the same bits as every other
+// path. The integer scales of Q4_K, Q5_K and IQ4_XS multiply in float (the block's weighted sum is an integer
+// below 2^24, which float holds exactly: the same value as the VNNI kernels' integer product, in fewer
+// instructions). Q3_K's scales go into its codes instead (q3k_fold), so its blocks take one product each and no
+// float scaling. Q6_K stays on the X16 kernels (amx_takes).
 
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-int8")
 
-// The tile registers (palette 1), configured by amx_configure for a type. Types weighted per block: the
-// activations and codes of a whole block (16 tokens x 32 bytes, 8 x 64 bytes) in 0 and 4, or 1 and 5 for the next
-// block, their int32 sums (16 tokens x 16 rows) in 2 or 3. Types weighted per half block (amx_halves): a half's
-// activations (16 x 16 bytes) in 0 and 1, its codes (4 x 64) in 4 and 5, the sums in 2 and 3.
+// The tile registers (palette 1), configured by amx_configure: the activations and codes of a whole block (16
+// tokens x 32 bytes, 8 x 64 bytes) in 0 and 4, or 1 and 5 for the next block, their int32 sums (16 tokens x 16
+// rows) in 2 or 3.
 struct alignas(64) TileConfig {
   uint8_t palette, start_row, reserved[14];
   uint16_t colsb[16];
   uint8_t rows[16];
 };
 constexpr TileConfig whole_blocks = {1, 0, {}, {32, 32, 64, 64, 64, 64}, {16, 16, 16, 16, 8, 8}};
-constexpr TileConfig half_blocks = {1, 0, {}, {16, 16, 64, 64, 64, 64}, {16, 16, 16, 16, 4, 4}};
 
 // One block of a pair of groups, unpacked for the tiles: codes as tile rows r = 0..7 (row r holds the 16 rows'
-// codes 4r .. 4r + 3), the block's d, offset m and integer scales as the X16 kernels hold them.
+// codes 4r .. 4r + 3), the block's d, offset m and integer scale as the X16 kernels hold them.
 struct alignas(64) AmxBlock {
   uint8_t codes[512];
-  __m512 d, m, sc0, sc1;
+  __m512 d, m, sc0;
 };
 
-// Whether a type's codes go to the tiles signed (Q8_0, IQ4, Q6_K's q - 32, Q3_K's scaled codes) or unsigned,
-// whether its integer sums are weighted per half block (Q6_K) or per block (Q4_K, Q5_K, IQ4_XS), and whether it
-// has offsets m.
-constexpr bool amx_signed(int64_t t) { return t == Q8_0 || t == IQ4_NL || t == IQ4_XS || t == Q6_K || t == Q3_K; }
-constexpr bool amx_halves(int64_t t) { return t == Q6_K; }
+// Whether a type's prompts go through the tiles. Not Q6_K's: its scales are per 16 columns, so a block took two
+// tile products of 16 columns (a quarter of a tile's depth) and twice the float work per token, and since the X16
+// kernels read a pair's blocks unpacked once for all passes, they are faster (one product alone, 2 threads, the
+// two paths alternating call by call on a Sapphire Rapids: the tiles took 1.03-1.20x the X16 kernels' time at 16
+// to 512 tokens, on 5632 x 2048 and 2048 x 5632).
+constexpr bool amx_takes(int64_t t) { return t != Q6_K; }
+
+// Whether a type's codes go to the tiles signed (Q8_0, IQ4, Q3_K's scaled codes) or unsigned, whether its integer
+// sums are weighted per block (Q4_K, Q5_K, IQ4_XS), and whether it has offsets m.
+constexpr bool amx_signed(int64_t t) { return t == Q8_0 || t == IQ4_NL || t == IQ4_XS || t == Q3_K; }
 constexpr bool amx_scaled(int64_t t) { return t == Q4_K || t == Q5_K || t == IQ4_XS; }
 constexpr bool amx_offset(int64_t t) { return !amx_signed(t); }
 
@@ -62,7 +65,7 @@ template <int64_t BASE>
 static void amx_unpack(const uint8_t* group, int64_t pitch, int64_t b, AmxBlock& out) {
   __m512i w[8];
   __m512 d, m = _mm512_setzero_ps();
-  __m512i sc0 = _mm512_set1_epi32(1), sc1 = sc0;
+  __m512i sc0 = _mm512_set1_epi32(1);
   if constexpr (BASE == Q4_0 || BASE == Q4_1 || BASE == Q5_0 || BASE == Q5_1) {
     constexpr bool HAS_MIN = BASE == Q4_1 || BASE == Q5_1, Q5 = BASE == Q5_0 || BASE == Q5_1;
     const uint8_t* p = group + b * (Q5 ? (HAS_MIN ? 192 : 176) : (HAS_MIN ? 160 : 144));
@@ -94,48 +97,28 @@ static void amx_unpack(const uint8_t* group, int64_t pitch, int64_t b, AmxBlock&
     }
     d = _mm512_sub_ps(_mm512_setzero_ps(), pair_halves(p, pitch));
   } else {
-    static_assert(BASE == Q4_K || BASE == Q5_K || BASE == Q6_K);
+    static_assert(BASE == Q4_K || BASE == Q5_K);
     const int64_t j = b % 8;
     const uint8_t* p = group + (b / 8) * kx16_bytes<BASE>();
     kx16_codes<BASE>(p, pitch, j, w, w + 4);
     d = pair_halves(p, pitch);
-    if constexpr (BASE == Q6_K) {
-      const __m512i offset = _mm512_set1_epi8(32);
-      for (int k = 0; k < 8; ++k) w[k] = _mm512_sub_epi8(w[k], offset);
-      sc0 = pair_lanes_s8(p + 16 + 16 * j, pitch);
-      sc1 = pair_lanes_s8(p + 24 + 16 * j, pitch);
-    } else {
-      sc0 = pair_lanes_u8(p + 32 + 8 * j, pitch);
-      m = _mm512_mul_ps(kx16_neg_dmin(p, pitch), _mm512_cvtepi32_ps(pair_lanes_u8(p + 96 + 8 * j, pitch)));
-    }
+    sc0 = pair_lanes_u8(p + 32 + 8 * j, pitch);
+    m = _mm512_mul_ps(kx16_neg_dmin(p, pitch), _mm512_cvtepi32_ps(pair_lanes_u8(p + 96 + 8 * j, pitch)));
   }
   for (int r = 0; r < 8; ++r) _mm512_store_si512((__m512i*)(out.codes + 64 * r), w[r]);
   out.d = d;
   out.m = m;
   out.sc0 = _mm512_cvtepi32_ps(sc0);
-  out.sc1 = _mm512_cvtepi32_ps(sc1);
 }
 
 // The integer sums of a pair's panel blocks [0, n) (at most AMX_RUN) against tokens [t, t + 16) (their codes xq
-// from the panel's first block on, k bytes a token) into sums: per block 16 x 16 int32 (two such for amx_halves,
-// a half each), token-major.
+// from the panel's first block on, k bytes a token) into sums: per block 16 x 16 int32, token-major.
 constexpr int64_t AMX_RUN = 4;
 template <int64_t BASE>
 static inline void amx_sums(const AmxBlock* panel, int64_t n, const int8_t* xq, int64_t k, int32_t* sums) {
-  for (int64_t b = 0; b < n; ++b, sums += amx_halves(BASE) ? 512 : 256) {
+  for (int64_t b = 0; b < n; ++b, sums += 256) {
     const uint8_t* codes = panel[b].codes;
-    if constexpr (amx_halves(BASE)) {
-      _tile_loadd(0, xq + 32 * b, k);
-      _tile_loadd(1, xq + 32 * b + 16, k);
-      _tile_loadd(4, codes, 64);
-      _tile_loadd(5, codes + 256, 64);
-      _tile_zero(2);
-      _tile_zero(3);
-      _tile_dpbssd(2, 0, 4);
-      _tile_dpbssd(3, 1, 5);
-      _tile_stored(2, sums, 64);
-      _tile_stored(3, sums + 256, 64);
-    } else if (b % 2 == 0) {  // two blocks in flight: their tiles apart
+    if (b % 2 == 0) {  // two blocks in flight: their tiles apart
       _tile_loadd(0, xq + 32 * b, k);
       _tile_loadd(4, codes, 64);
       _tile_zero(2);
@@ -157,7 +140,7 @@ static inline void amx_sums(const AmxBlock* panel, int64_t n, const int8_t* xq, 
 template <int64_t BASE>
 static void amx_tokens16(const AmxBlock* panel, int64_t b0, int64_t n, const Act& a, int64_t k, int64_t nb,
                          int64_t t, float* y, int64_t stride) {
-  alignas(64) int32_t sums[AMX_RUN * 512];
+  alignas(64) int32_t sums[AMX_RUN * 256];
   const Tokens<16> x(a, k, nb, y, stride, t);
   __m512 acc[16];
   for (int i = 0; i < 16; ++i) acc[i] = b0 ? _mm512_loadu_ps(x.out[i]) : _mm512_setzero_ps();
@@ -166,14 +149,11 @@ static void amx_tokens16(const AmxBlock* panel, int64_t b0, int64_t n, const Act
     const int64_t run = std::min(n - r, AMX_RUN);
     amx_sums<BASE>(panel + r, run, xq + 32 * r, k, sums);
     const int32_t* s = sums;
-    for (int64_t b = b0 + r; b < b0 + r + run; ++b, s += amx_halves(BASE) ? 512 : 256) {
+    for (int64_t b = b0 + r; b < b0 + r + run; ++b, s += 256) {
       const AmxBlock& w = panel[b - b0];
       for (int i = 0; i < 16; ++i) {
         __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512((const __m512i*)(s + 16 * i)));
-        if constexpr (amx_halves(BASE))
-          dot = _mm512_fmadd_ps(dot, w.sc0,
-                                _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512((const __m512i*)(s + 256 + 16 * i))), w.sc1));
-        else if constexpr (amx_scaled(BASE))
+        if constexpr (amx_scaled(BASE))
           dot = _mm512_mul_ps(dot, w.sc0);
         acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(w.d, broadcast_f16(x.xd[i] + b)), acc[i]);
         if constexpr (amx_offset(BASE)) acc[i] = _mm512_fmadd_ps(w.m, broadcast_f16(x.xs[i] + b), acc[i]);
@@ -201,11 +181,7 @@ static void amx_pair(const uint8_t* group, int64_t pitch, int64_t nb, const Act&
     }
 }
 
-template <int64_t BASE>
-static void amx_configure() {
-  static const TileConfig config = amx_halves(BASE) ? half_blocks : whole_blocks;
-  _tile_loadconfig(&config);
-}
+static void amx_configure() { _tile_loadconfig(&whole_blocks); }
 
 static void amx_release() { _tile_release(); }
 

@@ -12,14 +12,16 @@ static void x8_span(const Job& job, int64_t g0, int64_t g1) {
   const int64_t nb = job.in_features / 32;
   int64_t g = g0;
 #ifdef GGML_VNNI
-  // With the tiles, sixteen tokens at a time through them, the rest (fewer than sixteen) as without.
-  const int64_t tiled = current_isa == AMX && a.n >= 16 && g + 2 <= g1 ? a.n / 16 * 16 : 0;
-  if (tiled) amx_configure<BASE>();
+  // With the tiles (every type but Q6_K), sixteen tokens at a time through them, the rest (fewer than sixteen) as
+  // without.
+  const int64_t tiled = current_isa == AMX && amx_takes(BASE) && a.n >= 16 && g + 2 <= g1 ? a.n / 16 * 16 : 0;
+  if (tiled) amx_configure();
   if (a.n >= 8)
     for (; g + 2 <= g1; g += 2) {
       const uint8_t* group = job.blocks + g * job.pitch;
       float* y = job.y + 8 * g;
-      if (tiled) amx_pair<BASE>(group, job.pitch, nb, a, job.in_features, y, job.out_features, tiled);
+      if constexpr (amx_takes(BASE))
+        if (tiled) amx_pair<BASE>(group, job.pitch, nb, a, job.in_features, y, job.out_features, tiled);
       if (tiled == a.n) continue;
       x16_tokens<BASE>(group, job.pitch, nb, a, job.in_features, y, job.out_features, tiled);
     }
