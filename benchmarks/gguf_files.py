@@ -51,6 +51,8 @@ FAMILIES = {
                   rope_base=10000.0, eps=1e-5, tied=False),  # TinyLlama-1.1B
     "qwen3": dict(arch="qwen3", layers=28, hidden=2048, ffn=6144, heads=16, kv_heads=8, head_dim=128,
                   rope_base=1000000.0, eps=1e-6, tied=True, qk_norm=True),  # Qwen3-1.7B
+    "qwen2": dict(arch="qwen2", layers=28, hidden=1536, ffn=8960, heads=12, kv_heads=2, head_dim=128,
+                  rope_base=1000000.0, eps=1e-6, tied=True, qkv_bias=True),  # Qwen2.5-1.5B
     # gemma-2-2b: heads of 256 over 2304, every other layer a 4096-token window, soft-capped attention and logits.
     "gemma2": dict(arch="gemma2", layers=26, hidden=2304, ffn=9216, heads=8, kv_heads=4, head_dim=256,
                    rope_base=10000.0, eps=1e-6, tied=True, gemma=True, context=8192, sliding_window=4096,
@@ -331,6 +333,9 @@ def write_family(path, family, qtype_name, tokenizer_source):
                      ("ffn_down", hidden, ffn))
         for part, rows, cols in parts:
             blocks(f"blk.{layer}.{part}.weight", rows, cols, qtype, small)
+        if shape.get("qkv_bias"):  # qwen2's q/k/v biases, float32 as its converter writes them
+            for part, rows in (("attn_q", q_rows), ("attn_k", kv_rows), ("attn_v", kv_rows)):
+                writer.add_tensor(f"blk.{layer}.{part}.bias", rng.normal(0, 0.02, rows).astype(np.float32))
     writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
     if not shape["tied"]:
         blocks("output.weight", vocab, hidden, Q.Q6_K, 0.0005)

@@ -35,7 +35,7 @@ if [ $# -gt 0 ]; then
 else
     default=$("$PYTHON" -c "from rungen.loading import default_model_file; print(default_model_file())")
     files=("$default")
-    for name in default-Q4_K_M llama-Q4_0 llama-Q4_K_M qwen3-Q4_K_M gemma3-Q4_K_M gemma2-Q4_K_M phi3-Q4_K_M; do
+    for name in default-Q4_K_M llama-Q4_0 llama-Q4_K_M qwen3-Q4_K_M qwen2-Q4_K_M gemma3-Q4_K_M gemma2-Q4_K_M phi3-Q4_K_M; do
         files+=("$GGUF_DIR/$name.gguf")
     done
 fi

@@ -164,7 +164,7 @@ static void amx_tokens16(const AmxBlock* panel, int64_t b0, int64_t n, const Act
 }
 
 // A pair of groups against tokens [0, end) (end a multiple of 16), AMX_TOKENS tokens and AMX_SPAN blocks at a
-// time: the span unpacked into the panel (12 KB: it stays in the L1 cache), then each sixteen of the tokens through
+// time: the span unpacked into the panel (11 KB: it stays in the L1 cache), then each sixteen of the tokens through
 // it, their outputs carried in y from one span to the next (stored and reloaded floats: the same bits; 4 KB of y
 // for the tokens, which stay in the cache too).
 constexpr int64_t AMX_SPAN = 16, AMX_TOKENS = 64;
