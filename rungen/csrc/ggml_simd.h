@@ -934,13 +934,6 @@ static int64_t x8_pass(const uint8_t* group, int64_t nb, const Act& a, int64_t k
   return t;
 }
 
-template <int64_t BASE>
-static void x8_tokens(const uint8_t* group, int64_t nb, const Act& a, int64_t k, float* y, int64_t stride) {
-  int64_t t = x8_pass<BASE, 4>(group, nb, a, k, y, stride, 0, a.n);
-  t = x8_pass<BASE, 2>(group, nb, a, k, y, stride, t, a.n);
-  x8_pass<BASE, 1>(group, nb, a, k, y, stride, t, a.n);
-}
-
 // A per-thread buffer for n unpacked blocks, 64-byte aligned by hand (the blocks are read with aligned loads, and a
 // vector of them was not aligned here): grown as needed, kept for the thread's later calls.
 template <class Block>
@@ -1116,6 +1109,25 @@ struct Iq4X8 {
   }
 };
 #endif
+
+// One group against every token: the kernels that read their blocks unpacked (Q3_K; on AVX2 Q6_K and IQ4) through
+// unpacked_tokens, the others four, two, then one token a pass.
+template <int64_t BASE>
+static void x8_tokens(const uint8_t* group, int64_t nb, const Act& a, int64_t k, float* y, int64_t stride) {
+  if constexpr (BASE == Q3_K) {
+    unpacked_tokens(Q3kX8{group}, nb, a, k, y, stride);
+#ifndef GGML_VNNI
+  } else if constexpr (BASE == Q6_K) {
+    unpacked_tokens(Q6kX8{group}, nb, a, k, y, stride);
+  } else if constexpr (BASE == IQ4_NL || BASE == IQ4_XS) {
+    unpacked_tokens(Iq4X8<BASE == IQ4_XS>{group}, nb, a, k, y, stride);
+#endif
+  } else {
+    int64_t t = x8_pass<BASE, 4>(group, nb, a, k, y, stride, 0, a.n);
+    t = x8_pass<BASE, 2>(group, nb, a, k, y, stride, t, a.n);
+    x8_pass<BASE, 1>(group, nb, a, k, y, stride, t, a.n);
+  }
+}
 
 #ifdef GGML_VNNI
 // ---------------------------------------------------------------------------------------------------

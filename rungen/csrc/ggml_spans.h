@@ -27,19 +27,8 @@ static void x8_span(const Job& job, int64_t g0, int64_t g1) {
     }
   if (tiled) amx_release();
 #endif
-  for (; g < g1; ++g) {
-    const uint8_t* group = job.blocks + g * job.pitch;
-    if constexpr (BASE == Q3_K)
-      unpacked_tokens(Q3kX8{group}, nb, a, job.in_features, job.y + 8 * g, job.out_features);
-#ifndef GGML_VNNI
-    else if constexpr (BASE == Q6_K)
-      unpacked_tokens(Q6kX8{group}, nb, a, job.in_features, job.y + 8 * g, job.out_features);
-    else if constexpr (BASE == IQ4_NL || BASE == IQ4_XS)
-      unpacked_tokens(Iq4X8<BASE == IQ4_XS>{group}, nb, a, job.in_features, job.y + 8 * g, job.out_features);
-#endif
-    else
-      x8_tokens<BASE>(group, nb, a, job.in_features, job.y + 8 * g, job.out_features);
-  }
+  for (; g < g1; ++g)
+    x8_tokens<BASE>(job.blocks + g * job.pitch, nb, a, job.in_features, job.y + 8 * g, job.out_features);
 }
 
 // Groups [g0, g1) of an X8 weight against every token.
