@@ -10,9 +10,8 @@
 // scales as the X16 kernels load them. Then for each 16 tokens and each block: one tile product (TDPBSSD or
 // TDPBSUD) gives the exact integer sums of 16 tokens x 16 rows, and each token's row of them is scaled and added
 // as x16_group's: the same integers, the same float operations in the same order, so the same bits as every other
-// path. The integer scales of Q4_K, Q5_K and IQ4_XS multiply in float (the block's weighted sum is an integer
-// below 2^24, which float holds exactly: the same value as the VNNI kernels' integer product, in fewer
-// instructions). Q3_K's scales go into its codes instead (q3k_fold), so its blocks take one product each and no
+// path. The integer scale of a Q4_K, Q5_K or IQ4_XS block is in its d, as on every path (d * sc is exact in float).
+// Q3_K's scales go into its codes instead (q3k_fold), so its blocks take one product each and no
 // float scaling. Q6_K stays on the X16 kernels (amx_takes).
 
 #pragma GCC push_options
@@ -29,10 +28,10 @@ struct alignas(64) TileConfig {
 constexpr TileConfig whole_blocks = {1, 0, {}, {32, 32, 64, 64, 64, 64}, {16, 16, 16, 16, 8, 8}};
 
 // One block of a pair of groups, unpacked for the tiles: codes as tile rows r = 0..7 (row r holds the 16 rows'
-// codes 4r .. 4r + 3), the block's d, offset m and integer scale as the X16 kernels hold them.
+// codes 4r .. 4r + 3), the block's d and offset m as the X16 kernels hold them.
 struct alignas(64) AmxBlock {
   uint8_t codes[512];
-  __m512 d, m, sc0;
+  __m512 d, m;
 };
 
 // Whether a type's prompts go through the tiles. Not Q6_K's: its scales are per 16 columns, so a block took two
@@ -42,10 +41,9 @@ struct alignas(64) AmxBlock {
 // to 512 tokens, on 5632 x 2048 and 2048 x 5632).
 constexpr bool amx_takes(int64_t t) { return t != Q6_K; }
 
-// Whether a type's codes go to the tiles signed (Q8_0, IQ4, Q3_K's scaled codes) or unsigned, whether its integer
-// sums are weighted per block (Q4_K, Q5_K, IQ4_XS), and whether it has offsets m.
+// Whether a type's codes go to the tiles signed (Q8_0, IQ4, Q3_K's scaled codes) or unsigned, and whether it has
+// offsets m.
 constexpr bool amx_signed(int64_t t) { return t == Q8_0 || t == IQ4_NL || t == IQ4_XS || t == Q3_K; }
-constexpr bool amx_scaled(int64_t t) { return t == Q4_K || t == Q5_K || t == IQ4_XS; }
 constexpr bool amx_offset(int64_t t) { return !amx_signed(t); }
 
 // Q3_K's codes w (q = 0..7, four a lane as q3kx16_codes leaves them) times minus their half's scale sc (-32..31,
@@ -65,7 +63,6 @@ template <int64_t BASE>
 static void amx_unpack(const uint8_t* group, int64_t pitch, int64_t b, AmxBlock& out) {
   __m512i w[8];
   __m512 d, m = _mm512_setzero_ps();
-  __m512i sc0 = _mm512_set1_epi32(1);
   if constexpr (BASE == Q4_0 || BASE == Q4_1 || BASE == Q5_0 || BASE == Q5_1) {
     constexpr bool HAS_MIN = BASE == Q4_1 || BASE == Q5_1, Q5 = BASE == Q5_0 || BASE == Q5_1;
     const uint8_t* p = group + b * (Q5 ? (HAS_MIN ? 192 : 176) : (HAS_MIN ? 160 : 144));
@@ -85,7 +82,7 @@ static void amx_unpack(const uint8_t* group, int64_t pitch, int64_t b, AmxBlock&
     x16_codes_iq4(XS ? p + 80 + 128 * (b % 8) : p + 16, pitch,
                   _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)kvalues_iq4nl)), w);
     d = pair_halves(p, pitch);
-    if (XS) sc0 = pair_lanes_s8(p + 16 + 8 * (b % 8), pitch);
+    if (XS) d = _mm512_mul_ps(d, _mm512_cvtepi32_ps(pair_lanes_s8(p + 16 + 8 * (b % 8), pitch)));
   } else if constexpr (BASE == Q3_K) {
     const int64_t j = b % 8;
     const uint8_t* p = group + (b / 8) * 912;
@@ -101,14 +98,12 @@ static void amx_unpack(const uint8_t* group, int64_t pitch, int64_t b, AmxBlock&
     const int64_t j = b % 8;
     const uint8_t* p = group + (b / 8) * kx16_bytes<BASE>();
     kx16_codes<BASE>(p, pitch, j, w, w + 4);
-    d = pair_halves(p, pitch);
-    sc0 = pair_lanes_u8(p + 32 + 8 * j, pitch);
+    d = _mm512_mul_ps(pair_halves(p, pitch), _mm512_cvtepi32_ps(pair_lanes_u8(p + 32 + 8 * j, pitch)));
     m = _mm512_mul_ps(kx16_neg_dmin(p, pitch), _mm512_cvtepi32_ps(pair_lanes_u8(p + 96 + 8 * j, pitch)));
   }
   for (int r = 0; r < 8; ++r) _mm512_store_si512((__m512i*)(out.codes + 64 * r), w[r]);
   out.d = d;
   out.m = m;
-  out.sc0 = _mm512_cvtepi32_ps(sc0);
 }
 
 // The integer sums of a pair's panel blocks [0, n) (at most AMX_RUN) against tokens [t, t + 16) (their codes xq
@@ -152,9 +147,7 @@ static void amx_tokens16(const AmxBlock* panel, int64_t b0, int64_t n, const Act
     for (int64_t b = b0 + r; b < b0 + r + run; ++b, s += 256) {
       const AmxBlock& w = panel[b - b0];
       for (int i = 0; i < 16; ++i) {
-        __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512((const __m512i*)(s + 16 * i)));
-        if constexpr (amx_scaled(BASE))
-          dot = _mm512_mul_ps(dot, w.sc0);
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512((const __m512i*)(s + 16 * i)));
         acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(w.d, broadcast_f16(x.xd[i] + b)), acc[i]);
         if constexpr (amx_offset(BASE)) acc[i] = _mm512_fmadd_ps(w.m, broadcast_f16(x.xs[i] + b), acc[i]);
       }
@@ -164,7 +157,7 @@ static void amx_tokens16(const AmxBlock* panel, int64_t b0, int64_t n, const Act
 }
 
 // A pair of groups against tokens [0, end) (end a multiple of 16), AMX_TOKENS tokens and AMX_SPAN blocks at a
-// time: the span unpacked into the panel (11 KB: it stays in the L1 cache), then each sixteen of the tokens through
+// time: the span unpacked into the panel (10 KB: it stays in the L1 cache), then each sixteen of the tokens through
 // it, their outputs carried in y from one span to the next (stored and reloaded floats: the same bits; 4 KB of y
 // for the tokens, which stay in the cache too).
 constexpr int64_t AMX_SPAN = 16, AMX_TOKENS = 64;

@@ -73,20 +73,24 @@ enum QType : int64_t {
 // Q6_K (1680 bytes, 210 a row: the file's size): d[8] (float16), sc[16 halves][8 rows] (int8), then per block
 //   the nibbles as above and 64 bytes of high bit pairs, two 32-bit words a row (the first for codes 0..15,
 //   the second for 16..31): bits 2k, 2k + 1 of byte i are those of code 4k + i (or 16 + 4k + i).
-// A block's integer sum is weighted by its scales in integers, exactly: Q4_K/Q5_K dot = sc * (q . xq) (at most
-// 63 * 32 * 31 * 127 < 2^24); Q6_K dot = sc0 * ((q - 32) . xq over 0..15) + sc1 * (... over 16..31), the offset
-// -32 kept in the integers (at most 2 * 128 * 16 * 32 * 127 < 2^24): on AVX2 the codes made signed, on VNNI
-// q . xq less 32 times the half's integer sum of xq (Act's sum16). Then per
-// row and token, for each block in order: acc = fma(float(dot), d * dx, acc), and for Q4_K/Q5_K
-// acc = fma(-dmin * mn, dx * sum(xq), acc): the same bits on every path, alone or among other tokens.
+// A block's integer sum is exact: Q4_K/Q5_K dot = q . xq (at most 32 * 31 * 127 < 2^24); Q6_K dot = sc0 * ((q - 32)
+// . xq over 0..15) + sc1 * (... over 16..31), weighted by its scales in integers, the offset -32 kept in the
+// integers (at most 2 * 128 * 16 * 32 * 127 < 2^24): on AVX2 the codes made signed, on VNNI q . xq less 32 times
+// the half's integer sum of xq (Act's off16). Then per row and token, for each block in order: acc =
+// fma(float(dot), ds * dx, acc), where ds = d * sc for Q4_K/Q5_K (a float16 times a 6-bit integer: exact in float,
+// the row-major path's arithmetic, and one multiplication a block and token fewer than weighting the integer sum)
+// and d for Q6_K, and for Q4_K/Q5_K acc = fma(-dmin * mn, dx * sum(xq), acc): the same bits on every path, alone or
+// among other tokens.
 //
 // X8 | IQ4_NL (144 bytes, 18 a row: the file's size): d[8] (float16), then the nibbles as X8 | Q4_0 lays them; a
 // nibble indexes kvalues_iq4nl (-127..113), looked up by a byte shuffle. X8 | IQ4_XS (1104 bytes, 138 a row: the
 // file's 136 and 2 for the unpacked scales): d[8] (float16), sc[8 blocks][8 rows] (int8: the 6-bit scale - 32),
 // then per block the nibbles as X8 | Q4_0 lays them. The table's values are signed: multiplied as Q8_0's codes
 // (|w| times x with w's sign), or on VNNI offset by 128 (unsigned), less 128 times the activations' integer sum.
-// Per block dot = sc * (values . xq) (IQ4_NL: sc = 1), exact in integers (at most 32 * 32 * 127 * 127 < 2^24),
-// then per row and token acc = fma(float(dot), d * dx, acc), no offsets.
+// Per block dot = values . xq, exact in integers (at most 32 * 127 * 127 < 2^24), then per row and token
+// acc = fma(float(dot), (d * sc) * dx, acc) (IQ4_NL: d * dx), no offsets. d * sc, a float16 times a 6-bit integer,
+// is exact in float: the row-major path's arithmetic (dot_krow), and one multiplication a block and token fewer
+// than weighting the integer sum by sc.
 //
 // X8 | Q3_K (912 bytes, 114 a row: the file's 110 and 4 for the unpacked scales): d[8] (float16), sc[16 halves][8
 // rows] (int8: the 6-bit scale - 32), then per block of 32, 96 bytes: two planes of low bits, 32 bytes each (the
@@ -250,8 +254,8 @@ inline void x8_block(const uint8_t* p, int64_t base, int64_t lane, int32_t* code
 
 // One row's block j (0..7) of a group's superblock p in the X8 k-quant or IQ4_XS layout: its 32 codes (Q4_K/Q5_K
 // unsigned, Q6_K signed: q - 32, Q3_K signed: q - 4, IQ4_XS the table's values), the integer scales of its two halves of 16
-// (Q4_K/Q5_K/IQ4_XS: the block's, twice), d and the offset m (-dmin * mn; 0 for Q6_K, Q3_K and IQ4_XS): the weights are
-// d * sc * code + m.
+// (Q6_K's and Q3_K's; Q4_K/Q5_K/IQ4_XS: 1, the block's scale in d), d and the offset m (-dmin * mn; 0 for Q6_K,
+// Q3_K and IQ4_XS): the weights are d * sc * code + m.
 inline void kx8_block(const uint8_t* p, int64_t base, int64_t lane, int64_t j, int32_t* codes, int32_t* sc, float& d,
                       float& m) {
   d = half_bits_to_float(p + 2 * lane);
@@ -269,8 +273,9 @@ inline void kx8_block(const uint8_t* p, int64_t base, int64_t lane, int64_t j, i
     return;
   }
   const uint8_t* nib;
-  if (base == IQ4_XS) {
-    sc[0] = sc[1] = int8_t(p[16 + 8 * j + lane]);
+  if (base == IQ4_XS) {  // the scale in d (exact), the sums unweighted
+    d *= float(int8_t(p[16 + 8 * j + lane]));
+    sc[0] = sc[1] = 1;
     m = 0.f;
     nib = p + 80 + 128 * j;
     for (int k = 0; k < 4; ++k)
@@ -286,8 +291,9 @@ inline void kx8_block(const uint8_t* p, int64_t base, int64_t lane, int64_t j, i
     sc[1] = int8_t(p[16 + 16 * j + 8 + lane]);
     m = 0.f;
     nib = p + 144 + 192 * j;
-  } else {
-    sc[0] = sc[1] = p[32 + 8 * j + lane];
+  } else {  // the scale in d (exact), the sums unweighted
+    d *= float(p[32 + 8 * j + lane]);
+    sc[0] = sc[1] = 1;
     m = -half_bits_to_float(p + 16 + 2 * lane) * float(p[96 + 8 * j + lane]);
     nib = p + 160 + (base == Q5_K ? 160 : 128) * j;
   }

@@ -596,16 +596,17 @@ static inline __m256i scale_pairs(__m256i sc) {
 }
 
 // Sixteen codes of each lane (four of them in each 32-bit lane for activations x + 4k: w[k], unsigned) against
-// one token's activations, times the lane's scale (Q5_K's halves; Q6_K weighs its own, kx8_group).
-static inline __m256i kx8_half(const __m256i* w, const int8_t* x, __m256i sc) {
+// one token's activations (Q5_K's halves: on AVX2 four maddubs pairs of at most 2 * 31 * 127 each fit int16,
+// eight would not).
+static inline __m256i kx8_half(const __m256i* w, const int8_t* x) {
 #ifdef GGML_VNNI
   __m256i dot = _mm256_setzero_si256();
   for (int k = 0; k < 4; ++k) dot = _mm256_dpbusd_epi32(dot, w[k], broadcast4(x + 4 * k));
-  return _mm256_mullo_epi32(dot, sc);
+  return dot;
 #else
   __m256i sum = _mm256_setzero_si256();
   for (int k = 0; k < 4; ++k) sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(w[k], broadcast4(x + 4 * k)));
-  return _mm256_madd_epi16(sum, scale_pairs(sc));
+  return _mm256_madd_epi16(sum, _mm256_set1_epi16(1));
 #endif
 }
 
@@ -613,11 +614,12 @@ static inline __m256i kx8_half(const __m256i* w, const int8_t* x, __m256i sc) {
 // group's superblocks. Per block of 32, its codes are unpacked once for the NT tokens: four loads of nibbles
 // (codes i and 16 + i of each row's lane), Q5_K's fifth bits and Q6_K's two high bits shifted into place from
 // one or two more loads. The integer sum per row (Q4_K: eight maddubs pairs of at most 2 * 15 * 127 in int16,
-// weighted once; Q5_K: each half's four pairs of at most 2 * 31 * 127; Q6_K, VNNI build only (AVX2 takes
+// widened once; Q5_K: each half's four pairs of at most 2 * 31 * 127; Q6_K, VNNI build only (AVX2 takes
 // q6kx8_group): the unsigned codes by dpbusd, less 32 times the half's integer sum of activations (Act's off16,
 // loaded rather than computed a token and block), each half by its own scale) is exact, and then per block and
-// token one multiply-add for eight rows, and one more for the mins of Q4_K/Q5_K: the arithmetic x8_rows of the
-// scalar path does row by row.
+// token one multiply-add for eight rows (Q4_K/Q5_K: by (d * sc) * dx, the block's scale in d once for the pass's
+// tokens, exact), and one more for the mins of Q4_K/Q5_K: the arithmetic x8_rows of the scalar path does row by
+// row.
 template <int64_t BASE, int NT>
 static void kx8_group(const uint8_t* group, int64_t nsb, const int8_t* const* xq, const float* const* xd,
                       const float* const* xs, const int32_t* const* xoff16, float* const* out) {
@@ -662,13 +664,13 @@ static void kx8_group(const uint8_t* group, int64_t nsb, const int8_t* const* xq
           hi[k] = _mm256_or_si256(hi[k], _mm256_and_si256(t1, bits));
         }
       }
-      __m256i sc0, sc1;
-      __m256 m = d;
+      __m256i sc0 = _mm256_setzero_si256(), sc1 = sc0;
+      __m256 m = d, ds = d;
       if (Q6) {
         sc0 = lanes_s8(p + 16 + 16 * j);
         sc1 = lanes_s8(p + 24 + 16 * j);
       } else {
-        sc0 = sc1 = lanes_u8(p + 32 + 8 * j);
+        ds = _mm256_mul_ps(d, _mm256_cvtepi32_ps(lanes_u8(p + 32 + 8 * j)));
         m = _mm256_mul_ps(neg_dmin, _mm256_cvtepi32_ps(lanes_u8(p + 96 + 8 * j)));
       }
       for (int t = 0; t < NT; ++t) {
@@ -679,13 +681,13 @@ static void kx8_group(const uint8_t* group, int64_t nsb, const int8_t* const* xq
           // Two chains (one token at a time: 1.13x on a 5632 x 2048 weight).
           __m256i dot0 = _mm256_setzero_si256(), dot1 = _mm256_setzero_si256();
           dpbusd_block(dot0, dot1, lo, hi, x);
-          dot = _mm256_mullo_epi32(_mm256_add_epi32(dot0, dot1), sc0);
+          dot = _mm256_add_epi32(dot0, dot1);
 #else
           __m256i sum = _mm256_setzero_si256();
           for (int k = 0; k < 4; ++k)
             sum = _mm256_add_epi16(sum, _mm256_add_epi16(_mm256_maddubs_epi16(lo[k], broadcast4(x + 4 * k)),
                                                          _mm256_maddubs_epi16(hi[k], broadcast4(x + 16 + 4 * k))));
-          dot = _mm256_madd_epi16(sum, scale_pairs(sc0));
+          dot = _mm256_madd_epi16(sum, _mm256_set1_epi16(1));
 #endif
         } else if (Q6) {
 #ifdef GGML_VNNI
@@ -697,9 +699,9 @@ static void kx8_group(const uint8_t* group, int64_t nsb, const int8_t* const* xq
           dot = _mm256_add_epi32(_mm256_mullo_epi32(dot0, sc0), _mm256_mullo_epi32(dot1, sc1));
 #endif
         } else {
-          dot = _mm256_add_epi32(kx8_half(lo, x, sc0), kx8_half(hi, x + 16, sc1));
+          dot = _mm256_add_epi32(kx8_half(lo, x), kx8_half(hi, x + 16));
         }
-        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_broadcast_ss(xd[t] + b)), acc[t]);
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(ds, _mm256_broadcast_ss(xd[t] + b)), acc[t]);
         if (!Q6) acc[t] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xs[t] + b), acc[t]);
       }
     }
@@ -802,8 +804,9 @@ static void q6kx8_group(const uint8_t* group, int64_t nsb, const Q6kBlock* ready
 // nibbles (codes i and 16 + i of each row's lane) looked up in the table by a byte shuffle, once for the NT tokens.
 // VNNI build (AVX2's: iq4x8_group): the table is offset by 128 (unsigned 1..241: dpbusd's sums of four stay far
 // from int32's limit) and 128 times the token's integer sum of the block is taken off: the same exact sum with no
-// sign instruction per token. IQ4_XS: the block's sum times its signed scale per lane. Then per block and token one
-// multiply-add for eight rows: the arithmetic x8_rows of the scalar path does row by row.
+// sign instruction per token. Then per block and token one multiply-add for eight rows, by d * dx (IQ4_XS: by
+// (d * sc) * dx, the block's signed scale per lane in d once for the pass's tokens): the arithmetic x8_rows of the
+// scalar path does row by row.
 template <bool XS, int NT>
 static void x8_group_iq4(const uint8_t* group, int64_t nblocks, const int8_t* const* xq, const float* const* xd,
                          const int32_t* const* xsum, float* const* out) {
@@ -812,11 +815,12 @@ static void x8_group_iq4(const uint8_t* group, int64_t nblocks, const int8_t* co
   const __m256i table = _mm256_xor_si256(_mm256_set_m128i(table128, table128), _mm256_set1_epi8(char(0x80)));
   __m256 acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
-  __m256 d = _mm256_setzero_ps();
+  __m256 d = _mm256_setzero_ps(), ds;
   for (int64_t b = 0; b < nblocks; ++b) {
     const uint8_t* p = XS ? group + (b / 8) * 1104 : group + b * 144;
     const uint8_t* nib = XS ? p + 80 + 128 * (b % 8) : p + 16;
     if (!XS || b % 8 == 0) d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+    ds = XS ? _mm256_mul_ps(d, _mm256_cvtepi32_ps(lanes_s8(p + 16 + 8 * (b % 8)))) : d;
     // w[k] holds codes 4k' + i (k = k' < 4) or 16 + 4k' + i (k = 4 + k') of each row (on VNNI offset by 128).
     __m256i w[8];
     for (int k = 0; k < 4; ++k) {
@@ -824,14 +828,12 @@ static void x8_group_iq4(const uint8_t* group, int64_t nblocks, const int8_t* co
       w[k] = _mm256_shuffle_epi8(table, _mm256_and_si256(v, low));
       w[4 + k] = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
     }
-    const __m256i sc = XS ? lanes_s8(p + 16 + 8 * (b % 8)) : _mm256_set1_epi32(1);
     for (int t = 0; t < NT; ++t) {
       const int8_t* x = xq[t] + b * 32;
       __m256i dot = _mm256_set1_epi32(-128 * xsum[t][b]), dot1 = _mm256_setzero_si256();
       dpbusd_block(dot, dot1, w, w + 4, x);
       dot = _mm256_add_epi32(dot, dot1);
-      if (XS) dot = _mm256_mullo_epi32(dot, sc);
-      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_broadcast_ss(xd[t] + b)), acc[t]);
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(ds, _mm256_broadcast_ss(xd[t] + b)), acc[t]);
     }
   }
   for (int t = 0; t < NT; ++t) _mm256_storeu_ps(out[t], acc[t]);
@@ -839,9 +841,9 @@ static void x8_group_iq4(const uint8_t* group, int64_t nblocks, const int8_t* co
 #else
 // IQ4_NL and IQ4_XS rows interleaved eight by eight (X8) on AVX2. A block unpacked: w[k] the signed values of codes
 // 4k' + i (k = k' < 4) or 16 + 4k' + i (k = 4 + k') of each row's lane (a byte shuffle through the table), m[k]
-// their magnitudes, pair the scale (IQ4_XS; IQ4_NL: 1) in both int16 of a lane, d the rows' scales.
+// their magnitudes, d the rows' scales (IQ4_XS: d * sc, exact).
 struct Iq4Block {
-  __m256i w[8], m[8], pair;
+  __m256i w[8], m[8];
   __m256 d;
 };
 
@@ -858,17 +860,18 @@ static inline void iq4x8_unpack(const uint8_t* group, int64_t b, Iq4Block& u) {
     u.w[4 + k] = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
   }
   for (int k = 0; k < 8; ++k) u.m[k] = _mm256_abs_epi8(u.w[k]);
-  u.pair = scale_pairs(XS ? lanes_s8(p + 16 + 8 * (b % 8)) : _mm256_set1_epi32(1));
   u.d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+  if (XS) u.d = _mm256_mul_ps(u.d, _mm256_cvtepi32_ps(lanes_s8(p + 16 + 8 * (b % 8))));
 }
 
 // Against NT tokens a pass (READY: the blocks unpacked once for all passes, into `ready`; else each block once a
 // pass): the signed values multiply as Q8_0's codes, |w| times x with w's sign (maddubs's pairs at most
-// 2 * 127 * 127: each widened to int32 at once by the madd that weights it by the scale, exactly, where two
-// would not fit int16). Then per block and token one multiply-add for eight rows, as x8_rows row by row.
+// 2 * 127 * 127: each widened to int32 at once by a madd, where two would not fit int16). Then per block and
+// token one multiply-add for eight rows, as x8_rows row by row.
 template <bool XS, int NT, bool READY>
 static void iq4x8_group(const uint8_t* group, int64_t nblocks, const Iq4Block* ready, const int8_t* const* xq,
                         const float* const* xd, float* const* out) {
+  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nblocks; ++b) {
@@ -881,7 +884,7 @@ static void iq4x8_group(const uint8_t* group, int64_t nblocks, const Iq4Block* r
       const __m256i w = u.w[k], m = u.m[k];
       for (int t = 0; t < NT; ++t) {
         const __m256i xs = _mm256_sign_epi8(broadcast4(xq[t] + b * 32 + (k < 4 ? 4 * k : 16 + 4 * (k - 4))), w);
-        dot[t] = _mm256_add_epi32(dot[t], _mm256_madd_epi16(_mm256_maddubs_epi16(m, xs), u.pair));
+        dot[t] = _mm256_add_epi32(dot[t], _mm256_madd_epi16(_mm256_maddubs_epi16(m, xs), ones));
       }
     }
     for (int t = 0; t < NT; ++t)
@@ -1311,8 +1314,8 @@ static inline __m512 kx16_neg_dmin(const uint8_t* p, int64_t pitch) {
 
 // A block of 32 of two groups, unpacked for the X16 kernels (their passes read it when the pair's blocks are
 // unpacked once for all of them): the codes (w[k], w[4 + k]: codes 4k .. 4k + 3 and 16 + 4k .. 16 + 4k + 3 of the 16
-// rows), the halves' integer scales as floats (Q4_K/Q5_K/IQ4_XS: the block's, twice; IQ4_NL: 1), the offset m
-// (Q4_K/Q5_K: -dmin mn) and the scale d (IQ4_NL/IQ4_XS).
+// rows), Q6_K's halves' integer scales as floats, the offset m (Q4_K/Q5_K: -dmin mn) and the scale d (IQ4_NL:
+// d; Q4_K, Q5_K and IQ4_XS: d * sc, exact; Q6_K: unused, its superblock's d).
 struct K16Block {
   __m512i w[8];
   __m512 sc0, sc1, m, d;
@@ -1321,20 +1324,21 @@ struct K16Block {
 template <int64_t BASE>
 static inline void kx16_unpack(const uint8_t* p, int64_t pitch, int64_t j, K16Block& u) {
   kx16_codes<BASE>(p, pitch, j, u.w, u.w + 4);
-  // The integer scales as floats: each weighted sum is an integer below 2^24 (docs/kernels.md), so the float
+  // Q6_K's integer scales as floats: each weighted sum is an integer below 2^24 (docs/kernels.md), so the float
   // products and their sum are exact, the value the integer multiply gave, in fewer and cheaper instructions.
+  // Q4_K's and Q5_K's one scale a block goes into d instead (exact), once for all tokens.
   if constexpr (BASE == Q6_K) {
     u.sc0 = _mm512_cvtepi32_ps(pair_lanes_s8(p + 16 + 16 * j, pitch));
     u.sc1 = _mm512_cvtepi32_ps(pair_lanes_s8(p + 24 + 16 * j, pitch));
     u.m = _mm512_setzero_ps();
   } else {
-    u.sc0 = u.sc1 = _mm512_cvtepi32_ps(pair_lanes_u8(p + 32 + 8 * j, pitch));
+    u.d = _mm512_mul_ps(pair_halves(p, pitch), _mm512_cvtepi32_ps(pair_lanes_u8(p + 32 + 8 * j, pitch)));
     u.m = _mm512_mul_ps(kx16_neg_dmin(p, pitch), _mm512_cvtepi32_ps(pair_lanes_u8(p + 96 + 8 * j, pitch)));
   }
 }
 
-// Q4_K/Q5_K/Q6_K: kx8_group's VNNI arithmetic for two groups (Q5_K's halves share a scale: its two chains' sum
-// weighted once, as Q4_K's). READY: the blocks unpacked once for all passes, into `ready`.
+// Q4_K/Q5_K/Q6_K: kx8_group's VNNI arithmetic for two groups (Q5_K's halves share a scale: its two chains summed,
+// as Q4_K's). READY: the blocks unpacked once for all passes, into `ready`.
 template <int64_t BASE, int NT, bool READY>
 static void kx16_group(const uint8_t* group, int64_t pitch, int64_t nsb, const K16Block* ready,
                        const int8_t* const* xq, const float* const* xd, const float* const* xs,
@@ -1361,9 +1365,9 @@ static void kx16_group(const uint8_t* group, int64_t pitch, int64_t nsb, const K
         } else {
           __m512i dot0 = _mm512_setzero_si512(), dot1 = _mm512_setzero_si512();
           dpbusd_block16(dot0, dot1, u.w, u.w + 4, x);
-          dot = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(dot0, dot1)), u.sc0);
+          dot = _mm512_cvtepi32_ps(_mm512_add_epi32(dot0, dot1));
         }
-        acc[t] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, broadcast_f16(xd[t] + b)), acc[t]);
+        acc[t] = _mm512_fmadd_ps(dot, _mm512_mul_ps(Q6 ? d : u.d, broadcast_f16(xd[t] + b)), acc[t]);
         if (!Q6) acc[t] = _mm512_fmadd_ps(u.m, broadcast_f16(xs[t] + b), acc[t]);
       }
     }
@@ -1382,16 +1386,17 @@ static inline void x16_codes_iq4(const uint8_t* nib, int64_t pitch, __m512i tabl
   }
 }
 
-// Block b of two groups of IQ4_NL/IQ4_XS rows, unpacked: the table's values offset by 128 (unsigned), the scale.
+// Block b of two groups of IQ4_NL/IQ4_XS rows, unpacked: the table's values offset by 128 (unsigned), the scale
+// (IQ4_XS's times the block's scale: exact).
 template <bool XS>
 static inline void iq4x16_unpack(const uint8_t* group, int64_t pitch, int64_t b, K16Block& u) {
   const __m512i table = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)kvalues_iq4nl)),
                                          _mm512_set1_epi8(char(0x80)));
   const uint8_t* p = XS ? group + (b / 8) * 1104 : group + b * 144;
   x16_codes_iq4(XS ? p + 80 + 128 * (b % 8) : p + 16, pitch, table, u.w);
-  u.sc0 = u.sc1 = _mm512_cvtepi32_ps(XS ? pair_lanes_s8(p + 16 + 8 * (b % 8), pitch) : _mm512_set1_epi32(1));
   u.m = _mm512_setzero_ps();
   u.d = pair_halves(p, pitch);
+  if (XS) u.d = _mm512_mul_ps(u.d, _mm512_cvtepi32_ps(pair_lanes_s8(p + 16 + 8 * (b % 8), pitch)));
 }
 
 // IQ4_NL/IQ4_XS: x8_group_iq4's VNNI arithmetic for two groups. READY: the blocks unpacked once for all passes.
@@ -1409,7 +1414,6 @@ static void x16_group_iq4(const uint8_t* group, int64_t pitch, int64_t nblocks, 
       __m512i dot0 = _mm512_set1_epi32(-128 * xsum[t][b]), dot1 = _mm512_setzero_si512();
       dpbusd_block16(dot0, dot1, u.w, u.w + 4, xq[t] + b * 32);
       __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(dot0, dot1));
-      if (XS) dot = _mm512_mul_ps(dot, u.sc0);  // exact, as kx16_group's scales
       acc[t] = _mm512_fmadd_ps(dot, _mm512_mul_ps(u.d, broadcast_f16(xd[t] + b)), acc[t]);
     }
   }
