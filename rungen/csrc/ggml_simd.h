@@ -815,12 +815,12 @@ static void x8_group_iq4(const uint8_t* group, int64_t nblocks, const int8_t* co
   const __m256i table = _mm256_xor_si256(_mm256_set_m128i(table128, table128), _mm256_set1_epi8(char(0x80)));
   __m256 acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
-  __m256 d = _mm256_setzero_ps(), ds;
+  __m256 d = _mm256_setzero_ps();
   for (int64_t b = 0; b < nblocks; ++b) {
     const uint8_t* p = XS ? group + (b / 8) * 1104 : group + b * 144;
     const uint8_t* nib = XS ? p + 80 + 128 * (b % 8) : p + 16;
     if (!XS || b % 8 == 0) d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
-    ds = XS ? _mm256_mul_ps(d, _mm256_cvtepi32_ps(lanes_s8(p + 16 + 8 * (b % 8)))) : d;
+    const __m256 ds = XS ? _mm256_mul_ps(d, _mm256_cvtepi32_ps(lanes_s8(p + 16 + 8 * (b % 8)))) : d;
     // w[k] holds codes 4k' + i (k = k' < 4) or 16 + 4k' + i (k = 4 + k') of each row (on VNNI offset by 128).
     __m256i w[8];
     for (int k = 0; k < 4; ++k) {
