@@ -94,12 +94,12 @@ static void amx_unpack(const uint8_t* group, int64_t pitch, int64_t b, AmxBlock&
     }
     d = _mm512_sub_ps(_mm512_setzero_ps(), pair_halves(p, pitch));
   } else {
-    static_assert(BASE == Q4_K || BASE == Q5_K);
-    const int64_t j = b % 8;
-    const uint8_t* p = group + (b / 8) * kx16_bytes<BASE>();
-    kx16_codes<BASE>(p, pitch, j, w, w + 4);
-    d = _mm512_mul_ps(pair_halves(p, pitch), _mm512_cvtepi32_ps(pair_lanes_u8(p + 32 + 8 * j, pitch)));
-    m = _mm512_mul_ps(kx16_neg_dmin(p, pitch), _mm512_cvtepi32_ps(pair_lanes_u8(p + 96 + 8 * j, pitch)));
+    static_assert(BASE == Q4_K || BASE == Q5_K);  // unsigned codes, d * sc and m as the X16 kernels unpack them
+    K16Block u;
+    kx16_unpack<BASE>(group + (b / 8) * kx16_bytes<BASE>(), pitch, b % 8, u);
+    for (int k = 0; k < 8; ++k) w[k] = u.w[k];
+    d = u.d;
+    m = u.m;
   }
   for (int r = 0; r < 8; ++r) _mm512_store_si512((__m512i*)(out.codes + 64 * r), w[r]);
   out.d = d;
