@@ -75,8 +75,8 @@ enum QType : int64_t {
 //   the second for 16..31): bits 2k, 2k + 1 of byte i are those of code 4k + i (or 16 + 4k + i).
 // A block's integer sum is exact: Q4_K/Q5_K dot = q . xq (at most 32 * 31 * 127 < 2^24); Q6_K dot = sc0 * ((q - 32)
 // . xq over 0..15) + sc1 * (... over 16..31), weighted by its scales in integers, the offset -32 kept in the
-// integers (at most 2 * 128 * 16 * 32 * 127 < 2^24): on AVX2 the codes made signed, on VNNI q . xq less 32 times
-// the half's integer sum of xq (Act's off16). Then per row and token, for each block in order: acc =
+// integers (at most 2 * 128 * 16 * 32 * 127 < 2^24): q . xq less 32 times the half's integer sum of xq, or on
+// AVX2 for prompts (q - 32) . (xq + 128) less 128 times the codes' sum (see q6kx8_ready). Then per row and token, for each block in order: acc =
 // fma(float(dot), ds * dx, acc), where ds = d * sc for Q4_K/Q5_K (a float16 times a 6-bit integer: exact in float,
 // the row-major path's arithmetic, and one multiplication a block and token fewer than weighting the integer sum)
 // and d for Q6_K, and for Q4_K/Q5_K acc = fma(-dmin * mn, dx * sum(xq), acc): the same bits on every path, alone or
@@ -174,6 +174,7 @@ struct Act {
   const int32_t* sum16;
   const int32_t* high16;
   const int32_t* off16;
+  const uint8_t* u;  // q + 128 (1..255), on the AVX2 path only (else null): what its Q6_K kernel for prompts reads
 };
 
 struct Job {
@@ -749,8 +750,9 @@ const Act& quantize_activations(const float* xp, int64_t n, int64_t k) {
   static thread_local QuantizedX r;
   const int64_t nb = k / 32;
   // d, s, s16 (2), s4, sum (int32), sum16, high16 and off16 (int32, 2 each), then the codes, which start on a cache
-  // line (64 bytes).
-  const size_t floats = size_t(n * nb * 12) + size_t(n * k + 3) / 4 + 32;
+  // line (64 bytes), and on the AVX2 path the biased codes u, from the next line after them.
+  const bool biased = current_isa == AVX2;
+  const size_t floats = size_t(n * nb * 12) + (biased ? 2 : 1) * (size_t(n * k + 3) / 4 + 16);
   if (r.buffer.size() < floats) r.buffer.resize(floats);
   const auto line = [](float* p) { return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63)); };
   float* d = r.buffer.data();
@@ -769,7 +771,14 @@ const Act& quantize_activations(const float* xp, int64_t n, int64_t k) {
   for (int64_t g = 0; g < n / 4; ++g)
     for (int64_t b = 0; b < nb; ++b)
       for (int64_t i = 0; i < 4; ++i) s4[(g * nb + b) * 4 + i] = s[(4 * g + i) * nb + b];
-  r.act = Act{n, q, d, s, s16, s4, sum, sum16, high16, off16};
+  uint8_t* u = nullptr;
+  if (biased) {
+    u = reinterpret_cast<uint8_t*>(line(reinterpret_cast<float*>(q + n * k)));
+    at::parallel_for(0, n * k, 1 << 16, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) u[i] = uint8_t(q[i]) ^ 0x80;
+    });
+  }
+  r.act = Act{n, q, d, s, s16, s4, sum, sum16, high16, off16, u};
   return r.act;
 }
 

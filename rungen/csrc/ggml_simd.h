@@ -710,16 +710,12 @@ static void kx8_group(const uint8_t* group, int64_t nsb, const int8_t* const* xq
 }
 
 #ifndef GGML_VNNI
-// Q6_K on AVX2 (the VNNI build takes kx8_group). A block of a group of eight rows, unpacked: w[k] (k < 4) codes
-// 4k .. 4k + 3 of each row's lane (0..63, unsigned), w[4 + k] codes 16 + 4k .. 16 + 4k + 3; pair0/pair1 the two
-// halves' scales in both int16 of a lane (madd's form); offset the lane's pair (-32 sc0, -32 sc1).
-struct Q6kBlock {
-  __m256i w[8], pair0, pair1, offset;
-};
+// Q6_K on AVX2 (the VNNI build takes kx8_group), in two forms: q6kx8_group for a few tokens (decode), unpacking
+// each block itself, and q6kx8_ready for more, reading the blocks unpacked once into a buffer (Q6kBlock).
 
 // Half h of block j of a group's superblock p: four loads of nibbles (low ones for h = 0, high ones for h = 1) and
 // one of high bits, bits 2k, 2k + 1 of each byte moved to bits 4, 5 (masked after the shift: no bit of a neighbour
-// stays).
+// stays). w[k]: codes 4k .. 4k + 3 of the half (0..63, unsigned) in each row's lane.
 static inline void q6k_half_codes(const uint8_t* p, int64_t j, int h, __m256i* w) {
   const __m256i low = _mm256_set1_epi8(0x0F), bits = _mm256_set1_epi8(0x30);
   const uint8_t* nib = p + 144 + 192 * j;
@@ -731,10 +727,12 @@ static inline void q6k_half_codes(const uint8_t* p, int64_t j, int h, __m256i* w
   }
 }
 
+// The half's scale in both int16 of each row's lane (madd's form).
 static inline __m256i q6k_scale(const uint8_t* p, int64_t j, int h) {
   return scale_pairs(lanes_s8(p + 16 + 8 * h + 16 * j));
 }
 
+// The lane's pair (-32 sc0, -32 sc1): the offset of its two halves.
 static inline __m256i q6k_offset(const uint8_t* p, int64_t j) {
   const __m256i neg32 = _mm256_set1_epi32(-32);
   const __m256i first = _mm256_mullo_epi16(lanes_s8(p + 16 + 16 * j), neg32);
@@ -742,24 +740,16 @@ static inline __m256i q6k_offset(const uint8_t* p, int64_t j) {
   return _mm256_or_si256(_mm256_and_si256(first, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(second, 16));
 }
 
-static inline void q6kx8_unpack(const uint8_t* p, int64_t j, Q6kBlock& u) {
-  q6k_half_codes(p, j, 0, u.w);
-  q6k_half_codes(p, j, 1, u.w + 4);
-  u.pair0 = q6k_scale(p, j, 0);
-  u.pair1 = q6k_scale(p, j, 1);
-  u.offset = q6k_offset(p, j);
-}
-
-// Q6_K rows interleaved eight by eight against NT tokens a pass, a half block of 16 columns at a time for the NT
-// tokens, so that a half's four code registers, its scale and the tokens' sums and accumulators fit the sixteen
-// registers (READY: the blocks unpacked once for all passes, into `ready`). The codes unsigned against the
-// activations: two maddubs pairs (at most 2 x 2 x 63 x 127 = 32004) add in int16 before the half's scale weighs
-// them in madd; the offset, -32 times each half's scale times the token's integer sum of that half's activations,
-// is one madd of the token's two half sums (at most 16 x 127: int16) against the lane's pair of -32 sc (at most
-// 4096). The same integer as kx8_group's (the scalar path's), so the same bits.
-template <int NT, bool READY>
-static void q6kx8_group(const uint8_t* group, int64_t nsb, const Q6kBlock* ready, const int8_t* const* xq,
-                        const float* const* xd, const int32_t* const* xsum16, float* const* out) {
+// Q6_K rows interleaved eight by eight against NT tokens (1 to 4) a pass, each block unpacked once for the pass's
+// tokens, a half block of 16 columns at a time, so that a half's four code registers, its scale and the tokens'
+// sums and accumulators fit the sixteen registers. The codes unsigned against the activations: two maddubs pairs
+// (at most 2 x 2 x 63 x 127 = 32004) add in int16 before the half's scale weighs them in madd; the offset, -32
+// times each half's scale times the token's integer sum of that half's activations, is one madd of the token's
+// two half sums (at most 16 x 127: int16) against the lane's pair of -32 sc (at most 4096). The same integer as
+// kx8_group's (the scalar path's), so the same bits.
+template <int NT>
+static void q6kx8_group(const uint8_t* group, int64_t nsb, const int8_t* const* xq, const float* const* xd,
+                        const int32_t* const* xsum16, float* const* out) {
   __m256 acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t s = 0; s < nsb; ++s) {
@@ -768,24 +758,83 @@ static void q6kx8_group(const uint8_t* group, int64_t nsb, const Q6kBlock* ready
     for (int64_t j = 0; j < 8; ++j) {
       const int64_t b = 8 * s + j;
       __m256i dot[NT];
-      const __m256i offset = READY ? ready[b].offset : q6k_offset(p, j);
+      const __m256i offset = q6k_offset(p, j);
       for (int t = 0; t < NT; ++t) {
         const __m128i sums = _mm_packs_epi32(_mm_loadl_epi64((const __m128i*)(xsum16[t] + 2 * b)), _mm_setzero_si128());
         dot[t] = _mm256_madd_epi16(_mm256_broadcastd_epi32(sums), offset);
       }
       for (int h = 0; h < 2; ++h) {
         __m256i w[4];
-        if (READY)
-          for (int k = 0; k < 4; ++k) w[k] = ready[b].w[4 * h + k];
-        else
-          q6k_half_codes(p, j, h, w);
-        const __m256i scale = READY ? (h ? ready[b].pair1 : ready[b].pair0) : q6k_scale(p, j, h);
+        q6k_half_codes(p, j, h, w);
+        const __m256i scale = q6k_scale(p, j, h);
         for (int t = 0; t < NT; ++t) {
           const int8_t* x = xq[t] + b * 32 + 16 * h;
           const __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], broadcast4(x)),
                                                _mm256_maddubs_epi16(w[1], broadcast4(x + 4)));
           const __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(w[2], broadcast4(x + 8)),
                                                _mm256_maddubs_epi16(w[3], broadcast4(x + 12)));
+          const __m256i half = _mm256_add_epi32(_mm256_madd_epi16(s01, scale), _mm256_madd_epi16(s23, scale));
+          dot[t] = _mm256_add_epi32(dot[t], half);
+        }
+      }
+      for (int t = 0; t < NT; ++t)
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t]), _mm256_mul_ps(d, _mm256_broadcast_ss(xd[t] + b)), acc[t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) _mm256_storeu_ps(out[t], acc[t]);
+}
+
+// A block unpacked for q6kx8_ready: w[k] (k < 4) codes 4k .. 4k + 3 of each row's lane less 32 (signed, -32..31),
+// w[4 + k] codes 16 + 4k .. 16 + 4k + 3 less 32; the halves' scale pairs; start = -128 (sc0 sum(q - 32 over
+// 0..15) + sc1 sum(q - 32 over 16..31)) per lane (at most 128 x 128 x 32 x 32 = 2^24), what the activations'
+// bias of 128 adds to the block's sum, whatever the token.
+struct Q6kBlock {
+  __m256i w[8], pair0, pair1, start;
+};
+
+static inline void q6kx8_unpack(const uint8_t* p, int64_t j, Q6kBlock& u) {
+  const __m256i c32 = _mm256_set1_epi8(32), ones = _mm256_set1_epi8(1);
+  q6k_half_codes(p, j, 0, u.w);
+  q6k_half_codes(p, j, 1, u.w + 4);
+  for (int k = 0; k < 8; ++k) u.w[k] = _mm256_sub_epi8(u.w[k], c32);
+  u.pair0 = q6k_scale(p, j, 0);
+  u.pair1 = q6k_scale(p, j, 1);
+  __m256i sum[2];
+  for (int h = 0; h < 2; ++h) {
+    __m256i s = _mm256_setzero_si256();
+    for (int k = 0; k < 4; ++k) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(ones, u.w[4 * h + k]));
+    sum[h] = _mm256_madd_epi16(s, h ? u.pair1 : u.pair0);
+  }
+  u.start = _mm256_slli_epi32(_mm256_sub_epi32(_mm256_setzero_si256(), _mm256_add_epi32(sum[0], sum[1])), 7);
+}
+
+// Q6_K rows interleaved eight by eight against NT tokens a pass, the blocks read unpacked from `ready`. The
+// activations biased by 128 (Act's u: 1..255, unsigned) against the signed codes, so that the codes are maddubs's
+// second operand, read from memory rather than held in registers (which left the sixteen too few for four tokens'
+// sums and accumulators), and no token's own offset is computed: sc (q - 32) . x = sc (q - 32) . (x + 128) - 128 sc
+// sum(q - 32), the last term the block's start. Two maddubs pairs (at most 2 x 2 x 255 x 32 = 32640) add in int16
+// before the half's scale weighs them in madd. The same integer as q6kx8_group's, so the same bits.
+template <int NT>
+static void q6kx8_ready(const uint8_t* group, int64_t nsb, const Q6kBlock* ready, const uint8_t* const* xu,
+                        const float* const* xd, float* const* out) {
+  __m256 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < nsb; ++s) {
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(group + s * 1680)));
+    for (int64_t j = 0; j < 8; ++j) {
+      const int64_t b = 8 * s + j;
+      const Q6kBlock& u = ready[b];
+      __m256i dot[NT];
+      for (int t = 0; t < NT; ++t) dot[t] = u.start;
+      for (int h = 0; h < 2; ++h) {
+        const __m256i scale = h ? u.pair1 : u.pair0;
+        const __m256i* w = u.w + 4 * h;
+        for (int t = 0; t < NT; ++t) {
+          const int8_t* x = reinterpret_cast<const int8_t*>(xu[t] + b * 32 + 16 * h);
+          const __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(broadcast4(x), w[0]),
+                                               _mm256_maddubs_epi16(broadcast4(x + 4), w[1]));
+          const __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(broadcast4(x + 8), w[2]),
+                                               _mm256_maddubs_epi16(broadcast4(x + 12), w[3]));
           const __m256i half = _mm256_add_epi32(_mm256_madd_epi16(s01, scale), _mm256_madd_epi16(s23, scale));
           dot[t] = _mm256_add_epi32(dot[t], half);
         }
@@ -900,6 +949,7 @@ struct Tokens {
   const int8_t* xq[NT];
   const float *xd[NT], *xs[NT];
   const int32_t *xsum[NT], *xsum16[NT], *xhigh16[NT], *xoff16[NT];
+  const uint8_t* xu[NT];
   float* out[NT];
   Tokens(const Act& a, int64_t k, int64_t nb, float* y, int64_t stride, int64_t t) {
     for (int i = 0; i < NT; ++i) {
@@ -910,6 +960,7 @@ struct Tokens {
       xsum16[i] = a.sum16 + (t + i) * nb * 2;
       xhigh16[i] = a.high16 + (t + i) * nb * 2;
       xoff16[i] = a.off16 + (t + i) * nb * 2;
+      xu[i] = a.u + (t + i) * k;
       out[i] = y + (t + i) * stride;
     }
   }
@@ -1094,7 +1145,10 @@ struct Q6kX8 {
   void unpack(int64_t b, Block& u) const { q6kx8_unpack(group + (b / 8) * 1680, b % 8, u); }
   template <int NT, bool READY>
   void run(const Block* ready, int64_t nb, const Tokens<NT>& x) const {
-    q6kx8_group<NT, READY>(group, nb / 8, ready, x.xq, x.xd, x.xsum16, x.out);
+    if constexpr (READY)
+      q6kx8_ready<NT>(group, nb / 8, ready, x.xu, x.xd, x.out);
+    else
+      q6kx8_group<NT>(group, nb / 8, x.xq, x.xd, x.xsum16, x.out);
   }
 };
 
