@@ -76,10 +76,11 @@ enum QType : int64_t {
 // A block's integer sum is exact: Q4_K/Q5_K dot = q . xq (at most 32 * 31 * 127 < 2^24); Q6_K dot = sc0 * ((q - 32)
 // . xq over 0..15) + sc1 * (... over 16..31), weighted by its scales in integers, the offset -32 kept in the
 // integers (at most 2 * 128 * 16 * 32 * 127 < 2^24): q . xq less 32 times the half's integer sum of xq, or on
-// AVX2 for prompts (q - 32) . (xq + 128) less 128 times the codes' sum (see q6kx8_ready). Then per row and token, for each block in order: acc =
-// fma(float(dot), ds * dx, acc), where ds = d * sc for Q4_K/Q5_K (a float16 times a 6-bit integer: exact in float,
-// the row-major path's arithmetic, and one multiplication a block and token fewer than weighting the integer sum)
-// and d for Q6_K, and for Q4_K/Q5_K acc = fma(-dmin * mn, dx * sum(xq), acc): the same bits on every path, alone or
+// AVX2 for prompts (q - 32) . (xq + 128) less 128 times the codes' sum (see q6kx8_ready). Then per row and token,
+// for each block in order: acc = fma(float(dot), ds * dx, acc), where ds = d * sc for Q4_K/Q5_K (a float16 times a
+// 6-bit integer: exact in float, the row-major path's arithmetic, and one multiplication a block and token fewer
+// than weighting the integer sum) and d for Q6_K, and for Q4_K/Q5_K acc = fma(-dmin * mn, dx * sum(xq), acc): the
+// same bits on every path, alone or
 // among other tokens.
 //
 // X8 | IQ4_NL (144 bytes, 18 a row: the file's size): d[8] (float16), then the nibbles as X8 | Q4_0 lays them; a
@@ -159,8 +160,11 @@ constexpr int8_t kvalues_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 
 // The activations of n tokens, quantized per block of 32: codes q [n, K], scale d [n, K/32] (q * d ~ x),
 // s = d * sum(q) per 32 [n, K/32] (what a block's offset multiplies), s16 = d * sum(q) per 16 [n, K/16], and
 // s4: s of each whole group of four tokens, the four side by side [n/4, K/32, 4] (one vector a block), and
-// sum: sum(q) per 32 [n, K/32] in integers; for X8 | Q3_K's offsets, sum16: sum(q) per 16 [n, K/16] in integers,
-// and high16: the same sums as (sum16 << 16) + 16384 (where the VNNI kernel starts a half block's sum); off16:
+// off128: -128 sum(q) per 32 [n, K/32] in integers (where the VNNI kernels whose codes are offset by 128, Q8_0's
+// and IQ4's, start a block's sum: a broadcast load a token and block, 1.02-1.07x for their products, rather than
+// a load, a multiply and a broadcast from a general register); for X8 | Q3_K's offsets, sum16: sum(q) per 16
+// [n, K/16] in integers, and high16: the same sums as (sum16 << 16) + 16384 (where the VNNI kernel starts a half
+// block's sum); off16:
 // -32 sum16 (where the VNNI kernels start a Q6_K half block's sum of its unsigned codes: one broadcast load a token
 // and half block instead of a load, two scalar operations and a broadcast, 1.02-1.05x for its prompts' products).
 struct Act {
@@ -170,7 +174,7 @@ struct Act {
   const float* s;
   const float* s16;
   const float* s4;
-  const int32_t* sum;
+  const int32_t* off128;
   const int32_t* sum16;
   const int32_t* high16;
   const int32_t* off16;
@@ -569,7 +573,7 @@ float dot_krow(const KRow& r, int64_t nb, int kind, bool offsets, const int8_t* 
 
 // Blocks [b0, b1) of activations x quantized: d = max|x| / 127, q = round(x / d) (ties to even), and the sums.
 void quantize_blocks(const float* xp, int64_t b0, int64_t b1, int8_t* q, float* d, float* s, float* s16,
-                     int32_t* sum, int32_t* sum16, int32_t* high16, int32_t* off16) {
+                     int32_t* off128, int32_t* sum16, int32_t* high16, int32_t* off16) {
   for (int64_t b = b0; b < b1; ++b) {
     const float* v = xp + b * 32;
     float amax = 0.f;
@@ -583,7 +587,7 @@ void quantize_blocks(const float* xp, int64_t b0, int64_t b1, int8_t* q, float* 
       (i < 16 ? sum0 : sum1) += c;
     }
     d[b] = scale;
-    sum[b] = sum0 + sum1;
+    off128[b] = -128 * (sum0 + sum1);
     sum16[2 * b] = sum0;
     sum16[2 * b + 1] = sum1;
     high16[2 * b] = sum0 * 65536 + 16384;
@@ -759,15 +763,17 @@ const Act& quantize_activations(const float* xp, int64_t n, int64_t k) {
   float* s = d + n * nb;
   float* s16 = s + n * nb;
   float* s4 = s16 + 2 * n * nb;
-  int32_t* sum = reinterpret_cast<int32_t*>(s4 + n * nb);
-  int32_t* sum16 = sum + n * nb;
+  int32_t* off128 = reinterpret_cast<int32_t*>(s4 + n * nb);
+  int32_t* sum16 = off128 + n * nb;
   int32_t* high16 = sum16 + 2 * n * nb;
   int32_t* off16 = high16 + 2 * n * nb;
   int8_t* q = reinterpret_cast<int8_t*>(line(s4 + 8 * n * nb));
   const auto blocks_fn = current_isa >= VNNI ? vnni::quantize_blocks
                         : current_isa == AVX2 ? avx2::quantize_blocks
                                               : scalar::quantize_blocks;
-  at::parallel_for(0, n * nb, 128, [&](int64_t b0, int64_t b1) { blocks_fn(xp, b0, b1, q, d, s, s16, sum, sum16, high16, off16); });
+  at::parallel_for(0, n * nb, 128, [&](int64_t b0, int64_t b1) {
+    blocks_fn(xp, b0, b1, q, d, s, s16, off128, sum16, high16, off16);
+  });
   for (int64_t g = 0; g < n / 4; ++g)
     for (int64_t b = 0; b < nb; ++b)
       for (int64_t i = 0; i < 4; ++i) s4[(g * nb + b) * 4 + i] = s[(4 * g + i) * nb + b];
@@ -778,7 +784,7 @@ const Act& quantize_activations(const float* xp, int64_t n, int64_t k) {
       for (int64_t i = i0; i < i1; ++i) u[i] = uint8_t(q[i]) ^ 0x80;
     });
   }
-  r.act = Act{n, q, d, s, s16, s4, sum, sum16, high16, off16, u};
+  r.act = Act{n, q, d, s, s16, s4, off128, sum16, high16, off16, u};
   return r.act;
 }
 

@@ -399,7 +399,7 @@ static void rows(const Job& job, int64_t r0, int64_t r1) {
 // (the maximum of |x| is exact in any order, x * inv is the same product, and the rounding the same: to nearest,
 // ties to even, as nearbyint in the default mode). A NaN is passed over in the maximum, as std::max passes it.
 static void quantize_blocks(const float* x, int64_t b0, int64_t b1, int8_t* q, float* d, float* s, float* s16,
-                            int32_t* sum, int32_t* sum16, int32_t* high16, int32_t* off16) {
+                            int32_t* off128, int32_t* sum16, int32_t* high16, int32_t* off16) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t b = b0; b < b1; ++b) {
@@ -429,7 +429,7 @@ static void quantize_blocks(const float* x, int64_t b0, int64_t b1, int8_t* q, f
       halves[h] = _mm_cvtsi128_si32(sum4);
     }
     d[b] = scale;
-    sum[b] = halves[0] + halves[1];
+    off128[b] = -128 * (halves[0] + halves[1]);
     sum16[2 * b] = halves[0];
     sum16[2 * b + 1] = halves[1];
     high16[2 * b] = halves[0] * 65536 + 16384;
@@ -852,13 +852,13 @@ static void q6kx8_ready(const uint8_t* group, int64_t nsb, const Q6kBlock* ready
 // IQ4_NL and IQ4_XS rows interleaved eight by eight (X8), against NT tokens a pass: per block of 32, four loads of
 // nibbles (codes i and 16 + i of each row's lane) looked up in the table by a byte shuffle, once for the NT tokens.
 // VNNI build (AVX2's: iq4x8_group): the table is offset by 128 (unsigned 1..241: dpbusd's sums of four stay far
-// from int32's limit) and 128 times the token's integer sum of the block is taken off: the same exact sum with no
-// sign instruction per token. Then per block and token one multiply-add for eight rows, by d * dx (IQ4_XS: by
-// (d * sc) * dx, the block's signed scale per lane in d once for the pass's tokens): the arithmetic x8_rows of the
-// scalar path does row by row.
+// from int32's limit) and 128 times the token's integer sum of the block is taken off (the sum starts from Act's
+// off128): the same exact sum with no sign instruction per token. Then per block and token one multiply-add for
+// eight rows, by d * dx (IQ4_XS: by (d * sc) * dx, the block's signed scale per lane in d once for the pass's
+// tokens): the arithmetic x8_rows of the scalar path does row by row.
 template <bool XS, int NT>
 static void x8_group_iq4(const uint8_t* group, int64_t nblocks, const int8_t* const* xq, const float* const* xd,
-                         const int32_t* const* xsum, float* const* out) {
+                         const int32_t* const* xoff128, float* const* out) {
   const __m256i low = _mm256_set1_epi8(0x0F);
   const __m128i table128 = _mm_loadu_si128((const __m128i*)kvalues_iq4nl);
   const __m256i table = _mm256_xor_si256(_mm256_set_m128i(table128, table128), _mm256_set1_epi8(char(0x80)));
@@ -879,7 +879,7 @@ static void x8_group_iq4(const uint8_t* group, int64_t nblocks, const int8_t* co
     }
     for (int t = 0; t < NT; ++t) {
       const int8_t* x = xq[t] + b * 32;
-      __m256i dot = _mm256_set1_epi32(-128 * xsum[t][b]), dot1 = _mm256_setzero_si256();
+      __m256i dot = _mm256_set1_epi32(xoff128[t][b]), dot1 = _mm256_setzero_si256();
       dpbusd_block(dot, dot1, w, w + 4, x);
       dot = _mm256_add_epi32(dot, dot1);
       acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(ds, _mm256_broadcast_ss(xd[t] + b)), acc[t]);
@@ -948,7 +948,7 @@ template <int NT>
 struct Tokens {
   const int8_t* xq[NT];
   const float *xd[NT], *xs[NT];
-  const int32_t *xsum[NT], *xsum16[NT], *xhigh16[NT], *xoff16[NT];
+  const int32_t *xoff128[NT], *xsum16[NT], *xhigh16[NT], *xoff16[NT];
   const uint8_t* xu[NT];
   float* out[NT];
   Tokens(const Act& a, int64_t k, int64_t nb, float* y, int64_t stride, int64_t t) {
@@ -956,7 +956,7 @@ struct Tokens {
       xq[i] = a.q + (t + i) * k;
       xd[i] = a.d + (t + i) * nb;
       xs[i] = a.s + (t + i) * nb;
-      xsum[i] = a.sum + (t + i) * nb;
+      xoff128[i] = a.off128 + (t + i) * nb;
       xsum16[i] = a.sum16 + (t + i) * nb * 2;
       xhigh16[i] = a.high16 + (t + i) * nb * 2;
       xoff16[i] = a.off16 + (t + i) * nb * 2;
@@ -976,7 +976,7 @@ static int64_t x8_pass(const uint8_t* group, int64_t nb, const Act& a, int64_t k
       x8_group_q8<NT>(group, nb, x.xq, x.xd, x.out);
 #ifdef GGML_VNNI
     else if constexpr (BASE == IQ4_NL || BASE == IQ4_XS)
-      x8_group_iq4<BASE == IQ4_XS, NT>(group, nb, x.xq, x.xd, x.xsum, x.out);
+      x8_group_iq4<BASE == IQ4_XS, NT>(group, nb, x.xq, x.xd, x.xoff128, x.out);
 #endif
     else if constexpr (BASE == Q5_0 || BASE == Q5_1)
       x8_group_q5<BASE == Q5_1, NT>(group, nb, x.xq, x.xd, x.xs, x.out);
@@ -1303,10 +1303,11 @@ static void x16_group_q5(const uint8_t* group, int64_t pitch, int64_t nblocks, c
 }
 
 // Q8_0: x8_group_q8 for two groups. AVX-512 has no byte sign instruction: the codes offset by 128 (unsigned
-// 0..255) against the activations, less 128 times the token's integer sum of the block, the same exact sum.
+// 0..255) against the activations, less 128 times the token's integer sum of the block (Act's off128), the same
+// exact sum.
 template <int NT>
 static void x16_group_q8(const uint8_t* group, int64_t pitch, int64_t nblocks, const int8_t* const* xq,
-                         const float* const* xd, const int32_t* const* xsum, float* const* out) {
+                         const float* const* xd, const int32_t* const* xoff128, float* const* out) {
   const __m512i flip = _mm512_set1_epi8(char(0x80));
   __m512 acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
@@ -1317,7 +1318,7 @@ static void x16_group_q8(const uint8_t* group, int64_t pitch, int64_t nblocks, c
     const __m512 d = pair_halves(p, pitch);
     for (int t = 0; t < NT; ++t) {
       const int8_t* x = xq[t] + b * 32;
-      __m512i dot0 = _mm512_set1_epi32(-128 * xsum[t][b]), dot1 = _mm512_setzero_si512();
+      __m512i dot0 = _mm512_set1_epi32(xoff128[t][b]), dot1 = _mm512_setzero_si512();
       for (int j = 0; j < 4; ++j) {
         dot0 = _mm512_dpbusd_epi32(dot0, w[2 * j], broadcast4_16(x + 8 * j));
         dot1 = _mm512_dpbusd_epi32(dot1, w[2 * j + 1], broadcast4_16(x + 8 * j + 4));
@@ -1456,7 +1457,7 @@ static inline void iq4x16_unpack(const uint8_t* group, int64_t pitch, int64_t b,
 // IQ4_NL/IQ4_XS: x8_group_iq4's VNNI arithmetic for two groups. READY: the blocks unpacked once for all passes.
 template <bool XS, int NT, bool READY>
 static void x16_group_iq4(const uint8_t* group, int64_t pitch, int64_t nblocks, const K16Block* ready,
-                          const int8_t* const* xq, const float* const* xd, const int32_t* const* xsum,
+                          const int8_t* const* xq, const float* const* xd, const int32_t* const* xoff128,
                           float* const* out) {
   __m512 acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
@@ -1465,7 +1466,7 @@ static void x16_group_iq4(const uint8_t* group, int64_t pitch, int64_t nblocks, 
     if (!READY) iq4x16_unpack<XS>(group, pitch, b, local);
     const K16Block& u = READY ? ready[b] : local;
     for (int t = 0; t < NT; ++t) {
-      __m512i dot0 = _mm512_set1_epi32(-128 * xsum[t][b]), dot1 = _mm512_setzero_si512();
+      __m512i dot0 = _mm512_set1_epi32(xoff128[t][b]), dot1 = _mm512_setzero_si512();
       dpbusd_block16(dot0, dot1, u.w, u.w + 4, xq[t] + b * 32);
       __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(dot0, dot1));
       acc[t] = _mm512_fmadd_ps(dot, _mm512_mul_ps(u.d, broadcast_f16(xd[t] + b)), acc[t]);
@@ -1548,7 +1549,7 @@ struct K16 {
   template <int NT, bool READY>
   void run(const Block* ready, int64_t nb, const Tokens<NT>& x) const {
     if constexpr (IQ4)
-      x16_group_iq4<BASE == IQ4_XS, NT, READY>(group, pitch, nb, ready, x.xq, x.xd, x.xsum, x.out);
+      x16_group_iq4<BASE == IQ4_XS, NT, READY>(group, pitch, nb, ready, x.xq, x.xd, x.xoff128, x.out);
     else
       kx16_group<BASE, NT, READY>(group, pitch, nb / 8, ready, x.xq, x.xd, x.xs, x.xoff16, x.out);
   }
@@ -1573,7 +1574,7 @@ static int64_t x16_pass(const uint8_t* group, int64_t pitch, int64_t nb, const A
   for (; t + NT <= a.n; t += NT) {
     const Tokens<NT> x(a, k, nb, y, stride, t);
     if constexpr (BASE == Q8_0)
-      x16_group_q8<NT>(group, pitch, nb, x.xq, x.xd, x.xsum, x.out);
+      x16_group_q8<NT>(group, pitch, nb, x.xq, x.xd, x.xoff128, x.out);
     else if constexpr (BASE == Q5_0 || BASE == Q5_1)
       x16_group_q5<BASE == Q5_1, NT>(group, pitch, nb, x.xq, x.xd, x.xs, x.out);
     else
