@@ -38,6 +38,7 @@
 #include <cstring>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <limits>
 #include <vector>
 

@@ -610,6 +610,38 @@ static inline __m256i kx8_half(const __m256i* w, const int8_t* x) {
 #endif
 }
 
+// A Q4_K/Q5_K/Q6_K block's codes from its nibbles at nib (and the planes after them): lo[k] codes 4k .. 4k + 3 of
+// each row's lane, hi[k] codes 16 + 4k .. 16 + 4k + 3 (unsigned), Q5_K's fifth bits and Q6_K's two high bits
+// shifted into place from one or two more loads.
+template <int64_t BASE>
+static inline void kx8_codes(const uint8_t* nib, __m256i* lo, __m256i* hi) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int k = 0; k < 4; ++k) {
+    const __m256i v = _mm256_loadu_si256((const __m256i*)(nib + 32 * k));
+    lo[k] = _mm256_and_si256(v, low);
+    hi[k] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+  }
+  if (BASE == Q5_K) {
+    const __m256i h = _mm256_loadu_si256((const __m256i*)(nib + 128)), bit = _mm256_set1_epi8(16);
+    for (int k = 0; k < 4; ++k) {
+      lo[k] = _mm256_or_si256(lo[k], _mm256_and_si256(_mm256_slli_epi32(h, 4 - k), bit));
+      hi[k] = _mm256_or_si256(hi[k], _mm256_and_si256(_mm256_srli_epi32(h, k), bit));
+    }
+  }
+  if (BASE == Q6_K) {
+    const __m256i h0 = _mm256_loadu_si256((const __m256i*)(nib + 128));
+    const __m256i h1 = _mm256_loadu_si256((const __m256i*)(nib + 160));
+    const __m256i bits = _mm256_set1_epi8(0x30);
+    for (int k = 0; k < 4; ++k) {
+      // Bits 2k, 2k + 1 of each byte to bits 4, 5 (masked after the shift: no bit of a neighbour stays).
+      const __m256i t0 = k < 2 ? _mm256_slli_epi32(h0, 4 - 2 * k) : _mm256_srli_epi32(h0, 2 * k - 4);
+      const __m256i t1 = k < 2 ? _mm256_slli_epi32(h1, 4 - 2 * k) : _mm256_srli_epi32(h1, 2 * k - 4);
+      lo[k] = _mm256_or_si256(lo[k], _mm256_and_si256(t0, bits));
+      hi[k] = _mm256_or_si256(hi[k], _mm256_and_si256(t1, bits));
+    }
+  }
+}
+
 // Q4_K/Q5_K/Q6_K rows interleaved eight by eight (X8, see ggml_kernels.cpp), against NT tokens a pass over a
 // group's superblocks. Per block of 32, its codes are unpacked once for the NT tokens: four loads of nibbles
 // (codes i and 16 + i of each row's lane), Q5_K's fifth bits and Q6_K's two high bits shifted into place from
@@ -628,7 +660,6 @@ static void kx8_group(const uint8_t* group, int64_t nsb, const int8_t* const* xq
   static_assert(!Q6, "AVX2's Q6_K is q6kx8_group's");
 #endif
   constexpr int64_t BYTES = Q6 ? 1680 : Q5 ? 1440 : 1184, BLOCK = Q6 ? 192 : Q5 ? 160 : 128, CODES = Q6 ? 144 : 160;
-  const __m256i low = _mm256_set1_epi8(0x0F);
   __m256 acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t s = 0; s < nsb; ++s) {
@@ -638,32 +669,8 @@ static void kx8_group(const uint8_t* group, int64_t nsb, const int8_t* const* xq
                                                     _mm256_set1_ps(-0.f));
     for (int64_t j = 0; j < 8; ++j) {
       const int64_t b = 8 * s + j;
-      const uint8_t* nib = p + CODES + BLOCK * j;
       __m256i lo[4], hi[4];
-      for (int k = 0; k < 4; ++k) {
-        const __m256i v = _mm256_loadu_si256((const __m256i*)(nib + 32 * k));
-        lo[k] = _mm256_and_si256(v, low);
-        hi[k] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-      }
-      if (Q5) {
-        const __m256i h = _mm256_loadu_si256((const __m256i*)(nib + 128)), bit = _mm256_set1_epi8(16);
-        for (int k = 0; k < 4; ++k) {
-          lo[k] = _mm256_or_si256(lo[k], _mm256_and_si256(_mm256_slli_epi32(h, 4 - k), bit));
-          hi[k] = _mm256_or_si256(hi[k], _mm256_and_si256(_mm256_srli_epi32(h, k), bit));
-        }
-      }
-      if (Q6) {
-        const __m256i h0 = _mm256_loadu_si256((const __m256i*)(nib + 128));
-        const __m256i h1 = _mm256_loadu_si256((const __m256i*)(nib + 160));
-        const __m256i bits = _mm256_set1_epi8(0x30);
-        for (int k = 0; k < 4; ++k) {
-          // Bits 2k, 2k + 1 of each byte to bits 4, 5 (masked after the shift: no bit of a neighbour stays).
-          const __m256i t0 = k < 2 ? _mm256_slli_epi32(h0, 4 - 2 * k) : _mm256_srli_epi32(h0, 2 * k - 4);
-          const __m256i t1 = k < 2 ? _mm256_slli_epi32(h1, 4 - 2 * k) : _mm256_srli_epi32(h1, 2 * k - 4);
-          lo[k] = _mm256_or_si256(lo[k], _mm256_and_si256(t0, bits));
-          hi[k] = _mm256_or_si256(hi[k], _mm256_and_si256(t1, bits));
-        }
-      }
+      kx8_codes<BASE>(p + CODES + BLOCK * j, lo, hi);
       __m256i sc0 = _mm256_setzero_si256(), sc1 = sc0;
       __m256 m = d, ds = d;
       if (Q6) {
@@ -866,20 +873,7 @@ static inline void kx8_unpack(const uint8_t* group, int64_t b, Kx8Block& u) {
   constexpr int64_t BYTES = Q5 ? 1440 : 1184, BLOCK = Q5 ? 160 : 128;
   const uint8_t* p = group + (b / 8) * BYTES;
   const int64_t j = b % 8;
-  const uint8_t* nib = p + 160 + BLOCK * j;
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  for (int k = 0; k < 4; ++k) {
-    const __m256i v = _mm256_loadu_si256((const __m256i*)(nib + 32 * k));
-    u.w[k] = _mm256_and_si256(v, low);
-    u.w[4 + k] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-  }
-  if (Q5) {
-    const __m256i h = _mm256_loadu_si256((const __m256i*)(nib + 128)), bit = _mm256_set1_epi8(16);
-    for (int k = 0; k < 4; ++k) {
-      u.w[k] = _mm256_or_si256(u.w[k], _mm256_and_si256(_mm256_slli_epi32(h, 4 - k), bit));
-      u.w[4 + k] = _mm256_or_si256(u.w[4 + k], _mm256_and_si256(_mm256_srli_epi32(h, k), bit));
-    }
-  }
+  kx8_codes<BASE>(p + 160 + BLOCK * j, u.w, u.w + 4);
   // A lane's 32 codes summed: eight maddubs pairs of at most 2 x 31 in int16.
   const __m256i ones = _mm256_set1_epi8(1);
   __m256i sum = _mm256_setzero_si256();
@@ -1211,31 +1205,28 @@ struct Q3kX8 {
 };
 
 #ifndef GGML_VNNI
-struct Q6kX8 {
-  const uint8_t* group;
-  using Block = Q6kBlock;
-  static constexpr int64_t unbuffered = 4;
-  void unpack(int64_t b, Block& u) const { q6kx8_unpack(group + (b / 8) * 1680, b % 8, u); }
-  template <int NT, bool READY>
-  void run(const Block* ready, int64_t nb, const Tokens<NT>& x) const {
-    if constexpr (READY)
-      q6kx8_ready<NT>(group, nb / 8, ready, x.xu, x.xd, x.out);
-    else
-      q6kx8_group<NT>(group, nb / 8, x.xq, x.xd, x.xsum16, x.out);
-  }
-};
-
+// Q4_K, Q5_K and Q6_K on AVX2. Q6_K's blocks are buffered from five tokens; Q4_K's and Q5_K's, cheaper to unpack
+// again, from 17: buffered at 5 and 8 tokens their product measured 0.84-0.95x the passes unpacking for themselves,
+// at 16 1.00x, at 64 1.14x (Q4_K) and 1.26x (Q5_K).
 template <int64_t BASE>
 struct Kx8 {
   const uint8_t* group;
-  using Block = Kx8Block;
-  // Buffered at 5 and 8 tokens the product measured 0.84-0.95x the passes unpacking for themselves, at 16 1.00x,
-  // at 64 1.14x (Q4_K) and 1.26x (Q5_K).
-  static constexpr int64_t unbuffered = 16;
-  void unpack(int64_t b, Block& u) const { kx8_unpack<BASE>(group, b, u); }
+  static constexpr bool Q6 = BASE == Q6_K;
+  using Block = std::conditional_t<Q6, Q6kBlock, Kx8Block>;
+  static constexpr int64_t unbuffered = Q6 ? 4 : 16;
+  void unpack(int64_t b, Block& u) const {
+    if constexpr (Q6)
+      q6kx8_unpack(group + (b / 8) * 1680, b % 8, u);
+    else
+      kx8_unpack<BASE>(group, b, u);
+  }
   template <int NT, bool READY>
   void run(const Block* ready, int64_t nb, const Tokens<NT>& x) const {
-    if constexpr (READY)
+    if constexpr (Q6 && READY)
+      q6kx8_ready<NT>(group, nb / 8, ready, x.xu, x.xd, x.out);
+    else if constexpr (Q6)
+      q6kx8_group<NT>(group, nb / 8, x.xq, x.xd, x.xsum16, x.out);
+    else if constexpr (READY)
       kx8_ready<BASE, NT>(nb, ready, x.xu, x.xd, x.xs, x.out);
     else
       kx8_group<BASE, NT>(group, nb / 8, x.xq, x.xd, x.xs, x.xoff16, x.out);
@@ -1264,9 +1255,7 @@ static void x8_tokens(const uint8_t* group, int64_t nb, const Act& a, int64_t k,
   if constexpr (BASE == Q3_K) {
     unpacked_tokens(Q3kX8{group}, nb, a, k, y, stride);
 #ifndef GGML_VNNI
-  } else if constexpr (BASE == Q6_K) {
-    unpacked_tokens(Q6kX8{group}, nb, a, k, y, stride);
-  } else if constexpr (BASE == Q4_K || BASE == Q5_K) {
+  } else if constexpr (BASE == Q4_K || BASE == Q5_K || BASE == Q6_K) {
     unpacked_tokens(Kx8<BASE>{group}, nb, a, k, y, stride);
   } else if constexpr (BASE == IQ4_NL || BASE == IQ4_XS) {
     unpacked_tokens(Iq4X8<BASE == IQ4_XS>{group}, nb, a, k, y, stride);
