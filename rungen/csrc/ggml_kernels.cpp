@@ -572,8 +572,9 @@ float dot_krow(const KRow& r, int64_t nb, int kind, bool offsets, const int8_t* 
   return (half[0] + half[2]) + (half[1] + half[3]);
 }
 
-// Blocks [b0, b1) of activations x quantized: d = max|x| / 127, q = round(x / d) (ties to even), and the sums.
-void quantize_blocks(const float* xp, int64_t b0, int64_t b1, int8_t* q, float* d, float* s, float* s16,
+// Blocks [b0, b1) of activations x quantized: d = max|x| / 127, q = round(x / d) (ties to even), the codes biased
+// by 128 into u where it is given (else null), and the sums.
+void quantize_blocks(const float* xp, int64_t b0, int64_t b1, int8_t* q, uint8_t* u, float* d, float* s, float* s16,
                      int32_t* off128, int32_t* sum16, int32_t* high16, int32_t* off16) {
   for (int64_t b = b0; b < b1; ++b) {
     const float* v = xp + b * 32;
@@ -585,6 +586,7 @@ void quantize_blocks(const float* xp, int64_t b0, int64_t b1, int8_t* q, float* 
     for (int i = 0; i < 32; ++i) {
       const int32_t c = int32_t(std::nearbyint(v[i] * inv));
       q[b * 32 + i] = int8_t(c);
+      if (u) u[b * 32 + i] = uint8_t(c + 128);
       (i < 16 ? sum0 : sum1) += c;
     }
     d[b] = scale;
@@ -769,22 +771,16 @@ const Act& quantize_activations(const float* xp, int64_t n, int64_t k) {
   int32_t* high16 = sum16 + 2 * n * nb;
   int32_t* off16 = high16 + 2 * n * nb;
   int8_t* q = reinterpret_cast<int8_t*>(line(s4 + 8 * n * nb));
+  uint8_t* u = biased ? reinterpret_cast<uint8_t*>(line(reinterpret_cast<float*>(q + n * k))) : nullptr;
   const auto blocks_fn = current_isa >= VNNI ? vnni::quantize_blocks
                         : current_isa == AVX2 ? avx2::quantize_blocks
                                               : scalar::quantize_blocks;
   at::parallel_for(0, n * nb, 128, [&](int64_t b0, int64_t b1) {
-    blocks_fn(xp, b0, b1, q, d, s, s16, off128, sum16, high16, off16);
+    blocks_fn(xp, b0, b1, q, u, d, s, s16, off128, sum16, high16, off16);
   });
   for (int64_t g = 0; g < n / 4; ++g)
     for (int64_t b = 0; b < nb; ++b)
       for (int64_t i = 0; i < 4; ++i) s4[(g * nb + b) * 4 + i] = s[(4 * g + i) * nb + b];
-  uint8_t* u = nullptr;
-  if (biased) {
-    u = reinterpret_cast<uint8_t*>(line(reinterpret_cast<float*>(q + n * k)));
-    at::parallel_for(0, n * k, 1 << 16, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) u[i] = uint8_t(q[i]) ^ 0x80;
-    });
-  }
   r.act = Act{n, q, d, s, s16, s4, off128, sum16, high16, off16, u};
   return r.act;
 }

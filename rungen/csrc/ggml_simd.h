@@ -398,8 +398,8 @@ static void rows(const Job& job, int64_t r0, int64_t r1) {
 // Activations quantized per block of 32 (quantize_activations): the scalar loop's results, eight lanes at a time
 // (the maximum of |x| is exact in any order, x * inv is the same product, and the rounding the same: to nearest,
 // ties to even, as nearbyint in the default mode). A NaN is passed over in the maximum, as std::max passes it.
-static void quantize_blocks(const float* x, int64_t b0, int64_t b1, int8_t* q, float* d, float* s, float* s16,
-                            int32_t* off128, int32_t* sum16, int32_t* high16, int32_t* off16) {
+static void quantize_blocks(const float* x, int64_t b0, int64_t b1, int8_t* q, uint8_t* u, float* d, float* s,
+                            float* s16, int32_t* off128, int32_t* sum16, int32_t* high16, int32_t* off16) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t b = b0; b < b1; ++b) {
@@ -419,7 +419,9 @@ static void quantize_blocks(const float* x, int64_t b0, int64_t b1, int8_t* q, f
       c[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(part[i], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     // int32 -> int8 in order: the packs interleave 128-bit lanes, the permutation puts them back.
     const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
-    _mm256_storeu_si256((__m256i*)(q + b * 32), _mm256_permutevar8x32_epi32(bytes, order));
+    const __m256i codes = _mm256_permutevar8x32_epi32(bytes, order);
+    _mm256_storeu_si256((__m256i*)(q + b * 32), codes);
+    if (u) _mm256_storeu_si256((__m256i*)(u + b * 32), _mm256_xor_si256(codes, _mm256_set1_epi8(char(0x80))));
     int32_t halves[2];
     for (int h = 0; h < 2; ++h) {
       const __m256i sum8 = _mm256_add_epi32(c[2 * h], c[2 * h + 1]);
@@ -610,11 +612,29 @@ static inline __m256i kx8_half(const __m256i* w, const int8_t* x) {
 #endif
 }
 
+// Half h of a Q6_K block whose nibbles are at nib: four loads of nibbles (low ones for h = 0, high ones for h = 1)
+// and one of high bits, bits 2k, 2k + 1 of each byte moved to bits 4, 5 (masked after the shift: no bit of a
+// neighbour stays). w[k]: codes 4k .. 4k + 3 of the half (0..63, unsigned) in each row's lane.
+static inline void q6k_half_codes(const uint8_t* nib, int h, __m256i* w) {
+  const __m256i low = _mm256_set1_epi8(0x0F), bits = _mm256_set1_epi8(0x30);
+  const __m256i high = _mm256_loadu_si256((const __m256i*)(nib + 128 + 32 * h));
+  for (int k = 0; k < 4; ++k) {
+    const __m256i v = _mm256_loadu_si256((const __m256i*)(nib + 32 * k));
+    const __m256i t = k < 2 ? _mm256_slli_epi32(high, 4 - 2 * k) : _mm256_srli_epi32(high, 2 * k - 4);
+    w[k] = _mm256_or_si256(_mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, low), _mm256_and_si256(t, bits));
+  }
+}
+
 // A Q4_K/Q5_K/Q6_K block's codes from its nibbles at nib (and the planes after them): lo[k] codes 4k .. 4k + 3 of
 // each row's lane, hi[k] codes 16 + 4k .. 16 + 4k + 3 (unsigned), Q5_K's fifth bits and Q6_K's two high bits
 // shifted into place from one or two more loads.
 template <int64_t BASE>
 static inline void kx8_codes(const uint8_t* nib, __m256i* lo, __m256i* hi) {
+  if constexpr (BASE == Q6_K) {
+    q6k_half_codes(nib, 0, lo);
+    q6k_half_codes(nib, 1, hi);
+    return;
+  }
   const __m256i low = _mm256_set1_epi8(0x0F);
   for (int k = 0; k < 4; ++k) {
     const __m256i v = _mm256_loadu_si256((const __m256i*)(nib + 32 * k));
@@ -626,18 +646,6 @@ static inline void kx8_codes(const uint8_t* nib, __m256i* lo, __m256i* hi) {
     for (int k = 0; k < 4; ++k) {
       lo[k] = _mm256_or_si256(lo[k], _mm256_and_si256(_mm256_slli_epi32(h, 4 - k), bit));
       hi[k] = _mm256_or_si256(hi[k], _mm256_and_si256(_mm256_srli_epi32(h, k), bit));
-    }
-  }
-  if (BASE == Q6_K) {
-    const __m256i h0 = _mm256_loadu_si256((const __m256i*)(nib + 128));
-    const __m256i h1 = _mm256_loadu_si256((const __m256i*)(nib + 160));
-    const __m256i bits = _mm256_set1_epi8(0x30);
-    for (int k = 0; k < 4; ++k) {
-      // Bits 2k, 2k + 1 of each byte to bits 4, 5 (masked after the shift: no bit of a neighbour stays).
-      const __m256i t0 = k < 2 ? _mm256_slli_epi32(h0, 4 - 2 * k) : _mm256_srli_epi32(h0, 2 * k - 4);
-      const __m256i t1 = k < 2 ? _mm256_slli_epi32(h1, 4 - 2 * k) : _mm256_srli_epi32(h1, 2 * k - 4);
-      lo[k] = _mm256_or_si256(lo[k], _mm256_and_si256(t0, bits));
-      hi[k] = _mm256_or_si256(hi[k], _mm256_and_si256(t1, bits));
     }
   }
 }
@@ -720,20 +728,6 @@ static void kx8_group(const uint8_t* group, int64_t nsb, const int8_t* const* xq
 // Q6_K on AVX2 (the VNNI build takes kx8_group), in two forms: q6kx8_group for a few tokens (decode), unpacking
 // each block itself, and q6kx8_ready for more, reading the blocks unpacked once into a buffer (Q6kBlock).
 
-// Half h of block j of a group's superblock p: four loads of nibbles (low ones for h = 0, high ones for h = 1) and
-// one of high bits, bits 2k, 2k + 1 of each byte moved to bits 4, 5 (masked after the shift: no bit of a neighbour
-// stays). w[k]: codes 4k .. 4k + 3 of the half (0..63, unsigned) in each row's lane.
-static inline void q6k_half_codes(const uint8_t* p, int64_t j, int h, __m256i* w) {
-  const __m256i low = _mm256_set1_epi8(0x0F), bits = _mm256_set1_epi8(0x30);
-  const uint8_t* nib = p + 144 + 192 * j;
-  const __m256i high = _mm256_loadu_si256((const __m256i*)(nib + 128 + 32 * h));
-  for (int k = 0; k < 4; ++k) {
-    const __m256i v = _mm256_loadu_si256((const __m256i*)(nib + 32 * k));
-    const __m256i t = k < 2 ? _mm256_slli_epi32(high, 4 - 2 * k) : _mm256_srli_epi32(high, 2 * k - 4);
-    w[k] = _mm256_or_si256(_mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, low), _mm256_and_si256(t, bits));
-  }
-}
-
 // The half's scale in both int16 of each row's lane (madd's form).
 static inline __m256i q6k_scale(const uint8_t* p, int64_t j, int h) {
   return scale_pairs(lanes_s8(p + 16 + 8 * h + 16 * j));
@@ -772,7 +766,7 @@ static void q6kx8_group(const uint8_t* group, int64_t nsb, const int8_t* const* 
       }
       for (int h = 0; h < 2; ++h) {
         __m256i w[4];
-        q6k_half_codes(p, j, h, w);
+        q6k_half_codes(p + 144 + 192 * j, h, w);
         const __m256i scale = q6k_scale(p, j, h);
         for (int t = 0; t < NT; ++t) {
           const int8_t* x = xq[t] + b * 32 + 16 * h;
@@ -801,8 +795,7 @@ struct Q6kBlock {
 
 static inline void q6kx8_unpack(const uint8_t* p, int64_t j, Q6kBlock& u) {
   const __m256i c32 = _mm256_set1_epi8(32), ones = _mm256_set1_epi8(1);
-  q6k_half_codes(p, j, 0, u.w);
-  q6k_half_codes(p, j, 1, u.w + 4);
+  kx8_codes<Q6_K>(p + 144 + 192 * j, u.w, u.w + 4);
   for (int k = 0; k < 8; ++k) u.w[k] = _mm256_sub_epi8(u.w[k], c32);
   u.pair0 = q6k_scale(p, j, 0);
   u.pair1 = q6k_scale(p, j, 1);
@@ -1027,7 +1020,7 @@ struct Tokens {
       xsum16[i] = a.sum16 + (t + i) * nb * 2;
       xhigh16[i] = a.high16 + (t + i) * nb * 2;
       xoff16[i] = a.off16 + (t + i) * nb * 2;
-      xu[i] = a.u + (t + i) * k;
+      xu[i] = a.u ? a.u + (t + i) * k : nullptr;
       out[i] = y + (t + i) * stride;
     }
   }
