@@ -65,6 +65,8 @@ def main(argv=None):
         quiet_progress_bars()
     logger.info("%s", args)
     logger.info("device: %s, processes: %d, dtype: %s", state.device, state.num_processes, args.dtype)
+    if state.device.type != "cpu" and not args.device_map:
+        accelerator_refusal(args, state.device)
     if args.device_map and state.num_processes > 1:
         raise UsageError("--device_map spreads one model over all devices; run it in a single process")
     if args.serve and state.num_processes > 1:
@@ -227,6 +229,16 @@ def set_seed(seed: int) -> None:
     random.seed(seed)
     numpy.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def accelerator_refusal(args, device) -> None:
+    """UsageError for the flags that run on the CPU only, before anything loads."""
+    if args.quantize:
+        raise UsageError(f"--quantize runs on the CPU only (torch's packed int8/int4 kernels); on {device.type} run "
+                         "without it (half precision), or add --use_cpu")
+    if args.jit:
+        raise UsageError(f"--jit traces the decode step for TorchScript's CPU Static Runtime; on {device.type} "
+                         "drop it, or add --use_cpu")
 
 
 def quiet_progress_bars() -> None:

@@ -28,7 +28,6 @@ import collections
 import dataclasses
 import inspect
 import queue
-import secrets
 import sys
 import threading
 import time
@@ -47,7 +46,8 @@ from .generation import (
     stuck_error,
 )
 from .kvcache import MIN_ROOM, full_attention, growing, new_cache
-from .logprobs import content
+from .logprobs import content_items
+from .sampling import Picked, RowState, Sampling, choose, new_generator
 
 # Prompt tokens decoded before a row's new tokens to get their text in context: decoding the whole prompt at
 # every step would cost as much as the prompt is long.
@@ -60,22 +60,6 @@ class EngineBusy(RuntimeError):
 
 class EngineClosed(RuntimeError):
     """The engine is shutting down and takes no new requests (HTTP 503)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-    """One request's sampling settings, checked by the server."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    seed: int | None = None
-    ignore_eos: bool = False
 
 
 @dataclasses.dataclass
@@ -239,13 +223,12 @@ def shared_start(a, b, limit):
 class Row:
     request: Request
     index: int  # the choice index within the request
-    generator: torch.Generator
+    state: RowState  # its sampling on the device: generator, seen tokens, counts, bias
     position: int  # real tokens so far (the next position id)
     new: list = dataclasses.field(default_factory=list)
     emitted: int = 0  # characters of the continuation sent so far
     head: str = ""  # the decoding of the prompt's last tokens (the continuation is what follows it)
     matcher: object = None
-    counts: object = None  # generated-token counts (presence/frequency penalties)
     last_time: float = 0.0
     finish: Finish | None = None
 
@@ -446,19 +429,19 @@ class Engine:
             new_layers = [(k.repeat(request.n, 1, 1, 1), v.repeat(request.n, 1, 1, 1)) for k, v in new_layers]
         mask = torch.ones(request.n, len(ids), dtype=torch.long, device=self.device)
         self.pending.append((new_layers, mask, output.past_key_values if request.n == 1 else None))
-        generator = torch.Generator(device="cpu")
-        generator.manual_seed(request.sampling.seed if request.sampling.seed is not None else secrets.randbits(63))
+        logits = output.logits[:, -1].float()
+        generator = new_generator(request.sampling.seed, logits.device)  # the request's n rows draw from it in turn
         with self.tokenizer_lock:
             head = self.tokenizer.decode(ids[-TAIL_TOKENS:], skip_special_tokens=True)
         new_rows = []
         for index in range(request.n):
-            row = Row(request, index, generator, len(ids), head=head, last_time=start)
+            state = RowState(request.sampling, ids, logits.shape[-1], logits.device, generator)
+            row = Row(request, index, state, len(ids), head=head, last_time=start)
             if request.constraint is not None:
                 row.matcher = request.constraint.matcher()
             new_rows.append(row)
         self.rows += new_rows
         self.peak_rows = max(self.peak_rows, len(self.rows))
-        logits = output.logits[:, -1].float()
         self.advance(new_rows, logits.expand(request.n, -1), remove=False)  # they leave once merged
 
     def merge(self, parts):
@@ -497,21 +480,21 @@ class Engine:
         """Chooses each row's next token, reports it, and ends the rows that are done (`remove`: lets them
         leave the batch now)."""
         now = time.perf_counter()
-        # Plain greedy rows take their tokens from one argmax over the batch (a clone and an argmax a row were
-        # a tenth of a 16-row step's time outside the model).
-        greedy = logits.argmax(-1).tolist() if any(plain_greedy(row) for row in rows) else None
-        for number, (row, row_logits) in enumerate(zip(rows, logits)):
+        picked, stuck = self.pick(rows, logits)
+        for number, row in enumerate(rows):
             request = row.request
             if request.cancelled:
                 row.finish = self.finish_row(row, "abort")  # what it holds back is sent: a session shows it
                 continue
-            token = greedy[number] if greedy is not None and plain_greedy(row) else self.choose(row, row_logits)
-            if token is None:
+            if number in stuck:
                 logger.warning("%s: no token of the vocabulary continues the output; it ends incomplete",
                                request.constraint.flag)
                 row.finish = self.finish_row(row, "stop", error="the grammar allows no token of this vocabulary "
                                              "here; the output ends incomplete")
                 continue
+            if picked.nan[number]:
+                raise GenerationError("the model's scores are NaN: its weights are broken (a damaged file?)")
+            token = picked.tokens[number]
             row.new.append(token)
             if not row.new[:-1]:
                 request.first_token_at = request.first_token_at or now
@@ -522,64 +505,40 @@ class Engine:
             self.metrics.add_tokens(generated=1)
             items = None
             if request.logprobs is not None:
-                raw = row_logits.log_softmax(-1)[None]
+                chosen, top_ids, top_values = picked.logprobs[number]
                 with self.tokenizer_lock:
-                    items = content(self.tokenizer, request.ids + row.new[:-1], [token], raw, request.logprobs)
+                    items = content_items(self.tokenizer, request.ids + row.new[:-1], [token], [chosen],
+                                          [top_ids], [top_values])
             self.report(row, token, items)
         if remove:
             self.remove_finished()
 
-    def choose(self, row, logits):
-        """The next token under the request's sampling settings; None when the grammar allows none."""
-        sampling = row.request.sampling
-        scores = logits.clone()
-        if row.matcher is not None:
+    def pick(self, rows, logits):
+        """The rows' choices (sampling.choose on the device, one copy to the host), and the numbers of the rows
+        whose grammar allows no token (they get none)."""
+        grammar, stuck = None, set()
+        constrained = [number for number, row in enumerate(rows) if row.matcher is not None]
+        if constrained:
             import xgrammar as xgr
 
             from .constrain import nothing_allowed
 
-            vocab = row.request.constraint.vocab_size
-            bitmask = xgr.allocate_token_bitmask(1, vocab)
-            row.matcher.fill_next_token_bitmask(bitmask)
-            if nothing_allowed(bitmask)[0]:
-                return None
-            view = scores[None, :vocab]
-            xgr.apply_token_bitmask_inplace(view, bitmask)
-            scores[vocab:] = float("-inf")
-        if sampling.ignore_eos and self.eos_ids:
-            scores[list(self.eos_ids)] = float("-inf")
-        if sampling.logit_bias:
-            ids, values = zip(*sampling.logit_bias)
-            scores[list(ids)] += torch.tensor(values, dtype=scores.dtype)
-        if sampling.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(row.request.ids) | set(row.new)))
-            chosen = scores[seen]
-            scores[seen] = torch.where(chosen < 0, chosen * sampling.repetition_penalty,
-                                       chosen / sampling.repetition_penalty)
-        if (sampling.presence_penalty or sampling.frequency_penalty) and row.new:
-            counts = torch.bincount(torch.tensor(row.new), minlength=scores.shape[0])[: scores.shape[0]].to(scores)
-            scores -= sampling.frequency_penalty * counts + sampling.presence_penalty * (counts > 0).to(scores)
-        top = scores.max()
-        if torch.isnan(top):  # torch.multinomial would fail with a message about probabilities
-            raise GenerationError("the model's scores are NaN: its weights are broken (a damaged file?)")
-        if sampling.temperature == 0 or top == float("inf"):  # +inf: a repetition penalty near 0 made one
-            return int(scores.argmax())
-        # Shifted first, so that a temperature near 0 (1e-45) sends the others to -inf rather than the top to
-        # inf, whose softmax would be NaN; and in float64, where no temperature a request can give rounds to 0
-        # (4e-141 does in float32). The softmax is the same.
-        scores = (scores - top).double() / sampling.temperature
-        if sampling.top_k and sampling.top_k < scores.shape[0]:
-            kth = scores.topk(sampling.top_k).values[-1]
-            scores[scores < kth] = float("-inf")
-        probs = scores.softmax(-1)
-        if sampling.top_p < 1.0:
-            sorted_probs, order = probs.sort(descending=True)
-            # keep the smallest set whose mass reaches top_p (the top token always)
-            drop = sorted_probs.cumsum(-1) - sorted_probs >= sampling.top_p
-            probs[order[drop]] = 0
-        if sampling.min_p > 0:
-            probs[probs < sampling.min_p * probs.max()] = 0
-        return int(torch.multinomial(probs, 1, generator=row.generator))
+            vocab = rows[constrained[0]].request.constraint.vocab_size  # one tokenizer: one vocabulary
+            bitmask = xgr.allocate_token_bitmask(len(constrained), vocab)
+            for place, number in enumerate(constrained):
+                rows[number].matcher.fill_next_token_bitmask(bitmask, place)
+            empty = nothing_allowed(bitmask).tolist()
+            stuck = {number for number, nothing in zip(constrained, empty) if nothing}
+            keep = [place for place, nothing in enumerate(empty) if not nothing]
+            if keep:
+                grammar = (bitmask[keep], [constrained[place] for place in keep], vocab)
+        states = [row.state for row in rows]
+        tokens, nan = choose(logits, states, sorted(self.eos_ids), grammar)
+        for number, state in enumerate(states):
+            if number not in stuck:
+                state.accept(tokens[number : number + 1])
+        top_n = {number: row.request.logprobs for number, row in enumerate(rows) if row.request.logprobs is not None}
+        return Picked.read(tokens, nan, logits, top_n), stuck
 
     def report(self, row, token, items):
         """Sends the text this token adds (holding back what may be the start of a stop string or an
@@ -824,14 +783,6 @@ def submit_prompts(engine, settings, prompts, on_done, stream=False):
                                 deltas=stream))
         engine.submit(requests[-1])
     return requests
-
-
-def plain_greedy(row):
-    """Whether the row's next token is the argmax of its raw logits (choose() would change nothing)."""
-    sampling = row.request.sampling
-    return (sampling.temperature == 0 and row.matcher is None and not sampling.ignore_eos and not sampling.logit_bias
-            and sampling.repetition_penalty == 1.0 and not sampling.presence_penalty
-            and not sampling.frequency_penalty)
 
 
 def layers_of(cache):

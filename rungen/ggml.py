@@ -92,6 +92,31 @@ def dequantize(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: i
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(blocks.shape[0], in_features)
 
 
+DEQUANTIZE_CHUNK = 1 << 24  # float32 values de-quantized on the host at a time on the way to a device (64 MB)
+
+
+def dequantize_to(blocks: np.ndarray, qtype: GGMLQuantizationType, in_features: int, dtype: torch.dtype,
+                  device: torch.device) -> torch.Tensor:
+    """The weight [rows, in_features] that `blocks` [rows, row_bytes] (the file's layout) encode, in `dtype` on
+    `device`, de-quantized a chunk of rows at a time: no float32 copy of the whole weight is ever held. The native
+    kernels' de-quantization (the embedding's lookup, every type they multiply) where they are built, else the gguf
+    package's."""
+    rows = blocks.shape[0]
+    out = torch.empty(rows, in_features, dtype=dtype, device=device)
+    step = max(1, DEQUANTIZE_CHUNK // in_features)
+    native = qtype in SUPPORTED and native_kernels()
+    source = torch.from_numpy(blocks) if native else None
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        if native:
+            ids = torch.arange(start, stop, dtype=torch.int64)
+            values = torch.ops.rungen_ggml.embed(source, int(qtype), in_features, ids)
+        else:
+            values = dequantize(torch.from_numpy(np.ascontiguousarray(blocks[start:stop])), qtype, in_features)
+        out[start:stop].copy_(values.to(dtype))
+    return out
+
+
 class GGMLLinear(torch.nn.Module):
     """y = x @ W.T (+ bias), W in the file's blocks of `qtype` (`interleaved`: their rows eight by eight, as
     interleave() leaves them)."""

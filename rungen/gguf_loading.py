@@ -41,7 +41,16 @@ import torch
 from . import NOTICE
 from .decoder import FUSED_WEIGHTS, fusable, fuse_decoder_layers
 from .errors import UsageError
-from .ggml import SUPPORTED, X8, GGMLLinear, dequantize, interleavable, interleaved_row_bytes, native_kernels
+from .ggml import (
+    SUPPORTED,
+    X8,
+    GGMLLinear,
+    dequantize,
+    dequantize_to,
+    interleavable,
+    interleaved_row_bytes,
+    native_kernels,
+)
 
 logger = logging.getLogger("run_generation")
 
@@ -454,9 +463,11 @@ def _process(processor, header: GGUFHeader, name: str, weights: np.ndarray, name
         raise GGUFError(f"{header.path}: tensor {name} {list(weights.shape)}: {_first_line(error)}") from None
 
 
-def build_model(header: GGUFHeader, dtype: torch.dtype) -> torch.nn.Module:
+def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | None = None) -> torch.nn.Module:
     """The causal LM of `header`'s config over the file's weights: views of its map, or read and interleaved for
-    the kernels (see the module docstring)."""
+    the kernels (see the module docstring). Given a `device` (an accelerator's form of the file), every weight is
+    de-quantized to `dtype` instead, a chunk of rows at a time on its way there (rungen.ggml.dequantize_to)."""
+    on_device = device is not None
     from accelerate import init_empty_weights
     from gguf import GGMLQuantizationType
     from transformers import AutoModelForCausalLM
@@ -476,12 +487,12 @@ def build_model(header: GGUFHeader, dtype: torch.dtype) -> torch.nn.Module:
     # Weights that FusedDecoderLayer concatenates, and those whose rows are interleaved for the kernels, are read
     # into memory rather than viewed in the map: the concatenation and the interleaving copy them, and a copy of
     # mapped pages would count them twice in the process's memory.
-    fused = FUSED_WEIGHTS if fusable(model) else ()
+    fused = FUSED_WEIGHTS if fusable(model) and not on_device else ()
     # An output head tied to the input embedding multiplies the embedding's blocks: interleaved for the kernels,
     # they serve both (the lookup reads either layout).
     tied_embedding = None
     head = model.get_output_embeddings()
-    if getattr(config, "tie_word_embeddings", False) and head is not None:
+    if getattr(config, "tie_word_embeddings", False) and head is not None and not on_device:
         head_name = next(n for n, m in model.named_modules() if m is head) + ".weight"
         in_file = {name for name, *_ in header.tensors}
         if not any(names.get(name) == head_name for name in in_file):
@@ -513,7 +524,9 @@ def build_model(header: GGUFHeader, dtype: torch.dtype) -> torch.nn.Module:
             tensor = torch.from_numpy(raw if result.weights is raw else np.ascontiguousarray(result.weights))
             tensor = tensor.view(torch.bfloat16) if bf16 else tensor
             _check_shape(header.path, name, module, attr, tensor.shape)
-            if attr == "bias" and isinstance(module, (torch.nn.Linear, Conv1D)):
+            if on_device:
+                _set_tensor(model, hf_name, tensor.to(device=device, dtype=dtype))
+            elif attr == "bias" and isinstance(module, (torch.nn.Linear, Conv1D)):
                 biases[module_name] = tensor.to(dtype)
             elif attr == "weight" and tensor.dtype != dtype and isinstance(module, torch.nn.Linear):
                 layers[module_name] = CastLinear(tensor, None)
@@ -531,6 +544,12 @@ def build_model(header: GGUFHeader, dtype: torch.dtype) -> torch.nn.Module:
             _check_shape(header.path, name, module, attr,
                          (in_features, shape[0]) if isinstance(module, Conv1D) else (shape[0], in_features))
             order = _row_permutation(processor, name, shape[0])
+            if on_device and order is not False:
+                weight = dequantize_to(blocks, qtype, in_features, dtype, device)
+                if order is not None:
+                    weight = weight[torch.from_numpy(order).to(device)]
+                _set_tensor(model, hf_name, weight.t().contiguous() if isinstance(module, Conv1D) else weight)
+                continue
             embedding = isinstance(module, torch.nn.Embedding)
             interleave = (not embedding or module_name == tied_embedding) and interleavable(qtype, shape[0])
             if order is not False:
@@ -555,9 +574,12 @@ def build_model(header: GGUFHeader, dtype: torch.dtype) -> torch.nn.Module:
         result = _process(processor, header, name, values, names, collected)
         if result.name is not None:
             _check_shape(header.path, name, module, attr, result.weights.shape)
-            _set_tensor(model, hf_name, torch.from_numpy(np.ascontiguousarray(result.weights)).to(dtype))
+            _set_tensor(model, hf_name, torch.from_numpy(np.ascontiguousarray(result.weights)).to(device, dtype))
     for hf_name, value in collected["tensors"].items():
-        _set_tensor(model, hf_name, value.to(dtype))
+        _set_tensor(model, hf_name, value.to(device, dtype))
+    if on_device:
+        _tie_head(model, config)
+        return _finish_built(header, model, device)
 
     for module_name, layer in layers.items():
         if module_name in biases:
@@ -568,10 +590,18 @@ def build_model(header: GGUFHeader, dtype: torch.dtype) -> torch.nn.Module:
     _tie_head(model, config)
     layers.clear()  # the model holds them now: fused layer by layer, each layer's parts are freed as it goes
     fuse_decoder_layers(model)
+    return _finish_built(header, model)
+
+
+def _finish_built(header: GGUFHeader, model: torch.nn.Module, device: torch.device | None = None) -> torch.nn.Module:
+    """The built model in eval mode (on `device`: the buffers __init__ computed, rotary frequencies, go there too);
+    GGUFError when a parameter found no tensor in the file."""
     missing = [name for name, p in [*model.named_parameters(), *model.named_buffers()] if p.device.type == "meta"]
     if missing:
         raise GGUFError(f"{header.path}: the file has no tensor for {missing[0]}"
                         + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+    if device is not None:
+        model.to(device)
     model.eval()
     return model
 

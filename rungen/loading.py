@@ -195,11 +195,20 @@ def cpu_has_fast(dtype: torch.dtype) -> bool:
     return any(flag in flags for flag in FAST_CPU_FLAGS.get(dtype, ()))
 
 
+def accelerator_half(device: torch.device) -> torch.dtype:
+    """The half precision a CUDA GPU runs: bfloat16, or float16 where it lacks bfloat16 (before Ampere)."""
+    return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
+
+
 def resolve_dtype(requested: str, config, device: torch.device) -> torch.dtype:
-    """--dtype, or the checkpoint's own dtype; half precision only where the hardware runs it fast."""
+    """--dtype, or the checkpoint's own dtype; half precision only where the hardware runs it fast. On a CUDA GPU
+    a float32 checkpoint (or a GGUF file, which names none) runs in half precision: float32 there would read twice
+    the bytes a step for the same text, to the precision the checkpoint was trained in."""
     dtype = DTYPES.get(requested) or getattr(config, "dtype", None) or torch.float32
     if isinstance(dtype, str):
         dtype = DTYPES.get(dtype, torch.float32)
+    if device.type == "cuda" and requested == "auto" and dtype == torch.float32:
+        dtype = accelerator_half(device)
     if device.type == "cpu" and dtype != torch.float32 and not cpu_has_fast(dtype):
         logger.warning("This CPU has no fast %s kernels; keeping float32.", str(dtype).removeprefix("torch."))
         dtype = torch.float32
@@ -228,11 +237,15 @@ def load(model_name_or_path: str | None, *, device: torch.device, model_type: st
     file of the families rungen/gguf_model.py computes runs on that code; False loads transformers' model class (for
     generate() and --jit)."""
     dequantize = dequantize or quantize is not None
-    path, load_kwargs = resolve_checkpoint(model_name_or_path, model_type, dequantize)
+    on_accelerator = device.type != "cpu" and not device_map and quantize is None
+    # A GGUF file on an accelerator is de-quantized on its way there (load_gguf_on), --dequantize or not.
+    path, load_kwargs = resolve_checkpoint(model_name_or_path, model_type, dequantize and not on_accelerator)
+    if "gguf_file" in load_kwargs and on_accelerator:
+        return load_gguf_on(os.path.join(path, load_kwargs["gguf_file"]), device, model_type=model_type, dtype=dtype)
     if "gguf_file" in load_kwargs and not dequantize:
-        if device.type != "cpu" or device_map:
-            raise UsageError("a GGUF file runs in its own blocks on the CPU: add --use_cpu, or --dequantize to "
-                             f"run it in float32{' over --device_map' if device_map else ' on ' + device.type}")
+        if device_map:
+            raise UsageError("a GGUF file runs in its own blocks on the CPU or is de-quantized onto one device: "
+                             "add --dequantize to run it in float32 over --device_map")
         return load_gguf(os.path.join(path, load_kwargs["gguf_file"]), model_type=model_type, dtype=dtype,
                          own_model=own_model)
     parsing = contextlib.nullcontext()
@@ -297,6 +310,19 @@ def load_gguf(gguf_path: str, *, model_type: str | None = None, dtype: str = "au
     model = build_model(header, torch_dtype)
     # transformers' model with transformers' tokenizer: generate()'s stop strings and streamer read its internals.
     return finish(model, header.transformers_tokenizer, model_type, torch.device("cpu"))
+
+
+def load_gguf_on(gguf_path: str, device: torch.device, *, model_type: str | None = None, dtype: str = "auto"
+                 ) -> Loaded:
+    """A GGUF file's model on an accelerator: transformers' model class, every weight de-quantized to the device's
+    half precision (or --dtype) a chunk of rows at a time on its way there, never a float32 copy of the model in
+    host memory (rungen/gguf_loading.py's build_model)."""
+    from .gguf_loading import GGUFHeader, build_model
+
+    header = GGUFHeader(gguf_path)
+    model_type, _ = resolve_model_class(model_type, header.config)
+    model = build_model(header, resolve_dtype(dtype, header.config, device), device)
+    return finish(model, header.transformers_tokenizer, model_type, device)
 
 
 def use_transformers_model(loaded: Loaded) -> bool:

@@ -41,16 +41,22 @@ def content(tokenizer, context: list[int], ids: list[int], logprobs: list[torch.
     ids = list(ids)
     chosen = logprobs.gather(1, torch.tensor(ids, device=logprobs.device).view(-1, 1)).squeeze(1).tolist()
     top = logprobs.topk(min(top_n, logprobs.shape[1]), dim=1) if top_n else None  # sorted, most likely first
-    sequence, offset = list(context) + ids, len(context)
+    top_ids = top.indices.tolist() if top is not None else [[] for _ in ids]
+    top_values = top.values.tolist() if top is not None else [[] for _ in ids]
+    return content_items(tokenizer, context, ids, chosen, top_ids, top_values)
+
+
+def content_items(tokenizer, context: list[int], ids: list[int], chosen: list[float], top_ids: list[list[int]],
+                  top_values: list[list[float]]) -> list:
+    """content()'s list from values already on the host: each id's log-probability, and its alternatives' ids and
+    log-probabilities (most likely first)."""
+    sequence, offset = list(context) + list(ids), len(context)
     items, special = [], set(tokenizer.all_special_ids)
     for position, (token_id, logprob) in enumerate(zip(ids, chosen)):
         before = sequence[max(0, offset + position - CONTEXT_TOKENS) : offset + position]
         head = tokenizer.decode(before, skip_special_tokens=True) if before else None
-        alternatives = []
-        if top is not None:
-            for alt_id, alt_logprob in zip(top.indices[position].tolist(), top.values[position].tolist()):
-                alternatives.append({"token": token_text(tokenizer, before, alt_id, head, special), "id": alt_id,
-                                     "logprob": alt_logprob})
+        alternatives = [{"token": token_text(tokenizer, before, alt_id, head, special), "id": alt_id, "logprob": value}
+                        for alt_id, value in zip(top_ids[position], top_values[position])]
         text = token_text(tokenizer, before, token_id, head, special)
         items.append({"token": text, "id": token_id, "logprob": logprob, "top_logprobs": alternatives})
     return items

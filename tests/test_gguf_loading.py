@@ -433,3 +433,45 @@ def test_quantizing_while_loading_equals_quantizing_after(tiny_models, model_typ
     assert built and built[0] is not None  # the checkpoint was quantized block by block
     monkeypatch.setattr(rungen.quantize, "load_quantized", lambda *a: None)
     assert run_generation.main(args) == streamed
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_the_accelerator_form_is_the_dequantized_model(loaded, name):
+    # What a GPU runs (build_model given a device, here the CPU): transformers' model with every weight de-quantized
+    # onto the device, no block left; in float32 the very weights of --dequantize's model, in bfloat16 those rounded.
+    header, _, reference = loaded[name]
+    batch = header.tokenizer(PROMPTS[:2], return_tensors="pt", padding=True)
+    real = batch["attention_mask"].bool()
+    with torch.no_grad():
+        theirs = reference(**batch).logits
+        for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 0.05)):
+            model = build_model(header, dtype, torch.device("cpu"))
+            assert not [m for m in model.modules() if isinstance(m, (GGMLLinear, GGMLEmbedding, CastLinear))]
+            assert {p.dtype for p in model.parameters()} == {dtype}
+            ours = model(**batch).logits.float()
+            error = (ours - theirs)[real].abs().max()
+            assert error <= tolerance * theirs[real].abs().max(), (dtype, error)
+    if header.config.tie_word_embeddings:
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # one copy
+
+
+@pytest.mark.parametrize("kernels", ["native", "gguf"])
+def test_dequantize_to_reads_chunks_of_rows(monkeypatch, kernels):
+    # The weights go to a device a few rows at a time (never the whole weight in float32 on the host): every chunk
+    # boundary lands where the whole weight's de-quantization puts it, with either de-quantizer.
+    from rungen import ggml
+
+    if kernels == "native" and not native_kernels():
+        pytest.skip("the native kernels are not built here")
+    monkeypatch.setattr(ggml, "native_kernels", lambda: kernels == "native")
+    monkeypatch.setattr(ggml, "DEQUANTIZE_CHUNK", 3 * 256)  # three rows of 256 at a time
+    rng = np.random.default_rng(0)
+    for qtype in (Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.IQ4_XS):
+        block, size = GGML_QUANT_SIZES[qtype]
+        blocks = rng.integers(0, 256, size=(10, 256 // block * size), dtype=np.uint8)
+        for start in range(0, blocks.shape[1], size):  # finite float16 scales at every block's start
+            blocks[:, start : start + 2] = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)
+        whole = ggml.dequantize(torch.from_numpy(blocks), qtype, 256)
+        chunked = ggml.dequantize_to(blocks, qtype, 256, torch.float32, torch.device("cpu"))
+        torch.testing.assert_close(chunked, whole, rtol=0, atol=0)
+        assert ggml.dequantize_to(blocks, qtype, 256, torch.bfloat16, torch.device("cpu")).dtype == torch.bfloat16

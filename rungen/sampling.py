@@ -1,0 +1,208 @@
+"""The next token of every row of a batch, chosen on the logits' device: each request's logits processors, then a
+sampler, batched as mlx-lm's make_logits_processors / make_sampler are, with the per-row settings as tensors.
+
+Processors (OpenAI's definitions, in this order): the grammar's mask, ignore_eos, logit_bias, repetition_penalty
+(transformers' definition, prompt included), presence/frequency penalties over the generated tokens. Sampler:
+greedy at temperature 0, else temperature, top-k, top-p, min-p and a draw from the request's own generator (seeded
+by `seed`), made on the device: the exponential race argmax(p / E), E ~ Exp(1) drawn from that generator, picks
+token i with probability p_i, as torch.multinomial does, without a host round trip.
+
+Nothing here reads a device tensor back: choose() returns the tokens on the device, and `Picked` copies them with
+everything else the host needs (NaN flags, log-probabilities) in one transfer a step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """One request's sampling settings, checked by the server."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def processed(self) -> bool:
+        """Whether any processor changes this request's logits (a grammar aside)."""
+        return bool(self.ignore_eos or self.logit_bias or self.repetition_penalty != 1.0 or self.presence_penalty
+                    or self.frequency_penalty)
+
+
+class RowState:
+    """What one row's processors and draws keep on the device between steps: the request's generator (shared by
+    its n rows, drawn in row order), the tokens seen (repetition penalty), the generated tokens' counts
+    (presence/frequency penalties) and the logit bias as a dense row."""
+
+    def __init__(self, sampling: Sampling, prompt: list[int], width: int, device: torch.device,
+                 generator: torch.Generator | None = None):
+        self.sampling = sampling
+        self.generator = generator or new_generator(sampling.seed, device)
+        self.seen = self.counts = self.bias = None
+        if sampling.repetition_penalty != 1.0:
+            self.seen = torch.zeros(width, dtype=torch.bool, device=device)
+            self.seen[torch.tensor(sorted(set(prompt)), dtype=torch.long, device=device)] = True
+        if sampling.presence_penalty or sampling.frequency_penalty:
+            self.counts = torch.zeros(width, dtype=torch.float32, device=device)
+        if sampling.logit_bias:
+            ids, values = zip(*sampling.logit_bias)
+            self.bias = torch.zeros(width, dtype=torch.float32, device=device)
+            self.bias[torch.tensor(ids, device=device)] = torch.tensor(values, dtype=torch.float32, device=device)
+
+    def accept(self, token: torch.Tensor) -> None:
+        """Counts the row's chosen token (a one-element tensor on the device: no copy to the host)."""
+        if self.seen is not None:
+            self.seen.index_fill_(0, token, True)
+        if self.counts is not None:
+            self.counts.index_add_(0, token, torch.ones(1, dtype=self.counts.dtype, device=self.counts.device))
+
+
+def new_generator(seed: int | None, device: torch.device) -> torch.Generator:
+    """A generator on `device` seeded with `seed` (a random seed when None)."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed if seed is not None else secrets.randbits(63))
+    return generator
+
+
+def apply_processors(scores: torch.Tensor, states: list[RowState], eos_ids: list[int]) -> None:
+    """Each row's processors on its scores [rows, vocabulary], in place (float32)."""
+    for number, state in enumerate(states):
+        sampling, row = state.sampling, scores[number]
+        if sampling.ignore_eos and eos_ids:
+            row[eos_ids] = float("-inf")
+        if state.bias is not None:
+            row += state.bias
+        if state.seen is not None:
+            penalty = sampling.repetition_penalty
+            row.copy_(torch.where(state.seen, torch.where(row < 0, row * penalty, row / penalty), row))
+        if state.counts is not None:
+            row -= sampling.frequency_penalty * state.counts + sampling.presence_penalty * (state.counts > 0).float()
+
+
+def apply_grammar(scores: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab_size: int) -> None:
+    """Masks the rows `rows` of scores with xgrammar's bitmask [len(rows), words] (int32 on the host, 32 tokens a
+    word, bit set: allowed), copied to the device once; tokens past `vocab_size` (the logits' padding) are never
+    allowed."""
+    bits = torch.arange(32, dtype=torch.int32, device=scores.device)
+    words = bitmask.to(scores.device, non_blocking=True)
+    allowed = ((words[:, :, None] >> bits) & 1).bool().reshape(len(rows), -1)
+    width = min(vocab_size, allowed.shape[1], scores.shape[1])
+    full = torch.zeros(len(rows), scores.shape[1], dtype=torch.bool, device=scores.device)
+    full[:, :width] = allowed[:, :width]
+    index = torch.tensor(rows, device=scores.device)
+    scores.index_copy_(0, index, scores.index_select(0, index).masked_fill_(~full, float("-inf")))
+
+
+def settings_tensors(samplings: list[Sampling], device: torch.device) -> dict[str, torch.Tensor]:
+    """The rows' sampler settings as tensors [rows] (one host-to-device copy)."""
+    values = torch.tensor([[s.temperature, s.top_k, s.top_p, s.min_p] for s in samplings], dtype=torch.float64)
+    values = values.to(device, non_blocking=True)
+    return {"temperature": values[:, 0], "top_k": values[:, 1].long(), "top_p": values[:, 2], "min_p": values[:, 3]}
+
+
+def choose(logits: torch.Tensor, states: list[RowState], eos_ids: list[int], grammar=None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' next tokens [rows] and whether their processed scores were NaN [rows], on the device, from the
+    model's logits [rows, vocabulary] (float32, left as they are: log-probabilities read them raw). `grammar`:
+    (bitmask, rows, vocab_size) for the constrained rows (apply_grammar)."""
+    scores = logits
+    if grammar is not None or any(state.sampling.processed for state in states):
+        scores = logits.clone()
+        if grammar is not None:
+            apply_grammar(scores, *grammar)
+        apply_processors(scores, states, eos_ids)
+    tokens = sample(scores, [state.sampling for state in states], [state.generator for state in states])
+    return tokens, torch.isnan(scores.max(-1).values)
+
+
+def sample(scores: torch.Tensor, samplings: list[Sampling], generators: list[torch.Generator]) -> torch.Tensor:
+    """The rows' tokens [rows] (int64, on the device) from their processed scores: argmax where greedy (or a score
+    is +inf: a repetition penalty near 0 made one), else a draw after temperature, top-k, top-p and min-p."""
+    top = scores.max(-1).values
+    argmax = scores.argmax(-1)
+    drawn = [number for number, s in enumerate(samplings) if not s.greedy]
+    if not drawn:
+        return argmax
+    index = torch.tensor(drawn, device=scores.device) if len(drawn) < len(samplings) else None
+    rows = scores if index is None else scores.index_select(0, index)
+    settings = settings_tensors([samplings[number] for number in drawn], scores.device)
+    # Shifted first, so that a temperature near 0 (1e-45) sends the others to -inf rather than the top to inf,
+    # whose softmax would be NaN; and in float64, where no temperature a request can give rounds to 0.
+    peak = top if index is None else top.index_select(0, index)
+    x = (rows - peak[:, None]).double() / settings["temperature"][:, None]
+    widest = max(samplings[number].top_k for number in drawn)
+    if 0 < widest:
+        k = torch.where(settings["top_k"] > 0, settings["top_k"], x.shape[1]).clamp(max=x.shape[1])
+        values = x.topk(min(int(widest), x.shape[1]), dim=-1).values
+        kth = values.gather(1, (k.clamp(max=values.shape[1]) - 1)[:, None])
+        kth = torch.where((k >= x.shape[1])[:, None], float("-inf"), kth)  # top-k off (or wider than the vocabulary)
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = x.softmax(-1)
+    if any(samplings[number].top_p < 1.0 for number in drawn):
+        sorted_probs, order = probs.sort(-1, descending=True)
+        # keep the smallest set whose mass reaches top_p (the top token always)
+        limit = torch.where(settings["top_p"] < 1.0, settings["top_p"], float("inf"))
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= limit[:, None]
+        probs = probs.scatter(1, order, sorted_probs.masked_fill(drop, 0))
+    if any(samplings[number].min_p > 0 for number in drawn):
+        probs = probs.masked_fill(probs < settings["min_p"][:, None] * probs.max(-1, keepdim=True).values, 0)
+    noise = torch.stack([torch.empty(probs.shape[1], dtype=probs.dtype, device=probs.device)
+                         .exponential_(generator=generators[number]) for number in drawn])
+    tokens = (probs / noise).argmax(-1)
+    tokens = torch.where(peak == float("inf"), argmax if index is None else argmax.index_select(0, index), tokens)
+    if index is None:
+        return tokens
+    return argmax.index_copy(0, index, tokens)
+
+
+@dataclasses.dataclass
+class Picked:
+    """A step's choices as the host reads them, from one device-to-host copy: each row's token, whether its
+    scores were NaN, and for the rows asked for, the chosen token's log-probability and the top alternatives."""
+
+    tokens: list[int]
+    nan: list[bool]
+    logprobs: dict[int, tuple[float, list[int], list[float]]]  # row -> (logprob, top ids, top logprobs)
+
+    @classmethod
+    def read(cls, tokens: torch.Tensor, nan: torch.Tensor, logits: torch.Tensor, top_n: dict[int, int]) -> Picked:
+        """`top_n`: row -> how many alternatives (0: the chosen token's log-probability alone)."""
+        parts = [tokens.double(), nan.double()]
+        if top_n:
+            rows = sorted(top_n)
+            index = torch.tensor(rows, device=logits.device)
+            raw = logits.index_select(0, index).float().log_softmax(-1)
+            parts.append(raw.gather(1, tokens.index_select(0, index)[:, None]).double().reshape(-1))
+            widest = max(top_n.values())
+            if widest:
+                top = raw.topk(min(widest, raw.shape[1]), dim=-1)
+                parts += [top.indices.double().reshape(-1), top.values.double().reshape(-1)]
+        flat = torch.cat(parts).tolist()  # the step's one copy to the host
+        count = tokens.shape[0]
+        picked = cls([int(t) for t in flat[:count]], [bool(f) for f in flat[count : 2 * count]], {})
+        if top_n:
+            chosen = flat[2 * count : 2 * count + len(rows)]
+            width = min(widest, logits.shape[1]) if widest else 0
+            start = 2 * count + len(rows)
+            ids, values = flat[start : start + len(rows) * width], flat[start + len(rows) * width :]
+            for number, row in enumerate(rows):
+                keep = min(top_n[row], width)
+                picked.logprobs[row] = (chosen[number], [int(i) for i in ids[number * width : number * width + keep]],
+                                        values[number * width : number * width + keep])
+        return picked
