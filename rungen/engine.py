@@ -27,6 +27,7 @@ by `seed`). Log-probabilities are the model's raw ones (rungen/logprobs.py).
 import collections
 import dataclasses
 import inspect
+import os
 import queue
 import sys
 import threading
@@ -47,7 +48,10 @@ from .generation import (
 )
 from .kvcache import MIN_ROOM, full_attention, growing, new_cache
 from .logprobs import content_items
-from .sampling import Picked, RowState, Sampling, choose, new_generator
+from .sampling import Picked, RowState, Sampling, choose
+from .slots import DecodeGraphs, SlotCache, decode_step
+
+GRAPHS_ENV = "RUN_GENERATION_CUDA_GRAPHS"
 
 # Prompt tokens decoded before a row's new tokens to get their text in context: decoding the whole prompt at
 # every step would cost as much as the prompt is long.
@@ -259,7 +263,14 @@ class Engine:
         self.calls = queue.Queue()  # functions to run on the model thread between steps (prompt scoring)
         self.wake = threading.Condition()
         self.rows, self.cache, self.mask = [], None, None
-        self.pending = []  # (layers, mask, cache) of rows joined since the last merge
+        # Keys/values in fixed slots where the model takes them (rungen/slots.py), else a left-padded batch.
+        self.slots = SlotCache.for_model(self.model, max_batch, loaded.context) if loaded.context else None
+        # On a CUDA GPU the decode step over the slots is replayed from CUDA graphs (RUN_GENERATION_CUDA_GRAPHS=0:
+        # eager steps).
+        self.graphs = None
+        if self.slots is not None and self.device.type == "cuda" and os.environ.get(GRAPHS_ENV, "1") != "0":
+            self.graphs = DecodeGraphs(self.model, self.slots)
+        self.pending = []  # (layers, mask, cache) of rows joined since the last merge; with slots (layers, n)
         self.peak_rows = 0  # the most rows decoded together so far
         self.closing = self.stopped = False
         self.bytes_per_token = self.measure_bytes_per_token()
@@ -364,6 +375,8 @@ class Engine:
             # Stopped mid-step (an error, a second Ctrl-C in a session): the batch is half-updated, and its
             # requests are given up; the engine is left empty for the next ones.
             self.rows, self.pending, self.joining, self.cache, self.mask = [], [], None, None, None
+            if self.slots is not None:
+                self.slots.clear()
             self.waiting.clear()
             raise
 
@@ -425,17 +438,19 @@ class Engine:
         if reused:
             logger.info("prefix cache: reused %d of %d prompt tokens", reused, len(ids))
         new_layers = layers_of(output.past_key_values)
-        if request.n > 1:
-            new_layers = [(k.repeat(request.n, 1, 1, 1), v.repeat(request.n, 1, 1, 1)) for k, v in new_layers]
-        mask = torch.ones(request.n, len(ids), dtype=torch.long, device=self.device)
-        self.pending.append((new_layers, mask, output.past_key_values if request.n == 1 else None))
+        if self.slots is not None:
+            self.pending.append((new_layers, request.n))  # each of the n rows gets a copy in its slot
+        else:
+            if request.n > 1:
+                new_layers = [(k.repeat(request.n, 1, 1, 1), v.repeat(request.n, 1, 1, 1)) for k, v in new_layers]
+            mask = torch.ones(request.n, len(ids), dtype=torch.long, device=self.device)
+            self.pending.append((new_layers, mask, output.past_key_values if request.n == 1 else None))
         logits = output.logits[:, -1].float()
-        generator = new_generator(request.sampling.seed, logits.device)  # the request's n rows draw from it in turn
         with self.tokenizer_lock:
             head = self.tokenizer.decode(ids[-TAIL_TOKENS:], skip_special_tokens=True)
         new_rows = []
         for index in range(request.n):
-            state = RowState(request.sampling, ids, logits.shape[-1], logits.device, generator)
+            state = RowState(request.sampling, ids, logits.shape[-1], logits.device, index)
             row = Row(request, index, state, len(ids), head=head, last_time=start)
             if request.constraint is not None:
                 row.matcher = request.constraint.matcher()
@@ -447,7 +462,17 @@ class Engine:
     def merge(self, parts):
         """Appends rows to the batch in one copy: parts [(layers, mask, cache)] in the order of their rows, all
         left-padded to the longest. A lone part joining an empty batch gives it its `cache` (the cache that
-        holds its layers, when the batch may have it) without a copy."""
+        holds its layers, when the batch may have it) without a copy. With slots, parts [(layers, n)]: each row's
+        keys/values are written into its slot, the joined rows being the batch's last."""
+        if self.slots is not None:
+            slot = self.slots.rows
+            self.slots.ensure(len(self.rows), max(row.request.reserve for row in self.rows), parts[0][0])
+            for layers, n in parts:
+                for _ in range(n):
+                    self.slots.write(slot, layers)
+                    slot += 1
+            self.slots.rows = slot
+            return
         if self.cache is None and len(parts) == 1:
             layers, mask, cache = parts[0]
             self.cache, self.mask = cache if cache is not None else new_cache(self.model, layers), mask
@@ -464,6 +489,17 @@ class Engine:
     def step(self):
         """One decode step for every row."""
         tokens = torch.tensor([[row.new[-1]] for row in self.rows], device=self.device)
+        if self.slots is not None:
+            positions = torch.tensor([row.position for row in self.rows], device=self.device)
+            longest = max(row.position for row in self.rows)
+            with torch.inference_mode():
+                if self.graphs is not None:
+                    logits = self.graphs(tokens, positions, longest)
+                else:
+                    logits = decode_step(self.model, self.slots, tokens, positions, self.slots.step_length(longest))
+            for row in self.rows:
+                row.position += 1
+            return self.advance(list(self.rows), logits)
         self.mask = torch.cat([self.mask, torch.ones(len(self.rows), 1, dtype=torch.long, device=self.device)], 1)
         kwargs = {}
         if self.use_positions:
@@ -599,9 +635,21 @@ class Engine:
             if all(other.finish is not None for other in self.rows if other.request is row.request):
                 finished_requests.append(row.request)
         keep = [number for number, row in enumerate(self.rows) if row.finish is None]
+        if self.slots is not None:  # the last rows move into the freed slots: rows stay in slots 0..rows-1
+            order = list(range(len(keep)))
+            movers = [number for number in keep if number >= len(keep)]
+            for hole, mover in zip([number for number in done if number < len(keep)], movers):
+                self.slots.move(mover, hole, self.rows[mover].position)
+                order[hole] = mover
+            keep = order
+            self.slots.rows = len(keep)
+            if not keep and self.graphs is None:  # graphs replay over the buffers: kept for the next batch
+                self.slots.clear()
         self.rows = [self.rows[number] for number in keep]
         for request in finished_requests:
             request.sink(("end", None))
+        if self.slots is not None:
+            return
         if not self.rows:
             self.cache = self.mask = None
             return
@@ -618,9 +666,12 @@ class Engine:
         this row, so its buffers are handed over (counted whole, room included) instead of copied, and the
         next request does not wait for the copy."""
         length = row.position  # the positions the cache holds (the last token was never fed)
+        tokens = (row.request.ids + row.new)[:length]
+        if self.slots is not None:
+            self.prefix_cache.put(tokens, [(k.clone(), v.clone()) for k, v in self.slots.row_layers(number, length)])
+            return
         if not self.mask[number, -length:].all():
             return
-        tokens = (row.request.ids + row.new)[:length]
         layers = [(k[number : number + 1, :, -length:], v[number : number + 1, :, -length:])
                   for k, v in layers_of(self.cache)]
         if last:
@@ -645,6 +696,8 @@ class Engine:
                 requests.append(row.request)
         joining = self.joining if self.joining is not None and self.joining not in requests else None
         self.rows, self.joining, self.cache, self.mask, self.pending = [], None, None, None, []
+        if self.slots is not None:
+            self.slots.clear()
         with self.wake:
             waiting, self.waiting = list(self.waiting), collections.deque()
         for request in ([joining] if joining else []) + waiting:

@@ -46,14 +46,14 @@ class Sampling:
 
 
 class RowState:
-    """What one row's processors and draws keep on the device between steps: the request's generator (shared by
-    its n rows, drawn in row order), the tokens seen (repetition penalty), the generated tokens' counts
-    (presence/frequency penalties) and the logit bias as a dense row."""
+    """What one row's processors and draws keep on the device between steps: its generator (the request's seed and
+    the row's index within the request: a draw depends on neither the batch nor the row's place in it), the tokens
+    seen (repetition penalty), the generated tokens' counts (presence/frequency penalties) and the logit bias as a
+    dense row."""
 
-    def __init__(self, sampling: Sampling, prompt: list[int], width: int, device: torch.device,
-                 generator: torch.Generator | None = None):
+    def __init__(self, sampling: Sampling, prompt: list[int], width: int, device: torch.device, index: int = 0):
         self.sampling = sampling
-        self.generator = generator or new_generator(sampling.seed, device)
+        self.generator = new_generator(sampling.seed, device, index)
         self.seen = self.counts = self.bias = None
         if sampling.repetition_penalty != 1.0:
             self.seen = torch.zeros(width, dtype=torch.bool, device=device)
@@ -73,10 +73,15 @@ class RowState:
             self.counts.index_add_(0, token, torch.ones(1, dtype=self.counts.dtype, device=self.counts.device))
 
 
-def new_generator(seed: int | None, device: torch.device) -> torch.Generator:
-    """A generator on `device` seeded with `seed` (a random seed when None)."""
+def new_generator(seed: int | None, device: torch.device, index: int = 0) -> torch.Generator:
+    """A generator on `device` for choice `index` of a request seeded with `seed` (a random seed when None): the
+    first choice's is seeded with `seed` itself, the others' with seeds of their own drawn from it."""
+    if seed is None:
+        seed = secrets.randbits(63)
+    elif index:
+        seed = int(torch.randint(2**63 - 1, (index,), generator=torch.Generator().manual_seed(seed))[-1])
     generator = torch.Generator(device=device)
-    generator.manual_seed(seed if seed is not None else secrets.randbits(63))
+    generator.manual_seed(seed)
     return generator
 
 

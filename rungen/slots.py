@@ -1,0 +1,219 @@
+"""A key/value cache in fixed slots, for the engine's batch on transformers' models of the llama-shaped families:
+per layer one keys and one values tensor [slots, kv heads, positions, head size], allocated once for the batch
+(and grown, by copying, only when more rows or a longer request come than it was made for). A row owns a slot: its
+prefilled keys/values are written there as it joins, each decode step writes its new position in place (one
+index_put per layer), and attention reads the first `length` positions of the first `rows` slots, a view: nothing
+is concatenated per step or per admission, and the shapes of a step depend only on (rows, length), so a step can
+be captured as a CUDA graph. A row that ends frees its slot: the last row moves into it, so rows stay 0..rows-1.
+
+transformers' models take it as their cache (the update() that their attention calls) with a 4D boolean mask
+[rows, 1, 1, length] (True: a position the row has filled), which their mask construction passes through as it is.
+Models whose layers are not all full attention (sliding windows, chunked, recurrent) stay on the engine's padded
+batch (rungen/kvcache.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# The families whose attention takes this cache and a 4D mask as transformers writes them (update(k, v, layer)).
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+ROW_BUCKET = 8  # slots grow in multiples of this
+POSITION_BUCKET = 256  # the positions a slot holds, and those a step reads, in multiples of this
+
+
+def round_up(value: int, step: int) -> int:
+    return -(-value // step) * step
+
+
+def takes_slots(model: torch.nn.Module) -> bool:
+    """Whether `model` runs on a SlotCache: a transformers model of FAMILIES with full attention on every layer and
+    an attention that reads a 4D mask (sdpa, eager), not one whose decoder layers read another cache (the own
+    model, the fused GGUF layers)."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(model, "own_cache", False) or getattr(model, "cache_grows_in_place", False):
+        return False
+    text = config.get_text_config(decoder=True)
+    if text.model_type not in FAMILIES or getattr(text, "_attn_implementation", None) not in ("sdpa", "eager"):
+        return False
+    kinds = getattr(text, "layer_types", None)
+    if kinds is not None:
+        return all(kind == "full_attention" for kind in kinds)
+    return not getattr(text, "sliding_window", None)
+
+
+class SlotCache:
+    """The batch's keys/values in slots (see the module docstring). The engine calls prepare() before a step's
+    forward; the model's attention calls update() once a layer."""
+
+    def __init__(self, layers: int, max_slots: int, max_positions: int):
+        self.num_layers, self.max_slots, self.max_positions = layers, max_slots, max_positions
+        self.keys, self.values = [], []  # per layer [slots, kv heads, capacity, head size]
+        self.rows = 0  # the slots in use: 0..rows-1
+        self.slot_index = self.positions = None  # the step's rows [rows] and the position each writes [rows]
+        self.length = 0  # positions a step reads
+        self.generation = 0  # counts the times the buffers were replaced (graphs over older ones are stale)
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, max_slots: int, max_positions: int) -> SlotCache | None:
+        if not takes_slots(model):
+            return None
+        return cls(model.config.get_text_config(decoder=True).num_hidden_layers, max_slots, max_positions)
+
+    @property
+    def slots(self) -> int:
+        return self.keys[0].shape[0] if self.keys else 0
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2] if self.keys else 0
+
+    def bytes(self) -> int:
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in zip(self.keys, self.values))
+
+    def ensure(self, rows: int, positions: int, like: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Room for `rows` slots of `positions` positions each, in the dtype, device and head shapes of `like` (a
+        layer list [(keys, values)]); grown in buckets, copying what the slots in use hold."""
+        if rows <= self.slots and positions <= self.capacity:
+            return
+        slots = min(max(self.slots, round_up(rows, ROW_BUCKET)), max(rows, rows_bucket(self.max_slots)))
+        capacity = max(self.capacity, min(round_up(positions, POSITION_BUCKET), max(positions, self.max_positions)))
+        keys, values = [], []
+        for layer, (k, v) in enumerate(like):
+            new_k = k.new_zeros((slots, k.shape[1], capacity, k.shape[3]))
+            new_v = v.new_zeros((slots, v.shape[1], capacity, v.shape[3]))
+            if self.keys and self.rows:
+                new_k[: self.rows, :, : self.capacity].copy_(self.keys[layer][: self.rows])
+                new_v[: self.rows, :, : self.capacity].copy_(self.values[layer][: self.rows])
+            keys.append(new_k)
+            values.append(new_v)
+        self.keys, self.values = keys, values
+        self.generation += 1
+
+    def write(self, slot: int, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """A joining row's prefilled keys/values (per layer [1, kv heads, length, head size]) into `slot`."""
+        for layer, (k, v) in enumerate(layers):
+            length = k.shape[2]
+            self.keys[layer][slot, :, :length].copy_(k[0])
+            self.values[layer][slot, :, :length].copy_(v[0])
+
+    def move(self, source: int, target: int, length: int) -> None:
+        """The first `length` positions of slot `source` into slot `target` (a row leaving frees its slot)."""
+        for keys, values in zip(self.keys, self.values):
+            keys[target, :, :length].copy_(keys[source, :, :length])
+            values[target, :, :length].copy_(values[source, :, :length])
+
+    def row_layers(self, slot: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Views of the first `length` positions of `slot`, per layer [1, kv heads, length, head size]."""
+        return [(k[slot : slot + 1, :, :length], v[slot : slot + 1, :, :length])
+                for k, v in zip(self.keys, self.values)]
+
+    def clear(self) -> None:
+        self.keys, self.values, self.rows = [], [], 0
+        self.generation += 1
+
+    def step_length(self, longest: int) -> int:
+        """The positions a step reads when its furthest row writes at `longest`."""
+        return min(self.capacity, round_up(longest + 1, POSITION_BUCKET))
+
+    def prepare(self, positions: torch.Tensor, length: int) -> torch.Tensor:
+        """Sets up a decode step of slots 0..len(positions)-1, each writing at its entry of `positions` (on the
+        device) and reading `length` positions; returns the attention mask [rows, 1, 1, length] of the step."""
+        self.length, self.positions = length, positions
+        self.slot_index = torch.arange(positions.shape[0], device=positions.device)
+        filled = torch.arange(length, device=positions.device)[None, :] <= positions[:, None]
+        return filled[:, None, None, :]
+
+    # -- what transformers' attention calls ----------------------------------------------------------------
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        keys[self.slot_index, :, self.positions] = key_states[:, :, 0].to(keys.dtype)
+        values[self.slot_index, :, self.positions] = value_states[:, :, 0].to(values.dtype)
+        rows = self.slot_index.shape[0]
+        return keys[:rows, :, : self.length], values[:rows, :, : self.length]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def __len__(self) -> int:
+        return self.num_layers
+
+
+def decode_step(model: torch.nn.Module, cache: SlotCache, tokens: torch.Tensor, positions: torch.Tensor,
+                length: int) -> torch.Tensor:
+    """One decode step of slots 0..rows-1 (tokens [rows, 1], positions [rows]): the logits [rows, vocabulary] of
+    their next tokens, in float32."""
+    mask = cache.prepare(positions, length)
+    output = model(input_ids=tokens, attention_mask=mask, position_ids=positions[:, None], past_key_values=cache,
+                   use_cache=True)
+    return output.logits[:, -1].float()
+
+
+def rows_bucket(rows: int) -> int:
+    """The rows a captured step runs for `rows` (1, 2, 4, then multiples of ROW_BUCKET): padding rows write
+    position 0 of free slots, which a row's prefill overwrites when it takes one."""
+    return 1 << (rows - 1).bit_length() if rows <= ROW_BUCKET // 2 else round_up(rows, ROW_BUCKET)
+
+
+class DecodeGraphs:
+    """decode_step captured as CUDA graphs, one per (rows bucket, length bucket), captured on first use and
+    replayed after: a step's hundreds of kernel launches become one. Inputs are copied into the graph's static
+    tensors; the logits it returns are its static output, read before the next replay. Graphs are made anew when
+    the cache's buffers are replaced. If a capture fails, one warning and the steps run eagerly from then on."""
+
+    def __init__(self, model: torch.nn.Module, cache: SlotCache):
+        self.model, self.cache = model, cache
+        self.graphs, self.generation, self.pool = {}, None, None
+        self.failed = False
+        self.capture_seconds = 0.0
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, longest: int) -> torch.Tensor:
+        rows, length = tokens.shape[0], self.cache.step_length(longest)
+        bucket = rows_bucket(rows)
+        if self.failed or bucket > self.cache.slots:
+            return decode_step(self.model, self.cache, tokens, positions, length)
+        if self.generation != self.cache.generation:
+            self.graphs, self.generation = {}, self.cache.generation
+        graph = self.graphs.get((bucket, length))
+        if graph is None:
+            graph = self.capture(bucket, length, tokens, positions)
+            if graph is None:
+                return decode_step(self.model, self.cache, tokens, positions, length)
+        cuda_graph, static_tokens, static_positions, logits = graph
+        static_tokens.zero_()
+        static_positions.zero_()
+        static_tokens[:rows].copy_(tokens)
+        static_positions[:rows].copy_(positions)
+        cuda_graph.replay()
+        return logits[:rows]
+
+    def capture(self, bucket: int, length: int, tokens: torch.Tensor, positions: torch.Tensor):
+        import time
+
+        start = time.perf_counter()
+        try:
+            static_tokens = tokens.new_zeros((bucket, 1))
+            static_positions = positions.new_zeros(bucket)
+            static_tokens[: tokens.shape[0]].copy_(tokens)
+            static_positions[: tokens.shape[0]].copy_(positions)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up: the same writes the step makes
+                decode_step(self.model, self.cache, static_tokens, static_positions, length)
+            torch.cuda.current_stream().wait_stream(side)
+            self.pool = self.pool or torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits = decode_step(self.model, self.cache, static_tokens, static_positions, length)
+        except Exception as error:  # any failure: eager steps, the same tokens
+            import logging
+
+            logging.getLogger("run_generation").warning(
+                "CUDA graphs: capturing the decode step failed (%s: %s); decoding without them",
+                type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+            self.failed = True
+            return None
+        self.capture_seconds += time.perf_counter() - start
+        self.graphs[bucket, length] = graph, static_tokens, static_positions, logits
+        return self.graphs[bucket, length]

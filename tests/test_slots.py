@@ -1,0 +1,158 @@
+"""The engine's keys/values in fixed slots (rungen/slots.py) on transformers' models of the llama-shaped families:
+rows that join at different steps, end at different lengths and move into freed slots decode what generate() gives
+each prompt alone; the slots are written in place, never re-concatenated; a seeded draw does not depend on the
+batch; a finished row's keys/values serve the next request that starts as it does."""
+
+import pytest
+import torch
+
+from rungen.engine import Engine, Request, Sampling
+from rungen.loading import load
+from rungen.slots import SlotCache, takes_slots
+from tiny_models import build_tiny_checkpoint
+
+PROMPTS = ["The capital of France is Paris and the capital of Germany is", "Hello, my dog",
+           "Once upon a time there was a little girl", "A", "One two three four five six seven eight"]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def loaded(request, tmp_path_factory):
+    path = build_tiny_checkpoint(request.param, str(tmp_path_factory.mktemp(request.param)))
+    return load(path, device=torch.device("cpu"))
+
+
+def generate_alone(model, ids, new_tokens):
+    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                         max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    return out[0, len(ids):].tolist()
+
+
+def run(engine, requests):
+    done = {}
+
+    def sink_of(number):
+        def sink(event):
+            if event[0] == "done":
+                done.setdefault(number, {})[event[1]] = event[2].tokens
+        return sink
+
+    for number, (ids, max_tokens, sampling, n) in enumerate(requests):
+        engine.submit(Request(ids, max_tokens=max_tokens, sampling=sampling, sink=sink_of(number), n=n))
+    engine.run_here()
+    return done
+
+
+def test_rows_in_slots_decode_what_each_prompt_gives_alone(loaded):
+    assert takes_slots(loaded.model)
+    ids = [loaded.tokenizer(prompt).input_ids for prompt in PROMPTS]
+    lengths = [3, 9, 5, 12, 7]  # rows end at different steps: the last rows move into the freed slots
+    # Three rows at a time: the last two prompts join as the first ones end, at other positions.
+    engine = Engine(loaded, max_batch=3, prefix_cache_bytes=0)
+    assert engine.slots is not None
+    greedy = Sampling(temperature=0, ignore_eos=True)
+    done = run(engine, [(i, length, greedy, 1) for i, length in zip(ids, lengths)])
+    with torch.no_grad():
+        for number, (i, length) in enumerate(zip(ids, lengths)):
+            assert done[number][0] == generate_alone(loaded.model, i, length), PROMPTS[number]
+    assert engine.peak_rows == 3 and not engine.rows and not engine.slots.keys  # all slots freed at the end
+
+
+def test_slots_are_written_in_place(loaded, monkeypatch):
+    # A step writes each row's new position into the slots allocated when the rows joined: no step allocates
+    # or concatenates keys/values (the shapes a CUDA graph of the step needs).
+    ids = [loaded.tokenizer(prompt).input_ids for prompt in PROMPTS[:3]]
+    engine = Engine(loaded, max_batch=4, prefix_cache_bytes=0)
+    storages, steps = [], []
+    step = engine.step
+
+    def watched():
+        storages.append([k.data_ptr() for k in engine.slots.keys])
+        steps.append(len(engine.rows))
+        step()
+
+    update = SlotCache.update
+    read = []
+
+    def reading(cache, *args, **kwargs):  # attention reads views of the slots, never a copy of them
+        keys, values = update(cache, *args, **kwargs)
+        read.append(keys.data_ptr() == cache.keys[args[2]].data_ptr() and keys._base is cache.keys[args[2]])
+        return keys, values
+
+    monkeypatch.setattr(engine, "step", watched)
+    monkeypatch.setattr(SlotCache, "update", reading)
+    run(engine, [(i, 10, Sampling(temperature=0, ignore_eos=True), 1) for i in ids])
+    assert len(steps) >= 9 and all(s == storages[0] for s in storages) and engine.cache is None
+    assert len(read) == len(steps) * loaded.model.config.num_hidden_layers and all(read)
+
+
+def test_a_seeded_draw_does_not_depend_on_the_batch(loaded):
+    ids = [loaded.tokenizer(prompt).input_ids for prompt in PROMPTS]
+    sampling = Sampling(temperature=1.0, top_k=20, top_p=0.9, seed=11, ignore_eos=True)
+    alone = run(Engine(loaded, max_batch=4, prefix_cache_bytes=0), [(ids[1], 8, sampling, 3)])[0]
+    others = [(i, 4 + number, Sampling(temperature=0.8, seed=number, ignore_eos=True), 1)
+              for number, i in enumerate(ids)]
+    batched = run(Engine(loaded, max_batch=4, prefix_cache_bytes=0), others[:2] + [(ids[1], 8, sampling, 3)]
+                  + others[2:])[2]
+    assert batched == alone and len({tuple(tokens) for tokens in alone.values()}) > 1  # three different choices
+
+
+def test_a_finished_row_serves_the_next_request_that_starts_as_it_does(loaded):
+    engine = Engine(loaded, max_batch=2)
+    greedy = Sampling(temperature=0, ignore_eos=True)
+    first = loaded.tokenizer(PROMPTS[0]).input_ids
+    tokens = run(engine, [(first, 6, greedy, 1)])[0][0]
+    follow = first + tokens + loaded.tokenizer(" and then").input_ids
+    assert run(engine, [(follow, 5, greedy, 1)])[0][0] == generate_alone(loaded.model, follow, 5)
+    # every position the first request's cache held (its last token was never fed)
+    assert engine.metrics.reused_tokens == len(first) + len(tokens) - 1
+
+
+def test_slot_cache_grows_by_copying_what_it_holds():
+    cache = SlotCache(layers=1, max_slots=64, max_positions=4096)
+    like = [(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4))]
+    cache.ensure(2, 10, like)
+    assert (cache.slots, cache.capacity) == (8, 256)
+    keys = torch.randn(1, 2, 10, 4)
+    cache.write(1, [(keys, -keys)])
+    cache.rows = 2
+    cache.ensure(9, 300, like)  # more rows and a longer request: new buffers, the rows in use copied
+    assert (cache.slots, cache.capacity) == (16, 512)
+    torch.testing.assert_close(cache.row_layers(1, 10)[0][0], keys)
+    torch.testing.assert_close(cache.row_layers(1, 10)[0][1], -keys)
+    cache.move(1, 0, 10)
+    torch.testing.assert_close(cache.row_layers(0, 10)[0][0], keys)
+
+
+def test_replayed_steps_pad_the_rows_to_their_bucket(loaded, monkeypatch):
+    # What the CUDA graphs run, with a replay that runs the step again on the graph's static inputs (the capture
+    # itself needs a GPU: tests/test_cuda.py): rows padded to 1, 2, 4, 8... write position 0 of free slots and
+    # their logits are never read, so the tokens are the eager steps'.
+    from rungen import slots
+
+    class Replay:
+        def __init__(self, run):
+            self.replay = run
+
+    def capture(graphs, bucket, length, tokens, positions):
+        static_tokens, static_positions = tokens.new_zeros((bucket, 1)), positions.new_zeros(bucket)
+        static_tokens[: tokens.shape[0]], static_positions[: tokens.shape[0]] = tokens, positions  # as the warm-up
+        logits = slots.decode_step(graphs.model, graphs.cache, static_tokens, static_positions, length)
+
+        def run():
+            logits.copy_(slots.decode_step(graphs.model, graphs.cache, static_tokens, static_positions, length))
+
+        captured.append((bucket, length))
+        graphs.graphs[bucket, length] = Replay(run), static_tokens, static_positions, logits
+        return graphs.graphs[bucket, length]
+
+    captured = []
+    monkeypatch.setattr(slots.DecodeGraphs, "capture", capture)
+    ids = [loaded.tokenizer(prompt).input_ids for prompt in PROMPTS]
+    lengths = [3, 9, 5, 12, 7]
+    greedy = Sampling(temperature=0, ignore_eos=True)
+    eager = run(Engine(loaded, max_batch=5, prefix_cache_bytes=0), [(i, n, greedy, 1) for i, n in zip(ids, lengths)])
+    engine = Engine(loaded, max_batch=5, prefix_cache_bytes=0)
+    engine.graphs = slots.DecodeGraphs(engine.model, engine.slots)
+    replayed = run(engine, [(i, n, greedy, 1) for i, n in zip(ids, lengths)])
+    assert replayed == eager
+    assert {bucket for bucket, _ in captured} == {8, 4, 2, 1} and len(captured) == len(set(captured))  # once each
