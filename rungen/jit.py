@@ -341,6 +341,7 @@ def _install_dispatcher(model, graphs, with_pos):
 
     forward.graph_steps = 0  # decode steps served by the graph (tests check it is used)
     model.forward = forward
+    model.traced_step = True  # its decode steps read a DynamicCache (rungen/slots.py leaves it the padded batch)
 
 
 def enable_jit(model, tokenizer) -> float | None:

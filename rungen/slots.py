@@ -29,9 +29,10 @@ def round_up(value: int, step: int) -> int:
 def takes_slots(model: torch.nn.Module) -> bool:
     """Whether `model` runs on a SlotCache: a transformers model of FAMILIES with full attention on every layer and
     an attention that reads a 4D mask (sdpa, eager), not one whose decoder layers read another cache (the own
-    model, the fused GGUF layers)."""
+    model, the fused GGUF layers, --jit's traced step)."""
     config = getattr(model, "config", None)
-    if config is None or getattr(model, "own_cache", False) or getattr(model, "cache_grows_in_place", False):
+    if config is None or any(getattr(model, flag, False) for flag in ("own_cache", "cache_grows_in_place",
+                                                                         "traced_step")):
         return False
     text = config.get_text_config(decoder=True)
     if text.model_type not in FAMILIES or getattr(text, "_attn_implementation", None) not in ("sdpa", "eager"):

@@ -1,0 +1,127 @@
+"""The batched sampler (rungen/sampling.py) on the CPU: each control does what its per-row definition says for every
+row of a batch at once, a row's draw follows its probabilities and its own generator, and a step reads the device
+once."""
+
+import math
+
+import pytest
+import torch
+
+from rungen.sampling import Picked, RowState, Sampling, choose
+
+VOCAB = 50
+
+
+def states(*samplings, prompt=(1, 2, 3)):
+    """A row for each sampling, each the first choice of its request."""
+    return [RowState(s, list(prompt), VOCAB, torch.device("cpu")) for s in samplings]
+
+
+def logits(rows, seed=0):
+    return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_rows_take_the_argmax_beside_sampled_rows():
+    scores = logits(3)
+    tokens, nan = choose(scores, states(Sampling(temperature=0), Sampling(seed=1), Sampling(temperature=0)), [])
+    assert tokens[0] == scores[0].argmax() and tokens[2] == scores[2].argmax() and not nan.any()
+
+
+@pytest.mark.parametrize("control", [dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0), dict(temperature=1e-30)])
+def test_a_control_at_its_narrowest_leaves_the_top_token(control):
+    scores = logits(4, seed=2)
+    tokens, _ = choose(scores, states(*[Sampling(seed=n, **control) for n in range(4)]), [])
+    assert tokens.tolist() == scores.argmax(-1).tolist()
+
+
+def test_top_k_and_top_p_keep_only_their_tokens():
+    scores = logits(2, seed=3)
+    order = scores.argsort(-1, descending=True)
+    probs = scores.softmax(-1).gather(1, order)
+    nucleus = int((probs[1].cumsum(0) < 0.5).sum()) + 1  # the smallest set whose mass reaches 0.5
+    drawn = [set(), set()]
+    for seed in range(300):
+        tokens, _ = choose(scores, states(Sampling(top_k=3, seed=seed), Sampling(top_p=0.5, seed=seed)), [])
+        drawn[0].add(int(tokens[0]))
+        drawn[1].add(int(tokens[1]))
+    assert drawn[0] == set(order[0, :3].tolist())
+    assert drawn[1] == set(order[1, :nucleus].tolist())
+
+
+def test_a_draw_follows_the_probabilities():
+    # The exponential race on the device picks token i with probability p_i, as torch.multinomial does.
+    scores = torch.tensor([[2.0, 1.0, 0.0, -1.0] + [-30.0] * (VOCAB - 4)])
+    expected = scores[0, :4].softmax(-1)
+    row = states(Sampling(seed=5))
+    counts = torch.zeros(VOCAB)
+    for _ in range(4000):
+        tokens, _ = choose(scores, row, [])
+        counts[tokens[0]] += 1
+    share = counts[:4] / counts.sum()
+    assert counts[4:].sum() == 0 and (share - expected).abs().max() < 4 * math.sqrt(0.25 / 4000)
+
+
+def test_a_seeded_row_draws_the_same_alone_and_in_a_batch():
+    scores = logits(3, seed=4)
+    alone = states(Sampling(seed=9))
+    batch = states(Sampling(seed=1), Sampling(seed=9), Sampling(temperature=0.5, seed=2))
+    draws = [(int(choose(scores[1:2], alone, [])[0][0]), int(choose(scores, batch, [])[0][1])) for _ in range(20)]
+    assert [a for a, _ in draws] == [b for _, b in draws] and len({a for a, _ in draws}) > 1
+    # a request's other choices draw from generators of their own, seeded from its seed
+    seeds = [RowState(Sampling(seed=9), [1], VOCAB, torch.device("cpu"), index).generator.initial_seed()
+             for index in (0, 1, 2, 1)]
+    assert seeds[0] == 9 and len(set(seeds)) == 3 and seeds[1] == seeds[3]
+
+
+def test_processors_change_the_scores_as_defined():
+    scores = torch.zeros(1, VOCAB)
+    scores[0, 7] = 5.0
+    # logit_bias sends the top token to -100: the next one wins greedily
+    tokens, _ = choose(scores, states(Sampling(temperature=0, logit_bias=((7, -100.0), (3, 1.0)))), [])
+    assert tokens.tolist() == [3]
+    tokens, _ = choose(scores, states(Sampling(temperature=0, ignore_eos=True)), [7])
+    assert tokens.tolist() != [7]
+    # repetition penalty divides a positive score of a prompt token (7 is not in the prompt, 2 is)
+    scores[0, 2] = 5.5
+    tokens, _ = choose(scores, states(Sampling(temperature=0, repetition_penalty=1.2)), [])
+    assert tokens.tolist() == [7]
+    # presence/frequency penalties count the generated tokens: accepted ones
+    row = states(Sampling(temperature=0, presence_penalty=1.0))
+    row[0].accept(torch.tensor([2]))
+    assert choose(scores, row, [])[0].tolist() == [7]
+    assert choose(scores, states(Sampling(temperature=0)), [])[0].tolist() == [2]
+
+
+def test_the_grammar_mask_allows_only_its_tokens():
+    scores = logits(2, seed=6)
+    bitmask = torch.zeros(1, (VOCAB + 31) // 32, dtype=torch.int32)
+    bitmask[0, 1] = 1 << (40 - 32)  # token 40 alone
+    tokens, _ = choose(scores, states(Sampling(seed=1), Sampling(temperature=0)), [], (bitmask, [0], VOCAB))
+    assert int(tokens[0]) == 40 and int(tokens[1]) == int(scores[1].argmax())
+
+
+def test_nan_scores_are_flagged():
+    scores = logits(2)
+    scores[1, 3] = float("nan")
+    _, nan = choose(scores, states(Sampling(temperature=0), Sampling(seed=1)), [])
+    assert nan.tolist() == [False, True]
+
+
+def test_a_step_reads_the_device_once(monkeypatch):
+    # Tokens, NaN flags and log-probabilities come back in one copy: each of these reads would wait for the device.
+    reads = []
+    for name in ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _o=original, _n=name, **k: (reads.append(_n),
+                                                                                             _o(self, *a, **k))[1])
+    scores = logits(3, seed=7)
+    rows = states(Sampling(seed=1, top_p=0.9, top_k=5, min_p=0.01, repetition_penalty=1.1,
+                           presence_penalty=0.5, logit_bias=((4, 2.0),)), Sampling(temperature=0), Sampling(seed=3))
+    bitmask = torch.full((1, (VOCAB + 31) // 32), -1, dtype=torch.int32)
+    reads.clear()
+    tokens, nan = choose(scores, rows, [0], (bitmask, [2], VOCAB))
+    picked = Picked.read(tokens, nan, scores, {0: 3, 2: 0})
+    assert reads == ["tolist"], reads
+    expected = scores[0].log_softmax(-1)
+    assert picked.logprobs[0][0] == pytest.approx(float(expected[picked.tokens[0]]))
+    assert picked.logprobs[0][1] == expected.topk(3).indices.tolist() and picked.logprobs[2][1] == []
