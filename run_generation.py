@@ -279,6 +279,11 @@ def cli(argv=None):
         text = "".join(char if char.isprintable() else repr(char)[1:-1] for char in str(error))
         print(f"{PROG}: error: {text}", file=sys.stderr, flush=True)
         sys.exit(error.exit_code)
+    except torch.OutOfMemoryError as error:  # bad input for this device: say how to fit
+        first = str(error).splitlines()[0] if str(error) else ""
+        print(f"{PROG}: error: out of GPU memory ({first[:160]}); fit it with a smaller --batch_size or --length, "
+              "--device_map auto to spread the model, or --use_cpu", file=sys.stderr, flush=True)
+        sys.exit(2)
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr, flush=True)
         sys.exit(130)

@@ -209,6 +209,12 @@ def resolve_dtype(requested: str, config, device: torch.device) -> torch.dtype:
         dtype = DTYPES.get(dtype, torch.float32)
     if device.type == "cuda" and requested == "auto" and dtype == torch.float32:
         dtype = accelerator_half(device)
+    if device.type == "cuda" and dtype == torch.bfloat16 and accelerator_half(device) != torch.bfloat16:
+        if requested != "auto":
+            raise UsageError(f"--dtype bfloat16: this GPU ({torch.cuda.get_device_name(device)}) has no bfloat16 "
+                             "kernels; add --dtype float16 or --dtype float32")
+        logger.warning("This GPU has no bfloat16 kernels; running the bfloat16 checkpoint in float16.")
+        dtype = torch.float16
     if device.type == "cpu" and dtype != torch.float32 and not cpu_has_fast(dtype):
         logger.warning("This CPU has no fast %s kernels; keeping float32.", str(dtype).removeprefix("torch."))
         dtype = torch.float32

@@ -1,0 +1,92 @@
+"""What a GPU machine meets, checked on the CPU: the device is chosen as before, a GGUF file (the default model)
+goes to its accelerator form instead of being refused, checkpoints default to half precision on CUDA, the
+CPU-only flags are refused in one line before anything loads, and running out of GPU memory is one line that says
+how to fit. The runs on a real GPU are tests/test_cuda.py's."""
+
+import pytest
+import torch
+
+import rungen.loading
+from helpers import error_line, run_main
+from rungen import processes
+from rungen.errors import UsageError
+from rungen.loading import resolve_dtype
+
+
+class Config:
+    def __init__(self, dtype=None):
+        self.dtype = dtype
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """A CUDA device as processes.start chooses one where torch sees a GPU; `bf16`: whether it has bfloat16."""
+    state = {"bf16": True}
+    monkeypatch.setattr(processes, "start", lambda use_cpu: processes.OneProcess(
+        torch.device("cpu" if use_cpu else "cuda")))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: state["bf16"])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-16GB")
+    return state
+
+
+def test_checkpoints_run_in_half_precision_on_cuda(gpu):
+    cuda = torch.device("cuda")
+    assert resolve_dtype("auto", Config(), cuda) == torch.bfloat16  # a GGUF file names none
+    assert resolve_dtype("auto", Config(torch.float32), cuda) == torch.bfloat16
+    assert resolve_dtype("auto", Config(torch.float16), cuda) == torch.float16  # the checkpoint's own half
+    assert resolve_dtype("float32", Config(torch.float32), cuda) == torch.float32  # --dtype wins
+    assert resolve_dtype("auto", Config(torch.float32), torch.device("cpu")) == torch.float32
+    gpu["bf16"] = False  # before Ampere
+    assert resolve_dtype("auto", Config(), cuda) == torch.float16
+    assert resolve_dtype("auto", Config(torch.bfloat16), cuda) == torch.float16
+    with pytest.raises(UsageError, match="--dtype bfloat16: this GPU .*V100.* has no bfloat16"):
+        resolve_dtype("bfloat16", Config(), cuda)
+
+
+@pytest.mark.parametrize("flag, message", [
+    (["--quantize", "int8"], "--quantize runs on the CPU only (torch's packed int8/int4 kernels); on cuda run "
+                             "without it (half precision), or add --use_cpu"),
+    (["--jit"], "--jit traces the decode step for TorchScript's CPU Static Runtime; on cuda drop it, or add "
+                "--use_cpu"),
+])
+def test_cpu_only_flags_are_refused_before_loading(gpu, monkeypatch, flag, message):
+    monkeypatch.setattr(rungen.loading, "load", lambda *a, **k: pytest.fail("loaded before refusing"))
+    result = run_main(["--prompt", "Hi"] + flag)
+    assert result.returncode == 2 and error_line(result) == f"run_generation.py: error: {message}"
+
+
+def test_running_out_of_gpu_memory_says_how_to_fit(gpu, monkeypatch):
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "
+                                     "of 15.77 GiB of which 1.02 GiB is free.\nIncluding non-PyTorch memory")
+
+    import run_generation
+
+    monkeypatch.setattr(run_generation, "load", out_of_memory)
+    result = run_main(["--prompt", "Hi"])
+    line = error_line(result)
+    assert result.returncode == 2 and "out of GPU memory (CUDA out of memory. Tried to allocate 2.00 GiB" in line
+    assert "--batch_size" in line and "--device_map auto" in line and "--use_cpu" in line
+
+
+@pytest.mark.slow  # the default model de-quantized to float: tens of seconds of CPU
+def test_the_quick_start_on_a_gpu_runs_the_default_model_de_quantized(gpu, default_model, monkeypatch):
+    # The Quick start's first line where torch sees a GPU: the default model's GGUF file is no longer refused but
+    # de-quantized onto the device (here the CPU stands in for it, in float32: the weights bfloat16 rounds) and
+    # decoded by the engine over fixed slots; it answers Paris, as --dequantize's float model does, token for token
+    # (the CPU kernels' text parts from it later: they round activations to int8, docs/gguf.md).
+    devices = []
+    load_gguf_on = rungen.loading.load_gguf_on
+
+    def on_the_cpu(path, device, **kwargs):
+        devices.append(device)
+        return load_gguf_on(path, torch.device("cpu"), **dict(kwargs, dtype="float32"))
+
+    monkeypatch.setattr(rungen.loading, "load_gguf_on", on_the_cpu)
+    args = ["--prompt", "The capital of France is", "--temperature", "0", "--output_format", "jsonl"]
+    on_gpu = run_main(args, cache_home=default_model[0])
+    assert on_gpu.returncode == 0, on_gpu.stderr.decode()[-2000:]
+    assert devices == [torch.device("cuda")]
+    dequantized = run_main(args + ["--use_cpu", "--dequantize"], cache_home=default_model[0])
+    assert dequantized.returncode == 0, dequantized.stderr.decode()[-2000:]
+    assert on_gpu.stdout == dequantized.stdout and b"Paris" in on_gpu.stdout
