@@ -91,6 +91,8 @@ class Request:
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # top alternatives per token; None: no log-probabilities
     constraint: object = None  # rungen.constrain.Constraint
+    # Token ids that close the thinking block the reply starts in: the constraint applies from the token after them.
+    reasoning_end: tuple[int, ...] | None = None
     deltas: bool = True  # text as it grows (a stream); False: the text once, at the end (a stop string is still cut)
     cancelled: bool = False  # set by the server (client gone) or a session (Ctrl-C); the row leaves at the next step
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
@@ -453,7 +455,7 @@ class Engine:
         new_rows = []
         for index in range(request.n):
             row = Row(request, index, generator, len(ids), head=head, last_time=start)
-            if request.constraint is not None:
+            if request.constraint is not None and not request.reasoning_end:
                 row.matcher = request.constraint.matcher()
             new_rows.append(row)
         self.rows += new_rows
@@ -587,6 +589,9 @@ class Engine:
         request = row.request
         if row.matcher is not None:
             row.matcher.accept_token(token)
+        elif request.reasoning_end and request.constraint is not None \
+                and tuple(row.new[-len(request.reasoning_end) :]) == request.reasoning_end:
+            row.matcher = request.constraint.matcher()  # the thinking block is closed: the grammar starts now
         # The text is decoded at every step only where something reads it: a stream, or stop strings to find
         # (a decode of the new tokens so far, which grows with them).
         text = self.continuation(row) if request.deltas or request.stop else None
