@@ -777,7 +777,8 @@ def run_prompts(engine, settings, prompts, on_done, stream=False):
 
 
 def submit_prompts(engine, settings, prompts, on_done, stream=False):
-    """Queues the prompts as run_prompts does, without running them; returns their Requests."""
+    """Queues the prompts as run_prompts does, without running them; returns their Requests. `stream` may be a
+    function that takes the text as it grows instead of stdout (it then ends the line itself)."""
     tokenizer, context, eos_ids = engine.tokenizer, engine.loaded.context, engine.eos_ids
     stops = stop_strings(settings.stop_token)
 
@@ -789,13 +790,15 @@ def submit_prompts(engine, settings, prompts, on_done, stream=False):
             if kind == "delta":
                 _, index, text, logprob_items = event
                 items[index] += logprob_items or []
-                if stream and text:
+                if callable(stream) and text:
+                    stream(text)
+                elif stream and text:
                     sys.stdout.write(text)
                     sys.stdout.flush()
             elif kind == "done":
                 finishes[event[1]] = event[2]
             else:
-                if stream:
+                if stream is True:
                     sys.stdout.write("\n")
                 on_done(prompt, sequences_of(prompt, finishes, items))
 
@@ -826,7 +829,8 @@ def submit_prompts(engine, settings, prompts, on_done, stream=False):
         requests.append(Request(prompt.ids, new_tokens, sampling_of(settings, seeds[prompt.index]),
                                 collect(prompt), n=settings.num_return_sequences, stop=stops,
                                 logprobs=settings.logprobs, constraint=prompt.constraint or settings.constraint,
-                                deltas=stream))
+                                reasoning_end=prompt.reply.end_ids if prompt.reply is not None else None,
+                                deltas=bool(stream)))
         engine.submit(requests[-1])
     return requests
 

@@ -31,7 +31,7 @@ with people, even a bishop, begging for his blessing. <eod> </s> <eos>"""
 # What an output record holds besides the input line's other fields (rungen/output.py, generation.Sequence).
 RECORD_FIELDS = {"prompt_index", "sequence_index", "generated_text", "text", "num_prompt_tokens",
                  "num_generated_tokens", "finish_reason", "logprobs", "prompt_logprobs", "perplexity", "error",
-                 "content", "tool_calls"}
+                 "content", "tool_calls", "reasoning_content"}
 
 
 @dataclasses.dataclass
@@ -51,6 +51,7 @@ class Prompt:
     tools: dict | None = None
     tool_plan: object = None  # rungen.tools.ToolPlan, once encoded
     constraint: object = None  # the grammar of its tool calls, compiled
+    reply: object = None  # rungen.reasoning.ReplyPlan of a chat prompt whose template thinks
 
 
 #

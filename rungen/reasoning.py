@@ -158,6 +158,16 @@ def plan_reply(tokenizer, delimiters: Delimiters | None, ids: list[int], constra
     return ids, ReplyPlan(delimiters, state, end_ids)
 
 
+def plan_prompt(loaded, settings, prompt) -> None:
+    """plan_reply for a command-line or session prompt (encoded): sets prompt.reply where it is a chat whose
+    template thinks. A constraint of the whole run (--json_schema, --regex, --grammar) applies from the first
+    token, on generate() too, so such a reply is left whole; a jsonl line's tools wait for the block's end."""
+    if not (settings.chat or prompt.messages is not None) or settings.constraint is not None:
+        return
+    delimiters = detect_delimiters(loaded.tokenizer.chat_template)
+    prompt.ids, prompt.reply = plan_reply(loaded.tokenizer, delimiters, prompt.ids, prompt.constraint is not None)
+
+
 class ReasoningSplitter:
     """Splits one reply into reasoning and content as its text grows. feed() returns (reasoning, content), the text
     each gains; finish() what was held back (what may be the start of a delimiter). The reasoning is the block's

@@ -737,7 +737,8 @@ class Answer:
                 message = {"role": "assistant", "content": text}
                 if self.parsers:
                     content, calls = message_of(self.parsers[choice], text or "")
-                    message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+                    message = {"role": "assistant", "content": content if text is not None else None,
+                               **({"tool_calls": calls} if calls else {})}
                 if self.replies:
                     message["reasoning_content"] = reasoning
                 choices.append({"index": choice, "message": message, "logprobs": logprobs,

@@ -13,6 +13,7 @@ import torch
 from test_server import LiveServer
 from transformers import AutoTokenizer
 
+from helpers import run_main
 from rungen.loading import load
 from rungen.server import ServeOptions, build
 from tiny_models import build_tiny_checkpoint
@@ -181,3 +182,67 @@ def test_a_required_tool_call_follows_the_thinking(server):
         assert call.function.name == "get_weather" and choice.message.content is None
         jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
         assert choice.message.reasoning_content
+
+
+def pushed_to_think(tmp_path, server, opening=7.0, closing=5.0):
+    """A --generation_config whose sequence_bias opens and closes the block as logit_bias does on the server
+    (generate() then runs the prompts)."""
+    path = tmp_path / "bias.json"
+    path.write_text(json.dumps({"sequence_bias": [[[token(server, "<think>")], opening],
+                                                  [[token(server, "</think>")], closing]]}))
+    return ["--generation_config", str(path)]
+
+
+def test_jsonl_records_carry_the_reasoning_beside_the_content(server, checkpoint, tmp_path):
+    args = ["--model_name_or_path", checkpoint, "--input_format", "jsonl", "--output_format", "jsonl",
+            "--length", "30", "--temperature", "1", "--num_return_sequences", "8"]
+    result = run_main(args + pushed_to_think(tmp_path, server), stdin=json.dumps({"messages": ASK}))
+    assert result.returncode == 0, result.stderr.decode()[-2000:]
+    records = [json.loads(line) for line in result.stdout.decode().splitlines()]
+    split = [(record["reasoning_content"], record["content"]) for record in records]
+    assert split == [raw_split(record["generated_text"]) for record in records]
+    assert any(reasoning and content for reasoning, content in split)
+    # A line with tools required: the prompt opens the block, the tiny model never closes it (no bias here), so
+    # it is all reasoning, unconstrained (no call), and the record says so.
+    line = {"messages": ASK, "tools": [WEATHER], "tool_choice": "required"}
+    result = run_main(args[:-4] + ["--temperature", "0"], stdin=json.dumps(line))
+    [record] = [json.loads(line) for line in result.stdout.decode().splitlines()]
+    assert record["num_prompt_tokens"] == len(prompt_ids(server, tools=[WEATHER])) + 1
+    assert record["reasoning_content"] == record["generated_text"].strip() != ""
+    assert record["content"] is None and record["tool_calls"] == [] and record["finish_reason"] == "length"
+
+
+def session_for(checkpoint, *flags, tools=None, **options):
+    import dataclasses
+
+    from rungen.arguments import parse_args, settings_from_args
+    from rungen.session import Session
+
+    args = parse_args(["--model_name_or_path", checkpoint, *flags])
+    loaded = load(checkpoint, device=torch.device("cpu"))
+    torch.manual_seed(args.seed)  # as main() seeds the run
+    settings = dataclasses.replace(settings_from_args(args, loaded.context), chat=True)
+    return Session(loaded, settings, tools=args.tools, **options)
+
+
+def test_a_session_shows_the_reasoning_on_stderr_and_the_answer_alone_on_stdout(server, checkpoint, tmp_path,
+                                                                                 capsys):
+    session = session_for(checkpoint, "--length", "30", "--temperature", "1", "--seed", "7",
+                          *pushed_to_think(tmp_path, server))
+    session.turn("What is the weather in Paris?")
+    shown = capsys.readouterr()
+    reply = session.messages[-1]
+    assert reply["reasoning_content"] and reply["content"], reply  # it thought, then answered
+    assert shown.out == reply["content"] + "\n"
+    assert reply["reasoning_content"] in shown.err and reply["reasoning_content"] not in shown.out
+    # On the engine, streamed: a tools turn opens the block in the prompt, and the tiny model stays in it.
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps({"tools": [WEATHER], "tool_choice": "required"}))
+    for figures in (True, False):
+        session = session_for(checkpoint, "--length", "12", "--temperature", "0", "--tools", str(tools),
+                              figures=figures)
+        session.turn("What is the weather in Paris?")
+        shown = capsys.readouterr()
+        reasoning = session.messages[-1]["reasoning_content"]
+        assert reasoning and shown.out == "\n" and session.messages[-1]["content"] == ""
+        assert (reasoning in shown.err) == figures  # --quiet leaves it out
