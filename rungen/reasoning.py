@@ -57,11 +57,15 @@ def detect_delimiters(chat_template) -> Delimiters | None:
 def variables_read(template: str) -> frozenset:
     """The names the template reads from its context (jinja2's undeclared variables, less the names it sets
     itself somewhere: jinja2 counts a name set in a block as read where the block may not have run)."""
+    import jinja2
     from jinja2 import meta, nodes
 
     from .chat_template import environment
 
-    tree = environment().parse(template)
+    try:
+        tree = environment().parse(template)
+    except jinja2.TemplateSyntaxError:  # a template our environment cannot parse reads nothing it could be given
+        return frozenset()
     stored = {node.name for node in tree.find_all(nodes.Name) if node.ctx == "store"}
     return frozenset(meta.find_undeclared_variables(tree) - stored)
 
