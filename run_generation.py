@@ -48,6 +48,7 @@ from rungen.ggml import holds_blocks, native_kernels
 from rungen.loading import load
 from rungen.output import Writer, print_stream_header
 from rungen.prompts import encode_prompt, prepare_model, read_prompts
+from rungen.reasoning import plan_prompt
 
 
 def main(argv=None):
@@ -162,6 +163,8 @@ def main(argv=None):
                     prompt.constraint = prompt_constraint(prompt.tool_plan, loaded, settings, tool_grammars,
                                                           engine_refusal(loaded, settings),
                                                           eos_token_ids(settings, loaded.model))
+                if settings.length != 0:
+                    plan_prompt(loaded, settings, prompt)
             except PromptError as error:
                 if args.prompt is not None:
                     raise UsageError(str(error)) from error  # the one prompt given as an argument is bad input

@@ -26,6 +26,8 @@
     server.py      --serve: the OpenAI-compatible HTTP server (FastAPI + uvicorn; imported only for --serve)
     engine.py      the generation engine of the server, the piped prompts and the session: continuous
                    batching, per-row sampling and stopping
+    reasoning.py   a thinking model's reasoning apart from its answer: the block's delimiters read from the chat
+                   template, the splitter of a reply, the template variables a request sets
     errors.py      the exceptions library code raises; run_generation.cli turns them into exit codes
 
 Imports point one way: run_generation.py -> arguments/controls -> session -> engine -> generation -> the rest;

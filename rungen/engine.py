@@ -79,6 +79,8 @@ class Request:
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # top alternatives per token; None: no log-probabilities
     constraint: object = None  # rungen.constrain.Constraint
+    # Token ids that close the thinking block the reply starts in: the constraint applies from the token after them.
+    reasoning_end: tuple[int, ...] | None = None
     deltas: bool = True  # text as it grows (a stream); False: the text once, at the end (a stop string is still cut)
     cancelled: bool = False  # set by the server (client gone) or a session (Ctrl-C); the row leaves at the next step
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
@@ -452,7 +454,7 @@ class Engine:
         for index in range(request.n):
             state = RowState(request.sampling, ids, logits.shape[-1], logits.device, index)
             row = Row(request, index, state, len(ids), head=head, last_time=start)
-            if request.constraint is not None:
+            if request.constraint is not None and not request.reasoning_end:
                 row.matcher = request.constraint.matcher()
             new_rows.append(row)
         self.rows += new_rows
@@ -582,6 +584,9 @@ class Engine:
         request = row.request
         if row.matcher is not None:
             row.matcher.accept_token(token)
+        elif request.reasoning_end and request.constraint is not None \
+                and tuple(row.new[-len(request.reasoning_end) :]) == request.reasoning_end:
+            row.matcher = request.constraint.matcher()  # the thinking block is closed: the grammar starts now
         # The text is decoded at every step only where something reads it: a stream, or stop strings to find
         # (a decode of the new tokens so far, which grows with them).
         text = self.continuation(row) if request.deltas or request.stop else None
@@ -784,7 +789,8 @@ def run_prompts(engine, settings, prompts, on_done, stream=False):
 
 
 def submit_prompts(engine, settings, prompts, on_done, stream=False):
-    """Queues the prompts as run_prompts does, without running them; returns their Requests."""
+    """Queues the prompts as run_prompts does, without running them; returns their Requests. `stream` may be a
+    function that takes the text as it grows instead of stdout (it then ends the line itself)."""
     tokenizer, context, eos_ids = engine.tokenizer, engine.loaded.context, engine.eos_ids
     stops = stop_strings(settings.stop_token)
 
@@ -796,13 +802,15 @@ def submit_prompts(engine, settings, prompts, on_done, stream=False):
             if kind == "delta":
                 _, index, text, logprob_items = event
                 items[index] += logprob_items or []
-                if stream and text:
+                if callable(stream) and text:
+                    stream(text)
+                elif stream and text:
                     sys.stdout.write(text)
                     sys.stdout.flush()
             elif kind == "done":
                 finishes[event[1]] = event[2]
             else:
-                if stream:
+                if stream is True:
                     sys.stdout.write("\n")
                 on_done(prompt, sequences_of(prompt, finishes, items))
 
@@ -833,7 +841,8 @@ def submit_prompts(engine, settings, prompts, on_done, stream=False):
         requests.append(Request(prompt.ids, new_tokens, sampling_of(settings, seeds[prompt.index]),
                                 collect(prompt), n=settings.num_return_sequences, stop=stops,
                                 logprobs=settings.logprobs, constraint=prompt.constraint or settings.constraint,
-                                deltas=stream))
+                                reasoning_end=prompt.reply.end_ids if prompt.reply is not None else None,
+                                deltas=bool(stream)))
         engine.submit(requests[-1])
     return requests
 

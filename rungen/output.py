@@ -43,13 +43,9 @@ class Writer:
             self.sequences.append(sequence.text)
             self.tokens += sequence.num_generated_tokens
             if self.jsonl:
-                tools = {}
-                if prompt.tool_plan is not None:
-                    from .tools import record_of
-
-                    tools = record_of(prompt.tool_plan, sequence.generated_text)
                 print(json.dumps({"prompt_index": prompt.index, "sequence_index": number, "prompt": prompt.text,
-                                  **record_fields(sequence), **tools, **prompt.extra}, ensure_ascii=False))
+                                  **record_fields(sequence), **reply_fields(prompt, sequence.generated_text),
+                                  **prompt.extra}, ensure_ascii=False))
             elif not streamed:  # the streamer has printed it already
                 where = f"PROMPT {prompt.index + 1}, " if self.num_prompts > 1 else ""
                 print(f"=== {where}GENERATED SEQUENCE {number + 1} ===")
@@ -61,6 +57,24 @@ def record_fields(sequence: Sequence) -> dict:
     omitted = {field.name for field in dataclasses.fields(sequence) if field.metadata.get("omit_if_none")}
     return {key: value for key, value in dataclasses.asdict(sequence).items()
             if value is not None or key not in omitted}
+
+
+def reply_fields(prompt: Prompt, text: str) -> dict:
+    """A chat reply's fields beside the raw text: its reasoning and content when the chat template thinks
+    (rungen/reasoning.py), its content and tool calls when it may call tools (rungen/tools.py)."""
+    fields = {}
+    if prompt.reply is not None:
+        from .reasoning import split_reply
+
+        reasoning, text = split_reply(prompt.reply, text)
+        fields = {"reasoning_content": reasoning, "content": text}
+    if prompt.tool_plan is not None:
+        from .tools import record_of
+
+        fields.update(record_of(prompt.tool_plan, text or ""))
+        if text is None and "content" in fields:  # a block and nothing after it: no content, as without tools
+            fields["content"] = None
+    return fields
 
 
 def print_stream_header(prompt: Prompt, chat: bool) -> None:

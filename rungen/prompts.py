@@ -31,7 +31,7 @@ with people, even a bishop, begging for his blessing. <eod> </s> <eos>"""
 # What an output record holds besides the input line's other fields (rungen/output.py, generation.Sequence).
 RECORD_FIELDS = {"prompt_index", "sequence_index", "generated_text", "text", "num_prompt_tokens",
                  "num_generated_tokens", "finish_reason", "logprobs", "prompt_logprobs", "perplexity", "error",
-                 "content", "tool_calls"}
+                 "content", "tool_calls", "reasoning_content"}
 
 
 @dataclasses.dataclass
@@ -51,6 +51,7 @@ class Prompt:
     tools: dict | None = None
     tool_plan: object = None  # rungen.tools.ToolPlan, once encoded
     constraint: object = None  # the grammar of its tool calls, compiled
+    reply: object = None  # rungen.reasoning.ReplyPlan of a chat prompt whose template thinks
 
 
 #
@@ -188,13 +189,15 @@ def prepare_model(loaded: Loaded, *, temperature: float, xlm_language: str = "")
 
 
 def encode_prompt(loaded: Loaded, prompt: Prompt, prefix: str = "", chat: bool = False,
-                  system: str | None = None, tools: list[dict] | None = None) -> list[int]:
+                  system: str | None = None, tools: list[dict] | None = None,
+                  template_kwargs: dict | None = None) -> list[int]:
     """Token ids for one Prompt, with the original script's per-model preparation; raises PromptError.
 
     A conversation (prompt.messages), or with `chat` the text as one user message, goes through the
     chat template; `system` is put first when the conversation has no system message of its own.
     --prefix applies to text prompts only: a conversation is taken as it is. `tools` (OpenAI's function
-    tools) go to the chat template, which renders them as the model expects."""
+    tools) go to the chat template, which renders them as the model expects; `template_kwargs` are further
+    variables it reads (enable_thinking, ...)."""
     tokenizer, model = loaded.tokenizer, loaded.model
     messages = prompt.messages
     if messages is not None and prompt.tools is not None and tools is None:
@@ -214,7 +217,7 @@ def encode_prompt(loaded: Loaded, prompt: Prompt, prefix: str = "", chat: bool =
             messages = [{"role": "system", "content": system}, *messages]
         import jinja2
 
-        extra = {"tools": tools} if tools is not None else {}
+        extra = {**(template_kwargs or {}), **({"tools": tools} if tools is not None else {})}
         try:
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
         except jinja2.TemplateError as error:  # the template's raise_exception: a conversation it refuses

@@ -31,6 +31,7 @@ from .errors import PromptError, UsageError
 from .generation import eos_token_ids
 from .logprobs import score_prompts
 from .prompts import Prompt, encode_prompt
+from .reasoning import VariableError, detect_delimiters, plan_reply, read_template_variables, split_reply
 from .tools import ToolError, message_of, plan_tools, read_tool_message_fields, stream_deltas
 
 API_KEY_ENV = "RUN_GENERATION_API_KEY"
@@ -48,7 +49,8 @@ COMMON_FIELDS = {"model", "max_tokens", "n", "stop", "stream", "stream_options",
                  "presence_penalty", "frequency_penalty", "logit_bias", "user", "top_k", "min_p",
                  "repetition_penalty", "ignore_eos", "structured_outputs", *CONSTRAINT_FIELDS}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
-                               "tools", "tool_choice", "parallel_tool_calls"}
+                               "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
+                               "reasoning_effort"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs", "best_of", "suffix"}
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
@@ -277,6 +279,7 @@ class Service:
         self.tokenizer_lock = engine.tokenizer_lock
         self.eos_ids = sorted(engine.eos_ids)
         self.constraints = {}  # (kind, source) -> Constraint (compiling costs tens of milliseconds)
+        self.delimiters = detect_delimiters(loaded.tokenizer.chat_template)  # a thinking block's, or None
         self.created = int(time.time())
 
     def compile(self, kind, source, param):
@@ -295,10 +298,10 @@ class Service:
             self.constraints[key] = constraint
         return self.constraints[key]
 
-    def encode(self, prompt, param, tools=None):
+    def encode(self, prompt, param, tools=None, variables=None):
         try:
             with self.tokenizer_lock:
-                return encode_prompt(self.loaded, prompt, tools=tools)
+                return encode_prompt(self.loaded, prompt, tools=tools, template_kwargs=variables)
         except PromptError as error:
             raise APIError(str(error), param) from error
 
@@ -380,8 +383,13 @@ def create_app(loaded, engine, options):
             tools = plan_tools(body, messages, loaded.tokenizer.chat_template)
         except ToolError as error:
             raise APIError(str(error), error.param) from error
+        try:
+            variables = read_template_variables(body, loaded.tokenizer.chat_template)
+        except VariableError as error:
+            raise APIError(str(error), error.param) from error
         last_user = [message["content"] for message in messages if message["role"] == "user"][-1:]
-        ids = service.encode(Prompt(0, "".join(last_user), messages=tools.messages), "messages", tools.template_tools)
+        ids = service.encode(Prompt(0, "".join(last_user), messages=tools.messages), "messages", tools.template_tools,
+                             variables)
         logprobs = None
         if boolean(body, "logprobs"):
             logprobs = number(body, "top_logprobs", 0, 0, MAX_LOGPROBS, integer=True)
@@ -585,6 +593,12 @@ async def generate(service, http_request, body, prompts, logprobs, *, chat, max_
     if constraint_source:
         loop = asyncio.get_running_loop()
         constraint = await loop.run_in_executor(None, service.compile, *constraint_source)
+    replies = [None] * len(prompts)  # rungen.reasoning.ReplyPlan of each, when the chat template thinks
+    if chat and service.delimiters is not None:
+        with service.tokenizer_lock:
+            for number_, ids in enumerate(prompts):
+                prompts[number_], replies[number_] = plan_reply(loaded.tokenizer, service.delimiters, ids,
+                                                                constraint is not None)
     plans = []
     for ids in prompts:
         max_tokens = service.max_tokens(body, len(ids), default_max, n, max_token_names)
@@ -612,7 +626,8 @@ async def generate(service, http_request, body, prompts, logprobs, *, chat, max_
         sink = functools.partial(lambda job, event: loop.call_soon_threadsafe(events.put_nowait, (job, event)),
                                  number_)
         request = EngineRequest(ids, max_tokens, sampling, sink, n=n, stop=stops, logprobs=logprobs,
-                                constraint=constraint)
+                                constraint=constraint,
+                                reasoning_end=replies[number_].end_ids if replies[number_] else None)
         jobs.append((number_, request))
     try:
         for _, request in jobs:
@@ -623,7 +638,7 @@ async def generate(service, http_request, body, prompts, logprobs, *, chat, max_
         status = 503
         raise APIError(f"the server is busy: {error}; retry later", status=status, kind="server_error",
                        headers={"Retry-After": "1"}) from error
-    answer = Answer(service, chat, prompts, n, logprobs, echo, prompt_scores, include_usage, tools)
+    answer = Answer(service, chat, prompts, n, logprobs, echo, prompt_scores, include_usage, tools, replies)
     for number_, (_, max_tokens) in enumerate(plans):
         if max_tokens == 0:
             answer.score_only(number_)
@@ -660,7 +675,8 @@ async def generate(service, http_request, body, prompts, logprobs, *, chat, max_
 class Answer:
     """Builds a response (or its stream of chunks) from the engine's events."""
 
-    def __init__(self, service, chat, prompts, n, logprobs, echo, prompt_scores, include_usage, tools=None):
+    def __init__(self, service, chat, prompts, n, logprobs, echo, prompt_scores, include_usage, tools=None,
+                 replies=None):
         self.service, self.chat, self.prompts, self.n = service, chat, prompts, n
         self.logprobs, self.echo, self.prompt_scores, self.include_usage = logprobs, echo, prompt_scores, include_usage
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -668,6 +684,9 @@ class Answer:
         total = len(prompts) * n
         # One tool-call parser a choice (rungen/tools.py), when the reply may hold calls.
         self.parsers = [tools.parser() for _ in range(total)] if tools is not None and tools.fmt else None
+        # Each choice's reply plan and reasoning splitter (rungen/reasoning.py), when the chat template thinks.
+        self.replies = [replies[choice // n] for choice in range(total)] if replies and any(replies) else None
+        self.splitters = [reply.splitter() for reply in self.replies] if self.replies else None
         self.texts, self.items, self.finish = [""] * total, [[] for _ in range(total)], [None] * total
         self.error = None
         self.completion_tokens = 0
@@ -712,10 +731,16 @@ class Answer:
             if self.chat:
                 logprobs = {"content": [chat_item(item) for item in self.items[choice]]} \
                     if self.logprobs is not None else None
+                reasoning = None
+                if self.replies:
+                    reasoning, text = split_reply(self.replies[choice], text)
                 message = {"role": "assistant", "content": text}
                 if self.parsers:
-                    content, calls = message_of(self.parsers[choice], text)
-                    message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+                    content, calls = message_of(self.parsers[choice], text or "")
+                    message = {"role": "assistant", "content": content if text is not None else None,
+                               **({"tool_calls": calls} if calls else {})}
+                if self.replies:
+                    message["reasoning_content"] = reasoning
                 choices.append({"index": choice, "message": message, "logprobs": logprobs,
                                 "finish_reason": self.finish_reason(choice)})
             else:
@@ -777,8 +802,7 @@ class Answer:
                     if self.chat:
                         logprobs = {"content": [chat_item(item) for item in items]} if self.logprobs is not None \
                             else None
-                        deltas = [{"content": text}] if not self.parsers else \
-                            stream_deltas(self.parsers[choice].feed(text)) or ([{}] if logprobs else [])
+                        deltas = self.deltas(choice, text) or ([{}] if logprobs else [])
                         for number_, delta in enumerate(deltas):
                             yield self.chunk([{"index": choice, "delta": delta,
                                                "logprobs": logprobs if number_ == 0 else None, "finish_reason": None}])
@@ -788,8 +812,8 @@ class Answer:
                         yield self.chunk([{"index": choice, "text": text, "logprobs": logprobs,
                                            "finish_reason": None}])
                 elif event[0] == "done":
-                    if self.parsers:  # what the parser held back (text that might have opened a call)
-                        for delta in stream_deltas(self.parsers[choice].finish()):
+                    if self.parsers or self.splitters:  # what they held back (the start of a call or a delimiter)
+                        for delta in self.deltas(choice, "", final=True):
                             yield self.chunk([{"index": choice, "delta": delta, "logprobs": None,
                                                "finish_reason": None}])
                     if self.error:
@@ -802,6 +826,23 @@ class Answer:
         finally:
             if pending:  # the client went away (or the server cancels the response): free the rows
                 cancel()
+
+    def deltas(self, choice, text, final=False):
+        """A chat stream's deltas for the text a choice gains (`final`: the reply ended, what was held back):
+        reasoning apart, calls parsed."""
+        if not self.parsers and not self.splitters:
+            return [{"content": text}]
+        reasoning = ""
+        if self.splitters:
+            splitter = self.splitters[choice]
+            reasoning, text = splitter.finish() if final else splitter.feed(text)
+        deltas = [{"reasoning_content": reasoning}] if reasoning else []
+        if self.parsers:
+            parser = self.parsers[choice]
+            deltas += stream_deltas(parser.feed(text) + (parser.finish() if final else []))
+        elif text:
+            deltas.append({"content": text})
+        return deltas
 
     def finish_reason(self, choice):
         """A reply that ended by itself after calling tools says so (OpenAI's "tool_calls")."""

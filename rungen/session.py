@@ -6,7 +6,8 @@ and the oldest turns are dropped when they would outgrow the context. Without on
 continued on its own, as the original script does. Lines starting with / are commands (HELP lists them).
 
 Where things go: replies to stdout (and nothing else, so `run_generation.py > out.txt` collects the
-replies alone); the prompt, the line being typed and every notice to the terminal through stderr.
+replies alone); the prompt, the line being typed and every notice to the terminal through stderr, and so does a
+thinking model's reasoning (dimmed on a terminal, left out with --quiet): stdout gets its answer alone.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from .errors import GenerationError, PromptError, UsageError, one_line
 from .generation import Settings, adjust_length_to_model, eos_token_ids, generate_batch
 from .loading import Loaded, cache_dir, use_transformers_model
 from .prompts import Prompt, encode_prompt
+from .reasoning import plan_prompt, split_reply
 
 PROMPT, CONTINUATION = ">>> ", "... "
 BLOCK = '"""'
@@ -264,6 +266,39 @@ class Terminal:
         return self.readline.get_line_buffer() if self.readline else ""
 
 
+class ReplyWriter:
+    """A thinking model's streamed reply (rungen/reasoning.py's splitter): the reasoning to stderr, dimmed on a
+    terminal, where `show`; the answer to stdout."""
+
+    def __init__(self, plan, show: bool):
+        self.splitter, self.show = plan.splitter(), show
+        self.dim = _is_terminal(sys.stderr, 2)
+        self.thought = False  # some reasoning was shown (a line ends it before the answer)
+
+    def __call__(self, text, final=False):
+        reasoning, content = self.splitter.finish() if final else self.splitter.feed(text)
+        if reasoning and self.show:
+            sys.stderr.write(f"\033[2m{reasoning}\033[0m" if self.dim else reasoning)
+            sys.stderr.flush()
+            self.thought = True
+        if content:
+            self.end_reasoning()
+            sys.stdout.write(content)
+            sys.stdout.flush()
+
+    def end_reasoning(self):
+        if self.thought:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+            self.thought = False
+
+    def finish(self):
+        self("", final=True)
+        self.end_reasoning()
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+
+
 def say(text: str) -> None:
     """A notice: to stderr, never mixed into the replies."""
     print(text, file=sys.stderr, flush=True)
@@ -326,7 +361,7 @@ class Session:
                  prefix: str = "", tools: dict | None = None, figures: bool = True):
         self.loaded, self.settings, self.prefix = loaded, settings, prefix
         self.tools, self.tool_grammars = tools, {}  # --tools: each turn may call them (rungen/tools.py)
-        self.figures = figures  # a line of figures after each reply (not with --quiet)
+        self.figures = figures  # figures after each reply, a thinking model's reasoning (not with --quiet)
         self.chat = settings.chat
         self.system = [{"role": "system", "content": system}] if self.chat and system else []
         self.messages = []  # the conversation after the system message: user and assistant turns
@@ -445,6 +480,7 @@ class Session:
             prompt.constraint = prompt_constraint(prompt.tool_plan, self.loaded, self.settings, self.tool_grammars,
                                                   engine_refusal(self.loaded, self.settings),
                                                   eos_token_ids(self.settings, self.loaded.model))
+        plan_prompt(self.loaded, self.settings, prompt)
         return prompt, user
 
     def count_tokens(self, messages):
@@ -472,14 +508,23 @@ class Session:
             say(f"error: {prompt.error}")
             return
         [sequence] = sequences
-        if not streamed:
+        reply = {"role": "assistant", "content": sequence.generated_text}
+        if prompt.reply is not None:
+            reasoning, content = split_reply(prompt.reply, sequence.generated_text)
+            reply = {"role": "assistant", "content": content or "",
+                     **({"reasoning_content": reasoning} if reasoning is not None else {})}
+            if not streamed:
+                writer = ReplyWriter(prompt.reply, self.figures)
+                writer(sequence.generated_text)
+                writer.finish()
+        elif not streamed:
             print(sequence.generated_text, flush=True)
         if prompt.tool_plan is not None and prompt.tool_plan.fmt is not None:
             from .tools import record_of
 
-            for call in record_of(prompt.tool_plan, sequence.generated_text)["tool_calls"]:
+            for call in record_of(prompt.tool_plan, reply["content"])["tool_calls"]:
                 say(f"(tool call: {call['function']['name']}({call['function']['arguments']}))")
-        self.messages += [user, {"role": "assistant", "content": sequence.generated_text}]
+        self.messages += [user, reply]
         self.replies.append(sequence.text)
         if control.interrupted and not self.stdout_is_terminal:
             sys.stderr.write("\n")  # after the ^C the terminal echoed; the reply's own newline went to stdout
@@ -491,13 +536,18 @@ class Session:
         """(sequences, streamed, first token's time, reused prompt tokens) of a turn on the engine: the
         conversation's earlier turns come from its prefix cache."""
         done = {}
+        stream = self.stream
+        if stream and prompt.reply is not None:
+            stream = ReplyWriter(prompt.reply, self.figures)
         [request] = submit_prompts(engine, settings, [prompt], lambda _, sequences: done.update(sequences=sequences),
-                                   stream=self.stream)
+                                   stream=stream)
         with control.ctrl_c_stops_the_reply([request]):
             try:
                 engine.run_here()
             except ValueError as error:
                 raise GenerationError(one_line(error)) from error
+        if isinstance(stream, ReplyWriter) and done["sequences"]:
+            stream.finish()
         return done["sequences"], self.stream, request.first_token_at, request.reused
 
     def reply_by_generate(self, prompt, settings, control):
@@ -507,8 +557,8 @@ class Session:
         from .generation import StopTokenStreamer
 
         streamer = StopTokenStreamer(self.loaded.tokenizer, settings.stop_token) if self.stream else None
-        if settings.num_beams > 1:
-            streamer = None  # beam search cannot stream: the reply comes when it is done
+        if settings.num_beams > 1 or prompt.reply is not None:
+            streamer = None  # beam search cannot stream, nor a thinking model's reply here: it comes when done
         cache, reused = None, 0
         if self.turn_cache is not None and self.turn_cache.usable(self.loaded, settings):
             cache, reused = self.turn_cache.take(prompt.ids, self.loaded.model)

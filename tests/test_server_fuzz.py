@@ -31,7 +31,8 @@ FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", 
           "stream_options", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "logit_bias",
           "user", "top_k", "min_p", "repetition_penalty", "ignore_eos", "structured_outputs", "guided_json",
           "guided_regex", "guided_grammar", "grammar", "json_schema", "logprobs", "top_logprobs",
-          "response_format", "echo", "best_of", "suffix", "tools", "functions", "nonsense", ""]
+          "response_format", "echo", "best_of", "suffix", "tools", "chat_template_kwargs", "reasoning_effort",
+          "functions", "nonsense", ""]
 # A change to one field may be refused under a field it bears on: the token budget is checked against the
 # prompt and n, best_of against n, top_logprobs needs logprobs, stream_options needs stream.
 RELATED = {"prompt": {"max_tokens"}, "messages": {"max_tokens", "max_completion_tokens"},

@@ -1,0 +1,253 @@
+"""Thinking models' reasoning kept apart from the answer (docs/server.md#reasoning).
+
+A chat template that thinks in a block (`<think>...</think>`: Qwen3, DeepSeek-R1's distills, SmolLM3) is
+recognised by the block's delimiters in its text, as rungen/tools.py recognises tool formats, never configured.
+The reply's text then goes through one splitter, fed the whole text for a plain answer and its pieces for a
+stream, so both give the same reasoning and content: the block's text is the reasoning, what follows it the
+content. A template may open the block itself at the end of the prompt (DeepSeek-R1's, Qwen3's when a grammar
+follows: plan_reply); the reply then starts inside it. A block the model never closes is all reasoning.
+
+The template's variables: `chat_template_kwargs` and `reasoning_effort` reach the template only where it reads
+them (jinja2's undeclared variables of its source), and are refused otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+# What the server passes to the template itself, or the tokenizer does (its special tokens).
+RESERVED_VARIABLES = {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+                      "reasoning_effort", "bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                      "cls_token", "mask_token"}
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+# Prompt tokens decoded to see how the prompt ends (a delimiter is one token or a few).
+TAIL_TOKENS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Delimiters:
+    open: str
+    close: str
+
+
+THINK = Delimiters("<think>", "</think>")
+
+
+def template_sources(chat_template) -> list[str]:
+    """The template's text, each of them where a tokenizer holds several by name."""
+    if isinstance(chat_template, dict):
+        return [text for text in chat_template.values() if isinstance(text, str)]
+    return [chat_template] if chat_template else []
+
+
+def detect_delimiters(chat_template) -> Delimiters | None:
+    """The thinking block's delimiters when the template writes or reads one, else None."""
+    if any(THINK.open in text and THINK.close in text for text in template_sources(chat_template)):
+        return THINK
+    return None
+
+
+#
+# The template's variables
+#
+
+
+@functools.lru_cache(maxsize=8)
+def variables_read(template: str) -> frozenset:
+    """The names the template reads from its context (jinja2's undeclared variables, less the names it sets
+    itself somewhere: jinja2 counts a name set in a block as read where the block may not have run)."""
+    import jinja2
+    from jinja2 import meta, nodes
+
+    from .chat_template import environment
+
+    try:
+        tree = environment().parse(template)
+    except jinja2.TemplateSyntaxError:  # a template our environment cannot parse reads nothing it could be given
+        return frozenset()
+    stored = {node.name for node in tree.find_all(nodes.Name) if node.ctx == "store"}
+    return frozenset(meta.find_undeclared_variables(tree) - stored)
+
+
+def template_reads(chat_template, name) -> bool:
+    return any(name in variables_read(text) for text in template_sources(chat_template))
+
+
+class VariableError(ValueError):
+    """A template variable the request cannot set (HTTP 400 naming `param`)."""
+
+    def __init__(self, message, param):
+        super().__init__(message)
+        self.param = param
+
+
+def read_template_variables(body, chat_template) -> dict:
+    """The variables `chat_template_kwargs` and `reasoning_effort` give the chat template, checked: each must be
+    one the template reads. Raises VariableError."""
+    variables = {}
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None:
+        if not isinstance(kwargs, dict):
+            raise VariableError("chat_template_kwargs must be an object of the chat template's variables",
+                                "chat_template_kwargs")
+        for name, value in kwargs.items():
+            if name in RESERVED_VARIABLES:
+                owner = "a field of its own" if name == "reasoning_effort" else "set by the server"
+                raise VariableError(f"chat_template_kwargs.{name} is {owner}", "chat_template_kwargs")
+            if not template_reads(chat_template, name):
+                raise VariableError(f"chat_template_kwargs.{name}: this model's chat template does not read "
+                                    f"{name!r}{readable(chat_template)}", "chat_template_kwargs")
+            variables[name] = value
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise VariableError(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}",
+                                "reasoning_effort")
+        if not template_reads(chat_template, "reasoning_effort"):
+            raise VariableError("reasoning_effort: this model's chat template does not read reasoning_effort",
+                                "reasoning_effort")
+        variables["reasoning_effort"] = effort
+    return variables
+
+
+def readable(chat_template) -> str:
+    names = sorted(set().union(*(variables_read(text) for text in template_sources(chat_template)))
+                   - RESERVED_VARIABLES - {"raise_exception", "strftime_now", "namespace", "dict"})
+    return f" (it reads: {', '.join(names)})" if names else ""
+
+
+#
+# The reply
+#
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplyPlan:
+    """Where a reply starts: "start" (the model may open a block), "inside" (the prompt opened it) or "content"
+    (the prompt closed it: no thinking). `end_ids`: the tokens after which a constraint starts (None: from the
+    first token)."""
+
+    delimiters: Delimiters
+    state: str
+    end_ids: tuple[int, ...] | None = None
+
+    def splitter(self):
+        return ReasoningSplitter(self.delimiters, self.state)
+
+
+def prompt_state(delimiters: Delimiters, prompt_tail: str) -> str:
+    """How the prompt (its last text) leaves the block: open, closed or not begun."""
+    tail = prompt_tail.rstrip()
+    if tail.endswith(delimiters.open):
+        return "inside"
+    if tail.endswith(delimiters.close):
+        return "content"
+    return "start"
+
+
+def plan_reply(tokenizer, delimiters: Delimiters | None, ids: list[int], constrained: bool):
+    """(ids, ReplyPlan or None) of a chat prompt. A constrained reply must know where the answer starts: where the
+    model may open the block itself (Qwen3), the prompt gets the opening delimiter, as DeepSeek-R1's template
+    always writes it, and the constraint starts after the closing one."""
+    if delimiters is None:
+        return ids, None
+    state = prompt_state(delimiters, tokenizer.decode(ids[-TAIL_TOKENS:], skip_special_tokens=False))
+    if constrained and state == "start":
+        ids = ids + tokenizer.encode(delimiters.open, add_special_tokens=False)
+        state = "inside"
+    end_ids = None
+    if constrained and state == "inside":
+        end_ids = tuple(tokenizer.encode(delimiters.close, add_special_tokens=False))
+    return ids, ReplyPlan(delimiters, state, end_ids)
+
+
+def plan_prompt(loaded, settings, prompt) -> None:
+    """plan_reply for a command-line or session prompt (encoded): sets prompt.reply where it is a chat whose
+    template thinks. A constraint of the whole run (--json_schema, --regex, --grammar) applies from the first
+    token, on generate() too, so such a reply is left whole; a jsonl line's tools wait for the block's end."""
+    if not (settings.chat or prompt.messages is not None) or settings.constraint is not None:
+        return
+    delimiters = detect_delimiters(loaded.tokenizer.chat_template)
+    prompt.ids, prompt.reply = plan_reply(loaded.tokenizer, delimiters, prompt.ids, prompt.constraint is not None)
+
+
+class ReasoningSplitter:
+    """Splits one reply into reasoning and content as its text grows. feed() returns (reasoning, content), the text
+    each gains; finish() what was held back (what may be the start of a delimiter). The reasoning is the block's
+    text without the whitespace around it; the content what follows the block, without its leading whitespace.
+    `had_block` says whether the reply has a block at all (reasoning None in the reply otherwise)."""
+
+    def __init__(self, delimiters: Delimiters, state: str = "start"):
+        self.delimiters, self.state = delimiters, state
+        self.pending = ""  # text not yet given to either
+        self.had_block = state == "inside"
+        self.closed = False
+        self.reasoning_begun = self.content_begun = False
+        self.space = ""  # whitespace at the reasoning's end, dropped if the block ends there
+
+    def feed(self, text, final=False):
+        self.pending += text
+        reasoning, content = "", ""
+        while True:
+            if self.state == "start":
+                rest = self.pending.lstrip()
+                if rest.startswith(self.delimiters.open):
+                    self.state, self.had_block = "inside", True
+                    self.pending = rest[len(self.delimiters.open) :]
+                    continue
+                if not final and self.delimiters.open.startswith(rest):
+                    break  # may still open the block
+                self.state = "content"
+                continue
+            if self.state == "inside":
+                end = self.pending.find(self.delimiters.close)
+                if end != -1:
+                    reasoning += self.reason(self.pending[:end], last=True)
+                    self.pending = self.pending[end + len(self.delimiters.close) :]
+                    self.state, self.closed = "content", True
+                    continue
+                hold = 0 if final else partial_end(self.pending, self.delimiters.close)
+                reasoning += self.reason(self.pending[: len(self.pending) - hold], last=final)
+                self.pending = self.pending[len(self.pending) - hold :]
+                break
+            text, self.pending = self.pending, ""
+            if not self.content_begun:
+                text = text.lstrip()
+                self.content_begun = bool(text)
+            content += text
+            break
+        return reasoning, content
+
+    def reason(self, text, last):
+        if not self.reasoning_begun:
+            text = text.lstrip()
+            self.reasoning_begun = bool(text)
+        text, self.space = self.space + text, ""
+        kept = text.rstrip()
+        if not last:
+            self.space = text[len(kept) :]
+        return kept
+
+    def finish(self):
+        return self.feed("", final=True)
+
+
+def partial_end(text, delimiter):
+    """The length of the longest end of `text` that begins `delimiter`."""
+    for size in range(min(len(delimiter) - 1, len(text)), 0, -1):
+        if text.endswith(delimiter[:size]):
+            return size
+    return 0
+
+
+def split_reply(plan: ReplyPlan, text: str):
+    """(reasoning or None, content or None) of a whole reply: reasoning None without a block, content None when
+    the block is all there is."""
+    splitter = plan.splitter()
+    reasoning, content = splitter.feed(text)
+    more = splitter.finish()
+    reasoning, content = reasoning + more[0], content + more[1]
+    if not splitter.had_block:
+        return None, content
+    return reasoning, content or None

@@ -1,0 +1,248 @@
+"""Thinking models on a live server through the official openai client, and in jsonl records: a tiny random model
+with Qwen3's published chat template and Qwen3's <think> and </think> as tokens of their own. A random model does
+not think by itself: logit_bias pushes it to open and close the block, and /v1/completions on the same prompt
+tokens gives the raw text the chat reply must be split from."""
+
+import json
+import os
+
+import jsonschema
+import openai
+import pytest
+import torch
+from test_server import LiveServer
+from transformers import AutoTokenizer
+
+from helpers import run_main
+from rungen.loading import load
+from rungen.server import ServeOptions, build
+from tiny_models import build_tiny_checkpoint
+
+MODEL_ID = "tiny-qwen3"
+TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_templates", "qwen3.jinja")
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}},
+          "required": ["city"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}
+CONTEXT = 4096
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("thinking") / "qwen2")
+    build_tiny_checkpoint("qwen2", path)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["max_position_embeddings"] = CONTEXT  # tools make prompts of hundreds of the tiny vocabulary's tokens
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.model_max_length = CONTEXT
+    # Qwen3's tokenizer holds these as tokens of their own (added, not special: they stay in decoded text).
+    tokenizer.add_tokens(["<tool_call>", "</tool_call>", "<think>", "</think>"])
+    with open(TEMPLATE, encoding="utf-8") as f:
+        tokenizer.chat_template = f.read()
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    loaded = load(checkpoint, device=torch.device("cpu"))
+    app, engine = build(loaded, ServeOptions(model_id=MODEL_ID, max_batch=8))
+    live = LiveServer(app)
+    yield live.url, loaded
+    live.stop()
+    engine.close()
+    engine.abort()
+
+
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def token(server, text):
+    return server[1].tokenizer.convert_tokens_to_ids(text)
+
+
+def chat(server, **kwargs):
+    kwargs.setdefault("messages", ASK)
+    return client(server).chat.completions.create(model=MODEL_ID, **kwargs)
+
+
+def raw_split(text):
+    """(reasoning, content) of a raw reply, as the user reads it: the block's text, and what follows it."""
+    if not text.startswith("<think>"):
+        return None, text.lstrip()
+    inside, closed, after = text[len("<think>") :].partition("</think>")
+    return inside.strip(), (after.lstrip() or None) if closed else None
+
+
+def prompt_ids(server, messages=ASK, **variables):
+    tokenizer = server[1].tokenizer
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **variables)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+# <think> pushed at every step (so most replies open a block and write it again inside), </think> less.
+OPEN_AND_CLOSE = dict(temperature=1.0, seed=1, n=8, max_tokens=30)
+
+
+def bias(server, opening=7, closing=5):
+    return {str(token(server, "<think>")): opening, str(token(server, "</think>")): closing}
+
+
+def test_the_thinking_block_is_reasoning_and_what_follows_it_the_content(server):
+    raw = client(server).completions.create(model=MODEL_ID, prompt=prompt_ids(server), logit_bias=bias(server),
+                                            **OPEN_AND_CLOSE)
+    reply = chat(server, logit_bias=bias(server), **OPEN_AND_CLOSE)
+    split = [(choice.message.reasoning_content, choice.message.content) for choice in reply.choices]
+    assert split == [raw_split(choice.text) for choice in raw.choices]
+    assert any(reasoning and content for reasoning, content in split)  # some replies thought, then answered
+    assert all("</think>" not in (reasoning or "") for reasoning, _ in split)
+
+
+def test_a_stream_sends_the_reasoning_apart_and_assembles_to_the_plain_reply(server):
+    whole = chat(server, logit_bias=bias(server), **OPEN_AND_CLOSE)
+    reasoning, content = [""] * 8, [""] * 8
+    for chunk in chat(server, logit_bias=bias(server), stream=True, **OPEN_AND_CLOSE):
+        for choice in chunk.choices:
+            extra = choice.delta.model_extra or {}
+            reasoning[choice.index] += extra.get("reasoning_content") or ""
+            content[choice.index] += choice.delta.content or ""
+            assert not (extra.get("reasoning_content") and choice.delta.content)  # one or the other a delta
+    assert [(r, c) for r, c in zip(reasoning, content)] == \
+        [(choice.message.reasoning_content or "", choice.message.content or "") for choice in whole.choices]
+
+
+def test_a_block_the_model_never_closes_is_all_reasoning(server):
+    reply = chat(server, logit_bias=bias(server, opening=100, closing=-100), max_tokens=5, temperature=0)
+    choice = reply.choices[0]
+    assert choice.message.reasoning_content == "<think>" * 4 and choice.message.content is None
+    assert choice.finish_reason == "length"
+
+
+def test_chat_template_kwargs_reach_the_template(server):
+    """Qwen3's enable_thinking false: the template closes an empty block in the prompt, so the reply is all
+    content, whatever the model writes."""
+    plain = chat(server, temperature=0, max_tokens=8)
+    off = chat(server, temperature=0, max_tokens=8, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert off.usage.prompt_tokens == len(prompt_ids(server, enable_thinking=False)) > plain.usage.prompt_tokens
+    assert off.choices[0].message.reasoning_content is None and off.choices[0].message.content
+
+
+@pytest.mark.parametrize("body,param,message", [
+    ({"chat_template_kwargs": {"thinking_budget": 100}}, "chat_template_kwargs", "does not read 'thinking_budget'"),
+    ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs", "set by the server"),
+    ({"chat_template_kwargs": "enable_thinking"}, "chat_template_kwargs", "must be an object"),
+    ({"reasoning_effort": "low"}, "reasoning_effort", "does not read reasoning_effort"),
+])
+def test_variables_the_template_does_not_read_are_refused(server, body, param, message):
+    with pytest.raises(openai.BadRequestError) as caught:
+        chat(server, max_tokens=2, extra_body=body)
+    error = caught.value.body
+    assert caught.value.status_code == 400 and error["param"] == param and message in error["message"]
+
+
+def check_json(choice):
+    assert choice.finish_reason == "stop"
+    jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+
+
+def test_a_grammar_applies_from_the_end_of_the_thinking_block(server):
+    """response_format on a template where the model opens the block itself: the prompt gets <think>, the model
+    thinks unconstrained (the bias on </think> ends the block at random), and the JSON follows its schema."""
+    response_format = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}
+    reply = chat(server, response_format=response_format, logit_bias={str(token(server, "</think>")): 4},
+                 temperature=1.0, seed=1, n=4, max_tokens=60)
+    assert reply.usage.prompt_tokens == len(prompt_ids(server)) + 1  # the opening <think>
+    done = [choice for choice in reply.choices if choice.finish_reason == "stop"]
+    assert done
+    for choice in done:
+        check_json(choice)
+        # Free text inside the block: the JSON grammar would have allowed nothing but "{" first.
+        assert choice.message.reasoning_content and not choice.message.reasoning_content.startswith("{")
+    for choice in reply.choices:
+        if choice.finish_reason == "length":  # cut while thinking (no content) or inside the JSON
+            assert choice.message.reasoning_content and (choice.message.content or "{").startswith("{")
+    # Without thinking (the template closes the block), the grammar applies from the first token.
+    off = chat(server, response_format=response_format, temperature=1.0, seed=1, max_tokens=60,
+               extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    check_json(off.choices[0])
+    assert off.choices[0].message.reasoning_content is None
+
+
+def test_a_required_tool_call_follows_the_thinking(server):
+    reply = chat(server, tools=[WEATHER], tool_choice="required", logit_bias={str(token(server, "</think>")): 4},
+                 temperature=1.0, seed=1, n=4, max_tokens=80, parallel_tool_calls=False)
+    called = [choice for choice in reply.choices if choice.finish_reason == "tool_calls"]
+    assert called
+    for choice in called:
+        [call] = choice.message.tool_calls
+        assert call.function.name == "get_weather" and choice.message.content is None
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
+        assert choice.message.reasoning_content
+
+
+def pushed_to_think(tmp_path, server, opening=7.0, closing=5.0):
+    """A --generation_config whose sequence_bias opens and closes the block as logit_bias does on the server
+    (generate() then runs the prompts)."""
+    path = tmp_path / "bias.json"
+    path.write_text(json.dumps({"sequence_bias": [[[token(server, "<think>")], opening],
+                                                  [[token(server, "</think>")], closing]]}))
+    return ["--generation_config", str(path)]
+
+
+def test_jsonl_records_carry_the_reasoning_beside_the_content(server, checkpoint, tmp_path):
+    args = ["--model_name_or_path", checkpoint, "--input_format", "jsonl", "--output_format", "jsonl",
+            "--length", "30", "--temperature", "1", "--num_return_sequences", "8"]
+    result = run_main(args + pushed_to_think(tmp_path, server), stdin=json.dumps({"messages": ASK}))
+    assert result.returncode == 0, result.stderr.decode()[-2000:]
+    records = [json.loads(line) for line in result.stdout.decode().splitlines()]
+    split = [(record["reasoning_content"], record["content"]) for record in records]
+    assert split == [raw_split(record["generated_text"]) for record in records]
+    assert any(reasoning and content for reasoning, content in split)
+    # A line with tools required: the prompt opens the block, the tiny model never closes it (no bias here), so
+    # it is all reasoning, unconstrained (no call), and the record says so.
+    line = {"messages": ASK, "tools": [WEATHER], "tool_choice": "required"}
+    result = run_main(args[:-4] + ["--temperature", "0"], stdin=json.dumps(line))
+    [record] = [json.loads(line) for line in result.stdout.decode().splitlines()]
+    assert record["num_prompt_tokens"] == len(prompt_ids(server, tools=[WEATHER])) + 1
+    assert record["reasoning_content"] == record["generated_text"].strip() != ""
+    assert record["content"] is None and record["tool_calls"] == [] and record["finish_reason"] == "length"
+
+
+def session_for(checkpoint, *flags, tools=None, **options):
+    import dataclasses
+
+    from rungen.arguments import parse_args, settings_from_args
+    from rungen.session import Session
+
+    args = parse_args(["--model_name_or_path", checkpoint, *flags])
+    loaded = load(checkpoint, device=torch.device("cpu"))
+    torch.manual_seed(args.seed)  # as main() seeds the run
+    settings = dataclasses.replace(settings_from_args(args, loaded.context), chat=True)
+    return Session(loaded, settings, tools=args.tools, **options)
+
+
+def test_a_session_shows_the_reasoning_on_stderr_and_the_answer_alone_on_stdout(server, checkpoint, tmp_path,
+                                                                                 capsys):
+    session = session_for(checkpoint, "--length", "30", "--temperature", "1", "--seed", "7",
+                          *pushed_to_think(tmp_path, server))
+    session.turn("What is the weather in Paris?")
+    shown = capsys.readouterr()
+    reply = session.messages[-1]
+    assert reply["reasoning_content"] and reply["content"], reply  # it thought, then answered
+    assert shown.out == reply["content"] + "\n"
+    assert reply["reasoning_content"] in shown.err and reply["reasoning_content"] not in shown.out
+    # On the engine, streamed: a tools turn opens the block in the prompt, and the tiny model stays in it.
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps({"tools": [WEATHER], "tool_choice": "required"}))
+    for figures in (True, False):
+        session = session_for(checkpoint, "--length", "12", "--temperature", "0", "--tools", str(tools),
+                              figures=figures)
+        session.turn("What is the weather in Paris?")
+        shown = capsys.readouterr()
+        reasoning = session.messages[-1]["reasoning_content"]
+        assert reasoning and shown.out == "\n" and session.messages[-1]["content"] == ""
+        assert (reasoning in shown.err) == figures  # --quiet leaves it out

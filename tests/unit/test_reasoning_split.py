@@ -1,0 +1,110 @@
+"""rungen/reasoning.py on its own: the thinking block's delimiters read from the published templates, where a
+prompt leaves the block, the splitter on replies as thinking models write them (whole and in every split into
+pieces, which must agree), and the template variables a request may set."""
+
+import os
+
+import pytest
+
+from rungen.reasoning import (
+    THINK,
+    ReasoningSplitter,
+    ReplyPlan,
+    VariableError,
+    detect_delimiters,
+    prompt_state,
+    read_template_variables,
+    split_reply,
+)
+
+TEMPLATES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "chat_templates")
+
+
+def template(name):
+    with open(os.path.join(TEMPLATES, name), encoding="utf-8") as f:
+        return f.read()
+
+
+def streamed(state, text, sizes):
+    """(reasoning, content) of `text` fed in pieces of the given sizes (cycled), each piece's output joined."""
+    splitter = ReasoningSplitter(THINK, state)
+    reasoning, content, position, number = "", "", 0, 0
+    while position < len(text):
+        size = sizes[number % len(sizes)]
+        gained = splitter.feed(text[position : position + size])
+        reasoning, content = reasoning + gained[0], content + gained[1]
+        position, number = position + size, number + 1
+    gained = splitter.finish()
+    return reasoning + gained[0], content + gained[1]
+
+
+# (state the prompt leaves, reply as written, reasoning, content)
+REPLIES = [
+    ("start", "<think>\nThe user greets me.\n</think>\n\nHello! How can I help?", "The user greets me.",
+     "Hello! How can I help?"),
+    ("inside", "\nOkay, 2 + 2 is 4.\n</think>\n\nThe answer is 4.", "Okay, 2 + 2 is 4.", "The answer is 4."),
+    ("start", "Hello there.", None, "Hello there."),  # a thinking model may answer without a block
+    ("content", "  Paris.", None, "Paris."),  # the prompt closed the block (enable_thinking false)
+    ("inside", "\nI must count the letters: r, r, r and", "I must count the letters: r, r, r and", None),  # cut short
+    ("start", "<think>\n\n</think>\n\n{\"a\": 1}", "", "{\"a\": 1}"),
+    ("start", "<think>a < b and </thin is not the end</think>x</think>y", "a < b and </thin is not the end",
+     "x</think>y"),
+    ("start", "<thinking about it", None, "<thinking about it"),  # not the delimiter
+    ("start", "<thi", None, "<thi"),  # the reply ended on what could have opened a block
+]
+
+
+@pytest.mark.parametrize("state,text,reasoning,content", REPLIES)
+def test_a_reply_splits_into_its_reasoning_and_its_answer(state, text, reasoning, content):
+    assert split_reply(ReplyPlan(THINK, state), text) == (reasoning, content)
+
+
+@pytest.mark.parametrize("state,text,reasoning,content", REPLIES)
+@pytest.mark.parametrize("sizes", [[1], [2], [3, 1], [5, 7, 2], [1000]])
+def test_a_stream_gives_what_the_whole_reply_gives(state, text, reasoning, content, sizes):
+    assert streamed(state, text, sizes) == (reasoning or "", content or "")
+
+
+def test_no_piece_of_a_delimiter_leaks_into_a_stream():
+    splitter = ReasoningSplitter(THINK, "start")
+    pieces = [splitter.feed(piece) for piece in ["<", "think", ">", "hmm", " ", "</", "think", ">", " ", "Yes"]]
+    assert all("<" not in reasoning + content and ">" not in reasoning + content for reasoning, content in pieces)
+    assert "".join(r for r, _ in pieces) == "hmm" and "".join(c for _, c in pieces) == "Yes"
+
+
+def test_delimiters_are_read_from_the_template():
+    assert detect_delimiters(template("qwen3.jinja")) == THINK
+    assert detect_delimiters({"default": template("qwen3.jinja")}) == THINK
+    for name in ("qwen2.5-instruct.jinja", "llama3.1-instruct.jinja", "mistral-7b-instruct-v0.3.jinja"):
+        assert detect_delimiters(template(name)) is None
+    assert detect_delimiters(None) is None
+
+
+def test_where_the_prompt_leaves_the_block():
+    assert prompt_state(THINK, "<|im_start|>assistant\n") == "start"  # Qwen3: the model opens it
+    assert prompt_state(THINK, "<|im_start|>assistant\n<think>\n\n</think>\n\n") == "content"  # enable_thinking false
+    assert prompt_state(THINK, "<｜Assistant｜><think>\n") == "inside"  # DeepSeek-R1's template
+
+
+def test_template_variables_reach_only_a_template_that_reads_them():
+    qwen3 = template("qwen3.jinja")
+    assert read_template_variables({"chat_template_kwargs": {"enable_thinking": False}}, qwen3) == \
+        {"enable_thinking": False}
+    assert read_template_variables({}, qwen3) == {}
+    effort = "{{ messages[0].content }}{% if reasoning_effort %} effort: {{ reasoning_effort }}{% endif %}"
+    assert read_template_variables({"reasoning_effort": "low"}, effort) == {"reasoning_effort": "low"}
+    refused = [
+        ({"chat_template_kwargs": {"enable_thinking": False}}, template("qwen2.5-instruct.jinja"),
+         "chat_template_kwargs", "does not read 'enable_thinking'"),
+        ({"chat_template_kwargs": {"thinking_budget": 10}}, qwen3, "chat_template_kwargs",
+         "it reads: enable_thinking"),
+        ({"chat_template_kwargs": {"messages": []}}, qwen3, "chat_template_kwargs", "set by the server"),
+        ({"chat_template_kwargs": {"reasoning_effort": "low"}}, effort, "chat_template_kwargs", "a field of its own"),
+        ({"chat_template_kwargs": ["enable_thinking"]}, qwen3, "chat_template_kwargs", "must be an object"),
+        ({"reasoning_effort": "low"}, qwen3, "reasoning_effort", "does not read reasoning_effort"),
+        ({"reasoning_effort": "extreme"}, effort, "reasoning_effort", "must be one of"),
+    ]
+    for body, text, param, message in refused:
+        with pytest.raises(VariableError, match=message) as caught:
+            read_template_variables(body, text)
+        assert caught.value.param == param
