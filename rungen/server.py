@@ -42,6 +42,9 @@ MAX_BODY_DEPTH = strict_json.MAX_DEPTH  # refused before parsing: the decoder re
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit of inputs per embeddings request
+# Seconds a request's body may take to arrive once its headers have: a client that stalls mid-body gets a 408
+# rather than holding its connection and handler forever.
+BODY_TIMEOUT = 30.0
 # Fields that name the same constraint in vLLM (guided_*, structured_outputs) and llama-server (grammar,
 # json_schema); each maps to rungen/constrain.py's kind.
 CONSTRAINT_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_grammar": "grammar",
@@ -74,6 +77,7 @@ class ServeOptions:
     max_cache_tokens: int = 65536
     prefix_cache_mb: int = 256
     max_body_bytes: int = 4 << 20
+    body_timeout: float = BODY_TIMEOUT
     max_n: int = 16
     cors_origins: tuple[str, ...] = ()
     grace: float = 30.0
@@ -381,7 +385,7 @@ def create_app(loaded, engine, options):
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await read_body(request, options.max_body_bytes)
+        body = await read_body(request, options.max_body_bytes, options.body_timeout)
         check_fields(body, CHAT_FIELDS)
         check_model(body, options.model_id)
         ids, tools = chat_prompt(service, body)
@@ -395,7 +399,7 @@ def create_app(loaded, engine, options):
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await read_body(request, options.max_body_bytes)
+        body = await read_body(request, options.max_body_bytes, options.body_timeout)
         check_fields(body, COMPLETION_FIELDS)
         check_model(body, options.model_id)
         if present(body, "suffix") and body["suffix"] != "":
@@ -409,7 +413,7 @@ def create_app(loaded, engine, options):
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request):
-        body = await read_body(request, options.max_body_bytes)
+        body = await read_body(request, options.max_body_bytes, options.body_timeout)
         check_fields(body, EMBEDDING_FIELDS)
         check_model(body, options.model_id)
         encoding = body.get("encoding_format") or "float"
@@ -437,7 +441,7 @@ def create_app(loaded, engine, options):
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        body = await read_body(request, options.max_body_bytes)
+        body = await read_body(request, options.max_body_bytes, options.body_timeout)
         check_fields(body, TOKENIZE_FIELDS)
         if present(body, "model"):  # optional, as in vLLM's route; when given, the served one
             check_model(body, options.model_id)
@@ -459,7 +463,7 @@ def create_app(loaded, engine, options):
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        body = await read_body(request, options.max_body_bytes)
+        body = await read_body(request, options.max_body_bytes, options.body_timeout)
         check_fields(body, DETOKENIZE_FIELDS)
         if present(body, "model"):
             check_model(body, options.model_id)
@@ -556,9 +560,10 @@ def endpoint_label(path):
     return path if path in known else "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
 
 
-async def read_body(request, limit):
+async def read_body(request, limit, timeout=BODY_TIMEOUT):
     """The request's JSON object, parsed strictly (RFC 8259: UTF-8, no NaN or Infinity, no lone surrogates),
-    at most `limit` bytes and MAX_BODY_DEPTH levels deep; anything else is a 400 (413 for the size)."""
+    at most `limit` bytes and MAX_BODY_DEPTH levels deep, arrived within `timeout` seconds; anything else is a
+    400 (413 for the size, 408 for the time)."""
     kind = request.headers.get("content-type")
     # No Content-Type reads as JSON (as FastAPI's own body parsing does); any other type is refused.
     if kind is not None and not re.fullmatch(r"application/json\s*(;\s*charset=\"?utf-8\"?\s*)?", kind, re.I):
@@ -569,12 +574,17 @@ async def read_body(request, limit):
         raise too_big
     raw = bytearray()
     try:
-        async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > limit:
-                raise too_big
+        async with asyncio.timeout(timeout):
+            async for chunk in request.stream():
+                raw += chunk
+                if len(raw) > limit:
+                    raise too_big
     except ClientDisconnect as error:  # nobody reads the answer; it ends the request quietly
         raise APIError("the client disconnected before the request body ended") from error
+    except TimeoutError as error:
+        # Connection: close, as the rest of the body may still come: the connection cannot carry a next request.
+        raise APIError(f"the request body did not arrive within {timeout:g} seconds", status=408,
+                       code="request_timeout", headers={"Connection": "close"}) from error
     return parse_body(bytes(raw))
 
 

@@ -557,6 +557,34 @@ def test_api_key_and_a_full_queue(loaded, served):
         full.close()
 
 
+def test_a_body_that_stalls_is_a_408_and_its_connection_closes(loaded, served):
+    """A client that sends a Content-Length and part of the body, then nothing: once the body's time is up, a 408
+    in OpenAI's shape, the connection closed and the request counted as ended; the server goes on serving."""
+    engine = served[1]
+    options = ServeOptions(model_id=MODEL_ID, body_timeout=0.5)
+    live = LiveServer(Guard(create_app(loaded, engine, options), None, engine.metrics))
+    try:
+        with socket.create_connection(("127.0.0.1", live.port), timeout=10) as sock:
+            started = time.monotonic()
+            sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: 100\r\n\r\n" + b'{"model": "' + MODEL_ID.encode())
+            answer = b""
+            while chunk := sock.recv(1 << 16):  # until the server closes the connection (a timeout fails the test)
+                answer += chunk
+            elapsed = time.monotonic() - started
+        head, _, content = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408 ") and b"connection: close" in head.lower(), head
+        error = json.loads(content)["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["code"] == "request_timeout", error
+        assert 0.5 <= elapsed < 5, elapsed
+        metrics = httpx.get(live.url + "/metrics").text
+        assert 'rungen_requests_total{endpoint="/v1/embeddings",status="408"} 1' in metrics
+        ok = httpx.post(live.url + "/v1/embeddings", json={"model": MODEL_ID, "input": "Hi"}, timeout=10)
+        assert ok.status_code == 200 and len(ok.json()["data"]) == 1
+    finally:
+        live.stop()
+
+
 def collect(engine, request_ids, **kwargs):
     """Runs one engine request to its end; returns (finishes by choice, deltas)."""
     from rungen.engine import Request, Sampling
