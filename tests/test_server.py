@@ -541,6 +541,14 @@ def test_api_key_and_a_full_queue(loaded, served):
             openai.OpenAI(base_url=keyed.url + "/v1", api_key="wrong", max_retries=0).models.list()
         allowed = openai.OpenAI(base_url=keyed.url + "/v1", api_key="s3cret", max_retries=0)
         assert allowed.completions.create(model=MODEL_ID, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=keyed.url + "/v1", api_key="wrong", max_retries=0).embeddings.create(
+                model=MODEL_ID, input="Hi")
+        assert len(allowed.embeddings.create(model=MODEL_ID, input="Hi").data) == 1
+        for path, body in (("/tokenize", {"prompt": "Hi"}), ("/detokenize", {"tokens": [1]})):
+            assert httpx.post(keyed.url + path, json=body).status_code == 401
+            assert httpx.post(keyed.url + path, json=body, headers={"Authorization": "Bearer s3cret"}).status_code \
+                == 200
         # CORS only where asked for: the keyed server allows one origin, the module's server none.
         preflight = {"Origin": "http://app.example", "Access-Control-Request-Method": "POST",
                      "Access-Control-Request-Headers": "authorization"}
