@@ -416,7 +416,7 @@ def create_app(loaded, engine, options):
         body = await read_body(request, options.max_body_bytes, options.body_timeout)
         check_fields(body, EMBEDDING_FIELDS)
         check_model(body, options.model_id)
-        encoding = body.get("encoding_format") or "float"
+        encoding = body["encoding_format"] if present(body, "encoding_format") else "float"
         if encoding not in ("float", "base64"):
             raise APIError(f"encoding_format must be float or base64, got {shown(encoding)}", "encoding_format")
         if present(body, "dimensions"):
@@ -431,8 +431,15 @@ def create_app(loaded, engine, options):
                 future = engine.call(functools.partial(embed, loaded, [prompts[index] for index in group]))
             except EngineClosed as error:
                 raise APIError(str(error), status=503, kind="server_error", headers={"Retry-After": "1"}) from error
-            # One forward pass at a time: the running requests' decode steps go on between them.
-            for index, vector in zip(group, await asyncio.wrap_future(future)):
+            try:  # one forward pass at a time: the running requests' decode steps go on between them
+                found = await asyncio.wrap_future(future)
+            except asyncio.CancelledError:
+                if not engine.stopped:
+                    raise
+                # The engine stopped (shutdown's grace is over) and cancelled the calls it had not run.
+                raise APIError("the server stopped before the embeddings were computed", status=503,
+                               kind="server_error") from None
+            for index, vector in zip(group, found):
                 vectors[index] = as_base64(vector) if encoding == "base64" else vector.tolist()
         tokens = sum(len(ids) for ids in prompts)
         data = [{"object": "embedding", "index": index, "embedding": vector} for index, vector in enumerate(vectors)]
@@ -623,7 +630,7 @@ def read_prompt_ids(service, body, name, most, room, allow_empty=True):
     if not isinstance(prompt, list) or not prompt:
         raise APIError(f"{name} must be a string, a list of strings, or token ids", name)
     if len(prompt) > most:
-        raise APIError(f"at most {most} prompts per request, got {len(prompt)}", name)
+        raise APIError(f"at most {most} {name}s per request, got {len(prompt)}", name)
     context, encoded = service.loaded.context, []
     for number_, item in enumerate(prompt):
         where = f"{name}[{number_}]" if len(prompt) > 1 else name

@@ -351,6 +351,7 @@ BAD_REQUESTS = [
     ("/v1/embeddings", {"model": MODEL_ID, "input": ["x"] * 2049}, "input", 400),
     ("/v1/embeddings", {"model": MODEL_ID, "input": "x", "dimensions": 16}, "dimensions", 400),
     ("/v1/embeddings", {"model": MODEL_ID, "input": "x", "encoding_format": "int8"}, "encoding_format", 400),
+    ("/v1/embeddings", {"model": MODEL_ID, "input": "x", "encoding_format": ""}, "encoding_format", 400),
     ("/v1/embeddings", {"model": MODEL_ID, "input": "x", "user": 5}, "user", 400),
     ("/v1/embeddings", {"model": MODEL_ID, "input": "x", "truncate": True}, "truncate", 400),
     ("/tokenize", {"model": "other", "prompt": "x"}, "model", 404),
