@@ -274,6 +274,18 @@ def test_embeddings_through_the_openai_client(loaded, client):
     assert torch.equal(torch.tensor([list(item.embedding) for item in decoded.data]), vectors)
 
 
+def test_embeddings_beside_generation_change_no_token(client):
+    """Embeddings run between the batch's decode steps: the requests decoding meanwhile give what they give alone."""
+    settings = {"prompt": "Once upon a time", "max_tokens": 40, "extra_body": {"ignore_eos": True}}
+    alone = greedy_text(client, **settings)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        running = [pool.submit(greedy_text, client, **settings) for _ in range(2)]
+        embedded = [pool.submit(client.embeddings.create, model=MODEL_ID, input=["The cat sat on the mat."] * 40)
+                    for _ in range(2)]
+        assert [future.result() for future in running] == [alone, alone]
+        assert all(len(future.result().data) == 40 for future in embedded)
+
+
 def test_tokenize_and_detokenize(loaded, served, client):
     """/tokenize gives the ids a request runs on (its count is the request's prompt_tokens), for a text or a
     conversation, counting past the context without refusing; /detokenize gives their text back."""
