@@ -553,9 +553,10 @@ class Engine:
             scores[list(ids)] += torch.tensor(values, dtype=scores.dtype)
         if sampling.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(row.request.ids) | set(row.new)))
-            chosen = scores[seen]
-            scores[seen] = torch.where(chosen < 0, chosen * sampling.repetition_penalty,
-                                       chosen / sampling.repetition_penalty)
+            chosen, penalty = scores[seen], sampling.repetition_penalty
+            # A zero score stays zero: a penalty near 0 (1e-313) is 0 in float32, and 0 / 0 would be NaN.
+            scores[seen] = torch.where(chosen < 0, chosen * penalty,
+                                       torch.where(chosen == 0, chosen, chosen / penalty))
         if (sampling.presence_penalty or sampling.frequency_penalty) and row.new:
             counts = torch.bincount(torch.tensor(row.new), minlength=scores.shape[0])[: scores.shape[0]].to(scores)
             scores -= sampling.frequency_penalty * counts + sampling.presence_penalty * (counts > 0).to(scores)

@@ -309,6 +309,10 @@ def send_anything(client, method, target, content, content_type):
 # the error names the field the client sent, not its alias: found at length
 @example(request=("/v1/chat/completions", {"model": MODEL_ID, "messages": [{"role": "user", "content": "Hello"}],
                                            "max_tokens": 0}, {"max_tokens"}))
+# a repetition penalty that float32 rounds to 0 divided a score of 0 by it (NaN): found at length
+@example(request=("/v1/chat/completions", {"model": MODEL_ID, "messages": [{"role": "user", "content": "Hello"}],
+                                           "max_tokens": 3, "repetition_penalty": 2.2250738585e-313},
+                  {"repetition_penalty"}))
 def test_any_field_holding_any_json_value(client, request):
     send_json_request(client, request)
 
