@@ -24,6 +24,7 @@
     constrain.py   --json_schema/--regex/--grammar with xgrammar (imported only for those flags)
     ggml.py        GGUF's quantized blocks as torch layers
     server.py      --serve: the OpenAI-compatible HTTP server (FastAPI + uvicorn; imported only for --serve)
+    embeddings.py  the server's /v1/embeddings: last-token pooling of the final hidden states over a padded batch
     engine.py      the generation engine of the server, the piped prompts and the session: continuous
                    batching, per-row sampling and stopping
     reasoning.py   a thinking model's reasoning apart from its answer: the block's delimiters read from the chat

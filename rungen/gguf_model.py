@@ -224,6 +224,19 @@ class GGUFCausalLM(torch.nn.Module):
         in place) holds; `attention_mask` [batch, held + tokens] marks left padding, `position_ids` each row's
         positions (the held length onwards when None); `logits_to_keep`: the last ones only (0: all)."""
         cache = past_key_values if past_key_values is not None else new_cache(self)
+        hidden = self.final_hidden_states(input_ids, attention_mask, position_ids, cache)
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:, :]
+        logits = self.lm_head(hidden)
+        if self.final_softcap is not None:  # Gemma2ForCausalLM's order of operations
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return CausalLMOutput(logits=logits, past_key_values=None if use_cache is False else cache)
+
+    def final_hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                            position_ids: torch.Tensor | None = None, past_key_values=None) -> torch.Tensor:
+        """The final norm's output [batch, tokens, hidden] (what the head reads, transformers' hidden_states[-1]),
+        with forward's arguments: forward without the head, for embeddings."""
+        cache = past_key_values if past_key_values is not None else new_cache(self)
         if not self.stack.takes(cache):
             raise ValueError("this model's cache holds one full-attention layer per decoder layer "
                              "(rungen.kvcache.new_cache)")
@@ -247,13 +260,7 @@ class GGUFCausalLM(torch.nn.Module):
         hidden = self.stack(hidden, cache, mask, cos, sin, local)
         if hidden is None:
             raise ValueError("the cache's layers hold different lengths")
-        hidden = rms_norm(hidden, self.norm_weight, self.norm_eps)
-        if logits_to_keep:
-            hidden = hidden[:, -logits_to_keep:, :]
-        logits = self.lm_head(hidden)
-        if self.final_softcap is not None:  # Gemma2ForCausalLM's order of operations
-            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
-        return CausalLMOutput(logits=logits, past_key_values=None if use_cache is False else cache)
+        return rms_norm(hidden, self.norm_weight, self.norm_eps)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -190,14 +190,18 @@ def prepare_model(loaded: Loaded, *, temperature: float, xlm_language: str = "")
 
 def encode_prompt(loaded: Loaded, prompt: Prompt, prefix: str = "", chat: bool = False,
                   system: str | None = None, tools: list[dict] | None = None,
-                  template_kwargs: dict | None = None) -> list[int]:
+                  template_kwargs: dict | None = None, *, add_generation_prompt: bool = True,
+                  add_special_tokens: bool | None = None, within_context: bool = True) -> list[int]:
     """Token ids for one Prompt, with the original script's per-model preparation; raises PromptError.
 
     A conversation (prompt.messages), or with `chat` the text as one user message, goes through the
     chat template; `system` is put first when the conversation has no system message of its own.
     --prefix applies to text prompts only: a conversation is taken as it is. `tools` (OpenAI's function
     tools) go to the chat template, which renders them as the model expects; `template_kwargs` are further
-    variables it reads (enable_thinking, ...)."""
+    variables it reads (enable_thinking, ...). `add_generation_prompt`: the template's opening of the assistant's
+    turn; `add_special_tokens`: the tokenizer's own around the text (None: as the model takes them; none after a
+    template, which holds its own); `within_context`: refuse a prompt that leaves the model no room to generate
+    (counting or embedding tokens needs none)."""
     tokenizer, model = loaded.tokenizer, loaded.model
     messages = prompt.messages
     if messages is not None and prompt.tools is not None and tools is None:
@@ -219,10 +223,11 @@ def encode_prompt(loaded: Loaded, prompt: Prompt, prefix: str = "", chat: bool =
 
         extra = {**(template_kwargs or {}), **({"tools": tools} if tools is not None else {})}
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                 tokenize=False, **extra)
         except jinja2.TemplateError as error:  # the template's raise_exception: a conversation it refuses
             raise PromptError(f"the chat template refused the conversation: {error}") from error
-        add_special_tokens = False  # the template already holds them
+        special = bool(add_special_tokens)  # the template already holds them
     else:
         text = prompt.text
         text = prepare_xlnet_input(text, prefix) if loaded.model_type == "xlnet" else prefix + text
@@ -230,9 +235,9 @@ def encode_prompt(loaded: Loaded, prompt: Prompt, prefix: str = "", chat: bool =
             warn_without_control_code(tokenizer, text)
         # e.g. Llama's and OPT's BOS, which their models expect; but XLNet's and XLM's special tokens go
         # at the end (<sep> <cls>, </s>), where nothing could follow them.
-        add_special_tokens = loaded.model_type not in HAND_PREPARED_TYPES
-    ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
-    if not ids:
+        special = loaded.model_type not in HAND_PREPARED_TYPES if add_special_tokens is None else add_special_tokens
+    ids = tokenizer.encode(text, add_special_tokens=special)
+    if not ids and add_special_tokens is not False:  # asked for no special tokens, nothing is what the text is
         start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else model.config.bos_token_id
         if start is None:
             raise PromptError("empty prompt, and the model has no BOS token to start from")
@@ -243,6 +248,6 @@ def encode_prompt(loaded: Loaded, prompt: Prompt, prefix: str = "", chat: bool =
             f"token {tokenizer.convert_ids_to_tokens(outside[0])!r} (id {outside[0]}) is outside the model's "
             f"vocabulary of {loaded.vocab_size}: the tokenizer does not match the model"
         )
-    if loaded.context and len(ids) >= loaded.context:
+    if within_context and loaded.context and len(ids) >= loaded.context:
         raise PromptError(f"prompt is {len(ids)} tokens; the model's context is {loaded.context}")
     return ids

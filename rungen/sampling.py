@@ -95,7 +95,9 @@ def apply_processors(scores: torch.Tensor, states: list[RowState], eos_ids: list
             row += state.bias
         if state.seen is not None:
             penalty = sampling.repetition_penalty
-            row.copy_(torch.where(state.seen, torch.where(row < 0, row * penalty, row / penalty), row))
+            # A zero score stays zero: a penalty near 0 (1e-313) is 0 in float32, and 0 / 0 would be NaN.
+            penalized = torch.where(row < 0, row * penalty, torch.where(row == 0, row, row / penalty))
+            row.copy_(torch.where(state.seen, penalized, row))
         if state.counts is not None:
             row -= sampling.frequency_penalty * state.counts + sampling.presence_penalty * (state.counts > 0).float()
 

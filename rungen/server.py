@@ -1,8 +1,9 @@
 """--serve: an OpenAI-compatible HTTP server on one loaded model (FastAPI + uvicorn; docs/server.md).
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics. Every
-request field is either honoured or refused with a 400 naming it, in OpenAI's error shape; generation runs
-on rungen/engine.py's model thread, which batches the requests of all clients continuously.
+Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/embeddings, GET /v1/models, POST /tokenize,
+POST /detokenize, GET /health, GET /metrics. Every request field is either honoured or refused with a 400 naming
+it, in OpenAI's error shape; generation runs on rungen/engine.py's model thread, which batches the requests of all
+clients continuously (and runs the embeddings' forward passes between two of its steps).
 """
 
 import asyncio
@@ -25,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from . import NOTICE, logger, strict_json
+from .embeddings import as_base64, batches, embed
 from .engine import Engine, EngineBusy, EngineClosed, Metrics, Sampling, describe_memory
 from .engine import Request as EngineRequest
 from .errors import PromptError, UsageError
@@ -40,6 +42,10 @@ MAX_STOPS = 16
 MAX_BODY_DEPTH = strict_json.MAX_DEPTH  # refused before parsing: the decoder recurses once a level
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit of inputs per embeddings request
+# Seconds a request's body may take to arrive once its headers have: a client that stalls mid-body gets a 408
+# rather than holding its connection and handler forever.
+BODY_TIMEOUT = 30.0
 # Fields that name the same constraint in vLLM (guided_*, structured_outputs) and llama-server (grammar,
 # json_schema); each maps to rungen/constrain.py's kind.
 CONSTRAINT_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_grammar": "grammar",
@@ -52,6 +58,11 @@ CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", 
                                "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
                                "reasoning_effort"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs", "best_of", "suffix"}
+EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
+# vLLM's names; tools, tool_choice and parallel_tool_calls shape a chat's prompt as they do in a chat request.
+TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_generation_prompt", "add_special_tokens", "tools",
+                   "tool_choice", "parallel_tool_calls"}
+DETOKENIZE_FIELDS = {"model", "tokens"}
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
@@ -68,6 +79,7 @@ class ServeOptions:
     max_cache_tokens: int = 65536
     prefix_cache_mb: int = 256
     max_body_bytes: int = 4 << 20
+    body_timeout: float = BODY_TIMEOUT
     max_n: int = 16
     cors_origins: tuple[str, ...] = ()
     grace: float = 30.0
@@ -298,10 +310,11 @@ class Service:
             self.constraints[key] = constraint
         return self.constraints[key]
 
-    def encode(self, prompt, param, tools=None, variables=None):
+    def encode(self, prompt, param, tools=None, **encoding):
+        """encode_prompt's ids (`encoding`: its keyword options), or a 400 naming `param`."""
         try:
             with self.tokenizer_lock:
-                return encode_prompt(self.loaded, prompt, tools=tools, template_kwargs=variables)
+                return encode_prompt(self.loaded, prompt, tools=tools, **encoding)
         except PromptError as error:
             raise APIError(str(error), param) from error
 
@@ -375,21 +388,14 @@ def create_app(loaded, engine, options):
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await read_body(request, options.max_body_bytes)
+        body = await read_body(request, options.max_body_bytes, options.body_timeout)
         check_fields(body, CHAT_FIELDS)
         check_model(body, options.model_id)
-        messages = read_messages(body)
-        try:
-            tools = plan_tools(body, messages, loaded.tokenizer.chat_template)
-        except ToolError as error:
-            raise APIError(str(error), error.param) from error
         try:
             variables = read_template_variables(body, loaded.tokenizer.chat_template)
         except VariableError as error:
             raise APIError(str(error), error.param) from error
-        last_user = [message["content"] for message in messages if message["role"] == "user"][-1:]
-        ids = service.encode(Prompt(0, "".join(last_user), messages=tools.messages), "messages", tools.template_tools,
-                             variables)
+        ids, tools = chat_prompt(service, body, template_kwargs=variables)
         logprobs = None
         if boolean(body, "logprobs"):
             logprobs = number(body, "top_logprobs", 0, 0, MAX_LOGPROBS, integer=True)
@@ -400,17 +406,90 @@ def create_app(loaded, engine, options):
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await read_body(request, options.max_body_bytes)
+        body = await read_body(request, options.max_body_bytes, options.body_timeout)
         check_fields(body, COMPLETION_FIELDS)
         check_model(body, options.model_id)
         if present(body, "suffix") and body["suffix"] != "":
             raise APIError("suffix (insertion) is not supported by this server", "suffix")
         if present(body, "best_of") and body["best_of"] != number(body, "n", 1, integer=True):
             raise APIError("best_of other than n is not supported by this server", "best_of")
-        prompts = read_completion_prompts(service, body)
+        prompts = read_prompt_ids(service, body, "prompt", options.max_n, room=1)
         logprobs = number(body, "logprobs", None, 0, MAX_LOGPROBS, integer=True)
         return await generate(service, request, body, prompts, logprobs, chat=False, max_token_names=("max_tokens",),
                               default_max=DEFAULT_COMPLETION_TOKENS)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        body = await read_body(request, options.max_body_bytes, options.body_timeout)
+        check_fields(body, EMBEDDING_FIELDS)
+        check_model(body, options.model_id)
+        encoding = body["encoding_format"] if present(body, "encoding_format") else "float"
+        if encoding not in ("float", "base64"):
+            raise APIError(f"encoding_format must be float or base64, got {shown(encoding)}", "encoding_format")
+        if present(body, "dimensions"):
+            raise APIError("dimensions is not supported: this model's embeddings have one size", "dimensions")
+        check_user(body)
+        prompts = read_prompt_ids(service, body, "input", MAX_EMBEDDING_INPUTS, room=0, allow_empty=False)
+        vectors = [None] * len(prompts)
+        for number_, group in enumerate(batches([len(ids) for ids in prompts])):
+            if number_ and await request.is_disconnected():
+                return PlainTextResponse("", status_code=499)
+            try:
+                future = engine.call(functools.partial(embed, loaded, [prompts[index] for index in group]))
+            except EngineClosed as error:
+                raise APIError(str(error), status=503, kind="server_error", headers={"Retry-After": "1"}) from error
+            try:  # one forward pass at a time: the running requests' decode steps go on between them
+                found = await asyncio.wrap_future(future)
+            except asyncio.CancelledError:
+                if not engine.stopped:
+                    raise
+                # The engine stopped (shutdown's grace is over) and cancelled the calls it had not run.
+                raise APIError("the server stopped before the embeddings were computed", status=503,
+                               kind="server_error") from None
+            for index, vector in zip(group, found):
+                vectors[index] = as_base64(vector) if encoding == "base64" else vector.tolist()
+        tokens = sum(len(ids) for ids in prompts)
+        data = [{"object": "embedding", "index": index, "embedding": vector} for index, vector in enumerate(vectors)]
+        return {"object": "list", "data": data, "model": options.model_id,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await read_body(request, options.max_body_bytes, options.body_timeout)
+        check_fields(body, TOKENIZE_FIELDS)
+        if present(body, "model"):  # optional, as in vLLM's route; when given, the served one
+            check_model(body, options.model_id)
+        special = boolean(body, "add_special_tokens", None)
+        if present(body, "messages"):
+            if present(body, "prompt"):
+                raise APIError("give prompt or messages, not both", "prompt")
+            ids, _ = chat_prompt(service, body, add_generation_prompt=boolean(body, "add_generation_prompt", True),
+                                 add_special_tokens=special, within_context=False)
+        else:
+            for name in ("add_generation_prompt", "tools", "tool_choice", "parallel_tool_calls"):
+                if present(body, name):
+                    raise APIError(f"{name} applies to messages, not to a prompt", name)
+            if not isinstance(body.get("prompt"), str):
+                raise APIError("prompt must be a string (or messages a list of messages)", "prompt")
+            ids = service.encode(Prompt(0, body["prompt"]), "prompt", add_special_tokens=special, within_context=False)
+        # The context is not checked: counting a text's tokens is how a client finds whether it fits.
+        return {"tokens": ids, "count": len(ids), "max_model_len": loaded.context or None}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await read_body(request, options.max_body_bytes, options.body_timeout)
+        check_fields(body, DETOKENIZE_FIELDS)
+        if present(body, "model"):
+            check_model(body, options.model_id)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise APIError("tokens must be a list of token ids", "tokens")
+        outside = next((token for token in tokens if not 0 <= token < loaded.vocab_size), None)
+        if outside is not None:
+            raise APIError(f"tokens: {shown(outside)} is not a token id of this model (0..{loaded.vocab_size - 1})",
+                           "tokens")
+        with service.tokenizer_lock:  # special tokens kept: /tokenize's ids of a chat give back its template text
+            return {"prompt": loaded.tokenizer.decode(tokens, skip_special_tokens=False)}
 
     return app
 
@@ -490,13 +569,15 @@ class Shield:
 
 
 def endpoint_label(path):
-    known = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+    known = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/tokenize", "/detokenize",
+             "/health", "/metrics")
     return path if path in known else "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
 
 
-async def read_body(request, limit):
+async def read_body(request, limit, timeout=BODY_TIMEOUT):
     """The request's JSON object, parsed strictly (RFC 8259: UTF-8, no NaN or Infinity, no lone surrogates),
-    at most `limit` bytes and MAX_BODY_DEPTH levels deep; anything else is a 400 (413 for the size)."""
+    at most `limit` bytes and MAX_BODY_DEPTH levels deep, arrived within `timeout` seconds; anything else is a
+    400 (413 for the size, 408 for the time)."""
     kind = request.headers.get("content-type")
     # No Content-Type reads as JSON (as FastAPI's own body parsing does); any other type is refused.
     if kind is not None and not re.fullmatch(r"application/json\s*(;\s*charset=\"?utf-8\"?\s*)?", kind, re.I):
@@ -507,12 +588,17 @@ async def read_body(request, limit):
         raise too_big
     raw = bytearray()
     try:
-        async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > limit:
-                raise too_big
+        async with asyncio.timeout(timeout):
+            async for chunk in request.stream():
+                raw += chunk
+                if len(raw) > limit:
+                    raise too_big
     except ClientDisconnect as error:  # nobody reads the answer; it ends the request quietly
         raise APIError("the client disconnected before the request body ended") from error
+    except TimeoutError as error:
+        # Connection: close, as the rest of the body may still come: the connection cannot carry a next request.
+        raise APIError(f"the request body did not arrive within {timeout:g} seconds", status=408,
+                       code="request_timeout", headers={"Connection": "close"}) from error
     return parse_body(bytes(raw))
 
 
@@ -541,29 +627,53 @@ def check_model(body, model_id):
                        status=404, code="model_not_found")
 
 
-def read_completion_prompts(service, body):
-    """The token ids of each prompt: a string, a list of strings, a list of token ids, or a list of those."""
-    prompt = body.get("prompt")
+def read_prompt_ids(service, body, name, most, room, allow_empty=True):
+    """The token ids of each prompt in the field `name`: a string, a list of strings, a list of token ids, or a
+    list of those; at most `most` prompts, each leaving `room` tokens of the context (1 to generate, 0 to embed);
+    `allow_empty`: an empty string starts from the BOS token (else it is refused)."""
+    prompt = body.get(name)
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
         prompt = [prompt]
     if not isinstance(prompt, list) or not prompt:
-        raise APIError("prompt must be a string, a list of strings, or token ids", "prompt")
-    if len(prompt) > service.options.max_n:
-        raise APIError(f"at most {service.options.max_n} prompts per request, got {len(prompt)}", "prompt")
-    encoded = []
-    for item in prompt:
+        raise APIError(f"{name} must be a string, a list of strings, or token ids", name)
+    if len(prompt) > most:
+        raise APIError(f"at most {most} {name}s per request, got {len(prompt)}", name)
+    context, encoded = service.loaded.context, []
+    for number_, item in enumerate(prompt):
+        where = f"{name}[{number_}]" if len(prompt) > 1 else name
         if isinstance(item, str):
-            encoded.append(service.encode(Prompt(0, item), "prompt"))
+            if not item and not allow_empty:
+                raise APIError(f"{where} is an empty string", name)
+            ids = service.encode(Prompt(0, item), name, within_context=False)
         elif isinstance(item, list) and item and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
             if not all(0 <= t < service.loaded.vocab_size for t in item):
-                raise APIError(f"prompt: token ids must be in 0..{service.loaded.vocab_size - 1}", "prompt")
-            context = service.loaded.context
-            if context and len(item) >= context:
-                raise APIError(f"prompt is {len(item)} tokens; the model's context is {context}", "prompt")
-            encoded.append(list(item))
+                raise APIError(f"{where}: token ids must be in 0..{service.loaded.vocab_size - 1}", name)
+            ids = list(item)
         else:
-            raise APIError("prompt must be a string, a list of strings, or token ids", "prompt")
+            raise APIError(f"{name} must be a string, a list of strings, or token ids", name)
+        if context and len(ids) > context - room:  # never cut: the caller shortens it
+            raise APIError(f"{where} is {len(ids)} tokens; the model's context is {context}", name)
+        encoded.append(ids)
     return encoded
+
+
+def chat_prompt(service, body, **encoding):
+    """(token ids, rungen.tools.ToolPlan) of a chat request's messages and tools through the chat template
+    (`encoding`: encode_prompt's keyword options)."""
+    messages = read_messages(body)
+    try:
+        tools = plan_tools(body, messages, service.loaded.tokenizer.chat_template)
+    except ToolError as error:
+        raise APIError(str(error), error.param) from error
+    last_user = [message["content"] for message in messages if message["role"] == "user"][-1:]
+    ids = service.encode(Prompt(0, "".join(last_user), messages=tools.messages), "messages", tools.template_tools,
+                         **encoding)
+    return ids, tools
+
+
+def check_user(body):
+    if present(body, "user") and not isinstance(body["user"], str):
+        raise APIError(f"user must be a string, got {shown(body['user'])}", "user")
 
 
 async def generate(service, http_request, body, prompts, logprobs, *, chat, max_token_names, default_max, tools=None):
@@ -580,8 +690,7 @@ async def generate(service, http_request, body, prompts, logprobs, *, chat, max_
             raise APIError("stream_options takes include_usage only", "stream_options")
         include_usage = boolean(stream_options, "include_usage")
     echo = not chat and boolean(body, "echo")
-    if present(body, "user") and not isinstance(body["user"], str):
-        raise APIError(f"user must be a string, got {shown(body['user'])}", "user")
+    check_user(body)
     sampling = read_sampling(body, loaded.vocab_size)
     stops = read_stop(body)
     constraint_source = read_constraint_source(body, response_format_allowed=chat)
@@ -959,7 +1068,8 @@ def run(loaded, options):
     config = uvicorn.Config(app, host=options.host, port=options.port, log_level="info" if verbose else "warning",
                             timeout_graceful_shutdown=options.grace + 5, access_log=verbose)
     server = Server(config)
-    logger.log(NOTICE, "serving %s on http://%s:%d (OpenAI-compatible: /v1/chat/completions, /v1/completions)",
+    logger.log(NOTICE, "serving %s on http://%s:%d (OpenAI-compatible: /v1/chat/completions, /v1/completions, "
+               "/v1/embeddings)",
                 options.model_id, options.host, options.port)
     server.run()
     engine.close()

@@ -18,6 +18,7 @@ from test_gguf_loading import VOCAB, write_llama_gguf
 import run_generation
 from helpers import ROOT, cli_env
 from rungen import loading
+from rungen.embeddings import embed, final_hidden_states
 from rungen.ggml import native_kernels
 from rungen.gguf_loading import GGUFHeader, build_model
 from rungen.gguf_model import GGUFCausalLM, padded_causal_mask
@@ -103,6 +104,30 @@ def test_scoring_and_the_last_logits_only(models, name):
         assert torch.equal(scored.logits[:, -1], reference(**batch).logits[:, -1])
         last = own.model(input_ids=batch["input_ids"][:1], logits_to_keep=1).logits
     assert last.shape[1] == 1 and torch.equal(last[0, -1], scored.logits[0, -1])
+
+
+@pytest.mark.parametrize("name", ["q4_0_untied", "gemma2", "default"])
+def test_final_hidden_states_and_embeddings(models, name):
+    """The final hidden states embed() pools, of the own model and of transformers' model of the file (its layers
+    fused): what the head turns into forward's logits, bit for bit, and the same in both; embed() pools the last
+    position, the same alone and in a batch."""
+    own, reference = models[name]
+    batch = own.tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    softcap = own.model.final_softcap
+    with torch.inference_mode():
+        for model in (own.model, reference):
+            hidden = final_hidden_states(model, ids, mask, positions)
+            head = model.lm_head(hidden)
+            head = head if softcap is None else torch.tanh(head / softcap) * softcap
+            assert torch.equal(head, model(**batch, position_ids=positions, use_cache=False).logits), model
+        assert torch.equal(final_hidden_states(own.model, ids, mask, positions)[:, -1], hidden[:, -1])
+    ids = [own.tokenizer.encode(prompt) for prompt in PROMPTS]
+    together = embed(own, ids)
+    assert torch.allclose(together, torch.nn.functional.normalize(hidden[:, -1], dim=-1), atol=1e-6)
+    for row, prompt in enumerate(ids):
+        assert torch.allclose(embed(own, [prompt])[0], together[row], atol=1e-6), (name, row)
 
 
 @pytest.mark.parametrize("name", ["q4_0_untied", "qwen2_biases", "qwen3", "default"])

@@ -1,6 +1,7 @@
 """--serve: the OpenAI-compatible server against a live uvicorn on a free loopback port, through the official
 openai client and raw HTTP, on a tiny llama (with a chat template added, as an instruct checkpoint has)."""
 
+import base64
 import concurrent.futures
 import json
 import os
@@ -8,6 +9,7 @@ import re
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -243,6 +245,74 @@ def test_without_max_tokens_a_chat_fills_the_context(loaded, client):
     assert response.usage.total_tokens == loaded.context
 
 
+def test_embeddings_through_the_openai_client(loaded, client):
+    """Float, base64 and the client's default (base64, decoded by it) give one vector a text: the last token's
+    final hidden state (the one the output head turns into the logits), L2-normalised; the same alone, in a batch
+    and from its token ids; usage counts the inputs' tokens."""
+    texts = ["The capital of France is Paris.", "Hi", "Water boils at 100 degrees and freezes at 0."]
+    floats = client.embeddings.create(model=MODEL_ID, input=texts, encoding_format="float")
+    assert [item.index for item in floats.data] == [0, 1, 2] and floats.model == MODEL_ID
+    ids = [loaded.tokenizer.encode(text) for text in texts]
+    assert floats.usage.prompt_tokens == floats.usage.total_tokens == sum(map(len, ids))
+    vectors = torch.tensor([item.embedding for item in floats.data])
+    assert vectors.shape == (3, loaded.model.config.hidden_size)
+    assert torch.allclose(vectors.norm(dim=-1), torch.ones(3), atol=1e-6)
+    for text, tokens, vector in zip(texts, ids, vectors):
+        with torch.inference_mode():
+            out = loaded.model(torch.tensor([tokens]), output_hidden_states=True)
+            last = out.hidden_states[-1][0, -1]
+            assert torch.allclose(loaded.model.lm_head(last), out.logits[0, -1], atol=1e-5)  # the final, normed one
+        assert torch.allclose(vector, torch.nn.functional.normalize(last, dim=0), atol=1e-6)
+        alone = client.embeddings.create(model=MODEL_ID, input=text, encoding_format="float").data[0].embedding
+        assert torch.allclose(torch.tensor(alone), vector, atol=1e-6)
+    from_ids = client.embeddings.create(model=MODEL_ID, input=ids, encoding_format="float")
+    assert torch.allclose(torch.tensor([item.embedding for item in from_ids.data]), vectors, atol=1e-6)
+    encoded = client.embeddings.create(model=MODEL_ID, input=texts, encoding_format="base64")
+    raw = [base64.b64decode(item.embedding) for item in encoded.data]  # the client hands base64 over as it came
+    assert torch.equal(torch.tensor([list(struct.unpack(f"<{len(r) // 4}f", r)) for r in raw]), vectors)
+    decoded = client.embeddings.create(model=MODEL_ID, input=texts)  # sent as base64, decoded by the client
+    assert torch.equal(torch.tensor([list(item.embedding) for item in decoded.data]), vectors)
+
+
+def test_embeddings_beside_generation_change_no_token(client):
+    """Embeddings run between the batch's decode steps: the requests decoding meanwhile give what they give alone."""
+    settings = {"prompt": "Once upon a time", "max_tokens": 40, "extra_body": {"ignore_eos": True}}
+    alone = greedy_text(client, **settings)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        running = [pool.submit(greedy_text, client, **settings) for _ in range(2)]
+        embedded = [pool.submit(client.embeddings.create, model=MODEL_ID, input=["The cat sat on the mat."] * 40)
+                    for _ in range(2)]
+        assert [future.result() for future in running] == [alone, alone]
+        assert all(len(future.result().data) == 40 for future in embedded)
+
+
+def test_tokenize_and_detokenize(loaded, served, client):
+    """/tokenize gives the ids a request runs on (its count is the request's prompt_tokens), for a text or a
+    conversation, counting past the context without refusing; /detokenize gives their text back."""
+    def tokenize(body):
+        response = post(served, "/tokenize", body)
+        assert response.status_code == 200, response.text
+        answer = response.json()
+        assert answer["count"] == len(answer["tokens"]) and answer["max_model_len"] == loaded.context
+        return answer["tokens"]
+
+    text = "The capital of France is"
+    tokens = tokenize({"prompt": text, "model": MODEL_ID})
+    assert tokens == loaded.tokenizer.encode(text) and tokens[0] == loaded.tokenizer.bos_token_id
+    usage = client.completions.create(model=MODEL_ID, prompt=text, max_tokens=1).usage
+    assert usage.prompt_tokens == len(tokens)
+    assert tokenize({"prompt": text, "add_special_tokens": False}) == tokens[1:]
+    chat = tokenize({"messages": HELLO})
+    assert client.chat.completions.create(model=MODEL_ID, messages=HELLO, max_tokens=1).usage.prompt_tokens == \
+        len(chat)
+    unopened = tokenize({"messages": HELLO, "add_generation_prompt": False})
+    assert len(tokenize({"prompt": "word " * 300})) > loaded.context
+    turn = "<|im_start|>user\nHello, my dog is cute.<|im_end|>\n"
+    assert post(served, "/detokenize", {"tokens": chat}).json() == {"prompt": turn + "<|im_start|>assistant\n"}
+    assert post(served, "/detokenize", {"tokens": unopened}).json() == {"prompt": turn}
+    assert post(served, "/detokenize", {"tokens": tokens[1:], "model": MODEL_ID}).json() == {"prompt": text}
+
+
 BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": HELLO}, "model", 400),
     ("/v1/chat/completions", {"model": "gpt-4o", "messages": HELLO}, "model", 404),
@@ -282,6 +352,34 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL_ID, "prompt": "word " * 200}, "prompt", 400),
     ("/v1/completions", {"model": MODEL_ID, "prompt": 5}, "prompt", 400),
     ("/v1/completions", {"model": MODEL_ID, "prompt": "x", "logprobs": 99}, "logprobs", 400),
+    ("/v1/embeddings", {"input": "x"}, "model", 400),
+    ("/v1/embeddings", {"model": "text-embedding-3-small", "input": "x"}, "model", 404),
+    ("/v1/embeddings", {"model": MODEL_ID}, "input", 400),
+    ("/v1/embeddings", {"model": MODEL_ID, "input": ["x", ""]}, "input", 400),
+    ("/v1/embeddings", {"model": MODEL_ID, "input": []}, "input", 400),
+    ("/v1/embeddings", {"model": MODEL_ID, "input": [[1, 2], [3, 10**6]]}, "input", 400),
+    ("/v1/embeddings", {"model": MODEL_ID, "input": ["x", 5]}, "input", 400),
+    ("/v1/embeddings", {"model": MODEL_ID, "input": "word " * 200}, "input", 400),
+    ("/v1/embeddings", {"model": MODEL_ID, "input": ["x"] * 2049}, "input", 400),
+    ("/v1/embeddings", {"model": MODEL_ID, "input": "x", "dimensions": 16}, "dimensions", 400),
+    ("/v1/embeddings", {"model": MODEL_ID, "input": "x", "encoding_format": "int8"}, "encoding_format", 400),
+    ("/v1/embeddings", {"model": MODEL_ID, "input": "x", "encoding_format": ""}, "encoding_format", 400),
+    ("/v1/embeddings", {"model": MODEL_ID, "input": "x", "user": 5}, "user", 400),
+    ("/v1/embeddings", {"model": MODEL_ID, "input": "x", "truncate": True}, "truncate", 400),
+    ("/tokenize", {"model": "other", "prompt": "x"}, "model", 404),
+    ("/tokenize", {}, "prompt", 400),
+    ("/tokenize", {"prompt": ["x"]}, "prompt", 400),
+    ("/tokenize", {"prompt": "x", "messages": HELLO}, "prompt", 400),
+    ("/tokenize", {"prompt": "x", "add_generation_prompt": True}, "add_generation_prompt", 400),
+    ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens", 400),
+    ("/tokenize", {"messages": [{"role": "x", "content": "y"}]}, "messages", 400),
+    ("/tokenize", {"messages": HELLO, "add_generation_prompt": 1}, "add_generation_prompt", 400),
+    ("/tokenize", {"prompt": "x", "with_pieces": True}, "with_pieces", 400),
+    ("/detokenize", {"tokens": [1, -1]}, "tokens", 400),
+    ("/detokenize", {"tokens": [1, 10**6]}, "tokens", 400),
+    ("/detokenize", {"tokens": [1, True]}, "tokens", 400),
+    ("/detokenize", {"tokens": "1 2"}, "tokens", 400),
+    ("/detokenize", {}, "tokens", 400),
 ]
 
 
@@ -456,6 +554,14 @@ def test_api_key_and_a_full_queue(loaded, served):
             openai.OpenAI(base_url=keyed.url + "/v1", api_key="wrong", max_retries=0).models.list()
         allowed = openai.OpenAI(base_url=keyed.url + "/v1", api_key="s3cret", max_retries=0)
         assert allowed.completions.create(model=MODEL_ID, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=keyed.url + "/v1", api_key="wrong", max_retries=0).embeddings.create(
+                model=MODEL_ID, input="Hi")
+        assert len(allowed.embeddings.create(model=MODEL_ID, input="Hi").data) == 1
+        for path, body in (("/tokenize", {"prompt": "Hi"}), ("/detokenize", {"tokens": [1]})):
+            assert httpx.post(keyed.url + path, json=body).status_code == 401
+            assert httpx.post(keyed.url + path, json=body, headers={"Authorization": "Bearer s3cret"}).status_code \
+                == 200
         # CORS only where asked for: the keyed server allows one origin, the module's server none.
         preflight = {"Origin": "http://app.example", "Access-Control-Request-Method": "POST",
                      "Access-Control-Request-Headers": "authorization"}
@@ -470,6 +576,34 @@ def test_api_key_and_a_full_queue(loaded, served):
         keyed.stop()
         busy.stop()
         full.close()
+
+
+def test_a_body_that_stalls_is_a_408_and_its_connection_closes(loaded, served):
+    """A client that sends a Content-Length and part of the body, then nothing: once the body's time is up, a 408
+    in OpenAI's shape, the connection closed and the request counted as ended; the server goes on serving."""
+    engine = served[1]
+    options = ServeOptions(model_id=MODEL_ID, body_timeout=0.5)
+    live = LiveServer(Guard(create_app(loaded, engine, options), None, engine.metrics))
+    try:
+        with socket.create_connection(("127.0.0.1", live.port), timeout=10) as sock:
+            started = time.monotonic()
+            sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: 100\r\n\r\n" + b'{"model": "' + MODEL_ID.encode())
+            answer = b""
+            while chunk := sock.recv(1 << 16):  # until the server closes the connection (a timeout fails the test)
+                answer += chunk
+            elapsed = time.monotonic() - started
+        head, _, content = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408 ") and b"connection: close" in head.lower(), head
+        error = json.loads(content)["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["code"] == "request_timeout", error
+        assert 0.5 <= elapsed < 5, elapsed
+        metrics = httpx.get(live.url + "/metrics").text
+        assert 'rungen_requests_total{endpoint="/v1/embeddings",status="408"} 1' in metrics
+        ok = httpx.post(live.url + "/v1/embeddings", json={"model": MODEL_ID, "input": "Hi"}, timeout=10)
+        assert ok.status_code == 200 and len(ok.json()["data"]) == 1
+    finally:
+        live.stop()
 
 
 def collect(engine, request_ids, **kwargs):
@@ -610,7 +744,7 @@ def test_sigterm_under_load_ends_every_stream_and_exits_0(checkpoint, tmp_path):
     # Where it listens and that it shuts down, nothing per request (that is --verbose), no arguments.
     lines = process.stderr.read().decode().splitlines()
     assert lines[0] == f"serving {os.path.basename(checkpoint)} on http://127.0.0.1:{port} (OpenAI-compatible: " \
-        "/v1/chat/completions, /v1/completions)", lines
+        "/v1/chat/completions, /v1/completions, /v1/embeddings)", lines
     assert lines[1:] == ["shutting down: finishing running requests (at most 0 s)"], lines
     assert len(streams) == 4
     for lines in streams:

@@ -23,19 +23,28 @@ from rungen.server import MAX_BODY_DEPTH, ServeOptions, build
 MAX_BODY = 64 << 10  # small, so that oversized bodies are cheap to make
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+EMBEDDINGS = "/v1/embeddings"
+TOKENIZE = "/tokenize"
+DETOKENIZE = "/detokenize"
 BASES = {
     CHAT: {"model": MODEL_ID, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3},
     COMPLETIONS: {"model": MODEL_ID, "prompt": "Once upon", "max_tokens": 3},
 }
+# (route, a valid request) for every route that takes a body; /tokenize takes a text or a conversation.
+VALID = [*BASES.items(), (EMBEDDINGS, {"model": MODEL_ID, "input": ["Once upon", "a time"]}),
+         (TOKENIZE, {"prompt": "Once upon"}), (TOKENIZE, {"model": MODEL_ID, "messages": BASES[CHAT]["messages"]}),
+         (DETOKENIZE, {"tokens": [5, 6, 7]})]
 FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "n", "stop", "stream",
           "stream_options", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "logit_bias",
           "user", "top_k", "min_p", "repetition_penalty", "ignore_eos", "structured_outputs", "guided_json",
           "guided_regex", "guided_grammar", "grammar", "json_schema", "logprobs", "top_logprobs",
           "response_format", "echo", "best_of", "suffix", "tools", "chat_template_kwargs", "reasoning_effort",
-          "functions", "nonsense", ""]
+          "functions", "input", "encoding_format", "dimensions", "add_generation_prompt", "add_special_tokens",
+          "tokens", "nonsense", ""]
 # A change to one field may be refused under a field it bears on: the token budget is checked against the
-# prompt and n, best_of against n, top_logprobs needs logprobs, stream_options needs stream.
-RELATED = {"prompt": {"max_tokens"}, "messages": {"max_tokens", "max_completion_tokens"},
+# prompt and n, best_of against n, top_logprobs needs logprobs, stream_options needs stream; /tokenize takes a
+# prompt or messages, and names prompt when it has both or neither.
+RELATED = {"prompt": {"max_tokens"}, "messages": {"max_tokens", "max_completion_tokens", "prompt"},
            "n": {"max_tokens", "max_completion_tokens", "best_of"}, "echo": {"max_tokens"},
            "stream": {"stream_options"}, "logprobs": {"top_logprobs"}}
 ERROR_KINDS = {"invalid_request_error", "not_found_error", "server_error"}
@@ -143,6 +152,10 @@ PLAUSIBLE = {
     "structured_outputs": st.dictionaries(st.sampled_from(["json", "regex", "grammar", "x"]), JSON_VALUES,
                                           max_size=2),
     "guided_regex": st.sampled_from(["[ab]{1,3}", "(", "a*", ""]),
+    "input": st.text(max_size=30) | st.lists(st.integers(-2, 800), max_size=5) | st.lists(st.text(max_size=5))
+    | st.lists(st.lists(st.integers(-2, 800), max_size=4), max_size=3),
+    "encoding_format": st.sampled_from(["float", "base64", "int8", ""]),
+    "tokens": st.lists(st.integers(-2, 800), max_size=6),
 }
 NUMBERS = st.integers(-3, 40) | st.floats(-3, 3) | NON_FINITE | st.integers(-(2**80), 2**80)
 
@@ -158,8 +171,8 @@ def field_values(draw, name):
 @st.composite
 def json_requests(draw):
     """(path, body, changed fields): a valid request with one or two fields set to anything, or removed."""
-    path = draw(st.sampled_from([CHAT, COMPLETIONS]))
-    body = dict(BASES[path])
+    path, base = draw(st.sampled_from(VALID))
+    body = dict(base)
     changed = draw(st.lists(st.sampled_from(FIELDS), min_size=1, max_size=2, unique=True))
     for name in changed:
         if name in body and draw(st.booleans()) and draw(st.booleans()):
@@ -216,8 +229,8 @@ CONTENT_TYPES = st.sampled_from([None, "application/json", "application/json; ch
                                  "multipart/form-data; boundary=x", "application/json; charset=latin-1", "",
                                  "application/jsonx", "*/*"])
 TARGETS = st.sampled_from([CHAT, COMPLETIONS, "/v1/models", f"/v1/models/{MODEL_ID}", "/v1/models/other",
-                           "/health", "/metrics", "/", "/v1", "/v1/chat/completions/", "/v1/embeddings",
-                           "/v1/models/%00%ff", "/v1/completions?x=1", "/%2e%2e/etc"])
+                           "/health", "/metrics", "/", "/v1", "/v1/chat/completions/", EMBEDDINGS, TOKENIZE,
+                           DETOKENIZE, "/tokenize/", "/v1/models/%00%ff", "/v1/completions?x=1", "/%2e%2e/etc"])
 METHODS = st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"])
 
 
@@ -297,6 +310,10 @@ def send_anything(client, method, target, content, content_type):
 # the error names the field the client sent, not its alias: found at length
 @example(request=("/v1/chat/completions", {"model": MODEL_ID, "messages": [{"role": "user", "content": "Hello"}],
                                            "max_tokens": 0}, {"max_tokens"}))
+# a repetition penalty that float32 rounds to 0 divided a score of 0 by it (NaN): found at length
+@example(request=("/v1/chat/completions", {"model": MODEL_ID, "messages": [{"role": "user", "content": "Hello"}],
+                                           "max_tokens": 3, "repetition_penalty": 2.2250738585e-313},
+                  {"repetition_penalty"}))
 def test_any_field_holding_any_json_value(client, request):
     send_json_request(client, request)
 
