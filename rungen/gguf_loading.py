@@ -193,8 +193,10 @@ class GGUFHeader:
     so a reader sees a whole entry or none. A changed file gets a new entry; old entries are never read
     again and can be deleted with the directory (cache_root())."""
 
-    def __init__(self, path: str):
-        self.path = os.path.abspath(path)
+    def __init__(self, path: str, blocks: bool = True):
+        """`blocks`: the file is to run in its blocks, so that a type the kernels do not run is refused before the
+        header's slow conversions (False: it is de-quantized, any type the gguf package reads will do)."""
+        self.path, self.blocks = os.path.abspath(path), blocks
         try:
             stat = os.stat(self.path)
         except OSError as error:
@@ -279,7 +281,7 @@ class GGUFHeader:
         except Exception:  # a type transformers cannot size, or a malformed file: the gguf package decides
             architecture, tensors = _read_with_gguf(self.path)
         unsupported = [(name, code) for name, code, *_ in tensors if code not in FLOAT_TYPES and code not in SUPPORTED]
-        if unsupported:  # before the slow conversions: this file will not run here
+        if unsupported and self.blocks:  # before the slow conversions: this file will not run here
             raise GGUFError(unsupported_message(self.path, *unsupported[0]))
         try:
             with metadata_parsed_once():
@@ -535,7 +537,7 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
             else:
                 _set_tensor(model, hf_name, tensor.to(dtype))  # norms, or weights already in the model's dtype
             continue
-        if code not in SUPPORTED:
+        if code not in SUPPORTED and not on_device:  # de-quantized, any type the gguf package reads will do
             raise GGUFError(unsupported_message(header.path, name, code))
         qtype = GGMLQuantizationType(code)
         blocks = array.reshape(shape)

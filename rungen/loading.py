@@ -325,7 +325,7 @@ def load_gguf_on(gguf_path: str, device: torch.device, *, model_type: str | None
     host memory (rungen/gguf_loading.py's build_model)."""
     from .gguf_loading import GGUFHeader, build_model
 
-    header = GGUFHeader(gguf_path)
+    header = GGUFHeader(gguf_path, blocks=False)
     model_type, _ = resolve_model_class(model_type, header.config)
     model = build_model(header, resolve_dtype(dtype, header.config, device), device)
     return finish(model, header.transformers_tokenizer, model_type, device)

@@ -475,3 +475,19 @@ def test_dequantize_to_reads_chunks_of_rows(monkeypatch, kernels):
         chunked = ggml.dequantize_to(blocks, qtype, 256, torch.float32, torch.device("cpu"))
         torch.testing.assert_close(chunked, whole, rtol=0, atol=0)
         assert ggml.dequantize_to(blocks, qtype, 256, torch.bfloat16, torch.device("cpu")).dtype == torch.bfloat16
+
+
+def test_the_accelerator_form_takes_types_the_kernels_do_not_run(tokenizer_fields, tmp_path):
+    # A GPU de-quantizes every weight, so a type the CPU's blocks refuse (IQ2_XXS here) loads there too, as
+    # --dequantize's model would read it.
+    from transformers import AutoModelForCausalLM
+
+    path = write_llama_gguf(tmp_path / "iq2_xxs.gguf", tokenizer_fields, layers=[{"ffn_up": Q.IQ2_XXS}, {}],
+                            default=Q.Q4_0, embedding=Q.Q8_0, output=None)
+    with metadata_parsed_once():
+        header = GGUFHeader(path, blocks=False)
+        reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="iq2_xxs.gguf").eval()
+    model = build_model(header, torch.float32, torch.device("cpu"))
+    batch = header.tokenizer(PROMPTS[:1], return_tensors="pt")
+    with torch.no_grad():
+        torch.testing.assert_close(model(**batch).logits, reference(**batch).logits, rtol=1e-5, atol=1e-5)
