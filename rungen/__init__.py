@@ -26,7 +26,10 @@
     server.py      --serve: the OpenAI-compatible HTTP server (FastAPI + uvicorn; imported only for --serve)
     embeddings.py  the server's /v1/embeddings: last-token pooling of the final hidden states over a padded batch
     engine.py      the generation engine of the server, the piped prompts and the session: continuous
-                   batching, per-row sampling and stopping
+                   batching, per-row stopping
+    sampling.py    the engine's logits processors and sampler over the whole batch on its device
+    slots.py       the engine's key/value cache in fixed slots (transformers' llama-shaped models) and the decode
+                   step's CUDA graphs
     reasoning.py   a thinking model's reasoning apart from its answer: the block's delimiters read from the chat
                    template, the splitter of a reply, the template variables a request sets
     errors.py      the exceptions library code raises; run_generation.cli turns them into exit codes
