@@ -391,18 +391,7 @@ def create_app(loaded, engine, options):
         body = await read_body(request, options.max_body_bytes, options.body_timeout)
         check_fields(body, CHAT_FIELDS)
         check_model(body, options.model_id)
-        try:
-            variables = read_template_variables(body, loaded.tokenizer.chat_template)
-        except VariableError as error:
-            raise APIError(str(error), error.param) from error
-        ids, tools = chat_prompt(service, body, template_kwargs=variables)
-        logprobs = None
-        if boolean(body, "logprobs"):
-            logprobs = number(body, "top_logprobs", 0, 0, MAX_LOGPROBS, integer=True)
-        elif present(body, "top_logprobs"):
-            raise APIError("top_logprobs needs logprobs: true", "top_logprobs")
-        return await generate(service, request, body, [ids], logprobs, chat=True,
-                              max_token_names=("max_completion_tokens", "max_tokens"), default_max=None, tools=tools)
+        return respond(await run_chat(service, request, body))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -415,8 +404,8 @@ def create_app(loaded, engine, options):
             raise APIError("best_of other than n is not supported by this server", "best_of")
         prompts = read_prompt_ids(service, body, "prompt", options.max_n, room=1)
         logprobs = number(body, "logprobs", None, 0, MAX_LOGPROBS, integer=True)
-        return await generate(service, request, body, prompts, logprobs, chat=False, max_token_names=("max_tokens",),
-                              default_max=DEFAULT_COMPLETION_TOKENS)
+        return respond(await generate(service, request, body, prompts, logprobs, chat=False,
+                                      max_token_names=("max_tokens",), default_max=DEFAULT_COMPLETION_TOKENS))
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request):
@@ -677,7 +666,9 @@ def check_user(body):
 
 
 async def generate(service, http_request, body, prompts, logprobs, *, chat, max_token_names, default_max, tools=None):
-    """Validates the generation fields, queues one engine request per prompt, and answers (or streams)."""
+    """Validates the generation fields and queues one engine request per prompt; returns the answer (a dict), the
+    async iterator of a stream's chunks (dicts), or None when the client went away (respond() makes any of them an
+    HTTP response)."""
     options, engine, loaded = service.options, service.engine, service.loaded
     n = number(body, "n", 1, 1, options.max_n, integer=True)
     stream = boolean(body, "stream")
@@ -758,8 +749,7 @@ async def generate(service, http_request, body, prompts, logprobs, *, chat, max_
             request.cancelled = True
 
     if stream:
-        return StreamingResponse(answer.stream(events, pending, cancel), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return answer.stream(events, pending, cancel)
     try:
         while pending:
             try:
@@ -767,7 +757,7 @@ async def generate(service, http_request, body, prompts, logprobs, *, chat, max_
             except asyncio.TimeoutError:
                 if await http_request.is_disconnected():
                     cancel()
-                    return PlainTextResponse("", status_code=499)
+                    return None
                 continue
             if event[0] == "end":
                 pending.discard(job)
@@ -779,6 +769,41 @@ async def generate(service, http_request, body, prompts, logprobs, *, chat, max_
     if answer.error:
         raise APIError(answer.error, status=500, kind="server_error")
     return answer.body()
+
+
+def respond(result):
+    """generate()'s result as the HTTP response of the OpenAI routes."""
+    if result is None:
+        return PlainTextResponse("", status_code=499)  # the client went away
+    if isinstance(result, dict):
+        return result
+    return StreamingResponse(sse(result), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def sse(chunks, done="[DONE]"):
+    """Server-sent events of chunks (dicts; `done`: the last event's data, or None)."""
+    async for chunk in chunks:
+        yield "data: " + json.dumps(chunk) + "\n\n"
+    if done is not None:
+        yield f"data: {done}\n\n"
+
+
+async def run_chat(service, http_request, body):
+    """A chat completion request's body (its fields checked) through the engine: generate()'s result. The one path
+    of chat requests, which other APIs' routes translate to and from."""
+    loaded = service.loaded
+    try:
+        variables = read_template_variables(body, loaded.tokenizer.chat_template)
+    except VariableError as error:
+        raise APIError(str(error), error.param) from error
+    ids, tools = chat_prompt(service, body, template_kwargs=variables)
+    logprobs = None
+    if boolean(body, "logprobs"):
+        logprobs = number(body, "top_logprobs", 0, 0, MAX_LOGPROBS, integer=True)
+    elif present(body, "top_logprobs"):
+        raise APIError("top_logprobs needs logprobs: true", "top_logprobs")
+    return await generate(service, http_request, body, [ids], logprobs, chat=True,
+                          max_token_names=("max_completion_tokens", "max_tokens"), default_max=None, tools=tools)
 
 
 class Answer:
@@ -880,10 +905,11 @@ class Answer:
                  "created": self.created, "model": self.service.options.model_id, "choices": choices}
         if self.include_usage:
             chunk["usage"] = self.usage() if usage else None
-        return "data: " + json.dumps(chunk) + "\n\n"
+        return chunk
 
     async def stream(self, events, pending, cancel):
-        """Server-sent events: one chunk per delta, a chunk with each finish_reason, then data: [DONE]."""
+        """The chunks (dicts) of a stream: one per delta, one with each finish_reason; an {"error": ...} object
+        where a step failed. sse() sends them as server-sent events."""
         offsets = [0] * len(self.texts)
         try:
             if self.chat:
@@ -926,12 +952,10 @@ class Answer:
                             yield self.chunk([{"index": choice, "delta": delta, "logprobs": None,
                                                "finish_reason": None}])
                     if self.error:
-                        yield "data: " + json.dumps({"error": {"message": self.error, "type": "server_error",
-                                                               "param": None, "code": None}}) + "\n\n"
+                        yield {"error": {"message": self.error, "type": "server_error", "param": None, "code": None}}
                     yield self.chunk(self.final_choice(choice))
             if self.include_usage:
                 yield self.chunk([], usage=True)
-            yield "data: [DONE]\n\n"
         finally:
             if pending:  # the client went away (or the server cancels the response): free the rows
                 cancel()
