@@ -3,9 +3,9 @@ sampler, batched as mlx-lm's make_logits_processors / make_sampler are, with the
 
 Processors (OpenAI's definitions, in this order): the grammar's mask, ignore_eos, logit_bias, repetition_penalty
 (transformers' definition, prompt included), presence/frequency penalties over the generated tokens. Sampler:
-greedy at temperature 0, else temperature, top-k, top-p, min-p and a draw from the request's own generator (seeded
-by `seed`), made on the device: the exponential race argmax(p / E), E ~ Exp(1) drawn from that generator, picks
-token i with probability p_i, as torch.multinomial does, without a host round trip.
+greedy at temperature 0, else temperature, top-k, top-p, min-p and a draw from the row's own generator (seeded
+by the request's `seed` and the row's index), on the device: torch.multinomial with a generator there is a kernel
+like any other, with no host round trip.
 
 Nothing here reads a device tensor back: choose() returns the tokens on the device, and `Picked` copies them with
 everything else the host needs (NaN flags, log-probabilities) in one transfer a step.
@@ -48,27 +48,25 @@ class Sampling:
 class RowState:
     """What one row's processors and draws keep on the device between steps: its generator (the request's seed and
     the row's index within the request: a draw depends on neither the batch nor the row's place in it), the tokens
-    seen (repetition penalty), the generated tokens' counts (presence/frequency penalties) and the logit bias as a
-    dense row."""
+    seen (repetition penalty: the prompt's, then each generated one appended), the generated tokens' counts
+    (presence/frequency penalties) and the logit bias's ids and values."""
 
     def __init__(self, sampling: Sampling, prompt: list[int], width: int, device: torch.device, index: int = 0):
         self.sampling = sampling
         self.generator = new_generator(sampling.seed, device, index)
         self.seen = self.counts = self.bias = None
         if sampling.repetition_penalty != 1.0:
-            self.seen = torch.zeros(width, dtype=torch.bool, device=device)
-            self.seen[torch.tensor(sorted(set(prompt)), dtype=torch.long, device=device)] = True
+            self.seen = torch.tensor(sorted(set(prompt)), dtype=torch.long, device=device)
         if sampling.presence_penalty or sampling.frequency_penalty:
             self.counts = torch.zeros(width, dtype=torch.float32, device=device)
         if sampling.logit_bias:
             ids, values = zip(*sampling.logit_bias)
-            self.bias = torch.zeros(width, dtype=torch.float32, device=device)
-            self.bias[torch.tensor(ids, device=device)] = torch.tensor(values, dtype=torch.float32, device=device)
+            self.bias = (torch.tensor(ids, device=device), torch.tensor(values, dtype=torch.float32, device=device))
 
     def accept(self, token: torch.Tensor) -> None:
         """Counts the row's chosen token (a one-element tensor on the device: no copy to the host)."""
         if self.seen is not None:
-            self.seen.index_fill_(0, token, True)
+            self.seen = torch.cat([self.seen, token])  # a token seen twice is penalized once: the same value written
         if self.counts is not None:
             self.counts.index_add_(0, token, torch.ones(1, dtype=self.counts.dtype, device=self.counts.device))
 
@@ -92,12 +90,12 @@ def apply_processors(scores: torch.Tensor, states: list[RowState], eos_ids: list
         if sampling.ignore_eos and eos_ids:
             row[eos_ids] = float("-inf")
         if state.bias is not None:
-            row += state.bias
+            row.index_add_(0, *state.bias)
         if state.seen is not None:
-            penalty = sampling.repetition_penalty
+            penalty, chosen = sampling.repetition_penalty, row[state.seen]
             # A zero score stays zero: a penalty near 0 (1e-313) is 0 in float32, and 0 / 0 would be NaN.
-            penalized = torch.where(row < 0, row * penalty, torch.where(row == 0, row, row / penalty))
-            row.copy_(torch.where(state.seen, penalized, row))
+            kept = torch.where(chosen == 0, chosen, chosen / penalty)
+            row[state.seen] = torch.where(chosen < 0, chosen * penalty, kept)
         if state.counts is not None:
             row -= sampling.frequency_penalty * state.counts + sampling.presence_penalty * (state.counts > 0).float()
 
@@ -134,15 +132,16 @@ def choose(logits: torch.Tensor, states: list[RowState], eos_ids: list[int], gra
         if grammar is not None:
             apply_grammar(scores, *grammar)
         apply_processors(scores, states, eos_ids)
-    tokens = sample(scores, [state.sampling for state in states], [state.generator for state in states])
-    return tokens, torch.isnan(scores.max(-1).values)
+    top, argmax = scores.max(-1)
+    tokens = sample(scores, [state.sampling for state in states], [state.generator for state in states], top, argmax)
+    return tokens, torch.isnan(top)
 
 
-def sample(scores: torch.Tensor, samplings: list[Sampling], generators: list[torch.Generator]) -> torch.Tensor:
-    """The rows' tokens [rows] (int64, on the device) from their processed scores: argmax where greedy (or a score
-    is +inf: a repetition penalty near 0 made one), else a draw after temperature, top-k, top-p and min-p."""
-    top = scores.max(-1).values
-    argmax = scores.argmax(-1)
+def sample(scores: torch.Tensor, samplings: list[Sampling], generators: list[torch.Generator], top: torch.Tensor,
+           argmax: torch.Tensor) -> torch.Tensor:
+    """The rows' tokens [rows] (int64, on the device) from their processed scores and each row's maximum (`top`) and
+    its place (`argmax`): the argmax where greedy (or a score is +inf: a repetition penalty near 0 made one), else a
+    draw after temperature, top-k, top-p and min-p."""
     drawn = [number for number, s in enumerate(samplings) if not s.greedy]
     if not drawn:
         return argmax
@@ -160,22 +159,44 @@ def sample(scores: torch.Tensor, samplings: list[Sampling], generators: list[tor
         kth = values.gather(1, (k.clamp(max=values.shape[1]) - 1)[:, None])
         kth = torch.where((k >= x.shape[1])[:, None], float("-inf"), kth)  # top-k off (or wider than the vocabulary)
         x = x.masked_fill(x < kth, float("-inf"))
-    probs = x.softmax(-1)
+    probs, order = x.softmax(-1), None
     if any(samplings[number].top_p < 1.0 for number in drawn):
-        sorted_probs, order = probs.sort(-1, descending=True)
-        # keep the smallest set whose mass reaches top_p (the top token always)
+        # Drawn in the sorted order (no scatter back): keep the smallest set whose mass reaches top_p (the top
+        # token always).
         limit = torch.where(settings["top_p"] < 1.0, settings["top_p"], float("inf"))
-        drop = sorted_probs.cumsum(-1) - sorted_probs >= limit[:, None]
-        probs = probs.scatter(1, order, sorted_probs.masked_fill(drop, 0))
+        probs, order = nucleus_candidates(probs, limit)
+        probs = probs.masked_fill(probs.cumsum(-1) - probs >= limit[:, None], 0)
     if any(samplings[number].min_p > 0 for number in drawn):
-        probs = probs.masked_fill(probs < settings["min_p"][:, None] * probs.max(-1, keepdim=True).values, 0)
-    noise = torch.stack([torch.empty(probs.shape[1], dtype=probs.dtype, device=probs.device)
-                         .exponential_(generator=generators[number]) for number in drawn])
-    tokens = (probs / noise).argmax(-1)
+        most = probs[:, :1] if order is not None else probs.max(-1, keepdim=True).values
+        probs = probs.masked_fill(probs < settings["min_p"][:, None] * most, 0)
+    # A row whose scores hold NaN (refused once read) or +inf (its argmax, below) draws from a valid stand-in: a
+    # multinomial over NaN fails, on a GPU as a device-side assert.
+    bad = torch.isnan(peak) | torch.isinf(peak)
+    probs = probs.nan_to_num(0.0).masked_fill(bad[:, None], 0)
+    probs[:, 0] += bad.to(probs.dtype)
+    # One draw a row from its own generator, on the device (a kernel, no host round trip).
+    tokens = torch.cat([torch.multinomial(probs[place], 1, generator=generators[number])
+                        for place, number in enumerate(drawn)])
+    if order is not None:
+        tokens = order.gather(1, tokens[:, None]).squeeze(1)
     tokens = torch.where(peak == float("inf"), argmax if index is None else argmax.index_select(0, index), tokens)
     if index is None:
         return tokens
     return argmax.index_copy(0, index, tokens)
+
+
+CANDIDATES = 1024  # the most likely tokens a CPU sorts first for top-p (all of them where those fall short)
+
+
+def nucleus_candidates(probs: torch.Tensor, limit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' probabilities in descending order with their token ids, as far as top-p (`limit`) can reach. On a
+    CPU, where sorting a vocabulary is most of a sampled step, the CANDIDATES most likely when their mass reaches
+    every row's top-p (no token after them can be kept: the same set), else all; a GPU sorts all (no host read)."""
+    if probs.device.type == "cpu" and CANDIDATES < probs.shape[1]:
+        top = probs.topk(CANDIDATES, dim=-1)
+        if bool((top.values.sum(-1) >= limit).all()):
+            return top.values, top.indices
+    return probs.sort(-1, descending=True)
 
 
 @dataclasses.dataclass

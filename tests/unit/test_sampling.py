@@ -49,7 +49,7 @@ def test_top_k_and_top_p_keep_only_their_tokens():
 
 
 def test_a_draw_follows_the_probabilities():
-    # The exponential race on the device picks token i with probability p_i, as torch.multinomial does.
+    # A row's draw picks token i with probability p_i.
     scores = torch.tensor([[2.0, 1.0, 0.0, -1.0] + [-30.0] * (VOCAB - 4)])
     expected = scores[0, :4].softmax(-1)
     row = states(Sampling(seed=5))
