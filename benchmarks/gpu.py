@@ -16,8 +16,9 @@ first call's extra time (compilation, graph capture, kernel selection) and peak 
 - generate static+compile: the same with cache_implementation="static" (generate() then compiles the decode step
   on CUDA, CompileConfig's defaults: inductor, "reduce-overhead", i.e. CUDA graphs); batch 1 only unless
   --compile-batches says more (each batch is a compilation of its own);
-- generate_batch: transformers' continuous batching, where the installed transformers has it (prefill included
-  in its tokens/s: it reports no first token);
+- generate_batch: transformers' continuous batching, where the installed transformers has it, at the largest batch
+  unless --cb-batches says more (prefill included in its tokens/s: it reports no first token; its manager kept
+  between the two calls of a batch, so that the first call's extra time is its start and CUDA-graph warm-up);
 
 and time to first token for a --ttft-tokens prompt (512) at batch 1 on the engine and through generate(). A GGUF
 row: Llama-3.1-8B's shape written as Q4_0 by benchmarks/gguf_files.py's writer (random blocks, a synthetic
@@ -25,13 +26,17 @@ byte-level vocabulary of the published size), loaded through rungen.loading.load
 bfloat16 there), decoding at batch 1 on the engine, its load time and peak memory beside the file's size.
 
 Each measurement is guarded: a failure prints one line and the run goes on. The run keeps to --budget seconds
-(330 by default: the whole script in about 6 minutes on an H100/H200): the cheap paths of every shape first, then
-the GGUF row, then the compiled path shape by shape while time is left; what is skipped says so. Every figure is
-also in --json FILE, rewritten after each measurement (a run cut short keeps what it measured).
+(330 by default: the whole script in about 6 minutes on an H100/H200) in three phases: the engine and eager
+generate() of every shape, then the GGUF row, then shape by shape the paths whose first call compiles or captures
+(static+compile, generate_batch) while time is left; what is skipped says so (--shapes NAME runs one shape's rows
+in full). A first call of every path at every batch is timed and left out of the figures ("first_call_s": its time
+beyond the measured call's). Every figure is also in --json FILE, rewritten after each measurement (a run cut short
+keeps what it measured).
 """
 
 import argparse
 import gc
+import inspect
 import json
 import os
 import platform
@@ -88,7 +93,6 @@ GGUF_SHAPES = {
     "tiny-llama": (1024, dict(arch="llama", layers=2, hidden=256, ffn=512, heads=4, kv_heads=2, head_dim=64,
                               rope_base=500000.0, eps=1e-5, tied=False)),
 }
-PATHS = ("engine", "generate eager", "generate static+compile", "generate_batch")
 
 
 def one_line(error):
@@ -298,22 +302,34 @@ class GenerateRunner:
 
 
 class BatchRunner:
-    """transformers' generate_batch (continuous batching): no per-token clock, so (start, None, end)."""
+    """transformers' generate_batch (continuous batching): no per-token clock, so (start, None, end). Its manager
+    (a thread, its paged cache, its CUDA graphs) is kept between the calls of one batch size (persistent_manager), so
+    that the first call's extra time is the manager's start and warm-up and the second call is generation."""
 
     def __init__(self, model, device):
         self.model, self.device = model, device
-        self.generated = 0
+        self.generated, self.size = 0, None
+        self.persistent = "persistent_manager" in inspect.signature(model.generate_batch).parameters
+
+    def close(self):
+        destroy = getattr(self.model, "destroy_cached_continuous_batching_manager", None)
+        if self.persistent and destroy is not None:
+            destroy()
 
     def run(self, ids, new_tokens):
         from transformers import GenerationConfig
 
+        if self.size != len(ids):  # a manager is sized for its first workload
+            self.close()
+            self.size = len(ids)
         config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                                   pad_token_id=0, eos_token_id=self.model.config.eos_token_id)
+        kwargs = {"persistent_manager": True} if self.persistent else {}
         sync(self.device)
         start = time.perf_counter()
         # (not under inference_mode: its manager thread writes its own tensors in place outside it)
         outputs = self.model.generate_batch(inputs=[list(row) for row in ids], generation_config=config,
-                                            progress_bar=False)
+                                            progress_bar=False, **kwargs)
         sync(self.device)
         end = time.perf_counter()
         # a request that fails is logged by transformers and left out or empty, never raised: count what came back
@@ -402,18 +418,27 @@ def ttft_row(report, shape, path, runner):
         report.add(shape=shape.name, path=path + " ttft", batch=1, error=one_line(error))
 
 
-def cheap_paths(report, name, args, shapes, bandwidth, budget):
-    """The engine, eager generate() and generate_batch on one shape, and time to first token."""
-    if budget.left() < 20:
-        report.add(shape=name, path="all", error=f"skipped: {budget.left():.0f} s of the budget left")
-        return
+def open_shape(report, name, args, shapes, what):
+    """The shape's model, or None (its failure a row)."""
     try:
         start = time.perf_counter()
         shape = Shape(name, args, shapes)
         print(f"{name}: built in {time.perf_counter() - start:.1f} s, {shape.weights / 1e9:.2f} GB of weights read a "
               f"step, {shape.kv_per_token / 1024:.0f} KiB of keys/values a position", flush=True)
+        return shape
     except Exception as error:
-        report.add(shape=name, path="build", error=one_line(error))
+        report.add(shape=name, path=what, error=one_line(error))
+        return None
+
+
+def cheap_paths(report, name, args, shapes, bandwidth, budget):
+    """The engine and eager generate() on one shape at every batch, and their time to first token."""
+    if budget.left() < 20:
+        report.add(shape=name, path="engine, generate eager", error=f"skipped: {budget.left():.0f} s of the budget "
+                   "left")
+        return
+    shape = open_shape(report, name, args, shapes, "engine, generate eager")
+    if shape is None:
         return
     try:
         engine = decode_rows(report, shape, "engine", lambda: EngineRunner(shape.loaded, max(args.batches)),
@@ -425,32 +450,21 @@ def cheap_paths(report, name, args, shapes, bandwidth, budget):
                             args.batches, bandwidth, budget, reserve=10)
         if eager is not None:
             ttft_row(report, shape, "generate eager", eager)
-        if not hasattr(shape.model, "generate_batch"):
-            report.note(f"generate_batch: not in this transformers ({transformers_version()}), no row")
-        elif args.device.type != "cuda":
-            # tens of seconds a call on a CPU (its manager's start and polling): the code path checked once
-            if name == args.shapes[0]:
-                report.note(f"generate_batch on {args.device.type}: the first shape at batch {args.batches[0]} only")
-                decode_rows(report, shape, "generate_batch", lambda: BatchRunner(shape.model, args.device),
-                            args.batches[:1], bandwidth, budget, reserve=20)
-        else:
-            decode_rows(report, shape, "generate_batch", lambda: BatchRunner(shape.model, args.device),
-                        args.batches, bandwidth, budget, reserve=20)
     finally:
         shape.close()
 
 
-def compiled_path(report, name, args, shapes, bandwidth, budget):
-    """generate() with a static cache, compiled by generate() itself on CUDA (CompileConfig's defaults)."""
-    if budget.left() < args.compile_reserve:
-        report.add(shape=name, path="generate static+compile", error=f"skipped: {budget.left():.0f} s of the "
-                   f"budget left (a compilation needs about {args.compile_reserve:.0f})")
+def costly_paths(report, name, args, shapes, bandwidth, budget):
+    """generate() with a static cache, compiled by generate() itself on CUDA (CompileConfig's defaults), at
+    --compile-batches; then generate_batch at --cb-batches. Each first call compiles or captures: tens of seconds."""
+    if budget.left() < min(args.compile_reserve, 20):
+        report.add(shape=name, path="generate static+compile, generate_batch", error=f"skipped: {budget.left():.0f} s "
+                   "of the budget left")
         return
-    try:
-        shape = Shape(name, args, shapes)
-    except Exception as error:
-        report.add(shape=name, path="generate static+compile", error=one_line(error))
+    shape = open_shape(report, name, args, shapes, "generate static+compile, generate_batch")
+    if shape is None:
         return
+    batch_runner = None
     try:
         if args.device.type != "cuda":
             report.note(f"{name}: generate() compiles a static cache's step on CUDA only; the static+compile rows "
@@ -458,9 +472,22 @@ def compiled_path(report, name, args, shapes, bandwidth, budget):
         decode_rows(report, shape, "generate static+compile",
                     lambda: GenerateRunner(shape.model, args.device, cache_implementation="static"),
                     args.compile_batches, bandwidth, budget, reserve=args.compile_reserve)
+        torch._dynamo.reset()  # the graphs and their memory go before the next path
+        if not hasattr(shape.model, "generate_batch"):
+            report.note(f"generate_batch: not in this transformers ({transformers_version()}), no row")
+        elif args.device.type != "cuda" and name != args.shapes[0]:
+            pass  # tens of seconds a call on a CPU (its manager's start and polling): checked on the first shape
+        else:
+            batch_runner = decode_rows(report, shape, "generate_batch", lambda: BatchRunner(shape.model, args.device),
+                                       args.cb_batches, bandwidth, budget, reserve=20)
     finally:
+        if batch_runner is not None:
+            try:
+                batch_runner.close()
+            except Exception as error:
+                report.note(f"{name}: closing generate_batch's manager: {one_line(error)}")
         shape.close()
-        torch._dynamo.reset()  # the next shape's graphs start clean (and the memory of these goes)
+        torch._dynamo.reset()
 
 
 def gguf_row(report, args, bandwidth, budget):
@@ -536,6 +563,8 @@ def main(argv=None):
                         f"{', '.join(QUICK_SHAPES)})")
     parser.add_argument("--batches", nargs="+", type=int, help="decode batches (default: 1 16 64; --quick: 1 2)")
     parser.add_argument("--compile-batches", nargs="+", type=int, help="batches of the compiled path (default: 1)")
+    parser.add_argument("--cb-batches", nargs="+", type=int, help="batches of generate_batch (default: the largest "
+                        "of --batches)")
     parser.add_argument("--new-tokens", type=int, help="new tokens a row (default 64; --quick: 6)")
     parser.add_argument("--prompt-tokens", type=int, help="prompt tokens of the decode rows (default 32; --quick 8)")
     parser.add_argument("--ttft-tokens", type=int, help="prompt tokens of the first-token rows (default 512; "
@@ -560,6 +589,7 @@ def main(argv=None):
         parser.error(f"--shapes: unknown {', '.join(unknown)}; known: {', '.join(shapes)}")
     args.batches = args.batches or ([1, 2] if args.quick else [1, 16, 64])
     args.compile_batches = args.compile_batches or [1]
+    args.cb_batches = args.cb_batches or [max(args.batches)]
     args.new_tokens = args.new_tokens or (6 if args.quick else 64)
     args.prompt_tokens = args.prompt_tokens or (8 if args.quick else 32)
     args.ttft_tokens = args.ttft_tokens or (32 if args.quick else 512)
@@ -584,7 +614,8 @@ def main(argv=None):
     header = dict(device=gpu, torch=torch.__version__, transformers=transformers_version(),
                   python=platform.python_version(), dtype=str(args.dtype).removeprefix("torch."),
                   new_tokens=args.new_tokens, prompt_tokens=args.prompt_tokens, ttft_tokens=args.ttft_tokens,
-                  batches=args.batches, compile_batches=args.compile_batches, shapes=args.shapes)
+                  batches=args.batches, compile_batches=args.compile_batches, cb_batches=args.cb_batches,
+                  shapes=args.shapes)
     report = Report(args.json, header)
     print(f"device: {gpu}; torch {torch.__version__}, transformers {header['transformers']}, Python "
           f"{header['python']}; {header['dtype']} random weights; prompts of {args.prompt_tokens} tokens, "
@@ -606,7 +637,7 @@ def main(argv=None):
     else:
         gguf_row(report, args, bandwidth, budget)
     for name in args.shapes:
-        compiled_path(report, name, args, shapes, bandwidth, budget)
+        costly_paths(report, name, args, shapes, bandwidth, budget)
     report.header["seconds"] = args.budget - budget.left()
     report.save()
     report.table()
