@@ -212,7 +212,7 @@ def weight_bytes(model):
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     embedding = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
-    if head is None or head.weight.data_ptr() != embedding.data_ptr():
+    if head is None or head.weight is not embedding:  # (tied: one Parameter)
         total -= embedding.numel() * embedding.element_size()
     return total
 
