@@ -11,7 +11,9 @@ time against its bandwidth bound (weight bytes + key/value bytes read a step ove
 first call's extra time (compilation, graph capture, kernel selection) and peak GPU memory, for
 
 - engine: the tool's rungen.engine.Engine over a rungen.loading.Loaded around the model (greedy, EOS ignored), as
-  the command line, the session and the server decode;
+  the command line, the session and the server decode (its rows say whether the keys/values sat in fixed slots and
+  the steps replayed CUDA graphs, and the graphs' capture time); on CUDA also at batch 1 without the graphs
+  (RUN_GENERATION_CUDA_GRAPHS=0);
 - generate eager: transformers' generate(), greedy, min_new_tokens = max_new_tokens (EOS ignored);
 - generate static+compile: the same with cache_implementation="static" (generate() then compiles the decode step
   on CUDA, CompileConfig's defaults: inductor, "reduce-overhead", i.e. CUDA graphs); batch 1 only unless
@@ -256,11 +258,32 @@ class EngineRunner:
     """The tool's engine over a Loaded: greedy requests, EOS ignored, all submitted at once and run on this
     thread (as the command line's prompts)."""
 
-    def __init__(self, loaded, max_batch):
-        from rungen.engine import Engine
+    def __init__(self, loaded, max_batch, graphs=True):
+        from rungen import engine as engine_module
 
-        self.engine = Engine(loaded, max_batch=max_batch, max_queue=max_batch + 1, max_cache_tokens=sys.maxsize,
-                             prefix_cache_bytes=0, eos_ids=())
+        variable = getattr(engine_module, "GRAPHS_ENV", "RUN_GENERATION_CUDA_GRAPHS")
+        saved = os.environ.get(variable)
+        if not graphs:  # read when the engine is made
+            os.environ[variable] = "0"
+        try:
+            self.engine = engine_module.Engine(loaded, max_batch=max_batch, max_queue=max_batch + 1,
+                                               max_cache_tokens=sys.maxsize, prefix_cache_bytes=0, eos_ids=())
+        finally:
+            if saved is None:
+                os.environ.pop(variable, None)
+            else:
+                os.environ[variable] = saved
+
+    def extra(self):
+        """How the engine ran: keys/values in fixed slots or a padded batch; CUDA graphs and their capture time."""
+        slots = getattr(self.engine, "slots", None)
+        graphs = getattr(self.engine, "graphs", None)
+        state = "off" if graphs is None else "failed" if getattr(graphs, "failed", False) else "on"
+        figures = dict(cache="slots" if slots is not None else "padded batch", graphs=state)
+        if graphs is not None:
+            figures.update(graph_capture_s=getattr(graphs, "capture_seconds", None),
+                           graphs_held=len(getattr(graphs, "graphs", {}) or {}))
+        return figures
 
     def run(self, ids, new_tokens):
         """(start, the last row's first token, end): all rows prefill before the first decode step."""
@@ -393,6 +416,8 @@ def decode_rows(report, shape, path, make_runner, batches, bandwidth, budget, re
                 if row.get("step_ms"):
                     row["of_bound"] = row["bound_ms"] / row["step_ms"]
             row["peak_gib"] = peak_gib(shape.device)
+            if hasattr(runner, "extra"):
+                row.update(runner.extra())
             report.add(**row)
         except Exception as error:  # one path's failure is a row, not the end of the run
             report.add(shape=shape.name, path=path, batch=batch, error=one_line(error))
@@ -446,6 +471,10 @@ def cheap_paths(report, name, args, shapes, bandwidth, budget):
         if engine is not None:
             ttft_row(report, shape, "engine", engine)
         engine = None
+        if args.device.type == "cuda":  # what the CUDA graphs give: the same engine stepping eagerly, batch 1
+            decode_rows(report, shape, "engine, no CUDA graphs",
+                        lambda: EngineRunner(shape.loaded, max(args.batches), graphs=False), args.batches[:1],
+                        bandwidth, budget, reserve=10)
         eager = decode_rows(report, shape, "generate eager", lambda: GenerateRunner(shape.model, args.device),
                             args.batches, bandwidth, budget, reserve=10)
         if eager is not None:

@@ -1,7 +1,7 @@
 """The tool on a CUDA GPU: greedy output equal to transformers' eager generate() on the same model on the GPU (a tiny
 llama checkpoint and a tiny Q4_0 GGUF file, in float32 for exact equality), every sampling control running there and
-a seeded run repeating itself, a grammar, the server's chat completion, the half-precision default and the refusal of
-the CPU-only flags.
+a seeded run repeating itself, a grammar, the server's chat completion, the engine's CUDA graphs changing no token,
+the half-precision default and the refusal of the CPU-only flags.
 
 Every test is marked `cuda`: tests/conftest.py skips them where torch sees no CUDA device, so a plain run (and CI)
 collects and skips them. On a GPU: `python -m pytest -q -m cuda tests/test_cuda.py` (benchmarks/gpu_check.sh runs it).
@@ -125,6 +125,22 @@ def test_gguf_greedy_equals_eager_generate_on_the_gpu(gguf_file):
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     # (on the CPU the file runs in its own blocks, whose products round otherwise: --dequantize is the GPU's form)
     check_greedy(["--model_name_or_path", gguf_file], model, tokenizer, extra=["--dequantize"] if ON_CPU else [])
+
+
+@needs_cuda
+@pytest.mark.parametrize("model", ["checkpoint", "gguf_file"])
+def test_the_decode_steps_cuda_graphs_change_no_token(request, model, monkeypatch):
+    """The engine's decode step replayed from CUDA graphs (the default on CUDA) gives the tokens and, to float32's
+    rounding, the log-probabilities that the same step run eagerly gives (RUN_GENERATION_CUDA_GRAPHS=0)."""
+    args = ["--model_name_or_path", request.getfixturevalue(model), "--temperature", "0", "--length", str(LENGTH),
+            "--dtype", "float32", "--output_format", "jsonl", "--logprobs", "0"]
+    graphs = jsonl(run_ok(args, stdin="\n".join(PROMPTS)).stdout)
+    monkeypatch.setenv("RUN_GENERATION_CUDA_GRAPHS", "0")
+    eager = jsonl(run_ok(args, stdin="\n".join(PROMPTS)).stdout)
+    for a, b in zip(graphs, eager):
+        assert [item["id"] for item in a["logprobs"]["content"]] == [item["id"] for item in b["logprobs"]["content"]]
+        assert [item["logprob"] for item in a["logprobs"]["content"]] == pytest.approx(
+            [item["logprob"] for item in b["logprobs"]["content"]], abs=1e-4)
 
 
 SAMPLING = {
