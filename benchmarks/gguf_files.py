@@ -258,18 +258,64 @@ def quantize_with_llama_cpp(source, target, ftype, binary=None):
     os.replace(target + ".tmp", target)
 
 
-def write_family(path, family, qtype_name, tokenizer_source):
-    """A model of `family`'s published shape with random weights, every matrix in `qtype_name` (Q4_0 or Q8_0)
-    blocks with valid fp16 scales, norms float32 ones, the head Q6_K as llama.cpp's Q4_0 files have it; the keys
-    and tensor names llama.cpp's converter writes for the family."""
+def synthetic_tokenizer_fields(vocab):
+    """tokenizer.* metadata of a byte-level BPE (tokenizer.ggml.model "gpt2", as Llama 3's and Qwen's files) of
+    exactly `vocab` tokens, made up here: no file needed (the default model's tokenizer, which write_family's other
+    callers copy, is a package a GPU machine may lack). The 256 byte symbols, then tokens of two and three symbols
+    with the merges that make them, then <|begin_of_text|> and <|end_of_text|> (bos, eos) as control tokens."""
+    from gguf import GGUFValueType as V
+
+    if vocab < 260:
+        raise ValueError(f"a byte-level vocabulary needs 260 tokens at least, not {vocab}")
+    # GPT-2's bytes_to_unicode: printable characters for every byte.
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    extra = iter(range(256, 512))
+    symbols = [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
+    tokens, merges = list(symbols), []
+    wanted = vocab - 2
+    pairs = ((a, b) for a in symbols for b in symbols)
+    for a, b in pairs:
+        if len(tokens) >= wanted:
+            break
+        tokens.append(a + b)
+        merges.append(f"{a} {b}")
+    for first in list(tokens[256:]):
+        for c in symbols:
+            if len(tokens) >= wanted:
+                break
+            tokens.append(first + c)
+            merges.append(f"{first} {c}")
+        if len(tokens) >= wanted:
+            break
+    tokens += ["<|begin_of_text|>", "<|end_of_text|>"]
+    types = [1] * (len(tokens) - 2) + [3, 3]
+    return [("tokenizer.ggml.model", "gpt2", V.STRING, None), ("tokenizer.ggml.pre", "default", V.STRING, None),
+            ("tokenizer.ggml.tokens", tokens, V.ARRAY, V.STRING),
+            ("tokenizer.ggml.token_type", types, V.ARRAY, V.INT32),
+            ("tokenizer.ggml.merges", merges, V.ARRAY, V.STRING),
+            ("tokenizer.ggml.bos_token_id", vocab - 2, V.UINT32, None),
+            ("tokenizer.ggml.eos_token_id", vocab - 1, V.UINT32, None),
+            ("tokenizer.ggml.add_bos_token", True, V.BOOL, None)]
+
+
+def write_family(path, family, qtype_name, tokenizer_source, shape=None):
+    """A model of `family`'s published shape (or `shape`, a dict as FAMILIES' values) with random weights, every
+    matrix in `qtype_name` (Q4_0 or Q8_0) blocks with valid fp16 scales, norms float32 ones, the head Q6_K as
+    llama.cpp's Q4_0 files have it; the keys and tensor names llama.cpp's converter writes for the family.
+    `tokenizer_source`: a GGUF file whose tokenizer.* metadata the file copies, or that metadata itself as
+    (key, value, type, element type) (synthetic_tokenizer_fields)."""
     import numpy as np
     from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFWriter
     from gguf import GGMLQuantizationType as Q
 
-    shape = FAMILIES[family]
+    shape = shape or FAMILIES[family]
     qtype = Q[qtype_name]
-    fields = [(key, field.contents(), field.types[0], field.types[-1] if len(field.types) > 1 else None)
-              for key, field in GGUFReader(tokenizer_source).fields.items() if key.startswith("tokenizer.")]
+    if isinstance(tokenizer_source, (list, tuple)):
+        fields = list(tokenizer_source)
+    else:
+        fields = [(key, field.contents(), field.types[0], field.types[-1] if len(field.types) > 1 else None)
+                  for key, field in GGUFReader(tokenizer_source).fields.items() if key.startswith("tokenizer.")]
     vocab = next(len(value) for key, value, *_ in fields if key == "tokenizer.ggml.tokens")
     rng = np.random.default_rng(0)
     arch = shape["arch"]

@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# The one script a GPU session runs on the device machine, from the repository's root, with the wheels of
+# benchmarks/gpu_wheels.txt downloaded into .whl/ and carried:
+#
+#     run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=600)
+#
+# Steps, each bounded by `timeout`, the whole within 9 minutes: the wheels installed into /tmp/site (--no-deps,
+# PYTHONPATH), the GPU and the versions, the native GGUF kernels built in the background (the GGUF tests and the
+# benchmark's GGUF row wait for that build rather than starting their own), tests/test_cuda.py (-m cuda), then
+# python -m benchmarks.gpu. What comes back in $OUT: env.log, kernels.log, pytest.log, gpu.log, gpu.json.
+#
+#     bash benchmarks/gpu_check.sh --quick --no-wheels     # here, without a GPU: the script's own check (tests run
+#                                                          # on the CPU, the benchmark's tiny shapes)
+set -u
+quick=0 wheels=1
+for arg in "$@"; do
+    case "$arg" in
+        --quick) quick=1 ;;
+        --no-wheels) wheels=0 ;;
+        *) echo "usage: bash benchmarks/gpu_check.sh [--quick] [--no-wheels]" >&2; exit 2 ;;
+    esac
+done
+start=$(date +%s)
+OUT=${OUT:-$(mktemp -d /tmp/gpu_check.XXXXXX)}
+PYTHON=${PYTHON:-python3}
+PYTEST_SECONDS=${PYTEST_SECONDS:-170}
+BENCH_SECONDS=${BENCH_SECONDS:-330}
+BENCH_BUDGET=${BENCH_BUDGET:-290}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# One cache for every step: the GGUF header caches, and the kernels (TORCH_EXTENSIONS_DIR, which tests/conftest.py
+# would otherwise derive from XDG_CACHE_HOME in a folder of its own).
+export XDG_CACHE_HOME=${XDG_CACHE_HOME:-/tmp/rungen-cache}
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$XDG_CACHE_HOME/torch_extensions}
+mkdir -p "$OUT" "$XDG_CACHE_HOME"
+elapsed() { echo "$(( $(date +%s) - start )) s"; }
+
+if [ "$wheels" = 1 ]; then
+    if ls .whl/*.whl >/dev/null 2>&1; then
+        timeout -k 5 90 "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/site .whl/*.whl || { echo "installing .whl/ failed"; exit 1; }
+        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    else
+        echo "no .whl/*.whl (carry .whl): the image's packages as they are; tests needing others skip or fail"
+    fi
+fi
+
+{
+    echo "== $(date -u) gpu_check.sh: quick=$quick wheels=$wheels"
+    nvidia-smi -L 2>&1 || echo "no nvidia-smi"
+    timeout -k 5 60 "$PYTHON" - <<'EOF' 2>&1
+import importlib, platform, sys
+import torch
+print(f"Python {platform.python_version()}, torch {torch.__version__}, CUDA available {torch.cuda.is_available()}",
+      f"({torch.cuda.get_device_name(0)})" if torch.cuda.is_available() else "")
+for name in ("transformers", "tokenizers", "huggingface_hub", "accelerate", "gguf", "fastapi", "uvicorn", "httpx",
+             "openai", "jsonschema", "xgrammar", "pydantic", "hypothesis", "triton"):
+    try:
+        module = importlib.import_module(name)
+        print(f"{name} {getattr(module, '__version__', '?')} ({module.__file__.split('/site-packages/')[0]})")
+    except Exception as error:
+        print(f"{name}: not importable ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})")
+EOF
+    echo "== $(elapsed)"
+} 2>&1 | tee "$OUT/env.log"
+
+# The native kernels (one C++ file: about a minute) built while the first tests run; build_kernels' lock makes the
+# GGUF tests wait for this build rather than start their own.
+( timeout -k 5 150 "$PYTHON" -c '
+import time
+from rungen.ggml import kernel_cache_dir, native_kernels
+start = time.perf_counter()
+print(f"native kernels: {native_kernels()} in {time.perf_counter() - start:.0f} s ({kernel_cache_dir()})")
+' >"$OUT/kernels.log" 2>&1 ) &
+kernels=$!
+
+set -o pipefail
+if [ "$quick" = 1 ]; then
+    export RUNGEN_CUDA_TESTS_ON_CPU=1
+fi
+echo "== pytest -m cuda tests/test_cuda.py (at most $PYTEST_SECONDS s)"
+timeout -k 10 "$PYTEST_SECONDS" "$PYTHON" -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py 2>&1 \
+    | tee "$OUT/pytest.log"
+status=$?
+echo "== pytest exit status $status ($(elapsed))" | tee -a "$OUT/pytest.log"
+wait "$kernels"
+cat "$OUT/kernels.log"
+
+bench=(--json "$OUT/gpu.json" --budget "$BENCH_BUDGET")
+if [ "$quick" = 1 ]; then
+    bench+=(--quick --device cpu)
+fi
+echo "== python -m benchmarks.gpu ${bench[*]} (at most $BENCH_SECONDS s)"
+timeout -k 10 "$BENCH_SECONDS" "$PYTHON" -m benchmarks.gpu "${bench[@]}" 2>&1 | tee "$OUT/gpu.log"
+status=$?
+echo "== benchmark exit status $status ($(elapsed))" | tee -a "$OUT/gpu.log"
+echo "== done in $(elapsed); files in $OUT: $(ls "$OUT" | tr '\n' ' ')"

@@ -1,0 +1,267 @@
+"""The tool on a CUDA GPU: greedy output equal to transformers' eager generate() on the same model on the GPU (a tiny
+llama checkpoint and a tiny Q4_0 GGUF file, in float32 for exact equality), every sampling control running there and
+a seeded run repeating itself, a grammar, the server's chat completion, the engine's CUDA graphs changing no token,
+the half-precision default and the refusal of the CPU-only flags.
+
+Every test is marked `cuda`: tests/conftest.py skips them where torch sees no CUDA device, so a plain run (and CI)
+collects and skips them. On a GPU: `python -m pytest -q -m cuda tests/test_cuda.py` (benchmarks/gpu_check.sh runs it).
+RUNGEN_CUDA_TESTS_ON_CPU=1 runs them on the CPU instead, to check the tests themselves where no GPU is: the tests
+whose point is CUDA itself (the default dtype, the refusals) skip there.
+
+What a GPU machine may lack is imported inside the tests that need it (xgrammar, fastapi, uvicorn, httpx)."""
+
+import json
+import os
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from helpers import error_line, jsonl, run_main
+from tiny_models import build_tiny_checkpoint
+
+ON_CPU = bool(os.environ.get("RUNGEN_CUDA_TESTS_ON_CPU")) and not torch.cuda.is_available()
+DEVICE = torch.device("cpu" if ON_CPU else "cuda")
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("module_cache_home")]
+needs_cuda = pytest.mark.skipif(ON_CPU, reason="checks CUDA itself")
+
+PROMPTS = ["The capital of France is", "Hello, my dog is cute and", "A"]
+LENGTH = 12
+# ChatML, as SmolLM2-Instruct's template writes it (tests/test_server.py's).
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# benchmarks/gguf_files.py's FAMILIES form: a llama of two layers (rows of 256: the Q6_K head's blocks).
+GGUF_SHAPE = dict(arch="llama", layers=2, hidden=256, ffn=512, heads=4, kv_heads=2, head_dim=64, rope_base=500000.0,
+                  eps=1e-5, tied=False)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny random llama (tests/tiny_models.py) with a chat template, as an instruct checkpoint has."""
+    path = build_tiny_checkpoint("llama", str(tmp_path_factory.mktemp("cuda") / "llama"))
+    with open(os.path.join(path, "chat_template.jinja"), "w") as f:
+        f.write(CHAT_TEMPLATE)
+    return path
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory):
+    """A tiny llama GGUF file: Q4_0 matrices (random blocks), a Q6_K head, a synthetic byte-level vocabulary (the
+    default model, whose tokenizer other GGUF tests copy, may not be installed on a GPU machine)."""
+    from benchmarks.gguf_files import synthetic_tokenizer_fields, write_family
+
+    path = str(tmp_path_factory.mktemp("cuda_gguf") / "tiny-Q4_0.gguf")
+    write_family(path, "llama", "Q4_0", synthetic_tokenizer_fields(1024), shape=GGUF_SHAPE)
+    return path
+
+
+def reference(model, tokenizer, prompt, new_tokens=LENGTH):
+    """(prompt ids, new ids, log-probabilities of the new ids) of transformers' eager greedy generate() on DEVICE."""
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(DEVICE)
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=tokenizer.pad_token_id or 0, output_scores=True,
+                             output_logits=True, return_dict_in_generate=True)
+    new = out.sequences[0, ids.shape[1]:].tolist()
+    eos = tokenizer.eos_token_id
+    if eos in new:  # the tool stops at EOS (with it)
+        new = new[: new.index(eos) + 1]
+    logprobs = [torch.log_softmax(step[0].float(), -1)[token].item() for step, token in zip(out.logits, new)]
+    return ids[0].tolist(), new, logprobs
+
+
+def continuation(tokenizer, prompt_ids, new):
+    """The text the tool reports for `new` after `prompt_ids` (rungen.generation.describe_sequence's decoding)."""
+    head = tokenizer.decode(prompt_ids, skip_special_tokens=True)
+    whole = tokenizer.decode(prompt_ids + new, skip_special_tokens=True)
+    return whole[len(head):] if whole.startswith(head) else tokenizer.decode(new, skip_special_tokens=True)
+
+
+def run_ok(args, stdin=None):
+    result = run_main(args, stdin=stdin)
+    stderr = result.stderr.decode(errors="replace")
+    assert result.returncode == 0, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    return result
+
+
+def check_greedy(model_args, model, tokenizer, extra=()):
+    """The tool's greedy output for PROMPTS (piped: one batch on the engine) equals generate() on each prompt alone:
+    the same token ids (read from --logprobs 0), log-probabilities to float32's rounding, and the same text."""
+    expected = [reference(model, tokenizer, prompt) for prompt in PROMPTS]
+    common = [*model_args, "--temperature", "0", "--length", str(LENGTH), "--dtype", "float32", *extra]
+    records = jsonl(run_ok([*common, "--output_format", "jsonl", "--logprobs", "0"], stdin="\n".join(PROMPTS)).stdout)
+    assert len(records) == len(PROMPTS)
+    for record, (prompt_ids, new, logprobs) in zip(records, expected):
+        assert record["num_prompt_tokens"] == len(prompt_ids)
+        items = record["logprobs"]["content"]
+        assert [item["id"] for item in items] == new, record
+        assert [item["logprob"] for item in items] == pytest.approx(logprobs, abs=1e-3)
+    plain = jsonl(run_ok([*common, "--output_format", "jsonl"], stdin="\n".join(PROMPTS)).stdout)
+    for record, (prompt_ids, new, _) in zip(plain, expected):
+        assert record["generated_text"] == continuation(tokenizer, prompt_ids, new)
+    # and one --prompt alone, as a one-shot run
+    alone = jsonl(run_ok([*common, "--prompt", PROMPTS[0], "--output_format", "jsonl"]).stdout)
+    assert alone[0]["generated_text"] == plain[0]["generated_text"]
+
+
+def test_checkpoint_greedy_equals_eager_generate_on_the_gpu(checkpoint):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).to(DEVICE).eval()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    check_greedy(["--model_name_or_path", checkpoint], model, tokenizer)
+
+
+def test_gguf_greedy_equals_eager_generate_on_the_gpu(gguf_file):
+    """transformers' own GGUF loader (its de-quantization, its tokenizer) is the reference for the tool's build of the
+    file on the device."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = os.path.split(gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).to(DEVICE).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    # (on the CPU the file runs in its own blocks, whose products round otherwise: --dequantize is the GPU's form)
+    check_greedy(["--model_name_or_path", gguf_file], model, tokenizer, extra=["--dequantize"] if ON_CPU else [])
+
+
+@needs_cuda
+@pytest.mark.parametrize("model", ["checkpoint", "gguf_file"])
+def test_the_decode_steps_cuda_graphs_change_no_token(request, model, monkeypatch):
+    """The engine's decode step replayed from CUDA graphs (the default on CUDA) gives the tokens and, to float32's
+    rounding, the log-probabilities that the same step run eagerly gives (RUN_GENERATION_CUDA_GRAPHS=0)."""
+    args = ["--model_name_or_path", request.getfixturevalue(model), "--temperature", "0", "--length", str(LENGTH),
+            "--dtype", "float32", "--output_format", "jsonl", "--logprobs", "0"]
+    graphs = jsonl(run_ok(args, stdin="\n".join(PROMPTS)).stdout)
+    monkeypatch.setenv("RUN_GENERATION_CUDA_GRAPHS", "0")
+    eager = jsonl(run_ok(args, stdin="\n".join(PROMPTS)).stdout)
+    for a, b in zip(graphs, eager):
+        assert [item["id"] for item in a["logprobs"]["content"]] == [item["id"] for item in b["logprobs"]["content"]]
+        assert [item["logprob"] for item in a["logprobs"]["content"]] == pytest.approx(
+            [item["logprob"] for item in b["logprobs"]["content"]], abs=1e-4)
+
+
+SAMPLING = {
+    "greedy, the default dtype": ["--temperature", "0"],
+    "temperature and top-k": ["--temperature", "0.8", "--k", "20"],
+    "top-p": ["--temperature", "1.0", "--p", "0.5"],
+    "min-p": ["--temperature", "1.2", "--min_p", "0.1"],
+    "repetition penalty": ["--temperature", "0.7", "--repetition_penalty", "1.3"],
+    "logprobs": ["--temperature", "0.9", "--logprobs", "3"],
+    "several sequences": ["--temperature", "0.9", "--num_return_sequences", "2"],
+}
+
+
+@pytest.mark.parametrize("flags", list(SAMPLING.values()), ids=list(SAMPLING))
+@pytest.mark.parametrize("model", ["checkpoint", "gguf_file"])
+def test_sampling_controls_run_and_a_seeded_run_repeats(request, model, flags):
+    path = request.getfixturevalue(model)
+    args = ["--model_name_or_path", path, "--length", "10", "--seed", "7", "--output_format", "jsonl", *flags]
+    first = run_ok(args, stdin="\n".join(PROMPTS))
+    again = run_ok(args, stdin="\n".join(PROMPTS))
+    records = jsonl(first.stdout)
+    copies = 2 if "--num_return_sequences" in flags else 1
+    assert len(records) == len(PROMPTS) * copies
+    assert all(record["num_generated_tokens"] > 0 for record in records)
+    if "--logprobs" in flags:
+        assert all(len(item["top_logprobs"]) == 3 for record in records for item in record["logprobs"]["content"])
+    assert first.stdout == again.stdout
+
+
+def test_json_schema_on_the_gpu(checkpoint):
+    try:
+        import xgrammar  # noqa: F401
+    except ImportError:
+        pytest.skip("xgrammar is not installed")
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    for flags in (["--temperature", "0"], ["--temperature", "0.9", "--seed", "3"]):
+        records = jsonl(run_ok(["--model_name_or_path", checkpoint, "--json_schema", json.dumps(schema), "--length",
+                                "40", "--output_format", "jsonl", *flags], stdin="\n".join(PROMPTS)).stdout)
+        assert len(records) == len(PROMPTS)
+        for record in records:
+            if record["finish_reason"] == "grammar":
+                assert isinstance(json.loads(record["generated_text"])["n"], int)
+            else:
+                assert record["finish_reason"] == "length"
+
+
+class LiveServer:
+    """uvicorn serving an ASGI app in a thread on a free loopback port (tests/test_server.py's)."""
+
+    def __init__(self, app):
+        import uvicorn
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        for _ in range(400):
+            if self.server.started:
+                return
+            time.sleep(0.05)
+        raise RuntimeError("the server did not start")
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def test_server_answers_on_the_gpu(checkpoint):
+    """A chat completion, and a completion with every sampling field the engine takes (seeded: twice the same)."""
+    for name in ("fastapi", "uvicorn", "httpx"):
+        pytest.importorskip(name)
+    import httpx
+
+    from rungen.loading import load
+    from rungen.server import ServeOptions, build
+
+    loaded = load(checkpoint, device=DEVICE)
+    assert loaded.input_device.type == DEVICE.type
+    app, engine = build(loaded, ServeOptions(model_id="tiny", max_batch=4, max_queue=16))
+    live = LiveServer(app)
+    try:
+        chat = httpx.post(live.url + "/v1/chat/completions", timeout=120, json={
+            "model": "tiny", "messages": [{"role": "user", "content": "Hello, my dog is cute."}], "max_tokens": 8,
+            "temperature": 0})
+        assert chat.status_code == 200, chat.text
+        body = chat.json()
+        assert isinstance(body["choices"][0]["message"]["content"], str)
+        assert body["usage"]["completion_tokens"] > 0
+        sampled = {"model": "tiny", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0.9,
+                   "top_p": 0.8, "presence_penalty": 0.5, "frequency_penalty": 0.5, "logit_bias": {"5": 2.0},
+                   "seed": 11, "logprobs": 2, "n": 2}
+        answers = [httpx.post(live.url + "/v1/completions", json=sampled, timeout=120) for _ in range(2)]
+        assert all(answer.status_code == 200 for answer in answers), answers[0].text
+        texts = [[choice["text"] for choice in answer.json()["choices"]] for answer in answers]
+        assert texts[0] == texts[1] and len(texts[0]) == 2
+        assert answers[0].json()["choices"][0]["logprobs"]["top_logprobs"]
+    finally:
+        live.stop()
+        engine.close()
+        engine.abort()
+
+
+@needs_cuda
+def test_a_checkpoint_and_a_gguf_file_default_to_half_precision_on_cuda(checkpoint, gguf_file):
+    from rungen.loading import accelerator_half, load
+
+    half = accelerator_half(DEVICE)
+    for path in (checkpoint, gguf_file):
+        loaded = load(path, device=DEVICE)
+        assert loaded.model.dtype == half, path
+        assert next(loaded.model.parameters()).device.type == "cuda"
+        assert load(path, device=DEVICE, dtype="float32").model.dtype == torch.float32
+
+
+@needs_cuda
+@pytest.mark.parametrize("flag", [["--quantize", "int8"], ["--quantize", "int4"], ["--jit"]])
+def test_cpu_only_flags_are_refused_on_cuda_in_one_line(checkpoint, flag):
+    result = run_main(["--model_name_or_path", checkpoint, "--prompt", "Hello", "--length", "4", *flag])
+    assert result.returncode == 2
+    line = error_line(result)
+    assert flag[0] in line and "--use_cpu" in line
