@@ -86,9 +86,9 @@ def blocks_of(content, where, allowed):
     keys the type's."""
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
+    field = where.split("[")[0].split(".")[0]  # the request's field: system or messages
     if not isinstance(content, list):
-        raise APIError(f"{where} must be a string or a list of content blocks", where.split("[")[0].split(".")[0])
-    field = where.split("[")[0].split(".")[0]
+        raise APIError(f"{where} must be a string or a list of content blocks", field)
     for index, block in enumerate(content):
         at = f"{where}[{index}]"
         kind = block.get("type") if isinstance(block, dict) else None
@@ -335,11 +335,11 @@ def to_chat(body, chat_template, count=False):
         if stops:
             chat["stop"] = stops
     chat["temperature"] = number(body, "temperature", 1.0, 0, 1)  # Anthropic's range, and its default
-    for name in ("top_p", "top_k"):
-        if present(body, name):
-            chat[name] = body[name]
     if present(body, "top_k"):
         number(body, "top_k", None, 1, None, integer=True)  # Anthropic's: at least 1 (chat's 0 and -1 are off)
+    for name in ("top_p", "top_k"):  # checked by the chat path, under the same names
+        if present(body, name):
+            chat[name] = body[name]
     if present(body, "stream"):
         chat["stream"] = body["stream"]
         if body["stream"] is True:
@@ -380,8 +380,8 @@ def signature(thinking):
 def stop_reason(finish_reason, stop):
     if finish_reason == "abort":
         raise APIError("the server shut down before the reply ended", status=503, kind="server_error")
-    if finish_reason == "stop":
-        return "stop_sequence" if stop is not None else "end_turn"
+    if stop is not None:  # a stop sequence ended it (after complete calls, too)
+        return "stop_sequence"
     return STOP_REASONS.get(finish_reason, "end_turn")
 
 

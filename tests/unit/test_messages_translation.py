@@ -175,4 +175,6 @@ def test_stop_reasons():
     texts += translator.chunk(chunk(usage={"prompt_tokens": 11, "completion_tokens": 2, "total_tokens": 13}))
     delta = read_events(texts)[-2]
     assert delta["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "\n\n"}
+    # a stop sequence after complete calls (chat's finish_reason tool_calls) is still the stop sequence
+    assert message_of(chat_result("tool_calls", "\n\n"), "m")["stop_reason"] == "stop_sequence"
     assert delta["usage"]["output_tokens"] == 2
