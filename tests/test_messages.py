@@ -16,6 +16,7 @@ from test_server import HELLO, MODEL_ID, LiveServer, build_chat_llama
 from transformers import AutoTokenizer
 
 import rungen.messages
+from rungen.engine import Engine
 from rungen.loading import load
 from rungen.server import Guard, ServeOptions, build, create_app
 
@@ -262,3 +263,18 @@ def test_the_api_key_as_x_api_key(loaded, served):
         assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
     finally:
         keyed.stop()
+
+
+def test_a_full_queue_is_a_503_overloaded_error(loaded, served):
+    full = Engine(loaded, max_queue=0, eos_ids=served[1].eos_ids, prefix_cache_bytes=0)
+    full.start()
+    busy = LiveServer(create_app(loaded, full, ServeOptions(model_id=MODEL_ID)))
+    try:
+        with pytest.raises(anthropic.APIStatusError) as caught:
+            anthropic.Anthropic(base_url=busy.url, api_key="unused", max_retries=0).messages.create(
+                model=MODEL_ID, max_tokens=2, messages=HELLO)
+        assert caught.value.status_code == 503 and caught.value.response.headers["retry-after"] == "1"
+        assert caught.value.body["error"]["type"] == "overloaded_error"
+    finally:
+        busy.stop()
+        full.close()

@@ -8,7 +8,7 @@ import pytest
 from anthropic.lib.streaming._messages import accumulate_event
 from anthropic.types import Message
 
-from rungen.messages import Events, message_of, renamed, to_chat
+from rungen.messages import Events, error_type, message_of, renamed, to_chat
 from rungen.server import APIError
 
 THINKING_TEMPLATE = "{% for m in messages %}{{ m.content }}{% endfor %}{% if enable_thinking %}<think>{% endif %}"
@@ -178,3 +178,10 @@ def test_stop_reasons():
     # a stop sequence after complete calls (chat's finish_reason tool_calls) is still the stop sequence
     assert message_of(chat_result("tool_calls", "\n\n"), "m")["stop_reason"] == "stop_sequence"
     assert delta["usage"]["output_tokens"] == 2
+
+
+def test_error_types_by_status():
+    assert [error_type(status) for status in (400, 401, 403, 404, 405, 408, 413, 429, 500, 503, 529)] == [
+        "invalid_request_error", "authentication_error", "permission_error", "not_found_error",
+        "invalid_request_error", "timeout_error", "request_too_large", "rate_limit_error", "api_error",
+        "overloaded_error", "overloaded_error"]
