@@ -5,6 +5,7 @@ request: both run the one chat path."""
 
 import json
 import os
+import time
 
 import anthropic
 import httpx
@@ -278,3 +279,21 @@ def test_a_full_queue_is_a_503_overloaded_error(loaded, served):
     finally:
         busy.stop()
         full.close()
+
+
+def test_a_client_dropping_mid_stream_frees_its_slot(served, client):
+    live, engine = served
+    # 4000 tokens take seconds (a stop sequence that never comes decodes each step's text); the hang-up frees the row
+    # at the next step
+    body = {"model": MODEL_ID, "max_tokens": 4000, "messages": HELLO, "stream": True, "temperature": 0,
+            "stop_sequences": ["\u2603"]}
+    with httpx.stream("POST", live.url + "/v1/messages", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line == "event: content_block_delta":
+                break  # the first text came: hang up
+    for _ in range(100):
+        if not engine.rows:
+            break
+        time.sleep(0.02)
+    assert not engine.rows
+    assert text_of(create(client, max_tokens=2))
