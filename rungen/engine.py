@@ -101,6 +101,7 @@ class Finish:
     tokens: list[int]
     prompt_tokens: int
     error: str | None = None
+    stop: str | None = None  # the stop string that ended it (the first given of those found earliest)
 
 
 class Metrics:
@@ -590,10 +591,11 @@ class Engine:
         # The text is decoded at every step only where something reads it: a stream, or stop strings to find
         # (a decode of the new tokens so far, which grows with them).
         text = self.continuation(row) if request.deltas or request.stop else None
-        reason = None
-        cuts = [text.index(stop) for stop in request.stop if stop in text] if text is not None else []
+        reason = matched = None
+        cuts = [(text.index(stop), stop) for stop in request.stop if stop in text] if text is not None else []
         if cuts:
-            text, reason = text[: min(cuts)], "stop"
+            cut, matched = min(cuts, key=lambda found: found[0])
+            text, reason = text[:cut], "stop"
         elif token in self.eos_ids and not request.sampling.ignore_eos:
             reason = "stop"
         elif row.matcher is not None and row.matcher.is_terminated():
@@ -610,7 +612,7 @@ class Engine:
         if reason is not None:
             if text is None:
                 text = self.continuation(row)
-            row.finish = Finish(reason, text, list(row.new), len(request.ids))
+            row.finish = Finish(reason, text, list(row.new), len(request.ids), stop=matched)
 
     def continuation(self, row):
         """The text of the row's new tokens, decoded after the prompt's last tokens and cut after them, as

@@ -4,6 +4,9 @@ Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/embeddings, GE
 POST /detokenize, GET /health, GET /metrics. Every request field is either honoured or refused with a 400 naming
 it, in OpenAI's error shape; generation runs on rungen/engine.py's model thread, which batches the requests of all
 clients continuously (and runs the embeddings' forward passes between two of its steps).
+
+POST /v1/messages and /v1/messages/count_tokens speak Anthropic's Messages API (rungen/messages.py translates them to
+and from run_chat), and answer every error in Anthropic's shape.
 """
 
 import asyncio
@@ -64,6 +67,10 @@ TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_generation_prompt", "add_
                    "tool_choice", "parallel_tool_calls"}
 DETOKENIZE_FIELDS = {"model", "tokens"}
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
+# Anthropic's Messages API (rungen/messages.py).
+MESSAGES_FIELDS = {"model", "max_tokens", "messages", "system", "stop_sequences", "temperature", "top_p", "top_k",
+                   "metadata", "stream", "tools", "tool_choice", "thinking"}
+COUNT_TOKENS_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "thinking"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,6 +348,8 @@ class Service:
 
 def create_app(loaded, engine, options):
     """The FastAPI app serving `loaded` through `engine` (already started) under `options`."""
+    from . import messages as messages_api
+
     service = Service(loaded, engine, options)
     metrics = engine.metrics
     app = FastAPI(title="run_generation", docs_url=None, redoc_url=None, openapi_url=None)
@@ -352,16 +361,18 @@ def create_app(loaded, engine, options):
         from fastapi.middleware.cors import CORSMiddleware
 
         app.add_middleware(CORSMiddleware, allow_origins=list(options.cors_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"])
+                           allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version",
+                                          "anthropic-beta"])
 
     @app.exception_handler(APIError)
     async def api_error(request, error):
-        return error.response()
+        return error_response(error, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, error):
         kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
-        return APIError(str(error.detail), status=error.status_code, kind=kind, headers=error.headers).response()
+        error = APIError(str(error.detail), status=error.status_code, kind=kind, headers=error.headers)
+        return error_response(error, request.url.path)
 
     @app.get("/health")
     async def health():
@@ -480,15 +491,31 @@ def create_app(loaded, engine, options):
         with service.tokenizer_lock:  # special tokens kept: /tokenize's ids of a chat give back its template text
             return {"prompt": loaded.tokenizer.decode(tokens, skip_special_tokens=False)}
 
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        body = await read_body(request, options.max_body_bytes, options.body_timeout)
+        check_fields(body, MESSAGES_FIELDS)
+        check_model(body, options.model_id)
+        return await messages_api.create(service, request, body)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        body = await read_body(request, options.max_body_bytes, options.body_timeout)
+        check_fields(body, COUNT_TOKENS_FIELDS)
+        check_model(body, options.model_id)
+        return messages_api.count_tokens(service, body)
+
     return app
 
 
 class Guard:
-    """ASGI middleware: the API key on every route but /health, and the request counters."""
+    """ASGI middleware: the API key on every route but /health (Authorization: Bearer KEY, or Anthropic's
+    x-api-key: KEY), and the request counters."""
 
     def __init__(self, app, api_key, metrics):
         self.app, self.metrics = app, metrics
         self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.key = api_key.encode() if api_key else None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -502,11 +529,13 @@ class Guard:
             await send(message)
 
         if self.expected is not None and path != "/health" and scope["method"] != "OPTIONS":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                error = APIError("a valid API key is required: Authorization: Bearer <key>", status=401,
-                                 kind="invalid_request_error", code="invalid_api_key")
-                await error.response()(scope, receive, watch)
+            headers = dict(scope["headers"])
+            given, key = headers.get(b"authorization", b""), headers.get(b"x-api-key")
+            if not (hmac.compare_digest(given, self.expected)
+                    or key is not None and hmac.compare_digest(key, self.key)):
+                error = APIError("a valid API key is required: Authorization: Bearer <key> (or x-api-key: <key>)",
+                                 status=401, kind="invalid_request_error", code="invalid_api_key")
+                await error_response(error, path)(scope, receive, watch)
                 self.metrics.count_request(endpoint_label(path), 401)
                 return
         try:
@@ -548,16 +577,35 @@ class Shield:
             failure = APIError(f"internal error: {type(error).__name__}: {error}", status=500, kind="server_error")
             with contextlib.suppress(ClientDisconnect, OSError):
                 if "headers" not in response:
-                    await failure.response()(scope, receive, send)
+                    await error_response(failure, scope["path"])(scope, receive, send)
                     return
                 tail = b""
                 if response["headers"].get(b"content-type", b"").startswith(b"text/event-stream"):
                     body = {"error": {"message": failure.message, "type": failure.kind, "param": None, "code": None}}
                     tail = ("data: " + json.dumps(body) + "\n\ndata: [DONE]\n\n").encode()
+                    if is_messages_path(scope["path"]):  # Anthropic's stream ends with its error event
+                        from .messages import error_event
+
+                        tail = error_event(failure).encode()
                 await send({"type": "http.response.body", "body": tail, "more_body": False})
 
 
+def is_messages_path(path):
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def error_response(error, path):
+    """An APIError as the response of the route's API: Anthropic's shape under /v1/messages, OpenAI's elsewhere."""
+    if is_messages_path(path):
+        from .messages import error_response as messages_error
+
+        return messages_error(error)
+    return error.response()
+
+
 def endpoint_label(path):
+    if path in ("/v1/messages", "/v1/messages/count_tokens"):
+        return path
     known = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/tokenize", "/detokenize",
              "/health", "/metrics")
     return path if path in known else "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
@@ -822,6 +870,7 @@ class Answer:
         self.replies = [replies[choice // n] for choice in range(total)] if replies and any(replies) else None
         self.splitters = [reply.splitter() for reply in self.replies] if self.replies else None
         self.texts, self.items, self.finish = [""] * total, [[] for _ in range(total)], [None] * total
+        self.stops = [None] * total  # the stop string that ended each choice (vLLM's stop_reason)
         self.error = None
         self.completion_tokens = 0
 
@@ -842,6 +891,7 @@ class Answer:
         elif kind == "done":
             finish = event[2]
             self.finish[choice] = finish.reason
+            self.stops[choice] = finish.stop
             self.completion_tokens += len(finish.tokens)
             if finish.error and finish.reason == "abort":
                 self.error = finish.error
@@ -876,7 +926,7 @@ class Answer:
                 if self.replies:
                     message["reasoning_content"] = reasoning
                 choices.append({"index": choice, "message": message, "logprobs": logprobs,
-                                "finish_reason": self.finish_reason(choice)})
+                                "finish_reason": self.finish_reason(choice), "stop_reason": self.stops[choice]})
             else:
                 prefix = self.prompt_text(job) if self.echo else ""
                 logprobs = None
@@ -884,7 +934,7 @@ class Answer:
                     items = list(self.items[choice])
                     logprobs = completion_logprobs(self.echo_items(job) + items, prefix_offset=0)
                 choices.append({"index": choice, "text": prefix + text, "logprobs": logprobs,
-                                "finish_reason": self.finish[choice]})
+                                "finish_reason": self.finish[choice], "stop_reason": self.stops[choice]})
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.service.options.model_id, "choices": choices,
                 "usage": self.usage()}
@@ -986,8 +1036,10 @@ class Answer:
 
     def final_choice(self, choice):
         if self.chat:
-            return [{"index": choice, "delta": {}, "logprobs": None, "finish_reason": self.finish_reason(choice)}]
-        return [{"index": choice, "text": "", "logprobs": None, "finish_reason": self.finish[choice]}]
+            return [{"index": choice, "delta": {}, "logprobs": None, "finish_reason": self.finish_reason(choice),
+                     "stop_reason": self.stops[choice]}]
+        return [{"index": choice, "text": "", "logprobs": None, "finish_reason": self.finish[choice],
+                 "stop_reason": self.stops[choice]}]
 
 
 def chat_item(item):

@@ -1,11 +1,12 @@
-"""Thinking models on a live server through the official openai client, and in jsonl records: a tiny random model
-with Qwen3's published chat template and Qwen3's <think> and </think> as tokens of their own. A random model does
-not think by itself: logit_bias pushes it to open and close the block, and /v1/completions on the same prompt
-tokens gives the raw text the chat reply must be split from."""
+"""Thinking models on a live server through the official openai client (and Anthropic's, on /v1/messages), and in
+jsonl records: a tiny random model with Qwen3's published chat template and Qwen3's <think> and </think> as tokens
+of their own. A random model does not think by itself: logit_bias pushes it to open and close the block, and
+/v1/completions on the same prompt tokens gives the raw text the chat reply must be split from."""
 
 import json
 import os
 
+import anthropic
 import jsonschema
 import openai
 import pytest
@@ -13,6 +14,7 @@ import torch
 from test_server import LiveServer
 from transformers import AutoTokenizer
 
+import rungen.messages
 from helpers import run_main
 from rungen.loading import load
 from rungen.server import ServeOptions, build
@@ -246,3 +248,73 @@ def test_a_session_shows_the_reasoning_on_stderr_and_the_answer_alone_on_stdout(
         reasoning = session.messages[-1]["reasoning_content"]
         assert reasoning and shown.out == "\n" and session.messages[-1]["content"] == ""
         assert (reasoning in shown.err) == figures  # --quiet leaves it out
+
+
+#
+# The Messages API (/v1/messages): the block as a thinking content block
+#
+
+
+def messages_client(server):
+    return anthropic.Anthropic(base_url=server[0], api_key="unused", max_retries=0, timeout=120)
+
+
+def push_messages(monkeypatch, **fields):
+    """The Messages API has no logit_bias or seed: the chat body a Messages request becomes gets them here."""
+    translate = rungen.messages.to_chat
+
+    def to_chat(body, chat_template, count=False):
+        chat, origins = translate(body, chat_template, count)
+        return ({**chat, **fields} if not count else chat), origins
+
+    monkeypatch.setattr(rungen.messages, "to_chat", to_chat)
+
+
+def test_the_messages_api_gives_the_block_as_a_thinking_block(server, monkeypatch):
+    """The same request as a chat completion and as a message: reasoning_content is the thinking block's text (with
+    a signature), content the text block's; streamed, thinking_delta events assemble to the same message."""
+    def reply(seed):
+        return chat(server, logit_bias=bias(server), seed=seed, max_tokens=30).choices[0].message
+
+    seed = next((seed for seed in range(1, 30) if reply(seed).reasoning_content and reply(seed).content), None)
+    assert seed is not None, "no seed gave a reply that thinks, then answers"
+    reply = reply(seed)
+    push_messages(monkeypatch, logit_bias=bias(server), seed=seed)
+    client = messages_client(server)
+    message = client.messages.create(model=MODEL_ID, max_tokens=30, messages=ASK)
+    assert [block.type for block in message.content] == ["thinking", "text"]
+    assert message.content[0].thinking == reply.reasoning_content and message.content[0].signature
+    assert message.content[1].text == reply.content
+    events = list(client.messages.create(model=MODEL_ID, max_tokens=30, messages=ASK, stream=True))
+    deltas = [event.delta for event in events if event.type == "content_block_delta"]
+    assert "".join(delta.thinking for delta in deltas if delta.type == "thinking_delta") == reply.reasoning_content
+    assert "".join(delta.text for delta in deltas if delta.type == "text_delta") == reply.content
+    assert [delta.signature for delta in deltas if delta.type == "signature_delta"] == [message.content[0].signature]
+    with client.messages.stream(model=MODEL_ID, max_tokens=30, messages=ASK) as stream:
+        final = stream.get_final_message()
+    assert [block.model_dump(exclude={"parsed_output"}) for block in final.content] == \
+        [block.model_dump() for block in message.content] and final.stop_reason == message.stop_reason
+    # the thinking block given back in the next turn is taken (and left out of the prompt, as the template drops it)
+    history = ASK + [message.to_param(), {"role": "user", "content": "And in Rome?"}]
+    assert client.messages.create(model=MODEL_ID, max_tokens=4, messages=history).usage.output_tokens == 4
+
+
+def test_the_messages_api_thinking_field_reaches_the_template(server, monkeypatch):
+    """thinking disabled: Qwen3's enable_thinking false closes an empty block in the prompt, so the reply is all
+    text; a block never closed is all thinking, cut by max_tokens."""
+    client = messages_client(server)
+    counts = {kind: client.messages.count_tokens(model=MODEL_ID, messages=ASK, thinking=thinking).input_tokens
+              for kind, thinking in (("off", {"type": "disabled"}),
+                                     ("on", {"type": "enabled", "budget_tokens": 1024}))}
+    assert counts["off"] == len(prompt_ids(server, enable_thinking=False)) > counts["on"] == len(prompt_ids(server))
+    push_messages(monkeypatch, logit_bias=bias(server, opening=100, closing=-100))
+    off = client.messages.create(model=MODEL_ID, max_tokens=5, messages=ASK, thinking={"type": "disabled"},
+                                 extra_body={"temperature": 0})
+    assert [block.type for block in off.content] == ["text"] and off.usage.input_tokens == counts["off"]
+    cut = client.messages.create(model=MODEL_ID, max_tokens=5, messages=ASK, extra_body={"temperature": 0})
+    assert [block.type for block in cut.content] == ["thinking"] and cut.stop_reason == "max_tokens"
+    assert cut.content[0].thinking == "<think>" * 4
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        client.messages.create(model=MODEL_ID, max_tokens=1024, messages=ASK,
+                               thinking={"type": "enabled", "budget_tokens": 1024})
+    assert "budget_tokens (1024) must be less than max_tokens (1024)" in caught.value.body["error"]["message"]

@@ -1,8 +1,8 @@
 """--serve under property-based fuzzing (hypothesis): every route, bodies of every JSON type in every field, NaN
 and Infinity, deep nesting, truncated and oversized bodies, bad UTF-8, wrong content types and methods, all sent
 over ONE keep-alive connection to a live server on a tiny llama. The properties: no 5xx, every 4xx in OpenAI's
-error shape naming the field that was changed, the connection never dropped, and afterwards a normal request
-answers as it did before."""
+error shape naming the field that was changed (in Anthropic's shape on /v1/messages), the connection never dropped,
+and afterwards a normal request answers as it did before."""
 
 import json
 import math
@@ -26,21 +26,28 @@ COMPLETIONS = "/v1/completions"
 EMBEDDINGS = "/v1/embeddings"
 TOKENIZE = "/tokenize"
 DETOKENIZE = "/detokenize"
+MESSAGES_API = "/v1/messages"
+COUNT_TOKENS = "/v1/messages/count_tokens"
 BASES = {
     CHAT: {"model": MODEL_ID, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3},
     COMPLETIONS: {"model": MODEL_ID, "prompt": "Once upon", "max_tokens": 3},
+    MESSAGES_API: {"model": MODEL_ID, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3},
 }
 # (route, a valid request) for every route that takes a body; /tokenize takes a text or a conversation.
 VALID = [*BASES.items(), (EMBEDDINGS, {"model": MODEL_ID, "input": ["Once upon", "a time"]}),
          (TOKENIZE, {"prompt": "Once upon"}), (TOKENIZE, {"model": MODEL_ID, "messages": BASES[CHAT]["messages"]}),
-         (DETOKENIZE, {"tokens": [5, 6, 7]})]
+         (DETOKENIZE, {"tokens": [5, 6, 7]}),
+         (COUNT_TOKENS, {"model": MODEL_ID, "messages": BASES[MESSAGES_API]["messages"]}),
+         (MESSAGES_API, {**BASES[MESSAGES_API], "system": "Be brief.", "stop_sequences": ["\n"], "stream": True,
+                         "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+                         "tool_choice": {"type": "auto"}})]
 FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "n", "stop", "stream",
           "stream_options", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "logit_bias",
           "user", "top_k", "min_p", "repetition_penalty", "ignore_eos", "structured_outputs", "guided_json",
           "guided_regex", "guided_grammar", "grammar", "json_schema", "logprobs", "top_logprobs",
           "response_format", "echo", "best_of", "suffix", "tools", "chat_template_kwargs", "reasoning_effort",
           "functions", "input", "encoding_format", "dimensions", "add_generation_prompt", "add_special_tokens",
-          "tokens", "nonsense", ""]
+          "tokens", "system", "stop_sequences", "metadata", "tool_choice", "thinking", "nonsense", ""]
 # A change to one field may be refused under a field it bears on: the token budget is checked against the
 # prompt and n, best_of against n, top_logprobs needs logprobs, stream_options needs stream; /tokenize takes a
 # prompt or messages, and names prompt when it has both or neither.
@@ -48,6 +55,7 @@ RELATED = {"prompt": {"max_tokens"}, "messages": {"max_tokens", "max_completion_
            "n": {"max_tokens", "max_completion_tokens", "best_of"}, "echo": {"max_tokens"},
            "stream": {"stream_options"}, "logprobs": {"top_logprobs"}}
 ERROR_KINDS = {"invalid_request_error", "not_found_error", "server_error"}
+ANTHROPIC_ERROR_KINDS = {"invalid_request_error", "not_found_error", "request_too_large"}
 
 
 class KeepAlive:
@@ -139,9 +147,20 @@ MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "sys
                                                                      "tool", "x"]) | JSON_VALUES},
                                           optional={"content": st.text(max_size=20) | JSON_VALUES,
                                                     "name": JSON_VALUES}), max_size=3)
+# Anthropic's content blocks, as /v1/messages takes them (and some it refuses).
+BLOCKS = st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "tool_use", "tool_result", "thinking", "image", "document", "x"]) | JSON_VALUES},
+    optional={"text": st.text(max_size=8) | JSON_VALUES, "id": st.sampled_from(["toolu_1", ""]) | JSON_VALUES,
+              "name": st.sampled_from(["f", "g"]) | JSON_VALUES, "input": JSON_VALUES,
+              "tool_use_id": st.sampled_from(["toolu_1", "toolu_2"]) | JSON_VALUES,
+              "content": st.text(max_size=8) | JSON_VALUES, "is_error": JSON_VALUES,
+              "thinking": JSON_VALUES, "signature": JSON_VALUES, "cache_control": JSON_VALUES})
+ANTHROPIC_MESSAGES = st.lists(st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant", "system"]) | JSON_VALUES},
+    optional={"content": st.text(max_size=20) | st.lists(BLOCKS, max_size=3) | JSON_VALUES}), max_size=3)
 # Values near what each field takes, so that the checks past the type are reached too.
 PLAUSIBLE = {
-    "messages": MESSAGES,
+    "messages": MESSAGES | ANTHROPIC_MESSAGES,
     "prompt": st.text(max_size=30) | st.lists(st.integers(-2, 300), max_size=5) | st.lists(st.text(max_size=5)),
     "logit_bias": st.dictionaries(st.text(string.digits, max_size=4) | st.text(max_size=3),
                                   st.integers(-150, 150) | JSON_VALUES, max_size=3),
@@ -156,6 +175,14 @@ PLAUSIBLE = {
     | st.lists(st.lists(st.integers(-2, 800), max_size=4), max_size=3),
     "encoding_format": st.sampled_from(["float", "base64", "int8", ""]),
     "tokens": st.lists(st.integers(-2, 800), max_size=6),
+    "system": st.text(max_size=10) | st.lists(BLOCKS, max_size=2),
+    "stop_sequences": st.lists(st.text(max_size=3), max_size=20),
+    "tool_choice": st.fixed_dictionaries({"type": st.sampled_from(["auto", "any", "tool", "none", "x"])},
+                                         optional={"name": st.sampled_from(["f", "g"]) | JSON_VALUES,
+                                                   "disable_parallel_tool_use": JSON_VALUES}),
+    "thinking": st.fixed_dictionaries({"type": st.sampled_from(["enabled", "disabled", "adaptive", "x"])},
+                                      optional={"budget_tokens": st.integers(0, 5000) | JSON_VALUES}),
+    "metadata": st.dictionaries(st.sampled_from(["user_id", "x"]), JSON_VALUES, max_size=2),
 }
 NUMBERS = st.integers(-3, 40) | st.floats(-3, 3) | NON_FINITE | st.integers(-(2**80), 2**80)
 
@@ -195,7 +222,7 @@ def deep(depth, opener):
 @st.composite
 def raw_bodies(draw):
     """(bytes, what it is): bodies that are not a JSON object in UTF-8 of the allowed size."""
-    path = draw(st.sampled_from([CHAT, COMPLETIONS]))
+    path = draw(st.sampled_from([CHAT, COMPLETIONS, MESSAGES_API]))
     text = json.dumps(BASES[path])
     kind = draw(st.sampled_from(["truncated", "deep", "bad utf-8", "not an object", "bytes", "oversized",
                                  "empty"]))
@@ -230,7 +257,8 @@ CONTENT_TYPES = st.sampled_from([None, "application/json", "application/json; ch
                                  "application/jsonx", "*/*"])
 TARGETS = st.sampled_from([CHAT, COMPLETIONS, "/v1/models", f"/v1/models/{MODEL_ID}", "/v1/models/other",
                            "/health", "/metrics", "/", "/v1", "/v1/chat/completions/", EMBEDDINGS, TOKENIZE,
-                           DETOKENIZE, "/tokenize/", "/v1/models/%00%ff", "/v1/completions?x=1", "/%2e%2e/etc"])
+                           DETOKENIZE, "/tokenize/", "/v1/models/%00%ff", "/v1/completions?x=1", "/%2e%2e/etc",
+                           MESSAGES_API, COUNT_TOKENS, "/v1/messages/x", "/v1/messages?beta=true"])
 METHODS = st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"])
 
 
@@ -239,10 +267,13 @@ METHODS = st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPT
 #
 
 
-def check_answer(status, headers, content, changed=None):
+def check_answer(status, headers, content, changed=None, path=""):
     """No 5xx; a 4xx is OpenAI's error object, naming a changed field (or one it bears on) where fields were
-    changed; a 200 stream ends with [DONE]."""
+    changed (on /v1/messages, Anthropic's error object, which names no field); a 200 stream ends with [DONE] (on
+    /v1/messages, message_stop)."""
     assert status < 500, (status, content[:500])
+    if path.split("?")[0].startswith(MESSAGES_API):
+        return check_messages_answer(status, headers, content)
     if status >= 400:
         assert headers.get("content-type", "").startswith("application/json"), headers
         body = json.loads(content)
@@ -260,6 +291,21 @@ def check_answer(status, headers, content, changed=None):
     return None
 
 
+def check_messages_answer(status, headers, content):
+    if status >= 400:
+        assert headers.get("content-type", "").startswith("application/json"), headers
+        body = json.loads(content)
+        assert set(body) == {"type", "error"} and body["type"] == "error" and set(body["error"]) == {"type", "message"}
+        assert body["error"]["type"] in ANTHROPIC_ERROR_KINDS and isinstance(body["error"]["message"], str), body
+        assert body["error"]["message"], body
+        return body["error"]
+    if headers.get("content-type", "").startswith("text/event-stream"):
+        lines = [line for line in content.decode().split("\n") if line]
+        assert all(line.startswith("event: ") for line in lines[::2]) and len(lines) % 2 == 0, lines[-4:]
+        assert lines[-2] == "event: message_stop", lines[-4:]
+    return None
+
+
 # The fast tier's runs are seeded (the same examples each time, some seconds); the slow tier's draw new ones, about
 # a minute in all on two shared cores.
 FAST = settings(max_examples=120, deadline=None, database=None, suppress_health_check=list(HealthCheck))
@@ -269,7 +315,7 @@ def send_json_request(client, request):
     path, body, changed = request
     content = json.dumps(body).encode()  # NaN and Infinity as Python writes them, which JSON does not allow
     status, headers, answer = client.request("POST", path, content, [("content-type", "application/json")])
-    check_answer(status, headers, answer, changed)
+    check_answer(status, headers, answer, changed, path)
     if not_json(body):
         assert status == 400, answer[:300]
 
@@ -289,10 +335,10 @@ def send_raw_body(client, request, content_type):
     path, content, kind = request
     headers = [("content-type", content_type)] if content_type is not None else []
     status, answer_headers, answer = client.request("POST", path, content, headers)
-    check_answer(status, answer_headers, answer)
+    check_answer(status, answer_headers, answer, path=path)
     assert status in (400, 413), (kind, status, answer[:200])
-    assert status == 413 or json.loads(answer)["error"]["param"] in (None, "model", "messages", "prompt", "stop",
-                                                                      "x")
+    assert status == 413 or path == MESSAGES_API or \
+        json.loads(answer)["error"]["param"] in (None, "model", "messages", "prompt", "stop", "x")
 
 
 def send_anything(client, method, target, content, content_type):
@@ -301,7 +347,7 @@ def send_anything(client, method, target, content, content_type):
         content = b""
     status, answer_headers, answer = client.request(method, target, content, headers)
     if method != "HEAD":
-        check_answer(status, answer_headers, answer)
+        check_answer(status, answer_headers, answer, path=target)
 
 
 @seed(20261125)
