@@ -4,6 +4,8 @@ Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/embeddings, GE
 POST /detokenize, GET /health, GET /metrics. Every request field is either honoured or refused with a 400 naming
 it, in OpenAI's error shape; generation runs on rungen/engine.py's model thread, which batches the requests of all
 clients continuously (and runs the embeddings' forward passes between two of its steps).
+
+POST /v1/responses (OpenAI's Responses API) is translated to and from the chat path by rungen/responses.py.
 """
 
 import asyncio
@@ -63,6 +65,12 @@ EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_generation_prompt", "add_special_tokens", "tools",
                    "tool_choice", "parallel_tool_calls"}
 DETOKENIZE_FIELDS = {"model", "tokens"}
+# OpenAI's fields of /v1/responses that rungen/responses.py honours or checks (include, truncation and background
+# only at their defaults).
+RESPONSE_FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text",
+                   "temperature", "top_p", "max_output_tokens", "reasoning", "store", "previous_response_id",
+                   "metadata", "user", "safety_identifier", "prompt_cache_key", "stream", "include", "truncation",
+                   "background"}
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
@@ -393,6 +401,15 @@ def create_app(loaded, engine, options):
         check_model(body, options.model_id)
         return respond(await run_chat(service, request, body))
 
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        from .responses import create_response
+
+        body = await read_body(request, options.max_body_bytes, options.body_timeout)
+        check_fields(body, RESPONSE_FIELDS)
+        check_model(body, options.model_id)
+        return await create_response(service, request, body)
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await read_body(request, options.max_body_bytes, options.body_timeout)
@@ -559,7 +576,7 @@ class Shield:
 
 def endpoint_label(path):
     known = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/tokenize", "/detokenize",
-             "/health", "/metrics")
+             "/health", "/metrics", "/v1/responses")
     return path if path in known else "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
 
 
@@ -1093,7 +1110,7 @@ def run(loaded, options):
                             timeout_graceful_shutdown=options.grace + 5, access_log=verbose)
     server = Server(config)
     logger.log(NOTICE, "serving %s on http://%s:%d (OpenAI-compatible: /v1/chat/completions, /v1/completions, "
-               "/v1/embeddings)",
+               "/v1/responses, /v1/embeddings)",
                 options.model_id, options.host, options.port)
     server.run()
     engine.close()
