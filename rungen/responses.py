@@ -14,6 +14,7 @@ import uuid
 
 from fastapi.responses import StreamingResponse
 
+from . import logger
 from .server import APIError, boolean, present, respond, run_chat, shown
 
 # Responses kept for previous_response_id (least recently used out). Each holds its conversation's items, which a
@@ -116,6 +117,7 @@ class Plan:
         tools = read_tools(body)
         if tools:
             chat["tools"] = tools
+        boolean(body, "parallel_tool_calls")
         for name in ("tool_choice", "parallel_tool_calls"):
             # Without tools, "auto", "none" and parallel_tool_calls change nothing (the chat path refuses the rest)
             idle = name == "parallel_tool_calls" or body.get(name) in ("auto", "none")
@@ -560,6 +562,10 @@ async def events(plan, chunks):
                 finish = choice.get("finish_reason") or finish
             for event in output.chunk(chunk):
                 yield event
+    except Exception as failure:  # a bug: the stream still ends as a Responses stream does, failed
+        logger.exception("a /v1/responses stream failed")
+        error = {"code": "server_error", "message": f"internal error: {type(failure).__name__}: {failure}"}
+        yield output.event("error", code="server_error", message=error["message"], param=None)
     finally:
         await chunks.aclose()
     status = "failed" if error else status_of(finish)
