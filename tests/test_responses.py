@@ -257,3 +257,17 @@ def test_bad_requests_are_refused_naming_the_field(served, fields, param, status
     error = answer.json()["error"]
     assert answer.status_code == status and error["param"] == param and message in error["message"], error
     assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_a_stream_that_fails_ends_with_its_error_and_response_failed(served, client, monkeypatch):
+    import rungen.responses
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(rungen.responses.Output, "text", broken)
+        events = list(create(client, max_output_tokens=4, stream=True))
+    assert [event.type for event in events[-2:]] == ["error", "response.failed"]
+    assert "a bug" in events[-2].message and events[-1].response.error.code == "server_error"
+    assert create(client, max_output_tokens=2).output_text  # the server goes on
