@@ -16,6 +16,7 @@ from fastapi.responses import StreamingResponse
 
 from . import logger
 from .server import APIError, boolean, present, respond, run_chat, shown
+from .server import number as read_number
 
 # Responses kept for previous_response_id (least recently used out). Each holds its conversation's items, which a
 # chain of responses shares rather than copies.
@@ -87,17 +88,22 @@ class Plan:
 
     def read(self):
         body = self.body
-        for name, allowed in (("include", None), ("truncation", "disabled"), ("background", False)):
-            if present(body, name) and body[name] not in ([], allowed):
-                raise APIError(f"{name} {shown(body[name])} is not supported by this server"
-                               + (" (it produces no optional output)" if name == "include" else ""), name)
+        if present(body, "include") and body["include"] != []:
+            raise APIError(f"include {shown(body['include'])} is not supported: this server produces none of the "
+                           "optional outputs", "include")
+        # At their defaults only: a prompt past the context is refused, never cut; requests run in the foreground.
+        for name, default in (("truncation", "disabled"), ("background", False)):
+            if present(body, name) and not (type(body[name]) is type(default) and body[name] == default):
+                raise APIError(f"{name} {shown(body[name])} is not supported by this server", name)
         for name in ("user", "safety_identifier", "prompt_cache_key"):  # the prefix cache needs no key
             if present(body, name) and not isinstance(body[name], str):
                 raise APIError(f"{name} must be a string, got {shown(body[name])}", name)
         self.metadata = read_metadata(body)
         if present(body, "previous_response_id"):
             previous = body["previous_response_id"]
-            found = store_of(self.service).get(previous) if isinstance(previous, str) else None
+            if not isinstance(previous, str):
+                raise APIError(f"previous_response_id must be a string, got {shown(previous)}", "previous_response_id")
+            found = store_of(self.service).get(previous)
             if found is None:
                 raise APIError(f"Previous response with id {shown(previous)} not found.", "previous_response_id",
                                status=404, code="previous_response_not_found")
@@ -123,6 +129,7 @@ class Plan:
             idle = name == "parallel_tool_calls" or body.get(name) in ("auto", "none")
             if present(body, name) and (tools or not idle):
                 chat[name] = tool_choice(body[name]) if name == "tool_choice" else body[name]
+        read_number(body, "max_output_tokens", None, 1, None, integer=True)
         for name, chat_name in (("temperature", "temperature"), ("top_p", "top_p"), ("user", "user"),
                                 ("max_output_tokens", "max_tokens")):
             if present(body, name):
@@ -184,9 +191,10 @@ class Plan:
         if param == "input" and first and self.origin(int(first.group(1))) == "instructions":
             param = "instructions"
         text = re.sub(r"messages\[(\d+)\]", lambda found: self.origin(int(found.group(1))), error.message)
-        for chat_name, name in PARAMS.items():
-            if chat_name != "messages":
-                text = re.sub(rf"\b{chat_name}\b", name, text)
+        for chat_name in ("max_tokens", "max_completion_tokens", "response_format"):
+            text = re.sub(rf"\b{chat_name}\b", PARAMS[chat_name], text)
+        # The field, not the template's variable of that name ("... does not read reasoning_effort")
+        text = re.sub(r"^reasoning_effort\b", "reasoning.effort", text)
         if param == "tools":
             text = text.replace(".function.", ".").replace('{"type": "function", "function": {...}}',
                                                            '{"type": "function", "name": ...}')
