@@ -314,6 +314,12 @@ def test_a_response_gives_the_block_as_a_reasoning_item_and_the_answer_as_the_me
         "".join(event.delta for event in events if event.type == "response.reasoning_text.delta") == \
         chat_reply.reasoning_content
     assert events[-1].type == "response.completed" and events[-1].response.output_text == response.output_text
+    with responses.stream(model=MODEL_ID, input=ASK[0]["content"], temperature=0, max_output_tokens=60,
+                          text={"format": fmt}, reasoning={"summary": "auto"}) as stream:
+        assert [event.type for event in stream] == kinds  # the SDK's stream helper takes every event
+        helped = stream.get_final_response()
+    assert helped.output[0].summary[0].text == chat_reply.reasoning_content
+    assert helped.output_text == response.output_text
     # Without a summary asked for, the item holds the text, and no summary.
     plain = responses.create(model=MODEL_ID, input=ASK[0]["content"], temperature=0, max_output_tokens=60,
                              text={"format": fmt})

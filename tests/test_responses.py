@@ -139,6 +139,13 @@ def test_a_function_tool_round_trip(client):
     assert final.status == "completed" and [item.type for item in final.output] == ["function_call"]
     assert arguments == done[0].arguments == final.output[0].arguments
     jsonschema.validate(json.loads(arguments), SCHEMA)
+    # The SDK's stream helper, which assembles the response from the events, gets the same.
+    with client.responses.stream(model=MODEL_ID, input=ASK, temperature=0, tools=[WEATHER], max_output_tokens=60,
+                                 tool_choice={"type": "function", "name": "get_weather"},
+                                 parallel_tool_calls=False) as stream:
+        kinds = [event.type for event in stream]
+        helped = stream.get_final_response()
+    assert helped.output[0].arguments == arguments and "response.function_call_arguments.done" in kinds
 
 
 def test_previous_response_id_continues_a_stored_response(client):
