@@ -79,7 +79,8 @@ class Plan:
         self.service, self.body = service, body
         self.id = "resp_" + uuid.uuid4().hex
         self.created_at = int(time.time())
-        self.origins = []  # each chat message's place in the request, for error messages
+        # Each chat message's place in the request, and each of its tool calls', for error messages.
+        self.origins, self.call_origins = [], {}
         self.stream = boolean(body, "stream")
         self.store = boolean(body, "store", True)
         self.summary = False
@@ -168,6 +169,7 @@ class Plan:
         messages = []
         for number, item in enumerate(items):
             kind = item.get("type", "message")
+            where = f"input[{number}]" if label == "input" else label
             if kind == "message":
                 messages.append({"role": item["role"], "content": item_text(item, "")})
             elif kind == "function_call":
@@ -175,13 +177,15 @@ class Plan:
                         "function": {"name": item["name"], "arguments": item["arguments"]}}
                 if messages and messages[-1]["role"] == "assistant":
                     messages[-1].setdefault("tool_calls", []).append(call)
+                    self.call_origins.setdefault(len(self.origins) - 1, []).append(where)
                     continue
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                self.call_origins[len(self.origins)] = [where]
             elif kind == "function_call_output":
                 messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
             else:
                 continue
-            self.origins.append(f"input[{number}]" if label == "input" else label)
+            self.origins.append(where)
         return messages
 
     def error(self, error):
@@ -190,7 +194,9 @@ class Plan:
         first = re.search(r"messages\[(\d+)\]", error.message)
         if param == "input" and first and self.origin(int(first.group(1))) == "instructions":
             param = "instructions"
-        text = re.sub(r"messages\[(\d+)\]", lambda found: self.origin(int(found.group(1))), error.message)
+        text = re.sub(r"messages\[(\d+)\]\.tool_calls\[(\d+)\](\.function)?", lambda found: self.call_origin(
+            int(found.group(1)), int(found.group(2))), error.message)
+        text = re.sub(r"messages\[(\d+)\]", lambda found: self.origin(int(found.group(1))), text)
         for chat_name in ("max_tokens", "max_completion_tokens", "response_format"):
             text = re.sub(rf"\b{chat_name}\b", PARAMS[chat_name], text)
         # The field, not the template's variable of that name ("... does not read reasoning_effort")
@@ -204,6 +210,10 @@ class Plan:
 
     def origin(self, number):
         return self.origins[number] if number < len(self.origins) else f"input (message {number})"
+
+    def call_origin(self, number, call):
+        calls = self.call_origins.get(number, [])
+        return calls[call] if call < len(calls) else f"{self.origin(number)} (call {call})"
 
     #
     # The response

@@ -241,6 +241,18 @@ def test_an_agent_calls_its_tool_and_answers(served):
     ({"input": [{"role": "tool", "content": "x"}]}, "input", 400, "input[0].role \"tool\" is not supported"),
     ({"input": [{"type": "function_call_output", "call_id": "call_1", "output": "x"}]}, "input", 400,
      "input[0]: tool_call_id 'call_1' answers no tool call"),
+    # The chat path's messages[i] named as the item it came from (a call joins the assistant text before it).
+    ({"instructions": "Be brief.", "input": [
+        {"role": "user", "content": ASK}, {"role": "assistant", "content": "Let me look."},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"},
+        {"type": "function_call_output", "call_id": "call_2", "output": "x"}], "tools": [WEATHER]}, "input", 400,
+     "input[3]: tool_call_id 'call_2' answers no tool call"),
+    ({"input": [{"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "[1]"}],
+      "tools": [WEATHER]}, "input", 400, "input[0].arguments must be a JSON object"),
+    ({"input": [{"role": "user", "content": ASK}, {"role": "assistant", "content": "Let me look."},
+                {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"},
+                {"type": "function_call", "call_id": "call_2", "name": "get_weather", "arguments": "{"}],
+      "tools": [WEATHER]}, "input", 400, "input[3].arguments is not valid JSON"),
     ({"input": []}, "input", 400, "non-empty"),
     ({"instructions": 3}, "instructions", 400, "instructions must be a string"),
     ({"max_output_tokens": 10**6}, "max_output_tokens", 400, "max_output_tokens (1000000) exceeds"),
