@@ -6,6 +6,7 @@ tokens."""
 import asyncio
 import json
 import os
+import time
 
 import jsonschema
 import openai
@@ -46,6 +47,7 @@ def served(checkpoint):
     loaded = load(checkpoint, device=torch.device("cpu"))
     app, engine = build(loaded, ServeOptions(model_id=MODEL_ID, max_batch=8))
     live = LiveServer(app)
+    live.engine = engine
     yield live
     live.stop()
     engine.close()
@@ -290,4 +292,20 @@ def test_a_stream_that_fails_ends_with_its_error_and_response_failed(served, cli
         events = list(create(client, max_output_tokens=4, stream=True))
     assert [event.type for event in events[-2:]] == ["error", "response.failed"]
     assert "a bug" in events[-2].message and events[-1].response.error.code == "server_error"
+    assert create(client, max_output_tokens=2).output_text  # the server goes on
+
+
+def test_a_client_dropping_mid_stream_frees_its_rows(served, client):
+    import httpx
+
+    body = {"model": MODEL_ID, "input": ASK, "max_output_tokens": 2000, "temperature": 0, "stream": True}
+    with httpx.stream("POST", served.url + "/v1/responses", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line == "event: response.output_text.delta":
+                break  # the first token came: hang up
+    for _ in range(50):  # a second, where the whole reply takes several
+        if not served.engine.rows:
+            break
+        time.sleep(0.02)
+    assert not served.engine.rows
     assert create(client, max_output_tokens=2).output_text  # the server goes on
