@@ -35,6 +35,7 @@ ITEM_KEYS = {
 }
 TOOL_KEYS = {"type", "name", "description", "parameters", "strict"}
 SUMMARIES = ("auto", "concise", "detailed")
+LOGPROBS = "message.output_text.logprobs"
 # The chat path's field names, as the Responses request names them.
 PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
           "response_format": "text.format", "reasoning_effort": "reasoning.effort"}
@@ -89,9 +90,7 @@ class Plan:
 
     def read(self):
         body = self.body
-        if present(body, "include") and body["include"] != []:
-            raise APIError(f"include {shown(body['include'])} is not supported: this server produces none of the "
-                           "optional outputs", "include")
+        self.logprobs = read_include(body) or present(body, "top_logprobs")
         # At their defaults only: a prompt past the context is refused, never cut; requests run in the foreground.
         for name, default in (("truncation", "disabled"), ("background", False)):
             if present(body, name) and not (type(body[name]) is type(default) and body[name] == default):
@@ -141,10 +140,24 @@ class Plan:
         effort = self.read_reasoning(body)
         if effort is not None:
             chat["reasoning_effort"] = effort
+        if self.logprobs:
+            self.check_logprobs(chat)
+            chat["logprobs"] = True
+            chat["top_logprobs"] = given(body, "top_logprobs", 0)
         if self.stream:
             chat["stream"] = True
             chat["stream_options"] = {"include_usage": True}
         return chat
+
+    def check_logprobs(self, chat):
+        """Log-probabilities go with the message's text: a reply that may hold calls, or a thinking model's block,
+        would mix their tokens in."""
+        name = "include" if present(self.body, "include") else "top_logprobs"
+        if chat.get("tools") and chat.get("tool_choice") != "none":
+            raise APIError(f"{name}: log-probabilities with tools are not supported by this server", name)
+        if self.service.delimiters is not None:
+            raise APIError(f"{name}: log-probabilities of a thinking model's reply are not supported by this "
+                           "server", name)
 
     def read_reasoning(self, body):
         if not present(body, "reasoning"):
@@ -235,7 +248,8 @@ class Plan:
             "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
             "store": self.store, "temperature": given(body, "temperature", 1.0), "text": text,
             "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
-            "top_p": given(body, "top_p", 1.0), "truncation": "disabled", "usage": usage, "user": body.get("user"),
+            "top_p": given(body, "top_p", 1.0), "top_logprobs": body.get("top_logprobs"), "truncation": "disabled",
+            "usage": usage, "user": body.get("user"),
             **({"completed_at": int(time.time())} if status == "completed" else {}),
         }
 
@@ -261,6 +275,20 @@ class Plan:
 
 def given(body, name, default):
     return body[name] if present(body, name) else default
+
+
+def read_include(body):
+    """Whether include asks for the message's log-probabilities, the one optional output produced here."""
+    if not present(body, "include"):
+        return False
+    include = body["include"]
+    if not isinstance(include, list) or not all(isinstance(value, str) for value in include):
+        raise APIError("include must be a list of strings", "include")
+    other = [value for value in include if value != LOGPROBS]
+    if other:
+        raise APIError(f"include {shown(other[0])} is not supported: this server produces only {LOGPROBS}",
+                       "include")
+    return bool(include)
 
 
 def read_metadata(body):
@@ -411,6 +439,7 @@ class Output:
     def __init__(self, plan):
         self.plan, self.items, self.open, self.calls = plan, [], None, {}
         self.sequence = 0
+        self.pending = []  # log-probabilities of tokens whose text the chat path holds back yet
 
     def event(self, kind, **fields):
         event = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -446,7 +475,7 @@ class Output:
                                      delta=text))
         return events
 
-    def text(self, text):
+    def text(self, text, logprobs=()):
         events = []
         if self.open is None or self.open["type"] != "message":
             events += self.close()
@@ -455,9 +484,11 @@ class Output:
             self.open["content"].append({"type": "output_text", "text": "", "annotations": [], "logprobs": []})
             events.append(self.event("response.content_part.added", **self.where(), content_index=0,
                                      part={"type": "output_text", "text": "", "annotations": [], "logprobs": []}))
+        items, self.pending = self.pending + list(logprobs), []
         self.open["content"][0]["text"] += text
+        self.open["content"][0]["logprobs"] += items
         events.append(self.event("response.output_text.delta", **self.where(), content_index=0, delta=text,
-                                 logprobs=[]))
+                                 logprobs=delta_logprobs(items)))
         return events
 
     def call(self, delta):
@@ -494,8 +525,10 @@ class Output:
                                          part=dict(item["summary"][0])))
         elif item["type"] == "message":
             part = item["content"][0]
+            part["logprobs"] += self.pending
+            self.pending = []
             events.append(self.event("response.output_text.done", **where, content_index=0, text=part["text"],
-                                     logprobs=[]))
+                                     logprobs=delta_logprobs(part["logprobs"])))
             events.append(self.event("response.content_part.done", **where, content_index=0, part=dict(part)))
         else:
             events.append(self.event("response.function_call_arguments.done", **where, name=item["name"],
@@ -509,23 +542,33 @@ class Output:
         events = []
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
+            logprobs = (choice.get("logprobs") or {}).get("content") or []
             if delta.get("reasoning_content"):
                 events += self.reasoning(delta["reasoning_content"])
             if delta.get("content"):
-                events += self.text(delta["content"])
+                events += self.text(delta["content"], logprobs)
+            else:
+                self.pending += logprobs
             for call in delta.get("tool_calls") or []:
                 events += self.call(call)
         return events
 
-    def message(self, message):
-        """A plain reply's message, through the same pieces as a stream's."""
+    def message(self, message, logprobs=None):
+        """A plain reply's message (and its tokens' log-probabilities), through the same pieces as a stream's."""
         if message.get("reasoning_content"):
             self.reasoning(message["reasoning_content"])
         content = message.get("content")
         if content or (content is not None and not message.get("tool_calls")):
-            self.text(content)
+            self.text(content, logprobs or ())
         for index, call in enumerate(message.get("tool_calls") or []):
             self.call({"index": index, "id": call["id"], "function": call["function"]})
+
+
+def delta_logprobs(items):
+    """The chat path's log-probability items as a stream event carries them (without bytes)."""
+    return [{"token": item["token"], "logprob": item["logprob"],
+             "top_logprobs": [{"token": top["token"], "logprob": top["logprob"]} for top in item["top_logprobs"]]}
+            for item in items]
 
 
 def status_of(finish_reason):
@@ -549,7 +592,7 @@ async def create_response(service, http_request, body):
             return respond(None)
         choice = result["choices"][0]
         output = Output(plan)
-        output.message(choice["message"])
+        output.message(choice["message"], (choice.get("logprobs") or {}).get("content"))
         status = status_of(choice["finish_reason"])
         output.close("incomplete" if status == "incomplete" else "completed")
         response = plan.response(status, output.items, plan.usage(result["usage"], output.items),

@@ -65,12 +65,12 @@ EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_generation_prompt", "add_special_tokens", "tools",
                    "tool_choice", "parallel_tool_calls"}
 DETOKENIZE_FIELDS = {"model", "tokens"}
-# OpenAI's fields of /v1/responses that rungen/responses.py honours or checks (include, truncation and background
-# only at their defaults).
+# OpenAI's fields of /v1/responses that rungen/responses.py honours or checks (truncation and background only at
+# their defaults).
 RESPONSE_FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text",
                    "temperature", "top_p", "max_output_tokens", "reasoning", "store", "previous_response_id",
-                   "metadata", "user", "safety_identifier", "prompt_cache_key", "stream", "include", "truncation",
-                   "background"}
+                   "metadata", "user", "safety_identifier", "prompt_cache_key", "stream", "include", "top_logprobs",
+                   "truncation", "background"}
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 

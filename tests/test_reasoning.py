@@ -324,3 +324,7 @@ def test_a_response_gives_the_block_as_a_reasoning_item_and_the_answer_as_the_me
     plain = responses.create(model=MODEL_ID, input=ASK[0]["content"], temperature=0, max_output_tokens=60,
                              text={"format": fmt})
     assert plain.output[0].summary == [] and plain.output[0].content[0].text == chat_reply.reasoning_content
+    # Log-probabilities would mix the block's tokens with the answer's: refused.
+    with pytest.raises(openai.BadRequestError) as caught:
+        responses.create(model=MODEL_ID, input="Hi", max_output_tokens=2, include=["message.output_text.logprobs"])
+    assert caught.value.body["param"] == "include" and "thinking model" in caught.value.body["message"]

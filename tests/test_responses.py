@@ -100,6 +100,26 @@ def test_a_stream_sends_the_events_in_order_and_its_deltas_make_the_text(client)
     assert events[-2].item.id == events[2].item.id == final.output[0].id
 
 
+def test_the_message_texts_log_probabilities(client):
+    asked = dict(max_output_tokens=6, include=["message.output_text.logprobs"], top_logprobs=2)
+    response = create(client, **asked)
+    chat = client.chat.completions.create(model=MODEL_ID, temperature=0, max_tokens=6, logprobs=True, top_logprobs=2,
+                                          messages=[{"role": "user", "content": ASK}])
+    part = response.output[0].content[0]
+    assert [(item.token, item.logprob, item.bytes) for item in part.logprobs] == \
+        [(item.token, item.logprob, item.bytes) for item in chat.choices[0].logprobs.content]
+    assert len(part.logprobs) == 6 and all(len(item.top_logprobs) == 2 for item in part.logprobs)
+    assert response.top_logprobs == 2
+    events = list(create(client, stream=True, **asked))
+    streamed = [item for event in events if event.type == "response.output_text.delta" for item in event.logprobs]
+    done = next(event for event in events if event.type == "response.output_text.done")
+    def pairs(items):
+        return [(item.token, item.logprob) for item in items]
+
+    assert pairs(streamed) == pairs(done.logprobs) == pairs(part.logprobs)
+    assert create(client, max_output_tokens=2).output[0].content[0].logprobs == []  # not asked for
+
+
 def test_json_schema_output_is_valid_and_the_stream_helper_gets_the_final_response(client):
     fmt = {"type": "json_schema", "name": "city", "schema": SCHEMA, "strict": True}
     response = create(client, text={"format": fmt}, max_output_tokens=60)
@@ -231,6 +251,9 @@ def test_an_agent_calls_its_tool_and_answers(served):
     ({"stop": ["x"]}, "stop", 400, "stop is not supported"),
     ({"background": True}, "background", 400, "background true is not supported"),
     ({"include": ["reasoning.encrypted_content"]}, "include", 400, "not supported"),
+    ({"include": ["message.output_text.logprobs"], "tools": [WEATHER]}, "include", 400,
+     "log-probabilities with tools are not supported"),
+    ({"top_logprobs": 21}, "top_logprobs", 400, "top_logprobs must be in [0, 20]"),
     ({"truncation": "auto"}, "truncation", 400, "not supported"),
     ({"tools": [{"type": "web_search"}]}, "tools", 400, "only function tools are supported, got type \"web_search\""),
     ({"tools": [dict(WEATHER, defer_loading=True)]}, "tools", 400, "tools[0].defer_loading is not supported"),
