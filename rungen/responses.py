@@ -50,13 +50,13 @@ def store_of(service):
 
 
 class Store:
-    """Stored responses, least recently used out: id -> (the conversation's items, the response object)."""
+    """Stored responses, least recently used out: id -> the conversation's items (its input and output)."""
 
     def __init__(self, limit=MAX_STORED_RESPONSES):
         self.limit, self.held = limit, collections.OrderedDict()
 
-    def put(self, response_id, items, response):
-        self.held[response_id] = (items, response)
+    def put(self, response_id, items):
+        self.held[response_id] = items
         self.held.move_to_end(response_id)
         while len(self.held) > self.limit:
             self.held.popitem(last=False)
@@ -107,7 +107,7 @@ class Plan:
             if found is None:
                 raise APIError(f"Previous response with id {shown(previous)} not found.", "previous_response_id",
                                status=404, code="previous_response_not_found")
-            self.history = found[0]
+            self.history = found
         self.input = read_input(body)
         messages = []
         if present(body, "instructions"):
@@ -152,7 +152,7 @@ class Plan:
     def check_logprobs(self, chat):
         """Log-probabilities go with the message's text: a reply that may hold calls, or a thinking model's block,
         would mix their tokens in."""
-        name = "include" if present(self.body, "include") else "top_logprobs"
+        name = "include" if self.body.get("include") else "top_logprobs"
         if chat.get("tools") and chat.get("tool_choice") != "none":
             raise APIError(f"{name}: log-probabilities with tools are not supported by this server", name)
         if self.service.delimiters is not None:
@@ -269,8 +269,7 @@ class Plan:
     def keep(self, response):
         """Stores a finished response (with store: true) for a later previous_response_id."""
         if self.store and response["status"] in ("completed", "incomplete"):
-            items = self.history + self.input + [item for item in response["output"]]
-            store_of(self.service).put(self.id, items, response)
+            store_of(self.service).put(self.id, self.history + self.input + list(response["output"]))
 
 
 def given(body, name, default):

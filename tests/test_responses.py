@@ -332,3 +332,15 @@ def test_a_client_dropping_mid_stream_frees_its_rows(served, client):
         time.sleep(0.02)
     assert not served.engine.rows
     assert create(client, max_output_tokens=2).output_text  # the server goes on
+
+
+def test_the_store_drops_the_least_recently_used():
+    from rungen.responses import MAX_STORED_RESPONSES, Store
+
+    store = Store(limit=2)
+    store.put("resp_a", ["a"])
+    store.put("resp_b", ["b"])
+    assert store.get("resp_a") == ["a"]  # used: now the most recent
+    store.put("resp_c", ["c"])
+    assert store.get("resp_b") is None and store.get("resp_a") == ["a"] and store.get("resp_c") == ["c"]
+    assert Store().limit == MAX_STORED_RESPONSES == 256  # the figure docs/server.md gives
