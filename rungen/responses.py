@@ -212,6 +212,11 @@ class Plan:
         text = re.sub(r"messages\[(\d+)\]", lambda found: self.origin(int(found.group(1))), text)
         for chat_name in ("max_tokens", "max_completion_tokens", "response_format"):
             text = re.sub(rf"\b{chat_name}\b", PARAMS[chat_name], text)
+        text = text.replace("text.format.json_schema.", "text.format.")  # the schema sits in the format itself
+        if param == "text.format":  # the constraint's compiler names the command line's flag
+            text = re.sub(r"^--json_schema: ", "text.format.schema: ", text)
+        if param == "input":
+            text = text.replace("tool_call_id", "call_id")
         # The field, not the template's variable of that name ("... does not read reasoning_effort")
         text = re.sub(r"^reasoning_effort\b", "reasoning.effort", text)
         if param == "tools":
