@@ -25,7 +25,7 @@ MAX_METADATA_PAIRS = 16  # OpenAI's limits on metadata: 16 pairs, keys of 64 cha
 ROLES = {"user", "system", "developer", "assistant"}
 MESSAGE_KEYS = {"type", "role", "content", "id", "status"}
 PART_KEYS = {"type", "text", "annotations", "logprobs"}
-TEXT_PARTS = {"input_text", "output_text"}
+TEXT_PARTS = ("input_text", "output_text")
 ITEM_KEYS = {
     "function_call": {"type", "call_id", "name", "arguments", "id", "status"},
     "function_call_output": {"type", "call_id", "output", "id", "status"},
@@ -320,9 +320,11 @@ def read_input(body):
         if not isinstance(item, dict):
             raise APIError(f"{where} must be an object", "input")
         kind = item.get("type", "message")
+        if not isinstance(kind, str):
+            raise APIError(f"{where}.type must be a string, got {shown(kind)}", "input")
         if kind == "message":
             keys = MESSAGE_KEYS
-            if item.get("role") not in ROLES:
+            if not isinstance(item.get("role"), str) or item["role"] not in ROLES:
                 raise APIError(f"{where}.role {shown(item.get('role'))} is not supported (roles: "
                                f"{', '.join(sorted(ROLES))})", "input")
             item_text(item, where)
@@ -353,8 +355,8 @@ def item_text(item, where):
     if isinstance(content, list):
         texts = []
         for number, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"),
-                                                                                                 str):
+            if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS \
+                    or not isinstance(part.get("text"), str):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise APIError(f"{where}.content[{number}]: only input_text and output_text parts are supported, "
                                f"got {shown(kind)}", "input")

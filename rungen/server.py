@@ -258,7 +258,7 @@ def read_messages(body):
         if not isinstance(message, dict):
             raise APIError(f"messages[{number}] must be an object", "messages")
         role = message.get("role")
-        if role not in CHAT_ROLES:
+        if not isinstance(role, str) or role not in CHAT_ROLES:  # a list or an object cannot be looked up
             raise APIError(f"messages[{number}].role {shown(role)} is not supported (roles: "
                            f"{', '.join(sorted(CHAT_ROLES))})", "messages")
         extra = sorted(key for key in message if key not in ("role", "content", "tool_calls", "tool_call_id")

@@ -348,6 +348,9 @@ def send_anything(client, method, target, content, content_type):
 @example(request=("/v1/chat/completions", {"model": MODEL_ID, "messages": [{"role": "user", "content": "Hello"}],
                                            "max_tokens": 3, "repetition_penalty": 2.2250738585e-313},
                   {"repetition_penalty"}))
+# a role that is a list was looked up in a set (unhashable: a 500): found at length on /v1/responses
+@example(request=(CHAT, {"model": MODEL_ID, "messages": [{"role": [], "content": "Hello"}], "max_tokens": 3},
+                  {"messages"}))
 def test_any_field_holding_any_json_value(client, request):
     send_json_request(client, request)
 
@@ -355,6 +358,10 @@ def test_any_field_holding_any_json_value(client, request):
 @seed(20261128)
 @settings(FAST, max_examples=100)
 @given(request=json_requests([route for route in VALID if route[0] == RESPONSES]))
+@example(request=(RESPONSES, {"model": MODEL_ID, "input": [{"type": "message", "role": []}], "max_output_tokens": 3},
+                  {"input"}))
+@example(request=(RESPONSES, {"model": MODEL_ID, "input": [{"type": {}, "role": "user", "content": "Hi"}],
+                              "max_output_tokens": 3}, {"input"}))
 def test_any_responses_field_holding_any_json_value(client, request):
     """/v1/responses alone, its items and nested fields (text, reasoning, tools) included."""
     send_json_request(client, request)
