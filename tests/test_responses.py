@@ -132,6 +132,14 @@ def test_json_schema_output_is_valid_and_the_stream_helper_gets_the_final_respon
     assert kinds[-1] == "response.completed" and final.output_text == response.output_text
     json_object = create(client, text={"format": {"type": "json_object"}}, max_output_tokens=60)
     assert isinstance(json.loads(json_object.output_text), dict)
+    # The SDK's parse(), with the schema of a pydantic model.
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        city: str = Field(max_length=8)
+
+    parsed = client.responses.parse(model=MODEL_ID, input=ASK, temperature=0, text_format=City, max_output_tokens=60)
+    assert parsed.status == "completed" and isinstance(parsed.output_parsed, City)
 
 
 def test_a_function_tool_round_trip(client):
