@@ -242,16 +242,24 @@ def test_an_agent_calls_its_tool_and_answers(served):
             pass
         return first, second
 
-    async def both():  # one event loop: the client's connections belong to it
-        return [await run(streamed) for streamed in (False, True)]
+    async def chained(first):
+        """The server's state instead: previous_response_id and the tool's output alone."""
+        return await Runner.run(answerer, [first.new_items[-1].to_input_item()], run_config=config, max_turns=2,
+                                previous_response_id=first.last_response_id)
 
-    for first, second in asyncio.run(both()):
+    async def all_runs():  # one event loop: the client's connections belong to it
+        runs = [await run(streamed) for streamed in (False, True)]
+        return runs, await chained(runs[0][0])
+
+    runs, chained_run = asyncio.run(all_runs())
+    for first, second in runs:
         assert [item.type for item in first.new_items] == ["tool_call_item", "tool_call_output_item"]
         assert first.final_output == "18 C and sunny"
         jsonschema.validate(calls[-1], SCHEMA)
         assert [item.type for item in second.new_items] == ["message_output_item"]
         assert isinstance(second.final_output, Weather)
     assert len(calls) == 2 and calls[0] == calls[1]  # the stream and the plain run: the same greedy call
+    assert chained_run.final_output == runs[0][1].final_output == runs[1][1].final_output
 
 
 @pytest.mark.parametrize("fields,param,status,message", [
