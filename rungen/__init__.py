@@ -26,6 +26,7 @@
     server.py      --serve: the OpenAI-compatible HTTP server (FastAPI + uvicorn; imported only for --serve)
     embeddings.py  the server's /v1/embeddings: last-token pooling of the final hidden states over a padded batch
     messages.py    the server's /v1/messages: Anthropic's Messages API, translated to and from the chat path
+    responses.py   the server's /v1/responses (OpenAI's Responses API) to and from its chat path; the stored responses
     engine.py      the generation engine of the server, the piped prompts and the session: continuous
                    batching, per-row stopping
     sampling.py    the engine's logits processors and sampler over the whole batch on its device

@@ -7,6 +7,7 @@ clients continuously (and runs the embeddings' forward passes between two of its
 
 POST /v1/messages and /v1/messages/count_tokens speak Anthropic's Messages API (rungen/messages.py translates them to
 and from run_chat), and answer every error in Anthropic's shape.
+POST /v1/responses (OpenAI's Responses API) is translated to and from the chat path by rungen/responses.py.
 """
 
 import asyncio
@@ -66,6 +67,12 @@ EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_generation_prompt", "add_special_tokens", "tools",
                    "tool_choice", "parallel_tool_calls"}
 DETOKENIZE_FIELDS = {"model", "tokens"}
+# OpenAI's fields of /v1/responses that rungen/responses.py honours or checks (truncation and background only at
+# their defaults).
+RESPONSE_FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text",
+                   "temperature", "top_p", "max_output_tokens", "reasoning", "store", "previous_response_id",
+                   "metadata", "user", "safety_identifier", "prompt_cache_key", "stream", "include", "top_logprobs",
+                   "truncation", "background"}
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 # Anthropic's Messages API (rungen/messages.py).
 MESSAGES_FIELDS = {"model", "max_tokens", "messages", "system", "stop_sequences", "temperature", "top_p", "top_k",
@@ -257,7 +264,7 @@ def read_messages(body):
         if not isinstance(message, dict):
             raise APIError(f"messages[{number}] must be an object", "messages")
         role = message.get("role")
-        if role not in CHAT_ROLES:
+        if not isinstance(role, str) or role not in CHAT_ROLES:  # a list or an object cannot be looked up
             raise APIError(f"messages[{number}].role {shown(role)} is not supported (roles: "
                            f"{', '.join(sorted(CHAT_ROLES))})", "messages")
         extra = sorted(key for key in message if key not in ("role", "content", "tool_calls", "tool_call_id")
@@ -403,6 +410,15 @@ def create_app(loaded, engine, options):
         check_fields(body, CHAT_FIELDS)
         check_model(body, options.model_id)
         return respond(await run_chat(service, request, body))
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        from .responses import create_response
+
+        body = await read_body(request, options.max_body_bytes, options.body_timeout)
+        check_fields(body, RESPONSE_FIELDS)
+        check_model(body, options.model_id)
+        return await create_response(service, request, body)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -607,7 +623,7 @@ def endpoint_label(path):
     if path in ("/v1/messages", "/v1/messages/count_tokens"):
         return path
     known = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/tokenize", "/detokenize",
-             "/health", "/metrics")
+             "/health", "/metrics", "/v1/responses")
     return path if path in known else "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
 
 
@@ -1145,7 +1161,7 @@ def run(loaded, options):
                             timeout_graceful_shutdown=options.grace + 5, access_log=verbose)
     server = Server(config)
     logger.log(NOTICE, "serving %s on http://%s:%d (OpenAI-compatible: /v1/chat/completions, /v1/completions, "
-               "/v1/embeddings)",
+               "/v1/responses, /v1/embeddings)",
                 options.model_id, options.host, options.port)
     server.run()
     engine.close()

@@ -318,3 +318,85 @@ def test_the_messages_api_thinking_field_reaches_the_template(server, monkeypatc
         client.messages.create(model=MODEL_ID, max_tokens=1024, messages=ASK,
                                thinking={"type": "enabled", "budget_tokens": 1024})
     assert "budget_tokens (1024) must be less than max_tokens (1024)" in caught.value.body["error"]["message"]
+
+
+#
+# /v1/responses: the block as a reasoning item
+#
+
+
+@pytest.fixture(scope="module")
+def closing_server(checkpoint, tmp_path_factory):
+    """A copy of the thinking checkpoint whose model closes its block by itself, greedily: </think>'s output row
+    is another token's (scaled up), the one greedy decoding writes a few tokens into the block, so the reply
+    thinks for a few tokens, closes, and answers. (/v1/responses has no logit_bias to push it.)"""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    path = str(tmp_path_factory.mktemp("closing") / "qwen2")
+    shutil.copytree(checkpoint, path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    text = tokenizer.apply_chat_template(ASK, add_generation_prompt=True, tokenize=False)
+    # A constrained request's prompt: the template's, and the opening <think> (see the grammar test above).
+    prompt = torch.tensor([tokenizer.encode(text, add_special_tokens=False) + [tokenizer.convert_tokens_to_ids(
+        "<think>")]])
+    closing = tokenizer.convert_tokens_to_ids("</think>")
+    for step in range(2, 8):
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+        greedy = model.generate(prompt, max_new_tokens=step + 1, do_sample=False)[0, prompt.shape[1]:].tolist()
+        with torch.no_grad():
+            model.get_output_embeddings().weight[closing] = model.get_output_embeddings().weight[greedy[step]] * 1.5
+        after = model.generate(prompt, max_new_tokens=step + 1, do_sample=False)[0, prompt.shape[1]:].tolist()
+        if closing in after and after.index(closing) >= 2:
+            break
+    else:
+        pytest.fail("no greedy step to close the block at")
+    model.save_pretrained(path)
+    loaded = load(path, device=torch.device("cpu"))
+    app, engine = build(loaded, ServeOptions(model_id=MODEL_ID, max_batch=8))
+    live = LiveServer(app)
+    yield live.url, loaded
+    live.stop()
+    engine.close()
+    engine.abort()
+
+
+def test_a_response_gives_the_block_as_a_reasoning_item_and_the_answer_as_the_message(closing_server):
+    fmt = {"type": "json_schema", "name": "city", "schema": SCHEMA}
+    responses = client(closing_server).responses
+    response = responses.create(model=MODEL_ID, input=ASK[0]["content"], temperature=0, max_output_tokens=60,
+                                text={"format": fmt}, reasoning={"summary": "auto"})
+    chat_reply = chat(closing_server, temperature=0, max_tokens=60, response_format={
+        "type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}).choices[0].message
+    assert response.status == "completed" and [item.type for item in response.output] == ["reasoning", "message"]
+    reasoning, message = response.output
+    assert reasoning.id.startswith("rs_") and chat_reply.reasoning_content
+    assert [part.text for part in reasoning.content] == [part.text for part in reasoning.summary] == \
+        [chat_reply.reasoning_content]
+    assert response.output_text == chat_reply.content and "<think>" not in response.output_text
+    jsonschema.validate(json.loads(response.output_text), SCHEMA)
+    assert 0 < response.usage.output_tokens_details.reasoning_tokens < response.usage.output_tokens
+    # Streamed: the block's deltas as reasoning (and summary) text, then the message's.
+    events = list(responses.create(model=MODEL_ID, input=ASK[0]["content"], temperature=0, max_output_tokens=60,
+                                   text={"format": fmt}, reasoning={"summary": "auto"}, stream=True))
+    kinds = [event.type for event in events]
+    assert kinds.index("response.reasoning_text.delta") < kinds.index("response.output_text.delta")
+    assert "".join(event.delta for event in events if event.type == "response.reasoning_summary_text.delta") == \
+        "".join(event.delta for event in events if event.type == "response.reasoning_text.delta") == \
+        chat_reply.reasoning_content
+    assert events[-1].type == "response.completed" and events[-1].response.output_text == response.output_text
+    with responses.stream(model=MODEL_ID, input=ASK[0]["content"], temperature=0, max_output_tokens=60,
+                          text={"format": fmt}, reasoning={"summary": "auto"}) as stream:
+        assert [event.type for event in stream] == kinds  # the SDK's stream helper takes every event
+        helped = stream.get_final_response()
+    assert helped.output[0].summary[0].text == chat_reply.reasoning_content
+    assert helped.output_text == response.output_text
+    # Without a summary asked for, the item holds the text, and no summary.
+    plain = responses.create(model=MODEL_ID, input=ASK[0]["content"], temperature=0, max_output_tokens=60,
+                             text={"format": fmt})
+    assert plain.output[0].summary == [] and plain.output[0].content[0].text == chat_reply.reasoning_content
+    # Log-probabilities would mix the block's tokens with the answer's: refused.
+    with pytest.raises(openai.BadRequestError) as caught:
+        responses.create(model=MODEL_ID, input="Hi", max_output_tokens=2, include=["message.output_text.logprobs"])
+    assert caught.value.body["param"] == "include" and "thinking model" in caught.value.body["message"]

@@ -28,10 +28,12 @@ TOKENIZE = "/tokenize"
 DETOKENIZE = "/detokenize"
 MESSAGES_API = "/v1/messages"
 COUNT_TOKENS = "/v1/messages/count_tokens"
+RESPONSES = "/v1/responses"
 BASES = {
     CHAT: {"model": MODEL_ID, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3},
     COMPLETIONS: {"model": MODEL_ID, "prompt": "Once upon", "max_tokens": 3},
     MESSAGES_API: {"model": MODEL_ID, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3},
+    RESPONSES: {"model": MODEL_ID, "input": "Hello", "max_output_tokens": 3},
 }
 # (route, a valid request) for every route that takes a body; /tokenize takes a text or a conversation.
 VALID = [*BASES.items(), (EMBEDDINGS, {"model": MODEL_ID, "input": ["Once upon", "a time"]}),
@@ -40,20 +42,26 @@ VALID = [*BASES.items(), (EMBEDDINGS, {"model": MODEL_ID, "input": ["Once upon",
          (COUNT_TOKENS, {"model": MODEL_ID, "messages": BASES[MESSAGES_API]["messages"]}),
          (MESSAGES_API, {**BASES[MESSAGES_API], "system": "Be brief.", "stop_sequences": ["\n"], "stream": True,
                          "tools": [{"name": "f", "input_schema": {"type": "object"}}],
-                         "tool_choice": {"type": "auto"}})]
+                         "tool_choice": {"type": "auto"}}),
+         (RESPONSES, {"model": MODEL_ID, "instructions": "Hi", "max_output_tokens": 3, "input": [
+             {"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Yo"}]}]})]
 FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "n", "stop", "stream",
           "stream_options", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "logit_bias",
           "user", "top_k", "min_p", "repetition_penalty", "ignore_eos", "structured_outputs", "guided_json",
           "guided_regex", "guided_grammar", "grammar", "json_schema", "logprobs", "top_logprobs",
           "response_format", "echo", "best_of", "suffix", "tools", "chat_template_kwargs", "reasoning_effort",
           "functions", "input", "encoding_format", "dimensions", "add_generation_prompt", "add_special_tokens",
-          "tokens", "system", "stop_sequences", "metadata", "tool_choice", "thinking", "nonsense", ""]
+          "tokens", "system", "stop_sequences", "metadata", "tool_choice", "thinking", "instructions",
+          "parallel_tool_calls", "text", "max_output_tokens", "reasoning", "store", "previous_response_id", "include",
+          "truncation", "background", "nonsense", ""]
 # A change to one field may be refused under a field it bears on: the token budget is checked against the
 # prompt and n, best_of against n, top_logprobs needs logprobs, stream_options needs stream; /tokenize takes a
 # prompt or messages, and names prompt when it has both or neither.
 RELATED = {"prompt": {"max_tokens"}, "messages": {"max_tokens", "max_completion_tokens", "prompt"},
            "n": {"max_tokens", "max_completion_tokens", "best_of"}, "echo": {"max_tokens"},
-           "stream": {"stream_options"}, "logprobs": {"top_logprobs"}}
+           "stream": {"stream_options"}, "logprobs": {"top_logprobs"},
+           "input": {"max_output_tokens"}, "instructions": {"max_output_tokens", "input"}}
 ERROR_KINDS = {"invalid_request_error", "not_found_error", "server_error"}
 ANTHROPIC_ERROR_KINDS = {"invalid_request_error", "not_found_error", "request_too_large"}
 
@@ -179,11 +187,30 @@ PLAUSIBLE = {
     "stop_sequences": st.lists(st.text(max_size=3), max_size=20),
     "tool_choice": st.fixed_dictionaries({"type": st.sampled_from(["auto", "any", "tool", "none", "x"])},
                                          optional={"name": st.sampled_from(["f", "g"]) | JSON_VALUES,
-                                                   "disable_parallel_tool_use": JSON_VALUES}),
+                                                   "disable_parallel_tool_use": JSON_VALUES})
+    | st.sampled_from(["auto", "none", "required", {"type": "function", "name": "f"}]) | JSON_VALUES,
     "thinking": st.fixed_dictionaries({"type": st.sampled_from(["enabled", "disabled", "adaptive", "x"])},
                                       optional={"budget_tokens": st.integers(0, 5000) | JSON_VALUES}),
     "metadata": st.dictionaries(st.sampled_from(["user_id", "x"]), JSON_VALUES, max_size=2),
+    # /v1/responses
+    "text": st.fixed_dictionaries({}, optional={"format": st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "json_object", "json_schema", "x"])},
+        optional={"name": JSON_VALUES, "schema": JSON_VALUES, "strict": JSON_VALUES}), "verbosity": JSON_VALUES}),
+    "reasoning": st.dictionaries(st.sampled_from(["effort", "summary", "x"]),
+                                 st.sampled_from(["low", "auto", "concise", None]) | JSON_VALUES, max_size=2),
+    "previous_response_id": st.sampled_from(["resp_x", ""]) | JSON_VALUES,
 }
+PLAUSIBLE["input"] |= st.lists(st.fixed_dictionaries(
+    {"type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning", "x"])},
+    optional={"role": st.sampled_from(["user", "assistant", "system", "developer", "tool"]) | JSON_VALUES,
+              "content": st.text(max_size=10) | st.lists(st.fixed_dictionaries(
+                  {"type": st.sampled_from(["input_text", "output_text", "input_image"]), "text": JSON_VALUES})),
+              "call_id": st.sampled_from(["call_1", ""]) | JSON_VALUES, "name": JSON_VALUES,
+              "arguments": st.sampled_from(["{}", "{", "[]"]) | JSON_VALUES, "output": JSON_VALUES}), max_size=3)
+PLAUSIBLE["tools"] = st.lists(st.fixed_dictionaries(
+    {"type": st.sampled_from(["function", "web_search"]) | JSON_VALUES},
+    optional={"name": st.sampled_from(["f", "get weather"]) | JSON_VALUES, "parameters": JSON_VALUES,
+              "strict": JSON_VALUES, "description": JSON_VALUES, "function": JSON_VALUES}), max_size=2)
 NUMBERS = st.integers(-3, 40) | st.floats(-3, 3) | NON_FINITE | st.integers(-(2**80), 2**80)
 
 
@@ -196,9 +223,9 @@ def field_values(draw, name):
 
 
 @st.composite
-def json_requests(draw):
+def json_requests(draw, valid=tuple(VALID)):
     """(path, body, changed fields): a valid request with one or two fields set to anything, or removed."""
-    path, base = draw(st.sampled_from(VALID))
+    path, base = draw(st.sampled_from(valid))
     body = dict(base)
     changed = draw(st.lists(st.sampled_from(FIELDS), min_size=1, max_size=2, unique=True))
     for name in changed:
@@ -222,7 +249,7 @@ def deep(depth, opener):
 @st.composite
 def raw_bodies(draw):
     """(bytes, what it is): bodies that are not a JSON object in UTF-8 of the allowed size."""
-    path = draw(st.sampled_from([CHAT, COMPLETIONS, MESSAGES_API]))
+    path = draw(st.sampled_from([CHAT, COMPLETIONS, MESSAGES_API, RESPONSES]))
     text = json.dumps(BASES[path])
     kind = draw(st.sampled_from(["truncated", "deep", "bad utf-8", "not an object", "bytes", "oversized",
                                  "empty"]))
@@ -257,8 +284,8 @@ CONTENT_TYPES = st.sampled_from([None, "application/json", "application/json; ch
                                  "application/jsonx", "*/*"])
 TARGETS = st.sampled_from([CHAT, COMPLETIONS, "/v1/models", f"/v1/models/{MODEL_ID}", "/v1/models/other",
                            "/health", "/metrics", "/", "/v1", "/v1/chat/completions/", EMBEDDINGS, TOKENIZE,
-                           DETOKENIZE, "/tokenize/", "/v1/models/%00%ff", "/v1/completions?x=1", "/%2e%2e/etc",
-                           MESSAGES_API, COUNT_TOKENS, "/v1/messages/x", "/v1/messages?beta=true"])
+                           DETOKENIZE, RESPONSES, "/tokenize/", "/v1/models/%00%ff", "/v1/completions?x=1",
+                           "/%2e%2e/etc", MESSAGES_API, COUNT_TOKENS, "/v1/messages/x", "/v1/messages?beta=true"])
 METHODS = st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"])
 
 
@@ -283,11 +310,18 @@ def check_answer(status, headers, content, changed=None, path=""):
         assert error["param"] is None or isinstance(error["param"], str), body
         if changed is not None and status != 413:
             named = set(changed).union(*(RELATED.get(name, ()) for name in changed))
-            assert error["param"] in named, (sorted(changed), error)
+            # /v1/responses names a part of a field where it has one: text.format, reasoning.effort
+            assert error["param"] in named or (error["param"] or "").split(".")[0] in named, (sorted(changed), error)
         return error
     if headers.get("content-type", "").startswith("text/event-stream"):
         events = [line for line in content.decode().split("\n") if line]
-        assert events[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in events), events[-3:]
+        if events[0].startswith("event: "):  # /v1/responses: named events, the last one the response's end
+            assert all(line.startswith(("event: ", "data: ")) for line in events), events[-3:]
+            last = json.loads(events[-1][len("data: "):])
+            assert last["type"] in ("response.completed", "response.incomplete", "response.failed"), events[-3:]
+            assert events[-2] == "event: " + last["type"], events[-3:]
+        else:
+            assert events[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in events), events[-3:]
     return None
 
 
@@ -338,7 +372,7 @@ def send_raw_body(client, request, content_type):
     check_answer(status, answer_headers, answer, path=path)
     assert status in (400, 413), (kind, status, answer[:200])
     assert status == 413 or path == MESSAGES_API or \
-        json.loads(answer)["error"]["param"] in (None, "model", "messages", "prompt", "stop", "x")
+        json.loads(answer)["error"]["param"] in (None, "model", "messages", "prompt", "input", "stop", "x")
 
 
 def send_anything(client, method, target, content, content_type):
@@ -360,7 +394,22 @@ def send_anything(client, method, target, content, content_type):
 @example(request=("/v1/chat/completions", {"model": MODEL_ID, "messages": [{"role": "user", "content": "Hello"}],
                                            "max_tokens": 3, "repetition_penalty": 2.2250738585e-313},
                   {"repetition_penalty"}))
+# a role that is a list was looked up in a set (unhashable: a 500): found at length on /v1/responses
+@example(request=(CHAT, {"model": MODEL_ID, "messages": [{"role": [], "content": "Hello"}], "max_tokens": 3},
+                  {"messages"}))
 def test_any_field_holding_any_json_value(client, request):
+    send_json_request(client, request)
+
+
+@seed(20261128)
+@settings(FAST, max_examples=100)
+@given(request=json_requests([route for route in VALID if route[0] == RESPONSES]))
+@example(request=(RESPONSES, {"model": MODEL_ID, "input": [{"type": "message", "role": []}], "max_output_tokens": 3},
+                  {"input"}))
+@example(request=(RESPONSES, {"model": MODEL_ID, "input": [{"type": {}, "role": "user", "content": "Hi"}],
+                              "max_output_tokens": 3}, {"input"}))
+def test_any_responses_field_holding_any_json_value(client, request):
+    """/v1/responses alone, its items and nested fields (text, reasoning, tools) included."""
     send_json_request(client, request)
 
 
