@@ -45,11 +45,13 @@ from .ggml import (
     SUPPORTED,
     X8,
     GGMLLinear,
+    TinyGemmLinear,
     dequantize,
     dequantize_to,
     interleavable,
     interleaved_row_bytes,
     native_kernels,
+    tinygemm_agrees,
 )
 
 logger = logging.getLogger("run_generation")
@@ -501,6 +503,7 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
             embedding = model.get_input_embeddings()
             tied_embedding = next(n for n, m in model.named_modules() if m is embedding)
     scratch = np.empty(READ_CHUNK, dtype=np.uint8)  # read_interleaved's buffer, for every weight
+    int4 = [None]  # on a GPU, whether 4-bit weights take torch's int4 kernel: None until the first is checked
     collected = {"tensors": {}}  # what processors that merge or split tensors (MoE experts) leave
     biases = {}  # module name -> bias, given to the layer that ends up there
     layers = {}  # module name -> the layer that replaces the model's own
@@ -546,6 +549,21 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
             _check_shape(header.path, name, module, attr,
                          (in_features, shape[0]) if isinstance(module, Conv1D) else (shape[0], in_features))
             order = _row_permutation(processor, name, shape[0])
+            if on_device and order is not False and isinstance(module, torch.nn.Linear) and int4[0] is not False \
+                    and TinyGemmLinear.takes(qtype, in_features, dtype, device):
+                layer = TinyGemmLinear.of_blocks(torch.from_numpy(blocks), qtype, in_features, device,
+                                                 None if order is None else order)
+                if int4[0] is None:  # the first: checked against its de-quantized weight before any is trusted
+                    weight = dequantize_to(blocks, qtype, in_features, dtype, device)
+                    weight = weight if order is None else weight[torch.from_numpy(order).to(device)]
+                    int4[0] = tinygemm_agrees(layer, weight)
+                    if not int4[0]:
+                        logger.warning("torch's int4 GPU kernel disagrees with the de-quantized weights here; the "
+                                       "4-bit weights run de-quantized to bfloat16 instead")
+                        _set_tensor(model, hf_name, weight)
+                        continue
+                layers[module_name] = layer
+                continue
             if on_device and order is not False:
                 weight = dequantize_to(blocks, qtype, in_features, dtype, device)
                 if order is not None:
@@ -580,6 +598,10 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
     for hf_name, value in collected["tensors"].items():
         _set_tensor(model, hf_name, value.to(device, dtype))
     if on_device:
+        for module_name, layer in layers.items():  # the 4-bit weights in torch's int4 packing
+            bias = model.get_submodule(module_name).bias
+            layer.bias = bias if bias is not None and bias.device.type != "meta" else None
+            model.set_submodule(module_name, layer)
         _tie_head(model, config)
         return _finish_built(header, model, device)
 

@@ -259,6 +259,27 @@ def test_a_checkpoint_and_a_gguf_file_default_to_half_precision_on_cuda(checkpoi
 
 
 @needs_cuda
+def test_a_4_bit_gguf_file_keeps_its_codes_on_the_gpu(gguf_file):
+    # In bfloat16 (the default) its Q4_0 matrices take torch's int4 kernel (checked once a load against their
+    # de-quantized weights: a disagreement would leave them de-quantized, and this test failing), about a quarter of
+    # the bytes, and compute what the float32 de-quantized model does to bfloat16 rounding.
+    from rungen.ggml import TinyGemmLinear
+    from rungen.loading import load
+
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("torch's int4 kernel needs Ampere or later")
+    int4, exact = load(gguf_file, device=DEVICE), load(gguf_file, device=DEVICE, dtype="float32")
+    layers = [m for m in int4.model.modules() if isinstance(m, TinyGemmLinear)]
+    assert len(layers) == 2 * 7, "the Q4_0 matrices run de-quantized"
+    held = sum(b.numel() * b.element_size() for m in layers for b in (m.packed, m.scales_and_zeros))
+    assert held < 0.35 * sum(2 * m.out_features * m.in_features for m in layers)
+    ids = torch.tensor([exact.tokenizer(PROMPTS[1]).input_ids], device=DEVICE)
+    with torch.inference_mode():
+        ours, theirs = int4.model(input_ids=ids).logits.float(), exact.model(input_ids=ids).logits
+    assert (ours - theirs).abs().max() <= 0.05 * theirs.abs().max()
+
+
+@needs_cuda
 @pytest.mark.parametrize("flag", [["--quantize", "int8"], ["--quantize", "int4"], ["--jit"]])
 def test_cpu_only_flags_are_refused_on_cuda_in_one_line(checkpoint, flag):
     result = run_main(["--model_name_or_path", checkpoint, "--prompt", "Hello", "--length", "4", *flag])

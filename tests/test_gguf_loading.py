@@ -491,3 +491,43 @@ def test_the_accelerator_form_takes_types_the_kernels_do_not_run(tokenizer_field
     batch = header.tokenizer(PROMPTS[:1], return_tensors="pt")
     with torch.no_grad():
         torch.testing.assert_close(model(**batch).logits, reference(**batch).logits, rtol=1e-5, atol=1e-5)
+
+
+def cpu_int4pack(pairs, inner_k_tiles, swapped=False):
+    """torch's CUDA int4 packing stood in for by the CPU's: the codes two a byte as torchao packs them for it (the
+    even column in the high nibble), unpacked for _convert_weight_to_int4pack_for_cpu."""
+    high, low = (pairs >> 4).to(torch.int32), (pairs & 15).to(torch.int32)
+    codes = torch.stack([low, high] if swapped else [high, low], dim=-1).reshape(pairs.shape[0], -1)
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, inner_k_tiles)
+
+
+def test_4_bit_weights_keep_their_codes_on_a_gpu(loaded, monkeypatch, caplog):
+    # On a CUDA GPU Q4_0/Q4_1/Q4_K weights take torch's int4 kernel (about the file's bytes, not 3.5x them), the
+    # others are de-quantized. Here the CUDA kernel is stood in for by the CPU's (the packing's nibble order is the
+    # GPU's own to check: tinygemm_agrees does once a load, and tests/test_cuda.py).
+    from rungen.ggml import INT4_TYPES, TinyGemmLinear
+
+    monkeypatch.setattr(TinyGemmLinear, "takes", staticmethod(lambda qtype, k, dtype, device: qtype in INT4_TYPES))
+    monkeypatch.setattr(torch.ops.aten, "_convert_weight_to_int4pack", cpu_int4pack)
+    monkeypatch.setattr(torch.ops.aten, "_weight_int4pack_mm", torch.ops.aten._weight_int4pack_mm_for_cpu)
+    header, _, reference = loaded["mixed_tied"]
+    batch = header.tokenizer(PROMPTS[:2], return_tensors="pt", padding=True)
+    real = batch["attention_mask"].bool()
+    with torch.no_grad():
+        theirs = reference(**batch).logits
+        model = build_model(header, torch.bfloat16, torch.device("cpu"))
+        int4 = {m.out_features: m for m in model.modules() if isinstance(m, TinyGemmLinear)}
+        assert len([m for m in model.modules() if isinstance(m, TinyGemmLinear)]) == 6  # MIXED's Q4_0/Q4_1/Q4_K
+        assert all(m.packed.dtype != torch.float32 and m.scales_and_zeros.dtype == torch.bfloat16
+                   for m in int4.values())
+        ours = model(**batch).logits.float()
+        assert (ours - theirs)[real].abs().max() <= 0.05 * theirs[real].abs().max()
+        # A packing the kernel reads otherwise is caught before any weight is trusted: all run de-quantized.
+        monkeypatch.setattr(torch.ops.aten, "_convert_weight_to_int4pack",
+                            lambda pairs, tiles: cpu_int4pack(pairs, tiles, swapped=True))
+        with caplog.at_level(logging.WARNING, logger="run_generation"):
+            model = build_model(header, torch.bfloat16, torch.device("cpu"))
+        assert not [m for m in model.modules() if isinstance(m, TinyGemmLinear)]
+        assert "int4 GPU kernel disagrees" in caplog.text
+        ours = model(**batch).logits.float()
+        assert (ours - theirs)[real].abs().max() <= 0.05 * theirs[real].abs().max()
