@@ -1161,8 +1161,8 @@ def run(loaded, options):
                             timeout_graceful_shutdown=options.grace + 5, access_log=verbose)
     server = Server(config)
     logger.log(NOTICE, "serving %s on http://%s:%d (OpenAI-compatible: /v1/chat/completions, /v1/completions, "
-               "/v1/responses, /v1/embeddings)",
-                options.model_id, options.host, options.port)
+               "/v1/responses, /v1/embeddings; Anthropic-compatible: /v1/messages)",
+               options.model_id, options.host, options.port)
     server.run()
     engine.close()
     engine.abort()

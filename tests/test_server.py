@@ -744,7 +744,8 @@ def test_sigterm_under_load_ends_every_stream_and_exits_0(checkpoint, tmp_path):
     # Where it listens and that it shuts down, nothing per request (that is --verbose), no arguments.
     lines = process.stderr.read().decode().splitlines()
     assert lines[0] == f"serving {os.path.basename(checkpoint)} on http://127.0.0.1:{port} (OpenAI-compatible: " \
-        "/v1/chat/completions, /v1/completions, /v1/embeddings)", lines
+        "/v1/chat/completions, /v1/completions, /v1/responses, /v1/embeddings; Anthropic-compatible: " \
+        "/v1/messages)", lines
     assert lines[1:] == ["shutting down: finishing running requests (at most 0 s)"], lines
     assert len(streams) == 4
     for lines in streams:
