@@ -124,8 +124,8 @@ def main(argv=None):
         from rungen.quantize import head_class, quantize_model
 
         layers = quantize_model(loaded.model, args.quantize)
-        logger.info("Quantized %d linear layers to %s (the output head to %s)", layers, args.quantize,
-                    head_class().format)
+        logger.info("Quantized %d linear layers to %s (the output head %s)", layers, args.quantize,
+                    "to " + head_class().format if state.device.type == "cpu" else "as it was")
     if args.jit:
         from rungen.jit import enable_jit  # private torch/transformers APIs: only when asked for
 
@@ -235,10 +235,11 @@ def set_seed(seed: int) -> None:
 
 
 def accelerator_refusal(args, device) -> None:
-    """UsageError for the flags that run on the CPU only, before anything loads."""
-    if args.quantize:
-        raise UsageError(f"--quantize runs on the CPU only (torch's packed int8/int4 kernels); on {device.type} run "
-                         "without it (half precision), or add --use_cpu")
+    """UsageError for the flags that run on the CPU only, before anything loads (--quantize int4 runs on a CUDA GPU
+    through torch's int4 kernel: rungen/quantize.py)."""
+    if args.quantize == "int8":
+        raise UsageError(f"--quantize int8 runs on the CPU only (torch's packed int8 kernel); on {device.type} use "
+                         "--quantize int4 (torch's int4 kernel) or none (half precision), or add --use_cpu")
     if args.jit:
         raise UsageError(f"--jit traces the decode step for TorchScript's CPU Static Runtime; on {device.type} "
                          "drop it, or add --use_cpu")

@@ -243,7 +243,7 @@ def load(model_name_or_path: str | None, *, device: torch.device, model_type: st
     file of the families rungen/gguf_model.py computes runs on that code; False loads transformers' model class (for
     generate() and --jit)."""
     dequantize = dequantize or quantize is not None
-    on_accelerator = device.type != "cpu" and not device_map and quantize is None
+    on_accelerator = device.type != "cpu" and not device_map
     # A GGUF file on an accelerator is de-quantized on its way there (load_gguf_on), --dequantize or not.
     path, load_kwargs = resolve_checkpoint(model_name_or_path, model_type, dequantize and not on_accelerator)
     if "gguf_file" in load_kwargs and on_accelerator:

@@ -24,6 +24,7 @@ import json
 import os
 
 import torch
+from gguf import GGMLQuantizationType
 from transformers.pytorch_utils import Conv1D
 
 from .errors import UsageError
@@ -78,23 +79,28 @@ def head_class() -> type[torch.nn.Module]:
     return Fp16Linear if "fbgemm" in torch.backends.quantized.supported_engines else Int8Linear
 
 
+def int4_groups(weight):
+    """A float weight [out, in] as 4-bit codes [out, in] (int32, 0..15) and per group of GROUP_SIZE inputs a scale
+    (rounded to bfloat16, as the kernels use it) and the group's least value: weight ~ scale * code + least."""
+    weight = weight.detach().float().contiguous()
+    groups = weight.reshape(weight.shape[0], weight.shape[1] // GROUP_SIZE, GROUP_SIZE)
+    low, high = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
+    scales = ((high - low).clamp(min=1e-12) / 15).to(torch.bfloat16).float()
+    codes = torch.round((groups - low) / scales).clamp(0, 15).to(torch.int32).reshape(weight.shape)
+    return codes, scales.squeeze(-1), low.squeeze(-1)
+
+
 class Int4Linear(torch.nn.Module):
     def __init__(self, weight, bias):
         super().__init__()
-        weight = weight.detach().float().contiguous()
         out_features, in_features = weight.shape
         # The packing wants output channels in multiples of 16: pad with zero rows, cut them off the output.
         padded = -out_features % 16
-        weight = torch.nn.functional.pad(weight, (0, 0, 0, padded))
-        groups = weight.reshape(out_features + padded, in_features // GROUP_SIZE, GROUP_SIZE)
-        low, high = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
-        scales = ((high - low).clamp(min=1e-12) / 15).to(torch.bfloat16).float()
-        # The kernel computes (code - 8) * scale + zero: zero is the value of code 8.
-        codes = torch.round((groups - low) / scales).clamp(0, 15).to(torch.int32).reshape(weight.shape)
-        zeros = low + 8 * scales
+        codes, scales, low = int4_groups(torch.nn.functional.pad(weight.detach().float(), (0, 0, 0, padded)))
+        zeros = low + 8 * scales  # the kernel computes (code - 8) * scale + zero: zero is the value of code 8
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, INNER_K_TILES))
         # [in_features / group, out_features, 2]: the layout the kernel reads.
-        scales_and_zeros = torch.stack([scales.squeeze(-1), zeros.squeeze(-1)], dim=-1).transpose(0, 1)
+        scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1)
         self.register_buffer("scales_and_zeros", scales_and_zeros.contiguous().to(torch.bfloat16))
         self.bias = bias
         self.out_features, self.in_features = out_features, in_features
@@ -206,6 +212,31 @@ def _check(mode):
     return Int8Linear if mode == "int8" else Int4Linear
 
 
+def gpu_int4_linear(weight, bias):
+    """--quantize int4 on a CUDA GPU: the weight's 4-bit codes and groups (int4_groups) in torch's int4 packing for
+    its CUDA kernel (rungen.ggml.TinyGemmLinear, as a GGUF file's 4-bit blocks run there), on the weight's device."""
+    from .ggml import TinyGemmLinear
+
+    codes, scales, low = int4_groups(weight)
+    layer = TinyGemmLinear(codes, scales, low, weight.device)
+    layer.bias = bias
+    return layer
+
+
+def gpu_layer_class(mode, device):
+    """The layer --quantize `mode` makes on a GPU (int4: torch's int4 kernel; int8 has none torch maintains for
+    CUDA: refused)."""
+    from .ggml import TinyGemmLinear
+
+    if mode != "int4":
+        raise QuantizeError(f"--quantize {mode} runs on the CPU only; on {device.type} use --quantize int4 "
+                            "(torch's int4 kernel) or no --quantize (bfloat16), or add --use_cpu")
+    if not TinyGemmLinear.takes(GGMLQuantizationType.Q4_0, GROUP_SIZE, torch.bfloat16, device):
+        raise QuantizeError("--quantize int4 on a GPU needs torch's int4 kernel: a CUDA GPU of compute capability "
+                            "8.0 or later (Ampere), with RUN_GENERATION_GPU_INT4 not 0")
+    return gpu_int4_linear
+
+
 def quantize_model(model: torch.nn.Module, mode: str) -> int:
     """Replaces every linear layer (attention, MLP, output head) by its quantized twin, in place, one
     block at a time (each block's float weights are dropped once it is quantized). Returns how many
@@ -214,10 +245,16 @@ def quantize_model(model: torch.nn.Module, mode: str) -> int:
     if getattr(model, "quantized_layers", None):
         return model.quantized_layers
     layer_class = _check(mode)
-    if model.device.type != "cpu":
-        raise QuantizeError(f"--quantize runs on the CPU only (torch's packed int8/int4 kernels); "
-                            f"the model is on {model.device.type}: add --use_cpu")
     targets, head = _targets(model, mode)
+    if model.device.type != "cpu":
+        layer_class = gpu_layer_class(mode, model.device)
+        dtype = next(model.parameters()).dtype
+        if dtype != torch.bfloat16:
+            raise QuantizeError(f"--quantize int4 on a GPU runs in bfloat16; the model is {dtype}: drop --dtype")
+        targets = {module: {name: child for name, child in children.items() if child is not head}
+                   for module, children in targets.items()}
+        targets = {module: children for module, children in targets.items() if children}  # the head keeps its dtype
+        _check_gpu_packing(targets, layer_class)
     count = sum(len(children) for children in targets.values())
     while targets:
         module, children = targets.popitem()
@@ -225,6 +262,22 @@ def quantize_model(model: torch.nn.Module, mode: str) -> int:
         del children
         _quantize_group(module, layers, layer_class, head)
     return count
+
+
+def _check_gpu_packing(targets, layer_class):
+    """QuantizeError where torch's int4 GPU kernel does not multiply a packed weight as its codes say (the packing's
+    nibble order is the one part a CPU cannot check): tried on the first layer before any is replaced."""
+    from .ggml import tinygemm_agrees
+
+    weight = _weight_of(next(iter(next(iter(targets.values())).values())))
+    with torch.no_grad():
+        codes, scales, low = int4_groups(weight)
+        zeros = (low + 8 * scales).to(torch.bfloat16).float()
+        rows, groups = scales.shape
+        exact = ((codes - 8).reshape(rows, groups, GROUP_SIZE) * scales[..., None] + zeros[..., None])
+        if not tinygemm_agrees(layer_class(weight, None), exact.reshape(weight.shape).to(torch.bfloat16)):
+            raise QuantizeError("--quantize int4: torch's int4 kernel on this GPU does not multiply the weights as "
+                                "they were packed; run without --quantize (bfloat16)")
 
 
 def _safetensors_files(path):

@@ -44,8 +44,8 @@ def test_checkpoints_run_in_half_precision_on_cuda(gpu):
 
 
 @pytest.mark.parametrize("flag, message", [
-    (["--quantize", "int8"], "--quantize runs on the CPU only (torch's packed int8/int4 kernels); on cuda run "
-                             "without it (half precision), or add --use_cpu"),
+    (["--quantize", "int8"], "--quantize int8 runs on the CPU only (torch's packed int8 kernel); on cuda use "
+                             "--quantize int4 (torch's int4 kernel) or none (half precision), or add --use_cpu"),
     (["--jit"], "--jit traces the decode step for TorchScript's CPU Static Runtime; on cuda drop it, or add "
                 "--use_cpu"),
 ])

@@ -280,7 +280,27 @@ def test_a_4_bit_gguf_file_keeps_its_codes_on_the_gpu(gguf_file):
 
 
 @needs_cuda
-@pytest.mark.parametrize("flag", [["--quantize", "int8"], ["--quantize", "int4"], ["--jit"]])
+def test_quantize_int4_runs_on_torchs_int4_kernel(checkpoint, monkeypatch):
+    # --quantize int4 on a GPU: every linear layer but the head in torch's int4 packing (checked against its codes
+    # before any layer is replaced), generating as the bfloat16 model roughly does.
+    import rungen.quantize
+    from rungen.ggml import TinyGemmLinear
+
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("torch's int4 kernel needs Ampere or later")
+    models = []
+    quantize_model = rungen.quantize.quantize_model
+    monkeypatch.setattr(rungen.quantize, "quantize_model",
+                        lambda model, mode: (models.append(model), quantize_model(model, mode))[1])
+    result = run_main(["--model_name_or_path", checkpoint, "--prompt", "Hello", "--length", "8", "--temperature", "0",
+                       "--quantize", "int4"])
+    assert result.returncode == 0, result.stderr.decode()[-2000:]
+    layers = [m for m in models[0].modules() if isinstance(m, TinyGemmLinear)]
+    assert layers and not isinstance(models[0].get_output_embeddings(), TinyGemmLinear)
+
+
+@needs_cuda
+@pytest.mark.parametrize("flag", [["--quantize", "int8"], ["--jit"]])
 def test_cpu_only_flags_are_refused_on_cuda_in_one_line(checkpoint, flag):
     result = run_main(["--model_name_or_path", checkpoint, "--prompt", "Hello", "--length", "4", *flag])
     assert result.returncode == 2

@@ -130,3 +130,23 @@ def test_fused_siblings_give_each_projection_its_own_layers_result(mode):
             assert torch.equal(got, alone[name](inputs)), name
         assert torch.equal(block.lm_head(x), head_alone(x))
     assert block.gate_proj.fused._output is None  # all parts served: the step's tensors are let go
+
+
+def test_gpu_int4_packs_what_the_cpu_int4_layer_packs(monkeypatch):
+    # --quantize int4 on a GPU: the same codes, scales and zeros as the CPU's layer, in the packing of torch's CUDA
+    # kernel (stood in for here by the CPU's, reading two codes a byte, the even one high; the GPU checks its own
+    # reading before replacing any layer).
+    from rungen import quantize
+
+    def cpu_int4pack(pairs, inner):
+        codes = torch.stack([(pairs >> 4).to(torch.int32), (pairs & 15).to(torch.int32)], -1)
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.reshape(pairs.shape[0], -1), inner)
+
+    monkeypatch.setattr(torch.ops.aten, "_convert_weight_to_int4pack", cpu_int4pack)
+    monkeypatch.setattr(torch.ops.aten, "_weight_int4pack_mm", torch.ops.aten._weight_int4pack_mm_for_cpu)
+    weight = torch.randn(40, 96, generator=torch.Generator().manual_seed(0))
+    bias = torch.randn(40)
+    x = torch.randn(3, 5, 96)
+    gpu, cpu = quantize.gpu_int4_linear(weight, bias), quantize.Int4Linear(weight, bias)
+    torch.testing.assert_close(gpu(x), cpu(x), rtol=0, atol=0)
+    assert (gpu(x) - torch.nn.functional.linear(x, weight, bias)).abs().max() < 0.1 * weight.abs().max() * 96 ** 0.5
