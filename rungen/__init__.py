@@ -23,7 +23,10 @@
     jit.py         --jit: the traced decode step (private torch/transformers APIs; imported only for --jit)
     constrain.py   --json_schema/--regex/--grammar with xgrammar (imported only for those flags)
     ggml.py        GGUF's quantized blocks as torch layers
-    server.py      --serve: the OpenAI-compatible HTTP server (FastAPI + uvicorn; imported only for --serve)
+    server.py      --serve: the HTTP server's app and routes (FastAPI + uvicorn; imported only for --serve)
+    openai_api.py  the OpenAI API's chat and completions requests: fields, generate() over the engine, answers
+                   and streams; run_chat, the one chat path the other APIs translate to
+    int4.py        4-bit weights in groups of 32 for torch's int4 kernels (CPU's; CUDA's tinygemm)
     embeddings.py  the server's /v1/embeddings: last-token pooling of the final hidden states over a padded batch
     messages.py    the server's /v1/messages: Anthropic's Messages API, translated to and from the chat path
     responses.py   the server's /v1/responses (OpenAI's Responses API) to and from its chat path; the stored responses

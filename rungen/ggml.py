@@ -33,6 +33,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as _gguf_dequantize
 
+from .int4 import INNER_K_TILES, Int4Linear, TinyGemmLinear
+
 # Block types a GGMLLinear holds; F16/BF16/F32 tensors load as plain tensors of their dtype instead.
 SUPPORTED = (
     GGMLQuantizationType.Q4_0,
@@ -389,7 +391,7 @@ def torch_layer(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: 
     """The blocks as one of rungen.quantize's layers: Q4_0/Q4_1/Q4_K as torch's int4 packing (the codes
     exact, each group's scale and zero rounded to bfloat16, activations to bfloat16), the other types
     de-quantized to float16 for fbgemm (int8 per channel where torch has no fbgemm)."""
-    from rungen.quantize import INNER_K_TILES, Int4Linear, head_class
+    from rungen.quantize import head_class
 
     if qtype not in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K):
         return head_class()(dequantize(blocks, qtype, in_features), None)
@@ -412,56 +414,19 @@ def torch_layer(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: 
 # On a CUDA GPU: 4-bit types as torch's int4 weight-only kernel (tinygemm) takes them.
 
 INT4_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K)
-GPU_INT4_ENV = "RUN_GENERATION_GPU_INT4"  # "0": 4-bit types de-quantized to bfloat16 on a GPU like the rest
 
 
-class TinyGemmLinear(torch.nn.Module):
-    """y = x @ W.T (+ bias) on a CUDA GPU, W a Q4_0/Q4_1/Q4_K weight in torch's int4 packing for
-    `_weight_int4pack_mm` (tinygemm): the codes exact, two a byte, and per group of 32 the scale and the value of code
-    8 in bfloat16 (W = (code - 8) * scale + zero); activations in bfloat16. About the file's bytes on the GPU."""
-
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, device: torch.device):
-        super().__init__()
-        rows, self.in_features = codes.shape
-        self.out_features = rows
-        padded = -rows % 16  # output channels in multiples of 16 (cut off the output)
-        codes, scale, offset = (torch.nn.functional.pad(t, (0, 0, 0, padded)) for t in (codes, scale, offset))
-        inner = next(tiles for tiles in (8, 4, 2) if self.in_features % (16 * tiles) == 0)
-        pairs = (codes[:, ::2].to(torch.int32) << 4 | codes[:, 1::2].to(torch.int32)).to(torch.uint8)
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack(pairs.to(device), inner))
-        scales_and_zeros = torch.stack([scale, offset + 8 * scale], dim=-1).transpose(0, 1)
-        self.register_buffer("scales_and_zeros", scales_and_zeros.contiguous().to(device, torch.bfloat16))
-        self.bias = None
-
-    @staticmethod
-    def takes(qtype: GGMLQuantizationType, in_features: int, dtype: torch.dtype, device: torch.device) -> bool:
-        """Whether a weight of `qtype` runs so on `device` for a model in `dtype`: tinygemm is CUDA's, on Ampere
-        and later, for bfloat16 activations and rows of whole groups."""
-        return (qtype in INT4_TYPES and device.type == "cuda" and dtype == torch.bfloat16 and in_features % 32 == 0
-                and os.environ.get(GPU_INT4_ENV, "1") != "0" and torch.cuda.get_device_capability(device) >= (8, 0))
-
-    @classmethod
-    def of_blocks(cls, blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: int, device: torch.device,
-                  order=None) -> TinyGemmLinear:
-        """The layer of a weight's blocks [rows, row bytes] (the file's layout; `order`: its rows permuted)."""
-        codes, scale, offset = _int4_parts(blocks, qtype, in_features)
-        if order is not None:
-            order = torch.from_numpy(order)
-            codes, scale, offset = codes[order], scale[order], offset[order]
-        return cls(codes, scale, offset, device)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        y = torch.ops.aten._weight_int4pack_mm(flat, self.packed, 32, self.scales_and_zeros)[:, : self.out_features]
-        y = y.reshape(x.shape[:-1] + (self.out_features,)).to(x.dtype)
-        return y if self.bias is None else y + self.bias
+def gpu_int4(qtype: GGMLQuantizationType, in_features: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a weight of `qtype` keeps its 4-bit codes on `device` for a model in `dtype` (TinyGemmLinear)."""
+    return qtype in INT4_TYPES and TinyGemmLinear.runs_on(in_features, dtype, device)
 
 
-def tinygemm_agrees(layer: TinyGemmLinear, weight: torch.Tensor) -> bool:
-    """Whether `layer` multiplies as the de-quantized `weight` [out, in] (bfloat16, on its device) does, to bfloat16
-    rounding: the check of the packing a GPU run makes once before trusting it."""
-    x = torch.randn(4, layer.in_features, dtype=torch.bfloat16, device=weight.device,
-                    generator=torch.Generator(weight.device).manual_seed(0))
-    reference = (x.float() @ weight.float().T)
-    error = (layer(x).float() - reference).abs().max()
-    return bool(error <= 0.02 * reference.abs().max())
+def tinygemm_of_blocks(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: int, device: torch.device,
+                       order=None) -> TinyGemmLinear:
+    """A 4-bit weight's blocks [rows, row bytes] (the file's layout; `order`: its rows permuted) as a TinyGemmLinear
+    on `device`: the codes exact, each group's scale and offset rounded to bfloat16 by the packing."""
+    codes, scale, offset = _int4_parts(blocks, qtype, in_features)
+    if order is not None:
+        order = torch.from_numpy(order)
+        codes, scale, offset = codes[order], scale[order], offset[order]
+    return TinyGemmLinear(codes, scale, offset, device)

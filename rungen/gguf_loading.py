@@ -45,14 +45,15 @@ from .ggml import (
     SUPPORTED,
     X8,
     GGMLLinear,
-    TinyGemmLinear,
     dequantize,
     dequantize_to,
+    gpu_int4,
     interleavable,
     interleaved_row_bytes,
     native_kernels,
-    tinygemm_agrees,
+    tinygemm_of_blocks,
 )
+from .int4 import tinygemm_agrees
 
 logger = logging.getLogger("run_generation")
 
@@ -550,9 +551,8 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
                          (in_features, shape[0]) if isinstance(module, Conv1D) else (shape[0], in_features))
             order = _row_permutation(processor, name, shape[0])
             if on_device and order is not False and isinstance(module, torch.nn.Linear) and int4[0] is not False \
-                    and TinyGemmLinear.takes(qtype, in_features, dtype, device):
-                layer = TinyGemmLinear.of_blocks(torch.from_numpy(blocks), qtype, in_features, device,
-                                                 None if order is None else order)
+                    and gpu_int4(qtype, in_features, dtype, device):
+                layer = tinygemm_of_blocks(torch.from_numpy(blocks), qtype, in_features, device, order)
                 if int4[0] is None:  # the first: checked against its de-quantized weight before any is trusted
                     weight = dequantize_to(blocks, qtype, in_features, dtype, device)
                     weight = weight if order is None else weight[torch.from_numpy(order).to(device)]

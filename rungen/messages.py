@@ -1,6 +1,6 @@
 """/v1/messages: Anthropic's Messages API over the server's one chat path (docs/server.md#post-v1messages).
 
-A Messages request is translated into a chat completion body and run by rungen.server.run_chat (the chat template,
+A Messages request is translated into a chat completion body and run by rungen.openai_api.run_chat (the chat template,
 tools and their grammars, the reasoning split, the engine); its answer, or its stream of chunks, is translated back
 into a message of content blocks, or Anthropic's server-sent events. Nothing here generates, parses a reply or
 builds a grammar. Every error on these routes is answered in Anthropic's shape, with the request's own field names.
@@ -13,9 +13,9 @@ import re
 
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from . import server
+from . import openai_api
+from .openai_api import APIError, number, present, shown
 from .reasoning import VariableError, read_template_variables, template_reads
-from .server import APIError, number, present, shown
 
 # Anthropic's error type for each status (any other 4xx: invalid_request_error, any other 5xx: api_error).
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 402: "billing_error",
@@ -355,7 +355,7 @@ def prompt_ids(service, chat, **encoding):
         variables = read_template_variables(chat, chat_template)
     except VariableError as error:
         raise APIError(str(error), error.param) from error
-    ids, _ = server.chat_prompt(service, chat, template_kwargs=variables, **encoding)
+    ids, _ = openai_api.chat_prompt(service, chat, template_kwargs=variables, **encoding)
     return ids
 
 
@@ -525,7 +525,7 @@ async def create(service, http_request, body):
     with renamed(origins):
         # message_start comes before the answer's usage: the prompt is counted here.
         input_tokens = len(prompt_ids(service, chat)) if chat.get("stream") is True else None
-        result = await server.run_chat(service, http_request, chat)
+        result = await openai_api.run_chat(service, http_request, chat)
         if result is None:
             return PlainTextResponse("", status_code=499)  # the client went away
         if isinstance(result, dict):

@@ -24,14 +24,12 @@ import json
 import os
 
 import torch
-from gguf import GGMLQuantizationType
 from transformers.pytorch_utils import Conv1D
 
 from .errors import UsageError
+from .int4 import GROUP_SIZE, Int4Linear, TinyGemmLinear, int4_groups, tinygemm_agrees
 
 MODES = ("int8", "int4")
-GROUP_SIZE = 32  # int4: input channels sharing one scale and zero (GGUF's Q4_0/Q4_1 blocks are 32 too)
-INNER_K_TILES = 8  # int4 packing layout; the CPU kernel accepts 2, 4 or 8
 # Projections a block applies to one input, by the names the supported models give them.
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -77,41 +75,6 @@ class Fp16Linear(torch.nn.Module):
 def head_class() -> type[torch.nn.Module]:
     """The output head's layer: float16 through fbgemm where torch has it (every x86 build), else int8."""
     return Fp16Linear if "fbgemm" in torch.backends.quantized.supported_engines else Int8Linear
-
-
-def int4_groups(weight):
-    """A float weight [out, in] as 4-bit codes [out, in] (int32, 0..15) and per group of GROUP_SIZE inputs a scale
-    (rounded to bfloat16, as the kernels use it) and the group's least value: weight ~ scale * code + least."""
-    weight = weight.detach().float().contiguous()
-    groups = weight.reshape(weight.shape[0], weight.shape[1] // GROUP_SIZE, GROUP_SIZE)
-    low, high = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
-    scales = ((high - low).clamp(min=1e-12) / 15).to(torch.bfloat16).float()
-    codes = torch.round((groups - low) / scales).clamp(0, 15).to(torch.int32).reshape(weight.shape)
-    return codes, scales.squeeze(-1), low.squeeze(-1)
-
-
-class Int4Linear(torch.nn.Module):
-    def __init__(self, weight, bias):
-        super().__init__()
-        out_features, in_features = weight.shape
-        # The packing wants output channels in multiples of 16: pad with zero rows, cut them off the output.
-        padded = -out_features % 16
-        codes, scales, low = int4_groups(torch.nn.functional.pad(weight.detach().float(), (0, 0, 0, padded)))
-        zeros = low + 8 * scales  # the kernel computes (code - 8) * scale + zero: zero is the value of code 8
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, INNER_K_TILES))
-        # [in_features / group, out_features, 2]: the layout the kernel reads.
-        scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1)
-        self.register_buffer("scales_and_zeros", scales_and_zeros.contiguous().to(torch.bfloat16))
-        self.bias = bias
-        self.out_features, self.in_features = out_features, in_features
-
-    def forward(self, x):
-        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP_SIZE, self.scales_and_zeros)
-        if y.shape[1] != self.out_features:
-            y = y[:, : self.out_features]
-        y = y.reshape(x.shape[:-1] + (self.out_features,)).to(x.dtype)
-        return y if self.bias is None else y + self.bias
 
 
 class Fused(torch.nn.Module):
@@ -214,9 +177,7 @@ def _check(mode):
 
 def gpu_int4_linear(weight, bias):
     """--quantize int4 on a CUDA GPU: the weight's 4-bit codes and groups (int4_groups) in torch's int4 packing for
-    its CUDA kernel (rungen.ggml.TinyGemmLinear, as a GGUF file's 4-bit blocks run there), on the weight's device."""
-    from .ggml import TinyGemmLinear
-
+    its CUDA kernel (TinyGemmLinear, as a GGUF file's 4-bit blocks run there), on the weight's device."""
     codes, scales, low = int4_groups(weight)
     layer = TinyGemmLinear(codes, scales, low, weight.device)
     layer.bias = bias
@@ -226,12 +187,10 @@ def gpu_int4_linear(weight, bias):
 def gpu_layer_class(mode, device):
     """The layer --quantize `mode` makes on a GPU (int4: torch's int4 kernel; int8 has none torch maintains for
     CUDA: refused)."""
-    from .ggml import TinyGemmLinear
-
     if mode != "int4":
         raise QuantizeError(f"--quantize {mode} runs on the CPU only; on {device.type} use --quantize int4 "
                             "(torch's int4 kernel) or no --quantize (bfloat16), or add --use_cpu")
-    if not TinyGemmLinear.takes(GGMLQuantizationType.Q4_0, GROUP_SIZE, torch.bfloat16, device):
+    if not TinyGemmLinear.runs_on(GROUP_SIZE, torch.bfloat16, device):
         raise QuantizeError("--quantize int4 on a GPU needs torch's int4 kernel: a CUDA GPU of compute capability "
                             "8.0 or later (Ampere), with RUN_GENERATION_GPU_INT4 not 0")
     return gpu_int4_linear
@@ -267,8 +226,6 @@ def quantize_model(model: torch.nn.Module, mode: str) -> int:
 def _check_gpu_packing(targets, layer_class):
     """QuantizeError where torch's int4 GPU kernel does not multiply a packed weight as its codes say (the packing's
     nibble order is the one part a CPU cannot check): tried on the first layer before any is replaced."""
-    from .ggml import tinygemm_agrees
-
     weight = _weight_of(next(iter(next(iter(targets.values())).values())))
     with torch.no_grad():
         codes, scales, low = int4_groups(weight)

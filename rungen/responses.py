@@ -1,6 +1,6 @@
 """POST /v1/responses: OpenAI's Responses API over the chat path (docs/server.md#post-v1responses).
 
-A request is translated into a chat completion body and run by rungen/server.py's run_chat, the one path of chat
+A request is translated into a chat completion body and run by rungen/openai_api.py's run_chat, the one path of chat
 requests (template, tools, grammars, reasoning, engine); its answer, or its stream of chunks, is translated back
 into a response object, or the Responses stream's events. The chat path's errors come back under the Responses
 field names. Responses are kept in a bounded in-memory store for `previous_response_id`.
@@ -15,8 +15,8 @@ import uuid
 from fastapi.responses import StreamingResponse
 
 from . import logger
-from .server import APIError, boolean, present, respond, run_chat, shown
-from .server import number as read_number
+from .openai_api import APIError, boolean, present, respond, run_chat, shown
+from .openai_api import number as read_number
 
 # Responses kept for previous_response_id (least recently used out). Each holds its conversation's items, which a
 # chain of responses shares rather than copies.

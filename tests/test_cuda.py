@@ -263,7 +263,7 @@ def test_a_4_bit_gguf_file_keeps_its_codes_on_the_gpu(gguf_file):
     # In bfloat16 (the default) its Q4_0 matrices take torch's int4 kernel (checked once a load against their
     # de-quantized weights: a disagreement would leave them de-quantized, and this test failing), about a quarter of
     # the bytes, and compute what the float32 de-quantized model does to bfloat16 rounding.
-    from rungen.ggml import TinyGemmLinear
+    from rungen.int4 import TinyGemmLinear
     from rungen.loading import load
 
     if torch.cuda.get_device_capability() < (8, 0):
@@ -284,7 +284,7 @@ def test_quantize_int4_runs_on_torchs_int4_kernel(checkpoint, monkeypatch):
     # --quantize int4 on a GPU: every linear layer but the head in torch's int4 packing (checked against its codes
     # before any layer is replaced), generating as the bfloat16 model roughly does.
     import rungen.quantize
-    from rungen.ggml import TinyGemmLinear
+    from rungen.int4 import TinyGemmLinear
 
     if torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("torch's int4 kernel needs Ampere or later")

@@ -505,9 +505,9 @@ def test_4_bit_weights_keep_their_codes_on_a_gpu(loaded, monkeypatch, caplog):
     # On a CUDA GPU Q4_0/Q4_1/Q4_K weights take torch's int4 kernel (about the file's bytes, not 3.5x them), the
     # others are de-quantized. Here the CUDA kernel is stood in for by the CPU's (the packing's nibble order is the
     # GPU's own to check: tinygemm_agrees does once a load, and tests/test_cuda.py).
-    from rungen.ggml import INT4_TYPES, TinyGemmLinear
+    from rungen.int4 import TinyGemmLinear
 
-    monkeypatch.setattr(TinyGemmLinear, "takes", staticmethod(lambda qtype, k, dtype, device: qtype in INT4_TYPES))
+    monkeypatch.setattr(TinyGemmLinear, "runs_on", staticmethod(lambda in_features, dtype, device: True))
     monkeypatch.setattr(torch.ops.aten, "_convert_weight_to_int4pack", cpu_int4pack)
     monkeypatch.setattr(torch.ops.aten, "_weight_int4pack_mm", torch.ops.aten._weight_int4pack_mm_for_cpu)
     header, _, reference = loaded["mixed_tied"]

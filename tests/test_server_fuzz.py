@@ -471,14 +471,14 @@ def test_declared_oversized_and_depth_limits(client):
 def test_an_unexpected_error_is_a_500_in_shape_and_the_connection_goes_on(client, monkeypatch):
     """An exception no check foresaw, before the answer starts and in the middle of a stream: a 500 in OpenAI's
     shape, or the stream's error event and its end; the same connection then serves the next request."""
-    import rungen.server
+    import rungen.openai_api
 
     def broken(*args, **kwargs):
         raise RuntimeError("a bug")
 
     body = json.dumps({**BASES[COMPLETIONS], "stop": ["\n"]}).encode()
     with monkeypatch.context() as patch:
-        patch.setattr(rungen.server, "read_stop", broken)
+        patch.setattr(rungen.openai_api, "read_stop", broken)
         status, headers, answer = client.request("POST", COMPLETIONS, body)
     error = json.loads(answer)["error"]
     assert status == 500 and error["type"] == "server_error" and "a bug" in error["message"], answer
@@ -487,7 +487,7 @@ def test_an_unexpected_error_is_a_500_in_shape_and_the_connection_goes_on(client
     stream = json.dumps({**BASES[COMPLETIONS], "max_tokens": 4, "stream": True, "ignore_eos": True,
                          "temperature": 0}).encode()
     with monkeypatch.context() as patch:
-        patch.setattr(rungen.server.Answer, "final_choice", broken)
+        patch.setattr(rungen.openai_api.Answer, "final_choice", broken)
         status, headers, answer = client.request("POST", COMPLETIONS, stream)
     events = [line for line in answer.decode().split("\n") if line]
     assert status == 200 and events[-1] == "data: [DONE]", events

@@ -9,7 +9,7 @@ from anthropic.lib.streaming._messages import accumulate_event
 from anthropic.types import Message
 
 from rungen.messages import Events, error_type, message_of, renamed, to_chat
-from rungen.server import APIError
+from rungen.openai_api import APIError
 
 THINKING_TEMPLATE = "{% for m in messages %}{{ m.content }}{% endfor %}{% if enable_thinking %}<think>{% endif %}"
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}}

@@ -1,0 +1,93 @@
+"""4-bit weights in groups of 32 for torch's int4 weight-only kernels: the CPU's (`_weight_int4pack_mm_for_cpu`,
+Int4Linear) and CUDA's (`_weight_int4pack_mm`, tinygemm: TinyGemmLinear). --quantize int4 (rungen/quantize.py)
+makes them from float weights, a GGUF file's Q4_0/Q4_1/Q4_K blocks (rungen/ggml.py) from its codes; both kernels
+compute (code - 8) * scale + zero, zero being the value of code 8."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+GROUP_SIZE = 32  # input channels sharing one scale and zero (GGUF's Q4_0/Q4_1 blocks are 32 too)
+INNER_K_TILES = 8  # the CPU packing's layout; the kernel accepts 2, 4 or 8
+GPU_INT4_ENV = "RUN_GENERATION_GPU_INT4"  # "0": a GGUF file's 4-bit types de-quantized to bfloat16 on a GPU too
+
+
+def int4_groups(weight):
+    """A float weight [out, in] as 4-bit codes [out, in] (int32, 0..15) and per group of GROUP_SIZE inputs a scale
+    (rounded to bfloat16, as the kernels use it) and the group's least value: weight ~ scale * code + least."""
+    weight = weight.detach().float().contiguous()
+    groups = weight.reshape(weight.shape[0], weight.shape[1] // GROUP_SIZE, GROUP_SIZE)
+    low, high = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
+    scales = ((high - low).clamp(min=1e-12) / 15).to(torch.bfloat16).float()
+    codes = torch.round((groups - low) / scales).clamp(0, 15).to(torch.int32).reshape(weight.shape)
+    return codes, scales.squeeze(-1), low.squeeze(-1)
+
+
+class Int4Linear(torch.nn.Module):
+    def __init__(self, weight, bias):
+        super().__init__()
+        out_features, in_features = weight.shape
+        # The packing wants output channels in multiples of 16: pad with zero rows, cut them off the output.
+        padded = -out_features % 16
+        codes, scales, low = int4_groups(torch.nn.functional.pad(weight.detach().float(), (0, 0, 0, padded)))
+        zeros = low + 8 * scales  # the kernel computes (code - 8) * scale + zero: zero is the value of code 8
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, INNER_K_TILES))
+        # [in_features / group, out_features, 2]: the layout the kernel reads.
+        scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1)
+        self.register_buffer("scales_and_zeros", scales_and_zeros.contiguous().to(torch.bfloat16))
+        self.bias = bias
+        self.out_features, self.in_features = out_features, in_features
+
+    def forward(self, x):
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP_SIZE, self.scales_and_zeros)
+        if y.shape[1] != self.out_features:
+            y = y[:, : self.out_features]
+        y = y.reshape(x.shape[:-1] + (self.out_features,)).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+class TinyGemmLinear(torch.nn.Module):
+    """y = x @ W.T (+ bias) on a CUDA GPU, W given as 4-bit codes [out, in] and per group of 32 inputs a scale and an
+    offset (W = scale * code + offset), in torch's int4 packing for `_weight_int4pack_mm` (tinygemm): the codes two a
+    byte, each group's scale and the value of code 8 in bfloat16; activations in bfloat16. A GGUF file's 4-bit
+    blocks (rungen/ggml.py) and --quantize int4 (rungen/quantize.py) run so on a GPU."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, device: torch.device):
+        super().__init__()
+        rows, self.in_features = codes.shape
+        self.out_features = rows
+        padded = -rows % 16  # output channels in multiples of 16 (cut off the output)
+        codes, scale, offset = (torch.nn.functional.pad(t, (0, 0, 0, padded)) for t in (codes, scale, offset))
+        inner = next(tiles for tiles in (8, 4, 2) if self.in_features % (16 * tiles) == 0)
+        pairs = (codes[:, ::2].to(torch.int32) << 4 | codes[:, 1::2].to(torch.int32)).to(torch.uint8)
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack(pairs.to(device), inner))
+        scales_and_zeros = torch.stack([scale, offset + 8 * scale], dim=-1).transpose(0, 1)
+        self.register_buffer("scales_and_zeros", scales_and_zeros.contiguous().to(device, torch.bfloat16))
+        self.bias = None
+
+    @staticmethod
+    def runs_on(in_features: int, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether such a layer runs on `device` for a model in `dtype`: tinygemm is CUDA's, on Ampere and later, for
+        bfloat16 activations and rows of whole groups (GPU_INT4_ENV "0": not used)."""
+        return (device.type == "cuda" and dtype == torch.bfloat16 and in_features % GROUP_SIZE == 0
+                and os.environ.get(GPU_INT4_ENV, "1") != "0" and torch.cuda.get_device_capability(device) >= (8, 0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        y = torch.ops.aten._weight_int4pack_mm(flat, self.packed, GROUP_SIZE, self.scales_and_zeros)
+        y = y[:, : self.out_features]
+        y = y.reshape(x.shape[:-1] + (self.out_features,)).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+def tinygemm_agrees(layer: TinyGemmLinear, weight: torch.Tensor) -> bool:
+    """Whether `layer` multiplies as the de-quantized `weight` [out, in] (bfloat16, on its device) does, to bfloat16
+    rounding: the check of the packing a GPU run makes once before trusting it."""
+    x = torch.randn(4, layer.in_features, dtype=torch.bfloat16, device=weight.device,
+                    generator=torch.Generator(weight.device).manual_seed(0))
+    reference = (x.float() @ weight.float().T)
+    error = (layer(x).float() - reference).abs().max()
+    return bool(error <= 0.02 * reference.abs().max())
