@@ -8,8 +8,11 @@ import io
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
+import threading
+import time
 import traceback
 
 import pytest
@@ -230,3 +233,47 @@ def to_blocks(layer, rng):
     norms += [getattr(layer.self_attn, name) for name in ("q_norm", "k_norm") if hasattr(layer.self_attn, name)]
     for norm in norms:
         norm.weight.data = torch.rand(norm.weight.shape[0]) + 0.5
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class LiveServer:
+    """uvicorn serving an ASGI app in a thread on 127.0.0.1, on a free port."""
+
+    def __init__(self, app):
+        import uvicorn  # the server's tests only: a GPU machine may lack it
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        for _ in range(400):
+            if self.server.started:
+                return
+            time.sleep(0.05)
+        raise RuntimeError("the server did not start")
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@contextlib.contextmanager
+def serving(loaded, **options):
+    """(LiveServer, engine): the tool's server (rungen.server.build with ServeOptions(**options)) on `loaded`,
+    live; stopped, and its engine ended, after."""
+    from rungen.server import ServeOptions, build
+
+    app, engine = build(loaded, ServeOptions(**options))
+    live = LiveServer(app)
+    try:
+        yield live, engine
+    finally:
+        live.stop()
+        engine.close()
+        engine.abort()

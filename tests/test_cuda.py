@@ -12,14 +12,11 @@ What a GPU machine may lack is imported inside the tests that need it (xgrammar,
 
 import json
 import os
-import socket
-import threading
-import time
 
 import pytest
 import torch
 
-from helpers import error_line, jsonl, run_main
+from helpers import error_line, jsonl, run_main, serving
 from tiny_models import build_tiny_checkpoint
 
 ON_CPU = bool(os.environ.get("RUNGEN_CUDA_TESTS_ON_CPU")) and not torch.cuda.is_available()
@@ -187,30 +184,6 @@ def test_json_schema_on_the_gpu(checkpoint):
                 assert record["finish_reason"] == "length"
 
 
-class LiveServer:
-    """uvicorn serving an ASGI app in a thread on a free loopback port (tests/test_server.py's)."""
-
-    def __init__(self, app):
-        import uvicorn
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        for _ in range(400):
-            if self.server.started:
-                return
-            time.sleep(0.05)
-        raise RuntimeError("the server did not start")
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-
-
 def test_server_answers_on_the_gpu(checkpoint):
     """A chat completion, and a completion with every sampling field the engine takes (seeded: twice the same)."""
     for name in ("fastapi", "uvicorn", "httpx"):
@@ -218,13 +191,10 @@ def test_server_answers_on_the_gpu(checkpoint):
     import httpx
 
     from rungen.loading import load
-    from rungen.server import ServeOptions, build
 
     loaded = load(checkpoint, device=DEVICE)
     assert loaded.input_device.type == DEVICE.type
-    app, engine = build(loaded, ServeOptions(model_id="tiny", max_batch=4, max_queue=16))
-    live = LiveServer(app)
-    try:
+    with serving(loaded, model_id="tiny", max_batch=4, max_queue=16) as (live, _):
         chat = httpx.post(live.url + "/v1/chat/completions", timeout=120, json={
             "model": "tiny", "messages": [{"role": "user", "content": "Hello, my dog is cute."}], "max_tokens": 8,
             "temperature": 0})
@@ -240,10 +210,6 @@ def test_server_answers_on_the_gpu(checkpoint):
         texts = [[choice["text"] for choice in answer.json()["choices"]] for answer in answers]
         assert texts[0] == texts[1] and len(texts[0]) == 2
         assert answers[0].json()["choices"][0]["logprobs"]["top_logprobs"]
-    finally:
-        live.stop()
-        engine.close()
-        engine.abort()
 
 
 @needs_cuda

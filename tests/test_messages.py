@@ -13,13 +13,14 @@ import jsonschema
 import openai
 import pytest
 import torch
-from test_server import HELLO, MODEL_ID, LiveServer, build_chat_llama
+from test_server import HELLO, MODEL_ID, build_chat_llama
 from transformers import AutoTokenizer
 
 import rungen.messages
+from helpers import LiveServer, serving
 from rungen.engine import Engine
 from rungen.loading import load
-from rungen.server import Guard, ServeOptions, build, create_app
+from rungen.server import Guard, ServeOptions, create_app
 
 GREEDY = {"temperature": 0}  # anthropic 2.14's create() has no temperature argument; the API takes the field
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
@@ -48,12 +49,8 @@ def loaded(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(loaded):
-    app, engine = build(loaded, ServeOptions(model_id=MODEL_ID, max_batch=8))
-    live = LiveServer(app)
-    yield live, engine
-    live.stop()
-    engine.close()
-    engine.abort()
+    with serving(loaded, model_id=MODEL_ID, max_batch=8) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

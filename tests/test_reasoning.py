@@ -11,13 +11,11 @@ import jsonschema
 import openai
 import pytest
 import torch
-from test_server import LiveServer
 from transformers import AutoTokenizer
 
 import rungen.messages
-from helpers import run_main
+from helpers import run_main, serving
 from rungen.loading import load
-from rungen.server import ServeOptions, build
 from tiny_models import build_tiny_checkpoint
 
 MODEL_ID = "tiny-qwen3"
@@ -51,12 +49,8 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(checkpoint):
     loaded = load(checkpoint, device=torch.device("cpu"))
-    app, engine = build(loaded, ServeOptions(model_id=MODEL_ID, max_batch=8))
-    live = LiveServer(app)
-    yield live.url, loaded
-    live.stop()
-    engine.close()
-    engine.abort()
+    with serving(loaded, model_id=MODEL_ID, max_batch=8) as (live, _):
+        yield live.url, loaded
 
 
 def client(server):
@@ -354,12 +348,8 @@ def closing_server(checkpoint, tmp_path_factory):
         pytest.fail("no greedy step to close the block at")
     model.save_pretrained(path)
     loaded = load(path, device=torch.device("cpu"))
-    app, engine = build(loaded, ServeOptions(model_id=MODEL_ID, max_batch=8))
-    live = LiveServer(app)
-    yield live.url, loaded
-    live.stop()
-    engine.close()
-    engine.abort()
+    with serving(loaded, model_id=MODEL_ID, max_batch=8) as (live, _):
+        yield live.url, loaded
 
 
 def test_a_response_gives_the_block_as_a_reasoning_item_and_the_answer_as_the_message(closing_server):

@@ -12,10 +12,10 @@ import jsonschema
 import openai
 import pytest
 import torch
-from test_server import LiveServer, build_chat_llama
+from test_server import build_chat_llama
 
+from helpers import serving
 from rungen.loading import load
-from rungen.server import ServeOptions, build
 
 MODEL_ID = "tiny-llama"
 CONTEXT = 4096
@@ -44,14 +44,9 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(checkpoint):
-    loaded = load(checkpoint, device=torch.device("cpu"))
-    app, engine = build(loaded, ServeOptions(model_id=MODEL_ID, max_batch=8))
-    live = LiveServer(app)
-    live.engine = engine
-    yield live
-    live.stop()
-    engine.close()
-    engine.abort()
+    with serving(load(checkpoint, device=torch.device("cpu")), model_id=MODEL_ID, max_batch=8) as (live, engine):
+        live.engine = engine
+        yield live
 
 
 @pytest.fixture(scope="module")

@@ -19,12 +19,11 @@ import httpx
 import openai
 import pytest
 import torch
-import uvicorn
 
-from helpers import SCRIPT, cli_env, run_cli, wait_until_healthy
+from helpers import SCRIPT, LiveServer, cli_env, free_port, run_cli, serving, wait_until_healthy
 from rungen.engine import Engine
 from rungen.loading import load
-from rungen.server import Guard, ServeOptions, build, create_app
+from rungen.server import Guard, ServeOptions, create_app
 from tiny_models import build_tiny_checkpoint
 
 MODEL_ID = "tiny-llama"
@@ -43,32 +42,6 @@ def build_chat_llama(path: str) -> str:
     return path
 
 
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class LiveServer:
-    """uvicorn serving an ASGI app in a thread on 127.0.0.1."""
-
-    def __init__(self, app):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        for _ in range(200):
-            if self.server.started:
-                return
-            time.sleep(0.05)
-        raise RuntimeError("the server did not start")
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return build_chat_llama(str(tmp_path_factory.mktemp("serve") / "llama"))
@@ -81,12 +54,8 @@ def loaded(checkpoint):
 
 @pytest.fixture(scope="module")
 def served(loaded):
-    app, engine = build(loaded, ServeOptions(model_id=MODEL_ID, max_batch=8, max_queue=64))
-    live = LiveServer(app)
-    yield live, engine
-    live.stop()
-    engine.close()
-    engine.abort()
+    with serving(loaded, model_id=MODEL_ID, max_batch=8, max_queue=64) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
