@@ -6,22 +6,27 @@ cannot: generate() runs those).
 Requests wait in a bounded queue. The model thread runs one decode step at a time for every active row;
 between steps it admits waiting requests: each is prefilled alone (after the longest start of its tokens
 that a recently finished sequence shares: a conversation's earlier turns, a common system prompt) and gets
-its first token; then their keys/values and the batch's are left-padded to the longest and concatenated in
-one copy, and they decode with the others from the next step on. A row that
-ends (EOS, max_tokens, a stop string, its grammar, a cancelled request) leaves the batch by index_select,
-and the columns no row needs any more are trimmed.
+its first token; then their keys/values join the batch's, and they decode with the others from the next step
+on. A row ends on EOS, max_tokens, a stop string, its grammar or a cancelled request.
 
-The cache is transformers' DynamicCache, or the own model's Cache (rungen/kvcache.py: growing in place where
-the model's attention reads it so; a sliding-window layer holds every position too, its mask applying the
-window) holding [batch, kv_heads, length, head_dim] per layer; an attention mask and per-row position ids
-hide the padding, so each row computes what it would alone (the same layout generate() uses for a left-padded
-batch). Memory: a request is admitted only while rows x the longest (prompt + max_tokens) of the batch fits in
-`max_cache_tokens`, so the cache never holds more than that many token positions.
+Where the batch's keys/values live:
+- in fixed slots (rungen/slots.py) on transformers' llama-shaped models: a joining row's are written into its
+  slot, a step writes each row's new position in place, a row that ends frees its slot to the last row; on a
+  CUDA GPU the steps are replayed from CUDA graphs;
+- elsewhere (the own GGUF model code, other families) in a left-padded batch: transformers' DynamicCache, or
+  the own model's Cache (rungen/kvcache.py: growing in place where the model's attention reads it so; a
+  sliding-window layer holds every position too, its mask applying the window) holding [batch, kv_heads,
+  length, head_dim] per layer. The joining rows' keys/values and the batch's are left-padded to the longest and
+  concatenated in one copy; a row that ends leaves by index_select and the columns no row needs are trimmed; an
+  attention mask and per-row position ids hide the padding, so each row computes what it would alone (the
+  layout generate() uses for a left-padded batch).
+Memory: a request is admitted only while rows x the longest (prompt + max_tokens) of the batch fits in
+`max_cache_tokens` (the slots round rows and positions up to their buckets).
 
-Sampling per row (OpenAI's definitions): logit_bias, presence/frequency penalties over the generated
-tokens, repetition_penalty (transformers' definition, prompt included), the grammar's mask, then greedy at
-temperature 0, else temperature, top-k, top-p, min-p and a draw from the request's own generator (seeded
-by `seed`). Log-probabilities are the model's raw ones (rungen/logprobs.py).
+Every row's next token is chosen at once on the model's device (rungen/sampling.py: OpenAI's logit_bias and
+presence/frequency penalties, transformers' repetition_penalty, the grammar's mask, then greedy, or temperature,
+top-k, top-p, min-p and a draw from the row's own generator, seeded by `seed`), with one copy to the host a step.
+Log-probabilities are the model's raw ones (rungen/logprobs.py).
 """
 
 import collections

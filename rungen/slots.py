@@ -69,9 +69,6 @@ class SlotCache:
     def capacity(self) -> int:
         return self.keys[0].shape[2] if self.keys else 0
 
-    def bytes(self) -> int:
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in zip(self.keys, self.values))
-
     def ensure(self, rows: int, positions: int, like: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Room for `rows` slots of `positions` positions each, in the dtype, device and head shapes of `like` (a
         layer list [(keys, values)]); grown in buckets, copying what the slots in use hold."""
