@@ -504,7 +504,7 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
             embedding = model.get_input_embeddings()
             tied_embedding = next(n for n, m in model.named_modules() if m is embedding)
     scratch = np.empty(READ_CHUNK, dtype=np.uint8)  # read_interleaved's buffer, for every weight
-    int4 = [None]  # on a GPU, whether 4-bit weights take torch's int4 kernel: None until the first is checked
+    int4 = None  # on a GPU, whether 4-bit weights take torch's int4 kernel: None until the first is checked
     collected = {"tensors": {}}  # what processors that merge or split tensors (MoE experts) leave
     biases = {}  # module name -> bias, given to the layer that ends up there
     layers = {}  # module name -> the layer that replaces the model's own
@@ -550,14 +550,13 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
             _check_shape(header.path, name, module, attr,
                          (in_features, shape[0]) if isinstance(module, Conv1D) else (shape[0], in_features))
             order = _row_permutation(processor, name, shape[0])
-            if on_device and order is not False and isinstance(module, torch.nn.Linear) and int4[0] is not False \
+            if on_device and order is not False and isinstance(module, torch.nn.Linear) and int4 is not False \
                     and gpu_int4(qtype, in_features, dtype, device):
                 layer = tinygemm_of_blocks(torch.from_numpy(blocks), qtype, in_features, device, order)
-                if int4[0] is None:  # the first: checked against its de-quantized weight before any is trusted
-                    weight = dequantize_to(blocks, qtype, in_features, dtype, device)
-                    weight = weight if order is None else weight[torch.from_numpy(order).to(device)]
-                    int4[0] = tinygemm_agrees(layer, weight)
-                    if not int4[0]:
+                if int4 is None:  # the first: checked against its de-quantized weight before any is trusted
+                    weight = _dequantized(blocks, qtype, in_features, dtype, device, order)
+                    int4 = tinygemm_agrees(layer, weight)
+                    if not int4:
                         logger.warning("torch's int4 GPU kernel disagrees with the de-quantized weights here; the "
                                        "4-bit weights run de-quantized to bfloat16 instead")
                         _set_tensor(model, hf_name, weight)
@@ -565,9 +564,7 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
                 layers[module_name] = layer
                 continue
             if on_device and order is not False:
-                weight = dequantize_to(blocks, qtype, in_features, dtype, device)
-                if order is not None:
-                    weight = weight[torch.from_numpy(order).to(device)]
+                weight = _dequantized(blocks, qtype, in_features, dtype, device, order)
                 _set_tensor(model, hf_name, weight.t().contiguous() if isinstance(module, Conv1D) else weight)
                 continue
             embedding = isinstance(module, torch.nn.Embedding)
@@ -615,6 +612,14 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
     layers.clear()  # the model holds them now: fused layer by layer, each layer's parts are freed as it goes
     fuse_decoder_layers(model)
     return _finish_built(header, model)
+
+
+def _dequantized(blocks: np.ndarray, qtype, in_features: int, dtype: torch.dtype, device: torch.device, order
+                 ) -> torch.Tensor:
+    """A weight's blocks de-quantized onto `device` (dequantize_to), its rows in the processor's `order` (None: as
+    they are)."""
+    weight = dequantize_to(blocks, qtype, in_features, dtype, device)
+    return weight if order is None else weight[torch.from_numpy(order).to(device)]
 
 
 def _finish_built(header: GGUFHeader, model: torch.nn.Module, device: torch.device | None = None) -> torch.nn.Module:
