@@ -175,11 +175,19 @@ def _check(mode):
     return Int8Linear if mode == "int8" else Int4Linear
 
 
-def gpu_int4_linear(weight, bias):
+def gpu_int4_linear(weight, bias, check=False):
     """--quantize int4 on a CUDA GPU: the weight's 4-bit codes and groups (int4_groups) in torch's int4 packing for
-    its CUDA kernel (TinyGemmLinear, as a GGUF file's 4-bit blocks run there), on the weight's device."""
+    its CUDA kernel (TinyGemmLinear, as a GGUF file's 4-bit blocks run there), on the weight's device. check: raise
+    QuantizeError where the kernel does not multiply it as its codes say (the nibble order a CPU cannot check)."""
     codes, scales, low = int4_groups(weight)
     layer = TinyGemmLinear(codes, scales, low, weight.device)
+    if check:
+        zeros = (low + 8 * scales).to(torch.bfloat16).float()
+        rows, groups = scales.shape
+        exact = ((codes - 8).reshape(rows, groups, GROUP_SIZE) * scales[..., None] + zeros[..., None])
+        if not tinygemm_agrees(layer, exact.reshape(weight.shape).to(torch.bfloat16)):
+            raise QuantizeError("--quantize int4: torch's int4 kernel on this GPU does not multiply the weights as "
+                                "they were packed; run without --quantize (bfloat16)")
     layer.bias = bias
     return layer
 
@@ -206,14 +214,20 @@ def quantize_model(model: torch.nn.Module, mode: str) -> int:
     layer_class = _check(mode)
     targets, head = _targets(model, mode)
     if model.device.type != "cpu":
-        layer_class = gpu_layer_class(mode, model.device)
+        make = gpu_layer_class(mode, model.device)
+        checked = False
+
+        def layer_class(weight, bias):  # the first layer made is checked, before any is replaced
+            nonlocal checked
+            layer, checked = make(weight, bias, check=not checked), True
+            return layer
+
         dtype = next(model.parameters()).dtype
         if dtype != torch.bfloat16:
             raise QuantizeError(f"--quantize int4 on a GPU runs in bfloat16; the model is {dtype}: drop --dtype")
         targets = {module: {name: child for name, child in children.items() if child is not head}
                    for module, children in targets.items()}
         targets = {module: children for module, children in targets.items() if children}  # the head keeps its dtype
-        _check_gpu_packing(targets, layer_class)
     count = sum(len(children) for children in targets.values())
     while targets:
         module, children = targets.popitem()
@@ -221,20 +235,6 @@ def quantize_model(model: torch.nn.Module, mode: str) -> int:
         del children
         _quantize_group(module, layers, layer_class, head)
     return count
-
-
-def _check_gpu_packing(targets, layer_class):
-    """QuantizeError where torch's int4 GPU kernel does not multiply a packed weight as its codes say (the packing's
-    nibble order is the one part a CPU cannot check): tried on the first layer before any is replaced."""
-    weight = _weight_of(next(iter(next(iter(targets.values())).values())))
-    with torch.no_grad():
-        codes, scales, low = int4_groups(weight)
-        zeros = (low + 8 * scales).to(torch.bfloat16).float()
-        rows, groups = scales.shape
-        exact = ((codes - 8).reshape(rows, groups, GROUP_SIZE) * scales[..., None] + zeros[..., None])
-        if not tinygemm_agrees(layer_class(weight, None), exact.reshape(weight.shape).to(torch.bfloat16)):
-            raise QuantizeError("--quantize int4: torch's int4 kernel on this GPU does not multiply the weights as "
-                                "they were packed; run without --quantize (bfloat16)")
 
 
 def _safetensors_files(path):
