@@ -1,12 +1,10 @@
 """--jit: one decode step traced with torch.jit, frozen, and run on TorchScript's Static Runtime.
 
-Imported only when --jit is given. On transformers 5 the KV cache is a Cache object and outputs are
-ModelOutputs, which a traced graph cannot carry: the traced function takes and returns plain tensors,
-rebuilds the cache inside over preallocated per-layer buffers, and the model's forward is replaced by a
-dispatcher that sends plain decode steps to the graph and everything else to the eager model.
+A traced graph cannot carry transformers' Cache objects or ModelOutputs: the traced function takes and returns
+plain tensors and rebuilds the cache inside over preallocated buffers; the model's forward becomes a dispatcher
+sending plain decode steps to the graph and everything else to the eager model.
 
-Private APIs this relies on (checked against torch 2.13.0 and transformers 5.23.0; when one changes,
-tracing fails or the shape check refuses the graph, and the run goes on eagerly with one warning):
+Private APIs used (when one changes, tracing or the shape check fails and the run goes on eagerly):
 - torch._C._jit_to_static_module (Static Runtime)
 - transformers.masking_utils._ignore_causal_mask_sdpa (patched while tracing the unpadded graph)
 - transformers.cache_utils.DynamicLayer internals: keys, values, is_initialized, dtype, device, and
@@ -29,31 +27,29 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from . import logger
 
-# Keyword arguments of a decode step the traced graph knows how to serve (anything else -> eager).
+# A decode step's keyword arguments the graph serves (anything else -> eager).
 JIT_SERVED_KWARGS = {"input_ids", "attention_mask", "position_ids", "past_key_values", "use_cache",
                      "logits_to_keep", "return_dict", "token_type_ids", "output_attentions",
                      "output_hidden_states"}
 
 
 def cache_shape_of(config) -> tuple[int, int, int]:
-    """The KV cache's shape parameters: (num_layers, num_kv_heads, head_dim). config.attribute_map answers
-    the standard names for every spelling (GPT-2's n_layer/n_head/n_embd, ...)."""
+    """(num_layers, num_kv_heads, head_dim); config.attribute_map maps GPT-2's n_layer etc. to these names."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads  # GQA (llama/SmolLM2)
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     return config.num_hidden_layers, kv_heads, head_dim
 
 
 def generate_past_key_values(model, batch_size: int, seq_len: int) -> tuple[torch.Tensor, ...]:
-    """Dummy past as flat (k0, v0, k1, v1, ...), all [batch, kv_heads, seq, head_dim] in 5.x."""
+    """Dummy past as flat (k0, v0, k1, v1, ...), each [batch, kv_heads, seq, head_dim]."""
     layers, kv_heads, head_dim = cache_shape_of(model.config)
     shape = (batch_size, kv_heads, seq_len, head_dim)
     return tuple(torch.randn(shape, dtype=model.dtype, device=model.device) for _ in range(2 * layers))
 
 
 def prepare_jit_inputs(model, tokenizer, batch_size: int = 2, past_len: int = 3) -> tuple:
-    """Dummy inputs of one decode step, prepared as the original script does: tokenized text, a dummy past and
-    an attention mask with a leading 0 column. The 0 keeps the padding path alive in the trace:
-    with an all-ones mask transformers may skip the mask, and the trace would bake that in."""
+    """Dummy inputs of one decode step, as the original script makes them. The mask's leading 0 keeps the padding
+    path in the trace: transformers may skip an all-ones mask, and the trace would bake that in."""
     ids = tokenizer(["enable jit"] * batch_size, return_tensors="pt")["input_ids"][:, -1:]
     mask = torch.ones(batch_size, past_len + 1, dtype=torch.long)
     mask[:, 0] = 0
@@ -63,9 +59,8 @@ def prepare_jit_inputs(model, tokenizer, batch_size: int = 2, past_len: int = 3)
 
 
 class _BufferLayer(DynamicLayer):
-    """A cache layer over preallocated [batch, heads, capacity, head_dim] buffers: a decode step
-    writes its key/value in place at `past_len` instead of concatenating the whole cache anew
-    (DynamicLayer.update copies all past keys/values every step)."""
+    """A cache layer over preallocated [batch, heads, capacity, head_dim] buffers: a step writes in place at
+    `past_len` (DynamicLayer.update copies the whole cache every step)."""
 
     def __init__(self, key_buffer, value_buffer, past_len):
         super().__init__()
@@ -83,7 +78,6 @@ class _BufferLayer(DynamicLayer):
 
 
 def _cache_over_buffers(buffers, past_len):
-    """Rebuild, inside the traced function, a DynamicCache whose layers live in `buffers`."""
     cache = DynamicCache()
     cache.layer_class_to_replicate = None
     cache.layers = [_BufferLayer(k, v, past_len) for k, v in zip(buffers[0::2], buffers[1::2])]
@@ -91,16 +85,14 @@ def _cache_over_buffers(buffers, past_len):
 
 
 class _DecodeStep(torch.nn.Module):
-    """One decoding step with the KV cache as plain tensors in and out: in, the key/value buffers;
-    out, the logits and the grown keys/values (views of the buffers). The past length is read
-    from the attention mask's width. Without padding, generate passes no mask at all and the
-    model skips the mask in attention, which rounds differently from an all-ones mask: so there
-    are two graphs, `padded` (mask passed on) and unpadded (mask only read for its width)."""
+    """One decode step over plain tensors: in, the key/value buffers; out, the logits and the grown keys/values
+    (views of the buffers); the past length is the mask's width. Two graphs: unpadded, generate passes no mask and
+    attention skips it, which rounds differently from an all-ones mask; so only `padded` passes the mask on."""
 
     def __init__(self, model, forward, with_position_ids, padded):
         super().__init__()
         self.model = model
-        self._forward = forward  # the eager forward (the instance's `forward` gets replaced)
+        self._forward = forward  # the instance's `forward` gets replaced
         self.with_position_ids, self.padded = with_position_ids, padded
 
     def forward(self, input_ids, attention_mask, position_ids, *buffers):
@@ -112,16 +104,15 @@ class _DecodeStep(torch.nn.Module):
 
 
 def _kv_buffers(cache, needed):
-    """Flat buffers of generate's cache, with room for `needed` positions. Each layer's keys/values
-    stay a prefix view of its buffer from step to step; when something replaced them (beam
-    reordering, the prompt's pass, num_return_sequences expansion) or the buffer is full, they
-    are copied into a new, larger buffer."""
+    """Flat buffers of generate's cache with room for `needed` positions; keys/values that are no longer a prefix
+    view of their buffer (beam reordering, the prompt's pass, expansion) or a full buffer are copied to a larger
+    one."""
     buffers = []
     for layer in cache.layers:
         for name in ("keys", "values"):
             tensor, buffer = getattr(layer, name), layer.__dict__.get("_jit_" + name)
             if tensor is layer.__dict__.get("_jit_view_" + name) and buffer.shape[2] >= needed:
-                buffers.append(buffer)  # the view the last graph step left: untouched since (cheap test)
+                buffers.append(buffer)  # the view the last graph step left, untouched
                 continue
             if buffer is None or buffer.shape[2] < needed or not _is_prefix_view(tensor, buffer):
                 size = tensor.shape[:2] + (2 * needed + 16, tensor.shape[3])
@@ -138,8 +129,8 @@ def _is_prefix_view(tensor, buffer):
 
 
 def trace_decode_step(model, tokenizer) -> tuple:
-    """Trace + freeze the decode step ({padded: runner} for both mask cases), run each twice
-    (warm-up), and check each at another batch size and cache length."""
+    """({padded: runner}, with_position_ids): each graph traced, frozen, warmed up and checked at another
+    batch size and cache length."""
     if any(type(layer) is not DynamicLayer for layer in DynamicCache(config=model.config).layers):
         raise ValueError("its cache has non-full-attention layers (sliding window, linear attention...)")
     forward = model.forward
@@ -152,8 +143,7 @@ def trace_decode_step(model, tokenizer) -> tuple:
         step = _DecodeStep(model, forward, with_pos, padded).eval()
         example = _flat(prepare_jit_inputs(model, tokenizer))
         with torch.no_grad(), warnings.catch_warnings(), _mask_skipped_as_in_eager(padded), _lean_ops(model):
-            # The decode-step branches the tracer warns about are constant (query length 1); the
-            # deprecation notices of torch.jit are not news to a user who asked for --jit.
+            # The branches the tracer warns about are constant (query length 1); --jit users know it is deprecated.
             for category in (torch.jit.TracerWarning, DeprecationWarning, FutureWarning):
                 warnings.simplefilter("ignore", category)
             graph = _runner(torch.jit.freeze(torch.jit.trace(step, example, strict=False, check_trace=False).eval()))
@@ -165,11 +155,8 @@ def trace_decode_step(model, tokenizer) -> tuple:
 
 
 def _runner(frozen):
-    """How the frozen graph is run. TorchScript's Static Runtime (out-variant kernels, planned
-    memory) has far less per-operator overhead than the graph executor, which also re-profiles
-    and bails out as the cache length changes every step. Static Runtime is a private torch API:
-    where it is missing or refuses the graph, the graph executor runs it, unoptimized (it has no
-    fuser to offer here, only guards)."""
+    """Static Runtime: far less per-operator overhead than the graph executor, which also re-profiles as the cache
+    grows. Where that private API is missing or refuses the graph, the executor runs it unoptimized."""
     try:
         return torch._C._jit_to_static_module(frozen._c)
     except Exception:  # noqa: BLE001 - any refusal: fall back to the graph executor
@@ -181,10 +168,8 @@ def _runner(frozen):
 
 @contextlib.contextmanager
 def _mask_skipped_as_in_eager(padded):
-    """Eager attention gets no mask at all for one unpadded query token (sdpa then also runs
-    grouped-query attention natively), but while tracing transformers never skips the mask, as it
-    cannot know the sizes it reads stay valid. In the unpadded graph they do not matter (there
-    is no mask to size), so let the trace skip it exactly when eager does."""
+    """Eager attention skips the mask for one unpadded query token, but tracing never does (the sizes it reads
+    might change); the unpadded graph has no mask to size, so it skips it exactly when eager does."""
     original = masking_utils._ignore_causal_mask_sdpa
     if not padded:
         masking_utils._ignore_causal_mask_sdpa = (
@@ -198,13 +183,9 @@ def _mask_skipped_as_in_eager(padded):
 
 @contextlib.contextmanager
 def _lean_ops(model):
-    """While tracing, the model's RMS norms and rotary embedding trace to fewer operators with the
-    same bits. In the graph each operator costs a few microseconds whatever its size, and a decode
-    step of the default model runs about 3,000 of them: the norm's no-op dtype casts go, its mean
-    becomes the sum and division that ATen's CPU mean computes, and rotate_half's slice/neg/cat
-    becomes one swap of halves against a sine whose first half is negated once per step ((-a)*b == a*(-b)
-    exactly). Each replacement is first compared with the model's own code on random inputs and
-    used only where every bit agrees."""
+    """While tracing, RMS norms and the rotary embedding written in fewer operators with the same bits (a graph
+    operator costs microseconds whatever its size); each replacement is used only where it matches the model's own
+    code bit for bit on random inputs."""
     norms = [m for m in model.modules() if _is_plain_rms_norm(m)]
     for norm in norms:
         norm.forward = _lean_rms_norm(norm)
@@ -226,7 +207,7 @@ def _is_plain_rms_norm(module):
     weight, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
     if not isinstance(weight, torch.Tensor) or weight.ndim != 1 or not isinstance(eps, float):
         return False
-    if "forward" in vars(module):  # already replaced by someone: not ours to replace again
+    if "forward" in vars(module):  # already replaced by someone else
         return False
     probe = torch.randn(2, 3, weight.shape[0], dtype=weight.dtype, device=weight.device) * 3
     with torch.no_grad():
@@ -234,7 +215,7 @@ def _is_plain_rms_norm(module):
 
 
 def _lean_rms_norm(norm):
-    # 0-dim tensors, not Python numbers: a tensor-scalar operator costs the graph twice a tensor-tensor one
+    # 0-dim tensors: a tensor-scalar operator costs the graph twice a tensor-tensor one
     size, eps = (torch.tensor(value, dtype=norm.weight.dtype, device=norm.weight.device)
                  for value in (float(norm.weight.shape[0]), norm.variance_epsilon))
 
@@ -245,14 +226,14 @@ def _lean_rms_norm(norm):
 
 
 def _lean_rotary(original, model):
-    """apply_rotary_pos_emb(q, k, cos, sin) with one swap of halves per tensor, or None where it differs from
-    `original` (interleaved or partial rotary, another dtype...)."""
+    """apply_rotary_pos_emb with one swap of halves against a pre-signed sine ((-a)*b == a*(-b) exactly), or None
+    where it differs from `original` (interleaved or partial rotary...)."""
     _, _, head_dim = cache_shape_of(model.config)
     if head_dim % 2:
         return None
     half = head_dim // 2
     sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(model.dtype).to(model.device)
-    step = {}  # the last sin seen -> (cos, signed sin), unsqueezed: computed once for all layers
+    step = {}  # the last sin -> (cos, signed sin): once a step for all layers
 
     def rotary(q, k, cos, sin, *args, **kwargs):
         if args or kwargs or q.shape[-1] != head_dim or cos.shape[-1] != head_dim:
@@ -283,8 +264,7 @@ def _flat(inputs):
 
 
 def _check_against_eager(traced, step, example):
-    """Refuse a trace that bakes in the dummy's batch size or cache length (or is otherwise wrong):
-    run it at another shape and demand the eager step's numbers."""
+    """Refuse a trace that bakes in the dummy's batch size or cache length: another shape must match eager."""
     with torch.no_grad():
         got = [t.clone() for t in traced(*example)]  # clone: the keys/values are views of the buffers
         want = step(*example)
@@ -294,7 +274,6 @@ def _check_against_eager(traced, step, example):
 
 
 def _served_by_graph(kwargs, args):
-    """Whether this forward call is a plain decode step the traced graph computes identically."""
     cache = kwargs.get("past_key_values")
     ids = kwargs.get("input_ids")
     if args or ids is None or ids.shape[1] != 1 or not isinstance(cache, DynamicCache):
@@ -339,19 +318,16 @@ def _install_dispatcher(model, graphs, with_pos):
         out = CausalLMOutputWithPast(logits=outputs[0], past_key_values=cache)
         return out if kwargs.get("return_dict", True) is not False else out.to_tuple()
 
-    forward.graph_steps = 0  # decode steps served by the graph (tests check it is used)
+    forward.graph_steps = 0  # tests check the graph is used
     model.forward = forward
     model.traced_step = True  # its decode steps read a DynamicCache (rungen/slots.py leaves it the padded batch)
 
 
 def enable_jit(model, tokenizer) -> float | None:
-    """Trace the decode step and route decode steps of `model.generate` through it.
-
-    Returns the tracing time in seconds, or None (after one line) when the model cannot be traced or
-    the graph would never run; the model is then left untouched and generates eagerly."""
+    """Route `model.generate`'s decode steps through a traced graph. Returns the tracing time in seconds, or None
+    (after one warning, the model untouched) where it cannot be traced or the graph would never run."""
     if getattr(model, "cache_grows_in_place", False):
-        # Its whole decoder stack is one native call a step over a cache that grows in place, which the graph
-        # (over transformers' own cache layers) would never be given: tracing would only cost time.
+        # One native call a step over its own cache: the graph would never be given a step.
         logger.warning("--jit: not traced: this model's decode step already runs as one fused native call "
                        "(add --dequantize or --quantize to trace it)")
         return None
