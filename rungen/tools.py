@@ -11,17 +11,11 @@ Formats (docs/server.md#tool-calling):
   message and a call is the line `{"tool_call": {"name": ..., "arguments": {...}}}`, as llama-server's
   generic handler does.
 
-The format is read from the template's text, never configured. A call is constrained by a grammar built per
-request (xgrammar's structural tags; at most one whitespace character at a time in the arguments, so that a
-small model cannot pad them until max_tokens runs out): with `required` or a named function the reply is
-calls only; with `auto` the grammar lets text through until the model writes the call's opening marker, and
-from there holds the call to its function's schema. The reply is parsed by one incremental parser, fed the whole
-text for a plain answer and token by token for a stream, so both give the same calls.
-
-transformers' declarative response parsing (tokenizer.parse_response) is not used: it ships response
-templates for a few families keyed by model type (not template), has none for Llama 3 JSON, Mistral or
-the generic format, and reports a call when its region closes, where a stream here sends the arguments
-as they are generated.
+The format is read from the template's text, never configured. A per-request grammar constrains the calls (at
+most one whitespace character at a time in the arguments, so a small model cannot pad them to max_tokens): calls
+only for `required` or a named function; for `auto`, free text until the call's opening marker. One incremental
+parser reads a whole reply and a stream alike, so both give the same calls (tokenizer.parse_response knows few
+formats and reports a call only once it closes).
 """
 
 from __future__ import annotations
@@ -45,16 +39,12 @@ class ToolError(ValueError):
         self.param = param
 
 
-#
 # Formats
-#
 
 
 @dataclasses.dataclass(frozen=True)
 class Format:
-    """How one family writes a call. `begin`/`end` wrap one call's arguments (the name goes between),
-    `trigger` opens a call in free text, `separator` goes between calls; `region` (begin, end) wraps the
-    whole list of calls (Mistral's bracketed list)."""
+    """How one family writes a call; `region` (begin, end) wraps the whole list of calls (Mistral's)."""
 
     name: str
     begin: str  # before the function's name
@@ -88,8 +78,7 @@ def template_text(chat_template) -> str | None:
 
 
 def detect_format(chat_template) -> Format | str:
-    """The format the chat template asks for, or a one-line reason why tools cannot be served (a template
-    that renders tools in a format not known here, or no template)."""
+    """The format the chat template asks for, or a one-line reason why tools cannot be served."""
     text = template_text(chat_template)
     if not text:
         return "this model has no chat template"
@@ -105,9 +94,7 @@ def detect_format(chat_template) -> Format | str:
     return GENERIC
 
 
-#
 # The request
-#
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,14 +217,11 @@ def read_parallel(value):
     return value
 
 
-#
 # The conversation
-#
 
 
 def read_tool_message_fields(message, number):
-    """The tool fields of one message (already a dict with a role): {"tool_calls": [...]} for an assistant
-    message that calls, {"tool_call_id": ...} for a tool message, {} otherwise."""
+    """One message's tool fields: {"tool_calls": [...]}, {"tool_call_id": ...} or {}."""
     role = message.get("role")
     if role == "tool":
         call_id = message.get("tool_call_id")
@@ -296,10 +280,8 @@ def read_conversation(messages):
 
 
 def template_messages(messages, fmt: Format, request: ToolRequest | None):
-    """The conversation as the chat template takes it: calls and results in the format's shape (a native
-    template's tool_calls with arguments as objects; the generic format's JSON lines in plain turns), and,
-    for the generic format, the tools described in the system message. Checks that every tool message
-    answers a call made before it."""
+    """The conversation as the chat template takes it, calls and results in the format's shape (the generic format
+    describes the tools in the system message); every tool message must answer an earlier call."""
     calls = {}  # id -> name
     out = []
     for number, message in enumerate(messages):
@@ -345,8 +327,7 @@ def template_messages(messages, fmt: Format, request: ToolRequest | None):
 
 
 def call_id_for(fmt, call_id):
-    """Mistral's template takes 9-character alphanumeric ids only: other ids are mapped to one, the same
-    for a call and its result."""
+    """Mistral's template takes 9-character alphanumeric ids only: others map to one, alike for call and result."""
     if fmt is MISTRAL and not (len(call_id) == 9 and call_id.isalnum()):
         return hashlib.sha256(call_id.encode()).hexdigest()[:9]
     return call_id
@@ -361,9 +342,7 @@ def generic_instructions(request: ToolRequest) -> str:
             'A tool\'s result comes back as {"tool_response": {"name": <tool name>, "content": <result>}}.')
 
 
-#
 # The constraint
-#
 
 
 def tool_grammar(fmt: Format, request: ToolRequest) -> str | None:
@@ -410,9 +389,7 @@ def tool_grammar(fmt: Format, request: ToolRequest) -> str | None:
     return json_string_characters(str(grammar))
 
 
-#
 # The reply
-#
 
 
 @dataclasses.dataclass
@@ -423,10 +400,8 @@ class Call:
 
 
 class CallParser:
-    """Splits one reply into content and calls as its text grows. feed() returns events: ("content", text),
-    ("call", index, id, name) once a call's name is known, ("arguments", index, text) for each piece of its
-    arguments; finish() those left (text held back because it might open a call). Content is the reply's
-    text outside calls, leading and trailing whitespace dropped."""
+    """Splits a growing reply into content and calls. feed() and finish() return events: ("content", text),
+    ("call", index, id, name), ("arguments", index, text); content is the text outside calls, stripped."""
 
     def __init__(self, fmt: Format):
         self.fmt = fmt
@@ -599,8 +574,7 @@ def parse_call(fmt, text, position):
 
 
 def object_fields(text, position):
-    """({key: (value start, value end or None)}, end of the object or None) for the JSON object at
-    `position`, as far as the text goes; (None, None) if it is not JSON."""
+    """({key: (value start, value end or None)}, object end or None) at `position`; (None, None): not JSON."""
     assert text[position] == "{"
     fields = {}
     position = skip_space(text, position + 1)
@@ -688,8 +662,8 @@ def value_end(text, position):
 
 @dataclasses.dataclass
 class ToolPlan:
-    """What a chat request's tools make of it: the conversation and tools for the chat template, the
-    grammar of the reply (None: unconstrained) and the format its calls are parsed in (None: not parsed)."""
+    """A chat request's tools applied: the template's conversation and tools, the reply's grammar and the format
+    its calls are parsed in (None: unconstrained / not parsed)."""
 
     messages: list
     template_tools: list | None = None
