@@ -1,9 +1,8 @@
 """/v1/messages: Anthropic's Messages API over the server's one chat path (docs/server.md#post-v1messages).
 
-A Messages request is translated into a chat completion body and run by rungen.openai_api.run_chat (the chat template,
-tools and their grammars, the reasoning split, the engine); its answer, or its stream of chunks, is translated back
-into a message of content blocks, or Anthropic's server-sent events. Nothing here generates, parses a reply or
-builds a grammar. Every error on these routes is answered in Anthropic's shape, with the request's own field names.
+A Messages request is translated into a chat completion body for rungen.openai_api.run_chat, and its answer or
+stream back into content blocks or Anthropic's server-sent events; errors are answered in Anthropic's shape, under
+the request's own field names.
 """
 
 import contextlib
@@ -35,9 +34,7 @@ TOOL_KEYS = {"type", "name", "description", "input_schema", "cache_control", "st
 THINKING_MIN_BUDGET = 1024  # Anthropic's least budget_tokens
 
 
-#
 # Errors
-#
 
 
 def error_type(status):
@@ -60,9 +57,8 @@ def error_event(error):
 
 @contextlib.contextmanager
 def renamed(origins):
-    """An APIError from the chat path, re-raised under the Messages request's names: the field (stop ->
-    stop_sequences, ...), a message's place (the chat's messages[3] may be the request's messages[1], or its
-    system), a tool's parts (tools[0].function.parameters -> tools[0].input_schema)."""
+    """An APIError from the chat path re-raised under the Messages request's names: fields, messages' places
+    (the chat's messages[3] may be the request's messages[1] or its system), tools' parts."""
     try:
         yield
     except APIError as error:
@@ -76,9 +72,7 @@ def renamed(origins):
         raise APIError(message, name, error.status, error.kind, error.code, error.headers) from error
 
 
-#
 # The request
-#
 
 
 def blocks_of(content, where, allowed):
@@ -348,8 +342,8 @@ def to_chat(body, chat_template, count=False):
 
 
 def prompt_ids(service, chat, **encoding):
-    """The token ids of a chat body's prompt, as run_chat encodes it (but for the opening <think> that a constrained
-    request to a thinking model gets); `encoding`: encode_prompt's keyword options."""
+    """The token ids of a chat body's prompt as run_chat encodes it (less a constrained thinking request's opening
+    <think>); `encoding`: encode_prompt's keyword options."""
     chat_template = service.loaded.tokenizer.chat_template
     try:
         variables = read_template_variables(chat, chat_template)
@@ -359,9 +353,7 @@ def prompt_ids(service, chat, **encoding):
     return ids
 
 
-#
 # The answer
-#
 
 
 def message_id(chat_id):
@@ -420,9 +412,8 @@ def sse(event, data):
 
 
 class Events:
-    """Anthropic's stream events of a chat stream's chunks: message_start, then each content block's
-    content_block_start, its deltas (text_delta, thinking_delta, input_json_delta) and content_block_stop,
-    then message_delta (stop_reason, stop_sequence, usage) and message_stop; an error event where a step failed."""
+    """Anthropic's stream events of a chat stream's chunks: message_start, each block's start, deltas and stop,
+    message_delta and message_stop; an error event where a step failed."""
 
     def __init__(self, model, input_tokens):
         self.model, self.input_tokens = model, input_tokens
@@ -513,9 +504,7 @@ async def stream(chunks, model, input_tokens):
         await chunks.aclose()
 
 
-#
 # The routes
-#
 
 
 async def create(service, http_request, body):

@@ -1,9 +1,8 @@
 """POST /v1/responses: OpenAI's Responses API over the chat path (docs/server.md#post-v1responses).
 
-A request is translated into a chat completion body and run by rungen/openai_api.py's run_chat, the one path of chat
-requests (template, tools, grammars, reasoning, engine); its answer, or its stream of chunks, is translated back
-into a response object, or the Responses stream's events. The chat path's errors come back under the Responses
-field names. Responses are kept in a bounded in-memory store for `previous_response_id`.
+A request is translated into a chat completion body for rungen/openai_api.py's run_chat, and its answer or stream
+back into a response object or the Responses stream's events, errors under the Responses field names. Responses are
+kept in a bounded in-memory store for `previous_response_id`.
 """
 
 import collections
@@ -18,8 +17,7 @@ from . import logger
 from .openai_api import APIError, boolean, present, respond, run_chat, shown
 from .openai_api import number as read_number
 
-# Responses kept for previous_response_id (least recently used out). Each holds its conversation's items, which a
-# chain of responses shares rather than copies.
+# Responses kept for previous_response_id; a chain of responses shares its conversation's items.
 MAX_STORED_RESPONSES = 256
 MAX_METADATA_PAIRS = 16  # OpenAI's limits on metadata: 16 pairs, keys of 64 characters, values of 512
 ROLES = {"user", "system", "developer", "assistant"}
@@ -29,8 +27,7 @@ TEXT_PARTS = ("input_text", "output_text")
 ITEM_KEYS = {
     "function_call": {"type", "call_id", "name", "arguments", "id", "status"},
     "function_call_output": {"type", "call_id", "output", "id", "status"},
-    # A reasoning item of an earlier reply is taken and left out of the prompt, as chat templates leave an
-    # earlier turn's thinking out.
+    # Taken and left out of the prompt, as chat templates leave an earlier turn's thinking out.
     "reasoning": {"type", "id", "summary", "content", "encrypted_content", "status"},
 }
 TOOL_KEYS = {"type", "name", "description", "parameters", "strict"}
@@ -68,9 +65,7 @@ class Store:
         return found
 
 
-#
 # The request
-#
 
 
 class Plan:
@@ -176,9 +171,8 @@ class Plan:
         return reasoning.get("effort")
 
     def messages_of(self, items, label):
-        """Chat messages of Responses items: messages as they are, function calls as the tool_calls of the
-        assistant message just before them (or of one of their own), outputs as tool messages; reasoning items
-        are left out."""
+        """Chat messages of Responses items: function calls as the tool_calls of the assistant message before them
+        (or their own), outputs as tool messages, reasoning left out."""
         messages = []
         for number, item in enumerate(items):
             kind = item.get("type", "message")
@@ -233,9 +227,7 @@ class Plan:
         calls = self.call_origins.get(number, [])
         return calls[call] if call < len(calls) else f"{self.origin(number)} (call {call})"
 
-    #
     # The response
-    #
 
     def response(self, status, output, usage, error=None):
         body = self.body
@@ -433,9 +425,7 @@ def read_text(body):
                    '"name", "schema"}', "text.format")
 
 
-#
 # The answer
-#
 
 
 class Output:
