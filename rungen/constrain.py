@@ -1,9 +1,7 @@
 """Constrained output: --json_schema, --regex and --grammar (GBNF, as llama.cpp writes it).
 
-xgrammar compiles the constraint against the model's vocabulary once; inside generate() a logits
-processor masks every token that would leave the language, so each sequence is valid by construction.
-Why xgrammar and not llguidance or outlines-core: docs/performance.md (measured there). Imported only
-when one of the three flags is given.
+xgrammar compiles the constraint against the model's vocabulary once; a logits processor masks every token that
+would leave the language, so each sequence is valid by construction (why xgrammar: docs/performance.md).
 """
 
 from __future__ import annotations
@@ -29,8 +27,7 @@ class ConstraintError(UsageError):
 
 def read_constraint(*, json_schema: str | None = None, regex: str | None = None,
                     grammar: str | None = None) -> tuple[str, str] | None:
-    """(kind, source text) from the flags' values, or None. --json_schema is a file or inline JSON, --grammar
-    a file, --regex the expression itself. Raises ConstraintError."""
+    """(kind, source text) from the flags' values, or None; raises ConstraintError."""
     values = {"json_schema": json_schema, "regex": regex, "grammar": grammar}
     given = [(kind, value) for kind, value in values.items() if value is not None]
     if not given:
@@ -56,10 +53,9 @@ def read_constraint(*, json_schema: str | None = None, regex: str | None = None,
 
 
 def vocabulary_type(tokenizer, flag: str) -> str:
-    """How xgrammar should read the tokens as text. A metaspace vocabulary without byte fallback (XLNet's)
-    counts as byte fallback too: "\u2581" is then a space (xgrammar would read it literally). Tokenizers
-    that mark word ends ("</w>", "@@": openai-gpt, CTRL, XLM) spell a token differently by what follows
-    it, which no per-token mask can follow: refused."""
+    """How xgrammar should read the tokens as text (a metaspace vocabulary counts as byte fallback: "\u2581" is a
+    space). Word-end marks ("</w>", "@@") spell a token by what follows it, which no per-token mask can follow:
+    refused."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     decoder = str(backend.decoder) if backend is not None else "none"
     if backend is None or "BPEDecoder" in decoder or "WordPiece" in decoder:
@@ -74,9 +70,8 @@ def vocabulary_type(tokenizer, flag: str) -> str:
 
 
 def tokenizer_info(tokenizer, vocab_size: int, eos_ids: set[int], flag: str) -> xgr.TokenizerInfo:
-    """What each token id spells, for xgrammar. Special tokens never reach the text (decoding skips them)
-    and ids past the tokenizer (a padded embedding) are no tokens: they spell nothing, so xgrammar never
-    allows them."""
+    """What each token id spells, for xgrammar; special tokens and ids past the tokenizer spell nothing, so they
+    are never allowed."""
     spellings = [""] * vocab_size
     for token, index in tokenizer.get_vocab().items():
         if index < vocab_size:
@@ -91,8 +86,7 @@ def tokenizer_info(tokenizer, vocab_size: int, eos_ids: set[int], flag: str) -> 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Constraint:
-    """A compiled constraint. Without an EOS token (openai-gpt, CTRL) a sequence ends where the grammar
-    is complete; with one, the model may end it there with EOS."""
+    """A compiled constraint. Without an EOS token a sequence ends where the grammar is complete."""
 
     flag: str
     compiled: xgr.CompiledGrammar
@@ -104,10 +98,8 @@ class Constraint:
                                   terminate_without_stop_token=not self.stop_ids)
 
     def follow(self, tokens: list[int]) -> tuple[int | None, int | None]:
-        """(ended, stuck) for generated tokens: ended is how many tokens it took to end the grammar (EOS
-        included, when the model has one; finish_reason "grammar"), stuck how many the grammar accepted
-        before the vocabulary had no token to go on with (GrammarLogitsProcessor lets such a row loose and
-        GrammarStop ends it). Both None: cut off by --length, or a stop string."""
+        """(ended, stuck) for generated tokens: how many tokens ended the grammar (EOS included), or how many it
+        accepted before the vocabulary had no token to go on; both None: cut by --length or a stop string."""
         matcher = self.matcher()
         for position, token in enumerate(tokens):
             if not matcher.accept_token(token):
@@ -117,15 +109,13 @@ class Constraint:
         return None, None
 
     def processors(self) -> tuple[LogitsProcessor, StoppingCriteria]:
-        """A fresh (logits processor, stopping criterion) pair for one generate() call: they share the
-        grammar states of the sequences being generated."""
+        """A (logits processor, stopping criterion) pair for one generate() call, sharing the grammar states."""
         states = GrammarStates(self)
         return GrammarLogitsProcessor(states), GrammarStop(states)
 
 
 def compile_constraint(kind: str, source: str, tokenizer, vocab_size: int, eos_ids: set[int]) -> Constraint:
-    """Compiles (kind, source) for this vocabulary. Raises ConstraintError (one line) for a bad schema,
-    regex or grammar, or one the vocabulary cannot spell."""
+    """Compiles (kind, source) for this vocabulary; raises ConstraintError."""
     flag = KINDS[kind]
     compiler = xgr.GrammarCompiler(tokenizer_info(tokenizer, vocab_size, eos_ids, flag))
     try:
@@ -149,10 +139,8 @@ def compile_constraint(kind: str, source: str, tokenizer, vocab_size: int, eos_i
     return constraint
 
 
-# xgrammar 0.2.8 writes a string with minLength/maxLength (or a bounded property name) as a repetition of this
-# class, which lets raw control characters through (invalid JSON: "Invalid control character") and no escape
-# at all (mlc-ai/xgrammar#800). Each repetition is made one JSON character instead, as its unbounded strings
-# spell one: anything but a control character, a quote or a backslash, or an escape.
+# xgrammar writes a bounded string as a repetition of this class, which lets raw control characters through and no
+# escape (mlc-ai/xgrammar#800): each repetition is made one JSON character instead.
 BOUNDED_STRING_CHARACTER = r'[^\"\\\r\n]'
 JSON_CHARACTER = r'([^\0-\x1f\"\\] | ("\\" basic_escape))'
 
@@ -168,8 +156,8 @@ def nothing_allowed(bitmask: torch.Tensor) -> bool:
 
 
 class GrammarStates:
-    """The grammar state of each sequence, keyed by its generated tokens. generate() reorders rows in beam
-    search and tries draft tokens in assisted decoding, so a row is found by what it holds, not where."""
+    """The grammar state of each sequence, keyed by its generated tokens: beam search and assisted decoding move
+    rows, so a row is found by what it holds."""
 
     def __init__(self, constraint):
         self.constraint = constraint
@@ -210,8 +198,7 @@ class GrammarStates:
 
 
 def advance(matcher: xgr.GrammarMatcher, token: int, in_place: bool) -> xgr.GrammarMatcher | None:
-    """The state after one more token: None once the grammar has rejected a token (a draft token in
-    assisted decoding); an ended grammar stays as it is (what follows is padding)."""
+    """The state after one more token: None once the grammar rejected one; an ended grammar stays as it is."""
     if matcher is None or matcher.is_terminated():
         return matcher
     if not in_place:
@@ -235,8 +222,7 @@ class GrammarLogitsProcessor(LogitsProcessor):
         for row, (_, matcher) in enumerate(rows):
             if matcher is not None and not matcher.is_terminated():
                 matcher.fill_next_token_bitmask(self.bitmask, row)
-        # A vocabulary without some character the grammar needs next (XLNet's has no byte fallback) leaves
-        # a row no token at all: sampling would fail on it, so it goes free and GrammarStop ends it.
+        # A row with no token allowed would fail sampling: it goes free and GrammarStop ends it.
         self.bitmask[nothing_allowed(self.bitmask)] = -1
         logits = scores[:, :vocab_size] if scores.shape[1] > vocab_size else scores
         xgr.apply_token_bitmask_inplace(logits, self.bitmask.to(scores.device))
@@ -246,8 +232,7 @@ class GrammarLogitsProcessor(LogitsProcessor):
 
 
 class GrammarStop(StoppingCriteria):
-    """Ends a sequence whose grammar has terminated (after EOS, or, for a model without EOS, as soon as the
-    language is complete) or that has left it (the vocabulary could not go on: Constraint.follow)."""
+    """Ends a sequence whose grammar has terminated or that has left it (Constraint.follow)."""
 
     def __init__(self, states):
         self.states = states

@@ -36,9 +36,8 @@ RECORD_FIELDS = {"prompt_index", "sequence_index", "generated_text", "text", "nu
 
 @dataclasses.dataclass
 class Prompt:
-    """One input, in input order. `error` is set when it cannot be generated (it is reported, not
-    generated); `ids` once it is encoded. A conversation has `messages` ([{"role", "content"}, ...],
-    encoded with the chat template) and `text` is its last user message."""
+    """One input, in input order: `error` when it cannot be generated, `ids` once encoded; a conversation has
+    `messages` and `text` is its last user message."""
 
     index: int
     text: str | None
@@ -46,17 +45,14 @@ class Prompt:
     error: str | None = None
     ids: list[int] | None = None
     messages: list[dict] | None = None
-    # A jsonl line's tools, tool_choice, parallel_tool_calls ({} for a conversation with calls but no tools),
-    # planned by rungen/tools.py when encoded.
+    # A jsonl line's tools, tool_choice, parallel_tool_calls ({}: calls but no tools).
     tools: dict | None = None
     tool_plan: object = None  # rungen.tools.ToolPlan, once encoded
     constraint: object = None  # the grammar of its tool calls, compiled
     reply: object = None  # rungen.reasoning.ReplyPlan of a chat prompt whose template thinks
 
 
-#
 # Reading
-#
 
 
 def read_prompts(prompt: str | None, *, whole_stdin: bool = False, input_format: str = "text") -> list[Prompt]:
@@ -139,9 +135,7 @@ def messages_problem(messages) -> str | None:
     return None
 
 
-#
 # The original script's per-model preparation
-#
 
 
 # The types the original script prepared by hand, encoding them without the tokenizer's special tokens.
@@ -183,9 +177,7 @@ def prepare_model(loaded: Loaded, *, temperature: float, xlm_language: str = "")
         select_xlm_language(loaded.model, xlm_language)
 
 
-#
 # Encoding
-#
 
 
 def encode_prompt(loaded: Loaded, prompt: Prompt, prefix: str = "", chat: bool = False,
@@ -194,14 +186,10 @@ def encode_prompt(loaded: Loaded, prompt: Prompt, prefix: str = "", chat: bool =
                   add_special_tokens: bool | None = None, within_context: bool = True) -> list[int]:
     """Token ids for one Prompt, with the original script's per-model preparation; raises PromptError.
 
-    A conversation (prompt.messages), or with `chat` the text as one user message, goes through the
-    chat template; `system` is put first when the conversation has no system message of its own.
-    --prefix applies to text prompts only: a conversation is taken as it is. `tools` (OpenAI's function
-    tools) go to the chat template, which renders them as the model expects; `template_kwargs` are further
-    variables it reads (enable_thinking, ...). `add_generation_prompt`: the template's opening of the assistant's
-    turn; `add_special_tokens`: the tokenizer's own around the text (None: as the model takes them; none after a
-    template, which holds its own); `within_context`: refuse a prompt that leaves the model no room to generate
-    (counting or embedding tokens needs none)."""
+    A conversation, or with `chat` the text as one user message, goes through the chat template (with `system`
+    first unless it has one, `tools` and `template_kwargs`); --prefix applies to text prompts only.
+    `add_special_tokens` None: as the model takes them (none after a template, which holds its own);
+    `within_context`: refuse a prompt that leaves the model no room to generate."""
     tokenizer, model = loaded.tokenizer, loaded.model
     messages = prompt.messages
     if messages is not None and prompt.tools is not None and tools is None:
@@ -233,8 +221,7 @@ def encode_prompt(loaded: Loaded, prompt: Prompt, prefix: str = "", chat: bool =
         text = prepare_xlnet_input(text, prefix) if loaded.model_type == "xlnet" else prefix + text
         if loaded.model_type == "ctrl":
             warn_without_control_code(tokenizer, text)
-        # e.g. Llama's and OPT's BOS, which their models expect; but XLNet's and XLM's special tokens go
-        # at the end (<sep> <cls>, </s>), where nothing could follow them.
+        # Llama's and OPT's BOS, but not XLNet's and XLM's, which go at the end where nothing could follow.
         special = loaded.model_type not in HAND_PREPARED_TYPES if add_special_tokens is None else add_special_tokens
     ids = tokenizer.encode(text, add_special_tokens=special)
     if not ids and add_special_tokens is not False:  # asked for no special tokens, nothing is what the text is

@@ -1,21 +1,11 @@
-"""--quantize {int8,int4}: weight-only quantization of the linear layers and the output head, run by
-the CPU kernels torch ships (imported only when --quantize is given).
+"""--quantize {int8,int4}: weight-only quantization of the linear layers and the output head, on torch's CPU kernels.
 
-Weights are stored as int8 (one scale per output channel, symmetric) or as 4-bit codes (groups of 32
-input channels, a scale and a zero each, as GGUF's Q4_1 and gpt-fast do) and multiplied by
-torch.ops.aten._weight_int8pack_mm / _weight_int4pack_mm_for_cpu. Both kernels are vectorized for
-bfloat16 activations, so a quantized layer casts its input to bfloat16 and its output back: the rest
-of the model (norms, attention, residuals, the embedding) keeps its dtype.
-
-The output head is float16 in both modes, multiplied by fbgemm's quantized::linear_dynamic_fp16
-(float32 activations, float16 weights): a 4-bit head costs far more quality than the rest of the model
-(llama.cpp's 4-bit files keep theirs at 8 or 6 bits too), and fbgemm streams the float16 head in the
-time the int8 kernel takes, so the better head costs no speed (docs/performance.md). Where torch was
-built without fbgemm (not x86), the head is int8. A tied head is converted as a copy; the input
-embedding stays as it was.
-
-Sibling projections that read the same input (q/k/v, gate/up) become one matmul: at one token a
-step these kernels cost about as much per call as per weight, so one call beats three.
+Weights are int8 (one symmetric scale per output channel) or 4-bit codes (groups of 32 inputs, a scale and a zero
+each); both kernels want bfloat16 activations, so a layer casts its input to bfloat16 and its output back, and the
+rest of the model keeps its dtype. The output head is float16 (fbgemm's linear_dynamic_fp16; int8 without fbgemm):
+a 4-bit head costs far more quality than the rest, and the float16 one no speed (docs/performance.md). Sibling
+projections of one input (q/k/v, gate/up) become one matmul: at one token a step a call costs about as much as its
+weights.
 """
 
 from __future__ import annotations
@@ -78,10 +68,8 @@ def head_class() -> type[torch.nn.Module]:
 
 
 class Fused(torch.nn.Module):
-    """One quantized matmul for sibling projections of the same input. Each sibling's `Part` asks
-    it for the product of its input and takes its rows; the product of the last input is kept
-    only until every part has taken its rows, and an input it has not seen is computed anew, so
-    any calling order gives each part its own layer's result."""
+    """One quantized matmul for sibling projections of the same input, each `Part` taking its rows; the product is
+    kept until every part has taken its own and recomputed for a new input, so any calling order is right."""
 
     def __init__(self, layer, parts):
         super().__init__()
@@ -118,8 +106,7 @@ def _weight_of(module):
 
 
 def _fused_siblings(module, layers, layer_class):
-    """Replaces each group of SIBLINGS in `layers` (name -> (weight, bias)) by Parts of one Fused
-    layer; returns the names it replaced."""
+    """Replaces each group of SIBLINGS in `layers` by Parts of one Fused layer; returns the names replaced."""
     done = []
     for names in SIBLINGS:
         if not all(name in layers for name in names):
@@ -193,8 +180,7 @@ def gpu_int4_linear(weight, bias, check=False):
 
 
 def gpu_layer_class(mode, device):
-    """The layer --quantize `mode` makes on a GPU (int4: torch's int4 kernel; int8 has none torch maintains for
-    CUDA: refused)."""
+    """The layer --quantize `mode` makes on a GPU (int4 only: torch maintains no CUDA int8 kernel)."""
     if mode != "int4":
         raise QuantizeError(f"--quantize {mode} runs on the CPU only; on {device.type} use --quantize int4 "
                             "(torch's int4 kernel) or no --quantize (bfloat16), or add --use_cpu")
@@ -205,10 +191,8 @@ def gpu_layer_class(mode, device):
 
 
 def quantize_model(model: torch.nn.Module, mode: str) -> int:
-    """Replaces every linear layer (attention, MLP, output head) by its quantized twin, in place, one
-    block at a time (each block's float weights are dropped once it is quantized). Returns how many
-    layers were quantized; raises QuantizeError when it cannot quantize. A model load_quantized built
-    is quantized already."""
+    """Replaces every linear layer and the output head by its quantized twin, in place, one block at a time (so
+    its float weights go early). Returns how many layers were quantized; raises QuantizeError."""
     if getattr(model, "quantized_layers", None):
         return model.quantized_layers
     layer_class = _check(mode)
@@ -248,12 +232,9 @@ def _safetensors_files(path):
 
 
 def load_quantized(path: str, config, dtype: torch.dtype, mode: str) -> torch.nn.Module | None:
-    """The causal LM of a local safetensors checkpoint, quantized block by block as it loads: the float
-    weights of one block exist beside the quantized model, never the whole float model.
-
-    Returns None (the caller loads the model whole and quantizes it after) when the checkpoint is not
-    plain safetensors whose tensor names are the model's own parameters (one transformers renames or
-    converts while loading, or one that leaves parameters to initialise)."""
+    """The causal LM of a local safetensors checkpoint, quantized block by block as it loads (never the whole
+    float model in memory). None (load whole, quantize after) unless its tensor names are exactly the model's
+    parameters (transformers renames or converts some checkpoints while loading)."""
     from accelerate import init_empty_weights
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
