@@ -1,9 +1,6 @@
-"""Embeddings (the server's /v1/embeddings): a text's vector is its last token's final hidden state (the final
-norm's output, what the output head reads), L2-normalised. In a causal decoder only the last position attends to
-the whole text, and it is the token that embedding models built on these decoders are trained to pool (E5-Mistral,
-GTE-Qwen, Qwen3-Embedding; vLLM's default for a decoder served for embeddings). Inputs run in forward passes over
-left-padded batches with an attention mask and each row's own positions, so a text's vector is the same, up to
-float rounding, alone and beside others (docs/server.md#post-v1embeddings)."""
+"""Embeddings (the server's /v1/embeddings): a text's vector is its last token's final hidden state, L2-normalised;
+in a causal decoder only the last position sees the whole text, and decoder embedding models pool it. Left-padded
+batches with each row's own positions give a text the same vector alone and batched (docs/server.md)."""
 
 from __future__ import annotations
 
@@ -21,7 +18,6 @@ def batches(lengths: list[int], rows: int = BATCH_ROWS, tokens: int = BATCH_TOKE
     `rows` inputs and `rows x longest` within `tokens`."""
     groups, group = [], []
     for index in sorted(range(len(lengths)), key=lengths.__getitem__):
-        # Sorted ascending: this input is the group's longest.
         if group and (len(group) >= rows or (len(group) + 1) * lengths[index] > tokens):
             groups.append(group)
             group = []
@@ -34,8 +30,7 @@ def final_hidden_states(model, ids: torch.Tensor, mask: torch.Tensor, positions:
     own = getattr(model, "final_hidden_states", None)
     if own is not None:  # rungen/gguf_model.py's model: its forward without the head
         return own(ids, attention_mask=mask, position_ids=positions)
-    # transformers' model under the head, whose last hidden state the head reads. Not output_hidden_states: it
-    # records the layers' outputs by their class, and rungen/decoder.py's fused layers are of another (none come).
+    # Not output_hidden_states: it records layers by class, and rungen/decoder.py's fused layers are another.
     base = model.base_model
     parameters = inspect.signature(base.forward).parameters
     kwargs = {"input_ids": ids, "attention_mask": mask}

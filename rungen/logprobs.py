@@ -1,9 +1,7 @@
 """--logprobs: log-probabilities of generated tokens, and of a prompt's own tokens (scoring, --length 0).
 
-Log-probabilities are the model's own: log_softmax of its raw logits (generate's `output_logits`), before
-temperature, top-k/p, min-p, repetition penalty or any other logits processor. They are what a forward
-pass of the model over the same tokens gives, whatever the sampling settings; with greedy decoding and no
-processors they are also generate's processed scores. The shape is OpenAI's chat completions':
+Log-probabilities are log_softmax of the raw logits, before any logits processor (temperature, top-k...): what a
+forward pass over the same tokens gives, whatever the sampling settings. The shape is OpenAI's chat completions':
 
     {"content": [{"token": " Paris", "id": 7042, "logprob": -0.31,
                   "top_logprobs": [{"token": " Paris", "id": 7042, "logprob": -0.31}, ...]}, ...]}
@@ -21,10 +19,9 @@ CONTEXT_TOKENS = 4  # ids decoded before a token to get its text in context (a l
 
 def token_text(tokenizer, before: list[int], token_id: int, head: str | None = None,
                special: set[int] | None = None) -> str:
-    """The text `token_id` adds after the ids `before`, as the printed text shows it: decoded after a few
-    tokens of context (SentencePiece drops a leading space at the start of a text; a character's UTF-8
-    bytes may span tokens). A special token (BOS, EOS) is its own name. `head`: the decoding of `before`;
-    `special`: the tokenizer's special ids (both computed once per position by the caller)."""
+    """The text `token_id` adds after the ids `before`, decoded in context (SentencePiece drops a leading space at
+    a text's start; a character's bytes may span tokens); a special token is its own name. `head`: the decoding
+    of `before`; `special`: the tokenizer's special ids."""
     special = set(tokenizer.all_special_ids) if special is None else special
     if token_id in special or not before:
         return tokenizer.decode([token_id], skip_special_tokens=False)
@@ -64,17 +61,15 @@ def content_items(tokenizer, context: list[int], ids: list[int], chosen: list[fl
 
 def step_logits(logits: tuple[torch.Tensor, ...], beam_indices: torch.Tensor | None, row: int, step: int
                 ) -> torch.Tensor:
-    """The raw logits row that produced output row `row`'s token at generation step `step`. Beam search
-    reorders beams at every step: `beam_indices` (from generate) says which beam it was, as
-    compute_transition_scores reads it."""
+    """The raw logits row that produced output row `row`'s token at `step` (`beam_indices`: beam search's
+    reordering, as compute_transition_scores reads it)."""
     source = row if beam_indices is None else int(beam_indices[row, step])
     return logits[step][source]
 
 
 def token_logprobs(tokenizer, prompt_ids: list[int], new: list[int], steps: list[torch.Tensor], top_n: int
                    ) -> dict:
-    """The "logprobs" of one generated sequence: its first len(steps) new tokens (those it produced;
-    padding after it finished is left out), each with its raw logits row in `steps`."""
+    """The "logprobs" of one generated sequence's first len(steps) new tokens (not the padding after it)."""
     if not steps:
         return {"content": []}
     logprobs = torch.stack(steps).float().log_softmax(dim=-1)
@@ -82,10 +77,8 @@ def token_logprobs(tokenizer, prompt_ids: list[int], new: list[int], steps: list
 
 
 def score_prompts(loaded, batch: list, top_n: int) -> list[tuple[dict, float] | None]:
-    """One forward pass over a left-padded batch of prompts: for each prompt, the log-probabilities of its
-    tokens 2..n given the tokens before them ("content" list) and its perplexity, exp(-mean log-probability);
-    None for a prompt of one token (nothing to score). Positions are counted from each prompt's first real
-    token, as generate() counts them, so a prompt scores the same alone and in a batch."""
+    """One forward pass over a left-padded batch: each prompt's ("content" list of its tokens 2..n, perplexity), or
+    None for one token. Positions count from each prompt's first token, so it scores the same alone and batched."""
     model, tokenizer = loaded.model, loaded.tokenizer
     inputs = tokenizer.pad({"input_ids": [prompt.ids for prompt in batch]}, return_tensors="pt")
     inputs = inputs.to(loaded.input_device)

@@ -1,9 +1,7 @@
 """Several processes under accelerate (data parallel): the main process reads and writes, every
 process generates a contiguous share of the prompts, and results are gathered after each round.
 
-accelerate is imported only where a launcher started several processes (its import costs about 0.05 s of
-every run's start-up); a process on its own gets OneProcess, which answers what this module and
-run_generation.py ask of accelerate's PartialState."""
+A process on its own gets OneProcess for accelerate's PartialState, sparing every run accelerate's import."""
 
 from __future__ import annotations
 
@@ -68,8 +66,7 @@ def my_share(state, items: list) -> list:
 
 
 def rounds(state, my_rounds: int) -> int:
-    """How many rounds everyone runs: gathers are collective, so every process joins each round,
-    with an empty batch if it has none left."""
+    """How many rounds everyone runs: gathers are collective, so each process joins every round."""
     if state.num_processes == 1:
         return my_rounds
     from accelerate.utils import gather_object
@@ -86,8 +83,7 @@ def gather(state, results: list) -> list:
     return gather_object(results)
 
 
-# Set by the process's own entry point (run_generation.command) when it ends a launched process itself, at once,
-# after main(): finish() then leaves the group's teardown to that exit.
+# Set by run_generation.command when it ends a launched process itself: finish() leaves the teardown to that exit.
 exit_follows = False
 
 
@@ -101,10 +97,8 @@ def finish(state) -> None:
 
 def end_launched_process(code: int):
     """Ends a launched process at once with `code`, its output flushed, skipping the group's teardown and the
-    interpreter's shutdown. A launched process aborted there now and then ("terminate called without an active
-    exception", SIGABRT, after every line was written, in gloo's or torch's native teardown: 1 of 78 launches of
-    two processes on 2 cores loaded by two more), which failed the whole launch; after the last collective
-    nothing is left to do that the operating system does not do."""
+    interpreter's shutdown: gloo's or torch's native teardown sometimes aborts (SIGABRT) after all output is
+    written, failing the launch, and nothing is left there the operating system does not do."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

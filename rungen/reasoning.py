@@ -1,14 +1,9 @@
 """Thinking models' reasoning kept apart from the answer (docs/server.md#reasoning).
 
-A chat template that thinks in a block (`<think>...</think>`: Qwen3, DeepSeek-R1's distills, SmolLM3) is
-recognised by the block's delimiters in its text, as rungen/tools.py recognises tool formats, never configured.
-The reply's text then goes through one splitter, fed the whole text for a plain answer and its pieces for a
-stream, so both give the same reasoning and content: the block's text is the reasoning, what follows it the
-content. A template may open the block itself at the end of the prompt (DeepSeek-R1's, Qwen3's when a grammar
-follows: plan_reply); the reply then starts inside it. A block the model never closes is all reasoning.
-
-The template's variables: `chat_template_kwargs` and `reasoning_effort` reach the template only where it reads
-them (jinja2's undeclared variables of its source), and are refused otherwise.
+A template that thinks in a block (`<think>...</think>`) is recognised by the delimiters in its text, never
+configured. One splitter reads a whole reply and a stream alike, so both give the same reasoning and content; a reply
+may start inside a block the prompt opened (plan_reply), and a block never closed is all reasoning.
+`chat_template_kwargs` and `reasoning_effort` are refused where the template does not read them.
 """
 
 from __future__ import annotations
@@ -48,15 +43,13 @@ def detect_delimiters(chat_template) -> Delimiters | None:
     return None
 
 
-#
 # The template's variables
-#
 
 
 @functools.lru_cache(maxsize=8)
 def variables_read(template: str) -> frozenset:
-    """The names the template reads from its context (jinja2's undeclared variables, less the names it sets
-    itself somewhere: jinja2 counts a name set in a block as read where the block may not have run)."""
+    """The names the template reads from its context: jinja2's undeclared variables less those it sets somewhere
+    (jinja2 counts a name set in a block as read where the block may not have run)."""
     import jinja2
     from jinja2 import meta, nodes
 
@@ -83,8 +76,7 @@ class VariableError(ValueError):
 
 
 def read_template_variables(body, chat_template) -> dict:
-    """The variables `chat_template_kwargs` and `reasoning_effort` give the chat template, checked: each must be
-    one the template reads. Raises VariableError."""
+    """The template variables `chat_template_kwargs` and `reasoning_effort` give; raises VariableError."""
     variables = {}
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None:
@@ -117,9 +109,7 @@ def readable(chat_template) -> str:
     return f" (it reads: {', '.join(names)})" if names else ""
 
 
-#
 # The reply
-#
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,8 +138,8 @@ def prompt_state(delimiters: Delimiters, prompt_tail: str) -> str:
 
 def plan_reply(tokenizer, delimiters: Delimiters | None, ids: list[int], constrained: bool):
     """(ids, ReplyPlan or None) of a chat prompt. A constrained reply must know where the answer starts: where the
-    model may open the block itself (Qwen3), the prompt gets the opening delimiter, as DeepSeek-R1's template
-    always writes it, and the constraint starts after the closing one."""
+    model may open the block itself, the prompt gets the opening delimiter and the constraint starts after the
+    closing one."""
     if delimiters is None:
         return ids, None
     state = prompt_state(delimiters, tokenizer.decode(ids[-TAIL_TOKENS:], skip_special_tokens=False))
@@ -163,9 +153,8 @@ def plan_reply(tokenizer, delimiters: Delimiters | None, ids: list[int], constra
 
 
 def plan_prompt(loaded, settings, prompt) -> None:
-    """plan_reply for a command-line or session prompt (encoded): sets prompt.reply where it is a chat whose
-    template thinks. A constraint of the whole run (--json_schema, --regex, --grammar) applies from the first
-    token, on generate() too, so such a reply is left whole; a jsonl line's tools wait for the block's end."""
+    """plan_reply for an encoded command-line or session prompt: sets prompt.reply where its template thinks. A
+    run's constraint applies from the first token (generate() too); a jsonl line's tools wait for the block's end."""
     if not (settings.chat or prompt.messages is not None) or settings.constraint is not None:
         return
     delimiters = detect_delimiters(loaded.tokenizer.chat_template)
@@ -173,10 +162,8 @@ def plan_prompt(loaded, settings, prompt) -> None:
 
 
 class ReasoningSplitter:
-    """Splits one reply into reasoning and content as its text grows. feed() returns (reasoning, content), the text
-    each gains; finish() what was held back (what may be the start of a delimiter). The reasoning is the block's
-    text without the whitespace around it; the content what follows the block, without its leading whitespace.
-    `had_block` says whether the reply has a block at all (reasoning None in the reply otherwise)."""
+    """Splits a growing reply into reasoning and content: feed() and finish() return the text each gains (both
+    stripped of the whitespace around the block); `had_block`: whether the reply has a block at all."""
 
     def __init__(self, delimiters: Delimiters, state: str = "start"):
         self.delimiters, self.state = delimiters, state

@@ -1,15 +1,9 @@
-"""A key/value cache in fixed slots, for the engine's batch on transformers' models of the llama-shaped families:
-per layer one keys and one values tensor [slots, kv heads, positions, head size], allocated once for the batch
-(and grown, by copying, only when more rows or a longer request come than it was made for). A row owns a slot: its
-prefilled keys/values are written there as it joins, each decode step writes its new position in place (one
-index_put per layer), and attention reads the first `length` positions of the first `rows` slots, a view: nothing
-is concatenated per step or per admission, and the shapes of a step depend only on (rows, length), so a step can
-be captured as a CUDA graph. A row that ends frees its slot: the last row moves into it, so rows stay 0..rows-1.
-
-transformers' models take it as their cache (the update() that their attention calls) with a 4D boolean mask
-[rows, 1, 1, length] (True: a position the row has filled), which their mask construction passes through as it is.
-Models whose layers are not all full attention (sliding windows, chunked, recurrent) stay on the engine's padded
-batch (rungen/kvcache.py).
+"""A key/value cache in fixed slots for the engine's batch on transformers' llama-shaped models: per layer one keys
+and one values tensor [slots, kv heads, positions, head size], grown by copying only when outgrown. A row owns a
+slot; a decode step writes its position in place and attention reads a view of the first `length` positions of the
+first `rows` slots, so nothing is concatenated and a step's shapes depend only on (rows, length): it can be a CUDA
+graph. A row that ends frees its slot to the last row, so rows stay 0..rows-1. The mask is 4D boolean
+[rows, 1, 1, length], which transformers' mask construction passes through.
 """
 
 from __future__ import annotations
@@ -27,9 +21,8 @@ def round_up(value: int, step: int) -> int:
 
 
 def takes_slots(model: torch.nn.Module) -> bool:
-    """Whether `model` runs on a SlotCache: a transformers model of FAMILIES with full attention on every layer and
-    an attention that reads a 4D mask (sdpa, eager), not one whose decoder layers read another cache (the own
-    model, the fused GGUF layers, --jit's traced step)."""
+    """Whether `model` runs on a SlotCache: a transformers model of FAMILIES, full attention on every layer, sdpa or
+    eager attention, and no other cache of its own (the own model, fused GGUF layers, --jit)."""
     config = getattr(model, "config", None)
     if config is None or any(getattr(model, flag, False) for flag in ("own_cache", "cache_grows_in_place",
                                                                          "traced_step")):
@@ -44,8 +37,7 @@ def takes_slots(model: torch.nn.Module) -> bool:
 
 
 class SlotCache:
-    """The batch's keys/values in slots (see the module docstring). The engine calls prepare() before a step's
-    forward; the model's attention calls update() once a layer."""
+    """The batch's keys/values in slots: the engine calls prepare() before a step, attention update() per layer."""
 
     def __init__(self, layers: int, max_slots: int, max_positions: int):
         self.num_layers, self.max_slots, self.max_positions = layers, max_slots, max_positions
@@ -155,10 +147,9 @@ def rows_bucket(rows: int) -> int:
 
 
 class DecodeGraphs:
-    """decode_step captured as CUDA graphs, one per (rows bucket, length bucket), captured on first use and
-    replayed after: a step's hundreds of kernel launches become one. Inputs are copied into the graph's static
-    tensors; the logits it returns are its static output, read before the next replay. Graphs are made anew when
-    the cache's buffers are replaced. If a capture fails, one warning and the steps run eagerly from then on."""
+    """decode_step as CUDA graphs, one per (rows bucket, length bucket), captured on first use: a step's hundreds
+    of launches become one. The returned logits are the graph's static output, read before the next replay;
+    graphs are remade when the buffers are replaced; a failed capture warns once and steps run eagerly."""
 
     def __init__(self, model: torch.nn.Module, cache: SlotCache):
         self.model, self.cache = model, cache
