@@ -1,6 +1,5 @@
-"""Every flag, its default and its checks, and the generation Settings the flags make. parse_args returns
-each flag with the type it declares, checked (--fp16 is --dtype float16, --padding_text is --prefix, a
---generation_config file fills the flags not given); the Namespace goes no further than main()."""
+"""Every flag, its default and its checks, and the generation Settings the flags make; the Namespace goes no
+further than main()."""
 
 from __future__ import annotations
 
@@ -19,8 +18,7 @@ _UNSET = object()  # marks the flags a command line leaves out, so that a --gene
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse's parser, its errors (an unknown flag, a value of the wrong type) one line as the tool's others
-    are, not a usage block."""
+    """argparse's parser with its errors one line, as the tool's others are, not a usage block."""
 
     def error(self, message):
         raise UsageError(message)
@@ -192,12 +190,11 @@ def check_serve(args: argparse.Namespace, given: set[str]) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The command line's flags, each of its declared type, checked; UsageError for a bad value or
-    combination. A --generation_config file fills the flags the command line leaves out (flags win)."""
+    """The flags, each of its declared type, checked (UsageError); a --generation_config file fills those left out
+    (--fp16 is --dtype float16, --padding_text is --prefix)."""
     parser = build_parser()
     defaults = vars(parser.parse_args([]))
-    # argparse fills in a default only where the namespace has no value yet: a flag still _UNSET after
-    # parsing was not given. A flag whose default is None is given exactly when its value is not None.
+    # argparse fills a default only where the namespace has no value: a flag still _UNSET was not given.
     start = {name: None if default is None else _UNSET for name, default in defaults.items()}
     parsed = vars(parser.parse_args(argv, namespace=argparse.Namespace(**start)))
     given = {name for name, value in parsed.items() if value is not _UNSET and value is not None}
@@ -252,8 +249,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def read_tools_file(path: str) -> dict:
-    """--tools FILE.json as a request's tool fields ({"tools", "tool_choice", "parallel_tool_calls"}), checked as
-    the server checks them; UsageError naming what is wrong."""
+    """--tools FILE.json as a request's tool fields, checked as the server checks them (UsageError)."""
     from .tools import ToolError, read_tool_request
 
     try:
@@ -286,8 +282,8 @@ def max_memory_map(items: list[str] | None) -> dict | None:
 
 
 def settings_from_args(args: argparse.Namespace, context: int = 0) -> Settings:
-    """The generation Settings the flags make, --length clamped to a model's `context` (0: no limit known).
-    --chat's None (auto: on in a session) is off here; a session decides it for itself."""
+    """The generation Settings the flags make, --length clamped to `context` (0: unknown); --chat's None is off
+    here (a session decides it for itself)."""
     stops = stop_strings(args.stop_token)
     fields = {field.name for field in dataclasses.fields(Settings)} - {"constraint", "generation_config", "stop_token",
                                                                         "chat"}

@@ -1,6 +1,5 @@
-"""Generation controls beyond the original script's flags: their flags and checks, a --generation_config
-file for anything else GenerationConfig accepts, and the --assistant_model. Everything here hands
-its values to transformers' own generate(); nothing re-implements a sampler or a decoding loop."""
+"""Generation controls beyond the original script's flags: their flags and checks, a --generation_config file for
+anything else GenerationConfig accepts, and the --assistant_model; all handed to transformers' generate()."""
 
 from __future__ import annotations
 
@@ -15,8 +14,7 @@ from . import logger
 from .errors import UsageError, one_line
 from .generation import Settings, generation_kwargs
 
-# --generation_config keys that have a flag of their own: a value from the file becomes that flag's value
-# (unless the flag is given explicitly: flags win), so it is checked and used exactly as the flag is.
+# --generation_config keys with a flag of their own: the file's value is checked and used as the flag's (flags win).
 FILE_KEY_FLAGS = {
     "max_new_tokens": "length",
     "temperature": "temperature",
@@ -87,14 +85,11 @@ def add_control_arguments(parser: argparse.ArgumentParser) -> None:
                              help="every sequence is a sentence of this grammar (GBNF, as llama.cpp's)")
 
 
-#
 # --generation_config
-#
 
 
 def read_generation_config(path: str) -> dict:
-    """The file's keys; UsageError when it is not readable, not a JSON object, or has unknown or tool-owned
-    keys."""
+    """The file's keys; UsageError when unreadable, not a JSON object, or with unknown or tool-owned keys."""
     from transformers import GenerationConfig
 
     where = f"--generation_config {path}"
@@ -137,8 +132,8 @@ def file_value(path: str, key: str, value: object) -> int | float | list[str]:
 
 
 def read_generation_file(path: str) -> GenerationFile:
-    """--generation_config's value: the file read and split into flag values and generate()'s other keys.
-    `do_sample` is kept apart: it decides --temperature only where that flag is not given."""
+    """--generation_config's file split into flag values and generate()'s other keys (`do_sample` apart: it
+    decides --temperature only where that flag is not given)."""
     values = read_generation_config(path)
     flags = {flag: file_value(path, key, values.pop(key)) for key, flag in FILE_KEY_FLAGS.items() if key in values}
     do_sample = values.pop("do_sample", None)
@@ -161,8 +156,8 @@ def quiet_transformers() -> Iterator[None]:
 
 
 def validate_generation_config(settings: Settings, path: str) -> None:
-    """The whole set of generate() settings the flags and the file make, through GenerationConfig's own
-    strict validation: an invalid value or a conflicting combination is a UsageError, before loading."""
+    """The generate() settings the flags and the file make, through GenerationConfig's strict validation
+    (UsageError, before loading)."""
     import transformers.generation
     from transformers import GenerationConfig
 
@@ -178,9 +173,7 @@ def validate_generation_config(settings: Settings, path: str) -> None:
         raise UsageError(f"--generation_config {path}: {one_line(error)}") from error
 
 
-#
 # Checks of the new flags
-#
 
 
 def check_controls(args: argparse.Namespace) -> None:
@@ -218,14 +211,11 @@ def check_controls(args: argparse.Namespace) -> None:
         raise UsageError("--json_schema, --regex and --grammar constrain generated text; --length 0 generates none")
 
 
-#
 # --assistant_model
-#
 
 
 def load_assistant(path: str, loaded, *, dtype: str, device) -> object:
-    """The draft model of --assistant_model, loaded as the main model is (type inferred, `dtype` as
-    --dtype) and placed on `device`. Its tokenizer must be the main model's: same vocabulary, same ids."""
+    """The --assistant_model, loaded as the main model is; its tokenizer must be the main model's."""
     from .loading import load
 
     expanded = os.path.expanduser(path)

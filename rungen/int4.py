@@ -1,7 +1,6 @@
-"""4-bit weights in groups of 32 for torch's int4 weight-only kernels: the CPU's (`_weight_int4pack_mm_for_cpu`,
-Int4Linear) and CUDA's (`_weight_int4pack_mm`, tinygemm: TinyGemmLinear). --quantize int4 (rungen/quantize.py)
-makes them from float weights, a GGUF file's Q4_0/Q4_1/Q4_K blocks (rungen/ggml.py) from its codes; both kernels
-compute (code - 8) * scale + zero, zero being the value of code 8."""
+"""4-bit weights in groups of 32 for torch's int4 kernels, the CPU's (Int4Linear) and CUDA's tinygemm
+(TinyGemmLinear), from float weights (--quantize int4) or a GGUF file's 4-bit blocks; both kernels compute
+(code - 8) * scale + zero."""
 
 from __future__ import annotations
 
@@ -32,9 +31,8 @@ class Int4Linear(torch.nn.Module):
         # The packing wants output channels in multiples of 16: pad with zero rows, cut them off the output.
         padded = -out_features % 16
         codes, scales, low = int4_groups(torch.nn.functional.pad(weight.detach().float(), (0, 0, 0, padded)))
-        zeros = low + 8 * scales  # the kernel computes (code - 8) * scale + zero: zero is the value of code 8
+        zeros = low + 8 * scales  # zero is the value of code 8
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, INNER_K_TILES))
-        # [in_features / group, out_features, 2]: the layout the kernel reads.
         scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1)
         self.register_buffer("scales_and_zeros", scales_and_zeros.contiguous().to(torch.bfloat16))
         self.bias = bias
@@ -50,10 +48,8 @@ class Int4Linear(torch.nn.Module):
 
 
 class TinyGemmLinear(torch.nn.Module):
-    """y = x @ W.T (+ bias) on a CUDA GPU, W given as 4-bit codes [out, in] and per group of 32 inputs a scale and an
-    offset (W = scale * code + offset), in torch's int4 packing for `_weight_int4pack_mm` (tinygemm): the codes two a
-    byte, each group's scale and the value of code 8 in bfloat16; activations in bfloat16. A GGUF file's 4-bit
-    blocks (rungen/ggml.py) and --quantize int4 (rungen/quantize.py) run so on a GPU."""
+    """y = x @ W.T (+ bias) on a CUDA GPU by tinygemm, W = scale * code + offset given as 4-bit codes [out, in] and
+    per group of 32 inputs a scale and an offset; activations in bfloat16."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, device: torch.device):
         super().__init__()
@@ -70,8 +66,7 @@ class TinyGemmLinear(torch.nn.Module):
 
     @staticmethod
     def runs_on(in_features: int, dtype: torch.dtype, device: torch.device) -> bool:
-        """Whether such a layer runs on `device` for a model in `dtype`: tinygemm is CUDA's, on Ampere and later, for
-        bfloat16 activations and rows of whole groups (GPU_INT4_ENV "0": not used)."""
+        """Whether such a layer runs on `device` for a model in `dtype` (CUDA, Ampere on, bfloat16, whole groups)."""
         return (device.type == "cuda" and dtype == torch.bfloat16 and in_features % GROUP_SIZE == 0
                 and os.environ.get(GPU_INT4_ENV, "1") != "0" and torch.cuda.get_device_capability(device) >= (8, 0))
 
@@ -84,8 +79,8 @@ class TinyGemmLinear(torch.nn.Module):
 
 
 def tinygemm_agrees(layer: TinyGemmLinear, weight: torch.Tensor) -> bool:
-    """Whether `layer` multiplies as the de-quantized `weight` [out, in] (bfloat16, on its device) does, to bfloat16
-    rounding: the check of the packing a GPU run makes once before trusting it."""
+    """Whether `layer` multiplies as the de-quantized `weight` [out, in] does, to bfloat16 rounding: a GPU run's
+    one check of the packing before trusting it."""
     x = torch.randn(4, layer.in_features, dtype=torch.bfloat16, device=weight.device,
                     generator=torch.Generator(weight.device).manual_seed(0))
     reference = (x.float() @ weight.float().T)

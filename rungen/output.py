@@ -60,8 +60,8 @@ def record_fields(sequence: Sequence) -> dict:
 
 
 def reply_fields(prompt: Prompt, text: str) -> dict:
-    """A chat reply's fields beside the raw text: its reasoning and content when the chat template thinks
-    (rungen/reasoning.py), its content and tool calls when it may call tools (rungen/tools.py)."""
+    """A chat reply's fields beside the raw text: reasoning and content where the template thinks, content and
+    tool calls where it may call tools."""
     fields = {}
     if prompt.reply is not None:
         from .reasoning import split_reply

@@ -1,7 +1,6 @@
-"""JSON as RFC 8259 has it, for what users send (the server's request bodies, --input_format jsonl lines):
-Python's json module also takes NaN, Infinity and -Infinity, numbers past a float's range (as inf), lone UTF-16
-surrogates (\\ud800, which no UTF-8 text holds), and nests as deep as its recursion allows. loads refuses
-each of these with a JSONError that names the top-level field it is under."""
+"""JSON as RFC 8259 has it, for what users send (request bodies, jsonl lines): loads refuses what Python's json
+takes beyond it (NaN, Infinity, numbers past a float's range, lone surrogates, unbounded nesting) with a JSONError
+naming the top-level field."""
 
 import itertools
 import json
@@ -25,8 +24,7 @@ class JSONError(ValueError):
 
 
 class NotJSON:
-    """What the decoder makes of NaN, Infinity or a number past a float's range: found after parsing, so that
-    the error names its field."""
+    """The decoder's NaN, Infinity or out-of-range number, found after parsing so the error names its field."""
 
     def __init__(self, text):
         self.text = text
@@ -62,9 +60,8 @@ def loads(text: str, max_depth: int = MAX_DEPTH):
 
 
 def nesting_depth(text: str, limit: int) -> int:
-    """How deep the arrays and objects of a JSON text nest, or a number within `limit` when they cannot nest
-    past it; without recursion, and in C loops (a 4 MiB text takes milliseconds). Brackets inside strings do
-    not count; a broken text gets some number and fails to parse after."""
+    """How deep a JSON text nests (a number within `limit` when it cannot nest past it), in C loops without
+    recursion; brackets in strings do not count, and a broken text fails to parse after."""
     brackets = NOT_A_BRACKET.sub("", JSON_STRING.sub("", text))
     if len(brackets) <= limit:
         return len(brackets)
