@@ -1,5 +1,4 @@
-"""The tool's exceptions: library code raises them, and only the entry point (run_generation.cli) turns
-one into a one-line message on stderr and its exit code."""
+"""The tool's exceptions: library code raises them; only run_generation.cli turns one into a line and an exit code."""
 
 
 class RunGenerationError(Exception):
@@ -17,8 +16,7 @@ class GenerationError(RunGenerationError):
 
 
 class PromptError(RunGenerationError):
-    """One prompt that cannot be generated (too long, no chat template, ...): it gets an error record and the
-    others go on; as the one --prompt given, it is bad input (exit code 2)."""
+    """One prompt that cannot be generated: it gets an error record and the others go on (the one --prompt: 2)."""
 
 
 class PromptsFailed(RunGenerationError):
@@ -28,8 +26,7 @@ class PromptsFailed(RunGenerationError):
 
 
 def one_line(error: BaseException) -> str:
-    """An exception's message on one line (GenerationConfig's are several: a heading, '- `key`: ...' items
-    and a closing note)."""
+    """An exception's message on one line (GenerationConfig's span a heading, '- ' items and a note)."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     items = [line[2:] for line in lines if line.startswith("- ")]
     return " ".join(items or lines[:1]) or type(error).__name__
