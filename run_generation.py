@@ -129,7 +129,7 @@ def main(argv=None):
         if seconds is not None:
             logger.info("Traced the decode step in %.1f s", seconds)
 
-    if args.serve:  # an OpenAI-compatible server on this model (rungen/server.py)
+    if args.serve:
         from rungen import server
 
         return server.run(loaded, serving)
@@ -303,7 +303,7 @@ def command():
     try:
         cli()
         code = 0
-    except SystemExit as exit:  # as the interpreter ends on it: None is 0, an int itself, anything else printed and 1
+    except SystemExit as exit:  # the exit code the interpreter would make of it
         code = 0 if exit.code is None else exit.code
         if not isinstance(code, int):
             print(code, file=sys.stderr)

@@ -76,8 +76,7 @@ def renamed(origins):
 
 
 def blocks_of(content, where, allowed):
-    """A content (a string, or a list of blocks) as a list of blocks, each checked: its type among `allowed`, its
-    keys the type's."""
+    """A content (a string or a list of blocks) as a list of blocks, each checked against `allowed` types."""
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
     field = where.split("[")[0].split(".")[0]  # the request's field: system or messages
@@ -138,8 +137,7 @@ def tool_use(block, at):
 
 
 def read_messages(body, system):
-    """(chat messages, origins): the conversation in the chat shape, and where each chat message came from in the
-    request (for errors)."""
+    """(chat messages, where each came from in the request, for errors)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError("messages must be a non-empty list", "messages")
@@ -297,8 +295,7 @@ def read_metadata(body):
 
 
 def to_chat(body, chat_template, count=False):
-    """(chat completion body, origins) of a Messages request body (`count`: a count_tokens body, which has no
-    max_tokens and generates nothing). `origins`: where each chat message came from, for errors."""
+    """(chat completion body, origins) of a Messages request body (`count`: a count_tokens body, no max_tokens)."""
     max_tokens = None
     if not count:
         if not present(body, "max_tokens"):
@@ -378,8 +375,7 @@ def stop_reason(finish_reason, stop):
 
 
 def arguments_input(arguments):
-    """A call's arguments (a JSON string) as the tool_use block's input; a call that max_tokens cut has
-    arguments that do not parse: its input is {} (and the stop_reason max_tokens)."""
+    """A call's arguments (a JSON string) as the tool_use block's input ({} for a call max_tokens cut)."""
     try:
         value = json.loads(arguments)
     except json.JSONDecodeError:
@@ -524,8 +520,7 @@ async def create(service, http_request, body):
 
 
 def count_tokens(service, body):
-    """POST /v1/messages/count_tokens (its fields and model checked): the prompt's tokens as a request with the
-    same fields would prefill them."""
+    """POST /v1/messages/count_tokens: the prompt's tokens as the same request would prefill them."""
     chat, origins = to_chat(body, service.loaded.tokenizer.chat_template, count=True)
     with renamed(origins):  # a prompt past the context is counted, not refused: counting is how a client knows
         return {"input_tokens": len(prompt_ids(service, chat, within_context=False))}

@@ -576,8 +576,7 @@ FAILED = {"code": "server_error", "message": "the server stopped before the resp
 
 
 async def create_response(service, http_request, body):
-    """A /v1/responses request (its fields checked by the route): the response object, a stream of its events, or
-    499 when the client went away."""
+    """A /v1/responses request: the response object, a stream of its events, or 499 when the client went away."""
     plan = Plan(service, body)
     try:
         result = await run_chat(service, http_request, plan.chat)

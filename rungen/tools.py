@@ -99,8 +99,7 @@ def detect_format(chat_template) -> Format | str:
 
 @dataclasses.dataclass(frozen=True)
 class ToolRequest:
-    """The request's tools (OpenAI's shape, parameters filled in), its choice ("auto", "none", "required" or
-    a function's name) and whether several calls may come at once."""
+    """The request's tools (OpenAI's shape, parameters filled in), tool choice and parallel_tool_calls."""
 
     tools: tuple
     choice: str
@@ -262,8 +261,7 @@ TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
 
 
 def read_conversation(messages):
-    """A jsonl line's messages holding tool calls or results, checked and in the server's shape (tool fields
-    as read_tool_message_fields gives them, content None for an assistant message that only calls)."""
+    """A jsonl line's messages with tool calls or results, checked, in the server's shape."""
     if not isinstance(messages, list) or not messages:
         raise ToolError("must be a non-empty list", "messages")
     out = []
@@ -490,8 +488,7 @@ def skip_space(text, position):
 
 
 def parse_region(fmt, text, start, marker, found):
-    """Parses the calls of one region into `found`; returns where it ends, None if the text ends inside it,
-    -1 if it is not a call region."""
+    """Parses one region's calls into `found`; returns its end, None if the text ends inside, -1 if no call."""
     if marker in ("<tool_call>", "<|python_tag|>", "[TOOL_CALLS]"):
         position = skip_space(text, start + len(marker))
     else:
@@ -538,8 +535,7 @@ def parse_region(fmt, text, start, marker, found):
 
 
 def parse_call(fmt, text, position):
-    """(Call, end) for the JSON object at `position`; end None while it is unfinished, Call None if it is no
-    call (not an object with a name)."""
+    """(Call, end) for the JSON object at `position`; end None while unfinished, Call None if no call."""
     fields, end = object_fields(text, position)
     if fields is None:
         return None, None
