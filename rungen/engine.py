@@ -780,7 +780,7 @@ def sampling_of(settings, seed):
     """The engine's Sampling for the command line's settings (greedy at temperature 0, as generate())."""
     if settings.temperature == 0:
         return Sampling(temperature=0, repetition_penalty=settings.repetition_penalty, seed=seed)
-    return Sampling(temperature=settings.temperature, top_p=settings.p, top_k=settings.k,
+    return Sampling(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
                     min_p=settings.min_p or 0.0, repetition_penalty=settings.repetition_penalty, seed=seed)
 
 

@@ -127,14 +127,14 @@ def test_chat_prints_the_reply_alone(gpt2_tokenizer):
 def test_generate_kwargs(gpt2_tokenizer):
     greedy = generation_kwargs(Settings(temperature=0), gpt2_tokenizer)
     assert greedy["do_sample"] is False and "temperature" not in greedy
-    sampled = generation_kwargs(Settings(temperature=0.7, k=5, p=0.8, stop_token="\n"), gpt2_tokenizer)
+    sampled = generation_kwargs(Settings(temperature=0.7, top_k=5, top_p=0.8, stop_token="\n"), gpt2_tokenizer)
     assert (sampled["do_sample"], sampled["temperature"], sampled["top_k"], sampled["top_p"]) == (True, 0.7, 5, 0.8)
     assert sampled["stop_strings"] == "\n" and sampled["tokenizer"] is gpt2_tokenizer
 
 
 def test_settings_from_flags_clamp_the_length():
     settings = settings_from_args(parse_args(["--length", "500", "--temperature", "0", "--k", "3"]), context=128)
-    assert (settings.length, settings.temperature, settings.k) == (128, 0, 3)
+    assert (settings.length, settings.temperature, settings.top_k) == (128, 0, 3)
     assert dataclasses.replace(settings, temperature=0.5).temperature == 0.5
 
 
