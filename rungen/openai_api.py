@@ -13,12 +13,14 @@ import uuid
 
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from .engine import EngineBusy, EngineClosed, Sampling
-from .engine import Request as EngineRequest
+from .engine import EngineBusy, EngineClosed
 from .errors import PromptError
 from .logprobs import score_prompts
 from .prompts import Prompt, encode_prompt
 from .reasoning import VariableError, detect_delimiters, plan_reply, read_template_variables, split_reply
+from .requests import Delta, Done, End
+from .requests import Request as EngineRequest
+from .sampling import Sampling
 from .tools import ToolError, message_of, plan_tools, read_tool_message_fields, stream_deltas
 
 MAX_LOGPROBS = 20
@@ -426,7 +428,7 @@ async def generate(service, http_request, body, prompts, logprobs, *, chat, max_
                     cancel()
                     return None
                 continue
-            if event[0] == "end":
+            if isinstance(event, End):
                 pending.discard(job)
             else:
                 answer.add(job, event)
@@ -501,14 +503,14 @@ class Answer:
             self.finish[self.index(job, row)] = "length"
 
     def add(self, job, event):
-        kind, row = event[0], event[1]
-        choice = self.index(job, row)
-        if kind == "delta":
-            self.texts[choice] += event[2]
-            if event[3]:
-                self.items[choice] += event[3]
-        elif kind == "done":
-            finish = event[2]
+        """A Delta or a Done of the engine request `job`."""
+        choice = self.index(job, event.index)
+        if isinstance(event, Delta):
+            self.texts[choice] += event.text
+            if event.logprobs:
+                self.items[choice] += event.logprobs
+        else:
+            finish = event.finish
             self.finish[choice] = finish.reason
             self.stops[choice] = finish.stop
             self.completion_tokens += len(finish.tokens)
@@ -596,13 +598,13 @@ class Answer:
                     yield self.chunk(self.final_choice(choice))
             while pending:
                 job, event = await events.get()
-                if event[0] == "end":
+                if isinstance(event, End):
                     pending.discard(job)
                     continue
                 self.add(job, event)
-                choice = self.index(job, event[1])
-                if event[0] == "delta":
-                    text, items = event[2], event[3] or []
+                choice = self.index(job, event.index)
+                if isinstance(event, Delta):
+                    text, items = event.text, event.logprobs or []
                     if self.chat:
                         logprobs = {"content": [chat_item(item) for item in items]} if self.logprobs is not None \
                             else None
@@ -615,7 +617,7 @@ class Answer:
                         offsets[choice] += len(text)
                         yield self.chunk([{"index": choice, "text": text, "logprobs": logprobs,
                                            "finish_reason": None}])
-                elif event[0] == "done":
+                elif isinstance(event, Done):
                     if self.parsers or self.splitters:  # what they held back (the start of a call or a delimiter)
                         for delta in self.deltas(choice, "", final=True):
                             yield self.chunk([{"index": choice, "delta": delta, "logprobs": None,

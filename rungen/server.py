@@ -30,9 +30,10 @@ from starlette.requests import ClientDisconnect
 
 from . import NOTICE, logger, strict_json
 from .embeddings import as_base64, batches, embed
-from .engine import Engine, EngineClosed, Metrics, describe_memory
+from .engine import Engine, EngineClosed, describe_memory
 from .errors import UsageError
 from .generation import eos_token_ids
+from .metrics import Metrics
 from .openai_api import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,

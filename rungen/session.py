@@ -24,7 +24,7 @@ import time
 import torch
 
 from . import PROG, logger
-from .engine import engine_refusal, open_engine, submit_prompts
+from .batch import engine_refusal, open_engine, submit_prompts
 from .errors import GenerationError, PromptError, UsageError, one_line
 from .generation import FLAG_NAMES, Settings, adjust_length_to_model, eos_token_ids, generate_batch
 from .loading import Loaded, cache_dir, use_transformers_model
