@@ -1,7 +1,7 @@
 """The generation engine of the server, the piped prompts and the session's turns: continuous batching,
 per-row sampling and stopping. The server runs it on a model thread of its own; the command line and the
-session on their own thread (run_prompts), for every setting it can honour (engine_refusal says which it
-cannot: generate() runs those).
+session on their own thread (rungen/batch.py's run_prompts), for every setting it can honour (engine_refusal says
+which it cannot: generate() runs those). A Request comes in and its events go out (rungen/requests.py).
 
 Requests wait in a bounded queue. The model thread runs one decode step at a time for every active row;
 between steps it admits waiting requests: each is prefilled alone (after the longest start of its tokens
@@ -25,8 +25,9 @@ Memory: a request is admitted only while rows x the longest (prompt + max_tokens
 
 Every row's next token is chosen at once on the model's device (rungen/sampling.py: OpenAI's logit_bias and
 presence/frequency penalties, transformers' repetition_penalty, the grammar's mask, then greedy, or temperature,
-top-k, top-p, min-p and a draw from the row's own generator, seeded by `seed`), with one copy to the host a step.
-Log-probabilities are the model's raw ones (rungen/logprobs.py).
+top-k, top-p, min-p and a draw from the row's own generator, seeded by `seed`), with one copy to the host a step;
+the text each token adds is reported by rungen/rows.py. Log-probabilities are the model's raw ones
+(rungen/logprobs.py).
 """
 
 import collections
