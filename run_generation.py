@@ -38,8 +38,8 @@ import torch
 
 from rungen import NOTICE, PROG, logger, processes
 from rungen.arguments import max_memory_map, parse_args, serve_options, settings_from_args
+from rungen.batch import engine_refusal, open_engine, run_prompts, settings_refusal
 from rungen.controls import load_assistant
-from rungen.engine import engine_refusal, open_engine, run_prompts, settings_refusal
 from rungen.errors import PromptError, PromptsFailed, RunGenerationError, UsageError
 from rungen.generation import UNBATCHABLE_TYPES, eos_token_ids, generate_batch, make_batches
 from rungen.ggml import holds_blocks, native_kernels

@@ -90,12 +90,13 @@ class EngineMode:
         self.tokens_per_s, self.ms_per_token, self.text = [], [], None
 
     def generate(self, batch, new_tokens):
-        from rungen.engine import Request, Sampling
+        from rungen.requests import Done, Request
+        from rungen.sampling import Sampling
 
         ids = self.loaded.tokenizer(PROMPT)["input_ids"]
         finishes = []
         requests = [Request(ids, new_tokens, Sampling(temperature=0), deltas=False,
-                            sink=lambda event: event[0] == "done" and finishes.append(event[2]))
+                            sink=lambda event: isinstance(event, Done) and finishes.append(event.finish))
                     for _ in range(batch)]
         start = time.perf_counter()
         for request in requests:

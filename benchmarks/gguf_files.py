@@ -134,7 +134,7 @@ class LlamaBench:
 
 class Tool:
     """The tool on one file: on the engine, or through generate() where the engine refuses the model (chunked-attention
-    or recurrent layers), as the command line falls back (rungen.engine.open_engine)."""
+    or recurrent layers), as the command line falls back (rungen.batch.open_engine)."""
 
     def __init__(self, path):
         import torch
@@ -155,7 +155,8 @@ class Tool:
         """(start, first token, end) times of greedy decoding `new_tokens` after `ids`."""
         if self.engine is None:
             return self._generate(ids, new_tokens)
-        from rungen.engine import Request, Sampling
+        from rungen.requests import Request
+        from rungen.sampling import Sampling
 
         request = Request(list(ids), new_tokens, Sampling(temperature=0), deltas=False, sink=lambda event: None)
         start = time.perf_counter()

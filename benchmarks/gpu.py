@@ -287,7 +287,8 @@ class EngineRunner:
 
     def run(self, ids, new_tokens):
         """(start, the last row's first token, end): all rows prefill before the first decode step."""
-        from rungen.engine import Request, Sampling
+        from rungen.requests import Request
+        from rungen.sampling import Sampling
 
         requests = [Request(list(row), new_tokens, Sampling(temperature=0, ignore_eos=True), sink=lambda event: None,
                             deltas=False) for row in ids]

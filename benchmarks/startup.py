@@ -63,7 +63,7 @@ lap("import tokenizers, jinja2, gguf")
 import run_generation
 from rungen import gguf_model
 from rungen.arguments import parse_args, settings_from_args
-from rungen.engine import open_engine, submit_prompts
+from rungen.batch import open_engine, submit_prompts
 from rungen.ggml import native_kernels
 from rungen.gguf_loading import GGUFHeader
 from rungen.loading import default_model_file, finish

@@ -11,7 +11,7 @@ import math
 from . import PROG, logger
 from .controls import FILE_KEY_FLAGS, add_control_arguments, check_controls, validate_generation_config
 from .errors import UsageError
-from .generation import Settings, stop_strings
+from .generation import FLAG_NAMES, Settings, stop_strings
 from .loading import DTYPES, MODEL_CLASSES, check_model_type
 
 _UNSET = object()  # marks the flags a command line leaves out, so that a --generation_config file can fill them
@@ -288,7 +288,7 @@ def settings_from_args(args: argparse.Namespace, context: int = 0) -> Settings:
     fields = {field.name for field in dataclasses.fields(Settings)} - {"constraint", "generation_config", "stop_token",
                                                                         "chat"}
     settings = Settings(
-        **{name: getattr(args, name) for name in fields},
+        **{name: getattr(args, FLAG_NAMES.get(name, name)) for name in fields},
         stop_token=None if not stops else stops[0] if len(stops) == 1 else stops,
         chat=bool(args.chat),
         generation_config=args.generation_config.extra if args.generation_config is not None else {},

@@ -1,7 +1,7 @@
 """The generation engine of the server, the piped prompts and the session's turns: continuous batching,
 per-row sampling and stopping. The server runs it on a model thread of its own; the command line and the
-session on their own thread (run_prompts), for every setting it can honour (engine_refusal says which it
-cannot: generate() runs those).
+session on their own thread (rungen/batch.py's run_prompts), for every setting it can honour (engine_refusal says
+which it cannot: generate() runs those). A Request comes in and its events go out (rungen/requests.py).
 
 Requests wait in a bounded queue. The model thread runs one decode step at a time for every active row;
 between steps it admits waiting requests: each is prefilled alone (after the longest start of its tokens
@@ -25,43 +25,32 @@ Memory: a request is admitted only while rows x the longest (prompt + max_tokens
 
 Every row's next token is chosen at once on the model's device (rungen/sampling.py: OpenAI's logit_bias and
 presence/frequency penalties, transformers' repetition_penalty, the grammar's mask, then greedy, or temperature,
-top-k, top-p, min-p and a draw from the row's own generator, seeded by `seed`), with one copy to the host a step.
-Log-probabilities are the model's raw ones (rungen/logprobs.py).
+top-k, top-p, min-p and a draw from the row's own generator, seeded by `seed`), with one copy to the host a step;
+the text each token adds is reported by rungen/rows.py. Log-probabilities are the model's raw ones
+(rungen/logprobs.py).
 """
 
 import collections
-import dataclasses
 import inspect
 import os
 import queue
-import sys
 import threading
 import time
 
 import torch
 
 from . import logger
-from .errors import GenerationError, one_line
-from .generation import (
-    UNBATCHABLE_TYPES,
-    StuckError,
-    describe_sequence,
-    eos_token_ids,
-    make_batches,
-    stop_strings,
-    stuck_error,
-)
-from .kvcache import MIN_ROOM, full_attention, growing, new_cache
-from .logprobs import content_items
-from .sampling import Picked, RowState, Sampling, choose
+from .errors import GenerationError
+from .generation import UNBATCHABLE_TYPES
+from .kvcache import MIN_ROOM, full_attention, new_cache
+from .metrics import Metrics
+from .prefix_cache import PrefixCache
+from .requests import Done, End, Finish
+from .rows import Reporter, Row, pick
+from .sampling import RowState
 from .slots import DecodeGraphs, SlotCache, decode_step
 
 GRAPHS_ENV = "RUN_GENERATION_CUDA_GRAPHS"
-
-# Prompt tokens decoded before a row's new tokens to get their text in context: decoding the whole prompt at
-# every step would cost as much as the prompt is long.
-TAIL_TOKENS = 32
-
 
 class EngineBusy(RuntimeError):
     """The queue is full (HTTP 503 with Retry-After)."""
@@ -69,180 +58,6 @@ class EngineBusy(RuntimeError):
 
 class EngineClosed(RuntimeError):
     """The engine is shutting down and takes no new requests (HTTP 503)."""
-
-
-@dataclasses.dataclass
-class Request:
-    """One generation request: n rows from one prompt. `sink(event)` is called from the model thread with
-    ("delta", index, text, logprob_items), ("done", index, Finish) and finally ("end", None)."""
-
-    ids: list[int]
-    max_tokens: int
-    sampling: Sampling
-    sink: object
-    n: int = 1
-    stop: tuple[str, ...] = ()
-    logprobs: int | None = None  # top alternatives per token; None: no log-probabilities
-    constraint: object = None  # rungen.constrain.Constraint
-    # Token ids that close the thinking block the reply starts in: the constraint applies from the token after them.
-    reasoning_end: tuple[int, ...] | None = None
-    deltas: bool = True  # text as it grows (a stream); False: the text once, at the end (a stop string is still cut)
-    cancelled: bool = False  # set by the server (client gone) or a session (Ctrl-C); the row leaves at the next step
-    submitted: float = dataclasses.field(default_factory=time.perf_counter)
-    first_token_at: float | None = None
-    reused: int = 0  # prompt tokens whose keys/values came from the prefix cache
-
-    @property
-    def reserve(self):
-        return len(self.ids) + self.max_tokens
-
-
-@dataclasses.dataclass
-class Finish:
-    """How one choice ended."""
-
-    reason: str  # "stop" (EOS, a stop string, the grammar complete), "length", or "abort" (shutdown)
-    text: str
-    tokens: list[int]
-    prompt_tokens: int
-    error: str | None = None
-    stop: str | None = None  # the stop string that ended it (the first given of those found earliest)
-
-
-class Metrics:
-    """Counters and histograms for /metrics (Prometheus text), shared by the server and the model thread."""
-
-    TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-    TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.requests = collections.Counter()  # (endpoint, status) -> count
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.reused_tokens = 0  # prompt tokens whose keys/values came from the prefix cache
-        self.ttft = [0] * (len(self.TTFT_BUCKETS) + 1), [0.0, 0]
-        self.tpot = [0] * (len(self.TPOT_BUCKETS) + 1), [0.0, 0]
-
-    def observe(self, histogram, buckets, value):
-        counts, total = histogram
-        with self.lock:
-            counts[next((i for i, bound in enumerate(buckets) if value <= bound), len(buckets))] += 1
-            total[0] += value
-            total[1] += 1
-
-    def count_request(self, endpoint, status):
-        with self.lock:
-            self.requests[endpoint, status] += 1
-
-    def add_tokens(self, prompt=0, generated=0, reused=0):
-        with self.lock:
-            self.prompt_tokens += prompt
-            self.generation_tokens += generated
-            self.reused_tokens += reused
-
-    def render(self, queue_depth, running):
-        lines = ["# HELP rungen_requests_total HTTP requests by endpoint and status.",
-                 "# TYPE rungen_requests_total counter"]
-        with self.lock:
-            for (endpoint, status), count in sorted(self.requests.items()):
-                lines.append(f'rungen_requests_total{{endpoint="{endpoint}",status="{status}"}} {count}')
-            lines += ["# HELP rungen_prompt_tokens_total Prompt tokens prefilled.",
-                      "# TYPE rungen_prompt_tokens_total counter", f"rungen_prompt_tokens_total {self.prompt_tokens}",
-                      "# HELP rungen_generation_tokens_total Tokens generated.",
-                      "# TYPE rungen_generation_tokens_total counter",
-                      f"rungen_generation_tokens_total {self.generation_tokens}",
-                      "# HELP rungen_prefix_cache_tokens_total Prompt tokens taken from the prefix cache.",
-                      "# TYPE rungen_prefix_cache_tokens_total counter",
-                      f"rungen_prefix_cache_tokens_total {self.reused_tokens}",
-                      "# HELP rungen_queue_depth Requests waiting for a batch slot.",
-                      "# TYPE rungen_queue_depth gauge",
-                      f"rungen_queue_depth {queue_depth}",
-                      "# HELP rungen_running_rows Sequences decoding in the batch.",
-                      "# TYPE rungen_running_rows gauge",
-                      f"rungen_running_rows {running}"]
-            for name, help_text, buckets, (counts, total) in (
-                ("rungen_time_to_first_token_seconds", "From arrival to the first generated token.",
-                 self.TTFT_BUCKETS, self.ttft),
-                ("rungen_time_per_output_token_seconds", "Between consecutive tokens of a sequence.",
-                 self.TPOT_BUCKETS, self.tpot),
-            ):
-                lines += [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
-                cumulative = 0
-                for bound, count in zip((*buckets, "+Inf"), counts):
-                    cumulative += count
-                    lines.append(f'{name}_bucket{{le="{bound}"}} {cumulative}')
-                lines += [f"{name}_sum {total[0]:.6f}", f"{name}_count {total[1]}"]
-        return "\n".join(lines) + "\n"
-
-
-class PrefixCache:
-    """Keys/values of recently finished sequences, keyed by their tokens, bounded in bytes (least recently
-    used first out). A request prefills only what follows the longest start it shares with one of them: the
-    next turn of a conversation, or any request under the same system prompt and chat template."""
-
-    def __init__(self, max_bytes):
-        self.max_bytes, self.bytes = max_bytes, 0
-        self.entries = collections.OrderedDict()  # tuple(tokens) -> (layers, bytes, buffers or None)
-
-    def put(self, tokens, layers, size=None, buffers=None):
-        """Keeps `layers` for `tokens`. `buffers`: per layer the (keys, values) buffers whose starts the layers
-        are, with room after them, that a next turn may take over; `size`: the bytes held alive, when more than
-        the layers' own."""
-        size = size or sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers)
-        key = tuple(tokens)
-        if size > self.max_bytes or len(key) < 2 or key in self.entries:
-            return
-        self.entries[key] = (layers, size, buffers)
-        self.bytes += size
-        while self.bytes > self.max_bytes:
-            _, (_, dropped, _) = self.entries.popitem(last=False)
-            self.bytes -= dropped
-
-    def longest(self, ids):
-        """(length, layers, buffers) for the longest start of ids that an entry holds, one token at least left
-        to prefill, or (0, None, None). `layers` are views of the entry's first `length` positions, never written
-        to: a key or value depends only on the tokens up to its own, so a shared start's are the ones ids would
-        get. When that start is the whole entry (a conversation's next turn) and the entry kept its buffers,
-        they come too and the entry leaves the cache: the request's cache grows in them, without a copy."""
-        best, found = 0, None
-        for key in self.entries:
-            length = shared_start(key, ids, limit=len(ids) - 1)
-            if length > best:
-                best, found = length, key
-        if found is None:
-            return 0, None, None
-        layers, size, buffers = self.entries[found]
-        if buffers is not None and best == len(found):
-            del self.entries[found]
-            self.bytes -= size
-            return best, layers, buffers
-        self.entries.move_to_end(found)
-        return best, [(k[:, :, :best], v[:, :, :best]) for k, v in layers], None
-
-
-def shared_start(a, b, limit):
-    """How many first items a and b have in common, at most `limit`."""
-    length = 0
-    for x, y in zip(a[:limit], b):
-        if x != y:
-            break
-        length += 1
-    return length
-
-
-@dataclasses.dataclass
-class Row:
-    request: Request
-    index: int  # the choice index within the request
-    state: RowState  # its sampling on the device: generator, seen tokens, counts, bias
-    position: int  # real tokens so far (the next position id)
-    new: list = dataclasses.field(default_factory=list)
-    emitted: int = 0  # characters of the continuation sent so far
-    head: str = ""  # the decoding of the prompt's last tokens (the continuation is what follows it)
-    matcher: object = None
-    last_time: float = 0.0
-    finish: Finish | None = None
 
 
 class Engine:
@@ -258,6 +73,7 @@ class Engine:
         self.metrics = metrics or Metrics()
         self.tokenizer_lock = tokenizer_lock or threading.Lock()
         self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None
+        self.reporter = Reporter(self.tokenizer, self.tokenizer_lock, self.eos_ids)
         parameters = inspect.signature(self.model.forward).parameters
         if loaded.model_type in UNBATCHABLE_TYPES:
             raise ValueError(f"{loaded.model_type} drops the attention mask when decoding, so it cannot share a "
@@ -407,7 +223,7 @@ class Engine:
         while True:
             with self.wake:
                 while self.waiting and self.waiting[0].cancelled:
-                    self.waiting.popleft().sink(("end", None))
+                    self.waiting.popleft().sink(End())
                 if not self.waiting:
                     break
                 request = self.waiting[0]
@@ -454,12 +270,11 @@ class Engine:
             mask = torch.ones(request.n, len(ids), dtype=torch.long, device=self.device)
             self.pending.append((new_layers, mask, output.past_key_values if request.n == 1 else None))
         logits = output.logits[:, -1].float()
-        with self.tokenizer_lock:
-            head = self.tokenizer.decode(ids[-TAIL_TOKENS:], skip_special_tokens=True)
+        prompt_tail_text = self.reporter.prompt_tail_text(ids)
         new_rows = []
         for index in range(request.n):
             state = RowState(request.sampling, ids, logits.shape[-1], logits.device, index)
-            row = Row(request, index, state, len(ids), head=head, last_time=start)
+            row = Row(request, index, state, len(ids), prompt_tail_text=prompt_tail_text, last_time=start)
             if request.constraint is not None and not request.reasoning_end:
                 row.matcher = request.constraint.matcher()
             new_rows.append(row)
@@ -496,7 +311,7 @@ class Engine:
 
     def step(self):
         """One decode step for every row."""
-        tokens = torch.tensor([[row.new[-1]] for row in self.rows], device=self.device)
+        tokens = torch.tensor([[row.generated[-1]] for row in self.rows], device=self.device)
         if self.slots is not None:
             positions = torch.tensor([row.position for row in self.rows], device=self.device)
             longest = max(row.position for row in self.rows)
@@ -524,115 +339,32 @@ class Engine:
         """Chooses each row's next token, reports it, and ends the rows that are done (`remove`: lets them
         leave the batch now)."""
         now = time.perf_counter()
-        picked, stuck = self.pick(rows, logits)
+        picked, stuck = pick(rows, logits, self.eos_ids)
         for number, row in enumerate(rows):
             request = row.request
             if request.cancelled:
-                row.finish = self.finish_row(row, "abort")  # what it holds back is sent: a session shows it
+                row.finish = self.reporter.cut_short(row, "abort")  # what it holds back is sent: a session shows it
                 continue
             if number in stuck:
                 logger.warning("%s: no token of the vocabulary continues the output; it ends incomplete",
                                request.constraint.flag)
-                row.finish = self.finish_row(row, "stop", error="the grammar allows no token of this vocabulary "
-                                             "here; the output ends incomplete")
+                row.finish = self.reporter.cut_short(row, "stop", error="the grammar allows no token of this "
+                                                     "vocabulary here; the output ends incomplete")
                 continue
             if picked.nan[number]:
                 raise GenerationError("the model's scores are NaN: its weights are broken (a damaged file?)")
             token = picked.tokens[number]
-            row.new.append(token)
-            if not row.new[:-1]:
+            row.generated.append(token)
+            if not row.generated[:-1]:
                 request.first_token_at = request.first_token_at or now
                 self.metrics.observe(self.metrics.ttft, Metrics.TTFT_BUCKETS, now - request.submitted)
             else:
                 self.metrics.observe(self.metrics.tpot, Metrics.TPOT_BUCKETS, now - row.last_time)
             row.last_time = now
             self.metrics.add_tokens(generated=1)
-            items = None
-            if request.logprobs is not None:
-                chosen, top_ids, top_values = picked.logprobs[number]
-                with self.tokenizer_lock:
-                    items = content_items(self.tokenizer, request.ids + row.new[:-1], [token], [chosen],
-                                          [top_ids], [top_values])
-            self.report(row, token, items)
+            self.reporter.report(row, token, picked.logprobs[number] if request.logprobs is not None else None)
         if remove:
             self.remove_finished()
-
-    def pick(self, rows, logits):
-        """The rows' choices (sampling.choose on the device, one copy to the host), and the numbers of the rows
-        whose grammar allows no token (they get none)."""
-        grammar, stuck = None, set()
-        constrained = [number for number, row in enumerate(rows) if row.matcher is not None]
-        if constrained:
-            import xgrammar as xgr
-
-            from .constrain import nothing_allowed
-
-            vocab = rows[constrained[0]].request.constraint.vocab_size  # one tokenizer: one vocabulary
-            bitmask = xgr.allocate_token_bitmask(len(constrained), vocab)
-            for place, number in enumerate(constrained):
-                rows[number].matcher.fill_next_token_bitmask(bitmask, place)
-            empty = nothing_allowed(bitmask).tolist()
-            stuck = {number for number, nothing in zip(constrained, empty) if nothing}
-            keep = [place for place, nothing in enumerate(empty) if not nothing]
-            if keep:
-                grammar = (bitmask[keep], [constrained[place] for place in keep], vocab)
-        states = [row.state for row in rows]
-        tokens, nan = choose(logits, states, sorted(self.eos_ids), grammar)
-        for number, state in enumerate(states):
-            if number not in stuck:
-                state.accept(tokens[number : number + 1])
-        top_n = {number: row.request.logprobs for number, row in enumerate(rows) if row.request.logprobs is not None}
-        return Picked.read(tokens, nan, logits, top_n), stuck
-
-    def report(self, row, token, items):
-        """Sends the text this token adds (holding back what may be the start of a stop string or an
-        unfinished character) and ends the row when it is done."""
-        request = row.request
-        if row.matcher is not None:
-            row.matcher.accept_token(token)
-        elif request.reasoning_end and request.constraint is not None \
-                and tuple(row.new[-len(request.reasoning_end) :]) == request.reasoning_end:
-            row.matcher = request.constraint.matcher()  # the thinking block is closed: the grammar starts now
-        # The text is decoded at every step only where something reads it: a stream, or stop strings to find
-        # (a decode of the new tokens so far, which grows with them).
-        text = self.continuation(row) if request.deltas or request.stop else None
-        reason = matched = None
-        cuts = [(text.index(stop), stop) for stop in request.stop if stop in text] if text is not None else []
-        if cuts:
-            cut, matched = min(cuts, key=lambda found: found[0])
-            text, reason = text[:cut], "stop"
-        elif token in self.eos_ids and not request.sampling.ignore_eos:
-            reason = "stop"
-        elif row.matcher is not None and row.matcher.is_terminated():
-            reason = "stop"
-        elif len(row.new) >= request.max_tokens:
-            reason = "length"
-        delta = ""
-        if request.deltas:
-            ready = len(text) if reason is not None else len(text) - held_back(text, request.stop)
-            delta = text[row.emitted : ready] if ready > row.emitted else ""
-            row.emitted = max(row.emitted, ready)
-        if delta or items:
-            request.sink(("delta", row.index, delta, items))
-        if reason is not None:
-            if text is None:
-                text = self.continuation(row)
-            row.finish = Finish(reason, text, list(row.new), len(request.ids), stop=matched)
-
-    def continuation(self, row):
-        """The text of the row's new tokens, decoded after the prompt's last tokens and cut after them, as
-        describe_sequence does with the whole prompt (a leading space, a character split over tokens)."""
-        with self.tokenizer_lock:
-            whole = self.tokenizer.decode(row.request.ids[-TAIL_TOKENS:] + row.new, skip_special_tokens=True)
-            if whole.startswith(row.head):
-                return whole[len(row.head) :]
-            return self.tokenizer.decode(row.new, skip_special_tokens=True)
-
-    def finish_row(self, row, reason, error=None):
-        text = self.continuation(row)
-        if row.request.deltas and len(text) > row.emitted:
-            row.request.sink(("delta", row.index, text[row.emitted :], None))
-        return Finish(reason, text, list(row.new), len(row.request.ids), error)
 
     def remove_finished(self):
         done = [number for number, row in enumerate(self.rows) if row.finish is not None]
@@ -643,7 +375,7 @@ class Engine:
             row = self.rows[number]
             if self.prefix_cache is not None and row.index == 0 and row.finish.reason != "abort":
                 self.remember(number, row, last=len(self.rows) == 1)
-            row.request.sink(("done", row.index, row.finish))
+            row.request.sink(Done(row.index, row.finish))
             if all(other.finish is not None for other in self.rows if other.request is row.request):
                 finished_requests.append(row.request)
         keep = [number for number, row in enumerate(self.rows) if row.finish is None]
@@ -659,7 +391,7 @@ class Engine:
                 self.slots.clear()
         self.rows = [self.rows[number] for number in keep]
         for request in finished_requests:
-            request.sink(("end", None))
+            request.sink(End())
         if self.slots is not None:
             return
         if not self.rows:
@@ -674,36 +406,26 @@ class Engine:
         self.cache = new_cache(self.model, kept)
 
     def remember(self, number, row, last=False):
-        """Keeps a finished row's keys/values for requests that start as it does. `last`: the batch ends with
-        this row, so its buffers are handed over (counted whole, room included) instead of copied, and the
-        next request does not wait for the copy."""
+        """Keeps a finished row's keys/values in the prefix cache. `last`: the batch ends with this row, whose
+        buffers the cache may then take over."""
         length = row.position  # the positions the cache holds (the last token was never fed)
-        tokens = (row.request.ids + row.new)[:length]
+        tokens = (row.request.ids + row.generated)[:length]
         if self.slots is not None:
-            self.prefix_cache.put(tokens, [(k.clone(), v.clone()) for k, v in self.slots.row_layers(number, length)])
+            self.prefix_cache.keep(tokens, self.slots.row_layers(number, length))
             return
         if not self.mask[number, -length:].all():
             return
         layers = [(k[number : number + 1, :, -length:], v[number : number + 1, :, -length:])
                   for k, v in layers_of(self.cache)]
-        if last:
-            held = sum(k.untyped_storage().nbytes() + v.untyped_storage().nbytes() for k, v in layers)
-            # Growing layers that hold just this row from their buffers' start: a next turn can grow in them.
-            grown = [layer.buffers for layer in self.cache.layers if growing(layer)
-                     and layer.buffers is not None and layer.keys.shape[0] == 1 and layer.keys.shape[-2] == length
-                     and layer.keys.data_ptr() == layer.buffers[0].data_ptr()]
-            buffers = grown if len(grown) == len(layers) else None
-            self.prefix_cache.put(tokens, layers, size=held, buffers=buffers)
-        else:
-            self.prefix_cache.put(tokens, [(k.clone(), v.clone()) for k, v in layers])
+        self.prefix_cache.keep(tokens, layers, self.cache if last else None)
 
     def end_all(self, reason, error=None):
         """Ends every running, joining and waiting request (shutdown's grace is over, or a step failed)."""
         requests = []
         for row in self.rows:
             if row.finish is None:
-                row.finish = self.finish_row(row, reason, error)
-            row.request.sink(("done", row.index, row.finish))
+                row.finish = self.reporter.cut_short(row, reason, error)
+            row.request.sink(Done(row.index, row.finish))
             if row.request not in requests:
                 requests.append(row.request)
         joining = self.joining if self.joining is not None and self.joining not in requests else None
@@ -714,145 +436,16 @@ class Engine:
             waiting, self.waiting = list(self.waiting), collections.deque()
         for request in ([joining] if joining else []) + waiting:
             for index in range(request.n):
-                request.sink(("done", index, Finish(reason, "", [], len(request.ids), error)))
+                request.sink(Done(index, Finish(reason, "", [], len(request.ids), error)))
             requests.append(request)
         for request in requests:
-            request.sink(("end", None))
+            request.sink(End())
         while True:
             try:
                 _, future = self.calls.get_nowait()
             except queue.Empty:
                 break
             future.cancel()
-
-
-# -- the command line's prompts --------------------------------------------------------------------------
-
-
-def engine_refusal(loaded, settings):
-    """Why the engine cannot generate with these settings (generate() then runs them, a batch at a time), or
-    None. It samples as the server does; what only generate() has stays there."""
-    return settings_refusal(settings, getattr(loaded, "assistant_model", None) is not None)
-
-
-def settings_refusal(settings, assistant: bool):
-    """engine_refusal's reasons, from the settings and whether a draft model (`assistant`) is given: known before
-    the model loads (rungen/loading.py then loads the model generate() runs on)."""
-    sampling = settings.temperature != 0
-    reasons = [reason for reason, applies in (
-        ("beam search (--num_beams)", settings.num_beams > 1),
-        ("--typical_p", sampling and settings.typical_p is not None),
-        ("--no_repeat_ngram_size", bool(settings.no_repeat_ngram_size)),
-        ("--prompt_lookup_num_tokens", bool(settings.prompt_lookup_num_tokens)),
-        ("--assistant_model", assistant),
-        ("--generation_config keys " + ", ".join(sorted(set(settings.generation_config) - {"eos_token_id"})),
-         bool(set(settings.generation_config) - {"eos_token_id"})),
-    ) if applies]
-    return ", ".join(reasons) or None
-
-
-def open_engine(loaded, settings, batch_size, conversation=False):
-    """An Engine for the command line's prompts or a session's turns (run_prompts drives it on the calling
-    thread), or None where generate() must run them (logged with the reason). Up to batch_size prompts decode
-    together. `conversation`: a turn reuses the keys/values of the turns before it (a prefix cache that holds
-    one conversation as long as the context, with its room to grow)."""
-    why = engine_refusal(loaded, settings)
-    if why is None:
-        try:
-            # No bound on the cache beyond the batch's rows (the prompts are all known), and no prefix cache
-            # for independent prompts: the memory generate() would take for these batches.
-            engine = Engine(loaded, max_batch=batch_size * settings.num_return_sequences, max_queue=sys.maxsize,
-                            max_cache_tokens=sys.maxsize, prefix_cache_bytes=0,
-                            eos_ids=eos_token_ids(settings, loaded.model))
-        except ValueError as error:
-            why = str(error)
-        else:
-            if conversation:
-                positions = 2 * loaded.context if loaded.context else sys.maxsize // engine.bytes_per_token
-                engine.prefix_cache = PrefixCache(positions * engine.bytes_per_token)
-            logger.info("KV cache in %s", cache_form(engine))
-            return engine
-    logger.info("generating with generate(): %s", why)
-    return None
-
-
-def sampling_of(settings, seed):
-    """The engine's Sampling for the command line's settings (greedy at temperature 0, as generate())."""
-    if settings.temperature == 0:
-        return Sampling(temperature=0, repetition_penalty=settings.repetition_penalty, seed=seed)
-    return Sampling(temperature=settings.temperature, top_p=settings.p, top_k=settings.k,
-                    min_p=settings.min_p or 0.0, repetition_penalty=settings.repetition_penalty, seed=seed)
-
-
-def run_prompts(engine, settings, prompts, on_done, stream=False):
-    """Generates every encoded prompt through `engine` on this thread, continuously batched: a prompt that
-    ends frees its rows for the next one waiting, and each row computes what it would alone. Calls
-    on_done(prompt, sequences) as each prompt ends (in the order they end; an error sets prompt.error and
-    gives no sequences). `stream`: the one prompt's text goes to stdout as it grows."""
-    submit_prompts(engine, settings, prompts, on_done, stream)
-    try:
-        engine.run_here()
-    except ValueError as error:
-        raise GenerationError(one_line(error)) from error
-
-
-def submit_prompts(engine, settings, prompts, on_done, stream=False):
-    """Queues the prompts as run_prompts does, without running them; returns their Requests. `stream` may be a
-    function that takes the text as it grows instead of stdout (it then ends the line itself)."""
-    tokenizer, context, eos_ids = engine.tokenizer, engine.loaded.context, engine.eos_ids
-    stops = stop_strings(settings.stop_token)
-
-    def collect(prompt):
-        finishes, items = {}, collections.defaultdict(list)
-
-        def sink(event):
-            kind = event[0]
-            if kind == "delta":
-                _, index, text, logprob_items = event
-                items[index] += logprob_items or []
-                if callable(stream) and text:
-                    stream(text)
-                elif stream and text:
-                    sys.stdout.write(text)
-                    sys.stdout.flush()
-            elif kind == "done":
-                finishes[event[1]] = event[2]
-            else:
-                if stream is True:
-                    sys.stdout.write("\n")
-                on_done(prompt, sequences_of(prompt, finishes, items))
-
-        return sink
-
-    def sequences_of(prompt, finishes, items):
-        sequences = []
-        for index in sorted(finishes):
-            finish = finishes[index]
-            try:
-                if finish.error is not None and settings.constraint is not None:
-                    raise stuck_error(settings, tokenizer, finish.tokens)
-                described = describe_sequence(settings, tokenizer, prompt, finish.tokens, eos_ids)
-            except StuckError as error:  # that prompt fails (an error record), the others go on
-                prompt.error = str(error)
-                return []
-            if settings.logprobs is not None:
-                described.logprobs = {"content": items[index][: described.num_generated_tokens]}
-            sequences.append(described)
-        return sequences
-
-    # Seeds drawn in input order from the generator --seed set: a prompt's sampled text does not depend on the
-    # batch. Prompts then join in make_batches' order (similar lengths together): less left padding.
-    seeds = {prompt.index: int(torch.randint(2**63 - 1, ())) for prompt in prompts}
-    requests = []
-    for prompt in [prompt for batch in make_batches(prompts, engine.max_batch) for prompt in batch]:
-        new_tokens = settings.length if not context else min(settings.length, context - len(prompt.ids))
-        requests.append(Request(prompt.ids, new_tokens, sampling_of(settings, seeds[prompt.index]),
-                                collect(prompt), n=settings.num_return_sequences, stop=stops,
-                                logprobs=settings.logprobs, constraint=prompt.constraint or settings.constraint,
-                                reasoning_end=prompt.reply.end_ids if prompt.reply is not None else None,
-                                deltas=bool(stream)))
-        engine.submit(requests[-1])
-    return requests
 
 
 def layers_of(cache):
@@ -867,21 +460,6 @@ def left_pad(tensor, width, dim=2):
     shape = list(tensor.shape)
     shape[dim] = missing
     return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
-
-
-def held_back(text, stops):
-    """How many characters at the end of text to keep back: an unfinished UTF-8 character, or the longest
-    ending that is the start of a stop string (it may become one with the next token). An unfinished
-    character is the whole run of replacement characters at the end: byte tokens that do not make a character
-    yet decode to one each, and fewer once the next token ends the run (a byte-fallback decoder replaces each
-    invalid stretch as one), so sending any of them could send text that is not there."""
-    hold = len(text) - len(text.rstrip("\ufffd"))
-    for stop in stops:
-        for size in range(min(len(stop) - 1, len(text)), 0, -1):
-            if text.endswith(stop[:size]):
-                hold = max(hold, size)
-                break
-    return hold
 
 
 def cache_form(engine):

@@ -25,6 +25,10 @@ UNBOUNDED_LENGTH = 10000
 UNBATCHABLE_TYPES = {"xlnet", "xlm"}
 
 
+# Settings fields whose flag (and the session's /set name) is the original script's shorter one.
+FLAG_NAMES = {"top_k": "k", "top_p": "p"}
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """How to generate: the sampling flags and generation controls. Frozen, so a change is a new value
@@ -32,8 +36,8 @@ class Settings:
 
     length: int = 20
     temperature: float = 1.0
-    k: int = 0
-    p: float = 0.9
+    top_k: int = 0
+    top_p: float = 0.9
     repetition_penalty: float = 1.0
     num_beams: int = 1
     num_return_sequences: int = 1
@@ -51,10 +55,10 @@ class Settings:
 
     def check(self) -> None:
         """Raises UsageError, named by the flag, for a setting out of range (the flags, or a session's /set)."""
-        if self.k < 0:
-            raise UsageError(f"--k must be >= 0, got {self.k}")
-        if not 0 < self.p <= 1:
-            raise UsageError(f"--p must be in (0, 1], got {self.p}")
+        if self.top_k < 0:
+            raise UsageError(f"--k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise UsageError(f"--p must be in (0, 1], got {self.top_p}")
         if self.temperature < 0:
             raise UsageError(f"--temperature must be >= 0, got {self.temperature}")
         if self.num_return_sequences < 1:
@@ -109,7 +113,7 @@ def generation_kwargs(settings: Settings, tokenizer=None, pad_token_id: int | No
     if settings.temperature == 0:
         kwargs.update(do_sample=False)
     else:
-        kwargs.update(do_sample=True, temperature=settings.temperature, top_k=settings.k, top_p=settings.p)
+        kwargs.update(do_sample=True, temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p)
     if settings.stop_token:
         # Stops each sequence as soon as it has produced the stop token, instead of running to --length.
         stops = settings.stop_token if isinstance(settings.stop_token, str) else list(settings.stop_token)

@@ -13,7 +13,7 @@ import re
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from . import openai_api
-from .openai_api import APIError, number, present, shown
+from .openai_api import APIError, excerpt, has_value, number
 from .reasoning import VariableError, read_template_variables, template_reads
 
 # Anthropic's error type for each status (any other 4xx: invalid_request_error, any other 5xx: api_error).
@@ -88,7 +88,7 @@ def blocks_of(content, where, allowed):
         if not isinstance(kind, str):
             raise APIError(f"{at} must be a content block with a type", field)
         if kind not in allowed:
-            raise APIError(f"{at}: {shown(kind)} blocks are not supported by this server (here: "
+            raise APIError(f"{at}: {excerpt(kind)} blocks are not supported by this server (here: "
                            f"{', '.join(allowed)})", field)
         extra = sorted(key for key in block if key not in BLOCK_KEYS[kind] and block[key] is not None)
         if extra:
@@ -105,7 +105,7 @@ def text_of(blocks):
 
 
 def read_system(body):
-    if not present(body, "system"):
+    if not has_value(body, "system"):
         return None
     return text_of(blocks_of(body["system"], "system", ("text",)))
 
@@ -116,7 +116,7 @@ def tool_result(block, at):
         raise APIError(f"{at}.tool_use_id must be a non-empty string", "messages")
     content = block.get("content")
     text = "" if content is None else text_of(blocks_of(content, f"{at}.content", ("text",)))
-    if present(block, "is_error"):
+    if has_value(block, "is_error"):
         if not isinstance(block["is_error"], bool):
             raise APIError(f"{at}.is_error must be true or false", "messages")
         if block["is_error"]:
@@ -145,8 +145,8 @@ def read_messages(body, system):
     if system is not None:
         chat.append({"role": "system", "content": system})
         origins.append("system")
-    for number_, message in enumerate(messages):
-        where = f"messages[{number_}]"
+    for place, message in enumerate(messages):
+        where = f"messages[{place}]"
         if not isinstance(message, dict):
             raise APIError(f"{where} must be an object", "messages")
         extra = sorted(key for key in message if key not in ("role", "content") and message[key] is not None)
@@ -154,7 +154,7 @@ def read_messages(body, system):
             raise APIError(f"{where}.{extra[0]} is not supported by this server", "messages")
         role = message.get("role")
         if role not in ("user", "assistant"):
-            raise APIError(f"{where}.role must be user or assistant, got {shown(role)}", "messages")
+            raise APIError(f"{where}.role must be user or assistant, got {excerpt(role)}", "messages")
         if "content" not in message:
             raise APIError(f"{where}.content is required", "messages")
         if role == "user":
@@ -194,7 +194,7 @@ def read_messages(body, system):
 
 def read_tools(body):
     """tools as chat function tools (None without them)."""
-    if not present(body, "tools"):
+    if not has_value(body, "tools"):
         return None
     tools = body["tools"]
     if not isinstance(tools, list):
@@ -207,7 +207,7 @@ def read_tools(body):
         if not isinstance(tool, dict):
             raise APIError(f"{at} must be an object", "tools")
         if tool.get("type") not in (None, "custom"):
-            raise APIError(f"{at}: {shown(tool['type'])} tools (Anthropic's server and client tools) are not "
+            raise APIError(f"{at}: {excerpt(tool['type'])} tools (Anthropic's server and client tools) are not "
                            "supported by this server; give {name, description, input_schema}", "tools")
         extra = sorted(key for key in tool if key not in TOOL_KEYS and tool[key] is not None)
         if extra:
@@ -226,7 +226,7 @@ def read_tools(body):
 
 def read_tool_choice(body, tools):
     """(tool_choice, parallel_tool_calls) of the chat body (None: absent)."""
-    if not present(body, "tool_choice"):
+    if not has_value(body, "tool_choice"):
         return None, None
     choice = body["tool_choice"]
     kind = choice.get("type") if isinstance(choice, dict) else None
@@ -242,7 +242,7 @@ def read_tool_choice(body, tools):
             raise APIError(f"tool_choice {kind} needs tools", "tool_choice")
         return None, None  # auto or none without tools: nothing to call either way
     parallel = None
-    if present(choice, "disable_parallel_tool_use"):
+    if has_value(choice, "disable_parallel_tool_use"):
         if not isinstance(choice["disable_parallel_tool_use"], bool):
             raise APIError("tool_choice.disable_parallel_tool_use must be true or false", "tool_choice")
         parallel = not choice["disable_parallel_tool_use"]
@@ -256,7 +256,7 @@ def read_tool_choice(body, tools):
 def read_thinking(body, chat_template, max_tokens):
     """The chat template's variables for `thinking` ({} when absent): enable_thinking, where the template reads
     it."""
-    if not present(body, "thinking"):
+    if not has_value(body, "thinking"):
         return {}
     thinking = body["thinking"]
     kind = thinking.get("type") if isinstance(thinking, dict) else None
@@ -271,7 +271,7 @@ def read_thinking(body, chat_template, max_tokens):
         budget = thinking.get("budget_tokens")
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < THINKING_MIN_BUDGET:
             raise APIError(f"thinking.budget_tokens must be an integer of at least {THINKING_MIN_BUDGET}, got "
-                           f"{shown(budget)}", "thinking")
+                           f"{excerpt(budget)}", "thinking")
         if max_tokens is not None and budget >= max_tokens:
             raise APIError(f"thinking.budget_tokens ({budget}) must be less than max_tokens ({max_tokens})",
                            "thinking")
@@ -282,7 +282,7 @@ def read_thinking(body, chat_template, max_tokens):
 
 
 def read_metadata(body):
-    if not present(body, "metadata"):
+    if not has_value(body, "metadata"):
         return
     metadata = body["metadata"]
     if not isinstance(metadata, dict):
@@ -290,7 +290,7 @@ def read_metadata(body):
     extra = sorted(key for key in metadata if key != "user_id" and metadata[key] is not None)
     if extra:
         raise APIError(f"metadata.{extra[0]} is not supported by this server (metadata takes user_id)", "metadata")
-    if present(metadata, "user_id") and not isinstance(metadata["user_id"], str):
+    if has_value(metadata, "user_id") and not isinstance(metadata["user_id"], str):
         raise APIError("metadata.user_id must be a string", "metadata")
 
 
@@ -298,7 +298,7 @@ def to_chat(body, chat_template, count=False):
     """(chat completion body, origins) of a Messages request body (`count`: a count_tokens body, no max_tokens)."""
     max_tokens = None
     if not count:
-        if not present(body, "max_tokens"):
+        if not has_value(body, "max_tokens"):
             raise APIError("max_tokens is required", "max_tokens")
         max_tokens = number(body, "max_tokens", None, 1, None, integer=True)
     system = read_system(body)
@@ -319,19 +319,19 @@ def to_chat(body, chat_template, count=False):
         return chat, origins
     read_metadata(body)
     chat["max_tokens"] = max_tokens
-    if present(body, "stop_sequences"):
+    if has_value(body, "stop_sequences"):
         stops = body["stop_sequences"]
         if not isinstance(stops, list) or not all(isinstance(stop, str) and stop for stop in stops):
             raise APIError("stop_sequences must be a list of non-empty strings", "stop_sequences")
         if stops:
             chat["stop"] = stops
     chat["temperature"] = number(body, "temperature", 1.0, 0, 1)  # Anthropic's range, and its default
-    if present(body, "top_k"):
+    if has_value(body, "top_k"):
         number(body, "top_k", None, 1, None, integer=True)  # Anthropic's: at least 1 (chat's 0 and -1 are off)
     for name in ("top_p", "top_k"):  # checked by the chat path, under the same names
-        if present(body, name):
+        if has_value(body, name):
             chat[name] = body[name]
-    if present(body, "stream"):
+    if has_value(body, "stream"):
         chat["stream"] = body["stream"]
         if body["stream"] is True:
             chat["stream_options"] = {"include_usage": True}

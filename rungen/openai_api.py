@@ -13,12 +13,14 @@ import uuid
 
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from .engine import EngineBusy, EngineClosed, Sampling
-from .engine import Request as EngineRequest
+from .engine import EngineBusy, EngineClosed
 from .errors import PromptError
 from .logprobs import score_prompts
 from .prompts import Prompt, encode_prompt
 from .reasoning import VariableError, detect_delimiters, plan_reply, read_template_variables, split_reply
+from .requests import Delta, Done, End
+from .requests import Request as EngineRequest
+from .sampling import Sampling
 from .tools import ToolError, message_of, plan_tools, read_tool_message_fields, stream_deltas
 
 MAX_LOGPROBS = 20
@@ -53,40 +55,40 @@ class APIError(Exception):
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
-def present(body, name):
+def has_value(body, name):
     """A field counts as given unless absent or null (OpenAI reads null as the default)."""
     return body.get(name) is not None
 
 
 def number(body, name, default, low=None, high=None, integer=False, low_open=False):
-    if not present(body, name):
+    if not has_value(body, name):
         return default
     value = body[name]
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and value != int(value)):
-        raise APIError(f"{name} must be {'an integer' if integer else 'a number'}, got {shown(value)}", name)
+        raise APIError(f"{name} must be {'an integer' if integer else 'a number'}, got {excerpt(value)}", name)
     too_low = low is not None and (value <= low if low_open else value < low)
     if too_low or (high is not None and value > high) or abs(value) > 2**64:  # 2**64: past a float's reach too
         bounds = f"{'(' if low_open else '['}{'-inf' if low is None else low}, {'inf' if high is None else high}]"
-        raise APIError(f"{name} must be in {bounds}, got {shown(value)}", name)
+        raise APIError(f"{name} must be in {bounds}, got {excerpt(value)}", name)
     return int(value) if integer else float(value)
 
 
-def shown(value, limit=60):
+def excerpt(value, limit=60):
     """A request's value in an error message, cut short."""
     text = json.dumps(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def boolean(body, name, default=False):
-    if not present(body, name):
+    if not has_value(body, name):
         return default
     if not isinstance(body[name], bool):
-        raise APIError(f"{name} must be true or false, got {shown(body[name])}", name)
+        raise APIError(f"{name} must be true or false, got {excerpt(body[name])}", name)
     return body[name]
 
 
 def read_stop(body):
-    if not present(body, "stop"):
+    if not has_value(body, "stop"):
         return ()
     stop = body["stop"]
     stops = [stop] if isinstance(stop, str) else stop
@@ -98,7 +100,7 @@ def read_stop(body):
 
 
 def read_logit_bias(body, vocab_size):
-    if not present(body, "logit_bias"):
+    if not has_value(body, "logit_bias"):
         return ()
     bias = body["logit_bias"]
     if not isinstance(bias, dict):
@@ -106,10 +108,10 @@ def read_logit_bias(body, vocab_size):
     pairs = []
     for key, value in bias.items():
         if not (isinstance(key, str) and re.fullmatch(r"[0-9]{1,12}", key) and int(key) < vocab_size):
-            raise APIError(f"logit_bias: {shown(key)} is not a token id of this model (0..{vocab_size - 1})",
+            raise APIError(f"logit_bias: {excerpt(key)} is not a token id of this model (0..{vocab_size - 1})",
                            "logit_bias")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
-            raise APIError(f"logit_bias[{key}] must be a number in [-100, 100], got {shown(value)}", "logit_bias")
+            raise APIError(f"logit_bias[{key}] must be a number in [-100, 100], got {excerpt(value)}", "logit_bias")
         pairs.append((int(key), float(value)))
     return tuple(pairs)
 
@@ -134,14 +136,14 @@ def read_constraint_source(body, response_format_allowed):
     """(kind, source, param) of the request's one constraint, or None."""
     found = []
     for name, kind in CONSTRAINT_FIELDS.items():
-        if present(body, name):
+        if has_value(body, name):
             value = body[name]
             if kind == "json_schema" and isinstance(value, (dict, bool)):
                 value = json.dumps(value)
             if not isinstance(value, str) or not value.strip():
                 raise APIError(f"{name} must be a non-empty {'schema' if kind == 'json_schema' else 'string'}", name)
             found.append((kind, value, name))
-    if present(body, "structured_outputs"):
+    if has_value(body, "structured_outputs"):
         structured = body["structured_outputs"]
         if not isinstance(structured, dict) or set(structured) - set(STRUCTURED_OUTPUT_KEYS):
             raise APIError("structured_outputs takes one of json, regex, grammar", "structured_outputs")
@@ -152,7 +154,7 @@ def read_constraint_source(body, response_format_allowed):
                 if not isinstance(value, str):
                     raise APIError(f"structured_outputs.{key} must be a string", "structured_outputs")
                 found.append((kind, value, "structured_outputs"))
-    if response_format_allowed and present(body, "response_format"):
+    if response_format_allowed and has_value(body, "response_format"):
         response_format = body["response_format"]
         kind = response_format.get("type") if isinstance(response_format, dict) else None
         if kind == "json_object":
@@ -200,7 +202,7 @@ def read_messages(body):
             raise APIError(f"messages[{number}] must be an object", "messages")
         role = message.get("role")
         if not isinstance(role, str) or role not in CHAT_ROLES:  # a list or an object cannot be looked up
-            raise APIError(f"messages[{number}].role {shown(role)} is not supported (roles: "
+            raise APIError(f"messages[{number}].role {excerpt(role)} is not supported (roles: "
                            f"{', '.join(sorted(CHAT_ROLES))})", "messages")
         extra = sorted(key for key in message if key not in ("role", "content", "tool_calls", "tool_call_id")
                        and message[key] is not None)
@@ -265,7 +267,7 @@ class Service:
     def max_tokens(self, body, prompt_len, default, n, names):
         """max_tokens under the context and the cache bound, or a 400."""
         context = self.loaded.context
-        given = [name for name in names if present(body, name)]
+        given = [name for name in names if has_value(body, name)]
         room = self.engine.max_cache_tokens // n - prompt_len
         if given:
             value = number(body, given[0], None, 0, None, integer=True)
@@ -295,8 +297,8 @@ def read_prompt_ids(service, body, name, most, room, allow_empty=True):
     if len(prompt) > most:
         raise APIError(f"at most {most} {name}s per request, got {len(prompt)}", name)
     context, encoded = service.loaded.context, []
-    for number_, item in enumerate(prompt):
-        where = f"{name}[{number_}]" if len(prompt) > 1 else name
+    for place, item in enumerate(prompt):
+        where = f"{name}[{place}]" if len(prompt) > 1 else name
         if isinstance(item, str):
             if not item and not allow_empty:
                 raise APIError(f"{where} is an empty string", name)
@@ -328,8 +330,8 @@ def chat_prompt(service, body, **encoding):
 
 
 def check_user(body):
-    if present(body, "user") and not isinstance(body["user"], str):
-        raise APIError(f"user must be a string, got {shown(body['user'])}", "user")
+    if has_value(body, "user") and not isinstance(body["user"], str):
+        raise APIError(f"user must be a string, got {excerpt(body['user'])}", "user")
 
 
 async def generate(service, http_request, body, prompts, logprobs, *, chat, max_token_names, default_max, tools=None):
@@ -340,7 +342,7 @@ async def generate(service, http_request, body, prompts, logprobs, *, chat, max_
     n = number(body, "n", 1, 1, options.max_n, integer=True)
     stream = boolean(body, "stream")
     include_usage = False
-    if present(body, "stream_options"):
+    if has_value(body, "stream_options"):
         stream_options = body["stream_options"]
         if not stream:
             raise APIError("stream_options needs stream: true", "stream_options")
@@ -363,14 +365,14 @@ async def generate(service, http_request, body, prompts, logprobs, *, chat, max_
     replies = [None] * len(prompts)  # rungen.reasoning.ReplyPlan of each, when the chat template thinks
     if chat and service.delimiters is not None:
         with service.tokenizer_lock:
-            for number_, ids in enumerate(prompts):
-                prompts[number_], replies[number_] = plan_reply(loaded.tokenizer, service.delimiters, ids,
+            for job, ids in enumerate(prompts):
+                prompts[job], replies[job] = plan_reply(loaded.tokenizer, service.delimiters, ids,
                                                                 constraint is not None)
     plans = []
     for ids in prompts:
         max_tokens = service.max_tokens(body, len(ids), default_max, n, max_token_names)
         if max_tokens == 0 and not echo:
-            name = next((name for name in max_token_names if present(body, name)), max_token_names[0])
+            name = next((name for name in max_token_names if has_value(body, name)), max_token_names[0])
             raise APIError(f"{name} 0 generates nothing: it scores the prompt with echo and logprobs", name)
         plans.append((ids, max_tokens))
 
@@ -387,15 +389,15 @@ async def generate(service, http_request, body, prompts, logprobs, *, chat, max_
     loop = asyncio.get_running_loop()
     events = asyncio.Queue()
     jobs = []
-    for number_, (ids, max_tokens) in enumerate(plans):
+    for job, (ids, max_tokens) in enumerate(plans):
         if max_tokens == 0:
             continue
         sink = functools.partial(lambda job, event: loop.call_soon_threadsafe(events.put_nowait, (job, event)),
-                                 number_)
+                                 job)
         request = EngineRequest(ids, max_tokens, sampling, sink, n=n, stop=stops, logprobs=logprobs,
                                 constraint=constraint,
-                                reasoning_end=replies[number_].end_ids if replies[number_] else None)
-        jobs.append((number_, request))
+                                reasoning_end=replies[job].end_ids if replies[job] else None)
+        jobs.append((job, request))
     try:
         for _, request in jobs:
             engine.submit(request)
@@ -406,10 +408,10 @@ async def generate(service, http_request, body, prompts, logprobs, *, chat, max_
         raise APIError(f"the server is busy: {error}; retry later", status=status, kind="server_error",
                        headers={"Retry-After": "1"}) from error
     answer = Answer(service, chat, prompts, n, logprobs, echo, prompt_scores, include_usage, tools, replies)
-    for number_, (_, max_tokens) in enumerate(plans):
+    for job, (_, max_tokens) in enumerate(plans):
         if max_tokens == 0:
-            answer.score_only(number_)
-    pending = {number_ for number_, _ in jobs}
+            answer.score_only(job)
+    pending = {job for job, _ in jobs}
 
     def cancel():
         for _, request in jobs:
@@ -426,7 +428,7 @@ async def generate(service, http_request, body, prompts, logprobs, *, chat, max_
                     cancel()
                     return None
                 continue
-            if event[0] == "end":
+            if isinstance(event, End):
                 pending.discard(job)
             else:
                 answer.add(job, event)
@@ -467,7 +469,7 @@ async def run_chat(service, http_request, body):
     logprobs = None
     if boolean(body, "logprobs"):
         logprobs = number(body, "top_logprobs", 0, 0, MAX_LOGPROBS, integer=True)
-    elif present(body, "top_logprobs"):
+    elif has_value(body, "top_logprobs"):
         raise APIError("top_logprobs needs logprobs: true", "top_logprobs")
     return await generate(service, http_request, body, [ids], logprobs, chat=True,
                           max_token_names=("max_completion_tokens", "max_tokens"), default_max=None, tools=tools)
@@ -501,14 +503,14 @@ class Answer:
             self.finish[self.index(job, row)] = "length"
 
     def add(self, job, event):
-        kind, row = event[0], event[1]
-        choice = self.index(job, row)
-        if kind == "delta":
-            self.texts[choice] += event[2]
-            if event[3]:
-                self.items[choice] += event[3]
-        elif kind == "done":
-            finish = event[2]
+        """A Delta or a Done of the engine request `job`."""
+        choice = self.index(job, event.index)
+        if isinstance(event, Delta):
+            self.texts[choice] += event.text
+            if event.logprobs:
+                self.items[choice] += event.logprobs
+        else:
+            finish = event.finish
             self.finish[choice] = finish.reason
             self.stops[choice] = finish.stop
             self.completion_tokens += len(finish.tokens)
@@ -596,26 +598,26 @@ class Answer:
                     yield self.chunk(self.final_choice(choice))
             while pending:
                 job, event = await events.get()
-                if event[0] == "end":
+                if isinstance(event, End):
                     pending.discard(job)
                     continue
                 self.add(job, event)
-                choice = self.index(job, event[1])
-                if event[0] == "delta":
-                    text, items = event[2], event[3] or []
+                choice = self.index(job, event.index)
+                if isinstance(event, Delta):
+                    text, items = event.text, event.logprobs or []
                     if self.chat:
                         logprobs = {"content": [chat_item(item) for item in items]} if self.logprobs is not None \
                             else None
                         deltas = self.deltas(choice, text) or ([{}] if logprobs else [])
-                        for number_, delta in enumerate(deltas):
+                        for place, delta in enumerate(deltas):
                             yield self.chunk([{"index": choice, "delta": delta,
-                                               "logprobs": logprobs if number_ == 0 else None, "finish_reason": None}])
+                                               "logprobs": logprobs if place == 0 else None, "finish_reason": None}])
                     else:
                         logprobs = completion_logprobs(items, offsets[choice]) if self.logprobs is not None else None
                         offsets[choice] += len(text)
                         yield self.chunk([{"index": choice, "text": text, "logprobs": logprobs,
                                            "finish_reason": None}])
-                elif event[0] == "done":
+                elif isinstance(event, Done):
                     if self.parsers or self.splitters:  # what they held back (the start of a call or a delimiter)
                         for delta in self.deltas(choice, "", final=True):
                             yield self.chunk([{"index": choice, "delta": delta, "logprobs": None,

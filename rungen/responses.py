@@ -14,7 +14,7 @@ import uuid
 from fastapi.responses import StreamingResponse
 
 from . import logger
-from .openai_api import APIError, boolean, present, respond, run_chat, shown
+from .openai_api import APIError, boolean, excerpt, has_value, respond, run_chat
 from .openai_api import number as read_number
 
 # Responses kept for previous_response_id; a chain of responses shares its conversation's items.
@@ -85,27 +85,28 @@ class Plan:
 
     def read(self):
         body = self.body
-        self.logprobs = read_include(body) or present(body, "top_logprobs")
+        self.logprobs = read_include(body) or has_value(body, "top_logprobs")
         # At their defaults only: a prompt past the context is refused, never cut; requests run in the foreground.
         for name, default in (("truncation", "disabled"), ("background", False)):
-            if present(body, name) and not (type(body[name]) is type(default) and body[name] == default):
-                raise APIError(f"{name} {shown(body[name])} is not supported by this server", name)
+            if has_value(body, name) and not (type(body[name]) is type(default) and body[name] == default):
+                raise APIError(f"{name} {excerpt(body[name])} is not supported by this server", name)
         for name in ("user", "safety_identifier", "prompt_cache_key"):  # the prefix cache needs no key
-            if present(body, name) and not isinstance(body[name], str):
-                raise APIError(f"{name} must be a string, got {shown(body[name])}", name)
+            if has_value(body, name) and not isinstance(body[name], str):
+                raise APIError(f"{name} must be a string, got {excerpt(body[name])}", name)
         self.metadata = read_metadata(body)
-        if present(body, "previous_response_id"):
+        if has_value(body, "previous_response_id"):
             previous = body["previous_response_id"]
             if not isinstance(previous, str):
-                raise APIError(f"previous_response_id must be a string, got {shown(previous)}", "previous_response_id")
+                raise APIError(f"previous_response_id must be a string, got {excerpt(previous)}",
+                               "previous_response_id")
             found = store_of(self.service).get(previous)
             if found is None:
-                raise APIError(f"Previous response with id {shown(previous)} not found.", "previous_response_id",
+                raise APIError(f"Previous response with id {excerpt(previous)} not found.", "previous_response_id",
                                status=404, code="previous_response_not_found")
             self.history = found
         self.input = read_input(body)
         messages = []
-        if present(body, "instructions"):
+        if has_value(body, "instructions"):
             if not isinstance(body["instructions"], str):
                 raise APIError("instructions must be a string", "instructions")
             messages.append({"role": "system", "content": body["instructions"]})
@@ -122,12 +123,12 @@ class Plan:
         for name in ("tool_choice", "parallel_tool_calls"):
             # Without tools, "auto", "none" and parallel_tool_calls change nothing (the chat path refuses the rest)
             idle = name == "parallel_tool_calls" or body.get(name) in ("auto", "none")
-            if present(body, name) and (tools or not idle):
+            if has_value(body, name) and (tools or not idle):
                 chat[name] = tool_choice(body[name]) if name == "tool_choice" else body[name]
         read_number(body, "max_output_tokens", None, 1, None, integer=True)
         for name, chat_name in (("temperature", "temperature"), ("top_p", "top_p"), ("user", "user"),
                                 ("max_output_tokens", "max_tokens")):
-            if present(body, name):
+            if has_value(body, name):
                 chat[chat_name] = body[name]
         response_format = read_text(body)
         if response_format is not None:
@@ -155,7 +156,7 @@ class Plan:
                            "server", name)
 
     def read_reasoning(self, body):
-        if not present(body, "reasoning"):
+        if not has_value(body, "reasoning"):
             return None
         reasoning = body["reasoning"]
         if not isinstance(reasoning, dict):
@@ -165,7 +166,7 @@ class Plan:
             raise APIError(f"reasoning.{extra[0]} is not supported by this server", "reasoning")
         summary = reasoning.get("summary")
         if summary is not None and summary not in SUMMARIES:
-            raise APIError(f"reasoning.summary must be one of {', '.join(SUMMARIES)}, got {shown(summary)}",
+            raise APIError(f"reasoning.summary must be one of {', '.join(SUMMARIES)}, got {excerpt(summary)}",
                            "reasoning")
         self.summary = summary is not None
         return reasoning.get("effort")
@@ -231,7 +232,7 @@ class Plan:
 
     def response(self, status, output, usage, error=None):
         body = self.body
-        text = {"format": body["text"]["format"]} if present(body, "text") and present(body["text"], "format") \
+        text = {"format": body["text"]["format"]} if has_value(body, "text") and has_value(body["text"], "format") \
             else {"format": {"type": "text"}}
         reasoning = body.get("reasoning") or {}
         return {
@@ -270,25 +271,25 @@ class Plan:
 
 
 def given(body, name, default):
-    return body[name] if present(body, name) else default
+    return body[name] if has_value(body, name) else default
 
 
 def read_include(body):
     """Whether include asks for the message's log-probabilities, the one optional output produced here."""
-    if not present(body, "include"):
+    if not has_value(body, "include"):
         return False
     include = body["include"]
     if not isinstance(include, list) or not all(isinstance(value, str) for value in include):
         raise APIError("include must be a list of strings", "include")
     other = [value for value in include if value != LOGPROBS]
     if other:
-        raise APIError(f"include {shown(other[0])} is not supported: this server produces only {LOGPROBS}",
+        raise APIError(f"include {excerpt(other[0])} is not supported: this server produces only {LOGPROBS}",
                        "include")
     return bool(include)
 
 
 def read_metadata(body):
-    if not present(body, "metadata"):
+    if not has_value(body, "metadata"):
         return {}
     metadata = body["metadata"]
     if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA_PAIRS or not all(
@@ -300,7 +301,7 @@ def read_metadata(body):
 
 def read_input(body):
     """The request's input as a list of items, checked (a string is one user message)."""
-    if not present(body, "input"):
+    if not has_value(body, "input"):
         return []
     given = body["input"]
     if isinstance(given, str):
@@ -313,11 +314,11 @@ def read_input(body):
             raise APIError(f"{where} must be an object", "input")
         kind = item.get("type", "message")
         if not isinstance(kind, str):
-            raise APIError(f"{where}.type must be a string, got {shown(kind)}", "input")
+            raise APIError(f"{where}.type must be a string, got {excerpt(kind)}", "input")
         if kind == "message":
             keys = MESSAGE_KEYS
             if not isinstance(item.get("role"), str) or item["role"] not in ROLES:
-                raise APIError(f"{where}.role {shown(item.get('role'))} is not supported (roles: "
+                raise APIError(f"{where}.role {excerpt(item.get('role'))} is not supported (roles: "
                                f"{', '.join(sorted(ROLES))})", "input")
             item_text(item, where)
         elif kind in ITEM_KEYS:
@@ -330,7 +331,7 @@ def read_input(body):
             if kind == "function_call_output":
                 item_text({"content": item.get("output")}, f"{where}.output")
         else:
-            raise APIError(f"{where}: items of type {shown(kind)} are not supported (message, function_call, "
+            raise APIError(f"{where}: items of type {excerpt(kind)} are not supported (message, function_call, "
                            "function_call_output, reasoning)", "input")
         extra = sorted(key for key in item if key not in keys and item[key] is not None)
         if extra:
@@ -351,7 +352,7 @@ def item_text(item, where):
                     or not isinstance(part.get("text"), str):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise APIError(f"{where}.content[{number}]: only input_text and output_text parts are supported, "
-                               f"got {shown(kind)}", "input")
+                               f"got {excerpt(kind)}", "input")
             extra = sorted(key for key in part if key not in PART_KEYS and part[key] is not None)
             if extra:
                 raise APIError(f"{where}.content[{number}].{extra[0]} is not supported by this server", "input")
@@ -363,7 +364,7 @@ def item_text(item, where):
 def read_tools(body):
     """Responses' function tools ({"type": "function", "name", ...}) in the chat shape; the chat path checks
     the rest (names, schemas)."""
-    if not present(body, "tools"):
+    if not has_value(body, "tools"):
         return None
     tools = body["tools"]
     if not isinstance(tools, list):
@@ -372,7 +373,7 @@ def read_tools(body):
     for number, tool in enumerate(tools):
         if not isinstance(tool, dict) or tool.get("type") != "function":
             kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
-            raise APIError(f"tools[{number}]: only function tools are supported, got type {shown(kind)}", "tools")
+            raise APIError(f"tools[{number}]: only function tools are supported, got type {excerpt(kind)}", "tools")
         extra = sorted(key for key in tool if key not in TOOL_KEYS and tool[key] is not None)
         if extra:
             raise APIError(f"tools[{number}].{extra[0]} is not supported by this server", "tools")
@@ -395,7 +396,7 @@ def tool_choice(choice):
 
 def read_text(body):
     """text.format as the chat path's response_format (None: plain text)."""
-    if not present(body, "text"):
+    if not has_value(body, "text"):
         return None
     text = body["text"]
     if not isinstance(text, dict):
@@ -403,7 +404,7 @@ def read_text(body):
     extra = sorted(key for key in text if key != "format" and text[key] is not None)
     if extra:
         raise APIError(f"text.{extra[0]} is not supported by this server", "text")
-    if not present(text, "format"):
+    if not has_value(text, "format"):
         return None
     fmt = text["format"]
     kind = fmt.get("type") if isinstance(fmt, dict) else None

@@ -1,5 +1,6 @@
-"""The next token of every row of a batch, chosen on the logits' device: each request's logits processors, then a
-sampler, batched as mlx-lm's make_logits_processors / make_sampler are, with the per-row settings as tensors.
+"""The next token of every row of a batch, chosen on the logits' device: each row's logits processors
+(make_logits_processors), then the rows' sampler (make_sampler), both built from small functions as mlx-lm's are,
+the sampler batched with the per-row settings as tensors.
 
 Processors (OpenAI's definitions, in this order): the grammar's mask, ignore_eos, logit_bias, repetition_penalty
 (transformers' definition, prompt included), presence/frequency penalties over the generated tokens. Sampler:
@@ -14,6 +15,7 @@ everything else the host needs (NaN flags, log-probabilities) in one transfer a 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import secrets
 
 import torch
@@ -83,21 +85,49 @@ def new_generator(seed: int | None, device: torch.device, index: int = 0) -> tor
     return generator
 
 
+def suppress_tokens(row: torch.Tensor, ids: list[int]) -> None:
+    row[ids] = float("-inf")
+
+
+def add_logit_bias(row: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> None:
+    row.index_add_(0, ids, values)
+
+
+def penalize_repetition(row: torch.Tensor, seen: torch.Tensor, penalty: float) -> None:
+    """transformers' repetition_penalty over the tokens seen: a positive score divided, a negative one multiplied."""
+    chosen = row[seen]
+    # A zero score stays zero: a penalty near 0 (1e-313) is 0 in float32, and 0 / 0 would be NaN.
+    kept = torch.where(chosen == 0, chosen, chosen / penalty)
+    row[seen] = torch.where(chosen < 0, chosen * penalty, kept)
+
+
+def penalize_counts(row: torch.Tensor, counts: torch.Tensor, presence: float, frequency: float) -> None:
+    """OpenAI's presence and frequency penalties over the generated tokens' counts."""
+    row -= frequency * counts + presence * (counts > 0).float()
+
+
+def make_logits_processors(state: RowState, eos_ids: list[int]) -> list:
+    """One row's processors, in the order they apply: functions that change its scores [vocabulary] in place."""
+    sampling, processors = state.sampling, []
+    if sampling.ignore_eos and eos_ids:
+        processors.append(functools.partial(suppress_tokens, ids=eos_ids))
+    if state.bias is not None:
+        processors.append(functools.partial(add_logit_bias, ids=state.bias[0], values=state.bias[1]))
+    if state.seen is not None:
+        processors.append(functools.partial(penalize_repetition, seen=state.seen,
+                                            penalty=sampling.repetition_penalty))
+    if state.counts is not None:
+        processors.append(functools.partial(penalize_counts, counts=state.counts,
+                                            presence=sampling.presence_penalty, frequency=sampling.frequency_penalty))
+    return processors
+
+
 def apply_processors(scores: torch.Tensor, states: list[RowState], eos_ids: list[int]) -> None:
     """Each row's processors on its scores [rows, vocabulary], in place (float32)."""
     for number, state in enumerate(states):
-        sampling, row = state.sampling, scores[number]
-        if sampling.ignore_eos and eos_ids:
-            row[eos_ids] = float("-inf")
-        if state.bias is not None:
-            row.index_add_(0, *state.bias)
-        if state.seen is not None:
-            penalty, chosen = sampling.repetition_penalty, row[state.seen]
-            # A zero score stays zero: a penalty near 0 (1e-313) is 0 in float32, and 0 / 0 would be NaN.
-            kept = torch.where(chosen == 0, chosen, chosen / penalty)
-            row[state.seen] = torch.where(chosen < 0, chosen * penalty, kept)
-        if state.counts is not None:
-            row -= sampling.frequency_penalty * state.counts + sampling.presence_penalty * (state.counts > 0).float()
+        row = scores[number]
+        for processor in make_logits_processors(state, eos_ids):
+            processor(row)
 
 
 def apply_grammar(scores: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab_size: int) -> None:
@@ -133,56 +163,88 @@ def choose(logits: torch.Tensor, states: list[RowState], eos_ids: list[int], gra
             apply_grammar(scores, *grammar)
         apply_processors(scores, states, eos_ids)
     top, argmax = scores.max(-1)
-    tokens = sample(scores, [state.sampling for state in states], [state.generator for state in states], top, argmax)
-    return tokens, torch.isnan(top)
+    sampler = make_sampler([state.sampling for state in states], [state.generator for state in states])
+    return sampler(scores, top, argmax), torch.isnan(top)
 
 
-def sample(scores: torch.Tensor, samplings: list[Sampling], generators: list[torch.Generator], top: torch.Tensor,
-           argmax: torch.Tensor) -> torch.Tensor:
-    """The rows' tokens [rows] (int64, on the device) from their processed scores and each row's maximum (`top`) and
-    its place (`argmax`): the argmax where greedy (or a score is +inf: a repetition penalty near 0 made one), else a
-    draw after temperature, top-k, top-p and min-p."""
+def make_sampler(samplings: list[Sampling], generators: list[torch.Generator]):
+    """The rows' sampler: a function of their processed scores, each row's maximum (`top`) and its place (`argmax`)
+    that returns their tokens [rows] (int64, on the device): the argmax where greedy (or a score is +inf: a
+    repetition penalty near 0 made one), else a draw after temperature, top-k, top-p and min-p, each step run where
+    a row uses it."""
     drawn = [number for number, s in enumerate(samplings) if not s.greedy]
     if not drawn:
-        return argmax
-    index = torch.tensor(drawn, device=scores.device) if len(drawn) < len(samplings) else None
-    rows = scores if index is None else scores.index_select(0, index)
-    settings = settings_tensors([samplings[number] for number in drawn], scores.device)
+        return lambda scores, top, argmax: argmax
+    settings_of = [samplings[number] for number in drawn]
+    widest = max(s.top_k for s in settings_of)
+    nucleus = any(s.top_p < 1.0 for s in settings_of)
+    min_p = any(s.min_p > 0 for s in settings_of)
+    drawn_generators = [generators[number] for number in drawn]
+
+    def sampler(scores: torch.Tensor, top: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
+        index = torch.tensor(drawn, device=scores.device) if len(drawn) < len(samplings) else None
+        rows = scores if index is None else scores.index_select(0, index)
+        settings = settings_tensors(settings_of, scores.device)
+        peak = top if index is None else top.index_select(0, index)
+        x = apply_temperature(rows, peak, settings["temperature"])
+        if 0 < widest:
+            x = apply_top_k(x, settings["top_k"], widest)
+        probs, order = x.softmax(-1), None
+        if nucleus:
+            probs, order = apply_top_p(probs, settings["top_p"])
+        if min_p:
+            probs = apply_min_p(probs, settings["min_p"], descending=order is not None)
+        tokens = draw(probs, peak, drawn_generators)
+        if order is not None:
+            tokens = order.gather(1, tokens[:, None]).squeeze(1)
+        tokens = torch.where(peak == float("inf"), argmax if index is None else argmax.index_select(0, index), tokens)
+        if index is None:
+            return tokens
+        return argmax.index_copy(0, index, tokens)
+
+    return sampler
+
+
+def apply_temperature(rows: torch.Tensor, peak: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """The scores [rows, vocabulary] less each row's maximum `peak`, over its temperature, in float64."""
     # Shifted first, so that a temperature near 0 (1e-45) sends the others to -inf rather than the top to inf,
     # whose softmax would be NaN; and in float64, where no temperature a request can give rounds to 0.
-    peak = top if index is None else top.index_select(0, index)
-    x = (rows - peak[:, None]).double() / settings["temperature"][:, None]
-    widest = max(samplings[number].top_k for number in drawn)
-    if 0 < widest:
-        k = torch.where(settings["top_k"] > 0, settings["top_k"], x.shape[1]).clamp(max=x.shape[1])
-        values = x.topk(min(int(widest), x.shape[1]), dim=-1).values
-        kth = values.gather(1, (k.clamp(max=values.shape[1]) - 1)[:, None])
-        kth = torch.where((k >= x.shape[1])[:, None], float("-inf"), kth)  # top-k off (or wider than the vocabulary)
-        x = x.masked_fill(x < kth, float("-inf"))
-    probs, order = x.softmax(-1), None
-    if any(samplings[number].top_p < 1.0 for number in drawn):
-        # Drawn in the sorted order (no scatter back): keep the smallest set whose mass reaches top_p (the top
-        # token always).
-        limit = torch.where(settings["top_p"] < 1.0, settings["top_p"], float("inf"))
-        probs, order = nucleus_candidates(probs, limit)
-        probs = probs.masked_fill(probs.cumsum(-1) - probs >= limit[:, None], 0)
-    if any(samplings[number].min_p > 0 for number in drawn):
-        most = probs[:, :1] if order is not None else probs.max(-1, keepdim=True).values
-        probs = probs.masked_fill(probs < settings["min_p"][:, None] * most, 0)
-    # A row whose scores hold NaN (refused once read) or +inf (its argmax, below) draws from a valid stand-in: a
+    return (rows - peak[:, None]).double() / temperature[:, None]
+
+
+def apply_top_k(x: torch.Tensor, top_k: torch.Tensor, widest: int) -> torch.Tensor:
+    """-inf for every score below each row's k-th highest (`top_k` [rows], 0: off); `widest`: the largest k."""
+    k = torch.where(top_k > 0, top_k, x.shape[1]).clamp(max=x.shape[1])
+    values = x.topk(min(int(widest), x.shape[1]), dim=-1).values
+    kth = values.gather(1, (k.clamp(max=values.shape[1]) - 1)[:, None])
+    kth = torch.where((k >= x.shape[1])[:, None], float("-inf"), kth)  # top-k off (or wider than the vocabulary)
+    return x.masked_fill(x < kth, float("-inf"))
+
+
+def apply_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The probabilities in descending order, with their token ids, zero past the smallest set whose mass reaches
+    each row's top_p (the top token always kept; 1: off). They are drawn in that order: no scatter back."""
+    limit = torch.where(top_p < 1.0, top_p, float("inf"))
+    probs, order = nucleus_candidates(probs, limit)
+    return probs.masked_fill(probs.cumsum(-1) - probs >= limit[:, None], 0), order
+
+
+def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor, descending: bool) -> torch.Tensor:
+    """Zero for every probability below each row's min_p times its top one (`descending`: the top one first)."""
+    most = probs[:, :1] if descending else probs.max(-1, keepdim=True).values
+    return probs.masked_fill(probs < min_p[:, None] * most, 0)
+
+
+def draw(probs: torch.Tensor, peak: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """One token a row from its probabilities, with its own generator, on the device (a kernel, no host round
+    trip)."""
+    # A row whose scores hold NaN (refused once read) or +inf (its argmax, after) draws from a valid stand-in: a
     # multinomial over NaN fails, on a GPU as a device-side assert.
     bad = torch.isnan(peak) | torch.isinf(peak)
     probs = probs.nan_to_num(0.0).masked_fill(bad[:, None], 0)
     probs[:, 0] += bad.to(probs.dtype)
-    # One draw a row from its own generator, on the device (a kernel, no host round trip).
-    tokens = torch.cat([torch.multinomial(probs[place], 1, generator=generators[number])
-                        for place, number in enumerate(drawn)])
-    if order is not None:
-        tokens = order.gather(1, tokens[:, None]).squeeze(1)
-    tokens = torch.where(peak == float("inf"), argmax if index is None else argmax.index_select(0, index), tokens)
-    if index is None:
-        return tokens
-    return argmax.index_copy(0, index, tokens)
+    return torch.cat([torch.multinomial(probs[place], 1, generator=generator)
+                      for place, generator in enumerate(generators)])
 
 
 CANDIDATES = 1024  # the most likely tokens a CPU sorts first for top-p (all of them where those fall short)

@@ -30,9 +30,10 @@ from starlette.requests import ClientDisconnect
 
 from . import NOTICE, logger, strict_json
 from .embeddings import as_base64, batches, embed
-from .engine import Engine, EngineClosed, Metrics, describe_memory
+from .engine import Engine, EngineClosed, describe_memory
 from .errors import UsageError
 from .generation import eos_token_ids
+from .metrics import Metrics
 from .openai_api import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
@@ -44,13 +45,13 @@ from .openai_api import (
     chat_prompt,
     check_fields,
     check_user,
+    excerpt,
     generate,
+    has_value,
     number,
-    present,
     read_prompt_ids,
     respond,
     run_chat,
-    shown,
 )
 from .prompts import Prompt
 
@@ -182,7 +183,7 @@ def create_app(loaded, engine, options):
     @app.get("/v1/models/{model:path}")
     async def model_card(model: str):
         if model != options.model_id:
-            raise APIError(f"the model {shown(model)} does not exist; this server serves {options.model_id!r}",
+            raise APIError(f"the model {excerpt(model)} does not exist; this server serves {options.model_id!r}",
                            "model", status=404, code="model_not_found")
         return {"id": options.model_id, "object": "model", "created": service.created, "owned_by": "run_generation"}
 
@@ -207,9 +208,9 @@ def create_app(loaded, engine, options):
         body = await read_body(request, options.max_body_bytes, options.body_timeout)
         check_fields(body, COMPLETION_FIELDS)
         check_model(body, options.model_id)
-        if present(body, "suffix") and body["suffix"] != "":
+        if has_value(body, "suffix") and body["suffix"] != "":
             raise APIError("suffix (insertion) is not supported by this server", "suffix")
-        if present(body, "best_of") and body["best_of"] != number(body, "n", 1, integer=True):
+        if has_value(body, "best_of") and body["best_of"] != number(body, "n", 1, integer=True):
             raise APIError("best_of other than n is not supported by this server", "best_of")
         prompts = read_prompt_ids(service, body, "prompt", options.max_n, room=1)
         logprobs = number(body, "logprobs", None, 0, MAX_LOGPROBS, integer=True)
@@ -221,16 +222,16 @@ def create_app(loaded, engine, options):
         body = await read_body(request, options.max_body_bytes, options.body_timeout)
         check_fields(body, EMBEDDING_FIELDS)
         check_model(body, options.model_id)
-        encoding = body["encoding_format"] if present(body, "encoding_format") else "float"
+        encoding = body["encoding_format"] if has_value(body, "encoding_format") else "float"
         if encoding not in ("float", "base64"):
-            raise APIError(f"encoding_format must be float or base64, got {shown(encoding)}", "encoding_format")
-        if present(body, "dimensions"):
+            raise APIError(f"encoding_format must be float or base64, got {excerpt(encoding)}", "encoding_format")
+        if has_value(body, "dimensions"):
             raise APIError("dimensions is not supported: this model's embeddings have one size", "dimensions")
         check_user(body)
         prompts = read_prompt_ids(service, body, "input", MAX_EMBEDDING_INPUTS, room=0, allow_empty=False)
         vectors = [None] * len(prompts)
-        for number_, group in enumerate(batches([len(ids) for ids in prompts])):
-            if number_ and await request.is_disconnected():
+        for place, group in enumerate(batches([len(ids) for ids in prompts])):
+            if place and await request.is_disconnected():
                 return PlainTextResponse("", status_code=499)
             try:
                 future = engine.call(functools.partial(embed, loaded, [prompts[index] for index in group]))
@@ -255,17 +256,17 @@ def create_app(loaded, engine, options):
     async def tokenize(request: Request):
         body = await read_body(request, options.max_body_bytes, options.body_timeout)
         check_fields(body, TOKENIZE_FIELDS)
-        if present(body, "model"):  # optional, as in vLLM's route; when given, the served one
+        if has_value(body, "model"):  # optional, as in vLLM's route; when given, the served one
             check_model(body, options.model_id)
         special = boolean(body, "add_special_tokens", None)
-        if present(body, "messages"):
-            if present(body, "prompt"):
+        if has_value(body, "messages"):
+            if has_value(body, "prompt"):
                 raise APIError("give prompt or messages, not both", "prompt")
             ids, _ = chat_prompt(service, body, add_generation_prompt=boolean(body, "add_generation_prompt", True),
                                  add_special_tokens=special, within_context=False)
         else:
             for name in ("add_generation_prompt", "tools", "tool_choice", "parallel_tool_calls"):
-                if present(body, name):
+                if has_value(body, name):
                     raise APIError(f"{name} applies to messages, not to a prompt", name)
             if not isinstance(body.get("prompt"), str):
                 raise APIError("prompt must be a string (or messages a list of messages)", "prompt")
@@ -277,14 +278,14 @@ def create_app(loaded, engine, options):
     async def detokenize(request: Request):
         body = await read_body(request, options.max_body_bytes, options.body_timeout)
         check_fields(body, DETOKENIZE_FIELDS)
-        if present(body, "model"):
+        if has_value(body, "model"):
             check_model(body, options.model_id)
         tokens = body.get("tokens")
         if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
             raise APIError("tokens must be a list of token ids", "tokens")
         outside = next((token for token in tokens if not 0 <= token < loaded.vocab_size), None)
         if outside is not None:
-            raise APIError(f"tokens: {shown(outside)} is not a token id of this model (0..{loaded.vocab_size - 1})",
+            raise APIError(f"tokens: {excerpt(outside)} is not a token id of this model (0..{loaded.vocab_size - 1})",
                            "tokens")
         with service.tokenizer_lock:  # special tokens kept: /tokenize's ids of a chat give back its template text
             return {"prompt": loaded.tokenizer.decode(tokens, skip_special_tokens=False)}
@@ -416,7 +417,7 @@ async def read_body(request, limit, timeout=BODY_TIMEOUT):
     kind = request.headers.get("content-type")
     # No Content-Type reads as JSON (as FastAPI's own body parsing does); any other type is refused.
     if kind is not None and not re.fullmatch(r"application/json\s*(;\s*charset=\"?utf-8\"?\s*)?", kind, re.I):
-        raise APIError(f"the request body must be application/json (UTF-8), got Content-Type: {shown(kind)}")
+        raise APIError(f"the request body must be application/json (UTF-8), got Content-Type: {excerpt(kind)}")
     length = request.headers.get("content-length")
     too_big = APIError(f"the request body is larger than {limit} bytes", status=413)
     if length is not None and length.isdigit() and int(length) > limit:
@@ -458,7 +459,7 @@ def check_model(body, model_id):
     if not isinstance(model, str):
         raise APIError("model is required (GET /v1/models lists it)", "model")
     if model != model_id:
-        raise APIError(f"the model {shown(model)} does not exist; this server serves {model_id!r}", "model",
+        raise APIError(f"the model {excerpt(model)} does not exist; this server serves {model_id!r}", "model",
                        status=404, code="model_not_found")
 
 

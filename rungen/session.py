@@ -24,9 +24,9 @@ import time
 import torch
 
 from . import PROG, logger
-from .engine import engine_refusal, open_engine, submit_prompts
+from .batch import engine_refusal, open_engine, submit_prompts
 from .errors import GenerationError, PromptError, UsageError, one_line
-from .generation import Settings, adjust_length_to_model, eos_token_ids, generate_batch
+from .generation import FLAG_NAMES, Settings, adjust_length_to_model, eos_token_ids, generate_batch
 from .loading import Loaded, cache_dir, use_transformers_model
 from .prompts import Prompt, encode_prompt
 from .reasoning import plan_prompt, split_reply
@@ -39,6 +39,7 @@ HISTORY_LENGTH = 1000
 # What /set may change, and the type its value is read as.
 SETTABLE = {"length": int, "temperature": float, "k": int, "p": float, "repetition_penalty": float,
             "num_beams": int, "stop_token": str}
+FIELDS = {name: field for field, name in FLAG_NAMES.items()}  # a /set name -> its Settings field
 
 HELP = f"""Type a prompt and press Enter; the reply streams below it.
   /help              this help
@@ -146,13 +147,13 @@ def set_setting(settings: Settings, name: str, value: str, context: int) -> Sett
             raise UsageError(f"{name} takes {'an integer' if kind is int else 'a number'}, got {value!r}") from None
     if name == "length":
         parsed = adjust_length_to_model(parsed, max_sequence_length=context)
-    changed = dataclasses.replace(settings, **{name: parsed})
+    changed = dataclasses.replace(settings, **{FIELDS.get(name, name): parsed})
     changed.check()
     return changed
 
 
-def describe_settings(settings: Settings) -> str:
-    return "\n".join(f"  {name:<20}{getattr(settings, name)!r}" for name in SETTABLE)
+def describe_settings(settings: Settings, names=SETTABLE) -> str:
+    return "\n".join(f"  {name:<20}{getattr(settings, FIELDS.get(name, name))!r}" for name in names)
 
 
 def turn_stats(prompt_tokens: int, reply_tokens: int, started: float, first_token_at: float | None, ended: float,
@@ -435,7 +436,7 @@ class Session:
             except UsageError as error:
                 say(f"error: {error}")
             else:
-                say(f"  {setting.lower():<20}{getattr(self.settings, setting.lower())!r}")
+                say(describe_settings(self.settings, [setting.lower()]))
         else:
             say(f"unknown command /{name}; /help lists the commands")
         return False

@@ -688,7 +688,7 @@ def plan_tools(body, messages, chat_template) -> ToolPlan:
 def prompt_constraint(plan: ToolPlan, loaded, settings, compiled: dict, refusal: str | None, eos_ids):
     """The compiled grammar of a jsonl line's tool calls (`compiled` caches them by grammar); raises
     PromptError where these settings cannot take it. `refusal`: why the engine cannot run these settings
-    (rungen.engine.engine_refusal), or None; eos_ids: the ids that end a reply."""
+    (rungen.batch.engine_refusal), or None; eos_ids: the ids that end a reply."""
     from .constrain import ConstraintError, compile_constraint
     from .errors import PromptError
 

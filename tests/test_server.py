@@ -577,15 +577,16 @@ def test_a_body_that_stalls_is_a_408_and_its_connection_closes(loaded, served):
 
 def collect(engine, request_ids, **kwargs):
     """Runs one engine request to its end; returns (finishes by choice, deltas)."""
-    from rungen.engine import Request, Sampling
+    from rungen.requests import Delta, Done, Request
+    from rungen.sampling import Sampling
 
     finishes, deltas, done = {}, [], threading.Event()
 
     def sink(event):
-        if event[0] == "delta":
-            deltas.append(event[2])
-        elif event[0] == "done":
-            finishes[event[1]] = event[2]
+        if isinstance(event, Delta):
+            deltas.append(event.text)
+        elif isinstance(event, Done):
+            finishes[event.index] = event.finish
         else:
             done.set()
 

@@ -13,9 +13,11 @@ import os
 import pytest
 import torch
 
-from rungen.engine import Engine, Request, Sampling
+from rungen.engine import Engine
 from rungen.gguf_model import GGUFCausalLM
 from rungen.loading import default_model_file, load
+from rungen.requests import Done, Request
+from rungen.sampling import Sampling
 from tiny_models import GGUF_FAMILIES, build_tiny_checkpoint, default_tokenizer_fields, write_family_gguf
 
 WINDOW = 4  # tiny_models' gemma files; the mistral checkpoint is given the same
@@ -69,8 +71,8 @@ def engine_batch(loaded, prompts):
     tokens = {}
     for number, ids in enumerate(prompts):
         def sink(event, number=number):
-            if event[0] == "done":
-                tokens[number] = event[2].tokens
+            if isinstance(event, Done):
+                tokens[number] = event.finish.tokens
         engine.submit(Request(ids, max_tokens=NEW_TOKENS, sampling=Sampling(temperature=0), sink=sink))
     engine.run_here()
     assert engine.peak_rows == len(prompts)
@@ -106,7 +108,7 @@ def test_the_window_decides_these_tokens(models, tmp_path, monkeypatch):
 @pytest.mark.parametrize("name", ["gemma2", "gemma3", "mistral"])
 def test_the_command_line_decodes_them_on_the_engine(models, name):
     """Piped prompts and a session's turns go to the engine, not to generate() a batch at a time."""
-    from rungen.engine import open_engine
+    from rungen.batch import open_engine
     from rungen.generation import Settings
 
     assert isinstance(open_engine(models[name][0], Settings(temperature=0), batch_size=4), Engine)

@@ -6,8 +6,10 @@ batch; a finished row's keys/values serve the next request that starts as it doe
 import pytest
 import torch
 
-from rungen.engine import Engine, Request, Sampling, cache_form
+from rungen.engine import Engine, cache_form
 from rungen.loading import load
+from rungen.requests import Done, Request
+from rungen.sampling import Sampling
 from rungen.slots import SlotCache, takes_slots
 from tiny_models import build_tiny_checkpoint
 
@@ -32,8 +34,8 @@ def run(engine, requests):
 
     def sink_of(number):
         def sink(event):
-            if event[0] == "done":
-                done.setdefault(number, {})[event[1]] = event[2].tokens
+            if isinstance(event, Done):
+                done.setdefault(number, {})[event.index] = event.finish.tokens
         return sink
 
     for number, (ids, max_tokens, sampling, n) in enumerate(requests):

@@ -81,7 +81,7 @@ def test_without_a_template(chat_loaded):
 
 def test_check_sampling_raises_and_the_flags_exit():
     with pytest.raises(UsageError, match="--k must be >= 0, got -1"):
-        Settings(k=-1).check()
+        Settings(top_k=-1).check()
     with pytest.raises(UsageError, match="--k must be >= 0, got -1"):
         parse_args(["--k", "-1"])
 

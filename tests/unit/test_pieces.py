@@ -127,14 +127,14 @@ def test_chat_prints_the_reply_alone(gpt2_tokenizer):
 def test_generate_kwargs(gpt2_tokenizer):
     greedy = generation_kwargs(Settings(temperature=0), gpt2_tokenizer)
     assert greedy["do_sample"] is False and "temperature" not in greedy
-    sampled = generation_kwargs(Settings(temperature=0.7, k=5, p=0.8, stop_token="\n"), gpt2_tokenizer)
+    sampled = generation_kwargs(Settings(temperature=0.7, top_k=5, top_p=0.8, stop_token="\n"), gpt2_tokenizer)
     assert (sampled["do_sample"], sampled["temperature"], sampled["top_k"], sampled["top_p"]) == (True, 0.7, 5, 0.8)
     assert sampled["stop_strings"] == "\n" and sampled["tokenizer"] is gpt2_tokenizer
 
 
 def test_settings_from_flags_clamp_the_length():
     settings = settings_from_args(parse_args(["--length", "500", "--temperature", "0", "--k", "3"]), context=128)
-    assert (settings.length, settings.temperature, settings.k) == (128, 0, 3)
+    assert (settings.length, settings.temperature, settings.top_k) == (128, 0, 3)
     assert dataclasses.replace(settings, temperature=0.5).temperature == 0.5
 
 
@@ -212,7 +212,7 @@ def test_the_graph_serves_plain_decode_steps_only():
 
 
 def test_prefix_cache_gives_the_longest_shared_start_and_leaves_a_token_to_prefill():
-    from rungen.engine import PrefixCache
+    from rungen.prefix_cache import PrefixCache
 
     def layers(tokens):  # keys/values whose position p holds the token there, so a view shows its positions
         k = torch.tensor(tokens, dtype=torch.float32).view(1, 1, -1, 1)
@@ -236,8 +236,8 @@ def test_a_next_turn_takes_over_the_buffers_of_its_conversation_and_grows_in_the
     and the entry leaves the cache; one that shares only a start gets views and leaves the entry there."""
     from transformers import LlamaConfig
 
-    from rungen.engine import PrefixCache
     from rungen.kvcache import new_cache, transformers_layer
+    from rungen.prefix_cache import PrefixCache
 
     model = torch.nn.Module()
     model.config = LlamaConfig(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, hidden_size=8)
@@ -265,7 +265,7 @@ def test_a_next_turn_takes_over_the_buffers_of_its_conversation_and_grows_in_the
 def test_text_sent_as_byte_tokens_come_is_the_text_they_end_as(tmp_path):
     """Byte-fallback tokens that make no character yet decode to one replacement character each, and to one
     character once the last byte comes: what the engine sends as it goes must add up to the final text."""
-    from rungen.engine import held_back
+    from rungen.rows import held_back
     from tiny_models import build_tokenizer
 
     tokenizer, _ = build_tokenizer("llama", str(tmp_path))

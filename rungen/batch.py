@@ -1,0 +1,142 @@
+"""The command line's prompts and a session's turns through the engine (rungen/engine.py), on the calling thread:
+whether the engine can run the settings (engine_refusal; generate() runs the others), the engine for them
+(open_engine), and the prompts queued and run (submit_prompts, run_prompts) into Sequences as generate() gives.
+"""
+
+import collections
+import sys
+
+import torch
+
+from . import logger
+from .engine import Engine, cache_form
+from .errors import GenerationError, one_line
+from .generation import StuckError, describe_sequence, eos_token_ids, make_batches, stop_strings, stuck_error
+from .prefix_cache import PrefixCache
+from .requests import Delta, Done, Request
+from .sampling import Sampling
+
+
+def engine_refusal(loaded, settings):
+    """Why the engine cannot generate with these settings (generate() then runs them, a batch at a time), or
+    None. It samples as the server does; what only generate() has stays there."""
+    return settings_refusal(settings, getattr(loaded, "assistant_model", None) is not None)
+
+
+def settings_refusal(settings, assistant: bool):
+    """engine_refusal's reasons, from the settings and whether a draft model (`assistant`) is given: known before
+    the model loads (rungen/loading.py then loads the model generate() runs on)."""
+    sampling = settings.temperature != 0
+    reasons = [reason for reason, applies in (
+        ("beam search (--num_beams)", settings.num_beams > 1),
+        ("--typical_p", sampling and settings.typical_p is not None),
+        ("--no_repeat_ngram_size", bool(settings.no_repeat_ngram_size)),
+        ("--prompt_lookup_num_tokens", bool(settings.prompt_lookup_num_tokens)),
+        ("--assistant_model", assistant),
+        ("--generation_config keys " + ", ".join(sorted(set(settings.generation_config) - {"eos_token_id"})),
+         bool(set(settings.generation_config) - {"eos_token_id"})),
+    ) if applies]
+    return ", ".join(reasons) or None
+
+
+def open_engine(loaded, settings, batch_size, conversation=False):
+    """An Engine for the command line's prompts or a session's turns (run_prompts drives it on the calling
+    thread), or None where generate() must run them (logged with the reason). Up to batch_size prompts decode
+    together. `conversation`: a turn reuses the keys/values of the turns before it (a prefix cache that holds
+    one conversation as long as the context, with its room to grow)."""
+    why = engine_refusal(loaded, settings)
+    if why is None:
+        try:
+            # No bound on the cache beyond the batch's rows (the prompts are all known), and no prefix cache
+            # for independent prompts: the memory generate() would take for these batches.
+            engine = Engine(loaded, max_batch=batch_size * settings.num_return_sequences, max_queue=sys.maxsize,
+                            max_cache_tokens=sys.maxsize, prefix_cache_bytes=0,
+                            eos_ids=eos_token_ids(settings, loaded.model))
+        except ValueError as error:
+            why = str(error)
+        else:
+            if conversation:
+                positions = 2 * loaded.context if loaded.context else sys.maxsize // engine.bytes_per_token
+                engine.prefix_cache = PrefixCache(positions * engine.bytes_per_token)
+            logger.info("KV cache in %s", cache_form(engine))
+            return engine
+    logger.info("generating with generate(): %s", why)
+    return None
+
+
+def sampling_of(settings, seed):
+    """The engine's Sampling for the command line's settings (greedy at temperature 0, as generate())."""
+    if settings.temperature == 0:
+        return Sampling(temperature=0, repetition_penalty=settings.repetition_penalty, seed=seed)
+    return Sampling(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
+                    min_p=settings.min_p or 0.0, repetition_penalty=settings.repetition_penalty, seed=seed)
+
+
+def run_prompts(engine, settings, prompts, on_done, stream=False):
+    """Generates every encoded prompt through `engine` on this thread, continuously batched: a prompt that
+    ends frees its rows for the next one waiting, and each row computes what it would alone. Calls
+    on_done(prompt, sequences) as each prompt ends (in the order they end; an error sets prompt.error and
+    gives no sequences). `stream`: the one prompt's text goes to stdout as it grows."""
+    submit_prompts(engine, settings, prompts, on_done, stream)
+    try:
+        engine.run_here()
+    except ValueError as error:
+        raise GenerationError(one_line(error)) from error
+
+
+def submit_prompts(engine, settings, prompts, on_done, stream=False):
+    """Queues the prompts as run_prompts does, without running them; returns their Requests. `stream` may be a
+    function that takes the text as it grows instead of stdout (it then ends the line itself)."""
+    tokenizer, context, eos_ids = engine.tokenizer, engine.loaded.context, engine.eos_ids
+    stops = stop_strings(settings.stop_token)
+
+    def collect(prompt):
+        finishes, items = {}, collections.defaultdict(list)
+
+        def sink(event):
+            if isinstance(event, Delta):
+                text = event.text
+                items[event.index] += event.logprobs or []
+                if callable(stream) and text:
+                    stream(text)
+                elif stream and text:
+                    sys.stdout.write(text)
+                    sys.stdout.flush()
+            elif isinstance(event, Done):
+                finishes[event.index] = event.finish
+            else:
+                if stream is True:
+                    sys.stdout.write("\n")
+                on_done(prompt, sequences_of(prompt, finishes, items))
+
+        return sink
+
+    def sequences_of(prompt, finishes, items):
+        sequences = []
+        for index in sorted(finishes):
+            finish = finishes[index]
+            try:
+                if finish.error is not None and settings.constraint is not None:
+                    raise stuck_error(settings, tokenizer, finish.tokens)
+                described = describe_sequence(settings, tokenizer, prompt, finish.tokens, eos_ids)
+            except StuckError as error:  # that prompt fails (an error record), the others go on
+                prompt.error = str(error)
+                return []
+            if settings.logprobs is not None:
+                described.logprobs = {"content": items[index][: described.num_generated_tokens]}
+            sequences.append(described)
+        return sequences
+
+    # Seeds drawn in input order from the generator --seed set: a prompt's sampled text does not depend on the
+    # batch. Prompts then join in make_batches' order (similar lengths together): less left padding.
+    seeds = {prompt.index: int(torch.randint(2**63 - 1, ())) for prompt in prompts}
+    requests = []
+    for prompt in [prompt for batch in make_batches(prompts, engine.max_batch) for prompt in batch]:
+        new_tokens = settings.length if not context else min(settings.length, context - len(prompt.ids))
+        requests.append(Request(prompt.ids, new_tokens, sampling_of(settings, seeds[prompt.index]),
+                                collect(prompt), n=settings.num_return_sequences, stop=stops,
+                                logprobs=settings.logprobs, constraint=prompt.constraint or settings.constraint,
+                                reasoning_end=prompt.reply.end_ids if prompt.reply is not None else None,
+                                deltas=bool(stream)))
+        engine.submit(requests[-1])
+    return requests

@@ -1,0 +1,77 @@
+"""The prefix cache: keys/values of recently finished sequences that a request starting the same way prefills
+after (a conversation's next turn, a shared system prompt)."""
+
+import collections
+
+from .kvcache import growing
+
+
+class PrefixCache:
+    """Keys/values of recently finished sequences, keyed by their tokens, bounded in bytes (least recently
+    used first out). A request prefills only what follows the longest start it shares with one of them: the
+    next turn of a conversation, or any request under the same system prompt and chat template."""
+
+    def __init__(self, max_bytes):
+        self.max_bytes, self.bytes = max_bytes, 0
+        self.entries = collections.OrderedDict()  # tuple(tokens) -> (layers, bytes, buffers or None)
+
+    def put(self, tokens, layers, size=None, buffers=None):
+        """Keeps `layers` for `tokens`. `buffers`: per layer the (keys, values) buffers whose starts the layers
+        are, with room after them, that a next turn may take over; `size`: the bytes held alive, when more than
+        the layers' own."""
+        size = size or sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers)
+        key = tuple(tokens)
+        if size > self.max_bytes or len(key) < 2 or key in self.entries:
+            return
+        self.entries[key] = (layers, size, buffers)
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            _, (_, dropped, _) = self.entries.popitem(last=False)
+            self.bytes -= dropped
+
+    def longest(self, ids):
+        """(length, layers, buffers) for the longest start of ids that an entry holds, one token at least left
+        to prefill, or (0, None, None). `layers` are views of the entry's first `length` positions, never written
+        to: a key or value depends only on the tokens up to its own, so a shared start's are the ones ids would
+        get. When that start is the whole entry (a conversation's next turn) and the entry kept its buffers,
+        they come too and the entry leaves the cache: the request's cache grows in them, without a copy."""
+        best, found = 0, None
+        for key in self.entries:
+            length = shared_start(key, ids, limit=len(ids) - 1)
+            if length > best:
+                best, found = length, key
+        if found is None:
+            return 0, None, None
+        layers, size, buffers = self.entries[found]
+        if buffers is not None and best == len(found):
+            del self.entries[found]
+            self.bytes -= size
+            return best, layers, buffers
+        self.entries.move_to_end(found)
+        return best, [(k[:, :, :best], v[:, :, :best]) for k, v in layers], None
+
+    def keep(self, tokens, layers, batch_cache=None):
+        """Keeps a finished row's keys/values `layers` (views of the batch's) for requests that start with
+        `tokens`: copies, unless `batch_cache` is given (the batch ends with this row): then its buffers are
+        handed over (counted whole, room included), and the next request does not wait for the copy."""
+        if batch_cache is None:
+            self.put(tokens, [(k.clone(), v.clone()) for k, v in layers])
+            return
+        length = len(tokens)
+        held = sum(k.untyped_storage().nbytes() + v.untyped_storage().nbytes() for k, v in layers)
+        # Growing layers that hold just this row from their buffers' start: a next turn can grow in them.
+        grown = [layer.buffers for layer in batch_cache.layers if growing(layer)
+                 and layer.buffers is not None and layer.keys.shape[0] == 1 and layer.keys.shape[-2] == length
+                 and layer.keys.data_ptr() == layer.buffers[0].data_ptr()]
+        buffers = grown if len(grown) == len(layers) else None
+        self.put(tokens, layers, size=held, buffers=buffers)
+
+
+def shared_start(a, b, limit):
+    """How many first items a and b have in common, at most `limit`."""
+    length = 0
+    for x, y in zip(a[:limit], b):
+        if x != y:
+            break
+        length += 1
+    return length

@@ -1,0 +1,73 @@
+"""What a caller hands the engine (rungen/engine.py) and what it hears back: a Request, and the events its sink is
+called with from the model thread: a Delta as a row's text grows, a Done with each row's Finish, and End once
+every row of the request is done.
+
+The events are small values rather than calls on a sink object: the server hands them across threads to its event
+loop's queue as they are, and a reader matches on their type.
+"""
+
+import dataclasses
+import time
+
+from .sampling import Sampling
+
+
+@dataclasses.dataclass
+class Request:
+    """One generation request: n rows from one prompt. `sink(event)` is called from the model thread with a Delta
+    or a Done for each row, and finally End."""
+
+    ids: list[int]
+    max_tokens: int
+    sampling: Sampling
+    sink: object
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None  # top alternatives per token; None: no log-probabilities
+    constraint: object = None  # rungen.constrain.Constraint
+    # Token ids that close the thinking block the reply starts in: the constraint applies from the token after them.
+    reasoning_end: tuple[int, ...] | None = None
+    deltas: bool = True  # text as it grows (a stream); False: the text once, at the end (a stop string is still cut)
+    cancelled: bool = False  # set by the server (client gone) or a session (Ctrl-C); the row leaves at the next step
+    submitted: float = dataclasses.field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    reused: int = 0  # prompt tokens whose keys/values came from the prefix cache
+
+    @property
+    def reserve(self):
+        return len(self.ids) + self.max_tokens
+
+
+@dataclasses.dataclass
+class Finish:
+    """How one choice ended."""
+
+    reason: str  # "stop" (EOS, a stop string, the grammar complete), "length", or "abort" (shutdown)
+    text: str
+    tokens: list[int]
+    prompt_tokens: int
+    error: str | None = None
+    stop: str | None = None  # the stop string that ended it (the first given of those found earliest)
+
+
+@dataclasses.dataclass(frozen=True)
+class Delta:
+    """Text that row `index` gained (empty when only log-probabilities came), and its tokens' log-probability
+    items (rungen/logprobs.py) when the request asked for them."""
+
+    index: int
+    text: str
+    logprobs: list | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Done:
+    """Row `index` ended."""
+
+    index: int
+    finish: Finish
+
+
+@dataclasses.dataclass(frozen=True)
+class End:
+    """The request's last event: every row is done."""

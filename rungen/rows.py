@@ -1,0 +1,141 @@
+"""A row of the engine's batch (one choice of a request) between its tokens and its request's events: the tokens
+chosen for every row at once (pick), and the text each token adds, sent as a Delta (Reporter), holding back what
+may be the start of a stop string or an unfinished character, until the row is done (its Finish)."""
+
+import dataclasses
+
+from .logprobs import content_items
+from .requests import Delta, Finish, Request
+from .sampling import Picked, RowState, choose
+
+# Prompt tokens decoded before a row's new tokens to get their text in context: decoding the whole prompt at
+# every step would cost as much as the prompt is long.
+TAIL_TOKENS = 32
+
+
+@dataclasses.dataclass
+class Row:
+    request: Request
+    index: int  # the choice index within the request
+    state: RowState  # its sampling on the device: generator, seen tokens, counts, bias
+    position: int  # real tokens so far (the next position id)
+    generated: list = dataclasses.field(default_factory=list)  # the token ids chosen so far
+    emitted: int = 0  # characters of the continuation sent so far
+    prompt_tail_text: str = ""  # the decoding of the prompt's last tokens (the continuation is what follows it)
+    matcher: object = None
+    last_time: float = 0.0
+    finish: Finish | None = None
+
+
+def pick(rows, logits, eos_ids):
+    """The rows' choices (sampling.choose on the device, one copy to the host), and the numbers of the rows whose
+    grammar allows no token (they get none)."""
+    grammar, stuck = None, set()
+    constrained = [number for number, row in enumerate(rows) if row.matcher is not None]
+    if constrained:
+        import xgrammar as xgr
+
+        from .constrain import nothing_allowed
+
+        vocab = rows[constrained[0]].request.constraint.vocab_size  # one tokenizer: one vocabulary
+        bitmask = xgr.allocate_token_bitmask(len(constrained), vocab)
+        for place, number in enumerate(constrained):
+            rows[number].matcher.fill_next_token_bitmask(bitmask, place)
+        empty = nothing_allowed(bitmask).tolist()
+        stuck = {number for number, nothing in zip(constrained, empty) if nothing}
+        keep = [place for place, nothing in enumerate(empty) if not nothing]
+        if keep:
+            grammar = (bitmask[keep], [constrained[place] for place in keep], vocab)
+    states = [row.state for row in rows]
+    tokens, nan = choose(logits, states, sorted(eos_ids), grammar)
+    for number, state in enumerate(states):
+        if number not in stuck:
+            state.accept(tokens[number : number + 1])
+    top_n = {number: row.request.logprobs for number, row in enumerate(rows) if row.request.logprobs is not None}
+    return Picked.read(tokens, nan, logits, top_n), stuck
+
+
+class Reporter:
+    """The text of rows' tokens, decoded under the tokenizer's lock (the server's handlers share the tokenizer),
+    sent to their requests' sinks."""
+
+    def __init__(self, tokenizer, tokenizer_lock, eos_ids):
+        self.tokenizer, self.tokenizer_lock, self.eos_ids = tokenizer, tokenizer_lock, eos_ids
+
+    def prompt_tail_text(self, ids):
+        with self.tokenizer_lock:
+            return self.tokenizer.decode(ids[-TAIL_TOKENS:], skip_special_tokens=True)
+
+    def report(self, row, token, logprob):
+        """Sends the text this token adds (holding back what may be the start of a stop string or an unfinished
+        character) and ends the row when it is done. `logprob`: the token's (log-probability, top ids, top
+        log-probabilities) where the request asked for them."""
+        request = row.request
+        items = None
+        if logprob is not None:
+            chosen, top_ids, top_values = logprob
+            with self.tokenizer_lock:
+                items = content_items(self.tokenizer, request.ids + row.generated[:-1], [token], [chosen],
+                                      [top_ids], [top_values])
+        if row.matcher is not None:
+            row.matcher.accept_token(token)
+        elif request.reasoning_end and request.constraint is not None \
+                and tuple(row.generated[-len(request.reasoning_end) :]) == request.reasoning_end:
+            row.matcher = request.constraint.matcher()  # the thinking block is closed: the grammar starts now
+        # The text is decoded at every step only where something reads it: a stream, or stop strings to find
+        # (a decode of the new tokens so far, which grows with them).
+        text = self.continuation(row) if request.deltas or request.stop else None
+        reason = matched = None
+        cuts = [(text.index(stop), stop) for stop in request.stop if stop in text] if text is not None else []
+        if cuts:
+            cut, matched = min(cuts, key=lambda found: found[0])
+            text, reason = text[:cut], "stop"
+        elif token in self.eos_ids and not request.sampling.ignore_eos:
+            reason = "stop"
+        elif row.matcher is not None and row.matcher.is_terminated():
+            reason = "stop"
+        elif len(row.generated) >= request.max_tokens:
+            reason = "length"
+        delta = ""
+        if request.deltas:
+            ready = len(text) if reason is not None else len(text) - held_back(text, request.stop)
+            delta = text[row.emitted : ready] if ready > row.emitted else ""
+            row.emitted = max(row.emitted, ready)
+        if delta or items:
+            request.sink(Delta(row.index, delta, items))
+        if reason is not None:
+            if text is None:
+                text = self.continuation(row)
+            row.finish = Finish(reason, text, list(row.generated), len(request.ids), stop=matched)
+
+    def cut_short(self, row, reason, error=None):
+        """The Finish of a row ended before it was done (cancelled, stuck, aborted), after sending what it held
+        back."""
+        text = self.continuation(row)
+        if row.request.deltas and len(text) > row.emitted:
+            row.request.sink(Delta(row.index, text[row.emitted :], None))
+        return Finish(reason, text, list(row.generated), len(row.request.ids), error)
+
+    def continuation(self, row):
+        """The text of the row's new tokens, decoded after the prompt's last tokens and cut after them, as
+        describe_sequence does with the whole prompt (a leading space, a character split over tokens)."""
+        with self.tokenizer_lock:
+            whole = self.tokenizer.decode(row.request.ids[-TAIL_TOKENS:] + row.generated, skip_special_tokens=True)
+            if whole.startswith(row.prompt_tail_text):
+                return whole[len(row.prompt_tail_text) :]
+            return self.tokenizer.decode(row.generated, skip_special_tokens=True)
+
+
+def held_back(text, stops):
+    """How many characters at the end of text to keep back: an unfinished UTF-8 character, or the longest
+    ending that is the start of a stop string (it may become one with the next token). An unfinished
+    character is the whole run of replacement characters at the end: byte tokens that do not make a character
+    yet decode to one each, and fewer once the next token ends the run (a byte-fallback decoder replaces each
+    invalid stretch as one), so sending any of them could send text that is not there."""
+    hold = len(text) - len(text.rstrip("\ufffd"))
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:size]):
+                hold = max(hold, size)
+                break
+    return hold
