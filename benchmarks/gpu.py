@@ -260,8 +260,7 @@ class EngineRunner:
 
     def __init__(self, loaded, max_batch, graphs=True):
         from rungen import engine as engine_module
-
-        variable = getattr(engine_module, "GRAPHS_ENV", "RUN_GENERATION_CUDA_GRAPHS")
+        from rungen.batch_cache import GRAPHS_ENV as variable
         saved = os.environ.get(variable)
         if not graphs:  # read when the engine is made
             os.environ[variable] = "0"

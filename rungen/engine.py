@@ -9,19 +9,9 @@ that a recently finished sequence shares: a conversation's earlier turns, a comm
 its first token; then their keys/values join the batch's, and they decode with the others from the next step
 on. A row ends on EOS, max_tokens, a stop string, its grammar or a cancelled request.
 
-Where the batch's keys/values live:
-- in fixed slots (rungen/slots.py) on transformers' llama-shaped models: a joining row's are written into its
-  slot, a step writes each row's new position in place, a row that ends frees its slot to the last row; on a
-  CUDA GPU the steps are replayed from CUDA graphs;
-- elsewhere (the own GGUF model code, other families) in a left-padded batch: transformers' DynamicCache, or
-  the own model's Cache (rungen/kvcache.py: growing in place where the model's attention reads it so; a
-  sliding-window layer holds every position too, its mask applying the window) holding [batch, kv_heads,
-  length, head_dim] per layer. The joining rows' keys/values and the batch's are left-padded to the longest and
-  concatenated in one copy; a row that ends leaves by index_select and the columns no row needs are trimmed; an
-  attention mask and per-row position ids hide the padding, so each row computes what it would alone (the
-  layout generate() uses for a left-padded batch).
-Memory: a request is admitted only while rows x the longest (prompt + max_tokens) of the batch fits in
-`max_cache_tokens` (the slots round rows and positions up to their buckets).
+The batch's keys/values live in fixed slots where the model takes them, else in a left-padded batch
+(rungen/batch_cache.py). Memory: a request is admitted only while rows x the longest (prompt + max_tokens) of the
+batch fits in `max_cache_tokens` (the slots round rows and positions up to their buckets).
 
 Every row's next token is chosen at once on the model's device (rungen/sampling.py: OpenAI's logit_bias and
 presence/frequency penalties, transformers' repetition_penalty, the grammar's mask, then greedy, or temperature,
@@ -32,7 +22,6 @@ the text each token adds is reported by rungen/rows.py. Log-probabilities are th
 
 import collections
 import inspect
-import os
 import queue
 import threading
 import time
@@ -40,6 +29,7 @@ import time
 import torch
 
 from . import logger
+from .batch_cache import batch_cache, layers_of
 from .errors import GenerationError
 from .generation import UNBATCHABLE_TYPES
 from .kvcache import MIN_ROOM, full_attention, new_cache
@@ -48,9 +38,7 @@ from .prefix_cache import PrefixCache
 from .requests import Done, End, Finish
 from .rows import Reporter, Row, pick
 from .sampling import RowState
-from .slots import DecodeGraphs, SlotCache, decode_step
 
-GRAPHS_ENV = "RUN_GENERATION_CUDA_GRAPHS"
 
 class EngineBusy(RuntimeError):
     """The queue is full (HTTP 503 with Retry-After)."""
@@ -86,15 +74,9 @@ class Engine:
         self.waiting = collections.deque()
         self.calls = queue.Queue()  # functions to run on the model thread between steps (prompt scoring)
         self.wake = threading.Condition()
-        self.rows, self.cache, self.mask = [], None, None
-        # Keys/values in fixed slots where the model takes them (rungen/slots.py), else a left-padded batch.
-        self.slots = SlotCache.for_model(self.model, max_batch, loaded.context) if loaded.context else None
-        # On a CUDA GPU the decode step over the slots is replayed from CUDA graphs (RUN_GENERATION_CUDA_GRAPHS=0:
-        # eager steps).
-        self.graphs = None
-        if self.slots is not None and self.device.type == "cuda" and os.environ.get(GRAPHS_ENV, "1") != "0":
-            self.graphs = DecodeGraphs(self.model, self.slots)
-        self.pending = []  # (layers, mask, cache) of rows joined since the last merge; with slots (layers, n)
+        self.rows = []
+        self.kv = batch_cache(self.model, self.device, self.use_positions, max_batch, loaded.context)
+        self.pending = []  # the kv's parts of the rows joined since the last merge
         self.peak_rows = 0  # the most rows decoded together so far
         self.closing = self.stopped = False
         self.bytes_per_token = self.measure_bytes_per_token()
@@ -198,9 +180,8 @@ class Engine:
         except BaseException:
             # Stopped mid-step (an error, a second Ctrl-C in a session): the batch is half-updated, and its
             # requests are given up; the engine is left empty for the next ones.
-            self.rows, self.pending, self.joining, self.cache, self.mask = [], [], None, None, None
-            if self.slots is not None:
-                self.slots.clear()
+            self.rows, self.pending, self.joining = [], [], None
+            self.kv.clear()
             self.waiting.clear()
             raise
 
@@ -237,7 +218,7 @@ class Engine:
             self.joining = None
         pending, self.pending = self.pending, []
         if pending:
-            self.merge(pending)
+            self.kv.merge(pending, self.rows)
             self.remove_finished()  # rows done at their first token
 
     def join(self, request):
@@ -261,14 +242,7 @@ class Engine:
         request.reused = reused
         if reused:
             logger.info("prefix cache: reused %d of %d prompt tokens", reused, len(ids))
-        new_layers = layers_of(output.past_key_values)
-        if self.slots is not None:
-            self.pending.append((new_layers, request.n))  # each of the n rows gets a copy in its slot
-        else:
-            if request.n > 1:
-                new_layers = [(k.repeat(request.n, 1, 1, 1), v.repeat(request.n, 1, 1, 1)) for k, v in new_layers]
-            mask = torch.ones(request.n, len(ids), dtype=torch.long, device=self.device)
-            self.pending.append((new_layers, mask, output.past_key_values if request.n == 1 else None))
+        self.pending.append(self.kv.part(output, request.n, len(ids)))
         logits = output.logits[:, -1].float()
         prompt_tail_text = self.reporter.prompt_tail_text(ids)
         new_rows = []
@@ -282,58 +256,13 @@ class Engine:
         self.peak_rows = max(self.peak_rows, len(self.rows))
         self.advance(new_rows, logits.expand(request.n, -1), remove=False)  # they leave once merged
 
-    def merge(self, parts):
-        """Appends rows to the batch in one copy: parts [(layers, mask, cache)] in the order of their rows, all
-        left-padded to the longest. A lone part joining an empty batch gives it its `cache` (the cache that
-        holds its layers, when the batch may have it) without a copy. With slots, parts [(layers, n)]: each row's
-        keys/values are written into its slot, the joined rows being the batch's last."""
-        if self.slots is not None:
-            slot = self.slots.rows
-            self.slots.ensure(len(self.rows), max(row.request.reserve for row in self.rows), parts[0][0])
-            for layers, n in parts:
-                for _ in range(n):
-                    self.slots.write(slot, layers)
-                    slot += 1
-            self.slots.rows = slot
-            return
-        if self.cache is None and len(parts) == 1:
-            layers, mask, cache = parts[0]
-            self.cache, self.mask = cache if cache is not None else new_cache(self.model, layers), mask
-            return
-        groups = [(layers, mask) for layers, mask, _ in parts]
-        if self.cache is not None:
-            groups.insert(0, (layers_of(self.cache), self.mask))
-        width = max(mask.shape[1] for _, mask in groups)
-        merged = [tuple(torch.cat([left_pad(layers[layer][kind], width) for layers, _ in groups]) for kind in (0, 1))
-                  for layer in range(len(groups[0][0]))]
-        self.cache = new_cache(self.model, merged)
-        self.mask = torch.cat([left_pad(mask, width, dim=1) for _, mask in groups])
-
     def step(self):
         """One decode step for every row."""
         tokens = torch.tensor([[row.generated[-1]] for row in self.rows], device=self.device)
-        if self.slots is not None:
-            positions = torch.tensor([row.position for row in self.rows], device=self.device)
-            longest = max(row.position for row in self.rows)
-            with torch.inference_mode():
-                if self.graphs is not None:
-                    logits = self.graphs(tokens, positions, longest)
-                else:
-                    logits = decode_step(self.model, self.slots, tokens, positions, self.slots.step_length(longest))
-            for row in self.rows:
-                row.position += 1
-            return self.advance(list(self.rows), logits)
-        self.mask = torch.cat([self.mask, torch.ones(len(self.rows), 1, dtype=torch.long, device=self.device)], 1)
-        kwargs = {}
-        if self.use_positions:
-            kwargs["position_ids"] = torch.tensor([[row.position] for row in self.rows], device=self.device)
-        with torch.inference_mode():
-            output = self.model(input_ids=tokens, attention_mask=self.mask, past_key_values=self.cache,
-                                use_cache=True, **kwargs)
-        self.cache = output.past_key_values
+        logits = self.kv.forward(self.rows, tokens)
         for row in self.rows:
             row.position += 1
-        self.advance(list(self.rows), output.logits[:, -1].float())
+        self.advance(list(self.rows), logits)
 
     def advance(self, rows, logits, remove=True):
         """Chooses each row's next token, reports it, and ends the rows that are done (`remove`: lets them
@@ -378,46 +307,19 @@ class Engine:
             row.request.sink(Done(row.index, row.finish))
             if all(other.finish is not None for other in self.rows if other.request is row.request):
                 finished_requests.append(row.request)
-        keep = [number for number, row in enumerate(self.rows) if row.finish is None]
-        if self.slots is not None:  # the last rows move into the freed slots: rows stay in slots 0..rows-1
-            order = list(range(len(keep)))
-            movers = [number for number in keep if number >= len(keep)]
-            for hole, mover in zip([number for number in done if number < len(keep)], movers):
-                self.slots.move(mover, hole, self.rows[mover].position)
-                order[hole] = mover
-            keep = order
-            self.slots.rows = len(keep)
-            if not keep and self.graphs is None:  # graphs replay over the buffers: kept for the next batch
-                self.slots.clear()
+        keep = self.kv.keep(self.rows, [number for number, row in enumerate(self.rows) if row.finish is None], done)
         self.rows = [self.rows[number] for number in keep]
         for request in finished_requests:
             request.sink(End())
-        if self.slots is not None:
-            return
-        if not self.rows:
-            self.cache = self.mask = None
-            return
-        index = torch.tensor(keep, device=self.device)
-        mask = self.mask.index_select(0, index)
-        first = int(mask.any(0).long().argmax())  # columns before it are padding in every row left
-        self.mask = mask[:, first:]
-        kept = [(k.index_select(0, index)[:, :, first:], v.index_select(0, index)[:, :, first:])
-                for k, v in layers_of(self.cache)]
-        self.cache = new_cache(self.model, kept)
 
     def remember(self, number, row, last=False):
         """Keeps a finished row's keys/values in the prefix cache. `last`: the batch ends with this row, whose
         buffers the cache may then take over."""
         length = row.position  # the positions the cache holds (the last token was never fed)
         tokens = (row.request.ids + row.generated)[:length]
-        if self.slots is not None:
-            self.prefix_cache.keep(tokens, self.slots.row_layers(number, length))
-            return
-        if not self.mask[number, -length:].all():
-            return
-        layers = [(k[number : number + 1, :, -length:], v[number : number + 1, :, -length:])
-                  for k, v in layers_of(self.cache)]
-        self.prefix_cache.keep(tokens, layers, self.cache if last else None)
+        layers, buffers = self.kv.row_layers(number, length, last)
+        if layers is not None:
+            self.prefix_cache.keep(tokens, layers, buffers)
 
     def end_all(self, reason, error=None):
         """Ends every running, joining and waiting request (shutdown's grace is over, or a step failed)."""
@@ -429,9 +331,8 @@ class Engine:
             if row.request not in requests:
                 requests.append(row.request)
         joining = self.joining if self.joining is not None and self.joining not in requests else None
-        self.rows, self.joining, self.cache, self.mask, self.pending = [], None, None, None, []
-        if self.slots is not None:
-            self.slots.clear()
+        self.rows, self.joining, self.pending = [], None, []
+        self.kv.clear()
         with self.wake:
             waiting, self.waiting = list(self.waiting), collections.deque()
         for request in ([joining] if joining else []) + waiting:
@@ -448,25 +349,9 @@ class Engine:
             future.cancel()
 
 
-def layers_of(cache):
-    return [(layer.keys, layer.values) for layer in cache.layers]
-
-
-def left_pad(tensor, width, dim=2):
-    """Zeros before the tensor's entries along dim (the sequence) up to width."""
-    missing = width - tensor.shape[dim]
-    if missing <= 0:
-        return tensor
-    shape = list(tensor.shape)
-    shape[dim] = missing
-    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
-
-
 def cache_form(engine):
     """Where the engine keeps the batch's keys/values, and how its steps run."""
-    if engine.slots is None:
-        return "a left-padded batch"
-    return "fixed slots" + (", decode steps replayed from CUDA graphs" if engine.graphs is not None else "")
+    return engine.kv.form
 
 
 def describe_memory(engine):

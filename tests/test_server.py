@@ -410,7 +410,7 @@ def test_a_client_dropping_mid_stream_frees_its_slot(served):
         if not engine.rows:
             break
         time.sleep(0.02)
-    assert not engine.rows and engine.cache is None
+    assert not engine.rows and not engine.kv.held()
     assert post(served, "/v1/completions", {"model": MODEL_ID, "prompt": "Hi", "max_tokens": 2}).status_code == 200
 
 
@@ -479,7 +479,7 @@ def test_a_next_turn_grows_in_the_buffers_its_first_turn_left(checkpoint):
     _, finishes, _, _ = collect(engine, following, max_tokens=6)
     engine.admit()
     assert held not in engine.prefix_cache.entries
-    assert [layer.keys.data_ptr() for layer in engine.cache.layers] == taken
+    assert [layer.keys.data_ptr() for layer in engine.kv.cache.layers] == taken
     while engine.rows:
         engine.step()
     assert finishes[0].tokens == run(Engine(blocked, eos_ids=(), prefix_cache_bytes=0), following, 6)
@@ -502,7 +502,7 @@ def test_requests_joining_together_enter_the_batch_at_once_and_each_gives_what_i
     alone = [tokens(Engine(loaded, eos_ids=(), prefix_cache_bytes=0), [asked]) for asked in prompts]
     together = Engine(loaded, eos_ids=(), prefix_cache_bytes=0)
     assert tokens(together, prompts) == [run[0] for run in alone]
-    assert together.peak_rows == 3 and together.cache is None
+    assert together.peak_rows == 3 and not together.kv.held()
 
 
 def test_api_key_and_a_full_queue(loaded, served):
@@ -607,7 +607,7 @@ def test_abort_ends_every_request_with_a_reason(loaded):
     engine.loop()
     for _, finishes, _, done in (running, waiting):
         assert done.is_set() and finishes[0].reason == "abort"
-    assert running[1][0].tokens and not engine.rows and engine.cache is None
+    assert running[1][0].tokens and not engine.rows and not engine.kv.held()
 
 
 @pytest.mark.slow

@@ -50,13 +50,13 @@ def test_rows_in_slots_decode_what_each_prompt_gives_alone(loaded):
     lengths = [3, 9, 5, 12, 7]  # rows end at different steps: the last rows move into the freed slots
     # Three rows at a time: the last two prompts join as the first ones end, at other positions.
     engine = Engine(loaded, max_batch=3, prefix_cache_bytes=0)
-    assert engine.slots is not None and cache_form(engine) == "fixed slots"  # what --verbose says
+    assert engine.kv.slots is not None and cache_form(engine) == "fixed slots"  # what --verbose says
     greedy = Sampling(temperature=0, ignore_eos=True)
     done = run(engine, [(i, length, greedy, 1) for i, length in zip(ids, lengths)])
     with torch.no_grad():
         for number, (i, length) in enumerate(zip(ids, lengths)):
             assert done[number][0] == generate_alone(loaded.model, i, length), PROMPTS[number]
-    assert engine.peak_rows == 3 and not engine.rows and not engine.slots.keys  # all slots freed at the end
+    assert engine.peak_rows == 3 and not engine.rows and not engine.kv.slots.keys  # all slots freed at the end
 
 
 def test_slots_are_written_in_place(loaded, monkeypatch):
@@ -68,7 +68,7 @@ def test_slots_are_written_in_place(loaded, monkeypatch):
     step = engine.step
 
     def watched():
-        storages.append([k.data_ptr() for k in engine.slots.keys])
+        storages.append([k.data_ptr() for k in engine.kv.slots.keys])
         steps.append(len(engine.rows))
         step()
 
@@ -83,7 +83,7 @@ def test_slots_are_written_in_place(loaded, monkeypatch):
     monkeypatch.setattr(engine, "step", watched)
     monkeypatch.setattr(SlotCache, "update", reading)
     run(engine, [(i, 10, Sampling(temperature=0, ignore_eos=True), 1) for i in ids])
-    assert len(steps) >= 9 and all(s == storages[0] for s in storages) and engine.cache is None
+    assert len(steps) >= 9 and all(s == storages[0] for s in storages) and engine.kv.form == "fixed slots"
     assert len(read) == len(steps) * loaded.model.config.num_hidden_layers and all(read)
 
 
@@ -154,7 +154,7 @@ def test_replayed_steps_pad_the_rows_to_their_bucket(loaded, monkeypatch):
     greedy = Sampling(temperature=0, ignore_eos=True)
     eager = run(Engine(loaded, max_batch=5, prefix_cache_bytes=0), [(i, n, greedy, 1) for i, n in zip(ids, lengths)])
     engine = Engine(loaded, max_batch=5, prefix_cache_bytes=0)
-    engine.graphs = slots.DecodeGraphs(engine.model, engine.slots)
+    engine.kv.graphs = slots.DecodeGraphs(engine.model, engine.kv.slots)
     replayed = run(engine, [(i, n, greedy, 1) for i, n in zip(ids, lengths)])
     assert replayed == eager
     assert {bucket for bucket, _ in captured} == {8, 4, 2, 1} and len(captured) == len(set(captured))  # once each

@@ -1,0 +1,179 @@
+"""Where the engine's batch keeps its keys/values, in one of two forms behind one interface: the rows join (part,
+merge), decode a step (forward), leave (keep), lend a finished row's keys/values to the prefix cache (row_layers)
+and are dropped (clear). The engine (rungen/engine.py) schedules; these hold the tensors.
+
+- SlotBatch: fixed slots (rungen/slots.py) on transformers' llama-shaped models; a joining row's keys/values are
+  written into its slot, a step writes each row's new position in place, a row that ends frees its slot to the
+  last row; on a CUDA GPU the steps are replayed from CUDA graphs.
+- PaddedBatch: everywhere else (the own GGUF model code, other families), a left-padded batch in the model's own
+  cache (transformers' DynamicCache, or rungen/kvcache.py's Cache) of [rows, kv heads, length, head size] per
+  layer. Joining rows are left-padded to the longest and concatenated in one copy; a row that ends leaves by
+  index_select and the columns no row needs are trimmed; an attention mask and per-row position ids hide the
+  padding, so each row computes what it would alone (the layout generate() uses for a left-padded batch).
+"""
+
+import os
+
+import torch
+
+from .kvcache import new_cache
+from .slots import DecodeGraphs, SlotCache, decode_step
+
+GRAPHS_ENV = "RUN_GENERATION_CUDA_GRAPHS"
+
+
+def batch_cache(model, device, use_positions, max_batch, context):
+    """The form the model takes: slots where it can, else a padded batch."""
+    slots = SlotCache.for_model(model, max_batch, context) if context else None
+    if slots is None:
+        return PaddedBatch(model, device, use_positions)
+    graphs = None  # RUN_GENERATION_CUDA_GRAPHS=0: eager steps on a GPU too
+    if device.type == "cuda" and os.environ.get(GRAPHS_ENV, "1") != "0":
+        graphs = DecodeGraphs(model, slots)
+    return SlotBatch(model, device, slots, graphs)
+
+
+class SlotBatch:
+    """Rows 0..rows-1 in the slots of a SlotCache."""
+
+    def __init__(self, model, device, slots, graphs=None):
+        self.model, self.device, self.slots, self.graphs = model, device, slots, graphs
+
+    @property
+    def form(self):
+        return "fixed slots" + (", decode steps replayed from CUDA graphs" if self.graphs is not None else "")
+
+    def part(self, output, n, length):
+        """What a prefilled request brings to merge(): its keys/values, copied into each of its n rows' slots."""
+        return layers_of(output.past_key_values), n
+
+    def merge(self, parts, rows):
+        """Writes the joined rows' keys/values into the slots after the batch's: `rows` the whole batch."""
+        slot = self.slots.rows
+        self.slots.ensure(len(rows), max(row.request.reserve for row in rows), parts[0][0])
+        for layers, n in parts:
+            for _ in range(n):
+                self.slots.write(slot, layers)
+                slot += 1
+        self.slots.rows = slot
+
+    def forward(self, rows, tokens):
+        positions = torch.tensor([row.position for row in rows], device=self.device)
+        longest = max(row.position for row in rows)
+        with torch.inference_mode():
+            if self.graphs is not None:
+                return self.graphs(tokens, positions, longest)
+            return decode_step(self.model, self.slots, tokens, positions, self.slots.step_length(longest))
+
+    def keep(self, rows, keep, done):
+        """The rows that stay (numbers `keep`, in order) after those of `done` ended: the last rows move into the
+        freed slots, so rows stay in slots 0..rows-1. Returns the rows' new order."""
+        order = list(range(len(keep)))
+        movers = [number for number in keep if number >= len(keep)]
+        for hole, mover in zip([number for number in done if number < len(keep)], movers):
+            self.slots.move(mover, hole, rows[mover].position)
+            order[hole] = mover
+        self.slots.rows = len(keep)
+        if not keep and self.graphs is None:  # graphs replay over the buffers: kept for the next batch
+            self.slots.clear()
+        return order
+
+    def row_layers(self, number, length, last):
+        """A row's keys/values of its first `length` positions, and the buffers the prefix cache may take (none)."""
+        return self.slots.row_layers(number, length), None
+
+    def held(self):
+        """Whether any row's keys/values are held."""
+        return self.slots.rows > 0
+
+    def clear(self):
+        self.slots.clear()
+
+
+class PaddedBatch:
+    """Rows in one left-padded cache of the model's own kind, with their attention mask."""
+
+    form = "a left-padded batch"
+
+    def __init__(self, model, device, use_positions):
+        self.model, self.device, self.use_positions = model, device, use_positions
+        self.cache = self.mask = None
+
+    def part(self, output, n, length):
+        """What a prefilled request brings to merge(): its keys/values (repeated for n rows), their mask, and the
+        cache holding them when the batch may take it as it is."""
+        layers = layers_of(output.past_key_values)
+        if n > 1:
+            layers = [(k.repeat(n, 1, 1, 1), v.repeat(n, 1, 1, 1)) for k, v in layers]
+        mask = torch.ones(n, length, dtype=torch.long, device=self.device)
+        return layers, mask, output.past_key_values if n == 1 else None
+
+    def merge(self, parts, rows):
+        """Appends the parts' rows in one copy, all left-padded to the longest. A lone part joining an empty batch
+        gives it its cache without a copy."""
+        if self.cache is None and len(parts) == 1:
+            layers, mask, cache = parts[0]
+            self.cache, self.mask = cache if cache is not None else new_cache(self.model, layers), mask
+            return
+        groups = [(layers, mask) for layers, mask, _ in parts]
+        if self.cache is not None:
+            groups.insert(0, (layers_of(self.cache), self.mask))
+        width = max(mask.shape[1] for _, mask in groups)
+        merged = [tuple(torch.cat([left_pad(layers[layer][kind], width) for layers, _ in groups]) for kind in (0, 1))
+                  for layer in range(len(groups[0][0]))]
+        self.cache = new_cache(self.model, merged)
+        self.mask = torch.cat([left_pad(mask, width, dim=1) for _, mask in groups])
+
+    def forward(self, rows, tokens):
+        self.mask = torch.cat([self.mask, torch.ones(len(rows), 1, dtype=torch.long, device=self.device)], 1)
+        kwargs = {}
+        if self.use_positions:
+            kwargs["position_ids"] = torch.tensor([[row.position] for row in rows], device=self.device)
+        with torch.inference_mode():
+            output = self.model(input_ids=tokens, attention_mask=self.mask, past_key_values=self.cache,
+                                use_cache=True, **kwargs)
+        self.cache = output.past_key_values
+        return output.logits[:, -1].float()
+
+    def keep(self, rows, keep, done):
+        """Keeps the rows numbered `keep` and trims the columns that are padding in every one of them."""
+        if not keep:
+            self.clear()
+            return keep
+        index = torch.tensor(keep, device=self.device)
+        mask = self.mask.index_select(0, index)
+        first = int(mask.any(0).long().argmax())  # columns before it are padding in every row left
+        self.mask = mask[:, first:]
+        kept = [(k.index_select(0, index)[:, :, first:], v.index_select(0, index)[:, :, first:])
+                for k, v in layers_of(self.cache)]
+        self.cache = new_cache(self.model, kept)
+        return keep
+
+    def row_layers(self, number, length, last):
+        """A row's keys/values of its last `length` positions (None where padding lies among them), and the buffers
+        the prefix cache may take over when the batch ends with this row (`last`)."""
+        if not self.mask[number, -length:].all():
+            return None, None
+        layers = [(k[number : number + 1, :, -length:], v[number : number + 1, :, -length:])
+                  for k, v in layers_of(self.cache)]
+        return layers, self.cache if last else None
+
+    def held(self):
+        return self.cache is not None
+
+    def clear(self):
+        self.cache = self.mask = None
+
+
+def layers_of(cache):
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def left_pad(tensor, width, dim=2):
+    """Zeros before the tensor's entries along dim (the sequence) up to width."""
+    missing = width - tensor.shape[dim]
+    if missing <= 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
