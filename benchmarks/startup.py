@@ -61,11 +61,11 @@ lap("import torch")
 import gguf, jinja2, numpy, tokenizers
 lap("import tokenizers, jinja2, gguf")
 import run_generation
-from rungen import gguf_model
+from rungen.gguf import model as gguf_model
 from rungen.arguments import parse_args, settings_from_args
 from rungen.engine import open_engine, submit_prompts
-from rungen.ggml import native_kernels
-from rungen.gguf_loading import GGUFHeader
+from rungen.gguf import native_kernels
+from rungen.gguf import GGUFHeader
 from rungen.loading import default_model_file, finish
 from rungen.prompts import encode_prompt, prepare_model, read_prompts
 lap("import the tool's own modules")

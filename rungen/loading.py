@@ -110,7 +110,7 @@ def default_model_dir() -> str:
     os.makedirs(cache_dir(), exist_ok=True)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .gguf_loading import metadata_parsed_once
+    from .gguf.file import metadata_parsed_once
 
     with metadata_parsed_once():
         model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=DEFAULT_MODEL_GGUF)
@@ -256,7 +256,7 @@ def load(model_name_or_path: str | None, *, device: torch.device, model_type: st
                          own_model=own_model)
     parsing = contextlib.nullcontext()
     if "gguf_file" in load_kwargs:  # de-quantized: its config, tokenizer and weights share one metadata parse
-        from .gguf_loading import metadata_parsed_once
+        from .gguf.file import metadata_parsed_once
 
         parsing = metadata_parsed_once()
     with parsing:
@@ -295,8 +295,8 @@ def load_gguf(gguf_path: str, *, model_type: str | None = None, dtype: str = "au
     """A GGUF file's model on the CPU, its weights in the file's own blocks: on the project's own model code
     (rungen/gguf_model.py) where it covers the file and `own_model`, else transformers' model class fused
     (rungen/gguf_loading.py)."""
-    from . import gguf_model
-    from .gguf_loading import GGUFHeader, build_model
+    from .gguf import model as gguf_model
+    from .gguf.file import GGUFHeader, build_model
 
     header = GGUFHeader(gguf_path)
     config = gguf_model.read_config(header.cache_dir)
@@ -323,7 +323,7 @@ def load_gguf_on(gguf_path: str, device: torch.device, *, model_type: str | None
     """A GGUF file's model on an accelerator: transformers' model class, every weight de-quantized to the device's
     half precision (or --dtype) a chunk of rows at a time on its way there, never a float32 copy of the model in
     host memory (rungen/gguf_loading.py's build_model)."""
-    from .gguf_loading import GGUFHeader, build_model
+    from .gguf.file import GGUFHeader, build_model
 
     header = GGUFHeader(gguf_path, blocks=False)
     model_type, _ = resolve_model_class(model_type, header.config)
@@ -335,13 +335,13 @@ def use_transformers_model(loaded: Loaded) -> bool:
     """Replaces an own-code GGUF model (rungen/gguf_model.py) in `loaded` by transformers' model of the same file,
     for what only it runs (generate()); returns whether it did. The own model is released first: the caller holds
     no other reference to it (an engine over it is closed), so the two never share the memory."""
-    from .gguf_model import GGUFCausalLM
+    from .gguf import GGUFCausalLM
 
     if not isinstance(loaded.model, GGUFCausalLM):
         return False
     import gc
 
-    from .gguf_loading import GGUFHeader, build_model
+    from .gguf.file import GGUFHeader, build_model
 
     path, loaded.model = loaded.model.gguf_path, None
     gc.collect()

@@ -18,10 +18,10 @@ from gguf import GGML_QUANT_SIZES, GGUFWriter, quants
 from gguf import GGMLQuantizationType as Q
 
 import run_generation
-from rungen import gguf_loading
-from rungen.decoder import DecoderStack, FusedDecoderLayer, products_one_by_one
-from rungen.ggml import INTERLEAVED_TYPES, SUPPORTED, GGMLLinear, GGMLParts, native_kernels
-from rungen.gguf_loading import CastLinear, GGMLEmbedding, GGUFHeader, build_model, metadata_parsed_once
+from rungen.gguf import file as gguf_loading
+from rungen.gguf.blocks import INTERLEAVED_TYPES, SUPPORTED, GGMLLinear, GGMLParts, native_kernels
+from rungen.gguf.decoder import DecoderStack, FusedDecoderLayer, products_one_by_one
+from rungen.gguf.file import CastLinear, GGMLEmbedding, GGUFHeader, build_model, metadata_parsed_once
 from rungen.loading import default_model_file
 from tiny_models import default_tokenizer_fields
 
@@ -222,7 +222,7 @@ def test_torch_fallback_runs_every_type(gguf_files, loaded, monkeypatch, capfd):
     # Without the native kernels (RUN_GENERATION_KERNELS=torch, or no compiler) every supported type loads and
     # runs on torch's kernels (int4 packing for Q4_0/Q4_1/Q4_K, float16 for the others): the logits within their
     # rounding of the de-quantized float model's.
-    from rungen import ggml
+    from rungen.gguf import blocks as ggml
 
     monkeypatch.setenv(ggml.KERNELS_ENV, "torch")
     monkeypatch.setattr(ggml, "_native", None)
@@ -459,7 +459,7 @@ def test_the_accelerator_form_is_the_dequantized_model(loaded, name):
 def test_dequantize_to_reads_chunks_of_rows(monkeypatch, kernels):
     # The weights go to a device a few rows at a time (never the whole weight in float32 on the host): every chunk
     # boundary lands where the whole weight's de-quantization puts it, with either de-quantizer.
-    from rungen import ggml
+    from rungen.gguf import blocks as ggml
 
     if kernels == "native" and not native_kernels():
         pytest.skip("the native kernels are not built here")

@@ -19,13 +19,13 @@ import run_generation
 from helpers import ROOT, cli_env
 from rungen import loading
 from rungen.embeddings import embed, final_hidden_states
-from rungen.ggml import native_kernels
-from rungen.gguf_loading import GGUFHeader, build_model
-from rungen.gguf_model import GGUFCausalLM, padded_causal_mask
+from rungen.gguf.blocks import native_kernels
+from rungen.gguf.file import GGUFHeader, build_model
+from rungen.gguf.model import GGUFCausalLM, padded_causal_mask
+from rungen.gguf.tokenizer import GGUFTokenizer
+from rungen.gguf.tokenizer import own as own_tokenizer_refusal
 from rungen.kvcache import new_cache
 from rungen.loading import default_model_file, load_gguf
-from rungen.tokenizer import GGUFTokenizer
-from rungen.tokenizer import own as own_tokenizer_refusal
 from tiny_models import default_tokenizer_fields, write_family_gguf
 
 pytestmark = [pytest.mark.usefixtures("module_cache_home"),
@@ -238,7 +238,7 @@ def test_a_gguf_one_shot_run_imports_no_transformers(models, files, name):
                             env=cli_env(os.environ["XDG_CACHE_HOME"]), timeout=600)
     assert result.returncode == 0, result.stderr.decode()[-3000:]
     modules = set(json.loads(result.stdout.decode().splitlines()[-1]))
-    assert {"rungen.gguf_model", "rungen.engine", "rungen.tokenizer", "rungen.chat_template"} <= modules
+    assert {"rungen.gguf.model", "rungen.engine", "rungen.gguf.tokenizer", "rungen.chat_template"} <= modules
     loaded = sorted(m for m in modules if m.split(".")[0] in ("transformers", "accelerate"))
     assert loaded == []
 
@@ -281,7 +281,7 @@ def test_rotary_cos_sin_are_llamas(rope, tmp_path):
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    from rungen.gguf_model import read_config, rotary_cos_sin, rotary_frequencies
+    from rungen.gguf.model import read_config, rotary_cos_sin, rotary_frequencies
 
     fields = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   rope_parameters={"rope_theta": 500000.0, **rope})

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rungen.engine import Engine, Request, Sampling
-from rungen.gguf_model import GGUFCausalLM
+from rungen.gguf.model import GGUFCausalLM
 from rungen.loading import default_model_file, load
 from tiny_models import GGUF_FAMILIES, build_tiny_checkpoint, default_tokenizer_fields, write_family_gguf
 

@@ -15,9 +15,9 @@ from test_gguf_loading import VOCAB, write_llama_gguf
 from transformers import AutoTokenizer
 
 from helpers import ROOT
-from rungen.gguf_loading import GGUFHeader
+from rungen.gguf.file import GGUFHeader
+from rungen.gguf.tokenizer import GGUFTokenizer, own
 from rungen.loading import default_model_file, finish
-from rungen.tokenizer import GGUFTokenizer, own
 from tiny_models import default_tokenizer_fields, gemma_tokenizer_fields, write_family_gguf
 
 pytestmark = pytest.mark.usefixtures("module_cache_home")

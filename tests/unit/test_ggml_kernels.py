@@ -13,8 +13,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quantize
 
-from rungen import ggml
-from rungen.ggml import GGMLLinear, dequantize, torch_layer
+from rungen.gguf import blocks as ggml
+from rungen.gguf.blocks import GGMLLinear, dequantize, torch_layer
 
 T = GGMLQuantizationType
 SIMPLE = (T.Q4_1, T.Q8_0, T.Q4_0, T.Q5_0, T.Q5_1)  # the gguf package quantizes these

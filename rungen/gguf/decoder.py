@@ -6,7 +6,7 @@ rotate_half's slices and concatenations, three separate q/k/v products, ...), ea
 CPU: at one token a step of a small model they cost more than its matmuls. FusedDecoderLayer computes the
 same function with one product for q/k/v and one for gate/up (their rows concatenated once, at load; where
 their block types differ, as a Q4_K_M file's attn_v and attn_q do, each type's rows a part of one product that
-quantizes the activations once: rungen.ggml.GGMLParts), and the native kernels' rms_norm, rope_split, silu_mul
+quantizes the activations once: rungen.gguf.blocks.GGMLParts), and the native kernels' rms_norm, rope_split, silu_mul
 (gelu_tanh_mul) and attend for what lies between. The key/value cache and the attention masks stay
 transformers' (Cache.update, the mask the model passes in), so generate() and everything built on it work
 unchanged. A sliding-window layer attends through the native attend too, which applies the window (key positions
@@ -31,8 +31,8 @@ import weakref
 
 import torch
 
-from .ggml import GGMLLinear, GGMLParts, join, native_kernels, release_freed_memory
-from .kvcache import full_attention, growing, growing_like
+from ..kvcache import full_attention, growing, growing_like
+from .blocks import GGMLLinear, GGMLParts, join, native_kernels, release_freed_memory
 
 
 @dataclasses.dataclass(frozen=True)

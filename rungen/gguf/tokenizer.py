@@ -249,7 +249,7 @@ class GGUFTokenizer:
         """The conversation rendered by the chat template as transformers' apply_chat_template renders one
         conversation (its keys whose value is None dropped, the special tokens and `kwargs` given to the template);
         its ids where `tokenize`."""
-        from .chat_template import render
+        from ..chat_template import render
 
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template")

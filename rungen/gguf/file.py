@@ -7,8 +7,8 @@ A GGUF file is read in two parts:
   converting the tokenizer takes seconds (the vocabulary and merges are tens of thousands of fields), so
   the result is cached once per file (see HeaderCache): later runs read three small files.
 - its tensors, each a view of one memory map of the file. Quantized linear weights become
-  rungen.ggml.GGMLLinear layers over those views (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K/IQ4_NL/IQ4_XS ones read
-  into memory instead, their rows interleaved for the native kernels); a quantized embedding becomes
+  GGMLLinear layers (rungen/gguf/blocks.py) over those views (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K/IQ4_NL/
+  IQ4_XS ones read into memory instead, their rows interleaved for the native kernels); a quantized embedding becomes
   GGMLEmbedding, which de-quantizes only the rows it looks up; a tied output head is a GGMLLinear over the
   embedding's own blocks (interleaved, and so read into memory, when their type is). F32/F16/BF16 weights keep
   their dtype (a layer of another dtype than the model's casts them per call); norms and biases take the model's
@@ -38,10 +38,10 @@ import time
 import numpy as np
 import torch
 
-from . import NOTICE
-from .decoder import FUSED_WEIGHTS, fusable, fuse_decoder_layers
-from .errors import UsageError
-from .ggml import (
+from .. import NOTICE
+from ..errors import UsageError
+from ..int4 import tinygemm_agrees
+from .blocks import (
     SUPPORTED,
     X8,
     GGMLLinear,
@@ -53,7 +53,7 @@ from .ggml import (
     native_kernels,
     tinygemm_of_blocks,
 )
-from .int4 import tinygemm_agrees
+from .decoder import FUSED_WEIGHTS, fusable, fuse_decoder_layers
 
 logger = logging.getLogger("run_generation")
 
@@ -471,7 +471,7 @@ def _process(processor, header: GGUFHeader, name: str, weights: np.ndarray, name
 def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | None = None) -> torch.nn.Module:
     """The causal LM of `header`'s config over the file's weights: views of its map, or read and interleaved for
     the kernels (see the module docstring). Given a `device` (an accelerator's form of the file), every weight is
-    de-quantized to `dtype` instead, a chunk of rows at a time on its way there (rungen.ggml.dequantize_to)."""
+    de-quantized to `dtype` instead, a chunk of rows at a time on its way there (rungen.gguf.blocks.dequantize_to)."""
     on_device = device is not None
     from accelerate import init_empty_weights
     from gguf import GGMLQuantizationType
@@ -651,7 +651,7 @@ READ_CHUNK = 4 << 20  # bytes of a weight read and interleaved at a time
 def read_interleaved(path: str, offset: int, shape, qtype, scratch: np.ndarray | None = None,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """The blocks [rows, row bytes] at `offset` of the file, with their rows interleaved eight by eight for the
-    kernels (rungen.ggml.GGMLLinear.interleave), read a few MB at a time straight into that layout (into `out`
+    kernels (rungen.gguf.blocks.GGMLLinear.interleave), read a few MB at a time straight into that layout (into `out`
     when given: rows of a larger product). `scratch`: a uint8 buffer of READ_CHUNK bytes to read into, kept from
     call to call; no copy of the whole weight in the file's order is ever held (its freed space would stay in
     the process's heap)."""

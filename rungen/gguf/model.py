@@ -25,8 +25,8 @@ import os
 import numpy as np
 import torch
 
-from .decoder import GATE_UP_PARTS, QKV_PARTS, NativeStack, native_parts
-from .ggml import (
+from ..kvcache import new_cache
+from .blocks import (
     SUPPORTED,
     GGMLLinear,
     GGMLParts,
@@ -36,7 +36,7 @@ from .ggml import (
     native_kernels,
     release_freed_memory,
 )
-from .kvcache import new_cache
+from .decoder import GATE_UP_PARTS, QKV_PARTS, NativeStack, native_parts
 
 # config.model_type -> the GGUF architectures whose q/k rows transformers' tensor processor un-permutes (llama.cpp's
 # converter permutes them for its interleaved rotary; the native kernels rotate halves, as transformers does).
@@ -317,7 +317,7 @@ def build(header, config: Config, weights_map: dict) -> GGUFCausalLM:
     norms views of the file's map."""
     from gguf import GGMLQuantizationType
 
-    from .gguf_loading import CastEmbedding, CastLinear, GGMLEmbedding, GGUFError, _in_features, read_interleaved
+    from .file import CastEmbedding, CastLinear, GGMLEmbedding, GGUFError, _in_features, read_interleaved
 
     file = np.memmap(header.path, dtype=np.uint8, mode="c")  # private and writable: torch warns on read-only
     table = {name: (code, shape, np_dtype, offset, nbytes) for name, code, shape, np_dtype, offset, nbytes

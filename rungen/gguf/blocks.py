@@ -33,7 +33,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as _gguf_dequantize
 
-from .int4 import INNER_K_TILES, Int4Linear, TinyGemmLinear
+from ..int4 import INNER_K_TILES, Int4Linear, TinyGemmLinear
 
 # Block types a GGMLLinear holds; F16/BF16/F32 tensors load as plain tensors of their dtype instead.
 SUPPORTED = (
@@ -275,7 +275,7 @@ def join(layers: list[GGMLLinear]) -> GGMLLinear | GGMLParts | None:
 # version, loaded from the cache afterwards.
 
 KERNELS_ENV = "RUN_GENERATION_KERNELS"  # "torch": never build or load the native kernels
-_SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+_SOURCE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")  # rungen/csrc
 _SOURCES = ("ggml_kernels.cpp", "ggml_simd.h", "ggml_amx.h", "ggml_spans.h", "ggml_attend.h")
 # -ffp-contract=off: no multiply-add is fused unless the source says so, so that the same arithmetic compiled in
 # two functions (a token alone, tokens four at a time) gives the same bits.
@@ -315,7 +315,7 @@ def build_kernels(verbose: bool = False) -> str:
         if not os.path.exists(library):
             from torch.utils import cpp_extension  # slow to import (setuptools): only to build
 
-            from . import NOTICE
+            from .. import NOTICE
 
             log = logging.getLogger("run_generation")
             log.log(NOTICE, "Building the native GGUF kernels (once: about a minute; cached in %s)", cache)
