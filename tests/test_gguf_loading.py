@@ -222,10 +222,10 @@ def test_torch_fallback_runs_every_type(gguf_files, loaded, monkeypatch, capfd):
     # Without the native kernels (RUN_GENERATION_KERNELS=torch, or no compiler) every supported type loads and
     # runs on torch's kernels (int4 packing for Q4_0/Q4_1/Q4_K, float16 for the others): the logits within their
     # rounding of the de-quantized float model's.
-    from rungen.gguf import blocks as ggml
+    from rungen.gguf import kernels
 
-    monkeypatch.setenv(ggml.KERNELS_ENV, "torch")
-    monkeypatch.setattr(ggml, "_native", None)
+    monkeypatch.setenv(kernels.KERNELS_ENV, "torch")
+    monkeypatch.setattr(kernels, "_native", None)
     header, _, reference = loaded["mixed_tied"]
     model = build_model(GGUFHeader(gguf_files["mixed_tied"]), torch.float32)
     assert {m.qtype for m in model.modules() if isinstance(m, GGMLLinear)} == set(SUPPORTED)

@@ -10,7 +10,7 @@ import importlib
 # The names the rest of the tool uses, by the module that holds each: imported where first asked for, so that a run
 # without a GGUF file imports none of this package's modules but the kernels' and the blocks'.
 PUBLIC = {
-    "native_kernels": "blocks", "kernel_cache_dir": "blocks",
+    "native_kernels": "kernels", "kernel_cache_dir": "kernels",
     "holds_blocks": "blocks", "GGMLLinear": "blocks",
     "GGUFCausalLM": "model",
     "GGUFError": "file", "GGUFHeader": "file", "build_model": "file", "metadata_parsed_once": "file",

@@ -32,7 +32,8 @@ import weakref
 import torch
 
 from ..kvcache import full_attention, growing, growing_like
-from .blocks import GGMLLinear, GGMLParts, join, native_kernels, release_freed_memory
+from .blocks import GGMLLinear, GGMLParts, join, release_freed_memory
+from .kernels import native_kernels
 
 
 @dataclasses.dataclass(frozen=True)

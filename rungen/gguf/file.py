@@ -50,10 +50,10 @@ from .blocks import (
     gpu_int4,
     interleavable,
     interleaved_row_bytes,
-    native_kernels,
     tinygemm_of_blocks,
 )
 from .decoder import FUSED_WEIGHTS, fusable, fuse_decoder_layers
+from .kernels import native_kernels
 
 logger = logging.getLogger("run_generation")
 

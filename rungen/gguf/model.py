@@ -33,10 +33,10 @@ from .blocks import (
     interleavable,
     interleaved_row_bytes,
     join,
-    native_kernels,
     release_freed_memory,
 )
 from .decoder import GATE_UP_PARTS, QKV_PARTS, NativeStack, native_parts
+from .kernels import native_kernels
 
 # config.model_type -> the GGUF architectures whose q/k rows transformers' tensor processor un-permutes (llama.cpp's
 # converter permutes them for its interleaved rotary; the native kernels rotate halves, as transformers does).
