@@ -18,10 +18,18 @@ from gguf import GGML_QUANT_SIZES, GGUFWriter, quants
 from gguf import GGMLQuantizationType as Q
 
 import run_generation
-from rungen.gguf import file as gguf_loading
-from rungen.gguf.blocks import INTERLEAVED_TYPES, SUPPORTED, GGMLLinear, GGMLParts, native_kernels
+from rungen.gguf import weights
+from rungen.gguf.blocks import (
+    INTERLEAVED_TYPES,
+    SUPPORTED,
+    CastLinear,
+    GGMLEmbedding,
+    GGMLLinear,
+    GGMLParts,
+    native_kernels,
+)
 from rungen.gguf.decoder import DecoderStack, FusedDecoderLayer, products_one_by_one
-from rungen.gguf.file import CastLinear, GGMLEmbedding, GGUFHeader, build_model, metadata_parsed_once
+from rungen.gguf.file import GGUFHeader, build_model, metadata_parsed_once
 from rungen.loading import default_model_file
 from tiny_models import default_tokenizer_fields
 
@@ -375,11 +383,11 @@ def test_interleaved_weights_are_read_a_chunk_at_a_time_into_their_layout(qtype,
     path = tmp_path / "weights.bin"
     path.write_bytes(b"header" + blocks.tobytes())
     expected = torch.ops.rungen_ggml.interleave(torch.from_numpy(blocks), int(qtype))
-    monkeypatch.setattr(gguf_loading, "READ_CHUNK", 16 * blocks.shape[1])  # 16 rows a chunk: 16, 16 and 8
-    assert torch.equal(gguf_loading.read_interleaved(str(path), 6, blocks.shape, qtype), expected)
+    monkeypatch.setattr(weights, "READ_CHUNK", 16 * blocks.shape[1])  # 16 rows a chunk: 16, 16 and 8
+    assert torch.equal(weights.read_interleaved(str(path), 6, blocks.shape, qtype), expected)
     path.write_bytes(b"header" + blocks.tobytes()[:-10])
-    with pytest.raises(gguf_loading.GGUFError, match="truncated"):
-        gguf_loading.read_interleaved(str(path), 6, blocks.shape, qtype)
+    with pytest.raises(weights.GGUFError, match="truncated"):
+        weights.read_interleaved(str(path), 6, blocks.shape, qtype)
 
 
 def test_unsupported_type_fails_in_one_line(tokenizer_fields, tmp_path, capsys):

@@ -71,6 +71,12 @@ def row_bytes(qtype: GGMLQuantizationType, in_features: int) -> int:
     return in_features // block * size
 
 
+def weights_per_row(qtype: GGMLQuantizationType, bytes_per_row: int) -> int:
+    """Weights in a row of `bytes_per_row` bytes of `qtype` blocks."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    return bytes_per_row // size * block
+
+
 def interleaved_row_bytes(qtype: GGMLQuantizationType, in_features: int) -> int:
     """Bytes a row of interleaved blocks takes: eight rows of `in_features` weights of `qtype`."""
     block, _ = GGML_QUANT_SIZES[qtype]
@@ -161,6 +167,64 @@ class GGMLLinear(torch.nn.Module):
         if fallback is None:
             fallback = self.__dict__["_fallback"] = torch_layer(self.blocks, self.qtype, self.in_features)
         return fallback(x.float()).float()
+
+
+class GGMLEmbedding(torch.nn.Module):
+    """An embedding table held in GGUF blocks; a lookup de-quantizes only the rows it returns."""
+
+    def __init__(self, blocks: torch.Tensor, qtype: int, embedding_dim: int, dtype: torch.dtype,
+                 scale: float | torch.Tensor | None = None, interleaved: bool = False):
+        super().__init__()
+        self.qtype = GGMLQuantizationType(qtype)
+        self.register_buffer("blocks", blocks, persistent=False)
+        # interleaved: rows eight by eight (GGMLLinear.interleave), for a tied output head that multiplies them.
+        self.interleaved = interleaved
+        self.num_embeddings = blocks.shape[0] * (8 if interleaved else 1)
+        self.embedding_dim, self.dtype = embedding_dim, dtype
+        self.embed_scale = scale  # Gemma-style scaled embeddings multiply the looked-up rows
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, qtype={self.qtype.name}"
+                + (", rows interleaved by 8" if self.interleaved else ""))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if native_kernels():  # torch operators only, so that --jit can trace the lookup
+            code = int(self.qtype) | (X8 if self.interleaved else 0)
+            rows = torch.ops.rungen_ggml.embed(self.blocks, code, self.embedding_dim, ids.reshape(-1))
+            out = rows.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
+        else:
+            unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
+            rows = dequantize(self.blocks[unique.cpu()], self.qtype, self.embedding_dim).to(self.dtype)
+            out = rows[inverse.cpu()].reshape(*ids.shape, self.embedding_dim).to(ids.device)
+        return out if self.embed_scale is None else out * self.embed_scale
+
+
+class CastLinear(torch.nn.Module):
+    """A linear layer whose weight keeps the file's float dtype, cast to the input's dtype per call."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.register_buffer("weight", weight, persistent=False)
+        self.bias = bias
+        self.out_features, self.in_features = weight.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return torch.nn.functional.linear(x, self.weight.to(x.dtype), bias)
+
+
+class CastEmbedding(torch.nn.Module):
+    """An embedding table in the file's float dtype; looked-up rows are cast to the model's dtype."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, scale=None):
+        super().__init__()
+        self.register_buffer("weight", weight, persistent=False)
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.dtype, self.embed_scale = dtype, scale
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = torch.nn.functional.embedding(ids, self.weight).to(self.dtype)
+        return out if self.embed_scale is None else out * self.embed_scale
 
 
 def interleavable(qtype: GGMLQuantizationType, rows: int) -> bool:
