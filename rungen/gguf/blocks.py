@@ -5,11 +5,11 @@ A GGMLLinear holds a weight exactly as a GGUF file stores it: a uint8 tensor of 
 where possible). Nothing is de-quantized ahead of time. Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, Q3_K/Q4_K/Q5_K/Q6_K and
 IQ4_NL/IQ4_XS weights the native kernels multiply are rearranged once, at load, with their rows interleaved eight
 by eight (`interleave`: the same bytes in another order, [out_features / 8, 8 x bytes per row], the k-quants' and
-IQ4_XS's packed scales unpacked to a byte each: `interleaved_row_bytes`), which the kernels multiply up to two or
-three times faster (Q5_0/Q5_1 about seven times: their row-by-row kernel unpacks each row first).
+IQ4_XS's packed scales unpacked to a byte each: `interleaved_row_bytes`), which the kernels multiply faster than
+rows one by one (docs/kernels.md).
 
 A forward multiplies with the C++ kernels of rungen/csrc (torch.ops.rungen_ggml, built on first use and
-cached, see docs/kernels.md): activations quantized to int8 per block of 32, integer dot products per
+cached: rungen/gguf/kernels.py): activations quantized to int8 per block of 32, integer dot products per
 block, as llama.cpp does. Where they cannot be built, or RUN_GENERATION_KERNELS=torch is set, a layer
 converts itself on its first call to torch's own kernels instead (Q4_0/Q4_1/Q4_K to torch's int4 packing,
 the others to float16), after one warning on stderr. `dequantize` stays the gguf package's reference.
@@ -241,9 +241,8 @@ def _malloc_trim():
 
 
 def release_freed_memory() -> None:
-    """Gives the heap's free pages back to the system (glibc's malloc_trim; nothing elsewhere). Fusing a layer
-    frees weight-sized buffers (the parts of a concatenation), which glibc would keep: over a 1.1B model's layers,
-    about 240 MB of its peak while loading."""
+    """Gives the heap's free pages back to the system (glibc's malloc_trim; nothing elsewhere): fusing a layer frees
+    weight-sized buffers (the parts of a concatenation), which glibc would keep (docs/gguf.md)."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)

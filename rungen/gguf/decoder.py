@@ -1,12 +1,12 @@
 """Decoder layers over GGUF blocks, in a few operators a step: llama's, and the families shaped like it (mistral,
 qwen2, qwen3, phi3, gemma2, gemma3), what each differs in a row of rungen/gguf/families.py.
 
-transformers' LlamaDecoderLayer runs about 80 torch operators a token (the norms' casts and reductions,
-rotate_half's slices and concatenations, three separate q/k/v products, ...), each 3-5 µs of dispatch on a
-CPU: at one token a step of a small model they cost more than its matmuls. FusedDecoderLayer computes the
+transformers' LlamaDecoderLayer runs dozens of torch operators a token (the norms' casts and reductions,
+rotate_half's slices and concatenations, three separate q/k/v products, ...), whose dispatch at one token a step
+of a small model costs more than its matmuls (docs/kernels.md). FusedDecoderLayer computes the
 same function with one product for q/k/v and one for gate/up (their rows concatenated once, at load; where
 their block types differ, as a Q4_K_M file's attn_v and attn_q do, each type's rows a part of one product that
-quantizes the activations once: rungen.gguf.blocks.GGMLParts), and the native kernels' rms_norm, rope_split, silu_mul
+quantizes the activations once: GGMLParts), and the native kernels' rms_norm, rope_split, silu_mul
 (gelu_tanh_mul) and attend for what lies between. The key/value cache and the attention masks stay
 transformers' (Cache.update, the mask the model passes in), so generate() and everything built on it work
 unchanged. A sliding-window layer attends through the native attend too, which applies the window (key positions
@@ -264,7 +264,7 @@ class StackWeights:
 class NativeStack:
     """Every decoder layer of a model in one native call (rungen_ggml.decoder_stack): its weights as the call takes
     them, and the bookkeeping that writes each layer's keys and values straight into a cache's GrowingLayer
-    buffers. DecoderStack runs it as a transformers model's inner forward; rungen/gguf_model.py's own model calls it
+    buffers. DecoderStack runs it as a transformers model's inner forward; rungen/gguf/model.py's own model calls it
     directly."""
 
     def __init__(self, weights: StackWeights, eps: float, scale: float, heads: int, kv_heads: int, head_dim: int,

@@ -216,7 +216,7 @@ class GGUFHeader:
 
     @functools.cached_property
     def tokenizer(self):
-        """The cached files' tokenizer on the tokenizers library alone (rungen/tokenizer.py) where it gives
+        """The cached files' tokenizer on the tokenizers library alone (rungen/gguf/tokenizer.py) where it gives
         transformers' results for them, else transformers' tokenizer (transformers_tokenizer)."""
         from .tokenizer import GGUFTokenizer, own
 

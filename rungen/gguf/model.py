@@ -1,19 +1,16 @@
-"""The causal LM of a GGUF file of the llama-shaped families (llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3) on
-the project's own model code: the embedding, rungen/decoder.py's NativeStack (every decoder layer in one native call),
-the final norm and the output head, with the rotary cos/sin and the padded batch's mask computed here. gemma's
-differences (GEMMA below): the embedding scaled by sqrt(hidden), norms of 1 + weight, two more norms a layer, a
-GELU-tanh gate, scores scaled by query_pre_attn_scalar, soft-capped attention and final logits (gemma2), sliding
-windows on some layers (also mistral's and qwen2's with a window), each layer type's own rope base (gemma3).
-phi3's: q/k/v and gate/up one weight each in the file (taken as they are), a partial rotary (Phi-4-mini); its
-longrope (the 128k variants) changes with the length and stays transformers' model's.
+"""The causal LM of a GGUF file of the table's families (rungen/gguf/families.py: llama, mistral, qwen2, qwen3, phi3,
+gemma2, gemma3) on the project's own model code: the embedding, the decoder's NativeStack (every layer in one native
+call), the final norm and the output head, with the rotary cos/sin and the padded batch's mask computed here. What a
+family differs in is its row of the table; phi3's longrope (the 128k variants) changes with the length and stays
+transformers' model's.
 
-transformers' model classes cost their import (its model modules, modeling_utils and masking_utils: seconds at
-start-up, more than the model's own load), and their forward passes through generic machinery (mask construction,
-rotary module, output classes) a step. This model computes the same function as GGUFHeader's transformers model
-fused by rungen/decoder.py, in the same order (the same bits: tests/test_gguf_model.py), built straight from the
-header cache (config.json, tensors.json, weights_map.json). What only transformers' model has (generate()'s beam
-search and the other generate()-only controls, --jit, the torch fallback kernels) loads that model instead
-(rungen/loading.py). Like gpt-fast's model.py and mlx-lm's models/llama.py: one small file for the family.
+transformers' model classes cost their import (seconds at start-up, more than the model's own load), and their forward
+passes through generic machinery (mask construction, rotary module, output classes) a step. This model computes the
+same function as GGUFHeader's transformers model fused by rungen/gguf/decoder.py, in the same order (the same bits:
+tests/test_gguf_model.py), built straight from the header cache (config.json, tensors.json, weights_map.json). What
+only transformers' model has (generate()'s beam search and the other generate()-only controls, --jit, the torch
+fallback kernels) loads that model instead (rungen/loading.py). Like gpt-fast's model.py: one model code, the families
+as rows of one table.
 """
 
 from __future__ import annotations
