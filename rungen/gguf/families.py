@@ -13,6 +13,8 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class Family:
+    """One family's row: where llama's defaults hold, a field keeps its default."""
+
     model_type: str  # config.model_type: the table's key
     architecture: str  # the GGUF file's general.architecture
     layer_class: str  # transformers' decoder layer, the reference FusedDecoderLayer fuses
