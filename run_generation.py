@@ -42,7 +42,7 @@ from rungen.batch import engine_refusal, open_engine, run_prompts, settings_refu
 from rungen.controls import load_assistant
 from rungen.errors import PromptError, PromptsFailed, RunGenerationError, UsageError
 from rungen.generation import UNBATCHABLE_TYPES, eos_token_ids, generate_batch, make_batches
-from rungen.ggml import holds_blocks, native_kernels
+from rungen.gguf import holds_blocks, native_kernels
 from rungen.loading import load
 from rungen.output import Writer, print_stream_header
 from rungen.prompts import encode_prompt, prepare_model, read_prompts

@@ -32,7 +32,7 @@ import torch
 
 from benchmarks.common import cpu_flags, has_llama_cpp, load_float32, run_interleaved
 from benchmarks.quantized_decode import PROMPT, Mode
-from rungen.ggml import native_kernels
+from rungen.gguf import native_kernels
 from rungen.loading import default_model_file, load
 
 LLAMA_CHILD = r"""

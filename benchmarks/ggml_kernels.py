@@ -4,7 +4,7 @@
                                       [--isa avx2]
 
 Each row is one of the default model's weight shapes (Q4_1 linears, the Q8_0 tied head), as the tool holds it
-(rows interleaved eight by eight, rungen.ggml.GGMLLinear.interleave): microseconds per call at one token, and
+(rows interleaved eight by eight, rungen.gguf.blocks.GGMLLinear.interleave): microseconds per call at one token, and
 the weight bytes read per second. Beside it,
 torch's int4 kernel on the same weight (rungen.quantize's Int4Linear, bfloat16 activations) and, for
 the head, fbgemm's float16 (Fp16Linear). Calls of the modes alternate, each figure a median, as the
@@ -30,7 +30,7 @@ import gguf
 import torch
 
 from benchmarks.common import cpu_flags
-from rungen.ggml import X8, dequantize, interleavable, native_kernels
+from rungen.gguf.blocks import X8, dequantize, interleavable, native_kernels
 from rungen.loading import default_model_file
 from rungen.quantize import Int4Linear, head_class
 

@@ -433,7 +433,7 @@ def set_isa(isa):
     with AVX-512 in torch's attention and norms would not be one. Exits 2 with one line when it cannot."""
     import torch
 
-    from rungen.ggml import native_kernels
+    from rungen.gguf import native_kernels
 
     wanted = {"avx2": "AVX2", "scalar": "DEFAULT"}.get(isa)
     have = torch.backends.cpu.get_cpu_capability()
@@ -481,7 +481,7 @@ def main():
             fail(f"{binary}: not an executable file")
     import torch
 
-    from rungen.ggml import native_kernels
+    from rungen.gguf import native_kernels
 
     if args.isa:
         set_isa(args.isa)

@@ -67,7 +67,7 @@ EOF
 # GGUF tests wait for this build rather than start their own.
 ( timeout -k 5 150 "$PYTHON" -c '
 import time
-from rungen.ggml import kernel_cache_dir, native_kernels
+from rungen.gguf import kernel_cache_dir, native_kernels
 start = time.perf_counter()
 print(f"native kernels: {native_kernels()} in {time.perf_counter() - start:.0f} s ({kernel_cache_dir()})")
 ' >"$OUT/kernels.log" 2>&1 ) &

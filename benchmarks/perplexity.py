@@ -35,8 +35,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 from benchmarks.common import cpu_flags, load_float32
-from rungen.decoder import products_one_by_one
-from rungen.ggml import GGMLLinear, native_kernels
+from rungen.gguf.blocks import GGMLLinear, native_kernels
+from rungen.gguf.decoder import products_one_by_one
 from rungen.loading import load
 
 TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "declaration.txt")

@@ -8,8 +8,8 @@ wall time, CPU time (user + system: steadier than wall time on a shared host, si
 and peak RSS, as /usr/bin/time reports them:
 
 - `import torch`: the floor of any tool on torch;
-- `import torch, tokenizers, jinja2, gguf`: what the tool's GGUF path imports above torch (rungen/gguf_model.py's
-  model code, rungen/tokenizer.py's tokenizer on the tokenizers library, chat templates by jinja2, the file's
+- `import torch, tokenizers, jinja2, gguf`: what the tool's GGUF path imports above torch (rungen/gguf/model.py's
+  model code, rungen/gguf/tokenizer.py's tokenizer on the tokenizers library, chat templates by jinja2, the file's
   constants); no transformers;
 - `... transformers (its top level)`: what a path taking transformers' config, tokenizer and cache classes would
   import (a safetensors checkpoint, generate());
@@ -61,11 +61,10 @@ lap("import torch")
 import gguf, jinja2, numpy, tokenizers
 lap("import tokenizers, jinja2, gguf")
 import run_generation
-from rungen import gguf_model
+from rungen.gguf import model as gguf_model
 from rungen.arguments import parse_args, settings_from_args
 from rungen.batch import open_engine, submit_prompts
-from rungen.ggml import native_kernels
-from rungen.gguf_loading import GGUFHeader
+from rungen.gguf import GGUFHeader, native_kernels
 from rungen.loading import default_model_file, finish
 from rungen.prompts import encode_prompt, prepare_model, read_prompts
 lap("import the tool's own modules")
@@ -77,14 +76,14 @@ header = GGUFHeader(default_model_file())
 config, weights_map = gguf_model.read_config(header.cache_dir), header.cached_weights_map()
 lap("header from its cache: config, tensor table, weights map")
 tokenizer = header.tokenizer
-lap("tokenizer (tokenizer.json, by the tokenizers library; rungen/tokenizer.py)")
+lap("tokenizer (tokenizer.json, by the tokenizers library; rungen/gguf/tokenizer.py)")
 native_kernels()
 lap("load the native kernels (built and cached)")
 cpu = torch.device("cpu")
 assert gguf_model.refusal(config, header, weights_map) is None
 model = gguf_model.build(header, config, weights_map)
 loaded = finish(model, tokenizer, config.model_type, cpu)
-lap("model build (rungen/gguf_model.py): weights read and interleaved, q/k/v and gate/up joined")
+lap("model build (rungen/gguf/model.py): weights read and interleaved, q/k/v and gate/up joined")
 settings = settings_from_args(args, loaded.context)
 prepare_model(loaded, temperature=args.temperature, xlm_language=args.xlm_language)
 [prompt] = read_prompts(args.prompt, whole_stdin=False, input_format="text")

@@ -1,5 +1,5 @@
 """A chat template rendered by jinja2 as transformers renders it (transformers/utils/chat_template_utils.py:
-_cached_compile_jinja_template and render_jinja_template), for rungen/tokenizer.py's GGUFTokenizer.
+_cached_compile_jinja_template and render_jinja_template), for rungen/gguf/tokenizer.py's GGUFTokenizer.
 
 The same environment: a sandbox whose objects cannot be changed (ImmutableSandboxedEnvironment), trim_blocks and
 lstrip_blocks, loop controls, the {% generation %} tag (its body rendered as it is: the tool never asks for the

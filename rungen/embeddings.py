@@ -28,9 +28,9 @@ def batches(lengths: list[int], rows: int = BATCH_ROWS, tokens: int = BATCH_TOKE
 def final_hidden_states(model, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """[batch, tokens, hidden]: the model's final norm's output over a left-padded batch, without a cache."""
     own = getattr(model, "final_hidden_states", None)
-    if own is not None:  # rungen/gguf_model.py's model: its forward without the head
+    if own is not None:  # rungen/gguf/model.py's model: its forward without the head
         return own(ids, attention_mask=mask, position_ids=positions)
-    # Not output_hidden_states: it records layers by class, and rungen/decoder.py's fused layers are another.
+    # Not output_hidden_states: it records layers by class, and rungen/gguf/decoder.py's fused layers are another.
     base = model.base_model
     parameters = inspect.signature(base.forward).parameters
     kwargs = {"input_ids": ids, "attention_mask": mask}

@@ -1,5 +1,5 @@
 """A key/value cache that grows in place: full-attention layers that keep their keys and values in buffers with
-room for the next tokens; for the own model code (rungen/gguf_model.py) in a Cache of the project's own, for
+room for the next tokens; for the own model code (rungen/gguf/model.py) in a Cache of the project's own, for
 transformers' models in their DynamicCache.
 
 transformers' DynamicLayer appends a step's keys with torch.cat, which copies the whole cache: a step costs
@@ -11,7 +11,7 @@ selecting or repeating rows makes new tensors, which the next update moves into 
 
 Memory: the room is a quarter of the length, at least MIN_ROOM and at most MAX_ROOM positions a row.
 The views are strided along the sequence; the native attention (rungen_ggml.attend) reads them in place, so
-only models that say so (`cache_grows_in_place`, set where rungen/decoder.py fuses their layers) get this
+only models that say so (`cache_grows_in_place`, set where rungen/gguf/decoder.py fuses their layers) get this
 cache from new_cache; their forward also moves a cache generate() made into GrowingLayers.
 
 transformers is not imported here unless a transformers model asks for a cache: its import is most of a GGUF

@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # transformers is imported where a checkpoint needs it, not o
 
 # The original script's model types and classes, imported by name only when used: importing all of them
 # costs seconds at start-up. The Auto classes import transformers' model tables: they too are imported where
-# used, never on a GGUF file's own-model path (rungen/gguf_model.py). Tokenizers load through AutoTokenizer:
+# used, never on a GGUF file's own-model path (rungen/gguf/model.py). Tokenizers load through AutoTokenizer:
 # transformers 5 folded the per-model slow/fast tokenizer pairs into one class per checkpoint, named in
 # tokenizer_config.json.
 MODEL_CLASSES = {
@@ -110,7 +110,7 @@ def default_model_dir() -> str:
     os.makedirs(cache_dir(), exist_ok=True)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .gguf_loading import metadata_parsed_once
+    from .gguf.file import metadata_parsed_once
 
     with metadata_parsed_once():
         model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=DEFAULT_MODEL_GGUF)
@@ -237,10 +237,10 @@ def load(model_name_or_path: str | None, *, device: torch.device, model_type: st
     """Loads the model and tokenizer at `model_name_or_path` (the default model when None), placed on
     `device`, or spread by accelerate's `device_map` within `max_memory` ({0: "10GiB", "cpu": "30GiB"}).
 
-    A GGUF file (the default model is one) runs in its own quantized blocks (rungen/gguf_loading.py)
+    A GGUF file (the default model is one) runs in its own quantized blocks (rungen/gguf/file.py)
     unless `dequantize` asks for float weights, or `quantize` ("int8"/"int4") re-quantizes them: a local
     safetensors checkpoint is then quantized block by block as it loads (rungen/quantize.py). `own_model`: a GGUF
-    file of the families rungen/gguf_model.py computes runs on that code; False loads transformers' model class (for
+    file of the families rungen/gguf/model.py computes runs on that code; False loads transformers' model class (for
     generate() and --jit)."""
     dequantize = dequantize or quantize is not None
     on_accelerator = device.type != "cpu" and not device_map
@@ -256,7 +256,7 @@ def load(model_name_or_path: str | None, *, device: torch.device, model_type: st
                          own_model=own_model)
     parsing = contextlib.nullcontext()
     if "gguf_file" in load_kwargs:  # de-quantized: its config, tokenizer and weights share one metadata parse
-        from .gguf_loading import metadata_parsed_once
+        from .gguf.file import metadata_parsed_once
 
         parsing = metadata_parsed_once()
     with parsing:
@@ -293,10 +293,10 @@ def load(model_name_or_path: str | None, *, device: torch.device, model_type: st
 def load_gguf(gguf_path: str, *, model_type: str | None = None, dtype: str = "auto", own_model: bool = True
               ) -> Loaded:
     """A GGUF file's model on the CPU, its weights in the file's own blocks: on the project's own model code
-    (rungen/gguf_model.py) where it covers the file and `own_model`, else transformers' model class fused
-    (rungen/gguf_loading.py)."""
-    from . import gguf_model
-    from .gguf_loading import GGUFHeader, build_model
+    (rungen/gguf/model.py) where it covers the file and `own_model`, else transformers' model class fused
+    (rungen/gguf/file.py)."""
+    from .gguf import model as gguf_model
+    from .gguf.file import GGUFHeader, build_model
 
     header = GGUFHeader(gguf_path)
     config = gguf_model.read_config(header.cache_dir)
@@ -322,8 +322,8 @@ def load_gguf_on(gguf_path: str, device: torch.device, *, model_type: str | None
                  ) -> Loaded:
     """A GGUF file's model on an accelerator: transformers' model class, every weight de-quantized to the device's
     half precision (or --dtype) a chunk of rows at a time on its way there, never a float32 copy of the model in
-    host memory (rungen/gguf_loading.py's build_model)."""
-    from .gguf_loading import GGUFHeader, build_model
+    host memory (rungen/gguf/file.py's build_model)."""
+    from .gguf.file import GGUFHeader, build_model
 
     header = GGUFHeader(gguf_path, blocks=False)
     model_type, _ = resolve_model_class(model_type, header.config)
@@ -332,16 +332,16 @@ def load_gguf_on(gguf_path: str, device: torch.device, *, model_type: str | None
 
 
 def use_transformers_model(loaded: Loaded) -> bool:
-    """Replaces an own-code GGUF model (rungen/gguf_model.py) in `loaded` by transformers' model of the same file,
+    """Replaces an own-code GGUF model (rungen/gguf/model.py) in `loaded` by transformers' model of the same file,
     for what only it runs (generate()); returns whether it did. The own model is released first: the caller holds
     no other reference to it (an engine over it is closed), so the two never share the memory."""
-    from .gguf_model import GGUFCausalLM
+    from .gguf import GGUFCausalLM
 
     if not isinstance(loaded.model, GGUFCausalLM):
         return False
     import gc
 
-    from .gguf_loading import GGUFHeader, build_model
+    from .gguf.file import GGUFHeader, build_model
 
     path, loaded.model = loaded.model.gguf_path, None
     gc.collect()

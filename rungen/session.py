@@ -376,7 +376,7 @@ class Session:
         """The engine for a turn under these settings (opened at the first such turn), or None: generate()
         runs the turn (beam search, typical_p...; a model the engine cannot run)."""
         if engine_refusal(self.loaded, settings) is not None:
-            from .gguf_model import GGUFCausalLM
+            from .gguf import GGUFCausalLM
 
             if isinstance(self.loaded.model, GGUFCausalLM):  # generate() runs on transformers' model of the file
                 self.engine, self.engine_opened = None, False  # the engine holds the own model, released now

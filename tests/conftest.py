@@ -40,10 +40,10 @@ if os.environ.get("CI"):
     hypothesis_settings.load_profile("ci")
 
 import run_generation  # noqa: E402
-import rungen.gguf_loading  # noqa: E402
+import rungen.gguf.file  # noqa: E402
 import rungen.loading  # noqa: E402
 from helpers import LoadMemo, gguf_header_dir, run_main  # noqa: E402
-from rungen.ggml import kernel_cache_dir  # noqa: E402
+from rungen.gguf import kernel_cache_dir  # noqa: E402
 from tiny_models import MODEL_TYPES, build_all  # noqa: E402
 
 LOAD = rungen.loading.load  # the real loader, whatever a test patches later
@@ -135,7 +135,7 @@ def default_model_cache(config):
     import transformers
 
     digest = hashlib.sha256()
-    for module in (rungen.loading, rungen.gguf_loading):
+    for module in (rungen.loading, rungen.gguf.file):
         with open(module.__file__, "rb") as f:
             digest.update(f.read())
     version = f"{transformers.__version__}-{digest.hexdigest()[:16]}"

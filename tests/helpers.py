@@ -215,7 +215,7 @@ def to_blocks(layer, rng):
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
-    from rungen.ggml import GGMLLinear
+    from rungen.gguf.blocks import GGMLLinear
 
     qtypes = {"q_proj": "Q8_0", "k_proj": "Q8_0", "v_proj": "Q8_0", "qkv_proj": "Q8_0", "o_proj": "Q4_1",
               "gate_proj": "Q4_1", "up_proj": "Q4_1", "gate_up_proj": "Q4_1", "down_proj": "Q8_0"}

@@ -61,7 +61,7 @@ def test_a_one_shot_run_imports_only_what_it_uses(default_model):
                             timeout=600)
     assert result.returncode == 0, result.stderr.decode()[-3000:]
     modules = set(json.loads(result.stdout.decode().splitlines()[-1]))
-    assert {"rungen.gguf_loading", "rungen.engine"} <= modules  # the GGUF file ran, on the engine
+    assert {"rungen.gguf.file", "rungen.engine"} <= modules  # the GGUF file ran, on the engine
     unused = {"rungen.session", "rungen.server", "rungen.constrain", "rungen.jit", "rungen.quantize", "fastapi",
               "uvicorn", "starlette", "xgrammar", "torch.utils.cpp_extension", "readline"}
     assert not unused & modules, sorted(unused & modules)

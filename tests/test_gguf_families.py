@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import run_generation
-from rungen import gguf_loading
-from rungen.decoder import DecoderStack, FusedDecoderLayer, products_one_by_one
-from rungen.ggml import GGMLLinear, native_kernels
-from rungen.gguf_loading import GGUFHeader, build_model, metadata_parsed_once
+from rungen.gguf import file as gguf_loading
+from rungen.gguf.blocks import GGMLLinear, native_kernels
+from rungen.gguf.decoder import DecoderStack, FusedDecoderLayer, products_one_by_one
+from rungen.gguf.file import GGUFHeader, build_model, metadata_parsed_once
 from rungen.loading import default_model_file
 from tiny_models import default_tokenizer_fields, write_family_gguf
 

@@ -18,10 +18,18 @@ from gguf import GGML_QUANT_SIZES, GGUFWriter, quants
 from gguf import GGMLQuantizationType as Q
 
 import run_generation
-from rungen import gguf_loading
-from rungen.decoder import DecoderStack, FusedDecoderLayer, products_one_by_one
-from rungen.ggml import INTERLEAVED_TYPES, SUPPORTED, GGMLLinear, GGMLParts, native_kernels
-from rungen.gguf_loading import CastLinear, GGMLEmbedding, GGUFHeader, build_model, metadata_parsed_once
+from rungen.gguf import weights
+from rungen.gguf.blocks import (
+    INTERLEAVED_TYPES,
+    SUPPORTED,
+    CastLinear,
+    GGMLEmbedding,
+    GGMLLinear,
+    GGMLParts,
+    native_kernels,
+)
+from rungen.gguf.decoder import DecoderStack, FusedDecoderLayer, products_one_by_one
+from rungen.gguf.file import GGUFHeader, build_model, metadata_parsed_once
 from rungen.loading import default_model_file
 from tiny_models import default_tokenizer_fields
 
@@ -222,10 +230,10 @@ def test_torch_fallback_runs_every_type(gguf_files, loaded, monkeypatch, capfd):
     # Without the native kernels (RUN_GENERATION_KERNELS=torch, or no compiler) every supported type loads and
     # runs on torch's kernels (int4 packing for Q4_0/Q4_1/Q4_K, float16 for the others): the logits within their
     # rounding of the de-quantized float model's.
-    from rungen import ggml
+    from rungen.gguf import kernels
 
-    monkeypatch.setenv(ggml.KERNELS_ENV, "torch")
-    monkeypatch.setattr(ggml, "_native", None)
+    monkeypatch.setenv(kernels.KERNELS_ENV, "torch")
+    monkeypatch.setattr(kernels, "_native", None)
     header, _, reference = loaded["mixed_tied"]
     model = build_model(GGUFHeader(gguf_files["mixed_tied"]), torch.float32)
     assert {m.qtype for m in model.modules() if isinstance(m, GGMLLinear)} == set(SUPPORTED)
@@ -375,11 +383,11 @@ def test_interleaved_weights_are_read_a_chunk_at_a_time_into_their_layout(qtype,
     path = tmp_path / "weights.bin"
     path.write_bytes(b"header" + blocks.tobytes())
     expected = torch.ops.rungen_ggml.interleave(torch.from_numpy(blocks), int(qtype))
-    monkeypatch.setattr(gguf_loading, "READ_CHUNK", 16 * blocks.shape[1])  # 16 rows a chunk: 16, 16 and 8
-    assert torch.equal(gguf_loading.read_interleaved(str(path), 6, blocks.shape, qtype), expected)
+    monkeypatch.setattr(weights, "READ_CHUNK", 16 * blocks.shape[1])  # 16 rows a chunk: 16, 16 and 8
+    assert torch.equal(weights.read_interleaved(str(path), 6, blocks.shape, qtype), expected)
     path.write_bytes(b"header" + blocks.tobytes()[:-10])
-    with pytest.raises(gguf_loading.GGUFError, match="truncated"):
-        gguf_loading.read_interleaved(str(path), 6, blocks.shape, qtype)
+    with pytest.raises(weights.GGUFError, match="truncated"):
+        weights.read_interleaved(str(path), 6, blocks.shape, qtype)
 
 
 def test_unsupported_type_fails_in_one_line(tokenizer_fields, tmp_path, capsys):
@@ -459,7 +467,7 @@ def test_the_accelerator_form_is_the_dequantized_model(loaded, name):
 def test_dequantize_to_reads_chunks_of_rows(monkeypatch, kernels):
     # The weights go to a device a few rows at a time (never the whole weight in float32 on the host): every chunk
     # boundary lands where the whole weight's de-quantization puts it, with either de-quantizer.
-    from rungen import ggml
+    from rungen.gguf import blocks as ggml
 
     if kernels == "native" and not native_kernels():
         pytest.skip("the native kernels are not built here")

@@ -1,5 +1,5 @@
-"""A GGUF file of the llama-shaped families on the project's own model code (rungen/gguf_model.py): the same logits,
-bit for bit, as transformers' model of the file fused by rungen/decoder.py (a prompt, decode steps, a left-padded
+"""A GGUF file of the llama-shaped families on the project's own model code (rungen/gguf/model.py): the same logits,
+bit for bit, as transformers' model of the file fused by rungen/gguf/decoder.py (a prompt, decode steps, a left-padded
 batch), the same config values, generation config and tokenizer; transformers' model where only it runs
 (generate()'s controls, --jit, a session turn that needs them); and a one-shot run that never imports transformers'
 model modules. The files imitate the published ones (tests/test_gguf_loading.py's llama/qwen2 files, tests/
@@ -19,13 +19,13 @@ import run_generation
 from helpers import ROOT, cli_env
 from rungen import loading
 from rungen.embeddings import embed, final_hidden_states
-from rungen.ggml import native_kernels
-from rungen.gguf_loading import GGUFHeader, build_model
-from rungen.gguf_model import GGUFCausalLM, padded_causal_mask
+from rungen.gguf.blocks import native_kernels
+from rungen.gguf.file import GGUFHeader, build_model
+from rungen.gguf.model import GGUFCausalLM, padded_causal_mask
+from rungen.gguf.tokenizer import GGUFTokenizer
+from rungen.gguf.tokenizer import own as own_tokenizer_refusal
 from rungen.kvcache import new_cache
 from rungen.loading import default_model_file, load_gguf
-from rungen.tokenizer import GGUFTokenizer
-from rungen.tokenizer import own as own_tokenizer_refusal
 from tiny_models import default_tokenizer_fields, write_family_gguf
 
 pytestmark = [pytest.mark.usefixtures("module_cache_home"),
@@ -227,7 +227,7 @@ def test_the_swap_to_transformers_model_keeps_the_function(files):
 def test_a_gguf_one_shot_run_imports_no_transformers(models, files, name):
     # A cached one-shot run on the own model code imports none of transformers (its top level alone is most of the
     # start-up above torch's), nor accelerate (several processes only): the default model's file, and a qwen3 one,
-    # whose Qwen2Tokenizer runs as its header cache recorded it (rungen/tokenizer.py).
+    # whose Qwen2Tokenizer runs as its header cache recorded it (rungen/gguf/tokenizer.py).
     # A prompt, then a chat (its template rendered by jinja2).
     model = [] if name == "default" else ["--model_name_or_path", files[name]]
     code = ("import json, sys, run_generation; "
@@ -238,7 +238,7 @@ def test_a_gguf_one_shot_run_imports_no_transformers(models, files, name):
                             env=cli_env(os.environ["XDG_CACHE_HOME"]), timeout=600)
     assert result.returncode == 0, result.stderr.decode()[-3000:]
     modules = set(json.loads(result.stdout.decode().splitlines()[-1]))
-    assert {"rungen.gguf_model", "rungen.engine", "rungen.tokenizer", "rungen.chat_template"} <= modules
+    assert {"rungen.gguf.model", "rungen.engine", "rungen.gguf.tokenizer", "rungen.chat_template"} <= modules
     loaded = sorted(m for m in modules if m.split(".")[0] in ("transformers", "accelerate"))
     assert loaded == []
 
@@ -281,7 +281,7 @@ def test_rotary_cos_sin_are_llamas(rope, tmp_path):
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    from rungen.gguf_model import read_config, rotary_cos_sin, rotary_frequencies
+    from rungen.gguf.model import read_config, rotary_cos_sin, rotary_frequencies
 
     fields = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   rope_parameters={"rope_theta": 500000.0, **rope})

@@ -454,7 +454,7 @@ def test_a_next_turn_grows_in_the_buffers_its_first_turn_left(checkpoint):
     import numpy as np
 
     from helpers import to_blocks
-    from rungen.decoder import fuse_decoder_layers
+    from rungen.gguf.decoder import fuse_decoder_layers
 
     blocked = load(checkpoint, device=torch.device("cpu"))
     for layer in blocked.model.model.layers:

@@ -4,7 +4,7 @@ and the attention mask applies the window (rungen/kvcache.py), so the greedy tok
 those generate() gives each prompt alone over transformers' own window cache (DynamicSlidingWindowLayer, which
 drops what leaves the window). Prompts are longer than the window (4 positions here), and every row decodes past
 it (a prompt shorter than the window crosses it while it decodes). The gemma files are GGUF, run on the own model
-code (rungen/gguf_model.py: one native stack call a step, the kernel applying each layer's window) and compared
+code (rungen/gguf/model.py: one native stack call a step, the kernel applying each layer's window) and compared
 with generate() on transformers' model of the same file; mistral is a safetensors checkpoint."""
 
 import json
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rungen.engine import Engine
-from rungen.gguf_model import GGUFCausalLM
+from rungen.gguf.model import GGUFCausalLM
 from rungen.loading import default_model_file, load
 from rungen.requests import Done, Request
 from rungen.sampling import Sampling

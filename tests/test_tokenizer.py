@@ -1,4 +1,4 @@
-"""A GGUF file's tokenizer without transformers (rungen/tokenizer.py, rungen/chat_template.py) gives transformers'
+"""A GGUF file's tokenizer without transformers (rungen/gguf/tokenizer.py, rungen/chat_template.py) gives transformers'
 results for the same header cache: ids, text, special tokens, padding and chat templates, on the fixture GGUF files
 (the llama-shaped ones of tests/test_gguf_loading.py, tests/tiny_models.py's families) and the default model, and
 the published templates of tests/chat_templates on the default model's vocabulary."""
@@ -15,9 +15,9 @@ from test_gguf_loading import VOCAB, write_llama_gguf
 from transformers import AutoTokenizer
 
 from helpers import ROOT
-from rungen.gguf_loading import GGUFHeader
+from rungen.gguf.file import GGUFHeader
+from rungen.gguf.tokenizer import GGUFTokenizer, own
 from rungen.loading import default_model_file, finish
-from rungen.tokenizer import GGUFTokenizer, own
 from tiny_models import default_tokenizer_fields, gemma_tokenizer_fields, write_family_gguf
 
 pytestmark = pytest.mark.usefixtures("module_cache_home")

@@ -35,9 +35,10 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2Rot
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
 
 from helpers import to_blocks
-from rungen import decoder, ggml
-from rungen.decoder import DecoderStack, FusedDecoderLayer, fuse_decoder_layers
-from rungen.ggml import GGMLLinear
+from rungen.gguf import blocks as ggml
+from rungen.gguf import decoder
+from rungen.gguf.blocks import GGMLLinear
+from rungen.gguf.decoder import DecoderStack, FusedDecoderLayer, fuse_decoder_layers
 from rungen.kvcache import growing, new_cache
 
 HIDDEN, FFN, HEADS, KV_HEADS = 128, 256, 4, 2

@@ -13,8 +13,9 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quantize
 
-from rungen import ggml
-from rungen.ggml import GGMLLinear, dequantize, torch_layer
+from rungen.gguf import blocks as ggml
+from rungen.gguf import kernels
+from rungen.gguf.blocks import GGMLLinear, dequantize, torch_layer
 
 T = GGMLQuantizationType
 SIMPLE = (T.Q4_1, T.Q8_0, T.Q4_0, T.Q5_0, T.Q5_1)  # the gguf package quantizes these
@@ -392,8 +393,8 @@ def test_torch_fallback_stays_within_its_rounding(qtype):
 
 
 def test_forced_fallback_warns_once_and_layers_use_torch_kernels(monkeypatch, capfd):
-    monkeypatch.setenv(ggml.KERNELS_ENV, "torch")
-    monkeypatch.setattr(ggml, "_native", None)
+    monkeypatch.setenv(kernels.KERNELS_ENV, "torch")
+    monkeypatch.setattr(kernels, "_native", None)
     blocks = blocks_for(T.Q4_1, 16, 256, seed=7)
     layer = GGMLLinear(blocks, T.Q4_1, 256)
     x = inputs(2, 256, 7)
@@ -407,9 +408,9 @@ def test_failed_build_falls_back_with_one_line(monkeypatch, capfd):
     def no_compiler():
         raise RuntimeError("Error building extension 'rungen_ggml': g++: not found")
 
-    monkeypatch.delenv(ggml.KERNELS_ENV, raising=False)
-    monkeypatch.setattr(ggml, "_native", None)
-    monkeypatch.setattr(ggml, "build_kernels", no_compiler)
+    monkeypatch.delenv(kernels.KERNELS_ENV, raising=False)
+    monkeypatch.setattr(kernels, "_native", None)
+    monkeypatch.setattr(kernels, "build_kernels", no_compiler)
     blocks = blocks_for(T.Q8_0, 5, 64, seed=8)
     x = inputs(3, 64, 8)
     y = GGMLLinear(blocks, T.Q8_0, 64)(x)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from rungen import ggml
+from rungen.gguf import blocks as ggml
 from rungen.kvcache import MIN_ROOM, Cache, GrowingLayer, transformers_layer
 
 

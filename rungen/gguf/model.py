@@ -1,19 +1,16 @@
-"""The causal LM of a GGUF file of the llama-shaped families (llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3) on
-the project's own model code: the embedding, rungen/decoder.py's NativeStack (every decoder layer in one native call),
-the final norm and the output head, with the rotary cos/sin and the padded batch's mask computed here. gemma's
-differences (GEMMA below): the embedding scaled by sqrt(hidden), norms of 1 + weight, two more norms a layer, a
-GELU-tanh gate, scores scaled by query_pre_attn_scalar, soft-capped attention and final logits (gemma2), sliding
-windows on some layers (also mistral's and qwen2's with a window), each layer type's own rope base (gemma3).
-phi3's: q/k/v and gate/up one weight each in the file (taken as they are), a partial rotary (Phi-4-mini); its
-longrope (the 128k variants) changes with the length and stays transformers' model's.
+"""The causal LM of a GGUF file of the table's families (rungen/gguf/families.py: llama, mistral, qwen2, qwen3, phi3,
+gemma2, gemma3) on the project's own model code: the embedding, the decoder's NativeStack (every layer in one native
+call), the final norm and the output head, with the rotary cos/sin and the padded batch's mask computed here. What a
+family differs in is its row of the table; phi3's longrope (the 128k variants) changes with the length and stays
+transformers' model's.
 
-transformers' model classes cost their import (its model modules, modeling_utils and masking_utils: seconds at
-start-up, more than the model's own load), and their forward passes through generic machinery (mask construction,
-rotary module, output classes) a step. This model computes the same function as GGUFHeader's transformers model
-fused by rungen/decoder.py, in the same order (the same bits: tests/test_gguf_model.py), built straight from the
-header cache (config.json, tensors.json, weights_map.json). What only transformers' model has (generate()'s beam
-search and the other generate()-only controls, --jit, the torch fallback kernels) loads that model instead
-(rungen/loading.py). Like gpt-fast's model.py and mlx-lm's models/llama.py: one small file for the family.
+transformers' model classes cost their import (seconds at start-up, more than the model's own load), and their forward
+passes through generic machinery (mask construction, rotary module, output classes) a step. This model computes the
+same function as GGUFHeader's transformers model fused by rungen/gguf/decoder.py, in the same order (the same bits:
+tests/test_gguf_model.py), built straight from the header cache (config.json, tensors.json, weights_map.json). What
+only transformers' model has (generate()'s beam search and the other generate()-only controls, --jit, the torch
+fallback kernels) loads that model instead (rungen/loading.py). Like gpt-fast's model.py: one model code, the families
+as rows of one table.
 """
 
 from __future__ import annotations
@@ -22,51 +19,30 @@ import dataclasses
 import json
 import os
 
-import numpy as np
 import torch
 
-from .decoder import GATE_UP_PARTS, QKV_PARTS, NativeStack, native_parts
-from .ggml import (
+from ..kvcache import new_cache
+from .blocks import (
     SUPPORTED,
+    CastEmbedding,
+    CastLinear,
+    GGMLEmbedding,
     GGMLLinear,
-    GGMLParts,
     interleavable,
-    interleaved_row_bytes,
-    join,
-    native_kernels,
     release_freed_memory,
+    weights_per_row,
 )
-from .kvcache import new_cache
+from .decoder import ACTIVATIONS, NativeStack, StackWeights
+from .families import FAMILIES
+from .kernels import native_kernels
+from .weights import GGUFError, WeightReader, unpermuted_order
 
-# config.model_type -> the GGUF architectures whose q/k rows transformers' tensor processor un-permutes (llama.cpp's
-# converter permutes them for its interleaved rotary; the native kernels rotate halves, as transformers does).
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
-PERMUTED_ARCHITECTURES = ("llama",)
-GEMMA = ("gemma2", "gemma3_text")
-# Families whose attention slides its window on every layer when the config has one (the others: the layers that
-# config.layer_types names sliding_attention).
-WINDOW_ON_EVERY_LAYER = ("mistral", "phi3")
 # Rotary types whose frequencies are fixed at load (transformers' dynamic and longrope ones change with the length).
 ROPE_TYPES = ("default", "linear", "llama3")
-LAYER_TENSORS = {  # the HF name's ending of each decoder-layer weight, as weights_map.json names them
-    "input_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight",
-    "q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight", "v": "self_attn.v_proj.weight",
-    "o": "self_attn.o_proj.weight", "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight",
-    "down": "mlp.down_proj.weight",
-}
-OPTIONAL_LAYER_TENSORS = {"q_bias": "self_attn.q_proj.bias", "k_bias": "self_attn.k_proj.bias",
-                          "v_bias": "self_attn.v_proj.bias", "q_norm": "self_attn.q_norm.weight",
-                          "k_norm": "self_attn.k_norm.weight"}
-# gemma's layer norms: before the MLP, and of the attention's and of the MLP's output before each residual sum.
-GEMMA_NORMS = {"mlp_norm": "pre_feedforward_layernorm.weight", "attention_out_norm": "post_attention_layernorm.weight",
-               "mlp_out_norm": "post_feedforward_layernorm.weight"}
-PRODUCTS = ("q", "k", "v", "o", "gate", "up", "down")
-# phi3's file (and transformers' model) hold q/k/v as one weight and gate/up as one of twice the width, gate first.
-JOINED_TENSORS = {"qkv": "self_attn.qkv_proj.weight", "gate_up": "mlp.gate_up_proj.weight"}
-JOINED_PRODUCTS = ("qkv", "o", "gate_up", "down")
-JOINED = ("phi3",)
-# The MLP activations the native stack computes: SiLU, GELU-tanh (gemma's).
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+QKV_BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+HEAD_NORMS = ("q_norm", "k_norm")  # read where the file has them
+# The GGUF architectures whose q/k rows llama.cpp's converter permuted.
+PERMUTED_ARCHITECTURES = tuple(family.architecture for family in FAMILIES.values() if family.permuted_qk)
 
 
 class Config:
@@ -113,7 +89,8 @@ def read_config(cache_dir: str) -> Config:
 
 def refusal(config: Config, header, weights_map: dict | None) -> str | None:
     """Why this model code cannot run the file (it then loads through transformers' classes), or None."""
-    if config.model_type not in FAMILIES:
+    family = FAMILIES.get(config.model_type)
+    if family is None:
         return f"its family {config.model_type} has no own model code"
     if weights_map is None:
         return "its weights map is not cached yet"
@@ -130,17 +107,17 @@ def refusal(config: Config, header, weights_map: dict | None) -> str | None:
         if rope.get("partial_rotary_factor", 1.0) != 1.0 and rope.get("rope_type", "default") != "default":
             return f"its rotary embedding is {rope.get('rope_type')} over part of each head"
     codes = {name: code for name, code, *_ in header.tensors}
-    names, wanted = (dict(LAYER_TENSORS, **JOINED_TENSORS), JOINED_PRODUCTS) if config.model_type in JOINED else (
-        LAYER_TENSORS, PRODUCTS)
-    products = {gguf for gguf, hf in weights_map.items() if any(hf.endswith("." + names[p]) for p in wanted)}
+    wanted = family.products()
+    products = {gguf for gguf, hf in weights_map.items() if hf.endswith(tuple("." + name for name in wanted))}
     if len(products) != len(wanted) * config.num_hidden_layers:
         return "its file holds other layer weights"
-    if config.model_type in GEMMA and len({hf for hf in weights_map.values() if hf.endswith(
-            tuple("." + name for name in GEMMA_NORMS.values()))}) != len(GEMMA_NORMS) * config.num_hidden_layers:
+    out_norms = tuple(f".{name}.weight" for name in (family.mlp_norm, family.attention_out_norm, family.mlp_out_norm))
+    if family.out_norms and len({hf for hf in weights_map.values() if hf.endswith(out_norms)}) != len(
+            out_norms) * config.num_hidden_layers:
         return "its file lacks some of gemma's layer norms"
     if any(codes.get(name) not in SUPPORTED for name in products):
         return "some of its layer weights are not in quantized blocks"
-    if any(hf.endswith(".bias") and not hf.endswith(tuple(OPTIONAL_LAYER_TENSORS.values()))
+    if any(hf.endswith(".bias") and not hf.endswith(QKV_BIASES)
            for hf in weights_map.values()):
         return "some of its products have biases"
     return None
@@ -148,7 +125,7 @@ def refusal(config: Config, header, weights_map: dict | None) -> str | None:
 
 def activation(config: Config) -> str | None:
     """The MLP's activation as transformers' config names it (gemma's config: hidden_activation)."""
-    return getattr(config, "hidden_activation" if config.model_type in GEMMA else "hidden_act", None)
+    return getattr(config, FAMILIES[config.model_type].activation, None)
 
 
 def rope_types(config: Config) -> dict:
@@ -166,7 +143,7 @@ def layer_windows(config: Config) -> list[int]:
     layers = config.num_hidden_layers
     if not window:
         return [0] * layers
-    if config.model_type in WINDOW_ON_EVERY_LAYER:
+    if FAMILIES[config.model_type].window_on_every_layer:
         return [window] * layers
     kinds = getattr(config, "layer_types", None) or ["full_attention"] * layers
     return [window if kind == "sliding_attention" else 0 for kind in kinds]
@@ -194,11 +171,12 @@ class GGUFCausalLM(torch.nn.Module):
         self.rotary = rotary_frequencies(config, "full_attention" if "full_attention" in kinds else next(iter(kinds)))
         self.local_rotary = rotary_frequencies(config, "sliding_attention") if (
             "sliding_attention" in kinds and "full_attention" in kinds) else None
-        # gemma: the embedding's rows times sqrt(hidden) in the embedding's dtype (transformers' scaled embedding
-        # holds it as a float32 tensor), the final logits soft-capped (gemma2).
-        gemma = config.model_type in GEMMA
-        self.embed_scale = torch.tensor(config.hidden_size ** 0.5, dtype=torch.float32) if gemma else None
-        self.final_softcap = getattr(config, "final_logit_softcapping", None) if gemma else None
+        # The embedding's rows times sqrt(hidden) in the embedding's dtype (transformers' scaled embedding holds it as
+        # a float32 tensor), the final logits soft-capped where the config sets a cap.
+        self.family = family = FAMILIES[config.model_type]
+        self.embed_scale = torch.tensor(config.hidden_size ** 0.5, dtype=torch.float32) if (
+            family.embedding_scaled) else None
+        self.final_softcap = getattr(config, "final_logit_softcapping", None) if family.soft_caps else None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -250,7 +228,7 @@ class GGUFCausalLM(torch.nn.Module):
         # No padding: the native attention's causal default, which visits only the keys up to each query.
         mask = None if attention_mask is None or bool(attention_mask.all()) else \
             padded_causal_mask(attention_mask, length, tokens)
-        if mask is not None and self.config.model_type == "gemma2":
+        if mask is not None and self.family.additive_mask:
             # transformers' gemma2 attends eagerly (its soft cap), under the additive form of the mask: a padding
             # position's query, which sees no key, then averages the values rather than giving zeros. Nothing reads
             # those logits, but in this form they are transformers' too (the real positions' bits are the same).
@@ -311,167 +289,83 @@ def padded_causal_mask(attention_mask: torch.Tensor, length: int, tokens: int) -
     return (causal[None] & attention_mask.bool()[:, None, :])[:, None]
 
 
+def norm_weight(weight: torch.Tensor, family) -> torch.Tensor:
+    """A norm's weight as the native steps multiply by it: the family's offset plus the weight (gemma's 1 + weight,
+    which llama.cpp's converter stores), computed as transformers' model does from the weight its GGUF reading gives
+    (the stored value minus the offset), for the same bits."""
+    weight = weight.to(torch.float32)
+    return (weight - family.norm_offset) + family.norm_offset if family.norm_offset else weight
+
+
 def build(header, config: Config, weights_map: dict) -> GGUFCausalLM:
     """The own model of `header`'s file (refusal() said it can), its weights loaded as build_model loads them for
     the fused layers: the products' rows read (and interleaved) for the kernels and joined q/k/v and gate/up, the
     norms views of the file's map."""
     from gguf import GGMLQuantizationType
 
-    from .gguf_loading import CastEmbedding, CastLinear, GGMLEmbedding, GGUFError, _in_features, read_interleaved
-
-    file = np.memmap(header.path, dtype=np.uint8, mode="c")  # private and writable: torch warns on read-only
-    table = {name: (code, shape, np_dtype, offset, nbytes) for name, code, shape, np_dtype, offset, nbytes
-             in header.tensors}
-    by_hf = {hf: gguf for gguf, hf in weights_map.items() if gguf in table}
+    family = FAMILIES[config.model_type]
+    reader = WeightReader(header.path, header.tensors, weights_map)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     permute = header.architecture in PERMUTED_ARCHITECTURES
-    scratch = np.empty(4 << 20, dtype=np.uint8)
 
-    def tensor(hf_name: str, required: bool = True):
-        name = by_hf.get(hf_name)
-        if name is None:
-            if required:
-                raise GGUFError(f"{header.path}: the file has no tensor for {hf_name}")
-            return None
-        return (name, *table[name])
-
-    def float_tensor(entry) -> torch.Tensor:
-        name, code, shape, np_dtype, offset, nbytes = entry
-        array = file[offset:offset + nbytes]
-        if code == GGMLQuantizationType.BF16:  # numpy has no bfloat16: its bits travel as int16
-            return torch.from_numpy(array.view(np.int16).reshape(*shape[:-1], shape[-1] // 2)).view(torch.bfloat16)
-        return torch.from_numpy(array.view(np_dtype).reshape(shape))
-
-    def blocks_of(entry, interleave: bool, order=None, fused: bool = False) -> tuple[torch.Tensor, int]:
-        """(rows, in_features) of a quantized 2-D weight, as build_model reads it: interleaved as read, or read
-        into memory where the fusing or the interleaving copies it (a copy of mapped pages would count twice),
-        else a view of the map."""
-        name, code, shape, _, offset, nbytes = entry
-        qtype = GGMLQuantizationType(code)
-        if interleave and order is None:
-            rows = read_interleaved(header.path, offset, shape, qtype, scratch)
-        else:
-            blocks = file[offset:offset + nbytes].reshape(shape)
-            if fused or interleave:
-                blocks = np.fromfile(header.path, dtype=np.uint8, count=nbytes, offset=offset).reshape(shape)
-            rows = torch.from_numpy(blocks if order is None else np.ascontiguousarray(blocks[order]))
-            if interleave:
-                rows = torch.ops.rungen_ggml.interleave(rows, int(qtype))
-        return rows, _in_features(qtype, shape[-1])
-
-    def linear(entry, order=None, fused: bool = False) -> GGMLLinear:
-        qtype = GGMLQuantizationType(entry[1])
-        interleave = interleavable(qtype, entry[2][0])
-        rows, in_features = blocks_of(entry, interleave, order, fused)
-        return GGMLLinear(rows, qtype, in_features, interleaved=interleave)
-
-    def fused(entries: list, orders: list, biases: list) -> GGMLLinear | GGMLParts | None:
-        """One product of these weights' rows, in order: where they are one interleaved type, read (and
-        interleaved) straight into their rows of one buffer, the layer concat would make without its copy; else
-        join's product of the layers."""
-        codes = {entry[1] for entry in entries}
-        qtype = GGMLQuantizationType(entries[0][1])
-        widths = {_in_features(qtype, entry[2][-1]) for entry in entries}
-        if len(codes) > 1 or len(widths) > 1 or not all(interleavable(qtype, entry[2][0]) for entry in entries):
-            parts = [linear(entry, order, fused=True) for entry, order in zip(entries, orders)]
-            for part, bias in zip(parts, biases):
-                part.bias = bias
-            return join(parts)
-        in_features = widths.pop()
-        blocks = torch.empty(sum(entry[2][0] for entry in entries) // 8, interleaved_row_bytes(qtype, in_features),
-                             dtype=torch.uint8)
-        start = 0
-        for entry, order in zip(entries, orders):
-            _, _, shape, _, offset, nbytes = entry
-            rows = blocks[start:start + shape[0] // 8]
-            if order is None:
-                read_interleaved(header.path, offset, shape, qtype, scratch, out=rows)
-            else:
-                read = np.fromfile(header.path, dtype=np.uint8, count=nbytes, offset=offset).reshape(shape)
-                torch.ops.rungen_ggml.interleave(torch.from_numpy(np.ascontiguousarray(read[order])), int(qtype), rows)
-            start += shape[0] // 8
-        bias = None
-        if any(b is not None for b in biases):
-            bias = torch.cat([b if b is not None else torch.zeros(entry[2][0]) for entry, b in zip(entries, biases)])
-        return GGMLLinear(blocks, qtype, in_features, bias, interleaved=True)
-
-    def q_k_order(rows: int, n_head: int):
-        """transformers' LlamaTensorProcessor._reverse_permute_weights as a permutation of the rows."""
-        if not permute:
-            return None
-        order = np.arange(rows)
-        dim = rows // n_head // 2
-        return order.reshape(n_head, dim, 2).swapaxes(2, 1).reshape(rows)
-
-    tied = getattr(config, "tie_word_embeddings", False) and tensor("lm_head.weight", required=False) is None
-    embedding_entry = tensor("model.embed_tokens.weight")
-    if embedding_entry[1] in SUPPORTED:
-        qtype = GGMLQuantizationType(embedding_entry[1])
-        interleave = tied and interleavable(qtype, embedding_entry[2][0])
-        rows, in_features = blocks_of(embedding_entry, interleave)
-        embed_tokens = GGMLEmbedding(rows, qtype, in_features, torch.float32, None, interleaved=interleave)
+    tied = getattr(config, "tie_word_embeddings", False) and reader.tensor("lm_head.weight", required=False) is None
+    embedding = reader.tensor("model.embed_tokens.weight")
+    if embedding.code in SUPPORTED:
+        qtype = GGMLQuantizationType(embedding.code)
+        interleave = tied and interleavable(qtype, embedding.shape[0])
+        in_features = weights_per_row(qtype, embedding.shape[-1])
+        embed_tokens = GGMLEmbedding(reader.rows(embedding, interleave), qtype, in_features, torch.float32, None,
+                                     interleaved=interleave)
         head = GGMLLinear(embed_tokens.blocks, qtype, in_features, interleaved=interleave) if tied else None
     else:
-        weight = float_tensor(embedding_entry)
+        weight = reader.float_tensor(embedding)
         embed_tokens = CastEmbedding(weight, torch.float32)
         head = CastLinear(weight, None) if tied else None
     if head is None:
-        entry = tensor("lm_head.weight")
-        head = linear(entry) if entry[1] in SUPPORTED else CastLinear(float_tensor(entry), None)
+        entry = reader.tensor("lm_head.weight")
+        head = reader.linear(entry) if entry.code in SUPPORTED else CastLinear(reader.float_tensor(entry), None)
 
-    gemma = config.model_type in GEMMA
+    def norm(hf_name: str) -> torch.Tensor:
+        return norm_weight(reader.float_tensor(reader.tensor(hf_name)), family)
 
-    def norm_weight(entry) -> torch.Tensor:
-        """A norm's weight as the native steps multiply by it: gemma's 1 + weight, which llama.cpp's converter
-        stores; computed as transformers' model does from the weight its GGUF reading gives (the stored value
-        minus 1), for the same bits."""
-        weight = float_tensor(entry).to(torch.float32)
-        return (weight - 1) + 1.0 if gemma else weight
-
-    layer_norms = dict(LAYER_TENSORS, **GEMMA_NORMS) if gemma else LAYER_TENSORS
-    norms, mlp_norms, qkv, o, gate_up, down, biases, q_norms, k_norms = ([] for _ in range(9))
+    norms, mlp_norms, qkv, o, gate_up, down, q_norms, k_norms = ([] for _ in range(8))
     attention_out_norms, mlp_out_norms = [], []
     for index in range(config.num_hidden_layers):
         prefix = f"model.layers.{index}."
-        norms.append(norm_weight(tensor(prefix + layer_norms["input_norm"])))
-        mlp_norms.append(norm_weight(tensor(prefix + layer_norms["mlp_norm"])))
-        if gemma:
-            attention_out_norms.append(norm_weight(tensor(prefix + layer_norms["attention_out_norm"])))
-            mlp_out_norms.append(norm_weight(tensor(prefix + layer_norms["mlp_out_norm"])))
-        if config.model_type in JOINED:  # one weight each in the file: one product each, as they are
-            fused_qkv, fused_gate_up = (linear(tensor(prefix + JOINED_TENSORS[p])) for p in ("qkv", "gate_up"))
+        norms.append(norm(prefix + "input_layernorm.weight"))
+        mlp_norms.append(norm(f"{prefix}{family.mlp_norm}.weight"))
+        if family.out_norms:
+            attention_out_norms.append(norm(f"{prefix}{family.attention_out_norm}.weight"))
+            mlp_out_norms.append(norm(f"{prefix}{family.mlp_out_norm}.weight"))
+        qkv_tensors = [reader.tensor(f"{prefix}self_attn.{name}.weight") for name in family.qkv]
+        gate_up_tensors = [reader.tensor(f"{prefix}mlp.{name}.weight") for name in family.gate_up]
+        if len(qkv_tensors) == 1:  # joined in the file: one product each, as they are
+            fused_qkv, fused_gate_up = reader.linear(qkv_tensors[0]), reader.linear(gate_up_tensors[0])
         else:
-            q_entry, k_entry = tensor(prefix + LAYER_TENSORS["q"]), tensor(prefix + LAYER_TENSORS["k"])
-            bias_entries = [tensor(prefix + OPTIONAL_LAYER_TENSORS[key], required=False)
-                            for key in ("q_bias", "k_bias", "v_bias")]
-            fused_qkv = fused([q_entry, k_entry, tensor(prefix + LAYER_TENSORS["v"])],
-                              [q_k_order(q_entry[2][0], heads), q_k_order(k_entry[2][0], kv_heads), None],
-                              [None if b is None else float_tensor(b).to(torch.float32) for b in bias_entries])
-            fused_gate_up = fused([tensor(prefix + LAYER_TENSORS[p]) for p in ("gate", "up")], [None, None],
-                                  [None, None])
+            biases = [reader.tensor(f"{prefix}self_attn.{name}.bias", required=False) for name in family.qkv]
+            orders = [unpermuted_order(tensor.shape[0], n) if permute else None
+                      for tensor, n in zip(qkv_tensors, (heads, kv_heads))] + [None]
+            fused_qkv = reader.joined(qkv_tensors, orders, [None if b is None else reader.float_tensor(b).to(
+                torch.float32) for b in biases])
+            fused_gate_up = reader.joined(gate_up_tensors, [None, None], [None, None])
         if fused_qkv is None or fused_gate_up is None:
             raise GGUFError(f"{header.path}: layer {index}'s products take inputs of different widths")
-        qkv.append(native_parts(fused_qkv, QKV_PARTS))
-        gate_up.append(native_parts(fused_gate_up, GATE_UP_PARTS))
-        biases.append(fused_qkv.bias)
-        o.append(linear(tensor(prefix + LAYER_TENSORS["o"])))
-        down.append(linear(tensor(prefix + LAYER_TENSORS["down"])))
-        head_norms = [tensor(prefix + OPTIONAL_LAYER_TENSORS[key], required=False) for key in ("q_norm", "k_norm")]
-        q_norms.append(None if head_norms[0] is None else norm_weight(head_norms[0]))
-        k_norms.append(None if head_norms[1] is None else norm_weight(head_norms[1]))
+        qkv.append(fused_qkv)
+        gate_up.append(fused_gate_up)
+        o.append(reader.linear(reader.tensor(prefix + "self_attn.o_proj.weight")))
+        down.append(reader.linear(reader.tensor(prefix + "mlp.down_proj.weight")))
+        head_norms = [reader.tensor(f"{prefix}self_attn.{name}.weight", required=False) for name in HEAD_NORMS]
+        q_norms.append(None if head_norms[0] is None else norm_weight(reader.float_tensor(head_norms[0]), family))
+        k_norms.append(None if head_norms[1] is None else norm_weight(reader.float_tensor(head_norms[1]), family))
         release_freed_memory()
-    weights = (norms, [b for blocks, _ in qkv for b in blocks], biases, q_norms, k_norms, [p.blocks for p in o],
-               mlp_norms, [b for blocks, _ in gate_up for b in blocks], [p.blocks for p in down],
-               [code for (_, qkv_codes), out, (_, gate_up_codes), dn in zip(qkv, o, gate_up, down)
-                for code in (*qkv_codes, out.code, *gate_up_codes, dn.code)])
+    weights = StackWeights.of(norms, qkv, q_norms, k_norms, o, mlp_norms, gate_up, down)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    # gemma scales the scores by query_pre_attn_scalar ** -0.5 (gemma-2-27b: hidden / heads, not the head size).
-    scale = config.query_pre_attn_scalar ** -0.5 if gemma else head_dim ** -0.5
+    # gemma-2-27b's query_pre_attn_scalar is hidden / heads, not the head size.
+    scale = getattr(config, family.score_scalar) ** -0.5 if family.score_scalar else head_dim ** -0.5
     windows = layer_windows(config)
     stack = NativeStack(weights, config.rms_norm_eps, scale, heads, kv_heads, head_dim,
                         (attention_out_norms, mlp_out_norms), windows if any(windows) else [],
-                        (getattr(config, "attn_logit_softcapping", None) or 0.0) if gemma else 0.0,
+                        (getattr(config, "attn_logit_softcapping", None) or 0.0) if family.soft_caps else 0.0,
                         activation(config) == "gelu_pytorch_tanh")
-    norm = norm_weight(tensor("model.norm.weight"))
-    model = GGUFCausalLM(config, embed_tokens, stack, norm, head, header.path)
+    model = GGUFCausalLM(config, embed_tokens, stack, norm("model.norm.weight"), head, header.path)
     return model.eval()

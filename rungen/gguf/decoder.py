@@ -1,18 +1,18 @@
-"""Decoder layers over GGUF blocks, in a few operators a step: llama's, and the families shaped like it (FAMILIES:
-mistral, qwen2, qwen3, phi3, gemma2, gemma3), what each differs in declared in one table.
+"""Decoder layers over GGUF blocks, in a few operators a step: llama's, and the families shaped like it (mistral,
+qwen2, qwen3, phi3, gemma2, gemma3), what each differs in a row of rungen/gguf/families.py.
 
-transformers' LlamaDecoderLayer runs about 80 torch operators a token (the norms' casts and reductions,
-rotate_half's slices and concatenations, three separate q/k/v products, ...), each 3-5 µs of dispatch on a
-CPU: at one token a step of a small model they cost more than its matmuls. FusedDecoderLayer computes the
+transformers' LlamaDecoderLayer runs dozens of torch operators a token (the norms' casts and reductions,
+rotate_half's slices and concatenations, three separate q/k/v products, ...), whose dispatch at one token a step
+of a small model costs more than its matmuls (docs/kernels.md). FusedDecoderLayer computes the
 same function with one product for q/k/v and one for gate/up (their rows concatenated once, at load; where
 their block types differ, as a Q4_K_M file's attn_v and attn_q do, each type's rows a part of one product that
-quantizes the activations once: rungen.ggml.GGMLParts), and the native kernels' rms_norm, rope_split, silu_mul
+quantizes the activations once: GGMLParts), and the native kernels' rms_norm, rope_split, silu_mul
 (gelu_tanh_mul) and attend for what lies between. The key/value cache and the attention masks stay
 transformers' (Cache.update, the mask the model passes in), so generate() and everything built on it work
 unchanged. A sliding-window layer attends through the native attend too, which applies the window (key positions
 in the cache, as transformers' window mask counts them) on top of whatever mask the model passes, and gemma2's
 soft-capped logits are capped in it. A model whose layers are all in blocks and alike (llama's and the families
-of FAMILIES, gemma's extra norms, GELU gate, soft cap, per-layer windows and local rotary included) runs them as
+of the table, gemma's extra norms, GELU gate, soft cap, per-layer windows and local rotary included) runs them as
 one NativeStack call a step on the engine's cache (DecoderStack).
 
 The float arithmetic differs from transformers' only in summation order and fused multiply-adds:
@@ -31,69 +31,25 @@ import weakref
 
 import torch
 
-from .ggml import GGMLLinear, GGMLParts, join, native_kernels, release_freed_memory
-from .kvcache import full_attention, growing, growing_like
+from ..kvcache import full_attention, growing, growing_like
+from .blocks import GGMLLinear, GGMLParts, join, release_freed_memory
+from .families import BY_LAYER_CLASS
+from .kernels import native_kernels
 
-
-@dataclasses.dataclass(frozen=True)
-class Family:
-    """What a family's decoder layer holds where LlamaDecoderLayer's has it: everything FusedDecoderLayer needs to
-    know of one architecture, in one place. Every family here is pre-norm attention with rotary q/k, then a gated
-    MLP, each added to the residual stream."""
-
-    # The attention's projections whose rows make the fused q/k/v product, in that order (one name: the file and
-    # the model already hold them as one), and the MLP's for gate/up (gate first).
-    qkv: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
-    gate_up: tuple[str, ...] = ("gate_proj", "up_proj")
-    # The attention's per-head RMS norms of q and k, applied before the rotation (qwen3's and gemma3's).
-    head_norms: tuple[str, str] | None = None
-    # Where the layer's sliding window is read: the attention module's own attribute (None on full-attention
-    # layers), or the config's (mistral's and phi3's attention pass config.sliding_window to every layer).
-    window_from_config: bool = False
-    # The config attribute that names the MLP's activation (a key of ACTIVATIONS).
-    activation: str = "hidden_act"
-    # The layer's norms: before the MLP, and (gemma) of the attention's and of the MLP's output before each is
-    # added to the residual stream.
-    mlp_norm: str = "post_attention_layernorm"
-    attention_out_norm: str | None = None
-    mlp_out_norm: str | None = None
-    # What the norms multiply by is this plus their weight (gemma's RMSNorm: 1 + weight).
-    norm_offset: float = 0.0
-
-
-GEMMA = dict(activation="hidden_activation", mlp_norm="pre_feedforward_layernorm",
-             attention_out_norm="post_attention_layernorm", mlp_out_norm="post_feedforward_layernorm", norm_offset=1.0)
-# Decoder layers FusedDecoderLayer computes, by class name. mistral, qwen2 and qwen3 may add a sliding window,
-# passed to the attention as they pass it; qwen2 has q/k/v biases; phi3 may rotate only part of each head
-# (partial_rotary_factor: cos/sin are narrower than a head, which rope_split reads from their shape) and its
-# longrope scaling of 128k contexts is in the cos/sin its rotary embedding computes, which the layers take as given.
-# gemma 2/3: a GELU-tanh gate and two more norms; gemma2's attention logits are soft-capped in the native attend,
-# gemma3's local rope base is in the cos/sin its model passes each layer, the embedding's scaling and gemma2's
-# final soft-capping lie outside the layers.
-FAMILIES = {
-    "LlamaDecoderLayer": Family(),
-    "MistralDecoderLayer": Family(window_from_config=True),
-    "Qwen2DecoderLayer": Family(),
-    "Qwen3DecoderLayer": Family(head_norms=("q_norm", "k_norm")),
-    "Phi3DecoderLayer": Family(qkv=("qkv_proj",), gate_up=("gate_up_proj",), window_from_config=True),
-    "Gemma2DecoderLayer": Family(**GEMMA),
-    "Gemma3DecoderLayer": Family(head_norms=("q_norm", "k_norm"), **GEMMA),
-}
-FUSABLE = tuple(FAMILIES)
 # FusedDecoderLayer's attributes that hold norms (None where a family has no such norm).
 NORMS = ("input_layernorm", "mlp_norm", "attention_out_norm", "mlp_out_norm", "q_norm", "k_norm")
 # The weights FusedDecoderLayer concatenates (q/k/v, gate/up), by the endings of their parameter names.
-FUSED_WEIGHTS = tuple(sorted({f".{name}.weight" for family in FAMILIES.values()
+FUSED_WEIGHTS = tuple(sorted({f".{name}.weight" for family in BY_LAYER_CLASS.values()
                               for group in (family.qkv, family.gate_up) if len(group) > 1 for name in group}))
 
 
 class FusedDecoderLayer(torch.nn.Module):
-    """A LlamaDecoderLayer (or a layer of another family of FAMILIES) with fused q/k/v and gate/up products over
+    """A LlamaDecoderLayer (or a layer of another family of the table) with fused q/k/v and gate/up products over
     GGUF blocks."""
 
     def __init__(self, layer: torch.nn.Module, qkv: GGMLLinear | GGMLParts, gate_up: GGMLLinear | GGMLParts):
         super().__init__()
-        family = FAMILIES[type(layer).__name__]
+        family = BY_LAYER_CLASS[type(layer).__name__]
         attention, config = layer.self_attn, layer.self_attn.config
         self.qkv, self.o_proj = qkv, attention.o_proj
         self.gate_up, self.down_proj = gate_up, layer.mlp.down_proj
@@ -115,7 +71,7 @@ class FusedDecoderLayer(torch.nn.Module):
         # What transformers' attention interface reads from the module it is given.
         self.config, self.layer_idx, self.is_causal = config, attention.layer_idx, True
         self.num_key_value_groups, self.scaling = attention.num_key_value_groups, attention.scaling
-        self.sliding_window = getattr(config if family.window_from_config else attention, "sliding_window", None)
+        self.sliding_window = getattr(config if family.window_on_every_layer else attention, "sliding_window", None)
         self.softcap = getattr(attention, "attn_logit_softcapping", None)
         # The family's own eager attention (gemma2's soft-caps the logits), as its attention module falls back to.
         self.eager = getattr(sys.modules[type(attention).__module__], "eager_attention_forward", None)
@@ -129,7 +85,7 @@ class FusedDecoderLayer(torch.nn.Module):
     def fuse(cls, layer: torch.nn.Module) -> FusedDecoderLayer | None:
         """The fused layer, or None when `layer` is not one this class computes (another architecture, an
         activation without a native step, projections not all in blocks)."""
-        family = FAMILIES.get(type(layer).__name__)
+        family = BY_LAYER_CLASS.get(type(layer).__name__)
         if family is None or getattr(layer.self_attn.config, family.activation, None) not in ACTIVATIONS:
             return None
         attention, mlp = layer.self_attn, layer.mlp
@@ -253,7 +209,7 @@ def fusable(model: torch.nn.Module) -> bool:
     """Whether `model`'s decoder layers are of a kind FusedDecoderLayer computes, in float32 (the native
     kernels' steps compute in float32); a layer's own weights decide the rest (FusedDecoderLayer.fuse)."""
     layers = getattr(getattr(model, "model", None), "layers", None)
-    return bool(layers) and type(layers[0]).__name__ in FUSABLE and model.dtype == torch.float32
+    return bool(layers) and type(layers[0]).__name__ in BY_LAYER_CLASS and model.dtype == torch.float32
 
 
 def fuse_decoder_layers(model: torch.nn.Module) -> int:
@@ -272,21 +228,55 @@ def fuse_decoder_layers(model: torch.nn.Module) -> int:
     return replaced
 
 
+@dataclasses.dataclass
+class StackWeights:
+    """The decoder layers' tensors as rungen_ggml.decoder_stack takes them, in its order, each a list a layer (the
+    products' parts side by side: QKV_PARTS and GATE_UP_PARTS blocks a layer)."""
+
+    input_norms: list
+    qkv: list
+    qkv_biases: list
+    q_norms: list
+    k_norms: list
+    o: list
+    mlp_norms: list
+    gate_up: list
+    down: list
+    codes: list  # a layer's: its q/k/v parts', o's, its gate/up parts', down's
+
+    @classmethod
+    def of(cls, input_norms: list, qkv: list, q_norms: list, k_norms: list, o: list, mlp_norms: list, gate_up: list,
+           down: list) -> StackWeights:
+        """The record of each layer's norms' weights and products (q/k/v's bias its product's)."""
+        qkv_parts = [native_parts(product, QKV_PARTS) for product in qkv]
+        gate_up_parts = [native_parts(product, GATE_UP_PARTS) for product in gate_up]
+        return cls(input_norms, [b for blocks, _ in qkv_parts for b in blocks], [p.bias for p in qkv], q_norms,
+                   k_norms, [p.blocks for p in o], mlp_norms, [b for blocks, _ in gate_up_parts for b in blocks],
+                   [p.blocks for p in down],
+                   [code for (_, qkv_codes), out, (_, gate_up_codes), dn in zip(qkv_parts, o, gate_up_parts, down)
+                    for code in (*qkv_codes, out.code, *gate_up_codes, dn.code)])
+
+    def args(self) -> tuple:
+        """The fields in decoder_stack's order."""
+        return tuple(getattr(self, field.name) for field in dataclasses.fields(self))
+
+
 class NativeStack:
     """Every decoder layer of a model in one native call (rungen_ggml.decoder_stack): its weights as the call takes
     them, and the bookkeeping that writes each layer's keys and values straight into a cache's GrowingLayer
-    buffers. DecoderStack runs it as a transformers model's inner forward; rungen/gguf_model.py's own model calls it
+    buffers. DecoderStack runs it as a transformers model's inner forward; rungen/gguf/model.py's own model calls it
     directly."""
 
-    def __init__(self, weights: tuple, eps: float, scale: float, heads: int, kv_heads: int, head_dim: int,
+    def __init__(self, weights: StackWeights, eps: float, scale: float, heads: int, kv_heads: int, head_dim: int,
                  out_norms: tuple[list, list] = ([], []), windows: list[int] = (), softcap: float = 0.0,
                  gelu: bool = False):
-        """weights: the layers' tensors as decoder_stack takes them (input norms to qtypes); eps: every norm's;
+        """weights: the layers' tensors; eps: every norm's;
         scale: the attention scores'. What gemma's layers add (empty or defaults for llama's): out_norms, each
         layer's norms of the attention's and of the MLP's output (None: none); windows, each layer's sliding
         window (0: none); softcap, the attention logits' cap (0: none); gelu, a GELU-tanh gate instead of SiLU.
         Gemma's norm weights come as 1 + weight."""
         self.weights, self.eps, self.scale = weights, eps, scale
+        self.weight_args = weights.args()  # once: a step passes them as they are
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.out_norms, self.windows = (list(out_norms[0]), list(out_norms[1])), list(windows)
         self.softcap, self.gelu = float(softcap), bool(gelu)
@@ -299,17 +289,11 @@ class NativeStack:
     def of_layers(cls, layers: list[FusedDecoderLayer]) -> NativeStack:
         """The stack of these fused layers (all in blocks, alike: see DecoderStack.install)."""
         first = layers[0]
-        qkv = [native_parts(layer.qkv, QKV_PARTS) for layer in layers]
-        gate_up = [native_parts(layer.gate_up, GATE_UP_PARTS) for layer in layers]
-        weights = ([layer.norm_args("input_layernorm")[0] for layer in layers],
-                   [blocks for layer_blocks, _ in qkv for blocks in layer_blocks],
-                   [layer.qkv.bias for layer in layers], [layer.head_norm_args()[0] for layer in layers],
-                   [layer.head_norm_args()[1] for layer in layers], [layer.o_proj.blocks for layer in layers],
-                   [layer.norm_args("mlp_norm")[0] for layer in layers],
-                   [blocks for layer_blocks, _ in gate_up for blocks in layer_blocks],
-                   [layer.down_proj.blocks for layer in layers],
-                   [code for layer, (_, qkv_codes), (_, gate_up_codes) in zip(layers, qkv, gate_up)
-                    for code in (*qkv_codes, layer.o_proj.code, *gate_up_codes, layer.down_proj.code)])
+        weights = StackWeights.of([layer.norm_args("input_layernorm")[0] for layer in layers],
+                                  [layer.qkv for layer in layers], [layer.head_norm_args()[0] for layer in layers],
+                                  [layer.head_norm_args()[1] for layer in layers], [layer.o_proj for layer in layers],
+                                  [layer.norm_args("mlp_norm")[0] for layer in layers],
+                                  [layer.gate_up for layer in layers], [layer.down_proj for layer in layers])
         head_dim = first.qkv.out_features // (first.heads + 2 * first.kv_heads)
         out_norms = tuple([layer.norm_args(name)[0] for layer in layers]
                           if any(layer.norm_args(name)[0] is not None for layer in layers) else []
@@ -321,7 +305,7 @@ class NativeStack:
 
     @property
     def num_layers(self) -> int:
-        return len(self.weights[0])
+        return len(self.weights.input_norms)
 
     def takes(self, cache) -> bool:
         """Whether the stack can run on `cache`: one full-attention layer (transformers' or a GrowingLayer) per
@@ -354,7 +338,7 @@ class NativeStack:
             if any(layer.get_seq_length() != length for layer in layers):
                 return None
         hidden, keys, values = torch.ops.rungen_ggml.decoder_stack(
-            hidden, cos, sin, mask, *self.weights, self.eps, self.heads, self.kv_heads, self.scale,
+            hidden, cos, sin, mask, *self.weight_args, self.eps, self.heads, self.kv_heads, self.scale,
             [k for k, _ in buffers], [v for _, v in buffers], length, *self.out_norms, self.windows,
             *(local or (None, None)), self.softcap, self.gelu)
         for layer, k, v in zip(layers, keys, values):

@@ -5,11 +5,11 @@ A GGMLLinear holds a weight exactly as a GGUF file stores it: a uint8 tensor of 
 where possible). Nothing is de-quantized ahead of time. Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, Q3_K/Q4_K/Q5_K/Q6_K and
 IQ4_NL/IQ4_XS weights the native kernels multiply are rearranged once, at load, with their rows interleaved eight
 by eight (`interleave`: the same bytes in another order, [out_features / 8, 8 x bytes per row], the k-quants' and
-IQ4_XS's packed scales unpacked to a byte each: `interleaved_row_bytes`), which the kernels multiply up to two or
-three times faster (Q5_0/Q5_1 about seven times: their row-by-row kernel unpacks each row first).
+IQ4_XS's packed scales unpacked to a byte each: `interleaved_row_bytes`), which the kernels multiply faster than
+rows one by one (docs/kernels.md).
 
 A forward multiplies with the C++ kernels of rungen/csrc (torch.ops.rungen_ggml, built on first use and
-cached, see docs/kernels.md): activations quantized to int8 per block of 32, integer dot products per
+cached: rungen/gguf/kernels.py): activations quantized to int8 per block of 32, integer dot products per
 block, as llama.cpp does. Where they cannot be built, or RUN_GENERATION_KERNELS=torch is set, a layer
 converts itself on its first call to torch's own kernels instead (Q4_0/Q4_1/Q4_K to torch's int4 packing,
 the others to float16), after one warning on stderr. `dequantize` stays the gguf package's reference.
@@ -18,22 +18,15 @@ the others to float16), after one warning on stderr. `dequantize` stays the gguf
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import functools
-import hashlib
-import logging
-import os
-import shutil
-import sys
-import tempfile
-import time
 
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as _gguf_dequantize
 
-from .int4 import INNER_K_TILES, Int4Linear, TinyGemmLinear
+from ..int4 import INNER_K_TILES, Int4Linear, TinyGemmLinear
+from .kernels import native_kernels
 
 # Block types a GGMLLinear holds; F16/BF16/F32 tensors load as plain tensors of their dtype instead.
 SUPPORTED = (
@@ -76,6 +69,12 @@ def row_bytes(qtype: GGMLQuantizationType, in_features: int) -> int:
     if in_features % block:
         raise GGMLError(f"{qtype.name} rows are made of blocks of {block}; {in_features} is not a multiple")
     return in_features // block * size
+
+
+def weights_per_row(qtype: GGMLQuantizationType, bytes_per_row: int) -> int:
+    """Weights in a row of `bytes_per_row` bytes of `qtype` blocks."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    return bytes_per_row // size * block
 
 
 def interleaved_row_bytes(qtype: GGMLQuantizationType, in_features: int) -> int:
@@ -170,6 +169,64 @@ class GGMLLinear(torch.nn.Module):
         return fallback(x.float()).float()
 
 
+class GGMLEmbedding(torch.nn.Module):
+    """An embedding table held in GGUF blocks; a lookup de-quantizes only the rows it returns."""
+
+    def __init__(self, blocks: torch.Tensor, qtype: int, embedding_dim: int, dtype: torch.dtype,
+                 scale: float | torch.Tensor | None = None, interleaved: bool = False):
+        super().__init__()
+        self.qtype = GGMLQuantizationType(qtype)
+        self.register_buffer("blocks", blocks, persistent=False)
+        # interleaved: rows eight by eight (GGMLLinear.interleave), for a tied output head that multiplies them.
+        self.interleaved = interleaved
+        self.num_embeddings = blocks.shape[0] * (8 if interleaved else 1)
+        self.embedding_dim, self.dtype = embedding_dim, dtype
+        self.embed_scale = scale  # Gemma-style scaled embeddings multiply the looked-up rows
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, qtype={self.qtype.name}"
+                + (", rows interleaved by 8" if self.interleaved else ""))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if native_kernels():  # torch operators only, so that --jit can trace the lookup
+            code = int(self.qtype) | (X8 if self.interleaved else 0)
+            rows = torch.ops.rungen_ggml.embed(self.blocks, code, self.embedding_dim, ids.reshape(-1))
+            out = rows.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
+        else:
+            unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
+            rows = dequantize(self.blocks[unique.cpu()], self.qtype, self.embedding_dim).to(self.dtype)
+            out = rows[inverse.cpu()].reshape(*ids.shape, self.embedding_dim).to(ids.device)
+        return out if self.embed_scale is None else out * self.embed_scale
+
+
+class CastLinear(torch.nn.Module):
+    """A linear layer whose weight keeps the file's float dtype, cast to the input's dtype per call."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.register_buffer("weight", weight, persistent=False)
+        self.bias = bias
+        self.out_features, self.in_features = weight.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return torch.nn.functional.linear(x, self.weight.to(x.dtype), bias)
+
+
+class CastEmbedding(torch.nn.Module):
+    """An embedding table in the file's float dtype; looked-up rows are cast to the model's dtype."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, scale=None):
+        super().__init__()
+        self.register_buffer("weight", weight, persistent=False)
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.dtype, self.embed_scale = dtype, scale
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = torch.nn.functional.embedding(ids, self.weight).to(self.dtype)
+        return out if self.embed_scale is None else out * self.embed_scale
+
+
 def interleavable(qtype: GGMLQuantizationType, rows: int) -> bool:
     """Whether a weight of `rows` rows of `qtype` blocks runs interleaved (GGMLLinear.interleave)."""
     return qtype in INTERLEAVED_TYPES and rows % 8 == 0 and native_kernels()
@@ -184,9 +241,8 @@ def _malloc_trim():
 
 
 def release_freed_memory() -> None:
-    """Gives the heap's free pages back to the system (glibc's malloc_trim; nothing elsewhere). Fusing a layer
-    frees weight-sized buffers (the parts of a concatenation), which glibc would keep: over a 1.1B model's layers,
-    about 240 MB of its peak while loading."""
+    """Gives the heap's free pages back to the system (glibc's malloc_trim; nothing elsewhere): fusing a layer frees
+    weight-sized buffers (the parts of a concatenation), which glibc would keep (docs/gguf.md)."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
@@ -268,91 +324,6 @@ def join(layers: list[GGMLLinear]) -> GGMLLinear | GGMLParts | None:
         bias = torch.cat([layer.bias if layer.bias is not None else torch.zeros(layer.out_features)
                           for layer in layers])
     return GGMLParts(parts, bias)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The native kernels: built from rungen/csrc on first use, cached by the hash of their sources and torch's
-# version, loaded from the cache afterwards.
-
-KERNELS_ENV = "RUN_GENERATION_KERNELS"  # "torch": never build or load the native kernels
-_SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-_SOURCES = ("ggml_kernels.cpp", "ggml_simd.h", "ggml_amx.h", "ggml_spans.h", "ggml_attend.h")
-# -ffp-contract=off: no multiply-add is fused unless the source says so, so that the same arithmetic compiled in
-# two functions (a token alone, tokens four at a time) gives the same bits.
-_CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
-_native: bool | None = None  # undecided, loaded, or not available (warned once)
-
-
-def kernel_cache_dir() -> str:
-    """Where built kernels are kept: $TORCH_EXTENSIONS_DIR when set (torch's own variable for where C++
-    extensions are built), else $XDG_CACHE_HOME/run_generation/kernels (~/.cache when unset)."""
-    if os.environ.get("TORCH_EXTENSIONS_DIR"):
-        return os.path.join(os.environ["TORCH_EXTENSIONS_DIR"], "run_generation")
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "run_generation", "kernels")
-
-
-def _source_key() -> str:
-    digest = hashlib.sha256(torch.__version__.encode() + " ".join(_CFLAGS).encode())
-    for name in _SOURCES:
-        with open(os.path.join(_SOURCE_DIR, name), "rb") as f:
-            digest.update(name.encode() + b"\0" + f.read())
-    return digest.hexdigest()[:16]
-
-
-def build_kernels(verbose: bool = False) -> str:
-    """Builds (unless cached) and loads the native kernels; returns the library's path. Raises on failure.
-
-    Processes starting together take turns on an flock (released by the kernel if its holder dies, so a
-    killed build blocks no one); the library is built in a private temporary folder and moved into the
-    cache with os.replace, so a half-built library is never loaded."""
-    key = _source_key()
-    cache = kernel_cache_dir()
-    os.makedirs(cache, exist_ok=True)
-    library = os.path.join(cache, f"rungen_ggml_{key}.so")
-    with open(os.path.join(cache, f"rungen_ggml_{key}.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not os.path.exists(library):
-            from torch.utils import cpp_extension  # slow to import (setuptools): only to build
-
-            from . import NOTICE
-
-            log = logging.getLogger("run_generation")
-            log.log(NOTICE, "Building the native GGUF kernels (once: about a minute; cached in %s)", cache)
-            start = time.perf_counter()
-            build = tempfile.mkdtemp(prefix="build-", dir=cache)
-            try:
-                name = f"rungen_ggml_{key}"
-                cpp_extension.load(name=name, sources=[os.path.join(_SOURCE_DIR, "ggml_kernels.cpp")],
-                                   extra_cflags=list(_CFLAGS), extra_ldflags=["-fopenmp"],
-                                   build_directory=build, is_python_module=False, verbose=verbose)
-                # load() has loaded the library from the build folder; the rename keeps that mapping valid.
-                os.replace(os.path.join(build, f"{name}.so"), library)
-                log.log(NOTICE, "Built the native GGUF kernels in %.0f s", time.perf_counter() - start)
-                return library
-            finally:
-                shutil.rmtree(build, ignore_errors=True)
-    torch.ops.load_library(library)
-    return library
-
-
-def native_kernels() -> bool:
-    """Whether torch.ops.rungen_ggml is available: built or loaded on the first call; when it cannot be
-    (no compiler, a failed build, RUN_GENERATION_KERNELS=torch), one warning on stderr and False."""
-    global _native
-    if _native is None:
-        reason = None
-        if os.environ.get(KERNELS_ENV, "").lower() == "torch":
-            reason = f"{KERNELS_ENV}=torch"
-        else:
-            try:
-                build_kernels()
-            except Exception as error:  # a compiler's failure comes in many types; the fallback covers all
-                reason = f"the native kernels could not be built ({type(error).__name__}: {str(error)[-300:]})"
-        _native = reason is None
-        if reason:
-            print(f"run_generation: GGUF weights use torch's int4/float16 kernels: {reason}", file=sys.stderr)
-    return _native
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ Where only transformers' runs (generate()'s stop strings and streamer), rungen/l
 Some of transformers' classes (Qwen2Tokenizer, GemmaTokenizer) do not run tokenizer.json as saved: they rebuild the
 pipeline from its vocabulary in Python (their own normalizer, pre-tokenizer, decoder) and pad on their own side. For
 those the header cache also holds what the class runs, written where transformers is loaded anyway (save_class_run,
-called by rungen/gguf_loading.py): its pipeline (PIPELINE_FILE, only where it differs from tokenizer.json) and the
+called by rungen/gguf/file.py): its pipeline (PIPELINE_FILE, only where it differs from tokenizer.json) and the
 Python-side behaviour (CLASS_FILE), which this class runs in place of tokenizer.json and the class defaults.
 """
 
@@ -249,7 +249,7 @@ class GGUFTokenizer:
         """The conversation rendered by the chat template as transformers' apply_chat_template renders one
         conversation (its keys whose value is None dropped, the special tokens and `kwargs` given to the template);
         its ids where `tokenize`."""
-        from .chat_template import render
+        from ..chat_template import render
 
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template")

@@ -7,8 +7,8 @@ A GGUF file is read in two parts:
   converting the tokenizer takes seconds (the vocabulary and merges are tens of thousands of fields), so
   the result is cached once per file (see HeaderCache): later runs read three small files.
 - its tensors, each a view of one memory map of the file. Quantized linear weights become
-  rungen.ggml.GGMLLinear layers over those views (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K/IQ4_NL/IQ4_XS ones read
-  into memory instead, their rows interleaved for the native kernels); a quantized embedding becomes
+  GGMLLinear layers (rungen/gguf/blocks.py) over those views (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K/IQ4_NL/
+  IQ4_XS ones read into memory instead, their rows interleaved for the native kernels); a quantized embedding becomes
   GGMLEmbedding, which de-quantizes only the rows it looks up; a tied output head is a GGMLLinear over the
   embedding's own blocks (interleaved, and so read into memory, when their type is). F32/F16/BF16 weights keep
   their dtype (a layer of another dtype than the model's casts them per call); norms and biases take the model's
@@ -38,33 +38,29 @@ import time
 import numpy as np
 import torch
 
-from . import NOTICE
-from .decoder import FUSED_WEIGHTS, fusable, fuse_decoder_layers
-from .errors import UsageError
-from .ggml import (
+from .. import NOTICE
+from ..int4 import tinygemm_agrees
+from .blocks import (
     SUPPORTED,
-    X8,
+    CastEmbedding,
+    CastLinear,
+    GGMLEmbedding,
     GGMLLinear,
     dequantize,
-    dequantize_to,
     gpu_int4,
     interleavable,
-    interleaved_row_bytes,
-    native_kernels,
     tinygemm_of_blocks,
+    weights_per_row,
 )
-from .int4 import tinygemm_agrees
+from .decoder import FUSED_WEIGHTS, fusable, fuse_decoder_layers
+from .families import BY_ARCHITECTURE, NO_FAMILY
+from .weights import FLOAT_TYPES, GGUFError, WeightReader, as_torch
 
 logger = logging.getLogger("run_generation")
 
 # Bump when what the header cache holds changes meaning; transformers' version is part of the key too,
 # since its tokenizer conversion and config parsing decide the cached files.
 HEADER_CACHE_VERSION = 3
-FLOAT_TYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # GGMLQuantizationType F32, F16, BF16
-
-
-class GGUFError(UsageError):
-    """A GGUF file this loader cannot run (corrupt, truncated, unsupported type or architecture); one line."""
 
 
 @contextlib.contextmanager
@@ -94,20 +90,6 @@ def metadata_parsed_once():
         gguf_utils.load_gguf_checkpoint = original
 
 
-# Architectures whose transformers classes take their head size from config.head_dim (hidden_size / heads when
-# unset; qwen3's class defaults to 128), where transformers' GGUF reading does not map llama.cpp's
-# <arch>.attention.key_length to it: qwen3's heads are 128 wide whatever hidden_size / heads is (0.6B: 1024 / 16).
-HEAD_DIM_FROM_KEY_LENGTH = ("qwen2", "qwen3", "phi3")
-# Other metadata transformers' GGUF reading does not map, by architecture: key after "<arch>." -> config field
-# (gemma2's class defaults are the published 50 and 30, which a file may not hold).
-EXTRA_CONFIG_KEYS = {"gemma2": {"attn_logit_softcapping": "attn_logit_softcapping",
-                                "final_logit_softcapping": "final_logit_softcapping"}}
-# Gemma's scores are scaled by query_pre_attn_scalar ** -0.5, which no GGUF key holds: llama.cpp scales by the head
-# size but for the 27B models (by hidden / heads), which it knows by their layer count; transformers' classes
-# default to 256 (the head size of gemma2's 2B/9B and gemma3's 1B-12B).
-GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
-
-
 def complete_config(path: str, config: dict) -> None:
     """What transformers' GGUF config reading leaves out and the model needs, read from the file's metadata into
     the config's fields (`config`: load_gguf_checkpoint's config dict, edited in place); GGUFError for a file whose
@@ -116,22 +98,25 @@ def complete_config(path: str, config: dict) -> None:
 
     metadata, tensors = read_gguf_metadata(path)
     arch = metadata["general.architecture"]
+    family = BY_ARCHITECTURE.get(arch, NO_FAMILY)
     key_length = metadata.get(f"{arch}.attention.key_length")
     value_length = metadata.get(f"{arch}.attention.value_length", key_length)
-    if key_length is not None and arch in HEAD_DIM_FROM_KEY_LENGTH:
+    if key_length is not None and family.head_dim_from_key_length:
         config["head_dim"] = key_length
     if key_length != value_length:  # one head_dim for queries, keys and values in every transformers class here
         raise GGUFError(f"{path}: keys of {key_length} and values of {value_length} values a head "
                         "(attention.key_length/value_length): transformers' attention takes one head size")
     heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
     head_dim = config.get("head_dim") or (hidden // heads if heads and hidden else None)
-    for key, field in EXTRA_CONFIG_KEYS.get(arch, {}).items():
+    for key, field in family.extra_config_keys:
         if f"{arch}.{key}" in metadata:
             config[field] = metadata[f"{arch}.{key}"]
-    if arch in GEMMA_27B_LAYERS and head_dim:
-        big = metadata.get(f"{arch}.block_count") == GEMMA_27B_LAYERS[arch]
+    if family.big_model_layers and head_dim:
+        # No key holds query_pre_attn_scalar: llama.cpp scales by the head size but for the largest models (by
+        # hidden / heads), which it knows by their layer count; transformers' classes default to 256.
+        big = metadata.get(f"{arch}.block_count") == family.big_model_layers
         config["query_pre_attn_scalar"] = hidden // heads if big else head_dim
-    if arch == "gemma3" and metadata.get(f"{arch}.rope.scaling.type", "none") != "none":
+    if family.rope_scaling_from_metadata and metadata.get(f"{arch}.rope.scaling.type", "none") != "none":
         # gemma3 4B-27B rotate their global layers by positions / 8 (linear); transformers' reading drops it.
         kind = metadata[f"{arch}.rope.scaling.type"]
         if kind != "linear":
@@ -139,7 +124,7 @@ def complete_config(path: str, config: dict) -> None:
                             "from a gemma3 GGUF file")
         config["rope_scaling"] = {"rope_type": "linear", "factor": metadata[f"{arch}.rope.scaling.factor"]}
     rotary = metadata.get(f"{arch}.rope.dimension_count")
-    if arch == "phi3":
+    if family.partial_and_long_rope:
         # Phi-4-mini (a "phi3" file) rotates 96 of each head's 128 values; transformers' reading drops the count.
         if rotary is not None and head_dim and rotary != head_dim:
             config["partial_rotary_factor"] = rotary / head_dim
@@ -231,7 +216,7 @@ class GGUFHeader:
 
     @functools.cached_property
     def tokenizer(self):
-        """The cached files' tokenizer on the tokenizers library alone (rungen/tokenizer.py) where it gives
+        """The cached files' tokenizer on the tokenizers library alone (rungen/gguf/tokenizer.py) where it gives
         transformers' results for them, else transformers' tokenizer (transformers_tokenizer)."""
         from .tokenizer import GGUFTokenizer, own
 
@@ -374,66 +359,6 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
 
-class GGMLEmbedding(torch.nn.Module):
-    """An embedding table held in GGUF blocks; a lookup de-quantizes only the rows it returns."""
-
-    def __init__(self, blocks: torch.Tensor, qtype: int, embedding_dim: int, dtype: torch.dtype,
-                 scale: float | torch.Tensor | None = None, interleaved: bool = False):
-        super().__init__()
-        from gguf import GGMLQuantizationType
-
-        self.qtype = GGMLQuantizationType(qtype)
-        self.register_buffer("blocks", blocks, persistent=False)
-        # interleaved: rows eight by eight (GGMLLinear.interleave), for a tied output head that multiplies them.
-        self.interleaved = interleaved
-        self.num_embeddings = blocks.shape[0] * (8 if interleaved else 1)
-        self.embedding_dim, self.dtype = embedding_dim, dtype
-        self.embed_scale = scale  # Gemma-style scaled embeddings multiply the looked-up rows
-
-    def extra_repr(self) -> str:
-        return (f"{self.num_embeddings}, {self.embedding_dim}, qtype={self.qtype.name}"
-                + (", rows interleaved by 8" if self.interleaved else ""))
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if native_kernels():  # torch operators only, so that --jit can trace the lookup
-            code = int(self.qtype) | (X8 if self.interleaved else 0)
-            rows = torch.ops.rungen_ggml.embed(self.blocks, code, self.embedding_dim, ids.reshape(-1))
-            out = rows.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
-        else:
-            unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
-            rows = dequantize(self.blocks[unique.cpu()], self.qtype, self.embedding_dim).to(self.dtype)
-            out = rows[inverse.cpu()].reshape(*ids.shape, self.embedding_dim).to(ids.device)
-        return out if self.embed_scale is None else out * self.embed_scale
-
-
-class CastLinear(torch.nn.Module):
-    """A linear layer whose weight keeps the file's float dtype, cast to the input's dtype per call."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        super().__init__()
-        self.register_buffer("weight", weight, persistent=False)
-        self.bias = bias
-        self.out_features, self.in_features = weight.shape
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        return torch.nn.functional.linear(x, self.weight.to(x.dtype), bias)
-
-
-class CastEmbedding(torch.nn.Module):
-    """An embedding table in the file's float dtype; looked-up rows are cast to the model's dtype."""
-
-    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, scale=None):
-        super().__init__()
-        self.register_buffer("weight", weight, persistent=False)
-        self.num_embeddings, self.embedding_dim = weight.shape
-        self.dtype, self.embed_scale = dtype, scale
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        out = torch.nn.functional.embedding(ids, self.weight).to(self.dtype)
-        return out if self.embed_scale is None else out * self.embed_scale
-
-
 def _row_permutation(processor, name: str, rows: int):
     """The processor's transform of tensor `name` as a permutation of its rows: None when it is the
     identity, an index array when it permutes rows, False when it is anything else."""
@@ -471,7 +396,7 @@ def _process(processor, header: GGUFHeader, name: str, weights: np.ndarray, name
 def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | None = None) -> torch.nn.Module:
     """The causal LM of `header`'s config over the file's weights: views of its map, or read and interleaved for
     the kernels (see the module docstring). Given a `device` (an accelerator's form of the file), every weight is
-    de-quantized to `dtype` instead, a chunk of rows at a time on its way there (rungen.ggml.dequantize_to)."""
+    de-quantized to `dtype` instead, a chunk of rows at a time on its way there (rungen.gguf.blocks.dequantize_to)."""
     on_device = device is not None
     from accelerate import init_empty_weights
     from gguf import GGMLQuantizationType
@@ -488,10 +413,8 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
     processor = TENSOR_PROCESSORS.get(header.architecture, TensorProcessor)(config=config.to_dict())
     names = header.weights_map(model, processor)
 
-    file = np.memmap(header.path, dtype=np.uint8, mode="c")  # private and writable: torch warns on read-only
-    # Weights that FusedDecoderLayer concatenates, and those whose rows are interleaved for the kernels, are read
-    # into memory rather than viewed in the map: the concatenation and the interleaving copy them, and a copy of
-    # mapped pages would count them twice in the process's memory.
+    reader = WeightReader(header.path, header.tensors)
+    # Weights that FusedDecoderLayer concatenates are read into memory: the concatenation copies them.
     fused = FUSED_WEIGHTS if fusable(model) and not on_device else ()
     # An output head tied to the input embedding multiplies the embedding's blocks: interleaved for the kernels,
     # they serve both (the lookup reads either layout).
@@ -503,32 +426,26 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
         if not any(names.get(name) == head_name for name in in_file):
             embedding = model.get_input_embeddings()
             tied_embedding = next(n for n, m in model.named_modules() if m is embedding)
-    scratch = np.empty(READ_CHUNK, dtype=np.uint8)  # read_interleaved's buffer, for every weight
     int4 = None  # on a GPU, whether 4-bit weights take torch's int4 kernel: None until the first is checked
     collected = {"tensors": {}}  # what processors that merge or split tensors (MoE experts) leave
     biases = {}  # module name -> bias, given to the layer that ends up there
     layers = {}  # module name -> the layer that replaces the model's own
-    for name, code, shape, np_dtype, offset, nbytes in header.tensors:
+    for entry in reader.tensors:
+        name, code, shape = entry.name, entry.code, entry.shape
         hf_name = names.get(name)
         if hf_name is None:
             continue  # as transformers: tensors the model does not hold (e.g. llama3's rope_freqs)
-        array = file[offset:offset + nbytes]
         module_name, _, attr = hf_name.rpartition(".")
         module = model.get_submodule(module_name)
         if code in FLOAT_TYPES:
-            bf16 = code == GGMLQuantizationType.BF16  # numpy has no bfloat16: its bits travel as int16
-            if bf16:
-                raw = array.view(np.int16).reshape(*shape[:-1], shape[-1] // 2)
-            else:
-                raw = array.view(np_dtype).reshape(shape)
+            raw = reader.values(entry)
             result = _process(processor, header, name, raw, names, collected)
             if result.name is None:
                 continue  # the processor stored it in `collected`
-            if bf16 and result.weights.dtype != np.int16:
+            if code == GGMLQuantizationType.BF16 and result.weights.dtype != np.int16:
                 raise GGUFError(f"{header.path}: tensor {name} is BF16, which this architecture's transform "
                                 "cannot take here; --dequantize loads it in float32")
-            tensor = torch.from_numpy(raw if result.weights is raw else np.ascontiguousarray(result.weights))
-            tensor = tensor.view(torch.bfloat16) if bf16 else tensor
+            tensor = as_torch(raw if result.weights is raw else np.ascontiguousarray(result.weights), code)
             _check_shape(header.path, name, module, attr, tensor.shape)
             if on_device:
                 _set_tensor(model, hf_name, tensor.to(device=device, dtype=dtype))
@@ -544,8 +461,8 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
         if code not in SUPPORTED and not on_device:  # de-quantized, any type the gguf package reads will do
             raise GGUFError(unsupported_message(header.path, name, code))
         qtype = GGMLQuantizationType(code)
-        blocks = array.reshape(shape)
-        in_features = _in_features(qtype, shape[-1])
+        blocks = reader.blocks(entry)
+        in_features = weights_per_row(qtype, shape[-1])
         if len(shape) == 2 and attr == "weight" and isinstance(module, (torch.nn.Linear, Conv1D, torch.nn.Embedding)):
             _check_shape(header.path, name, module, attr,
                          (in_features, shape[0]) if isinstance(module, Conv1D) else (shape[0], in_features))
@@ -554,7 +471,7 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
                     and gpu_int4(qtype, in_features, dtype, device):
                 layer = tinygemm_of_blocks(torch.from_numpy(blocks), qtype, in_features, device, order)
                 if int4 is None:  # the first: checked against its de-quantized weight before any is trusted
-                    weight = _dequantized(blocks, qtype, in_features, dtype, device, order)
+                    weight = reader.dequantized(entry, dtype, device, order)
                     int4 = tinygemm_agrees(layer, weight)
                     if not int4:
                         logger.warning("torch's int4 GPU kernel disagrees with the de-quantized weights here; the "
@@ -564,20 +481,13 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
                 layers[module_name] = layer
                 continue
             if on_device and order is not False:
-                weight = _dequantized(blocks, qtype, in_features, dtype, device, order)
+                weight = reader.dequantized(entry, dtype, device, order)
                 _set_tensor(model, hf_name, weight.t().contiguous() if isinstance(module, Conv1D) else weight)
                 continue
             embedding = isinstance(module, torch.nn.Embedding)
             interleave = (not embedding or module_name == tied_embedding) and interleavable(qtype, shape[0])
             if order is not False:
-                if interleave and order is None:
-                    rows = read_interleaved(header.path, offset, shape, qtype, scratch)
-                else:
-                    if hf_name.endswith(fused) or interleave:
-                        blocks = np.fromfile(header.path, dtype=np.uint8, count=nbytes, offset=offset).reshape(shape)
-                    rows = torch.from_numpy(blocks if order is None else np.ascontiguousarray(blocks[order]))
-                    if interleave:
-                        rows = torch.ops.rungen_ggml.interleave(rows, int(qtype))
+                rows = reader.rows(entry, interleave, order, read=hf_name.endswith(fused))
                 if embedding:
                     layers[module_name] = GGMLEmbedding(rows, qtype, in_features, dtype,
                                                         getattr(module, "embed_scale", None), interleaved=interleave)
@@ -614,14 +524,6 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
     return _finish_built(header, model)
 
 
-def _dequantized(blocks: np.ndarray, qtype, in_features: int, dtype: torch.dtype, device: torch.device, order
-                 ) -> torch.Tensor:
-    """A weight's blocks de-quantized onto `device` (dequantize_to), its rows in the processor's `order` (None: as
-    they are)."""
-    weight = dequantize_to(blocks, qtype, in_features, dtype, device)
-    return weight if order is None else weight[torch.from_numpy(order).to(device)]
-
-
 def _finish_built(header: GGUFHeader, model: torch.nn.Module, device: torch.device | None = None) -> torch.nn.Module:
     """The built model in eval mode (on `device`: the buffers __init__ computed, rotary frequencies, go there too);
     GGUFError when a parameter found no tensor in the file."""
@@ -643,47 +545,6 @@ def _check_shape(path: str, name: str, module: torch.nn.Module, attr: str, shape
     if isinstance(expected, torch.Tensor) and tuple(expected.shape) != tuple(shape):
         raise GGUFError(f"{path}: tensor {name} is {list(shape)}, where the model its metadata describes has "
                         f"{list(expected.shape)}")
-
-
-READ_CHUNK = 4 << 20  # bytes of a weight read and interleaved at a time
-
-
-def read_interleaved(path: str, offset: int, shape, qtype, scratch: np.ndarray | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """The blocks [rows, row bytes] at `offset` of the file, with their rows interleaved eight by eight for the
-    kernels (rungen.ggml.GGMLLinear.interleave), read a few MB at a time straight into that layout (into `out`
-    when given: rows of a larger product). `scratch`: a uint8 buffer of READ_CHUNK bytes to read into, kept from
-    call to call; no copy of the whole weight in the file's order is ever held (its freed space would stay in
-    the process's heap)."""
-    rows, row_bytes = shape
-    if out is None:
-        out = torch.empty(rows // 8, interleaved_row_bytes(qtype, _in_features(qtype, row_bytes)), dtype=torch.uint8)
-    step = max(8, READ_CHUNK // row_bytes // 8 * 8)
-    if scratch is None or len(scratch) < step * row_bytes:
-        scratch = np.empty(step * row_bytes, dtype=np.uint8)
-    with open(path, "rb", buffering=0) as f:
-        for start in range(0, rows, step):
-            count = min(step, rows - start)
-            part = memoryview(scratch)[: count * row_bytes]
-            f.seek(offset + start * row_bytes)
-            done = 0
-            while done < len(part):
-                got = f.readinto(part[done:])
-                if not got:
-                    raise GGUFError(f"{path}: truncated (a tensor ends at byte {offset + rows * row_bytes}, "
-                                    f"after the end of the file)")
-                done += got
-            chunk = torch.from_numpy(scratch[: count * row_bytes]).view(count, row_bytes)
-            torch.ops.rungen_ggml.interleave(chunk, int(qtype), out[start // 8 : (start + count) // 8])
-    return out
-
-
-def _in_features(qtype, bytes_per_row: int) -> int:
-    """Weights in a row of `bytes_per_row` bytes of `qtype` blocks."""
-    from gguf import GGML_QUANT_SIZES
-
-    block, size = GGML_QUANT_SIZES[qtype]
-    return bytes_per_row // size * block
 
 
 def _tie_head(model, config):

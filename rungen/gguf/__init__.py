@@ -1,0 +1,46 @@
+"""The GGUF runtime: a GGUF file run on the CPU in its own quantized blocks, multiplied by the native kernels.
+
+Modules, from the ground up:
+- kernels.py: the native kernels (rungen/csrc, torch.ops.rungen_ggml), built on first use and cached.
+- blocks.py: the file's tensors as torch layers (GGMLLinear, GGMLParts, GGMLEmbedding; float ones kept in their
+  dtype), the torch fallback where the kernels are missing, the 4-bit GPU form.
+- families.py: the model families, one row each: what a family differs in from llama's decoder.
+- weights.py: WeightReader, the file's tensors as the builders take them (views of the map, interleaved rows).
+- decoder.py: the decoder layers fused over the blocks (FusedDecoderLayer), the one-call stack (NativeStack).
+- file.py: the header and its cache (config, tokenizer, tensor table), and transformers' model of the file.
+- model.py: the own model (GGUFCausalLM) of the families' files, without transformers.
+- tokenizer.py: the file's tokenizer on the tokenizers library alone.
+
+A decoder layer runs by one of four routes, the same function in the same order (the same bits) in each:
+1. GGUFCausalLM (model.py): the own model calls NativeStack directly, every layer in one native call a step. Taken
+   for a file of the table's families on the CPU in float32 with the kernels built (model.refusal says why not).
+2. DecoderStack over NativeStack (decoder.py): the same one call as transformers' model's inner forward. Taken where
+   transformers' model of the file runs instead (a file route 1 refuses, generate()'s beam search and other
+   generate()-only controls: rungen/loading.py) and every layer fused alike and in blocks.
+3. FusedDecoderLayer._two_calls: a layer in two native calls (attention in; attention out and the MLP). Taken layer by
+   layer where DecoderStack steps aside (no cache or another kind, hidden states or attention maps asked for, --jit's
+   tracing, layers cut to different lengths) for the layers it covers: full attention, SiLU, no output norms.
+4. FusedDecoderLayer.forward: a fused product and a native step at a time. Taken there for the other layers
+   (windows, soft caps, GELU, gemma's norms), under products_one_by_one, and on torch's operators without the
+   kernels (RUN_GENERATION_KERNELS=torch).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# The names the rest of the tool uses, by the module that holds each: imported where first asked for, so that a run
+# without a GGUF file imports none of this package's modules but the kernels' and the blocks'.
+PUBLIC = {
+    "native_kernels": "kernels", "kernel_cache_dir": "kernels",
+    "holds_blocks": "blocks", "GGMLLinear": "blocks",
+    "GGUFCausalLM": "model",
+    "GGUFError": "file", "GGUFHeader": "file", "build_model": "file", "metadata_parsed_once": "file",
+}
+__all__ = sorted(PUBLIC)
+
+
+def __getattr__(name: str):
+    if name not in PUBLIC:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{PUBLIC[name]}"), name)

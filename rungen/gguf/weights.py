@@ -1,0 +1,180 @@
+"""A GGUF file's tensors as the model builders take them: one reader over the file's memory map, its tensor table and
+a scratch buffer, giving float tensors, blocks in the file's layout or interleaved for the kernels (in the file's row
+order or another), the layers over them, and weights de-quantized onto an accelerator.
+
+Blocks stay views of the map unless they are copied anyway (interleaved, permuted, or a part of a product the builder
+joins): those are read into memory instead, since a copy of mapped pages would count twice in the process's memory.
+"""
+
+from __future__ import annotations
+
+import typing
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+
+from ..errors import UsageError
+from .blocks import GGMLLinear, GGMLParts, dequantize_to, interleavable, interleaved_row_bytes, join, weights_per_row
+
+FLOAT_TYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # GGMLQuantizationType F32, F16, BF16
+READ_CHUNK = 4 << 20  # bytes of a weight read and interleaved at a time
+
+
+class GGUFError(UsageError):
+    """A GGUF file this loader cannot run (corrupt, truncated, unsupported type or architecture); one line."""
+
+
+class Tensor(typing.NamedTuple):
+    """A row of the header cache's tensor table: the tensor's bytes as the loader views them."""
+
+    name: str
+    code: int  # GGMLQuantizationType
+    shape: list  # numpy's: values for F32/F16, bytes of blocks (and of BF16) in the last dimension
+    dtype: str  # numpy's
+    offset: int  # in the file
+    nbytes: int
+
+
+class WeightReader:
+    """The tensors of the GGUF file at `path` (`tensors`: the header's table), by their GGUF names or, given the
+    `weights_map` (GGUF name -> HF name), by their HF names."""
+
+    def __init__(self, path: str, tensors: list, weights_map: dict | None = None):
+        self.path = path
+        self.map = np.memmap(path, dtype=np.uint8, mode="c")  # private and writable: torch warns on read-only
+        self.tensors = [Tensor(*row) for row in tensors]
+        self.table = {tensor.name: tensor for tensor in self.tensors}
+        self.by_hf = {hf: gguf for gguf, hf in (weights_map or {}).items() if gguf in self.table}
+        self.scratch = np.empty(READ_CHUNK, dtype=np.uint8)  # read_interleaved's buffer, for every weight
+
+    def tensor(self, hf_name: str, required: bool = True) -> Tensor | None:
+        """The tensor the weights map gives `hf_name`; GGUFError (None where not `required`) when there is none."""
+        name = self.by_hf.get(hf_name)
+        if name is None:
+            if required:
+                raise GGUFError(f"{self.path}: the file has no tensor for {hf_name}")
+            return None
+        return self.table[name]
+
+    def values(self, tensor: Tensor) -> np.ndarray:
+        """A float tensor's values, a view of the map; BF16's bits as int16 (numpy has no bfloat16)."""
+        array = self.map[tensor.offset:tensor.offset + tensor.nbytes]
+        if tensor.code == GGMLQuantizationType.BF16:
+            return array.view(np.int16).reshape(*tensor.shape[:-1], tensor.shape[-1] // 2)
+        return array.view(tensor.dtype).reshape(tensor.shape)
+
+    def float_tensor(self, tensor: Tensor) -> torch.Tensor:
+        """A float tensor in its own dtype, a view of the map."""
+        return as_torch(self.values(tensor), tensor.code)
+
+    def blocks(self, tensor: Tensor) -> np.ndarray:
+        """A quantized tensor's blocks [rows, row bytes] in the file's layout, a view of the map."""
+        return self.map[tensor.offset:tensor.offset + tensor.nbytes].reshape(tensor.shape)
+
+    def rows(self, tensor: Tensor, interleave: bool, order: np.ndarray | None = None, read: bool = False
+             ) -> torch.Tensor:
+        """A quantized 2-D weight's blocks for a layer, its rows in `order` (None: the file's), `interleave`d eight by
+        eight for the kernels (read straight into that layout where the order is the file's); read into memory where
+        they are copied (interleaved, permuted, or `read`: a part the builder joins), else a view of the map."""
+        qtype = GGMLQuantizationType(tensor.code)
+        if interleave and order is None:
+            return read_interleaved(self.path, tensor.offset, tensor.shape, qtype, self.scratch)
+        blocks = self.blocks(tensor)
+        if read or interleave:
+            blocks = self.read(tensor)
+        rows = torch.from_numpy(blocks if order is None else np.ascontiguousarray(blocks[order]))
+        return torch.ops.rungen_ggml.interleave(rows, int(qtype)) if interleave else rows
+
+    def read(self, tensor: Tensor) -> np.ndarray:
+        """A quantized tensor's blocks read into memory."""
+        return np.fromfile(self.path, dtype=np.uint8, count=tensor.nbytes, offset=tensor.offset).reshape(tensor.shape)
+
+    def linear(self, tensor: Tensor, order: np.ndarray | None = None, read: bool = False) -> GGMLLinear:
+        """A quantized 2-D weight as a layer: its rows interleaved where the kernels take them so (rows())."""
+        qtype = GGMLQuantizationType(tensor.code)
+        interleave = interleavable(qtype, tensor.shape[0])
+        return GGMLLinear(self.rows(tensor, interleave, order, read), qtype, weights_per_row(qtype, tensor.shape[-1]),
+                          interleaved=interleave)
+
+    def joined(self, tensors: list[Tensor], orders: list, biases: list) -> GGMLLinear | GGMLParts | None:
+        """One product of these weights' rows, in order (q/k/v, gate/up): where they are one interleaved type, read
+        (and interleaved) straight into their rows of one buffer, the layer concat would make without its copy; else
+        join's product of the layers; None when their input widths differ."""
+        qtype = GGMLQuantizationType(tensors[0].code)
+        widths = {weights_per_row(qtype, tensor.shape[-1]) for tensor in tensors}
+        if len({tensor.code for tensor in tensors}) > 1 or len(widths) > 1 or not all(
+                interleavable(qtype, tensor.shape[0]) for tensor in tensors):
+            parts = [self.linear(tensor, order, read=True) for tensor, order in zip(tensors, orders)]
+            for part, bias in zip(parts, biases):
+                part.bias = bias
+            return join(parts)
+        in_features = widths.pop()
+        blocks = torch.empty(sum(tensor.shape[0] for tensor in tensors) // 8,
+                             interleaved_row_bytes(qtype, in_features), dtype=torch.uint8)
+        start = 0
+        for tensor, order in zip(tensors, orders):
+            rows = blocks[start:start + tensor.shape[0] // 8]
+            if order is None:
+                read_interleaved(self.path, tensor.offset, tensor.shape, qtype, self.scratch, out=rows)
+            else:
+                torch.ops.rungen_ggml.interleave(torch.from_numpy(np.ascontiguousarray(self.read(tensor)[order])),
+                                                 int(qtype), rows)
+            start += tensor.shape[0] // 8
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat([b if b is not None else torch.zeros(tensor.shape[0])
+                              for tensor, b in zip(tensors, biases)])
+        return GGMLLinear(blocks, qtype, in_features, bias, interleaved=True)
+
+    def dequantized(self, tensor: Tensor, dtype: torch.dtype, device: torch.device, order: np.ndarray | None = None
+                    ) -> torch.Tensor:
+        """A quantized weight de-quantized to `dtype` onto `device` a chunk of rows at a time (dequantize_to), its
+        rows in `order` (None: the file's)."""
+        qtype = GGMLQuantizationType(tensor.code)
+        weight = dequantize_to(self.blocks(tensor), qtype, weights_per_row(qtype, tensor.shape[-1]), dtype, device)
+        return weight if order is None else weight[torch.from_numpy(order).to(device)]
+
+
+def as_torch(values: np.ndarray, code: int) -> torch.Tensor:
+    """values() (or a transform of them that kept their dtype) as a tensor of the file's float dtype."""
+    tensor = torch.from_numpy(values)
+    return tensor.view(torch.bfloat16) if code == GGMLQuantizationType.BF16 else tensor
+
+
+def unpermuted_order(rows: int, heads: int) -> np.ndarray:
+    """The order of a q/k weight's rows that undoes llama.cpp's permutation of them (transformers'
+    LlamaTensorProcessor._reverse_permute_weights as a permutation of the rows)."""
+    order = np.arange(rows)
+    dim = rows // heads // 2
+    return order.reshape(heads, dim, 2).swapaxes(2, 1).reshape(rows)
+
+
+def read_interleaved(path: str, offset: int, shape, qtype, scratch: np.ndarray | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """The blocks [rows, row bytes] at `offset` of the file, with their rows interleaved eight by eight for the
+    kernels (GGMLLinear.interleave), read a few MB at a time straight into that layout (into `out` when given: rows
+    of a larger product). `scratch`: a uint8 buffer of READ_CHUNK bytes to read into, kept from call to call; no
+    copy of the whole weight in the file's order is ever held (its freed space would stay in the process's heap)."""
+    rows, row_bytes = shape
+    if out is None:
+        out = torch.empty(rows // 8, interleaved_row_bytes(qtype, weights_per_row(qtype, row_bytes)),
+                          dtype=torch.uint8)
+    step = max(8, READ_CHUNK // row_bytes // 8 * 8)
+    if scratch is None or len(scratch) < step * row_bytes:
+        scratch = np.empty(step * row_bytes, dtype=np.uint8)
+    with open(path, "rb", buffering=0) as f:
+        for start in range(0, rows, step):
+            count = min(step, rows - start)
+            part = memoryview(scratch)[: count * row_bytes]
+            f.seek(offset + start * row_bytes)
+            done = 0
+            while done < len(part):
+                got = f.readinto(part[done:])
+                if not got:
+                    raise GGUFError(f"{path}: truncated (a tensor ends at byte {offset + rows * row_bytes}, "
+                                    f"after the end of the file)")
+                done += got
+            chunk = torch.from_numpy(scratch[: count * row_bytes]).view(count, row_bytes)
+            torch.ops.rungen_ggml.interleave(chunk, int(qtype), out[start // 8 : (start + count) // 8])
+    return out
