@@ -1,3 +1,4 @@
+// A decoder layer in two calls, and every decoder layer in one (decoder_stack), from the layers' steps and products.
 #include "ggml_ops.h"
 
 namespace rungen_ggml {

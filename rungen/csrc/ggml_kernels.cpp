@@ -19,8 +19,14 @@
 //                                                               "scalar"); set_isa forces one (tests)
 //
 // x is float32 [n, in_features]; blocks uint8 [out_features, row bytes] (rows may be strided), as the file
-// stores them; qtype is GGML's type number. The instruction set is chosen at run time from the CPU's flags:
-// this file is compiled without -march, and each SIMD variant only for its own functions.
+// stores them; qtype is GGML's type number. The instruction set is chosen at run time from the CPU's flags
+// (ggml_dispatch.cpp): the sources are compiled without -march, and each SIMD variant only for its own functions.
+//
+// This file registers the operators; the rest by concern: ggml_formats.h (block formats, X8), ggml_kernels.h and
+// ggml_ops.h (what the units share), ggml_products.cpp (the products' torch side), ggml_scalar.cpp, ggml_avx2.cpp
+// and ggml_vnni.cpp (the products per instruction set, from ggml_simd.h, ggml_x8.h, ggml_x8_avx2.h, ggml_x16.h,
+// ggml_amx.h and ggml_spans.h), ggml_layers.cpp and ggml_attend.cpp (norms, rope, gates, attention),
+// ggml_decoder.cpp (the decoder layers), ggml_interleave.cpp (the X8 layout at load).
 
 #include "ggml_ops.h"
 

@@ -16,12 +16,10 @@ namespace rungen_ggml {
 // s = d * sum(q) per 32 [n, K/32] (what a block's offset multiplies), s16 = d * sum(q) per 16 [n, K/16], and
 // s4: s of each whole group of four tokens, the four side by side [n/4, K/32, 4] (one vector a block), and
 // off128: -128 sum(q) per 32 [n, K/32] in integers (where the VNNI kernels whose codes are offset by 128, Q8_0's
-// and IQ4's, start a block's sum: a broadcast load a token and block, 1.02-1.07x for their products, rather than
-// a load, a multiply and a broadcast from a general register); for X8 | Q3_K's offsets, sum16: sum(q) per 16
-// [n, K/16] in integers, and high16: the same sums as (sum16 << 16) + 16384 (where the VNNI kernel starts a half
-// block's sum); off16:
-// -32 sum16 (where the VNNI kernels start a Q6_K half block's sum of its unsigned codes: one broadcast load a token
-// and half block instead of a load, two scalar operations and a broadcast, 1.02-1.05x for its prompts' products).
+// and IQ4's, start a block's sum: one broadcast load a token and block); for X8 | Q3_K's offsets, sum16: sum(q)
+// per 16 [n, K/16] in integers, and high16: the same sums as (sum16 << 16) + 16384 (where the VNNI kernel starts a
+// half block's sum); off16: -32 sum16 (where the VNNI kernels start a Q6_K half block's sum of its unsigned codes:
+// one broadcast load a token and half block).
 struct Act {
   int64_t n;
   const int8_t* q;

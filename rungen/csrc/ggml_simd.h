@@ -1,9 +1,9 @@
-// The SIMD kernels, compiled once per instruction set: ggml_kernels.cpp includes this file inside a
-// namespace under `#pragma GCC target(...)`, with GGML_VNNI defined (AVX-512 VNNI, 256-bit registers) or
-// not (AVX2). Only the 8-bit dot products differ between the two (maddubs and madd, or vpdpbusd); everything
-// else is AVX2.
-// It relies on what ggml_kernels.cpp defines before including it: Act, KRow, the block sizes, the code kinds,
-// the IQ4 table and the unpacked types' scale helpers.
+// The SIMD kernels of the row-major layout and the activations' quantization, compiled once per instruction set:
+// ggml_avx2.cpp and ggml_vnni.cpp include this file inside a namespace under `#pragma GCC target(...)`, with
+// GGML_VNNI defined (AVX-512 VNNI, 256-bit registers) or not (AVX2). Only the 8-bit dot products differ between
+// the two (maddubs and madd, or vpdpbusd); everything else is AVX2.
+// It relies on ggml_kernels.h (Act, Job) and ggml_formats.h (KRow, the block sizes, the code kinds, the IQ4 table
+// and the unpacked types' scale helpers).
 
 static inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -220,7 +220,7 @@ static void unpack_q6_k(const uint8_t* sb, KRow& r, int64_t s) {
   }
 }
 
-// The other unpacked types' codes (their scales: ggml_kernels.cpp's helpers), the plain loops' results.
+// The other unpacked types' codes (their scales: ggml_formats.h's helpers), the plain loops' results.
 
 // Q5_0/Q5_1: the 32 high bits, bit i to byte i (as 16): each 128-bit lane of the broadcast holds the four bytes of
 // qh, byte i takes byte i / 8 of them and keeps its bit i % 8.

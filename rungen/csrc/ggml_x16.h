@@ -343,10 +343,9 @@ static void q3kx16_group(const uint8_t* group, int64_t pitch, int64_t nsb, const
   for (int t = 0; t < NT; ++t) _mm512_storeu_ps(out[t], acc[t]);
 }
 
-// X16's kernels whose passes can read the pair's blocks unpacked (as unpacked_tokens describes): the unpacking
-// once pays from three passes of four (at two, 8 tokens, writing and reading the buffer measured 0.96x unpacking
-// twice), IQ4_NL's (the cheapest to unpack, a block five times its packed size) from 25 tokens (buffered at 12 and
-// 16 it measured 0.90-0.94x); Q3_K's from two passes.
+// X16's kernels whose passes can read the pair's blocks unpacked (as unpacked_tokens describes), from where the
+// unpacking once pays (docs/kernels.md, "Measured choices"): three passes of four, IQ4_NL's (the cheapest to
+// unpack, a block five times its packed size) from 25 tokens, Q3_K's from two passes.
 template <int64_t BASE>
 struct K16 {
   const uint8_t* group;

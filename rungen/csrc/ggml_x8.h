@@ -20,7 +20,7 @@ static inline void dpbusd_block(__m256i& c0, __m256i& c1, const __m256i* w0, con
 }
 #endif
 
-// Q4_0/Q4_1 rows interleaved eight by eight (X8: see ggml_kernels.cpp), against NT tokens (1 to 4) a pass over
+// Q4_0/Q4_1 rows interleaved eight by eight (X8: see ggml_formats.h), against NT tokens (1 to 4) a pass over
 // a group's blocks. A register's eight 32-bit lanes are the group's eight rows: a block's codes are four loads of
 // 32 bytes (each four codes of every row, and in their high nibbles four more), unpacked once for the NT tokens;
 // a token's four activations at a time are broadcast to every lane, and the block's 32 products of each row are
@@ -208,7 +208,7 @@ static inline void kx8_codes(const uint8_t* nib, __m256i* lo, __m256i* hi) {
   }
 }
 
-// Q4_K/Q5_K/Q6_K rows interleaved eight by eight (X8, see ggml_kernels.cpp), against NT tokens a pass over a
+// Q4_K/Q5_K/Q6_K rows interleaved eight by eight (X8, see ggml_formats.h), against NT tokens a pass over a
 // group's superblocks. Per block of 32, its codes are unpacked once for the NT tokens: four loads of nibbles
 // (codes i and 16 + i of each row's lane), Q5_K's fifth bits and Q6_K's two high bits shifted into place from
 // one or two more loads. The integer sum per row (Q4_K: eight maddubs pairs of at most 2 * 15 * 127 in int16,
@@ -251,7 +251,7 @@ static void kx8_group(const uint8_t* group, int64_t nsb, const int8_t* const* xq
         __m256i dot;
         if (BASE == Q4_K) {
 #ifdef GGML_VNNI
-          // Two chains (one token at a time: 1.13x on a 5632 x 2048 weight).
+          // Two chains: a token alone waits on two chains half as long.
           __m256i dot0 = _mm256_setzero_si256(), dot1 = _mm256_setzero_si256();
           dpbusd_block(dot0, dot1, lo, hi, x);
           dot = _mm256_add_epi32(dot0, dot1);
@@ -379,7 +379,7 @@ static Block* thread_blocks(int64_t n) {
 }
 
 // ---------------------------------------------------------------------------------------------------
-// X8 | Q3_K (see X8 in ggml_kernels.cpp).
+// X8 | Q3_K (see X8 in ggml_formats.h).
 
 // A block of 32 of a group of eight Q3_K rows, unpacked for the kernel: w[k] (k < 4) codes 4k .. 4k + 3 of each
 // row's lane, w[4 + k] codes 16 + 4k .. 16 + 4k + 3 (q = 0..7), and the scales in the form the products take them

@@ -245,8 +245,7 @@ static void iq4x8_group(const uint8_t* group, int64_t nblocks, const Iq4Block* r
 
 #ifndef GGML_VNNI
 // Q4_K, Q5_K and Q6_K on AVX2. Q6_K's blocks are buffered from five tokens; Q4_K's and Q5_K's, cheaper to unpack
-// again, from 17: buffered at 5 and 8 tokens their product measured 0.84-0.95x the passes unpacking for themselves,
-// at 16 1.00x, at 64 1.14x (Q4_K) and 1.26x (Q5_K).
+// again, from 17, where buffering starts to pay (docs/kernels.md, "Measured choices").
 template <int64_t BASE>
 struct Kx8 {
   const uint8_t* group;
@@ -276,8 +275,7 @@ template <bool XS>
 struct Iq4X8 {
   const uint8_t* group;
   using Block = Iq4Block;
-  // Its block is four times the packed one and its unpacking cheap: buffered at 8-13 tokens it measured 0.84-0.97x
-  // the passes unpacking for themselves, at 28 and 64 1.03-1.16x.
+  // Its block is four times the packed one and its unpacking cheap: buffered only from 25 tokens (docs/kernels.md).
   static constexpr int64_t unbuffered = 24;
   void unpack(int64_t b, Block& u) const { iq4x8_unpack<XS>(group, b, u); }
   template <int NT, bool READY>
