@@ -1,5 +1,5 @@
 // AMX: the X16 products of sixteen tokens at a time on Intel's tile unit (AMX-INT8: Sapphire Rapids and later).
-// ggml_kernels.cpp includes this file in the VNNI build, after ggml_simd.h (whose X16 helpers it uses); there the
+// ggml_vnni.cpp includes this file after ggml_x16.h (whose X16 helpers it uses); there the
 // tokens of x8_span (ggml_spans.h) go sixteen at a time through amx_pair on the `amx` path (current_isa),
 // the rest through the X16 passes.
 //
@@ -34,11 +34,8 @@ struct alignas(64) AmxBlock {
   __m512 d, m;
 };
 
-// Whether a type's prompts go through the tiles. Not Q6_K's: its scales are per 16 columns, so a block took two
-// tile products of 16 columns (a quarter of a tile's depth) and twice the float work per token, and since the X16
-// kernels read a pair's blocks unpacked once for all passes, they are faster (one product alone, 2 threads, the
-// two paths alternating call by call on a Sapphire Rapids: the tiles took 1.03-1.20x the X16 kernels' time at 16
-// to 512 tokens, on 5632 x 2048 and 2048 x 5632).
+// Whether a type's prompts go through the tiles. Not Q6_K's: its scales per 16 columns cost two tile products a
+// block, and the X16 kernels are faster for it (docs/kernels.md, "Measured choices").
 constexpr bool amx_takes(int64_t t) { return t != Q6_K; }
 
 // Whether a type's codes go to the tiles signed (Q8_0, IQ4, Q3_K's scaled codes) or unsigned, and whether it has

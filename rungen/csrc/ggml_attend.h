@@ -1,10 +1,9 @@
-// The attention and the MLP gates of the decoder layers (see attend in ggml_kernels.cpp): included three times by
-// ggml_kernels.cpp, in namespace avx512 compiled for AVX-512 (ATTEND_WIDE: two queries' scores and sixteen value
+// The attention and the MLP gates of the decoder layers (see attend in ggml_layers.cpp): included three times by
+// ggml_attend.cpp, in namespace avx512 compiled for AVX-512 (ATTEND_WIDE: two queries' scores and sixteen value
 // sums a register), avx2 for AVX2 and scalar for the baseline, and chosen by the code path in use (current_isa).
 // All do the same operations in the same order, lane by lane, no multiply-add fused (the file is compiled with
-// -ffp-contract=off), so they give the same bits. Fusing the scores' and the values' multiply-adds
-// made a 512-token prompt's attention no faster on an AVX-512 Xeon, and moved its last bits, which the
-// activations' 8-bit rounding amplifies.
+// -ffp-contract=off), so they give the same bits; fused multiply-adds gained nothing and moved the last bits
+// (docs/kernels.md, "Measured choices").
 
 // Eight floats as one value (GCC's vector extension): a ymm register in the AVX2 build, two xmm in the
 // baseline; each lane's arithmetic is the scalar code's.
@@ -257,7 +256,7 @@ static inline void add_head_values(const float* w, float inv, const float* v, in
   if (d < dim) add_values<f8, 1>(w, inv, v + d, v_key, jw, j1, o + d);
 }
 
-// Each query of [p0, p1) (q enumerated in [b, heads, t] order), in blocks of ATTEND_BLOCK (ggml_kernels.cpp).
+// Each query of [p0, p1) (q enumerated in [b, heads, t] order), in blocks of ATTEND_BLOCK (ggml_kernels.h).
 void attend_queries(const AttendJob& job, int64_t p0, int64_t p1, float* wp) {
   const FlushSubnormals flush;
   const float *qp = job.q, *kp = job.k, *vp = job.v;

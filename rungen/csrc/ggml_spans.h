@@ -1,11 +1,30 @@
-// Which kernel takes an interleaved weight's groups, by the number of tokens: ggml_kernels.cpp includes this file
-// after ggml_simd.h (and, in the VNNI build, ggml_amx.h), inside the same namespace and target.
+// Which kernel takes an interleaved weight's groups, by type and number of tokens: ggml_avx2.cpp and ggml_vnni.cpp
+// include this file last, inside the same namespace and target as the kernels.
+
+// One group against every token: the kernels that read their blocks unpacked (Q3_K; on AVX2 the other k-quants
+// and IQ4) through unpacked_tokens, the others four, two, then one token a pass.
+template <int64_t BASE>
+static void x8_tokens(const uint8_t* group, int64_t nb, const Act& a, int64_t k, float* y, int64_t stride) {
+  if constexpr (BASE == Q3_K) {
+    unpacked_tokens(Q3kX8{group}, nb, a, k, y, stride);
+#ifndef GGML_VNNI
+  } else if constexpr (BASE == Q4_K || BASE == Q5_K || BASE == Q6_K) {
+    unpacked_tokens(Kx8<BASE>{group}, nb, a, k, y, stride);
+  } else if constexpr (BASE == IQ4_NL || BASE == IQ4_XS) {
+    unpacked_tokens(Iq4X8<BASE == IQ4_XS>{group}, nb, a, k, y, stride);
+#endif
+  } else {
+    int64_t t = x8_pass<BASE, 4>(group, nb, a, k, y, stride, 0, a.n);
+    t = x8_pass<BASE, 2>(group, nb, a, k, y, stride, t, a.n);
+    x8_pass<BASE, 1>(group, nb, a, k, y, stride, t, a.n);
+  }
+}
+
 
 // Groups [g0, g1) of one type against every token: four tokens a pass while a group's blocks (a few KB) stay in
-// the L1 cache, then two, then one (eight a pass measured slower: the codes and accumulators no longer fit the
-// sixteen registers). On VNNI from eight tokens on, two groups at a time (X16; an odd one left over takes the X8
-// kernel); fewer tokens (decode, small batches) keep the X8 kernels: X16 is faster there with the weights in the
-// cache, but a model's decode, streaming them from memory, ran 0.7-0.8x as fast with it at one and four tokens.
+// the L1 cache, then two, then one (eight no longer fit the sixteen registers). On VNNI from eight tokens on, two
+// groups at a time (X16; an odd one left over takes the X8 kernel); decode and small batches keep the X8 kernels,
+// which a model's decode, streaming its weights from memory, runs faster (docs/kernels.md, "Measured choices").
 template <int64_t BASE>
 static void x8_span(const Job& job, int64_t g0, int64_t g1) {
   const Act& a = *job.act;
@@ -32,7 +51,7 @@ static void x8_span(const Job& job, int64_t g0, int64_t g1) {
 }
 
 // Groups [g0, g1) of an X8 weight against every token.
-static void x8_rows(const Job& job, int64_t g0, int64_t g1) {
+void x8_rows(const Job& job, int64_t g0, int64_t g1) {
   switch (job.qtype & ~X8) {
     case Q4_0: return x8_span<Q4_0>(job, g0, g1);
     case Q4_1: return x8_span<Q4_1>(job, g0, g1);

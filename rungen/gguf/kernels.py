@@ -16,7 +16,10 @@ import torch
 
 KERNELS_ENV = "RUN_GENERATION_KERNELS"  # "torch": never build or load the native kernels
 _SOURCE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")  # rungen/csrc
-_SOURCES = ("ggml_kernels.cpp", "ggml_simd.h", "ggml_amx.h", "ggml_spans.h", "ggml_attend.h")
+_SOURCES = ("ggml_kernels.cpp", "ggml_dispatch.cpp", "ggml_products.cpp", "ggml_scalar.cpp", "ggml_avx2.cpp",
+            "ggml_vnni.cpp", "ggml_attend.cpp", "ggml_layers.cpp", "ggml_decoder.cpp", "ggml_interleave.cpp",
+            "ggml_formats.h", "ggml_kernels.h", "ggml_ops.h", "ggml_simd.h", "ggml_x8.h", "ggml_x8_avx2.h",
+            "ggml_x16.h", "ggml_amx.h", "ggml_spans.h", "ggml_attend.h")
 # -ffp-contract=off: no multiply-add is fused unless the source says so, so that the same arithmetic compiled in
 # two functions (a token alone, tokens four at a time) gives the same bits.
 _CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
@@ -63,7 +66,8 @@ def build_kernels(verbose: bool = False) -> str:
             build = tempfile.mkdtemp(prefix="build-", dir=cache)
             try:
                 name = f"rungen_ggml_{key}"
-                cpp_extension.load(name=name, sources=[os.path.join(_SOURCE_DIR, "ggml_kernels.cpp")],
+                sources = [os.path.join(_SOURCE_DIR, source) for source in _SOURCES if source.endswith(".cpp")]
+                cpp_extension.load(name=name, sources=sources,
                                    extra_cflags=list(_CFLAGS), extra_ldflags=["-fopenmp"],
                                    build_directory=build, is_python_module=False, verbose=verbose)
                 # load() has loaded the library from the build folder; the rename keeps that mapping valid.

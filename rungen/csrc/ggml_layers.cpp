@@ -1,0 +1,230 @@
+// A decoder layer's steps around its matmuls: RMSNorm, the rotary embedding (with q/k's per-head norms), the MLP
+// gates and attention; the loops of the last two in ggml_attend.h (ggml_attend.cpp).
+#include "ggml_ops.h"
+
+namespace rungen_ggml {
+
+// The small steps of a llama decoder layer around its matmuls. At one token a step each is a few hundred
+// floats, and as torch operators each costs several calls of 3-5 microseconds (dispatch, allocation);
+// these take one call each. Plain loops: the work is far below what vector code would save.
+
+// RMSNorm as transformers' LlamaRMSNorm: x / sqrt(mean(x^2) + eps) * weight, over the last dimension.
+namespace {
+
+inline void rms_row(const float* v, const float* wp, double eps, int64_t d, float* y) {
+  float sum = 0.f;
+  for (int64_t i = 0; i < d; ++i) sum += v[i] * v[i];
+  const float inv = 1.f / std::sqrt(sum / float(d) + float(eps));
+  for (int64_t i = 0; i < d; ++i) y[i] = wp[i] * (v[i] * inv);
+}
+
+}  // namespace
+
+void rms_norm_rows(const float* xp, const float* wp, double eps, int64_t rows, int64_t d, float* yp) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / d), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) rms_row(xp + r * d, wp, eps, d, yp + r * d);
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double eps) {
+  const at::Tensor x = x_in.to(at::kFloat).contiguous(), weight = weight_in.to(at::kFloat).contiguous();
+  const int64_t d = x.size(-1), rows = x.numel() / std::max<int64_t>(d, 1);
+  TORCH_CHECK(weight.numel() == d, "rungen_ggml: rms_norm weight must have ", d, " values");
+  at::Tensor y = at::empty_like(x);
+  rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), eps, rows, d, y.data_ptr<float>());
+  return y;
+}
+
+// The fused q/k/v product [b, t, (heads + 2 kv_heads) * head_dim] split into q [b, heads, t, head_dim],
+// k and v [b, kv_heads, t, head_dim], q and k rotated as transformers' apply_rotary_pos_emb rotates them
+// (rotate_half: the first half of the rotated part pairs with the second). cos/sin [.., rot]: a head's first rot
+// values are rotated, the rest pass as they are (partial rotary, phi3's partial_rotary_factor); rot = head_dim
+// for llama. Where a family normalizes each head of q and k before the rotation (qwen3's q_norm/k_norm: an
+// RMSNorm over head_dim), HeadNorms carries their weights; none for llama, whose arithmetic is then unchanged.
+void rope_rows(const float* src, const float* cp, const float* sp, bool shared, int64_t b, int64_t t, int64_t heads,
+               int64_t kv_heads, int64_t dim, int64_t rot, float* qp, const Rows4& k, const Rows4& v,
+               const HeadNorms& norms) {
+  const int64_t all = heads + 2 * kv_heads, half = rot / 2;
+  at::parallel_for(0, b * t, std::max<int64_t>(1, 4096 / (all * dim)), [&](int64_t p0, int64_t p1) {
+    std::vector<float> normed(norms.q || norms.k ? dim : 0);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t batch = p / t, token = p % t;
+      const float* row = src + p * all * dim;
+      const float* c = cp + (shared ? token : p) * rot;
+      const float* s = sp + (shared ? token : p) * rot;
+      for (int64_t h = 0; h < all; ++h) {
+        const float* x = row + h * dim;
+        float* out;
+        const float* norm;
+        if (h < heads) {
+          out = qp + ((batch * heads + h) * t + token) * dim;
+          norm = norms.q;
+        } else if (h < heads + kv_heads) {
+          out = k.p + batch * k.batch + (h - heads) * k.head + token * k.token;
+          norm = norms.k;
+        } else {
+          std::memcpy(v.p + batch * v.batch + (h - heads - kv_heads) * v.head + token * v.token, x,
+                      dim * sizeof(float));
+          continue;
+        }
+        if (norm) {
+          rms_row(x, norm, norms.eps, dim, normed.data());
+          x = normed.data();
+        }
+        for (int64_t i = 0; i < half; ++i) {
+          out[i] = x[i] * c[i] - x[i + half] * s[i];
+          out[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
+        }
+        if (rot < dim) std::memcpy(out + rot, x + rot, (dim - rot) * sizeof(float));
+      }
+    }
+  });
+}
+
+// cos/sin per sequence [b, t, rot], or one [1, t, rot] for all (positions without padding): whether shared.
+bool rope_shared(const at::Tensor& cos, const at::Tensor& sin, int64_t b, int64_t t, int64_t rot) {
+  const bool shared = cos.numel() == t * rot;
+  TORCH_CHECK((shared || cos.numel() == b * t * rot) && sin.numel() == cos.numel(), "rungen_ggml: cos/sin must be "
+              "[b or 1, t, ", rot, "]");
+  return shared;
+}
+
+// The rotated width of cos (its last dimension): even, at most head_dim.
+int64_t rotary_width(const at::Tensor& cos, int64_t dim) {
+  const int64_t rot = cos.dim() ? cos.size(-1) : 0;
+  TORCH_CHECK(rot > 0 && rot % 2 == 0 && rot <= dim, "rungen_ggml: cos/sin's last dimension must be even and at "
+              "most head_dim (", dim, "), not ", rot);
+  return rot;
+}
+
+// A per-head norm's weights as float32 [head_dim], held by `held` while they are read.
+const float* head_norm(const c10::optional<at::Tensor>& weight, int64_t dim, at::Tensor& held) {
+  if (!weight.has_value()) return nullptr;
+  held = weight->to(at::kFloat).contiguous();
+  TORCH_CHECK(held.numel() == dim, "rungen_ggml: a per-head norm must have head_dim (", dim, ") weights");
+  return held.data_ptr<float>();
+}
+
+std::vector<at::Tensor> rope_split(const at::Tensor& qkv_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
+                                   int64_t heads, int64_t kv_heads, const c10::optional<at::Tensor>& q_norm,
+                                   const c10::optional<at::Tensor>& k_norm, double norm_eps) {
+  const at::Tensor qkv = qkv_in.to(at::kFloat).contiguous();
+  const at::Tensor cos = cos_in.to(at::kFloat).contiguous(), sin = sin_in.to(at::kFloat).contiguous();
+  TORCH_CHECK(qkv.dim() == 3, "rungen_ggml: qkv must be [batch, tokens, features]");
+  const int64_t b = qkv.size(0), t = qkv.size(1), all = heads + 2 * kv_heads;
+  TORCH_CHECK(qkv.size(2) % all == 0, "rungen_ggml: qkv features are not (heads + 2 kv_heads) * head_dim");
+  const int64_t dim = qkv.size(2) / all, rot = rotary_width(cos, dim);
+  const bool shared = rope_shared(cos, sin, b, t, rot);
+  at::Tensor held_q, held_k;
+  const HeadNorms norms{head_norm(q_norm, dim, held_q), head_norm(k_norm, dim, held_k), norm_eps};
+  at::Tensor q = at::empty({b, heads, t, dim}, qkv.options());
+  at::Tensor k = at::empty({b, kv_heads, t, dim}, qkv.options());
+  at::Tensor v = at::empty({b, kv_heads, t, dim}, qkv.options());
+  rope_rows(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), shared, b, t, heads, kv_heads, dim,
+            rot, q.data_ptr<float>(), Rows4{k.data_ptr<float>(), k.stride(0), k.stride(1), k.stride(2)},
+            Rows4{v.data_ptr<float>(), v.stride(0), v.stride(1), v.stride(2)}, norms);
+  return {q, k, v};
+}
+
+
+namespace {
+
+using AttendFn = void (*)(const AttendJob&, int64_t, int64_t, float*);
+AttendFn attend_fn() {
+  if (current_isa >= VNNI) return avx512::attend_queries;
+  return current_isa >= AVX2 ? avx2::attend_queries : scalar::attend_queries;
+}
+
+}  // namespace
+
+GateFn gelu_fn() { return current_isa >= AVX2 ? avx2::gelu_rows : scalar::gelu_rows; }
+GateFn silu_fn() { return current_isa >= AVX2 ? avx2::silu_rows : scalar::silu_rows; }
+
+// A gate (silu_fn's or gelu_fn's) over the fused gate/up product [rows, 2 * f] (gate first) into [rows, f], the rows
+// spread over the threads, a task about `work` values (the GELU's tanh costs more a value than the SiLU's exp).
+void gate_mul_rows(GateFn fn, int64_t work, const float* gp, int64_t rows, int64_t f, float* yp) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, work / std::max<int64_t>(f, 1)),
+                   [&](int64_t r0, int64_t r1) { fn(gp, r0, r1, f, yp); });
+}
+
+namespace {
+
+at::Tensor gate_mul(const at::Tensor& gu_in, GateFn fn, int64_t work) {
+  const at::Tensor gu = gu_in.to(at::kFloat).contiguous();
+  const int64_t f = gu.size(-1) / 2, rows = gu.numel() / std::max<int64_t>(2 * f, 1);
+  std::vector<int64_t> shape(gu.sizes().begin(), gu.sizes().end());
+  shape.back() = f;
+  at::Tensor y = at::empty(shape, gu.options());
+  gate_mul_rows(fn, work, gu.data_ptr<float>(), rows, f, y.data_ptr<float>());
+  return y;
+}
+
+}  // namespace
+
+at::Tensor silu_mul(const at::Tensor& gu) { return gate_mul(gu, silu_fn(), SILU_WORK); }
+
+at::Tensor gelu_tanh_mul(const at::Tensor& gu) { return gate_mul(gu, gelu_fn(), GELU_WORK); }
+// Attention of t query tokens a sequence over T keys (the cached ones and their own): q [b, heads, t, dim],
+// k and v [b, kv_heads, T, dim] (grouped heads: query head h reads kv head h / (heads / kv_heads)). mask None:
+// causal, query i sees keys 0 .. T - t + i; else bool [b, 1, t, T] (true: attend) or additive float of that
+// shape (0 attends, a large negative value does not). Out [b, t, heads * dim], as transformers' attention
+// returns it reshaped. softcap > 0 (gemma2's attn_logit_softcapping) bounds each score to tanh(s / cap) * cap
+// before the mask is added, as transformers' gemma2 eager attention does; 0: none. window > 0 (a sliding-window
+// layer's): query i, at cache position T - t + i, also skips the keys at or before that position - window, on top
+// of the mask (transformers' sliding_window_overlay; the cache keeps every position); 0: none.
+//
+// Each query's keys are visited in order and the masked ones skipped, so a sequence's result does not depend on
+// the padding beside it: a prompt alone and the same prompt left-padded in a batch give the same bits (torch's
+// attention kernels block the keys differently once padding shifts them, which moves the last bits). A query
+// that sees no key gives zeros, where softmax would give NaN.
+
+AttendMask attend_mask(const c10::optional<at::Tensor>& mask_in, int64_t b, int64_t t, int64_t T) {
+  AttendMask m;
+  if (!mask_in.has_value()) return m;
+  const bool additive = mask_in->is_floating_point();
+  m.held = additive ? mask_in->to(at::kFloat).contiguous() : mask_in->to(at::kBool).contiguous();
+  TORCH_CHECK(m.held.numel() == b * t * T, "rungen_ggml: attend's mask must be [b, 1, ", t, ", ", T, "]");
+  if (additive)
+    m.adds = m.held.data_ptr<float>();
+  else
+    m.bools = m.held.data_ptr<bool>();
+  return m;
+}
+
+// attend of q [b, heads, t, dim] (float32, contiguous) over k, v [b, kv, T, dim] (float32, last dimension
+// contiguous: read in place), into out [b, t, heads * dim].
+void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttendMask& mask, double scale,
+                 double softcap, int64_t window, float* op) {
+  const int64_t b = q.size(0), heads = q.size(1), t = q.size(2), dim = q.size(3), kv = k.size(1), T = k.size(2);
+  TORCH_CHECK(k.size(0) == b && k.size(3) == dim && kv > 0 && heads % kv == 0 && T >= t,
+              "rungen_ggml: attend's shapes differ");
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const bool masked = mask.bools != nullptr || mask.adds != nullptr;
+  at::parallel_for(0, b * heads * t, std::max<int64_t>(1, 32768 / std::max<int64_t>(T * dim, 1)),
+                   [&](int64_t p0, int64_t p1) {
+    std::vector<float> w(ATTEND_BLOCK * T);
+    attend_fn()(AttendJob{qp, kp, vp, mask.bools, mask.adds, op, heads, t, dim, kv, T, k.stride(0), k.stride(1),
+                             k.stride(2), v.stride(0), v.stride(1), v.stride(2), float(scale), float(softcap),
+                             window, masked}, p0, p1,
+                   w.data());
+  });
+}
+
+at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                  const c10::optional<at::Tensor>& mask_in, double scale, double softcap, int64_t window) {
+  // k and v may be views of a cache with room to grow (strided over keys, heads and batch): read in place.
+  const auto in_place = [](const at::Tensor& x) {
+    return x.scalar_type() == at::kFloat && x.dim() == 4 && x.stride(3) == 1 ? x : x.to(at::kFloat).contiguous();
+  };
+  const at::Tensor q = q_in.to(at::kFloat).contiguous(), k = in_place(k_in), v = in_place(v_in);
+  TORCH_CHECK(softcap >= 0.0, "rungen_ggml: attend's softcap must be positive, or 0 for none");
+  TORCH_CHECK(window >= 0, "rungen_ggml: attend's window must be positive, or 0 for none");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes(),
+              "rungen_ggml: attend takes q [b, h, t, d] and k, v [b, kv, T, d]");
+  at::Tensor out = at::empty({q.size(0), q.size(2), q.size(1) * q.size(3)}, q.options());
+  attend_into(q, k, v, attend_mask(mask_in, q.size(0), q.size(2), k.size(2)), scale, softcap, window,
+              out.data_ptr<float>());
+  return out;
+}
+
+}  // namespace rungen_ggml

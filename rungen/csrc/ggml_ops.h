@@ -1,0 +1,108 @@
+// The torch side's functions that one translation unit calls in another, and the operators ggml_kernels.cpp
+// registers: the products (ggml_products.cpp), the layers' steps (ggml_layers.cpp), the decoder (ggml_decoder.cpp),
+// interleaving (ggml_interleave.cpp) and the code path (ggml_dispatch.cpp).
+#pragma once
+
+#include "ggml_kernels.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace rungen_ggml {
+
+// ggml_dispatch.cpp
+std::string isa();
+std::string set_isa(const std::string& name);
+
+// ggml_products.cpp
+at::Tensor mm(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype, int64_t in_features);
+at::Tensor mm_parts(const at::Tensor& x_in, at::TensorList blocks, at::IntArrayRef qtypes, int64_t in_features);
+at::Tensor mm_int(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype, int64_t in_features);
+at::Tensor mm_tiled(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype, int64_t in_features);
+at::Tensor dequantize(const at::Tensor& blocks, int64_t qtype, int64_t in_features);
+at::Tensor embed(const at::Tensor& blocks, int64_t qtype, int64_t in_features, const at::Tensor& ids_in);
+int64_t set_tile_threshold(int64_t n);
+void mm_parts_into(const at::Tensor& x, at::TensorList blocks, at::IntArrayRef qtypes, int64_t in_features,
+                   float* y);
+void mm_into(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, int64_t in_features, float* y);
+int64_t parts_rows(at::TensorList blocks, at::IntArrayRef qtypes);
+
+// ggml_interleave.cpp
+at::Tensor interleave(const at::Tensor& blocks, int64_t qtype, const c10::optional<at::Tensor>& out_in);
+
+// ggml_layers.cpp
+// Where rope_rows writes keys or values: [b, kv_heads, positions, head_dim] with these strides (elements), from
+// its position 0 (a cache's buffer from the first free position, or a tensor of its own).
+struct Rows4 {
+  float* p;
+  int64_t batch, head, token;
+};
+
+struct HeadNorms {
+  const float* q = nullptr;  // [head_dim] weights, or none
+  const float* k = nullptr;
+  double eps = 0.;
+};
+
+void rms_norm_rows(const float* xp, const float* wp, double eps, int64_t rows, int64_t d, float* yp);
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double eps);
+void rope_rows(const float* src, const float* cp, const float* sp, bool shared, int64_t b, int64_t t, int64_t heads,
+               int64_t kv_heads, int64_t dim, int64_t rot, float* qp, const Rows4& k, const Rows4& v,
+               const HeadNorms& norms = HeadNorms{});
+bool rope_shared(const at::Tensor& cos, const at::Tensor& sin, int64_t b, int64_t t, int64_t rot);
+int64_t rotary_width(const at::Tensor& cos, int64_t dim);
+const float* head_norm(const c10::optional<at::Tensor>& weight, int64_t dim, at::Tensor& held);
+std::vector<at::Tensor> rope_split(const at::Tensor& qkv_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
+                                   int64_t heads, int64_t kv_heads, const c10::optional<at::Tensor>& q_norm,
+                                   const c10::optional<at::Tensor>& k_norm, double norm_eps);
+
+using GateFn = void (*)(const float*, int64_t, int64_t, int64_t, float*);
+constexpr int64_t SILU_WORK = 16384, GELU_WORK = 65536;
+GateFn gelu_fn();
+GateFn silu_fn();
+void gate_mul_rows(GateFn fn, int64_t work, const float* gp, int64_t rows, int64_t f, float* yp);
+at::Tensor silu_mul(const at::Tensor& gu);
+at::Tensor gelu_tanh_mul(const at::Tensor& gu);
+
+// attend's mask as the kernel reads it: bool or additive float [b, 1, t, T], or none (causal).
+struct AttendMask {
+  at::Tensor held;
+  const bool* bools = nullptr;
+  const float* adds = nullptr;
+};
+
+AttendMask attend_mask(const c10::optional<at::Tensor>& mask_in, int64_t b, int64_t t, int64_t T);
+void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttendMask& mask, double scale,
+                 double softcap, int64_t window, float* op);
+at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                  const c10::optional<at::Tensor>& mask_in, double scale, double softcap, int64_t window);
+
+// ggml_decoder.cpp
+std::vector<at::Tensor> attention_in(const at::Tensor& hidden, const at::Tensor& norm_weight, double eps,
+                                     at::TensorList qkv_blocks, at::IntArrayRef qkv_qtypes,
+                                     const c10::optional<at::Tensor>& qkv_bias, const at::Tensor& cos,
+                                     const at::Tensor& sin, int64_t heads, int64_t kv_heads,
+                                     const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
+                                     double norm_eps);
+at::Tensor attention_out_mlp(const at::Tensor& hidden, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const c10::optional<at::Tensor>& mask, double scale, const at::Tensor& o_blocks,
+                             int64_t o_qtype, const at::Tensor& norm_weight, double eps,
+                             at::TensorList gate_up_blocks, at::IntArrayRef gate_up_qtypes,
+                             const at::Tensor& down_blocks, int64_t down_qtype);
+std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decoder_stack(
+    const at::Tensor& hidden, const at::Tensor& cos_in, const at::Tensor& sin_in,
+    const c10::optional<at::Tensor>& mask, at::TensorList input_norms, at::TensorList qkv,
+    const c10::List<c10::optional<at::Tensor>>& qkv_bias, const c10::List<c10::optional<at::Tensor>>& q_norms,
+    const c10::List<c10::optional<at::Tensor>>& k_norms, at::TensorList o, at::TensorList post_norms,
+    at::TensorList gate_up, at::TensorList down, at::IntArrayRef qtypes, double eps, int64_t heads, int64_t kv_heads,
+    double scale, at::TensorList k_buffers, at::TensorList v_buffers, int64_t length,
+    const c10::List<c10::optional<at::Tensor>>& attention_out_norms,
+    const c10::List<c10::optional<at::Tensor>>& mlp_out_norms, at::IntArrayRef windows,
+    const c10::optional<at::Tensor>& local_cos_in, const c10::optional<at::Tensor>& local_sin_in, double softcap,
+    bool gelu);
+
+}  // namespace rungen_ggml
