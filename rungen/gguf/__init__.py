@@ -1,7 +1,7 @@
 """The GGUF runtime: a GGUF file run on the CPU in its own quantized blocks, multiplied by the native kernels.
 
 Modules, from the ground up:
-- kernels.py: the native kernels (rungen/csrc, torch.ops.rungen_ggml), built on first use and cached.
+- kernels.py: the native kernels (rungen/gguf/csrc, torch.ops.rungen_ggml), built on first use and cached.
 - blocks.py: the file's tensors as torch layers (GGMLLinear, GGMLParts, GGMLEmbedding; float ones kept in their
   dtype), the torch fallback where the kernels are missing, the 4-bit GPU form.
 - families.py: the model families, one row each: what a family differs in from llama's decoder.

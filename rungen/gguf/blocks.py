@@ -8,7 +8,7 @@ by eight (`interleave`: the same bytes in another order, [out_features / 8, 8 x 
 IQ4_XS's packed scales unpacked to a byte each: `interleaved_row_bytes`), which the kernels multiply faster than
 rows one by one (docs/kernels.md).
 
-A forward multiplies with the C++ kernels of rungen/csrc (torch.ops.rungen_ggml, built on first use and
+A forward multiplies with the C++ kernels of rungen/gguf/csrc (torch.ops.rungen_ggml, built on first use and
 cached: rungen/gguf/kernels.py): activations quantized to int8 per block of 32, integer dot products per
 block, as llama.cpp does. Where they cannot be built, or RUN_GENERATION_KERNELS=torch is set, a layer
 converts itself on its first call to torch's own kernels instead (Q4_0/Q4_1/Q4_K to torch's int4 packing,

@@ -1,5 +1,5 @@
-"""The native GGUF kernels (torch.ops.rungen_ggml): built from rungen/csrc on first use, cached by the hash of their
-sources, their flags and torch's version, loaded from the cache afterwards (docs/kernels.md)."""
+"""The native GGUF kernels (torch.ops.rungen_ggml): built from rungen/gguf/csrc on first use, cached by the hash of
+their sources, their flags and torch's version, loaded from the cache afterwards (docs/kernels.md)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import time
 import torch
 
 KERNELS_ENV = "RUN_GENERATION_KERNELS"  # "torch": never build or load the native kernels
-_SOURCE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")  # rungen/csrc
+_SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 _SOURCES = ("ggml_kernels.cpp", "ggml_dispatch.cpp", "ggml_products.cpp", "ggml_scalar.cpp", "ggml_avx2.cpp",
             "ggml_vnni.cpp", "ggml_attend.cpp", "ggml_layers.cpp", "ggml_decoder.cpp", "ggml_interleave.cpp",
             "ggml_formats.h", "ggml_kernels.h", "ggml_ops.h", "ggml_simd.h", "ggml_x8.h", "ggml_x8_avx2.h",
