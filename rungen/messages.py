@@ -13,7 +13,7 @@ import re
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from . import openai_api
-from .openai_api import APIError, excerpt, has_value, number
+from .openai_api import APIError, excerpt, has_value, number, refuse_extra
 from .reasoning import VariableError, read_template_variables, template_reads
 
 # Anthropic's error type for each status (any other 4xx: invalid_request_error, any other 5xx: api_error).
@@ -90,9 +90,7 @@ def blocks_of(content, where, allowed):
         if kind not in allowed:
             raise APIError(f"{at}: {excerpt(kind)} blocks are not supported by this server (here: "
                            f"{', '.join(allowed)})", field)
-        extra = sorted(key for key in block if key not in BLOCK_KEYS[kind] and block[key] is not None)
-        if extra:
-            raise APIError(f"{at}.{extra[0]} is not supported by this server", field)
+        refuse_extra(block, BLOCK_KEYS[kind], at, field)
         if block.get("cache_control") is not None and not isinstance(block["cache_control"], dict):
             raise APIError(f"{at}.cache_control must be an object", field)
         if kind == "text" and not isinstance(block.get("text"), str):
@@ -149,9 +147,7 @@ def read_messages(body, system):
         where = f"messages[{place}]"
         if not isinstance(message, dict):
             raise APIError(f"{where} must be an object", "messages")
-        extra = sorted(key for key in message if key not in ("role", "content") and message[key] is not None)
-        if extra:
-            raise APIError(f"{where}.{extra[0]} is not supported by this server", "messages")
+        refuse_extra(message, ("role", "content"), where, "messages")
         role = message.get("role")
         if role not in ("user", "assistant"):
             raise APIError(f"{where}.role must be user or assistant, got {excerpt(role)}", "messages")
@@ -209,9 +205,7 @@ def read_tools(body):
         if tool.get("type") not in (None, "custom"):
             raise APIError(f"{at}: {excerpt(tool['type'])} tools (Anthropic's server and client tools) are not "
                            "supported by this server; give {name, description, input_schema}", "tools")
-        extra = sorted(key for key in tool if key not in TOOL_KEYS and tool[key] is not None)
-        if extra:
-            raise APIError(f"{at}.{extra[0]} is not supported by this server", "tools")
+        refuse_extra(tool, TOOL_KEYS, at, "tools")
         if not isinstance(tool.get("input_schema"), dict):
             raise APIError(f"{at}.input_schema must be a JSON schema object", "tools")
         if tool.get("cache_control") is not None and not isinstance(tool["cache_control"], dict):
@@ -264,9 +258,7 @@ def read_thinking(body, chat_template, max_tokens):
         raise APIError('thinking must be {"type": "enabled", "budget_tokens": N}, {"type": "adaptive"} or '
                        '{"type": "disabled"}', "thinking")
     allowed = {"type", "budget_tokens"} if kind == "enabled" else {"type"}
-    extra = sorted(key for key in thinking if key not in allowed and thinking[key] is not None)
-    if extra:
-        raise APIError(f"thinking.{extra[0]} is not supported by this server", "thinking")
+    refuse_extra(thinking, allowed, "thinking", "thinking")
     if kind == "enabled":
         budget = thinking.get("budget_tokens")
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < THINKING_MIN_BUDGET:

@@ -177,6 +177,13 @@ def check_fields(body, allowed):
             raise APIError(f"{name} is not supported by this server", name)
 
 
+def refuse_extra(obj, allowed, where, param):
+    """APIError naming the first field of `obj` (found at `where`) that is set and not in `allowed`."""
+    extra = sorted(key for key in obj if key not in allowed and obj[key] is not None)
+    if extra:
+        raise APIError(f"{where}.{extra[0]} is not supported by this server", param)
+
+
 def message_text(message, number):
     content = message.get("content")
     if isinstance(content, str):
@@ -204,10 +211,7 @@ def read_messages(body):
         if not isinstance(role, str) or role not in CHAT_ROLES:  # a list or an object cannot be looked up
             raise APIError(f"messages[{number}].role {excerpt(role)} is not supported (roles: "
                            f"{', '.join(sorted(CHAT_ROLES))})", "messages")
-        extra = sorted(key for key in message if key not in ("role", "content", "tool_calls", "tool_call_id")
-                       and message[key] is not None)
-        if extra:
-            raise APIError(f"messages[{number}].{extra[0]} is not supported by this server", "messages")
+        refuse_extra(message, ("role", "content", "tool_calls", "tool_call_id"), f"messages[{number}]", "messages")
         try:
             tool_fields = read_tool_message_fields(message, number)
         except ToolError as error:

@@ -14,7 +14,7 @@ import uuid
 from fastapi.responses import StreamingResponse
 
 from . import logger
-from .openai_api import APIError, boolean, excerpt, has_value, respond, run_chat
+from .openai_api import APIError, boolean, excerpt, has_value, refuse_extra, respond, run_chat
 from .openai_api import number as read_number
 
 # Responses kept for previous_response_id; a chain of responses shares its conversation's items.
@@ -161,9 +161,7 @@ class Plan:
         reasoning = body["reasoning"]
         if not isinstance(reasoning, dict):
             raise APIError("reasoning must be an object: {\"effort\", \"summary\"}", "reasoning")
-        extra = sorted(key for key in reasoning if key not in ("effort", "summary") and reasoning[key] is not None)
-        if extra:
-            raise APIError(f"reasoning.{extra[0]} is not supported by this server", "reasoning")
+        refuse_extra(reasoning, ("effort", "summary"), "reasoning", "reasoning")
         summary = reasoning.get("summary")
         if summary is not None and summary not in SUMMARIES:
             raise APIError(f"reasoning.summary must be one of {', '.join(SUMMARIES)}, got {excerpt(summary)}",
@@ -333,9 +331,7 @@ def read_input(body):
         else:
             raise APIError(f"{where}: items of type {excerpt(kind)} are not supported (message, function_call, "
                            "function_call_output, reasoning)", "input")
-        extra = sorted(key for key in item if key not in keys and item[key] is not None)
-        if extra:
-            raise APIError(f"{where}.{extra[0]} is not supported by this server", "input")
+        refuse_extra(item, keys, where, "input")
     return [dict(item, output=item_text({"content": item["output"]}, ""))
             if item.get("type") == "function_call_output" else item for item in given]
 
@@ -353,9 +349,7 @@ def item_text(item, where):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise APIError(f"{where}.content[{number}]: only input_text and output_text parts are supported, "
                                f"got {excerpt(kind)}", "input")
-            extra = sorted(key for key in part if key not in PART_KEYS and part[key] is not None)
-            if extra:
-                raise APIError(f"{where}.content[{number}].{extra[0]} is not supported by this server", "input")
+            refuse_extra(part, PART_KEYS, f"{where}.content[{number}]", "input")
             texts.append(part["text"])
         return "".join(texts)
     raise APIError(f"{where}.content must be a string or a list of text parts", "input")
@@ -374,9 +368,7 @@ def read_tools(body):
         if not isinstance(tool, dict) or tool.get("type") != "function":
             kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
             raise APIError(f"tools[{number}]: only function tools are supported, got type {excerpt(kind)}", "tools")
-        extra = sorted(key for key in tool if key not in TOOL_KEYS and tool[key] is not None)
-        if extra:
-            raise APIError(f"tools[{number}].{extra[0]} is not supported by this server", "tools")
+        refuse_extra(tool, TOOL_KEYS, f"tools[{number}]", "tools")
         converted.append({"type": "function", "function": {key: value for key, value in tool.items()
                                                            if key != "type" and value is not None}})
     return converted
@@ -401,9 +393,7 @@ def read_text(body):
     text = body["text"]
     if not isinstance(text, dict):
         raise APIError("text must be an object: {\"format\": ...}", "text")
-    extra = sorted(key for key in text if key != "format" and text[key] is not None)
-    if extra:
-        raise APIError(f"text.{extra[0]} is not supported by this server", "text")
+    refuse_extra(text, ("format",), "text", "text")
     if not has_value(text, "format"):
         return None
     fmt = text["format"]
@@ -413,10 +403,7 @@ def read_text(body):
     if kind == "json_object" and set(fmt) == {"type"}:
         return {"type": "json_object"}
     if kind == "json_schema":
-        extra = sorted(key for key in fmt if key not in ("type", "name", "schema", "strict", "description")
-                       and fmt[key] is not None)
-        if extra:
-            raise APIError(f"text.format.{extra[0]} is not supported by this server", "text.format")
+        refuse_extra(fmt, ("type", "name", "schema", "strict", "description"), "text.format", "text.format")
         if not isinstance(fmt.get("name"), str) or not fmt["name"]:
             raise APIError("text.format.name must be a non-empty string", "text.format")
         if fmt.get("strict") is not None and not isinstance(fmt["strict"], bool):
