@@ -277,3 +277,31 @@ def serving(loaded, **options):
         live.stop()
         engine.close()
         engine.abort()
+
+
+def blocks_and_reference(files):
+    """{name: (header, the model in its own blocks, transformers' de-quantized float32 model)} of GGUF files
+    {name: path}, each loaded once; the reference shares the header's one parse of the file's metadata."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rungen.gguf import GGUFHeader, build_model, metadata_parsed_once
+
+    out = {}
+    for name, path in files.items():
+        with metadata_parsed_once():
+            header = GGUFHeader(path)
+            reference = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+        out[name] = header, build_model(header, torch.float32), reference.eval()
+    return out
+
+
+def error_of(args, capsys):
+    """The exit code and the last stderr line of the command (run_generation.cli), which must fail in one line."""
+    import run_generation
+
+    with pytest.raises(SystemExit) as exit_info:
+        run_generation.cli(args)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert "Traceback" not in "\n".join(lines)
+    return exit_info.value.code, lines[-1]

@@ -4,16 +4,16 @@ gemma's score scaling), their logits those of transformers' own model over the d
 tokens fused and unfused, and what the tool cannot compute refused in one line. The files imitate the published ones
 (tests/tiny_models.py, GGUF_FAMILIES)."""
 
-import os
 
 import pytest
 import torch
 
 import run_generation
+from helpers import blocks_and_reference, error_of
 from rungen.gguf import file as gguf_loading
 from rungen.gguf.blocks import GGMLLinear, native_kernels
 from rungen.gguf.decoder import DecoderStack, FusedDecoderLayer, products_one_by_one
-from rungen.gguf.file import GGUFHeader, build_model, metadata_parsed_once
+from rungen.gguf.file import GGUFHeader, build_model
 from rungen.loading import default_model_file
 from tiny_models import default_tokenizer_fields, write_family_gguf
 
@@ -47,15 +47,7 @@ def files(tmp_path_factory, tokenizer_fields):
 @pytest.fixture(scope="module")
 def loaded(files):
     """{file: (header, model in its own blocks, transformers' de-quantized float32 model)}, each loaded once."""
-    from transformers import AutoModelForCausalLM
-
-    out = {}
-    for name, path in files.items():
-        with metadata_parsed_once():
-            header = GGUFHeader(path)
-            reference = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-        out[name] = header, build_model(header, torch.float32), reference.eval()
-    return out
+    return blocks_and_reference(files)
 
 
 def test_the_config_has_the_files_head_size_and_rotary(loaded):
@@ -161,14 +153,6 @@ def test_greedy_tokens_are_the_same_fused_and_unfused(loaded, name, monkeypatch)
         with products_one_by_one(fused):
             layer_by_layer = greedy(header, fused)
         assert greedy(header, fused) == layer_by_layer
-
-
-def error_of(args, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        run_generation.cli(args)
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert "Traceback" not in "\n".join(lines)
-    return exit_info.value.code, lines[-1]
 
 
 @pytest.mark.parametrize("family, options, reason", [

@@ -8,7 +8,6 @@ random bytes, which any de-quantizer reads as some weights)."""
 
 import io
 import logging
-import os
 import sys
 
 import numpy as np
@@ -18,6 +17,7 @@ from gguf import GGML_QUANT_SIZES, GGUFWriter, quants
 from gguf import GGMLQuantizationType as Q
 
 import run_generation
+from helpers import blocks_and_reference, error_of
 from rungen.gguf import weights
 from rungen.gguf.blocks import (
     INTERLEAVED_TYPES,
@@ -31,7 +31,7 @@ from rungen.gguf.blocks import (
 from rungen.gguf.decoder import DecoderStack, FusedDecoderLayer, products_one_by_one
 from rungen.gguf.file import GGUFHeader, build_model, metadata_parsed_once
 from rungen.loading import default_model_file
-from tiny_models import default_tokenizer_fields
+from tiny_models import default_tokenizer_fields, write_out
 
 DEFAULT_GGUF = default_model_file()
 HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2  # k-quant rows need multiples of 256
@@ -154,11 +154,7 @@ def write_llama_gguf(path, tokenizer_fields, layers, embedding, output, default=
     add("output_norm.weight", rng.uniform(0.8, 1.2, HIDDEN), Q.F32)
     if output is not None:
         add("output.weight", rng.normal(0, 0.08, (vocab, HIDDEN)), output)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return str(path)
+    return write_out(writer, path)
 
 
 @pytest.fixture(scope="module")
@@ -173,15 +169,7 @@ def loaded(gguf_files):
 
     The reference is transformers' own GGUF loader (what --dequantize runs); it shares the header's one
     parse of the file's metadata, and reads the weights itself."""
-    from transformers import AutoModelForCausalLM
-
-    out = {}
-    for name, path in gguf_files.items():
-        with metadata_parsed_once():
-            header = GGUFHeader(path)
-            reference = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-        out[name] = header, build_model(header, torch.float32), reference.eval()
-    return out
+    return blocks_and_reference(gguf_files)
 
 
 @pytest.mark.parametrize("name", FILES)
@@ -350,15 +338,6 @@ def test_batch_equals_single(gguf_files, loaded, monkeypatch, capsys):
         monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("\n".join(PROMPTS).encode())))
         outputs.append(run_generation.main(args + ["--batch_size", batch_size]))
     assert outputs[0] == outputs[1] and len(outputs[0]) == len(PROMPTS)
-
-
-def error_of(args, capsys):
-    """The exit code and the stderr of the command (cli), which must fail in one line."""
-    with pytest.raises(SystemExit) as exit_info:
-        run_generation.cli(args)
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert "Traceback" not in "\n".join(lines)
-    return exit_info.value.code, lines[-1]
 
 
 def test_corrupt_and_truncated_files_fail_in_one_line(gguf_files, tmp_path, capsys):

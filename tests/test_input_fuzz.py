@@ -17,6 +17,7 @@ import run_generation
 import rungen.loading
 from helpers import run_main
 from rungen.arguments import build_parser
+from tiny_models import write_out
 
 FAST = settings(deadline=None, database=None, suppress_health_check=list(HealthCheck))
 ERROR_LINE = re.compile(r"run_generation\.py: error: \S.*")
@@ -271,11 +272,7 @@ def write_tiny_gguf(path, architecture="llama", vocab=64, hidden=32):
               "blk.0.ffn_down.weight": (hidden, hidden * 2)}
     for name, shape in shapes.items():
         writer.add_tensor(name, rng.normal(0, 0.1, shape).astype(np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return str(path)
+    return write_out(writer, path)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ Anthropic's shape, the API key as x-api-key. The answers are compared with /v1/c
 request: both run the one chat path."""
 
 import json
-import os
 import time
 
 import anthropic
@@ -21,6 +20,7 @@ from helpers import LiveServer, serving
 from rungen.engine import Engine
 from rungen.loading import load
 from rungen.server import Guard, ServeOptions, create_app
+from tiny_models import set_context
 
 GREEDY = {"temperature": 0}  # anthropic 2.14's create() has no temperature argument; the API takes the field
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
@@ -36,11 +36,7 @@ CONTEXT = 4096  # a tool prompt takes hundreds of the tiny vocabulary's tokens
 def loaded(tmp_path_factory):
     """The tiny llama of tests/test_server.py (ChatML: the generic tool format), with an instruct model's context."""
     path = build_chat_llama(str(tmp_path_factory.mktemp("messages") / "llama"))
-    with open(os.path.join(path, "config.json")) as f:
-        config = json.load(f)
-    config["max_position_embeddings"] = CONTEXT
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
+    set_context(path, CONTEXT)
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.model_max_length = CONTEXT
     tokenizer.save_pretrained(path)

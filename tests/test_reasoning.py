@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 import rungen.messages
 from helpers import run_main, serving
 from rungen.loading import load
-from tiny_models import build_tiny_checkpoint
+from tiny_models import build_tiny_checkpoint, set_context
 
 MODEL_ID = "tiny-qwen3"
 TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_templates", "qwen3.jinja")
@@ -31,11 +31,7 @@ CONTEXT = 4096
 def checkpoint(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("thinking") / "qwen2")
     build_tiny_checkpoint("qwen2", path)
-    with open(os.path.join(path, "config.json")) as f:
-        config = json.load(f)
-    config["max_position_embeddings"] = CONTEXT  # tools make prompts of hundreds of the tiny vocabulary's tokens
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
+    set_context(path, CONTEXT)
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.model_max_length = CONTEXT
     # Qwen3's tokenizer holds these as tokens of their own (added, not special: they stay in decoded text).

@@ -16,6 +16,7 @@ from test_server import build_chat_llama
 
 from helpers import serving
 from rungen.loading import load
+from tiny_models import set_context
 
 MODEL_ID = "tiny-llama"
 CONTEXT = 4096
@@ -29,11 +30,7 @@ ASK = "What is the weather in Paris?"
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     path = build_chat_llama(str(tmp_path_factory.mktemp("responses") / "llama"))
-    with open(os.path.join(path, "config.json")) as f:
-        config = json.load(f)
-    config["max_position_embeddings"] = CONTEXT
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
+    set_context(path, CONTEXT)
     with open(os.path.join(path, "tokenizer_config.json")) as f:
         tokenizer_config = json.load(f)
     tokenizer_config["model_max_length"] = CONTEXT

@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 from helpers import run_main
 from rungen.loading import load
 from rungen.server import ServeOptions, build
-from tiny_models import build_tiny_checkpoint
+from tiny_models import build_tiny_checkpoint, set_context
 
 TEMPLATES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_templates")
 # format: (tiny model type, chat template file or None for ChatML)
@@ -53,11 +53,7 @@ def checkpoints(tmp_path_factory):
             build_tiny_checkpoint(model_type, path)
             # A tool prompt takes hundreds of the tiny vocabulary's tokens: a context as an instruct model's
             # (the rotary positions go on past the tiny default).
-            with open(os.path.join(path, "config.json")) as f:
-                config = json.load(f)
-            config["max_position_embeddings"] = CONTEXT
-            with open(os.path.join(path, "config.json"), "w") as f:
-                json.dump(config, f)
+            set_context(path, CONTEXT)
             tokenizer = AutoTokenizer.from_pretrained(path)
             tokenizer.model_max_length = CONTEXT
             if fmt == "hermes":

@@ -100,6 +100,8 @@ import tempfile
 
 import torch
 
+from rungen.loading import MODEL_CLASSES
+
 MODEL_TYPES = (
     "gpt2",
     "ctrl",
@@ -566,21 +568,9 @@ def _build_config(model_type, tok, vocab_size):
     raise ValueError(f"unknown model type {model_type!r}; expected one of {MODEL_TYPES}")
 
 
-# The model class run_generation.py's seed uses for each type (mistral/qwen2
-# are only reachable through AutoModelForCausalLM).
-MODEL_CLASS_NAMES = {
-    "gpt2": "GPT2LMHeadModel",
-    "ctrl": "CTRLLMHeadModel",
-    "openai-gpt": "OpenAIGPTLMHeadModel",
-    "xlnet": "XLNetLMHeadModel",
-    "xlm": "XLMWithLMHeadModel",
-    "gptj": "GPTJForCausalLM",
-    "bloom": "BloomForCausalLM",
-    "llama": "LlamaForCausalLM",
-    "opt": "OPTForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-}
+# The model class run_generation.py loads for each type (mistral/qwen2 are only reachable through
+# AutoModelForCausalLM).
+MODEL_CLASS_NAMES = {**MODEL_CLASSES, "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
 def model_class(model_type):
@@ -816,11 +806,7 @@ def write_family_gguf(path, family, tokenizer_fields, layers=2, seed=0, rotary=N
         add("rope_factors_long.weight", rng.uniform(1, 4, (rotary or head_dim) // 2), Q.F32)
         # (the short factors: above 1, as Phi-3's, so that the scaling shows even at a few positions)
         add("rope_factors_short.weight", rng.uniform(1, 3, (rotary or head_dim) // 2), Q.F32)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return str(path)
+    return write_out(writer, path)
 
 
 # google/gemma-2-2b-it's chat template (gemma-3's differs in taking a system message into the first user turn).
@@ -857,3 +843,22 @@ def gemma_tokenizer_fields(vocab_size=700):
             ("tokenizer.ggml.add_bos_token", True, V.BOOL, None),
             ("tokenizer.ggml.add_eos_token", False, V.BOOL, None),
             ("tokenizer.chat_template", GEMMA_CHAT_TEMPLATE, V.STRING, None)]
+
+
+def write_out(writer, path) -> str:
+    """Writes a GGUFWriter's header, metadata and tensors to its file and closes it; returns the path."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+def set_context(path: str, context: int) -> None:
+    """Gives the checkpoint at `path` an instruct model's context (config.max_position_embeddings): a tool prompt
+    takes hundreds of the tiny vocabulary's tokens (the rotary positions go on past the tiny default)."""
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["max_position_embeddings"] = context
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
