@@ -51,8 +51,7 @@ HEADER_CACHE_VERSION = 3
 
 @contextlib.contextmanager
 def metadata_parsed_once():
-    """Within this block, transformers parses each GGUF file's metadata once (its config and tokenizer each
-    would, seconds a call); later calls get a copy."""
+    """Within this block, transformers parses each GGUF file's metadata once (seconds a call); later calls copy."""
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
     original, parsed = gguf_utils.load_gguf_checkpoint, {}
@@ -203,8 +202,7 @@ class GGUFHeader:
 
     @functools.cached_property
     def transformers_tokenizer(self):
-        """AutoTokenizer's tokenizer for the cached files (its fast class directly where named, skipping the
-        model-type tables' import)."""
+        """AutoTokenizer's tokenizer for the cached files (its fast class directly where named: a lighter import)."""
         with open(os.path.join(self.cache_dir, "tokenizer_config.json")) as f:
             tokenizer_class = json.load(f).get("tokenizer_class")
         if tokenizer_class in ("TokenizersBackend", "PreTrainedTokenizerFast"):
@@ -271,8 +269,7 @@ class GGUFHeader:
 
 
     def weights_map(self, model: torch.nn.Module, processor) -> dict[str, str]:
-        """GGUF tensor name -> the model's parameter name, by transformers' get_gguf_hf_weights_map; cached
-        beside the header (it walks every submodule and costs seconds)."""
+        """GGUF tensor name -> the model's parameter name (get_gguf_hf_weights_map), cached beside the header."""
         path = os.path.join(self.cache_dir, "weights_map.json")
         if os.path.isfile(path):
             with open(path) as f:
@@ -356,8 +353,7 @@ def _set_tensor(model, hf_name: str, value: torch.Tensor):
 
 
 def _process(processor, header: GGUFHeader, name: str, weights: np.ndarray, names: dict, collected: dict):
-    """transformers' processor of the architecture on one tensor; a shape it cannot take (a header whose
-    dimensions disagree with its config) is a GGUFError."""
+    """transformers' processor on one tensor; a shape it cannot take is a GGUFError."""
     try:
         return processor.process(weights=weights, name=name, tensor_key_mapping=names, parsed_parameters=collected)
     except (ValueError, IndexError, RuntimeError) as error:
