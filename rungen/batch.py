@@ -1,6 +1,5 @@
-"""The command line's prompts and a session's turns through the engine (rungen/engine.py), on the calling thread:
-whether the engine can run the settings (engine_refusal; generate() runs the others), the engine for them
-(open_engine), and the prompts queued and run (submit_prompts, run_prompts) into Sequences as generate() gives.
+"""The command line's prompts and a session's turns through the engine on the calling thread (engine_refusal,
+open_engine, run_prompts), into Sequences as generate() gives.
 """
 
 import collections
@@ -18,14 +17,12 @@ from .sampling import Sampling
 
 
 def engine_refusal(loaded, settings):
-    """Why the engine cannot generate with these settings (generate() then runs them, a batch at a time), or
-    None. It samples as the server does; what only generate() has stays there."""
+    """Why the engine cannot generate with these settings (generate() then runs them), or None."""
     return settings_refusal(settings, getattr(loaded, "assistant_model", None) is not None)
 
 
 def settings_refusal(settings, assistant: bool):
-    """engine_refusal's reasons, from the settings and whether a draft model (`assistant`) is given: known before
-    the model loads (rungen/loading.py then loads the model generate() runs on)."""
+    """engine_refusal's reasons, known before the model loads (so loading picks the model generate() runs on)."""
     sampling = settings.temperature != 0
     reasons = [reason for reason, applies in (
         ("beam search (--num_beams)", settings.num_beams > 1),
@@ -40,15 +37,12 @@ def settings_refusal(settings, assistant: bool):
 
 
 def open_engine(loaded, settings, batch_size, conversation=False):
-    """An Engine for the command line's prompts or a session's turns (run_prompts drives it on the calling
-    thread), or None where generate() must run them (logged with the reason). Up to batch_size prompts decode
-    together. `conversation`: a turn reuses the keys/values of the turns before it (a prefix cache that holds
-    one conversation as long as the context, with its room to grow)."""
+    """An Engine for the command line's prompts or a session's turns, or None (logged) where generate() must run
+    them. `conversation`: a prefix cache holds the turns before, as long as the context."""
     why = engine_refusal(loaded, settings)
     if why is None:
         try:
-            # No bound on the cache beyond the batch's rows (the prompts are all known), and no prefix cache
-            # for independent prompts: the memory generate() would take for these batches.
+            # The memory generate() would take: no bound beyond the rows, no prefix cache for independent prompts.
             engine = Engine(loaded, max_batch=batch_size * settings.num_return_sequences, max_queue=sys.maxsize,
                             max_cache_tokens=sys.maxsize, prefix_cache_bytes=0,
                             eos_ids=eos_token_ids(settings, loaded.model))
@@ -73,10 +67,8 @@ def sampling_of(settings, seed):
 
 
 def run_prompts(engine, settings, prompts, on_done, stream=False):
-    """Generates every encoded prompt through `engine` on this thread, continuously batched: a prompt that
-    ends frees its rows for the next one waiting, and each row computes what it would alone. Calls
-    on_done(prompt, sequences) as each prompt ends (in the order they end; an error sets prompt.error and
-    gives no sequences). `stream`: the one prompt's text goes to stdout as it grows."""
+    """Generates every encoded prompt through `engine` on this thread, continuously batched; calls
+    on_done(prompt, sequences) as each ends (an error sets prompt.error, no sequences). `stream`: to stdout."""
     submit_prompts(engine, settings, prompts, on_done, stream)
     try:
         engine.run_here()
@@ -127,8 +119,7 @@ def submit_prompts(engine, settings, prompts, on_done, stream=False):
             sequences.append(described)
         return sequences
 
-    # Seeds drawn in input order from the generator --seed set: a prompt's sampled text does not depend on the
-    # batch. Prompts then join in make_batches' order (similar lengths together): less left padding.
+    # Seeds drawn in input order, so a sampled text does not depend on the batch; joined in make_batches' order.
     seeds = {prompt.index: int(torch.randint(2**63 - 1, ())) for prompt in prompts}
     requests = []
     for prompt in [prompt for batch in make_batches(prompts, engine.max_batch) for prompt in batch]:

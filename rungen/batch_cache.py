@@ -1,15 +1,10 @@
-"""Where the engine's batch keeps its keys/values, in one of two forms behind one interface: the rows join (part,
-merge), decode a step (forward), leave (keep), lend a finished row's keys/values to the prefix cache (row_layers)
-and are dropped (clear). The engine (rungen/engine.py) schedules; these hold the tensors.
+"""Where the engine's batch keeps its keys/values, behind one interface (part, merge, forward, keep, row_layers,
+clear):
 
-- SlotBatch: fixed slots (rungen/slots.py) on transformers' llama-shaped models; a joining row's keys/values are
-  written into its slot, a step writes each row's new position in place, a row that ends frees its slot to the
-  last row; on a CUDA GPU the steps are replayed from CUDA graphs.
-- PaddedBatch: everywhere else (the own GGUF model code, other families), a left-padded batch in the model's own
-  cache (transformers' DynamicCache, or rungen/kvcache.py's Cache) of [rows, kv heads, length, head size] per
-  layer. Joining rows are left-padded to the longest and concatenated in one copy; a row that ends leaves by
-  index_select and the columns no row needs are trimmed; an attention mask and per-row position ids hide the
-  padding, so each row computes what it would alone (the layout generate() uses for a left-padded batch).
+- SlotBatch: fixed slots (rungen/slots.py) on transformers' llama-shaped models, written in place; a row that ends
+  frees its slot to the last row; on a CUDA GPU the steps replay CUDA graphs.
+- PaddedBatch: everywhere else, a left-padded batch in the model's own cache; the mask and per-row positions hide
+  the padding, so each row computes what it would alone.
 """
 
 import os
@@ -66,8 +61,7 @@ class SlotBatch:
             return decode_step(self.model, self.slots, tokens, positions, self.slots.step_length(longest))
 
     def keep(self, rows, keep, done):
-        """The rows that stay (numbers `keep`, in order) after those of `done` ended: the last rows move into the
-        freed slots, so rows stay in slots 0..rows-1. Returns the rows' new order."""
+        """Keeps rows `keep`, the last rows moving into freed slots (rows stay in 0..rows-1); returns the new order."""
         order = list(range(len(keep)))
         movers = [number for number in keep if number >= len(keep)]
         for hole, mover in zip([number for number in done if number < len(keep)], movers):
@@ -100,8 +94,7 @@ class PaddedBatch:
         self.cache = self.mask = None
 
     def part(self, output, n, length):
-        """What a prefilled request brings to merge(): its keys/values (repeated for n rows), their mask, and the
-        cache holding them when the batch may take it as it is."""
+        """What a prefilled request brings to merge(): its keys/values (for n rows), their mask, and its cache."""
         layers = layers_of(output.past_key_values)
         if n > 1:
             layers = [(k.repeat(n, 1, 1, 1), v.repeat(n, 1, 1, 1)) for k, v in layers]
@@ -109,8 +102,7 @@ class PaddedBatch:
         return layers, mask, output.past_key_values if n == 1 else None
 
     def merge(self, parts, rows):
-        """Appends the parts' rows in one copy, all left-padded to the longest. A lone part joining an empty batch
-        gives it its cache without a copy."""
+        """Appends the parts' rows in one copy, left-padded to the longest (a lone part into an empty batch: none)."""
         if self.cache is None and len(parts) == 1:
             layers, mask, cache = parts[0]
             self.cache, self.mask = cache if cache is not None else new_cache(self.model, layers), mask
@@ -151,7 +143,7 @@ class PaddedBatch:
 
     def row_layers(self, number, length, last):
         """A row's keys/values of its last `length` positions (None where padding lies among them), and the buffers
-        the prefix cache may take over when the batch ends with this row (`last`)."""
+        the prefix cache may take over (`last`)."""
         if not self.mask[number, -length:].all():
             return None, None
         layers = [(k[number : number + 1, :, -length:], v[number : number + 1, :, -length:])

@@ -1,23 +1,11 @@
-"""The generation engine of the server, the piped prompts and the session's turns: continuous batching,
-per-row sampling and stopping. The server runs it on a model thread of its own; the command line and the
-session on their own thread (rungen/batch.py's run_prompts), for every setting it can honour (engine_refusal says
-which it cannot: generate() runs those). A Request comes in and its events go out (rungen/requests.py).
+"""The generation engine of the server, the piped prompts and the session's turns: continuous batching, per-row
+sampling and stopping (engine_refusal says which settings it cannot honour: generate() runs those). The server runs
+it on a model thread of its own, the command line and the session on the calling thread (run_prompts).
 
-Requests wait in a bounded queue. The model thread runs one decode step at a time for every active row;
-between steps it admits waiting requests: each is prefilled alone (after the longest start of its tokens
-that a recently finished sequence shares: a conversation's earlier turns, a common system prompt) and gets
-its first token; then their keys/values join the batch's, and they decode with the others from the next step
-on. A row ends on EOS, max_tokens, a stop string, its grammar or a cancelled request.
-
-The batch's keys/values live in fixed slots where the model takes them, else in a left-padded batch
-(rungen/batch_cache.py). Memory: a request is admitted only while rows x the longest (prompt + max_tokens) of the
-batch fits in `max_cache_tokens` (the slots round rows and positions up to their buckets).
-
-Every row's next token is chosen at once on the model's device (rungen/sampling.py: OpenAI's logit_bias and
-presence/frequency penalties, transformers' repetition_penalty, the grammar's mask, then greedy, or temperature,
-top-k, top-p, min-p and a draw from the row's own generator, seeded by `seed`), with one copy to the host a step;
-the text each token adds is reported by rungen/rows.py. Log-probabilities are the model's raw ones
-(rungen/logprobs.py).
+Between decode steps, waiting requests are admitted: each is prefilled alone (after the prefix cache's longest
+match) and gets its first token, then joins the batch. A request is admitted only while rows x the longest
+(prompt + max_tokens) fits in `max_cache_tokens`. Every row's next token is chosen at once on the model's device
+(rungen/sampling.py), with one copy to the host a step; log-probabilities are the model's raw ones.
 """
 
 import collections
@@ -139,8 +127,7 @@ class Engine:
         token = self.tokenizer.bos_token_id if self.tokenizer.bos_token_id is not None else 0
         cache = new_cache(self.model)  # sliding-window layers hold every position: the mask applies the window
         if not all(full_attention(layer) for layer in cache.layers):
-            # A chunked or recurrent layer keeps other state than all keys/values, which the batch's left-padded
-            # merge and trim do not know how to move (and a chunk's bounds would move with the padding).
+            # A chunked or recurrent layer's state cannot be moved by the left-padded merge and trim.
             raise ValueError(f"{self.loaded.model_type} has chunked-attention or recurrent layers, which a padded "
                              "batch cannot hold")
         with torch.inference_mode():
@@ -170,16 +157,15 @@ class Engine:
                 self.end_all("abort", error=f"generation failed: {error}")
 
     def run_here(self):
-        """Runs the model loop on the calling thread until every submitted request has ended (the command
-        line's batches: no second thread, and a failed step raises to the caller)."""
+        """Runs the model loop on the calling thread until every submitted request has ended (a failed step
+        raises)."""
         try:
             while self.rows or self.waiting:
                 self.admit()
                 if self.rows:
                     self.step()
         except BaseException:
-            # Stopped mid-step (an error, a second Ctrl-C in a session): the batch is half-updated, and its
-            # requests are given up; the engine is left empty for the next ones.
+            # Stopped mid-step: the half-updated batch's requests are given up, the engine left empty.
             self.rows, self.pending, self.joining = [], [], None
             self.kv.clear()
             self.waiting.clear()
@@ -198,9 +184,8 @@ class Engine:
                     future.set_exception(error)
 
     def admit(self):
-        """Moves waiting requests into the batch while rows and cache positions allow. Each is prefilled and
-        gets its first token as it joins; their keys/values enter the batch together, after the last of them
-        (a merge at every join would copy the whole batch each time: most of a wave of joins' time)."""
+        """Moves waiting requests into the batch while rows and cache positions allow; their keys/values enter
+        together after the last is prefilled (a merge at every join would copy the whole batch each time)."""
         while True:
             with self.wake:
                 while self.waiting and self.waiting[0].cancelled:
@@ -225,8 +210,7 @@ class Engine:
         ids = request.ids
         start = time.perf_counter()
         reused, layers, buffers = self.prefix_cache.longest(ids) if self.prefix_cache else (0, None, None)
-        # The stored tensors are never written to: a cache copies what it is given into new buffers, unless
-        # the prefix cache gave the buffers up.
+        # Stored tensors are never written to (a cache copies them), unless the prefix cache gave the buffers up.
         cache = new_cache(self.model, layers, buffers)
         rest = torch.tensor([ids[reused:]], device=self.device)
         kwargs = {}
@@ -265,8 +249,7 @@ class Engine:
         self.advance(list(self.rows), logits)
 
     def advance(self, rows, logits, remove=True):
-        """Chooses each row's next token, reports it, and ends the rows that are done (`remove`: lets them
-        leave the batch now)."""
+        """Chooses each row's next token, reports it, and ends the rows that are done (`remove`: now)."""
         now = time.perf_counter()
         picked, stuck = pick(rows, logits, self.eos_ids)
         for number, row in enumerate(rows):
@@ -313,8 +296,7 @@ class Engine:
             request.sink(End())
 
     def remember(self, number, row, last=False):
-        """Keeps a finished row's keys/values in the prefix cache. `last`: the batch ends with this row, whose
-        buffers the cache may then take over."""
+        """Keeps a finished row's keys/values in the prefix cache (`last`: it may take over the buffers)."""
         length = row.position  # the positions the cache holds (the last token was never fed)
         tokens = (row.request.ids + row.generated)[:length]
         layers, buffers = self.kv.row_layers(number, length, last)

@@ -20,8 +20,7 @@ if TYPE_CHECKING:
 # New tokens for --length -1 on a model without a fixed context: a bound, so that generation ends.
 UNBOUNDED_LENGTH = 10000
 
-# Their prepare_inputs_for_generation drops the attention mask (and XLM the positions), so padding
-# would change the text a prompt gets alone: they generate one prompt at a time.
+# Their prepare_inputs_for_generation drops the attention mask, so padding would change the text: one at a time.
 UNBATCHABLE_TYPES = {"xlnet", "xlm"}
 
 
@@ -31,8 +30,7 @@ FLAG_NAMES = {"top_k": "k", "top_p": "p"}
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """How to generate: the sampling flags and generation controls. Frozen, so a change is a new value
-    (dataclasses.replace)."""
+    """How to generate: the sampling flags and generation controls (frozen: dataclasses.replace)."""
 
     length: int = 20
     temperature: float = 1.0
@@ -102,8 +100,7 @@ def adjust_length_to_model(length: int, max_sequence_length: int) -> int:
 
 
 def generation_kwargs(settings: Settings, tokenizer=None, pad_token_id: int | None = None) -> dict:
-    """generate()'s keyword arguments for `settings`; `tokenizer` pads and spells the stop strings (None:
-    only `pad_token_id` given, for checking the settings before a model is loaded)."""
+    """generate()'s keyword arguments for `settings`; `tokenizer` None: only `pad_token_id`, to check settings."""
     kwargs = dict(
         num_return_sequences=settings.num_return_sequences,
         repetition_penalty=settings.repetition_penalty,
@@ -115,7 +112,6 @@ def generation_kwargs(settings: Settings, tokenizer=None, pad_token_id: int | No
     else:
         kwargs.update(do_sample=True, temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p)
     if settings.stop_token:
-        # Stops each sequence as soon as it has produced the stop token, instead of running to --length.
         stops = settings.stop_token if isinstance(settings.stop_token, str) else list(settings.stop_token)
         kwargs.update(stop_strings=stops, tokenizer=tokenizer)
     kwargs.update(control_kwargs(settings))
@@ -123,8 +119,7 @@ def generation_kwargs(settings: Settings, tokenizer=None, pad_token_id: int | No
 
 
 def control_kwargs(settings: Settings) -> dict:
-    """generate() kwargs of the generation controls: the library's samplers, n-gram blocking, prompt
-    lookup, and the raw logits behind --logprobs."""
+    """generate() kwargs of the generation controls (samplers, n-gram blocking, prompt lookup, raw logits)."""
     kwargs = {}
     if settings.temperature != 0:  # sampling-only warpers (greedy would warn that they are unused)
         if settings.min_p is not None:
@@ -147,16 +142,14 @@ def stop_strings(stop_token: str | tuple[str, ...] | list[str] | None) -> tuple[
 
 
 def one_at_a_time(settings: Settings, assistant_model) -> bool:
-    """Modes that transformers runs for one sequence only (assisted generation: prompt lookup, a draft
-    model): batches are then generated prompt by prompt."""
+    """Modes transformers runs for one sequence only (assisted generation): then prompt by prompt."""
     extra = settings.generation_config
     return bool(assistant_model is not None or settings.prompt_lookup_num_tokens
                 or extra.get("assistant_early_exit") or extra.get("use_mtp"))
 
 
 def make_batches(prompts: list[Prompt], batch_size: int) -> Iterator[list[Prompt]]:
-    """Batches of encoded prompts. Inside a window, similar lengths go together so that batches
-    carry little padding; windows keep input order so output can flow early."""
+    """Batches of encoded prompts, similar lengths together within a window; windows keep input order."""
     window = batch_size * 4
     for start in range(0, len(prompts), window):
         chunk = sorted(prompts[start : start + window], key=lambda prompt: len(prompt.ids))
@@ -166,10 +159,9 @@ def make_batches(prompts: list[Prompt], batch_size: int) -> Iterator[list[Prompt
 
 def generate_batch(loaded: Loaded, settings: Settings, batch: list[Prompt], streamer=None, stopping_criteria=None,
                    past_key_values=None) -> dict[int, list[Sequence]]:
-    """Generates for a list of encoded Prompts; returns {prompt index: [Sequence, ...]}.
-    With --length 0, scores the prompts instead (rungen/logprobs.py). Raises GenerationError when
-    generate() refuses the settings. `past_key_values`, for one prompt: a cache holding the keys and values
-    of the prompt's first tokens (generate() computes only the rest), extended in place."""
+    """Generates for a list of encoded Prompts; returns {prompt index: [Sequence, ...]} (--length 0: scores them).
+    GenerationError when generate() refuses the settings. `past_key_values`, for one prompt: a cache of its first
+    tokens, extended in place."""
     if settings.length == 0:
         return score_batch(loaded, settings, batch)
     assistant_model = getattr(loaded, "assistant_model", None)
@@ -225,8 +217,7 @@ def generate_batch(loaded: Loaded, settings: Settings, batch: list[Prompt], stre
 
 
 def score_batch(loaded: Loaded, settings: Settings, batch: list[Prompt]) -> dict[int, list[Sequence]]:
-    """--length 0: no generation; each prompt's tokens scored (prompt_logprobs, perplexity). A one-token
-    prompt has nothing to score: it becomes an error record."""
+    """--length 0: each prompt's tokens scored (a one-token prompt becomes an error record)."""
     if loaded.model_type in UNBATCHABLE_TYPES:
         raise GenerationError(f"--length 0: {loaded.model_type} does not predict tokens left to right; "
                               "scoring needs a causal LM")
@@ -272,8 +263,7 @@ def describe_sequence(settings: Settings, tokenizer, prompt: Prompt, new: list[i
             finish, produced = "grammar", ended
         elif stuck is not None:
             raise stuck_error(settings, tokenizer, new[:stuck])
-    # Decode prompt and continuation together and cut the prompt's text off, as the original script does:
-    # decoding the continuation alone loses a SentencePiece tokenizer's leading space.
+    # Decoded with the prompt, then cut: the continuation alone loses a SentencePiece leading space.
     head = tokenizer.decode(prompt.ids, skip_special_tokens=True)
     whole = tokenizer.decode(prompt.ids + new[:produced], skip_special_tokens=True)
     continuation = whole[len(head) :] if whole.startswith(head) else tokenizer.decode(new, skip_special_tokens=True)
@@ -289,8 +279,7 @@ def describe_sequence(settings: Settings, tokenizer, prompt: Prompt, new: list[i
 
 
 def __getattr__(name: str):
-    # StopTokenStreamer subclasses transformers' TextStreamer: made on first use (generate()'s streaming), so that
-    # importing this module does not import transformers.
+    # Made on first use, so that importing this module does not import transformers.
     if name == "StopTokenStreamer":
         return _stop_token_streamer()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -301,8 +290,7 @@ def _stop_token_streamer() -> type:
     from transformers import TextStreamer
 
     class StopTokenStreamer(TextStreamer):
-        """The library's streamer, writing to our stdout and cutting the text at --stop_token (the earliest
-        of several)."""
+        """The library's streamer, writing to our stdout and cutting the text at the earliest --stop_token."""
 
         def __init__(self, tokenizer, stop_token: str | tuple[str, ...] | None):
             super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)

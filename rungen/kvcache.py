@@ -1,31 +1,10 @@
-"""A key/value cache that grows in place: full-attention layers that keep their keys and values in buffers with
-room for the next tokens; for the own model code (rungen/gguf/model.py) in a Cache of the project's own, for
-transformers' models in their DynamicCache.
+"""A key/value cache that grows in place: GrowingLayer writes a step into spare room at the end of its buffers
+(a quarter of the length, MIN_ROOM to MAX_ROOM positions) instead of torch.cat's copy of the whole cache, and hands
+out strided views, which only models that read them in place (`cache_grows_in_place`) get from new_cache. The own
+model gets the project's Cache, transformers' models a DynamicCache (transformers is imported only then).
 
-transformers' DynamicLayer appends a step's keys with torch.cat, which copies the whole cache: a step costs
-as much as the sequence is long (at 16 rows of a thousand tokens, tens of megabytes a step). GrowingLayer
-writes the step into the room left at the end of its buffers and hands out views of the filled part, as
-llama.cpp's preallocated cache does; only when the room is used up are the buffers copied into larger ones.
-Everything else is DynamicLayer's: cropping keeps a prefix view (the next update overwrites what was cut),
-selecting or repeating rows makes new tensors, which the next update moves into new buffers.
-
-Memory: the room is a quarter of the length, at least MIN_ROOM and at most MAX_ROOM positions a row.
-The views are strided along the sequence; the native attention (rungen_ggml.attend) reads them in place, so
-only models that say so (`cache_grows_in_place`, set where rungen/gguf/decoder.py fuses their layers) get this
-cache from new_cache; their forward also moves a cache generate() made into GrowingLayers.
-
-transformers is not imported here unless a transformers model asks for a cache: its import is most of a GGUF
-run's start-up above torch's (docs/performance.md#start-up). GrowingLayer is a layer of the project's own (the
-few DynamicLayer methods the own model's Cache and the engine use); in transformers' DynamicCache, whose methods
-take only its CacheLayerMixin's subclasses, the same growing goes on a DynamicLayer (transformers_layer()).
-
-Sliding-window layers (gemma 2/3's local layers, mistral's or qwen2's with a window) get full-attention layers
-from new_cache too: they keep every position, and the attention mask applies the window. transformers builds
-each layer type's mask from config.sliding_window and the cache's sizes, so a sliding layer attends to the same
-keys whether its cache holds the window or everything, and every layer of the cache is then one
-[batch, heads, length, dim] pair that the engine can left-pad, merge, select rows of and trim (a
-DynamicSlidingWindowLayer drops what leaves its window, so its length is not the batch's). The cost is memory:
-the local layers hold the whole context (docs/server.md).
+Sliding-window layers get full-attention layers too: the mask applies the window, so every layer is one
+[batch, heads, length, dim] pair the engine can pad, merge and trim; the cost is memory (docs/server.md).
 """
 
 from __future__ import annotations
@@ -39,8 +18,7 @@ MIN_ROOM, MAX_ROOM = 32, 512  # positions a row
 
 
 class Growing:
-    """The growing of GrowingLayer, over a base with DynamicLayer's keys, values, is_initialized,
-    lazy_initialization and get_seq_length: update writes into spare room instead of concatenating."""
+    """GrowingLayer's growing over a base with DynamicLayer's attributes: update writes into spare room."""
 
     def __init__(self):
         super().__init__()
@@ -55,8 +33,8 @@ class Growing:
         return self.keys, self.values
 
     def reserve(self, key_states: torch.Tensor, value_states: torch.Tensor):
-        """The buffers (keys, values), holding what the layer holds at their start, with room after it for
-        states of the given shapes (batch, heads, new positions, dim), moved into larger ones if need be."""
+        """The buffers (keys, values), holding the layer's states at their start, with room for states of the given
+        shapes, moved into larger ones if need be."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         length, new = self.get_seq_length(), key_states.shape[-2]
@@ -72,8 +50,7 @@ class Growing:
         return self.buffers
 
     def _writable(self, key_states, value_states, needed: int) -> bool:
-        """Whether the buffers hold self.keys/values at their start (not replaced by a row selection or a
-        repeat), in the shape and type of the new states, with room for `needed` positions."""
+        """Whether the buffers hold self.keys/values at their start, fit the new states, and have `needed` room."""
         if self.buffers is None:
             return False
         keys, values = self.buffers
@@ -99,8 +76,8 @@ class Growing:
 
 
 class Layer:
-    """What the own model's cache and the engine use of transformers' DynamicLayer, with its meaning: one
-    full-attention layer's keys and values [batch, heads, length, dim]."""
+    """What the own cache and the engine use of transformers' DynamicLayer: keys and values [batch, heads, length,
+    dim]."""
 
     is_sliding = False
 
@@ -137,8 +114,7 @@ class GrowingLayer(Growing, Layer):
 
 
 class Cache:
-    """The own model's cache: one GrowingLayer per decoder layer, with what the engine and the session use of
-    transformers' DynamicCache (layers, get_seq_length, crop, update)."""
+    """The own model's cache: one GrowingLayer per decoder layer, with what the tool uses of DynamicCache."""
 
     def __init__(self, layers: list):
         self.layers = layers
@@ -172,8 +148,7 @@ def growing(layer) -> bool:
 
 
 def full_attention(layer) -> bool:
-    """Whether `layer` is a plain full-attention layer: growing, or transformers' DynamicLayer itself (not one
-    of its subclasses: sliding window, quantized...)."""
+    """Whether `layer` is a plain full-attention layer: growing, or exactly transformers' DynamicLayer."""
     if growing(layer):
         return True
     cache_utils = sys.modules.get("transformers.cache_utils")  # not imported: the layer cannot be one of its
@@ -186,12 +161,9 @@ def growing_like(layer):
 
 
 def new_cache(model: torch.nn.Module, layers=None, buffers=None):
-    """A cache for `model` (filled with `layers`, [(keys, values)] per layer, when given). The own model
-    (`own_cache`): the project's Cache of GrowingLayers. transformers' models: a DynamicCache whose full-attention
-    and sliding-window layers are full-attention ones (the mask applies a window), growing when the model reads
-    them in place (`cache_grows_in_place`), else transformers' own; chunked or recurrent layers stay as
-    transformers makes them. `buffers` [(keys, values)] per layer, whose starts hold `layers`: a growing cache
-    takes them over instead of copying (the caller gives them up)."""
+    """A cache for `model`, filled with `layers` ([(keys, values)] per layer) when given: the own Cache, or a
+    DynamicCache with sliding layers as full-attention ones (growing where `cache_grows_in_place`). `buffers`,
+    whose starts hold `layers`: a growing cache takes them over instead of copying (the caller gives them up)."""
     if getattr(model, "own_cache", False):
         grown = GrowingLayer
         cache = Cache([GrowingLayer() for _ in range(model.config.num_hidden_layers)])

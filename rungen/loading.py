@@ -20,11 +20,7 @@ from .errors import UsageError
 if TYPE_CHECKING:  # transformers is imported where a checkpoint needs it, not on a GGUF file's own-model path
     import transformers
 
-# The original script's model types and classes, imported by name only when used: importing all of them
-# costs seconds at start-up. The Auto classes import transformers' model tables: they too are imported where
-# used, never on a GGUF file's own-model path (rungen/gguf/model.py). Tokenizers load through AutoTokenizer:
-# transformers 5 folded the per-model slow/fast tokenizer pairs into one class per checkpoint, named in
-# tokenizer_config.json.
+# The original script's model types and classes, by name: imported only when used (all of them cost seconds).
 MODEL_CLASSES = {
     "gpt2": "GPT2LMHeadModel",
     "ctrl": "CTRLLMHeadModel",
@@ -92,12 +88,8 @@ def default_model_file() -> str:
 
 
 def default_model_dir() -> str:
-    """The embedded SmolLM2 checkpoint de-quantized (--dequantize), converted from GGUF once and cached as
-    safetensors.
-
-    Converting takes tens of seconds (GGUF de-quantization and tokenizer conversion); loading
-    the cached checkpoint takes well under a second.
-    """
+    """The embedded SmolLM2 checkpoint de-quantized (--dequantize), converted from GGUF once (tens of seconds) and
+    cached as safetensors."""
     gguf_dir = os.path.dirname(default_model_file())
     # The size names the conversion, so that another release of the package gets its own cache.
     size = os.path.getsize(os.path.join(gguf_dir, DEFAULT_MODEL_GGUF))
@@ -201,9 +193,8 @@ def accelerator_half(device: torch.device) -> torch.dtype:
 
 
 def resolve_dtype(requested: str, config, device: torch.device) -> torch.dtype:
-    """--dtype, or the checkpoint's own dtype; half precision only where the hardware runs it fast. On a CUDA GPU
-    a float32 checkpoint (or a GGUF file, which names none) runs in half precision: float32 there would read twice
-    the bytes a step for the same text, to the precision the checkpoint was trained in."""
+    """--dtype, or the checkpoint's own dtype; half precision only where the hardware runs it fast, and on a CUDA
+    GPU for a float32 checkpoint or a GGUF file too (float32 would read twice the bytes a step)."""
     dtype = DTYPES.get(requested) or getattr(config, "dtype", None) or torch.float32
     if isinstance(dtype, str):
         dtype = DTYPES.get(dtype, torch.float32)
@@ -222,8 +213,7 @@ def resolve_dtype(requested: str, config, device: torch.device) -> torch.dtype:
 
 
 def model_context(config) -> int:
-    """The model's context in tokens; 0 when it has no fixed limit (XLNet, BLOOM's ALiBi).
-    config.attribute_map makes max_position_embeddings read GPT-2's n_positions and the like."""
+    """The model's context in tokens; 0 when it has no fixed limit (XLNet, BLOOM's ALiBi)."""
     value = getattr(config, "max_position_embeddings", None)
     if not isinstance(value, int) or value <= 0:
         return 0
@@ -237,11 +227,9 @@ def load(model_name_or_path: str | None, *, device: torch.device, model_type: st
     """Loads the model and tokenizer at `model_name_or_path` (the default model when None), placed on
     `device`, or spread by accelerate's `device_map` within `max_memory` ({0: "10GiB", "cpu": "30GiB"}).
 
-    A GGUF file (the default model is one) runs in its own quantized blocks (rungen/gguf/file.py)
-    unless `dequantize` asks for float weights, or `quantize` ("int8"/"int4") re-quantizes them: a local
-    safetensors checkpoint is then quantized block by block as it loads (rungen/quantize.py). `own_model`: a GGUF
-    file of the families rungen/gguf/model.py computes runs on that code; False loads transformers' model class (for
-    generate() and --jit)."""
+    A GGUF file runs in its own blocks unless `dequantize`; `quantize` ("int8"/"int4") quantizes a safetensors
+    checkpoint block by block as it loads. `own_model`: a GGUF file rungen/gguf/model.py covers runs on that code
+    (False: transformers' class, for generate() and --jit)."""
     dequantize = dequantize or quantize is not None
     on_accelerator = device.type != "cpu" and not device_map
     # A GGUF file on an accelerator is de-quantized on its way there (load_gguf_on), --dequantize or not.
@@ -279,8 +267,7 @@ def load(model_name_or_path: str | None, *, device: torch.device, model_type: st
         if model is None:
             model = model_class.from_pretrained(path, dtype=torch_dtype, **load_kwargs, **placement)
     if device_map:
-        # accelerate's dispatch_model rule: inputs go to the first accelerator in the map, else the CPU
-        # (model.device is "meta" when the first layers were offloaded to disk).
+        # accelerate's rule: inputs go to the first accelerator in the map, else the CPU (model.device may be meta).
         accelerators = [d for d in model.hf_device_map.values() if d not in ("cpu", "disk")]
         input_device = torch.device(accelerators[0] if accelerators else "cpu")
     else:
@@ -292,9 +279,8 @@ def load(model_name_or_path: str | None, *, device: torch.device, model_type: st
 
 def load_gguf(gguf_path: str, *, model_type: str | None = None, dtype: str = "auto", own_model: bool = True
               ) -> Loaded:
-    """A GGUF file's model on the CPU, its weights in the file's own blocks: on the project's own model code
-    (rungen/gguf/model.py) where it covers the file and `own_model`, else transformers' model class fused
-    (rungen/gguf/file.py)."""
+    """A GGUF file's model on the CPU in its own blocks: the own model where it covers the file and `own_model`,
+    else transformers' class, fused."""
     from .gguf import model as gguf_model
     from .gguf.file import GGUFHeader, build_model
 
@@ -320,9 +306,8 @@ def load_gguf(gguf_path: str, *, model_type: str | None = None, dtype: str = "au
 
 def load_gguf_on(gguf_path: str, device: torch.device, *, model_type: str | None = None, dtype: str = "auto"
                  ) -> Loaded:
-    """A GGUF file's model on an accelerator: transformers' model class, every weight de-quantized to the device's
-    half precision (or --dtype) a chunk of rows at a time on its way there, never a float32 copy of the model in
-    host memory (rungen/gguf/file.py's build_model)."""
+    """A GGUF file's model on an accelerator: transformers' class, weights de-quantized a chunk of rows at a time
+    on their way there (never a float32 copy of the model in host memory)."""
     from .gguf.file import GGUFHeader, build_model
 
     header = GGUFHeader(gguf_path, blocks=False)
@@ -332,9 +317,8 @@ def load_gguf_on(gguf_path: str, device: torch.device, *, model_type: str | None
 
 
 def use_transformers_model(loaded: Loaded) -> bool:
-    """Replaces an own-code GGUF model (rungen/gguf/model.py) in `loaded` by transformers' model of the same file,
-    for what only it runs (generate()); returns whether it did. The own model is released first: the caller holds
-    no other reference to it (an engine over it is closed), so the two never share the memory."""
+    """Replaces an own-code GGUF model in `loaded` by transformers' model of the file, for generate(); returns
+    whether it did. The own model is released first: the caller must hold no other reference to it."""
     from .gguf import GGUFCausalLM
 
     if not isinstance(loaded.model, GGUFCausalLM):
@@ -357,8 +341,7 @@ def use_transformers_model(loaded: Loaded) -> bool:
 def finish(model: torch.nn.Module, tokenizer, model_type: str, input_device: torch.device) -> Loaded:
     """The tokenizer's padding set up for batches, and everything in one Loaded."""
     if tokenizer.pad_token is None:
-        # Padding is hidden by the attention mask and skipped when decoding, so any token the model
-        # knows will do. openai-gpt's and CTRL's published tokenizers have neither pad nor EOS, only <unk>.
+        # Padding is masked and skipped when decoding: any known token will do (openai-gpt and CTRL have only <unk>).
         tokenizer.pad_token = (tokenizer.eos_token or tokenizer.unk_token or tokenizer.bos_token
                                or tokenizer.convert_ids_to_tokens(0))
     # Left padding keeps every prompt's last token next to the tokens it generates.

@@ -7,18 +7,15 @@ from .kvcache import growing
 
 
 class PrefixCache:
-    """Keys/values of recently finished sequences, keyed by their tokens, bounded in bytes (least recently
-    used first out). A request prefills only what follows the longest start it shares with one of them: the
-    next turn of a conversation, or any request under the same system prompt and chat template."""
+    """Keys/values of recently finished sequences, keyed by their tokens, bounded in bytes (LRU)."""
 
     def __init__(self, max_bytes):
         self.max_bytes, self.bytes = max_bytes, 0
         self.entries = collections.OrderedDict()  # tuple(tokens) -> (layers, bytes, buffers or None)
 
     def put(self, tokens, layers, size=None, buffers=None):
-        """Keeps `layers` for `tokens`. `buffers`: per layer the (keys, values) buffers whose starts the layers
-        are, with room after them, that a next turn may take over; `size`: the bytes held alive, when more than
-        the layers' own."""
+        """Keeps `layers` for `tokens`; `buffers`: per layer the buffers they start, which a next turn may take
+        over; `size`: the bytes held alive, when more than the layers'."""
         size = size or sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers)
         key = tuple(tokens)
         if size > self.max_bytes or len(key) < 2 or key in self.entries:
@@ -30,11 +27,9 @@ class PrefixCache:
             self.bytes -= dropped
 
     def longest(self, ids):
-        """(length, layers, buffers) for the longest start of ids that an entry holds, one token at least left
-        to prefill, or (0, None, None). `layers` are views of the entry's first `length` positions, never written
-        to: a key or value depends only on the tokens up to its own, so a shared start's are the ones ids would
-        get. When that start is the whole entry (a conversation's next turn) and the entry kept its buffers,
-        they come too and the entry leaves the cache: the request's cache grows in them, without a copy."""
+        """(length, layers, buffers) for the longest start of ids an entry holds, one token left to prefill, or
+        (0, None, None). `layers` are views, never to be written to; when the start is the whole entry and it kept
+        its buffers, they come too and the entry leaves the cache."""
         best, found = 0, None
         for key in self.entries:
             length = shared_start(key, ids, limit=len(ids) - 1)
@@ -51,9 +46,8 @@ class PrefixCache:
         return best, [(k[:, :, :best], v[:, :, :best]) for k, v in layers], None
 
     def keep(self, tokens, layers, batch_cache=None):
-        """Keeps a finished row's keys/values `layers` (views of the batch's) for requests that start with
-        `tokens`: copies, unless `batch_cache` is given (the batch ends with this row): then its buffers are
-        handed over (counted whole, room included), and the next request does not wait for the copy."""
+        """Keeps a finished row's keys/values `layers` for `tokens`: copies, unless `batch_cache` (the batch ends
+        with this row) hands its buffers over."""
         if batch_cache is None:
             self.put(tokens, [(k.clone(), v.clone()) for k, v in layers])
             return

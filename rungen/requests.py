@@ -1,9 +1,5 @@
-"""What a caller hands the engine (rungen/engine.py) and what it hears back: a Request, and the events its sink is
-called with from the model thread: a Delta as a row's text grows, a Done with each row's Finish, and End once
-every row of the request is done.
-
-The events are small values rather than calls on a sink object: the server hands them across threads to its event
-loop's queue as they are, and a reader matches on their type.
+"""What a caller hands the engine and hears back: a Request, and the events its sink gets from the model thread
+(Delta, Done, then End); small values, so the server passes them across threads as they are.
 """
 
 import dataclasses
@@ -52,8 +48,7 @@ class Finish:
 
 @dataclasses.dataclass(frozen=True)
 class Delta:
-    """Text that row `index` gained (empty when only log-probabilities came), and its tokens' log-probability
-    items (rungen/logprobs.py) when the request asked for them."""
+    """Text that row `index` gained (maybe empty), and its tokens' log-probability items when asked for."""
 
     index: int
     text: str

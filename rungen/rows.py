@@ -8,8 +8,7 @@ from .logprobs import content_items
 from .requests import Delta, Finish, Request
 from .sampling import Picked, RowState, choose
 
-# Prompt tokens decoded before a row's new tokens to get their text in context: decoding the whole prompt at
-# every step would cost as much as the prompt is long.
+# Prompt tokens decoded before a row's new tokens to get their text in context (not the whole prompt each step).
 TAIL_TOKENS = 32
 
 
@@ -28,8 +27,7 @@ class Row:
 
 
 def pick(rows, logits, eos_ids):
-    """The rows' choices (sampling.choose on the device, one copy to the host), and the numbers of the rows whose
-    grammar allows no token (they get none)."""
+    """The rows' choices (one copy to the host), and the numbers of the rows whose grammar allows no token."""
     grammar, stuck = None, set()
     constrained = [number for number, row in enumerate(rows) if row.matcher is not None]
     if constrained:
@@ -67,9 +65,8 @@ class Reporter:
             return self.tokenizer.decode(ids[-TAIL_TOKENS:], skip_special_tokens=True)
 
     def report(self, row, token, logprob):
-        """Sends the text this token adds (holding back what may be the start of a stop string or an unfinished
-        character) and ends the row when it is done. `logprob`: the token's (log-probability, top ids, top
-        log-probabilities) where the request asked for them."""
+        """Sends the text this token adds (holding back a possible stop string's start or an unfinished character)
+        and ends the row when done. `logprob`: (log-probability, top ids, top log-probabilities) where asked."""
         request = row.request
         items = None
         if logprob is not None:
@@ -82,8 +79,7 @@ class Reporter:
         elif request.reasoning_end and request.constraint is not None \
                 and tuple(row.generated[-len(request.reasoning_end) :]) == request.reasoning_end:
             row.matcher = request.constraint.matcher()  # the thinking block is closed: the grammar starts now
-        # The text is decoded at every step only where something reads it: a stream, or stop strings to find
-        # (a decode of the new tokens so far, which grows with them).
+        # Decoded every step only where read (a stream, or stop strings to find): the decode grows with the tokens.
         text = self.continuation(row) if request.deltas or request.stop else None
         reason = matched = None
         cuts = [(text.index(stop), stop) for stop in request.stop if stop in text] if text is not None else []
@@ -109,16 +105,14 @@ class Reporter:
             row.finish = Finish(reason, text, list(row.generated), len(request.ids), stop=matched)
 
     def cut_short(self, row, reason, error=None):
-        """The Finish of a row ended before it was done (cancelled, stuck, aborted), after sending what it held
-        back."""
+        """The Finish of a row ended early (cancelled, stuck, aborted), after sending what it held back."""
         text = self.continuation(row)
         if row.request.deltas and len(text) > row.emitted:
             row.request.sink(Delta(row.index, text[row.emitted :], None))
         return Finish(reason, text, list(row.generated), len(row.request.ids), error)
 
     def continuation(self, row):
-        """The text of the row's new tokens, decoded after the prompt's last tokens and cut after them, as
-        describe_sequence does with the whole prompt (a leading space, a character split over tokens)."""
+        """The text of the row's new tokens, decoded after the prompt's last tokens and cut after them."""
         with self.tokenizer_lock:
             whole = self.tokenizer.decode(row.request.ids[-TAIL_TOKENS:] + row.generated, skip_special_tokens=True)
             if whole.startswith(row.prompt_tail_text):
@@ -127,11 +121,9 @@ class Reporter:
 
 
 def held_back(text, stops):
-    """How many characters at the end of text to keep back: an unfinished UTF-8 character, or the longest
-    ending that is the start of a stop string (it may become one with the next token). An unfinished
-    character is the whole run of replacement characters at the end: byte tokens that do not make a character
-    yet decode to one each, and fewer once the next token ends the run (a byte-fallback decoder replaces each
-    invalid stretch as one), so sending any of them could send text that is not there."""
+    """How many characters at the end of text to keep back: an unfinished UTF-8 character (the whole run of
+    trailing replacement characters, which the next token may collapse), or the longest ending that starts a stop
+    string."""
     hold = len(text) - len(text.rstrip("\ufffd"))
     for stop in stops:
         for size in range(min(len(stop) - 1, len(text)), 0, -1):

@@ -1,15 +1,8 @@
-"""The next token of every row of a batch, chosen on the logits' device: each row's logits processors
-(make_logits_processors), then the rows' sampler (make_sampler), both built from small functions as mlx-lm's are,
-the sampler batched with the per-row settings as tensors.
+"""The next token of every row of a batch, chosen on the logits' device: each row's logits processors (grammar mask,
+ignore_eos, logit_bias, repetition_penalty, presence/frequency penalties), then the batched sampler (greedy, or
+temperature, top-k, top-p, min-p and a draw from the row's own seeded generator).
 
-Processors (OpenAI's definitions, in this order): the grammar's mask, ignore_eos, logit_bias, repetition_penalty
-(transformers' definition, prompt included), presence/frequency penalties over the generated tokens. Sampler:
-greedy at temperature 0, else temperature, top-k, top-p, min-p and a draw from the row's own generator (seeded
-by the request's `seed` and the row's index), on the device: torch.multinomial with a generator there is a kernel
-like any other, with no host round trip.
-
-Nothing here reads a device tensor back: choose() returns the tokens on the device, and `Picked` copies them with
-everything else the host needs (NaN flags, log-probabilities) in one transfer a step.
+Nothing here reads a device tensor back: `Picked` copies what the host needs in one transfer a step.
 """
 
 from __future__ import annotations
@@ -48,10 +41,8 @@ class Sampling:
 
 
 class RowState:
-    """What one row's processors and draws keep on the device between steps: its generator (the request's seed and
-    the row's index within the request: a draw depends on neither the batch nor the row's place in it), the tokens
-    seen (repetition penalty: the prompt's, then each generated one appended), the generated tokens' counts
-    (presence/frequency penalties) and the logit bias's ids and values."""
+    """What one row's processors and draws keep on the device between steps: its generator (a draw depends on
+    neither the batch nor the row's place in it), the tokens seen, the generated tokens' counts and the bias."""
 
     def __init__(self, sampling: Sampling, prompt: list[int], width: int, device: torch.device, index: int = 0):
         self.sampling = sampling
@@ -74,8 +65,8 @@ class RowState:
 
 
 def new_generator(seed: int | None, device: torch.device, index: int = 0) -> torch.Generator:
-    """A generator on `device` for choice `index` of a request seeded with `seed` (a random seed when None): the
-    first choice's is seeded with `seed` itself, the others' with seeds of their own drawn from it."""
+    """A generator on `device` for choice `index` of a request seeded with `seed` (None: random); choice 0 is
+    seeded with `seed` itself, the others with seeds drawn from it."""
     if seed is None:
         seed = secrets.randbits(63)
     elif index:
@@ -131,9 +122,8 @@ def apply_processors(scores: torch.Tensor, states: list[RowState], eos_ids: list
 
 
 def apply_grammar(scores: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab_size: int) -> None:
-    """Masks the rows `rows` of scores with xgrammar's bitmask [len(rows), words] (int32 on the host, 32 tokens a
-    word, bit set: allowed), copied to the device once; tokens past `vocab_size` (the logits' padding) are never
-    allowed."""
+    """Masks the rows `rows` of scores with xgrammar's bitmask (int32 on the host, bit set: allowed); tokens past
+    `vocab_size` are never allowed."""
     bits = torch.arange(32, dtype=torch.int32, device=scores.device)
     words = bitmask.to(scores.device, non_blocking=True)
     allowed = ((words[:, :, None] >> bits) & 1).bool().reshape(len(rows), -1)
@@ -153,9 +143,8 @@ def settings_tensors(samplings: list[Sampling], device: torch.device) -> dict[st
 
 def choose(logits: torch.Tensor, states: list[RowState], eos_ids: list[int], grammar=None
            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows' next tokens [rows] and whether their processed scores were NaN [rows], on the device, from the
-    model's logits [rows, vocabulary] (float32, left as they are: log-probabilities read them raw). `grammar`:
-    (bitmask, rows, vocab_size) for the constrained rows (apply_grammar)."""
+    """The rows' next tokens [rows] and whether their processed scores were NaN, on the device, from the logits
+    [rows, vocabulary] (left as they are: log-probabilities read them raw). `grammar`: apply_grammar's arguments."""
     scores = logits
     if grammar is not None or any(state.sampling.processed for state in states):
         scores = logits.clone()
@@ -168,10 +157,8 @@ def choose(logits: torch.Tensor, states: list[RowState], eos_ids: list[int], gra
 
 
 def make_sampler(samplings: list[Sampling], generators: list[torch.Generator]):
-    """The rows' sampler: a function of their processed scores, each row's maximum (`top`) and its place (`argmax`)
-    that returns their tokens [rows] (int64, on the device): the argmax where greedy (or a score is +inf: a
-    repetition penalty near 0 made one), else a draw after temperature, top-k, top-p and min-p, each step run where
-    a row uses it."""
+    """The rows' sampler: (scores, each row's maximum, its argmax) -> tokens [rows] on the device: the argmax where
+    greedy (or a score is +inf), else a draw after temperature, top-k, top-p and min-p."""
     drawn = [number for number, s in enumerate(samplings) if not s.greedy]
     if not drawn:
         return lambda scores, top, argmax: argmax
@@ -207,8 +194,7 @@ def make_sampler(samplings: list[Sampling], generators: list[torch.Generator]):
 
 def apply_temperature(rows: torch.Tensor, peak: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     """The scores [rows, vocabulary] less each row's maximum `peak`, over its temperature, in float64."""
-    # Shifted first, so that a temperature near 0 (1e-45) sends the others to -inf rather than the top to inf,
-    # whose softmax would be NaN; and in float64, where no temperature a request can give rounds to 0.
+    # Shifted, in float64: a tiny temperature sends the others to -inf, not the top to inf (a NaN softmax).
     return (rows - peak[:, None]).double() / temperature[:, None]
 
 
@@ -222,8 +208,8 @@ def apply_top_k(x: torch.Tensor, top_k: torch.Tensor, widest: int) -> torch.Tens
 
 
 def apply_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The probabilities in descending order, with their token ids, zero past the smallest set whose mass reaches
-    each row's top_p (the top token always kept; 1: off). They are drawn in that order: no scatter back."""
+    """The probabilities in descending order, with their ids, zero past the smallest set reaching each row's top_p
+    (the top token always kept; 1: off)."""
     limit = torch.where(top_p < 1.0, top_p, float("inf"))
     probs, order = nucleus_candidates(probs, limit)
     return probs.masked_fill(probs.cumsum(-1) - probs >= limit[:, None], 0), order
@@ -236,10 +222,8 @@ def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor, descending: bool) -> t
 
 
 def draw(probs: torch.Tensor, peak: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
-    """One token a row from its probabilities, with its own generator, on the device (a kernel, no host round
-    trip)."""
-    # A row whose scores hold NaN (refused once read) or +inf (its argmax, after) draws from a valid stand-in: a
-    # multinomial over NaN fails, on a GPU as a device-side assert.
+    """One token a row from its probabilities, with its own generator, on the device."""
+    # NaN/+inf rows draw from a stand-in: a multinomial over NaN fails (a device-side assert on a GPU).
     bad = torch.isnan(peak) | torch.isinf(peak)
     probs = probs.nan_to_num(0.0).masked_fill(bad[:, None], 0)
     probs[:, 0] += bad.to(probs.dtype)
@@ -251,9 +235,8 @@ CANDIDATES = 1024  # the most likely tokens a CPU sorts first for top-p (all of 
 
 
 def nucleus_candidates(probs: torch.Tensor, limit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows' probabilities in descending order with their token ids, as far as top-p (`limit`) can reach. On a
-    CPU, where sorting a vocabulary is most of a sampled step, the CANDIDATES most likely when their mass reaches
-    every row's top-p (no token after them can be kept: the same set), else all; a GPU sorts all (no host read)."""
+    """The rows' probabilities in descending order with their ids, as far as top-p (`limit`) reaches: on a CPU the
+    CANDIDATES most likely when their mass suffices (the same set), else all; a GPU sorts all (no host read)."""
     if probs.device.type == "cpu" and CANDIDATES < probs.shape[1]:
         top = probs.topk(CANDIDATES, dim=-1)
         if bool((top.values.sum(-1) >= limit).all()):
@@ -263,8 +246,7 @@ def nucleus_candidates(probs: torch.Tensor, limit: torch.Tensor) -> tuple[torch.
 
 @dataclasses.dataclass
 class Picked:
-    """A step's choices as the host reads them, from one device-to-host copy: each row's token, whether its
-    scores were NaN, and for the rows asked for, the chosen token's log-probability and the top alternatives."""
+    """A step's choices as the host reads them, from one device-to-host copy: tokens, NaN flags, log-probabilities."""
 
     tokens: list[int]
     nan: list[bool]

@@ -1,14 +1,8 @@
 """--serve: an OpenAI-compatible HTTP server on one loaded model (FastAPI + uvicorn; docs/server.md).
 
-Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/embeddings, GET /v1/models, POST /tokenize,
-POST /detokenize, GET /health, GET /metrics. Every request field is either honoured or refused with a 400 naming
-it, in OpenAI's error shape (the fields' readers, generate() and the answers: rungen/openai_api.py); generation
-runs on rungen/engine.py's model thread, which batches the requests of all clients continuously (and runs the
-embeddings' forward passes between two of its steps).
-
-POST /v1/messages and /v1/messages/count_tokens speak Anthropic's Messages API (rungen/messages.py translates them to
-and from run_chat), and answer every error in Anthropic's shape.
-POST /v1/responses (OpenAI's Responses API) is translated to and from the chat path by rungen/responses.py.
+OpenAI's routes (rungen/openai_api.py), Anthropic's /v1/messages (rungen/messages.py), OpenAI's /v1/responses
+(rungen/responses.py), /tokenize, /detokenize, /health, /metrics. Every request field is honoured or refused with a
+400 naming it; generation runs on the engine's model thread, which batches all clients' requests continuously.
 """
 
 import asyncio
@@ -58,16 +52,14 @@ from .prompts import Prompt
 API_KEY_ENV = "RUN_GENERATION_API_KEY"
 MAX_BODY_DEPTH = strict_json.MAX_DEPTH  # refused before parsing: the decoder recurses once a level
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit of inputs per embeddings request
-# Seconds a request's body may take to arrive once its headers have: a client that stalls mid-body gets a 408
-# rather than holding its connection and handler forever.
+# Seconds a body may take once its headers came: a client stalling mid-body gets a 408, not a handler forever.
 BODY_TIMEOUT = 30.0
 EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
 # vLLM's names; tools, tool_choice and parallel_tool_calls shape a chat's prompt as they do in a chat request.
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_generation_prompt", "add_special_tokens", "tools",
                    "tool_choice", "parallel_tool_calls"}
 DETOKENIZE_FIELDS = {"model", "tokens"}
-# OpenAI's fields of /v1/responses that rungen/responses.py honours or checks (truncation and background only at
-# their defaults).
+# OpenAI's fields of /v1/responses that rungen/responses.py honours or checks.
 RESPONSE_FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text",
                    "temperature", "top_p", "max_output_tokens", "reasoning", "store", "previous_response_id",
                    "metadata", "user", "safety_identifier", "prompt_cache_key", "stream", "include", "top_logprobs",
@@ -100,9 +92,7 @@ class ServeOptions:
 
 
 
-#
-# Request fields
-#
+# --- Request fields ---
 
 
 
@@ -127,9 +117,7 @@ class ServeOptions:
 
 
 
-#
-# The app
-#
+# --- The app ---
 
 
 
@@ -144,8 +132,7 @@ def create_app(loaded, engine, options):
     metrics = engine.metrics
     app = FastAPI(title="run_generation", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
-    # Inside Starlette's outermost layer, whose handler for Exception would answer and then re-raise to uvicorn,
-    # which closes the connection after it.
+    # Inside Starlette's outermost layer, whose Exception handler re-raises to uvicorn (closing the connection).
     app.add_middleware(Shield)
     if options.cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
@@ -344,9 +331,8 @@ class Guard:
 
 
 class Shield:
-    """ASGI middleware: an exception the routes let out is logged and answered with a 500 in OpenAI's shape (a
-    stream already under way gets an error event and its end), and goes no further, so uvicorn keeps the
-    connection for the client's next request."""
+    """ASGI middleware: an exception the routes let out is logged and answered with a 500 (a stream gets an error
+    event and its end), and goes no further, so uvicorn keeps the connection."""
 
     def __init__(self, app):
         self.app = app
@@ -411,9 +397,8 @@ def endpoint_label(path):
 
 
 async def read_body(request, limit, timeout=BODY_TIMEOUT):
-    """The request's JSON object, parsed strictly (RFC 8259: UTF-8, no NaN or Infinity, no lone surrogates),
-    at most `limit` bytes and MAX_BODY_DEPTH levels deep, arrived within `timeout` seconds; anything else is a
-    400 (413 for the size, 408 for the time)."""
+    """The request's JSON object, parsed strictly (RFC 8259), at most `limit` bytes and MAX_BODY_DEPTH deep, within
+    `timeout` seconds; else a 400 (413 for the size, 408 for the time)."""
     kind = request.headers.get("content-type")
     # No Content-Type reads as JSON (as FastAPI's own body parsing does); any other type is refused.
     if kind is not None and not re.fullmatch(r"application/json\s*(;\s*charset=\"?utf-8\"?\s*)?", kind, re.I):
@@ -483,9 +468,7 @@ def check_model(body, model_id):
 
 
 
-#
-# Running
-#
+# --- Running ---
 
 
 def is_loopback(host):
@@ -537,8 +520,7 @@ def run(loaded, options):
     class Server(uvicorn.Server):
         @contextlib.contextmanager
         def capture_signals(self):
-            # uvicorn's own re-raises the signal after shutdown, so the process would die of it: a graceful
-            # stop exits 0 instead.
+            # uvicorn's own re-raises the signal after shutdown: a graceful stop exits 0 instead.
             if threading.current_thread() is not threading.main_thread():
                 yield
                 return

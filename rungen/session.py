@@ -1,13 +1,8 @@
-"""A session in the terminal: the model stays loaded and answers prompt after prompt.
+"""A session in the terminal (no --prompt, stdin a terminal): the model stays loaded and answers prompt after
+prompt, a conversation fitted to the context with a chat template, else each prompt continued on its own.
 
-run_generation.py's main() calls run() when no --prompt is given and stdin is a terminal. With a chat
-template (or --chat) the session is a conversation: its messages go through the template every turn
-and the oldest turns are dropped when they would outgrow the context. Without one, each prompt is
-continued on its own, as the original script does. Lines starting with / are commands (HELP lists them).
-
-Where things go: replies to stdout (and nothing else, so `run_generation.py > out.txt` collects the
-replies alone); the prompt, the line being typed and every notice to the terminal through stderr, and so does a
-thinking model's reasoning (dimmed on a terminal, left out with --quiet): stdout gets its answer alone.
+Replies, and nothing else, go to stdout (so `> out.txt` collects them alone); the prompt, notices and a thinking
+model's reasoning go to stderr. Lines starting with / are commands (HELP lists them).
 """
 
 from __future__ import annotations
@@ -54,9 +49,7 @@ A prompt that starts with / is typed with two: //etc/hosts is the prompt /etc/ho
 Ctrl-C while a reply is generated stops it; what was printed stays in the conversation."""
 
 
-#
-# The pure parts: commands, multi-line input, the context, settings
-#
+# --- The pure parts: commands, multi-line input, the context, settings ---
 
 
 def split_input(line: str) -> tuple[str | None, str]:
@@ -115,11 +108,8 @@ class LineJoiner:
 
 
 def fit_to_context(messages: list[dict], count_tokens, limit: int) -> tuple[list[dict], int]:
-    """The conversation with its oldest turns dropped until count_tokens(messages) <= limit.
-
-    A turn is a user message and what follows it up to the next user message. A leading system
-    message stays, and so does the last turn (the one being asked), whatever its size. Returns
-    (messages, number of turns dropped)."""
+    """(messages, turns dropped): the oldest turns (a user message and what follows) dropped until
+    count_tokens(messages) <= limit; a leading system message and the last turn always stay."""
     system = messages[:1] if messages and messages[0]["role"] == "system" else []
     rest, dropped = messages[len(system) :], 0
     while count_tokens(system + rest) > limit:
@@ -131,8 +121,7 @@ def fit_to_context(messages: list[dict], count_tokens, limit: int) -> tuple[list
 
 
 def set_setting(settings: Settings, name: str, value: str, context: int) -> Settings:
-    """A new Settings with NAME set to VALUE as typed; UsageError with a one-line message when it
-    cannot be, out of range ones with the flags' own messages (Settings.check)."""
+    """A new Settings with NAME set to VALUE as typed; UsageError (the flags' own messages) when it cannot be."""
     if name not in SETTABLE:
         raise UsageError(f"unknown setting {name!r}; /set takes one of: {', '.join(SETTABLE)}")
     if not value:
@@ -158,8 +147,7 @@ def describe_settings(settings: Settings, names=SETTABLE) -> str:
 
 def turn_stats(prompt_tokens: int, reply_tokens: int, started: float, first_token_at: float | None, ended: float,
                interrupted: bool = False, reused: int = 0) -> str:
-    """The line printed after each reply: tokens (and how many of the prompt's came from the cache of the
-    turns before), time to first token, decoding speed."""
+    """The line printed after each reply: tokens (reused from the cache), time to first token, speed."""
     parts = [f"{prompt_tokens} prompt ({reused} cached) + {reply_tokens} reply tokens" if reused
              else f"{prompt_tokens} prompt + {reply_tokens} reply tokens"]
     if first_token_at is not None:
@@ -171,16 +159,12 @@ def turn_stats(prompt_tokens: int, reply_tokens: int, started: float, first_toke
     return "(" + ", ".join(parts) + ")"
 
 
-#
-# Generating one reply
-#
+# --- Generating one reply ---
 
 
 class TurnControl:
-    """Asked by generate() after every new token: notes when the first one came and the tokens so far, and
-    stops the reply once Ctrl-C was pressed (a second Ctrl-C raises KeyboardInterrupt: the reply is given up).
-    A stopping criterion by its call alone (generate() calls each, whatever its class): transformers' base class
-    would import transformers in every session, most of whose turns run on the engine."""
+    """A stopping criterion for generate(): notes the first token's time and the tokens so far, and stops the reply
+    at Ctrl-C (a second raises KeyboardInterrupt). Not transformers' subclass, so a session need not import it."""
 
     def __init__(self):
         self.interrupted, self.first_token_at, self.ids = False, None, None
@@ -208,9 +192,7 @@ class TurnControl:
             signal.signal(signal.SIGINT, previous)
 
 
-#
-# The terminal
-#
+# --- The terminal ---
 
 
 def _is_terminal(stream, fd):
@@ -221,8 +203,7 @@ def _is_terminal(stream, fd):
 
 
 class Terminal:
-    """Reads lines with readline's editing and history (kept in HISTORY_FILE under the cache
-    directory), showing the prompt where the user sees it without putting it into stdout."""
+    """Reads lines with readline's editing and history, the prompt shown without putting it into stdout."""
 
     def __init__(self):
         try:
@@ -252,8 +233,7 @@ class Terminal:
             sys.stderr.write(prompt)
             sys.stderr.flush()
             return input()
-        # stdout goes to a file: readline writes the prompt and the echo to file descriptor 1 (and
-        # edits lines only when it is a terminal), so point it at the terminal meanwhile.
+        # readline writes the prompt and echo to fd 1, which goes to a file: point it at the terminal meanwhile.
         saved = os.dup(1)
         os.dup2(2, 1)
         try:
@@ -268,8 +248,7 @@ class Terminal:
 
 
 class ReplyWriter:
-    """A thinking model's streamed reply (rungen/reasoning.py's splitter): the reasoning to stderr, dimmed on a
-    terminal, where `show`; the answer to stdout."""
+    """A thinking model's streamed reply: the reasoning to stderr (dimmed, where `show`), the answer to stdout."""
 
     def __init__(self, plan, show: bool):
         self.splitter, self.show = plan.splitter(), show
@@ -305,31 +284,25 @@ def say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-#
-# The session
-#
+# --- The session ---
 
 
 class TurnCache:
-    """The keys and values of the conversation so far, kept from one turn to the next: a turn's prompt
-    starts with the previous prompt and reply, so only its new tokens need a forward pass (a 1,000-token
-    history is not read again). The cache is cut back to the tokens the new prompt shares with what it
-    holds (the template can render a reply's end differently from how it was generated)."""
+    """generate()'s cache kept from turn to turn, so only a prompt's new tokens need a forward pass; it is cut back
+    to the prefix the new prompt shares (a template can render a reply's end differently)."""
 
     def __init__(self):
         self.cache, self.tokens = None, []
 
     def usable(self, loaded: Loaded, settings: Settings) -> bool:
-        """Greedy or sampled decoding of one sequence by transformers' own cache: not beams (their cache is
-        per beam), an assistant or prompt lookup (they rewind it themselves), or --jit (its graph keeps
-        its own buffers)."""
+        """Whether the turn can use it: one sequence, no beams, assistant, prompt lookup or --jit."""
         return (settings.num_beams == 1 and settings.num_return_sequences == 1
                 and not settings.prompt_lookup_num_tokens and getattr(loaded, "assistant_model", None) is None
                 and not hasattr(loaded.model.forward, "graph_steps"))
 
     def take(self, ids: list[int], model):
-        """(cache, reused tokens) for a prompt of `ids`: the cache cut to their longest common prefix with
-        what it holds (one token at least left to compute), or (a new cache for `model`, 0)."""
+        """(cache, reused tokens) for `ids`: the cache cut to their common prefix (one token left to compute),
+        or (a new cache, 0)."""
         from transformers import DynamicCache
 
         from .kvcache import new_cache
@@ -373,8 +346,7 @@ class Session:
         self.engine, self.engine_opened = None, False
 
     def engine_for(self, settings):
-        """The engine for a turn under these settings (opened at the first such turn), or None: generate()
-        runs the turn (beam search, typical_p...; a model the engine cannot run)."""
+        """The engine for a turn under these settings (opened at the first), or None where generate() runs it."""
         if engine_refusal(self.loaded, settings) is not None:
             from .gguf import GGUFCausalLM
 
@@ -459,8 +431,8 @@ class Session:
         say(f"(saved to {path})")
 
     def encode(self, text):
-        """The prompt of this turn, encoded; with a chat template, the conversation so far fitted to
-        the context (the dropped turns are gone for good). PromptError if it cannot be generated."""
+        """This turn's prompt, encoded (with a template, the conversation fitted to the context, dropped turns gone
+        for good); PromptError if it cannot be generated."""
         user = {"role": "user", "content": text}
         if not self.chat:
             prompt = Prompt(len(self.replies), text)
@@ -534,8 +506,7 @@ class Session:
                            control.interrupted, reused))
 
     def reply_on_engine(self, engine, prompt, settings, control):
-        """(sequences, streamed, first token's time, reused prompt tokens) of a turn on the engine: the
-        conversation's earlier turns come from its prefix cache."""
+        """(sequences, streamed, first token's time, reused prompt tokens) of a turn on the engine."""
         done = {}
         stream = self.stream
         if stream and prompt.reply is not None:
@@ -574,9 +545,8 @@ class Session:
 def run(loaded: Loaded, settings: Settings, *, chat: bool | None = None, system: str | None = None,
         stream: bool | None = None, prefix: str = "", tools: dict | None = None,
         figures: bool = True) -> list[str]:
-    """The session, until /exit, Ctrl-D or Ctrl-C at an empty prompt; returns the replies. `chat` None:
-    a conversation when the tokenizer has a chat template; `stream` None: on (False: each reply whole);
-    `figures`: a line of figures after each reply."""
+    """The session, until /exit, Ctrl-D or Ctrl-C at an empty prompt; returns the replies. `chat`/`stream` None:
+    by the tokenizer's chat template / on."""
     has_template = bool(loaded.tokenizer.chat_template)
     chat = chat if chat is not None else has_template
     if chat and not has_template:

@@ -1,4 +1,5 @@
-"""The GGUF runtime: a GGUF file run on the CPU in its own quantized blocks, multiplied by the native kernels.
+"""The GGUF runtime: a GGUF file run on the CPU in its own quantized blocks by the native kernels, and on an
+accelerator de-quantized or in 4-bit form (blocks.py's TinyGemmLinear, file.py's build_model).
 
 Modules, from the ground up:
 - kernels.py: the native kernels (rungen/gguf/csrc, torch.ops.rungen_ggml), built on first use and cached.
@@ -29,8 +30,7 @@ from __future__ import annotations
 
 import importlib
 
-# The names the rest of the tool uses, by the module that holds each: imported where first asked for, so that a run
-# without a GGUF file imports none of this package's modules but the kernels' and the blocks'.
+# The names the tool uses, by module, imported when first asked for: a run without a GGUF file imports few.
 PUBLIC = {
     "native_kernels": "kernels", "kernel_cache_dir": "kernels",
     "holds_blocks": "blocks", "GGMLLinear": "blocks",

@@ -1,18 +1,10 @@
 """GGUF's quantized weights as torch layers: the file's own blocks, multiplied where they lie.
 
-A GGMLLinear holds a weight exactly as a GGUF file stores it: a uint8 tensor of shape
-[out_features, bytes per row], one row of blocks per output channel (a view of the memory-mapped file
-where possible). Nothing is de-quantized ahead of time. Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, Q3_K/Q4_K/Q5_K/Q6_K and
-IQ4_NL/IQ4_XS weights the native kernels multiply are rearranged once, at load, with their rows interleaved eight
-by eight (`interleave`: the same bytes in another order, [out_features / 8, 8 x bytes per row], the k-quants' and
-IQ4_XS's packed scales unpacked to a byte each: `interleaved_row_bytes`), which the kernels multiply faster than
-rows one by one (docs/kernels.md).
-
-A forward multiplies with the C++ kernels of rungen/gguf/csrc (torch.ops.rungen_ggml, built on first use and
-cached: rungen/gguf/kernels.py): activations quantized to int8 per block of 32, integer dot products per
-block, as llama.cpp does. Where they cannot be built, or RUN_GENERATION_KERNELS=torch is set, a layer
-converts itself on its first call to torch's own kernels instead (Q4_0/Q4_1/Q4_K to torch's int4 packing,
-the others to float16), after one warning on stderr. `dequantize` stays the gguf package's reference.
+A GGMLLinear holds a weight as the file stores it, uint8 [out_features, bytes per row], never de-quantized ahead of
+time; types the kernels multiply have their rows interleaved eight by eight at load (docs/kernels.md). The C++
+kernels (rungen/gguf/kernels.py) quantize activations to int8 per block of 32, as llama.cpp does; without them (or
+with RUN_GENERATION_KERNELS=torch) a layer converts itself to torch's kernels on its first call, after one warning.
+On a CUDA GPU, 4-bit types can run as torch's int4 kernel (TinyGemmLinear).
 """
 
 from __future__ import annotations
@@ -45,16 +37,13 @@ SUPPORTED = (
 )
 
 
-# The types whose rows are interleaved eight by eight for the native kernels (GGMLLinear.interleave), and the
-# flag added to their type number when the kernels are given them so (rungen_ggml's X8).
+# Types interleaved eight rows by eight for the kernels, and the flag added to their type number then.
 INTERLEAVED_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0,
                      GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K,
                      GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K, GGMLQuantizationType.IQ4_NL,
                      GGMLQuantizationType.IQ4_XS, GGMLQuantizationType.Q3_K)
 X8 = 256
-# Bytes of eight rows' superblock interleaved where it differs from eight of the file's: Q4_K/Q5_K's 6-bit
-# scales and mins, Q3_K's and IQ4_XS's 6-bit scales, unpacked to a byte each (2.8%, 2.3%, 3.6% and 1.5% more);
-# Q6_K keeps its size.
+# Eight rows' interleaved superblock bytes where the packed 6-bit scales are unpacked (docs/gguf.md).
 X8_SUPERBLOCK_BYTES = {GGMLQuantizationType.Q4_K: 1184, GGMLQuantizationType.Q5_K: 1440,
                        GGMLQuantizationType.Q3_K: 912, GGMLQuantizationType.IQ4_XS: 1104}
 
@@ -87,8 +76,7 @@ def interleaved_row_bytes(qtype: GGMLQuantizationType, in_features: int) -> int:
 
 
 def dequantize(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: int) -> torch.Tensor:
-    """The float32 weight [rows, in_features] that `blocks` [rows, row_bytes] encode (the gguf package's
-    reference de-quantization)."""
+    """The float32 weight that `blocks` [rows, row_bytes] encode (the gguf package's reference)."""
     values = _gguf_dequantize(blocks.contiguous().numpy(), qtype)
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(blocks.shape[0], in_features)
 
@@ -98,10 +86,8 @@ DEQUANTIZE_CHUNK = 1 << 24  # float32 values de-quantized on the host at a time 
 
 def dequantize_to(blocks: np.ndarray, qtype: GGMLQuantizationType, in_features: int, dtype: torch.dtype,
                   device: torch.device) -> torch.Tensor:
-    """The weight [rows, in_features] that `blocks` [rows, row_bytes] (the file's layout) encode, in `dtype` on
-    `device`, de-quantized a chunk of rows at a time: no float32 copy of the whole weight is ever held. The native
-    kernels' de-quantization (the embedding's lookup, every type they multiply) where they are built, else the gguf
-    package's."""
+    """The weight that `blocks` [rows, row_bytes] encode, in `dtype` on `device`, de-quantized a chunk of rows at a
+    time: never a float32 copy of the whole weight."""
     rows = blocks.shape[0]
     out = torch.empty(rows, in_features, dtype=dtype, device=device)
     step = max(1, DEQUANTIZE_CHUNK // in_features)
@@ -145,8 +131,7 @@ class GGMLLinear(torch.nn.Module):
         return int(self.qtype) | (X8 if self.interleaved else 0)
 
     def interleave(self) -> bool:
-        """Rearranges the blocks, in place, with their rows interleaved eight by eight where the native kernels
-        take them so (INTERLEAVED_TYPES, rows a multiple of 8); returns whether they are."""
+        """Interleaves the blocks' rows eight by eight, in place, where the kernels take them so; returns whether."""
         if not self.interleaved and interleavable(self.qtype, self.out_features):
             self.blocks = torch.ops.rungen_ggml.interleave(self.blocks, int(self.qtype))
             self.interleaved = True
@@ -241,8 +226,7 @@ def _malloc_trim():
 
 
 def release_freed_memory() -> None:
-    """Gives the heap's free pages back to the system (glibc's malloc_trim; nothing elsewhere): fusing a layer frees
-    weight-sized buffers (the parts of a concatenation), which glibc would keep (docs/gguf.md)."""
+    """glibc's malloc_trim: fusing frees weight-sized buffers that glibc would keep (docs/gguf.md)."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
@@ -254,9 +238,7 @@ def holds_blocks(model: torch.nn.Module) -> bool:
 
 
 def concat(layers: list[GGMLLinear]) -> GGMLLinear | None:
-    """One layer whose rows are the given layers' rows, in order (q/k/v, gate/up: one matmul for
-    projections of the same input), or None when they differ in type, layout or input width. Interleaved rows
-    concatenate as they are: each layer's rows are whole groups of eight."""
+    """One layer of the given layers' rows, in order, or None when they differ in type, layout or input width."""
     first = layers[0]
     if any(layer.code != first.code or layer.in_features != first.in_features for layer in layers):
         return None
@@ -270,10 +252,8 @@ def concat(layers: list[GGMLLinear]) -> GGMLLinear | None:
 
 
 class GGMLParts(torch.nn.Module):
-    """y = x @ [W_1; W_2; ...].T (+ bias): projections of one input side by side (q/k/v, gate/up) whose blocks
-    differ in type (a Q4_K_M file's Q6_K attn_v beside Q4_K attn_q/attn_k), as one product. With the native
-    kernels each part is multiplied by its own kernel into its own columns of one output, the activations
-    quantized once for all (rungen_ggml.mm_parts): each output the bits of its part multiplied alone."""
+    """y = x @ [W_1; W_2; ...].T (+ bias): projections of one input whose blocks differ in type, as one product
+    (rungen_ggml.mm_parts), each output the same bits as its part multiplied alone."""
 
     def __init__(self, parts: list[GGMLLinear], bias: torch.Tensor | None = None):
         super().__init__()
@@ -289,8 +269,7 @@ class GGMLParts(torch.nn.Module):
         return y if self.bias is None else y + self.bias
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        # A caller that replaced GGMLLinear._matmul (to measure a product's own rounding: products_one_by_one)
-        # gets its replacement on each part.
+        # A replaced GGMLLinear._matmul (products_one_by_one) applies to each part.
         if native_kernels() and GGMLLinear._matmul is _BLOCKS_MATMUL:
             return torch.ops.rungen_ggml.mm_parts(x.float().contiguous(), [p.blocks for p in self.parts],
                                                   [p.code for p in self.parts], self.in_features)
@@ -301,9 +280,8 @@ _BLOCKS_MATMUL = GGMLLinear._matmul
 
 
 def join(layers: list[GGMLLinear]) -> GGMLLinear | GGMLParts | None:
-    """One product of the given layers' rows, in order (q/k/v, gate/up: one call for projections of the same
-    input): their rows concatenated where they share type and layout (concat), else each run of one type
-    concatenated as a part of a GGMLParts; None when their input widths differ."""
+    """One product of the given layers' rows, in order: concatenated, or a GGMLParts of runs of one type; None when
+    their input widths differ."""
     joined = concat(layers)
     if joined is not None or any(layer.in_features != layers[0].in_features for layer in layers):
         return joined
@@ -326,12 +304,10 @@ def join(layers: list[GGMLLinear]) -> GGMLLinear | GGMLParts | None:
     return GGMLParts(parts, bias)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Fallback: torch's own kernels, converted from the blocks.
+# --- Fallback: torch's own kernels, converted from the blocks ---
 
 def _int4_parts(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: int):
-    """Codes [rows, in_features] (0..15, exact), and per group of 32 the scale and offset
-    (weight = scale * code + offset) of a 4-bit type's blocks."""
+    """Codes [rows, in_features] (0..15) and per group of 32 the scale and offset of a 4-bit type's blocks."""
     rows = blocks.shape[0]
     raw = blocks.contiguous().numpy()
     if qtype in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
@@ -359,9 +335,8 @@ def _int4_parts(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: 
 
 
 def torch_layer(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: int) -> torch.nn.Module:
-    """The blocks as one of rungen.quantize's layers: Q4_0/Q4_1/Q4_K as torch's int4 packing (the codes
-    exact, each group's scale and zero rounded to bfloat16, activations to bfloat16), the other types
-    de-quantized to float16 for fbgemm (int8 per channel where torch has no fbgemm)."""
+    """The blocks as one of rungen.quantize's layers: 4-bit types in torch's int4 packing (codes exact), the others
+    de-quantized to float16 for fbgemm."""
     from rungen.quantize import head_class
 
     if qtype not in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K):
@@ -381,8 +356,7 @@ def torch_layer(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: 
     return layer
 
 
-# ---------------------------------------------------------------------------------------------------------
-# On a CUDA GPU: 4-bit types as torch's int4 weight-only kernel (tinygemm) takes them.
+# --- On a CUDA GPU: 4-bit types as torch's int4 weight-only kernel (tinygemm) takes them ---
 
 INT4_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K)
 
@@ -394,8 +368,7 @@ def gpu_int4(qtype: GGMLQuantizationType, in_features: int, dtype: torch.dtype, 
 
 def tinygemm_of_blocks(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: int, device: torch.device,
                        order=None) -> TinyGemmLinear:
-    """A 4-bit weight's blocks [rows, row bytes] (the file's layout; `order`: its rows permuted) as a TinyGemmLinear
-    on `device`: the codes exact, each group's scale and offset rounded to bfloat16 by the packing."""
+    """A 4-bit weight's blocks (`order`: its rows permuted) as a TinyGemmLinear on `device`, the codes exact."""
     codes, scale, offset = _int4_parts(blocks, qtype, in_features)
     if order is not None:
         order = torch.from_numpy(order)

@@ -1,24 +1,12 @@
-"""Decoder layers over GGUF blocks, in a few operators a step: llama's, and the families shaped like it (mistral,
-qwen2, qwen3, phi3, gemma2, gemma3), what each differs in a row of rungen/gguf/families.py.
+"""Decoder layers over GGUF blocks in a few native operators a step (llama's and the families of
+rungen/gguf/families.py), in place of transformers' dozens (docs/kernels.md).
 
-transformers' LlamaDecoderLayer runs dozens of torch operators a token (the norms' casts and reductions,
-rotate_half's slices and concatenations, three separate q/k/v products, ...), whose dispatch at one token a step
-of a small model costs more than its matmuls (docs/kernels.md). FusedDecoderLayer computes the
-same function with one product for q/k/v and one for gate/up (their rows concatenated once, at load; where
-their block types differ, as a Q4_K_M file's attn_v and attn_q do, each type's rows a part of one product that
-quantizes the activations once: GGMLParts), and the native kernels' rms_norm, rope_split, silu_mul
-(gelu_tanh_mul) and attend for what lies between. The key/value cache and the attention masks stay
-transformers' (Cache.update, the mask the model passes in), so generate() and everything built on it work
-unchanged. A sliding-window layer attends through the native attend too, which applies the window (key positions
-in the cache, as transformers' window mask counts them) on top of whatever mask the model passes, and gemma2's
-soft-capped logits are capped in it. A model whose layers are all in blocks and alike (llama's and the families
-of the table, gemma's extra norms, GELU gate, soft cap, per-layer windows and local rotary included) runs them as
-one NativeStack call a step on the engine's cache (DecoderStack).
-
-The float arithmetic differs from transformers' only in summation order and fused multiply-adds:
-tests/unit/test_decoder.py holds it to transformers' own layer within float32 rounding. The attention visits
-each query's keys in order and skips the masked ones, so a sequence gets the same bits alone and left-padded
-in a batch, which torch's attention kernels do not promise.
+FusedDecoderLayer does one product for q/k/v and one for gate/up (GGMLParts where block types differ) and the
+native rms_norm, rope_split, silu_mul/gelu_tanh_mul and attend between them; the cache and masks stay transformers',
+so generate() works unchanged. A model whose layers are all in blocks and alike runs them as one NativeStack call a
+step (DecoderStack). The arithmetic differs from transformers' only in summation order and fused multiply-adds
+(tests/unit/test_decoder.py); attend visits each query's keys in order, so a sequence gets the same bits alone and
+left-padded in a batch, which torch's attention kernels do not promise.
 """
 
 from __future__ import annotations
@@ -53,7 +41,6 @@ class FusedDecoderLayer(torch.nn.Module):
         attention, config = layer.self_attn, layer.self_attn.config
         self.qkv, self.o_proj = qkv, attention.o_proj
         self.gate_up, self.down_proj = gate_up, layer.mlp.down_proj
-        # The two products' blocks and codes as the native layer calls take them (parts side by side).
         self.qkv_parts, self.gate_up_parts = native_parts(qkv), native_parts(gate_up)
         self.activation = getattr(config, family.activation)
         self.input_layernorm, self.mlp_norm = layer.input_layernorm, getattr(layer, family.mlp_norm)
@@ -61,9 +48,7 @@ class FusedDecoderLayer(torch.nn.Module):
                                                       for name in (family.attention_out_norm, family.mlp_out_norm))
         self.q_norm, self.k_norm = (getattr(attention, name) for name in family.head_norms) if family.head_norms \
             else (None, None)
-        # (weight, epsilon) of each norm as the native rms_norm takes them, by the attribute that holds the norm
-        # (names survive a deep copy, which gives the modules new identities): the module's own weight, or for
-        # gemma 1 + weight (computed in float32 once, as GemmaRMSNorm computes it every call).
+        # (weight, epsilon) by attribute name (names survive a deep copy); gemma's weight as 1 + weight, once.
         self.native_norms = {name: (norm.weight.detach() + family.norm_offset if family.norm_offset else norm.weight,
                                     norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps)
                              for name in NORMS if (norm := getattr(self, name)) is not None}
@@ -73,10 +58,9 @@ class FusedDecoderLayer(torch.nn.Module):
         self.num_key_value_groups, self.scaling = attention.num_key_value_groups, attention.scaling
         self.sliding_window = getattr(config if family.window_on_every_layer else attention, "sliding_window", None)
         self.softcap = getattr(attention, "attn_logit_softcapping", None)
-        # The family's own eager attention (gemma2's soft-caps the logits), as its attention module falls back to.
+        # The family's own eager attention (gemma2's soft-caps the logits).
         self.eager = getattr(sys.modules[type(attention).__module__], "eager_attention_forward", None)
-        # Every product in blocks, no bias but q/k/v's: the layer can be one of a NativeStack's; with full
-        # attention and llama's norms and activation besides, it runs as two native calls.
+        # in_blocks: can be one of a NativeStack's layers; two_calls: also llama-plain, so two native calls.
         self.in_blocks = all(isinstance(p, GGMLLinear) and p.bias is None for p in (self.o_proj, self.down_proj))
         self.two_calls = self.in_blocks and self.sliding_window is None and self.softcap is None and (
             self.activation == "silu" and self.attention_out_norm is None and self.mlp_out_norm is None)
@@ -126,12 +110,7 @@ class FusedDecoderLayer(torch.nn.Module):
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
         if native:
-            # One call, and the same bits with or without padding beside the sequence (torch's kernels block
-            # the keys differently once padding shifts them): a greedy text is the same alone and in a batch.
-            # A sliding-window layer's window is applied by the kernel too (key positions in the cache, as
-            # transformers' window mask counts them, whichever keys the cache keeps), where the mask, when there
-            # is one, holds it already: the same keys, the same bits, with or without a mask. gemma2's
-            # soft-capped scores are capped in the kernel (0: none).
+            # The same bits with or without padding; the kernel applies the window and soft cap too (0: none).
             attended = torch.ops.rungen_ggml.attend(q, k, v, attention_mask, self.scaling, self.softcap or 0.0,
                                                     self.sliding_window or 0)
         else:
@@ -148,8 +127,7 @@ class FusedDecoderLayer(torch.nn.Module):
         return hidden_states + out
 
     def _norm(self, x: torch.Tensor, name: str, native: bool) -> torch.Tensor:
-        """transformers' RMSNorm of x by the norm held as attribute `name` (the native step with its weight and
-        epsilon, or the module)."""
+        """RMSNorm of x by the norm held as attribute `name`."""
         return torch.ops.rungen_ggml.rms_norm(x, *self.norm_args(name)) if native else getattr(self, name)(x)
 
     def _two_calls(self, hidden_states, attention_mask, past_key_values, position_embeddings):
@@ -178,8 +156,7 @@ class FusedDecoderLayer(torch.nn.Module):
 
 
 def product(layer: torch.nn.Module, x: torch.Tensor, native: bool) -> torch.Tensor:
-    """layer(x); for a GGMLLinear (or GGMLParts) with the native kernels, its product called directly (a module
-    call and its reshapes cost more than the operator's own work at one token)."""
+    """layer(x); a GGMLLinear's (GGMLParts') product called directly, skipping the module call's overhead."""
     if not native or not isinstance(layer, (GGMLLinear, GGMLParts)):
         return layer(x)
     y = layer._matmul(x.reshape(-1, layer.in_features))
@@ -188,9 +165,8 @@ def product(layer: torch.nn.Module, x: torch.Tensor, native: bool) -> torch.Tens
 
 
 def native_parts(fused: GGMLLinear | GGMLParts, count: int | None = None) -> tuple[list, list]:
-    """([blocks], [codes]) of a fused product's parts, as rungen_ggml's mm_parts, attention_in, attention_out_mlp
-    and decoder_stack take them: the whole weight as one part, or a GGMLParts' parts; up to `count` parts with
-    empty ones of zero rows (which cost nothing) when given."""
+    """([blocks], [codes]) of a fused product's parts as the native calls take them, padded with zero-row parts
+    to `count` when given."""
     parts = list(fused.parts) if isinstance(fused, GGMLParts) else [fused]
     blocks, codes = [p.blocks for p in parts], [p.code for p in parts]
     if count is not None:
@@ -206,15 +182,13 @@ QKV_PARTS, GATE_UP_PARTS = 3, 2
 
 
 def fusable(model: torch.nn.Module) -> bool:
-    """Whether `model`'s decoder layers are of a kind FusedDecoderLayer computes, in float32 (the native
-    kernels' steps compute in float32); a layer's own weights decide the rest (FusedDecoderLayer.fuse)."""
+    """Whether `model`'s decoder layers are of a kind FusedDecoderLayer computes, in float32 (the kernels' dtype)."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     return bool(layers) and type(layers[0]).__name__ in BY_LAYER_CLASS and model.dtype == torch.float32
 
 
 def fuse_decoder_layers(model: torch.nn.Module) -> int:
-    """Replaces every decoder layer of `model` that FusedDecoderLayer computes, and when that is all of them
-    in blocks, runs them as one DecoderStack; returns how many it replaced."""
+    """Fuses every decoder layer of `model` it can (a DecoderStack when all are); returns how many."""
     if not fusable(model):
         return 0
     layers, replaced = model.model.layers, 0
@@ -230,8 +204,7 @@ def fuse_decoder_layers(model: torch.nn.Module) -> int:
 
 @dataclasses.dataclass
 class StackWeights:
-    """The decoder layers' tensors as rungen_ggml.decoder_stack takes them, in its order, each a list a layer (the
-    products' parts side by side: QKV_PARTS and GATE_UP_PARTS blocks a layer)."""
+    """The decoder layers' tensors in rungen_ggml.decoder_stack's order, each a list a layer."""
 
     input_norms: list
     qkv: list
@@ -247,7 +220,6 @@ class StackWeights:
     @classmethod
     def of(cls, input_norms: list, qkv: list, q_norms: list, k_norms: list, o: list, mlp_norms: list, gate_up: list,
            down: list) -> StackWeights:
-        """The record of each layer's norms' weights and products (q/k/v's bias its product's)."""
         qkv_parts = [native_parts(product, QKV_PARTS) for product in qkv]
         gate_up_parts = [native_parts(product, GATE_UP_PARTS) for product in gate_up]
         return cls(input_norms, [b for blocks, _ in qkv_parts for b in blocks], [p.bias for p in qkv], q_norms,
@@ -262,27 +234,20 @@ class StackWeights:
 
 
 class NativeStack:
-    """Every decoder layer of a model in one native call (rungen_ggml.decoder_stack): its weights as the call takes
-    them, and the bookkeeping that writes each layer's keys and values straight into a cache's GrowingLayer
-    buffers. DecoderStack runs it as a transformers model's inner forward; rungen/gguf/model.py's own model calls it
-    directly."""
+    """Every decoder layer of a model in one native call (rungen_ggml.decoder_stack), writing keys and values
+    straight into a cache's GrowingLayer buffers."""
 
     def __init__(self, weights: StackWeights, eps: float, scale: float, heads: int, kv_heads: int, head_dim: int,
                  out_norms: tuple[list, list] = ([], []), windows: list[int] = (), softcap: float = 0.0,
                  gelu: bool = False):
-        """weights: the layers' tensors; eps: every norm's;
-        scale: the attention scores'. What gemma's layers add (empty or defaults for llama's): out_norms, each
-        layer's norms of the attention's and of the MLP's output (None: none); windows, each layer's sliding
-        window (0: none); softcap, the attention logits' cap (0: none); gelu, a GELU-tanh gate instead of SiLU.
-        Gemma's norm weights come as 1 + weight."""
+        """eps: every norm's; scale: the attention scores'. gemma's additions (defaults for llama): out_norms,
+        windows (0: none), softcap (0: none), gelu; its norm weights come as 1 + weight."""
         self.weights, self.eps, self.scale = weights, eps, scale
         self.weight_args = weights.args()  # once: a step passes them as they are
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.out_norms, self.windows = (list(out_norms[0]), list(out_norms[1])), list(windows)
         self.softcap, self.gelu = float(softcap), bool(gelu)
-        # What the last call left: (a weak reference to the cache, the addresses of its layers' keys, the
-        # positions they hold, the least capacity of any buffer). A step that finds the same keys needs no look
-        # at each layer's buffers; nothing here keeps a finished cache alive.
+        # (weakref to the cache, its keys' addresses, positions held, least capacity): lets a step skip the buffers.
         self.last = None
 
     @classmethod
@@ -316,9 +281,8 @@ class NativeStack:
 
     def __call__(self, hidden: torch.Tensor, cache, mask: torch.Tensor | None, cos: torch.Tensor,
                  sin: torch.Tensor, local: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
-        """The hidden states after the last layer, the cache extended by the new positions; None (nothing done)
-        when the cache's layers hold different lengths (cut one by one). `mask`: the padded batch's (None: causal),
-        the windows applied on top of it; `local`: the windowed layers' cos/sin where they differ (gemma3's)."""
+        """The hidden states after the last layer, the cache extended; None (nothing done) when the cache's layers
+        hold different lengths. `mask`: None for causal; `local`: windowed layers' cos/sin where they differ."""
         layers = cache.layers
         for index, layer in enumerate(layers):
             if not growing(layer):  # generate()'s own cache: moved into buffers with room
@@ -349,20 +313,14 @@ class NativeStack:
 
 
 class DecoderStack:
-    """A NativeStack installed as a transformers model's inner forward (LlamaModel's, or a same-shaped one).
-
-    Layer by layer, a step costs two operator calls, a cache update and a module call a layer in Python: for a
-    small model at one token, about a fifth of the step. The stack computes the same functions in the same order
-    (the same bits), and writes each layer's keys and values straight into its cache's GrowingLayer buffers. A
-    cache generate() made of transformers' DynamicLayers is moved into GrowingLayers on first use. Whatever it
-    does not cover (attention maps or hidden states asked for, no cache, another kind of cache layer, tracing
-    for --jit, the torch fallback kernels) goes to transformers' own forward, over the same fused layers."""
+    """A NativeStack installed as a transformers model's inner forward: the same functions in the same order (the
+    same bits) as the layers one by one. What it does not cover (attention maps or hidden states, no cache or
+    another kind, --jit's tracing, the torch fallback) goes to transformers' forward over the same fused layers."""
 
     def __init__(self, inner: torch.nn.Module, layers: list[FusedDecoderLayer]):
         self.inner, self.original = inner, inner.forward
         self.stack = NativeStack.of_layers(layers)
-        # gemma3's rotary embedding rotates each layer type by its own base: (full, sliding) layer types to ask
-        # it for, else None (one rotation for every layer).
+        # gemma3's (full, sliding) layer types to ask the rotary embedding for, else None (one rotation).
         self.rotary_types = None
         if "layer_type" in inspect.signature(inner.rotary_emb.forward).parameters:
             kinds = set(inner.config.layer_types)
@@ -371,9 +329,8 @@ class DecoderStack:
 
     @classmethod
     def install(cls, model: torch.nn.Module) -> bool:
-        """Runs `model`'s decoder layers as one stack when every one is a FusedDecoderLayer in blocks, all alike
-        (norm epsilon, heads, activation, soft cap; a sliding window may differ by layer); returns whether it
-        did."""
+        """Runs `model`'s decoder layers as one stack when all are FusedDecoderLayers in blocks and alike (windows
+        may differ); returns whether it did."""
         inner = model.model
         layers = list(inner.layers)
         if not layers or len(layers) != model.config.num_hidden_layers or not all(
@@ -382,7 +339,7 @@ class DecoderStack:
                 for layer in layers):
             return False
         first = layers[0]
-        # One epsilon for every norm, the per-head ones too (the stack takes one).
+        # The stack takes one epsilon for every norm.
         if any((layer.heads, layer.kv_heads, layer.scaling, layer.activation, layer.softcap)
                != (first.heads, first.kv_heads, first.scaling, first.activation, first.softcap)
                or (layer.q_norm is None) != (first.q_norm is None)
@@ -415,8 +372,7 @@ class DecoderStack:
         if position_ids is None:
             position_ids = (torch.arange(tokens, device=hidden.device) + length).unsqueeze(0)
         if attention_mask is None or bool(attention_mask.all()):
-            # No padding: query i sees the keys up to its own position, the native attention's causal default,
-            # which visits only those (a mask would have it visit every key of the square and skip half).
+            # No padding: the native causal default visits only the keys it needs.
             mask = None
         else:
             mask = create_causal_mask(config=inner.config, inputs_embeds=hidden, attention_mask=attention_mask,
@@ -437,8 +393,8 @@ class DecoderStack:
 
 @contextlib.contextmanager
 def products_one_by_one(model: torch.nn.Module):
-    """Within it, `model`'s fused layers take each product through its GGMLLinear module (whose _matmul a
-    caller may replace, to measure a product's own rounding), not the native layer and stack calls."""
+    """Within it, `model`'s fused layers take each product through its GGMLLinear module (whose _matmul a caller
+    may replace), not the native layer and stack calls."""
     inner = model.model
     stack = inner.__dict__.get("forward")
     layers = [layer for layer in inner.layers if isinstance(layer, FusedDecoderLayer)]
@@ -458,10 +414,8 @@ def products_one_by_one(model: torch.nn.Module):
 
 def rope_split(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
                q_norm: torch.nn.Module | None = None, k_norm: torch.nn.Module | None = None):
-    """q [b, heads, t, d], k and v [b, kv_heads, t, d] of the fused product [b, t, (heads + 2 kv_heads) d], q and k
-    normalized per head by q_norm/k_norm when given (qwen3, gemma3), then rotated as transformers'
-    apply_rotary_pos_emb rotates them (the first cos.shape[-1] values of each head: all of them but for a partial
-    rotary): torch's operators, what the native rope_split computes in one call."""
+    """q [b, heads, t, d], k and v [b, kv_heads, t, d] of the fused product, q and k normalized per head when
+    given, then rotated as apply_rotary_pos_emb does: the native rope_split on torch's operators."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
     from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as apply_partial
 

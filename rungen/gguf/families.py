@@ -1,9 +1,6 @@
-"""The model families the GGUF runtime computes, one row each: what a family differs in from llama's decoder.
-
-Every family here is pre-norm attention with rotary q/k, then a gated MLP, each added to the residual stream. A row
-names where transformers' decoder layer holds each part (the fused layers of rungen/gguf/decoder.py find them there),
-the same parts' weights in a file (rungen/gguf/model.py builds from them), and what the file's metadata must add to
-transformers' config of it (rungen/gguf/file.py). A family is one row here, plus its tests.
+"""The model families the GGUF runtime computes, one row each: what a family differs in from llama's decoder
+(pre-norm rotary attention, then a gated MLP). A row names where transformers' layer holds each part (decoder.py),
+the parts' weights in a file (model.py) and what the metadata adds to the config (file.py).
 """
 
 from __future__ import annotations
@@ -19,15 +16,13 @@ class Family:
     architecture: str  # the GGUF file's general.architecture
     layer_class: str  # transformers' decoder layer, the reference FusedDecoderLayer fuses
 
-    # The attention's projections whose rows make the q/k/v product, in that order (one name: the file and the model
-    # hold them joined), and the MLP's for gate/up (gate first).
+    # The projections whose rows make the q/k/v and gate/up products, in order (one name: held joined).
     qkv: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
     gate_up: tuple[str, ...] = ("gate_proj", "up_proj")
     # The attention's per-head RMS norms of q and k, applied before the rotation.
     head_norms: tuple[str, str] | None = None
-    # The config attribute that names the MLP's activation.
     activation: str = "hidden_act"
-    # The layer's norms: before the MLP, and of the attention's and of the MLP's output before each residual sum.
+    # The norm before the MLP, and those of the attention's and the MLP's outputs before each residual sum.
     mlp_norm: str = "post_attention_layernorm"
     attention_out_norm: str | None = None
     mlp_out_norm: str | None = None
@@ -35,23 +30,22 @@ class Family:
     norm_offset: float = 0.0
     # llama.cpp's converter permutes q/k rows for its interleaved rotary; transformers' tensor processor un-permutes.
     permuted_qk: bool = False
-    # config.sliding_window applies to every layer (else to the layers config.layer_types names sliding_attention).
+    # config.sliding_window applies to every layer (else to config.layer_types' sliding_attention ones).
     window_on_every_layer: bool = False
     # The embedding's rows times sqrt(hidden).
     embedding_scaled: bool = False
-    # config.attn_logit_softcapping and config.final_logit_softcapping cap the scores and the logits where set.
+    # config.attn_logit_softcapping / final_logit_softcapping cap the scores / logits where set.
     soft_caps: bool = False
     # The config field whose ** -0.5 scales the scores (None: the head size's).
     score_scalar: str | None = None
     # transformers attends eagerly, under the additive form of a padded batch's mask.
     additive_mask: bool = False
 
-    # What transformers' GGUF reading leaves out of the config, read from the file's metadata:
-    # config.head_dim from <arch>.attention.key_length (the class would take hidden_size / heads).
+    # What transformers' GGUF reading leaves out of the config, read from the metadata: head_dim from key_length.
     head_dim_from_key_length: bool = False
     # config fields from other keys: (key after "<arch>.", field).
     extra_config_keys: tuple[tuple[str, str], ...] = ()
-    # The largest model's layer count, which scales its scores by hidden / heads (no key holds score_scalar).
+    # The largest model's layer count: it scales its scores by hidden / heads (no key says so).
     big_model_layers: int | None = None
     # A linear rope scaling from <arch>.rope.scaling.*.
     rope_scaling_from_metadata: bool = False
@@ -73,8 +67,7 @@ GEMMA = dict(activation="hidden_activation", mlp_norm="pre_feedforward_layernorm
              attention_out_norm="post_attention_layernorm", mlp_out_norm="post_feedforward_layernorm",
              norm_offset=1.0, embedding_scaled=True, soft_caps=True, score_scalar="query_pre_attn_scalar")
 
-# mistral, qwen2 and qwen3 may add a sliding window, and qwen2 has q/k/v biases; phi3 may rotate part of each head,
-# and its 128k variants' longrope is in the cos/sin; gemma3's local rope base is in the cos/sin of its windowed layers.
+# Differences the config carries (windows, q/k/v biases, partial rotary, longrope, gemma3's local rope) need no field.
 FAMILIES = {family.model_type: family for family in (
     Family("llama", "llama", "LlamaDecoderLayer", permuted_qk=True),
     Family("mistral", "mistral", "MistralDecoderLayer", window_on_every_layer=True),

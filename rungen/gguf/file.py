@@ -1,24 +1,11 @@
-"""Loading a GGUF file as it is: its quantized weights stay in the file's blocks, memory-mapped, and
-nothing is converted to float32.
+"""Loading a GGUF file as it is: on the CPU its quantized weights stay in the file's blocks, memory-mapped, never
+converted to float32; on an accelerator (build_model's `device`) they are de-quantized, or kept 4-bit.
 
-A GGUF file is read in two parts:
-- its header (transformers' config, transformers' tokenizer converted from the file's vocabulary, and
-  the table of tensors: name, type, shape, byte offset). Reading it with the gguf package and
-  converting the tokenizer takes seconds (the vocabulary and merges are tens of thousands of fields), so
-  the result is cached once per file (see HeaderCache): later runs read three small files.
-- its tensors, each a view of one memory map of the file. Quantized linear weights become
-  GGMLLinear layers (rungen/gguf/blocks.py) over those views (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K/IQ4_NL/
-  IQ4_XS ones read into memory instead, their rows interleaved for the native kernels); a quantized embedding becomes
-  GGMLEmbedding, which de-quantizes only the rows it looks up; a tied output head is a GGMLLinear over the
-  embedding's own blocks (interleaved, and so read into memory, when their type is). F32/F16/BF16 weights keep
-  their dtype (a layer of another dtype than the model's casts them per call); norms and biases take the model's
-  float dtype.
-
-GGUF names map to the model's parameters with transformers' own tables (get_gguf_hf_weights_map and
-the per-architecture TensorProcessor), the ones its de-quantizing loader uses. A processor's transform of
-a quantized tensor is applied to the blocks only when it is a permutation of rows (llama's q/k heads):
-the rows are permuted, copying only those tensors. Any other transform (a transpose, a reshape across
-columns) needs float values: that tensor alone is de-quantized, as transformers would.
+The header (config, tokenizer, tensor table) takes seconds to read, so GGUFHeader caches it once per file. Quantized
+linear weights become GGMLLinear layers over views of one memory map (read into memory where their rows are
+interleaved for the kernels), a quantized embedding GGMLEmbedding; F32/F16/BF16 weights keep their dtype. GGUF names
+map to parameters by transformers' own tables; a processor's transform of quantized blocks is applied only when it
+permutes rows (llama's q/k heads), otherwise that tensor alone is de-quantized.
 """
 
 from __future__ import annotations
@@ -58,18 +45,13 @@ from .weights import FLOAT_TYPES, GGUFError, WeightReader, as_torch
 
 logger = logging.getLogger("run_generation")
 
-# Bump when what the header cache holds changes meaning; transformers' version is part of the key too,
-# since its tokenizer conversion and config parsing decide the cached files.
+# Bump when what the header cache holds changes meaning (transformers' version is part of the key too).
 HEADER_CACHE_VERSION = 3
 
 
 @contextlib.contextmanager
 def metadata_parsed_once():
-    """Within this block, transformers parses each GGUF file's metadata once.
-
-    Its config and its tokenizer each call load_gguf_checkpoint(path, return_tensors=False), which walks
-    every vocabulary entry and merge with the gguf package's reader: seconds per call for a 49k
-    vocabulary, more for larger ones. The second call gets a copy of the first's result."""
+    """Within this block, transformers parses each GGUF file's metadata once (seconds a call); later calls copy."""
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
     original, parsed = gguf_utils.load_gguf_checkpoint, {}
@@ -91,9 +73,8 @@ def metadata_parsed_once():
 
 
 def complete_config(path: str, config: dict) -> None:
-    """What transformers' GGUF config reading leaves out and the model needs, read from the file's metadata into
-    the config's fields (`config`: load_gguf_checkpoint's config dict, edited in place); GGUFError for a file whose
-    model transformers' classes cannot compute."""
+    """Fills in `config` (load_gguf_checkpoint's dict, in place) what transformers' reading leaves out of the
+    file's metadata; GGUFError for a model transformers' classes cannot compute."""
     from transformers.integrations.gguf.reader import read_gguf_metadata
 
     metadata, tensors = read_gguf_metadata(path)
@@ -112,12 +93,11 @@ def complete_config(path: str, config: dict) -> None:
         if f"{arch}.{key}" in metadata:
             config[field] = metadata[f"{arch}.{key}"]
     if family.big_model_layers and head_dim:
-        # No key holds query_pre_attn_scalar: llama.cpp scales by the head size but for the largest models (by
-        # hidden / heads), which it knows by their layer count; transformers' classes default to 256.
+        # No key holds it: llama.cpp uses hidden / heads for the largest models (known by layer count), else head_dim.
         big = metadata.get(f"{arch}.block_count") == family.big_model_layers
         config["query_pre_attn_scalar"] = hidden // heads if big else head_dim
     if family.rope_scaling_from_metadata and metadata.get(f"{arch}.rope.scaling.type", "none") != "none":
-        # gemma3 4B-27B rotate their global layers by positions / 8 (linear); transformers' reading drops it.
+        # gemma3 4B-27B scale their global layers' rotation linearly; transformers' reading drops it.
         kind = metadata[f"{arch}.rope.scaling.type"]
         if kind != "linear":
             raise GGUFError(f"{path}: its rotary embedding is scaled by {kind!r}, which this tool does not read "
@@ -125,19 +105,17 @@ def complete_config(path: str, config: dict) -> None:
         config["rope_scaling"] = {"rope_type": "linear", "factor": metadata[f"{arch}.rope.scaling.factor"]}
     rotary = metadata.get(f"{arch}.rope.dimension_count")
     if family.partial_and_long_rope:
-        # Phi-4-mini (a "phi3" file) rotates 96 of each head's 128 values; transformers' reading drops the count.
+        # Phi-4-mini rotates part of each head; transformers' reading drops the count.
         if rotary is not None and head_dim and rotary != head_dim:
             config["partial_rotary_factor"] = rotary / head_dim
         if any(name.startswith("rope_factors_") for name in tensors):
-            # The 128k variants (Phi-3-mini-128k, Phi-3.5-mini) scale their rotary frequencies by these tensors
-            # (longrope), which transformers' GGUF reading drops: its model would rotate by the plain frequencies.
+            # The 128k variants' longrope factors, which transformers' GGUF reading drops.
             config["rope_scaling"] = _longrope(path, arch, metadata)
             config["original_max_position_embeddings"] = config["rope_scaling"]["original_max_position_embeddings"]
 
 
 def _longrope(path: str, arch: str, metadata: dict) -> dict:
-    """transformers' longrope rope_scaling of a file's rope_factors_long/short tensors (F32, one factor per rotated
-    pair) and rope.scaling keys, as llama.cpp's converter wrote them from the checkpoint's config."""
+    """transformers' longrope rope_scaling of the file's rope_factors_long/short tensors and rope.scaling keys."""
     from transformers.integrations.gguf.reader import GgufHeader
 
     original = metadata.get(f"{arch}.rope.scaling.original_context_length")
@@ -176,21 +154,18 @@ def _type_name(code: int) -> str:
 class GGUFHeader:
     """A GGUF file's config, tokenizer and tensor table, from the cache or read (and cached) once.
 
-    The cache entry is a directory named by the file's identity (absolute path, size, modification time)
-    and the versions that shape its content; it is written under a temporary name and renamed into place,
-    so a reader sees a whole entry or none. A changed file gets a new entry; old entries are never read
-    again and can be deleted with the directory (cache_root())."""
+    An entry is a directory keyed by the file's path, size, mtime and the versions above, renamed into place so a
+    reader sees all of it or none; a changed file gets a new one (old ones can be deleted with cache_root())."""
 
     def __init__(self, path: str, blocks: bool = True):
-        """`blocks`: the file is to run in its blocks, so that a type the kernels do not run is refused before the
-        header's slow conversions (False: it is de-quantized, any type the gguf package reads will do)."""
+        """`blocks`: the file runs in its blocks, so a type the kernels lack is refused before the slow conversions."""
         self.path, self.blocks = os.path.abspath(path), blocks
         try:
             stat = os.stat(self.path)
         except OSError as error:
             raise GGUFError(f"{path}: {error.strerror}") from None
         self.size = stat.st_size
-        # transformers' version by its metadata: importing it is most of a cached run's start-up above torch's.
+        # By its metadata: importing transformers is most of a cached run's start-up.
         versions = HEADER_CACHE_VERSION, importlib.metadata.version("transformers")
         identity = "\0".join(str(part) for part in (self.path, stat.st_size, stat.st_mtime_ns, *versions))
         name = os.path.basename(self.path).removesuffix(".gguf")
@@ -216,8 +191,7 @@ class GGUFHeader:
 
     @functools.cached_property
     def tokenizer(self):
-        """The cached files' tokenizer on the tokenizers library alone (rungen/gguf/tokenizer.py) where it gives
-        transformers' results for them, else transformers' tokenizer (transformers_tokenizer)."""
+        """The own tokenizer (rungen/gguf/tokenizer.py) where it matches transformers', else transformers'."""
         from .tokenizer import GGUFTokenizer, own
 
         why = own(self.cache_dir)
@@ -228,9 +202,7 @@ class GGUFHeader:
 
     @functools.cached_property
     def transformers_tokenizer(self):
-        """The tokenizer AutoTokenizer gives for the cached files; where tokenizer_config.json names the
-        tokenizers library's backend, that class itself (AutoTokenizer's choice, without its import of the
-        model-type tables)."""
+        """AutoTokenizer's tokenizer for the cached files (its fast class directly where named: a lighter import)."""
         with open(os.path.join(self.cache_dir, "tokenizer_config.json")) as f:
             tokenizer_class = json.load(f).get("tokenizer_class")
         if tokenizer_class in ("TokenizersBackend", "PreTrainedTokenizerFast"):
@@ -260,8 +232,7 @@ class GGUFHeader:
 
         directory, file = os.path.split(self.path)
         try:
-            # transformers' own header reader: the gguf package's GGUFReader builds an object per
-            # vocabulary entry and merge, seconds for a 49k vocabulary; this one walks past them.
+            # transformers' reader skips the vocabulary, which the gguf package's builds object by object.
             table = GgufHeader.from_file(self.path)
             architecture = table.architecture
             tensors = [[t.name, t.ggml_type, *_numpy_layout(t.ggml_type, t.shape), table.data_start + t.offset,
@@ -298,8 +269,7 @@ class GGUFHeader:
 
 
     def weights_map(self, model: torch.nn.Module, processor) -> dict[str, str]:
-        """GGUF tensor name -> the model's parameter name, by transformers' get_gguf_hf_weights_map; cached
-        beside the header (it walks every submodule and costs seconds)."""
+        """GGUF tensor name -> the model's parameter name (get_gguf_hf_weights_map), cached beside the header."""
         path = os.path.join(self.cache_dir, "weights_map.json")
         if os.path.isfile(path):
             with open(path) as f:
@@ -307,8 +277,7 @@ class GGUFHeader:
         import gguf
         from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
-        # It rebuilds gguf's name table for every submodule (hundreds of times); the table depends only
-        # on its arguments, so one build serves the whole walk.
+        # It rebuilds gguf's name table for every submodule; one build serves the whole walk.
         original = gguf.get_tensor_name_map
         gguf.get_tensor_name_map = functools.cache(original)
         try:
@@ -338,8 +307,7 @@ def _read_with_gguf(path: str) -> tuple[str, list]:
 
 
 def _numpy_layout(code: int, shape) -> tuple[list[int], str]:
-    """(shape, numpy dtype) of a tensor's bytes as the loader views them: values for F32/F16, uint8 rows of
-    bytes for blocks and for BF16 (numpy has no bfloat16)."""
+    """(shape, numpy dtype) the loader views a tensor's bytes as: values for F32/F16, uint8 rows otherwise."""
     from gguf import GGML_QUANT_SIZES
 
     if code in (0, 1):
@@ -385,8 +353,7 @@ def _set_tensor(model, hf_name: str, value: torch.Tensor):
 
 
 def _process(processor, header: GGUFHeader, name: str, weights: np.ndarray, names: dict, collected: dict):
-    """transformers' processor of the architecture on one tensor; a shape it cannot take (a header whose
-    dimensions disagree with its config) is a GGUFError."""
+    """transformers' processor on one tensor; a shape it cannot take is a GGUFError."""
     try:
         return processor.process(weights=weights, name=name, tensor_key_mapping=names, parsed_parameters=collected)
     except (ValueError, IndexError, RuntimeError) as error:
@@ -394,9 +361,8 @@ def _process(processor, header: GGUFHeader, name: str, weights: np.ndarray, name
 
 
 def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | None = None) -> torch.nn.Module:
-    """The causal LM of `header`'s config over the file's weights: views of its map, or read and interleaved for
-    the kernels (see the module docstring). Given a `device` (an accelerator's form of the file), every weight is
-    de-quantized to `dtype` instead, a chunk of rows at a time on its way there (rungen.gguf.blocks.dequantize_to)."""
+    """The causal LM of `header`'s config over the file's weights. Given a `device`, weights are de-quantized to
+    `dtype` a chunk of rows at a time (never whole in float32), or kept 4-bit where torch's int4 kernel agrees."""
     on_device = device is not None
     from accelerate import init_empty_weights
     from gguf import GGMLQuantizationType
@@ -406,8 +372,7 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
     from transformers.pytorch_utils import Conv1D
 
     config = header.config
-    # Parameters on the meta device (no memory, no initialisation); buffers real: rotary inv_freq and the
-    # like are computed in __init__ and are not in the file.
+    # Parameters on meta; buffers real: rotary inv_freq and the like are computed in __init__, not in the file.
     with init_empty_weights(include_buffers=False), no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     processor = TENSOR_PROCESSORS.get(header.architecture, TensorProcessor)(config=config.to_dict())
@@ -416,8 +381,7 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
     reader = WeightReader(header.path, header.tensors)
     # Weights that FusedDecoderLayer concatenates are read into memory: the concatenation copies them.
     fused = FUSED_WEIGHTS if fusable(model) and not on_device else ()
-    # An output head tied to the input embedding multiplies the embedding's blocks: interleaved for the kernels,
-    # they serve both (the lookup reads either layout).
+    # A tied head multiplies the embedding's blocks, interleaved for the kernels (the lookup reads either layout).
     tied_embedding = None
     head = model.get_output_embeddings()
     if getattr(config, "tie_word_embeddings", False) and head is not None and not on_device:
@@ -525,8 +489,7 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
 
 
 def _finish_built(header: GGUFHeader, model: torch.nn.Module, device: torch.device | None = None) -> torch.nn.Module:
-    """The built model in eval mode (on `device`: the buffers __init__ computed, rotary frequencies, go there too);
-    GGUFError when a parameter found no tensor in the file."""
+    """The built model in eval mode, on `device`; GGUFError when a parameter found no tensor in the file."""
     missing = [name for name, p in [*model.named_parameters(), *model.named_buffers()] if p.device.type == "meta"]
     if missing:
         raise GGUFError(f"{header.path}: the file has no tensor for {missing[0]}"
@@ -538,9 +501,8 @@ def _finish_built(header: GGUFHeader, model: torch.nn.Module, device: torch.devi
 
 
 def _check_shape(path: str, name: str, module: torch.nn.Module, attr: str, shape) -> None:
-    """GGUFError when tensor `name` of the file is not the shape of the parameter it replaces: the model built from
-    the metadata is not the file's (a size transformers' GGUF reading does not take from it), and would fail or
-    compute something else at the first step."""
+    """GGUFError when tensor `name` is not the shape of the parameter it replaces (the metadata's model is not the
+    file's)."""
     expected = getattr(module, attr, None)
     if isinstance(expected, torch.Tensor) and tuple(expected.shape) != tuple(shape):
         raise GGUFError(f"{path}: tensor {name} is {list(shape)}, where the model its metadata describes has "

@@ -27,8 +27,7 @@ _native: bool | None = None  # undecided, loaded, or not available (warned once)
 
 
 def kernel_cache_dir() -> str:
-    """Where built kernels are kept: $TORCH_EXTENSIONS_DIR when set (torch's own variable for where C++
-    extensions are built), else $XDG_CACHE_HOME/run_generation/kernels (~/.cache when unset)."""
+    """Where built kernels are kept: $TORCH_EXTENSIONS_DIR, else $XDG_CACHE_HOME/run_generation/kernels."""
     if os.environ.get("TORCH_EXTENSIONS_DIR"):
         return os.path.join(os.environ["TORCH_EXTENSIONS_DIR"], "run_generation")
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -46,9 +45,8 @@ def _source_key() -> str:
 def build_kernels(verbose: bool = False) -> str:
     """Builds (unless cached) and loads the native kernels; returns the library's path. Raises on failure.
 
-    Processes starting together take turns on an flock (released by the kernel if its holder dies, so a
-    killed build blocks no one); the library is built in a private temporary folder and moved into the
-    cache with os.replace, so a half-built library is never loaded."""
+    Processes take turns on an flock (freed if its holder dies); the library is built in a private folder and
+    os.replace'd into the cache, so a half-built one is never loaded."""
     key = _source_key()
     cache = kernel_cache_dir()
     os.makedirs(cache, exist_ok=True)
@@ -81,8 +79,7 @@ def build_kernels(verbose: bool = False) -> str:
 
 
 def native_kernels() -> bool:
-    """Whether torch.ops.rungen_ggml is available: built or loaded on the first call; when it cannot be
-    (no compiler, a failed build, RUN_GENERATION_KERNELS=torch), one warning on stderr and False."""
+    """Whether torch.ops.rungen_ggml is available (built or loaded on the first call); else one warning and False."""
     global _native
     if _native is None:
         reason = None

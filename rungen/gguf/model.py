@@ -1,16 +1,10 @@
-"""The causal LM of a GGUF file of the table's families (rungen/gguf/families.py: llama, mistral, qwen2, qwen3, phi3,
-gemma2, gemma3) on the project's own model code: the embedding, the decoder's NativeStack (every layer in one native
-call), the final norm and the output head, with the rotary cos/sin and the padded batch's mask computed here. What a
-family differs in is its row of the table; phi3's longrope (the 128k variants) changes with the length and stays
-transformers' model's.
+"""The own causal LM of a GGUF file of the families' table (rungen/gguf/families.py): embedding, one NativeStack call
+for every layer, final norm and head, without importing transformers' model classes.
 
-transformers' model classes cost their import (seconds at start-up, more than the model's own load), and their forward
-passes through generic machinery (mask construction, rotary module, output classes) a step. This model computes the
-same function as GGUFHeader's transformers model fused by rungen/gguf/decoder.py, in the same order (the same bits:
-tests/test_gguf_model.py), built straight from the header cache (config.json, tensors.json, weights_map.json). What
-only transformers' model has (generate()'s beam search and the other generate()-only controls, --jit, the torch
-fallback kernels) loads that model instead (rungen/loading.py). Like gpt-fast's model.py: one model code, the families
-as rows of one table.
+It computes the same function as transformers' model of the file fused by decoder.py, in the same order (the same
+bits: tests/test_gguf_model.py), built straight from the header cache. What only transformers' model has (generate()'s
+beam search and other generate()-only controls, --jit, the torch fallback, longrope) loads that model instead
+(rungen/loading.py).
 """
 
 from __future__ import annotations
@@ -46,9 +40,7 @@ PERMUTED_ARCHITECTURES = tuple(family.architecture for family in FAMILIES.values
 
 
 class Config:
-    """The header cache's config.json as attributes, the fields transformers' config class of the file saved there
-    (model_type included): what this model code and the tool's stages read of a model's config, without the import
-    of transformers (its config classes come with its top level, most of a run's start-up above torch)."""
+    """The header cache's config.json as attributes, so a run need not import transformers' config classes."""
 
     dtype = None  # as PretrainedConfig's default: a file's config.json names none
 
@@ -65,8 +57,7 @@ class Config:
 
 @dataclasses.dataclass
 class GenerationDefaults:
-    """The special-token ids the tool reads of a model's generation_config: GenerationConfig.from_model_config's
-    for a config that names them (a GGUF file has no generation_config.json)."""
+    """The special-token ids of a generation_config, as GenerationConfig.from_model_config gives them."""
 
     bos_token_id: int | list[int] | None = None
     eos_token_id: int | list[int] | None = None
@@ -82,7 +73,6 @@ class CausalLMOutput:
 
 
 def read_config(cache_dir: str) -> Config:
-    """The header cache's config.json: the same fields as transformers' config of the file, model_type included."""
     with open(os.path.join(cache_dir, "config.json")) as f:
         return Config(json.load(f))
 
@@ -129,8 +119,7 @@ def activation(config: Config) -> str | None:
 
 
 def rope_types(config: Config) -> dict:
-    """{layer type: its rope parameters} for a config with one rotary embedding a layer type (gemma3's), else
-    {None: the rope parameters}."""
+    """{layer type: its rope parameters} (gemma3's), else {None: the rope parameters}."""
     rope = getattr(config, "rope_parameters", None) or {}
     if "full_attention" in rope or "sliding_attention" in rope:
         return {kind: params or {} for kind, params in rope.items()}
@@ -150,9 +139,8 @@ def layer_windows(config: Config) -> list[int]:
 
 
 class GGUFCausalLM(torch.nn.Module):
-    """A llama-shaped causal LM over a GGUF file's blocks: what the engine, the scoring and the tool's stages read
-    from a transformers model (forward's arguments and output, config, generation_config, the embeddings, dtype
-    and device), computed by one native stack call a step."""
+    """A llama-shaped causal LM over a GGUF file's blocks, with what the tool reads of a transformers model
+    (forward, config, generation_config, embeddings, dtype, device)."""
 
     cache_grows_in_place = True  # rungen.kvcache.new_cache gives it GrowingLayers, which the stack writes into
     own_cache = True  # in rungen.kvcache's Cache, not transformers' DynamicCache
@@ -171,8 +159,7 @@ class GGUFCausalLM(torch.nn.Module):
         self.rotary = rotary_frequencies(config, "full_attention" if "full_attention" in kinds else next(iter(kinds)))
         self.local_rotary = rotary_frequencies(config, "sliding_attention") if (
             "sliding_attention" in kinds and "full_attention" in kinds) else None
-        # The embedding's rows times sqrt(hidden) in the embedding's dtype (transformers' scaled embedding holds it as
-        # a float32 tensor), the final logits soft-capped where the config sets a cap.
+        # gemma's embedding scale, as transformers holds it (a float32 tensor), and its final logits' soft cap.
         self.family = family = FAMILIES[config.model_type]
         self.embed_scale = torch.tensor(config.hidden_size ** 0.5, dtype=torch.float32) if (
             family.embedding_scaled) else None
@@ -198,9 +185,8 @@ class GGUFCausalLM(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, past_key_values=None, use_cache: bool | None = None,
                 logits_to_keep: int = 0) -> CausalLMOutput:
-        """Logits of `input_ids` [batch, tokens] after what `past_key_values` (rungen.kvcache.new_cache's, extended
-        in place) holds; `attention_mask` [batch, held + tokens] marks left padding, `position_ids` each row's
-        positions (the held length onwards when None); `logits_to_keep`: the last ones only (0: all)."""
+        """Logits of `input_ids` [batch, tokens] after what `past_key_values` (new_cache's, extended in place)
+        holds; `attention_mask` [batch, held + tokens] marks left padding; `logits_to_keep`: the last ones (0: all)."""
         cache = past_key_values if past_key_values is not None else new_cache(self)
         hidden = self.final_hidden_states(input_ids, attention_mask, position_ids, cache)
         if logits_to_keep:
@@ -212,8 +198,7 @@ class GGUFCausalLM(torch.nn.Module):
 
     def final_hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                             position_ids: torch.Tensor | None = None, past_key_values=None) -> torch.Tensor:
-        """The final norm's output [batch, tokens, hidden] (what the head reads, transformers' hidden_states[-1]),
-        with forward's arguments: forward without the head, for embeddings."""
+        """forward without the head: the final norm's output [batch, tokens, hidden], for embeddings."""
         cache = past_key_values if past_key_values is not None else new_cache(self)
         if not self.stack.takes(cache):
             raise ValueError("this model's cache holds one full-attention layer per decoder layer "
@@ -229,9 +214,7 @@ class GGUFCausalLM(torch.nn.Module):
         mask = None if attention_mask is None or bool(attention_mask.all()) else \
             padded_causal_mask(attention_mask, length, tokens)
         if mask is not None and self.family.additive_mask:
-            # transformers' gemma2 attends eagerly (its soft cap), under the additive form of the mask: a padding
-            # position's query, which sees no key, then averages the values rather than giving zeros. Nothing reads
-            # those logits, but in this form they are transformers' too (the real positions' bits are the same).
+            # gemma2's additive mask, as transformers' eager attention: padding queries' logits match it too.
             mask = torch.zeros(mask.shape).masked_fill_(~mask, torch.finfo(torch.float32).min)
         cos, sin = rotary_cos_sin(*self.rotary, position_ids)
         local = None if self.local_rotary is None else rotary_cos_sin(*self.local_rotary, position_ids)
@@ -242,8 +225,7 @@ class GGUFCausalLM(torch.nn.Module):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """LlamaRMSNorm's forward (Qwen2's and Qwen3's are the same), in its order of operations; gemma's with its
-    1 + weight as `weight` (float32: the same products)."""
+    """LlamaRMSNorm's forward in its order of operations (gemma's with 1 + weight as `weight`)."""
     dtype = x.dtype
     x = x.to(torch.float32)
     variance = x.pow(2).mean(-1, keepdim=True)
@@ -252,10 +234,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rotary_frequencies(config: Config, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
-    """(inverse frequencies, cos/sin scale) as LlamaRotaryEmbedding computes them at init: its own default, or
-    transformers' function of the rope type (fixed at load: ROPE_TYPES); of `layer_type`'s parameters where the
-    config holds one set a layer type (gemma3's rotary embedding: default, or linear as gemma-3-4b's global
-    layers scale theirs)."""
+    """(inverse frequencies, cos/sin scale) as LlamaRotaryEmbedding computes them at init, of `layer_type`'s
+    parameters where the config holds one set a layer type (gemma3's)."""
     rope = rope_types(config)[layer_type]
     rope_type = rope.get("rope_type", "default")
     if rope_type == "default" or layer_type is not None:
@@ -280,9 +260,7 @@ def rotary_cos_sin(inv_freq: torch.Tensor, scaling: float, position_ids: torch.T
 
 
 def padded_causal_mask(attention_mask: torch.Tensor, length: int, tokens: int) -> torch.Tensor:
-    """The boolean mask [batch, 1, tokens, length + tokens] transformers' create_causal_mask gives a full-attention
-    layer for a left-padded batch (sdpa's form, which the native attention reads): query i (at cache position
-    length + i) sees the keys up to its own position that are not padding."""
+    """create_causal_mask's boolean mask [batch, 1, tokens, length + tokens] for a left-padded batch (sdpa's form)."""
     keys = torch.arange(length + tokens, device=attention_mask.device)
     queries = torch.arange(length, length + tokens, device=attention_mask.device)
     causal = keys[None, :] <= queries[:, None]
@@ -290,17 +268,15 @@ def padded_causal_mask(attention_mask: torch.Tensor, length: int, tokens: int) -
 
 
 def norm_weight(weight: torch.Tensor, family) -> torch.Tensor:
-    """A norm's weight as the native steps multiply by it: the family's offset plus the weight (gemma's 1 + weight,
-    which llama.cpp's converter stores), computed as transformers' model does from the weight its GGUF reading gives
-    (the stored value minus the offset), for the same bits."""
+    """A norm's weight as the native steps take it (gemma's 1 + weight), computed as transformers' model does from
+    the stored value minus the offset, for the same bits."""
     weight = weight.to(torch.float32)
     return (weight - family.norm_offset) + family.norm_offset if family.norm_offset else weight
 
 
 def build(header, config: Config, weights_map: dict) -> GGUFCausalLM:
     """The own model of `header`'s file (refusal() said it can), its weights loaded as build_model loads them for
-    the fused layers: the products' rows read (and interleaved) for the kernels and joined q/k/v and gate/up, the
-    norms views of the file's map."""
+    the fused layers."""
     from gguf import GGMLQuantizationType
 
     family = FAMILIES[config.model_type]

@@ -1,20 +1,9 @@
-"""A GGUF file's tokenizer without transformers: the header cache's tokenizer.json run by the tokenizers library (as
-transformers' TokenizersBackend runs it), its special tokens from tokenizer_config.json, its chat template rendered
-by jinja2 in the environment transformers renders it in (rungen/chat_template.py).
+"""A GGUF file's tokenizer without importing transformers (most of a cached run's start-up): the header cache's
+tokenizer.json on the tokenizers library, special tokens from tokenizer_config.json, the chat template by jinja2
+(rungen/chat_template.py), with transformers' results for the same files (tests/test_tokenizer.py).
 
-Importing transformers is most of a cached one-shot run's start-up above torch's (docs/performance.md#start-up);
-its tokenizer class adds nothing to what the tokenizers library computes for these files but bookkeeping. This class
-offers what the tool uses of a tokenizer (encode, decode, padding, the special tokens, the vocabulary, the chat
-template) with transformers' results for the same files (tests/test_tokenizer.py compares them on every
-fixture tokenizer and template, and the default model's). Files it does not cover (another tokenizer class, options
-in tokenizer_config.json it does not apply, several named templates) load transformers' tokenizer: own() says which.
-Where only transformers' runs (generate()'s stop strings and streamer), rungen/loading.py swaps that one in.
-
-Some of transformers' classes (Qwen2Tokenizer, GemmaTokenizer) do not run tokenizer.json as saved: they rebuild the
-pipeline from its vocabulary in Python (their own normalizer, pre-tokenizer, decoder) and pad on their own side. For
-those the header cache also holds what the class runs, written where transformers is loaded anyway (save_class_run,
-called by rungen/gguf/file.py): its pipeline (PIPELINE_FILE, only where it differs from tokenizer.json) and the
-Python-side behaviour (CLASS_FILE), which this class runs in place of tokenizer.json and the class defaults.
+Files it does not cover load transformers' tokenizer (own() says why). Classes that rebuild the pipeline in Python
+(Qwen2Tokenizer, GemmaTokenizer) have what they run recorded in the header cache by save_class_run.
 """
 
 from __future__ import annotations
@@ -25,24 +14,20 @@ import os
 import torch
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-# tokenizer_config.json keys that change nothing this class computes (what loading recorded, the length limit and
-# truncation side: the tool never truncates, transformers' class choice) or that it applies (padding_side).
+# tokenizer_config.json keys that change nothing this class computes (the tool never truncates), or it applies.
 INERT_KEYS = {"backend", "is_local", "local_files_only", "model_max_length", "tokenizer_class", "name_or_path",
               "clean_up_tokenization_spaces", "padding_side", "truncation_side"}
 BACKEND_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
-# Classes whose whole behaviour the header cache records (save_class_run), the recorded pipeline holding what their
-# tokenizer_config.json keys below set (a prefix space, bos/eos added by the post-processor).
+# Classes whose whole behaviour save_class_run records, their pipeline holding what these keys set.
 RECORDED_CLASSES = {"Qwen2Tokenizer": {"add_prefix_space"}, "GemmaTokenizer": {"add_bos_token", "add_eos_token"}}
 PIPELINE_FILE = "tokenizer_pipeline.json"  # the class's backend_tokenizer, as it runs
 CLASS_FILE = "tokenizer_class.json"  # what the class adds to it in Python
 
 
 def save_class_run(directory: str) -> None:
-    """Record in the header cache `directory` what transformers' tokenizer of its files runs, for GGUFTokenizer: its
-    tokenizers pipeline and the behaviour of its class outside it (padding side, special tokens, clean-up of spaces).
-    That is the tokenizer loaded from the saved files, which the tool runs, not the one converted from the GGUF file
-    (Qwen2Tokenizer's differs: its pre-tokenizer and normalizer come with the class). Its added tokens go into
-    tokenizer_config.json too: without them transformers' from_pretrained parses the whole tokenizer.json again."""
+    """Records in the header cache `directory` what transformers' tokenizer loaded from the saved files runs: its
+    pipeline and its class's Python-side behaviour; added tokens go into tokenizer_config.json (else from_pretrained
+    parses the whole tokenizer.json again)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(directory)
@@ -53,8 +38,7 @@ def save_class_run(directory: str) -> None:
                                       for index, token in tokenizer.added_tokens_decoder.items()}
     with open(config_path, "w") as f:
         json.dump(config, f, indent=2, ensure_ascii=False)
-    # Most classes run tokenizer.json as saved: the pipeline is kept only where it differs (a 150k-260k vocabulary
-    # is several MB twice).
+    # The pipeline is kept only where it differs from tokenizer.json (a large vocabulary is MBs twice).
     with open(os.path.join(directory, "tokenizer.json"), encoding="utf-8") as f:
         saved = json.load(f)
     if json.loads(tokenizer.backend_tokenizer.to_str()) != saved:
@@ -76,8 +60,7 @@ def _recorded(directory: str) -> dict | None:
 
 
 def own(directory: str) -> str | None:
-    """Why the header cache's tokenizer in `directory` needs transformers' class, or None where GGUFTokenizer
-    gives transformers' results."""
+    """Why the header cache's tokenizer in `directory` needs transformers' class, or None."""
     with open(os.path.join(directory, "tokenizer_config.json")) as f:
         config = json.load(f)
     tokenizer_class = config.get("tokenizer_class")
@@ -211,8 +194,7 @@ class GGUFTokenizer:
         return Encoding(input_ids=ids, attention_mask=[[1] * len(row) for row in ids])
 
     def pad(self, encoded: dict, return_tensors=None) -> Encoding:
-        """The rows of encoded["input_ids"] padded to the longest with pad_token_id on padding_side, and their
-        attention mask."""
+        """encoded["input_ids"] padded to the longest on padding_side, with their attention mask."""
         rows = encoded["input_ids"]
         width = max((len(row) for row in rows), default=0)
         pad = self.pad_token_id
@@ -246,9 +228,7 @@ class GGUFTokenizer:
     def apply_chat_template(self, conversation: list[dict], tools: list[dict] | None = None,
                             documents: list[dict] | None = None, add_generation_prompt: bool = False,
                             tokenize: bool = True, **kwargs):
-        """The conversation rendered by the chat template as transformers' apply_chat_template renders one
-        conversation (its keys whose value is None dropped, the special tokens and `kwargs` given to the template);
-        its ids where `tokenize`."""
+        """The conversation rendered as transformers' apply_chat_template renders it; its ids where `tokenize`."""
         from ..chat_template import render
 
         if self.chat_template is None:

@@ -1,9 +1,7 @@
-"""A GGUF file's tensors as the model builders take them: one reader over the file's memory map, its tensor table and
-a scratch buffer, giving float tensors, blocks in the file's layout or interleaved for the kernels (in the file's row
-order or another), the layers over them, and weights de-quantized onto an accelerator.
+"""A GGUF file's tensors as the model builders take them (WeightReader over the file's memory map).
 
-Blocks stay views of the map unless they are copied anyway (interleaved, permuted, or a part of a product the builder
-joins): those are read into memory instead, since a copy of mapped pages would count twice in the process's memory.
+Blocks stay views of the map unless copied anyway (interleaved, permuted, joined): those are read into memory
+instead, since a copy of mapped pages would count twice in the process's memory.
 """
 
 from __future__ import annotations
@@ -37,8 +35,7 @@ class Tensor(typing.NamedTuple):
 
 
 class WeightReader:
-    """The tensors of the GGUF file at `path` (`tensors`: the header's table), by their GGUF names or, given the
-    `weights_map` (GGUF name -> HF name), by their HF names."""
+    """The tensors of the GGUF file at `path` by GGUF name, or by HF name given `weights_map`."""
 
     def __init__(self, path: str, tensors: list, weights_map: dict | None = None):
         self.path = path
@@ -74,9 +71,8 @@ class WeightReader:
 
     def rows(self, tensor: Tensor, interleave: bool, order: np.ndarray | None = None, read: bool = False
              ) -> torch.Tensor:
-        """A quantized 2-D weight's blocks for a layer, its rows in `order` (None: the file's), `interleave`d eight by
-        eight for the kernels (read straight into that layout where the order is the file's); read into memory where
-        they are copied (interleaved, permuted, or `read`: a part the builder joins), else a view of the map."""
+        """A quantized 2-D weight's blocks, rows in `order` (None: the file's), maybe `interleave`d: read into memory
+        where copied (or `read`), else a view of the map."""
         qtype = GGMLQuantizationType(tensor.code)
         if interleave and order is None:
             return read_interleaved(self.path, tensor.offset, tensor.shape, qtype, self.scratch)
@@ -98,9 +94,8 @@ class WeightReader:
                           interleaved=interleave)
 
     def joined(self, tensors: list[Tensor], orders: list, biases: list) -> GGMLLinear | GGMLParts | None:
-        """One product of these weights' rows, in order (q/k/v, gate/up): where they are one interleaved type, read
-        (and interleaved) straight into their rows of one buffer, the layer concat would make without its copy; else
-        join's product of the layers; None when their input widths differ."""
+        """One product of these weights' rows, in order: one interleaved type read straight into one buffer (no
+        concat copy), else join's; None when their input widths differ."""
         qtype = GGMLQuantizationType(tensors[0].code)
         widths = {weights_per_row(qtype, tensor.shape[-1]) for tensor in tensors}
         if len({tensor.code for tensor in tensors}) > 1 or len(widths) > 1 or not all(
@@ -129,8 +124,7 @@ class WeightReader:
 
     def dequantized(self, tensor: Tensor, dtype: torch.dtype, device: torch.device, order: np.ndarray | None = None
                     ) -> torch.Tensor:
-        """A quantized weight de-quantized to `dtype` onto `device` a chunk of rows at a time (dequantize_to), its
-        rows in `order` (None: the file's)."""
+        """A quantized weight de-quantized to `dtype` onto `device` a chunk of rows at a time."""
         qtype = GGMLQuantizationType(tensor.code)
         weight = dequantize_to(self.blocks(tensor), qtype, weights_per_row(qtype, tensor.shape[-1]), dtype, device)
         return weight if order is None else weight[torch.from_numpy(order).to(device)]
@@ -143,8 +137,7 @@ def as_torch(values: np.ndarray, code: int) -> torch.Tensor:
 
 
 def unpermuted_order(rows: int, heads: int) -> np.ndarray:
-    """The order of a q/k weight's rows that undoes llama.cpp's permutation of them (transformers'
-    LlamaTensorProcessor._reverse_permute_weights as a permutation of the rows)."""
+    """The row order that undoes llama.cpp's q/k permutation (LlamaTensorProcessor._reverse_permute_weights)."""
     order = np.arange(rows)
     dim = rows // heads // 2
     return order.reshape(heads, dim, 2).swapaxes(2, 1).reshape(rows)
@@ -152,10 +145,8 @@ def unpermuted_order(rows: int, heads: int) -> np.ndarray:
 
 def read_interleaved(path: str, offset: int, shape, qtype, scratch: np.ndarray | None = None,
                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """The blocks [rows, row bytes] at `offset` of the file, with their rows interleaved eight by eight for the
-    kernels (GGMLLinear.interleave), read a few MB at a time straight into that layout (into `out` when given: rows
-    of a larger product). `scratch`: a uint8 buffer of READ_CHUNK bytes to read into, kept from call to call; no
-    copy of the whole weight in the file's order is ever held (its freed space would stay in the process's heap)."""
+    """The blocks [rows, row bytes] at `offset`, interleaved, read a chunk at a time through `scratch` (into `out`
+    when given): never a whole copy in the file's order (its freed space would stay in the heap)."""
     rows, row_bytes = shape
     if out is None:
         out = torch.empty(rows // 8, interleaved_row_bytes(qtype, weights_per_row(qtype, row_bytes)),
