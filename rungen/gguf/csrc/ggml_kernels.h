@@ -50,24 +50,15 @@ extern int current_isa;
 // Each instruction set's products: rows [r0, r1) of a row-major weight (rows), groups [g0, g1) of eight rows of
 // an X8 weight (x8_rows), and blocks [b0, b1) of the activations quantized (quantize_blocks). The portable loops
 // in ggml_scalar.cpp, the SIMD ones in ggml_avx2.cpp and ggml_vnni.cpp.
-namespace scalar {
-void rows(const Job& job, int64_t r0, int64_t r1);
-void x8_rows(const Job& job, int64_t g0, int64_t g1);
-void quantize_blocks(const float* x, int64_t b0, int64_t b1, int8_t* q, uint8_t* u, float* d, float* s, float* s16,
-                     int32_t* off128, int32_t* sum16, int32_t* high16, int32_t* off16);
-}  // namespace scalar
-namespace avx2 {
-void rows(const Job& job, int64_t r0, int64_t r1);
-void x8_rows(const Job& job, int64_t g0, int64_t g1);
-void quantize_blocks(const float* x, int64_t b0, int64_t b1, int8_t* q, uint8_t* u, float* d, float* s, float* s16,
-                     int32_t* off128, int32_t* sum16, int32_t* high16, int32_t* off16);
-}  // namespace avx2
-namespace vnni {
-void rows(const Job& job, int64_t r0, int64_t r1);
-void x8_rows(const Job& job, int64_t g0, int64_t g1);
-void quantize_blocks(const float* x, int64_t b0, int64_t b1, int8_t* q, uint8_t* u, float* d, float* s, float* s16,
-                     int32_t* off128, int32_t* sum16, int32_t* high16, int32_t* off16);
-}  // namespace vnni
+#define RUNGEN_ISA_PRODUCTS                                                                                      \
+  void rows(const Job& job, int64_t r0, int64_t r1);                                                           \
+  void x8_rows(const Job& job, int64_t g0, int64_t g1);                                                        \
+  void quantize_blocks(const float* x, int64_t b0, int64_t b1, int8_t* q, uint8_t* u, float* d, float* s,      \
+                       float* s16, int32_t* off128, int32_t* sum16, int32_t* high16, int32_t* off16);
+namespace scalar { RUNGEN_ISA_PRODUCTS }
+namespace avx2 { RUNGEN_ISA_PRODUCTS }
+namespace vnni { RUNGEN_ISA_PRODUCTS }
+#undef RUNGEN_ISA_PRODUCTS
 
 // What ggml_attend.h's attend_queries reads: the tensors of attend above, their shapes and strides, its options.
 struct AttendJob {
