@@ -5,34 +5,39 @@
     loading.py     the model-type table, checkpoint resolution, the default model, dtype, placement (load)
     prompts.py     reading prompts (argument, stdin, jsonl), the original script's per-model preparation, encoding
     generation.py  generation Settings -> generate() kwargs, batching, decoding a sequence, streaming
+    batch.py       the command line's prompts and a session's turns on the engine, or why generate() runs them
     logprobs.py    --logprobs: per-token log-probabilities, and scoring prompts (--length 0)
     output.py      writing results in input order, as text blocks or JSON lines
     processes.py   several processes under accelerate: who reads, who generates what, who writes
     session.py     a session in the terminal: the prompt loop, /commands, the conversation and its context
-    gguf_loading.py  a GGUF file run in its own quantized blocks, memory-mapped, its header cached
-    gguf_model.py  the own model code of a GGUF file's decoder (no transformers import)
-    tokenizer.py   a GGUF file's tokenizer on the tokenizers library, with transformers' results for its files
-    chat_template.py  chat templates rendered by jinja2 as transformers renders them (for tokenizer.py)
-    decoder.py     decoder layers over GGUF blocks, fused into a few native operators (FAMILIES: what differs)
+    gguf/          the GGUF runtime: a file run in its own quantized blocks (its __init__ lists its modules)
+    chat_template.py  chat templates rendered by jinja2 as transformers renders them
     kvcache.py     the key/value cache that grows in place, for the fused layers' native attention
     quantize.py    --quantize int8/int4: weight-only quantized linear layers
+    int4.py        4-bit weights in groups of 32 for torch's int4 kernels (CPU's; CUDA's tinygemm)
     jit.py         --jit: the traced decode step (private torch/transformers APIs)
     constrain.py   --json_schema/--regex/--grammar with xgrammar
-    ggml.py        GGUF's quantized blocks as torch layers
+    tools.py       tool calling: formats, detection from the chat template, grammars, parsing
+    reasoning.py   a thinking model's reasoning apart from its answer: delimiters, the reply's splitter
+    engine.py      the engine's scheduler (server, piped prompts, session): continuous batching, admission, steps
+    requests.py    what the engine takes and gives: a Request and its events (Delta, Done, End)
+    rows.py        a row of the batch: the tokens picked for all rows at once, the text each adds, stop strings
+    sampling.py    the engine's logits processors and sampler over the whole batch on its device
+    batch_cache.py the batch's keys/values: fixed slots (slots.py) or a left-padded cache, behind one interface
+    slots.py       the key/value cache in fixed slots and the decode step's CUDA graphs
+    prefix_cache.py  finished sequences' keys/values that a request starting the same way reuses
     server.py      --serve: the HTTP server's app and routes (FastAPI + uvicorn)
+    metrics.py     the server's counters and histograms as Prometheus text
     openai_api.py  the OpenAI chat and completions requests; run_chat, the chat path the other APIs translate to
-    int4.py        4-bit weights in groups of 32 for torch's int4 kernels (CPU's; CUDA's tinygemm)
-    embeddings.py  the server's /v1/embeddings: last-token pooling of the final hidden states
     messages.py    the server's /v1/messages: Anthropic's Messages API, to and from the chat path
     responses.py   the server's /v1/responses: OpenAI's Responses API, to and from the chat path; stored responses
-    engine.py      the generation engine (server, piped prompts, session): continuous batching, per-row stopping
-    sampling.py    the engine's logits processors and sampler over the whole batch on its device
-    slots.py       the engine's key/value cache in fixed slots and the decode step's CUDA graphs
-    reasoning.py   a thinking model's reasoning apart from its answer: delimiters, the reply's splitter
+    embeddings.py  the server's /v1/embeddings: last-token pooling of the final hidden states
+    strict_json.py strict JSON for request bodies and jsonl lines
     errors.py      the exceptions library code raises; run_generation.cli turns them into exit codes
 
-Imports point one way: run_generation.py -> arguments/controls -> session -> engine -> generation -> the rest;
-errors.py imports nothing. Optional dependencies (accelerate, xgrammar, FastAPI) are imported only where used.
+Imports point one way: run_generation.py -> arguments -> server, the APIs and session -> batch -> engine ->
+generation -> prompts -> loading -> gguf -> the rest; errors.py imports nothing. Optional dependencies
+(accelerate, xgrammar, FastAPI) are imported only where used.
 "The original script" is transformers' examples/pytorch/text-generation/run_generation.py.
 """
 
