@@ -27,7 +27,7 @@ from .blocks import (
     weights_per_row,
 )
 from .decoder import ACTIVATIONS, NativeStack, StackWeights
-from .families import FAMILIES
+from .families import BY_ARCHITECTURE, FAMILIES, NO_FAMILY
 from .kernels import native_kernels
 from .weights import GGUFError, WeightReader, unpermuted_order
 
@@ -35,8 +35,6 @@ from .weights import GGUFError, WeightReader, unpermuted_order
 ROPE_TYPES = ("default", "linear", "llama3")
 QKV_BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
 HEAD_NORMS = ("q_norm", "k_norm")  # read where the file has them
-# The GGUF architectures whose q/k rows llama.cpp's converter permuted.
-PERMUTED_ARCHITECTURES = tuple(family.architecture for family in FAMILIES.values() if family.permuted_qk)
 
 
 class Config:
@@ -282,7 +280,7 @@ def build(header, config: Config, weights_map: dict) -> GGUFCausalLM:
     family = FAMILIES[config.model_type]
     reader = WeightReader(header.path, header.tensors, weights_map)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    permute = header.architecture in PERMUTED_ARCHITECTURES
+    permute = BY_ARCHITECTURE.get(header.architecture, NO_FAMILY).permuted_qk  # as transformers' processor keys it
 
     tied = getattr(config, "tie_word_embeddings", False) and reader.tensor("lm_head.weight", required=False) is None
     embedding = reader.tensor("model.embed_tokens.weight")

@@ -76,9 +76,7 @@ class WeightReader:
         qtype = GGMLQuantizationType(tensor.code)
         if interleave and order is None:
             return read_interleaved(self.path, tensor.offset, tensor.shape, qtype, self.scratch)
-        blocks = self.blocks(tensor)
-        if read or interleave:
-            blocks = self.read(tensor)
+        blocks = self.read(tensor) if read or interleave else self.blocks(tensor)
         rows = torch.from_numpy(blocks if order is None else np.ascontiguousarray(blocks[order]))
         return torch.ops.rungen_ggml.interleave(rows, int(qtype)) if interleave else rows
 
