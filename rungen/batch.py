@@ -8,7 +8,7 @@ import sys
 import torch
 
 from . import logger
-from .engine import Engine, cache_form
+from .engine import Engine
 from .errors import GenerationError, one_line
 from .generation import StuckError, describe_sequence, eos_token_ids, make_batches, stop_strings, stuck_error
 from .prefix_cache import PrefixCache
@@ -52,7 +52,7 @@ def open_engine(loaded, settings, batch_size, conversation=False):
             if conversation:
                 positions = 2 * loaded.context if loaded.context else sys.maxsize // engine.bytes_per_token
                 engine.prefix_cache = PrefixCache(positions * engine.bytes_per_token)
-            logger.info("KV cache in %s", cache_form(engine))
+            logger.info("KV cache in %s", engine.kv.form)
             return engine
     logger.info("generating with generate(): %s", why)
     return None

@@ -331,18 +331,13 @@ class Engine:
             future.cancel()
 
 
-def cache_form(engine):
-    """Where the engine keeps the batch's keys/values, and how its steps run."""
-    return engine.kv.form
-
-
 def describe_memory(engine):
     """One line stating the cache's form and bound."""
     room = ""
     if getattr(engine.model, "cache_grows_in_place", False):  # room to grow: a quarter of a row, or MIN_ROOM
         most = engine.cache_limit_bytes * 5 / 4 + engine.max_batch * MIN_ROOM * engine.bytes_per_token
         room = f", {most / 2**30:.2f} GiB with the room left to grow"
-    return (f"KV cache in {cache_form(engine)}: {engine.bytes_per_token / 1024:.1f} KiB per token position, at most "
+    return (f"KV cache in {engine.kv.form}: {engine.bytes_per_token / 1024:.1f} KiB per token position, at most "
             f"{engine.max_cache_tokens} "
             f"positions ({engine.cache_limit_bytes / 2**30:.2f} GiB{room}) over at most {engine.max_batch} rows; "
             f"prefix cache at most {(engine.prefix_cache.max_bytes if engine.prefix_cache else 0) / 2**20:.0f} MiB")

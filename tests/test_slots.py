@@ -6,7 +6,7 @@ batch; a finished row's keys/values serve the next request that starts as it doe
 import pytest
 import torch
 
-from rungen.engine import Engine, cache_form
+from rungen.engine import Engine
 from rungen.loading import load
 from rungen.requests import Done, Request
 from rungen.sampling import Sampling
@@ -50,7 +50,7 @@ def test_rows_in_slots_decode_what_each_prompt_gives_alone(loaded):
     lengths = [3, 9, 5, 12, 7]  # rows end at different steps: the last rows move into the freed slots
     # Three rows at a time: the last two prompts join as the first ones end, at other positions.
     engine = Engine(loaded, max_batch=3, prefix_cache_bytes=0)
-    assert engine.kv.slots is not None and cache_form(engine) == "fixed slots"  # what --verbose says
+    assert engine.kv.slots is not None and engine.kv.form == "fixed slots"  # what --verbose says
     greedy = Sampling(temperature=0, ignore_eos=True)
     done = run(engine, [(i, length, greedy, 1) for i, length in zip(ids, lengths)])
     with torch.no_grad():
