@@ -100,8 +100,6 @@ import tempfile
 
 import torch
 
-from rungen.loading import MODEL_CLASSES
-
 MODEL_TYPES = (
     "gpt2",
     "ctrl",
@@ -568,9 +566,21 @@ def _build_config(model_type, tok, vocab_size):
     raise ValueError(f"unknown model type {model_type!r}; expected one of {MODEL_TYPES}")
 
 
-# The model class run_generation.py loads for each type (mistral/qwen2 are only reachable through
-# AutoModelForCausalLM).
-MODEL_CLASS_NAMES = {**MODEL_CLASSES, "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# The model class run_generation.py's seed uses for each type (mistral/qwen2
+# are only reachable through AutoModelForCausalLM).
+MODEL_CLASS_NAMES = {
+    "gpt2": "GPT2LMHeadModel",
+    "ctrl": "CTRLLMHeadModel",
+    "openai-gpt": "OpenAIGPTLMHeadModel",
+    "xlnet": "XLNetLMHeadModel",
+    "xlm": "XLMWithLMHeadModel",
+    "gptj": "GPTJForCausalLM",
+    "bloom": "BloomForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "opt": "OPTForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
 
 
 def model_class(model_type):
