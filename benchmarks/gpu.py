@@ -13,7 +13,8 @@ first call's extra time (compilation, graph capture, kernel selection) and peak 
 - engine: the tool's rungen.engine.Engine over a rungen.loading.Loaded around the model (greedy, EOS ignored), as
   the command line, the session and the server decode (its rows say whether the keys/values sat in fixed slots and
   the steps replayed CUDA graphs, and the graphs' capture time); on CUDA also at batch 1 without the graphs
-  (RUN_GENERATION_CUDA_GRAPHS=0);
+  (RUN_GENERATION_CUDA_GRAPHS=0), and at the first two batches with each step read before the next is launched
+  (RUN_GENERATION_OVERLAP=0);
 - generate eager: transformers' generate(), greedy, min_new_tokens = max_new_tokens (EOS ignored);
 - generate static+compile: the same with cache_implementation="static" (generate() then compiles the decode step
   on CUDA, CompileConfig's defaults: inductor, "reduce-overhead", i.e. CUDA graphs); batch 1 only unless
@@ -256,32 +257,34 @@ def prompts(count, length, vocab, seed=0):
 
 class EngineRunner:
     """The tool's engine over a Loaded: greedy requests, EOS ignored, all submitted at once and run on this
-    thread (as the command line's prompts)."""
+    thread (as the command line's prompts). `settings`: environment variables the engine reads when it is made
+    (RUN_GENERATION_CUDA_GRAPHS, RUN_GENERATION_OVERLAP)."""
 
-    def __init__(self, loaded, max_batch, graphs=True):
+    def __init__(self, loaded, max_batch, settings=None):
         from rungen import engine as engine_module
-        from rungen.batch_cache import GRAPHS_ENV as variable
-        saved = os.environ.get(variable)
-        if not graphs:  # read when the engine is made
-            os.environ[variable] = "0"
+
+        saved = {name: os.environ.get(name) for name in settings or {}}
+        os.environ.update(settings or {})
         try:
             self.engine = engine_module.Engine(loaded, max_batch=max_batch, max_queue=max_batch + 1,
                                                max_cache_tokens=sys.maxsize, prefix_cache_bytes=0, eos_ids=())
         finally:
-            if saved is None:
-                os.environ.pop(variable, None)
-            else:
-                os.environ[variable] = saved
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
     def extra(self):
-        """How the engine ran: keys/values in fixed slots or a padded batch; CUDA graphs and their capture time."""
-        slots = getattr(self.engine, "slots", None)
-        graphs = getattr(self.engine, "graphs", None)
-        state = "off" if graphs is None else "failed" if getattr(graphs, "failed", False) else "on"
-        figures = dict(cache="slots" if slots is not None else "padded batch", graphs=state)
+        """How the engine ran: keys/values in fixed slots or a padded batch; CUDA graphs and their capture time;
+        whether steps overlapped the host's work."""
+        kv = self.engine.kv
+        graphs = getattr(kv, "graphs", None)
+        state = "off" if graphs is None else "failed" if graphs.failed else "on"
+        figures = dict(cache="slots" if getattr(kv, "slots", None) is not None else "padded batch", graphs=state,
+                       overlap=self.engine.overlap)
         if graphs is not None:
-            figures.update(graph_capture_s=getattr(graphs, "capture_seconds", None),
-                           graphs_held=len(getattr(graphs, "graphs", {}) or {}))
+            figures.update(graph_capture_s=graphs.capture_seconds, graphs_held=len(graphs.graphs))
         return figures
 
     def run(self, ids, new_tokens):
@@ -471,10 +474,15 @@ def cheap_paths(report, name, args, shapes, bandwidth, budget):
         if engine is not None:
             ttft_row(report, shape, "engine", engine)
         engine = None
-        if args.device.type == "cuda":  # what the CUDA graphs give: the same engine stepping eagerly, batch 1
-            decode_rows(report, shape, "engine, no CUDA graphs",
-                        lambda: EngineRunner(shape.loaded, max(args.batches), graphs=False), args.batches[:1],
-                        bandwidth, budget, reserve=10)
+        if args.device.type == "cuda":  # what the CUDA graphs and the overlap give: the engine without each
+            from rungen.batch_cache import GRAPHS_ENV
+            from rungen.engine import OVERLAP_ENV
+
+            for path, settings, batches in (("engine, no CUDA graphs", {GRAPHS_ENV: "0"}, args.batches[:1]),
+                                            ("engine, steps not overlapped", {OVERLAP_ENV: "0"}, args.batches[:2])):
+                decode_rows(report, shape, path,
+                            lambda settings=settings: EngineRunner(shape.loaded, max(args.batches), settings),
+                            batches, bandwidth, budget, reserve=10)
         eager = decode_rows(report, shape, "generate eager", lambda: GenerateRunner(shape.model, args.device),
                             args.batches, bandwidth, budget, reserve=10)
         if eager is not None:
@@ -559,7 +567,7 @@ def gguf_row(report, args, bandwidth, budget):
         row = dict(shape=name, path="gguf Q4_0 engine", batch=1, new_tokens=args.new_tokens, tokens_per_s=1 / step,
                    step_ms=step * 1e3, first_call_s=max(0.0, first_call - (end - start)), load_s=load_s,
                    file_gib=size / 2**30, dtype=str(dtype).removeprefix("torch."), model=type(loaded.model).__name__,
-                   load_peak_gib=load_peak, peak_gib=peak_gib(args.device))
+                   load_peak_gib=load_peak, peak_gib=peak_gib(args.device), **runner.extra())
         if bandwidth and args.device.type == "cuda":  # the de-quantized weights are what a step reads
             weights = weight_bytes(loaded.model)
             kv = kv_bytes_per_token(loaded.model.config, torch.finfo(dtype).bits // 8)

@@ -13,26 +13,28 @@ import torch
 
 from .kvcache import new_cache
 from .slots import DecodeGraphs, SlotCache, decode_step
+from .transfers import to_device
 
 GRAPHS_ENV = "RUN_GENERATION_CUDA_GRAPHS"
 
 
-def batch_cache(model, device, use_positions, max_batch, context):
-    """The form the model takes: slots where it can, else a padded batch."""
+def batch_cache(model, device, use_positions, max_batch, context, lookahead=0):
+    """The form the model takes: slots where it can, else a padded batch. `lookahead`: positions a row may be fed
+    past its request's reserve (a step launched before its end was read)."""
     slots = SlotCache.for_model(model, max_batch, context) if context else None
     if slots is None:
         return PaddedBatch(model, device, use_positions)
     graphs = None  # RUN_GENERATION_CUDA_GRAPHS=0: eager steps on a GPU too
     if device.type == "cuda" and os.environ.get(GRAPHS_ENV, "1") != "0":
         graphs = DecodeGraphs(model, slots)
-    return SlotBatch(model, device, slots, graphs)
+    return SlotBatch(model, device, slots, graphs, lookahead)
 
 
 class SlotBatch:
     """Rows 0..rows-1 in the slots of a SlotCache."""
 
-    def __init__(self, model, device, slots, graphs=None):
-        self.model, self.device, self.slots, self.graphs = model, device, slots, graphs
+    def __init__(self, model, device, slots, graphs=None, lookahead=0):
+        self.model, self.device, self.slots, self.graphs, self.lookahead = model, device, slots, graphs, lookahead
 
     @property
     def form(self):
@@ -45,7 +47,7 @@ class SlotBatch:
     def merge(self, parts, rows):
         """Writes the joined rows' keys/values into the slots after the batch's: `rows` the whole batch."""
         slot = self.slots.rows
-        self.slots.ensure(len(rows), max(row.request.reserve for row in rows), parts[0][0])
+        self.slots.ensure(len(rows), max(row.request.reserve for row in rows) + self.lookahead, parts[0][0])
         for layers, n in parts:
             for _ in range(n):
                 self.slots.write(slot, layers)
@@ -53,7 +55,7 @@ class SlotBatch:
         self.slots.rows = slot
 
     def forward(self, rows, tokens):
-        positions = torch.tensor([row.position for row in rows], device=self.device)
+        positions = to_device([row.position for row in rows], self.device)
         longest = max(row.position for row in rows)
         with torch.inference_mode():
             if self.graphs is not None:
@@ -120,7 +122,7 @@ class PaddedBatch:
         self.mask = torch.cat([self.mask, torch.ones(len(rows), 1, dtype=torch.long, device=self.device)], 1)
         kwargs = {}
         if self.use_positions:
-            kwargs["position_ids"] = torch.tensor([[row.position] for row in rows], device=self.device)
+            kwargs["position_ids"] = to_device([[row.position] for row in rows], self.device)
         with torch.inference_mode():
             output = self.model(input_ids=tokens, attention_mask=self.mask, past_key_values=self.cache,
                                 use_cache=True, **kwargs)
@@ -132,7 +134,7 @@ class PaddedBatch:
         if not keep:
             self.clear()
             return keep
-        index = torch.tensor(keep, device=self.device)
+        index = to_device(keep, self.device)
         mask = self.mask.index_select(0, index)
         first = int(mask.any(0).long().argmax())  # columns before it are padding in every row left
         self.mask = mask[:, first:]

@@ -6,10 +6,16 @@ Between decode steps, waiting requests are admitted: each is prefilled alone (af
 match) and gets its first token, then joins the batch. A request is admitted only while rows x the longest
 (prompt + max_tokens) fits in `max_cache_tokens`. Every row's next token is chosen at once on the model's device
 (rungen/sampling.py), with one copy to the host a step; log-probabilities are the model's raw ones.
+
+On a GPU the steps overlap the host's work: a step is launched on the tokens the step before left on the device,
+and the step before is read, reported (text, stop strings, the server's events) and its finished rows ended while
+the new one computes. A row that ended is one step behind: that step's token is dropped and its position is
+reserved (`lookahead`). Rows with a grammar step one at a time: their next mask needs the token just chosen.
 """
 
 import collections
 import inspect
+import os
 import queue
 import threading
 import time
@@ -26,6 +32,16 @@ from .prefix_cache import PrefixCache
 from .requests import Done, End, Finish
 from .rows import Reporter, Row, pick
 from .sampling import RowState
+from .transfers import to_device
+
+OVERLAP_ENV = "RUN_GENERATION_OVERLAP"
+
+
+def overlaps(device):
+    """Whether steps overlap the host's work: on a CUDA device (a CPU computes as it is asked, so nothing would run
+    meanwhile); RUN_GENERATION_OVERLAP=0 or 1 says otherwise."""
+    setting = os.environ.get(OVERLAP_ENV, "")
+    return setting == "1" if setting in ("0", "1") else device.type == "cuda"
 
 
 class EngineBusy(RuntimeError):
@@ -63,7 +79,10 @@ class Engine:
         self.calls = queue.Queue()  # functions to run on the model thread between steps (prompt scoring)
         self.wake = threading.Condition()
         self.rows = []
-        self.kv = batch_cache(self.model, self.device, self.use_positions, max_batch, loaded.context)
+        self.overlap = overlaps(self.device)
+        self.lookahead = int(self.overlap)  # positions a row may be fed past its end (the step launched ahead)
+        self.ahead = None  # the step launched and not yet read (rows.Launched)
+        self.kv = batch_cache(self.model, self.device, self.use_positions, max_batch, loaded.context, self.lookahead)
         self.pending = []  # the kv's parts of the rows joined since the last merge
         self.peak_rows = 0  # the most rows decoded together so far
         self.closing = self.stopped = False
@@ -166,12 +185,14 @@ class Engine:
                     self.step()
         except BaseException:
             # Stopped mid-step: the half-updated batch's requests are given up, the engine left empty.
-            self.rows, self.pending, self.joining = [], [], None
+            self.rows, self.pending, self.joining, self.ahead = [], [], None, None
             self.kv.clear()
             self.waiting.clear()
             raise
 
     def run_calls(self):
+        if not self.calls.empty():
+            self.drain()
         while True:
             try:
                 function, future = self.calls.get_nowait()
@@ -193,11 +214,13 @@ class Engine:
                 if not self.waiting:
                     break
                 request = self.waiting[0]
-                reserve = max([request.reserve] + [row.request.reserve for row in self.rows])
-                rows = len(self.rows) + request.n
-                if self.rows and (rows > self.max_batch or rows * reserve > self.max_cache_tokens):
+                if self.rows and not self.fits(request):
                     break  # waits for rows to leave
-                self.waiting.popleft()
+                if self.ahead is None:
+                    self.waiting.popleft()
+            if self.ahead is not None:
+                self.drain()  # the batch changes: the step launched ahead is read first
+                continue
             self.joining = request
             self.join(request)
             self.joining = None
@@ -205,6 +228,12 @@ class Engine:
         if pending:
             self.kv.merge(pending, self.rows)
             self.remove_finished()  # rows done at their first token
+
+    def fits(self, request):
+        """Whether the request's rows join the batch within max_batch and max_cache_tokens."""
+        reserve = max([request.reserve] + [row.request.reserve for row in self.rows]) + self.lookahead
+        rows = len(self.rows) + request.n
+        return rows <= self.max_batch and rows * reserve <= self.max_cache_tokens
 
     def join(self, request):
         ids = request.ids
@@ -238,22 +267,40 @@ class Engine:
             new_rows.append(row)
         self.rows += new_rows
         self.peak_rows = max(self.peak_rows, len(self.rows))
-        self.advance(new_rows, logits.expand(request.n, -1), remove=False)  # they leave once merged
+        self.report(pick(new_rows, logits.expand(request.n, -1), self.eos_ids))  # they leave once merged
 
     def step(self):
-        """One decode step for every row."""
-        tokens = torch.tensor([[row.generated[-1]] for row in self.rows], device=self.device)
-        logits = self.kv.forward(self.rows, tokens)
-        for row in self.rows:
+        """One decode step for every row, fed the tokens of the step launched ahead where there is one; overlapped,
+        that step is reported while this one computes and this one is left ahead."""
+        rows = list(self.rows)
+        tokens = self.ahead.tokens if self.ahead is not None else to_device([[row.generated[-1]] for row in rows],
+                                                                             self.device)
+        logits = self.kv.forward(rows, tokens)
+        for row in rows:
             row.position += 1
-        self.advance(list(self.rows), logits)
+        previous, self.ahead = self.ahead, pick(rows, logits, self.eos_ids)
+        if previous is not None:
+            self.report(previous)
+        if not (self.overlap and all(row.request.constraint is None for row in self.rows)):
+            self.drain()
+        self.remove_finished()
 
-    def advance(self, rows, logits, remove=True):
-        """Chooses each row's next token, reports it, and ends the rows that are done (`remove`: now)."""
+    def drain(self):
+        """Reads and reports the step launched ahead, and ends the rows it finished."""
+        if self.ahead is not None:
+            launched, self.ahead = self.ahead, None
+            self.report(launched)
+            self.remove_finished()
+
+    def report(self, launched):
+        """Reads a step's choices, reports each row's token and marks the rows that are done; a row that ended
+        before the step (overlapped) drops its token."""
+        picked, stuck = launched.reading.wait(), launched.stuck
         now = time.perf_counter()
-        picked, stuck = pick(rows, logits, self.eos_ids)
-        for number, row in enumerate(rows):
+        for number, row in enumerate(launched.rows):
             request = row.request
+            if row.finish is not None:
+                continue
             if request.cancelled:
                 row.finish = self.reporter.cut_short(row, "abort")  # what it holds back is sent: a session shows it
                 continue
@@ -275,8 +322,6 @@ class Engine:
             row.last_time = now
             self.metrics.add_tokens(generated=1)
             self.reporter.report(row, token, picked.logprobs[number] if request.logprobs is not None else None)
-        if remove:
-            self.remove_finished()
 
     def remove_finished(self):
         done = [number for number, row in enumerate(self.rows) if row.finish is not None]
@@ -292,12 +337,17 @@ class Engine:
                 finished_requests.append(row.request)
         keep = self.kv.keep(self.rows, [number for number, row in enumerate(self.rows) if row.finish is None], done)
         self.rows = [self.rows[number] for number in keep]
+        if self.ahead is not None:  # its tokens follow the rows into their new order (none left: nothing to feed)
+            if keep:
+                self.ahead.tokens = self.ahead.tokens.index_select(0, to_device(keep, self.device))
+            else:
+                self.ahead = None
         for request in finished_requests:
             request.sink(End())
 
     def remember(self, number, row, last=False):
         """Keeps a finished row's keys/values in the prefix cache (`last`: it may take over the buffers)."""
-        length = row.position  # the positions the cache holds (the last token was never fed)
+        length = row.position  # the positions the cache holds (the last token fed only by a step launched ahead)
         tokens = (row.request.ids + row.generated)[:length]
         layers, buffers = self.kv.row_layers(number, length, last)
         if layers is not None:
@@ -313,7 +363,7 @@ class Engine:
             if row.request not in requests:
                 requests.append(row.request)
         joining = self.joining if self.joining is not None and self.joining not in requests else None
-        self.rows, self.joining, self.pending = [], None, []
+        self.rows, self.joining, self.pending, self.ahead = [], None, [], None
         self.kv.clear()
         with self.wake:
             waiting, self.waiting = list(self.waiting), collections.deque()

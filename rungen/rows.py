@@ -4,9 +4,11 @@ may be the start of a stop string or an unfinished character, until the row is d
 
 import dataclasses
 
+import torch
+
 from .logprobs import content_items
 from .requests import Delta, Finish, Request
-from .sampling import Picked, RowState, choose
+from .sampling import Reading, RowState, choose
 
 # Prompt tokens decoded before a row's new tokens to get their text in context (not the whole prompt each step).
 TAIL_TOKENS = 32
@@ -26,8 +28,19 @@ class Row:
     finish: Finish | None = None
 
 
+@dataclasses.dataclass
+class Launched:
+    """A step's choices for its rows (the batch's rows when it was launched, in that order): on the device, and on
+    their way to the host."""
+
+    rows: list
+    tokens: torch.Tensor  # [rows, 1] on the device: the next step's input (remove_finished keeps it in step)
+    reading: Reading
+    stuck: set  # the numbers of the rows whose grammar allows no token
+
+
 def pick(rows, logits, eos_ids):
-    """The rows' choices (one copy to the host), and the numbers of the rows whose grammar allows no token."""
+    """The rows' choices from their logits, their copy to the host started (Launched.reading.wait() reads it)."""
     grammar, stuck = None, set()
     constrained = [number for number, row in enumerate(rows) if row.matcher is not None]
     if constrained:
@@ -50,7 +63,7 @@ def pick(rows, logits, eos_ids):
         if number not in stuck:
             state.accept(tokens[number : number + 1])
     top_n = {number: row.request.logprobs for number, row in enumerate(rows) if row.request.logprobs is not None}
-    return Picked.read(tokens, nan, logits, top_n), stuck
+    return Launched(list(rows), tokens[:, None], Reading(tokens, nan, logits, top_n), stuck)
 
 
 class Reporter:

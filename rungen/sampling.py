@@ -2,7 +2,8 @@
 ignore_eos, logit_bias, repetition_penalty, presence/frequency penalties), then the batched sampler (greedy, or
 temperature, top-k, top-p, min-p and a draw from the row's own seeded generator).
 
-Nothing here reads a device tensor back: `Picked` copies what the host needs in one transfer a step.
+Nothing here reads a device tensor back: `Reading` starts the step's one copy of what the host needs, and waits for
+it only when the host reads it (`Picked`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import functools
 import secrets
 
 import torch
+
+from .transfers import HostCopy, to_device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,14 +133,13 @@ def apply_grammar(scores: torch.Tensor, bitmask: torch.Tensor, rows: list[int], 
     width = min(vocab_size, allowed.shape[1], scores.shape[1])
     full = torch.zeros(len(rows), scores.shape[1], dtype=torch.bool, device=scores.device)
     full[:, :width] = allowed[:, :width]
-    index = torch.tensor(rows, device=scores.device)
+    index = to_device(rows, scores.device)
     scores.index_copy_(0, index, scores.index_select(0, index).masked_fill_(~full, float("-inf")))
 
 
 def settings_tensors(samplings: list[Sampling], device: torch.device) -> dict[str, torch.Tensor]:
     """The rows' sampler settings as tensors [rows] (one host-to-device copy)."""
-    values = torch.tensor([[s.temperature, s.top_k, s.top_p, s.min_p] for s in samplings], dtype=torch.float64)
-    values = values.to(device, non_blocking=True)
+    values = to_device([[s.temperature, s.top_k, s.top_p, s.min_p] for s in samplings], device, torch.float64)
     return {"temperature": values[:, 0], "top_k": values[:, 1].long(), "top_p": values[:, 2], "min_p": values[:, 3]}
 
 
@@ -169,7 +171,7 @@ def make_sampler(samplings: list[Sampling], generators: list[torch.Generator]):
     drawn_generators = [generators[number] for number in drawn]
 
     def sampler(scores: torch.Tensor, top: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
-        index = torch.tensor(drawn, device=scores.device) if len(drawn) < len(samplings) else None
+        index = to_device(drawn, scores.device) if len(drawn) < len(samplings) else None
         rows = scores if index is None else scores.index_select(0, index)
         settings = settings_tensors(settings_of, scores.device)
         peak = top if index is None else top.index_select(0, index)
@@ -255,26 +257,37 @@ class Picked:
     @classmethod
     def read(cls, tokens: torch.Tensor, nan: torch.Tensor, logits: torch.Tensor, top_n: dict[int, int]) -> Picked:
         """`top_n`: row -> how many alternatives (0: the chosen token's log-probability alone)."""
+        return Reading(tokens, nan, logits, top_n).wait()
+
+
+class Reading:
+    """A step's choices on their way to the host: the one copy is started here, behind the step's work, and
+    wait() reads it, so that the host can launch the next step in between."""
+
+    def __init__(self, tokens: torch.Tensor, nan: torch.Tensor, logits: torch.Tensor, top_n: dict[int, int]):
+        """`top_n`: row -> how many alternatives (0: the chosen token's log-probability alone)."""
+        self.count, self.top_n, self.rows = tokens.shape[0], top_n, sorted(top_n)
+        self.widest = max(top_n.values()) if top_n else 0
+        self.width = min(self.widest, logits.shape[1])
         parts = [tokens.double(), nan.double()]
         if top_n:
-            rows = sorted(top_n)
-            index = torch.tensor(rows, device=logits.device)
+            index = to_device(self.rows, logits.device)
             raw = logits.index_select(0, index).float().log_softmax(-1)
             parts.append(raw.gather(1, tokens.index_select(0, index)[:, None]).double().reshape(-1))
-            widest = max(top_n.values())
-            if widest:
-                top = raw.topk(min(widest, raw.shape[1]), dim=-1)
+            if self.widest:
+                top = raw.topk(self.width, dim=-1)
                 parts += [top.indices.double().reshape(-1), top.values.double().reshape(-1)]
-        flat = torch.cat(parts).tolist()  # the step's one copy to the host
-        count = tokens.shape[0]
-        picked = cls([int(t) for t in flat[:count]], [bool(f) for f in flat[count : 2 * count]], {})
-        if top_n:
+        self.copy = HostCopy(torch.cat(parts))  # the step's one copy to the host
+
+    def wait(self) -> Picked:
+        flat, count, rows, width = self.copy.tolist(), self.count, self.rows, self.width
+        picked = Picked([int(t) for t in flat[:count]], [bool(f) for f in flat[count : 2 * count]], {})
+        if rows:
             chosen = flat[2 * count : 2 * count + len(rows)]
-            width = min(widest, logits.shape[1]) if widest else 0
             start = 2 * count + len(rows)
             ids, values = flat[start : start + len(rows) * width], flat[start + len(rows) * width :]
             for number, row in enumerate(rows):
-                keep = min(top_n[row], width)
+                keep = min(self.top_n[row], width)
                 picked.logprobs[row] = (chosen[number], [int(i) for i in ids[number * width : number * width + keep]],
                                         values[number * width : number * width + keep])
         return picked

@@ -1,7 +1,8 @@
 """The tool on a CUDA GPU: greedy output equal to transformers' eager generate() on the same model on the GPU (a tiny
 llama checkpoint and a tiny Q4_0 GGUF file, in float32 for exact equality), every sampling control running there and
-a seeded run repeating itself, a grammar, the server's chat completion, the engine's CUDA graphs changing no token,
-the half-precision default and the refusal of the CPU-only flags.
+a seeded run repeating itself, a grammar, the server's chat completion, the engine's CUDA graphs and its steps launched
+ahead of the host's reading changing no token (and launching without waiting for the GPU), the half-precision
+default and the refusal of the CPU-only flags.
 
 Every test is marked `cuda`: tests/conftest.py skips them where torch sees no CUDA device, so a plain run (and CI)
 collects and skips them. On a GPU: `python -m pytest -q -m cuda tests/test_cuda.py` (benchmarks/gpu_check.sh runs it).
@@ -138,6 +139,63 @@ def test_the_decode_steps_cuda_graphs_change_no_token(request, model, monkeypatc
         assert [item["id"] for item in a["logprobs"]["content"]] == [item["id"] for item in b["logprobs"]["content"]]
         assert [item["logprob"] for item in a["logprobs"]["content"]] == pytest.approx(
             [item["logprob"] for item in b["logprobs"]["content"]], abs=1e-4)
+
+
+def test_overlapped_steps_change_no_token(checkpoint, monkeypatch):
+    """Steps launched ahead of the host's reading (the default on CUDA) give the tokens, and to float32's rounding
+    the log-probabilities, that steps read one at a time give (RUN_GENERATION_OVERLAP=0): greedy and seeded draws,
+    rows ending at different lengths."""
+    args = ["--model_name_or_path", checkpoint, "--dtype", "float32", "--output_format", "jsonl", "--logprobs", "0",
+            "--seed", "5"]
+    runs = {}
+    for overlap in ("1", "0"):
+        monkeypatch.setenv("RUN_GENERATION_OVERLAP", overlap)
+        runs[overlap] = [jsonl(run_ok([*args, "--length", str(length), *flags], stdin="\n".join(PROMPTS)).stdout)
+                         for length, flags in ((LENGTH, ["--temperature", "0"]), (7, ["--temperature", "0.9"]))]
+    for a, b in zip(sum(runs["1"], []), sum(runs["0"], [])):
+        assert [item["id"] for item in a["logprobs"]["content"]] == [item["id"] for item in b["logprobs"]["content"]]
+        assert [item["logprob"] for item in a["logprobs"]["content"]] == pytest.approx(
+            [item["logprob"] for item in b["logprobs"]["content"]], abs=1e-4)
+
+
+@needs_cuda
+def test_launching_a_step_never_waits_for_the_gpu(checkpoint, monkeypatch):
+    """Once the step's graph is captured, launching a step (its inputs, the replay, the sampler, the copy of its
+    choices to the host) makes no synchronizing call: torch's sync debug mode raises on any."""
+    import rungen.engine
+    from rungen.engine import Engine
+    from rungen.loading import load
+    from rungen.requests import Request
+    from rungen.sampling import Sampling
+
+    loaded = load(checkpoint, device=DEVICE)
+    engine = Engine(loaded, max_batch=4, prefix_cache_bytes=0)
+    assert engine.overlap and engine.kv.graphs is not None
+    for number, prompt in enumerate(PROMPTS):
+        sampling = Sampling(temperature=0.9, top_p=0.9, top_k=20, seed=number, ignore_eos=True) if number else \
+            Sampling(temperature=0, ignore_eos=True)
+        engine.submit(Request(loaded.tokenizer(prompt).input_ids, 40, sampling, sink=lambda event: None,
+                              logprobs=2 if number else None))
+    engine.admit()
+    engine.step()  # captures the graph of this batch
+    launches, forward, pick = [], engine.kv.forward, rungen.engine.pick
+
+    def checked(function):
+        def run(*args, **kwargs):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return function(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                launches.append(function.__name__)
+        return run
+
+    monkeypatch.setattr(engine.kv, "forward", checked(forward))
+    monkeypatch.setattr(rungen.engine, "pick", checked(pick))
+    for _ in range(20):
+        engine.step()
+    assert len(launches) == 40 and engine.ahead is not None
+    engine.run_here()
 
 
 SAMPLING = {

@@ -1,0 +1,34 @@
+"""The decode loop's small copies between the host and a GPU, made so that the host never waits for the device: a
+blocking copy either way waits for every kernel queued before it, which would hold the next step's launch until the
+last step is done. Elsewhere (a CPU) they are plain copies.
+"""
+
+import torch
+
+
+def to_device(values, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A tensor of `values` on `device`, copied from pinned host memory without waiting (on CUDA)."""
+    tensor = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+class HostCopy:
+    """A device tensor on its way to the host: copied into pinned memory behind the work queued before it, with an
+    event; tolist() waits for that copy alone (a CPU tensor is read as it is)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.event = None
+        if tensor.device.type == "cuda":
+            self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self.host.copy_(tensor, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = tensor
+
+    def tolist(self) -> list:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()

@@ -1,0 +1,157 @@
+"""Decode steps overlapping the host's work (rungen/engine.py; on by default on a CUDA GPU, forced here with
+RUN_GENERATION_OVERLAP=1): a step is launched on the tokens the step before left on the device, and the step before is
+read and reported while it computes. Every request gets what steps taken one at a time give it: the same tokens,
+text, streamed deltas, log-probabilities and endings, for rows that end at different steps (length, EOS, a stop
+string, a cancel), join mid-run, draw from seeds, carry penalties or follow a grammar; in fixed slots and in a padded
+batch. The order of launches and reads is checked too: that is the overlap a GPU gets.
+"""
+
+import pytest
+import torch
+
+from rungen import sampling
+from rungen.engine import OVERLAP_ENV, Engine
+from rungen.loading import load
+from rungen.requests import Delta, Done, Request
+from rungen.sampling import Sampling
+from tiny_models import build_tiny_checkpoint
+
+PROMPTS = ["The capital of France is Paris and the capital of Germany is", "Hello, my dog",
+           "Once upon a time there was a little girl", "A", "One two three four five six seven eight"]
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt2"])  # fixed slots; a padded batch
+def loaded(request, tmp_path_factory):
+    path = build_tiny_checkpoint(request.param, str(tmp_path_factory.mktemp(request.param)))
+    return load(path, device=torch.device("cpu"))
+
+
+def engine_of(loaded, monkeypatch, overlap, **kwargs):
+    monkeypatch.setenv(OVERLAP_ENV, "1" if overlap else "0")
+    engine = Engine(loaded, **{"max_batch": 3, **kwargs})
+    assert engine.overlap is overlap
+    return engine
+
+
+def run(engine, requests):
+    """Runs the requests (keyword dicts for Request) on the calling thread; per request, per choice: (reason, text,
+    tokens, stop, the deltas' text, the log-probability items)."""
+    results = []
+
+    def sink_of(number, cancel_after):
+        deltas, items, out, events = {}, {}, {}, []
+
+        def sink(event):
+            assert getattr(event, "index", None) not in out, f"{event} after the choice's end"
+            if isinstance(event, Delta):
+                deltas[event.index] = deltas.get(event.index, "") + event.text
+                items.setdefault(event.index, []).extend(event.logprobs or [])
+                events.append(event)
+                if cancel_after and len(events) >= cancel_after:
+                    sink.request.cancelled = True
+            elif isinstance(event, Done):
+                f = event.finish
+                out[event.index] = (f.reason, f.text, f.tokens, f.stop, deltas.get(event.index, ""),
+                                    items.get(event.index, []))
+        return sink, out
+
+    for number, fields in enumerate(requests):
+        fields = dict(fields)
+        sink, out = sink_of(number, fields.pop("cancel_after", 0))
+        request = Request(**{"max_tokens": 8, "sampling": Sampling(temperature=0, ignore_eos=True), **fields},
+                          sink=sink)
+        sink.request = request
+        results.append(out)
+        engine.submit(request)
+    engine.run_here()
+    assert not engine.rows and engine.ahead is None and not engine.kv.held()
+    return results
+
+
+def assert_same(results, expected):
+    """The same choices, endings, texts and tokens; log-probabilities to float32's rounding (a step's rows are
+    computed together, and a row that ended stays one step longer in an overlapped batch)."""
+    def logprobs(items):
+        return [value for item in items for value in [item["logprob"]] + [top["logprob"] for top in item["top_logprobs"]]]
+
+    def rest(items):
+        return [(item["id"], item["token"], [top["id"] for top in item["top_logprobs"]]) for item in items]
+
+    assert [sorted(result) for result in results] == [sorted(result) for result in expected]
+    for result, wanted in zip(results, expected):
+        for index, choice in result.items():
+            assert choice[:5] == wanted[index][:5] and rest(choice[5]) == rest(wanted[index][5])
+            assert logprobs(choice[5]) == pytest.approx(logprobs(wanted[index][5]), abs=1e-4)
+
+
+def mixed_requests(loaded, eos):
+    ids = [loaded.tokenizer(prompt).input_ids for prompt in PROMPTS]
+    greedy = Sampling(temperature=0, ignore_eos=True)
+    return [
+        *({"ids": i, "max_tokens": length, "sampling": greedy} for i, length in zip(ids, [3, 9, 1, 12, 7])),
+        {"ids": ids[1], "max_tokens": 10, "n": 3, "logprobs": 2,
+         "sampling": Sampling(temperature=0.9, top_k=30, top_p=0.9, min_p=0.02, seed=5, ignore_eos=True)},
+        {"ids": ids[2], "max_tokens": 9, "logprobs": 0,
+         "sampling": Sampling(temperature=0.7, seed=3, repetition_penalty=1.3, presence_penalty=0.5,
+                              frequency_penalty=0.3, logit_bias=((eos, -5.0),))},
+        {"ids": ids[0], "max_tokens": 12, "sampling": Sampling(temperature=0)},  # ends at `eos`
+        {"ids": ids[4], "max_tokens": 12, "cancel_after": 4,
+         "sampling": Sampling(temperature=1.0, seed=9, ignore_eos=True)},
+    ]
+
+
+def test_overlapped_steps_give_what_steps_one_at_a_time_give(loaded, monkeypatch):
+    # The EOS a row meets mid-run: the 5th token greedy decoding gives the first prompt.
+    first = run(engine_of(loaded, monkeypatch, False), [{"ids": loaded.tokenizer(PROMPTS[0]).input_ids}])[0][0]
+    eos = first[2][4]
+    requests = mixed_requests(loaded, eos)
+    alone = run(engine_of(loaded, monkeypatch, False, eos_ids={eos}), requests)
+    # A stop string that the fourth prompt's greedy text meets mid-run.
+    text = alone[3][0][1]
+    assert len(text) > 12
+    requests.append({"ids": requests[3]["ids"], "max_tokens": 12, "stop": (text[6:9],)})
+    alone = run(engine_of(loaded, monkeypatch, False, eos_ids={eos}), requests)
+    overlapped = run(engine_of(loaded, monkeypatch, True, eos_ids={eos}), requests)
+    assert_same(overlapped, alone)
+    reasons = {choice[0] for result in alone for choice in result.values()}
+    assert reasons == {"length", "stop", "abort"}, reasons
+    assert alone[7][0][2][-1] == eos and alone[-1][0][3] == text[6:9]  # ended by EOS, by the stop string
+
+
+def steps_and_reads(engine, monkeypatch):
+    """The order of the engine's decode launches ("F") and reads of a step's choices ("R")."""
+    log = []
+    forward, wait = engine.kv.forward, sampling.Reading.wait
+    monkeypatch.setattr(engine.kv, "forward", lambda *a, **k: (log.append("F"), forward(*a, **k))[1])
+    monkeypatch.setattr(sampling.Reading, "wait", lambda self: (log.append("R"), wait(self))[1])
+    return log
+
+
+def test_a_step_is_read_while_the_next_one_runs(loaded, monkeypatch):
+    ids = loaded.tokenizer(PROMPTS[1]).input_ids
+    for overlap in (False, True):
+        engine = engine_of(loaded, monkeypatch, overlap)
+        log = steps_and_reads(engine, monkeypatch)
+        run(engine, [{"ids": ids, "max_tokens": 6}])
+        # The first token comes with the prompt (one read); five steps give the other five. Overlapped, each step
+        # is read after the next one is launched, and the row's end is read one step late: that step is dropped.
+        assert log == (["R", "F", "F"] + ["R", "F"] * 4 + ["R"] if overlap else ["R"] + ["F", "R"] * 5), log
+
+
+def test_rows_with_a_grammar_step_one_at_a_time(loaded, monkeypatch):
+    # Their next mask needs the token just chosen: with such a row in the batch, a step is read before the next.
+    pytest.importorskip("xgrammar")
+    from rungen.constrain import compile_constraint
+
+    tokenizer = loaded.tokenizer
+    constraint = compile_constraint("regex", "[a-z ]{4,40}", tokenizer, loaded.model.config.vocab_size,
+                                    {tokenizer.eos_token_id})
+    ids = tokenizer(PROMPTS[2]).input_ids
+    requests = [{"ids": ids, "max_tokens": 6, "constraint": constraint},
+                {"ids": tokenizer(PROMPTS[0]).input_ids, "max_tokens": 6}]
+    alone = run(engine_of(loaded, monkeypatch, False), requests)
+    engine = engine_of(loaded, monkeypatch, True)
+    log = steps_and_reads(engine, monkeypatch)
+    assert_same(run(engine, requests), alone)
+    assert "FF" not in "".join(log)
+    assert all(character in "abcdefghijklmnopqrstuvwxyz " for character in alone[0][0][1])
