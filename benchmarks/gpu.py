@@ -26,11 +26,14 @@ first call's extra time (compilation, graph capture, kernel selection) and peak 
 and time to first token for a --ttft-tokens prompt (512) at batch 1 on the engine and through generate(). A GGUF
 row: Llama-3.1-8B's shape written as Q4_0 by benchmarks/gguf_files.py's writer (random blocks, a synthetic
 byte-level vocabulary of the published size), loaded through rungen.loading.load on the device (de-quantized to
-bfloat16 there), decoding at batch 1 on the engine, its load time and peak memory beside the file's size.
+bfloat16 there), decoding at batch 1 on the engine, its load time and peak memory beside the file's size. A server
+row: `run_generation.py --serve` on the default model's shape written as a Q4_0 file (with a ChatML template), 16
+clients each streaming two chat completions (--new-tokens each): output tokens/s, time to first token (median and
+95th percentile), time per output token, and the requests lost or cut short (none expected).
 
 Each measurement is guarded: a failure prints one line and the run goes on. The run keeps to --budget seconds (300
 by default: the whole script within 6 minutes on an H100/H200, a last measurement's overrun included) in three
-phases: the engine and eager generate() of every shape, then the GGUF row, then shape by shape (the last named
+phases: the engine and eager generate() of every shape, then the GGUF and server rows, then shape by shape (the last named
 first: the 8B by default) the paths whose first call compiles or captures (static+compile, generate_batch) while
 time is left; what is skipped says so (--shapes NAME runs one shape's rows in full). A first call of every path at
 every batch is timed and left out of the figures ("first_call_s": its time beyond the measured call's). Every figure
@@ -93,9 +96,14 @@ QUICK_SHAPES = {
 GGUF_SHAPES = {
     "llama-3.1-8b": (128256, dict(arch="llama", layers=32, hidden=4096, ffn=14336, heads=32, kv_heads=8, head_dim=128,
                                   rope_base=500000.0, eps=1e-5, tied=False)),
+    "smollm2-135m": (49152, dict(arch="llama", layers=30, hidden=576, ffn=1536, heads=9, kv_heads=3, head_dim=64,
+                                 rope_base=100000.0, eps=1e-5, tied=True)),
     "tiny-llama": (1024, dict(arch="llama", layers=2, hidden=256, ffn=512, heads=4, kv_heads=2, head_dim=64,
                               rope_base=500000.0, eps=1e-5, tied=False)),
 }
+# The server row's file carries a chat template (ChatML, as SmolLM2-Instruct's).
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def one_line(error):
@@ -584,6 +592,118 @@ def gguf_row(report, args, bandwidth, budget):
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def server_row(report, args, budget):
+    """The server on the device, as a user starts it: `run_generation.py --serve` on the default model's shape
+    written as a Q4_0 GGUF file (random blocks, a synthetic byte-level vocabulary, a ChatML template), and
+    --server-clients clients each sending two streaming chat completions back to back (greedy, EOS ignored,
+    --new-tokens each). Every token's log-probability is asked for, so that each token is a chunk of its own: the
+    text of random bytes often ends in an unfinished character, which the server holds back. A first request
+    (graph capture) is left out. Time to first token: from the request to its first token's chunk."""
+    name = "tiny-llama" if args.quick else "smollm2-135m"
+    path_name = f"server Q4_0, {args.server_clients} streaming clients"
+    try:
+        import gguf  # noqa: F401
+        import httpx
+    except ImportError as error:
+        report.note(f"server row: {one_line(error)}, no row")
+        return
+    if budget.left() < args.server_reserve:
+        report.add(shape=name, path=path_name, error=f"skipped: {budget.left():.0f} s of the budget left")
+        return
+    import subprocess
+
+    from gguf import GGUFValueType
+
+    from benchmarks.batch_throughput import PROMPTS, free_port
+    from benchmarks.gguf_files import synthetic_tokenizer_fields, write_family
+    from benchmarks.serve import SCRIPT, wait_healthy
+
+    vocab, family = GGUF_SHAPES[name]
+    folder = tempfile.mkdtemp(prefix="gpu_bench_server_", dir=args.scratch)
+    path, log = os.path.join(folder, f"{name}-Q4_0.gguf"), os.path.join(folder, "server.log")
+    process = None
+    try:
+        fields = synthetic_tokenizer_fields(vocab) + [("tokenizer.chat_template", CHATML, GGUFValueType.STRING, None)]
+        write_family(path, "llama", "Q4_0", fields, shape=family)
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        with open(log, "wb") as stderr:
+            process = subprocess.Popen([sys.executable, SCRIPT, "--serve", "--port", str(port), "--model_name_or_path",
+                                        path, "--max_batch", str(args.server_clients)], stdout=subprocess.DEVNULL,
+                                       stderr=stderr, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+        start = time.perf_counter()
+        wait_healthy(url, process)
+        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+
+        def one(prompt):
+            """(time to first token, tokens, seconds) of one streaming chat completion."""
+            body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": args.new_tokens,
+                    "temperature": 0, "ignore_eos": True, "stream": True, "logprobs": True,
+                    "stream_options": {"include_usage": True}}
+            sent, first, tokens = time.perf_counter(), None, 0
+            with httpx.Client(timeout=300) as client, client.stream("POST", url + "/v1/chat/completions",
+                                                                     json=body) as response:
+                response.raise_for_status()
+                for line in response.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
+                    for choice in chunk.get("choices", []):
+                        if first is None and (choice.get("delta", {}).get("content")
+                                              or (choice.get("logprobs") or {}).get("content")):
+                            first = time.perf_counter()
+            return (first or time.perf_counter()) - sent, tokens, time.perf_counter() - sent
+
+        one(PROMPTS[0])
+        warm = time.perf_counter() - start
+        import concurrent.futures
+
+        prompts = [PROMPTS[number % len(PROMPTS)] for number in range(2 * args.server_clients)]
+        start = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(args.server_clients) as pool:
+            results = list(pool.map(lambda prompt: _guarded(one, prompt), prompts))
+        wall = time.perf_counter() - start
+        done = [result for result in results if not isinstance(result, str)]
+        lost = [result for result in results if isinstance(result, str)]
+        short = sum(1 for _, tokens, _ in done if tokens != args.new_tokens)
+        ttfts = sorted(result[0] * 1e3 for result in done) or [float("nan")]
+        row = dict(shape=name, path=path_name, batch=args.server_clients, new_tokens=args.new_tokens,
+                   requests=len(results), lost=len(lost) + short,
+                   tokens_per_s=sum(tokens for _, tokens, _ in done) / wall, ttft_ms=statistics.median(ttfts),
+                   ttft_p95_ms=ttfts[min(len(ttfts) - 1, int(0.95 * len(ttfts)))],
+                   tpot_ms=statistics.median((seconds - ttft) / max(1, tokens - 1) * 1e3
+                                             for ttft, tokens, seconds in done) if done else None,
+                   first_call_s=warm)
+        if lost:
+            row["error"] = lost[0]
+        report.add(**row)
+    except Exception as error:
+        tail = ""
+        if os.path.exists(log):
+            with open(log, errors="replace") as f:
+                lines = [line.strip() for line in f if line.strip()]
+            tail = f" (server: {lines[-1][:200]})" if lines else ""
+        report.add(shape=name, path=path_name, error=one_line(error) + tail)
+    finally:
+        if process is not None and process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _guarded(function, *args):
+    """function(*args), or its error in one line (a lost request is counted, not the end of the row)."""
+    try:
+        return function(*args)
+    except Exception as error:
+        return one_line(error)
+
+
 def transformers_version():
     try:
         import transformers
@@ -614,6 +734,11 @@ def main(argv=None):
     parser.add_argument("--gguf-reserve", type=float, default=120.0,
                         help="seconds the GGUF row needs at least to start (default 120)")
     parser.add_argument("--no-gguf", action="store_true", help="leave the GGUF row out")
+    parser.add_argument("--server-clients", type=int, help="streaming clients of the server row (default 16; "
+                        "--quick: 2)")
+    parser.add_argument("--server-reserve", type=float, default=45.0,
+                        help="seconds the server row needs at least to start (default 45)")
+    parser.add_argument("--no-server", action="store_true", help="leave the server row out")
     parser.add_argument("--copy-gb", type=float, help="bytes of the bandwidth copy's source, GB (default 2; --quick "
                         "0.05)")
     parser.add_argument("--scratch", default=None, help="folder for the GGUF file (default: the system's temporary)")
@@ -628,6 +753,7 @@ def main(argv=None):
     args.compile_batches = args.compile_batches or [1]
     args.cb_batches = args.cb_batches or [max(args.batches)]
     args.new_tokens = args.new_tokens or (6 if args.quick else 64)
+    args.server_clients = args.server_clients or (2 if args.quick else 16)
     args.prompt_tokens = args.prompt_tokens or (8 if args.quick else 32)
     args.ttft_tokens = args.ttft_tokens or (32 if args.quick else 512)
     args.copy_gb = args.copy_gb or (0.05 if args.quick else 2.0)
@@ -673,6 +799,10 @@ def main(argv=None):
         report.note("GGUF row: left out (--no-gguf)")
     else:
         gguf_row(report, args, bandwidth, budget)
+    if args.no_server:
+        report.note("server row: left out (--no-server)")
+    else:
+        server_row(report, args, budget)
     # The last shape first: the default list ends with the 8B, the size the published anchors are for.
     for name in reversed(args.shapes):
         costly_paths(report, name, args, shapes, bandwidth, budget)
