@@ -33,8 +33,8 @@ clients each streaming two chat completions (--new-tokens each): output tokens/s
 
 Each measurement is guarded: a failure prints one line and the run goes on. The run keeps to --budget seconds (300
 by default: the whole script within 6 minutes on an H100/H200, a last measurement's overrun included) in three
-phases: the engine and eager generate() of every shape, then the GGUF and server rows, then shape by shape (the last named
-first: the 8B by default) the paths whose first call compiles or captures (static+compile, generate_batch) while
+phases: the engine and eager generate() of every shape, then the GGUF and server rows, then shape by shape (the last
+named first: the 8B by default) the paths whose first call compiles or captures (static+compile, generate_batch) while
 time is left; what is skipped says so (--shapes NAME runs one shape's rows in full). A first call of every path at
 every batch is timed and left out of the figures ("first_call_s": its time beyond the measured call's). Every figure
 is also in --json FILE, rewritten after each measurement (a run cut short keeps what it measured).
@@ -286,11 +286,11 @@ class EngineRunner:
     def extra(self):
         """How the engine ran: keys/values in fixed slots or a padded batch; CUDA graphs and their capture time;
         whether steps overlapped the host's work."""
-        kv = self.engine.kv
+        kv = self.engine.batch.kv
         graphs = getattr(kv, "graphs", None)
         state = "off" if graphs is None else "failed" if graphs.failed else "on"
         figures = dict(cache="slots" if getattr(kv, "slots", None) is not None else "padded batch", graphs=state,
-                       overlap=self.engine.overlap)
+                       overlap=self.engine.batch.overlap)
         if graphs is not None:
             figures.update(graph_capture_s=graphs.capture_seconds, graphs_held=len(graphs.graphs))
         return figures
@@ -484,7 +484,7 @@ def cheap_paths(report, name, args, shapes, bandwidth, budget):
         engine = None
         if args.device.type == "cuda":  # what the CUDA graphs and the overlap give: the engine without each
             from rungen.batch_cache import GRAPHS_ENV
-            from rungen.engine import OVERLAP_ENV
+            from rungen.decode import OVERLAP_ENV
 
             for path, settings, batches in (("engine, no CUDA graphs", {GRAPHS_ENV: "0"}, args.batches[:1]),
                                             ("engine, steps not overlapped", {OVERLAP_ENV: "0"}, args.batches[:2])):
@@ -610,13 +610,14 @@ def server_row(report, args, budget):
     if budget.left() < args.server_reserve:
         report.add(shape=name, path=path_name, error=f"skipped: {budget.left():.0f} s of the budget left")
         return
+    import concurrent.futures
     import subprocess
 
     from gguf import GGUFValueType
 
     from benchmarks.batch_throughput import PROMPTS, free_port
     from benchmarks.gguf_files import synthetic_tokenizer_fields, write_family
-    from benchmarks.serve import SCRIPT, wait_healthy
+    from benchmarks.serve import SCRIPT, one_request, wait_healthy
 
     vocab, family = GGUF_SHAPES[name]
     folder = tempfile.mkdtemp(prefix="gpu_bench_server_", dir=args.scratch)
@@ -636,30 +637,10 @@ def server_row(report, args, budget):
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
 
         def one(prompt):
-            """(time to first token, tokens, seconds) of one streaming chat completion."""
-            body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": args.new_tokens,
-                    "temperature": 0, "ignore_eos": True, "stream": True, "logprobs": True,
-                    "stream_options": {"include_usage": True}}
-            sent, first, tokens = time.perf_counter(), None, 0
-            with httpx.Client(timeout=300) as client, client.stream("POST", url + "/v1/chat/completions",
-                                                                     json=body) as response:
-                response.raise_for_status()
-                for line in response.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    if chunk.get("usage"):
-                        tokens = chunk["usage"]["completion_tokens"]
-                    for choice in chunk.get("choices", []):
-                        if first is None and (choice.get("delta", {}).get("content")
-                                              or (choice.get("logprobs") or {}).get("content")):
-                            first = time.perf_counter()
-            return (first or time.perf_counter()) - sent, tokens, time.perf_counter() - sent
+            return one_request(url, model, prompt, args.new_tokens, logprobs=True)
 
         one(PROMPTS[0])
         warm = time.perf_counter() - start
-        import concurrent.futures
-
         prompts = [PROMPTS[number % len(PROMPTS)] for number in range(2 * args.server_clients)]
         start = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(args.server_clients) as pool:
@@ -667,14 +648,13 @@ def server_row(report, args, budget):
         wall = time.perf_counter() - start
         done = [result for result in results if not isinstance(result, str)]
         lost = [result for result in results if isinstance(result, str)]
-        short = sum(1 for _, tokens, _ in done if tokens != args.new_tokens)
-        ttfts = sorted(result[0] * 1e3 for result in done) or [float("nan")]
+        short = sum(1 for _, _, tokens in done if tokens != args.new_tokens)
+        ttfts = sorted(ttft * 1e3 for ttft, _, _ in done) or [float("nan")]
         row = dict(shape=name, path=path_name, batch=args.server_clients, new_tokens=args.new_tokens,
                    requests=len(results), lost=len(lost) + short,
-                   tokens_per_s=sum(tokens for _, tokens, _ in done) / wall, ttft_ms=statistics.median(ttfts),
+                   tokens_per_s=sum(tokens for _, _, tokens in done) / wall, ttft_ms=statistics.median(ttfts),
                    ttft_p95_ms=ttfts[min(len(ttfts) - 1, int(0.95 * len(ttfts)))],
-                   tpot_ms=statistics.median((seconds - ttft) / max(1, tokens - 1) * 1e3
-                                             for ttft, tokens, seconds in done) if done else None,
+                   tpot_ms=statistics.median(tpot * 1e3 for _, tpot, _ in done) if done else None,
                    first_call_s=warm)
         if lost:
             row["error"] = lost[0]

@@ -55,14 +55,17 @@ def http_client():
     return _local.client
 
 
-def one_request(url, model, prompt, max_tokens, ignore_eos=True, reply=None):
+def one_request(url, model, prompt, max_tokens, ignore_eos=True, reply=None, logprobs=False):
     """(ttft, tpot, tokens) of one streaming chat request; `prompt` a text or a list of messages; the reply's
-    text is appended to `reply` when given."""
+    text is appended to `reply` when given. `logprobs`: each token's log-probability asked for, so that a token
+    whose text is held back (an unfinished character) still comes as a chunk and counts as arrived."""
     messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
     body = {"model": model, "messages": messages, "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     if ignore_eos:
         body["ignore_eos"] = True
+    if logprobs:
+        body["logprobs"] = True
     client = http_client()
     start = time.perf_counter()
     first = last = None
@@ -75,8 +78,9 @@ def one_request(url, model, prompt, max_tokens, ignore_eos=True, reply=None):
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
-            texts = [choice.get("delta", {}).get("content") or "" for choice in chunk.get("choices", [])]
-            if any(texts):
+            choices = chunk.get("choices", [])
+            texts = [choice.get("delta", {}).get("content") or "" for choice in choices]
+            if any(texts) or any((choice.get("logprobs") or {}).get("content") for choice in choices):
                 last = time.perf_counter()
                 first = first or last
                 if reply is not None:

@@ -19,8 +19,8 @@
     constrain.py   --json_schema/--regex/--grammar with xgrammar
     tools.py       tool calling: formats, detection from the chat template, grammars, parsing
     reasoning.py   a thinking model's reasoning apart from its answer: delimiters, the reply's splitter
-    engine.py      the engine's scheduler (server, piped prompts, session): continuous batching, admission, steps
-                   (on a GPU each launched before the last one is read)
+    engine.py      the engine's scheduler (server, piped prompts, session): its queue and thread, admission, prefill
+    decode.py      the rows decoded together: a step for all at once (on a GPU launched before the last is read)
     requests.py    what the engine takes and gives: a Request and its events (Delta, Done, End)
     rows.py        a row of the batch: the tokens picked for all rows at once, the text each adds, stop strings
     sampling.py    the engine's logits processors and sampler over the whole batch on its device

@@ -52,7 +52,7 @@ def open_engine(loaded, settings, batch_size, conversation=False):
             if conversation:
                 positions = 2 * loaded.context if loaded.context else sys.maxsize // engine.bytes_per_token
                 engine.prefix_cache = PrefixCache(positions * engine.bytes_per_token)
-            logger.info("KV cache in %s", engine.kv.form)
+            logger.info("KV cache in %s", engine.batch.kv.form)
             return engine
     logger.info("generating with generate(): %s", why)
     return None

@@ -5,17 +5,12 @@ it on a model thread of its own, the command line and the session on the calling
 Between decode steps, waiting requests are admitted: each is prefilled alone (after the prefix cache's longest
 match) and gets its first token, then joins the batch. A request is admitted only while rows x the longest
 (prompt + max_tokens) fits in `max_cache_tokens`. Every row's next token is chosen at once on the model's device
-(rungen/sampling.py), with one copy to the host a step; log-probabilities are the model's raw ones.
-
-On a GPU the steps overlap the host's work: a step is launched on the tokens the step before left on the device,
-and the step before is read, reported (text, stop strings, the server's events) and its finished rows ended while
-the new one computes. A row that ended is one step behind: that step's token is dropped and its position is
-reserved (`lookahead`). Rows with a grammar step one at a time: their next mask needs the token just chosen.
+(rungen/sampling.py), with one copy to the host a step; log-probabilities are the model's raw ones. The batch
+and its steps are rungen/decode.py's (on a GPU each step is launched before the last one is read).
 """
 
 import collections
 import inspect
-import os
 import queue
 import threading
 import time
@@ -23,25 +18,15 @@ import time
 import torch
 
 from . import logger
-from .batch_cache import batch_cache, layers_of
-from .errors import GenerationError
+from .batch_cache import layers_of
+from .decode import DecodeBatch
 from .generation import UNBATCHABLE_TYPES
 from .kvcache import MIN_ROOM, full_attention, new_cache
 from .metrics import Metrics
 from .prefix_cache import PrefixCache
 from .requests import Done, End, Finish
-from .rows import Reporter, Row, pick
+from .rows import Reporter, Row
 from .sampling import RowState
-from .transfers import to_device
-
-OVERLAP_ENV = "RUN_GENERATION_OVERLAP"
-
-
-def overlaps(device):
-    """Whether steps overlap the host's work: on a CUDA device (a CPU computes as it is asked, so nothing would run
-    meanwhile); RUN_GENERATION_OVERLAP=0 or 1 says otherwise."""
-    setting = os.environ.get(OVERLAP_ENV, "")
-    return setting == "1" if setting in ("0", "1") else device.type == "cuda"
 
 
 class EngineBusy(RuntimeError):
@@ -64,7 +49,6 @@ class Engine:
         self.eos_ids = set(eos_ids)
         self.metrics = metrics or Metrics()
         self.tokenizer_lock = tokenizer_lock or threading.Lock()
-        self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None
         self.reporter = Reporter(self.tokenizer, self.tokenizer_lock, self.eos_ids)
         parameters = inspect.signature(self.model.forward).parameters
         if loaded.model_type in UNBATCHABLE_TYPES:
@@ -78,13 +62,9 @@ class Engine:
         self.waiting = collections.deque()
         self.calls = queue.Queue()  # functions to run on the model thread between steps (prompt scoring)
         self.wake = threading.Condition()
-        self.rows = []
-        self.overlap = overlaps(self.device)
-        self.lookahead = int(self.overlap)  # positions a row may be fed past its end (the step launched ahead)
-        self.ahead = None  # the step launched and not yet read (rows.Launched)
-        self.kv = batch_cache(self.model, self.device, self.use_positions, max_batch, loaded.context, self.lookahead)
-        self.pending = []  # the kv's parts of the rows joined since the last merge
-        self.peak_rows = 0  # the most rows decoded together so far
+        self.batch = DecodeBatch(self.model, self.device, self.use_positions, max_batch, loaded.context,
+                                 reporter=self.reporter, metrics=self.metrics, eos_ids=self.eos_ids,
+                                 prefix_cache=PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None)
         self.closing = self.stopped = False
         self.bytes_per_token = self.measure_bytes_per_token()
         self.thread = threading.Thread(target=self.loop, name="rungen-engine", daemon=True)
@@ -129,11 +109,21 @@ class Engine:
             self.wake.notify()
 
     def idle(self):
-        return not self.rows and not self.waiting and self.calls.empty()
+        return not self.batch.rows and not self.waiting and self.calls.empty()
 
     @property
     def queue_depth(self):
         return len(self.waiting)
+
+    @property
+    def prefix_cache(self):
+        """The finished rows' keys/values that a request starting the same way prefills after (None: off); the
+        batch keeps them, the prefill reads them."""
+        return self.batch.prefix_cache
+
+    @prefix_cache.setter
+    def prefix_cache(self, cache):
+        self.batch.prefix_cache = cache
 
     @property
     def cache_limit_bytes(self):
@@ -158,7 +148,7 @@ class Engine:
             torch.set_num_threads(self.threads)  # per thread under OpenMP: this thread's parallel regions
         while True:
             with self.wake:
-                while not self.stopped and not self.rows and not self.waiting and self.calls.empty():
+                while not self.stopped and not self.batch.rows and not self.waiting and self.calls.empty():
                     if self.closing:
                         return
                     self.wake.wait()
@@ -169,8 +159,8 @@ class Engine:
             try:
                 self.run_calls()
                 self.admit()
-                if self.rows:
-                    self.step()
+                if self.batch.rows:
+                    self.batch.step()
             except Exception as error:  # a failed step fails its requests, never the server
                 logger.exception("the engine step failed")
                 self.end_all("abort", error=f"generation failed: {error}")
@@ -179,20 +169,20 @@ class Engine:
         """Runs the model loop on the calling thread until every submitted request has ended (a failed step
         raises)."""
         try:
-            while self.rows or self.waiting:
+            while self.batch.rows or self.waiting:
                 self.admit()
-                if self.rows:
-                    self.step()
+                if self.batch.rows:
+                    self.batch.step()
         except BaseException:
             # Stopped mid-step: the half-updated batch's requests are given up, the engine left empty.
-            self.rows, self.pending, self.joining, self.ahead = [], [], None, None
-            self.kv.clear()
+            self.batch.clear()
+            self.joining = None
             self.waiting.clear()
             raise
 
     def run_calls(self):
         if not self.calls.empty():
-            self.drain()
+            self.batch.drain()
         while True:
             try:
                 function, future = self.calls.get_nowait()
@@ -214,25 +204,23 @@ class Engine:
                 if not self.waiting:
                     break
                 request = self.waiting[0]
-                if self.rows and not self.fits(request):
+                if self.batch.rows and not self.fits(request):
                     break  # waits for rows to leave
-                if self.ahead is None:
+                if self.batch.ahead is None:
                     self.waiting.popleft()
-            if self.ahead is not None:
-                self.drain()  # the batch changes: the step launched ahead is read first
+            if self.batch.ahead is not None:
+                self.batch.drain()  # the batch changes: the step launched ahead is read first
                 continue
             self.joining = request
             self.join(request)
             self.joining = None
-        pending, self.pending = self.pending, []
-        if pending:
-            self.kv.merge(pending, self.rows)
-            self.remove_finished()  # rows done at their first token
+        self.batch.merge()
 
     def fits(self, request):
         """Whether the request's rows join the batch within max_batch and max_cache_tokens."""
-        reserve = max([request.reserve] + [row.request.reserve for row in self.rows]) + self.lookahead
-        rows = len(self.rows) + request.n
+        rows = self.batch.rows
+        reserve = max([request.reserve] + [row.request.reserve for row in rows]) + self.batch.lookahead
+        rows = len(rows) + request.n
         return rows <= self.max_batch and rows * reserve <= self.max_cache_tokens
 
     def join(self, request):
@@ -255,7 +243,7 @@ class Engine:
         request.reused = reused
         if reused:
             logger.info("prefix cache: reused %d of %d prompt tokens", reused, len(ids))
-        self.pending.append(self.kv.part(output, request.n, len(ids)))
+        part = self.batch.kv.part(output, request.n, len(ids))
         logits = output.logits[:, -1].float()
         prompt_tail_text = self.reporter.prompt_tail_text(ids)
         new_rows = []
@@ -265,106 +253,20 @@ class Engine:
             if request.constraint is not None and not request.reasoning_end:
                 row.matcher = request.constraint.matcher()
             new_rows.append(row)
-        self.rows += new_rows
-        self.peak_rows = max(self.peak_rows, len(self.rows))
-        self.report(pick(new_rows, logits.expand(request.n, -1), self.eos_ids))  # they leave once merged
-
-    def step(self):
-        """One decode step for every row, fed the tokens of the step launched ahead where there is one; overlapped,
-        that step is reported while this one computes and this one is left ahead."""
-        rows = list(self.rows)
-        tokens = self.ahead.tokens if self.ahead is not None else to_device([[row.generated[-1]] for row in rows],
-                                                                             self.device)
-        logits = self.kv.forward(rows, tokens)
-        for row in rows:
-            row.position += 1
-        previous, self.ahead = self.ahead, pick(rows, logits, self.eos_ids)
-        if previous is not None:
-            self.report(previous)
-        if not (self.overlap and all(row.request.constraint is None for row in self.rows)):
-            self.drain()
-        self.remove_finished()
-
-    def drain(self):
-        """Reads and reports the step launched ahead, and ends the rows it finished."""
-        if self.ahead is not None:
-            launched, self.ahead = self.ahead, None
-            self.report(launched)
-            self.remove_finished()
-
-    def report(self, launched):
-        """Reads a step's choices, reports each row's token and marks the rows that are done; a row that ended
-        before the step (overlapped) drops its token."""
-        picked, stuck = launched.reading.wait(), launched.stuck
-        now = time.perf_counter()
-        for number, row in enumerate(launched.rows):
-            request = row.request
-            if row.finish is not None:
-                continue
-            if request.cancelled:
-                row.finish = self.reporter.cut_short(row, "abort")  # what it holds back is sent: a session shows it
-                continue
-            if number in stuck:
-                logger.warning("%s: no token of the vocabulary continues the output; it ends incomplete",
-                               request.constraint.flag)
-                row.finish = self.reporter.cut_short(row, "stop", error="the grammar allows no token of this "
-                                                     "vocabulary here; the output ends incomplete")
-                continue
-            if picked.nan[number]:
-                raise GenerationError("the model's scores are NaN: its weights are broken (a damaged file?)")
-            token = picked.tokens[number]
-            row.generated.append(token)
-            if not row.generated[:-1]:
-                request.first_token_at = request.first_token_at or now
-                self.metrics.observe(self.metrics.ttft, Metrics.TTFT_BUCKETS, now - request.submitted)
-            else:
-                self.metrics.observe(self.metrics.tpot, Metrics.TPOT_BUCKETS, now - row.last_time)
-            row.last_time = now
-            self.metrics.add_tokens(generated=1)
-            self.reporter.report(row, token, picked.logprobs[number] if request.logprobs is not None else None)
-
-    def remove_finished(self):
-        done = [number for number, row in enumerate(self.rows) if row.finish is not None]
-        if not done:
-            return
-        finished_requests = []
-        for number in done:
-            row = self.rows[number]
-            if self.prefix_cache is not None and row.index == 0 and row.finish.reason != "abort":
-                self.remember(number, row, last=len(self.rows) == 1)
-            row.request.sink(Done(row.index, row.finish))
-            if all(other.finish is not None for other in self.rows if other.request is row.request):
-                finished_requests.append(row.request)
-        keep = self.kv.keep(self.rows, [number for number, row in enumerate(self.rows) if row.finish is None], done)
-        self.rows = [self.rows[number] for number in keep]
-        if self.ahead is not None:  # its tokens follow the rows into their new order (none left: nothing to feed)
-            if keep:
-                self.ahead.tokens = self.ahead.tokens.index_select(0, to_device(keep, self.device))
-            else:
-                self.ahead = None
-        for request in finished_requests:
-            request.sink(End())
-
-    def remember(self, number, row, last=False):
-        """Keeps a finished row's keys/values in the prefix cache (`last`: it may take over the buffers)."""
-        length = row.position  # the positions the cache holds (the last token fed only by a step launched ahead)
-        tokens = (row.request.ids + row.generated)[:length]
-        layers, buffers = self.kv.row_layers(number, length, last)
-        if layers is not None:
-            self.prefix_cache.keep(tokens, layers, buffers)
+        self.batch.join(new_rows, part, logits.expand(request.n, -1))
 
     def end_all(self, reason, error=None):
         """Ends every running, joining and waiting request (shutdown's grace is over, or a step failed)."""
         requests = []
-        for row in self.rows:
+        for row in self.batch.rows:
             if row.finish is None:
                 row.finish = self.reporter.cut_short(row, reason, error)
             row.request.sink(Done(row.index, row.finish))
             if row.request not in requests:
                 requests.append(row.request)
         joining = self.joining if self.joining is not None and self.joining not in requests else None
-        self.rows, self.joining, self.pending, self.ahead = [], None, [], None
-        self.kv.clear()
+        self.batch.clear()
+        self.joining = None
         with self.wake:
             waiting, self.waiting = list(self.waiting), collections.deque()
         for request in ([joining] if joining else []) + waiting:
@@ -387,7 +289,7 @@ def describe_memory(engine):
     if getattr(engine.model, "cache_grows_in_place", False):  # room to grow: a quarter of a row, or MIN_ROOM
         most = engine.cache_limit_bytes * 5 / 4 + engine.max_batch * MIN_ROOM * engine.bytes_per_token
         room = f", {most / 2**30:.2f} GiB with the room left to grow"
-    return (f"KV cache in {engine.kv.form}: {engine.bytes_per_token / 1024:.1f} KiB per token position, at most "
+    return (f"KV cache in {engine.batch.kv.form}: {engine.bytes_per_token / 1024:.1f} KiB per token position, at most "
             f"{engine.max_cache_tokens} "
             f"positions ({engine.cache_limit_bytes / 2**30:.2f} GiB{room}) over at most {engine.max_batch} rows; "
             f"prefix cache at most {(engine.prefix_cache.max_bytes if engine.prefix_cache else 0) / 2**20:.0f} MiB")

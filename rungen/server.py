@@ -159,7 +159,7 @@ def create_app(loaded, engine, options):
 
     @app.get("/metrics")
     async def prometheus():
-        return PlainTextResponse(metrics.render(engine.queue_depth, len(engine.rows)),
+        return PlainTextResponse(metrics.render(engine.queue_depth, len(engine.batch.rows)),
                                  media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")

@@ -162,7 +162,7 @@ def test_overlapped_steps_change_no_token(checkpoint, monkeypatch):
 def test_launching_a_step_never_waits_for_the_gpu(checkpoint, monkeypatch):
     """Once the step's graph is captured, launching a step (its inputs, the replay, the sampler, the copy of its
     choices to the host) makes no synchronizing call: torch's sync debug mode raises on any."""
-    import rungen.engine
+    import rungen.decode
     from rungen.engine import Engine
     from rungen.loading import load
     from rungen.requests import Request
@@ -170,15 +170,15 @@ def test_launching_a_step_never_waits_for_the_gpu(checkpoint, monkeypatch):
 
     loaded = load(checkpoint, device=DEVICE)
     engine = Engine(loaded, max_batch=4, prefix_cache_bytes=0)
-    assert engine.overlap and engine.kv.graphs is not None
+    assert engine.batch.overlap and engine.batch.kv.graphs is not None
     for number, prompt in enumerate(PROMPTS):
         sampling = Sampling(temperature=0.9, top_p=0.9, top_k=20, seed=number, ignore_eos=True) if number else \
             Sampling(temperature=0, ignore_eos=True)
         engine.submit(Request(loaded.tokenizer(prompt).input_ids, 40, sampling, sink=lambda event: None,
                               logprobs=2 if number else None))
     engine.admit()
-    engine.step()  # captures the graph of this batch
-    launches, forward, pick = [], engine.kv.forward, rungen.engine.pick
+    engine.batch.step()  # captures the graph of this batch
+    launches, forward, pick = [], engine.batch.kv.forward, rungen.decode.pick
 
     def checked(function):
         def run(*args, **kwargs):
@@ -190,11 +190,11 @@ def test_launching_a_step_never_waits_for_the_gpu(checkpoint, monkeypatch):
                 launches.append(function.__name__)
         return run
 
-    monkeypatch.setattr(engine.kv, "forward", checked(forward))
-    monkeypatch.setattr(rungen.engine, "pick", checked(pick))
+    monkeypatch.setattr(engine.batch.kv, "forward", checked(forward))
+    monkeypatch.setattr(rungen.decode, "pick", checked(pick))
     for _ in range(20):
-        engine.step()
-    assert len(launches) == 40 and engine.ahead is not None
+        engine.batch.step()
+    assert len(launches) == 40 and engine.batch.ahead is not None
     engine.run_here()
 
 

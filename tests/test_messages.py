@@ -285,8 +285,8 @@ def test_a_client_dropping_mid_stream_frees_its_slot(served, client):
             if line == "event: content_block_delta":
                 break  # the first text came: hang up
     for _ in range(100):
-        if not engine.rows:
+        if not engine.batch.rows:
             break
         time.sleep(0.02)
-    assert not engine.rows
+    assert not engine.batch.rows
     assert text_of(create(client, max_tokens=2))

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from rungen import sampling
-from rungen.engine import OVERLAP_ENV, Engine
+from rungen.decode import OVERLAP_ENV
+from rungen.engine import Engine
 from rungen.loading import load
 from rungen.requests import Delta, Done, Request
 from rungen.sampling import Sampling
@@ -29,7 +30,7 @@ def loaded(request, tmp_path_factory):
 def engine_of(loaded, monkeypatch, overlap, **kwargs):
     monkeypatch.setenv(OVERLAP_ENV, "1" if overlap else "0")
     engine = Engine(loaded, **{"max_batch": 3, **kwargs})
-    assert engine.overlap is overlap
+    assert engine.batch.overlap is overlap
     return engine
 
 
@@ -64,7 +65,7 @@ def run(engine, requests):
         results.append(out)
         engine.submit(request)
     engine.run_here()
-    assert not engine.rows and engine.ahead is None and not engine.kv.held()
+    assert not engine.batch.rows and engine.batch.ahead is None and not engine.batch.kv.held()
     return results
 
 
@@ -72,7 +73,8 @@ def assert_same(results, expected):
     """The same choices, endings, texts and tokens; log-probabilities to float32's rounding (a step's rows are
     computed together, and a row that ended stays one step longer in an overlapped batch)."""
     def logprobs(items):
-        return [value for item in items for value in [item["logprob"]] + [top["logprob"] for top in item["top_logprobs"]]]
+        return [value for item in items
+                for value in [item["logprob"]] + [top["logprob"] for top in item["top_logprobs"]]]
 
     def rest(items):
         return [(item["id"], item["token"], [top["id"] for top in item["top_logprobs"]]) for item in items]
@@ -121,8 +123,8 @@ def test_overlapped_steps_give_what_steps_one_at_a_time_give(loaded, monkeypatch
 def steps_and_reads(engine, monkeypatch):
     """The order of the engine's decode launches ("F") and reads of a step's choices ("R")."""
     log = []
-    forward, wait = engine.kv.forward, sampling.Reading.wait
-    monkeypatch.setattr(engine.kv, "forward", lambda *a, **k: (log.append("F"), forward(*a, **k))[1])
+    forward, wait = engine.batch.kv.forward, sampling.Reading.wait
+    monkeypatch.setattr(engine.batch.kv, "forward", lambda *a, **k: (log.append("F"), forward(*a, **k))[1])
     monkeypatch.setattr(sampling.Reading, "wait", lambda self: (log.append("R"), wait(self))[1])
     return log
 

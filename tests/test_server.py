@@ -392,11 +392,11 @@ def test_concurrent_load_equals_each_request_alone(served, client):
         return choice.text, choice.finish_reason
 
     alone = [ask(kwargs) for kwargs in requests]
-    peak = served[1].peak_rows
+    peak = served[1].batch.peak_rows
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         together = list(pool.map(ask, requests))
     assert together == alone
-    assert served[1].peak_rows > max(peak, 1)  # they did share the batch
+    assert served[1].batch.peak_rows > max(peak, 1)  # they did share the batch
 
 
 def test_a_client_dropping_mid_stream_frees_its_slot(served):
@@ -407,10 +407,10 @@ def test_a_client_dropping_mid_stream_frees_its_slot(served):
             if line.startswith("data: ") and '"text": "' in line:
                 break  # the first token came: hang up
     for _ in range(200):
-        if not engine.rows:
+        if not engine.batch.rows:
             break
         time.sleep(0.02)
-    assert not engine.rows and not engine.kv.held()
+    assert not engine.batch.rows and not engine.batch.kv.held()
     assert post(served, "/v1/completions", {"model": MODEL_ID, "prompt": "Hi", "max_tokens": 2}).status_code == 200
 
 
@@ -464,8 +464,8 @@ def test_a_next_turn_grows_in_the_buffers_its_first_turn_left(checkpoint):
     def run(engine, ids, max_tokens):
         _, finishes, _, _ = collect(engine, ids, max_tokens=max_tokens)
         engine.admit()
-        while engine.rows:
-            engine.step()
+        while engine.batch.rows:
+            engine.batch.step()
         return finishes[0].tokens
 
     tokenizer = blocked.tokenizer
@@ -474,15 +474,15 @@ def test_a_next_turn_grows_in_the_buffers_its_first_turn_left(checkpoint):
     reply = run(engine, first, 5)
     [(held, (layers, _, buffers))] = engine.prefix_cache.entries.items()
     # the last token's position is held only where a step was launched ahead of the row's end (a GPU)
-    assert buffers is not None and held == tuple(first + reply[: len(reply) - 1 + engine.lookahead])
+    assert buffers is not None and held == tuple(first + reply[: len(reply) - 1 + engine.batch.lookahead])
     following = first + reply + tokenizer.encode(" so is the cat")
     taken = [keys.data_ptr() for keys, _ in buffers]
     _, finishes, _, _ = collect(engine, following, max_tokens=6)
     engine.admit()
     assert held not in engine.prefix_cache.entries
-    assert [layer.keys.data_ptr() for layer in engine.kv.cache.layers] == taken
-    while engine.rows:
-        engine.step()
+    assert [layer.keys.data_ptr() for layer in engine.batch.kv.cache.layers] == taken
+    while engine.batch.rows:
+        engine.batch.step()
     assert finishes[0].tokens == run(Engine(blocked, eos_ids=(), prefix_cache_bytes=0), following, 6)
 
 
@@ -495,15 +495,15 @@ def test_requests_joining_together_enter_the_batch_at_once_and_each_gives_what_i
     def tokens(engine, asked):
         runs = [collect(engine, tokenizer.encode(text), max_tokens=count)[1] for text, count in asked]
         engine.admit()
-        assert not engine.waiting and not engine.pending
-        while engine.rows:
-            engine.step()
+        assert not engine.waiting and not engine.batch.pending
+        while engine.batch.rows:
+            engine.batch.step()
         return [finishes[0].tokens for finishes in runs]
 
     alone = [tokens(Engine(loaded, eos_ids=(), prefix_cache_bytes=0), [asked]) for asked in prompts]
     together = Engine(loaded, eos_ids=(), prefix_cache_bytes=0)
     assert tokens(together, prompts) == [run[0] for run in alone]
-    assert together.peak_rows == 3 and not together.kv.held()
+    assert together.batch.peak_rows == 3 and not together.batch.kv.held()
 
 
 def test_api_key_and_a_full_queue(loaded, served):
@@ -608,7 +608,7 @@ def test_abort_ends_every_request_with_a_reason(loaded):
     engine.loop()
     for _, finishes, _, done in (running, waiting):
         assert done.is_set() and finishes[0].reason == "abort"
-    assert running[1][0].tokens and not engine.rows and not engine.kv.held()
+    assert running[1][0].tokens and not engine.batch.rows and not engine.batch.kv.held()
 
 
 @pytest.mark.slow

@@ -105,10 +105,10 @@ def test_64_clients_against_a_queue_of_16_and_hang_ups_at_random(checkpoint):
         assert kinds.count("refused") > 0 and accepted >= QUEUE, kinds  # the queue filled, and was used
         for _ in range(500):  # every accepted request left the engine: the hung-up ones were cancelled
             # (the engine's thread empties the rows and then hands back the batch's cache: wait for both)
-            if not engine.rows and not engine.waiting and not engine.kv.held():
+            if not engine.batch.rows and not engine.waiting and not engine.batch.kv.held():
                 break
             time.sleep(0.02)
-        assert not engine.rows and not engine.waiting and not engine.kv.held()
+        assert not engine.batch.rows and not engine.waiting and not engine.batch.kv.held()
         # none lost: the server counted each request once, under the status its client saw
         counted = {status: sum(1 for status_, _ in outcomes if status_ == status) for status in (200, 503)}
         lines = [f'rungen_requests_total{{endpoint="/v1/chat/completions",status="{status}"}} {count}'

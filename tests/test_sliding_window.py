@@ -75,7 +75,7 @@ def engine_batch(loaded, prompts):
                 tokens[number] = event.finish.tokens
         engine.submit(Request(ids, max_tokens=NEW_TOKENS, sampling=Sampling(temperature=0), sink=sink))
     engine.run_here()
-    assert engine.peak_rows == len(prompts)
+    assert engine.batch.peak_rows == len(prompts)
     return [tokens[number] for number in range(len(prompts))]
 
 

@@ -50,13 +50,14 @@ def test_rows_in_slots_decode_what_each_prompt_gives_alone(loaded):
     lengths = [3, 9, 5, 12, 7]  # rows end at different steps: the last rows move into the freed slots
     # Three rows at a time: the last two prompts join as the first ones end, at other positions.
     engine = Engine(loaded, max_batch=3, prefix_cache_bytes=0)
-    assert engine.kv.slots is not None and engine.kv.form == "fixed slots"  # what --verbose says
+    assert engine.batch.kv.slots is not None and engine.batch.kv.form == "fixed slots"  # what --verbose says
     greedy = Sampling(temperature=0, ignore_eos=True)
     done = run(engine, [(i, length, greedy, 1) for i, length in zip(ids, lengths)])
     with torch.no_grad():
         for number, (i, length) in enumerate(zip(ids, lengths)):
             assert done[number][0] == generate_alone(loaded.model, i, length), PROMPTS[number]
-    assert engine.peak_rows == 3 and not engine.rows and not engine.kv.slots.keys  # all slots freed at the end
+    # all slots freed at the end
+    assert engine.batch.peak_rows == 3 and not engine.batch.rows and not engine.batch.kv.slots.keys
 
 
 def test_slots_are_written_in_place(loaded, monkeypatch):
@@ -65,11 +66,11 @@ def test_slots_are_written_in_place(loaded, monkeypatch):
     ids = [loaded.tokenizer(prompt).input_ids for prompt in PROMPTS[:3]]
     engine = Engine(loaded, max_batch=4, prefix_cache_bytes=0)
     storages, steps = [], []
-    step = engine.step
+    step = engine.batch.step
 
     def watched():
-        storages.append([k.data_ptr() for k in engine.kv.slots.keys])
-        steps.append(len(engine.rows))
+        storages.append([k.data_ptr() for k in engine.batch.kv.slots.keys])
+        steps.append(len(engine.batch.rows))
         step()
 
     update = SlotCache.update
@@ -80,10 +81,10 @@ def test_slots_are_written_in_place(loaded, monkeypatch):
         read.append(keys.data_ptr() == cache.keys[args[2]].data_ptr() and keys._base is cache.keys[args[2]])
         return keys, values
 
-    monkeypatch.setattr(engine, "step", watched)
+    monkeypatch.setattr(engine.batch, "step", watched)
     monkeypatch.setattr(SlotCache, "update", reading)
     run(engine, [(i, 10, Sampling(temperature=0, ignore_eos=True), 1) for i in ids])
-    assert len(steps) >= 9 and all(s == storages[0] for s in storages) and engine.kv.form == "fixed slots"
+    assert len(steps) >= 9 and all(s == storages[0] for s in storages) and engine.batch.kv.form == "fixed slots"
     assert len(read) == len(steps) * loaded.model.config.num_hidden_layers and all(read)
 
 
@@ -106,7 +107,7 @@ def test_a_finished_row_serves_the_next_request_that_starts_as_it_does(loaded):
     follow = first + tokens + loaded.tokenizer(" and then").input_ids
     assert run(engine, [(follow, 5, greedy, 1)])[0][0] == generate_alone(loaded.model, follow, 5)
     # every position the first request's cache held (its last token fed only by a step launched ahead: a GPU)
-    assert engine.metrics.reused_tokens == len(first) + len(tokens) - 1 + engine.lookahead
+    assert engine.metrics.reused_tokens == len(first) + len(tokens) - 1 + engine.batch.lookahead
 
 
 def test_slot_cache_grows_by_copying_what_it_holds():
@@ -154,7 +155,7 @@ def test_replayed_steps_pad_the_rows_to_their_bucket(loaded, monkeypatch):
     greedy = Sampling(temperature=0, ignore_eos=True)
     eager = run(Engine(loaded, max_batch=5, prefix_cache_bytes=0), [(i, n, greedy, 1) for i, n in zip(ids, lengths)])
     engine = Engine(loaded, max_batch=5, prefix_cache_bytes=0)
-    engine.kv.graphs = slots.DecodeGraphs(engine.model, engine.kv.slots)
+    engine.batch.kv.graphs = slots.DecodeGraphs(engine.model, engine.batch.kv.slots)
     replayed = run(engine, [(i, n, greedy, 1) for i, n in zip(ids, lengths)])
     assert replayed == eager
     assert {bucket for bucket, _ in captured} == {8, 4, 2, 1} and len(captured) == len(set(captured))  # once each

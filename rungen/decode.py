@@ -1,0 +1,152 @@
+"""The rows the engine decodes together (DecodeBatch): their keys/values in one of batch_cache's forms, one decode
+step for all of them at a time, their tokens reported, and the rows leaving when done, their keys/values lent to the
+prefix cache.
+
+On a GPU the steps overlap the host's work: a step is launched on the tokens the step before left on the device,
+and the step before is read, reported (text, stop strings, the server's events) and its finished rows ended while
+the new one computes. A row that ended is one step behind: that step's token is dropped and its position is
+reserved (`lookahead`). Rows with a grammar step one at a time: their next mask needs the token just chosen.
+"""
+
+import os
+import time
+
+from . import logger
+from .batch_cache import batch_cache
+from .errors import GenerationError
+from .metrics import Metrics
+from .requests import Done, End
+from .rows import pick
+from .transfers import to_device
+
+OVERLAP_ENV = "RUN_GENERATION_OVERLAP"
+
+
+def overlaps(device):
+    """Whether steps overlap the host's work: on a CUDA device (a CPU computes as it is asked, so nothing would run
+    meanwhile); RUN_GENERATION_OVERLAP=0 or 1 says otherwise."""
+    setting = os.environ.get(OVERLAP_ENV, "")
+    return setting == "1" if setting in ("0", "1") else device.type == "cuda"
+
+
+class DecodeBatch:
+    """The batch's rows (in the order of their keys/values), the step launched ahead and not yet read, and the rows
+    joined since the last merge."""
+
+    def __init__(self, model, device, use_positions, max_batch, context, *, reporter, metrics, prefix_cache,
+                 eos_ids):
+        self.device, self.reporter, self.metrics = device, reporter, metrics
+        self.prefix_cache, self.eos_ids = prefix_cache, eos_ids
+        self.overlap = overlaps(device)
+        self.lookahead = int(self.overlap)  # positions a row may be fed past its end (the step launched ahead)
+        self.kv = batch_cache(model, device, use_positions, max_batch, context, self.lookahead)
+        self.rows = []
+        self.ahead = None  # the step launched and not yet read (rows.Launched)
+        self.pending = []  # the kv's parts of the rows joined since the last merge
+        self.peak_rows = 0  # the most rows decoded together so far
+
+    def join(self, rows, part, logits):
+        """Adds a prefilled request's rows (their keys/values `part` enter at merge()) and reports their first
+        tokens, chosen from `logits` [rows, vocabulary]."""
+        self.pending.append(part)
+        self.rows += rows
+        self.peak_rows = max(self.peak_rows, len(self.rows))
+        self.report(pick(rows, logits, self.eos_ids))  # they leave once merged
+
+    def merge(self):
+        """The joined rows' keys/values into the batch's, in one copy; the rows done at their first token leave."""
+        pending, self.pending = self.pending, []
+        if pending:
+            self.kv.merge(pending, self.rows)
+            self.remove_finished()
+
+    def step(self):
+        """One decode step for every row, fed the tokens of the step launched ahead where there is one; overlapped,
+        that step is reported while this one computes and this one is left ahead."""
+        rows = list(self.rows)
+        tokens = self.ahead.tokens if self.ahead is not None else to_device([[row.generated[-1]] for row in rows],
+                                                                             self.device)
+        logits = self.kv.forward(rows, tokens)
+        for row in rows:
+            row.position += 1
+        previous, self.ahead = self.ahead, pick(rows, logits, self.eos_ids)
+        if previous is not None:
+            self.report(previous)
+        if not (self.overlap and all(row.request.constraint is None for row in self.rows)):
+            self.drain()
+        self.remove_finished()
+
+    def drain(self):
+        """Reads and reports the step launched ahead, and ends the rows it finished."""
+        if self.ahead is not None:
+            launched, self.ahead = self.ahead, None
+            self.report(launched)
+            self.remove_finished()
+
+    def report(self, launched):
+        """Reads a step's choices, reports each row's token and marks the rows that are done; a row that ended
+        before the step (overlapped) drops its token."""
+        picked, stuck = launched.reading.wait(), launched.stuck
+        now = time.perf_counter()
+        for number, row in enumerate(launched.rows):
+            request = row.request
+            if row.finish is not None:
+                continue
+            if request.cancelled:
+                row.finish = self.reporter.cut_short(row, "abort")  # what it holds back is sent: a session shows it
+                continue
+            if number in stuck:
+                logger.warning("%s: no token of the vocabulary continues the output; it ends incomplete",
+                               request.constraint.flag)
+                row.finish = self.reporter.cut_short(row, "stop", error="the grammar allows no token of this "
+                                                     "vocabulary here; the output ends incomplete")
+                continue
+            if picked.nan[number]:
+                raise GenerationError("the model's scores are NaN: its weights are broken (a damaged file?)")
+            token = picked.tokens[number]
+            row.generated.append(token)
+            if not row.generated[:-1]:
+                request.first_token_at = request.first_token_at or now
+                self.metrics.observe(self.metrics.ttft, Metrics.TTFT_BUCKETS, now - request.submitted)
+            else:
+                self.metrics.observe(self.metrics.tpot, Metrics.TPOT_BUCKETS, now - row.last_time)
+            row.last_time = now
+            self.metrics.add_tokens(generated=1)
+            self.reporter.report(row, token, picked.logprobs[number] if request.logprobs is not None else None)
+
+    def remove_finished(self):
+        """The rows that are done leave: their Done (and End once a request's rows all ended), the first choice's
+        keys/values to the prefix cache, the rows left closing up in the kv."""
+        done = [number for number, row in enumerate(self.rows) if row.finish is not None]
+        if not done:
+            return
+        finished_requests = []
+        for number in done:
+            row = self.rows[number]
+            if self.prefix_cache is not None and row.index == 0 and row.finish.reason != "abort":
+                self.remember(number, row, last=len(self.rows) == 1)
+            row.request.sink(Done(row.index, row.finish))
+            if all(other.finish is not None for other in self.rows if other.request is row.request):
+                finished_requests.append(row.request)
+        keep = self.kv.keep(self.rows, [number for number, row in enumerate(self.rows) if row.finish is None], done)
+        self.rows = [self.rows[number] for number in keep]
+        if self.ahead is not None:  # its tokens follow the rows into their new order (none left: nothing to feed)
+            if keep:
+                self.ahead.tokens = self.ahead.tokens.index_select(0, to_device(keep, self.device))
+            else:
+                self.ahead = None
+        for request in finished_requests:
+            request.sink(End())
+
+    def remember(self, number, row, last=False):
+        """Keeps a finished row's keys/values in the prefix cache (`last`: it may take over the buffers)."""
+        length = row.position  # the positions the cache holds (the last token fed only by a step launched ahead)
+        tokens = (row.request.ids + row.generated)[:length]
+        layers, buffers = self.kv.row_layers(number, length, last)
+        if layers is not None:
+            self.prefix_cache.keep(tokens, layers, buffers)
+
+    def clear(self):
+        """Gives every row up (their requests are ended by the caller)."""
+        self.rows, self.pending, self.ahead = [], [], None
+        self.kv.clear()
