@@ -24,7 +24,7 @@ class HostCopy:
             self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             self.host.copy_(tensor, non_blocking=True)
             self.event = torch.cuda.Event()
-            self.event.record()
+            self.event.record(torch.cuda.current_stream(tensor.device))  # the copy's device (--device_map: any)
         else:
             self.host = tensor
 
