@@ -4,10 +4,12 @@
 #
 #     run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=600)
 #
-# Steps, each bounded by `timeout`, the whole within 9 minutes: the wheels installed into /tmp/site (--no-deps,
+# Steps, each bounded by `timeout`, the whole within 9.5 minutes: the wheels installed into /tmp/site (--no-deps,
 # PYTHONPATH), the GPU and the versions, the native GGUF kernels built in the background (the GGUF tests and the
-# benchmark's GGUF row wait for that build rather than starting their own), tests/test_cuda.py (-m cuda), then
-# python -m benchmarks.gpu. What comes back in $OUT: env.log, kernels.log, pytest.log, gpu.log, gpu.json.
+# benchmark's GGUF row wait for that build rather than starting their own), tests/test_cuda.py (-m cuda), the default
+# model's checks where its parts are in .model/ (benchmarks/default_model_gpu.py: they come over two calls, see
+# docs/performance.md), then python -m benchmarks.gpu. What comes back in $OUT: env.log, kernels.log, pytest.log,
+# default_model.log and .json, gpu.log, gpu.json.
 #
 #     bash benchmarks/gpu_check.sh --quick --no-wheels     # here, without a GPU: the script's own check (tests run
 #                                                          # on the CPU, the benchmark's tiny shapes)
@@ -23,9 +25,10 @@ done
 start=$(date +%s)
 OUT=${OUT:-$(mktemp -d /tmp/gpu_check.XXXXXX)}
 PYTHON=${PYTHON:-python3}
-PYTEST_SECONDS=${PYTEST_SECONDS:-170}
-BENCH_SECONDS=${BENCH_SECONDS:-330}
-BENCH_BUDGET=${BENCH_BUDGET:-290}
+PYTEST_SECONDS=${PYTEST_SECONDS:-150}
+MODEL_SECONDS=${MODEL_SECONDS:-100}
+BENCH_SECONDS=${BENCH_SECONDS:-310}
+BENCH_BUDGET=${BENCH_BUDGET:-270}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # One cache for every step: the GGUF header caches, and the kernels (TORCH_EXTENSIONS_DIR, which tests/conftest.py
 # would otherwise derive from XDG_CACHE_HOME in a folder of its own).
@@ -84,6 +87,15 @@ status=$?
 echo "== pytest exit status $status ($(elapsed))" | tee -a "$OUT/pytest.log"
 wait "$kernels"
 cat "$OUT/kernels.log"
+
+if ls .model/*.gguf.2 >/dev/null 2>&1; then
+    echo "== python -m benchmarks.default_model_gpu --check .model (at most $MODEL_SECONDS s)"
+    timeout -k 10 "$MODEL_SECONDS" "$PYTHON" -m benchmarks.default_model_gpu --check .model \
+        --json "$OUT/default_model.json" 2>&1 | tee "$OUT/default_model.log"
+    echo "== default model exit status $? ($(elapsed))" | tee -a "$OUT/default_model.log"
+else
+    echo "== no .model/ parts: the default model's checks left out (docs/performance.md: carried over two calls)"
+fi
 
 bench=(--json "$OUT/gpu.json" --budget "$BENCH_BUDGET")
 if [ "$quick" = 1 ]; then
