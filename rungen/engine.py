@@ -218,10 +218,9 @@ class Engine:
 
     def fits(self, request):
         """Whether the request's rows join the batch within max_batch and max_cache_tokens."""
-        rows = self.batch.rows
-        reserve = max([request.reserve] + [row.request.reserve for row in rows]) + self.batch.lookahead
-        rows = len(rows) + request.n
-        return rows <= self.max_batch and rows * reserve <= self.max_cache_tokens
+        reserve = max([request.reserve] + [row.request.reserve for row in self.batch.rows]) + self.batch.lookahead
+        count = len(self.batch.rows) + request.n
+        return count <= self.max_batch and count * reserve <= self.max_cache_tokens
 
     def join(self, request):
         ids = request.ids
