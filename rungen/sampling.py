@@ -254,11 +254,6 @@ class Picked:
     nan: list[bool]
     logprobs: dict[int, tuple[float, list[int], list[float]]]  # row -> (logprob, top ids, top logprobs)
 
-    @classmethod
-    def read(cls, tokens: torch.Tensor, nan: torch.Tensor, logits: torch.Tensor, top_n: dict[int, int]) -> Picked:
-        """`top_n`: row -> how many alternatives (0: the chosen token's log-probability alone)."""
-        return Reading(tokens, nan, logits, top_n).wait()
-
 
 class Reading:
     """A step's choices on their way to the host: the one copy is started here, behind the step's work, and

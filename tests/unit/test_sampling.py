@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rungen.sampling import Picked, RowState, Sampling, choose
+from rungen.sampling import Reading, RowState, Sampling, choose
 
 VOCAB = 50
 
@@ -120,7 +120,7 @@ def test_a_step_reads_the_device_once(monkeypatch):
     bitmask = torch.full((1, (VOCAB + 31) // 32), -1, dtype=torch.int32)
     reads.clear()
     tokens, nan = choose(scores, rows, [0], (bitmask, [2], VOCAB))
-    picked = Picked.read(tokens, nan, scores, {0: 3, 2: 0})
+    picked = Reading(tokens, nan, scores, {0: 3, 2: 0}).wait()
     assert reads == ["tolist"], reads
     expected = scores[0].log_softmax(-1)
     assert picked.logprobs[0][0] == pytest.approx(float(expected[picked.tokens[0]]))
