@@ -29,7 +29,8 @@ byte-level vocabulary of the published size), loaded through rungen.loading.load
 bfloat16 there), decoding at batch 1 on the engine, its load time and peak memory beside the file's size. A server
 row: `run_generation.py --serve` on the default model's shape written as a Q4_0 file (with a ChatML template), 16
 clients each streaming two chat completions (--new-tokens each): output tokens/s, time to first token (median and
-95th percentile), time per output token, and the requests lost or cut short (none expected).
+95th percentile), time per output token, and the requests cut short (none expected; one that fails is the row's
+error).
 
 Each measurement is guarded: a failure prints one line and the run goes on. The run keeps to --budget seconds (300
 by default: the whole script within 6 minutes on an H100/H200, a last measurement's overrun included) in three
@@ -598,7 +599,8 @@ def server_row(report, args, budget):
     --server-clients clients each sending two streaming chat completions back to back (greedy, EOS ignored,
     --new-tokens each). Every token's log-probability is asked for, so that each token is a chunk of its own: the
     text of random bytes often ends in an unfinished character, which the server holds back. A first request
-    (graph capture) is left out. Time to first token: from the request to its first token's chunk."""
+    (graph capture) is left out. Time to first token: from the request to its first token's chunk. `lost`: requests
+    that came back short; a request that fails makes the row an error naming it."""
     name = "tiny-llama" if args.quick else "smollm2-135m"
     path_name = f"server Q4_0, {args.server_clients} streaming clients"
     try:
@@ -610,14 +612,13 @@ def server_row(report, args, budget):
     if budget.left() < args.server_reserve:
         report.add(shape=name, path=path_name, error=f"skipped: {budget.left():.0f} s of the budget left")
         return
-    import concurrent.futures
     import subprocess
 
     from gguf import GGUFValueType
 
     from benchmarks.batch_throughput import PROMPTS, free_port
     from benchmarks.gguf_files import synthetic_tokenizer_fields, write_family
-    from benchmarks.serve import SCRIPT, one_request, wait_healthy
+    from benchmarks.serve import SCRIPT, level, one_request, wait_healthy
 
     vocab, family = GGUF_SHAPES[name]
     folder = tempfile.mkdtemp(prefix="gpu_bench_server_", dir=args.scratch)
@@ -636,28 +637,13 @@ def server_row(report, args, budget):
         wait_healthy(url, process)
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
 
-        def one(prompt):
-            return one_request(url, model, prompt, args.new_tokens, logprobs=True)
-
-        one(PROMPTS[0])
+        one_request(url, model, PROMPTS[0], args.new_tokens, logprobs=True)
         warm = time.perf_counter() - start
-        prompts = [PROMPTS[number % len(PROMPTS)] for number in range(2 * args.server_clients)]
-        start = time.perf_counter()
-        with concurrent.futures.ThreadPoolExecutor(args.server_clients) as pool:
-            results = list(pool.map(lambda prompt: _guarded(one, prompt), prompts))
-        wall = time.perf_counter() - start
-        done = [result for result in results if not isinstance(result, str)]
-        lost = [result for result in results if isinstance(result, str)]
-        short = sum(1 for _, _, tokens in done if tokens != args.new_tokens)
-        ttfts = sorted(ttft * 1e3 for ttft, _, _ in done) or [float("nan")]
+        figures = level(url, model, args.server_clients, args.new_tokens, True, logprobs=True)
         row = dict(shape=name, path=path_name, batch=args.server_clients, new_tokens=args.new_tokens,
-                   requests=len(results), lost=len(lost) + short,
-                   tokens_per_s=sum(tokens for _, _, tokens in done) / wall, ttft_ms=statistics.median(ttfts),
-                   ttft_p95_ms=ttfts[min(len(ttfts) - 1, int(0.95 * len(ttfts)))],
-                   tpot_ms=statistics.median(tpot * 1e3 for _, tpot, _ in done) if done else None,
-                   first_call_s=warm)
-        if lost:
-            row["error"] = lost[0]
+                   requests=2 * args.server_clients, lost=figures["short"], tokens_per_s=figures["tokens_per_s"],
+                   ttft_ms=figures["ttft_p50"] * 1e3, ttft_p95_ms=figures["ttft_p95"] * 1e3,
+                   tpot_ms=figures["tpot"] * 1e3, first_call_s=warm)
         report.add(**row)
     except Exception as error:
         tail = ""
@@ -674,14 +660,6 @@ def server_row(report, args, budget):
             except subprocess.TimeoutExpired:
                 process.kill()
         shutil.rmtree(folder, ignore_errors=True)
-
-
-def _guarded(function, *args):
-    """function(*args), or its error in one line (a lost request is counted, not the end of the row)."""
-    try:
-        return function(*args)
-    except Exception as error:
-        return one_line(error)
 
 
 def transformers_version():

@@ -90,16 +90,20 @@ def one_request(url, model, prompt, max_tokens, ignore_eos=True, reply=None, log
     return ttft, tpot, tokens
 
 
-def level(url, model, clients, max_tokens, ignore_eos):
+def level(url, model, clients, max_tokens, ignore_eos, logprobs=False):
+    """`clients` clients sending two requests each, back to back: output tokens/s, time to first token (median,
+    95th percentile), time per output token, and how many requests came back with fewer than max_tokens."""
     prompts = [PROMPTS[number % len(PROMPTS)] for number in range(2 * clients)]
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(clients) as pool:
-        results = list(pool.map(lambda prompt: one_request(url, model, prompt, max_tokens, ignore_eos), prompts))
+        results = list(pool.map(lambda prompt: one_request(url, model, prompt, max_tokens, ignore_eos,
+                                                           logprobs=logprobs), prompts))
     wall = time.perf_counter() - start
     ttfts = sorted(result[0] for result in results)
     return {"tokens_per_s": sum(result[2] for result in results) / wall,
             "ttft_p50": statistics.median(ttfts), "ttft_p95": ttfts[min(len(ttfts) - 1, int(0.95 * len(ttfts)))],
-            "tpot": statistics.median(result[1] for result in results)}
+            "tpot": statistics.median(result[1] for result in results),
+            "short": sum(1 for result in results if result[2] < max_tokens)}
 
 
 def wait_healthy(url, process):
