@@ -1,6 +1,7 @@
 """The next token of every row of a batch, chosen on the logits' device: each row's logits processors (grammar mask,
 ignore_eos, logit_bias, repetition_penalty, presence/frequency penalties), then the batched sampler (greedy, or
-temperature, top-k, top-p, min-p and a draw from the row's own seeded generator).
+temperature, top-k, top-p, min-p and one draw for the whole batch, each row's uniform number from its own seeded
+generator on the host).
 
 Nothing here reads a device tensor back: `Reading` starts the step's one copy of what the host needs, and waits for
 it only when the host reads it (`Picked`).
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import random
 import secrets
 
 import torch
@@ -44,12 +46,14 @@ class Sampling:
 
 
 class RowState:
-    """What one row's processors and draws keep on the device between steps: its generator (a draw depends on
-    neither the batch nor the row's place in it), the tokens seen, the generated tokens' counts and the bias."""
+    """What one row's processors and draws keep between steps: its generator (a draw depends on neither the batch,
+    nor the row's place in it, nor the device), and on the device the tokens seen, the generated tokens' counts and
+    the bias."""
 
     def __init__(self, sampling: Sampling, prompt: list[int], width: int, device: torch.device, index: int = 0):
         self.sampling = sampling
-        self.generator = new_generator(sampling.seed, device, index)
+        self.seed = row_seed(sampling.seed, index)
+        self.generator = random.Random(self.seed)
         self.seen = self.counts = self.bias = None
         if sampling.repetition_penalty != 1.0:
             self.seen = torch.tensor(sorted(set(prompt)), dtype=torch.long, device=device)
@@ -67,16 +71,14 @@ class RowState:
             self.counts.index_add_(0, token, torch.ones(1, dtype=self.counts.dtype, device=self.counts.device))
 
 
-def new_generator(seed: int | None, device: torch.device, index: int = 0) -> torch.Generator:
-    """A generator on `device` for choice `index` of a request seeded with `seed` (None: random); choice 0 is
-    seeded with `seed` itself, the others with seeds drawn from it."""
+def row_seed(seed: int | None, index: int = 0) -> int:
+    """The seed of choice `index` of a request seeded with `seed` (None: random): choice 0's is `seed` itself, the
+    others' are drawn from it."""
     if seed is None:
-        seed = secrets.randbits(63)
-    elif index:
-        seed = int(torch.randint(2**63 - 1, (index,), generator=torch.Generator().manual_seed(seed))[-1])
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
-    return generator
+        return secrets.randbits(63)
+    if index:
+        return int(torch.randint(2**63 - 1, (index,), generator=torch.Generator().manual_seed(seed))[-1])
+    return seed
 
 
 def suppress_tokens(row: torch.Tensor, ids: list[int]) -> None:
@@ -137,10 +139,13 @@ def apply_grammar(scores: torch.Tensor, bitmask: torch.Tensor, rows: list[int], 
     scores.index_copy_(0, index, scores.index_select(0, index).masked_fill_(~full, float("-inf")))
 
 
-def settings_tensors(samplings: list[Sampling], device: torch.device) -> dict[str, torch.Tensor]:
-    """The rows' sampler settings as tensors [rows] (one host-to-device copy)."""
-    values = to_device([[s.temperature, s.top_k, s.top_p, s.min_p] for s in samplings], device, torch.float64)
-    return {"temperature": values[:, 0], "top_k": values[:, 1].long(), "top_p": values[:, 2], "min_p": values[:, 3]}
+def settings_tensors(samplings: list[Sampling], uniforms: list[float], device: torch.device
+                     ) -> dict[str, torch.Tensor]:
+    """The rows' sampler settings and this step's uniform numbers as tensors [rows] (one host-to-device copy)."""
+    values = to_device([[s.temperature, s.top_k, s.top_p, s.min_p, u] for s, u in zip(samplings, uniforms)], device,
+                       torch.float64)
+    return {"temperature": values[:, 0], "top_k": values[:, 1].long(), "top_p": values[:, 2], "min_p": values[:, 3],
+            "uniform": values[:, 4]}
 
 
 def choose(logits: torch.Tensor, states: list[RowState], eos_ids: list[int], grammar=None
@@ -158,7 +163,7 @@ def choose(logits: torch.Tensor, states: list[RowState], eos_ids: list[int], gra
     return sampler(scores, top, argmax), torch.isnan(top)
 
 
-def make_sampler(samplings: list[Sampling], generators: list[torch.Generator]):
+def make_sampler(samplings: list[Sampling], generators: list[random.Random]):
     """The rows' sampler: (scores, each row's maximum, its argmax) -> tokens [rows] on the device: the argmax where
     greedy (or a score is +inf), else a draw after temperature, top-k, top-p and min-p."""
     drawn = [number for number, s in enumerate(samplings) if not s.greedy]
@@ -173,7 +178,9 @@ def make_sampler(samplings: list[Sampling], generators: list[torch.Generator]):
     def sampler(scores: torch.Tensor, top: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
         index = to_device(drawn, scores.device) if len(drawn) < len(samplings) else None
         rows = scores if index is None else scores.index_select(0, index)
-        settings = settings_tensors(settings_of, scores.device)
+        # The draws' uniform numbers come from the host: no device generator, so one draw serves the whole batch.
+        settings = settings_tensors(settings_of, [generator.random() for generator in drawn_generators],
+                                    scores.device)
         peak = top if index is None else top.index_select(0, index)
         x = apply_temperature(rows, peak, settings["temperature"])
         if 0 < widest:
@@ -183,7 +190,7 @@ def make_sampler(samplings: list[Sampling], generators: list[torch.Generator]):
             probs, order = apply_top_p(probs, settings["top_p"])
         if min_p:
             probs = apply_min_p(probs, settings["min_p"], descending=order is not None)
-        tokens = draw(probs, peak, drawn_generators)
+        tokens = draw(probs, peak, settings["uniform"])
         if order is not None:
             tokens = order.gather(1, tokens[:, None]).squeeze(1)
         tokens = torch.where(peak == float("inf"), argmax if index is None else argmax.index_select(0, index), tokens)
@@ -223,14 +230,18 @@ def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor, descending: bool) -> t
     return probs.masked_fill(probs < min_p[:, None] * most, 0)
 
 
-def draw(probs: torch.Tensor, peak: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
-    """One token a row from its probabilities, with its own generator, on the device."""
-    # NaN/+inf rows draw from a stand-in: a multinomial over NaN fails (a device-side assert on a GPU).
+def draw(probs: torch.Tensor, peak: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token a row [rows] from its probabilities [rows, vocabulary] (not necessarily summing to 1) and a uniform
+    number in [0, 1) [rows], by the inverse of the cumulative sum: the first token whose running sum passes it."""
+    # NaN/+inf rows draw from a stand-in, token 0: their choice is the argmax or an error, never this draw.
     bad = torch.isnan(peak) | torch.isinf(peak)
     probs = probs.nan_to_num(0.0).masked_fill(bad[:, None], 0)
     probs[:, 0] += bad.to(probs.dtype)
-    return torch.cat([torch.multinomial(probs[place], 1, generator=generator)
-                      for place, generator in enumerate(generators)])
+    sums = probs.double().cumsum(-1)
+    total = sums[:, -1:].contiguous()
+    chosen = torch.searchsorted(sums, uniforms[:, None] * total, right=True)
+    # u * total can round up to total: the last token with a probability is where the sum first reaches it
+    return torch.minimum(chosen, torch.searchsorted(sums, total)).squeeze(1)
 
 
 CANDIDATES = 1024  # the most likely tokens a CPU sorts first for top-p (all of them where those fall short)

@@ -225,6 +225,20 @@ def test_sampling_controls_run_and_a_seeded_run_repeats(request, model, flags):
     assert first.stdout == again.stdout
 
 
+def test_a_seeded_draw_on_the_gpu_is_the_cpus():
+    # The uniform numbers come from each row's generator on the host: the same scores give the same tokens on
+    # either device, a row alone or in a batch.
+    from rungen.sampling import RowState, Sampling, choose
+
+    scores = torch.randn(3, 500, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 2
+    samplings = [Sampling(seed=4), Sampling(temperature=0.7, top_p=0.9, top_k=50, seed=5), Sampling(min_p=.05, seed=6)]
+    picks = {}
+    for device in (torch.device("cpu"), DEVICE):
+        states = [RowState(sampling, [1], 500, device) for sampling in samplings]
+        picks[device.type] = [choose(scores.to(device), states, [])[0].tolist() for _ in range(30)]
+    assert picks["cpu"] == picks[DEVICE.type] and len({tuple(step) for step in picks["cpu"]}) > 1
+
+
 def test_json_schema_on_the_gpu(checkpoint):
     try:
         import xgrammar  # noqa: F401

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rungen.sampling import Reading, RowState, Sampling, choose
+from rungen.sampling import Reading, RowState, Sampling, choose, draw
 
 VOCAB = 50
 
@@ -68,9 +68,23 @@ def test_a_seeded_row_draws_the_same_alone_and_in_a_batch():
     draws = [(int(choose(scores[1:2], alone, [])[0][0]), int(choose(scores, batch, [])[0][1])) for _ in range(20)]
     assert [a for a, _ in draws] == [b for _, b in draws] and len({a for a, _ in draws}) > 1
     # a request's other choices draw from generators of their own, seeded from its seed
-    seeds = [RowState(Sampling(seed=9), [1], VOCAB, torch.device("cpu"), index).generator.initial_seed()
+    seeds = [RowState(Sampling(seed=9), [1], VOCAB, torch.device("cpu"), index).seed
              for index in (0, 1, 2, 1)]
     assert seeds[0] == 9 and len(set(seeds)) == 3 and seeds[1] == seeds[3]
+
+
+def test_a_draw_never_lands_on_a_token_without_probability():
+    # The uniform number's two ends: 0 takes the first token with a probability, the largest double below 1 (whose
+    # product with the sum can round up to the sum) the last one, never the zeros around them.
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.5, 0.25, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 3.0]],
+                         dtype=torch.float64)
+    peak = torch.zeros(2)
+    for u, expected in ((0.0, [1, 6]), (1 - 2**-53, [4, 6]), (0.3, [3, 6]), (0.8, [4, 6])):
+        assert draw(probs, peak, torch.full((2,), u, dtype=torch.float64)).tolist() == expected
+    # a row whose top score is NaN or +inf draws a stand-in (its token is the argmax or an error, never this draw)
+    bad = torch.tensor([float("nan"), float("inf")])
+    assert draw(torch.full((2, 7), float("nan"), dtype=torch.float64), bad, torch.full((2,), 0.9,
+                dtype=torch.float64)).tolist() == [0, 0]
 
 
 def test_processors_change_the_scores_as_defined():
