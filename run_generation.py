@@ -226,10 +226,7 @@ def set_seed(seed: int) -> None:
 
 
 def accelerator_refusal(args, device) -> None:
-    """UsageError for the CPU-only flags, before anything loads (--quantize int4 runs on CUDA too)."""
-    if args.quantize == "int8":
-        raise UsageError(f"--quantize int8 runs on the CPU only (torch's packed int8 kernel); on {device.type} use "
-                         "--quantize int4 (torch's int4 kernel) or none (half precision), or add --use_cpu")
+    """UsageError for the CPU-only flag (--jit) on an accelerator, before anything loads."""
     if args.jit:
         raise UsageError(f"--jit traces the decode step for TorchScript's CPU Static Runtime; on {device.type} "
                          "drop it, or add --use_cpu")

@@ -14,7 +14,7 @@ first call's extra time (compilation, graph capture, kernel selection) and peak 
   the command line, the session and the server decode (its rows say whether the keys/values sat in fixed slots and
   the steps replayed CUDA graphs, and the graphs' capture time); on CUDA also at batch 1 without the graphs
   (RUN_GENERATION_CUDA_GRAPHS=0), and at the first two batches with each step read before the next is launched
-  (RUN_GENERATION_OVERLAP=0);
+  (RUN_GENERATION_OVERLAP=0); on the first shape, last, also with --quantize int8 at the first two batches;
 - generate eager: transformers' generate(), greedy, min_new_tokens = max_new_tokens (EOS ignored);
 - generate static+compile: the same with cache_implementation="static" (generate() then compiles the decode step
   on CUDA, CompileConfig's defaults: inductor, "reduce-overhead", i.e. CUDA graphs); batch 1 only unless
@@ -25,12 +25,12 @@ first call's extra time (compilation, graph capture, kernel selection) and peak 
 
 and time to first token for a --ttft-tokens prompt (512) at batch 1 on the engine and through generate(). A GGUF
 row: Llama-3.1-8B's shape written as Q4_0 by benchmarks/gguf_files.py's writer (random blocks, a synthetic
-byte-level vocabulary of the published size), loaded through rungen.loading.load on the device (de-quantized to
-bfloat16 there), decoding at batch 1 on the engine, its load time and peak memory beside the file's size. A server
-row: `run_generation.py --serve` on the default model's shape written as a Q4_0 file (with a ChatML template), 16
-clients each streaming two chat completions (--new-tokens each): output tokens/s, time to first token (median and
-95th percentile), time per output token, and the requests cut short (none expected; one that fails is the row's
-error).
+byte-level vocabulary of the published size), loaded through rungen.loading.load on the device (Q4_0 as 4-bit codes
+for torch's int4 kernel, the rest de-quantized to bfloat16), decoding at batch 1 on the engine, its load time and
+peak memory beside the file's size. A server row: `run_generation.py --serve` on the default model's shape written
+as a Q4_0 file (with a ChatML template), 16 clients each streaming two chat completions (--new-tokens each): output
+tokens/s, time to first token (median and 95th percentile), time per output token, and the requests cut short (none
+expected; one that fails is the row's error).
 
 Each measurement is guarded: a failure prints one line and the run goes on. The run keeps to --budget seconds (300
 by default: the whole script within 6 minutes on an H100/H200, a last measurement's overrun included) in three
@@ -219,12 +219,12 @@ def build_model(config, device, dtype):
 
 
 def weight_bytes(model):
-    """Bytes of weights a decode step reads: every parameter once (a tied head once), less the input embedding when
-    it is not the head (a step reads only its rows)."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of weights a decode step reads: every parameter and buffer once (a tied head once; --quantize's codes
+    are buffers), less the input embedding when it is not the head (a step reads only its rows)."""
+    total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     embedding = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
-    if head is None or head.weight is not embedding:  # (tied: one Parameter)
+    if getattr(head, "weight", None) is not embedding:  # (tied: one Parameter)
         total -= embedding.numel() * embedding.element_size()
     return total
 
@@ -496,8 +496,36 @@ def cheap_paths(report, name, args, shapes, bandwidth, budget):
                             args.batches, bandwidth, budget, reserve=10)
         if eager is not None:
             ttft_row(report, shape, "generate eager", eager)
+        eager = None
+        if name == args.shapes[0]:
+            int8_rows(report, shape, args, bandwidth, budget)
     finally:
         shape.close()
+
+
+def int8_rows(report, shape, args, bandwidth, budget):
+    """--quantize int8 on the shape's model (in place: the last rows of the shape; on CUDA rungen/int8.py's Triton
+    kernel): the engine at the first two batches, the bound counted on the int8 bytes."""
+    from rungen.quantize import quantize_model
+
+    path = "engine, --quantize int8"
+    if budget.left() < 20:
+        report.add(shape=shape.name, path=path, error=f"skipped: {budget.left():.0f} s of the budget left")
+        return
+    try:
+        start = time.perf_counter()
+        quantize_model(shape.model, "int8")
+        shape.weights = weight_bytes(shape.model)
+        layers = [m for m in shape.model.modules() if hasattr(m, "codes")]
+        kernel = "Triton" if any(getattr(m, "kernel", None) for m in layers) else "widened" if \
+            args.device.type == "cuda" else "CPU"
+        print(f"{shape.name}: --quantize int8 in {time.perf_counter() - start:.1f} s ({kernel} products), "
+              f"{shape.weights / 1e9:.2f} GB read a step", flush=True)
+    except Exception as error:
+        report.add(shape=shape.name, path=path, error=one_line(error))
+        return
+    decode_rows(report, shape, f"{path} ({kernel})", lambda: EngineRunner(shape.loaded, max(args.batches)),
+                args.batches[:2], bandwidth, budget, reserve=10)
 
 
 def costly_paths(report, name, args, shapes, bandwidth, budget):
@@ -577,7 +605,7 @@ def gguf_row(report, args, bandwidth, budget):
                    step_ms=step * 1e3, first_call_s=max(0.0, first_call - (end - start)), load_s=load_s,
                    file_gib=size / 2**30, dtype=str(dtype).removeprefix("torch."), model=type(loaded.model).__name__,
                    load_peak_gib=load_peak, peak_gib=peak_gib(args.device), **runner.extra())
-        if bandwidth and args.device.type == "cuda":  # the de-quantized weights are what a step reads
+        if bandwidth and args.device.type == "cuda":  # the weights as the model holds them are what a step reads
             weights = weight_bytes(loaded.model)
             kv = kv_bytes_per_token(loaded.model.config, torch.finfo(dtype).bits // 8)
             row["bound_ms"] = (weights + (args.prompt_tokens + args.new_tokens / 2) * kv) / (bandwidth * 1e9) * 1e3

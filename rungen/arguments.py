@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--jit", action="store_true", help="Trace the decoding step with torch.jit.")
     parser.add_argument(
         "--quantize", choices=["int8", "int4"], default=None,
-        help="Weight-only quantization of the linear layers (CPU; README: --quantize). Default: none, exact.",
+        help="Weight-only quantization of the linear layers (CPU and CUDA; README: --quantize). Default: none, exact.",
     )
     parser.add_argument(
         "--dequantize", action="store_true",

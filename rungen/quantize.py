@@ -1,4 +1,5 @@
-"""--quantize {int8,int4}: weight-only quantization of the linear layers and the output head, on torch's CPU kernels.
+"""--quantize {int8,int4}: weight-only quantization of the linear layers and the output head, on torch's CPU kernels
+(on a GPU: rungen/int8.py's Triton kernel, torch's tinygemm for int4; the head keeps the model's dtype there).
 
 Weights are int8 (one symmetric scale per output channel) or 4-bit codes (groups of 32 inputs, a scale and a zero
 each); both kernels want bfloat16 activations, so a layer casts its input to bfloat16 and its output back, and the
@@ -18,6 +19,7 @@ from transformers.pytorch_utils import Conv1D
 
 from .errors import UsageError
 from .int4 import GROUP_SIZE, Int4Linear, TinyGemmLinear, int4_groups, tinygemm_agrees
+from .int8 import Int8Linear, cuda_int8_layers
 
 MODES = ("int8", "int4")
 # Projections a block applies to one input, by the names the supported models give them.
@@ -26,27 +28,6 @@ SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 class QuantizeError(UsageError):
     """A model or device --quantize cannot handle; one line, for the user."""
-
-
-class Int8Linear(torch.nn.Module):
-    format = "int8"
-
-    def __init__(self, weight, bias):
-        super().__init__()
-        weight = weight.detach().float().contiguous()
-        # The scale is rounded to bfloat16 first, as the kernel uses it, so the codes match it.
-        scale = (weight.abs().amax(dim=1).clamp(min=1e-12) / 127).to(torch.bfloat16)
-        codes = torch.round(weight / scale.float()[:, None]).clamp(-128, 127).to(torch.int8)
-        self.register_buffer("codes", codes)
-        self.register_buffer("scales", scale)
-        self.bias = bias
-        self.out_features, self.in_features = weight.shape
-
-    def forward(self, x):
-        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        y = torch.ops.aten._weight_int8pack_mm(flat, self.codes, self.scales)
-        y = y.reshape(x.shape[:-1] + (self.out_features,)).to(x.dtype)
-        return y if self.bias is None else y + self.bias
 
 
 class Fp16Linear(torch.nn.Module):
@@ -180,10 +161,10 @@ def gpu_int4_linear(weight, bias, check=False):
 
 
 def gpu_layer_class(mode, device):
-    """The layer --quantize `mode` makes on a GPU (int4 only: torch maintains no CUDA int8 kernel)."""
-    if mode != "int4":
-        raise QuantizeError(f"--quantize {mode} runs on the CPU only; on {device.type} use --quantize int4 "
-                            "(torch's int4 kernel) or no --quantize (bfloat16), or add --use_cpu")
+    """The layer maker --quantize `mode` uses on an accelerator: (weight, bias, check) -> layer. int8 keeps its codes
+    for a Triton kernel (rungen/int8.py), int4 packs them for torch's tinygemm (CUDA, Ampere on)."""
+    if mode == "int8":
+        return cuda_int8_layers()
     if not TinyGemmLinear.runs_on(GROUP_SIZE, torch.bfloat16, device):
         raise QuantizeError("--quantize int4 on a GPU needs torch's int4 kernel: a CUDA GPU of compute capability "
                             "8.0 or later (Ampere), with RUN_GENERATION_GPU_INT4 not 0")
@@ -207,7 +188,7 @@ def quantize_model(model: torch.nn.Module, mode: str) -> int:
             return layer
 
         dtype = next(model.parameters()).dtype
-        if dtype != torch.bfloat16:
+        if mode == "int4" and dtype != torch.bfloat16:
             raise QuantizeError(f"--quantize int4 on a GPU runs in bfloat16; the model is {dtype}: drop --dtype")
         targets = {module: {name: child for name, child in children.items() if child is not head}
                    for module, children in targets.items()}

@@ -1,7 +1,7 @@
 """What a GPU machine meets, checked on the CPU: the device is chosen as before, a GGUF file (the default model)
 goes to its accelerator form instead of being refused, checkpoints default to half precision on CUDA, the
-CPU-only flags are refused in one line before anything loads, and running out of GPU memory is one line that says
-how to fit. The runs on a real GPU are tests/test_cuda.py's."""
+CPU-only flag (--jit) is refused in one line before anything loads while --quantize goes on, and running out of GPU
+memory is one line that says how to fit. The runs on a real GPU are tests/test_cuda.py's."""
 
 import pytest
 import torch
@@ -44,15 +44,28 @@ def test_checkpoints_run_in_half_precision_on_cuda(gpu):
 
 
 @pytest.mark.parametrize("flag, message", [
-    (["--quantize", "int8"], "--quantize int8 runs on the CPU only (torch's packed int8 kernel); on cuda use "
-                             "--quantize int4 (torch's int4 kernel) or none (half precision), or add --use_cpu"),
     (["--jit"], "--jit traces the decode step for TorchScript's CPU Static Runtime; on cuda drop it, or add "
                 "--use_cpu"),
 ])
 def test_cpu_only_flags_are_refused_before_loading(gpu, monkeypatch, flag, message):
-    monkeypatch.setattr(rungen.loading, "load", lambda *a, **k: pytest.fail("loaded before refusing"))
+    import run_generation
+
+    monkeypatch.setattr(run_generation, "load", lambda *a, **k: pytest.fail("loaded before refusing"))
     result = run_main(["--prompt", "Hi"] + flag)
     assert result.returncode == 2 and error_line(result) == f"run_generation.py: error: {message}"
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantize_goes_on_to_load_on_cuda(gpu, monkeypatch, mode):
+    # Both modes run on a CUDA GPU (tests/test_cuda.py runs them there): nothing refuses them before loading.
+    def load(*args, **kwargs):
+        raise UsageError(f"reached the load on {kwargs.get('device')}")
+
+    import run_generation
+
+    monkeypatch.setattr(run_generation, "load", load)
+    result = run_main(["--prompt", "Hi", "--quantize", mode])
+    assert result.returncode == 2 and error_line(result) == "run_generation.py: error: reached the load on cuda"
 
 
 def test_running_out_of_gpu_memory_says_how_to_fit(gpu, monkeypatch):

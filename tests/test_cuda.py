@@ -337,8 +337,61 @@ def test_quantize_int4_runs_on_torchs_int4_kernel(checkpoint, monkeypatch):
     assert layers and not isinstance(models[0].get_output_embeddings(), TinyGemmLinear)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_int8_kernel_multiplies_as_the_plain_product(dtype):
+    # --quantize int8's Triton kernel (rungen/int8.py) against the codes widened and multiplied in float32, from one
+    # row to its most, output channels and inputs that fill no block; in bfloat16 (the default) through its tuning,
+    # float16 and float32 in one configuration (each configuration is a compilation of its own).
+    from rungen.int8 import _kernel, widened
+
+    if ON_CPU and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("on the CPU the kernel runs in Triton's interpreter: TRITON_INTERPRET=1")
+    if ON_CPU and dtype == torch.bfloat16:
+        pytest.skip("Triton's interpreter converts to bfloat16 wrongly")
+    kernel = _kernel()
+    if kernel is None:
+        pytest.skip("Triton does not import")
+    blocks = None if dtype == torch.bfloat16 else {"BLOCK_N": 32, "BLOCK_K": 128}
+    for rows, channels, inner in ((1, 96, 320), (5, 64, 256), (17, 40, 100), (64, 48, 512)):
+        generator = torch.Generator().manual_seed(rows)
+        codes = torch.randint(-128, 128, (channels, inner), dtype=torch.int8, generator=generator).to(DEVICE)
+        scales = (torch.rand(channels, generator=generator) / 100).to(DEVICE, torch.bfloat16)
+        x = torch.randn(rows, inner, generator=generator).to(DEVICE, dtype)
+        y = kernel(x, codes, scales, blocks)
+        reference = widened(x.float(), codes, scales.float())
+        assert y.dtype == dtype and y.shape == (rows, channels)
+        assert (y.float() - reference).abs().max() <= 0.01 * reference.abs().max(), (rows, channels, inner)
+
+
 @needs_cuda
-@pytest.mark.parametrize("flag", [["--quantize", "int8"], ["--jit"]])
+def test_quantize_int8_keeps_int8_codes_on_the_gpu(checkpoint, monkeypatch):
+    # --quantize int8 on a GPU: every linear layer but the head holds int8 codes (a byte a weight) read by the
+    # Triton kernel (checked on the first layer), and the model computes what the bfloat16 one does to its rounding.
+    import rungen.quantize
+    from rungen.int8 import CudaInt8Linear
+    from rungen.loading import load
+
+    models = []
+    quantize_model = rungen.quantize.quantize_model
+    monkeypatch.setattr(rungen.quantize, "quantize_model",
+                        lambda model, mode: (models.append(model), quantize_model(model, mode))[1])
+    result = run_main(["--model_name_or_path", checkpoint, "--prompt", "Hello", "--length", "8", "--temperature", "0",
+                       "--quantize", "int8"])
+    assert result.returncode == 0, result.stderr.decode()[-2000:]
+    layers = [m for m in models[0].modules() if isinstance(m, CudaInt8Linear)]
+    assert layers and all(m.codes.dtype == torch.int8 and m.codes.is_cuda for m in layers)
+    assert all(m.kernel is not None for m in layers), "the Triton kernel was not taken"
+    assert not isinstance(models[0].get_output_embeddings(), CudaInt8Linear)
+    exact, quantized = load(checkpoint, device=DEVICE), load(checkpoint, device=DEVICE)
+    quantize_model(quantized.model, "int8")
+    ids = torch.tensor([exact.tokenizer(PROMPTS[1]).input_ids], device=DEVICE)
+    with torch.inference_mode():
+        ours, theirs = quantized.model(input_ids=ids).logits.float(), exact.model(input_ids=ids).logits.float()
+    assert (ours - theirs).abs().max() <= 0.05 * theirs.abs().max()
+
+
+@needs_cuda
+@pytest.mark.parametrize("flag", [["--jit"]])
 def test_cpu_only_flags_are_refused_on_cuda_in_one_line(checkpoint, flag):
     result = run_main(["--model_name_or_path", checkpoint, "--prompt", "Hello", "--length", "4", *flag])
     assert result.returncode == 2

@@ -35,6 +35,30 @@ def test_quantized_layers_stay_within_their_rounding(out_features):
     assert torch.all((int4(x) - exact).abs() <= error_bound(int4, x, weight, step4))
 
 
+def test_the_gpu_int8_layer_holds_the_cpus_codes_and_widens_them_past_the_kernels_rows():
+    # CudaInt8Linear (--quantize int8 on a GPU) keeps Int8Linear's codes and scales; its widened product (the
+    # fallback, and the path for a prompt's many rows) is the codes' exact product in float32, and the checked
+    # kernel serves a decode step's few rows only.
+    from rungen.int8 import MOST_ROWS, CudaInt8Linear, cuda_int8_layers, int8_codes
+
+    torch.manual_seed(0)
+    weight, bias = torch.randn(40, 96) * 0.05, torch.randn(40)
+    cpu = Int8Linear(weight, None)
+    layer = cuda_int8_layers()(weight, bias, check=True)  # on the CPU: no kernel, the widened product
+    assert isinstance(layer, CudaInt8Linear) and layer.kernel is None
+    assert torch.equal(layer.codes, cpu.codes) and torch.equal(layer.scales, cpu.scales)
+    assert layer.codes.dtype == torch.int8 and layer.codes.shape == weight.shape
+    x = torch.randn(3, 7, 96)
+    exact = x @ (layer.codes.float() * layer.scales.float()[:, None]).t() + bias
+    assert torch.allclose(layer(x), exact, atol=1e-5)
+    assert torch.equal(int8_codes(weight)[0], cpu.codes)
+    calls = []
+    layer.use_kernel(lambda flat, codes, scales: (calls.append(flat.shape[0]), flat @ codes.float().t() * scales)[1])
+    layer(torch.randn(MOST_ROWS, 96))
+    layer(torch.randn(MOST_ROWS + 1, 96))
+    assert calls == [MOST_ROWS]
+
+
 def test_float16_head_is_the_product_of_the_float16_rounded_weights():
     torch.manual_seed(0)
     weight, bias, x = torch.randn(300, 64) * 0.05, torch.randn(300), torch.randn(2, 5, 64)
@@ -86,10 +110,19 @@ def test_what_quantize_refuses():
         quantize_model(toy(torch.nn.Sequential(torch.nn.Embedding(10, 4))), "int8")
     with pytest.raises(QuantizeError, match="has 40 input channels, not a multiple of the group size 32; use int8"):
         quantize_model(toy(torch.nn.Sequential(torch.nn.Linear(40, 16))), "int4")
-    model = toy(torch.nn.Sequential(torch.nn.Linear(32, 16)))
-    model.device = torch.device("cuda")
-    with pytest.raises(QuantizeError, match="runs on the CPU only"):
-        quantize_model(model, "int8")
+
+
+def test_int8_on_a_gpu_takes_the_gpu_layer():
+    from rungen.int8 import CudaInt8Linear
+
+    model = toy(torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.Linear(16, 8)))
+    model.device = torch.device("cuda")  # as a GPU's model says (its weights stay here)
+    x = torch.randn(2, 32)
+    with torch.no_grad():
+        exact = model(x)
+    assert quantize_model(model, "int8") == 2
+    assert all(isinstance(layer, CudaInt8Linear) for layer in model)
+    assert (model(x) - exact).abs().max() <= 0.02 * exact.abs().max()
 
 
 class Block(torch.nn.Module):

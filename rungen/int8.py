@@ -1,0 +1,178 @@
+"""int8 weights, one symmetric scale per output channel (--quantize int8), on torch's CPU kernel (Int8Linear) and
+on a CUDA GPU (CudaInt8Linear). On the GPU the codes stay int8 and a small Triton kernel reads them, widening them in
+registers, so a decode step reads one byte a weight: torch's own CUDA int8 kernel (`_weight_int8pack_mm`, torch 2.11
+to 2.13) computes one output a thread in float32 over rows read across threads, far from the bandwidth a step needs.
+Where Triton is missing or disagrees with the plain product, and for prompts (many rows: compute-bound), the codes
+are widened to the activations' dtype for the GPU's own matrix product, one layer at a time.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+TRITON_ENV = "RUN_GENERATION_TRITON_INT8"  # 0: never the Triton kernel (the widened product alone)
+MOST_ROWS = 64  # the kernel's rows at most: past that a step is compute-bound and cuBLAS's product wins
+
+
+@functools.cache
+def _kernel():
+    """The Triton kernel, or None where Triton does not import."""
+    try:
+        import triton
+        import triton.language as tl
+    except Exception:  # any failure: the widened product serves
+        return None
+
+    @triton.jit(do_not_specialize=["M", "M_BUCKET"])  # one compilation for every decode batch
+    def int8_matmul(x, codes, scales, y, M, N, K, M_BUCKET, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+        # y[m, n] = scales[n] * sum_k x[m, k] * codes[n, k]: a block of output channels a program, all rows at once
+        rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        channels = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        inner = tl.arange(0, BLOCK_K)
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for start in range(0, K, BLOCK_K):
+            at = start + inner
+            a = tl.load(x + rows[:, None] * K + at[None, :], mask=(rows[:, None] < M) & (at[None, :] < K), other=0.0)
+            b = tl.load(codes + channels[None, :] * K + at[:, None], mask=(channels[None, :] < N) & (at[:, None] < K),
+                        other=0)
+            total += tl.dot(a, b.to(a.dtype), input_precision="ieee")  # float32 stays float32 (no tf32)
+        scale = tl.load(scales + channels, mask=channels < N, other=0.0).to(tl.float32)
+        out = total * scale[None, :]
+        tl.store(y + rows[:, None] * N + channels[None, :], out.to(y.dtype.element_ty),
+                 mask=(rows[:, None] < M) & (channels[None, :] < N))
+
+    configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w)
+               for n, k, w in ((16, 256, 4), (32, 256, 4), (32, 512, 4), (64, 256, 8))]
+    tuned = triton.autotune(configs=configs, key=["M_BUCKET", "N", "K"])(int8_matmul)
+
+    def run(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, blocks: dict | None = None) -> torch.Tensor:
+        """x [rows, in] @ (scales * codes).T in x's dtype; `blocks` ({"BLOCK_N", "BLOCK_K"}): one configuration
+        instead of the tuned ones (Triton's interpreter on the CPU has nothing to time: one is taken there)."""
+        rows, inner = x.shape
+        channels = codes.shape[0]
+        y = torch.empty(rows, channels, dtype=x.dtype, device=x.device)
+        bucket = 16 if rows <= 16 else MOST_ROWS  # one tuning for a decode step's rows, one past them
+        if blocks is None and os.environ.get("TRITON_INTERPRET") == "1":
+            blocks = {"BLOCK_N": 32, "BLOCK_K": 128}
+
+        def grid(meta):
+            return triton.cdiv(channels, meta["BLOCK_N"]), triton.cdiv(rows, 16)
+
+        if blocks is None:
+            tuned[grid](x, codes, scales, y, rows, channels, inner, bucket, BLOCK_M=16)
+        else:
+            int8_matmul[grid](x, codes, scales, y, rows, channels, inner, bucket, BLOCK_M=16, **blocks)
+        return y
+
+    return run
+
+
+def int8_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float weight [out, in] as int8 codes and one scale an output channel (bfloat16): weight ~ scale * code. The
+    scale is rounded to bfloat16 first, as the kernels use it, so the codes match it."""
+    weight = weight.detach().float().contiguous()
+    scale = (weight.abs().amax(dim=1).clamp(min=1e-12) / 127).to(torch.bfloat16)
+    codes = torch.round(weight / scale.float()[:, None]).clamp(-128, 127).to(torch.int8)
+    return codes, scale
+
+
+class Int8Linear(torch.nn.Module):
+    """y = x @ (scale * codes).T (+ bias) by torch's CPU kernel, in bfloat16."""
+
+    format = "int8"
+
+    def __init__(self, weight, bias):
+        super().__init__()
+        codes, scale = int8_codes(weight)
+        self.register_buffer("codes", codes)
+        self.register_buffer("scales", scale)
+        self.bias = bias
+        self.out_features, self.in_features = codes.shape
+
+    def forward(self, x):
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        y = torch.ops.aten._weight_int8pack_mm(flat, self.codes, self.scales)
+        y = y.reshape(x.shape[:-1] + (self.out_features,)).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+def widened(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The plain product: the codes widened to x's dtype [out, in], then scaled per output channel."""
+    return torch.nn.functional.linear(x, codes.to(x.dtype)) * scales.to(x.dtype)
+
+
+class CudaInt8Linear(torch.nn.Module):
+    """y = x @ (scale * codes).T (+ bias) on a CUDA GPU, in the activations' dtype: codes int8 [out, in], one scale
+    an output channel; the Triton kernel for a few rows once checked (use_kernel), else the widened product."""
+
+    format = "int8"
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        self.register_buffer("codes", codes.contiguous())
+        self.register_buffer("scales", scales.contiguous())
+        self.bias = bias
+        self.kernel = None  # set by use_kernel once the kernel has been checked on this GPU
+
+    def use_kernel(self, kernel) -> None:
+        self.kernel = kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if self.kernel is not None and flat.shape[0] <= MOST_ROWS:
+            y = self.kernel(flat.contiguous(), self.codes, self.scales)
+        else:
+            y = widened(flat, self.codes, self.scales)
+        y = y.reshape(x.shape[:-1] + (self.out_features,))
+        return y if self.bias is None else y + self.bias
+
+
+def checked_kernel(layer: CudaInt8Linear, dtype: torch.dtype):
+    """The Triton kernel where it imports, is allowed (RUN_GENERATION_TRITON_INT8 not 0) and multiplies as the
+    plain product does on `layer`, at one row and at MOST_ROWS of `dtype`, to its rounding; else None (said once)."""
+    if layer.codes.device.type != "cuda" or os.environ.get(TRITON_ENV, "1") == "0":
+        return None
+    kernel = _kernel()
+    if kernel is None:
+        logger.warning("--quantize int8: Triton does not import; the int8 weights are widened a layer at a time "
+                       "for each product (slower than bfloat16 at one token a step)")
+        return None
+    generator = torch.Generator(layer.codes.device).manual_seed(0)
+    for rows in (1, MOST_ROWS):
+        x = torch.randn(rows, layer.in_features, dtype=dtype, device=layer.codes.device, generator=generator)
+        reference = widened(x.float(), layer.codes, layer.scales.float())
+        try:
+            error = (kernel(x, layer.codes, layer.scales).float() - reference).abs().max()
+        except Exception as failure:  # a compile or launch failure: the widened product serves
+            logger.warning("--quantize int8: the Triton kernel failed (%s); widening the weights instead",
+                           str(failure).splitlines()[0] if str(failure) else type(failure).__name__)
+            return None
+        if not bool(error <= 0.02 * reference.abs().max()):
+            logger.warning("--quantize int8: the Triton kernel disagrees with the plain product on this GPU; "
+                           "widening the weights instead")
+            return None
+    return kernel
+
+
+def cuda_int8_layers():
+    """quantize_model's layer maker on a CUDA GPU: (weight, bias, check) -> CudaInt8Linear on the weight's device;
+    the layer made with check=True (the first) decides whether the Triton kernel serves every layer."""
+    kernel = None
+
+    def make(weight, bias, check=False):
+        nonlocal kernel
+        layer = CudaInt8Linear(*int8_codes(weight), bias)
+        if check:
+            kernel = checked_kernel(layer, weight.dtype)
+        layer.use_kernel(kernel)
+        return layer
+
+    return make
