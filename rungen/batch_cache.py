@@ -12,7 +12,7 @@ import os
 import torch
 
 from .kvcache import new_cache
-from .slots import DecodeGraphs, SlotCache, decode_step
+from .slots import DecodeGraphs, SlotCache, decode_step, prefill_step
 from .transfers import to_device
 
 GRAPHS_ENV = "RUN_GENERATION_CUDA_GRAPHS"
@@ -35,6 +35,8 @@ class SlotBatch:
 
     def __init__(self, model, device, slots, graphs=None, lookahead=0):
         self.model, self.device, self.slots, self.graphs, self.lookahead = model, device, slots, graphs, lookahead
+        # One device for every layer's keys/values (a model split by --device_map prefills alone).
+        self.prefills_together = len({str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}) <= 1
 
     @property
     def form(self):
@@ -44,8 +46,46 @@ class SlotBatch:
         """What a prefilled request brings to merge(): its keys/values, copied into each of its n rows' slots."""
         return layers_of(output.past_key_values), n
 
+    def prefill(self, prompts, reserve):
+        """Prefills the prompts [(ids, reused, the prefix cache's layers, n)] in one pass into the slots after the
+        batch's, each prompt's n rows in a row (its first slot prefilled, the others copies of it), every slot
+        holding `reserve` positions; returns each prompt's next-token logits [prompts, vocabulary]."""
+        first = self.slots.rows
+        counts = [n for *_, n in prompts]
+        self.slots.ensure(first + sum(counts), reserve + self.lookahead, self.like())
+        for number, (_, reused, layers, _) in enumerate(prompts):
+            if reused:
+                self.slots.write(first + number, layers)
+        with torch.inference_mode():  # (the slots stay normal tensors: rows leaving move them outside it)
+            logits = prefill_step(self.model, self.slots, first, [ids[reused:] for ids, reused, *_ in prompts],
+                                  [reused for _, reused, *_ in prompts], self.device)
+        # Prompt b sits in slot first + b; its rows start at first + the rows before it: later prompts move first.
+        for number in reversed(range(len(prompts))):
+            base, length = first + sum(counts[:number]), len(prompts[number][0])
+            if base != first + number:
+                self.slots.move(first + number, base, length)
+            for extra in range(1, counts[number]):
+                self.slots.move(base, base + extra, length)
+        self.slots.rows = first + sum(counts)
+        return logits
+
+    def like(self):
+        """A layer list [(keys, values)] in the dtype, device and head shapes the slots take (SlotCache.ensure)."""
+        if self.slots.keys:
+            return list(zip(self.slots.keys, self.slots.values))
+        config = self.model.config.get_text_config(decoder=True)
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        dtype = self.model.get_input_embeddings().weight.dtype
+        empty = torch.empty(1, heads, 0, head_size, dtype=dtype, device=self.device)
+        return [(empty, empty)] * self.slots.num_layers
+
     def merge(self, parts, rows):
-        """Writes the joined rows' keys/values into the slots after the batch's: `rows` the whole batch."""
+        """Writes the joined rows' keys/values into the slots after the batch's: `rows` the whole batch (parts of
+        None: prefilled in their slots already)."""
+        parts = [part for part in parts if part is not None]
+        if not parts:
+            return
         slot = self.slots.rows
         self.slots.ensure(len(rows), max(row.request.reserve for row in rows) + self.lookahead, parts[0][0])
         for layers, n in parts:
@@ -90,6 +130,7 @@ class PaddedBatch:
     """Rows in one left-padded cache of the model's own kind, with their attention mask."""
 
     form = "a left-padded batch"
+    prefills_together = False
 
     def __init__(self, model, device, use_positions):
         self.model, self.device, self.use_positions = model, device, use_positions

@@ -2,11 +2,12 @@
 sampling and stopping (engine_refusal says which settings it cannot honour: generate() runs those). The server runs
 it on a model thread of its own, the command line and the session on the calling thread (run_prompts).
 
-Between decode steps, waiting requests are admitted: each is prefilled alone (after the prefix cache's longest
-match) and gets its first token, then joins the batch. A request is admitted only while rows x the longest
-(prompt + max_tokens) fits in `max_cache_tokens`. Every row's next token is chosen at once on the model's device
-(rungen/sampling.py), with one copy to the host a step; log-probabilities are the model's raw ones. The batch
-and its steps are rungen/decode.py's (on a GPU each step is launched before the last one is read).
+Between decode steps, waiting requests are admitted: prefilled (after the prefix cache's longest match; on fixed
+slots those admitted together in one pass, rungen/prefill.py) they get their first tokens and join the batch. A
+request is admitted only while rows x the longest (prompt + max_tokens) fits in `max_cache_tokens`. Every row's next
+token is chosen at once on the model's device (rungen/sampling.py), with one copy to the host a step;
+log-probabilities are the model's raw ones. The batch and its steps are rungen/decode.py's (on a GPU each step is
+launched before the last one is read).
 """
 
 import collections
@@ -23,6 +24,7 @@ from .decode import DecodeBatch
 from .generation import UNBATCHABLE_TYPES
 from .kvcache import MIN_ROOM, full_attention, new_cache
 from .metrics import Metrics
+from .prefill import pass_tokens, prefill_alone, prefill_together, together_tokens
 from .prefix_cache import PrefixCache
 from .requests import Done, End, Finish
 from .rows import Reporter, Row
@@ -58,7 +60,7 @@ class Engine:
             raise ValueError(f"{loaded.model_type} keeps no key/value cache, which continuous batching needs")
         self.use_positions = "position_ids" in parameters
         self.keep_last = "logits_to_keep" in parameters
-        self.joining = None  # the request being prefilled (ended too if that fails)
+        self.joining = []  # the requests being prefilled (ended too if that fails)
         self.waiting = collections.deque()
         self.calls = queue.Queue()  # functions to run on the model thread between steps (prompt scoring)
         self.wake = threading.Condition()
@@ -176,7 +178,7 @@ class Engine:
         except BaseException:
             # Stopped mid-step: the half-updated batch's requests are given up, the engine left empty.
             self.batch.clear()
-            self.joining = None
+            self.joining = []
             self.waiting.clear()
             raise
 
@@ -195,64 +197,71 @@ class Engine:
                     future.set_exception(error)
 
     def admit(self):
-        """Moves waiting requests into the batch while rows and cache positions allow; their keys/values enter
-        together after the last is prefilled (a merge at every join would copy the whole batch each time)."""
+        """Moves waiting requests into the batch while rows and cache positions allow. Where the batch keeps fixed
+        slots, the requests admitted together are prefilled in one pass; elsewhere each alone, their keys/values
+        entering together after the last (a merge at every join would copy the whole batch each time)."""
         while True:
             with self.wake:
                 while self.waiting and self.waiting[0].cancelled:
                     self.waiting.popleft().sink(End())
                 if not self.waiting:
                     break
-                request = self.waiting[0]
-                if self.batch.rows and not self.fits(request):
+                if self.batch.rows and not self.fits([self.waiting[0]]):
                     break  # waits for rows to leave
                 if self.batch.ahead is None:
-                    self.waiting.popleft()
+                    group = self.take_group()
             if self.batch.ahead is not None:
                 self.batch.drain()  # the batch changes: the step launched ahead is read first
                 continue
-            self.joining = request
-            self.join(request)
-            self.joining = None
+            self.joining = group
+            self.join(group)
+            self.joining = []
         self.batch.merge()
 
-    def fits(self, request):
-        """Whether the request's rows join the batch within max_batch and max_cache_tokens."""
-        reserve = max([request.reserve] + [row.request.reserve for row in self.batch.rows]) + self.batch.lookahead
-        count = len(self.batch.rows) + request.n
+    def take_group(self):
+        """The first waiting request, and those after it that fit beside it in one pass (fixed slots only)."""
+        group = [self.waiting.popleft()]
+        while (self.batch.kv.prefills_together and self.waiting and not self.waiting[0].cancelled
+               and self.fits(group + [self.waiting[0]])
+               and together_tokens(group + [self.waiting[0]]) <= pass_tokens(self.device)):
+            group.append(self.waiting.popleft())
+        return group
+
+    def fits(self, requests):
+        """Whether the requests' rows join the batch within max_batch and max_cache_tokens."""
+        reserve = self.reserve(requests) + self.batch.lookahead
+        count = len(self.batch.rows) + sum(request.n for request in requests)
         return count <= self.max_batch and count * reserve <= self.max_cache_tokens
 
-    def join(self, request):
-        ids = request.ids
+    def reserve(self, requests):
+        """The positions a row takes at most, the batch's and `requests`' rows."""
+        return max([request.reserve for request in requests] + [row.request.reserve for row in self.batch.rows])
+
+    def join(self, requests):
+        """Prefills the requests (together where there are several: the rows joined before enter their slots
+        first) and adds their rows to the batch, with their first tokens."""
         start = time.perf_counter()
-        reused, layers, buffers = self.prefix_cache.longest(ids) if self.prefix_cache else (0, None, None)
-        # Stored tensors are never written to (a cache copies them), unless the prefix cache gave the buffers up.
-        cache = new_cache(self.model, layers, buffers)
-        rest = torch.tensor([ids[reused:]], device=self.device)
-        kwargs = {}
-        if self.use_positions:
-            kwargs["position_ids"] = torch.arange(reused, len(ids), device=self.device)[None]
-        if reused:
-            kwargs["attention_mask"] = torch.ones(1, len(ids), dtype=torch.long, device=self.device)
-        if self.keep_last:
-            kwargs["logits_to_keep"] = 1  # the prompt's other logits are never read
-        with torch.inference_mode():
-            output = self.model(input_ids=rest, past_key_values=cache, use_cache=True, **kwargs)
-        self.metrics.add_tokens(prompt=len(ids) - reused, reused=reused)
-        request.reused = reused
-        if reused:
-            logger.info("prefix cache: reused %d of %d prompt tokens", reused, len(ids))
-        part = self.batch.kv.part(output, request.n, len(ids))
-        logits = output.logits[:, -1].float()
-        prompt_tail_text = self.reporter.prompt_tail_text(ids)
-        new_rows = []
-        for index in range(request.n):
-            state = RowState(request.sampling, ids, logits.shape[-1], logits.device, index)
-            row = Row(request, index, state, len(ids), prompt_tail_text=prompt_tail_text, last_time=start)
-            if request.constraint is not None and not request.reasoning_end:
-                row.matcher = request.constraint.matcher()
-            new_rows.append(row)
-        self.batch.join(new_rows, part, logits.expand(request.n, -1))
+        if len(requests) > 1:
+            self.batch.merge()
+            prefilled = prefill_together(self.batch.kv, requests, self.prefix_cache, self.reserve(requests))
+        else:
+            prefilled = [prefill_alone(self.model, self.batch.kv, requests[0], self.prefix_cache, self.device,
+                                       use_positions=self.use_positions, keep_last=self.keep_last)]
+        for request, done in zip(requests, prefilled):
+            ids, reused, logits = request.ids, done.reused, done.logits
+            self.metrics.add_tokens(prompt=len(ids) - reused, reused=reused)
+            request.reused = reused
+            if reused:
+                logger.info("prefix cache: reused %d of %d prompt tokens", reused, len(ids))
+            prompt_tail_text = self.reporter.prompt_tail_text(ids)
+            new_rows = []
+            for index in range(request.n):
+                state = RowState(request.sampling, ids, logits.shape[-1], logits.device, index)
+                row = Row(request, index, state, len(ids), prompt_tail_text=prompt_tail_text, last_time=start)
+                if request.constraint is not None and not request.reasoning_end:
+                    row.matcher = request.constraint.matcher()
+                new_rows.append(row)
+            self.batch.join(new_rows, done.part, logits.expand(request.n, -1))
 
     def end_all(self, reason, error=None):
         """Ends every running, joining and waiting request (shutdown's grace is over, or a step failed)."""
@@ -263,12 +272,12 @@ class Engine:
             row.request.sink(Done(row.index, row.finish))
             if row.request not in requests:
                 requests.append(row.request)
-        joining = self.joining if self.joining is not None and self.joining not in requests else None
+        joining = [request for request in self.joining if request not in requests]
         self.batch.clear()
-        self.joining = None
+        self.joining = []
         with self.wake:
             waiting, self.waiting = list(self.waiting), collections.deque()
-        for request in ([joining] if joining else []) + waiting:
+        for request in joining + waiting:
             for index in range(request.n):
                 request.sink(Done(index, Finish(reason, "", [], len(request.ids), error)))
             requests.append(request)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from .transfers import to_device
+
 # The families whose attention takes this cache and a 4D mask as transformers writes them (update(k, v, layer)).
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 ROW_BUCKET = 8  # slots grow in multiples of this
@@ -138,6 +140,54 @@ def decode_step(model: torch.nn.Module, cache: SlotCache, tokens: torch.Tensor, 
     output = model(input_ids=tokens, attention_mask=mask, position_ids=positions[:, None], past_key_values=cache,
                    use_cache=True)
     return output.logits[:, -1].float()
+
+
+class SlotPrefill:
+    """The cache a prefill of several prompts at once sees: prompt b's tokens go to slot first + b at its positions
+    [rows, tokens] (right-padded: a padding token's position lies past its prompt's end, where the row's own steps
+    write before anything reads it), and attention reads the first `length` positions of those slots under the mask
+    [rows, 1, tokens, length] (a position sees the slot's positions up to its own: the prompt's prefix and itself)."""
+
+    def __init__(self, cache: SlotCache, first: int, positions: torch.Tensor, length: int):
+        self.cache, self.first, self.positions, self.length = cache, first, positions, length
+        rows = positions.shape[0]
+        self.slot_index = torch.arange(first, first + rows, device=positions.device)[:, None]
+
+    def mask(self) -> torch.Tensor:
+        seen = torch.arange(self.length, device=self.positions.device)[None, None, :] <= self.positions[:, :, None]
+        return seen[:, None]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        keys, values = self.cache.keys[layer_idx], self.cache.values[layer_idx]
+        keys[self.slot_index, :, self.positions] = key_states.transpose(1, 2).to(keys.dtype)
+        values[self.slot_index, :, self.positions] = value_states.transpose(1, 2).to(values.dtype)
+        end = self.first + self.positions.shape[0]
+        return keys[self.first : end, :, : self.length], values[self.first : end, :, : self.length]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def __len__(self) -> int:
+        return self.cache.num_layers
+
+
+def prefill_step(model: torch.nn.Module, cache: SlotCache, first: int, prompts: list[list[int]], starts: list[int],
+                 device: torch.device) -> torch.Tensor:
+    """Prefills prompt b's tokens `prompts[b]` into slot first + b from position starts[b] (what precedes is in the
+    slot already: a prefix cache's keys/values), all in one forward pass; returns the logits [prompts, vocabulary] of
+    each prompt's next token, in float32 (the head runs on those positions alone)."""
+    widest = max(len(tokens) for tokens in prompts)
+    ids = to_device([tokens + [0] * (widest - len(tokens)) for tokens in prompts], device)
+    starts_on = to_device(starts, device)
+    # Padding positions run on past each prompt's end; the slots' last position takes any beyond their capacity.
+    positions = (starts_on[:, None] + torch.arange(widest, device=device)[None, :]).clamp(max=cache.capacity - 1)
+    length = max(start + len(tokens) for start, tokens in zip(starts, prompts))
+    view = SlotPrefill(cache, first, positions, length)
+    hidden = model.get_decoder()(input_ids=ids, attention_mask=view.mask(), position_ids=positions,
+                                 past_key_values=view, use_cache=True).last_hidden_state
+    lasts = to_device([len(tokens) - 1 for tokens in prompts], device)
+    chosen = hidden[torch.arange(len(prompts), device=device), lasts]
+    return model.get_output_embeddings()(chosen[:, None]).float()[:, 0]
 
 
 def rows_bucket(rows: int) -> int:

@@ -1,7 +1,8 @@
 """The engine's keys/values in fixed slots (rungen/slots.py) on transformers' models of the llama-shaped families:
 rows that join at different steps, end at different lengths and move into freed slots decode what generate() gives
-each prompt alone; the slots are written in place, never re-concatenated; a seeded draw does not depend on the
-batch; a finished row's keys/values serve the next request that starts as it does."""
+each prompt alone; requests admitted together prefill in one pass; the slots are written in place, never
+re-concatenated; a seeded draw does not depend on the batch; a finished row's keys/values serve the next request that
+starts as it does."""
 
 import pytest
 import torch
@@ -108,6 +109,37 @@ def test_a_finished_row_serves_the_next_request_that_starts_as_it_does(loaded):
     assert run(engine, [(follow, 5, greedy, 1)])[0][0] == generate_alone(loaded.model, follow, 5)
     # every position the first request's cache held (its last token fed only by a step launched ahead: a GPU)
     assert engine.metrics.reused_tokens == len(first) + len(tokens) - 1 + engine.batch.lookahead
+
+
+def test_requests_admitted_together_prefill_in_one_pass(loaded, monkeypatch):
+    # Waiting requests that fit together are prefilled in one forward pass straight into their slots: prompts of
+    # other lengths (right-padded), one continuing a finished request's keys/values (the prefix cache's), one of
+    # two choices (its slot copied); each decodes what generate() gives it alone.
+    from rungen import batch_cache
+
+    passes = []
+    prefill_step = batch_cache.prefill_step
+    monkeypatch.setattr(batch_cache, "prefill_step", lambda model, cache, first, prompts, starts, device: (
+        passes.append((first, [len(p) for p in prompts], starts)), prefill_step(model, cache, first, prompts, starts,
+                                                                               device))[1])
+    engine = Engine(loaded, max_batch=8)
+    greedy = Sampling(temperature=0, ignore_eos=True)
+    first = loaded.tokenizer(PROMPTS[0]).input_ids
+    tokens = run(engine, [(first, 4, greedy, 1)])[0][0]
+    follow = first + tokens + loaded.tokenizer(" and").input_ids
+    ids = [loaded.tokenizer(prompt).input_ids for prompt in PROMPTS[1:4]] + [follow]
+    lengths = [6, 3, 8, 5]
+    done = run(engine, [(i, length, greedy, 2 if number == 1 else 1)
+                        for number, (i, length) in enumerate(zip(ids, lengths))])
+    assert len(passes) == 1
+    slot, fed, starts = passes[0]
+    assert slot == 0 and [start + count for start, count in zip(starts, fed)] == [len(i) for i in ids]
+    assert starts[3] >= len(first)  # the follow-up's prefix came from the cache
+    with torch.no_grad():
+        for number, (i, length) in enumerate(zip(ids, lengths)):
+            expected = generate_alone(loaded.model, i, length)
+            assert all(choice == expected for choice in done[number].values()), number
+    assert len(done[1]) == 2 and engine.batch.peak_rows == 5
 
 
 def test_slot_cache_grows_by_copying_what_it_holds():

@@ -1,0 +1,62 @@
+"""A waiting request's prompt through the model before its rows join the batch, after the prefix cache's longest
+match: alone (its keys/values enter the batch's form at the next merge), or, where the batch keeps fixed slots,
+several requests in one pass written straight into their slots: under load the prompts share one pass (one set of
+launches on a GPU, larger matrix products on a CPU) instead of each waiting for the ones before it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .kvcache import new_cache
+
+
+@dataclasses.dataclass
+class Prefilled:
+    reused: int  # prompt tokens the prefix cache held
+    part: object  # what the batch's merge() takes (None: in its slots already)
+    logits: torch.Tensor  # [1, vocabulary]: the next token's, float32
+
+
+def pass_tokens(device: torch.device) -> int:
+    """The most tokens a pass together takes, padding included (rows x the longest). A GPU's pass costs about what
+    one prompt's does (its launches): many. A CPU's costs the prompts' arithmetic, which one pass only makes a little
+    cheaper, and every request in it waits for all of it: few (docs/performance.md measures both ways)."""
+    return 4096 if device.type == "cuda" else 256
+
+
+def together_tokens(requests) -> int:
+    """The tokens a pass for `requests` together computes, padding included (the prefix cache's aside)."""
+    return len(requests) * max(len(request.ids) for request in requests)
+
+
+def prefill_alone(model, kv, request, prefix_cache, device, *, use_positions, keep_last) -> Prefilled:
+    ids = request.ids
+    reused, layers, buffers = prefix_cache.longest(ids) if prefix_cache else (0, None, None)
+    # Stored tensors are never written to (a cache copies them), unless the prefix cache gave the buffers up.
+    cache = new_cache(model, layers, buffers)
+    rest = torch.tensor([ids[reused:]], device=device)
+    kwargs = {}
+    if use_positions:
+        kwargs["position_ids"] = torch.arange(reused, len(ids), device=device)[None]
+    if reused:
+        kwargs["attention_mask"] = torch.ones(1, len(ids), dtype=torch.long, device=device)
+    if keep_last:
+        kwargs["logits_to_keep"] = 1  # the prompt's other logits are never read
+    with torch.inference_mode():
+        output = model(input_ids=rest, past_key_values=cache, use_cache=True, **kwargs)
+    return Prefilled(reused, kv.part(output, request.n, len(ids)), output.logits[:, -1].float())
+
+
+def prefill_together(kv, requests, prefix_cache, reserve: int) -> list[Prefilled]:
+    """The requests' prompts in one pass into the slots after the batch's (kv.prefill); `reserve`: the positions a
+    row of the batch takes at most, theirs included."""
+    prompts = []
+    for request in requests:
+        reused, layers, _ = prefix_cache.longest(request.ids) if prefix_cache else (0, None, None)
+        prompts.append((request.ids, reused, layers, request.n))
+    logits = kv.prefill(prompts, reserve)
+    return [Prefilled(reused, None, logits[number : number + 1])
+            for number, (_, reused, _, _) in enumerate(prompts)]
