@@ -76,7 +76,7 @@ class SlotBatch:
         config = self.model.config.get_text_config(decoder=True)
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        dtype = self.model.get_input_embeddings().weight.dtype
+        dtype = self.model.dtype  # the activations' (a GGUF file's blocks hold no float weight to ask)
         empty = torch.empty(1, heads, 0, head_size, dtype=dtype, device=self.device)
         return [(empty, empty)] * self.slots.num_layers
 

@@ -602,7 +602,7 @@ def test_abort_ends_every_request_with_a_reason(loaded):
     ids = loaded.tokenizer.encode("Once upon a time")
     running = collect(engine, ids, max_tokens=100)
     waiting = collect(engine, ids, max_tokens=100)
-    engine.join(engine.waiting.popleft())  # the first is decoding, the second waits for its slot
+    engine.join([engine.waiting.popleft()])  # the first is decoding, the second waits for its slot
     engine.close()
     engine.abort()
     engine.loop()

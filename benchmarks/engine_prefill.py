@@ -1,0 +1,104 @@
+"""The engine's prefill under load, paired in one process: 16 requests submitted at once (prompts of 23-63 tokens,
+8 new tokens each, greedy) to the engine on the default model de-quantized (llama: fixed slots), with the requests
+admitted together prefilled alone, together within the default tokens a pass (rungen/prefill.py), and together in
+one pass; for each, the median and the last request's time to first token (from submission) and the whole run,
+medians over the rounds (the first round left out), the modes alternating in each round. Also the batch's draw
+(rungen/sampling.py's draw: one inverse-CDF pass for every row) against a multinomial a row from a generator of its
+own, the sampler's former draw, on the default model's vocabulary.
+
+    python -m benchmarks.engine_prefill [--rounds 7]
+"""
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from benchmarks.common import cpu_flags, load_float32
+
+
+def prompts(tokenizer, count=16):
+    texts = [f"Question {i}: " + f"Write a short note about the history of the number {i} and why people like it. "
+             * (1 + i % 3) for i in range(count)]
+    return [tokenizer(text).input_ids for text in texts]
+
+
+def run_once(loaded, ids, together, pass_tokens):
+    """(median first-token ms, last first-token ms, whole-run ms) of the ids submitted at once."""
+    from rungen import engine as engine_module
+    from rungen.requests import Request
+    from rungen.sampling import Sampling
+
+    engine_module.pass_tokens = pass_tokens
+    engine = engine_module.Engine(loaded, max_batch=len(ids), prefix_cache_bytes=0)
+    engine.batch.kv.prefills_together = together
+    first = {}
+
+    def sink_of(number):
+        return lambda event: first.setdefault(number, time.perf_counter())
+
+    start = time.perf_counter()
+    for number, tokens in enumerate(ids):
+        engine.submit(Request(tokens, max_tokens=8, sampling=Sampling(temperature=0, ignore_eos=True),
+                              sink=sink_of(number)))
+    engine.run_here()
+    end = time.perf_counter()
+    ttft = sorted((first[number] - start) * 1e3 for number in range(len(ids)))
+    return statistics.median(ttft), ttft[-1], (end - start) * 1e3
+
+
+def prefill_rows(loaded, rounds):
+    from rungen import prefill
+
+    ids = prompts(loaded.tokenizer)
+    print(f"16 prompts of {min(map(len, ids))}-{max(map(len, ids))} tokens, 8 new tokens each")
+    default = prefill.pass_tokens
+    modes = {"alone": (False, default),
+             f"together, {default(torch.device('cpu'))} tokens a pass (the CPU's default)": (True, default),
+             "together, one pass": (True, lambda device: 1 << 20)}
+    results = {name: [] for name in modes}
+    names = list(modes)
+    for number in range(rounds):
+        for name in names if number % 2 else names[::-1]:
+            results[name].append(run_once(loaded, ids, *modes[name]))
+    print("| prefill | first token, median ms | first token, last ms | whole run ms |\n| --- | ---: | ---: | ---: |")
+    for name, rows in results.items():
+        rows = rows[1:]
+        print(f"| {name} | {statistics.median(r[0] for r in rows):.0f} | {statistics.median(r[1] for r in rows):.0f} "
+              f"| {statistics.median(r[2] for r in rows):.0f} |")
+
+
+def draw_rows(vocab, repeats=40):
+    from rungen.sampling import draw
+
+    print("| rows | a multinomial a row, ms | one draw, ms | ratio |\n| ---: | ---: | ---: | ---: |")
+    for rows in (1, 16, 64):
+        probs = (torch.randn(rows, vocab, dtype=torch.float64) * 3).softmax(-1)
+        peak = torch.zeros(rows)
+        generators = [torch.Generator().manual_seed(row) for row in range(rows)]
+        randoms = [random.Random(row) for row in range(rows)]
+        old = new = 0.0
+        for _ in range(repeats):
+            start = time.perf_counter()
+            torch.cat([torch.multinomial(probs[row], 1, generator=g) for row, g in enumerate(generators)])
+            old += time.perf_counter() - start
+            start = time.perf_counter()
+            draw(probs, peak, torch.tensor([r.random() for r in randoms], dtype=torch.float64))
+            new += time.perf_counter() - start
+        print(f"| {rows} | {old / repeats * 1e3:.2f} | {new / repeats * 1e3:.2f} | {old / new:.1f}x |")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    print(f"CPU flags: {cpu_flags()}; torch {torch.__version__}, {torch.get_num_threads()} threads")
+    loaded = load_float32()
+    prefill_rows(loaded, args.rounds)
+    draw_rows(loaded.vocab_size)
+
+
+if __name__ == "__main__":
+    main()
