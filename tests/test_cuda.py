@@ -317,24 +317,31 @@ def test_a_4_bit_gguf_file_keeps_its_codes_on_the_gpu(gguf_file):
     assert (ours - theirs).abs().max() <= 0.05 * theirs.abs().max()
 
 
-@needs_cuda
-def test_quantize_int4_runs_on_torchs_int4_kernel(checkpoint, monkeypatch):
-    # --quantize int4 on a GPU: every linear layer but the head in torch's int4 packing (checked against its codes
-    # before any layer is replaced), generating as the bfloat16 model roughly does.
+def run_quantized(checkpoint, mode, monkeypatch):
+    """The model a greedy `--quantize mode` run quantized (the run checked to succeed)."""
     import rungen.quantize
-    from rungen.int4 import TinyGemmLinear
 
-    if torch.cuda.get_device_capability() < (8, 0):
-        pytest.skip("torch's int4 kernel needs Ampere or later")
     models = []
     quantize_model = rungen.quantize.quantize_model
     monkeypatch.setattr(rungen.quantize, "quantize_model",
                         lambda model, mode: (models.append(model), quantize_model(model, mode))[1])
     result = run_main(["--model_name_or_path", checkpoint, "--prompt", "Hello", "--length", "8", "--temperature", "0",
-                       "--quantize", "int4"])
+                       "--quantize", mode])
     assert result.returncode == 0, result.stderr.decode()[-2000:]
-    layers = [m for m in models[0].modules() if isinstance(m, TinyGemmLinear)]
-    assert layers and not isinstance(models[0].get_output_embeddings(), TinyGemmLinear)
+    return models[0]
+
+
+@needs_cuda
+def test_quantize_int4_runs_on_torchs_int4_kernel(checkpoint, monkeypatch):
+    # --quantize int4 on a GPU: every linear layer but the head in torch's int4 packing (checked against its codes
+    # before any layer is replaced), generating as the bfloat16 model roughly does.
+    from rungen.int4 import TinyGemmLinear
+
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("torch's int4 kernel needs Ampere or later")
+    model = run_quantized(checkpoint, "int4", monkeypatch)
+    layers = [m for m in model.modules() if isinstance(m, TinyGemmLinear)]
+    assert layers and not isinstance(model.get_output_embeddings(), TinyGemmLinear)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -367,21 +374,15 @@ def test_the_int8_kernel_multiplies_as_the_plain_product(dtype):
 def test_quantize_int8_keeps_int8_codes_on_the_gpu(checkpoint, monkeypatch):
     # --quantize int8 on a GPU: every linear layer but the head holds int8 codes (a byte a weight) read by the
     # Triton kernel (checked on the first layer), and the model computes what the bfloat16 one does to its rounding.
-    import rungen.quantize
     from rungen.int8 import CudaInt8Linear
     from rungen.loading import load
+    from rungen.quantize import quantize_model
 
-    models = []
-    quantize_model = rungen.quantize.quantize_model
-    monkeypatch.setattr(rungen.quantize, "quantize_model",
-                        lambda model, mode: (models.append(model), quantize_model(model, mode))[1])
-    result = run_main(["--model_name_or_path", checkpoint, "--prompt", "Hello", "--length", "8", "--temperature", "0",
-                       "--quantize", "int8"])
-    assert result.returncode == 0, result.stderr.decode()[-2000:]
-    layers = [m for m in models[0].modules() if isinstance(m, CudaInt8Linear)]
+    model = run_quantized(checkpoint, "int8", monkeypatch)
+    layers = [m for m in model.modules() if isinstance(m, CudaInt8Linear)]
     assert layers and all(m.codes.dtype == torch.int8 and m.codes.is_cuda for m in layers)
     assert all(m.kernel is not None for m in layers), "the Triton kernel was not taken"
-    assert not isinstance(models[0].get_output_embeddings(), CudaInt8Linear)
+    assert not isinstance(model.get_output_embeddings(), CudaInt8Linear)
     exact, quantized = load(checkpoint, device=DEVICE), load(checkpoint, device=DEVICE)
     quantize_model(quantized.model, "int8")
     ids = torch.tensor([exact.tokenizer(PROMPTS[1]).input_ids], device=DEVICE)
