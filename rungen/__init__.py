@@ -20,14 +20,15 @@
     constrain.py   --json_schema/--regex/--grammar with xgrammar
     tools.py       tool calling: formats, detection from the chat template, grammars, parsing
     reasoning.py   a thinking model's reasoning apart from its answer: delimiters, the reply's splitter
-    engine.py      the engine's scheduler (server, piped prompts, session): its queue and thread, admission, prefill
+    engine.py      the engine's scheduler (server, piped prompts, session): its queue and thread, admission
+    prefill.py     a request's prompt through the model before it joins: alone, or several in one pass into slots
     decode.py      the rows decoded together: a step for all at once (on a GPU launched before the last is read)
     requests.py    what the engine takes and gives: a Request and its events (Delta, Done, End)
     rows.py        a row of the batch: the tokens picked for all rows at once, the text each adds, stop strings
     sampling.py    the engine's logits processors and sampler over the whole batch on its device
     transfers.py   the decode loop's small copies to and from a GPU, made without waiting for it
     batch_cache.py the batch's keys/values: fixed slots (slots.py) or a left-padded cache, behind one interface
-    slots.py       the key/value cache in fixed slots and the decode step's CUDA graphs
+    slots.py       the key/value cache in fixed slots, the prefill into them and the decode step's CUDA graphs
     prefix_cache.py  finished sequences' keys/values that a request starting the same way reuses
     server.py      --serve: the HTTP server's app and routes (FastAPI + uvicorn)
     metrics.py     the server's counters and histograms as Prometheus text
