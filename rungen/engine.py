@@ -247,6 +247,7 @@ class Engine:
         else:
             prefilled = [prefill_alone(self.model, self.batch.kv, requests[0], self.prefix_cache, self.device,
                                        use_positions=self.use_positions, keep_last=self.keep_last)]
+        joined, firsts = [], []  # the rows prefilled into their slots: their first tokens picked in one read
         for request, done in zip(requests, prefilled):
             ids, reused, logits = request.ids, done.reused, done.logits
             self.metrics.add_tokens(prompt=len(ids) - reused, reused=reused)
@@ -261,7 +262,12 @@ class Engine:
                 if request.constraint is not None and not request.reasoning_end:
                     row.matcher = request.constraint.matcher()
                 new_rows.append(row)
-            self.batch.join(new_rows, done.part, logits.expand(request.n, -1))
+            if done.part is None:
+                joined, firsts = joined + new_rows, firsts + [logits.expand(request.n, -1)]
+            else:
+                self.batch.join(new_rows, done.part, logits.expand(request.n, -1))
+        if joined:
+            self.batch.join(joined, None, torch.cat(firsts))
 
     def end_all(self, reason, error=None):
         """Ends every running, joining and waiting request (shutdown's grace is over, or a step failed)."""

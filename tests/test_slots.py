@@ -129,9 +129,12 @@ def test_requests_admitted_together_prefill_in_one_pass(loaded, monkeypatch):
     follow = first + tokens + loaded.tokenizer(" and").input_ids
     ids = [loaded.tokenizer(prompt).input_ids for prompt in PROMPTS[1:4]] + [follow]
     lengths = [6, 3, 8, 5]
+    joins, join = [], engine.batch.join
+    monkeypatch.setattr(engine.batch, "join", lambda rows, part, logits: (joins.append(len(rows)),
+                                                                           join(rows, part, logits))[1])
     done = run(engine, [(i, length, greedy, 2 if number == 1 else 1)
                         for number, (i, length) in enumerate(zip(ids, lengths))])
-    assert len(passes) == 1
+    assert len(passes) == 1 and joins == [5]  # one pass, and the five rows' first tokens picked in one read
     slot, fed, starts = passes[0]
     assert slot == 0 and [start + count for start, count in zip(starts, fed)] == [len(i) for i in ids]
     assert starts[3] >= len(first)  # the follow-up's prefix came from the cache
