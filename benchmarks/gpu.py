@@ -6,15 +6,18 @@ random bfloat16 weights, beside the GPU's measured copy bandwidth.
     python -m benchmarks.gpu --quick --device cpu     # tiny shapes, a few tokens: checks the script end to end
 
 For every shape (transformers' LlamaConfig / Qwen3Config with the published sizes, the weights random and built
-directly on the device: no download, no tokenizer; token ids are fed) and every batch: decode tokens/s, the step's
+directly on the device: no download, no tokenizer; token ids are fed) and every batch: the time until every row has
+its first token (first_token_ms: the batch's prefill), decode tokens/s, the step's
 time against its bandwidth bound (weight bytes + key/value bytes read a step over the measured copy bandwidth), the
 first call's extra time (compilation, graph capture, kernel selection) and peak GPU memory, for
 
 - engine: the tool's rungen.engine.Engine over a rungen.loading.Loaded around the model (greedy, EOS ignored), as
   the command line, the session and the server decode (its rows say whether the keys/values sat in fixed slots and
   the steps replayed CUDA graphs, and the graphs' capture time); on CUDA also at batch 1 without the graphs
-  (RUN_GENERATION_CUDA_GRAPHS=0), and at the first two batches with each step read before the next is launched
-  (RUN_GENERATION_OVERLAP=0); on the first shape, last, also with --quantize int8 at the first two batches;
+  (RUN_GENERATION_CUDA_GRAPHS=0), at the first two batches with each step read before the next is launched
+  (RUN_GENERATION_OVERLAP=0), and at the second batch with each request prefilled alone
+  (RUN_GENERATION_PREFILL_TOGETHER=0: its first_token_ms beside the default's); on the first shape, last, also with
+  --quantize int8 at the first two batches;
 - generate eager: transformers' generate(), greedy, min_new_tokens = max_new_tokens (EOS ignored);
 - generate static+compile: the same with cache_implementation="static" (generate() then compiles the decode step
   on CUDA, CompileConfig's defaults: inductor, "reduce-overhead", i.e. CUDA graphs); batch 1 only unless
@@ -417,6 +420,8 @@ def decode_rows(report, shape, path, make_runner, batches, bandwidth, budget, re
             steady = end - start
             row = dict(shape=shape.name, path=path, batch=batch, new_tokens=args.new_tokens,
                        first_call_s=max(0.0, first_call - steady), total_s=steady)
+            if first is not None:  # every row's first token: the batch's prefill
+                row["first_token_ms"] = (first - start) * 1e3
             if first is not None and args.new_tokens > 1 and end > first:
                 step = (end - first) / (args.new_tokens - 1)
                 row.update(tokens_per_s=batch / step, step_ms=step * 1e3)
@@ -484,11 +489,12 @@ def cheap_paths(report, name, args, shapes, bandwidth, budget):
             ttft_row(report, shape, "engine", engine)
         engine = None
         if args.device.type == "cuda":  # what the CUDA graphs and the overlap give: the engine without each
-            from rungen.batch_cache import GRAPHS_ENV
+            from rungen.batch_cache import GRAPHS_ENV, PREFILL_ENV
             from rungen.decode import OVERLAP_ENV
 
             for path, settings, batches in (("engine, no CUDA graphs", {GRAPHS_ENV: "0"}, args.batches[:1]),
-                                            ("engine, steps not overlapped", {OVERLAP_ENV: "0"}, args.batches[:2])):
+                                            ("engine, steps not overlapped", {OVERLAP_ENV: "0"}, args.batches[:2]),
+                                            ("engine, prefills alone", {PREFILL_ENV: "0"}, args.batches[1:2])):
                 decode_rows(report, shape, path,
                             lambda settings=settings: EngineRunner(shape.loaded, max(args.batches), settings),
                             batches, bandwidth, budget, reserve=10)

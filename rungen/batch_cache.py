@@ -16,6 +16,7 @@ from .slots import DecodeGraphs, SlotCache, decode_step, prefill_step
 from .transfers import to_device
 
 GRAPHS_ENV = "RUN_GENERATION_CUDA_GRAPHS"
+PREFILL_ENV = "RUN_GENERATION_PREFILL_TOGETHER"  # 0: on fixed slots too, each request prefilled alone
 
 
 def batch_cache(model, device, use_positions, max_batch, context, lookahead=0):
@@ -36,7 +37,8 @@ class SlotBatch:
     def __init__(self, model, device, slots, graphs=None, lookahead=0):
         self.model, self.device, self.slots, self.graphs, self.lookahead = model, device, slots, graphs, lookahead
         # One device for every layer's keys/values (a model split by --device_map prefills alone).
-        self.prefills_together = len({str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}) <= 1
+        devices = {str(device) for device in (getattr(model, "hf_device_map", None) or {}).values()}
+        self.prefills_together = os.environ.get(PREFILL_ENV, "1") != "0" and len(devices) <= 1
 
     @property
     def form(self):

@@ -145,6 +145,19 @@ def test_requests_admitted_together_prefill_in_one_pass(loaded, monkeypatch):
     assert len(done[1]) == 2 and engine.batch.peak_rows == 5
 
 
+def test_prefills_together_can_be_turned_off(loaded, monkeypatch):
+    # RUN_GENERATION_PREFILL_TOGETHER=0 (what benchmarks/gpu.py compares with): each request prefilled alone.
+    from rungen import batch_cache
+
+    monkeypatch.setenv(batch_cache.PREFILL_ENV, "0")
+    monkeypatch.setattr(batch_cache, "prefill_step", lambda *args: pytest.fail("prefilled together"))
+    engine = Engine(loaded, max_batch=4, prefix_cache_bytes=0)
+    ids = [loaded.tokenizer(prompt).input_ids for prompt in PROMPTS[:3]]
+    done = run(engine, [(i, 3, Sampling(temperature=0, ignore_eos=True), 1) for i in ids])
+    with torch.no_grad():
+        assert [done[number][0] for number in range(3)] == [generate_alone(loaded.model, i, 3) for i in ids]
+
+
 def test_slot_cache_grows_by_copying_what_it_holds():
     cache = SlotCache(layers=1, max_slots=64, max_positions=4096)
     like = [(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4))]
