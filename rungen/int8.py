@@ -21,7 +21,7 @@ MOST_ROWS = 64  # the kernel's rows at most: past that a step is compute-bound a
 
 
 @functools.cache
-def _kernel():
+def triton_kernel():
     """The Triton kernel, or None where Triton does not import."""
     try:
         import triton
@@ -140,7 +140,7 @@ def checked_kernel(layer: CudaInt8Linear, dtype: torch.dtype):
     plain product does on `layer`, at one row and at MOST_ROWS of `dtype`, to its rounding; else None (said once)."""
     if layer.codes.device.type != "cuda" or os.environ.get(TRITON_ENV, "1") == "0":
         return None
-    kernel = _kernel()
+    kernel = triton_kernel()
     if kernel is None:
         logger.warning("--quantize int8: Triton does not import; the int8 weights are widened a layer at a time "
                        "for each product (slower than bfloat16 at one token a step)")

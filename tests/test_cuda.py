@@ -349,13 +349,13 @@ def test_the_int8_kernel_multiplies_as_the_plain_product(dtype):
     # --quantize int8's Triton kernel (rungen/int8.py) against the codes widened and multiplied in float32, from one
     # row to its most, output channels and inputs that fill no block; in bfloat16 (the default) through its tuning,
     # float16 and float32 in one configuration (each configuration is a compilation of its own).
-    from rungen.int8 import _kernel, widened
+    from rungen.int8 import triton_kernel, widened
 
     if ON_CPU and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("on the CPU the kernel runs in Triton's interpreter: TRITON_INTERPRET=1")
     if ON_CPU and dtype == torch.bfloat16:
         pytest.skip("Triton's interpreter converts to bfloat16 wrongly")
-    kernel = _kernel()
+    kernel = triton_kernel()
     if kernel is None:
         pytest.skip("Triton does not import")
     blocks = None if dtype == torch.bfloat16 else {"BLOCK_N": 32, "BLOCK_K": 128}
