@@ -3,7 +3,8 @@ on a CUDA GPU (CudaInt8Linear). On the GPU the codes stay int8 and a small Trito
 registers, so a decode step reads one byte a weight: torch's own CUDA int8 kernel (`_weight_int8pack_mm`, torch 2.11
 to 2.13) computes one output a thread in float32 over rows read across threads, far from the bandwidth a step needs.
 Where Triton is missing or disagrees with the plain product, and for prompts (many rows: compute-bound), the codes
-are widened to the activations' dtype for the GPU's own matrix product, one layer at a time.
+are widened to the activations' dtype for the GPU's own matrix product, one layer at a time. The same layer and
+kernel hold a GGUF file's Q8_0 blocks on a GPU: int8 codes with a float16 scale a group of 32 inputs.
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ def triton_kernel():
         return None
 
     @triton.jit(do_not_specialize=["M", "M_BUCKET"])  # one compilation for every decode batch
-    def int8_matmul(x, codes, scales, y, M, N, K, M_BUCKET, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
-        # y[m, n] = scales[n] * sum_k x[m, k] * codes[n, k]: a block of output channels a program, all rows at once
+    def int8_matmul(x, codes, scales, y, M, N, K, M_BUCKET, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # y[m, n] = sum_k x[m, k] * codes[n, k] * scale: a block of output channels a program, all rows at once; the
+        # scale is scales[n] (GROUP 0), applied to the sums, or scales[n, k // GROUP], applied to the codes
         rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         channels = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         inner = tl.arange(0, BLOCK_K)
@@ -40,12 +42,15 @@ def triton_kernel():
         for start in range(0, K, BLOCK_K):
             at = start + inner
             a = tl.load(x + rows[:, None] * K + at[None, :], mask=(rows[:, None] < M) & (at[None, :] < K), other=0.0)
-            b = tl.load(codes + channels[None, :] * K + at[:, None], mask=(channels[None, :] < N) & (at[:, None] < K),
-                        other=0)
+            kept = (channels[None, :] < N) & (at[:, None] < K)
+            b = tl.load(codes + channels[None, :] * K + at[:, None], mask=kept, other=0)
+            if GROUP:
+                scale = tl.load(scales + channels[None, :] * (K // GROUP) + at[:, None] // GROUP, mask=kept, other=0.0)
+                b = b.to(tl.float32) * scale.to(tl.float32)
             total += tl.dot(a, b.to(a.dtype), input_precision="ieee")  # float32 stays float32 (no tf32)
-        scale = tl.load(scales + channels, mask=channels < N, other=0.0).to(tl.float32)
-        out = total * scale[None, :]
-        tl.store(y + rows[:, None] * N + channels[None, :], out.to(y.dtype.element_ty),
+        if not GROUP:
+            total = total * tl.load(scales + channels, mask=channels < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(y + rows[:, None] * N + channels[None, :], total.to(y.dtype.element_ty),
                  mask=(rows[:, None] < M) & (channels[None, :] < N))
 
     configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w)
@@ -53,8 +58,9 @@ def triton_kernel():
     tuned = triton.autotune(configs=configs, key=["M_BUCKET", "N", "K"])(int8_matmul)
 
     def run(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, blocks: dict | None = None) -> torch.Tensor:
-        """x [rows, in] @ (scales * codes).T in x's dtype; `blocks` ({"BLOCK_N", "BLOCK_K"}): one configuration
-        instead of the tuned ones (Triton's interpreter on the CPU has nothing to time: one is taken there)."""
+        """x [rows, in] @ (scales * codes).T in x's dtype, scales [out] (a channel's) or [out, in / 32] (a group of
+        32's: GGUF's Q8_0); `blocks` ({"BLOCK_N", "BLOCK_K"}): one configuration instead of the tuned ones
+        (Triton's interpreter on the CPU has nothing to time: one is taken there)."""
         rows, inner = x.shape
         channels = codes.shape[0]
         y = torch.empty(rows, channels, dtype=x.dtype, device=x.device)
@@ -65,10 +71,11 @@ def triton_kernel():
         def grid(meta):
             return triton.cdiv(channels, meta["BLOCK_N"]), triton.cdiv(rows, 16)
 
+        group = inner // scales.shape[1] if scales.dim() == 2 else 0
         if blocks is None:
-            tuned[grid](x, codes, scales, y, rows, channels, inner, bucket, BLOCK_M=16)
+            tuned[grid](x, codes, scales, y, rows, channels, inner, bucket, GROUP=group, BLOCK_M=16)
         else:
-            int8_matmul[grid](x, codes, scales, y, rows, channels, inner, bucket, BLOCK_M=16, **blocks)
+            int8_matmul[grid](x, codes, scales, y, rows, channels, inner, bucket, GROUP=group, BLOCK_M=16, **blocks)
         return y
 
     return run
@@ -104,13 +111,19 @@ class Int8Linear(torch.nn.Module):
 
 
 def widened(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The plain product: the codes widened to x's dtype [out, in], then scaled per output channel."""
-    return torch.nn.functional.linear(x, codes.to(x.dtype)) * scales.to(x.dtype)
+    """The plain product: the codes widened to x's dtype [out, in], then scaled per output channel (scales [out]),
+    or first scaled per group in float32 (scales [out, groups])."""
+    if scales.dim() == 1:
+        return torch.nn.functional.linear(x, codes.to(x.dtype)) * scales.to(x.dtype)
+    rows, groups = scales.shape
+    weight = codes.float().reshape(rows, groups, -1) * scales.float()[..., None]
+    return torch.nn.functional.linear(x, weight.reshape(codes.shape).to(x.dtype))
 
 
 class CudaInt8Linear(torch.nn.Module):
     """y = x @ (scale * codes).T (+ bias) on a CUDA GPU, in the activations' dtype: codes int8 [out, in], one scale
-    an output channel; the Triton kernel for a few rows once checked (use_kernel), else the widened product."""
+    an output channel (scales [out]) or a group of 32 inputs (scales [out, in / 32]: GGUF's Q8_0 blocks); the Triton
+    kernel for a few rows once checked (use_kernel), else the widened product."""
 
     format = "int8"
 
@@ -135,31 +148,33 @@ class CudaInt8Linear(torch.nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def checked_kernel(layer: CudaInt8Linear, dtype: torch.dtype):
+def checked_kernel(layer: CudaInt8Linear, dtype: torch.dtype, instead: str):
     """The Triton kernel where it imports, is allowed (RUN_GENERATION_TRITON_INT8 not 0) and multiplies as the
-    plain product does on `layer`, at one row and at MOST_ROWS of `dtype`, to its rounding; else None (said once)."""
+    plain product does on `layer`; else None, one warning saying why and what the caller does `instead`."""
     if layer.codes.device.type != "cuda" or os.environ.get(TRITON_ENV, "1") == "0":
         return None
     kernel = triton_kernel()
-    if kernel is None:
-        logger.warning("--quantize int8: Triton does not import; the int8 weights are widened a layer at a time "
-                       "for each product (slower than bfloat16 at one token a step)")
-        return None
+    why = "Triton does not import" if kernel is None else disagreement(kernel, layer, dtype)
+    if why is None:
+        return kernel
+    logger.warning("int8 weights on the GPU: %s; %s", why, instead)
+    return None
+
+
+def disagreement(kernel, layer: CudaInt8Linear, dtype: torch.dtype) -> str | None:
+    """Why `kernel` cannot serve `layer` (None: at one row and at MOST_ROWS of `dtype` it gives the plain product
+    to the dtype's rounding)."""
     generator = torch.Generator(layer.codes.device).manual_seed(0)
     for rows in (1, MOST_ROWS):
         x = torch.randn(rows, layer.in_features, dtype=dtype, device=layer.codes.device, generator=generator)
-        reference = widened(x.float(), layer.codes, layer.scales.float())
+        reference = widened(x.float(), layer.codes, layer.scales)
         try:
             error = (kernel(x, layer.codes, layer.scales).float() - reference).abs().max()
-        except Exception as failure:  # a compile or launch failure: the widened product serves
-            logger.warning("--quantize int8: the Triton kernel failed (%s); widening the weights instead",
-                           str(failure).splitlines()[0] if str(failure) else type(failure).__name__)
-            return None
+        except Exception as failure:  # a compile or launch failure: the caller's other way serves
+            return f"the Triton kernel failed ({(str(failure).splitlines() or [type(failure).__name__])[0]})"
         if not bool(error <= 0.02 * reference.abs().max()):
-            logger.warning("--quantize int8: the Triton kernel disagrees with the plain product on this GPU; "
-                           "widening the weights instead")
-            return None
-    return kernel
+            return "the Triton kernel disagrees with the plain product on this GPU"
+    return None
 
 
 def cuda_int8_layers():
@@ -171,7 +186,8 @@ def cuda_int8_layers():
         nonlocal kernel
         layer = CudaInt8Linear(*int8_codes(weight), bias)
         if check:
-            kernel = checked_kernel(layer, weight.dtype)
+            kernel = checked_kernel(layer, weight.dtype, "--quantize int8 widens the codes a layer at a time for each "
+                                    "product (slower than bfloat16 at one token a step)")
         layer.use_kernel(kernel)
         return layer
 

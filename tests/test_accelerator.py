@@ -68,6 +68,37 @@ def test_quantize_goes_on_to_load_on_cuda(gpu, monkeypatch, mode):
     assert result.returncode == 2 and error_line(result) == "run_generation.py: error: reached the load on cuda"
 
 
+def test_a_q8_0_gguf_file_on_the_gpu_keeps_its_codes(tmp_path, monkeypatch, module_cache_home):
+    # The GPU's load of a Q8_0 file with the CPU standing in and the Triton kernel stood in by the plain product it
+    # is checked against (tests/test_cuda.py runs the kernel itself): the matrices keep their int8 codes and float16
+    # scales, rows permuted as transformers wants the attention's, and the model computes what the de-quantized one
+    # does; a kernel that does not check out leaves them de-quantized.
+    import rungen.gguf.file
+    from benchmarks.gguf_files import synthetic_tokenizer_fields, write_family
+    from rungen.int8 import CudaInt8Linear, widened
+    from rungen.loading import load_gguf_on
+
+    path = str(tmp_path / "tiny-Q8_0.gguf")
+    shape = dict(arch="llama", layers=2, hidden=256, ffn=512, heads=4, kv_heads=2, head_dim=64, rope_base=500000.0,
+                 eps=1e-5, tied=False)
+    write_family(path, "llama", "Q8_0", synthetic_tokenizer_fields(1024), shape=shape)
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(rungen.gguf.file, "gpu_int8", lambda qtype, device: qtype.name == "Q8_0")
+    checked = []
+    monkeypatch.setattr(rungen.gguf.file, "checked_kernel", lambda layer, dtype, instead: (checked.append(dtype),
+                                                                                          widened)[1])
+    kept = load_gguf_on(path, cpu, dtype="float32")
+    layers = [m for m in kept.model.modules() if isinstance(m, CudaInt8Linear)]
+    assert len(layers) == 2 * 7 and checked == [torch.float32] and all(m.kernel is widened for m in layers)
+    monkeypatch.setattr(rungen.gguf.file, "checked_kernel", lambda layer, dtype, instead: None)
+    dequantized = load_gguf_on(path, cpu, dtype="float32")
+    assert not any(isinstance(m, CudaInt8Linear) for m in dequantized.model.modules())
+    ids = torch.tensor([list(range(3, 40))])
+    with torch.inference_mode():
+        ours, theirs = kept.model(input_ids=ids).logits, dequantized.model(input_ids=ids).logits
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
 def test_running_out_of_gpu_memory_says_how_to_fit(gpu, monkeypatch):
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "

@@ -332,6 +332,28 @@ def run_quantized(checkpoint, mode, monkeypatch):
 
 
 @needs_cuda
+def test_a_q8_0_gguf_file_keeps_its_codes_on_the_gpu(tmp_path):
+    # Its Q8_0 matrices keep their int8 codes and float16 scales (a little over a byte a weight) for the Triton kernel
+    # (checked on the first: were it not taken they would be de-quantized, and this test failing), and compute what
+    # the float32 de-quantized model does to bfloat16 rounding.
+    from benchmarks.gguf_files import synthetic_tokenizer_fields, write_family
+    from rungen.int8 import CudaInt8Linear
+    from rungen.loading import load
+
+    path = str(tmp_path / "tiny-Q8_0.gguf")
+    write_family(path, "llama", "Q8_0", synthetic_tokenizer_fields(1024), shape=GGUF_SHAPE)
+    int8, exact = load(path, device=DEVICE), load(path, device=DEVICE, dtype="float32")
+    layers = [m for m in int8.model.modules() if isinstance(m, CudaInt8Linear)]
+    assert len(layers) == 2 * 7 and all(m.kernel is not None for m in layers), "the Q8_0 matrices run de-quantized"
+    held = sum(b.numel() * b.element_size() for m in layers for b in (m.codes, m.scales))
+    assert held < 0.55 * sum(2 * m.out_features * m.in_features for m in layers)
+    ids = torch.tensor([list(range(3, 40))], device=DEVICE)
+    with torch.inference_mode():
+        ours, theirs = int8.model(input_ids=ids).logits.float(), exact.model(input_ids=ids).logits
+    assert (ours - theirs).abs().max() <= 0.05 * theirs.abs().max()
+
+
+@needs_cuda
 def test_quantize_int4_runs_on_torchs_int4_kernel(checkpoint, monkeypatch):
     # --quantize int4 on a GPU: every linear layer but the head in torch's int4 packing (checked against its codes
     # before any layer is replaced), generating as the bfloat16 model roughly does.
@@ -346,8 +368,8 @@ def test_quantize_int4_runs_on_torchs_int4_kernel(checkpoint, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_the_int8_kernel_multiplies_as_the_plain_product(dtype):
-    # --quantize int8's Triton kernel (rungen/int8.py) against the codes widened and multiplied in float32, from one
-    # row to its most, output channels and inputs that fill no block; in bfloat16 (the default) through its tuning,
+    # The int8 Triton kernel (rungen/int8.py) against the codes widened and multiplied in float32, from one row to
+    # its most, output channels and inputs that fill no block; in bfloat16 (the default) through its tuning,
     # float16 and float32 in one configuration (each configuration is a compilation of its own).
     from rungen.int8 import triton_kernel, widened
 
@@ -359,15 +381,17 @@ def test_the_int8_kernel_multiplies_as_the_plain_product(dtype):
     if kernel is None:
         pytest.skip("Triton does not import")
     blocks = None if dtype == torch.bfloat16 else {"BLOCK_N": 32, "BLOCK_K": 128}
-    for rows, channels, inner in ((1, 96, 320), (5, 64, 256), (17, 40, 100), (64, 48, 512)):
+    for rows, channels, inner in ((1, 96, 320), (5, 64, 256), (17, 40, 96), (64, 48, 512)):
         generator = torch.Generator().manual_seed(rows)
         codes = torch.randint(-128, 128, (channels, inner), dtype=torch.int8, generator=generator).to(DEVICE)
-        scales = (torch.rand(channels, generator=generator) / 100).to(DEVICE, torch.bfloat16)
-        x = torch.randn(rows, inner, generator=generator).to(DEVICE, dtype)
-        y = kernel(x, codes, scales, blocks)
-        reference = widened(x.float(), codes, scales.float())
-        assert y.dtype == dtype and y.shape == (rows, channels)
-        assert (y.float() - reference).abs().max() <= 0.01 * reference.abs().max(), (rows, channels, inner)
+        # a scale an output channel (--quantize int8), or a float16 one a group of 32 inputs (GGUF's Q8_0)
+        for scales in ((torch.rand(channels, generator=generator) / 100).to(DEVICE, torch.bfloat16),
+                       (torch.rand(channels, inner // 32, generator=generator) / 100).to(DEVICE, torch.float16)):
+            x = torch.randn(rows, inner, generator=generator).to(DEVICE, dtype)
+            y = kernel(x, codes, scales, blocks)
+            reference = widened(x.float(), codes, scales)
+            assert y.dtype == dtype and y.shape == (rows, channels)
+            assert (y.float() - reference).abs().max() <= 0.01 * reference.abs().max(), (rows, channels, inner)
 
 
 @needs_cuda

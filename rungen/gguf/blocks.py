@@ -4,7 +4,8 @@ A GGMLLinear holds a weight as the file stores it, uint8 [out_features, bytes pe
 time; types the kernels multiply have their rows interleaved eight by eight at load (docs/kernels.md). The C++
 kernels (rungen/gguf/kernels.py) quantize activations to int8 per block of 32, as llama.cpp does; without them (or
 with RUN_GENERATION_KERNELS=torch) a layer converts itself to torch's kernels on its first call, after one warning.
-On a CUDA GPU, 4-bit types can run as torch's int4 kernel (TinyGemmLinear).
+On a CUDA GPU, 4-bit types can run as torch's int4 kernel (TinyGemmLinear), Q8_0 as rungen/int8.py's Triton kernel
+(CudaInt8Linear).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as _gguf_dequantize
 
 from ..int4 import INNER_K_TILES, Int4Linear, TinyGemmLinear
+from ..int8 import CudaInt8Linear
 from .kernels import native_kernels
 
 # Block types a GGMLLinear holds; F16/BF16/F32 tensors load as plain tensors of their dtype instead.
@@ -374,3 +376,23 @@ def tinygemm_of_blocks(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_fea
         order = torch.from_numpy(order)
         codes, scale, offset = codes[order], scale[order], offset[order]
     return TinyGemmLinear(codes, scale, offset, device)
+
+
+# --- On a CUDA GPU: Q8_0 as its int8 codes and float16 scales, for rungen/int8.py's Triton kernel ---
+
+def gpu_int8(qtype: GGMLQuantizationType, device: torch.device) -> bool:
+    """Whether a weight of `qtype` keeps its int8 codes on `device` (CudaInt8Linear, once its kernel is checked)."""
+    return qtype == GGMLQuantizationType.Q8_0 and device.type == "cuda"
+
+
+def int8_of_blocks(blocks: torch.Tensor, in_features: int, device: torch.device, order=None) -> CudaInt8Linear:
+    """A Q8_0 weight's blocks (`order`: its rows permuted) as a CudaInt8Linear on `device`: each block's 32 int8
+    codes and its float16 scale, exactly as the file has them (no kernel yet: see rungen/int8.py's use_kernel)."""
+    rows = blocks.shape[0]
+    raw = blocks.contiguous().numpy().reshape(rows, in_features // 32, 34)
+    scales = torch.from_numpy(raw[..., :2].copy().view(np.float16)[..., 0])
+    codes = torch.from_numpy(raw[..., 2:].copy().view(np.int8).reshape(rows, in_features))
+    if order is not None:
+        order = torch.from_numpy(order)
+        codes, scales = codes[order], scales[order]
+    return CudaInt8Linear(codes.to(device), scales.to(device), None)

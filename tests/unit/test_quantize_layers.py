@@ -59,6 +59,28 @@ def test_the_gpu_int8_layer_holds_the_cpus_codes_and_widens_them_past_the_kernel
     assert calls == [MOST_ROWS]
 
 
+def test_a_q8_0_weight_for_the_gpu_keeps_the_files_codes_and_scales():
+    # A GGUF Q8_0 weight on a GPU (rungen/gguf/blocks.py's int8_of_blocks): each block's 32 int8 codes and float16
+    # scale as the file has them (rows permuted where the architecture asks), whose product is exactly the
+    # de-quantized weight's.
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from rungen.gguf.blocks import dequantize, int8_of_blocks
+
+    generator = np.random.default_rng(0)
+    values = generator.standard_normal((24, 96)).astype(np.float32)
+    blocks = torch.from_numpy(quantize(values, GGMLQuantizationType.Q8_0))
+    order = generator.permutation(24)
+    layer = int8_of_blocks(blocks, 96, torch.device("cpu"), order)
+    assert layer.codes.dtype == torch.int8 and layer.scales.dtype == torch.float16 and layer.scales.shape == (24, 3)
+    weight = dequantize(blocks, GGMLQuantizationType.Q8_0, 96)[torch.from_numpy(order)]
+    x = torch.randn(5, 96, dtype=torch.float64)
+    assert torch.equal(layer.codes.float() * layer.scales.float().repeat_interleave(32, dim=1), weight)
+    torch.testing.assert_close(layer(x.float()), (x @ weight.double().t()).float(), rtol=1e-5, atol=1e-5)
+
+
 def test_float16_head_is_the_product_of_the_float16_rounded_weights():
     torch.manual_seed(0)
     weight, bias, x = torch.randn(300, 64) * 0.05, torch.randn(300), torch.randn(2, 5, 64)
