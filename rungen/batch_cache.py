@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from .kvcache import new_cache
+from .kvcache import full_attention, new_cache
 from .slots import DecodeGraphs, SlotCache, decode_step, prefill_step
 from .transfers import to_device
 
@@ -200,6 +200,18 @@ class PaddedBatch:
 
     def clear(self):
         self.cache = self.mask = None
+
+
+def bytes_per_token(model, device, model_type, token):
+    """Bytes of keys/values one token position takes, measured on a one-token forward pass of `token`; raises
+    ValueError for a model whose layers a batch cannot hold."""
+    cache = new_cache(model)  # sliding-window layers hold every position: the mask applies the window
+    if not all(full_attention(layer) for layer in cache.layers):
+        # A chunked or recurrent layer's state cannot be moved by the left-padded merge and trim.
+        raise ValueError(f"{model_type} has chunked-attention or recurrent layers, which a padded batch cannot hold")
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([[token]], device=device), past_key_values=cache, use_cache=True)
+    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers_of(cache))
 
 
 def layers_of(cache):

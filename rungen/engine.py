@@ -19,16 +19,15 @@ import time
 import torch
 
 from . import logger
-from .batch_cache import layers_of
+from .batch_cache import bytes_per_token
 from .decode import DecodeBatch
 from .generation import UNBATCHABLE_TYPES
-from .kvcache import MIN_ROOM, full_attention, new_cache
+from .kvcache import MIN_ROOM
 from .metrics import Metrics
 from .prefill import pass_tokens, prefill_alone, prefill_together, together_tokens
 from .prefix_cache import PrefixCache
 from .requests import Done, End, Finish
-from .rows import Reporter, Row
-from .sampling import RowState
+from .rows import Reporter, request_rows
 
 
 class EngineBusy(RuntimeError):
@@ -68,7 +67,8 @@ class Engine:
                                  reporter=self.reporter, metrics=self.metrics, eos_ids=self.eos_ids,
                                  prefix_cache=PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None)
         self.closing = self.stopped = False
-        self.bytes_per_token = self.measure_bytes_per_token()
+        bos = self.tokenizer.bos_token_id
+        self.bytes_per_token = bytes_per_token(self.model, self.device, loaded.model_type, 0 if bos is None else bos)
         self.thread = threading.Thread(target=self.loop, name="rungen-engine", daemon=True)
 
     # -- the server's side ------------------------------------------------------------------------------
@@ -132,18 +132,6 @@ class Engine:
         return self.max_cache_tokens * self.bytes_per_token
 
     # -- the model thread ---------------------------------------------------------------------------------
-
-    def measure_bytes_per_token(self):
-        """Bytes of keys/values one token position takes, measured on a one-token forward pass."""
-        token = self.tokenizer.bos_token_id if self.tokenizer.bos_token_id is not None else 0
-        cache = new_cache(self.model)  # sliding-window layers hold every position: the mask applies the window
-        if not all(full_attention(layer) for layer in cache.layers):
-            # A chunked or recurrent layer's state cannot be moved by the left-padded merge and trim.
-            raise ValueError(f"{self.loaded.model_type} has chunked-attention or recurrent layers, which a padded "
-                             "batch cannot hold")
-        with torch.inference_mode():
-            self.model(input_ids=torch.tensor([[token]], device=self.device), past_key_values=cache, use_cache=True)
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers_of(cache))
 
     def loop(self):
         if self.threads:
@@ -254,14 +242,8 @@ class Engine:
             request.reused = reused
             if reused:
                 logger.info("prefix cache: reused %d of %d prompt tokens", reused, len(ids))
-            prompt_tail_text = self.reporter.prompt_tail_text(ids)
-            new_rows = []
-            for index in range(request.n):
-                state = RowState(request.sampling, ids, logits.shape[-1], logits.device, index)
-                row = Row(request, index, state, len(ids), prompt_tail_text=prompt_tail_text, last_time=start)
-                if request.constraint is not None and not request.reasoning_end:
-                    row.matcher = request.constraint.matcher()
-                new_rows.append(row)
+            new_rows = request_rows(request, logits.shape[-1], logits.device, self.reporter.prompt_tail_text(ids),
+                                    start)
             if done.part is None:
                 joined, firsts = joined + new_rows, firsts + [logits.expand(request.n, -1)]
             else:

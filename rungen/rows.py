@@ -28,6 +28,19 @@ class Row:
     finish: Finish | None = None
 
 
+def request_rows(request: Request, width: int, device: torch.device, prompt_tail_text: str, start: float) -> list:
+    """A prefilled request's rows, one a choice: each with its sampling state (`width`: the vocabulary's on
+    `device`) and its grammar's matcher (once any reasoning has ended)."""
+    rows = []
+    for index in range(request.n):
+        state = RowState(request.sampling, request.ids, width, device, index)
+        row = Row(request, index, state, len(request.ids), prompt_tail_text=prompt_tail_text, last_time=start)
+        if request.constraint is not None and not request.reasoning_end:
+            row.matcher = request.constraint.matcher()
+        rows.append(row)
+    return rows
+
+
 @dataclasses.dataclass
 class Launched:
     """A step's choices for its rows (the batch's rows when it was launched, in that order): on the device, and on
