@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import rungen.loading
-from helpers import error_line, run_main
+from helpers import error_line, run_main, write_tiny_gguf
 from rungen import processes
 from rungen.errors import UsageError
 from rungen.loading import resolve_dtype
@@ -74,14 +74,10 @@ def test_a_q8_0_gguf_file_on_the_gpu_keeps_its_codes(tmp_path, monkeypatch, modu
     # scales, rows permuted as transformers wants the attention's, and the model computes what the de-quantized one
     # does; a kernel that does not check out leaves them de-quantized.
     import rungen.gguf.file
-    from benchmarks.gguf_files import synthetic_tokenizer_fields, write_family
     from rungen.int8 import CudaInt8Linear, widened
     from rungen.loading import load_gguf_on
 
-    path = str(tmp_path / "tiny-Q8_0.gguf")
-    shape = dict(arch="llama", layers=2, hidden=256, ffn=512, heads=4, kv_heads=2, head_dim=64, rope_base=500000.0,
-                 eps=1e-5, tied=False)
-    write_family(path, "llama", "Q8_0", synthetic_tokenizer_fields(1024), shape=shape)
+    path = write_tiny_gguf(str(tmp_path / "tiny-Q8_0.gguf"), "Q8_0")
     cpu = torch.device("cpu")
     monkeypatch.setattr(rungen.gguf.file, "gpu_int8", lambda qtype, device: qtype.name == "Q8_0")
     checked = []

@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 
-from helpers import error_line, jsonl, run_main, serving
+from helpers import error_line, jsonl, run_main, serving, write_tiny_gguf
 from tiny_models import build_tiny_checkpoint
 
 ON_CPU = bool(os.environ.get("RUNGEN_CUDA_TESTS_ON_CPU")) and not torch.cuda.is_available()
@@ -30,9 +30,6 @@ LENGTH = 12
 # ChatML, as SmolLM2-Instruct's template writes it (tests/test_server.py's).
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-# benchmarks/gguf_files.py's FAMILIES form: a llama of two layers (rows of 256: the Q6_K head's blocks).
-GGUF_SHAPE = dict(arch="llama", layers=2, hidden=256, ffn=512, heads=4, kv_heads=2, head_dim=64, rope_base=500000.0,
-                  eps=1e-5, tied=False)
 
 
 @pytest.fixture(scope="module")
@@ -46,13 +43,8 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gguf_file(tmp_path_factory):
-    """A tiny llama GGUF file: Q4_0 matrices (random blocks), a Q6_K head, a synthetic byte-level vocabulary (the
-    default model, whose tokenizer other GGUF tests copy, may not be installed on a GPU machine)."""
-    from benchmarks.gguf_files import synthetic_tokenizer_fields, write_family
-
-    path = str(tmp_path_factory.mktemp("cuda_gguf") / "tiny-Q4_0.gguf")
-    write_family(path, "llama", "Q4_0", synthetic_tokenizer_fields(1024), shape=GGUF_SHAPE)
-    return path
+    """A tiny llama GGUF file: Q4_0 matrices (random blocks), a Q6_K head, a synthetic byte-level vocabulary."""
+    return write_tiny_gguf(str(tmp_path_factory.mktemp("cuda_gguf") / "tiny-Q4_0.gguf"), "Q4_0")
 
 
 def reference(model, tokenizer, prompt, new_tokens=LENGTH):
@@ -68,6 +60,14 @@ def reference(model, tokenizer, prompt, new_tokens=LENGTH):
         new = new[: new.index(eos) + 1]
     logprobs = [torch.log_softmax(step[0].float(), -1)[token].item() for step, token in zip(out.logits, new)]
     return ids[0].tolist(), new, logprobs
+
+
+def assert_logits_near(loaded, exact):
+    """A packed model's logits on a prompt within 5 % of the largest of its exact model's (its weights' rounding)."""
+    ids = torch.tensor([exact.tokenizer(PROMPTS[1]).input_ids], device=DEVICE)
+    with torch.inference_mode():
+        ours, theirs = loaded.model(input_ids=ids).logits.float(), exact.model(input_ids=ids).logits.float()
+    assert (ours - theirs).abs().max() <= 0.05 * theirs.abs().max()
 
 
 def continuation(tokenizer, prompt_ids, new):
@@ -311,10 +311,7 @@ def test_a_4_bit_gguf_file_keeps_its_codes_on_the_gpu(gguf_file):
     assert len(layers) == 2 * 7, "the Q4_0 matrices run de-quantized"
     held = sum(b.numel() * b.element_size() for m in layers for b in (m.packed, m.scales_and_zeros))
     assert held < 0.35 * sum(2 * m.out_features * m.in_features for m in layers)
-    ids = torch.tensor([exact.tokenizer(PROMPTS[1]).input_ids], device=DEVICE)
-    with torch.inference_mode():
-        ours, theirs = int4.model(input_ids=ids).logits.float(), exact.model(input_ids=ids).logits
-    assert (ours - theirs).abs().max() <= 0.05 * theirs.abs().max()
+    assert_logits_near(int4, exact)
 
 
 def run_quantized(checkpoint, mode, monkeypatch):
@@ -336,21 +333,16 @@ def test_a_q8_0_gguf_file_keeps_its_codes_on_the_gpu(tmp_path):
     # Its Q8_0 matrices keep their int8 codes and float16 scales (a little over a byte a weight) for the Triton kernel
     # (checked on the first: were it not taken they would be de-quantized, and this test failing), and compute what
     # the float32 de-quantized model does to bfloat16 rounding.
-    from benchmarks.gguf_files import synthetic_tokenizer_fields, write_family
     from rungen.int8 import CudaInt8Linear
     from rungen.loading import load
 
-    path = str(tmp_path / "tiny-Q8_0.gguf")
-    write_family(path, "llama", "Q8_0", synthetic_tokenizer_fields(1024), shape=GGUF_SHAPE)
+    path = write_tiny_gguf(str(tmp_path / "tiny-Q8_0.gguf"), "Q8_0")
     int8, exact = load(path, device=DEVICE), load(path, device=DEVICE, dtype="float32")
     layers = [m for m in int8.model.modules() if isinstance(m, CudaInt8Linear)]
     assert len(layers) == 2 * 7 and all(m.kernel is not None for m in layers), "the Q8_0 matrices run de-quantized"
     held = sum(b.numel() * b.element_size() for m in layers for b in (m.codes, m.scales))
     assert held < 0.55 * sum(2 * m.out_features * m.in_features for m in layers)
-    ids = torch.tensor([list(range(3, 40))], device=DEVICE)
-    with torch.inference_mode():
-        ours, theirs = int8.model(input_ids=ids).logits.float(), exact.model(input_ids=ids).logits
-    assert (ours - theirs).abs().max() <= 0.05 * theirs.abs().max()
+    assert_logits_near(int8, exact)
 
 
 @needs_cuda
@@ -409,10 +401,7 @@ def test_quantize_int8_keeps_int8_codes_on_the_gpu(checkpoint, monkeypatch):
     assert not isinstance(model.get_output_embeddings(), CudaInt8Linear)
     exact, quantized = load(checkpoint, device=DEVICE), load(checkpoint, device=DEVICE)
     quantize_model(quantized.model, "int8")
-    ids = torch.tensor([exact.tokenizer(PROMPTS[1]).input_ids], device=DEVICE)
-    with torch.inference_mode():
-        ours, theirs = quantized.model(input_ids=ids).logits.float(), exact.model(input_ids=ids).logits.float()
-    assert (ours - theirs).abs().max() <= 0.05 * theirs.abs().max()
+    assert_logits_near(quantized, exact)
 
 
 @needs_cuda
