@@ -4,9 +4,12 @@ admitted together prefilled alone, together within the default tokens a pass (ru
 one pass; for each, the median and the last request's time to first token (from submission) and the whole run,
 medians over the rounds (the first round left out), the modes alternating in each round. Also the batch's draw
 (rungen/sampling.py's draw: one inverse-CDF pass for every row) against a multinomial a row from a generator of its
-own, the sampler's former draw, on the default model's vocabulary.
+own, the sampler's former draw, on the default model's vocabulary; and the logits processors of rows that all ask
+for every one (ignore_eos, logit_bias, repetition, presence and frequency penalties) with the chosen tokens counted,
+a row at a time (the CPU's way) against all the rows at once (a GPU's): time and operators (each a kernel launch on
+a GPU).
 
-    python -m benchmarks.engine_prefill [--rounds 7]
+    python -m benchmarks.engine_prefill [--rounds 7] [--only prefill|draw|processors]
 """
 
 import argparse
@@ -90,14 +93,55 @@ def draw_rows(vocab, repeats=40):
         print(f"| {rows} | {old / repeats * 1e3:.2f} | {new / repeats * 1e3:.2f} | {old / new:.1f}x |")
 
 
+def processor_rows(vocab, repeats=20):
+    from rungen.sampling import RowState, Sampling, apply_each, apply_together, count_together
+
+    sampling = Sampling(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.3,
+                        logit_bias=((5, 2.0), (9, -1.0), (100, 1.5)), ignore_eos=True)
+
+    def each(scores, states, tokens):
+        apply_each(scores, states, [2])
+        for number, state in enumerate(states):
+            state.count(tokens[number : number + 1])
+
+    def together(scores, states, tokens):
+        apply_together(scores, states, [2])
+        count_together(states, tokens)
+
+    def operators(function, *args):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            function(*args)
+        return sum(event.name.startswith("aten::") for event in profile.events())
+
+    print("| rows | a row at a time (the CPU's), ms | operators | all rows at once (a GPU's), ms | operators |\n"
+          "| ---: | ---: | ---: | ---: | ---: |")
+    for rows in (1, 16, 64):
+        states = [RowState(sampling, list(range(0, 2000, 7)), vocab, torch.device("cpu")) for _ in range(rows)]
+        scores, tokens = torch.randn(rows, vocab) * 3, torch.randint(vocab, (rows,))
+        times = {each: 0.0, together: 0.0}
+        for _ in range(repeats):
+            for function in times:
+                copy = scores.clone()
+                start = time.perf_counter()
+                function(copy, states, tokens)
+                times[function] += time.perf_counter() - start
+        print(f"| {rows} | {times[each] / repeats * 1e3:.2f} | {operators(each, scores.clone(), states, tokens)} | "
+              f"{times[together] / repeats * 1e3:.2f} | {operators(together, scores.clone(), states, tokens)} |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--only", choices=["prefill", "draw", "processors"], help="one table alone")
     args = parser.parse_args()
     print(f"CPU flags: {cpu_flags()}; torch {torch.__version__}, {torch.get_num_threads()} threads")
     loaded = load_float32()
-    prefill_rows(loaded, args.rounds)
-    draw_rows(loaded.vocab_size)
+    if args.only in (None, "prefill"):
+        prefill_rows(loaded, args.rounds)
+    if args.only in (None, "draw"):
+        draw_rows(loaded.vocab_size)
+    if args.only in (None, "processors"):
+        processor_rows(loaded.vocab_size)
 
 
 if __name__ == "__main__":

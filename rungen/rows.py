@@ -8,7 +8,7 @@ import torch
 
 from .logprobs import content_items
 from .requests import Delta, Finish, Request
-from .sampling import Reading, RowState, choose
+from .sampling import Reading, RowState, accept, choose
 
 # Prompt tokens decoded before a row's new tokens to get their text in context (not the whole prompt each step).
 TAIL_TOKENS = 32
@@ -72,9 +72,7 @@ def pick(rows, logits, eos_ids):
             grammar = (bitmask[keep], [constrained[place] for place in keep], vocab)
     states = [row.state for row in rows]
     tokens, nan = choose(logits, states, sorted(eos_ids), grammar)
-    for number, state in enumerate(states):
-        if number not in stuck:
-            state.accept(tokens[number : number + 1])
+    accept(states, tokens, skip=stuck)
     top_n = {number: row.request.logprobs for number, row in enumerate(rows) if row.request.logprobs is not None}
     return Launched(list(rows), tokens[:, None], Reading(tokens, nan, logits, top_n), stuck)
 

@@ -1,7 +1,7 @@
-"""The next token of every row of a batch, chosen on the logits' device: each row's logits processors (grammar mask,
-ignore_eos, logit_bias, repetition_penalty, presence/frequency penalties), then the batched sampler (greedy, or
-temperature, top-k, top-p, min-p and one draw for the whole batch, each row's uniform number from its own seeded
-generator on the host).
+"""The next token of every row of a batch, chosen on the logits' device: the rows' logits processors (grammar mask,
+ignore_eos, logit_bias, repetition_penalty, presence/frequency penalties; on a GPU each for all its rows at once),
+then the batched sampler (greedy, or temperature, top-k, top-p, min-p and one draw for the whole batch, each row's
+uniform number from its own seeded generator on the host).
 
 Nothing here reads a device tensor back: `Reading` starts the step's one copy of what the host needs, and waits for
 it only when the host reads it (`Picked`).
@@ -10,7 +10,6 @@ it only when the host reads it (`Picked`).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import random
 import secrets
 
@@ -47,28 +46,39 @@ class Sampling:
 
 class RowState:
     """What one row's processors and draws keep between steps: its generator (a draw depends on neither the batch,
-    nor the row's place in it, nor the device), and on the device the tokens seen, the generated tokens' counts and
-    the bias."""
+    nor the row's place in it, nor the device), and on the device, a value a token [vocabulary] each: the bias, the
+    tokens seen (prompt and generated: 1), the generated tokens' counts and what their presence and frequency
+    penalties take off the scores (kept up to date by `accept`)."""
 
     def __init__(self, sampling: Sampling, prompt: list[int], width: int, device: torch.device, index: int = 0):
         self.sampling = sampling
         self.seed = row_seed(sampling.seed, index)
         self.generator = random.Random(self.seed)
-        self.seen = self.counts = self.bias = None
-        if sampling.repetition_penalty != 1.0:
-            self.seen = torch.tensor(sorted(set(prompt)), dtype=torch.long, device=device)
-        if sampling.presence_penalty or sampling.frequency_penalty:
-            self.counts = torch.zeros(width, dtype=torch.float32, device=device)
+        self.bias = self.seen = self.counts = self.penalty = None
         if sampling.logit_bias:
             ids, values = zip(*sampling.logit_bias)
-            self.bias = (torch.tensor(ids, device=device), torch.tensor(values, dtype=torch.float32, device=device))
+            self.bias = torch.zeros(width, dtype=torch.float32, device=device).index_add_(
+                0, to_device(ids, device), to_device(values, device, torch.float32))
+        if sampling.repetition_penalty != 1.0:
+            self.seen = torch.zeros(width, dtype=torch.float32, device=device)
+            self.seen[to_device(sorted(set(prompt)), device)] = 1.0
+        if sampling.presence_penalty or sampling.frequency_penalty:
+            self.counts = torch.zeros(width, dtype=torch.float32, device=device)
+            self.penalty = torch.zeros(width, dtype=torch.float32, device=device)
 
-    def accept(self, token: torch.Tensor) -> None:
-        """Counts the row's chosen token (a one-element tensor on the device: no copy to the host)."""
+    @property
+    def counting(self) -> bool:
+        """Whether the row's chosen tokens change its state."""
+        return self.seen is not None or self.counts is not None
+
+    def count(self, token: torch.Tensor) -> None:
+        """Counts the row's chosen token (a one-element tensor), a few small kernels."""
         if self.seen is not None:
-            self.seen = torch.cat([self.seen, token])  # a token seen twice is penalized once: the same value written
+            self.seen[token] = 1.0
         if self.counts is not None:
-            self.counts.index_add_(0, token, torch.ones(1, dtype=self.counts.dtype, device=self.counts.device))
+            self.counts.index_add_(0, token, torch.ones(1, device=token.device))
+            self.penalty[token] = count_penalties(self.counts[token], self.sampling.presence_penalty,
+                                                  self.sampling.frequency_penalty)
 
 
 def row_seed(seed: int | None, index: int = 0) -> int:
@@ -81,49 +91,97 @@ def row_seed(seed: int | None, index: int = 0) -> int:
     return seed
 
 
-def suppress_tokens(row: torch.Tensor, ids: list[int]) -> None:
-    row[ids] = float("-inf")
-
-
-def add_logit_bias(row: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> None:
-    row.index_add_(0, ids, values)
-
-
-def penalize_repetition(row: torch.Tensor, seen: torch.Tensor, penalty: float) -> None:
-    """transformers' repetition_penalty over the tokens seen: a positive score divided, a negative one multiplied."""
-    chosen = row[seen]
+def penalize_repetition(scores: torch.Tensor, penalty) -> torch.Tensor:
+    """transformers' repetition_penalty on scores (a row's, or [rows, vocabulary] with `penalty` [rows, 1]): a
+    positive score divided, a negative one multiplied."""
     # A zero score stays zero: a penalty near 0 (1e-313) is 0 in float32, and 0 / 0 would be NaN.
-    kept = torch.where(chosen == 0, chosen, chosen / penalty)
-    row[seen] = torch.where(chosen < 0, chosen * penalty, kept)
+    kept = torch.where(scores == 0, scores, scores / penalty)
+    return torch.where(scores < 0, scores * penalty, kept)
 
 
-def penalize_counts(row: torch.Tensor, counts: torch.Tensor, presence: float, frequency: float) -> None:
-    """OpenAI's presence and frequency penalties over the generated tokens' counts."""
-    row -= frequency * counts + presence * (counts > 0).float()
-
-
-def make_logits_processors(state: RowState, eos_ids: list[int]) -> list:
-    """One row's processors, in the order they apply: functions that change its scores [vocabulary] in place."""
-    sampling, processors = state.sampling, []
-    if sampling.ignore_eos and eos_ids:
-        processors.append(functools.partial(suppress_tokens, ids=eos_ids))
-    if state.bias is not None:
-        processors.append(functools.partial(add_logit_bias, ids=state.bias[0], values=state.bias[1]))
-    if state.seen is not None:
-        processors.append(functools.partial(penalize_repetition, seen=state.seen,
-                                            penalty=sampling.repetition_penalty))
-    if state.counts is not None:
-        processors.append(functools.partial(penalize_counts, counts=state.counts,
-                                            presence=sampling.presence_penalty, frequency=sampling.frequency_penalty))
-    return processors
+def count_penalties(counts: torch.Tensor, presence, frequency) -> torch.Tensor:
+    """OpenAI's presence and frequency penalties over the generated tokens' counts (a row's, or [rows, vocabulary]
+    with the penalties [rows, 1]): what the scores lose."""
+    return frequency * counts + presence * (counts > 0)
 
 
 def apply_processors(scores: torch.Tensor, states: list[RowState], eos_ids: list[int]) -> None:
-    """Each row's processors on its scores [rows, vocabulary], in place (float32)."""
+    """Each row's processors on its scores [rows, vocabulary], in place (float32), in this order: ignore_eos,
+    logit_bias, repetition_penalty, presence/frequency penalties. On a GPU all the rows at once (a kernel a row
+    would be a launch a row), elsewhere a row at a time (its scores stay in the CPU's cache: faster there)."""
+    (apply_together if scores.device.type == "cuda" else apply_each)(scores, states, eos_ids)
+
+
+def apply_each(scores: torch.Tensor, states: list[RowState], eos_ids: list[int]) -> None:
+    """apply_processors a row at a time."""
+    eos = torch.tensor(eos_ids, dtype=torch.long, device=scores.device)
     for number, state in enumerate(states):
-        row = scores[number]
-        for processor in make_logits_processors(state, eos_ids):
-            processor(row)
+        row, sampling = scores[number], state.sampling
+        if sampling.ignore_eos and eos_ids:
+            row.index_fill_(0, eos, float("-inf"))
+        if state.bias is not None:
+            row += state.bias
+        if state.seen is not None:
+            seen = state.seen.nonzero().squeeze(1)
+            row.index_copy_(0, seen, penalize_repetition(row.index_select(0, seen), sampling.repetition_penalty))
+        if state.penalty is not None:
+            row -= state.penalty
+
+
+def apply_together(scores: torch.Tensor, states: list[RowState], eos_ids: list[int]) -> None:
+    """apply_processors for all the rows at once: each processor a few kernels, whatever the rows that ask for it."""
+    ignoring = [n for n, s in enumerate(states) if s.sampling.ignore_eos] if eos_ids else []
+    biased = [n for n, s in enumerate(states) if s.bias is not None]
+    repeated = [n for n, s in enumerate(states) if s.seen is not None]
+    counted = [n for n, s in enumerate(states) if s.penalty is not None]
+    if not (ignoring or biased or repeated or counted):
+        return
+    eos = list(eos_ids) if ignoring else []
+    parts = [ignoring, eos, biased, repeated, counted]
+    on_device = torch.split(to_device(sum(parts, []), scores.device), [len(part) for part in parts])
+    if ignoring:
+        scores[on_device[0][:, None], on_device[1][None, :]] = float("-inf")
+    if biased:
+        scores.index_add_(0, on_device[2], torch.stack([states[n].bias for n in biased]))
+    if repeated:
+        rows = scores.index_select(0, on_device[3])
+        seen = torch.stack([states[n].seen for n in repeated]) > 0
+        penalty = to_device([states[n].sampling.repetition_penalty for n in repeated], scores.device, torch.float32)
+        penalized = penalize_repetition(rows, penalty[:, None])
+        scores.index_copy_(0, on_device[3], torch.where(seen, penalized, rows))
+    if counted:
+        scores.index_add_(0, on_device[4], -torch.stack([states[n].penalty for n in counted]))
+
+
+def accept(states: list[RowState], tokens: torch.Tensor, skip=frozenset()) -> None:
+    """Counts each row's chosen token (`tokens` [rows] on the device: no copy to the host), but the rows in `skip`'s:
+    on a GPU in a few kernels for all the rows, elsewhere a row at a time (a few small kernels each)."""
+    rows = [n for n, state in enumerate(states) if state.counting and n not in skip]
+    if not rows:
+        return
+    if tokens.device.type == "cuda":
+        count_together([states[n] for n in rows], tokens.index_select(0, to_device(rows, tokens.device)))
+    else:
+        for n in rows:
+            states[n].count(tokens[n : n + 1])
+
+
+def count_together(states: list[RowState], tokens: torch.Tensor) -> None:
+    """RowState.count for every row at once (`tokens` [rows]): one-hot rows added, the penalties recomputed whole,
+    in a few kernels fused across the rows."""
+    width = next(t for t in (states[0].seen, states[0].counts) if t is not None).shape[0]
+    ones = torch.zeros(len(states), width, dtype=torch.float32, device=tokens.device).scatter_(1, tokens[:, None], 1.0)
+    seen = [n for n, state in enumerate(states) if state.seen is not None]
+    if seen:
+        torch._foreach_maximum_([states[n].seen for n in seen], [ones[n] for n in seen])
+    counted = [n for n, state in enumerate(states) if state.counts is not None]
+    if counted:
+        counts = [states[n].counts for n in counted]
+        torch._foreach_add_(counts, [ones[n] for n in counted])
+        penalties = to_device([[states[n].sampling.presence_penalty, states[n].sampling.frequency_penalty]
+                               for n in counted], tokens.device, torch.float32)
+        fresh = count_penalties(torch.stack(counts), penalties[:, :1], penalties[:, 1:])
+        torch._foreach_copy_([states[n].penalty for n in counted], list(fresh.unbind(0)))
 
 
 def apply_grammar(scores: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab_size: int) -> None:

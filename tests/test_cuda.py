@@ -239,6 +239,30 @@ def test_a_seeded_draw_on_the_gpu_is_the_cpus():
     assert picks["cpu"] == picks[DEVICE.type] and len({tuple(step) for step in picks["cpu"]}) > 1
 
 
+@needs_cuda
+def test_penalties_launch_as_many_kernels_for_two_rows_as_for_sixteen():
+    # Every row with every processor: ignore_eos, logit_bias, repetition, presence and frequency penalties, then the
+    # chosen tokens counted (one-hot adds, fused across the rows).
+    from rungen.sampling import RowState, Sampling, accept, apply_processors
+
+    sampling = Sampling(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25, logit_bias=((4, 2.5),),
+                        ignore_eos=True)
+
+    def launches(count):
+        states = [RowState(sampling, [1, 2, 3], 500, DEVICE) for _ in range(count)]
+        scores, tokens = torch.randn(count, 500, device=DEVICE), torch.arange(count, device=DEVICE)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as profile:
+            apply_processors(scores, states, [0, 7])
+            accept(states, tokens)
+            torch.cuda.synchronize()
+        return sum("LaunchKernel" in event.name for event in profile.events())
+
+    launches(2)  # warm-up
+    assert launches(2) == launches(16) > 0
+
+
 def test_json_schema_on_the_gpu(checkpoint):
     try:
         import xgrammar  # noqa: F401

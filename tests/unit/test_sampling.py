@@ -1,13 +1,24 @@
 """The batched sampler (rungen/sampling.py) on the CPU: each control does what its per-row definition says for every
-row of a batch at once, a row's draw follows its probabilities and its own generator, and a step reads the device
-once."""
+row of a batch at once (the processors a row at a time, as a CPU runs them, and all the rows at once, as a GPU does,
+in kernels that do not grow with the rows), a row's draw follows its probabilities and its own generator, and a step
+reads the device once."""
 
 import math
 
 import pytest
 import torch
 
-from rungen.sampling import Reading, RowState, Sampling, choose, draw
+from rungen.sampling import (
+    Reading,
+    RowState,
+    Sampling,
+    accept,
+    apply_each,
+    apply_together,
+    choose,
+    count_together,
+    draw,
+)
 
 VOCAB = 50
 
@@ -101,9 +112,76 @@ def test_processors_change_the_scores_as_defined():
     assert tokens.tolist() == [7]
     # presence/frequency penalties count the generated tokens: accepted ones
     row = states(Sampling(temperature=0, presence_penalty=1.0))
-    row[0].accept(torch.tensor([2]))
+    accept(row, torch.tensor([2]))
     assert choose(scores, row, [])[0].tolist() == [7]
     assert choose(scores, states(Sampling(temperature=0)), [])[0].tolist() == [2]
+
+
+MIXED = [Sampling(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25, logit_bias=((4, 2.5),),
+                 ignore_eos=True),
+         Sampling(), Sampling(repetition_penalty=0.8), Sampling(frequency_penalty=-0.75, logit_bias=((1, -100.0),)),
+         Sampling(ignore_eos=True, presence_penalty=2.0), Sampling(logit_bias=((4, 1.0), (9, -3.0)))]
+
+
+def reference(scores, sampling, prompt, generated, eos_ids):
+    """One row's processors by their per-row definitions: transformers' SuppressTokens and RepetitionPenalty
+    processors, OpenAI's logit_bias and presence/frequency penalties."""
+    from transformers import RepetitionPenaltyLogitsProcessor, SuppressTokensLogitsProcessor
+
+    row = scores[None].clone()
+    if sampling.ignore_eos:
+        row = SuppressTokensLogitsProcessor(eos_ids)(None, row)
+    for token, bias in sampling.logit_bias:
+        row[0, token] += bias
+    if sampling.repetition_penalty != 1.0:
+        row = RepetitionPenaltyLogitsProcessor(sampling.repetition_penalty)(torch.tensor([prompt + generated]), row)
+    counts = torch.bincount(torch.tensor(generated, dtype=torch.long), minlength=VOCAB).float()
+    return row[0] - (sampling.frequency_penalty * counts + sampling.presence_penalty * (counts > 0).float())
+
+
+def accept_together(rows, tokens, skip):
+    """accept as a GPU takes it: every row at once."""
+    kept = [n for n, row in enumerate(rows) if row.counting and n not in skip]
+    count_together([rows[n] for n in kept], tokens[kept])
+
+
+@pytest.mark.parametrize("apply, count", [(apply_each, accept), (apply_together, accept_together)],
+                         ids=["a row at a time (a CPU's)", "all rows at once (a GPU's)"])
+def test_every_rows_processors_apply_as_each_alone(apply, count):
+    # Rows asking for different processors, for several steps of accepted tokens (one row's grammar stuck: its
+    # token is not counted): the batch's scores are each row's by its own definition, to the bit.
+    prompt, eos_ids = [1, 2, 3, 2], [0, 7]
+    rows, generated = states(*MIXED, prompt=prompt), [[] for _ in MIXED]
+    for step in range(5):
+        scores = logits(len(MIXED), seed=step)
+        scores[:, 10] = 0.0  # a zero score stays zero
+        processed = scores.clone()
+        apply(processed, rows, eos_ids)
+        for number, sampling in enumerate(MIXED):
+            assert torch.equal(processed[number], reference(scores[number], sampling, prompt, generated[number],
+                                                            eos_ids)), (step, number)
+        tokens = torch.tensor([(step * 3 + number) % 12 for number in range(len(MIXED))])
+        stuck = {0} if step == 2 else set()
+        count(rows, tokens, skip=stuck)
+        for number in range(len(MIXED)):
+            if number not in stuck:
+                generated[number].append(int(tokens[number]))
+
+
+def kernels(function):
+    """The operators a call runs (each a launch on a GPU)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        function()
+    return sorted(event.name for event in profile.events() if event.name.startswith("aten::"))
+
+
+def test_the_processors_kernels_on_a_gpu_do_not_grow_with_the_rows():
+    # (The one-hot count's fused adds are a GPU's alone: test_cuda counts its launches.)
+    def processors(count):
+        rows, scores = states(*[MIXED[0]] * count), logits(count)
+        return kernels(lambda: apply_together(scores, rows, [0, 7]))
+
+    assert processors(2) == processors(16)
 
 
 def test_the_grammar_mask_allows_only_its_tokens():
