@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from rungen import sampling
 from rungen.sampling import (
     Reading,
     RowState,
@@ -157,8 +158,8 @@ def test_every_rows_processors_apply_as_each_alone(apply, count):
         scores[:, 10] = 0.0  # a zero score stays zero
         processed = scores.clone()
         apply(processed, rows, eos_ids)
-        for number, sampling in enumerate(MIXED):
-            assert torch.equal(processed[number], reference(scores[number], sampling, prompt, generated[number],
+        for number, setting in enumerate(MIXED):
+            assert torch.equal(processed[number], reference(scores[number], setting, prompt, generated[number],
                                                             eos_ids)), (step, number)
         tokens = torch.tensor([(step * 3 + number) % 12 for number in range(len(MIXED))])
         stuck = {0} if step == 2 else set()
@@ -199,10 +200,16 @@ def test_nan_scores_are_flagged():
     assert nan.tolist() == [False, True]
 
 
-def test_a_step_reads_the_device_once(monkeypatch):
-    # Tokens, NaN flags and log-probabilities come back in one copy: each of these reads would wait for the device.
-    reads = []
-    for name in ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"):
+@pytest.mark.parametrize("form", ["a CPU's", "a GPU's"])
+def test_a_step_reads_the_device_once(monkeypatch, form):
+    # Tokens, NaN flags and log-probabilities come back in one copy: each of these reads would wait for the device
+    # (as would nonzero, which a GPU's processors and counting never call).
+    reads, names = [], ["tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"]
+    if form == "a GPU's":
+        monkeypatch.setattr(sampling, "apply_processors", apply_together)
+        monkeypatch.setattr(sampling, "accept", accept_together)
+        names.append("nonzero")
+    for name in names:
         original = getattr(torch.Tensor, name)
         monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _o=original, _n=name, **k: (reads.append(_n),
                                                                                              _o(self, *a, **k))[1])
@@ -212,6 +219,7 @@ def test_a_step_reads_the_device_once(monkeypatch):
     bitmask = torch.full((1, (VOCAB + 31) // 32), -1, dtype=torch.int32)
     reads.clear()
     tokens, nan = choose(scores, rows, [0], (bitmask, [2], VOCAB))
+    sampling.accept(rows, tokens, set())
     picked = Reading(tokens, nan, scores, {0: 3, 2: 0}).wait()
     assert reads == ["tolist"], reads
     expected = scores[0].log_softmax(-1)
