@@ -105,11 +105,17 @@ def count_penalties(counts: torch.Tensor, presence, frequency) -> torch.Tensor:
     return frequency * counts + presence * (counts > 0)
 
 
+def together_on(device: torch.device) -> bool:
+    """Whether the processors run for all the rows at once on `device`: on a GPU (a kernel a row would be a launch a
+    row); elsewhere a row at a time (its scores stay in the CPU's cache: faster there)."""
+    return device.type == "cuda"
+
+
 def apply_processors(scores: torch.Tensor, states: list[RowState], eos_ids: list[int]) -> None:
     """Each row's processors on its scores [rows, vocabulary], in place (float32), in this order: ignore_eos,
-    logit_bias, repetition_penalty, presence/frequency penalties. On a GPU all the rows at once (a kernel a row
-    would be a launch a row), elsewhere a row at a time (its scores stay in the CPU's cache: faster there)."""
-    (apply_together if scores.device.type == "cuda" else apply_each)(scores, states, eos_ids)
+    logit_bias, repetition_penalty, presence/frequency penalties; all the rows at once or a row at a time
+    (together_on)."""
+    (apply_together if together_on(scores.device) else apply_each)(scores, states, eos_ids)
 
 
 def apply_each(scores: torch.Tensor, states: list[RowState], eos_ids: list[int]) -> None:
@@ -155,11 +161,11 @@ def apply_together(scores: torch.Tensor, states: list[RowState], eos_ids: list[i
 
 def accept(states: list[RowState], tokens: torch.Tensor, skip=frozenset()) -> None:
     """Counts each row's chosen token (`tokens` [rows] on the device: no copy to the host), but the rows in `skip`'s:
-    on a GPU in a few kernels for all the rows, elsewhere a row at a time (a few small kernels each)."""
+    in a few kernels for all the rows, or a row at a time (together_on)."""
     rows = [n for n, state in enumerate(states) if state.counting and n not in skip]
     if not rows:
         return
-    if tokens.device.type == "cuda":
+    if together_on(tokens.device):
         count_together([states[n] for n in rows], tokens.index_select(0, to_device(rows, tokens.device)))
     else:
         for n in rows:

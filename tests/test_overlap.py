@@ -1,9 +1,10 @@
 """Decode steps overlapping the host's work (rungen/engine.py; on by default on a CUDA GPU, forced here with
 RUN_GENERATION_OVERLAP=1): a step is launched on the tokens the step before left on the device, and the step before is
-read and reported while it computes. Every request gets what steps taken one at a time give it: the same tokens,
-text, streamed deltas, log-probabilities and endings, for rows that end at different steps (length, EOS, a stop
-string, a cancel), join mid-run, draw from seeds, carry penalties or follow a grammar; in fixed slots and in a padded
-batch. The order of launches and reads is checked too: that is the overlap a GPU gets.
+read and reported while it computes. Every request gets what steps taken one at a time give it: the same tokens, text,
+streamed deltas, log-probabilities and endings, for rows that end at different steps (length, EOS, a stop string, a
+cancel), join mid-run, draw from seeds, carry penalties (applied a row at a time, as on a CPU, or to all the rows at
+once, as on a GPU) or follow a grammar; in fixed slots and in a padded batch. The order of launches and reads is
+checked too: that is the overlap a GPU gets.
 """
 
 import pytest
@@ -115,6 +116,8 @@ def test_overlapped_steps_give_what_steps_one_at_a_time_give(loaded, monkeypatch
     alone = run(engine_of(loaded, monkeypatch, False, eos_ids={eos}), requests)
     overlapped = run(engine_of(loaded, monkeypatch, True, eos_ids={eos}), requests)
     assert_same(overlapped, alone)
+    monkeypatch.setattr(sampling, "together_on", lambda device: True)  # a GPU's processors: all the rows at once
+    assert_same(run(engine_of(loaded, monkeypatch, True, eos_ids={eos}), requests), alone)
     reasons = {choice[0] for result in alone for choice in result.values()}
     assert reasons == {"length", "stop", "abort"}, reasons
     assert alone[7][0][2][-1] == eos and alone[-1][0][3] == text[6:9]  # ended by EOS, by the stop string

@@ -14,10 +14,8 @@ from rungen.sampling import (
     RowState,
     Sampling,
     accept,
-    apply_each,
     apply_together,
     choose,
-    count_together,
     draw,
 )
 
@@ -140,30 +138,24 @@ def reference(scores, sampling, prompt, generated, eos_ids):
     return row[0] - (sampling.frequency_penalty * counts + sampling.presence_penalty * (counts > 0).float())
 
 
-def accept_together(rows, tokens, skip):
-    """accept as a GPU takes it: every row at once."""
-    kept = [n for n, row in enumerate(rows) if row.counting and n not in skip]
-    count_together([rows[n] for n in kept], tokens[kept])
-
-
-@pytest.mark.parametrize("apply, count", [(apply_each, accept), (apply_together, accept_together)],
-                         ids=["a row at a time (a CPU's)", "all rows at once (a GPU's)"])
-def test_every_rows_processors_apply_as_each_alone(apply, count):
+@pytest.mark.parametrize("together", [False, True], ids=["a row at a time (a CPU's)", "all rows at once (a GPU's)"])
+def test_every_rows_processors_apply_as_each_alone(together, monkeypatch):
     # Rows asking for different processors, for several steps of accepted tokens (one row's grammar stuck: its
     # token is not counted): the batch's scores are each row's by its own definition, to the bit.
+    monkeypatch.setattr(sampling, "together_on", lambda device: together)
     prompt, eos_ids = [1, 2, 3, 2], [0, 7]
     rows, generated = states(*MIXED, prompt=prompt), [[] for _ in MIXED]
     for step in range(5):
         scores = logits(len(MIXED), seed=step)
         scores[:, 10] = 0.0  # a zero score stays zero
         processed = scores.clone()
-        apply(processed, rows, eos_ids)
+        sampling.apply_processors(processed, rows, eos_ids)
         for number, setting in enumerate(MIXED):
             assert torch.equal(processed[number], reference(scores[number], setting, prompt, generated[number],
                                                             eos_ids)), (step, number)
         tokens = torch.tensor([(step * 3 + number) % 12 for number in range(len(MIXED))])
         stuck = {0} if step == 2 else set()
-        count(rows, tokens, skip=stuck)
+        accept(rows, tokens, skip=stuck)
         for number in range(len(MIXED)):
             if number not in stuck:
                 generated[number].append(int(tokens[number]))
@@ -206,8 +198,7 @@ def test_a_step_reads_the_device_once(monkeypatch, form):
     # (as would nonzero, which a GPU's processors and counting never call).
     reads, names = [], ["tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"]
     if form == "a GPU's":
-        monkeypatch.setattr(sampling, "apply_processors", apply_together)
-        monkeypatch.setattr(sampling, "accept", accept_together)
+        monkeypatch.setattr(sampling, "together_on", lambda device: True)
         names.append("nonzero")
     for name in names:
         original = getattr(torch.Tensor, name)
@@ -219,7 +210,7 @@ def test_a_step_reads_the_device_once(monkeypatch, form):
     bitmask = torch.full((1, (VOCAB + 31) // 32), -1, dtype=torch.int32)
     reads.clear()
     tokens, nan = choose(scores, rows, [0], (bitmask, [2], VOCAB))
-    sampling.accept(rows, tokens, set())
+    accept(rows, tokens)
     picked = Reading(tokens, nan, scores, {0: 3, 2: 0}).wait()
     assert reads == ["tolist"], reads
     expected = scores[0].log_softmax(-1)
