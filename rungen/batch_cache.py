@@ -20,9 +20,11 @@ PREFILL_ENV = "RUN_GENERATION_PREFILL_TOGETHER"  # 0: on fixed slots too, each r
 
 
 def batch_cache(model, device, use_positions, max_batch, context, lookahead=0):
-    """The form the model takes: slots where it can, else a padded batch. `lookahead`: positions a row may be fed
-    past its request's reserve (a step launched before its end was read)."""
-    slots = SlotCache.for_model(model, max_batch, context) if context else None
+    """The form the model takes: slots where it can (its layers computed on one device, the slots' own), else a
+    padded batch. `lookahead`: positions a row may be fed past its request's reserve (a step launched before its end
+    was read)."""
+    one_device = len({d for d in devices_of(model) if d not in ("cpu", "disk")}) <= 1  # offloaded: on the first
+    slots = SlotCache.for_model(model, max_batch, context) if context and one_device else None
     if slots is None:
         return PaddedBatch(model, device, use_positions)
     graphs = None  # RUN_GENERATION_CUDA_GRAPHS=0: eager steps on a GPU too
@@ -36,9 +38,8 @@ class SlotBatch:
 
     def __init__(self, model, device, slots, graphs=None, lookahead=0):
         self.model, self.device, self.slots, self.graphs, self.lookahead = model, device, slots, graphs, lookahead
-        # One device for every layer's keys/values (a model split by --device_map prefills alone).
-        devices = {str(device) for device in (getattr(model, "hf_device_map", None) or {}).values()}
-        self.prefills_together = os.environ.get(PREFILL_ENV, "1") != "0" and len(devices) <= 1
+        # A model spread by --device_map (offloaded layers too) prefills alone.
+        self.prefills_together = os.environ.get(PREFILL_ENV, "1") != "0" and len(devices_of(model)) <= 1
 
     @property
     def form(self):
@@ -212,6 +213,11 @@ def bytes_per_token(model, device, model_type, token):
     with torch.inference_mode():
         model(input_ids=torch.tensor([[token]], device=device), past_key_values=cache, use_cache=True)
     return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers_of(cache))
+
+
+def devices_of(model) -> set:
+    """The devices --device_map spread the model over, as named in its map (none: it was not)."""
+    return {str(device) for device in (getattr(model, "hf_device_map", None) or {}).values()}
 
 
 def layers_of(cache):

@@ -71,7 +71,7 @@ class TinyGemmLinear(torch.nn.Module):
                 and os.environ.get(GPU_INT4_ENV, "1") != "0" and torch.cuda.get_device_capability(device) >= (8, 0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()  # the kernel reads rows whole
         y = torch.ops.aten._weight_int4pack_mm(flat, self.packed, GROUP_SIZE, self.scales_and_zeros)
         y = y[:, : self.out_features]
         y = y.reshape(x.shape[:-1] + (self.out_features,)).to(x.dtype)

@@ -36,7 +36,7 @@ def triton_kernel():
         # y[m, n] = sum_k x[m, k] * codes[n, k] * scale: a block of output channels a program, all rows at once; the
         # scale is scales[n] (GROUP 0), applied to the sums, or scales[n, k // GROUP], applied to the codes
         rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-        channels = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        channels = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # channels x K: past 2^31
         inner = tl.arange(0, BLOCK_K)
         total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for start in range(0, K, BLOCK_K):
@@ -111,13 +111,16 @@ class Int8Linear(torch.nn.Module):
 
 
 def widened(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The plain product: the codes widened to x's dtype [out, in], then scaled per output channel (scales [out]),
-    or first scaled per group in float32 (scales [out, groups])."""
+    """The plain product: the codes widened to x's dtype [out, in] and scaled there, per output channel (scales
+    [out]) or per group (scales [out, groups]), one layer's weight at a time (two bytes a weight in half
+    precision)."""
+    # Scaled before the product: the codes' own product is 127 / max|w| times larger, past float16's range.
+    weight = codes.to(x.dtype)
     if scales.dim() == 1:
-        return torch.nn.functional.linear(x, codes.to(x.dtype)) * scales.to(x.dtype)
-    rows, groups = scales.shape
-    weight = codes.float().reshape(rows, groups, -1) * scales.float()[..., None]
-    return torch.nn.functional.linear(x, weight.reshape(codes.shape).to(x.dtype))
+        weight.mul_(scales.to(x.dtype)[:, None])
+    else:
+        weight.view(*scales.shape, -1).mul_(scales.to(x.dtype)[..., None])
+    return torch.nn.functional.linear(x, weight)
 
 
 class CudaInt8Linear(torch.nn.Module):

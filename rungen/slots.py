@@ -198,12 +198,15 @@ def rows_bucket(rows: int) -> int:
 
 class DecodeGraphs:
     """decode_step as CUDA graphs, one per (rows bucket, length bucket), captured on first use: a step's hundreds
-    of launches become one. The returned logits are the graph's static output, read before the next replay;
-    graphs are remade when the buffers are replaced; a failed capture warns once and steps run eagerly."""
+    of launches become one. The returned logits are the rows bucket's output buffer, which every graph of that
+    bucket writes last (outside the graphs' pool: their memory stays shared, not one vocabulary of logits a graph
+    held), read before the next replay; graphs are remade when the buffers are replaced; a failed capture warns once
+    and steps run eagerly."""
 
     def __init__(self, model: torch.nn.Module, cache: SlotCache):
         self.model, self.cache = model, cache
         self.graphs, self.generation, self.pool = {}, None, None
+        self.outputs = {}  # rows bucket -> its logits [bucket, vocabulary]
         self.failed = False
         self.capture_seconds = 0.0
 
@@ -230,29 +233,34 @@ class DecodeGraphs:
     def capture(self, bucket: int, length: int, tokens: torch.Tensor, positions: torch.Tensor):
         import time
 
-        start = time.perf_counter()
+        start, stream = time.perf_counter(), torch.cuda.current_stream()
         try:
             static_tokens = tokens.new_zeros((bucket, 1))
             static_positions = positions.new_zeros(bucket)
             static_tokens[: tokens.shape[0]].copy_(tokens)
             static_positions[: tokens.shape[0]].copy_(positions)
             side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
+            side.wait_stream(stream)
             with torch.cuda.stream(side):  # warm-up: the same writes the step makes
-                decode_step(self.model, self.cache, static_tokens, static_positions, length)
-            torch.cuda.current_stream().wait_stream(side)
+                warm = decode_step(self.model, self.cache, static_tokens, static_positions, length)
+            stream.wait_stream(side)
+            output = self.outputs.get(bucket)
+            if output is None:
+                output = self.outputs[bucket] = torch.empty(warm.shape, dtype=warm.dtype, device=warm.device)
+            del warm
             self.pool = self.pool or torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                logits = decode_step(self.model, self.cache, static_tokens, static_positions, length)
+                output.copy_(decode_step(self.model, self.cache, static_tokens, static_positions, length))
         except Exception as error:  # any failure: eager steps, the same tokens
             import logging
 
+            torch.cuda.set_stream(stream)  # a capture that failed to end leaves its own stream current
             logging.getLogger("run_generation").warning(
                 "CUDA graphs: capturing the decode step failed (%s: %s); decoding without them",
                 type(error).__name__, str(error).splitlines()[0] if str(error) else "")
             self.failed = True
             return None
         self.capture_seconds += time.perf_counter() - start
-        self.graphs[bucket, length] = graph, static_tokens, static_positions, logits
+        self.graphs[bucket, length] = graph, static_tokens, static_positions, output
         return self.graphs[bucket, length]

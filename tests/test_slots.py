@@ -207,3 +207,18 @@ def test_replayed_steps_pad_the_rows_to_their_bucket(loaded, monkeypatch):
     replayed = run(engine, [(i, n, greedy, 1) for i, n in zip(ids, lengths)])
     assert replayed == eager
     assert {bucket for bucket, _ in captured} == {8, 4, 2, 1} and len(captured) == len(set(captured))  # once each
+
+
+def test_a_model_spread_over_two_gpus_decodes_on_the_padded_batch(loaded, monkeypatch):
+    # --device_map over two GPUs: each layer's keys/values on its own device, where fixed slots (one device's) cannot
+    # follow; layers offloaded to the CPU or disk run on the first GPU, so slots serve (each request prefilled alone).
+    from rungen.batch_cache import PaddedBatch, SlotBatch, batch_cache
+
+    def form(device_map):
+        monkeypatch.setattr(loaded.model, "hf_device_map", device_map, raising=False)
+        return batch_cache(loaded.model, torch.device("cpu"), True, 4, 64)
+
+    assert isinstance(form({"model.layers.0": 0, "model.layers.1": 1}), PaddedBatch)
+    offloaded = form({"model.layers.0": 0, "model.layers.1": "cpu", "lm_head": "disk"})
+    assert isinstance(offloaded, SlotBatch) and not offloaded.prefills_together
+    assert isinstance(form({"": 0}), SlotBatch) and form({"": 0}).prefills_together

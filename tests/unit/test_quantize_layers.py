@@ -59,6 +59,25 @@ def test_the_gpu_int8_layer_holds_the_cpus_codes_and_widens_them_past_the_kernel
     assert calls == [MOST_ROWS]
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["a scale a channel", "a scale a group of 32 (Q8_0)"])
+def test_the_widened_product_holds_float16s_range(grouped):
+    # A float16 checkpoint's outputs of a few hundred: the codes' own product (127 / max|w| times larger) would be
+    # past float16's 65504; the weight scaled first is not.
+    from rungen.int8 import int8_codes, widened
+
+    torch.manual_seed(0)
+    weight, x = torch.randn(16, 256) * 0.02, torch.randn(4, 256) * 200
+    codes, scales = int8_codes(weight)
+    if grouped:
+        scales = scales.float()[:, None].expand(16, 8).to(torch.float16)
+    exact = x @ (codes.float() * scales.float().repeat_interleave(256 // scales.shape[1], dim=1)
+                 if grouped else codes.float() * scales.float()[:, None]).t()
+    assert exact.abs().max() > 100
+    half = widened(x.half(), codes, scales)
+    assert half.dtype == torch.float16 and torch.isfinite(half).all()
+    torch.testing.assert_close(half.float(), exact, rtol=0.01, atol=0.5)
+
+
 def test_a_q8_0_weight_for_the_gpu_keeps_the_files_codes_and_scales():
     # A GGUF Q8_0 weight on a GPU (rungen/gguf/blocks.py's int8_of_blocks): each block's 32 int8 codes and float16
     # scale as the file has them (rows permuted where the architecture asks), whose product is exactly the
