@@ -7,12 +7,13 @@ medians over the rounds (the first round left out), the modes alternating in eac
 own, the sampler's former draw, on the default model's vocabulary; and the logits processors of rows that all ask
 for every one (ignore_eos, logit_bias, repetition, presence and frequency penalties) with the chosen tokens counted,
 a row at a time (the CPU's way) against all the rows at once (a GPU's): time and operators (each a kernel launch on
-a GPU).
+a GPU); and the sampler on the default model's own logits, its passes in float32 against float64.
 
-    python -m benchmarks.engine_prefill [--rounds 7] [--only prefill|draw|processors]
+    python -m benchmarks.engine_prefill [--rounds 7] [--only prefill|draw|processors|sampler]
 """
 
 import argparse
+import dataclasses
 import random
 import statistics
 import time
@@ -129,10 +130,44 @@ def processor_rows(vocab, repeats=20):
               f"{times[together] / repeats * 1e3:.2f} | {operators(together, scores.clone(), states, tokens)} |")
 
 
+def sampler_rows(loaded, repeats=20):
+    """The sampler (rungen/sampling.py's choose) on the default model's own logits (a story prompt's last 64
+    positions), its passes after the temperature in float32 against float64."""
+    from rungen import sampling
+    from rungen.sampling import RowState, Sampling, choose
+
+    def in_float64(rows, peak, temperature):  # the former apply_temperature: every pass after it in float64
+        return (rows - peak[:, None]).double() / temperature[:, None]
+
+    ids = loaded.tokenizer("Once upon a time, in a small village by the sea, there lived an old fisherman who " * 4,
+                           return_tensors="pt").input_ids
+    with torch.inference_mode():
+        logits = loaded.model(ids).logits[0, -64:].float()
+    forms = {"float64": in_float64, "float32": sampling.apply_temperature}
+    print("| settings | rows | float64, ms | float32, ms | ratio |\n| --- | ---: | ---: | ---: | ---: |")
+    for label, setting in (("temperature 1, top-p 0.9 (the command line's defaults)", Sampling(top_p=0.9)),
+                           ("temperature 0.7, top-k 50", Sampling(temperature=0.7, top_k=50)),
+                           ("temperature 1", Sampling())):
+        for rows in (1, 16, 64):
+            states = [RowState(dataclasses.replace(setting, seed=n), [1], logits.shape[1], torch.device("cpu"))
+                      for n in range(rows)]
+            times = dict.fromkeys(forms, 0.0)
+            for round_ in range(repeats + 2):
+                for name in forms if round_ % 2 else list(forms)[::-1]:
+                    sampling.apply_temperature = forms[name]
+                    start = time.perf_counter()
+                    choose(logits[:rows], states, [])
+                    if round_ >= 2:
+                        times[name] += time.perf_counter() - start
+            sampling.apply_temperature = forms["float32"]
+            old, new = times["float64"] / repeats * 1e3, times["float32"] / repeats * 1e3
+            print(f"| {label} | {rows} | {old:.2f} | {new:.2f} | {old / new:.1f}x |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--only", choices=["prefill", "draw", "processors"], help="one table alone")
+    parser.add_argument("--only", choices=["prefill", "draw", "processors", "sampler"], help="one table alone")
     args = parser.parse_args()
     print(f"CPU flags: {cpu_flags()}; torch {torch.__version__}, {torch.get_num_threads()} threads")
     loaded = load_float32()
@@ -142,6 +177,8 @@ def main():
         draw_rows(loaded.vocab_size)
     if args.only in (None, "processors"):
         processor_rows(loaded.vocab_size)
+    if args.only in (None, "sampler"):
+        sampler_rows(loaded)
 
 
 if __name__ == "__main__":

@@ -266,9 +266,12 @@ def make_sampler(samplings: list[Sampling], generators: list[random.Random]):
 
 
 def apply_temperature(rows: torch.Tensor, peak: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """The scores [rows, vocabulary] less each row's maximum `peak`, over its temperature, in float64."""
-    # Shifted, in float64: a tiny temperature sends the others to -inf, not the top to inf (a NaN softmax).
-    return (rows - peak[:, None]).double() / temperature[:, None]
+    """The scores [rows, vocabulary] less each row's maximum `peak`, over its temperature, in float32 (half the bytes
+    of float64 for every pass after it, and 32-bit keys to sort: 1.1-2x faster on a CPU)."""
+    # Shifted: the top is 0 whatever the temperature (never inf: a NaN softmax), and a tiny temperature sends the
+    # others to -inf; below float32's smallest normal it would be 0 there (0 / 0).
+    tiny = torch.finfo(torch.float32).tiny
+    return (rows.float() - peak[:, None].float()) / temperature[:, None].float().clamp(min=tiny)
 
 
 def apply_top_k(x: torch.Tensor, top_k: torch.Tensor, widest: int) -> torch.Tensor:
@@ -301,7 +304,7 @@ def draw(probs: torch.Tensor, peak: torch.Tensor, uniforms: torch.Tensor) -> tor
     bad = torch.isnan(peak) | torch.isinf(peak)
     probs = probs.nan_to_num(0.0).masked_fill(bad[:, None], 0)
     probs[:, 0] += bad.to(probs.dtype)
-    sums = probs.double().cumsum(-1)
+    sums = probs.double().cumsum(-1)  # float64: a float32 running sum near 1 would round a rare token away
     total = sums[:, -1:].contiguous()
     chosen = torch.searchsorted(sums, uniforms[:, None] * total, right=True)
     # u * total can round up to total: the last token with a probability is where the sum first reaches it
