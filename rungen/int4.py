@@ -78,6 +78,18 @@ class TinyGemmLinear(torch.nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+def checked_tinygemm(make, weight: torch.Tensor) -> tuple[TinyGemmLinear | None, str | None]:
+    """(the layer make() builds, None) where torch's int4 kernel multiplies it as the de-quantized `weight` does;
+    else (None, why): the first layer's check of the packing and of the kernel itself (a build or GPU without it
+    raises)."""
+    try:
+        layer = make()
+        agrees = tinygemm_agrees(layer, weight)
+    except RuntimeError as error:
+        return None, f"failed ({(str(error).splitlines() or [type(error).__name__])[0][:200]})"
+    return (layer, None) if agrees else (None, "disagrees with the de-quantized weights")
+
+
 def tinygemm_agrees(layer: TinyGemmLinear, weight: torch.Tensor) -> bool:
     """Whether `layer` multiplies as the de-quantized `weight` [out, in] does, to bfloat16 rounding: a GPU run's
     one check of the packing before trusting it."""

@@ -18,7 +18,7 @@ import torch
 from transformers.pytorch_utils import Conv1D
 
 from .errors import UsageError
-from .int4 import GROUP_SIZE, Int4Linear, TinyGemmLinear, int4_groups, tinygemm_agrees
+from .int4 import GROUP_SIZE, Int4Linear, TinyGemmLinear, checked_tinygemm, int4_groups
 from .int8 import Int8Linear, cuda_int8_layers
 
 MODES = ("int8", "int4")
@@ -148,14 +148,20 @@ def gpu_int4_linear(weight, bias, check=False):
     its CUDA kernel (TinyGemmLinear, as a GGUF file's 4-bit blocks run there), on the weight's device. check: raise
     QuantizeError where the kernel does not multiply it as its codes say (the nibble order a CPU cannot check)."""
     codes, scales, low = int4_groups(weight)
-    layer = TinyGemmLinear(codes, scales, low, weight.device)
+
+    def make():
+        return TinyGemmLinear(codes, scales, low, weight.device)
+
     if check:
         zeros = (low + 8 * scales).to(torch.bfloat16).float()
         rows, groups = scales.shape
         exact = ((codes - 8).reshape(rows, groups, GROUP_SIZE) * scales[..., None] + zeros[..., None])
-        if not tinygemm_agrees(layer, exact.reshape(weight.shape).to(torch.bfloat16)):
-            raise QuantizeError("--quantize int4: torch's int4 kernel on this GPU does not multiply the weights as "
-                                "they were packed; run without --quantize (bfloat16)")
+        layer, why = checked_tinygemm(make, exact.reshape(weight.shape).to(torch.bfloat16))
+        if layer is None:
+            raise QuantizeError(f"--quantize int4: torch's int4 kernel on this GPU {why}; run without --quantize "
+                                "(bfloat16)")
+    else:
+        layer = make()
     layer.bias = bias
     return layer
 

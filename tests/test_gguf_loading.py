@@ -518,3 +518,15 @@ def test_4_bit_weights_keep_their_codes_on_a_gpu(loaded, monkeypatch, caplog):
         assert "int4 GPU kernel disagrees" in caplog.text
         ours = model(**batch).logits.float()
         assert (ours - theirs)[real].abs().max() <= 0.05 * theirs[real].abs().max()
+        # A torch build or GPU without the kernel raises at the first layer: all run de-quantized, said once.
+        def missing(*args):
+            raise RuntimeError("CUDA error: no kernel image is available for execution on the device")
+
+        monkeypatch.setattr(torch.ops.aten, "_convert_weight_to_int4pack", missing)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="run_generation"):
+            model = build_model(header, torch.bfloat16, torch.device("cpu"))
+        assert not [m for m in model.modules() if isinstance(m, TinyGemmLinear)]
+        assert caplog.text.count("int4 GPU kernel failed (CUDA error: no kernel image") == 1
+        ours = model(**batch).logits.float()
+        assert (ours - theirs)[real].abs().max() <= 0.05 * theirs[real].abs().max()

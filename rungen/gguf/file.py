@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from .. import NOTICE
-from ..int4 import tinygemm_agrees
+from ..int4 import checked_tinygemm
 from ..int8 import checked_kernel
 from .blocks import (
     SUPPORTED,
@@ -438,15 +438,19 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
             order = _row_permutation(processor, name, shape[0])
             if on_device and order is not False and isinstance(module, torch.nn.Linear) and int4 is not False \
                     and gpu_int4(qtype, in_features, dtype, device):
-                layer = tinygemm_of_blocks(torch.from_numpy(blocks), qtype, in_features, device, order)
+                make = functools.partial(tinygemm_of_blocks, torch.from_numpy(blocks), qtype, in_features, device,
+                                         order)
                 if int4 is None:  # the first: checked against its de-quantized weight before any is trusted
                     weight = reader.dequantized(entry, dtype, device, order)
-                    int4 = tinygemm_agrees(layer, weight)
+                    layer, why = checked_tinygemm(make, weight)
+                    int4 = layer is not None
                     if not int4:
-                        logger.warning("torch's int4 GPU kernel disagrees with the de-quantized weights here; the "
-                                       "4-bit weights run de-quantized to bfloat16 instead")
+                        logger.warning("torch's int4 GPU kernel %s here; the 4-bit weights run de-quantized to "
+                                       "bfloat16 instead", why)
                         _set_tensor(model, hf_name, weight)
                         continue
+                else:
+                    layer = make()
                 layers[module_name] = layer
                 continue
             if on_device and order is not False and isinstance(module, torch.nn.Linear) and int8 is not False \

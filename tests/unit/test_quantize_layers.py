@@ -224,3 +224,10 @@ def test_gpu_int4_packs_what_the_cpu_int4_layer_packs(monkeypatch):
     gpu, cpu = quantize.gpu_int4_linear(weight, bias), quantize.Int4Linear(weight, bias)
     torch.testing.assert_close(gpu(x), cpu(x), rtol=0, atol=0)
     assert (gpu(x) - torch.nn.functional.linear(x, weight, bias)).abs().max() < 0.1 * weight.abs().max() * 96 ** 0.5
+    assert isinstance(quantize.gpu_int4_linear(weight, bias, check=True), quantize.TinyGemmLinear)
+    # a torch build or GPU without the kernel: refused in one line, not a traceback
+    monkeypatch.setattr(torch.ops.aten, "_weight_int4pack_mm", lambda *args: (_ for _ in ()).throw(
+        RuntimeError("CUDA error: no kernel image is available for execution on the device\nmore")))
+    with pytest.raises(quantize.QuantizeError, match=r"^--quantize int4: torch's int4 kernel on this GPU failed "
+                       r"\(CUDA error: no kernel image is available for execution on the device\); run without"):
+        quantize.gpu_int4_linear(weight, bias, check=True)
