@@ -48,6 +48,8 @@ class StepClock(LogitsProcessor):
         self.stamps = []
 
     def __call__(self, input_ids, scores):
+        if scores.is_cuda and not self.stamps:  # the prompt's pass done on the GPU, not just launched
+            torch.cuda.synchronize(scores.device)
         self.stamps.append(time.perf_counter())
         return scores
 

@@ -320,7 +320,7 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
     vocab = next(len(value) for key, value, *_ in fields if key == "tokenizer.ggml.tokens")
     rng = np.random.default_rng(0)
     arch = shape["arch"]
-    writer = GGUFWriter(path, arch, use_temp_file=True)
+    writer = GGUFWriter(path, arch, use_temp_file=False)  # the arrays stay in memory: the file written once
     # (no family in the name: llama.cpp gives Phi-3's special tokens their attributes by a "phi3" in it, and fails
     # on this vocabulary, which lacks them)
     writer.add_name(f"Random weights, {shape['layers']} layers of {shape['hidden']}")

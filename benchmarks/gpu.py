@@ -275,6 +275,7 @@ class EngineRunner:
     def __init__(self, loaded, max_batch, settings=None):
         from rungen import engine as engine_module
 
+        self.captured = 0.0  # capture seconds reported by the rows before
         saved = {name: os.environ.get(name) for name in settings or {}}
         os.environ.update(settings or {})
         try:
@@ -293,10 +294,14 @@ class EngineRunner:
         kv = self.engine.batch.kv
         graphs = getattr(kv, "graphs", None)
         state = "off" if graphs is None else "failed" if graphs.failed else "on"
-        figures = dict(cache="slots" if getattr(kv, "slots", None) is not None else "padded batch", graphs=state,
+        slots = getattr(kv, "slots", None)
+        figures = dict(cache="slots" if slots is not None else "padded batch", graphs=state,
                        overlap=self.engine.batch.overlap)
-        if graphs is not None:
-            figures.update(graph_capture_s=graphs.capture_seconds, graphs_held=len(graphs.graphs))
+        if slots is not None:  # the slots' buffers as allocated (a reserve of positions a row, rounded up)
+            figures["cache_gib"] = sum(t.numel() * t.element_size() for t in slots.keys + slots.values) / 2**30
+        if graphs is not None:  # this row's captures: the engine's total less the rows' before
+            figures.update(graph_capture_s=graphs.capture_seconds - self.captured, graphs_held=len(graphs.graphs))
+            self.captured = graphs.capture_seconds
         return figures
 
     def run(self, ids, new_tokens):
@@ -355,14 +360,20 @@ class BatchRunner:
             destroy()
 
     def run(self, ids, new_tokens):
+        import transformers
         from transformers import GenerationConfig
 
         if self.size != len(ids):  # a manager is sized for its first workload
             self.close()
             self.size = len(ids)
+        # EOS -1: none (its own "disabled"), so every row makes new_tokens
         config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                                  pad_token_id=0, eos_token_id=self.model.config.eos_token_id)
+                                  pad_token_id=0, eos_token_id=-1)
         kwargs = {"persistent_manager": True} if self.persistent else {}
+        if hasattr(transformers, "ContinuousBatchingConfig"):
+            # blocks for this workload (256 positions each), not 90% of the free memory: a peak beside the others'
+            blocks = -(-len(ids) * (len(ids[0]) + new_tokens) // 256) + 8
+            kwargs["continuous_batching_config"] = transformers.ContinuousBatchingConfig(num_blocks=blocks)
         sync(self.device)
         start = time.perf_counter()
         # (not under inference_mode: its manager thread writes its own tensors in place outside it)
@@ -611,6 +622,8 @@ def gguf_row(report, args, bandwidth, budget):
                    step_ms=step * 1e3, first_call_s=max(0.0, first_call - (end - start)), load_s=load_s,
                    file_gib=size / 2**30, dtype=str(dtype).removeprefix("torch."), model=type(loaded.model).__name__,
                    load_peak_gib=load_peak, peak_gib=peak_gib(args.device), **runner.extra())
+        if "cache_gib" in row:  # the goal: GPU memory at most 1.3x the file and the cache
+            row["memory_ratio"] = row["peak_gib"] / (row["file_gib"] + row["cache_gib"])
         if bandwidth and args.device.type == "cuda":  # the weights as the model holds them are what a step reads
             weights = weight_bytes(loaded.model)
             kv = kv_bytes_per_token(loaded.model.config, torch.finfo(dtype).bits // 8)
@@ -668,7 +681,7 @@ def server_row(report, args, budget):
                                         path, "--max_batch", str(args.server_clients)], stdout=subprocess.DEVNULL,
                                        stderr=stderr, env=dict(os.environ, HF_HUB_OFFLINE="1"))
         start = time.perf_counter()
-        wait_healthy(url, process)
+        wait_healthy(url, process, seconds=max(10, min(60, budget.left() - 10)))
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
 
         one_request(url, model, PROMPTS[0], args.new_tokens, logprobs=True)
@@ -795,8 +808,9 @@ def main(argv=None):
         report.note("server row: left out (--no-server)")
     else:
         server_row(report, args, budget)
-    # The last shape first: the default list ends with the 8B, the size the published anchors are for.
-    for name in reversed(args.shapes):
+    # In the list's order, the smaller shapes first: their compiles take seconds, the 8B's may take minutes (it runs
+    # if --compile-reserve seconds are left when it comes).
+    for name in args.shapes:
         costly_paths(report, name, args, shapes, bandwidth, budget)
     report.header["seconds"] = args.budget - budget.left()
     report.save()

@@ -106,8 +106,8 @@ def level(url, model, clients, max_tokens, ignore_eos, logprobs=False):
             "short": sum(1 for result in results if result[2] < max_tokens)}
 
 
-def wait_healthy(url, process):
-    for _ in range(3000):
+def wait_healthy(url, process, seconds=300):
+    for _ in range(int(seconds * 10)):
         if process.poll() is not None:
             raise RuntimeError(f"the server exited with {process.returncode}")
         try:
