@@ -225,10 +225,10 @@ def weight_bytes(model):
     """Bytes of weights a decode step reads: every parameter and buffer once (a tied head once; --quantize's codes
     are buffers), less the input embedding when it is not the head (a step reads only its rows)."""
     total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    embedding = model.get_input_embeddings().weight
-    head = model.get_output_embeddings()
-    if getattr(head, "weight", None) is not embedding:  # (tied: one Parameter)
-        total -= embedding.numel() * embedding.element_size()
+    embedding = model.get_input_embeddings()  # a table, or a GGUF file's blocks
+    tensors = [*embedding.parameters(), *embedding.buffers()]
+    if not any(t is getattr(model.get_output_embeddings(), "weight", None) for t in tensors):  # (tied: one table)
+        total -= sum(t.numel() * t.element_size() for t in tensors)
     return total
 
 

@@ -235,14 +235,15 @@ def to_blocks(layer, rng):
         norm.weight.data = torch.rand(norm.weight.shape[0]) + 0.5
 
 
-def write_tiny_gguf(path, qtype_name):
-    """A tiny llama GGUF file at `path`: `qtype_name` (Q4_0 or Q8_0) matrices of random blocks, a Q6_K head, a
-    synthetic byte-level vocabulary of 1024 (a GPU machine may lack the default model, whose tokenizer other GGUF
-    tests copy); benchmarks/gguf_files.py's FAMILIES form, two layers with rows of 256 (the Q6_K head's blocks)."""
+def write_tiny_gguf(path, qtype_name, tied=False):
+    """A tiny llama GGUF file at `path`: `qtype_name` (Q4_0 or Q8_0) matrices of random blocks, a Q6_K head (none:
+    `tied`, the head reads the embedding), a synthetic byte-level vocabulary of 1024 (a GPU machine may lack the
+    default model, whose tokenizer other GGUF tests copy); benchmarks/gguf_files.py's FAMILIES form, two layers with
+    rows of 256 (the Q6_K head's blocks)."""
     from benchmarks.gguf_files import synthetic_tokenizer_fields, write_family
 
     shape = dict(arch="llama", layers=2, hidden=256, ffn=512, heads=4, kv_heads=2, head_dim=64, rope_base=500000.0,
-                 eps=1e-5, tied=False)
+                 eps=1e-5, tied=tied)
     write_family(path, "llama", qtype_name, synthetic_tokenizer_fields(1024), shape=shape)
     return path
 

@@ -95,6 +95,34 @@ def test_a_q8_0_gguf_file_on_the_gpu_keeps_its_codes(tmp_path, monkeypatch, modu
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+def test_a_gguf_files_embedding_keeps_its_blocks_on_the_gpu(tmp_path, monkeypatch, module_cache_home, qtype):
+    # The GPU's load with the CPU standing in: an untied file's token embeddings stay in the file's blocks (a
+    # quarter or half of bfloat16's bytes), a lookup de-quantizing its rows with torch operators, to the same values:
+    # the model computes what the fully de-quantized one does; a file whose head reads the embedding keeps a table.
+    import rungen.gguf.file
+    from rungen.gguf.blocks import DeviceRowsEmbedding
+    from rungen.loading import load_gguf_on
+
+    path = write_tiny_gguf(str(tmp_path / f"tiny-{qtype}.gguf"), qtype)
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(rungen.gguf.file, "gpu_int8", lambda qtype, device: False)  # Q8_0's matrices de-quantized
+    dequantized = load_gguf_on(path, cpu, dtype="float32")
+    monkeypatch.setattr(rungen.gguf.file, "gpu_embedding", lambda qtype, device: True)
+    kept = load_gguf_on(path, cpu, dtype="float32")
+    embedding = kept.model.get_input_embeddings()
+    assert isinstance(embedding, DeviceRowsEmbedding) and embedding.blocks.dtype == torch.uint8
+    assert embedding.blocks.numel() < 0.3 * dequantized.model.get_input_embeddings().weight.numel() * 4
+    ids = torch.tensor([list(range(3, 40)), list(range(40, 77))])
+    with torch.inference_mode():
+        assert torch.equal(embedding(ids), dequantized.model.get_input_embeddings()(ids))
+        torch.testing.assert_close(kept.model(input_ids=ids).logits, dequantized.model(input_ids=ids).logits,
+                                   rtol=0, atol=0)
+    tied = load_gguf_on(write_tiny_gguf(str(tmp_path / f"tied-{qtype}.gguf"), qtype, tied=True), cpu,
+                        dtype="float32").model
+    assert tied.get_output_embeddings().weight is tied.get_input_embeddings().weight
+
+
 def test_running_out_of_gpu_memory_says_how_to_fit(gpu, monkeypatch):
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "

@@ -5,7 +5,7 @@ time; types the kernels multiply have their rows interleaved eight by eight at l
 kernels (rungen/gguf/kernels.py) quantize activations to int8 per block of 32, as llama.cpp does; without them (or
 with RUN_GENERATION_KERNELS=torch) a layer converts itself to torch's kernels on its first call, after one warning.
 On a CUDA GPU, 4-bit types can run as torch's int4 kernel (TinyGemmLinear), Q8_0 as rungen/int8.py's Triton kernel
-(CudaInt8Linear).
+(CudaInt8Linear), and a Q4_0/Q4_1/Q8_0 embedding table keeps its blocks there (DeviceRowsEmbedding).
 """
 
 from __future__ import annotations
@@ -396,3 +396,52 @@ def int8_of_blocks(blocks: torch.Tensor, in_features: int, device: torch.device,
         order = torch.from_numpy(order)
         codes, scales = codes[order], scales[order]
     return CudaInt8Linear(codes.to(device), scales.to(device), None)
+
+
+# --- On a CUDA GPU: an embedding table in its blocks, the rows looked up de-quantized by torch operators ---
+DEVICE_ROW_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
+
+
+def gpu_embedding(qtype: GGMLQuantizationType, device: torch.device) -> bool:
+    """Whether an embedding table of `qtype` keeps its blocks on `device` (DeviceRowsEmbedding)."""
+    return qtype in DEVICE_ROW_TYPES and device.type == "cuda"
+
+
+def dequantize_rows(rows: torch.Tensor, qtype: GGMLQuantizationType, in_features: int) -> torch.Tensor:
+    """The float32 values [n, in_features] of Q4_0, Q4_1 or Q8_0 rows of blocks [n, row bytes], by torch operators
+    on the rows' device (the gguf package's arithmetic: the same floats)."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    blocks = rows.reshape(rows.shape[0], in_features // block, size)
+    scale = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [n, blocks, 1]
+    if qtype == GGMLQuantizationType.Q8_0:
+        return (blocks[..., 2:].contiguous().view(torch.int8).float() * scale).reshape(rows.shape[0], in_features)
+    packed = blocks[..., 4:] if qtype == GGMLQuantizationType.Q4_1 else blocks[..., 2:]
+    codes = torch.cat([packed & 15, packed >> 4], dim=-1).float()  # a block's low nibbles first, then its high
+    if qtype == GGMLQuantizationType.Q4_1:
+        values = codes * scale + blocks[..., 2:4].contiguous().view(torch.float16).float()
+    else:
+        values = (codes - 8) * scale
+    return values.reshape(rows.shape[0], in_features)
+
+
+class DeviceRowsEmbedding(torch.nn.Module):
+    """An embedding table kept in its GGUF blocks on a GPU (Q4_0, Q4_1, Q8_0: a quarter to half of bfloat16's
+    bytes); a lookup gathers its rows' blocks and de-quantizes them there, with torch operators a CUDA graph can
+    hold."""
+
+    def __init__(self, blocks: torch.Tensor, qtype: GGMLQuantizationType, embedding_dim: int, dtype: torch.dtype,
+                 scale: float | torch.Tensor | None = None):
+        super().__init__()
+        self.register_buffer("blocks", blocks, persistent=False)
+        self.qtype, self.embedding_dim, self.dtype = GGMLQuantizationType(qtype), embedding_dim, dtype
+        self.num_embeddings = blocks.shape[0]
+        self.embed_scale = scale  # Gemma-style scaled embeddings multiply the looked-up rows
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, qtype={self.qtype.name}, on {self.blocks.device}"
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = dequantize_rows(self.blocks.index_select(0, ids.reshape(-1)), self.qtype, self.embedding_dim)
+        out = rows.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
+        return out if self.embed_scale is None else out * self.embed_scale
+

@@ -32,9 +32,11 @@ from .blocks import (
     SUPPORTED,
     CastEmbedding,
     CastLinear,
+    DeviceRowsEmbedding,
     GGMLEmbedding,
     GGMLLinear,
     dequantize,
+    gpu_embedding,
     gpu_int4,
     gpu_int8,
     int8_of_blocks,
@@ -386,12 +388,13 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
     # Weights that FusedDecoderLayer concatenates are read into memory: the concatenation copies them.
     fused = FUSED_WEIGHTS if fusable(model) and not on_device else ()
     # A tied head multiplies the embedding's blocks, interleaved for the kernels (the lookup reads either layout).
-    tied_embedding = None
+    tied_embedding = head_reads_embedding = None
     head = model.get_output_embeddings()
-    if getattr(config, "tie_word_embeddings", False) and head is not None and not on_device:
+    if getattr(config, "tie_word_embeddings", False) and head is not None:
         head_name = next(n for n, m in model.named_modules() if m is head) + ".weight"
         in_file = {name for name, *_ in header.tensors}
-        if not any(names.get(name) == head_name for name in in_file):
+        head_reads_embedding = not any(names.get(name) == head_name for name in in_file)
+        if head_reads_embedding and not on_device:
             embedding = model.get_input_embeddings()
             tied_embedding = next(n for n, m in model.named_modules() if m is embedding)
     int4 = None  # on a GPU, whether 4-bit weights take torch's int4 kernel: None until the first is checked
@@ -464,6 +467,11 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
                 layer.use_kernel(int8)
                 layers[module_name] = layer
                 continue
+            if on_device and order is not False and isinstance(module, torch.nn.Embedding) \
+                    and not head_reads_embedding and gpu_embedding(qtype, device):  # a tied head reads a table
+                layers[module_name] = DeviceRowsEmbedding(reader.rows(entry, False, order).to(device), qtype,
+                                                          in_features, dtype, getattr(module, "embed_scale", None))
+                continue
             if on_device and order is not False:
                 weight = reader.dequantized(entry, dtype, device, order)
                 _set_tensor(model, hf_name, weight.t().contiguous() if isinstance(module, Conv1D) else weight)
@@ -489,9 +497,10 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
     for hf_name, value in collected["tensors"].items():
         _set_tensor(model, hf_name, value.to(device, dtype))
     if on_device:
-        for module_name, layer in layers.items():  # the 4-bit weights in torch's int4 packing
-            bias = model.get_submodule(module_name).bias
-            layer.bias = bias if bias is not None and bias.device.type != "meta" else None
+        for module_name, layer in layers.items():  # weights kept in codes or blocks
+            if not isinstance(layer, DeviceRowsEmbedding):
+                bias = model.get_submodule(module_name).bias
+                layer.bias = bias if bias is not None and bias.device.type != "meta" else None
             model.set_submodule(module_name, layer)
         _tie_head(model, config)
         return _finish_built(header, model, device)
