@@ -308,29 +308,41 @@ def join(layers: list[GGMLLinear]) -> GGMLLinear | GGMLParts | None:
 
 # --- Fallback: torch's own kernels, converted from the blocks ---
 
+def _halves(pairs: torch.Tensor) -> torch.Tensor:
+    """Byte pairs [..., 2] read as float16, in float32 [...]."""
+    return pairs.contiguous().view(torch.float16)[..., 0].float()
+
+
+def _q8_0_parts(blocks: torch.Tensor, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 blocks [rows, row bytes] as their int8 codes [rows, in_features] and float16 scales [rows, in_features /
+    32], by torch operators on the blocks' device."""
+    b = blocks.reshape(blocks.shape[0], -1, 34)
+    return (b[..., 2:].contiguous().view(torch.int8).reshape(blocks.shape[0], in_features),
+            b[..., 0:2].contiguous().view(torch.float16)[..., 0])
+
+
 def _int4_parts(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: int):
-    """Codes [rows, in_features] (0..15) and per group of 32 the scale and offset of a 4-bit type's blocks."""
+    """Codes [rows, in_features] (0..15) and per group of 32 the scale and offset (float32) of a 4-bit type's
+    blocks: Q4_0 and Q4_1 by torch operators on the blocks' device, Q4_K on the CPU."""
     rows = blocks.shape[0]
-    raw = blocks.contiguous().numpy()
     if qtype in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
         size = 18 if qtype == GGMLQuantizationType.Q4_0 else 20
-        b = raw.reshape(rows, -1, size)
-        d = b[..., 0:2].copy().view(np.float16).astype(np.float32)[..., 0]
-        offset = -8 * d if qtype == GGMLQuantizationType.Q4_0 else b[..., 2:4].copy().view(np.float16)[..., 0]
+        b = blocks.reshape(rows, -1, size)
+        d = _halves(b[..., 0:2])
+        offset = -8 * d if qtype == GGMLQuantizationType.Q4_0 else _halves(b[..., 2:4])
         nibbles = b[..., size - 16:]
-        codes = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)
-        scale = d
-    else:  # Q4_K: eight sub-blocks of 32 a superblock of 256
-        b = raw.reshape(rows, -1, 144)
-        d = b[..., 0:2].copy().view(np.float16).astype(np.float32)
-        dmin = b[..., 2:4].copy().view(np.float16).astype(np.float32)
-        from gguf.quants import Q4_K
+        return torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).reshape(rows, in_features), d, offset
+    # Q4_K: eight sub-blocks of 32 a superblock of 256, on the CPU (gguf's reading of its 6-bit scales)
+    b = blocks.contiguous().numpy().reshape(rows, -1, 144)
+    d = b[..., 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = b[..., 2:4].copy().view(np.float16).astype(np.float32)
+    from gguf.quants import Q4_K
 
-        sc, mn = Q4_K.get_scale_min(b[..., 4:16].reshape(-1, 12))
-        scale = d * sc.reshape(rows, -1, 8).astype(np.float32)
-        offset = -dmin * mn.reshape(rows, -1, 8).astype(np.float32)
-        qs = b[..., 16:].reshape(rows, -1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
-        codes = qs & 0x0F
+    sc, mn = Q4_K.get_scale_min(b[..., 4:16].reshape(-1, 12))
+    scale = d * sc.reshape(rows, -1, 8).astype(np.float32)
+    offset = -dmin * mn.reshape(rows, -1, 8).astype(np.float32)
+    qs = b[..., 16:].reshape(rows, -1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+    codes = qs & 0x0F
     return (torch.from_numpy(np.ascontiguousarray(codes).reshape(rows, in_features)),
             torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32).reshape(rows, -1)),
             torch.from_numpy(np.ascontiguousarray(offset, dtype=np.float32).reshape(rows, -1)))
@@ -388,10 +400,7 @@ def gpu_int8(qtype: GGMLQuantizationType, device: torch.device) -> bool:
 def int8_of_blocks(blocks: torch.Tensor, in_features: int, device: torch.device, order=None) -> CudaInt8Linear:
     """A Q8_0 weight's blocks (`order`: its rows permuted) as a CudaInt8Linear on `device`: each block's 32 int8
     codes and its float16 scale, exactly as the file has them (no kernel yet: see rungen/int8.py's use_kernel)."""
-    rows = blocks.shape[0]
-    raw = blocks.contiguous().numpy().reshape(rows, in_features // 32, 34)
-    scales = torch.from_numpy(raw[..., :2].copy().view(np.float16)[..., 0])
-    codes = torch.from_numpy(raw[..., 2:].copy().view(np.int8).reshape(rows, in_features))
+    codes, scales = _q8_0_parts(blocks, in_features)
     if order is not None:
         order = torch.from_numpy(order)
         codes, scales = codes[order], scales[order]
@@ -410,18 +419,12 @@ def gpu_embedding(qtype: GGMLQuantizationType, device: torch.device) -> bool:
 def dequantize_rows(rows: torch.Tensor, qtype: GGMLQuantizationType, in_features: int) -> torch.Tensor:
     """The float32 values [n, in_features] of Q4_0, Q4_1 or Q8_0 rows of blocks [n, row bytes], by torch operators
     on the rows' device (the gguf package's arithmetic: the same floats)."""
-    block, size = GGML_QUANT_SIZES[qtype]
-    blocks = rows.reshape(rows.shape[0], in_features // block, size)
-    scale = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [n, blocks, 1]
+    n = rows.shape[0]
     if qtype == GGMLQuantizationType.Q8_0:
-        return (blocks[..., 2:].contiguous().view(torch.int8).float() * scale).reshape(rows.shape[0], in_features)
-    packed = blocks[..., 4:] if qtype == GGMLQuantizationType.Q4_1 else blocks[..., 2:]
-    codes = torch.cat([packed & 15, packed >> 4], dim=-1).float()  # a block's low nibbles first, then its high
-    if qtype == GGMLQuantizationType.Q4_1:
-        values = codes * scale + blocks[..., 2:4].contiguous().view(torch.float16).float()
-    else:
-        values = (codes - 8) * scale
-    return values.reshape(rows.shape[0], in_features)
+        codes, scales = _q8_0_parts(rows, in_features)
+        return (codes.float().view(n, -1, 32) * scales.float()[..., None]).reshape(n, in_features)
+    codes, scale, offset = _int4_parts(rows, qtype, in_features)
+    return (codes.float().view(n, -1, 32) * scale[..., None] + offset[..., None]).reshape(n, in_features)
 
 
 class DeviceRowsEmbedding(torch.nn.Module):
