@@ -136,7 +136,7 @@ def sampler_rows(loaded, repeats=20):
     from rungen import sampling
     from rungen.sampling import RowState, Sampling, choose
 
-    def in_float64(rows, peak, temperature):  # the former apply_temperature: every pass after it in float64
+    def in_float64(rows, peak, temperature):  # apply_temperature in float64: every pass after it in float64 too
         return (rows - peak[:, None]).double() / temperature[:, None]
 
     ids = loaded.tokenizer("Once upon a time, in a small village by the sea, there lived an old fisherman who " * 4,

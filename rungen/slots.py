@@ -199,9 +199,9 @@ def rows_bucket(rows: int) -> int:
 class DecodeGraphs:
     """decode_step as CUDA graphs, one per (rows bucket, length bucket), captured on first use: a step's hundreds
     of launches become one. The returned logits are the rows bucket's output buffer, which every graph of that
-    bucket writes last (outside the graphs' pool: their memory stays shared, not one vocabulary of logits a graph
-    held), read before the next replay; graphs are remade when the buffers are replaced; a failed capture warns once
-    and steps run eagerly."""
+    bucket writes last (outside the graphs' pool, so that no graph holds logits of its own there), read before the
+    next replay; graphs are remade when the buffers are replaced; a failed capture warns once and steps run
+    eagerly."""
 
     def __init__(self, model: torch.nn.Module, cache: SlotCache):
         self.model, self.cache = model, cache
