@@ -8,6 +8,7 @@ random bytes, which any de-quantizer reads as some weights)."""
 
 import io
 import logging
+import os
 import sys
 
 import numpy as np
@@ -530,3 +531,25 @@ def test_4_bit_weights_keep_their_codes_on_a_gpu(loaded, monkeypatch, caplog):
         assert caplog.text.count("int4 GPU kernel failed (CUDA error: no kernel image") == 1
         ours = model(**batch).logits.float()
         assert (ours - theirs)[real].abs().max() <= 0.05 * theirs[real].abs().max()
+
+
+def test_dequantize_parses_the_file_once_and_loads_what_transformers_loads(gguf_files, monkeypatch):
+    # --dequantize is transformers' GGUF loader: its config, tokenizer and weights would each parse the file
+    # (seconds for a real vocabulary), and its name mapping rebuilds gguf's name table for every submodule. The
+    # tool's load shares one parse and one table, and the model is the one transformers loads on its own.
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    from rungen.loading import load
+
+    path = gguf_files["q4_0_untied"]
+    reference = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path)).eval()
+    parses, tables = [], []
+    reader_class, table = gguf.GGUFReader, gguf.get_tensor_name_map
+    monkeypatch.setattr(gguf, "GGUFReader", lambda file, *args: parses.append(file) or reader_class(file, *args))
+    monkeypatch.setattr(gguf, "get_tensor_name_map", lambda *args: tables.append(args) or table(*args))
+    loaded = load(str(path), device=torch.device("cpu"), dequantize=True)
+    assert len(parses) == 1 and len(tables) == 1
+    batch = loaded.tokenizer(PROMPTS[:2], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(**batch).logits, reference(**batch).logits, rtol=0, atol=0)

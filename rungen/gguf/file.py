@@ -56,10 +56,14 @@ HEADER_CACHE_VERSION = 3
 
 @contextlib.contextmanager
 def metadata_parsed_once():
-    """Within this block, transformers parses each GGUF file's metadata once (seconds a call); later calls copy."""
+    """Within this block, transformers parses each GGUF file once (seconds a parse; a config, a tokenizer and the
+    weights would each parse it again) and builds gguf's tensor-name table once per architecture (it rebuilds it
+    for every submodule it maps); later calls share them."""
+    import gguf
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
     original, parsed = gguf_utils.load_gguf_checkpoint, {}
+    reader_class, name_map, readers = gguf.GGUFReader, gguf.get_tensor_name_map, {}
 
     def once(path, return_tensors=False, *args, **kwargs):
         if return_tensors or args or kwargs:  # weights are read as asked, never shared
@@ -70,11 +74,20 @@ def metadata_parsed_once():
             parsed[path] = result
         return copy.deepcopy(parsed[path])  # callers edit what they get
 
-    gguf_utils.load_gguf_checkpoint = once
+    def reader(path, mode="r"):  # read-only maps of an unchanged file: one serves every reading
+        if mode != "r":
+            return reader_class(path, mode)
+        key = os.path.abspath(path)
+        if key not in readers:
+            readers[key] = reader_class(path)
+        return readers[key]
+
+    gguf_utils.load_gguf_checkpoint, gguf.GGUFReader = once, reader
+    gguf.get_tensor_name_map = functools.cache(name_map)
     try:
         yield
     finally:
-        gguf_utils.load_gguf_checkpoint = original
+        gguf_utils.load_gguf_checkpoint, gguf.GGUFReader, gguf.get_tensor_name_map = original, reader_class, name_map
 
 
 def complete_config(path: str, config: dict) -> None:
@@ -279,18 +292,13 @@ class GGUFHeader:
         if os.path.isfile(path):
             with open(path) as f:
                 return json.load(f)
-        import gguf
         from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
-        # It rebuilds gguf's name table for every submodule; one build serves the whole walk.
-        original = gguf.get_tensor_name_map
-        gguf.get_tensor_name_map = functools.cache(original)
         try:
-            names = get_gguf_hf_weights_map(model, processor)
+            with metadata_parsed_once():  # its one build of gguf's name table
+                names = get_gguf_hf_weights_map(model, processor)
         except NotImplementedError as error:
             raise GGUFError(f"{self.path}: {_first_line(error)}") from None
-        finally:
-            gguf.get_tensor_name_map = original
         fd, tmp = tempfile.mkstemp(dir=self.cache_dir, prefix=".tmp-")
         with os.fdopen(fd, "w") as f:
             json.dump(names, f)
