@@ -93,6 +93,7 @@ printable tokens.  Every id the tokenizer can produce is below the embedding row
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import string
@@ -709,7 +710,12 @@ GGUF_FAMILIES = {
 
 def default_tokenizer_fields(gguf_path, vocab):
     """The tokenizer.* metadata of the GGUF file `gguf_path` as (key, value, type, element type), its vocabulary cut
-    to its first `vocab` tokens and the merges among them."""
+    to its first `vocab` tokens and the merges among them (read once a session: a second or two each time)."""
+    return list(_tokenizer_fields(gguf_path, vocab))
+
+
+@functools.cache
+def _tokenizer_fields(gguf_path, vocab):
     from gguf import GGUFValueType as V
     from transformers.integrations.gguf.reader import read_gguf_metadata
 
@@ -729,7 +735,7 @@ def default_tokenizer_fields(gguf_path, vocab):
                 fields.append((key, value, V.ARRAY, V.STRING if isinstance(value[0], str) else V.INT32))
             else:
                 fields.append((key, value, *types[type(value)]))
-    return fields
+    return tuple(fields)
 
 
 def write_family_gguf(path, family, tokenizer_fields, layers=2, seed=0, rotary=None, longrope=False,
