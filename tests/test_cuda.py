@@ -338,6 +338,33 @@ def test_a_4_bit_gguf_file_keeps_its_codes_on_the_gpu(gguf_file):
     assert_logits_near(int4, exact)
 
 
+@needs_cuda
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q8_0"])
+def test_an_embedding_in_its_blocks_is_looked_up_inside_a_cuda_graph(name):
+    # A GGUF embedding kept in its blocks on the GPU (DeviceRowsEmbedding) is read inside the decode step's CUDA
+    # graph: replayed with other ids, the lookup gives the gguf package's values of those rows.
+    from gguf import GGMLQuantizationType
+
+    from helpers import quantized_blocks
+    from rungen.gguf.blocks import DeviceRowsEmbedding, dequantize
+
+    qtype, blocks = GGMLQuantizationType[name], quantized_blocks(name, 300, 512)
+    table = DeviceRowsEmbedding(blocks.to(DEVICE), qtype, 512, torch.bfloat16)
+    ids = torch.zeros(4, 1, dtype=torch.long, device=DEVICE)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warmed up outside the capture, as DecodeGraphs does
+        table(ids)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = table(ids)
+    wanted = torch.tensor([[5], [299], [0], [123]])
+    ids.copy_(wanted)
+    graph.replay()
+    assert torch.equal(out.cpu(), dequantize(blocks, qtype, 512).to(torch.bfloat16)[wanted])
+
+
 def run_quantized(checkpoint, mode, monkeypatch):
     """The model a greedy `--quantize mode` run quantized (the run checked to succeed)."""
     import rungen.quantize

@@ -321,31 +321,75 @@ def _q8_0_parts(blocks: torch.Tensor, in_features: int) -> tuple[torch.Tensor, t
             b[..., 0:2].contiguous().view(torch.float16)[..., 0])
 
 
-def _int4_parts(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: int):
-    """Codes [rows, in_features] (0..15) and per group of 32 the scale and offset (float32) of a 4-bit type's
-    blocks: Q4_0 and Q4_1 by torch operators on the blocks' device, Q4_K on the CPU."""
-    rows = blocks.shape[0]
-    if qtype in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
-        size = 18 if qtype == GGMLQuantizationType.Q4_0 else 20
-        b = blocks.reshape(rows, -1, size)
-        d = _halves(b[..., 0:2])
-        offset = -8 * d if qtype == GGMLQuantizationType.Q4_0 else _halves(b[..., 2:4])
-        nibbles = b[..., size - 16:]
-        return torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).reshape(rows, in_features), d, offset
-    # Q4_K: eight sub-blocks of 32 a superblock of 256, on the CPU (gguf's reading of its 6-bit scales)
-    b = blocks.contiguous().numpy().reshape(rows, -1, 144)
-    d = b[..., 0:2].copy().view(np.float16).astype(np.float32)
-    dmin = b[..., 2:4].copy().view(np.float16).astype(np.float32)
-    from gguf.quants import Q4_K
+def _nibbles(qs: torch.Tensor, rows: int) -> torch.Tensor:
+    """Packed 4-bit codes [rows, blocks, chunks, bytes] as values [rows, blocks * chunks * 2 * bytes]: each chunk's
+    low nibbles, then its high ones (Q4_0's 16 bytes a block of 32, Q4_K's four 32-byte chunks a superblock)."""
+    return torch.stack([qs & 0x0F, qs >> 4], dim=-2).reshape(rows, -1)
 
-    sc, mn = Q4_K.get_scale_min(b[..., 4:16].reshape(-1, 12))
-    scale = d * sc.reshape(rows, -1, 8).astype(np.float32)
-    offset = -dmin * mn.reshape(rows, -1, 8).astype(np.float32)
-    qs = b[..., 16:].reshape(rows, -1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
-    codes = qs & 0x0F
-    return (torch.from_numpy(np.ascontiguousarray(codes).reshape(rows, in_features)),
-            torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32).reshape(rows, -1)),
-            torch.from_numpy(np.ascontiguousarray(offset, dtype=np.float32).reshape(rows, -1)))
+
+def _bit_planes(bits: torch.Tensor) -> torch.Tensor:
+    """Bytes [..., n] as their bits [..., 8, n]: plane s holds bit s of every byte (shifts by Python ints: no
+    host-to-device copy, so a CUDA graph can hold it)."""
+    return torch.stack([(bits >> s) & 1 for s in range(8)], dim=-2)
+
+
+def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K's twelve bytes of 6-bit scales and mins [..., 12] as ([..., 8], [..., 8]) float32 (gguf's
+    get_scale_min)."""
+    d, m, m_d = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
+    sc = torch.cat([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
+    mn = torch.cat([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return sc.float(), mn.float()
+
+
+GROUPED_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0,
+                 GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K)
+
+
+def _grouped_parts(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: int):
+    """Codes [rows, in_features] (4-bit types 0..15, 5-bit ones 0..31) and per group of 32 the scale and offset
+    (float32) of GROUPED_TYPES' blocks, by torch operators on the blocks' device: code * scale + offset is the gguf
+    package's float."""
+    rows = blocks.shape[0]
+    Q = GGMLQuantizationType
+    b = blocks.reshape(rows, -1, GGML_QUANT_SIZES[qtype][1])
+    if qtype in (Q.Q4_K, Q.Q5_K):  # superblocks of 256: eight groups, 6-bit scales and mins of two float16s
+        sc, mn = _k_scales(b[..., 4:16])
+        scale, offset = _halves(b[..., 0:2])[..., None] * sc, -(_halves(b[..., 2:4])[..., None] * mn)
+        codes = _nibbles(b[..., -128:].reshape(rows, -1, 4, 32), rows)
+        if qtype == Q.Q5_K:  # bit s of high byte p: group s, position p
+            codes = codes | (_bit_planes(b[..., 16:48]).reshape(rows, -1) << 4)
+        return codes.reshape(rows, in_features), scale.reshape(rows, -1), offset.reshape(rows, -1)
+    d = _halves(b[..., 0:2])  # blocks of 32: one group each
+    codes = _nibbles(b[..., -16:].unsqueeze(-2), rows)
+    if qtype in (Q.Q5_0, Q.Q5_1):  # bit i of the block's four high bytes (little-endian): value i
+        high = b[..., -20:-16]
+        codes = codes | (_bit_planes(high).transpose(-1, -2).reshape(rows, -1) << 4)
+    if qtype in (Q.Q4_1, Q.Q5_1):
+        offset = _halves(b[..., 2:4])
+    else:
+        offset = (-16 if qtype == Q.Q5_0 else -8) * d
+    return codes.reshape(rows, in_features), d, offset
+
+
+def _int4_parts(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: int):
+    """_grouped_parts of a 4-bit type (INT4_TYPES: Q4_0, Q4_1, Q4_K), codes 0..15."""
+    if qtype not in INT4_TYPES:
+        raise GGMLError(f"{qtype.name} is not a 4-bit type")
+    return _grouped_parts(blocks, qtype, in_features)
+
+
+def _q6_k_parts(blocks: torch.Tensor, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q6_K blocks as their codes [rows, in_features] (-32..31, int8) and per group of 16 the scale (float32), by
+    torch operators on the blocks' device."""
+    rows = blocks.shape[0]
+    b = blocks.reshape(rows, -1, 210)
+    low = _nibbles(b[..., 0:128].reshape(rows, -1, 2, 64), rows).reshape(rows, -1, 8, 32)
+    high_bytes = b[..., 128:192].reshape(rows, -1, 2, 32)  # each half's 2-bit fields: four groups
+    high = torch.stack([(high_bytes >> s) & 3 for s in (0, 2, 4, 6)], dim=-2).reshape(rows, -1, 8, 32)
+    codes = (low | (high << 4)).to(torch.int8) - 32
+    scale = _halves(b[..., 208:210])[..., None] * b[..., 192:208].contiguous().view(torch.int8).float()
+    return codes.reshape(rows, in_features), scale.reshape(rows, -1)
 
 
 def torch_layer(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: int) -> torch.nn.Module:
@@ -408,7 +452,7 @@ def int8_of_blocks(blocks: torch.Tensor, in_features: int, device: torch.device,
 
 
 # --- On a CUDA GPU: an embedding table in its blocks, the rows looked up de-quantized by torch operators ---
-DEVICE_ROW_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
+DEVICE_ROW_TYPES = (*GROUPED_TYPES, GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q8_0)
 
 
 def gpu_embedding(qtype: GGMLQuantizationType, device: torch.device) -> bool:
@@ -417,19 +461,22 @@ def gpu_embedding(qtype: GGMLQuantizationType, device: torch.device) -> bool:
 
 
 def dequantize_rows(rows: torch.Tensor, qtype: GGMLQuantizationType, in_features: int) -> torch.Tensor:
-    """The float32 values [n, in_features] of Q4_0, Q4_1 or Q8_0 rows of blocks [n, row bytes], by torch operators
+    """The float32 values [n, in_features] of DEVICE_ROW_TYPES' rows of blocks [n, row bytes], by torch operators
     on the rows' device (the gguf package's arithmetic: the same floats)."""
     n = rows.shape[0]
     if qtype == GGMLQuantizationType.Q8_0:
         codes, scales = _q8_0_parts(rows, in_features)
         return (codes.float().view(n, -1, 32) * scales.float()[..., None]).reshape(n, in_features)
-    codes, scale, offset = _int4_parts(rows, qtype, in_features)
+    if qtype == GGMLQuantizationType.Q6_K:
+        codes, scale = _q6_k_parts(rows, in_features)
+        return (codes.float().view(n, -1, 16) * scale[..., None]).reshape(n, in_features)
+    codes, scale, offset = _grouped_parts(rows, qtype, in_features)
     return (codes.float().view(n, -1, 32) * scale[..., None] + offset[..., None]).reshape(n, in_features)
 
 
 class DeviceRowsEmbedding(torch.nn.Module):
-    """An embedding table kept in its GGUF blocks on a GPU (Q4_0, Q4_1, Q8_0: a quarter to half of bfloat16's
-    bytes); a lookup gathers its rows' blocks and de-quantizes them there, with torch operators a CUDA graph can
+    """An embedding table kept in its GGUF blocks on a GPU (DEVICE_ROW_TYPES: 0.28 to 0.53 of bfloat16's bytes); a
+    lookup gathers its rows' blocks and de-quantizes them there, with torch operators a CUDA graph can
     hold."""
 
     def __init__(self, blocks: torch.Tensor, qtype: GGMLQuantizationType, embedding_dim: int, dtype: torch.dtype,

@@ -100,22 +100,19 @@ def test_a_q8_0_weight_for_the_gpu_keeps_the_files_codes_and_scales():
     torch.testing.assert_close(layer(x.float()), (x @ weight.double().t()).float(), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_an_embeddings_rows_de_quantize_on_any_device_as_the_gguf_package_does(name):
     # DeviceRowsEmbedding's lookup on a GPU: torch operators over the gathered rows' blocks, the same floats.
-    import numpy as np
     from gguf import GGMLQuantizationType
-    from gguf.quants import quantize
 
+    from helpers import quantized_blocks
     from rungen.gguf.blocks import DeviceRowsEmbedding, dequantize, dequantize_rows
 
-    qtype = GGMLQuantizationType[name]
-    values = np.random.default_rng(0).standard_normal((20, 96)).astype(np.float32) * 3
-    blocks = torch.from_numpy(quantize(values, qtype))
-    assert torch.equal(dequantize_rows(blocks, qtype, 96), dequantize(blocks, qtype, 96))
-    table = DeviceRowsEmbedding(blocks, qtype, 96, torch.bfloat16, scale=2.0)
+    qtype, blocks = GGMLQuantizationType[name], quantized_blocks(name, 20, 512)
+    assert torch.equal(dequantize_rows(blocks, qtype, 512), dequantize(blocks, qtype, 512))
+    table = DeviceRowsEmbedding(blocks, qtype, 512, torch.bfloat16, scale=2.0)
     ids = torch.tensor([[3, 3, 19], [0, 7, 1]])
-    assert torch.equal(table(ids), dequantize(blocks, qtype, 96).to(torch.bfloat16)[ids] * 2.0)
+    assert torch.equal(table(ids), dequantize(blocks, qtype, 512).to(torch.bfloat16)[ids] * 2.0)
 
 
 def test_float16_head_is_the_product_of_the_float16_rounded_weights():
