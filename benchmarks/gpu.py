@@ -29,7 +29,8 @@ first call's extra time (compilation, graph capture, kernel selection) and peak 
 and time to first token for a --ttft-tokens prompt (512) at batch 1 on the engine and through generate(). A GGUF
 row: Llama-3.1-8B's shape written as Q4_0 by benchmarks/gguf_files.py's writer (random blocks, a synthetic
 byte-level vocabulary of the published size), loaded through rungen.loading.load on the device (Q4_0 as 4-bit codes
-for torch's int4 kernel, the rest de-quantized to bfloat16), decoding at batch 1 on the engine, its load time and
+for torch's int4 kernel, the embedding in its Q4_0 blocks, the Q6_K head as int8 codes for rungen/int8.py's
+kernel), decoding at batch 1 on the engine, its load time and
 peak memory beside the file's size. A server row: `run_generation.py --serve` on the default model's shape written
 as a Q4_0 file (with a ChatML template), 16 clients each streaming two chat completions (--new-tokens each): output
 tokens/s, time to first token (median and 95th percentile), time per output token, and the requests cut short (none

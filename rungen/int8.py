@@ -4,7 +4,8 @@ registers, so a decode step reads one byte a weight: torch's own CUDA int8 kerne
 to 2.13) computes one output a thread in float32 over rows read across threads, far from the bandwidth a step needs.
 Where Triton is missing or disagrees with the plain product, and for prompts (many rows: compute-bound), the codes
 are widened to the activations' dtype for the GPU's own matrix product, one layer at a time. The same layer and
-kernel hold a GGUF file's Q8_0 blocks on a GPU: int8 codes with a float16 scale a group of 32 inputs.
+kernel hold a GGUF file's Q8_0 blocks on a GPU (int8 codes with a float16 scale a group of 32 inputs) and its Q6_K
+ones (codes -32..31 with a float32 scale a group of 16).
 """
 
 from __future__ import annotations
@@ -58,9 +59,9 @@ def triton_kernel():
     tuned = triton.autotune(configs=configs, key=["M_BUCKET", "N", "K"])(int8_matmul)
 
     def run(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, blocks: dict | None = None) -> torch.Tensor:
-        """x [rows, in] @ (scales * codes).T in x's dtype, scales [out] (a channel's) or [out, in / 32] (a group of
-        32's: GGUF's Q8_0); `blocks` ({"BLOCK_N", "BLOCK_K"}): one configuration instead of the tuned ones
-        (Triton's interpreter on the CPU has nothing to time: one is taken there)."""
+        """x [rows, in] @ (scales * codes).T in x's dtype, scales [out] (a channel's) or [out, groups] (a group of
+        inputs': GGUF's Q8_0 32, Q6_K 16); `blocks` ({"BLOCK_N", "BLOCK_K"}): one configuration instead of the tuned
+        ones (Triton's interpreter on the CPU has nothing to time: one is taken there)."""
         rows, inner = x.shape
         channels = codes.shape[0]
         y = torch.empty(rows, channels, dtype=x.dtype, device=x.device)
@@ -125,8 +126,8 @@ def widened(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch
 
 class CudaInt8Linear(torch.nn.Module):
     """y = x @ (scale * codes).T (+ bias) on a CUDA GPU, in the activations' dtype: codes int8 [out, in], one scale
-    an output channel (scales [out]) or a group of 32 inputs (scales [out, in / 32]: GGUF's Q8_0 blocks); the Triton
-    kernel for a few rows once checked (use_kernel), else the widened product."""
+    an output channel (scales [out]) or a group of inputs (scales [out, groups]: GGUF's Q8_0 and Q6_K blocks); the
+    Triton kernel for a few rows once checked (use_kernel), else the widened product."""
 
     format = "int8"
 

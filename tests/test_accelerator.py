@@ -68,24 +68,29 @@ def test_quantize_goes_on_to_load_on_cuda(gpu, monkeypatch, mode):
     assert result.returncode == 2 and error_line(result) == "run_generation.py: error: reached the load on cuda"
 
 
-def test_a_q8_0_gguf_file_on_the_gpu_keeps_its_codes(tmp_path, monkeypatch, module_cache_home):
-    # The GPU's load of a Q8_0 file with the CPU standing in and the Triton kernel stood in by the plain product it
-    # is checked against (tests/test_cuda.py runs the kernel itself): the matrices keep their int8 codes and float16
-    # scales, rows permuted as transformers wants the attention's, and the model computes what the de-quantized one
-    # does; a kernel that does not check out leaves them de-quantized.
+def test_a_q8_0_gguf_file_on_the_gpu_keeps_its_codes_and_its_q6_k_heads(tmp_path, monkeypatch, module_cache_home):
+    # The GPU's load of a Q8_0 file (its head Q6_K, as llama.cpp's) with the CPU standing in and the Triton kernel
+    # stood in by the plain product it is checked against (tests/test_cuda.py runs the kernel itself): the matrices
+    # keep their int8 codes and float16 scales, rows permuted as transformers wants the attention's, the head its
+    # Q6_K codes and a float32 scale a group of 16, each type's kernel checked on its first weight, and the model
+    # computes what the de-quantized one does; a kernel that does not check out leaves them de-quantized.
     import rungen.gguf.file
+    from rungen.gguf.blocks import INT8_TYPES
     from rungen.int8 import CudaInt8Linear, widened
     from rungen.loading import load_gguf_on
 
     path = write_tiny_gguf(str(tmp_path / "tiny-Q8_0.gguf"), "Q8_0")
     cpu = torch.device("cpu")
-    monkeypatch.setattr(rungen.gguf.file, "gpu_int8", lambda qtype, device: qtype.name == "Q8_0")
+    monkeypatch.setattr(rungen.gguf.file, "gpu_int8", lambda qtype, device: qtype in INT8_TYPES)
     checked = []
-    monkeypatch.setattr(rungen.gguf.file, "checked_kernel", lambda layer, dtype, instead: (checked.append(dtype),
-                                                                                          widened)[1])
+    monkeypatch.setattr(rungen.gguf.file, "checked_kernel", lambda layer, dtype, instead: (checked.append(
+        (layer.scales.dtype, layer.in_features // layer.scales.shape[1])), widened)[1])
     kept = load_gguf_on(path, cpu, dtype="float32")
     layers = [m for m in kept.model.modules() if isinstance(m, CudaInt8Linear)]
-    assert len(layers) == 2 * 7 and checked == [torch.float32] and all(m.kernel is widened for m in layers)
+    assert len(layers) == 2 * 7 + 1 and all(m.kernel is widened for m in layers)
+    assert sorted(checked, key=str) == [(torch.float16, 32), (torch.float32, 16)]
+    head = kept.model.get_output_embeddings()
+    assert head in layers and head.codes.abs().max() <= 32 and head.scales.shape == (head.out_features, 256 // 16)
     monkeypatch.setattr(rungen.gguf.file, "checked_kernel", lambda layer, dtype, instead: None)
     dequantized = load_gguf_on(path, cpu, dtype="float32")
     assert not any(isinstance(m, CudaInt8Linear) for m in dequantized.model.modules())

@@ -381,18 +381,22 @@ def run_quantized(checkpoint, mode, monkeypatch):
 
 @needs_cuda
 def test_a_q8_0_gguf_file_keeps_its_codes_on_the_gpu(tmp_path):
-    # Its Q8_0 matrices keep their int8 codes and float16 scales (a little over a byte a weight) for the Triton kernel
-    # (checked on the first: were it not taken they would be de-quantized, and this test failing), and compute what
-    # the float32 de-quantized model does to bfloat16 rounding.
+    # Its Q8_0 matrices keep their int8 codes and float16 scales (a little over a byte a weight) for the Triton kernel,
+    # its Q6_K head (llama.cpp's) its codes and a float32 scale a group of 16 (1.25 bytes a weight), each type's
+    # kernel checked on its first weight (were it not taken they would be de-quantized, and this test failing), and
+    # they compute what the float32 de-quantized model does to bfloat16 rounding.
     from rungen.int8 import CudaInt8Linear
     from rungen.loading import load
 
     path = write_tiny_gguf(str(tmp_path / "tiny-Q8_0.gguf"), "Q8_0")
     int8, exact = load(path, device=DEVICE), load(path, device=DEVICE, dtype="float32")
-    layers = [m for m in int8.model.modules() if isinstance(m, CudaInt8Linear)]
+    head = int8.model.get_output_embeddings()
+    layers = [m for m in int8.model.modules() if isinstance(m, CudaInt8Linear) and m is not head]
     assert len(layers) == 2 * 7 and all(m.kernel is not None for m in layers), "the Q8_0 matrices run de-quantized"
-    held = sum(b.numel() * b.element_size() for m in layers for b in (m.codes, m.scales))
-    assert held < 0.55 * sum(2 * m.out_features * m.in_features for m in layers)
+    assert isinstance(head, CudaInt8Linear) and head.kernel is not None, "the Q6_K head runs de-quantized"
+    for parts, most in ((layers, 0.55), ([head], 0.65)):
+        held = sum(b.numel() * b.element_size() for m in parts for b in (m.codes, m.scales))
+        assert held < most * sum(2 * m.out_features * m.in_features for m in parts)
     assert_logits_near(int8, exact)
 
 
@@ -427,9 +431,11 @@ def test_the_int8_kernel_multiplies_as_the_plain_product(dtype):
     for rows, channels, inner in ((1, 96, 320), (5, 64, 256), (17, 40, 96), (64, 48, 512)):
         generator = torch.Generator().manual_seed(rows)
         codes = torch.randint(-128, 128, (channels, inner), dtype=torch.int8, generator=generator).to(DEVICE)
-        # a scale an output channel (--quantize int8), or a float16 one a group of 32 inputs (GGUF's Q8_0)
+        # a scale an output channel (--quantize int8), a float16 one a group of 32 inputs (GGUF's Q8_0), or a
+        # float32 one a group of 16 (GGUF's Q6_K)
         for scales in ((torch.rand(channels, generator=generator) / 100).to(DEVICE, torch.bfloat16),
-                       (torch.rand(channels, inner // 32, generator=generator) / 100).to(DEVICE, torch.float16)):
+                       (torch.rand(channels, inner // 32, generator=generator) / 100).to(DEVICE, torch.float16),
+                       (torch.rand(channels, inner // 16, generator=generator) / 100).to(DEVICE, torch.float32)):
             x = torch.randn(rows, inner, generator=generator).to(DEVICE, dtype)
             y = kernel(x, codes, scales, blocks)
             reference = widened(x.float(), codes, scales)

@@ -434,17 +434,25 @@ def tinygemm_of_blocks(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_fea
     return TinyGemmLinear(codes, scale, offset, device)
 
 
-# --- On a CUDA GPU: Q8_0 as its int8 codes and float16 scales, for rungen/int8.py's Triton kernel ---
+# --- On a CUDA GPU: Q8_0 and Q6_K as int8 codes and group scales, for rungen/int8.py's Triton kernel ---
+INT8_TYPES = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q6_K)
+
 
 def gpu_int8(qtype: GGMLQuantizationType, device: torch.device) -> bool:
     """Whether a weight of `qtype` keeps its int8 codes on `device` (CudaInt8Linear, once its kernel is checked)."""
-    return qtype == GGMLQuantizationType.Q8_0 and device.type == "cuda"
+    return qtype in INT8_TYPES and device.type == "cuda"
 
 
-def int8_of_blocks(blocks: torch.Tensor, in_features: int, device: torch.device, order=None) -> CudaInt8Linear:
-    """A Q8_0 weight's blocks (`order`: its rows permuted) as a CudaInt8Linear on `device`: each block's 32 int8
-    codes and its float16 scale, exactly as the file has them (no kernel yet: see rungen/int8.py's use_kernel)."""
-    codes, scales = _q8_0_parts(blocks, in_features)
+def int8_of_blocks(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: int, device: torch.device,
+                   order=None) -> CudaInt8Linear:
+    """A Q8_0 or Q6_K weight's blocks (`order`: its rows permuted) as a CudaInt8Linear on `device`, exact: Q8_0 as
+    each block's 32 int8 codes and its float16 scale (1.06 bytes a weight, the file's), Q6_K as its codes (-32..31)
+    and a float32 scale a group of 16, its superblock's float16 scale times the group's int8 one (1.25 bytes a
+    weight, against the file's 0.82 and bfloat16's 2). No kernel yet: see rungen/int8.py's use_kernel."""
+    if qtype == GGMLQuantizationType.Q8_0:
+        codes, scales = _q8_0_parts(blocks, in_features)
+    else:
+        codes, scales = _q6_k_parts(blocks, in_features)
     if order is not None:
         order = torch.from_numpy(order)
         codes, scales = codes[order], scales[order]

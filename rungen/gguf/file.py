@@ -376,7 +376,7 @@ def _process(processor, header: GGUFHeader, name: str, weights: np.ndarray, name
 def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | None = None) -> torch.nn.Module:
     """The causal LM of `header`'s config over the file's weights. Given a `device`, weights are de-quantized to
     `dtype` a chunk of rows at a time (never whole in float32), or kept 4-bit where torch's int4 kernel agrees, or
-    Q8_0's int8 codes where rungen/int8.py's Triton kernel does."""
+    as Q8_0's and Q6_K's int8 codes where rungen/int8.py's Triton kernel does."""
     on_device = device is not None
     from accelerate import init_empty_weights
     from gguf import GGMLQuantizationType
@@ -406,7 +406,8 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
             embedding = model.get_input_embeddings()
             tied_embedding = next(n for n, m in model.named_modules() if m is embedding)
     int4 = None  # on a GPU, whether 4-bit weights take torch's int4 kernel: None until the first is checked
-    int8 = None  # on a GPU, Q8_0's checked Triton kernel (rungen/int8.py): None until the first, False: none
+    int8 = {}  # on a GPU, Q8_0's and Q6_K's checked Triton kernel (rungen/int8.py; each type's group size compiles
+    # apart): a type's entry set by its first weight, False where the kernel does not serve it
     collected = {"tensors": {}}  # what processors that merge or split tensors (MoE experts) leave
     biases = {}  # module name -> bias, given to the layer that ends up there
     layers = {}  # module name -> the layer that replaces the model's own
@@ -464,15 +465,16 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
                     layer = make()
                 layers[module_name] = layer
                 continue
-            if on_device and order is not False and isinstance(module, torch.nn.Linear) and int8 is not False \
-                    and gpu_int8(qtype, device):
-                layer = int8_of_blocks(torch.from_numpy(blocks), in_features, device, order)
-                if int8 is None:  # the first: no kernel, no codes (widening each product is slower than bfloat16)
-                    int8 = checked_kernel(layer, dtype, f"Q8_0 weights de-quantized to {dtype} instead") or False
-                    if not int8:
-                        _set_tensor(model, hf_name, reader.dequantized(entry, dtype, device, order))
-                        continue
-                layer.use_kernel(int8)
+            if on_device and order is not False and isinstance(module, torch.nn.Linear) \
+                    and int8.get(qtype) is not False and gpu_int8(qtype, device):
+                layer = int8_of_blocks(torch.from_numpy(blocks), qtype, in_features, device, order)
+                if qtype not in int8:  # the first: no kernel, no codes (widening each product is slower than bfloat16)
+                    int8[qtype] = checked_kernel(layer, dtype, f"{qtype.name} weights de-quantized to {dtype} "
+                                                 "instead") or False
+                if not int8[qtype]:
+                    _set_tensor(model, hf_name, reader.dequantized(entry, dtype, device, order))
+                    continue
+                layer.use_kernel(int8[qtype])
                 layers[module_name] = layer
                 continue
             if on_device and order is not False and isinstance(module, torch.nn.Embedding) \

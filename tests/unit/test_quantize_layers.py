@@ -78,26 +78,28 @@ def test_the_widened_product_holds_float16s_range(grouped):
     torch.testing.assert_close(half.float(), exact, rtol=0.01, atol=0.5)
 
 
-def test_a_q8_0_weight_for_the_gpu_keeps_the_files_codes_and_scales():
-    # A GGUF Q8_0 weight on a GPU (rungen/gguf/blocks.py's int8_of_blocks): each block's 32 int8 codes and float16
-    # scale as the file has them (rows permuted where the architecture asks), whose product is exactly the
-    # de-quantized weight's.
+@pytest.mark.parametrize("name", ["Q8_0", "Q6_K"])
+def test_a_q8_0_or_q6_k_weight_for_the_gpu_keeps_the_files_codes_and_scales(name):
+    # A GGUF Q8_0 or Q6_K weight on a GPU (rungen/gguf/blocks.py's int8_of_blocks): Q8_0's 32 int8 codes and float16
+    # scale a block as the file has them, Q6_K's codes (-32..31) and a float32 scale a group of 16 (its superblock's
+    # float16 scale times the group's int8 one), rows permuted where the architecture asks; the product of codes
+    # and scales is exactly the de-quantized weight.
     import numpy as np
     from gguf import GGMLQuantizationType
-    from gguf.quants import quantize
 
+    from helpers import quantized_blocks
     from rungen.gguf.blocks import dequantize, int8_of_blocks
 
-    generator = np.random.default_rng(0)
-    values = generator.standard_normal((24, 96)).astype(np.float32)
-    blocks = torch.from_numpy(quantize(values, GGMLQuantizationType.Q8_0))
-    order = generator.permutation(24)
-    layer = int8_of_blocks(blocks, 96, torch.device("cpu"), order)
-    assert layer.codes.dtype == torch.int8 and layer.scales.dtype == torch.float16 and layer.scales.shape == (24, 3)
-    weight = dequantize(blocks, GGMLQuantizationType.Q8_0, 96)[torch.from_numpy(order)]
-    x = torch.randn(5, 96, dtype=torch.float64)
-    assert torch.equal(layer.codes.float() * layer.scales.float().repeat_interleave(32, dim=1), weight)
-    torch.testing.assert_close(layer(x.float()), (x @ weight.double().t()).float(), rtol=1e-5, atol=1e-5)
+    qtype, blocks = GGMLQuantizationType[name], quantized_blocks(name, 24, 512)
+    order = np.random.default_rng(0).permutation(24)
+    layer = int8_of_blocks(blocks, qtype, 512, torch.device("cpu"), order)
+    group, dtype = (32, torch.float16) if name == "Q8_0" else (16, torch.float32)
+    assert layer.codes.dtype == torch.int8 and layer.scales.dtype == dtype and layer.scales.shape == (24, 512 // group)
+    weight = dequantize(blocks, qtype, 512)[torch.from_numpy(order)]
+    x = torch.randn(5, 512, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(layer.codes.float() * layer.scales.float().repeat_interleave(group, dim=1), weight)
+    # float32 sums of 512 products against float64's
+    torch.testing.assert_close(layer(x.float()), (x @ weight.double().t()).float(), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
