@@ -34,10 +34,12 @@ def triton_kernel():
     @triton.jit(do_not_specialize=["M", "M_BUCKET"])  # one compilation for every decode batch
     def int8_matmul(x, codes, scales, y, M, N, K, M_BUCKET, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # y[m, n] = sum_k x[m, k] * codes[n, k] * scale: a block of output channels a program, all rows at once; the
-        # scale is scales[n] (GROUP 0), applied to the sums, or scales[n, k // GROUP], applied to the codes
-        rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-        channels = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # channels x K: past 2^31
+        # y[m, n] = sum_k x[m, k] * codes[n, k] * scale: a block of rows and output channels a program; the scale is
+        # scales[n] (GROUP 0), applied to the sums, or scales[n, k // GROUP], applied to the codes. Row blocks are
+        # the grid's first axis, so the programs reading one block of codes are launched together and all but the
+        # first read it from L2: the codes leave memory once however many row blocks there are.
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        channels = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # channels x K: past 2^31
         inner = tl.arange(0, BLOCK_K)
         total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for start in range(0, K, BLOCK_K):
@@ -70,7 +72,7 @@ def triton_kernel():
             blocks = {"BLOCK_N": 32, "BLOCK_K": 128}
 
         def grid(meta):
-            return triton.cdiv(channels, meta["BLOCK_N"]), triton.cdiv(rows, 16)
+            return triton.cdiv(rows, 16), triton.cdiv(channels, meta["BLOCK_N"])
 
         group = inner // scales.shape[1] if scales.dim() == 2 else 0
         if blocks is None:
