@@ -226,9 +226,10 @@ def weight_bytes(model):
     """Bytes of weights a decode step reads: every parameter and buffer once (a tied head once; --quantize's codes
     are buffers), less the input embedding when it is not the head (a step reads only its rows)."""
     total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    embedding = model.get_input_embeddings()  # a table, or a GGUF file's blocks
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()  # a table, or a GGUF file's blocks
     tensors = [*embedding.parameters(), *embedding.buffers()]
-    if not any(t is getattr(model.get_output_embeddings(), "weight", None) for t in tensors):  # (tied: one table)
+    read_by_head = {id(t) for t in [*head.parameters(), *head.buffers()]} if head is not None else set()
+    if not any(id(t) in read_by_head for t in tensors):  # (tied: one table, or one set of codes)
         total -= sum(t.numel() * t.element_size() for t in tensors)
     return total
 

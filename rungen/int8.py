@@ -154,6 +154,28 @@ class CudaInt8Linear(torch.nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class CodesEmbedding(torch.nn.Module):
+    """The input embedding of a tied model whose head is a CudaInt8Linear (a GGUF file's Q8_0 or Q6_K table): a
+    lookup scales its rows' codes, so one copy of the table, a byte a weight, serves both."""
+
+    def __init__(self, head: CudaInt8Linear, dtype: torch.dtype, scale: float | torch.Tensor | None = None):
+        super().__init__()
+        self.head, self.dtype = head, dtype
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+        self.embed_scale = scale  # Gemma-style scaled embeddings multiply the looked-up rows
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        codes = self.head.codes.index_select(0, flat).float()
+        scales = self.head.scales.index_select(0, flat).float()
+        if scales.dim() == 1:
+            rows = codes * scales[:, None]
+        else:
+            rows = (codes.view(flat.shape[0], scales.shape[1], -1) * scales[..., None]).view(flat.shape[0], -1)
+        out = rows.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
+        return out if self.embed_scale is None else out * self.embed_scale
+
+
 def checked_kernel(layer: CudaInt8Linear, dtype: torch.dtype, instead: str):
     """The Triton kernel where it imports, is allowed (RUN_GENERATION_TRITON_INT8 not 0) and multiplies as the
     plain product does on `layer`; else None, one warning saying why and what the caller does `instead`."""

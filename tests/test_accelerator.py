@@ -100,6 +100,32 @@ def test_a_q8_0_gguf_file_on_the_gpu_keeps_its_codes_and_its_q6_k_heads(tmp_path
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
 
 
+def test_a_tied_q8_0_file_on_the_gpu_keeps_one_set_of_codes_for_its_embedding_and_head(tmp_path, monkeypatch,
+                                                                                       module_cache_home):
+    # A tied file's Q8_0 table (Q6_K's alike) on the GPU, the CPU standing in: the head keeps its codes for the int8
+    # kernel and the embedding's lookup reads those same codes (one copy, a byte a weight, where it was a bfloat16
+    # table the two shared), to the de-quantized model's values and logits.
+    import rungen.gguf.file
+    from rungen.gguf.blocks import INT8_TYPES
+    from rungen.int8 import CodesEmbedding, CudaInt8Linear, widened
+    from rungen.loading import load_gguf_on
+
+    path = write_tiny_gguf(str(tmp_path / "tied-Q8_0.gguf"), "Q8_0", tied=True)
+    cpu = torch.device("cpu")
+    dequantized = load_gguf_on(path, cpu, dtype="float32").model
+    monkeypatch.setattr(rungen.gguf.file, "gpu_int8", lambda qtype, device: qtype in INT8_TYPES)
+    monkeypatch.setattr(rungen.gguf.file, "checked_kernel", lambda layer, dtype, instead: widened)
+    kept = load_gguf_on(path, cpu, dtype="float32").model
+    head, embedding = kept.get_output_embeddings(), kept.get_input_embeddings()
+    assert isinstance(head, CudaInt8Linear) and isinstance(embedding, CodesEmbedding) and embedding.head is head
+    assert head.codes.shape == dequantized.get_input_embeddings().weight.shape
+    ids = torch.tensor([list(range(3, 40)), list(range(40, 77))])
+    with torch.inference_mode():
+        assert torch.equal(embedding(ids), dequantized.get_input_embeddings()(ids))
+        torch.testing.assert_close(kept(input_ids=ids).logits, dequantized(input_ids=ids).logits, rtol=1e-4,
+                                   atol=1e-4)
+
+
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
 def test_a_gguf_files_embedding_keeps_its_blocks_on_the_gpu(tmp_path, monkeypatch, module_cache_home, qtype):
     # The GPU's load with the CPU standing in: an untied file's token embeddings stay in the file's blocks (a

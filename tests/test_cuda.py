@@ -339,6 +339,21 @@ def test_a_4_bit_gguf_file_keeps_its_codes_on_the_gpu(gguf_file):
 
 
 @needs_cuda
+def test_a_tied_q8_0_file_keeps_one_set_of_codes_on_the_gpu(tmp_path):
+    # A tied file's Q8_0 table: the head's int8 codes for the Triton kernel, which the embedding's lookup reads too
+    # (no bfloat16 table), computing what the float32 model does to bfloat16 rounding.
+    from rungen.int8 import CodesEmbedding, CudaInt8Linear
+    from rungen.loading import load
+
+    path = write_tiny_gguf(str(tmp_path / "tied-Q8_0.gguf"), "Q8_0", tied=True)
+    int8, exact = load(path, device=DEVICE), load(path, device=DEVICE, dtype="float32")
+    head, embedding = int8.model.get_output_embeddings(), int8.model.get_input_embeddings()
+    assert isinstance(head, CudaInt8Linear) and head.kernel is not None, "the tied table runs de-quantized"
+    assert isinstance(embedding, CodesEmbedding) and embedding.head is head
+    assert_logits_near(int8, exact)
+
+
+@needs_cuda
 @pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q8_0"])
 def test_an_embedding_in_its_blocks_is_looked_up_inside_a_cuda_graph(name):
     # A GGUF embedding kept in its blocks on the GPU (DeviceRowsEmbedding) is read inside the decode step's CUDA

@@ -27,7 +27,7 @@ import torch
 
 from .. import NOTICE
 from ..int4 import checked_tinygemm
-from ..int8 import checked_kernel
+from ..int8 import CodesEmbedding, checked_kernel
 from .blocks import (
     SUPPORTED,
     CastEmbedding,
@@ -465,7 +465,8 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
                     layer = make()
                 layers[module_name] = layer
                 continue
-            if on_device and order is not False and isinstance(module, torch.nn.Linear) \
+            tied_table = isinstance(module, torch.nn.Embedding) and head_reads_embedding
+            if on_device and order is not False and (isinstance(module, torch.nn.Linear) or tied_table) \
                     and int8.get(qtype) is not False and gpu_int8(qtype, device):
                 layer = int8_of_blocks(torch.from_numpy(blocks), qtype, in_features, device, order)
                 if qtype not in int8:  # the first: no kernel, no codes (widening each product is slower than bfloat16)
@@ -475,7 +476,9 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
                     _set_tensor(model, hf_name, reader.dequantized(entry, dtype, device, order))
                     continue
                 layer.use_kernel(int8[qtype])
-                layers[module_name] = layer
+                # A tied table becomes the head (_tie_head), its lookup reading the same codes.
+                layers[module_name] = CodesEmbedding(layer, dtype, getattr(module, "embed_scale", None)) \
+                    if tied_table else layer
                 continue
             if on_device and order is not False and isinstance(module, torch.nn.Embedding) \
                     and not head_reads_embedding and gpu_embedding(qtype, device):  # a tied head reads a table
@@ -508,7 +511,7 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
         _set_tensor(model, hf_name, value.to(device, dtype))
     if on_device:
         for module_name, layer in layers.items():  # weights kept in codes or blocks
-            if not isinstance(layer, DeviceRowsEmbedding):
+            if not isinstance(layer, (DeviceRowsEmbedding, CodesEmbedding)):
                 bias = model.get_submodule(module_name).bias
                 layer.bias = bias if bias is not None and bias.device.type != "meta" else None
             model.set_submodule(module_name, layer)
@@ -563,6 +566,9 @@ def _tie_head(model, config):
                                              interleaved=embedding.interleaved))
     elif isinstance(embedding, CastEmbedding):
         model.set_submodule(name, CastLinear(embedding.weight, bias))
+    elif isinstance(embedding, CodesEmbedding):
+        embedding.head.bias = bias
+        model.set_submodule(name, embedding.head)
     else:
         head.weight = embedding.weight
 
