@@ -78,6 +78,26 @@ def test_the_widened_product_holds_float16s_range(grouped):
     torch.testing.assert_close(half.float(), exact, rtol=0.01, atol=0.5)
 
 
+def test_the_int8_kernels_check_multiplies_a_heads_first_channels_and_catches_a_wrong_kernel():
+    # The check a GPU load runs on the first int8 weight of each type (often a head of 128k rows): the kernel and the
+    # float32 reference multiply its first CHECKED_CHANNELS output channels only (the whole table widened to
+    # float32 would be gigabytes at load), and a kernel that computes otherwise is refused with its reason.
+    from rungen.int8 import CHECKED_CHANNELS, CudaInt8Linear, disagreement, widened
+
+    generator = torch.Generator().manual_seed(0)
+    codes = torch.randint(-128, 128, (3 * CHECKED_CHANNELS, 64), dtype=torch.int8, generator=generator)
+    layer = CudaInt8Linear(codes, (torch.rand(3 * CHECKED_CHANNELS, 2, generator=generator) / 100).half(), None)
+    seen = []
+
+    def kernel(x, codes, scales):
+        seen.append(codes.shape[0])
+        return widened(x.float(), codes, scales).to(x.dtype)
+
+    assert disagreement(kernel, layer, torch.float32) is None and seen == [CHECKED_CHANNELS] * 2
+    why = disagreement(lambda x, codes, scales: kernel(x, codes, scales) * 1.1, layer, torch.float32)
+    assert why == "the Triton kernel disagrees with the plain product on this GPU"
+
+
 @pytest.mark.parametrize("name", ["Q8_0", "Q6_K"])
 def test_a_q8_0_or_q6_k_weight_for_the_gpu_keeps_the_files_codes_and_scales(name):
     # A GGUF Q8_0 or Q6_K weight on a GPU (rungen/gguf/blocks.py's int8_of_blocks): Q8_0's 32 int8 codes and float16
