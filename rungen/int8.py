@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 TRITON_ENV = "RUN_GENERATION_TRITON_INT8"  # 0: never the Triton kernel (the widened product alone)
 MOST_ROWS = 64  # the kernel's rows at most: past that a step is compute-bound and cuBLAS's product wins
 CHECKED_CHANNELS = 1024  # output channels a check of the kernel multiplies at most
+WIDEN_BYTES = 1 << 28  # a widened weight's bytes at most at a time (256 MB; a head's table is gigabytes)
 
 
 @functools.cache
@@ -117,7 +118,11 @@ class Int8Linear(torch.nn.Module):
 def widened(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The plain product: the codes widened to x's dtype [out, in] and scaled there, per output channel (scales
     [out]) or per group (scales [out, groups]), one layer's weight at a time (two bytes a weight in half
-    precision)."""
+    precision), at most WIDEN_BYTES of it at once."""
+    step = max(1, WIDEN_BYTES // (codes.shape[1] * x.element_size()))
+    if codes.shape[0] > step:  # a head's table: a slice of output channels at a time
+        return torch.cat([widened(x, codes[start:start + step], scales[start:start + step])
+                          for start in range(0, codes.shape[0], step)], dim=-1)
     # Scaled before the product: the codes' own product is 127 / max|w| times larger, past float16's range.
     weight = codes.to(x.dtype)
     if scales.dim() == 1:

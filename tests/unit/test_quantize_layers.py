@@ -78,6 +78,26 @@ def test_the_widened_product_holds_float16s_range(grouped):
     torch.testing.assert_close(half.float(), exact, rtol=0.01, atol=0.5)
 
 
+def test_the_widened_product_of_a_large_table_takes_slices_of_it(monkeypatch):
+    # Past the kernel's rows a GPU layer widens its codes: a head's table a slice of output channels at a time (at
+    # most WIDEN_BYTES), the product the same (integer values and power-of-two scales: every sum exact).
+    import rungen.int8
+    from rungen.int8 import widened
+
+    generator = torch.Generator().manual_seed(0)
+    codes = torch.randint(-128, 128, (100, 64), dtype=torch.int8, generator=generator)
+    scales = 2.0 ** -torch.randint(4, 8, (100, 2), generator=generator).float()
+    x = torch.randint(-8, 8, (3, 64), generator=generator).float()
+    whole = widened(x, codes, scales)
+    widened_rows = []
+    linear = torch.nn.functional.linear
+    monkeypatch.setattr(rungen.int8, "WIDEN_BYTES", 16 * 64 * 4)  # 16 channels of float32 at a time
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, weight: (widened_rows.append(weight.shape[0]),
+                                                                          linear(x, weight))[1])
+    assert torch.equal(widened(x, codes, scales), whole)
+    assert whole.shape == (3, 100) and widened_rows == [16] * 6 + [4]
+
+
 def test_the_int8_kernels_check_multiplies_a_heads_first_channels_and_catches_a_wrong_kernel():
     # The check a GPU load runs on the first int8 weight of each type (often a head of 128k rows): the kernel and the
     # float32 reference multiply its first CHECKED_CHANNELS output channels only (the whole table widened to
