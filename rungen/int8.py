@@ -34,10 +34,11 @@ def triton_kernel():
         return None
 
     @triton.jit(do_not_specialize=["M", "M_BUCKET"])  # one compilation for every decode batch
-    def int8_matmul(x, codes, scales, y, M, N, K, M_BUCKET, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # y[m, n] = sum_k x[m, k] * codes[n, k] * scale: a block of rows and output channels a program; the scale is
-        # scales[n] (GROUP 0), applied to the sums, or scales[n, k // GROUP], applied to the codes. Row blocks are
+    def int8_matmul(x, codes, scales, offsets, y, M, N, K, M_BUCKET, GROUP: tl.constexpr, OFFSET: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # y[m, n] = sum_k x[m, k] * (codes[n, k] * scale + offset): a block of rows and output channels a program; the
+        # scale is scales[n] (GROUP 0), applied to the sums, or scales[n, k // GROUP], applied to the codes, as the
+        # group's offset (OFFSET: offsets[n, k // GROUP], else none) is. Row blocks are
         # the grid's first axis, so the programs reading one block of codes are launched together and all but the
         # first read it from L2: the codes leave memory once however many row blocks there are.
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -50,8 +51,10 @@ def triton_kernel():
             kept = (channels[None, :] < N) & (at[:, None] < K)
             b = tl.load(codes + channels[None, :] * K + at[:, None], mask=kept, other=0)
             if GROUP:
-                scale = tl.load(scales + channels[None, :] * (K // GROUP) + at[:, None] // GROUP, mask=kept, other=0.0)
-                b = b.to(tl.float32) * scale.to(tl.float32)
+                group = channels[None, :] * (K // GROUP) + at[:, None] // GROUP
+                b = b.to(tl.float32) * tl.load(scales + group, mask=kept, other=0.0).to(tl.float32)
+                if OFFSET:
+                    b += tl.load(offsets + group, mask=kept, other=0.0).to(tl.float32)
             total += tl.dot(a, b.to(a.dtype), input_precision="ieee")  # float32 stays float32 (no tf32)
         if not GROUP:
             total = total * tl.load(scales + channels, mask=channels < N, other=0.0).to(tl.float32)[None, :]
@@ -62,10 +65,12 @@ def triton_kernel():
                for n, k, w in ((16, 256, 4), (32, 256, 4), (32, 512, 4), (64, 256, 8))]
     tuned = triton.autotune(configs=configs, key=["M_BUCKET", "N", "K"])(int8_matmul)
 
-    def run(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, blocks: dict | None = None) -> torch.Tensor:
-        """x [rows, in] @ (scales * codes).T in x's dtype, scales [out] (a channel's) or [out, groups] (a group of
-        inputs': GGUF's Q8_0 32, Q6_K 16); `blocks` ({"BLOCK_N", "BLOCK_K"}): one configuration instead of the tuned
-        ones (Triton's interpreter on the CPU has nothing to time: one is taken there)."""
+    def run(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, blocks: dict | None = None,
+            offsets: torch.Tensor | None = None) -> torch.Tensor:
+        """x [rows, in] @ (scales * codes + offsets).T in x's dtype, scales [out] (a channel's) or [out, groups] (a
+        group of inputs': GGUF's Q8_0 32, Q6_K 16), offsets None or [out, groups] (Q5_K's); `blocks` ({"BLOCK_N",
+        "BLOCK_K"}): one configuration instead of the tuned ones (Triton's interpreter on the CPU has nothing to
+        time: one is taken there)."""
         rows, inner = x.shape
         channels = codes.shape[0]
         y = torch.empty(rows, channels, dtype=x.dtype, device=x.device)
@@ -77,10 +82,10 @@ def triton_kernel():
             return triton.cdiv(rows, 16), triton.cdiv(channels, meta["BLOCK_N"])
 
         group = inner // scales.shape[1] if scales.dim() == 2 else 0
-        if blocks is None:
-            tuned[grid](x, codes, scales, y, rows, channels, inner, bucket, GROUP=group, BLOCK_M=16)
-        else:
-            int8_matmul[grid](x, codes, scales, y, rows, channels, inner, bucket, GROUP=group, BLOCK_M=16, **blocks)
+        shifts = scales if offsets is None else offsets  # (never read without OFFSET)
+        kernel, settings = (tuned, {}) if blocks is None else (int8_matmul, blocks)
+        kernel[grid](x, codes, scales, shifts, y, rows, channels, inner, bucket, GROUP=group,
+                     OFFSET=offsets is not None, BLOCK_M=16, **settings)
         return y
 
     return run
@@ -115,13 +120,15 @@ class Int8Linear(torch.nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def widened(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def widened(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None = None
+            ) -> torch.Tensor:
     """The plain product: the codes widened to x's dtype [out, in] and scaled there, per output channel (scales
-    [out]) or per group (scales [out, groups]), one layer's weight at a time (two bytes a weight in half
-    precision), at most WIDEN_BYTES of it at once."""
+    [out]) or per group (scales [out, groups], and each group's offset where `offsets` [out, groups] are given), one
+    layer's weight at a time (two bytes a weight in half precision), at most WIDEN_BYTES of it at once."""
     step = max(1, WIDEN_BYTES // (codes.shape[1] * x.element_size()))
     if codes.shape[0] > step:  # a head's table: a slice of output channels at a time
-        return torch.cat([widened(x, codes[start:start + step], scales[start:start + step])
+        return torch.cat([widened(x, codes[start:start + step], scales[start:start + step],
+                                  None if offsets is None else offsets[start:start + step])
                           for start in range(0, codes.shape[0], step)], dim=-1)
     # Scaled before the product: the codes' own product is 127 / max|w| times larger, past float16's range.
     weight = codes.to(x.dtype)
@@ -129,21 +136,26 @@ def widened(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch
         weight.mul_(scales.to(x.dtype)[:, None])
     else:
         weight.view(*scales.shape, -1).mul_(scales.to(x.dtype)[..., None])
+    if offsets is not None:
+        weight.view(*offsets.shape, -1).add_(offsets.to(x.dtype)[..., None])
     return torch.nn.functional.linear(x, weight)
 
 
 class CudaInt8Linear(torch.nn.Module):
-    """y = x @ (scale * codes).T (+ bias) on a CUDA GPU, in the activations' dtype: codes int8 [out, in], one scale
-    an output channel (scales [out]) or a group of inputs (scales [out, groups]: GGUF's Q8_0 and Q6_K blocks); the
-    Triton kernel for a few rows once checked (use_kernel), else the widened product."""
+    """y = x @ (scale * codes + offset).T (+ bias) on a CUDA GPU, in the activations' dtype: codes int8 [out, in],
+    one scale an output channel (scales [out]) or a group of inputs (scales [out, groups]: GGUF's Q8_0, Q6_K and
+    Q5 blocks), and for Q5's minimums an offset a group (offsets [out, groups], else None); the Triton kernel for a
+    few rows once checked (use_kernel), else the widened product."""
 
     format = "int8"
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                 offsets: torch.Tensor | None = None):
         super().__init__()
         self.out_features, self.in_features = codes.shape
         self.register_buffer("codes", codes.contiguous())
         self.register_buffer("scales", scales.contiguous())
+        self.register_buffer("offsets", None if offsets is None else offsets.contiguous())
         self.bias = bias
         self.kernel = None  # set by use_kernel once the kernel has been checked on this GPU
 
@@ -153,16 +165,16 @@ class CudaInt8Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if self.kernel is not None and flat.shape[0] <= MOST_ROWS:
-            y = self.kernel(flat.contiguous(), self.codes, self.scales)
+            y = self.kernel(flat.contiguous(), self.codes, self.scales, offsets=self.offsets)
         else:
-            y = widened(flat, self.codes, self.scales)
+            y = widened(flat, self.codes, self.scales, self.offsets)
         y = y.reshape(x.shape[:-1] + (self.out_features,))
         return y if self.bias is None else y + self.bias
 
 
 class CodesEmbedding(torch.nn.Module):
-    """The input embedding of a tied model whose head is a CudaInt8Linear (a GGUF file's Q8_0 or Q6_K table): a
-    lookup scales its rows' codes, so one copy of the table, a byte a weight, serves both."""
+    """The input embedding of a tied model whose head is a CudaInt8Linear (a GGUF file's Q8_0, Q6_K or Q5 table): a
+    lookup scales (and offsets) its rows' codes, so one copy of the table, a byte a weight, serves both."""
 
     def __init__(self, head: CudaInt8Linear, dtype: torch.dtype, scale: float | torch.Tensor | None = None):
         super().__init__()
@@ -177,7 +189,10 @@ class CodesEmbedding(torch.nn.Module):
         if scales.dim() == 1:
             rows = codes * scales[:, None]
         else:
-            rows = (codes.view(flat.shape[0], scales.shape[1], -1) * scales[..., None]).view(flat.shape[0], -1)
+            rows = codes.view(flat.shape[0], scales.shape[1], -1) * scales[..., None]
+            if self.head.offsets is not None:
+                rows = rows + self.head.offsets.index_select(0, flat).float()[..., None]
+            rows = rows.view(flat.shape[0], -1)
         out = rows.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
         return out if self.embed_scale is None else out * self.embed_scale
 
@@ -201,11 +216,12 @@ def disagreement(kernel, layer: CudaInt8Linear, dtype: torch.dtype) -> str | Non
     generator = torch.Generator(layer.codes.device).manual_seed(0)
     # Its first output channels: a head's whole table widened to float32 would be gigabytes at load.
     codes, scales = layer.codes[:CHECKED_CHANNELS], layer.scales[:CHECKED_CHANNELS]
+    offsets = None if layer.offsets is None else layer.offsets[:CHECKED_CHANNELS]
     for rows in (1, MOST_ROWS):
         x = torch.randn(rows, layer.in_features, dtype=dtype, device=layer.codes.device, generator=generator)
-        reference = widened(x.float(), codes, scales)
+        reference = widened(x.float(), codes, scales, offsets)
         try:
-            error = (kernel(x, codes, scales).float() - reference).abs().max()
+            error = (kernel(x, codes, scales, offsets=offsets).float() - reference).abs().max()
         except Exception as failure:  # a compile or launch failure: the caller's other way serves
             return f"the Triton kernel failed ({(str(failure).splitlines() or [type(failure).__name__])[0]})"
         if not bool(error <= 0.02 * reference.abs().max()):

@@ -446,14 +446,17 @@ def test_the_int8_kernel_multiplies_as_the_plain_product(dtype):
     for rows, channels, inner in ((1, 96, 320), (5, 64, 256), (17, 40, 96), (64, 48, 512)):
         generator = torch.Generator().manual_seed(rows)
         codes = torch.randint(-128, 128, (channels, inner), dtype=torch.int8, generator=generator).to(DEVICE)
-        # a scale an output channel (--quantize int8), a float16 one a group of 32 inputs (GGUF's Q8_0), or a
-        # float32 one a group of 16 (GGUF's Q6_K)
-        for scales in ((torch.rand(channels, generator=generator) / 100).to(DEVICE, torch.bfloat16),
-                       (torch.rand(channels, inner // 32, generator=generator) / 100).to(DEVICE, torch.float16),
-                       (torch.rand(channels, inner // 16, generator=generator) / 100).to(DEVICE, torch.float32)):
+        # a scale an output channel (--quantize int8), a float16 one a group of 32 inputs (GGUF's Q8_0), a float32
+        # one a group of 16 (GGUF's Q6_K), or a float32 scale and offset a group of 32 (GGUF's Q5 types)
+        def groups(size, dtype, channels=channels, inner=inner, generator=generator):
+            return (torch.rand(channels, inner // size, generator=generator) / 100).to(DEVICE, dtype)
+
+        for scales, offsets in (((torch.rand(channels, generator=generator) / 100).to(DEVICE, torch.bfloat16), None),
+                                (groups(32, torch.float16), None), (groups(16, torch.float32), None),
+                                (groups(32, torch.float32), -groups(32, torch.float32))):
             x = torch.randn(rows, inner, generator=generator).to(DEVICE, dtype)
-            y = kernel(x, codes, scales, blocks)
-            reference = widened(x.float(), codes, scales)
+            y = kernel(x, codes, scales, blocks, offsets=offsets)
+            reference = widened(x.float(), codes, scales, offsets)
             assert y.dtype == dtype and y.shape == (rows, channels)
             assert (y.float() - reference).abs().max() <= 0.01 * reference.abs().max(), (rows, channels, inner)
 

@@ -443,6 +443,35 @@ def test_the_accelerator_form_is_the_dequantized_model(loaded, name):
         assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # one copy
 
 
+@pytest.mark.parametrize("name", FILES)
+def test_the_gpus_codes_and_blocks_compute_the_dequantized_model(loaded, name, monkeypatch):
+    # What a GPU keeps in codes (the CPU standing in, the int8 kernel stood in by the product it is checked against):
+    # every Q8_0, Q6_K and Q5 matrix as int8 codes with its scales (and the Q5 types' offsets; biases kept), an
+    # untied embedding in its blocks, a tied Q8_0 or Q6_K table as the head's codes that the lookup reads too; the
+    # model computes --dequantize's logits.
+    import rungen.gguf.file
+    from rungen.gguf.blocks import DEVICE_ROW_TYPES, INT8_TYPES, DeviceRowsEmbedding
+    from rungen.int8 import CodesEmbedding, CudaInt8Linear, widened
+
+    header, _, reference = loaded[name]
+    monkeypatch.setattr(rungen.gguf.file, "gpu_int8", lambda qtype, device: qtype in INT8_TYPES)
+    monkeypatch.setattr(rungen.gguf.file, "gpu_embedding", lambda qtype, device: qtype in DEVICE_ROW_TYPES)
+    monkeypatch.setattr(rungen.gguf.file, "checked_kernel", lambda layer, dtype, instead: widened)
+    model = build_model(header, torch.float32, torch.device("cpu"))
+    types = {entry[0]: Q(entry[1]) for entry in header.tensors}
+    in_codes = sum(1 for tensor, qtype in types.items() if qtype in INT8_TYPES and tensor != "token_embd.weight")
+    embedding, tied = types["token_embd.weight"], "output.weight" not in types
+    in_codes += tied and embedding in INT8_TYPES
+    assert len([m for m in model.modules() if isinstance(m, CudaInt8Linear)]) == in_codes > 0
+    kind = (CodesEmbedding if embedding in INT8_TYPES else torch.nn.Embedding) if tied else DeviceRowsEmbedding
+    assert type(model.get_input_embeddings()) is kind
+    batch = header.tokenizer(PROMPTS[:2], return_tensors="pt", padding=True)
+    real = batch["attention_mask"].bool()
+    with torch.no_grad():
+        theirs, ours = reference(**batch).logits, model(**batch).logits
+    assert (ours - theirs)[real].abs().max() <= 1e-5 * theirs[real].abs().max()
+
+
 @pytest.mark.parametrize("kernels", ["native", "gguf"])
 def test_dequantize_to_reads_chunks_of_rows(monkeypatch, kernels):
     # The weights go to a device a few rows at a time (never the whole weight in float32 on the host): every chunk

@@ -434,8 +434,9 @@ def tinygemm_of_blocks(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_fea
     return TinyGemmLinear(codes, scale, offset, device)
 
 
-# --- On a CUDA GPU: Q8_0 and Q6_K as int8 codes and group scales, for rungen/int8.py's Triton kernel ---
-INT8_TYPES = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q6_K)
+# --- On a CUDA GPU: Q8_0, Q6_K and the Q5 types as int8 codes and group scales, for rungen/int8.py's Triton kernel ---
+INT8_TYPES = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q5_0,
+              GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q5_K)
 
 
 def gpu_int8(qtype: GGMLQuantizationType, device: torch.device) -> bool:
@@ -445,18 +446,26 @@ def gpu_int8(qtype: GGMLQuantizationType, device: torch.device) -> bool:
 
 def int8_of_blocks(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: int, device: torch.device,
                    order=None) -> CudaInt8Linear:
-    """A Q8_0 or Q6_K weight's blocks (`order`: its rows permuted) as a CudaInt8Linear on `device`, exact: Q8_0 as
-    each block's 32 int8 codes and its float16 scale (1.06 bytes a weight, the file's), Q6_K as its codes (-32..31)
+    """A weight's INT8_TYPES blocks (`order`: its rows permuted) as a CudaInt8Linear on `device`, exact: Q8_0 as
+    each block's 32 int8 codes and its float16 scale (1.06 bytes a weight, the file's); Q6_K as its codes (-32..31)
     and a float32 scale a group of 16, its superblock's float16 scale times the group's int8 one (1.25 bytes a
-    weight, against the file's 0.82 and bfloat16's 2). No kernel yet: see rungen/int8.py's use_kernel."""
+    weight, against the file's 0.82 and bfloat16's 2); Q5_0, Q5_1 and Q5_K as their codes (0..31) and a float32
+    scale and offset a group of 32 (1.25 bytes, against 0.69-0.75). No kernel yet: see rungen/int8.py's
+    use_kernel."""
+    offsets = None
     if qtype == GGMLQuantizationType.Q8_0:
         codes, scales = _q8_0_parts(blocks, in_features)
-    else:
+    elif qtype == GGMLQuantizationType.Q6_K:
         codes, scales = _q6_k_parts(blocks, in_features)
+    else:
+        codes, scales, offsets = _grouped_parts(blocks, qtype, in_features)
+        codes = codes.to(torch.int8)
     if order is not None:
         order = torch.from_numpy(order)
         codes, scales = codes[order], scales[order]
-    return CudaInt8Linear(codes.to(device), scales.to(device), None)
+        offsets = None if offsets is None else offsets[order]
+    return CudaInt8Linear(codes.to(device), scales.to(device), None,
+                          None if offsets is None else offsets.to(device))
 
 
 # --- On a CUDA GPU: an embedding table in its blocks, the rows looked up de-quantized by torch operators ---

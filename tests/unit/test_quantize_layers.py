@@ -53,7 +53,8 @@ def test_the_gpu_int8_layer_holds_the_cpus_codes_and_widens_them_past_the_kernel
     assert torch.allclose(layer(x), exact, atol=1e-5)
     assert torch.equal(int8_codes(weight)[0], cpu.codes)
     calls = []
-    layer.use_kernel(lambda flat, codes, scales: (calls.append(flat.shape[0]), flat @ codes.float().t() * scales)[1])
+    layer.use_kernel(lambda flat, codes, scales, offsets: (calls.append(flat.shape[0]),
+                                                        flat @ codes.float().t() * scales)[1])
     layer(torch.randn(MOST_ROWS, 96))
     layer(torch.randn(MOST_ROWS + 1, 96))
     assert calls == [MOST_ROWS]
@@ -109,21 +110,22 @@ def test_the_int8_kernels_check_multiplies_a_heads_first_channels_and_catches_a_
     layer = CudaInt8Linear(codes, (torch.rand(3 * CHECKED_CHANNELS, 2, generator=generator) / 100).half(), None)
     seen = []
 
-    def kernel(x, codes, scales):
+    def kernel(x, codes, scales, offsets):
         seen.append(codes.shape[0])
-        return widened(x.float(), codes, scales).to(x.dtype)
+        return widened(x.float(), codes, scales, offsets).to(x.dtype)
 
     assert disagreement(kernel, layer, torch.float32) is None and seen == [CHECKED_CHANNELS] * 2
-    why = disagreement(lambda x, codes, scales: kernel(x, codes, scales) * 1.1, layer, torch.float32)
+    why = disagreement(lambda x, codes, scales, offsets: kernel(x, codes, scales, offsets) * 1.1, layer, torch.float32)
     assert why == "the Triton kernel disagrees with the plain product on this GPU"
 
 
-@pytest.mark.parametrize("name", ["Q8_0", "Q6_K"])
-def test_a_q8_0_or_q6_k_weight_for_the_gpu_keeps_the_files_codes_and_scales(name):
-    # A GGUF Q8_0 or Q6_K weight on a GPU (rungen/gguf/blocks.py's int8_of_blocks): Q8_0's 32 int8 codes and float16
-    # scale a block as the file has them, Q6_K's codes (-32..31) and a float32 scale a group of 16 (its superblock's
-    # float16 scale times the group's int8 one), rows permuted where the architecture asks; the product of codes
-    # and scales is exactly the de-quantized weight.
+@pytest.mark.parametrize("name", ["Q8_0", "Q6_K", "Q5_0", "Q5_1", "Q5_K"])
+def test_an_int8_types_weight_for_the_gpu_keeps_the_files_codes_and_scales(name):
+    # A GGUF Q8_0, Q6_K or Q5 weight on a GPU (rungen/gguf/blocks.py's int8_of_blocks): Q8_0's 32 int8 codes and
+    # float16 scale a block as the file has them, Q6_K's codes (-32..31) and a float32 scale a group of 16 (its
+    # superblock's float16 scale times the group's int8 one), the Q5 types' codes (0..31) and a float32 scale and
+    # offset a group of 32, rows permuted where the architecture asks; codes times scales plus offsets is exactly
+    # the de-quantized weight.
     import numpy as np
     from gguf import GGMLQuantizationType
 
@@ -133,11 +135,15 @@ def test_a_q8_0_or_q6_k_weight_for_the_gpu_keeps_the_files_codes_and_scales(name
     qtype, blocks = GGMLQuantizationType[name], quantized_blocks(name, 24, 512)
     order = np.random.default_rng(0).permutation(24)
     layer = int8_of_blocks(blocks, qtype, 512, torch.device("cpu"), order)
-    group, dtype = (32, torch.float16) if name == "Q8_0" else (16, torch.float32)
+    group, dtype = {"Q8_0": (32, torch.float16), "Q6_K": (16, torch.float32)}.get(name, (32, torch.float32))
     assert layer.codes.dtype == torch.int8 and layer.scales.dtype == dtype and layer.scales.shape == (24, 512 // group)
+    assert (layer.offsets is None) == (name in ("Q8_0", "Q6_K"))
     weight = dequantize(blocks, qtype, 512)[torch.from_numpy(order)]
     x = torch.randn(5, 512, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    assert torch.equal(layer.codes.float() * layer.scales.float().repeat_interleave(group, dim=1), weight)
+    values = layer.codes.float() * layer.scales.float().repeat_interleave(group, dim=1)
+    if layer.offsets is not None:
+        values = values + layer.offsets.repeat_interleave(group, dim=1)
+    assert torch.equal(values, weight)
     # float32 sums of 512 products against float64's
     torch.testing.assert_close(layer(x.float()), (x @ weight.double().t()).float(), rtol=1e-4, atol=1e-4)
 
