@@ -237,23 +237,25 @@ def to_blocks(layer, rng):
 
 def quantized_blocks(name, rows, columns, seed=0):
     """A weight [rows, columns] in GGUF blocks of type `name` as uint8 [rows, row bytes]: quantized by the gguf
-    package where it can (Q4_0..Q8_0), else (k-quants) random bytes with finite float16 scales (d, and dmin where
-    the type has one), which any de-quantizer reads as some weights."""
+    package where it can (Q4_0..Q8_0), else (k-quants, IQ4_NL/IQ4_XS) random bytes with finite float16 scales (d,
+    and dmin where the type has one), which any de-quantizer reads as some weights."""
     import numpy as np
     import torch
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import quantize
 
     qtype, rng = GGMLQuantizationType[name], np.random.default_rng(seed)
-    if not name.endswith("_K"):
+    if not name.endswith("_K") and not name.startswith("IQ"):
         return torch.from_numpy(quantize(rng.standard_normal((rows, columns)).astype(np.float32) * 3, qtype))
     block, size = GGML_QUANT_SIZES[qtype]
     data = rng.integers(0, 256, (rows, columns // block, size), dtype=np.uint8)
     halves = rng.uniform(0.001, 0.1, (rows, columns // block, 2)).astype(np.float16).view(np.uint8)
     if name == "Q6_K":  # d last
         data[..., -2:] = halves[..., :2]
-    else:  # d and dmin first (Q2_K..Q5_K)
+    elif name.endswith("_K"):  # d and dmin first (Q2_K..Q5_K)
         data[..., :4] = halves
+    else:  # d first
+        data[..., :2] = halves[..., :2]
     return torch.from_numpy(data.reshape(rows, -1))
 
 

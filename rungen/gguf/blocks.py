@@ -372,6 +372,29 @@ def _grouped_parts(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_feature
     return codes.reshape(rows, in_features), d, offset
 
 
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # IQ4_NL/IQ4_XS's 16 levels
+
+
+def _iq4_parts(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: int):
+    """IQ4_NL or IQ4_XS blocks as their levels' int8 codes [rows, in_features] (IQ4_VALUES) and per group of 32 the
+    scale: IQ4_NL's float16 as the file has it, IQ4_XS's superblock float16 scale times the group's 6-bit one less
+    32, in float32 (exact); by torch operators on the blocks' device."""
+    rows = blocks.shape[0]
+    levels = torch.tensor(IQ4_VALUES, dtype=torch.int8, device=blocks.device)
+    if qtype == GGMLQuantizationType.IQ4_NL:
+        b = blocks.reshape(rows, -1, 18)
+        nibbles = _nibbles(b[..., 2:].unsqueeze(-2), rows)
+        scales = b[..., 0:2].contiguous().view(torch.float16)[..., 0]
+    else:
+        b = blocks.reshape(rows, -1, 136)
+        low = torch.stack([b[..., 4:8] & 0x0F, b[..., 4:8] >> 4], dim=-1)  # group 2j, 2j+1: byte j's nibbles
+        high = torch.stack([(b[..., 2:4] >> s) & 3 for s in (0, 2, 4, 6)], dim=-1)  # group i: bits 2i of 16
+        groups = (low.reshape(rows, -1, 8) | (high.reshape(rows, -1, 8) << 4)).float() - 32
+        scales = (_halves(b[..., 0:2])[..., None] * groups).reshape(rows, -1)
+        nibbles = _nibbles(b[..., 8:].reshape(rows, -1, 8, 16), rows)
+    return levels[nibbles.long()].reshape(rows, in_features), scales
+
+
 def _int4_parts(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: int):
     """_grouped_parts of a 4-bit type (INT4_TYPES: Q4_0, Q4_1, Q4_K), codes 0..15."""
     if qtype not in INT4_TYPES:
@@ -436,7 +459,8 @@ def tinygemm_of_blocks(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_fea
 
 # --- On a CUDA GPU: Q8_0, Q6_K and the Q5 types as int8 codes and group scales, for rungen/int8.py's Triton kernel ---
 INT8_TYPES = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q5_0,
-              GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q5_K)
+              GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q5_K, GGMLQuantizationType.IQ4_NL,
+              GGMLQuantizationType.IQ4_XS)
 
 
 def gpu_int8(qtype: GGMLQuantizationType, device: torch.device) -> bool:
@@ -450,13 +474,16 @@ def int8_of_blocks(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_feature
     each block's 32 int8 codes and its float16 scale (1.06 bytes a weight, the file's); Q6_K as its codes (-32..31)
     and a float32 scale a group of 16, its superblock's float16 scale times the group's int8 one (1.25 bytes a
     weight, against the file's 0.82 and bfloat16's 2); Q5_0, Q5_1 and Q5_K as their codes (0..31) and a float32
-    scale and offset a group of 32 (1.25 bytes, against 0.69-0.75). No kernel yet: see rungen/int8.py's
-    use_kernel."""
+    scale and offset a group of 32 (1.25 bytes, against 0.69-0.75); IQ4_NL and IQ4_XS as their levels (IQ4_VALUES)
+    and a scale a group of 32, IQ4_NL's float16, IQ4_XS's float32 (1.06 or 1.13 bytes, against 0.56 or 0.53). No
+    kernel yet: see rungen/int8.py's use_kernel."""
     offsets = None
     if qtype == GGMLQuantizationType.Q8_0:
         codes, scales = _q8_0_parts(blocks, in_features)
     elif qtype == GGMLQuantizationType.Q6_K:
         codes, scales = _q6_k_parts(blocks, in_features)
+    elif qtype in (GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.IQ4_XS):
+        codes, scales = _iq4_parts(blocks, qtype, in_features)
     else:
         codes, scales, offsets = _grouped_parts(blocks, qtype, in_features)
         codes = codes.to(torch.int8)
