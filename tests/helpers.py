@@ -250,9 +250,11 @@ def quantized_blocks(name, rows, columns, seed=0):
     block, size = GGML_QUANT_SIZES[qtype]
     data = rng.integers(0, 256, (rows, columns // block, size), dtype=np.uint8)
     halves = rng.uniform(0.001, 0.1, (rows, columns // block, 2)).astype(np.float16).view(np.uint8)
-    if name == "Q6_K":  # d last
+    if name in ("Q3_K", "Q6_K"):  # d last
         data[..., -2:] = halves[..., :2]
-    elif name.endswith("_K"):  # d and dmin first (Q2_K..Q5_K)
+    elif name == "Q2_K":  # d and dmin last
+        data[..., -4:] = halves
+    elif name.endswith("_K"):  # d and dmin first (Q4_K, Q5_K)
         data[..., :4] = halves
     else:  # d first
         data[..., :2] = halves[..., :2]

@@ -447,13 +447,15 @@ def test_the_int8_kernel_multiplies_as_the_plain_product(dtype):
         generator = torch.Generator().manual_seed(rows)
         codes = torch.randint(-128, 128, (channels, inner), dtype=torch.int8, generator=generator).to(DEVICE)
         # a scale an output channel (--quantize int8), a float16 one a group of 32 inputs (GGUF's Q8_0), a float32
-        # one a group of 16 (GGUF's Q6_K), or a float32 scale and offset a group of 32 (GGUF's Q5 types)
+        # one a group of 16 (GGUF's Q6_K, Q3_K), or a float32 scale and offset a group of 32 (the Q5 types) or 16
+        # (Q2_K)
         def groups(size, dtype, channels=channels, inner=inner, generator=generator):
             return (torch.rand(channels, inner // size, generator=generator) / 100).to(DEVICE, dtype)
 
         for scales, offsets in (((torch.rand(channels, generator=generator) / 100).to(DEVICE, torch.bfloat16), None),
                                 (groups(32, torch.float16), None), (groups(16, torch.float32), None),
-                                (groups(32, torch.float32), -groups(32, torch.float32))):
+                                (groups(32, torch.float32), -groups(32, torch.float32)),
+                                (groups(16, torch.float32), -groups(16, torch.float32))):
             x = torch.randn(rows, inner, generator=generator).to(DEVICE, dtype)
             y = kernel(x, codes, scales, blocks, offsets=offsets)
             reference = widened(x.float(), codes, scales, offsets)

@@ -372,6 +372,32 @@ def _grouped_parts(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_feature
     return codes.reshape(rows, in_features), d, offset
 
 
+def _low_k_parts(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: int):
+    """Q2_K or Q3_K blocks as their codes [rows, in_features] (Q2_K 0..3, Q3_K -4..3; int8) and per group of 16 the
+    scale and (Q2_K) the offset, float32, by torch operators on the blocks' device (code * scale + offset is the gguf
+    package's float)."""
+    rows = blocks.shape[0]
+
+    def fields(packed, width):  # bytes [..., n] -> [..., 8 // width, n]: each `width`-bit field, lowest first
+        return torch.stack([(packed >> s) & ((1 << width) - 1) for s in range(0, 8, width)], dim=-2)
+
+    if qtype == GGMLQuantizationType.Q2_K:
+        b = blocks.reshape(rows, -1, 84)
+        codes = fields(b[..., 16:80].reshape(rows, -1, 2, 32), 2)  # [rows, blocks, 2, 4, 32]: 16 groups of 16
+        scales = _halves(b[..., 80:82])[..., None] * (b[..., 0:16] & 0x0F).float()
+        offsets = -(_halves(b[..., 82:84])[..., None] * (b[..., 0:16] >> 4).float())
+        return codes.reshape(rows, in_features).to(torch.int8), scales.reshape(rows, -1), offsets.reshape(rows, -1)
+    b = blocks.reshape(rows, -1, 110)
+    low = fields(b[..., 32:96].reshape(rows, -1, 2, 32), 2).reshape(rows, -1, 16, 16).to(torch.int8)
+    high = fields(b[..., 0:32].unsqueeze(-2), 1).reshape(rows, -1, 16, 16).to(torch.int8)  # 1: no offset of 4
+    codes = low - 4 * (1 - high)
+    sixteen = fields(b[..., 96:104].unsqueeze(-2), 4).reshape(rows, -1, 16)  # group g < 8: byte g's low nibble
+    top = fields(b[..., 104:108].unsqueeze(-2), 2).reshape(rows, -1, 16)  # group g: byte g % 4, bits 2 (g // 4)
+    groups = (sixteen | (top << 4)).float() - 32
+    scales = _halves(b[..., 108:110])[..., None] * groups
+    return codes.reshape(rows, in_features), scales.reshape(rows, -1), None
+
+
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # IQ4_NL/IQ4_XS's 16 levels
 
 
@@ -457,10 +483,10 @@ def tinygemm_of_blocks(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_fea
     return TinyGemmLinear(codes, scale, offset, device)
 
 
-# --- On a CUDA GPU: Q8_0, Q6_K and the Q5 types as int8 codes and group scales, for rungen/int8.py's Triton kernel ---
+# --- On a CUDA GPU: the types that fit int8 codes and group scales, for rungen/int8.py's Triton kernel ---
 INT8_TYPES = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q5_0,
               GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q5_K, GGMLQuantizationType.IQ4_NL,
-              GGMLQuantizationType.IQ4_XS)
+              GGMLQuantizationType.IQ4_XS, GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q2_K)
 
 
 def gpu_int8(qtype: GGMLQuantizationType, device: torch.device) -> bool:
@@ -475,8 +501,9 @@ def int8_of_blocks(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_feature
     and a float32 scale a group of 16, its superblock's float16 scale times the group's int8 one (1.25 bytes a
     weight, against the file's 0.82 and bfloat16's 2); Q5_0, Q5_1 and Q5_K as their codes (0..31) and a float32
     scale and offset a group of 32 (1.25 bytes, against 0.69-0.75); IQ4_NL and IQ4_XS as their levels (IQ4_VALUES)
-    and a scale a group of 32, IQ4_NL's float16, IQ4_XS's float32 (1.06 or 1.13 bytes, against 0.56 or 0.53). No
-    kernel yet: see rungen/int8.py's use_kernel."""
+    and a scale a group of 32, IQ4_NL's float16, IQ4_XS's float32 (1.06 or 1.13 bytes, against 0.56 or 0.53); Q3_K
+    and Q2_K as their codes and a float32 scale (Q2_K: and offset) a group of 16 (1.25 or 1.5 bytes, against 0.43
+    or 0.33). No kernel yet: see rungen/int8.py's use_kernel."""
     offsets = None
     if qtype == GGMLQuantizationType.Q8_0:
         codes, scales = _q8_0_parts(blocks, in_features)
@@ -484,6 +511,8 @@ def int8_of_blocks(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_feature
         codes, scales = _q6_k_parts(blocks, in_features)
     elif qtype in (GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.IQ4_XS):
         codes, scales = _iq4_parts(blocks, qtype, in_features)
+    elif qtype in (GGMLQuantizationType.Q2_K, GGMLQuantizationType.Q3_K):
+        codes, scales, offsets = _low_k_parts(blocks, qtype, in_features)
     else:
         codes, scales, offsets = _grouped_parts(blocks, qtype, in_features)
         codes = codes.to(torch.int8)

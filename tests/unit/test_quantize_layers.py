@@ -119,13 +119,14 @@ def test_the_int8_kernels_check_multiplies_a_heads_first_channels_and_catches_a_
     assert why == "the Triton kernel disagrees with the plain product on this GPU"
 
 
-@pytest.mark.parametrize("name", ["Q8_0", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "IQ4_NL", "IQ4_XS"])
+@pytest.mark.parametrize("name", ["Q8_0", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K"])
 def test_an_int8_types_weight_for_the_gpu_keeps_the_files_codes_and_scales(name):
-    # A GGUF Q8_0, Q6_K, Q5 or IQ4 weight on a GPU (rungen/gguf/blocks.py's int8_of_blocks): Q8_0's 32 int8 codes
-    # and float16 scale a block as the file has them, Q6_K's codes (-32..31) and a float32 scale a group of 16 (its
+    # A GGUF weight of an int8 type on a GPU (rungen/gguf/blocks.py's int8_of_blocks): Q8_0's 32 int8 codes and
+    # float16 scale a block as the file has them, Q6_K's codes (-32..31) and a float32 scale a group of 16 (its
     # superblock's float16 scale times the group's int8 one), the Q5 types' codes (0..31) and a float32 scale and
-    # offset a group of 32, the IQ4 types' levels and a scale a group of 32, rows permuted where the architecture
-    # asks; codes times scales plus offsets is exactly the de-quantized weight.
+    # offset a group of 32, the IQ4 types' levels and a scale a group of 32, Q3_K's codes (-4..3) and Q2_K's (0..3,
+    # with an offset) a group of 16, rows permuted where the architecture asks; codes times scales plus offsets is
+    # exactly the de-quantized weight.
     import numpy as np
     from gguf import GGMLQuantizationType
 
@@ -135,10 +136,10 @@ def test_an_int8_types_weight_for_the_gpu_keeps_the_files_codes_and_scales(name)
     qtype, blocks = GGMLQuantizationType[name], quantized_blocks(name, 24, 512)
     order = np.random.default_rng(0).permutation(24)
     layer = int8_of_blocks(blocks, qtype, 512, torch.device("cpu"), order)
-    group, dtype = {"Q8_0": (32, torch.float16), "IQ4_NL": (32, torch.float16), "Q6_K": (16, torch.float32)}.get(
-        name, (32, torch.float32))
+    group, dtype = {"Q8_0": (32, torch.float16), "IQ4_NL": (32, torch.float16), "Q6_K": (16, torch.float32),
+                    "Q3_K": (16, torch.float32), "Q2_K": (16, torch.float32)}.get(name, (32, torch.float32))
     assert layer.codes.dtype == torch.int8 and layer.scales.dtype == dtype and layer.scales.shape == (24, 512 // group)
-    assert (layer.offsets is None) == (not name.startswith("Q5"))
+    assert (layer.offsets is None) == (not name.startswith("Q5") and name != "Q2_K")
     weight = dequantize(blocks, qtype, 512)[torch.from_numpy(order)]
     x = torch.randn(5, 512, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     values = layer.codes.float() * layer.scales.float().repeat_interleave(group, dim=1)
