@@ -26,15 +26,17 @@ first call's extra time (compilation, graph capture, kernel selection) and peak 
   unless --cb-batches says more (prefill included in its tokens/s: it reports no first token; its manager kept
   between the two calls of a batch, so that the first call's extra time is its start and CUDA-graph warm-up);
 
-and time to first token for a --ttft-tokens prompt (512) at batch 1 on the engine and through generate(). A GGUF
-row: Llama-3.1-8B's shape written as Q4_0 by benchmarks/gguf_files.py's writer (random blocks, a synthetic
-byte-level vocabulary of the published size), loaded through rungen.loading.load on the device (Q4_0 as 4-bit codes
-for torch's int4 kernel, the embedding in its Q4_0 blocks, the Q6_K head as int8 codes for rungen/int8.py's
-kernel), decoding at batch 1 on the engine, its load time and
-peak memory beside the file's size. A server row: `run_generation.py --serve` on the default model's shape written
-as a Q4_0 file (with a ChatML template), 16 clients each streaming two chat completions (--new-tokens each): output
-tokens/s, time to first token (median and 95th percentile), time per output token, and the requests cut short (none
-expected; one that fails is the row's error).
+and time to first token for a --ttft-tokens prompt (512) at batch 1 on the engine and through generate(). A GGUF row:
+Llama-3.1-8B's shape written as Q4_0 by benchmarks/gguf_files.py's writer (random blocks, a synthetic byte-level
+vocabulary of the published size), loaded through rungen.loading.load on the device (Q4_0 as 4-bit codes for torch's
+int4 kernel, the embedding in its Q4_0 blocks, the Q6_K head as int8 codes for rungen/int8.py's kernel), decoding at
+batch 1 on the engine, its load time and peak memory beside the file's size; and Llama-3.2-1B's shape as Q8_0 (tied,
+as published: the table the head's int8 codes, which the lookup reads too), loaded twice, on the int8 Triton kernel
+and de-quantized to bfloat16 (RUN_GENERATION_TRITON_INT8=0), the kernel's speed and memory against what it replaced. A
+server row: `run_generation.py --serve` on the default model's shape written as a Q4_0 file (with a ChatML template),
+16 clients each streaming two chat completions (--new-tokens each): output tokens/s, time to first token (median and
+95th percentile), time per output token, and the requests cut short (none expected; one that fails is the row's
+error).
 
 Each measurement is guarded: a failure prints one line and the run goes on. The run keeps to --budget seconds (300
 by default: the whole script within 6 minutes on an H100/H200, a last measurement's overrun included) in three
@@ -96,11 +98,13 @@ QUICK_SHAPES = {
                                  max_position_embeddings=2048, rope_theta=1000000.0, rms_norm_eps=1e-6,
                                  tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)),
 }
-# The GGUF row's file: benchmarks/gguf_files.py's FAMILIES form of Llama-3.1-8B (and a tiny one for --quick: Q6_K's
-# head needs rows of 256).
+# The GGUF rows' files: benchmarks/gguf_files.py's FAMILIES form of Llama-3.1-8B and Llama-3.2-1B (tied, as published;
+# and a tiny one for --quick: Q6_K's head needs rows of 256).
 GGUF_SHAPES = {
     "llama-3.1-8b": (128256, dict(arch="llama", layers=32, hidden=4096, ffn=14336, heads=32, kv_heads=8, head_dim=128,
                                   rope_base=500000.0, eps=1e-5, tied=False)),
+    "llama-3.2-1b": (128256, dict(arch="llama", layers=16, hidden=2048, ffn=8192, heads=32, kv_heads=8, head_dim=64,
+                                  rope_base=500000.0, eps=1e-5, tied=True)),
     "smollm2-135m": (49152, dict(arch="llama", layers=30, hidden=576, ffn=1536, heads=9, kv_heads=3, head_dim=64,
                                  rope_base=100000.0, eps=1e-5, tied=True)),
     "tiny-llama": (1024, dict(arch="llama", layers=2, hidden=256, ffn=512, heads=4, kv_heads=2, head_dim=64,
@@ -583,36 +587,61 @@ def costly_paths(report, name, args, shapes, bandwidth, budget):
         torch._dynamo.reset()
 
 
-def gguf_row(report, args, bandwidth, budget):
-    """The 8B shape as a Q4_0 GGUF file, through the tool's own loader on the device, decoding on the engine."""
+def gguf_row(report, args, bandwidth, budget, name, qtype, variants, reserve):
+    """`name`'s shape (GGUF_SHAPES) written as a `qtype` GGUF file, loaded through the tool's own loader on the
+    device once per variant ((path label, environment variables set while it loads and runs)), decoding at batch 1
+    on the engine; `reserve`: the seconds of the budget the row needs to start."""
     try:
         import gguf  # noqa: F401
     except ImportError:
-        report.note("GGUF row: the gguf package is not importable here, no row")
+        report.note(f"GGUF {qtype} row: the gguf package is not importable here, no row")
         return
-    name = "tiny-llama" if args.quick else "llama-3.1-8b"
-    if budget.left() < args.gguf_reserve:
-        report.add(shape=name, path="gguf Q4_0 engine", error=f"skipped: {budget.left():.0f} s of the budget left")
+    if budget.left() < reserve:
+        for label, _ in variants:
+            report.add(shape=name, path=label, error=f"skipped: {budget.left():.0f} s of the budget left")
         return
     from benchmarks.gguf_files import synthetic_tokenizer_fields, write_family
-    from rungen.loading import load
 
     vocab, family = GGUF_SHAPES[name]
     folder = tempfile.mkdtemp(prefix="gpu_bench_gguf_", dir=args.scratch)
-    path = os.path.join(folder, f"{name}-Q4_0.gguf")
-    loaded = None
+    path = os.path.join(folder, f"{name}-{qtype}.gguf")
     try:
         start = time.perf_counter()
-        write_family(path, "llama", "Q4_0", synthetic_tokenizer_fields(vocab), shape=family)
-        written = time.perf_counter() - start
-        size = os.path.getsize(path)
-        print(f"{name} Q4_0 GGUF: {size / 2**30:.2f} GiB written in {written:.1f} s", flush=True)
+        write_family(path, "llama", qtype, synthetic_tokenizer_fields(vocab), shape=family)
+        print(f"{name} {qtype} GGUF: {os.path.getsize(path) / 2**30:.2f} GiB written in "
+              f"{time.perf_counter() - start:.1f} s", flush=True)
+        for label, environment in variants:
+            saved = {key: os.environ.get(key) for key in environment}
+            os.environ.update(environment)
+            try:
+                report.add(**gguf_variant(args, bandwidth, name, path, label))
+            except Exception as error:
+                report.add(shape=name, path=label, error=one_line(error))
+            finally:
+                for key, value in saved.items():
+                    if value is None:
+                        os.environ.pop(key, None)
+                    else:
+                        os.environ[key] = value
+    except Exception as error:
+        report.add(shape=name, path=variants[0][0], error=one_line(error))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def gguf_variant(args, bandwidth, name, path, label):
+    """One load of the GGUF file at `path` and its batch-1 decode on the engine: the row's figures."""
+    from rungen.loading import load
+
+    loaded = runner = None
+    try:
         reset_peak(args.device)
         start = time.perf_counter()
         loaded = load(path, device=args.device)
         load_s = time.perf_counter() - start
         load_peak = peak_gib(args.device)
-        dtype = next(loaded.model.parameters()).dtype
+        # (the CPU's own GGUF model holds buffers only)
+        dtype = next(t.dtype for t in [*loaded.model.parameters(), *loaded.model.buffers()] if t.is_floating_point())
         runner = EngineRunner(loaded, 1)
         ids = prompts(1, args.prompt_tokens, loaded.vocab_size)
         reset_peak(args.device)
@@ -620,26 +649,24 @@ def gguf_row(report, args, bandwidth, budget):
         first_call = end - start
         start, first, end = runner.run(ids, args.new_tokens)
         step = (end - first) / max(1, args.new_tokens - 1)
-        row = dict(shape=name, path="gguf Q4_0 engine", batch=1, new_tokens=args.new_tokens, tokens_per_s=1 / step,
+        row = dict(shape=name, path=label, batch=1, new_tokens=args.new_tokens, tokens_per_s=1 / step,
                    step_ms=step * 1e3, first_call_s=max(0.0, first_call - (end - start)), load_s=load_s,
-                   file_gib=size / 2**30, dtype=str(dtype).removeprefix("torch."), model=type(loaded.model).__name__,
-                   load_peak_gib=load_peak, peak_gib=peak_gib(args.device), **runner.extra())
+                   file_gib=os.path.getsize(path) / 2**30, dtype=str(dtype).removeprefix("torch."),
+                   model=type(loaded.model).__name__, load_peak_gib=load_peak, peak_gib=peak_gib(args.device),
+                   weight_gib=weight_bytes(loaded.model) / 2**30, **runner.extra())
         if "cache_gib" in row:  # the goal: GPU memory at most 1.3x the file and the cache
             row["memory_ratio"] = row["peak_gib"] / (row["file_gib"] + row["cache_gib"])
         if bandwidth and args.device.type == "cuda":  # the weights as the model holds them are what a step reads
-            weights = weight_bytes(loaded.model)
             kv = kv_bytes_per_token(loaded.model.config, torch.finfo(dtype).bits // 8)
-            row["bound_ms"] = (weights + (args.prompt_tokens + args.new_tokens / 2) * kv) / (bandwidth * 1e9) * 1e3
+            row["bound_ms"] = (row["weight_gib"] * 2**30 + (args.prompt_tokens + args.new_tokens / 2) * kv) / (
+                bandwidth * 1e9) * 1e3
             row["of_bound"] = row["bound_ms"] / row["step_ms"]
-        report.add(**row)
-    except Exception as error:
-        report.add(shape=name, path="gguf Q4_0 engine", error=one_line(error))
+        return row
     finally:
         loaded = runner = None  # noqa: F841
         gc.collect()
         if args.device.type == "cuda":
             torch.cuda.empty_cache()
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def server_row(report, args, budget):
@@ -740,7 +767,9 @@ def main(argv=None):
                         help="seconds a compiled row needs at least to start (default 75)")
     parser.add_argument("--gguf-reserve", type=float, default=120.0,
                         help="seconds the GGUF row needs at least to start (default 120)")
-    parser.add_argument("--no-gguf", action="store_true", help="leave the GGUF row out")
+    parser.add_argument("--int8-reserve", type=float, default=60.0,
+                        help="seconds the GGUF Q8_0 rows need at least to start (default 60)")
+    parser.add_argument("--no-gguf", action="store_true", help="leave the GGUF rows out")
     parser.add_argument("--server-clients", type=int, help="streaming clients of the server row (default 16; "
                         "--quick: 2)")
     parser.add_argument("--server-reserve", type=float, default=45.0,
@@ -803,9 +832,14 @@ def main(argv=None):
     for name in args.shapes:
         cheap_paths(report, name, args, shapes, bandwidth, budget)
     if args.no_gguf:
-        report.note("GGUF row: left out (--no-gguf)")
+        report.note("GGUF rows: left out (--no-gguf)")
     else:
-        gguf_row(report, args, bandwidth, budget)
+        gguf_row(report, args, bandwidth, budget, "tiny-llama" if args.quick else "llama-3.1-8b", "Q4_0",
+                 [("gguf Q4_0 engine", {})], args.gguf_reserve)
+        # The int8 kernel against the same weights de-quantized to bfloat16 (what it replaced), paired in one run.
+        gguf_row(report, args, bandwidth, budget, "tiny-llama" if args.quick else "llama-3.2-1b", "Q8_0",
+                 [("gguf Q8_0 engine, int8 kernel", {}),
+                  ("gguf Q8_0 engine, de-quantized", {"RUN_GENERATION_TRITON_INT8": "0"})], args.int8_reserve)
     if args.no_server:
         report.note("server row: left out (--no-server)")
     else:
