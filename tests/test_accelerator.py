@@ -75,7 +75,7 @@ def test_a_q8_0_gguf_file_on_the_gpu_keeps_its_codes_and_its_q6_k_heads(tmp_path
     # Q6_K codes and a float32 scale a group of 16, each type's kernel checked on its first weight, and the model
     # computes what the de-quantized one does; a kernel that does not check out leaves them de-quantized.
     import rungen.gguf.file
-    from rungen.gguf.blocks import INT8_TYPES
+    from rungen.gguf.device import INT8_TYPES
     from rungen.int8 import CudaInt8Linear, widened
     from rungen.loading import load_gguf_on
 
@@ -106,7 +106,7 @@ def test_a_tied_q8_0_file_on_the_gpu_keeps_one_set_of_codes_for_its_embedding_an
     # kernel and the embedding's lookup reads those same codes (one copy, a byte a weight, where it was a bfloat16
     # table the two shared), to the de-quantized model's values and logits.
     import rungen.gguf.file
-    from rungen.gguf.blocks import INT8_TYPES
+    from rungen.gguf.device import INT8_TYPES
     from rungen.int8 import CodesEmbedding, CudaInt8Linear, widened
     from rungen.loading import load_gguf_on
 
@@ -132,7 +132,7 @@ def test_a_gguf_files_embedding_keeps_its_blocks_on_the_gpu(tmp_path, monkeypatc
     # quarter or half of bfloat16's bytes), a lookup de-quantizing its rows with torch operators, to the same values:
     # the model computes what the fully de-quantized one does; a file whose head reads the embedding keeps a table.
     import rungen.gguf.file
-    from rungen.gguf.blocks import DeviceRowsEmbedding
+    from rungen.gguf.device import DeviceRowsEmbedding
     from rungen.loading import load_gguf_on
 
     path = write_tiny_gguf(str(tmp_path / f"tiny-{qtype}.gguf"), qtype)

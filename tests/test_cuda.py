@@ -361,7 +361,8 @@ def test_an_embedding_in_its_blocks_is_looked_up_inside_a_cuda_graph(name):
     from gguf import GGMLQuantizationType
 
     from helpers import quantized_blocks
-    from rungen.gguf.blocks import DeviceRowsEmbedding, dequantize
+    from rungen.gguf.blocks import dequantize
+    from rungen.gguf.device import DeviceRowsEmbedding
 
     qtype, blocks = GGMLQuantizationType[name], quantized_blocks(name, 300, 512)
     table = DeviceRowsEmbedding(blocks.to(DEVICE), qtype, 512, torch.bfloat16)

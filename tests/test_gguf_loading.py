@@ -450,7 +450,7 @@ def test_the_gpus_codes_and_blocks_compute_the_dequantized_model(loaded, name, m
     # untied embedding in its blocks, a tied Q8_0 or Q6_K table as the head's codes that the lookup reads too; the
     # model computes --dequantize's logits.
     import rungen.gguf.file
-    from rungen.gguf.blocks import DEVICE_ROW_TYPES, INT8_TYPES, DeviceRowsEmbedding
+    from rungen.gguf.device import DEVICE_ROW_TYPES, INT8_TYPES, DeviceRowsEmbedding
     from rungen.int8 import CodesEmbedding, CudaInt8Linear, widened
 
     header, _, reference = loaded[name]

@@ -1,10 +1,12 @@
 """The GGUF runtime: a GGUF file run on the CPU in its own quantized blocks by the native kernels, and on an
-accelerator de-quantized or in 4-bit form (blocks.py's TinyGemmLinear, file.py's build_model).
+accelerator in codes its kernels read or de-quantized (device.py's forms, file.py's build_model).
 
 Modules, from the ground up:
 - kernels.py: the native kernels (rungen/gguf/csrc, torch.ops.rungen_ggml), built on first use and cached.
+- codes.py: the blocks read as codes and scales by torch operators, the gguf package's floats.
 - blocks.py: the file's tensors as torch layers (GGMLLinear, GGMLParts, GGMLEmbedding; float ones kept in their
-  dtype), the torch fallback where the kernels are missing, the 4-bit GPU form.
+  dtype), the torch fallback where the kernels are missing.
+- device.py: the forms a CUDA GPU keeps the blocks in (int4 for torch's kernel, int8 codes, an embedding's blocks).
 - families.py: the model families, one row each: what a family differs in from llama's decoder.
 - weights.py: WeightReader, the file's tensors as the builders take them (views of the map, interleaved rows).
 - decoder.py: the decoder layers fused over the blocks (FusedDecoderLayer), the one-call stack (NativeStack).

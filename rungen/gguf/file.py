@@ -32,19 +32,14 @@ from .blocks import (
     SUPPORTED,
     CastEmbedding,
     CastLinear,
-    DeviceRowsEmbedding,
     GGMLEmbedding,
     GGMLLinear,
     dequantize,
-    gpu_embedding,
-    gpu_int4,
-    gpu_int8,
-    int8_of_blocks,
     interleavable,
-    tinygemm_of_blocks,
     weights_per_row,
 )
 from .decoder import FUSED_WEIGHTS, fusable, fuse_decoder_layers
+from .device import DeviceRowsEmbedding, gpu_embedding, gpu_int4, gpu_int8, int8_of_blocks, tinygemm_of_blocks
 from .families import BY_ARCHITECTURE, NO_FAMILY
 from .weights import FLOAT_TYPES, GGUFError, WeightReader, as_torch
 

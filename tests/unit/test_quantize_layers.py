@@ -131,7 +131,8 @@ def test_an_int8_types_weight_for_the_gpu_keeps_the_files_codes_and_scales(name)
     from gguf import GGMLQuantizationType
 
     from helpers import quantized_blocks
-    from rungen.gguf.blocks import dequantize, int8_of_blocks
+    from rungen.gguf.blocks import dequantize
+    from rungen.gguf.device import int8_of_blocks
 
     qtype, blocks = GGMLQuantizationType[name], quantized_blocks(name, 24, 512)
     order = np.random.default_rng(0).permutation(24)
@@ -156,7 +157,9 @@ def test_an_embeddings_rows_de_quantize_on_any_device_as_the_gguf_package_does(n
     from gguf import GGMLQuantizationType
 
     from helpers import quantized_blocks
-    from rungen.gguf.blocks import DeviceRowsEmbedding, dequantize, dequantize_rows
+    from rungen.gguf.blocks import dequantize
+    from rungen.gguf.codes import dequantize_rows
+    from rungen.gguf.device import DeviceRowsEmbedding
 
     qtype, blocks = GGMLQuantizationType[name], quantized_blocks(name, 20, 512)
     assert torch.equal(dequantize_rows(blocks, qtype, 512), dequantize(blocks, qtype, 512))

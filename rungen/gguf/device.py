@@ -1,0 +1,112 @@
+"""A GGUF file's weights in the forms a CUDA GPU keeps them (file.py's build_model given a device): 4-bit types as
+torch's int4 kernel takes them (TinyGemmLinear), the types that fit int8 codes and group scales for rungen/int8.py's
+Triton kernel (CudaInt8Linear), and an embedding table in its blocks (DeviceRowsEmbedding). Each form is exact: the
+codes and scales are the file's (codes.py), never re-quantized.
+"""
+
+from __future__ import annotations
+
+import torch
+from gguf import GGMLQuantizationType
+
+from ..int4 import TinyGemmLinear
+from ..int8 import CudaInt8Linear
+from .codes import (
+    GROUPED_TYPES,
+    INT4_TYPES,
+    dequantize_rows,
+    grouped_parts,
+    int4_parts,
+    iq4_parts,
+    low_k_parts,
+    q6_k_parts,
+    q8_0_parts,
+)
+
+# --- On a CUDA GPU: 4-bit types as torch's int4 weight-only kernel (tinygemm) takes them ---
+
+def gpu_int4(qtype: GGMLQuantizationType, in_features: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a weight of `qtype` keeps its 4-bit codes on `device` for a model in `dtype` (TinyGemmLinear)."""
+    return qtype in INT4_TYPES and TinyGemmLinear.runs_on(in_features, dtype, device)
+
+
+def tinygemm_of_blocks(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: int, device: torch.device,
+                       order=None) -> TinyGemmLinear:
+    """A 4-bit weight's blocks (`order`: its rows permuted) as a TinyGemmLinear on `device`, the codes exact."""
+    codes, scale, offset = int4_parts(blocks, qtype, in_features)
+    if order is not None:
+        order = torch.from_numpy(order)
+        codes, scale, offset = codes[order], scale[order], offset[order]
+    return TinyGemmLinear(codes, scale, offset, device)
+
+
+# --- On a CUDA GPU: the types that fit int8 codes and group scales, for rungen/int8.py's Triton kernel ---
+INT8_TYPES = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q5_0,
+              GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q5_K, GGMLQuantizationType.IQ4_NL,
+              GGMLQuantizationType.IQ4_XS, GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q2_K)
+
+
+def gpu_int8(qtype: GGMLQuantizationType, device: torch.device) -> bool:
+    """Whether a weight of `qtype` keeps its int8 codes on `device` (CudaInt8Linear, once its kernel is checked)."""
+    return qtype in INT8_TYPES and device.type == "cuda"
+
+
+def int8_of_blocks(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: int, device: torch.device,
+                   order=None) -> CudaInt8Linear:
+    """A weight's INT8_TYPES blocks (`order`: its rows permuted) as a CudaInt8Linear on `device`, exact: Q8_0 as
+    each block's 32 int8 codes and its float16 scale (1.06 bytes a weight, the file's); Q6_K as its codes (-32..31)
+    and a float32 scale a group of 16, its superblock's float16 scale times the group's int8 one (1.25 bytes a
+    weight, against the file's 0.82 and bfloat16's 2); Q5_0, Q5_1 and Q5_K as their codes (0..31) and a float32
+    scale and offset a group of 32 (1.25 bytes, against 0.69-0.75); IQ4_NL and IQ4_XS as their levels (IQ4_VALUES)
+    and a scale a group of 32, IQ4_NL's float16, IQ4_XS's float32 (1.06 or 1.13 bytes, against 0.56 or 0.53); Q3_K
+    and Q2_K as their codes and a float32 scale (Q2_K: and offset) a group of 16 (1.25 or 1.5 bytes, against 0.43
+    or 0.33). No kernel yet: see rungen/int8.py's use_kernel."""
+    offsets = None
+    if qtype == GGMLQuantizationType.Q8_0:
+        codes, scales = q8_0_parts(blocks, in_features)
+    elif qtype == GGMLQuantizationType.Q6_K:
+        codes, scales = q6_k_parts(blocks, in_features)
+    elif qtype in (GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.IQ4_XS):
+        codes, scales = iq4_parts(blocks, qtype, in_features)
+    elif qtype in (GGMLQuantizationType.Q2_K, GGMLQuantizationType.Q3_K):
+        codes, scales, offsets = low_k_parts(blocks, qtype, in_features)
+    else:
+        codes, scales, offsets = grouped_parts(blocks, qtype, in_features)
+        codes = codes.to(torch.int8)
+    if order is not None:
+        order = torch.from_numpy(order)
+        codes, scales = codes[order], scales[order]
+        offsets = None if offsets is None else offsets[order]
+    return CudaInt8Linear(codes.to(device), scales.to(device), None,
+                          None if offsets is None else offsets.to(device))
+
+
+# --- On a CUDA GPU: an embedding table in its blocks, the rows looked up de-quantized by torch operators ---
+DEVICE_ROW_TYPES = (*GROUPED_TYPES, GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q8_0)
+
+
+def gpu_embedding(qtype: GGMLQuantizationType, device: torch.device) -> bool:
+    """Whether an embedding table of `qtype` keeps its blocks on `device` (DeviceRowsEmbedding)."""
+    return qtype in DEVICE_ROW_TYPES and device.type == "cuda"
+
+
+class DeviceRowsEmbedding(torch.nn.Module):
+    """An embedding table kept in its GGUF blocks on a GPU (DEVICE_ROW_TYPES: 0.28 to 0.53 of bfloat16's bytes); a
+    lookup gathers its rows' blocks and de-quantizes them there, with torch operators a CUDA graph can
+    hold."""
+
+    def __init__(self, blocks: torch.Tensor, qtype: GGMLQuantizationType, embedding_dim: int, dtype: torch.dtype,
+                 scale: float | torch.Tensor | None = None):
+        super().__init__()
+        self.register_buffer("blocks", blocks, persistent=False)
+        self.qtype, self.embedding_dim, self.dtype = GGMLQuantizationType(qtype), embedding_dim, dtype
+        self.num_embeddings = blocks.shape[0]
+        self.embed_scale = scale  # Gemma-style scaled embeddings multiply the looked-up rows
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, qtype={self.qtype.name}, on {self.blocks.device}"
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = dequantize_rows(self.blocks.index_select(0, ids.reshape(-1)), self.qtype, self.embedding_dim)
+        out = rows.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
+        return out if self.embed_scale is None else out * self.embed_scale
