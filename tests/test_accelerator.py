@@ -74,16 +74,16 @@ def test_a_q8_0_gguf_file_on_the_gpu_keeps_its_codes_and_its_q6_k_heads(tmp_path
     # keep their int8 codes and float16 scales, rows permuted as transformers wants the attention's, the head its
     # Q6_K codes and a float32 scale a group of 16, each type's kernel checked on its first weight, and the model
     # computes what the de-quantized one does; a kernel that does not check out leaves them de-quantized.
-    import rungen.gguf.file
+    import rungen.gguf.device
     from rungen.gguf.device import INT8_TYPES
     from rungen.int8 import CudaInt8Linear, widened
     from rungen.loading import load_gguf_on
 
     path = write_tiny_gguf(str(tmp_path / "tiny-Q8_0.gguf"), "Q8_0")
     cpu = torch.device("cpu")
-    monkeypatch.setattr(rungen.gguf.file, "gpu_int8", lambda qtype, device: qtype in INT8_TYPES)
+    monkeypatch.setattr(rungen.gguf.device, "gpu_int8", lambda qtype, device: qtype in INT8_TYPES)
     checked = []
-    monkeypatch.setattr(rungen.gguf.file, "checked_kernel", lambda layer, dtype, instead: (checked.append(
+    monkeypatch.setattr(rungen.gguf.device, "checked_kernel", lambda layer, dtype, instead: (checked.append(
         (layer.scales.dtype, layer.in_features // layer.scales.shape[1])), widened)[1])
     kept = load_gguf_on(path, cpu, dtype="float32")
     layers = [m for m in kept.model.modules() if isinstance(m, CudaInt8Linear)]
@@ -91,7 +91,7 @@ def test_a_q8_0_gguf_file_on_the_gpu_keeps_its_codes_and_its_q6_k_heads(tmp_path
     assert sorted(checked, key=str) == [(torch.float16, 32), (torch.float32, 16)]
     head = kept.model.get_output_embeddings()
     assert head in layers and head.codes.abs().max() <= 32 and head.scales.shape == (head.out_features, 256 // 16)
-    monkeypatch.setattr(rungen.gguf.file, "checked_kernel", lambda layer, dtype, instead: None)
+    monkeypatch.setattr(rungen.gguf.device, "checked_kernel", lambda layer, dtype, instead: None)
     dequantized = load_gguf_on(path, cpu, dtype="float32")
     assert not any(isinstance(m, CudaInt8Linear) for m in dequantized.model.modules())
     ids = torch.tensor([list(range(3, 40))])
@@ -105,7 +105,7 @@ def test_a_tied_q8_0_file_on_the_gpu_keeps_one_set_of_codes_for_its_embedding_an
     # A tied file's Q8_0 table (Q6_K's alike) on the GPU, the CPU standing in: the head keeps its codes for the int8
     # kernel and the embedding's lookup reads those same codes (one copy, a byte a weight, where it was a bfloat16
     # table the two shared), to the de-quantized model's values and logits.
-    import rungen.gguf.file
+    import rungen.gguf.device
     from rungen.gguf.device import INT8_TYPES
     from rungen.int8 import CodesEmbedding, CudaInt8Linear, widened
     from rungen.loading import load_gguf_on
@@ -113,8 +113,8 @@ def test_a_tied_q8_0_file_on_the_gpu_keeps_one_set_of_codes_for_its_embedding_an
     path = write_tiny_gguf(str(tmp_path / "tied-Q8_0.gguf"), "Q8_0", tied=True)
     cpu = torch.device("cpu")
     dequantized = load_gguf_on(path, cpu, dtype="float32").model
-    monkeypatch.setattr(rungen.gguf.file, "gpu_int8", lambda qtype, device: qtype in INT8_TYPES)
-    monkeypatch.setattr(rungen.gguf.file, "checked_kernel", lambda layer, dtype, instead: widened)
+    monkeypatch.setattr(rungen.gguf.device, "gpu_int8", lambda qtype, device: qtype in INT8_TYPES)
+    monkeypatch.setattr(rungen.gguf.device, "checked_kernel", lambda layer, dtype, instead: widened)
     kept = load_gguf_on(path, cpu, dtype="float32").model
     head, embedding = kept.get_output_embeddings(), kept.get_input_embeddings()
     assert isinstance(head, CudaInt8Linear) and isinstance(embedding, CodesEmbedding) and embedding.head is head
@@ -131,15 +131,15 @@ def test_a_gguf_files_embedding_keeps_its_blocks_on_the_gpu(tmp_path, monkeypatc
     # The GPU's load with the CPU standing in: an untied file's token embeddings stay in the file's blocks (a
     # quarter or half of bfloat16's bytes), a lookup de-quantizing its rows with torch operators, to the same values:
     # the model computes what the fully de-quantized one does; a file whose head reads the embedding keeps a table.
-    import rungen.gguf.file
+    import rungen.gguf.device
     from rungen.gguf.device import DeviceRowsEmbedding
     from rungen.loading import load_gguf_on
 
     path = write_tiny_gguf(str(tmp_path / f"tiny-{qtype}.gguf"), qtype)
     cpu = torch.device("cpu")
-    monkeypatch.setattr(rungen.gguf.file, "gpu_int8", lambda qtype, device: False)  # Q8_0's matrices de-quantized
+    monkeypatch.setattr(rungen.gguf.device, "gpu_int8", lambda qtype, device: False)  # Q8_0's matrices de-quantized
     dequantized = load_gguf_on(path, cpu, dtype="float32")
-    monkeypatch.setattr(rungen.gguf.file, "gpu_embedding", lambda qtype, device: True)
+    monkeypatch.setattr(rungen.gguf.device, "gpu_embedding", lambda qtype, device: True)
     kept = load_gguf_on(path, cpu, dtype="float32")
     embedding = kept.model.get_input_embeddings()
     assert isinstance(embedding, DeviceRowsEmbedding) and embedding.blocks.dtype == torch.uint8

@@ -449,14 +449,14 @@ def test_the_gpus_codes_and_blocks_compute_the_dequantized_model(loaded, name, m
     # every Q8_0, Q6_K and Q5 matrix as int8 codes with its scales (and the Q5 types' offsets; biases kept), an
     # untied embedding in its blocks, a tied Q8_0 or Q6_K table as the head's codes that the lookup reads too; the
     # model computes --dequantize's logits.
-    import rungen.gguf.file
+    import rungen.gguf.device
     from rungen.gguf.device import DEVICE_ROW_TYPES, INT8_TYPES, DeviceRowsEmbedding
     from rungen.int8 import CodesEmbedding, CudaInt8Linear, widened
 
     header, _, reference = loaded[name]
-    monkeypatch.setattr(rungen.gguf.file, "gpu_int8", lambda qtype, device: qtype in INT8_TYPES)
-    monkeypatch.setattr(rungen.gguf.file, "gpu_embedding", lambda qtype, device: qtype in DEVICE_ROW_TYPES)
-    monkeypatch.setattr(rungen.gguf.file, "checked_kernel", lambda layer, dtype, instead: widened)
+    monkeypatch.setattr(rungen.gguf.device, "gpu_int8", lambda qtype, device: qtype in INT8_TYPES)
+    monkeypatch.setattr(rungen.gguf.device, "gpu_embedding", lambda qtype, device: qtype in DEVICE_ROW_TYPES)
+    monkeypatch.setattr(rungen.gguf.device, "checked_kernel", lambda layer, dtype, instead: widened)
     model = build_model(header, torch.float32, torch.device("cpu"))
     types = {entry[0]: Q(entry[1]) for entry in header.tensors}
     in_codes = sum(1 for tensor, qtype in types.items() if qtype in INT8_TYPES and tensor != "token_embd.weight")

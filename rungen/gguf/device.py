@@ -6,11 +6,14 @@ codes and scales are the file's (codes.py), never re-quantized.
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 from gguf import GGMLQuantizationType
 
-from ..int4 import TinyGemmLinear
-from ..int8 import CudaInt8Linear
+from ..int4 import TinyGemmLinear, checked_tinygemm
+from ..int8 import CodesEmbedding, CudaInt8Linear, checked_kernel
 from .codes import (
     GROUPED_TYPES,
     INT4_TYPES,
@@ -22,6 +25,8 @@ from .codes import (
     q6_k_parts,
     q8_0_parts,
 )
+
+logger = logging.getLogger("run_generation")
 
 # --- On a CUDA GPU: 4-bit types as torch's int4 weight-only kernel (tinygemm) takes them ---
 
@@ -110,3 +115,48 @@ class DeviceRowsEmbedding(torch.nn.Module):
         rows = dequantize_rows(self.blocks.index_select(0, ids.reshape(-1)), self.qtype, self.embedding_dim)
         out = rows.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
         return out if self.embed_scale is None else out * self.embed_scale
+
+
+class DeviceForms:
+    """What one load keeps a GGUF file's quantized weights in on a GPU: 4-bit codes for torch's int4 kernel, int8
+    codes for the Triton kernel, an embedding's blocks, else the weight de-quantized. Each kernel is checked on its
+    first weight (the int8 kernel once a type: their group sizes compile apart); one that fails leaves every later
+    weight of its kind de-quantized."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype):
+        self.device, self.dtype = device, dtype
+        self.int4 = None  # whether 4-bit weights take torch's int4 kernel: None until the first is checked
+        self.int8 = {}  # qtype -> the checked Triton kernel, or False where it does not serve the type
+
+    def keep(self, reader, entry, qtype: GGMLQuantizationType, in_features: int, module: torch.nn.Module, order,
+             tied_table: bool) -> torch.nn.Module | torch.Tensor:
+        """The layer holding `entry`'s weight (rows permuted by `order`) in codes or blocks for `module`, or the
+        weight de-quantized to set in its place; `tied_table`: the input embedding, which the head reads too."""
+        linear, table = isinstance(module, torch.nn.Linear), isinstance(module, torch.nn.Embedding)
+        scale = getattr(module, "embed_scale", None)
+        if linear and self.int4 is not False and gpu_int4(qtype, in_features, self.dtype, self.device):
+            make = functools.partial(tinygemm_of_blocks, torch.from_numpy(reader.blocks(entry)), qtype, in_features,
+                                     self.device, order)
+            if self.int4 is not None:
+                return make()
+            weight = reader.dequantized(entry, self.dtype, self.device, order)  # the first, checked against it
+            layer, why = checked_tinygemm(make, weight)
+            self.int4 = layer is not None
+            if self.int4:
+                return layer
+            logger.warning("torch's int4 GPU kernel %s here; the 4-bit weights run de-quantized to bfloat16 instead",
+                           why)
+            return weight
+        if (linear or tied_table) and self.int8.get(qtype) is not False and gpu_int8(qtype, self.device):
+            layer = int8_of_blocks(torch.from_numpy(reader.blocks(entry)), qtype, in_features, self.device, order)
+            if qtype not in self.int8:  # no kernel, no codes: widening each product is slower than bfloat16
+                self.int8[qtype] = checked_kernel(layer, self.dtype, f"{qtype.name} weights de-quantized to "
+                                                  f"{self.dtype} instead") or False
+            if self.int8[qtype]:
+                layer.use_kernel(self.int8[qtype])
+                # A tied table becomes the head (file.py's _tie_head), its lookup reading the same codes.
+                return CodesEmbedding(layer, self.dtype, scale) if tied_table else layer
+        elif table and not tied_table and gpu_embedding(qtype, self.device):
+            return DeviceRowsEmbedding(reader.rows(entry, False, order).to(self.device), qtype, in_features,
+                                       self.dtype, scale)
+        return reader.dequantized(entry, self.dtype, self.device, order)

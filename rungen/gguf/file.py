@@ -26,8 +26,7 @@ import numpy as np
 import torch
 
 from .. import NOTICE
-from ..int4 import checked_tinygemm
-from ..int8 import CodesEmbedding, checked_kernel
+from ..int8 import CodesEmbedding
 from .blocks import (
     SUPPORTED,
     CastEmbedding,
@@ -39,7 +38,7 @@ from .blocks import (
     weights_per_row,
 )
 from .decoder import FUSED_WEIGHTS, fusable, fuse_decoder_layers
-from .device import DeviceRowsEmbedding, gpu_embedding, gpu_int4, gpu_int8, int8_of_blocks, tinygemm_of_blocks
+from .device import DeviceForms, DeviceRowsEmbedding
 from .families import BY_ARCHITECTURE, NO_FAMILY
 from .weights import FLOAT_TYPES, GGUFError, WeightReader, as_torch
 
@@ -369,9 +368,9 @@ def _process(processor, header: GGUFHeader, name: str, weights: np.ndarray, name
 
 
 def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | None = None) -> torch.nn.Module:
-    """The causal LM of `header`'s config over the file's weights. Given a `device`, weights are de-quantized to
-    `dtype` a chunk of rows at a time (never whole in float32), or kept 4-bit where torch's int4 kernel agrees, or
-    as Q8_0's and Q6_K's int8 codes where rungen/int8.py's Triton kernel does."""
+    """The causal LM of `header`'s config over the file's weights. Given a `device`, quantized weights take the forms
+    device.py's DeviceForms keeps them in there (codes for a checked kernel, an embedding's blocks), else are
+    de-quantized to `dtype` a chunk of rows at a time (never whole in float32)."""
     on_device = device is not None
     from accelerate import init_empty_weights
     from gguf import GGMLQuantizationType
@@ -400,9 +399,7 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
         if head_reads_embedding and not on_device:
             embedding = model.get_input_embeddings()
             tied_embedding = next(n for n, m in model.named_modules() if m is embedding)
-    int4 = None  # on a GPU, whether 4-bit weights take torch's int4 kernel: None until the first is checked
-    int8 = {}  # on a GPU, Q8_0's and Q6_K's checked Triton kernel (rungen/int8.py; each type's group size compiles
-    # apart): a type's entry set by its first weight, False where the kernel does not serve it
+    forms = DeviceForms(device, dtype) if on_device else None
     collected = {"tensors": {}}  # what processors that merge or split tensors (MoE experts) leave
     biases = {}  # module name -> bias, given to the layer that ends up there
     layers = {}  # module name -> the layer that replaces the model's own
@@ -443,46 +440,13 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
             _check_shape(header.path, name, module, attr,
                          (in_features, shape[0]) if isinstance(module, Conv1D) else (shape[0], in_features))
             order = _row_permutation(processor, name, shape[0])
-            if on_device and order is not False and isinstance(module, torch.nn.Linear) and int4 is not False \
-                    and gpu_int4(qtype, in_features, dtype, device):
-                make = functools.partial(tinygemm_of_blocks, torch.from_numpy(blocks), qtype, in_features, device,
-                                         order)
-                if int4 is None:  # the first: checked against its de-quantized weight before any is trusted
-                    weight = reader.dequantized(entry, dtype, device, order)
-                    layer, why = checked_tinygemm(make, weight)
-                    int4 = layer is not None
-                    if not int4:
-                        logger.warning("torch's int4 GPU kernel %s here; the 4-bit weights run de-quantized to "
-                                       "bfloat16 instead", why)
-                        _set_tensor(model, hf_name, weight)
-                        continue
-                else:
-                    layer = make()
-                layers[module_name] = layer
-                continue
-            tied_table = isinstance(module, torch.nn.Embedding) and head_reads_embedding
-            if on_device and order is not False and (isinstance(module, torch.nn.Linear) or tied_table) \
-                    and int8.get(qtype) is not False and gpu_int8(qtype, device):
-                layer = int8_of_blocks(torch.from_numpy(blocks), qtype, in_features, device, order)
-                if qtype not in int8:  # the first: no kernel, no codes (widening each product is slower than bfloat16)
-                    int8[qtype] = checked_kernel(layer, dtype, f"{qtype.name} weights de-quantized to {dtype} "
-                                                 "instead") or False
-                if not int8[qtype]:
-                    _set_tensor(model, hf_name, reader.dequantized(entry, dtype, device, order))
-                    continue
-                layer.use_kernel(int8[qtype])
-                # A tied table becomes the head (_tie_head), its lookup reading the same codes.
-                layers[module_name] = CodesEmbedding(layer, dtype, getattr(module, "embed_scale", None)) \
-                    if tied_table else layer
-                continue
-            if on_device and order is not False and isinstance(module, torch.nn.Embedding) \
-                    and not head_reads_embedding and gpu_embedding(qtype, device):  # a tied head reads a table
-                layers[module_name] = DeviceRowsEmbedding(reader.rows(entry, False, order).to(device), qtype,
-                                                          in_features, dtype, getattr(module, "embed_scale", None))
-                continue
             if on_device and order is not False:
-                weight = reader.dequantized(entry, dtype, device, order)
-                _set_tensor(model, hf_name, weight.t().contiguous() if isinstance(module, Conv1D) else weight)
+                form = forms.keep(reader, entry, qtype, in_features, module, order,
+                                  isinstance(module, torch.nn.Embedding) and head_reads_embedding)
+                if isinstance(form, torch.Tensor):  # de-quantized
+                    _set_tensor(model, hf_name, form.t().contiguous() if isinstance(module, Conv1D) else form)
+                else:
+                    layers[module_name] = form
                 continue
             embedding = isinstance(module, torch.nn.Embedding)
             interleave = (not embedding or module_name == tied_embedding) and interleavable(qtype, shape[0])
