@@ -65,25 +65,36 @@ def int8_of_blocks(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_feature
     scale and offset a group of 32 (1.25 bytes, against 0.69-0.75); IQ4_NL and IQ4_XS as their levels (IQ4_VALUES)
     and a scale a group of 32, IQ4_NL's float16, IQ4_XS's float32 (1.06 or 1.13 bytes, against 0.56 or 0.53); Q3_K
     and Q2_K as their codes and a float32 scale (Q2_K: and offset) a group of 16 (1.25 or 1.5 bytes, against 0.43
-    or 0.33). No kernel yet: see rungen/int8.py's use_kernel."""
-    offsets = None
-    if qtype == GGMLQuantizationType.Q8_0:
-        codes, scales = q8_0_parts(blocks, in_features)
-    elif qtype == GGMLQuantizationType.Q6_K:
-        codes, scales = q6_k_parts(blocks, in_features)
-    elif qtype in (GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.IQ4_XS):
-        codes, scales = iq4_parts(blocks, qtype, in_features)
-    elif qtype in (GGMLQuantizationType.Q2_K, GGMLQuantizationType.Q3_K):
-        codes, scales, offsets = low_k_parts(blocks, qtype, in_features)
-    else:
-        codes, scales, offsets = grouped_parts(blocks, qtype, in_features)
-        codes = codes.to(torch.int8)
+    or 0.33). Read CODES_CHUNK_ROWS rows at a time: a head's table read whole would take gigabytes of intermediates.
+    No kernel yet: see rungen/int8.py's use_kernel."""
+    chunks = [_int8_parts(blocks[start:start + CODES_CHUNK_ROWS], qtype, in_features)
+              for start in range(0, blocks.shape[0], CODES_CHUNK_ROWS)]
+    codes, scales = torch.cat([chunk[0] for chunk in chunks]), torch.cat([chunk[1] for chunk in chunks])
+    offsets = None if chunks[0][2] is None else torch.cat([chunk[2] for chunk in chunks])
+    del chunks
     if order is not None:
         order = torch.from_numpy(order)
         codes, scales = codes[order], scales[order]
         offsets = None if offsets is None else offsets[order]
     return CudaInt8Linear(codes.to(device), scales.to(device), None,
                           None if offsets is None else offsets.to(device))
+
+
+CODES_CHUNK_ROWS = 4096
+
+
+def _int8_parts(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: int):
+    """(int8 codes, scales, offsets or None) of INT8_TYPES' blocks."""
+    if qtype == GGMLQuantizationType.Q8_0:
+        return (*q8_0_parts(blocks, in_features), None)
+    if qtype == GGMLQuantizationType.Q6_K:
+        return (*q6_k_parts(blocks, in_features), None)
+    if qtype in (GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.IQ4_XS):
+        return (*iq4_parts(blocks, qtype, in_features), None)
+    if qtype in (GGMLQuantizationType.Q2_K, GGMLQuantizationType.Q3_K):
+        return low_k_parts(blocks, qtype, in_features)
+    codes, scales, offsets = grouped_parts(blocks, qtype, in_features)
+    return codes.to(torch.int8), scales, offsets
 
 
 # --- On a CUDA GPU: an embedding table in its blocks, the rows looked up de-quantized by torch operators ---

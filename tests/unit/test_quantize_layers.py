@@ -120,22 +120,24 @@ def test_the_int8_kernels_check_multiplies_a_heads_first_channels_and_catches_a_
 
 
 @pytest.mark.parametrize("name", ["Q8_0", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K"])
-def test_an_int8_types_weight_for_the_gpu_keeps_the_files_codes_and_scales(name):
-    # A GGUF weight of an int8 type on a GPU (rungen/gguf/blocks.py's int8_of_blocks): Q8_0's 32 int8 codes and
+def test_an_int8_types_weight_for_the_gpu_keeps_the_files_codes_and_scales(name, monkeypatch):
+    # A GGUF weight of an int8 type on a GPU (rungen/gguf/device.py's int8_of_blocks): Q8_0's 32 int8 codes and
     # float16 scale a block as the file has them, Q6_K's codes (-32..31) and a float32 scale a group of 16 (its
     # superblock's float16 scale times the group's int8 one), the Q5 types' codes (0..31) and a float32 scale and
     # offset a group of 32, the IQ4 types' levels and a scale a group of 32, Q3_K's codes (-4..3) and Q2_K's (0..3,
-    # with an offset) a group of 16, rows permuted where the architecture asks; codes times scales plus offsets is
-    # exactly the de-quantized weight.
+    # with an offset) a group of 16, rows permuted where the architecture asks, read a few rows at a time; codes
+    # times scales plus offsets is exactly the de-quantized weight.
     import numpy as np
     from gguf import GGMLQuantizationType
 
+    import rungen.gguf.device
     from helpers import quantized_blocks
     from rungen.gguf.blocks import dequantize
     from rungen.gguf.device import int8_of_blocks
 
     qtype, blocks = GGMLQuantizationType[name], quantized_blocks(name, 24, 512)
     order = np.random.default_rng(0).permutation(24)
+    monkeypatch.setattr(rungen.gguf.device, "CODES_CHUNK_ROWS", 5)  # five rows at a time: five chunks, one short
     layer = int8_of_blocks(blocks, qtype, 512, torch.device("cpu"), order)
     group, dtype = {"Q8_0": (32, torch.float16), "IQ4_NL": (32, torch.float16), "Q6_K": (16, torch.float32),
                     "Q3_K": (16, torch.float32), "Q2_K": (16, torch.float32)}.get(name, (32, torch.float32))
