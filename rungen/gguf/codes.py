@@ -73,6 +73,16 @@ def grouped_parts(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features
     return codes.reshape(rows, in_features), d, offset
 
 
+INT4_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K)
+
+
+def int4_parts(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: int):
+    """grouped_parts of a 4-bit type (INT4_TYPES: Q4_0, Q4_1, Q4_K), codes 0..15."""
+    if qtype not in INT4_TYPES:
+        raise ValueError(f"{qtype.name} is not a 4-bit type")
+    return grouped_parts(blocks, qtype, in_features)
+
+
 def low_k_parts(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: int):
     """Q2_K or Q3_K blocks as their codes [rows, in_features] (Q2_K 0..3, Q3_K -4..3; int8) and per group of 16 the
     scale and (Q2_K) the offset, float32, by torch operators on the blocks' device (code * scale + offset is the gguf
@@ -120,16 +130,6 @@ def iq4_parts(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: in
         scales = (_halves(b[..., 0:2])[..., None] * groups).reshape(rows, -1)
         nibbles = _nibbles(b[..., 8:].reshape(rows, -1, 8, 16), rows)
     return levels[nibbles.long()].reshape(rows, in_features), scales
-
-
-INT4_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K)
-
-
-def int4_parts(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: int):
-    """grouped_parts of a 4-bit type (INT4_TYPES: Q4_0, Q4_1, Q4_K), codes 0..15."""
-    if qtype not in INT4_TYPES:
-        raise ValueError(f"{qtype.name} is not a 4-bit type")
-    return grouped_parts(blocks, qtype, in_features)
 
 
 def q6_k_parts(blocks: torch.Tensor, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
