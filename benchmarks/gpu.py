@@ -48,6 +48,7 @@ is also in --json FILE, rewritten after each measurement (a run cut short keeps 
 """
 
 import argparse
+import contextlib
 import gc
 import inspect
 import json
@@ -273,6 +274,21 @@ def prompts(count, length, vocab, seed=0):
     return torch.randint(3, vocab - 2, (count, length), generator=generator).tolist()
 
 
+@contextlib.contextmanager
+def environment(settings: dict):
+    """The environment variables `settings` set within the block, as they were after it."""
+    saved = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 class EngineRunner:
     """The tool's engine over a Loaded: greedy requests, EOS ignored, all submitted at once and run on this
     thread (as the command line's prompts). `settings`: environment variables the engine reads when it is made
@@ -282,17 +298,9 @@ class EngineRunner:
         from rungen import engine as engine_module
 
         self.captured = 0.0  # capture seconds reported by the rows before
-        saved = {name: os.environ.get(name) for name in settings or {}}
-        os.environ.update(settings or {})
-        try:
+        with environment(settings or {}):
             self.engine = engine_module.Engine(loaded, max_batch=max_batch, max_queue=max_batch + 1,
                                                max_cache_tokens=sys.maxsize, prefix_cache_bytes=0, eos_ids=())
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
 
     def extra(self):
         """How the engine ran: keys/values in fixed slots or a padded batch; CUDA graphs and their capture time;
@@ -610,19 +618,12 @@ def gguf_row(report, args, bandwidth, budget, name, qtype, variants, reserve):
         write_family(path, "llama", qtype, synthetic_tokenizer_fields(vocab), shape=family)
         print(f"{name} {qtype} GGUF: {os.path.getsize(path) / 2**30:.2f} GiB written in "
               f"{time.perf_counter() - start:.1f} s", flush=True)
-        for label, environment in variants:
-            saved = {key: os.environ.get(key) for key in environment}
-            os.environ.update(environment)
+        for label, settings in variants:
             try:
-                report.add(**gguf_variant(args, bandwidth, name, path, label))
+                with environment(settings):
+                    report.add(**gguf_variant(args, bandwidth, name, path, label))
             except Exception as error:
                 report.add(shape=name, path=label, error=one_line(error))
-            finally:
-                for key, value in saved.items():
-                    if value is None:
-                        os.environ.pop(key, None)
-                    else:
-                        os.environ[key] = value
     except Exception as error:
         report.add(shape=name, path=variants[0][0], error=one_line(error))
     finally:
