@@ -9,9 +9,14 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 
+def _float16s(pairs: torch.Tensor) -> torch.Tensor:
+    """Byte pairs [..., 2] read as float16 [...]."""
+    return pairs.contiguous().view(torch.float16)[..., 0]
+
+
 def _halves(pairs: torch.Tensor) -> torch.Tensor:
     """Byte pairs [..., 2] read as float16, in float32 [...]."""
-    return pairs.contiguous().view(torch.float16)[..., 0].float()
+    return _float16s(pairs).float()
 
 
 def q8_0_parts(blocks: torch.Tensor, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -19,19 +24,19 @@ def q8_0_parts(blocks: torch.Tensor, in_features: int) -> tuple[torch.Tensor, to
     32], by torch operators on the blocks' device."""
     b = blocks.reshape(blocks.shape[0], -1, 34)
     return (b[..., 2:].contiguous().view(torch.int8).reshape(blocks.shape[0], in_features),
-            b[..., 0:2].contiguous().view(torch.float16)[..., 0])
+            _float16s(b[..., 0:2]))
+
+
+def _fields(packed: torch.Tensor, width: int, dim: int = -2) -> torch.Tensor:
+    """Bytes [..., n] as their `width`-bit fields, lowest first, stacked at `dim` ([..., 8 // width, n] by default;
+    shifts by Python ints: no host-to-device copy, so a CUDA graph can hold it)."""
+    return torch.stack([(packed >> s) & ((1 << width) - 1) for s in range(0, 8, width)], dim=dim)
 
 
 def _nibbles(qs: torch.Tensor, rows: int) -> torch.Tensor:
     """Packed 4-bit codes [rows, blocks, chunks, bytes] as values [rows, blocks * chunks * 2 * bytes]: each chunk's
     low nibbles, then its high ones (Q4_0's 16 bytes a block of 32, Q4_K's four 32-byte chunks a superblock)."""
-    return torch.stack([qs & 0x0F, qs >> 4], dim=-2).reshape(rows, -1)
-
-
-def _bit_planes(bits: torch.Tensor) -> torch.Tensor:
-    """Bytes [..., n] as their bits [..., 8, n]: plane s holds bit s of every byte (shifts by Python ints: no
-    host-to-device copy, so a CUDA graph can hold it)."""
-    return torch.stack([(bits >> s) & 1 for s in range(8)], dim=-2)
+    return _fields(qs, 4).reshape(rows, -1)
 
 
 def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,13 +64,13 @@ def grouped_parts(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features
         scale, offset = _halves(b[..., 0:2])[..., None] * sc, -(_halves(b[..., 2:4])[..., None] * mn)
         codes = _nibbles(b[..., -128:].reshape(rows, -1, 4, 32), rows)
         if qtype == Q.Q5_K:  # bit s of high byte p: group s, position p
-            codes = codes | (_bit_planes(b[..., 16:48]).reshape(rows, -1) << 4)
+            codes = codes | (_fields(b[..., 16:48], 1).reshape(rows, -1) << 4)
         return codes.reshape(rows, in_features), scale.reshape(rows, -1), offset.reshape(rows, -1)
     d = _halves(b[..., 0:2])  # blocks of 32: one group each
     codes = _nibbles(b[..., -16:].unsqueeze(-2), rows)
     if qtype in (Q.Q5_0, Q.Q5_1):  # bit i of the block's four high bytes (little-endian): value i
         high = b[..., -20:-16]
-        codes = codes | (_bit_planes(high).transpose(-1, -2).reshape(rows, -1) << 4)
+        codes = codes | (_fields(high, 1).transpose(-1, -2).reshape(rows, -1) << 4)
     if qtype in (Q.Q4_1, Q.Q5_1):
         offset = _halves(b[..., 2:4])
     else:
@@ -88,22 +93,18 @@ def low_k_parts(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: 
     scale and (Q2_K) the offset, float32, by torch operators on the blocks' device (code * scale + offset is the gguf
     package's float)."""
     rows = blocks.shape[0]
-
-    def fields(packed, width):  # bytes [..., n] -> [..., 8 // width, n]: each `width`-bit field, lowest first
-        return torch.stack([(packed >> s) & ((1 << width) - 1) for s in range(0, 8, width)], dim=-2)
-
     if qtype == GGMLQuantizationType.Q2_K:
         b = blocks.reshape(rows, -1, 84)
-        codes = fields(b[..., 16:80].reshape(rows, -1, 2, 32), 2)  # [rows, blocks, 2, 4, 32]: 16 groups of 16
+        codes = _fields(b[..., 16:80].reshape(rows, -1, 2, 32), 2)  # [rows, blocks, 2, 4, 32]: 16 groups of 16
         scales = _halves(b[..., 80:82])[..., None] * (b[..., 0:16] & 0x0F).float()
         offsets = -(_halves(b[..., 82:84])[..., None] * (b[..., 0:16] >> 4).float())
         return codes.reshape(rows, in_features).to(torch.int8), scales.reshape(rows, -1), offsets.reshape(rows, -1)
     b = blocks.reshape(rows, -1, 110)
-    low = fields(b[..., 32:96].reshape(rows, -1, 2, 32), 2).reshape(rows, -1, 16, 16).to(torch.int8)
-    high = fields(b[..., 0:32].unsqueeze(-2), 1).reshape(rows, -1, 16, 16).to(torch.int8)  # 1: no offset of 4
+    low = _fields(b[..., 32:96].reshape(rows, -1, 2, 32), 2).reshape(rows, -1, 16, 16).to(torch.int8)
+    high = _fields(b[..., 0:32].unsqueeze(-2), 1).reshape(rows, -1, 16, 16).to(torch.int8)  # 1: no offset of 4
     codes = low - 4 * (1 - high)
-    sixteen = fields(b[..., 96:104].unsqueeze(-2), 4).reshape(rows, -1, 16)  # group g < 8: byte g's low nibble
-    top = fields(b[..., 104:108].unsqueeze(-2), 2).reshape(rows, -1, 16)  # group g: byte g % 4, bits 2 (g // 4)
+    sixteen = _fields(b[..., 96:104].unsqueeze(-2), 4).reshape(rows, -1, 16)  # group g < 8: byte g's low nibble
+    top = _fields(b[..., 104:108].unsqueeze(-2), 2).reshape(rows, -1, 16)  # group g: byte g % 4, bits 2 (g // 4)
     groups = (sixteen | (top << 4)).float() - 32
     scales = _halves(b[..., 108:110])[..., None] * groups
     return codes.reshape(rows, in_features), scales.reshape(rows, -1), None
@@ -121,11 +122,11 @@ def iq4_parts(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: in
     if qtype == GGMLQuantizationType.IQ4_NL:
         b = blocks.reshape(rows, -1, 18)
         nibbles = _nibbles(b[..., 2:].unsqueeze(-2), rows)
-        scales = b[..., 0:2].contiguous().view(torch.float16)[..., 0]
+        scales = _float16s(b[..., 0:2])
     else:
         b = blocks.reshape(rows, -1, 136)
-        low = torch.stack([b[..., 4:8] & 0x0F, b[..., 4:8] >> 4], dim=-1)  # group 2j, 2j+1: byte j's nibbles
-        high = torch.stack([(b[..., 2:4] >> s) & 3 for s in (0, 2, 4, 6)], dim=-1)  # group i: bits 2i of 16
+        low = _fields(b[..., 4:8], 4, dim=-1)  # group 2j, 2j+1: byte j's nibbles
+        high = _fields(b[..., 2:4], 2, dim=-1)  # group i: bits 2i of 16
         groups = (low.reshape(rows, -1, 8) | (high.reshape(rows, -1, 8) << 4)).float() - 32
         scales = (_halves(b[..., 0:2])[..., None] * groups).reshape(rows, -1)
         nibbles = _nibbles(b[..., 8:].reshape(rows, -1, 8, 16), rows)
@@ -139,7 +140,7 @@ def q6_k_parts(blocks: torch.Tensor, in_features: int) -> tuple[torch.Tensor, to
     b = blocks.reshape(rows, -1, 210)
     low = _nibbles(b[..., 0:128].reshape(rows, -1, 2, 64), rows).reshape(rows, -1, 8, 32)
     high_bytes = b[..., 128:192].reshape(rows, -1, 2, 32)  # each half's 2-bit fields: four groups
-    high = torch.stack([(high_bytes >> s) & 3 for s in (0, 2, 4, 6)], dim=-2).reshape(rows, -1, 8, 32)
+    high = _fields(high_bytes, 2).reshape(rows, -1, 8, 32)
     codes = (low | (high << 4)).to(torch.int8) - 32
     scale = _halves(b[..., 208:210])[..., None] * b[..., 192:208].contiguous().view(torch.int8).float()
     return codes.reshape(rows, in_features), scale.reshape(rows, -1)
