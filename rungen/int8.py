@@ -4,8 +4,8 @@ registers, so a decode step reads one byte a weight: torch's own CUDA int8 kerne
 to 2.13) computes one output a thread in float32 over rows read across threads, far from the bandwidth a step needs.
 Where Triton is missing or disagrees with the plain product, and for prompts (many rows: compute-bound), the codes
 are widened to the activations' dtype for the GPU's own matrix product, one layer at a time. The same layer and
-kernel hold a GGUF file's Q8_0 blocks on a GPU (int8 codes with a float16 scale a group of 32 inputs) and its Q6_K
-ones (codes -32..31 with a float32 scale a group of 16).
+kernel hold a GGUF file's blocks on a GPU wherever their values are an integer code times a group's scale (plus an
+offset): rungen/gguf/device.py's int8 forms.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ def triton_kernel():
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # y[m, n] = sum_k x[m, k] * (codes[n, k] * scale + offset): a block of rows and output channels a program; the
         # scale is scales[n] (GROUP 0), applied to the sums, or scales[n, k // GROUP], applied to the codes, as the
-        # group's offset (OFFSET: offsets[n, k // GROUP], else none) is. Row blocks are
-        # the grid's first axis, so the programs reading one block of codes are launched together and all but the
-        # first read it from L2: the codes leave memory once however many row blocks there are.
+        # group's offset (OFFSET: offsets[n, k // GROUP], else none) is. Row blocks are the grid's first axis, so
+        # the programs reading one block of codes are launched together and all but the first read it from L2: the
+        # codes leave memory once however many row blocks there are.
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         channels = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # channels x K: past 2^31
         inner = tl.arange(0, BLOCK_K)
@@ -68,9 +68,9 @@ def triton_kernel():
     def run(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, blocks: dict | None = None,
             offsets: torch.Tensor | None = None) -> torch.Tensor:
         """x [rows, in] @ (scales * codes + offsets).T in x's dtype, scales [out] (a channel's) or [out, groups] (a
-        group of inputs': GGUF's Q8_0 32, Q6_K 16), offsets None or [out, groups] (Q5_K's); `blocks` ({"BLOCK_N",
-        "BLOCK_K"}): one configuration instead of the tuned ones (Triton's interpreter on the CPU has nothing to
-        time: one is taken there)."""
+        group of inputs': GGUF's Q8_0 32, Q6_K 16), offsets None or [out, groups] (Q5_K's, Q2_K's); `blocks`
+        ({"BLOCK_N", "BLOCK_K"}): one configuration instead of the tuned ones (Triton's interpreter on the CPU has
+        nothing to time: one is taken there)."""
         rows, inner = x.shape
         channels = codes.shape[0]
         y = torch.empty(rows, channels, dtype=x.dtype, device=x.device)
@@ -143,9 +143,9 @@ def widened(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets:
 
 class CudaInt8Linear(torch.nn.Module):
     """y = x @ (scale * codes + offset).T (+ bias) on a CUDA GPU, in the activations' dtype: codes int8 [out, in],
-    one scale an output channel (scales [out]) or a group of inputs (scales [out, groups]: GGUF's Q8_0, Q6_K and
-    Q5 blocks), and for Q5's minimums an offset a group (offsets [out, groups], else None); the Triton kernel for a
-    few rows once checked (use_kernel), else the widened product."""
+    one scale an output channel (scales [out]) or a group of inputs (scales [out, groups]: GGUF's int8 forms), and
+    where the blocks have minimums an offset a group (offsets [out, groups], else None); the Triton kernel for a few
+    rows once checked (use_kernel), else the widened product."""
 
     format = "int8"
 
@@ -173,7 +173,7 @@ class CudaInt8Linear(torch.nn.Module):
 
 
 class CodesEmbedding(torch.nn.Module):
-    """The input embedding of a tied model whose head is a CudaInt8Linear (a GGUF file's Q8_0, Q6_K or Q5 table): a
+    """The input embedding of a tied model whose head is a CudaInt8Linear (a GGUF file's table in an int8 form): a
     lookup scales (and offsets) its rows' codes, so one copy of the table, a byte a weight, serves both."""
 
     def __init__(self, head: CudaInt8Linear, dtype: torch.dtype, scale: float | torch.Tensor | None = None):

@@ -38,7 +38,7 @@ from .blocks import (
     weights_per_row,
 )
 from .decoder import FUSED_WEIGHTS, fusable, fuse_decoder_layers
-from .device import DeviceForms, DeviceRowsEmbedding
+from .device import DeviceForms
 from .families import BY_ARCHITECTURE, NO_FAMILY
 from .weights import FLOAT_TYPES, GGUFError, WeightReader, as_torch
 
@@ -470,7 +470,7 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
         _set_tensor(model, hf_name, value.to(device, dtype))
     if on_device:
         for module_name, layer in layers.items():  # weights kept in codes or blocks
-            if not isinstance(layer, (DeviceRowsEmbedding, CodesEmbedding)):
+            if not isinstance(model.get_submodule(module_name), torch.nn.Embedding):  # a linear layer's bias
                 bias = model.get_submodule(module_name).bias
                 layer.bias = bias if bias is not None and bias.device.type != "meta" else None
             model.set_submodule(module_name, layer)
