@@ -16,6 +16,7 @@ import time
 import traceback
 
 import pytest
+from gguf import GGMLQuantizationType as T
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "run_generation.py")
@@ -235,30 +236,55 @@ def to_blocks(layer, rng):
         norm.weight.data = torch.rand(norm.weight.shape[0]) + 0.5
 
 
-def quantized_blocks(name, rows, columns, seed=0):
-    """A weight [rows, columns] in GGUF blocks of type `name` as uint8 [rows, row bytes]: quantized by the gguf
-    package where it can (Q4_0..Q8_0), else (k-quants, IQ4_NL/IQ4_XS) random bytes with finite float16 scales (d,
-    and dmin where the type has one), which any de-quantizer reads as some weights."""
+# The block types the gguf package quantizes; the others' fixtures are random bytes with their float16 scales set.
+SIMPLE = (T.Q4_1, T.Q8_0, T.Q4_0, T.Q5_0, T.Q5_1)
+# Where a raw block's float16 scales lie: (byte offset, how many: d, or d and dmin).
+SCALES_AT = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208, 1), T.Q2_K: (80, 2), T.Q3_K: (108, 1),
+             T.IQ4_NL: (0, 1), T.IQ4_XS: (0, 1)}
+
+
+def blocks_for(qtype, rows, in_features, seed=0, kind="random"):
+    """uint8 [rows, row_bytes] as a GGUF file holds them. kind: random, zero-block or zeros; for the types the gguf
+    package quantizes also extremes (+-3e3) or high (the largest codes); for raw types max (every other byte 0xFF:
+    the largest codes, scales and mins) or min (0x00: the smallest; IQ4's -127, Q3_K's scale -32 and code -4)."""
     import numpy as np
     import torch
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf import GGML_QUANT_SIZES
     from gguf.quants import quantize
 
-    qtype, rng = GGMLQuantizationType[name], np.random.default_rng(seed)
-    if not name.endswith("_K") and not name.startswith("IQ"):
-        return torch.from_numpy(quantize(rng.standard_normal((rows, columns)).astype(np.float32) * 3, qtype))
+    rng = np.random.default_rng(seed)
+    if qtype in SIMPLE:
+        w = rng.standard_normal((rows, in_features)).astype(np.float32) * 0.05
+        if kind == "extremes":
+            w = np.where(rng.random(w.shape) < 0.5, -1.0, 1.0).astype(np.float32) * 3e3
+            w[:, 5] = 0
+        if kind == "zero-block":  # one block of each row all zeros: scale 0
+            w[:, 32:64] = 0
+        if kind == "zeros":
+            w[:] = 0
+        if kind == "high":  # one low value a block, the others at the top: the largest codes (15, 31, 119)
+            w[:] = 0.9375
+            w[:, ::32] = -1
+        return torch.from_numpy(quantize(w, qtype)).reshape(rows, -1)
     block, size = GGML_QUANT_SIZES[qtype]
-    data = rng.integers(0, 256, (rows, columns // block, size), dtype=np.uint8)
-    halves = rng.uniform(0.001, 0.1, (rows, columns // block, 2)).astype(np.float16).view(np.uint8)
-    if name in ("Q3_K", "Q6_K"):  # d last
-        data[..., -2:] = halves[..., :2]
-    elif name == "Q2_K":  # d and dmin last
-        data[..., -4:] = halves
-    elif name.endswith("_K"):  # d and dmin first (Q4_K, Q5_K)
-        data[..., :4] = halves
-    else:  # d first
-        data[..., :2] = halves[..., :2]
-    return torch.from_numpy(data.reshape(rows, -1))
+    raw = rng.integers(0, 256, (rows, in_features // block, size), dtype=np.uint8)
+    if kind == "extremes":  # every byte all zeros or all ones: codes, scales and mins at their ends
+        raw = np.where(rng.random(raw.shape) < 0.5, 0, 255).astype(np.uint8)
+        # The largest integer sums: the first rows' codes all at the top (Q6_K at q - 32 = -32, scales -128).
+        raw[:8] = 0 if qtype == T.Q6_K else 255
+        if qtype == T.Q6_K:
+            raw[:8, :, 192:208] = 0x80
+    scales = (rng.random((rows, in_features // block, 2)) * 0.01).astype(np.float16)
+    if kind == "zero-block":
+        scales[:, 0] = 0
+    if kind == "zeros":
+        raw[:] = 0
+        scales[:] = 0
+    if kind in ("max", "min"):
+        raw[:] = 0xFF if kind == "max" else 0
+    offset, count = SCALES_AT[qtype]
+    raw[..., offset:offset + 2 * count] = scales[..., :count].view(np.uint8).reshape(rows, -1, 2 * count)
+    return torch.from_numpy(raw.reshape(rows, -1))
 
 
 def write_tiny_gguf(path, qtype_name, tied=False):

@@ -360,11 +360,12 @@ def test_an_embedding_in_its_blocks_is_looked_up_inside_a_cuda_graph(name):
     # graph: replayed with other ids, the lookup gives the gguf package's values of those rows.
     from gguf import GGMLQuantizationType
 
-    from helpers import quantized_blocks
+    from helpers import blocks_for
     from rungen.gguf.blocks import dequantize
     from rungen.gguf.device import DeviceRowsEmbedding
 
-    qtype, blocks = GGMLQuantizationType[name], quantized_blocks(name, 300, 512)
+    qtype = GGMLQuantizationType[name]
+    blocks = blocks_for(qtype, 300, 512)
     table = DeviceRowsEmbedding(blocks.to(DEVICE), qtype, 512, torch.bfloat16)
     ids = torch.zeros(4, 1, dtype=torch.long, device=DEVICE)
     side = torch.cuda.Stream()

@@ -7,18 +7,16 @@ later runs load them from there."""
 
 import itertools
 
-import numpy as np
 import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf.quants import quantize
 
+from helpers import SIMPLE, blocks_for
 from rungen.gguf import blocks as ggml
 from rungen.gguf import kernels
 from rungen.gguf.blocks import GGMLLinear, dequantize, torch_layer
 
 T = GGMLQuantizationType
-SIMPLE = (T.Q4_1, T.Q8_0, T.Q4_0, T.Q5_0, T.Q5_1)  # the gguf package quantizes these
 # Raw random blocks with sane float16 scales (the gguf package cannot quantize to these).
 RAW = (T.Q4_K, T.Q6_K, T.Q5_K, T.Q2_K, T.Q3_K, T.IQ4_XS, T.IQ4_NL)
 # The k-quants interleaved with their scales unpacked (a few percent larger than the file's blocks).
@@ -27,54 +25,10 @@ KQUANTS = (T.Q4_K, T.Q6_K, T.Q5_K, T.Q3_K)
 X8_GROWTH = {T.Q4_K: 1.03, T.Q5_K: 1.03, T.Q6_K: 1.0, T.IQ4_XS: 1.03, T.Q3_K: 1.04}
 # The types the kernels unpack row by row (all but Q4_0, Q4_1 and Q8_0).
 UNPACKED = (T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS)
-# Where a raw block's float16 scales lie: (byte offset, how many: d, or d and dmin).
-SCALES_AT = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208, 1), T.Q2_K: (80, 2), T.Q3_K: (108, 1),
-             T.IQ4_NL: (0, 1), T.IQ4_XS: (0, 1)}
-
-
 def widths(qtype):
     """Row widths to try: whole superblocks, or for blocks of 32 an even and an odd number of them, and 18 (the
     default model's 576: offsets per 16 not a multiple of 8)."""
     return (512, 544, 576) if GGML_QUANT_SIZES[qtype][0] == 32 else (512,)
-
-
-def blocks_for(qtype, rows, in_features, seed=0, kind="random"):
-    """uint8 [rows, row_bytes] as a GGUF file holds them. kind: random, zero-block or zeros; for the types the gguf
-    package quantizes also extremes (+-3e3) or high (the largest codes); for raw types max (every other byte 0xFF:
-    the largest codes, scales and mins) or min (0x00: the smallest; IQ4's -127, Q3_K's scale -32 and code -4)."""
-    rng = np.random.default_rng(seed)
-    if qtype in SIMPLE:
-        w = rng.standard_normal((rows, in_features)).astype(np.float32) * 0.05
-        if kind == "extremes":
-            w = np.where(rng.random(w.shape) < 0.5, -1.0, 1.0).astype(np.float32) * 3e3
-            w[:, 5] = 0
-        if kind == "zero-block":  # one block of each row all zeros: scale 0
-            w[:, 32:64] = 0
-        if kind == "zeros":
-            w[:] = 0
-        if kind == "high":  # one low value a block, the others at the top: the largest codes (15, 31, 119)
-            w[:] = 0.9375
-            w[:, ::32] = -1
-        return torch.from_numpy(quantize(w, qtype)).reshape(rows, -1)
-    block, size = GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, (rows, in_features // block, size), dtype=np.uint8)
-    if kind == "extremes":  # every byte all zeros or all ones: codes, scales and mins at their ends
-        raw = np.where(rng.random(raw.shape) < 0.5, 0, 255).astype(np.uint8)
-        # The largest integer sums: the first rows' codes all at the top (Q6_K at q - 32 = -32, scales -128).
-        raw[:8] = 0 if qtype == T.Q6_K else 255
-        if qtype == T.Q6_K:
-            raw[:8, :, 192:208] = 0x80
-    scales = (rng.random((rows, in_features // block, 2)) * 0.01).astype(np.float16)
-    if kind == "zero-block":
-        scales[:, 0] = 0
-    if kind == "zeros":
-        raw[:] = 0
-        scales[:] = 0
-    if kind in ("max", "min"):
-        raw[:] = 0xFF if kind == "max" else 0
-    offset, count = SCALES_AT[qtype]
-    raw[..., offset:offset + 2 * count] = scales[..., :count].view(np.uint8).reshape(rows, -1, 2 * count)
-    return torch.from_numpy(raw.reshape(rows, -1))
 
 
 def activations_as_kernel_quantizes(x):

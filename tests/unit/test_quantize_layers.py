@@ -131,11 +131,12 @@ def test_an_int8_types_weight_for_the_gpu_keeps_the_files_codes_and_scales(name,
     from gguf import GGMLQuantizationType
 
     import rungen.gguf.device
-    from helpers import quantized_blocks
+    from helpers import blocks_for
     from rungen.gguf.blocks import dequantize
     from rungen.gguf.device import int8_of_blocks
 
-    qtype, blocks = GGMLQuantizationType[name], quantized_blocks(name, 24, 512)
+    qtype = GGMLQuantizationType[name]
+    blocks = blocks_for(qtype, 24, 512)
     order = np.random.default_rng(0).permutation(24)
     monkeypatch.setattr(rungen.gguf.device, "CODES_CHUNK_ROWS", 5)  # five rows at a time: five chunks, one short
     layer = int8_of_blocks(blocks, qtype, 512, torch.device("cpu"), order)
@@ -158,12 +159,13 @@ def test_an_embeddings_rows_de_quantize_on_any_device_as_the_gguf_package_does(n
     # DeviceRowsEmbedding's lookup on a GPU: torch operators over the gathered rows' blocks, the same floats.
     from gguf import GGMLQuantizationType
 
-    from helpers import quantized_blocks
+    from helpers import blocks_for
     from rungen.gguf.blocks import dequantize
     from rungen.gguf.codes import dequantize_rows
     from rungen.gguf.device import DeviceRowsEmbedding
 
-    qtype, blocks = GGMLQuantizationType[name], quantized_blocks(name, 20, 512)
+    qtype = GGMLQuantizationType[name]
+    blocks = blocks_for(qtype, 20, 512)
     assert torch.equal(dequantize_rows(blocks, qtype, 512), dequantize(blocks, qtype, 512))
     table = DeviceRowsEmbedding(blocks, qtype, 512, torch.bfloat16, scale=2.0)
     ids = torch.tensor([[3, 3, 19], [0, 7, 1]])
