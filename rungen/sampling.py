@@ -120,10 +120,12 @@ def apply_processors(scores: torch.Tensor, states: list[RowState], eos_ids: list
 
 def apply_each(scores: torch.Tensor, states: list[RowState], eos_ids: list[int]) -> None:
     """apply_processors a row at a time."""
-    eos = torch.tensor(eos_ids, dtype=torch.long, device=scores.device)
+    eos = None  # made once a step, where a row asks for it
     for number, state in enumerate(states):
         row, sampling = scores[number], state.sampling
         if sampling.ignore_eos and eos_ids:
+            if eos is None:
+                eos = torch.tensor(eos_ids, dtype=torch.long, device=scores.device)
             row.index_fill_(0, eos, float("-inf"))
         if state.bias is not None:
             row += state.bias
