@@ -13,7 +13,7 @@ import torch
 
 from .kvcache import full_attention, new_cache
 from .slots import DecodeGraphs, SlotCache, decode_step, prefill_step
-from .transfers import to_device
+from .transfers import accelerators_of, to_device
 
 GRAPHS_ENV = "RUN_GENERATION_CUDA_GRAPHS"
 PREFILL_ENV = "RUN_GENERATION_PREFILL_TOGETHER"  # 0: on fixed slots too, each request prefilled alone
@@ -23,7 +23,7 @@ def batch_cache(model, device, use_positions, max_batch, context, lookahead=0):
     """The form the model takes: slots where it can (its layers computed on one device, the slots' own), else a
     padded batch. `lookahead`: positions a row may be fed past its request's reserve (a step launched before its end
     was read)."""
-    one_device = len({d for d in devices_of(model) if d not in ("cpu", "disk")}) <= 1  # offloaded: on the first
+    one_device = len(set(accelerators_of(model))) <= 1  # offloaded: on the first
     slots = SlotCache.for_model(model, max_batch, context) if context and one_device else None
     if slots is None:
         return PaddedBatch(model, device, use_positions)

@@ -16,6 +16,7 @@ import torch
 
 from . import NOTICE, logger
 from .errors import UsageError
+from .transfers import accelerators_of
 
 if TYPE_CHECKING:  # transformers is imported where a checkpoint needs it, not on a GGUF file's own-model path
     import transformers
@@ -268,7 +269,7 @@ def load(model_name_or_path: str | None, *, device: torch.device, model_type: st
             model = model_class.from_pretrained(path, dtype=torch_dtype, **load_kwargs, **placement)
     if device_map:
         # accelerate's rule: inputs go to the first accelerator in the map, else the CPU (model.device may be meta).
-        accelerators = [d for d in model.hf_device_map.values() if d not in ("cpu", "disk")]
+        accelerators = accelerators_of(model)
         input_device = torch.device(accelerators[0] if accelerators else "cpu")
     else:
         model.to(device)

@@ -1,9 +1,17 @@
 """The decode loop's small copies between the host and a GPU, made so that the host never waits for the device: a
 blocking copy either way waits for every kernel queued before it, which would hold the next step's launch until the
-last step is done. Elsewhere (a CPU) they are plain copies.
+last step is done. Elsewhere (a CPU) they are plain copies. And which accelerators a model spread by --device_map sits
+on, for where its inputs go and whether its keys/values can sit in one device's slots.
 """
 
 import torch
+
+
+def accelerators_of(model) -> list:
+    """The devices other than the host's (cpu, disk) that --device_map spread `model` over, in its map's order
+    (accelerate sends the inputs to the first); none where it was not spread."""
+    return [device for device in (getattr(model, "hf_device_map", None) or {}).values()
+            if device not in ("cpu", "disk")]
 
 
 def to_device(values, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
