@@ -30,6 +30,7 @@ import gguf
 import torch
 
 from benchmarks.common import cpu_flags
+from benchmarks.gguf_files import place_scales
 from rungen.gguf.blocks import X8, dequantize, interleavable, native_kernels
 from rungen.loading import default_model_file
 from rungen.quantize import Int4Linear, head_class
@@ -50,11 +51,7 @@ def random_k_blocks(qtype, rows, in_features, seed=0):
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, (rows, in_features // block, size), dtype=np.uint8)
-    scales = (rng.random((rows, in_features // block, 2)) * 1e-3).astype(np.float16).view(np.uint8)
-    if qtype in (Q.Q6_K, Q.Q3_K):  # d alone, at the block's end
-        raw[..., size - 2:size] = scales[..., :2]
-    else:
-        raw[..., 0:4] = scales
+    place_scales(raw, qtype, (rng.random((rows, in_features // block, 2)) * 1e-3).astype(np.float16))
     return torch.from_numpy(raw.reshape(rows, -1))
 
 

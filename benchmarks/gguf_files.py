@@ -300,6 +300,20 @@ def synthetic_tokenizer_fields(vocab):
             ("tokenizer.ggml.add_bos_token", True, V.BOOL, None)]
 
 
+# Where a block keeps its float16 scales, by type: (byte offset, how many: d, or d and dmin).
+SCALES_AT = {"Q4_0": (0, 1), "Q4_1": (0, 2), "Q5_0": (0, 1), "Q5_1": (0, 2), "Q8_0": (0, 1), "Q2_K": (80, 2),
+             "Q3_K": (108, 1), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, 1), "IQ4_NL": (0, 1), "IQ4_XS": (0, 1)}
+
+
+def place_scales(raw, qtype, scales):
+    """`raw` uint8 [..., blocks, block bytes] of blocks of `qtype` (a gguf GGMLQuantizationType) with the float16
+    `scales` [..., blocks, 2] written where the type keeps them (d, and dmin where it has one): random bytes become
+    blocks with finite scales, for weights whose values do not matter."""
+    offset, count = SCALES_AT[qtype.name]
+    raw[..., offset:offset + 2 * count] = scales[..., :count].view("uint8").reshape(*raw.shape[:-1], 2 * count)
+    return raw
+
+
 def write_family(path, family, qtype_name, tokenizer_source, shape=None):
     """A model of `family`'s published shape (or `shape`, a dict as FAMILIES' values) with random weights, every
     matrix in `qtype_name` (Q4_0 or Q8_0) blocks with valid fp16 scales, norms float32 ones, the head Q6_K as
@@ -352,11 +366,7 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
     def blocks(name, rows, cols, kind, scale):
         block, size = GGML_QUANT_SIZES[kind]
         data = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
-        d = np.full(data.shape[:2], scale, dtype=np.float16).view(np.uint8).reshape(*data.shape[:2], 2)
-        if kind == Q.Q6_K:
-            data[..., -2:] = d
-        else:
-            data[..., :2] = d
+        place_scales(data, kind, np.full((*data.shape[:2], 2), scale, dtype=np.float16))
         writer.add_tensor(name, data.reshape(rows, -1), raw_dtype=kind)
 
     hidden, ffn, hd = shape["hidden"], shape["ffn"], shape["head_dim"]

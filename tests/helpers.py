@@ -238,9 +238,6 @@ def to_blocks(layer, rng):
 
 # The block types the gguf package quantizes; the others' fixtures are random bytes with their float16 scales set.
 SIMPLE = (T.Q4_1, T.Q8_0, T.Q4_0, T.Q5_0, T.Q5_1)
-# Where a raw block's float16 scales lie: (byte offset, how many: d, or d and dmin).
-SCALES_AT = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208, 1), T.Q2_K: (80, 2), T.Q3_K: (108, 1),
-             T.IQ4_NL: (0, 1), T.IQ4_XS: (0, 1)}
 
 
 def blocks_for(qtype, rows, in_features, seed=0, kind="random"):
@@ -251,6 +248,8 @@ def blocks_for(qtype, rows, in_features, seed=0, kind="random"):
     import torch
     from gguf import GGML_QUANT_SIZES
     from gguf.quants import quantize
+
+    from benchmarks.gguf_files import place_scales
 
     rng = np.random.default_rng(seed)
     if qtype in SIMPLE:
@@ -282,9 +281,7 @@ def blocks_for(qtype, rows, in_features, seed=0, kind="random"):
         scales[:] = 0
     if kind in ("max", "min"):
         raw[:] = 0xFF if kind == "max" else 0
-    offset, count = SCALES_AT[qtype]
-    raw[..., offset:offset + 2 * count] = scales[..., :count].view(np.uint8).reshape(rows, -1, 2 * count)
-    return torch.from_numpy(raw.reshape(rows, -1))
+    return torch.from_numpy(place_scales(raw, qtype, scales).reshape(rows, -1))
 
 
 def write_tiny_gguf(path, qtype_name, tied=False):
