@@ -1,8 +1,8 @@
 """The tool on a CUDA GPU: greedy output equal to transformers' eager generate() on the same model on the GPU (a tiny
 llama checkpoint and a tiny Q4_0 GGUF file, in float32 for exact equality), every sampling control running there and
-a seeded run repeating itself, a grammar, the server's chat completion, the engine's CUDA graphs and its steps launched
-ahead of the host's reading changing no token (and launching without waiting for the GPU), the half-precision
-default and the refusal of the CPU-only flags.
+a seeded run repeating itself, a grammar, tool calls, stop strings, drafted tokens, a session's cache reuse, the
+server's chat completion, the engine's CUDA graphs and its steps launched ahead of the host's reading changing no
+token (and launching without waiting for the GPU), the half-precision default and the refusal of the CPU-only flags.
 
 Every test is marked `cuda`: tests/conftest.py skips them where torch sees no CUDA device, so a plain run (and CI)
 collects and skips them. On a GPU: `python -m pytest -q -m cuda tests/test_cuda.py` (benchmarks/gpu_check.sh runs it).
@@ -278,6 +278,101 @@ def test_json_schema_on_the_gpu(checkpoint):
                 assert isinstance(json.loads(record["generated_text"])["n"], int)
             else:
                 assert record["finish_reason"] == "length"
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+
+
+@pytest.fixture(scope="module")
+def tool_checkpoint(tmp_path_factory):
+    """The tiny llama with ChatML (a template that renders no tools: the generic format) and an instruct model's
+    context, which a tool prompt needs (tests/test_tools.py's)."""
+    from tiny_models import set_context
+
+    path = build_tiny_checkpoint("llama", str(tmp_path_factory.mktemp("cuda_tools") / "llama"))
+    set_context(path, 4096)
+    with open(os.path.join(path, "chat_template.jinja"), "w") as f:
+        f.write(CHAT_TEMPLATE)
+    return path
+
+
+def test_tool_calls_on_the_gpu_match_their_schema(tool_checkpoint):
+    """A required call and a named one, sampled on the GPU: the grammar's masks hold the random model to a call
+    whose arguments match the function's schema, parsed as the server parses it."""
+    for name in ("xgrammar", "jsonschema"):
+        pytest.importorskip(name)
+    import jsonschema
+
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    lines = [{"messages": ask, "tools": [WEATHER], "tool_choice": "required", "id": "required"},
+             {"messages": ask, "tools": [WEATHER], "id": "named",
+              "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}]
+    records = jsonl(run_ok(["--model_name_or_path", tool_checkpoint, "--input_format", "jsonl", "--output_format",
+                            "jsonl", "--temperature", "0.9", "--seed", "3", "--length", "120"],
+                           stdin="\n".join(json.dumps(line) for line in lines)).stdout)
+    assert [record["id"] for record in records] == ["required", "named"]
+    for record in records:
+        [call] = record["tool_calls"]
+        assert record["content"] is None and call["function"]["name"] == "get_weather"
+        jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"])
+
+
+def test_stop_strings_cut_the_engines_steps_on_the_gpu(checkpoint):
+    """A stop string the greedy text really produces ends its row there (the steps launched ahead of the host's
+    reading on a GPU included), and the rows it does not occur in are untouched."""
+    base = ["--model_name_or_path", checkpoint, "--temperature", "0", "--length", "20", "--dtype", "float32",
+            "--output_format", "jsonl"]
+    plain = [record["generated_text"] for record in jsonl(run_ok(base, stdin="\n".join(PROMPTS)).stdout)]
+    stop = plain[0].rstrip()[-6:-3]
+    assert stop.strip() and 0 < plain[0].index(stop)
+    records = jsonl(run_ok(base + ["--stop", stop], stdin="\n".join(PROMPTS)).stdout)
+    for record, text in zip(records, plain, strict=True):
+        if stop in text:
+            assert record["finish_reason"] == "stop_token"
+            assert record["generated_text"] == text[: text.index(stop)]
+        else:
+            assert record["generated_text"] == text
+
+
+def test_drafted_tokens_keep_the_greedy_text_on_the_gpu(checkpoint):
+    """Prompt lookup and an assistant model (drafts checked by generate() on the GPU) give the plain greedy text."""
+    stdin = "\n".join(["the cat sat on the mat and the cat sat on the", *PROMPTS])
+    base = ["--model_name_or_path", checkpoint, "--temperature", "0", "--length", "16", "--dtype", "float32",
+            "--output_format", "jsonl"]
+    plain = [record["generated_text"] for record in jsonl(run_ok(base, stdin=stdin).stdout)]
+    for extra in (["--prompt_lookup_num_tokens", "3"], ["--assistant_model", checkpoint]):
+        drafted = jsonl(run_ok(base + extra, stdin=stdin).stdout)
+        assert [record["generated_text"] for record in drafted] == plain, extra
+
+
+def test_a_sessions_next_turn_reuses_its_cache_on_the_gpu(checkpoint):
+    """A conversation's second turn prefills only what follows the first prompt (the engine's prefix cache, its
+    keys and values kept on the GPU and written back into a slot), and replies as the whole conversation read
+    afresh does."""
+    import dataclasses
+
+    from rungen.arguments import parse_args, settings_from_args
+    from rungen.loading import load
+    from rungen.session import Session
+
+    args = ["--model_name_or_path", checkpoint, "--temperature", "0", "--length", "8", "--dtype", "float32"]
+    loaded = load(checkpoint, device=DEVICE, dtype="float32")
+    session = Session(loaded, dataclasses.replace(settings_from_args(parse_args(args), loaded.context), chat=True),
+                      stream=False, figures=False)
+    session.turn("Hello there")
+    first = loaded.tokenizer.apply_chat_template(session.messages[:1], add_generation_prompt=True, tokenize=True,
+                                                 return_dict=True)["input_ids"]
+    before = session.engine.metrics.reused_tokens
+    session.turn("How are you")
+    assert session.engine.metrics.reused_tokens - before >= len(first)
+    assert [message["role"] for message in session.messages] == ["user", "assistant"] * 2
+    fresh = jsonl(run_ok([*args, "--input_format", "jsonl", "--output_format", "jsonl"],
+                         stdin=json.dumps({"messages": session.messages[:3]})).stdout)
+    assert fresh[0]["generated_text"] == session.messages[3]["content"]
 
 
 def test_server_answers_on_the_gpu(checkpoint):
