@@ -67,7 +67,7 @@ def triton_kernel():
         tl.store(y + rows[:, None] * N + channels[None, :], total.to(y.dtype.element_ty),
                  mask=(rows[:, None] < M) & (channels[None, :] < N))
 
-    # None spills registers on sm_90 in any int8 form (python -m benchmarks.int8_kernel_resources).
+    # None spills a register on sm_90 in any int8 form in (b)float16 (python -m benchmarks.int8_kernel_resources).
     configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w)
                for n, k, w in ((16, 128, 4), (16, 256, 4), (32, 256, 4), (32, 256, 8), (64, 128, 8))]
     tuned = triton.autotune(configs=configs, key=["M_BUCKET", "N", "K"])(int8_matmul)
