@@ -367,3 +367,34 @@ def error_of(args, capsys):
     lines = capsys.readouterr().err.strip().splitlines()
     assert "Traceback" not in "\n".join(lines)
     return exit_info.value.code, lines[-1]
+
+
+# Operators that read a tensor back to the host (each waits for a GPU, and a CUDA graph's capture refuses it), and
+# torch.tensor's, which makes a tensor of host data (a capture copies it once; every replay reuses that copy).
+HOST_READS = {"_local_scalar_dense", "is_nonzero", "nonzero", "masked_select", "equal", "unique", "_unique2",
+              "unique_consecutive", "repeat_interleave"}
+HOST_DATA = {"lift_fresh"}
+
+
+def watched(function, names):
+    """(`function` wrapped, calls): each call's list of the operators it ran that are in `names` (and a boolean
+    index, which is a nonzero())."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls = []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            indices = (args[1] or ()) if name in ("index", "index_put", "index_put_") else ()
+            if name in names or any(getattr(index, "dtype", None) == torch.bool for index in indices):
+                calls[-1].append(name)
+            return func(*args, **(kwargs or {}))
+
+    def run(*args, **kwargs):
+        calls.append([])
+        with Watch():
+            return function(*args, **kwargs)
+
+    return run, calls

@@ -154,6 +154,37 @@ def test_a_gguf_files_embedding_keeps_its_blocks_on_the_gpu(tmp_path, monkeypatc
     assert tied.get_output_embeddings().weight is tied.get_input_embeddings().weight
 
 
+def test_a_gguf_files_gpu_form_decodes_without_waiting_for_the_device(tmp_path, monkeypatch, module_cache_home):
+    # The GPU form of a Q8_0 file with the CPU standing in (int8 codes, the head's Q6_K codes, the embedding in its
+    # blocks; the Triton kernel stood in by the plain product): its decode step on the engine's slots reads nothing
+    # back to the host and makes no tensor of host data, as a CUDA graph's capture needs (tests/test_slots.py's
+    # check for checkpoints; tests/test_cuda.py captures it on a GPU).
+    import rungen.batch_cache
+    import rungen.gguf.device
+    from helpers import HOST_DATA, HOST_READS, watched
+    from rungen.engine import Engine
+    from rungen.gguf.device import INT8_TYPES, DeviceRowsEmbedding
+    from rungen.int8 import widened
+    from rungen.loading import load_gguf_on
+    from rungen.requests import Request
+    from rungen.sampling import Sampling
+
+    monkeypatch.setattr(rungen.gguf.device, "gpu_int8", lambda qtype, device: qtype in INT8_TYPES)
+    monkeypatch.setattr(rungen.gguf.device, "checked_kernel", lambda layer, dtype, instead: widened)
+    monkeypatch.setattr(rungen.gguf.device, "gpu_embedding", lambda qtype, device: True)
+    loaded = load_gguf_on(write_tiny_gguf(str(tmp_path / "tiny-Q8_0.gguf"), "Q8_0"), torch.device("cpu"),
+                          dtype="float32")
+    assert isinstance(loaded.model.get_input_embeddings(), DeviceRowsEmbedding)
+    step, steps = watched(rungen.batch_cache.decode_step, HOST_READS | HOST_DATA)
+    monkeypatch.setattr(rungen.batch_cache, "decode_step", step)
+    engine = Engine(loaded, max_batch=2, prefix_cache_bytes=0)
+    assert engine.batch.kv.form == "fixed slots"
+    for ids in ([5, 6, 7], [8, 9]):
+        engine.submit(Request(ids, 6, Sampling(temperature=0, ignore_eos=True), sink=lambda event: None))
+    engine.run_here()
+    assert steps == [[]] * 5
+
+
 def test_running_out_of_gpu_memory_says_how_to_fit(gpu, monkeypatch):
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "

@@ -7,6 +7,7 @@ starts as it does."""
 import pytest
 import torch
 
+from helpers import HOST_DATA, HOST_READS, watched
 from rungen.engine import Engine
 from rungen.loading import load
 from rungen.requests import Done, Request
@@ -222,3 +223,30 @@ def test_a_model_spread_over_two_gpus_decodes_on_the_padded_batch(loaded, monkey
     offloaded = form({"model.layers.0": 0, "model.layers.1": "cpu", "lm_head": "disk"})
     assert isinstance(offloaded, SlotBatch) and not offloaded.prefills_together
     assert isinstance(form({"": 0}), SlotBatch) and form({"": 0}).prefills_together
+
+
+def test_a_decode_step_neither_waits_for_the_device_nor_takes_host_data(loaded, monkeypatch):
+    """What a CUDA graph's capture of the step and a step launched ahead of the host's reading need, read off the
+    operators on the CPU (tests/test_cuda.py checks it on a GPU under torch's sync debug mode): the decode step reads
+    nothing back to the host and makes no tensor of host data; the sampler, with every processor at once as on a
+    GPU, reads nothing back (its settings are copied in, without waiting)."""
+    import rungen.batch_cache
+    import rungen.decode
+    from rungen import sampling
+
+    monkeypatch.setattr(sampling, "together_on", lambda device: True)
+    step, steps = watched(rungen.batch_cache.decode_step, HOST_READS | HOST_DATA)
+    pick, picks = watched(rungen.decode.pick, HOST_READS)
+    monkeypatch.setattr(rungen.batch_cache, "decode_step", step)
+    monkeypatch.setattr(rungen.decode, "pick", pick)
+    engine = Engine(loaded, max_batch=4, prefix_cache_bytes=0)
+    samplings = [Sampling(temperature=0, ignore_eos=True),
+                 Sampling(temperature=0.9, top_p=0.9, top_k=20, min_p=0.05, seed=1, ignore_eos=True),
+                 Sampling(temperature=0.7, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25,
+                          logit_bias=((4, 2.5),), seed=2, ignore_eos=True)]
+    for number, each in enumerate(samplings):
+        engine.submit(Request(loaded.tokenizer(PROMPTS[number]).input_ids, 12, each, sink=lambda event: None,
+                              logprobs=2 if number else None))
+    engine.run_here()
+    assert len(steps) == 11 and len(picks) == 12  # the first token comes from the prefill
+    assert steps == [[]] * 11 and picks == [[]] * 12
