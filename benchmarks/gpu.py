@@ -18,6 +18,9 @@ first call's extra time (compilation, graph capture, kernel selection) and peak 
   (RUN_GENERATION_OVERLAP=0), and at the second batch with each request prefilled alone
   (RUN_GENERATION_PREFILL_TOGETHER=0: its first_token_ms beside the default's); on the first shape, last, also with
   --quantize int8 at the first two batches;
+- engine, compiled step: on CUDA, the engine with its captured decode step compiled by torch.compile first
+  (RUN_GENERATION_COMPILE=1: inductor fuses the elementwise operators between the matrix products), at
+  --compile-batches;
 - generate eager: transformers' generate(), greedy, min_new_tokens = max_new_tokens (EOS ignored);
 - generate static+compile: the same with cache_implementation="static" (generate() then compiles the decode step
   on CUDA, CompileConfig's defaults: inductor, "reduce-overhead", i.e. CUDA graphs); batch 1 only unless
@@ -40,11 +43,12 @@ error).
 
 Each measurement is guarded: a failure prints one line and the run goes on. The run keeps to --budget seconds (300
 by default: the whole script within 6 minutes on an H100/H200, a last measurement's overrun included) in three
-phases: the engine and eager generate() of every shape, then the GGUF and server rows, then shape by shape (the last
-named first: the 8B by default) the paths whose first call compiles or captures (static+compile, generate_batch) while
-time is left; what is skipped says so (--shapes NAME runs one shape's rows in full). A first call of every path at
-every batch is timed and left out of the figures ("first_call_s": its time beyond the measured call's). Every figure
-is also in --json FILE, rewritten after each measurement (a run cut short keeps what it measured).
+phases: the engine and eager generate() of every shape, then the GGUF and server rows, then shape by shape (in the
+list's order, the smaller first: the 8B's compiles may take minutes) the paths whose first call compiles or captures
+(the engine's step compiled, static+compile, generate_batch) while time is left; what is skipped says so (--shapes
+NAME runs one shape's rows in full). A first call of every path at every batch is timed and left out of the figures
+("first_call_s": its time beyond the measured call's). Every figure is also in --json FILE, rewritten after each
+measurement (a run cut short keeps what it measured).
 """
 
 import argparse
@@ -303,11 +307,11 @@ class EngineRunner:
                                                max_cache_tokens=sys.maxsize, prefix_cache_bytes=0, eos_ids=())
 
     def extra(self):
-        """How the engine ran: keys/values in fixed slots or a padded batch; CUDA graphs and their capture time;
-        whether steps overlapped the host's work."""
+        """How the engine ran: keys/values in fixed slots or a padded batch; CUDA graphs (compiled first or not) and
+        their capture time (the compilation's included); whether steps overlapped the host's work."""
         kv = self.engine.batch.kv
         graphs = getattr(kv, "graphs", None)
-        state = "off" if graphs is None else "failed" if graphs.failed else "on"
+        state = "off" if graphs is None else "failed" if graphs.failed else "compiled" if graphs.compiled else "on"
         slots = getattr(kv, "slots", None)
         figures = dict(cache="slots" if slots is not None else "padded batch", graphs=state,
                        overlap=self.engine.batch.overlap)
@@ -560,7 +564,8 @@ def int8_rows(report, shape, args, bandwidth, budget):
 
 
 def costly_paths(report, name, args, shapes, bandwidth, budget):
-    """generate() with a static cache, compiled by generate() itself on CUDA (CompileConfig's defaults), at
+    """On CUDA the engine with its captured step compiled by torch.compile first (RUN_GENERATION_COMPILE=1), then
+    generate() with a static cache, compiled by generate() itself on CUDA (CompileConfig's defaults), at
     --compile-batches; then generate_batch at --cb-batches. Each first call compiles or captures: tens of seconds."""
     if budget.left() < min(args.compile_reserve, 20):
         report.add(shape=name, path="generate static+compile, generate_batch", error=f"skipped: {budget.left():.0f} s "
@@ -574,6 +579,13 @@ def costly_paths(report, name, args, shapes, bandwidth, budget):
         if args.device.type != "cuda":
             report.note(f"{name}: generate() compiles a static cache's step on CUDA only; the static+compile rows "
                         f"on {args.device.type} are the static cache uncompiled")
+        if args.device.type == "cuda":  # the engine's own step fused by inductor, against its uncompiled rows
+            from rungen.batch_cache import COMPILE_ENV
+
+            decode_rows(report, shape, "engine, compiled step",
+                        lambda: EngineRunner(shape.loaded, max(args.batches), {COMPILE_ENV: "1"}),
+                        args.compile_batches, bandwidth, budget, reserve=args.compile_reserve)
+            torch._dynamo.reset()
         decode_rows(report, shape, "generate static+compile",
                     lambda: GenerateRunner(shape.model, args.device, cache_implementation="static"),
                     args.compile_batches, bandwidth, budget, reserve=args.compile_reserve)

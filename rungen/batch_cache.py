@@ -16,6 +16,7 @@ from .slots import DecodeGraphs, SlotCache, decode_step, prefill_step
 from .transfers import accelerators_of, to_device
 
 GRAPHS_ENV = "RUN_GENERATION_CUDA_GRAPHS"
+COMPILE_ENV = "RUN_GENERATION_COMPILE"  # 1: the captured step compiled by torch.compile first (an experiment)
 PREFILL_ENV = "RUN_GENERATION_PREFILL_TOGETHER"  # 0: on fixed slots too, each request prefilled alone
 
 
@@ -29,7 +30,7 @@ def batch_cache(model, device, use_positions, max_batch, context, lookahead=0):
         return PaddedBatch(model, device, use_positions)
     graphs = None  # RUN_GENERATION_CUDA_GRAPHS=0: eager steps on a GPU too
     if device.type == "cuda" and os.environ.get(GRAPHS_ENV, "1") != "0":
-        graphs = DecodeGraphs(model, slots)
+        graphs = DecodeGraphs(model, slots, compiled=os.environ.get(COMPILE_ENV) == "1")
     return SlotBatch(model, device, slots, graphs, lookahead)
 
 
@@ -43,7 +44,10 @@ class SlotBatch:
 
     @property
     def form(self):
-        return "fixed slots" + (", decode steps replayed from CUDA graphs" if self.graphs is not None else "")
+        if self.graphs is None:
+            return "fixed slots"
+        compiled = "compiled and " if self.graphs.compiled else ""
+        return f"fixed slots, decode steps {compiled}replayed from CUDA graphs"
 
     def part(self, output, n, length):
         """What a prefilled request brings to merge(): its keys/values, copied into each of its n rows' slots."""

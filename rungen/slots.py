@@ -201,10 +201,13 @@ class DecodeGraphs:
     of launches become one. The returned logits are the rows bucket's output buffer, which every graph of that
     bucket writes last (outside the graphs' pool, so that no graph holds logits of its own there), read before the
     next replay; graphs are remade when the buffers are replaced; a failed capture warns once and steps run
-    eagerly."""
+    eagerly. `compiled`: the step captured is torch.compile's (inductor fuses the norms', rotary's and activation's
+    elementwise operators; its shapes dynamic, so rows 1, rows past 1, and a step reading the whole slot compile
+    once each, at their first capture)."""
 
-    def __init__(self, model: torch.nn.Module, cache: SlotCache):
-        self.model, self.cache = model, cache
+    def __init__(self, model: torch.nn.Module, cache: SlotCache, compiled: bool = False):
+        self.model, self.cache, self.compiled = model, cache, compiled
+        self.step = torch.compile(decode_step, dynamic=True) if compiled else decode_step
         self.graphs, self.generation, self.pool = {}, None, None
         self.outputs = {}  # rows bucket -> its logits [bucket, vocabulary]
         self.failed = False
@@ -241,8 +244,8 @@ class DecodeGraphs:
             static_positions[: tokens.shape[0]].copy_(positions)
             side = torch.cuda.Stream()
             side.wait_stream(stream)
-            with torch.cuda.stream(side):  # warm-up: the same writes the step makes
-                warm = decode_step(self.model, self.cache, static_tokens, static_positions, length)
+            with torch.cuda.stream(side):  # warm-up (and compilation): the same writes the step makes
+                warm = self.step(self.model, self.cache, static_tokens, static_positions, length)
             stream.wait_stream(side)
             output = self.outputs.get(bucket)
             if output is None:
@@ -251,14 +254,15 @@ class DecodeGraphs:
             self.pool = self.pool or torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                output.copy_(decode_step(self.model, self.cache, static_tokens, static_positions, length))
+                output.copy_(self.step(self.model, self.cache, static_tokens, static_positions, length))
         except Exception as error:  # any failure: eager steps, the same tokens
             import logging
 
             torch.cuda.set_stream(stream)  # a capture that failed to end leaves its own stream current
             logging.getLogger("run_generation").warning(
-                "CUDA graphs: capturing the decode step failed (%s: %s); decoding without them",
-                type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+                "CUDA graphs: %s the decode step failed (%s: %s); decoding without them",
+                "compiling or capturing" if self.compiled else "capturing", type(error).__name__,
+                str(error).splitlines()[0] if str(error) else "")
             self.failed = True
             return None
         self.capture_seconds += time.perf_counter() - start

@@ -126,13 +126,21 @@ def test_gguf_greedy_equals_eager_generate_on_the_gpu(gguf_file):
 
 
 @needs_cuda
+@pytest.mark.parametrize("compiled", [False, True], ids=["captured", "compiled"])
 @pytest.mark.parametrize("model", ["checkpoint", "gguf_file"])
-def test_the_decode_steps_cuda_graphs_change_no_token(request, model, monkeypatch):
-    """The engine's decode step replayed from CUDA graphs (the default on CUDA) gives the tokens and, to float32's
-    rounding, the log-probabilities that the same step run eagerly gives (RUN_GENERATION_CUDA_GRAPHS=0)."""
+def test_the_decode_steps_cuda_graphs_change_no_token(request, model, compiled, monkeypatch):
+    """The engine's decode step replayed from CUDA graphs (the default on CUDA), and compiled by torch.compile
+    before its capture (RUN_GENERATION_COMPILE=1), gives the tokens and, to float32's rounding, the
+    log-probabilities that the same step run eagerly gives (RUN_GENERATION_CUDA_GRAPHS=0)."""
     args = ["--model_name_or_path", request.getfixturevalue(model), "--temperature", "0", "--length", str(LENGTH),
             "--dtype", "float32", "--output_format", "jsonl", "--logprobs", "0"]
-    graphs = jsonl(run_ok(args, stdin="\n".join(PROMPTS)).stdout)
+    if compiled:
+        monkeypatch.setenv("RUN_GENERATION_COMPILE", "1")
+    result = run_ok(args + ["--verbose"], stdin="\n".join(PROMPTS))
+    assert ("compiled and replayed" in result.stderr.decode()) == compiled
+    assert "decoding without them" not in result.stderr.decode()
+    graphs = jsonl(result.stdout)
+    monkeypatch.delenv("RUN_GENERATION_COMPILE", raising=False)
     monkeypatch.setenv("RUN_GENERATION_CUDA_GRAPHS", "0")
     eager = jsonl(run_ok(args, stdin="\n".join(PROMPTS)).stdout)
     for a, b in zip(graphs, eager):
