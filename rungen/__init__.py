@@ -26,7 +26,8 @@
     requests.py    what the engine takes and gives: a Request and its events (Delta, Done, End)
     rows.py        a row of the batch: the tokens picked for all rows at once, the text each adds, stop strings
     sampling.py    the engine's logits processors and sampler over the whole batch on its device
-    transfers.py   the decode loop's small copies to and from a GPU, made without waiting for it
+    transfers.py   the decode loop's small copies to and from a GPU, made without waiting for it; the accelerators
+                   a spread model sits on
     batch_cache.py the batch's keys/values: fixed slots (slots.py) or a left-padded cache, behind one interface
     slots.py       the key/value cache in fixed slots, the prefill into them and the decode step's CUDA graphs
     prefix_cache.py  finished sequences' keys/values that a request starting the same way reuses
