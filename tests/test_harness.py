@@ -29,6 +29,7 @@ def test_in_process_run_gives_what_a_process_gives(tiny_models, case):
 def test_the_memo_loads_a_model_once_and_hands_out_copies(tiny_models, load_memo):
     args = tiny_args(tiny_models, "llama", "--prompt", "Hello", "--length", "4", "--temperature", "0")
     plain = run_main(args)
+    run_main(args + ["--jit"])  # --jit loads transformers' own model class (own_model=False): a key of its own
     misses = load_memo.misses
     traced = run_main(args + ["--jit", "--verbose"])  # --verbose: the loading detail, tracing's line among it
     again = run_main(args)
