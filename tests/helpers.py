@@ -398,3 +398,12 @@ def watched(function, names):
             return function(*args, **kwargs)
 
     return run, calls
+
+
+# A function as a tool-calling request declares it (tests/test_tools.py, tests/test_cuda.py).
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]},
+                                                    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}

@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 
-from helpers import error_line, jsonl, run_main, serving, write_tiny_gguf
+from helpers import WEATHER, error_line, jsonl, run_main, serving, write_tiny_gguf
 from tiny_models import build_tiny_checkpoint
 
 ON_CPU = bool(os.environ.get("RUNGEN_CUDA_TESTS_ON_CPU")) and not torch.cuda.is_available()
@@ -286,13 +286,6 @@ def test_json_schema_on_the_gpu(checkpoint):
                 assert isinstance(json.loads(record["generated_text"])["n"], int)
             else:
                 assert record["finish_reason"] == "length"
-
-
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import torch
 from test_server import CHAT_TEMPLATE, LiveServer
 from transformers import AutoTokenizer
 
-from helpers import run_main
+from helpers import WEATHER, run_main
 from rungen.loading import load
 from rungen.server import ServeOptions, build
 from tiny_models import build_tiny_checkpoint, set_context
@@ -25,12 +25,6 @@ TEMPLATES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_templ
 # format: (tiny model type, chat template file or None for ChatML)
 MODELS = {"hermes": ("qwen2", "qwen2.5-instruct.jinja"), "llama3_json": ("llama", "llama3.1-instruct.jinja"),
           "mistral": ("mistral", "mistral-7b-instruct-v0.3.jinja"), "generic": ("qwen2", None)}
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                                    "unit": {"enum": ["celsius", "fahrenheit"]},
-                                                    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
 TIME = {"type": "function", "function": {
     "name": "get_time", "description": "The time in a time zone",
     "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 8}},
