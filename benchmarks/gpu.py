@@ -579,7 +579,7 @@ def costly_paths(report, name, args, shapes, bandwidth, budget):
         if args.device.type != "cuda":
             report.note(f"{name}: generate() compiles a static cache's step on CUDA only; the static+compile rows "
                         f"on {args.device.type} are the static cache uncompiled")
-        if args.device.type == "cuda":  # the engine's own step fused by inductor, against its uncompiled rows
+        else:  # the engine's own step fused by inductor, against its uncompiled rows
             from rungen.batch_cache import COMPILE_ENV
 
             decode_rows(report, shape, "engine, compiled step",

@@ -29,8 +29,8 @@ MAX_SHARED = 227 * 1024  # sm_90's most shared memory a block may take
 def aligned(names):
     """The arguments Triton's launcher sees divisible by 16 (torch's pointers; a model's widths and channels), as
     a launch specializes them: their loads become 16-byte copies, as on the GPU."""
-    return {(names.index(name),): [["tt.divisibility", 16]] for name in ("x", "codes", "scales", "offsets", "y", "N",
-                                                                        "K")}
+    divisible = ("x", "codes", "scales", "offsets", "y", "N", "K")
+    return {(names.index(name),): [["tt.divisibility", 16]] for name in divisible}
 
 
 def resources(cubin: bytes, cuobjdump: str) -> dict:
