@@ -33,22 +33,23 @@ and time to first token for a --ttft-tokens prompt (512) at batch 1 on the engin
 Llama-3.1-8B's shape written as Q4_0 by benchmarks/gguf_files.py's writer (random blocks, a synthetic byte-level
 vocabulary of the published size), loaded through rungen.loading.load on the device (Q4_0 as 4-bit codes for torch's
 int4 kernel, the embedding in its Q4_0 blocks, the Q6_K head as int8 codes for rungen/int8.py's kernel), decoding at
-batch 1 on the engine, its load time and peak memory beside the file's size; and Llama-3.2-1B's shape as Q8_0 (tied,
+batch 1 on the engine and its time to first token (the 4-bit kernel over a prompt's rows), its load time and peak
+memory beside the file's size; and Llama-3.2-1B's shape as Q8_0 (tied,
 as published: the table the head's int8 codes, which the lookup reads too), loaded twice, on the int8 Triton kernel
 and de-quantized to bfloat16 (RUN_GENERATION_TRITON_INT8=0), the kernel's speed and memory against what it replaced. A
 server row: `run_generation.py --serve` on the default model's shape written as a Q4_0 file (with a ChatML template),
 16 clients each streaming two chat completions (--new-tokens each): output tokens/s, time to first token (median and
 95th percentile), time per output token, and the requests cut short (none expected; one that fails is the row's
-error).
+error). Product rows: one layer's matrix product in each weight form at 1 to 4096 rows (benchmarks/gpu_products.py).
 
 Each measurement is guarded: a failure prints one line and the run goes on. The run keeps to --budget seconds (300
 by default: the whole script within 6 minutes on an H100/H200, a last measurement's overrun included) in three
-phases: the engine and eager generate() of every shape, then the GGUF and server rows, then shape by shape (in the
-list's order, the smaller first: the 8B's compiles may take minutes) the paths whose first call compiles or captures
-(the engine's step compiled, static+compile, generate_batch) while time is left; what is skipped says so (--shapes
-NAME runs one shape's rows in full). A first call of every path at every batch is timed and left out of the figures
-("first_call_s": its time beyond the measured call's). Every figure is also in --json FILE, rewritten after each
-measurement (a run cut short keeps what it measured).
+phases: the engine and eager generate() of every shape, then the GGUF, server and product rows, then shape by shape
+(in the list's order, the smaller first: the 8B's compiles may take minutes) the paths whose first call compiles or
+captures (the engine's step compiled, static+compile, generate_batch) while time is left; what is skipped says so
+(--shapes NAME runs one shape's rows in full). A first call of every path at every batch is timed and left out of
+the figures ("first_call_s": its time beyond the measured call's). Every figure is also in --json FILE, rewritten
+after each measurement (a run cut short keeps what it measured).
 """
 
 import argparse
@@ -473,18 +474,24 @@ def decode_rows(report, shape, path, make_runner, batches, bandwidth, budget, re
     return runner
 
 
+def ttft_ms(runner, tokens, vocab):
+    """Milliseconds to the first token of one `tokens`-token prompt at batch 1: one uncounted call, the median of
+    three."""
+    ids = prompts(1, tokens, vocab, seed=7)
+    runner.run(ids, 1)
+    times = []
+    for _ in range(3):
+        start, first, end = runner.run(ids, 1)
+        times.append(((first or end) - start) * 1e3)
+    return statistics.median(times)
+
+
 def ttft_row(report, shape, path, runner):
-    """Time to the first token of one --ttft-tokens prompt at batch 1: one uncounted call, the median of three."""
+    """Time to the first token of one --ttft-tokens prompt at batch 1."""
     args = shape.args
     try:
-        ids = prompts(1, args.ttft_tokens, shape.config.vocab_size, seed=7)
-        runner.run(ids, 1)
-        times = []
-        for _ in range(3):
-            start, first, end = runner.run(ids, 1)
-            times.append(((first or end) - start) * 1e3)
         report.add(shape=shape.name, path=path + " ttft", batch=1, prompt_tokens=args.ttft_tokens,
-                   ttft_ms=statistics.median(times))
+                   ttft_ms=ttft_ms(runner, args.ttft_tokens, shape.config.vocab_size))
     except Exception as error:
         report.add(shape=shape.name, path=path + " ttft", batch=1, error=one_line(error))
 
@@ -669,6 +676,8 @@ def gguf_variant(args, bandwidth, name, path, label):
                    weight_gib=weight_bytes(loaded.model) / 2**30, **runner.extra())
         if "cache_gib" in row:  # the goal: GPU memory at most 1.3x the file and the cache
             row["memory_ratio"] = row["peak_gib"] / (row["file_gib"] + row["cache_gib"])
+        # (after the peak's reading: the prompt's rows make activations of their own)
+        row.update(ttft_tokens=args.ttft_tokens, ttft_ms=ttft_ms(runner, args.ttft_tokens, loaded.vocab_size))
         if bandwidth and args.device.type == "cuda":  # the weights as the model holds them are what a step reads
             kv = kv_bytes_per_token(loaded.model.config, torch.finfo(dtype).bits // 8)
             row["bound_ms"] = (row["weight_gib"] * 2**30 + (args.prompt_tokens + args.new_tokens / 2) * kv) / (
@@ -788,6 +797,8 @@ def main(argv=None):
     parser.add_argument("--server-reserve", type=float, default=45.0,
                         help="seconds the server row needs at least to start (default 45)")
     parser.add_argument("--no-server", action="store_true", help="leave the server row out")
+    parser.add_argument("--no-products", action="store_true", help="leave out the matrix products alone "
+                        "(benchmarks/gpu_products.py)")
     parser.add_argument("--copy-gb", type=float, help="bytes of the bandwidth copy's source, GB (default 2; --quick "
                         "0.05)")
     parser.add_argument("--scratch", default=None, help="folder for the GGUF file (default: the system's temporary)")
@@ -857,6 +868,13 @@ def main(argv=None):
         report.note("server row: left out (--no-server)")
     else:
         server_row(report, args, budget)
+    if args.no_products:
+        report.note("product rows: left out (--no-products)")
+    else:
+        from benchmarks.gpu_products import product_rows
+
+        with torch.inference_mode():
+            product_rows(report.add, args.device, args.quick, budget.left)
     # In the list's order, the smaller shapes first: their compiles take seconds, the 8B's may take minutes (it runs
     # if --compile-reserve seconds are left when it comes).
     for name in args.shapes:
