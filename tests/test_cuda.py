@@ -526,8 +526,38 @@ def test_quantize_int4_runs_on_torchs_int4_kernel(checkpoint, monkeypatch):
     assert layers and not isinstance(model.get_output_embeddings(), TinyGemmLinear)
 
 
+def interpret_bfloat16_as_a_gpu_does(monkeypatch):
+    """Triton's interpreter holds a bfloat16 as its 16 bits (uint16) and forgets so in two places the int8 kernel
+    reaches: tl.dot multiplies the bits (triton-lang/triton#11584) and a cast from an integer writes the integer as
+    the bits. Both are sent through float32 here, as its own float casts are, so that the interpreter computes
+    what a GPU does: bfloat16 operands multiplied exactly, summed in float32."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    dot, cast = builder.create_dot, builder.cast_impl
+
+    def widened(handle):
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        data = interpreter._convert_float(handle.data, tl.bfloat16, tl.float32, None).view(np.float32)
+        return interpreter.TensorHandle(data, tl.float32)
+
+    def create_dot(self, a, b, d, *args):
+        return dot(self, widened(a), widened(b), d, *args)
+
+    def cast_impl(self, src, dst_type):
+        if dst_type.scalar == tl.bfloat16 and src.dtype.scalar.is_int():
+            src = cast(self, src, tl.float32)
+        return cast(self, src, dst_type)
+
+    monkeypatch.setattr(builder, "create_dot", create_dot)
+    monkeypatch.setattr(builder, "cast_impl", cast_impl)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_the_int8_kernel_multiplies_as_the_plain_product(dtype):
+def test_the_int8_kernel_multiplies_as_the_plain_product(dtype, monkeypatch):
     # The int8 Triton kernel (rungen/int8.py) against the codes widened and multiplied in float32, from one row to
     # its most, output channels and inputs that fill no block; in bfloat16 (the default) through its tuning,
     # float16 and float32 in one configuration (each configuration is a compilation of its own).
@@ -535,9 +565,9 @@ def test_the_int8_kernel_multiplies_as_the_plain_product(dtype):
 
     if ON_CPU and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("on the CPU the kernel runs in Triton's interpreter: TRITON_INTERPRET=1")
-    if ON_CPU and dtype == torch.bfloat16:
-        pytest.skip("Triton's interpreter converts to bfloat16 wrongly")
     kernel = triton_kernel()
+    if kernel is not None and ON_CPU and dtype == torch.bfloat16:
+        interpret_bfloat16_as_a_gpu_does(monkeypatch)
     if kernel is None:
         pytest.skip("Triton does not import")
     blocks = None if dtype == torch.bfloat16 else {"BLOCK_N": 32, "BLOCK_K": 128}
