@@ -29,6 +29,19 @@ def gpu(monkeypatch):
     return state
 
 
+def gguf_gpu_form(monkeypatch, checked_kernel, embedding=False):
+    """rungen.gguf.device's choices as on a GPU, the CPU standing in: every int8 type keeps its codes, each type's
+    kernel what `checked_kernel(layer, dtype, instead)` gives (the plain product stands in for the Triton kernel),
+    and where `embedding`, an embedding keeps its blocks."""
+    import rungen.gguf.device
+    from rungen.gguf.device import INT8_TYPES
+
+    monkeypatch.setattr(rungen.gguf.device, "gpu_int8", lambda qtype, device: qtype in INT8_TYPES)
+    monkeypatch.setattr(rungen.gguf.device, "checked_kernel", checked_kernel)
+    if embedding:
+        monkeypatch.setattr(rungen.gguf.device, "gpu_embedding", lambda qtype, device: True)
+
+
 def test_checkpoints_run_in_half_precision_on_cuda(gpu):
     cuda = torch.device("cuda")
     assert resolve_dtype("auto", Config(), cuda) == torch.bfloat16  # a GGUF file names none
@@ -75,15 +88,13 @@ def test_a_q8_0_gguf_file_on_the_gpu_keeps_its_codes_and_its_q6_k_heads(tmp_path
     # Q6_K codes and a float32 scale a group of 16, each type's kernel checked on its first weight, and the model
     # computes what the de-quantized one does; a kernel that does not check out leaves them de-quantized.
     import rungen.gguf.device
-    from rungen.gguf.device import INT8_TYPES
     from rungen.int8 import CudaInt8Linear, widened
     from rungen.loading import load_gguf_on
 
     path = write_tiny_gguf(str(tmp_path / "tiny-Q8_0.gguf"), "Q8_0")
     cpu = torch.device("cpu")
-    monkeypatch.setattr(rungen.gguf.device, "gpu_int8", lambda qtype, device: qtype in INT8_TYPES)
     checked = []
-    monkeypatch.setattr(rungen.gguf.device, "checked_kernel", lambda layer, dtype, instead: (checked.append(
+    gguf_gpu_form(monkeypatch, lambda layer, dtype, instead: (checked.append(
         (layer.scales.dtype, layer.in_features // layer.scales.shape[1])), widened)[1])
     kept = load_gguf_on(path, cpu, dtype="float32")
     layers = [m for m in kept.model.modules() if isinstance(m, CudaInt8Linear)]
@@ -105,16 +116,13 @@ def test_a_tied_q8_0_file_on_the_gpu_keeps_one_set_of_codes_for_its_embedding_an
     # A tied file's Q8_0 table (Q6_K's alike) on the GPU, the CPU standing in: the head keeps its codes for the int8
     # kernel and the embedding's lookup reads those same codes (one copy, a byte a weight, where it was a bfloat16
     # table the two shared), to the de-quantized model's values and logits.
-    import rungen.gguf.device
-    from rungen.gguf.device import INT8_TYPES
     from rungen.int8 import CodesEmbedding, CudaInt8Linear, widened
     from rungen.loading import load_gguf_on
 
     path = write_tiny_gguf(str(tmp_path / "tied-Q8_0.gguf"), "Q8_0", tied=True)
     cpu = torch.device("cpu")
     dequantized = load_gguf_on(path, cpu, dtype="float32").model
-    monkeypatch.setattr(rungen.gguf.device, "gpu_int8", lambda qtype, device: qtype in INT8_TYPES)
-    monkeypatch.setattr(rungen.gguf.device, "checked_kernel", lambda layer, dtype, instead: widened)
+    gguf_gpu_form(monkeypatch, lambda layer, dtype, instead: widened)
     kept = load_gguf_on(path, cpu, dtype="float32").model
     head, embedding = kept.get_output_embeddings(), kept.get_input_embeddings()
     assert isinstance(head, CudaInt8Linear) and isinstance(embedding, CodesEmbedding) and embedding.head is head
@@ -160,18 +168,15 @@ def test_a_gguf_files_gpu_form_decodes_without_waiting_for_the_device(tmp_path, 
     # back to the host and makes no tensor of host data, as a CUDA graph's capture needs (tests/test_slots.py's
     # check for checkpoints; tests/test_cuda.py captures it on a GPU).
     import rungen.batch_cache
-    import rungen.gguf.device
     from helpers import HOST_DATA, HOST_READS, watched
     from rungen.engine import Engine
-    from rungen.gguf.device import INT8_TYPES, DeviceRowsEmbedding
+    from rungen.gguf.device import DeviceRowsEmbedding
     from rungen.int8 import widened
     from rungen.loading import load_gguf_on
     from rungen.requests import Request
     from rungen.sampling import Sampling
 
-    monkeypatch.setattr(rungen.gguf.device, "gpu_int8", lambda qtype, device: qtype in INT8_TYPES)
-    monkeypatch.setattr(rungen.gguf.device, "checked_kernel", lambda layer, dtype, instead: widened)
-    monkeypatch.setattr(rungen.gguf.device, "gpu_embedding", lambda qtype, device: True)
+    gguf_gpu_form(monkeypatch, lambda layer, dtype, instead: widened, embedding=True)
     loaded = load_gguf_on(write_tiny_gguf(str(tmp_path / "tiny-Q8_0.gguf"), "Q8_0"), torch.device("cpu"),
                           dtype="float32")
     assert isinstance(loaded.model.get_input_embeddings(), DeviceRowsEmbedding)
