@@ -1,12 +1,14 @@
-"""What the int8 Triton kernel (rungen/int8.py) asks of a GPU, read without one: Triton's own compiler builds it for
-a target (sm_90, an H100/H200, by default) and the cuobjdump in Triton's package reads each build's registers, spills
-and shared memory. A decode step's kernel should be bound by the codes it reads from memory; shared memory per
-program beyond the codes' own tiles is traffic beside them (and past the GPU's 227 KiB a configuration cannot run).
+"""What the Triton kernels of int8 and 4-bit codes (rungen/int8.py, rungen/int4_kernel.py) ask of a GPU, read without
+one: Triton's own compiler builds them for a target (sm_90, an H100/H200, by default) and the cuobjdump in Triton's
+package reads each build's registers, spills and shared memory. A decode step's kernel should be bound by the codes
+it reads from memory; shared memory per program beyond the codes' own tiles is traffic beside them (and past the
+GPU's 227 KiB a configuration cannot run).
 
     python -m benchmarks.int8_kernel_resources [--arch 90] [--activations bf16 fp16]
 
 Needs Triton (`pip install triton`; the CPU build of torch does not bring it). One row per weight layout (each GGUF
-int8 form's scales and offsets, and --quantize int8's scale a channel), activation dtype and tuned configuration.
+int8 form's scales and offsets, --quantize int8's scale a channel, the 4-bit kernel's two), activation dtype and
+tuned configuration.
 """
 
 import argparse
@@ -16,13 +18,16 @@ import subprocess
 import sys
 import tempfile
 
-# (name, group, scales' dtype, offsets): the int8 forms of rungen/gguf/device.py and --quantize int8
+# (name, group, scales' dtype, offsets): the int8 forms of rungen/gguf/device.py and --quantize int8, and (group
+# "int4") the 4-bit kernel's (always a scale and an offset a group of 32)
 LAYOUTS = (("--quantize int8: a scale a channel", 0, "bf16", False),
            ("Q8_0, IQ4_NL: fp16 scale / 32", 32, "fp16", False),
            ("IQ4_XS: fp32 scale / 32", 32, "fp32", False),
            ("Q6_K, Q3_K: fp32 scale / 16", 16, "fp32", False),
            ("Q5_0, Q5_1, Q5_K: fp32 scale + offset / 32", 32, "fp32", True),
-           ("Q2_K: fp32 scale + offset / 16", 16, "fp32", True))
+           ("Q2_K: fp32 scale + offset / 16", 16, "fp32", True),
+           ("4-bit kernel, Q4_0, Q4_1: fp16 scale + offset / 32", "int4", "fp16", True),
+           ("4-bit kernel, Q4_K: fp32 scale + offset / 32", "int4", "fp32", True))
 MAX_SHARED = 227 * 1024  # sm_90's most shared memory a block may take
 
 
@@ -53,23 +58,24 @@ def main():
         from triton.compiler import ASTSource
     except ImportError:
         sys.exit("this needs Triton: pip install triton")
-    from rungen.int8 import triton_kernel
+    from rungen import int4_kernel, int8
 
-    run = triton_kernel()
-    names = run.jit.arg_names
+    runs = {"int8": int8.triton_kernel(), "int4": int4_kernel.triton_kernel()}
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     print(f"Triton {triton.__version__}, sm_{args.arch}; BLOCK_M 16 (a decode step's rows)")
     print("| layout | activations | BLOCK_N x BLOCK_K, warps, stages | registers | spilled bytes | shared KiB |")
     print("| --- | --- | --- | ---: | ---: | ---: |")
     for name, group, scales, offsets in LAYOUTS:
         for activations in args.activations:
+            run = runs["int4" if group == "int4" else "int8"]
+            names = run.jit.arg_names
             for config in run.configs:
                 block_n, block_k = config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"]
-                signature = {"x": f"*{activations}", "codes": "*i8", "scales": f"*{scales}",
-                             "offsets": f"*{scales}", "y": f"*{activations}", "M": "i32", "N": "i32", "K": "i32",
-                             "M_BUCKET": "i32", **{key: "constexpr" for key in names[9:]}}
+                signature = {"x": f"*{activations}", "codes": "*u8" if group == "int4" else "*i8",
+                             "scales": f"*{scales}", "offsets": f"*{scales}", "y": f"*{activations}", "M": "i32",
+                             "N": "i32", "K": "i32", "M_BUCKET": "i32", **{key: "constexpr" for key in names[9:]}}
                 constants = {"GROUP": group, "OFFSET": offsets, "BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": block_k}
-                constants = {(names.index(key),): value for key, value in constants.items()}
+                constants = {(names.index(key),): value for key, value in constants.items() if key in names}
                 source = ASTSource(run.jit, signature, constants, aligned(names))
                 built = triton.compile(source, target=GPUTarget("cuda", args.arch, 32),
                                        options={"num_warps": config.num_warps, "num_stages": config.num_stages})

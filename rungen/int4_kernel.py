@@ -1,0 +1,162 @@
+"""A GGUF file's 4-bit weights (Q4_0, Q4_1, Q4_K) on a CUDA GPU as their codes two a byte, with a scale and an
+offset a group of 32 inputs, read by a Triton kernel (CudaInt4Linear): the alternative to torch's int4 kernel
+(tinygemm, rungen/int4.py) that RUN_GENERATION_GPU_INT4=triton asks for. The kernel reads half a byte a weight and
+the group's two numbers, widens the codes in registers and multiplies on the tensor cores, for a step's few rows;
+a prompt's many rows widen the codes to the activations' dtype a slice of the layer at a time for the GPU's own
+product, as rungen/int8.py does for its codes.
+
+Codes are packed in chunks of CHUNK inputs: byte j of a chunk holds input j in its low nibble and input j + CHUNK/2
+in its high one, so that the low and the high nibbles of a kernel's tile each multiply a contiguous run of inputs.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from .int8 import MOST_ROWS, WIDEN_BYTES, disagreement, widened
+
+CHUNK = 128  # inputs a packing chunk spans (in_features must be a multiple)
+GROUP = 32  # inputs a scale and an offset serve (every 4-bit GGUF type's)
+
+
+def packed(codes: torch.Tensor) -> torch.Tensor:
+    """Codes [out, in] (0..15, in a multiple of CHUNK) as bytes [out, in / 2] in the kernel's layout."""
+    rows, inputs = codes.shape
+    chunks = codes.to(torch.uint8).reshape(rows, inputs // CHUNK, 2, CHUNK // 2)
+    return (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).reshape(rows, inputs // 2)
+
+
+def unpacked(packed_codes: torch.Tensor) -> torch.Tensor:
+    """packed()'s inverse: bytes [out, in / 2] as codes [out, in] (uint8)."""
+    rows, half = packed_codes.shape
+    chunks = packed_codes.reshape(rows, half * 2 // CHUNK, 1, CHUNK // 2)
+    return torch.cat([chunks & 0x0F, chunks >> 4], dim=2).reshape(rows, half * 2)
+
+
+def widened4(x: torch.Tensor, packed_codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
+             ) -> torch.Tensor:
+    """The plain product x @ (codes * scale + offset).T, the codes unpacked and widened to x's dtype a slice of
+    output channels at a time (rungen/int8.py's widened)."""
+    step = max(1, WIDEN_BYTES // (packed_codes.shape[1] * 2 * x.element_size()))
+    return torch.cat([widened(x, unpacked(packed_codes[start:start + step]), scales[start:start + step],
+                              offsets[start:start + step])
+                      for start in range(0, packed_codes.shape[0], step)], dim=-1)
+
+
+@functools.cache
+def triton_kernel():
+    """The Triton kernel (x, packed codes, scales, offsets) -> y, or None where Triton does not import."""
+    try:
+        import triton
+        import triton.language as tl
+    except Exception:  # any failure: the widened product serves
+        return None
+
+    from .int8 import triton_kernel as int8_kernel
+
+    int8_run = int8_kernel()
+    if int8_run is None:
+        return None
+
+    @triton.jit(do_not_specialize=["M", "M_BUCKET"])  # one compilation for every decode batch
+    def int4_matmul(x, codes, scales, offsets, y, M, N, K, M_BUCKET, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+        # y[m, n] = sum_k x[m, k] * (code[n, k] * scales[n, k // 32] + offsets[n, k // 32]), BLOCK_K inputs (whole
+        # chunks of 128) at a time: the bytes' low nibbles are each chunk's first 64 inputs and the high ones its
+        # last 64, so each half is a product over contiguous inputs. Grid and rows as rungen/int8.py's kernel's.
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        channels = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        half = tl.arange(0, BLOCK_K // 2)
+        low_inputs = (half // 64) * 128 + half % 64  # a tile's inputs in its bytes' low nibbles
+        runs = tl.arange(0, BLOCK_K // 64)  # their groups of 32: the first two of each chunk's four
+        low_groups = (runs // 2) * 4 + runs % 2
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for start in range(0, K, BLOCK_K):
+            low_at = start + low_inputs
+            held_x = (rows[:, None] < M) & (low_at[None, :] < K)
+            byte_at = start // 2 + half
+            b = tl.load(codes + channels[None, :] * (K // 2) + byte_at[:, None],
+                        mask=(channels[None, :] < N) & (byte_at[:, None] < K // 2), other=0)
+            group = start // 32 + low_groups
+            held = (channels[None, :] < N) & (group[:, None] < K // 32)
+            where = channels[None, :] * (K // 32) + group[:, None]
+            for part in tl.static_range(2):  # the low nibbles (a chunk's first 64 inputs), then the high ones
+                a = tl.load(x + rows[:, None] * K + 64 * part + low_at[None, :], mask=held_x, other=0.0)
+                # each group's one scale and offset spread over its 32 codes in registers
+                scale = tl.load(scales + where + 2 * part, mask=held, other=0.0).to(tl.float32)
+                offset = tl.load(offsets + where + 2 * part, mask=held, other=0.0).to(tl.float32)
+                w = tl.reshape(((b >> (4 * part)) & 0x0F).to(tl.float32), (BLOCK_K // 64, 32, BLOCK_N))
+                w = w * scale[:, None, :] + offset[:, None, :]
+                total += tl.dot(a, tl.reshape(w, (BLOCK_K // 2, BLOCK_N)).to(a.dtype), input_precision="ieee")
+        tl.store(y + rows[:, None] * N + channels[None, :], total.to(y.dtype.element_ty),
+                 mask=(rows[:, None] < M) & (channels[None, :] < N))
+
+    tuned = triton.autotune(configs=int8_run.configs, key=["M_BUCKET", "N", "K"])(int4_matmul)
+
+    def run(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, blocks: dict | None = None,
+            offsets: torch.Tensor | None = None) -> torch.Tensor:
+        """x [rows, in] @ (unpacked(codes) * scales + offsets).T in x's dtype; codes [out, in / 2] (packed()),
+        scales and offsets [out, in / 32]; `blocks`: one configuration instead of the tuned ones (as
+        rungen/int8.py's)."""
+        rows, inner = x.shape
+        channels = codes.shape[0]
+        y = torch.empty(rows, channels, dtype=x.dtype, device=x.device)
+        bucket = 16 if rows <= 16 else MOST_ROWS
+        if blocks is None and os.environ.get("TRITON_INTERPRET") == "1":
+            blocks = {"BLOCK_N": 32, "BLOCK_K": 128}
+
+        def grid(meta):
+            return triton.cdiv(rows, 16), triton.cdiv(channels, meta["BLOCK_N"])
+
+        kernel, settings = (tuned, {}) if blocks is None else (int4_matmul, blocks)
+        kernel[grid](x, codes, scales, offsets, y, rows, channels, inner, bucket, BLOCK_M=16, **settings)
+        return y
+
+    run.jit, run.configs = int4_matmul, int8_run.configs
+    return run
+
+
+class CudaInt4Linear(torch.nn.Module):
+    """y = x @ (code * scale + offset).T on a CUDA GPU, in the activations' dtype: codes packed two a byte (packed()),
+    a scale and an offset a group of 32 inputs; the Triton kernel for a few rows once checked (use_kernel), else
+    the widened product."""
+
+    format = "int4"
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor):
+        super().__init__()
+        self.out_features, self.in_features = codes.shape[0], codes.shape[1] * 2
+        self.register_buffer("codes", codes.contiguous())
+        self.register_buffer("scales", scales.contiguous())
+        self.register_buffer("offsets", offsets.contiguous())
+        self.bias = None
+        self.kernel = None
+
+    @staticmethod
+    def fits(in_features: int) -> bool:
+        return in_features % CHUNK == 0
+
+    def use_kernel(self, kernel) -> None:
+        self.kernel = kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if self.kernel is not None and flat.shape[0] <= MOST_ROWS:
+            y = self.kernel(flat.contiguous(), self.codes, self.scales, offsets=self.offsets)
+        else:
+            y = widened4(flat, self.codes, self.scales, self.offsets)
+        return y.reshape(x.shape[:-1] + (self.out_features,))
+
+
+def checked_int4_kernel(layer: CudaInt4Linear, dtype: torch.dtype) -> tuple[object | None, str | None]:
+    """(the Triton kernel, None) where it imports and multiplies `layer`'s first output channels as the
+    widened product does (rungen/int8.py's disagreement), else (None, why)."""
+    kernel = triton_kernel()
+    if kernel is None:
+        return None, "Triton does not import"
+    why = disagreement(kernel, layer, dtype, plain=widened4)
+    return (kernel, None) if why is None else (None, why)
+
