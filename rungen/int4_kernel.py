@@ -18,7 +18,7 @@ import torch
 
 from .int8 import MOST_ROWS, WIDEN_BYTES, disagreement, widened
 
-CHUNK = 128  # inputs a packing chunk spans (in_features must be a multiple)
+CHUNK = 64  # inputs a packing chunk spans (in_features must be a multiple): two groups, as Q4_K packs them
 GROUP = 32  # inputs a scale and an offset serve (every 4-bit GGUF type's)
 
 
@@ -65,14 +65,13 @@ def triton_kernel():
     def int4_matmul(x, codes, scales, offsets, y, M, N, K, M_BUCKET, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr):
         # y[m, n] = sum_k x[m, k] * (code[n, k] * scales[n, k // 32] + offsets[n, k // 32]), BLOCK_K inputs (whole
-        # chunks of 128) at a time: the bytes' low nibbles are each chunk's first 64 inputs and the high ones its
-        # last 64, so each half is a product over contiguous inputs. Grid and rows as rungen/int8.py's kernel's.
+        # chunks of 64) at a time: the bytes' low nibbles hold each chunk's first group of 32 and the high ones its
+        # second, so each is a product over whole groups. Grid and rows as rungen/int8.py's kernel's.
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         channels = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
         half = tl.arange(0, BLOCK_K // 2)
-        low_inputs = (half // 64) * 128 + half % 64  # a tile's inputs in its bytes' low nibbles
-        runs = tl.arange(0, BLOCK_K // 64)  # their groups of 32: the first two of each chunk's four
-        low_groups = (runs // 2) * 4 + runs % 2
+        low_inputs = (half // 32) * 64 + half % 32  # a tile's inputs in its bytes' low nibbles
+        low_groups = 2 * tl.arange(0, BLOCK_K // 64)  # their groups: each chunk's first
         total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for start in range(0, K, BLOCK_K):
             low_at = start + low_inputs
@@ -83,11 +82,11 @@ def triton_kernel():
             group = start // 32 + low_groups
             held = (channels[None, :] < N) & (group[:, None] < K // 32)
             where = channels[None, :] * (K // 32) + group[:, None]
-            for part in tl.static_range(2):  # the low nibbles (a chunk's first 64 inputs), then the high ones
-                a = tl.load(x + rows[:, None] * K + 64 * part + low_at[None, :], mask=held_x, other=0.0)
+            for part in tl.static_range(2):  # the low nibbles (each chunk's first group), then the high ones
+                a = tl.load(x + rows[:, None] * K + 32 * part + low_at[None, :], mask=held_x, other=0.0)
                 # each group's one scale and offset spread over its 32 codes in registers
-                scale = tl.load(scales + where + 2 * part, mask=held, other=0.0).to(tl.float32)
-                offset = tl.load(offsets + where + 2 * part, mask=held, other=0.0).to(tl.float32)
+                scale = tl.load(scales + where + part, mask=held, other=0.0).to(tl.float32)
+                offset = tl.load(offsets + where + part, mask=held, other=0.0).to(tl.float32)
                 w = tl.reshape(((b >> (4 * part)) & 0x0F).to(tl.float32), (BLOCK_K // 64, 32, BLOCK_N))
                 w = w * scale[:, None, :] + offset[:, None, :]
                 total += tl.dot(a, tl.reshape(w, (BLOCK_K // 2, BLOCK_N)).to(a.dtype), input_precision="ieee")

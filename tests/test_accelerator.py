@@ -111,6 +111,47 @@ def test_a_q8_0_gguf_file_on_the_gpu_keeps_its_codes_and_its_q6_k_heads(tmp_path
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
 
 
+def test_a_4_bit_file_asked_for_the_triton_kernel_keeps_its_codes_two_a_byte(tmp_path, monkeypatch,
+                                                                              module_cache_home, caplog):
+    # RUN_GENERATION_GPU_INT4=triton on a GPU, the CPU standing in: a Q4_0 file's matrices keep their codes two a
+    # byte for rungen/int4_kernel.py's kernel (checked on the first; the plain product stands in for it), inputs
+    # that fill no chunk of 64 fall back to torch's int4 kernel, and the model computes what the de-quantized one
+    # does; a kernel that does not check out leaves the 4-bit weights de-quantized, with a warning.
+    import rungen.gguf.device
+    from rungen.gguf.device import gpu_int4
+    from rungen.int4 import TinyGemmLinear
+    from rungen.int4_kernel import CudaInt4Linear, widened4
+    from rungen.loading import load_gguf_on
+
+    Q = rungen.gguf.device.GGMLQuantizationType
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setattr(TinyGemmLinear, "runs_on", staticmethod(lambda in_features, dtype, device: True))
+    assert gpu_int4(Q.Q4_0, 4096, torch.bfloat16, cuda) == "tinygemm"  # the default
+    monkeypatch.setenv("RUN_GENERATION_GPU_INT4", "triton")
+    assert [gpu_int4(Q.Q4_K, 4096, torch.float16, cuda), gpu_int4(Q.Q4_1, 576, torch.bfloat16, cuda),
+            gpu_int4(Q.Q4_0, 96, torch.bfloat16, cuda), gpu_int4(Q.Q8_0, 4096, torch.bfloat16, cuda)] == \
+        ["triton", "triton", "tinygemm", None]
+
+    path = write_tiny_gguf(str(tmp_path / "tiny-Q4_0.gguf"), "Q4_0")
+    dequantized = load_gguf_on(path, cpu, dtype="float32")
+    monkeypatch.setattr(rungen.gguf.device, "gpu_int4", lambda qtype, in_features, dtype, device: (
+        "triton" if qtype in rungen.gguf.device.INT4_TYPES else None))
+    checked = []
+    monkeypatch.setattr(rungen.gguf.device, "checked_int4_kernel",
+                        lambda layer, dtype: (checked.append(layer), (widened4, None))[1])
+    kept = load_gguf_on(path, cpu, dtype="float32")
+    layers = [m for m in kept.model.modules() if isinstance(m, CudaInt4Linear)]
+    assert len(layers) == 2 * 7 and all(m.kernel is widened4 for m in layers) and len(checked) == 1
+    ids = torch.tensor([list(range(3, 40))])
+    with torch.inference_mode():
+        torch.testing.assert_close(kept.model(input_ids=ids).logits, dequantized.model(input_ids=ids).logits,
+                                   rtol=1e-4, atol=1e-4)
+    monkeypatch.setattr(rungen.gguf.device, "checked_int4_kernel", lambda layer, dtype: (None, "it disagrees"))
+    refused = load_gguf_on(path, cpu, dtype="float32")
+    assert not any(isinstance(m, CudaInt4Linear) for m in refused.model.modules())
+    assert "the 4-bit Triton kernel: it disagrees" in caplog.text
+
+
 def test_a_tied_q8_0_file_on_the_gpu_keeps_one_set_of_codes_for_its_embedding_and_head(tmp_path, monkeypatch,
                                                                                        module_cache_home):
     # A tied file's Q8_0 table (Q6_K's alike) on the GPU, the CPU standing in: the head keeps its codes for the int8

@@ -527,10 +527,10 @@ def test_quantize_int4_runs_on_torchs_int4_kernel(checkpoint, monkeypatch):
 
 
 def interpret_bfloat16_as_a_gpu_does(monkeypatch):
-    """Triton's interpreter holds a bfloat16 as its 16 bits (uint16) and forgets so in two places the int8 kernel
-    reaches: tl.dot multiplies the bits (triton-lang/triton#11584) and a cast from an integer writes the integer as
-    the bits. Both are sent through float32 here, as its own float casts are, so that the interpreter computes
-    what a GPU does: bfloat16 operands multiplied exactly, summed in float32."""
+    """Triton's interpreter holds a bfloat16 as its 16 bits (uint16) and forgets so in two places the int8 and 4-bit
+    kernels reach: tl.dot multiplies the bits (triton-lang/triton#11584) and a cast from an integer writes the
+    integer as the bits. Both are sent through float32 here, as its own float casts are, so that the interpreter
+    computes what a GPU does: bfloat16 operands multiplied exactly, summed in float32."""
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter
@@ -589,6 +589,53 @@ def test_the_int8_kernel_multiplies_as_the_plain_product(dtype, monkeypatch):
             reference = widened(x.float(), codes, scales, offsets)
             assert y.dtype == dtype and y.shape == (rows, channels)
             assert (y.float() - reference).abs().max() <= 0.01 * reference.abs().max(), (rows, channels, inner)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_4_bit_kernel_multiplies_as_the_plain_product(dtype, monkeypatch):
+    # The 4-bit Triton kernel (rungen/int4_kernel.py) against its codes unpacked and widened in float32, from one
+    # row to its most, inputs from one chunk of 64 to tiles that end past them, output channels that fill no block;
+    # a scale and an offset a group of 32 in float16 (Q4_0, Q4_1) and float32 (Q4_K); in bfloat16 (the default)
+    # through its tuning, float16 and float32 in one configuration.
+    from rungen.int4_kernel import packed, triton_kernel, widened4
+
+    if ON_CPU and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("on the CPU the kernel runs in Triton's interpreter: TRITON_INTERPRET=1")
+    kernel = triton_kernel()
+    if kernel is None:
+        pytest.skip("Triton does not import")
+    if ON_CPU and dtype == torch.bfloat16:
+        interpret_bfloat16_as_a_gpu_does(monkeypatch)
+    blocks = None if dtype == torch.bfloat16 else {"BLOCK_N": 32, "BLOCK_K": 256}
+    for rows, channels, inner in ((1, 96, 64), (5, 64, 576), (17, 40, 384), (64, 48, 4096)):
+        generator = torch.Generator().manual_seed(rows)
+        codes = packed(torch.randint(0, 16, (channels, inner), dtype=torch.uint8, generator=generator)).to(DEVICE)
+        for scale_dtype in (torch.float16, torch.float32):
+            scales = torch.rand(channels, inner // 32, generator=generator) / 100
+            offsets = -8 * scales + torch.rand(channels, inner // 32, generator=generator) / 1000
+            scales, offsets = scales.to(DEVICE, scale_dtype), offsets.to(DEVICE, scale_dtype)
+            x = torch.randn(rows, inner, generator=generator).to(DEVICE, dtype)
+            y = kernel(x, codes, scales, blocks, offsets=offsets)
+            reference = widened4(x.float(), codes, scales, offsets)
+            assert y.dtype == dtype and y.shape == (rows, channels)
+            assert (y.float() - reference).abs().max() <= 0.01 * reference.abs().max(), (rows, channels, inner)
+
+
+@needs_cuda
+def test_a_4_bit_gguf_file_keeps_its_codes_for_the_triton_kernel_where_asked(gguf_file, monkeypatch):
+    # RUN_GENERATION_GPU_INT4=triton: the Q4_0 matrices keep their codes two a byte for rungen/int4_kernel.py's
+    # kernel (checked on the first: a disagreement would leave them de-quantized, and this test failing), a little
+    # over a quarter of bfloat16's bytes, computing what the float32 de-quantized model does to bfloat16 rounding.
+    from rungen.int4_kernel import CudaInt4Linear
+    from rungen.loading import load
+
+    monkeypatch.setenv("RUN_GENERATION_GPU_INT4", "triton")
+    int4, exact = load(gguf_file, device=DEVICE), load(gguf_file, device=DEVICE, dtype="float32")
+    layers = [m for m in int4.model.modules() if isinstance(m, CudaInt4Linear)]
+    assert len(layers) == 2 * 7 and all(m.kernel is not None for m in layers), "the Q4_0 matrices run de-quantized"
+    held = sum(b.numel() * b.element_size() for m in layers for b in (m.codes, m.scales, m.offsets))
+    assert held < 0.35 * sum(2 * m.out_features * m.in_features for m in layers)
+    assert_logits_near(int4, exact)
 
 
 @needs_cuda

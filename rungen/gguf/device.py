@@ -1,5 +1,6 @@
 """A GGUF file's weights in the forms a CUDA GPU keeps them (file.py's build_model given a device): 4-bit types as
-torch's int4 kernel takes them (TinyGemmLinear), the types that fit int8 codes and group scales for rungen/int8.py's
+torch's int4 kernel takes them (TinyGemmLinear) or, asked for, as rungen/int4_kernel.py's Triton kernel reads them
+(CudaInt4Linear), the types that fit int8 codes and group scales for rungen/int8.py's
 Triton kernel (CudaInt8Linear), and an embedding table in its blocks (DeviceRowsEmbedding). Each form is exact: the
 codes and scales are the file's (codes.py), never re-quantized.
 """
@@ -8,11 +9,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 
 import torch
 from gguf import GGMLQuantizationType
 
-from ..int4 import TinyGemmLinear, checked_tinygemm
+from ..int4 import GPU_INT4_ENV, TinyGemmLinear, checked_tinygemm
+from ..int4_kernel import CudaInt4Linear, checked_int4_kernel, packed
 from ..int8 import CodesEmbedding, CudaInt8Linear, checked_kernel
 from .codes import (
     GROUPED_TYPES,
@@ -30,9 +33,14 @@ logger = logging.getLogger("run_generation")
 
 # --- On a CUDA GPU: 4-bit types as torch's int4 weight-only kernel (tinygemm) takes them ---
 
-def gpu_int4(qtype: GGMLQuantizationType, in_features: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether a weight of `qtype` keeps its 4-bit codes on `device` for a model in `dtype` (TinyGemmLinear)."""
-    return qtype in INT4_TYPES and TinyGemmLinear.runs_on(in_features, dtype, device)
+def gpu_int4(qtype: GGMLQuantizationType, in_features: int, dtype: torch.dtype, device: torch.device) -> str | None:
+    """The form a weight of `qtype` keeps its 4-bit codes in on `device` for a model in `dtype`: "tinygemm"
+    (TinyGemmLinear), "triton" (CudaInt4Linear, where RUN_GENERATION_GPU_INT4=triton asks for it), or None."""
+    if qtype not in INT4_TYPES:
+        return None
+    if os.environ.get(GPU_INT4_ENV) == "triton" and device.type == "cuda" and CudaInt4Linear.fits(in_features):
+        return "triton"
+    return "tinygemm" if TinyGemmLinear.runs_on(in_features, dtype, device) else None
 
 
 def tinygemm_of_blocks(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: int, device: torch.device,
@@ -43,6 +51,19 @@ def tinygemm_of_blocks(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_fea
         order = torch.from_numpy(order)
         codes, scale, offset = codes[order], scale[order], offset[order]
     return TinyGemmLinear(codes, scale, offset, device)
+
+
+def int4_codes_of_blocks(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: int, device: torch.device,
+                         order=None) -> CudaInt4Linear:
+    """A 4-bit weight's blocks (`order`: its rows permuted) as a CudaInt4Linear on `device`, exact: the codes two a
+    byte and a group's scale and offset, float16 for Q4_0 and Q4_1 (their blocks' own: 0.625 bytes a weight, the
+    file's 0.5625 or 0.625), float32 for Q4_K (a float16 times a 6-bit integer: 0.75 bytes, the file's 0.5625)."""
+    codes, scale, offset = int4_parts(blocks, qtype, in_features)
+    if order is not None:
+        order = torch.from_numpy(order)
+        codes, scale, offset = codes[order], scale[order], offset[order]
+    exact = torch.float32 if qtype == GGMLQuantizationType.Q4_K else torch.float16
+    return CudaInt4Linear(packed(codes).to(device), scale.to(device, exact), offset.to(device, exact))
 
 
 # --- On a CUDA GPU: the types that fit int8 codes and group scales, for rungen/int8.py's Triton kernel ---
@@ -136,7 +157,8 @@ class DeviceForms:
 
     def __init__(self, device: torch.device, dtype: torch.dtype):
         self.device, self.dtype = device, dtype
-        self.int4 = None  # whether 4-bit weights take torch's int4 kernel: None until the first is checked
+        self.tinygemm = None  # whether 4-bit weights take torch's int4 kernel: None until the first is checked
+        self.int4 = None  # the Triton 4-bit kernel once checked (False: it does not serve), where it is asked for
         self.int8 = {}  # qtype -> the checked Triton kernel, or False where it does not serve the type
 
     def keep(self, reader, entry, qtype: GGMLQuantizationType, in_features: int, module: torch.nn.Module, order,
@@ -145,15 +167,18 @@ class DeviceForms:
         weight de-quantized to set in its place; `tied_table`: the input embedding, which the head reads too."""
         linear, table = isinstance(module, torch.nn.Linear), isinstance(module, torch.nn.Embedding)
         scale = getattr(module, "embed_scale", None)
-        if linear and self.int4 is not False and gpu_int4(qtype, in_features, self.dtype, self.device):
+        int4 = linear and gpu_int4(qtype, in_features, self.dtype, self.device)
+        if int4 == "triton" and self.int4 is not False:
+            return self.int4_codes(reader, entry, qtype, in_features, order)
+        if int4 == "tinygemm" and self.tinygemm is not False:
             make = functools.partial(tinygemm_of_blocks, torch.from_numpy(reader.blocks(entry)), qtype, in_features,
                                      self.device, order)
-            if self.int4 is not None:
+            if self.tinygemm is not None:
                 return make()
             weight = reader.dequantized(entry, self.dtype, self.device, order)  # the first, checked against it
             layer, why = checked_tinygemm(make, weight)
-            self.int4 = layer is not None
-            if self.int4:
+            self.tinygemm = layer is not None
+            if self.tinygemm:
                 return layer
             logger.warning("torch's int4 GPU kernel %s here; the 4-bit weights run de-quantized to bfloat16 instead",
                            why)
@@ -171,3 +196,18 @@ class DeviceForms:
             return DeviceRowsEmbedding(reader.rows(entry, False, order).to(self.device), qtype, in_features,
                                        self.dtype, scale)
         return reader.dequantized(entry, self.dtype, self.device, order)
+
+    def int4_codes(self, reader, entry, qtype: GGMLQuantizationType, in_features: int, order
+                   ) -> torch.nn.Module | torch.Tensor:
+        """A 4-bit weight as CudaInt4Linear where the Triton kernel checks out on the first, else de-quantized."""
+        layer = int4_codes_of_blocks(torch.from_numpy(reader.blocks(entry)), qtype, in_features, self.device, order)
+        if self.int4 is None:
+            kernel, why = checked_int4_kernel(layer, self.dtype)
+            self.int4 = kernel or False
+            if kernel is None:
+                logger.warning("the 4-bit Triton kernel: %s; the 4-bit weights run de-quantized to %s instead", why,
+                               self.dtype)
+        if not self.int4:
+            return reader.dequantized(entry, self.dtype, self.device, order)
+        layer.use_kernel(self.int4)
+        return layer

@@ -154,6 +154,45 @@ def test_an_int8_types_weight_for_the_gpu_keeps_the_files_codes_and_scales(name,
     torch.testing.assert_close(layer(x.float()), reference, rtol=1e-4, atol=1e-5 * reference.abs().max().item())
 
 
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q4_K"])
+def test_a_4_bit_weight_for_the_triton_kernel_keeps_the_files_codes_two_a_byte(name, monkeypatch):
+    # A GGUF weight of a 4-bit type on a GPU as RUN_GENERATION_GPU_INT4=triton asks (rungen/gguf/device.py's
+    # int4_codes_of_blocks): its codes two a byte, byte j of each chunk of 64 inputs holding input j low and input
+    # j + 32 high, and each group of 32's scale and offset (float16 for Q4_0 and Q4_1, their blocks' own; float32
+    # for Q4_K), rows permuted where the architecture asks; unpacked, codes times scales plus offsets is exactly the
+    # de-quantized weight, and the layer's product past the kernel's rows (widened a slice at a time) is its product.
+    import numpy as np
+    from gguf import GGMLQuantizationType
+
+    import rungen.int4_kernel
+    from helpers import blocks_for
+    from rungen.gguf.blocks import dequantize
+    from rungen.gguf.codes import int4_parts
+    from rungen.gguf.device import int4_codes_of_blocks
+    from rungen.int4_kernel import unpacked
+
+    qtype = GGMLQuantizationType[name]
+    blocks = blocks_for(qtype, 24, 512)
+    order = np.random.default_rng(0).permutation(24)
+    layer = int4_codes_of_blocks(blocks, qtype, 512, torch.device("cpu"), order)
+    dtype = torch.float32 if name == "Q4_K" else torch.float16
+    assert layer.codes.dtype == torch.uint8 and layer.codes.shape == (24, 256)
+    assert layer.scales.dtype == layer.offsets.dtype == dtype and layer.scales.shape == (24, 512 // 32)
+    codes = int4_parts(blocks, qtype, 512)[0][torch.from_numpy(order)]
+    chunks = layer.codes.reshape(24, 8, 32)
+    assert torch.equal(chunks & 0x0F, codes.reshape(24, 8, 2, 32)[:, :, 0])
+    assert torch.equal(chunks >> 4, codes.reshape(24, 8, 2, 32)[:, :, 1])
+    assert torch.equal(unpacked(layer.codes), codes)
+    weight = dequantize(blocks, qtype, 512)[torch.from_numpy(order)]
+    values = codes.float() * layer.scales.float().repeat_interleave(32, dim=1) + \
+        layer.offsets.float().repeat_interleave(32, dim=1)
+    assert torch.equal(values, weight)
+    monkeypatch.setattr(rungen.int4_kernel, "WIDEN_BYTES", 512 * 5 * 4)  # five channels at a time: five slices
+    x = torch.randn(70, 512, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    reference = (x @ weight.double().t()).float()
+    torch.testing.assert_close(layer(x.float()), reference, rtol=1e-4, atol=1e-5 * reference.abs().max().item())
+
+
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_an_embeddings_rows_de_quantize_on_any_device_as_the_gguf_package_does(name):
     # DeviceRowsEmbedding's lookup on a GPU: torch operators over the gathered rows' blocks, the same floats.
