@@ -11,6 +11,9 @@ On Llama-3.1-8B's gate (14336 x 4096) and down (4096 x 14336) projections, rando
 - bfloat16: the weight itself, cuBLAS (a checkpoint's form, and what the others are measured against);
 - int4 tinygemm: 4-bit codes in groups of 32 on torch's int4 kernel (rungen/int4.py's TinyGemmLinear: --quantize
   int4, and a GGUF file's Q4_0, Q4_1 and Q4_K on a GPU), at every row count, as the tool runs it;
+- int4 Triton kernel: the same codes two a byte with a float16 scale and offset a group of 32 on
+  rungen/int4_kernel.py's kernel (RUN_GENERATION_GPU_INT4=triton), to its MOST_ROWS rows; int4 widened: those codes
+  widened to bfloat16 for cuBLAS, what its layer does past them;
 - int8 kernel: int8 codes with a scale a group of 32 (GGUF Q8_0's form) on rungen/int8.py's Triton kernel, to its
   MOST_ROWS rows, where the layer uses it;
 - int8 widened: the same codes widened to bfloat16 for cuBLAS, what the layer does past MOST_ROWS (and where the
@@ -52,6 +55,19 @@ def int8_group_layer(weight):
     return layer, kernel
 
 
+def int4_layer(weight):
+    """The weight as 4-bit codes two a byte with a float16 scale and offset a group of 32 (Q4_0's and Q4_1's form
+    under RUN_GENERATION_GPU_INT4=triton) on rungen/int4_kernel.py's layer, and its checked Triton kernel (None:
+    widened only)."""
+    from rungen.int4 import int4_groups
+    from rungen.int4_kernel import CudaInt4Linear, checked_int4_kernel, packed
+
+    codes, scales, low = int4_groups(weight)
+    layer = CudaInt4Linear(packed(codes), scales.to(torch.float16), low.to(torch.float16))
+    kernel = checked_int4_kernel(layer, torch.bfloat16)[0] if weight.device.type == "cuda" else None
+    return layer, kernel
+
+
 class Dense(torch.nn.Module):
     def __init__(self, weight):
         super().__init__()
@@ -75,11 +91,20 @@ def forms(weight, device):
             return layer
         return make
 
+    def int4(kernel):
+        def make():
+            layer, checked = int4_layer(weight)
+            if kernel and checked is None:
+                raise RuntimeError("the 4-bit Triton kernel is not available here")
+            layer.use_kernel(checked if kernel else None)
+            return layer
+        return make
+
     made = [("bfloat16", lambda: Dense(weight), None)]
     if device.type == "cuda":
         made += [("int4 tinygemm", lambda: gpu_int4_linear(weight, None, check=True), None),
-                 ("int8 kernel", int8(True), MOST_ROWS)]
-    made.append(("int8 widened", int8(False), None))
+                 ("int4 Triton kernel", int4(True), MOST_ROWS), ("int8 kernel", int8(True), MOST_ROWS)]
+    made += [("int4 widened", int4(False), None), ("int8 widened", int8(False), None)]
     return made
 
 
