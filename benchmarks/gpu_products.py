@@ -82,20 +82,11 @@ def forms(weight, device):
     from rungen.int8 import MOST_ROWS
     from rungen.quantize import gpu_int4_linear
 
-    def int8(kernel):
+    def coded(layer_of, kernel):
         def make():
-            layer, checked = int8_group_layer(weight)
+            layer, checked = layer_of(weight)
             if kernel and checked is None:
-                raise RuntimeError("the Triton kernel is not available here (rungen/int8.py logged why)")
-            layer.use_kernel(checked if kernel else None)
-            return layer
-        return make
-
-    def int4(kernel):
-        def make():
-            layer, checked = int4_layer(weight)
-            if kernel and checked is None:
-                raise RuntimeError("the 4-bit Triton kernel is not available here")
+                raise RuntimeError("the Triton kernel is not available here (rungen's warning says why)")
             layer.use_kernel(checked if kernel else None)
             return layer
         return make
@@ -103,8 +94,9 @@ def forms(weight, device):
     made = [("bfloat16", lambda: Dense(weight), None)]
     if device.type == "cuda":
         made += [("int4 tinygemm", lambda: gpu_int4_linear(weight, None, check=True), None),
-                 ("int4 Triton kernel", int4(True), MOST_ROWS), ("int8 kernel", int8(True), MOST_ROWS)]
-    made += [("int4 widened", int4(False), None), ("int8 widened", int8(False), None)]
+                 ("int4 Triton kernel", coded(int4_layer, True), MOST_ROWS),
+                 ("int8 kernel", coded(int8_group_layer, True), MOST_ROWS)]
+    made += [("int4 widened", coded(int4_layer, False), None), ("int8 widened", coded(int8_group_layer, False), None)]
     return made
 
 

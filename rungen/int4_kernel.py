@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from .int8 import MOST_ROWS, WIDEN_BYTES, disagreement, widened
+from .int8 import MOST_ROWS, WIDEN_BYTES, CodesLinear, disagreement, widened
 
 CHUNK = 64  # inputs a packing chunk spans (in_features must be a multiple): two groups, as Q4_K packs them
 GROUP = 32  # inputs a scale and an offset serve (every 4-bit GGUF type's)
@@ -121,12 +121,12 @@ def triton_kernel():
     return run
 
 
-class CudaInt4Linear(torch.nn.Module):
+class CudaInt4Linear(CodesLinear):
     """y = x @ (code * scale + offset).T on a CUDA GPU, in the activations' dtype: codes packed two a byte (packed()),
-    a scale and an offset a group of 32 inputs; the Triton kernel for a few rows once checked (use_kernel), else
-    the widened product."""
+    a scale and an offset a group of 32 inputs; the Triton kernel for a few rows once checked, else widened4."""
 
     format = "int4"
+    plain = staticmethod(widened4)
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor):
         super().__init__()
@@ -135,22 +135,10 @@ class CudaInt4Linear(torch.nn.Module):
         self.register_buffer("scales", scales.contiguous())
         self.register_buffer("offsets", offsets.contiguous())
         self.bias = None
-        self.kernel = None
 
     @staticmethod
     def fits(in_features: int) -> bool:
         return in_features % CHUNK == 0
-
-    def use_kernel(self, kernel) -> None:
-        self.kernel = kernel
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        if self.kernel is not None and flat.shape[0] <= MOST_ROWS:
-            y = self.kernel(flat.contiguous(), self.codes, self.scales, offsets=self.offsets)
-        else:
-            y = widened4(flat, self.codes, self.scales, self.offsets)
-        return y.reshape(x.shape[:-1] + (self.out_features,))
 
 
 def checked_int4_kernel(layer: CudaInt4Linear, dtype: torch.dtype) -> tuple[object | None, str | None]:

@@ -149,11 +149,30 @@ def widened(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets:
     return torch.nn.functional.linear(x, weight)
 
 
-class CudaInt8Linear(torch.nn.Module):
+class CodesLinear(torch.nn.Module):
+    """A layer of integer codes on a CUDA GPU (codes, scales, offsets, bias): a Triton kernel for a step's few rows
+    once checked (use_kernel), else `plain`, the codes widened for the GPU's own product."""
+
+    plain = staticmethod(widened)
+    kernel = None  # set by use_kernel once the kernel has been checked on this GPU
+
+    def use_kernel(self, kernel) -> None:
+        self.kernel = kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if self.kernel is not None and flat.shape[0] <= MOST_ROWS:
+            y = self.kernel(flat.contiguous(), self.codes, self.scales, offsets=self.offsets)
+        else:
+            y = self.plain(flat, self.codes, self.scales, self.offsets)
+        y = y.reshape(x.shape[:-1] + (self.out_features,))
+        return y if self.bias is None else y + self.bias
+
+
+class CudaInt8Linear(CodesLinear):
     """y = x @ (scale * codes + offset).T (+ bias) on a CUDA GPU, in the activations' dtype: codes int8 [out, in],
     one scale an output channel (scales [out]) or a group of inputs (scales [out, groups]: GGUF's int8 forms), and
-    where the blocks have minimums an offset a group (offsets [out, groups], else None); the Triton kernel for a few
-    rows once checked (use_kernel), else the widened product."""
+    where the blocks have minimums an offset a group (offsets [out, groups], else None)."""
 
     format = "int8"
 
@@ -165,19 +184,6 @@ class CudaInt8Linear(torch.nn.Module):
         self.register_buffer("scales", scales.contiguous())
         self.register_buffer("offsets", None if offsets is None else offsets.contiguous())
         self.bias = bias
-        self.kernel = None  # set by use_kernel once the kernel has been checked on this GPU
-
-    def use_kernel(self, kernel) -> None:
-        self.kernel = kernel
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        if self.kernel is not None and flat.shape[0] <= MOST_ROWS:
-            y = self.kernel(flat.contiguous(), self.codes, self.scales, offsets=self.offsets)
-        else:
-            y = widened(flat, self.codes, self.scales, self.offsets)
-        y = y.reshape(x.shape[:-1] + (self.out_features,))
-        return y if self.bias is None else y + self.bias
 
 
 class CodesEmbedding(torch.nn.Module):
