@@ -19,7 +19,6 @@ import torch
 from .int8 import MOST_ROWS, WIDEN_BYTES, CodesLinear, disagreement, widened
 
 CHUNK = 64  # inputs a packing chunk spans (in_features must be a multiple): two groups, as Q4_K packs them
-GROUP = 32  # inputs a scale and an offset serve (every 4-bit GGUF type's)
 
 
 def packed(codes: torch.Tensor) -> torch.Tensor:
@@ -147,6 +146,5 @@ def checked_int4_kernel(layer: CudaInt4Linear, dtype: torch.dtype) -> tuple[obje
     kernel = triton_kernel()
     if kernel is None:
         return None, "Triton does not import"
-    why = disagreement(kernel, layer, dtype, plain=widened4)
+    why = disagreement(kernel, layer, dtype)
     return (kernel, None) if why is None else (None, why)
-

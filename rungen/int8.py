@@ -224,18 +224,16 @@ def checked_kernel(layer: CudaInt8Linear, dtype: torch.dtype, instead: str):
     return None
 
 
-def disagreement(kernel, layer: torch.nn.Module, dtype: torch.dtype, plain=None) -> str | None:
-    """Why `kernel` cannot serve `layer` (its codes, scales and offsets) (None: at one row and at MOST_ROWS of
-    `dtype` it gives the plain product, `plain(x, codes, scales, offsets)` (widened's by default), to the dtype's
-    rounding, on the layer's first CHECKED_CHANNELS output channels)."""
-    plain = plain or widened
+def disagreement(kernel, layer: CodesLinear, dtype: torch.dtype) -> str | None:
+    """Why `kernel` cannot serve `layer` (None: at one row and at MOST_ROWS of `dtype` it gives the layer's plain
+    product to the dtype's rounding, on the layer's first CHECKED_CHANNELS output channels)."""
     generator = torch.Generator(layer.codes.device).manual_seed(0)
     # Its first output channels: a head's whole table widened to float32 would be gigabytes at load.
     codes, scales = layer.codes[:CHECKED_CHANNELS], layer.scales[:CHECKED_CHANNELS]
     offsets = None if layer.offsets is None else layer.offsets[:CHECKED_CHANNELS]
     for rows in (1, MOST_ROWS):
         x = torch.randn(rows, layer.in_features, dtype=dtype, device=layer.codes.device, generator=generator)
-        reference = plain(x.float(), codes, scales, offsets)
+        reference = layer.plain(x.float(), codes, scales, offsets)
         try:
             error = (kernel(x, codes, scales, offsets=offsets).float() - reference).abs().max()
         except Exception as failure:  # a compile or launch failure: the caller's other way serves
