@@ -138,7 +138,8 @@ class LoadMemo:
     """A stand-in for the loader main() calls that loads each model once per test session and hands every
     caller a deep copy (main changes the model in place: --quantize swaps layers, --jit patches forward).
 
-    The key is the repr of every argument and XDG_CACHE_HOME (where the default model is cached). Placement
+    The key is the repr of every argument, XDG_CACHE_HOME (where the default model is cached) and the
+    RUN_GENERATION_* variables (some choose the forms a GPU load keeps: RUN_GENERATION_GPU_INT4...). Placement
     over devices (device_map: accelerate's hooks and an offload folder on disk) is loaded afresh every time,
     and so is a load that fails. A checkpoint rewritten in place under the same path would be missed: tests
     write changed checkpoints to new directories."""
@@ -151,7 +152,8 @@ class LoadMemo:
     def __call__(self, *args, **kwargs):
         if kwargs.get("device_map"):
             return self.load(*args, **kwargs)
-        key = repr(args) + repr(sorted(kwargs.items())) + repr(os.environ.get("XDG_CACHE_HOME"))
+        settings = sorted((name, value) for name, value in os.environ.items() if name.startswith("RUN_GENERATION_"))
+        key = repr(args) + repr(sorted(kwargs.items())) + repr(os.environ.get("XDG_CACHE_HOME")) + repr(settings)
         if key in self.loaded:
             self.hits += 1
             return copy.deepcopy(self.loaded[key])

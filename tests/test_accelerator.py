@@ -3,6 +3,8 @@ goes to its accelerator form instead of being refused, checkpoints default to ha
 CPU-only flag (--jit) is refused in one line before anything loads while --quantize goes on, and running out of GPU
 memory is one line that says how to fit. The runs on a real GPU are tests/test_cuda.py's."""
 
+import os
+
 import pytest
 import torch
 
@@ -111,26 +113,34 @@ def test_a_q8_0_gguf_file_on_the_gpu_keeps_its_codes_and_its_q6_k_heads(tmp_path
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
 
 
-def test_a_4_bit_file_asked_for_the_triton_kernel_keeps_its_codes_two_a_byte(tmp_path, monkeypatch,
-                                                                              module_cache_home, caplog):
-    # RUN_GENERATION_GPU_INT4=triton on a GPU, the CPU standing in: a Q4_0 file's matrices keep their codes two a
-    # byte for rungen/int4_kernel.py's kernel (checked on the first; the plain product stands in for it), inputs
-    # that fill no chunk of 64 fall back to torch's int4 kernel, and the model computes what the de-quantized one
-    # does; a kernel that does not check out leaves the 4-bit weights de-quantized, with a warning.
+def test_a_4_bit_file_on_the_triton_kernel_keeps_its_codes_two_a_byte(tmp_path, monkeypatch, module_cache_home,
+                                                                      caplog):
+    # Where torch's int4 kernel cannot run in half precision (float16, GPUs before Ampere) or where
+    # RUN_GENERATION_GPU_INT4=triton asks, the CPU standing in for the GPU: a Q4_0 file's matrices keep their codes
+    # two a byte for rungen/int4_kernel.py's kernel (checked on the first; the plain product stands in for it),
+    # inputs that fill no chunk of 64 stay on torch's kernel or are de-quantized (float32 too, unless asked), and
+    # the model computes what the de-quantized one does; a kernel that does not check out leaves the 4-bit weights
+    # de-quantized, with a warning.
     import rungen.gguf.device
     from rungen.gguf.device import gpu_int4
     from rungen.int4 import TinyGemmLinear
     from rungen.int4_kernel import CudaInt4Linear, widened4
     from rungen.loading import load_gguf_on
 
+    monkeypatch.delenv("RUN_GENERATION_GPU_INT4", raising=False)
+
     Q = rungen.gguf.device.GGMLQuantizationType
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    monkeypatch.setattr(TinyGemmLinear, "runs_on", staticmethod(lambda in_features, dtype, device: True))
-    assert gpu_int4(Q.Q4_0, 4096, torch.bfloat16, cuda) == "tinygemm"  # the default
+    monkeypatch.setattr(TinyGemmLinear, "runs_on", staticmethod(lambda in_features, dtype, device: (
+        dtype == torch.bfloat16 and os.environ.get("RUN_GENERATION_GPU_INT4") != "0")))
+    bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
+    forms = [(Q.Q4_0, 4096, bf16, cuda), (Q.Q4_K, 4096, f16, cuda), (Q.Q4_1, 576, f16, cuda), (Q.Q4_0, 96, bf16, cuda),
+             (Q.Q4_0, 4096, f32, cuda), (Q.Q4_0, 96, f16, cuda), (Q.Q8_0, 4096, f16, cuda), (Q.Q4_0, 4096, bf16, cpu)]
+    assert [gpu_int4(*form) for form in forms] == ["tinygemm", "triton", "triton", "tinygemm"] + [None] * 4
     monkeypatch.setenv("RUN_GENERATION_GPU_INT4", "triton")
-    assert [gpu_int4(Q.Q4_K, 4096, torch.float16, cuda), gpu_int4(Q.Q4_1, 576, torch.bfloat16, cuda),
-            gpu_int4(Q.Q4_0, 96, torch.bfloat16, cuda), gpu_int4(Q.Q8_0, 4096, torch.bfloat16, cuda)] == \
-        ["triton", "triton", "tinygemm", None]
+    assert [gpu_int4(*form) for form in forms] == ["triton", "triton", "triton", "tinygemm", "triton"] + [None] * 3
+    monkeypatch.setenv("RUN_GENERATION_GPU_INT4", "0")
+    assert [gpu_int4(*form) for form in forms] == [None] * 8
 
     path = write_tiny_gguf(str(tmp_path / "tiny-Q4_0.gguf"), "Q4_0")
     dequantized = load_gguf_on(path, cpu, dtype="float32")

@@ -622,15 +622,20 @@ def test_the_4_bit_kernel_multiplies_as_the_plain_product(dtype, monkeypatch):
 
 
 @needs_cuda
-def test_a_4_bit_gguf_file_keeps_its_codes_for_the_triton_kernel_where_asked(gguf_file, monkeypatch):
-    # RUN_GENERATION_GPU_INT4=triton: the Q4_0 matrices keep their codes two a byte for rungen/int4_kernel.py's
-    # kernel (checked on the first: a disagreement would leave them de-quantized, and this test failing), a little
-    # over a quarter of bfloat16's bytes, computing what the float32 de-quantized model does to bfloat16 rounding.
+@pytest.mark.parametrize("dtype, env", [("auto", "triton"), ("float16", None)], ids=["asked for", "float16"])
+def test_a_4_bit_gguf_file_keeps_its_codes_for_the_triton_kernel(gguf_file, monkeypatch, dtype, env):
+    # RUN_GENERATION_GPU_INT4=triton, or float16 (where torch's int4 kernel does not run): the Q4_0 matrices keep
+    # their codes two a byte for rungen/int4_kernel.py's kernel (checked on the first: a disagreement would leave
+    # them de-quantized, and this test failing), a little over a quarter of half precision's bytes, computing what
+    # the float32 de-quantized model does to half precision's rounding.
     from rungen.int4_kernel import CudaInt4Linear
     from rungen.loading import load
 
-    monkeypatch.setenv("RUN_GENERATION_GPU_INT4", "triton")
-    int4, exact = load(gguf_file, device=DEVICE), load(gguf_file, device=DEVICE, dtype="float32")
+    exact = load(gguf_file, device=DEVICE, dtype="float32")
+    assert not any(isinstance(m, CudaInt4Linear) for m in exact.model.modules())
+    if env:
+        monkeypatch.setenv("RUN_GENERATION_GPU_INT4", env)
+    int4 = load(gguf_file, device=DEVICE, dtype=dtype)
     layers = [m for m in int4.model.modules() if isinstance(m, CudaInt4Linear)]
     assert len(layers) == 2 * 7 and all(m.kernel is not None for m in layers), "the Q4_0 matrices run de-quantized"
     held = sum(b.numel() * b.element_size() for m in layers for b in (m.codes, m.scales, m.offsets))

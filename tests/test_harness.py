@@ -43,3 +43,10 @@ def test_the_memo_loads_a_model_once_and_hands_out_copies(tiny_models, load_memo
     # An argument of the loader is part of the key (--quantize is one: it quantizes while loading).
     run_main(args + ["--dtype", "float32"])
     assert load_memo.misses == misses + 1
+    # So is the tool's environment (RUN_GENERATION_GPU_INT4 chooses what a GPU load keeps).
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RUN_GENERATION_GPU_INT4", "triton")
+        assert run_main(args).stdout == plain.stdout
+    assert load_memo.misses == misses + 2
+    run_main(args)
+    assert load_memo.misses == misses + 2

@@ -1,6 +1,6 @@
 """A GGUF file's weights in the forms a CUDA GPU keeps them (file.py's build_model given a device): 4-bit types as
-torch's int4 kernel takes them (TinyGemmLinear) or, asked for, as rungen/int4_kernel.py's Triton kernel reads them
-(CudaInt4Linear), the types that fit int8 codes and group scales for rungen/int8.py's
+torch's int4 kernel takes them (TinyGemmLinear) or, where it cannot run or is asked for, as rungen/int4_kernel.py's
+Triton kernel reads them (CudaInt4Linear), the types that fit int8 codes and group scales for rungen/int8.py's
 Triton kernel (CudaInt8Linear), and an embedding table in its blocks (DeviceRowsEmbedding). Each form is exact: the
 codes and scales are the file's (codes.py), never re-quantized.
 """
@@ -35,12 +35,16 @@ logger = logging.getLogger("run_generation")
 
 def gpu_int4(qtype: GGMLQuantizationType, in_features: int, dtype: torch.dtype, device: torch.device) -> str | None:
     """The form a weight of `qtype` keeps its 4-bit codes in on `device` for a model in `dtype`: "tinygemm"
-    (TinyGemmLinear), "triton" (CudaInt4Linear, where RUN_GENERATION_GPU_INT4=triton asks for it), or None."""
-    if qtype not in INT4_TYPES:
+    (TinyGemmLinear) where torch's kernel runs (Ampere on, bfloat16), else in half precision "triton" (CudaInt4Linear:
+    float16, GPUs before Ampere; in any dtype where RUN_GENERATION_GPU_INT4=triton asks for it), or None
+    (de-quantized: float32, the checks' exact dtype; inputs that fill no chunk; RUN_GENERATION_GPU_INT4=0)."""
+    form = os.environ.get(GPU_INT4_ENV)
+    if qtype not in INT4_TYPES or device.type != "cuda" or form == "0":
         return None
-    if os.environ.get(GPU_INT4_ENV) == "triton" and device.type == "cuda" and CudaInt4Linear.fits(in_features):
+    tinygemm = TinyGemmLinear.runs_on(in_features, dtype, device)
+    if CudaInt4Linear.fits(in_features) and (form == "triton" or not tinygemm and dtype != torch.float32):
         return "triton"
-    return "tinygemm" if TinyGemmLinear.runs_on(in_features, dtype, device) else None
+    return "tinygemm" if tinygemm else None
 
 
 def tinygemm_of_blocks(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: int, device: torch.device,
