@@ -132,7 +132,7 @@ def test_a_4_bit_file_on_the_triton_kernel_keeps_its_codes_two_a_byte(tmp_path, 
     Q = rungen.gguf.device.GGMLQuantizationType
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     monkeypatch.setattr(TinyGemmLinear, "runs_on", staticmethod(lambda in_features, dtype, device: (
-        dtype == torch.bfloat16 and os.environ.get("RUN_GENERATION_GPU_INT4") != "0")))
+        device.type == "cuda" and dtype == torch.bfloat16 and os.environ.get("RUN_GENERATION_GPU_INT4") != "0")))
     bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
     forms = [(Q.Q4_0, 4096, bf16, cuda), (Q.Q4_K, 4096, f16, cuda), (Q.Q4_1, 576, f16, cuda), (Q.Q4_0, 96, bf16, cuda),
              (Q.Q4_0, 4096, f32, cuda), (Q.Q4_0, 96, f16, cuda), (Q.Q8_0, 4096, f16, cuda), (Q.Q4_0, 4096, bf16, cpu)]

@@ -39,10 +39,11 @@ def gpu_int4(qtype: GGMLQuantizationType, in_features: int, dtype: torch.dtype, 
     float16, GPUs before Ampere; in any dtype where RUN_GENERATION_GPU_INT4=triton asks for it), or None
     (de-quantized: float32, the checks' exact dtype; inputs that fill no chunk; RUN_GENERATION_GPU_INT4=0)."""
     form = os.environ.get(GPU_INT4_ENV)
-    if qtype not in INT4_TYPES or device.type != "cuda" or form == "0":
+    if qtype not in INT4_TYPES or form == "0":
         return None
     tinygemm = TinyGemmLinear.runs_on(in_features, dtype, device)
-    if CudaInt4Linear.fits(in_features) and (form == "triton" or not tinygemm and dtype != torch.float32):
+    if device.type == "cuda" and CudaInt4Linear.fits(in_features) and (
+            form == "triton" or not tinygemm and dtype != torch.float32):
         return "triton"
     return "tinygemm" if tinygemm else None
 
