@@ -1,6 +1,7 @@
 """A GGUF file's 4-bit weights (Q4_0, Q4_1, Q4_K) on a CUDA GPU as their codes two a byte, with a scale and an
-offset a group of 32 inputs, read by a Triton kernel (CudaInt4Linear): the alternative to torch's int4 kernel
-(tinygemm, rungen/int4.py) that RUN_GENERATION_GPU_INT4=triton asks for. The kernel reads half a byte a weight and
+offset a group of 32 inputs, read by a Triton kernel (CudaInt4Linear): where torch's int4 kernel (tinygemm,
+rungen/int4.py) does not run in half precision (float16, GPUs before Ampere), and where RUN_GENERATION_GPU_INT4=triton
+asks for it instead (rungen/gguf/device.py's gpu_int4). The kernel reads half a byte a weight and
 the group's two numbers, widens the codes in registers and multiplies on the tensor cores, for a step's few rows;
 a prompt's many rows widen the codes to the activations' dtype a slice of the layer at a time for the GPU's own
 product, as rungen/int8.py does for its codes.
