@@ -13,11 +13,10 @@ in its high one, so that the low and the high nibbles of a kernel's tile each mu
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-from .int8 import MOST_ROWS, WIDEN_BYTES, CodesLinear, disagreement, widened
+from .int8 import CONFIGS, WIDEN_BYTES, CodesLinear, disagreement, launcher, widened
 
 CHUNK = 64  # inputs a packing chunk spans (in_features must be a multiple): two groups, as Q4_K packs them
 
@@ -55,12 +54,6 @@ def triton_kernel():
     except Exception:  # any failure: the widened product serves
         return None
 
-    from .int8 import triton_kernel as int8_kernel
-
-    int8_run = int8_kernel()
-    if int8_run is None:
-        return None
-
     @triton.jit(do_not_specialize=["M", "M_BUCKET"])  # one compilation for every decode batch
     def int4_matmul(x, codes, scales, offsets, y, M, N, K, M_BUCKET, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr):
@@ -93,32 +86,10 @@ def triton_kernel():
         tl.store(y + rows[:, None] * N + channels[None, :], total.to(y.dtype.element_ty),
                  mask=(rows[:, None] < M) & (channels[None, :] < N))
 
+    # x @ (unpacked(codes) * scales + offsets).T; codes [out, in / 2] (packed()), scales and offsets [out, in / 32].
     # int8's configurations but (16, 256, 4), which spills 8 bytes here with float16 scales on sm_90
-    # (python -m benchmarks.int8_kernel_resources)
-    configs = [c for c in int8_run.configs if (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps) != (16, 256, 4)]
-    tuned = triton.autotune(configs=configs, key=["M_BUCKET", "N", "K"])(int4_matmul)
-
-    def run(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, blocks: dict | None = None,
-            offsets: torch.Tensor | None = None) -> torch.Tensor:
-        """x [rows, in] @ (unpacked(codes) * scales + offsets).T in x's dtype; codes [out, in / 2] (packed()),
-        scales and offsets [out, in / 32]; `blocks`: one configuration instead of the tuned ones (as
-        rungen/int8.py's)."""
-        rows, inner = x.shape
-        channels = codes.shape[0]
-        y = torch.empty(rows, channels, dtype=x.dtype, device=x.device)
-        bucket = 16 if rows <= 16 else MOST_ROWS
-        if blocks is None and os.environ.get("TRITON_INTERPRET") == "1":
-            blocks = {"BLOCK_N": 32, "BLOCK_K": 128}
-
-        def grid(meta):
-            return triton.cdiv(rows, 16), triton.cdiv(channels, meta["BLOCK_N"])
-
-        kernel, settings = (tuned, {}) if blocks is None else (int4_matmul, blocks)
-        kernel[grid](x, codes, scales, offsets, y, rows, channels, inner, bucket, BLOCK_M=16, **settings)
-        return y
-
-    run.jit, run.configs = int4_matmul, configs
-    return run
+    # (python -m benchmarks.int8_kernel_resources).
+    return launcher(triton, int4_matmul, [c for c in CONFIGS if c != (16, 256, 4)], lambda inner, scales, offsets: {})
 
 
 class CudaInt4Linear(CodesLinear):

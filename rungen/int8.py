@@ -22,6 +22,41 @@ TRITON_ENV = "RUN_GENERATION_TRITON_INT8"  # 0: never the Triton kernel (the wid
 MOST_ROWS = 64  # the kernel's rows at most: past that a step is compute-bound and cuBLAS's product wins
 CHECKED_CHANNELS = 1024  # output channels a check of the kernel multiplies at most
 WIDEN_BYTES = 1 << 28  # a widened weight's bytes at most at a time (256 MB; a head's table is gigabytes)
+# The tuned configurations (BLOCK_N, BLOCK_K, warps): none spills a register on sm_90 in any int8 form in
+# (b)float16 (python -m benchmarks.int8_kernel_resources).
+CONFIGS = ((16, 128, 4), (16, 256, 4), (32, 256, 4), (32, 256, 8), (64, 128, 8))
+
+
+def launcher(triton, matmul, configs, constants):
+    """run(x, codes, scales, blocks=None, offsets=None) -> y: the Triton kernel `matmul` (x, codes, scales,
+    offsets, y, M, N, K, M_BUCKET, its constexprs) over x [rows, in] in x's dtype, a block of 16 rows and BLOCK_N
+    output channels a program, tuned over `configs` ((BLOCK_N, BLOCK_K, warps)) once for a decode step's rows and
+    once past them; `constants(inner, scales, offsets)`: its constexprs beside the blocks; `blocks`
+    ({"BLOCK_N", "BLOCK_K"}): one configuration instead of the tuned ones (Triton's interpreter on the CPU has
+    nothing to time: one is taken there)."""
+    configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in configs]
+    tuned = triton.autotune(configs=configs, key=["M_BUCKET", "N", "K"])(matmul)
+
+    def run(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, blocks: dict | None = None,
+            offsets: torch.Tensor | None = None) -> torch.Tensor:
+        rows, inner = x.shape
+        channels = codes.shape[0]
+        y = torch.empty(rows, channels, dtype=x.dtype, device=x.device)
+        bucket = 16 if rows <= 16 else MOST_ROWS  # one tuning for a decode step's rows, one past them
+        if blocks is None and os.environ.get("TRITON_INTERPRET") == "1":
+            blocks = {"BLOCK_N": 32, "BLOCK_K": 128}
+
+        def grid(meta):
+            return triton.cdiv(rows, 16), triton.cdiv(channels, meta["BLOCK_N"])
+
+        shifts = scales if offsets is None else offsets  # (never read without offsets)
+        kernel, settings = (tuned, {}) if blocks is None else (matmul, blocks)
+        kernel[grid](x, codes, scales, shifts, y, rows, channels, inner, bucket, BLOCK_M=16,
+                     **constants(inner, scales, offsets), **settings)
+        return y
+
+    run.jit, run.configs = matmul, configs  # for benchmarks/int8_kernel_resources.py
+    return run
 
 
 @functools.cache
@@ -67,36 +102,10 @@ def triton_kernel():
         tl.store(y + rows[:, None] * N + channels[None, :], total.to(y.dtype.element_ty),
                  mask=(rows[:, None] < M) & (channels[None, :] < N))
 
-    # None spills a register on sm_90 in any int8 form in (b)float16 (python -m benchmarks.int8_kernel_resources).
-    configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w)
-               for n, k, w in ((16, 128, 4), (16, 256, 4), (32, 256, 4), (32, 256, 8), (64, 128, 8))]
-    tuned = triton.autotune(configs=configs, key=["M_BUCKET", "N", "K"])(int8_matmul)
-
-    def run(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, blocks: dict | None = None,
-            offsets: torch.Tensor | None = None) -> torch.Tensor:
-        """x [rows, in] @ (scales * codes + offsets).T in x's dtype, scales [out] (a channel's) or [out, groups] (a
-        group of inputs': GGUF's Q8_0 32, Q6_K 16), offsets None or [out, groups] (Q5_K's, Q2_K's); `blocks`
-        ({"BLOCK_N", "BLOCK_K"}): one configuration instead of the tuned ones (Triton's interpreter on the CPU has
-        nothing to time: one is taken there)."""
-        rows, inner = x.shape
-        channels = codes.shape[0]
-        y = torch.empty(rows, channels, dtype=x.dtype, device=x.device)
-        bucket = 16 if rows <= 16 else MOST_ROWS  # one tuning for a decode step's rows, one past them
-        if blocks is None and os.environ.get("TRITON_INTERPRET") == "1":
-            blocks = {"BLOCK_N": 32, "BLOCK_K": 128}
-
-        def grid(meta):
-            return triton.cdiv(rows, 16), triton.cdiv(channels, meta["BLOCK_N"])
-
-        group = inner // scales.shape[1] if scales.dim() == 2 else 0
-        shifts = scales if offsets is None else offsets  # (never read without OFFSET)
-        kernel, settings = (tuned, {}) if blocks is None else (int8_matmul, blocks)
-        kernel[grid](x, codes, scales, shifts, y, rows, channels, inner, bucket, GROUP=group,
-                     OFFSET=offsets is not None, BLOCK_M=16, **settings)
-        return y
-
-    run.jit, run.configs = int8_matmul, configs  # for benchmarks/int8_kernel_resources.py
-    return run
+    # x @ (scales * codes + offsets).T, scales [out] (a channel's) or [out, groups] (a group of inputs': GGUF's Q8_0
+    # 32, Q6_K 16), offsets None or [out, groups] (Q5_K's, Q2_K's)
+    return launcher(triton, int8_matmul, CONFIGS, lambda inner, scales, offsets: {
+        "GROUP": inner // scales.shape[1] if scales.dim() == 2 else 0, "OFFSET": offsets is not None})
 
 
 def int8_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
