@@ -680,8 +680,11 @@ def gguf_variant(args, bandwidth, name, path, label):
                    weight_gib=weight_bytes(loaded.model) / 2**30, **runner.extra())
         if "cache_gib" in row:  # the goal: GPU memory at most 1.3x the file and the cache
             row["memory_ratio"] = row["peak_gib"] / (row["file_gib"] + row["cache_gib"])
-        # (after the peak's reading: the prompt's rows make activations of their own)
-        row.update(ttft_tokens=args.ttft_tokens, ttft_ms=ttft_ms(runner, args.ttft_tokens, loaded.vocab_size))
+        # (after the peak's reading: the prompt's rows make activations of their own; a failure leaves the decode's)
+        try:
+            row.update(ttft_tokens=args.ttft_tokens, ttft_ms=ttft_ms(runner, args.ttft_tokens, loaded.vocab_size))
+        except Exception as error:
+            row["ttft_error"] = one_line(error)
         if bandwidth and args.device.type == "cuda":  # the weights as the model holds them are what a step reads
             kv = kv_bytes_per_token(loaded.model.config, torch.finfo(dtype).bits // 8)
             row["bound_ms"] = (row["weight_gib"] * 2**30 + (args.prompt_tokens + args.new_tokens / 2) * kv) / (
