@@ -10,8 +10,8 @@ import torch
 
 GROUP_SIZE = 32  # input channels sharing one scale and zero (GGUF's Q4_0/Q4_1 blocks are 32 too)
 INNER_K_TILES = 8  # the CPU packing's layout; the kernel accepts 2, 4 or 8
-# A GGUF file's 4-bit types on a GPU: "0" de-quantized, "triton" rungen/int4_kernel.py's form, else tinygemm's where
-# it runs (rungen/gguf/device.py's gpu_int4)
+# 4-bit codes on a GPU (a GGUF file's, --quantize int4's): "0" none, "triton" rungen/int4_kernel.py's form, else
+# tinygemm's where it runs (int4_kernel.py's gpu_int4_form)
 GPU_INT4_ENV = "RUN_GENERATION_GPU_INT4"
 
 

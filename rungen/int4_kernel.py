@@ -1,9 +1,9 @@
-"""A GGUF file's 4-bit weights (Q4_0, Q4_1, Q4_K) on a CUDA GPU as their codes two a byte, with a scale and an
-offset a group of 32 inputs, read by a Triton kernel (CudaInt4Linear): where torch's int4 kernel (tinygemm,
-rungen/int4.py) does not run in half precision (float16, GPUs before Ampere), and where RUN_GENERATION_GPU_INT4=triton
-asks for it instead (rungen/gguf/device.py's gpu_int4). The kernel reads half a byte a weight and
-the group's two numbers, widens the codes in registers and multiplies on the tensor cores, for a step's few rows;
-a prompt's many rows widen the codes to the activations' dtype a slice of the layer at a time for the GPU's own
+"""4-bit weights on a CUDA GPU as their codes two a byte, with a scale and an offset a group of 32 inputs, read by a
+Triton kernel (CudaInt4Linear): a GGUF file's (Q4_0, Q4_1, Q4_K) and --quantize int4's, where torch's int4 kernel
+(tinygemm, rungen/int4.py) does not run in half precision (float16, GPUs before Ampere) and where
+RUN_GENERATION_GPU_INT4=triton asks for it instead (gpu_int4_form). The kernel reads half a byte a weight and the
+group's two numbers, widens the codes in registers and multiplies on the tensor cores, for a step's few rows; a
+prompt's many rows widen the codes to the activations' dtype a slice of the layer at a time for the GPU's own
 product, as rungen/int8.py does for its codes.
 
 Codes are packed in chunks of CHUNK inputs: byte j of a chunk holds input j in its low nibble and input j + CHUNK/2
@@ -13,12 +13,29 @@ in its high one, so that the low and the high nibbles of a kernel's tile each mu
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
+from .int4 import GPU_INT4_ENV, TinyGemmLinear
 from .int8 import CONFIGS, WIDEN_BYTES, CodesLinear, disagreement, launcher, widened
 
 CHUNK = 64  # inputs a packing chunk spans (in_features must be a multiple): two groups, as Q4_K packs them
+
+
+def gpu_int4_form(in_features: int, dtype: torch.dtype, device: torch.device) -> str | None:
+    """The kernel 4-bit codes of a layer with `in_features` inputs take on `device` for a model in `dtype`: "tinygemm"
+    (TinyGemmLinear) where torch's kernel runs (Ampere on, bfloat16), else in half precision "triton" (CudaInt4Linear:
+    float16, GPUs before Ampere; in any dtype where RUN_GENERATION_GPU_INT4=triton asks for it), or None (float32,
+    the checks' exact dtype; inputs that fill no chunk; RUN_GENERATION_GPU_INT4=0)."""
+    form = os.environ.get(GPU_INT4_ENV)
+    if form == "0":
+        return None
+    tinygemm = TinyGemmLinear.runs_on(in_features, dtype, device)
+    if device.type == "cuda" and CudaInt4Linear.fits(in_features) and (
+            form == "triton" or not tinygemm and dtype != torch.float32):
+        return "triton"
+    return "tinygemm" if tinygemm else None
 
 
 def packed(codes: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """--quantize {int8,int4}: weight-only quantization of the linear layers and the output head, on torch's CPU kernels
-(on a GPU: rungen/int8.py's Triton kernel, torch's tinygemm for int4; the head keeps the model's dtype there).
+(on a GPU: rungen/int8.py's Triton kernel; for int4 torch's tinygemm, or rungen/int4_kernel.py's Triton kernel where
+tinygemm cannot run in half precision; the head keeps the model's dtype there).
 
 Weights are int8 (one symmetric scale per output channel) or 4-bit codes (groups of 32 inputs, a scale and a zero
 each); both kernels want bfloat16 activations, so a layer casts its input to bfloat16 and its output back, and the
@@ -18,7 +19,8 @@ import torch
 from transformers.pytorch_utils import Conv1D
 
 from .errors import UsageError
-from .int4 import GROUP_SIZE, Int4Linear, TinyGemmLinear, checked_tinygemm, int4_groups
+from .int4 import GPU_INT4_ENV, GROUP_SIZE, Int4Linear, TinyGemmLinear, checked_tinygemm, int4_groups
+from .int4_kernel import CHUNK, CudaInt4Linear, checked_int4_kernel, gpu_int4_form, packed
 from .int8 import Int8Linear, cuda_int8_layers
 
 MODES = ("int8", "int4")
@@ -108,9 +110,9 @@ def _fused_siblings(module, layers, layer_class):
     return done
 
 
-def _targets(model, mode):
+def _targets(model, mode, multiple=GROUP_SIZE):
     """{parent module: {child name: child}} for every linear layer --quantize replaces, and the output
-    head; raises QuantizeError for a layer `mode` cannot hold."""
+    head; raises QuantizeError for a layer `mode` cannot hold (int4: inputs not a multiple of `multiple`)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     targets = {}
     for name, module in model.named_modules():
@@ -118,9 +120,11 @@ def _targets(model, mode):
             weight = _weight_of(child)
             if weight is None:
                 continue
-            if child is not head and mode == "int4" and weight.shape[1] % GROUP_SIZE:
+            if child is not head and mode == "int4" and weight.shape[1] % multiple:
+                unit = f"the group size {GROUP_SIZE}" if multiple == GROUP_SIZE else f"{multiple} (the 4-bit kernel's"\
+                    f" chunk of two groups)"
                 raise QuantizeError(f"--quantize int4: layer {name}.{child_name} has {weight.shape[1]} input "
-                                    f"channels, not a multiple of the group size {GROUP_SIZE}; use int8")
+                                    f"channels, not a multiple of {unit}; use int8")
             targets.setdefault(module, {})[child_name] = child
     if not targets:
         raise QuantizeError(f"--quantize: {model.config.model_type} has no linear layers to quantize")
@@ -166,15 +170,48 @@ def gpu_int4_linear(weight, bias, check=False):
     return layer
 
 
-def gpu_layer_class(mode, device):
-    """The layer maker --quantize `mode` uses on an accelerator: (weight, bias, check) -> layer. int8 keeps its codes
-    for a Triton kernel (rungen/int8.py), int4 packs them for torch's tinygemm (CUDA, Ampere on)."""
+def triton_int4_layers():
+    """--quantize int4 on a CUDA GPU where tinygemm cannot run in half precision (float16, GPUs before Ampere) or
+    RUN_GENERATION_GPU_INT4=triton asks: (weight, bias, check) -> CudaInt4Linear, the weight's 4-bit codes and groups
+    (int4_groups) two a byte, each group's scale and least value in float16 (0.625 bytes a weight). The layer made
+    with check=True (the first) must check out on the Triton kernel, else QuantizeError."""
+    kernel = None
+
+    def make(weight, bias, check=False):
+        nonlocal kernel
+        codes, scales, low = int4_groups(weight)
+        layer = CudaInt4Linear(packed(codes), scales.to(torch.float16), low.to(torch.float16))
+        del codes, scales, low
+        if check:
+            kernel, why = checked_int4_kernel(layer, weight.dtype)
+            if kernel is None:
+                raise QuantizeError(f"--quantize int4: the 4-bit Triton kernel on this GPU: {why}; run without "
+                                    "--quantize")
+        layer.use_kernel(kernel)
+        layer.bias = bias
+        return layer
+
+    return make
+
+
+def gpu_layer_class(mode, device, dtype):
+    """(the layer maker --quantize `mode` uses on an accelerator for a model in `dtype`: (weight, bias, check) ->
+    layer, the multiple its layers' inputs must be). int8 keeps its codes for a Triton kernel (rungen/int8.py), int4
+    packs them for torch's tinygemm or rungen/int4_kernel.py's Triton kernel (gpu_int4_form)."""
     if mode == "int8":
-        return cuda_int8_layers()
-    if not TinyGemmLinear.runs_on(GROUP_SIZE, torch.bfloat16, device):
-        raise QuantizeError("--quantize int4 on a GPU needs torch's int4 kernel: a CUDA GPU of compute capability "
-                            "8.0 or later (Ampere), with RUN_GENERATION_GPU_INT4 not 0")
-    return gpu_int4_linear
+        return cuda_int8_layers(), 1
+    form = gpu_int4_form(CHUNK, dtype, device)
+    if form == "tinygemm":
+        return gpu_int4_linear, GROUP_SIZE
+    if form == "triton":
+        return triton_int4_layers(), CHUNK
+    if os.environ.get(GPU_INT4_ENV) == "0":
+        raise QuantizeError(f"--quantize int4: {GPU_INT4_ENV}=0 turns the GPU's 4-bit kernels off; unset it, or use "
+                            "--quantize int8")
+    if device.type != "cuda":
+        raise QuantizeError(f"--quantize int4 on {device.type} needs a CUDA GPU (torch's int4 kernel or a Triton "
+                            "kernel); add --use_cpu")
+    raise QuantizeError(f"--quantize int4 on a GPU runs in bfloat16 or float16; the model is {dtype}: drop --dtype")
 
 
 def quantize_model(model: torch.nn.Module, mode: str) -> int:
@@ -182,10 +219,10 @@ def quantize_model(model: torch.nn.Module, mode: str) -> int:
     its float weights go early). Returns how many layers were quantized; raises QuantizeError."""
     if getattr(model, "quantized_layers", None):
         return model.quantized_layers
-    layer_class = _check(mode)
-    targets, head = _targets(model, mode)
-    if model.device.type != "cpu":
-        make = gpu_layer_class(mode, model.device)
+    layer_class, multiple = _check(mode), GROUP_SIZE
+    on_gpu = model.device.type != "cpu"
+    if on_gpu:
+        make, multiple = gpu_layer_class(mode, model.device, next(model.parameters()).dtype)
         checked = False
 
         def layer_class(weight, bias):  # the first layer made is checked, before any is replaced
@@ -193,9 +230,8 @@ def quantize_model(model: torch.nn.Module, mode: str) -> int:
             layer, checked = make(weight, bias, check=not checked), True
             return layer
 
-        dtype = next(model.parameters()).dtype
-        if mode == "int4" and dtype != torch.bfloat16:
-            raise QuantizeError(f"--quantize int4 on a GPU runs in bfloat16; the model is {dtype}: drop --dtype")
+    targets, head = _targets(model, mode, multiple)
+    if on_gpu:
         targets = {module: {name: child for name, child in children.items() if child is not head}
                    for module, children in targets.items()}
         targets = {module: children for module, children in targets.items() if children}  # the head keeps its dtype

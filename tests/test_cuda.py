@@ -478,8 +478,8 @@ def test_an_embedding_in_its_blocks_is_looked_up_inside_a_cuda_graph(name):
     assert torch.equal(out.cpu(), dequantize(blocks, qtype, 512).to(torch.bfloat16)[wanted])
 
 
-def run_quantized(checkpoint, mode, monkeypatch):
-    """The model a greedy `--quantize mode` run quantized (the run checked to succeed)."""
+def run_quantized(checkpoint, mode, monkeypatch, extra=()):
+    """The model a greedy `--quantize mode` run (with `extra` flags) quantized (the run checked to succeed)."""
     import rungen.quantize
 
     models = []
@@ -487,7 +487,7 @@ def run_quantized(checkpoint, mode, monkeypatch):
     monkeypatch.setattr(rungen.quantize, "quantize_model",
                         lambda model, mode: (models.append(model), quantize_model(model, mode))[1])
     result = run_main(["--model_name_or_path", checkpoint, "--prompt", "Hello", "--length", "8", "--temperature", "0",
-                       "--quantize", mode])
+                       "--quantize", mode, *extra])
     assert result.returncode == 0, result.stderr.decode()[-2000:]
     return models[0]
 
@@ -524,6 +524,39 @@ def test_quantize_int4_runs_on_torchs_int4_kernel(checkpoint, monkeypatch):
     model = run_quantized(checkpoint, "int4", monkeypatch)
     layers = [m for m in model.modules() if isinstance(m, TinyGemmLinear)]
     assert layers and not isinstance(model.get_output_embeddings(), TinyGemmLinear)
+
+
+@pytest.fixture(scope="module")
+def wide_checkpoint(checkpoint, tmp_path_factory):
+    """The tiny llama at hidden size 64 (the 4-bit Triton kernel's inputs come in chunks of 64, as every published
+    model's do), random weights, its tokenizer and chat template."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = str(tmp_path_factory.mktemp("cuda_wide") / "llama")
+    shutil.copytree(checkpoint, path)
+    config = AutoConfig.from_pretrained(path)
+    config.hidden_size, config.intermediate_size, config.head_dim = 64, 128, 64 // config.num_attention_heads
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype, asked", [("float16", None), ("bfloat16", "triton")])
+def test_quantize_int4_runs_on_the_4_bit_triton_kernel(wide_checkpoint, monkeypatch, dtype, asked):
+    # --quantize int4 where torch's int4 kernel cannot run in half precision (float16, as GPUs before Ampere run) or
+    # where RUN_GENERATION_GPU_INT4=triton asks: every linear layer but the head keeps its codes two a byte for the
+    # Triton kernel, which checked out on the first (were it not, the run would have been refused).
+    from rungen.int4_kernel import CudaInt4Linear
+
+    if asked:
+        monkeypatch.setenv("RUN_GENERATION_GPU_INT4", asked)
+    model = run_quantized(wide_checkpoint, "int4", monkeypatch, ["--dtype", dtype])
+    layers = [m for m in model.modules() if isinstance(m, CudaInt4Linear)]
+    assert len(layers) == 2 * 4 and all(m.kernel is not None for m in layers)  # q/k/v and gate/up fused
+    assert not isinstance(model.get_output_embeddings(), CudaInt4Linear)
 
 
 def interpret_bfloat16_as_a_gpu_does(monkeypatch):

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 from gguf import GGMLQuantizationType
 
-from ..int4 import GPU_INT4_ENV, TinyGemmLinear, checked_tinygemm
-from ..int4_kernel import CudaInt4Linear, checked_int4_kernel, packed
+from ..int4 import TinyGemmLinear, checked_tinygemm
+from ..int4_kernel import CudaInt4Linear, checked_int4_kernel, gpu_int4_form, packed
 from ..int8 import CodesEmbedding, CudaInt8Linear, checked_kernel
 from .codes import (
     GROUPED_TYPES,
@@ -34,18 +33,9 @@ logger = logging.getLogger("run_generation")
 # --- On a CUDA GPU: 4-bit types as torch's int4 weight-only kernel (tinygemm) takes them ---
 
 def gpu_int4(qtype: GGMLQuantizationType, in_features: int, dtype: torch.dtype, device: torch.device) -> str | None:
-    """The form a weight of `qtype` keeps its 4-bit codes in on `device` for a model in `dtype`: "tinygemm"
-    (TinyGemmLinear) where torch's kernel runs (Ampere on, bfloat16), else in half precision "triton" (CudaInt4Linear:
-    float16, GPUs before Ampere; in any dtype where RUN_GENERATION_GPU_INT4=triton asks for it), or None
-    (de-quantized: float32, the checks' exact dtype; inputs that fill no chunk; RUN_GENERATION_GPU_INT4=0)."""
-    form = os.environ.get(GPU_INT4_ENV)
-    if qtype not in INT4_TYPES or form == "0":
-        return None
-    tinygemm = TinyGemmLinear.runs_on(in_features, dtype, device)
-    if device.type == "cuda" and CudaInt4Linear.fits(in_features) and (
-            form == "triton" or not tinygemm and dtype != torch.float32):
-        return "triton"
-    return "tinygemm" if tinygemm else None
+    """The form a weight of `qtype` keeps its 4-bit codes in on `device` for a model in `dtype` (int4_kernel.py's
+    gpu_int4_form), or None: de-quantized."""
+    return gpu_int4_form(in_features, dtype, device) if qtype in INT4_TYPES else None
 
 
 def tinygemm_of_blocks(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: int, device: torch.device,

@@ -277,6 +277,71 @@ def test_int8_on_a_gpu_takes_the_gpu_layer():
     assert (model(x) - exact).abs().max() <= 0.02 * exact.abs().max()
 
 
+def test_int4_in_half_precision_on_a_gpu_takes_the_triton_kernels_layer(monkeypatch):
+    # --quantize int4 where torch's int4 kernel cannot run in half precision (float16; GPUs before Ampere run in
+    # float16) or RUN_GENERATION_GPU_INT4=triton asks, the CPU standing in for the GPU and the plain product for the
+    # Triton kernel: every layer keeps the CPU layer's codes two a byte with a float16 scale and least value a group
+    # (0.625 bytes a weight), the kernel checked once; what neither kernel can take is refused in one line.
+    from rungen import quantize
+    from rungen.int4 import TinyGemmLinear, int4_groups
+    from rungen.int4_kernel import CudaInt4Linear, unpacked, widened4
+
+    monkeypatch.delenv("RUN_GENERATION_GPU_INT4", raising=False)
+    monkeypatch.setattr(TinyGemmLinear, "runs_on", staticmethod(lambda in_features, dtype, device: (
+        device.type == "cuda" and dtype == torch.bfloat16)))  # an Ampere GPU's
+    checked = []
+    monkeypatch.setattr(quantize, "checked_int4_kernel",
+                        lambda layer, dtype: (checked.append(dtype), (widened4, None))[1])
+    cuda = torch.device("cuda")
+    assert quantize.gpu_layer_class("int4", cuda, torch.bfloat16) == (quantize.gpu_int4_linear, GROUP_SIZE)
+    assert quantize.gpu_layer_class("int4", cuda, torch.float16)[1] == 64
+
+    torch.manual_seed(0)
+    model = toy(torch.nn.Sequential(torch.nn.Linear(128, 64), torch.nn.Linear(64, 16, bias=False))).half()
+    model.device = cuda
+    weights, bias = [layer.weight.detach().clone() for layer in model], model[0].bias.detach().float()
+    x = torch.randn(3, 128, dtype=torch.float16)
+    with torch.no_grad():
+        assert quantize_model(model, "int4") == 2
+        got = model(x)
+    assert all(isinstance(layer, CudaInt4Linear) and layer.kernel is widened4 for layer in model)
+    assert checked == [torch.float16] and got.dtype == torch.float16
+    coded = []  # each weight as its codes say, in float32
+    for layer, weight in zip(model, weights):
+        codes, scales, low = int4_groups(weight)
+        assert torch.equal(unpacked(layer.codes), codes.to(torch.uint8))
+        assert torch.equal(layer.scales, scales.half()) and torch.equal(layer.offsets, low.half())
+        held = sum(t.numel() * t.element_size() for t in (layer.codes, layer.scales, layer.offsets))
+        assert held == 0.625 * weight.numel()
+        groups = codes.reshape(weight.shape[0], -1, GROUP_SIZE).float()
+        coded.append((groups * scales.half().float()[..., None] + low.half().float()[..., None]).reshape(weight.shape))
+    exact = torch.nn.functional.linear(torch.nn.functional.linear(x.float(), coded[0], bias), coded[1])
+    assert (got.float() - exact).abs().max() <= 0.01 * exact.abs().max()  # float16's rounding
+
+    monkeypatch.setenv("RUN_GENERATION_GPU_INT4", "triton")  # asked for in bfloat16 too
+    assert quantize.gpu_layer_class("int4", cuda, torch.bfloat16)[1] == 64
+    wide = toy(torch.nn.Sequential(torch.nn.Linear(96, 16))).half()
+    wide.device = cuda
+    with pytest.raises(QuantizeError, match=r"^--quantize int4: layer \.0 has 96 input channels, not a multiple of "
+                       r"64 \(the 4-bit kernel's chunk of two groups\); use int8$"):
+        quantize_model(wide, "int4")
+    monkeypatch.delenv("RUN_GENERATION_GPU_INT4")
+    monkeypatch.setattr(quantize, "checked_int4_kernel", lambda layer, dtype: (None, "it disagrees"))
+    model = toy(torch.nn.Sequential(torch.nn.Linear(64, 16))).half()
+    model.device = cuda
+    with pytest.raises(QuantizeError, match="^--quantize int4: the 4-bit Triton kernel on this GPU: it disagrees; "
+                       "run without --quantize$"):
+        quantize_model(model, "int4")
+    assert isinstance(model[0], torch.nn.Linear)  # checked before any layer is replaced
+    with pytest.raises(QuantizeError, match=r"^--quantize int4 on a GPU runs in bfloat16 or float16; the model is "
+                       r"torch.float32: drop --dtype$"):
+        quantize.gpu_layer_class("int4", cuda, torch.float32)
+    monkeypatch.setenv("RUN_GENERATION_GPU_INT4", "0")
+    with pytest.raises(QuantizeError, match="^--quantize int4: RUN_GENERATION_GPU_INT4=0 turns the GPU's 4-bit "
+                       "kernels off; unset it, or use --quantize int8$"):
+        quantize.gpu_layer_class("int4", cuda, torch.float16)
+
+
 class Block(torch.nn.Module):
     """The shape of a Llama block's projections: q/k/v and gate/up read one input each."""
 
