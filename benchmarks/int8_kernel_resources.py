@@ -1,8 +1,9 @@
 """What the Triton kernels of int8 and 4-bit codes (rungen/int8.py, rungen/int4_kernel.py) ask of a GPU, read without
-one: Triton's own compiler builds them for a target (sm_90, an H100/H200, by default) and the cuobjdump in Triton's
-package reads each build's registers, spills and shared memory. A decode step's kernel should be bound by the codes
-it reads from memory; shared memory per program beyond the codes' own tiles is traffic beside them (and past the
-GPU's 227 KiB a configuration cannot run).
+one: Triton's own compiler builds them for a target (sm_90, an H100/H200, by default; sm_75 a T4, sm_70 a V100:
+before Ampere the kernels tune over configurations of their own) and the cuobjdump in Triton's package reads each
+build's registers, spills and shared memory. A decode step's kernel should be bound by the codes it reads from
+memory; shared memory per program beyond the codes' own tiles is traffic beside them (and past what the GPU grants a
+block, 227 KiB on sm_90, a configuration cannot run).
 
     python -m benchmarks.int8_kernel_resources [--arch 90] [--activations bf16 fp16]
 
@@ -28,7 +29,8 @@ LAYOUTS = (("--quantize int8: a scale a channel", 0, "bf16", False),
            ("Q2_K: fp32 scale + offset / 16", 16, "fp32", True),
            ("4-bit kernel, Q4_0, Q4_1: fp16 scale + offset / 32", "int4", "fp16", True),
            ("4-bit kernel, Q4_K: fp32 scale + offset / 32", "int4", "fp32", True))
-MAX_SHARED = 227 * 1024  # sm_90's most shared memory a block may take
+# The most shared memory a block may take, KiB, by compute capability (CUDA's programming guide)
+MAX_SHARED = {70: 96, 75: 64, 80: 163, 86: 99, 87: 163, 89: 99, 90: 227}
 
 
 def aligned(names):
@@ -62,6 +64,7 @@ def main():
 
     runs = {"int8": int8.triton_kernel(), "int4": int4_kernel.triton_kernel()}
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    most = MAX_SHARED.get(args.arch, 99) * 1024
     print(f"Triton {triton.__version__}, sm_{args.arch}; BLOCK_M 16 (a decode step's rows)")
     print("| layout | activations | BLOCK_N x BLOCK_K, warps, stages | registers | spilled bytes | shared KiB |")
     print("| --- | --- | --- | ---: | ---: | ---: |")
@@ -69,7 +72,7 @@ def main():
         for activations in args.activations:
             run = runs["int4" if group == "int4" else "int8"]
             names = run.jit.arg_names
-            for config in run.configs:
+            for config in run.configs_for(divmod(args.arch, 10)):
                 block_n, block_k = config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"]
                 signature = {"x": f"*{activations}", "codes": "*u8" if group == "int4" else "*i8",
                              "scales": f"*{scales}", "offsets": f"*{scales}", "y": f"*{activations}", "M": "i32",
@@ -83,7 +86,7 @@ def main():
                 shared = built.metadata.shared
                 print(f"| {name} | {activations} | {block_n} x {block_k}, {config.num_warps}, {config.num_stages} | "
                       f"{used.get('REG', '?')} | "
-                      f"{used.get('STACK', 0)} | {shared / 1024:.0f}{' (too much)' if shared > MAX_SHARED else ''} |",
+                      f"{used.get('STACK', 0)} | {shared / 1024:.0f}{' (too much)' if shared > most else ''} |",
                       flush=True)
 
 

@@ -22,20 +22,34 @@ TRITON_ENV = "RUN_GENERATION_TRITON_INT8"  # 0: never the Triton kernel (the wid
 MOST_ROWS = 64  # the kernel's rows at most: past that a step is compute-bound and cuBLAS's product wins
 CHECKED_CHANNELS = 1024  # output channels a check of the kernel multiplies at most
 WIDEN_BYTES = 1 << 28  # a widened weight's bytes at most at a time (256 MB; a head's table is gigabytes)
-# The tuned configurations (BLOCK_N, BLOCK_K, warps): none spills a register on sm_90 in any int8 form in
-# (b)float16 (python -m benchmarks.int8_kernel_resources).
+# The tuned configurations (BLOCK_N, BLOCK_K, warps), by the GPUs they are for: Ampere on, where none spills a
+# register in any int8 form in (b)float16 on sm_80, sm_89 or sm_90; before Ampere (Volta, Turing: float16), where
+# Ampere's spill up to 2 KiB a thread in the int8 kernel and these spill none in either kernel on sm_70 or sm_75
+# (python -m benchmarks.int8_kernel_resources --arch N).
 CONFIGS = ((16, 128, 4), (16, 256, 4), (32, 256, 4), (32, 256, 8), (64, 128, 8))
+CONFIGS_BEFORE_AMPERE = ((16, 64, 4), (16, 64, 8), (16, 128, 8), (32, 64, 8), (64, 64, 8))
 
 
-def launcher(triton, matmul, configs, constants):
+def configs_for(capability: tuple[int, int]) -> tuple:
+    """The configurations tuned over on a GPU of compute `capability`."""
+    return CONFIGS if capability >= (8, 0) else CONFIGS_BEFORE_AMPERE
+
+
+def launcher(triton, matmul, constants, leave_out=()):
     """run(x, codes, scales, blocks=None, offsets=None) -> y: the Triton kernel `matmul` (x, codes, scales,
     offsets, y, M, N, K, M_BUCKET, its constexprs) over x [rows, in] in x's dtype, a block of 16 rows and BLOCK_N
-    output channels a program, tuned over `configs` ((BLOCK_N, BLOCK_K, warps)) once for a decode step's rows and
-    once past them; `constants(inner, scales, offsets)`: its constexprs beside the blocks; `blocks`
+    output channels a program, tuned over the GPU's configurations (configs_for, but `leave_out`) once for a decode
+    step's rows and once past them; `constants(inner, scales, offsets)`: its constexprs beside the blocks; `blocks`
     ({"BLOCK_N", "BLOCK_K"}): one configuration instead of the tuned ones (Triton's interpreter on the CPU has
     nothing to time: one is taken there)."""
-    configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in configs]
-    tuned = triton.autotune(configs=configs, key=["M_BUCKET", "N", "K"])(matmul)
+    tables = {table: [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in table
+                      if (n, k, w) not in leave_out] for table in (CONFIGS, CONFIGS_BEFORE_AMPERE)}
+
+    def for_the_gpu(configs, named_args, **kwargs):
+        return tables[configs_for(torch.cuda.get_device_capability(named_args["x"].device))]
+
+    tuned = triton.autotune(configs=[config for table in tables.values() for config in table],
+                            key=["M_BUCKET", "N", "K"], prune_configs_by={"early_config_prune": for_the_gpu})(matmul)
 
     def run(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, blocks: dict | None = None,
             offsets: torch.Tensor | None = None) -> torch.Tensor:
@@ -55,7 +69,8 @@ def launcher(triton, matmul, configs, constants):
                      **constants(inner, scales, offsets), **settings)
         return y
 
-    run.jit, run.configs = matmul, configs  # for benchmarks/int8_kernel_resources.py
+    # for benchmarks/int8_kernel_resources.py: the kernel and the configurations of a compute capability
+    run.jit, run.configs_for = matmul, lambda capability: tables[configs_for(capability)]
     return run
 
 
@@ -104,7 +119,7 @@ def triton_kernel():
 
     # x @ (scales * codes + offsets).T, scales [out] (a channel's) or [out, groups] (a group of inputs': GGUF's Q8_0
     # 32, Q6_K 16), offsets None or [out, groups] (Q5_K's, Q2_K's)
-    return launcher(triton, int8_matmul, CONFIGS, lambda inner, scales, offsets: {
+    return launcher(triton, int8_matmul, lambda inner, scales, offsets: {
         "GROUP": inner // scales.shape[1] if scales.dim() == 2 else 0, "OFFSET": offsets is not None})
 
 

@@ -654,6 +654,39 @@ def test_the_4_bit_kernel_multiplies_as_the_plain_product(dtype, monkeypatch):
             assert (y.float() - reference).abs().max() <= 0.01 * reference.abs().max(), (rows, channels, inner)
 
 
+@pytest.mark.parametrize("which", ["int8", "4-bit"])
+def test_every_tuned_configuration_multiplies_as_the_plain_product(which):
+    # Each tile shape either class of GPU tunes over (Ampere on; Volta and Turing, in float16: rungen/int8.py's
+    # configs_for), its tiles filled and cut short, against the plain product. In Triton's interpreter only: a GPU
+    # compiles each one apart, and checks the ones it tunes to as a model loads.
+    from rungen import int4_kernel, int8
+
+    if not (ON_CPU and os.environ.get("TRITON_INTERPRET") == "1"):
+        pytest.skip("checks each configuration in Triton's interpreter: RUNGEN_CUDA_TESTS_ON_CPU=1 TRITON_INTERPRET=1")
+    kernel = (int8 if which == "int8" else int4_kernel).triton_kernel()
+    if kernel is None:
+        pytest.skip("Triton does not import")
+    shapes = {(c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]) for capability in ((9, 0), (7, 5))
+              for c in kernel.configs_for(capability)}
+    assert (16, 64) in shapes and (32, 256) in shapes  # both classes' tables
+    generator = torch.Generator().manual_seed(0)
+    rows, channels, inner = 17, 40, 320 if which == "int8" else 384
+    x = torch.randn(rows, inner, generator=generator).half()
+    groups = torch.rand(channels, inner // 32, generator=generator) / 100
+    if which == "int8":
+        codes = torch.randint(-128, 128, (channels, inner), dtype=torch.int8, generator=generator)
+        layouts = [((torch.rand(channels, generator=generator) / 100).bfloat16(), None), (groups, -groups)]
+        plain = int8.widened
+    else:
+        codes = int4_kernel.packed(torch.randint(0, 16, (channels, inner), dtype=torch.uint8, generator=generator))
+        layouts, plain = [(groups.half(), (-8 * groups).half())], int4_kernel.widened4
+    for block_n, block_k in sorted(shapes):
+        for scales, offsets in layouts:
+            y = kernel(x, codes, scales, {"BLOCK_N": block_n, "BLOCK_K": block_k}, offsets=offsets)
+            reference = plain(x.float(), codes, scales, offsets)
+            assert (y.float() - reference).abs().max() <= 0.01 * reference.abs().max(), (block_n, block_k)
+
+
 @needs_cuda
 @pytest.mark.parametrize("dtype, env", [("auto", "triton"), ("float16", None)], ids=["asked for", "float16"])
 def test_a_4_bit_gguf_file_keeps_its_codes_for_the_triton_kernel(gguf_file, monkeypatch, dtype, env):
