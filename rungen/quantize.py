@@ -121,8 +121,8 @@ def _targets(model, mode, multiple=GROUP_SIZE):
             if weight is None:
                 continue
             if child is not head and mode == "int4" and weight.shape[1] % multiple:
-                unit = f"the group size {GROUP_SIZE}" if multiple == GROUP_SIZE else f"{multiple} (the 4-bit kernel's"\
-                    f" chunk of two groups)"
+                unit = (f"the group size {GROUP_SIZE}" if multiple == GROUP_SIZE
+                        else f"{multiple} (the 4-bit kernel's chunk of two groups)")
                 raise QuantizeError(f"--quantize int4: layer {name}.{child_name} has {weight.shape[1]} input "
                                     f"channels, not a multiple of {unit}; use int8")
             targets.setdefault(module, {})[child_name] = child
