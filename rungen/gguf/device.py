@@ -30,6 +30,16 @@ from .codes import (
 
 logger = logging.getLogger("run_generation")
 
+
+def in_order(order, *tensors: torch.Tensor | None) -> tuple:
+    """`tensors` (a weight's codes, scales, offsets) with their rows permuted by `order` (a numpy index; None: as
+    they are); a None stays None."""
+    if order is None:
+        return tensors
+    order = torch.from_numpy(order)
+    return tuple(None if t is None else t[order] for t in tensors)
+
+
 # --- On a CUDA GPU: 4-bit types as torch's int4 weight-only kernel (tinygemm) takes them ---
 
 def gpu_int4(qtype: GGMLQuantizationType, in_features: int, dtype: torch.dtype, device: torch.device) -> str | None:
@@ -41,10 +51,7 @@ def gpu_int4(qtype: GGMLQuantizationType, in_features: int, dtype: torch.dtype, 
 def tinygemm_of_blocks(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: int, device: torch.device,
                        order=None) -> TinyGemmLinear:
     """A 4-bit weight's blocks (`order`: its rows permuted) as a TinyGemmLinear on `device`, the codes exact."""
-    codes, scale, offset = int4_parts(blocks, qtype, in_features)
-    if order is not None:
-        order = torch.from_numpy(order)
-        codes, scale, offset = codes[order], scale[order], offset[order]
+    codes, scale, offset = in_order(order, *int4_parts(blocks, qtype, in_features))
     return TinyGemmLinear(codes, scale, offset, device)
 
 
@@ -53,10 +60,7 @@ def int4_codes_of_blocks(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_f
     """A 4-bit weight's blocks (`order`: its rows permuted) as a CudaInt4Linear on `device`, exact: the codes two a
     byte and a group's scale and offset, float16 for Q4_0 and Q4_1 (their blocks' own: 0.625 bytes a weight, the
     file's 0.5625 or 0.625), float32 for Q4_K (a float16 times a 6-bit integer: 0.75 bytes, the file's 0.5625)."""
-    codes, scale, offset = int4_parts(blocks, qtype, in_features)
-    if order is not None:
-        order = torch.from_numpy(order)
-        codes, scale, offset = codes[order], scale[order], offset[order]
+    codes, scale, offset = in_order(order, *int4_parts(blocks, qtype, in_features))
     exact = torch.float32 if qtype == GGMLQuantizationType.Q4_K else torch.float16
     return CudaInt4Linear(packed(codes).to(device), scale.to(device, exact), offset.to(device, exact))
 
@@ -82,16 +86,13 @@ def int8_of_blocks(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_feature
     and a scale a group of 32, IQ4_NL's float16, IQ4_XS's float32 (1.06 or 1.13 bytes, against 0.56 or 0.53); Q3_K
     and Q2_K as their codes and a float32 scale (Q2_K: and offset) a group of 16 (1.25 or 1.5 bytes, against 0.43
     or 0.33). Read CODES_CHUNK_ROWS rows at a time: a head's table read whole would take gigabytes of intermediates.
-    No kernel yet: see rungen/int8.py's use_kernel."""
+    The layer has no kernel yet: DeviceForms gives it the checked one (use_kernel)."""
     chunks = [_int8_parts(blocks[start:start + CODES_CHUNK_ROWS], qtype, in_features)
               for start in range(0, blocks.shape[0], CODES_CHUNK_ROWS)]
     codes, scales = torch.cat([chunk[0] for chunk in chunks]), torch.cat([chunk[1] for chunk in chunks])
     offsets = None if chunks[0][2] is None else torch.cat([chunk[2] for chunk in chunks])
     del chunks
-    if order is not None:
-        order = torch.from_numpy(order)
-        codes, scales = codes[order], scales[order]
-        offsets = None if offsets is None else offsets[order]
+    codes, scales, offsets = in_order(order, codes, scales, offsets)
     return CudaInt8Linear(codes.to(device), scales.to(device), None,
                           None if offsets is None else offsets.to(device))
 
