@@ -59,11 +59,9 @@ def int4_layer(weight):
     """The weight as 4-bit codes two a byte with a float16 scale and offset a group of 32 (Q4_0's and Q4_1's form
     under RUN_GENERATION_GPU_INT4=triton) on rungen/int4_kernel.py's layer, and its checked Triton kernel (None:
     widened only)."""
-    from rungen.int4 import int4_groups
-    from rungen.int4_kernel import CudaInt4Linear, checked_int4_kernel, packed
+    from rungen.int4_kernel import CudaInt4Linear, checked_int4_kernel
 
-    codes, scales, low = int4_groups(weight)
-    layer = CudaInt4Linear(packed(codes), scales.to(torch.float16), low.to(torch.float16))
+    layer = CudaInt4Linear.of_weight(weight)
     kernel = checked_int4_kernel(layer, torch.bfloat16)[0] if weight.device.type == "cuda" else None
     return layer, kernel
 

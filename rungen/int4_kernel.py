@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from .int4 import GPU_INT4_ENV, TinyGemmLinear
+from .int4 import GPU_INT4_ENV, TinyGemmLinear, int4_groups
 from .int8 import WIDEN_BYTES, CodesLinear, disagreement, launcher, widened
 
 CHUNK = 64  # inputs a packing chunk spans (in_features must be a multiple): two groups, as Q4_K packs them
@@ -124,6 +124,13 @@ class CudaInt4Linear(CodesLinear):
         self.register_buffer("offsets", offsets.contiguous())
         self.bias = None
 
+    @classmethod
+    def of_weight(cls, weight: torch.Tensor) -> CudaInt4Linear:
+        """A float weight [out, in] as its 4-bit codes and groups (rungen/int4.py's int4_groups, --quantize int4's)
+        two a byte, each group's scale and least value in float16 (0.625 bytes a weight), on the weight's device."""
+        codes, scales, low = int4_groups(weight)
+        return cls(packed(codes), scales.to(torch.float16), low.to(torch.float16))
+
     @staticmethod
     def fits(in_features: int) -> bool:
         return in_features % CHUNK == 0
@@ -133,7 +140,5 @@ def checked_int4_kernel(layer: CudaInt4Linear, dtype: torch.dtype) -> tuple[obje
     """(the Triton kernel, None) where it imports and multiplies `layer`'s first output channels as the
     widened product does (rungen/int8.py's disagreement), else (None, why)."""
     kernel = triton_kernel()
-    if kernel is None:
-        return None, "Triton does not import"
     why = disagreement(kernel, layer, dtype)
     return (kernel, None) if why is None else (None, why)

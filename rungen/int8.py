@@ -241,7 +241,7 @@ def checked_kernel(layer: CudaInt8Linear, dtype: torch.dtype, instead: str):
     if layer.codes.device.type != "cuda" or os.environ.get(TRITON_ENV, "1") == "0":
         return None
     kernel = triton_kernel()
-    why = "Triton does not import" if kernel is None else disagreement(kernel, layer, dtype)
+    why = disagreement(kernel, layer, dtype)
     if why is None:
         return kernel
     logger.warning("int8 weights on the GPU: %s; %s", why, instead)
@@ -250,7 +250,10 @@ def checked_kernel(layer: CudaInt8Linear, dtype: torch.dtype, instead: str):
 
 def disagreement(kernel, layer: CodesLinear, dtype: torch.dtype) -> str | None:
     """Why `kernel` cannot serve `layer` (None: at one row and at MOST_ROWS of `dtype` it gives the layer's plain
-    product to the dtype's rounding, on the layer's first CHECKED_CHANNELS output channels)."""
+    product to the dtype's rounding, on the layer's first CHECKED_CHANNELS output channels; a kernel of None: Triton
+    did not import)."""
+    if kernel is None:
+        return "Triton does not import"
     generator = torch.Generator(layer.codes.device).manual_seed(0)
     # Its first output channels: a head's whole table widened to float32 would be gigabytes at load.
     codes, scales = layer.codes[:CHECKED_CHANNELS], layer.scales[:CHECKED_CHANNELS]

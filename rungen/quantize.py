@@ -20,7 +20,7 @@ from transformers.pytorch_utils import Conv1D
 
 from .errors import UsageError
 from .int4 import GPU_INT4_ENV, GROUP_SIZE, Int4Linear, TinyGemmLinear, checked_tinygemm, int4_groups
-from .int4_kernel import CHUNK, CudaInt4Linear, checked_int4_kernel, gpu_int4_form, packed
+from .int4_kernel import CHUNK, CudaInt4Linear, checked_int4_kernel, gpu_int4_form
 from .int8 import Int8Linear, cuda_int8_layers
 
 MODES = ("int8", "int4")
@@ -173,15 +173,13 @@ def gpu_int4_linear(weight, bias, check=False):
 def triton_int4_layers():
     """--quantize int4 on a CUDA GPU where tinygemm cannot run in half precision (float16, GPUs before Ampere) or
     RUN_GENERATION_GPU_INT4=triton asks: (weight, bias, check) -> CudaInt4Linear, the weight's 4-bit codes and groups
-    (int4_groups) two a byte, each group's scale and least value in float16 (0.625 bytes a weight). The layer made
-    with check=True (the first) must check out on the Triton kernel, else QuantizeError."""
+    (CudaInt4Linear.of_weight) two a byte, each group's scale and least value in float16 (0.625 bytes a weight). The
+    layer made with check=True (the first) must check out on the Triton kernel, else QuantizeError."""
     kernel = None
 
     def make(weight, bias, check=False):
         nonlocal kernel
-        codes, scales, low = int4_groups(weight)
-        layer = CudaInt4Linear(packed(codes), scales.to(torch.float16), low.to(torch.float16))
-        del codes, scales, low
+        layer = CudaInt4Linear.of_weight(weight)
         if check:
             kernel, why = checked_int4_kernel(layer, weight.dtype)
             if kernel is None:
