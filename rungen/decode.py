@@ -5,7 +5,8 @@ prefix cache.
 On a GPU the steps overlap the host's work: a step is launched on the tokens the step before left on the device,
 and the step before is read, reported (text, stop strings, the server's events) and its finished rows ended while
 the new one computes. A row that ended is one step behind: that step's token is dropped and its position is
-reserved (`lookahead`). Rows with a grammar step one at a time: their next mask needs the token just chosen.
+reserved (`lookahead`); where every row's last token is the step ahead's (their lengths), none is launched after it.
+Rows with a grammar step one at a time: their next mask needs the token just chosen.
 """
 
 import os
@@ -64,6 +65,9 @@ class DecodeBatch:
         """One decode step for every row, fed the tokens of the step launched ahead where there is one; overlapped,
         that step is reported while this one computes and this one is left ahead."""
         rows = list(self.rows)
+        if self.ahead is not None and all(len(row.generated) + 1 >= row.request.max_tokens for row in rows):
+            self.drain()  # the step ahead gives every row its last token: a step more would be dropped whole
+            return
         tokens = self.ahead.tokens if self.ahead is not None else to_device([[row.generated[-1]] for row in rows],
                                                                              self.device)
         logits = self.kv.forward(rows, tokens)
