@@ -57,17 +57,6 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "fresh_load: main() loads its model from disk, not from the memo")
 
 
-def pytest_collection_modifyitems(config, items):
-    """Tests marked `cuda` (tests/test_cuda.py) are skipped where torch sees no CUDA device: collected and skipped by a
-    plain run and by CI's. RUNGEN_CUDA_TESTS_ON_CPU=1 runs them on the CPU (to check the tests themselves)."""
-    import torch
-
-    if torch.cuda.is_available() or os.environ.get("RUNGEN_CUDA_TESTS_ON_CPU"):
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
-    for item in items:
-        if "cuda" in item.keywords:
-            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,6 @@ import os
 import pytest
 import torch
 
-import rungen.loading
 from helpers import error_line, run_main, write_tiny_gguf
 from rungen import processes
 from rungen.errors import UsageError
@@ -253,26 +252,3 @@ def test_running_out_of_gpu_memory_says_how_to_fit(gpu, monkeypatch):
     line = error_line(result)
     assert result.returncode == 2 and "out of GPU memory (CUDA out of memory. Tried to allocate 2.00 GiB" in line
     assert "--batch_size" in line and "--device_map auto" in line and "--use_cpu" in line
-
-
-@pytest.mark.slow  # the default model de-quantized to float: tens of seconds of CPU
-def test_the_quick_start_on_a_gpu_runs_the_default_model_de_quantized(gpu, default_model, monkeypatch):
-    # The Quick start's first line where torch sees a GPU: the default model's GGUF file is no longer refused but
-    # de-quantized onto the device (here the CPU stands in for it, in float32: the weights bfloat16 rounds) and
-    # decoded by the engine over fixed slots; it answers Paris, as --dequantize's float model does, token for token
-    # (the CPU kernels' text parts from it later: they round activations to int8, docs/gguf.md).
-    devices = []
-    load_gguf_on = rungen.loading.load_gguf_on
-
-    def on_the_cpu(path, device, **kwargs):
-        devices.append(device)
-        return load_gguf_on(path, torch.device("cpu"), **dict(kwargs, dtype="float32"))
-
-    monkeypatch.setattr(rungen.loading, "load_gguf_on", on_the_cpu)
-    args = ["--prompt", "The capital of France is", "--temperature", "0", "--output_format", "jsonl"]
-    on_gpu = run_main(args, cache_home=default_model[0])
-    assert on_gpu.returncode == 0, on_gpu.stderr.decode()[-2000:]
-    assert devices == [torch.device("cuda")]
-    dequantized = run_main(args + ["--use_cpu", "--dequantize"], cache_home=default_model[0])
-    assert dequantized.returncode == 0, dequantized.stderr.decode()[-2000:]
-    assert on_gpu.stdout == dequantized.stdout and b"Paris" in on_gpu.stdout

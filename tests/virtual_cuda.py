@@ -1,0 +1,316 @@
+"""A CUDA GPU played by the CPU (played_gpu), for the code that runs only where `device.type == "cuda"` (the decode
+step captured as CUDA graphs, copies through pinned memory, the processors for all rows at once, the half-precision
+default, torch's int4 kernel) and for the mistakes only a GPU reports: a host tensor in a device operator, a read
+from the device inside a graph's capture or where sync debug mode forbids one.
+
+A tensor on the played GPU is a CPU tensor in a wrapper that says cuda:0 (OnDevice). Every operator on one is checked
+as CUDA checks it, run on the CPU and its results wrapped again. A graph's capture records the operators it ran and
+its replay runs them again on the same tensors, as a CUDA graph replays its kernels on the same memory: what the
+capture computed on the host stays baked in, as on a GPU. torch's int4 kernels are played by the CPU's (the same
+groups, scales and zeros). Triton's kernels cannot be played.
+"""
+
+import contextlib
+import copy
+import functools
+import os
+import tempfile
+import threading
+import weakref
+
+import pytest
+import torch
+from torch.utils._device import _device_constructors as device_constructors
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+CUDA = torch.device("cuda", 0)
+CPU = torch.device("cpu")
+# Operators CUDA lets take a host tensor beside a device one: copies, and indexing by host indices.
+CROSSING = {"_to_copy", "copy_", "index", "index_put_", "_index_put_impl_"}
+# Operators whose result's size or value the host must wait for (tests/helpers.py's HOST_READS).
+READS = {"_local_scalar_dense", "is_nonzero", "nonzero", "masked_select", "equal", "unique", "_unique2",
+         "unique_consecutive", "repeat_interleave"}
+
+
+class DeviceError(RuntimeError):
+    """What CUDA would have raised."""
+
+
+def int4pack(pairs: torch.Tensor, inner_k_tiles: int) -> torch.Tensor:
+    """CUDA's int4 packing of codes two a byte (the even one high), played by the CPU's packing of the codes."""
+    codes = torch.stack([pairs >> 4, pairs & 15], dim=-1).reshape(pairs.shape[0], -1).to(torch.int32)
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, inner_k_tiles)
+
+
+STAND_INS = {torch.ops.aten._convert_weight_to_int4pack.default: int4pack,
+             torch.ops.aten._weight_int4pack_mm.default: torch.ops.aten._weight_int4pack_mm_for_cpu.default}
+
+
+class OnDevice(torch.Tensor):
+    """A CPU tensor (`elem`) that says it is on cuda:0."""
+
+    @staticmethod
+    def __new__(cls, elem):
+        return torch.Tensor._make_wrapper_subclass(cls, elem.shape, strides=elem.stride(),
+                                                   storage_offset=elem.storage_offset(), dtype=elem.dtype,
+                                                   device=CUDA, requires_grad=elem.requires_grad)
+
+    def __init__(self, elem):
+        self.elem = elem
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __repr__(self):
+        return f"OnDevice({self.elem!r})"
+
+    def __tensor_flatten__(self):  # nn.Module.to swaps such a wrapper in for a parameter, `elem` and all
+        return ["elem"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, size, stride):
+        return OnDevice(inner["elem"])
+
+    def data_ptr(self):
+        return self.elem.data_ptr()
+
+    def __deepcopy__(self, memo):
+        copied = OnDevice(copy.deepcopy(self.elem, memo))
+        copied.__dict__.update({key: value for key, value in self.__dict__.items() if key != "elem"})
+        memo[id(self)] = copied
+        return copied
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return STATE.dispatch(func, args, kwargs or {})
+
+
+def on_device(value) -> bool:
+    return isinstance(value, OnDevice)
+
+
+def is_host(value) -> bool:
+    """A host tensor CUDA refuses beside a device one (a 0-dim one is a scalar to it)."""
+    return isinstance(value, torch.Tensor) and not on_device(value) and value.dim() > 0
+
+
+def wrap(elem: torch.Tensor) -> OnDevice:
+    """`elem` on the played GPU, an inference tensor where `elem` is one (a view made in inference mode of a normal
+    tensor is normal: autograd sets its version counter)."""
+    normal = torch.is_inference_mode_enabled() and not elem.is_inference()
+    with torch.inference_mode(False) if normal else contextlib.nullcontext():
+        return OnDevice(elem)
+
+
+class State:
+    """What the played GPU has seen, and the graph it is capturing (a list of recorded operators) or None."""
+
+    def __init__(self):
+        self.reads = []  # the operators the host waited for, in order
+        self.copies = 0  # copies to pinned host memory, which do not wait
+        self.launches = 0  # operators run on the device, views left out: a kernel each (or a copy)
+        self.captures = self.replays = 0
+        self.capturing = None
+        self.strict = False  # torch.cuda.set_sync_debug_mode("error")
+        self.pinned = {}  # id -> a weak reference of each host tensor made in pinned memory
+
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.pinned[id(tensor)] = weakref.ref(tensor)
+        return tensor
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        held = self.pinned.get(id(tensor))
+        return held is not None and held() is tensor
+
+    def read(self, name: str) -> None:
+        if self.capturing is not None:
+            raise DeviceError(f"{name}: operation not permitted when stream is capturing")
+        if self.strict:
+            raise DeviceError(f"{name}: called a synchronizing CUDA operation")
+        self.reads.append(name)
+
+    def dispatch(self, func, args, kwargs):
+        """`func` on the played GPU, where an argument is on it or a device argument names it."""
+        name = func.overloadpacket.__name__
+        named = {value.type for value in tree_flatten((args, kwargs))[0] if isinstance(value, torch.device)}
+        args, kwargs = tree_map(lambda value: CPU if isinstance(value, torch.device) else value, (args, kwargs))
+        kwargs.pop("pin_memory", None)
+        flat = tree_flatten((args, kwargs))[0]
+        from_device = any(on_device(value) for value in flat)
+        if from_device and name not in CROSSING and any(is_host(value) for value in flat):
+            raise DeviceError(f"{name}: Expected all tensors to be on the same device, but found at least two "
+                              f"devices, cuda:0 and cpu!")
+        to_host = "cpu" in named or name == "copy_" and not on_device(args[0])
+        on_gpu = "cuda" in named or from_device and not to_host
+        waits = not (name == "copy_" and (kwargs.get("non_blocking") or args[2:3] == (True,))
+                     and self.is_pinned(args[0]))
+        if from_device and (name in READS or to_host and waits):
+            self.read(name)
+        self.copies += from_device and to_host and not waits
+        self.launches += on_gpu and not func.is_view
+        if self.capturing is not None and on_gpu and any(is_host(value) for value in flat):
+            raise DeviceError(f"{name}: a copy from pageable host memory while the stream is capturing")
+        func = STAND_INS.get(func, func) if on_gpu else func
+        elems = tree_map(lambda value: value.elem if on_device(value) else value, (args, kwargs))
+        out = func(*elems[0], **elems[1])
+        for value in flat:  # an out= variant may resize: the wrapper's shape would lie
+            if on_device(value) and (value.shape != value.elem.shape or value.stride() != value.elem.stride()):
+                raise DeviceError(f"{name} changed a tensor's shape to {tuple(value.elem.shape)}")
+        if self.capturing is not None and on_gpu:
+            self.capturing.append((func, *elems, out))
+        if not on_gpu:
+            return out
+        given = {id(value.elem): value for value in flat if on_device(value)}  # an in-place result is its input
+        return tree_map(lambda value: (given[id(value)] if id(value) in given else wrap(value))
+                        if isinstance(value, torch.Tensor) else value, out)
+
+
+STATE = State()
+
+
+class Mode(TorchDispatchMode):
+    """Sends the played GPU the operators that name it without a tensor on it (a tensor made on cuda), and plays
+    pinned host memory, which the CPU has none of without a GPU."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(on_device(value) or isinstance(value, torch.device) and value.type == "cuda"
+               for value in tree_flatten((args, kwargs))[0]):
+            return STATE.dispatch(func, args, kwargs)
+        name = func.overloadpacket.__name__
+        if name == "is_pinned":
+            return STATE.is_pinned(args[0])
+        if name in ("pin_memory", "_pin_memory"):
+            return STATE.pin(args[0].clone())
+        if kwargs.get("pin_memory"):
+            return STATE.pin(func(*args, **dict(kwargs, pin_memory=False)))
+        return func(*args, **kwargs)
+
+
+class Stream:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+class Event:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+class CUDAGraph:
+    """Replays the operators its capture recorded, on the tensors they ran on: a new result is copied into the
+    captured one, as a kernel writes the same memory again."""
+
+    def __init__(self, *args, **kwargs):
+        self.recorded = []
+
+    def replay(self):
+        STATE.replays += 1
+        for func, args, kwargs, out in self.recorded:
+            for captured, again in zip(tree_flatten(out)[0], tree_flatten(func(*args, **kwargs))[0]):
+                if isinstance(captured, torch.Tensor) and captured is not again:
+                    captured.copy_(again)
+
+
+@contextlib.contextmanager
+def graph(cuda_graph, pool=None, stream=None, **kwargs):
+    STATE.capturing, STATE.captures = cuda_graph.recorded, STATE.captures + 1
+    try:
+        yield
+    finally:
+        STATE.capturing = None
+
+
+def sync_debug_mode(mode) -> None:
+    STATE.strict = mode in ("error", 2)
+
+
+class HostGenerator(torch.Generator):
+    """torch.Generator(device="cuda"), played by a host generator. (C++ hands operators a new wrapper of a generator,
+    so which device it was made for cannot be checked.)"""
+
+    def __new__(cls, device="cpu"):
+        return super().__new__(cls)  # the device's would need CUDA
+
+
+def made_on_host(original):
+    """torch.tensor or as_tensor given device="cuda" (C++ would make it on CUDA itself): made on the host, copied."""
+    def make(data, *args, device=None, **kwargs):
+        if device is not None and torch.device(device).type == "cuda":
+            return original(data, *args, **kwargs).to(CUDA)
+        return original(data, *args, device=device, **kwargs)
+    return make
+
+
+def read_list(tolist):
+    """Tensor.tolist, which C++ refuses a subclass: from the played GPU, a read."""
+    def read(tensor):
+        if not on_device(tensor):
+            return tolist(tensor)
+        STATE.read("tolist")
+        return tolist(tensor.elem)
+    return read
+
+
+@functools.cache
+def register_device_guard() -> None:
+    """Builds and loads tests/played_guard.cpp: C++ code that guards the device of a cuda tensor (indexing, .to)
+    finds a guard, as CUDA's build has."""
+    from torch.utils import cpp_extension
+
+    build = os.path.join(tempfile.gettempdir(), f"run_generation_played_guard_{torch.__version__}")
+    os.makedirs(build, exist_ok=True)
+    cpp_extension.load(name="played_guard", sources=[os.path.join(os.path.dirname(__file__), "played_guard.cpp")],
+                       build_directory=build, is_python_module=False)
+
+
+@contextlib.contextmanager
+def played_gpu(name="NVIDIA H200", capability=(9, 0), bf16=True):
+    """Within it torch sees one CUDA GPU (`name`, compute `capability`, with bfloat16 or not), played by the CPU, in
+    this thread and in every thread started in it; yields its State."""
+    global STATE
+    register_device_guard()
+    STATE = State()
+    cuda = {"_lazy_init": lambda: None, "is_available": lambda: True, "device_count": lambda: 1,
+            "current_device": lambda: 0, "get_device_capability": lambda device=None: capability,
+            "get_device_name": lambda device=None: name, "is_bf16_supported": lambda including_emulation=True: bf16,
+            "Stream": Stream, "current_stream": lambda device=None: Stream(), "set_stream": lambda stream: None,
+            "stream": lambda stream: contextlib.nullcontext(), "Event": Event, "synchronize": lambda device=None: None,
+            "CUDAGraph": CUDAGraph, "graph": graph, "graph_pool_handle": lambda: object(),
+            "set_sync_debug_mode": sync_debug_mode, "empty_cache": lambda: None,
+            "mem_get_info": lambda device=None: (100 << 30, 141 << 30),
+            "max_memory_allocated": lambda device=None: 0, "reset_peak_memory_stats": lambda device=None: None}
+    run = threading.Thread.run
+
+    def run_played(thread):  # a dispatch mode is its thread's own
+        with Mode():
+            run(thread)
+
+    device_constructors()  # cached first with the real torch.tensor, which torch.device("meta") must still see
+    with pytest.MonkeyPatch.context() as patch:
+        for attribute, value in cuda.items():
+            patch.setattr(torch.cuda, attribute, value)
+        patch.setattr(torch.accelerator, "is_available", lambda: True)
+        patch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: torch.device("cuda"))
+        patch.setattr(torch.Tensor, "tolist", read_list(torch.Tensor.tolist))
+        patch.setattr(torch, "Generator", HostGenerator)
+        for factory in ("tensor", "as_tensor"):
+            patch.setattr(torch, factory, made_on_host(getattr(torch, factory)))
+        patch.setattr(threading.Thread, "run", run_played)
+        with Mode():
+            yield STATE
