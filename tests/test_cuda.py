@@ -184,6 +184,33 @@ def test_overlapped_steps_change_no_token(checkpoint, monkeypatch):
             [item["logprob"] for item in b["logprobs"]["content"]], abs=1e-4)
 
 
+def test_requests_joining_and_ending_mid_run_get_what_eager_steps_give(checkpoint, monkeypatch):
+    """The engine on the GPU, three rows at most: requests join as rows end (slots freed and taken again, a graph
+    captured for each batch size), steps launched ahead, the processors for all the rows at once. Each of a mix of
+    requests (lengths 1 to 12, an EOS met mid-run, a stop string, a cancel, three seeded choices with
+    log-probabilities, penalties and a bias) gets what it gets from steps run eagerly, one at a time
+    (tests/test_overlap.py's mix and comparison)."""
+    from test_overlap import PROMPTS as TEXTS
+    from test_overlap import assert_same, engine_of, mixed_requests, run
+
+    from rungen.loading import load
+
+    loaded = load(checkpoint, device=DEVICE, dtype="float32")
+    monkeypatch.setenv("RUN_GENERATION_CUDA_GRAPHS", "0")
+    first = run(engine_of(loaded, monkeypatch, False), [{"ids": loaded.tokenizer(TEXTS[0]).input_ids}])[0][0]
+    eos = first[2][4]
+    requests = mixed_requests(loaded, eos)
+    text = run(engine_of(loaded, monkeypatch, False, eos_ids={eos}), requests[3:4])[0][0][1]
+    requests.append({"ids": requests[3]["ids"], "max_tokens": 12, "stop": (text[6:9],)})  # met mid-run
+    eager = run(engine_of(loaded, monkeypatch, False, eos_ids={eos}), requests)
+    monkeypatch.delenv("RUN_GENERATION_CUDA_GRAPHS")
+    engine = engine_of(loaded, monkeypatch, True, eos_ids={eos})
+    assert engine.batch.kv.graphs is not None
+    assert_same(run(engine, requests), eager)
+    assert {choice[0] for result in eager for choice in result.values()} == {"length", "stop", "abort"}
+    assert eager[7][0][2][-1] == eos and eager[-1][0][3] == text[6:9]  # ended by the EOS, by the stop string
+
+
 @needs_cuda
 def test_launching_a_step_never_waits_for_the_gpu(checkpoint, monkeypatch):
     """Once the step's graph is captured, launching a step (its inputs, the replay, the sampler, the copy of its
@@ -418,13 +445,13 @@ def test_the_quick_start_answers_paris_on_the_gpu(default_model_home, gpu):
     the host without waiting. In float32 (its matrices de-quantized, its embedding in its blocks) its greedy tokens
     equal --dequantize's on the CPU; the CPU kernels' text parts from both a few tokens on (they round activations
     to int8: docs/gguf.md)."""
-    args = ["--prompt", "The capital of France is", "--temperature", "0", "--length", "6", "--output_format", "jsonl"]
+    args = ["--prompt", "The capital of France is", "--temperature", "0", "--length", "4", "--output_format", "jsonl"]
     answer = run_main(args + ["--verbose"], cache_home=default_model_home)
     assert answer.returncode == 0, answer.stderr.decode()[-3000:]
     assert "decode steps replayed from CUDA graphs" in answer.stderr.decode()
     assert "Paris" in jsonl(answer.stdout)[0]["generated_text"]
     if gpu is not None:  # one copy a token; the one wait is the int4 kernel's check as the model loads
-        assert (gpu.copies, gpu.replays, gpu.reads) == (6, 5, ["_local_scalar_dense"])
+        assert (gpu.copies, gpu.replays, gpu.reads) == (4, 3, ["_local_scalar_dense"])
     exact = run_main(args + ["--dtype", "float32"], cache_home=default_model_home)
     dequantized = run_main(args + ["--use_cpu", "--dequantize"], cache_home=default_model_home)
     assert exact.returncode == dequantized.returncode == 0, exact.stderr.decode()[-3000:]

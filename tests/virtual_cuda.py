@@ -22,7 +22,6 @@ import pytest
 import torch
 from torch.utils._device import _device_constructors as device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
 
 CUDA = torch.device("cuda", 0)
 CPU = torch.device("cpu")
@@ -31,6 +30,32 @@ CROSSING = {"_to_copy", "copy_", "index", "index_put_", "_index_put_impl_"}
 # Operators whose result's size or value the host must wait for (tests/helpers.py's HOST_READS).
 READS = {"_local_scalar_dense", "is_nonzero", "nonzero", "masked_select", "equal", "unique", "_unique2",
          "unique_consecutive", "repeat_interleave"}
+
+
+def leaves(*values) -> list:
+    """The values, and the items of those that are lists or tuples: an operator's arguments or results go no
+    deeper (torch's pytree would, at several times the cost a call)."""
+    return [leaf for value in values for leaf in (value if isinstance(value, (list, tuple)) else (value,))]
+
+
+def mapped(function, value):
+    """`function` of `value`, or of each item where it is a list or tuple (of the same type)."""
+    return type(value)([function(item) for item in value]) if isinstance(value, (list, tuple)) else function(value)
+
+
+def each(function, args, kwargs) -> tuple[list, dict]:
+    """mapped(function) of each argument and keyword argument."""
+    return tuple(mapped(function, value) for value in args), {key: mapped(function, value)
+                                                               for key, value in kwargs.items()}
+
+
+def on_the_cpu(value):
+    """A device argument as the CPU, where the played GPU computes."""
+    return CPU if isinstance(value, torch.device) else value
+
+
+def unwrapped(value):
+    return value.elem if isinstance(value, OnDevice) else value
 
 
 class DeviceError(RuntimeError):
@@ -132,10 +157,10 @@ class State:
     def dispatch(self, func, args, kwargs):
         """`func` on the played GPU, where an argument is on it or a device argument names it."""
         name = func.overloadpacket.__name__
-        named = {value.type for value in tree_flatten((args, kwargs))[0] if isinstance(value, torch.device)}
-        args, kwargs = tree_map(lambda value: CPU if isinstance(value, torch.device) else value, (args, kwargs))
+        named = {value.type for value in leaves(*args, *kwargs.values()) if isinstance(value, torch.device)}
+        args, kwargs = each(on_the_cpu, args, kwargs)
         kwargs.pop("pin_memory", None)
-        flat = tree_flatten((args, kwargs))[0]
+        flat = leaves(*args, *kwargs.values())
         from_device = any(on_device(value) for value in flat)
         if from_device and name not in CROSSING and any(is_host(value) for value in flat):
             raise DeviceError(f"{name}: Expected all tensors to be on the same device, but found at least two "
@@ -151,7 +176,7 @@ class State:
         if self.capturing is not None and on_gpu and any(is_host(value) for value in flat):
             raise DeviceError(f"{name}: a copy from pageable host memory while the stream is capturing")
         func = STAND_INS.get(func, func) if on_gpu else func
-        elems = tree_map(lambda value: value.elem if on_device(value) else value, (args, kwargs))
+        elems = each(unwrapped, args, kwargs)
         out = func(*elems[0], **elems[1])
         for value in flat:  # an out= variant may resize: the wrapper's shape would lie
             if on_device(value) and (value.shape != value.elem.shape or value.stride() != value.elem.stride()):
@@ -161,8 +186,8 @@ class State:
         if not on_gpu:
             return out
         given = {id(value.elem): value for value in flat if on_device(value)}  # an in-place result is its input
-        return tree_map(lambda value: (given[id(value)] if id(value) in given else wrap(value))
-                        if isinstance(value, torch.Tensor) else value, out)
+        return mapped(lambda value: (given[id(value)] if id(value) in given else wrap(value))
+                      if isinstance(value, torch.Tensor) else value, out)
 
 
 STATE = State()
@@ -175,7 +200,7 @@ class Mode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if any(on_device(value) or isinstance(value, torch.device) and value.type == "cuda"
-               for value in tree_flatten((args, kwargs))[0]):
+               for value in leaves(*args, *kwargs.values())):
             return STATE.dispatch(func, args, kwargs)
         name = func.overloadpacket.__name__
         if name == "is_pinned":
@@ -222,7 +247,7 @@ class CUDAGraph:
     def replay(self):
         STATE.replays += 1
         for func, args, kwargs, out in self.recorded:
-            for captured, again in zip(tree_flatten(out)[0], tree_flatten(func(*args, **kwargs))[0]):
+            for captured, again in zip(leaves(out), leaves(func(*args, **kwargs))):
                 if isinstance(captured, torch.Tensor) and captured is not again:
                     captured.copy_(again)
 
