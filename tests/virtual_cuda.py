@@ -14,6 +14,7 @@ import contextlib
 import copy
 import functools
 import os
+import sys
 import tempfile
 import threading
 import weakref
@@ -292,6 +293,15 @@ def read_list(tolist):
     return read
 
 
+def forget_what_was_found() -> None:
+    """Clears what transformers caches of the machine (is_torch_cuda_available, get_available_devices...): found
+    afresh inside a played GPU, and again after it, so that nothing of it outlives it."""
+    for name in ("transformers.utils.import_utils", "transformers.utils"):
+        for value in vars(sys.modules.get(name, contextlib)).values():
+            if callable(getattr(value, "cache_clear", None)):
+                value.cache_clear()
+
+
 @functools.cache
 def register_device_guard() -> None:
     """Builds and loads tests/played_guard.cpp: C++ code that guards the device of a cuda tensor (indexing, .to)
@@ -337,5 +347,9 @@ def played_gpu(name="NVIDIA H200", capability=(9, 0), bf16=True):
         for factory in ("tensor", "as_tensor"):
             patch.setattr(torch, factory, made_on_host(getattr(torch, factory)))
         patch.setattr(threading.Thread, "run", run_played)
-        with Mode():
-            yield STATE
+        forget_what_was_found()
+        try:
+            with Mode():
+                yield STATE
+        finally:
+            forget_what_was_found()
