@@ -4,6 +4,7 @@ random bfloat16 weights, beside the GPU's measured copy bandwidth.
     python -m benchmarks.gpu [--json FILE] [--shapes NAME ...] [--batches 1 16 64] [--new-tokens 64]
                              [--budget 300] [--device cuda]
     python -m benchmarks.gpu --quick --device cpu     # tiny shapes, a few tokens: checks the script end to end
+    python tests/virtual_cuda.py -m benchmarks.gpu --quick   # the same on a GPU the CPU plays: its CUDA paths too
 
 For every shape (transformers' LlamaConfig / Qwen3Config with the published sizes, the weights random and built
 directly on the device: no download, no tokenizer; token ids are fed) and every batch: the time until every row has
@@ -829,7 +830,7 @@ def main(argv=None):
         args.device = torch.device(args.device)
         if args.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("CUDA is not available (torch " + torch.__version__ + "); --device cpu --quick runs "
-                               "the script on the CPU")
+                               "the script on the CPU, tests/virtual_cuda.py on a GPU the CPU plays")
         torch.empty(1, device=args.device)
     except Exception as error:
         print(f"--device {args.device}: {one_line(error)}", file=sys.stderr)

@@ -7,7 +7,9 @@ A tensor on the played GPU is a CPU tensor in a wrapper that says cuda:0 (OnDevi
 as CUDA checks it, run on the CPU and its results wrapped again. A graph's capture records the operators it ran and
 its replay runs them again on the same tensors, as a CUDA graph replays its kernels on the same memory: what the
 capture computed on the host stays baked in, as on a GPU. torch's int4 kernels are played by the CPU's (the same
-groups, scales and zeros). Triton's kernels cannot be played.
+groups, scales and zeros). Triton's kernels cannot be played, nor time or memory.
+
+    python tests/virtual_cuda.py -m benchmarks.gpu --quick     # a module run on the played GPU
 """
 
 import contextlib
@@ -17,10 +19,14 @@ import os
 import sys
 import tempfile
 import threading
+import time
+import types
 import weakref
 
 import pytest
 import torch
+from torch.overrides import _get_current_function_mode_stack
+from torch.utils._device import DeviceContext
 from torch.utils._device import _device_constructors as device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -225,17 +231,22 @@ class Stream:
 
 
 class Event:
+    """Records the host's clock: every operator before it has run when it is recorded."""
+
     def __init__(self, *args, **kwargs):
-        pass
+        self.time = None
 
     def record(self, stream=None):
-        pass
+        self.time = time.perf_counter()
 
     def synchronize(self):
         pass
 
     def query(self):
         return True
+
+    def elapsed_time(self, end):
+        return (end.time - self.time) * 1000
 
 
 class CUDAGraph:
@@ -274,11 +285,22 @@ class HostGenerator(torch.Generator):
         return super().__new__(cls)  # the device's would need CUDA
 
 
+def context_device() -> torch.device:
+    """The device of the innermost `with torch.device(...)`, else the default's (torch.get_default_device would make
+    a tensor to find its index)."""
+    contexts = [mode for mode in _get_current_function_mode_stack() if isinstance(mode, DeviceContext)]
+    if contexts:
+        return torch.device(contexts[-1].device)
+    context = getattr(getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None), "device_context", None)
+    return CPU if context is None else torch.device(context.device)
+
+
 def made_on_host(original):
-    """torch.tensor or as_tensor given device="cuda" (C++ would make it on CUDA itself): made on the host, copied."""
+    """torch.tensor or as_tensor given device="cuda", or within torch.device("cuda") (C++ would make it on CUDA
+    itself): made on the host, then copied."""
     def make(data, *args, device=None, **kwargs):
-        if device is not None and torch.device(device).type == "cuda":
-            return original(data, *args, **kwargs).to(CUDA)
+        if torch.device(context_device() if device is None else device).type == "cuda":
+            return original(data, *args, device=CPU, **kwargs).to(CUDA)
         return original(data, *args, device=device, **kwargs)
     return make
 
@@ -322,14 +344,18 @@ def played_gpu(name="NVIDIA H200", capability=(9, 0), bf16=True):
     register_device_guard()
     STATE = State()
     cuda = {"_lazy_init": lambda: None, "is_available": lambda: True, "device_count": lambda: 1,
-            "current_device": lambda: 0, "get_device_capability": lambda device=None: capability,
+            "current_device": lambda: 0, "set_device": lambda device: None, "_exchange_device": lambda device: 0,
+            "_maybe_exchange_device": lambda device: 0, "get_device_capability": lambda device=None: capability,
             "get_device_name": lambda device=None: name, "is_bf16_supported": lambda including_emulation=True: bf16,
             "Stream": Stream, "current_stream": lambda device=None: Stream(), "set_stream": lambda stream: None,
             "stream": lambda stream: contextlib.nullcontext(), "Event": Event, "synchronize": lambda device=None: None,
             "CUDAGraph": CUDAGraph, "graph": graph, "graph_pool_handle": lambda: object(),
             "set_sync_debug_mode": sync_debug_mode, "empty_cache": lambda: None,
             "mem_get_info": lambda device=None: (100 << 30, 141 << 30),
-            "max_memory_allocated": lambda device=None: 0, "reset_peak_memory_stats": lambda device=None: None}
+            "max_memory_allocated": lambda device=None: 0, "reset_peak_memory_stats": lambda device=None: None,
+            "get_device_properties": lambda device=None: types.SimpleNamespace(
+                name=name, total_memory=141 << 30, multi_processor_count=132, major=capability[0],
+                minor=capability[1], L2_cache_size=60 << 20)}
     run = threading.Thread.run
 
     def run_played(thread):  # a dispatch mode is its thread's own
@@ -340,6 +366,9 @@ def played_gpu(name="NVIDIA H200", capability=(9, 0), bf16=True):
     with pytest.MonkeyPatch.context() as patch:
         for attribute, value in cuda.items():
             patch.setattr(torch.cuda, attribute, value)
+        module_of = torch.get_device_module
+        patch.setattr(torch, "get_device_module", lambda device=None: torch.cuda if device is None or torch.device(
+            device).type == "cuda" else module_of(device))
         patch.setattr(torch.accelerator, "is_available", lambda: True)
         patch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: torch.device("cuda"))
         patch.setattr(torch.Tensor, "tolist", read_list(torch.Tensor.tolist))
@@ -353,3 +382,14 @@ def played_gpu(name="NVIDIA H200", capability=(9, 0), bf16=True):
                 yield STATE
         finally:
             forget_what_was_found()
+
+
+if __name__ == "__main__":  # python tests/virtual_cuda.py -m MODULE [ARGS...]: MODULE run on a played GPU
+    import runpy
+
+    if len(sys.argv) < 3 or sys.argv[1] != "-m":
+        sys.exit("usage: python tests/virtual_cuda.py -m MODULE [ARGS...]")
+    sys.path.insert(0, os.getcwd())
+    module, sys.argv = sys.argv[2], sys.argv[2:]
+    with played_gpu():
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
