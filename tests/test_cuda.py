@@ -486,6 +486,50 @@ def test_server_answers_on_the_gpu(checkpoint):
         assert answers[0].json()["choices"][0]["logprobs"]["top_logprobs"]
 
 
+def test_sixteen_streaming_clients_at_once_each_get_their_answer_alone(checkpoint, gpu):
+    """16 clients streaming chat completions at once (4 rows at most: requests wait, join as others end, in slots
+    freed and taken again, a graph captured for each batch size): none lost, each stream ends with [DONE], and each
+    greedy text is what the same request gets alone."""
+    for name in ("fastapi", "uvicorn", "httpx"):
+        pytest.importorskip(name)
+    import threading
+
+    import httpx
+
+    from rungen.loading import load
+
+    def body(number, stream):
+        return {"model": "tiny", "stream": stream, "max_tokens": 4 + number % 9, "temperature": 0,
+                "messages": [{"role": "user", "content": f"Tell me about the number {number % 5}, please."}]}
+
+    streamed = {}
+
+    def client(url, number):
+        text, lines = "", []
+        with httpx.stream("POST", url, json=body(number, True), timeout=120) as response:
+            for line in filter(None, response.iter_lines()):  # events, without the blank lines between
+                lines.append(line)
+                if line.startswith("data: {"):
+                    choices = json.loads(line[6:])["choices"]
+                    text += (choices[0]["delta"].get("content") or "") if choices else ""
+        streamed[number] = (response.status_code, lines[-1] if lines else None, text)
+
+    with serving(load(checkpoint, device=DEVICE, dtype="float32"), model_id="tiny", max_batch=4,
+                 max_queue=32) as (live, _):
+        url = live.url + "/v1/chat/completions"
+        clients = [threading.Thread(target=client, args=(url, number)) for number in range(16)]
+        for thread in clients:
+            thread.start()
+        for thread in clients:
+            thread.join(timeout=300)
+        alone = [httpx.post(url, json=body(number, False), timeout=120).json() for number in range(16)]
+    assert len(streamed) == 16
+    for number, answer in enumerate(alone):
+        assert streamed[number] == (200, "data: [DONE]", answer["choices"][0]["message"]["content"]), number
+    if gpu is not None:
+        assert gpu.captures >= 2  # batches of more than one size
+
+
 @needs_cuda
 def test_a_checkpoint_and_a_gguf_file_default_to_half_precision_on_cuda(checkpoint, gguf_file):
     from rungen.loading import accelerator_half, load
