@@ -1,7 +1,8 @@
-"""What a GPU machine meets, checked on the CPU: the device is chosen as before, a GGUF file (the default model)
-goes to its accelerator form instead of being refused, checkpoints default to half precision on CUDA, the
-CPU-only flag (--jit) is refused in one line before anything loads while --quantize goes on, and running out of GPU
-memory is one line that says how to fit. The runs on a real GPU are tests/test_cuda.py's."""
+"""What a GPU machine meets, checked on the CPU device: the device is chosen as before, a GGUF file goes to its
+accelerator form instead of being refused (the Triton kernels stood in by the plain product), checkpoints default to
+half precision on CUDA, the CPU-only flag (--jit) is refused in one line before anything loads while --quantize goes
+on, and running out of GPU memory is one line that says how to fit. The runs on a GPU, real or played by the CPU
+(the default model's Quick start among them), are tests/test_cuda.py's."""
 
 import os
 

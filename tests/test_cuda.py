@@ -1,9 +1,9 @@
 """The tool on a CUDA GPU: greedy output equal to transformers' eager generate() on the same model on the GPU (a tiny
 llama checkpoint and a tiny Q4_0 GGUF file, in float32 for exact equality), every sampling control running there and
 a seeded run repeating itself, a grammar, tool calls, stop strings, drafted tokens, a session's cache reuse, the
-server's chat completion, the engine's CUDA graphs and its steps launched ahead of the host's reading changing no
-token (and launching without waiting for the GPU), the Quick start answering, the half-precision default and the
-refusal of the CPU-only flags.
+server's chat completion and 16 clients streaming at once, the engine's CUDA graphs and its steps launched ahead of
+the host's reading changing no token (for requests joining and ending mid-run too; and launching without waiting
+for the GPU), the Quick start answering, the half-precision default and the refusal of the CPU-only flags.
 
 Every test is marked `cuda`. On a GPU: `python -m pytest -q -m cuda tests/test_cuda.py` (benchmarks/gpu_check.sh runs
 it). Where torch sees no GPU (CI), the CPU plays one (tests/virtual_cuda.py): the tool takes its CUDA paths and every
