@@ -147,7 +147,8 @@ class State:
         self.pinned = {}  # id -> a weak reference of each host tensor made in pinned memory
 
     def pin(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.pinned[id(tensor)] = weakref.ref(tensor)
+        key = id(tensor)  # forgotten as the tensor goes, before its id can be another's
+        self.pinned[key] = weakref.ref(tensor, lambda _: self.pinned.pop(key, None))
         return tensor
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
@@ -176,15 +177,19 @@ class State:
         on_gpu = "cuda" in named or from_device and not to_host
         waits = not (name == "copy_" and (kwargs.get("non_blocking") or args[2:3] == (True,))
                      and self.is_pinned(args[0]))
-        if from_device and (name in READS or to_host and waits):
+        copy = from_device and to_host and name in ("_to_copy", "copy_", "to")  # (empty_like(device="cpu"): none)
+        if from_device and name in READS or copy and waits:
             self.read(name)
-        self.copies += from_device and to_host and not waits
+        self.copies += copy and not waits
         self.launches += on_gpu and not func.is_view
         if self.capturing is not None and on_gpu and any(is_host(value) for value in flat):
             raise DeviceError(f"{name}: a copy from pageable host memory while the stream is capturing")
         func = STAND_INS.get(func, func) if on_gpu else func
         elems = each(unwrapped, args, kwargs)
         out = func(*elems[0], **elems[1])
+        if from_device and name not in READS and isinstance(out, (bool, int, float)):
+            self.read(name)  # a number read from the device (item, allclose... under inference mode: no
+            # _local_scalar_dense is dispatched)
         for value in flat:  # an out= variant may resize: the wrapper's shape would lie
             if on_device(value) and (value.shape != value.elem.shape or value.stride() != value.elem.stride()):
                 raise DeviceError(f"{name} changed a tensor's shape to {tuple(value.elem.shape)}")
