@@ -372,9 +372,10 @@ def error_of(args, capsys):
 
 
 # Operators that read a tensor back to the host (each waits for a GPU, and a CUDA graph's capture refuses it), and
-# torch.tensor's, which makes a tensor of host data (a capture copies it once; every replay reuses that copy).
-HOST_READS = {"_local_scalar_dense", "is_nonzero", "nonzero", "masked_select", "equal", "unique", "_unique2",
-              "unique_consecutive", "repeat_interleave"}
+# torch.tensor's, which makes a tensor of host data (a capture copies it once; every replay reuses that copy). Under
+# inference mode .item(), int() and float() reach a dispatch mode as `item`, not `_local_scalar_dense`.
+HOST_READS = {"_local_scalar_dense", "item", "is_nonzero", "nonzero", "masked_select", "equal", "allclose", "unique",
+              "_unique2", "unique_consecutive", "repeat_interleave"}
 HOST_DATA = {"lift_fresh"}
 
 

@@ -30,13 +30,13 @@ from torch.utils._device import DeviceContext
 from torch.utils._device import _device_constructors as device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from helpers import HOST_READS
+
 CUDA = torch.device("cuda", 0)
 CPU = torch.device("cpu")
 # Operators CUDA lets take a host tensor beside a device one: copies, and indexing by host indices.
 CROSSING = {"_to_copy", "copy_", "index", "index_put_", "_index_put_impl_"}
-# Operators whose result's size or value the host must wait for (tests/helpers.py's HOST_READS).
-READS = {"_local_scalar_dense", "is_nonzero", "nonzero", "masked_select", "equal", "unique", "_unique2",
-         "unique_consecutive", "repeat_interleave"}
+READS = HOST_READS  # operators whose result's size or value the host must wait for
 
 
 def leaves(*values) -> list:
@@ -188,8 +188,7 @@ class State:
         elems = each(unwrapped, args, kwargs)
         out = func(*elems[0], **elems[1])
         if from_device and name not in READS and isinstance(out, (bool, int, float)):
-            self.read(name)  # a number read from the device (item, allclose... under inference mode: no
-            # _local_scalar_dense is dispatched)
+            self.read(name)  # a number from the device, whatever the operator
         for value in flat:  # an out= variant may resize: the wrapper's shape would lie
             if on_device(value) and (value.shape != value.elem.shape or value.stride() != value.elem.stride()):
                 raise DeviceError(f"{name} changed a tensor's shape to {tuple(value.elem.shape)}")
