@@ -36,7 +36,6 @@ CUDA = torch.device("cuda", 0)
 CPU = torch.device("cpu")
 # Operators CUDA lets take a host tensor beside a device one: copies, and indexing by host indices.
 CROSSING = {"_to_copy", "copy_", "index", "index_put_", "_index_put_impl_"}
-READS = HOST_READS  # operators whose result's size or value the host must wait for
 
 
 def leaves(*values) -> list:
@@ -50,7 +49,7 @@ def mapped(function, value):
     return type(value)([function(item) for item in value]) if isinstance(value, (list, tuple)) else function(value)
 
 
-def each(function, args, kwargs) -> tuple[list, dict]:
+def each(function, args, kwargs) -> tuple[tuple, dict]:
     """mapped(function) of each argument and keyword argument."""
     return tuple(mapped(function, value) for value in args), {key: mapped(function, value)
                                                                for key, value in kwargs.items()}
@@ -62,7 +61,7 @@ def on_the_cpu(value):
 
 
 def unwrapped(value):
-    return value.elem if isinstance(value, OnDevice) else value
+    return value.elem if on_device(value) else value
 
 
 class DeviceError(RuntimeError):
@@ -165,10 +164,10 @@ class State:
     def dispatch(self, func, args, kwargs):
         """`func` on the played GPU, where an argument is on it or a device argument names it."""
         name = func.overloadpacket.__name__
-        named = {value.type for value in leaves(*args, *kwargs.values()) if isinstance(value, torch.device)}
+        flat = leaves(*args, *kwargs.values())  # its tensors stay the same objects below
+        named = {value.type for value in flat if isinstance(value, torch.device)}
         args, kwargs = each(on_the_cpu, args, kwargs)
         kwargs.pop("pin_memory", None)
-        flat = leaves(*args, *kwargs.values())
         from_device = any(on_device(value) for value in flat)
         if from_device and name not in CROSSING and any(is_host(value) for value in flat):
             raise DeviceError(f"{name}: Expected all tensors to be on the same device, but found at least two "
@@ -178,7 +177,7 @@ class State:
         waits = not (name == "copy_" and (kwargs.get("non_blocking") or args[2:3] == (True,))
                      and self.is_pinned(args[0]))
         copy = from_device and to_host and name in ("_to_copy", "copy_", "to")  # (empty_like(device="cpu"): none)
-        if from_device and name in READS or copy and waits:
+        if from_device and name in HOST_READS or copy and waits:
             self.read(name)
         self.copies += copy and not waits
         self.launches += on_gpu and not func.is_view
@@ -187,7 +186,7 @@ class State:
         func = STAND_INS.get(func, func) if on_gpu else func
         elems = each(unwrapped, args, kwargs)
         out = func(*elems[0], **elems[1])
-        if from_device and name not in READS and isinstance(out, (bool, int, float)):
+        if from_device and name not in HOST_READS and isinstance(out, (bool, int, float)):
             self.read(name)  # a number from the device, whatever the operator
         for value in flat:  # an out= variant may resize: the wrapper's shape would lie
             if on_device(value) and (value.shape != value.elem.shape or value.stride() != value.elem.stride()):
@@ -323,7 +322,9 @@ def forget_what_was_found() -> None:
     """Clears what transformers caches of the machine (is_torch_cuda_available, get_available_devices...): found
     afresh inside a played GPU, and again after it, so that nothing of it outlives it."""
     for name in ("transformers.utils.import_utils", "transformers.utils"):
-        for value in vars(sys.modules.get(name, contextlib)).values():
+        if name not in sys.modules:
+            continue
+        for value in vars(sys.modules[name]).values():
             if callable(getattr(value, "cache_clear", None)):
                 value.cache_clear()
 
