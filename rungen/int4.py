@@ -8,6 +8,8 @@ import os
 
 import torch
 
+from .int8 import QUANTIZE_ROWS
+
 GROUP_SIZE = 32  # input channels sharing one scale and zero (GGUF's Q4_0/Q4_1 blocks are 32 too)
 INNER_K_TILES = 8  # the CPU packing's layout; the kernel accepts 2, 4 or 8
 # 4-bit codes on a GPU (a GGUF file's, --quantize int4's): "0" none, "triton" rungen/int4_kernel.py's form, else
@@ -16,14 +18,20 @@ GPU_INT4_ENV = "RUN_GENERATION_GPU_INT4"
 
 
 def int4_groups(weight):
-    """A float weight [out, in] as 4-bit codes [out, in] (int32, 0..15) and per group of GROUP_SIZE inputs a scale
+    """A float weight [out, in] as 4-bit codes [out, in] (uint8, 0..15) and per group of GROUP_SIZE inputs a scale
     (rounded to bfloat16, as the kernels use it) and the group's least value: weight ~ scale * code + least."""
-    weight = weight.detach().float().contiguous()
-    groups = weight.reshape(weight.shape[0], weight.shape[1] // GROUP_SIZE, GROUP_SIZE)
-    low, high = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
-    scales = ((high - low).clamp(min=1e-12) / 15).to(torch.bfloat16).float()
-    codes = torch.round((groups - low) / scales).clamp(0, 15).to(torch.int32).reshape(weight.shape)
-    return codes, scales.squeeze(-1), low.squeeze(-1)
+    rows, columns = weight.shape
+    codes = torch.empty(rows, columns, dtype=torch.uint8, device=weight.device)
+    scales = torch.empty(rows, columns // GROUP_SIZE, device=weight.device)
+    low = torch.empty_like(scales)
+    for start in range(0, rows, QUANTIZE_ROWS):
+        part = slice(start, start + QUANTIZE_ROWS)
+        groups = weight[part].detach().to(torch.float32, copy=True).reshape(-1, columns // GROUP_SIZE, GROUP_SIZE)
+        least, most = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
+        scale = ((most - least).clamp(min=1e-12) / 15).to(torch.bfloat16).float()
+        codes[part] = groups.sub_(least).div_(scale).round_().clamp_(0, 15).reshape(-1, columns)
+        scales[part], low[part] = scale.squeeze(-1), least.squeeze(-1)
+    return codes, scales, low
 
 
 class Int4Linear(torch.nn.Module):
@@ -32,9 +40,10 @@ class Int4Linear(torch.nn.Module):
         out_features, in_features = weight.shape
         # The packing wants output channels in multiples of 16: pad with zero rows, cut them off the output.
         padded = -out_features % 16
-        codes, scales, low = int4_groups(torch.nn.functional.pad(weight.detach().float(), (0, 0, 0, padded)))
+        codes, scales, low = (torch.nn.functional.pad(t, (0, 0, 0, padded)) for t in int4_groups(weight))
         zeros = low + 8 * scales  # zero is the value of code 8
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, INNER_K_TILES))
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32),
+                                                                                           INNER_K_TILES))
         scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1)
         self.register_buffer("scales_and_zeros", scales_and_zeros.contiguous().to(torch.bfloat16))
         self.bias = bias
@@ -58,9 +67,10 @@ class TinyGemmLinear(torch.nn.Module):
         rows, self.in_features = codes.shape
         self.out_features = rows
         padded = -rows % 16  # output channels in multiples of 16 (cut off the output)
-        codes, scale, offset = (torch.nn.functional.pad(t, (0, 0, 0, padded)) for t in (codes, scale, offset))
+        if padded:
+            codes, scale, offset = (torch.nn.functional.pad(t, (0, 0, 0, padded)) for t in (codes, scale, offset))
         inner = next(tiles for tiles in (8, 4, 2) if self.in_features % (16 * tiles) == 0)
-        pairs = (codes[:, ::2].to(torch.int32) << 4 | codes[:, 1::2].to(torch.int32)).to(torch.uint8)
+        pairs = codes[:, ::2].to(torch.uint8) << 4 | codes[:, 1::2].to(torch.uint8)
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack(pairs.to(device), inner))
         scales_and_zeros = torch.stack([scale, offset + 8 * scale], dim=-1).transpose(0, 1)
         self.register_buffer("scales_and_zeros", scales_and_zeros.contiguous().to(device, torch.bfloat16))

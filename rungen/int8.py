@@ -22,6 +22,7 @@ TRITON_ENV = "RUN_GENERATION_TRITON_INT8"  # 0: never the Triton kernel (the wid
 MOST_ROWS = 64  # the kernel's rows at most: past that a step is compute-bound and cuBLAS's product wins
 CHECKED_CHANNELS = 1024  # output channels a check of the kernel multiplies at most
 WIDEN_BYTES = 1 << 28  # a widened weight's bytes at most at a time (256 MB; a head's table is gigabytes)
+QUANTIZE_ROWS = 4096  # a weight's output channels quantized at a time: its float32 working copies stay a slice of it
 # The tuned configurations (BLOCK_N, BLOCK_K, warps), by the GPUs they are for: Ampere on, where none spills a
 # register in any int8 form in (b)float16 on sm_80, sm_89 or sm_90; before Ampere (Volta, Turing: float16), where
 # Ampere's spill up to 2 KiB a thread in the int8 kernel and these spill none in either kernel on sm_70 or sm_75
@@ -126,9 +127,13 @@ def triton_kernel():
 def int8_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A float weight [out, in] as int8 codes and one scale an output channel (bfloat16): weight ~ scale * code. The
     scale is rounded to bfloat16 first, as the kernels use it, so the codes match it."""
-    weight = weight.detach().float().contiguous()
-    scale = (weight.abs().amax(dim=1).clamp(min=1e-12) / 127).to(torch.bfloat16)
-    codes = torch.round(weight / scale.float()[:, None]).clamp(-128, 127).to(torch.int8)
+    codes = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    scale = torch.empty(weight.shape[0], dtype=torch.bfloat16, device=weight.device)
+    for start in range(0, weight.shape[0], QUANTIZE_ROWS):
+        part = slice(start, start + QUANTIZE_ROWS)
+        rows = weight[part].detach().to(torch.float32, copy=True)
+        scale[part] = rows.abs().amax(dim=1).clamp(min=1e-12) / 127
+        codes[part] = rows.div_(scale[part].float()[:, None]).round_().clamp_(-128, 127)
     return codes, scale
 
 

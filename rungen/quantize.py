@@ -159,7 +159,7 @@ def gpu_int4_linear(weight, bias, check=False):
     if check:
         zeros = (low + 8 * scales).to(torch.bfloat16).float()
         rows, groups = scales.shape
-        exact = ((codes - 8).reshape(rows, groups, GROUP_SIZE) * scales[..., None] + zeros[..., None])
+        exact = ((codes.float() - 8).reshape(rows, groups, GROUP_SIZE) * scales[..., None] + zeros[..., None])
         layer, why = checked_tinygemm(make, exact.reshape(weight.shape).to(torch.bfloat16))
         if layer is None:
             raise QuantizeError(f"--quantize int4: torch's int4 kernel on this GPU {why}; run without --quantize "

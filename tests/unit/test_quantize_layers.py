@@ -407,3 +407,32 @@ def test_gpu_int4_packs_what_the_cpu_int4_layer_packs(monkeypatch):
     with pytest.raises(quantize.QuantizeError, match=r"^--quantize int4: torch's int4 kernel on this GPU failed "
                        r"\(CUDA error: no kernel image is available for execution on the device\); run without"):
         quantize.gpu_int4_linear(weight, bias, check=True)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_weight_quantized_some_rows_at_a_time_gets_the_whole_weights_codes(monkeypatch, mode):
+    # A weight is quantized QUANTIZE_ROWS output channels at a time (its float32 working copies a slice of it, not
+    # several copies of a 117M-weight projection on the GPU): cut anywhere, its codes and scales are those of the
+    # plain formula over the whole weight, and the float32 weight given is left as it was.
+    import rungen.int4
+    import rungen.int8
+
+    weight = torch.randn(50, 64, generator=torch.Generator().manual_seed(0))
+    given = weight.clone()
+    if mode == "int8":
+        scale = (weight.abs().amax(dim=1).clamp(min=1e-12) / 127).to(torch.bfloat16)
+        plain = (torch.round(weight / scale.float()[:, None]).clamp(-128, 127).to(torch.int8), scale)
+    else:
+        groups = weight.reshape(50, 2, GROUP_SIZE)
+        low, high = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
+        scales = ((high - low).clamp(min=1e-12) / 15).to(torch.bfloat16).float()
+        codes = torch.round((groups - low) / scales).clamp(0, 15).to(torch.uint8).reshape(50, 64)
+        plain = (codes, scales.squeeze(-1), low.squeeze(-1))
+    quantized = rungen.int8.int8_codes if mode == "int8" else rungen.int4.int4_groups
+    for rows in (4096, 7, 1):
+        monkeypatch.setattr(rungen.int8, "QUANTIZE_ROWS", rows)
+        monkeypatch.setattr(rungen.int4, "QUANTIZE_ROWS", rows)
+        got = quantized(weight)
+        assert [t.dtype for t in got] == [t.dtype for t in plain]
+        assert all(torch.equal(a, b) for a, b in zip(got, plain)), rows
+        assert torch.equal(weight, given)
