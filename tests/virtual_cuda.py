@@ -7,7 +7,8 @@ A tensor on the played GPU is a CPU tensor in a wrapper that says cuda:0 (OnDevi
 as CUDA checks it, run on the CPU and its results wrapped again. A graph's capture records the operators it ran and
 its replay runs them again on the same tensors, as a CUDA graph replays its kernels on the same memory: what the
 capture computed on the host stays baked in, as on a GPU. torch's int4 kernels are played by the CPU's (the same
-groups, scales and zeros). Triton's kernels cannot be played, nor time or memory.
+groups, scales and zeros). Its memory is the bytes of the storages its tensors hold, to a capacity past which an
+allocation is CUDA's out-of-memory error. Triton's kernels cannot be played, nor time.
 
     python tests/virtual_cuda.py -m benchmarks.gpu --quick     # a module run on the played GPU
 """
@@ -64,6 +65,14 @@ def unwrapped(value):
     return value.elem if on_device(value) else value
 
 
+def readable(size: int) -> str:
+    """A size as CUDA's allocator writes it in its messages."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if size >= 1 << shift:
+            return f"{size / (1 << shift):.2f} {unit}"
+    return f"{size} bytes"
+
+
 class DeviceError(RuntimeError):
     """What CUDA would have raised."""
 
@@ -89,6 +98,7 @@ class OnDevice(torch.Tensor):
 
     def __init__(self, elem):
         self.elem = elem
+        STATE.hold(self)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -136,7 +146,7 @@ def wrap(elem: torch.Tensor) -> OnDevice:
 class State:
     """What the played GPU has seen, and the graph it is capturing (a list of recorded operators) or None."""
 
-    def __init__(self):
+    def __init__(self, capacity: int = 141 << 30):
         self.reads = []  # the operators the host waited for, in order
         self.copies = 0  # copies to pinned host memory, which do not wait
         self.launches = 0  # operators run on the device, views left out: a kernel each (or a copy)
@@ -144,6 +154,39 @@ class State:
         self.capturing = None
         self.strict = False  # torch.cuda.set_sync_debug_mode("error")
         self.pinned = {}  # id -> a weak reference of each host tensor made in pinned memory
+        self.capacity = capacity
+        self.allocated = self.peak = 0  # bytes of the storages a tensor on the device holds
+        self.held = {}  # a storage's address -> [its bytes, the tensors on the device that hold it]
+
+    def hold(self, tensor: OnDevice) -> None:
+        """Counts `tensor`'s storage as allocated until the last host tensor playing one on the device that holds it
+        goes (a graph's recording holds them, as its pool does), as CUDA's allocator frees a block (its rounding to
+        512 bytes and the libraries' workspaces left out); a storage past the capacity is CUDA's out-of-memory
+        error. (The wrapper itself takes no weak reference: nn.Module.to swaps it for a parameter.)"""
+        storage = tensor.elem.untyped_storage()
+        key = storage.data_ptr()
+        if not key:
+            return
+        entry = self.held.get(key)
+        if entry is None:
+            size = storage.nbytes()
+            if self.allocated + size > self.capacity:
+                raise torch.OutOfMemoryError(
+                    f"CUDA out of memory. Tried to allocate {readable(size)}. GPU 0 has a total capacity of "
+                    f"{readable(self.capacity)} of which {readable(self.capacity - self.allocated)} is free. Of the "
+                    f"allocated memory {readable(self.allocated)} is allocated by PyTorch")
+            entry = self.held[key] = [size, 0]
+            self.allocated += size
+            self.peak = max(self.peak, self.allocated)
+        entry[1] += 1
+        weakref.finalize(tensor.elem, self.release, key)
+
+    def release(self, key: int) -> None:
+        entry = self.held[key]
+        entry[1] -= 1
+        if not entry[1]:
+            del self.held[key]
+            self.allocated -= entry[0]
 
     def pin(self, tensor: torch.Tensor) -> torch.Tensor:
         key = id(tensor)  # forgotten as the tensor goes, before its id can be another's
@@ -201,6 +244,10 @@ class State:
 
 
 STATE = State()
+
+
+def reset_peak(device=None) -> None:
+    STATE.peak = STATE.allocated
 
 
 class Mode(TorchDispatchMode):
@@ -342,12 +389,12 @@ def register_device_guard() -> None:
 
 
 @contextlib.contextmanager
-def played_gpu(name="NVIDIA H200", capability=(9, 0), bf16=True):
-    """Within it torch sees one CUDA GPU (`name`, compute `capability`, with bfloat16 or not), played by the CPU, in
-    this thread and in every thread started in it; yields its State."""
+def played_gpu(name="NVIDIA H200", capability=(9, 0), bf16=True, capacity=141 << 30):
+    """Within it torch sees one CUDA GPU (`name`, compute `capability`, with bfloat16 or not, `capacity` bytes of
+    memory), played by the CPU, in this thread and in every thread started in it; yields its State."""
     global STATE
     register_device_guard()
-    STATE = State()
+    STATE = State(capacity)
     cuda = {"_lazy_init": lambda: None, "is_available": lambda: True, "device_count": lambda: 1,
             "current_device": lambda: 0, "set_device": lambda device: None, "_exchange_device": lambda device: 0,
             "_maybe_exchange_device": lambda device: 0, "get_device_capability": lambda device=None: capability,
@@ -356,10 +403,11 @@ def played_gpu(name="NVIDIA H200", capability=(9, 0), bf16=True):
             "stream": lambda stream: contextlib.nullcontext(), "Event": Event, "synchronize": lambda device=None: None,
             "CUDAGraph": CUDAGraph, "graph": graph, "graph_pool_handle": lambda: object(),
             "set_sync_debug_mode": sync_debug_mode, "empty_cache": lambda: None,
-            "mem_get_info": lambda device=None: (100 << 30, 141 << 30),
-            "max_memory_allocated": lambda device=None: 0, "reset_peak_memory_stats": lambda device=None: None,
+            "mem_get_info": lambda device=None: (STATE.capacity - STATE.allocated, STATE.capacity),
+            "memory_allocated": lambda device=None: STATE.allocated,
+            "max_memory_allocated": lambda device=None: STATE.peak, "reset_peak_memory_stats": reset_peak,
             "get_device_properties": lambda device=None: types.SimpleNamespace(
-                name=name, total_memory=141 << 30, multi_processor_count=132, major=capability[0],
+                name=name, total_memory=capacity, multi_processor_count=132, major=capability[0],
                 minor=capability[1], L2_cache_size=60 << 20)}
     run = threading.Thread.run
 
