@@ -14,7 +14,7 @@ from .transfers import to_device
 
 # The families whose attention takes this cache and a 4D mask as transformers writes them (update(k, v, layer)).
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
-ROW_BUCKET = 8  # slots grow in multiples of this
+ROW_BUCKET = 8  # past 4 rows, a captured step's rows (and the slots) come in multiples of this
 POSITION_BUCKET = 256  # the positions a slot holds, and those a step reads, in multiples of this
 
 
@@ -65,10 +65,11 @@ class SlotCache:
 
     def ensure(self, rows: int, positions: int, like: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Room for `rows` slots of `positions` positions each, in the dtype, device and head shapes of `like` (a
-        layer list [(keys, values)]); grown in buckets, copying what the slots in use hold."""
+        layer list [(keys, values)]); grown to the rows' bucket (the rows a captured step runs: one prompt takes one
+        slot), copying what the slots in use hold."""
         if rows <= self.slots and positions <= self.capacity:
             return
-        slots = min(max(self.slots, round_up(rows, ROW_BUCKET)), max(rows, rows_bucket(self.max_slots)))
+        slots = min(max(self.slots, rows_bucket(rows)), max(rows, rows_bucket(self.max_slots)))
         capacity = max(self.capacity, min(round_up(positions, POSITION_BUCKET), max(positions, self.max_positions)))
         keys, values = [], []
         for layer, (k, v) in enumerate(like):

@@ -160,13 +160,19 @@ def test_prefills_together_can_be_turned_off(loaded, monkeypatch):
 
 
 def test_slot_cache_grows_by_copying_what_it_holds():
+    # Slots for the rows' bucket (what a captured step runs: 1, 2, 4, then multiples of 8), positions in multiples of
+    # 256: one prompt holds one row's keys/values, not a bucket of eight.
     cache = SlotCache(layers=1, max_slots=64, max_positions=4096)
     like = [(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4))]
+    cache.ensure(1, 10, like)
+    assert (cache.slots, cache.capacity) == (1, 256)
     cache.ensure(2, 10, like)
-    assert (cache.slots, cache.capacity) == (8, 256)
+    assert (cache.slots, cache.capacity) == (2, 256)
     keys = torch.randn(1, 2, 10, 4)
     cache.write(1, [(keys, -keys)])
     cache.rows = 2
+    cache.ensure(3, 10, like)
+    assert (cache.slots, cache.capacity) == (4, 256)
     cache.ensure(9, 300, like)  # more rows and a longer request: new buffers, the rows in use copied
     assert (cache.slots, cache.capacity) == (16, 512)
     torch.testing.assert_close(cache.row_layers(1, 10)[0][0], keys)
@@ -250,3 +256,21 @@ def test_a_decode_step_neither_waits_for_the_device_nor_takes_host_data(loaded, 
     engine.run_here()
     assert len(steps) == 11 and len(picks) == 12  # the first token comes from the prefill
     assert steps == [[]] * 11 and picks == [[]] * 12
+
+
+def test_one_prompt_holds_one_rows_keys_and_values(loaded):
+    # An engine that may batch 16 rows, given one prompt (the command line's --prompt): while it decodes, its cache
+    # is one slot of the positions the request reserves, rounded up to 256 (the tiny model's whole context of 128
+    # here), not a bucket of rows.
+    engine = Engine(loaded, max_batch=16, prefix_cache_bytes=0)
+    slots, held = engine.batch.kv.slots, []
+
+    def sink(event):
+        bytes_held = sum(t.numel() * t.element_size() for t in slots.keys + slots.values)
+        held.append((slots.slots, slots.capacity, bytes_held))
+
+    ids = loaded.tokenizer(PROMPTS[0]).input_ids
+    engine.submit(Request(ids, max_tokens=5, sampling=Sampling(temperature=0, ignore_eos=True), sink=sink))
+    engine.run_here()
+    positions = min(256, loaded.context)
+    assert {figures for figures in held if figures[0]} == {(1, positions, positions * engine.bytes_per_token)}
