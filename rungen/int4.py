@@ -97,6 +97,8 @@ def checked_tinygemm(make, weight: torch.Tensor) -> tuple[TinyGemmLinear | None,
     try:
         layer = make()
         agrees = tinygemm_agrees(layer, weight)
+    except torch.OutOfMemoryError:  # the model does not fit, whatever the kernel: the user must hear that
+        raise
     except RuntimeError as error:
         return None, f"failed ({(str(error).splitlines() or [type(error).__name__])[0][:200]})"
     return (layer, None) if agrees else (None, "disagrees with the de-quantized weights")

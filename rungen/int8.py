@@ -268,6 +268,8 @@ def disagreement(kernel, layer: CodesLinear, dtype: torch.dtype) -> str | None:
         reference = layer.plain(x.float(), codes, scales, offsets)
         try:
             error = (kernel(x, codes, scales, offsets=offsets).float() - reference).abs().max()
+        except torch.OutOfMemoryError:  # the model does not fit, whatever the kernel: the user must hear that
+            raise
         except Exception as failure:  # a compile or launch failure: the caller's other way serves
             return f"the Triton kernel failed ({(str(failure).splitlines() or [type(failure).__name__])[0]})"
         if not bool(error <= 0.02 * reference.abs().max()):

@@ -119,6 +119,27 @@ def test_the_int8_kernels_check_multiplies_a_heads_first_channels_and_catches_a_
     assert why == "the Triton kernel disagrees with the plain product on this GPU"
 
 
+@pytest.mark.parametrize("check", ["int8 or 4-bit Triton kernel", "torch's int4 kernel"])
+def test_a_kernels_check_that_runs_out_of_gpu_memory_says_so(check):
+    # A kernel's check fails over to another form for a kernel that fails; running out of memory is no such
+    # failure: it reaches the user as itself (the command line's "out of GPU memory ... fit it with"), never as
+    # "the kernel failed" and a wider form that needs more memory still.
+    from rungen.int4 import checked_tinygemm
+    from rungen.int8 import CudaInt8Linear, disagreement
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+
+    with pytest.raises(torch.OutOfMemoryError, match="^CUDA out of memory"):
+        if check == "torch's int4 kernel":
+            checked_tinygemm(out_of_memory, torch.zeros(16, 32))
+        else:
+            layer = CudaInt8Linear(torch.zeros(16, 64, dtype=torch.int8), torch.ones(16, dtype=torch.bfloat16), None)
+            disagreement(out_of_memory, layer, torch.float32)
+    assert checked_tinygemm(lambda: (_ for _ in ()).throw(RuntimeError("no kernel image")), torch.zeros(16, 32)) == (
+        None, "failed (no kernel image)")
+
+
 @pytest.mark.parametrize("name", ["Q8_0", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K"])
 def test_an_int8_types_weight_for_the_gpu_keeps_the_files_codes_and_scales(name, monkeypatch):
     # A GGUF weight of an int8 type on a GPU (rungen/gguf/device.py's int8_of_blocks): Q8_0's 32 int8 codes and
