@@ -7,8 +7,9 @@ A tensor on the played GPU is a CPU tensor in a wrapper that says cuda:0 (OnDevi
 as CUDA checks it, run on the CPU and its results wrapped again. A graph's capture records the operators it ran and
 its replay runs them again on the same tensors, as a CUDA graph replays its kernels on the same memory: what the
 capture computed on the host stays baked in, as on a GPU. torch's int4 kernels are played by the CPU's (the same
-groups, scales and zeros). Its memory is the bytes of the storages its tensors hold, to a capacity past which an
-allocation is CUDA's out-of-memory error. Triton's kernels cannot be played, nor time.
+groups, scales and zeros). Its memory is the bytes of the storages its tensors hold and what graphs' pools keep
+(Memory), to a capacity past which an allocation is CUDA's out-of-memory error. Triton's kernels cannot be played,
+nor time.
 
     python tests/virtual_cuda.py -m benchmarks.gpu --quick     # a module run on the played GPU
 """
@@ -98,7 +99,7 @@ class OnDevice(torch.Tensor):
 
     def __init__(self, elem):
         self.elem = elem
-        STATE.hold(self)
+        STATE.memory.hold(self)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -143,6 +144,89 @@ def wrap(elem: torch.Tensor) -> OnDevice:
         return OnDevice(elem)
 
 
+class PoolHandle:
+    """torch.cuda.graph_pool_handle(): while it lives (a graph holds its own), its pool keeps its memory."""
+
+    def __init__(self, usage: list):
+        self.usage = usage
+
+
+class Memory:
+    """The played GPU's memory. Allocated: the bytes of the storages its tensors hold, each counted until the last
+    host tensor playing one on the device that holds it goes, as CUDA's allocator frees a block (its rounding to 512
+    bytes and the libraries' workspaces left out). A graph's capture allocates from its pool, which keeps the most
+    its captures held at once, for their replays, until the pool goes: a tensor made in a capture is freed when the
+    program drops it (the recording keeps the host tensor for the replays), its bytes left to the pool. Past the
+    capacity, an allocation is CUDA's out-of-memory error."""
+
+    def __init__(self, capacity: int):
+        self.total = self.capacity = capacity  # the GPU's memory, and what set_per_process_memory_fraction allows
+        self.allocated = self.peak = 0
+        self.spare = 0  # bytes the pools keep beyond the tensors live in them
+        self.held = {}  # a storage's address -> [its bytes, the tensors holding it, its pool's usage or None]
+        self.pool = None  # the usage [kept, live, open] of the pool the capture under way allocates from
+
+    @property
+    def reserved(self) -> int:
+        return self.allocated + self.spare
+
+    def new_pool(self) -> PoolHandle:
+        handle = PoolHandle([0, 0, True])
+        weakref.finalize(handle, self.close_pool, handle.usage)
+        return handle
+
+    def close_pool(self, usage: list) -> None:
+        self.spare -= usage[0] - usage[1]
+        usage[2] = False
+
+    def limit(self, fraction: float) -> None:
+        self.capacity = int(fraction * self.total)
+
+    def hold(self, tensor: OnDevice) -> None:
+        """Counts `tensor`'s storage from now on. (Outside a capture the host tensor it plays with is watched, not the
+        wrapper: nn.Module.to swaps a wrapper into a parameter, which no weak reference may watch.)"""
+        storage = tensor.elem.untyped_storage()
+        key = storage.data_ptr()
+        if not key:
+            return
+        entry = self.held.get(key)
+        if entry is None:
+            size, pool = storage.nbytes(), self.pool
+            from_pool = min(size, pool[0] - pool[1]) if pool else 0
+            if self.reserved + size - from_pool > self.capacity:
+                raise torch.OutOfMemoryError(
+                    f"CUDA out of memory. Tried to allocate {readable(size)}. GPU 0 has a total capacity of "
+                    f"{readable(self.total)} of which {readable(self.total - self.reserved)} is free. Of the "
+                    f"allocated memory {readable(self.allocated)} is allocated by PyTorch, and this process is "
+                    f"allowed {readable(self.capacity)} (set_per_process_memory_fraction)")
+            if pool:
+                pool[0], pool[1] = pool[0] + size - from_pool, pool[1] + size
+                self.spare -= from_pool
+            self.allocated += size
+            self.peak = max(self.peak, self.allocated)
+            entry = self.held[key] = [size, 0, pool]
+        entry[1] += 1
+        weakref.finalize(tensor if entry[2] else tensor.elem, self.release, key)
+
+    def release(self, key: int) -> None:
+        entry = self.held[key]
+        entry[1] -= 1
+        if entry[1]:
+            return
+        del self.held[key]
+        size, _, pool = entry
+        self.allocated -= size
+        if pool:
+            pool[1] -= size
+            if pool[2]:
+                self.spare += size
+            else:
+                pool[0] -= size
+
+    def reset_peak(self, device=None) -> None:
+        self.peak = self.allocated
+
+
 class State:
     """What the played GPU has seen, and the graph it is capturing (a list of recorded operators) or None."""
 
@@ -154,39 +238,7 @@ class State:
         self.capturing = None
         self.strict = False  # torch.cuda.set_sync_debug_mode("error")
         self.pinned = {}  # id -> a weak reference of each host tensor made in pinned memory
-        self.capacity = capacity
-        self.allocated = self.peak = 0  # bytes of the storages a tensor on the device holds
-        self.held = {}  # a storage's address -> [its bytes, the tensors on the device that hold it]
-
-    def hold(self, tensor: OnDevice) -> None:
-        """Counts `tensor`'s storage as allocated until the last host tensor playing one on the device that holds it
-        goes (a graph's recording holds them, as its pool does), as CUDA's allocator frees a block (its rounding to
-        512 bytes and the libraries' workspaces left out); a storage past the capacity is CUDA's out-of-memory
-        error. (The wrapper itself takes no weak reference: nn.Module.to swaps it for a parameter.)"""
-        storage = tensor.elem.untyped_storage()
-        key = storage.data_ptr()
-        if not key:
-            return
-        entry = self.held.get(key)
-        if entry is None:
-            size = storage.nbytes()
-            if self.allocated + size > self.capacity:
-                raise torch.OutOfMemoryError(
-                    f"CUDA out of memory. Tried to allocate {readable(size)}. GPU 0 has a total capacity of "
-                    f"{readable(self.capacity)} of which {readable(self.capacity - self.allocated)} is free. Of the "
-                    f"allocated memory {readable(self.allocated)} is allocated by PyTorch")
-            entry = self.held[key] = [size, 0]
-            self.allocated += size
-            self.peak = max(self.peak, self.allocated)
-        entry[1] += 1
-        weakref.finalize(tensor.elem, self.release, key)
-
-    def release(self, key: int) -> None:
-        entry = self.held[key]
-        entry[1] -= 1
-        if not entry[1]:
-            del self.held[key]
-            self.allocated -= entry[0]
+        self.memory = Memory(capacity)
 
     def pin(self, tensor: torch.Tensor) -> torch.Tensor:
         key = id(tensor)  # forgotten as the tensor goes, before its id can be another's
@@ -244,10 +296,6 @@ class State:
 
 
 STATE = State()
-
-
-def reset_peak(device=None) -> None:
-    STATE.peak = STATE.allocated
 
 
 class Mode(TorchDispatchMode):
@@ -316,11 +364,13 @@ class CUDAGraph:
 
 @contextlib.contextmanager
 def graph(cuda_graph, pool=None, stream=None, **kwargs):
+    cuda_graph.pool = pool if pool is not None else STATE.memory.new_pool()
     STATE.capturing, STATE.captures = cuda_graph.recorded, STATE.captures + 1
+    STATE.memory.pool = cuda_graph.pool.usage
     try:
         yield
     finally:
-        STATE.capturing = None
+        STATE.capturing = STATE.memory.pool = None
 
 
 def sync_debug_mode(mode) -> None:
@@ -401,11 +451,14 @@ def played_gpu(name="NVIDIA H200", capability=(9, 0), bf16=True, capacity=141 <<
             "get_device_name": lambda device=None: name, "is_bf16_supported": lambda including_emulation=True: bf16,
             "Stream": Stream, "current_stream": lambda device=None: Stream(), "set_stream": lambda stream: None,
             "stream": lambda stream: contextlib.nullcontext(), "Event": Event, "synchronize": lambda device=None: None,
-            "CUDAGraph": CUDAGraph, "graph": graph, "graph_pool_handle": lambda: object(),
+            "CUDAGraph": CUDAGraph, "graph": graph, "graph_pool_handle": lambda: STATE.memory.new_pool(),
             "set_sync_debug_mode": sync_debug_mode, "empty_cache": lambda: None,
-            "mem_get_info": lambda device=None: (STATE.capacity - STATE.allocated, STATE.capacity),
-            "memory_allocated": lambda device=None: STATE.allocated,
-            "max_memory_allocated": lambda device=None: STATE.peak, "reset_peak_memory_stats": reset_peak,
+            "mem_get_info": lambda device=None: (capacity - STATE.memory.reserved, capacity),
+            "memory_allocated": lambda device=None: STATE.memory.allocated,
+            "memory_reserved": lambda device=None: STATE.memory.reserved,
+            "set_per_process_memory_fraction": lambda fraction, device=None: STATE.memory.limit(fraction),
+            "max_memory_allocated": lambda device=None: STATE.memory.peak,
+            "reset_peak_memory_stats": lambda device=None: STATE.memory.reset_peak(),
             "get_device_properties": lambda device=None: types.SimpleNamespace(
                 name=name, total_memory=capacity, multi_processor_count=132, major=capability[0],
                 minor=capability[1], L2_cache_size=60 << 20)}
