@@ -261,10 +261,10 @@ def load(model_name_or_path: str | None, *, device: torch.device, model_type: st
             atexit.register(shutil.rmtree, offload, ignore_errors=True)
             placement = dict(device_map=device_map, max_memory=max_memory, offload_folder=offload)
         model = None
-        if quantize and not load_kwargs and not device_map and device.type == "cpu":
+        if quantize and not load_kwargs and not device_map:
             from .quantize import load_quantized  # block by block, never the whole float model
 
-            model = load_quantized(path, config, torch_dtype, quantize)
+            model = load_quantized(path, config, torch_dtype, quantize, device)
         if model is None:
             model = model_class.from_pretrained(path, dtype=torch_dtype, **load_kwargs, **placement)
     if device_map:

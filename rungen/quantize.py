@@ -212,27 +212,41 @@ def gpu_layer_class(mode, device, dtype):
     raise QuantizeError(f"--quantize int4 on a GPU runs in bfloat16 or float16; the model is {dtype}: drop --dtype")
 
 
+def layer_maker(mode: str, device: torch.device, dtype: torch.dtype):
+    """(the layer class --quantize `mode` makes on `device` for a model in `dtype`, called (weight, bias); the
+    multiple a layer's inputs must be). On an accelerator the first layer made is checked on its kernel, before any
+    is replaced (gpu_layer_class)."""
+    layer_class = _check(mode)
+    if device.type == "cpu":
+        return layer_class, GROUP_SIZE
+    make, multiple = gpu_layer_class(mode, device, dtype)
+    checked = False
+
+    def layer_class(weight, bias):
+        nonlocal checked
+        layer, checked = make(weight, bias, check=not checked), True
+        return layer
+
+    return layer_class, multiple
+
+
+def _quantized_targets(model, mode, multiple, device):
+    """_targets, less the head on an accelerator (it keeps the model's dtype there)."""
+    targets, head = _targets(model, mode, multiple)
+    if device.type != "cpu":
+        targets = {module: {name: child for name, child in children.items() if child is not head}
+                   for module, children in targets.items()}
+        targets = {module: children for module, children in targets.items() if children}
+    return targets, head
+
+
 def quantize_model(model: torch.nn.Module, mode: str) -> int:
     """Replaces every linear layer and the output head by its quantized twin, in place, one block at a time (so
     its float weights go early). Returns how many layers were quantized; raises QuantizeError."""
     if getattr(model, "quantized_layers", None):
         return model.quantized_layers
-    layer_class, multiple = _check(mode), GROUP_SIZE
-    on_gpu = model.device.type != "cpu"
-    if on_gpu:
-        make, multiple = gpu_layer_class(mode, model.device, next(model.parameters()).dtype)
-        checked = False
-
-        def layer_class(weight, bias):  # the first layer made is checked, before any is replaced
-            nonlocal checked
-            layer, checked = make(weight, bias, check=not checked), True
-            return layer
-
-    targets, head = _targets(model, mode, multiple)
-    if on_gpu:
-        targets = {module: {name: child for name, child in children.items() if child is not head}
-                   for module, children in targets.items()}
-        targets = {module: children for module, children in targets.items() if children}  # the head keeps its dtype
+    layer_class, multiple = layer_maker(mode, model.device, next(model.parameters()).dtype)
+    targets, head = _quantized_targets(model, mode, multiple, model.device)
     count = sum(len(children) for children in targets.values())
     while targets:
         module, children = targets.popitem()
@@ -252,16 +266,19 @@ def _safetensors_files(path):
     return [single] if os.path.isfile(single) else None
 
 
-def load_quantized(path: str, config, dtype: torch.dtype, mode: str) -> torch.nn.Module | None:
-    """The causal LM of a local safetensors checkpoint, quantized block by block as it loads (never the whole
-    float model in memory). None (load whole, quantize after) unless its tensor names are exactly the model's
-    parameters (transformers renames or converts some checkpoints while loading)."""
+def load_quantized(path: str, config, dtype: torch.dtype, mode: str,
+                   device: torch.device) -> torch.nn.Module | None:
+    """The causal LM of a local safetensors checkpoint, quantized block by block as it loads onto `device` (never
+    the whole float model in host or device memory: a tensor at a time is read, one block's float weights at a time
+    wait for their layers). None (load whole, quantize after) unless its tensor names are exactly the model's
+    parameters (transformers renames or converts some checkpoints while loading). Its buffers stay on the host
+    until the model is moved to `device`."""
     from accelerate import init_empty_weights
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
-    layer_class = _check(mode)
+    layer_class, multiple = layer_maker(mode, device, dtype)
     files = os.path.isdir(path) and _safetensors_files(path)
     if not files:
         return None
@@ -279,7 +296,7 @@ def load_quantized(path: str, config, dtype: torch.dtype, mode: str) -> torch.nn
     covered = {name for key in keys if key in params for name in aliases[id(params[key])]}
     if not set(keys) <= set(params) or covered != set(params):
         return None
-    targets, head = _targets(model, mode)
+    targets, head = _quantized_targets(model, mode, multiple, device)
     owner = {}  # parameter name -> (parent module, child name, "weight" or "bias")
     modules = {module: name for name, module in model.named_modules()}
     for module, children in targets.items():
@@ -302,6 +319,8 @@ def load_quantized(path: str, config, dtype: torch.dtype, mode: str) -> torch.nn
         # One handle per tensor: a mapping's pages count as resident while it is open.
         with safe_open(file, "pt") as f:
             value = f.get_tensor(key)
+        if device.type != "cpu":  # the accelerator's layers take the weight as the model holds it there
+            value = value.to(device, dtype)
         shared = None
         for name in aliases[id(params[key])]:
             if name in owner:

@@ -561,6 +561,29 @@ def test_a_4_bit_gguf_file_keeps_its_codes_on_the_gpu(gguf_file):
 
 
 @needs_cuda
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+def test_a_gguf_file_goes_to_the_gpu_a_weight_at_a_time(qtype, gguf_file, tmp_path):
+    # On its way to the GPU a GGUF file takes, beyond the model as it runs there, at most one weight in float32:
+    # never the de-quantized model (whatever form each weight takes: 4-bit codes, int8 codes or bfloat16).
+    import gc
+
+    from gguf import GGUFReader
+
+    from rungen.loading import load
+
+    path = gguf_file if qtype == "Q4_0" else write_tiny_gguf(str(tmp_path / f"tiny-{qtype}.gguf"), qtype)
+    largest = max(int(tensor.n_elements) for tensor in GGUFReader(path).tensors)
+    gc.collect()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loaded = load(path, device=DEVICE)
+    held = torch.cuda.memory_allocated() - base
+    assert loaded.model.device.type == "cuda" and held > 0
+    assert torch.cuda.max_memory_allocated() - base <= held + 4 * largest
+
+
+@needs_cuda
 @needs_triton
 def test_a_tied_q8_0_file_keeps_one_set_of_codes_on_the_gpu(tmp_path):
     # A tied file's Q8_0 table: the head's int8 codes for the Triton kernel, which the embedding's lookup reads too
@@ -859,6 +882,66 @@ def test_quantize_int8_keeps_int8_codes_on_the_gpu(checkpoint, monkeypatch):
     exact, quantized = load(checkpoint, device=DEVICE), load(checkpoint, device=DEVICE)
     quantize_model(quantized.model, "int8")
     assert_logits_near(quantized, exact)
+
+
+@pytest.fixture(scope="module")
+def deep_checkpoint(checkpoint, tmp_path_factory):
+    """The tiny llama with more and wider layers, saved in bfloat16 as published checkpoints are: its linear layers
+    hold nearly all its bytes. On a real GPU, a 0.25B model: CUDA's allocator and cuBLAS's workspace (tens of MiB)
+    would hide a tiny one's weights."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = str(tmp_path_factory.mktemp("cuda_deep") / "llama")
+    shutil.copytree(checkpoint, path)
+    config = AutoConfig.from_pretrained(path)
+    config.hidden_size, config.intermediate_size = (256, 512) if PLAYED or ON_CPU else (1024, 4096)
+    config.num_hidden_layers, config.head_dim = 16, config.hidden_size // config.num_attention_heads
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+@needs_cuda
+@pytest.mark.fresh_load  # each run loads from disk: the memory of its own load is the point
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_quantize_fits_a_model_the_gpu_cannot_hold_in_bfloat16(deep_checkpoint, mode, monkeypatch):
+    # --quantize on a GPU reads the checkpoint a tensor at a time and quantizes each block's layers as their weights
+    # arrive, so a GPU allowed 3/4 of the bfloat16 model runs it (the reason to quantize on a GPU), decode steps
+    # replayed from CUDA graphs as ever, with the text of a GPU that held the bfloat16 model first. That model alone,
+    # or loaded whole to be quantized after, is out of memory: one line that says how to fit.
+    import gc
+
+    from safetensors import safe_open
+
+    import rungen.quantize
+
+    def run(args, whole=False):  # what an earlier run left in reference cycles freed first
+        gc.collect()
+        torch.cuda.empty_cache()
+        monkeypatch.setattr(rungen.quantize, "load_quantized", (lambda *a: None) if whole else load_quantized)
+        return run_main(args)
+
+    with safe_open(os.path.join(deep_checkpoint, "model.safetensors"), "pt") as f:
+        bf16 = sum(2 * torch.Size(f.get_slice(key).get_shape()).numel() for key in f.keys())
+    args = ["--model_name_or_path", deep_checkpoint, "--prompt", "Hello", "--length", "8", "--temperature", "0"]
+    load_quantized = rungen.quantize.load_quantized
+    unbounded = run(args + ["--quantize", mode], whole=True)
+    assert unbounded.returncode == 0, unbounded.stderr.decode()[-2000:]
+    gc.collect()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + 0.75 * bf16) / total)
+    try:
+        fits = run(args + ["--quantize", mode])
+        assert fits.returncode == 0, fits.stderr.decode()[-2000:]
+        assert fits.stdout == unbounded.stdout and b"decoding without them" not in fits.stderr
+        for result in (run(args), run(args + ["--quantize", mode], whole=True)):
+            line = error_line(result)
+            assert result.returncode == 2 and "out of GPU memory (CUDA out of memory." in line
+            assert "--device_map auto" in line
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
 
 
 @needs_cuda
