@@ -439,6 +439,7 @@ def default_model_home(request):
 
 @needs_cuda
 @pytest.mark.slow  # the default model, on the played GPU in bfloat16: seconds of CPU a token
+@pytest.mark.fresh_load  # the loader's memo would hold a copy of the model on the GPU
 def test_the_quick_start_answers_paris_on_the_gpu(default_model_home, gpu):
     """The Quick start's first line on the GPU: the default model's file in its GPU form (bfloat16, its 4-bit
     matrices on torch's int4 kernel) decoded over fixed slots from CUDA graphs answers Paris, copying each token to
@@ -452,6 +453,17 @@ def test_the_quick_start_answers_paris_on_the_gpu(default_model_home, gpu):
     assert "Paris" in jsonl(answer.stdout)[0]["generated_text"]
     if gpu is not None:  # one copy a token; the one wait is the int4 kernel's check as the model loads
         assert (gpu.copies, gpu.replays, gpu.reads) == (4, 3, ["_local_scalar_dense"])
+        # GPU memory at most 1.3x the file and the cache (one slot of 256 positions), the played GPU's tensors
+        # counted (a real GPU adds cuBLAS's workspace, tens of MiB beside this 94 MiB file)
+        from gguf import GGUFReader
+
+        from rungen.loading import default_model_file
+
+        fields = GGUFReader(default_model_file()).fields
+        layers, heads, kv_heads, width = (int(fields[f"llama.{key}"].parts[-1][0]) for key in (
+            "block_count", "attention.head_count", "attention.head_count_kv", "embedding_length"))
+        cache = 256 * 2 * layers * kv_heads * (width // heads) * 2
+        assert gpu.memory.peak <= 1.3 * (os.path.getsize(default_model_file()) + cache)
     exact = run_main(args + ["--dtype", "float32"], cache_home=default_model_home)
     dequantized = run_main(args + ["--use_cpu", "--dequantize"], cache_home=default_model_home)
     assert exact.returncode == dequantized.returncode == 0, exact.stderr.decode()[-3000:]
@@ -561,6 +573,7 @@ def test_a_4_bit_gguf_file_keeps_its_codes_on_the_gpu(gguf_file):
 
 
 @needs_cuda
+@pytest.mark.fresh_load  # the loader's memo would hold a copy of the model on the GPU
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
 def test_a_gguf_file_goes_to_the_gpu_a_weight_at_a_time(qtype, gguf_file, tmp_path):
     # On its way to the GPU a GGUF file takes, beyond the model as it runs there, at most one weight in float32:
