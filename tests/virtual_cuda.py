@@ -439,7 +439,7 @@ def register_device_guard() -> None:
 
 
 @contextlib.contextmanager
-def played_gpu(name="NVIDIA H200", capability=(9, 0), bf16=True, capacity=141 << 30):
+def played_gpu(name="NVIDIA H200 (played by the CPU)", capability=(9, 0), bf16=True, capacity=141 << 30):
     """Within it torch sees one CUDA GPU (`name`, compute `capability`, with bfloat16 or not, `capacity` bytes of
     memory), played by the CPU, in this thread and in every thread started in it; yields its State."""
     global STATE
