@@ -576,8 +576,11 @@ def test_a_4_bit_gguf_file_keeps_its_codes_on_the_gpu(gguf_file):
 @pytest.mark.fresh_load  # the loader's memo would hold a copy of the model on the GPU
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
 def test_a_gguf_file_goes_to_the_gpu_a_weight_at_a_time(qtype, gguf_file, tmp_path):
-    # On its way to the GPU a GGUF file takes, beyond the model as it runs there, at most one weight in float32:
-    # never the de-quantized model (whatever form each weight takes: 4-bit codes, int8 codes or bfloat16).
+    # On its way to the GPU a GGUF file takes no more than the model as it runs there: never the de-quantized model,
+    # never two forms of a weight (int8 codes for a kernel that fails its check, and the weight de-quantized in their
+    # stead: the played GPU has no Triton, so this file's Q6_K head takes that way), whatever form each weight takes
+    # (4-bit codes, int8 codes or bfloat16). Nothing beyond it on the played GPU; a real one's checks of the first
+    # weights make a few small tensors: half a byte a weight of the largest weight allowed.
     import gc
 
     from gguf import GGUFReader
@@ -593,7 +596,7 @@ def test_a_gguf_file_goes_to_the_gpu_a_weight_at_a_time(qtype, gguf_file, tmp_pa
     loaded = load(path, device=DEVICE)
     held = torch.cuda.memory_allocated() - base
     assert loaded.model.device.type == "cuda" and held > 0
-    assert torch.cuda.max_memory_allocated() - base <= held + 4 * largest
+    assert torch.cuda.max_memory_allocated() - base <= held + largest // 2
 
 
 @needs_cuda

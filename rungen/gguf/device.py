@@ -188,6 +188,7 @@ class DeviceForms:
                 layer.use_kernel(self.int8[qtype])
                 # A tied table becomes the head (file.py's _tie_head), its lookup reading the same codes.
                 return CodesEmbedding(layer, self.dtype, scale) if tied_table else layer
+            del layer  # its codes go before the weight is de-quantized: never both forms on the GPU at once
         elif table and not tied_table and gpu_embedding(qtype, self.device):
             return DeviceRowsEmbedding(reader.rows(entry, False, order).to(self.device), qtype, in_features,
                                        self.dtype, scale)
@@ -204,6 +205,7 @@ class DeviceForms:
                 logger.warning("the 4-bit Triton kernel: %s; the 4-bit weights run de-quantized to %s instead", why,
                                self.dtype)
         if not self.int4:
+            del layer  # never both forms on the GPU at once
             return reader.dequantized(entry, self.dtype, self.device, order)
         layer.use_kernel(self.int4)
         return layer
