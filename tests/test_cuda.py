@@ -501,9 +501,11 @@ def test_server_answers_on_the_gpu(checkpoint):
 def test_sixteen_streaming_clients_at_once_each_get_their_answer_alone(checkpoint, gpu):
     """16 clients streaming chat completions at once (4 rows at most: requests wait, join as others end, in slots
     freed and taken again, a graph captured for each batch size): none lost, each stream ends with [DONE], and each
-    greedy text is what the same request gets alone."""
+    greedy text is what the same request gets alone. Requests leave nothing behind on the GPU: the 16 alone once
+    more end with the memory they left the first time, but for the prefix cache's entries (within its bound)."""
     for name in ("fastapi", "uvicorn", "httpx"):
         pytest.importorskip(name)
+    import gc
     import threading
 
     import httpx
@@ -526,8 +528,13 @@ def test_sixteen_streaming_clients_at_once_each_get_their_answer_alone(checkpoin
                     text += (choices[0]["delta"].get("content") or "") if choices else ""
         streamed[number] = (response.status_code, lines[-1] if lines else None, text)
 
+    def left_on_the_gpu():  # what the prefix cache keeps is its own, within its bound
+        gc.collect()
+        assert engine.prefix_cache.bytes <= engine.prefix_cache.max_bytes
+        return torch.cuda.memory_allocated() - engine.prefix_cache.bytes
+
     with serving(load(checkpoint, device=DEVICE, dtype="float32"), model_id="tiny", max_batch=4,
-                 max_queue=32) as (live, _):
+                 max_queue=32) as (live, engine):
         url = live.url + "/v1/chat/completions"
         clients = [threading.Thread(target=client, args=(url, number)) for number in range(16)]
         for thread in clients:
@@ -535,6 +542,10 @@ def test_sixteen_streaming_clients_at_once_each_get_their_answer_alone(checkpoin
         for thread in clients:
             thread.join(timeout=300)
         alone = [httpx.post(url, json=body(number, False), timeout=120).json() for number in range(16)]
+        left = left_on_the_gpu()
+        again = [httpx.post(url, json=body(number, False), timeout=120).json() for number in range(16)]
+        assert left_on_the_gpu() == left
+    assert [answer["choices"] for answer in again] == [answer["choices"] for answer in alone]
     assert len(streamed) == 16
     for number, answer in enumerate(alone):
         assert streamed[number] == (200, "data: [DONE]", answer["choices"][0]["message"]["content"]), number
