@@ -272,13 +272,26 @@ def read_tools_file(path: str) -> dict:
 
 
 def max_memory_map(items: list[str] | None) -> dict | None:
-    """--max_memory's DEVICE=SIZE items as accelerate's {device: size} (a GPU index as an int)."""
+    """--max_memory's DEVICE=SIZE items as accelerate's {device: size} (a GPU index as an int, bytes as an int);
+    a device or size accelerate would refuse deep in loading is a UsageError here."""
     if not items:
         return None
-    if not all("=" in item for item in items):
-        raise UsageError("--max_memory takes DEVICE=SIZE items, e.g. 0=10GiB cpu=30GiB")
-    pairs = (item.split("=", 1) for item in items)
-    return {int(key) if key.isdigit() else key: size for key, size in pairs}
+    from accelerate.utils import convert_file_size_to_int
+
+    memory = {}
+    for item in items:
+        key, _, size = item.partition("=")
+        if not _ or not (key.isdigit() or key in ("cpu", "disk", "mps")):
+            raise UsageError(f"--max_memory {item}: takes DEVICE=SIZE items, DEVICE a GPU's index, cpu, disk or mps, "
+                             "e.g. 0=10GiB cpu=30GiB")
+        if not size.isdigit():
+            try:
+                convert_file_size_to_int(size)
+            except ValueError:
+                raise UsageError(f"--max_memory {item}: SIZE is bytes or a number with a unit, e.g. 10GiB or 500MB "
+                                 "(items apart: 0=10GiB cpu=30GiB)") from None
+        memory[int(key) if key.isdigit() else key] = int(size) if size.isdigit() else size
+    return memory
 
 
 def settings_from_args(args: argparse.Namespace, context: int = 0) -> Settings:

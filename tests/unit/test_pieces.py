@@ -148,6 +148,10 @@ def test_settings_from_flags_clamp_the_length():
         (["--num_beams", "2", "--num_return_sequences", "3"], "--num_return_sequences cannot exceed --num_beams"),
         (["--batch_size", "0"], "--batch_size must be >= 1"),
         (["--max_memory", "cpu=1GB"], "--max_memory needs --device_map"),
+        (["--device_map", "auto", "--max_memory", "0=10MiB,cpu=1GiB"],
+         "--max_memory 0=10MiB,cpu=1GiB: SIZE is bytes or a number with a unit"),
+        (["--device_map", "auto", "--max_memory", "gpu0=1GiB"], "--max_memory gpu0=1GiB: takes DEVICE=SIZE items"),
+        (["--device_map", "auto", "--max_memory", "10GiB"], "--max_memory 10GiB: takes DEVICE=SIZE items"),
         (["--model_type", "transfo-xl"], "Transformer-XL was removed"),
     ],
 )
@@ -167,6 +171,7 @@ def test_padding_text_is_folded_into_prefix_once():
     args = parse_args(["--device_map", "auto", "--max_memory", "0=1GiB", "cpu=2GiB"])
     assert args.max_memory == ["0=1GiB", "cpu=2GiB"]  # the declared type; accelerate's map is made from it
     assert max_memory_map(args.max_memory) == {0: "1GiB", "cpu": "2GiB"}
+    assert max_memory_map(["0=1073741824", "disk=20GB"]) == {0: 1 << 30, "disk": "20GB"}  # bytes, as accelerate takes
 
 
 @pytest.mark.parametrize(
