@@ -87,6 +87,11 @@ class SlotBatch:
         empty = torch.empty(1, heads, 0, head_size, dtype=dtype, device=self.device)
         return [(empty, empty)] * self.slots.num_layers
 
+    def make_room(self, rows, reserve):
+        """Slots for `rows` rows of `reserve` positions (before a prefill, so that running out of memory for them
+        happens before any row joins)."""
+        self.slots.ensure(rows, reserve + self.lookahead, self.like())
+
     def merge(self, parts, rows):
         """Writes the joined rows' keys/values into the slots after the batch's: `rows` the whole batch (parts of
         None: prefilled in their slots already)."""
@@ -150,6 +155,9 @@ class PaddedBatch:
             layers = [(k.repeat(n, 1, 1, 1), v.repeat(n, 1, 1, 1)) for k, v in layers]
         mask = torch.ones(n, length, dtype=torch.long, device=self.device)
         return layers, mask, output.past_key_values if n == 1 else None
+
+    def make_room(self, rows, reserve):
+        """Nothing: the padded batch grows as rows merge."""
 
     def merge(self, parts, rows):
         """Appends the parts' rows in one copy, left-padded to the longest (a lone part into an empty batch: none)."""

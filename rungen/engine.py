@@ -60,6 +60,7 @@ class Engine:
         self.use_positions = "position_ids" in parameters
         self.keep_last = "logits_to_keep" in parameters
         self.joining = []  # the requests being prefilled (ended too if that fails)
+        self.crowded = max_batch + 1  # rows at which the last admission ran out of GPU memory: none join beside them
         self.waiting = collections.deque()
         self.calls = queue.Queue()  # functions to run on the model thread between steps (prompt scoring)
         self.wake = threading.Condition()
@@ -151,6 +152,15 @@ class Engine:
                 self.admit()
                 if self.batch.rows:
                     self.batch.step()
+            except torch.OutOfMemoryError as error:
+                if self.batch.rows or not self.joining:
+                    logger.exception("the engine step failed")
+                    self.end_all("abort", error=f"generation failed: {error}")
+                else:  # a prompt the GPU has no memory for, even alone: it alone fails
+                    first = (str(error).splitlines() or [""])[0]
+                    logger.warning("out of GPU memory for a request alone: %s", first)
+                    self.turn_away(self.joining, f"out of GPU memory for this prompt alone ({first[:160]}); send "
+                                                 "a shorter prompt or fewer tokens")
             except Exception as error:  # a failed step fails its requests, never the server
                 logger.exception("the engine step failed")
                 self.end_all("abort", error=f"generation failed: {error}")
@@ -194,7 +204,7 @@ class Engine:
                     self.waiting.popleft().sink(End())
                 if not self.waiting:
                     break
-                if self.batch.rows and not self.fits([self.waiting[0]]):
+                if self.batch.rows and (not self.fits([self.waiting[0]]) or len(self.batch.rows) >= self.crowded):
                     break  # waits for rows to leave
                 if self.batch.ahead is None:
                     group = self.take_group()
@@ -202,7 +212,11 @@ class Engine:
                 self.batch.drain()  # the batch changes: the step launched ahead is read first
                 continue
             self.joining = group
-            self.join(group)
+            if not self.join(group):  # out of GPU memory beside the batch: it waits, first, for rows to leave
+                with self.wake:
+                    self.waiting.extendleft(reversed(group))
+                self.crowded, self.joining = len(self.batch.rows), []
+                break
             self.joining = []
         self.batch.merge()
 
@@ -225,16 +239,27 @@ class Engine:
         """The positions a row takes at most, the batch's and `requests`' rows."""
         return max([request.reserve for request in requests] + [row.request.reserve for row in self.batch.rows])
 
-    def join(self, requests):
+    def join(self, requests) -> bool:
         """Prefills the requests (together where there are several: the rows joined before enter their slots
-        first) and adds their rows to the batch, with their first tokens."""
+        first) and adds their rows to the batch, with their first tokens. False: the GPU ran out of memory for
+        their prefill beside the batch's rows, which go on untouched (alone, that is raised)."""
         start = time.perf_counter()
         if len(requests) > 1:
             self.batch.merge()
-            prefilled = prefill_together(self.batch.kv, requests, self.prefix_cache, self.reserve(requests))
-        else:
-            prefilled = [prefill_alone(self.model, self.batch.kv, requests[0], self.prefix_cache, self.device,
-                                       use_positions=self.use_positions, keep_last=self.keep_last)]
+        try:
+            self.batch.kv.make_room(len(self.batch.rows) + sum(request.n for request in requests),
+                                    self.reserve(requests))
+            if len(requests) > 1:
+                prefilled = prefill_together(self.batch.kv, requests, self.prefix_cache, self.reserve(requests))
+            else:
+                prefilled = [prefill_alone(self.model, self.batch.kv, requests[0], self.prefix_cache, self.device,
+                                           use_positions=self.use_positions, keep_last=self.keep_last)]
+        except torch.OutOfMemoryError:
+            if not self.batch.rows:
+                raise
+            logger.warning("out of GPU memory for %d waiting request(s) beside %d running rows: they wait for rows "
+                           "to leave", len(requests), len(self.batch.rows))
+            return False
         joined, firsts = [], []  # the rows prefilled into their slots: their first tokens picked in one read
         for request, done in zip(requests, prefilled):
             ids, reused, logits = request.ids, done.reused, done.logits
@@ -250,6 +275,18 @@ class Engine:
                 self.batch.join(new_rows, done.part, logits.expand(request.n, -1))
         if joined:
             self.batch.join(joined, None, torch.cat(firsts))
+        self.crowded = self.max_batch + 1  # until the GPU's memory says otherwise
+        return True
+
+    def turn_away(self, requests, error, reason="abort"):
+        """Ends requests none of whose rows ran (each row's Done, then its End), and whatever the batch held of
+        them."""
+        self.batch.clear()
+        self.joining = []
+        for request in requests:
+            for index in range(request.n):
+                request.sink(Done(index, Finish(reason, "", [], len(request.ids), error)))
+            request.sink(End())
 
     def end_all(self, reason, error=None):
         """Ends every running, joining and waiting request (shutdown's grace is over, or a step failed)."""
@@ -261,16 +298,11 @@ class Engine:
             if row.request not in requests:
                 requests.append(row.request)
         joining = [request for request in self.joining if request not in requests]
-        self.batch.clear()
-        self.joining = []
-        with self.wake:
-            waiting, self.waiting = list(self.waiting), collections.deque()
-        for request in joining + waiting:
-            for index in range(request.n):
-                request.sink(Done(index, Finish(reason, "", [], len(request.ids), error)))
-            requests.append(request)
         for request in requests:
             request.sink(End())
+        with self.wake:
+            waiting, self.waiting = list(self.waiting), collections.deque()
+        self.turn_away(joining + waiting, error, reason)
         while True:
             try:
                 _, future = self.calls.get_nowait()

@@ -15,6 +15,7 @@ What a GPU machine may lack is imported inside the tests that need it (xgrammar,
 
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -28,6 +29,8 @@ DEVICE = torch.device("cpu" if ON_CPU else "cuda")
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("module_cache_home", "gpu")]
 needs_cuda = pytest.mark.skipif(ON_CPU, reason="checks CUDA itself")
 needs_triton = pytest.mark.skipif(PLAYED, reason="runs Triton's kernels, which the played GPU cannot")
+needs_played = pytest.mark.skipif(not PLAYED, reason="sets the GPU's memory to the KiB, where a real GPU's allocator "
+                                  "rounds to 2 MiB blocks")
 
 
 @pytest.fixture
@@ -551,6 +554,62 @@ def test_sixteen_streaming_clients_at_once_each_get_their_answer_alone(checkpoin
         assert streamed[number] == (200, "data: [DONE]", answer["choices"][0]["message"]["content"]), number
     if gpu is not None:
         assert gpu.captures >= 2  # batches of more than one size
+
+
+@needs_played
+@pytest.mark.fresh_load  # the loader's memo would hold a copy of the model on the GPU
+def test_a_request_the_gpu_has_no_memory_for_beside_a_stream_waits_for_it(deep_checkpoint, gpu):
+    """A GPU with memory for one row's keys/values beside the model, not two: a second client's request waits for
+    the first client's stream to end, instead of failing it (and every running stream) with its own prefill; each
+    gets what it gets alone. A prompt the GPU has no memory for even alone fails alone, with a 500 naming the
+    memory, and the server goes on."""
+    import threading
+
+    import httpx
+
+    from rungen.loading import load
+
+    def body(content, tokens, stream=False):
+        return {"model": "deep", "stream": stream, "max_tokens": tokens, "temperature": 0,
+                "messages": [{"role": "user", "content": content}]}
+
+    def stream_text(url, request, started):
+        text, lines = "", []
+        with httpx.stream("POST", url, json=request, timeout=120) as response:
+            for line in filter(None, response.iter_lines()):
+                lines.append(line)
+                if line.startswith("data: {") and json.loads(line[6:])["choices"]:
+                    text += json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                    started.set()
+        return response.status_code, lines[-1], text
+
+    first, second = body("Tell me a story.", 60, stream=True), body("Hi", 4)  # within the context of 128
+    with serving(load(deep_checkpoint, device=DEVICE), model_id="deep", max_batch=4, prefix_cache_mb=0) as (
+            live, engine):
+        url = live.url + "/v1/chat/completions"
+        alone = stream_text(url, first, threading.Event()), httpx.post(url, json=second, timeout=120).json()
+        row = engine.batch.kv.slots.capacity * engine.bytes_per_token  # one row's keys/values
+        joined, join = [], engine.join  # whether each admission got the memory for its prefill
+        engine.join = lambda requests: (joined.append(join(requests)), joined[-1])[1]
+        started, streamed = threading.Event(), []
+        client = threading.Thread(target=lambda: streamed.append(stream_text(url, first, started)))
+        client.start()
+        assert started.wait(60)
+        gpu.memory.reset_peak()
+        time.sleep(0.2)  # its decode steps' own peak
+        gpu.memory.limit((gpu.memory.peak + row) / gpu.memory.total)  # a second row's slots (2 rows, copied) fit not
+        try:
+            answer = httpx.post(url, json=second, timeout=120).json()
+            client.join(timeout=120)
+            assert streamed == [alone[0]] and alone[0][:2] == (200, "data: [DONE]")
+            assert answer["choices"] == alone[1]["choices"]
+            assert joined == [True, False, True]  # it had waited for the stream
+            gpu.memory.limit((gpu.memory.allocated + 4096) / gpu.memory.total)  # no prompt fits now
+            refused = httpx.post(url, json=second, timeout=120)
+            assert refused.status_code == 500 and "out of GPU memory for this prompt alone" in refused.text
+        finally:
+            gpu.memory.limit(1.0)
+        assert httpx.post(url, json=second, timeout=120).json()["choices"] == alone[1]["choices"]
 
 
 @needs_cuda
