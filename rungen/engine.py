@@ -21,10 +21,11 @@ import torch
 from . import logger
 from .batch_cache import bytes_per_token
 from .decode import DecodeBatch
+from .errors import one_line
 from .generation import UNBATCHABLE_TYPES
 from .kvcache import MIN_ROOM
 from .metrics import Metrics
-from .prefill import pass_tokens, prefill_alone, prefill_together, together_tokens
+from .prefill import pass_tokens, prefill_group, together_tokens
 from .prefix_cache import PrefixCache
 from .requests import Done, End, Finish
 from .rows import Reporter, request_rows
@@ -152,18 +153,14 @@ class Engine:
                 self.admit()
                 if self.batch.rows:
                     self.batch.step()
-            except torch.OutOfMemoryError as error:
-                if self.batch.rows or not self.joining:
+            except Exception as error:  # a failed step fails its requests, never the server
+                if isinstance(error, torch.OutOfMemoryError) and self.joining and not self.batch.rows:
+                    logger.warning("out of GPU memory for a request alone: %s", one_line(error))
+                    self.turn_away(self.joining, f"out of GPU memory for this prompt alone ({one_line(error)}); send "
+                                                 "a shorter prompt or fewer tokens")
+                else:
                     logger.exception("the engine step failed")
                     self.end_all("abort", error=f"generation failed: {error}")
-                else:  # a prompt the GPU has no memory for, even alone: it alone fails
-                    first = (str(error).splitlines() or [""])[0]
-                    logger.warning("out of GPU memory for a request alone: %s", first)
-                    self.turn_away(self.joining, f"out of GPU memory for this prompt alone ({first[:160]}); send "
-                                                 "a shorter prompt or fewer tokens")
-            except Exception as error:  # a failed step fails its requests, never the server
-                logger.exception("the engine step failed")
-                self.end_all("abort", error=f"generation failed: {error}")
 
     def run_here(self):
         """Runs the model loop on the calling thread until every submitted request has ended (a failed step
@@ -246,19 +243,10 @@ class Engine:
         start = time.perf_counter()
         if len(requests) > 1:
             self.batch.merge()
-        try:
-            self.batch.kv.make_room(len(self.batch.rows) + sum(request.n for request in requests),
-                                    self.reserve(requests))
-            if len(requests) > 1:
-                prefilled = prefill_together(self.batch.kv, requests, self.prefix_cache, self.reserve(requests))
-            else:
-                prefilled = [prefill_alone(self.model, self.batch.kv, requests[0], self.prefix_cache, self.device,
-                                           use_positions=self.use_positions, keep_last=self.keep_last)]
-        except torch.OutOfMemoryError:
-            if not self.batch.rows:
-                raise
-            logger.warning("out of GPU memory for %d waiting request(s) beside %d running rows: they wait for rows "
-                           "to leave", len(requests), len(self.batch.rows))
+        prefilled = prefill_group(self.model, self.batch.kv, requests, self.prefix_cache, self.device,
+                                  len(self.batch.rows), self.reserve(requests), use_positions=self.use_positions,
+                                  keep_last=self.keep_last)
+        if prefilled is None:
             return False
         joined, firsts = [], []  # the rows prefilled into their slots: their first tokens picked in one read
         for request, done in zip(requests, prefilled):

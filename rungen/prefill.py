@@ -10,6 +10,7 @@ import dataclasses
 
 import torch
 
+from . import logger
 from .kvcache import new_cache
 
 
@@ -60,3 +61,22 @@ def prefill_together(kv, requests, prefix_cache, reserve: int) -> list[Prefilled
     logits = kv.prefill(prompts, reserve)
     return [Prefilled(reused, None, logits[number : number + 1])
             for number, (_, reused, _, _) in enumerate(prompts)]
+
+
+def prefill_group(model, kv, requests, prefix_cache, device, rows: int, reserve: int, *, use_positions, keep_last
+                  ) -> list[Prefilled] | None:
+    """The requests prefilled after the batch's `rows` rows (together where there are several), their slots made
+    first so that nothing joins half; None where the GPU has no memory for them beside those rows, which go on
+    untouched (alone, that is raised)."""
+    try:
+        kv.make_room(rows + sum(request.n for request in requests), reserve)
+        if len(requests) > 1:
+            return prefill_together(kv, requests, prefix_cache, reserve)
+        return [prefill_alone(model, kv, requests[0], prefix_cache, device, use_positions=use_positions,
+                              keep_last=keep_last)]
+    except torch.OutOfMemoryError:
+        if not rows:
+            raise
+        logger.warning("out of GPU memory for %d waiting request(s) beside %d running rows: they wait for rows to "
+                       "leave", len(requests), rows)
+        return None
