@@ -23,9 +23,8 @@ import torch
 from benchmarks.gpu import GGUF_SHAPES
 
 
-def part_of(name: str, model) -> str:
+def part_of(module, model) -> str:
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
-    module = model.get_submodule(name.rpartition(".")[0])
     return "head" if module is head else "embedding" if module is embedding else "layers and norms"
 
 
@@ -61,9 +60,10 @@ def main(argv=None):
           f"{peak / 2**30:.3f} GiB ({peak / size:.2f}x)")
     parts = collections.defaultdict(lambda: [0, set()])
     for name, tensor in [*loaded.model.named_parameters(), *loaded.model.named_buffers()]:
-        part = parts[part_of(name, loaded.model)]
+        module = loaded.model.get_submodule(name.rpartition(".")[0])
+        part = parts[part_of(module, loaded.model)]
         part[0] += tensor.numel() * tensor.element_size()
-        part[1].add(type(loaded.model.get_submodule(name.rpartition(".")[0])).__name__)
+        part[1].add(type(module).__name__)
     for part, (held, kinds) in parts.items():
         print(f"  {part}: {held / 2**30:.3f} GiB ({', '.join(sorted(kinds))})")
 

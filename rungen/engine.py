@@ -155,9 +155,10 @@ class Engine:
                     self.batch.step()
             except Exception as error:  # a failed step fails its requests, never the server
                 if isinstance(error, torch.OutOfMemoryError) and self.joining and not self.batch.rows:
-                    logger.warning("out of GPU memory for a request alone: %s", one_line(error))
-                    self.turn_away(self.joining, f"out of GPU memory for this prompt alone ({one_line(error)}); send "
-                                                 "a shorter prompt or fewer tokens")
+                    why = one_line(error)
+                    logger.warning("out of GPU memory for a request alone: %s", why)
+                    self.turn_away(self.joining, f"out of GPU memory for this prompt alone ({why}); send a shorter "
+                                                 "prompt or fewer tokens")
                 else:
                     logger.exception("the engine step failed")
                     self.end_all("abort", error=f"generation failed: {error}")

@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from .int8 import QUANTIZE_ROWS
+from .int8 import float32_rows
 
 GROUP_SIZE = 32  # input channels sharing one scale and zero (GGUF's Q4_0/Q4_1 blocks are 32 too)
 INNER_K_TILES = 8  # the CPU packing's layout; the kernel accepts 2, 4 or 8
@@ -24,9 +24,8 @@ def int4_groups(weight):
     codes = torch.empty(rows, columns, dtype=torch.uint8, device=weight.device)
     scales = torch.empty(rows, columns // GROUP_SIZE, device=weight.device)
     low = torch.empty_like(scales)
-    for start in range(0, rows, QUANTIZE_ROWS):
-        part = slice(start, start + QUANTIZE_ROWS)
-        groups = weight[part].detach().to(torch.float32, copy=True).reshape(-1, columns // GROUP_SIZE, GROUP_SIZE)
+    for part, float_rows in float32_rows(weight):
+        groups = float_rows.reshape(-1, columns // GROUP_SIZE, GROUP_SIZE)
         least, most = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
         scale = ((most - least).clamp(min=1e-12) / 15).to(torch.bfloat16).float()
         codes[part] = groups.sub_(least).div_(scale).round_().clamp_(0, 15).reshape(-1, columns)

@@ -124,14 +124,20 @@ def triton_kernel():
         "GROUP": inner // scales.shape[1] if scales.dim() == 2 else 0, "OFFSET": offsets is not None})
 
 
+def float32_rows(weight: torch.Tensor):
+    """(slice, a float32 copy of those rows) for each QUANTIZE_ROWS output channels of `weight`: what a quantizer
+    works on in place, the weight given left as it is."""
+    for start in range(0, weight.shape[0], QUANTIZE_ROWS):
+        part = slice(start, start + QUANTIZE_ROWS)
+        yield part, weight[part].detach().to(torch.float32, copy=True)
+
+
 def int8_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A float weight [out, in] as int8 codes and one scale an output channel (bfloat16): weight ~ scale * code. The
     scale is rounded to bfloat16 first, as the kernels use it, so the codes match it."""
     codes = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
     scale = torch.empty(weight.shape[0], dtype=torch.bfloat16, device=weight.device)
-    for start in range(0, weight.shape[0], QUANTIZE_ROWS):
-        part = slice(start, start + QUANTIZE_ROWS)
-        rows = weight[part].detach().to(torch.float32, copy=True)
+    for part, rows in float32_rows(weight):
         scale[part] = rows.abs().amax(dim=1).clamp(min=1e-12) / 127
         codes[part] = rows.div_(scale[part].float()[:, None]).round_().clamp_(-128, 127)
     return codes, scale

@@ -222,12 +222,12 @@ def layer_maker(mode: str, device: torch.device, dtype: torch.dtype):
     make, multiple = gpu_layer_class(mode, device, dtype)
     checked = False
 
-    def layer_class(weight, bias):
+    def first_checked(weight, bias):
         nonlocal checked
         layer, checked = make(weight, bias, check=not checked), True
         return layer
 
-    return layer_class, multiple
+    return first_checked, multiple
 
 
 def _quantized_targets(model, mode, multiple, device):

@@ -458,14 +458,11 @@ def test_the_quick_start_answers_paris_on_the_gpu(default_model_home, gpu):
         assert (gpu.copies, gpu.replays, gpu.reads) == (4, 3, ["_local_scalar_dense"])
         # GPU memory at most 1.3x the file and the cache (one slot of 256 positions), the played GPU's tensors
         # counted (a real GPU adds cuBLAS's workspace, tens of MiB beside this 94 MiB file)
-        from gguf import GGUFReader
-
+        from benchmarks.gpu import kv_bytes_per_token
+        from rungen.gguf import GGUFHeader
         from rungen.loading import default_model_file
 
-        fields = GGUFReader(default_model_file()).fields
-        layers, heads, kv_heads, width = (int(fields[f"llama.{key}"].parts[-1][0]) for key in (
-            "block_count", "attention.head_count", "attention.head_count_kv", "embedding_length"))
-        cache = 256 * 2 * layers * kv_heads * (width // heads) * 2
+        cache = 256 * kv_bytes_per_token(GGUFHeader(default_model_file(), blocks=False).config, 2)
         assert gpu.memory.peak <= 1.3 * (os.path.getsize(default_model_file()) + cache)
     exact = run_main(args + ["--dtype", "float32"], cache_home=default_model_home)
     dequantized = run_main(args + ["--use_cpu", "--dequantize"], cache_home=default_model_home)
