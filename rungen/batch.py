@@ -107,6 +107,9 @@ def submit_prompts(engine, settings, prompts, on_done, stream=False):
         sequences = []
         for index in sorted(finishes):
             finish = finishes[index]
+            if finish.error is not None and finish.reason == "abort":  # cut short (out of GPU memory): its record
+                prompt.error = finish.error
+                return []
             try:
                 if finish.error is not None and settings.constraint is not None:
                     raise stuck_error(settings, tokenizer, finish.tokens)

@@ -37,6 +37,8 @@ def batch_cache(model, device, use_positions, max_batch, context, lookahead=0):
 class SlotBatch:
     """Rows 0..rows-1 in the slots of a SlotCache."""
 
+    steps_again = True  # a step that failed may run again: it writes by position, and moves nothing
+
     def __init__(self, model, device, slots, graphs=None, lookahead=0):
         self.model, self.device, self.slots, self.graphs, self.lookahead = model, device, slots, graphs, lookahead
         # A model spread by --device_map (offloaded layers too) prefills alone.
@@ -143,6 +145,7 @@ class PaddedBatch:
 
     form = "a left-padded batch"
     prefills_together = False
+    steps_again = False  # a step that failed may have grown some layers' keys/values and not others
 
     def __init__(self, model, device, use_positions):
         self.model, self.device, self.use_positions = model, device, use_positions

@@ -12,12 +12,14 @@ Rows with a grammar step one at a time: their next mask needs the token just cho
 import os
 import time
 
+import torch
+
 from . import logger
 from .batch_cache import batch_cache
 from .errors import GenerationError
 from .metrics import Metrics
 from .requests import Done, End
-from .rows import pick
+from .rows import pick, request_rows
 from .transfers import to_device
 
 OVERLAP_ENV = "RUN_GENERATION_OVERLAP"
@@ -46,6 +48,24 @@ class DecodeBatch:
         self.pending = []  # the kv's parts of the rows joined since the last merge
         self.peak_rows = 0  # the most rows decoded together so far
 
+    def enter(self, requests, prefilled, start):
+        """Adds prefilled requests' rows (rungen/prefill.py's Prefilled, one a request) with their first tokens, those
+        already in their slots chosen in one read; `start`: when their prefill began."""
+        joined, firsts = [], []
+        for request, done in zip(requests, prefilled):
+            ids, reused, logits = request.ids, done.reused, done.logits
+            self.metrics.add_tokens(prompt=len(ids) - reused, reused=reused)
+            request.reused = reused
+            if reused:
+                logger.info("prefix cache: reused %d of %d prompt tokens", reused, len(ids))
+            rows = request_rows(request, logits.shape[-1], logits.device, self.reporter.prompt_tail_text(ids), start)
+            if done.part is None:
+                joined, firsts = joined + rows, firsts + [logits.expand(request.n, -1)]
+            else:
+                self.join(rows, done.part, logits.expand(request.n, -1))
+        if joined:
+            self.join(joined, None, torch.cat(firsts))
+
     def join(self, rows, part, logits):
         """Adds a prefilled request's rows (their keys/values `part` enter at merge()) and reports their first
         tokens, chosen from `logits` [rows, vocabulary]."""
@@ -71,9 +91,10 @@ class DecodeBatch:
         tokens = self.ahead.tokens if self.ahead is not None else to_device([[row.generated[-1]] for row in rows],
                                                                              self.device)
         logits = self.kv.forward(rows, tokens)
-        for row in rows:
+        launched = pick(rows, logits, self.eos_ids)
+        for row in rows:  # only now: a step that failed (out of GPU memory) runs again at the same positions
             row.position += 1
-        previous, self.ahead = self.ahead, pick(rows, logits, self.eos_ids)
+        previous, self.ahead = self.ahead, launched
         if previous is not None:
             self.report(previous)
         if not (self.overlap and all(row.request.constraint is None for row in self.rows)):
@@ -142,13 +163,32 @@ class DecodeBatch:
         for request in finished_requests:
             request.sink(End())
 
+    def end(self, request, error):
+        """Ends a request's rows now (what they held back sent), with `error`."""
+        for row in self.rows:
+            if row.request is request and row.finish is None:
+                row.finish = self.reporter.cut_short(row, "abort", error)
+        self.remove_finished()
+
+    def take_out(self, request):
+        """Takes a request's rows out of the batch, telling it nothing: it runs again from its prompt. (The step
+        launched ahead is read first: drain().)"""
+        leaving = [number for number, row in enumerate(self.rows) if row.request is request]
+        staying = [number for number, row in enumerate(self.rows) if row.request is not request]
+        keep = self.kv.keep(self.rows, staying, leaving)
+        self.rows = [self.rows[number] for number in keep]
+
     def remember(self, number, row, last=False):
         """Keeps a finished row's keys/values in the prefix cache (`last`: it may take over the buffers)."""
         length = row.position  # the positions the cache holds (the last token fed only by a step launched ahead)
         tokens = (row.request.ids + row.generated)[:length]
         layers, buffers = self.kv.row_layers(number, length, last)
-        if layers is not None:
+        if layers is None:
+            return
+        try:
             self.prefix_cache.keep(tokens, layers, buffers)
+        except torch.OutOfMemoryError:  # (its copy) the cache only saves time: the row leaves all the same
+            self.prefix_cache.give_up("a finished row's keys/values")
 
     def clear(self):
         """Gives every row up (their requests are ended by the caller)."""

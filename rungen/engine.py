@@ -2,33 +2,31 @@
 sampling and stopping (engine_refusal says which settings it cannot honour: generate() runs those). The server runs
 it on a model thread of its own, the command line and the session on the calling thread (run_prompts).
 
-Between decode steps, waiting requests are admitted: prefilled (after the prefix cache's longest match; on fixed
-slots those admitted together in one pass, rungen/prefill.py) they get their first tokens and join the batch. A
-request is admitted only while rows x the longest (prompt + max_tokens) fits in `max_cache_tokens`. Every row's next
+Between decode steps, waiting requests are admitted (rungen/admission.py says which and when): prefilled (after the
+prefix cache's longest match; on fixed slots those admitted together in one pass, rungen/prefill.py) they get their
+first tokens and join the batch. Out of GPU memory, the newest request gives way to the others. Every row's next
 token is chosen at once on the model's device (rungen/sampling.py), with one copy to the host a step;
 log-probabilities are the model's raw ones. The batch and its steps are rungen/decode.py's (on a GPU each step is
 launched before the last one is read).
 """
 
-import collections
 import inspect
 import queue
 import threading
-import time
 
 import torch
 
 from . import logger
+from .admission import Admission
 from .batch_cache import bytes_per_token
 from .decode import DecodeBatch
 from .errors import one_line
 from .generation import UNBATCHABLE_TYPES
 from .kvcache import MIN_ROOM
 from .metrics import Metrics
-from .prefill import pass_tokens, prefill_group, together_tokens
 from .prefix_cache import PrefixCache
 from .requests import Done, End, Finish
-from .rows import Reporter, request_rows
+from .rows import Reporter
 
 
 class EngineBusy(RuntimeError):
@@ -59,15 +57,15 @@ class Engine:
         if "past_key_values" not in parameters:
             raise ValueError(f"{loaded.model_type} keeps no key/value cache, which continuous batching needs")
         self.use_positions = "position_ids" in parameters
-        self.keep_last = "logits_to_keep" in parameters
-        self.joining = []  # the requests being prefilled (ended too if that fails)
-        self.crowded = max_batch + 1  # rows at which the last admission ran out of GPU memory: none join beside them
-        self.waiting = collections.deque()
         self.calls = queue.Queue()  # functions to run on the model thread between steps (prompt scoring)
         self.wake = threading.Condition()
         self.batch = DecodeBatch(self.model, self.device, self.use_positions, max_batch, loaded.context,
                                  reporter=self.reporter, metrics=self.metrics, eos_ids=self.eos_ids,
                                  prefix_cache=PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None)
+        self.admission = Admission(self.model, self.batch, self.wake, max_batch=max_batch,
+                                   max_cache_tokens=max_cache_tokens, use_positions=self.use_positions,
+                                   keep_last="logits_to_keep" in parameters)
+        self.waiting = self.admission.waiting  # the queue, guarded by `wake`
         self.closing = self.stopped = False
         bos = self.tokenizer.bos_token_id
         self.bytes_per_token = bytes_per_token(self.model, self.device, loaded.model_type, 0 if bos is None else bos)
@@ -150,15 +148,16 @@ class Engine:
                 return
             try:
                 self.run_calls()
-                self.admit()
+                self.admission.admit()
                 if self.batch.rows:
-                    self.batch.step()
+                    self.step()
             except Exception as error:  # a failed step fails its requests, never the server
-                if isinstance(error, torch.OutOfMemoryError) and self.joining and not self.batch.rows:
+                joining = self.admission.joining
+                if isinstance(error, torch.OutOfMemoryError) and joining and not self.batch.rows:
                     why = one_line(error)
                     logger.warning("out of GPU memory for a request alone: %s", why)
-                    self.turn_away(self.joining, f"out of GPU memory for this prompt alone ({why}); send a shorter "
-                                                 "prompt or fewer tokens")
+                    self.turn_away(joining, f"out of GPU memory for this prompt alone ({why}); send a shorter "
+                                            "prompt or fewer tokens")
                 else:
                     logger.exception("the engine step failed")
                     self.end_all("abort", error=f"generation failed: {error}")
@@ -168,15 +167,24 @@ class Engine:
         raises)."""
         try:
             while self.batch.rows or self.waiting:
-                self.admit()
+                self.admission.admit()
                 if self.batch.rows:
-                    self.batch.step()
+                    self.step()
         except BaseException:
             # Stopped mid-step: the half-updated batch's requests are given up, the engine left empty.
             self.batch.clear()
-            self.joining = []
+            self.admission.joining = []
             self.waiting.clear()
             raise
+
+    def step(self):
+        """One decode step of the batch; out of GPU memory, the newest request gives way and the others go on
+        (rungen/admission.py), once the batch holds more than one."""
+        try:
+            self.batch.step()
+        except torch.OutOfMemoryError as error:
+            if not self.admission.give_way(error):
+                raise
 
     def run_calls(self):
         if not self.calls.empty():
@@ -192,86 +200,11 @@ class Engine:
                 except Exception as error:
                     future.set_exception(error)
 
-    def admit(self):
-        """Moves waiting requests into the batch while rows and cache positions allow. Where the batch keeps fixed
-        slots, the requests admitted together are prefilled in one pass; elsewhere each alone, their keys/values
-        entering together after the last (a merge at every join would copy the whole batch each time)."""
-        while True:
-            with self.wake:
-                while self.waiting and self.waiting[0].cancelled:
-                    self.waiting.popleft().sink(End())
-                if not self.waiting:
-                    break
-                if self.batch.rows and (not self.fits([self.waiting[0]]) or len(self.batch.rows) >= self.crowded):
-                    break  # waits for rows to leave
-                if self.batch.ahead is None:
-                    group = self.take_group()
-            if self.batch.ahead is not None:
-                self.batch.drain()  # the batch changes: the step launched ahead is read first
-                continue
-            self.joining = group
-            if not self.join(group):  # out of GPU memory beside the batch: it waits, first, for rows to leave
-                with self.wake:
-                    self.waiting.extendleft(reversed(group))
-                self.crowded, self.joining = len(self.batch.rows), []
-                break
-            self.joining = []
-        self.batch.merge()
-
-    def take_group(self):
-        """The first waiting request, and those after it that fit beside it in one pass (fixed slots only)."""
-        group = [self.waiting.popleft()]
-        while (self.batch.kv.prefills_together and self.waiting and not self.waiting[0].cancelled
-               and self.fits(group + [self.waiting[0]])
-               and together_tokens(group + [self.waiting[0]]) <= pass_tokens(self.device)):
-            group.append(self.waiting.popleft())
-        return group
-
-    def fits(self, requests):
-        """Whether the requests' rows join the batch within max_batch and max_cache_tokens."""
-        reserve = self.reserve(requests) + self.batch.lookahead
-        count = len(self.batch.rows) + sum(request.n for request in requests)
-        return count <= self.max_batch and count * reserve <= self.max_cache_tokens
-
-    def reserve(self, requests):
-        """The positions a row takes at most, the batch's and `requests`' rows."""
-        return max([request.reserve for request in requests] + [row.request.reserve for row in self.batch.rows])
-
-    def join(self, requests) -> bool:
-        """Prefills the requests (together where there are several: the rows joined before enter their slots
-        first) and adds their rows to the batch, with their first tokens. False: the GPU ran out of memory for
-        their prefill beside the batch's rows, which go on untouched (alone, that is raised)."""
-        start = time.perf_counter()
-        if len(requests) > 1:
-            self.batch.merge()
-        prefilled = prefill_group(self.model, self.batch.kv, requests, self.prefix_cache, self.device,
-                                  len(self.batch.rows), self.reserve(requests), use_positions=self.use_positions,
-                                  keep_last=self.keep_last)
-        if prefilled is None:
-            return False
-        joined, firsts = [], []  # the rows prefilled into their slots: their first tokens picked in one read
-        for request, done in zip(requests, prefilled):
-            ids, reused, logits = request.ids, done.reused, done.logits
-            self.metrics.add_tokens(prompt=len(ids) - reused, reused=reused)
-            request.reused = reused
-            if reused:
-                logger.info("prefix cache: reused %d of %d prompt tokens", reused, len(ids))
-            new_rows = request_rows(request, logits.shape[-1], logits.device, self.reporter.prompt_tail_text(ids),
-                                    start)
-            if done.part is None:
-                joined, firsts = joined + new_rows, firsts + [logits.expand(request.n, -1)]
-            else:
-                self.batch.join(new_rows, done.part, logits.expand(request.n, -1))
-        if joined:
-            self.batch.join(joined, None, torch.cat(firsts))
-        self.crowded = self.max_batch + 1  # until the GPU's memory says otherwise
-        return True
-
     def turn_away(self, requests, error, reason="abort"):
         """Ends requests none of whose rows ran (each row's Done, then its End), and whatever the batch held of
         them."""
         self.batch.clear()
-        self.joining = []
+        self.admission.joining = []
         for request in requests:
             for index in range(request.n):
                 request.sink(Done(index, Finish(reason, "", [], len(request.ids), error)))
@@ -286,11 +219,12 @@ class Engine:
             row.request.sink(Done(row.index, row.finish))
             if row.request not in requests:
                 requests.append(row.request)
-        joining = [request for request in self.joining if request not in requests]
+        joining = [request for request in self.admission.joining if request not in requests]
         for request in requests:
             request.sink(End())
         with self.wake:
-            waiting, self.waiting = list(self.waiting), collections.deque()
+            waiting = list(self.waiting)
+            self.waiting.clear()
         self.turn_away(joining + waiting, error, reason)
         while True:
             try:

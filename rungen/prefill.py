@@ -67,7 +67,7 @@ def prefill_group(model, kv, requests, prefix_cache, device, rows: int, reserve:
                   ) -> list[Prefilled] | None:
     """The requests prefilled after the batch's `rows` rows (together where there are several), their slots made
     first so that nothing joins half; None where the GPU has no memory for them beside those rows, which go on
-    untouched (alone, that is raised)."""
+    untouched (alone, that is raised), even once the prefix cache's entries are given up."""
     try:
         kv.make_room(rows + sum(request.n for request in requests), reserve)
         if len(requests) > 1:
@@ -75,6 +75,9 @@ def prefill_group(model, kv, requests, prefix_cache, device, rows: int, reserve:
         return [prefill_alone(model, kv, requests[0], prefix_cache, device, use_positions=use_positions,
                               keep_last=keep_last)]
     except torch.OutOfMemoryError:
+        if prefix_cache is not None and prefix_cache.give_up("a prefill"):  # tried again without it
+            return prefill_group(model, kv, requests, prefix_cache, device, rows, reserve,
+                                 use_positions=use_positions, keep_last=keep_last)
         if not rows:
             raise
         logger.warning("out of GPU memory for %d waiting request(s) beside %d running rows: they wait for rows to "

@@ -3,6 +3,7 @@ after (a conversation's next turn, a shared system prompt)."""
 
 import collections
 
+from . import logger
 from .kvcache import growing
 
 
@@ -25,6 +26,16 @@ class PrefixCache:
         while self.bytes > self.max_bytes:
             _, (_, dropped, _) = self.entries.popitem(last=False)
             self.bytes -= dropped
+
+    def give_up(self, why) -> bool:
+        """Drops every entry, the memory short for `why` (out of GPU memory: the cache only saves time); False where
+        it held none."""
+        if not self.entries:
+            return False
+        logger.warning("out of GPU memory for %s: the prefix cache's %.1f MiB given up", why, self.bytes / 2**20)
+        self.entries.clear()
+        self.bytes = 0
+        return True
 
     def longest(self, ids):
         """(length, layers, buffers) for the longest start of ids an entry holds, one token left to prefill, or

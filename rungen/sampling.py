@@ -54,6 +54,7 @@ class RowState:
         self.sampling = sampling
         self.seed = row_seed(sampling.seed, index)
         self.generator = random.Random(self.seed)
+        self.drawn = None  # this step's uniform number, until accept() takes it
         self.bias = self.seen = self.counts = self.penalty = None
         if sampling.logit_bias:
             ids, values = zip(*sampling.logit_bias)
@@ -65,6 +66,13 @@ class RowState:
         if sampling.presence_penalty or sampling.frequency_penalty:
             self.counts = torch.zeros(width, dtype=torch.float32, device=device)
             self.penalty = torch.zeros(width, dtype=torch.float32, device=device)
+
+    def uniform(self) -> float:
+        """This step's uniform number for the row's draw: the same until accept(), so that a step run again (its
+        first try out of GPU memory) draws what it would have drawn."""
+        if self.drawn is None:
+            self.drawn = self.generator.random()
+        return self.drawn
 
     @property
     def counting(self) -> bool:
@@ -164,6 +172,8 @@ def apply_together(scores: torch.Tensor, states: list[RowState], eos_ids: list[i
 def accept(states: list[RowState], tokens: torch.Tensor, skip=frozenset()) -> None:
     """Counts each row's chosen token (`tokens` [rows] on the device: no copy to the host), but the rows in `skip`'s:
     in a few kernels for all the rows, or a row at a time (together_on)."""
+    for state in states:
+        state.drawn = None
     rows = [n for n, state in enumerate(states) if state.counting and n not in skip]
     if not rows:
         return
@@ -225,13 +235,14 @@ def choose(logits: torch.Tensor, states: list[RowState], eos_ids: list[int], gra
             apply_grammar(scores, *grammar)
         apply_processors(scores, states, eos_ids)
     top, argmax = scores.max(-1)
-    sampler = make_sampler([state.sampling for state in states], [state.generator for state in states])
+    sampler = make_sampler([state.sampling for state in states], [state.uniform for state in states])
     return sampler(scores, top, argmax), torch.isnan(top)
 
 
-def make_sampler(samplings: list[Sampling], generators: list[random.Random]):
+def make_sampler(samplings: list[Sampling], uniforms: list):
     """The rows' sampler: (scores, each row's maximum, its argmax) -> tokens [rows] on the device: the argmax where
-    greedy (or a score is +inf), else a draw after temperature, top-k, top-p and min-p."""
+    greedy (or a score is +inf), else a draw after temperature, top-k, top-p and min-p, from the uniform number
+    uniforms[row]() gives (RowState.uniform)."""
     drawn = [number for number, s in enumerate(samplings) if not s.greedy]
     if not drawn:
         return lambda scores, top, argmax: argmax
@@ -239,13 +250,13 @@ def make_sampler(samplings: list[Sampling], generators: list[random.Random]):
     widest = max(s.top_k for s in settings_of)
     nucleus = any(s.top_p < 1.0 for s in settings_of)
     min_p = any(s.min_p > 0 for s in settings_of)
-    drawn_generators = [generators[number] for number in drawn]
+    drawn_uniforms = [uniforms[number] for number in drawn]
 
     def sampler(scores: torch.Tensor, top: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
         index = to_device(drawn, scores.device) if len(drawn) < len(samplings) else None
         rows = scores if index is None else scores.index_select(0, index)
         # The draws' uniform numbers come from the host: no device generator, so one draw serves the whole batch.
-        settings = settings_tensors(settings_of, [generator.random() for generator in drawn_generators],
+        settings = settings_tensors(settings_of, [uniform() for uniform in drawn_uniforms],
                                     scores.device)
         peak = top if index is None else top.index_select(0, index)
         x = apply_temperature(rows, peak, settings["temperature"])

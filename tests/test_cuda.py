@@ -232,7 +232,7 @@ def test_launching_a_step_never_waits_for_the_gpu(checkpoint, monkeypatch):
             Sampling(temperature=0, ignore_eos=True)
         engine.submit(Request(loaded.tokenizer(prompt).input_ids, 40, sampling, sink=lambda event: None,
                               logprobs=2 if number else None))
-    engine.admit()
+    engine.admission.admit()
     engine.batch.step()  # captures the graph of this batch
     launches, forward, pick = [], engine.batch.kv.forward, rungen.decode.pick
 
@@ -284,14 +284,19 @@ def test_sampling_controls_run_and_a_seeded_run_repeats(request, model, flags):
 def test_a_seeded_draw_on_the_gpu_is_the_cpus():
     # The uniform numbers come from each row's generator on the host: the same scores give the same tokens on
     # either device, a row alone or in a batch.
-    from rungen.sampling import RowState, Sampling, choose
+    from rungen.sampling import RowState, Sampling, accept, choose
+
+    def step(scores, states):  # as the engine takes a step's tokens: chosen, then accepted
+        tokens, _ = choose(scores, states, [])
+        accept(states, tokens)
+        return tokens.tolist()
 
     scores = torch.randn(3, 500, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 2
     samplings = [Sampling(seed=4), Sampling(temperature=0.7, top_p=0.9, top_k=50, seed=5), Sampling(min_p=.05, seed=6)]
     picks = {}
     for device in (torch.device("cpu"), DEVICE):
         states = [RowState(sampling, [1], 500, device) for sampling in samplings]
-        picks[device.type] = [choose(scores.to(device), states, [])[0].tolist() for _ in range(30)]
+        picks[device.type] = [step(scores.to(device), states) for _ in range(30)]
     assert picks["cpu"] == picks[DEVICE.type] and len({tuple(step) for step in picks["cpu"]}) > 1
 
 
@@ -586,8 +591,8 @@ def test_a_request_the_gpu_has_no_memory_for_beside_a_stream_waits_for_it(deep_c
         url = live.url + "/v1/chat/completions"
         alone = stream_text(url, first, threading.Event()), httpx.post(url, json=second, timeout=120).json()
         row = engine.batch.kv.slots.capacity * engine.bytes_per_token  # one row's keys/values
-        joined, join = [], engine.join  # whether each admission got the memory for its prefill
-        engine.join = lambda requests: (joined.append(join(requests)), joined[-1])[1]
+        joined, join = [], engine.admission.join  # whether each admission got the memory for its prefill
+        engine.admission.join = lambda requests: (joined.append(join(requests)), joined[-1])[1]
         started, streamed = threading.Event(), []
         client = threading.Thread(target=lambda: streamed.append(stream_text(url, first, started)))
         client.start()
@@ -607,6 +612,119 @@ def test_a_request_the_gpu_has_no_memory_for_beside_a_stream_waits_for_it(deep_c
         finally:
             gpu.memory.limit(1.0)
         assert httpx.post(url, json=second, timeout=120).json()["choices"] == alone[1]["choices"]
+
+
+@needs_played
+@pytest.mark.fresh_load  # the loader's memo would hold a copy of the model on the GPU
+def test_a_decode_step_the_gpu_has_no_memory_for_gives_way_to_the_older_request(deep_checkpoint, gpu):
+    """The GPU's memory shrinks (another process takes some) below a decode step of two requests, not of one, until
+    the older request ends: the older goes on to the tokens it gives with memory to spare. The newer gives way:
+    where nobody has seen its text yet, it waits and runs again after the older, to the tokens it gives alone
+    (seeded); a stream ends, with an error naming the memory, keeping what it sent."""
+    from rungen.engine import Engine
+    from rungen.loading import load
+    from rungen.requests import Delta, Done, End, Request
+    from rungen.sampling import Sampling
+
+    loaded = load(deep_checkpoint, device=DEVICE)
+    older_ids, newer_ids = (loaded.tokenizer(text).input_ids for text in ("Tell me a story.", "Hi there"))
+
+    def submit(engine, ids, tokens, stream=False, on_end=lambda: None):
+        events = []
+
+        def sink(event):
+            events.append(event)
+            if isinstance(event, End):
+                on_end()
+
+        sampling = Sampling(temperature=0.8, top_k=40, seed=5, ignore_eos=True)
+        engine.submit(Request(ids, tokens, sampling, sink=sink, deltas=stream))
+        return events
+
+    def finish(events):
+        [done] = [event for event in events if isinstance(event, Done)]
+        return done.finish
+
+    def stepped(engine):  # the bytes a step allocates beyond what is held
+        engine.step()  # captures the batch's graph
+        gpu.memory.reset_peak()
+        held = gpu.memory.allocated
+        engine.step()
+        return gpu.memory.peak - held
+
+    def run(short, stream=False):  # the older decodes alone, then beside the newer; `short`: the memory then shrinks
+        engine, joined = Engine(loaded, max_batch=4, prefix_cache_bytes=0), []
+        join = engine.admission.join
+        engine.admission.join = lambda requests: (joined.append(len(requests)), join(requests))[1]
+        older = submit(engine, older_ids, 16, on_end=lambda: gpu.memory.limit(1.0))
+        engine.admission.admit()
+        one = stepped(engine)
+        newer = submit(engine, newer_ids, 10, stream)
+        engine.admission.admit()
+        two = stepped(engine)
+        assert two > one
+        if short:
+            gpu.memory.limit((gpu.memory.reserved + (one + two) // 2) / gpu.memory.total)
+        try:
+            engine.run_here()
+        finally:
+            gpu.memory.limit(1.0)
+        return finish(older), newer, len(joined)
+
+    spare = run(short=False)
+    alone = Engine(loaded, max_batch=4, prefix_cache_bytes=0)
+    newer_alone = submit(alone, newer_ids, 10)
+    alone.run_here()
+    del alone
+    older, newer, joins = run(short=True)
+    assert older == spare[0] and finish(newer) == finish(newer_alone) and joins == 3  # the newer joined again
+    older, newer, joins = run(short=True, stream=True)
+    ended, whole = finish(newer), finish(spare[1])
+    assert older == spare[0] and joins == 2
+    assert ended.reason == "abort" and "out of GPU memory for a decode step beside 1 other row" in ended.error
+    assert 2 <= len(ended.tokens) < 10 and ended.tokens == whole.tokens[: len(ended.tokens)]
+    assert "".join(event.text for event in newer if isinstance(event, Delta)) == ended.text
+
+
+@needs_played
+@pytest.mark.fresh_load  # the loader's memo would hold a copy of the model on the GPU
+def test_out_of_gpu_memory_the_prefix_cache_goes_first(deep_checkpoint, gpu, caplog):
+    """The GPU's memory shrinks below a decode step by less than the prefix cache holds: its entries go (they only
+    save time) and the request goes on to the tokens it gives with memory to spare."""
+    from rungen.engine import Engine
+    from rungen.loading import load
+    from rungen.requests import Done, Request
+    from rungen.sampling import Sampling
+
+    loaded = load(deep_checkpoint, device=DEVICE)
+
+    def run(short):
+        engine, events = Engine(loaded, max_batch=4), []
+        engine.submit(Request(loaded.tokenizer("Tell me a story.").input_ids, 8, Sampling(temperature=0),
+                              lambda event: None, deltas=False))
+        engine.run_here()  # its keys/values kept
+        engine.submit(Request(loaded.tokenizer("Hi there").input_ids, 8, Sampling(temperature=0), events.append,
+                              deltas=False))
+        engine.admission.admit()
+        engine.step()
+        gpu.memory.reset_peak()
+        held = gpu.memory.allocated
+        engine.step()
+        kept = engine.prefix_cache.bytes
+        if short:
+            assert kept > 0 and engine.prefix_cache.entries
+            gpu.memory.limit((gpu.memory.reserved - kept + gpu.memory.peak - held) / gpu.memory.total)
+        try:
+            engine.run_here()
+        finally:
+            gpu.memory.limit(1.0)
+        [done] = [event for event in events if isinstance(event, Done)]
+        return done.finish
+
+    spare = run(short=False)
+    assert "prefix cache" not in caplog.text
+    assert run(short=True) == spare and spare.error is None
+    assert "out of GPU memory for a decode step: the prefix cache's" in caplog.text
 
 
 @needs_cuda

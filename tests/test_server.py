@@ -463,7 +463,7 @@ def test_a_next_turn_grows_in_the_buffers_its_first_turn_left(checkpoint):
 
     def run(engine, ids, max_tokens):
         _, finishes, _, _ = collect(engine, ids, max_tokens=max_tokens)
-        engine.admit()
+        engine.admission.admit()
         while engine.batch.rows:
             engine.batch.step()
         return finishes[0].tokens
@@ -478,7 +478,7 @@ def test_a_next_turn_grows_in_the_buffers_its_first_turn_left(checkpoint):
     following = first + reply + tokenizer.encode(" so is the cat")
     taken = [keys.data_ptr() for keys, _ in buffers]
     _, finishes, _, _ = collect(engine, following, max_tokens=6)
-    engine.admit()
+    engine.admission.admit()
     assert held not in engine.prefix_cache.entries
     assert [layer.keys.data_ptr() for layer in engine.batch.kv.cache.layers] == taken
     while engine.batch.rows:
@@ -494,7 +494,7 @@ def test_requests_joining_together_enter_the_batch_at_once_and_each_gives_what_i
 
     def tokens(engine, asked):
         runs = [collect(engine, tokenizer.encode(text), max_tokens=count)[1] for text, count in asked]
-        engine.admit()
+        engine.admission.admit()
         assert not engine.waiting and not engine.batch.pending
         while engine.batch.rows:
             engine.batch.step()
@@ -602,7 +602,7 @@ def test_abort_ends_every_request_with_a_reason(loaded):
     ids = loaded.tokenizer.encode("Once upon a time")
     running = collect(engine, ids, max_tokens=100)
     waiting = collect(engine, ids, max_tokens=100)
-    engine.join([engine.waiting.popleft()])  # the first is decoding, the second waits for its slot
+    engine.admission.join([engine.waiting.popleft()])  # the first is decoding, the second waits for its slot
     engine.close()
     engine.abort()
     engine.loop()

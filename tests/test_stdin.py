@@ -181,3 +181,46 @@ def test_sampled_text_follows_the_seed_whatever_the_batch(tiny_models):
     texts = [[record["generated_text"] for record in run] for run in runs]
     assert len(texts[0]) == 8 and texts[0] == texts[1]
     assert texts[2] != texts[1]
+
+
+def test_a_decode_step_out_of_gpu_memory_costs_the_newest_prompt_only(tiny_models, monkeypatch):
+    """A decode step of every prompt runs out of GPU memory (raised where CUDA raises it: the CPU has no such limit;
+    the played GPU's own memory runs out in tests/test_cuda.py): the newest prompt gives way and runs again after
+    the others, to the same text (its seed is its own); with --logprobs (its items already taken) it becomes an
+    error record naming the memory, the run exits 1, and the other records are those a run with memory to spare
+    gives."""
+    import torch
+
+    from rungen.batch_cache import SlotBatch
+
+    forward, failed = SlotBatch.forward, []
+
+    def short_of_memory(self, rows, tokens):
+        if len(rows) == len(PROMPTS) and not failed:  # the first step of every prompt together
+            failed.append(len(rows))
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+        return forward(self, rows, tokens)
+
+    def run(*extra, short=False):
+        args = tiny_args(tiny_models, "llama", "--length", "8", "--seed", "3", "--output_format", "jsonl", *extra)
+        failed.clear()
+        with monkeypatch.context() as patch:
+            if short:
+                patch.setattr(SlotBatch, "forward", short_of_memory)
+            result = run_main(args, stdin="\n".join(PROMPTS))
+        assert failed == ([len(PROMPTS)] if short else [])
+        return result.returncode, jsonl(result.stdout)
+
+    assert run(short=True) == run()  # the newest prompt ran again
+    (code, records), (spare_code, expected) = run("--logprobs", "1", short=True), run("--logprobs", "1")
+    [ended] = [number for number, record in enumerate(records) if "error" in record]
+    assert code == 1 and spare_code == 0 and "out of GPU memory for a decode step beside 3 other rows" in \
+        records[ended]["error"]
+    del records[ended], expected[ended]
+    # The others' steps ran with a row fewer: their log-probabilities agree to float32's rounding.
+    items = [[(item["id"], item["logprob"]) for item in record.pop("logprobs")["content"]]
+             for record in records + expected]
+    assert records == expected
+    for mine, spare in zip(items[: len(records)], items[len(records) :]):
+        assert [i for i, _ in mine] == [i for i, _ in spare]
+        assert max(abs(a - b) for (_, a), (_, b) in zip(mine, spare)) < 1e-4

@@ -27,6 +27,13 @@ def states(*samplings, prompt=(1, 2, 3)):
     return [RowState(s, list(prompt), VOCAB, torch.device("cpu")) for s in samplings]
 
 
+def step(scores, rows):
+    """A step's tokens as the engine takes them: chosen, then accepted (the draw used up)."""
+    tokens, _ = choose(scores, rows, [])
+    accept(rows, tokens)
+    return tokens
+
+
 def logits(rows, seed=0):
     return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
 
@@ -65,8 +72,7 @@ def test_a_draw_follows_the_probabilities():
     row = states(Sampling(seed=5))
     counts = torch.zeros(VOCAB)
     for _ in range(4000):
-        tokens, _ = choose(scores, row, [])
-        counts[tokens[0]] += 1
+        counts[step(scores, row)[0]] += 1
     share = counts[:4] / counts.sum()
     assert counts[4:].sum() == 0 and (share - expected).abs().max() < 4 * math.sqrt(0.25 / 4000)
 
@@ -75,8 +81,12 @@ def test_a_seeded_row_draws_the_same_alone_and_in_a_batch():
     scores = logits(3, seed=4)
     alone = states(Sampling(seed=9))
     batch = states(Sampling(seed=1), Sampling(seed=9), Sampling(temperature=0.5, seed=2))
-    draws = [(int(choose(scores[1:2], alone, [])[0][0]), int(choose(scores, batch, [])[0][1])) for _ in range(20)]
+    draws = [(int(step(scores[1:2], alone)[0]), int(step(scores, batch)[1])) for _ in range(20)]
     assert [a for a, _ in draws] == [b for _, b in draws] and len({a for a, _ in draws}) > 1
+    # a step that failed (out of GPU memory) and runs again draws what it would have drawn
+    again = states(Sampling(seed=9))
+    choose(scores[1:2], again, [])
+    assert [int(step(scores[1:2], again)[0]) for _ in range(20)] == [a for a, _ in draws]
     # a request's other choices draw from generators of their own, seeded from its seed
     seeds = [RowState(Sampling(seed=9), [1], VOCAB, torch.device("cpu"), index).seed
              for index in (0, 1, 2, 1)]

@@ -1,0 +1,127 @@
+"""Which waiting requests join the engine's batch, and when (Admission); and which gives way when a decode step runs
+out of GPU memory.
+
+A request joins between decode steps while its rows fit within `max_batch` and rows x the longest (prompt +
+max_tokens) within `max_cache_tokens`; on fixed slots those waiting after it that fit beside it in one pass join
+with it (rungen/prefill.py).
+
+Out of GPU memory, the prefix cache's entries go first (they only save time). Where the GPU still has no memory for
+a group's prefill beside the running rows, the group waits, first in the queue, and nothing joins beside that many
+rows until a row has left. Where a decode step runs out, the newest request gives way and the others go on: one
+whose output nobody has seen yet waits again at the head of the queue (run again from its prompt, to the same tokens
+where greedy or seeded), a stream or a request with log-probabilities ends with an error naming the memory.
+"""
+
+import collections
+import time
+
+from . import logger
+from .errors import one_line
+from .prefill import pass_tokens, prefill_group, together_tokens
+from .requests import End
+
+
+class Admission:
+    """The waiting requests (guarded by `wake`, the engine's condition) and the requests being prefilled."""
+
+    def __init__(self, model, batch, wake, *, max_batch, max_cache_tokens, use_positions, keep_last):
+        self.model, self.batch, self.wake = model, batch, wake
+        self.max_batch, self.max_cache_tokens = max_batch, max_cache_tokens
+        self.use_positions, self.keep_last = use_positions, keep_last
+        self.waiting = collections.deque()
+        self.joining = []  # the requests being prefilled (ended too if that fails)
+        self.crowded = max_batch + 1  # rows at which the GPU's memory last fell short: none join beside as many
+
+    def admit(self):
+        """Moves waiting requests into the batch while rows and cache positions allow. Where the batch keeps fixed
+        slots, the requests admitted together are prefilled in one pass; elsewhere each alone, their keys/values
+        entering together after the last (a merge at every join would copy the whole batch each time)."""
+        batch = self.batch
+        while True:
+            with self.wake:
+                while self.waiting and self.waiting[0].cancelled:
+                    self.waiting.popleft().sink(End())
+                if not self.waiting:
+                    break
+                if batch.rows and (not self.fits([self.waiting[0]]) or len(batch.rows) >= self.crowded):
+                    break  # waits for rows to leave
+                if batch.ahead is None:
+                    group = self.take_group()
+            if batch.ahead is not None:
+                batch.drain()  # the batch changes: the step launched ahead is read first
+                continue
+            self.joining = group
+            if not self.join(group):  # out of GPU memory beside the batch: it waits, first, for rows to leave
+                with self.wake:
+                    self.waiting.extendleft(reversed(group))
+                self.crowded, self.joining = len(batch.rows), []
+                break
+            self.joining = []
+        batch.merge()
+
+    def take_group(self):
+        """The first waiting request, and those after it that fit beside it in one pass (fixed slots only)."""
+        group = [self.waiting.popleft()]
+        device = self.batch.device
+        while (self.batch.kv.prefills_together and self.waiting and not self.waiting[0].cancelled
+               and self.fits(group + [self.waiting[0]])
+               and together_tokens(group + [self.waiting[0]]) <= pass_tokens(device)):
+            group.append(self.waiting.popleft())
+        return group
+
+    def fits(self, requests):
+        """Whether the requests' rows join the batch within max_batch and max_cache_tokens."""
+        reserve = self.reserve(requests) + self.batch.lookahead
+        count = len(self.batch.rows) + sum(request.n for request in requests)
+        return count <= self.max_batch and count * reserve <= self.max_cache_tokens
+
+    def reserve(self, requests):
+        """The positions a row takes at most, the batch's and `requests`' rows."""
+        return max([request.reserve for request in requests] + [row.request.reserve for row in self.batch.rows])
+
+    def join(self, requests) -> bool:
+        """Prefills the requests (together where there are several: the rows joined before enter their slots
+        first) and adds their rows to the batch, with their first tokens. False: the GPU ran out of memory for
+        their prefill beside the batch's rows, which go on untouched (alone, that is raised)."""
+        batch, start = self.batch, time.perf_counter()
+        if len(requests) > 1:
+            batch.merge()
+        prefilled = prefill_group(self.model, batch.kv, requests, batch.prefix_cache, batch.device, len(batch.rows),
+                                  self.reserve(requests), use_positions=self.use_positions, keep_last=self.keep_last)
+        if prefilled is None:
+            return False
+        batch.enter(requests, prefilled, start)
+        self.crowded = self.max_batch + 1  # until the GPU's memory says otherwise
+        return True
+
+    def give_way(self, error) -> bool:
+        """After a decode step ran out of GPU memory (`error`): the prefix cache's entries go, or else the batch's
+        newest request leaves it, so that the others go on; nothing joins beside as many rows as are left until one
+        has left. False where the batch holds one request (nothing to give way to), or in a form that cannot run the
+        failed step again: the caller ends them."""
+        batch = self.batch
+        if not batch.kv.steps_again:
+            return False
+        batch.drain()  # the step launched before the failed one: its tokens reported
+        if batch.prefix_cache is not None and batch.prefix_cache.give_up("a decode step"):
+            return True  # the step runs again, every request in it
+        requests = list({id(row.request): row.request for row in batch.rows}.values())
+        if len(requests) < 2:
+            return False
+        newest = max(requests, key=lambda request: request.submitted)
+        rows = [row for row in batch.rows if row.request is newest]
+        self.crowded = len(batch.rows) - len(rows)
+        why = one_line(error)
+        if newest.deltas or newest.logprobs is not None or len(rows) < newest.n:  # some of its output was sent
+            logger.warning("out of GPU memory for a decode step of %d rows: the newest request ends (%s)",
+                           len(batch.rows), why)
+            others = f"{self.crowded} other row{'s' if self.crowded > 1 else ''}"
+            batch.end(newest, f"out of GPU memory for a decode step beside {others}, the newest request gave way "
+                              f"({why}); run it again with fewer beside it")
+            return True
+        logger.warning("out of GPU memory for a decode step of %d rows: the newest request waits to run again (%s)",
+                       len(batch.rows), why)
+        batch.take_out(newest)
+        with self.wake:
+            self.waiting.appendleft(newest)
+        return True
