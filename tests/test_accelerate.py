@@ -32,29 +32,25 @@ def launch(num_processes, args, stdin):
 
 @pytest.mark.slow
 def test_two_cpu_processes_give_the_single_process_output(tiny_models):
-    outputs = {}
-    for output_format in ("jsonl", "text"):
+    """The main process alone writes, in input order, what one process writes: as jsonl for 11 prompts (uneven
+    shares over several rounds), one too long for the context (its error record, and a failing exit), and as text,
+    each block numbered by its prompt, whichever process generated it."""
+    errors = PROMPTS + "\n" + "dog " * 300 + "\n" + PROMPTS
+    for output_format, stdin in (("jsonl", errors), ("text", PROMPTS)):
         args = tiny_args(tiny_models, "llama", "--temperature", "0", "--length", "8", "--batch_size", "2",
                          "--output_format", output_format)
-        single = run_cli(args, stdin=PROMPTS)  # a process too: nothing of an in-process run reaches the launch
-        outputs[output_format] = single.stdout
-        double = launch(2, args + ["--verbose"], PROMPTS)  # --verbose: the device line, with the process count
-        assert single.returncode == double.returncode == 0, double.stderr.decode()[-3000:]
-        assert "processes: 2" in double.stderr.decode()
-        assert double.stdout == single.stdout  # main process alone writes, in input order
-        if output_format == "text":  # each block numbered by its prompt, whichever process generated it
+        single = run_cli(args, stdin=stdin)  # a process too: nothing of an in-process run reaches the launch
+        double = launch(2, args + ["--verbose"], stdin)  # --verbose: the device line, with the process count
+        assert "processes: 2" in double.stderr.decode(), double.stderr.decode()[-3000:]
+        assert double.stdout == single.stdout
+        if output_format == "jsonl":
+            records = jsonl(single.stdout)
+            assert single.returncode == 1 and double.returncode != 0
+            assert [r["prompt_index"] for r in records] == list(range(11)) and "error" in records[5]
+            assert sum("error" in record for record in records) == 1
+        else:
+            assert single.returncode == double.returncode == 0, double.stderr.decode()[-3000:]
             assert list(blocks(double.stdout)) == [f"=== PROMPT {i}, GENERATED SEQUENCE 1 ===" for i in range(1, 6)]
-    assert [r["prompt_index"] for r in jsonl(outputs["jsonl"])] == [0, 1, 2, 3, 4]
-
-
-@pytest.mark.slow
-def test_two_processes_with_more_prompts_than_rounds_and_errors(tiny_models):
-    stdin = PROMPTS + "\n" + "dog " * 300 + "\n" + PROMPTS  # 11 prompts, one too long, uneven shares
-    args = tiny_args(tiny_models, "gpt2", "--temperature", "0", "--length", "5", "--output_format", "jsonl")
-    single, double = run_cli(args, stdin=stdin), launch(2, args, stdin)
-    assert single.returncode == 1 and double.returncode != 0
-    assert jsonl(double.stdout) == jsonl(single.stdout)
-    assert "error" in jsonl(double.stdout)[5]
 
 
 def test_device_map_auto_offloads_and_keeps_the_greedy_text(tiny_models, capsys):
