@@ -201,10 +201,11 @@ class DecodeGraphs:
     """decode_step as CUDA graphs, one per (rows bucket, length bucket), captured on first use: a step's hundreds
     of launches become one. The returned logits are the rows bucket's output buffer, which every graph of that
     bucket writes last (outside the graphs' pool, so that no graph holds logits of its own there), read before the
-    next replay; graphs are remade when the buffers are replaced; a failed capture warns once and steps run
-    eagerly. `compiled`: the step captured is torch.compile's (inductor fuses the norms', rotary's and activation's
-    elementwise operators; its shapes dynamic, so rows 1, rows past 1, and a step reading the whole slot compile
-    once each, at their first capture)."""
+    next replay; graphs are remade when the buffers are replaced; a failed capture warns and steps run eagerly (out
+    of GPU memory, only those the graph would have run, until the buffers are replaced). `compiled`: the step
+    captured is torch.compile's (inductor fuses the norms', rotary's and activation's elementwise operators; its
+    shapes dynamic, so rows 1, rows past 1, and a step reading the whole slot compile once each, at their first
+    capture)."""
 
     def __init__(self, model: torch.nn.Module, cache: SlotCache, compiled: bool = False):
         self.model, self.cache, self.compiled = model, cache, compiled
@@ -212,6 +213,7 @@ class DecodeGraphs:
         self.graphs, self.generation, self.pool = {}, None, None
         self.outputs = {}  # rows bucket -> its logits [bucket, vocabulary]
         self.failed = False
+        self.short = set()  # the (rows bucket, length) whose capture ran out of GPU memory
         self.capture_seconds = 0.0
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, longest: int) -> torch.Tensor:
@@ -220,10 +222,10 @@ class DecodeGraphs:
         if self.failed or bucket > self.cache.slots:
             return decode_step(self.model, self.cache, tokens, positions, length)
         if self.generation != self.cache.generation:
-            self.graphs, self.generation = {}, self.cache.generation
+            self.graphs, self.short, self.generation = {}, set(), self.cache.generation
         graph = self.graphs.get((bucket, length))
         if graph is None:
-            graph = self.capture(bucket, length, tokens, positions)
+            graph = None if (bucket, length) in self.short else self.capture(bucket, length, tokens, positions)
             if graph is None:
                 return decode_step(self.model, self.cache, tokens, positions, length)
         cuda_graph, static_tokens, static_positions, logits = graph
@@ -260,10 +262,16 @@ class DecodeGraphs:
             import logging
 
             torch.cuda.set_stream(stream)  # a capture that failed to end leaves its own stream current
+            why = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            if isinstance(error, torch.OutOfMemoryError):  # the other batches keep their graphs
+                logging.getLogger("run_generation").warning(
+                    "CUDA graphs: out of GPU memory to capture the decode step of %d rows (%s); those steps run "
+                    "without a graph", bucket, why)
+                self.short.add((bucket, length))
+                return None
             logging.getLogger("run_generation").warning(
-                "CUDA graphs: %s the decode step failed (%s: %s); decoding without them",
-                "compiling or capturing" if self.compiled else "capturing", type(error).__name__,
-                str(error).splitlines()[0] if str(error) else "")
+                "CUDA graphs: %s the decode step failed (%s); decoding without them",
+                "compiling or capturing" if self.compiled else "capturing", why)
             self.failed = True
             return None
         self.capture_seconds += time.perf_counter() - start

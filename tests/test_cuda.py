@@ -688,6 +688,58 @@ def test_a_decode_step_the_gpu_has_no_memory_for_gives_way_to_the_older_request(
 
 @needs_played
 @pytest.mark.fresh_load  # the loader's memo would hold a copy of the model on the GPU
+def test_a_capture_out_of_gpu_memory_leaves_the_other_graphs_replaying(deep_checkpoint, gpu, caplog):
+    """No GPU memory to capture the step of a batch size not seen yet (the slots made before): that step runs
+    without a graph (here it fails too, and the newer request gives way), and the steps captured before go on
+    replaying their graph, at the same tokens."""
+    from rungen.engine import Engine
+    from rungen.loading import load
+    from rungen.requests import Done, Request
+    from rungen.sampling import Sampling
+
+    loaded = load(deep_checkpoint, device=DEVICE)
+    greedy = Sampling(temperature=0, ignore_eos=True)
+    prompts = [loaded.tokenizer(text).input_ids for text in ("Tell me a story.", "Hi", "Yes", "Hi there")]
+
+    def run(short):
+        engine, events, replays = Engine(loaded, max_batch=4, prefix_cache_bytes=0), [], []
+        for ids, tokens in zip(prompts[:3], (16, 2, 2)):  # three together: slots for 4 rows, then one row goes on
+            engine.submit(Request(ids, tokens, greedy, events.append, deltas=False))
+        engine.admission.admit()
+        while len(engine.batch.rows) > 1:
+            engine.step()
+        engine.step()  # one row alone: its graph captured
+        engine.submit(Request(prompts[3], 6, greedy, events.append, deltas=False))
+        forward, give_way = engine.batch.kv.forward, engine.admission.give_way
+
+        def shrinking(rows, tokens):  # the memory shrinks as the two rows' first step is captured
+            if short and len(rows) == 2 and not replays:
+                gpu.memory.limit((gpu.memory.reserved + 1024) / gpu.memory.total)
+            return forward(rows, tokens)
+
+        def back(error):  # and is back once the newer request gave way
+            gave_way = give_way(error)
+            replays.append(gpu.replays)
+            gpu.memory.limit(1.0)
+            return gave_way
+
+        engine.batch.kv.forward, engine.admission.give_way = shrinking, back
+        try:
+            engine.run_here()
+        finally:
+            gpu.memory.limit(1.0)
+        return [event.finish for event in events if isinstance(event, Done)], replays + [gpu.replays]
+
+    spare, _ = run(short=False)
+    assert "CUDA graphs" not in caplog.text
+    finishes, (gave_way, ended) = run(short=True)
+    assert sorted(finishes, key=str) == sorted(spare, key=str)
+    assert ended - gave_way >= 16 - 4  # the first request's steps alone, then the newer's: replayed, not eager
+    assert "out of GPU memory to capture the decode step of 2 rows" in caplog.text
+
+
+@needs_played
+@pytest.mark.fresh_load  # the loader's memo would hold a copy of the model on the GPU
 def test_out_of_gpu_memory_the_prefix_cache_goes_first(deep_checkpoint, gpu, caplog):
     """The GPU's memory shrinks below a decode step by less than the prefix cache holds: its entries go (they only
     save time) and the request goes on to the tokens it gives with memory to spare."""
