@@ -97,8 +97,8 @@ class Admission:
     def give_way(self, error) -> bool:
         """After a decode step ran out of GPU memory (`error`): the prefix cache's entries go, or else the batch's
         newest request leaves it, so that the others go on; nothing joins beside as many rows as are left until one
-        has left. False where the batch holds one request (nothing to give way to), or in a form that cannot run the
-        failed step again: the caller ends them."""
+        has left. False where the batch holds one request (nothing to give way to), or keeps its keys/values in a
+        form that cannot run the failed step again: the caller ends them."""
         batch = self.batch
         if not batch.kv.steps_again:
             return False

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from .kvcache import full_attention, new_cache
+from .kvcache import full_attention, growing, new_cache
 from .slots import DecodeGraphs, SlotCache, decode_step, prefill_step
 from .transfers import accelerators_of, to_device
 
@@ -145,11 +145,15 @@ class PaddedBatch:
 
     form = "a left-padded batch"
     prefills_together = False
-    steps_again = False  # a step that failed may have grown some layers' keys/values and not others
-
     def __init__(self, model, device, use_positions):
         self.model, self.device, self.use_positions = model, device, use_positions
         self.cache = self.mask = None
+
+    @property
+    def steps_again(self):
+        """Whether a step that failed may run again: forward puts the layers' keys/values back as they were, unless
+        they grow in place (the own model's, on the CPU only, whose allocator raises no out-of-memory error)."""
+        return self.cache is None or not growing(self.cache.layers[0])
 
     def part(self, output, n, length):
         """What a prefilled request brings to merge(): its keys/values (for n rows), their mask, and its cache."""
@@ -178,14 +182,21 @@ class PaddedBatch:
         self.mask = torch.cat([left_pad(mask, width, dim=1) for _, mask in groups])
 
     def forward(self, rows, tokens):
-        self.mask = torch.cat([self.mask, torch.ones(len(rows), 1, dtype=torch.long, device=self.device)], 1)
+        mask = torch.cat([self.mask, torch.ones(len(rows), 1, dtype=torch.long, device=self.device)], 1)
         kwargs = {}
         if self.use_positions:
             kwargs["position_ids"] = to_device([[row.position] for row in rows], self.device)
-        with torch.inference_mode():
-            output = self.model(input_ids=tokens, attention_mask=self.mask, past_key_values=self.cache,
-                                use_cache=True, **kwargs)
-        self.cache = output.past_key_values
+        layers = layers_of(self.cache)
+        try:
+            with torch.inference_mode():
+                output = self.model(input_ids=tokens, attention_mask=mask, past_key_values=self.cache,
+                                    use_cache=True, **kwargs)
+        except torch.OutOfMemoryError:  # the layers that grew before it ran out shrink back: the step may run again
+            if self.steps_again:
+                for layer, (keys, values) in zip(self.cache.layers, layers):
+                    layer.keys, layer.values = keys, values
+            raise
+        self.cache, self.mask = output.past_key_values, mask
         return output.logits[:, -1].float()
 
     def keep(self, rows, keep, done):

@@ -183,30 +183,36 @@ def test_sampled_text_follows_the_seed_whatever_the_batch(tiny_models):
     assert texts[2] != texts[1]
 
 
-def test_a_decode_step_out_of_gpu_memory_costs_the_newest_prompt_only(tiny_models, monkeypatch):
-    """A decode step of every prompt runs out of GPU memory (raised where CUDA raises it: the CPU has no such limit;
-    the played GPU's own memory runs out in tests/test_cuda.py): the newest prompt gives way and runs again after
-    the others, to the same text (its seed is its own); with --logprobs (its items already taken) it becomes an
-    error record naming the memory, the run exits 1, and the other records are those a run with memory to spare
-    gives."""
+@pytest.mark.parametrize("model_type, layer", [("llama", "llama.modeling_llama.LlamaDecoderLayer"),
+                                               ("gpt2", "gpt2.modeling_gpt2.GPT2Block")])
+def test_a_decode_step_out_of_gpu_memory_costs_the_newest_prompt_only(tiny_models, monkeypatch, model_type, layer):
+    """A decode step of every prompt runs out of GPU memory in its last layer, the others' keys/values written
+    (raised where CUDA raises it: the CPU has no such limit; the played GPU's own memory runs out in
+    tests/test_cuda.py): the newest prompt gives way and runs again after the others, to the same text (its seed is
+    its own); with --logprobs (its items already taken) it becomes an error record naming the memory, the run exits
+    1, and the other records are those a run with memory to spare gives. On fixed slots (llama) and on the
+    left-padded batch (gpt2), whose layers that grew in the failed step shrink back."""
+    import importlib
+
     import torch
 
-    from rungen.batch_cache import SlotBatch
+    module, name = layer.rsplit(".", 1)
+    decoder_layer = getattr(importlib.import_module(f"transformers.models.{module}"), name)
+    forward, failed = decoder_layer.forward, []
 
-    forward, failed = SlotBatch.forward, []
-
-    def short_of_memory(self, rows, tokens):
-        if len(rows) == len(PROMPTS) and not failed:  # the first step of every prompt together
-            failed.append(len(rows))
+    def short_of_memory(self, hidden_states, *args, **kwargs):
+        attention = getattr(self, "self_attn", None) or self.attn
+        if hidden_states.shape[:2] == (len(PROMPTS), 1) and attention.layer_idx == 1 and not failed:
+            failed.append(len(PROMPTS))  # the first step of every prompt together, in its last layer
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
-        return forward(self, rows, tokens)
+        return forward(self, hidden_states, *args, **kwargs)
 
     def run(*extra, short=False):
-        args = tiny_args(tiny_models, "llama", "--length", "8", "--seed", "3", "--output_format", "jsonl", *extra)
+        args = tiny_args(tiny_models, model_type, "--length", "8", "--seed", "3", "--output_format", "jsonl", *extra)
         failed.clear()
         with monkeypatch.context() as patch:
             if short:
-                patch.setattr(SlotBatch, "forward", short_of_memory)
+                patch.setattr(decoder_layer, "forward", short_of_memory)
             result = run_main(args, stdin="\n".join(PROMPTS))
         assert failed == ([len(PROMPTS)] if short else [])
         return result.returncode, jsonl(result.stdout)
