@@ -102,9 +102,10 @@ class Admission:
         batch = self.batch
         if not batch.kv.steps_again:
             return False
-        batch.drain()  # the step launched before the failed one: its tokens reported
-        if batch.prefix_cache is not None and batch.prefix_cache.give_up("a decode step"):
-            return True  # the step runs again, every request in it
+        rows = len(batch.rows)
+        batch.drain()  # the step launched before the failed one: its tokens reported, its finished rows gone
+        if len(batch.rows) < rows or (batch.prefix_cache is not None and batch.prefix_cache.give_up("a decode step")):
+            return True  # the step runs again, every request left in it
         requests = list({id(row.request): row.request for row in batch.rows}.values())
         if len(requests) < 2:
             return False
