@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import run_generation
-from helpers import SCRIPT, blocks, cli_env, jsonl, run_cli, tiny_args
+from helpers import SCRIPT, blocks, cli_env, jsonl, run_main, tiny_args
 from rungen.loading import load
 
 PROMPTS = "\n".join(["Hello, my dog is cute", "The capital of France is", "A", "Once upon a time", "Water boils"])
@@ -39,7 +39,7 @@ def test_two_cpu_processes_give_the_single_process_output(tiny_models):
     for output_format, stdin in (("jsonl", errors), ("text", PROMPTS)):
         args = tiny_args(tiny_models, "llama", "--temperature", "0", "--length", "8", "--batch_size", "2",
                          "--output_format", output_format)
-        single = run_cli(args, stdin=stdin)  # a process too: nothing of an in-process run reaches the launch
+        single = run_main(args, stdin=stdin)  # in-process, as a process gives it (test_harness)
         double = launch(2, args + ["--verbose"], stdin)  # --verbose: the device line, with the process count
         assert "processes: 2" in double.stderr.decode(), double.stderr.decode()[-3000:]
         assert double.stdout == single.stdout
