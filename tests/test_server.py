@@ -724,3 +724,49 @@ def test_sigterm_under_load_ends_every_stream_and_exits_0(checkpoint, tmp_path):
         finishes = [json.loads(line[6:])["choices"][0]["finish_reason"] for line in lines[:-1]]
         assert finishes[-1] in ("length", "abort") and all(finish is None for finish in finishes[:-1])
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_a_stream_a_decode_step_has_no_gpu_memory_for_ends_with_the_error_and_the_others_go_on(loaded, monkeypatch):
+    """A decode step beside another request runs out of GPU memory (raised where CUDA raises it: the CPU has no
+    such limit): the newest request, a stream, gets the text it was sent, an error event naming the memory and
+    finish_reason "abort", then [DONE]; the older request answers what it answers alone, and the server goes on."""
+    from rungen.batch_cache import SlotBatch
+
+    forward, queued, failed = SlotBatch.forward, threading.Event(), []
+
+    def short_of_memory(self, rows, tokens):
+        # The older's steps wait for the newer to be queued: the two then decode together.
+        if len(rows) == 1 and not failed and not queued.wait(30):
+            raise AssertionError("the newer request never came")
+        if len(rows) == 2 and not failed:
+            failed.append(len(rows))
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+        return forward(self, rows, tokens)
+
+    older = {"model": MODEL_ID, "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0}
+    newer = {"model": MODEL_ID, "prompt": "Hello", "max_tokens": 24, "temperature": 0, "stream": True}
+    with serving(loaded, model_id=MODEL_ID, max_batch=4, prefix_cache_mb=0) as (live, engine):
+        url = live.url + "/v1/completions"
+        alone = [httpx.post(url, json=body | {"stream": False}, timeout=60).json()["choices"][0]["text"]
+                 for body in (older, newer)]
+        monkeypatch.setattr(SlotBatch, "forward", short_of_memory)
+        submit, submitted = engine.submit, []
+        monkeypatch.setattr(engine, "submit", lambda request: (submit(request), submitted.append(request),
+                                                               len(submitted) == 2 and queued.set())[0])
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(httpx.post, url, json=older, timeout=60)
+            while not engine.batch.rows:
+                time.sleep(0.01)
+            with httpx.stream("POST", url, json=newer, timeout=60) as response:
+                events = []
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+            assert failed == [2] and answer.result().json()["choices"][0]["text"] == alone[0]
+        chunks = [json.loads(event) for event in events[:-1]]
+        [error] = [chunk["error"] for chunk in chunks if "error" in chunk]
+        assert "out of GPU memory for a decode step beside 1 other row" in error["message"]
+        assert events[-1] == "[DONE]" and chunks[-1]["choices"][0]["finish_reason"] == "abort"
+        text = "".join(chunk["choices"][0]["text"] for chunk in chunks if chunk.get("choices"))
+        assert alone[1].startswith(text) and len(text) < len(alone[1])
+        assert httpx.post(url, json=older, timeout=60).json()["choices"][0]["text"] == alone[0]
