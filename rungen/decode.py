@@ -131,8 +131,9 @@ class DecodeBatch:
             token = picked.tokens[number]
             row.generated.append(token)
             if not row.generated[:-1]:
-                request.first_token_at = request.first_token_at or now
-                self.metrics.observe(self.metrics.ttft, Metrics.TTFT_BUCKETS, now - request.submitted)
+                if request.first_token_at is None:  # a request's first token (not each choice's, nor a rerun's)
+                    request.first_token_at = now
+                    self.metrics.observe(self.metrics.ttft, Metrics.TTFT_BUCKETS, now - request.submitted)
             else:
                 self.metrics.observe(self.metrics.tpot, Metrics.TPOT_BUCKETS, now - row.last_time)
             row.last_time = now

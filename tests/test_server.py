@@ -85,6 +85,14 @@ def test_models_health_and_metrics(served, client):
     generated = int(re.search(r"^rungen_generation_tokens_total (\d+)$", metrics, re.M).group(1))
     assert generated >= 3
 
+    def first_tokens():  # the requests that gave a first token
+        text = httpx.get(served[0].url + "/metrics").text
+        return int(re.search(r"^rungen_time_to_first_token_seconds_count (\d+)$", text, re.M).group(1))
+
+    before = first_tokens()
+    client.completions.create(model=MODEL_ID, prompt="The capital", max_tokens=3, n=3, seed=1)
+    assert first_tokens() == before + 1  # a request's first token, whatever its choices
+
 
 @pytest.mark.slow
 def test_greedy_equals_the_command_line(served, client, checkpoint, loaded):
