@@ -167,18 +167,27 @@ class PaddedBatch:
         """Nothing: the padded batch grows as rows merge."""
 
     def merge(self, parts, rows):
-        """Appends the parts' rows in one copy, left-padded to the longest (a lone part into an empty batch: none)."""
+        """Appends the parts' rows, left-padded to the longest, a layer at a time: a layer's old keys/values go
+        before the next layer is copied, so beyond the batch's keys/values the merge holds two copies of one layer
+        (the concatenation, and the cache's own), not a copy of every layer (a lone part into an empty batch: no
+        copy)."""
         if self.cache is None and len(parts) == 1:
             layers, mask, cache = parts[0]
             self.cache, self.mask = cache if cache is not None else new_cache(self.model, layers), mask
             return
-        groups = [(layers, mask) for layers, mask, _ in parts]
-        if self.cache is not None:
-            groups.insert(0, (layers_of(self.cache), self.mask))
+        old, groups = self.cache, [(list(layers), mask) for layers, mask, _ in parts]
+        if old is not None:
+            groups.insert(0, (layers_of(old), self.mask))
         width = max(mask.shape[1] for _, mask in groups)
-        merged = [tuple(torch.cat([left_pad(layers[layer][kind], width) for layers, _ in groups]) for kind in (0, 1))
-                  for layer in range(len(groups[0][0]))]
-        self.cache = new_cache(self.model, merged)
+        self.cache = cache = new_cache(self.model)
+        for number, layer in enumerate(cache.layers):
+            merged = [torch.cat([left_pad(layers[number][kind], width) for layers, _ in groups]) for kind in (0, 1)]
+            for layers, _ in groups:
+                layers[number] = None
+            if old is not None:
+                let_go(old.layers[number])
+            layer.update(*merged)
+            del merged  # (the cache copied it)
         self.mask = torch.cat([left_pad(mask, width, dim=1) for _, mask in groups])
 
     def forward(self, rows, tokens):
@@ -200,7 +209,8 @@ class PaddedBatch:
         return output.logits[:, -1].float()
 
     def keep(self, rows, keep, done):
-        """Keeps the rows numbered `keep` and trims the columns that are padding in every one of them."""
+        """Keeps the rows numbered `keep` and trims the columns that are padding in every one of them, a layer at a
+        time."""
         if not keep:
             self.clear()
             return keep
@@ -208,9 +218,12 @@ class PaddedBatch:
         mask = self.mask.index_select(0, index)
         first = int(mask.any(0).long().argmax())  # columns before it are padding in every row left
         self.mask = mask[:, first:]
-        kept = [(k.index_select(0, index)[:, :, first:], v.index_select(0, index)[:, :, first:])
-                for k, v in layers_of(self.cache)]
-        self.cache = new_cache(self.model, kept)
+        old, self.cache = self.cache, new_cache(self.model)
+        for layer, held in zip(self.cache.layers, old.layers):  # a layer at a time, as merge()
+            keys, values = held.keys, held.values
+            let_go(held)
+            layer.update(keys.index_select(0, index)[:, :, first:], values.index_select(0, index)[:, :, first:])
+            del keys, values
         return keep
 
     def row_layers(self, number, length, last):
@@ -244,6 +257,13 @@ def bytes_per_token(model, device, model_type, token):
 def devices_of(model) -> set:
     """The devices --device_map spread the model over, as named in its map (none: it was not)."""
     return {str(device) for device in (getattr(model, "hf_device_map", None) or {}).values()}
+
+
+def let_go(layer):
+    """Drops a layer's keys/values (and the buffers a growing layer holds them in), its copy made."""
+    layer.keys = layer.values = None
+    if growing(layer):
+        layer.buffers = None
 
 
 def layers_of(cache):

@@ -739,6 +739,49 @@ def test_a_capture_out_of_gpu_memory_leaves_the_other_graphs_replaying(deep_chec
 
 
 @needs_played
+def test_a_request_joins_the_padded_batch_a_layer_at_a_time(tmp_path, gpu):
+    """Requests joining a left-padded batch (a model without fixed slots: GPT-2, here of 8 layers) enter it a layer
+    at a time: beyond the keys/values the batch holds after, the merge holds two copies of one layer (the
+    concatenation and the cache's own) and the newcomer's, not a second copy of every layer."""
+    import gc
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rungen.batch_cache import PaddedBatch, layers_of
+    from rungen.engine import Engine
+    from rungen.loading import load
+    from rungen.requests import Request
+    from rungen.sampling import Sampling
+
+    path = str(tmp_path / "gpt2")
+    shutil.copytree(build_tiny_checkpoint("gpt2", str(tmp_path / "tiny")), path)
+    config = AutoConfig.from_pretrained(path)
+    config.n_layer = 8
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    loaded = load(path, device=DEVICE)
+    engine, greedy = Engine(loaded, max_batch=4, prefix_cache_bytes=0), Sampling(temperature=0, ignore_eos=True)
+    assert isinstance(engine.batch.kv, PaddedBatch)
+    prompts = [loaded.tokenizer(text).input_ids for text in ("word " * 40, "other " * 40, "Hi")]
+    for ids in prompts:
+        engine.submit(Request(ids, 8, greedy, lambda event: None))
+    engine.admission.join([engine.waiting.popleft()])
+    engine.admission.join([engine.waiting.popleft()])
+    engine.batch.merge()  # two rows in the batch
+    engine.step()
+    engine.admission.join([engine.waiting.popleft()])  # prefilled: its keys/values enter at the merge
+    gc.collect()
+    gpu.memory.reset_peak()
+    held = gpu.memory.allocated
+    engine.batch.merge()
+    merged = [keys.untyped_storage().nbytes() + values.untyped_storage().nbytes()
+              for keys, values in layers_of(engine.batch.kv.cache)]
+    grown = gpu.memory.allocated - held  # the batch's keys/values after, less those before and the newcomer's
+    newcomer = engine.bytes_per_token * len(prompts[-1])
+    assert len(merged) == 8 and gpu.memory.peak - held <= grown + 2 * merged[0] + newcomer + 4096
+
+
+@needs_played
 @pytest.mark.fresh_load  # the loader's memo would hold a copy of the model on the GPU
 def test_out_of_gpu_memory_the_prefix_cache_goes_first(deep_checkpoint, gpu, caplog):
     """The GPU's memory shrinks below a decode step by less than the prefix cache holds: its entries go (they only
