@@ -145,6 +145,7 @@ class PaddedBatch:
 
     form = "a left-padded batch"
     prefills_together = False
+
     def __init__(self, model, device, use_positions):
         self.model, self.device, self.use_positions = model, device, use_positions
         self.cache = self.mask = None
