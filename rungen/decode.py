@@ -154,15 +154,19 @@ class DecodeBatch:
             row.request.sink(Done(row.index, row.finish))
             if all(other.finish is not None for other in self.rows if other.request is row.request):
                 finished_requests.append(row.request)
-        keep = self.kv.keep(self.rows, [number for number, row in enumerate(self.rows) if row.finish is None], done)
+        self.leave([number for number, row in enumerate(self.rows) if row.finish is None], done)
+        for request in finished_requests:
+            request.sink(End())
+
+    def leave(self, staying, leaving):
+        """The rows numbered `leaving` leave the batch and its kv, the others closing up."""
+        keep = self.kv.keep(self.rows, staying, leaving)
         self.rows = [self.rows[number] for number in keep]
         if self.ahead is not None:  # its tokens follow the rows into their new order (none left: nothing to feed)
             if keep:
                 self.ahead.tokens = self.ahead.tokens.index_select(0, to_device(keep, self.device))
             else:
                 self.ahead = None
-        for request in finished_requests:
-            request.sink(End())
 
     def end(self, request, error):
         """Ends a request's rows now (what they held back sent), with `error`."""
@@ -172,12 +176,9 @@ class DecodeBatch:
         self.remove_finished()
 
     def take_out(self, request):
-        """Takes a request's rows out of the batch, telling it nothing: it runs again from its prompt. (The step
-        launched ahead is read first: drain().)"""
-        leaving = [number for number, row in enumerate(self.rows) if row.request is request]
-        staying = [number for number, row in enumerate(self.rows) if row.request is not request]
-        keep = self.kv.keep(self.rows, staying, leaving)
-        self.rows = [self.rows[number] for number in keep]
+        """Takes a request's rows out of the batch, telling it nothing: it runs again from its prompt."""
+        self.leave([number for number, row in enumerate(self.rows) if row.request is not request],
+                   [number for number, row in enumerate(self.rows) if row.request is request])
 
     def remember(self, number, row, last=False):
         """Keeps a finished row's keys/values in the prefix cache (`last`: it may take over the buffers)."""
