@@ -266,9 +266,10 @@ def disagreement(kernel, layer: CodesLinear, dtype: torch.dtype) -> str | None:
     if kernel is None:
         return "Triton does not import"
     generator = torch.Generator(layer.codes.device).manual_seed(0)
-    # Its first output channels: a head's whole table widened to float32 would be gigabytes at load.
-    codes, scales = layer.codes[:CHECKED_CHANNELS], layer.scales[:CHECKED_CHANNELS]
-    offsets = None if layer.offsets is None else layer.offsets[:CHECKED_CHANNELS]
+    # Copies of its first output channels: a head's whole table widened to float32 would be gigabytes at load, and a
+    # launch that fails leaves its arguments in Triton's autotuner (a view would keep the layer's codes on the GPU).
+    codes, scales = layer.codes[:CHECKED_CHANNELS].clone(), layer.scales[:CHECKED_CHANNELS].clone()
+    offsets = None if layer.offsets is None else layer.offsets[:CHECKED_CHANNELS].clone()
     for rows in (1, MOST_ROWS):
         x = torch.randn(rows, layer.in_features, dtype=dtype, device=layer.codes.device, generator=generator)
         reference = layer.plain(x.float(), codes, scales, offsets)

@@ -854,19 +854,37 @@ def test_a_4_bit_gguf_file_keeps_its_codes_on_the_gpu(gguf_file):
 
 @needs_cuda
 @pytest.mark.fresh_load  # the loader's memo would hold a copy of the model on the GPU
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
-def test_a_gguf_file_goes_to_the_gpu_a_weight_at_a_time(qtype, gguf_file, tmp_path):
+@pytest.mark.parametrize("qtype, kernel", [("Q4_0", "as here"), ("Q8_0", "as here"), ("Q8_0", "serving")])
+def test_a_gguf_file_goes_to_the_gpu_a_weight_at_a_time(qtype, kernel, gguf_file, tmp_path, monkeypatch):
     # On its way to the GPU a GGUF file takes no more than the model as it runs there: never the de-quantized model,
     # never two forms of a weight (int8 codes for a kernel that fails its check, and the weight de-quantized in their
     # stead: the played GPU has no Triton, so this file's Q6_K head takes that way), whatever form each weight takes
-    # (4-bit codes, int8 codes or bfloat16). Nothing beyond it on the played GPU; a real one's checks of the first
-    # weights make a few small tensors: half a byte a weight of the largest weight allowed.
+    # (4-bit codes, int8 codes or bfloat16). The int8 kernel's check of a type's first weight (Triton's kernel on a
+    # GPU; "serving": on the played GPU, the plain product standing in for it) widens at most CHECKED_CHANNELS of its
+    # output channels to float32 beside it for a moment: a sliver of a real model's head, the whole of this file's,
+    # so it is measured apart (tests/unit/test_quantize_layers.py holds it to those channels).
     import gc
 
     from gguf import GGUFReader
 
+    import rungen.int8
     from rungen.loading import load
 
+    if kernel == "serving" and PLAYED:
+        monkeypatch.setattr(rungen.int8, "triton_kernel", lambda: rungen.int8.widened)
+    checked, outside = [], []
+    disagreement = rungen.int8.disagreement
+
+    def measured(*args):  # the check's own peak apart from the load's
+        before = torch.cuda.memory_allocated()
+        outside.append(torch.cuda.max_memory_allocated())
+        torch.cuda.reset_peak_memory_stats()
+        why = disagreement(*args)
+        checked.append((why, torch.cuda.max_memory_allocated() - before))
+        torch.cuda.reset_peak_memory_stats()
+        return why
+
+    monkeypatch.setattr(rungen.int8, "disagreement", measured)
     path = gguf_file if qtype == "Q4_0" else write_tiny_gguf(str(tmp_path / f"tiny-{qtype}.gguf"), qtype)
     largest = max(int(tensor.n_elements) for tensor in GGUFReader(path).tensors)
     gc.collect()
@@ -876,7 +894,9 @@ def test_a_gguf_file_goes_to_the_gpu_a_weight_at_a_time(qtype, gguf_file, tmp_pa
     loaded = load(path, device=DEVICE)
     held = torch.cuda.memory_allocated() - base
     assert loaded.model.device.type == "cuda" and held > 0
-    assert torch.cuda.max_memory_allocated() - base <= held + largest // 2
+    if kernel == "serving":
+        assert checked and all(why is None for why, _ in checked)
+    assert max(outside + [torch.cuda.max_memory_allocated()]) - base <= held + largest // 2
 
 
 @needs_cuda

@@ -119,6 +119,27 @@ def test_the_int8_kernels_check_multiplies_a_heads_first_channels_and_catches_a_
     assert why == "the Triton kernel disagrees with the plain product on this GPU"
 
 
+def test_a_kernel_check_that_fails_keeps_no_hold_on_the_layers_table():
+    # A Triton launch that fails leaves its arguments in the kernel's autotuner (its `nargs`) for the process's life;
+    # the load then de-quantizes the weight and drops the layer. What the check passed must be copies of the checked
+    # channels: a view would keep the layer's whole table (a 128k-row head's codes: half a GB) on the GPU beside the
+    # de-quantized weight, as the played GPU showed under a Triton that imports without a driver.
+    from rungen.int8 import CHECKED_CHANNELS, CudaInt8Linear, disagreement
+
+    layer = CudaInt8Linear(torch.ones(3 * CHECKED_CHANNELS, 64, dtype=torch.int8),
+                           torch.ones(3 * CHECKED_CHANNELS, 2, dtype=torch.float16), None)
+    kept = {}
+
+    def failing(x, codes, scales, offsets):
+        kept.update(codes=codes, scales=scales)
+        raise RuntimeError("libcuda.so cannot found!")
+
+    assert disagreement(failing, layer, torch.float32) == "the Triton kernel failed (libcuda.so cannot found!)"
+    for name in ("codes", "scales"):
+        theirs, ours = kept[name].untyped_storage(), getattr(layer, name).untyped_storage()
+        assert theirs.data_ptr() != ours.data_ptr() and theirs.nbytes() == ours.nbytes() // 3
+
+
 @pytest.mark.parametrize("check", ["int8 or 4-bit Triton kernel", "torch's int4 kernel"])
 def test_a_kernels_check_that_runs_out_of_gpu_memory_says_so(check):
     # A kernel's check fails over to another form for a kernel that fails; running out of memory is no such
