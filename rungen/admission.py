@@ -117,11 +117,13 @@ class Admission:
             logger.warning("out of GPU memory for a decode step of %d rows: the newest request ends (%s)",
                            len(batch.rows), why)
             others = f"{self.crowded} other row{'s' if self.crowded > 1 else ''}"
+            batch.metrics.count_gave_way("ended")
             batch.end(newest, f"out of GPU memory for a decode step beside {others}, the newest request gave way "
                               f"({why}); run it again with fewer beside it")
             return True
         logger.warning("out of GPU memory for a decode step of %d rows: the newest request waits to run again (%s)",
                        len(batch.rows), why)
+        batch.metrics.count_gave_way("rerun")
         batch.take_out(newest)
         with self.wake:
             self.waiting.appendleft(newest)

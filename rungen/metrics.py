@@ -17,6 +17,7 @@ class Metrics:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.reused_tokens = 0  # prompt tokens whose keys/values came from the prefix cache
+        self.gave_way = collections.Counter()  # outcome ("rerun", "ended") -> requests out of GPU memory in a step
         self.ttft = [0] * (len(self.TTFT_BUCKETS) + 1), [0.0, 0]
         self.tpot = [0] * (len(self.TPOT_BUCKETS) + 1), [0.0, 0]
 
@@ -37,6 +38,10 @@ class Metrics:
             self.generation_tokens += generated
             self.reused_tokens += reused
 
+    def count_gave_way(self, outcome):
+        with self.lock:
+            self.gave_way[outcome] += 1
+
     def render(self, queue_depth, running):
         lines = ["# HELP rungen_requests_total HTTP requests by endpoint and status.",
                  "# TYPE rungen_requests_total counter"]
@@ -51,6 +56,11 @@ class Metrics:
                       "# HELP rungen_prefix_cache_tokens_total Prompt tokens taken from the prefix cache.",
                       "# TYPE rungen_prefix_cache_tokens_total counter",
                       f"rungen_prefix_cache_tokens_total {self.reused_tokens}",
+                      "# HELP rungen_gave_way_total Requests that gave way when a decode step ran out of GPU memory: "
+                      "run again from their prompt (their tokens counted again), or ended.",
+                      "# TYPE rungen_gave_way_total counter",
+                      *(f'rungen_gave_way_total{{outcome="{outcome}"}} {self.gave_way[outcome]}'
+                        for outcome in ("rerun", "ended")),
                       "# HELP rungen_queue_depth Requests waiting for a batch slot.",
                       "# TYPE rungen_queue_depth gauge",
                       f"rungen_queue_depth {queue_depth}",

@@ -620,7 +620,7 @@ def test_a_decode_step_the_gpu_has_no_memory_for_gives_way_to_the_older_request(
     """The GPU's memory shrinks (another process takes some) below a decode step of two requests, not of one, until
     the older request ends: the older goes on to the tokens it gives with memory to spare. The newer gives way:
     where nobody has seen its text yet, it waits and runs again after the older, to the tokens it gives alone
-    (seeded); a stream ends, with an error naming the memory, keeping what it sent."""
+    (seeded); a stream ends, with an error naming the memory, keeping what it sent. /metrics counts each."""
     from rungen.engine import Engine
     from rungen.loading import load
     from rungen.requests import Delta, Done, End, Request
@@ -669,16 +669,19 @@ def test_a_decode_step_the_gpu_has_no_memory_for_gives_way_to_the_older_request(
             engine.run_here()
         finally:
             gpu.memory.limit(1.0)
-        return finish(older), newer, len(joined)
+        return finish(older), newer, len(joined), engine.metrics
 
     spare = run(short=False)
+    assert not +spare[3].gave_way
     alone = Engine(loaded, max_batch=4, prefix_cache_bytes=0)
     newer_alone = submit(alone, newer_ids, 10)
     alone.run_here()
     del alone
-    older, newer, joins = run(short=True)
+    older, newer, joins, metrics = run(short=True)
     assert older == spare[0] and finish(newer) == finish(newer_alone) and joins == 3  # the newer joined again
-    older, newer, joins = run(short=True, stream=True)
+    assert 'rungen_gave_way_total{outcome="rerun"} 1' in metrics.render(0, 0).splitlines()
+    older, newer, joins, metrics = run(short=True, stream=True)
+    assert metrics.gave_way == {"ended": 1}
     ended, whole = finish(newer), finish(spare[1])
     assert older == spare[0] and joins == 2
     assert ended.reason == "abort" and "out of GPU memory for a decode step beside 1 other row" in ended.error

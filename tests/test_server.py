@@ -737,7 +737,8 @@ def test_sigterm_under_load_ends_every_stream_and_exits_0(checkpoint, tmp_path):
 def test_a_stream_a_decode_step_has_no_gpu_memory_for_ends_with_the_error_and_the_others_go_on(loaded, monkeypatch):
     """A decode step beside another request runs out of GPU memory (raised where CUDA raises it: the CPU has no
     such limit): the newest request, a stream, gets the text it was sent, an error event naming the memory and
-    finish_reason "abort", then [DONE]; the older request answers what it answers alone, and the server goes on."""
+    finish_reason "abort", then [DONE]; the older request answers what it answers alone, and the server goes on;
+    /metrics counts the request that gave way."""
     from rungen.batch_cache import SlotBatch
 
     forward, queued, failed = SlotBatch.forward, threading.Event(), []
@@ -778,3 +779,4 @@ def test_a_stream_a_decode_step_has_no_gpu_memory_for_ends_with_the_error_and_th
         text = "".join(chunk["choices"][0]["text"] for chunk in chunks if chunk.get("choices"))
         assert alone[1].startswith(text) and len(text) < len(alone[1])
         assert httpx.post(url, json=older, timeout=60).json()["choices"][0]["text"] == alone[0]
+        assert 'rungen_gave_way_total{outcome="ended"} 1' in httpx.get(live.url + "/metrics").text.splitlines()
