@@ -9,16 +9,18 @@ Out of GPU memory, the prefix cache's entries go first (they only save time). Wh
 a group's prefill beside the running rows, the group waits, first in the queue, and nothing joins beside that many
 rows until a row has left. Where a decode step runs out, the newest request gives way and the others go on: one
 whose output nobody has seen yet waits again at the head of the queue (run again from its prompt, to the same tokens
-where greedy or seeded), a stream or a request with log-probabilities ends with an error naming the memory.
+where greedy or seeded), a stream or a request with log-probabilities ends with an error naming the memory. Where
+the copy of joined rows' keys/values into the batch runs out (a left-padded batch), they give way likewise.
 """
 
 import collections
 import time
 
 from . import logger
+from .batch_cache import LeftOut
 from .errors import one_line
 from .prefill import pass_tokens, prefill_group, together_tokens
-from .requests import End
+from .requests import Done, End
 
 
 class Admission:
@@ -57,7 +59,7 @@ class Admission:
                 self.crowded, self.joining = len(batch.rows), []
                 break
             self.joining = []
-        batch.merge()
+        self.merge()
 
     def take_group(self):
         """The first waiting request, and those after it that fit beside it in one pass (fixed slots only)."""
@@ -82,10 +84,10 @@ class Admission:
     def join(self, requests) -> bool:
         """Prefills the requests (together where there are several: the rows joined before enter their slots
         first) and adds their rows to the batch, with their first tokens. False: the GPU ran out of memory for
-        their prefill beside the batch's rows, which go on untouched (alone, that is raised)."""
+        their prefill (or that merge) beside the batch's rows, which go on untouched (alone, that is raised)."""
         batch, start = self.batch, time.perf_counter()
-        if len(requests) > 1:
-            batch.merge()
+        if len(requests) > 1 and not self.merge():
+            return False
         prefilled = prefill_group(self.model, batch.kv, requests, batch.prefix_cache, batch.device, len(batch.rows),
                                   self.reserve(requests), use_positions=self.use_positions, keep_last=self.keep_last)
         if prefilled is None:
@@ -113,7 +115,7 @@ class Admission:
         rows = [row for row in batch.rows if row.request is newest]
         self.crowded = len(batch.rows) - len(rows)
         why = one_line(error)
-        if newest.deltas or newest.logprobs is not None or len(rows) < newest.n:  # some of its output was sent
+        if seen(newest, rows):
             logger.warning("out of GPU memory for a decode step of %d rows: the newest request ends (%s)",
                            len(batch.rows), why)
             others = f"{self.crowded} other row{'s' if self.crowded > 1 else ''}"
@@ -128,3 +130,47 @@ class Admission:
         with self.wake:
             self.waiting.appendleft(newest)
         return True
+
+    def merge(self) -> bool:
+        """The batch's merge; False where the GPU had no memory for it: the rows that joined since gave way."""
+        try:
+            self.batch.merge()
+        except LeftOut as error:
+            self.left_out(error)
+            return False
+        return True
+
+    def left_out(self, error):
+        """After a merge ran out of GPU memory (LeftOut, its `rows` those that joined since the last merge, out of the
+        batch again): their requests give way as the newest does in give_way, but for those done at their first
+        token; nothing joins beside as many rows as the batch holds until one has left."""
+        batch, why = self.batch, one_line(error)
+        self.crowded = len(batch.rows)
+        if batch.prefix_cache is not None:
+            batch.prefix_cache.give_up("the joining rows' keys/values")
+        requests = list({id(row.request): row.request for row in error.rows}.values())
+        logger.warning("out of GPU memory to add %d row(s) to the batch's %d: they give way (%s)", len(error.rows),
+                       len(batch.rows), why)
+        for request in reversed(requests):  # put back at the head in their order
+            rows = [row for row in error.rows if row.request is request]
+            running = [row for row in rows if row.finish is None]
+            if running and not seen(request, rows):
+                batch.metrics.count_gave_way("rerun")
+                with self.wake:
+                    self.waiting.appendleft(request)
+                continue
+            if running:
+                batch.metrics.count_gave_way("ended")
+            for row in running:
+                row.finish = batch.reporter.cut_short(row, "abort", f"out of GPU memory to join a batch of "
+                                                      f"{self.crowded} row(s) ({why}); run it again with fewer "
+                                                      "beside it")
+            for row in rows:
+                request.sink(Done(row.index, row.finish))
+            request.sink(End())
+
+
+def seen(request, rows) -> bool:
+    """Whether some of a request's output was sent (a stream's text, log-probabilities, a choice ended), `rows`
+    its rows not ended to it yet: then it cannot run again unseen."""
+    return request.deltas or request.logprobs is not None or len(rows) < request.n

@@ -34,6 +34,10 @@ def batch_cache(model, device, use_positions, max_batch, context, lookahead=0):
     return SlotBatch(model, device, slots, graphs, lookahead)
 
 
+class LeftOut(torch.OutOfMemoryError):
+    """A merge ran out of GPU memory and left the joining rows out: the batch holds the rows it held before."""
+
+
 class SlotBatch:
     """Rows 0..rows-1 in the slots of a SlotCache."""
 
@@ -101,7 +105,10 @@ class SlotBatch:
         if not parts:
             return
         slot = self.slots.rows
-        self.slots.ensure(len(rows), max(row.request.reserve for row in rows) + self.lookahead, parts[0][0])
+        try:  # (make_room gave prefilled groups their slots already: only rows prefilled alone may need more)
+            self.slots.ensure(len(rows), max(row.request.reserve for row in rows) + self.lookahead, parts[0][0])
+        except torch.OutOfMemoryError as error:  # the slots as they were
+            raise LeftOut(str(error)) from error
         for layers, n in parts:
             for _ in range(n):
                 self.slots.write(slot, layers)
@@ -171,7 +178,7 @@ class PaddedBatch:
         """Appends the parts' rows, left-padded to the longest, a layer at a time: a layer's old keys/values go
         before the next layer is copied, so beyond the batch's keys/values the merge holds two copies of one layer
         (the concatenation, and the cache's own), not a copy of every layer (a lone part into an empty batch: no
-        copy)."""
+        copy). Out of GPU memory where the batch held rows: LeftOut, the batch's rows as they were (put_back)."""
         if self.cache is None and len(parts) == 1:
             layers, mask, cache = parts[0]
             self.cache, self.mask = cache if cache is not None else new_cache(self.model, layers), mask
@@ -182,7 +189,14 @@ class PaddedBatch:
         width = max(mask.shape[1] for _, mask in groups)
         self.cache = cache = new_cache(self.model)
         for number, layer in enumerate(cache.layers):
-            merged = [torch.cat([left_pad(layers[number][kind], width) for layers, _ in groups]) for kind in (0, 1)]
+            try:
+                merged = [torch.cat([left_pad(layers[number][kind], width) for layers, _ in groups])
+                          for kind in (0, 1)]
+            except torch.OutOfMemoryError as error:
+                if old is None or growing(old.layers[0]):  # nothing to go on with: the caller ends every row
+                    raise
+                self.put_back(old, groups[0][1], cache, number)
+                raise LeftOut(str(error)) from error
             for layers, _ in groups:
                 layers[number] = None
             if old is not None:
@@ -190,6 +204,15 @@ class PaddedBatch:
             layer.update(*merged)
             del merged  # (the cache copied it)
         self.mask = torch.cat([left_pad(mask, width, dim=1) for _, mask in groups])
+
+    def put_back(self, old, mask, merged, count):
+        """The batch's cache `old` and `mask` again after a merge stopped before layer `count`: the layers merged by
+        then (their old keys/values let go) are read from the merge's copies, their first rows and last columns (the
+        views hold the whole copies until the next step grows them)."""
+        rows, width = mask.shape
+        for held, layer in zip(old.layers[:count], merged.layers):
+            held.keys, held.values = (kept[:rows, :, kept.shape[2] - width:] for kept in (layer.keys, layer.values))
+        self.cache, self.mask = old, mask
 
     def forward(self, rows, tokens):
         mask = torch.cat([self.mask, torch.ones(len(rows), 1, dtype=torch.long, device=self.device)], 1)

@@ -15,7 +15,7 @@ import time
 import torch
 
 from . import logger
-from .batch_cache import batch_cache
+from .batch_cache import LeftOut, batch_cache
 from .errors import GenerationError
 from .metrics import Metrics
 from .requests import Done, End
@@ -46,6 +46,7 @@ class DecodeBatch:
         self.rows = []
         self.ahead = None  # the step launched and not yet read (rows.Launched)
         self.pending = []  # the kv's parts of the rows joined since the last merge
+        self.unmerged = 0  # how many rows those are (the last of `rows`)
         self.peak_rows = 0  # the most rows decoded together so far
 
     def enter(self, requests, prefilled, start):
@@ -71,14 +72,21 @@ class DecodeBatch:
         tokens, chosen from `logits` [rows, vocabulary]."""
         self.pending.append(part)
         self.rows += rows
+        self.unmerged += len(rows)
         self.peak_rows = max(self.peak_rows, len(self.rows))
         self.report(pick(rows, logits, self.eos_ids))  # they leave once merged
 
     def merge(self):
-        """The joined rows' keys/values into the batch's, in one copy; the rows done at their first token leave."""
+        """The joined rows' keys/values into the batch's, in one copy; the rows done at their first token leave.
+        Out of GPU memory for it (LeftOut): the joined rows leave the batch too, as its `rows`, the kv's untouched."""
         pending, self.pending = self.pending, []
+        joined, self.unmerged = self.unmerged, 0
         if pending:
-            self.kv.merge(pending, self.rows)
+            try:
+                self.kv.merge(pending, self.rows)
+            except LeftOut as error:
+                error.rows, self.rows = self.rows[len(self.rows) - joined:], self.rows[:len(self.rows) - joined]
+                raise
             self.remove_finished()
 
     def step(self):
@@ -194,5 +202,5 @@ class DecodeBatch:
 
     def clear(self):
         """Gives every row up (their requests are ended by the caller)."""
-        self.rows, self.pending, self.ahead = [], [], None
+        self.rows, self.pending, self.ahead, self.unmerged = [], [], None, 0
         self.kv.clear()

@@ -17,7 +17,7 @@ class Metrics:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.reused_tokens = 0  # prompt tokens whose keys/values came from the prefix cache
-        self.gave_way = collections.Counter()  # outcome ("rerun", "ended") -> requests out of GPU memory in a step
+        self.gave_way = collections.Counter()  # outcome ("rerun", "ended") -> requests out of GPU memory
         self.ttft = [0] * (len(self.TTFT_BUCKETS) + 1), [0.0, 0]
         self.tpot = [0] * (len(self.TPOT_BUCKETS) + 1), [0.0, 0]
 
@@ -56,8 +56,8 @@ class Metrics:
                       "# HELP rungen_prefix_cache_tokens_total Prompt tokens taken from the prefix cache.",
                       "# TYPE rungen_prefix_cache_tokens_total counter",
                       f"rungen_prefix_cache_tokens_total {self.reused_tokens}",
-                      "# HELP rungen_gave_way_total Requests that gave way when a decode step ran out of GPU memory: "
-                      "run again from their prompt (their tokens counted again), or ended.",
+                      "# HELP rungen_gave_way_total Requests that gave way when a step or a join ran out of GPU "
+                      "memory: run again from their prompt (their tokens counted again), or ended.",
                       "# TYPE rungen_gave_way_total counter",
                       *(f'rungen_gave_way_total{{outcome="{outcome}"}} {self.gave_way[outcome]}'
                         for outcome in ("rerun", "ended")),
