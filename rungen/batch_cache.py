@@ -189,29 +189,30 @@ class PaddedBatch:
         width = max(mask.shape[1] for _, mask in groups)
         self.cache = cache = new_cache(self.model)
         for number, layer in enumerate(cache.layers):
+            merged = None
             try:
                 merged = [torch.cat([left_pad(layers[number][kind], width) for layers, _ in groups])
                           for kind in (0, 1)]
+                if old is not None:
+                    let_go(old.layers[number])
+                layer.update(*merged)
             except torch.OutOfMemoryError as error:
                 if old is None or growing(old.layers[0]):  # nothing to go on with: the caller ends every row
                     raise
-                self.put_back(old, groups[0][1], cache, number)
+                self.put_back(old, groups[0][1], layers_of(cache)[:number] + ([merged] if merged else []))
                 raise LeftOut(str(error)) from error
             for layers, _ in groups:
                 layers[number] = None
-            if old is not None:
-                let_go(old.layers[number])
-            layer.update(*merged)
             del merged  # (the cache copied it)
         self.mask = torch.cat([left_pad(mask, width, dim=1) for _, mask in groups])
 
-    def put_back(self, old, mask, merged, count):
-        """The batch's cache `old` and `mask` again after a merge stopped before layer `count`: the layers merged by
-        then (their old keys/values let go) are read from the merge's copies, their first rows and last columns (the
-        views hold the whole copies until the next step grows them)."""
+    def put_back(self, old, mask, copies):
+        """The batch's cache `old` and `mask` again after a merge stopped: its first layers, whose keys/values were
+        let go, read from the merge's `copies` of them, their first rows and last columns (the views hold the whole
+        copies until the next step grows them)."""
         rows, width = mask.shape
-        for held, layer in zip(old.layers[:count], merged.layers):
-            held.keys, held.values = (kept[:rows, :, kept.shape[2] - width:] for kept in (layer.keys, layer.values))
+        for held, (keys, values) in zip(old.layers, copies):
+            held.keys, held.values = (kept[:rows, :, kept.shape[2] - width:] for kept in (keys, values))
         self.cache, self.mask = old, mask
 
     def forward(self, rows, tokens):

@@ -785,6 +785,65 @@ def test_a_request_joins_the_padded_batch_a_layer_at_a_time(tmp_path, gpu):
 
 
 @needs_played
+def test_a_padded_batch_with_no_memory_for_a_join_goes_on_and_the_newcomer_runs_again(tmp_path, gpu, monkeypatch):
+    """The GPU runs out of memory half way through copying a newcomer's keys/values into a left-padded batch (GPT-2
+    of 8 layers): the batch's rows go on, their first layers read from the copies made, to the tokens they give with
+    memory to spare; the newcomer, whose text nobody has seen, runs again once a row has left, to the same tokens."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import rungen.batch_cache
+    from rungen.engine import Engine
+    from rungen.loading import load
+    from rungen.requests import Done, Request
+    from rungen.sampling import Sampling
+
+    path = str(tmp_path / "gpt2")
+    shutil.copytree(build_tiny_checkpoint("gpt2", str(tmp_path / "tiny")), path)
+    config = AutoConfig.from_pretrained(path)
+    config.n_layer = 8
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    loaded = load(path, device=DEVICE)
+    # The newcomer's prompt is the longest: the batch's rows are padded in the copy, and go on without it.
+    prompts = [loaded.tokenizer(text).input_ids for text in ("Hi", "Hello there", "word " * 40)]
+    merge, let_go = rungen.batch_cache.PaddedBatch.merge, rungen.batch_cache.let_go
+
+    def run(short):
+        engine, finished, merged = Engine(loaded, max_batch=2, prefix_cache_bytes=0), {}, []
+        for number, (ids, length) in enumerate(zip(prompts, (12, 3, 6))):
+            engine.submit(Request(ids, length, Sampling(temperature=0, ignore_eos=True),
+                                  lambda event, number=number: isinstance(event, Done) and finished.update(
+                                      {number: event.finish}), deltas=False))
+
+        def short_merge(kv, parts, rows):  # into a batch of rows: no memory for its fourth layer's copy
+            if not short or kv.cache is None or merged:
+                return merge(kv, parts, rows)
+
+            def layer_merged(layer):
+                let_go(layer)
+                merged.append(layer)
+                if len(merged) == 3:
+                    gpu.memory.limit(gpu.memory.reserved / gpu.memory.total)
+
+            try:
+                with monkeypatch.context() as patch:
+                    patch.setattr(rungen.batch_cache, "let_go", layer_merged)
+                    return merge(kv, parts, rows)
+            finally:
+                gpu.memory.limit(1.0)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(rungen.batch_cache.PaddedBatch, "merge", short_merge)
+            engine.run_here()
+        assert len(merged) == (3 if short else 0)
+        return [finished[number].tokens for number in range(3)], dict(engine.metrics.gave_way)
+
+    spare, short = run(False), run(True)
+    assert spare[1] == {} and short == (spare[0], {"rerun": 1})
+
+
+@needs_played
 @pytest.mark.fresh_load  # the loader's memo would hold a copy of the model on the GPU
 def test_out_of_gpu_memory_the_prefix_cache_goes_first(deep_checkpoint, gpu, caplog):
     """The GPU's memory shrinks below a decode step by less than the prefix cache holds: its entries go (they only
