@@ -10,7 +10,8 @@ a group's prefill beside the running rows, the group waits, first in the queue, 
 rows until a row has left. Where a decode step runs out, the newest request gives way and the others go on: one
 whose output nobody has seen yet waits again at the head of the queue (run again from its prompt, to the same tokens
 where greedy or seeded), a stream or a request with log-probabilities ends with an error naming the memory. Where
-the copy of joined rows' keys/values into the batch runs out (a left-padded batch), they give way likewise.
+the copy of joined rows' keys/values into the batch runs out (a left-padded batch), they give way likewise, but
+for the first request's where the batch was empty.
 """
 
 import collections

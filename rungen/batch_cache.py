@@ -35,7 +35,12 @@ def batch_cache(model, device, use_positions, max_batch, context, lookahead=0):
 
 
 class LeftOut(torch.OutOfMemoryError):
-    """A merge ran out of GPU memory and left the joining rows out: the batch holds the rows it held before."""
+    """A merge ran out of GPU memory and left the joining rows out, but for the first `kept` of them (into an empty
+    batch, the first request's): the batch holds the rows it held before, and those."""
+
+    def __init__(self, message, kept=0):
+        super().__init__(message)
+        self.kept = kept
 
 
 class SlotBatch:
@@ -178,7 +183,8 @@ class PaddedBatch:
         """Appends the parts' rows, left-padded to the longest, a layer at a time: a layer's old keys/values go
         before the next layer is copied, so beyond the batch's keys/values the merge holds two copies of one layer
         (the concatenation, and the cache's own), not a copy of every layer (a lone part into an empty batch: no
-        copy). Out of GPU memory where the batch held rows: LeftOut, the batch's rows as they were (put_back)."""
+        copy). Out of GPU memory: LeftOut, the batch's rows as they were (put_back), or into an empty batch the
+        first request's rows in its own cache."""
         if self.cache is None and len(parts) == 1:
             layers, mask, cache = parts[0]
             self.cache, self.mask = cache if cache is not None else new_cache(self.model, layers), mask
@@ -197,6 +203,10 @@ class PaddedBatch:
                     let_go(old.layers[number])
                 layer.update(*merged)
             except torch.OutOfMemoryError as error:
+                _, first_mask, first = parts[0]
+                if old is None and first is not None and not growing(first.layers[0]):
+                    self.cache, self.mask = first, first_mask  # the first request alone: its own cache, no copy
+                    raise LeftOut(str(error), kept=first_mask.shape[0]) from error
                 if old is None or growing(old.layers[0]):  # nothing to go on with: the caller ends every row
                     raise
                 self.put_back(old, groups[0][1], layers_of(cache)[:number] + ([merged] if merged else []))

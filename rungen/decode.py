@@ -78,14 +78,15 @@ class DecodeBatch:
 
     def merge(self):
         """The joined rows' keys/values into the batch's, in one copy; the rows done at their first token leave.
-        Out of GPU memory for it (LeftOut): the joined rows leave the batch too, as its `rows`, the kv's untouched."""
+        Out of GPU memory for it (LeftOut): the joined rows leave the batch again, as its `rows` (but any kept)."""
         pending, self.pending = self.pending, []
         joined, self.unmerged = self.unmerged, 0
         if pending:
             try:
                 self.kv.merge(pending, self.rows)
             except LeftOut as error:
-                error.rows, self.rows = self.rows[len(self.rows) - joined:], self.rows[:len(self.rows) - joined]
+                staying = len(self.rows) - joined + error.kept
+                error.rows, self.rows = self.rows[staying:], self.rows[:staying]
                 raise
             self.remove_finished()
 

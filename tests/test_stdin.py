@@ -183,6 +183,43 @@ def test_sampled_text_follows_the_seed_whatever_the_batch(tiny_models):
     assert texts[2] != texts[1]
 
 
+def test_piped_prompts_the_gpu_has_no_memory_to_batch_together_run_as_memory_allows(tiny_models, monkeypatch):
+    """GPT-2 (a left-padded batch): every piped prompt is prefilled, and copying their keys/values into one batch
+    runs out of GPU memory (raised where CUDA raises it: the CPU has no such limit). The first prompt goes on in its
+    own cache, the others wait and run as rows leave: every prompt's text and the exit status are those of a run with
+    memory to spare, each prompt's seed its own."""
+    import torch
+
+    import rungen.batch_cache as batch_cache
+
+    merge, left_pad, failed = batch_cache.PaddedBatch.merge, batch_cache.left_pad, []
+
+    def short_of_memory(self, parts, rows):
+        if self.cache is not None or len(parts) < 2 or failed:
+            return merge(self, parts, rows)
+
+        def padded(tensor, width, dim=2):  # the first layer's copies made, none for the second
+            if padded.calls == 2 * len(parts):
+                failed.append(len(parts))
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+            padded.calls += 1
+            return left_pad(tensor, width, dim)
+
+        padded.calls = 0
+        with monkeypatch.context() as patch:
+            patch.setattr(batch_cache, "left_pad", padded)
+            return merge(self, parts, rows)
+
+    args = tiny_args(tiny_models, "gpt2", "--length", "8", "--seed", "3", "--output_format", "jsonl")
+    spare = run_main(args, stdin="\n".join(PROMPTS))
+    with monkeypatch.context() as patch:
+        patch.setattr(batch_cache.PaddedBatch, "merge", short_of_memory)
+        short = run_main(args, stdin="\n".join(PROMPTS))
+    assert failed == [len(PROMPTS)]
+    assert short.returncode == spare.returncode == 0 and jsonl(short.stdout) == jsonl(spare.stdout)
+    assert "out of GPU memory to add 3 row(s) to the batch's 1" in short.stderr.decode()
+
+
 @pytest.mark.parametrize("model_type, layer", [("llama", "llama.modeling_llama.LlamaDecoderLayer"),
                                                ("gpt2", "gpt2.modeling_gpt2.GPT2Block")])
 def test_a_decode_step_out_of_gpu_memory_costs_the_newest_prompt_only(tiny_models, monkeypatch, model_type, layer):
