@@ -744,15 +744,28 @@ def test_a_capture_out_of_gpu_memory_leaves_the_other_graphs_replaying(deep_chec
     assert "out of GPU memory to capture the decode step of 2 rows" in caplog.text
 
 
+@pytest.fixture(scope="module")
+def deep_gpt2(tmp_path_factory):
+    """The tiny GPT-2 with 8 layers: a model without fixed slots, whose rows join a left-padded batch a layer at a
+    time."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = str(tmp_path_factory.mktemp("cuda_gpt2") / "gpt2")
+    shutil.copytree(build_tiny_checkpoint("gpt2", str(tmp_path_factory.mktemp("cuda_gpt2_tiny"))), path)
+    config = AutoConfig.from_pretrained(path)
+    config.n_layer = 8
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path
+
+
 @needs_played
-def test_a_request_joins_the_padded_batch_a_layer_at_a_time(tmp_path, gpu):
+def test_a_request_joins_the_padded_batch_a_layer_at_a_time(deep_gpt2, gpu):
     """Requests joining a left-padded batch (a model without fixed slots: GPT-2, here of 8 layers) enter it a layer
     at a time: beyond the keys/values the batch holds after, the merge holds two copies of one layer (the
     concatenation and the cache's own) and the newcomer's, not a second copy of every layer."""
     import gc
-    import shutil
-
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     from rungen.batch_cache import PaddedBatch, layers_of
     from rungen.engine import Engine
@@ -760,12 +773,7 @@ def test_a_request_joins_the_padded_batch_a_layer_at_a_time(tmp_path, gpu):
     from rungen.requests import Request
     from rungen.sampling import Sampling
 
-    path = str(tmp_path / "gpt2")
-    shutil.copytree(build_tiny_checkpoint("gpt2", str(tmp_path / "tiny")), path)
-    config = AutoConfig.from_pretrained(path)
-    config.n_layer = 8
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    loaded = load(path, device=DEVICE)
+    loaded = load(deep_gpt2, device=DEVICE)
     engine, greedy = Engine(loaded, max_batch=4, prefix_cache_bytes=0), Sampling(temperature=0, ignore_eos=True)
     assert isinstance(engine.batch.kv, PaddedBatch)
     prompts = [loaded.tokenizer(text).input_ids for text in ("word " * 40, "other " * 40, "Hi")]
@@ -788,26 +796,17 @@ def test_a_request_joins_the_padded_batch_a_layer_at_a_time(tmp_path, gpu):
 
 
 @needs_played
-def test_a_padded_batch_with_no_memory_for_a_join_goes_on_and_the_newcomer_runs_again(tmp_path, gpu, monkeypatch):
+def test_a_padded_batch_with_no_memory_for_a_join_goes_on_and_the_newcomer_runs_again(deep_gpt2, gpu, monkeypatch):
     """The GPU runs out of memory half way through copying a newcomer's keys/values into a left-padded batch (GPT-2
     of 8 layers): the batch's rows go on, their first layers read from the copies made, to the tokens they give with
     memory to spare; the newcomer, whose text nobody has seen, runs again once a row has left, to the same tokens."""
-    import shutil
-
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     import rungen.batch_cache
     from rungen.engine import Engine
     from rungen.loading import load
     from rungen.requests import Done, Request
     from rungen.sampling import Sampling
 
-    path = str(tmp_path / "gpt2")
-    shutil.copytree(build_tiny_checkpoint("gpt2", str(tmp_path / "tiny")), path)
-    config = AutoConfig.from_pretrained(path)
-    config.n_layer = 8
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    loaded = load(path, device=DEVICE)
+    loaded = load(deep_gpt2, device=DEVICE)
     # The newcomer's prompt is the longest: the batch's rows are padded in the copy, and go on without it.
     prompts = [loaded.tokenizer(text).input_ids for text in ("Hi", "Hello there", "word " * 40)]
     merge, let_go = rungen.batch_cache.PaddedBatch.merge, rungen.batch_cache.let_go
