@@ -360,6 +360,35 @@ def blocks_and_reference(files):
     return out
 
 
+def merge_short_of_memory(monkeypatch, when, failed):
+    """Patches PaddedBatch.merge: the first merge where `when(batch, parts)` holds runs out of GPU memory for its
+    second layer's copy, the first layer's made (raised where CUDA raises it: the CPU has no such limit); `failed`
+    gets the batch's rows then."""
+    import torch
+
+    import rungen.batch_cache as batch_cache
+
+    merge, left_pad = batch_cache.PaddedBatch.merge, batch_cache.left_pad
+
+    def short_of_memory(self, parts, rows):
+        if failed or not when(self, parts):
+            return merge(self, parts, rows)
+        groups, padded = len(parts) + (self.cache is not None), []  # a layer pads the batch's and each part's
+
+        def counted(tensor, width, dim=2):  # keys and values
+            if len(padded) == 2 * groups:
+                failed.append(len(rows))
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+            padded.append(tensor)
+            return left_pad(tensor, width, dim)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(batch_cache, "left_pad", counted)
+            return merge(self, parts, rows)
+
+    monkeypatch.setattr(batch_cache.PaddedBatch, "merge", short_of_memory)
+
+
 def error_of(args, capsys):
     """The exit code and the last stderr line of the command (run_generation.cli), which must fail in one line."""
     import run_generation

@@ -10,6 +10,7 @@ checked too: that is the overlap a GPU gets.
 import pytest
 import torch
 
+from helpers import merge_short_of_memory
 from rungen import sampling
 from rungen.decode import OVERLAP_ENV
 from rungen.engine import Engine
@@ -174,25 +175,7 @@ def test_rows_the_gpu_has_no_memory_to_merge_give_way_and_the_batch_goes_on(load
 
     if Engine(loaded, max_batch=2).batch.kv.form != batch_cache.PaddedBatch.form:
         pytest.skip("fixed slots copy nothing at a join")
-    merge, left_pad, failed = batch_cache.PaddedBatch.merge, batch_cache.left_pad, []
-
-    def short_of_memory(self, parts, rows):
-        if self.cache is None or failed:
-            return merge(self, parts, rows)
-        calls = []
-
-        def counted(tensor, width, dim=2):  # layer 0's keys and values padded for the batch and each part
-            calls.append(tensor)
-            if len(calls) > 2 * (len(parts) + 1):
-                failed.append(len(rows))
-                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
-            return left_pad(tensor, width, dim)
-
-        with monkeypatch.context() as patch:
-            patch.setattr(batch_cache, "left_pad", counted)
-            return merge(self, parts, rows)
-
-    ids = [loaded.tokenizer(prompt).input_ids for prompt in PROMPTS]
+    failed, ids = [], [loaded.tokenizer(prompt).input_ids for prompt in PROMPTS]
     for stream in (False, True):
         # The joining prompt is the longest: the copy pads the batch's rows, which go on without that padding.
         requests = [{"ids": ids[3], "max_tokens": 12}, {"ids": ids[1], "max_tokens": 3},
@@ -202,7 +185,7 @@ def test_rows_the_gpu_has_no_memory_to_merge_give_way_and_the_batch_goes_on(load
         failed.clear()
         engine = engine_of(loaded, monkeypatch, overlap, max_batch=2)
         with monkeypatch.context() as patch:
-            patch.setattr(batch_cache.PaddedBatch, "merge", short_of_memory)
+            merge_short_of_memory(patch, lambda batch, parts: batch.cache is not None, failed)  # a join, not the first
             short = run(engine, requests)
         assert failed == [2]  # the first row and the joining one
         if not stream:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from helpers import SCRIPT, blocks, cli_env, jsonl, run_main, tiny_args
+from helpers import SCRIPT, blocks, cli_env, jsonl, merge_short_of_memory, run_main, tiny_args
 
 PROMPTS = ["Hello, my dog is cute", "The capital of France is", "A", "Once upon a time there was a little dog who"]
 
@@ -188,32 +188,11 @@ def test_piped_prompts_the_gpu_has_no_memory_to_batch_together_run_as_memory_all
     runs out of GPU memory (raised where CUDA raises it: the CPU has no such limit). The first prompt goes on in its
     own cache, the others wait and run as rows leave: every prompt's text and the exit status are those of a run with
     memory to spare, each prompt's seed its own."""
-    import torch
-
-    import rungen.batch_cache as batch_cache
-
-    merge, left_pad, failed = batch_cache.PaddedBatch.merge, batch_cache.left_pad, []
-
-    def short_of_memory(self, parts, rows):
-        if self.cache is not None or len(parts) < 2 or failed:
-            return merge(self, parts, rows)
-
-        def padded(tensor, width, dim=2):  # the first layer's copies made, none for the second
-            if padded.calls == 2 * len(parts):
-                failed.append(len(parts))
-                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
-            padded.calls += 1
-            return left_pad(tensor, width, dim)
-
-        padded.calls = 0
-        with monkeypatch.context() as patch:
-            patch.setattr(batch_cache, "left_pad", padded)
-            return merge(self, parts, rows)
-
+    failed = []
     args = tiny_args(tiny_models, "gpt2", "--length", "8", "--seed", "3", "--output_format", "jsonl")
     spare = run_main(args, stdin="\n".join(PROMPTS))
-    with monkeypatch.context() as patch:
-        patch.setattr(batch_cache.PaddedBatch, "merge", short_of_memory)
+    with monkeypatch.context() as patch:  # the prompts' first merge, into the empty batch
+        merge_short_of_memory(patch, lambda batch, parts: batch.cache is None and len(parts) > 1, failed)
         short = run_main(args, stdin="\n".join(PROMPTS))
     assert failed == [len(PROMPTS)]
     assert short.returncode == spare.returncode == 0 and jsonl(short.stdout) == jsonl(spare.stdout)
