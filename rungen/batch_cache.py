@@ -187,7 +187,7 @@ class PaddedBatch:
         first request's rows in its own cache."""
         if self.cache is None and len(parts) == 1:
             layers, mask, cache = parts[0]
-            self.cache, self.mask = cache if cache is not None else new_cache(self.model, layers), mask
+            self.cache, self.mask = cache if cache is not None else own_cache(self.model, layers), mask
             return
         old, groups = self.cache, [(list(layers), mask) for layers, mask, _ in parts]
         if old is not None:
@@ -203,9 +203,12 @@ class PaddedBatch:
                     let_go(old.layers[number])
                 layer.update(*merged)
             except torch.OutOfMemoryError as error:
-                _, first_mask, first = parts[0]
-                if old is None and first is not None and not growing(first.layers[0]):
-                    self.cache, self.mask = first, first_mask  # the first request alone: its own cache, no copy
+                first_layers, first_mask, first = parts[0]
+                if old is None and first is None and not growing(cache.layers[0]):
+                    self.cache = cache = merged = None  # the merge's copies go before the first's rows are copied
+                    first = own_cache(self.model, first_layers)
+                if old is None and not growing(first.layers[0]):
+                    self.cache, self.mask = first, first_mask  # the first request alone, in its own cache
                     raise LeftOut(str(error), kept=first_mask.shape[0]) from error
                 if old is None or growing(old.layers[0]):  # nothing to go on with: the caller ends every row
                     raise
@@ -292,6 +295,15 @@ def bytes_per_token(model, device, model_type, token):
 def devices_of(model) -> set:
     """The devices --device_map spread the model over, as named in its map (none: it was not)."""
     return {str(device) for device in (getattr(model, "hf_device_map", None) or {}).values()}
+
+
+def own_cache(model, layers):
+    """A cache of `layers` ([(keys, values)] a layer, emptied as each is copied in: one layer more at a time)."""
+    cache = new_cache(model)
+    for number, layer in enumerate(cache.layers):
+        layer.update(*layers[number])
+        layers[number] = None
+    return cache
 
 
 def let_go(layer):

@@ -183,20 +183,23 @@ def test_sampled_text_follows_the_seed_whatever_the_batch(tiny_models):
     assert texts[2] != texts[1]
 
 
-def test_piped_prompts_the_gpu_has_no_memory_to_batch_together_run_as_memory_allows(tiny_models, monkeypatch):
+@pytest.mark.parametrize("n", [1, 2])
+def test_piped_prompts_the_gpu_has_no_memory_to_batch_together_run_as_memory_allows(tiny_models, monkeypatch, n):
     """GPT-2 (a left-padded batch): every piped prompt is prefilled, and copying their keys/values into one batch
     runs out of GPU memory (raised where CUDA raises it: the CPU has no such limit). The first prompt goes on in its
-    own cache, the others wait and run as rows leave: every prompt's text and the exit status are those of a run with
-    memory to spare, each prompt's seed its own."""
+    own cache (its n rows' keys/values copied there), the others wait and run as rows leave: every prompt's text and
+    the exit status are those of a run with memory to spare, each prompt's seed its own."""
     failed = []
-    args = tiny_args(tiny_models, "gpt2", "--length", "8", "--seed", "3", "--output_format", "jsonl")
+    args = tiny_args(tiny_models, "gpt2", "--length", "8", "--seed", "3", "--output_format", "jsonl",
+                     "--num_return_sequences", str(n))
     spare = run_main(args, stdin="\n".join(PROMPTS))
     with monkeypatch.context() as patch:  # the prompts' first merge, into the empty batch
         merge_short_of_memory(patch, lambda batch, parts: batch.cache is None and len(parts) > 1, failed)
         short = run_main(args, stdin="\n".join(PROMPTS))
-    assert failed == [len(PROMPTS)]
+    assert failed == [n * len(PROMPTS)]
     assert short.returncode == spare.returncode == 0 and jsonl(short.stdout) == jsonl(spare.stdout)
-    assert "out of GPU memory to add 3 row(s) to the batch's 1" in short.stderr.decode()
+    assert len(jsonl(spare.stdout)) == n * len(PROMPTS)
+    assert f"out of GPU memory to add {3 * n} row(s) to the batch's {n}" in short.stderr.decode()
 
 
 @pytest.mark.parametrize("model_type, layer", [("llama", "llama.modeling_llama.LlamaDecoderLayer"),
