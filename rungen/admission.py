@@ -7,11 +7,11 @@ with it (rungen/prefill.py).
 
 Out of GPU memory, the prefix cache's entries go first (they only save time). Where the GPU still has no memory for
 a group's prefill beside the running rows, the group waits, first in the queue, and nothing joins beside that many
-rows until a row has left. Where a decode step runs out, the newest request gives way and the others go on: one
-whose output nobody has seen yet waits again at the head of the queue (run again from its prompt, to the same tokens
-where greedy or seeded), a stream or a request with log-probabilities ends with an error naming the memory. Where
-the copy of joined rows' keys/values into the batch runs out (a left-padded batch), they give way likewise, but
-for the first request's where the batch was empty.
+rows until a row has left. Where a decode step runs out, the newest request gives way and the others go on: its
+rows wait at the head of the queue, each to go on from where it was once a row has left (rows.Resume: its prompt
+and tokens prefilled again, as vLLM's preemption by recomputation does), so a stream goes on and nothing sent is
+taken back. Where the copy of joined rows' keys/values into the batch runs out (a left-padded batch), they give way
+likewise (those done at their first token answered), but for the first request's where the batch was empty.
 """
 
 import collections
@@ -22,6 +22,7 @@ from .batch_cache import LeftOut
 from .errors import one_line
 from .prefill import pass_tokens, prefill_group, together_tokens
 from .requests import Done, End
+from .rows import Resume
 
 
 class Admission:
@@ -43,7 +44,7 @@ class Admission:
         while True:
             with self.wake:
                 while self.waiting and self.waiting[0].cancelled:
-                    self.waiting.popleft().sink(End())
+                    self.cancel(self.waiting.popleft())
                 if not self.waiting:
                     break
                 if batch.rows and (not self.fits([self.waiting[0]]) or len(batch.rows) >= self.crowded):
@@ -113,23 +114,13 @@ class Admission:
         if len(requests) < 2:
             return False
         newest = max(requests, key=lambda request: request.submitted)
-        rows = [row for row in batch.rows if row.request is newest]
-        self.crowded = len(batch.rows) - len(rows)
-        why = one_line(error)
-        if seen(newest, rows):
-            logger.warning("out of GPU memory for a decode step of %d rows: the newest request ends (%s)",
-                           len(batch.rows), why)
-            others = f"{self.crowded} other row{'s' if self.crowded > 1 else ''}"
-            batch.metrics.count_gave_way("ended")
-            batch.end(newest, f"out of GPU memory for a decode step beside {others}, the newest request gave way "
-                              f"({why}); run it again with fewer beside it")
-            return True
-        logger.warning("out of GPU memory for a decode step of %d rows: the newest request waits to run again (%s)",
-                       len(batch.rows), why)
-        batch.metrics.count_gave_way("rerun")
-        batch.take_out(newest)
+        logger.warning("out of GPU memory for a decode step of %d rows: the newest request waits to go on (%s)",
+                       len(batch.rows), one_line(error))
+        batch.metrics.count_gave_way()
+        resumes = batch.take_out(newest)
+        self.crowded = len(batch.rows)
         with self.wake:
-            self.waiting.appendleft(newest)
+            self.waiting.extendleft(reversed(resumes))
         return True
 
     def merge(self) -> bool:
@@ -143,35 +134,26 @@ class Admission:
 
     def left_out(self, error):
         """After a merge ran out of GPU memory (LeftOut, its `rows` those that joined since the last merge, out of the
-        batch again): their requests give way as the newest does in give_way, but for those done at their first
-        token; nothing joins beside as many rows as the batch holds until one has left."""
-        batch, why = self.batch, one_line(error)
+        batch again): their running rows give way as the newest request's do in give_way, those done at their first
+        token are answered; nothing joins beside as many rows as the batch holds until one has left."""
+        batch = self.batch
         self.crowded = len(batch.rows)
         if batch.prefix_cache is not None:
             batch.prefix_cache.give_up("the joining rows' keys/values")
-        requests = list({id(row.request): row.request for row in error.rows}.values())
         logger.warning("out of GPU memory to add %d row(s) to the batch's %d: they give way (%s)", len(error.rows),
-                       len(batch.rows), why)
-        for request in reversed(requests):  # put back at the head in their order
-            rows = [row for row in error.rows if row.request is request]
-            running = [row for row in rows if row.finish is None]
-            if running and not seen(request, rows):
-                batch.metrics.count_gave_way("rerun")
-                with self.wake:
-                    self.waiting.appendleft(request)
-                continue
-            if running:
-                batch.metrics.count_gave_way("ended")
-            for row in running:
-                row.finish = batch.reporter.cut_short(row, "abort", f"out of GPU memory to join a batch of "
-                                                      f"{self.crowded} row(s) ({why}); run it again with fewer "
-                                                      "beside it")
-            for row in rows:
-                request.sink(Done(row.index, row.finish))
-            request.sink(End())
+                       len(batch.rows), one_line(error))
+        resumes = [Resume(row) for row in error.rows if row.finish is None]
+        batch.metrics.count_gave_way(len({id(resume.row.request) for resume in resumes}))
+        with self.wake:
+            self.waiting.extendleft(reversed(resumes))  # at the head, in their order
+        for row in error.rows:
+            if row.finish is not None:
+                row.request.sink(Done(row.index, row.finish))
+                batch.end_when_done(row.request)
 
-
-def seen(request, rows) -> bool:
-    """Whether some of a request's output was sent (a stream's text, log-probabilities, a choice ended), `rows`
-    its rows not ended to it yet: then it cannot run again unseen."""
-    return request.deltas or request.logprobs is not None or len(rows) < request.n
+    def cancel(self, entry):
+        """Ends a cancelled waiting entry: a request none of whose rows ran (End), or a row waiting to go on."""
+        if isinstance(entry, Resume):
+            self.batch.give_up(entry, "abort")
+        else:
+            entry.sink(End())

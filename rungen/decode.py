@@ -19,7 +19,7 @@ from .batch_cache import LeftOut, batch_cache
 from .errors import GenerationError
 from .metrics import Metrics
 from .requests import Done, End
-from .rows import pick, request_rows
+from .rows import Resume, pick, request_rows
 from .transfers import to_device
 
 OVERLAP_ENV = "RUN_GENERATION_OVERLAP"
@@ -56,10 +56,14 @@ class DecodeBatch:
         for request, done in zip(requests, prefilled):
             ids, reused, logits = request.ids, done.reused, done.logits
             self.metrics.add_tokens(prompt=len(ids) - reused, reused=reused)
-            request.reused = reused
             if reused:
                 logger.info("prefix cache: reused %d of %d prompt tokens", reused, len(ids))
-            rows = request_rows(request, logits.shape[-1], logits.device, self.reporter.prompt_tail_text(ids), start)
+            if isinstance(request, Resume):
+                rows = [request.back(start)]
+            else:
+                request.reused = reused
+                rows = request_rows(request, logits.shape[-1], logits.device, self.reporter.prompt_tail_text(ids),
+                                    start)
             if done.part is None:
                 joined, firsts = joined + rows, firsts + [logits.expand(request.n, -1)]
             else:
@@ -150,8 +154,8 @@ class DecodeBatch:
             self.reporter.report(row, token, picked.logprobs[number] if request.logprobs is not None else None)
 
     def remove_finished(self):
-        """The rows that are done leave: their Done (and End once a request's rows all ended), the first choice's
-        keys/values to the prefix cache, the rows left closing up in the kv."""
+        """The rows that are done leave: their Done (and End once a request's rows all ended, none away), the first
+        choice's keys/values to the prefix cache, the rows left closing up in the kv."""
         done = [number for number, row in enumerate(self.rows) if row.finish is not None]
         if not done:
             return
@@ -161,10 +165,15 @@ class DecodeBatch:
             if self.prefix_cache is not None and row.index == 0 and row.finish.reason != "abort":
                 self.remember(number, row, last=len(self.rows) == 1)
             row.request.sink(Done(row.index, row.finish))
-            if all(other.finish is not None for other in self.rows if other.request is row.request):
+            if row.request not in finished_requests:
                 finished_requests.append(row.request)
         self.leave([number for number, row in enumerate(self.rows) if row.finish is None], done)
         for request in finished_requests:
+            self.end_when_done(request)
+
+    def end_when_done(self, request):
+        """The request's End, where none of its rows is left in the batch or away (waiting to go on)."""
+        if not request.away and all(row.request is not request for row in self.rows):
             request.sink(End())
 
     def leave(self, staying, leaving):
@@ -177,17 +186,20 @@ class DecodeBatch:
             else:
                 self.ahead = None
 
-    def end(self, request, error):
-        """Ends a request's rows now (what they held back sent), with `error`."""
-        for row in self.rows:
-            if row.request is request and row.finish is None:
-                row.finish = self.reporter.cut_short(row, "abort", error)
-        self.remove_finished()
-
-    def take_out(self, request):
-        """Takes a request's rows out of the batch, telling it nothing: it runs again from its prompt."""
+    def take_out(self, request) -> list:
+        """Takes a request's rows out of the batch, telling it nothing, each to go on later (rows.Resume)."""
+        rows = [row for row in self.rows if row.request is request]
         self.leave([number for number, row in enumerate(self.rows) if row.request is not request],
                    [number for number, row in enumerate(self.rows) if row.request is request])
+        return [Resume(row) for row in rows]
+
+    def give_up(self, resume, reason, error=None):
+        """Ends a row that waited to go on (cancelled, or the engine ends every request): its Done with what it
+        held back, and its request's End where none of its rows is left."""
+        row = resume.back(0.0)
+        row.finish = self.reporter.cut_short(row, reason, error)
+        row.request.sink(Done(row.index, row.finish))
+        self.end_when_done(row.request)
 
     def remember(self, number, row, last=False):
         """Keeps a finished row's keys/values in the prefix cache (`last`: it may take over the buffers)."""

@@ -26,7 +26,7 @@ from .kvcache import MIN_ROOM
 from .metrics import Metrics
 from .prefix_cache import PrefixCache
 from .requests import Done, End, Finish
-from .rows import Reporter
+from .rows import Reporter, Resume
 
 
 class EngineBusy(RuntimeError):
@@ -201,11 +201,14 @@ class Engine:
                     future.set_exception(error)
 
     def turn_away(self, requests, error, reason="abort"):
-        """Ends requests none of whose rows ran (each row's Done, then its End), and whatever the batch held of
-        them."""
+        """Ends requests none of whose rows ran (each row's Done, then its End) and rows waiting to go on (rows.Resume:
+        Done where they were), and whatever the batch held of them."""
         self.batch.clear()
         self.admission.joining = []
         for request in requests:
+            if isinstance(request, Resume):
+                self.batch.give_up(request, reason, error)
+                continue
             for index in range(request.n):
                 request.sink(Done(index, Finish(reason, "", [], len(request.ids), error)))
             request.sink(End())
@@ -219,9 +222,12 @@ class Engine:
             row.request.sink(Done(row.index, row.finish))
             if row.request not in requests:
                 requests.append(row.request)
-        joining = [request for request in self.admission.joining if request not in requests]
+        joining = [entry for entry in self.admission.joining  # those whose rows entered the batch are ended
+                   if (all(row is not entry.row for row in self.batch.rows) if isinstance(entry, Resume)
+                       else entry not in requests)]
         for request in requests:
-            request.sink(End())
+            if not request.away:  # else its End follows its last row waiting to go on (turn_away)
+                request.sink(End())
         with self.wake:
             waiting = list(self.waiting)
             self.waiting.clear()

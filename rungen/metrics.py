@@ -17,7 +17,7 @@ class Metrics:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.reused_tokens = 0  # prompt tokens whose keys/values came from the prefix cache
-        self.gave_way = collections.Counter()  # outcome ("rerun", "ended") -> requests out of GPU memory
+        self.gave_way = 0  # requests whose rows gave way out of GPU memory (to go on later)
         self.ttft = [0] * (len(self.TTFT_BUCKETS) + 1), [0.0, 0]
         self.tpot = [0] * (len(self.TPOT_BUCKETS) + 1), [0.0, 0]
 
@@ -38,9 +38,9 @@ class Metrics:
             self.generation_tokens += generated
             self.reused_tokens += reused
 
-    def count_gave_way(self, outcome):
+    def count_gave_way(self, requests=1):
         with self.lock:
-            self.gave_way[outcome] += 1
+            self.gave_way += requests
 
     def render(self, queue_depth, running):
         lines = ["# HELP rungen_requests_total HTTP requests by endpoint and status.",
@@ -57,10 +57,9 @@ class Metrics:
                       "# TYPE rungen_prefix_cache_tokens_total counter",
                       f"rungen_prefix_cache_tokens_total {self.reused_tokens}",
                       "# HELP rungen_gave_way_total Requests that gave way when a step or a join ran out of GPU "
-                      "memory: run again from their prompt (their tokens counted again), or ended.",
+                      "memory, to go on later (their prompt and tokens prefilled again, counted again).",
                       "# TYPE rungen_gave_way_total counter",
-                      *(f'rungen_gave_way_total{{outcome="{outcome}"}} {self.gave_way[outcome]}'
-                        for outcome in ("rerun", "ended")),
+                      f"rungen_gave_way_total {self.gave_way}",
                       "# HELP rungen_queue_depth Requests waiting for a batch slot.",
                       "# TYPE rungen_queue_depth gauge",
                       f"rungen_queue_depth {queue_depth}",

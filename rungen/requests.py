@@ -28,6 +28,7 @@ class Request:
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     reused: int = 0  # prompt tokens whose keys/values came from the prefix cache
+    away: int = 0  # rows that gave way (out of GPU memory) and wait to go on: its End waits for them
 
     @property
     def reserve(self):

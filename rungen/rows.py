@@ -28,6 +28,36 @@ class Row:
     finish: Finish | None = None
 
 
+class Resume:
+    """A row that gave way when the GPU ran out of memory, waiting with the requests to go on from where it was: its
+    prompt and the tokens it chose are prefilled again, and it decodes on in its own state (generator, penalties,
+    grammar, text sent), so it gives what it would have given and nothing it sent is taken back."""
+
+    n = 1
+
+    def __init__(self, row: Row):
+        self.row = row
+        row.request.away += 1
+
+    @property
+    def ids(self):
+        return self.row.request.ids + self.row.generated
+
+    @property
+    def reserve(self):
+        return self.row.request.reserve
+
+    @property
+    def cancelled(self):
+        return self.row.request.cancelled
+
+    def back(self, start: float) -> Row:
+        """The row again, its prompt and tokens in the batch's keys/values (`start`: when their prefill began)."""
+        self.row.request.away -= 1
+        self.row.position, self.row.last_time = len(self.ids), start
+        return self.row
+
+
 def request_rows(request: Request, width: int, device: torch.device, prompt_tail_text: str, start: float) -> list:
     """A prefilled request's rows, one a choice: each with its sampling state (`width`: the vocabulary's on
     `device`) and its grammar's matcher (once any reasoning has ended)."""

@@ -621,9 +621,9 @@ def test_a_request_the_gpu_has_no_memory_for_beside_a_stream_waits_for_it(deep_c
 @pytest.mark.fresh_load  # the loader's memo would hold a copy of the model on the GPU
 def test_a_decode_step_the_gpu_has_no_memory_for_gives_way_to_the_older_request(deep_checkpoint, gpu):
     """The GPU's memory shrinks (another process takes some) below a decode step of two requests, not of one, until
-    the older request ends: the older goes on to the tokens it gives with memory to spare. The newer gives way:
-    where nobody has seen its text yet, it waits and runs again after the older, to the tokens it gives alone
-    (seeded); a stream ends, with an error naming the memory, keeping what it sent. /metrics counts each."""
+    the older request ends: the older goes on to the tokens it gives with memory to spare. The newer gives way, waits
+    and goes on from where it was after the older (its prompt and tokens prefilled again), to the tokens it gives
+    alone (seeded); a stream the same, whole, nothing it sent taken back. /metrics counts each."""
     from rungen.engine import Engine
     from rungen.loading import load
     from rungen.requests import Delta, Done, End, Request
@@ -659,6 +659,9 @@ def test_a_decode_step_the_gpu_has_no_memory_for_gives_way_to_the_older_request(
         engine, joined = Engine(loaded, max_batch=4, prefix_cache_bytes=0), []
         join = engine.admission.join
         engine.admission.join = lambda requests: (joined.append(len(requests)), join(requests))[1]
+        took, take_out = [], engine.batch.take_out  # its tokens when it gave way
+        engine.batch.take_out = lambda request: (took.extend(len(row.generated) for row in engine.batch.rows
+                                                             if row.request is request), take_out(request))[1]
         older = submit(engine, older_ids, 16, on_end=lambda: gpu.memory.limit(1.0))
         engine.admission.admit()
         one = stepped(engine)
@@ -672,24 +675,25 @@ def test_a_decode_step_the_gpu_has_no_memory_for_gives_way_to_the_older_request(
             engine.run_here()
         finally:
             gpu.memory.limit(1.0)
-        return finish(older), newer, len(joined), engine.metrics
+        return finish(older), newer, len(joined), engine.metrics, took
 
     spare = run(short=False)
-    assert not +spare[3].gave_way
-    alone = Engine(loaded, max_batch=4, prefix_cache_bytes=0)
-    newer_alone = submit(alone, newer_ids, 10)
-    alone.run_here()
-    del alone
-    older, newer, joins, metrics = run(short=True)
-    assert older == spare[0] and finish(newer) == finish(newer_alone) and joins == 3  # the newer joined again
-    assert 'rungen_gave_way_total{outcome="rerun"} 1' in metrics.render(0, 0).splitlines()
-    older, newer, joins, metrics = run(short=True, stream=True)
-    assert metrics.gave_way == {"ended": 1}
-    ended, whole = finish(newer), finish(spare[1])
-    assert older == spare[0] and joins == 2
-    assert ended.reason == "abort" and "out of GPU memory for a decode step beside 1 other row" in ended.error
-    assert 2 <= len(ended.tokens) < 10 and ended.tokens == whole.tokens[: len(ended.tokens)]
-    assert "".join(event.text for event in newer if isinstance(event, Delta)) == ended.text
+    assert not spare[3].gave_way and not spare[4]
+    whole = finish(spare[1])
+    for stream in (False, True):
+        older, newer, joins, metrics, took = run(short=True, stream=stream)
+        assert older == spare[0] and joins == 3 and metrics.gave_way == 1  # the newer joined again
+        [gone], went_on = took, finish(newer)
+        assert 2 <= gone < 10 and went_on.tokens[:gone] == whole.tokens[:gone]
+        # From there on it reads the prefill's keys/values, not the steps': in bfloat16 a draw may part from them.
+        assert went_on.reason == whole.reason == "length" and len(went_on.tokens) == 10 and not went_on.error
+        if stream:  # the whole text, nothing sent taken back
+            deltas = [event.text for event in newer if isinstance(event, Delta)]
+            streamed = "".join(deltas)
+            assert len(deltas) > gone and len(streamed) == len(went_on.text)
+            # The random model's bytes: a run of byte tokens that is no UTF-8 decodes whole as replacement characters.
+            assert all(sent == final or "\ufffd" in (sent, final) for sent, final in zip(streamed, went_on.text))
+    assert "rungen_gave_way_total 1" in metrics.render(0, 0).splitlines()
 
 
 @needs_played
@@ -799,7 +803,7 @@ def test_a_request_joins_the_padded_batch_a_layer_at_a_time(deep_gpt2, gpu):
 def test_a_padded_batch_with_no_memory_for_a_join_goes_on_and_the_newcomer_runs_again(deep_gpt2, gpu, monkeypatch):
     """The GPU runs out of memory half way through copying a newcomer's keys/values into a left-padded batch (GPT-2
     of 8 layers): the batch's rows go on, their first layers read from the copies made, to the tokens they give with
-    memory to spare; the newcomer, whose text nobody has seen, runs again once a row has left, to the same tokens."""
+    memory to spare; the newcomer goes on from its first token once a row has left, to the same tokens."""
     import rungen.batch_cache
     from rungen.engine import Engine
     from rungen.loading import load
@@ -839,10 +843,10 @@ def test_a_padded_batch_with_no_memory_for_a_join_goes_on_and_the_newcomer_runs_
             patch.setattr(rungen.batch_cache.PaddedBatch, "merge", short_merge)
             engine.run_here()
         assert len(merged) == (3 if short else 0)
-        return [finished[number].tokens for number in range(3)], dict(engine.metrics.gave_way)
+        return [finished[number].tokens for number in range(3)], engine.metrics.gave_way
 
     spare, short = run(False), run(True)
-    assert spare[1] == {} and short == (spare[0], {"rerun": 1})
+    assert spare[1] == 0 and short == (spare[0], 1)
 
 
 @needs_played

@@ -169,30 +169,79 @@ def test_rows_the_gpu_has_no_memory_to_merge_give_way_and_the_batch_goes_on(load
     """A left-padded batch copies a joining request's keys/values in beside its rows', a layer at a time; out of GPU
     memory for the second layer's copy (raised where CUDA raises it: the CPU has no such limit), the batch goes on
     with its rows as they were (the first layer read from the copy made) to the text it gives with memory to spare.
-    The joining request gives way: nobody has seen its text, so it runs again once a row has left, to the same text;
-    a stream, whose first token was sent, ends there with an error naming the memory."""
+    The joining request gives way, its first token already chosen (and sent, where a stream), and goes on once a row
+    has left, from that token (its prompt and token prefilled again): every text, stream and log-probability is
+    the one a run with memory to spare gives; its two choices (n=2) go on each from its own token."""
     import rungen.batch_cache as batch_cache
 
     if Engine(loaded, max_batch=2).batch.kv.form != batch_cache.PaddedBatch.form:
         pytest.skip("fixed slots copy nothing at a join")
     failed, ids = [], [loaded.tokenizer(prompt).input_ids for prompt in PROMPTS]
-    for stream in (False, True):
+    sampling = Sampling(temperature=0.8, top_k=40, seed=4, ignore_eos=True)
+    for joining in ({"deltas": False}, {"deltas": True}, {"deltas": True, "logprobs": 2, "n": 2}):
         # The joining prompt is the longest: the copy pads the batch's rows, which go on without that padding.
         requests = [{"ids": ids[3], "max_tokens": 12}, {"ids": ids[1], "max_tokens": 3},
-                    {"ids": ids[0], "max_tokens": 6, "deltas": stream,
-                     "sampling": Sampling(temperature=0.8, top_k=40, seed=4, ignore_eos=True)}]
-        spare = run(engine_of(loaded, monkeypatch, overlap, max_batch=2), requests)
+                    {"ids": ids[0], "max_tokens": 6, "sampling": sampling} | joining]
+        rows = 1 + joining.get("n", 1)  # the joining request waits for the second to leave
+        spare = run(engine_of(loaded, monkeypatch, overlap, max_batch=rows), requests)
         failed.clear()
-        engine = engine_of(loaded, monkeypatch, overlap, max_batch=2)
+        engine = engine_of(loaded, monkeypatch, overlap, max_batch=rows)
         with monkeypatch.context() as patch:
             merge_short_of_memory(patch, lambda batch, parts: batch.cache is not None, failed)  # a join, not the first
             short = run(engine, requests)
-        assert failed == [2]  # the first row and the joining one
-        if not stream:
-            assert_same(short, spare)
-            assert engine.metrics.gave_way == {"rerun": 1}
-            continue
-        assert_same(short[:2], spare[:2])
-        reason, text, tokens, _, deltas, _ = short[2][0]
-        assert reason == "abort" and deltas == text and tokens == spare[2][0][2][: len(tokens)] and len(tokens) == 1
-        assert engine.metrics.gave_way == {"ended": 1}
+        assert failed == [rows]  # the first row and the joining ones
+        assert_same(short, spare)
+        assert engine.metrics.gave_way == 1
+        if joining.get("n"):
+            assert short[2][0][2] != short[2][1][2]  # two choices, each gone on from its own token
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("ending", ["cancelled", "everything ends", "everything ends, one choice back"])
+def test_rows_waiting_to_go_on_end_once(loaded, monkeypatch, overlap, ending):
+    """A stream of two choices gives way (a decode step beside an older request out of GPU memory, raised where CUDA
+    raises it: the CPU has no such limit), its rows waiting to go on. Cancelled there, or when the engine ends every
+    request (shutdown; one choice maybe back in the batch, the other still waiting, as where the cache's positions
+    let one in), each choice gets one Done, "abort", with the text it had (all of it streamed), then the request
+    one End; the older request goes on to its end, or ends with the rest."""
+    from rungen.requests import End
+
+    engine = engine_of(loaded, monkeypatch, overlap, max_batch=3)
+    ids = [loaded.tokenizer(prompt).input_ids for prompt in PROMPTS[:2]]
+    events = [], []
+    older, newer = (Request(prompt, tokens, Sampling(temperature=0.8, seed=2, ignore_eos=True), sink=sink.append,
+                            n=n) for prompt, tokens, sink, n in zip(ids, (12, 8), events, (1, 2)))
+    for request in (older, newer):
+        engine.submit(request)
+    engine.admission.admit()
+    engine.step()
+    forward = engine.batch.kv.forward
+
+    def short_of_memory(rows, tokens):
+        monkeypatch.setattr(engine.batch.kv, "forward", forward)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+
+    monkeypatch.setattr(engine.batch.kv, "forward", short_of_memory)
+    engine.step()
+    assert newer.away == 2 and len(engine.waiting) == 2 and len(engine.batch.rows) == 1
+    assert engine.metrics.gave_way == 1 and not [event for event in events[1] if isinstance(event, (Done, End))]
+    if ending == "cancelled":
+        newer.cancelled = True
+        engine.run_here()
+    else:
+        if ending.endswith("back"):
+            assert engine.admission.join([engine.waiting.popleft()]) and engine.admission.merge()
+            assert len(engine.batch.rows) == 2 and newer.away == 1
+        engine.end_all("abort", error="the server is shutting down")
+    for request, sent in zip((older, newer), events):
+        done = {event.index: event.finish for event in sent if isinstance(event, Done)}
+        assert isinstance(sent[-1], End) and sum(isinstance(event, End) for event in sent) == 1
+        assert sorted(done) == list(range(request.n)) and len(done) == sum(isinstance(e, Done) for e in sent)
+        for index, finish in done.items():
+            assert finish.text == "".join(event.text for event in sent if isinstance(event, Delta)
+                                          and event.index == index)
+            if request is newer or ending != "cancelled":
+                assert finish.reason == "abort" and 2 <= len(finish.tokens) < request.max_tokens
+            else:
+                assert finish.reason == "length" and len(finish.tokens) == request.max_tokens
+    assert newer.away == 0 and not engine.waiting and not engine.batch.rows

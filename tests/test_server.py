@@ -734,11 +734,11 @@ def test_sigterm_under_load_ends_every_stream_and_exits_0(checkpoint, tmp_path):
     shutil.rmtree(tmp_path, ignore_errors=True)
 
 
-def test_a_stream_a_decode_step_has_no_gpu_memory_for_ends_with_the_error_and_the_others_go_on(loaded, monkeypatch):
+def test_a_stream_a_decode_step_has_no_gpu_memory_for_goes_on_after_the_others(loaded, monkeypatch):
     """A decode step beside another request runs out of GPU memory (raised where CUDA raises it: the CPU has no
-    such limit): the newest request, a stream, gets the text it was sent, an error event naming the memory and
-    finish_reason "abort", then [DONE]; the older request answers what it answers alone, and the server goes on;
-    /metrics counts the request that gave way."""
+    such limit): the newest request, a stream, gives way and goes on from where it was once the older has left, its
+    stream whole and equal to what it streams alone; the older request answers what it answers alone, and the
+    server goes on; /metrics counts the request that gave way."""
     from rungen.batch_cache import SlotBatch
 
     forward, queued, failed = SlotBatch.forward, threading.Event(), []
@@ -773,10 +773,8 @@ def test_a_stream_a_decode_step_has_no_gpu_memory_for_ends_with_the_error_and_th
                         events.append(line[6:])
             assert failed == [2] and answer.result().json()["choices"][0]["text"] == alone[0]
         chunks = [json.loads(event) for event in events[:-1]]
-        [error] = [chunk["error"] for chunk in chunks if "error" in chunk]
-        assert "out of GPU memory for a decode step beside 1 other row" in error["message"]
-        assert events[-1] == "[DONE]" and chunks[-1]["choices"][0]["finish_reason"] == "abort"
-        text = "".join(chunk["choices"][0]["text"] for chunk in chunks if chunk.get("choices"))
-        assert alone[1].startswith(text) and len(text) < len(alone[1])
+        assert not [chunk for chunk in chunks if "error" in chunk]
+        assert events[-1] == "[DONE]" and chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert "".join(chunk["choices"][0]["text"] for chunk in chunks if chunk.get("choices")) == alone[1]
         assert httpx.post(url, json=older, timeout=60).json()["choices"][0]["text"] == alone[0]
-        assert 'rungen_gave_way_total{outcome="ended"} 1' in httpx.get(live.url + "/metrics").text.splitlines()
+        assert "rungen_gave_way_total 1" in httpx.get(live.url + "/metrics").text.splitlines()
