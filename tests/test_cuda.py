@@ -800,7 +800,7 @@ def test_a_request_joins_the_padded_batch_a_layer_at_a_time(deep_gpt2, gpu):
 
 
 @needs_played
-def test_a_padded_batch_with_no_memory_for_a_join_goes_on_and_the_newcomer_runs_again(deep_gpt2, gpu, monkeypatch):
+def test_a_padded_batch_with_no_memory_for_a_join_goes_on_and_so_does_the_newcomer_later(deep_gpt2, gpu, monkeypatch):
     """The GPU runs out of memory half way through copying a newcomer's keys/values into a left-padded batch (GPT-2
     of 8 layers): the batch's rows go on, their first layers read from the copies made, to the tokens they give with
     memory to spare; the newcomer goes on from its first token once a row has left, to the same tokens."""
