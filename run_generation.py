@@ -25,6 +25,7 @@ bottom: parse, load, prepare, optional JIT, then a session, a server or the batc
 prompts failed, 130 interrupted).
 """
 
+import contextlib
 import dataclasses
 import gc
 import logging
@@ -41,8 +42,9 @@ from rungen.arguments import max_memory_map, parse_args, serve_options, settings
 from rungen.batch import engine_refusal, open_engine, run_prompts, settings_refusal
 from rungen.controls import load_assistant
 from rungen.errors import PromptError, PromptsFailed, RunGenerationError, UsageError
-from rungen.generation import UNBATCHABLE_TYPES, eos_token_ids, generate_batch, make_batches
+from rungen.generation import UNBATCHABLE_TYPES, eos_token_ids, generate_batch, make_batches, mark_interrupted
 from rungen.gguf import holds_blocks, native_kernels
+from rungen.interrupt import CtrlC
 from rungen.loading import load
 from rungen.output import Writer, print_stream_header
 from rungen.prompts import encode_prompt, prepare_model, read_prompts
@@ -178,6 +180,8 @@ def main(argv=None):
 
     # The continuous-batching engine, unless the settings need generate() (beam search, typical_p...).
     engine = open_engine(loaded, settings, batch_size) if settings.length != 0 else None
+    # Ctrl-C ends the generation at its next step, what came written (several processes: each stops at once).
+    ctrl_c = CtrlC() if state.num_processes == 1 else None
     start = time.perf_counter()
     if engine is not None:
         finished = []
@@ -190,20 +194,25 @@ def main(argv=None):
 
         if stream and mine:
             print_stream_header(mine[0], settings.chat)
-        run_prompts(engine, settings, mine, done, stream=stream)
+        run_prompts(engine, settings, mine, done, stream=stream, ctrl_c=ctrl_c)
         if state.num_processes > 1:
             write(processes.gather(state, finished))
     else:
         batches = list(make_batches(mine, batch_size))
         for number in range(processes.rounds(state, len(batches))):
             batch = batches[number] if number < len(batches) else []
+            if ctrl_c is not None and ctrl_c.interrupted:
+                break
             streamer = None
             if stream:
                 print_stream_header(batch[0], settings.chat)
                 from rungen.generation import StopTokenStreamer  # transformers' TextStreamer: generate() only
 
                 streamer = StopTokenStreamer(loaded.tokenizer, settings.stop_token)
-            results = generate_batch(loaded, settings, batch, streamer) if batch else {}
+            with ctrl_c.catching() if ctrl_c is not None else contextlib.nullcontext():
+                results = generate_batch(loaded, settings, batch, streamer, ctrl_c and [ctrl_c]) if batch else {}
+            if ctrl_c is not None and ctrl_c.interrupted:
+                mark_interrupted(results, settings.length)
             write(processes.gather(state, [(prompt, results[prompt.index]) for prompt in batch]))
     if progress:
         progress.close()
@@ -211,8 +220,12 @@ def main(argv=None):
     if settings.length != 0 and pending:  # --length 0 scores prompts: no tokens to count
         logger.log(NOTICE, "Generated %d tokens in %.2f s (%.1f tokens/s)", writer.tokens, seconds,
                    writer.tokens / seconds)
+    elif not prompts:
+        logger.log(NOTICE, "No prompts on stdin: nothing to generate.")
     processes.finish(state)
 
+    if ctrl_c is not None and ctrl_c.interrupted:
+        raise KeyboardInterrupt  # after writing what was generated: cli() exits 130
     if writer.failed:
         raise PromptsFailed(f"{writer.failed} of {len(prompts)} prompts failed")
     return writer.sequences

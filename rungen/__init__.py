@@ -8,6 +8,7 @@
     batch.py       the command line's prompts and a session's turns on the engine, or why generate() runs them
     logprobs.py    --logprobs: per-token log-probabilities, and scoring prompts (--length 0)
     output.py      writing results in input order, as text blocks or JSON lines
+    interrupt.py   Ctrl-C ends the generation at its next step, what came kept (the command line, the session)
     processes.py   several processes under accelerate: who reads, who generates what, who writes
     session.py     a session in the terminal: the prompt loop, /commands, the conversation and its context
     gguf/          the GGUF runtime: a file run in its own quantized blocks (its __init__ lists its modules)

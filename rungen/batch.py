@@ -3,6 +3,7 @@ open_engine, run_prompts), into Sequences as generate() gives.
 """
 
 import collections
+import contextlib
 import sys
 
 import torch
@@ -66,14 +67,17 @@ def sampling_of(settings, seed):
                     min_p=settings.min_p or 0.0, repetition_penalty=settings.repetition_penalty, seed=seed)
 
 
-def run_prompts(engine, settings, prompts, on_done, stream=False):
+def run_prompts(engine, settings, prompts, on_done, stream=False, ctrl_c=None):
     """Generates every encoded prompt through `engine` on this thread, continuously batched; calls
-    on_done(prompt, sequences) as each ends (an error sets prompt.error, no sequences). `stream`: to stdout."""
-    submit_prompts(engine, settings, prompts, on_done, stream)
-    try:
-        engine.run_here()
-    except ValueError as error:
-        raise GenerationError(one_line(error)) from error
+    on_done(prompt, sequences) as each ends (an error sets prompt.error, no sequences). `stream`: to stdout.
+    `ctrl_c` (rungen/interrupt.py): Ctrl-C ends the running prompts at the next step, as sequences with
+    finish_reason "interrupted", and those not started with no sequences."""
+    requests = submit_prompts(engine, settings, prompts, on_done, stream)
+    with ctrl_c.catching(requests) if ctrl_c is not None else contextlib.nullcontext():
+        try:
+            engine.run_here()
+        except ValueError as error:
+            raise GenerationError(one_line(error)) from error
 
 
 def submit_prompts(engine, settings, prompts, on_done, stream=False):
@@ -117,6 +121,8 @@ def submit_prompts(engine, settings, prompts, on_done, stream=False):
             except StuckError as error:  # that prompt fails (an error record), the others go on
                 prompt.error = str(error)
                 return []
+            if finish.reason == "abort":  # cancelled: Ctrl-C
+                described.finish_reason = "interrupted"
             if settings.logprobs is not None:
                 described.logprobs = {"content": items[index][: described.num_generated_tokens]}
             sequences.append(described)

@@ -81,7 +81,8 @@ class Sequence:
     text: str  # what the text output prints: prompt + continuation (the reply alone with --chat)
     num_prompt_tokens: int
     num_generated_tokens: int
-    finish_reason: str  # "length", "eos", "stop_token", or "grammar" (a constrained sequence ended complete)
+    finish_reason: str  # "length", "eos", "stop_token", "grammar" (a constrained sequence ended complete), or
+    # "interrupted" (Ctrl-C)
     # Only with --logprobs (absent from the jsonl record otherwise): see rungen/logprobs.py.
     logprobs: dict | None = dataclasses.field(default=None, metadata={"omit_if_none": True})
     prompt_logprobs: dict | None = dataclasses.field(default=None, metadata={"omit_if_none": True})
@@ -276,6 +277,15 @@ def describe_sequence(settings: Settings, tokenizer, prompt: Prompt, new: list[i
     # With a chat template the reply answers the prompt rather than continuing it.
     text = continuation if settings.chat or prompt.messages is not None else prompt.text + continuation
     return Sequence(continuation, text, len(prompt.ids), produced, finish)
+
+
+def mark_interrupted(results: dict[int, list[Sequence]], length: int) -> None:
+    """generate()'s sequences that Ctrl-C stopped (rungen/interrupt.py): those that would say "length" short of
+    `length` new tokens say "interrupted"."""
+    for sequences in results.values():
+        for sequence in sequences:
+            if sequence.finish_reason == "length" and sequence.num_generated_tokens < length:
+                sequence.finish_reason = "interrupted"
 
 
 def __getattr__(name: str):

@@ -12,16 +12,14 @@ import dataclasses
 import json
 import math
 import os
-import signal
 import sys
 import time
-
-import torch
 
 from . import PROG, logger
 from .batch import engine_refusal, open_engine, submit_prompts
 from .errors import GenerationError, PromptError, UsageError, one_line
 from .generation import FLAG_NAMES, Settings, adjust_length_to_model, eos_token_ids, generate_batch
+from .interrupt import CtrlC
 from .loading import Loaded, cache_dir, use_transformers_model
 from .prompts import Prompt, encode_prompt
 from .reasoning import plan_prompt, split_reply
@@ -162,34 +160,19 @@ def turn_stats(prompt_tokens: int, reply_tokens: int, started: float, first_toke
 # --- Generating one reply ---
 
 
-class TurnControl:
-    """A stopping criterion for generate(): notes the first token's time and the tokens so far, and stops the reply
-    at Ctrl-C (a second raises KeyboardInterrupt). Not transformers' subclass, so a session need not import it."""
+class TurnControl(CtrlC):
+    """A reply's Ctrl-C (rungen/interrupt.py: it stops the reply, a second raises KeyboardInterrupt) that notes, as
+    generate()'s stopping criterion, the first token's time and the tokens so far."""
 
     def __init__(self):
-        self.interrupted, self.first_token_at, self.ids = False, None, None
+        super().__init__()
+        self.first_token_at, self.ids = None, None
 
     def __call__(self, input_ids, scores, **kwargs):
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
         self.ids = input_ids  # prompt and reply so far (a new tensor every step: no copy needed)
-        return torch.full((input_ids.shape[0],), self.interrupted, dtype=torch.bool, device=input_ids.device)
-
-    @contextlib.contextmanager
-    def ctrl_c_stops_the_reply(self, requests=()):
-        """`requests`: the engine's requests of this reply, cancelled (they end at the next step)."""
-        def on_ctrl_c(signum, frame):
-            if self.interrupted:
-                raise KeyboardInterrupt
-            self.interrupted = True
-            for request in requests:
-                request.cancelled = True
-
-        previous = signal.signal(signal.SIGINT, on_ctrl_c)
-        try:
-            yield self
-        finally:
-            signal.signal(signal.SIGINT, previous)
+        return super().__call__(input_ids, scores, **kwargs)
 
 
 # --- The terminal ---
@@ -513,7 +496,7 @@ class Session:
             stream = ReplyWriter(prompt.reply, self.figures)
         [request] = submit_prompts(engine, settings, [prompt], lambda _, sequences: done.update(sequences=sequences),
                                    stream=stream)
-        with control.ctrl_c_stops_the_reply([request]):
+        with control.catching([request]):
             try:
                 engine.run_here()
             except ValueError as error:
@@ -534,7 +517,7 @@ class Session:
         cache, reused = None, 0
         if self.turn_cache is not None and self.turn_cache.usable(self.loaded, settings):
             cache, reused = self.turn_cache.take(prompt.ids, self.loaded.model)
-        with control.ctrl_c_stops_the_reply():
+        with control.catching():
             results = generate_batch(self.loaded, settings, [prompt], streamer, StoppingCriteriaList([control]),
                                      past_key_values=cache)
         if cache is not None and control.ids is not None:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from helpers import SCRIPT, blocks, cli_env, jsonl, merge_short_of_memory, run_main, tiny_args
+from helpers import SCRIPT, blocks, cli_env, error_line, jsonl, merge_short_of_memory, run_main, tiny_args
 
 PROMPTS = ["Hello, my dog is cute", "The capital of France is", "A", "Once upon a time there was a little dog who"]
 
@@ -20,6 +20,13 @@ def test_each_line_is_a_prompt_and_text_output_keeps_input_order(tiny_models):
     assert list(out) == [f"=== PROMPT {i}, GENERATED SEQUENCE 1 ===" for i in range(1, 5)]
     for prompt, text in zip(PROMPTS, out.values()):
         assert text.startswith(prompt)
+
+
+def test_an_empty_pipe_generates_nothing_and_says_so(tiny_models):
+    for stdin in ("", "\n   \n\n"):
+        result = run_main(tiny_args(tiny_models, "gpt2", "--output_format", "jsonl"), stdin=stdin)
+        assert result.returncode == 0 and result.stdout == b""
+        assert result.stderr.decode().splitlines() == ["No prompts on stdin: nothing to generate."]
 
 
 def test_whole_stdin_is_one_prompt(tiny_models):
@@ -123,6 +130,9 @@ def test_closing_the_pipe_ends_the_run_quietly(tiny_models):
 
 @pytest.mark.slow
 def test_ctrl_c_keeps_what_was_generated(tiny_models):
+    """Ctrl-C in a run of piped prompts (a process, as a terminal sends it): every record written is whole, in input
+    order; the prompts running end with what they had (finish_reason "interrupted"), those finished are written,
+    those not started are not."""
     stdin = "\n".join(PROMPTS * 100)
     process = _popen(tiny_args(tiny_models, "gpt2", "--output_format", "jsonl", "--batch_size", "2"), stdin)
     first = process.stdout.readline()  # the first batch is out and flushed
@@ -133,7 +143,12 @@ def test_ctrl_c_keeps_what_was_generated(tiny_models):
     assert stderr.decode().strip().splitlines()[-1] == "run_generation.py: interrupted"
     assert b"Traceback" not in stderr
     assert 1 <= len(records) < 400  # every line written is complete JSON
-    assert [r["prompt_index"] for r in records] == list(range(len(records)))
+    indices = [record["prompt_index"] for record in records]
+    assert indices == sorted(set(indices)) and indices[0] == 0
+    cut = [record for record in records if record["finish_reason"] == "interrupted"]  # the batch's two rows at most
+    assert len(cut) <= 2 and all(record["num_generated_tokens"] < 20 for record in cut)
+    assert all(record["finish_reason"] == "eos" or record["num_generated_tokens"] == 20 for record in records
+               if record not in cut)
 
 
 def test_streaming_prints_the_same_text_as_the_blocks(tiny_models):
@@ -246,3 +261,40 @@ def test_a_decode_step_out_of_gpu_memory_costs_the_newest_prompt_only(tiny_model
     for mine, spare in zip(items[: len(records)], items[len(records) :]):
         assert [i for i, _ in mine] == [i for i, _ in spare]
         assert max(abs(a - b) for (_, a), (_, b) in zip(mine, spare)) < 1e-4
+
+
+@pytest.mark.parametrize("path", ["engine", "generate()"])
+def test_ctrl_c_writes_the_sequence_generated_so_far(tiny_models, monkeypatch, tmp_path, path):
+    """Ctrl-C during a prompt's generation (SIGINT raised in this process in the model's tenth pass): the
+    generation ends at its next step and its record is written, the text so far with finish_reason "interrupted";
+    exit 130, "interrupted" on stderr. On the engine and on generate() (--generation_config's min_new_tokens). A
+    second Ctrl-C stops at once: nothing written."""
+    from transformers.models.gpt2.modeling_gpt2 import GPT2LMHeadModel
+
+    forward, passes, presses = GPT2LMHeadModel.forward, [], {}
+
+    def pressed(self, *args, **kwargs):
+        passes.append(1)
+        for _ in range(presses.get(len(passes), 0)):
+            signal.raise_signal(signal.SIGINT)
+        return forward(self, *args, **kwargs)
+
+    config = tmp_path / "generation_config.json"
+    config.write_text(json.dumps({"min_new_tokens": 30}))
+    extra = ["--generation_config", str(config)] if path == "generate()" else []
+    args = tiny_args(tiny_models, "gpt2", "--prompt", PROMPTS[0], "--length", "30", "--temperature", "0",
+                     "--output_format", "jsonl", *extra)
+    [whole] = jsonl(run_main(args).stdout)
+    assert whole["num_generated_tokens"] == 30 and whole["finish_reason"] == "length"
+    monkeypatch.setattr(GPT2LMHeadModel, "forward", pressed)
+    presses[10] = 1
+    result = run_main(args)
+    assert result.returncode == 130 and error_line(result) == "run_generation.py: interrupted"
+    [record] = jsonl(result.stdout)
+    assert record["finish_reason"] == "interrupted" and 9 <= record["num_generated_tokens"] <= 10
+    assert record["text"] == record["prompt"] + record["generated_text"]
+    assert whole["generated_text"].startswith(record["generated_text"]) and record["generated_text"]
+    passes.clear()
+    presses[10] = 2
+    result = run_main(args)
+    assert result.returncode == 130 and error_line(result) == "run_generation.py: interrupted" and not result.stdout
