@@ -31,7 +31,8 @@ class Row:
 class Resume:
     """A row that gave way when the GPU ran out of memory, waiting with the requests to go on from where it was: its
     prompt and the tokens it chose are prefilled again, and it decodes on in its own state (generator, penalties,
-    grammar, text sent), so it gives what it would have given and nothing it sent is taken back."""
+    grammar, text sent): nothing it sent is taken back, and what follows reads the prefill's keys/values, which
+    equal the steps' to the precision's rounding."""
 
     n = 1
 
