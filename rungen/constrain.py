@@ -164,6 +164,10 @@ class GrammarStates:
         self.start = None  # prompt length (padded): the first call sees the prompt alone
         self.states = {}
         self.rows = []
+        # Beam search keeps candidates the mask ruled out: a special token among them leaves the grammar here, not
+        # in xgrammar (which would say so on stderr).
+        info = constraint.compiled.tokenizer_info
+        self.special = frozenset(info.special_token_ids) - set(constraint.stop_ids)
 
     def update(self, input_ids):
         """The states of the rows of input_ids (once per length: the processor and the stop share it)."""
@@ -184,7 +188,7 @@ class GrammarStates:
             for number, key in enumerate(kids):
                 # The last child takes the parent over unless a row still holds the parent itself.
                 in_place = number == len(kids) - 1 and parent_key not in states
-                states[key] = advance(parent, key[-1], in_place)
+                states[key] = advance(parent, key[-1], in_place, self.special)
         self.states = states
         self.rows = [(key, states[key]) for key in keys]
         return self.rows
@@ -193,14 +197,17 @@ class GrammarStates:
         """The state after key from the start (a draft token's row whose parent was not kept)."""
         matcher = self.constraint.matcher()
         for token in key:
-            matcher = advance(matcher, token, in_place=True)
+            matcher = advance(matcher, token, in_place=True, special=self.special)
         return matcher
 
 
-def advance(matcher: xgr.GrammarMatcher, token: int, in_place: bool) -> xgr.GrammarMatcher | None:
-    """The state after one more token: None once the grammar rejected one; an ended grammar stays as it is."""
+def advance(matcher: xgr.GrammarMatcher, token: int, in_place: bool, special=frozenset()) -> xgr.GrammarMatcher | None:
+    """The state after one more token: None once the grammar rejected one (a `special` token always); an ended
+    grammar stays as it is."""
     if matcher is None or matcher.is_terminated():
         return matcher
+    if token in special:
+        return None
     if not in_place:
         matcher = matcher.fork()
     return matcher if matcher.accept_token(token) else None

@@ -94,6 +94,18 @@ def test_regex_greedy_and_beams(tiny_models, model_type, regex):
             assert re.fullmatch(regex, record["generated_text"]), record
 
 
+def test_beams_over_a_grammar_of_few_tokens_keep_stderr_clean(tiny_models, capfd, tmp_path):
+    """Beam search keeps more candidates than the grammar allows tokens: the masked-out ones it keeps (llama's
+    <unk> and <s> among them) leave the grammar without xgrammar's native warnings on stderr."""
+    grammar = tmp_path / "yes_or_no.gbnf"
+    grammar.write_text('root ::= "yes" | "no"')
+    args = tiny_args(tiny_models, "llama", "--grammar", str(grammar), "--length", "5", "--num_beams", "3",
+                     "--prompt", "Is Paris in France? Answer: ", "--output_format", "jsonl", "--quiet")
+    [record] = generated(run_main(args))
+    assert record["finish_reason"] == "grammar" and record["generated_text"] in ("yes", "no")
+    assert capfd.readouterr().err == ""
+
+
 def test_metaspace_vocabulary_without_byte_fallback(tiny_models):
     args = tiny_args(tiny_models, "xlnet", "--json_schema", json.dumps(ASCII_SCHEMA), "--length", "90",
                      "--num_return_sequences", "2", "--output_format", "jsonl")
