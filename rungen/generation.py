@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -185,6 +186,7 @@ def generate_batch(loaded: Loaded, settings: Settings, batch: list[Prompt], stre
         processor, grammar_stop = settings.constraint.processors()
         extra["logits_processor"] = LogitsProcessorList([processor])
         stopping_criteria = StoppingCriteriaList([*(stopping_criteria or []), grammar_stop])
+    quiet_transformers_own_calls()
     try:
         with torch.inference_mode():
             output = model.generate(
@@ -277,6 +279,25 @@ def describe_sequence(settings: Settings, tokenizer, prompt: Prompt, new: list[i
     # With a chat template the reply answers the prompt rather than continuing it.
     text = continuation if settings.chat or prompt.messages is not None else prompt.text + continuation
     return Sequence(continuation, text, len(prompt.ids), produced, finish)
+
+
+# transformers' warnings about its own calls, not the user's: assisted decoding passes the assistant model a
+# generation_config beside arguments, and XLNet's unbounded positions (-1) count as exceeded at every step.
+TRANSFORMERS_OWN_CALLS = ("Passing `generation_config` together with generation-related arguments",
+                          "This is a friendly reminder - the current text generation call has exceeded the model's "
+                          "predefined maximum length (-1)")
+
+
+class _OwnCalls(logging.Filter):
+    def filter(self, record):
+        return not record.getMessage().startswith(TRANSFORMERS_OWN_CALLS)
+
+
+def quiet_transformers_own_calls() -> None:
+    """Drops TRANSFORMERS_OWN_CALLS at transformers' handlers (once a process; its library logger's own)."""
+    for handler in logging.getLogger("transformers").handlers:
+        if not any(isinstance(existing, _OwnCalls) for existing in handler.filters):
+            handler.addFilter(_OwnCalls())
 
 
 def mark_interrupted(results: dict[int, list[Sequence]], length: int) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
 import sys
 import time
 import warnings
@@ -142,7 +143,8 @@ def trace_decode_step(model, tokenizer) -> tuple:
     for padded in (True, False):
         step = _DecodeStep(model, forward, with_pos, padded).eval()
         example = _flat(prepare_jit_inputs(model, tokenizer))
-        with torch.no_grad(), warnings.catch_warnings(), _mask_skipped_as_in_eager(padded), _lean_ops(model):
+        with torch.no_grad(), warnings.catch_warnings(), _mask_skipped_as_in_eager(padded), _lean_ops(model), \
+                _transformers_errors_only():
             # The branches the tracer warns about are constant (query length 1); --jit users know it is deprecated.
             for category in (torch.jit.TracerWarning, DeprecationWarning, FutureWarning):
                 warnings.simplefilter("ignore", category)
@@ -164,6 +166,19 @@ def _runner(frozen):
             with torch.jit.optimized_execution(False):
                 return frozen(*args)
         return run
+
+
+@contextlib.contextmanager
+def _transformers_errors_only():
+    """The tracer reads every attribute of every submodule, and transformers' properties warn of what a decode
+    step never uses (a config naming no loss_type): its logger says errors only meanwhile."""
+    library = logging.getLogger("transformers")
+    level = library.level
+    library.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        library.setLevel(level)
 
 
 @contextlib.contextmanager

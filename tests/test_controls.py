@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import run_generation
-from helpers import default_model_dir, jsonl, run_main, tiny_args
+from helpers import default_model_dir, jsonl, run_cli, run_main, tiny_args
 from tiny_models import build_tiny_checkpoint
 
 PROMPTS = ["Hello, my dog is cute", "The capital of France is", "Once upon a time there was a little dog who"]
@@ -340,3 +340,15 @@ def test_an_assistant_with_another_tokenizer_is_refused(tiny_models, capsys):
     line = one_line_exit(tiny_args(tiny_models, "llama", "--prompt", "Hi", "--assistant_model", tiny_models["gpt2"]),
                          capsys)
     assert line.endswith("its tokenizer differs from the model's; assisted decoding needs the same vocabulary")
+
+
+@pytest.mark.parametrize("model_type", ["llama", "xlnet"])
+def test_generate_leaves_stderr_to_the_figures(tiny_models, model_type):
+    """transformers warns of its own calls on some generate() paths: the assistant model it passes a
+    generation_config beside arguments, XLNet's unbounded positions (-1) counted as exceeded. Neither reaches
+    stderr (a process: transformers' handler holds the process's stderr), which holds the run's figures."""
+    extra = ["--assistant_model", tiny_models["llama"]] if model_type == "llama" else []
+    result = run_cli(tiny_args(tiny_models, model_type, "--prompt", "Hello", "--length", "5", *extra))
+    assert result.returncode == 0
+    [figures] = result.stderr.decode().splitlines()
+    assert figures.startswith("Generated 5 tokens in ")

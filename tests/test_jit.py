@@ -72,3 +72,15 @@ def test_an_untraceable_type_warns_once_and_generates_the_same_text(tiny_models)
     assert traced.returncode == 0 and traced.stdout == eager.stdout
     warnings = [line for line in traced.stderr.decode().splitlines() if "--jit" in line]
     assert len(warnings) == 1 and "generating without JIT" in warnings[0]
+
+
+def test_tracing_leaves_stderr_to_the_figures(tiny_models):
+    """The tracer reads every attribute of the model's modules; transformers' properties that warn of what a decode
+    step never uses (no loss_type in the config) stay quiet: stderr is the run's figures line."""
+    import logging
+
+    logging.Logger.warning_once.cache_clear()  # transformers says each warning once a process
+    result = run_main(tiny_args(tiny_models, "llama", "--length", "4", "--prompt", "Hello", "--jit"))
+    assert result.returncode == 0
+    [figures] = result.stderr.decode().splitlines()
+    assert figures.startswith("Generated 4 tokens in ")
