@@ -52,7 +52,8 @@ HEADER_CACHE_VERSION = 3
 def metadata_parsed_once():
     """Within this block, transformers parses each GGUF file once (seconds a parse; a config, a tokenizer and the
     weights would each parse it again) and builds gguf's tensor-name table once per architecture (it rebuilds it
-    for every submodule it maps); later calls share them."""
+    for every submodule it maps); later calls share them. Its de-quantizing shows a progress bar only where the
+    tool's loading detail is shown (--verbose)."""
     import gguf
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
@@ -76,12 +77,15 @@ def metadata_parsed_once():
             readers[key] = reader_class(path)
         return readers[key]
 
+    bar = gguf_utils.tqdm  # tqdm's own: transformers' switch for its bars does not reach it
     gguf_utils.load_gguf_checkpoint, gguf.GGUFReader = once, reader
     gguf.get_tensor_name_map = functools.cache(name_map)
+    gguf_utils.tqdm = functools.partial(bar, disable=not logger.isEnabledFor(logging.INFO))
     try:
         yield
     finally:
         gguf_utils.load_gguf_checkpoint, gguf.GGUFReader, gguf.get_tensor_name_map = original, reader_class, name_map
+        gguf_utils.tqdm = bar
 
 
 def complete_config(path: str, config: dict) -> None:
