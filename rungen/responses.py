@@ -6,6 +6,7 @@ kept in a bounded in-memory store for `previous_response_id`.
 """
 
 import collections
+import copy
 import json
 import re
 import time
@@ -433,7 +434,8 @@ class Output:
     def start(self, item):
         self.items.append(item)
         self.open = item
-        return [self.event("response.output_item.added", output_index=len(self.items) - 1, item=dict(item))]
+        # A copy as it is now: the item's parts and text grow before the event is sent.
+        return [self.event("response.output_item.added", output_index=len(self.items) - 1, item=copy.deepcopy(item))]
 
     def where(self):
         return {"item_id": self.open["id"], "output_index": len(self.items) - 1}
