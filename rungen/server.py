@@ -7,6 +7,7 @@ OpenAI's routes (rungen/openai_api.py), Anthropic's /v1/messages (rungen/message
 
 import asyncio
 import contextlib
+import copy
 import dataclasses
 import functools
 import hmac
@@ -300,7 +301,6 @@ class Guard:
 
     def __init__(self, app, api_key, metrics):
         self.app, self.metrics = app, metrics
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
         self.key = api_key.encode() if api_key else None
 
     async def __call__(self, scope, receive, send):
@@ -314,10 +314,11 @@ class Guard:
                 status["code"] = message["status"]
             await send(message)
 
-        if self.expected is not None and path != "/health" and scope["method"] != "OPTIONS":
+        if self.key is not None and path != "/health" and scope["method"] != "OPTIONS":
             headers = dict(scope["headers"])
-            given, key = headers.get(b"authorization", b""), headers.get(b"x-api-key")
-            if not (hmac.compare_digest(given, self.expected)
+            scheme, _, given = headers.get(b"authorization", b"").partition(b" ")
+            key = headers.get(b"x-api-key")
+            if not (scheme.lower() == b"bearer" and hmac.compare_digest(given, self.key)  # a scheme is any case
                     or key is not None and hmac.compare_digest(key, self.key)):
                 error = APIError("a valid API key is required: Authorization: Bearer <key> (or x-api-key: <key>)",
                                  status=401, kind="invalid_request_error", code="invalid_api_key")
@@ -540,10 +541,13 @@ def run(loaded, options):
                 timer.start()
             super().handle_exit(sig, frame)
 
-    # A line per request (uvicorn's access log) only with --verbose: the log level main() set says so.
+    # A line per request (uvicorn's access log) only with --verbose: the log level main() set says so; on stderr
+    # with the other logs (uvicorn writes it to stdout).
     verbose = logger.isEnabledFor(logging.INFO)
+    log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    log_config["handlers"]["access"]["stream"] = "ext://sys.stderr"
     config = uvicorn.Config(app, host=options.host, port=options.port, log_level="info" if verbose else "warning",
-                            timeout_graceful_shutdown=options.grace + 5, access_log=verbose)
+                            timeout_graceful_shutdown=options.grace + 5, access_log=verbose, log_config=log_config)
     server = Server(config)
     logger.log(NOTICE, "serving %s on http://%s:%d (OpenAI-compatible: /v1/chat/completions, /v1/completions, "
                "/v1/responses, /v1/embeddings; Anthropic-compatible: /v1/messages)",

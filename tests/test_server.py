@@ -527,6 +527,10 @@ def test_api_key_and_a_full_queue(loaded, served):
         assert httpx.get(keyed.url + "/health").status_code == 200
         denied = httpx.get(keyed.url + "/v1/models", headers={"Authorization": "Bearer wrong"})
         assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
+        for header in ("bearer s3cret", "BEARER s3cret"):  # HTTP's auth schemes are any case
+            assert httpx.get(keyed.url + "/v1/models", headers={"Authorization": header}).status_code == 200
+        for header in ("Basic s3cret", "s3cret", "Bearer  s3cret", "Bearers3cret"):
+            assert httpx.get(keyed.url + "/v1/models", headers={"Authorization": header}).status_code == 401
         assert httpx.get(keyed.url + "/metrics").status_code == 401
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=keyed.url + "/v1", api_key="wrong", max_retries=0).models.list()
@@ -732,6 +736,28 @@ def test_sigterm_under_load_ends_every_stream_and_exits_0(checkpoint, tmp_path):
         finishes = [json.loads(line[6:])["choices"][0]["finish_reason"] for line in lines[:-1]]
         assert finishes[-1] in ("length", "abort") and all(finish is None for finish in finishes[:-1])
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_verbose_logs_a_line_a_request_on_stderr(checkpoint):
+    """run_generation.py --serve --verbose: uvicorn's line per request goes to stderr with the other logs (uvicorn
+    writes it to stdout); stdout stays empty."""
+    port = free_port()
+    process = subprocess.Popen([sys.executable, SCRIPT, "--serve", "--model_name_or_path", checkpoint, "--port",
+                                str(port), "--verbose"], env=cli_env(), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_healthy(url)
+        body = {"model": "llama", "prompt": "Once", "max_tokens": 2}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+        process.send_signal(signal.SIGTERM)
+        stdout, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0 and stdout == b""
+    assert '"POST /v1/completions HTTP/1.1" 200' in stderr.decode()
 
 
 def test_a_stream_a_decode_step_has_no_gpu_memory_for_goes_on_after_the_others(loaded, monkeypatch):
