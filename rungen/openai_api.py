@@ -333,6 +333,14 @@ def chat_prompt(service, body, **encoding):
     return ids, tools
 
 
+def template_variables(service, body) -> dict:
+    """The chat template's variables the body sets (chat_template_kwargs, reasoning_effort), or a 400."""
+    try:
+        return read_template_variables(body, service.loaded.tokenizer.chat_template)
+    except VariableError as error:
+        raise APIError(str(error), error.param) from error
+
+
 def check_user(body):
     if has_value(body, "user") and not isinstance(body["user"], str):
         raise APIError(f"user must be a string, got {excerpt(body['user'])}", "user")
@@ -464,12 +472,7 @@ async def sse(chunks, done="[DONE]"):
 async def run_chat(service, http_request, body):
     """A chat completion request's body (its fields checked) through the engine: generate()'s result. The one path
     of chat requests, which other APIs' routes translate to and from."""
-    loaded = service.loaded
-    try:
-        variables = read_template_variables(body, loaded.tokenizer.chat_template)
-    except VariableError as error:
-        raise APIError(str(error), error.param) from error
-    ids, tools = chat_prompt(service, body, template_kwargs=variables)
+    ids, tools = chat_prompt(service, body, template_kwargs=template_variables(service, body))
     logprobs = None
     if boolean(body, "logprobs"):
         logprobs = number(body, "top_logprobs", 0, 0, MAX_LOGPROBS, integer=True)

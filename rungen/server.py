@@ -47,6 +47,7 @@ from .openai_api import (
     read_prompt_ids,
     respond,
     run_chat,
+    template_variables,
 )
 from .prompts import Prompt
 
@@ -58,7 +59,7 @@ BODY_TIMEOUT = 30.0
 EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
 # vLLM's names; tools, tool_choice and parallel_tool_calls shape a chat's prompt as they do in a chat request.
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_generation_prompt", "add_special_tokens", "tools",
-                   "tool_choice", "parallel_tool_calls"}
+                   "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort"}
 DETOKENIZE_FIELDS = {"model", "tokens"}
 # OpenAI's fields of /v1/responses that rungen/responses.py honours or checks.
 RESPONSE_FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text",
@@ -251,9 +252,11 @@ def create_app(loaded, engine, options):
             if has_value(body, "prompt"):
                 raise APIError("give prompt or messages, not both", "prompt")
             ids, _ = chat_prompt(service, body, add_generation_prompt=boolean(body, "add_generation_prompt", True),
-                                 add_special_tokens=special, within_context=False)
+                                 add_special_tokens=special, within_context=False,
+                                 template_kwargs=template_variables(service, body))
         else:
-            for name in ("add_generation_prompt", "tools", "tool_choice", "parallel_tool_calls"):
+            for name in ("add_generation_prompt", "tools", "tool_choice", "parallel_tool_calls",
+                         "chat_template_kwargs", "reasoning_effort"):
                 if has_value(body, name):
                     raise APIError(f"{name} applies to messages, not to a prompt", name)
             if not isinstance(body.get("prompt"), str):

@@ -7,6 +7,7 @@ import json
 import os
 
 import anthropic
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -121,6 +122,14 @@ def test_chat_template_kwargs_reach_the_template(server):
     off = chat(server, temperature=0, max_tokens=8, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert off.usage.prompt_tokens == len(prompt_ids(server, enable_thinking=False)) > plain.usage.prompt_tokens
     assert off.choices[0].message.reasoning_content is None and off.choices[0].message.content
+    # /tokenize counts the prompt a request with the same variables runs on; they apply to messages only.
+    counted = httpx.post(server[0] + "/tokenize", json={"messages": ASK, "chat_template_kwargs": {
+        "enable_thinking": False}}).json()
+    assert counted["tokens"] == prompt_ids(server, enable_thinking=False)
+    assert counted["count"] == off.usage.prompt_tokens
+    refused = httpx.post(server[0] + "/tokenize", json={"prompt": "Hi", "chat_template_kwargs": {
+        "enable_thinking": False}})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template_kwargs"
 
 
 @pytest.mark.parametrize("body,param,message", [
