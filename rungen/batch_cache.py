@@ -207,7 +207,7 @@ class PaddedBatch:
                 if old is None and first is None and not growing(cache.layers[0]):
                     self.cache = cache = merged = None  # the merge's copies go before the first's rows are copied
                     first = own_cache(self.model, first_layers)
-                if old is None and not growing(first.layers[0]):
+                if old is None and first is not None and not growing(first.layers[0]):
                     self.cache, self.mask = first, first_mask  # the first request alone, in its own cache
                     raise LeftOut(str(error), kept=first_mask.shape[0]) from error
                 if old is None or growing(old.layers[0]):  # nothing to go on with: the caller ends every row
