@@ -28,6 +28,10 @@ PROMPT, CONTINUATION = ">>> ", "... "
 BLOCK = '"""'
 HISTORY_FILE = "session_history"  # readline's history of typed lines, under the cache directory
 HISTORY_LENGTH = 1000
+# A Ctrl-C at the empty prompt this soon after one stopped a reply is the second of a double press (the reply ended
+# within a token of the first): it gives the reply up, as during the reply, instead of ending the session.
+SECOND_PRESS = 1.0
+GIVEN_UP = "(reply given up; it is not kept in the conversation)"
 
 # What /set may change, and the type its value is read as.
 SETTABLE = {"length": int, "temperature": float, "k": int, "p": float, "repetition_penalty": float,
@@ -327,6 +331,7 @@ class Session:
         self.replies = []  # what main() returns: each reply (prompt + continuation in plain continuation)
         self.turn_cache = TurnCache() if self.chat else None  # generate()'s turns
         self.engine, self.engine_opened = None, False
+        self.stopped_at = None  # when Ctrl-C last stopped a reply (time.monotonic)
 
     def engine_for(self, settings):
         """The engine for a turn under these settings (opened at the first), or None where generate() runs it."""
@@ -353,9 +358,13 @@ class Session:
             except KeyboardInterrupt:  # Ctrl-C: drops what is being typed, or ends at an empty prompt
                 sys.stderr.write("\n")
                 if not joiner.pending and not terminal.typed():
+                    if self.stopped_at is not None and time.monotonic() - self.stopped_at < SECOND_PRESS:
+                        self.give_up_last_reply()  # the second press of a double Ctrl-C, come as the reply ended
+                        continue
                     return
                 joiner = LineJoiner()
                 continue
+            self.stopped_at = None
             if not joiner.pending:
                 name, line = split_input(line)
                 if name is not None:
@@ -369,7 +378,14 @@ class Session:
                 self.turn(text)
             except KeyboardInterrupt:  # a second Ctrl-C during one reply
                 print(flush=True)
-                say("(reply given up; it is not kept in the conversation)")
+                say(GIVEN_UP)
+
+    def give_up_last_reply(self):
+        """Forgets the last turn, as a second Ctrl-C during its reply would have."""
+        self.stopped_at = None
+        self.messages = self.messages[:-2]
+        self.replies.pop()
+        say(GIVEN_UP)
 
     def command(self, name, argument):
         """Runs one /command; True when it ends the session."""
@@ -482,6 +498,7 @@ class Session:
                 say(f"(tool call: {call['function']['name']}({call['function']['arguments']}))")
         self.messages += [user, reply]
         self.replies.append(sequence.text)
+        self.stopped_at = time.monotonic() if control.interrupted else None
         if control.interrupted and not self.stdout_is_terminal:
             sys.stderr.write("\n")  # after the ^C the terminal echoed; the reply's own newline went to stdout
         if self.figures:

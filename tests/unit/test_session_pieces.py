@@ -123,3 +123,46 @@ def test_turn_stats():
     assert turn_stats(30, 0, 0.0, None, 0.5) == "(30 prompt + 0 reply tokens)"
     assert turn_stats(30, 2, 0.0, 0.5, 1.5, reused=24) == (
         "(30 prompt (24 cached) + 2 reply tokens, first token 0.50 s, 1.0 tokens/s)")
+
+
+# Ctrl-C at the prompt
+
+
+class Keys:
+    """A terminal whose reads give these keys: a line, "^C" (KeyboardInterrupt at an empty prompt), then Ctrl-D."""
+
+    def __init__(self, *keys):
+        self.keys = list(keys)
+
+    def read(self, prompt):
+        if not self.keys:
+            raise EOFError
+        key = self.keys.pop(0)
+        if key == "^C":
+            raise KeyboardInterrupt
+        return key
+
+    def typed(self):
+        return ""
+
+
+@pytest.mark.parametrize("since, ends", [(0.1, False), (5.0, True)])
+def test_a_double_ctrl_c_gives_the_stopped_reply_up_and_a_later_one_ends_the_session(since, ends, capsys):
+    """A reply the first Ctrl-C stopped ended within a token: the second press, soon after, lands at the empty
+    prompt, and gives that reply up (as it would during the reply) instead of ending the session; pressed later it
+    ends the session."""
+    import time
+
+    from rungen.session import Session
+
+    session = Session(None, Settings(chat=True))
+    session.messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}]
+    session.replies = ["Hel"]
+    session.stopped_at = time.monotonic() - since
+    terminal = Keys("^C", "/exit")
+    session.loop(terminal)
+    assert terminal.keys == (["/exit"] if ends else [])  # it ended at the Ctrl-C, or read on to /exit
+    assert (session.messages, session.replies) == (([{"role": "user", "content": "Hi"},
+                                                     {"role": "assistant", "content": "Hel"}], ["Hel"]) if ends
+                                                   else ([], []))
+    assert ("reply given up" in capsys.readouterr().err) is not ends
