@@ -6,7 +6,9 @@ import atexit
 import contextlib
 import dataclasses
 import importlib.util
+import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -15,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import NOTICE, logger
-from .errors import UsageError
+from .errors import UsageError, one_line
 from .transfers import accelerators_of
 
 if TYPE_CHECKING:  # transformers is imported where a checkpoint needs it, not on a GGUF file's own-model path
@@ -153,12 +155,60 @@ def load_config(path: str, load_kwargs: dict) -> transformers.PretrainedConfig:
     try:
         return AutoConfig.from_pretrained(path, **load_kwargs)
     except (OSError, ValueError) as error:
+        if "gguf_file" in load_kwargs:
+            raise gguf_refused(path, load_kwargs, error) from error
         from huggingface_hub import constants
 
         if constants.HF_HUB_OFFLINE:
             raise UsageError(f"{path} is not a local model and not in the hub cache, and the hub is offline; "
                              "pass a local path") from error
         raise UsageError(f"cannot load a model from {path}: {str(error).splitlines()[0]}") from error
+
+
+def gguf_refused(path: str, load_kwargs: dict, error: Exception) -> UsageError:
+    """One line naming the GGUF file transformers could not read or build (its de-quantized load)."""
+    return UsageError(f"{os.path.join(path, load_kwargs['gguf_file'])}: transformers cannot load it "
+                      f"({type(error).__name__}: {one_line(error)})")
+
+
+class _HeldReport(logging.Filter):
+    """Holds transformers' LOAD REPORT (a table) back from its handlers while a model loads."""
+
+    def __init__(self):
+        super().__init__()
+        self.records = []
+
+    def filter(self, record):
+        if "LOAD REPORT" in record.getMessage():
+            self.records.append(record)
+            return False
+        return True
+
+
+def from_pretrained(model_class, path: str, where: str, **kwargs):
+    """model_class.from_pretrained(path, **kwargs); where the weights do not fit the model the config describes,
+    one line naming `where` and the first such weight (UsageError) instead of transformers' table and traceback.
+    Where loading goes on, its table is shown as transformers shows it."""
+    handlers, held = logging.getLogger("transformers").handlers, _HeldReport()
+    for handler in handlers:
+        handler.addFilter(held)
+    try:
+        model = model_class.from_pretrained(path, **kwargs)
+    except RuntimeError as error:
+        rows = [line for record in held.records for line in record.getMessage().splitlines() if "| MISMATCH" in line]
+        if not rows and "state_dict" not in str(error):
+            raise
+        shapes = re.search(r"^\s*(\S.*?)\s*\|.*ckpt: torch\.Size\((\[.*?\])\) vs model:\s*torch\.Size\((\[.*?\])\)",
+                           rows[0]) if rows else None
+        detail = (f"{shapes[1]}: {shapes[2]} in the weights, {shapes[3]} by the config" if shapes
+                  else " ".join(part.strip() for part in rows[0].split("|")) if rows else one_line(error))
+        raise UsageError(f"{where}: its weights do not fit the model its config describes ({detail})") from None
+    finally:
+        for handler in handlers:
+            handler.removeFilter(held)
+    for record in held.records:
+        logging.getLogger(record.name).handle(record)
+    return model
 
 
 def resolve_model_class(model_type: str | None, config) -> tuple[str, type]:
@@ -266,7 +316,8 @@ def load(model_name_or_path: str | None, *, device: torch.device, model_type: st
 
             model = load_quantized(path, config, torch_dtype, quantize, device)
         if model is None:
-            model = model_class.from_pretrained(path, dtype=torch_dtype, **load_kwargs, **placement)
+            where = os.path.join(path, load_kwargs["gguf_file"]) if "gguf_file" in load_kwargs else path
+            model = from_pretrained(model_class, path, where, dtype=torch_dtype, **load_kwargs, **placement)
     if device_map:
         # accelerate's rule: inputs go to the first accelerator in the map, else the CPU (model.device may be meta).
         accelerators = accelerators_of(model)

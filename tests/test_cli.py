@@ -208,3 +208,22 @@ def test_mismatched_model_type(tiny_models):
     result = run_main(["--model_type", "gpt2", "--model_name_or_path", tiny_models["llama"], "--prompt", PROMPT])
     assert result.returncode == 2
     assert "does not match the checkpoint's model_type llama" in error_line(result)
+
+
+def test_weights_that_do_not_fit_the_config_are_one_line(tiny_models, tmp_path, capsys):
+    """A checkpoint whose config.json describes other shapes than its weights hold: one line naming the folder and
+    a weight's two shapes (transformers prints a table and raises), exit 2."""
+    import json
+    import shutil
+
+    from helpers import error_of
+
+    path = tmp_path / "llama"
+    shutil.copytree(tiny_models["llama"], path)
+    config = json.loads((path / "config.json").read_text())
+    config["intermediate_size"] += 32
+    (path / "config.json").write_text(json.dumps(config))
+    code, line = error_of(["--model_name_or_path", str(path), "--prompt", "Hi"], capsys)
+    assert code == 2 and line.startswith(f"run_generation.py: error: {path}: its weights do not fit the model its "
+                                         "config describes (model.layers.")
+    assert f"in the weights, [{config['intermediate_size']}, " in line or f", {config['intermediate_size']}]" in line

@@ -347,8 +347,9 @@ def test_corrupt_and_truncated_files_fail_in_one_line(gguf_files, tmp_path, caps
     corrupt.write_bytes(b"GGUX" + data[4:])
     truncated.write_bytes(data[: len(data) // 2])
     for path in (corrupt, truncated):
-        code, line = error_of(["--model_name_or_path", str(path), "--prompt", "Hi"], capsys)
-        assert code == 2 and line.startswith(f"run_generation.py: error: {path}")
+        for flags in ([], ["--dequantize"], ["--quantize", "int8"]):  # its blocks, or transformers' reading
+            code, line = error_of(["--model_name_or_path", str(path), "--prompt", "Hi", *flags], capsys)
+            assert code == 2 and line.startswith(f"run_generation.py: error: {path}: "), (flags, line)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q5_0, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS],
