@@ -159,16 +159,15 @@ class DecodeBatch:
         done = [number for number, row in enumerate(self.rows) if row.finish is not None]
         if not done:
             return
-        finished_requests = []
+        finished_requests = {}  # by identity: requests are dataclasses, whose == compares every field
         for number in done:
             row = self.rows[number]
             if self.prefix_cache is not None and row.index == 0 and row.finish.reason != "abort":
                 self.remember(number, row, last=len(self.rows) == 1)
             row.request.sink(Done(row.index, row.finish))
-            if row.request not in finished_requests:
-                finished_requests.append(row.request)
+            finished_requests[id(row.request)] = row.request
         self.leave([number for number, row in enumerate(self.rows) if row.finish is None], done)
-        for request in finished_requests:
+        for request in finished_requests.values():
             self.end_when_done(request)
 
     def end_when_done(self, request):

@@ -155,20 +155,16 @@ def load_config(path: str, load_kwargs: dict) -> transformers.PretrainedConfig:
     try:
         return AutoConfig.from_pretrained(path, **load_kwargs)
     except (OSError, ValueError) as error:
-        if "gguf_file" in load_kwargs:
-            raise gguf_refused(path, load_kwargs, error) from error
+        if "gguf_file" in load_kwargs:  # de-quantized: transformers read the file
+            from .gguf.file import transformers_cannot_load
+
+            raise transformers_cannot_load(os.path.join(path, load_kwargs["gguf_file"]), error) from error
         from huggingface_hub import constants
 
         if constants.HF_HUB_OFFLINE:
             raise UsageError(f"{path} is not a local model and not in the hub cache, and the hub is offline; "
                              "pass a local path") from error
         raise UsageError(f"cannot load a model from {path}: {str(error).splitlines()[0]}") from error
-
-
-def gguf_refused(path: str, load_kwargs: dict, error: Exception) -> UsageError:
-    """One line naming the GGUF file transformers could not read or build (its de-quantized load)."""
-    return UsageError(f"{os.path.join(path, load_kwargs['gguf_file'])}: transformers cannot load it "
-                      f"({type(error).__name__}: {one_line(error)})")
 
 
 class _HeldReport(logging.Filter):

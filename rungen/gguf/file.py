@@ -265,7 +265,7 @@ class GGUFHeader:
         except GGUFError:
             raise
         except Exception as error:  # transformers: ValueError for an architecture it cannot read, and others
-            raise GGUFError(f"{self.path}: transformers cannot load it ({_first_line(error)})") from None
+            raise transformers_cannot_load(self.path, error) from None
         os.makedirs(cache_root(), exist_ok=True)
         tmp = tempfile.mkdtemp(dir=cache_root(), prefix=".tmp-")
         try:
@@ -331,6 +331,11 @@ def unsupported_message(path: str, name: str, code: int) -> str:
     supported = ", ".join(t.name for t in SUPPORTED)
     return (f"{path}: tensor {name} is {_type_name(code)}; quantized GGUF files run in {supported} blocks "
             f"(and F32/F16/BF16); --dequantize runs other types in float32")
+
+
+def transformers_cannot_load(path: str, error: BaseException) -> GGUFError:
+    """The one line for a GGUF file transformers' readers or classes failed on."""
+    return GGUFError(f"{path}: transformers cannot load it ({_first_line(error)})")
 
 
 def _first_line(error: BaseException) -> str:
