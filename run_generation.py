@@ -51,6 +51,19 @@ from rungen.prompts import encode_prompt, prepare_model, read_prompts
 from rungen.reasoning import plan_prompt
 
 
+def _not_shown_by_transformers(record: logging.LogRecord) -> bool:
+    # With $CI set transformers' records also reach the root logger: its own handler has shown them (or held them).
+    ours = record.name == "transformers" or record.name.startswith("transformers.")
+    return not (ours and logging.getLogger("transformers").handlers)
+
+
+def stderr_handler() -> logging.Handler:
+    """The root logger's handler: stderr, without the records transformers' handler shows."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(_not_shown_by_transformers)
+    return handler
+
+
 def main(argv=None):
     args = parse_args(argv)
     # No --prompt and a terminal on stdin: a session (rungen/session.py); otherwise batches.
@@ -58,7 +71,7 @@ def main(argv=None):
     state = processes.start(args.use_cpu)
     level = logging.INFO if args.verbose else logging.WARNING if args.quiet else NOTICE
     logging.basicConfig(format="%(message)s", level=level if state.is_main_process else logging.WARNING,
-                        stream=sys.stderr)
+                        handlers=[stderr_handler()])
     if not args.verbose:
         quiet_progress_bars()
     logger.info("%s", args)
