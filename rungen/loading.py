@@ -154,11 +154,13 @@ def load_config(path: str, load_kwargs: dict) -> transformers.PretrainedConfig:
 
     try:
         return AutoConfig.from_pretrained(path, **load_kwargs)
-    except (OSError, ValueError) as error:
-        if "gguf_file" in load_kwargs:  # de-quantized: transformers read the file
+    except Exception as error:
+        if "gguf_file" in load_kwargs:  # de-quantized: transformers read the file (and raises what it triggers)
             from .gguf.file import transformers_cannot_load
 
             raise transformers_cannot_load(os.path.join(path, load_kwargs["gguf_file"]), error) from error
+        if not isinstance(error, (OSError, ValueError)):
+            raise
         from huggingface_hub import constants
 
         if constants.HF_HUB_OFFLINE:

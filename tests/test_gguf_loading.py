@@ -343,13 +343,18 @@ def test_batch_equals_single(gguf_files, loaded, monkeypatch, capsys):
 
 def test_corrupt_and_truncated_files_fail_in_one_line(gguf_files, tmp_path, capsys):
     data = open(gguf_files["q4_0_untied"], "rb").read()
-    corrupt, truncated = tmp_path / "corrupt.gguf", tmp_path / "truncated.gguf"
-    corrupt.write_bytes(b"GGUX" + data[4:])
-    truncated.write_bytes(data[: len(data) // 2])
-    for path in (corrupt, truncated):
+    files = {"corrupt": b"GGUX" + data[4:], "empty": b"", "header cut": data[:1000],  # within the vocabulary
+             "truncated": data[: len(data) // 2], "last bytes lost": data[:-10]}
+    for kind, content in files.items():
+        path = tmp_path / f"{kind}.gguf"
+        path.write_bytes(content)
         for flags in ([], ["--dequantize"], ["--quantize", "int8"]):  # its blocks, or transformers' reading
             code, line = error_of(["--model_name_or_path", str(path), "--prompt", "Hi", *flags], capsys)
-            assert code == 2 and line.startswith(f"run_generation.py: error: {path}: "), (flags, line)
+            assert code == 2 and line.startswith(f"run_generation.py: error: {path}: "), (kind, flags, line)
+            if kind in ("truncated", "last bytes lost"):  # what went wrong, not how a reader tripped on it
+                assert f"truncated (its tensors end at byte {len(data)}, the file has {len(content)}" in line
+            else:
+                assert "not a readable GGUF file" in line, (kind, flags, line)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q5_0, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS],

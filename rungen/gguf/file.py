@@ -193,10 +193,7 @@ class GGUFHeader:
             table = json.load(f)
         self.architecture = table["architecture"]
         self.tensors = table["tensors"]  # [name, type code, numpy shape, numpy dtype, byte offset, bytes]
-        for name, _, _, _, offset, nbytes in self.tensors:
-            if offset + nbytes > self.size:
-                raise GGUFError(f"{path}: truncated (tensor {name} ends at byte {offset + nbytes}, "
-                                f"the file has {self.size})")
+        check_whole(path, [(offset, nbytes) for *_, offset, nbytes in self.tensors])
 
     @functools.cached_property
     def config(self):
@@ -255,6 +252,7 @@ class GGUFHeader:
                         t.nbytes] for t in table.tensors]
         except Exception:  # a type transformers cannot size, or a malformed file: the gguf package decides
             architecture, tensors = _read_with_gguf(self.path)
+        check_whole(self.path, [(offset, nbytes) for *_, offset, nbytes in tensors])
         unsupported = [(name, code) for name, code, *_ in tensors if code not in FLOAT_TYPES and code not in SUPPORTED]
         if unsupported and self.blocks:  # before the slow conversions: this file will not run here
             raise GGUFError(unsupported_message(self.path, *unsupported[0]))
@@ -333,8 +331,27 @@ def unsupported_message(path: str, name: str, code: int) -> str:
             f"(and F32/F16/BF16); --dequantize runs other types in float32")
 
 
+def check_whole(path: str, tensors: list[tuple[int, int]]) -> None:
+    """GGUFError where the file ends before its tensors (byte offset, bytes) do: a download or copy cut short."""
+    end, size = max((offset + nbytes for offset, nbytes in tensors), default=0), os.path.getsize(path)
+    if end > size:
+        raise GGUFError(f"{path}: truncated (its tensors end at byte {end}, the file has {size}: an unfinished "
+                        "download or copy?)")
+
+
 def transformers_cannot_load(path: str, error: BaseException) -> GGUFError:
-    """The one line for a GGUF file transformers' readers or classes failed on."""
+    """The one line for a GGUF file transformers' readers or classes failed on: a file cut short or unreadable says
+    so, any other says transformers' reason."""
+    from transformers.integrations.gguf.reader import GgufHeader
+
+    try:
+        table = GgufHeader.from_file(path)
+    except Exception as unreadable:  # whatever a malformed header triggers
+        return GGUFError(f"{path}: not a readable GGUF file ({_first_line(unreadable)})")
+    try:
+        check_whole(path, [(table.data_start + t.offset, t.nbytes) for t in table.tensors])
+    except GGUFError as short:
+        return short
     return GGUFError(f"{path}: transformers cannot load it ({_first_line(error)})")
 
 
