@@ -344,11 +344,12 @@ def gguf_bytes(tiny_gguf):
     return data, header_fields(tiny_gguf)
 
 
-def check_gguf(tmp_path, data, monkeypatch):
+def check_gguf(tmp_path, data, monkeypatch, flags=()):
     path = tmp_path / "broken.gguf"
     path.write_bytes(data)
     cache = tmp_path / "cache"
-    result = run_main(["--model_name_or_path", str(path), "--prompt", "ab", "--length", "2"], cache_home=cache)
+    result = run_main(["--model_name_or_path", str(path), "--prompt", "ab", "--length", "2", *flags],
+                      cache_home=cache)
     if result.returncode != 0:  # a change that leaves a runnable file may run
         assert one_line_error(result) == 2
     entries = cache / "run_generation" / "gguf"
@@ -367,6 +368,19 @@ def test_gguf_headers_broken_anywhere_fail_in_one_line(gguf_bytes, tmp_path_fact
     @given(case=broken_ggufs(data, fields))
     def run(case):
         check_gguf(tmp_path_factory.mktemp("broken"), case[1], monkeypatch)
+
+    run()
+
+
+def test_gguf_headers_broken_anywhere_fail_in_one_line_dequantized(gguf_bytes, tmp_path_factory, monkeypatch):
+    """--dequantize: transformers' reader reads the file, and what it trips on is one line too."""
+    data, fields = gguf_bytes
+
+    @seed(20261129)
+    @settings(FAST, max_examples=30)
+    @given(case=broken_ggufs(data, fields))
+    def run(case):
+        check_gguf(tmp_path_factory.mktemp("broken"), case[1], monkeypatch, ["--dequantize"])
 
     run()
 
