@@ -105,8 +105,9 @@ def main(argv=None):
         if state.is_main_process:  # the others would take lines of the same pipe
             mine = read_prompts(args.prompt, whole_stdin=args.whole_stdin, input_format=args.input_format)
         prompts = processes.share_prompts(state, mine)
-    # A GGUF file runs on the own model code unless the flags need transformers' (generate()'s controls, --jit).
-    own_model = not args.jit and settings_refusal(settings_from_args(args), bool(args.assistant_model)) is None
+    # A GGUF file runs on the own model code unless the flags need transformers' (generate()'s controls). Not --jit:
+    # a file the own model runs is one native call a step in transformers' model too, which leaves nothing to trace.
+    own_model = settings_refusal(settings_from_args(args), bool(args.assistant_model)) is None
     loading = time.perf_counter()
     with state.main_process_first():  # only one process converts the default model
         loaded = load(args.model_name_or_path, model_type=args.model_type, dtype=args.dtype, device=state.device,

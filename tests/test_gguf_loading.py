@@ -389,27 +389,32 @@ def test_dequantize_on_a_float_checkpoint_is_refused(tiny_models, capsys):
     assert code == 2 and "--dequantize applies to GGUF files" in line
 
 
+@pytest.mark.fresh_load  # each run loads the file as a run of the tool would (the first writes the weights' map)
 @pytest.mark.parametrize("name, fused_stack", [("mixed_tied", False), ("q4_0_untied", True)])
 def test_jit_traces_the_blocks_and_keeps_the_greedy_text(gguf_files, name, fused_stack, monkeypatch, caplog):
     # Layers fused one by one are traced and the graph serves the steps; a stack that is one native call a
-    # step (every layer Q4_0, as the default model's) is left untraced, with one line saying so.
+    # step (every layer Q4_0, as the default model's) is left untraced, with one line saying so, and runs on the
+    # own model: transformers' model is not loaded for a trace that would not be made.
     import rungen.jit
+    from rungen.gguf.model import GGUFCausalLM
 
     caplog.set_level(logging.INFO, logger="run_generation")
     args = ["--model_name_or_path", gguf_files[name], "--temperature", "0", "--length", "8", "--batch_size", "2"]
-    outputs, forwards = [], []
+    outputs, traced = [], []  # the models enable_jit was given
     original = rungen.jit.enable_jit
     monkeypatch.setattr(rungen.jit, "enable_jit", lambda model, tokenizer: (
-        original(model, tokenizer), forwards.append(model.forward))[0])
+        original(model, tokenizer), traced.append(model))[0])
     for extra in ([], ["--jit"]):
         monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("\n".join(PROMPTS).encode())))
         outputs.append(run_generation.main(args + extra))
     assert outputs[1] == outputs[0] and len(outputs[0]) == len(PROMPTS)
+    [model] = traced
     if fused_stack:
         assert "--jit: not traced" in caplog.text and "Traced the decode step" not in caplog.text
+        assert isinstance(model, GGUFCausalLM)
     else:
         assert "Traced the decode step" in caplog.text
-        assert forwards[0].graph_steps > 0  # the graph served the steps, not the eager fallback
+        assert model.forward.graph_steps > 0  # the graph served the steps, not the eager fallback
 
 
 @pytest.mark.fresh_load  # load_quantized must really run, not a loaded model be reused
