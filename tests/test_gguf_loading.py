@@ -6,6 +6,7 @@ named token_embd/blk.N.*/output_norm with q/k rows permuted as convert_hf_to_ggu
 k-quant blocks with valid fp16 scales (the gguf package cannot quantize to k-quants: their blocks are
 random bytes, which any de-quantizer reads as some weights)."""
 
+import gc
 import io
 import logging
 import os
@@ -571,6 +572,36 @@ def test_4_bit_weights_keep_their_codes_on_a_gpu(loaded, monkeypatch, caplog):
         assert caplog.text.count("int4 GPU kernel failed (CUDA error: no kernel image") == 1
         ours = model(**batch).logits.float()
         assert (ours - theirs)[real].abs().max() <= 0.05 * theirs[real].abs().max()
+
+
+def test_the_header_read_parses_once_and_keeps_no_reader_for_the_tokenizer(gguf_files, tmp_path, monkeypatch):
+    """A first run reads the header through transformers (config, then tokenizer) without reading weights: gguf's
+    reader, an object per vocabulary entry (about 170 MB for a 49k vocabulary), is dropped after the one parse
+    rather than kept alive while the tokenizer is built, which is the first run's peak memory."""
+    import weakref
+
+    import gguf
+    import transformers
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    alive, at_tokenizer = weakref.WeakSet(), []
+    reader_class, tokenizer_load = gguf.GGUFReader, transformers.AutoTokenizer.from_pretrained
+
+    class Reader(reader_class):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            alive.add(self)
+
+    def tokenizer_from_pretrained(*args, **kwargs):
+        gc.collect()
+        at_tokenizer.append(len(alive))
+        return tokenizer_load(*args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", Reader)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", tokenizer_from_pretrained)
+    header = GGUFHeader(str(gguf_files["q4_0_untied"]))
+    assert header.read_seconds is not None  # read from the file, not a cache
+    assert at_tokenizer and not any(at_tokenizer)  # none alive whenever a tokenizer is built
 
 
 def test_dequantize_parses_the_file_once_and_loads_what_transformers_loads(gguf_files, monkeypatch):

@@ -49,11 +49,12 @@ HEADER_CACHE_VERSION = 3
 
 
 @contextlib.contextmanager
-def metadata_parsed_once():
+def metadata_parsed_once(weights: bool = True):
     """Within this block, transformers parses each GGUF file once (seconds a parse; a config, a tokenizer and the
     weights would each parse it again) and builds gguf's tensor-name table once per architecture (it rebuilds it
-    for every submodule it maps); later calls share them. Its de-quantizing shows a progress bar only where the
-    tool's loading detail is shown (--verbose)."""
+    for every submodule it maps); later calls share them. `weights=False`: no weights will be read, so gguf's
+    reader (its object per vocabulary entry: about 170 MB for a 49k vocabulary) is not kept for them. Its
+    de-quantizing shows a progress bar only where the tool's loading detail is shown (--verbose)."""
     import gguf
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
@@ -78,7 +79,9 @@ def metadata_parsed_once():
         return readers[key]
 
     bar = gguf_utils.tqdm  # tqdm's own: transformers' switch for its bars does not reach it
-    gguf_utils.load_gguf_checkpoint, gguf.GGUFReader = once, reader
+    gguf_utils.load_gguf_checkpoint = once
+    if weights:
+        gguf.GGUFReader = reader
     gguf.get_tensor_name_map = functools.cache(name_map)
     gguf_utils.tqdm = functools.partial(bar, disable=not logger.isEnabledFor(logging.INFO))
     try:
@@ -257,7 +260,7 @@ class GGUFHeader:
         if unsupported and self.blocks:  # before the slow conversions: this file will not run here
             raise GGUFError(unsupported_message(self.path, *unsupported[0]))
         try:
-            with metadata_parsed_once():
+            with metadata_parsed_once(weights=False):
                 config = AutoConfig.from_pretrained(directory, gguf_file=file)
                 tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=file)
         except GGUFError:
