@@ -15,7 +15,7 @@ Rows: the floor (`import torch, transformers` and the llama modeling module); th
 cache: the header is read and cached) and a repeat run, each loading with rungen.loading.load and
 generating one token greedily from "The capital of France is"; with --dequantize, the float path as well;
 llama.cpp (llama-cpp-python, same prompt, one token) beside them. Each row: seconds to the model loaded,
-seconds to the first token, peak RSS (ru_maxrss of the process), from the process's start.
+seconds to the first token, peak RSS (VmHWM of the process), from the process's start.
 """
 
 import argparse
@@ -28,9 +28,6 @@ import sys
 import tempfile
 import time
 
-from benchmarks.common import cpu_flags
-from benchmarks.gguf_files import write_family
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 BENCH_PYTHON = "/work/bench-venv/bin/python"
@@ -38,7 +35,19 @@ PROMPT = "The capital of France is"
 
 
 def peak_mb():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """This process's peak RSS: VmHWM, its own image's (ru_maxrss would also count the pages it shared with the
+    parent at fork, which has written the big files)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def process_start():
+    """perf_counter's reading at the moment the parent started this process (BENCH_T0, wall clock): every row
+    counts from its process's start, the interpreter's and the imports' time included."""
+    return time.perf_counter() - (time.time() - float(os.environ["BENCH_T0"]))
 
 
 def child_floor(start):
@@ -64,20 +73,21 @@ def child_tool(start, path, dequantize):
 
 
 LLAMA_CPP_CHILD = """
-import json, resource, sys, time
-start = time.perf_counter()
+import json, os, sys, time
+start = time.perf_counter() - (time.time() - float(os.environ["BENCH_T0"]))
 from llama_cpp import Llama
 llm = Llama(model_path=sys.argv[1], n_ctx=256, n_threads=int(sys.argv[2]), verbose=False)
 ready = time.perf_counter() - start
 llm(sys.argv[3], max_tokens=1, temperature=0)
-print(json.dumps({"ready_s": ready, "first_token_s": time.perf_counter() - start,
-                  "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+with open("/proc/self/status") as f:
+    peak = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+print(json.dumps({"ready_s": ready, "first_token_s": time.perf_counter() - start, "peak_mb": peak}))
 """
 
 
 def run_child(args, cache_home):
     """One fresh process; its JSON line of figures."""
-    env = dict(os.environ, XDG_CACHE_HOME=cache_home, HF_HUB_OFFLINE="1")
+    env = dict(os.environ, XDG_CACHE_HOME=cache_home, HF_HUB_OFFLINE="1", BENCH_T0=repr(time.time()))
     out = subprocess.run(args, capture_output=True, text=True, env=env, cwd=ROOT)
     if out.returncode:
         raise SystemExit(f"child failed: {' '.join(args)}\n{out.stderr[-3000:]}")
@@ -125,11 +135,13 @@ def main():
     parser.add_argument("--repeats", type=int, default=2, help="repeat runs (cached header) after the first")
     args = parser.parse_args()
     if args.child:
-        start = time.perf_counter()  # from here: the interpreter's own start is the same for every row
+        start = process_start()
         row = child_floor(start) if args.child == "floor" else child_tool(start, args.path or None, args.dequantize)
         print(json.dumps(row))
         return
 
+    from benchmarks.common import cpu_flags  # torch and transformers: the parent's imports, not a child's
+    from benchmarks.gguf_files import write_family
     from rungen.loading import default_model_file
 
     print(f"CPU flags: {cpu_flags()}; cores: {os.cpu_count()}; load average {os.getloadavg()[0]:.1f}")
