@@ -50,8 +50,8 @@ class Format:
     begin: str  # before the function's name
     middle: str  # between the name and the arguments
     end: str  # after the arguments
-    trigger: str
-    separator: str
+    trigger: str  # what starts a call's grammar under tool_choice auto: the parser's marker, so that all it reads
+    separator: str  # as a call was held to a tool's schema
     markers: tuple[str, ...]  # literal text that opens a call region when parsing
     arguments_keys: tuple[str, ...] = ("arguments",)
     region: tuple[str, str] | None = None
@@ -61,11 +61,11 @@ class Format:
 
 HERMES = Format("hermes", '<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>", "<tool_call>", "\n",
                 ("<tool_call>",))
-LLAMA3_JSON = Format("llama3_json", '{"name": "', '", "parameters": ', "}", '{"name": ', "",
+LLAMA3_JSON = Format("llama3_json", '{"name": "', '", "parameters": ', "}", '{"name"', "",
                      ('{"name"', "<|python_tag|>"), arguments_keys=("parameters", "arguments"), one_call=True)
 MISTRAL = Format("mistral", '{"name": "', '", "arguments": ', "}", "[TOOL_CALLS]", ", ", ("[TOOL_CALLS]",),
                  region=("[TOOL_CALLS] [", "]"))
-GENERIC = Format("generic", '{"tool_call": {"name": "', '", "arguments": ', "}}", '{"tool_call": ', "\n",
+GENERIC = Format("generic", '{"tool_call": {"name": "', '", "arguments": ', "}}", '{"tool_call"', "\n",
                  ('{"tool_call"',), native=False)
 FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, GENERIC)}
 
@@ -437,7 +437,9 @@ class CallParser:
 
 def parse(fmt: Format, text: str, final: bool):
     """(content, calls) of a reply so far. Text that may be the start of a marker is left out unless
-    `final`; a region that is not a call after all (no JSON where one must be) stays content."""
+    `final`; a region that is not a call after all (no JSON where one must be) stays content. A reply that ends
+    (`final`) inside a call before its name: that text is content where the reply made no call, and the next
+    call's opening, cut short, where it did (a call, or the start of a marker, after calls is dropped)."""
     content, calls, position = [], [], 0
     while True:
         start, marker = find_marker(fmt, text, position)
@@ -445,6 +447,8 @@ def parse(fmt: Format, text: str, final: bool):
             rest = text[position:]
             if not final:
                 rest = rest[: len(rest) - marker_prefix(fmt, rest)]
+            elif calls and rest.strip() and marker_prefix(fmt, rest.strip()) == len(rest.strip()):
+                rest = ""
             content.append(rest)
             break
         content.append(text[position:start])
@@ -456,6 +460,9 @@ def parse(fmt: Format, text: str, final: bool):
             continue
         calls += found
         if end is None:
+            if final and all(call.name is None for call in calls):
+                content.append(text[start:])
+                calls = []
             break
         position = end
     return "".join(content), calls

@@ -113,6 +113,21 @@ def test_llama_python_tag_and_text_that_only_looks_like_a_call():
         assert assemble(streamed(fmt, text)) == (text, [])
 
 
+def test_a_reply_cut_before_a_call_names_its_function():
+    """max_tokens may end a reply inside a call before its name: alone, what the model wrote is the content (not
+    an empty reply); after calls, it is the next call's opening cut short, which is no content."""
+    for fmt, text in ((GENERIC, '{"tool_call": {"name": {"description": {"type'), (HERMES, "<tool_call>\n{\"na"),
+                      (MISTRAL, '[TOOL_CALLS] [{"na')):
+        assert message_of(CallParser(fmt), text) == (text, [])
+        assert assemble(streamed(fmt, text)) == (text, [])
+    first = PUBLISHED["generic"].split("\n")[0]
+    for cut in ('\n{"tool_', '\n{"tool_call": {"na', "\n{"):
+        parser = CallParser(GENERIC)
+        content, calls = calls_of(message_of(parser, first + cut))
+        assert content is None and calls == [("get_weather", {"city": "Paris", "unit": "celsius"})]
+        assert calls_of(assemble(streamed(GENERIC, first + cut))) == (None, calls)
+
+
 def test_a_reply_cut_inside_a_call_keeps_what_was_generated():
     text = PUBLISHED["hermes"][:90]
     parser = CallParser(HERMES)
@@ -146,6 +161,14 @@ def test_the_grammar_takes_the_published_replies_and_nothing_else(name):
         single = tool_grammar(fmt, dataclasses.replace(request, choice="required", parallel=False))
         assert not grammar_accepts(single, calls_only)
     assert tool_grammar(fmt, dataclasses.replace(request, choice="none")) is None
+    # Under auto, whatever the parser reads as a call is held to a tool: written compactly (the parser's marker
+    # without the template's spaces), a call to no tool or with arguments off the schema is not generated.
+    compact = {"generic": '{"tool_call":{"name":"get_date","arguments":{"town":"Rome"}}}',
+               "llama3_json": '{"name":"get_date","parameters":{"town":"Rome"}}'}
+    if name in compact:
+        assert CallParser(fmt).feed(compact[name], final=True)[0][:2] == ("call", 0)  # parsed as a call
+        assert not grammar_accepts(auto, compact[name])
+        assert not grammar_accepts(auto, compact[name].replace("get_date", "get_time"))
 
 
 BAD_TOOLS = [
