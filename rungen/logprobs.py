@@ -3,14 +3,16 @@
 Log-probabilities are log_softmax of the raw logits, before any logits processor (temperature, top-k...): what a
 forward pass over the same tokens gives, whatever the sampling settings. The shape is OpenAI's chat completions':
 
-    {"content": [{"token": " Paris", "id": 7042, "logprob": -0.31,
-                  "top_logprobs": [{"token": " Paris", "id": 7042, "logprob": -0.31}, ...]}, ...]}
+    {"content": [{"token": " Paris", "id": 7042, "logprob": -0.31, "bytes": [32, 80, 97, 114, 105, 115],
+                  "top_logprobs": [{"token": " Paris", "id": 7042, "logprob": -0.31, "bytes": [...]}, ...]}, ...]}
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
+import re
 
 import torch
 
@@ -30,6 +32,32 @@ def token_text(tokenizer, before: list[int], token_id: int, head: str | None = N
     if whole.startswith(head):
         return whole[len(head) :]
     return tokenizer.decode([token_id], skip_special_tokens=False)  # e.g. the end of a multi-byte character
+
+
+@functools.cache
+def byte_level_alphabet() -> dict[str, int]:
+    """The character byte-level BPE vocabularies (GPT-2's bytes_to_unicode) write each byte as -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    others = [byte for byte in range(256) if byte not in printable]
+    return {**{chr(byte): byte for byte in printable}, **{chr(256 + n): byte for n, byte in enumerate(others)}}
+
+
+def token_bytes(tokenizer, token_id: int, text: str) -> list[int]:
+    """The UTF-8 bytes of a token's `text`; where the token holds only part of a character (its text empty or
+    the replacement character), the bytes it holds, so that a client joining them gets the character: its
+    byte-level BPE piece read back, or SentencePiece's byte token <0xNN>."""
+    if text and "\ufffd" not in text:
+        return list(text.encode())
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if isinstance(piece, str) and piece:
+        byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+        if byte:
+            return [int(byte[1], 16)]
+        alphabet = byte_level_alphabet()
+        if all(char in alphabet for char in piece):
+            return [alphabet[char] for char in piece]
+    return list(text.encode())
 
 
 def content(tokenizer, context: list[int], ids: list[int], logprobs: list[torch.Tensor], top_n: int) -> dict:
@@ -52,10 +80,14 @@ def content_items(tokenizer, context: list[int], ids: list[int], chosen: list[fl
     for position, (token_id, logprob) in enumerate(zip(ids, chosen)):
         before = sequence[max(0, offset + position - CONTEXT_TOKENS) : offset + position]
         head = tokenizer.decode(before, skip_special_tokens=True) if before else None
-        alternatives = [{"token": token_text(tokenizer, before, alt_id, head, special), "id": alt_id, "logprob": value}
-                        for alt_id, value in zip(top_ids[position], top_values[position])]
+        alternatives = []
+        for alt_id, value in zip(top_ids[position], top_values[position]):
+            alt_text = token_text(tokenizer, before, alt_id, head, special)
+            alternatives.append({"token": alt_text, "id": alt_id, "logprob": value,
+                                 "bytes": token_bytes(tokenizer, alt_id, alt_text)})
         text = token_text(tokenizer, before, token_id, head, special)
-        items.append({"token": text, "id": token_id, "logprob": logprob, "top_logprobs": alternatives})
+        items.append({"token": text, "id": token_id, "logprob": logprob,
+                      "bytes": token_bytes(tokenizer, token_id, text), "top_logprobs": alternatives})
     return items
 
 

@@ -37,9 +37,10 @@ COMMON_FIELDS = {"model", "max_tokens", "n", "stop", "stream", "stream_options",
                  "repetition_penalty", "ignore_eos", "structured_outputs", *CONSTRAINT_FIELDS}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
                                "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
-                               "reasoning_effort"}
+                               "reasoning_effort", "store", "safety_identifier", "prompt_cache_key"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs", "best_of", "suffix"}
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
+PART_SEPARATOR = "\n"  # between a message's text parts (or blocks), as vLLM joins them: words never run together
 
 
 class APIError(Exception):
@@ -195,7 +196,7 @@ def message_text(message, number):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise APIError(f"messages[{number}].content: only text parts are supported, got {kind}", "messages")
             parts.append(part["text"])
-        return "".join(parts)
+        return PART_SEPARATOR.join(parts)
     raise APIError(f"messages[{number}].content must be a string or a list of text parts", "messages")
 
 
@@ -342,8 +343,14 @@ def template_variables(service, body) -> dict:
 
 
 def check_user(body):
-    if has_value(body, "user") and not isinstance(body["user"], str):
-        raise APIError(f"user must be a string, got {excerpt(body['user'])}", "user")
+    """The identifiers and hints a request may carry, strings the server needs not read (the prefix cache needs no
+    key); `store` at false only (chat completions are not stored)."""
+    for name in ("user", "safety_identifier", "prompt_cache_key"):
+        if has_value(body, name) and not isinstance(body[name], str):
+            raise APIError(f"{name} must be a string, got {excerpt(body[name])}", name)
+    if has_value(body, "store") and body["store"] is not False:
+        raise APIError(f"store {excerpt(body['store'])} is not supported: this server stores no chat completions",
+                       "store")
 
 
 async def generate(service, http_request, body, prompts, logprobs, *, chat, max_token_names, default_max, tools=None):
@@ -671,11 +678,10 @@ class Answer:
 
 
 def chat_item(item):
-    """rungen/logprobs.py's item in OpenAI's chat shape (with each token's UTF-8 bytes)."""
-    top = [{"token": alt["token"], "logprob": alt["logprob"], "bytes": list(alt["token"].encode())}
+    """rungen/logprobs.py's item in OpenAI's chat shape (with the bytes of each token)."""
+    top = [{"token": alt["token"], "logprob": alt["logprob"], "bytes": alt["bytes"]}
            for alt in item.get("top_logprobs") or []]
-    return {"token": item["token"], "logprob": item["logprob"], "bytes": list(item["token"].encode()),
-            "top_logprobs": top}
+    return {"token": item["token"], "logprob": item["logprob"], "bytes": item["bytes"], "top_logprobs": top}
 
 
 def completion_logprobs(items, prefix_offset):

@@ -84,7 +84,8 @@ def test_top_logprobs_are_sorted_and_hold_the_greedy_token(tiny_models, capsys):
         assert [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
         assert (top[0]["id"], top[0]["logprob"]) == (item["id"], item["logprob"])  # greedy: the most likely
         assert all(t["logprob"] <= 0 for t in top)
-        assert set(item) == {"token", "id", "logprob", "top_logprobs"} and set(top[0]) == {"token", "id", "logprob"}
+        assert set(item) == {"token", "id", "logprob", "bytes", "top_logprobs"}
+        assert set(top[0]) == {"token", "id", "logprob", "bytes"}
 
 
 def test_logprobs_stop_where_the_sequence_ends(tiny_models, forward, capsys, monkeypatch):

@@ -197,6 +197,20 @@ def test_token_text_keeps_sentencepiece_spaces_and_names_special_tokens(llama_to
     assert token_text(tok, ids, tok.eos_token_id) == tok.eos_token
 
 
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])  # byte-level BPE; SentencePiece with byte tokens <0xNN>
+def test_token_bytes_join_to_the_text_where_tokens_split_characters(kind, gpt2_tokenizer, llama_tokenizer):
+    """An emoji is several byte tokens, each alone no character: its `token` is the replacement character (or
+    nothing), its `bytes` what it holds, so a client joining bytes gets the text back (OpenAI's meaning)."""
+    tok = gpt2_tokenizer if kind == "gpt2" else llama_tokenizer
+    text = "Party \U0001f389\U0001f389 time \u00e9"
+    ids = tok.encode(text, add_special_tokens=False)
+    items = content(tok, ids[:1], ids[1:], torch.zeros(len(ids) - 1, len(tok)).log_softmax(-1), 1)
+    assert any(item["token"] in ("", "\ufffd") for item in items)  # the emoji are split over byte tokens
+    assert bytes(b for item in items for b in item["bytes"]).decode() == text[len(tok.decode(ids[:1])):]
+    assert items[0]["bytes"] == list(items[0]["token"].encode())  # a whole character's bytes are its text's
+    assert all(isinstance(top["bytes"], list) for item in items for top in item["top_logprobs"])
+
+
 def test_step_logits_follow_beams():
     logits = (torch.arange(6.0).view(3, 2), torch.arange(6.0, 12.0).view(3, 2))  # 2 steps, 3 rows (beams)
     beams = torch.tensor([[2, 0], [1, 1]])  # output row 0 came from beam 2, then beam 0
