@@ -13,7 +13,7 @@ import re
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from . import openai_api
-from .openai_api import APIError, excerpt, has_value, number, refuse_extra
+from .openai_api import PART_SEPARATOR, APIError, excerpt, has_value, number, refuse_extra
 from .reasoning import VariableError, read_template_variables, template_reads
 
 # Anthropic's error type for each status (any other 4xx: invalid_request_error, any other 5xx: api_error).
@@ -99,7 +99,7 @@ def blocks_of(content, where, allowed):
 
 
 def text_of(blocks):
-    return "".join(block["text"] for block in blocks)
+    return PART_SEPARATOR.join(block["text"] for block in blocks)
 
 
 def read_system(body):
@@ -166,7 +166,7 @@ def read_messages(body, system):
                     chat.append(text)
                     origins.append(where)
                 else:
-                    text["content"] += block["text"]
+                    text["content"] += PART_SEPARATOR + block["text"]
             if not blocks:
                 chat.append({"role": "user", "content": ""})
                 origins.append(where)

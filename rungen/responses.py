@@ -15,7 +15,7 @@ import uuid
 from fastapi.responses import StreamingResponse
 
 from . import logger
-from .openai_api import APIError, boolean, excerpt, has_value, refuse_extra, respond, run_chat
+from .openai_api import PART_SEPARATOR, APIError, boolean, excerpt, has_value, refuse_extra, respond, run_chat
 from .openai_api import number as read_number
 
 # Responses kept for previous_response_id; a chain of responses shares its conversation's items.
@@ -352,7 +352,7 @@ def item_text(item, where):
                                f"got {excerpt(kind)}", "input")
             refuse_extra(part, PART_KEYS, f"{where}.content[{number}]", "input")
             texts.append(part["text"])
-        return "".join(texts)
+        return PART_SEPARATOR.join(texts)
     raise APIError(f"{where}.content must be a string or a list of text parts", "input")
 
 

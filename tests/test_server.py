@@ -134,6 +134,15 @@ def test_streaming_matches_the_whole_answer(served, client):
     assert events[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in events)
 
 
+def test_hints_a_client_sends_are_taken(client):
+    """store false (nothing is stored), prompt_cache_key (the prefix cache needs no key) and safety_identifier, as
+    the openai client sends them, change nothing."""
+    plain = client.chat.completions.create(model=MODEL_ID, messages=HELLO, max_tokens=4, temperature=0)
+    hinted = client.chat.completions.create(model=MODEL_ID, messages=HELLO, max_tokens=4, temperature=0, store=False,
+                                            prompt_cache_key="conversation-1", safety_identifier="user-1")
+    assert hinted.choices[0].message.content == plain.choices[0].message.content
+
+
 def test_n_and_seed(client):
     kwargs = dict(model=MODEL_ID, messages=HELLO, max_tokens=10, temperature=1.0, n=3, seed=7)
     first = client.chat.completions.create(**kwargs)
@@ -288,10 +297,19 @@ def test_tokenize_and_detokenize(loaded, served, client):
     assert post(served, "/detokenize", {"tokens": chat}).json() == {"prompt": turn + "<|im_start|>assistant\n"}
     assert post(served, "/detokenize", {"tokens": unopened}).json() == {"prompt": turn}
     assert post(served, "/detokenize", {"tokens": tokens[1:], "model": MODEL_ID}).json() == {"prompt": text}
+    # A message's text parts are joined by a line (as vLLM joins them): one part's words never run into the next's.
+    parts = [{"role": "user", "content": [{"type": "text", "text": "<reminder>ctx</reminder>"},
+                                          {"type": "text", "text": "Fix the bug"}]}]
+    assert post(served, "/detokenize", {"tokens": tokenize({"messages": parts, "add_generation_prompt": False})}
+                ).json()["prompt"].endswith("user\n<reminder>ctx</reminder>\nFix the bug<|im_end|>\n")
 
 
 BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": HELLO}, "model", 400),
+    ("/v1/chat/completions", {"model": MODEL_ID, "messages": HELLO, "store": True}, "store", 400),
+    ("/v1/chat/completions", {"model": MODEL_ID, "messages": HELLO, "prompt_cache_key": 5}, "prompt_cache_key", 400),
+    ("/v1/chat/completions", {"model": MODEL_ID, "messages": HELLO, "safety_identifier": []}, "safety_identifier",
+     400),
     ("/v1/chat/completions", {"model": "gpt-4o", "messages": HELLO}, "model", 404),
     ("/v1/chat/completions", {"model": MODEL_ID}, "messages", 400),
     ("/v1/chat/completions", {"model": MODEL_ID, "messages": [{"role": "tool", "content": "x"}]}, "messages", 400),

@@ -17,7 +17,7 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}}
 
 def test_a_request_becomes_a_chat_body():
     body = {
-        "model": "m", "max_tokens": 64, "system": [{"type": "text", "text": "Be brief. ", "cache_control":
+        "model": "m", "max_tokens": 64, "system": [{"type": "text", "text": "Be brief.", "cache_control":
                                                    {"type": "ephemeral"}}, {"type": "text", "text": "Be kind."}],
         "messages": [
             {"role": "user", "content": "Weather in Paris?"},
@@ -28,7 +28,8 @@ def test_a_request_becomes_a_chat_body():
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "18 C"},
                                          {"type": "tool_result", "tool_use_id": "toolu_2", "is_error": True,
                                           "content": [{"type": "text", "text": "no such city"}]},
-                                         {"type": "text", "text": "And "}, {"type": "text", "text": "Rome?"}]}],
+                                         {"type": "text", "text": "<reminder>x</reminder>"},
+                                         {"type": "text", "text": "And Rome?"}]}],
         "tools": [{"name": "get_weather", "description": "d", "input_schema": SCHEMA}],
         "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
         "stop_sequences": ["\n\n"], "top_k": 5, "top_p": 0.9, "stream": True, "metadata": {"user_id": "u"},
@@ -36,14 +37,15 @@ def test_a_request_becomes_a_chat_body():
     }
     chat, origins = to_chat(body, THINKING_TEMPLATE)
     assert chat == {
-        "messages": [{"role": "system", "content": "Be brief. Be kind."},
+        # Blocks joined by a line, as vLLM joins a message's text parts: a block's words never run into the next's.
+        "messages": [{"role": "system", "content": "Be brief.\nBe kind."},
                      {"role": "user", "content": "Weather in Paris?"},
                      {"role": "assistant", "content": "Let me look.", "tool_calls": [
                          {"id": "toolu_1", "type": "function",
                           "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
                      {"role": "tool", "tool_call_id": "toolu_1", "content": "18 C"},
                      {"role": "tool", "tool_call_id": "toolu_2", "content": "Error: no such city"},
-                     {"role": "user", "content": "And Rome?"}],
+                     {"role": "user", "content": "<reminder>x</reminder>\nAnd Rome?"}],
         "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA, "description": "d"}}],
         "tool_choice": "required", "parallel_tool_calls": False, "chat_template_kwargs": {"enable_thinking": False},
         "max_tokens": 64, "stop": ["\n\n"], "temperature": 1.0, "top_p": 0.9, "top_k": 5, "stream": True,
