@@ -181,6 +181,8 @@ class GrammarStates:
         for key in dict.fromkeys(keys):
             if key in self.states:
                 states[key] = self.states[key]
+            elif not key:  # back at the prompt: assisted decoding's greedy check starts over from it
+                states[key] = self.constraint.matcher()
             else:
                 children.setdefault(key[:-1], []).append(key)
         for parent_key, kids in children.items():

@@ -161,14 +161,17 @@ def test_without_eos_the_sequence_ends_where_the_grammar_does(tiny_models, tmp_p
         assert record["num_generated_tokens"] < 30  # stopped there, and the padding after is not counted
 
 
-def test_prompt_lookup_keeps_the_constrained_greedy_text(tiny_models):
-    prompt = "Data: abc 12! abc 12! abc 12! abc 12! abc"
-    base = tiny_args(tiny_models, "gpt2", "--regex", "(abc 12! ){3}abc 1[0-9]!", "--temperature", "0",
-                     "--length", "30", "--prompt", prompt, "--output_format", "jsonl")
+@pytest.mark.parametrize("prompt, regex, length, finish", [
+    ("Data: abc 12! abc 12! abc 12! abc 12! abc", "(abc 12! ){3}abc 1[0-9]!", 30, "grammar"),
+    # drafts the grammar rules out from the first token: the greedy check starts over from the prompt
+    ("abc abc abc", " [a-z ]+", 6, "length")])
+def test_prompt_lookup_keeps_the_constrained_greedy_text(tiny_models, prompt, regex, length, finish):
+    base = tiny_args(tiny_models, "gpt2", "--regex", regex, "--temperature", "0", "--length", str(length),
+                     "--prompt", prompt, "--output_format", "jsonl")
     plain = generated(run_main(base))
-    drafted = generated(run_main(base + ["--prompt_lookup_num_tokens", "4"]))
+    drafted = generated(run_main(base + ["--prompt_lookup_num_tokens", "3"]))
     assert drafted == plain
-    assert plain[0]["finish_reason"] == "grammar"
+    assert plain[0]["finish_reason"] == finish
 
 
 @pytest.mark.parametrize("model_type", ["openai-gpt", "ctrl", "xlm"])
