@@ -241,11 +241,42 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quantize and args.device_map:
         raise UsageError("--quantize needs the whole model in memory on one device; it cannot be combined with "
                          "--device_map")
+    if args.device_map:
+        check_device_map(args.device_map)
     if args.max_memory:
         if not args.device_map:
             raise UsageError("--max_memory needs --device_map")
         max_memory_map(args.max_memory)
     return args
+
+
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")  # accelerate's
+
+
+def accelerators_here() -> tuple[str | None, int]:
+    """(the accelerator's device type, how many) torch sees: (None, 0) on a CPU-only machine."""
+    import torch
+
+    if not torch.accelerator.is_available():
+        return None, 0
+    return torch.accelerator.current_accelerator().type, torch.accelerator.device_count()
+
+
+def check_device_map(value: str) -> None:
+    """--device_map: one of accelerate's strategies, or a device this machine has (UsageError otherwise)."""
+    if value in DEVICE_MAP_STRATEGIES:
+        return
+    import torch
+
+    try:
+        device = torch.device(value)
+    except RuntimeError:
+        raise UsageError(f"--device_map {value}: takes {', '.join(DEVICE_MAP_STRATEGIES)} or a device (cpu, "
+                         "cuda:0...)") from None
+    kind, count = accelerators_here()
+    if device.type != "cpu" and (device.type != kind or (device.index or 0) >= count):
+        raise UsageError(f"--device_map {value}: no such device here (torch sees "
+                         f"{f'{count} {kind} device(s)' if kind else 'no accelerator'})")
 
 
 def read_tools_file(path: str) -> dict:
@@ -291,6 +322,11 @@ def max_memory_map(items: list[str] | None) -> dict | None:
                 raise UsageError(f"--max_memory {item}: SIZE is bytes or a number with a unit, e.g. 10GiB or 500MB "
                                  "(items apart: 0=10GiB cpu=30GiB)") from None
         memory[int(key) if key.isdigit() else key] = int(size) if size.isdigit() else size
+    kind, count = accelerators_here()
+    for key in memory:
+        if isinstance(key, int) and key >= count:
+            raise UsageError(f"--max_memory {key}=...: no GPU {key} here (torch sees "
+                             f"{f'{count} {kind} device(s)' if kind else 'no accelerator'})")
     return memory
 
 

@@ -9,6 +9,7 @@ import torch
 from transformers import DynamicCache
 
 import run_generation
+import rungen.arguments
 from rungen.arguments import max_memory_map, parse_args, settings_from_args
 from rungen.generation import (
     UNBOUNDED_LENGTH,
@@ -153,9 +154,15 @@ def test_settings_from_flags_clamp_the_length():
         (["--device_map", "auto", "--max_memory", "gpu0=1GiB"], "--max_memory gpu0=1GiB: takes DEVICE=SIZE items"),
         (["--device_map", "auto", "--max_memory", "10GiB"], "--max_memory 10GiB: takes DEVICE=SIZE items"),
         (["--model_type", "transfo-xl"], "Transformer-XL was removed"),
+        # on a machine without a GPU (as this test makes every machine)
+        (["--device_map", "cuda:0"], "--device_map cuda:0: no such device here (torch sees no accelerator)"),
+        (["--device_map", "bogus"], "--device_map bogus: takes auto, balanced, balanced_low_0, sequential or a "
+                                    "device"),
+        (["--device_map", "auto", "--max_memory", "cpu=10GiB", "0=1GiB"], "--max_memory 0=...: no GPU 0 here"),
     ],
 )
-def test_bad_flags_are_one_line_and_exit_2(argv, message, capsys):
+def test_bad_flags_are_one_line_and_exit_2(argv, message, capsys, monkeypatch):
+    monkeypatch.setattr(rungen.arguments, "accelerators_here", lambda: (None, 0))
     with pytest.raises(SystemExit) as exit_:
         run_generation.cli(argv)  # refused while parsing, before any model loads
     err = capsys.readouterr().err
@@ -163,7 +170,8 @@ def test_bad_flags_are_one_line_and_exit_2(argv, message, capsys):
     assert err.count("\n") == 1
 
 
-def test_padding_text_is_folded_into_prefix_once():
+def test_padding_text_is_folded_into_prefix_once(monkeypatch):
+    monkeypatch.setattr(rungen.arguments, "accelerators_here", lambda: ("cuda", 1))  # a machine with one GPU
     args = parse_args(["--padding_text", "P. "])
     assert args.prefix == "P. "
     assert parse_args(["--padding_text", "P. ", "--prefix", "Q. "]).prefix == "Q. "
