@@ -105,6 +105,8 @@ def main(argv=None):
         if state.is_main_process:  # the others would take lines of the same pipe
             mine = read_prompts(args.prompt, whole_stdin=args.whole_stdin, input_format=args.input_format)
         prompts = processes.share_prompts(state, mine)
+        stream = choose_streaming(args.stream, settings_from_args(args), len(prompts), state.num_processes,
+                                  args.output_format)
     # A GGUF file runs on the own model code unless the flags need transformers' (generate()'s controls). Not --jit:
     # a file the own model runs is one native call a step in transformers' model too, which leaves nothing to trace.
     own_model = settings_refusal(settings_from_args(args), bool(args.assistant_model)) is None
@@ -158,7 +160,6 @@ def main(argv=None):
         return session.run(loaded, settings, chat=args.chat, system=args.system, stream=args.stream,
                            prefix=args.prefix, tools=args.tools, figures=not args.quiet)
 
-    stream = choose_streaming(args.stream, settings, len(prompts), state.num_processes, args.output_format)
     writer = Writer(args.output_format, len(prompts), active=state.is_main_process)
     tool_grammars = {}
     for prompt in prompts:
@@ -271,14 +272,19 @@ def quiet_progress_bars() -> None:
 
 
 def choose_streaming(requested, settings, num_prompts, num_processes, output_format):
-    """--stream (`requested`), or by default when stdout is a terminal; only where one sequence can stream."""
-    single = num_prompts == 1 and settings.num_return_sequences == 1 and output_format == "text"
-    streamable = single and settings.num_beams == 1 and num_processes == 1
+    """--stream (`requested`), or by default when stdout is a terminal; only where one sequence can stream
+    (--stream where none can: UsageError)."""
+    reasons = {f"{num_prompts} prompts": num_prompts > 1,  # none: nothing to stream, nothing refused
+               f"--num_return_sequences {settings.num_return_sequences}": settings.num_return_sequences != 1,
+               f"--num_beams {settings.num_beams}": settings.num_beams != 1,
+               f"--output_format {output_format}": output_format != "text",
+               f"{num_processes} processes": num_processes != 1}
+    unstreamable = [why for why, holds in reasons.items() if holds]
     if requested is None:
-        return streamable and sys.stdout.isatty()
-    if requested and not streamable:
-        logger.warning("--stream needs one prompt, one sequence, no beam search, text output and one process.")
-        return False
+        return not unstreamable and sys.stdout.isatty()
+    if requested and unstreamable:
+        raise UsageError(f"--stream prints one sequence of one prompt as text, in one process; not with "
+                         f"{' and '.join(unstreamable)}")
     return requested
 
 

@@ -11,6 +11,7 @@ from transformers import DynamicCache
 import run_generation
 import rungen.arguments
 from rungen.arguments import max_memory_map, parse_args, settings_from_args
+from rungen.errors import UsageError
 from rungen.generation import (
     UNBOUNDED_LENGTH,
     Sequence,
@@ -189,15 +190,24 @@ def test_padding_text_is_folded_into_prefix_once(monkeypatch):
         ([], 1, False, False),  # a pipe: blocks
         ([], 2, True, False),  # several prompts never stream
         (["--stream"], 1, False, True),
-        (["--stream", "--num_beams", "2"], 1, False, False),  # beams cannot stream: warned, off
+        (["--stream"], 0, False, True),  # an empty pipe: nothing to stream, nothing refused
         (["--no-stream"], 1, True, False),
+        # asked for where it cannot be: refused (a flag the run cannot honour), never turned off
+        (["--stream", "--num_beams", "2"], 1, False, "not with --num_beams 2"),
+        (["--stream"], 3, False, "not with 3 prompts"),
+        (["--stream", "--output_format", "jsonl", "--num_return_sequences", "2"], 1, False,
+         "not with --num_return_sequences 2 and --output_format jsonl"),
     ],
 )
 def test_when_output_streams(argv, prompts, tty, expected, monkeypatch):
     monkeypatch.setattr("sys.stdout", type("Tty", (io.StringIO,), {"isatty": lambda self: tty})())
     args = parse_args(argv)
     settings = settings_from_args(args)
-    assert run_generation.choose_streaming(args.stream, settings, prompts, 1, args.output_format) is expected
+    if isinstance(expected, str):
+        with pytest.raises(UsageError, match=expected):
+            run_generation.choose_streaming(args.stream, settings, prompts, 1, args.output_format)
+    else:
+        assert run_generation.choose_streaming(args.stream, settings, prompts, 1, args.output_format) is expected
 
 
 # The JIT dispatcher's decision
