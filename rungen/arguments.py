@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import json
 import math
+import sys
 
 from . import PROG, logger
 from .controls import FILE_KEY_FLAGS, add_control_arguments, check_controls, validate_generation_config
@@ -126,6 +127,8 @@ SERVE_REFUSED = ("prompt", "stream", "output_format", "input_format", "whole_std
                  "chat", "system", "prefix", "padding_text", "xlm_language", "min_p", "typical_p",
                  "no_repeat_ngram_size", "logprobs", "prompt_lookup_num_tokens", "assistant_model",
                  "generation_config", "json_schema", "regex", "grammar", "tools")
+SERVE_ONLY = ("host", "port", "api_key", "max_queue", "max_batch", "max_cache_tokens", "prefix_cache_mb",
+              "cors_origins", "shutdown_grace")
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -176,6 +179,9 @@ def check_serve(args: argparse.Namespace, given: set[str]) -> None:
     """With --serve: UsageError for a flag that belongs to single runs (`given`: the flags the command line
     gave), or a server setting out of range."""
     if not args.serve:
+        for dest in SERVE_ONLY:
+            if dest in given:
+                raise UsageError(f"--{dest} is a server setting: it needs --serve")
         return
     for dest in SERVE_REFUSED:
         if dest in given and getattr(args, dest) not in (False, None):
@@ -236,6 +242,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         validate_generation_config(settings, file.path)
     if args.batch_size < 1:
         raise UsageError(f"--batch_size must be >= 1, got {args.batch_size}")
+    check_inputs(args, given)
     if args.dequantize and args.model_name_or_path and not args.model_name_or_path.endswith(".gguf"):
         raise UsageError("--dequantize applies to GGUF files (and the default model); this checkpoint is not one")
     if args.quantize and args.device_map:
@@ -248,6 +255,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             raise UsageError("--max_memory needs --device_map")
         max_memory_map(args.max_memory)
     return args
+
+
+def check_inputs(args: argparse.Namespace, given: set[str]) -> None:
+    """UsageError for input flags a run would not read: stdin's format beside --prompt, --whole_stdin's one prompt
+    as jsonl lines, --system with prompts no chat template wraps, an empty --stop_token."""
+    if args.prompt is not None and {"input_format", "whole_stdin"} & given:
+        flag = "--input_format" if "input_format" in given else "--whole_stdin"
+        raise UsageError(f"{flag} is how stdin is read; with --prompt stdin is not read")
+    if args.whole_stdin and args.input_format == "jsonl":
+        raise UsageError("--whole_stdin reads stdin as one text prompt; jsonl is one prompt a line: choose one")
+    if args.system is not None and args.chat is False:
+        raise UsageError("--system is the chat template's system message; --no-chat leaves prompts unwrapped")
+    session = args.prompt is None and sys.stdin is not None and sys.stdin.isatty()  # main()'s test
+    if args.system is not None and args.chat is None and not args.serve and args.input_format == "text" \
+            and not session:
+        raise UsageError("--system is the chat template's system message: add --chat to wrap these prompts in it")
+    if args.stop_token is not None and any(stop == "" for stop in args.stop_token):
+        raise UsageError("--stop_token must not be empty (it would stop before the first token)")
 
 
 DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")  # accelerate's

@@ -29,6 +29,12 @@ with people, even a bishop, begging for his blessing. <eod> </s> <eos>"""
 
 
 # What an output record holds besides the input line's other fields (rungen/output.py, generation.Sequence).
+CHAT_ROLES = ("system", "developer", "user", "assistant")  # a "tool" message comes with tool calls (rungen/tools.py)
+TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
+# An OpenAI request's settings: in a jsonl line they would be taken for settings and do nothing.
+SETTING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens", "n", "stop",
+                  "seed", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                  "logit_bias", "response_format", "stream", *TOOL_FIELDS}
 RECORD_FIELDS = {"prompt_index", "sequence_index", "generated_text", "text", "num_prompt_tokens",
                  "num_generated_tokens", "finish_reason", "logprobs", "prompt_logprobs", "perplexity", "error",
                  "content", "tool_calls", "reasoning_content"}
@@ -62,7 +68,7 @@ def read_prompts(prompt: str | None, *, whole_stdin: bool = False, input_format:
         return [Prompt(0, prompt)]
     if sys.stdin is None:
         raise UsageError("no prompt: pass --prompt, or pipe prompts through stdin")
-    data = sys.stdin.buffer.read()
+    data = sys.stdin.buffer.read().removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark (Windows files)
     if whole_stdin:
         lines = [data]
     else:
@@ -81,7 +87,7 @@ def parse_prompt_line(index: int, line: bytes, input_format: str) -> Prompt:
     try:
         record = strict_json.loads(text)
     except strict_json.JSONError as error:
-        return Prompt(index, None, error=f"input is not valid JSON: {error.message}")
+        return Prompt(index, None, error=f"input: {error.message}")
     if isinstance(record, dict) and "messages" in record and "prompt" not in record:
         messages = record.pop("messages")
         tools = {key: record.pop(key) for key in ("tools", "tool_choice", "parallel_tool_calls") if key in record}
@@ -93,10 +99,9 @@ def parse_prompt_line(index: int, line: bytes, input_format: str) -> Prompt:
             except ToolError as error:
                 return Prompt(index, None, extra=record, error=f'"{error.param}": {error}')
         else:
-            problem = messages_problem(messages)
+            conversation, problem = plain_conversation(messages)
             if problem:
                 return Prompt(index, None, extra=record, error=f'"messages": {problem}')
-            conversation = messages
         last_user = [message["content"] for message in conversation if message["role"] == "user"][-1:]
         problem = carried_fields_problem(record)
         if problem:
@@ -114,9 +119,17 @@ def parse_prompt_line(index: int, line: bytes, input_format: str) -> Prompt:
 
 
 def carried_fields_problem(record: dict) -> str | None:
-    """A carried field named as one of the output record's own would overwrite it (or be lost)."""
+    """A carried field named as one of the output record's own would overwrite it (or be lost); one named as a
+    request setting would be taken for one and do nothing (the flags set a run's settings)."""
     taken = sorted(RECORD_FIELDS.intersection(record))
-    return f'the field "{taken[0]}" is one the output record writes; rename it' if taken else None
+    if taken:
+        return f'the field "{taken[0]}" is one the output record writes; rename it'
+    settings = sorted(SETTING_FIELDS.intersection(record))
+    if settings:
+        return (f'the field "{settings[0]}" is a request setting, which a jsonl line does not set: the flags set '
+                'them for every line (--temperature, --length...)' if settings[0] not in TOOL_FIELDS else
+                f'the field "{settings[0]}" goes with a "messages" conversation, not a "prompt"')
+    return None
 
 
 def has_tool_fields(messages) -> bool:
@@ -125,14 +138,27 @@ def has_tool_fields(messages) -> bool:
         for message in messages)
 
 
-def messages_problem(messages) -> str | None:
-    """What is wrong with a conversation in the OpenAI chat format, or None."""
+def plain_conversation(messages) -> tuple[list | None, str | None]:
+    """(the conversation for the chat template, None) of messages in the OpenAI chat format without tools, a
+    message's text parts joined by a line as the server joins them; (None, what is wrong) otherwise."""
     if not isinstance(messages, list) or not messages:
-        return "must be a non-empty list"
+        return None, "must be a non-empty list"
+    conversation = []
     for message in messages:
-        if not isinstance(message, dict) or not all(isinstance(message.get(key), str) for key in ("role", "content")):
-            return 'each message must be an object with string "role" and "content" fields'
-    return None
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            return None, 'each message must be an object with a string "role" and a "content"'
+        if message["role"] not in CHAT_ROLES:
+            return None, f'a message\'s role is one of {", ".join(CHAT_ROLES)}, not {message["role"]!r}'
+        content = message.get("content")
+        if isinstance(content, list) and content and all(
+                isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                for part in content):
+            content = "\n".join(part["text"] for part in content)
+        if not isinstance(content, str):
+            return None, 'a message\'s "content" is a string or a list of text parts'
+        role = "system" if message["role"] == "developer" else message["role"]  # as the server takes it
+        conversation.append(dict(message, role=role, content=content))
+    return conversation, None
 
 
 # The original script's per-model preparation

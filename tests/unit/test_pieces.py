@@ -3,6 +3,7 @@
 import dataclasses
 import io
 import json
+import sys
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from rungen.generation import (
 )
 from rungen.jit import _served_by_graph
 from rungen.output import Writer
-from rungen.prompts import Prompt, parse_prompt_line
+from rungen.prompts import Prompt, parse_prompt_line, read_prompts
 
 # Prompts
 
@@ -38,14 +39,38 @@ def test_text_and_jsonl_lines():
     "line, input_format, error",
     [
         (b"caf\xe9 au lait", "text", "input is not valid UTF-8 (invalid continuation byte at byte 3)"),
-        (b"{not json", "jsonl", "input is not valid JSON"),
+        (b"{not json", "jsonl", "input: not valid JSON ("),
         (b'{"text": "no prompt field"}', "jsonl", 'a jsonl input line must be an object with a string "prompt"'),
         (b'["a list"]', "jsonl", 'a jsonl input line must be an object with a string "prompt"'),
+        # fields a user would take for settings: refused, not carried and left undone
+        (b'{"prompt": "Hi", "temperature": 0, "max_tokens": 3}', "jsonl", 'the field "max_tokens" is a request '
+                                                                           'setting, which a jsonl line does not set'),
+        (b'{"prompt": "Hi", "tools": []}', "jsonl", 'the field "tools" goes with a "messages" conversation'),
+        (b'{"messages": [{"role": "robot", "content": "Hi"}]}', "jsonl", '"messages": a message\'s role is one of'),
+        (b'{"messages": [{"role": "user", "content": 5}]}', "jsonl", '"messages": a message\'s "content" is a string'),
     ],
 )
 def test_unreadable_lines_become_error_records(line, input_format, error):
     prompt = parse_prompt_line(5, line, input_format)
     assert prompt.index == 5 and prompt.error.startswith(error)
+
+
+@pytest.mark.parametrize("input_format", ["text", "jsonl"])
+def test_a_byte_order_mark_starting_stdin_is_no_part_of_a_prompt(input_format, monkeypatch):
+    lines = [b"Hello", b"World"] if input_format == "text" else [b'{"prompt": "Hello"}', b'{"prompt": "World"}']
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"\xef\xbb\xbf" + b"\r\n".join(lines))))
+    prompts = read_prompts(None, input_format=input_format)
+    assert [(prompt.text, prompt.error) for prompt in prompts] == [("Hello", None), ("World", None)]
+
+
+def test_a_conversations_text_parts_are_joined_and_a_developer_message_is_a_system_one():
+    line = (b'{"messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": [{"type": '
+            b'"text", "text": "<ctx>"}, {"type": "text", "text": "Capital of France?"}]}], "id": 7}')
+    prompt = parse_prompt_line(0, line, "jsonl")
+    assert prompt.error is None and prompt.text == "<ctx>\nCapital of France?"
+    assert prompt.messages == [{"role": "system", "content": "Be brief."},
+                               {"role": "user", "content": "<ctx>\nCapital of France?"}]
+    assert prompt.extra["id"] == 7 and prompt.extra["messages"][1]["content"][0]["text"] == "<ctx>"  # carried as given
 
 
 # Batching
@@ -155,6 +180,12 @@ def test_settings_from_flags_clamp_the_length():
         (["--device_map", "auto", "--max_memory", "gpu0=1GiB"], "--max_memory gpu0=1GiB: takes DEVICE=SIZE items"),
         (["--device_map", "auto", "--max_memory", "10GiB"], "--max_memory 10GiB: takes DEVICE=SIZE items"),
         (["--model_type", "transfo-xl"], "Transformer-XL was removed"),
+        # flags the run would not read
+        (["--prompt", "hi", "--system", "Be brief."], "--system is the chat template's system message: add --chat"),
+        (["--prompt", "hi", "--input_format", "jsonl"], "--input_format is how stdin is read; with --prompt"),
+        (["--whole_stdin", "--input_format", "jsonl"], "--whole_stdin reads stdin as one text prompt"),
+        (["--port", "9000"], "--port is a server setting: it needs --serve"),
+        (["--stop_token", ""], "--stop_token must not be empty"),
         # on a machine without a GPU (as this test makes every machine)
         (["--device_map", "cuda:0"], "--device_map cuda:0: no such device here (torch sees no accelerator)"),
         (["--device_map", "bogus"], "--device_map bogus: takes auto, balanced, balanced_low_0, sequential or a "
