@@ -42,7 +42,14 @@ from rungen.arguments import max_memory_map, parse_args, serve_options, settings
 from rungen.batch import engine_refusal, open_engine, run_prompts, settings_refusal
 from rungen.controls import load_assistant
 from rungen.errors import PromptError, PromptsFailed, RunGenerationError, UsageError
-from rungen.generation import UNBATCHABLE_TYPES, eos_token_ids, generate_batch, make_batches, mark_interrupted
+from rungen.generation import (
+    UNBATCHABLE_TYPES,
+    eos_token_ids,
+    generate_batch,
+    make_batches,
+    mark_interrupted,
+    quiet_transformers_own_calls,
+)
 from rungen.gguf import holds_blocks, native_kernels
 from rungen.interrupt import CtrlC
 from rungen.loading import load
@@ -72,6 +79,7 @@ def main(argv=None):
     level = logging.INFO if args.verbose else logging.WARNING if args.quiet else NOTICE
     logging.basicConfig(format="%(message)s", level=level if state.is_main_process else logging.WARNING,
                         handlers=[stderr_handler()])
+    quiet_transformers_own_calls()
     if not args.verbose:
         quiet_progress_bars()
     logger.info("%s", args)

@@ -259,7 +259,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def check_inputs(args: argparse.Namespace, given: set[str]) -> None:
     """UsageError for input flags a run would not read: stdin's format beside --prompt, --whole_stdin's one prompt
-    as jsonl lines, --system with prompts no chat template wraps, an empty --stop_token."""
+    as jsonl lines, --system with prompts no chat template wraps."""
     if args.prompt is not None and {"input_format", "whole_stdin"} & given:
         flag = "--input_format" if "input_format" in given else "--whole_stdin"
         raise UsageError(f"{flag} is how stdin is read; with --prompt stdin is not read")
@@ -271,8 +271,6 @@ def check_inputs(args: argparse.Namespace, given: set[str]) -> None:
     if args.system is not None and args.chat is None and not args.serve and args.input_format == "text" \
             and not session:
         raise UsageError("--system is the chat template's system message: add --chat to wrap these prompts in it")
-    if args.stop_token is not None and any(stop == "" for stop in args.stop_token):
-        raise UsageError("--stop_token must not be empty (it would stop before the first token)")
 
 
 DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")  # accelerate's

@@ -205,10 +205,20 @@ def check_controls(args: argparse.Namespace) -> None:
         if args.num_beams > 1:
             raise UsageError(f"{speculative[0]} works with greedy decoding or sampling, not beam search")
         if args.num_return_sequences > 1:
-            raise UsageError(f"{speculative[0]} generates one sequence per prompt (transformers' assisted generation)")
+            raise UsageError(f"{speculative[0]} and --num_return_sequences {args.num_return_sequences}: assisted "
+                             "generation makes one sequence per prompt (transformers')")
     constrained = args.json_schema is not None or args.regex is not None or args.grammar is not None
     if constrained and args.length == 0:
         raise UsageError("--json_schema, --regex and --grammar constrain generated text; --length 0 generates none")
+    shaping = [f"--{name} {value}" for name, value in (("num_return_sequences", args.num_return_sequences),
+                                                       ("num_beams", args.num_beams)) if value != 1]
+    if args.length == 0 and shaping + speculative:
+        raise UsageError(f"{(shaping + speculative)[0]} shapes generated text; --length 0 scores the prompts and "
+                         "generates none")
+    if args.temperature == 0 and args.num_beams == 1 and args.num_return_sequences > 1:
+        n = args.num_return_sequences
+        raise UsageError(f"--num_return_sequences {n} at --temperature 0 would print one greedy sequence {n} times: "
+                         f"sample (--temperature > 0) or search (--num_beams {n} or more)")
 
 
 # --assistant_model

@@ -281,23 +281,34 @@ def describe_sequence(settings: Settings, tokenizer, prompt: Prompt, new: list[i
     return Sequence(continuation, text, len(prompt.ids), produced, finish)
 
 
-# transformers' warnings about its own calls, not the user's: assisted decoding passes the assistant model a
-# generation_config beside arguments, and XLNet's unbounded positions (-1) count as exceeded at every step.
-TRANSFORMERS_OWN_CALLS = ("Passing `generation_config` together with generation-related arguments",
-                          "This is a friendly reminder - the current text generation call has exceeded the model's "
-                          "predefined maximum length (-1)")
+# transformers' warnings about its own calls, not the user's, by the logger that writes each: assisted decoding
+# passes the assistant model a generation_config beside arguments; XLNet's unbounded positions (-1) count as
+# exceeded at every step; a tokenizer's model_max_length is not the context the tool checks prompts against.
+TRANSFORMERS_OWN_CALLS = {
+    "transformers.generation.utils": "Passing `generation_config` together with generation-related arguments",
+    "transformers.generation.stopping_criteria": "This is a friendly reminder - the current text generation call "
+                                                 "has exceeded the model's predefined maximum length (-1)",
+    "transformers.tokenization_utils_base": "Token indices sequence length is longer than the specified maximum "
+                                            "sequence length",
+}
 
 
-class _OwnCalls(logging.Filter):
+class _OwnCall(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
     def filter(self, record):
-        return not record.getMessage().startswith(TRANSFORMERS_OWN_CALLS)
+        return not record.getMessage().startswith(self.prefix)
 
 
 def quiet_transformers_own_calls() -> None:
-    """Drops TRANSFORMERS_OWN_CALLS at transformers' handlers (once a process; its library logger's own)."""
-    for handler in logging.getLogger("transformers").handlers:
-        if not any(isinstance(existing, _OwnCalls) for existing in handler.filters):
-            handler.addFilter(_OwnCalls())
+    """Drops TRANSFORMERS_OWN_CALLS where they are logged (whichever handlers would show them; transformers need
+    not be imported yet)."""
+    for name, prefix in TRANSFORMERS_OWN_CALLS.items():
+        library_logger = logging.getLogger(name)
+        if not any(isinstance(existing, _OwnCall) for existing in library_logger.filters):
+            library_logger.addFilter(_OwnCall(prefix))
 
 
 def mark_interrupted(results: dict[int, list[Sequence]], length: int) -> None:

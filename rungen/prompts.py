@@ -91,7 +91,8 @@ def parse_prompt_line(index: int, line: bytes, input_format: str) -> Prompt:
     if isinstance(record, dict) and "messages" in record and "prompt" not in record:
         messages = record.pop("messages")
         tools = {key: record.pop(key) for key in ("tools", "tool_choice", "parallel_tool_calls") if key in record}
-        if tools or has_tool_fields(messages):
+        with_tools = bool(tools) or has_tool_fields(messages)
+        if with_tools:
             from .tools import ToolError, read_conversation
 
             try:
@@ -107,7 +108,7 @@ def parse_prompt_line(index: int, line: bytes, input_format: str) -> Prompt:
         if problem:
             return Prompt(index, "".join(last_user), error=problem)
         return Prompt(index, "".join(last_user), extra=dict(record, messages=messages), messages=conversation,
-                      tools=tools if tools or conversation is not messages else None)
+                      tools=tools if with_tools else None)
     if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
         return Prompt(index, None, error='a jsonl input line must be an object with a string "prompt" field '
                       'or a "messages" list')

@@ -48,6 +48,11 @@ def llama_tokenizer(tmp_path_factory):
         (["--prompt_lookup_num_tokens", "3", "--assistant_model", "x"], "two ways of drafting tokens: choose one"),
         (["--prompt_lookup_num_tokens", "3", "--num_beams", "2"], "not beam search"),
         (["--assistant_model", "x", "--num_return_sequences", "2"], "one sequence per prompt"),
+        (["--temperature", "0", "--num_return_sequences", "3"], "would print one greedy sequence 3 times"),
+        (["--length", "0", "--logprobs", "1", "--output_format", "jsonl", "--num_return_sequences", "2"],
+         "--num_return_sequences 2 shapes generated text; --length 0 scores the prompts"),
+        (["--length", "0", "--logprobs", "1", "--output_format", "jsonl", "--prompt_lookup_num_tokens", "2"],
+         "--prompt_lookup_num_tokens shapes generated text"),
     ],
 )
 def test_bad_control_flags_are_one_line_and_exit_2(argv, message, capsys):

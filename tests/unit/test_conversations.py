@@ -35,8 +35,8 @@ def test_a_jsonl_line_with_messages_is_a_conversation():
     [
         ({"messages": []}, '"messages": must be a non-empty list'),
         ({"messages": "Hi"}, '"messages": must be a non-empty list'),
-        ({"messages": [{"role": "user"}]}, '"messages": each message must be an object with string "role"'),
-        ({"messages": ["Hi"]}, '"messages": each message must be an object with string "role"'),
+        ({"messages": [{"role": "user"}]}, '"messages": a message\'s "content" is a string or a list of text parts'),
+        ({"messages": ["Hi"]}, '"messages": each message must be an object with a string "role"'),
     ],
 )
 def test_bad_conversations_are_error_records(record, error):
