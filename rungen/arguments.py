@@ -45,19 +45,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="Local directory, hub id, or .gguf file. Default: the embedded SmolLM2-135M-Instruct.",
     )
     parser.add_argument("--prompt", default=None, help="Default: lines of stdin, or a session in a terminal.")
-    parser.add_argument("--length", type=int, default=20, help="Number of new tokens.")
+    parser.add_argument("--length", type=int, default=20,
+                        help="Number of new tokens (default: 20; negative: up to the context; 0: score the prompts).")
     parser.add_argument(
         "--stop_token", "--stop", action="append", default=None, metavar="TEXT",
         help="Text at which generation stops (repeat for several: the earliest one cuts)",
     )
     parser.add_argument(
-        "--temperature", type=float, default=1.0, help="1.0 has no effect, lower tends toward greedy; 0 is greedy"
+        "--temperature", type=float, default=1.0,
+        help="1.0 (the default) has no effect, lower tends toward greedy; 0 is greedy"
     )
     parser.add_argument(
         "--repetition_penalty", type=float, default=1.0, help="primarily useful for CTRL model; in that case, use 1.2"
     )
     parser.add_argument("--k", type=int, default=0, help="top-k sampling (0: off)")
-    parser.add_argument("--p", type=float, default=0.9, help="top-p (nucleus) sampling")
+    parser.add_argument("--p", type=float, default=0.9, help="top-p (nucleus) sampling (default: 0.9)")
     parser.add_argument("--num_beams", type=int, default=1, help="beam search with this many beams")
     add_control_arguments(parser)
     parser.add_argument("--prefix", default="", help="Text added prior to input.")
@@ -76,10 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
         help='Tools the model may call in a terminal session: OpenAI function tools, a JSON list or {"tools", '
         '"tool_choice", "parallel_tool_calls"}; the session prints each call the model would make.',
     )
-    parser.add_argument("--seed", type=int, default=42, help="random seed for initialization")
+    parser.add_argument("--seed", type=int, default=42, help="random seed for initialization (default: 42)")
     parser.add_argument("--use_cpu", action="store_true", help="Use the CPU even when an accelerator is available.")
     parser.add_argument("--num_return_sequences", type=int, default=1, help="The number of samples to generate.")
-    parser.add_argument("--fp16", action="store_true", help="Shorthand for --dtype float16 (wins over --dtype).")
+    parser.add_argument("--fp16", action="store_true", help="Shorthand for --dtype float16.")
     parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="auto: the checkpoint's dtype")
     parser.add_argument("--jit", action="store_true", help="Trace the decoding step with torch.jit.")
     parser.add_argument(
@@ -107,9 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     # Batches of prompts from stdin, and machine-readable output.
     parser.add_argument("--whole_stdin", action="store_true", help="Read all of stdin as one prompt.")
-    parser.add_argument("--input_format", choices=["text", "jsonl"], default="text")
-    parser.add_argument("--output_format", choices=["text", "jsonl"], default="text")
-    parser.add_argument("--batch_size", type=int, default=16, help="Prompts generated together.")
+    parser.add_argument("--input_format", choices=["text", "jsonl"], default="text",
+                        help="stdin: a prompt a line (text, the default), or a JSON object a line (docs/usage.md)")
+    parser.add_argument("--output_format", choices=["text", "jsonl"], default="text",
+                        help="the original script's text blocks (the default), or a JSON object a sequence")
+    parser.add_argument("--batch_size", type=int, default=16, help="Prompts generated together (default: 16).")
     parser.add_argument(
         "--stream",
         action=argparse.BooleanOptionalAction,
@@ -221,6 +225,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             elif values["temperature"] == 0:
                 raise UsageError(f"--generation_config {file.path}: do_sample is true but temperature is 0")
     if values["fp16"]:
+        if "dtype" in given and values["dtype"] != "float16":
+            raise UsageError(f"--fp16 is --dtype float16; with --dtype {values['dtype']} choose one")
         values["dtype"] = "float16"
     if values["padding_text"]:
         if not values["prefix"]:

@@ -185,6 +185,7 @@ def test_settings_from_flags_clamp_the_length():
         (["--prompt", "hi", "--input_format", "jsonl"], "--input_format is how stdin is read; with --prompt"),
         (["--whole_stdin", "--input_format", "jsonl"], "--whole_stdin reads stdin as one text prompt"),
         (["--port", "9000"], "--port is a server setting: it needs --serve"),
+        (["--fp16", "--dtype", "float32"], "--fp16 is --dtype float16; with --dtype float32 choose one"),
         # on a machine without a GPU (as this test makes every machine)
         (["--device_map", "cuda:0"], "--device_map cuda:0: no such device here (torch sees no accelerator)"),
         (["--device_map", "bogus"], "--device_map bogus: takes auto, balanced, balanced_low_0, sequential or a "
