@@ -243,7 +243,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.tools = read_tools_file(args.tools)
     settings = settings_from_args(args)
     settings.check()
-    check_controls(args)
+    check_controls(args, given)
     if file is not None:
         validate_generation_config(settings, file.path)
     if args.batch_size < 1:

@@ -176,16 +176,20 @@ def validate_generation_config(settings: Settings, path: str) -> None:
 # Checks of the new flags
 
 
-def check_controls(args: argparse.Namespace) -> None:
-    """UsageError for the new flags' values and combinations (after the file has filled them)."""
+def check_controls(args: argparse.Namespace, given: set[str] = frozenset()) -> None:
+    """UsageError for the new flags' values and combinations (after the file has filled them; `given`: the flags
+    the command line gave)."""
     if args.min_p is not None and not 0 <= args.min_p <= 1:
         raise UsageError(f"--min_p must be in [0, 1], got {args.min_p}")
     if args.typical_p is not None and not 0 < args.typical_p <= 1:
         raise UsageError(f"--typical_p must be in (0, 1], got {args.typical_p}")
     if args.no_repeat_ngram_size < 0:
         raise UsageError(f"--no_repeat_ngram_size must be >= 0, got {args.no_repeat_ngram_size}")
-    if args.temperature == 0 and (args.min_p is not None or args.typical_p is not None):
-        logger.warning("--min_p and --typical_p apply to sampling only (--temperature > 0); ignored")
+    sampling_only = [f"--{name}" for name, on in (("k", "k" in given), ("p", "p" in given),
+                                                  ("min_p", args.min_p is not None),
+                                                  ("typical_p", args.typical_p is not None)) if on]
+    if args.temperature == 0 and sampling_only:
+        logger.warning("%s apply to sampling only (--temperature > 0); ignored", " and ".join(sampling_only))
     if args.logprobs is not None:
         if args.logprobs < 0:
             raise UsageError(f"--logprobs must be >= 0, got {args.logprobs}")

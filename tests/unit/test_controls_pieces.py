@@ -77,6 +77,12 @@ def test_sampling_only_flags_warn_under_greedy(caplog):
     args = parse_args(["--temperature", "0", "--min_p", "0.1"])
     assert args.min_p == 0.1 and "apply to sampling only" in caplog.text
     assert "min_p" not in generation_kwargs(settings_from_args(args), pad_token_id=0)
+    caplog.clear()
+    parse_args(["--temperature", "0", "--k", "5", "--p", "0.5"])  # given: said so as well
+    assert "--k and --p apply to sampling only" in caplog.text
+    caplog.clear()
+    parse_args(["--temperature", "0"])  # their defaults are not the user's
+    assert "sampling only" not in caplog.text
 
 
 def test_control_kwargs_reach_generate():
