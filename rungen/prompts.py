@@ -202,6 +202,8 @@ def prepare_model(loaded: Loaded, *, temperature: float, xlm_language: str = "")
         logger.info("CTRL typically works better with lower temperatures (and lower top_k).")
     if loaded.model_type == "xlm":
         select_xlm_language(loaded.model, xlm_language)
+    elif xlm_language:
+        raise UsageError(f"--xlm_language chooses an XLM model's language; this model is {loaded.model_type}")
 
 
 # Encoding

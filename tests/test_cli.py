@@ -138,6 +138,9 @@ def test_xlm_language_is_required_without_a_terminal(tiny_models):
     args = ["--model_name_or_path", tiny_models["xlm"], "--prompt", PROMPT]
     assert "--xlm_language must be one of ['en', 'fr']" in error_line(run_main(args))
     assert run_main(args + ["--xlm_language", "fr"]).returncode == 0
+    other = run_main(["--model_name_or_path", tiny_models["gpt2"], "--prompt", PROMPT, "--xlm_language", "fr"])
+    assert other.returncode == 2 and "--xlm_language chooses an XLM model's language; this model is gpt2" in \
+        error_line(other)
 
 
 def test_length_is_clamped_to_the_context(tiny_models, capsys):
