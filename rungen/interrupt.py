@@ -9,6 +9,20 @@ import threading
 import torch
 
 
+@contextlib.contextmanager
+def ctrl_c_deferred():
+    """Ctrl-C waits until the block is done (then acts as it would have): for work that must not stop halfway, such
+    as a model released and its replacement not yet built. Main thread only, where signals are heard."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 class CtrlC:
     """The generation's Ctrl-C; `interrupted` once pressed. `requests`: the engine's requests it cancels."""
 

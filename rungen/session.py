@@ -19,7 +19,7 @@ from . import PROG, logger
 from .batch import engine_refusal, open_engine, submit_prompts
 from .errors import GenerationError, PromptError, UsageError, one_line
 from .generation import FLAG_NAMES, Settings, adjust_length_to_model, eos_token_ids, generate_batch
-from .interrupt import CtrlC
+from .interrupt import CtrlC, ctrl_c_deferred
 from .loading import Loaded, cache_dir, use_transformers_model
 from .prompts import Prompt, encode_prompt
 from .reasoning import plan_prompt, split_reply
@@ -136,6 +136,10 @@ def set_setting(settings: Settings, name: str, value: str, context: int) -> Sett
             parsed = kind(value)
         except ValueError:
             raise UsageError(f"{name} takes {'an integer' if kind is int else 'a number'}, got {value!r}") from None
+        if kind is float and not math.isfinite(parsed):
+            raise UsageError(f"{name} must be a finite number, got {value}")  # as the flag says
+    if name == "length" and parsed == 0:
+        raise UsageError("length 0 scores prompts (the command line's --length 0); a reply needs 1 or more")
     if name == "length":
         parsed = adjust_length_to_model(parsed, max_sequence_length=context)
     changed = dataclasses.replace(settings, **{FIELDS.get(name, name): parsed})
@@ -340,7 +344,8 @@ class Session:
 
             if isinstance(self.loaded.model, GGUFCausalLM):  # generate() runs on transformers' model of the file
                 self.engine, self.engine_opened = None, False  # the engine holds the own model, released now
-                use_transformers_model(self.loaded)
+                with ctrl_c_deferred():  # one model released, the other not yet built: never left halfway
+                    use_transformers_model(self.loaded)
             return None
         if not self.engine_opened:
             self.engine_opened = True
@@ -416,15 +421,23 @@ class Session:
         if not path:
             say("error: /save needs a file name")
             return
+        if not self.messages:
+            say("error: /save: the conversation is empty, nothing to save")
+            return
         if self.chat:  # the jsonl input's conversation format: it reads back with --input_format jsonl
-            lines = [{"messages": self.system + self.messages}]
+            lines = [{"messages": self.system + self.messages, **(self.tools or {})}]
         else:  # plain continuation: one prompt per line, as --input_format jsonl reads prompts
             pairs = zip(self.messages[::2], self.messages[1::2])
             lines = [{"prompt": user["content"], "continuation": reply["content"]} for user, reply in pairs]
-        try:
-            with open(os.path.expanduser(path), "w", encoding="utf-8") as file:
+        target = os.path.expanduser(path)
+        temporary = f"{target}.tmp-{os.getpid()}"
+        try:  # written whole beside it, then put in its place: a failed write leaves the file as it was
+            with open(temporary, "w", encoding="utf-8") as file:
                 file.writelines(json.dumps(line, ensure_ascii=False) + "\n" for line in lines)
+            os.replace(temporary, target)
         except OSError as error:
+            with contextlib.suppress(OSError):
+                os.remove(temporary)
             say(f"error: cannot write {path}: {error.strerror}")
             return
         say(f"(saved to {path})")
@@ -432,7 +445,7 @@ class Session:
     def encode(self, text):
         """This turn's prompt, encoded (with a template, the conversation fitted to the context, dropped turns gone
         for good); PromptError if it cannot be generated."""
-        user = {"role": "user", "content": text}
+        user, dropped = {"role": "user", "content": text}, 0
         if not self.chat:
             prompt = Prompt(len(self.replies), text)
         else:
@@ -440,12 +453,12 @@ class Session:
             if self.loaded.context:
                 limit = self.loaded.context - self.settings.length
                 messages, dropped = fit_to_context(messages, self.count_tokens, limit)
-                if dropped:
-                    turns = "turn" if dropped == 1 else f"{dropped} turns"
-                    say(f"(dropped the oldest {turns} to fit the model's context of {self.loaded.context} tokens)")
-                    self.messages = messages[len(self.system) : -1]
             prompt = Prompt(len(self.replies), text, messages=messages, tools=self.tools)
         prompt.ids = encode_prompt(self.loaded, prompt, self.prefix, self.chat)
+        if dropped:  # only once the prompt fits: one too long for any history keeps the history
+            turns = "turn" if dropped == 1 else f"{dropped} turns"
+            say(f"(dropped the oldest {turns} to fit the model's context of {self.loaded.context} tokens)")
+            self.messages = messages[len(self.system) : -1]
         if prompt.tool_plan is not None and prompt.tool_plan.grammar:
             from .tools import prompt_constraint
 

@@ -234,7 +234,12 @@ def test_set_and_clear(chat_llama, tokenizer, tmp_path):
 def test_old_turns_are_dropped_to_fit_the_context(chat_llama, tokenizer, tmp_path):
     length = 30  # the context is 128: a prompt may be 98 tokens
     terminal = start(["--model_name_or_path", chat_llama, "--temperature", "0", "--length", str(length)], tmp_path)
+    # nothing said yet: no file a read back would refuse
+    assert "the conversation is empty, nothing to save" in terminal.command(f"/save {tmp_path / 'chat.jsonl'}")
     sizes = [terminal.ask(f"Tell me more about the dog number {n}") for n in range(4)]
+    # A prompt too long for any history is refused, and the history stays as it was.
+    refused = terminal.command("the dog " * 60)
+    assert "error: prompt is" in refused and "dropped" not in refused
     terminal.command(f"/save {tmp_path / 'chat.jsonl'}")
     terminal.send("/quit\r")
     assert terminal.wait() == 0

@@ -1,6 +1,7 @@
 """Fast tier: the pure pieces of a terminal session (rungen/session.py), no model."""
 
 import math
+import os
 
 import pytest
 
@@ -108,6 +109,9 @@ def test_set_changes_one_setting_of_a_new_value():
         ("p", "high", "p takes a number, got 'high'"),
         ("temperature", "", "/set temperature needs a value"),
         ("seed", "1", "unknown setting 'seed'; /set takes one of: length, temperature, k, p, repetition_penalty"),
+        ("temperature", "nan", "temperature must be a finite number, got nan"),
+        ("repetition_penalty", "inf", "repetition_penalty must be a finite number, got inf"),
+        ("length", "0", "length 0 scores prompts"),
     ],
 )
 def test_set_refuses_bad_values_with_one_line(name, value, message):
@@ -166,3 +170,27 @@ def test_a_double_ctrl_c_gives_the_stopped_reply_up_and_a_later_one_ends_the_ses
                                                      {"role": "assistant", "content": "Hel"}], ["Hel"]) if ends
                                                    else ([], []))
     assert ("reply given up" in capsys.readouterr().err) is not ends
+
+
+def test_ctrl_c_waits_until_a_deferred_block_is_done():
+    """A session releasing one model and building the other defers Ctrl-C: the model is never left half swapped,
+    and the press still acts once the block is done. (A process: signals are heard by a main thread, which a test
+    worker's may not be.)"""
+    import subprocess
+    import sys
+
+    script = """
+import os, signal, time
+from rungen.interrupt import ctrl_c_deferred
+done = []
+try:
+    with ctrl_c_deferred():
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)  # a handler would have run by now
+        done.append("swapped")
+except KeyboardInterrupt:
+    print(done, "then KeyboardInterrupt")
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert result.stdout.strip() == "['swapped'] then KeyboardInterrupt", result.stderr
