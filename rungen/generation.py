@@ -195,6 +195,11 @@ def generate_batch(loaded: Loaded, settings: Settings, batch: list[Prompt], stre
             )
     except ValueError as error:
         raise GenerationError(one_line(error)) from error
+    except RuntimeError as error:  # the host's memory, or torch's limits, short of what the settings ask
+        if not any(sign in str(error) for sign in CPU_OUT_OF_MEMORY):
+            raise
+        raise GenerationError(f"out of memory ({one_line(error)[:160]}); fit it with a smaller --batch_size, "
+                              "--num_beams or --length") from error
     logits = getattr(output, "logits", None)  # with --logprobs, generate returns a ModelOutput
     if logits is not None:
         beam_indices, output = getattr(output, "beam_indices", None), output.sequences
@@ -280,6 +285,10 @@ def describe_sequence(settings: Settings, tokenizer, prompt: Prompt, new: list[i
     text = continuation if settings.chat or prompt.messages is not None else prompt.text + continuation
     return Sequence(continuation, text, len(prompt.ids), produced, finish)
 
+
+# How torch says a CPU allocation, or a draw over more categories than it takes, could not be made.
+CPU_OUT_OF_MEMORY = ("DefaultCPUAllocator: can't allocate memory", "alloc_cpu.cpp",
+                     "number of categories cannot exceed")
 
 # transformers' warnings about its own calls, not the user's, by the logger that writes each: assisted decoding
 # passes the assistant model a generation_config beside arguments; XLNet's unbounded positions (-1) count as

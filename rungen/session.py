@@ -484,10 +484,15 @@ class Session:
         settings, control = self.settings, TurnControl()
         engine = self.engine_for(settings)
         started = time.perf_counter()
-        if engine is not None:
-            sequences, streamed, first_token_at, reused = self.reply_on_engine(engine, prompt, settings, control)
-        else:
-            sequences, streamed, first_token_at, reused = self.reply_by_generate(prompt, settings, control)
+        try:
+            if engine is not None:
+                sequences, streamed, first_token_at, reused = self.reply_on_engine(engine, prompt, settings, control)
+            else:
+                sequences, streamed, first_token_at, reused = self.reply_by_generate(prompt, settings, control)
+        except GenerationError as error:  # these settings cannot be generated (out of memory among them)
+            print(flush=True)
+            say(f"error: {error}; the conversation is as it was")
+            return
         ended = time.perf_counter()
         if not sequences:  # a constraint the vocabulary could not follow
             say(f"error: {prompt.error}")

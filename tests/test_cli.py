@@ -134,6 +134,15 @@ def test_ctrl_warns_without_a_control_code(tiny_models):
     assert "control code" not in result.stdout.decode()
 
 
+def test_settings_past_what_torch_can_hold_are_one_line(tiny_models):
+    """30000 beams over the tiny gpt2's 600 tokens: more categories than torch draws from (on a big model, more
+    memory than the host has): one line saying how to fit, not torch's traceback."""
+    result = run_main(["--model_name_or_path", tiny_models["gpt2"], "--prompt", PROMPT, "--num_beams", "30000",
+                       "--length", "2"])
+    assert result.returncode == 2 and "out of memory" in error_line(result) and "--num_beams" in error_line(result)
+    assert b"Traceback" not in result.stderr
+
+
 def test_xlm_language_is_required_without_a_terminal(tiny_models):
     args = ["--model_name_or_path", tiny_models["xlm"], "--prompt", PROMPT]
     assert "--xlm_language must be one of ['en', 'fr']" in error_line(run_main(args))
