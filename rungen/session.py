@@ -579,7 +579,8 @@ def run(loaded: Loaded, settings: Settings, *, chat: bool | None = None, system:
     session = Session(loaded, dataclasses.replace(settings, chat=chat, num_return_sequences=1), system=system,
                       stream=stream is not False, prefix=prefix, tools=tools, figures=figures)
     kind = "Chat (the model's chat template)" if chat else "Plain continuation"
-    say(f"{PROG}: {kind}. /help for commands, Ctrl-D or /exit to end.")
+    if figures:  # --quiet: nothing on stderr but warnings and errors
+        say(f"{PROG}: {kind}. /help for commands, Ctrl-D or /exit to end.")
     terminal = Terminal()
     try:
         session.loop(terminal)
