@@ -477,6 +477,7 @@ def played_gpu(name="NVIDIA H200 (played by the CPU)", capability=(9, 0), bf16=T
             device).type == "cuda" else module_of(device))
         patch.setattr(torch.accelerator, "is_available", lambda: True)
         patch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: torch.device("cuda"))
+        patch.setattr(torch.accelerator, "device_count", lambda: 1)  # the one GPU played (torch.cuda's count)
         patch.setattr(torch.Tensor, "tolist", read_list(torch.Tensor.tolist))
         patch.setattr(torch, "Generator", HostGenerator)
         for factory in ("tensor", "as_tensor"):
