@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from .engine import EngineBusy, EngineClosed
 from .errors import PromptError
 from .logprobs import score_prompts
-from .prompts import Prompt, encode_prompt
+from .prompts import PART_SEPARATOR, Prompt, encode_prompt
 from .reasoning import VariableError, detect_delimiters, plan_reply, read_template_variables, split_reply
 from .requests import Delta, Done, End
 from .requests import Request as EngineRequest
@@ -40,7 +40,6 @@ CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", 
                                "reasoning_effort", "store", "safety_identifier", "prompt_cache_key"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs", "best_of", "suffix"}
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
-PART_SEPARATOR = "\n"  # between a message's text parts (or blocks), as vLLM joins them: words never run together
 
 
 class APIError(Exception):

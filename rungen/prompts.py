@@ -31,6 +31,8 @@ with people, even a bishop, begging for his blessing. <eod> </s> <eos>"""
 # What an output record holds besides the input line's other fields (rungen/output.py, generation.Sequence).
 CHAT_ROLES = ("system", "developer", "user", "assistant")  # a "tool" message comes with tool calls (rungen/tools.py)
 TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
+# Between a message's text parts (or blocks), as vLLM joins them: one part's words never run into the next's.
+PART_SEPARATOR = "\n"
 # An OpenAI request's settings: in a jsonl line they would be taken for settings and do nothing.
 SETTING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens", "n", "stop",
                   "seed", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
@@ -141,7 +143,7 @@ def has_tool_fields(messages) -> bool:
 
 def plain_conversation(messages) -> tuple[list | None, str | None]:
     """(the conversation for the chat template, None) of messages in the OpenAI chat format without tools, a
-    message's text parts joined by a line as the server joins them; (None, what is wrong) otherwise."""
+    message's text parts joined as the server joins them; (None, what is wrong) otherwise."""
     if not isinstance(messages, list) or not messages:
         return None, "must be a non-empty list"
     conversation = []
@@ -154,7 +156,7 @@ def plain_conversation(messages) -> tuple[list | None, str | None]:
         if isinstance(content, list) and content and all(
                 isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
                 for part in content):
-            content = "\n".join(part["text"] for part in content)
+            content = PART_SEPARATOR.join(part["text"] for part in content)
         if not isinstance(content, str):
             return None, 'a message\'s "content" is a string or a list of text parts'
         role = "system" if message["role"] == "developer" else message["role"]  # as the server takes it
