@@ -144,7 +144,9 @@ def read_generation_file(path: str) -> GenerationFile:
 
 @contextlib.contextmanager
 def quiet_transformers() -> Iterator[None]:
-    """GenerationConfig logs its lenient validation's findings; the strict one then says it in one line."""
+    """transformers' library logger says errors only within: GenerationConfig's lenient validation logs findings the
+    strict one then says in one line; the tracer (rungen/jit.py) reads properties that warn of what a step never
+    uses."""
     from transformers.utils import logging as hf_logging
 
     level = hf_logging.get_verbosity()

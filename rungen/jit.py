@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import logging
 import sys
 import time
 import warnings
@@ -27,6 +26,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from . import logger
+from .controls import quiet_transformers
 
 # A decode step's keyword arguments the graph serves (anything else -> eager).
 JIT_SERVED_KWARGS = {"input_ids", "attention_mask", "position_ids", "past_key_values", "use_cache",
@@ -143,8 +143,10 @@ def trace_decode_step(model, tokenizer) -> tuple:
     for padded in (True, False):
         step = _DecodeStep(model, forward, with_pos, padded).eval()
         example = _flat(prepare_jit_inputs(model, tokenizer))
+        # quiet_transformers: the tracer reads every attribute of every submodule, and transformers' properties
+        # warn of what a decode step never uses (a config naming no loss_type).
         with torch.no_grad(), warnings.catch_warnings(), _mask_skipped_as_in_eager(padded), _lean_ops(model), \
-                _transformers_errors_only():
+                quiet_transformers():
             # The branches the tracer warns about are constant (query length 1); --jit users know it is deprecated.
             for category in (torch.jit.TracerWarning, DeprecationWarning, FutureWarning):
                 warnings.simplefilter("ignore", category)
@@ -166,19 +168,6 @@ def _runner(frozen):
             with torch.jit.optimized_execution(False):
                 return frozen(*args)
         return run
-
-
-@contextlib.contextmanager
-def _transformers_errors_only():
-    """The tracer reads every attribute of every submodule, and transformers' properties warn of what a decode
-    step never uses (a config naming no loss_type): its logger says errors only meanwhile."""
-    library = logging.getLogger("transformers")
-    level = library.level
-    library.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        library.setLevel(level)
 
 
 @contextlib.contextmanager
