@@ -108,16 +108,16 @@ def main(argv=None):
         # An OpenMP team the main thread started would slow the model thread's parallel regions (docs/server.md).
         torch.set_num_threads(1)
 
+    flag_settings = settings_from_args(args)  # before loading: the context that clamps --length is not known yet
     if not interactive and not args.serve:
         mine = None
         if state.is_main_process:  # the others would take lines of the same pipe
             mine = read_prompts(args.prompt, whole_stdin=args.whole_stdin, input_format=args.input_format)
         prompts = processes.share_prompts(state, mine)
-        stream = choose_streaming(args.stream, settings_from_args(args), len(prompts), state.num_processes,
-                                  args.output_format)
+        stream = choose_streaming(args.stream, flag_settings, len(prompts), state.num_processes, args.output_format)
     # A GGUF file runs on the own model code unless the flags need transformers' (generate()'s controls). Not --jit:
     # a file the own model runs is one native call a step in transformers' model too, which leaves nothing to trace.
-    own_model = settings_refusal(settings_from_args(args), bool(args.assistant_model)) is None
+    own_model = settings_refusal(flag_settings, bool(args.assistant_model)) is None
     loading = time.perf_counter()
     with state.main_process_first():  # only one process converts the default model
         loaded = load(args.model_name_or_path, model_type=args.model_type, dtype=args.dtype, device=state.device,
