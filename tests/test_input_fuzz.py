@@ -360,41 +360,30 @@ def check_gguf(tmp_path, data, monkeypatch, flags=()):
         json.load(open(entries / entry / "tensors.json"))
 
 
-def test_gguf_headers_broken_anywhere_fail_in_one_line(gguf_bytes, tmp_path_factory, monkeypatch):
+def fuzz_headers(gguf_bytes, tmp_path_factory, monkeypatch, examples, flags=(), fixed_seed=None):
+    """check_gguf on `examples` files broken anywhere (seeded where `fixed_seed` is given)."""
     data, fields = gguf_bytes
 
-    @seed(20261125)
-    @settings(FAST, max_examples=60)
+    @settings(FAST, max_examples=examples)
     @given(case=broken_ggufs(data, fields))
     def run(case):
-        check_gguf(tmp_path_factory.mktemp("broken"), case[1], monkeypatch)
+        check_gguf(tmp_path_factory.mktemp("broken"), case[1], monkeypatch, flags)
 
-    run()
+    (seed(fixed_seed)(run) if fixed_seed is not None else run)()
+
+
+def test_gguf_headers_broken_anywhere_fail_in_one_line(gguf_bytes, tmp_path_factory, monkeypatch):
+    fuzz_headers(gguf_bytes, tmp_path_factory, monkeypatch, 60, fixed_seed=20261125)
 
 
 def test_gguf_headers_broken_anywhere_fail_in_one_line_dequantized(gguf_bytes, tmp_path_factory, monkeypatch):
     """--dequantize: transformers' reader reads the file, and what it trips on is one line too."""
-    data, fields = gguf_bytes
-
-    @seed(20261129)
-    @settings(FAST, max_examples=30)
-    @given(case=broken_ggufs(data, fields))
-    def run(case):
-        check_gguf(tmp_path_factory.mktemp("broken"), case[1], monkeypatch, ["--dequantize"])
-
-    run()
+    fuzz_headers(gguf_bytes, tmp_path_factory, monkeypatch, 30, ["--dequantize"], fixed_seed=20261129)
 
 
 @pytest.mark.slow
 def test_gguf_headers_broken_anywhere_fail_in_one_line_at_length(gguf_bytes, tmp_path_factory, monkeypatch):
-    data, fields = gguf_bytes
-
-    @settings(FAST, max_examples=250)
-    @given(case=broken_ggufs(data, fields))
-    def run(case):
-        check_gguf(tmp_path_factory.mktemp("broken"), case[1], monkeypatch)
-
-    run()
+    fuzz_headers(gguf_bytes, tmp_path_factory, monkeypatch, 250)
 
 
 def test_gguf_of_an_unknown_architecture_fails_in_one_line(tmp_path):
