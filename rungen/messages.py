@@ -13,8 +13,8 @@ import re
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from . import openai_api
+from .conversation import PART_SEPARATOR
 from .openai_api import APIError, excerpt, has_value, number, refuse_extra
-from .prompts import PART_SEPARATOR
 from .reasoning import VariableError, read_template_variables, template_reads
 
 # Anthropic's error type for each status (any other 4xx: invalid_request_error, any other 5xx: api_error).

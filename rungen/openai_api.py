@@ -13,15 +13,16 @@ import uuid
 
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from .conversation import MessageError, read_conversation
 from .engine import EngineBusy, EngineClosed
 from .errors import PromptError
 from .logprobs import score_prompts
-from .prompts import PART_SEPARATOR, Prompt, encode_prompt
+from .prompts import Prompt, encode_prompt
 from .reasoning import VariableError, detect_delimiters, plan_reply, read_template_variables, split_reply
 from .requests import Delta, Done, End
 from .requests import Request as EngineRequest
 from .sampling import Sampling
-from .tools import ToolError, message_of, plan_tools, read_tool_message_fields, stream_deltas
+from .tools import ToolError, message_of, plan_tools, stream_deltas
 
 MAX_LOGPROBS = 20
 MAX_STOPS = 16
@@ -39,7 +40,6 @@ CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", 
                                "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
                                "reasoning_effort", "store", "safety_identifier", "prompt_cache_key"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs", "best_of", "suffix"}
-CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
 class APIError(Exception):
@@ -184,44 +184,11 @@ def refuse_extra(obj, allowed, where, param):
         raise APIError(f"{where}.{extra[0]} is not supported by this server", param)
 
 
-def message_text(message, number):
-    content = message.get("content")
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise APIError(f"messages[{number}].content: only text parts are supported, got {kind}", "messages")
-            parts.append(part["text"])
-        return PART_SEPARATOR.join(parts)
-    raise APIError(f"messages[{number}].content must be a string or a list of text parts", "messages")
-
-
 def read_messages(body):
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise APIError("messages must be a non-empty list", "messages")
-    conversation = []
-    for number, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise APIError(f"messages[{number}] must be an object", "messages")
-        role = message.get("role")
-        if not isinstance(role, str) or role not in CHAT_ROLES:  # a list or an object cannot be looked up
-            raise APIError(f"messages[{number}].role {excerpt(role)} is not supported (roles: "
-                           f"{', '.join(sorted(CHAT_ROLES))})", "messages")
-        refuse_extra(message, ("role", "content", "tool_calls", "tool_call_id"), f"messages[{number}]", "messages")
-        try:
-            tool_fields = read_tool_message_fields(message, number)
-        except ToolError as error:
-            raise APIError(str(error), error.param) from error
-        # An assistant message that only calls tools has no content.
-        content = None if tool_fields.get("tool_calls") and message.get("content") is None \
-            else message_text(message, number)
-        # "developer" is OpenAI's newer name for the system message; chat templates know "system".
-        conversation.append({"role": "system" if role == "developer" else role, "content": content, **tool_fields})
-    return conversation
+    try:
+        return read_conversation(body.get("messages"))
+    except MessageError as error:
+        raise APIError(str(error), "messages") from error
 
 
 @dataclasses.dataclass

@@ -8,6 +8,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from . import logger, strict_json
+from .conversation import MessageError, read_conversation
 from .errors import PromptError, UsageError
 
 if TYPE_CHECKING:
@@ -28,15 +29,12 @@ the Virgin Mary, prompting him to become a priest. Rasputin quickly becomes famo
 with people, even a bishop, begging for his blessing. <eod> </s> <eos>"""
 
 
-# What an output record holds besides the input line's other fields (rungen/output.py, generation.Sequence).
-CHAT_ROLES = ("system", "developer", "user", "assistant")  # a "tool" message comes with tool calls (rungen/tools.py)
 TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
-# Between a message's text parts (or blocks), as vLLM joins them: one part's words never run into the next's.
-PART_SEPARATOR = "\n"
 # An OpenAI request's settings: in a jsonl line they would be taken for settings and do nothing.
 SETTING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens", "n", "stop",
                   "seed", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
                   "logit_bias", "response_format", "stream", *TOOL_FIELDS}
+# What an output record holds besides the input line's other fields (rungen/output.py, generation.Sequence).
 RECORD_FIELDS = {"prompt_index", "sequence_index", "generated_text", "text", "num_prompt_tokens",
                  "num_generated_tokens", "finish_reason", "logprobs", "prompt_logprobs", "perplexity", "error",
                  "content", "tool_calls", "reasoning_content"}
@@ -92,19 +90,13 @@ def parse_prompt_line(index: int, line: bytes, input_format: str) -> Prompt:
         return Prompt(index, None, error=f"input: {error.message}")
     if isinstance(record, dict) and "messages" in record and "prompt" not in record:
         messages = record.pop("messages")
-        tools = {key: record.pop(key) for key in ("tools", "tool_choice", "parallel_tool_calls") if key in record}
-        with_tools = bool(tools) or has_tool_fields(messages)
-        if with_tools:
-            from .tools import ToolError, read_conversation
-
-            try:
-                conversation = read_conversation(messages)
-            except ToolError as error:
-                return Prompt(index, None, extra=record, error=f'"{error.param}": {error}')
-        else:
-            conversation, problem = plain_conversation(messages)
-            if problem:
-                return Prompt(index, None, extra=record, error=f'"messages": {problem}')
+        tools = {key: record.pop(key) for key in TOOL_FIELDS if key in record}
+        try:
+            conversation = read_conversation(messages)
+        except MessageError as error:
+            return Prompt(index, None, extra=record, error=f'"messages": {error}')
+        with_tools = bool(tools) or any(message["role"] == "tool" or "tool_calls" in message
+                                             for message in conversation)
         last_user = [message["content"] for message in conversation if message["role"] == "user"][-1:]
         problem = carried_fields_problem(record)
         if problem:
@@ -133,35 +125,6 @@ def carried_fields_problem(record: dict) -> str | None:
                 'them for every line (--temperature, --length...)' if settings[0] not in TOOL_FIELDS else
                 f'the field "{settings[0]}" goes with a "messages" conversation, not a "prompt"')
     return None
-
-
-def has_tool_fields(messages) -> bool:
-    return isinstance(messages, list) and any(
-        isinstance(message, dict) and (message.get("role") == "tool" or "tool_calls" in message)
-        for message in messages)
-
-
-def plain_conversation(messages) -> tuple[list | None, str | None]:
-    """(the conversation for the chat template, None) of messages in the OpenAI chat format without tools, a
-    message's text parts joined as the server joins them; (None, what is wrong) otherwise."""
-    if not isinstance(messages, list) or not messages:
-        return None, "must be a non-empty list"
-    conversation = []
-    for message in messages:
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            return None, 'each message must be an object with a string "role" and a "content"'
-        if message["role"] not in CHAT_ROLES:
-            return None, f'a message\'s role is one of {", ".join(CHAT_ROLES)}, not {message["role"]!r}'
-        content = message.get("content")
-        if isinstance(content, list) and content and all(
-                isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-                for part in content):
-            content = PART_SEPARATOR.join(part["text"] for part in content)
-        if not isinstance(content, str):
-            return None, 'a message\'s "content" is a string or a list of text parts'
-        role = "system" if message["role"] == "developer" else message["role"]  # as the server takes it
-        conversation.append(dict(message, role=role, content=content))
-    return conversation, None
 
 
 # The original script's per-model preparation

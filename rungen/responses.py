@@ -15,9 +15,9 @@ import uuid
 from fastapi.responses import StreamingResponse
 
 from . import logger
+from .conversation import PART_SEPARATOR
 from .openai_api import APIError, boolean, excerpt, has_value, refuse_extra, respond, run_chat
 from .openai_api import number as read_number
-from .prompts import PART_SEPARATOR
 
 # Responses kept for previous_response_id; a chain of responses shares its conversation's items.
 MAX_STORED_RESPONSES = 256

@@ -219,64 +219,6 @@ def read_parallel(value):
 # The conversation
 
 
-def read_tool_message_fields(message, number):
-    """One message's tool fields: {"tool_calls": [...]}, {"tool_call_id": ...} or {}."""
-    role = message.get("role")
-    if role == "tool":
-        call_id = message.get("tool_call_id")
-        if not isinstance(call_id, str) or not call_id:
-            raise ToolError(f"messages[{number}]: a tool message needs tool_call_id", "messages")
-        return {"tool_call_id": call_id}
-    calls = message.get("tool_calls")
-    if calls is None or calls == []:  # some clients send an empty list for "no calls"
-        if message.get("tool_call_id") is not None:
-            raise ToolError(f"messages[{number}].tool_call_id belongs on a tool message", "messages")
-        return {}
-    if role != "assistant":
-        raise ToolError(f"messages[{number}].tool_calls belongs on an assistant message", "messages")
-    if not isinstance(calls, list):
-        raise ToolError(f"messages[{number}].tool_calls must be a list", "messages")
-    checked = []
-    for index, call in enumerate(calls):
-        where = f"messages[{number}].tool_calls[{index}]"
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(call, dict) or call.get("type", "function") != "function" or not isinstance(function, dict):
-            raise ToolError(f'{where} must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}',
-                            "messages")
-        if not isinstance(call.get("id"), str) or not call["id"]:
-            raise ToolError(f"{where}.id must be a non-empty string", "messages")
-        if not isinstance(function.get("name"), str) or not isinstance(function.get("arguments"), str):
-            raise ToolError(f"{where}.function needs a string name and arguments (a JSON string)", "messages")
-        try:
-            arguments = json.loads(function["arguments"])
-        except json.JSONDecodeError as error:
-            raise ToolError(f"{where}.function.arguments is not valid JSON ({error.msg})", "messages") from error
-        if not isinstance(arguments, dict):
-            raise ToolError(f"{where}.function.arguments must be a JSON object", "messages")
-        checked.append({"id": call["id"], "name": function["name"], "arguments": arguments})
-    return {"tool_calls": checked}
-
-
-TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
-
-
-def read_conversation(messages):
-    """A jsonl line's messages with tool calls or results, checked, in the server's shape."""
-    if not isinstance(messages, list) or not messages:
-        raise ToolError("must be a non-empty list", "messages")
-    out = []
-    for number, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant", "tool"):
-            raise ToolError(f"messages[{number}] must be an object with role system, user, assistant or tool",
-                            "messages")
-        fields = read_tool_message_fields(message, number)
-        content = message.get("content")
-        if not (isinstance(content, str) or (content is None and fields.get("tool_calls"))):
-            raise ToolError(f"messages[{number}].content must be a string", "messages")
-        out.append({"role": message["role"], "content": content, **fields})
-    return out
-
-
 def template_messages(messages, fmt: Format, request: ToolRequest | None):
     """The conversation as the chat template takes it, calls and results in the format's shape (the generic format
     describes the tools in the system message); every tool message must answer an earlier call."""
@@ -313,6 +255,8 @@ def template_messages(messages, fmt: Format, request: ToolRequest | None):
                 out.append({"role": "assistant", "content": text})
         else:
             out.append({"role": role, "content": message["content"] if message["content"] is not None else ""})
+        if role == "assistant" and message.get("reasoning_content") is not None:
+            out[-1]["reasoning_content"] = message["reasoning_content"]  # for the templates that read it back
     for message in out:
         message.pop("tool_results", None)
     if not fmt.native and request is not None and request.choice != "none":

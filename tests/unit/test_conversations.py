@@ -6,7 +6,9 @@ import types
 
 import pytest
 
+from rungen import openai_api
 from rungen.arguments import parse_args, settings_from_args
+from rungen.conversation import read_conversation
 from rungen.errors import PromptError, UsageError
 from rungen.generation import Settings
 from rungen.prompts import Prompt, encode_prompt, parse_prompt_line
@@ -35,13 +37,40 @@ def test_a_jsonl_line_with_messages_is_a_conversation():
     [
         ({"messages": []}, '"messages": must be a non-empty list'),
         ({"messages": "Hi"}, '"messages": must be a non-empty list'),
-        ({"messages": [{"role": "user"}]}, '"messages": a message\'s "content" is a string or a list of text parts'),
-        ({"messages": ["Hi"]}, '"messages": each message must be an object with a string "role"'),
+        ({"messages": [{"role": "user"}]}, '"messages": messages[0].content must be a string or a list of text parts'),
+        ({"messages": ["Hi"]}, '"messages": messages[0] must be an object'),
+        ({"messages": [user("Hi"), {"role": "user", "content": "Hi", "name": "Ann"}]},
+         '"messages": messages[1].name is not supported'),
+        ({"messages": [{"role": "bot", "content": "Hi"}]}, '"messages": messages[0].role "bot" is not supported'),
     ],
 )
 def test_bad_conversations_are_error_records(record, error):
     prompt = parse_prompt_line(0, json.dumps(dict(record, id=1)).encode(), "jsonl")
     assert prompt.error.startswith(error) and prompt.extra == {"id": 1}
+
+
+def test_the_server_and_jsonl_read_a_conversation_alike():
+    """An agent's turn: a developer message, text parts, the assistant's reasoning and call sent back, the result."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages = [{"role": "developer", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "<ctx>"}, {"type": "text", "text": "Weather?"}]},
+                {"role": "assistant", "content": None, "reasoning_content": "Ask the tool.", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]
+    expected = [{"role": "system", "content": "Be brief."}, user("<ctx>\nWeather?"),
+                {"role": "assistant", "content": None, "reasoning_content": "Ask the tool.",
+                 "tool_calls": [{"id": "call_1", "name": "get_weather", "arguments": {"city": "Paris"}}]},
+                {"role": "tool", "content": "18 C", "tool_call_id": "call_1"}]
+    assert read_conversation(messages) == expected
+    assert openai_api.read_messages({"messages": messages}) == expected
+    line = parse_prompt_line(0, json.dumps({"messages": messages}).encode(), "jsonl")
+    assert line.error is None and line.messages == expected and line.text == "<ctx>\nWeather?"
+    # "reasoning" is the other name clients send it by; on a user message it would mean nothing to a template.
+    assert read_conversation([dict(messages[2], reasoning_content=None, reasoning="R")])[0]["reasoning_content"] == "R"
+    bad = [user("Hi"), dict(user("Hi"), reasoning_content="R")]
+    with pytest.raises(openai_api.APIError, match=r"^messages\[1\]: reasoning is a string on an assistant message$"):
+        openai_api.read_messages({"messages": bad})
+    assert parse_prompt_line(0, json.dumps({"messages": bad}).encode(), "jsonl").error == (
+        '"messages": messages[1]: reasoning is a string on an assistant message')
 
 
 @pytest.fixture(scope="module")

@@ -46,8 +46,10 @@ def test_text_and_jsonl_lines():
         (b'{"prompt": "Hi", "temperature": 0, "max_tokens": 3}', "jsonl", 'the field "max_tokens" is a request '
                                                                            'setting, which a jsonl line does not set'),
         (b'{"prompt": "Hi", "tools": []}', "jsonl", 'the field "tools" goes with a "messages" conversation'),
-        (b'{"messages": [{"role": "robot", "content": "Hi"}]}', "jsonl", '"messages": a message\'s role is one of'),
-        (b'{"messages": [{"role": "user", "content": 5}]}', "jsonl", '"messages": a message\'s "content" is a string'),
+        (b'{"messages": [{"role": "robot", "content": "Hi"}]}', "jsonl",
+         '"messages": messages[0].role "robot" is not supported'),
+        (b'{"messages": [{"role": "user", "content": 5}]}', "jsonl",
+         '"messages": messages[0].content must be a string'),
     ],
 )
 def test_unreadable_lines_become_error_records(line, input_format, error):

@@ -9,6 +9,7 @@ import os
 import pytest
 from xgrammar.testing import _is_grammar_accept_string as grammar_accepts
 
+from rungen.conversation import tool_fields
 from rungen.tools import (
     GENERIC,
     HERMES,
@@ -19,7 +20,6 @@ from rungen.tools import (
     assemble,
     detect_format,
     message_of,
-    read_tool_message_fields,
     read_tool_request,
     template_messages,
     tool_grammar,
@@ -223,6 +223,10 @@ def test_calls_and_results_in_the_history_take_each_format_shape():
     assert json.loads(generic[2]["content"]) == {"tool_call": {"name": "get_weather", "arguments": {"city": "Paris"}}}
     assert generic[3] == {"role": "user", "content": json.dumps({"tool_response": {"name": "get_weather",
                                                                                    "content": "18 C"}})}
-    assert read_tool_message_fields({"role": "assistant", "content": "Hi", "tool_calls": []}, 0) == {}
+    assert tool_fields({"role": "assistant", "content": "Hi", "tool_calls": []}, 0) == {}
+    # The reasoning an agent sends back with its call reaches the templates that read it, in either format.
+    thought = [messages[0], dict(messages[1], reasoning_content="Ask the tool."), messages[2]]
+    for fmt in (MISTRAL, GENERIC):
+        assert template_messages(thought, fmt, None)[1]["reasoning_content"] == "Ask the tool."
     with pytest.raises(ToolError, match="answers no tool call"):
         template_messages([messages[0], dict(messages[2], tool_call_id="call_other")], HERMES, None)
