@@ -4,6 +4,7 @@
     controls.py    the generation controls' flags and checks, --generation_config, --assistant_model
     loading.py     the model-type table, checkpoint resolution, the default model, dtype, placement (load)
     prompts.py     reading prompts (argument, stdin, jsonl), the original script's per-model preparation, encoding
+    conversation.py  OpenAI chat messages read and checked, for jsonl lines and the server's chat requests alike
     generation.py  generation Settings -> generate() kwargs, batching, decoding a sequence, streaming
     batch.py       the command line's prompts and a session's turns on the engine, or why generate() runs them
     logprobs.py    --logprobs: per-token log-probabilities, and scoring prompts (--length 0)
@@ -43,8 +44,8 @@
     errors.py      the exceptions library code raises; run_generation.cli turns them into exit codes
 
 Imports point one way: run_generation.py -> arguments -> server, the APIs and session -> batch -> engine ->
-generation -> prompts -> loading -> gguf -> the rest; errors.py imports nothing. Optional dependencies
-(accelerate, xgrammar, FastAPI) are imported only where used.
+generation -> prompts -> loading -> gguf -> the rest; errors.py and conversation.py import nothing of the package.
+Optional dependencies (accelerate, xgrammar, FastAPI) are imported only where used.
 "The original script" is transformers' examples/pytorch/text-generation/run_generation.py.
 """
 
