@@ -31,8 +31,12 @@ import gc
 import logging
 import os
 import random
+import signal
 import sys
 import time
+
+if __name__ == "__main__":  # Ctrl-C while torch imports ends the process quietly (after, cli() says "interrupted")
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import numpy
 import torch
@@ -331,6 +335,7 @@ def command():
     in-process caller keeps its collector. A launched process ends at once with cli()'s exit code
     (processes.end_launched_process: the native teardown could abort it)."""
     gc.freeze()
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if not processes.launched():
         try:
             cli()
