@@ -42,9 +42,10 @@ HELP = f"""Type a prompt and press Enter; the reply streams below it.
   /help              this help
   /set               show the generation settings
   /set NAME VALUE    change one: length, temperature (0: greedy), k, p, repetition_penalty,
-                     num_beams, stop_token (none: no stop token)
+                     num_beams, stop_token (none: no stop token; "\\n" in quotes: a line break)
   /clear             forget the conversation (a --system message stays)
-  /save FILE         write the conversation to FILE as one JSON line {{"messages": [...]}}
+  /save FILE         write the conversation to FILE as one JSON line {{"messages": [...]}} (quotes: a name
+                     with spaces)
   /exit, /quit       end the session; so do Ctrl-D, and Ctrl-C at an empty prompt
 Multi-line input: end a line with \\ to go on on the next line, or put the text between two {BLOCK}.
 A prompt that starts with / is typed with two: //etc/hosts is the prompt /etc/hosts.
@@ -129,7 +130,15 @@ def set_setting(settings: Settings, name: str, value: str, context: int) -> Sett
     if not value:
         raise UsageError(f"/set {name} needs a value")
     kind = SETTABLE[name]
-    if kind is str:
+    if kind is str and value.startswith('"'):  # a JSON string: a stop token such as a line break can be typed
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError:
+            parsed = None
+        if not isinstance(parsed, str) or not parsed:
+            raise UsageError(f'{name}: a value in quotes is a JSON string of one or more characters ("\\n": a line '
+                             f"break), got {value}")
+    elif kind is str:
         parsed = None if value.lower() == "none" else value
     else:
         try:
@@ -359,6 +368,8 @@ class Session:
                 line = terminal.read(CONTINUATION if joiner.pending else PROMPT)
             except EOFError:  # Ctrl-D
                 sys.stderr.write("\n")
+                if joiner.pending:
+                    say("(the unfinished input was not sent)")
                 return
             except KeyboardInterrupt:  # Ctrl-C: drops what is being typed, or ends at an empty prompt
                 sys.stderr.write("\n")
@@ -418,6 +429,8 @@ class Session:
         return False
 
     def save(self, path):
+        if len(path) > 1 and path[0] == path[-1] and path[0] in "\"'":  # a name with spaces, as a shell takes it
+            path = path[1:-1]
         if not path:
             say("error: /save needs a file name")
             return

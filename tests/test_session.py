@@ -155,12 +155,14 @@ def test_two_turns_make_one_conversation_that_a_pipe_replays(chat_llama, tokeniz
     # it tokenizes back as generated; with --jit as without), and its reply is the one the whole conversation
     # gives read afresh (the pipe below).
     assert terminal.cached >= first[0]
-    terminal.command(f"/save {tmp_path / 'chat.jsonl'}")
-    terminal.send("\x04")  # Ctrl-D
+    terminal.command(f'/save "{tmp_path / "the chat.jsonl"}"')  # quoted, as a shell takes a name with a space
+    terminal.send("a line to go on \\\r")
+    terminal.send("\x04")  # Ctrl-D: ends the session, and says the line begun was not sent
     assert terminal.wait() == 0
     assert "Chat (the model's chat template)" in terminal.output.decode()
+    assert "(the unfinished input was not sent)" in terminal.output.decode()
 
-    [line] = (tmp_path / "chat.jsonl").read_text().splitlines()
+    [line] = (tmp_path / "the chat.jsonl").read_text().splitlines()
     messages = json.loads(line)["messages"]
     assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"]
     assert [messages[0]["content"], messages[2]["content"]] == ["Hello there", "How are you"]

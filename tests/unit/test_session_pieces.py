@@ -94,6 +94,7 @@ def test_set_changes_one_setting_of_a_new_value():
     assert set_setting(settings, "length", "500", context=128).length == 128  # clamped as the flag is
     assert set_setting(settings, "length", "-1", context=128).length == 128
     assert set_setting(settings, "stop_token", ".", context=0).stop_token == "."
+    assert set_setting(settings, "stop_token", '"\\n"', context=0).stop_token == "\n"  # a line break, in quotes
     assert set_setting(Settings(stop_token="."), "stop_token", "none", context=0).stop_token is None
     assert set_setting(settings, "num_beams", "3", context=0).num_beams == 3
 
@@ -112,6 +113,8 @@ def test_set_changes_one_setting_of_a_new_value():
         ("temperature", "nan", "temperature must be a finite number, got nan"),
         ("repetition_penalty", "inf", "repetition_penalty must be a finite number, got inf"),
         ("length", "0", "length 0 scores prompts"),
+        ("stop_token", '"\\n', 'stop_token: a value in quotes is a JSON string of one or more characters'),
+        ("stop_token", '""', 'stop_token: a value in quotes is a JSON string of one or more characters'),
     ],
 )
 def test_set_refuses_bad_values_with_one_line(name, value, message):
