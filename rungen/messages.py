@@ -96,6 +96,8 @@ def blocks_of(content, where, allowed):
             raise APIError(f"{at}.cache_control must be an object", field)
         if kind == "text" and not isinstance(block.get("text"), str):
             raise APIError(f"{at}.text must be a string", field)
+        if kind == "thinking" and not isinstance(block.get("thinking"), str):
+            raise APIError(f"{at}.thinking must be a string", field)
     return content
 
 
@@ -176,11 +178,15 @@ def read_messages(body, system):
                                ("text", "tool_use", "thinking", "redacted_thinking"))
             calls = [tool_use(block, f"{where}.content[{index}]") for index, block in enumerate(blocks)
                      if block["type"] == "tool_use"]
-            # Thinking blocks given back are left out: chat templates drop earlier turns' reasoning.
             text = text_of([block for block in blocks if block["type"] == "text"])
             reply = {"role": "assistant", "content": None if calls and not text else text}
             if calls:
                 reply["tool_calls"] = calls
+            # Thinking given back is the turn's reasoning_content (the template decides whether the prompt shows
+            # it); redacted thinking is another model's, unreadable here.
+            thinking = PART_SEPARATOR.join(block["thinking"] for block in blocks if block["type"] == "thinking")
+            if thinking:
+                reply["reasoning_content"] = thinking
             chat.append(reply)
             origins.append(where)
     if messages[-1].get("role") == "assistant":

@@ -29,7 +29,7 @@ TEXT_PARTS = ("input_text", "output_text")
 ITEM_KEYS = {
     "function_call": {"type", "call_id", "name", "arguments", "id", "status"},
     "function_call_output": {"type", "call_id", "output", "id", "status"},
-    # Taken and left out of the prompt, as chat templates leave an earlier turn's thinking out.
+    # Its text is the next assistant turn's reasoning_content: the chat template keeps it or leaves it out.
     "reasoning": {"type", "id", "summary", "content", "encrypted_content", "status"},
 }
 TOOL_KEYS = {"type", "name", "description", "parameters", "strict"}
@@ -173,27 +173,35 @@ class Plan:
 
     def messages_of(self, items, label):
         """Chat messages of Responses items: function calls as the tool_calls of the assistant message before them
-        (or their own), outputs as tool messages, reasoning left out."""
-        messages = []
+        (or their own), outputs as tool messages, a reasoning item as the reasoning_content of the assistant
+        turn after it (as the chat request carries it back; the template decides whether the prompt shows it)."""
+        messages, reasoning = [], None
         for number, item in enumerate(items):
             kind = item.get("type", "message")
             where = f"input[{number}]" if label == "input" else label
+            if kind == "reasoning":
+                reasoning = reasoning_text(item)
+                continue
+            joined = False  # a call joining the assistant message before it, which has its origin already
             if kind == "message":
                 messages.append({"role": item["role"], "content": item_text(item, "")})
             elif kind == "function_call":
                 call = {"id": item["call_id"], "type": "function",
                         "function": {"name": item["name"], "arguments": item["arguments"]}}
-                if messages and messages[-1]["role"] == "assistant":
+                joined = bool(messages) and messages[-1]["role"] == "assistant"
+                if joined:
                     messages[-1].setdefault("tool_calls", []).append(call)
                     self.call_origins.setdefault(len(self.origins) - 1, []).append(where)
-                    continue
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-                self.call_origins[len(self.origins)] = [where]
+                else:
+                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                    self.call_origins[len(self.origins)] = [where]
             elif kind == "function_call_output":
                 messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
-            else:
-                continue
-            self.origins.append(where)
+            if reasoning and messages[-1]["role"] == "assistant":
+                messages[-1].setdefault("reasoning_content", reasoning)
+            reasoning = None
+            if not joined:
+                self.origins.append(where)
         return messages
 
     def error(self, error):
@@ -330,12 +338,29 @@ def read_input(body):
                                    "input")
             if kind == "function_call_output":
                 item_text({"content": item.get("output")}, f"{where}.output")
+            if kind == "reasoning":
+                reasoning_text(item, where)
         else:
             raise APIError(f"{where}: items of type {excerpt(kind)} are not supported (message, function_call, "
                            "function_call_output, reasoning)", "input")
         refuse_extra(item, keys, where, "input")
     return [dict(item, output=item_text({"content": item["output"]}, ""))
             if item.get("type") == "function_call_output" else item for item in given]
+
+
+def reasoning_text(item, where=""):
+    """A reasoning item's text: its reasoning_text parts, else its summary's summary_text parts, joined."""
+    texts = {}
+    for field, part_type in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = item.get(field)
+        if parts is None:
+            continue
+        if not isinstance(parts, list) or not all(
+                isinstance(part, dict) and part.get("type") == part_type and isinstance(part.get("text"), str)
+                and set(part) <= {"type", "text"} for part in parts):
+            raise APIError(f'{where}.{field} must be a list of {{"type": "{part_type}", "text"}} parts', "input")
+        texts[field] = PART_SEPARATOR.join(part["text"] for part in parts)
+    return texts.get("content") or texts.get("summary") or ""
 
 
 def item_text(item, where):

@@ -319,6 +319,39 @@ def test_the_messages_api_thinking_field_reaches_the_template(server, monkeypatc
     assert "budget_tokens (1024) must be less than max_tokens (1024)" in caught.value.body["error"]["message"]
 
 
+def test_reasoning_given_back_in_a_tool_loop_reaches_the_prompt_through_each_api(server):
+    """An agent gives a turn's reasoning back with its tool call (chat's reasoning_content, a Responses reasoning
+    item, a Messages thinking block): Qwen3's template shows it in the prompt after the last user message, so the
+    next reply follows the thinking that made the call; each API gives the template the same conversation."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    loop = ASK + [{"role": "assistant", "content": "", "reasoning_content": "Ask the tool.", "tool_calls": [call]},
+                  {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]
+    unthought = [loop[0], {key: value for key, value in loop[1].items() if key != "reasoning_content"}, loop[2]]
+    shown = len(prompt_ids(server, loop, tools=[WEATHER])) - len(prompt_ids(server, unthought, tools=[WEATHER]))
+    assert shown > 0  # the template shows it
+
+    def chat_tokens(messages):
+        return chat(server, messages=messages, tools=[WEATHER], max_tokens=1).usage.prompt_tokens
+
+    assert chat_tokens(loop) - chat_tokens(unthought) == shown
+    item = {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text",
+                                                                          "text": "Ask the tool."}]}
+    items = [{"role": "user", "content": ASK[0]["content"]}, item,
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "18 C"}]
+    response = client(server).responses.create(
+        model=MODEL_ID, input=items, max_output_tokens=1,
+        tools=[{"type": "function", "name": "get_weather", "parameters": SCHEMA}])
+    assert response.usage.input_tokens == chat_tokens(loop)
+    thinking = {"type": "thinking", "thinking": "Ask the tool.", "signature": "s"}
+    use = {"type": "tool_use", "id": "call_1", "name": "get_weather", "input": {"city": "Paris"}}
+    message = messages_client(server).messages.create(
+        model=MODEL_ID, max_tokens=1, tools=[{"name": "get_weather", "input_schema": SCHEMA}],
+        messages=[ASK[0], {"role": "assistant", "content": [thinking, use]},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_1", "content": "18 C"}]}])
+    assert message.usage.input_tokens == chat_tokens(loop)
+
+
 #
 # /v1/responses: the block as a reasoning item
 #

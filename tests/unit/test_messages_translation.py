@@ -40,7 +40,8 @@ def test_a_request_becomes_a_chat_body():
         # Blocks joined by a line, as vLLM joins a message's text parts: a block's words never run into the next's.
         "messages": [{"role": "system", "content": "Be brief.\nBe kind."},
                      {"role": "user", "content": "Weather in Paris?"},
-                     {"role": "assistant", "content": "Let me look.", "tool_calls": [
+                     # The thinking given back is the turn's reasoning, which a thinking template may show.
+                     {"role": "assistant", "content": "Let me look.", "reasoning_content": "hm", "tool_calls": [
                          {"id": "toolu_1", "type": "function",
                           "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
                      {"role": "tool", "tool_call_id": "toolu_1", "content": "18 C"},
