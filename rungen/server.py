@@ -139,7 +139,8 @@ def create_app(loaded, engine, options):
     if options.cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
 
-        app.add_middleware(CORSMiddleware, allow_origins=list(options.cors_origins), allow_methods=["GET", "POST"],
+        app.add_middleware(CORSMiddleware, allow_origins=list(options.cors_origins),
+                           allow_methods=["GET", "POST", "DELETE"],
                            allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version",
                                           "anthropic-beta"])
 
@@ -191,6 +192,24 @@ def create_app(loaded, engine, options):
         check_fields(body, RESPONSE_FIELDS)
         check_model(body, options.model_id)
         return await create_response(service, request, body)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str, request: Request):
+        from .responses import retrieve
+
+        return retrieve(service, response_id, request.query_params)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        from .responses import delete
+
+        return delete(service, response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(response_id: str, request: Request):
+        from .responses import input_items
+
+        return input_items(service, response_id, request.query_params)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -397,6 +416,8 @@ def endpoint_label(path):
         return path
     known = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/tokenize", "/detokenize",
              "/health", "/metrics", "/v1/responses")
+    if path.startswith("/v1/responses/"):
+        return "/v1/responses/{id}/input_items" if path.endswith("/input_items") else "/v1/responses/{id}"
     return path if path in known else "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
 
 

@@ -200,6 +200,35 @@ def test_previous_response_id_continues_a_stored_response(client):
         assert error["code"] == "previous_response_not_found" and missing in error["message"]
 
 
+def test_a_stored_response_is_retrieved_its_input_items_listed_and_deleted(client):
+    first = create(client, input=[{"role": "user", "content": "Tell me a story."}], max_output_tokens=4)
+    second = create(client, input=[{"role": "user", "content": "Go on."},
+                                   {"type": "message", "role": "user", "content": [{"type": "input_text",
+                                                                                    "text": "Briefly."}]}],
+                    previous_response_id=first.id, max_output_tokens=3)
+    assert client.responses.retrieve(second.id).model_dump() == second.model_dump()
+    listed = client.responses.input_items.list(second.id)
+    # This response's own input, newest first (OpenAI's default order), each with an id and text parts.
+    assert [item.content[0].text for item in listed.data] == ["Briefly.", "Go on."]
+    assert all(item.type == "message" and item.id.startswith("msg_") for item in listed.data)
+    oldest = client.responses.input_items.list(second.id, order="asc", limit=1)
+    assert [item.content[0].text for item in oldest.data] == ["Go on."] and oldest.has_more
+    after = client.responses.input_items.list(second.id, order="asc", after=oldest.data[0].id)
+    assert [item.content[0].text for item in after.data] == ["Briefly."] and not after.has_more
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.input_items.list(second.id, limit=500)
+    assert caught.value.body["param"] == "limit"
+    assert client.responses.delete(first.id) is None  # the SDK returns nothing for the 200
+    for gone in (lambda: client.responses.retrieve(first.id), lambda: client.responses.delete(first.id),
+                 lambda: client.responses.input_items.list(first.id),
+                 lambda: create(client, input="Go on.", previous_response_id=first.id, max_output_tokens=2)):
+        with pytest.raises(openai.NotFoundError):
+            gone()
+    unstored = create(client, input="Hello", max_output_tokens=2, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
 def test_an_agent_calls_its_tool_and_answers(served):
     """The Agents SDK's default model class (OpenAIResponsesModel) against the server. A random model is steered:
     the first turn must call (tool_choice required) and the run stops at the tool; the conversation so far (the
