@@ -33,7 +33,8 @@ TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
 # An OpenAI request's settings: in a jsonl line they would be taken for settings and do nothing.
 SETTING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens", "n", "stop",
                   "seed", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                  "logit_bias", "response_format", "stream", *TOOL_FIELDS}
+                  "logit_bias", "response_format", "stream", "stream_options", "chat_template_kwargs",
+                  "reasoning_effort", *TOOL_FIELDS}
 # What an output record holds besides the input line's other fields (rungen/output.py, generation.Sequence).
 RECORD_FIELDS = {"prompt_index", "sequence_index", "generated_text", "text", "num_prompt_tokens",
                  "num_generated_tokens", "finish_reason", "logprobs", "prompt_logprobs", "perplexity", "error",

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 
 # What the server passes to the template itself, or the tokenizer does (its special tokens).
 RESERVED_VARIABLES = {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
                       "reasoning_effort", "bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                       "cls_token", "mask_token"}
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+# The switches thinking templates test (Qwen3's, DeepSeek-V3.1's): booleans only.
+SWITCHES = ("enable_thinking", "thinking")
 # Prompt tokens decoded to see how the prompt ends (a delimiter is one token or a few).
 TAIL_TOKENS = 8
 
@@ -60,7 +63,11 @@ def variables_read(template: str) -> frozenset:
     except jinja2.TemplateSyntaxError:  # a template our environment cannot parse reads nothing it could be given
         return frozenset()
     stored = {node.name for node in tree.find_all(nodes.Name) if node.ctx == "store"}
-    return frozenset(meta.find_undeclared_variables(tree) - stored)
+    # A name the template gives a default to when it is not given ({% if x is not defined %}{% set x = ... %},
+    # x | default(...)) is read all the same.
+    defaulted = {node.node.name for node in (*tree.find_all(nodes.Test), *tree.find_all(nodes.Filter))
+                 if node.name in ("defined", "undefined", "default", "d") and isinstance(node.node, nodes.Name)}
+    return frozenset(meta.find_undeclared_variables(tree) - (stored - defaulted))
 
 
 def template_reads(chat_template, name) -> bool:
@@ -90,6 +97,9 @@ def read_template_variables(body, chat_template) -> dict:
             if not template_reads(chat_template, name):
                 raise VariableError(f"chat_template_kwargs.{name}: this model's chat template does not read "
                                     f"{name!r}{readable(chat_template)}", "chat_template_kwargs")
+            if name in SWITCHES and not isinstance(value, bool):  # a template's `is false` never matches "false"
+                raise VariableError(f"chat_template_kwargs.{name} must be true or false, got {json.dumps(value)}",
+                                    "chat_template_kwargs")
             variables[name] = value
     effort = body.get("reasoning_effort")
     if effort is not None:

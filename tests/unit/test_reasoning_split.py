@@ -93,6 +93,15 @@ def test_template_variables_reach_only_a_template_that_reads_them():
     assert read_template_variables({}, qwen3) == {}
     effort = "{{ messages[0].content }}{% if reasoning_effort %} effort: {{ reasoning_effort }}{% endif %}"
     assert read_template_variables({"reasoning_effort": "low"}, effort) == {"reasoning_effort": "low"}
+    # A template that gives the variable a default when it is not given (gpt-oss's reasoning effort, DeepSeek-V3.1's
+    # thinking) reads it all the same; a name only set in a block is no variable.
+    defaulted = ('{%- if not reasoning_effort is defined %}{%- set reasoning_effort = "medium" %}{%- endif %}'
+                 "Reasoning: {{ reasoning_effort }}{% set on = thinking | default(false) %}"
+                 "{% if on %}{% set mode = 1 %}{% endif %}{{ mode }}")
+    assert read_template_variables({"reasoning_effort": "low", "chat_template_kwargs": {"thinking": True}},
+                                   defaulted) == {"reasoning_effort": "low", "thinking": True}
+    with pytest.raises(VariableError, match="does not read 'mode'"):
+        read_template_variables({"chat_template_kwargs": {"mode": 2}}, defaulted)
     refused = [
         ({"chat_template_kwargs": {"enable_thinking": False}}, template("qwen2.5-instruct.jinja"),
          "chat_template_kwargs", "does not read 'enable_thinking'"),
@@ -101,6 +110,8 @@ def test_template_variables_reach_only_a_template_that_reads_them():
         ({"chat_template_kwargs": {"messages": []}}, qwen3, "chat_template_kwargs", "set by the server"),
         ({"chat_template_kwargs": {"reasoning_effort": "low"}}, effort, "chat_template_kwargs", "a field of its own"),
         ({"chat_template_kwargs": ["enable_thinking"]}, qwen3, "chat_template_kwargs", "must be an object"),
+        ({"chat_template_kwargs": {"enable_thinking": "false"}}, qwen3, "chat_template_kwargs",
+         'enable_thinking must be true or false, got "false"'),
         ({"reasoning_effort": "low"}, qwen3, "reasoning_effort", "does not read reasoning_effort"),
         ({"reasoning_effort": "extreme"}, effort, "reasoning_effort", "must be one of"),
     ]
