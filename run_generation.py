@@ -59,7 +59,7 @@ from rungen.interrupt import CtrlC
 from rungen.loading import load
 from rungen.output import Writer, print_stream_header
 from rungen.prompts import encode_prompt, prepare_model, read_prompts
-from rungen.reasoning import plan_prompt
+from rungen.reasoning import check_flag_variables, plan_prompt
 
 
 def _not_shown_by_transformers(record: logging.LogRecord) -> bool:
@@ -136,6 +136,8 @@ def main(argv=None):
                                                     device=loaded.input_device)
 
     prepare_model(loaded, temperature=args.temperature, xlm_language=args.xlm_language)
+    if args.chat_template_kwargs is not None:  # the template's own variables: refused where it does not read one
+        check_flag_variables(args.chat_template_kwargs, loaded.tokenizer.chat_template)
     if constraint_source:
         from rungen.constrain import compile_constraint
 
@@ -170,14 +172,16 @@ def main(argv=None):
         from rungen import session  # transformers' stopping criteria and a terminal's line editing
 
         return session.run(loaded, settings, chat=args.chat, system=args.system, stream=args.stream,
-                           prefix=args.prefix, tools=args.tools, figures=not args.quiet)
+                           prefix=args.prefix, tools=args.tools, template_kwargs=args.chat_template_kwargs,
+                           figures=not args.quiet)
 
     writer = Writer(args.output_format, len(prompts), active=state.is_main_process)
     tool_grammars = {}
     for prompt in prompts:
         if prompt.error is None:
             try:
-                prompt.ids = encode_prompt(loaded, prompt, args.prefix, settings.chat, args.system)
+                prompt.ids = encode_prompt(loaded, prompt, args.prefix, settings.chat, args.system,
+                                           template_kwargs=args.chat_template_kwargs)
                 if prompt.tool_plan is not None and prompt.tool_plan.grammar and settings.length != 0:
                     from rungen.tools import prompt_constraint
 

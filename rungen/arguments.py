@@ -74,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--system", default=None, help="A system message for chat-template prompts and sessions.")
     parser.add_argument(
+        "--chat_template_kwargs", default=None, type=template_kwargs, metavar="JSON",
+        help='The chat template\'s own variables, a JSON object: {"enable_thinking": false} turns Qwen3\'s thinking '
+        "off. With --serve, each request's defaults (its chat_template_kwargs and reasoning_effort win).",
+    )
+    parser.add_argument(
         "--tools", default=None, metavar="FILE.json",
         help='Tools the model may call in a terminal session: OpenAI function tools, a JSON list or {"tools", '
         '"tool_choice", "parallel_tool_calls"}; the session prints each call the model would make.',
@@ -176,7 +181,8 @@ def serve_options(args: argparse.Namespace):
                         model_id=model_id, max_queue=args.max_queue, max_batch=args.max_batch,
                         max_cache_tokens=args.max_cache_tokens, prefix_cache_mb=args.prefix_cache_mb,
                         cors_origins=tuple(args.cors_origins or ()), grace=args.shutdown_grace,
-                        max_n=min(16, args.max_batch), threads=torch.get_num_threads())
+                        max_n=min(16, args.max_batch), threads=torch.get_num_threads(),
+                        template_kwargs=args.chat_template_kwargs or {})
 
 
 def check_serve(args: argparse.Namespace, given: set[str]) -> None:
@@ -271,12 +277,25 @@ def check_inputs(args: argparse.Namespace, given: set[str]) -> None:
         raise UsageError(f"{flag} is how stdin is read; with --prompt stdin is not read")
     if args.whole_stdin and args.input_format == "jsonl":
         raise UsageError("--whole_stdin reads stdin as one text prompt; jsonl is one prompt a line: choose one")
-    if args.system is not None and args.chat is False:
-        raise UsageError("--system is the chat template's system message; --no-chat leaves prompts unwrapped")
     session = args.prompt is None and sys.stdin is not None and sys.stdin.isatty()  # main()'s test
-    if args.system is not None and args.chat is None and not args.serve and args.input_format == "text" \
-            and not session:
-        raise UsageError("--system is the chat template's system message: add --chat to wrap these prompts in it")
+    for flag, what in (("system", "system message"), ("chat_template_kwargs", "variables")):
+        if getattr(args, flag) is None:
+            continue
+        if args.chat is False:
+            raise UsageError(f"--{flag} is the chat template's {what}; --no-chat leaves prompts unwrapped")
+        if args.chat is None and not args.serve and args.input_format == "text" and not session:
+            raise UsageError(f"--{flag} is the chat template's {what}: add --chat to wrap these prompts in it")
+
+
+def template_kwargs(text: str) -> dict:
+    """--chat_template_kwargs' JSON object (argparse's type: its error is the flag's one line)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({error.msg})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError('a JSON object of the template\'s variables: {"enable_thinking": false}')
+    return value
 
 
 DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")  # accelerate's

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from . import openai_api
 from .conversation import PART_SEPARATOR
 from .openai_api import APIError, excerpt, has_value, number, refuse_extra
-from .reasoning import VariableError, read_template_variables, template_reads
+from .reasoning import template_reads
 
 # Anthropic's error type for each status (any other 4xx: invalid_request_error, any other 5xx: api_error).
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 402: "billing_error",
@@ -340,12 +340,8 @@ def to_chat(body, chat_template, count=False):
 def prompt_ids(service, chat, **encoding):
     """The token ids of a chat body's prompt as run_chat encodes it (less a constrained thinking request's opening
     <think>); `encoding`: encode_prompt's keyword options."""
-    chat_template = service.loaded.tokenizer.chat_template
-    try:
-        variables = read_template_variables(chat, chat_template)
-    except VariableError as error:
-        raise APIError(str(error), error.param) from error
-    ids, _ = openai_api.chat_prompt(service, chat, template_kwargs=variables, **encoding)
+    ids, _ = openai_api.chat_prompt(service, chat, template_kwargs=openai_api.template_variables(service, chat),
+                                    **encoding)
     return ids
 
 

@@ -301,9 +301,11 @@ def chat_prompt(service, body, **encoding):
 
 
 def template_variables(service, body) -> dict:
-    """The chat template's variables the body sets (chat_template_kwargs, reasoning_effort), or a 400."""
+    """The chat template's variables: --chat_template_kwargs', and over them those the body sets
+    (chat_template_kwargs, reasoning_effort), or a 400."""
     try:
-        return read_template_variables(body, service.loaded.tokenizer.chat_template)
+        return {**service.options.template_kwargs,
+                **read_template_variables(body, service.loaded.tokenizer.chat_template)}
     except VariableError as error:
         raise APIError(str(error), error.param) from error
 

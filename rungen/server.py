@@ -90,6 +90,7 @@ class ServeOptions:
     cors_origins: tuple[str, ...] = ()
     grace: float = 30.0
     threads: int = 0  # torch's intra-op threads on the model thread (0: as they are)
+    template_kwargs: dict = dataclasses.field(default_factory=dict)  # --chat_template_kwargs: requests' defaults
 
 
 

@@ -332,8 +332,10 @@ class Session:
     """One conversation (or, without a chat template, a run of independent prompts) on a loaded model."""
 
     def __init__(self, loaded: Loaded, settings: Settings, *, system: str | None = None, stream: bool = True,
-                 prefix: str = "", tools: dict | None = None, figures: bool = True):
+                 prefix: str = "", tools: dict | None = None, template_kwargs: dict | None = None,
+                 figures: bool = True):
         self.loaded, self.settings, self.prefix = loaded, settings, prefix
+        self.template_kwargs = template_kwargs  # --chat_template_kwargs
         self.tools, self.tool_grammars = tools, {}  # --tools: each turn may call them (rungen/tools.py)
         self.figures = figures  # figures after each reply, a thinking model's reasoning (not with --quiet)
         self.chat = settings.chat
@@ -467,7 +469,7 @@ class Session:
                 limit = self.loaded.context - self.settings.length
                 messages, dropped = fit_to_context(messages, self.count_tokens, limit)
             prompt = Prompt(len(self.replies), text, messages=messages, tools=self.tools)
-        prompt.ids = encode_prompt(self.loaded, prompt, self.prefix, self.chat)
+        prompt.ids = encode_prompt(self.loaded, prompt, self.prefix, self.chat, template_kwargs=self.template_kwargs)
         if dropped:  # only once the prompt fits: one too long for any history keeps the history
             turns = "turn" if dropped == 1 else f"{dropped} turns"
             say(f"(dropped the oldest {turns} to fit the model's context of {self.loaded.context} tokens)")
@@ -483,7 +485,8 @@ class Session:
 
     def count_tokens(self, messages):
         try:
-            return len(encode_prompt(self.loaded, Prompt(0, "", messages=messages)))
+            return len(encode_prompt(self.loaded, Prompt(0, "", messages=messages),
+                                     template_kwargs=self.template_kwargs))
         except PromptError:  # longer than the context
             return math.inf
 
@@ -575,7 +578,7 @@ class Session:
 
 def run(loaded: Loaded, settings: Settings, *, chat: bool | None = None, system: str | None = None,
         stream: bool | None = None, prefix: str = "", tools: dict | None = None,
-        figures: bool = True) -> list[str]:
+        template_kwargs: dict | None = None, figures: bool = True) -> list[str]:
     """The session, until /exit, Ctrl-D or Ctrl-C at an empty prompt; returns the replies. `chat`/`stream` None:
     by the tokenizer's chat template / on."""
     has_template = bool(loaded.tokenizer.chat_template)
@@ -587,10 +590,13 @@ def run(loaded: Loaded, settings: Settings, *, chat: bool | None = None, system:
                          else "--tools needs a conversation; it cannot be used with --no-chat")
     if system and not chat:
         logger.warning("--system is ignored: plain continuation has no chat template to put it in")
+    if template_kwargs is not None and not chat:
+        raise UsageError("--chat_template_kwargs is the chat template's variables: this session has no template")
     if settings.num_return_sequences > 1:
         logger.warning("A session gives one reply per prompt; --num_return_sequences is ignored.")
     session = Session(loaded, dataclasses.replace(settings, chat=chat, num_return_sequences=1), system=system,
-                      stream=stream is not False, prefix=prefix, tools=tools, figures=figures)
+                      stream=stream is not False, prefix=prefix, tools=tools, template_kwargs=template_kwargs,
+                      figures=figures)
     kind = "Chat (the model's chat template)" if chat else "Plain continuation"
     if figures:  # --quiet: nothing on stderr but warnings and errors
         say(f"{PROG}: {kind}. /help for commands, Ctrl-D or /exit to end.")

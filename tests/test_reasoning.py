@@ -213,6 +213,36 @@ def test_jsonl_records_carry_the_reasoning_beside_the_content(server, checkpoint
     assert record["content"] is None and record["tool_calls"] == [] and record["finish_reason"] == "length"
 
 
+def test_chat_template_kwargs_set_the_templates_variables_on_the_command_line_in_a_session_and_for_the_server(
+        server, checkpoint):
+    """--chat_template_kwargs '{"enable_thinking": false}': Qwen3's prompt closes an empty block, so the reply is
+    all answer; the server takes it as every request's default, which a request's own variables override."""
+    off, on = len(prompt_ids(server, enable_thinking=False)), len(prompt_ids(server))
+    assert off > on
+    args = ["--model_name_or_path", checkpoint, "--output_format", "jsonl", "--length", "2", "--temperature", "0"]
+    off_flags = ["--chat", "--chat_template_kwargs", '{"enable_thinking": false}']
+    result = run_main(args + off_flags, stdin=ASK[0]["content"])
+    assert result.returncode == 0, result.stderr.decode()[-2000:]
+    [record] = [json.loads(line) for line in result.stdout.decode().splitlines()]
+    assert record["num_prompt_tokens"] == off and record["reasoning_content"] is None
+    for flags, message in (
+            (["--chat", "--chat_template_kwargs", '{"thinking_budget": 1}'], "does not read 'thinking_budget'"),
+            (["--chat", "--chat_template_kwargs", '{"enable_thinking": "no"}'], "must be true or false"),
+            (["--chat_template_kwargs", '{"enable_thinking": false}'], "add --chat")):
+        refused = run_main(args + flags, stdin=ASK[0]["content"])
+        assert refused.returncode == 2 and message in refused.stderr.decode() and not refused.stdout
+    session = session_for(checkpoint, "--length", "2", template_kwargs={"enable_thinking": False})
+    assert session.encode(ASK[0]["content"])[0].ids == prompt_ids(server, enable_thinking=False)
+    with serving(load(checkpoint, device=torch.device("cpu")), model_id=MODEL_ID,
+                 template_kwargs={"enable_thinking": False}) as (live, _):
+        served = (live.url, server[1])
+        assert chat(served, max_tokens=1).usage.prompt_tokens == off
+        assert chat(served, max_tokens=1, extra_body={"chat_template_kwargs": {"enable_thinking": True}}) \
+            .usage.prompt_tokens == on
+        assert messages_client(served).messages.count_tokens(
+            model=MODEL_ID, messages=ASK, thinking={"type": "enabled", "budget_tokens": 1024}).input_tokens == on
+
+
 def session_for(checkpoint, *flags, tools=None, **options):
     import dataclasses
 
