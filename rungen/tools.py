@@ -345,8 +345,11 @@ class CallParser:
     """Splits a growing reply into content and calls. feed() and finish() return events: ("content", text),
     ("call", index, id, name), ("arguments", index, text); content is the text outside calls, stripped."""
 
-    def __init__(self, fmt: Format):
+    def __init__(self, fmt: Format, calls_only: bool = False):
         self.fmt = fmt
+        # tool_choice required or named: the grammar allows calls alone, so text outside one (a call cut before its
+        # name by max_tokens) is no content.
+        self.calls_only = calls_only
         self.text = ""
         self.content_sent = 0  # characters of the (left-stripped) content sent
         self.calls = []  # [id, name, arguments sent]
@@ -358,7 +361,7 @@ class CallParser:
         self.complete = all(call.complete for call in calls)
         events = []
         # Whitespace at the end may be all there is between two calls: it waits for text to follow it.
-        content = content.strip()
+        content = "" if self.calls_only else content.strip()
         if len(content) > self.content_sent:
             events.append(("content", content[self.content_sent :]))
             self.content_sent = len(content)
@@ -616,9 +619,10 @@ class ToolPlan:
     template_tools: list | None = None
     grammar: str | None = None
     fmt: Format | None = None
+    calls_only: bool = False  # tool_choice required or named
 
     def parser(self):
-        return CallParser(self.fmt) if self.fmt is not None else None
+        return CallParser(self.fmt, self.calls_only) if self.fmt is not None else None
 
 
 def plan_tools(body, messages, chat_template) -> ToolPlan:
@@ -633,7 +637,7 @@ def plan_tools(body, messages, chat_template) -> ToolPlan:
     return ToolPlan(template_messages(messages, fmt, request),
                     template_tools=list(request.tools) if calling and fmt.native else None,
                     grammar=tool_grammar(fmt, request) if calling else None,
-                    fmt=fmt if calling else None)
+                    fmt=fmt if calling else None, calls_only=calling and request.choice != "auto")
 
 
 def prompt_constraint(plan: ToolPlan, loaded, settings, compiled: dict, refusal: str | None, eos_ids):
@@ -661,7 +665,7 @@ def record_of(plan: ToolPlan | None, generated_text: str) -> dict:
     """A jsonl record's tool fields: the reply's content and tool_calls (OpenAI's shapes), when it may call."""
     if plan is None or plan.fmt is None:
         return {}
-    content, calls = message_of(CallParser(plan.fmt), generated_text)
+    content, calls = message_of(plan.parser(), generated_text)
     return {"content": content, "tool_calls": calls}
 
 

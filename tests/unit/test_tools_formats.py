@@ -120,6 +120,9 @@ def test_a_reply_cut_before_a_call_names_its_function():
                       (MISTRAL, '[TOOL_CALLS] [{"na')):
         assert message_of(CallParser(fmt), text) == (text, [])
         assert assemble(streamed(fmt, text)) == (text, [])
+        # Under tool_choice required or named the grammar allowed a call alone: the cut call is no content.
+        for cut in (text, text[:4]):
+            assert message_of(CallParser(fmt, calls_only=True), cut) == ("", [])  # an empty reply
     first = PUBLISHED["generic"].split("\n")[0]
     for cut in ('\n{"tool_', '\n{"tool_call": {"na', "\n{"):
         parser = CallParser(GENERIC)
