@@ -613,14 +613,19 @@ class Output:
                                          part=dict(item["summary"][0])))
         elif item["type"] == "message":
             part = item["content"][0]
-            part["logprobs"] += self.pending
-            self.pending = []
+            if self.pending:  # tokens that added no text (the end of text): a delta of their own, as the done has them
+                part["logprobs"] += self.pending
+                events.append(self.event("response.output_text.delta", **where, content_index=0, delta="",
+                                         logprobs=delta_logprobs(self.pending)))
+                self.pending = []
             events.append(self.event("response.output_text.done", **where, content_index=0, text=part["text"],
                                      logprobs=delta_logprobs(part["logprobs"])))
             events.append(self.event("response.content_part.done", **where, content_index=0, part=dict(part)))
         else:
             events.append(self.event("response.function_call_arguments.done", **where, name=item["name"],
                                      arguments=item["arguments"]))
+            if status == "incomplete" and whole_json(item["arguments"]):
+                status = "completed"  # the reply was cut after this call ended (a call it cut was left out)
         item["status"] = status
         events.append(self.event("response.output_item.done", output_index=where["output_index"], item=dict(item)))
         return events
@@ -650,6 +655,14 @@ class Output:
             self.text(content, logprobs or ())
         for index, call in enumerate(message.get("tool_calls") or []):
             self.call({"index": index, "id": call["id"], "function": call["function"]})
+
+
+def whole_json(text):
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
 
 
 def delta_logprobs(items):

@@ -119,6 +119,31 @@ def test_the_message_texts_log_probabilities(client):
     assert [logprob for _, logprob in pairs(streamed)] == \
         pytest.approx([logprob for _, logprob in pairs(part.logprobs)], abs=1e-4)
     assert create(client, max_output_tokens=2).output[0].content[0].logprobs == []  # not asked for
+    # A reply that ends (the schema's JSON complete, then the end of text): the token that adds no text comes in
+    # a delta of its own, so the deltas still add up to the done event's.
+    fmt = {"type": "json_schema", "name": "city", "schema": SCHEMA, "strict": True}
+    events = list(create(client, stream=True, text={"format": fmt}, max_output_tokens=60,
+                         include=["message.output_text.logprobs"]))
+    assert events[-1].type == "response.completed"
+    streamed = [item for event in events if event.type == "response.output_text.delta" for item in event.logprobs]
+    done = next(event for event in events if event.type == "response.output_text.done")
+    assert pairs(streamed) == pairs(done.logprobs) == pairs(events[-1].response.output[0].content[0].logprobs)
+
+
+def test_a_cut_reply_marks_incomplete_only_the_item_it_cut():
+    """max_output_tokens ends the reply: a call whose arguments were whole is complete (the call the cut fell in
+    may have been left out, cut before its name); the one cut inside its arguments is incomplete."""
+    import types
+
+    from rungen.responses import Output
+
+    for arguments, status in (('{"city": "Paris"}', "completed"), ('{"city": "Pa', "incomplete")):
+        output = Output(types.SimpleNamespace(summary=False))
+        output.call({"index": 0, "id": "call_1", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}})
+        output.call({"index": 1, "id": "call_2", "function": {"name": "get_weather", "arguments": arguments}})
+        events = output.close("incomplete")
+        assert [item["status"] for item in output.items] == ["completed", status]
+        assert events[-1]["item"]["status"] == status
 
 
 def test_json_schema_output_is_valid_and_the_stream_helper_gets_the_final_response(client):
