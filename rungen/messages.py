@@ -70,6 +70,10 @@ def renamed(origins):
         message = re.sub(r"messages\[(\d+)\]",
                          lambda found: origins[int(found[1])] if int(found[1]) < len(origins) else found[0], message)
         message = message.replace(".function.parameters", ".input_schema").replace(".function.", ".")
+        # The chat path's tool messages and calls are this API's blocks.
+        for chat_name, block_name in (("tool_call_id", "tool_use_id"), (".tool_calls:", " tool_use:"),
+                                      ("tool message", "tool_result block"), ("tool call", "tool_use")):
+            message = message.replace(chat_name, block_name)
         raise APIError(message, name, error.status, error.kind, error.code, error.headers) from error
 
 

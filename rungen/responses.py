@@ -283,7 +283,8 @@ class Plan:
         if param == "text.format":  # the constraint's compiler names the command line's flag
             text = re.sub(r"^--json_schema: ", "text.format.schema: ", text)
         if param == "input":
-            text = text.replace("tool_call_id", "call_id")
+            text = text.replace("tool_call_id", "call_id").replace(".tool_calls:", ": function_call") \
+                .replace("tool message", "function_call_output")
         # The field, not the template's variable of that name ("... does not read reasoning_effort")
         text = re.sub(r"^reasoning_effort\b", "reasoning.effort", text)
         if param == "tools":

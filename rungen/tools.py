@@ -219,17 +219,43 @@ def read_parallel(value):
 # The conversation
 
 
+def check_answers(messages):
+    """Each assistant turn's tool calls answered by the tool messages right after it, each once (as OpenAI and
+    Anthropic require): a result without its call, or a call without its result, is a conversation the model
+    never had. Raises ToolError."""
+    waiting, seen, asked_at = {}, set(), None
+    for number, message in enumerate(messages):
+        if message["role"] == "tool":
+            call_id = message["tool_call_id"]
+            if call_id not in waiting:
+                again = " again" if call_id in seen else ""
+                raise ToolError(f"messages[{number}]: tool_call_id {call_id!r} answers no tool call{again} of the "
+                                "assistant message before it", "messages")
+            del waiting[call_id]
+            continue
+        if waiting:
+            raise ToolError(f"messages[{asked_at}].tool_calls: {', '.join(map(repr, waiting))} answered by no tool "
+                            f"message before messages[{number}]", "messages")
+        for call in message.get("tool_calls") or []:
+            if call["id"] in seen:
+                raise ToolError(f"messages[{number}].tool_calls: the id {call['id']!r} is used twice", "messages")
+            seen.add(call["id"])
+            waiting[call["id"]] = call["name"]
+        asked_at = number
+    if waiting:
+        raise ToolError(f"messages[{asked_at}].tool_calls: {', '.join(map(repr, waiting))} answered by no tool "
+                        "message (the conversation ends first)", "messages")
+
+
 def template_messages(messages, fmt: Format, request: ToolRequest | None):
     """The conversation as the chat template takes it, calls and results in the format's shape (the generic format
-    describes the tools in the system message); every tool message must answer an earlier call."""
+    describes the tools in the system message); every call answered (check_answers)."""
+    check_answers(messages)
     calls = {}  # id -> name
     out = []
-    for number, message in enumerate(messages):
+    for message in messages:
         role = message["role"]
         if role == "tool":
-            if message["tool_call_id"] not in calls:
-                raise ToolError(f"messages[{number}]: tool_call_id {message['tool_call_id']!r} answers no tool call "
-                                "of an earlier assistant message", "messages")
             name = calls[message["tool_call_id"]]
             if fmt.native:
                 out.append({"role": "tool", "content": message["content"], "name": name,

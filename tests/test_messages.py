@@ -191,7 +191,12 @@ def bad_request(client, **kwargs):
     (dict(messages=HELLO + [{"role": "assistant", "content": "Sure"}], max_tokens=4), "prefill"),
     (dict(messages=[{"role": "user", "content": "x"}, {"role": "user", "content": [
         {"type": "tool_result", "tool_use_id": "toolu_1", "content": "y"}]}], max_tokens=4),
-     "messages[1]: tool_call_id 'toolu_1' answers no tool call"),
+     "messages[1]: tool_use_id 'toolu_1' answers no tool_use"),
+    # A tool_use answered by no tool_result in the next user turn (Anthropic's 400 too).
+    (dict(messages=HELLO + [{"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name":
+                                                                "get_weather", "input": {"city": "Paris"}}]},
+                            {"role": "user", "content": "And?"}], max_tokens=4, tools=[WEATHER]),
+     "messages[1] tool_use: 'toolu_1' answered by no tool_result block before messages[2]"),
     (dict(messages=HELLO, max_tokens=CONTEXT), "max_tokens"),
 ])
 def test_bad_requests_are_400s_in_anthropic_shape_naming_the_field(client, kwargs, named):

@@ -225,6 +225,8 @@ BAD = [
     ({"messages": ASK + [{"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function", "function": {
         "name": "get_weather", "arguments": "{not json"}}]}]}, "messages"),
     ({"messages": [{"role": "tool", "content": "18"}]}, "messages"),
+    ({"messages": ASK + [{"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": "{}"}}]}, {"role": "user", "content": "And?"}]}, "messages"),
 ]
 
 

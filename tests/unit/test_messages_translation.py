@@ -85,7 +85,7 @@ def test_chat_errors_are_renamed_to_the_request_fields():
     cases = [(APIError("stop must be a non-empty string or a list of them", "stop"),
               "stop_sequences must be a non-empty string or a list of them", "stop_sequences"),
              (APIError("messages[3]: tool_call_id 'x' answers no tool call", "messages"),
-              "messages[1]: tool_call_id 'x' answers no tool call", "messages"),
+              "messages[1]: tool_use_id 'x' answers no tool_use", "messages"),
              (APIError("tools[0].function.parameters is not a valid JSON schema", "tools"),
               "tools[0].input_schema is not a valid JSON schema", "tools"),
              (APIError("chat_template_kwargs.enable_thinking: ...", "chat_template_kwargs"),
