@@ -312,7 +312,8 @@ class Plan:
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
             "background": False, "error": error,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
+            "instructions": body.get("instructions"),
+            "max_output_tokens": read_number(body, "max_output_tokens", None, integer=True),  # 8.0 is 8
             "metadata": self.metadata, "model": self.service.options.model_id, "output": output,
             "parallel_tool_calls": boolean(body, "parallel_tool_calls", True),
             "previous_response_id": body.get("previous_response_id"),
