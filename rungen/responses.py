@@ -5,6 +5,7 @@ back into a response object or the Responses stream's events, errors under the R
 kept in a bounded in-memory store for `previous_response_id`.
 """
 
+import base64
 import collections
 import copy
 import dataclasses
@@ -38,6 +39,9 @@ ITEM_KEYS = {
 TOOL_KEYS = {"type", "name", "description", "parameters", "strict"}
 SUMMARIES = ("auto", "concise", "detailed")
 LOGPROBS = "message.output_text.logprobs"
+# A reasoning item's text for a client that keeps no store (store: false) to give back: not encrypted, encoded.
+ENCRYPTED = "reasoning.encrypted_content"
+SEALED = "rungen1."
 # The chat path's field names, as the Responses request names them.
 PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
           "response_format": "text.format", "reasoning_effort": "reasoning.effort"}
@@ -151,7 +155,9 @@ class Plan:
 
     def read(self):
         body = self.body
-        self.logprobs = read_include(body) or has_value(body, "top_logprobs")
+        include = read_include(body)
+        self.logprobs = LOGPROBS in include or has_value(body, "top_logprobs")
+        self.encrypted = ENCRYPTED in include
         # At their defaults only: a prompt past the context is refused, never cut; requests run in the foreground.
         for name, default in (("truncation", "disabled"), ("background", False)):
             if has_value(body, name) and not (type(body[name]) is type(default) and body[name] == default):
@@ -361,17 +367,32 @@ def given(body, name, default):
 
 
 def read_include(body):
-    """Whether include asks for the message's log-probabilities, the one optional output produced here."""
+    """The optional outputs include asks for: the message's log-probabilities, reasoning items' encrypted_content."""
     if not has_value(body, "include"):
-        return False
+        return set()
     include = body["include"]
     if not isinstance(include, list) or not all(isinstance(value, str) for value in include):
         raise APIError("include must be a list of strings", "include")
-    other = [value for value in include if value != LOGPROBS]
+    other = [value for value in include if value not in (LOGPROBS, ENCRYPTED)]
     if other:
-        raise APIError(f"include {excerpt(other[0])} is not supported: this server produces only {LOGPROBS}",
-                       "include")
-    return bool(include)
+        raise APIError(f"include {excerpt(other[0])} is not supported: this server produces {LOGPROBS} and "
+                       f"{ENCRYPTED}", "include")
+    return set(include)
+
+
+def seal(text):
+    """A reasoning item's encrypted_content: its text, base64-encoded behind a mark (opaque to the client)."""
+    return SEALED + base64.urlsafe_b64encode(text.encode()).decode()
+
+
+def unseal(content):
+    """The text of encrypted_content this server made, else None (another server's cannot be read)."""
+    if not isinstance(content, str) or not content.startswith(SEALED):
+        return None
+    try:
+        return base64.urlsafe_b64decode(content[len(SEALED):].encode()).decode()
+    except (ValueError, UnicodeDecodeError):
+        return None
 
 
 def read_metadata(body):
@@ -438,7 +459,7 @@ def reasoning_text(item, where=""):
                 and set(part) <= {"type", "text"} for part in parts):
             raise APIError(f'{where}.{field} must be a list of {{"type": "{part_type}", "text"}} parts', "input")
         texts[field] = PART_SEPARATOR.join(part["text"] for part in parts)
-    return texts.get("content") or texts.get("summary") or ""
+    return texts.get("content") or texts.get("summary") or unseal(item.get("encrypted_content")) or ""
 
 
 def item_text(item, where):
@@ -613,6 +634,8 @@ class Output:
                 events.append(self.event("response.reasoning_summary_text.done", **where, summary_index=0, text=text))
                 events.append(self.event("response.reasoning_summary_part.done", **where, summary_index=0,
                                          part=dict(item["summary"][0])))
+            if self.plan.encrypted:
+                item["encrypted_content"] = seal(text)
         elif item["type"] == "message":
             part = item["content"][0]
             if self.pending:  # tokens that added no text (the end of text): a delta of their own, as the done has them

@@ -15,6 +15,7 @@ import torch
 from transformers import AutoTokenizer
 
 import rungen.messages
+import rungen.responses
 from helpers import run_main, serving
 from rungen.loading import load
 from tiny_models import build_tiny_checkpoint, set_context
@@ -373,6 +374,13 @@ def test_reasoning_given_back_in_a_tool_loop_reaches_the_prompt_through_each_api
         model=MODEL_ID, input=items, max_output_tokens=1,
         tools=[{"type": "function", "name": "get_weather", "parameters": SCHEMA}])
     assert response.usage.input_tokens == chat_tokens(loop)
+    # A client that keeps no store gives the item back as include=["reasoning.encrypted_content"] had it.
+    sealed = {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": rungen.responses.seal(
+        "Ask the tool.")}
+    response = client(server).responses.create(
+        model=MODEL_ID, input=[items[0], sealed, *items[2:]], max_output_tokens=1, store=False,
+        tools=[{"type": "function", "name": "get_weather", "parameters": SCHEMA}])
+    assert response.usage.input_tokens == chat_tokens(loop)
     thinking = {"type": "thinking", "thinking": "Ask the tool.", "signature": "s"}
     use = {"type": "tool_use", "id": "call_1", "name": "get_weather", "input": {"city": "Paris"}}
     message = messages_client(server).messages.create(
@@ -450,6 +458,15 @@ def test_a_response_gives_the_block_as_a_reasoning_item_and_the_answer_as_the_me
         helped = stream.get_final_response()
     assert helped.output[0].summary[0].text == chat_reply.reasoning_content
     assert helped.output_text == response.output_text
+    # include=["reasoning.encrypted_content"]: the item carries its text for a client without a store to give back.
+    sealed = responses.create(model=MODEL_ID, input=ASK[0]["content"], temperature=0, max_output_tokens=60,
+                              text={"format": fmt}, include=["reasoning.encrypted_content"], store=False)
+    assert rungen.responses.unseal(sealed.output[0].encrypted_content) == chat_reply.reasoning_content
+    streamed = list(responses.create(model=MODEL_ID, input=ASK[0]["content"], temperature=0, max_output_tokens=60,
+                                     text={"format": fmt}, include=["reasoning.encrypted_content"], stream=True))
+    done = next(event.item for event in streamed if event.type == "response.output_item.done")
+    assert done.encrypted_content == sealed.output[0].encrypted_content
+    assert response.output[0].encrypted_content is None  # not asked for
     # Without a summary asked for, the item holds the text, and no summary.
     plain = responses.create(model=MODEL_ID, input=ASK[0]["content"], temperature=0, max_output_tokens=60,
                              text={"format": fmt})

@@ -321,7 +321,7 @@ def test_an_agent_calls_its_tool_and_answers(served):
     ({"seed": 1}, "seed", 400, "seed is not supported"),
     ({"stop": ["x"]}, "stop", 400, "stop is not supported"),
     ({"background": True}, "background", 400, "background true is not supported"),
-    ({"include": ["reasoning.encrypted_content"]}, "include", 400, "not supported"),
+    ({"include": ["file_search_call.results"]}, "include", 400, "not supported"),
     ({"include": ["message.output_text.logprobs"], "tools": [WEATHER]}, "include", 400,
      "log-probabilities with tools are not supported"),
     ({"top_logprobs": 21}, "top_logprobs", 400, "top_logprobs must be in [0, 20]"),
