@@ -8,7 +8,7 @@ import sys
 
 from . import PROG
 from .generation import Sequence
-from .prompts import Prompt
+from .prompts import RECORD_FIELDS, Prompt
 
 
 class Writer:
@@ -34,8 +34,8 @@ class Writer:
         if prompt.error is not None:
             self.failed += 1
             if self.jsonl:
-                print(json.dumps({"prompt_index": prompt.index, "prompt": prompt.text, "error": prompt.error,
-                                  **prompt.extra}, ensure_ascii=False))
+                print(json.dumps(carrying({"prompt_index": prompt.index, "prompt": prompt.text,
+                                           "error": prompt.error}, prompt.extra), ensure_ascii=False))
             else:
                 print(f"{PROG}: prompt {prompt.index + 1}: error: {prompt.error}", file=sys.stderr, flush=True)
             return
@@ -43,13 +43,20 @@ class Writer:
             self.sequences.append(sequence.text)
             self.tokens += sequence.num_generated_tokens
             if self.jsonl:
-                print(json.dumps({"prompt_index": prompt.index, "sequence_index": number, "prompt": prompt.text,
-                                  **record_fields(sequence), **reply_fields(prompt, sequence.generated_text),
-                                  **prompt.extra}, ensure_ascii=False))
+                print(json.dumps(carrying({"prompt_index": prompt.index, "sequence_index": number,
+                                           "prompt": prompt.text, **record_fields(sequence),
+                                           **reply_fields(prompt, sequence.generated_text)}, prompt.extra),
+                                 ensure_ascii=False))
             elif not streamed:  # the streamer has printed it already
                 where = f"PROMPT {prompt.index + 1}, " if self.num_prompts > 1 else ""
                 print(f"=== {where}GENERATED SEQUENCE {number + 1} ===")
                 print(sequence.text)
+
+
+def carrying(record: dict, extra: dict) -> dict:
+    """The record and then the input line's other fields; never one named as a record's own, which would pass an
+    error record off as a reply or as another line's (a line naming one is an error record saying so)."""
+    return {**record, **{key: value for key, value in extra.items() if key not in record and key not in RECORD_FIELDS}}
 
 
 def record_fields(sequence: Sequence) -> dict:

@@ -101,7 +101,7 @@ def parse_prompt_line(index: int, line: bytes, input_format: str) -> Prompt:
         last_user = [message["content"] for message in conversation if message["role"] == "user"][-1:]
         problem = carried_fields_problem(record)
         if problem:
-            return Prompt(index, "".join(last_user), error=problem)
+            return Prompt(index, "".join(last_user), extra=record, error=problem)
         return Prompt(index, "".join(last_user), extra=dict(record, messages=messages), messages=conversation,
                       tools=tools if with_tools else None)
     if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
@@ -109,7 +109,7 @@ def parse_prompt_line(index: int, line: bytes, input_format: str) -> Prompt:
                       'or a "messages" list')
     problem = carried_fields_problem(record)
     if problem:
-        return Prompt(index, record["prompt"], error=problem)
+        return Prompt(index, record.pop("prompt"), extra=record, error=problem)
     text = record.pop("prompt")
     return Prompt(index, text, extra=record)
 

@@ -115,6 +115,23 @@ def test_writer_keeps_input_order_and_flushes_as_soon_as_it_can(capsys):
     assert (writer.failed, writer.tokens, writer.sequences) == (1, 9, ["pA", "pA2", "pB"])
 
 
+def test_an_error_record_keeps_the_lines_own_fields_and_never_lets_them_overwrite_its_own(capsys):
+    """A batch's user joins results on their own id (custom_id): error records carry it too; a field named as
+    one of the record's is the error, and cannot pass the record off as another line's, or as no error."""
+    lines = [b'{"messages": "oops", "prompt_index": 7, "error": null, "custom_id": "c0"}',
+             b'{"prompt": "Hi", "error": "mine", "custom_id": "c1"}',
+             b'{"messages": [{"role": "user", "content": "Hi"}], "generated_text": "x", "custom_id": "c2"}']
+    writer = Writer("jsonl", 3)
+    for index, line in enumerate(lines):
+        writer.add(parse_prompt_line(index, line, "jsonl"))
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["prompt_index"], r["custom_id"]) for r in records] == [(0, "c0"), (1, "c1"), (2, "c2")]
+    assert records[0]["error"] == '"messages": must be a non-empty list'
+    assert [r["error"] for r in records[1:]] == [f'the field "{name}" is one the output record writes; rename it'
+                                                 for name in ("error", "generated_text")]
+    assert "generated_text" not in records[2] and records[1]["prompt"] == "Hi"
+
+
 def test_text_blocks_errors_on_stderr_and_streamed_text_printed_once(capsys):
     writer = Writer("text", 2)
     writer.add(Prompt(0, "a"), [sequence("A")])
