@@ -214,37 +214,38 @@ def main(argv=None):
     # Ctrl-C ends the generation at its next step, what came written (several processes: each stops at once).
     ctrl_c = CtrlC() if state.num_processes == 1 else None
     start = time.perf_counter()
-    if engine is not None:
-        finished = []
+    with writer.finishing(mine):  # a model that fails mid-run: what came is written, the rest say why
+        if engine is not None:
+            finished = []
 
-        def done(prompt, sequences):  # one process writes each as it ends; several gather them at the end
-            if state.num_processes == 1:
-                write([(prompt, sequences)])
-            else:
-                finished.append((prompt, sequences))
+            def done(prompt, sequences):  # one process writes each as it ends; several gather them at the end
+                if state.num_processes == 1:
+                    write([(prompt, sequences)])
+                else:
+                    finished.append((prompt, sequences))
 
-        if stream and mine:
-            print_stream_header(mine[0], settings.chat)
-        run_prompts(engine, settings, mine, done, stream=stream, ctrl_c=ctrl_c)
-        if state.num_processes > 1:
-            write(processes.gather(state, finished))
-    else:
-        batches = list(make_batches(mine, batch_size))
-        for number in range(processes.rounds(state, len(batches))):
-            batch = batches[number] if number < len(batches) else []
-            if ctrl_c is not None and ctrl_c.interrupted:
-                break
-            streamer = None
-            if stream:
-                print_stream_header(batch[0], settings.chat)
-                from rungen.generation import StopTokenStreamer  # transformers' TextStreamer: generate() only
+            if stream and mine:
+                print_stream_header(mine[0], settings.chat)
+            run_prompts(engine, settings, mine, done, stream=stream, ctrl_c=ctrl_c)
+            if state.num_processes > 1:
+                write(processes.gather(state, finished))
+        else:
+            batches = list(make_batches(mine, batch_size))
+            for number in range(processes.rounds(state, len(batches))):
+                batch = batches[number] if number < len(batches) else []
+                if ctrl_c is not None and ctrl_c.interrupted:
+                    break
+                streamer = None
+                if stream:
+                    print_stream_header(batch[0], settings.chat)
+                    from rungen.generation import StopTokenStreamer  # transformers' TextStreamer: generate() only
 
-                streamer = StopTokenStreamer(loaded.tokenizer, settings.stop_token)
-            with ctrl_c.catching() if ctrl_c is not None else contextlib.nullcontext():
-                results = generate_batch(loaded, settings, batch, streamer, ctrl_c and [ctrl_c]) if batch else {}
-            if ctrl_c is not None and ctrl_c.interrupted:
-                mark_interrupted(results, settings.length)
-            write(processes.gather(state, [(prompt, results[prompt.index]) for prompt in batch]))
+                    streamer = StopTokenStreamer(loaded.tokenizer, settings.stop_token)
+                with ctrl_c.catching() if ctrl_c is not None else contextlib.nullcontext():
+                    results = generate_batch(loaded, settings, batch, streamer, ctrl_c and [ctrl_c]) if batch else {}
+                if ctrl_c is not None and ctrl_c.interrupted:
+                    mark_interrupted(results, settings.length)
+                write(processes.gather(state, [(prompt, results[prompt.index]) for prompt in batch]))
     if progress:
         progress.close()
     seconds = time.perf_counter() - start

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import sys
 
 from . import PROG
+from .errors import GenerationError
 from .generation import Sequence
 from .prompts import RECORD_FIELDS, Prompt
 
@@ -29,6 +31,18 @@ class Writer:
             self.write(*self.done.pop(self.next))
             self.next += 1
         sys.stdout.flush()
+
+    @contextlib.contextmanager
+    def finishing(self, prompts: list[Prompt]):
+        """Where generation fails (GenerationError: the model's scores NaN, out of memory), each of `prompts` not
+        written yet gets an error record saying so, the results held for input order with them; then it raises."""
+        try:
+            yield
+        except GenerationError as error:
+            for prompt in prompts:
+                if prompt.index >= self.next and prompt.index not in self.done:
+                    self.add(dataclasses.replace(prompt, error=f"not generated: {error}"))
+            raise
 
     def write(self, prompt: Prompt, sequences: list[Sequence] | tuple, streamed: bool) -> None:
         if prompt.error is not None:

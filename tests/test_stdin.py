@@ -97,6 +97,30 @@ def test_a_failing_prompt_among_good_ones(tiny_models):
             assert "prompt 2: error: prompt is" in stderr and "prompt 3: error: input is not valid UTF-8" in stderr
 
 
+def test_a_model_failing_mid_run_still_writes_every_record(tiny_models, tmp_path):
+    """Weights gone NaN fail the run at its first step: each prompt still gets its record in input order (those
+    not generated saying why, a bad line's own error among them), then the one error line and a non-zero exit."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "llama"
+    shutil.copytree(tiny_models["llama"], broken)
+    weights = load_file(broken / "model.safetensors")
+    name = next(name for name in weights if name.endswith("mlp.down_proj.weight"))
+    weights[name] = weights[name] * float("nan")
+    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    stdin = b"\n".join([PROMPTS[0].encode(), b"caf\xe9 au lait", PROMPTS[1].encode()])
+    result = run_main(["--model_name_or_path", str(broken), "--length", "4", "--temperature", "0",
+                       "--output_format", "jsonl"], stdin=stdin)
+    assert result.returncode == 2 and error_line(result).endswith("the model's scores are NaN: its weights are "
+                                                                   "broken (a damaged file?)")
+    records = jsonl(result.stdout)
+    assert [r["prompt_index"] for r in records] == [0, 1, 2]
+    assert [r["error"].split(":")[0] for r in records] == ["not generated", "input is not valid UTF-8 (invalid "
+                                                           "continuation byte at byte 3)", "not generated"]
+
+
 def test_invalid_json_line_is_an_error_record(tiny_models):
     stdin = '{"prompt": "Hello"}\n{"prompt": \n["not an object"]\n{"prompt": "Bye"}\n'
     args = tiny_args(tiny_models, "gpt2", "--input_format", "jsonl", "--output_format", "jsonl")
