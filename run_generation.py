@@ -180,8 +180,10 @@ def main(argv=None):
     for prompt in prompts:
         if prompt.error is None:
             try:
+                # Scored (--length 0), a conversation is what it holds: no opening of a reply to come after it.
                 prompt.ids = encode_prompt(loaded, prompt, args.prefix, settings.chat, args.system,
-                                           template_kwargs=args.chat_template_kwargs)
+                                           template_kwargs=args.chat_template_kwargs,
+                                           add_generation_prompt=settings.length != 0)
                 if prompt.tool_plan is not None and prompt.tool_plan.grammar and settings.length != 0:
                     from rungen.tools import prompt_constraint
 

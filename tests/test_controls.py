@@ -168,6 +168,25 @@ def test_scoring_the_default_model(default_model, forward):
         assert record["perplexity"] == pytest.approx(math.exp(nll), rel=1e-4)
 
 
+def test_scoring_a_conversation_scores_what_it_holds(tmp_path):
+    """--length 0 on a conversation (a chat evaluation's): the template's text of its messages, without the
+    opening of a reply that no one wrote after the last one."""
+    from test_server import build_chat_llama
+
+    path = build_chat_llama(str(tmp_path / "llama"))
+    messages = [{"role": "user", "content": "What is the capital of France?"},
+                {"role": "assistant", "content": "Paris."}]
+    result = run_main(["--model_name_or_path", path, "--length", "0", "--input_format", "jsonl", "--output_format",
+                       "jsonl", "--logprobs", "0"], stdin=json.dumps({"messages": messages}))
+    assert result.returncode == 0, result.stderr.decode()
+    [record] = jsonl(result.stdout)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    held = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
+    ids = tokenizer.encode(held, add_special_tokens=False)
+    assert record["num_prompt_tokens"] == len(ids)
+    assert [item["id"] for item in record["prompt_logprobs"]["content"]] == ids[1:]
+
+
 def test_a_one_token_prompt_has_nothing_to_score(tiny_models):
     args = tiny_args(tiny_models, "gpt2", "--length", "0", "--output_format", "jsonl", "--logprobs", "0")
     result = run_main(args, stdin="A\nHello, my dog")
