@@ -1,6 +1,6 @@
 """JSON as RFC 8259 has it, for what users send (request bodies, jsonl lines): loads refuses what Python's json
-takes beyond it (NaN, Infinity, numbers past a float's range, lone surrogates, unbounded nesting) with a JSONError
-naming the top-level field."""
+takes beyond it (NaN, Infinity, numbers past a float's range, lone surrogates, unbounded nesting, a key given twice)
+with a JSONError naming the top-level field."""
 
 import itertools
 import json
@@ -48,14 +48,27 @@ def loads(text: str, max_depth: int = MAX_DEPTH):
         odd.append(word)
         return NotJSON(word)
 
+    twice = []
+
+    def unique(pairs):  # a key given twice: which one the sender meant is not known (Python's json keeps the last)
+        value = dict(pairs)
+        if len(value) < len(pairs):
+            seen = set()
+            twice.append(next(key for key, _ in pairs if key in seen or seen.add(key)))
+        return value
+
     try:
-        value = json.loads(text, parse_constant=constant, parse_float=real)
+        value = json.loads(text, parse_constant=constant, parse_float=real, object_pairs_hook=unique)
     except json.JSONDecodeError as error:
         raise JSONError(f"not valid JSON ({error.msg} at line {error.lineno} column {error.colno})") from None
     except (ValueError, RecursionError) as error:  # an integer of over 4,300 digits (Python's limit)
         raise JSONError(f"not valid JSON ({error})") from None
     if odd or SURROGATE_ESCAPE.search(text):
         check_values(value)
+    if twice:
+        key = printable(twice[-1])  # the outermost object's comes last
+        top = isinstance(value, dict) and key in value
+        raise JSONError(f'the key "{key}" is given twice in one object', key if top else None)
     return value
 
 

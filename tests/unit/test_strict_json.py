@@ -19,6 +19,9 @@ from rungen.strict_json import JSONError, loads, nesting_depth
     ("[NaN]", None, "NaN"),
     ('{"a": 1', None, "not valid JSON"),
     ('{"n": ' + "9" * 5000 + "}", None, "not valid JSON"),
+    # A key given twice: which value the sender meant is unknown (Python's json would keep the last silently).
+    ('{"prompt": "first", "prompt": "second"}', "prompt", 'the key "prompt" is given twice'),
+    ('{"messages": [{"role": "user", "role": "system", "content": "x"}]}', None, 'the key "role" is given twice'),
 ])
 def test_what_json_does_not_allow_is_refused_naming_its_field(text, field, words):
     with pytest.raises(JSONError) as error:
