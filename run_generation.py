@@ -42,7 +42,7 @@ import numpy
 import torch
 
 from rungen import NOTICE, PROG, logger, processes
-from rungen.arguments import max_memory_map, parse_args, serve_options, settings_from_args
+from rungen.arguments import check_template_flags, max_memory_map, parse_args, serve_options, settings_from_args
 from rungen.batch import engine_refusal, open_engine, run_prompts, settings_refusal
 from rungen.controls import load_assistant
 from rungen.errors import PromptError, PromptsFailed, RunGenerationError, UsageError
@@ -118,6 +118,7 @@ def main(argv=None):
         if state.is_main_process:  # the others would take lines of the same pipe
             mine = read_prompts(args.prompt, whole_stdin=args.whole_stdin, input_format=args.input_format)
         prompts = processes.share_prompts(state, mine)
+        check_template_flags(args, prompts)
         stream = choose_streaming(args.stream, flag_settings, len(prompts), state.num_processes, args.output_format)
     # A GGUF file runs on the own model code unless the flags need transformers' (generate()'s controls). Not --jit:
     # a file the own model runs is one native call a step in transformers' model too, which leaves nothing to trace.

@@ -281,10 +281,21 @@ def check_inputs(args: argparse.Namespace, given: set[str]) -> None:
     for flag, what in (("system", "system message"), ("chat_template_kwargs", "variables")):
         if getattr(args, flag) is None:
             continue
-        if args.chat is False:
+        if args.chat is False and args.input_format == "text":  # jsonl conversations go through it all the same
             raise UsageError(f"--{flag} is the chat template's {what}; --no-chat leaves prompts unwrapped")
         if args.chat is None and not args.serve and args.input_format == "text" and not session:
             raise UsageError(f"--{flag} is the chat template's {what}: add --chat to wrap these prompts in it")
+
+
+def check_template_flags(args: argparse.Namespace, prompts: list) -> None:
+    """UsageError for --system or --chat_template_kwargs where no prompt read goes through the template (jsonl
+    "prompt" lines without --chat), as check_inputs does for text prompts."""
+    if args.chat or any(prompt.messages is not None for prompt in prompts):
+        return
+    for flag in ("system", "chat_template_kwargs"):
+        if getattr(args, flag) is not None and prompts:
+            raise UsageError(f"--{flag} is for the chat template, and no line is a conversation: add --chat to wrap "
+                             "these prompts in it")
 
 
 def template_kwargs(text: str) -> dict:

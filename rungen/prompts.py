@@ -70,8 +70,8 @@ def read_prompts(prompt: str | None, *, whole_stdin: bool = False, input_format:
     if sys.stdin is None:
         raise UsageError("no prompt: pass --prompt, or pipe prompts through stdin")
     data = sys.stdin.buffer.read().removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark (Windows files)
-    if whole_stdin:
-        lines = [data]
+    if whole_stdin:  # one prompt, line breaks as text read in Python takes them (a Windows file's too)
+        lines = [data.replace(b"\r\n", b"\n")] if data.strip() else []
     else:
         lines = [line.rstrip(b"\r") for line in data.split(b"\n") if line.strip()]
     return [parse_prompt_line(index, line, input_format) for index, line in enumerate(lines)]

@@ -65,6 +65,24 @@ def test_a_byte_order_mark_starting_stdin_is_no_part_of_a_prompt(input_format, m
     assert [(prompt.text, prompt.error) for prompt in prompts] == [("Hello", None), ("World", None)]
 
 
+def test_whole_stdin_is_one_prompt_with_a_windows_files_line_breaks_read_as_text_and_nothing_is_none(monkeypatch):
+    for data, texts in ((b"Line one\r\nLine two\r\n", ["Line one\nLine two\n"]), (b" \r\n\n", [])):
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
+        assert [prompt.text for prompt in read_prompts(None, whole_stdin=True)] == texts
+
+
+def test_template_flags_are_refused_where_no_line_goes_through_the_template():
+    jsonl_args = ["--input_format", "jsonl"]
+    text_line = parse_prompt_line(0, b'{"prompt": "Hi"}', "jsonl")
+    conversation = parse_prompt_line(1, b'{"messages": [{"role": "user", "content": "Hi"}]}', "jsonl")
+    for flags in (["--system", "S"], ["--chat_template_kwargs", '{"enable_thinking": false}']):
+        with pytest.raises(UsageError, match="no line is a conversation: add --chat"):
+            rungen.arguments.check_template_flags(parse_args(jsonl_args + flags), [text_line])
+        for args, prompts in ((jsonl_args + flags, [text_line, conversation]), (jsonl_args + flags + ["--chat"],
+                              [text_line]), (jsonl_args + flags + ["--no-chat"], [conversation])):
+            rungen.arguments.check_template_flags(parse_args(args), prompts)  # a line it applies to
+
+
 def test_a_conversations_text_parts_are_joined_and_a_developer_message_is_a_system_one():
     line = (b'{"messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": [{"type": '
             b'"text", "text": "<ctx>"}, {"type": "text", "text": "Capital of France?"}]}], "id": 7}')
