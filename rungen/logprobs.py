@@ -77,6 +77,10 @@ def content_items(tokenizer, context: list[int], ids: list[int], chosen: list[fl
     log-probabilities (most likely first)."""
     sequence, offset = list(context) + list(ids), len(context)
     items, special = [], set(tokenizer.all_special_ids)
+
+    def token_bytes_of(token_id, text):  # a special token (the end of text) adds no text to the reply
+        return [] if token_id in special else token_bytes(tokenizer, token_id, text)
+
     for position, (token_id, logprob) in enumerate(zip(ids, chosen)):
         before = sequence[max(0, offset + position - CONTEXT_TOKENS) : offset + position]
         head = tokenizer.decode(before, skip_special_tokens=True) if before else None
@@ -84,10 +88,10 @@ def content_items(tokenizer, context: list[int], ids: list[int], chosen: list[fl
         for alt_id, value in zip(top_ids[position], top_values[position]):
             alt_text = token_text(tokenizer, before, alt_id, head, special)
             alternatives.append({"token": alt_text, "id": alt_id, "logprob": value,
-                                 "bytes": token_bytes(tokenizer, alt_id, alt_text)})
+                                 "bytes": token_bytes_of(alt_id, alt_text)})
         text = token_text(tokenizer, before, token_id, head, special)
         items.append({"token": text, "id": token_id, "logprob": logprob,
-                      "bytes": token_bytes(tokenizer, token_id, text), "top_logprobs": alternatives})
+                      "bytes": token_bytes_of(token_id, text), "top_logprobs": alternatives})
     return items
 
 

@@ -220,6 +220,9 @@ def test_token_bytes_join_to_the_text_where_tokens_split_characters(kind, gpt2_t
     assert bytes(b for item in items for b in item["bytes"]).decode() == text[len(tok.decode(ids[:1])):]
     assert items[0]["bytes"] == list(items[0]["token"].encode())  # a whole character's bytes are its text's
     assert all(isinstance(top["bytes"], list) for item in items for top in item["top_logprobs"])
+    # The end of text, named as its token, adds no text to the reply: no bytes, so the join is still the text.
+    [end] = content(tok, ids, [tok.eos_token_id], torch.zeros(1, len(tok)).log_softmax(-1), 1)
+    assert end["token"] == tok.eos_token and end["bytes"] == []
 
 
 def test_step_logits_follow_beams():
