@@ -191,7 +191,8 @@ def check_controls(args: argparse.Namespace, given: set[str] = frozenset()) -> N
                                                   ("min_p", args.min_p is not None),
                                                   ("typical_p", args.typical_p is not None)) if on]
     if args.temperature == 0 and sampling_only:
-        logger.warning("%s apply to sampling only (--temperature > 0); ignored", " and ".join(sampling_only))
+        logger.warning("%s %s to sampling only (--temperature > 0); ignored", " and ".join(sampling_only),
+                       "applies" if len(sampling_only) == 1 else "apply")
     if args.logprobs is not None:
         if args.logprobs < 0:
             raise UsageError(f"--logprobs must be >= 0, got {args.logprobs}")

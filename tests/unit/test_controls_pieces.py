@@ -75,7 +75,7 @@ def test_stop_token_is_repeatable_and_keeps_its_single_form():
 
 def test_sampling_only_flags_warn_under_greedy(caplog):
     args = parse_args(["--temperature", "0", "--min_p", "0.1"])
-    assert args.min_p == 0.1 and "apply to sampling only" in caplog.text
+    assert args.min_p == 0.1 and "--min_p applies to sampling only" in caplog.text
     assert "min_p" not in generation_kwargs(settings_from_args(args), pad_token_id=0)
     caplog.clear()
     parse_args(["--temperature", "0", "--k", "5", "--p", "0.5"])  # given: said so as well
