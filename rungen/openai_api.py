@@ -290,8 +290,10 @@ def chat_prompt(service, body, **encoding):
     """(token ids, rungen.tools.ToolPlan) of a chat request's messages and tools through the chat template
     (`encoding`: encode_prompt's keyword options)."""
     messages = read_messages(body)
+    constraint_source = read_constraint_source(body, response_format_allowed=True)
+    reply_schema = constraint_source[1] if constraint_source and constraint_source[0] == "json_schema" else None
     try:
-        tools = plan_tools(body, messages, service.loaded.tokenizer.chat_template)
+        tools = plan_tools(body, messages, service.loaded.tokenizer.chat_template, reply_schema)
     except ToolError as error:
         raise APIError(str(error), error.param) from error
     last_user = [message["content"] for message in messages if message["role"] == "user"][-1:]
@@ -342,7 +344,7 @@ async def generate(service, http_request, body, prompts, logprobs, *, chat, max_
     stops = read_stop(body)
     constraint_source = read_constraint_source(body, response_format_allowed=chat)
     if tools is not None and tools.grammar is not None:
-        if constraint_source:
+        if constraint_source and not tools.holds_format:  # a regex or grammar beside the tools' own
             raise APIError(f"one constraint per request; got tools and {constraint_source[2]}", constraint_source[2])
         constraint_source = ("tools", tools.grammar, "tools")
     constraint = None

@@ -313,11 +313,14 @@ def generic_instructions(request: ToolRequest) -> str:
 # The constraint
 
 
-def tool_grammar(fmt: Format, request: ToolRequest) -> str | None:
-    """The EBNF grammar (xgrammar's dialect) a reply must follow, or None for tool_choice none."""
+def tool_grammar(fmt: Format, request: ToolRequest, reply_schema: str | None = None) -> str | None:
+    """The EBNF grammar (xgrammar's dialect) a reply must follow, or None for tool_choice none. `reply_schema`:
+    the response format's JSON schema, which a reply under tool_choice auto follows where it calls no tool."""
     import xgrammar as xgr
     from xgrammar.structural_tag import (
+        GrammarFormat,
         JSONSchemaFormat,
+        OrFormat,
         StructuralTag,
         TagFormat,
         TagsWithSeparatorFormat,
@@ -346,7 +349,10 @@ def tool_grammar(fmt: Format, request: ToolRequest) -> str | None:
                                     stop_after_first=single)
     if fmt.region is not None:
         calls = TagFormat(begin=fmt.region[0], content=calls, end=fmt.region[1])
-    if request.choice == "auto":
+    if request.choice == "auto" and reply_schema is not None:  # the calls, or the answer in its format
+        answer = xgr.Grammar.from_json_schema(reply_schema, any_whitespace=False)  # as without tools: compact
+        structure = OrFormat(elements=[calls, GrammarFormat(grammar=json_string_characters(str(answer)))])
+    elif request.choice == "auto":
         if fmt.region is not None:
             structure = TriggeredTagsFormat(triggers=[fmt.trigger], tags=[calls], stop_after_first=True)
         else:
@@ -646,13 +652,15 @@ class ToolPlan:
     grammar: str | None = None
     fmt: Format | None = None
     calls_only: bool = False  # tool_choice required or named
+    holds_format: bool = False  # the grammar holds the response format (an answer that calls no tool follows it)
 
     def parser(self):
         return CallParser(self.fmt, self.calls_only) if self.fmt is not None else None
 
 
-def plan_tools(body, messages, chat_template) -> ToolPlan:
-    """The ToolPlan of a chat request (messages as read, with their tool fields). Raises ToolError."""
+def plan_tools(body, messages, chat_template, reply_schema: str | None = None) -> ToolPlan:
+    """The ToolPlan of a chat request (messages as read, with their tool fields; `reply_schema`: its response
+    format's JSON schema, which the grammar then holds). Raises ToolError."""
     request = read_tool_request(body)
     if request is None and not any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
         return ToolPlan(messages)
@@ -662,8 +670,9 @@ def plan_tools(body, messages, chat_template) -> ToolPlan:
     calling = request is not None and request.choice != "none"
     return ToolPlan(template_messages(messages, fmt, request),
                     template_tools=list(request.tools) if calling and fmt.native else None,
-                    grammar=tool_grammar(fmt, request) if calling else None,
-                    fmt=fmt if calling else None, calls_only=calling and request.choice != "auto")
+                    grammar=tool_grammar(fmt, request, reply_schema) if calling else None,
+                    fmt=fmt if calling else None, calls_only=calling and request.choice != "auto",
+                    holds_format=calling and reply_schema is not None)
 
 
 def prompt_constraint(plan: ToolPlan, loaded, settings, compiled: dict, refusal: str | None, eos_ids):

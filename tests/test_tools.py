@@ -162,6 +162,31 @@ def test_auto_holds_a_call_the_model_opens_to_its_schema(servers):
         assert len(check_calls(choice, SCHEMAS)) == 1
 
 
+@pytest.mark.parametrize("fmt", ["hermes", "generic"])
+def test_auto_with_a_response_format_calls_a_tool_or_answers_in_the_format(servers, fmt):
+    """Tools and a response format together (an agent with tools and an output type): under auto a reply is
+    calls held to their schemas, or an answer that follows the format, never free text."""
+    answer = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+              "additionalProperties": False}
+    response_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": answer}}
+    replies = create(servers, fmt, tools=TOOLS, response_format=response_format, temperature=1.0, seed=5, n=8,
+                     max_tokens=200, parallel_tool_calls=False)
+    kinds = set()
+    for choice in replies.choices:
+        if choice.finish_reason == "length":
+            continue
+        if choice.message.tool_calls:
+            check_calls(choice, SCHEMAS)
+            kinds.add("call")
+        else:
+            jsonschema.validate(json.loads(choice.message.content), answer)
+            kinds.add("answer")
+    assert kinds == {"call", "answer"}, kinds  # this seed's replies do both
+    # Beside the tools' own, a regex cannot be held too: refused as before.
+    with pytest.raises(openai.BadRequestError, match="one constraint per request"):
+        create(servers, fmt, tools=TOOLS, extra_body={"guided_regex": "[a-z]+"}, max_tokens=4)
+
+
 @pytest.mark.parametrize("fmt", sorted(MODELS))
 def test_streamed_calls_assemble_to_the_plain_reply(servers, fmt):
     kwargs = dict(tools=TOOLS, tool_choice="required", temperature=1.0, seed=7, parallel_tool_calls=False)
@@ -220,7 +245,7 @@ BAD = [
     ({"tools": [{"type": "code_interpreter"}]}, "tools"),
     ({"tools": [dict(WEATHER, function=dict(WEATHER["function"], examples=[1]))]}, "tools"),
     ({"parallel_tool_calls": False}, "parallel_tool_calls"),
-    ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": TOOLS, "guided_regex": "[a-z]+"}, "guided_regex"),  # a response format is taken: see above
     ({"messages": ASK + [{"role": "tool", "tool_call_id": "call_x", "content": "18"}]}, "messages"),
     ({"messages": ASK + [{"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function", "function": {
         "name": "get_weather", "arguments": "{not json"}}]}]}, "messages"),
