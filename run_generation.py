@@ -58,7 +58,7 @@ from rungen.gguf import holds_blocks, native_kernels
 from rungen.interrupt import CtrlC
 from rungen.loading import load
 from rungen.output import Writer, print_stream_header
-from rungen.prompts import encode_prompt, prepare_model, read_prompts
+from rungen.prompts import encode_prompt, prepare_model, read_prompts, warn_short_room
 from rungen.reasoning import check_flag_variables, plan_prompt
 
 
@@ -193,6 +193,7 @@ def main(argv=None):
                                                           eos_token_ids(settings, loaded.model))
                 if settings.length != 0:
                     plan_prompt(loaded, settings, prompt)
+                    warn_short_room(loaded, prompt, args.length)
             except PromptError as error:
                 if args.prompt is not None:
                     raise UsageError(str(error)) from error  # the one prompt given as an argument is bad input

@@ -233,3 +233,12 @@ def encode_prompt(loaded: Loaded, prompt: Prompt, prefix: str = "", chat: bool =
     if within_context and loaded.context and len(ids) >= loaded.context:
         raise PromptError(f"prompt is {len(ids)} tokens; the model's context is {loaded.context}")
     return ids
+
+
+def warn_short_room(loaded: Loaded, prompt: Prompt, length: int) -> None:
+    """A notice where the context leaves a prompt less room than --length asks for (it then ends at the context,
+    finish_reason length): the original script's clamp, said rather than silent."""
+    room = loaded.context - len(prompt.ids) if loaded.context else length
+    if 0 < length <= loaded.context and room < length:
+        logger.warning("prompt %d: its %d tokens leave room for %d of the %d new tokens --length asks for (the "
+                       "model's context is %d)", prompt.index + 1, len(prompt.ids), room, length, loaded.context)

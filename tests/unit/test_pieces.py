@@ -71,6 +71,22 @@ def test_whole_stdin_is_one_prompt_with_a_windows_files_line_breaks_read_as_text
         assert [prompt.text for prompt in read_prompts(None, whole_stdin=True)] == texts
 
 
+def test_a_prompt_the_context_leaves_too_little_room_is_said_not_silently_cut(caplog):
+    import types
+
+    from rungen.prompts import warn_short_room
+
+    loaded = types.SimpleNamespace(context=128)
+    prompt = Prompt(2, "x", ids=[1] * 120)
+    for length, said in ((20, True), (8, False), (-1, False), (500, False)):  # -1, past the context: all it has
+        caplog.clear()
+        warn_short_room(loaded, prompt, length)
+        assert ("prompt 3: its 120 tokens leave room for 8 of the 20 new tokens" in caplog.text) == said
+    caplog.clear()
+    warn_short_room(types.SimpleNamespace(context=0), prompt, 20)  # a context not known: nothing to say
+    assert caplog.text == ""
+
+
 def test_template_flags_are_refused_where_no_line_goes_through_the_template():
     jsonl_args = ["--input_format", "jsonl"]
     text_line = parse_prompt_line(0, b'{"prompt": "Hi"}', "jsonl")
