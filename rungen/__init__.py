@@ -38,7 +38,8 @@
     metrics.py     the server's counters and histograms as Prometheus text
     openai_api.py  the OpenAI chat and completions requests; run_chat, the chat path the other APIs translate to
     messages.py    the server's /v1/messages: Anthropic's Messages API, to and from the chat path
-    responses.py   the server's /v1/responses: OpenAI's Responses API, to and from the chat path; stored responses
+    responses.py   the server's /v1/responses: OpenAI's Responses API, to and from the chat path
+    response_store.py  stored responses: previous_response_id, GET, DELETE and input_items
     embeddings.py  the server's /v1/embeddings: last-token pooling of the final hidden states
     strict_json.py strict JSON for request bodies and jsonl lines
     errors.py      the exceptions library code raises; run_generation.cli turns them into exit codes

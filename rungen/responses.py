@@ -6,9 +6,7 @@ kept in a bounded in-memory store for `previous_response_id`.
 """
 
 import base64
-import collections
 import copy
-import dataclasses
 import json
 import re
 import time
@@ -20,11 +18,8 @@ from . import logger
 from .conversation import PART_SEPARATOR
 from .openai_api import APIError, boolean, excerpt, has_value, refuse_extra, respond, run_chat
 from .openai_api import number as read_number
+from .response_store import Stored, check_query, listed, store_of, stored_or_404
 
-# Responses kept for previous_response_id; a chain of responses shares its conversation's items.
-MAX_STORED_RESPONSES = 256
-# An input item given without an id gets one, as OpenAI's input_items lists it.
-ITEM_PREFIXES = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_", "reasoning": "rs_"}
 MAX_METADATA_PAIRS = 16  # OpenAI's limits on metadata: 16 pairs, keys of 64 characters, values of 512
 ROLES = {"user", "system", "developer", "assistant"}
 MESSAGE_KEYS = {"type", "role", "content", "id", "status"}
@@ -47,50 +42,6 @@ PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "max_completio
           "response_format": "text.format", "reasoning_effort": "reasoning.effort"}
 
 
-def store_of(service):
-    """The service's store of responses (made on first use)."""
-    store = getattr(service, "response_store", None)
-    if store is None:
-        store = service.response_store = Store()
-    return store
-
-
-@dataclasses.dataclass
-class Stored:
-    response: dict  # the response object, as GET /v1/responses/{id} returns it
-    input: list  # this request's input items (with ids), as its input_items lists them
-    items: list  # the whole conversation's items (earlier responses', its input, its output)
-
-
-class Store:
-    """Stored responses, least recently used out: id -> Stored."""
-
-    def __init__(self, limit=MAX_STORED_RESPONSES):
-        self.limit, self.held = limit, collections.OrderedDict()
-
-    def put(self, response_id, stored):
-        self.held[response_id] = stored
-        self.held.move_to_end(response_id)
-        while len(self.held) > self.limit:
-            self.held.popitem(last=False)
-
-    def get(self, response_id):
-        found = self.held.get(response_id)
-        if found is not None:
-            self.held.move_to_end(response_id)
-        return found
-
-    def delete(self, response_id):
-        return self.held.pop(response_id, None) is not None
-
-
-def stored_or_404(service, response_id):
-    found = store_of(service).get(response_id)
-    if found is None:
-        raise APIError(f"No response found with id {excerpt(response_id)}.", None, status=404)
-    return found
-
-
 def retrieve(service, response_id, query):
     """GET /v1/responses/{id}: a stored response (a stream of its events is not kept: stream=true is refused)."""
     check_query(query, ("include",))
@@ -98,41 +49,6 @@ def retrieve(service, response_id, query):
     if include:
         read_include({"include": include})
     return stored_or_404(service, response_id).response
-
-
-def delete(service, response_id):
-    if not store_of(service).delete(response_id):
-        stored_or_404(service, response_id)
-    return {"id": response_id, "object": "response", "deleted": True}
-
-
-def input_items(service, response_id, query):
-    """GET /v1/responses/{id}/input_items: its request's input items, newest first unless order=asc, a page of
-    `limit` after the item `after`."""
-    check_query(query, ("limit", "order", "after", "include"))
-    items = list(stored_or_404(service, response_id).input)
-    order = query.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise APIError(f"order must be asc or desc, got {excerpt(order)}", "order")
-    if order == "desc":
-        items.reverse()
-    limit = query.get("limit", "20")
-    if not limit.isdigit() or not 1 <= int(limit) <= 100:
-        raise APIError(f"limit must be an integer from 1 to 100, got {excerpt(limit)}", "limit")
-    if "after" in query:
-        ids = [item["id"] for item in items]
-        if query["after"] not in ids:
-            raise APIError(f"after: no input item {excerpt(query['after'])} in this response", "after")
-        items = items[ids.index(query["after"]) + 1:]
-    page = items[: int(limit)]
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)}
-
-
-def check_query(query, allowed):
-    for name in query:
-        if name not in allowed:
-            raise APIError(f"{name} is not supported by this server", name)
 
 
 # The request
@@ -349,17 +265,6 @@ class Plan:
         if self.store and response["status"] in ("completed", "incomplete"):
             store_of(self.service).put(self.id, Stored(response, [listed(item) for item in self.input],
                                                        self.history + self.input + list(response["output"])))
-
-
-def listed(item):
-    """An input item as input_items lists it: with an id, a type, a message's text as parts."""
-    kind = item.get("type", "message")
-    item = dict(item, type=kind, id=item.get("id") or ITEM_PREFIXES.get(kind, "msg_") + uuid.uuid4().hex)
-    if kind == "message" and isinstance(item["content"], str):
-        part = {"type": "output_text", "text": item["content"], "annotations": []} if item["role"] == "assistant" \
-            else {"type": "input_text", "text": item["content"]}
-        item = dict(item, content=[part], status=item.get("status") or "completed")
-    return item
 
 
 def given(body, name, default):

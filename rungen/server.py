@@ -202,13 +202,13 @@ def create_app(loaded, engine, options):
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str):
-        from .responses import delete
+        from .response_store import delete
 
         return delete(service, response_id)
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def response_input_items(response_id: str, request: Request):
-        from .responses import input_items
+        from .response_store import input_items
 
         return input_items(service, response_id, request.query_params)
 

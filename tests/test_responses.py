@@ -419,7 +419,7 @@ def test_a_client_dropping_mid_stream_frees_its_rows(served, client):
 
 
 def test_the_store_drops_the_least_recently_used():
-    from rungen.responses import MAX_STORED_RESPONSES, Store
+    from rungen.response_store import MAX_STORED_RESPONSES, Store
 
     store = Store(limit=2)
     store.put("resp_a", ["a"])
