@@ -192,9 +192,13 @@ def from_pretrained(model_class, path: str, where: str, **kwargs):
         handler.addFilter(held)
     try:
         model = model_class.from_pretrained(path, **kwargs)
-    except RuntimeError as error:
+    except Exception as error:
         rows = [line for record in held.records for line in record.getMessage().splitlines() if "| MISMATCH" in line]
         if not rows and "state_dict" not in str(error):
+            if "gguf_file" in kwargs:  # whatever a file transformers cannot map or read triggers
+                from .gguf.file import transformers_cannot_load
+
+                raise transformers_cannot_load(where, error) from error
             raise
         shapes = re.search(r"^\s*(\S.*?)\s*\|.*ckpt: torch\.Size\((\[.*?\])\) vs model:\s*torch\.Size\((\[.*?\])\)",
                            rows[0]) if rows else None
@@ -204,6 +208,13 @@ def from_pretrained(model_class, path: str, where: str, **kwargs):
     finally:
         for handler in handlers:
             handler.removeFilter(held)
+    missing = [line.split("|")[0].strip() for record in held.records for line in record.getMessage().splitlines()
+               if "| MISSING" in line]
+    if missing:  # transformers would start them at random: text, but no model's
+        from .gguf.weights import split_hint
+
+        raise UsageError(f"{where}: its weights lack {missing[0]}" + (f" and {len(missing) - 1} more" if
+                         len(missing) > 1 else "") + (split_hint(where) or " (a file of the checkpoint missing?)"))
     for record in held.records:
         logging.getLogger(record.name).handle(record)
     return model
@@ -302,7 +313,14 @@ def load(model_name_or_path: str | None, *, device: torch.device, model_type: st
         torch_dtype = resolve_dtype(dtype, config, device)
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(path, **load_kwargs)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, **load_kwargs)
+        except Exception as error:
+            if "gguf_file" not in load_kwargs:
+                raise
+            from .gguf.file import transformers_cannot_load  # a vocabulary without its scores, merges, ...
+
+            raise transformers_cannot_load(os.path.join(path, load_kwargs["gguf_file"]), error) from error
         placement = {}
         if device_map:
             offload = tempfile.mkdtemp(prefix="run_generation_offload_")  # for layers that fit nowhere else

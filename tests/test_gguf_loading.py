@@ -342,6 +342,34 @@ def test_batch_equals_single(gguf_files, loaded, monkeypatch, capsys):
     assert outputs[0] == outputs[1] and len(outputs[0]) == len(PROMPTS)
 
 
+def test_a_split_files_part_is_refused_naming_the_split_never_run_with_weights_missing(tokenizer_fields, tmp_path,
+                                                                                         monkeypatch, capsys):
+    """llama-gguf-split's parts (NAME-00001-of-00002.gguf, as the gguf package writes them): the first part alone
+    lacks the other's tensors. transformers' reading would start those at random and generate; refused instead."""
+    import functools
+
+    import gguf
+
+    monkeypatch.setattr(sys.modules[__name__], "GGUFWriter", functools.partial(gguf.GGUFWriter, split_max_tensors=12))
+    write_llama_gguf(tmp_path / "split.gguf", tokenizer_fields, [{}, {}], embedding=Q.Q8_0, output=None,
+                     default=Q.Q8_0)
+    first = tmp_path / "split-00001-of-00002.gguf"
+    assert first.is_file() and (tmp_path / "split-00002-of-00002.gguf").is_file()
+    for flags in ([], ["--dequantize"]):
+        code, line = error_of(["--model_name_or_path", str(first), "--prompt", "Hi", "--length", "2", *flags], capsys)
+        assert code == 2 and line.endswith("it is part 1 of 2 of a split file; merge the parts into one with "
+                                           "llama.cpp's llama-gguf-split --merge"), (flags, line)
+
+
+def test_a_vocabulary_without_its_merges_fails_in_one_line_by_either_reader(tokenizer_fields, tmp_path, capsys):
+    fields = [field for field in tokenizer_fields if field[0] != "tokenizer.ggml.merges"]  # a byte-level BPE's
+    path = write_llama_gguf(tmp_path / "no_merges.gguf", fields, [{}], embedding=Q.Q8_0, output=None,
+                            default=Q.Q8_0)
+    for flags in ([], ["--dequantize"]):
+        code, line = error_of(["--model_name_or_path", str(path), "--prompt", "Hi", "--length", "2", *flags], capsys)
+        assert code == 2 and line.startswith(f"run_generation.py: error: {path}: "), (flags, line)
+
+
 def test_corrupt_and_truncated_files_fail_in_one_line(gguf_files, tmp_path, capsys):
     data = open(gguf_files["q4_0_untied"], "rb").read()
     files = {"corrupt": b"GGUX" + data[4:], "empty": b"", "header cut": data[:1000],  # within the vocabulary

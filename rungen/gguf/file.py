@@ -18,6 +18,7 @@ import importlib.metadata
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -40,7 +41,7 @@ from .blocks import (
 from .decoder import FUSED_WEIGHTS, fusable, fuse_decoder_layers
 from .device import DeviceForms
 from .families import BY_ARCHITECTURE, NO_FAMILY
-from .weights import FLOAT_TYPES, GGUFError, WeightReader, as_torch
+from .weights import FLOAT_TYPES, GGUFError, WeightReader, as_torch, split_hint
 
 logger = logging.getLogger("run_generation")
 
@@ -360,6 +361,10 @@ def transformers_cannot_load(path: str, error: BaseException) -> GGUFError:
 
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
+    unknown = re.match(r"Unknown gguf model_type: (\S+) in gguf-py", text)
+    if unknown:  # transformers' advice (a newer gguf package) would not help: llama.cpp writes no such name
+        return (f"its general.architecture {unknown[1]!r} is none the gguf package's name table knows, so "
+                "transformers cannot map its tensors")
     return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
 
@@ -523,7 +528,7 @@ def _finish_built(header: GGUFHeader, model: torch.nn.Module, device: torch.devi
     missing = [name for name, p in [*model.named_parameters(), *model.named_buffers()] if p.device.type == "meta"]
     if missing:
         raise GGUFError(f"{header.path}: the file has no tensor for {missing[0]}"
-                        + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+                        + (f" and {len(missing) - 1} more" if len(missing) > 1 else "") + split_hint(header.path))
     if device is not None:
         model.to(device)
     model.eval()

@@ -6,6 +6,7 @@ instead, since a copy of mapped pages would count twice in the process's memory.
 
 from __future__ import annotations
 
+import re
 import typing
 
 import numpy as np
@@ -21,6 +22,19 @@ READ_CHUNK = 4 << 20  # bytes of a weight read and interleaved at a time
 
 class GGUFError(UsageError):
     """A GGUF file this loader cannot run (corrupt, truncated, unsupported type or architecture); one line."""
+
+
+# llama-gguf-split's parts: NAME-00001-of-00003.gguf
+SPLIT_PART = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
+
+
+def split_hint(path: str) -> str:
+    """What to do with one part of a split GGUF file (its tensors are spread over the parts), or ""."""
+    part = SPLIT_PART.search(path)
+    if part is None:
+        return ""
+    return (f": it is part {int(part[1])} of {int(part[2])} of a split file; merge the parts into one with "
+            "llama.cpp's llama-gguf-split --merge")
 
 
 class Tensor(typing.NamedTuple):
@@ -50,7 +64,7 @@ class WeightReader:
         name = self.by_hf.get(hf_name)
         if name is None:
             if required:
-                raise GGUFError(f"{self.path}: the file has no tensor for {hf_name}")
+                raise GGUFError(f"{self.path}: the file has no tensor for {hf_name}{split_hint(self.path)}")
             return None
         return self.table[name]
 
