@@ -7,13 +7,14 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
 
 from . import PROG, logger
 from .controls import FILE_KEY_FLAGS, add_control_arguments, check_controls, validate_generation_config
 from .errors import UsageError
 from .generation import FLAG_NAMES, Settings, stop_strings
-from .loading import DTYPES, MODEL_CLASSES, check_model_type
+from .loading import DTYPES, MODEL_CLASSES, check_model_type, is_gguf
 
 _UNSET = object()  # marks the flags a command line leaves out, so that a --generation_config file can fill them
 
@@ -255,7 +256,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.batch_size < 1:
         raise UsageError(f"--batch_size must be >= 1, got {args.batch_size}")
     check_inputs(args, given)
-    if args.dequantize and args.model_name_or_path and not args.model_name_or_path.endswith(".gguf"):
+    if args.dequantize and args.model_name_or_path and not is_gguf(os.path.expanduser(args.model_name_or_path)):
         raise UsageError("--dequantize applies to GGUF files (and the default model); this checkpoint is not one")
     if args.quantize and args.device_map:
         raise UsageError("--quantize needs the whole model in memory on one device; it cannot be combined with "

@@ -124,6 +124,19 @@ def default_model_dir() -> str:
     return target
 
 
+def is_gguf(path: str) -> bool:
+    """A GGUF file by its name, or by its first bytes where the name says nothing (ollama's blobs: sha256-...)."""
+    if path.lower().endswith(".gguf"):
+        return True
+    if not os.path.isfile(path):  # a directory, a hub id, a pipe (which a read would wait on)
+        return False
+    try:
+        with open(path, "rb") as file:
+            return file.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
 def resolve_checkpoint(model_name_or_path: str | None, model_type: str | None, dequantize: bool = True
                        ) -> tuple[str, dict]:
     """Where the model lives, and the extra from_pretrained kwargs it needs."""
@@ -135,9 +148,10 @@ def resolve_checkpoint(model_name_or_path: str | None, model_type: str | None, d
             return os.path.dirname(default_model_file()), {"gguf_file": DEFAULT_MODEL_GGUF}
         return default_model_dir(), {}
     expanded = os.path.expanduser(path)
-    if expanded.endswith(".gguf"):
+    if is_gguf(expanded):
         if not os.path.isfile(expanded):
-            raise UsageError(f"--model_name_or_path {path}: no such file")
+            raise UsageError(f"--model_name_or_path {path}: " + ("a directory, not a GGUF file" if
+                             os.path.isdir(expanded) else "no such file"))
         return os.path.dirname(os.path.abspath(expanded)), {"gguf_file": os.path.basename(expanded)}
     if os.path.isdir(expanded):
         if not os.path.isfile(os.path.join(expanded, "config.json")):

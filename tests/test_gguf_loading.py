@@ -361,6 +361,24 @@ def test_a_split_files_part_is_refused_naming_the_split_never_run_with_weights_m
                                            "llama.cpp's llama-gguf-split --merge"), (flags, line)
 
 
+def test_a_gguf_file_is_known_by_its_first_bytes_whatever_its_name(gguf_files, tmp_path, capsys):
+    """ollama keeps its models as blobs named by their digest (sha256-...): GGUF files without the suffix."""
+    import shutil
+
+    blob, upper = tmp_path / "blobs" / "sha256-3f9a", tmp_path / "MODEL.GGUF"
+    blob.parent.mkdir()
+    for copy in (blob, upper):
+        shutil.copy(gguf_files["q4_0_untied"], copy)
+    args = ["--prompt", "Hello, my dog", "--length", "6", "--temperature", "0"]
+    for flags in ([], ["--dequantize"]):  # its own blocks, and transformers' reading
+        expected = run_generation.main(["--model_name_or_path", str(gguf_files["q4_0_untied"]), *args, *flags])
+        for path in (blob, upper):
+            assert run_generation.main(["--model_name_or_path", str(path), *args, *flags]) == expected
+    (tmp_path / "dir.gguf").mkdir()
+    code, line = error_of(["--model_name_or_path", str(tmp_path / "dir.gguf"), *args], capsys)
+    assert code == 2 and line.endswith("dir.gguf: a directory, not a GGUF file")
+
+
 def test_a_vocabulary_without_its_merges_fails_in_one_line_by_either_reader(tokenizer_fields, tmp_path, capsys):
     fields = [field for field in tokenizer_fields if field[0] != "tokenizer.ggml.merges"]  # a byte-level BPE's
     path = write_llama_gguf(tmp_path / "no_merges.gguf", fields, [{}], embedding=Q.Q8_0, output=None,
