@@ -401,7 +401,9 @@ def test_corrupt_and_truncated_files_fail_in_one_line(gguf_files, tmp_path, caps
             if kind in ("truncated", "last bytes lost"):  # what went wrong, not how a reader tripped on it
                 assert f"truncated (its tensors end at byte {len(data)}, the file has {len(content)}" in line
             else:
-                assert "not a readable GGUF file" in line, (kind, flags, line)
+                why = {"corrupt": "it starts with b'GGUX', not GGUF", "empty": "it is empty",
+                       "header cut": "its header is cut short or damaged: "}[kind]
+                assert f"not a readable GGUF file ({why}" in line, (kind, flags, line)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q5_0, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS],

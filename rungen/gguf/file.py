@@ -314,7 +314,7 @@ def _read_with_gguf(path: str) -> tuple[str, list]:
         reader = GGUFReader(path)
         architecture = str(bytes(reader.fields["general.architecture"].parts[-1]), encoding="utf-8")
     except Exception as error:  # the gguf package raises whatever a malformed file triggers
-        raise GGUFError(f"{path}: not a readable GGUF file ({_first_line(error)})") from None
+        raise GGUFError(f"{path}: not a readable GGUF file ({why_unreadable(path, error)})") from None
     return architecture, [[t.name, int(t.tensor_type), list(t.data.shape), t.data.dtype.str, int(t.data_offset),
                            int(t.data.nbytes)] for t in reader.tensors]
 
@@ -351,12 +351,25 @@ def transformers_cannot_load(path: str, error: BaseException) -> GGUFError:
     try:
         table = GgufHeader.from_file(path)
     except Exception as unreadable:  # whatever a malformed header triggers
-        return GGUFError(f"{path}: not a readable GGUF file ({_first_line(unreadable)})")
+        return GGUFError(f"{path}: not a readable GGUF file ({why_unreadable(path, unreadable)})")
     try:
         check_whole(path, [(table.data_start + t.offset, t.nbytes) for t in table.tensors])
     except GGUFError as short:
         return short
     return GGUFError(f"{path}: transformers cannot load it ({_first_line(error)})")
+
+
+def why_unreadable(path: str, error: BaseException) -> str:
+    """What a header's reader tripped on, said as the user can act on it: no GGUF at all, or a header cut short
+    or damaged (an unfinished download), with the reader's own words."""
+    try:
+        with open(path, "rb") as file:
+            magic = file.read(4)
+    except OSError as unreadable:
+        return _first_line(unreadable)
+    if magic != b"GGUF":
+        return f"it starts with {magic!r}, not GGUF" if magic else "it is empty"
+    return f"its header is cut short or damaged: {_first_line(error)}"
 
 
 def _first_line(error: BaseException) -> str:
