@@ -361,6 +361,18 @@ def test_a_split_files_part_is_refused_naming_the_split_never_run_with_weights_m
                                            "llama.cpp's llama-gguf-split --merge"), (flags, line)
 
 
+def test_the_header_cache_keeps_the_most_recently_used_entries(tmp_path, monkeypatch):
+    from rungen.gguf import file
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    root = file.cache_root()
+    for age, name in enumerate(["new", "used", "old", "oldest", ".tmp-writing"]):
+        os.makedirs(os.path.join(root, name))
+        os.utime(os.path.join(root, name), (1e9 - age, 1e9 - age))
+    file.prune_cache(os.path.join(root, "oldest"), limit=2)  # the entry in use stays, whatever its age
+    assert sorted(os.listdir(root)) == [".tmp-writing", "new", "oldest", "used"]
+
+
 def test_a_gguf_file_is_known_by_its_first_bytes_whatever_its_name(gguf_files, tmp_path, capsys):
     """ollama keeps its models as blobs named by their digest (sha256-...): GGUF files without the suffix."""
     import shutil

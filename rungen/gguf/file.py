@@ -156,6 +156,24 @@ def _longrope(path: str, arch: str, metadata: dict) -> dict:
     return scaling
 
 
+# Header cache entries kept (a few MB each: the tokenizer's files); the least recently used go first.
+MAX_CACHED_HEADERS = 32
+
+
+def prune_cache(keep: str, limit: int = MAX_CACHED_HEADERS) -> None:
+    """Removes the least recently used entries past `limit` (never `keep`, the one in use): a rewritten file or a
+    new transformers leaves its old entries behind, which nothing would read again."""
+    root = cache_root()
+    try:
+        entries = [entry for entry in os.scandir(root) if entry.is_dir() and not entry.name.startswith(".tmp-")]
+    except OSError:
+        return
+    entries.sort(key=lambda entry: entry.stat().st_mtime, reverse=True)
+    for entry in entries[limit:]:
+        if entry.path != keep:
+            shutil.rmtree(entry.path, ignore_errors=True)
+
+
 def cache_root() -> str:
     """Where per-file header caches live: $XDG_CACHE_HOME/run_generation/gguf (~/.cache by default)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
@@ -175,7 +193,8 @@ class GGUFHeader:
     """A GGUF file's config, tokenizer and tensor table, from the cache or read (and cached) once.
 
     An entry is a directory keyed by the file's path, size, mtime and the versions above, renamed into place so a
-    reader sees all of it or none; a changed file gets a new one (old ones can be deleted with cache_root())."""
+    reader sees all of it or none; a changed file gets a new one, and the least recently used past
+    MAX_CACHED_HEADERS are removed."""
 
     def __init__(self, path: str, blocks: bool = True):
         """`blocks`: the file runs in its blocks, so a type the kernels lack is refused before the slow conversions."""
@@ -193,6 +212,10 @@ class GGUFHeader:
         self.read_seconds = None  # set when the header was read from the file rather than the cache
         if not os.path.isfile(os.path.join(self.cache_dir, "tensors.json")):
             self._read_and_cache()
+            prune_cache(self.cache_dir)
+        else:
+            with contextlib.suppress(OSError):
+                os.utime(self.cache_dir)  # used now: the last the pruning removes
         with open(os.path.join(self.cache_dir, "tensors.json")) as f:
             table = json.load(f)
         self.architecture = table["architecture"]
