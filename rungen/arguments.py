@@ -195,7 +195,7 @@ def check_serve(args: argparse.Namespace, given: set[str]) -> None:
                 raise UsageError(f"--{dest} is a server setting: it needs --serve")
         return
     for dest in SERVE_REFUSED:
-        if dest in given and getattr(args, dest) not in (False, None):
+        if dest in given:  # whatever the value: --temperature 0 would set nothing either
             raise UsageError(f"--{dest} does not apply to --serve: each request sets its own (see docs/server.md)")
     for dest, low in (("port", 0), ("max_queue", 0), ("max_batch", 1), ("max_cache_tokens", 1),
                       ("prefix_cache_mb", 0), ("shutdown_grace", 0)):

@@ -122,8 +122,10 @@ def carried_fields_problem(record: dict) -> str | None:
         return f'the field "{taken[0]}" is one the output record writes; rename it'
     settings = sorted(SETTING_FIELDS.intersection(record))
     if settings:
+        flags = "--chat_template_kwargs" if settings[0] in ("chat_template_kwargs", "reasoning_effort") else \
+            "--temperature, --length..."
         return (f'the field "{settings[0]}" is a request setting, which a jsonl line does not set: the flags set '
-                'them for every line (--temperature, --length...)' if settings[0] not in TOOL_FIELDS else
+                f'them for every line ({flags})' if settings[0] not in TOOL_FIELDS else
                 f'the field "{settings[0]}" goes with a "messages" conversation, not a "prompt"')
     return None
 

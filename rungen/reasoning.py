@@ -124,7 +124,9 @@ def check_flag_variables(kwargs: dict, chat_template) -> None:
     try:
         read_template_variables(body, chat_template)
     except VariableError as error:
-        raise UsageError(f"--{error}") from None
+        text = str(error)
+        raise UsageError(f"--{text}" if text.startswith("chat_template_kwargs") else
+                         f"--chat_template_kwargs.{text}") from None
 
 
 def readable(chat_template) -> str:

@@ -14,8 +14,10 @@ import hmac
 import ipaddress
 import json
 import logging
+import os
 import re
 import signal
+import socket
 import threading
 
 from fastapi import FastAPI, Request
@@ -530,6 +532,19 @@ def build(loaded, options):
     return Guard(app, options.api_key, engine.metrics), engine
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """The server's listening socket (as uvicorn binds one: address reuse on), or UsageError in one line."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        listening = socket.create_server((host, port), family=family, backlog=2048)
+    except OSError as error:
+        reason = os.strerror(error.errno) if error.errno else str(error)
+        raise UsageError(f"cannot listen on {host}:{port}: {reason} (another server there? choose another --port)"
+                         ) from None
+    listening.set_inheritable(True)
+    return listening
+
+
 def run(loaded, options):
     """Serves until SIGTERM or Ctrl-C: then takes no new requests, lets running ones finish within
     options.grace seconds (then ends them with finish_reason "abort"), and returns."""
@@ -538,6 +553,7 @@ def run(loaded, options):
     if not is_loopback(options.host) and not options.api_key:
         logger.warning("WARNING: listening on %s without --api_key: anyone who can reach this port can use the "
                        "model", options.host)
+    listening = listen(options.host, options.port)  # before the engine starts: a port in use is bad input
     try:
         app, engine = build(loaded, options)
     except ValueError as error:
@@ -576,8 +592,8 @@ def run(loaded, options):
     server = Server(config)
     logger.log(NOTICE, "serving %s on http://%s:%d (OpenAI-compatible: /v1/chat/completions, /v1/completions, "
                "/v1/responses, /v1/embeddings; Anthropic-compatible: /v1/messages)",
-               options.model_id, options.host, options.port)
-    server.run()
+               options.model_id, options.host, listening.getsockname()[1])
+    server.run(sockets=[listening])
     engine.close()
     engine.abort()
     engine.thread.join(timeout=10)

@@ -229,6 +229,8 @@ def test_chat_template_kwargs_set_the_templates_variables_on_the_command_line_in
     for flags, message in (
             (["--chat", "--chat_template_kwargs", '{"thinking_budget": 1}'], "does not read 'thinking_budget'"),
             (["--chat", "--chat_template_kwargs", '{"enable_thinking": "no"}'], "must be true or false"),
+            (["--chat", "--chat_template_kwargs", '{"reasoning_effort": "low"}'],
+             "error: --chat_template_kwargs.reasoning_effort: this model's chat template does not read"),
             (["--chat_template_kwargs", '{"enable_thinking": false}'], "add --chat")):
         refused = run_main(args + flags, stdin=ASK[0]["content"])
         assert refused.returncode == 2 and message in refused.stderr.decode() and not refused.stdout

@@ -696,6 +696,24 @@ def test_flags_that_do_not_apply_are_refused(checkpoint, capsys):
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip() == ("run_generation.py: error: --temperature does not apply to --serve: "
                                                "each request sets its own (see docs/server.md)")
+    for flags in (["--temperature", "0"], ["--k", "0"], ["--no-chat"], ["--no-stream"]):  # whatever the value
+        with pytest.raises(SystemExit) as exit_info:
+            run_generation.cli(["--serve", "--model_name_or_path", checkpoint, *flags])
+        assert exit_info.value.code == 2 and "does not apply to --serve" in capsys.readouterr().err
+    # A port another server holds: one line and exit 2, before any "serving" line.
+    import socket
+
+    from rungen.server import listen
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as exit_info:
+            run_generation.cli(["--serve", "--model_name_or_path", checkpoint, "--port", str(port)])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and "serving" not in err
+        assert err.strip().endswith(f"cannot listen on 127.0.0.1:{port}: Address already in use (another server "
+                                    "there? choose another --port)")
+    listen("127.0.0.1", 0).close()
     # main() logs the parsed flags: the key is not among what it prints, yet it is the key.
     from rungen.arguments import parse_args, serve_options
 
