@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="1.0 (the default) has no effect, lower tends toward greedy; 0 is greedy"
     )
     parser.add_argument(
-        "--repetition_penalty", type=float, default=1.0, help="primarily useful for CTRL model; in that case, use 1.2"
+        "--repetition_penalty", type=float, default=1.0, help="primarily useful for CTRL model; in that case, use 1.2 "
+        "(default: %(default)s)"
     )
     parser.add_argument("--k", type=int, default=0, help="top-k sampling (0: off)")
     parser.add_argument("--p", type=float, default=0.9, help="top-p (nucleus) sampling (default: 0.9)")
@@ -71,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="Wrap each prompt in the tokenizer's chat template. Default: on in a terminal session when the "
-        "tokenizer has one, off for piped prompts.",
+        "tokenizer has one, off for --prompt and piped prompts.",
     )
     parser.add_argument("--system", default=None, help="A system message for chat-template prompts and sessions.")
     parser.add_argument(
@@ -86,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--seed", type=int, default=42, help="random seed for initialization (default: 42)")
     parser.add_argument("--use_cpu", action="store_true", help="Use the CPU even when an accelerator is available.")
-    parser.add_argument("--num_return_sequences", type=int, default=1, help="The number of samples to generate.")
+    parser.add_argument("--num_return_sequences", type=int, default=1, help="The number of samples to generate "
+                        "(default: %(default)s).")
     parser.add_argument("--fp16", action="store_true", help="Shorthand for --dtype float16.")
     parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="auto: the checkpoint's dtype")
     parser.add_argument("--jit", action="store_true", help="Trace the decoding step with torch.jit.")
@@ -146,19 +148,24 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("OpenAI-compatible server (docs/server.md)")
     group.add_argument("--serve", action="store_true", help="Serve the model over HTTP until stopped.")
     group.add_argument("--host", default="127.0.0.1", help="Address to listen on (default: loopback only).")
-    group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--port", type=int, default=8000, help="Port to listen on (default: %(default)s).")
     group.add_argument("--api_key", default=None, type=Secret,
-                       help="Require 'Authorization: Bearer KEY' on all routes but /health ($RUN_GENERATION_API_KEY)")
-    group.add_argument("--max_queue", type=int, default=64, help="Requests waiting beyond it get 503 + Retry-After.")
-    group.add_argument("--max_batch", type=int, default=16, help="Sequences decoded together at most.")
+                       help="Require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on all routes but /health "
+                       "($RUN_GENERATION_API_KEY)")
+    group.add_argument("--max_queue", type=int, default=64, help="Requests waiting beyond it get 503 + Retry-After "
+                       "(default: %(default)s).")
+    group.add_argument("--max_batch", type=int, default=16,
+                       help="Sequences decoded together at most (default: %(default)s).")
     group.add_argument("--max_cache_tokens", type=int, default=65536,
-                       help="Key/value positions the batch's cache may hold (rows x longest prompt+max_tokens).")
+                       help="Key/value positions the batch's cache may hold (rows x longest prompt+max_tokens; "
+                       "default: %(default)s).")
     group.add_argument("--prefix_cache_mb", type=int, default=256,
                        help="Memory for finished sequences' keys/values, reused by requests that start the same "
-                       "way: a conversation's next turn, a shared system prompt (0: off).")
+                       "way: a conversation's next turn, a shared system prompt (0: off; default: %(default)s).")
     group.add_argument("--cors_origins", nargs="+", default=None, metavar="ORIGIN", help="Allow these CORS origins.")
     group.add_argument("--shutdown_grace", type=float, default=30.0,
-                       help="Seconds running requests get to finish on SIGTERM/Ctrl-C before they are cut.")
+                       help="Seconds running requests get to finish on SIGTERM/Ctrl-C before they are cut "
+                       "(default: %(default)s).")
 
 
 class Secret(str):
