@@ -157,6 +157,7 @@ def test_two_turns_make_one_conversation_that_a_pipe_replays(chat_llama, tokeniz
     assert terminal.cached >= first[0]
     terminal.command(f'/save "{tmp_path / "the chat.jsonl"}"')  # quoted, as a shell takes a name with a space
     terminal.send("a line to go on \\\r")
+    terminal.expect(re.compile(re.escape(b"... ")))  # the continuation prompt: readline reads the next key
     terminal.send("\x04")  # Ctrl-D: ends the session, and says the line begun was not sent
     assert terminal.wait() == 0
     assert "Chat (the model's chat template)" in terminal.output.decode()
