@@ -36,11 +36,11 @@ def token_text(tokenizer, before: list[int], token_id: int, head: str | None = N
 
 @functools.cache
 def byte_level_alphabet() -> dict[str, int]:
-    """The character byte-level BPE vocabularies (GPT-2's bytes_to_unicode) write each byte as -> the byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
-                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
-    others = [byte for byte in range(256) if byte not in printable]
-    return {**{chr(byte): byte for byte in printable}, **{chr(256 + n): byte for n, byte in enumerate(others)}}
+    """The character byte-level BPE vocabularies write each byte as -> the byte (GPT-2's bytes_to_unicode, read
+    back; imported only where a token holds part of a character)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 def token_bytes(tokenizer, token_id: int, text: str) -> list[int]:
@@ -78,20 +78,18 @@ def content_items(tokenizer, context: list[int], ids: list[int], chosen: list[fl
     sequence, offset = list(context) + list(ids), len(context)
     items, special = [], set(tokenizer.all_special_ids)
 
-    def token_bytes_of(token_id, text):  # a special token (the end of text) adds no text to the reply
-        return [] if token_id in special else token_bytes(tokenizer, token_id, text)
+    def item(token, value, before, head):
+        text = token_text(tokenizer, before, token, head, special)
+        # A special token (the end of text) adds no text to the reply: no bytes.
+        return {"token": text, "id": token, "logprob": value,
+                "bytes": [] if token in special else token_bytes(tokenizer, token, text)}
 
     for position, (token_id, logprob) in enumerate(zip(ids, chosen)):
         before = sequence[max(0, offset + position - CONTEXT_TOKENS) : offset + position]
         head = tokenizer.decode(before, skip_special_tokens=True) if before else None
-        alternatives = []
-        for alt_id, value in zip(top_ids[position], top_values[position]):
-            alt_text = token_text(tokenizer, before, alt_id, head, special)
-            alternatives.append({"token": alt_text, "id": alt_id, "logprob": value,
-                                 "bytes": token_bytes_of(alt_id, alt_text)})
-        text = token_text(tokenizer, before, token_id, head, special)
-        items.append({"token": text, "id": token_id, "logprob": logprob,
-                      "bytes": token_bytes_of(token_id, text), "top_logprobs": alternatives})
+        alternatives = [item(alt_id, value, before, head)
+                        for alt_id, value in zip(top_ids[position], top_values[position])]
+        items.append({**item(token_id, logprob, before, head), "top_logprobs": alternatives})
     return items
 
 
