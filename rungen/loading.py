@@ -196,6 +196,11 @@ class _HeldReport(logging.Filter):
             return False
         return True
 
+    def rows(self, status: str) -> list[str]:
+        """The held tables' rows of weights with this status (MISMATCH, MISSING, ...)."""
+        return [line for record in self.records for line in record.getMessage().splitlines()
+                if f"| {status}" in line]
+
 
 def from_pretrained(model_class, path: str, where: str, **kwargs):
     """model_class.from_pretrained(path, **kwargs); where the weights do not fit the model the config describes,
@@ -207,7 +212,7 @@ def from_pretrained(model_class, path: str, where: str, **kwargs):
     try:
         model = model_class.from_pretrained(path, **kwargs)
     except Exception as error:
-        rows = [line for record in held.records for line in record.getMessage().splitlines() if "| MISMATCH" in line]
+        rows = held.rows("MISMATCH")
         if not rows and "state_dict" not in str(error):
             if "gguf_file" in kwargs:  # whatever a file transformers cannot map or read triggers
                 from .gguf.file import transformers_cannot_load
@@ -222,8 +227,7 @@ def from_pretrained(model_class, path: str, where: str, **kwargs):
     finally:
         for handler in handlers:
             handler.removeFilter(held)
-    missing = [line.split("|")[0].strip() for record in held.records for line in record.getMessage().splitlines()
-               if "| MISSING" in line]
+    missing = [row.split("|")[0].strip() for row in held.rows("MISSING")]
     if missing:  # transformers would start them at random: text, but no model's
         from .gguf.weights import split_hint
 
