@@ -50,8 +50,10 @@ class Format:
     begin: str  # before the function's name
     middle: str  # between the name and the arguments
     end: str  # after the arguments
-    trigger: str  # what starts a call's grammar under tool_choice auto: the parser's marker, so that all it reads
-    separator: str  # as a call was held to a tool's schema
+    # What starts a call's grammar under tool_choice auto: the parser's marker, so that all it reads as a call was
+    # held to a tool's schema.
+    trigger: str
+    separator: str  # between calls
     markers: tuple[str, ...]  # literal text that opens a call region when parsing
     arguments_keys: tuple[str, ...] = ("arguments",)
     region: tuple[str, str] | None = None
@@ -219,16 +221,16 @@ def read_parallel(value):
 # The conversation
 
 
-def check_answers(messages):
+def check_answers(messages) -> dict[str, str]:
     """Each assistant turn's tool calls answered by the tool messages right after it, each once (as OpenAI and
     Anthropic require): a result without its call, or a call without its result, is a conversation the model
-    never had. Raises ToolError."""
-    waiting, seen, asked_at = {}, set(), None
+    never had. Raises ToolError; returns the calls' names by id."""
+    waiting, names, asked_at = {}, {}, None
     for number, message in enumerate(messages):
         if message["role"] == "tool":
             call_id = message["tool_call_id"]
             if call_id not in waiting:
-                again = " again" if call_id in seen else ""
+                again = " again" if call_id in names else ""
                 raise ToolError(f"messages[{number}]: tool_call_id {call_id!r} answers no tool call{again} of the "
                                 "assistant message before it", "messages")
             del waiting[call_id]
@@ -237,21 +239,20 @@ def check_answers(messages):
             raise ToolError(f"messages[{asked_at}].tool_calls: {', '.join(map(repr, waiting))} answered by no tool "
                             f"message before messages[{number}]", "messages")
         for call in message.get("tool_calls") or []:
-            if call["id"] in seen:
+            if call["id"] in names:
                 raise ToolError(f"messages[{number}].tool_calls: the id {call['id']!r} is used twice", "messages")
-            seen.add(call["id"])
-            waiting[call["id"]] = call["name"]
+            names[call["id"]] = waiting[call["id"]] = call["name"]
         asked_at = number
     if waiting:
         raise ToolError(f"messages[{asked_at}].tool_calls: {', '.join(map(repr, waiting))} answered by no tool "
                         "message (the conversation ends first)", "messages")
+    return names
 
 
 def template_messages(messages, fmt: Format, request: ToolRequest | None):
     """The conversation as the chat template takes it, calls and results in the format's shape (the generic format
     describes the tools in the system message); every call answered (check_answers)."""
-    check_answers(messages)
-    calls = {}  # id -> name
+    calls = check_answers(messages)  # id -> name
     out = []
     for message in messages:
         role = message["role"]
@@ -267,8 +268,6 @@ def template_messages(messages, fmt: Format, request: ToolRequest | None):
                 else:
                     out.append({"role": "user", "content": result, "tool_results": True})
         elif message.get("tool_calls"):
-            for call in message["tool_calls"]:
-                calls[call["id"]] = call["name"]
             if fmt.native:
                 out.append({"role": "assistant", "content": message.get("content") or "",
                             "tool_calls": [{"id": call_id_for(fmt, call["id"]), "type": "function",
