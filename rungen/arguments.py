@@ -298,10 +298,10 @@ def check_inputs(args: argparse.Namespace, given: set[str]) -> None:
 def check_template_flags(args: argparse.Namespace, prompts: list) -> None:
     """UsageError for --system or --chat_template_kwargs where no prompt read goes through the template (jsonl
     "prompt" lines without --chat), as check_inputs does for text prompts."""
-    if args.chat or any(prompt.messages is not None for prompt in prompts):
+    if args.chat or not prompts or any(prompt.messages is not None for prompt in prompts):
         return
     for flag in ("system", "chat_template_kwargs"):
-        if getattr(args, flag) is not None and prompts:
+        if getattr(args, flag) is not None:
             raise UsageError(f"--{flag} is for the chat template, and no line is a conversation: add --chat to wrap "
                              "these prompts in it")
 
@@ -329,6 +329,11 @@ def accelerators_here() -> tuple[str | None, int]:
     return torch.accelerator.current_accelerator().type, torch.accelerator.device_count()
 
 
+def accelerators_seen(kind: str | None, count: int) -> str:
+    """What torch sees, for an error message."""
+    return f"torch sees {count} {kind} device(s)" if kind else "torch sees no accelerator"
+
+
 def check_device_map(value: str) -> None:
     """--device_map: one of accelerate's strategies, or a device this machine has (UsageError otherwise)."""
     if value in DEVICE_MAP_STRATEGIES:
@@ -342,8 +347,7 @@ def check_device_map(value: str) -> None:
                          "cuda:0...)") from None
     kind, count = accelerators_here()
     if device.type != "cpu" and (device.type != kind or (device.index or 0) >= count):
-        raise UsageError(f"--device_map {value}: no such device here (torch sees "
-                         f"{f'{count} {kind} device(s)' if kind else 'no accelerator'})")
+        raise UsageError(f"--device_map {value}: no such device here ({accelerators_seen(kind, count)})")
 
 
 def read_tools_file(path: str) -> dict:
@@ -392,8 +396,7 @@ def max_memory_map(items: list[str] | None) -> dict | None:
     kind, count = accelerators_here()
     for key in memory:
         if isinstance(key, int) and key >= count:
-            raise UsageError(f"--max_memory {key}=...: no GPU {key} here (torch sees "
-                             f"{f'{count} {kind} device(s)' if kind else 'no accelerator'})")
+            raise UsageError(f"--max_memory {key}=...: no GPU {key} here ({accelerators_seen(kind, count)})")
     return memory
 
 

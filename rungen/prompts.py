@@ -97,7 +97,7 @@ def parse_prompt_line(index: int, line: bytes, input_format: str) -> Prompt:
         except MessageError as error:
             return Prompt(index, None, extra=record, error=f'"messages": {error}')
         with_tools = bool(tools) or any(message["role"] == "tool" or "tool_calls" in message
-                                             for message in conversation)
+                                        for message in conversation)
         last_user = [message["content"] for message in conversation if message["role"] == "user"][-1:]
         problem = carried_fields_problem(record)
         if problem:
@@ -240,7 +240,7 @@ def encode_prompt(loaded: Loaded, prompt: Prompt, prefix: str = "", chat: bool =
 def warn_short_room(loaded: Loaded, prompt: Prompt, length: int) -> None:
     """A notice where the context leaves a prompt less room than --length asks for (it then ends at the context,
     finish_reason length): the original script's clamp, said rather than silent."""
-    room = loaded.context - len(prompt.ids) if loaded.context else length
-    if 0 < length <= loaded.context and room < length:
+    room = loaded.context - len(prompt.ids)
+    if 0 < length <= loaded.context and room < length:  # a context not known (0) says nothing
         logger.warning("prompt %d: its %d tokens leave room for %d of the %d new tokens --length asks for (the "
                        "model's context is %d)", prompt.index + 1, len(prompt.ids), room, length, loaded.context)

@@ -117,10 +117,10 @@ def check_flag_variables(kwargs: dict, chat_template) -> None:
     """--chat_template_kwargs checked as a request's would be; `reasoning_effort` among them (no flag of its own)."""
     from .errors import UsageError
 
-    body = {"chat_template_kwargs": {name: value for name, value in kwargs.items() if name != "reasoning_effort"},
-            "reasoning_effort": kwargs.get("reasoning_effort")}
     if not chat_template:
         raise UsageError("--chat_template_kwargs: this tokenizer has no chat template")
+    body = {"chat_template_kwargs": {name: value for name, value in kwargs.items() if name != "reasoning_effort"},
+            "reasoning_effort": kwargs.get("reasoning_effort")}
     try:
         read_template_variables(body, chat_template)
     except VariableError as error:

@@ -50,16 +50,20 @@ class Store:
         return self.held.pop(response_id, None) is not None
 
 
+def not_found(response_id):
+    return APIError(f"No response found with id {excerpt(response_id)}.", None, status=404)
+
+
 def stored_or_404(service, response_id):
     found = store_of(service).get(response_id)
     if found is None:
-        raise APIError(f"No response found with id {excerpt(response_id)}.", None, status=404)
+        raise not_found(response_id)
     return found
 
 
 def delete(service, response_id):
     if not store_of(service).delete(response_id):
-        stored_or_404(service, response_id)
+        raise not_found(response_id)
     return {"id": response_id, "object": "response", "deleted": True}
 
 
