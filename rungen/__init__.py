@@ -29,6 +29,7 @@
     requests.py    what the engine takes and gives: a Request and its events (Delta, Done, End)
     rows.py        a row of the batch: the tokens picked for all rows at once, the text each adds, stop strings
     sampling.py    the engine's logits processors and sampler over the whole batch on its device
+    host_memory.py freed weight-sized buffers given back to the system (glibc's malloc_trim)
     transfers.py   the decode loop's small copies to and from a GPU, made without waiting for it; the accelerators
                    a spread model sits on
     batch_cache.py the batch's keys/values: fixed slots (slots.py) or a left-padded cache, behind one interface

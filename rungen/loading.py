@@ -306,14 +306,15 @@ def load(model_name_or_path: str | None, *, device: torch.device, model_type: st
     `device`, or spread by accelerate's `device_map` within `max_memory` ({0: "10GiB", "cpu": "30GiB"}).
 
     A GGUF file runs in its own blocks unless `dequantize`; `quantize` ("int8"/"int4") quantizes a safetensors
-    checkpoint block by block as it loads. `own_model`: a GGUF file rungen/gguf/model.py covers runs on that code
-    (False: transformers' class, for generate() and --jit)."""
+    checkpoint or a GGUF file block by block as it loads. `own_model`: a GGUF file rungen/gguf/model.py covers runs
+    on that code (False: transformers' class, for generate() and --jit)."""
     dequantize = dequantize or quantize is not None
     on_accelerator = device.type != "cpu" and not device_map
     # A GGUF file on an accelerator is de-quantized on its way there (load_gguf_on), --dequantize or not.
     path, load_kwargs = resolve_checkpoint(model_name_or_path, model_type, dequantize and not on_accelerator)
-    if "gguf_file" in load_kwargs and on_accelerator:
-        return load_gguf_on(os.path.join(path, load_kwargs["gguf_file"]), device, model_type=model_type, dtype=dtype)
+    if "gguf_file" in load_kwargs and (on_accelerator or quantize and not device_map):
+        return load_gguf_on(os.path.join(path, load_kwargs["gguf_file"]), device, model_type=model_type, dtype=dtype,
+                            quantize=quantize)
     if "gguf_file" in load_kwargs and not dequantize:
         if device_map:
             raise UsageError("a GGUF file runs in its own blocks on the CPU or is de-quantized onto one device: "
@@ -390,15 +391,16 @@ def load_gguf(gguf_path: str, *, model_type: str | None = None, dtype: str = "au
     return finish(model, header.transformers_tokenizer, model_type, torch.device("cpu"))
 
 
-def load_gguf_on(gguf_path: str, device: torch.device, *, model_type: str | None = None, dtype: str = "auto"
-                 ) -> Loaded:
-    """A GGUF file's model on an accelerator: transformers' class, weights de-quantized a chunk of rows at a time
-    on their way there (never a float32 copy of the model in host memory)."""
+def load_gguf_on(gguf_path: str, device: torch.device, *, model_type: str | None = None, dtype: str = "auto",
+                 quantize: str | None = None) -> Loaded:
+    """A GGUF file's model on `device` as transformers' class: on an accelerator its weights in codes for its kernels
+    or de-quantized a chunk of rows at a time on their way there; with `quantize`, each block's layers quantized as
+    their weights are de-quantized (never a float32 copy of the model in host memory)."""
     from .gguf.file import GGUFHeader, build_model
 
     header = GGUFHeader(gguf_path, blocks=False)
     model_type, _ = resolve_model_class(model_type, header.config)
-    model = build_model(header, resolve_dtype(dtype, header.config, device), device)
+    model = build_model(header, resolve_dtype(dtype, header.config, device), device, quantize=quantize)
     return finish(model, header.transformers_tokenizer, model_type, device)
 
 

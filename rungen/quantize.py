@@ -19,6 +19,7 @@ import torch
 from transformers.pytorch_utils import Conv1D
 
 from .errors import UsageError
+from .host_memory import release_freed_memory
 from .int4 import GPU_INT4_ENV, GROUP_SIZE, Int4Linear, TinyGemmLinear, checked_tinygemm, int4_groups
 from .int4_kernel import CHUNK, CudaInt4Linear, checked_int4_kernel, gpu_int4_form
 from .int8 import Int8Linear, cuda_int8_layers
@@ -266,85 +267,113 @@ def _safetensors_files(path):
     return [single] if os.path.isfile(single) else None
 
 
+class QuantizingLoad:
+    """A model built on meta taking its tensors one at a time (put), each block's target layers quantized as soon as
+    their weights are all in: at most one block's float weights wait, never the whole float model, in host or device
+    memory. `tie`: the model's tied parameters are one, a tensor put under either name reaching both (transformers
+    ties while loading, not when constructing); else each takes its own tensor."""
+
+    def __init__(self, model: torch.nn.Module, mode: str, device: torch.device, dtype: torch.dtype, tie: bool = True):
+        self.layer_class, multiple = layer_maker(mode, device, dtype)
+        if tie:
+            model.tie_weights()
+        self.model, self.dtype = model, dtype
+        self.params = dict(model.named_parameters(remove_duplicate=False))
+        self.aliases = {}  # a parameter's names: tied weights share one parameter
+        for name, param in self.params.items():
+            self.aliases.setdefault(id(param), []).append(name)
+        self.targets, self.head = _quantized_targets(model, mode, multiple, device)
+        self.owner = {}  # parameter name -> (parent module, child name, "weight" or "bias")
+        modules = {module: name for name, module in model.named_modules()}
+        for module, children in self.targets.items():
+            for child_name, child in children.items():
+                prefix = f"{modules[module]}.{child_name}".lstrip(".")
+                for attr in ("weight", "bias"):
+                    if getattr(child, attr, None) is not None:
+                        self.owner[f"{prefix}.{attr}"] = (module, child_name, attr)
+        self.count = sum(len(children) for children in self.targets.values())
+        self.pending = {module: {} for module in self.targets}  # parent -> {child: {"weight": w, "bias": b}}
+
+    def covers(self, names) -> bool:
+        """Whether tensors of exactly these `names` give every parameter of the model."""
+        if not set(names) <= set(self.params):
+            return False
+        covered = {alias for name in names for alias in self.aliases[id(self.params[name])]}
+        return covered == set(self.params)
+
+    def put(self, name: str, value: torch.Tensor) -> None:
+        """Tensor `name` of the model: held for its layer's quantization, or set in place (a buffer too)."""
+        if name not in self.params:
+            module_name, _, attr = name.rpartition(".")
+            setattr(self.model.get_submodule(module_name), attr, value)
+            return
+        shared = None
+        for alias in self.aliases[id(self.params[name])]:
+            if alias in self.owner:
+                self._hold(alias, value)
+            else:
+                module_name, _, attr = alias.rpartition(".")
+                if shared is None:
+                    shared = torch.nn.Parameter(value.to(self.dtype), requires_grad=False)
+                self.model.get_submodule(module_name)._parameters[attr] = shared
+
+    def _hold(self, name, value):
+        module, child_name, attr = self.owner[name]
+        child = self.targets[module][child_name]
+        if attr == "weight" and isinstance(child, Conv1D):
+            value = value.t()
+        self.pending[module].setdefault(child_name, {})[attr] = value
+        got = self.pending[module]
+        if all(child in got and all(a in got[child] for a in ("weight", "bias")
+                                    if getattr(layer, a, None) is not None)
+               for child, layer in self.targets[module].items()):
+            layers = {n: (w["weight"], w.get("bias")) for n, w in self.pending.pop(module).items()}
+            _quantize_group(module, layers, self.layer_class, self.head)
+            del layers
+            release_freed_memory()  # the block's float weights, else kept in glibc's heap between the codes
+
+    def finish(self, what: str) -> torch.nn.Module:
+        """The model, quantized; QuantizeError naming `what` where a layer's weights never came."""
+        if self.pending:
+            raise QuantizeError(f"--quantize: {what}: weights missing for {len(self.pending)} layers")
+        self.model.quantized_layers = self.count
+        self.model.eval()
+        return self.model
+
+
 def load_quantized(path: str, config, dtype: torch.dtype, mode: str,
                    device: torch.device) -> torch.nn.Module | None:
-    """The causal LM of a local safetensors checkpoint, quantized block by block as it loads onto `device` (never
-    the whole float model in host or device memory: a tensor at a time is read, one block's float weights at a time
-    wait for their layers). None (load whole, quantize after) unless its tensor names are exactly the model's
-    parameters (transformers renames or converts some checkpoints while loading). Its buffers stay on the host
-    until the model is moved to `device`."""
+    """The causal LM of a local safetensors checkpoint, quantized block by block as it loads onto `device`
+    (QuantizingLoad: a tensor at a time is read). None (load whole, quantize after) unless its tensor names are
+    exactly the model's parameters (transformers renames or converts some checkpoints while loading). Its buffers
+    stay on the host until the model is moved to `device`."""
     from accelerate import init_empty_weights
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
-    layer_class, multiple = layer_maker(mode, device, dtype)
     files = os.path.isdir(path) and _safetensors_files(path)
     if not files:
         return None
     with init_empty_weights(include_buffers=False), no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.tie_weights()  # transformers ties while loading, not when constructing
-    params = dict(model.named_parameters(remove_duplicate=False))
-    aliases = {}  # a parameter's names: tied weights share one parameter
-    for name, param in params.items():
-        aliases.setdefault(id(param), []).append(name)
     keys = {}
     for file in files:
         with safe_open(file, "pt") as f:
             keys.update((key, file) for key in f.keys())
-    covered = {name for key in keys if key in params for name in aliases[id(params[key])]}
-    if not set(keys) <= set(params) or covered != set(params):
+    load = QuantizingLoad(model, mode, device, dtype)
+    if not load.covers(keys):
         return None
-    targets, head = _quantized_targets(model, mode, multiple, device)
-    owner = {}  # parameter name -> (parent module, child name, "weight" or "bias")
-    modules = {module: name for name, module in model.named_modules()}
-    for module, children in targets.items():
-        for child_name, child in children.items():
-            prefix = f"{modules[module]}.{child_name}".lstrip(".")
-            for attr in ("weight", "bias"):
-                if getattr(child, attr, None) is not None:
-                    owner[f"{prefix}.{attr}"] = (module, child_name, attr)
-    count = sum(len(children) for children in targets.values())
-    pending = {module: {} for module in targets}  # parent -> {child: {"weight": w, "bias": b}}
-
-    def complete(module):
-        children = targets[module]
-        got = pending[module]
-        return all(name in got and all(attr in got[name] for attr in ("weight", "bias")
-                                       if getattr(child, attr, None) is not None)
-                   for name, child in children.items())
-
     for key, file in keys.items():
         # One handle per tensor: a mapping's pages count as resident while it is open.
         with safe_open(file, "pt") as f:
             value = f.get_tensor(key)
         if device.type != "cpu":  # the accelerator's layers take the weight as the model holds it there
             value = value.to(device, dtype)
-        shared = None
-        for name in aliases[id(params[key])]:
-            if name in owner:
-                module, child_name, attr = owner[name]
-                child = targets[module][child_name]
-                if attr == "weight" and isinstance(child, Conv1D):
-                    value = value.t()
-                pending[module].setdefault(child_name, {})[attr] = value
-                if complete(module):
-                    layers = {n: (w["weight"], w.get("bias")) for n, w in pending.pop(module).items()}
-                    _quantize_group(module, layers, layer_class, head)
-                    del layers
-            else:
-                module_name, _, attr = name.rpartition(".")
-                if shared is None:
-                    shared = torch.nn.Parameter(value.to(dtype), requires_grad=False)
-                model.get_submodule(module_name)._parameters[attr] = shared
+        load.put(key, value)
         del value
-    if pending:
-        raise QuantizeError(f"--quantize: {path}: weights missing for {len(pending)} layers")
     if os.path.isfile(os.path.join(path, "generation_config.json")):  # as from_pretrained reads it
         from transformers import GenerationConfig
 
         model.generation_config = GenerationConfig.from_pretrained(path)
-    model.quantized_layers = count
-    model.eval()
-    return model
+    return load.finish(path)

@@ -286,6 +286,68 @@ def blocks_for(qtype, rows, in_features, seed=0, kind="random"):
     return torch.from_numpy(place_scales(raw, qtype, scales).reshape(rows, -1))
 
 
+def write_moe_gguf(path, experts=4, used=2, layers=2):
+    """A tiny Qwen3-MoE GGUF file at `path` as llama.cpp's converter writes Qwen3-30B-A3B's: qwen3 attention (q/k
+    norms, head size 64 apart from hidden / heads), every layer's MLP `experts` experts (`used` a token) of 768
+    (Qwen3-30B-A3B's, and Qwen3MoeConfig's default: transformers does not read the file's expert_feed_forward_length)
+    in 3-D ffn_{gate,up,down}_exps tensors and the router's ffn_gate_inp; Q8_0 matrices, F32 norms and router, the
+    head tied, a synthetic byte-level vocabulary."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from gguf import GGUFWriter, quants
+
+    from benchmarks.gguf_files import synthetic_tokenizer_fields
+
+    fields = synthetic_tokenizer_fields(1024)
+    hidden, heads, kv_heads, head_dim, expert_ffn = 64, 2, 1, 64, 768
+    rng = np.random.default_rng(0)
+    writer = GGUFWriter(str(path), "qwen3moe")
+    writer.add_context_length(4096)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(6144)  # the dense MLP's, which no layer has (Qwen3-30B-A3B's)
+    writer.add_expert_feed_forward_length(expert_ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(1e6)
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(used)
+    for key, value, vtype, sub_type in fields:
+        writer.add_key_value(key, value, vtype, sub_type)
+    vocab = next(len(value) for key, value, *_ in fields if key == "tokenizer.ggml.tokens")
+
+    def add(name, shape, qtype=Q.Q8_0, spread=0.15):
+        values = rng.normal(0, spread, shape).astype(np.float32) if qtype != Q.F32 else rng.uniform(0.8, 1.2, shape)
+        if qtype == Q.F32:
+            writer.add_tensor(name, values.astype(np.float32))
+        else:
+            writer.add_tensor(name, quants.quantize(values, qtype), raw_dtype=qtype)
+
+    add("token_embd.weight", (vocab, hidden), spread=0.5)
+    for n in range(layers):
+        add(f"blk.{n}.attn_norm.weight", (hidden,), Q.F32)
+        add(f"blk.{n}.attn_q.weight", (heads * head_dim, hidden))
+        add(f"blk.{n}.attn_k.weight", (kv_heads * head_dim, hidden))
+        add(f"blk.{n}.attn_v.weight", (kv_heads * head_dim, hidden))
+        add(f"blk.{n}.attn_q_norm.weight", (head_dim,), Q.F32)
+        add(f"blk.{n}.attn_k_norm.weight", (head_dim,), Q.F32)
+        add(f"blk.{n}.attn_output.weight", (hidden, heads * head_dim))
+        add(f"blk.{n}.ffn_norm.weight", (hidden,), Q.F32)
+        writer.add_tensor(f"blk.{n}.ffn_gate_inp.weight", rng.normal(0, 0.5, (experts, hidden)).astype(np.float32))
+        add(f"blk.{n}.ffn_gate_exps.weight", (experts, expert_ffn, hidden))
+        add(f"blk.{n}.ffn_up_exps.weight", (experts, expert_ffn, hidden))
+        add(f"blk.{n}.ffn_down_exps.weight", (experts, hidden, expert_ffn), spread=0.05)
+    add("output_norm.weight", (hidden,), Q.F32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
 def write_tiny_gguf(path, qtype_name, tied=False):
     """A tiny llama GGUF file at `path`: `qtype_name` (Q4_0 or Q8_0) matrices of random blocks, a Q6_K head (none:
     `tied`, the head reads the embedding), a synthetic byte-level vocabulary of 1024 (a GPU machine may lack the

@@ -1012,6 +1012,38 @@ def test_an_embedding_in_its_blocks_is_looked_up_inside_a_cuda_graph(name):
     assert torch.equal(out.cpu(), dequantize(blocks, qtype, 512).to(torch.bfloat16)[wanted])
 
 
+@needs_cuda
+def test_an_moe_gguf_files_experts_go_to_the_gpu_as_they_are_read(tmp_path, monkeypatch):
+    # A MoE file's 3-D expert tensors pass through transformers' processor (gate and up merged): each goes to the
+    # GPU as the processor stores it, never every layer's experts in host memory at once (Qwen3-30B-A3B's are
+    # about 115 GB in float32); the model computes what the de-quantized float32 model does.
+    import rungen.gguf.file as gguf_file
+    from helpers import write_moe_gguf
+    from rungen.loading import load
+
+    path = write_moe_gguf(tmp_path / "qwen3moe.gguf")
+    stored = []
+    process = gguf_file._process
+
+    def watched(processor, header, name, weights, names, collected):
+        result = process(processor, header, name, weights, names, collected)
+        stored.extend((name, value.device.type) for name, value in collected["tensors"].items())
+        return result
+
+    monkeypatch.setattr(gguf_file, "_process", watched)
+    moe = load(path, device=DEVICE, dtype="float32")
+    assert {name for name, _ in stored} == {f"model.layers.{n}.mlp.experts.{w}" for n in range(2)
+                                            for w in ("gate_up_proj", "down_proj")}
+    assert {device for _, device in stored} == {"cuda"}
+    exact = load(path, device=torch.device("cpu"), dequantize=True)
+    theirs = exact.model.state_dict()
+    ours = {name: value.cpu() for name, value in moe.model.state_dict().items()}
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[name], theirs[name]) for name in ours)
+    if not PLAYED:  # (the router's histogram of int expert ids is CUDA's alone: the played GPU cannot run it)
+        exact.model.to(DEVICE)
+        assert_logits_near(moe, exact)
+
+
 def run_quantized(checkpoint, mode, monkeypatch, extra=()):
     """The model a greedy `--quantize mode` run (with `extra` flags) quantized (the run checked to succeed)."""
     import rungen.quantize
@@ -1059,6 +1091,21 @@ def test_quantize_int4_runs_on_torchs_int4_kernel(checkpoint, monkeypatch):
     model = run_quantized(checkpoint, "int4", monkeypatch)
     layers = [m for m in model.modules() if isinstance(m, TinyGemmLinear)]
     assert layers and not isinstance(model.get_output_embeddings(), TinyGemmLinear)
+
+
+@needs_cuda
+def test_quantize_int4_on_a_gguf_file_quantizes_its_de_quantized_layers_on_the_gpu(gguf_file, monkeypatch):
+    # --quantize on a GGUF file asks for --quantize's layers, not the file's codes: each matrix de-quantized on the
+    # GPU and its block quantized as its weights arrive (the whole model never in bfloat16), the head as it was.
+    from rungen.int4 import TinyGemmLinear
+
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("torch's int4 kernel needs Ampere or later")
+    model = run_quantized(gguf_file, "int4", monkeypatch)
+    layers = [m for m in model.modules() if isinstance(m, TinyGemmLinear)]
+    assert model.quantized_layers == 2 * 7 and len(layers) == 2 * 4  # q/k/v and gate/up as one product each
+    assert all(m.packed.device.type == "cuda" for m in layers)
+    assert not isinstance(model.get_output_embeddings(), TinyGemmLinear)
 
 
 @pytest.fixture(scope="module")

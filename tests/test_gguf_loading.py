@@ -515,6 +515,68 @@ def test_the_accelerator_form_is_the_dequantized_model(loaded, name):
         assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # one copy
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("name", ["mixed_tied", "q4_0_untied", "qwen2_biases"])
+def test_quantizing_a_file_as_it_loads_equals_quantizing_its_dequantized_model(loaded, name, mode, monkeypatch):
+    # --quantize on a GGUF file: each block's layers quantized as soon as their weights are de-quantized (the float
+    # model never whole in memory) give the very layers of quantizing the whole de-quantized model after loading.
+    import rungen.quantize
+    from rungen.quantize import QuantizingLoad, quantize_model
+
+    header, _, _ = loaded[name]
+    cpu = torch.device("cpu")
+    after = build_model(header, torch.float32, cpu)
+    layers = quantize_model(after, mode)
+    events = []
+    monkeypatch.setattr(QuantizingLoad, "put", lambda self, *a, put=QuantizingLoad.put: events.append("put")
+                        or put(self, *a))
+    monkeypatch.setattr(rungen.quantize, "_quantize_group", lambda *a, group=rungen.quantize._quantize_group:
+                        events.append("quantized") or group(*a))
+    streamed = build_model(header, torch.float32, cpu, quantize=mode)
+    last_put = len(events) - events[::-1].index("put")
+    assert events[:last_put].count("quantized") >= LAYERS  # every block's own before the last tensor came
+    assert streamed.quantized_layers == layers
+    assert [type(m) for m in streamed.modules()] == [type(m) for m in after.modules()]
+    assert not [name for name, p in streamed.named_parameters() if p.device.type == "meta"]
+    batch = header.tokenizer(PROMPTS[:2], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        assert torch.equal(streamed(**batch).logits, after(**batch).logits)
+
+
+def test_an_moe_file_computes_transformers_model_over_its_experts(tmp_path, monkeypatch):
+    # Qwen3-MoE (Qwen3-30B-A3B's layout): the experts' 3-D tensors, mapped without ".weight" as their parameters
+    # have none, reach the model (gate and up merged by transformers' processor); its logits are transformers' own
+    # loader's (--dequantize), on the CPU's blocks (their products taken on the exactly de-quantized weights) and in
+    # the form a GPU gets (build_model given a device).
+    from helpers import write_moe_gguf
+
+    [(header, model, reference)] = blocks_and_reference({"moe": write_moe_gguf(tmp_path / "qwen3moe.gguf")}).values()
+    assert model.config.model_type == "qwen3_moe" and model.config.num_local_experts == 4
+    ids = torch.tensor([header.tokenizer(PROMPTS[0]).input_ids])
+    with torch.no_grad():
+        theirs = reference(ids).logits
+        device_form = build_model(header, torch.float32, torch.device("cpu"))(ids).logits
+        blocks = exact_weights(model, lambda: model(ids).logits, monkeypatch)
+    assert theirs.abs().max() > 1  # logits of a real computation
+    torch.testing.assert_close(device_form, theirs, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(blocks, theirs, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.fresh_load  # the file must really load, not a loaded model be reused
+def test_quantize_on_a_gguf_file_quantizes_it_as_it_loads(gguf_files, monkeypatch, caplog):
+    import rungen.quantize
+
+    made = []
+    monkeypatch.setattr(rungen.quantize.QuantizingLoad, "finish", lambda self, what, finish=rungen.quantize
+                        .QuantizingLoad.finish: made.append(finish(self, what)) or made[-1])
+    args = ["--model_name_or_path", gguf_files["q4_k_m_tied"], "--prompt", "Hello", "--temperature", "0",
+            "--length", "4", "--quantize", "int8"]
+    with caplog.at_level(logging.INFO, logger="run_generation"):
+        [sequence] = run_generation.main(args)
+    assert len(made) == 1 and sequence.startswith("Hello")
+    assert f"Quantized {made[0].quantized_layers} linear layers to int8" in caplog.text
+
+
 @pytest.mark.parametrize("name", FILES)
 def test_the_gpus_codes_and_blocks_compute_the_dequantized_model(loaded, name, monkeypatch):
     # What a GPU keeps in codes (the CPU standing in, the int8 kernel stood in by the product it is checked against):

@@ -9,9 +9,6 @@ A CUDA GPU's forms of the same blocks are device.py's.
 
 from __future__ import annotations
 
-import ctypes
-import functools
-
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -216,21 +213,6 @@ class CastEmbedding(torch.nn.Module):
 def interleavable(qtype: GGMLQuantizationType, rows: int) -> bool:
     """Whether a weight of `rows` rows of `qtype` blocks runs interleaved (GGMLLinear.interleave)."""
     return qtype in INTERLEAVED_TYPES and rows % 8 == 0 and native_kernels()
-
-
-@functools.cache
-def _malloc_trim():
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return None
-
-
-def release_freed_memory() -> None:
-    """glibc's malloc_trim: fusing frees weight-sized buffers that glibc would keep (docs/gguf.md)."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
 
 
 def holds_blocks(model: torch.nn.Module) -> bool:

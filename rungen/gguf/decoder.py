@@ -19,8 +19,9 @@ import weakref
 
 import torch
 
+from ..host_memory import release_freed_memory
 from ..kvcache import full_attention, growing, growing_like
-from .blocks import GGMLLinear, GGMLParts, join, release_freed_memory
+from .blocks import GGMLLinear, GGMLParts, join
 from .families import BY_LAYER_CLASS
 from .kernels import native_kernels
 

@@ -437,10 +437,26 @@ def _process(processor, header: GGUFHeader, name: str, weights: np.ndarray, name
         raise GGUFError(f"{header.path}: tensor {name} {list(weights.shape)}: {_first_line(error)}") from None
 
 
-def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | None = None) -> torch.nn.Module:
+class _Placed(dict):
+    """Tensors that go to `device` in `dtype` as they are stored: a processor's MoE experts (a layer's up to GBs in
+    float32) reach the GPU one tensor at a time, never all held in host memory. Processors store whole tensors, or
+    zeros they then copy halves into (which the device's tensor takes)."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        self.device, self.dtype = device, dtype
+
+    def __setitem__(self, name: str, value: torch.Tensor) -> None:
+        super().__setitem__(name, value.to(self.device, self.dtype))
+
+
+def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | None = None,
+                quantize: str | None = None) -> torch.nn.Module:
     """The causal LM of `header`'s config over the file's weights. Given a `device`, quantized weights take the forms
     device.py's DeviceForms keeps them in there (codes for a checked kernel, an embedding's blocks), else are
-    de-quantized to `dtype` a chunk of rows at a time (never whole in float32)."""
+    de-quantized to `dtype` a chunk of rows at a time (never whole in float32); with `quantize` (--quantize's mode)
+    the linear layers' are de-quantized, and each block's layers quantized as soon as their weights are in
+    (rungen/quantize.py)."""
     on_device = device is not None
     from accelerate import init_empty_weights
     from gguf import GGMLQuantizationType
@@ -470,12 +486,21 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
             embedding = model.get_input_embeddings()
             tied_embedding = next(n for n, m in model.named_modules() if m is embedding)
     forms = DeviceForms(device, dtype) if on_device else None
-    collected = {"tensors": {}}  # what processors that merge or split tensors (MoE experts) leave
+    put = functools.partial(_set_tensor, model)
+    if quantize is not None:
+        from ..quantize import QuantizingLoad
+
+        # Tied only where the file has no head of its own, as transformers (Falcon's files hold both, and differ).
+        quantizing = QuantizingLoad(model, quantize, device, dtype, tie=bool(head_reads_embedding))
+        put = quantizing.put
+    # What processors that merge or split tensors (MoE experts) leave; on a device, each goes there as it is stored.
+    collected = {"tensors": _Placed(device, dtype) if on_device else {}}
     biases = {}  # module name -> bias, given to the layer that ends up there
     layers = {}  # module name -> the layer that replaces the model's own
     for entry in reader.tensors:
         name, code, shape = entry.name, entry.code, entry.shape
-        hf_name = names.get(name)
+        # (MoE experts' 3-D tensors are mapped without their ".weight": the model's parameter has none)
+        hf_name = names.get(name) or names.get(name.removesuffix(".weight"))
         if hf_name is None:
             continue  # as transformers: tensors the model does not hold (e.g. llama3's rope_freqs)
         module_name, _, attr = hf_name.rpartition(".")
@@ -491,7 +516,7 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
             tensor = as_torch(raw if result.weights is raw else np.ascontiguousarray(result.weights), code)
             _check_shape(header.path, name, module, attr, tensor.shape)
             if on_device:
-                _set_tensor(model, hf_name, tensor.to(device=device, dtype=dtype))
+                put(hf_name, tensor.to(device=device, dtype=dtype))
             elif attr == "bias" and isinstance(module, (torch.nn.Linear, Conv1D)):
                 biases[module_name] = tensor.to(dtype)
             elif attr == "weight" and tensor.dtype != dtype and isinstance(module, torch.nn.Linear):
@@ -511,10 +536,13 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
                          (in_features, shape[0]) if isinstance(module, Conv1D) else (shape[0], in_features))
             order = _row_permutation(processor, name, shape[0])
             if on_device and order is not False:
-                form = forms.keep(reader, entry, qtype, in_features, module, order,
-                                  isinstance(module, torch.nn.Embedding) and head_reads_embedding)
+                if quantize is not None and not isinstance(module, torch.nn.Embedding):  # quantized by put
+                    form = reader.dequantized(entry, dtype, device, order)
+                else:
+                    form = forms.keep(reader, entry, qtype, in_features, module, order,
+                                      isinstance(module, torch.nn.Embedding) and head_reads_embedding)
                 if isinstance(form, torch.Tensor):  # de-quantized
-                    _set_tensor(model, hf_name, form.t().contiguous() if isinstance(module, Conv1D) else form)
+                    put(hf_name, form.t().contiguous() if isinstance(module, Conv1D) else form)
                 else:
                     layers[module_name] = form
                 continue
@@ -535,9 +563,9 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
         result = _process(processor, header, name, values, names, collected)
         if result.name is not None:
             _check_shape(header.path, name, module, attr, result.weights.shape)
-            _set_tensor(model, hf_name, torch.from_numpy(np.ascontiguousarray(result.weights)).to(device, dtype))
+            put(hf_name, torch.from_numpy(np.ascontiguousarray(result.weights)).to(device, dtype))
     for hf_name, value in collected["tensors"].items():
-        _set_tensor(model, hf_name, value.to(device, dtype))
+        put(hf_name, value.to(device, dtype))
     if on_device:
         for module_name, layer in layers.items():  # weights kept in codes or blocks
             if not isinstance(model.get_submodule(module_name), torch.nn.Embedding):  # a linear layer's bias
@@ -545,7 +573,8 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
                 layer.bias = bias if bias is not None and bias.device.type != "meta" else None
             model.set_submodule(module_name, layer)
         _tie_head(model, config)
-        return _finish_built(header, model, device)
+        model = _finish_built(header, model, device)
+        return model if quantize is None else quantizing.finish(header.path)
 
     for module_name, layer in layers.items():
         if module_name in biases:

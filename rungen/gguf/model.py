@@ -15,6 +15,7 @@ import os
 
 import torch
 
+from ..host_memory import release_freed_memory
 from ..kvcache import new_cache
 from .blocks import (
     SUPPORTED,
@@ -23,7 +24,6 @@ from .blocks import (
     GGMLEmbedding,
     GGMLLinear,
     interleavable,
-    release_freed_memory,
     weights_per_row,
 )
 from .decoder import ACTIVATIONS, NativeStack, StackWeights
