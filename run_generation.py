@@ -45,7 +45,7 @@ from rungen import NOTICE, PROG, logger, processes
 from rungen.arguments import check_template_flags, max_memory_map, parse_args, serve_options, settings_from_args
 from rungen.batch import engine_refusal, open_engine, run_prompts, settings_refusal
 from rungen.controls import load_assistant
-from rungen.errors import PromptError, PromptsFailed, RunGenerationError, UsageError
+from rungen.errors import PromptError, PromptsFailed, RunGenerationError, UsageError, out_of_device_memory
 from rungen.generation import (
     UNBATCHABLE_TYPES,
     eos_token_ids,
@@ -88,7 +88,7 @@ def main(argv=None):
         quiet_progress_bars()
     logger.info("%s", args)
     logger.info("device: %s, processes: %d, dtype: %s", state.device, state.num_processes, args.dtype)
-    if state.device.type != "cpu" and not args.device_map:
+    if state.device.type != "cpu" and args.device_map != "cpu":  # a map other than the CPU's uses the accelerator
         accelerator_refusal(args, state.device)
     if args.device_map and state.num_processes > 1:
         raise UsageError("--device_map spreads one model over all devices; run it in a single process")
@@ -324,7 +324,9 @@ def cli(argv=None):
         text = "".join(char if char.isprintable() else repr(char)[1:-1] for char in str(error))
         print(f"{PROG}: error: {text}", file=sys.stderr, flush=True)
         sys.exit(error.exit_code)
-    except torch.OutOfMemoryError as error:  # bad input for this device: say how to fit
+    except RuntimeError as error:  # out of GPU memory is bad input for this device: say how to fit
+        if not out_of_device_memory(error):
+            raise
         first = str(error).splitlines()[0] if str(error) else ""
         print(f"{PROG}: error: out of GPU memory ({first[:160]}); fit it with a smaller --batch_size or --length, "
               "--device_map auto to spread the model, or --use_cpu", file=sys.stderr, flush=True)

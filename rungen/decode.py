@@ -181,7 +181,7 @@ class DecodeBatch:
         self.rows = [self.rows[number] for number in keep]
         if self.ahead is not None:  # its tokens follow the rows into their new order (none left: nothing to feed)
             if keep:
-                self.ahead.tokens = self.ahead.tokens.index_select(0, to_device(keep, self.device))
+                self.ahead.tokens = self.ahead.tokens.index_select(0, to_device(keep, self.ahead.tokens.device))
             else:
                 self.ahead = None
 

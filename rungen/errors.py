@@ -30,3 +30,13 @@ def one_line(error: BaseException) -> str:
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     items = [line[2:] for line in lines if line.startswith("- ")]
     return " ".join(items or lines[:1]) or type(error).__name__
+
+
+# What CUDA says when memory runs out outside torch's caching allocator: a context, a cuBLAS handle, a graph.
+DEVICE_MEMORY_MESSAGES = ("CUDA error: out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "cudaErrorMemoryAllocation")
+
+
+def out_of_device_memory(error: BaseException) -> bool:
+    """Whether `error` is a GPU running out of memory: torch's OutOfMemoryError, or CUDA's own error saying so."""
+    return isinstance(error, RuntimeError) and (type(error).__name__ == "OutOfMemoryError"
+                                                or any(message in str(error) for message in DEVICE_MEMORY_MESSAGES))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .errors import out_of_device_memory
 from .transfers import to_device
 
 # The families whose attention takes this cache and a 4D mask as transformers writes them (update(k, v, layer)).
@@ -263,7 +264,7 @@ class DecodeGraphs:
 
             torch.cuda.set_stream(stream)  # a capture that failed to end leaves its own stream current
             why = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-            if isinstance(error, torch.OutOfMemoryError):  # the other batches keep their graphs
+            if out_of_device_memory(error):  # the other batches keep their graphs
                 logging.getLogger("run_generation").warning(
                     "CUDA graphs: out of GPU memory to capture the decode step of %d rows (%s); those steps run "
                     "without a graph", bucket, why)

@@ -61,6 +61,8 @@ def test_checkpoints_run_in_half_precision_on_cuda(gpu):
 @pytest.mark.parametrize("flag, message", [
     (["--jit"], "--jit traces the decode step for TorchScript's CPU Static Runtime; on cuda drop it, or add "
                 "--use_cpu"),
+    (["--jit", "--device_map", "auto"], "--jit traces the decode step for TorchScript's CPU Static Runtime; on cuda "
+                                        "drop it, or add --use_cpu"),  # the map puts the model on the GPU too
 ])
 def test_cpu_only_flags_are_refused_before_loading(gpu, monkeypatch, flag, message):
     import run_generation
@@ -241,15 +243,33 @@ def test_a_gguf_files_gpu_form_decodes_without_waiting_for_the_device(tmp_path, 
     assert steps == [[]] * 5
 
 
-def test_running_out_of_gpu_memory_says_how_to_fit(gpu, monkeypatch):
+@pytest.mark.parametrize("error", [
+    torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 15.77 GiB "
+                           "of which 1.02 GiB is free.\nIncluding non-PyTorch memory"),
+    # CUDA's own errors, outside torch's allocator: a context, a cuBLAS handle on the first product
+    RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"),
+    RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
+], ids=["allocator", "context", "cublas"])
+def test_running_out_of_gpu_memory_says_how_to_fit(gpu, monkeypatch, error):
     def out_of_memory(*args, **kwargs):
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "
-                                     "of 15.77 GiB of which 1.02 GiB is free.\nIncluding non-PyTorch memory")
+        raise error
 
     import run_generation
 
     monkeypatch.setattr(run_generation, "load", out_of_memory)
     result = run_main(["--prompt", "Hi"])
     line = error_line(result)
-    assert result.returncode == 2 and "out of GPU memory (CUDA out of memory. Tried to allocate 2.00 GiB" in line
+    first = str(error).splitlines()[0]
+    assert result.returncode == 2 and f"out of GPU memory ({first}" in line
     assert "--batch_size" in line and "--device_map auto" in line and "--use_cpu" in line
+
+
+def test_other_cuda_errors_are_not_called_out_of_memory(gpu, monkeypatch):
+    def device_assert(*args, **kwargs):
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+    import run_generation
+
+    monkeypatch.setattr(run_generation, "load", device_assert)
+    with pytest.raises(RuntimeError, match="device-side assert"):  # a bug's traceback, not advice on memory
+        run_generation.cli(["--prompt", "Hi"])

@@ -1,8 +1,10 @@
 """A GGUF file's weights in the forms a CUDA GPU keeps them (file.py's build_model given a device): 4-bit types as
 torch's int4 kernel takes them (TinyGemmLinear) or, where it cannot run or is asked for, as rungen/int4_kernel.py's
 Triton kernel reads them (CudaInt4Linear), the types that fit int8 codes and group scales for rungen/int8.py's
-Triton kernel (CudaInt8Linear), and an embedding table in its blocks (DeviceRowsEmbedding). Each form is exact: the
-codes and scales are the file's (codes.py), never re-quantized.
+Triton kernel (CudaInt8Linear), and an embedding table in its blocks (DeviceRowsEmbedding). The codes are the file's
+(codes.py), never re-quantized, and so are the scales but tinygemm's, which it takes in bfloat16 only: a float16
+scale (Q4_0, Q4_1) or a K-quant's float32 product of scales loses its last bits there (checked_tinygemm holds the
+kernel to the de-quantized weight).
 """
 
 from __future__ import annotations
