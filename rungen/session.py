@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import sys
 import time
 
@@ -42,7 +43,8 @@ HELP = f"""Type a prompt and press Enter; the reply streams below it.
   /help              this help
   /set               show the generation settings
   /set NAME VALUE    change one: length, temperature (0: greedy), k, p, repetition_penalty,
-                     num_beams, stop_token (none: no stop token; "\\n" in quotes: a line break)
+                     num_beams, stop_token (none: no stop token; "\\n" in quotes: a line break;
+                     ["\\n", "."]: several)
   /clear             forget the conversation (a --system message stays)
   /save FILE         write the conversation to FILE as one JSON line {{"messages": [...]}} (quotes: a name
                      with spaces)
@@ -138,6 +140,15 @@ def set_setting(settings: Settings, name: str, value: str, context: int) -> Sett
         if not isinstance(parsed, str) or not parsed:
             raise UsageError(f'{name}: a value in quotes is a JSON string of one or more characters ("\\n": a line '
                              f"break), got {value}")
+    elif kind is str and value.startswith("["):  # several stop strings, as --stop_token repeated gives
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError:
+            parsed = None
+        if not isinstance(parsed, list) or not parsed or not all(isinstance(v, str) and v for v in parsed):
+            raise UsageError(f'{name}: a value in brackets is a JSON array of non-empty strings (["\\n", "."]), '
+                             f"got {value}")
+        parsed = parsed[0] if len(parsed) == 1 else tuple(parsed)
     elif kind is str:
         parsed = None if value.lower() == "none" else value
     else:
@@ -157,7 +168,13 @@ def set_setting(settings: Settings, name: str, value: str, context: int) -> Sett
 
 
 def describe_settings(settings: Settings, names=SETTABLE) -> str:
-    return "\n".join(f"  {name:<20}{getattr(settings, FIELDS.get(name, name))!r}" for name in names)
+    """The settings NAMES, each as /set takes it back (stop strings in JSON)."""
+    def shown(value):
+        if isinstance(value, (str, tuple)):
+            return json.dumps(value if isinstance(value, str) else list(value), ensure_ascii=False)
+        return "none" if value is None else repr(value)
+
+    return "\n".join(f"  {name:<20}{shown(getattr(settings, FIELDS.get(name, name)))}" for name in names)
 
 
 def turn_stats(prompt_tokens: int, reply_tokens: int, started: float, first_token_at: float | None, ended: float,
@@ -426,9 +443,19 @@ class Session:
                 say(f"error: {error}")
             else:
                 say(describe_settings(self.settings, [setting.lower()]))
+                self.say_unused(setting.lower(), value.strip())
         else:
             say(f"unknown command /{name}; /help lists the commands")
         return False
+
+    def say_unused(self, name, value):
+        """A notice where a setting just set does not act as typed (the flags' start-up warnings)."""
+        settings = self.settings
+        if name in ("k", "p") and settings.temperature == 0:
+            say(f"({name} applies to sampling only: it takes effect once temperature is above 0)")
+        elif name == "length" and self.loaded.context and settings.length == self.loaded.context \
+                and value != str(self.loaded.context):
+            say(f"(length: up to the model's context, {self.loaded.context} tokens)")
 
     def save(self, path):
         if len(path) > 1 and path[0] == path[-1] and path[0] in "\"'":  # a name with spaces, as a shell takes it
@@ -444,16 +471,25 @@ class Session:
         else:  # plain continuation: one prompt per line, as --input_format jsonl reads prompts
             pairs = zip(self.messages[::2], self.messages[1::2])
             lines = [{"prompt": user["content"], "continuation": reply["content"]} for user, reply in pairs]
-        target = os.path.expanduser(path)
+        target = os.path.realpath(os.path.expanduser(path))  # a link's file is written, the link kept
+        if os.path.exists(target) and not os.path.isfile(target):
+            say(f"error: cannot write {path}: " + ("it is a directory" if os.path.isdir(target)
+                                                     else "not a regular file"))
+            return
         temporary = f"{target}.tmp-{os.getpid()}"
         try:  # written whole beside it, then put in its place: a failed write leaves the file as it was
             with open(temporary, "w", encoding="utf-8") as file:
                 file.writelines(json.dumps(line, ensure_ascii=False) + "\n" for line in lines)
+            if os.path.exists(target):  # a private file stays private
+                shutil.copymode(target, temporary)
             os.replace(temporary, target)
         except OSError as error:
             with contextlib.suppress(OSError):
                 os.remove(temporary)
-            say(f"error: cannot write {path}: {error.strerror}")
+            why = error.strerror
+            if error.filename == temporary:  # the file written first, beside it
+                why = f"cannot create a file in {os.path.dirname(target)} ({why})"
+            say(f"error: cannot write {path}: {why}")
             return
         say(f"(saved to {path})")
 
@@ -466,14 +502,18 @@ class Session:
         else:
             messages = self.system + self.messages + [user]
             if self.loaded.context:
-                limit = self.loaded.context - self.settings.length
-                messages, dropped = fit_to_context(messages, self.count_tokens, limit)
+                messages, dropped = fit_to_context(messages, self.count_tokens,
+                                                   self.loaded.context - self.reply_room())
             prompt = Prompt(len(self.replies), text, messages=messages, tools=self.tools)
         prompt.ids = encode_prompt(self.loaded, prompt, self.prefix, self.chat, template_kwargs=self.template_kwargs)
+        context, length = self.loaded.context, self.settings.length
         if dropped:  # only once the prompt fits: one too long for any history keeps the history
             turns = "turn" if dropped == 1 else f"{dropped} turns"
-            say(f"(dropped the oldest {turns} to fit the model's context of {self.loaded.context} tokens)")
+            say(f"(dropped the oldest {turns} to fit the model's context of {context} tokens)")
             self.messages = messages[len(self.system) : -1]
+        if context and length < context and context - len(prompt.ids) < length:
+            say(f"(the model's context of {context} tokens leaves this reply {context - len(prompt.ids)} of its "
+                f"{length} tokens)")
         if prompt.tool_plan is not None and prompt.tool_plan.grammar:
             from .tools import prompt_constraint
 
@@ -482,6 +522,11 @@ class Session:
                                                   eos_token_ids(self.settings, self.loaded.model))
         plan_prompt(self.loaded, self.settings, prompt)
         return prompt, user
+
+    def reply_room(self) -> int:
+        """The tokens a turn's prompt leaves the reply, older turns dropped for them: the length, or one where the
+        length is the whole context (-1), which no history could leave room for."""
+        return self.settings.length if self.settings.length < self.loaded.context else 1
 
     def count_tokens(self, messages):
         try:
@@ -514,6 +559,11 @@ class Session:
             say(f"error: {prompt.error}")
             return
         [sequence] = sequences
+        if control.interrupted and not sequence.num_generated_tokens:  # stopped before its first token
+            say("(stopped before the reply began; the turn is not kept)")
+            return
+        if control.interrupted and not streamed:
+            sys.stderr.write("\n")  # after the ^C the terminal echoed, before the reply printed now
         reply = {"role": "assistant", "content": sequence.generated_text}
         if prompt.reply is not None:
             reasoning, content = split_reply(prompt.reply, sequence.generated_text)
@@ -533,7 +583,7 @@ class Session:
         self.messages += [user, reply]
         self.replies.append(sequence.text)
         self.stopped_at = time.monotonic() if control.interrupted else None
-        if control.interrupted and not self.stdout_is_terminal:
+        if control.interrupted and streamed and not self.stdout_is_terminal:
             sys.stderr.write("\n")  # after the ^C the terminal echoed; the reply's own newline went to stdout
         if self.figures:
             say(turn_stats(len(prompt.ids), sequence.num_generated_tokens, started, first_token_at, ended,

@@ -256,6 +256,60 @@ def test_old_turns_are_dropped_to_fit_the_context(chat_llama, tokenizer, tmp_pat
     assert sizes[-1][0] == conversation_tokens(tokenizer, messages[:-1])
 
 
+def test_a_reply_up_to_the_context_keeps_the_conversation(chat_llama, capsys):
+    # --length -1 (the whole context, as /set length 500 on this 128-token model) holds no room back: the turns
+    # before stay as long as the prompt fits. An explicit length drops the oldest for its room, and where not even
+    # the last turn alone leaves it, says how much the reply gets.
+    import torch
+
+    from rungen.generation import Settings
+    from rungen.loading import load
+    from rungen.session import Session
+
+    loaded = load(chat_llama, device=torch.device("cpu"))
+    capsys.readouterr()  # (transformers' loading bar)
+    turns = [{"role": role, "content": f"the dog number {n}"} for n in range(3) for role in ("user", "assistant")]
+
+    def encoded(length):
+        session = Session(loaded, Settings(chat=True, length=length))
+        session.messages = list(turns)
+        prompt, _ = session.encode("And the cat?")
+        return prompt, session.messages, capsys.readouterr().err
+
+    prompt, kept, said = encoded(loaded.context)
+    assert loaded.context == 128 and prompt.messages[:-1] == turns == kept and said == ""
+    room = loaded.context - len(prompt.ids)
+    prompt, kept, said = encoded(room + 5)  # the whole conversation leaves 5 too few
+    assert kept == turns[2:] and "(dropped the oldest turn to fit the model's context of 128 tokens)" in said
+    assert "leaves this reply" not in said
+    alone = len(encoded(loaded.context - 1)[0].ids)  # every turn before dropped: the prompt alone
+    _, kept, said = encoded(loaded.context - 1)
+    assert kept == [] and f"(the model's context of 128 tokens leaves this reply {128 - alone} of its 127 tokens)" \
+        in said
+
+
+def test_a_reply_stopped_before_its_first_token_leaves_no_turn(chat_llama, capsys, monkeypatch):
+    # Ctrl-C during a long prompt's prefill acts once it ends, before any token: no empty reply is kept (nor read
+    # back by /save), and the conversation is as it was.
+    import torch
+
+    from rungen.generation import Sequence, Settings
+    from rungen.loading import load
+    from rungen.session import Session
+
+    def stopped(self, engine, prompt, settings, control):
+        control.interrupted = True
+        return [Sequence("", "", len(prompt.ids), 0, "interrupted")], True, None, 0
+
+    monkeypatch.setattr(Session, "reply_on_engine", stopped)
+    session = Session(load(chat_llama, device=torch.device("cpu")), Settings(chat=True, length=8))
+    session.messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    session.turn("the dog " * 20)
+    assert session.messages == [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    assert session.replies == []
+    assert "(stopped before the reply began; the turn is not kept)" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_ctrl_c_stops_a_reply_and_keeps_it(tiny_models, tmp_path):
     # Context 100000, so that a reply of 50000 tokens is still being generated when Ctrl-C comes.

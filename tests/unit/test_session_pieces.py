@@ -1,5 +1,6 @@
 """Fast tier: the pure pieces of a terminal session (rungen/session.py), no model."""
 
+import json
 import math
 import os
 
@@ -7,7 +8,7 @@ import pytest
 
 from rungen.errors import UsageError
 from rungen.generation import Settings
-from rungen.session import LineJoiner, fit_to_context, set_setting, split_input, turn_stats
+from rungen.session import LineJoiner, describe_settings, fit_to_context, set_setting, split_input, turn_stats
 
 # Commands
 
@@ -97,6 +98,18 @@ def test_set_changes_one_setting_of_a_new_value():
     assert set_setting(settings, "stop_token", '"\\n"', context=0).stop_token == "\n"  # a line break, in quotes
     assert set_setting(Settings(stop_token="."), "stop_token", "none", context=0).stop_token is None
     assert set_setting(settings, "num_beams", "3", context=0).num_beams == 3
+
+
+def test_several_stop_strings_are_set_and_shown_as_json():
+    # As --stop_token repeated gives them; shown as /set takes them back (a line break in quotes).
+    settings = set_setting(Settings(), "stop_token", '["\\n", "."]', context=0)
+    assert settings.stop_token == ("\n", ".")
+    assert describe_settings(settings, ["stop_token"]) == '  stop_token          ["\\n", "."]'
+    assert set_setting(Settings(), "stop_token", '["."]', context=0).stop_token == "."
+    assert describe_settings(Settings(stop_token=None), ["stop_token"]).endswith("none")
+    for bad in ("[]", '[""]', "[1]", "[oops"):
+        with pytest.raises(UsageError, match="a value in brackets is a JSON array of non-empty strings"):
+            set_setting(Settings(), "stop_token", bad, context=0)
 
 
 @pytest.mark.parametrize(
@@ -197,3 +210,61 @@ except KeyboardInterrupt:
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
                             cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert result.stdout.strip() == "['swapped'] then KeyboardInterrupt", result.stderr
+
+
+# /save
+
+
+def saving_session():
+    from rungen.session import Session
+
+    session = Session(None, Settings(chat=True))
+    session.messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    return session
+
+
+def test_save_writes_through_a_link_and_keeps_a_private_files_mode(tmp_path, capsys):
+    real, link = tmp_path / "real.jsonl", tmp_path / "link.jsonl"
+    real.write_text("old\n")
+    real.chmod(0o600)
+    link.symlink_to(real)
+    saving_session().save(str(link))
+    assert link.is_symlink() and os.readlink(link) == str(real)  # the link stays a link
+    assert json.loads(real.read_text())["messages"][1]["content"] == "Hello"
+    assert real.stat().st_mode & 0o777 == 0o600
+    assert f"(saved to {link})" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.jsonl", "real.jsonl"]  # no temporary file left
+
+
+def test_save_refuses_what_is_not_a_regular_file(tmp_path, capsys):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    session = saving_session()
+    session.save(str(fifo))
+    assert f"error: cannot write {fifo}: not a regular file" in capsys.readouterr().err
+    assert fifo.is_fifo()  # not replaced by a regular file
+    session.save(str(tmp_path))
+    assert f"error: cannot write {tmp_path}: it is a directory" in capsys.readouterr().err
+    missing = tmp_path / "no such folder" / "chat.jsonl"
+    session.save(str(missing))
+    err = capsys.readouterr().err
+    assert f"error: cannot write {missing}: cannot create a file in {missing.parent} (No such file" in err
+
+
+def test_set_says_where_a_value_does_not_act_as_typed(capsys):
+    # As the flags warn at start: k and p at temperature 0, a length the context cuts to itself.
+    import types
+
+    from rungen.session import Session
+
+    session = Session(types.SimpleNamespace(context=128), Settings(chat=True, temperature=0.0))
+    session.command("set", "k 5")
+    assert "(k applies to sampling only: it takes effect once temperature is above 0)" in capsys.readouterr().err
+    session.command("set", "length 500")
+    assert "(length: up to the model's context, 128 tokens)" in capsys.readouterr().err
+    session.command("set", "temperature 0.7")
+    session.command("set", "p 0.5")
+    session.command("set", "length 128")
+    err = capsys.readouterr().err
+    assert "applies to sampling only" not in err and "up to the model's context" not in err
+    assert session.settings.length == 128
