@@ -324,9 +324,8 @@ class QuantizingLoad:
             value = value.t()
         self.pending[module].setdefault(child_name, {})[attr] = value
         got = self.pending[module]
-        if all(child in got and all(a in got[child] for a in ("weight", "bias")
-                                    if getattr(layer, a, None) is not None)
-               for child, layer in self.targets[module].items()):
+        if all(name in got and all(a in got[name] for a in ("weight", "bias") if getattr(layer, a, None) is not None)
+               for name, layer in self.targets[module].items()):
             layers = {n: (w["weight"], w.get("bias")) for n, w in self.pending.pop(module).items()}
             _quantize_group(module, layers, self.layer_class, self.head)
             del layers
