@@ -79,11 +79,12 @@ def excerpt(value, limit=60):
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def boolean(body, name, default=False):
+def boolean(body, name, default=False, where=""):
+    """body[name], a JSON boolean, or `default`; a 400 naming `where` + name (the field's path in the request)."""
     if not has_value(body, name):
         return default
     if not isinstance(body[name], bool):
-        raise APIError(f"{name} must be true or false, got {excerpt(body[name])}", name)
+        raise APIError(f"{where}{name} must be true or false, got {excerpt(body[name])}", where + name)
     return body[name]
 
 
@@ -249,8 +250,16 @@ class Service:
                 raise APIError(f"the prompt ({prompt_len} tokens) plus {given[0]} ({value}) for n={n} exceeds the "
                                f"server's cache bound of {self.engine.max_cache_tokens} tokens", given[0])
             return value
-        value = default if default is not None else (context - prompt_len if context else room)
-        value = min(value, room, context - prompt_len) if context else min(value, room)
+        if default is not None:  # a fixed default (completions' 16) is a request's length as if sent: never cut
+            if context and prompt_len + default > context:
+                raise APIError(f"the prompt ({prompt_len} tokens) plus {names[-1]}'s default ({default}) exceeds the "
+                               f"model's context of {context} tokens; send a smaller {names[-1]}", names[-1])
+            if default > room:
+                raise APIError(f"the prompt ({prompt_len} tokens) plus {names[-1]}'s default ({default}) for n={n} "
+                               f"exceeds the server's cache bound of {self.engine.max_cache_tokens} tokens; send a "
+                               f"smaller {names[-1]}", names[-1])
+            return default
+        value = min(context - prompt_len, room) if context else room  # up to the context (chat's default)
         if value < 1:
             raise APIError(f"the prompt ({prompt_len} tokens) leaves no room to generate", names[-1])
         return value
@@ -267,6 +276,8 @@ def read_prompt_ids(service, body, name, most, room, allow_empty=True):
         raise APIError(f"{name} must be a string, a list of strings, or token ids", name)
     if len(prompt) > most:
         raise APIError(f"at most {most} {name}s per request, got {len(prompt)}", name)
+    if len({isinstance(item, str) for item in prompt}) > 1:  # OpenAI's schema: strings, or token id lists
+        raise APIError(f"{name} mixes strings and token ids: send a list of one kind", name)
     context, encoded = service.loaded.context, []
     for place, item in enumerate(prompt):
         where = f"{name}[{place}]" if len(prompt) > 1 else name
@@ -337,7 +348,7 @@ async def generate(service, http_request, body, prompts, logprobs, *, chat, max_
             raise APIError("stream_options needs stream: true", "stream_options")
         if not isinstance(stream_options, dict) or set(stream_options) - {"include_usage"}:
             raise APIError("stream_options takes include_usage only", "stream_options")
-        include_usage = boolean(stream_options, "include_usage")
+        include_usage = boolean(stream_options, "include_usage", where="stream_options.")
     echo = not chat and boolean(body, "echo")
     check_user(body)
     sampling = read_sampling(body, loaded.vocab_size)
@@ -478,6 +489,7 @@ class Answer:
         self.stops = [None] * total  # the stop string that ended each choice (vLLM's stop_reason)
         self.error = None
         self.completion_tokens = 0
+        self.bos_added = None  # whether the tokenizer puts a BOS before every text (added_bos), once asked
 
     def index(self, job, row):
         return job * self.n + row
@@ -510,8 +522,22 @@ class Answer:
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
 
     def prompt_text(self, job):
+        """The echoed prompt: its tokens' text, special tokens included (as sent, and as its logprobs list them), but
+        a BOS token the tokenizer put before it."""
+        ids = self.prompts[job]
+        spelled = ids[1:] if self.added_bos(ids) else ids
         with self.service.tokenizer_lock:
-            return self.service.loaded.tokenizer.decode(self.prompts[job], skip_special_tokens=True)
+            return self.service.loaded.tokenizer.decode(spelled, skip_special_tokens=False)
+
+    def added_bos(self, ids):
+        """Whether `ids` start with the BOS token this tokenizer puts before every text (Llama's <s>)."""
+        tokenizer = self.service.loaded.tokenizer
+        if not ids or tokenizer.bos_token_id is None or ids[0] != tokenizer.bos_token_id:
+            return False
+        if self.bos_added is None:
+            with self.service.tokenizer_lock:
+                self.bos_added = tokenizer("a").input_ids[:1] == [tokenizer.bos_token_id]
+        return self.bos_added
 
     def body(self):
         choices = []
@@ -552,8 +578,11 @@ class Answer:
         ids = self.prompts[job]
         with self.service.tokenizer_lock:
             first = self.service.loaded.tokenizer.decode(ids[:1], skip_special_tokens=False)
-        head = [{"token": first, "id": ids[0], "logprob": None, "top_logprobs": None}]
-        return head + (score[0]["content"] if score else [])
+        head = [{"token": first, "id": ids[0], "logprob": None, "top_logprobs": None,
+                 **({"bytes": []} if self.added_bos(ids) else {})}]  # (not in the echoed text)
+        # A special token is spelled out in the echoed prompt (its name), where a reply's adds nothing to the text.
+        return head + [{**item, "bytes": item["bytes"] or list(item["token"].encode())}
+                       for item in (score[0]["content"] if score else [])]
 
     def chunk(self, choices, usage=False):
         chunk = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -655,14 +684,33 @@ def chat_item(item):
 
 
 def completion_logprobs(items, prefix_offset):
-    """Items in the legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset."""
+    """Items in the legacy completions shape: tokens, token_logprobs, top_logprobs (the `logprobs` most likely and
+    the token itself: up to logprobs + 1, as OpenAI's), text_offset (each token's first character in the text: the
+    characters its bytes and those before it complete). A token that is no whole character is written as OpenAI
+    writes it, "bytes:\\xe6\\x97"."""
     tokens, values, tops, offsets = [], [], [], []
-    offset = prefix_offset
+    written = b""
     for item in items:
-        tokens.append(item["token"])
+        tokens.append(legacy_token(item))
         values.append(item["logprob"])
         alternatives = item.get("top_logprobs")
-        tops.append(None if alternatives is None else {alt["token"]: alt["logprob"] for alt in alternatives})
-        offsets.append(offset)
-        offset += len(item["token"])
+        top = None
+        if alternatives is not None:
+            top = {legacy_token(alt): alt["logprob"] for alt in alternatives}
+            if item["logprob"] is not None:
+                top.setdefault(tokens[-1], item["logprob"])
+        tops.append(top)
+        offsets.append(prefix_offset + len(written.decode("utf-8", errors="ignore")))
+        written += bytes(item["bytes"]) if "bytes" in item else item["token"].encode()
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def legacy_token(item):
+    """A token's text, or "bytes:\\xNN..." where its bytes are no whole UTF-8 character."""
+    raw = bytes(item.get("bytes") or b"")
+    if raw:
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+    return item["token"]

@@ -153,9 +153,11 @@ def create_app(loaded, engine, options):
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, error):
-        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
-        error = APIError(str(error.detail), status=error.status_code, kind=kind, headers=error.headers)
-        return error_response(error, request.url.path)
+        message = str(error.detail)
+        if error.status_code == 404 and message == "Not Found":  # no such route: OpenAI's words for it
+            message = f"Invalid URL ({request.method} {request.url.path})"
+        error = APIError(message, status=error.status_code, headers=error.headers)
+        return error_response(error, request.url.path)  # (Anthropic's error type by status under /v1/messages)
 
     @app.get("/health")
     async def health():
@@ -259,6 +261,7 @@ def create_app(loaded, engine, options):
             for index, vector in zip(group, found):
                 vectors[index] = as_base64(vector) if encoding == "base64" else vector.tolist()
         tokens = sum(len(ids) for ids in prompts)
+        metrics.add_tokens(prompt=tokens)  # read by a forward pass as a generation's prompt is
         data = [{"object": "embedding", "index": index, "embedding": vector} for index, vector in enumerate(vectors)]
         return {"object": "list", "data": data, "model": options.model_id,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}

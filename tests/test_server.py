@@ -204,6 +204,57 @@ def test_echo_scores_the_prompt(loaded, client):
     assert echoed.choices[0].text == prompt + greedy_text(client, prompt=prompt, max_tokens=4)
 
 
+def test_completion_logprobs_hold_the_sampled_token_and_index_the_text(served, client, loaded):
+    # OpenAI's legacy logprobs: top_logprobs has the token itself beside the `logprobs` most likely (up to
+    # logprobs + 1), text_offset is where each token starts in `text`, and echo gives the prompt back as sent, a
+    # special token it spells included (the BOS the tokenizer puts first is listed, and adds nothing to the text).
+    sampled = client.completions.create(model=MODEL_ID, prompt="Once upon a time", max_tokens=12, logprobs=1,
+                                        temperature=1.5, seed=3).choices[0].logprobs
+    for top in (sampled, client.completions.create(model=MODEL_ID, prompt="Hello", max_tokens=6, logprobs=0,
+                                                   temperature=1.5, seed=3).choices[0].logprobs):
+        for token, value, alternatives in zip(top.tokens, top.token_logprobs, top.top_logprobs):
+            assert alternatives[token] == value and len(alternatives) <= 2
+    assert any(len(alternatives) == 2 for alternatives in sampled.top_logprobs)  # the sampled token not the likeliest
+    for prompt in ("<|im_start|>user\nHi<|im_end|>\n", "I love \U0001F980 and \u65e5\u672c"):
+        choice = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=3, echo=True, logprobs=0,
+                                           temperature=0).choices[0]
+        assert choice.text.startswith(prompt)
+        logprobs = choice.logprobs
+        assert logprobs.text_offset == sorted(logprobs.text_offset) and logprobs.text_offset[-1] < len(choice.text)
+        assert logprobs.tokens[0] == loaded.tokenizer.bos_token and logprobs.text_offset[:2] == [0, 0]
+        for token, offset in zip(logprobs.tokens[1:], logprobs.text_offset[1:]):
+            if not token.startswith("bytes:"):  # a token that is no whole character, as OpenAI writes it
+                assert choice.text[offset:].startswith(token), (token, offset, choice.text)
+    assert "<|im_start|>" in logprobs.tokens or "bytes:" in "".join(logprobs.tokens)
+
+
+def test_completions_refuse_what_they_would_cut(served, loaded):
+    # The default max_tokens (16) is honoured or refused, never cut to the context; a prompt list is of one kind.
+    room = loaded.context - 10
+    refused = post(served, "/v1/completions", {"model": MODEL_ID, "prompt": [5] * room})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+    assert "max_tokens's default (16) exceeds the model's context" in refused.json()["error"]["message"]
+    assert post(served, "/v1/completions", {"model": MODEL_ID, "prompt": [5] * room, "max_tokens": 10}).status_code \
+        == 200
+    for path, field in (("/v1/completions", "prompt"), ("/v1/embeddings", "input")):
+        mixed = post(served, path, {"model": MODEL_ID, field: ["a", [1, 2]]})
+        assert mixed.status_code == 400 and mixed.json()["error"]["param"] == field
+    nested = post(served, "/v1/completions", {"model": MODEL_ID, "prompt": "a", "stream": True,
+                                               "stream_options": {"include_usage": "yes"}})
+    assert nested.status_code == 400 and nested.json()["error"]["param"] == "stream_options.include_usage"
+
+
+def test_embeddings_count_in_the_metrics(served, client):
+    def prompt_tokens():
+        text = httpx.get(served[0].url + "/metrics").text
+        return int(next(line.split()[-1] for line in text.splitlines()
+                        if line.startswith("rungen_prompt_tokens_total")))
+
+    before = prompt_tokens()
+    used = client.embeddings.create(model=MODEL_ID, input=["a dog", "a cat sat"]).usage.prompt_tokens
+    assert prompt_tokens() - before == used > 0
+
+
 def test_json_schema_and_regex(client):
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
               "required": ["name", "age"], "additionalProperties": False}
@@ -394,7 +445,9 @@ def test_malformed_bodies(served):
         assert response.status_code == 400 and "error" in response.json()
     too_big = httpx.post(served[0].url + "/v1/completions", content=b" " * (5 << 20), timeout=10)
     assert too_big.status_code == 413
-    assert httpx.get(served[0].url + "/nowhere").json()["error"]["type"] == "not_found_error"
+    # no such route: OpenAI's words and type for it
+    assert httpx.get(served[0].url + "/nowhere").json()["error"] == {
+        "message": "Invalid URL (GET /nowhere)", "type": "invalid_request_error", "param": None, "code": None}
 
 
 def test_concurrent_load_equals_each_request_alone(served, client):
