@@ -320,17 +320,12 @@ def cli(argv=None):
     try:
         main(argv)
     except RunGenerationError as error:
-        # One line whatever the message quotes (a flag's value may hold a newline or a carriage return).
+        # One line whatever the message quotes (a flag's value may hold a newline or a carriage return); a flag or
+        # file every launched process checks alike is said by the main process alone.
         text = "".join(char if char.isprintable() else repr(char)[1:-1] for char in str(error))
-        print(f"{PROG}: error: {text}", file=sys.stderr, flush=True)
+        if processes.rank() == 0 or not isinstance(error, UsageError):
+            print(f"{PROG}: error: {text}", file=sys.stderr, flush=True)
         sys.exit(error.exit_code)
-    except RuntimeError as error:  # out of GPU memory is bad input for this device: say how to fit
-        if not out_of_device_memory(error):
-            raise
-        first = str(error).splitlines()[0] if str(error) else ""
-        print(f"{PROG}: error: out of GPU memory ({first[:160]}); fit it with a smaller --batch_size or --length, "
-              "--device_map auto to spread the model, or --use_cpu", file=sys.stderr, flush=True)
-        sys.exit(2)
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr, flush=True)
         sys.exit(130)
@@ -338,6 +333,19 @@ def cli(argv=None):
         # The reader closed the pipe (`| head`): stop quietly, and keep Python's exit-time flush quiet too.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(0)
+    except Exception as error:
+        first = str(error).splitlines()[0] if str(error) else ""
+        if out_of_device_memory(error):  # bad input for this device: say how to fit
+            print(f"{PROG}: error: out of GPU memory ({first[:160]}); fit it with a smaller --batch_size or --length, "
+                  "--device_map auto to spread the model, or --use_cpu", file=sys.stderr, flush=True)
+            sys.exit(2)
+        if not processes.lost_peer(error):
+            raise
+        # Another launched process has gone: it ended (| head), or failed and said why, with its own exit code.
+        if processes.rank() == 0:
+            print(f"{PROG}: error: another process of the launch ended early ({first[:160]})", file=sys.stderr,
+                  flush=True)
+        sys.exit(1 if processes.rank() == 0 else 0)
 
 
 def command():

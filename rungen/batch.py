@@ -6,6 +6,7 @@ import collections
 import contextlib
 import sys
 
+import numpy
 import torch
 
 from . import logger
@@ -80,6 +81,12 @@ def run_prompts(engine, settings, prompts, on_done, stream=False, ctrl_c=None):
             raise GenerationError(one_line(error)) from error
 
 
+def prompt_seed(base: int, index: int) -> int:
+    """The seed of the prompt at `index` of a run whose draw is `base`: numpy's SeedSequence of the two, so that
+    neighbouring places get unrelated seeds (63 bits, as torch's generators take)."""
+    return int(numpy.random.SeedSequence([base, index]).generate_state(1, numpy.uint64)[0]) >> 1
+
+
 def submit_prompts(engine, settings, prompts, on_done, stream=False):
     """Queues the prompts as run_prompts does, without running them; returns their Requests. `stream` may be a
     function that takes the text as it grows instead of stdout (it then ends the line itself)."""
@@ -128,8 +135,10 @@ def submit_prompts(engine, settings, prompts, on_done, stream=False):
             sequences.append(described)
         return sequences
 
-    # Seeds drawn in input order, so a sampled text does not depend on the batch; joined in make_batches' order.
-    seeds = {prompt.index: int(torch.randint(2**63 - 1, ())) for prompt in prompts}
+    # Each prompt's seed from one draw and its place in the input, so a sampled text depends on neither the batch
+    # nor the launched process that runs it (each draws the same, seeded alike); joined in make_batches' order.
+    base = int(torch.randint(2**63 - 1, ()))
+    seeds = {prompt.index: prompt_seed(base, prompt.index) for prompt in prompts}
     requests = []
     for prompt in [prompt for batch in make_batches(prompts, engine.max_batch) for prompt in batch]:
         new_tokens = settings.length if not context else min(settings.length, context - len(prompt.ids))

@@ -35,6 +35,25 @@ def launched() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 or int(os.environ.get("LOCAL_RANK", "-1")) != -1
 
 
+def rank() -> int:
+    """This process's rank among the launched ones (0: the main process, or no launcher)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+# What gloo and NCCL say when another process of the group has gone (it ended, or failed and said why).
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def lost_peer(error: BaseException) -> bool:
+    """Whether `error` is a collective failing because another launched process has gone."""
+    if not launched():
+        return False
+    import torch.distributed
+
+    return isinstance(error, (RuntimeError, torch.distributed.DistError)) and any(
+        words in str(error) for words in PEER_GONE)
+
+
 def start(use_cpu: bool):
     """This process's place among the launched ones (one process, when not launched)."""
     # Without an accelerator, several launched processes must ask for CPU to get a gloo group.

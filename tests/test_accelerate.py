@@ -53,6 +53,25 @@ def test_two_cpu_processes_give_the_single_process_output(tiny_models):
             assert list(blocks(double.stdout)) == [f"=== PROMPT {i}, GENERATED SEQUENCE 1 ===" for i in range(1, 6)]
 
 
+@pytest.mark.slow
+def test_two_processes_sample_what_one_does_and_say_an_error_once(tiny_models, tmp_path):
+    """A sampled prompt's seed comes from its place in the input, not from the process that runs it: the same
+    prompt four times gives what one process gives (the second process's share is no copy of the first's). A bad
+    flag or path is one line from the main process, the other ending quietly (no traceback from its collective)."""
+    args = tiny_args(tiny_models, "llama", "--temperature", "1", "--seed", "7", "--length", "8", "--output_format",
+                     "jsonl")
+    stdin = "\n".join(["Write a name:"] * 4)
+    single = run_main(args, stdin=stdin)
+    double = launch(2, args, stdin)
+    assert double.returncode == 0, double.stderr.decode()[-3000:]
+    texts = [record["generated_text"] for record in jsonl(double.stdout)]
+    assert double.stdout == single.stdout and texts[2:] != texts[:2]
+    missing = launch(2, ["--model_name_or_path", str(tmp_path / "no such model"), "--prompt", "Hi"], "")
+    err = missing.stderr.decode()
+    assert missing.returncode != 0 and err.count("run_generation.py: error:") == 1, err[-3000:]
+    assert "[rank1]" not in err and "Connection closed by peer" not in err, err[-3000:]
+
+
 def test_device_map_auto_offloads_and_keeps_the_greedy_text(tiny_models, capsys):
     base = tiny_args(tiny_models, "llama", "--temperature", "0", "--length", "10", "--prompt", "Hello, my dog")
     placed = base + ["--device_map", "auto", "--max_memory", "cpu=20KB"]
