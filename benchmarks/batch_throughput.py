@@ -10,6 +10,7 @@ so model loading is left out. Runs alternate between sizes and the median of --r
 """
 
 import argparse
+import importlib.metadata
 import json
 import os
 import re
@@ -17,6 +18,8 @@ import socket
 import statistics
 import subprocess
 import sys
+
+from benchmarks.common import cpu_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "run_generation.py")
@@ -48,8 +51,10 @@ def run(script, batch_size, processes, length, extra):
     if result.returncode != 0:
         sys.exit(result.stderr.decode()[-2000:])
     tokens = sum(json.loads(line)["num_generated_tokens"] for line in result.stdout.decode().splitlines())
-    seconds = float(re.search(r"Generated \d+ tokens in ([\d.]+) s", result.stderr.decode()).group(1))
-    return tokens, seconds
+    figures = re.search(r"Generated \d+ tokens in ([\d.]+) s", result.stderr.decode())
+    if figures is None:
+        sys.exit(f"{' '.join(command[-len(extra) - 9:])}: no line of figures on stderr (--quiet hides it)")
+    return tokens, float(figures.group(1))
 
 
 def main():
@@ -72,7 +77,8 @@ def main():
             print(f"  {config[0]}, batch {config[1]}, {config[2]} process(es): {samples[config][-1]}", file=sys.stderr)
 
     base = None
-    print(f"{len(PROMPTS)} prompts, --length {args.length}, greedy, median of {args.repeats}\n")
+    print(f"{len(PROMPTS)} prompts, --length {args.length}, greedy, median of {args.repeats}; torch "
+          f"{importlib.metadata.version('torch')}, CPU flags {cpu_flags()}\n")
     print("| script | processes | batch size | tokens | generation s | tokens/s | vs first row |")
     print("|---|---|---|---|---|---|---|")
     for config in configs:

@@ -60,3 +60,29 @@ def has_llama_cpp(python):
         return subprocess.run([python, "-c", "import llama_cpp"], capture_output=True).returncode == 0
     except OSError:  # no such interpreter
         return False
+
+
+def command(main) -> None:
+    """Runs `main` as a command: bad input (the tool's own errors, a file that is not there) is one line on stderr
+    and exit 2, as the tool says it, not a traceback."""
+    import sys
+
+    from rungen.errors import RunGenerationError
+
+    try:
+        main()
+    except (RunGenerationError, FileNotFoundError) as error:
+        sys.exit(f"{sys.argv[0]}: error: {str(error).splitlines()[0] if str(error) else type(error).__name__}")
+
+
+def at_least(least: int):
+    """An argparse type: an integer of at least `least`."""
+    import argparse
+
+    def read(text):
+        value = int(text)
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
+        return value
+
+    return read

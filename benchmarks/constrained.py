@@ -21,7 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from benchmarks.common import cpu_flags, load_float32
+from benchmarks.common import command, cpu_flags, load_float32
 from rungen import constrain
 from rungen.generation import Settings, eos_token_ids, generate_batch
 from rungen.prompts import Prompt, encode_prompt
@@ -133,4 +133,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    command(main)

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from benchmarks.common import cpu_flags, load_float32
+from benchmarks.common import at_least, command, cpu_flags, load_float32
 
 
 def prompts(tokenizer, count=16):
@@ -31,11 +31,12 @@ def prompts(tokenizer, count=16):
 
 def run_once(loaded, ids, together, pass_tokens):
     """(median first-token ms, last first-token ms, whole-run ms) of the ids submitted at once."""
+    from rungen import admission
     from rungen import engine as engine_module
     from rungen.requests import Request
     from rungen.sampling import Sampling
 
-    engine_module.pass_tokens = pass_tokens
+    admission.pass_tokens = pass_tokens  # the name admission reads, imported from rungen.prefill
     engine = engine_module.Engine(loaded, max_batch=len(ids), prefix_cache_bytes=0)
     engine.batch.kv.prefills_together = together
     first = {}
@@ -166,7 +167,7 @@ def sampler_rows(loaded, repeats=20):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=at_least(2), default=7, help="the first of them is left out")
     parser.add_argument("--only", choices=["prefill", "draw", "processors", "sampler"], help="one table alone")
     args = parser.parse_args()
     print(f"CPU flags: {cpu_flags()}; torch {torch.__version__}, {torch.get_num_threads()} threads")
@@ -182,4 +183,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    command(main)

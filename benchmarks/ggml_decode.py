@@ -30,7 +30,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from benchmarks.common import cpu_flags, has_llama_cpp, load_float32, run_interleaved
+from benchmarks.common import at_least, command, cpu_flags, has_llama_cpp, load_float32, run_interleaved
+from benchmarks.gguf_files import set_isa
 from benchmarks.quantized_decode import PROMPT, Mode
 from rungen.gguf import native_kernels
 from rungen.loading import default_model_file, load
@@ -127,7 +128,7 @@ def batch_speed(model, tokenizer, batch, new_tokens):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=at_least(1), default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batch", type=int, nargs="*", default=[])
     parser.add_argument("--jit", action="store_true", help="also a GGUF-blocks row with --jit")
@@ -139,7 +140,7 @@ def main():
     if not native_kernels():
         sys.exit("the native kernels are not available")
     if args.isa:
-        torch.ops.rungen_ggml.set_isa(args.isa)
+        set_isa(args.isa)  # one line where this CPU or build has no such path, and torch's own ops on the same
 
     cpu = torch.device("cpu")
     float32 = load_float32()
@@ -202,4 +203,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    command(main)

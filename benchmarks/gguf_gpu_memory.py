@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from benchmarks.common import command
 from benchmarks.gpu import GGUF_SHAPES
 
 
@@ -31,7 +32,7 @@ def part_of(module, model) -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(GGUF_SHAPES))
-    parser.add_argument("--qtype", default="Q4_0")
+    parser.add_argument("--qtype", default="Q4_0", choices=("Q4_0", "Q8_0"))
     parser.add_argument("--keep", help="a folder for the file, reused when it is there")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -69,4 +70,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    command(main)

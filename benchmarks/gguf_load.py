@@ -149,24 +149,27 @@ def main():
     default = default_model_file()
     files = {"default model (SmolLM2-135M Q4_1)": default}
     if args.model:
+        missing = [path for path in args.model if not os.path.isfile(path)]
+        if missing:
+            sys.exit(f"{sys.argv[0]}: error: --model {missing[0]}: no such file")
         files = {os.path.basename(path): os.path.abspath(path) for path in args.model}
     elif not args.skip_big:
         q4_0 = os.path.join(args.workdir, "tinyllama-shape-Q4_0.gguf")
         if not os.path.exists(q4_0):
-            print(f"writing {q4_0} ...", flush=True)
+            print(f"writing {q4_0} ...", file=sys.stderr, flush=True)
             write_family(q4_0 + ".tmp", "llama", "Q4_0", default)
             os.replace(q4_0 + ".tmp", q4_0)
         files["1.1B random Q4_0"] = q4_0
         if has_llama_cpp():
             q4_k_m = os.path.join(args.workdir, "tinyllama-shape-Q4_K_M.gguf")
             if not os.path.exists(q4_k_m):
-                print(f"writing {q4_k_m} (llama.cpp's llama_model_quantize) ...", flush=True)
+                print(f"writing {q4_k_m} (llama.cpp's llama_model_quantize) ...", file=sys.stderr, flush=True)
                 subprocess.run([BENCH_PYTHON, "-c", QUANTIZE_CHILD, q4_0, q4_k_m + ".tmp"], check=True,
                                capture_output=True)
                 os.replace(q4_k_m + ".tmp", q4_k_m)
             files["1.1B random Q4_K_M (llama.cpp's mix)"] = q4_k_m
         else:
-            print("llama-cpp-python is not in /work/bench-venv: no Q4_K_M file, no llama.cpp rows")
+            print("llama-cpp-python is not in /work/bench-venv: no Q4_K_M file, no llama.cpp rows", file=sys.stderr)
 
     cache = tempfile.mkdtemp(prefix="gguf_bench_cache_")
     try:

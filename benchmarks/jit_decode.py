@@ -19,7 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 from transformers import LogitsProcessorList
 
-from benchmarks.common import StepClock, load_float32
+from benchmarks.common import StepClock, at_least, command, cpu_flags, load_float32
 from rungen.jit import enable_jit
 
 PROMPT = "Once upon a time, in a small village by the sea,"
@@ -68,7 +68,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="default: the tool's default model")
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=at_least(1), default=5)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--compile", action="store_true", help="also measure --compile")
     parser.add_argument("--profile", action="store_true", help="print where decode time goes")
@@ -104,8 +104,9 @@ def main():
         same = torch.equal(mode.tokens, eager.tokens)
         rows.append((mode.name, med(mode.per_token) * 1e3, med(eager.per_token) / med(mode.per_token),
                      med(mode.prefill) * 1e3, setup[mode.name], same))
-    header = (f"model {args.model}, {args.new_tokens} new tokens, greedy, batch 1, median of {args.repeats}, "
-              f"{torch.get_num_threads()} threads, torch {torch.__version__}")
+    header = (f"model {args.model or 'SmolLM2-135M-Instruct (the default, de-quantized)'}, {args.new_tokens} new "
+              f"tokens, greedy, batch 1, median of {args.repeats}, {torch.get_num_threads()} threads, torch "
+              f"{torch.__version__}, CPU flags {cpu_flags()}")
     table = ["| mode | decode ms/token | speed-up vs eager | prefill ms | tracing/compile s | same tokens |",
              "| --- | ---: | ---: | ---: | ---: | --- |"]
     table += [f"| {n} | {t:.1f} | {r:.2f}x | {p:.1f} | {s:.1f} | {'yes' if same else 'NO'} |"
@@ -159,9 +160,8 @@ def profile_modes(model, enc, modes, new_tokens=33, repeats=3):
     for name in names:
         cells = [statistics.median(r[name] for r in rows[m.name]) for m in modes]
         lines.append(f"| {name} | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
-    print("\n" + "\n".join(lines))
-    return lines
+    return [""] + lines
 
 
 if __name__ == "__main__":
-    main()
+    command(main)

@@ -34,7 +34,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from benchmarks.common import cpu_flags, load_float32
+from benchmarks.common import command, cpu_flags, load_float32
 from rungen.gguf.blocks import GGMLLinear, native_kernels
 from rungen.gguf.decoder import products_one_by_one
 from rungen.loading import load
@@ -138,4 +138,4 @@ def main():
             row(name, drawn(model, ids, args.draws), reference[0])
 
 if __name__ == "__main__":
-    main()
+    command(main)

@@ -21,7 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from benchmarks.common import cpu_flags, load_float32
+from benchmarks.common import at_least, command, cpu_flags, load_float32
 from rungen.generation import Settings, generate_batch
 from rungen.prompts import Prompt, encode_prompt
 
@@ -41,7 +41,7 @@ def main():
     parser.add_argument("--model", default=None, help="default: the tool's default model")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--lookup", type=int, nargs="+", default=[3, 10], help="--prompt_lookup_num_tokens values")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=at_least(1), default=3)
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
     if args.threads:
@@ -87,4 +87,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    command(main)

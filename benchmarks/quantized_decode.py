@@ -26,7 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 from transformers import LogitsProcessorList
 
-from benchmarks.common import StepClock, cpu_flags, load_float32, run_interleaved
+from benchmarks.common import StepClock, at_least, command, cpu_flags, load_float32, run_interleaved
 from rungen.jit import enable_jit
 from rungen.loading import default_model_file
 from rungen.quantize import Fp16Linear, quantize_model
@@ -118,10 +118,14 @@ class LlamaCpp:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=at_least(1), default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--modes", nargs="+", default=None, help="a subset of the row names")
     args = parser.parse_args()
+    names = ("float32 eager", "float32 --jit", "int8", "int8 --jit", "int4", "int4 --jit")
+    unknown = [name for name in args.modes or () if name not in names]
+    if unknown:
+        parser.error(f"--modes: unknown {', '.join(unknown)}; known: {', '.join(names)}")
     torch.set_num_threads(args.threads)
 
     loaded = load_float32()  # the tool's load(): the default model de-quantized, as --dequantize runs it
@@ -165,4 +169,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    command(main)

@@ -31,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 
-from benchmarks.common import cpu_flags
+from benchmarks.common import cpu_flags, has_llama_cpp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = "The capital of France is"
@@ -173,7 +173,7 @@ def main():
     tool_args = ["--prompt", PROMPT, "--temperature", "0", "--length", str(args.length)]
     commands = {name: [sys.executable, "-c", code] for name, code in FLOORS.items()}
     commands["the tool (cached)"] = [sys.executable, os.path.join(ROOT, "run_generation.py"), *tool_args]
-    has_llama = subprocess.run([args.llama_python, "-c", "import llama_cpp"], capture_output=True).returncode == 0
+    has_llama = has_llama_cpp(args.llama_python)  # (no such interpreter: no such rows)
     gguf_path = default_model_file()
     if has_llama:
         commands["llama-cpp-python (same GGUF)"] = [args.llama_python, "-c", LLAMA_RUN, gguf_path, str(args.length),
