@@ -360,15 +360,17 @@ def tool_checkpoint(tmp_path_factory):
 
 
 def test_tool_calls_on_the_gpu_match_their_schema(tool_checkpoint):
-    """A required call and a named one, sampled on the GPU: the grammar's masks hold the random model to a call
-    whose arguments match the function's schema, parsed as the server parses it."""
+    """A required call and a named one, sampled on the GPU, one call each (parallel_tool_calls false): the grammar's
+    masks hold the random model to a call whose arguments match the function's schema, parsed as the server parses
+    it."""
     for name in ("xgrammar", "jsonschema"):
         pytest.importorskip(name)
     import jsonschema
 
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
-    lines = [{"messages": ask, "tools": [WEATHER], "tool_choice": "required", "id": "required"},
-             {"messages": ask, "tools": [WEATHER], "id": "named",
+    lines = [{"messages": ask, "tools": [WEATHER], "tool_choice": "required", "id": "required",
+              "parallel_tool_calls": False},
+             {"messages": ask, "tools": [WEATHER], "id": "named", "parallel_tool_calls": False,
               "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}]
     records = jsonl(run_ok(["--model_name_or_path", tool_checkpoint, "--input_format", "jsonl", "--output_format",
                             "jsonl", "--temperature", "0.9", "--seed", "3", "--length", "120"],
