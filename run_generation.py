@@ -76,7 +76,8 @@ def stderr_handler() -> logging.Handler:
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    with processes.said_once(logger):  # the flags' warnings: each launched process checks the same flags
+        args = parse_args(argv)
     # No --prompt and a terminal on stdin: a session (rungen/session.py); otherwise batches.
     interactive = args.prompt is None and sys.stdin is not None and sys.stdin.isatty() and not args.serve
     state = processes.start(args.use_cpu)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import sys
 
@@ -38,6 +39,21 @@ def launched() -> bool:
 def rank() -> int:
     """This process's rank among the launched ones (0: the main process, or no launcher)."""
     return int(os.environ.get("RANK", "0"))
+
+
+@contextlib.contextmanager
+def said_once(log):
+    """Warnings of `log` within it shown by the main process alone: what every launched process checks alike (the
+    flags) is said once, not once a process."""
+    if rank() == 0:
+        yield
+        return
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 # What gloo and NCCL say when another process of the group has gone (it ended, or failed and said why).

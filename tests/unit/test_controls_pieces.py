@@ -85,6 +85,20 @@ def test_sampling_only_flags_warn_under_greedy(caplog):
     assert "sampling only" not in caplog.text
 
 
+def test_a_flags_warning_is_said_by_the_main_process_alone(caplog, monkeypatch):
+    # Every launched process checks the same flags: the main one (rank 0) says what they warn of, the others not.
+    from rungen import logger, processes
+
+    before = logger.level
+    for rank, said in (("1", False), ("0", True)):
+        monkeypatch.setenv("RANK", rank)
+        caplog.clear()
+        with processes.said_once(logger):
+            parse_args(["--temperature", "0", "--k", "5"])
+        assert ("--k applies to sampling only" in caplog.text) is said
+    assert logger.level == before  # as it was
+
+
 def test_control_kwargs_reach_generate():
     args = parse_args(["--temperature", "0.8", "--min_p", "0.05", "--typical_p", "0.9", "--no_repeat_ngram_size",
                        "3", "--prompt_lookup_num_tokens", "4", "--logprobs", "2", "--output_format", "jsonl"])
