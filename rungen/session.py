@@ -301,6 +301,28 @@ def say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
+class LineEnds:
+    """stdout for the session's duration, noting whether its last write ended a line: a reply cut short ends its
+    line, and no empty line is written where nothing of it was (stdout to a file holds the replies alone)."""
+
+    def __init__(self, stream):
+        self.stream, self.at_line_start = stream, True
+
+    def write(self, text):
+        if text:
+            self.at_line_start = text.endswith("\n")
+        return self.stream.write(text)
+
+    def __getattr__(self, name):  # fileno, isatty, flush, buffer...: the stream's own
+        return getattr(self.stream, name)
+
+
+def end_line() -> None:
+    """Ends the line a reply cut short left on stdout, if it left one."""
+    if not getattr(sys.stdout, "at_line_start", False):
+        print(flush=True)
+
+
 # --- The session ---
 
 
@@ -412,7 +434,7 @@ class Session:
             try:
                 self.turn(text)
             except KeyboardInterrupt:  # a second Ctrl-C during one reply
-                print(flush=True)
+                end_line()
                 say(GIVEN_UP)
 
     def give_up_last_reply(self):
@@ -551,7 +573,7 @@ class Session:
             else:
                 sequences, streamed, first_token_at, reused = self.reply_by_generate(prompt, settings, control)
         except GenerationError as error:  # these settings cannot be generated (out of memory among them)
-            print(flush=True)
+            end_line()
             say(f"error: {error}; the conversation is as it was")
             return
         ended = time.perf_counter()
@@ -650,9 +672,11 @@ def run(loaded: Loaded, settings: Settings, *, chat: bool | None = None, system:
     kind = "Chat (the model's chat template)" if chat else "Plain continuation"
     if figures:  # --quiet: nothing on stderr but warnings and errors
         say(f"{PROG}: {kind}. /help for commands, Ctrl-D or /exit to end.")
-    terminal = Terminal()
+    terminal, stdout = Terminal(), sys.stdout
+    sys.stdout = LineEnds(stdout)
     try:
         session.loop(terminal)
     finally:
+        sys.stdout = stdout
         terminal.close()
     return session.replies

@@ -166,6 +166,27 @@ class Keys:
         return ""
 
 
+@pytest.mark.parametrize("printed, out", [("", ""), ("The rep", "The rep\n")])
+def test_a_reply_given_up_ends_its_line_and_writes_no_empty_one(printed, out, capsys, monkeypatch):
+    """A second Ctrl-C during a reply: what it printed gets its line ended; where it printed nothing yet, stdout (a
+    file of replies) gets no empty line."""
+    import sys
+
+    from rungen.session import LineEnds, Session
+
+    session = Session(None, Settings(chat=True))
+
+    def turn(text):
+        sys.stdout.write(printed)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(session, "turn", turn)
+    monkeypatch.setattr(sys, "stdout", LineEnds(sys.stdout))  # as run() puts it for the session's duration
+    session.loop(Keys("Hi", "/exit"))
+    captured = capsys.readouterr()
+    assert captured.out == out and "reply given up" in captured.err
+
+
 @pytest.mark.parametrize("since, ends", [(0.1, False), (5.0, True)])
 def test_a_double_ctrl_c_gives_the_stopped_reply_up_and_a_later_one_ends_the_session(since, ends, capsys):
     """A reply the first Ctrl-C stopped ended within a token: the second press, soon after, lands at the empty
