@@ -1083,30 +1083,20 @@ def test_a_q8_0_gguf_file_keeps_its_codes_on_the_gpu(tmp_path):
 
 
 @needs_cuda
-def test_quantize_int4_runs_on_torchs_int4_kernel(checkpoint, monkeypatch):
+@pytest.mark.parametrize("source", ["checkpoint", "gguf_file"])
+def test_quantize_int4_runs_on_torchs_int4_kernel(source, request, monkeypatch):
     # --quantize int4 on a GPU: every linear layer but the head in torch's int4 packing (checked against its codes
-    # before any layer is replaced), generating as the bfloat16 model roughly does.
+    # before any layer is replaced), generating as the bfloat16 model roughly does. A GGUF file asks for the same
+    # layers, not its own codes: each matrix de-quantized on the GPU, its block quantized as its weights arrive.
     from rungen.int4 import TinyGemmLinear
 
     if torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("torch's int4 kernel needs Ampere or later")
-    model = run_quantized(checkpoint, "int4", monkeypatch)
+    model = run_quantized(request.getfixturevalue(source), "int4", monkeypatch)
     layers = [m for m in model.modules() if isinstance(m, TinyGemmLinear)]
-    assert layers and not isinstance(model.get_output_embeddings(), TinyGemmLinear)
-
-
-@needs_cuda
-def test_quantize_int4_on_a_gguf_file_quantizes_its_de_quantized_layers_on_the_gpu(gguf_file, monkeypatch):
-    # --quantize on a GGUF file asks for --quantize's layers, not the file's codes: each matrix de-quantized on the
-    # GPU and its block quantized as its weights arrive (the whole model never in bfloat16), the head as it was.
-    from rungen.int4 import TinyGemmLinear
-
-    if torch.cuda.get_device_capability() < (8, 0):
-        pytest.skip("torch's int4 kernel needs Ampere or later")
-    model = run_quantized(gguf_file, "int4", monkeypatch)
-    layers = [m for m in model.modules() if isinstance(m, TinyGemmLinear)]
-    assert model.quantized_layers == 2 * 7 and len(layers) == 2 * 4  # q/k/v and gate/up as one product each
-    assert all(m.packed.device.type == "cuda" for m in layers)
+    assert layers and all(m.packed.device.type == "cuda" for m in layers)
+    if source == "gguf_file":  # two layers: q/k/v and gate/up as one product each
+        assert model.quantized_layers == 2 * 7 and len(layers) == 2 * 4
     assert not isinstance(model.get_output_embeddings(), TinyGemmLinear)
 
 
