@@ -4,6 +4,7 @@ Answer that builds a response or its stream of chunks. run_chat is the one path 
 translators (rungen/messages.py, rungen/responses.py) run on it."""
 
 import asyncio
+import codecs
 import dataclasses
 import functools
 import json
@@ -689,7 +690,7 @@ def completion_logprobs(items, prefix_offset):
     characters its bytes and those before it complete). A token that is no whole character is written as OpenAI
     writes it, "bytes:\\xe6\\x97"."""
     tokens, values, tops, offsets = [], [], [], []
-    written = b""
+    decoder, characters = codecs.getincrementaldecoder("utf-8")(errors="ignore"), 0  # a character whole once ended
     for item in items:
         tokens.append(legacy_token(item))
         values.append(item["logprob"])
@@ -700,8 +701,8 @@ def completion_logprobs(items, prefix_offset):
             if item["logprob"] is not None:
                 top.setdefault(tokens[-1], item["logprob"])
         tops.append(top)
-        offsets.append(prefix_offset + len(written.decode("utf-8", errors="ignore")))
-        written += bytes(item["bytes"]) if "bytes" in item else item["token"].encode()
+        offsets.append(prefix_offset + characters)
+        characters += len(decoder.decode(bytes(item["bytes"]) if "bytes" in item else item["token"].encode()))
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
