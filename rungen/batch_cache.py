@@ -257,13 +257,11 @@ class PaddedBatch:
         first = int(mask.any(0).long().argmax())  # columns before it are padding in every row left
         self.mask = mask[:, first:]
         old, self.cache = self.cache, new_cache(self.model)
-        on = {index.device: index}  # --device_map spreads the layers over GPUs: each takes the rows on its own
         for layer, held in zip(self.cache.layers, old.layers):  # a layer at a time, as merge()
             keys, values = held.keys, held.values
             let_go(held)
-            rows_there = on.setdefault(keys.device, index.to(keys.device))
-            layer.update(keys.index_select(0, rows_there)[:, :, first:],
-                         values.index_select(0, rows_there)[:, :, first:])
+            rows = index.to(keys.device)  # (itself on one device; --device_map spreads the layers over GPUs)
+            layer.update(keys.index_select(0, rows)[:, :, first:], values.index_select(0, rows)[:, :, first:])
             del keys, values
         return keep
 

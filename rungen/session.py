@@ -132,23 +132,18 @@ def set_setting(settings: Settings, name: str, value: str, context: int) -> Sett
     if not value:
         raise UsageError(f"/set {name} needs a value")
     kind = SETTABLE[name]
-    if kind is str and value.startswith('"'):  # a JSON string: a stop token such as a line break can be typed
+    if kind is str and value[:1] in ('"', "["):  # JSON: a string (a line break can be typed), or several in a list
         try:
             parsed = json.loads(value)
         except json.JSONDecodeError:
             parsed = None
-        if not isinstance(parsed, str) or not parsed:
+        strings = [parsed] if value.startswith('"') else parsed
+        if not isinstance(strings, list) or not strings or not all(isinstance(v, str) and v for v in strings):
             raise UsageError(f'{name}: a value in quotes is a JSON string of one or more characters ("\\n": a line '
-                             f"break), got {value}")
-    elif kind is str and value.startswith("["):  # several stop strings, as --stop_token repeated gives
-        try:
-            parsed = json.loads(value)
-        except json.JSONDecodeError:
-            parsed = None
-        if not isinstance(parsed, list) or not parsed or not all(isinstance(v, str) and v for v in parsed):
-            raise UsageError(f'{name}: a value in brackets is a JSON array of non-empty strings (["\\n", "."]), '
-                             f"got {value}")
-        parsed = parsed[0] if len(parsed) == 1 else tuple(parsed)
+                             f"break), got {value}" if value.startswith('"') else
+                             f'{name}: a value in brackets is a JSON array of non-empty strings (["\\n", "."]), got '
+                             f"{value}")
+        parsed = strings[0] if len(strings) == 1 else tuple(strings)  # several: as --stop_token repeated gives
     elif kind is str:
         parsed = None if value.lower() == "none" else value
     else:
