@@ -95,38 +95,7 @@ class ServeOptions:
     template_kwargs: dict = dataclasses.field(default_factory=dict)  # --chat_template_kwargs: requests' defaults
 
 
-
-
-# --- Request fields ---
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 # --- The app ---
-
-
-
-
 
 
 def create_app(loaded, engine, options):
@@ -159,18 +128,18 @@ def create_app(loaded, engine, options):
         error = APIError(message, status=error.status_code, headers=error.headers)
         return error_response(error, request.url.path)  # (Anthropic's error type by status under /v1/messages)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes
     async def health():
         if engine.closing or engine.stopped or not engine.thread.is_alive():
             return JSONResponse({"status": "unavailable"}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def prometheus():
         return PlainTextResponse(metrics.render(engine.queue_depth, len(engine.batch.rows)),
                                  media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models():
         return {"object": "list", "data": [{"id": options.model_id, "object": "model", "created": service.created,
                                             "owned_by": "run_generation"}]}
@@ -433,7 +402,8 @@ async def read_body(request, limit, timeout=BODY_TIMEOUT):
     kind = request.headers.get("content-type")
     # No Content-Type reads as JSON (as FastAPI's own body parsing does); any other type is refused.
     if kind is not None and not re.fullmatch(r"application/json\s*(;\s*charset=\"?utf-8\"?\s*)?", kind, re.I):
-        raise APIError(f"the request body must be application/json (UTF-8), got Content-Type: {excerpt(kind)}")
+        raise APIError(f"the request body must be application/json (UTF-8), got Content-Type: {excerpt(kind)}",
+                       status=415)
     length = request.headers.get("content-length")
     too_big = APIError(f"the request body is larger than {limit} bytes", status=413)
     if length is not None and length.isdigit() and int(length) > limit:
@@ -477,26 +447,6 @@ def check_model(body, model_id):
     if model != model_id:
         raise APIError(f"the model {excerpt(model)} does not exist; this server serves {model_id!r}", "model",
                        status=404, code="model_not_found")
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 # --- Running ---

@@ -57,8 +57,6 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "fresh_load: main() loads its model from disk, not from the memo")
 
 
-
-
 @pytest.fixture(scope="session")
 def load_memo():
     """One memo for the whole session: every model is loaded from disk once (see helpers.LoadMemo)."""

@@ -448,6 +448,18 @@ def test_malformed_bodies(served):
     # no such route: OpenAI's words and type for it
     assert httpx.get(served[0].url + "/nowhere").json()["error"] == {
         "message": "Invalid URL (GET /nowhere)", "type": "invalid_request_error", "param": None, "code": None}
+    # a body that says it is not JSON: 415, the body's type named
+    form = httpx.post(served[0].url + "/v1/completions", content=b"prompt=Hello", timeout=10,
+                      headers={"content-type": "application/x-www-form-urlencoded"})
+    assert form.status_code == 415 and "application/x-www-form-urlencoded" in form.json()["error"]["message"]
+
+
+def test_probes_may_ask_with_head(served):
+    """Load balancers probe with HEAD: the GET routes a probe reads answer it, with no body."""
+    for path in ("/health", "/metrics", "/v1/models"):
+        response = httpx.head(served[0].url + path, timeout=10)
+        assert response.status_code == 200 and response.content == b"", path
+    assert httpx.head(served[0].url + "/v1/completions", timeout=10).status_code == 405
 
 
 def test_concurrent_load_equals_each_request_alone(served, client):

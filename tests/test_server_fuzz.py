@@ -278,8 +278,8 @@ def raw_bodies(draw):
     return path, b"", kind
 
 
-CONTENT_TYPES = st.sampled_from([None, "application/json", "application/json; charset=utf-8",
-                                 "APPLICATION/JSON;charset=UTF-8", "text/plain", "application/x-www-form-urlencoded",
+JSON_TYPES = (None, "application/json", "application/json; charset=utf-8", "APPLICATION/JSON;charset=UTF-8")
+CONTENT_TYPES = st.sampled_from([*JSON_TYPES, "text/plain", "application/x-www-form-urlencoded",
                                  "multipart/form-data; boundary=x", "application/json; charset=latin-1", "",
                                  "application/jsonx", "*/*"])
 TARGETS = st.sampled_from([CHAT, COMPLETIONS, "/v1/models", f"/v1/models/{MODEL_ID}", "/v1/models/other",
@@ -370,7 +370,8 @@ def send_raw_body(client, request, content_type):
     headers = [("content-type", content_type)] if content_type is not None else []
     status, answer_headers, answer = client.request("POST", path, content, headers)
     check_answer(status, answer_headers, answer, path=path)
-    assert status in (400, 413), (kind, status, answer[:200])
+    expected = (400, 413) if content_type in JSON_TYPES else (415,)
+    assert status in expected, (kind, content_type, status, answer[:200])
     assert status == 413 or path == MESSAGES_API or \
         json.loads(answer)["error"]["param"] in (None, "model", "messages", "prompt", "input", "stop", "x")
 

@@ -198,7 +198,6 @@ def test_build_is_reproducible(tiny_models, tmp_path, model_type):
     assert not mismatch and not errors
 
 
-
 def test_oracle_covers_every_type():
     assert set(PUBLISHED) == set(MODEL_TYPES)
 
