@@ -271,8 +271,9 @@ def accelerator_half(device: torch.device) -> torch.dtype:
 
 
 def resolve_dtype(requested: str, config, device: torch.device) -> torch.dtype:
-    """--dtype, or the checkpoint's own dtype; half precision only where the hardware runs it fast, and on a CUDA
-    GPU for a float32 checkpoint or a GGUF file too (float32 would read twice the bytes a step)."""
+    """--dtype, or the checkpoint's own dtype: a half-precision checkpoint kept half only where the CPU runs it fast
+    (--dtype by name is honoured anyway), and on a CUDA GPU a float32 checkpoint or a GGUF file made half too
+    (float32 would read twice the bytes a step)."""
     dtype = DTYPES.get(requested) or getattr(config, "dtype", None) or torch.float32
     if isinstance(dtype, str):
         dtype = DTYPES.get(dtype, torch.float32)
@@ -285,7 +286,12 @@ def resolve_dtype(requested: str, config, device: torch.device) -> torch.dtype:
         logger.warning("This GPU has no bfloat16 kernels; running the bfloat16 checkpoint in float16.")
         dtype = torch.float16
     if device.type == "cpu" and dtype != torch.float32 and not cpu_has_fast(dtype):
-        logger.warning("This CPU has no fast %s kernels; keeping float32.", str(dtype).removeprefix("torch."))
+        name = str(dtype).removeprefix("torch.")
+        if requested != "auto":  # asked for by name, often to fit in memory: honoured, at its speed here
+            logger.warning("This CPU has no fast %s kernels: --dtype %s runs slower than float32 here.", name, name)
+            return dtype
+        logger.warning("This CPU has no fast %s kernels; keeping float32 (--dtype %s to run it anyway, at "
+                       "half the memory).", name, name)
         dtype = torch.float32
     return dtype
 

@@ -12,7 +12,7 @@ import rungen.loading
 from helpers import SEED_TYPES, blocks, error_line, jsonl, run_main, tiny_args
 from rungen.arguments import parse_args
 from rungen.generation import UNBOUNDED_LENGTH, adjust_length_to_model
-from rungen.loading import load
+from rungen.loading import load, resolve_dtype
 
 PROMPT = "Hello, my dog is cute"
 FIGURES = re.compile(r"Generated (\d+) tokens in \d+\.\d\d s \(\d+\.\d tokens/s\)")
@@ -161,13 +161,25 @@ def test_length_is_clamped_to_the_context(tiny_models, capsys):
     assert len(text) > len(PROMPT)
 
 
-def test_half_precision_falls_back_to_float32_on_slow_cpus(tiny_models, monkeypatch, caplog, capsys):
+def test_half_precision_asked_for_is_honoured_on_slow_cpus(tiny_models, monkeypatch, caplog, capsys):
     monkeypatch.setattr(rungen.loading, "cpu_has_fast", lambda dtype: False)
     with caplog.at_level(logging.WARNING, logger="run_generation"):
-        dtype = parse_args(["--fp16"]).dtype  # --fp16 asks for float16
+        dtype = parse_args(["--fp16"]).dtype  # --fp16 asks for float16: a model that only fits so
         loaded = load(tiny_models["llama"], device=torch.device("cpu"), model_type="llama", dtype=dtype)
-    assert loaded.model.dtype == torch.float32
-    assert "keeping float32" in caplog.text
+    assert loaded.model.dtype == torch.float16
+    assert "--dtype float16 runs slower than float32 here" in caplog.text
+    text = run_generation.main(tiny_args(tiny_models, "llama", "--prompt", PROMPT, "--fp16", "--temperature", "0"))
+    assert len(text[0]) > len(PROMPT)
+
+
+def test_a_half_precision_checkpoint_runs_in_float32_on_slow_cpus(monkeypatch, caplog):
+    monkeypatch.setattr(rungen.loading, "cpu_has_fast", lambda dtype: False)
+    config = type("Config", (), {"dtype": torch.bfloat16})()
+    with caplog.at_level(logging.WARNING, logger="run_generation"):
+        assert resolve_dtype("auto", config, torch.device("cpu")) == torch.float32
+    assert "keeping float32 (--dtype bfloat16 to run it anyway" in caplog.text
+    monkeypatch.setattr(rungen.loading, "cpu_has_fast", lambda dtype: True)
+    assert resolve_dtype("auto", config, torch.device("cpu")) == torch.bfloat16
 
 
 def test_dtype_bfloat16_where_the_cpu_is_fast(tiny_models, monkeypatch, capsys):
