@@ -541,8 +541,11 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
                 else:
                     form = forms.keep(reader, entry, qtype, in_features, module, order,
                                       isinstance(module, torch.nn.Embedding) and head_reads_embedding)
-                if isinstance(form, torch.Tensor):  # de-quantized
-                    put(hf_name, form.t().contiguous() if isinstance(module, Conv1D) else form)
+                if isinstance(form, torch.Tensor) and isinstance(module, Conv1D):  # de-quantized, stored transposed
+                    # (a view for QuantizingLoad, which quantizes the rows as they are)
+                    put(hf_name, form.t() if quantize is not None else form.t().contiguous())
+                elif isinstance(form, torch.Tensor):
+                    put(hf_name, form)
                 else:
                     layers[module_name] = form
                 continue
