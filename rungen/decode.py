@@ -6,7 +6,8 @@ On a GPU the steps overlap the host's work: a step is launched on the tokens the
 and the step before is read, reported (text, stop strings, the server's events) and its finished rows ended while
 the new one computes. A row that ended is one step behind: that step's token is dropped and its position is
 reserved (`lookahead`); where every row's last token is the step ahead's (their lengths), none is launched after it.
-Rows with a grammar step one at a time: their next mask needs the token just chosen.
+Rows with a grammar step one at a time: their next mask needs the token just chosen (so does a thinking budget's
+last token).
 """
 
 import os
@@ -110,7 +111,7 @@ class DecodeBatch:
         previous, self.ahead = self.ahead, launched
         if previous is not None:
             self.report(previous)
-        if not (self.overlap and all(row.request.constraint is None for row in self.rows)):
+        if not (self.overlap and all(row.runs_ahead() for row in self.rows)):
             self.drain()
         self.remove_finished()
 

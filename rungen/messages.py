@@ -24,7 +24,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 402: "
                529: "overloaded_error"}
 # A chat field a run_chat error may name, and the Messages field it came from.
 FIELD_NAMES = {"stop": "stop_sequences", "parallel_tool_calls": "tool_choice", "chat_template_kwargs": "thinking",
-               "max_completion_tokens": "max_tokens", "stream_options": "stream"}
+               "thinking_token_budget": "thinking", "max_completion_tokens": "max_tokens", "stream_options": "stream"}
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}  # else: end_turn, or stop_sequence
 BLOCK_KEYS = {"text": {"type", "text", "cache_control", "citations"},
               "tool_use": {"type", "id", "name", "input", "cache_control"},
@@ -259,10 +259,10 @@ def read_tool_choice(body, tools):
 
 
 def read_thinking(body, chat_template, max_tokens):
-    """The chat template's variables for `thinking` ({} when absent): enable_thinking, where the template reads
-    it."""
+    """(the chat template's variables for `thinking`, its budget_tokens or None): enable_thinking, where the
+    template reads it ({} when thinking is absent)."""
     if not has_value(body, "thinking"):
-        return {}
+        return {}, None
     thinking = body["thinking"]
     kind = thinking.get("type") if isinstance(thinking, dict) else None
     if kind not in ("enabled", "adaptive", "disabled"):
@@ -281,7 +281,7 @@ def read_thinking(body, chat_template, max_tokens):
     if not template_reads(chat_template, "enable_thinking"):
         raise APIError(f"thinking: this model's chat template does not read enable_thinking, so thinking cannot be "
                        f"turned {'off' if kind == 'disabled' else 'on'}; leave thinking out", "thinking")
-    return {"enable_thinking": kind != "disabled"}
+    return {"enable_thinking": kind != "disabled"}, thinking.get("budget_tokens")
 
 
 def read_metadata(body):
@@ -308,7 +308,7 @@ def to_chat(body, chat_template, count=False):
     messages, origins = read_messages(body, system)
     tools = read_tools(body)
     tool_choice, parallel = read_tool_choice(body, tools)
-    variables = read_thinking(body, chat_template, max_tokens)
+    variables, budget = read_thinking(body, chat_template, max_tokens)
     chat = {"messages": messages}
     if tools is not None:
         chat["tools"] = tools
@@ -321,6 +321,8 @@ def to_chat(body, chat_template, count=False):
     if count:
         return chat, origins
     read_metadata(body)
+    if budget is not None:
+        chat["thinking_token_budget"] = budget
     chat["max_tokens"] = max_tokens
     if has_value(body, "stop_sequences"):
         stops = body["stop_sequences"]

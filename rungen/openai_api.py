@@ -19,7 +19,7 @@ from .engine import EngineBusy, EngineClosed
 from .errors import PromptError
 from .logprobs import score_prompts
 from .prompts import Prompt, encode_prompt
-from .reasoning import VariableError, detect_delimiters, plan_reply, read_template_variables, split_reply
+from .reasoning import VariableError, detect_delimiters, plan_reply, read_template_variables, reply_budget, split_reply
 from .requests import Delta, Done, End
 from .requests import Request as EngineRequest
 from .sampling import Sampling
@@ -39,7 +39,8 @@ COMMON_FIELDS = {"model", "max_tokens", "n", "stop", "stream", "stream_options",
                  "repetition_penalty", "ignore_eos", "structured_outputs", *CONSTRAINT_FIELDS}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
                                "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
-                               "reasoning_effort", "store", "safety_identifier", "prompt_cache_key"}
+                               "reasoning_effort", "thinking_token_budget", "store", "safety_identifier",
+                               "prompt_cache_key"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs", "best_of", "suffix"}
 
 
@@ -335,6 +336,16 @@ def check_user(body):
                        "store")
 
 
+def thinking_token_budget(body, delimiters):
+    """vLLM's thinking_token_budget: the most tokens a reply's thinking block holds before it is closed (None: no
+    cap); a 400 where the chat template has no block."""
+    budget = number(body, "thinking_token_budget", None, 0, None, integer=True)
+    if budget is not None and delimiters is None:
+        raise APIError("thinking_token_budget: this model's chat template has no thinking block to cap",
+                       "thinking_token_budget")
+    return budget
+
+
 async def generate(service, http_request, body, prompts, logprobs, *, chat, max_token_names, default_max, tools=None):
     """Validates the generation fields and queues one engine request per prompt; returns the answer (a dict), the
     async iterator of a stream's chunks (dicts), or None when the client went away (respond() makes any of them an
@@ -363,12 +374,15 @@ async def generate(service, http_request, body, prompts, logprobs, *, chat, max_
     if constraint_source:
         loop = asyncio.get_running_loop()
         constraint = await loop.run_in_executor(None, service.compile, *constraint_source)
+    budget = thinking_token_budget(body, service.delimiters) if chat else None
     replies = [None] * len(prompts)  # rungen.reasoning.ReplyPlan of each, when the chat template thinks
+    budgets = [None] * len(prompts)  # and its thinking budget (rungen.reasoning.Budget)
     if chat and service.delimiters is not None:
         with service.tokenizer_lock:
             for job, ids in enumerate(prompts):
                 prompts[job], replies[job] = plan_reply(loaded.tokenizer, service.delimiters, ids,
-                                                                constraint is not None)
+                                                        constraint is not None)
+                budgets[job] = reply_budget(loaded.tokenizer, replies[job], budget)
     plans = []
     for ids in prompts:
         max_tokens = service.max_tokens(body, len(ids), default_max, n, max_token_names)
@@ -397,7 +411,8 @@ async def generate(service, http_request, body, prompts, logprobs, *, chat, max_
                                  job)
         request = EngineRequest(ids, max_tokens, sampling, sink, n=n, stop=stops, logprobs=logprobs,
                                 constraint=constraint,
-                                reasoning_end=replies[job].end_ids if replies[job] else None)
+                                reasoning_end=replies[job].end_ids if replies[job] else None,
+                                thinking_budget=budgets[job])
         jobs.append((job, request))
     try:
         for _, request in jobs:

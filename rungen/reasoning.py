@@ -187,6 +187,64 @@ def plan_prompt(loaded, settings, prompt) -> None:
     prompt.ids, prompt.reply = plan_reply(loaded.tokenizer, delimiters, prompt.ids, prompt.constraint is not None)
 
 
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """A cap on a reply's thinking: once the block holds `tokens` tokens, the closing delimiter's tokens are chosen
+    for the model (vLLM's thinking_token_budget). `inside`: the prompt opened the block; else the model may."""
+
+    tokens: int
+    open_ids: tuple[int, ...]
+    close_ids: tuple[int, ...]
+    inside: bool
+
+
+def reply_budget(tokenizer, plan: ReplyPlan | None, tokens: int | None) -> Budget | None:
+    """The Budget of a reply (None without a cap, or where the prompt closed the block: no thinking to cap)."""
+    if tokens is None or plan is None or plan.state == "content":
+        return None
+    open_ids, close_ids = (tuple(tokenizer.encode(text, add_special_tokens=False))
+                           for text in (plan.delimiters.open, plan.delimiters.close))
+    return Budget(tokens, open_ids, close_ids, plan.state == "inside")
+
+
+class BudgetCount:
+    """A row's thinking against its Budget, token by token: forced() is the token its next step must be (the
+    closing delimiter's, once the block used the budget), seen() takes each token chosen. `state`: "start" (the
+    block may open), "inside", "closing" (delimiter tokens being forced) or "done" (closed, or never opened)."""
+
+    def __init__(self, budget: Budget):
+        self.budget = budget
+        self.state = "inside" if budget.inside else "start"
+        self.used = 0  # tokens in the block so far
+        self.tail = []  # the last tokens: an opening delimiter's start, or a closing one's
+        self.closing = []  # the closing delimiter's tokens still to force
+
+    def forced(self) -> int | None:
+        if self.state == "inside" and self.used >= self.budget.tokens:
+            self.state, self.closing = "closing", list(self.budget.close_ids)
+        return self.closing.pop(0) if self.state == "closing" and self.closing else None
+
+    def seen(self, token: int) -> None:
+        budget = self.budget
+        if self.state == "start":
+            self.tail.append(token)
+            if tuple(self.tail) != budget.open_ids[: len(self.tail)]:
+                self.state = "done"  # the reply answers without a block
+            elif len(self.tail) == len(budget.open_ids):
+                self.state, self.tail = "inside", []
+        elif self.state == "inside":
+            self.tail = (self.tail + [token])[-len(budget.close_ids) :]
+            self.used += 1
+            if tuple(self.tail) == budget.close_ids:
+                self.state = "done"  # the model closed it within the budget
+        elif self.state == "closing" and not self.closing:
+            self.state = "done"
+
+    def near(self) -> bool:
+        """Whether the next token may use up the budget, or a forced one is due: the step after it must see it."""
+        return self.state == "closing" or self.state == "inside" and self.used + 1 >= self.budget.tokens
+
+
 class ReasoningSplitter:
     """Splits a growing reply into reasoning and content: feed() and finish() return the text each gains (both
     stripped of the whitespace around the block); `had_block`: whether the reply has a block at all."""

@@ -7,8 +7,10 @@ import dataclasses
 import torch
 
 from .logprobs import content_items
+from .reasoning import BudgetCount
 from .requests import Delta, Finish, Request
 from .sampling import Reading, RowState, accept, choose
+from .transfers import to_device
 
 # Prompt tokens decoded before a row's new tokens to get their text in context (not the whole prompt each step).
 TAIL_TOKENS = 32
@@ -24,8 +26,14 @@ class Row:
     emitted: int = 0  # characters of the continuation sent so far
     prompt_tail_text: str = ""  # the decoding of the prompt's last tokens (the continuation is what follows it)
     matcher: object = None
+    thinking: BudgetCount | None = None  # its thinking against the request's budget
     last_time: float = 0.0
     finish: Finish | None = None
+
+    def runs_ahead(self) -> bool:
+        """Whether a step may be launched before this row's last token is read (overlapped): not where the next
+        token depends on it (a grammar's mask, a thinking budget about to close the block)."""
+        return self.request.constraint is None and (self.thinking is None or not self.thinking.near())
 
 
 class Resume:
@@ -68,6 +76,8 @@ def request_rows(request: Request, width: int, device: torch.device, prompt_tail
         row = Row(request, index, state, len(request.ids), prompt_tail_text=prompt_tail_text, last_time=start)
         if request.constraint is not None and not request.reasoning_end:
             row.matcher = request.constraint.matcher()
+        if request.thinking_budget is not None:
+            row.thinking = BudgetCount(request.thinking_budget)
         rows.append(row)
     return rows
 
@@ -103,6 +113,11 @@ def pick(rows, logits, eos_ids):
             grammar = (bitmask[keep], [constrained[place] for place in keep], vocab)
     states = [row.state for row in rows]
     tokens, nan = choose(logits, states, sorted(eos_ids), grammar)
+    forced = [(number, row.thinking.forced()) for number, row in enumerate(rows) if row.thinking is not None]
+    forced = [(number, token) for number, token in forced if token is not None]
+    if forced:  # a thinking block that used its budget is closed for the model
+        numbers, ids = zip(*forced)
+        tokens = tokens.index_put((to_device(list(numbers), tokens.device),), to_device(list(ids), tokens.device))
     accept(states, tokens, skip=stuck)
     top_n = {number: row.request.logprobs for number, row in enumerate(rows) if row.request.logprobs is not None}
     return Launched(list(rows), tokens[:, None], Reading(tokens, nan, logits, top_n), stuck)
@@ -129,6 +144,8 @@ class Reporter:
             with self.tokenizer_lock:
                 items = content_items(self.tokenizer, request.ids + row.generated[:-1], [token], [chosen],
                                       [top_ids], [top_values])
+        if row.thinking is not None:
+            row.thinking.seen(token)
         if row.matcher is not None:
             row.matcher.accept_token(token)
         elif request.reasoning_end and request.constraint is not None \

@@ -15,6 +15,7 @@ from rungen import sampling
 from rungen.decode import OVERLAP_ENV
 from rungen.engine import Engine
 from rungen.loading import load
+from rungen.reasoning import Budget
 from rungen.requests import Delta, Done, Request
 from rungen.sampling import Sampling
 from tiny_models import build_tiny_checkpoint
@@ -162,6 +163,39 @@ def test_rows_with_a_grammar_step_one_at_a_time(loaded, monkeypatch):
     assert_same(run(engine, requests), alone)
     assert "FF" not in "".join(log)
     assert all(character in "abcdefghijklmnopqrstuvwxyz " for character in alone[0][0][1])
+
+
+def test_a_thinking_budget_closes_the_block_for_the_model_at_its_token(loaded, monkeypatch):
+    """A reply whose thinking block used its budget gets the closing delimiter's tokens chosen for it, the very next
+    step, overlapped or not (such a row is read before the next step is launched while the budget may end); a block
+    the model closes itself, a reply that never opens one and a budget never reached leave the tokens alone."""
+    ids = [loaded.tokenizer(prompt).input_ids for prompt in PROMPTS[:3]]
+    plain = run(engine_of(loaded, monkeypatch, False), [{"ids": i, "max_tokens": 12} for i in ids])
+    greedy = [result[0][2] for result in plain]
+    close = (greedy[1][7], greedy[2][3])  # two tokens these replies do not give where they would be forced
+    sampled = Sampling(temperature=0.9, seed=7, ignore_eos=True)
+    requests = [
+        {"ids": ids[0], "max_tokens": 12, "thinking_budget": Budget(3, (), close, inside=True)},  # prompt opened it
+        {"ids": ids[1], "max_tokens": 12, "thinking_budget": Budget(4, tuple(greedy[1][:2]), close, inside=False)},
+        {"ids": ids[2], "max_tokens": 12, "thinking_budget": Budget(2, (greedy[1][0],), close, inside=False)},
+        {"ids": ids[0], "max_tokens": 12, "thinking_budget": Budget(20, (), close, inside=True)},  # never reached
+        {"ids": ids[1], "max_tokens": 12, "thinking_budget": Budget(0, (), close, inside=True), "sampling": sampled},
+    ]
+    alone = run(engine_of(loaded, monkeypatch, False), requests)
+    tokens = [result[0][2] for result in alone]
+    assert tokens[0][:3] == greedy[0][:3] and tuple(tokens[0][3:5]) == close  # three in the block, then closed
+    assert tokens[1][:6] == greedy[1][:6] and tuple(tokens[1][6:8]) == close  # opened by two tokens, four in it
+    assert tokens[2] == greedy[2]  # the reply opened no block: nothing to cap
+    assert tokens[3] == greedy[0]
+    assert tuple(tokens[4][:2]) == close and tokens[4][2:] != greedy[1][2:]  # a budget of 0, and sampling after it
+    engine = engine_of(loaded, monkeypatch, True)
+    log = steps_and_reads(engine, monkeypatch)
+    assert_same(run(engine, requests), alone)
+    assert "FF" in "".join(log)  # steps overlapped where no budget was near its end
+    # The model's own closing delimiter ends the block within the budget: nothing is forced after it.
+    closes_itself = Budget(3, (), (greedy[0][1],), inside=True)
+    assert run(engine_of(loaded, monkeypatch, False), [{"ids": ids[0], "max_tokens": 12,
+                                                        "thinking_budget": closes_itself}])[0][0][2] == greedy[0]
 
 
 @pytest.mark.parametrize("overlap", [False, True])

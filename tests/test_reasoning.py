@@ -352,6 +352,29 @@ def test_the_messages_api_thinking_field_reaches_the_template(server, monkeypatc
     assert "budget_tokens (1024) must be less than max_tokens (1024)" in caught.value.body["error"]["message"]
 
 
+def test_a_thinking_budget_closes_the_block_for_the_model(server, monkeypatch):
+    """thinking_token_budget (vLLM's field), and the Messages API's budget_tokens: once the block holds that many
+    tokens, </think> is chosen for the model and the reply goes on as its answer; a budget the model stays within
+    changes nothing."""
+    never_closes = bias(server, opening=100, closing=-100)
+    capped = chat(server, logit_bias=never_closes, temperature=0, max_tokens=12,
+                  extra_body={"thinking_token_budget": 3})
+    assert capped.choices[0].message.reasoning_content == "<think>" * 3  # opened by the model, three tokens in it
+    assert capped.choices[0].message.content == "<think>" * 7 and capped.choices[0].finish_reason == "length"
+    free = chat(server, logit_bias=bias(server), **OPEN_AND_CLOSE)
+    within = chat(server, logit_bias=bias(server), extra_body={"thinking_token_budget": 30}, **OPEN_AND_CLOSE)
+    assert [choice.message for choice in within.choices] == [choice.message for choice in free.choices]
+    with pytest.raises(openai.BadRequestError) as caught:
+        chat(server, max_tokens=2, extra_body={"thinking_token_budget": -1})
+    assert caught.value.body["param"] == "thinking_token_budget"
+    push_messages(monkeypatch, logit_bias=never_closes)
+    message = messages_client(server).messages.create(
+        model=MODEL_ID, max_tokens=1030, messages=ASK, thinking={"type": "enabled", "budget_tokens": 1024},
+        extra_body={"temperature": 0})
+    assert [block.type for block in message.content] == ["thinking", "text"]
+    assert message.content[0].thinking == "<think>" * 1024 and message.content[1].text == "<think>" * 4
+
+
 def test_reasoning_given_back_in_a_tool_loop_reaches_the_prompt_through_each_api(server):
     """An agent gives a turn's reasoning back with its tool call (chat's reasoning_content, a Responses reasoning
     item, a Messages thinking block): Qwen3's template shows it in the prompt after the last user message, so the

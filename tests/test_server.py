@@ -368,6 +368,8 @@ BAD_REQUESTS = [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, "messages", 400),
     ("/v1/chat/completions", {"model": MODEL_ID, "messages": HELLO, "tools": [{"type": "function"}]}, "tools", 400),
     ("/v1/chat/completions", {"model": MODEL_ID, "messages": HELLO, "temperature": 3}, "temperature", 400),
+    ("/v1/chat/completions", {"model": MODEL_ID, "messages": HELLO, "thinking_token_budget": 8},
+     "thinking_token_budget", 400),  # SmolLM2's template has no thinking block
     ("/v1/chat/completions", {"model": MODEL_ID, "messages": HELLO, "top_p": 0}, "top_p", 400),
     ("/v1/chat/completions", {"model": MODEL_ID, "messages": HELLO, "n": 0}, "n", 400),
     ("/v1/chat/completions", {"model": MODEL_ID, "messages": HELLO, "n": 1000}, "n", 400),
