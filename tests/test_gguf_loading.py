@@ -6,6 +6,7 @@ named token_embd/blk.N.*/output_norm with q/k rows permuted as convert_hf_to_ggu
 k-quant blocks with valid fp16 scales (the gguf package cannot quantize to k-quants: their blocks are
 random bytes, which any de-quantizer reads as some weights)."""
 
+import contextlib
 import gc
 import io
 import logging
@@ -33,7 +34,7 @@ from rungen.gguf.blocks import (
 from rungen.gguf.decoder import DecoderStack, FusedDecoderLayer, products_one_by_one
 from rungen.gguf.file import GGUFHeader, build_model, metadata_parsed_once
 from rungen.loading import default_model_file
-from tiny_models import default_tokenizer_fields, write_out
+from tiny_models import default_tokenizer_fields, write_gpt2_gguf, write_out
 
 DEFAULT_GGUF = default_model_file()
 HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2  # k-quant rows need multiples of 256
@@ -237,10 +238,12 @@ def test_torch_fallback_runs_every_type(gguf_files, loaded, monkeypatch, capfd):
 
 
 def exact_weights(model, run, monkeypatch):
-    """run() with every product of `model` taken on the exactly de-quantized weights and float32 activations."""
+    """run() with every product of `model` taken on the exactly de-quantized weights and float32 activations (a
+    model without llama's decoder layers, GPT-2's, has none fused to take apart)."""
     if not native_kernels():
         pytest.skip("the exact path is the native kernels' (torch's fallback rounds scales to bfloat16)")
-    with monkeypatch.context() as patch, products_one_by_one(model):
+    unfused = products_one_by_one(model) if hasattr(model, "model") else contextlib.nullcontext()
+    with monkeypatch.context() as patch, unfused:
         patch.setattr(GGMLLinear, "_matmul", lambda self, x: torch.ops.rungen_ggml.mm_tiled(
             x.float().contiguous(), self.blocks, self.code, self.in_features))
         return run()
@@ -746,3 +749,115 @@ def test_dequantize_parses_the_file_once_and_loads_what_transformers_loads(gguf_
     batch = loaded.tokenizer(PROMPTS[:2], return_tensors="pt", padding=True)
     with torch.no_grad():
         torch.testing.assert_close(loaded.model(**batch).logits, reference(**batch).logits, rtol=0, atol=0)
+
+
+# GPT-2 files (llama.cpp's gpt2 architecture): transformers' Conv1D layers, whose [in, out] weights the file holds
+# transposed (rows the output channels), their biases, a learned position table (F32). The converter wrote the tied
+# embedding again as output.weight (gpt2_q8_0) until it left it out (gpt2_q4_0_tied: the head reads token_embd).
+GPT2_FILES = {"gpt2_q8_0": dict(qtype="Q8_0"), "gpt2_q4_0_tied": dict(qtype="Q4_0", output=False, seed=1)}
+
+
+@pytest.fixture(scope="module")
+def gpt2_files(tmp_path_factory, tokenizer_fields):
+    folder = tmp_path_factory.mktemp("gpt2")
+    return {name: write_gpt2_gguf(folder / f"{name}.gguf", tokenizer_fields, **spec)
+            for name, spec in GPT2_FILES.items()}
+
+
+@pytest.fixture(scope="module")
+def gpt2_loaded(gpt2_files):
+    """{file: (header, the tool's model in its own blocks, transformers' de-quantized float32 model)}."""
+    return blocks_and_reference(gpt2_files)
+
+
+@pytest.mark.parametrize("name", GPT2_FILES)
+def test_a_gpt2_file_runs_its_conv1d_layers_in_blocks_with_transformers_logits(gpt2_files, gpt2_loaded, name,
+                                                                                monkeypatch):
+    # The tool's default path (load_gguf: gpt2 has no own model code, so transformers' GPT2LMHeadModel over the
+    # file's blocks on the CPU): every Conv1D a GGMLLinear over the file's rows with its bias, the logits and greedy
+    # tokens those of transformers' own GGUF loader (--dequantize) on the exactly de-quantized weights.
+    from rungen.loading import load_gguf
+
+    header, _, reference = gpt2_loaded[name]
+    model = load_gguf(gpt2_files[name]).model
+    assert type(model).__name__ == "GPT2LMHeadModel"
+    qtype = Q[GPT2_FILES[name]["qtype"]]
+    block = model.transformer.h[0]
+    for layer, (out_features, in_features) in ((block.attn.c_attn, (192, 64)), (block.attn.c_proj, (64, 64)),
+                                               (block.mlp.c_fc, (256, 64)), (block.mlp.c_proj, (64, 256))):
+        assert isinstance(layer, GGMLLinear) and layer.qtype == qtype
+        assert (layer.out_features, layer.in_features) == (out_features, in_features)
+        assert layer.bias is not None and layer.bias.shape == (out_features,)
+    assert isinstance(model.get_input_embeddings(), GGMLEmbedding)
+    if not GPT2_FILES[name].get("output", True):  # the head multiplies the embedding's own blocks
+        assert model.get_output_embeddings().blocks.data_ptr() == model.get_input_embeddings().blocks.data_ptr()
+    batch = header.tokenizer(PROMPTS[:2], return_tensors="pt", padding=True)
+    real = batch["attention_mask"].bool()
+    with torch.no_grad():
+        theirs = reference(**batch).logits
+        exact = exact_weights(model, lambda: model(**batch).logits, monkeypatch)
+    torch.testing.assert_close(exact[real], theirs[real], rtol=1e-4, atol=1e-4)
+    assert theirs.abs().max() > 1  # a real computation
+    input_ids = header.tokenizer(PROMPTS[0], return_tensors="pt").input_ids
+    with torch.no_grad():
+        tokens = greedy(reference, input_ids, 8)
+        assert torch.equal(exact_weights(model, lambda: greedy(model, input_ids, 8), monkeypatch), tokens)
+    assert len(set(tokens[0, input_ids.shape[1]:].tolist())) > 1  # not one token repeated
+
+
+@pytest.mark.parametrize("name", GPT2_FILES)
+def test_a_gpt2_files_accelerator_form_is_the_dequantized_model(gpt2_loaded, name):
+    # build_model given a device (the CPU standing in): the Conv1D weights de-quantized and transposed back to
+    # [in, out], the very weights of --dequantize's model in float32, those rounded in bfloat16.
+    from transformers.pytorch_utils import Conv1D
+
+    header, _, reference = gpt2_loaded[name]
+    batch = header.tokenizer(PROMPTS[:2], return_tensors="pt", padding=True)
+    real = batch["attention_mask"].bool()
+    with torch.no_grad():
+        theirs = reference(**batch).logits
+        for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 0.05)):
+            model = build_model(header, dtype, torch.device("cpu"))
+            assert not [m for m in model.modules() if isinstance(m, (GGMLLinear, GGMLEmbedding, CastLinear))]
+            assert {p.dtype for p in model.parameters()} == {dtype}
+            assert sum(isinstance(m, Conv1D) for m in model.modules()) == 4 * LAYERS
+            ours = model(**batch).logits.float()
+            error = (ours - theirs)[real].abs().max()
+            assert error <= tolerance * theirs[real].abs().max(), (dtype, error)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("name", GPT2_FILES)
+def test_quantizing_a_gpt2_file_as_it_loads_equals_quantizing_its_dequantized_model(gpt2_loaded, name, mode,
+                                                                                   monkeypatch):
+    # As test_quantizing_a_file_as_it_loads_equals_quantizing_its_dequantized_model, over Conv1D layers: the
+    # de-quantized rows transposed to Conv1D's [in, out] as they are put, and back to rows as they are quantized.
+    import rungen.quantize
+    from rungen.quantize import QuantizingLoad, quantize_model
+
+    header, _, _ = gpt2_loaded[name]
+    cpu = torch.device("cpu")
+    after = build_model(header, torch.float32, cpu)
+    layers = quantize_model(after, mode)
+    assert layers >= 4 * LAYERS  # every block's c_attn, attn.c_proj, c_fc, mlp.c_proj
+    events = []
+    monkeypatch.setattr(QuantizingLoad, "put", lambda self, *a, put=QuantizingLoad.put: events.append("put")
+                        or put(self, *a))
+    monkeypatch.setattr(rungen.quantize, "_quantize_group", lambda *a, group=rungen.quantize._quantize_group:
+                        events.append("quantized") or group(*a))
+    streamed = build_model(header, torch.float32, cpu, quantize=mode)
+    last_put = len(events) - events[::-1].index("put")
+    assert events[:last_put].count("quantized") >= LAYERS  # every block's own before the last tensor came
+    assert streamed.quantized_layers == layers
+    assert [type(m) for m in streamed.modules()] == [type(m) for m in after.modules()]
+    assert not [name for name, p in streamed.named_parameters() if p.device.type == "meta"]
+    batch = header.tokenizer(PROMPTS[:2], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        assert torch.equal(streamed(**batch).logits, after(**batch).logits)
+
+
+@pytest.mark.parametrize("name", GPT2_FILES)
+def test_the_command_line_generates_from_a_gpt2_file(gpt2_files, name):
+    args = ["--model_name_or_path", gpt2_files[name], "--prompt", PROMPTS[0], "--temperature", "0", "--length", "4"]
+    [text] = run_generation.main(args)
+    assert text.startswith(PROMPTS[0]) and len(text) > len(PROMPTS[0])

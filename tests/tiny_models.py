@@ -825,6 +825,66 @@ def write_family_gguf(path, family, tokenizer_fields, layers=2, seed=0, rotary=N
     return write_out(writer, path)
 
 
+def write_gpt2_gguf(path, tokenizer_fields, qtype="Q8_0", layers=2, seed=0, hidden=64, heads=2, context=1024,
+                    output=True):
+    """A tiny GPT-2 GGUF file at `path` as llama.cpp's convert_hf_to_gguf.py (GPT2Model) writes one:
+    general.architecture gpt2; gpt2.context_length (n_ctx), embedding_length, feed_forward_length (4 x embedding),
+    block_count, attention.head_count and attention.layer_norm_epsilon; tensors token_embd, position_embd (F32: the
+    converter keeps it so), per block attn_norm, attn_qkv, attn_output, ffn_norm, ffn_up, ffn_down with their biases,
+    output_norm and, with `output`, output.weight: the tied embedding written again as the head, as the converter
+    did until it left it out (llama.cpp then reads token_embd). transformers' Conv1D weights ([in, out]) are stored
+    transposed, rows the output channels. Norms and biases F32, the other 2-D weights in `qtype` (Q8_0, as --outtype
+    q8_0 writes them, or Q4_0, Q4_1, Q5_0, Q5_1: the gguf package's quantizer), random weights of `seed`."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from gguf import GGUFWriter, LlamaFileType, quants
+
+    qtype = Q[qtype] if isinstance(qtype, str) else qtype
+    ffn = 4 * hidden
+    rng = np.random.default_rng(seed)
+    vocab = next(len(value) for key, value, *_ in tokenizer_fields if key == "tokenizer.ggml.tokens")
+    writer = GGUFWriter(str(path), "gpt2")
+    writer.add_name("Synthetic GPT-2")
+    writer.add_block_count(layers)
+    writer.add_context_length(context)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_layer_norm_eps(1e-5)
+    writer.add_file_type(LlamaFileType[f"MOSTLY_{qtype.name}"])
+    for key, value, vtype, sub_type in tokenizer_fields:
+        writer.add_key_value(key, value, vtype, sub_type)
+
+    def add(name, values, kind=qtype):
+        if kind == Q.F32:
+            writer.add_tensor(name, values.astype(np.float32))
+        else:
+            writer.add_tensor(name, quants.quantize(values.astype(np.float32), kind), raw_dtype=kind)
+
+    embedding = rng.normal(0, 0.5, (vocab, hidden))
+    add("token_embd.weight", embedding)
+    add("position_embd.weight", rng.normal(0, 0.1, (context, hidden)), Q.F32)
+    # (rows, columns) of each product as the file holds it: GPT-2's Conv1D [in, out] transposed
+    products = {"attn_qkv": (3 * hidden, hidden), "attn_output": (hidden, hidden), "ffn_up": (ffn, hidden),
+                "ffn_down": (hidden, ffn)}
+    for n in range(layers):
+        add(f"blk.{n}.attn_norm.weight", rng.uniform(0.8, 1.2, hidden), Q.F32)
+        add(f"blk.{n}.attn_norm.bias", rng.normal(0, 0.1, hidden), Q.F32)
+        for name in ("attn_qkv", "attn_output"):
+            add(f"blk.{n}.{name}.weight", rng.normal(0, 0.15, products[name]))
+            add(f"blk.{n}.{name}.bias", rng.normal(0, 0.1, products[name][0]), Q.F32)
+        add(f"blk.{n}.ffn_norm.weight", rng.uniform(0.8, 1.2, hidden), Q.F32)
+        add(f"blk.{n}.ffn_norm.bias", rng.normal(0, 0.1, hidden), Q.F32)
+        for name in ("ffn_up", "ffn_down"):
+            add(f"blk.{n}.{name}.weight", rng.normal(0, 0.15, products[name]))
+            add(f"blk.{n}.{name}.bias", rng.normal(0, 0.1, products[name][0]), Q.F32)
+    add("output_norm.weight", rng.uniform(0.8, 1.2, hidden), Q.F32)
+    add("output_norm.bias", rng.normal(0, 0.1, hidden), Q.F32)
+    if output:
+        add("output.weight", embedding)
+    return write_out(writer, path)
+
+
 # google/gemma-2-2b-it's chat template (gemma-3's differs in taking a system message into the first user turn).
 GEMMA_CHAT_TEMPLATE = (
     "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
