@@ -789,8 +789,10 @@ def test_a_gpt2_file_runs_its_conv1d_layers_in_blocks_with_transformers_logits(g
         assert (layer.out_features, layer.in_features) == (out_features, in_features)
         assert layer.bias is not None and layer.bias.shape == (out_features,)
     assert isinstance(model.get_input_embeddings(), GGMLEmbedding)
+    head = model.get_output_embeddings()
+    assert isinstance(head, GGMLLinear) and head.qtype == qtype  # in blocks, never a float32 copy of the vocabulary
     if not GPT2_FILES[name].get("output", True):  # the head multiplies the embedding's own blocks
-        assert model.get_output_embeddings().blocks.data_ptr() == model.get_input_embeddings().blocks.data_ptr()
+        assert head.blocks.data_ptr() == model.get_input_embeddings().blocks.data_ptr()
     batch = header.tokenizer(PROMPTS[:2], return_tensors="pt", padding=True)
     real = batch["attention_mask"].bool()
     with torch.no_grad():
@@ -824,6 +826,31 @@ def test_a_gpt2_files_accelerator_form_is_the_dequantized_model(gpt2_loaded, nam
             ours = model(**batch).logits.float()
             error = (ours - theirs)[real].abs().max()
             assert error <= tolerance * theirs[real].abs().max(), (dtype, error)
+
+
+def test_a_gpt2_files_conv1d_layers_and_head_keep_their_codes_on_a_gpu(gpt2_loaded, monkeypatch):
+    # As test_the_gpus_codes_and_blocks_compute_the_dequantized_model (the CPU standing in for a GPU): every Q8_0
+    # Conv1D (rows the output channels, as a linear layer's) and the file's own output.weight become int8 codes, the
+    # untied embedding stays in its blocks; the model computes --dequantize's logits.
+    import rungen.gguf.device
+    from rungen.gguf.device import DEVICE_ROW_TYPES, INT8_TYPES, DeviceRowsEmbedding
+    from rungen.int8 import CudaInt8Linear, widened
+
+    header, _, reference = gpt2_loaded["gpt2_q8_0"]
+    monkeypatch.setattr(rungen.gguf.device, "gpu_int8", lambda qtype, device: qtype in INT8_TYPES)
+    monkeypatch.setattr(rungen.gguf.device, "gpu_embedding", lambda qtype, device: qtype in DEVICE_ROW_TYPES)
+    monkeypatch.setattr(rungen.gguf.device, "checked_kernel", lambda layer, dtype, instead: widened)
+    model = build_model(header, torch.float32, torch.device("cpu"))
+    in_codes = {name for name, m in model.named_modules() if isinstance(m, CudaInt8Linear)}
+    assert in_codes == {f"transformer.h.{n}.{name}" for n in range(LAYERS)
+                        for name in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")} | {"lm_head"}
+    assert all(model.get_submodule(name).bias is not None for name in in_codes - {"lm_head"})
+    assert type(model.get_input_embeddings()) is DeviceRowsEmbedding
+    batch = header.tokenizer(PROMPTS[:2], return_tensors="pt", padding=True)
+    real = batch["attention_mask"].bool()
+    with torch.no_grad():
+        theirs, ours = reference(**batch).logits, model(**batch).logits
+    assert (ours - theirs)[real].abs().max() <= 1e-5 * theirs[real].abs().max()
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])

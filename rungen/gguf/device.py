@@ -163,7 +163,10 @@ class DeviceForms:
              tied_table: bool) -> torch.nn.Module | torch.Tensor:
         """The layer holding `entry`'s weight (rows permuted by `order`) in codes or blocks for `module`, or the
         weight de-quantized to set in its place; `tied_table`: the input embedding, which the head reads too."""
-        linear, table = isinstance(module, torch.nn.Linear), isinstance(module, torch.nn.Embedding)
+        from transformers.pytorch_utils import Conv1D
+
+        # GPT-2's Conv1D too: the file's rows are its output channels, as a linear layer's are
+        linear, table = isinstance(module, (torch.nn.Linear, Conv1D)), isinstance(module, torch.nn.Embedding)
         scale = getattr(module, "embed_scale", None)
         int4 = linear and gpu_int4(qtype, in_features, self.dtype, self.device)
         if int4 == "triton" and self.int4 is not False:

@@ -406,12 +406,19 @@ def _first_line(error: BaseException) -> str:
 
 def _row_permutation(processor, name: str, rows: int):
     """The processor's transform of tensor `name` as a permutation of its rows: None when it is the
-    identity, an index array when it permutes rows, False when it is anything else."""
+    identity, an index array when it permutes rows, False when it is anything else. A tensor the processor stores
+    whole and unchanged under its own parameter's name (GPT-2's output.weight, kept apart from attn_output's
+    transpose) is the identity too."""
+    stored = {"tensors": {}}
     try:
         result = processor.process(weights=np.arange(rows), name=name, tensor_key_mapping={},
-                                   parsed_parameters={"tensors": {}})
+                                   parsed_parameters=stored)
     except Exception:  # a transform that needs the real shape (a reshape across columns)
         return False
+    if result.name is None and len(stored["tensors"]) == 1:
+        [order] = stored["tensors"].values()
+        order = np.asarray(order)
+        return None if order.shape == (rows,) and np.array_equal(order, np.arange(rows)) else False
     order = result.weights
     if result.name is None or not isinstance(order, np.ndarray) or order.shape != (rows,):
         return False
