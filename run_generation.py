@@ -356,15 +356,22 @@ def command():
     (processes.end_launched_process: the native teardown could abort it)."""
     gc.freeze()
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    terminated = []
+
+    def as_ctrl_c(signum, frame):  # SIGTERM (timeout, a scheduler, docker stop) keeps what came, as Ctrl-C does
+        terminated.append(signum)
+        signal.raise_signal(signal.SIGINT)
+
+    signal.signal(signal.SIGTERM, as_ctrl_c)
     if not processes.launched():
         try:
-            cli()
+            interruptible_cli(terminated)
         finally:
             gc.freeze()
         return
     processes.exit_follows = True
     try:
-        cli()
+        interruptible_cli(terminated)
         code = 0
     except SystemExit as exit:  # the exit code the interpreter would make of it
         code = 0 if exit.code is None else exit.code
@@ -372,6 +379,20 @@ def command():
             print(code, file=sys.stderr)
             code = 1
     processes.end_launched_process(code)
+
+
+def interruptible_cli(terminated):
+    """cli(); once interrupted, another signal ends the process at once (not a traceback from an exit handler), and
+    an interruption by SIGTERM exits 143."""
+    try:
+        cli()
+    except SystemExit as exit:
+        if exit.code == 130:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            if terminated:
+                raise SystemExit(128 + signal.SIGTERM) from None
+        raise
 
 
 if __name__ == "__main__":

@@ -251,3 +251,26 @@ def test_weights_that_do_not_fit_the_config_are_one_line(tiny_models, tmp_path, 
     assert code == 2 and line.startswith(f"run_generation.py: error: {path}: its weights do not fit the model its "
                                          "config describes (model.layers.")
     assert f"in the weights, [{config['intermediate_size']}, " in line or f", {config['intermediate_size']}]" in line
+
+
+def test_once_interrupted_another_signal_ends_the_process_at_once(monkeypatch, capsys):
+    """After the first Ctrl-C the tool exits 130 (143 for SIGTERM), and a second press while it exits ends the
+    process by the signal, not with a traceback from an exit handler: the default handlers are back."""
+    import signal
+
+    def interrupted(argv=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_generation, "main", interrupted)
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    try:
+        for terminated, code in (([], 130), ([signal.SIGTERM], 143)):
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            with pytest.raises(SystemExit) as exit:
+                run_generation.interruptible_cli(terminated)
+            assert exit.value.code == code
+            assert signal.getsignal(signal.SIGINT) is signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGINT, handlers[0])
+        signal.signal(signal.SIGTERM, handlers[1])
+    assert capsys.readouterr().err.splitlines() == ["run_generation.py: interrupted"] * 2

@@ -153,17 +153,18 @@ def test_closing_the_pipe_ends_the_run_quietly(tiny_models):
 
 
 @pytest.mark.slow
-def test_ctrl_c_keeps_what_was_generated(tiny_models):
-    """Ctrl-C in a run of piped prompts (a process, as a terminal sends it): every record written is whole, in input
-    order; the prompts running end with what they had (finish_reason "interrupted"), those finished are written,
-    those not started are not."""
+@pytest.mark.parametrize("stop, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_ctrl_c_keeps_what_was_generated(tiny_models, stop, code):
+    """Ctrl-C in a run of piped prompts (a process, as a terminal sends it), or SIGTERM (timeout, a job scheduler):
+    every record written is whole, in input order; the prompts running end with what they had (finish_reason
+    "interrupted"), those finished are written, those not started are not."""
     stdin = "\n".join(PROMPTS * 100)
     process = _popen(tiny_args(tiny_models, "gpt2", "--output_format", "jsonl", "--batch_size", "2"), stdin)
     first = process.stdout.readline()  # the first batch is out and flushed
-    process.send_signal(signal.SIGINT)
+    process.send_signal(stop)
     rest, stderr = process.communicate(timeout=300)
     records = [json.loads(line) for line in (first + rest).decode().splitlines()]
-    assert process.returncode == 130
+    assert process.returncode == code
     assert stderr.decode().strip().splitlines()[-1] == "run_generation.py: interrupted"
     assert b"Traceback" not in stderr
     assert 1 <= len(records) < 400  # every line written is complete JSON
