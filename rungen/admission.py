@@ -35,6 +35,7 @@ class Admission:
         self.waiting = collections.deque()
         self.joining = []  # the requests being prefilled (ended too if that fails)
         self.crowded = max_batch + 1  # rows at which the GPU's memory last fell short: none join beside as many
+        self.stopping = lambda: False  # the engine's: stop admitting (its requests are about to be ended)
 
     def admit(self):
         """Moves waiting requests into the batch while rows and cache positions allow. Where the batch keeps fixed
@@ -43,6 +44,8 @@ class Admission:
         batch = self.batch
         while True:
             with self.wake:
+                if self.stopping():  # a prefill more would only delay a shutdown that ends every request
+                    break
                 while self.waiting and self.waiting[0].cancelled:
                     self.cancel(self.waiting.popleft())
                 if not self.waiting:

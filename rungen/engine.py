@@ -67,6 +67,7 @@ class Engine:
                                    keep_last="logits_to_keep" in parameters)
         self.waiting = self.admission.waiting  # the queue, guarded by `wake`
         self.closing = self.stopped = False
+        self.admission.stopping = lambda: self.stopped
         bos = self.tokenizer.bos_token_id
         self.bytes_per_token = bytes_per_token(self.model, self.device, loaded.model_type, 0 if bos is None else bos)
         self.thread = threading.Thread(target=self.loop, name="rungen-engine", daemon=True)

@@ -346,6 +346,16 @@ def thinking_token_budget(body, delimiters):
     return budget
 
 
+def to_loop(loop, events, job, event):
+    """A request's sink: its events to the handler's loop, from the model thread (none once the loop has closed: the
+    server stopped waiting for its handlers, and nobody reads them)."""
+    try:
+        loop.call_soon_threadsafe(events.put_nowait, (job, event))
+    except RuntimeError:
+        if not loop.is_closed():
+            raise
+
+
 async def generate(service, http_request, body, prompts, logprobs, *, chat, max_token_names, default_max, tools=None):
     """Validates the generation fields and queues one engine request per prompt; returns the answer (a dict), the
     async iterator of a stream's chunks (dicts), or None when the client went away (respond() makes any of them an
@@ -407,8 +417,7 @@ async def generate(service, http_request, body, prompts, logprobs, *, chat, max_
     for job, (ids, max_tokens) in enumerate(plans):
         if max_tokens == 0:
             continue
-        sink = functools.partial(lambda job, event: loop.call_soon_threadsafe(events.put_nowait, (job, event)),
-                                 job)
+        sink = functools.partial(to_loop, loop, events, job)
         request = EngineRequest(ids, max_tokens, sampling, sink, n=n, stop=stops, logprobs=logprobs,
                                 constraint=constraint,
                                 reasoning_end=replies[job].end_ids if replies[job] else None,

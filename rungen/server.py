@@ -533,6 +533,10 @@ def run(loaded, options):
                 timer = threading.Timer(options.grace, engine.abort)
                 timer.daemon = True
                 timer.start()
+            elif not engine.stopped:  # a second signal: the grace is over (a third stops without waiting for it)
+                logger.log(NOTICE, "shutting down now: ending running requests")
+                engine.abort()
+                return
             super().handle_exit(sig, frame)
 
     # A line per request (uvicorn's access log) only with --verbose: the log level main() set says so; on stderr
@@ -540,8 +544,10 @@ def run(loaded, options):
     verbose = logger.isEnabledFor(logging.INFO)
     log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
     log_config["handlers"]["access"]["stream"] = "ext://sys.stderr"
+    # No time limit of uvicorn's on the handlers at shutdown (it would cancel them mid-answer): the engine ends every
+    # request at its next step or prefill once the grace is over.
     config = uvicorn.Config(app, host=options.host, port=options.port, log_level="info" if verbose else "warning",
-                            timeout_graceful_shutdown=options.grace + 5, access_log=verbose, log_config=log_config)
+                            timeout_graceful_shutdown=None, access_log=verbose, log_config=log_config)
     server = Server(config)
     logger.log(NOTICE, "serving %s on http://%s:%d (OpenAI-compatible: /v1/chat/completions, /v1/completions, "
                "/v1/responses, /v1/embeddings; Anthropic-compatible: /v1/messages)",
@@ -549,6 +555,6 @@ def run(loaded, options):
     server.run(sockets=[listening])
     engine.close()
     engine.abort()
-    engine.thread.join(timeout=10)
+    engine.thread.join()  # its step ends before the interpreter does (torch aborts a thread still running at exit)
     return None
 

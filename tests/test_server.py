@@ -842,6 +842,56 @@ def test_sigterm_under_load_ends_every_stream_and_exits_0(checkpoint, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_second_ctrl_c_ends_the_grace_and_every_request_in_shape():
+    """Ctrl-C twice while requests run, the grace long: the second ends them at the next step, each in its shape (a
+    stream's final chunk and [DONE], a plain answer's 200 with finish_reason "abort"), and the process exits 0
+    with its two lines on stderr, no traceback. (The default model: its 400 tokens outlast the two presses.)"""
+    port = free_port()
+    process = subprocess.Popen([sys.executable, SCRIPT, "--serve", "--port", str(port), "--shutdown_grace", "600"],
+                               env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    answers, started = [], threading.Barrier(3, timeout=60)
+    try:
+        wait_until_healthy(url)
+
+        def ask(stream):
+            body = {"model": "SmolLM2-135M-Instruct", "prompt": "Once", "max_tokens": 400, "stream": stream,
+                    "ignore_eos": True}
+            if stream:
+                with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
+                    lines = []
+                    for line in response.iter_lines():
+                        if line:
+                            lines.append(line)
+                            if len(lines) == 1:
+                                started.wait()
+                answers.append(lines)
+            else:
+                answers.append(httpx.post(url + "/v1/completions", json=body, timeout=120))
+
+        threads = [threading.Thread(target=ask, args=(stream,)) for stream in (True, True, False)]
+        for thread in threads:
+            thread.start()
+        started.wait()
+        process.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+        process.send_signal(signal.SIGINT)
+        for thread in threads:
+            thread.join(timeout=120)
+        assert process.wait(timeout=120) == 0, process.stderr.read().decode()[-2000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.stderr.read().decode().splitlines()[1:] == [
+        "shutting down: finishing running requests (at most 600 s)", "shutting down now: ending running requests"]
+    [plain] = [answer for answer in answers if isinstance(answer, httpx.Response)]
+    assert plain.status_code == 200 and plain.json()["choices"][0]["finish_reason"] == "abort"
+    streams = [answer for answer in answers if isinstance(answer, list)]
+    assert len(streams) == 2 and all(lines[-1] == "data: [DONE]" for lines in streams)
+    assert all(json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "abort" for lines in streams)
+
+
+@pytest.mark.slow
 def test_verbose_logs_a_line_a_request_on_stderr(checkpoint):
     """run_generation.py --serve --verbose: uvicorn's line per request goes to stderr with the other logs (uvicorn
     writes it to stdout); stdout stays empty."""
