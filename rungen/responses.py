@@ -624,7 +624,7 @@ async def create_response(service, http_request, body):
         output = Output(plan)
         output.message(choice["message"], (choice.get("logprobs") or {}).get("content"))
         status = status_of(choice["finish_reason"])
-        output.close("incomplete" if status == "incomplete" else "completed")
+        output.close("completed" if status == "completed" else "incomplete")  # failed: the item was cut short
         response = plan.response(status, output.items, plan.usage(result["usage"], output.items),
                                  FAILED if status == "failed" else None)
         plan.keep(response)
@@ -663,7 +663,7 @@ async def events(plan, chunks):
     if not output.items and status != "failed":  # an empty reply: an empty message, as a plain reply has
         for event in output.text(""):
             yield event
-    for event in output.close("incomplete" if status == "incomplete" else "completed"):
+    for event in output.close("completed" if status == "completed" else "incomplete"):
         yield event
     usage = plan.usage(usage, output.items) if usage else None
     response = plan.response(status, output.items, usage, error or (FAILED if status == "failed" else None))

@@ -402,6 +402,26 @@ def test_a_stream_that_fails_ends_with_its_error_and_response_failed(served, cli
     assert create(client, max_output_tokens=2).output_text  # the server goes on
 
 
+def test_a_response_the_server_cuts_short_fails_with_its_message_incomplete(served):
+    """A reply ended by the server (its shutdown's abort, here the row cancelled on the engine's side): the response
+    fails, and the message it cut is "incomplete", as OpenAI lists an item cut short, never "completed"."""
+    import httpx
+
+    body = {"model": MODEL_ID, "input": ASK, "max_output_tokens": 2000, "temperature": 0, "stream": True}
+    data = []
+    with httpx.stream("POST", served.url + "/v1/responses", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                data.append(json.loads(line[len("data: "):]))
+            if line == "event: response.output_text.delta" and len(data) < 6:
+                for row in list(served.engine.batch.rows):
+                    row.request.cancelled = True
+    assert data[-1]["type"] == "response.failed"
+    [done] = [event for event in data if event["type"] == "response.output_item.done"]
+    assert done["item"]["type"] == "message" and done["item"]["status"] == "incomplete"
+    assert [item["status"] for item in data[-1]["response"]["output"]] == ["incomplete"]
+
+
 def test_a_client_dropping_mid_stream_frees_its_rows(served, client):
     import httpx
 
