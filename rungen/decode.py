@@ -63,7 +63,7 @@ class DecodeBatch:
                 rows = [request.back(start)]
             else:
                 request.reused = reused
-                rows = request_rows(request, logits.shape[-1], logits.device, self.reporter.prompt_tail_text(ids),
+                rows = request_rows(request, logits.shape[-1], logits.device, self.reporter.prompt_tail(ids),
                                     start)
             if done.part is None:
                 joined, firsts = joined + rows, firsts + [logits.expand(request.n, -1)]

@@ -19,6 +19,19 @@ import torch
 CONTEXT_TOKENS = 4  # ids decoded before a token to get its text in context (a leading space, a UTF-8 tail)
 
 
+def from_a_character(tokenizer, ids: list[int], start: int, end: int) -> tuple[int, str]:
+    """(start, text): ids[start:end] decoded, `start` moved back by up to three tokens where the decoding would begin
+    inside a character (SentencePiece's byte tokens: a run of them decoded from its middle is all U+FFFD, the valid
+    bytes after the cut too)."""
+    text = tokenizer.decode(ids[start:end], skip_special_tokens=True)
+    for _ in range(3):
+        if start == 0 or not text.startswith("\ufffd"):
+            break
+        start -= 1
+        text = tokenizer.decode(ids[start:end], skip_special_tokens=True)
+    return start, text
+
+
 def token_text(tokenizer, before: list[int], token_id: int, head: str | None = None,
                special: set[int] | None = None) -> str:
     """The text `token_id` adds after the ids `before`, decoded in context (SentencePiece drops a leading space at
@@ -85,8 +98,9 @@ def content_items(tokenizer, context: list[int], ids: list[int], chosen: list[fl
                 "bytes": [] if token in special else token_bytes(tokenizer, token, text)}
 
     for position, (token_id, logprob) in enumerate(zip(ids, chosen)):
-        before = sequence[max(0, offset + position - CONTEXT_TOKENS) : offset + position]
-        head = tokenizer.decode(before, skip_special_tokens=True) if before else None
+        start, head = from_a_character(tokenizer, sequence, max(0, offset + position - CONTEXT_TOKENS),
+                                       offset + position)
+        before, head = sequence[start : offset + position], head or None
         alternatives = [item(alt_id, value, before, head)
                         for alt_id, value in zip(top_ids[position], top_values[position])]
         items.append({**item(token_id, logprob, before, head), "top_logprobs": alternatives})

@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from .logprobs import content_items
+from .logprobs import content_items, from_a_character
 from .reasoning import BudgetCount
 from .requests import Delta, Finish, Request
 from .sampling import Reading, RowState, accept, choose
@@ -24,7 +24,7 @@ class Row:
     position: int  # real tokens so far (the next position id)
     generated: list = dataclasses.field(default_factory=list)  # the token ids chosen so far
     emitted: int = 0  # characters of the continuation sent so far
-    prompt_tail_text: str = ""  # the decoding of the prompt's last tokens (the continuation is what follows it)
+    prompt_tail: tuple[int, str] = (0, "")  # the prompt's last tokens (how many) decoded: the continuation follows
     matcher: object = None
     thinking: BudgetCount | None = None  # its thinking against the request's budget
     last_time: float = 0.0
@@ -67,13 +67,13 @@ class Resume:
         return self.row
 
 
-def request_rows(request: Request, width: int, device: torch.device, prompt_tail_text: str, start: float) -> list:
+def request_rows(request: Request, width: int, device: torch.device, prompt_tail: tuple, start: float) -> list:
     """A prefilled request's rows, one a choice: each with its sampling state (`width`: the vocabulary's on
     `device`) and its grammar's matcher (once any reasoning has ended)."""
     rows = []
     for index in range(request.n):
         state = RowState(request.sampling, request.ids, width, device, index)
-        row = Row(request, index, state, len(request.ids), prompt_tail_text=prompt_tail_text, last_time=start)
+        row = Row(request, index, state, len(request.ids), prompt_tail=prompt_tail, last_time=start)
         if request.constraint is not None and not request.reasoning_end:
             row.matcher = request.constraint.matcher()
         if request.thinking_budget is not None:
@@ -130,9 +130,12 @@ class Reporter:
     def __init__(self, tokenizer, tokenizer_lock, eos_ids):
         self.tokenizer, self.tokenizer_lock, self.eos_ids = tokenizer, tokenizer_lock, eos_ids
 
-    def prompt_tail_text(self, ids):
+    def prompt_tail(self, ids):
+        """(how many, their text): the prompt's last tokens, from a character's start, that the continuation is
+        decoded after."""
         with self.tokenizer_lock:
-            return self.tokenizer.decode(ids[-TAIL_TOKENS:], skip_special_tokens=True)
+            start, text = from_a_character(self.tokenizer, ids, max(0, len(ids) - TAIL_TOKENS), len(ids))
+        return len(ids) - start, text
 
     def report(self, row, token, logprob):
         """Sends the text this token adds (holding back a possible stop string's start or an unfinished character)
@@ -154,7 +157,9 @@ class Reporter:
         # Decoded every step only where read (a stream, or stop strings to find): the decode grows with the tokens.
         text = self.continuation(row) if request.deltas or request.stop else None
         reason = matched = None
-        cuts = [(text.index(stop), stop) for stop in request.stop if stop in text] if text is not None else []
+        # Not in a trailing U+FFFD: an unfinished character's stand-in, which the next token may replace.
+        settled = text.rstrip("\ufffd") if text is not None else None
+        cuts = [(settled.index(stop), stop) for stop in request.stop if stop in settled] if text is not None else []
         if cuts:
             cut, matched = min(cuts, key=lambda found: found[0])
             text, reason = text[:cut], "stop"
@@ -186,9 +191,11 @@ class Reporter:
     def continuation(self, row):
         """The text of the row's new tokens, decoded after the prompt's last tokens and cut after them."""
         with self.tokenizer_lock:
-            whole = self.tokenizer.decode(row.request.ids[-TAIL_TOKENS:] + row.generated, skip_special_tokens=True)
-            if whole.startswith(row.prompt_tail_text):
-                return whole[len(row.prompt_tail_text) :]
+            count, head = row.prompt_tail
+            ids = row.request.ids
+            whole = self.tokenizer.decode(ids[len(ids) - count :] + row.generated, skip_special_tokens=True)
+            if whole.startswith(head):
+                return whole[len(head) :]
             return self.tokenizer.decode(row.generated, skip_special_tokens=True)
 
 

@@ -208,3 +208,45 @@ def test_the_template_environment_is_transformers(caches, tmp_path):
             for tools in (None, TOOLS):
                 render_both(mine, theirs, conversation, add_generation_prompt=generation, tools=tools)
     assert render_both(mine, theirs, [{"role": "user", "content": "refuse"}]) == ("refused", "refused: user")
+
+
+def test_a_continuation_after_sentencepiece_byte_tokens_keeps_its_text(caches):
+    """Gemma's and Llama-2's vocabularies spell a character they lack as byte tokens (<0xE6>...), and a run of them
+    decoded from its middle is all U+FFFD, valid bytes after the cut too: the engine's rows decode their tokens
+    after the prompt's last ones from a character's start, so a reply after a long run of them (a CJK prompt) keeps
+    its text; a stop string never matches the U+FFFD that stands for an unfinished character; log-probabilities
+    name each token's own text."""
+    import threading
+
+    from rungen.logprobs import content_items
+    from rungen.requests import Request
+    from rungen.rows import TAIL_TOKENS, Reporter, Row
+    from rungen.sampling import Sampling
+
+    tokenizer = GGUFTokenizer(caches["gemma2_spm"])
+    byte = {value: tokenizer.convert_tokens_to_ids(f"<0x{value:02X}>") for value in range(256)}
+    text = "日本語のテキスト日本語"  # 11 characters of 3 bytes: the last 32 tokens start inside the first
+    prompt = tokenizer.encode("Say:", add_special_tokens=False) + [byte[value] for value in text.encode()]
+    assert len(text.encode()) == TAIL_TOKENS + 1 and tokenizer.decode(prompt[-TAIL_TOKENS:]).startswith("\ufffd")
+    reporter = Reporter(tokenizer, threading.Lock(), set())
+    newline = byte[0x0A]
+
+    def row_of(stop=()):
+        request = Request(prompt, 8, Sampling(temperature=0), lambda event: None, stop=stop)
+        return Row(request, 0, None, len(prompt), prompt_tail=reporter.prompt_tail(prompt))
+
+    row = row_of()
+    row.generated = [newline] * 3
+    assert reporter.continuation(row) == "\n\n\n"
+    # an emoji's first two bytes: held as U+FFFD, which the stop string "\ufffd" must not take for text
+    row = row_of(stop=("\ufffd", "🐦"))
+    for value in "\n🐦".encode()[:3]:
+        row.generated.append(byte[value])
+        reporter.report(row, row.generated[-1], None)
+        assert row.finish is None
+    for value in "\n🐦".encode()[3:]:
+        row.generated.append(byte[value])
+        reporter.report(row, row.generated[-1], None)
+    assert row.finish.reason == "stop" and row.finish.stop == "🐦" and row.finish.text == "\n"
+    items = content_items(tokenizer, prompt, [newline], [0.0], [[]], [[]])
+    assert items[0]["token"] == "\n" and items[0]["bytes"] == [10]
