@@ -55,7 +55,7 @@ from rungen.generation import (
     quiet_transformers_own_calls,
 )
 from rungen.gguf import holds_blocks, native_kernels
-from rungen.interrupt import CtrlC
+from rungen.interrupt import CtrlC, signal_children
 from rungen.loading import load
 from rungen.output import Writer, print_stream_header
 from rungen.prompts import encode_prompt, prepare_model, read_prompts, warn_short_room
@@ -360,6 +360,7 @@ def command():
 
     def as_ctrl_c(signum, frame):  # SIGTERM (timeout, a scheduler, docker stop) keeps what came, as Ctrl-C does
         terminated.append(signum)
+        signal_children(signum)  # a kernel build's ninja, which stops its compilers
         signal.raise_signal(signal.SIGINT)
 
     signal.signal(signal.SIGTERM, as_ctrl_c)

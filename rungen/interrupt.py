@@ -3,6 +3,7 @@ next step (the engine's requests cancelled; generate() stopped by this object, a
 caller keeps and writes what came; a second raises KeyboardInterrupt at once."""
 
 import contextlib
+import os
 import signal
 import threading
 
@@ -59,3 +60,27 @@ class CtrlC:
             yield self
         finally:
             signal.signal(signal.SIGINT, previous)
+
+
+def signal_children(signum) -> None:
+    """Sends `signum` to this process's descendants (Linux's /proc; none found elsewhere): a signal sent to this
+    process alone (SIGTERM from `timeout`, a scheduler) reaches a kernel build's ninja and its compilers, which a
+    terminal's Ctrl-C reaches by itself (the whole process group)."""
+    parents = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    stat = f.read()
+                parents[int(entry)] = int(stat[stat.rindex(b")") + 2 :].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue  # gone meanwhile
+    family, grown = {os.getpid()}, True
+    while grown:
+        more = {pid for pid, parent in parents.items() if parent in family} - family
+        family, grown = family | more, bool(more)
+    for pid in family - {os.getpid()}:
+        try:
+            os.kill(pid, signum)
+        except OSError:
+            continue

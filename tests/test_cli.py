@@ -3,6 +3,7 @@
 import logging
 import re
 import sys
+import time
 
 import pytest
 import torch
@@ -274,3 +275,30 @@ def test_once_interrupted_another_signal_ends_the_process_at_once(monkeypatch, c
         signal.signal(signal.SIGINT, handlers[0])
         signal.signal(signal.SIGTERM, handlers[1])
     assert capsys.readouterr().err.splitlines() == ["run_generation.py: interrupted"] * 2
+
+
+def test_sigterm_reaches_what_the_tool_started(tmp_path):
+    """SIGTERM sent to the tool alone (timeout, a scheduler) is passed on to its children and theirs, as a kernel
+    build's ninja and its compilers: none is left running when the tool ends."""
+    import signal
+    import subprocess
+
+    from rungen.interrupt import signal_children
+
+    shell = subprocess.Popen(["sh", "-c", "sleep 60 & echo $!; wait"], stdout=subprocess.PIPE, text=True)
+    grandchild = int(shell.stdout.readline())
+    try:
+        signal_children(signal.SIGTERM)
+        assert shell.wait(timeout=10) == -signal.SIGTERM
+        for _ in range(100):
+            with open(f"/proc/{grandchild}/stat") as f:  # a zombie until init reaps it: gone or dead
+                if f.read().split(")")[1].split()[0] == "Z":
+                    break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("the grandchild still runs")
+    except FileNotFoundError:
+        pass  # reaped
+    finally:
+        if shell.poll() is None:
+            shell.kill()

@@ -4,6 +4,7 @@ their sources, their flags and torch's version, loaded from the cache afterwards
 from __future__ import annotations
 
 import fcntl
+import glob
 import hashlib
 import logging
 import os
@@ -61,6 +62,8 @@ def build_kernels(verbose: bool = False) -> str:
             log = logging.getLogger("run_generation")
             log.log(NOTICE, "Building the native GGUF kernels (once: about a minute; cached in %s)", cache)
             start = time.perf_counter()
+            for stale in glob.glob(os.path.join(cache, "build-*")):  # a build killed outright (the lock is ours)
+                shutil.rmtree(stale, ignore_errors=True)
             build = tempfile.mkdtemp(prefix="build-", dir=cache)
             try:
                 name = f"rungen_ggml_{key}"
