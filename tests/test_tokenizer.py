@@ -56,6 +56,9 @@ def caches(tmp_path_factory):
     for family in ("gemma2", "gemma3"):
         paths[f"{family}_spm"] = write_family_gguf(folder / f"{family}_spm.gguf", family, gemma_tokenizer_fields())
     paths["default"] = default_model_file()
+    # StableLM 2's files: tokenizer.ggml.pre "stablelm2", which transformers' GGUF reading has no split for
+    stablelm2 = [(key, "stablelm2" if key == "tokenizer.ggml.pre" else value, *types) for key, value, *types in fields]
+    paths["stablelm2"] = write_llama_gguf(folder / "stablelm2.gguf", stablelm2, **LLAMA_FILES["q4_0_untied"])
     return {name: GGUFHeader(path).cache_dir for name, path in paths.items()}
 
 
@@ -250,3 +253,25 @@ def test_a_continuation_after_sentencepiece_byte_tokens_keeps_its_text(caches):
     assert row.finish.reason == "stop" and row.finish.stop == "🐦" and row.finish.text == "\n"
     items = content_items(tokenizer, prompt, [newline], [0.0], [[]], [[]])
     assert items[0]["token"] == "\n" and items[0]["bytes"] == [10]
+
+
+def test_the_files_pre_tokenizer_splits_as_llama_cpp_splits(caches):
+    """tokenizer.ggml.pre names how text is split before the merges: SmolLM's ("smollm", the default model) puts
+    every numeral on its own, then splits as GPT-2 (llama.cpp's llama-vocab.cpp, and SmolLM's own tokenizer.json),
+    which transformers' GGUF reading, lacking "smollm", would not; StableLM 2's splits as Qwen2's."""
+    def pieces(name, text):
+        tokenizer = GGUFTokenizer(caches[name])
+        return tokenizer.convert_ids_to_tokens(tokenizer.encode(text, add_special_tokens=False))
+
+    assert pieces("default", "x = 12345") == ["x", "Ġ=", "Ġ", "1", "2", "3", "4", "5"]
+    arabic = pieces("default", "عام ٢٠٢٤")  # Arabic-Indic digits: two bytes each, none merged with another
+    assert arabic[arabic.index("Ġ") + 1 :] == ["Ù", "¢", "Ù", "ł", "Ù", "¢", "Ù", "¤"]
+    assert "Ġâ" not in pieces("default", "Chapter Ⅻ")  # the space is not merged into the numeral
+    def split(name, text):
+        from tokenizers import Tokenizer
+
+        backend = Tokenizer.from_file(os.path.join(caches[name], "tokenizer.json"))
+        return [piece for piece, _ in backend.pre_tokenizer.pre_tokenize_str(text)]
+
+    assert split("stablelm2", "x!Hello 12") == ["x", "!Hello", "Ġ", "1", "2"]  # Qwen2's: a mark joins its word
+    assert split("default", "x!Hello 12") == ["x", "!", "Hello", "Ġ", "1", "2"]

@@ -46,7 +46,7 @@ from .weights import FLOAT_TYPES, GGUFError, WeightReader, as_torch, split_hint
 logger = logging.getLogger("run_generation")
 
 # Bump when what the header cache holds changes meaning (transformers' version is part of the key too).
-HEADER_CACHE_VERSION = 3
+HEADER_CACHE_VERSION = 4
 
 
 @contextlib.contextmanager
@@ -90,6 +90,35 @@ def metadata_parsed_once(weights: bool = True):
     finally:
         gguf_utils.load_gguf_checkpoint, gguf.GGUFReader, gguf.get_tensor_name_map = original, reader_class, name_map
         gguf_utils.tqdm = bar
+
+
+# llama.cpp's pre-tokenizers (llama-vocab.cpp's regex_exprs) that transformers' GGUF reading lacks, for which it
+# splits as GPT-2 does: each numeral alone first, then GPT-2's split.
+NUMERALS_FIRST = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
+QWEN2_SPLIT = {"stablelm2"}  # Qwen2's regex, as llama.cpp's STABLELM2
+
+
+def mend_pre_tokenizer(tokenizer, path: str) -> None:
+    """Gives a byte-level BPE tokenizer the split its file's tokenizer.ggml.pre names where transformers' GGUF
+    reading has none for it (NUMERALS_FIRST, QWEN2_SPLIT): SmolLM's file (the default model) splits each numeral on
+    its own, as llama.cpp and SmolLM's own tokenizer.json do."""
+    from tokenizers import Regex, pre_tokenizers
+    from transformers.integrations.gguf import gguf_tokenizer_mapping
+    from transformers.integrations.gguf.reader import read_gguf_metadata
+
+    metadata, _ = read_gguf_metadata(path)
+    pre = metadata.get("tokenizer.ggml.pre")
+    if metadata.get("tokenizer.ggml.model") != "gpt2" or pre in gguf_tokenizer_mapping.GGUF_PRE_TOKENIZER_SPLITS:
+        return
+    if pre in NUMERALS_FIRST:
+        steps = [pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"),
+                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+    elif pre in QWEN2_SPLIT:
+        steps = [pre_tokenizers.Split(Regex(gguf_tokenizer_mapping._QWEN2_SPLIT), behavior="isolated"),
+                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    else:
+        return
+    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(steps)
 
 
 def complete_config(path: str, config: dict) -> None:
@@ -287,6 +316,7 @@ class GGUFHeader:
             with metadata_parsed_once(weights=False):
                 config = AutoConfig.from_pretrained(directory, gguf_file=file)
                 tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=file)
+            mend_pre_tokenizer(tokenizer, self.path)
         except GGUFError:
             raise
         except Exception as error:  # transformers: ValueError for an architecture it cannot read, and others
