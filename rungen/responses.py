@@ -99,7 +99,7 @@ class Plan:
                 raise APIError("instructions must be a string", "instructions")
             messages.append({"role": "system", "content": body["instructions"]})
             self.origins.append("instructions")
-        messages += self.messages_of(self.history, "the previous response's items")
+        messages += self.messages_of(self.history, HISTORY)
         messages += self.messages_of(self.input, "input")
         if not messages:
             raise APIError("input must be a string or a non-empty list of items", "input")
@@ -172,8 +172,11 @@ class Plan:
             if kind == "message":
                 messages.append({"role": item["role"], "content": item_text(item, "")})
             elif kind == "function_call":
+                arguments = item["arguments"]
+                if item.get("status") == "incomplete" and not whole_json(arguments):
+                    arguments = "{}"  # a call max_output_tokens cut: given back as called with nothing, as Messages'
                 call = {"id": item["call_id"], "type": "function",
-                        "function": {"name": item["name"], "arguments": item["arguments"]}}
+                        "function": {"name": item["name"], "arguments": arguments}}
                 joined = bool(messages) and messages[-1]["role"] == "assistant"
                 if joined:
                     messages[-1].setdefault("tool_calls", []).append(call)
@@ -608,6 +611,7 @@ def status_of(finish_reason):
 
 
 FAILED = {"code": "server_error", "message": "the server stopped before the response finished"}
+HISTORY = "the previous response's items"
 
 
 async def create_response(service, http_request, body):
@@ -660,6 +664,9 @@ async def events(plan, chunks):
     finally:
         await chunks.aclose()
     status = "failed" if error else status_of(finish)
+    if status == "failed" and error is None:  # ended by the server (shutdown): the error event comes first
+        error = dict(FAILED)
+        yield output.event("error", code=error["code"], message=error["message"], param=None)
     if not output.items and status != "failed":  # an empty reply: an empty message, as a plain reply has
         for event in output.text(""):
             yield event

@@ -402,6 +402,38 @@ def test_a_stream_that_fails_ends_with_its_error_and_response_failed(served, cli
     assert create(client, max_output_tokens=2).output_text  # the server goes on
 
 
+def test_a_call_max_output_tokens_cut_does_not_block_the_chain(client):
+    """A stored response whose function call max_output_tokens cut (its arguments no whole JSON): the next turn by
+    previous_response_id answers the call, the cut call given back as called with nothing ({}), as /v1/messages
+    gives one back; moving on without answering it is refused as for any call (OpenAI's "No tool output found");
+    an item the client sends with broken arguments is still refused."""
+    for limit in range(4, 40):  # the first limit that cuts the call inside its arguments
+        cut = create(client, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
+                     max_output_tokens=limit)
+        if [item.type for item in cut.output] == ["function_call"] and not whole(cut.output[0].arguments):
+            break
+    [call] = cut.output
+    assert cut.status == "incomplete" and call.status == "incomplete" and not whole(call.arguments)
+    answered = create(client, previous_response_id=cut.id, tools=[WEATHER], max_output_tokens=4,
+                      input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    assert answered.output_text
+    with pytest.raises(openai.BadRequestError) as unanswered:
+        create(client, previous_response_id=cut.id, input="Never mind.", max_output_tokens=4)
+    assert "answered by no" in unanswered.value.body["message"]
+    items = [{"role": "user", "content": ASK}, {**call.model_dump(exclude_none=True), "status": "completed"}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        create(client, input=items, max_output_tokens=4)
+    assert refused.value.body["param"] == "input" and "not valid JSON" in refused.value.body["message"]
+
+
+def whole(text):
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
 def test_a_response_the_server_cuts_short_fails_with_its_message_incomplete(served):
     """A reply ended by the server (its shutdown's abort, here the row cancelled on the engine's side): the response
     fails, and the message it cut is "incomplete", as OpenAI lists an item cut short, never "completed"."""
@@ -416,7 +448,10 @@ def test_a_response_the_server_cuts_short_fails_with_its_message_incomplete(serv
             if line == "event: response.output_text.delta" and len(data) < 6:
                 for row in list(served.engine.batch.rows):
                     row.request.cancelled = True
-    assert data[-1]["type"] == "response.failed"
+    kinds = [event["type"] for event in data]
+    assert kinds[-1] == "response.failed" and kinds.count("error") == 1  # its error event first, as documented
+    assert kinds.index("error") < kinds.index("response.output_item.done")
+    assert data[kinds.index("error")]["code"] == data[-1]["response"]["error"]["code"] == "server_error"
     [done] = [event for event in data if event["type"] == "response.output_item.done"]
     assert done["item"]["type"] == "message" and done["item"]["status"] == "incomplete"
     assert [item["status"] for item in data[-1]["response"]["output"]] == ["incomplete"]
