@@ -498,11 +498,10 @@ def test_quantizing_while_loading_equals_quantizing_after(tiny_models, model_typ
     assert run_generation.main(args) == streamed
 
 
-@pytest.mark.parametrize("name", FILES)
-def test_the_accelerator_form_is_the_dequantized_model(loaded, name):
-    # What a GPU runs (build_model given a device, here the CPU): transformers' model with every weight de-quantized
-    # onto the device, no block left; in float32 the very weights of --dequantize's model, in bfloat16 those rounded.
-    header, _, reference = loaded[name]
+def accelerator_forms(header, reference):
+    """What a GPU runs (build_model given a device, here the CPU): transformers' model with every weight de-quantized
+    onto the device, no block left; in float32 the very weights of --dequantize's model, in bfloat16 those rounded.
+    Returns the bfloat16 model."""
     batch = header.tokenizer(PROMPTS[:2], return_tensors="pt", padding=True)
     real = batch["attention_mask"].bool()
     with torch.no_grad():
@@ -514,6 +513,13 @@ def test_the_accelerator_form_is_the_dequantized_model(loaded, name):
             ours = model(**batch).logits.float()
             error = (ours - theirs)[real].abs().max()
             assert error <= tolerance * theirs[real].abs().max(), (dtype, error)
+    return model
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_the_accelerator_form_is_the_dequantized_model(loaded, name):
+    header, _, reference = loaded[name]
+    model = accelerator_forms(header, reference)
     if header.config.tie_word_embeddings:
         assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # one copy
 
@@ -814,18 +820,8 @@ def test_a_gpt2_files_accelerator_form_is_the_dequantized_model(gpt2_loaded, nam
     from transformers.pytorch_utils import Conv1D
 
     header, _, reference = gpt2_loaded[name]
-    batch = header.tokenizer(PROMPTS[:2], return_tensors="pt", padding=True)
-    real = batch["attention_mask"].bool()
-    with torch.no_grad():
-        theirs = reference(**batch).logits
-        for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 0.05)):
-            model = build_model(header, dtype, torch.device("cpu"))
-            assert not [m for m in model.modules() if isinstance(m, (GGMLLinear, GGMLEmbedding, CastLinear))]
-            assert {p.dtype for p in model.parameters()} == {dtype}
-            assert sum(isinstance(m, Conv1D) for m in model.modules()) == 4 * LAYERS
-            ours = model(**batch).logits.float()
-            error = (ours - theirs)[real].abs().max()
-            assert error <= tolerance * theirs[real].abs().max(), (dtype, error)
+    model = accelerator_forms(header, reference)
+    assert sum(isinstance(m, Conv1D) for m in model.modules()) == 4 * LAYERS
 
 
 def test_a_gpt2_files_conv1d_layers_and_head_keep_their_codes_on_a_gpu(gpt2_loaded, monkeypatch):
