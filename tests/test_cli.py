@@ -103,8 +103,11 @@ def test_prefix_conditions_generation_but_is_not_printed(tiny_models, capsys):
     with_prefix = run_generation.main(base + ["--prompt", PROMPT, "--prefix", prefix])[0]
     joined = run_generation.main(base + ["--prompt", prefix + PROMPT])[0]
     assert with_prefix == PROMPT + joined[len(prefix + PROMPT) :]
-    # --padding_text is the original script's deprecated name for the same thing.
+    # --padding_text is the original script's deprecated name for the same thing: one or the other.
     assert run_generation.main(base + ["--prompt", PROMPT, "--padding_text", prefix])[0] == with_prefix
+    both = run_main(base + ["--prompt", PROMPT, "--padding_text", prefix, "--prefix", prefix])
+    assert both.returncode == 2 and error_line(both).endswith("--padding_text is the original script's name for "
+                                                             "--prefix; choose one")
 
 
 def test_num_return_sequences(tiny_models):
@@ -151,6 +154,38 @@ def test_xlm_language_is_required_without_a_terminal(tiny_models):
     other = run_main(["--model_name_or_path", tiny_models["gpt2"], "--prompt", PROMPT, "--xlm_language", "fr"])
     assert other.returncode == 2 and "--xlm_language chooses an XLM model's language; this model is gpt2" in \
         error_line(other)
+
+
+def test_xlm_language_where_the_model_has_no_language_embeddings(tiny_models, tmp_path):
+    # xlm-mlm-17-1280's and xlm-mlm-100-1280's layout: use_lang_emb false, so no language to choose
+    import json
+    import shutil
+
+    path = tmp_path / "xlm"
+    shutil.copytree(tiny_models["xlm"], path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "use_lang_emb": False}))
+    args = ["--model_name_or_path", str(path), "--prompt", PROMPT, "--length", "3"]
+    assert run_main(args).returncode == 0
+    refused = run_main(args + ["--xlm_language", "de"])
+    assert refused.returncode == 2 and error_line(refused).endswith("--xlm_language: this XLM model has no language "
+                                                                   "embeddings to choose from")
+
+
+def test_xlnet_runs_in_float32_only(tiny_models):
+    # transformers' XLNet builds its positional encoding in float32: half precision is refused in one line, not a
+    # traceback from inside the model (auto keeps float32, on a GPU too)
+    result = run_main(["--model_name_or_path", tiny_models["xlnet"], "--prompt", PROMPT, "--fp16"])
+    assert result.returncode == 2 and "--dtype float16: xlnet runs in float32 only" in error_line(result)
+    config = type("Config", (), {"model_type": "xlnet", "dtype": torch.float32})()
+    assert resolve_dtype("auto", config, torch.device("cpu")) == torch.float32
+
+
+def test_a_length_past_the_context_is_said(tiny_models, caplog, capsys):
+    # gpt2's context is 128: --length 1000 ends there, with the notice --length 128 gets
+    with caplog.at_level(logging.WARNING, logger="run_generation"):
+        run_generation.main(tiny_args(tiny_models, "gpt2", "--prompt", PROMPT, "--length", "1000"))
+    assert "new tokens --length asks for" in caplog.text and "of the 1000 new tokens" in caplog.text
 
 
 def test_length_is_clamped_to_the_context(tiny_models, capsys):

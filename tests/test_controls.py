@@ -285,6 +285,17 @@ def test_bad_generation_config_is_one_line_and_exit_2(tmp_path, values, message)
     assert result.returncode == 2 and err.count("\n") == 1 and message in err, err
 
 
+@pytest.mark.parametrize("flag", [["--temperature", "0.5"], ["--k", "5"], ["--p", "0.5"],
+                                  ["--repetition_penalty", "1.5"], ["--stop_token", "x"], ["--min_p", "0.1"],
+                                  ["--typical_p", "0.5"], ["--no_repeat_ngram_size", "2"], ["--jit"]])
+def test_scoring_refuses_flags_for_generated_text(flag):
+    # --length 0 generates nothing: a flag that only acts on generated text would be silently idle
+    result = run_main(["--length", "0", "--logprobs", "0", "--output_format", "jsonl", "--prompt", "x", *flag])
+    err = result.stderr.decode()
+    assert result.returncode == 2 and err.count("\n") == 1, err
+    assert f"{flag[0]} applies to generated text; --length 0 scores the prompts and generates none" in err
+
+
 def one_line_exit(argv, capsys):
     """The tool on argv must end with exit 2 and a single line on stderr after the log lines; returns that line."""
     result = run_main(argv)
