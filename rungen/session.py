@@ -513,7 +513,9 @@ class Session:
     def encode(self, text):
         """This turn's prompt, encoded (with a template, the conversation fitted to the context, dropped turns gone
         for good); PromptError if it cannot be generated."""
-        user, dropped = {"role": "user", "content": text}, 0
+        # --prefix on each user turn, as --prompt --chat takes it (kept so in the history: the next turn's prompt
+        # starts as this one's did, and its keys/values are reused)
+        user, dropped = {"role": "user", "content": self.prefix + text if self.chat else text}, 0
         if not self.chat:
             prompt = Prompt(len(self.replies), text)
         else:

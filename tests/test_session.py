@@ -288,6 +288,24 @@ def test_a_reply_up_to_the_context_keeps_the_conversation(chat_llama, capsys):
         in said
 
 
+def test_prefix_reaches_every_turn_of_a_conversation(chat_llama, tokenizer, capsys):
+    # --prefix in a chat session: each user turn carries it, as --prompt --chat's one message does (it was dropped)
+    import torch
+
+    from rungen.generation import Settings
+    from rungen.loading import load
+    from rungen.prompts import Prompt, encode_prompt
+    from rungen.session import Session
+
+    loaded = load(chat_llama, device=torch.device("cpu"))
+    session = Session(loaded, Settings(chat=True, length=4), prefix="Answer in French. ")
+    prompt, user = session.encode("Where is Paris?")
+    assert user == {"role": "user", "content": "Answer in French. Where is Paris?"}
+    one_shot = encode_prompt(loaded, Prompt(0, "Where is Paris?"), "Answer in French. ", True)
+    assert prompt.ids == one_shot and len(one_shot) == conversation_tokens(tokenizer, [user])
+    capsys.readouterr()
+
+
 def test_a_reply_stopped_before_its_first_token_leaves_no_turn(chat_llama, capsys, monkeypatch):
     # Ctrl-C during a long prompt's prefill acts once it ends, before any token: no empty reply is kept (nor read
     # back by /save), and the conversation is as it was.
