@@ -7,7 +7,7 @@ import dataclasses
 import sys
 from typing import TYPE_CHECKING
 
-from . import logger, strict_json
+from . import NOTICE, logger, strict_json
 from .conversation import MessageError, read_conversation
 from .errors import PromptError, UsageError
 
@@ -137,13 +137,12 @@ def carried_fields_problem(record: dict) -> str | None:
 HAND_PREPARED_TYPES = ("ctrl", "xlm", "xlnet")
 
 
-def warn_without_control_code(tokenizer, text: str) -> None:
+def warn_without_control_code(tokenizer, text: str, index: int) -> None:
     """CTRL generates well only from a control code (Links, Books, ...) at the start."""
     encoded_prompt = tokenizer.encode(text, add_special_tokens=False)
     if not any(encoded_prompt[:1] == [x] for x in tokenizer.control_codes.values()):
-        logger.warning(
-            "WARNING! You are not starting your generation from a control code so you won't get good results"
-        )
+        logger.warning("WARNING! You are not starting your generation from a control code so you won't get good "
+                       "results%s", f" (prompt {index + 1})" if index else "")
 
 
 def prepare_xlnet_input(text: str, prefix: str) -> str:
@@ -170,7 +169,7 @@ def select_xlm_language(model, language: str) -> None:
 def prepare_model(loaded: Loaded, *, temperature: float, xlm_language: str = "") -> None:
     """What the original script asked or said once per run, before any prompt is encoded."""
     if loaded.model_type == "ctrl" and temperature > 0.7:
-        logger.info("CTRL typically works better with lower temperatures (and lower top_k).")
+        logger.log(NOTICE, "CTRL typically works better with lower temperatures (and lower top_k).")
     if loaded.model_type == "xlm":
         select_xlm_language(loaded.model, xlm_language)
     elif xlm_language:
@@ -220,7 +219,7 @@ def encode_prompt(loaded: Loaded, prompt: Prompt, prefix: str = "", chat: bool =
         text = prompt.text
         text = prepare_xlnet_input(text, prefix) if loaded.model_type == "xlnet" else prefix + text
         if loaded.model_type == "ctrl":
-            warn_without_control_code(tokenizer, text)
+            warn_without_control_code(tokenizer, text, prompt.index)
         # Llama's and OPT's BOS, but not XLNet's and XLM's, which go at the end where nothing could follow.
         special = loaded.model_type not in HAND_PREPARED_TYPES if add_special_tokens is None else add_special_tokens
     ids = tokenizer.encode(text, add_special_tokens=special)

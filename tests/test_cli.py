@@ -136,6 +136,12 @@ def test_ctrl_warns_without_a_control_code(tiny_models):
     assert result.returncode == 0
     assert "control code" in result.stderr.decode()
     assert "control code" not in result.stdout.decode()
+    # as the original script said it: the temperature hint shown (the default 1.0 is over 0.7), and piped prompts
+    # each named in their warning
+    assert "CTRL typically works better with lower temperatures" in result.stderr.decode()
+    piped = run_main(tiny_args(tiny_models, "ctrl", "--length", "2"), stdin=f"{PROMPT}\n{PROMPT}\n")
+    warnings = [line for line in piped.stderr.decode().splitlines() if "control code" in line]
+    assert len(warnings) == 2 and warnings[1].endswith("(prompt 2)"), warnings
 
 
 def test_settings_past_what_torch_can_hold_are_one_line(tiny_models):
