@@ -346,6 +346,17 @@ def thinking_token_budget(body, delimiters):
     return budget
 
 
+async def called(engine, future, what):
+    """The result of an engine.call(), or a 503 where the engine stopped (shutdown's grace over) before running it:
+    it cancels the calls it has not run."""
+    try:
+        return await asyncio.wrap_future(future)
+    except asyncio.CancelledError:
+        if not engine.stopped:
+            raise
+        raise APIError(f"the server stopped before {what}", status=503, kind="server_error") from None
+
+
 def to_loop(loop, events, job, event):
     """A request's sink: its events to the handler's loop, from the model thread (none once the loop has closed: the
     server stopped waiting for its handlers, and nobody reads them)."""
@@ -409,7 +420,7 @@ async def generate(service, http_request, body, prompts, logprobs, *, chat, max_
                        for ids, _ in plans]
         except EngineClosed as error:
             raise APIError(str(error), status=503, kind="server_error") from error
-        prompt_scores = [(await asyncio.wrap_future(future))[0] for future in futures]
+        prompt_scores = [(await called(engine, future, "the prompt was scored"))[0] for future in futures]
 
     loop = asyncio.get_running_loop()
     events = asyncio.Queue()

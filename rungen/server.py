@@ -39,6 +39,7 @@ from .openai_api import (
     APIError,
     Service,
     boolean,
+    called,
     chat_prompt,
     check_fields,
     check_user,
@@ -219,14 +220,8 @@ def create_app(loaded, engine, options):
                 future = engine.call(functools.partial(embed, loaded, [prompts[index] for index in group]))
             except EngineClosed as error:
                 raise APIError(str(error), status=503, kind="server_error", headers={"Retry-After": "1"}) from error
-            try:  # one forward pass at a time: the running requests' decode steps go on between them
-                found = await asyncio.wrap_future(future)
-            except asyncio.CancelledError:
-                if not engine.stopped:
-                    raise
-                # The engine stopped (shutdown's grace is over) and cancelled the calls it had not run.
-                raise APIError("the server stopped before the embeddings were computed", status=503,
-                               kind="server_error") from None
+            # one forward pass at a time: the running requests' decode steps go on between them
+            found = await called(engine, future, "the embeddings were computed")
             for index, vector in zip(group, found):
                 vectors[index] = as_base64(vector) if encoding == "base64" else vector.tolist()
         tokens = sum(len(ids) for ids in prompts)

@@ -385,3 +385,27 @@ def test_text_sent_as_byte_tokens_come_is_the_text_they_end_as(tmp_path):
         assert text[: len(sent)] == sent  # nothing sent is taken back
         sent += text[len(sent) : ready] if ready > len(sent) else ""
     assert sent == tokenizer.decode(ids) == 'a\U0001f600"a'
+
+
+def test_an_engine_call_the_shutdown_cancelled_is_a_503():
+    # The engine ends every request once shutdown's grace is over and cancels the calls it has not run (embeddings,
+    # prompt scoring): their handlers answer 503 in OpenAI's shape, not a cancelled task; a cancel while the
+    # engine runs (the client gone) stays a cancel.
+    import asyncio
+    import concurrent.futures
+    import types
+
+    from rungen.openai_api import APIError, called
+
+    def outcome(stopped):
+        future = concurrent.futures.Future()
+        future.cancel()
+        try:
+            asyncio.run(called(types.SimpleNamespace(stopped=stopped), future, "the embeddings were computed"))
+        except (APIError, asyncio.CancelledError) as error:
+            return error
+
+    error = outcome(True)
+    assert isinstance(error, APIError) and error.status == 503
+    assert error.message == "the server stopped before the embeddings were computed"
+    assert isinstance(outcome(False), asyncio.CancelledError)
