@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .errors import GenerationError, PromptError, UsageError, one_line
-from .logprobs import score_prompts, step_logits, token_logprobs
+from .logprobs import mend_byte_end, score_prompts, step_logits, token_logprobs
 
 if TYPE_CHECKING:
     from .loading import Loaded
@@ -273,7 +273,8 @@ def describe_sequence(settings: Settings, tokenizer, prompt: Prompt, new: list[i
             raise stuck_error(settings, tokenizer, new[:stuck])
     # Decoded with the prompt, then cut: the continuation alone loses a SentencePiece leading space.
     head = tokenizer.decode(prompt.ids, skip_special_tokens=True)
-    whole = tokenizer.decode(prompt.ids + new[:produced], skip_special_tokens=True)
+    whole = mend_byte_end(tokenizer, prompt.ids + new[:produced],
+                          tokenizer.decode(prompt.ids + new[:produced], skip_special_tokens=True), produced)
     continuation = whole[len(head) :] if whole.startswith(head) else tokenizer.decode(new, skip_special_tokens=True)
     cuts = [continuation.index(stop) for stop in stop_strings(settings.stop_token) if stop in continuation]
     if cuts:

@@ -32,6 +32,28 @@ def from_a_character(tokenizer, ids: list[int], start: int, end: int) -> tuple[i
     return start, text
 
 
+BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def mend_byte_end(tokenizer, ids: list[int], text: str, limit: int) -> str:
+    """`text`, the decoding of `ids`, with its end mended where SentencePiece byte tokens (at most the last `limit`)
+    hold an unfinished character: tokenizers' ByteFallback makes such a run all U+FFFD, the valid bytes in it too (a
+    newline's <0x0A> before an emoji's first bytes); here the run's bytes decode as UTF-8 does, the unfinished
+    character one U+FFFD."""
+    if not text.endswith("\ufffd"):
+        return text
+    run = []
+    for token in reversed(ids[len(ids) - limit :] if limit else []):
+        byte = BYTE_TOKEN.fullmatch(tokenizer.convert_ids_to_tokens(token) or "")
+        if byte is None:
+            break
+        run.append(int(byte[1], 16))
+    if not run:
+        return text
+    head = tokenizer.decode(ids[: len(ids) - len(run)], skip_special_tokens=True)
+    return head + bytes(reversed(run)).decode("utf-8", "replace")
+
+
 def token_text(tokenizer, before: list[int], token_id: int, head: str | None = None,
                special: set[int] | None = None) -> str:
     """The text `token_id` adds after the ids `before`, decoded in context (SentencePiece drops a leading space at
@@ -64,7 +86,7 @@ def token_bytes(tokenizer, token_id: int, text: str) -> list[int]:
         return list(text.encode())
     piece = tokenizer.convert_ids_to_tokens(token_id)
     if isinstance(piece, str) and piece:
-        byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+        byte = BYTE_TOKEN.fullmatch(piece)
         if byte:
             return [int(byte[1], 16)]
         alphabet = byte_level_alphabet()

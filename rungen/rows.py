@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from .logprobs import content_items, from_a_character
+from .logprobs import content_items, from_a_character, mend_byte_end
 from .reasoning import BudgetCount
 from .requests import Delta, Finish, Request
 from .sampling import Reading, RowState, accept, choose
@@ -192,8 +192,9 @@ class Reporter:
         """The text of the row's new tokens, decoded after the prompt's last tokens and cut after them."""
         with self.tokenizer_lock:
             count, head = row.prompt_tail
-            ids = row.request.ids
-            whole = self.tokenizer.decode(ids[len(ids) - count :] + row.generated, skip_special_tokens=True)
+            ids = row.request.ids[len(row.request.ids) - count :] + row.generated
+            whole = mend_byte_end(self.tokenizer, ids, self.tokenizer.decode(ids, skip_special_tokens=True),
+                                  len(row.generated))
             if whole.startswith(head):
                 return whole[len(head) :]
             return self.tokenizer.decode(row.generated, skip_special_tokens=True)

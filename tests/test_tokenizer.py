@@ -251,6 +251,15 @@ def test_a_continuation_after_sentencepiece_byte_tokens_keeps_its_text(caches):
         row.generated.append(byte[value])
         reporter.report(row, row.generated[-1], None)
     assert row.finish.reason == "stop" and row.finish.stop == "🐦" and row.finish.text == "\n"
+    # a reply ending inside a character keeps the newline before it (the byte run decodes as UTF-8 does)
+    row = row_of()
+    row.generated = [newline, byte[0xF0], byte[0x9F]]
+    assert reporter.continuation(row) == "\n\ufffd"
+    from rungen.generation import Settings, describe_sequence
+    from rungen.prompts import Prompt
+
+    described = describe_sequence(Settings(), tokenizer, Prompt(0, text, ids=prompt), row.generated, set())
+    assert described.generated_text == "\n\ufffd"  # the generate() path's text, the same
     items = content_items(tokenizer, prompt, [newline], [0.0], [[]], [[]])
     assert items[0]["token"] == "\n" and items[0]["bytes"] == [10]
 
