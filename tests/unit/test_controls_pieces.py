@@ -50,9 +50,9 @@ def llama_tokenizer(tmp_path_factory):
         (["--assistant_model", "x", "--num_return_sequences", "2"], "one sequence per prompt"),
         (["--temperature", "0", "--num_return_sequences", "3"], "would print one greedy sequence 3 times"),
         (["--length", "0", "--logprobs", "1", "--output_format", "jsonl", "--num_return_sequences", "2"],
-         "--num_return_sequences 2 shapes generated text; --length 0 scores the prompts"),
+         "--num_return_sequences 2 applies to generated text; --length 0 scores the prompts"),
         (["--length", "0", "--logprobs", "1", "--output_format", "jsonl", "--prompt_lookup_num_tokens", "2"],
-         "--prompt_lookup_num_tokens shapes generated text"),
+         "--prompt_lookup_num_tokens applies to generated text"),
     ],
 )
 def test_bad_control_flags_are_one_line_and_exit_2(argv, message, capsys):

@@ -259,7 +259,8 @@ def test_padding_text_is_folded_into_prefix_once(monkeypatch):
     monkeypatch.setattr(rungen.arguments, "accelerators_here", lambda: ("cuda", 1))  # a machine with one GPU
     args = parse_args(["--padding_text", "P. "])
     assert args.prefix == "P. "
-    assert parse_args(["--padding_text", "P. ", "--prefix", "Q. "]).prefix == "Q. "
+    with pytest.raises(UsageError, match="--padding_text is the original script's name for --prefix; choose one"):
+        parse_args(["--padding_text", "P. ", "--prefix", "Q. "])  # one of them would be dropped
     assert parse_args(["--fp16"]).dtype == "float16"
     args = parse_args(["--device_map", "auto", "--max_memory", "0=1GiB", "cpu=2GiB"])
     assert args.max_memory == ["0=1GiB", "cpu=2GiB"]  # the declared type; accelerate's map is made from it
