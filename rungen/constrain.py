@@ -6,10 +6,14 @@ would leave the language, so each sequence is valid by construction (why xgramma
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import re
+import sys
+import tempfile
+import threading
 
 import torch
 import xgrammar as xgr
@@ -114,23 +118,91 @@ class Constraint:
         return GrammarLogitsProcessor(states), GrammarStop(states)
 
 
+# JSON Schema keywords xgrammar's converter drops without a word (its grammar is the same without them): an output
+# breaking them would pass as finished, so they are refused.
+UNENFORCED_KEYWORDS = ("uniqueItems", "contains", "minContains", "maxContains", "propertyNames", "dependentRequired",
+                       "dependentSchemas", "dependencies", "unevaluatedProperties", "unevaluatedItems")
+# Where a schema holds schemas: by name, in a list, or as the values of an object.
+SUBSCHEMA = ("items", "additionalProperties", "additionalItems", "not", "if", "then", "else")
+SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+# xgrammar's C++ warnings while it compiles: "[03:41:56] /project/cpp/regex_converter.cc:89: Warning: ...".
+CAPTURING = threading.Lock()
+NATIVE_WARNING = re.compile(rb"^\[[0-9:]+\] \S+\.cc:\d+: Warning: (.*)$", re.M)
+
+
+def unenforced(schema, path="") -> str | None:
+    """What of a JSON schema xgrammar would not enforce (a keyword, at its path), or None."""
+    if not isinstance(schema, dict):
+        return None
+    for keyword in UNENFORCED_KEYWORDS:
+        if keyword in schema:
+            return f"{path}{keyword}"
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        return f"{path}allOf with more than one schema"
+    properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    extra = schema.get("additionalProperties")
+    missing = [name for name in schema.get("required") or [] if isinstance(name, str) and name not in properties]
+    if missing and not (extra is True or isinstance(extra, dict)):  # xgrammar allows no property it is not told of
+        return f"{path}required {missing[0]!r}, which is not among the properties"
+    found = [unenforced(schema.get(key), f"{path}{key}.") for key in SUBSCHEMA]
+    found += [unenforced(item, f"{path}{key}[{index}].") for key in SUBSCHEMA_LISTS
+              if isinstance(schema.get(key), list) for index, item in enumerate(schema[key])]
+    found += [unenforced(item, f"{path}{key}.{name}.") for key in SUBSCHEMA_MAPS
+              if isinstance(schema.get(key), dict) for name, item in schema[key].items()]
+    return next((what for what in found if what), None)
+
+
+@contextlib.contextmanager
+def native_warnings():
+    """The warnings xgrammar's C++ writes straight to file descriptor 2 inside the block (a regex escape it reads as
+    a plain character, an anchor it ignores, an allOf it only partly follows), collected into the list yielded;
+    anything else written there meanwhile (another thread's log line) is passed on."""
+    warnings = []
+    with CAPTURING:  # one at a time: the descriptor is the process's (the server compiles on executor threads)
+        sys.stderr.flush()
+        saved = os.dup(2)
+        with tempfile.TemporaryFile() as capture:
+            os.dup2(capture.fileno(), 2)
+            try:
+                yield warnings
+            finally:
+                os.dup2(saved, 2)
+                os.close(saved)
+                capture.seek(0)
+                written = capture.read()
+                warnings += [found.decode(errors="replace") for found in NATIVE_WARNING.findall(written)]
+                rest = NATIVE_WARNING.sub(b"", written).strip()
+                if rest:
+                    os.write(2, rest + b"\n")
+
+
 def compile_constraint(kind: str, source: str, tokenizer, vocab_size: int, eos_ids: set[int]) -> Constraint:
-    """Compiles (kind, source) for this vocabulary; raises ConstraintError."""
+    """Compiles (kind, source) for this vocabulary; raises ConstraintError, also where xgrammar would compile a
+    different language than the one asked for (a keyword it drops, a regex escape it reads otherwise)."""
     flag = KINDS[kind]
     compiler = xgr.GrammarCompiler(tokenizer_info(tokenizer, vocab_size, eos_ids, flag))
+    if kind == "json_schema":
+        dropped = unenforced(json.loads(source))
+        if dropped:
+            raise ConstraintError(f"{flag}: {dropped}: not enforced by the grammar compiler (xgrammar), so an output "
+                                  "could break it; leave it out or check the output yourself")
     try:
-        if kind == "json_schema":
-            # Compact JSON: free whitespace lets a small model pad with spaces until --length runs out.
-            grammar = xgr.Grammar.from_json_schema(source, any_whitespace=False)
-            compiled = compiler.compile_grammar(json_string_characters(str(grammar)))
-        elif kind == "regex":
-            compiled = compiler.compile_regex(source)
-        else:
-            compiled = compiler.compile_grammar(source)
+        with native_warnings() as warnings:
+            if kind == "json_schema":
+                # Compact JSON: free whitespace lets a small model pad with spaces until --length runs out.
+                grammar = xgr.Grammar.from_json_schema(source, any_whitespace=False)
+                compiled = compiler.compile_grammar(json_string_characters(str(grammar)))
+            elif kind == "regex":
+                compiled = compiler.compile_regex(source)
+            else:
+                compiled = compiler.compile_grammar(source)
     except (RuntimeError, ValueError, TypeError) as error:
         # xgrammar's messages start with a time and its source file: "[01:51:00] /project/cpp/x.cc:83: ..."
         message = re.sub(r"^\[[0-9:]+\] \S+: ", "", one_line(error))
         raise ConstraintError(f"{flag}: {message}") from error
+    if warnings:  # it compiled something other than what was asked for
+        raise ConstraintError(f"{flag}: {one_line(warnings[0])}")
     constraint = Constraint(flag, compiled, tuple(sorted(eos_ids)), vocab_size)
     bitmask = xgr.allocate_token_bitmask(1, vocab_size)
     constraint.matcher().fill_next_token_bitmask(bitmask)

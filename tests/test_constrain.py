@@ -190,12 +190,32 @@ def test_word_end_tokenizers_are_refused_in_one_line(tiny_models, model_type):
     (["--grammar", "missing.gbnf"], "--grammar missing.gbnf: No such file or directory"),
     (["--regex", "[a-z]+", "--length", "0", "--logprobs", "1", "--output_format", "jsonl"], "--length 0"),
     (["--regex", "a", "--json_schema", "{}"], "not allowed with argument"),
+    # what xgrammar would compile otherwise than asked: a keyword it drops, an escape or anchor it reads otherwise
+    (["--json_schema", '{"type": "array", "items": {"type": "integer"}, "uniqueItems": true}'],
+     "--json_schema: uniqueItems: not enforced by the grammar compiler"),
+    (["--json_schema", '{"type": "object", "properties": {"a": {"type": "array", "contains": {"const": 1}}}}'],
+     "--json_schema: properties.a.contains: not enforced"),
+    (["--json_schema", '{"allOf": [{"type": "integer"}, {"minimum": 1000}]}'],
+     "--json_schema: allOf with more than one schema: not enforced"),
+    (["--json_schema", '{"type": "object", "required": ["a"], "properties": {}, "additionalProperties": false}'],
+     "--json_schema: required 'a', which is not among the properties"),
+    (["--regex", "\\A[0-9]{3}\\Z"], "--regex: Regex parsing warning at position 1: Escape sequence '\\A' is not"),
+    (["--regex", "a^b"], "'^' should be at the start of the regex"),
 ])
 def test_bad_constraints_are_one_line_and_exit_2(tiny_models, flags, message):
     result = run_main(tiny_args(tiny_models, "gpt2", "--prompt", "Hello", *flags))
     assert result.returncode == 2
     assert message in error_line(result)
     assert result.stdout == b""
+
+
+def test_a_property_named_like_a_keyword_is_a_property(tiny_models):
+    # "not" and "contains" as property names are not the keywords: the schema is enforced, and nothing is refused
+    schema = {"type": "object", "properties": {"not": {"type": "integer"}, "contains": {"type": "boolean"}},
+              "required": ["not", "contains"]}
+    result = run_main(tiny_args(tiny_models, "gpt2", "--prompt", "Hello", "--json_schema", json.dumps(schema),
+                                "--length", "40", "--temperature", "0"))
+    assert result.returncode == 0 and b"Warning" not in result.stderr, result.stderr.decode()
 
 
 def test_bad_gbnf_is_one_line(tiny_models, tmp_path):
