@@ -42,6 +42,12 @@ OWNED_KEYS = {
     "pad_token_id": "the tokenizer's pad token pads the batches",
 }
 METADATA_KEYS = {"transformers_version", "_from_model_config"}  # in every saved generation_config.json
+# Decoding modes transformers 5 moved to hub repositories (custom_generate, trust_remote_code): the key, the values
+# that leave the mode off, and the mode.
+HUB_MODES = {"penalty_alpha": ((None, 0, 0.0), "contrastive search"),
+             "num_beam_groups": ((None, 1), "group (diverse) beam search"),
+             "diversity_penalty": ((None, 0, 0.0), "group (diverse) beam search"),
+             "dola_layers": ((None,), "DoLa decoding")}
 # Flags that act on generated text only: refused with --length 0 (scoring), where they would change nothing.
 GENERATING_FLAGS = ("temperature", "k", "p", "repetition_penalty", "stop_token", "min_p", "typical_p",
                     "no_repeat_ngram_size", "jit")
@@ -113,6 +119,10 @@ def read_generation_config(path: str) -> dict:
     for key in values:
         if key in OWNED_KEYS:
             raise UsageError(f"{where}: {key} cannot be set here ({OWNED_KEYS[key]})")
+    for key, (off, mode) in HUB_MODES.items():
+        if key in values and values[key] not in off:
+            raise UsageError(f"{where}: {key} asks for {mode}, which transformers moved out of generate() to the hub "
+                             "(custom_generate with remote code): not supported here")
     return values
 
 

@@ -277,6 +277,9 @@ def test_generation_config_file_is_applied_and_flags_win(tiny_models, tmp_path, 
         ({"epsilon_cutoff": 2.0}, "`epsilon_cutoff` has to be a float > 0 and < 1"),  # generate would skip it
         ({"top_p": 2.0}, "--p must be in (0, 1], got 2.0"),  # a key with a flag is checked as the flag
         ({"do_sample": "yes"}, "do_sample must be true or false"),
+        # modes transformers moved to the hub: refused before the model loads, not three lines after it
+        ({"penalty_alpha": 0.6, "top_k": 4}, "penalty_alpha asks for contrastive search, which transformers moved"),
+        ({"num_beam_groups": 2, "num_beams": 4, "diversity_penalty": 1.0}, "asks for group (diverse) beam search"),
     ],
 )
 def test_bad_generation_config_is_one_line_and_exit_2(tmp_path, values, message):
