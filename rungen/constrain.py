@@ -177,6 +177,40 @@ def native_warnings():
                     os.write(2, rest + b"\n")
 
 
+def empty_alternatives(source: str) -> str:
+    """GBNF with its empty alternatives spelled `""`: llama.cpp's parser takes `ws ::= | " " | "\\n"` (its own
+    json.gbnf ends so), xgrammar's wants an element there. Outside strings, character classes and comments, a `|`
+    right after `::=`, `(` or another `|` gets `""` before it, one right before `|`, `)` or the end gets it after."""
+    marks, significant = [], []  # insertion points; (position, character) outside literals and comments
+    position, size = 0, len(source)
+    while position < size:
+        char = source[position]
+        if char in "\"[":  # a literal: an element, whatever it holds
+            significant.append((position, char))
+            close = '"' if char == '"' else "]"
+            position += 1
+            while position < size and source[position] != close:
+                position += 2 if source[position] == "\\" else 1
+        elif char == "#":
+            while position < size and source[position] != "\n":
+                position += 1
+        elif not char.isspace():
+            significant.append((position, char))
+        position += 1
+    for number, (at, char) in enumerate(significant):
+        if char != "|":
+            continue
+        before = significant[number - 1][1] if number else ""
+        after = significant[number + 1][1] if number + 1 < len(significant) else ""
+        if before in ("=", "(", "|"):
+            marks.append((at, '"" '))
+        if after in (")", ""):  # (before another `|`, that one's own mark does)
+            marks.append((at + 1, ' ""'))
+    for at, text in sorted(marks, reverse=True):
+        source = source[:at] + text + source[at:]
+    return source
+
+
 def compile_constraint(kind: str, source: str, tokenizer, vocab_size: int, eos_ids: set[int]) -> Constraint:
     """Compiles (kind, source) for this vocabulary; raises ConstraintError, also where xgrammar would compile a
     different language than the one asked for (a keyword it drops, a regex escape it reads otherwise)."""
@@ -196,7 +230,7 @@ def compile_constraint(kind: str, source: str, tokenizer, vocab_size: int, eos_i
             elif kind == "regex":
                 compiled = compiler.compile_regex(source)
             else:
-                compiled = compiler.compile_grammar(source)
+                compiled = compiler.compile_grammar(empty_alternatives(source))
     except (RuntimeError, ValueError, TypeError) as error:
         # xgrammar's messages start with a time and its source file: "[01:51:00] /project/cpp/x.cc:83: ..."
         message = re.sub(r"^\[[0-9:]+\] \S+: ", "", one_line(error))

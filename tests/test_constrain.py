@@ -209,6 +209,53 @@ def test_bad_constraints_are_one_line_and_exit_2(tiny_models, flags, message):
     assert result.stdout == b""
 
 
+def test_llama_cpps_json_gbnf_with_its_empty_alternatives(tiny_models, tmp_path):
+    # llama.cpp's grammars/json.gbnf ends with `ws ::= | " " | "\n" [ \t]{0,20}`: an empty alternative, which
+    # llama.cpp's parser takes and xgrammar's does not; spelled "" for it, the grammar runs as llama.cpp's does
+    from rungen.constrain import empty_alternatives
+
+    assert empty_alternatives('ws ::= | " " | "\\n"') == 'ws ::= "" | " " | "\\n"'
+    assert empty_alternatives('x ::= ("a" | ) "|" [|] # a | b') == 'x ::= ("a" | "" ) "|" [|] # a | b'
+    assert empty_alternatives('y ::= "a" || "b"') == 'y ::= "a" |"" | "b"'
+    grammar = tmp_path / "json.gbnf"
+    grammar.write_text(LLAMA_CPP_JSON_GBNF)
+    result = run_main(tiny_args(tiny_models, "gpt2", "--prompt", "Hello", "--grammar", str(grammar), "--length", "30",
+                                "--temperature", "0", "--output_format", "jsonl"))
+    assert result.returncode == 0, result.stderr.decode()
+    [record] = [json.loads(line) for line in result.stdout.decode().splitlines()]
+    if record["finish_reason"] == "grammar":
+        json.loads(record["generated_text"])
+
+
+# llama.cpp's grammars/json.gbnf as published
+LLAMA_CPP_JSON_GBNF = r"""root   ::= object
+value  ::= object | array | string | number | ("true" | "false" | "null") ws
+
+object ::=
+  "{" ws (
+            string ":" ws value
+    ("," ws string ":" ws value)*
+  )? "}" ws
+
+array  ::=
+  "[" ws (
+            value
+    ("," ws value)*
+  )? "]" ws
+
+string ::=
+  "\"" (
+    [^"\\\x7F\x00-\x1F] |
+    "\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4}) # escapes
+  )* "\"" ws
+
+number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9] [1-9]{0,15})? ws
+
+# Optional space: by convention, applied in this grammar after literal chars when allowed
+ws ::= | " " | "\n" [ \t]{0,20}
+"""
+
+
 def test_a_property_named_like_a_keyword_is_a_property(tiny_models):
     # "not" and "contains" as property names are not the keywords: the schema is enforced, and nothing is refused
     schema = {"type": "object", "properties": {"not": {"type": "integer"}, "contains": {"type": "boolean"}},
@@ -220,7 +267,7 @@ def test_a_property_named_like_a_keyword_is_a_property(tiny_models):
 
 def test_bad_gbnf_is_one_line(tiny_models, tmp_path):
     grammar = tmp_path / "bad.gbnf"
-    grammar.write_text('root ::= "a" | ')
+    grammar.write_text('root ::= "a" | ("b"')
     result = run_main(tiny_args(tiny_models, "gpt2", "--prompt", "Hello", "--grammar", str(grammar)))
     assert result.returncode == 2
     assert error_line(result).startswith("run_generation.py: error: --grammar: EBNF parser error")
