@@ -105,11 +105,12 @@ class Constraint:
         """(ended, stuck) for generated tokens: how many tokens ended the grammar (EOS included), or how many it
         accepted before the vocabulary had no token to go on; both None: cut by --length or a stop string."""
         matcher = self.matcher()
-        for position, token in enumerate(tokens):
-            if not matcher.accept_token(token):
-                return None, position
-            if matcher.is_terminated():
-                return position + 1, None
+        with native_warnings():  # (a special token it rejects is said on stderr by xgrammar's C++: the caller says)
+            for position, token in enumerate(tokens):
+                if not matcher.accept_token(token):
+                    return None, position
+                if matcher.is_terminated():
+                    return position + 1, None
         return None, None
 
     def processors(self) -> tuple[LogitsProcessor, StoppingCriteria]:

@@ -245,9 +245,18 @@ class StuckError(PromptError):
     """A constrained sequence reached a point its vocabulary cannot spell (rungen/constrain.py)."""
 
 
+# --generation_config keys that ban tokens outright, as --no_repeat_ngram_size does.
+BANNING_KEYS = ("bad_words_ids", "suppress_tokens", "begin_suppress_tokens")
+
+
 def stuck_error(settings: Settings, tokenizer, accepted: list[int]) -> StuckError:
     """The error of a constrained sequence whose grammar allows no token of the vocabulary after `accepted`."""
     spelled = tokenizer.decode(accepted, skip_special_tokens=True)
+    banning = [f"--no_repeat_ngram_size {settings.no_repeat_ngram_size}"] if settings.no_repeat_ngram_size else []
+    banning += [key for key in BANNING_KEYS if settings.generation_config.get(key)]
+    if banning:  # a ban applied with the grammar's mask can leave nothing: the vocabulary is not to blame
+        return StuckError(f"{settings.constraint.flag}: every token the grammar allows after {spelled!r} is banned by "
+                          f"{' or '.join(banning)}, or the vocabulary has none")
     return StuckError(f"{settings.constraint.flag}: the model's vocabulary has no token to continue {spelled!r} "
                       "as the grammar requires")
 

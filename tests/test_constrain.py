@@ -256,6 +256,16 @@ ws ::= | " " | "\n" [ \t]{0,20}
 """
 
 
+def test_a_ban_that_leaves_the_grammar_nothing_is_named(tiny_models):
+    # --no_repeat_ngram_size 1 bans the one token "x{30}" can go on with: the error record says so (it blamed the
+    # vocabulary), and xgrammar's C++ rejecting the token that came instead says nothing on stderr
+    result = run_main(tiny_args(tiny_models, "gpt2", "--regex", "x{30}", "--no_repeat_ngram_size", "1", "--length",
+                                "40", "--temperature", "0", "--output_format", "jsonl"), stdin="Hello\n")
+    [record] = [json.loads(line) for line in result.stdout.decode().splitlines()]
+    assert result.returncode == 1 and "is banned by --no_repeat_ngram_size 1" in record["error"], record
+    assert "/project/cpp/" not in result.stderr.decode()
+
+
 def test_a_property_named_like_a_keyword_is_a_property(tiny_models):
     # "not" and "contains" as property names are not the keywords: the schema is enforced, and nothing is refused
     schema = {"type": "object", "properties": {"not": {"type": "integer"}, "contains": {"type": "boolean"}},
