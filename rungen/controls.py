@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 from collections.abc import Iterator
@@ -42,6 +43,9 @@ OWNED_KEYS = {
     "pad_token_id": "the tokenizer's pad token pads the batches",
 }
 METADATA_KEYS = {"transformers_version", "_from_model_config"}  # in every saved generation_config.json
+# Keys that only an assistant model's drafting reads (ignored by generate() without one).
+DRAFT_KEYS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold",
+              "assistant_lookbehind", "target_lookbehind")
 # Decoding modes transformers 5 moved to hub repositories (custom_generate, trust_remote_code): the key, the values
 # that leave the mode off, and the mode.
 HUB_MODES = {"penalty_alpha": ((None, 0, 0.0), "contrastive search"),
@@ -95,6 +99,13 @@ def add_control_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # --generation_config
+
+
+@functools.cache
+def generation_defaults():
+    from transformers import GenerationConfig
+
+    return GenerationConfig()
 
 
 def read_generation_config(path: str) -> dict:
@@ -214,6 +225,12 @@ def check_controls(args: argparse.Namespace, given: set[str] = frozenset()) -> N
     if args.length == 0 and args.logprobs is None:
         raise UsageError("--length 0 scores the prompts without generating: it needs --logprobs N and "
                          "--output_format jsonl")
+    file = args.generation_config
+    drafting = [key for key in DRAFT_KEYS if file is not None and key in file.extra
+                and file.extra[key] != getattr(generation_defaults(), key)]
+    if drafting and args.assistant_model is None:
+        raise UsageError(f"--generation_config {file.path}: {drafting[0]} shapes an assistant model's drafts; it "
+                         "needs --assistant_model")
     speculative = [name for name, on in (("--prompt_lookup_num_tokens", args.prompt_lookup_num_tokens is not None),
                                          ("--assistant_model", args.assistant_model is not None)) if on]
     if args.prompt_lookup_num_tokens is not None and args.prompt_lookup_num_tokens < 1:
@@ -252,7 +269,10 @@ def load_assistant(path: str, loaded, *, dtype: str, device) -> object:
     expanded = os.path.expanduser(path)
     if expanded.startswith((".", "/", "~")) and not os.path.exists(expanded):
         raise UsageError(f"--assistant_model {path}: no such file or directory")
-    assistant = load(path, device=device, dtype=dtype, own_model=False)  # generate() drafts with it
+    try:
+        assistant = load(path, device=device, dtype=dtype, own_model=False)  # generate() drafts with it
+    except UsageError as error:  # (tm/x: "not a local model and not in the hub cache"): which flag says it
+        raise UsageError(f"--assistant_model: {error}") from None
     if assistant.tokenizer.get_vocab() != loaded.tokenizer.get_vocab():
         raise UsageError(f"--assistant_model {path}: its tokenizer differs from the model's; "
                          "assisted decoding needs the same vocabulary")

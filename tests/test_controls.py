@@ -299,6 +299,16 @@ def test_scoring_refuses_flags_for_generated_text(flag):
     assert f"{flag[0]} applies to generated text; --length 0 scores the prompts and generates none" in err
 
 
+def test_an_assistants_drafting_keys_need_an_assistant(tmp_path):
+    # num_assistant_tokens without --assistant_model: generate() would ignore it, silently
+    config = write_config(tmp_path, {"num_assistant_tokens": 3})
+    result = run_main(["--generation_config", config, "--prompt", "x"])
+    assert result.returncode == 2 and "num_assistant_tokens shapes an assistant model's drafts; it needs " \
+        "--assistant_model" in result.stderr.decode()
+    missing = run_main(["--prompt", "x", "--assistant_model", "no-such/model"])
+    assert missing.returncode == 2 and "error: --assistant_model: " in missing.stderr.decode()
+
+
 def one_line_exit(argv, capsys):
     """The tool on argv must end with exit 2 and a single line on stderr after the log lines; returns that line."""
     result = run_main(argv)
