@@ -43,7 +43,7 @@ import torch
 
 from rungen import NOTICE, PROG, logger, processes
 from rungen.arguments import check_template_flags, max_memory_map, parse_args, serve_options, settings_from_args
-from rungen.batch import engine_refusal, open_engine, run_prompts, settings_refusal
+from rungen.batch import check_thinking_budget, engine_refusal, open_engine, run_prompts, settings_refusal
 from rungen.controls import load_assistant
 from rungen.errors import PromptError, PromptsFailed, RunGenerationError, UsageError, out_of_device_memory
 from rungen.generation import (
@@ -146,6 +146,8 @@ def main(argv=None):
         constraint = compile_constraint(*constraint_source, loaded.tokenizer, loaded.vocab_size,
                                         eos_token_ids(settings, loaded.model))
         settings = dataclasses.replace(settings, constraint=constraint)
+    if settings.thinking_budget is not None:  # a thinking template, and the engine to cap its block
+        check_thinking_budget(loaded, settings)
     if args.quantize:
         from rungen.quantize import head_class, quantize_model
 

@@ -81,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
         "off. With --serve, each request's defaults (its chat_template_kwargs and reasoning_effort win).",
     )
     parser.add_argument(
+        "--thinking_budget", default=None, type=int, metavar="N",
+        help="A thinking model's replies think at most N tokens: then the block is closed for the model, which "
+        "answers (the server's thinking_token_budget).",
+    )
+    parser.add_argument(
         "--tools", default=None, metavar="FILE.json",
         help='Tools the model may call in a terminal session: OpenAI function tools, a JSON list or {"tools", '
         '"tool_choice", "parallel_tool_calls"}; the session prints each call the model would make.',
@@ -138,7 +143,7 @@ SERVE_REFUSED = ("prompt", "stream", "output_format", "input_format", "whole_std
                  "temperature", "k", "p", "repetition_penalty", "num_beams", "num_return_sequences", "stop_token",
                  "chat", "system", "prefix", "padding_text", "xlm_language", "min_p", "typical_p",
                  "no_repeat_ngram_size", "logprobs", "prompt_lookup_num_tokens", "assistant_model",
-                 "generation_config", "json_schema", "regex", "grammar", "tools")
+                 "generation_config", "json_schema", "regex", "grammar", "tools", "thinking_budget")
 SERVE_ONLY = ("host", "port", "api_key", "max_queue", "max_batch", "max_cache_tokens", "prefix_cache_mb",
               "cors_origins", "shutdown_grace")
 
@@ -287,7 +292,10 @@ def check_inputs(args: argparse.Namespace, given: set[str]) -> None:
     if args.whole_stdin and args.input_format == "jsonl":
         raise UsageError("--whole_stdin reads stdin as one text prompt; jsonl is one prompt a line: choose one")
     session = args.prompt is None and sys.stdin is not None and sys.stdin.isatty()  # main()'s test
-    for flag, what in (("system", "system message"), ("chat_template_kwargs", "variables")):
+    if args.thinking_budget is not None and args.thinking_budget < 0:
+        raise UsageError(f"--thinking_budget must be >= 0, got {args.thinking_budget}")
+    for flag, what in (("system", "system message"), ("chat_template_kwargs", "variables"),
+                       ("thinking_budget", "reply's thinking cap")):
         if getattr(args, flag) is None:
             continue
         if args.chat is False and args.input_format == "text":  # jsonl conversations go through it all the same
@@ -301,7 +309,7 @@ def check_template_flags(args: argparse.Namespace, prompts: list) -> None:
     "prompt" lines without --chat), as check_inputs does for text prompts."""
     if args.chat or not prompts or any(prompt.messages is not None for prompt in prompts):
         return
-    for flag in ("system", "chat_template_kwargs"):
+    for flag in ("system", "chat_template_kwargs", "thinking_budget"):
         if getattr(args, flag) is not None:
             raise UsageError(f"--{flag} is for the chat template, and no line is a conversation: add --chat to wrap "
                              "these prompts in it")

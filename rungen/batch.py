@@ -11,9 +11,10 @@ import torch
 
 from . import logger
 from .engine import Engine
-from .errors import GenerationError, one_line
+from .errors import GenerationError, UsageError, one_line
 from .generation import StuckError, describe_sequence, eos_token_ids, make_batches, stop_strings, stuck_error
 from .prefix_cache import PrefixCache
+from .reasoning import detect_delimiters, reply_budget
 from .requests import Delta, Done, Request
 from .sampling import Sampling
 
@@ -36,6 +37,17 @@ def settings_refusal(settings, assistant: bool):
          bool(set(settings.generation_config) - {"eos_token_id"})),
     ) if applies]
     return ", ".join(reasons) or None
+
+
+def check_thinking_budget(loaded, settings) -> None:
+    """UsageError where --thinking_budget would cap nothing: a chat template without a thinking block, or settings
+    only generate() runs (it has no such control)."""
+    if detect_delimiters(loaded.tokenizer.chat_template) is None:
+        raise UsageError("--thinking_budget: this model's chat template has no thinking block to cap")
+    why = engine_refusal(loaded, settings)
+    if why is not None:
+        raise UsageError(f"--thinking_budget caps replies on the tool's engine; {why} runs them on generate(), "
+                         "which has no such cap")
 
 
 def open_engine(loaded, settings, batch_size, conversation=False):
@@ -146,6 +158,7 @@ def submit_prompts(engine, settings, prompts, on_done, stream=False):
                                 collect(prompt), n=settings.num_return_sequences, stop=stops,
                                 logprobs=settings.logprobs, constraint=prompt.constraint or settings.constraint,
                                 reasoning_end=prompt.reply.end_ids if prompt.reply is not None else None,
+                                thinking_budget=reply_budget(engine.tokenizer, prompt.reply, settings.thinking_budget),
                                 deltas=bool(stream)))
         engine.submit(requests[-1])
     return requests

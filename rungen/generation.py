@@ -48,6 +48,7 @@ class Settings:
     no_repeat_ngram_size: int = 0
     logprobs: int | None = None  # top alternatives per token; None: no log-probabilities
     prompt_lookup_num_tokens: int | None = None
+    thinking_budget: int | None = None  # a thinking reply's cap (rungen/reasoning.py Budget; the engine's only)
     generation_config: dict = dataclasses.field(default_factory=dict, hash=False)  # other generate() kwargs
     # --json_schema/--regex/--grammar compiled for the model's vocabulary (rungen/constrain.py); main() sets it.
     constraint: object = dataclasses.field(default=None, hash=False)

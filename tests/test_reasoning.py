@@ -214,6 +214,26 @@ def test_jsonl_records_carry_the_reasoning_beside_the_content(server, checkpoint
     assert record["content"] is None and record["tool_calls"] == [] and record["finish_reason"] == "length"
 
 
+def test_thinking_budget_on_the_command_line(server, checkpoint):
+    """--thinking_budget caps the block of a jsonl line's reply as thinking_token_budget does a request's: the line
+    with tools required (its prompt opens the block, which this model never closes) thinks three tokens, then the
+    block is closed for it and the tools' grammar makes the call. Refused where it would cap nothing."""
+    args = ["--model_name_or_path", checkpoint, "--input_format", "jsonl", "--output_format", "jsonl", "--length",
+            "60", "--temperature", "0"]
+    line = json.dumps({"messages": ASK, "tools": [WEATHER], "tool_choice": "required"})
+    result = run_main(args + ["--thinking_budget", "3"], stdin=line)
+    assert result.returncode == 0, result.stderr.decode()[-2000:]
+    [record] = [json.loads(line) for line in result.stdout.decode().splitlines()]
+    assert record["reasoning_content"] and len(server[1].tokenizer.encode(record["reasoning_content"],
+                                                                          add_special_tokens=False)) <= 3
+    [call] = record["tool_calls"]
+    jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMA)
+    beams = run_main(args + ["--thinking_budget", "3", "--num_beams", "2"], stdin=line)
+    assert beams.returncode == 2 and "--thinking_budget caps replies on the tool's engine" in beams.stderr.decode()
+    plain = run_main(["--model_name_or_path", checkpoint, "--prompt", "Hi", "--no-chat", "--thinking_budget", "3"])
+    assert plain.returncode == 2 and "--no-chat leaves prompts unwrapped" in plain.stderr.decode()
+
+
 def test_chat_template_kwargs_set_the_templates_variables_on_the_command_line_in_a_session_and_for_the_server(
         server, checkpoint):
     """--chat_template_kwargs '{"enable_thinking": false}': Qwen3's prompt closes an empty block, so the reply is
