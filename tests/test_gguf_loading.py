@@ -529,10 +529,16 @@ def test_the_accelerator_form_is_the_dequantized_model(loaded, name):
 def test_quantizing_a_file_as_it_loads_equals_quantizing_its_dequantized_model(loaded, name, mode, monkeypatch):
     # --quantize on a GGUF file: each block's layers quantized as soon as their weights are de-quantized (the float
     # model never whole in memory) give the very layers of quantizing the whole de-quantized model after loading.
+    header, _, _ = loaded[name]
+    quantized_as_it_loads(header, mode, monkeypatch)
+
+
+def quantized_as_it_loads(header, mode, monkeypatch):
+    """build_model(quantize=mode) quantizes each block's layers before the file's last tensor comes, into the very
+    model quantizing the de-quantized model after loading gives (the same logits); returns how many layers."""
     import rungen.quantize
     from rungen.quantize import QuantizingLoad, quantize_model
 
-    header, _, _ = loaded[name]
     cpu = torch.device("cpu")
     after = build_model(header, torch.float32, cpu)
     layers = quantize_model(after, mode)
@@ -550,6 +556,7 @@ def test_quantizing_a_file_as_it_loads_equals_quantizing_its_dequantized_model(l
     batch = header.tokenizer(PROMPTS[:2], return_tensors="pt", padding=True)
     with torch.no_grad():
         assert torch.equal(streamed(**batch).logits, after(**batch).logits)
+    return layers
 
 
 def test_an_moe_file_computes_transformers_model_over_its_experts(tmp_path, monkeypatch):
@@ -855,28 +862,8 @@ def test_quantizing_a_gpt2_file_as_it_loads_equals_quantizing_its_dequantized_mo
                                                                                    monkeypatch):
     # As test_quantizing_a_file_as_it_loads_equals_quantizing_its_dequantized_model, over Conv1D layers: the
     # de-quantized rows transposed to Conv1D's [in, out] as they are put, and back to rows as they are quantized.
-    import rungen.quantize
-    from rungen.quantize import QuantizingLoad, quantize_model
-
     header, _, _ = gpt2_loaded[name]
-    cpu = torch.device("cpu")
-    after = build_model(header, torch.float32, cpu)
-    layers = quantize_model(after, mode)
-    assert layers >= 4 * LAYERS  # every block's c_attn, attn.c_proj, c_fc, mlp.c_proj
-    events = []
-    monkeypatch.setattr(QuantizingLoad, "put", lambda self, *a, put=QuantizingLoad.put: events.append("put")
-                        or put(self, *a))
-    monkeypatch.setattr(rungen.quantize, "_quantize_group", lambda *a, group=rungen.quantize._quantize_group:
-                        events.append("quantized") or group(*a))
-    streamed = build_model(header, torch.float32, cpu, quantize=mode)
-    last_put = len(events) - events[::-1].index("put")
-    assert events[:last_put].count("quantized") >= LAYERS  # every block's own before the last tensor came
-    assert streamed.quantized_layers == layers
-    assert [type(m) for m in streamed.modules()] == [type(m) for m in after.modules()]
-    assert not [name for name, p in streamed.named_parameters() if p.device.type == "meta"]
-    batch = header.tokenizer(PROMPTS[:2], return_tensors="pt", padding=True)
-    with torch.no_grad():
-        assert torch.equal(streamed(**batch).logits, after(**batch).logits)
+    assert quantized_as_it_loads(header, mode, monkeypatch) >= 4 * LAYERS  # c_attn, attn.c_proj, c_fc, mlp.c_proj
 
 
 @pytest.mark.parametrize("name", GPT2_FILES)
