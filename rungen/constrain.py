@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -105,13 +106,18 @@ class Constraint:
         """(ended, stuck) for generated tokens: how many tokens ended the grammar (EOS included), or how many it
         accepted before the vocabulary had no token to go on; both None: cut by --length or a stop string."""
         matcher = self.matcher()
-        with native_warnings():  # (a special token it rejects is said on stderr by xgrammar's C++: the caller says)
-            for position, token in enumerate(tokens):
-                if not matcher.accept_token(token):
-                    return None, position
-                if matcher.is_terminated():
-                    return position + 1, None
+        for position, token in enumerate(tokens):
+            if token in self.special or not matcher.accept_token(token):
+                return None, position
+            if matcher.is_terminated():
+                return position + 1, None
         return None, None
+
+    @functools.cached_property
+    def special(self) -> frozenset:
+        """The special tokens but the stop ones: the grammar takes none, and leaves them here rather than in xgrammar
+        (which would say so on stderr)."""
+        return frozenset(self.compiled.tokenizer_info.special_token_ids) - set(self.stop_ids)
 
     def processors(self) -> tuple[LogitsProcessor, StoppingCriteria]:
         """A (logits processor, stopping criterion) pair for one generate() call, sharing the grammar states."""
@@ -271,10 +277,8 @@ class GrammarStates:
         self.start = None  # prompt length (padded): the first call sees the prompt alone
         self.states = {}
         self.rows = []
-        # Beam search keeps candidates the mask ruled out: a special token among them leaves the grammar here, not
-        # in xgrammar (which would say so on stderr).
-        info = constraint.compiled.tokenizer_info
-        self.special = frozenset(info.special_token_ids) - set(constraint.stop_ids)
+        # Beam search keeps candidates the mask ruled out: a special token among them leaves the grammar.
+        self.special = constraint.special
 
     def update(self, input_ids):
         """The states of the rows of input_ids (once per length: the processor and the stop share it)."""

@@ -103,6 +103,7 @@ def add_control_arguments(parser: argparse.ArgumentParser) -> None:
 
 @functools.cache
 def generation_defaults():
+    """GenerationConfig's defaults (its fields, and the values a file leaves as they are), built once."""
     from transformers import GenerationConfig
 
     return GenerationConfig()
@@ -110,8 +111,6 @@ def generation_defaults():
 
 def read_generation_config(path: str) -> dict:
     """The file's keys; UsageError when unreadable, not a JSON object, or with unknown or tool-owned keys."""
-    from transformers import GenerationConfig
-
     where = f"--generation_config {path}"
     try:
         with open(path, encoding="utf-8") as f:
@@ -123,7 +122,7 @@ def read_generation_config(path: str) -> dict:
     if not isinstance(values, dict):
         raise UsageError(f"{where}: must hold a JSON object of GenerationConfig fields")
     values = {key: value for key, value in values.items() if key not in METADATA_KEYS}
-    known = {key for key in vars(GenerationConfig()) if not key.startswith("_")} - METADATA_KEYS
+    known = {key for key in vars(generation_defaults()) if not key.startswith("_")} - METADATA_KEYS
     unknown = sorted(set(values) - known)
     if unknown:
         raise UsageError(f"{where}: unknown GenerationConfig key(s): {', '.join(unknown)}")
