@@ -52,9 +52,9 @@ FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", 
           "guided_regex", "guided_grammar", "grammar", "json_schema", "logprobs", "top_logprobs",
           "response_format", "echo", "best_of", "suffix", "tools", "chat_template_kwargs", "reasoning_effort",
           "functions", "input", "encoding_format", "dimensions", "add_generation_prompt", "add_special_tokens",
-          "tokens", "system", "stop_sequences", "metadata", "tool_choice", "thinking", "instructions",
-          "parallel_tool_calls", "text", "max_output_tokens", "reasoning", "store", "previous_response_id", "include",
-          "truncation", "background", "nonsense", ""]
+          "tokens", "system", "stop_sequences", "metadata", "tool_choice", "thinking", "thinking_token_budget",
+          "instructions", "parallel_tool_calls", "text", "max_output_tokens", "reasoning", "store",
+          "previous_response_id", "include", "truncation", "background", "nonsense", ""]
 # A change to one field may be refused under a field it bears on: the token budget is checked against the
 # prompt and n, best_of against n, top_logprobs needs logprobs, stream_options needs stream; /tokenize takes a
 # prompt or messages, and names prompt when it has both or neither.
