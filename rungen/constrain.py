@@ -128,7 +128,7 @@ class Constraint:
 # JSON Schema keywords xgrammar's converter drops without a word (its grammar is the same without them): an output
 # breaking them would pass as finished, so they are refused.
 UNENFORCED_KEYWORDS = ("uniqueItems", "contains", "minContains", "maxContains", "propertyNames", "dependentRequired",
-                       "dependentSchemas", "dependencies", "unevaluatedProperties", "unevaluatedItems")
+                       "dependentSchemas", "dependencies", "unevaluatedProperties", "unevaluatedItems", "not", "if")
 # Where a schema holds schemas: by name, in a list, or as the values of an object.
 SUBSCHEMA = ("items", "additionalProperties", "additionalItems", "not", "if", "then", "else")
 SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")

@@ -195,6 +195,14 @@ def test_word_end_tokenizers_are_refused_in_one_line(tiny_models, model_type):
      "--json_schema: uniqueItems: not enforced by the grammar compiler"),
     (["--json_schema", '{"type": "object", "properties": {"a": {"type": "array", "contains": {"const": 1}}}}'],
      "--json_schema: properties.a.contains: not enforced"),
+    # xgrammar compiles these without a warning and lets through what they exclude
+    (["--json_schema", '{"type": "object", "properties": {"a": {"not": {"type": "string"}}}}'],
+     "--json_schema: properties.a.not: not enforced"),
+    (["--json_schema", '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], '
+                       '"if": {"properties": {"a": {"const": 1}}}, "then": {"required": ["b"]}}'],
+     "--json_schema: if: not enforced"),
+    (["--json_schema", '{"type": "number", "multipleOf": 0.5}'],
+     "--json_schema: multipleOf is not supported for type:number"),
     (["--json_schema", '{"allOf": [{"type": "integer"}, {"minimum": 1000}]}'],
      "--json_schema: allOf with more than one schema: not enforced"),
     (["--json_schema", '{"type": "object", "required": ["a"], "properties": {}, "additionalProperties": false}'],
