@@ -17,7 +17,7 @@ import sys
 import time
 
 from . import PROG, logger
-from .batch import engine_refusal, open_engine, submit_prompts
+from .batch import check_thinking_budget, engine_refusal, open_engine, submit_prompts
 from .errors import GenerationError, PromptError, UsageError, one_line
 from .generation import FLAG_NAMES, Settings, adjust_length_to_model, eos_token_ids, generate_batch
 from .interrupt import CtrlC, ctrl_c_deferred
@@ -455,7 +455,10 @@ class Session:
         elif name == "set":
             setting, _, value = argument.partition(" ")
             try:
-                self.settings = set_setting(self.settings, setting.lower(), value.strip(), self.loaded.context)
+                changed = set_setting(self.settings, setting.lower(), value.strip(), self.loaded.context)
+                if changed.thinking_budget is not None:
+                    check_thinking_budget(self.loaded, changed)  # a setting only generate() runs would drop the cap
+                self.settings = changed
             except UsageError as error:
                 say(f"error: {error}")
             else:
