@@ -56,9 +56,10 @@ def caches(tmp_path_factory):
     for family in ("gemma2", "gemma3"):
         paths[f"{family}_spm"] = write_family_gguf(folder / f"{family}_spm.gguf", family, gemma_tokenizer_fields())
     paths["default"] = default_model_file()
-    # StableLM 2's files: tokenizer.ggml.pre "stablelm2", which transformers' GGUF reading has no split for
-    stablelm2 = [(key, "stablelm2" if key == "tokenizer.ggml.pre" else value, *types) for key, value, *types in fields]
-    paths["stablelm2"] = write_llama_gguf(folder / "stablelm2.gguf", stablelm2, **LLAMA_FILES["q4_0_untied"])
+    # files whose tokenizer.ggml.pre transformers' GGUF reading has no split for (StableLM 2's, DeepSeek Coder's, ...)
+    for pre in ("stablelm2", "deepseek-coder", "falcon", "minerva-7b"):
+        named = [(key, pre if key == "tokenizer.ggml.pre" else value, *types) for key, value, *types in fields]
+        paths[pre] = write_llama_gguf(folder / f"{pre}.gguf", named, **LLAMA_FILES["q4_0_untied"])
     return {name: GGUFHeader(path).cache_dir for name, path in paths.items()}
 
 
@@ -284,3 +285,7 @@ def test_the_files_pre_tokenizer_splits_as_llama_cpp_splits(caches):
 
     assert split("stablelm2", "x!Hello 12") == ["x", "!Hello", "Ġ", "1", "2"]  # Qwen2's: a mark joins its word
     assert split("default", "x!Hello 12") == ["x", "!", "Hello", "Ġ", "1", "2"]
+    assert split("minerva-7b", "x = 12345") == split("default", "x = 12345") == ["x", "Ġ=", "Ġ", *"12345"]
+    # DeepSeek Coder's: a line break alone, each digit alone, a CJK run apart from the letters around it
+    assert split("deepseek-coder", "a\n\n12 中文abc") == ["a", "Ċ", "Ċ", "1", "2", "Ġ", "ä¸Ńæĸĩ", "abc"]
+    assert split("falcon", "x=12345, (y)") == ["x", "=", "123", "45", ",", "Ġ", "(", "y", ")"]  # 3 digits at most

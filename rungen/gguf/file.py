@@ -41,12 +41,13 @@ from .blocks import (
 from .decoder import FUSED_WEIGHTS, fusable, fuse_decoder_layers
 from .device import DeviceForms
 from .families import BY_ARCHITECTURE, NO_FAMILY
+from .splits import pre_tokenizer
 from .weights import FLOAT_TYPES, GGUFError, WeightReader, as_torch, split_hint
 
 logger = logging.getLogger("run_generation")
 
 # Bump when what the header cache holds changes meaning (transformers' version is part of the key too).
-HEADER_CACHE_VERSION = 4
+HEADER_CACHE_VERSION = 5
 
 
 @contextlib.contextmanager
@@ -92,17 +93,10 @@ def metadata_parsed_once(weights: bool = True):
         gguf_utils.tqdm = bar
 
 
-# llama.cpp's pre-tokenizers (llama-vocab.cpp's regex_exprs) that transformers' GGUF reading lacks, for which it
-# splits as GPT-2 does: each numeral alone first, then GPT-2's split.
-NUMERALS_FIRST = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
-QWEN2_SPLIT = {"stablelm2"}  # Qwen2's regex, as llama.cpp's STABLELM2
-
-
 def mend_pre_tokenizer(tokenizer, path: str) -> None:
-    """Gives a byte-level BPE tokenizer the split its file's tokenizer.ggml.pre names where transformers' GGUF
-    reading has none for it (NUMERALS_FIRST, QWEN2_SPLIT): SmolLM's file (the default model) splits each numeral on
-    its own, as llama.cpp and SmolLM's own tokenizer.json do."""
-    from tokenizers import Regex, pre_tokenizers
+    """Gives a byte-level BPE tokenizer llama.cpp's split for its file's tokenizer.ggml.pre where transformers' GGUF
+    reading has none for it (splits.SPLITS): SmolLM's file (the default model) splits each numeral on its own, as
+    llama.cpp and SmolLM's own tokenizer.json do. Other unknown values split as GPT-2, as transformers does."""
     from transformers.integrations.gguf import gguf_tokenizer_mapping
     from transformers.integrations.gguf.reader import read_gguf_metadata
 
@@ -110,15 +104,9 @@ def mend_pre_tokenizer(tokenizer, path: str) -> None:
     pre = metadata.get("tokenizer.ggml.pre")
     if metadata.get("tokenizer.ggml.model") != "gpt2" or pre in gguf_tokenizer_mapping.GGUF_PRE_TOKENIZER_SPLITS:
         return
-    if pre in NUMERALS_FIRST:
-        steps = [pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"),
-                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
-    elif pre in QWEN2_SPLIT:
-        steps = [pre_tokenizers.Split(Regex(gguf_tokenizer_mapping._QWEN2_SPLIT), behavior="isolated"),
-                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-    else:
-        return
-    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(steps)
+    split = pre_tokenizer(pre)
+    if split is not None:
+        tokenizer.backend_tokenizer.pre_tokenizer = split
 
 
 def complete_config(path: str, config: dict) -> None:
