@@ -140,8 +140,9 @@ class SlotBatch:
             self.slots.clear()
         return order
 
-    def row_layers(self, number, length, last):
-        """A row's keys/values of its first `length` positions, and the buffers the prefix cache may take (none)."""
+    def row_layers(self, number, length, fed, last):
+        """A row's keys/values of its first `length` positions (of the `fed` it holds), and the buffers the prefix
+        cache may take (none)."""
         return self.slots.row_layers(number, length), None
 
     def held(self):
@@ -265,12 +266,13 @@ class PaddedBatch:
             del keys, values
         return keep
 
-    def row_layers(self, number, length, last):
-        """A row's keys/values of its last `length` positions (None where padding lies among them), and the buffers
-        the prefix cache may take over (`last`)."""
-        if not self.mask[number, -length:].all():
+    def row_layers(self, number, length, fed, last):
+        """A row's keys/values of its first `length` positions of the `fed` it holds, the batch's last ones (None
+        where padding lies among them), and the buffers the prefix cache may take over (`last`)."""
+        end = length - fed or None  # the row's positions end where the batch's do
+        if not self.mask[number, -fed:end].all():
             return None, None
-        layers = [(k[number : number + 1, :, -length:], v[number : number + 1, :, -length:])
+        layers = [(k[number : number + 1, :, -fed:end], v[number : number + 1, :, -fed:end])
                   for k, v in layers_of(self.cache)]
         return layers, self.cache if last else None
 

@@ -163,7 +163,7 @@ class DecodeBatch:
         finished_requests = {}  # by identity: requests are dataclasses, whose == compares every field
         for number in done:
             row = self.rows[number]
-            if self.prefix_cache is not None and row.index == 0 and row.finish.reason != "abort":
+            if self.prefix_cache is not None and row.index == 0:  # a cancelled one too: a session goes on from it
                 self.remember(number, row, last=len(self.rows) == 1)
             row.request.sink(Done(row.index, row.finish))
             finished_requests[id(row.request)] = row.request
@@ -203,9 +203,12 @@ class DecodeBatch:
 
     def remember(self, number, row, last=False):
         """Keeps a finished row's keys/values in the prefix cache (`last`: it may take over the buffers)."""
-        length = row.position  # the positions the cache holds (the last token fed only by a step launched ahead)
-        tokens = (row.request.ids + row.generated)[:length]
-        layers, buffers = self.kv.row_layers(number, length, last)
+        tokens = row.request.ids + row.generated
+        # The positions the cache holds: the last token fed only by a step launched ahead; a cancelled row's step
+        # ahead fed it a token it never got.
+        length = min(row.position, len(tokens))
+        tokens = tokens[:length]
+        layers, buffers = self.kv.row_layers(number, length, row.position, last)
         if layers is None:
             return
         try:

@@ -146,6 +146,22 @@ def test_a_step_is_read_while_the_next_one_runs(loaded, monkeypatch):
         assert log == (["R", "F", "F"] + ["R", "F"] * 3 + ["R", "R"] if overlap else ["R"] + ["F", "R"] * 5), log
 
 
+def test_a_cancelled_rows_keys_and_values_serve_the_turn_that_goes_on_from_it(loaded, monkeypatch):
+    # A session's Ctrl-C cancels the reply and keeps its text: the next turn, which starts with the prompt and that
+    # text, reads none of it again (overlapped, the step launched ahead fed a token the reply never got: not kept)
+    ids = loaded.tokenizer(PROMPTS[0]).input_ids
+    for overlap in (False, True):
+        engine = engine_of(loaded, monkeypatch, overlap)
+        [[reason, _, tokens, *_]] = [result[0] for result in run(engine, [{"ids": ids, "max_tokens": 50,
+                                                                            "cancel_after": 4}])]
+        assert reason == "abort" and 0 < len(tokens) < 50
+        follow = ids + tokens + loaded.tokenizer(" and then").input_ids
+        went_on = run(engine, [{"ids": follow, "max_tokens": 5}])[0][0][2]
+        assert engine.metrics.reused_tokens == len(ids) + len(tokens), overlap
+        assert went_on == run(engine_of(loaded, monkeypatch, False, prefix_cache_bytes=0),
+                              [{"ids": follow, "max_tokens": 5}])[0][0][2]
+
+
 def test_rows_with_a_grammar_step_one_at_a_time(loaded, monkeypatch):
     # Their next mask needs the token just chosen: with such a row in the batch, a step is read before the next.
     pytest.importorskip("xgrammar")
