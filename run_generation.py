@@ -170,9 +170,6 @@ def main(argv=None):
 
         return server.run(loaded, serving)
     if interactive:
-        if args.output_format != "text":
-            logger.warning("A session prints its replies as text (/save writes the conversation as JSON); "
-                           "--output_format is for piped prompts.")
         from rungen import session  # transformers' stopping criteria and a terminal's line editing
 
         return session.run(loaded, settings, chat=args.chat, system=args.system, stream=args.stream,

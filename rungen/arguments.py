@@ -285,13 +285,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def check_inputs(args: argparse.Namespace, given: set[str]) -> None:
     """UsageError for input flags a run would not read: stdin's format beside --prompt, --whole_stdin's one prompt
-    as jsonl lines, --system with prompts no chat template wraps."""
+    as jsonl lines, piped prompts' flags in a session, --system with prompts no chat template wraps."""
     if args.prompt is not None and {"input_format", "whole_stdin"} & given:
         flag = "--input_format" if "input_format" in given else "--whole_stdin"
         raise UsageError(f"{flag} is how stdin is read; with --prompt stdin is not read")
     if args.whole_stdin and args.input_format == "jsonl":
         raise UsageError("--whole_stdin reads stdin as one text prompt; jsonl is one prompt a line: choose one")
     session = args.prompt is None and sys.stdin is not None and sys.stdin.isatty()  # main()'s test
+    if session and not args.serve:  # what only piped prompts do: a session would drop it
+        for flag, value, does in (("input_format", "jsonl", "is how piped stdin is read"),
+                                  ("whole_stdin", True, "is how piped stdin is read"),
+                                  ("output_format", "jsonl", "is for piped prompts: a session prints its replies as "
+                                                             "text (/save writes the conversation as JSON)")):
+            if getattr(args, flag) == value:
+                raise UsageError(f"--{flag}{'' if value is True else ' ' + value} {does}; with a terminal on stdin "
+                                 "a session starts: pipe the prompts in")
+        if args.num_return_sequences > 1:
+            raise UsageError("--num_return_sequences: a session gives one reply per prompt; pipe the prompts in for "
+                             "several")
     if args.thinking_budget is not None and args.thinking_budget < 0:
         raise UsageError(f"--thinking_budget must be >= 0, got {args.thinking_budget}")
     for flag, what in (("system", "system message"), ("chat_template_kwargs", "variables"),

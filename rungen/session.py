@@ -16,7 +16,7 @@ import shutil
 import sys
 import time
 
-from . import PROG, logger
+from . import PROG
 from .batch import check_thinking_budget, engine_refusal, open_engine, submit_prompts
 from .errors import GenerationError, PromptError, UsageError, one_line
 from .generation import FLAG_NAMES, Settings, adjust_length_to_model, eos_token_ids, generate_batch
@@ -266,6 +266,7 @@ class ReplyWriter:
         self.splitter, self.show = plan.splitter(), show
         self.dim = _is_terminal(sys.stderr, 2)
         self.thought = False  # some reasoning was shown (a line ends it before the answer)
+        self.answered = False  # some of the answer went to stdout (its line is ended at the finish)
 
     def __call__(self, text, final=False):
         reasoning, content = self.splitter.finish() if final else self.splitter.feed(text)
@@ -277,6 +278,7 @@ class ReplyWriter:
             self.end_reasoning()
             sys.stdout.write(content)
             sys.stdout.flush()
+            self.answered = True
 
     def end_reasoning(self):
         if self.thought:
@@ -287,8 +289,13 @@ class ReplyWriter:
     def finish(self):
         self("", final=True)
         self.end_reasoning()
-        sys.stdout.write("\n")
-        sys.stdout.flush()
+        if self.answered:  # a reply all reasoning leaves no empty line among the answers
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+
+
+def user_turns(messages) -> int:
+    return sum(message["role"] == "user" for message in messages)
 
 
 def say(text: str) -> None:
@@ -375,6 +382,8 @@ class Session:
         self.chat = settings.chat
         self.system = [{"role": "system", "content": system}] if self.chat and system else []
         self.messages = []  # the conversation after the system message: user and assistant turns
+        self.left_out = 0  # the user turns dropped from the conversation to fit the context (/save says so)
+        self.previous = ([], 0)  # messages and left_out before the last turn (a second Ctrl-C gives it up)
         self.stream = stream
         self.stdout_is_terminal = _is_terminal(sys.stdout, 1)
         self.replies = []  # what main() returns: each reply (prompt + continuation in plain continuation)
@@ -435,7 +444,7 @@ class Session:
     def give_up_last_reply(self):
         """Forgets the last turn, as a second Ctrl-C during its reply would have."""
         self.stopped_at = None
-        self.messages = self.messages[:-2]
+        self.messages, self.left_out = self.previous  # with the turns it dropped
         self.replies.pop()
         say(GIVEN_UP)
 
@@ -446,7 +455,7 @@ class Session:
         if name == "help":
             say(HELP)
         elif name == "clear":
-            self.messages = []
+            self.messages, self.left_out = [], 0
             say("(conversation cleared)")
         elif name == "save":
             self.save(argument)
@@ -511,14 +520,20 @@ class Session:
                 why = f"cannot create a file in {os.path.dirname(target)} ({why})"
             say(f"error: cannot write {path}: {why}")
             return
-        say(f"(saved to {path})")
+        if not self.left_out:
+            say(f"(saved to {path})")
+        else:  # the conversation as the model last read it: a read back gets the reply that follows it
+            turns = "turn, dropped to fit the context, is" if self.left_out == 1 else \
+                f"{self.left_out} turns, dropped to fit the context, are"
+            say(f"(saved to {path}; the oldest {turns} not in it)")
 
     def encode(self, text):
-        """This turn's prompt, encoded (with a template, the conversation fitted to the context, dropped turns gone
-        for good); PromptError if it cannot be generated."""
+        """(prompt, user message, the history its prompt keeps): this turn's prompt, encoded (with a template, the
+        conversation fitted to the context: the oldest turns left out); PromptError if it cannot be generated."""
         # --prefix on each user turn, as --prompt --chat takes it (kept so in the history: the next turn's prompt
         # starts as this one's did, and its keys/values are reused)
         user, dropped = {"role": "user", "content": self.prefix + text if self.chat else text}, 0
+        kept = self.messages
         if not self.chat:
             prompt = Prompt(len(self.replies), text)
         else:
@@ -532,7 +547,7 @@ class Session:
         if dropped:  # only once the prompt fits: one too long for any history keeps the history
             turns = "turn" if dropped == 1 else f"{dropped} turns"
             say(f"(dropped the oldest {turns} to fit the model's context of {context} tokens)")
-            self.messages = messages[len(self.system) : -1]
+            kept = messages[len(self.system) : -1]
         if context and length < context and context - len(prompt.ids) < length:
             say(f"(the model's context of {context} tokens leaves this reply {context - len(prompt.ids)} of its "
                 f"{length} tokens)")
@@ -543,7 +558,7 @@ class Session:
                                                   engine_refusal(self.loaded, self.settings),
                                                   eos_token_ids(self.settings, self.loaded.model))
         plan_prompt(self.loaded, self.settings, prompt)
-        return prompt, user
+        return prompt, user, kept
 
     def reply_room(self) -> int:
         """The tokens a turn's prompt leaves the reply, older turns dropped for them: the length, or one where the
@@ -560,7 +575,7 @@ class Session:
     def turn(self, text):
         """One prompt and its reply: streamed to stdout, then a line of figures on stderr."""
         try:
-            prompt, user = self.encode(text)
+            prompt, user, kept = self.encode(text)
         except PromptError as error:
             say(f"error: {error}")
             return
@@ -602,7 +617,9 @@ class Session:
 
             for call in record_of(prompt.tool_plan, reply["content"])["tool_calls"]:
                 say(f"(tool call: {call['function']['name']}({call['function']['arguments']}))")
-        self.messages += [user, reply]
+        self.previous = self.messages, self.left_out
+        self.left_out += user_turns(self.messages) - user_turns(kept)
+        self.messages = kept + [user, reply]  # the turns its prompt left out go only now
         self.replies.append(sequence.text)
         self.stopped_at = time.monotonic() if control.interrupted else None
         if control.interrupted and streamed and not self.stdout_is_terminal:
@@ -660,13 +677,11 @@ def run(loaded: Loaded, settings: Settings, *, chat: bool | None = None, system:
     if tools is not None and not chat:
         raise UsageError("--tools needs a conversation: this model has no chat template" if not has_template
                          else "--tools needs a conversation; it cannot be used with --no-chat")
-    if system and not chat:
-        logger.warning("--system is ignored: plain continuation has no chat template to put it in")
-    if template_kwargs is not None and not chat:
-        raise UsageError("--chat_template_kwargs is the chat template's variables: this session has no template")
-    if settings.num_return_sequences > 1:
-        logger.warning("A session gives one reply per prompt; --num_return_sequences is ignored.")
-    session = Session(loaded, dataclasses.replace(settings, chat=chat, num_return_sequences=1), system=system,
+    for flag, value, what in (("system", system, "system message"), ("chat_template_kwargs", template_kwargs,
+                                                                     "variables")):
+        if value is not None and not chat:
+            raise UsageError(f"--{flag} is the chat template's {what}: this session has no template")
+    session = Session(loaded, dataclasses.replace(settings, chat=chat), system=system,
                       stream=stream is not False, prefix=prefix, tools=tools, template_kwargs=template_kwargs,
                       figures=figures)
     kind = "Chat (the model's chat template)" if chat else "Plain continuation"

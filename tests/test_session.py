@@ -243,7 +243,7 @@ def test_old_turns_are_dropped_to_fit_the_context(chat_llama, tokenizer, tmp_pat
     # A prompt too long for any history is refused, and the history stays as it was.
     refused = terminal.command("the dog " * 60)
     assert "error: prompt is" in refused and "dropped" not in refused
-    terminal.command(f"/save {tmp_path / 'chat.jsonl'}")
+    saved = terminal.command(f"/save {tmp_path / 'chat.jsonl'}")
     terminal.send("/quit\r")
     assert terminal.wait() == 0
     shown = terminal.output.decode()
@@ -251,6 +251,9 @@ def test_old_turns_are_dropped_to_fit_the_context(chat_llama, tokenizer, tmp_pat
     assert all(prompt + length <= 128 for prompt, _ in sizes)
     assert sizes[1][0] > sizes[0][0]  # the second turn still carries the first
     messages = json.loads((tmp_path / "chat.jsonl").read_text())["messages"]
+    left_out = 4 - sum(message["role"] == "user" for message in messages)  # and /save says how many
+    assert (f"the oldest {left_out} turns, dropped to fit the context, are not in it" if left_out > 1 else
+            "the oldest turn, dropped to fit the context, is not in it") in saved
     assert messages[-2]["content"] == "Tell me more about the dog number 3"
     assert messages[0]["content"] != "Tell me more about the dog number 0"  # dropped from the conversation
     assert sizes[-1][0] == conversation_tokens(tokenizer, messages[:-1])
@@ -273,8 +276,9 @@ def test_a_reply_up_to_the_context_keeps_the_conversation(chat_llama, capsys):
     def encoded(length):
         session = Session(loaded, Settings(chat=True, length=length))
         session.messages = list(turns)
-        prompt, _ = session.encode("And the cat?")
-        return prompt, session.messages, capsys.readouterr().err
+        prompt, _, kept = session.encode("And the cat?")
+        assert session.messages == turns  # the turn, not yet kept, changes nothing
+        return prompt, kept, capsys.readouterr().err
 
     prompt, kept, said = encoded(loaded.context)
     assert loaded.context == 128 and prompt.messages[:-1] == turns == kept and said == ""
@@ -299,7 +303,7 @@ def test_prefix_reaches_every_turn_of_a_conversation(chat_llama, tokenizer, caps
 
     loaded = load(chat_llama, device=torch.device("cpu"))
     session = Session(loaded, Settings(chat=True, length=4), prefix="Answer in French. ")
-    prompt, user = session.encode("Where is Paris?")
+    prompt, user, _ = session.encode("Where is Paris?")
     assert user == {"role": "user", "content": "Answer in French. Where is Paris?"}
     one_shot = encode_prompt(loaded, Prompt(0, "Where is Paris?"), "Answer in French. ", True)
     assert prompt.ids == one_shot and len(one_shot) == conversation_tokens(tokenizer, [user])
@@ -308,7 +312,7 @@ def test_prefix_reaches_every_turn_of_a_conversation(chat_llama, tokenizer, caps
 
 def test_a_reply_stopped_before_its_first_token_leaves_no_turn(chat_llama, capsys, monkeypatch):
     # Ctrl-C during a long prompt's prefill acts once it ends, before any token: no empty reply is kept (nor read
-    # back by /save), and the conversation is as it was.
+    # back by /save), and the conversation is as it was, the turns its prompt left out too.
     import torch
 
     from rungen.generation import Sequence, Settings
@@ -321,11 +325,22 @@ def test_a_reply_stopped_before_its_first_token_leaves_no_turn(chat_llama, capsy
 
     monkeypatch.setattr(Session, "reply_on_engine", stopped)
     session = Session(load(chat_llama, device=torch.device("cpu")), Settings(chat=True, length=8))
-    session.messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    turns = [{"role": role, "content": f"the dog number {n}"} for n in range(6) for role in ("user", "assistant")]
+    session.messages = list(turns)
+    session.turn("the dog " * 20)  # its prompt leaves out the oldest turns: they stay, as the turn does not
+    said = capsys.readouterr().err
+    assert "dropped the oldest" in said and "(stopped before the reply began; the turn is not kept)" in said
+    assert session.messages == turns and session.replies == []
+
+    # A reply that is kept drops them; given up (a second Ctrl-C just after it), the conversation is as it was.
+    def replied(self, engine, prompt, settings, control):
+        return [Sequence("Woof", "Woof", len(prompt.ids), 1, "eos")], True, None, 0
+
+    monkeypatch.setattr(Session, "reply_on_engine", replied)
     session.turn("the dog " * 20)
-    assert session.messages == [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
-    assert session.replies == []
-    assert "(stopped before the reply began; the turn is not kept)" in capsys.readouterr().err
+    assert session.messages[-1] == {"role": "assistant", "content": "Woof"} and turns[0] not in session.messages
+    session.give_up_last_reply()
+    assert session.messages == turns and session.replies == []
 
 
 @pytest.mark.slow
@@ -405,6 +420,30 @@ def test_default_model_session_is_quiet_and_converses(default_model, tmp_path):
                                            "Ctrl-D or /exit to end.", ">>>"]
     assert "Paris" in shown[len(before) :]
     assert second[0] > first[0] + first[1]  # the reply and the question are part of the second prompt
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--input_format", "jsonl"], "--input_format jsonl is how piped stdin is read; with a terminal on stdin a "
+                                  "session starts: pipe the prompts in"),
+    (["--whole_stdin"], "--whole_stdin is how piped stdin is read"),
+    (["--output_format", "jsonl"], "--output_format jsonl is for piped prompts: a session prints its replies as text"),
+    (["--output_format", "jsonl", "--logprobs", "2"], "--output_format jsonl is for piped prompts"),
+    (["--num_return_sequences", "3", "--temperature", "1"], "--num_return_sequences: a session gives one reply"),
+    (["--system", "Be brief."], "--system is the chat template's system message: this session has no template"),
+])
+def test_a_session_refuses_what_only_piped_prompts_do(tiny_models, monkeypatch, capsys, flags, message):
+    # with a terminal on stdin a session starts: these flags would be dropped there, so they are refused
+    import io
+
+    from helpers import error_of
+
+    class TerminalStdin(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, "stdin", TerminalStdin())
+    code, line = error_of(["--model_name_or_path", tiny_models["gpt2"], *flags], capsys)
+    assert code == 2 and message in line
 
 
 # Conversations and system messages from pipes
