@@ -289,3 +289,18 @@ def test_set_says_where_a_value_does_not_act_as_typed(capsys):
     err = capsys.readouterr().err
     assert "applies to sampling only" not in err and "up to the model's context" not in err
     assert session.settings.length == 128
+
+
+@pytest.mark.parametrize("reply, out", [("<think>hmm, still thinking", ""), ("<think>hmm</think>Paris.", "Paris.\n")])
+def test_a_thinking_reply_puts_its_answer_alone_on_stdout(reply, out, capsys):
+    """The reasoning to stderr, the answer to stdout ended with a line; a reply all reasoning (cut by its length)
+    leaves stdout, a file of answers, without an empty line."""
+    from rungen.reasoning import THINK, ReplyPlan
+    from rungen.session import ReplyWriter
+
+    writer = ReplyWriter(ReplyPlan(THINK, "start"), show=True)
+    for piece in (reply[:9], reply[9:]):  # streamed in two pieces
+        writer(piece)
+    writer.finish()
+    captured = capsys.readouterr()
+    assert captured.out == out and "hmm" in captured.err
