@@ -117,7 +117,9 @@ def encode(values, qtype, rng):
     return quants.quantize(values.astype(np.float32), qtype), qtype
 
 
-def write_llama_gguf(path, tokenizer_fields, layers, embedding, output, default=None, seed=0, arch="llama"):
+def write_llama_gguf(path, tokenizer_fields, layers, embedding, output, default=None, seed=0, arch="llama",
+                     shapes_of=None):
+    """`shapes_of`: {(layer, name): shape} of tensors whose shape is not the one the metadata describes."""
     rng = np.random.default_rng(seed)
     vocab = next(len(value) for key, value, *_ in tokenizer_fields if key == "tokenizer.ggml.tokens")
     writer = GGUFWriter(str(path), arch)
@@ -148,7 +150,7 @@ def write_llama_gguf(path, tokenizer_fields, layers, embedding, output, default=
         add(f"blk.{number}.attn_norm.weight", rng.uniform(0.8, 1.2, HIDDEN), Q.F32)
         add(f"blk.{number}.ffn_norm.weight", rng.uniform(0.8, 1.2, HIDDEN), Q.F32)
         for name, shape in shapes.items():
-            values = rng.normal(0, 0.08, shape)
+            values = rng.normal(0, 0.08, (shapes_of or {}).get((number, name), shape))
             if name in ("attn_q", "attn_k") and arch == "llama":
                 values = permute(values, HEADS, HEADS if name == "attn_q" else KV_HEADS)
             add(f"blk.{number}.{name}.weight", values, types.get(name, default))
@@ -362,6 +364,19 @@ def test_a_split_files_part_is_refused_naming_the_split_never_run_with_weights_m
         code, line = error_of(["--model_name_or_path", str(first), "--prompt", "Hi", "--length", "2", *flags], capsys)
         assert code == 2 and line.endswith("it is part 1 of 2 of a split file; merge the parts into one with "
                                            "llama.cpp's llama-gguf-split --merge"), (flags, line)
+
+
+def test_a_tensor_of_another_shape_is_refused_in_one_line_every_time(tokenizer_fields, tmp_path, capsys):
+    # The first run builds transformers' model of the file, which checks each tensor's shape; the runs after it
+    # would build the own model by the weights map that build caches, checking none: a build that failed caches
+    # no map, so every run says the same line.
+    path = write_llama_gguf(tmp_path / "bad.gguf", tokenizer_fields, [{}, {}], embedding=Q.Q8_0, output=None,
+                            default=Q.Q8_0, shapes_of={(1, "ffn_down"): (HIDDEN, HIDDEN)})
+    args = ["--model_name_or_path", path, "--prompt", "Hi", "--length", "2", "--temperature", "0"]
+    lines = [error_of(args, capsys) for _ in range(2)]
+    assert lines[0] == lines[1] and lines[0][0] == 2
+    assert lines[0][1].endswith(f"tensor blk.1.ffn_down.weight is [{HIDDEN}, {HIDDEN}], where the model its metadata "
+                                f"describes has [{HIDDEN}, {FFN}]"), lines[0]
 
 
 def test_the_header_cache_keeps_the_most_recently_used_entries(tmp_path, monkeypatch):

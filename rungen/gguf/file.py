@@ -328,23 +328,29 @@ class GGUFHeader:
 
 
     def weights_map(self, model: torch.nn.Module, processor) -> dict[str, str]:
-        """GGUF tensor name -> the model's parameter name (get_gguf_hf_weights_map), cached beside the header."""
-        path = os.path.join(self.cache_dir, "weights_map.json")
-        if os.path.isfile(path):
-            with open(path) as f:
-                return json.load(f)
+        """GGUF tensor name -> the model's parameter name (get_gguf_hf_weights_map); the cached one where a model
+        was built from the file before (keep_weights_map)."""
+        cached = self.cached_weights_map()
+        if cached is not None:
+            return cached
         from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
         try:
             with metadata_parsed_once():  # its one build of gguf's name table
-                names = get_gguf_hf_weights_map(model, processor)
+                return get_gguf_hf_weights_map(model, processor)
         except NotImplementedError as error:
             raise GGUFError(f"{self.path}: {_first_line(error)}") from None
+
+    def keep_weights_map(self, names: dict[str, str]) -> None:
+        """Caches the weights map of a model built whole from the file, every tensor's shape checked: the own model
+        (rungen/gguf/model.py) loads by it, checking none."""
+        path = os.path.join(self.cache_dir, "weights_map.json")
+        if os.path.isfile(path):
+            return
         fd, tmp = tempfile.mkstemp(dir=self.cache_dir, prefix=".tmp-")
         with os.fdopen(fd, "w") as f:
             json.dump(names, f)
         os.replace(tmp, path)  # atomic: never read half-written
-        return names
 
 
 def _read_with_gguf(path: str) -> tuple[str, list]:
@@ -601,7 +607,7 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
                 layer.bias = bias if bias is not None and bias.device.type != "meta" else None
             model.set_submodule(module_name, layer)
         _tie_head(model, config)
-        model = _finish_built(header, model, device)
+        model = _finish_built(header, model, names, device)
         return model if quantize is None else quantizing.finish(header.path)
 
     for module_name, layer in layers.items():
@@ -613,15 +619,17 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
     _tie_head(model, config)
     layers.clear()  # the model holds them now: fused layer by layer, each layer's parts are freed as it goes
     fuse_decoder_layers(model)
-    return _finish_built(header, model)
+    return _finish_built(header, model, names)
 
 
-def _finish_built(header: GGUFHeader, model: torch.nn.Module, device: torch.device | None = None) -> torch.nn.Module:
-    """The built model in eval mode, on `device`; GGUFError when a parameter found no tensor in the file."""
+def _finish_built(header: GGUFHeader, model: torch.nn.Module, names: dict, device: torch.device | None = None):
+    """The built model in eval mode, on `device`, its weights map cached; GGUFError when a parameter found no
+    tensor in the file."""
     missing = [name for name, p in [*model.named_parameters(), *model.named_buffers()] if p.device.type == "meta"]
     if missing:
         raise GGUFError(f"{header.path}: the file has no tensor for {missing[0]}"
                         + (f" and {len(missing) - 1} more" if len(missing) > 1 else "") + split_hint(header.path))
+    header.keep_weights_map(names)
     if device is not None:
         model.to(device)
     model.eval()
