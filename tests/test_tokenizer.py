@@ -10,15 +10,16 @@ import shutil
 import jinja2
 import pytest
 import torch
+from gguf import GGUFValueType
 from test_gguf_loading import FILES as LLAMA_FILES
 from test_gguf_loading import VOCAB, write_llama_gguf
 from transformers import AutoTokenizer
 
 from helpers import ROOT
-from rungen.gguf.file import GGUFHeader
+from rungen.gguf.file import GGUFHeader, mend_tokenizer
 from rungen.gguf.tokenizer import GGUFTokenizer, own
 from rungen.loading import default_model_file, finish
-from tiny_models import default_tokenizer_fields, gemma_tokenizer_fields, write_family_gguf
+from tiny_models import default_tokenizer_fields, gemma_tokenizer_fields, write_family_gguf, write_gpt2_gguf
 
 pytestmark = pytest.mark.usefixtures("module_cache_home")
 TEMPLATES = os.path.join(ROOT, "tests", "chat_templates")
@@ -45,8 +46,8 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 
 
 @pytest.fixture(scope="module")
-def caches(tmp_path_factory):
-    """{name: header cache directory} of the fixture GGUF files and the default model."""
+def headers(tmp_path_factory):
+    """{name: GGUFHeader} of the fixture GGUF files and the default model."""
     fields = default_tokenizer_fields(default_model_file(), VOCAB)
     folder = tmp_path_factory.mktemp("tok")
     paths = {name: write_llama_gguf(folder / f"{name}.gguf", fields, **spec) for name, spec in LLAMA_FILES.items()
@@ -56,20 +57,43 @@ def caches(tmp_path_factory):
     for family in ("gemma2", "gemma3"):
         paths[f"{family}_spm"] = write_family_gguf(folder / f"{family}_spm.gguf", family, gemma_tokenizer_fields())
     paths["default"] = default_model_file()
+    # a llama file of a sentencepiece vocabulary (Llama 2's, Mistral 7B's): add_space_prefix as llama.cpp defaults it
+    # (no key), and false
+    spm = [field for field in gemma_tokenizer_fields() if field[0] != "tokenizer.chat_template"]
+    no_prefix = [("tokenizer.ggml.add_space_prefix", False, GGUFValueType.BOOL, None)]
+    for name, extra in (("llama_spm", []), ("llama_spm_no_prefix", no_prefix)):
+        paths[name] = write_llama_gguf(folder / f"{name}.gguf", spm + extra, **LLAMA_FILES["q4_0_untied"])
+    paths["gpt2"] = write_gpt2_gguf(folder / "gpt2.gguf", fields)  # transformers' GPT2Tokenizer runs its text
     # files whose tokenizer.ggml.pre transformers' GGUF reading has no split for (StableLM 2's, DeepSeek Coder's, ...)
     for pre in ("stablelm2", "deepseek-coder", "falcon", "minerva-7b"):
         named = [(key, pre if key == "tokenizer.ggml.pre" else value, *types) for key, value, *types in fields]
         paths[pre] = write_llama_gguf(folder / f"{pre}.gguf", named, **LLAMA_FILES["q4_0_untied"])
-    return {name: GGUFHeader(path).cache_dir for name, path in paths.items()}
+    return {name: GGUFHeader(path) for name, path in paths.items()}
 
 
-def pair(directory):
+@pytest.fixture(scope="module")
+def caches(headers):
+    """{name: header cache directory}."""
+    return {name: header.cache_dir for name, header in headers.items()}
+
+
+def transformers_tokenizer(directory, path=None):
+    """transformers' tokenizer class on a header cache, cutting text as llama.cpp does where the file at `path` says
+    more than transformers reads of it (the qwen2/3 and gemma fixtures carry SmolLM's split, whose files
+    transformers splits as GPT-2): what the tool runs where it runs transformers' class."""
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    if path is not None:
+        mend_tokenizer(tokenizer, path)
+    return tokenizer
+
+
+def pair(directory, path=None):
     """(own tokenizer, transformers' tokenizer) of a header cache, padded as the tool pads them (loading.finish)."""
     model = torch.nn.Module()
     model.config = type("Config", (), {"max_position_embeddings": 64, "model_type": "llama"})()
     model.get_input_embeddings = lambda: torch.nn.Embedding(1, 1)
     return tuple(finish(model, tokenizer, "llama", torch.device("cpu")).tokenizer
-                 for tokenizer in (GGUFTokenizer(directory), AutoTokenizer.from_pretrained(directory)))
+                 for tokenizer in (GGUFTokenizer(directory), transformers_tokenizer(directory, path)))
 
 
 def test_which_files_get_the_own_tokenizer(caches, tmp_path):
@@ -101,12 +125,12 @@ def test_the_header_cache_names_its_added_tokens(caches):
 
 
 @pytest.mark.parametrize("name", OWN)
-def test_ids_text_and_special_tokens_are_transformers(caches, name):
+def test_ids_text_and_special_tokens_are_transformers(headers, caches, name):
     # The class's own padding side (GemmaTokenizer's left, the others' right), before the tool sets left.
     mine, theirs = GGUFTokenizer(caches[name]), AutoTokenizer.from_pretrained(caches[name])
     assert mine.padding_side == theirs.padding_side
     assert mine.pad({"input_ids": [[5, 6, 7], [8]]}) == dict(theirs.pad({"input_ids": [[5, 6, 7], [8]]}))
-    mine, theirs = pair(caches[name])
+    mine, theirs = pair(headers[name].cache_dir, headers[name].path)
     for attribute in ("bos_token", "eos_token", "unk_token", "pad_token", "bos_token_id", "eos_token_id",
                       "unk_token_id", "pad_token_id", "all_special_ids", "all_special_tokens", "special_tokens_map",
                       "padding_side", "chat_template"):
@@ -146,9 +170,9 @@ def render_both(mine, theirs, conversation, **kwargs):
 
 
 @pytest.mark.parametrize("name", OWN)
-def test_each_files_chat_template_renders_as_transformers(caches, name):
+def test_each_files_chat_template_renders_as_transformers(headers, name):
     # The file's own template (as the header cache holds it), with and without the generation prompt, as text and ids.
-    mine, theirs = pair(caches[name])
+    mine, theirs = pair(headers[name].cache_dir, headers[name].path)
     assert mine.chat_template == theirs.chat_template
     rendered = []
     for conversation in CONVERSATIONS:
@@ -265,7 +289,23 @@ def test_a_continuation_after_sentencepiece_byte_tokens_keeps_its_text(caches):
     assert items[0]["token"] == "\n" and items[0]["bytes"] == [10]
 
 
-def test_the_files_pre_tokenizer_splits_as_llama_cpp_splits(caches):
+def test_a_sentencepiece_llama_file_puts_the_prefix_space_where_llama_cpp_does(caches):
+    """sentencepiece's dummy prefix, as llama.cpp (and Llama 2's and Mistral's own tokenizer.json) put it: before
+    text that starts with spaces too, and after a special token; none where the file's add_space_prefix is false."""
+    def pieces(name, text):
+        tokenizer = GGUFTokenizer(caches[name])
+        return tokenizer.convert_ids_to_tokens(tokenizer.encode(text, add_special_tokens=False))
+
+    assert pieces("llama_spm", "  two")[:3] == ["\u2581", "\u2581", "\u2581t"]  # three spaces: the prefix and two
+    assert pieces("llama_spm", "<start_of_turn>user")[1].startswith("\u2581")
+    assert pieces("llama_spm_no_prefix", "two")[0] == "t" and pieces("llama_spm_no_prefix", " two")[0] == "\u2581t"
+    assert not pieces("llama_spm_no_prefix", "<start_of_turn>user")[1].startswith("\u2581")
+    for name in ("llama_spm", "llama_spm_no_prefix"):  # and the text decodes back as it was
+        tokenizer = GGUFTokenizer(caches[name])
+        assert tokenizer.decode(tokenizer.encode("  two words", add_special_tokens=False)) == "  two words"
+
+
+def test_the_files_pre_tokenizer_splits_as_llama_cpp_splits(headers, caches):
     """tokenizer.ggml.pre names how text is split before the merges: SmolLM's ("smollm", the default model) puts
     every numeral on its own, then splits as GPT-2 (llama.cpp's llama-vocab.cpp, and SmolLM's own tokenizer.json),
     which transformers' GGUF reading, lacking "smollm", would not; StableLM 2's splits as Qwen2's."""
@@ -289,3 +329,8 @@ def test_the_files_pre_tokenizer_splits_as_llama_cpp_splits(caches):
     # DeepSeek Coder's: a line break alone, each digit alone, a CJK run apart from the letters around it
     assert split("deepseek-coder", "a\n\n12 中文abc") == ["a", "Ċ", "Ċ", "1", "2", "Ġ", "ä¸Ńæĸĩ", "abc"]
     assert split("falcon", "x=12345, (y)") == ["x", "=", "123", "45", ",", "Ġ", "(", "y", ")"]  # 3 digits at most
+    # a class of transformers' that builds its own pipeline (GPT-2's) is given the file's split too
+    gpt2 = headers["gpt2"].tokenizer
+    assert not isinstance(gpt2, GGUFTokenizer)
+    assert gpt2.convert_ids_to_tokens(gpt2.encode("x = 12345", add_special_tokens=False)) == pieces("default",
+                                                                                                   "x = 12345")

@@ -41,13 +41,13 @@ from .blocks import (
 from .decoder import FUSED_WEIGHTS, fusable, fuse_decoder_layers
 from .device import DeviceForms
 from .families import BY_ARCHITECTURE, NO_FAMILY
-from .splits import pre_tokenizer
+from .splits import pre_tokenizer, sentencepiece_text
 from .weights import FLOAT_TYPES, GGUFError, WeightReader, as_torch, split_hint
 
 logger = logging.getLogger("run_generation")
 
 # Bump when what the header cache holds changes meaning (transformers' version is part of the key too).
-HEADER_CACHE_VERSION = 5
+HEADER_CACHE_VERSION = 6
 
 
 @contextlib.contextmanager
@@ -93,20 +93,38 @@ def metadata_parsed_once(weights: bool = True):
         gguf_utils.tqdm = bar
 
 
-def mend_pre_tokenizer(tokenizer, path: str) -> None:
-    """Gives a byte-level BPE tokenizer llama.cpp's split for its file's tokenizer.ggml.pre where transformers' GGUF
-    reading has none for it (splits.SPLITS): SmolLM's file (the default model) splits each numeral on its own, as
-    llama.cpp and SmolLM's own tokenizer.json do. Other unknown values split as GPT-2, as transformers does."""
+def mend_tokenizer(tokenizer, path: str) -> None:
+    """Cuts text as llama.cpp does where transformers' GGUF reading would not (rungen/gguf/splits.py): a byte-level
+    BPE vocabulary by the split its file's tokenizer.ggml.pre names (SmolLM's file, the default model, splits each
+    numeral on its own, as llama.cpp and SmolLM's own tokenizer.json do; other unknown values split as GPT-2, as
+    transformers does); a SentencePiece one with the prefix space before each piece of text that llama.cpp puts."""
     from transformers.integrations.gguf import gguf_tokenizer_mapping
     from transformers.integrations.gguf.reader import read_gguf_metadata
 
     metadata, _ = read_gguf_metadata(path)
-    pre = metadata.get("tokenizer.ggml.pre")
-    if metadata.get("tokenizer.ggml.model") != "gpt2" or pre in gguf_tokenizer_mapping.GGUF_PRE_TOKENIZER_SPLITS:
-        return
-    split = pre_tokenizer(pre)
-    if split is not None:
-        tokenizer.backend_tokenizer.pre_tokenizer = split
+    model, pre, backend = metadata.get("tokenizer.ggml.model"), metadata.get("tokenizer.ggml.pre"), \
+        tokenizer.backend_tokenizer
+    state = json.loads(backend.to_str())
+    pre_steps, normalizer_steps = _steps(state.get("pre_tokenizer")), _steps(state.get("normalizer"))
+    if model == "gpt2" and pre not in gguf_tokenizer_mapping.GGUF_PRE_TOKENIZER_SPLITS and "ByteLevel" in pre_steps:
+        split = pre_tokenizer(pre)
+        if split is not None:
+            backend.pre_tokenizer = split
+    elif model == "llama":
+        # llama's builder (a Metaspace pre-tokenizer) and phi3's (a Prepend normalizer); not gemma's, which has
+        # no prefix, as its files' add_space_prefix says
+        if "Metaspace" in pre_steps or "Prepend" in normalizer_steps:
+            backend.normalizer, backend.decoder = sentencepiece_text(
+                metadata.get("tokenizer.ggml.add_space_prefix", True))
+            backend.pre_tokenizer = None
+
+
+def _steps(part: dict | None) -> list[str]:
+    """The step types of a tokenizer.json pipeline part (a normalizer, a pre-tokenizer), a Sequence's flattened."""
+    if not part:
+        return []
+    inner = part.get("normalizers") or part.get("pretokenizers")
+    return [kind for step in inner for kind in _steps(step)] if inner else [part["type"]]
 
 
 def complete_config(path: str, config: dict) -> None:
@@ -268,7 +286,9 @@ class GGUFHeader:
             return PreTrainedTokenizerFast.from_pretrained(self.cache_dir)
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(self.cache_dir)
+        tokenizer = AutoTokenizer.from_pretrained(self.cache_dir)
+        mend_tokenizer(tokenizer, self.path)  # its class rebuilds the pipeline, without llama.cpp's cut
+        return tokenizer
 
     def cached_weights_map(self) -> dict[str, str] | None:
         """weights_map()'s result where a run before cached it, else None."""
@@ -304,7 +324,7 @@ class GGUFHeader:
             with metadata_parsed_once(weights=False):
                 config = AutoConfig.from_pretrained(directory, gguf_file=file)
                 tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=file)
-            mend_pre_tokenizer(tokenizer, self.path)
+            mend_tokenizer(tokenizer, self.path)
         except GGUFError:
             raise
         except Exception as error:  # transformers: ValueError for an architecture it cannot read, and others
@@ -314,7 +334,7 @@ class GGUFHeader:
         try:
             config.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
-            save_class_run(tmp)
+            save_class_run(tmp, functools.partial(mend_tokenizer, path=self.path))
             with open(os.path.join(tmp, "tensors.json"), "w") as f:
                 json.dump({"architecture": architecture, "tensors": tensors}, f)
             try:

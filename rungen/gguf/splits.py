@@ -1,7 +1,15 @@
-"""llama.cpp's pre-tokenizer splits (src/llama-vocab.cpp, `regex_exprs`) for the `tokenizer.ggml.pre` values of
-files the tool or transformers can load, where transformers' GGUF reading has none and would split as GPT-2.
-Each regex splits what the ones before it left, its matches kept as pieces of their own (tokenizers' Split,
-"isolated"), as llama.cpp's unicode_regex_split does; then the pieces' bytes are mapped as GPT-2 maps them."""
+"""How llama.cpp (src/llama-vocab.cpp) cuts a GGUF file's text before its merges, where transformers' GGUF reading
+does otherwise.
+
+A byte-level BPE vocabulary: the splits (`regex_exprs`) of the `tokenizer.ggml.pre` values of files the tool or
+transformers can load, where transformers' reading has none and would split as GPT-2. Each regex splits what the
+ones before it left, its matches kept as pieces of their own (tokenizers' Split, "isolated"), as llama.cpp's
+unicode_regex_split does; then the pieces' bytes are mapped as GPT-2 maps them.
+
+A SentencePiece vocabulary: its spaces spelled "\u2581", and one put before every piece of text that starts the
+input or follows a special token, unless the file's tokenizer.ggml.add_space_prefix is false (sentencepiece's
+dummy prefix, as the published Llama 2 and Mistral tokenizer.json files' normalizer puts it); transformers' reading
+of a llama file puts it only at the input's start, and not before text that starts with a space."""
 
 GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 QWEN2 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
@@ -44,3 +52,13 @@ def pre_tokenizer(pre: str):
         return None
     return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(regex), behavior="isolated") for regex in SPLITS[pre]]
                                    + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+def sentencepiece_text(add_space_prefix: bool):
+    """(normalizer, decoder) of a SentencePiece vocabulary's text as llama.cpp writes it (the pre-tokenizer: none)."""
+    from tokenizers import decoders, normalizers
+
+    prefix = [normalizers.Prepend("\u2581")] if add_space_prefix else []
+    strip = [decoders.Strip(" ", 1, 0)] if add_space_prefix else []  # the prefix's space, decoded
+    return (normalizers.Sequence(prefix + [normalizers.Replace(" ", "\u2581")]),
+            decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), *strip]))

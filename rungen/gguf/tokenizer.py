@@ -24,13 +24,15 @@ PIPELINE_FILE = "tokenizer_pipeline.json"  # the class's backend_tokenizer, as i
 CLASS_FILE = "tokenizer_class.json"  # what the class adds to it in Python
 
 
-def save_class_run(directory: str) -> None:
+def save_class_run(directory: str, mend) -> None:
     """Records in the header cache `directory` what transformers' tokenizer loaded from the saved files runs: its
-    pipeline and its class's Python-side behaviour; added tokens go into tokenizer_config.json (else from_pretrained
-    parses the whole tokenizer.json again)."""
+    pipeline, `mend`ed (a class that rebuilds it drops what file.mend_tokenizer gave the saved one), and its class's
+    Python-side behaviour; added tokens go into tokenizer_config.json (else from_pretrained parses the whole
+    tokenizer.json again)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(directory)
+    mend(tokenizer)
     config_path = os.path.join(directory, "tokenizer_config.json")
     with open(config_path) as f:
         config = json.load(f)
