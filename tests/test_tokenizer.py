@@ -15,7 +15,7 @@ from test_gguf_loading import FILES as LLAMA_FILES
 from test_gguf_loading import VOCAB, write_llama_gguf
 from transformers import AutoTokenizer
 
-from helpers import ROOT
+from helpers import ROOT, run_main
 from rungen.gguf.file import GGUFHeader, mend_tokenizer
 from rungen.gguf.tokenizer import GGUFTokenizer, own
 from rungen.loading import default_model_file, finish
@@ -334,3 +334,22 @@ def test_the_files_pre_tokenizer_splits_as_llama_cpp_splits(headers, caches):
     assert not isinstance(gpt2, GGUFTokenizer)
     assert gpt2.convert_ids_to_tokens(gpt2.encode("x = 12345", add_special_tokens=False)) == pieces("default",
                                                                                                    "x = 12345")
+
+
+def test_a_reply_ends_at_the_end_of_its_turn_as_in_llama_cpp(headers, tmp_path):
+    """Gemma's files say eos <eos>, and its turns end with <end_of_turn>: a reply ends at either, as llama.cpp's
+    end-of-generation set has it (SmolLM's: <|im_end|>, and <|endoftext|> and its <reponame>)."""
+    gemma = headers["gemma2_spm"]
+    tokenizer = gemma.tokenizer
+    assert gemma.config.eos_token_id == tokenizer.convert_tokens_to_ids(["<eos>", "<end_of_turn>"])
+    assert headers["default"].tokenizer.convert_ids_to_tokens(headers["default"].config.eos_token_id) == [
+        "<|im_end|>", "<|endoftext|>", "<reponame>"]
+    # pushed to end its turn at once, the reply does
+    end = tokenizer.convert_tokens_to_ids("<end_of_turn>")
+    config = tmp_path / "push.json"
+    config.write_text(json.dumps({"sequence_bias": [[[end], 100.0]]}))
+    result = run_main(["--model_name_or_path", gemma.path, "--chat", "--prompt", "Hi", "--temperature", "0",
+                       "--length", "8", "--output_format", "jsonl", "--generation_config", str(config)])
+    assert result.returncode == 0, result.stderr.decode()[-2000:]
+    [record] = [json.loads(line) for line in result.stdout.decode().splitlines()]
+    assert (record["finish_reason"], record["num_generated_tokens"], record["generated_text"]) == ("eos", 1, "")

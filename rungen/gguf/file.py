@@ -47,7 +47,7 @@ from .weights import FLOAT_TYPES, GGUFError, WeightReader, as_torch, split_hint
 logger = logging.getLogger("run_generation")
 
 # Bump when what the header cache holds changes meaning (transformers' version is part of the key too).
-HEADER_CACHE_VERSION = 6
+HEADER_CACHE_VERSION = 7
 
 
 @contextlib.contextmanager
@@ -117,6 +117,37 @@ def mend_tokenizer(tokenizer, path: str) -> None:
             backend.normalizer, backend.decoder = sentencepiece_text(
                 metadata.get("tokenizer.ggml.add_space_prefix", True))
             backend.pre_tokenizer = None
+
+
+# The tokens that end a reply by their text, as llama.cpp's end-of-generation set (llama-vocab.cpp): a chat model's
+# turn ends with one its file's eos is often not (Gemma's <end_of_turn>, Phi-3's <|end|>); the fill-in-the-middle
+# pad, repository and file-separator tokens too.
+END_OF_GENERATION = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+                     "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+                     "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+                     "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
+                     "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]",
+                     "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>", "<|file_sep|>")
+
+
+def end_of_generation(path: str, vocab: dict[str, int], eos) -> int | list[int] | None:
+    """The ids that end a reply (the config's eos_token_id), as llama.cpp's set: the file's eos, eot and eom ids, and
+    every token spelled as one of END_OF_GENERATION; the eos first, a list where there are several."""
+    from transformers.integrations.gguf.reader import read_gguf_metadata
+
+    metadata, _ = read_gguf_metadata(path)
+    ids = [eos] if isinstance(eos, int) else list(eos or [])
+    ids += [metadata[f"tokenizer.ggml.{key}_token_id"] for key in ("eot", "eom")
+            if f"tokenizer.ggml.{key}_token_id" in metadata]
+    ids += [vocab[text] for text in END_OF_GENERATION if text in vocab]
+    text = {index: token for token, index in vocab.items()}
+    spelled = {text.get(index) for index in ids}
+    if {"<|return|>", "<|call|>"} <= spelled or {"<|calls|>", "<|flush|>"} <= spelled:
+        ids = [index for index in ids if text.get(index) != "<|end|>"]  # gpt-oss's, Solar Open's: a message's end
+    if "<|tool_response>" in spelled or "<|plamo:eos|>" in vocab:
+        ids = [index for index in ids if text.get(index) != "</s>"]  # Gemma 4's and PLaMo's: a plain token
+    ids = list(dict.fromkeys(ids))
+    return ids[0] if len(ids) == 1 else ids or None
 
 
 def _steps(part: dict | None) -> list[str]:
@@ -325,6 +356,7 @@ class GGUFHeader:
                 config = AutoConfig.from_pretrained(directory, gguf_file=file)
                 tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=file)
             mend_tokenizer(tokenizer, self.path)
+            config.eos_token_id = end_of_generation(self.path, tokenizer.get_vocab(), config.eos_token_id)
         except GGUFError:
             raise
         except Exception as error:  # transformers: ValueError for an architecture it cannot read, and others
