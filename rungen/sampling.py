@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import secrets
 
 import torch
 
@@ -90,10 +89,10 @@ class RowState:
 
 
 def row_seed(seed: int | None, index: int = 0) -> int:
-    """The seed of choice `index` of a request seeded with `seed` (None: random): choice 0's is `seed` itself, the
-    others' are drawn from it."""
+    """The seed of choice `index` of a request seeded with `seed`: choice 0's is `seed` itself, the others' are drawn
+    from it. None: drawn from torch's generator, which --seed seeds (a server's unseeded requests, as they come)."""
     if seed is None:
-        return secrets.randbits(63)
+        return int(torch.randint(2**63 - 1, ()))
     if index:
         return int(torch.randint(2**63 - 1, (index,), generator=torch.Generator().manual_seed(seed))[-1])
     return seed

@@ -154,6 +154,20 @@ def test_n_and_seed(client):
     assert first.usage.completion_tokens == 30
 
 
+def test_unseeded_requests_draw_from_the_generator_seed_seeds(client):
+    # --seed seeds the process's generator (run_generation.set_seed): requests without a seed draw theirs from it,
+    # as they come, so the same requests in the same order after a restart with the same --seed get the same text
+    import run_generation
+
+    def two_draws():
+        run_generation.set_seed(5)
+        return [client.completions.create(model=MODEL_ID, prompt="Once upon a time", max_tokens=12,
+                                          temperature=1.0).choices[0].text for _ in range(2)]
+
+    first = two_draws()
+    assert two_draws() == first and first[0] != first[1]
+
+
 def test_stop_strings_cut_and_never_leak(served, client):
     text = greedy_text(client, prompt="Once upon a time", max_tokens=24)
     stop = text[9:12]  # three characters mid-text, very likely spread over tokens
