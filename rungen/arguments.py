@@ -144,6 +144,10 @@ SERVE_REFUSED = ("prompt", "stream", "output_format", "input_format", "whole_std
                  "chat", "system", "prefix", "padding_text", "xlm_language", "min_p", "typical_p",
                  "no_repeat_ngram_size", "logprobs", "prompt_lookup_num_tokens", "assistant_model",
                  "generation_config", "json_schema", "regex", "grammar", "tools", "thinking_budget")
+# Where "each request sets its own" is not why
+SERVE_REFUSED_WHY = {"batch_size": "it batches requests as they come, up to --max_batch",
+                     **dict.fromkeys(("prompt", "input_format", "whole_stdin"), "prompts come in requests"),
+                     "output_format": "it answers in JSON"}
 SERVE_ONLY = ("host", "port", "api_key", "max_queue", "max_batch", "max_cache_tokens", "prefix_cache_mb",
               "cors_origins", "shutdown_grace")
 
@@ -208,7 +212,8 @@ def check_serve(args: argparse.Namespace, given: set[str]) -> None:
         return
     for dest in SERVE_REFUSED:
         if dest in given:  # whatever the value: --temperature 0 would set nothing either
-            raise UsageError(f"--{dest} does not apply to --serve: each request sets its own (see docs/server.md)")
+            why = SERVE_REFUSED_WHY.get(dest, "each request sets its own")
+            raise UsageError(f"--{dest} does not apply to --serve: {why} (see docs/server.md)")
     for dest, low in (("port", 0), ("max_queue", 0), ("max_batch", 1), ("max_cache_tokens", 1),
                       ("prefix_cache_mb", 0), ("shutdown_grace", 0)):
         if getattr(args, dest) < low:
@@ -317,7 +322,11 @@ def check_inputs(args: argparse.Namespace, given: set[str]) -> None:
 
 def check_template_flags(args: argparse.Namespace, prompts: list) -> None:
     """UsageError for --system or --chat_template_kwargs where no prompt read goes through the template (jsonl
-    "prompt" lines without --chat), as check_inputs does for text prompts."""
+    "prompt" lines without --chat), as check_inputs does for text prompts; for --prefix where every line is a
+    conversation (which takes none)."""
+    if args.prefix and prompts and all(prompt.messages is not None for prompt in prompts):
+        raise UsageError("--prefix goes before text prompts, and every line is a conversation (which gets none); put "
+                         "it in the messages")
     if args.chat or not prompts or any(prompt.messages is not None for prompt in prompts):
         return
     for flag in ("system", "chat_template_kwargs", "thinking_budget"):

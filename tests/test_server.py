@@ -781,6 +781,10 @@ def test_flags_that_do_not_apply_are_refused(checkpoint, capsys):
         with pytest.raises(SystemExit) as exit_info:
             run_generation.cli(["--serve", "--model_name_or_path", checkpoint, *flags])
         assert exit_info.value.code == 2 and "does not apply to --serve" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # no request sets a batch size: the server's own flag is named
+        run_generation.cli(["--serve", "--model_name_or_path", checkpoint, "--batch_size", "4"])
+    assert "--batch_size does not apply to --serve: it batches requests as they come, up to --max_batch" in \
+        capsys.readouterr().err
     # A port another server holds: one line and exit 2, before any "serving" line.
     import socket
 

@@ -466,6 +466,17 @@ def test_piped_chat_takes_a_system_message(chat_llama, tokenizer):
     # Without --chat, piped text prompts stay plain even when the model has a template.
     [plain] = jsonl(run_main(base, stdin="Hello there").stdout)
     assert plain["num_prompt_tokens"] == len(tokenizer.encode("Hello there"))
+    # --system where no line is a conversation, and --prefix where every line is one: nothing would take them.
+    for flags, stdin, message in (
+            (["--system", "Be brief."], '{"prompt": "Hi"}', "--system is for the chat template, and no line is a "
+                                                             "conversation: add --chat"),
+            (["--prefix", "Answer: "], json.dumps({"messages": [user]}), "--prefix goes before text prompts, and "
+                                                                       "every line is a conversation")):
+        refused = run_main(base + ["--input_format", "jsonl", *flags], stdin=stdin)
+        assert refused.returncode == 2 and message in refused.stderr.decode() and refused.stdout == b""
+    mixed = run_main(base + ["--input_format", "jsonl", "--prefix", "Answer: "],
+                     stdin=json.dumps({"messages": [user]}) + '\n{"prompt": "Hi"}')  # the text line takes it
+    assert mixed.returncode == 0 and len(jsonl(mixed.stdout)) == 2
 
 
 def test_a_conversation_needs_a_chat_template(tiny_models):
