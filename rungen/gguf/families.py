@@ -70,7 +70,6 @@ GEMMA = dict(activation="hidden_activation", mlp_norm="pre_feedforward_layernorm
 # Differences the config carries (windows, q/k/v biases, partial rotary, longrope, gemma3's local rope) need no field.
 FAMILIES = {family.model_type: family for family in (
     Family("llama", "llama", "LlamaDecoderLayer", permuted_qk=True),
-    Family("mistral", "mistral", "MistralDecoderLayer", window_on_every_layer=True),
     Family("qwen2", "qwen2", "Qwen2DecoderLayer", head_dim_from_key_length=True),
     Family("qwen3", "qwen3", "Qwen3DecoderLayer", head_norms=("q_norm", "k_norm"), head_dim_from_key_length=True),
     Family("phi3", "phi3", "Phi3DecoderLayer", qkv=("qkv_proj",), gate_up=("gate_up_proj",),

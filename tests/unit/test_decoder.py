@@ -16,8 +16,6 @@ from transformers import (
     DynamicCache,
     LlamaConfig,
     LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     Qwen2Config,
@@ -29,7 +27,6 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from transformers.models.gemma2 import modeling_gemma2 as gemma2
 from transformers.models.gemma3 import modeling_gemma3 as gemma3
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
-from transformers.models.mistral.modeling_mistral import MistralDecoderLayer, MistralRotaryEmbedding
 from transformers.models.phi3.modeling_phi3 import Phi3DecoderLayer, Phi3RotaryEmbedding
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
@@ -45,7 +42,6 @@ HIDDEN, FFN, HEADS, KV_HEADS = 128, 256, 4, 2
 KINDS = ("llama", "qwen2", "qwen3", "phi3")  # with the one-call stack
 GEMMAS = ("gemma2", "gemma3")  # also in the one-call stack, with their extra norms, windows and soft cap
 CLASSES = {"llama": (LlamaConfig, LlamaDecoderLayer, LlamaForCausalLM, LlamaRotaryEmbedding),
-           "mistral": (MistralConfig, MistralDecoderLayer, MistralForCausalLM, MistralRotaryEmbedding),
            "qwen2": (Qwen2Config, Qwen2DecoderLayer, Qwen2ForCausalLM, Qwen2RotaryEmbedding),
            "qwen3": (Qwen3Config, Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3RotaryEmbedding),
            "phi3": (Phi3Config, Phi3DecoderLayer, Phi3ForCausalLM, Phi3RotaryEmbedding),
@@ -58,9 +54,8 @@ CLASSES = {"llama": (LlamaConfig, LlamaDecoderLayer, LlamaForCausalLM, LlamaRota
 # are scaled by query_pre_attn_scalar (gemma-2-27b: hidden / heads, not the head size), every other gemma2 layer and
 # five gemma3 layers in six slide a window (3 positions here, so that a 5-token prompt crosses it), gemma3's local
 # layers rotate by a base of their own, and gemma2 soft-caps its attention logits (at 1 here rather than 50, so
-# that the capping changes these small scores); Mistral-7B-v0.1 slides a window on every layer (3 here).
-QUIRKS = {"mistral": dict(sliding_window=3),
-          "qwen3": dict(head_dim=2 * HIDDEN // HEADS), "phi3": dict(partial_rotary_factor=0.75, pad_token_id=0),
+# that the capping changes these small scores).
+QUIRKS = {"qwen3": dict(head_dim=2 * HIDDEN // HEADS), "phi3": dict(partial_rotary_factor=0.75, pad_token_id=0),
           "gemma2": dict(head_dim=2 * HIDDEN // HEADS, query_pre_attn_scalar=HIDDEN // HEADS, sliding_window=3,
                          attn_logit_softcapping=1.0),
           "gemma3": dict(head_dim=2 * HIDDEN // HEADS, query_pre_attn_scalar=HIDDEN // HEADS, sliding_window=3,
@@ -277,10 +272,10 @@ def model_in_blocks(kind, layers=3):
     return model
 
 
-@pytest.mark.parametrize("kind", KINDS + GEMMAS + ("mistral",))
+@pytest.mark.parametrize("kind", KINDS + GEMMAS)
 def test_the_decoder_stack_in_one_call_gives_the_bits_of_the_layers_one_by_one(kind, monkeypatch):
     """gemma's six layers: sliding ones (a 6-token prompt crosses their window of 3) and a global one, gemma3's
-    each with its rope base; mistral's window of 3 on every layer; the layers one by one attend under
+    each with its rope base; the layers one by one attend under
     transformers' window masks, the stack under the padding's mask and its own windows."""
     if not ggml.native_kernels():
         pytest.skip("the native kernels are not available here")
