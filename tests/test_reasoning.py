@@ -298,7 +298,7 @@ def test_a_session_shows_the_reasoning_on_stderr_and_the_answer_alone_on_stdout(
         session.turn("What is the weather in Paris?")
         shown = capsys.readouterr()
         reasoning = session.messages[-1]["reasoning_content"]
-        assert reasoning and shown.out == "\n" and session.messages[-1]["content"] == ""
+        assert reasoning and shown.out == "" and session.messages[-1]["content"] == ""  # no empty line for no answer
         assert (reasoning in shown.err) == figures  # --quiet leaves it out
 
 
