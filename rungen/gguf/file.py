@@ -104,8 +104,7 @@ def mend_tokenizer(tokenizer, path: str) -> None:
     metadata, _ = read_gguf_metadata(path)
     model, pre, backend = metadata.get("tokenizer.ggml.model"), metadata.get("tokenizer.ggml.pre"), \
         tokenizer.backend_tokenizer
-    state = json.loads(backend.to_str())
-    pre_steps, normalizer_steps = _steps(state.get("pre_tokenizer")), _steps(state.get("normalizer"))
+    pre_steps, normalizer_steps = _steps(backend.pre_tokenizer), _steps(backend.normalizer)
     if model == "gpt2" and pre not in gguf_tokenizer_mapping.GGUF_PRE_TOKENIZER_SPLITS and "ByteLevel" in pre_steps:
         split = pre_tokenizer(pre)
         if split is not None:
@@ -150,12 +149,17 @@ def end_of_generation(path: str, vocab: dict[str, int], eos) -> int | list[int] 
     return ids[0] if len(ids) == 1 else ids or None
 
 
-def _steps(part: dict | None) -> list[str]:
-    """The step types of a tokenizer.json pipeline part (a normalizer, a pre-tokenizer), a Sequence's flattened."""
-    if not part:
+def _steps(part) -> list[str]:
+    """The step types of a tokenizers normalizer or pre-tokenizer (its JSON: not the whole tokenizer's, which holds
+    the vocabulary), a Sequence's flattened."""
+    if part is None:
         return []
-    inner = part.get("normalizers") or part.get("pretokenizers")
-    return [kind for step in inner for kind in _steps(step)] if inner else [part["type"]]
+
+    def kinds(state):
+        inner = state.get("normalizers") or state.get("pretokenizers")
+        return [kind for step in inner for kind in kinds(step)] if inner else [state["type"]]
+
+    return kinds(json.loads(part.__getstate__()))
 
 
 def complete_config(path: str, config: dict) -> None:
