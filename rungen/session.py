@@ -627,6 +627,9 @@ class Session:
         if self.figures:
             say(turn_stats(len(prompt.ids), sequence.num_generated_tokens, started, first_token_at, ended,
                            control.interrupted, reused))
+        context, used = self.loaded.context, len(prompt.ids) + sequence.num_generated_tokens
+        if sequence.finish_reason == "length" and context and used >= context:  # not the length it was given
+            say(f"(the reply stopped at the end of the model's context of {context} tokens)")
 
     def reply_on_engine(self, engine, prompt, settings, control):
         """(sequences, streamed, first token's time, reused prompt tokens) of a turn on the engine."""

@@ -343,6 +343,29 @@ def test_a_reply_stopped_before_its_first_token_leaves_no_turn(chat_llama, capsy
     assert session.messages == turns and session.replies == []
 
 
+def test_a_reply_cut_by_the_context_says_so(chat_llama, capsys, monkeypatch):
+    # --length -1 (or a length past the room): a reply that ends at the context's end, not at its length, is said
+    import torch
+
+    from rungen.generation import Sequence, Settings
+    from rungen.loading import load
+    from rungen.session import Session
+
+    def replied(self, engine, prompt, settings, control):
+        room = self.loaded.context - len(prompt.ids)
+        return [Sequence("w" * room, "w" * room, len(prompt.ids), room, "length")], True, None, 0
+
+    monkeypatch.setattr(Session, "reply_on_engine", replied)
+    loaded = load(chat_llama, device=torch.device("cpu"))
+    session = Session(loaded, Settings(chat=True, length=loaded.context))
+    session.turn("Hello")
+    assert "(the reply stopped at the end of the model's context of 128 tokens)" in capsys.readouterr().err
+    monkeypatch.setattr(Session, "reply_on_engine", lambda self, *a: ([Sequence("w", "w", 9, 1, "length")], True,
+                                                                       None, 0))
+    session.turn("Hello")  # one that ends at its length says nothing of the sort
+    assert "end of the model's context" not in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_ctrl_c_stops_a_reply_and_keeps_it(tiny_models, tmp_path):
     # Context 100000, so that a reply of 50000 tokens is still being generated when Ctrl-C comes.
