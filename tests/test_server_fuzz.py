@@ -74,8 +74,18 @@ class KeepAlive:
         self.sock = socket.create_connection(self.address, timeout=60)
         self.conn = h11.Connection(h11.CLIENT)
         self.requests = 0
+        self.broken = None  # what ended the connection's usable life: the tests after it say so, not h11's state
 
     def request(self, method, target, body=b"", headers=()):
+        assert self.broken is None, f"the connection broke at an earlier request: {self.broken}"
+        try:
+            return self._request(method, target, body, headers)
+        except BaseException as error:
+            if self.conn.our_state is not h11.IDLE:
+                self.broken = f"{method} {target} ({len(body)} bytes): {error!r}"
+            raise
+
+    def _request(self, method, target, body, headers):
         headers = [("host", "127.0.0.1"), *headers]
         if method not in ("GET", "HEAD") or body:
             headers.append(("content-length", str(len(body))))
