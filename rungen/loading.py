@@ -95,9 +95,12 @@ def default_model_dir() -> str:
     """The embedded SmolLM2 checkpoint de-quantized (--dequantize), converted from GGUF once (tens of seconds) and
     cached as safetensors."""
     gguf_dir = os.path.dirname(default_model_file())
-    # The size names the conversion, so that another release of the package gets its own cache.
+    from .gguf.file import HEADER_CACHE_VERSION, llama_cpp_reading, metadata_parsed_once
+
+    # The size names the conversion, so that another release of the package gets its own cache, and the header
+    # cache's version what the conversion gives its config and tokenizer.
     size = os.path.getsize(os.path.join(gguf_dir, DEFAULT_MODEL_GGUF))
-    target = os.path.join(cache_dir(), f"SmolLM2-135M-Instruct-{size}")
+    target = os.path.join(cache_dir(), f"SmolLM2-135M-Instruct-{size}-{HEADER_CACHE_VERSION}")
     if os.path.isfile(os.path.join(target, "config.json")):
         return target
 
@@ -106,11 +109,10 @@ def default_model_dir() -> str:
     os.makedirs(cache_dir(), exist_ok=True)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .gguf.file import metadata_parsed_once
-
     with metadata_parsed_once():
         model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=DEFAULT_MODEL_GGUF)
         tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=DEFAULT_MODEL_GGUF)
+    llama_cpp_reading(default_model_file(), tokenizer, model.config, model.generation_config)
     # The weights are de-quantized float32 now; the GGUF quantizer only blocks save_pretrained.
     model.hf_quantizer = None
     del model.config.quantization_config
@@ -365,6 +367,11 @@ def load(model_name_or_path: str | None, *, device: torch.device, model_type: st
         if model is None:
             where = os.path.join(path, load_kwargs["gguf_file"]) if "gguf_file" in load_kwargs else path
             model = from_pretrained(model_class, path, where, dtype=torch_dtype, **load_kwargs, **placement)
+    if "gguf_file" in load_kwargs:  # as the header cache reads the file for the blocks
+        from .gguf.file import llama_cpp_reading
+
+        llama_cpp_reading(os.path.join(path, load_kwargs["gguf_file"]), tokenizer, model.config,
+                          model.generation_config)
     if device_map:
         # accelerate's rule: inputs go to the first accelerator in the map, else the CPU (model.device may be meta).
         accelerators = accelerators_of(model)

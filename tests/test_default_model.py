@@ -1,6 +1,7 @@
 """The embedded default model: run from its GGUF file in its own blocks, its header cached, and good enough to
 answer a simple question."""
 
+import glob
 import importlib.util
 import json
 import os
@@ -98,6 +99,12 @@ def test_chat_template_wraps_the_prompt(default_model):
 @pytest.mark.slow  # converts the default model to float: tens of seconds of CPU
 def test_chat_template_wraps_the_prompt_and_the_float_model_answers(default_model):
     assert "Paris" in chat_reply(default_model[0], "--dequantize")
+    # the float conversion ends a reply where the blocks do (llama.cpp's end-of-generation set of the file)
+    [converted] = glob.glob(os.path.join(default_model[0], "run_generation", "SmolLM2-135M-Instruct-*"))
+    with open(os.path.join(converted, "generation_config.json")) as f:
+        ends = json.load(f)["eos_token_id"]
+    with open(os.path.join(gguf_header_dir(default_model[0]), "config.json")) as f:
+        assert ends == json.load(f)["eos_token_id"] and len(ends) > 1
 
 
 @pytest.mark.slow  # tens of seconds of CPU on the real model

@@ -348,8 +348,10 @@ def test_a_reply_ends_at_the_end_of_its_turn_as_in_llama_cpp(headers, tmp_path):
     end = tokenizer.convert_tokens_to_ids("<end_of_turn>")
     config = tmp_path / "push.json"
     config.write_text(json.dumps({"sequence_bias": [[[end], 100.0]]}))
-    result = run_main(["--model_name_or_path", gemma.path, "--chat", "--prompt", "Hi", "--temperature", "0",
-                       "--length", "8", "--output_format", "jsonl", "--generation_config", str(config)])
-    assert result.returncode == 0, result.stderr.decode()[-2000:]
-    [record] = [json.loads(line) for line in result.stdout.decode().splitlines()]
-    assert (record["finish_reason"], record["num_generated_tokens"], record["generated_text"]) == ("eos", 1, "")
+    for flags in ([], ["--dequantize"]):  # in its blocks, and transformers' float model of the file
+        result = run_main(["--model_name_or_path", gemma.path, "--chat", "--prompt", "Hi", "--temperature", "0",
+                           "--length", "8", "--output_format", "jsonl", "--generation_config", str(config), *flags])
+        assert result.returncode == 0, result.stderr.decode()[-2000:]
+        [record] = [json.loads(line) for line in result.stdout.decode().splitlines()]
+        assert (record["finish_reason"], record["num_generated_tokens"], record["generated_text"]) == ("eos", 1, ""), \
+            flags

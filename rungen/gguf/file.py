@@ -149,6 +149,15 @@ def end_of_generation(path: str, vocab: dict[str, int], eos) -> int | list[int] 
     return ids[0] if len(ids) == 1 else ids or None
 
 
+def llama_cpp_reading(path: str, tokenizer, *configs) -> None:
+    """Gives transformers' reading of the GGUF file at `path` what llama.cpp reads in it: text cut as llama.cpp cuts
+    it (mend_tokenizer), and its end-of-generation set as each of `configs`' eos_token_id (a config, a model's
+    generation config)."""
+    mend_tokenizer(tokenizer, path)
+    for config in configs:
+        config.eos_token_id = end_of_generation(path, tokenizer.get_vocab(), config.eos_token_id)
+
+
 def _steps(part) -> list[str]:
     """The step types of a tokenizers normalizer or pre-tokenizer (its JSON: not the whole tokenizer's, which holds
     the vocabulary), a Sequence's flattened."""
@@ -359,8 +368,7 @@ class GGUFHeader:
             with metadata_parsed_once(weights=False):
                 config = AutoConfig.from_pretrained(directory, gguf_file=file)
                 tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=file)
-            mend_tokenizer(tokenizer, self.path)
-            config.eos_token_id = end_of_generation(self.path, tokenizer.get_vocab(), config.eos_token_id)
+            llama_cpp_reading(self.path, tokenizer, config)
         except GGUFError:
             raise
         except Exception as error:  # transformers: ValueError for an architecture it cannot read, and others
