@@ -308,6 +308,9 @@ def check_inputs(args: argparse.Namespace, given: set[str]) -> None:
         if args.num_return_sequences > 1:
             raise UsageError("--num_return_sequences: a session gives one reply per prompt; pipe the prompts in for "
                              "several")
+        if "batch_size" in given:
+            raise UsageError("--batch_size: a session replies to one prompt at a time; pipe the prompts in to batch "
+                             "them")
     if args.thinking_budget is not None and args.thinking_budget < 0:
         raise UsageError(f"--thinking_budget must be >= 0, got {args.thinking_budget}")
     for flag, what in (("system", "system message"), ("chat_template_kwargs", "variables"),

@@ -236,7 +236,7 @@ def score_batch(loaded: Loaded, settings: Settings, batch: list[Prompt]) -> dict
             prompt.error = "the prompt is one token: nothing to score"
             results[prompt.index] = []
             continue
-        text = "" if settings.chat else prompt.text
+        text = "" if settings.chat or prompt.messages is not None else prompt.text  # as describe_sequence's
         sequence = Sequence("", text, len(prompt.ids), 0, "length", prompt_logprobs=score[0], perplexity=score[1])
         results[prompt.index] = [sequence]
     return results

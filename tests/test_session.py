@@ -453,6 +453,7 @@ def test_default_model_session_is_quiet_and_converses(default_model, tmp_path):
     (["--output_format", "jsonl", "--logprobs", "2"], "--output_format jsonl is for piped prompts"),
     (["--num_return_sequences", "3", "--temperature", "1"], "--num_return_sequences: a session gives one reply"),
     (["--system", "Be brief."], "--system is the chat template's system message: this session has no template"),
+    (["--batch_size", "4"], "--batch_size: a session replies to one prompt at a time"),
 ])
 def test_a_session_refuses_what_only_piped_prompts_do(tiny_models, monkeypatch, capsys, flags, message):
     # with a terminal on stdin a session starts: these flags would be dropped there, so they are refused
@@ -497,6 +498,10 @@ def test_piped_chat_takes_a_system_message(chat_llama, tokenizer):
                                                                        "every line is a conversation")):
         refused = run_main(base + ["--input_format", "jsonl", *flags], stdin=stdin)
         assert refused.returncode == 2 and message in refused.stderr.decode() and refused.stdout == b""
+    # Scored, a conversation line's record holds no text of its own (the reply's), as with --chat
+    [scored] = jsonl(run_main(base[:2] + ["--length", "0", "--logprobs", "0", "--output_format", "jsonl",
+                                           "--input_format", "jsonl"], stdin=json.dumps({"messages": [user]})).stdout)
+    assert scored["text"] == scored["generated_text"] == "" and scored["prompt_logprobs"]
     mixed = run_main(base + ["--input_format", "jsonl", "--prefix", "Answer: "],
                      stdin=json.dumps({"messages": [user]}) + '\n{"prompt": "Hi"}')  # the text line takes it
     assert mixed.returncode == 0 and len(jsonl(mixed.stdout)) == 2

@@ -64,6 +64,8 @@ def headers(tmp_path_factory):
     for name, extra in (("llama_spm", []), ("llama_spm_no_prefix", no_prefix)):
         paths[name] = write_llama_gguf(folder / f"{name}.gguf", spm + extra, **LLAMA_FILES["q4_0_untied"])
     paths["gpt2"] = write_gpt2_gguf(folder / "gpt2.gguf", fields)  # transformers' GPT2Tokenizer runs its text
+    fim = fields + [("tokenizer.ggml.fim_sep_token_id", 5, GGUFValueType.UINT32, None)]  # a coder's file-separator id
+    paths["fim"] = write_llama_gguf(folder / "fim.gguf", fim, **LLAMA_FILES["q4_0_untied"])
     # files whose tokenizer.ggml.pre transformers' GGUF reading has no split for (StableLM 2's, DeepSeek Coder's, ...)
     for pre in ("stablelm2", "deepseek-coder", "falcon", "minerva-7b"):
         named = [(key, pre if key == "tokenizer.ggml.pre" else value, *types) for key, value, *types in fields]
@@ -344,6 +346,9 @@ def test_a_reply_ends_at_the_end_of_its_turn_as_in_llama_cpp(headers, tmp_path):
     assert gemma.config.eos_token_id == tokenizer.convert_tokens_to_ids(["<eos>", "<end_of_turn>"])
     assert headers["default"].tokenizer.convert_ids_to_tokens(headers["default"].config.eos_token_id) == [
         "<|im_end|>", "<|endoftext|>", "<reponame>"]
+    assert sorted(headers["fim"].config.eos_token_id) == sorted(headers["default"].config.eos_token_id + [5])  # its id
+    # transformers' conversion adds <s> and </s> past a sentencepiece vocabulary that has none: not the model's
+    assert max(headers["llama_spm"].config.eos_token_id) < headers["llama_spm"].config.vocab_size
     # pushed to end its turn at once, the reply does
     end = tokenizer.convert_tokens_to_ids("<end_of_turn>")
     config = tmp_path / "push.json"

@@ -130,15 +130,19 @@ END_OF_GENERATION = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|cal
 
 
 def end_of_generation(path: str, vocab: dict[str, int], eos) -> int | list[int] | None:
-    """The ids that end a reply (the config's eos_token_id), as llama.cpp's set: the file's eos, eot and eom ids, and
-    every token spelled as one of END_OF_GENERATION; the eos first, a list where there are several."""
+    """The ids that end a reply (the config's eos_token_id), as llama.cpp's set: the file's eos, eot, eom and
+    fill-in-the-middle ids, and every token spelled as one of END_OF_GENERATION; the eos first, a list where there
+    are several."""
     from transformers.integrations.gguf.reader import read_gguf_metadata
 
     metadata, _ = read_gguf_metadata(path)
     ids = [eos] if isinstance(eos, int) else list(eos or [])
-    ids += [metadata[f"tokenizer.ggml.{key}_token_id"] for key in ("eot", "eom")
+    ids += [metadata[f"tokenizer.ggml.{key}_token_id"] for key in ("eot", "eom", "fim_pad", "fim_rep", "fim_sep")
             if f"tokenizer.ggml.{key}_token_id" in metadata]
     ids += [vocab[text] for text in END_OF_GENERATION if text in vocab]
+    size = metadata.get(f"{metadata['general.architecture']}.vocab_size")
+    if size is not None:  # not a token transformers' conversion added past the file's vocabulary (<s> where none is)
+        ids = [index for index in ids if index < size]
     text = {index: token for token, index in vocab.items()}
     spelled = {text.get(index) for index in ids}
     if {"<|return|>", "<|call|>"} <= spelled or {"<|calls|>", "<|flush|>"} <= spelled:
