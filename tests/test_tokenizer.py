@@ -67,9 +67,10 @@ def headers(tmp_path_factory):
     fim = fields + [("tokenizer.ggml.fim_sep_token_id", 5, GGUFValueType.UINT32, None)]  # a coder's file-separator id
     paths["fim"] = write_llama_gguf(folder / "fim.gguf", fim, **LLAMA_FILES["q4_0_untied"])
     # files whose tokenizer.ggml.pre transformers' GGUF reading has no split for (StableLM 2's, DeepSeek Coder's, ...)
-    for pre in ("stablelm2", "deepseek-coder", "falcon", "minerva-7b"):
+    for name, pre in (("stablelm2", "stablelm2"), ("deepseek-coder", "deepseek-coder"), ("falcon", "falcon"),
+                      ("minerva-7b", "minerva-7b"), ("pre-default", "default")):
         named = [(key, pre if key == "tokenizer.ggml.pre" else value, *types) for key, value, *types in fields]
-        paths[pre] = write_llama_gguf(folder / f"{pre}.gguf", named, **LLAMA_FILES["q4_0_untied"])
+        paths[name] = write_llama_gguf(folder / f"{name}.gguf", named, **LLAMA_FILES["q4_0_untied"])
     return {name: GGUFHeader(path) for name, path in paths.items()}
 
 
@@ -331,6 +332,7 @@ def test_the_files_pre_tokenizer_splits_as_llama_cpp_splits(headers, caches):
     # DeepSeek Coder's: a line break alone, each digit alone, a CJK run apart from the letters around it
     assert split("deepseek-coder", "a\n\n12 中文abc") == ["a", "Ċ", "Ċ", "1", "2", "Ġ", "ä¸Ńæĸĩ", "abc"]
     assert split("falcon", "x=12345, (y)") == ["x", "=", "123", "45", ",", "Ġ", "(", "y", ")"]  # 3 digits at most
+    assert split("pre-default", "don't $12345") == ["don", "'", "t", "Ġ", "$", "123", "45"]  # llama.cpp's "default"
     # a class of transformers' that builds its own pipeline (GPT-2's) is given the file's split too
     gpt2 = headers["gpt2"].tokenizer
     assert not isinstance(gpt2, GGUFTokenizer)
@@ -360,3 +362,16 @@ def test_a_reply_ends_at_the_end_of_its_turn_as_in_llama_cpp(headers, tmp_path):
         [record] = [json.loads(line) for line in result.stdout.decode().splitlines()]
         assert (record["finish_reason"], record["num_generated_tokens"], record["generated_text"]) == ("eos", 1, ""), \
             flags
+
+
+def test_a_pre_tokenizer_without_a_split_here_is_said(tmp_path, caplog):
+    # GLM-4's files name a split the tool does not have: its text is split as transformers splits it, and the
+    # header's read says so, naming the value
+    fields = [(key, "glm4" if key == "tokenizer.ggml.pre" else value, *types)
+              for key, value, *types in default_tokenizer_fields(default_model_file(), VOCAB)]
+    path = write_llama_gguf(tmp_path / "glm.gguf", fields, **LLAMA_FILES["q4_0_untied"])
+    with caplog.at_level("WARNING", logger="run_generation"):
+        GGUFHeader(path)
+    said = [record.getMessage() for record in caplog.records if "tokenizer.ggml.pre" in record.getMessage()]
+    assert said == ["glm.gguf: its tokenizer.ggml.pre 'glm4' has no split here: its text is split as GPT-2's, as "
+                    "transformers splits it, which llama.cpp does not"]

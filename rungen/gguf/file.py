@@ -41,7 +41,7 @@ from .blocks import (
 from .decoder import FUSED_WEIGHTS, fusable, fuse_decoder_layers
 from .device import DeviceForms
 from .families import BY_ARCHITECTURE, NO_FAMILY
-from .splits import pre_tokenizer, sentencepiece_text
+from .splits import GPT2_SPLITS, pre_tokenizer, sentencepiece_text
 from .weights import FLOAT_TYPES, GGUFError, WeightReader, as_torch, split_hint
 
 logger = logging.getLogger("run_generation")
@@ -93,6 +93,9 @@ def metadata_parsed_once(weights: bool = True):
         gguf_utils.tqdm = bar
 
 
+UNSPLIT_SAID = set()  # the files whose tokenizer.ggml.pre has no split here, said once
+
+
 def mend_tokenizer(tokenizer, path: str) -> None:
     """Cuts text as llama.cpp does where transformers' GGUF reading would not (rungen/gguf/splits.py): a byte-level
     BPE vocabulary by the split its file's tokenizer.ggml.pre names (SmolLM's file, the default model, splits each
@@ -109,6 +112,10 @@ def mend_tokenizer(tokenizer, path: str) -> None:
         split = pre_tokenizer(pre)
         if split is not None:
             backend.pre_tokenizer = split
+        elif pre is not None and pre not in GPT2_SPLITS and path not in UNSPLIT_SAID:
+            UNSPLIT_SAID.add(path)  # once a run: the header's read mends the tokenizer and its class's pipeline
+            logger.warning("%s: its tokenizer.ggml.pre %r has no split here: its text is split as GPT-2's, as "
+                           "transformers splits it, which llama.cpp does not", os.path.basename(path), pre)
     elif model == "llama":
         # llama's builder (a Metaspace pre-tokenizer) and phi3's (a Prepend normalizer); not gemma's, which has
         # no prefix, as its files' add_space_prefix says

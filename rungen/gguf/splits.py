@@ -37,11 +37,18 @@ SPLITS = {
                      "\U000118df\U0001e900-\U0001e943]+",
                      r"\s?" "[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+", r"\s+$", CJK, r"\p{N}+"),
     "falcon": (r"[\p{P}\$\+<=>\^~\|`]+", GPT2, "[0-9][0-9][0-9]"),
+    "default": (r"[\p{P}\$\+<=>\^~\|]+", GPT2, r"\p{N}+", "[0-9][0-9][0-9]"),  # llama.cpp's, where a file says so
     **dict.fromkeys(("poro-chat", "bloom", "gpt3-finnish"), (PORO,)),
     "viking": (PORO, r"\p{N}"),
     "seed-coder": (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}"
                    r"| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+|\s+(?!\S)|\s+",),
 }
+
+
+# The values llama.cpp splits as GPT-2 (its regex), as transformers splits every value it does not know.
+GPT2_SPLITS = {"gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0", "mellum",
+               "modern-bert", "jina-v1-en", "jina-v2-code", "roberta-bpe", "exaone4", "mpt", "olmo", "jais",
+               "trillion", "granite-docling"}
 
 
 def pre_tokenizer(pre: str):
