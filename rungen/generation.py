@@ -281,11 +281,14 @@ def describe_sequence(settings: Settings, tokenizer, prompt: Prompt, new: list[i
             finish, produced = "grammar", ended
         elif stuck is not None:
             raise stuck_error(settings, tokenizer, new[:stuck])
-    # Decoded with the prompt, then cut: the continuation alone loses a SentencePiece leading space.
+    # Decoded with the prompt, then cut: the continuation alone loses a SentencePiece leading space. The EOS that
+    # ends it is none of its text (a file's end-of-turn token need not be a special one).
+    shown = produced - 1 if produced and new[produced - 1] in eos_ids else produced
     head = tokenizer.decode(prompt.ids, skip_special_tokens=True)
-    whole = mend_byte_end(tokenizer, prompt.ids + new[:produced],
-                          tokenizer.decode(prompt.ids + new[:produced], skip_special_tokens=True), produced)
-    continuation = whole[len(head) :] if whole.startswith(head) else tokenizer.decode(new, skip_special_tokens=True)
+    whole = mend_byte_end(tokenizer, prompt.ids + new[:shown],
+                          tokenizer.decode(prompt.ids + new[:shown], skip_special_tokens=True), shown)
+    continuation = whole[len(head) :] if whole.startswith(head) else tokenizer.decode(new[:shown],
+                                                                                      skip_special_tokens=True)
     cuts = [continuation.index(stop) for stop in stop_strings(settings.stop_token) if stop in continuation]
     if cuts:
         continuation = continuation[: min(cuts)]  # the earliest stop string

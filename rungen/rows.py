@@ -189,15 +189,19 @@ class Reporter:
         return Finish(reason, text, list(row.generated), len(row.request.ids), error)
 
     def continuation(self, row):
-        """The text of the row's new tokens, decoded after the prompt's last tokens and cut after them."""
+        """The text of the row's new tokens, decoded after the prompt's last tokens and cut after them; the EOS that
+        ends it is none of it (a file's end-of-turn token need not be a special one)."""
+        generated = row.generated
+        if generated and generated[-1] in self.eos_ids and not row.request.sampling.ignore_eos:
+            generated = generated[:-1]
         with self.tokenizer_lock:
             count, head = row.prompt_tail
-            ids = row.request.ids[len(row.request.ids) - count :] + row.generated
+            ids = row.request.ids[len(row.request.ids) - count :] + generated
             whole = mend_byte_end(self.tokenizer, ids, self.tokenizer.decode(ids, skip_special_tokens=True),
-                                  len(row.generated))
+                                  len(generated))
             if whole.startswith(head):
                 return whole[len(head) :]
-            return self.tokenizer.decode(row.generated, skip_special_tokens=True)
+            return self.tokenizer.decode(generated, skip_special_tokens=True)
 
 
 def held_back(text, stops):

@@ -162,6 +162,21 @@ def test_a_cancelled_rows_keys_and_values_serve_the_turn_that_goes_on_from_it(lo
                               [{"ids": follow, "max_tokens": 5}])[0][0][2]
 
 
+def test_an_end_that_is_no_special_token_is_none_of_the_text(loaded, monkeypatch):
+    # A file's end-of-turn token may be an ordinary one: the row ends at it, and neither its text nor its deltas
+    # hold it (they are those of the tokens before it)
+    ids = loaded.tokenizer(PROMPTS[0]).input_ids
+    tokens = run(engine_of(loaded, monkeypatch, False), [{"ids": ids}])[0][0][2]
+    end = next(i for i in range(1, len(tokens)) if tokens[i] not in tokens[:i])
+    [[_, before, *_]] = [result[0] for result in run(engine_of(loaded, monkeypatch, False),
+                                                       [{"ids": ids, "max_tokens": end}])]
+    for overlap in (False, True):
+        engine = engine_of(loaded, monkeypatch, overlap, eos_ids={tokens[end]})
+        [[reason, text, got, _, deltas, _]] = [result[0] for result in run(engine, [{"ids": ids, "sampling": Sampling(
+            temperature=0)}])]
+        assert (reason, got[-1], text, deltas) == ("stop", tokens[end], before, before), overlap
+
+
 def test_rows_with_a_grammar_step_one_at_a_time(loaded, monkeypatch):
     # Their next mask needs the token just chosen: with such a row in the batch, a step is read before the next.
     pytest.importorskip("xgrammar")

@@ -189,6 +189,15 @@ def test_eos_ends_a_sequence_and_its_text(gpt2_tokenizer):
     assert described == Sequence(" dog cat", "Hello dog cat", len(prompt.ids), len(new) - 1, "eos")
 
 
+def test_an_end_that_is_no_special_token_is_none_of_the_text(gpt2_tokenizer):
+    # a file's end-of-turn token may be an ordinary one (llama.cpp ends generation at it all the same, unprinted)
+    tok = gpt2_tokenizer
+    prompt = Prompt(0, "Hello", ids=tok.encode("Hello"))
+    [end] = tok.encode(" cat")
+    described = describe_sequence(Settings(), tok, prompt, tok.encode(" dog") + [end], {end, tok.eos_token_id})
+    assert (described.generated_text, described.num_generated_tokens, described.finish_reason) == (" dog", 2, "eos")
+
+
 def test_stop_token_cuts_the_continuation_not_the_prompt(gpt2_tokenizer):
     tok = gpt2_tokenizer
     prompt = Prompt(0, "a.b", ids=tok.encode("a.b"))
