@@ -47,7 +47,7 @@ from .weights import FLOAT_TYPES, GGUFError, WeightReader, as_torch, split_hint
 logger = logging.getLogger("run_generation")
 
 # Bump when what the header cache holds changes meaning (transformers' version is part of the key too).
-HEADER_CACHE_VERSION = 7
+HEADER_CACHE_VERSION = 8
 
 
 @contextlib.contextmanager
