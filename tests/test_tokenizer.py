@@ -59,7 +59,8 @@ def headers(tmp_path_factory):
     paths["default"] = default_model_file()
     # a llama file of a sentencepiece vocabulary (Llama 2's, Mistral 7B's): add_space_prefix as llama.cpp defaults it
     # (no key), and false
-    spm = [field for field in gemma_tokenizer_fields() if field[0] != "tokenizer.chat_template"]
+    spm = [field for field in gemma_tokenizer_fields()
+           if field[0] not in ("tokenizer.chat_template", "tokenizer.ggml.add_space_prefix")]
     no_prefix = [("tokenizer.ggml.add_space_prefix", False, GGUFValueType.BOOL, None)]
     for name, extra in (("llama_spm", []), ("llama_spm_no_prefix", no_prefix)):
         paths[name] = write_llama_gguf(folder / f"{name}.gguf", spm + extra, **LLAMA_FILES["q4_0_untied"])
@@ -299,11 +300,15 @@ def test_a_sentencepiece_llama_file_puts_the_prefix_space_where_llama_cpp_does(c
         tokenizer = GGUFTokenizer(caches[name])
         return tokenizer.convert_ids_to_tokens(tokenizer.encode(text, add_special_tokens=False))
 
-    assert pieces("llama_spm", "  two")[:3] == ["\u2581", "\u2581", "\u2581t"]  # three spaces: the prefix and two
+    assert pieces("llama_spm", " two")[:2] == ["\u2581", "\u2581t"]  # two spaces: the prefix and its own
+    assert pieces("llama_spm", "  two")[:2] == ["  ", "\u2581t"]  # a user-defined run read whole, as llama.cpp does
     assert pieces("llama_spm", "<start_of_turn>user")[1].startswith("\u2581")
     assert pieces("llama_spm_no_prefix", "two")[0] == "t" and pieces("llama_spm_no_prefix", " two")[0] == "\u2581t"
     assert not pieces("llama_spm_no_prefix", "<start_of_turn>user")[1].startswith("\u2581")
-    for name in ("llama_spm", "llama_spm_no_prefix"):  # and the text decodes back as it was
+    # Gemma's runs of spaces (user-defined, stored with real spaces; no prefix) read whole, the longest first
+    assert pieces("gemma2_spm", "a  b")[1] == "\u2581\u2581"
+    assert pieces("gemma2_spm", " " * 9)[:2] == ["\u2581" * 4] * 2
+    for name in ("llama_spm", "llama_spm_no_prefix", "gemma2_spm"):  # and the text decodes back as it was
         tokenizer = GGUFTokenizer(caches[name])
         assert tokenizer.decode(tokenizer.encode("  two words", add_special_tokens=False)) == "  two words"
 

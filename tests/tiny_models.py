@@ -899,16 +899,16 @@ def gemma_tokenizer_fields(vocab_size=700):
     """tokenizer.* metadata as llama.cpp writes a Gemma file's (google/gemma-2-2b-it, gemma-3-1b-it GGUF), for
     write_family_gguf: tokenizer.ggml.model "llama" (sentencepiece BPE with byte fallback, no merges: transformers
     rebuilds them from the order of the tokens), <pad> <eos> <bos> <unk> <mask> first, <start_of_turn>/<end_of_turn>
-    control tokens, <0xNN> byte tokens, "\u2581"-prefixed pieces, runs of spaces stored as real spaces (as the
-    published vocabulary's "\u2581\u2581" tokens are), add_bos_token true, add_eos_token false, the published
-    template."""
+    control tokens, <0xNN> byte tokens, "\u2581"-prefixed pieces, runs of spaces stored as real spaces and typed
+    user-defined (convert_hf_to_gguf's reading of the published tokenizer_config.json's added whitespace tokens, as
+    "\n\n"), add_bos_token true, add_eos_token false, add_space_prefix false, the published template."""
     from gguf import GGUFValueType as V
 
     specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
     vocab, _ = _metaspace_bpe(vocab_size - 4, specials)
     tokens = list(vocab) + ["  ", "   ", "    ", "\n\n"]  # whitespace-only runs spelled with spaces, as published
-    types = [3 if t in specials and t != "<unk>" else 2 if t == "<unk>" else 6 if t.startswith("<0x") else 1
-             for t in tokens]
+    types = [3 if t in specials and t != "<unk>" else 2 if t == "<unk>" else 6 if t.startswith("<0x") else
+             4 if len(t) > 1 and not t.strip() else 1 for t in tokens]
     return [("tokenizer.ggml.model", "llama", V.STRING, None), ("tokenizer.ggml.pre", "default", V.STRING, None),
             ("tokenizer.ggml.tokens", tokens, V.ARRAY, V.STRING),
             ("tokenizer.ggml.scores", [float(-i) for i in range(len(tokens))], V.ARRAY, V.FLOAT32),
@@ -918,6 +918,7 @@ def gemma_tokenizer_fields(vocab_size=700):
             ("tokenizer.ggml.padding_token_id", 0, V.UINT32, None),
             ("tokenizer.ggml.add_bos_token", True, V.BOOL, None),
             ("tokenizer.ggml.add_eos_token", False, V.BOOL, None),
+            ("tokenizer.ggml.add_space_prefix", False, V.BOOL, None),
             ("tokenizer.chat_template", GEMMA_CHAT_TEMPLATE, V.STRING, None)]
 
 

@@ -47,7 +47,7 @@ from .weights import FLOAT_TYPES, GGUFError, WeightReader, as_torch, split_hint
 logger = logging.getLogger("run_generation")
 
 # Bump when what the header cache holds changes meaning (transformers' version is part of the key too).
-HEADER_CACHE_VERSION = 8
+HEADER_CACHE_VERSION = 9
 
 
 @contextlib.contextmanager
@@ -94,6 +94,7 @@ def metadata_parsed_once(weights: bool = True):
 
 
 UNSPLIT_SAID = set()  # the files whose tokenizer.ggml.pre has no split here, said once
+USER_DEFINED = 4  # llama.cpp's token type of a piece read whole (llama_token_type)
 
 
 def mend_tokenizer(tokenizer, path: str) -> None:
@@ -123,6 +124,24 @@ def mend_tokenizer(tokenizer, path: str) -> None:
             backend.normalizer, backend.decoder = sentencepiece_text(
                 metadata.get("tokenizer.ggml.add_space_prefix", True))
             backend.pre_tokenizer = None
+        user_defined_runs(tokenizer, path)
+
+
+def user_defined_runs(tokenizer, path: str) -> None:
+    """A SentencePiece file's user-defined runs of spaces (Gemma's "  " to 31 spaces, stored with real spaces), read
+    whole where they stand, as llama.cpp and sentencepiece read user-defined pieces: transformers' reading spells
+    them with "\u2581" in the vocabulary, where it then no longer finds them to add whole."""
+    from tokenizers import AddedToken
+    from transformers.integrations.gguf.reader import read_gguf_metadata
+
+    metadata, _ = read_gguf_metadata(path, ("tokenizer.ggml.tokens",))
+    vocab = tokenizer.get_vocab()
+    runs = [token.replace(" ", "\u2581") for token, kind in zip(metadata["tokenizer.ggml.tokens"],
+                                                                  metadata.get("tokenizer.ggml.token_type") or ())
+            if kind == USER_DEFINED and " " in token and not token.strip() and token not in vocab]
+    runs = [run for run in runs if run in vocab]
+    if runs:  # matched in the text once its spaces are spelled so (normalized), the longest first
+        tokenizer.add_tokens([AddedToken(run, normalized=True, special=False) for run in runs])
 
 
 # The tokens that end a reply by their text, as llama.cpp's end-of-generation set (llama-vocab.cpp): a chat model's
