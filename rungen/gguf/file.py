@@ -97,15 +97,17 @@ UNSPLIT_SAID = set()  # the files whose tokenizer.ggml.pre has no split here, sa
 USER_DEFINED = 4  # llama.cpp's token type of a piece read whole (llama_token_type)
 
 
-def mend_tokenizer(tokenizer, path: str) -> None:
+def mend_tokenizer(tokenizer, path: str, metadata: dict | None = None) -> None:
     """Cuts text as llama.cpp does where transformers' GGUF reading would not (rungen/gguf/splits.py): a byte-level
     BPE vocabulary by the split its file's tokenizer.ggml.pre names (SmolLM's file, the default model, splits each
     numeral on its own, as llama.cpp and SmolLM's own tokenizer.json do; other unknown values split as GPT-2, as
-    transformers does); a SentencePiece one with the prefix space before each piece of text that llama.cpp puts."""
+    transformers does); a SentencePiece one with the prefix space before each piece of text that llama.cpp puts.
+    `metadata`: the file's, where the caller read it."""
     from transformers.integrations.gguf import gguf_tokenizer_mapping
     from transformers.integrations.gguf.reader import read_gguf_metadata
 
-    metadata, _ = read_gguf_metadata(path)
+    if metadata is None:
+        metadata, _ = read_gguf_metadata(path)
     model, pre, backend = metadata.get("tokenizer.ggml.model"), metadata.get("tokenizer.ggml.pre"), \
         tokenizer.backend_tokenizer
     pre_steps, normalizer_steps = _steps(backend.pre_tokenizer), _steps(backend.normalizer)
@@ -155,13 +157,10 @@ END_OF_GENERATION = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|cal
                      "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>", "<|file_sep|>")
 
 
-def end_of_generation(path: str, vocab: dict[str, int], eos) -> int | list[int] | None:
-    """The ids that end a reply (the config's eos_token_id), as llama.cpp's set: the file's eos, eot, eom and
-    fill-in-the-middle ids, and every token spelled as one of END_OF_GENERATION; the eos first, a list where there
-    are several."""
-    from transformers.integrations.gguf.reader import read_gguf_metadata
-
-    metadata, _ = read_gguf_metadata(path)
+def end_of_generation(metadata: dict, vocab: dict[str, int], eos) -> int | list[int] | None:
+    """The ids that end a reply (the config's eos_token_id), as llama.cpp's set: the file's (its `metadata`) eos,
+    eot, eom and fill-in-the-middle ids, and every token spelled as one of END_OF_GENERATION; the eos first, a list
+    where there are several."""
     ids = [eos] if isinstance(eos, int) else list(eos or [])
     ids += [metadata[f"tokenizer.ggml.{key}_token_id"] for key in ("eot", "eom", "fim_pad", "fim_rep", "fim_sep")
             if f"tokenizer.ggml.{key}_token_id" in metadata]
@@ -183,9 +182,13 @@ def llama_cpp_reading(path: str, tokenizer, *configs) -> None:
     """Gives transformers' reading of the GGUF file at `path` what llama.cpp reads in it: text cut as llama.cpp cuts
     it (mend_tokenizer), and its end-of-generation set as each of `configs`' eos_token_id (a config, a model's
     generation config)."""
-    mend_tokenizer(tokenizer, path)
+    from transformers.integrations.gguf.reader import read_gguf_metadata
+
+    metadata, _ = read_gguf_metadata(path)
+    mend_tokenizer(tokenizer, path, metadata)
+    vocab = tokenizer.get_vocab()
     for config in configs:
-        config.eos_token_id = end_of_generation(path, tokenizer.get_vocab(), config.eos_token_id)
+        config.eos_token_id = end_of_generation(metadata, vocab, config.eos_token_id)
 
 
 def _steps(part) -> list[str]:
