@@ -130,7 +130,7 @@ class Constraint:
 UNENFORCED_KEYWORDS = ("uniqueItems", "contains", "minContains", "maxContains", "propertyNames", "dependentRequired",
                        "dependentSchemas", "dependencies", "unevaluatedProperties", "unevaluatedItems", "not", "if")
 # Where a schema holds schemas: by name, in a list, or as the values of an object.
-SUBSCHEMA = ("items", "additionalProperties", "additionalItems", "not", "if", "then", "else")
+SUBSCHEMA = ("items", "additionalProperties", "additionalItems", "then", "else")  # "not", "if": refused whole
 SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
 SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 # xgrammar's C++ warnings while it compiles: "[03:41:56] /project/cpp/regex_converter.cc:89: Warning: ...".
