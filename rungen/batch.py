@@ -159,6 +159,7 @@ def submit_prompts(engine, settings, prompts, on_done, stream=False):
                                 logprobs=settings.logprobs, constraint=prompt.constraint or settings.constraint,
                                 reasoning_end=prompt.reply.end_ids if prompt.reply is not None else None,
                                 thinking_budget=reply_budget(engine.tokenizer, prompt.reply, settings.thinking_budget),
+                                kept=prompt.reply.kept if prompt.reply is not None else frozenset(),
                                 deltas=bool(stream)))
         engine.submit(requests[-1])
     return requests

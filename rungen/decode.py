@@ -63,8 +63,8 @@ class DecodeBatch:
                 rows = [request.back(start)]
             else:
                 request.reused = reused
-                rows = request_rows(request, logits.shape[-1], logits.device, self.reporter.prompt_tail(ids),
-                                    start)
+                rows = request_rows(request, logits.shape[-1], logits.device,
+                                    self.reporter.prompt_tail(ids, request.kept), start)
             if done.part is None:
                 joined, firsts = joined + rows, firsts + [logits.expand(request.n, -1)]
             else:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .errors import GenerationError, PromptError, UsageError, one_line
-from .logprobs import mend_byte_end, score_prompts, step_logits, token_logprobs
+from .logprobs import decode_text, mend_byte_end, score_prompts, step_logits, token_logprobs
 
 if TYPE_CHECKING:
     from .loading import Loaded
@@ -284,11 +284,11 @@ def describe_sequence(settings: Settings, tokenizer, prompt: Prompt, new: list[i
     # Decoded with the prompt, then cut: the continuation alone loses a SentencePiece leading space. The EOS that
     # ends it is none of its text (a file's end-of-turn token need not be a special one).
     shown = produced - 1 if produced and new[produced - 1] in eos_ids else produced
-    head = tokenizer.decode(prompt.ids, skip_special_tokens=True)
-    whole = mend_byte_end(tokenizer, prompt.ids + new[:shown],
-                          tokenizer.decode(prompt.ids + new[:shown], skip_special_tokens=True), shown)
-    continuation = whole[len(head) :] if whole.startswith(head) else tokenizer.decode(new[:shown],
-                                                                                      skip_special_tokens=True)
+    kept = prompt.reply.kept if prompt.reply is not None else frozenset()  # a thinking block's special delimiters
+    head = decode_text(tokenizer, prompt.ids, kept)
+    whole = mend_byte_end(tokenizer, prompt.ids + new[:shown], decode_text(tokenizer, prompt.ids + new[:shown], kept),
+                          shown, kept)
+    continuation = whole[len(head) :] if whole.startswith(head) else decode_text(tokenizer, new[:shown], kept)
     cuts = [continuation.index(stop) for stop in stop_strings(settings.stop_token) if stop in continuation]
     if cuts:
         continuation = continuation[: min(cuts)]  # the earliest stop string

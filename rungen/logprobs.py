@@ -19,23 +19,37 @@ import torch
 CONTEXT_TOKENS = 4  # ids decoded before a token to get its text in context (a leading space, a UTF-8 tail)
 
 
-def from_a_character(tokenizer, ids: list[int], start: int, end: int) -> tuple[int, str]:
+def decode_text(tokenizer, ids: list[int], kept: frozenset = frozenset()) -> str:
+    """ids decoded without their special tokens, but for those in `kept` (a thinking block's delimiters where they are
+    special tokens: without them the reply could not be split), each written as its name."""
+    if kept.isdisjoint(ids):
+        return tokenizer.decode(ids, skip_special_tokens=True)
+    parts, start = [], 0
+    for end, token in enumerate(ids):
+        if token in kept:
+            parts += [tokenizer.decode(ids[start:end], skip_special_tokens=True),
+                      tokenizer.decode([token], skip_special_tokens=False)]
+            start = end + 1
+    return "".join(parts) + tokenizer.decode(ids[start:], skip_special_tokens=True)
+
+
+def from_a_character(tokenizer, ids: list[int], start: int, end: int, kept=frozenset()) -> tuple[int, str]:
     """(start, text): ids[start:end] decoded, `start` moved back by up to three tokens where the decoding would begin
     inside a character (SentencePiece's byte tokens: a run of them decoded from its middle is all U+FFFD, the valid
     bytes after the cut too)."""
-    text = tokenizer.decode(ids[start:end], skip_special_tokens=True)
+    text = decode_text(tokenizer, ids[start:end], kept)
     for _ in range(3):
         if start == 0 or not text.startswith("\ufffd"):
             break
         start -= 1
-        text = tokenizer.decode(ids[start:end], skip_special_tokens=True)
+        text = decode_text(tokenizer, ids[start:end], kept)
     return start, text
 
 
 BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
-def mend_byte_end(tokenizer, ids: list[int], text: str, limit: int) -> str:
+def mend_byte_end(tokenizer, ids: list[int], text: str, limit: int, kept: frozenset = frozenset()) -> str:
     """`text`, the decoding of `ids`, with its end mended where SentencePiece byte tokens (at most the last `limit`)
     hold an unfinished character: tokenizers' ByteFallback makes such a run all U+FFFD, the valid bytes in it too (a
     newline's <0x0A> before an emoji's first bytes); here the run's bytes decode as UTF-8 does, the unfinished
@@ -50,7 +64,7 @@ def mend_byte_end(tokenizer, ids: list[int], text: str, limit: int) -> str:
         run.append(int(byte[1], 16))
     if not run:
         return text
-    head = tokenizer.decode(ids[: len(ids) - len(run)], skip_special_tokens=True)
+    head = decode_text(tokenizer, ids[: len(ids) - len(run)], kept)
     return head + bytes(reversed(run)).decode("utf-8", "replace")
 
 

@@ -432,7 +432,7 @@ async def generate(service, http_request, body, prompts, logprobs, *, chat, max_
         request = EngineRequest(ids, max_tokens, sampling, sink, n=n, stop=stops, logprobs=logprobs,
                                 constraint=constraint,
                                 reasoning_end=replies[job].end_ids if replies[job] else None,
-                                thinking_budget=budgets[job])
+                                thinking_budget=budgets[job], kept=replies[job].kept if replies[job] else frozenset())
         jobs.append((job, request))
     try:
         for _, request in jobs:

@@ -1,8 +1,9 @@
 """Thinking models' reasoning kept apart from the answer (docs/server.md#reasoning).
 
-A template that thinks in a block (`<think>...</think>`) is recognised by the delimiters in its text, never
-configured. One splitter reads a whole reply and a stream alike, so both give the same reasoning and content; a reply
-may start inside a block the prompt opened (plan_reply), and a block never closed is all reasoning.
+A template that thinks in a block (`<think>...</think>`, or one of the other published formats in FORMATS) is
+recognised by the delimiters it writes, never configured. One splitter reads a whole reply and a stream alike, so both
+give the same reasoning and content; a reply may start inside a block the prompt opened (plan_reply), and a block never
+closed is all reasoning. Delimiters that are special tokens stay in the reply's text (ReplyPlan.kept) for the split.
 `chat_template_kwargs` and `reasoning_effort` are refused where the template does not read them.
 """
 
@@ -25,11 +26,36 @@ TAIL_TOKENS = 8
 
 @dataclasses.dataclass(frozen=True)
 class Delimiters:
+    """A thinking block's opening and closing text; `answer`: text that may open the answer after the block or in
+    its place (dropped from the content); `signs`: what a template writes where it uses them (open and close)."""
+
     open: str
     close: str
+    answer: tuple[str, ...] = ()
+    signs: tuple[str, ...] = ()
+
+    def recognised(self, text: str) -> bool:
+        return all(sign in text for sign in self.signs or (self.open, self.close))
 
 
 THINK = Delimiters("<think>", "</think>")
+# The published formats, checked in this order (THINK last: others may hold "<think" in longer names).
+FORMATS = (
+    # gpt-oss (harmony): the analysis channel, then the final one; a reply may start in the final channel.
+    Delimiters("<|channel|>analysis<|message|>", "<|end|><|start|>assistant<|channel|>final<|message|>",
+               answer=("<|channel|>final<|message|>",),
+               signs=("<|channel|>analysis<|message|>", "<|channel|>final<|message|>")),
+    Delimiters("<|channel>thought", "<channel|>"),  # Gemma 4
+    Delimiters("[THINK]", "[/THINK]"),  # Magistral, Ministral 3 Reasoning
+    Delimiters("<seed:think>", "</seed:think>"),  # Seed-OSS
+    Delimiters("<mm:think>", "</mm:think>"),  # MiniMax-M3
+    Delimiters("<think:opensource>", "</think:opensource>"),  # Hunyuan 3 (its template builds the names)
+    Delimiters("<|START_THINKING|>", "<|END_THINKING|>", answer=("<|START_RESPONSE|>",)),  # Command R7B, Command A
+    THINK,
+)
+# A conversation whose last turn thinks, rendered to see the delimiters a template builds rather than writes.
+PROBE = [{"role": "user", "content": "Hello"},
+         {"role": "assistant", "content": "Hi.", "reasoning_content": "The user greets me."}]
 
 
 def template_sources(chat_template) -> list[str]:
@@ -41,9 +67,26 @@ def template_sources(chat_template) -> list[str]:
 
 def detect_delimiters(chat_template) -> Delimiters | None:
     """The thinking block's delimiters when the template writes or reads one, else None."""
-    if any(THINK.open in text and THINK.close in text for text in template_sources(chat_template)):
-        return THINK
+    for text in template_sources(chat_template):
+        found = delimiters_of(text)
+        if found is not None:
+            return found
     return None
+
+
+@functools.lru_cache(maxsize=8)
+def delimiters_of(template: str) -> Delimiters | None:
+    """The first of FORMATS the template's text holds, or its rendering of a thinking turn."""
+    from .chat_template import render
+
+    found = next((row for row in FORMATS if row.recognised(template)), None)
+    if found is None:
+        try:
+            rendered = render(template, PROBE)
+        except Exception:  # noqa: BLE001 - a template that cannot render the probe shows no block either
+            return None
+        found = next((row for row in FORMATS if row.recognised(rendered)), None)
+    return found
 
 
 # The template's variables
@@ -147,6 +190,7 @@ class ReplyPlan:
     delimiters: Delimiters
     state: str
     end_ids: tuple[int, ...] | None = None
+    kept: frozenset = frozenset()  # the delimiters' special tokens: decoded into the reply's text, not skipped
 
     def splitter(self):
         return ReasoningSplitter(self.delimiters, self.state)
@@ -168,6 +212,7 @@ def plan_reply(tokenizer, delimiters: Delimiters | None, ids: list[int], constra
     closing one."""
     if delimiters is None:
         return ids, None
+    kept = special_tokens(tokenizer, delimiters)
     state = prompt_state(delimiters, tokenizer.decode(ids[-TAIL_TOKENS:], skip_special_tokens=False))
     if constrained and state == "start":
         ids = ids + tokenizer.encode(delimiters.open, add_special_tokens=False)
@@ -175,7 +220,16 @@ def plan_reply(tokenizer, delimiters: Delimiters | None, ids: list[int], constra
     end_ids = None
     if constrained and state == "inside":
         end_ids = tuple(tokenizer.encode(delimiters.close, add_special_tokens=False))
-    return ids, ReplyPlan(delimiters, state, end_ids)
+    return ids, ReplyPlan(delimiters, state, end_ids, kept)
+
+
+def special_tokens(tokenizer, delimiters: Delimiters) -> frozenset:
+    """The tokens of the delimiters that a decode skipping special tokens drops (gpt-oss's <|channel|>, Gemma 4's
+    <|channel>, Magistral's [THINK]...)."""
+    ids = {token for text in (delimiters.open, delimiters.close, *delimiters.answer)
+           for token in tokenizer.encode(text, add_special_tokens=False)}
+    return frozenset(token for token in ids if not tokenizer.decode([token], skip_special_tokens=True)
+                     and tokenizer.decode([token], skip_special_tokens=False))
 
 
 def plan_prompt(loaded, settings, prompt) -> None:
@@ -255,6 +309,7 @@ class ReasoningSplitter:
         self.had_block = state == "inside"
         self.closed = False
         self.reasoning_begun = self.content_begun = False
+        self.answered = False  # whether the text that may open the answer (Delimiters.answer) was looked for
         self.space = ""  # whitespace at the reasoning's end, dropped if the block ends there
 
     def feed(self, text, final=False):
@@ -282,6 +337,12 @@ class ReasoningSplitter:
                 reasoning += self.reason(self.pending[: len(self.pending) - hold], last=final)
                 self.pending = self.pending[len(self.pending) - hold :]
                 break
+            if not self.content_begun and self.delimiters.answer and not self.answered:
+                rest = self.pending.lstrip()
+                marker = next((marker for marker in self.delimiters.answer if rest.startswith(marker)), None)
+                if marker is None and not final and any(marker.startswith(rest) for marker in self.delimiters.answer):
+                    break  # may still be the answer's opening
+                self.answered, self.pending = True, rest[len(marker) :] if marker else self.pending
             text, self.pending = self.pending, ""
             if not self.content_begun:
                 text = text.lstrip()

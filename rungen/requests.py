@@ -24,6 +24,7 @@ class Request:
     # Token ids that close the thinking block the reply starts in: the constraint applies from the token after them.
     reasoning_end: tuple[int, ...] | None = None
     thinking_budget: object = None  # rungen.reasoning.Budget: the reply's thinking capped
+    kept: frozenset = frozenset()  # special tokens kept in the text: a thinking block's delimiters (ReplyPlan.kept)
     deltas: bool = True  # text as it grows (a stream); False: the text once, at the end (a stop string is still cut)
     cancelled: bool = False  # set by the server (client gone) or a session (Ctrl-C); the row leaves at the next step
     submitted: float = dataclasses.field(default_factory=time.perf_counter)

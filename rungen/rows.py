@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from .logprobs import content_items, from_a_character, mend_byte_end
+from .logprobs import content_items, decode_text, from_a_character, mend_byte_end
 from .reasoning import BudgetCount
 from .requests import Delta, Finish, Request
 from .sampling import Reading, RowState, accept, choose
@@ -130,11 +130,11 @@ class Reporter:
     def __init__(self, tokenizer, tokenizer_lock, eos_ids):
         self.tokenizer, self.tokenizer_lock, self.eos_ids = tokenizer, tokenizer_lock, eos_ids
 
-    def prompt_tail(self, ids):
+    def prompt_tail(self, ids, kept=frozenset()):
         """(how many, their text): the prompt's last tokens, from a character's start, that the continuation is
         decoded after."""
         with self.tokenizer_lock:
-            start, text = from_a_character(self.tokenizer, ids, max(0, len(ids) - TAIL_TOKENS), len(ids))
+            start, text = from_a_character(self.tokenizer, ids, max(0, len(ids) - TAIL_TOKENS), len(ids), kept)
         return len(ids) - start, text
 
     def report(self, row, token, logprob):
@@ -196,12 +196,11 @@ class Reporter:
             generated = generated[:-1]
         with self.tokenizer_lock:
             count, head = row.prompt_tail
-            ids = row.request.ids[len(row.request.ids) - count :] + generated
-            whole = mend_byte_end(self.tokenizer, ids, self.tokenizer.decode(ids, skip_special_tokens=True),
-                                  len(generated))
+            ids, kept = row.request.ids[len(row.request.ids) - count :] + generated, row.request.kept
+            whole = mend_byte_end(self.tokenizer, ids, decode_text(self.tokenizer, ids, kept), len(generated), kept)
             if whole.startswith(head):
                 return whole[len(head) :]
-            return self.tokenizer.decode(generated, skip_special_tokens=True)
+            return decode_text(self.tokenizer, generated, kept)
 
 
 def held_back(text, stops):

@@ -64,11 +64,11 @@ def chat(server, **kwargs):
     return client(server).chat.completions.create(model=MODEL_ID, **kwargs)
 
 
-def raw_split(text):
+def raw_split(text, opening="<think>", closing="</think>"):
     """(reasoning, content) of a raw reply, as the user reads it: the block's text, and what follows it."""
-    if not text.startswith("<think>"):
+    if not text.startswith(opening):
         return None, text.lstrip()
-    inside, closed, after = text[len("<think>") :].partition("</think>")
+    inside, closed, after = text[len(opening) :].partition(closing)
     return inside.strip(), (after.lstrip() or None) if closed else None
 
 
@@ -530,3 +530,64 @@ def test_a_response_gives_the_block_as_a_reasoning_item_and_the_answer_as_the_me
     with pytest.raises(openai.BadRequestError) as caught:
         responses.create(model=MODEL_ID, input="Hi", max_output_tokens=2, include=["message.output_text.logprobs"])
     assert caught.value.body["param"] == "include" and "thinking model" in caught.value.body["message"]
+
+
+# Mistral's reasoning models: [THINK] and [/THINK] are special tokens (a decode that skips them loses the block).
+MINISTRAL = os.path.join(os.path.dirname(TEMPLATE), "ministral-3-reasoning.jinja")
+MISTRAL_SPECIAL = ["[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[INST]", "[/INST]", "[THINK]", "[/THINK]"]
+
+
+@pytest.fixture(scope="module")
+def special_checkpoint(tmp_path_factory):
+    """A tiny model with Ministral 3 Reasoning's published template and Mistral's control tokens as special tokens."""
+    path = str(tmp_path_factory.mktemp("special") / "qwen2")
+    build_tiny_checkpoint("qwen2", path)
+    set_context(path, CONTEXT)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.model_max_length = CONTEXT
+    tokenizer.add_special_tokens({"additional_special_tokens": MISTRAL_SPECIAL})
+    with open(MINISTRAL, encoding="utf-8") as f:
+        tokenizer.chat_template = f.read()
+    tokenizer.save_pretrained(path)
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        assert len(tokenizer) <= json.load(f)["vocab_size"]  # the model can write every token
+    return path
+
+
+@pytest.fixture(scope="module")
+def special_server(special_checkpoint):
+    loaded = load(special_checkpoint, device=torch.device("cpu"))
+    with serving(loaded, model_id=MODEL_ID, max_batch=8) as (live, _):
+        yield live.url, loaded
+
+
+def test_a_block_between_special_tokens_comes_apart_as_well(special_server, special_checkpoint, tmp_path):
+    """The split where the delimiters are special tokens: the server's replies (the engine), streamed and whole, and
+    the jsonl records of generate() runs, each against its raw text (the tokens' own text, in the logprobs, or the
+    record's generated_text, which now keeps the delimiters)."""
+    bias = {str(token(special_server, "[THINK]")): 7, str(token(special_server, "[/THINK]")): 5}
+    whole = chat(special_server, logit_bias=bias, logprobs=True, **OPEN_AND_CLOSE)
+    split = [(choice.message.reasoning_content, choice.message.content) for choice in whole.choices]
+    skipped = set(special_server[1].tokenizer.all_special_tokens) - {"[THINK]", "[/THINK]"}  # as in any reply
+    raw = ["".join(item.token for item in choice.logprobs.content if item.token not in skipped)
+           for choice in whole.choices]
+    assert split == [raw_split(text, "[THINK]", "[/THINK]") for text in raw]
+    assert any(reasoning and content for reasoning, content in split)
+    assert all("[/THINK]" not in (reasoning or "") for reasoning, _ in split)
+    streamed = [["", ""] for _ in range(8)]
+    for chunk in chat(special_server, logit_bias=bias, stream=True, **OPEN_AND_CLOSE):
+        for choice in chunk.choices:
+            streamed[choice.index][0] += (choice.delta.model_extra or {}).get("reasoning_content") or ""
+            streamed[choice.index][1] += choice.delta.content or ""
+    assert streamed == [[reasoning or "", content or ""] for reasoning, content in split]
+    path = tmp_path / "bias.json"
+    path.write_text(json.dumps({"sequence_bias": [[[token(special_server, "[THINK]")], 7.0],
+                                                  [[token(special_server, "[/THINK]")], 5.0]]}))
+    args = ["--model_name_or_path", special_checkpoint, "--input_format", "jsonl", "--output_format", "jsonl",
+            "--length", "30", "--temperature", "1", "--num_return_sequences", "8", "--generation_config", str(path)]
+    result = run_main(args, stdin=json.dumps({"messages": ASK}))
+    assert result.returncode == 0, result.stderr.decode()[-2000:]
+    records = [json.loads(line) for line in result.stdout.decode().splitlines()]
+    assert [(record["reasoning_content"], record["content"]) for record in records] == \
+        [raw_split(record["generated_text"], "[THINK]", "[/THINK]") for record in records]
+    assert any(record["reasoning_content"] and record["content"] for record in records)

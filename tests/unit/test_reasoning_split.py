@@ -25,9 +25,9 @@ def template(name):
         return f.read()
 
 
-def streamed(state, text, sizes):
+def streamed(state, text, sizes, delimiters=THINK):
     """(reasoning, content) of `text` fed in pieces of the given sizes (cycled), each piece's output joined."""
-    splitter = ReasoningSplitter(THINK, state)
+    splitter = ReasoningSplitter(delimiters, state)
     reasoning, content, position, number = "", "", 0, 0
     while position < len(text):
         size = sizes[number % len(sizes)]
@@ -119,3 +119,107 @@ def test_template_variables_reach_only_a_template_that_reads_them():
         with pytest.raises(VariableError, match=message) as caught:
             read_template_variables(body, text)
         assert caught.value.param == param
+
+
+# The published formats besides <think>: (template, variables that turn thinking on, delimiters as written)
+PUBLISHED = [
+    ("qwen3.jinja", {}, "<think>", "</think>"),
+    ("gpt-oss.jinja", {}, "<|channel|>analysis<|message|>", "<|end|><|start|>assistant<|channel|>final<|message|>"),
+    ("gemma-4-it.jinja", {"enable_thinking": True}, "<|channel>thought", "<channel|>"),
+    ("ministral-3-reasoning.jinja", {}, "[THINK]", "[/THINK]"),
+    ("seed-oss.jinja", {}, "<seed:think>", "</seed:think>"),
+    ("minimax-m3.jinja", {}, "<mm:think>", "</mm:think>"),
+    ("hy3.jinja", {"reasoning_effort": "high"}, "<think:opensource>", "</think:opensource>"),  # names built in jinja
+    ("command-r7b-tool_use.jinja", {"enable_thinking": True}, "<|START_THINKING|>", "<|END_THINKING|>"),
+]
+ASKED = [{"role": "user", "content": "Hi"}]
+THOUGHT, ANSWER = "The user greets me.", "Hello! How can I help?"
+CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+WEATHER = {"type": "function",
+           "function": {"name": "get_weather", "description": "The weather in a city.", "parameters": CITY}}
+
+
+def thinking_turn(name):
+    """The assistant turn as the template writes a reply that thought: its reasoning field, or where the template
+    writes reasoning only in a thinking chunk (Mistral) or before a tool call (Gemma 4, Command R7B), those."""
+    if name == "ministral-3-reasoning.jinja":
+        return {"role": "assistant", "content": [{"type": "thinking", "thinking": THOUGHT},
+                                                  {"type": "text", "text": ANSWER}]}
+    if name in ("gemma-4-it.jinja", "command-r7b-tool_use.jinja"):
+        return {"role": "assistant", "content": "", "reasoning_content": THOUGHT, "tool_calls": [CALL]}
+    return {"role": "assistant", "content": ANSWER, "reasoning_content": THOUGHT}
+
+
+@pytest.mark.parametrize("name,variables,opening,closing", PUBLISHED)
+def test_each_published_format_splits_the_reply_its_template_writes(name, variables, opening, closing):
+    """The delimiters found in the template are those it writes around a reply's reasoning, and the splitter gives
+    back that reasoning from the reply as the model writes it (the template's text after the generation prompt)."""
+    from rungen.chat_template import render
+
+    text = template(name)
+    delimiters = detect_delimiters(text)
+    assert (delimiters.open, delimiters.close) == (opening, closing)
+    turn = thinking_turn(name)
+    tools = [WEATHER] if "tool_calls" in turn else None
+    prompt = render(text, ASKED, tools=tools, add_generation_prompt=True, **variables)
+    whole = render(text, ASKED + [turn], tools=tools, **variables)
+    assert whole.startswith(prompt)
+    reasoning, content = split_reply(ReplyPlan(delimiters, prompt_state(delimiters, prompt)), whole[len(prompt) :])
+    assert reasoning == THOUGHT
+    assert THOUGHT not in content and opening not in content and closing not in content
+    if ANSWER in whole:
+        assert content.startswith(ANSWER)
+
+
+@pytest.mark.parametrize("name,variables", [("qwen3.jinja", {"enable_thinking": False}), ("gemma-4-it.jinja", {}),
+                                            ("hy3.jinja", {}), ("command-r7b-tool_use.jinja", {})])
+def test_a_prompt_that_turns_thinking_off_closes_the_block(name, variables):
+    from rungen.chat_template import render
+
+    text = template(name)
+    assert prompt_state(detect_delimiters(text), render(text, ASKED, add_generation_prompt=True, **variables)) == \
+        "content"
+
+
+HARMONY = detect_delimiters(template("gpt-oss.jinja"))
+HARMONY_REPLIES = [  # gpt-oss: the analysis channel, then the final one; or the final channel alone
+    ("<|channel|>analysis<|message|>User greets.<|end|><|start|>assistant<|channel|>final<|message|>Hi!",
+     "User greets.", "Hi!"),
+    ("<|channel|>final<|message|>Paris.", None, "Paris."),
+    ("<|channel|>analysis<|message|>Need a tool.<|end|><|start|>assistant<|channel|>commentary to=functions.f",
+     "Need a tool.<|end|><|start|>assistant<|channel|>commentary to=functions.f", None),  # no final channel
+    ("<|channel|>final", None, "<|channel|>final"),  # cut short before the answer began: kept as written
+]
+
+
+@pytest.mark.parametrize("text,reasoning,content", HARMONY_REPLIES)
+@pytest.mark.parametrize("sizes", [[1], [3, 1], [5, 7, 2], [1000]])
+def test_the_answer_channel_opening_is_no_part_of_the_content(text, reasoning, content, sizes):
+    assert split_reply(ReplyPlan(HARMONY, "start"), text) == (reasoning, content)
+    assert streamed("start", text, sizes, HARMONY) == (reasoning or "", content or "")
+
+
+def test_delimiters_that_are_special_tokens_stay_in_the_reply_text(tmp_path):
+    """gpt-oss's channel tokens are special: a decode that skips special tokens would leave "analysis...assistantfinal"
+    in the answer. The reply's plan keeps the delimiters' special tokens, and only those, in its text."""
+    from rungen.logprobs import decode_text
+    from rungen.reasoning import plan_reply
+    from tiny_models import build_tokenizer
+
+    tokenizer, _ = build_tokenizer("qwen2", str(tmp_path))
+    harmony = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|constrain|>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": harmony})
+    special = {name: tokenizer.convert_tokens_to_ids(name) for name in harmony}
+    prompt = tokenizer.encode("<|start|>user<|message|>Hi<|end|><|start|>assistant", add_special_tokens=False)
+    ids, plan = plan_reply(tokenizer, HARMONY, prompt, constrained=False)
+    assert ids == prompt and plan.state == "start"
+    assert plan.kept == {special[name] for name in ("<|start|>", "<|end|>", "<|message|>", "<|channel|>")}
+    written = "<|channel|>analysis<|message|>User greets.<|end|><|start|>assistant<|channel|>final<|message|>Hi!"
+    reply = tokenizer.encode(written + "<|return|>", add_special_tokens=False)
+    assert tokenizer.decode(reply, skip_special_tokens=True) == "analysisUser greets.assistantfinalHi!"
+    assert decode_text(tokenizer, reply, plan.kept) == written  # <|return|> is no delimiter: skipped as before
+    assert split_reply(plan, decode_text(tokenizer, reply, plan.kept)) == ("User greets.", "Hi!")
+    assert decode_text(tokenizer, reply) == tokenizer.decode(reply, skip_special_tokens=True)  # nothing kept
+    growing = [decode_text(tokenizer, reply[:end], plan.kept) for end in range(len(reply) + 1)]
+    assert all(later.startswith(earlier) for earlier, later in zip(growing, growing[1:]))  # a stream only grows
