@@ -12,7 +12,15 @@ import torch
 from . import logger
 from .engine import Engine
 from .errors import GenerationError, UsageError, one_line
-from .generation import StuckError, describe_sequence, eos_token_ids, make_batches, stop_strings, stuck_error
+from .generation import (
+    StuckError,
+    describe_sequence,
+    eos_token_ids,
+    make_batches,
+    reply_markers,
+    stop_strings,
+    stuck_error,
+)
 from .prefix_cache import PrefixCache
 from .reasoning import detect_delimiters, reply_budget
 from .requests import Delta, Done, Request
@@ -159,7 +167,7 @@ def submit_prompts(engine, settings, prompts, on_done, stream=False):
                                 logprobs=settings.logprobs, constraint=prompt.constraint or settings.constraint,
                                 reasoning_end=prompt.reply.end_ids if prompt.reply is not None else None,
                                 thinking_budget=reply_budget(engine.tokenizer, prompt.reply, settings.thinking_budget),
-                                kept=prompt.reply.kept if prompt.reply is not None else frozenset(),
+                                kept=reply_markers(engine.tokenizer, prompt),
                                 deltas=bool(stream)))
         engine.submit(requests[-1])
     return requests

@@ -74,15 +74,17 @@ def vocabulary_type(tokenizer, flag: str) -> str:
     return xgr.VocabType.RAW
 
 
-def tokenizer_info(tokenizer, vocab_size: int, eos_ids: set[int], flag: str) -> xgr.TokenizerInfo:
+def tokenizer_info(tokenizer, vocab_size: int, eos_ids: set[int], flag: str,
+                   spelled: frozenset = frozenset()) -> xgr.TokenizerInfo:
     """What each token id spells, for xgrammar; special tokens and ids past the tokenizer spell nothing, so they
-    are never allowed."""
+    are never allowed, but those `spelled`, which spell their names (a tool format's markers: Mistral's
+    [TOOL_CALLS], which the model writes as that token)."""
     spellings = [""] * vocab_size
     for token, index in tokenizer.get_vocab().items():
         if index < vocab_size:
             spellings[index] = token
     for index in tokenizer.all_special_ids:
-        if index < vocab_size:
+        if index < vocab_size and index not in spelled:
             spellings[index] = ""
     # add_prefix_space=False: the constrained text continues a prompt, so a leading space is text.
     return xgr.TokenizerInfo(spellings, vocabulary_type(tokenizer, flag), vocab_size=vocab_size,
@@ -218,11 +220,13 @@ def empty_alternatives(source: str) -> str:
     return source
 
 
-def compile_constraint(kind: str, source: str, tokenizer, vocab_size: int, eos_ids: set[int]) -> Constraint:
-    """Compiles (kind, source) for this vocabulary; raises ConstraintError, also where xgrammar would compile a
-    different language than the one asked for (a keyword it drops, a regex escape it reads otherwise)."""
+def compile_constraint(kind: str, source: str, tokenizer, vocab_size: int, eos_ids: set[int],
+                       spelled: frozenset = frozenset()) -> Constraint:
+    """Compiles (kind, source) for this vocabulary (`spelled`: special tokens the grammar takes as their names);
+    raises ConstraintError, also where xgrammar would compile a different language than the one asked for (a
+    keyword it drops, a regex escape it reads otherwise)."""
     flag = KINDS[kind]
-    compiler = xgr.GrammarCompiler(tokenizer_info(tokenizer, vocab_size, eos_ids, flag))
+    compiler = xgr.GrammarCompiler(tokenizer_info(tokenizer, vocab_size, eos_ids, flag, spelled))
     if kind == "json_schema":
         dropped = unenforced(json.loads(source))
         if dropped:
@@ -258,9 +262,16 @@ BOUNDED_STRING_CHARACTER = r'[^\"\\\r\n]'
 JSON_CHARACTER = r'([^\0-\x1f\"\\] | ("\\" basic_escape))'
 
 
+# xgrammar's string characters take the UTF-8 of a lone surrogate (ED A0-BF xx), which no text holds: a byte-token
+# model can write it, and the reply reads as three U+FFFD (a string past its maxLength).
+STRING_CHARACTERS = r'[^\0-\x1f\"\\'
+NO_SURROGATE = STRING_CHARACTERS + r"\ud800-\udfff"
+
+
 def json_string_characters(ebnf: str) -> str:
-    """A JSON schema's grammar (xgrammar's EBNF) with its bounded strings' characters made valid JSON ones."""
-    return ebnf.replace(BOUNDED_STRING_CHARACTER, JSON_CHARACTER)
+    """A JSON schema's grammar (xgrammar's EBNF) with its strings' characters made valid JSON ones: a bounded
+    string's each one JSON character, and no string's a lone surrogate."""
+    return ebnf.replace(BOUNDED_STRING_CHARACTER, JSON_CHARACTER).replace(STRING_CHARACTERS, NO_SURROGATE)
 
 
 def nothing_allowed(bitmask: torch.Tensor) -> bool:

@@ -268,6 +268,13 @@ def eos_token_ids(settings: Settings, model) -> set[int]:
     return set(eos_ids if isinstance(eos_ids, list) else [eos_ids] if eos_ids is not None else [])
 
 
+def reply_markers(tokenizer, prompt: Prompt) -> frozenset:
+    """The special tokens a chat reply's text keeps to be read: its thinking block's delimiters and its tool
+    format's markers (rungen.reasoning, rungen.tools)."""
+    kept = prompt.reply.kept if prompt.reply is not None else frozenset()
+    return kept | prompt.tool_plan.kept(tokenizer) if prompt.tool_plan is not None else kept
+
+
 def describe_sequence(settings: Settings, tokenizer, prompt: Prompt, new: list[int], eos_ids: set[int]) -> Sequence:
     """Decodes one sequence the way the original script does and says why it ended."""
     finish, produced = "length", len(new)
@@ -284,7 +291,7 @@ def describe_sequence(settings: Settings, tokenizer, prompt: Prompt, new: list[i
     # Decoded with the prompt, then cut: the continuation alone loses a SentencePiece leading space. The EOS that
     # ends it is none of its text (a file's end-of-turn token need not be a special one).
     shown = produced - 1 if produced and new[produced - 1] in eos_ids else produced
-    kept = prompt.reply.kept if prompt.reply is not None else frozenset()  # a thinking block's special delimiters
+    kept = reply_markers(tokenizer, prompt)
     head = decode_text(tokenizer, prompt.ids, kept)
     whole = mend_byte_end(tokenizer, prompt.ids + new[:shown], decode_text(tokenizer, prompt.ids + new[:shown], kept),
                           shown, kept)

@@ -33,6 +33,14 @@ def decode_text(tokenizer, ids: list[int], kept: frozenset = frozenset()) -> str
     return "".join(parts) + tokenizer.decode(ids[start:], skip_special_tokens=True)
 
 
+def special_ids(tokenizer, texts) -> frozenset:
+    """The special tokens among the tokens of `texts`: those a decode skipping special tokens drops (markers such as
+    gpt-oss's <|channel|> or Mistral's [TOOL_CALLS], which the reply's text must keep to be read)."""
+    ids = {token for text in texts if text for token in tokenizer.encode(text, add_special_tokens=False)}
+    return frozenset(token for token in ids if not tokenizer.decode([token], skip_special_tokens=True)
+                     and tokenizer.decode([token], skip_special_tokens=False))
+
+
 def from_a_character(tokenizer, ids: list[int], start: int, end: int, kept=frozenset()) -> tuple[int, str]:
     """(start, text): ids[start:end] decoded, `start` moved back by up to three tokens where the decoding would begin
     inside a character (SentencePiece's byte tokens: a run of them decoded from its middle is all U+FFFD, the valid

@@ -214,15 +214,15 @@ class Service:
         self.delimiters = detect_delimiters(loaded.tokenizer.chat_template)  # a thinking block's, or None
         self.created = int(time.time())
 
-    def compile(self, kind, source, param):
+    def compile(self, kind, source, param, spelled=frozenset()):
         from .constrain import ConstraintError, compile_constraint
 
-        key = (kind, source)
+        key = (kind, source, spelled)
         if key not in self.constraints:
             try:
                 with self.tokenizer_lock:
                     constraint = compile_constraint(kind, source, self.loaded.tokenizer, self.loaded.vocab_size,
-                                                    self.eos_ids)
+                                                    self.eos_ids, spelled)
             except ConstraintError as error:
                 raise APIError(str(error), param) from error
             if len(self.constraints) >= 64:
@@ -387,10 +387,14 @@ async def generate(service, http_request, body, prompts, logprobs, *, chat, max_
     sampling = read_sampling(body, loaded.vocab_size)
     stops = read_stop(body)
     constraint_source = read_constraint_source(body, response_format_allowed=chat)
+    markers = frozenset()  # the tool format's special tokens (Mistral's [TOOL_CALLS])
+    if tools is not None:
+        with service.tokenizer_lock:
+            markers = tools.kept(loaded.tokenizer)
     if tools is not None and tools.grammar is not None:
         if constraint_source and not tools.holds_format:  # a regex or grammar beside the tools' own
             raise APIError(f"one constraint per request; got tools and {constraint_source[2]}", constraint_source[2])
-        constraint_source = ("tools", tools.grammar, "tools")
+        constraint_source = ("tools", tools.grammar, "tools", markers)
     constraint = None
     if constraint_source:
         loop = asyncio.get_running_loop()
@@ -432,7 +436,8 @@ async def generate(service, http_request, body, prompts, logprobs, *, chat, max_
         request = EngineRequest(ids, max_tokens, sampling, sink, n=n, stop=stops, logprobs=logprobs,
                                 constraint=constraint,
                                 reasoning_end=replies[job].end_ids if replies[job] else None,
-                                thinking_budget=budgets[job], kept=replies[job].kept if replies[job] else frozenset())
+                                thinking_budget=budgets[job],
+                                kept=markers | (replies[job].kept if replies[job] else frozenset()))
         jobs.append((job, request))
     try:
         for _, request in jobs:

@@ -212,7 +212,9 @@ def plan_reply(tokenizer, delimiters: Delimiters | None, ids: list[int], constra
     closing one."""
     if delimiters is None:
         return ids, None
-    kept = special_tokens(tokenizer, delimiters)
+    from .logprobs import special_ids
+
+    kept = special_ids(tokenizer, (delimiters.open, delimiters.close, *delimiters.answer))
     state = prompt_state(delimiters, tokenizer.decode(ids[-TAIL_TOKENS:], skip_special_tokens=False))
     if constrained and state == "start":
         ids = ids + tokenizer.encode(delimiters.open, add_special_tokens=False)
@@ -222,14 +224,6 @@ def plan_reply(tokenizer, delimiters: Delimiters | None, ids: list[int], constra
         end_ids = tuple(tokenizer.encode(delimiters.close, add_special_tokens=False))
     return ids, ReplyPlan(delimiters, state, end_ids, kept)
 
-
-def special_tokens(tokenizer, delimiters: Delimiters) -> frozenset:
-    """The tokens of the delimiters that a decode skipping special tokens drops (gpt-oss's <|channel|>, Gemma 4's
-    <|channel>, Magistral's [THINK]...)."""
-    ids = {token for text in (delimiters.open, delimiters.close, *delimiters.answer)
-           for token in tokenizer.encode(text, add_special_tokens=False)}
-    return frozenset(token for token in ids if not tokenizer.decode([token], skip_special_tokens=True)
-                     and tokenizer.decode([token], skip_special_tokens=False))
 
 
 def plan_prompt(loaded, settings, prompt) -> None:

@@ -6,16 +6,20 @@ Formats (docs/server.md#tool-calling):
 - hermes: Qwen2.5 / Hermes, `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one block a call.
 - llama3_json: Llama 3.1-3.3, `{"name": ..., "parameters": {...}}` as the reply (after `<|python_tag|>` at
   times); one call a reply, as the published template allows.
-- mistral: `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`.
+- mistral: `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]` (Mistral 7B v0.3, Nemo).
+- mistral_args: `[TOOL_CALLS]name[ARGS]{...}`, one marker a call (Ministral 3, Magistral, Devstral); mistral_call_id
+  with `[CALL_ID]` and a 9-character id before `[ARGS]` (Mistral Small 3.2).
 - generic: a template that does not render tools (SmolLM2's among them): the tools are described in a system
   message and a call is the line `{"tool_call": {"name": ..., "arguments": {...}}}`, as llama-server's
   generic handler does.
 
-The format is read from the template's text, never configured. A per-request grammar constrains the calls (at
-most one whitespace character at a time in the arguments, so a small model cannot pad them to max_tokens): calls
-only for `required` or a named function; for `auto`, free text until the call's opening marker. One incremental
-parser reads a whole reply and a stream alike, so both give the same calls (tokenizer.parse_response knows few
-formats and reports a call only once it closes).
+The format is read from the template's text, never configured; a template that writes calls as XML (Qwen3.5's
+`<function=...>`, GLM's `<arg_key>`, MiniMax's `<invoke>`) is refused rather than read as Hermes. Markers that are
+special tokens (Mistral's) stay in the reply's text, and the grammar takes them as the text they name. A
+per-request grammar constrains the calls (at most one whitespace character at a time in the arguments, so a small
+model cannot pad them to max_tokens): calls only for `required` or a named function; for `auto`, free text until
+the call's opening marker. One incremental parser reads a whole reply and a stream alike, so both give the same
+calls (tokenizer.parse_response knows few formats and reports a call only once it closes).
 """
 
 from __future__ import annotations
@@ -59,6 +63,13 @@ class Format:
     region: tuple[str, str] | None = None
     one_call: bool = False  # the template renders one call a reply at most
     native: bool = True  # the template renders the tools itself
+    call_id: bool = False  # a 9-character id the model writes after `middle`, then "[ARGS]" (Mistral Small 3.2)
+
+    @property
+    def texts(self) -> tuple[str, ...]:
+        """The format's literal text: what the reply's text must keep of special tokens to be parsed."""
+        return (self.begin, self.middle, self.end, self.trigger, *self.markers, *(self.region or ()),
+                *(("[ARGS]",) if self.call_id else ()))
 
 
 HERMES = Format("hermes", '<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>", "<tool_call>", "\n",
@@ -67,9 +78,14 @@ LLAMA3_JSON = Format("llama3_json", '{"name": "', '", "parameters": ', "}", '{"n
                      ('{"name"', "<|python_tag|>"), arguments_keys=("parameters", "arguments"), one_call=True)
 MISTRAL = Format("mistral", '{"name": "', '", "arguments": ', "}", "[TOOL_CALLS]", ", ", ("[TOOL_CALLS]",),
                  region=("[TOOL_CALLS] [", "]"))
+MISTRAL_ARGS = Format("mistral_args", "[TOOL_CALLS]", "[ARGS]", "", "[TOOL_CALLS]", "", ("[TOOL_CALLS]",))
+MISTRAL_CALL_ID = Format("mistral_call_id", "[TOOL_CALLS]", "[CALL_ID]", "", "[TOOL_CALLS]", "", ("[TOOL_CALLS]",),
+                         call_id=True)
 GENERIC = Format("generic", '{"tool_call": {"name": "', '", "arguments": ', "}}", '{"tool_call"', "\n",
                  ('{"tool_call"',), native=False)
-FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, GENERIC)}
+FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS, MISTRAL_CALL_ID, GENERIC)}
+# How templates that write calls as XML show it (Qwen3-Coder, Qwen3.5 and Nemotron 3; GLM-4.5 on; MiniMax).
+XML_SIGNS = ("<function=", "<parameter=", "<arg_key>", "<invoke ")
 
 
 def template_text(chat_template) -> str | None:
@@ -85,7 +101,11 @@ def detect_format(chat_template) -> Format | str:
     if not text:
         return "this model has no chat template"
     if "[TOOL_CALLS]" in text:
-        return MISTRAL
+        return MISTRAL_CALL_ID if "[CALL_ID]" in text else MISTRAL_ARGS if "[ARGS]" in text else MISTRAL
+    xml = next((sign for sign in XML_SIGNS if sign in text), None)
+    if xml is not None:
+        return (f"this model's chat template writes tool calls as XML ({xml.strip()}...), which this server does not "
+                "parse (it knows Hermes/Qwen JSON <tool_call>, Llama 3 JSON and Mistral [TOOL_CALLS])")
     if "<tool_call>" in text:
         return HERMES
     if '"parameters": ' in text and ("<|start_header_id|>" in text or "<|python_tag|>" in text):
@@ -295,7 +315,7 @@ def template_messages(messages, fmt: Format, request: ToolRequest | None):
 
 def call_id_for(fmt, call_id):
     """Mistral's template takes 9-character alphanumeric ids only: others map to one, alike for call and result."""
-    if fmt is MISTRAL and not (len(call_id) == 9 and call_id.isalnum()):
+    if fmt.trigger == "[TOOL_CALLS]" and not (len(call_id) == 9 and call_id.isalnum()):
         return hashlib.sha256(call_id.encode()).hexdigest()[:9]
     return call_id
 
@@ -317,9 +337,12 @@ def tool_grammar(fmt: Format, request: ToolRequest, reply_schema: str | None = N
     the response format's JSON schema, which a reply under tool_choice auto follows where it calls no tool."""
     import xgrammar as xgr
     from xgrammar.structural_tag import (
+        ConstStringFormat,
         GrammarFormat,
         JSONSchemaFormat,
         OrFormat,
+        RegexFormat,
+        SequenceFormat,
         StructuralTag,
         TagFormat,
         TagsWithSeparatorFormat,
@@ -340,11 +363,13 @@ def tool_grammar(fmt: Format, request: ToolRequest, reply_schema: str | None = N
             message = re.sub(r"^\[[0-9:]+\] \S+: ", "", str(error).splitlines()[0] if str(error) else "")
             raise ToolError(f"tools: the parameters of {function['name']!r} cannot be compiled: {message}",
                             "tools") from error
-        tags.append(TagFormat(begin=fmt.begin + function["name"] + fmt.middle,
-                              content=JSONSchemaFormat(json_schema=function["parameters"], max_whitespace_cnt=1),
-                              end=fmt.end))
+        arguments = JSONSchemaFormat(json_schema=function["parameters"], max_whitespace_cnt=1)
+        if fmt.call_id:  # the model's own id, then the arguments
+            arguments = SequenceFormat(elements=[RegexFormat(pattern="[A-Za-z0-9]{9}"),
+                                                 ConstStringFormat(value="[ARGS]"), arguments])
+        tags.append(TagFormat(begin=fmt.begin + function["name"] + fmt.middle, content=arguments, end=fmt.end))
     single = fmt.one_call or not request.parallel or request.choice not in ("auto", "required")
-    calls = TagsWithSeparatorFormat(tags=tags, separator=fmt.separator or " ", at_least_one=True,
+    calls = TagsWithSeparatorFormat(tags=tags, separator=fmt.separator, at_least_one=True,
                                     stop_after_first=single)
     if fmt.region is not None:
         calls = TagFormat(begin=fmt.region[0], content=calls, end=fmt.region[1])
@@ -474,6 +499,8 @@ def skip_space(text, position):
 
 def parse_region(fmt, text, start, marker, found):
     """Parses one region's calls into `found`; returns its end, None if the text ends inside, -1 if no call."""
+    if fmt.middle in ("[ARGS]", "[CALL_ID]"):
+        return parse_named_call(fmt, text, start + len(marker), found)
     if marker in ("<tool_call>", "<|python_tag|>", "[TOOL_CALLS]"):
         position = skip_space(text, start + len(marker))
     else:
@@ -517,6 +544,41 @@ def parse_region(fmt, text, start, marker, found):
             position += 1
             continue
         return end
+
+
+def parse_named_call(fmt, text, position, found):
+    """Mistral's `name[ARGS]{...}` (`name[CALL_ID]id[ARGS]{...}`) after a [TOOL_CALLS] at `position`: one call into
+    `found`; its end, None if the text ends inside, -1 if no call."""
+    head_end = text.find("[ARGS]", position)
+    head = text[position:] if head_end == -1 else text[position:head_end]
+    if head_end == -1:  # the name, and the id, may be on their way
+        head = head[: len(head) - prefix_length(head, ("[ARGS]", "[CALL_ID]"))]
+    name, marked, call_id = head.partition("[CALL_ID]")
+    if fmt.call_id and head_end != -1 and not marked:
+        return -1
+    if not re.fullmatch(r"[A-Za-z0-9_-]*", name) or not re.fullmatch(r"[A-Za-z0-9]*", call_id) \
+            or head_end != -1 and not name:
+        return -1
+    if head_end == -1:
+        found.append(Call(None, "", False))
+        return None
+    position = head_end + len("[ARGS]")
+    if position == len(text):  # a call once its arguments begin: a stream never takes one back
+        found.append(Call(None, "", False))
+        return None
+    if text[position] != "{":
+        return -1
+    end = value_end(text, position)
+    if end == -1:
+        return -1
+    found.append(Call(name, text[position:end] if end is not None else text[position:], end is not None))
+    return end
+
+
+def prefix_length(text, words):
+    """The length of the longest end of `text` that begins one of `words`."""
+    return max((size for word in words for size in range(min(len(word) - 1, len(text)), 0, -1)
+                if text.endswith(word[:size])), default=0)
 
 
 def parse_call(fmt, text, position):
@@ -656,6 +718,12 @@ class ToolPlan:
     def parser(self):
         return CallParser(self.fmt, self.calls_only) if self.fmt is not None else None
 
+    def kept(self, tokenizer) -> frozenset:
+        """The format's special tokens: kept in the reply's text, and taken by the grammar as their names."""
+        from .logprobs import special_ids
+
+        return special_ids(tokenizer, self.fmt.texts) if self.fmt is not None else frozenset()
+
 
 def plan_tools(body, messages, chat_template, reply_schema: str | None = None) -> ToolPlan:
     """The ToolPlan of a chat request (messages as read, with their tool fields; `reply_schema`: its response
@@ -689,7 +757,7 @@ def prompt_constraint(plan: ToolPlan, loaded, settings, compiled: dict, refusal:
     if plan.grammar not in compiled:
         try:
             compiled[plan.grammar] = compile_constraint("tools", plan.grammar, loaded.tokenizer, loaded.vocab_size,
-                                                        eos_ids)
+                                                        eos_ids, plan.kept(loaded.tokenizer))
         except ConstraintError as error:
             raise PromptError(str(error)) from error
     return compiled[plan.grammar]

@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 from test_server import CHAT_TEMPLATE, LiveServer
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from helpers import WEATHER, run_main
 from rungen.loading import load
@@ -24,7 +24,14 @@ from tiny_models import build_tiny_checkpoint, set_context
 TEMPLATES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_templates")
 # format: (tiny model type, chat template file or None for ChatML)
 MODELS = {"hermes": ("qwen2", "qwen2.5-instruct.jinja"), "llama3_json": ("llama", "llama3.1-instruct.jinja"),
-          "mistral": ("mistral", "mistral-7b-instruct-v0.3.jinja"), "generic": ("qwen2", None)}
+          "mistral": ("mistral", "mistral-7b-instruct-v0.3.jinja"),
+          "mistral_args": ("mistral", "devstral-small-2507.jinja"),
+          "mistral_call_id": ("mistral", "mistral-small-3.2.jinja"), "generic": ("qwen2", None)}
+# Mistral's control tokens, special in its tokenizers (a decode that skips special tokens drops them): v0.3's, and
+# those the tekken tokenizers of Devstral and Mistral Small 3.2 add.
+MISTRAL_CONTROL = ["[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
+                   "[/TOOL_RESULTS]"]
+TEKKEN_CONTROL = MISTRAL_CONTROL + ["[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[TOOL_CONTENT]", "[ARGS]", "[CALL_ID]"]
 TIME = {"type": "function", "function": {
     "name": "get_time", "description": "The time in a time zone",
     "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 8}},
@@ -53,6 +60,12 @@ def checkpoints(tmp_path_factory):
             if fmt == "hermes":
                 # Qwen2.5's tokenizer holds the tags as tokens of their own (added, not special).
                 tokenizer.add_tokens(["<tool_call>", "</tool_call>"])
+            if fmt.startswith("mistral"):
+                tokenizer.add_special_tokens({"additional_special_tokens": MISTRAL_CONTROL if fmt == "mistral"
+                                              else TEKKEN_CONTROL})
+                model = AutoModelForCausalLM.from_pretrained(path)
+                model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)  # rows the model can write
+                model.save_pretrained(path)
             if template:
                 with open(os.path.join(TEMPLATES, template), encoding="utf-8") as f:
                     tokenizer.chat_template = f.read()
@@ -159,6 +172,19 @@ def test_auto_holds_a_call_the_model_opens_to_its_schema(servers):
     response = create(servers, "hermes", tools=TOOLS, temperature=1.0, seed=2, n=4, logit_bias={str(tag): 100},
                       parallel_tool_calls=False)
     for choice in response.choices:
+        assert len(check_calls(choice, SCHEMAS)) == 1
+
+
+@pytest.mark.parametrize("fmt", ["mistral", "mistral_args", "mistral_call_id"])
+def test_auto_takes_a_call_opened_with_the_special_marker_token(servers, fmt):
+    """Mistral's [TOOL_CALLS] is a special token: under auto the model opens a call with it (pushed here with
+    logit_bias), the grammar takes it as the marker's text and the reply's text keeps it, so the call is parsed."""
+    _, loaded = servers(fmt)
+    tag = loaded.tokenizer.convert_tokens_to_ids("[TOOL_CALLS]")
+    response = create(servers, fmt, tools=TOOLS, temperature=1.0, seed=2, n=4, logit_bias={str(tag): 100},
+                      parallel_tool_calls=False, logprobs=True)
+    for choice in response.choices:
+        assert choice.logprobs.content[0].token == "[TOOL_CALLS]"  # the special token, not the marker spelt in pieces
         assert len(check_calls(choice, SCHEMAS)) == 1
 
 

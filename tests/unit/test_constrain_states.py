@@ -73,3 +73,24 @@ def test_a_length_bounded_json_string_takes_escapes_and_no_raw_control_character
         assert stuck_at(valid) is None, valid
     for invalid in ('{"name": "a\x13"}', '{"name": "a\tb"}', '{"name": "abcde"}'):
         assert stuck_at(invalid) is not None, invalid
+
+
+def test_a_json_string_takes_whole_characters_and_no_lone_surrogate(tmp_path):
+    """On a SentencePiece vocabulary's byte tokens: a JSON string takes a character's UTF-8 bytes one token at a
+    time (’ is E2 80 99), never the bytes of a lone surrogate (ED B8 94 decodes as three U+FFFD, past maxLength)."""
+    from rungen.constrain import compile_constraint
+    from tiny_models import build_tokenizer
+
+    tokenizer, _ = build_tokenizer("mistral", str(tmp_path))
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "string", "maxLength": 3}}, "required": ["a"]})
+    constraint = compile_constraint("json_schema", schema, tokenizer, len(tokenizer), {tokenizer.eos_token_id})
+
+    def accepted(*pieces):
+        matcher = constraint.matcher()
+        assert matcher.accept_string('{"a": "')  # xgrammar's compact JSON: a space after the colon
+        return all(matcher.accept_token(tokenizer.convert_tokens_to_ids(piece)) for piece in pieces)
+
+    assert accepted("<0xE2>", "<0x80>", "<0x99>")
+    assert accepted("<0xED>", "<0x9F>", "<0xBF>")  # U+D7FF, the last character before the surrogates
+    assert not accepted("<0xED>", "<0xB8>", "<0x94>")
+    assert not accepted("<0xED>", "<0xA0>")

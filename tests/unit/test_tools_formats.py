@@ -15,6 +15,8 @@ from rungen.tools import (
     HERMES,
     LLAMA3_JSON,
     MISTRAL,
+    MISTRAL_ARGS,
+    MISTRAL_CALL_ID,
     CallParser,
     ToolError,
     assemble,
@@ -55,8 +57,12 @@ PUBLISHED = {
                 '{"name": "get_time", "arguments": {}}]'),
     "generic": ('{"tool_call": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}}\n'
                 '{"tool_call": {"name": "get_time", "arguments": {}}}'),
+    "mistral_args": '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}[TOOL_CALLS]get_time[ARGS]{}',
+    "mistral_call_id": ('[TOOL_CALLS]get_weather[CALL_ID]a1B2c3D4e[ARGS]{"city": "Paris", "unit": "celsius"}'
+                        "[TOOL_CALLS]get_time[CALL_ID]Zz9Yy8Xx7[ARGS]{}"),
 }
-FORMATS = {"hermes": HERMES, "llama3_json": LLAMA3_JSON, "mistral": MISTRAL, "generic": GENERIC}
+FORMATS = {"hermes": HERMES, "llama3_json": LLAMA3_JSON, "mistral": MISTRAL, "generic": GENERIC,
+           "mistral_args": MISTRAL_ARGS, "mistral_call_id": MISTRAL_CALL_ID}
 
 
 def calls_of(message):
@@ -75,6 +81,11 @@ def test_the_format_is_detected_from_the_template():
     assert detect_format(template("qwen2.5-instruct.jinja")) is HERMES
     assert detect_format(template("llama3.1-instruct.jinja")) is LLAMA3_JSON
     assert detect_format(template("mistral-7b-instruct-v0.3.jinja")) is MISTRAL
+    assert detect_format(template("devstral-small-2507.jinja")) is MISTRAL_ARGS
+    assert detect_format(template("ministral-3-reasoning.jinja")) is MISTRAL_ARGS
+    assert detect_format(template("mistral-small-3.2.jinja")) is MISTRAL_CALL_ID
+    # Calls written as XML inside <tool_call> (MiniMax's <invoke>, Qwen3.5's <function=...>) are no Hermes JSON.
+    assert "writes tool calls as XML (<invoke...)" in detect_format(template("minimax-m3.jinja"))
     assert detect_format(SMOLLM2_TEMPLATE) is GENERIC
     assert detect_format({"default": SMOLLM2_TEMPLATE, "tool_use": template("qwen2.5-instruct.jinja")}) is HERMES
     # A template that renders tools in a format not known here is refused, not parsed as something else.
@@ -108,7 +119,9 @@ def test_llama_python_tag_and_text_that_only_looks_like_a_call():
                                                                   '"parameters": {}}'))
     assert content is None and calls == [("get_time", {})]
     for fmt, text in ((HERMES, "Write <tool_call> tags around a call."), (GENERIC, 'JSON such as {"a": 1}.'),
-                      (LLAMA3_JSON, 'A name: {"name": 5}'), (MISTRAL, "[TOOL_CALLS] then words")):
+                      (LLAMA3_JSON, 'A name: {"name": 5}'), (MISTRAL, "[TOOL_CALLS] then words"),
+                      (MISTRAL_ARGS, "[TOOL_CALLS] then words"), (MISTRAL_ARGS, "[TOOL_CALLS]f[ARGS] {}"),
+                      (MISTRAL_CALL_ID, "[TOOL_CALLS]f[ARGS]{}")):
         assert message_of(CallParser(fmt), text) == (text, [])
         assert assemble(streamed(fmt, text)) == (text, [])
 
@@ -117,7 +130,8 @@ def test_a_reply_cut_before_a_call_names_its_function():
     """max_tokens may end a reply inside a call before its name: alone, what the model wrote is the content (not
     an empty reply); after calls, it is the next call's opening cut short, which is no content."""
     for fmt, text in ((GENERIC, '{"tool_call": {"name": {"description": {"type'), (HERMES, "<tool_call>\n{\"na"),
-                      (MISTRAL, '[TOOL_CALLS] [{"na')):
+                      (MISTRAL, '[TOOL_CALLS] [{"na'), (MISTRAL_ARGS, "[TOOL_CALLS]get_wea"),
+                      (MISTRAL_CALL_ID, "[TOOL_CALLS]get_weather[CALL_ID]a1B")):
         assert message_of(CallParser(fmt), text) == (text, [])
         assert assemble(streamed(fmt, text)) == (text, [])
         # Under tool_choice required or named the grammar allowed a call alone: the cut call is no content.
@@ -164,6 +178,8 @@ def test_the_grammar_takes_the_published_replies_and_nothing_else(name):
         single = tool_grammar(fmt, dataclasses.replace(request, choice="required", parallel=False))
         assert not grammar_accepts(single, calls_only)
     assert tool_grammar(fmt, dataclasses.replace(request, choice="none")) is None
+    if fmt.call_id:  # the model's id: nine letters or digits
+        assert not grammar_accepts(required, calls_only.replace("a1B2c3D4e", "a1B2c3"))
     # Under auto, whatever the parser reads as a call is held to a tool: written compactly (the parser's marker
     # without the template's spaces), a call to no tool or with arguments off the schema is not generated.
     compact = {"generic": '{"tool_call":{"name":"get_date","arguments":{"town":"Rome"}}}',
