@@ -9,12 +9,14 @@ Formats (docs/server.md#tool-calling):
 - mistral: `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]` (Mistral 7B v0.3, Nemo).
 - mistral_args: `[TOOL_CALLS]name[ARGS]{...}`, one marker a call (Ministral 3, Magistral, Devstral); mistral_call_id
   with `[CALL_ID]` and a 9-character id before `[ARGS]` (Mistral Small 3.2).
+- qwen_xml: Qwen3.5, Qwen3-Coder, Nemotron 3, `<tool_call>\n<function=name>\n<parameter=key>\nvalue\n</parameter>\n
+  </function>\n</tool_call>`, a value raw text where its schema says string, JSON otherwise.
 - generic: a template that does not render tools (SmolLM2's among them): the tools are described in a system
   message and a call is the line `{"tool_call": {"name": ..., "arguments": {...}}}`, as llama-server's
   generic handler does.
 
-The format is read from the template's text, never configured; a template that writes calls as XML (Qwen3.5's
-`<function=...>`, GLM's `<arg_key>`, MiniMax's `<invoke>`) is refused rather than read as Hermes. Markers that are
+The format is read from the template's text, never configured; a template that writes calls in another XML (GLM's
+`<arg_key>`, MiniMax's `<invoke>`) is refused rather than read as Hermes. Markers that are
 special tokens (Mistral's) stay in the reply's text, and the grammar takes them as the text they name. A
 per-request grammar constrains the calls (at most one whitespace character at a time in the arguments, so a small
 model cannot pad them to max_tokens): calls only for `required` or a named function; for `auto`, free text until
@@ -64,6 +66,7 @@ class Format:
     one_call: bool = False  # the template renders one call a reply at most
     native: bool = True  # the template renders the tools itself
     call_id: bool = False  # a 9-character id the model writes after `middle`, then "[ARGS]" (Mistral Small 3.2)
+    style: str = "json"  # how the arguments are written: JSON, or xgrammar's "qwen_xml" (<parameter=key>value...)
 
     @property
     def texts(self) -> tuple[str, ...]:
@@ -81,11 +84,13 @@ MISTRAL = Format("mistral", '{"name": "', '", "arguments": ', "}", "[TOOL_CALLS]
 MISTRAL_ARGS = Format("mistral_args", "[TOOL_CALLS]", "[ARGS]", "", "[TOOL_CALLS]", "", ("[TOOL_CALLS]",))
 MISTRAL_CALL_ID = Format("mistral_call_id", "[TOOL_CALLS]", "[CALL_ID]", "", "[TOOL_CALLS]", "", ("[TOOL_CALLS]",),
                          call_id=True)
+QWEN_XML = Format("qwen_xml", "<tool_call>\n<function=", ">\n", "</function>\n</tool_call>", "<tool_call>", "\n",
+                  ("<tool_call>",), style="qwen_xml")
 GENERIC = Format("generic", '{"tool_call": {"name": "', '", "arguments": ', "}}", '{"tool_call"', "\n",
                  ('{"tool_call"',), native=False)
-FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS, MISTRAL_CALL_ID, GENERIC)}
-# How templates that write calls as XML show it (Qwen3-Coder, Qwen3.5 and Nemotron 3; GLM-4.5 on; MiniMax).
-XML_SIGNS = ("<function=", "<parameter=", "<arg_key>", "<invoke ")
+FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS, MISTRAL_CALL_ID, QWEN_XML, GENERIC)}
+# How templates that write calls in an XML not parsed here show it (GLM-4.5 on; MiniMax).
+XML_SIGNS = ("<arg_key>", "<invoke ")
 
 
 def template_text(chat_template) -> str | None:
@@ -102,17 +107,20 @@ def detect_format(chat_template) -> Format | str:
         return "this model has no chat template"
     if "[TOOL_CALLS]" in text:
         return MISTRAL_CALL_ID if "[CALL_ID]" in text else MISTRAL_ARGS if "[ARGS]" in text else MISTRAL
+    if "<tool_call>" in text and "<function=" in text and "<parameter=" in text:
+        return QWEN_XML
     xml = next((sign for sign in XML_SIGNS if sign in text), None)
     if xml is not None:
         return (f"this model's chat template writes tool calls as XML ({xml.strip()}...), which this server does not "
-                "parse (it knows Hermes/Qwen JSON <tool_call>, Llama 3 JSON and Mistral [TOOL_CALLS])")
+                "parse (it knows Hermes/Qwen JSON <tool_call>, Qwen XML <function=...>, Llama 3 JSON and Mistral "
+                "[TOOL_CALLS])")
     if "<tool_call>" in text:
         return HERMES
     if '"parameters": ' in text and ("<|start_header_id|>" in text or "<|python_tag|>" in text):
         return LLAMA3_JSON
     if re.search(r"\btools\b", text):
         return ("this model's chat template renders tools in a format this server does not parse (it knows "
-                "Hermes/Qwen <tool_call>, Llama 3 JSON and Mistral [TOOL_CALLS])")
+                "Hermes/Qwen <tool_call>, Qwen XML <function=...>, Llama 3 JSON and Mistral [TOOL_CALLS])")
     return GENERIC
 
 
@@ -363,7 +371,7 @@ def tool_grammar(fmt: Format, request: ToolRequest, reply_schema: str | None = N
             message = re.sub(r"^\[[0-9:]+\] \S+: ", "", str(error).splitlines()[0] if str(error) else "")
             raise ToolError(f"tools: the parameters of {function['name']!r} cannot be compiled: {message}",
                             "tools") from error
-        arguments = JSONSchemaFormat(json_schema=function["parameters"], max_whitespace_cnt=1)
+        arguments = JSONSchemaFormat(json_schema=function["parameters"], style=fmt.style, max_whitespace_cnt=1)
         if fmt.call_id:  # the model's own id, then the arguments
             arguments = SequenceFormat(elements=[RegexFormat(pattern="[A-Za-z0-9]{9}"),
                                                  ConstStringFormat(value="[ARGS]"), arguments])
@@ -401,8 +409,9 @@ class CallParser:
     """Splits a growing reply into content and calls. feed() and finish() return events: ("content", text),
     ("call", index, id, name), ("arguments", index, text); content is the text outside calls, stripped."""
 
-    def __init__(self, fmt: Format, calls_only: bool = False):
+    def __init__(self, fmt: Format, calls_only: bool = False, schemas: dict | None = None):
         self.fmt = fmt
+        self.schemas = schemas  # {name: parameters}: how XML values are read (a string's text, or JSON)
         # tool_choice required or named: the grammar allows calls alone, so text outside one (a call cut before its
         # name by max_tokens) is no content.
         self.calls_only = calls_only
@@ -413,7 +422,7 @@ class CallParser:
 
     def feed(self, text, final=False):
         self.text += text
-        content, calls = parse(self.fmt, self.text, final)
+        content, calls = parse(self.fmt, self.text, final, self.schemas)
         self.complete = all(call.complete for call in calls)
         events = []
         # Whitespace at the end may be all there is between two calls: it waits for text to follow it.
@@ -438,7 +447,7 @@ class CallParser:
         return self.feed("", final=True)
 
 
-def parse(fmt: Format, text: str, final: bool):
+def parse(fmt: Format, text: str, final: bool, schemas=None):
     """(content, calls) of a reply so far. Text that may be the start of a marker is left out unless
     `final`; a region that is not a call after all (no JSON where one must be) stays content. A reply that ends
     (`final`) inside a call before its name: that text is content where the reply made no call, and the next
@@ -456,7 +465,7 @@ def parse(fmt: Format, text: str, final: bool):
             break
         content.append(text[position:start])
         found = []
-        end = parse_region(fmt, text, start, marker, found)
+        end = parse_region(fmt, text, start, marker, found, schemas)
         if end == -1:  # not a call: the marker is text
             content.append(marker)
             position = start + len(marker)
@@ -497,10 +506,12 @@ def skip_space(text, position):
     return position
 
 
-def parse_region(fmt, text, start, marker, found):
+def parse_region(fmt, text, start, marker, found, schemas=None):
     """Parses one region's calls into `found`; returns its end, None if the text ends inside, -1 if no call."""
     if fmt.middle in ("[ARGS]", "[CALL_ID]"):
         return parse_named_call(fmt, text, start + len(marker), found)
+    if fmt.style == "qwen_xml":
+        return parse_xml_call(text, skip_space(text, start + len(marker)), found, schemas)
     if marker in ("<tool_call>", "<|python_tag|>", "[TOOL_CALLS]"):
         position = skip_space(text, start + len(marker))
     else:
@@ -573,6 +584,73 @@ def parse_named_call(fmt, text, position, found):
         return -1
     found.append(Call(name, text[position:end] if end is not None else text[position:], end is not None))
     return end
+
+
+def parse_xml_call(text, position, found, schemas):
+    """Qwen's `<function=name>` (`<parameter=key>value</parameter>`)... `</function>` `</tool_call>` at `position`
+    (after <tool_call>): one call into `found`, its arguments the JSON object of the parameters read so far (a
+    parameter once its closing tag came, so that the text only grows); its end, None if the text ends inside, -1 if
+    no call."""
+    name, position = xml_tag(text, position, "<function=")
+    if name is None or position is None:
+        if position == -1:
+            return -1
+        found.append(Call(None, "", False))
+        return None
+    schema = (schemas or {}).get(name, {}).get("properties", {})
+    fields = []
+    while True:
+        position = skip_space(text, position)
+        if text.startswith("</function>", position):
+            arguments = "{" + ", ".join(fields) + "}"
+            after = skip_space(text, position + len("</function>"))
+            if text.startswith("</tool_call>", after):
+                found.append(Call(name, arguments, True))
+                return after + len("</tool_call>")
+            if "</tool_call>".startswith(text[after:]):
+                found.append(Call(name, arguments, True))
+                return None  # the closing tag is on its way (or the reply ended before it)
+            return -1
+        key, start = xml_tag(text, position, "<parameter=")
+        if start == -1 and not "</function>".startswith(text[position:]):
+            return -1
+        end = text.find("</parameter>", start) if start not in (None, -1) else -1
+        if end == -1:
+            found.append(Call(name, "{" + ", ".join(fields), False))
+            return None
+        fields.append(json.dumps(key) + ": " + json.dumps(xml_value(text[start:end], schema.get(key)),
+                                                          ensure_ascii=False))
+        position = end + len("</parameter>")
+
+
+def xml_tag(text, position, opening):
+    """(name, position after the tag) of `opening`name`>` at `position`: (None, None) while the text ends inside
+    it, (None, -1) where it is not there."""
+    if not text.startswith(opening, position):
+        return (None, None) if opening.startswith(text[position:]) else (None, -1)
+    end = text.find(">", position + len(opening))
+    name = text[position + len(opening) : len(text) if end == -1 else end]
+    if not re.fullmatch(r"[A-Za-z0-9_.-]*", name) or end != -1 and not name:
+        return None, -1
+    return (None, None) if end == -1 else (name, end + 1)
+
+
+WHITESPACE = (" ", "\n", "\r", "\t")
+
+
+def xml_value(text, schema):
+    """A parameter's value: the text between its tags less one whitespace character on each side (the template's
+    line breaks, which the grammar lets be any one of " \n\r\t"); the text itself where its schema says string,
+    else the JSON it holds (the text where it holds none)."""
+    text = text[1:] if text[:1] in WHITESPACE else text
+    text = text[:-1] if text[-1:] in WHITESPACE else text
+    kind = (schema or {}).get("type")
+    if kind == "string" or isinstance(kind, list) and "string" in kind:
+        return text
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 def prefix_length(text, words):
@@ -714,9 +792,10 @@ class ToolPlan:
     fmt: Format | None = None
     calls_only: bool = False  # tool_choice required or named
     holds_format: bool = False  # the grammar holds the response format (an answer that calls no tool follows it)
+    schemas: dict | None = None  # {tool name: parameters}
 
     def parser(self):
-        return CallParser(self.fmt, self.calls_only) if self.fmt is not None else None
+        return CallParser(self.fmt, self.calls_only, self.schemas) if self.fmt is not None else None
 
     def kept(self, tokenizer) -> frozenset:
         """The format's special tokens: kept in the reply's text, and taken by the grammar as their names."""
@@ -739,7 +818,9 @@ def plan_tools(body, messages, chat_template, reply_schema: str | None = None) -
                     template_tools=list(request.tools) if calling and fmt.native else None,
                     grammar=tool_grammar(fmt, request, reply_schema) if calling else None,
                     fmt=fmt if calling else None, calls_only=calling and request.choice != "auto",
-                    holds_format=calling and reply_schema is not None)
+                    holds_format=calling and reply_schema is not None,
+                    schemas={tool["function"]["name"]: tool["function"].get("parameters", {})
+                             for tool in request.tools} if calling else None)
 
 
 def prompt_constraint(plan: ToolPlan, loaded, settings, compiled: dict, refusal: str | None, eos_ids):

@@ -26,7 +26,10 @@ TEMPLATES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_templ
 MODELS = {"hermes": ("qwen2", "qwen2.5-instruct.jinja"), "llama3_json": ("llama", "llama3.1-instruct.jinja"),
           "mistral": ("mistral", "mistral-7b-instruct-v0.3.jinja"),
           "mistral_args": ("mistral", "devstral-small-2507.jinja"),
-          "mistral_call_id": ("mistral", "mistral-small-3.2.jinja"), "generic": ("qwen2", None)}
+          "mistral_call_id": ("mistral", "mistral-small-3.2.jinja"), "qwen_xml": ("qwen2", "qwen3.5.jinja"),
+          "generic": ("qwen2", None)}
+# Qwen3.5 thinks first by default, and a tiny random model never closes its block: the calls follow no thinking.
+TEMPLATE_KWARGS = {"qwen_xml": {"enable_thinking": False}}
 # Mistral's control tokens, special in its tokenizers (a decode that skips special tokens drops them): v0.3's, and
 # those the tekken tokenizers of Devstral and Mistral Small 3.2 add.
 MISTRAL_CONTROL = ["[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
@@ -60,6 +63,8 @@ def checkpoints(tmp_path_factory):
             if fmt == "hermes":
                 # Qwen2.5's tokenizer holds the tags as tokens of their own (added, not special).
                 tokenizer.add_tokens(["<tool_call>", "</tool_call>"])
+            if fmt == "qwen_xml":  # Qwen3.5's, and its thinking block's
+                tokenizer.add_tokens(["<tool_call>", "</tool_call>", "<think>", "</think>"])
             if fmt.startswith("mistral"):
                 tokenizer.add_special_tokens({"additional_special_tokens": MISTRAL_CONTROL if fmt == "mistral"
                                               else TEKKEN_CONTROL})
@@ -87,7 +92,8 @@ def servers(checkpoints):
         if fmt not in started:
             loaded = load(checkpoints(fmt), device=torch.device("cpu"))
             assert len(loaded.tokenizer) <= loaded.vocab_size
-            app, engine = build(loaded, ServeOptions(model_id=fmt, max_batch=8))
+            options = ServeOptions(model_id=fmt, max_batch=8, template_kwargs=TEMPLATE_KWARGS.get(fmt, {}))
+            app, engine = build(loaded, options)
             started[fmt] = (LiveServer(app), engine, loaded)
         live, engine, loaded = started[fmt]
         return live.url, loaded
@@ -138,7 +144,7 @@ def test_a_named_function_is_the_one_called(servers, fmt):
 
 
 def test_parallel_calls_come_when_allowed_and_not_otherwise(servers):
-    for fmt in ("hermes", "generic", "mistral"):
+    for fmt in ("hermes", "generic", "mistral", "qwen_xml"):
         several = create(servers, fmt, tools=TOOLS, tool_choice="required", temperature=1.0, seed=11, n=8,
                          max_tokens=250)
         counts = [len(check_calls(choice, SCHEMAS)) for choice in several.choices if choice.finish_reason != "length"]

@@ -17,6 +17,7 @@ from rungen.tools import (
     MISTRAL,
     MISTRAL_ARGS,
     MISTRAL_CALL_ID,
+    QWEN_XML,
     CallParser,
     ToolError,
     assemble,
@@ -60,9 +61,15 @@ PUBLISHED = {
     "mistral_args": '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}[TOOL_CALLS]get_time[ARGS]{}',
     "mistral_call_id": ('[TOOL_CALLS]get_weather[CALL_ID]a1B2c3D4e[ARGS]{"city": "Paris", "unit": "celsius"}'
                         "[TOOL_CALLS]get_time[CALL_ID]Zz9Yy8Xx7[ARGS]{}"),
+    "qwen_xml": ("I will look both up.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+                 "</parameter>\n<parameter=unit>\ncelsius\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
+                 "<function=get_time>\n</function>\n</tool_call>"),
 }
 FORMATS = {"hermes": HERMES, "llama3_json": LLAMA3_JSON, "mistral": MISTRAL, "generic": GENERIC,
-           "mistral_args": MISTRAL_ARGS, "mistral_call_id": MISTRAL_CALL_ID}
+           "mistral_args": MISTRAL_ARGS, "mistral_call_id": MISTRAL_CALL_ID, "qwen_xml": QWEN_XML}
+# What takes a published reply off its schema: a value outside the enum, and the required city left out.
+OFF_SCHEMA = {"qwen_xml": (("\ncelsius\n", "\nkelvin\n"), ("<parameter=city>\nParis\n</parameter>\n", ""))}
+OFF_JSON = (('"celsius"', '"kelvin"'), ('"city": "Paris", ', ""))
 
 
 def calls_of(message):
@@ -84,7 +91,8 @@ def test_the_format_is_detected_from_the_template():
     assert detect_format(template("devstral-small-2507.jinja")) is MISTRAL_ARGS
     assert detect_format(template("ministral-3-reasoning.jinja")) is MISTRAL_ARGS
     assert detect_format(template("mistral-small-3.2.jinja")) is MISTRAL_CALL_ID
-    # Calls written as XML inside <tool_call> (MiniMax's <invoke>, Qwen3.5's <function=...>) are no Hermes JSON.
+    assert detect_format(template("qwen3.5.jinja")) is QWEN_XML
+    # Calls written in another XML inside <tool_call> (MiniMax's <invoke>) are no Hermes JSON.
     assert "writes tool calls as XML (<invoke...)" in detect_format(template("minimax-m3.jinja"))
     assert detect_format(SMOLLM2_TEMPLATE) is GENERIC
     assert detect_format({"default": SMOLLM2_TEMPLATE, "tool_use": template("qwen2.5-instruct.jinja")}) is HERMES
@@ -103,7 +111,7 @@ def test_published_replies_parse_whole_and_streamed_alike(name):
     if not fmt.one_call:
         expected.append(("get_time", {}))
     assert calls == expected
-    assert content == ("I will look both up." if name == "hermes" else None)
+    assert content == ("I will look both up." if name in ("hermes", "qwen_xml") else None)
     assert all(call["id"].startswith("call_") for call in whole[1])
     for step in (1, 3, 7):
         events = streamed(fmt, text, step)
@@ -164,13 +172,15 @@ def test_the_grammar_takes_the_published_replies_and_nothing_else(name):
     required = tool_grammar(fmt, dataclasses.replace(request, choice="required"))
     auto = tool_grammar(fmt, request)
     named = tool_grammar(fmt, dataclasses.replace(request, choice="get_weather"))
-    calls_only = text.split("\n", 1)[1] if name == "hermes" else text
+    calls_only = text.split("\n", 1)[1].lstrip() if name in ("hermes", "qwen_xml") else text
     assert grammar_accepts(required, calls_only) and grammar_accepts(auto, text)
     assert grammar_accepts(auto, "No tool is needed here.")
     assert not grammar_accepts(required, "No tool is needed here.")
     # Arguments that do not match the schema: a value outside the enum, a missing required key.
-    assert not grammar_accepts(auto, text.replace('"celsius"', '"kelvin"'))
-    assert not grammar_accepts(required, calls_only.replace('"city": "Paris", ', ""))
+    (value, other), (city, no_city) = OFF_SCHEMA.get(name, OFF_JSON)
+    assert value in text and city in calls_only
+    assert not grammar_accepts(auto, text.replace(value, other))
+    assert not grammar_accepts(required, calls_only.replace(city, no_city))
     if fmt.one_call:
         assert grammar_accepts(named, text)
     else:
@@ -249,3 +259,25 @@ def test_calls_and_results_in_the_history_take_each_format_shape():
         assert template_messages(thought, fmt, None)[1]["reasoning_content"] == "Ask the tool."
     with pytest.raises(ToolError, match="answers no tool call"):
         template_messages([messages[0], dict(messages[2], tool_call_id="call_other")], HERMES, None)
+
+
+def test_xml_values_are_read_as_their_schema_says():
+    """Qwen's XML writes a value as text: a string parameter's text is the string, whatever it looks like; any
+    other is the JSON it holds (the text itself where it holds none)."""
+    schemas = {"f": {"type": "object", "properties": {"code": {"type": "string"}, "n": {"type": "integer"},
+                                                      "opts": {"type": "object"}, "flag": {"type": "boolean"}}}}
+    text = ("<tool_call>\n<function=f>\n<parameter=code>\n123\n</parameter>\n<parameter=n>\n123\n</parameter>\n"
+            "<parameter=opts>\n{\"a\": [1, 2]}\n</parameter>\n<parameter=flag>\ntrue\n</parameter>\n"
+            "<parameter=note>\nline one\nline two\n</parameter>\n</function>\n</tool_call>")
+    _, calls = calls_of(message_of(CallParser(QWEN_XML, schemas=schemas), text))
+    assert calls == [("f", {"code": "123", "n": 123, "opts": {"a": [1, 2]}, "flag": True,
+                            "note": "line one\nline two"})]
+    whole = message_of(CallParser(QWEN_XML, schemas=schemas), text)[1][0]["function"]["arguments"]
+    parser, sent, seen = CallParser(QWEN_XML, schemas=schemas), "", []
+    for character in text:  # streamed: no content, and the arguments grow a parameter at a time
+        for event in parser.feed(character):
+            assert event[0] != "content"
+            sent += event[2] if event[0] == "arguments" else ""
+        seen.append(sent)
+    assert sent == whole and all(whole.startswith(part) for part in seen)
+    assert len(set(seen)) == 2 + 5 + 1  # nothing, "{", each parameter, "}"
