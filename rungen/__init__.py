@@ -22,6 +22,7 @@
     jit.py         --jit: the traced decode step (private torch/transformers APIs)
     constrain.py   --json_schema/--regex/--grammar with xgrammar
     tools.py       tool calling: formats, detection from the chat template, grammars, parsing
+    tool_xml.py    tool calls written as XML (Qwen3.5's, GLM's), read from a growing reply
     reasoning.py   a thinking model's reasoning apart from its answer: delimiters, the reply's splitter
     engine.py      the engine's scheduler (server, piped prompts, session): its queue and thread, admission
     prefill.py     a request's prompt through the model before it joins: alone, or several in one pass into slots

@@ -10,13 +10,14 @@ Formats (docs/server.md#tool-calling):
 - mistral_args: `[TOOL_CALLS]name[ARGS]{...}`, one marker a call (Ministral 3, Magistral, Devstral); mistral_call_id
   with `[CALL_ID]` and a 9-character id before `[ARGS]` (Mistral Small 3.2).
 - qwen_xml: Qwen3.5, Qwen3-Coder, Nemotron 3, `<tool_call>\n<function=name>\n<parameter=key>\nvalue\n</parameter>\n
-  </function>\n</tool_call>`, a value raw text where its schema says string, JSON otherwise.
+  </function>\n</tool_call>`; glm_xml: GLM-4.5 on, `<tool_call>name<arg_key>key</arg_key><arg_value>value</arg_value>
+  </tool_call>` (rungen/tool_xml.py: a value is text where its schema says string, JSON otherwise).
 - generic: a template that does not render tools (SmolLM2's among them): the tools are described in a system
   message and a call is the line `{"tool_call": {"name": ..., "arguments": {...}}}`, as llama-server's
   generic handler does.
 
-The format is read from the template's text, never configured; a template that writes calls in another XML (GLM's
-`<arg_key>`, MiniMax's `<invoke>`) is refused rather than read as Hermes. Markers that are
+The format is read from the template's text, never configured; a template that writes calls in another XML
+(MiniMax's `<invoke>`) is refused rather than read as Hermes. Markers that are
 special tokens (Mistral's) stay in the reply's text, and the grammar takes them as the text they name. A
 per-request grammar constrains the calls (at most one whitespace character at a time in the arguments, so a small
 model cannot pad them to max_tokens): calls only for `required` or a named function; for `auto`, free text until
@@ -31,6 +32,9 @@ import hashlib
 import json
 import re
 import uuid
+
+from .tool_xml import STYLES as XML_STYLES
+from .tool_xml import read_call
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
@@ -86,11 +90,13 @@ MISTRAL_CALL_ID = Format("mistral_call_id", "[TOOL_CALLS]", "[CALL_ID]", "", "[T
                          call_id=True)
 QWEN_XML = Format("qwen_xml", "<tool_call>\n<function=", ">\n", "</function>\n</tool_call>", "<tool_call>", "\n",
                   ("<tool_call>",), style="qwen_xml")
+GLM_XML = Format("glm_xml", "<tool_call>", "", "</tool_call>", "<tool_call>", "\n", ("<tool_call>",), style="glm_xml")
 GENERIC = Format("generic", '{"tool_call": {"name": "', '", "arguments": ', "}}", '{"tool_call"', "\n",
                  ('{"tool_call"',), native=False)
-FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS, MISTRAL_CALL_ID, QWEN_XML, GENERIC)}
-# How templates that write calls in an XML not parsed here show it (GLM-4.5 on; MiniMax).
-XML_SIGNS = ("<arg_key>", "<invoke ")
+FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS, MISTRAL_CALL_ID, QWEN_XML, GLM_XML,
+                                GENERIC)}
+# How templates that write calls in an XML not parsed here show it (MiniMax's).
+XML_SIGNS = ("<invoke ",)
 
 
 def template_text(chat_template) -> str | None:
@@ -109,10 +115,12 @@ def detect_format(chat_template) -> Format | str:
         return MISTRAL_CALL_ID if "[CALL_ID]" in text else MISTRAL_ARGS if "[ARGS]" in text else MISTRAL
     if "<tool_call>" in text and "<function=" in text and "<parameter=" in text:
         return QWEN_XML
+    if "<tool_call>" in text and "<arg_key>" in text and "<arg_value>" in text:
+        return GLM_XML
     xml = next((sign for sign in XML_SIGNS if sign in text), None)
     if xml is not None:
         return (f"this model's chat template writes tool calls as XML ({xml.strip()}...), which this server does not "
-                "parse (it knows Hermes/Qwen JSON <tool_call>, Qwen XML <function=...>, Llama 3 JSON and Mistral "
+                "parse (it knows Hermes/Qwen JSON <tool_call>, Qwen and GLM XML, Llama 3 JSON and Mistral "
                 "[TOOL_CALLS])")
     if "<tool_call>" in text:
         return HERMES
@@ -120,7 +128,7 @@ def detect_format(chat_template) -> Format | str:
         return LLAMA3_JSON
     if re.search(r"\btools\b", text):
         return ("this model's chat template renders tools in a format this server does not parse (it knows "
-                "Hermes/Qwen <tool_call>, Qwen XML <function=...>, Llama 3 JSON and Mistral [TOOL_CALLS])")
+                "Hermes/Qwen <tool_call>, Qwen and GLM XML, Llama 3 JSON and Mistral [TOOL_CALLS])")
     return GENERIC
 
 
@@ -510,8 +518,11 @@ def parse_region(fmt, text, start, marker, found, schemas=None):
     """Parses one region's calls into `found`; returns its end, None if the text ends inside, -1 if no call."""
     if fmt.middle in ("[ARGS]", "[CALL_ID]"):
         return parse_named_call(fmt, text, start + len(marker), found)
-    if fmt.style == "qwen_xml":
-        return parse_xml_call(text, skip_space(text, start + len(marker)), found, schemas)
+    if fmt.style != "json":
+        end, call = read_call(XML_STYLES[fmt.style], text, start + len(marker), schemas)
+        if call is not None:
+            found.append(Call(*call))
+        return end
     if marker in ("<tool_call>", "<|python_tag|>", "[TOOL_CALLS]"):
         position = skip_space(text, start + len(marker))
     else:
@@ -584,73 +595,6 @@ def parse_named_call(fmt, text, position, found):
         return -1
     found.append(Call(name, text[position:end] if end is not None else text[position:], end is not None))
     return end
-
-
-def parse_xml_call(text, position, found, schemas):
-    """Qwen's `<function=name>` (`<parameter=key>value</parameter>`)... `</function>` `</tool_call>` at `position`
-    (after <tool_call>): one call into `found`, its arguments the JSON object of the parameters read so far (a
-    parameter once its closing tag came, so that the text only grows); its end, None if the text ends inside, -1 if
-    no call."""
-    name, position = xml_tag(text, position, "<function=")
-    if name is None or position is None:
-        if position == -1:
-            return -1
-        found.append(Call(None, "", False))
-        return None
-    schema = (schemas or {}).get(name, {}).get("properties", {})
-    fields = []
-    while True:
-        position = skip_space(text, position)
-        if text.startswith("</function>", position):
-            arguments = "{" + ", ".join(fields) + "}"
-            after = skip_space(text, position + len("</function>"))
-            if text.startswith("</tool_call>", after):
-                found.append(Call(name, arguments, True))
-                return after + len("</tool_call>")
-            if "</tool_call>".startswith(text[after:]):
-                found.append(Call(name, arguments, True))
-                return None  # the closing tag is on its way (or the reply ended before it)
-            return -1
-        key, start = xml_tag(text, position, "<parameter=")
-        if start == -1 and not "</function>".startswith(text[position:]):
-            return -1
-        end = text.find("</parameter>", start) if start not in (None, -1) else -1
-        if end == -1:
-            found.append(Call(name, "{" + ", ".join(fields), False))
-            return None
-        fields.append(json.dumps(key) + ": " + json.dumps(xml_value(text[start:end], schema.get(key)),
-                                                          ensure_ascii=False))
-        position = end + len("</parameter>")
-
-
-def xml_tag(text, position, opening):
-    """(name, position after the tag) of `opening`name`>` at `position`: (None, None) while the text ends inside
-    it, (None, -1) where it is not there."""
-    if not text.startswith(opening, position):
-        return (None, None) if opening.startswith(text[position:]) else (None, -1)
-    end = text.find(">", position + len(opening))
-    name = text[position + len(opening) : len(text) if end == -1 else end]
-    if not re.fullmatch(r"[A-Za-z0-9_.-]*", name) or end != -1 and not name:
-        return None, -1
-    return (None, None) if end == -1 else (name, end + 1)
-
-
-WHITESPACE = (" ", "\n", "\r", "\t")
-
-
-def xml_value(text, schema):
-    """A parameter's value: the text between its tags less one whitespace character on each side (the template's
-    line breaks, which the grammar lets be any one of " \n\r\t"); the text itself where its schema says string,
-    else the JSON it holds (the text where it holds none)."""
-    text = text[1:] if text[:1] in WHITESPACE else text
-    text = text[:-1] if text[-1:] in WHITESPACE else text
-    kind = (schema or {}).get("type")
-    if kind == "string" or isinstance(kind, list) and "string" in kind:
-        return text
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
 
 
 def prefix_length(text, words):

@@ -27,9 +27,10 @@ MODELS = {"hermes": ("qwen2", "qwen2.5-instruct.jinja"), "llama3_json": ("llama"
           "mistral": ("mistral", "mistral-7b-instruct-v0.3.jinja"),
           "mistral_args": ("mistral", "devstral-small-2507.jinja"),
           "mistral_call_id": ("mistral", "mistral-small-3.2.jinja"), "qwen_xml": ("qwen2", "qwen3.5.jinja"),
+          "glm_xml": ("qwen2", "glm-4.6.jinja"),
           "generic": ("qwen2", None)}
-# Qwen3.5 thinks first by default, and a tiny random model never closes its block: the calls follow no thinking.
-TEMPLATE_KWARGS = {"qwen_xml": {"enable_thinking": False}}
+# Qwen3.5 and GLM think first by default, and a tiny random model never closes its block: the calls follow no thinking.
+TEMPLATE_KWARGS = {"qwen_xml": {"enable_thinking": False}, "glm_xml": {"enable_thinking": False}}
 # Mistral's control tokens, special in its tokenizers (a decode that skips special tokens drops them): v0.3's, and
 # those the tekken tokenizers of Devstral and Mistral Small 3.2 add.
 MISTRAL_CONTROL = ["[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
@@ -65,6 +66,9 @@ def checkpoints(tmp_path_factory):
                 tokenizer.add_tokens(["<tool_call>", "</tool_call>"])
             if fmt == "qwen_xml":  # Qwen3.5's, and its thinking block's
                 tokenizer.add_tokens(["<tool_call>", "</tool_call>", "<think>", "</think>"])
+            if fmt == "glm_xml":  # GLM-4.6's
+                tokenizer.add_tokens(["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
+                                      "</arg_value>", "<think>", "</think>"])
             if fmt.startswith("mistral"):
                 tokenizer.add_special_tokens({"additional_special_tokens": MISTRAL_CONTROL if fmt == "mistral"
                                               else TEKKEN_CONTROL})

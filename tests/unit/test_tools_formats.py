@@ -12,6 +12,7 @@ from xgrammar.testing import _is_grammar_accept_string as grammar_accepts
 from rungen.conversation import tool_fields
 from rungen.tools import (
     GENERIC,
+    GLM_XML,
     HERMES,
     LLAMA3_JSON,
     MISTRAL,
@@ -64,11 +65,14 @@ PUBLISHED = {
     "qwen_xml": ("I will look both up.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
                  "</parameter>\n<parameter=unit>\ncelsius\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
                  "<function=get_time>\n</function>\n</tool_call>"),
+    "glm_xml": ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>unit"
+                "</arg_key>\n<arg_value>celsius</arg_value>\n</tool_call>\n<tool_call>get_time\n</tool_call>"),
 }
 FORMATS = {"hermes": HERMES, "llama3_json": LLAMA3_JSON, "mistral": MISTRAL, "generic": GENERIC,
-           "mistral_args": MISTRAL_ARGS, "mistral_call_id": MISTRAL_CALL_ID, "qwen_xml": QWEN_XML}
+           "mistral_args": MISTRAL_ARGS, "mistral_call_id": MISTRAL_CALL_ID, "qwen_xml": QWEN_XML, "glm_xml": GLM_XML}
 # What takes a published reply off its schema: a value outside the enum, and the required city left out.
-OFF_SCHEMA = {"qwen_xml": (("\ncelsius\n", "\nkelvin\n"), ("<parameter=city>\nParis\n</parameter>\n", ""))}
+OFF_SCHEMA = {"qwen_xml": (("\ncelsius\n", "\nkelvin\n"), ("<parameter=city>\nParis\n</parameter>\n", "")),
+              "glm_xml": ((">celsius<", ">kelvin<"), ("<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n", ""))}
 OFF_JSON = (('"celsius"', '"kelvin"'), ('"city": "Paris", ', ""))
 
 
@@ -92,6 +96,7 @@ def test_the_format_is_detected_from_the_template():
     assert detect_format(template("ministral-3-reasoning.jinja")) is MISTRAL_ARGS
     assert detect_format(template("mistral-small-3.2.jinja")) is MISTRAL_CALL_ID
     assert detect_format(template("qwen3.5.jinja")) is QWEN_XML
+    assert detect_format(template("glm-4.6.jinja")) is GLM_XML
     # Calls written in another XML inside <tool_call> (MiniMax's <invoke>) are no Hermes JSON.
     assert "writes tool calls as XML (<invoke...)" in detect_format(template("minimax-m3.jinja"))
     assert detect_format(SMOLLM2_TEMPLATE) is GENERIC
@@ -259,6 +264,26 @@ def test_calls_and_results_in_the_history_take_each_format_shape():
         assert template_messages(thought, fmt, None)[1]["reasoning_content"] == "Ask the tool."
     with pytest.raises(ToolError, match="answers no tool call"):
         template_messages([messages[0], dict(messages[2], tool_call_id="call_other")], HERMES, None)
+
+
+def test_each_xml_format_reads_the_calls_its_template_writes():
+    """A call the published template renders in the history, read back by the format's parser: the same name and
+    arguments (GLM's template writes a string value as it is and another as JSON, Qwen3.5's alike)."""
+    from rungen.chat_template import render
+
+    arguments = {"city": "Paris", "days": 3, "when": {"from": "today"}, "code": "007"}
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                               "when": {"type": "object"}, "code": {"type": "string"}}}
+    asked = [{"role": "user", "content": "Hi"}]
+    for name, fmt in (("qwen3.5.jinja", QWEN_XML), ("glm-4.6.jinja", GLM_XML)):
+        turn = {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "get_weather", "arguments": arguments}}]}
+        kwargs = {"enable_thinking": False}
+        prompt = render(template(name), asked, add_generation_prompt=True, **kwargs)
+        whole = render(template(name), asked + [turn], **kwargs)
+        reply = whole[len(prompt) :] if whole.startswith(prompt) else whole[whole.index("<tool_call>") :]
+        content, calls = calls_of(message_of(CallParser(fmt, schemas={"get_weather": schema}), reply))
+        assert calls == [("get_weather", arguments)], (name, reply)
 
 
 def test_xml_values_are_read_as_their_schema_says():

@@ -1,0 +1,130 @@
+"""Tool calls written as XML (rungen/tools.py's qwen_xml and glm_xml formats): one call read from a growing reply.
+
+A value is text: where the tool's schema says string it is that text, else the JSON it holds. The arguments are
+the JSON object of the parameters read so far, a parameter once its closing tag came, so that a stream's arguments
+only grow. The grammar of the same calls is xgrammar's `qwen_xml` / `glm_xml` style of the tool's schema, which
+lets one whitespace character stand on each side of a value (the templates' line breaks): it is no part of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+
+@dataclasses.dataclass(frozen=True)
+class XmlStyle:
+    """How a family writes one call after its <tool_call>: the function's name between `name` (its opening and
+    closing; GLM's name ends at whitespace or a tag), each parameter as key[0] key key[1] value[0] value value[1],
+    then the tags of `close`, whitespace between all of them."""
+
+    name: tuple[str, str]
+    key: tuple[str, str]
+    value: tuple[str, str]
+    close: tuple[str, ...]
+
+
+STYLES = {
+    # Qwen3.5, Qwen3-Coder, Nemotron 3: <function=name> <parameter=key> value </parameter> </function> </tool_call>
+    "qwen_xml": XmlStyle(("<function=", ">"), ("<parameter=", ">"), ("", "</parameter>"),
+                         ("</function>", "</tool_call>")),
+    # GLM-4.5 on: name <arg_key>key</arg_key> <arg_value>value</arg_value> </tool_call>
+    "glm_xml": XmlStyle(("", ""), ("<arg_key>", "</arg_key>"), ("<arg_value>", "</arg_value>"), ("</tool_call>",)),
+}
+NAME = re.compile(r"[A-Za-z0-9_.-]*")
+WHITESPACE = (" ", "\n", "\r", "\t")
+
+
+def read_call(style: XmlStyle, text: str, position: int, schemas: dict | None):
+    """(end, call) of the call at `position` (after its <tool_call>): end the position after it, None while the
+    text ends inside, -1 where it is no call; call (name or None while unread, arguments, complete)."""
+    name, position = read_name(style, text, skip_space(text, position))
+    if name is None:
+        return position, (None, "", False) if position is None else None
+    schema = (schemas or {}).get(name, {}).get("properties", {})
+    fields = []
+    while True:
+        position = skip_space(text, position)
+        rest = text[position:]
+        if any(len(rest) < len(tag) and tag.startswith(rest) for tag in (style.close[0], style.key[0])):
+            return None, (name, "{" + ", ".join(fields), False)  # the next tag is on its way
+        if rest.startswith(style.close[0]):
+            return read_close(style, text, position + len(style.close[0]), (name, "{" + ", ".join(fields) + "}", True))
+        key, start = tag_text(text, position, style.key)
+        if start == -1:
+            return -1, None
+        if start is not None:
+            start = skip_space(text, start)
+            if not text.startswith(style.value[0], start):
+                if not style.value[0].startswith(text[start:]):
+                    return -1, None
+                start = None
+            else:
+                start += len(style.value[0])
+        end = text.find(style.value[1], start) if start is not None else -1
+        if end == -1:
+            return None, (name, "{" + ", ".join(fields), False)
+        value = xml_value(text[start:end], schema.get(key))
+        fields.append(json.dumps(key) + ": " + json.dumps(value, ensure_ascii=False))
+        position = end + len(style.value[1])
+
+
+def read_name(style, text, position):
+    """(name, position after it): (None, None) while the text ends inside it, (None, -1) where there is none."""
+    if style.name[0]:
+        return tag_text(text, position, style.name)
+    name = NAME.match(text, position).group()
+    end = position + len(name)
+    if end == len(text):
+        return None, None
+    return (name, end) if name and (text[end] == "<" or text[end] in WHITESPACE) else (None, -1)
+
+
+def read_close(style, text, position, call):
+    """(end, call) after the call's first closing tag: its other closing tags, whitespace between them."""
+    for tag in style.close[1:]:
+        position = skip_space(text, position)
+        if text.startswith(tag, position):
+            position += len(tag)
+        elif tag.startswith(text[position:]):
+            return None, call  # the closing tag is on its way (or the reply ended before it)
+        else:
+            return -1, None
+    return position, call
+
+
+def tag_text(text, position, tag):
+    """(text, position after) of tag[0] text tag[1] at `position`: (None, None) while the text ends inside it,
+    (None, -1) where it is not there."""
+    opening, closing = tag
+    if not text.startswith(opening, position):
+        return (None, None) if opening.startswith(text[position:]) else (None, -1)
+    end = text.find(closing, position + len(opening))
+    name = text[position + len(opening) : len(text) if end == -1 else end]
+    if end == -1:  # the closing tag may have begun
+        name = next((name[:-size] for size in range(min(len(closing) - 1, len(name)), 0, -1)
+                     if name.endswith(closing[:size])), name)
+    if NAME.fullmatch(name) is None or end != -1 and not name:
+        return None, -1
+    return (None, None) if end == -1 else (name, end + len(closing))
+
+
+def xml_value(text, schema):
+    """A parameter's value: the text between its tags less one whitespace character on each side; the text itself
+    where its schema says string, else the JSON it holds (the text where it holds none)."""
+    text = text[1:] if text[:1] in WHITESPACE else text
+    text = text[:-1] if text[-1:] in WHITESPACE else text
+    kind = (schema or {}).get("type")
+    if kind == "string" or isinstance(kind, list) and "string" in kind:
+        return text
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def skip_space(text, position):
+    while position < len(text) and text[position] in WHITESPACE:
+        position += 1
+    return position
