@@ -406,7 +406,7 @@ async def generate(service, http_request, body, prompts, logprobs, *, chat, max_
         with service.tokenizer_lock:
             for job, ids in enumerate(prompts):
                 prompts[job], replies[job] = plan_reply(loaded.tokenizer, service.delimiters, ids,
-                                                        constraint is not None)
+                                                        constraint is not None, bool(tools and tools.fmt))
                 budgets[job] = reply_budget(loaded.tokenizer, replies[job], budget)
     plans = []
     for ids in prompts:

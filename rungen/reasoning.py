@@ -41,9 +41,10 @@ class Delimiters:
 THINK = Delimiters("<think>", "</think>")
 # The published formats, checked in this order (THINK last: others may hold "<think" in longer names).
 FORMATS = (
-    # gpt-oss (harmony): the analysis channel, then the final one; a reply may start in the final channel.
-    Delimiters("<|channel|>analysis<|message|>", "<|end|><|start|>assistant<|channel|>final<|message|>",
-               answer=("<|channel|>final<|message|>",),
+    # gpt-oss (harmony): the analysis channel's message, then one in the final channel (or a tool call); a reply may
+    # start in the final channel.
+    Delimiters("<|channel|>analysis<|message|>", "<|end|>",
+               answer=("<|start|>assistant<|channel|>final<|message|>", "<|channel|>final<|message|>"),
                signs=("<|channel|>analysis<|message|>", "<|channel|>final<|message|>")),
     Delimiters("<|channel>thought", "<channel|>"),  # Gemma 4
     Delimiters("[THINK]", "[/THINK]"),  # Magistral, Ministral 3 Reasoning
@@ -185,12 +186,14 @@ def readable(chat_template) -> str:
 class ReplyPlan:
     """Where a reply starts: "start" (the model may open a block), "inside" (the prompt opened it) or "content"
     (the prompt closed it: no thinking). `end_ids`: the tokens after which a constraint starts (None: from the
-    first token)."""
+    first token); `closing`: the text that ends the block for the model (a budget's, a constraint's): the closing
+    delimiter, and the answer's opening where there is one and no tool may be called instead."""
 
     delimiters: Delimiters
     state: str
     end_ids: tuple[int, ...] | None = None
     kept: frozenset = frozenset()  # the delimiters' special tokens: decoded into the reply's text, not skipped
+    closing: str = ""
 
     def splitter(self):
         return ReasoningSplitter(self.delimiters, self.state)
@@ -206,10 +209,10 @@ def prompt_state(delimiters: Delimiters, prompt_tail: str) -> str:
     return "start"
 
 
-def plan_reply(tokenizer, delimiters: Delimiters | None, ids: list[int], constrained: bool):
+def plan_reply(tokenizer, delimiters: Delimiters | None, ids: list[int], constrained: bool, tools=False):
     """(ids, ReplyPlan or None) of a chat prompt. A constrained reply must know where the answer starts: where the
     model may open the block itself, the prompt gets the opening delimiter and the constraint starts after the
-    closing one."""
+    closing one (and the answer's opening, unless the reply may call `tools`)."""
     if delimiters is None:
         return ids, None
     from .logprobs import special_ids
@@ -219,10 +222,11 @@ def plan_reply(tokenizer, delimiters: Delimiters | None, ids: list[int], constra
     if constrained and state == "start":
         ids = ids + tokenizer.encode(delimiters.open, add_special_tokens=False)
         state = "inside"
+    closing = delimiters.close + (delimiters.answer[0] if delimiters.answer and not tools else "")
     end_ids = None
     if constrained and state == "inside":
-        end_ids = tuple(tokenizer.encode(delimiters.close, add_special_tokens=False))
-    return ids, ReplyPlan(delimiters, state, end_ids, kept)
+        end_ids = tuple(tokenizer.encode(closing, add_special_tokens=False))
+    return ids, ReplyPlan(delimiters, state, end_ids, kept, closing)
 
 
 
@@ -232,27 +236,31 @@ def plan_prompt(loaded, settings, prompt) -> None:
     if not (settings.chat or prompt.messages is not None) or settings.constraint is not None:
         return
     delimiters = detect_delimiters(loaded.tokenizer.chat_template)
-    prompt.ids, prompt.reply = plan_reply(loaded.tokenizer, delimiters, prompt.ids, prompt.constraint is not None)
+    tools = prompt.tool_plan is not None and prompt.tool_plan.fmt is not None
+    prompt.ids, prompt.reply = plan_reply(loaded.tokenizer, delimiters, prompt.ids, prompt.constraint is not None,
+                                          tools)
 
 
 @dataclasses.dataclass(frozen=True)
 class Budget:
-    """A cap on a reply's thinking: once the block holds `tokens` tokens, the closing delimiter's tokens are chosen
-    for the model (vLLM's thinking_token_budget). `inside`: the prompt opened the block; else the model may."""
+    """A cap on a reply's thinking: once the block holds `tokens` tokens, the tokens of `forced_ids` (the plan's
+    closing, else the closing delimiter's) are chosen for the model (vLLM's thinking_token_budget); a block the model
+    closes itself (`close_ids`) is left alone. `inside`: the prompt opened the block; else the model may."""
 
     tokens: int
     open_ids: tuple[int, ...]
     close_ids: tuple[int, ...]
     inside: bool
+    forced_ids: tuple[int, ...] = ()
 
 
 def reply_budget(tokenizer, plan: ReplyPlan | None, tokens: int | None) -> Budget | None:
     """The Budget of a reply (None without a cap, or where the prompt closed the block: no thinking to cap)."""
     if tokens is None or plan is None or plan.state == "content":
         return None
-    open_ids, close_ids = (tuple(tokenizer.encode(text, add_special_tokens=False))
-                           for text in (plan.delimiters.open, plan.delimiters.close))
-    return Budget(tokens, open_ids, close_ids, plan.state == "inside")
+    open_ids, close_ids, forced_ids = (tuple(tokenizer.encode(text, add_special_tokens=False))
+                                       for text in (plan.delimiters.open, plan.delimiters.close, plan.closing))
+    return Budget(tokens, open_ids, close_ids, plan.state == "inside", forced_ids)
 
 
 class BudgetCount:
@@ -269,7 +277,7 @@ class BudgetCount:
 
     def forced(self) -> int | None:
         if self.state == "inside" and self.used >= self.budget.tokens:
-            self.state, self.closing = "closing", list(self.budget.close_ids)
+            self.state, self.closing = "closing", list(self.budget.forced_ids or self.budget.close_ids)
         return self.closing.pop(0) if self.state == "closing" and self.closing else None
 
     def seen(self, token: int) -> None:

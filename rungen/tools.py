@@ -91,10 +91,14 @@ MISTRAL_CALL_ID = Format("mistral_call_id", "[TOOL_CALLS]", "[CALL_ID]", "", "[T
 QWEN_XML = Format("qwen_xml", "<tool_call>\n<function=", ">\n", "</function>\n</tool_call>", "<tool_call>", "\n",
                   ("<tool_call>",), style="qwen_xml")
 GLM_XML = Format("glm_xml", "<tool_call>", "", "</tool_call>", "<tool_call>", "\n", ("<tool_call>",), style="glm_xml")
+HARMONY = Format("harmony", "<|start|>assistant to=functions.", "<|channel|>commentary json<|message|>", "",
+                 "<|start|>assistant to=functions.", "",
+                 ("<|start|>assistant to=functions.", "<|channel|>commentary to=functions.", "to=functions."),
+                 one_call=True)
 GENERIC = Format("generic", '{"tool_call": {"name": "', '", "arguments": ', "}}", '{"tool_call"', "\n",
                  ('{"tool_call"',), native=False)
 FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS, MISTRAL_CALL_ID, QWEN_XML, GLM_XML,
-                                GENERIC)}
+                                HARMONY, GENERIC)}
 # How templates that write calls in an XML not parsed here show it (MiniMax's).
 XML_SIGNS = ("<invoke ",)
 
@@ -111,6 +115,8 @@ def detect_format(chat_template) -> Format | str:
     text = template_text(chat_template)
     if not text:
         return "this model has no chat template"
+    if "<|channel|>commentary" in text and "functions." in text:
+        return HARMONY
     if "[TOOL_CALLS]" in text:
         return MISTRAL_CALL_ID if "[CALL_ID]" in text else MISTRAL_ARGS if "[ARGS]" in text else MISTRAL
     if "<tool_call>" in text and "<function=" in text and "<parameter=" in text:
@@ -518,6 +524,8 @@ def parse_region(fmt, text, start, marker, found, schemas=None):
     """Parses one region's calls into `found`; returns its end, None if the text ends inside, -1 if no call."""
     if fmt.middle in ("[ARGS]", "[CALL_ID]"):
         return parse_named_call(fmt, text, start + len(marker), found)
+    if fmt is HARMONY:
+        return parse_harmony_call(text, start + len(marker), found)
     if fmt.style != "json":
         end, call = read_call(XML_STYLES[fmt.style], text, start + len(marker), schemas)
         if call is not None:
@@ -587,6 +595,37 @@ def parse_named_call(fmt, text, position, found):
     position = head_end + len("[ARGS]")
     if position == len(text):  # a call once its arguments begin: a stream never takes one back
         found.append(Call(None, "", False))
+        return None
+    if text[position] != "{":
+        return -1
+    end = value_end(text, position)
+    if end == -1:
+        return -1
+    found.append(Call(name, text[position:end] if end is not None else text[position:], end is not None))
+    return end
+
+
+HARMONY_HEADER = re.compile(r"(?:<\|channel\|>commentary|<\|constrain\|>|json|\s)*")  # between name and message
+HARMONY_PIECES = ("<|message|>", "<|channel|>commentary", "<|constrain|>", "json")
+
+
+def parse_harmony_call(text, position, found):
+    """gpt-oss's `name<|channel|>commentary json<|message|>{...}` (or ` <|constrain|>json<|message|>{...}` where
+    the recipient came after the channel) at `position`, after "to=functions.": one call into `found`; its end,
+    None if the text ends inside, -1 if no call."""
+    name = re.compile(r"[A-Za-z0-9_.-]*").match(text, position).group()
+    message = text.find("<|message|>", position + len(name))
+    head = text[position + len(name) : len(text) if message == -1 else message]
+    if message == -1:
+        head = head[: len(head) - prefix_length(head, HARMONY_PIECES)]
+    if HARMONY_HEADER.fullmatch(head) is None or (message != -1 or head) and not name:
+        return -1
+    if message == -1:
+        found.append(Call(None, "", False))
+        return None
+    position = message + len("<|message|>")
+    if position == len(text):
+        found.append(Call(name, "", False))
         return None
     if text[position] != "{":
         return -1

@@ -591,3 +591,56 @@ def test_a_block_between_special_tokens_comes_apart_as_well(special_server, spec
     assert [(record["reasoning_content"], record["content"]) for record in records] == \
         [raw_split(record["generated_text"], "[THINK]", "[/THINK]") for record in records]
     assert any(record["reasoning_content"] and record["content"] for record in records)
+
+
+# gpt-oss: the harmony format's channels and markers are special tokens; a reply thinks in the analysis channel,
+# then answers in the final channel or calls a tool in the commentary channel.
+GPT_OSS = os.path.join(os.path.dirname(TEMPLATE), "gpt-oss.jinja")
+HARMONY_SPECIAL = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"]
+
+
+@pytest.fixture(scope="module")
+def harmony_server(tmp_path_factory):
+    """A tiny model with gpt-oss's published template, its harmony tokens special and <|return|> and <|call|> its
+    ends of generation, as gpt-oss's tokenizer and generation config have them."""
+    path = str(tmp_path_factory.mktemp("harmony") / "qwen2")
+    build_tiny_checkpoint("qwen2", path)
+    set_context(path, CONTEXT)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.model_max_length = CONTEXT
+    tokenizer.add_special_tokens({"additional_special_tokens": HARMONY_SPECIAL})
+    with open(GPT_OSS, encoding="utf-8") as f:
+        tokenizer.chat_template = f.read()
+    tokenizer.save_pretrained(path)
+    ends = [tokenizer.convert_tokens_to_ids(name) for name in ("<|return|>", "<|call|>")]
+    for name in ("config.json", "generation_config.json"):
+        with open(os.path.join(path, name), encoding="utf-8") as f:
+            config = json.load(f)
+        assert name != "config.json" or len(tokenizer) <= config["vocab_size"]
+        config["eos_token_id"] = ends
+        with open(os.path.join(path, name), "w", encoding="utf-8") as f:
+            json.dump(config, f)
+    loaded = load(path, device=torch.device("cpu"))
+    with serving(loaded, model_id=MODEL_ID, max_batch=8) as (live, _):
+        yield live.url, loaded
+
+
+def test_gpt_oss_thinks_in_its_analysis_channel_then_calls_a_tool_or_answers(harmony_server):
+    """A budget closes the analysis channel (the tiny model never does): with tools the model is left at the next
+    message's start and the grammar makes the call in the commentary channel; with a JSON format the final channel's
+    opening is chosen for it too, and the answer is the JSON alone. Neither leaks a channel's name."""
+    budget = {"thinking_token_budget": 3}
+    weather = {"type": "function", "function": {**WEATHER["function"], "description": "The weather in a city."}}
+    called = chat(harmony_server, tools=[weather], tool_choice="required", temperature=1.0, seed=2, n=3,
+                  max_tokens=200, extra_body=budget)
+    for choice in called.choices:
+        [call] = choice.message.tool_calls
+        assert call.function.name == "get_weather" and choice.finish_reason == "tool_calls"
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
+        reasoning = choice.message.reasoning_content
+        assert reasoning and "<|" not in reasoning and choice.message.content is None
+    answered = chat(harmony_server, temperature=1.0, seed=3, n=3, max_tokens=80, extra_body=budget,
+                    response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}})
+    for choice in answered.choices:
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+        assert choice.message.reasoning_content and "<|" not in choice.message.reasoning_content

@@ -124,7 +124,7 @@ def test_template_variables_reach_only_a_template_that_reads_them():
 # The published formats besides <think>: (template, variables that turn thinking on, delimiters as written)
 PUBLISHED = [
     ("qwen3.jinja", {}, "<think>", "</think>"),
-    ("gpt-oss.jinja", {}, "<|channel|>analysis<|message|>", "<|end|><|start|>assistant<|channel|>final<|message|>"),
+    ("gpt-oss.jinja", {}, "<|channel|>analysis<|message|>", "<|end|>"),
     ("gemma-4-it.jinja", {"enable_thinking": True}, "<|channel>thought", "<channel|>"),
     ("ministral-3-reasoning.jinja", {}, "[THINK]", "[/THINK]"),
     ("seed-oss.jinja", {}, "<seed:think>", "</seed:think>"),
@@ -183,12 +183,13 @@ def test_a_prompt_that_turns_thinking_off_closes_the_block(name, variables):
 
 
 HARMONY = detect_delimiters(template("gpt-oss.jinja"))
-HARMONY_REPLIES = [  # gpt-oss: the analysis channel, then the final one; or the final channel alone
+HARMONY_REPLIES = [  # gpt-oss: the analysis channel, then the final one (or a call); or the final channel alone
     ("<|channel|>analysis<|message|>User greets.<|end|><|start|>assistant<|channel|>final<|message|>Hi!",
      "User greets.", "Hi!"),
     ("<|channel|>final<|message|>Paris.", None, "Paris."),
-    ("<|channel|>analysis<|message|>Need a tool.<|end|><|start|>assistant<|channel|>commentary to=functions.f",
-     "Need a tool.<|end|><|start|>assistant<|channel|>commentary to=functions.f", None),  # no final channel
+    ("<|channel|>analysis<|message|>Need a tool.<|end|><|start|>assistant to=functions.f<|channel|>commentary json"
+     '<|message|>{"a": 1}', "Need a tool.", '<|start|>assistant to=functions.f<|channel|>commentary json<|message|>'
+     '{"a": 1}'),  # a call: the tool's parser reads it
     ("<|channel|>final", None, "<|channel|>final"),  # cut short before the answer began: kept as written
 ]
 
