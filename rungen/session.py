@@ -680,6 +680,12 @@ def run(loaded: Loaded, settings: Settings, *, chat: bool | None = None, system:
     if tools is not None and not chat:
         raise UsageError("--tools needs a conversation: this model has no chat template" if not has_template
                          else "--tools needs a conversation; it cannot be used with --no-chat")
+    if tools is not None:
+        from .tools import detect_format
+
+        fmt = detect_format(loaded.tokenizer.chat_template)
+        if isinstance(fmt, str):  # refused before the first turn, not at each
+            raise UsageError(f"--tools: {fmt}")
     for flag, value, what in (("system", system, "system message"), ("chat_template_kwargs", template_kwargs,
                                                                      "variables")):
         if value is not None and not chat:

@@ -125,15 +125,15 @@ def detect_format(chat_template) -> Format | str:
         return GLM_XML
     xml = next((sign for sign in XML_SIGNS if sign in text), None)
     if xml is not None:
-        return (f"this model's chat template writes tool calls as XML ({xml.strip()}...), which this server does not "
-                "parse (it knows Hermes/Qwen JSON <tool_call>, Qwen and GLM XML, Llama 3 JSON and Mistral "
+        return (f"this model's chat template writes tool calls as XML ({xml.strip()}...), which is not parsed here "
+                "(it knows Hermes/Qwen JSON <tool_call>, Qwen and GLM XML, Llama 3 JSON and Mistral "
                 "[TOOL_CALLS])")
     if "<tool_call>" in text:
         return HERMES
     if '"parameters": ' in text and ("<|start_header_id|>" in text or "<|python_tag|>" in text):
         return LLAMA3_JSON
     if re.search(r"\btools\b", text):
-        return ("this model's chat template renders tools in a format this server does not parse (it knows "
+        return ("this model's chat template renders tools in a format not parsed here (it knows "
                 "Hermes/Qwen <tool_call>, Qwen and GLM XML, Llama 3 JSON and Mistral [TOOL_CALLS])")
     return GENERIC
 

@@ -313,7 +313,7 @@ def test_a_template_with_tools_in_an_unknown_format_is_refused(servers):
     finally:
         loaded.tokenizer.chat_template = saved
     assert response.status_code == 400 and response.json()["error"]["param"] == "tools"
-    assert "does not parse" in response.json()["error"]["message"]
+    assert "not parsed here" in response.json()["error"]["message"]
 
 
 def test_jsonl_lines_with_tools(checkpoints):
@@ -375,3 +375,30 @@ def test_tools_flag_is_checked_and_only_for_a_session(checkpoints, tmp_path):
         "type": "object", "properties": {"a": {"type": "nope"}}}}}]))
     bad = run_main(base + ["--tools", str(tools_file), "--prompt", "Hi"])
     assert bad.returncode == 2 and "not a valid JSON schema" in bad.stderr.decode()
+
+
+def test_tools_in_a_format_not_parsed_are_refused_before_a_session_and_named_once_in_a_record(checkpoints, tmp_path):
+    """A template whose tool format is not parsed here: a session with --tools is refused before its first turn
+    (exit 2, one line), and a jsonl line with tools is an error record naming the field once."""
+    import shutil
+
+    from rungen.arguments import parse_args, settings_from_args
+    from rungen.errors import UsageError
+    from rungen.session import run
+
+    path = str(tmp_path / "model")
+    shutil.copytree(checkpoints("generic"), path)
+    unknown = "{% for tool in tools %}<function={{ tool.function.name }}>{% endfor %}" + CHAT_TEMPLATE
+    (tmp_path / "model" / "chat_template.jinja").write_text(unknown)
+    tools_file = tmp_path / "tools.json"
+    tools_file.write_text(json.dumps(TOOLS))
+    args = parse_args(["--model_name_or_path", path, "--tools", str(tools_file)])
+    loaded = load(path, device=torch.device("cpu"))
+    assert loaded.tokenizer.chat_template == unknown
+    with pytest.raises(UsageError, match=r"^--tools: this model's chat template renders tools in a format not "
+                                         r"parsed here \(it knows"):
+        run(loaded, settings_from_args(args, loaded.context), tools=args.tools)
+    result = run_main(["--model_name_or_path", path, "--input_format", "jsonl", "--output_format", "jsonl",
+                       "--length", "4"], stdin=json.dumps({"messages": ASK, "tools": TOOLS}))
+    [record] = [json.loads(line) for line in result.stdout.decode().splitlines()]
+    assert record["error"].startswith('"tools": this model\'s chat template renders tools'), record["error"]
