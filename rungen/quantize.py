@@ -129,7 +129,23 @@ def _targets(model, mode, multiple=GROUP_SIZE):
             targets.setdefault(module, {})[child_name] = child
     if not targets:
         raise QuantizeError(f"--quantize: {model.config.model_type} has no linear layers to quantize")
+    _check_experts(model, mode, sum(_weight_of(child).numel() for children in targets.values()
+                                    for child in children.values()))
     return targets, head
+
+
+def _check_experts(model, mode, quantized):
+    """QuantizeError where more weights stay out of the linear layers than go in: a mixture of experts' stacked
+    expert tensors (transformers keeps them as 3-D parameters: Qwen3-MoE's, gpt-oss's, Gemma 4's), which --quantize
+    does not store in 8 or 4 bits, so it would save little of what it says."""
+    stacked = [(name, parameter.numel()) for name, parameter in model.named_parameters() if parameter.dim() == 3]
+    left = sum(count for _, count in stacked)
+    if left > quantized:
+        share = left / (left + quantized)
+        raise QuantizeError(f"--quantize {mode}: {share:.0%} of the weights of {model.config.model_type} are its "
+                            f"experts' ({stacked[0][0]} and {len(stacked) - 1} more), which --quantize does not store "
+                            f"in {8 if mode == 'int8' else 4} bits; run without it (on GPUs, --device_map auto "
+                            "spreads a model over them), or run a GGUF file of the model")
 
 
 def _quantize_group(module, layers, layer_class, head):
