@@ -287,6 +287,9 @@ def bytes_per_token(model, device, model_type, token):
     """Bytes of keys/values one token position takes, measured on a one-token forward pass of `token`; raises
     ValueError for a model whose layers a batch cannot hold."""
     cache = new_cache(model)  # sliding-window layers hold every position: the mask applies the window
+    if any(type(layer).__name__ == "DummyLayer" for layer in cache.layers):  # no keys of its own: read another's
+        raise ValueError(f"{model_type} has layers that share another layer's keys and values (Gemma 4 E2B/E4B's "
+                         "num_kv_shared_layers), which a padded batch cannot hold yet")
     if not all(full_attention(layer) for layer in cache.layers):
         # A chunked or recurrent layer's state cannot be moved by the left-padded merge and trim.
         raise ValueError(f"{model_type} has chunked-attention or recurrent layers, which a padded batch cannot hold")

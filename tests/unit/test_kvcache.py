@@ -85,3 +85,24 @@ def test_native_attention_reads_the_strided_views_in_place():
         strided = torch.ops.rungen_ggml.attend(q, layer.keys, layer.values, m, 0.3)
         dense = torch.ops.rungen_ggml.attend(q, layer.keys.contiguous(), layer.values.contiguous(), m, 0.3)
         assert torch.equal(strided, dense)
+
+
+def test_layers_that_share_another_layers_keys_are_named_where_the_batch_refuses_them():
+    """Gemma 4 E2B/E4B read their last layers' keys and values from earlier layers (transformers' DummyLayer in the
+    cache): the padded batch cannot hold them, and says why (not 'chunked-attention or recurrent')."""
+    import pytest
+    import torch
+    import transformers
+
+    from rungen.batch_cache import bytes_per_token
+
+    config = transformers.Gemma4TextConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=8, max_position_embeddings=128,
+        layer_types=["sliding_attention", "full_attention"] * 2, hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=64, num_kv_shared_layers=2)
+    model = transformers.Gemma4ForCausalLM(config).eval()
+    with pytest.raises(ValueError, match="share another layer's keys and values"):
+        bytes_per_token(model, torch.device("cpu"), "gemma4_text", 1)
+    config.num_kv_shared_layers = 0
+    assert bytes_per_token(transformers.Gemma4ForCausalLM(config).eval(), torch.device("cpu"), "gemma4_text", 1) > 0
