@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from .kvcache import full_attention, growing, new_cache
+from .kvcache import dummy, full_attention, growing, holding, new_cache
 from .slots import DecodeGraphs, SlotCache, decode_step, prefill_step
 from .transfers import accelerators_of, to_device
 
@@ -167,7 +167,7 @@ class PaddedBatch:
     def steps_again(self):
         """Whether a step that failed may run again: forward puts the layers' keys/values back as they were, unless
         they grow in place (the own model's, on the CPU only, whose allocator raises no out-of-memory error)."""
-        return self.cache is None or not growing(self.cache.layers[0])
+        return self.cache is None or not growing(holding(self.cache)[0])
 
     def part(self, output, n, length):
         """What a prefilled request brings to merge(): its keys/values (for n rows), their mask, and its cache."""
@@ -195,23 +195,23 @@ class PaddedBatch:
             groups.insert(0, (layers_of(old), self.mask))
         width = max(mask.shape[1] for _, mask in groups)
         self.cache = cache = new_cache(self.model)
-        for number, layer in enumerate(cache.layers):
+        for number, layer in enumerate(holding(cache)):
             merged = None
             try:
                 merged = [torch.cat([left_pad(layers[number][kind], width) for layers, _ in groups])
                           for kind in (0, 1)]
                 if old is not None:
-                    let_go(old.layers[number])
+                    let_go(holding(old)[number])
                 layer.update(*merged)
             except torch.OutOfMemoryError as error:
                 first_layers, first_mask, first = parts[0]
-                if old is None and first is None and not growing(cache.layers[0]):
+                if old is None and first is None and not growing(holding(cache)[0]):
                     self.cache = cache = merged = None  # the merge's copies go before the first's rows are copied
                     first = own_cache(self.model, first_layers)
-                if old is None and first is not None and not growing(first.layers[0]):
+                if old is None and first is not None and not growing(holding(first)[0]):
                     self.cache, self.mask = first, first_mask  # the first request alone, in its own cache
                     raise LeftOut(str(error), kept=first_mask.shape[0]) from error
-                if old is None or growing(old.layers[0]):  # nothing to go on with: the caller ends every row
+                if old is None or growing(holding(old)[0]):  # nothing to go on with: the caller ends every row
                     raise
                 self.put_back(old, groups[0][1], layers_of(cache)[:number] + ([merged] if merged else []))
                 raise LeftOut(str(error)) from error
@@ -225,7 +225,7 @@ class PaddedBatch:
         let go, read from the merge's `copies` of them, their first rows and last columns (the views hold the whole
         copies until the next step grows them)."""
         rows, width = mask.shape
-        for held, (keys, values) in zip(old.layers, copies):
+        for held, (keys, values) in zip(holding(old), copies):
             held.keys, held.values = (kept[:rows, :, kept.shape[2] - width:] for kept in (keys, values))
         self.cache, self.mask = old, mask
 
@@ -241,7 +241,7 @@ class PaddedBatch:
                                     use_cache=True, **kwargs)
         except torch.OutOfMemoryError:  # the layers that grew before it ran out shrink back: the step may run again
             if self.steps_again:
-                for layer, (keys, values) in zip(self.cache.layers, layers):
+                for layer, (keys, values) in zip(holding(self.cache), layers):
                     layer.keys, layer.values = keys, values
             raise
         self.cache, self.mask = output.past_key_values, mask
@@ -258,7 +258,7 @@ class PaddedBatch:
         first = int(mask.any(0).long().argmax())  # columns before it are padding in every row left
         self.mask = mask[:, first:]
         old, self.cache = self.cache, new_cache(self.model)
-        for layer, held in zip(self.cache.layers, old.layers):  # a layer at a time, as merge()
+        for layer, held in zip(holding(self.cache), holding(old)):  # a layer at a time, as merge()
             keys, values = held.keys, held.values
             let_go(held)
             rows = index.to(keys.device)  # (itself on one device; --device_map spreads the layers over GPUs)
@@ -287,10 +287,7 @@ def bytes_per_token(model, device, model_type, token):
     """Bytes of keys/values one token position takes, measured on a one-token forward pass of `token`; raises
     ValueError for a model whose layers a batch cannot hold."""
     cache = new_cache(model)  # sliding-window layers hold every position: the mask applies the window
-    if any(type(layer).__name__ == "DummyLayer" for layer in cache.layers):  # no keys of its own: read another's
-        raise ValueError(f"{model_type} has layers that share another layer's keys and values (Gemma 4 E2B/E4B's "
-                         "num_kv_shared_layers), which a padded batch cannot hold yet")
-    if not all(full_attention(layer) for layer in cache.layers):
+    if not all(full_attention(layer) or dummy(layer) for layer in cache.layers):
         # A chunked or recurrent layer's state cannot be moved by the left-padded merge and trim.
         raise ValueError(f"{model_type} has chunked-attention or recurrent layers, which a padded batch cannot hold")
     with torch.inference_mode():
@@ -306,7 +303,7 @@ def devices_of(model) -> set:
 def own_cache(model, layers):
     """A cache of `layers` ([(keys, values)] a layer, emptied as each is copied in: one layer more at a time)."""
     cache = new_cache(model)
-    for number, layer in enumerate(cache.layers):
+    for number, layer in enumerate(holding(cache)):
         layer.update(*layers[number])
         layers[number] = None
     return cache
@@ -320,7 +317,8 @@ def let_go(layer):
 
 
 def layers_of(cache):
-    return [(layer.keys, layer.values) for layer in cache.layers]
+    """[(keys, values)] of each layer that holds them (kvcache.holding)."""
+    return [(layer.keys, layer.values) for layer in holding(cache)]
 
 
 def left_pad(tensor, width, dim=2):

@@ -160,6 +160,17 @@ def growing_like(layer):
     return GrowingLayer() if isinstance(layer, Layer) else transformers_layer()()
 
 
+def dummy(layer) -> bool:
+    """Whether `layer` is transformers' DummyLayer: no keys and values of its own (Gemma 4 E2B/E4B's last layers
+    read an earlier layer's)."""
+    return type(layer).__name__ == "DummyLayer"
+
+
+def holding(cache) -> list:
+    """The cache's layers that hold keys and values: all but DummyLayers."""
+    return [layer for layer in cache.layers if not dummy(layer)]
+
+
 def new_cache(model: torch.nn.Module, layers=None, buffers=None):
     """A cache for `model`, filled with `layers` ([(keys, values)] per layer) when given: the own Cache, or a
     DynamicCache with sliding layers as full-attention ones (growing where `cache_grows_in_place`). `buffers`,
@@ -175,13 +186,13 @@ def new_cache(model: torch.nn.Module, layers=None, buffers=None):
         kinds, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
         grown = transformers_layer()
         full = grown if getattr(model, "cache_grows_in_place", False) else DynamicLayer
-        cache.layers = [full() if type(layer) is DynamicLayer or kind == "sliding_attention" else layer
-                        for layer, kind in zip(cache.layers, kinds, strict=True)]
+        cache.layers = [full() if type(layer) is DynamicLayer or kind == "sliding_attention" and not dummy(layer)
+                        else layer for layer, kind in zip(cache.layers, kinds, strict=True)]
     if buffers is not None and len(buffers) == len(cache.layers) and all(
             type(layer) is grown for layer in cache.layers):
         length = layers[0][0].shape[-2]
         cache.layers = [grown.holding(keys, values, length) for keys, values in buffers]
         return cache
-    for layer, (keys, values) in zip(cache.layers, layers or []):
+    for layer, (keys, values) in zip(holding(cache), layers or []):
         layer.update(keys, values)
     return cache

@@ -743,6 +743,50 @@ def test_every_batchable_type_decodes_as_generate_does(model_type, tmp_path):
     engine.thread.join(timeout=10)
 
 
+def test_layers_that_read_another_layers_keys_join_the_batch_as_generate_decodes(tmp_path):
+    """Gemma 4 E2B/E4B's last layers keep no keys and values (they read an earlier layer's: transformers' DummyLayer
+    in the cache): rows joining a running batch, past the sliding window and from the prefix cache, decode with
+    generate()'s greedy tokens."""
+    import time
+
+    from transformers import AutoTokenizer, Gemma4ForCausalLM, Gemma4TextConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_checkpoint("qwen2", str(tmp_path / "qwen2")))
+    vocab = -(-len(tokenizer) // 64) * 64
+    config = Gemma4TextConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=8, max_position_embeddings=512,
+        layer_types=["sliding_attention", "full_attention"] * 2, hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=vocab, num_kv_shared_layers=2, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=None, tie_word_embeddings=False)
+    config.architectures = ["Gemma4ForCausalLM"]
+    torch.manual_seed(0)
+    path = str(tmp_path / "gemma4")
+    Gemma4ForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    loaded = load(path, device=torch.device("cpu"))
+    engine = Engine(loaded, eos_ids=())
+    engine.start()
+    prompts = ["The capital of France is", "Once upon a time there was a little girl who lived in a house", "Hello",
+               "The capital of France is"]  # the last: the first's keys from the prefix cache
+    runs = []
+    for number, prompt in enumerate(prompts):
+        runs.append(collect(engine, loaded.tokenizer.encode(prompt), max_tokens=12))
+        if number == 2:
+            assert runs[0][3].wait(60)
+        time.sleep(0.05 * number)  # the later rows join a batch already decoding
+    for prompt, (_, finishes, _, done) in zip(prompts, runs):
+        assert done.wait(60)
+        ids = loaded.tokenizer.encode(prompt)
+        with torch.inference_mode():
+            expected = loaded.model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
+                                             pad_token_id=loaded.tokenizer.pad_token_id)[0, len(ids):].tolist()
+        assert finishes[0].tokens == expected, prompt
+    assert runs[3][0].reused > 0
+    engine.close()
+    engine.thread.join(timeout=10)
+
+
 def test_jit_serves_the_batch_steps_with_the_eager_tokens(checkpoint):
     """--serve --jit: the traced step decodes the batch as rows join and leave, with generate()'s tokens."""
     from rungen.jit import enable_jit

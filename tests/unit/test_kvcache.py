@@ -87,22 +87,24 @@ def test_native_attention_reads_the_strided_views_in_place():
         assert torch.equal(strided, dense)
 
 
-def test_layers_that_share_another_layers_keys_are_named_where_the_batch_refuses_them():
+def test_layers_that_read_another_layers_keys_take_no_room_of_their_own():
     """Gemma 4 E2B/E4B read their last layers' keys and values from earlier layers (transformers' DummyLayer in the
-    cache): the padded batch cannot hold them, and says why (not 'chunked-attention or recurrent')."""
-    import pytest
+    cache): a token's keys/values are the other layers' only, and the batch's cache keeps the DummyLayers as such."""
     import torch
     import transformers
 
     from rungen.batch_cache import bytes_per_token
+    from rungen.kvcache import holding, new_cache
 
     config = transformers.Gemma4TextConfig(
         vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, sliding_window=8, max_position_embeddings=128,
         layer_types=["sliding_attention", "full_attention"] * 2, hidden_size_per_layer_input=16,
         vocab_size_per_layer_input=64, num_kv_shared_layers=2)
-    model = transformers.Gemma4ForCausalLM(config).eval()
-    with pytest.raises(ValueError, match="share another layer's keys and values"):
-        bytes_per_token(model, torch.device("cpu"), "gemma4_text", 1)
-    config.num_kv_shared_layers = 0
-    assert bytes_per_token(transformers.Gemma4ForCausalLM(config).eval(), torch.device("cpu"), "gemma4_text", 1) > 0
+    shared = transformers.Gemma4ForCausalLM(config).eval()
+    cache = new_cache(shared)
+    assert len(cache.layers) == 4 and len(holding(cache)) == 2
+    assert [type(layer).__name__ for layer in cache.layers][2:] == ["DummyLayer", "DummyLayer"]
+    alone = transformers.Gemma4ForCausalLM(config.__class__(**{**config.to_dict(), "num_kv_shared_layers": 0})).eval()
+    cpu = torch.device("cpu")
+    assert 2 * bytes_per_token(shared, cpu, "gemma4_text", 1) == bytes_per_token(alone, cpu, "gemma4_text", 1)
