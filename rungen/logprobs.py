@@ -58,22 +58,32 @@ BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 def mend_byte_end(tokenizer, ids: list[int], text: str, limit: int, kept: frozenset = frozenset()) -> str:
-    """`text`, the decoding of `ids`, with its end mended where SentencePiece byte tokens (at most the last `limit`)
-    hold an unfinished character: tokenizers' ByteFallback makes such a run all U+FFFD, the valid bytes in it too (a
-    newline's <0x0A> before an emoji's first bytes); here the run's bytes decode as UTF-8 does, the unfinished
-    character one U+FFFD."""
-    if not text.endswith("\ufffd"):
+    """`text`, the decoding of `ids`, mended where SentencePiece byte tokens (among the last `limit`) hold invalid
+    or unfinished UTF-8: tokenizers' ByteFallback makes such a run all U+FFFD, the valid bytes in it too (a
+    newline's <0x0A> before an emoji's first bytes, a "7" after a stray byte); here each run's bytes decode as UTF-8
+    does, a bad or unfinished sequence one U+FFFD. So a text reads the same whole as it did growing."""
+    if "\ufffd" not in text or not limit:
         return text
-    run = []
-    for token in reversed(ids[len(ids) - limit :] if limit else []):
-        byte = BYTE_TOKEN.fullmatch(tokenizer.convert_ids_to_tokens(token) or "")
-        if byte is None:
-            break
-        run.append(int(byte[1], 16))
-    if not run:
-        return text
-    head = decode_text(tokenizer, ids[: len(ids) - len(run)], kept)
-    return head + bytes(reversed(run)).decode("utf-8", "replace")
+    def byte_token(number):
+        piece = tokenizer.convert_ids_to_tokens(ids[number])
+        return isinstance(piece, str) and BYTE_TOKEN.fullmatch(piece) is not None
+
+    first = len(ids) - limit
+    runs, start = [], None
+    for number in range(first, len(ids) + 1):
+        if number < len(ids) and byte_token(number):
+            start = number if start is None else start
+        elif start is not None:
+            while start > 0 and byte_token(start - 1):  # a run the decoder reads from before the mended ids
+                start -= 1
+            runs.append((start, number))
+            start = None
+    for start, end in reversed(runs):  # the text before a run is as decoded: mended after it
+        head = decode_text(tokenizer, ids[:start], kept)
+        raw = bytes(int(piece[3:5], 16) for piece in tokenizer.convert_ids_to_tokens(ids[start:end]))
+        if text.startswith(head) and text[len(head) : len(head) + len(raw)] == "\ufffd" * len(raw):
+            text = head + raw.decode("utf-8", "replace") + text[len(head) + len(raw) :]
+    return text
 
 
 def token_text(tokenizer, before: list[int], token_id: int, head: str | None = None,
@@ -86,6 +96,9 @@ def token_text(tokenizer, before: list[int], token_id: int, head: str | None = N
         return tokenizer.decode([token_id], skip_special_tokens=False)
     head = tokenizer.decode(before, skip_special_tokens=True) if head is None else head
     whole = tokenizer.decode(list(before) + [token_id], skip_special_tokens=True)
+    if "\ufffd" in whole:  # byte tokens: read as the reply's text reads them (mend_byte_end)
+        head = mend_byte_end(tokenizer, list(before), tokenizer.decode(before, skip_special_tokens=True), len(before))
+        whole = mend_byte_end(tokenizer, list(before) + [token_id], whole, len(before) + 1)
     if whole.startswith(head):
         return whole[len(head) :]
     return tokenizer.decode([token_id], skip_special_tokens=False)  # e.g. the end of a multi-byte character

@@ -291,6 +291,19 @@ def test_a_continuation_after_sentencepiece_byte_tokens_keeps_its_text(caches):
     assert described.generated_text == "\n\ufffd"  # the generate() path's text, the same
     items = content_items(tokenizer, prompt, [newline], [0.0], [[]], [[]])
     assert items[0]["token"] == "\n" and items[0]["bytes"] == [10]
+    # a stray byte, then valid ones and text: the whole reply reads as it read growing (a stream's deltas), the
+    # stray byte one U+FFFD and the "7" after it kept, on either path and in its log-probability's token
+    row = row_of()
+    grown = []
+    for token in [byte[0xEA], byte[0x37]] + tokenizer.encode(" end", add_special_tokens=False):
+        row.generated.append(token)
+        grown.append(reporter.continuation(row))
+    assert all(later.startswith(earlier.rstrip("\ufffd")) for earlier, later in zip(grown, grown[1:]))
+    assert grown[-1] == "\ufffd7 end"
+    described = describe_sequence(Settings(), tokenizer, Prompt(0, text, ids=prompt), row.generated, set())
+    assert described.generated_text == "\ufffd7 end"
+    items = content_items(tokenizer, prompt, row.generated[:2], [0.0] * 2, [[]] * 2, [[]] * 2)
+    assert [item["token"] for item in items] == ["\ufffd", "7"]
 
 
 def test_a_sentencepiece_llama_file_puts_the_prefix_space_where_llama_cpp_does(caches):
