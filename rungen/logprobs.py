@@ -142,17 +142,17 @@ def content(tokenizer, context: list[int], ids: list[int], logprobs: list[torch.
 
 
 def content_items(tokenizer, context: list[int], ids: list[int], chosen: list[float], top_ids: list[list[int]],
-                  top_values: list[list[float]]) -> list:
+                  top_values: list[list[float]], kept: frozenset = frozenset()) -> list:
     """content()'s list from values already on the host: each id's log-probability, and its alternatives' ids and
-    log-probabilities (most likely first)."""
+    log-probabilities (most likely first). `kept`: special tokens the reply's text keeps (their names' bytes)."""
     sequence, offset = list(context) + list(ids), len(context)
     items, special = [], set(tokenizer.all_special_ids)
 
     def item(token, value, before, head):
         text = token_text(tokenizer, before, token, head, special)
-        # A special token (the end of text) adds no text to the reply: no bytes.
+        # A special token (the end of text) adds no text to the reply: no bytes; one the text keeps, its name's.
         return {"token": text, "id": token, "logprob": value,
-                "bytes": [] if token in special else token_bytes(tokenizer, token, text)}
+                "bytes": [] if token in special and token not in kept else token_bytes(tokenizer, token, text)}
 
     for position, (token_id, logprob) in enumerate(zip(ids, chosen)):
         start, head = from_a_character(tokenizer, sequence, max(0, offset + position - CONTEXT_TOKENS),

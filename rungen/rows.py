@@ -146,7 +146,7 @@ class Reporter:
             chosen, top_ids, top_values = logprob
             with self.tokenizer_lock:
                 items = content_items(self.tokenizer, request.ids + row.generated[:-1], [token], [chosen],
-                                      [top_ids], [top_values])
+                                      [top_ids], [top_values], request.kept)
         if row.thinking is not None:
             row.thinking.seen(token)
         if row.matcher is not None:

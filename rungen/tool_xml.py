@@ -32,7 +32,8 @@ STYLES = {
     # GLM-4.5 on: name <arg_key>key</arg_key> <arg_value>value</arg_value> </tool_call>
     "glm_xml": XmlStyle(("", ""), ("<arg_key>", "</arg_key>"), ("<arg_value>", "</arg_value>"), ("</tool_call>",)),
 }
-NAME = re.compile(r"[A-Za-z0-9_.-]*")
+NAME = re.compile(r"[A-Za-z0-9_.-]*")  # a function's
+KEY = re.compile(r"[^<>\n]*")  # a parameter's: any property name a schema may have (a space, "城市"), in one line
 WHITESPACE = (" ", "\n", "\r", "\t")
 
 
@@ -51,7 +52,7 @@ def read_call(style: XmlStyle, text: str, position: int, schemas: dict | None):
             return None, (name, "{" + ", ".join(fields), False)  # the next tag is on its way
         if rest.startswith(style.close[0]):
             return read_close(style, text, position + len(style.close[0]), (name, "{" + ", ".join(fields) + "}", True))
-        key, start = tag_text(text, position, style.key)
+        key, start = tag_text(text, position, style.key, KEY)
         if start == -1:
             return -1, None
         if start is not None:
@@ -94,9 +95,9 @@ def read_close(style, text, position, call):
     return position, call
 
 
-def tag_text(text, position, tag):
-    """(text, position after) of tag[0] text tag[1] at `position`: (None, None) while the text ends inside it,
-    (None, -1) where it is not there."""
+def tag_text(text, position, tag, pattern=NAME):
+    """(text, position after) of tag[0] text tag[1] at `position`, the text one `pattern` matches: (None, None)
+    while the text ends inside it, (None, -1) where it is not there."""
     opening, closing = tag
     if not text.startswith(opening, position):
         return (None, None) if opening.startswith(text[position:]) else (None, -1)
@@ -105,23 +106,61 @@ def tag_text(text, position, tag):
     if end == -1:  # the closing tag may have begun
         name = next((name[:-size] for size in range(min(len(closing) - 1, len(name)), 0, -1)
                      if name.endswith(closing[:size])), name)
-    if NAME.fullmatch(name) is None or end != -1 and not name:
+    if pattern.fullmatch(name) is None or end != -1 and not name:
         return None, -1
     return (None, None) if end == -1 else (name, end + len(closing))
 
 
 def xml_value(text, schema):
-    """A parameter's value: the text between its tags less one whitespace character on each side; the text itself
-    where its schema says string, else the JSON it holds (the text where it holds none)."""
+    """A parameter's value: the text between its tags less one whitespace character on each side. Where its schema
+    lets a string be (a type, an enum's or const's value, a branch of anyOf/oneOf), the text itself, unless it is
+    the JSON of another value the schema lets be (null for an Optional); elsewhere the JSON it holds (the text
+    where it holds none)."""
     text = text[1:] if text[:1] in WHITESPACE else text
     text = text[:-1] if text[-1:] in WHITESPACE else text
-    kind = (schema or {}).get("type")
-    if kind == "string" or isinstance(kind, list) and "string" in kind:
-        return text
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except ValueError:
         return text
+    kinds = json_types(schema)
+    if kinds is None or "string" not in kinds or not isinstance(value, str) and json_type(value) in kinds:
+        return value
+    return text
+
+
+def json_types(schema) -> set | None:
+    """The JSON types a schema lets a value be, None where it says nothing of them (any)."""
+    if not isinstance(schema, dict):
+        return None
+    kinds = set()
+    said = False
+    if "type" in schema:
+        said = True
+        kinds.update(schema["type"] if isinstance(schema["type"], list) else [schema["type"]])
+    for key in ("enum", "const"):
+        if key in schema:
+            said = True
+            kinds.update(json_type(value) for value in (schema[key] if key == "enum" else [schema[key]]))
+    for key in ("anyOf", "oneOf"):
+        for branch in schema.get(key) or []:
+            branch_kinds = json_types(branch)
+            if branch_kinds is None:
+                return None
+            said = True
+            kinds |= branch_kinds
+    if "number" in kinds:  # an integer is a number too
+        kinds.add("integer")
+    return kinds if said else None
+
+
+def json_type(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "integer" if isinstance(value, int) or value.is_integer() else "number"
+    return {str: "string", list: "array", dict: "object"}[type(value)]
 
 
 def skip_space(text, position):

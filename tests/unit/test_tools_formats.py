@@ -306,3 +306,23 @@ def test_xml_values_are_read_as_their_schema_says():
         seen.append(sent)
     assert sent == whole and all(whole.startswith(part) for part in seen)
     assert len(set(seen)) == 2 + 5 + 1  # nothing, "{", each parameter, "}"
+    # A string the schema lets be in another way (an Optional's anyOf, an enum of strings), and a key that is no
+    # identifier: as the grammar held them.
+    optional = {"anyOf": [{"type": "string", "pattern": "^[0-9]{5}$"}, {"type": "null"}]}
+    others = {"f": {"type": "object", "properties": {"zip": optional, "level": {"enum": ["1", "2", "3"]},
+                                                     "城市": {"type": "string"},
+                                                     "size": {"anyOf": [{"type": "number"}, {"type": "string"}]}}}}
+    for fmt, write in ((QWEN_XML, "<parameter={}>\n{}\n</parameter>\n"),
+                       (GLM_XML, "<arg_key>{}</arg_key>\n<arg_value>{}</arg_value>\n")):
+        opening = "<tool_call>\n<function=f>\n" if fmt is QWEN_XML else "<tool_call>f\n"
+        closing = "</function>\n</tool_call>" if fmt is QWEN_XML else "</tool_call>"
+        for values, expected in ((("45201", "3", "Paris", "7"), {"zip": "45201", "level": "3", "城市": "Paris",
+                                                                  "size": 7}),
+                                 (("null", "1", "Rome", "large"), {"zip": None, "level": "1", "城市": "Rome",
+                                                                   "size": "large"})):
+            reply = opening + "".join(write.format(key, value) for key, value in
+                                      zip(("zip", "level", "城市", "size"), values)) + closing
+            assert calls_of(message_of(CallParser(fmt, schemas=others), reply)) == (None, [("f", expected)])
+            parser = CallParser(fmt, schemas=others)
+            events = [event for character in reply for event in parser.feed(character)] + parser.finish()
+            assert calls_of(assemble(events)) == (None, [("f", expected)])
