@@ -357,6 +357,16 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+class KeptDecoder:
+    """A tokenizer's decode for transformers' TextStreamer that keeps the special tokens `kept` (decode_text)."""
+
+    def __init__(self, tokenizer, kept: frozenset):
+        self.tokenizer, self.kept = tokenizer, kept
+
+    def decode(self, ids, **_):
+        return decode_text(self.tokenizer, list(ids), self.kept)
+
+
 @functools.cache
 def _stop_token_streamer() -> type:
     from transformers import TextStreamer
@@ -364,8 +374,10 @@ def _stop_token_streamer() -> type:
     class StopTokenStreamer(TextStreamer):
         """The library's streamer, writing to our stdout and cutting the text at the earliest --stop_token."""
 
-        def __init__(self, tokenizer, stop_token: str | tuple[str, ...] | None):
-            super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        def __init__(self, tokenizer, stop_token: str | tuple[str, ...] | None, kept: frozenset = frozenset()):
+            # `kept`: special tokens the text keeps (reply_markers), as the sequence's own text keeps them
+            super().__init__(KeptDecoder(tokenizer, kept) if kept else tokenizer, skip_prompt=True,
+                             skip_special_tokens=True)
             self.stop_token, self.text, self.stopped = stop_token, "", False
 
         def on_finalized_text(self, text: str, stream_end: bool = False) -> None:

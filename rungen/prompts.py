@@ -196,10 +196,9 @@ def encode_prompt(loaded: Loaded, prompt: Prompt, prefix: str = "", chat: bool =
 
         try:
             prompt.tool_plan = plan_tools(prompt.tools or {}, messages, tokenizer.chat_template)
-        except ToolError as error:  # its message names the field, or is given its name
-            text = str(error)
-            raise PromptError(f'"{error.param}"{text[len(error.param):]}' if text.startswith(error.param)
-                              else f'"{error.param}": {text}') from error
+        except ToolError as error:  # named once: "tools": ..., not "tools": tools: ...
+            text = str(error).removeprefix(f"{error.param}: ")
+            raise PromptError(f'"{error.param}": {text}') from error
         messages, tools = prompt.tool_plan.messages, prompt.tool_plan.template_tools
     if messages is None and chat:
         messages = [{"role": "user", "content": prefix + prompt.text}]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import sys
 
 # What the server passes to the template itself, or the tokenizer does (its special tokens).
 RESERVED_VARIABLES = {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
@@ -252,15 +253,23 @@ class Budget:
     close_ids: tuple[int, ...]
     inside: bool
     forced_ids: tuple[int, ...] = ()
+    # A constrained reply's: where the model closes the block itself, the rest of forced_ids is chosen for it too
+    # (gpt-oss's final channel after its <|end|>), since the constraint starts after all of them.
+    completes: bool = False
 
 
 def reply_budget(tokenizer, plan: ReplyPlan | None, tokens: int | None) -> Budget | None:
-    """The Budget of a reply (None without a cap, or where the prompt closed the block: no thinking to cap)."""
-    if tokens is None or plan is None or plan.state == "content":
+    """The Budget of a reply: its cap, or for a constrained reply whose closing goes on past the delimiter, none but
+    that closing's completion (None: neither, or the prompt closed the block)."""
+    if plan is None or plan.state == "content":
+        return None
+    completes = plan.end_ids is not None and plan.closing != plan.delimiters.close
+    if tokens is None and not completes:
         return None
     open_ids, close_ids, forced_ids = (tuple(tokenizer.encode(text, add_special_tokens=False))
                                        for text in (plan.delimiters.open, plan.delimiters.close, plan.closing))
-    return Budget(tokens, open_ids, close_ids, plan.state == "inside", forced_ids)
+    return Budget(tokens if tokens is not None else sys.maxsize, open_ids, close_ids, plan.state == "inside",
+                  forced_ids, completes)
 
 
 class BudgetCount:
@@ -291,8 +300,12 @@ class BudgetCount:
         elif self.state == "inside":
             self.tail = (self.tail + [token])[-len(budget.close_ids) :]
             self.used += 1
-            if tuple(self.tail) == budget.close_ids:
-                self.state = "done"  # the model closed it within the budget
+            if tuple(self.tail) == budget.close_ids:  # the model closed it within the budget
+                rest = list(budget.forced_ids[len(budget.close_ids) :])
+                if budget.completes and budget.forced_ids[: len(budget.close_ids)] == budget.close_ids and rest:
+                    self.state, self.closing = "closing", rest
+                else:
+                    self.state = "done"
         elif self.state == "closing" and not self.closing:
             self.state = "done"
 
@@ -342,8 +355,10 @@ class ReasoningSplitter:
             if not self.content_begun and self.delimiters.answer and not self.answered:
                 rest = self.pending.lstrip()
                 marker = next((marker for marker in self.delimiters.answer if rest.startswith(marker)), None)
-                if marker is None and not final and any(marker.startswith(rest) for marker in self.delimiters.answer):
-                    break  # may still be the answer's opening
+                if marker is None and any(marker.startswith(rest) for marker in self.delimiters.answer):
+                    if not final:
+                        break  # may still be the answer's opening
+                    rest, self.pending = "", ""  # the reply ended inside the answer's opening: no answer
                 self.answered, self.pending = True, rest[len(marker) :] if marker else self.pending
             text, self.pending = self.pending, ""
             if not self.content_begun:

@@ -71,12 +71,13 @@ class Format:
     native: bool = True  # the template renders the tools itself
     call_id: bool = False  # a 9-character id the model writes after `middle`, then "[ARGS]" (Mistral Small 3.2)
     style: str = "json"  # how the arguments are written: JSON, or xgrammar's "qwen_xml" (<parameter=key>value...)
+    alternate: tuple[str, str] | None = None  # another (begin, middle) the model may write a call with (gpt-oss's)
 
     @property
     def texts(self) -> tuple[str, ...]:
         """The format's literal text: what the reply's text must keep of special tokens to be parsed."""
         return (self.begin, self.middle, self.end, self.trigger, *self.markers, *(self.region or ()),
-                *(("[ARGS]",) if self.call_id else ()))
+                *(("[ARGS]",) if self.call_id else ()), *(self.alternate or ()))
 
 
 HERMES = Format("hermes", '<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>", "<tool_call>", "\n",
@@ -91,10 +92,12 @@ MISTRAL_CALL_ID = Format("mistral_call_id", "[TOOL_CALLS]", "[CALL_ID]", "", "[T
 QWEN_XML = Format("qwen_xml", "<tool_call>\n<function=", ">\n", "</function>\n</tool_call>", "<tool_call>", "\n",
                   ("<tool_call>",), style="qwen_xml")
 GLM_XML = Format("glm_xml", "<tool_call>", "", "</tool_call>", "<tool_call>", "\n", ("<tool_call>",), style="glm_xml")
+# gpt-oss: the recipient before the channel, as its template writes a call, or after it, as OpenAI's guide does.
 HARMONY = Format("harmony", "<|start|>assistant to=functions.", "<|channel|>commentary json<|message|>", "",
                  "<|start|>assistant to=functions.", "",
-                 ("<|start|>assistant to=functions.", "<|channel|>commentary to=functions.", "to=functions."),
-                 one_call=True)
+                 ("<|start|>assistant to=functions.", "<|start|>assistant<|channel|>commentary to=functions."),
+                 one_call=True,
+                 alternate=("<|start|>assistant<|channel|>commentary to=functions.", " <|constrain|>json<|message|>"))
 GENERIC = Format("generic", '{"tool_call": {"name": "', '", "arguments": ', "}}", '{"tool_call"', "\n",
                  ('{"tool_call"',), native=False)
 FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS, MISTRAL_CALL_ID, QWEN_XML, GLM_XML,
@@ -389,7 +392,8 @@ def tool_grammar(fmt: Format, request: ToolRequest, reply_schema: str | None = N
         if fmt.call_id:  # the model's own id, then the arguments
             arguments = SequenceFormat(elements=[RegexFormat(pattern="[A-Za-z0-9]{9}"),
                                                  ConstStringFormat(value="[ARGS]"), arguments])
-        tags.append(TagFormat(begin=fmt.begin + function["name"] + fmt.middle, content=arguments, end=fmt.end))
+        for begin, middle in ((fmt.begin, fmt.middle), *([fmt.alternate] if fmt.alternate else [])):
+            tags.append(TagFormat(begin=begin + function["name"] + middle, content=arguments, end=fmt.end))
     single = fmt.one_call or not request.parallel or request.choice not in ("auto", "required")
     calls = TagsWithSeparatorFormat(tags=tags, separator=fmt.separator, at_least_one=True,
                                     stop_after_first=single)
@@ -402,7 +406,8 @@ def tool_grammar(fmt: Format, request: ToolRequest, reply_schema: str | None = N
         if fmt.region is not None:
             structure = TriggeredTagsFormat(triggers=[fmt.trigger], tags=[calls], stop_after_first=True)
         else:
-            structure = TriggeredTagsFormat(triggers=[fmt.trigger], tags=tags, stop_after_first=single)
+            triggers = [fmt.trigger, *([fmt.alternate[0]] if fmt.alternate else [])]
+            structure = TriggeredTagsFormat(triggers=triggers, tags=tags, stop_after_first=single)
     else:
         structure = calls
     grammar = xgr.Grammar.from_structural_tag(StructuralTag(format=structure).model_dump_json())

@@ -591,6 +591,13 @@ def test_a_block_between_special_tokens_comes_apart_as_well(special_server, spec
     assert [(record["reasoning_content"], record["content"]) for record in records] == \
         [raw_split(record["generated_text"], "[THINK]", "[/THINK]") for record in records]
     assert any(record["reasoning_content"] and record["content"] for record in records)
+    # A streamed reply (generate() runs it, for the sequence bias) prints what the whole one does, delimiters too.
+    one = ["--model_name_or_path", special_checkpoint, "--chat", "--prompt", "Hi", "--length", "12", "--seed", "1",
+           "--temperature", "1", "--generation_config", str(path)]
+    streamed, whole = run_main(one + ["--stream"]), run_main(one + ["--no-stream"])
+    assert streamed.returncode == whole.returncode == 0, streamed.stderr.decode()[-2000:]
+    assert streamed.stdout.decode().strip() == whole.stdout.decode().strip()
+    assert "THINK]" in whole.stdout.decode()
 
 
 # gpt-oss: the harmony format's channels and markers are special tokens; a reply thinks in the analysis channel,
@@ -644,3 +651,20 @@ def test_gpt_oss_thinks_in_its_analysis_channel_then_calls_a_tool_or_answers(har
     for choice in answered.choices:
         jsonschema.validate(json.loads(choice.message.content), SCHEMA)
         assert choice.message.reasoning_content and "<|" not in choice.message.reasoning_content
+    # The model closing its analysis itself (pushed to): the final channel's opening follows for it, then the JSON.
+    closes = {str(token(harmony_server, "<|end|>")): 6}
+    itself = chat(harmony_server, temperature=1.0, seed=4, n=4, max_tokens=80, logit_bias=closes,
+                  response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}})
+    for choice in itself.choices:
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+    # The recipient after the channel, as OpenAI's guide writes a call: read as a call, no header in the content.
+    from rungen.reasoning import ReplyPlan, detect_delimiters, split_reply
+    from rungen.tools import HARMONY, CallParser, message_of
+
+    plan = ReplyPlan(detect_delimiters(harmony_server[1].tokenizer.chat_template), "start")
+    reasoning, content = split_reply(plan, '<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant'
+                                           '<|channel|>commentary to=functions.get_weather <|constrain|>json'
+                                           '<|message|>{"city": "Paris"}')
+    calls = message_of(CallParser(HARMONY), content)
+    assert reasoning == "Need weather." and calls[0] is None
+    assert [call["function"]["name"] for call in calls[1]] == ["get_weather"]

@@ -190,7 +190,8 @@ HARMONY_REPLIES = [  # gpt-oss: the analysis channel, then the final one (or a c
     ("<|channel|>analysis<|message|>Need a tool.<|end|><|start|>assistant to=functions.f<|channel|>commentary json"
      '<|message|>{"a": 1}', "Need a tool.", '<|start|>assistant to=functions.f<|channel|>commentary json<|message|>'
      '{"a": 1}'),  # a call: the tool's parser reads it
-    ("<|channel|>final", None, "<|channel|>final"),  # cut short before the answer began: kept as written
+    ("<|channel|>final", None, ""),  # cut short inside the answer's opening: no answer, and no piece of it
+    ("<|channel|>analysis<|message|>Hm.<|end|><|start|>assis", "Hm.", None),
 ]
 
 
