@@ -597,7 +597,12 @@ def parse_named_call(fmt, text, position, found):
     if head_end == -1:
         found.append(Call(None, "", False))
         return None
-    position = head_end + len("[ARGS]")
+    return arguments_call(text, head_end + len("[ARGS]"), name, found)
+
+
+def arguments_call(text, position, name, found):
+    """The call of `name` whose arguments, a JSON object, start at `position`, into `found`; its end, None if the
+    text ends inside, -1 if no object starts there."""
     if position == len(text):  # a call once its arguments begin: a stream never takes one back
         found.append(Call(None, "", False))
         return None
@@ -628,17 +633,7 @@ def parse_harmony_call(text, position, found):
     if message == -1:
         found.append(Call(None, "", False))
         return None
-    position = message + len("<|message|>")
-    if position == len(text):
-        found.append(Call(name, "", False))
-        return None
-    if text[position] != "{":
-        return -1
-    end = value_end(text, position)
-    if end == -1:
-        return -1
-    found.append(Call(name, text[position:end] if end is not None else text[position:], end is not None))
-    return end
+    return arguments_call(text, message + len("<|message|>"), name, found)
 
 
 def prefix_length(text, words):

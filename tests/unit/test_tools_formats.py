@@ -13,6 +13,7 @@ from rungen.conversation import tool_fields
 from rungen.tools import (
     GENERIC,
     GLM_XML,
+    HARMONY,
     HERMES,
     LLAMA3_JSON,
     MISTRAL,
@@ -65,11 +66,14 @@ PUBLISHED = {
     "qwen_xml": ("I will look both up.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
                  "</parameter>\n<parameter=unit>\ncelsius\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
                  "<function=get_time>\n</function>\n</tool_call>"),
+    "harmony": ('<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris", '
+                '"unit": "celsius"}'),
     "glm_xml": ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>unit"
                 "</arg_key>\n<arg_value>celsius</arg_value>\n</tool_call>\n<tool_call>get_time\n</tool_call>"),
 }
 FORMATS = {"hermes": HERMES, "llama3_json": LLAMA3_JSON, "mistral": MISTRAL, "generic": GENERIC,
-           "mistral_args": MISTRAL_ARGS, "mistral_call_id": MISTRAL_CALL_ID, "qwen_xml": QWEN_XML, "glm_xml": GLM_XML}
+           "mistral_args": MISTRAL_ARGS, "mistral_call_id": MISTRAL_CALL_ID, "qwen_xml": QWEN_XML, "glm_xml": GLM_XML,
+           "harmony": HARMONY}
 # What takes a published reply off its schema: a value outside the enum, and the required city left out.
 OFF_SCHEMA = {"qwen_xml": (("\ncelsius\n", "\nkelvin\n"), ("<parameter=city>\nParis\n</parameter>\n", "")),
               "glm_xml": ((">celsius<", ">kelvin<"), ("<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n", ""))}
@@ -97,6 +101,7 @@ def test_the_format_is_detected_from_the_template():
     assert detect_format(template("mistral-small-3.2.jinja")) is MISTRAL_CALL_ID
     assert detect_format(template("qwen3.5.jinja")) is QWEN_XML
     assert detect_format(template("glm-4.6.jinja")) is GLM_XML
+    assert detect_format(template("gpt-oss.jinja")) is HARMONY
     # Calls written in another XML inside <tool_call> (MiniMax's <invoke>) are no Hermes JSON.
     assert "writes tool calls as XML (<invoke...)" in detect_format(template("minimax-m3.jinja"))
     assert detect_format(SMOLLM2_TEMPLATE) is GENERIC
@@ -134,7 +139,8 @@ def test_llama_python_tag_and_text_that_only_looks_like_a_call():
     for fmt, text in ((HERMES, "Write <tool_call> tags around a call."), (GENERIC, 'JSON such as {"a": 1}.'),
                       (LLAMA3_JSON, 'A name: {"name": 5}'), (MISTRAL, "[TOOL_CALLS] then words"),
                       (MISTRAL_ARGS, "[TOOL_CALLS] then words"), (MISTRAL_ARGS, "[TOOL_CALLS]f[ARGS] {}"),
-                      (MISTRAL_CALL_ID, "[TOOL_CALLS]f[ARGS]{}")):
+                      (MISTRAL_CALL_ID, "[TOOL_CALLS]f[ARGS]{}"),
+                      (HARMONY, "<|start|>assistant to=functions.f<|channel|>commentary json<|message|> x")):
         assert message_of(CallParser(fmt), text) == (text, [])
         assert assemble(streamed(fmt, text)) == (text, [])
 
