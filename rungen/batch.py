@@ -168,6 +168,7 @@ def submit_prompts(engine, settings, prompts, on_done, stream=False):
                                 reasoning_end=prompt.reply.end_ids if prompt.reply is not None else None,
                                 thinking_budget=reply_budget(engine.tokenizer, prompt.reply, settings.thinking_budget),
                                 kept=reply_markers(engine.tokenizer, prompt),
+                                markers=prompt.reply.markers if prompt.reply is not None else (),
                                 deltas=bool(stream)))
         engine.submit(requests[-1])
     return requests

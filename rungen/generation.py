@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .errors import GenerationError, PromptError, UsageError, one_line
-from .logprobs import decode_text, mend_byte_end, score_prompts, step_logits, token_logprobs
+from .logprobs import decode_text, first_stop, mend_byte_end, score_prompts, step_logits, token_logprobs
 
 if TYPE_CHECKING:
     from .loading import Loaded
@@ -296,9 +296,10 @@ def describe_sequence(settings: Settings, tokenizer, prompt: Prompt, new: list[i
     whole = mend_byte_end(tokenizer, prompt.ids + new[:shown], decode_text(tokenizer, prompt.ids + new[:shown], kept),
                           shown, kept)
     continuation = whole[len(head) :] if whole.startswith(head) else decode_text(tokenizer, new[:shown], kept)
-    cuts = [continuation.index(stop) for stop in stop_strings(settings.stop_token) if stop in continuation]
-    if cuts:
-        continuation = continuation[: min(cuts)]  # the earliest stop string
+    found = first_stop(continuation, stop_strings(settings.stop_token),
+                       prompt.reply.markers if prompt.reply is not None else ())
+    if found:
+        continuation = continuation[: found[0]]  # the earliest stop string
         finish = "stop_token"
         while produced and new[produced - 1] == tokenizer.pad_token_id:
             produced -= 1  # a stop-string finish is padded afterwards

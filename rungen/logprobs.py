@@ -33,6 +33,34 @@ def decode_text(tokenizer, ids: list[int], kept: frozenset = frozenset()) -> str
     return "".join(parts) + tokenizer.decode(ids[start:], skip_special_tokens=True)
 
 
+def first_stop(text: str, stops, markers=()) -> tuple[int, str] | None:
+    """(where, which) of the earliest stop string in `text` (the first given of those found there), none that cuts
+    into one of `markers`, the delimiters a chat reply's split drops ("final" is no stop in gpt-oss's final channel
+    opening; "</think>" itself is one)."""
+    spans = [(start, start + len(marker)) for marker in markers if marker for start in occurrences(text, marker)]
+    for marker in markers:  # one the text may be writing: its start, at the end
+        size = next((size for size in range(min(len(marker) - 1, len(text)), 0, -1)
+                     if text.endswith(marker[:size])), 0)
+        if size:
+            spans.append((len(text) - size, len(text) - size + len(marker)))
+    best = None
+    for stop in stops:
+        for start in occurrences(text, stop):
+            end = start + len(stop)
+            if not any(left < end and start < right and not (start <= left and right <= end) for left, right in spans):
+                if best is None or start < best[0]:
+                    best = (start, stop)
+                break
+    return best
+
+
+def occurrences(text: str, part: str):
+    start = text.find(part)
+    while start != -1:
+        yield start
+        start = text.find(part, start + 1)
+
+
 def special_ids(tokenizer, texts) -> frozenset:
     """The special tokens among the tokens of `texts`: those a decode skipping special tokens drops (markers such as
     gpt-oss's <|channel|> or Mistral's [TOOL_CALLS], which the reply's text must keep to be read)."""

@@ -437,7 +437,8 @@ async def generate(service, http_request, body, prompts, logprobs, *, chat, max_
                                 constraint=constraint,
                                 reasoning_end=replies[job].end_ids if replies[job] else None,
                                 thinking_budget=budgets[job],
-                                kept=markers | (replies[job].kept if replies[job] else frozenset()))
+                                kept=markers | (replies[job].kept if replies[job] else frozenset()),
+                                markers=replies[job].markers if replies[job] else ())
         jobs.append((job, request))
     try:
         for _, request in jobs:

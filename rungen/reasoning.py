@@ -199,6 +199,10 @@ class ReplyPlan:
     def splitter(self):
         return ReasoningSplitter(self.delimiters, self.state)
 
+    @property
+    def markers(self) -> tuple[str, ...]:
+        return (self.delimiters.open, self.delimiters.close, *self.delimiters.answer)
+
 
 def prompt_state(delimiters: Delimiters, prompt_tail: str) -> str:
     """How the prompt (its last text) leaves the block: open, closed or not begun."""

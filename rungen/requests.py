@@ -25,6 +25,7 @@ class Request:
     reasoning_end: tuple[int, ...] | None = None
     thinking_budget: object = None  # rungen.reasoning.Budget: the reply's thinking capped
     kept: frozenset = frozenset()  # special tokens kept in the text: a thinking block's delimiters (ReplyPlan.kept)
+    markers: tuple[str, ...] = ()  # the delimiters the reply's split drops: no stop string is found inside them
     deltas: bool = True  # text as it grows (a stream); False: the text once, at the end (a stop string is still cut)
     cancelled: bool = False  # set by the server (client gone) or a session (Ctrl-C); the row leaves at the next step
     submitted: float = dataclasses.field(default_factory=time.perf_counter)

@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from .logprobs import content_items, decode_text, from_a_character, mend_byte_end
+from .logprobs import content_items, decode_text, first_stop, from_a_character, mend_byte_end
 from .reasoning import BudgetCount
 from .requests import Delta, Finish, Request
 from .sampling import Reading, RowState, accept, choose
@@ -159,9 +159,9 @@ class Reporter:
         reason = matched = None
         # Not in a trailing U+FFFD: an unfinished character's stand-in, which the next token may replace.
         settled = text.rstrip("\ufffd") if text is not None else None
-        cuts = [(settled.index(stop), stop) for stop in request.stop if stop in settled] if text is not None else []
-        if cuts:
-            cut, matched = min(cuts, key=lambda found: found[0])
+        found = first_stop(settled, request.stop, request.markers) if text is not None else None
+        if found:
+            cut, matched = found
             text, reason = text[:cut], "stop"
         elif token in self.eos_ids and not request.sampling.ignore_eos:
             reason = "stop"

@@ -651,6 +651,11 @@ def test_gpt_oss_thinks_in_its_analysis_channel_then_calls_a_tool_or_answers(har
     for choice in answered.choices:
         jsonschema.validate(json.loads(choice.message.content), SCHEMA)
         assert choice.message.reasoning_content and "<|" not in choice.message.reasoning_content
+    # Stop strings inside the final channel's opening (chosen for the model) do not cut it: the same replies.
+    cut = chat(harmony_server, temperature=1.0, seed=3, n=3, max_tokens=80, extra_body=budget, stop=["final", "ass"],
+               response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}})
+    assert [choice.message.content for choice in cut.choices] == \
+        [choice.message.content for choice in answered.choices]
     # The model closing its analysis itself (pushed to): the final channel's opening follows for it, then the JSON.
     closes = {str(token(harmony_server, "<|end|>")): 6}
     itself = chat(harmony_server, temperature=1.0, seed=4, n=4, max_tokens=80, logit_bias=closes,
