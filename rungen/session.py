@@ -566,11 +566,17 @@ class Session:
         return self.settings.length if self.settings.length < self.loaded.context else 1
 
     def count_tokens(self, messages):
+        """The tokens of a conversation's prompt, however many; PromptError where the template refuses it (a
+        refusal is no length: no turn is dropped for it)."""
+        return len(encode_prompt(self.loaded, Prompt(0, "", messages=messages), template_kwargs=self.template_kwargs,
+                                 within_context=False))
+
+    def refused(self, messages) -> bool:
         try:
-            return len(encode_prompt(self.loaded, Prompt(0, "", messages=messages),
-                                     template_kwargs=self.template_kwargs))
-        except PromptError:  # longer than the context
-            return math.inf
+            self.count_tokens(self.system + messages)
+        except PromptError:
+            return True
+        return False
 
     def turn(self, text):
         """One prompt and its reply: streamed to stdout, then a line of figures on stderr."""
@@ -606,6 +612,8 @@ class Session:
             reasoning, content = split_reply(prompt.reply, sequence.generated_text)
             reply = {"role": "assistant", "content": content or "",
                      **({"reasoning_content": reasoning} if reasoning is not None else {})}
+            if not content and self.refused(kept + [user, reply]):  # a template that takes no empty answer
+                reply = {"role": "assistant", "content": sequence.generated_text}  # (Mistral's): as written
             if not streamed:
                 writer = ReplyWriter(prompt.reply, self.figures)
                 writer(sequence.generated_text)
@@ -613,10 +621,13 @@ class Session:
         elif not streamed:
             print(sequence.generated_text, flush=True)
         if prompt.tool_plan is not None and prompt.tool_plan.fmt is not None:
-            from .tools import record_of
+            from .tools import message_of
 
-            for call in record_of(prompt.tool_plan, reply["content"])["tool_calls"]:
-                say(f"(tool call: {call['function']['name']}({call['function']['arguments']}))")
+            parser = prompt.tool_plan.parser()
+            calls = message_of(parser, reply["content"])[1]
+            for number, call in enumerate(calls):
+                cut = " cut short by --length" if not parser.complete and number == len(calls) - 1 else ""
+                say(f"(tool call{cut}: {call['function']['name']}({call['function']['arguments']}))")
         self.previous = self.messages, self.left_out
         self.left_out += user_turns(self.messages) - user_turns(kept)
         self.messages = kept + [user, reply]  # the turns its prompt left out go only now
@@ -693,6 +704,11 @@ def run(loaded: Loaded, settings: Settings, *, chat: bool | None = None, system:
     session = Session(loaded, dataclasses.replace(settings, chat=chat), system=system,
                       stream=stream is not False, prefix=prefix, tools=tools, template_kwargs=template_kwargs,
                       figures=figures)
+    if tools is not None:
+        try:  # the template renders them at every turn: one that refuses them is refused before the first
+            session.encode("Hello")
+        except PromptError as error:
+            raise UsageError(f"--tools: {error}") from None
     kind = "Chat (the model's chat template)" if chat else "Plain continuation"
     if figures:  # --quiet: nothing on stderr but warnings and errors
         say(f"{PROG}: {kind}. /help for commands, Ctrl-D or /exit to end.")

@@ -673,3 +673,23 @@ def test_gpt_oss_thinks_in_its_analysis_channel_then_calls_a_tool_or_answers(har
     calls = message_of(CallParser(HARMONY), content)
     assert reasoning == "Need weather." and calls[0] is None
     assert [call["function"]["name"] for call in calls[1]] == ["get_weather"]
+
+
+def test_a_session_keeps_its_history_where_the_template_refuses_an_empty_answer(special_checkpoint, tmp_path,
+                                                                                capsys):
+    """Mistral's template takes no assistant turn without content: a turn that was all thinking is kept as the
+    model wrote it ([THINK] and all), so the next turn's prompt holds it, and no turn is dropped "to fit the
+    context" for a refusal."""
+    path = tmp_path / "bias.json"
+    tokenizer = AutoTokenizer.from_pretrained(special_checkpoint)
+    path.write_text(json.dumps({"sequence_bias": [[[tokenizer.convert_tokens_to_ids("[THINK]")], 100.0],
+                                                  [[tokenizer.convert_tokens_to_ids("[/THINK]")], -100.0]]}))
+    session = session_for(special_checkpoint, "--length", "6", "--temperature", "0", "--generation_config",
+                          str(path))
+    session.turn("Hi")
+    first = session.messages[-1]
+    assert first["content"].startswith("[THINK]") and "reasoning_content" not in first, first
+    session.turn("And then?")
+    shown = capsys.readouterr()
+    assert "dropped" not in shown.err and "error" not in shown.err, shown.err
+    assert [message["role"] for message in session.messages] == ["user", "assistant"] * 2

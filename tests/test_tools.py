@@ -361,6 +361,13 @@ def test_a_session_with_tools_prints_the_call_it_would_make(checkpoints, tmp_pat
     jsonschema.validate(json.loads(call[2]), SCHEMAS[call[1]])
     assert "<tool_call>" in shown.out  # the reply as the model wrote it
     assert session.messages[-1]["content"] == shown.out.strip()
+    # A call --length cuts after its name: shown as cut, with its arguments as far as they came.
+    session = Session(loaded, dataclasses.replace(settings, length=len(loaded.tokenizer.encode(
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city"', add_special_tokens=False))), stream=False,
+                      tools=args.tools)
+    session.turn("What is the weather in Paris?")
+    shown = capsys.readouterr()
+    assert re.search(r"^\(tool call cut short by --length: get_weather\(.*\)\)$", shown.err, re.M), shown.err
 
 
 def test_tools_flag_is_checked_and_only_for_a_session(checkpoints, tmp_path):
@@ -397,6 +404,14 @@ def test_tools_in_a_format_not_parsed_are_refused_before_a_session_and_named_onc
     assert loaded.tokenizer.chat_template == unknown
     with pytest.raises(UsageError, match=r"^--tools: this model's chat template renders tools in a format not "
                                          r"parsed here \(it knows"):
+        run(loaded, settings_from_args(args, loaded.context), tools=args.tools)
+    # A template that refuses the tools themselves (gpt-oss's reads a description, which OpenAI's tools may lack).
+    loaded.tokenizer.chat_template = ("{# calls in <tool_call> tags #}{% for tool in tools or [] %}"
+                                      "{{ tool.function.description.upper() }}{% endfor %}" + CHAT_TEMPLATE)
+    bare = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    tools_file.write_text(json.dumps(bare))
+    args = parse_args(["--model_name_or_path", path, "--tools", str(tools_file)])
+    with pytest.raises(UsageError, match=r"^--tools: .*description"):
         run(loaded, settings_from_args(args, loaded.context), tools=args.tools)
     result = run_main(["--model_name_or_path", path, "--input_format", "jsonl", "--output_format", "jsonl",
                        "--length", "4"], stdin=json.dumps({"messages": ASK, "tools": TOOLS}))
