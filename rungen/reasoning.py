@@ -28,12 +28,14 @@ TAIL_TOKENS = 8
 @dataclasses.dataclass(frozen=True)
 class Delimiters:
     """A thinking block's opening and closing text; `answer`: text that may open the answer after the block or in
-    its place (dropped from the content); `signs`: what a template writes where it uses them (open and close)."""
+    its place (dropped from the content); `signs`: what a template writes where it uses them (open and close);
+    `reopen`: text that, where the answer would begin, opens another block."""
 
     open: str
     close: str
     answer: tuple[str, ...] = ()
     signs: tuple[str, ...] = ()
+    reopen: tuple[str, ...] = ()  # text that, where the answer would begin, opens another block (gpt-oss's messages)
 
     def recognised(self, text: str) -> bool:
         return all(sign in text for sign in self.signs or (self.open, self.close))
@@ -46,7 +48,10 @@ FORMATS = (
     # start in the final channel.
     Delimiters("<|channel|>analysis<|message|>", "<|end|>",
                answer=("<|start|>assistant<|channel|>final<|message|>", "<|channel|>final<|message|>"),
-               signs=("<|channel|>analysis<|message|>", "<|channel|>final<|message|>")),
+               signs=("<|channel|>analysis<|message|>", "<|channel|>final<|message|>"),
+               # another analysis message, or a preamble to the user before a call: reasoning too
+               reopen=("<|start|>assistant<|channel|>analysis<|message|>",
+                       "<|start|>assistant<|channel|>commentary<|message|>")),
     Delimiters("<|channel>thought", "<channel|>"),  # Gemma 4
     Delimiters("[THINK]", "[/THINK]"),  # Magistral, Ministral 3 Reasoning
     Delimiters("<seed:think>", "</seed:think>"),  # Seed-OSS
@@ -201,7 +206,7 @@ class ReplyPlan:
 
     @property
     def markers(self) -> tuple[str, ...]:
-        return (self.delimiters.open, self.delimiters.close, *self.delimiters.answer)
+        return (self.delimiters.open, self.delimiters.close, *self.delimiters.answer, *self.delimiters.reopen)
 
 
 def prompt_state(delimiters: Delimiters, prompt_tail: str) -> str:
@@ -222,7 +227,7 @@ def plan_reply(tokenizer, delimiters: Delimiters | None, ids: list[int], constra
         return ids, None
     from .logprobs import special_ids
 
-    kept = special_ids(tokenizer, (delimiters.open, delimiters.close, *delimiters.answer))
+    kept = special_ids(tokenizer, (delimiters.open, delimiters.close, *delimiters.answer, *delimiters.reopen))
     state = prompt_state(delimiters, tokenizer.decode(ids[-TAIL_TOKENS:], skip_special_tokens=False))
     if constrained and state == "start":
         ids = ids + tokenizer.encode(delimiters.open, add_special_tokens=False)
@@ -356,13 +361,18 @@ class ReasoningSplitter:
                 reasoning += self.reason(self.pending[: len(self.pending) - hold], last=final)
                 self.pending = self.pending[len(self.pending) - hold :]
                 break
-            if not self.content_begun and self.delimiters.answer and not self.answered:
+            openings = self.delimiters.answer + self.delimiters.reopen
+            if not self.content_begun and openings and not self.answered:
                 rest = self.pending.lstrip()
-                marker = next((marker for marker in self.delimiters.answer if rest.startswith(marker)), None)
-                if marker is None and any(marker.startswith(rest) for marker in self.delimiters.answer):
+                marker = next((marker for marker in openings if rest.startswith(marker)), None)
+                if marker is None and any(marker.startswith(rest) for marker in openings):
                     if not final:
                         break  # may still be the answer's opening
                     rest, self.pending = "", ""  # the reply ended inside the answer's opening: no answer
+                if marker in self.delimiters.reopen:  # another block: its reasoning after the last one's
+                    self.state, self.pending = "inside", rest[len(marker) :]
+                    self.space = "\n\n" if self.reasoning_begun else ""
+                    continue
                 self.answered, self.pending = True, rest[len(marker) :] if marker else self.pending
             text, self.pending = self.pending, ""
             if not self.content_begun:

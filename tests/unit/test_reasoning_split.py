@@ -192,6 +192,12 @@ HARMONY_REPLIES = [  # gpt-oss: the analysis channel, then the final one (or a c
      '{"a": 1}'),  # a call: the tool's parser reads it
     ("<|channel|>final", None, ""),  # cut short inside the answer's opening: no answer, and no piece of it
     ("<|channel|>analysis<|message|>Hm.<|end|><|start|>assis", "Hm.", None),
+    # several analysis messages, and a preamble to the user before a call: all reasoning, the call what follows
+    ("<|channel|>analysis<|message|>One.<|end|><|start|>assistant<|channel|>analysis<|message|>Two.<|end|>"
+     "<|start|>assistant<|channel|>final<|message|>Sunny.", "One.\n\nTwo.", "Sunny."),
+    ("<|channel|>analysis<|message|>Need it.<|end|><|start|>assistant<|channel|>commentary<|message|>Checking."
+     "<|end|><|start|>assistant to=functions.f<|channel|>commentary json<|message|>{}", "Need it.\n\nChecking.",
+     "<|start|>assistant to=functions.f<|channel|>commentary json<|message|>{}"),
 ]
 
 
