@@ -279,8 +279,14 @@ def read_thinking(body, chat_template, max_tokens):
             raise APIError(f"thinking.budget_tokens ({budget}) must be less than max_tokens ({max_tokens})",
                            "thinking")
     if not template_reads(chat_template, "enable_thinking"):
-        raise APIError(f"thinking: this model's chat template does not read enable_thinking, so thinking cannot be "
-                       f"turned {'off' if kind == 'disabled' else 'on'}; leave thinking out", "thinking")
+        from .reasoning import detect_delimiters
+
+        if detect_delimiters(chat_template) is not None and kind != "disabled":  # it always thinks: only the cap
+            return {}, thinking.get("budget_tokens")
+        why = "always thinks (its chat template has no switch)" if detect_delimiters(chat_template) is not None \
+            else "has a chat template that does not read enable_thinking"
+        raise APIError(f"thinking: this model {why}, so thinking cannot be turned "
+                       f"{'off' if kind == 'disabled' else 'on'}; leave thinking out", "thinking")
     return {"enable_thinking": kind != "disabled"}, thinking.get("budget_tokens")
 
 

@@ -188,3 +188,23 @@ def test_error_types_by_status():
         "invalid_request_error", "authentication_error", "permission_error", "not_found_error",
         "invalid_request_error", "timeout_error", "request_too_large", "rate_limit_error", "api_error",
         "overloaded_error", "overloaded_error"]
+
+
+def test_thinking_on_a_model_that_always_thinks_takes_the_budget_and_refuses_disabled():
+    """gpt-oss's template has no switch: it always thinks. enabled and adaptive are what it does (the budget caps
+    it); disabled cannot be honoured. A template that does not think refuses both."""
+    import os
+
+    from rungen.messages import read_thinking
+
+    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "chat_templates")
+    with open(os.path.join(folder, "gpt-oss.jinja"), encoding="utf-8") as f:
+        gpt_oss = f.read()
+    with open(os.path.join(folder, "llama3.1-instruct.jinja"), encoding="utf-8") as f:
+        llama = f.read()
+    assert read_thinking({"thinking": {"type": "enabled", "budget_tokens": 1024}}, gpt_oss, 2000) == ({}, 1024)
+    assert read_thinking({"thinking": {"type": "adaptive"}}, gpt_oss, 2000) == ({}, None)
+    with pytest.raises(APIError, match="always thinks"):
+        read_thinking({"thinking": {"type": "disabled"}}, gpt_oss, 2000)
+    with pytest.raises(APIError, match="does not read enable_thinking"):
+        read_thinking({"thinking": {"type": "adaptive"}}, llama, 2000)
