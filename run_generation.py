@@ -53,7 +53,7 @@ from rungen.generation import (
     make_batches,
     mark_interrupted,
     quiet_transformers_own_calls,
-    reply_markers,
+    reply_kept,
 )
 from rungen.gguf import holds_blocks, native_kernels
 from rungen.interrupt import CtrlC, signal_children
@@ -246,7 +246,7 @@ def main(argv=None):
                     from rungen.generation import StopTokenStreamer  # transformers' TextStreamer: generate() only
 
                     streamer = StopTokenStreamer(loaded.tokenizer, settings.stop_token,
-                                                 reply_markers(loaded.tokenizer, batch[0]))
+                                                 reply_kept(loaded.tokenizer, batch[0]))
                 with ctrl_c.catching() if ctrl_c is not None else contextlib.nullcontext():
                     results = generate_batch(loaded, settings, batch, streamer, ctrl_c and [ctrl_c]) if batch else {}
                 if ctrl_c is not None and ctrl_c.interrupted:

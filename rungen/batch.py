@@ -17,7 +17,7 @@ from .generation import (
     describe_sequence,
     eos_token_ids,
     make_batches,
-    reply_markers,
+    reply_kept,
     stop_strings,
     stuck_error,
 )
@@ -167,8 +167,8 @@ def submit_prompts(engine, settings, prompts, on_done, stream=False):
                                 logprobs=settings.logprobs, constraint=prompt.constraint or settings.constraint,
                                 reasoning_end=prompt.reply.end_ids if prompt.reply is not None else None,
                                 thinking_budget=reply_budget(engine.tokenizer, prompt.reply, settings.thinking_budget),
-                                kept=reply_markers(engine.tokenizer, prompt),
-                                markers=prompt.reply.markers if prompt.reply is not None else (),
+                                kept=reply_kept(engine.tokenizer, prompt),
+                                markers=prompt.reply.delimiters.texts if prompt.reply is not None else (),
                                 deltas=bool(stream)))
         engine.submit(requests[-1])
     return requests

@@ -195,13 +195,14 @@ class PaddedBatch:
             groups.insert(0, (layers_of(old), self.mask))
         width = max(mask.shape[1] for _, mask in groups)
         self.cache = cache = new_cache(self.model)
+        held = holding(old) if old is not None else None
         for number, layer in enumerate(holding(cache)):
             merged = None
             try:
                 merged = [torch.cat([left_pad(layers[number][kind], width) for layers, _ in groups])
                           for kind in (0, 1)]
                 if old is not None:
-                    let_go(holding(old)[number])
+                    let_go(held[number])
                 layer.update(*merged)
             except torch.OutOfMemoryError as error:
                 first_layers, first_mask, first = parts[0]

@@ -268,7 +268,7 @@ def eos_token_ids(settings: Settings, model) -> set[int]:
     return set(eos_ids if isinstance(eos_ids, list) else [eos_ids] if eos_ids is not None else [])
 
 
-def reply_markers(tokenizer, prompt: Prompt) -> frozenset:
+def reply_kept(tokenizer, prompt: Prompt) -> frozenset:
     """The special tokens a chat reply's text keeps to be read: its thinking block's delimiters and its tool
     format's markers (rungen.reasoning, rungen.tools)."""
     kept = prompt.reply.kept if prompt.reply is not None else frozenset()
@@ -291,13 +291,13 @@ def describe_sequence(settings: Settings, tokenizer, prompt: Prompt, new: list[i
     # Decoded with the prompt, then cut: the continuation alone loses a SentencePiece leading space. The EOS that
     # ends it is none of its text (a file's end-of-turn token need not be a special one).
     shown = produced - 1 if produced and new[produced - 1] in eos_ids else produced
-    kept = reply_markers(tokenizer, prompt)
+    kept = reply_kept(tokenizer, prompt)
     head = decode_text(tokenizer, prompt.ids, kept)
     whole = mend_byte_end(tokenizer, prompt.ids + new[:shown], decode_text(tokenizer, prompt.ids + new[:shown], kept),
                           shown, kept)
     continuation = whole[len(head) :] if whole.startswith(head) else decode_text(tokenizer, new[:shown], kept)
     found = first_stop(continuation, stop_strings(settings.stop_token),
-                       prompt.reply.markers if prompt.reply is not None else ())
+                       prompt.reply.delimiters.texts if prompt.reply is not None else ())
     if found:
         continuation = continuation[: found[0]]  # the earliest stop string
         finish = "stop_token"
@@ -376,7 +376,7 @@ def _stop_token_streamer() -> type:
         """The library's streamer, writing to our stdout and cutting the text at the earliest --stop_token."""
 
         def __init__(self, tokenizer, stop_token: str | tuple[str, ...] | None, kept: frozenset = frozenset()):
-            # `kept`: special tokens the text keeps (reply_markers), as the sequence's own text keeps them
+            # `kept`: special tokens the text keeps (reply_kept), as the sequence's own text keeps them
             super().__init__(KeptDecoder(tokenizer, kept) if kept else tokenizer, skip_prompt=True,
                              skip_special_tokens=True)
             self.stop_token, self.text, self.stopped = stop_token, "", False

@@ -281,10 +281,11 @@ def read_thinking(body, chat_template, max_tokens):
     if not template_reads(chat_template, "enable_thinking"):
         from .reasoning import detect_delimiters
 
-        if detect_delimiters(chat_template) is not None and kind != "disabled":  # it always thinks: only the cap
+        thinks = detect_delimiters(chat_template) is not None  # always: its template has no switch
+        if thinks and kind != "disabled":  # only the cap to apply
             return {}, thinking.get("budget_tokens")
-        why = "always thinks (its chat template has no switch)" if detect_delimiters(chat_template) is not None \
-            else "has a chat template that does not read enable_thinking"
+        why = "always thinks (its chat template has no switch)" if thinks else \
+            "has a chat template that does not read enable_thinking"
         raise APIError(f"thinking: this model {why}, so thinking cannot be turned "
                        f"{'off' if kind == 'disabled' else 'on'}; leave thinking out", "thinking")
     return {"enable_thinking": kind != "disabled"}, thinking.get("budget_tokens")

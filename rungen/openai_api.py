@@ -387,14 +387,14 @@ async def generate(service, http_request, body, prompts, logprobs, *, chat, max_
     sampling = read_sampling(body, loaded.vocab_size)
     stops = read_stop(body)
     constraint_source = read_constraint_source(body, response_format_allowed=chat)
-    markers = frozenset()  # the tool format's special tokens (Mistral's [TOOL_CALLS])
+    tool_kept = frozenset()  # the tool format's special tokens (Mistral's [TOOL_CALLS])
     if tools is not None:
         with service.tokenizer_lock:
-            markers = tools.kept(loaded.tokenizer)
+            tool_kept = tools.kept(loaded.tokenizer)
     if tools is not None and tools.grammar is not None:
         if constraint_source and not tools.holds_format:  # a regex or grammar beside the tools' own
             raise APIError(f"one constraint per request; got tools and {constraint_source[2]}", constraint_source[2])
-        constraint_source = ("tools", tools.grammar, "tools", markers)
+        constraint_source = ("tools", tools.grammar, "tools", tool_kept)
     constraint = None
     if constraint_source:
         loop = asyncio.get_running_loop()
@@ -437,8 +437,8 @@ async def generate(service, http_request, body, prompts, logprobs, *, chat, max_
                                 constraint=constraint,
                                 reasoning_end=replies[job].end_ids if replies[job] else None,
                                 thinking_budget=budgets[job],
-                                kept=markers | (replies[job].kept if replies[job] else frozenset()),
-                                markers=replies[job].markers if replies[job] else ())
+                                kept=tool_kept | (replies[job].kept if replies[job] else frozenset()),
+                                markers=replies[job].delimiters.texts if replies[job] else ())
         jobs.append((job, request))
     try:
         for _, request in jobs:

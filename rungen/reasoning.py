@@ -40,6 +40,11 @@ class Delimiters:
     def recognised(self, text: str) -> bool:
         return all(sign in text for sign in self.signs or (self.open, self.close))
 
+    @property
+    def texts(self) -> tuple[str, ...]:
+        """All the text the reply's split reads and drops."""
+        return (self.open, self.close, *self.answer, *self.reopen)
+
 
 THINK = Delimiters("<think>", "</think>")
 # The published formats, checked in this order (THINK last: others may hold "<think" in longer names).
@@ -204,9 +209,6 @@ class ReplyPlan:
     def splitter(self):
         return ReasoningSplitter(self.delimiters, self.state)
 
-    @property
-    def markers(self) -> tuple[str, ...]:
-        return (self.delimiters.open, self.delimiters.close, *self.delimiters.answer, *self.delimiters.reopen)
 
 
 def prompt_state(delimiters: Delimiters, prompt_tail: str) -> str:
@@ -227,7 +229,7 @@ def plan_reply(tokenizer, delimiters: Delimiters | None, ids: list[int], constra
         return ids, None
     from .logprobs import special_ids
 
-    kept = special_ids(tokenizer, (delimiters.open, delimiters.close, *delimiters.answer, *delimiters.reopen))
+    kept = special_ids(tokenizer, delimiters.texts)
     state = prompt_state(delimiters, tokenizer.decode(ids[-TAIL_TOKENS:], skip_special_tokens=False))
     if constrained and state == "start":
         ids = ids + tokenizer.encode(delimiters.open, add_special_tokens=False)
@@ -237,7 +239,6 @@ def plan_reply(tokenizer, delimiters: Delimiters | None, ids: list[int], constra
     if constrained and state == "inside":
         end_ids = tuple(tokenizer.encode(closing, add_special_tokens=False))
     return ids, ReplyPlan(delimiters, state, end_ids, kept, closing)
-
 
 
 def plan_prompt(loaded, settings, prompt) -> None:

@@ -104,8 +104,7 @@ def tag_text(text, position, tag, pattern=NAME):
     end = text.find(closing, position + len(opening))
     name = text[position + len(opening) : len(text) if end == -1 else end]
     if end == -1:  # the closing tag may have begun
-        name = next((name[:-size] for size in range(min(len(closing) - 1, len(name)), 0, -1)
-                     if name.endswith(closing[:size])), name)
+        name = name[: len(name) - prefix_length(name, (closing,))]
     if pattern.fullmatch(name) is None or end != -1 and not name:
         return None, -1
     return (None, None) if end == -1 else (name, end + len(closing))
@@ -167,3 +166,9 @@ def skip_space(text, position):
     while position < len(text) and text[position] in WHITESPACE:
         position += 1
     return position
+
+
+def prefix_length(text, words):
+    """The length of the longest end of `text` that begins one of `words` (a marker the text may be writing)."""
+    return max((size for word in words for size in range(min(len(word) - 1, len(text)), 0, -1)
+                if text.endswith(word[:size])), default=0)

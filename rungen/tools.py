@@ -34,7 +34,7 @@ import re
 import uuid
 
 from .tool_xml import STYLES as XML_STYLES
-from .tool_xml import read_call
+from .tool_xml import prefix_length, read_call, skip_space
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
@@ -477,8 +477,8 @@ def parse(fmt: Format, text: str, final: bool, schemas=None):
         if start is None:
             rest = text[position:]
             if not final:
-                rest = rest[: len(rest) - marker_prefix(fmt, rest)]
-            elif calls and rest.strip() and marker_prefix(fmt, rest.strip()) == len(rest.strip()):
+                rest = rest[: len(rest) - prefix_length(rest, fmt.markers)]
+            elif calls and rest.strip() and prefix_length(rest.strip(), fmt.markers) == len(rest.strip()):
                 rest = ""
             content.append(rest)
             break
@@ -506,23 +506,6 @@ def find_marker(fmt, text, position):
         if index != -1 and (best[0] is None or index < best[0]):
             best = (index, marker)
     return best
-
-
-def marker_prefix(fmt, text):
-    """The length of the longest end of `text` that begins a marker."""
-    longest = 0
-    for marker in fmt.markers:
-        for size in range(min(len(marker) - 1, len(text)), longest, -1):
-            if text.endswith(marker[:size]):
-                longest = size
-                break
-    return longest
-
-
-def skip_space(text, position):
-    while position < len(text) and text[position] in " \t\r\n":
-        position += 1
-    return position
 
 
 def parse_region(fmt, text, start, marker, found, schemas=None):
@@ -634,12 +617,6 @@ def parse_harmony_call(text, position, found):
         found.append(Call(None, "", False))
         return None
     return arguments_call(text, message + len("<|message|>"), name, found)
-
-
-def prefix_length(text, words):
-    """The length of the longest end of `text` that begins one of `words`."""
-    return max((size for word in words for size in range(min(len(word) - 1, len(text)), 0, -1)
-                if text.endswith(word[:size])), default=0)
 
 
 def parse_call(fmt, text, position):

@@ -29,18 +29,28 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 CONTEXT = 4096
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("thinking") / "qwen2")
+def template_checkpoint(path, template, added=(), special=()):
+    """A tiny qwen2 at `path` with a published `template` and its family's tokens: `added` ones (which decoded text
+    keeps) and `special` ones; returns its tokenizer."""
     build_tiny_checkpoint("qwen2", path)
     set_context(path, CONTEXT)
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.model_max_length = CONTEXT
-    # Qwen3's tokenizer holds these as tokens of their own (added, not special: they stay in decoded text).
-    tokenizer.add_tokens(["<tool_call>", "</tool_call>", "<think>", "</think>"])
-    with open(TEMPLATE, encoding="utf-8") as f:
+    tokenizer.add_tokens(list(added))
+    tokenizer.add_special_tokens({"additional_special_tokens": list(special)})
+    with open(template, encoding="utf-8") as f:
         tokenizer.chat_template = f.read()
     tokenizer.save_pretrained(path)
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        assert len(tokenizer) <= json.load(f)["vocab_size"]  # the model can write every token
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("thinking") / "qwen2")
+    # Qwen3's tokenizer holds these as tokens of their own (added, not special: they stay in decoded text).
+    template_checkpoint(path, TEMPLATE, added=["<tool_call>", "</tool_call>", "<think>", "</think>"])
     return path
 
 
@@ -537,27 +547,11 @@ MINISTRAL = os.path.join(os.path.dirname(TEMPLATE), "ministral-3-reasoning.jinja
 MISTRAL_SPECIAL = ["[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[INST]", "[/INST]", "[THINK]", "[/THINK]"]
 
 
-def special_tokens_checkpoint(path, template, special):
-    """A tiny qwen2 at `path` with a published `template` and the `special` tokens of its family as special ones;
-    returns its tokenizer."""
-    build_tiny_checkpoint("qwen2", path)
-    set_context(path, CONTEXT)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.model_max_length = CONTEXT
-    tokenizer.add_special_tokens({"additional_special_tokens": special})
-    with open(template, encoding="utf-8") as f:
-        tokenizer.chat_template = f.read()
-    tokenizer.save_pretrained(path)
-    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-        assert len(tokenizer) <= json.load(f)["vocab_size"]  # the model can write every token
-    return tokenizer
-
-
 @pytest.fixture(scope="module")
 def special_checkpoint(tmp_path_factory):
     """A tiny model with Ministral 3 Reasoning's published template and Mistral's control tokens as special tokens."""
     path = str(tmp_path_factory.mktemp("special") / "qwen2")
-    special_tokens_checkpoint(path, MINISTRAL, MISTRAL_SPECIAL)
+    template_checkpoint(path, MINISTRAL, special=MISTRAL_SPECIAL)
     return path
 
 
@@ -618,7 +612,7 @@ def harmony_server(tmp_path_factory):
     """A tiny model with gpt-oss's published template, its harmony tokens special and <|return|> and <|call|> its
     ends of generation, as gpt-oss's tokenizer and generation config have them."""
     path = str(tmp_path_factory.mktemp("harmony") / "qwen2")
-    tokenizer = special_tokens_checkpoint(path, GPT_OSS, HARMONY_SPECIAL)
+    tokenizer = template_checkpoint(path, GPT_OSS, special=HARMONY_SPECIAL)
     ends = [tokenizer.convert_tokens_to_ids(name) for name in ("<|return|>", "<|call|>")]
     for name in ("config.json", "generation_config.json"):
         with open(os.path.join(path, name), encoding="utf-8") as f:

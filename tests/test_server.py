@@ -722,6 +722,14 @@ def test_abort_ends_every_request_with_a_reason(loaded):
     assert running[1][0].tokens and not engine.batch.rows and not engine.batch.kv.held()
 
 
+def greedy(loaded, prompt, tokens):
+    """generate()'s greedy new tokens after `prompt`."""
+    ids = loaded.tokenizer.encode(prompt)
+    with torch.inference_mode():
+        return loaded.model.generate(torch.tensor([ids]), max_new_tokens=tokens, do_sample=False,
+                                     pad_token_id=loaded.tokenizer.pad_token_id)[0, len(ids):].tolist()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["gpt2", "ctrl", "gptj", "bloom", "opt", "mistral", "qwen2"])
 def test_every_batchable_type_decodes_as_generate_does(model_type, tmp_path):
@@ -734,11 +742,7 @@ def test_every_batchable_type_decodes_as_generate_does(model_type, tmp_path):
     runs = [collect(engine, loaded.tokenizer.encode(prompt)) for prompt in prompts]
     for prompt, (_, finishes, _, done) in zip(prompts, runs):
         assert done.wait(60)
-        ids = loaded.tokenizer.encode(prompt)
-        with torch.inference_mode():
-            expected = loaded.model.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False,
-                                             pad_token_id=loaded.tokenizer.pad_token_id)[0, len(ids):].tolist()
-        assert finishes[0].tokens == expected
+        assert finishes[0].tokens == greedy(loaded, prompt, 10)
     engine.close()
     engine.thread.join(timeout=10)
 
@@ -777,11 +781,7 @@ def test_layers_that_read_another_layers_keys_join_the_batch_as_generate_decodes
         time.sleep(0.05 * number)  # the later rows join a batch already decoding
     for prompt, (_, finishes, _, done) in zip(prompts, runs):
         assert done.wait(60)
-        ids = loaded.tokenizer.encode(prompt)
-        with torch.inference_mode():
-            expected = loaded.model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
-                                             pad_token_id=loaded.tokenizer.pad_token_id)[0, len(ids):].tolist()
-        assert finishes[0].tokens == expected, prompt
+        assert finishes[0].tokens == greedy(loaded, prompt, 12), prompt
     assert runs[3][0].reused > 0
     engine.close()
     engine.thread.join(timeout=10)

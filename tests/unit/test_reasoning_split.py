@@ -231,13 +231,14 @@ def test_delimiters_that_are_special_tokens_stay_in_the_reply_text(tmp_path):
     assert decode_text(tokenizer, reply) == tokenizer.decode(reply, skip_special_tokens=True)  # nothing kept
     growing = [decode_text(tokenizer, reply[:end], plan.kept) for end in range(len(reply) + 1)]
     assert all(later.startswith(earlier) for earlier, later in zip(growing, growing[1:]))  # a stream only grows
-    # A stop string is never found inside a kept token's name ("final" inside the final channel's opening).
+    # A stop string is never found where it cuts into a delimiter ("final" inside the final channel's opening).
     from rungen.logprobs import first_stop
 
-    assert first_stop(written, ("final", "Hi"), plan.markers) == (written.index("Hi"), "Hi")
-    assert first_stop(written, ("final", "|"), plan.markers) is None
+    markers = plan.delimiters.texts
+    assert first_stop(written, ("final", "Hi"), markers) == (written.index("Hi"), "Hi")
+    assert first_stop(written, ("final", "|"), markers) is None
     assert first_stop(written, ("final",)) == (written.index("final"), "final")  # no chat reply's markers
-    assert first_stop("a final word", ("final",), plan.markers) == (2, "final")
-    assert first_stop(written, ("<|end|>",), plan.markers) == (written.index("<|end|>"), "<|end|>")  # a whole one
+    assert first_stop("a final word", ("final",), markers) == (2, "final")
+    assert first_stop(written, ("<|end|>",), markers) == (written.index("<|end|>"), "<|end|>")  # a whole one
     growing = written[: written.index("final") + 3]  # "...<|channel|>fin": the opening is being written
-    assert first_stop(growing, ("fin",), plan.markers) is None and first_stop(growing + "x", ("fin",), plan.markers)
+    assert first_stop(growing, ("fin",), markers) is None and first_stop(growing + "x", ("fin",), markers)
