@@ -33,6 +33,7 @@ import json
 import re
 import uuid
 
+from . import tool_gemma
 from .tool_xml import STYLES as XML_STYLES
 from .tool_xml import prefix_length, read_call, skip_space
 
@@ -70,14 +71,17 @@ class Format:
     one_call: bool = False  # the template renders one call a reply at most
     native: bool = True  # the template renders the tools itself
     call_id: bool = False  # a 9-character id the model writes after `middle`, then "[ARGS]" (Mistral Small 3.2)
-    style: str = "json"  # how the arguments are written: JSON, or xgrammar's "qwen_xml" (<parameter=key>value...)
+    # How the arguments are written: JSON, xgrammar's "qwen_xml" (<parameter=key>value...) or "glm_xml", or "gemma"
+    # (rungen/tool_gemma.py).
+    style: str = "json"
     alternate: tuple[str, str] | None = None  # another (begin, middle) the model may write a call with (gpt-oss's)
 
     @property
     def texts(self) -> tuple[str, ...]:
         """The format's literal text: what the reply's text must keep of special tokens to be parsed."""
         return (self.begin, self.middle, self.end, self.trigger, *self.markers, *(self.region or ()),
-                *(("[ARGS]",) if self.call_id else ()), *(self.alternate or ()))
+                *(("[ARGS]",) if self.call_id else ()), *(self.alternate or ()),
+                *((tool_gemma.QUOTE,) if self.style == "gemma" else ()))
 
 
 HERMES = Format("hermes", '<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>", "<tool_call>", "\n",
@@ -98,12 +102,16 @@ HARMONY = Format("harmony", "<|start|>assistant to=functions.", "<|channel|>comm
                  ("<|start|>assistant to=functions.", "<|start|>assistant<|channel|>commentary to=functions."),
                  one_call=True,
                  alternate=("<|start|>assistant<|channel|>commentary to=functions.", " <|constrain|>json<|message|>"))
+GEMMA = Format("gemma", "<|tool_call>" + tool_gemma.OPEN, "", tool_gemma.CLOSE, "<|tool_call>", "", ("<|tool_call>",),
+               style="gemma")
+GEMMA_TURN = ("<turn|>\n", "<|turn>model\n")  # how Gemma 4's template closes a turn, and opens the model's
 GENERIC = Format("generic", '{"tool_call": {"name": "', '", "arguments": ', "}}", '{"tool_call"', "\n",
                  ('{"tool_call"',), native=False)
 FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS, MISTRAL_CALL_ID, QWEN_XML, GLM_XML,
-                                HARMONY, GENERIC)}
+                                HARMONY, GEMMA, GENERIC)}
 # How templates that write calls in an XML not parsed here show it (MiniMax's).
 XML_SIGNS = ("<invoke ",)
+KNOWN = "Hermes/Qwen JSON <tool_call>, Qwen and GLM XML, Llama 3 JSON, Mistral [TOOL_CALLS], gpt-oss and Gemma 4"
 
 
 def template_text(chat_template) -> str | None:
@@ -120,6 +128,8 @@ def detect_format(chat_template) -> Format | str:
         return "this model has no chat template"
     if "<|channel|>commentary" in text and "functions." in text:
         return HARMONY
+    if GEMMA.begin in text:
+        return GEMMA
     if "[TOOL_CALLS]" in text:
         return MISTRAL_CALL_ID if "[CALL_ID]" in text else MISTRAL_ARGS if "[ARGS]" in text else MISTRAL
     if "<tool_call>" in text and "<function=" in text and "<parameter=" in text:
@@ -129,16 +139,22 @@ def detect_format(chat_template) -> Format | str:
     xml = next((sign for sign in XML_SIGNS if sign in text), None)
     if xml is not None:
         return (f"this model's chat template writes tool calls as XML ({xml.strip()}...), which is not parsed here "
-                "(it knows Hermes/Qwen JSON <tool_call>, Qwen and GLM XML, Llama 3 JSON and Mistral "
-                "[TOOL_CALLS])")
+                f"(it knows {KNOWN})")
     if "<tool_call>" in text:
         return HERMES
     if '"parameters": ' in text and ("<|start_header_id|>" in text or "<|python_tag|>" in text):
         return LLAMA3_JSON
     if re.search(r"\btools\b", text):
-        return ("this model's chat template renders tools in a format not parsed here (it knows "
-                "Hermes/Qwen <tool_call>, Qwen and GLM XML, Llama 3 JSON and Mistral [TOOL_CALLS])")
+        return f"this model's chat template renders tools in a format not parsed here (it knows {KNOWN})"
     return GENERIC
+
+
+def open_turn(chat_template, prompt: str) -> str:
+    """The prompt with the model's turn opened where Gemma 4's template left it closed: after tool results it adds
+    no generation prompt (the model goes on in its turn), but where that turn held text too it closes it."""
+    if prompt.endswith(GEMMA_TURN[0]) and GEMMA.begin in (template_text(chat_template) or ""):
+        return prompt + GEMMA_TURN[1]
+    return prompt
 
 
 # The request
@@ -388,7 +404,10 @@ def tool_grammar(fmt: Format, request: ToolRequest, reply_schema: str | None = N
             message = re.sub(r"^\[[0-9:]+\] \S+: ", "", str(error).splitlines()[0] if str(error) else "")
             raise ToolError(f"tools: the parameters of {function['name']!r} cannot be compiled: {message}",
                             "tools") from error
-        arguments = JSONSchemaFormat(json_schema=function["parameters"], style=fmt.style, max_whitespace_cnt=1)
+        if fmt.style == "gemma":
+            arguments = GrammarFormat(grammar=tool_gemma.arguments_grammar(function["parameters"]))
+        else:
+            arguments = JSONSchemaFormat(json_schema=function["parameters"], style=fmt.style, max_whitespace_cnt=1)
         if fmt.call_id:  # the model's own id, then the arguments
             arguments = SequenceFormat(elements=[RegexFormat(pattern="[A-Za-z0-9]{9}"),
                                                  ConstStringFormat(value="[ARGS]"), arguments])
@@ -515,7 +534,10 @@ def parse_region(fmt, text, start, marker, found, schemas=None):
     if fmt is HARMONY:
         return parse_harmony_call(text, start + len(marker), found)
     if fmt.style != "json":
-        end, call = read_call(XML_STYLES[fmt.style], text, start + len(marker), schemas)
+        if fmt.style == "gemma":
+            end, call = tool_gemma.read_call(text, start + len(marker))
+        else:
+            end, call = read_call(XML_STYLES[fmt.style], text, start + len(marker), schemas)
         if call is not None:
             found.append(Call(*call))
         return end

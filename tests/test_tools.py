@@ -27,7 +27,7 @@ MODELS = {"hermes": ("qwen2", "qwen2.5-instruct.jinja"), "llama3_json": ("llama"
           "mistral": ("mistral", "mistral-7b-instruct-v0.3.jinja"),
           "mistral_args": ("mistral", "devstral-small-2507.jinja"),
           "mistral_call_id": ("mistral", "mistral-small-3.2.jinja"), "qwen_xml": ("qwen2", "qwen3.5.jinja"),
-          "glm_xml": ("qwen2", "glm-4.6.jinja"),
+          "glm_xml": ("qwen2", "glm-4.6.jinja"), "gemma": ("qwen2", "gemma-4-it.jinja"),
           "generic": ("qwen2", None)}
 # Qwen3.5 and GLM think first by default, and a tiny random model never closes its block: the calls follow no thinking.
 TEMPLATE_KWARGS = {"qwen_xml": {"enable_thinking": False}, "glm_xml": {"enable_thinking": False}}
@@ -36,6 +36,10 @@ TEMPLATE_KWARGS = {"qwen_xml": {"enable_thinking": False}, "glm_xml": {"enable_t
 MISTRAL_CONTROL = ["[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
                    "[/TOOL_RESULTS]"]
 TEKKEN_CONTROL = MISTRAL_CONTROL + ["[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[TOOL_CONTENT]", "[ARGS]", "[CALL_ID]"]
+# Gemma 4's control tokens, special in its tokenizer; <turn|> and <|tool_response> end a reply as its EOS does
+# (generation_config's eos_token_id [1, 106, 50]).
+GEMMA_CONTROL = ["<|turn>", "<turn|>", "<|channel>", "<channel|>", "<|think|>", "<|tool>", "<tool|>", "<|tool_call>",
+                 "<tool_call|>", "<|tool_response>", "<tool_response|>", '<|"|>']
 TIME = {"type": "function", "function": {
     "name": "get_time", "description": "The time in a time zone",
     "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 8}},
@@ -69,11 +73,14 @@ def checkpoints(tmp_path_factory):
             if fmt == "glm_xml":  # GLM-4.6's
                 tokenizer.add_tokens(["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
                                       "</arg_value>", "<think>", "</think>"])
-            if fmt.startswith("mistral"):
-                tokenizer.add_special_tokens({"additional_special_tokens": MISTRAL_CONTROL if fmt == "mistral"
-                                              else TEKKEN_CONTROL})
+            if fmt.startswith("mistral") or fmt == "gemma":
+                control = GEMMA_CONTROL if fmt == "gemma" else MISTRAL_CONTROL if fmt == "mistral" else TEKKEN_CONTROL
+                tokenizer.add_special_tokens({"additional_special_tokens": control})
                 model = AutoModelForCausalLM.from_pretrained(path)
                 model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)  # rows the model can write
+                if fmt == "gemma":
+                    model.generation_config.eos_token_id = [tokenizer.eos_token_id, *tokenizer.convert_tokens_to_ids(
+                        ["<turn|>", "<|tool_response>"])]
                 model.save_pretrained(path)
             if template:
                 with open(os.path.join(TEMPLATES, template), encoding="utf-8") as f:
@@ -148,7 +155,7 @@ def test_a_named_function_is_the_one_called(servers, fmt):
 
 
 def test_parallel_calls_come_when_allowed_and_not_otherwise(servers):
-    for fmt in ("hermes", "generic", "mistral", "qwen_xml"):
+    for fmt in ("hermes", "generic", "mistral", "qwen_xml", "gemma"):
         several = create(servers, fmt, tools=TOOLS, tool_choice="required", temperature=1.0, seed=11, n=8,
                          max_tokens=250)
         counts = [len(check_calls(choice, SCHEMAS)) for choice in several.choices if choice.finish_reason != "length"]
@@ -185,16 +192,18 @@ def test_auto_holds_a_call_the_model_opens_to_its_schema(servers):
         assert len(check_calls(choice, SCHEMAS)) == 1
 
 
-@pytest.mark.parametrize("fmt", ["mistral", "mistral_args", "mistral_call_id"])
-def test_auto_takes_a_call_opened_with_the_special_marker_token(servers, fmt):
-    """Mistral's [TOOL_CALLS] is a special token: under auto the model opens a call with it (pushed here with
-    logit_bias), the grammar takes it as the marker's text and the reply's text keeps it, so the call is parsed."""
+@pytest.mark.parametrize("fmt, marker", [("mistral", "[TOOL_CALLS]"), ("mistral_args", "[TOOL_CALLS]"),
+                                         ("mistral_call_id", "[TOOL_CALLS]"), ("gemma", "<|tool_call>")])
+def test_auto_takes_a_call_opened_with_the_special_marker_token(servers, fmt, marker):
+    """Mistral's [TOOL_CALLS] and Gemma 4's <|tool_call> are special tokens: under auto the model opens a call with
+    one (pushed here with logit_bias), the grammar takes it as the marker's text and the reply's text keeps it, so
+    the call is parsed (Gemma's <|"|> quotes alike)."""
     _, loaded = servers(fmt)
-    tag = loaded.tokenizer.convert_tokens_to_ids("[TOOL_CALLS]")
+    tag = loaded.tokenizer.convert_tokens_to_ids(marker)
     response = create(servers, fmt, tools=TOOLS, temperature=1.0, seed=2, n=4, logit_bias={str(tag): 100},
                       parallel_tool_calls=False, logprobs=True)
     for choice in response.choices:
-        assert choice.logprobs.content[0].token == "[TOOL_CALLS]"  # the special token, not the marker spelt in pieces
+        assert choice.logprobs.content[0].token == marker  # the special token, not the marker spelt in pieces
         assert len(check_calls(choice, SCHEMAS)) == 1
 
 
@@ -417,3 +426,20 @@ def test_tools_in_a_format_not_parsed_are_refused_before_a_session_and_named_onc
                        "--length", "4"], stdin=json.dumps({"messages": ASK, "tools": TOOLS}))
     [record] = [json.loads(line) for line in result.stdout.decode().splitlines()]
     assert record["error"].startswith('"tools": this model\'s chat template renders tools'), record["error"]
+
+
+def test_gemma_goes_on_in_its_turn_after_tool_results(servers):
+    """Gemma 4's template adds no generation prompt after tool results: the model goes on in its turn. Where that
+    turn held text beside its calls the template closes it, and the prompt opens the model's next one."""
+    url, loaded = servers("gemma")
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "CET"}'}}
+    result = {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}
+    endings = []
+    for content in (None, "Let me look."):
+        history = ASK + [{"role": "assistant", "content": content, "tool_calls": [call]}, result]
+        ids = httpx.post(url + "/tokenize", json={"messages": history}).json()["tokens"]
+        endings.append(loaded.tokenizer.decode(ids, skip_special_tokens=False))
+        reply = create(servers, "gemma", messages=history, temperature=0, max_tokens=4)
+        assert reply.usage.prompt_tokens == len(ids)  # the prompt /tokenize shows is the one the reply follows
+    assert endings[0].endswith('response:get_time{value:<|"|>12:00<|"|>}<tool_response|>')
+    assert endings[1].endswith("Let me look.<turn|>\n<|turn>model\n")

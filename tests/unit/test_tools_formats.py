@@ -11,6 +11,7 @@ from xgrammar.testing import _is_grammar_accept_string as grammar_accepts
 
 from rungen.conversation import tool_fields
 from rungen.tools import (
+    GEMMA,
     GENERIC,
     GLM_XML,
     HARMONY,
@@ -70,13 +71,16 @@ PUBLISHED = {
                 '"unit": "celsius"}'),
     "glm_xml": ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>unit"
                 "</arg_key>\n<arg_value>celsius</arg_value>\n</tool_call>\n<tool_call>get_time\n</tool_call>"),
+    "gemma": ('<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,unit:<|"|>celsius<|"|>}<tool_call|>'
+              "<|tool_call>call:get_time{}<tool_call|>"),
 }
 FORMATS = {"hermes": HERMES, "llama3_json": LLAMA3_JSON, "mistral": MISTRAL, "generic": GENERIC,
            "mistral_args": MISTRAL_ARGS, "mistral_call_id": MISTRAL_CALL_ID, "qwen_xml": QWEN_XML, "glm_xml": GLM_XML,
-           "harmony": HARMONY}
+           "harmony": HARMONY, "gemma": GEMMA}
 # What takes a published reply off its schema: a value outside the enum, and the required city left out.
 OFF_SCHEMA = {"qwen_xml": (("\ncelsius\n", "\nkelvin\n"), ("<parameter=city>\nParis\n</parameter>\n", "")),
-              "glm_xml": ((">celsius<", ">kelvin<"), ("<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n", ""))}
+              "glm_xml": ((">celsius<", ">kelvin<"), ("<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n", "")),
+              "gemma": (("celsius", "kelvin"), ('city:<|"|>Paris<|"|>,', ""))}
 OFF_JSON = (('"celsius"', '"kelvin"'), ('"city": "Paris", ', ""))
 
 
@@ -102,6 +106,7 @@ def test_the_format_is_detected_from_the_template():
     assert detect_format(template("qwen3.5.jinja")) is QWEN_XML
     assert detect_format(template("glm-4.6.jinja")) is GLM_XML
     assert detect_format(template("gpt-oss.jinja")) is HARMONY
+    assert detect_format(template("gemma-4-it.jinja")) is GEMMA
     # Calls written in another XML inside <tool_call> (MiniMax's <invoke>) are no Hermes JSON.
     assert "writes tool calls as XML (<invoke...)" in detect_format(template("minimax-m3.jinja"))
     assert detect_format(SMOLLM2_TEMPLATE) is GENERIC
@@ -332,3 +337,60 @@ def test_xml_values_are_read_as_their_schema_says():
             parser = CallParser(fmt, schemas=others)
             events = [event for character in reply for event in parser.feed(character)] + parser.finish()
             assert calls_of(assemble(events)) == (None, [("f", expected)])
+
+
+GEMMA_SCHEMA = {"type": "object", "required": ["city"], "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer", "minimum": 1, "maximum": 7}, "Units": {"enum": ["c", "f"]},
+    "when": {"type": "object", "properties": {"from": {"type": "string"}, "hourly": {"type": "boolean"}}},
+    "scores": {"type": "array", "items": {"type": "number"}, "maxItems": 3}, "note": {"type": ["string", "null"]}}}
+
+
+def test_gemma_reads_the_calls_its_template_writes_and_its_grammar_takes_them():
+    """Gemma 4's own syntax (strings between <|"|>, bare keys sorted as the template's dictsort writes them): a
+    call the published template renders in the history is read back to the same arguments, whole and a character
+    at a time, and the grammar built from the tool's schema takes it."""
+    from rungen.chat_template import render
+    from rungen.tool_gemma import arguments_grammar
+
+    arguments = {"city": 'Saint-"Malo"\nFrance <b>', "days": 3, "Units": "c",
+                 "when": {"from": "today", "hourly": True}, "scores": [1.5, -2, 30000.0], "note": "a<|b"}
+    asked = [{"role": "user", "content": "Hi"}]
+    turn = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": arguments}}]}
+    whole = render(template("gemma-4-it.jinja"), asked + [turn])
+    reply = whole[whole.index("<|tool_call>") : whole.index("<|tool_response>")]
+    assert 'city:<|"|>Saint-"Malo"' in reply and reply.index("Units:") < reply.index("when:")  # as the model writes
+    parse = CallParser(GEMMA, schemas={"get_weather": GEMMA_SCHEMA})
+    assert calls_of(message_of(parse, reply)) == (None, [("get_weather", arguments)])
+    assert calls_of(assemble(streamed(GEMMA, reply))) == (None, [("get_weather", arguments)])
+    body = reply[len("<|tool_call>call:get_weather") : -len("<tool_call|>")]
+    grammar = arguments_grammar(GEMMA_SCHEMA)
+    assert grammar_accepts(grammar, body)
+    for written, off in (("days:3", "days:3.5"), ("days:3", "days:9"), ('Units:<|"|>c', 'Units:<|"|>k'),
+                         ("30000.0]", "30000.0,4]"), ("hourly:true", "hourly:1"),
+                         ('city:<|"|>Saint-"Malo"\nFrance <b><|"|>', "city:3"),
+                         ("Units:", "units:")):  # off the schema: a type, a bound, an enum, a length, a key's name
+        assert written in body and not grammar_accepts(grammar, body.replace(written, off)), off
+    assert not grammar_accepts(grammar, "{days:3}")  # city is required
+    assert grammar_accepts(grammar, '{city:<|"|>Paris<|"|>}')
+    # A string's text may hold anything but the closing quote.
+    assert not grammar_accepts(grammar, '{city:<|"|>a<|"|>b<|"|>}')
+
+
+def test_gemma_arguments_grow_and_a_cut_call_keeps_its_text():
+    """A stream's arguments are at every step the start of the final JSON, even where a step ends inside a quote
+    token, a number or a key; a reply cut inside a call gives the arguments as far as written."""
+    text = '<|tool_call>call:f{a:<|"|>x y<|"|>,b:-12.5e3,c:[true,null],d:{e:<|"|><|"|>}}<tool_call|>'
+    whole = message_of(CallParser(GEMMA), text)[1][0]["function"]["arguments"]
+    assert json.loads(whole) == {"a": "x y", "b": -12500.0, "c": [True, None], "d": {"e": ""}}
+    parser, sent = CallParser(GEMMA), ""
+    for char in text:
+        for event in parser.feed(char):
+            if event[0] == "arguments":
+                sent += event[2]
+                assert whole.startswith(sent)
+    assert sent + "".join(event[2] for event in parser.finish() if event[0] == "arguments") == whole
+    cut = message_of(CallParser(GEMMA), text[: text.index("-12")])
+    assert cut[1][0]["function"]["arguments"] == '{"a": "x y", "b": '
+    # Text that only looks like a call stays content.
+    assert message_of(CallParser(GEMMA), "<|tool_call>calls are fine") == ("<|tool_call>calls are fine", [])
