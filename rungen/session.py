@@ -566,10 +566,10 @@ class Session:
         return self.settings.length if self.settings.length < self.loaded.context else 1
 
     def count_tokens(self, messages):
-        """The tokens of a conversation's prompt, however many; PromptError where the template refuses it (a
-        refusal is no length: no turn is dropped for it)."""
-        return len(encode_prompt(self.loaded, Prompt(0, "", messages=messages), template_kwargs=self.template_kwargs,
-                                 within_context=False))
+        """The tokens of a conversation's prompt with the tools the template renders, however many; PromptError where
+        the template refuses it (a refusal is no length: no turn is dropped for it)."""
+        return len(encode_prompt(self.loaded, Prompt(0, "", messages=messages, tools=self.tools),
+                                 template_kwargs=self.template_kwargs, within_context=False))
 
     def refused(self, messages) -> bool:
         try:

@@ -443,3 +443,32 @@ def test_gemma_goes_on_in_its_turn_after_tool_results(servers):
         assert reply.usage.prompt_tokens == len(ids)  # the prompt /tokenize shows is the one the reply follows
     assert endings[0].endswith('response:get_time{value:<|"|>12:00<|"|>}<tool_response|>')
     assert endings[1].endswith("Let me look.<turn|>\n<|turn>model\n")
+
+
+def test_a_session_with_tools_fits_its_history_with_the_tools_counted(checkpoints, tmp_path, capsys):
+    """The tools the template renders are part of each turn's prompt: the oldest turns are dropped until the prompt
+    with them fits the context, not the conversation alone (which would leave a prompt too long to generate)."""
+    from rungen.arguments import parse_args, settings_from_args
+    from rungen.prompts import Prompt, encode_prompt
+    from rungen.session import Session
+
+    path = checkpoints("hermes")
+    tools_file = tmp_path / "tools.json"
+    tools_file.write_text(json.dumps({"tools": TOOLS}))
+    args = parse_args(["--model_name_or_path", path, "--tools", str(tools_file), "--temperature", "0",
+                       "--length", "4"])
+    loaded = load(path, device=torch.device("cpu"))
+    settings = dataclasses.replace(settings_from_args(args, loaded.context), chat=True)
+    session = Session(loaded, settings, stream=False, tools=args.tools)
+    for number in range(6):
+        session.messages += [{"role": "user", "content": f"Turn {number}: " + "tell me more " * 40},
+                             {"role": "assistant", "content": "Here is more. " * 40}]
+    asked = session.messages + [{"role": "user", "content": "And the weather?"}]
+    plain = len(encode_prompt(loaded, Prompt(0, "", messages=asked), within_context=False))
+    with_tools = len(encode_prompt(loaded, Prompt(0, "", messages=asked, tools=args.tools), within_context=False))
+    assert with_tools > plain + 4
+    loaded.context = plain + 4  # the conversation alone fits with the reply's room; with the tools it does not
+    session.turn("And the weather?")
+    shown = capsys.readouterr().err
+    assert "error" not in shown and "dropped the oldest" in shown, shown
+    assert session.replies  # the turn was generated
