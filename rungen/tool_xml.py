@@ -1,8 +1,9 @@
-"""Tool calls written as XML (rungen/tools.py's qwen_xml and glm_xml formats): one call read from a growing reply.
+"""Tool calls written as XML (rungen/tools.py's qwen_xml, glm_xml and minimax_xml formats): one call read from a
+growing reply.
 
 A value is text: where the tool's schema says string it is that text, else the JSON it holds. The arguments are
 the JSON object of the parameters read so far, a parameter once its closing tag came, so that a stream's arguments
-only grow. The grammar of the same calls is xgrammar's `qwen_xml` / `glm_xml` style of the tool's schema, which
+only grow. The grammar of the same calls is xgrammar's style of the same name for the tool's schema, which
 lets one whitespace character stand on each side of a value (the templates' line breaks): it is no part of it.
 """
 
@@ -31,6 +32,10 @@ STYLES = {
                          ("</function>", "</tool_call>")),
     # GLM-4.5 on: name <arg_key>key</arg_key> <arg_value>value</arg_value> </tool_call>
     "glm_xml": XmlStyle(("", ""), ("<arg_key>", "</arg_key>"), ("<arg_value>", "</arg_value>"), ("</tool_call>",)),
+    # MiniMax-M2 to M2.7, inside one <minimax:tool_call> region: <invoke name="name"> <parameter name="key">value
+    # </parameter> </invoke>
+    "minimax_xml": XmlStyle(('<invoke name="', '">'), ('<parameter name="', '">'), ("", "</parameter>"),
+                            ("</invoke>",)),
 }
 NAME = re.compile(r"[A-Za-z0-9_.-]*")  # a function's
 KEY = re.compile(r"[^<>\n]*")  # a parameter's: any property name a schema may have (a space, "城市"), in one line

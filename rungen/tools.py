@@ -95,6 +95,9 @@ MISTRAL_CALL_ID = Format("mistral_call_id", "[TOOL_CALLS]", "[CALL_ID]", "", "[T
                          call_id=True)
 QWEN_XML = Format("qwen_xml", "<tool_call>\n<function=", ">\n", "</function>\n</tool_call>", "<tool_call>", "\n",
                   ("<tool_call>",), style="qwen_xml")
+MINIMAX_XML = Format("minimax_xml", '<invoke name="', '">\n', "</invoke>\n", "<minimax:tool_call>", "",
+                     ("<minimax:tool_call>",), region=("<minimax:tool_call>\n", "</minimax:tool_call>"),
+                     style="minimax_xml")
 GLM_XML = Format("glm_xml", "<tool_call>", "", "</tool_call>", "<tool_call>", "\n", ("<tool_call>",), style="glm_xml")
 # gpt-oss: the recipient before the channel, as its template writes a call, or after it, as OpenAI's guide does.
 HARMONY = Format("harmony", "<|start|>assistant to=functions.", "<|channel|>commentary json<|message|>", "",
@@ -108,10 +111,11 @@ GEMMA_TURN = ("<turn|>\n", "<|turn>model\n")  # how Gemma 4's template closes a 
 GENERIC = Format("generic", '{"tool_call": {"name": "', '", "arguments": ', "}}", '{"tool_call"', "\n",
                  ('{"tool_call"',), native=False)
 FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS, MISTRAL_CALL_ID, QWEN_XML, GLM_XML,
-                                HARMONY, GEMMA, GENERIC)}
-# How templates that write calls in an XML not parsed here show it (MiniMax's).
+                                MINIMAX_XML, HARMONY, GEMMA, GENERIC)}
+# How templates that write calls in an XML not parsed here show it (MiniMax-M3's).
 XML_SIGNS = ("<invoke ",)
-KNOWN = "Hermes/Qwen JSON <tool_call>, Qwen and GLM XML, Llama 3 JSON, Mistral [TOOL_CALLS], gpt-oss and Gemma 4"
+KNOWN = ("Hermes/Qwen JSON <tool_call>, Qwen, GLM and MiniMax-M2 XML, Llama 3 JSON, Mistral [TOOL_CALLS], gpt-oss and "
+         "Gemma 4")
 
 
 def template_text(chat_template) -> str | None:
@@ -136,6 +140,8 @@ def detect_format(chat_template) -> Format | str:
         return QWEN_XML
     if "<tool_call>" in text and "<arg_key>" in text and "<arg_value>" in text:
         return GLM_XML
+    if MINIMAX_XML.trigger in text and MINIMAX_XML.begin in text:
+        return MINIMAX_XML
     xml = next((sign for sign in XML_SIGNS if sign in text), None)
     if xml is not None:
         return (f"this model's chat template writes tool calls as XML ({xml.strip()}...), which is not parsed here "
@@ -533,14 +539,13 @@ def parse_region(fmt, text, start, marker, found, schemas=None):
         return parse_named_call(fmt, text, start + len(marker), found)
     if fmt is HARMONY:
         return parse_harmony_call(text, start + len(marker), found)
-    if fmt.style != "json":
-        if fmt.style == "gemma":
-            end, call = tool_gemma.read_call(text, start + len(marker))
-        else:
-            end, call = read_call(XML_STYLES[fmt.style], text, start + len(marker), schemas)
+    if fmt.style == "gemma":
+        end, call = tool_gemma.read_call(text, start + len(marker))
         if call is not None:
             found.append(Call(*call))
         return end
+    if fmt.style != "json":
+        return parse_xml_region(fmt, text, start + len(marker), found, schemas)
     if marker in ("<tool_call>", "<|python_tag|>", "[TOOL_CALLS]"):
         position = skip_space(text, start + len(marker))
     else:
@@ -584,6 +589,30 @@ def parse_region(fmt, text, start, marker, found, schemas=None):
             position += 1
             continue
         return end
+
+
+def parse_xml_region(fmt, text, position, found, schemas):
+    """The XML call after a <tool_call> at `position`, or where the format wraps its calls in a region (MiniMax's
+    <minimax:tool_call>), each call up to the region's end; as parse_region."""
+    style = XML_STYLES[fmt.style]
+    if fmt.region is None:
+        end, call = read_call(style, text, position, schemas)
+        if call is not None:
+            found.append(Call(*call))
+        return end
+    while True:
+        position = skip_space(text, position)
+        rest = text[position:]
+        if rest.startswith(fmt.region[1]):
+            return position + len(fmt.region[1]) if found else -1
+        if not rest or fmt.region[1].startswith(rest):
+            return None  # the region's end, or another call, is on its way
+        end, call = read_call(style, text, position, schemas)
+        if call is not None:
+            found.append(Call(*call))
+        if end is None or end == -1:
+            return end
+        position = end
 
 
 def parse_named_call(fmt, text, position, found):

@@ -28,9 +28,12 @@ MODELS = {"hermes": ("qwen2", "qwen2.5-instruct.jinja"), "llama3_json": ("llama"
           "mistral_args": ("mistral", "devstral-small-2507.jinja"),
           "mistral_call_id": ("mistral", "mistral-small-3.2.jinja"), "qwen_xml": ("qwen2", "qwen3.5.jinja"),
           "glm_xml": ("qwen2", "glm-4.6.jinja"), "gemma": ("qwen2", "gemma-4-it.jinja"),
+          "minimax_xml": ("qwen2", "minimax-m2.jinja"),
           "generic": ("qwen2", None)}
 # Qwen3.5 and GLM think first by default, and a tiny random model never closes its block: the calls follow no thinking.
 TEMPLATE_KWARGS = {"qwen_xml": {"enable_thinking": False}, "glm_xml": {"enable_thinking": False}}
+# MiniMax-M2's template always opens the block: a budget of none closes it at once.
+THINKING_BUDGET = {"minimax_xml": 0}
 # Mistral's control tokens, special in its tokenizers (a decode that skips special tokens drops them): v0.3's, and
 # those the tekken tokenizers of Devstral and Mistral Small 3.2 add.
 MISTRAL_CONTROL = ["[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
@@ -70,6 +73,12 @@ def checkpoints(tmp_path_factory):
                 tokenizer.add_tokens(["<tool_call>", "</tool_call>"])
             if fmt == "qwen_xml":  # Qwen3.5's, and its thinking block's
                 tokenizer.add_tokens(["<tool_call>", "</tool_call>", "<think>", "</think>"])
+            if fmt == "minimax_xml":  # MiniMax-M2's: its tags added, its role markers and EOS special
+                tokenizer.add_tokens(["<minimax:tool_call>", "</minimax:tool_call>", "<think>", "</think>"])
+                tokenizer.add_special_tokens({"additional_special_tokens": ["]~!b[", "]~b]", "[e~["]})
+                model = AutoModelForCausalLM.from_pretrained(path)
+                model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("[e~[")
+                model.save_pretrained(path)
             if fmt == "glm_xml":  # GLM-4.6's
                 tokenizer.add_tokens(["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
                                       "</arg_value>", "<think>", "</think>"])
@@ -123,7 +132,9 @@ def client_for(servers, fmt):
 
 def create(servers, fmt, **kwargs):
     kwargs.setdefault("messages", ASK)
-    kwargs.setdefault("max_tokens", 120)
+    kwargs.setdefault("max_tokens", 160 if fmt == "minimax_xml" else 120)  # its tags are the longest
+    if fmt in THINKING_BUDGET:
+        kwargs["extra_body"] = {"thinking_token_budget": THINKING_BUDGET[fmt], **kwargs.get("extra_body", {})}
     return client_for(servers, fmt).chat.completions.create(model=fmt, **kwargs)
 
 
@@ -155,7 +166,7 @@ def test_a_named_function_is_the_one_called(servers, fmt):
 
 
 def test_parallel_calls_come_when_allowed_and_not_otherwise(servers):
-    for fmt in ("hermes", "generic", "mistral", "qwen_xml", "gemma"):
+    for fmt in ("hermes", "generic", "mistral", "qwen_xml", "gemma", "minimax_xml"):
         several = create(servers, fmt, tools=TOOLS, tool_choice="required", temperature=1.0, seed=11, n=8,
                          max_tokens=250)
         counts = [len(check_calls(choice, SCHEMAS)) for choice in several.choices if choice.finish_reason != "length"]

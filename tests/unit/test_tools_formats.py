@@ -17,6 +17,7 @@ from rungen.tools import (
     HARMONY,
     HERMES,
     LLAMA3_JSON,
+    MINIMAX_XML,
     MISTRAL,
     MISTRAL_ARGS,
     MISTRAL_CALL_ID,
@@ -71,16 +72,20 @@ PUBLISHED = {
                 '"unit": "celsius"}'),
     "glm_xml": ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>unit"
                 "</arg_key>\n<arg_value>celsius</arg_value>\n</tool_call>\n<tool_call>get_time\n</tool_call>"),
+    "minimax_xml": ('<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n'
+                    '<parameter name="unit">celsius</parameter>\n</invoke>\n<invoke name="get_time">\n</invoke>\n'
+                    "</minimax:tool_call>"),
     "gemma": ('<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,unit:<|"|>celsius<|"|>}<tool_call|>'
               "<|tool_call>call:get_time{}<tool_call|>"),
 }
 FORMATS = {"hermes": HERMES, "llama3_json": LLAMA3_JSON, "mistral": MISTRAL, "generic": GENERIC,
            "mistral_args": MISTRAL_ARGS, "mistral_call_id": MISTRAL_CALL_ID, "qwen_xml": QWEN_XML, "glm_xml": GLM_XML,
-           "harmony": HARMONY, "gemma": GEMMA}
+           "harmony": HARMONY, "gemma": GEMMA, "minimax_xml": MINIMAX_XML}
 # What takes a published reply off its schema: a value outside the enum, and the required city left out.
 OFF_SCHEMA = {"qwen_xml": (("\ncelsius\n", "\nkelvin\n"), ("<parameter=city>\nParis\n</parameter>\n", "")),
               "glm_xml": ((">celsius<", ">kelvin<"), ("<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n", "")),
-              "gemma": (("celsius", "kelvin"), ('city:<|"|>Paris<|"|>,', ""))}
+              "gemma": (("celsius", "kelvin"), ('city:<|"|>Paris<|"|>,', "")),
+              "minimax_xml": ((">celsius<", ">kelvin<"), ('<parameter name="city">Paris</parameter>\n', ""))}
 OFF_JSON = (('"celsius"', '"kelvin"'), ('"city": "Paris", ', ""))
 
 
@@ -107,7 +112,8 @@ def test_the_format_is_detected_from_the_template():
     assert detect_format(template("glm-4.6.jinja")) is GLM_XML
     assert detect_format(template("gpt-oss.jinja")) is HARMONY
     assert detect_format(template("gemma-4-it.jinja")) is GEMMA
-    # Calls written in another XML inside <tool_call> (MiniMax's <invoke>) are no Hermes JSON.
+    assert detect_format(template("minimax-m2.jinja")) is MINIMAX_XML
+    # Calls written in another XML inside <tool_call> (MiniMax-M3's <invoke>) are no Hermes JSON.
     assert "writes tool calls as XML (<invoke...)" in detect_format(template("minimax-m3.jinja"))
     assert detect_format(SMOLLM2_TEMPLATE) is GENERIC
     assert detect_format({"default": SMOLLM2_TEMPLATE, "tool_use": template("qwen2.5-instruct.jinja")}) is HERMES
@@ -286,13 +292,13 @@ def test_each_xml_format_reads_the_calls_its_template_writes():
     schema = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
                                                "when": {"type": "object"}, "code": {"type": "string"}}}
     asked = [{"role": "user", "content": "Hi"}]
-    for name, fmt in (("qwen3.5.jinja", QWEN_XML), ("glm-4.6.jinja", GLM_XML)):
+    for name, fmt in (("qwen3.5.jinja", QWEN_XML), ("glm-4.6.jinja", GLM_XML), ("minimax-m2.jinja", MINIMAX_XML)):
         turn = {"role": "assistant", "content": "", "tool_calls": [
             {"type": "function", "function": {"name": "get_weather", "arguments": arguments}}]}
         kwargs = {"enable_thinking": False}
         prompt = render(template(name), asked, add_generation_prompt=True, **kwargs)
         whole = render(template(name), asked + [turn], **kwargs)
-        reply = whole[len(prompt) :] if whole.startswith(prompt) else whole[whole.index("<tool_call>") :]
+        reply = whole[len(prompt) :] if whole.startswith(prompt) else whole[whole.index(fmt.trigger) :]
         content, calls = calls_of(message_of(CallParser(fmt, schemas={"get_weather": schema}), reply))
         assert calls == [("get_weather", arguments)], (name, reply)
 
