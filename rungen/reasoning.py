@@ -21,7 +21,8 @@ RESERVED_VARIABLES = {"messages", "tools", "documents", "add_generation_prompt",
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 # The switches thinking templates test (Qwen3's, DeepSeek-V3.1's): booleans only.
 SWITCHES = ("enable_thinking", "thinking")
-# Prompt tokens decoded to see how the prompt ends (a delimiter is one token or a few).
+# Prompt tokens decoded to see how the prompt ends: a delimiter is one token or a few, or at most a token a character
+# where it is plain text (Apriel's), beyond these.
 TAIL_TOKENS = 8
 
 
@@ -63,6 +64,9 @@ FORMATS = (
     Delimiters("<mm:think>", "</mm:think>"),  # MiniMax-M3
     Delimiters("<think:opensource>", "</think:opensource>"),  # Hunyuan 3 (its template builds the names)
     Delimiters("<|START_THINKING|>", "<|END_THINKING|>", answer=("<|START_RESPONSE|>",)),  # Command R7B, Command A
+    # Apriel 1.6: its prompt opens the block in plain text; the answer follows the marker
+    Delimiters("Here are my reasoning steps:", "[BEGIN FINAL RESPONSE]",
+               signs=("Here are my reasoning steps:", "[BEGIN FINAL RESPONSE]")),
     THINK,
 )
 # A conversation whose last turn thinks, rendered to see the delimiters a template builds rather than writes.
@@ -230,7 +234,8 @@ def plan_reply(tokenizer, delimiters: Delimiters | None, ids: list[int], constra
     from .logprobs import special_ids
 
     kept = special_ids(tokenizer, delimiters.texts)
-    state = prompt_state(delimiters, tokenizer.decode(ids[-TAIL_TOKENS:], skip_special_tokens=False))
+    tail = TAIL_TOKENS + max(len(delimiters.open), len(delimiters.close))
+    state = prompt_state(delimiters, tokenizer.decode(ids[-tail:], skip_special_tokens=False))
     if constrained and state == "start":
         ids = ids + tokenizer.encode(delimiters.open, add_special_tokens=False)
         state = "inside"

@@ -55,7 +55,8 @@ class ToolError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Format:
-    """How one family writes a call; `region` (begin, end) wraps the whole list of calls (Mistral's)."""
+    """How one family writes a call; `region` (begin, end) wraps the whole list of calls (Mistral's, Apriel's,
+    MiniMax's)."""
 
     name: str
     begin: str  # before the function's name
@@ -98,6 +99,9 @@ QWEN_XML = Format("qwen_xml", "<tool_call>\n<function=", ">\n", "</function>\n</
 MINIMAX_XML = Format("minimax_xml", '<invoke name="', '">\n', "</invoke>\n", "<minimax:tool_call>", "",
                      ("<minimax:tool_call>",), region=("<minimax:tool_call>\n", "</minimax:tool_call>"),
                      style="minimax_xml")
+# Apriel 1.5 and 1.6: a JSON list of calls in one region
+APRIEL = Format("apriel", '{"name": "', '", "arguments": ', "}", "<tool_calls>", ", ", ("<tool_calls>",),
+                region=("<tool_calls>[", "]</tool_calls>"))
 GLM_XML = Format("glm_xml", "<tool_call>", "", "</tool_call>", "<tool_call>", "\n", ("<tool_call>",), style="glm_xml")
 # gpt-oss: the recipient before the channel, as its template writes a call, or after it, as OpenAI's guide does.
 HARMONY = Format("harmony", "<|start|>assistant to=functions.", "<|channel|>commentary json<|message|>", "",
@@ -111,11 +115,11 @@ GEMMA_TURN = ("<turn|>\n", "<|turn>model\n")  # how Gemma 4's template closes a 
 GENERIC = Format("generic", '{"tool_call": {"name": "', '", "arguments": ', "}}", '{"tool_call"', "\n",
                  ('{"tool_call"',), native=False)
 FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS, MISTRAL_CALL_ID, QWEN_XML, GLM_XML,
-                                MINIMAX_XML, HARMONY, GEMMA, GENERIC)}
+                                MINIMAX_XML, APRIEL, HARMONY, GEMMA, GENERIC)}
 # How templates that write calls in an XML not parsed here show it (MiniMax-M3's).
 XML_SIGNS = ("<invoke ",)
-KNOWN = ("Hermes/Qwen JSON <tool_call>, Qwen, GLM and MiniMax-M2 XML, Llama 3 JSON, Mistral [TOOL_CALLS], gpt-oss and "
-         "Gemma 4")
+KNOWN = ("Hermes/Qwen JSON <tool_call>, Qwen, GLM and MiniMax-M2 XML, Llama 3 JSON, Mistral [TOOL_CALLS], Apriel "
+         "<tool_calls>, gpt-oss and Gemma 4")
 
 
 def template_text(chat_template) -> str | None:
@@ -142,6 +146,8 @@ def detect_format(chat_template) -> Format | str:
         return GLM_XML
     if MINIMAX_XML.trigger in text and MINIMAX_XML.begin in text:
         return MINIMAX_XML
+    if APRIEL.region[0] in text:  # before Hermes: its instructions also name <tool_call></tool_call> tags
+        return APRIEL
     xml = next((sign for sign in XML_SIGNS if sign in text), None)
     if xml is not None:
         return (f"this model's chat template writes tool calls as XML ({xml.strip()}...), which is not parsed here "
@@ -546,11 +552,12 @@ def parse_region(fmt, text, start, marker, found, schemas=None):
         return end
     if fmt.style != "json":
         return parse_xml_region(fmt, text, start + len(marker), found, schemas)
-    if marker in ("<tool_call>", "<|python_tag|>", "[TOOL_CALLS]"):
+    listed = fmt.region is not None  # a JSON list of calls after the marker (Mistral's, Apriel's)
+    if marker in ("<tool_call>", "<|python_tag|>") or listed:
         position = skip_space(text, start + len(marker))
     else:
         position = start  # the marker is the call's own opening
-    if marker == "[TOOL_CALLS]":
+    if listed:
         if position == len(text):
             return None
         if text[position] != "[":
@@ -576,11 +583,11 @@ def parse_region(fmt, text, start, marker, found, schemas=None):
             if closing.startswith(text[position:]):
                 return None  # the closing tag is on its way (or the reply ended before it)
             return -1 if not found[:-1] else position
-        if marker == "[TOOL_CALLS]":
+        if listed:
             if position == len(text):
                 return None
             if text[position] == "]":
-                return position + 1
+                return region_end(fmt, text, position + 1)
             if text[position] != ",":
                 return -1
             position += 1
@@ -589,6 +596,15 @@ def parse_region(fmt, text, start, marker, found, schemas=None):
             position += 1
             continue
         return end
+
+
+def region_end(fmt, text, position):
+    """The end of a list of calls whose "]" ends at `position`: after the region's closing tag, if it has one
+    (Apriel's </tool_calls>); None while that is on its way."""
+    tail = fmt.region[1][1:]
+    if text.startswith(tail, position):
+        return position + len(tail)
+    return None if tail.startswith(text[position:]) else position
 
 
 def parse_xml_region(fmt, text, position, found, schemas):

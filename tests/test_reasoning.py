@@ -686,3 +686,30 @@ def test_a_session_keeps_its_history_where_the_template_refuses_an_empty_answer(
     shown = capsys.readouterr()
     assert "dropped" not in shown.err and "error" not in shown.err, shown.err
     assert [message["role"] for message in session.messages] == ["user", "assistant"] * 2
+
+
+def test_apriel_thinks_after_its_plain_text_opening_and_answers_after_the_marker(tmp_path):
+    """Apriel 1.6's prompt opens the block in plain text ("Here are my reasoning steps:", many tokens in a small
+    vocabulary), and the answer follows "[BEGIN FINAL RESPONSE]": a budget closes the block (the tiny model never
+    does), the reasoning is what came before it, the answer what follows; a required call follows the marker too."""
+    path = str(tmp_path / "qwen2")
+    template_checkpoint(path, os.path.join(os.path.dirname(TEMPLATE), "apriel-1.6-thinker.jinja"),
+                        special=["<|begin_system|>", "<|begin_user|>", "<|begin_assistant|>", "<|begin_tool_result|>",
+                                 "<|end|>"])
+    loaded = load(path, device=torch.device("cpu"))
+    with serving(loaded, model_id=MODEL_ID, max_batch=8) as (live, _):
+        server = (live.url, loaded)
+        assert len(loaded.tokenizer.encode("Here are my reasoning steps:\n")) > 8  # past the tail's own tokens
+        reply = chat(server, temperature=1.0, seed=1, n=4, max_tokens=30, logprobs=True,
+                     extra_body={"thinking_token_budget": 5})
+        for choice in reply.choices:
+            text = "".join(token.token for token in choice.logprobs.content)  # the reply as the model wrote it
+            thought, marked, answer = text.partition("[BEGIN FINAL RESPONSE]")
+            assert marked and choice.message.reasoning_content == thought.strip()
+            assert choice.message.content == (answer.strip() or None)
+        called = chat(server, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False, temperature=1.0,
+                      seed=2, n=2, max_tokens=120, extra_body={"thinking_token_budget": 3})
+        for choice in called.choices:
+            [call] = choice.message.tool_calls
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
+            assert "[BEGIN FINAL RESPONSE]" not in (choice.message.reasoning_content or "")

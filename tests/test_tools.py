@@ -28,7 +28,7 @@ MODELS = {"hermes": ("qwen2", "qwen2.5-instruct.jinja"), "llama3_json": ("llama"
           "mistral_args": ("mistral", "devstral-small-2507.jinja"),
           "mistral_call_id": ("mistral", "mistral-small-3.2.jinja"), "qwen_xml": ("qwen2", "qwen3.5.jinja"),
           "glm_xml": ("qwen2", "glm-4.6.jinja"), "gemma": ("qwen2", "gemma-4-it.jinja"),
-          "minimax_xml": ("qwen2", "minimax-m2.jinja"),
+          "minimax_xml": ("qwen2", "minimax-m2.jinja"), "apriel": ("mistral", "apriel-1.5-thinker.jinja"),
           "generic": ("qwen2", None)}
 # Qwen3.5 and GLM think first by default, and a tiny random model never closes its block: the calls follow no thinking.
 TEMPLATE_KWARGS = {"qwen_xml": {"enable_thinking": False}, "glm_xml": {"enable_thinking": False}}
@@ -43,6 +43,8 @@ TEKKEN_CONTROL = MISTRAL_CONTROL + ["[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[TOO
 # (generation_config's eos_token_id [1, 106, 50]).
 GEMMA_CONTROL = ["<|turn>", "<turn|>", "<|channel>", "<channel|>", "<|think|>", "<|tool>", "<tool|>", "<|tool_call>",
                  "<tool_call|>", "<|tool_response>", "<tool_response|>", '<|"|>']
+# Apriel 1.5's turn markers, special tokens of its tokenizer.
+APRIEL_CONTROL = ["<|system|>", "<|user|>", "<|assistant|>", "<|tool_result|>", "<|content|>", "<|end|>"]
 TIME = {"type": "function", "function": {
     "name": "get_time", "description": "The time in a time zone",
     "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 8}},
@@ -82,8 +84,9 @@ def checkpoints(tmp_path_factory):
             if fmt == "glm_xml":  # GLM-4.6's
                 tokenizer.add_tokens(["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
                                       "</arg_value>", "<think>", "</think>"])
-            if fmt.startswith("mistral") or fmt == "gemma":
-                control = GEMMA_CONTROL if fmt == "gemma" else MISTRAL_CONTROL if fmt == "mistral" else TEKKEN_CONTROL
+            if fmt.startswith("mistral") or fmt in ("gemma", "apriel"):
+                control = {"gemma": GEMMA_CONTROL, "apriel": APRIEL_CONTROL, "mistral": MISTRAL_CONTROL}.get(
+                    fmt, TEKKEN_CONTROL)
                 tokenizer.add_special_tokens({"additional_special_tokens": control})
                 model = AutoModelForCausalLM.from_pretrained(path)
                 model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)  # rows the model can write
@@ -166,7 +169,7 @@ def test_a_named_function_is_the_one_called(servers, fmt):
 
 
 def test_parallel_calls_come_when_allowed_and_not_otherwise(servers):
-    for fmt in ("hermes", "generic", "mistral", "qwen_xml", "gemma", "minimax_xml"):
+    for fmt in ("hermes", "generic", "mistral", "qwen_xml", "gemma", "minimax_xml", "apriel"):
         several = create(servers, fmt, tools=TOOLS, tool_choice="required", temperature=1.0, seed=11, n=8,
                          max_tokens=250)
         counts = [len(check_calls(choice, SCHEMAS)) for choice in several.choices if choice.finish_reason != "length"]

@@ -131,6 +131,7 @@ PUBLISHED = [
     ("minimax-m3.jinja", {}, "<mm:think>", "</mm:think>"),
     ("hy3.jinja", {"reasoning_effort": "high"}, "<think:opensource>", "</think:opensource>"),  # names built in jinja
     ("command-r7b-tool_use.jinja", {"enable_thinking": True}, "<|START_THINKING|>", "<|END_THINKING|>"),
+    ("apriel-1.6-thinker.jinja", {}, "Here are my reasoning steps:", "[BEGIN FINAL RESPONSE]"),  # plain text
 ]
 ASKED = [{"role": "user", "content": "Hi"}]
 THOUGHT, ANSWER = "The user greets me.", "Hello! How can I help?"
@@ -164,8 +165,10 @@ def test_each_published_format_splits_the_reply_its_template_writes(name, variab
     tools = [WEATHER] if "tool_calls" in turn else None
     prompt = render(text, ASKED, tools=tools, add_generation_prompt=True, **variables)
     whole = render(text, ASKED + [turn], tools=tools, **variables)
-    assert whole.startswith(prompt)
-    reasoning, content = split_reply(ReplyPlan(delimiters, prompt_state(delimiters, prompt)), whole[len(prompt) :])
+    # Apriel's template writes the opening in the generation prompt only: the turn it renders is what follows it.
+    start = len(prompt) if whole.startswith(prompt) else prompt.rindex(opening)
+    assert whole.startswith(prompt[:start])
+    reasoning, content = split_reply(ReplyPlan(delimiters, prompt_state(delimiters, prompt)), whole[start:])
     assert reasoning == THOUGHT
     assert THOUGHT not in content and opening not in content and closing not in content
     if ANSWER in whole:

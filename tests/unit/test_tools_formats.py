@@ -11,6 +11,7 @@ from xgrammar.testing import _is_grammar_accept_string as grammar_accepts
 
 from rungen.conversation import tool_fields
 from rungen.tools import (
+    APRIEL,
     GEMMA,
     GENERIC,
     GLM_XML,
@@ -75,12 +76,15 @@ PUBLISHED = {
     "minimax_xml": ('<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n'
                     '<parameter name="unit">celsius</parameter>\n</invoke>\n<invoke name="get_time">\n</invoke>\n'
                     "</minimax:tool_call>"),
+    "apriel": ('<tool_calls>[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
+               '{"name": "get_time", "arguments": {}}]</tool_calls>'),
     "gemma": ('<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,unit:<|"|>celsius<|"|>}<tool_call|>'
               "<|tool_call>call:get_time{}<tool_call|>"),
 }
 FORMATS = {"hermes": HERMES, "llama3_json": LLAMA3_JSON, "mistral": MISTRAL, "generic": GENERIC,
            "mistral_args": MISTRAL_ARGS, "mistral_call_id": MISTRAL_CALL_ID, "qwen_xml": QWEN_XML, "glm_xml": GLM_XML,
-           "harmony": HARMONY, "gemma": GEMMA, "minimax_xml": MINIMAX_XML}
+           "harmony": HARMONY, "gemma": GEMMA, "minimax_xml": MINIMAX_XML,
+           "apriel": APRIEL}
 # What takes a published reply off its schema: a value outside the enum, and the required city left out.
 OFF_SCHEMA = {"qwen_xml": (("\ncelsius\n", "\nkelvin\n"), ("<parameter=city>\nParis\n</parameter>\n", "")),
               "glm_xml": ((">celsius<", ">kelvin<"), ("<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n", "")),
@@ -113,6 +117,9 @@ def test_the_format_is_detected_from_the_template():
     assert detect_format(template("gpt-oss.jinja")) is HARMONY
     assert detect_format(template("gemma-4-it.jinja")) is GEMMA
     assert detect_format(template("minimax-m2.jinja")) is MINIMAX_XML
+    # Apriel's instructions name <tool_call></tool_call> tags too, but it writes (and renders) a list in <tool_calls>.
+    assert detect_format(template("apriel-1.5-thinker.jinja")) is APRIEL
+    assert detect_format(template("apriel-1.6-thinker.jinja")) is APRIEL
     # Calls written in another XML inside <tool_call> (MiniMax-M3's <invoke>) are no Hermes JSON.
     assert "writes tool calls as XML (<invoke...)" in detect_format(template("minimax-m3.jinja"))
     assert detect_format(SMOLLM2_TEMPLATE) is GENERIC
