@@ -193,7 +193,7 @@ def main(argv=None):
                                                           engine_refusal(loaded, settings),
                                                           eos_token_ids(settings, loaded.model))
                 if settings.length != 0:
-                    plan_prompt(loaded, settings, prompt)
+                    plan_prompt(loaded, settings, prompt, args.chat_template_kwargs)
                     warn_short_room(loaded, prompt, args.length)
             except PromptError as error:
                 if args.prompt is not None:

@@ -403,10 +403,11 @@ async def generate(service, http_request, body, prompts, logprobs, *, chat, max_
     replies = [None] * len(prompts)  # rungen.reasoning.ReplyPlan of each, when the chat template thinks
     budgets = [None] * len(prompts)  # and its thinking budget (rungen.reasoning.Budget)
     if chat and service.delimiters is not None:
+        variables = template_variables(service, body)
         with service.tokenizer_lock:
             for job, ids in enumerate(prompts):
                 prompts[job], replies[job] = plan_reply(loaded.tokenizer, service.delimiters, ids,
-                                                        constraint is not None, bool(tools and tools.fmt))
+                                                        constraint is not None, bool(tools and tools.fmt), variables)
                 budgets[job] = reply_budget(loaded.tokenizer, replies[job], budget)
     plans = []
     for ids in prompts:

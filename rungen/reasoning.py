@@ -225,10 +225,13 @@ def prompt_state(delimiters: Delimiters, prompt_tail: str) -> str:
     return "start"
 
 
-def plan_reply(tokenizer, delimiters: Delimiters | None, ids: list[int], constrained: bool, tools=False):
+def plan_reply(tokenizer, delimiters: Delimiters | None, ids: list[int], constrained: bool, tools=False,
+               variables: dict | None = None):
     """(ids, ReplyPlan or None) of a chat prompt. A constrained reply must know where the answer starts: where the
     model may open the block itself, the prompt gets the opening delimiter and the constraint starts after the
-    closing one (and the answer's opening, unless the reply may call `tools`)."""
+    closing one (and the answer's opening, unless the reply may call `tools`) — unless thinking is off, the
+    template's own turns closing the block with these `variables`: then the answer starts at once (a prompt that
+    goes on in the model's turn after tool results, where the template wrote no opening of its own)."""
     if delimiters is None:
         return ids, None
     from .logprobs import special_ids
@@ -236,6 +239,8 @@ def plan_reply(tokenizer, delimiters: Delimiters | None, ids: list[int], constra
     kept = special_ids(tokenizer, delimiters.texts)
     tail = TAIL_TOKENS + max(len(delimiters.open), len(delimiters.close))
     state = prompt_state(delimiters, tokenizer.decode(ids[-tail:], skip_special_tokens=False))
+    if constrained and state == "start" and thinking_off(tokenizer.chat_template, delimiters, variables or {}):
+        state = "content"
     if constrained and state == "start":
         ids = ids + tokenizer.encode(delimiters.open, add_special_tokens=False)
         state = "inside"
@@ -246,7 +251,28 @@ def plan_reply(tokenizer, delimiters: Delimiters | None, ids: list[int], constra
     return ids, ReplyPlan(delimiters, state, end_ids, kept, closing)
 
 
-def plan_prompt(loaded, settings, prompt) -> None:
+def thinking_off(chat_template, delimiters: Delimiters, variables: dict) -> bool:
+    """Whether the template, given `variables`, closes the block where it opens the model's turn (Qwen3's and Gemma
+    4's with thinking off)."""
+    sources = template_sources(chat_template)
+    if not sources:
+        return False
+    template = chat_template.get("default", sources[0]) if isinstance(chat_template, dict) else sources[0]
+    return opening_closes(template, delimiters, json.dumps(variables, sort_keys=True, default=str))
+
+
+@functools.lru_cache(maxsize=32)
+def opening_closes(template: str, delimiters: Delimiters, variables: str) -> bool:
+    from .chat_template import render
+
+    try:
+        opening = render(template, PROBE[:1], add_generation_prompt=True, **json.loads(variables))
+    except Exception:  # noqa: BLE001 - a template that cannot open a turn on the probe says nothing of it
+        return False
+    return prompt_state(delimiters, opening) == "content"
+
+
+def plan_prompt(loaded, settings, prompt, variables: dict | None = None) -> None:
     """plan_reply for an encoded command-line or session prompt: sets prompt.reply where its template thinks. A
     run's constraint applies from the first token (generate() too); a jsonl line's tools wait for the block's end."""
     if not (settings.chat or prompt.messages is not None) or settings.constraint is not None:
@@ -254,7 +280,7 @@ def plan_prompt(loaded, settings, prompt) -> None:
     delimiters = detect_delimiters(loaded.tokenizer.chat_template)
     tools = prompt.tool_plan is not None and prompt.tool_plan.fmt is not None
     prompt.ids, prompt.reply = plan_reply(loaded.tokenizer, delimiters, prompt.ids, prompt.constraint is not None,
-                                          tools)
+                                          tools, variables)
 
 
 @dataclasses.dataclass(frozen=True)

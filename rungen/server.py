@@ -53,6 +53,7 @@ from .openai_api import (
     template_variables,
 )
 from .prompts import Prompt
+from .reasoning import plan_reply
 
 API_KEY_ENV = "RUN_GENERATION_API_KEY"
 MAX_BODY_DEPTH = strict_json.MAX_DEPTH  # refused before parsing: the decoder recurses once a level
@@ -240,9 +241,14 @@ def create_app(loaded, engine, options):
         if has_value(body, "messages"):
             if has_value(body, "prompt"):
                 raise APIError("give prompt or messages, not both", "prompt")
-            ids, _ = chat_prompt(service, body, add_generation_prompt=boolean(body, "add_generation_prompt", True),
-                                 add_special_tokens=special, within_context=False,
-                                 template_kwargs=template_variables(service, body))
+            opened = boolean(body, "add_generation_prompt", True)
+            variables = template_variables(service, body)
+            ids, tools = chat_prompt(service, body, add_generation_prompt=opened, add_special_tokens=special,
+                                     within_context=False, template_kwargs=variables)
+            if opened and tools.grammar is not None and service.delimiters is not None:
+                with service.tokenizer_lock:  # as a chat request's: a constrained reply's thinking block opened
+                    ids, _ = plan_reply(loaded.tokenizer, service.delimiters, ids, True, tools.fmt is not None,
+                                        variables)
         else:
             for name in ("add_generation_prompt", "tools", "tool_choice", "parallel_tool_calls",
                          "chat_template_kwargs", "reasoning_effort"):

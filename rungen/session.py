@@ -557,7 +557,7 @@ class Session:
             prompt.constraint = prompt_constraint(prompt.tool_plan, self.loaded, self.settings, self.tool_grammars,
                                                   engine_refusal(self.loaded, self.settings),
                                                   eos_token_ids(self.settings, self.loaded.model))
-        plan_prompt(self.loaded, self.settings, prompt)
+        plan_prompt(self.loaded, self.settings, prompt, self.template_kwargs)
         return prompt, user, kept
 
     def reply_room(self) -> int:

@@ -194,6 +194,16 @@ def test_a_required_tool_call_follows_the_thinking(server):
         assert call.function.name == "get_weather" and choice.message.content is None
         jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
         assert choice.message.reasoning_content
+    # The prompt the calls followed holds the opened block: /tokenize with the same tools counts it; with thinking
+    # off the template closes the block and nothing is added.
+    for variables in ({}, {"enable_thinking": False}):
+        counted = httpx.post(server[0] + "/tokenize", json={"messages": ASK, "tools": [WEATHER],
+                                                             "chat_template_kwargs": variables}).json()
+        reply = chat(server, tools=[WEATHER], tool_choice="required", temperature=1.0, seed=1, max_tokens=4,
+                     extra_body={"chat_template_kwargs": variables})
+        assert reply.usage.prompt_tokens == counted["count"]
+        ending = server[1].tokenizer.decode(counted["tokens"][-4:])
+        assert ending.endswith("<think>") if not variables else ending.endswith("</think>\n\n")
 
 
 def pushed_to_think(tmp_path, server, opening=7.0, closing=5.0):

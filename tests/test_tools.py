@@ -444,17 +444,22 @@ def test_tools_in_a_format_not_parsed_are_refused_before_a_session_and_named_onc
 
 def test_gemma_goes_on_in_its_turn_after_tool_results(servers):
     """Gemma 4's template adds no generation prompt after tool results: the model goes on in its turn. Where that
-    turn held text beside its calls the template closes it, and the prompt opens the model's next one."""
+    turn held text beside its calls the template closes it, and the prompt opens the model's next one. With thinking
+    off (the template's own turns close the thought channel) the reply is the answer or a call, no block forced
+    open for the grammar; the prompt /tokenize shows is the one the reply follows."""
     url, loaded = servers("gemma")
     call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "CET"}'}}
     result = {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}
     endings = []
     for content in (None, "Let me look."):
         history = ASK + [{"role": "assistant", "content": content, "tool_calls": [call]}, result]
-        ids = httpx.post(url + "/tokenize", json={"messages": history}).json()["tokens"]
+        ids = httpx.post(url + "/tokenize", json={"messages": history, "tools": TOOLS}).json()["tokens"]
         endings.append(loaded.tokenizer.decode(ids, skip_special_tokens=False))
-        reply = create(servers, "gemma", messages=history, temperature=0, max_tokens=4)
-        assert reply.usage.prompt_tokens == len(ids)  # the prompt /tokenize shows is the one the reply follows
+        reply = create(servers, "gemma", messages=history, tools=TOOLS, tool_choice="required", temperature=1.0,
+                       seed=3, parallel_tool_calls=False)
+        assert reply.usage.prompt_tokens == len(ids)
+        assert (reply.choices[0].message.model_extra or {}).get("reasoning_content") is None
+        check_calls(reply.choices[0], SCHEMAS)
     assert endings[0].endswith('response:get_time{value:<|"|>12:00<|"|>}<tool_response|>')
     assert endings[1].endswith("Let me look.<turn|>\n<|turn>model\n")
 
