@@ -18,6 +18,7 @@ from .generation import (
     eos_token_ids,
     make_batches,
     reply_kept,
+    reply_markers,
     stop_strings,
     stuck_error,
 )
@@ -168,7 +169,7 @@ def submit_prompts(engine, settings, prompts, on_done, stream=False):
                                 reasoning_end=prompt.reply.end_ids if prompt.reply is not None else None,
                                 thinking_budget=reply_budget(engine.tokenizer, prompt.reply, settings.thinking_budget),
                                 kept=reply_kept(engine.tokenizer, prompt),
-                                markers=prompt.reply.delimiters.texts if prompt.reply is not None else (),
+                                markers=reply_markers(engine.tokenizer, prompt),
                                 deltas=bool(stream)))
         engine.submit(requests[-1])
     return requests

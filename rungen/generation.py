@@ -12,7 +12,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from .errors import GenerationError, PromptError, UsageError, one_line
-from .logprobs import decode_text, first_stop, mend_byte_end, score_prompts, step_logits, token_logprobs
+from .logprobs import (
+    decode_text,
+    first_stop,
+    mend_byte_end,
+    score_prompts,
+    step_logits,
+    token_logprobs,
+    token_texts,
+)
 
 if TYPE_CHECKING:
     from .loading import Loaded
@@ -275,6 +283,14 @@ def reply_kept(tokenizer, prompt: Prompt) -> frozenset:
     return kept | prompt.tool_plan.kept(tokenizer) if prompt.tool_plan is not None else kept
 
 
+def reply_markers(tokenizer, prompt: Prompt) -> tuple[str, ...]:
+    """What a stop string may not cut into: the thinking block's delimiters and the tool format's special tokens
+    (which other servers' text has not: a stop string is no piece of one)."""
+    delimiters = prompt.reply.delimiters.texts if prompt.reply is not None else ()
+    tools = token_texts(tokenizer, prompt.tool_plan.kept(tokenizer)) if prompt.tool_plan is not None else ()
+    return delimiters + tools
+
+
 def describe_sequence(settings: Settings, tokenizer, prompt: Prompt, new: list[int], eos_ids: set[int]) -> Sequence:
     """Decodes one sequence the way the original script does and says why it ended."""
     finish, produced = "length", len(new)
@@ -296,8 +312,7 @@ def describe_sequence(settings: Settings, tokenizer, prompt: Prompt, new: list[i
     whole = mend_byte_end(tokenizer, prompt.ids + new[:shown], decode_text(tokenizer, prompt.ids + new[:shown], kept),
                           shown, kept)
     continuation = whole[len(head) :] if whole.startswith(head) else decode_text(tokenizer, new[:shown], kept)
-    found = first_stop(continuation, stop_strings(settings.stop_token),
-                       prompt.reply.delimiters.texts if prompt.reply is not None else ())
+    found = first_stop(continuation, stop_strings(settings.stop_token), reply_markers(tokenizer, prompt))
     if found:
         continuation = continuation[: found[0]]  # the earliest stop string
         finish = "stop_token"

@@ -69,6 +69,11 @@ def special_ids(tokenizer, texts) -> frozenset:
                      and tokenizer.decode([token], skip_special_tokens=False))
 
 
+def token_texts(tokenizer, ids) -> tuple[str, ...]:
+    """Each token's text, special ones spelled (the markers a reply's text keeps)."""
+    return tuple(sorted(tokenizer.decode([token], skip_special_tokens=False) for token in ids))
+
+
 def from_a_character(tokenizer, ids: list[int], start: int, end: int, kept=frozenset()) -> tuple[int, str]:
     """(start, text): ids[start:end] decoded, `start` moved back by up to three tokens where the decoding would begin
     inside a character (SentencePiece's byte tokens: a run of them decoded from its middle is all U+FFFD, the valid

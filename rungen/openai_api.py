@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from .conversation import MessageError, read_conversation
 from .engine import EngineBusy, EngineClosed
 from .errors import PromptError
-from .logprobs import score_prompts
+from .logprobs import score_prompts, token_texts
 from .prompts import Prompt, encode_prompt
 from .reasoning import VariableError, detect_delimiters, plan_reply, read_template_variables, reply_budget, split_reply
 from .requests import Delta, Done, End
@@ -388,9 +388,11 @@ async def generate(service, http_request, body, prompts, logprobs, *, chat, max_
     stops = read_stop(body)
     constraint_source = read_constraint_source(body, response_format_allowed=chat)
     tool_kept = frozenset()  # the tool format's special tokens (Mistral's [TOOL_CALLS])
+    tool_markers = ()  # and their text, which a stop string may not cut into
     if tools is not None:
         with service.tokenizer_lock:
             tool_kept = tools.kept(loaded.tokenizer)
+            tool_markers = token_texts(loaded.tokenizer, tool_kept)
     if tools is not None and tools.grammar is not None:
         if constraint_source and not tools.holds_format:  # a regex or grammar beside the tools' own
             raise APIError(f"one constraint per request; got tools and {constraint_source[2]}", constraint_source[2])
@@ -439,7 +441,7 @@ async def generate(service, http_request, body, prompts, logprobs, *, chat, max_
                                 reasoning_end=replies[job].end_ids if replies[job] else None,
                                 thinking_budget=budgets[job],
                                 kept=tool_kept | (replies[job].kept if replies[job] else frozenset()),
-                                markers=replies[job].delimiters.texts if replies[job] else ())
+                                markers=(replies[job].delimiters.texts if replies[job] else ()) + tool_markers)
         jobs.append((job, request))
     try:
         for _, request in jobs:

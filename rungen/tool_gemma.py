@@ -1,12 +1,13 @@
 """Gemma 4's tool calls (rungen/tools.py's gemma format): `<|tool_call>call:name{key:value,...}<tool_call|>`.
 
 A value is a string between <|"|> quotes (its text as it is: no escapes), a number, true, false, null, a list
-`[a,b]` or a dict `{key:value}`, its keys written bare and, as the chat template writes them, sorted. The reader
+`[a,b]` or a dict `{key:value}`, its keys written bare (quoted where they could not be read so) and, as the chat
+template writes them, sorted. The reader
 turns a growing call into the JSON of its arguments, at every step a prefix of the final JSON (a stream's arguments
 only grow). xgrammar knows no such style, so the grammar is written here from the tool's schema: it holds a call to
-the schema's keys in the template's order, the required ones, types, enums and consts, nesting, list lengths, and
-string lengths and patterns, numbers' bounds; a string's format is not held (and a string with a length bound is
-written without "<").
+the schema's keys in the template's order, the required ones, types, enums and consts, nesting, list lengths, string
+lengths, patterns (alone, as xgrammar holds them), and numbers' bounds; a string's format is not held. A string's
+text holds no quote and no Gemma control token (a string with a length bound or a pattern no "<" at all).
 """
 
 from __future__ import annotations
@@ -146,13 +147,39 @@ def read_key(text, position, out):
 # Writing: the grammar of a tool's arguments
 
 
-# Text without the closing quote: the states of how much of it the text ends with.
-TEXT_RULES = """gemma_text ::= "" | [^<] gemma_text | "<" gemma_text_1
-gemma_text_1 ::= "" | "<" gemma_text_1 | "|" gemma_text_2 | [^<|] gemma_text
-gemma_text_2 ::= "" | "<" gemma_text_1 | "\\"" gemma_text_3 | [^<"] gemma_text
-gemma_text_3 ::= "" | "<" gemma_text_1 | "|" gemma_text_4 | [^<|] gemma_text
-gemma_text_4 ::= "" | "<" gemma_text_1 | [^<>] gemma_text
-gemma_string ::= "<|\\"|>" gemma_text "<|\\"|>"
+# What a string's text never holds: the quote, and Gemma's control tokens (all of whose openings start "<|"), which the
+# template would write back into the next prompt as the tokens themselves.
+EXCLUDED = ("<|", "<tool_call|>", "<tool_response|>", "<turn|>", "<channel|>", "<tool|>")
+
+
+def excluding(name: str, words) -> str:
+    """EBNF rules `name` for any text holding none of `words`: one rule per state of how much of a word the text
+    ends with (Aho-Corasick's automaton), each taking a character to the next state or, for any other, to the
+    first."""
+    prefixes = sorted({word[:size] for word in words for size in range(len(word))}, key=lambda p: (len(p), p))
+    names = {prefix: f"{name}_{number}" if number else name for number, prefix in enumerate(prefixes)}
+
+    def state(text):  # the longest end of `text` that begins a word
+        return next(text[start:] for start in range(len(text) + 1) if text[start:] in names)
+
+    alphabet = sorted({char for word in words for char in word})
+    rules = []
+    for prefix in prefixes:
+        moves, apart = ['""'], []  # apart: the characters that do not go back to the first state
+        for char in alphabet:
+            following = prefix + char
+            if any(following.endswith(word) for word in words):
+                apart.append(char)  # it would complete a word
+            elif state(following):
+                apart.append(char)
+                moves.append(f"{json.dumps(char)} {names[state(following)]}")
+        escaped = "".join("\\" + char if char in "\\]^-" else char for char in apart)
+        moves.append(f"[^{escaped}] {name}")
+        rules.append(f"{names[prefix]} ::= " + " | ".join(moves))
+    return "\n".join(rules) + "\n"
+
+
+TEXT_RULES = excluding("gemma_text", EXCLUDED) + """gemma_string ::= "<|\\"|>" gemma_text "<|\\"|>"
 gemma_number ::= "-"? ("0" | [1-9] [0-9]*) ("." [0-9]+)? ([eE] [+-]? [0-9]+)?
 gemma_integer ::= "-"? ("0" | [1-9] [0-9]*)
 gemma_key ::= [^:{}\\[\\],<\\n]+
@@ -237,8 +264,8 @@ class GrammarRules:
         return '"<|\\"|>" ' + f"[^<]{{{low},{'' if high is None else high}}}" + ' "<|\\"|>"'
 
     def bounded(self, schema, kind) -> str:
-        """A number between its bounds, by xgrammar's own regex of a range (an exclusive bound of a number that
-        is not an integer is taken as inclusive)."""
+        """A number between its bounds, by xgrammar's own regex of a range (of six decimals for a number, so that
+        an exclusive bound is the next value it writes)."""
         from xgrammar.testing import _generate_float_regex, _generate_range_regex
 
         low = max((bound for bound in (schema.get("minimum"), schema.get("exclusiveMinimum")) if bound is not None),
@@ -246,6 +273,9 @@ class GrammarRules:
         high = min((bound for bound in (schema.get("maximum"), schema.get("exclusiveMaximum")) if bound is not None),
                    default=None)
         if kind == "number":
+            step = 1e-6
+            low = low + step if low is not None and low == schema.get("exclusiveMinimum") else low
+            high = high - step if high is not None and high == schema.get("exclusiveMaximum") else high
             return self.regex(_generate_float_regex(low, high))
         low = None if low is None else math.floor(low) + 1 if low == schema.get("exclusiveMinimum") else math.ceil(low)
         high = None if high is None else math.ceil(high) - 1 if high == schema.get("exclusiveMaximum") \
@@ -257,7 +287,8 @@ class GrammarRules:
         import xgrammar as xgr
 
         prefix = f"gemma_pattern_{len(self.rules)}_"
-        ebnf = str(xgr.Grammar.from_regex(pattern))
+        # Any character, or any but some, is any but "<" too: the text holds no quote or control token.
+        ebnf = str(xgr.Grammar.from_regex(pattern)).replace("[\\0-\\U0010ffff]", "[^<]").replace("[^", "[^<")
         renamed = RULE_NAME.sub(lambda m: prefix + m.group(1) if m.group(1) else m.group(), ebnf)
         for line in renamed.strip().splitlines():
             name, _, body = line.partition(" ::= ")
@@ -276,7 +307,9 @@ class GrammarRules:
     def dict(self, schema) -> str:
         properties = schema.get("properties") or {}
         if not properties:
-            return '"{}"' if schema.get("additionalProperties") is False else "gemma_dict"
+            # no properties named: any dict, but where they are named as none (xgrammar's reading), none
+            return "gemma_dict" if "properties" not in schema and schema.get("additionalProperties") is not False \
+                or schema.get("additionalProperties") not in (None, False) else '"{}"'
         required = set(schema.get("required") or ())
         keys = sorted(properties, key=str.lower)  # as the template's dictsort writes them
         members = [f'{literal_key(key)} ":" {self.value(properties[key])}' for key in keys]
@@ -312,7 +345,10 @@ def literal(value) -> str:
 
 
 def literal_key(key: str) -> str:
-    return json.dumps(key, ensure_ascii=False)
+    """A key as written: bare, or between quotes where the reader could not take it bare (a colon, a space at
+    either end, ...)."""
+    bare = KEY.fullmatch(key) is not None and key == key.strip() and key
+    return json.dumps(key if bare else QUOTE + key + QUOTE, ensure_ascii=False)
 
 
 def gemma_text(value) -> str:

@@ -277,6 +277,17 @@ def test_a_stop_string_inside_a_call_is_no_finished_call(servers):
     assert '"unit"' not in choice.message.tool_calls[0].function.arguments
 
 
+@pytest.mark.parametrize("fmt, stop", [("gemma", "<|"), ("mistral_args", "[TOOL")])
+def test_a_stop_string_is_no_piece_of_a_special_marker(servers, fmt, stop):
+    """A format's markers that are special tokens (Gemma 4's <|tool_call> and <|"|>, Mistral's [TOOL_CALLS]) are in
+    the reply's text only for the parser: a stop string cutting into one is none there, as it is none where other
+    servers drop them."""
+    response = create(servers, fmt, tools=TOOLS, temperature=1.0, seed=5, n=2, stop=[stop],
+                      tool_choice={"type": "function", "function": {"name": "get_time"}})
+    for choice in response.choices:
+        assert [name for name, _ in check_calls(choice, {"get_time"})] == ["get_time"]
+
+
 @pytest.mark.parametrize("fmt", sorted(MODELS))
 def test_a_round_trip_call_result_answer(servers, fmt):
     first = create(servers, fmt, tools=TOOLS, tool_choice="required", temperature=1.0, seed=1,

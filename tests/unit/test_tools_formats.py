@@ -366,7 +366,7 @@ def test_gemma_reads_the_calls_its_template_writes_and_its_grammar_takes_them():
     from rungen.tool_gemma import arguments_grammar
 
     arguments = {"city": 'Saint-"Malo"\nFrance <b>', "days": 3, "Units": "c",
-                 "when": {"from": "today", "hourly": True}, "scores": [1.5, -2, 30000.0], "note": "a<|b"}
+                 "when": {"from": "today", "hourly": True}, "scores": [1.5, -2, 30000.0], "note": "x |> y <z>"}
     asked = [{"role": "user", "content": "Hi"}]
     turn = {"role": "assistant", "content": "", "tool_calls": [
         {"type": "function", "function": {"name": "get_weather", "arguments": arguments}}]}
@@ -386,7 +386,7 @@ def test_gemma_reads_the_calls_its_template_writes_and_its_grammar_takes_them():
         assert written in body and not grammar_accepts(grammar, body.replace(written, off)), off
     assert not grammar_accepts(grammar, "{days:3}")  # city is required
     assert grammar_accepts(grammar, '{city:<|"|>Paris<|"|>}')
-    # A string's text may hold anything but the closing quote.
+    # A string's text holds no closing quote.
     assert not grammar_accepts(grammar, '{city:<|"|>a<|"|>b<|"|>}')
 
 
@@ -407,3 +407,27 @@ def test_gemma_arguments_grow_and_a_cut_call_keeps_its_text():
     assert cut[1][0]["function"]["arguments"] == '{"a": "x y", "b": '
     # Text that only looks like a call stays content.
     assert message_of(CallParser(GEMMA), "<|tool_call>calls are fine") == ("<|tool_call>calls are fine", [])
+
+
+def test_gemma_grammar_keeps_what_the_reader_could_not_take_out_of_a_call():
+    """What would break a call when read back, or the next prompt when the template writes it again, is not
+    generated: a key the reader cannot take bare is quoted; a string holds no quote and no control token; named as
+    none, properties are none (as xgrammar reads it); an exclusive bound of a number is not reached."""
+    from rungen.tool_gemma import arguments_grammar
+
+    quote = '<|"|>'
+    schema = {"type": "object", "properties": {
+        "a:b": {"type": "integer"}, " lead": {"type": "integer"}, "s": {"type": "string"},
+        "p": {"type": "string", "pattern": "^.*$"}, "none": {"type": "object", "properties": {}},
+        "free": {"type": "object"}, "x": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1}}}
+    grammar = arguments_grammar(schema)
+    taken = [f"{{{quote}a:b{quote}:1}}", f"{{{quote} lead{quote}:1}}", f"{{s:{quote}a |> b || c <b>{quote}}}",
+             "{none:{}}", "{free:{k:1}}", "{x:0.5}", "{x:0.999999}"]
+    refused = ["{a:b:1}", "{ lead:1}", f"{{s:{quote}a<|b{quote}}}", f"{{s:{quote}a<turn|>{quote}}}",
+               f"{{s:{quote}<tool_call|>{quote}}}", f"{{p:{quote}a<b{quote}}}", "{none:{k:1}}", "{x:0}", "{x:1}"]
+    assert [text for text in taken if not grammar_accepts(grammar, text)] == []
+    assert [text for text in refused if grammar_accepts(grammar, text)] == []
+    # And the reader takes a quoted key back as the key.
+    parsed = message_of(CallParser(GEMMA), f"<|tool_call>call:f{{{quote}a:b{quote}:1,{quote} lead{quote}:2}}"
+                                           "<tool_call|>")
+    assert json.loads(parsed[1][0]["function"]["arguments"]) == {"a:b": 1, " lead": 2}
