@@ -209,7 +209,8 @@ def encode_prompt(loaded: Loaded, prompt: Prompt, prefix: str = "", chat: bool =
             messages = [{"role": "system", "content": system}, *messages]
         import jinja2
 
-        extra = {**(template_kwargs or {}), **({"tools": tools} if tools is not None else {})}
+        extra = {**(template_kwargs or {}), **(template_tools(tokenizer.chat_template, tools) if tools is not None
+                                                 else {})}
         try:
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                  tokenize=False, **extra)
@@ -242,6 +243,16 @@ def encode_prompt(loaded: Loaded, prompt: Prompt, prefix: str = "", chat: bool =
     if within_context and loaded.context and len(ids) >= loaded.context:
         raise PromptError(f"prompt is {len(ids)} tokens; the model's context is {loaded.context}")
     return ids
+
+
+def template_tools(chat_template, tools: list[dict]) -> dict:
+    """The tools as the template reads them: `tools`, or where it reads only `xml_tools` (SmolLM3's), the functions
+    there, as its model card passes them."""
+    from .reasoning import template_reads
+
+    if template_reads(chat_template, "xml_tools") and not template_reads(chat_template, "tools"):
+        return {"xml_tools": [tool["function"] for tool in tools]}
+    return {"tools": tools}
 
 
 def warn_short_room(loaded: Loaded, prompt: Prompt, length: int) -> None:

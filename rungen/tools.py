@@ -322,9 +322,11 @@ def check_answers(messages) -> dict[str, str]:
     return names
 
 
-def template_messages(messages, fmt: Format, request: ToolRequest | None):
+def template_messages(messages, fmt: Format, request: ToolRequest | None, calls_as_text: bool = False):
     """The conversation as the chat template takes it, calls and results in the format's shape (the generic format
-    describes the tools in the system message); every call answered (check_answers)."""
+    describes the tools in the system message); every call answered (check_answers). `calls_as_text`: the template
+    renders no tool_calls (SmolLM3's, Granite 3.3's), so an assistant turn's calls are its text, as the model wrote
+    them."""
     calls = check_answers(messages)  # id -> name
     out = []
     for message in messages:
@@ -341,16 +343,15 @@ def template_messages(messages, fmt: Format, request: ToolRequest | None):
                 else:
                     out.append({"role": "user", "content": result, "tool_results": True})
         elif message.get("tool_calls"):
-            if fmt.native:
+            if fmt.native and not (calls_as_text and fmt.style == "json" and not fmt.call_id):
                 out.append({"role": "assistant", "content": message.get("content") or "",
                             "tool_calls": [{"id": call_id_for(fmt, call["id"]), "type": "function",
                                             "function": {"name": call["name"], "arguments": call["arguments"]}}
                                            for call in message["tool_calls"]]})
             else:
-                lines = [json.dumps({"tool_call": {"name": call["name"], "arguments": call["arguments"]}})
-                         for call in message["tool_calls"]]
-                text = "\n".join(([message["content"]] if message.get("content") else []) + lines)
-                out.append({"role": "assistant", "content": text})
+                written = calls_text(fmt, message["tool_calls"])
+                out.append({"role": "assistant",
+                            "content": message["content"] + "\n" + written if message.get("content") else written})
         else:
             out.append({"role": role, "content": message["content"] if message["content"] is not None else ""})
         if role == "assistant" and message.get("reasoning_content") is not None:
@@ -364,6 +365,14 @@ def template_messages(messages, fmt: Format, request: ToolRequest | None):
         else:
             out.insert(0, {"role": "system", "content": described})
     return out
+
+
+def calls_text(fmt: Format, calls) -> str:
+    """An assistant turn's calls as the model writes them, in a format whose arguments are JSON."""
+    written = fmt.separator.join(fmt.begin + call["name"] + fmt.middle + json.dumps(call["arguments"],
+                                                                                    ensure_ascii=False) + fmt.end
+                                 for call in calls)
+    return fmt.region[0] + written + fmt.region[1] if fmt.region else written
 
 
 def call_id_for(fmt, call_id):
@@ -841,7 +850,8 @@ def plan_tools(body, messages, chat_template, reply_schema: str | None = None) -
     if isinstance(fmt, str):
         raise ToolError(f"tools: {fmt}", "tools" if request is not None else "messages")
     calling = request is not None and request.choice != "none"
-    return ToolPlan(template_messages(messages, fmt, request),
+    calls_as_text = "tool_calls" not in template_text(chat_template)
+    return ToolPlan(template_messages(messages, fmt, request, calls_as_text),
                     template_tools=list(request.tools) if calling and fmt.native else None,
                     grammar=tool_grammar(fmt, request, reply_schema) if calling else None,
                     fmt=fmt if calling else None, calls_only=calling and request.choice != "auto",

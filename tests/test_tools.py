@@ -502,3 +502,46 @@ def test_a_session_with_tools_fits_its_history_with_the_tools_counted(checkpoint
     shown = capsys.readouterr().err
     assert "error" not in shown and "dropped the oldest" in shown, shown
     assert session.replies  # the turn was generated
+
+
+# In the manner of SmolLM3's published template: the tools come as xml_tools, the calls are written in <tool_call> tags
+# but an assistant turn renders its content alone (no tool_calls), and a tool's result is a user turn.
+XML_TOOLS_TEMPLATE = (
+    "<|im_start|>system\n{% if xml_tools %}You are provided with function signatures within <tools></tools> XML "
+    "tags:\n<tools>\n{% for tool in xml_tools %}{{ tool | string }}\n{% endfor %}</tools>\nFor each function call, "
+    "return a json object with function name and arguments within <tool_call></tool_call> XML tags.{% endif %}"
+    "<|im_end|>\n{% for message in messages %}{% set content = message.content if message.content is string else '' "
+    "%}{% if message.role == 'tool' %}<|im_start|>user\n{{ content }}<|im_end|>\n{% else %}<|im_start|>"
+    "{{ message.role }}\n{{ content }}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}"
+    "<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_template_reading_xml_tools_and_no_tool_calls_gets_both_its_way(checkpoints, tmp_path):
+    """The tools reach a template that reads them as xml_tools (SmolLM3's), and an earlier turn's calls, which it
+    does not render from tool_calls, are that turn's text as the model wrote it: the next prompt holds them."""
+    import shutil
+
+    path = str(tmp_path / "model")
+    shutil.copytree(checkpoints("hermes"), path)
+    (tmp_path / "model" / "chat_template.jinja").write_text(XML_TOOLS_TEMPLATE)
+    loaded = load(path, device=torch.device("cpu"))
+    app, engine = build(loaded, ServeOptions(model_id="xml_tools", max_batch=4))
+    live = LiveServer(app)
+    try:
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        first = client.chat.completions.create(model="xml_tools", messages=ASK, tools=TOOLS, tool_choice="required",
+                                               temperature=1.0, seed=1, parallel_tool_calls=False, max_tokens=120)
+        [(name, arguments)] = check_calls(first.choices[0], SCHEMAS)
+        call = first.choices[0].message.tool_calls[0]
+        history = ASK + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                         {"role": "tool", "tool_call_id": call.id, "content": "18 degrees"}]
+        ids = httpx.post(live.url + "/tokenize", json={"messages": history, "tools": TOOLS}).json()["tokens"]
+        prompt = loaded.tokenizer.decode(ids)
+        assert "'name': 'get_weather'" in prompt and "'name': 'get_time'" in prompt  # the tools, as xml_tools
+        written = f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(arguments, ensure_ascii=False)}}}\n' \
+                  "</tool_call>"
+        assert f"<|im_start|>assistant\n{written}<|im_end|>\n<|im_start|>user\n18 degrees" in prompt
+    finally:
+        live.stop()
+        engine.close()
+        engine.abort()
