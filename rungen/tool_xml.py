@@ -9,6 +9,7 @@ lets one whitespace character stand on each side of a value (the templates' line
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import re
@@ -30,6 +31,9 @@ STYLES = {
     # Qwen3.5, Qwen3-Coder, Nemotron 3: <function=name> <parameter=key> value </parameter> </function> </tool_call>
     "qwen_xml": XmlStyle(("<function=", ">"), ("<parameter=", ">"), ("", "</parameter>"),
                          ("</function>", "</tool_call>")),
+    # Seed-OSS: as Qwen's in a <seed:tool_call>, <parameter=key>value</parameter>
+    "seed_xml": XmlStyle(("<function=", ">"), ("<parameter=", ">"), ("", "</parameter>"),
+                         ("</function>", "</seed:tool_call>")),
     # GLM-4.5 on: name <arg_key>key</arg_key> <arg_value>value</arg_value> </tool_call>
     "glm_xml": XmlStyle(("", ""), ("<arg_key>", "</arg_key>"), ("<arg_value>", "</arg_value>"), ("</tool_call>",)),
     # MiniMax-M2 to M2.7, inside one <minimax:tool_call> region: <invoke name="name"> <parameter name="key">value
@@ -118,18 +122,37 @@ def tag_text(text, position, tag, pattern=NAME):
 def xml_value(text, schema):
     """A parameter's value: the text between its tags less one whitespace character on each side. Where its schema
     lets a string be (a type, an enum's or const's value, a branch of anyOf/oneOf), the text itself, unless it is
-    the JSON of another value the schema lets be (null for an Optional); elsewhere the JSON it holds (the text
-    where it holds none)."""
+    the JSON (or Python literal) of another value the schema lets be (null for an Optional); elsewhere the value
+    that JSON or literal holds (the text where it holds neither)."""
     text = text[1:] if text[:1] in WHITESPACE else text
     text = text[:-1] if text[-1:] in WHITESPACE else text
     try:
         value = json.loads(text)
     except ValueError:
-        return text
+        value = python_literal(text)
+        if value is NOT_READ:
+            return text
     kinds = json_types(schema)
     if kinds is None or "string" not in kinds or not isinstance(value, str) and json_type(value) in kinds:
         return value
     return text
+
+
+NOT_READ = object()
+
+
+def python_literal(text):
+    """The value of a Python literal (`{'a': True}`): what templates that write a value with str() put in the
+    history (Seed-OSS's, Qwen3-Coder's), and so what their models may write; NOT_READ where it is none of JSON's."""
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return NOT_READ
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):  # a tuple inside is fine, a set or bytes are not JSON
+        return NOT_READ
+    return value if isinstance(value, (dict, list, int, float, bool, type(None))) else NOT_READ
 
 
 def json_types(schema) -> set | None:

@@ -72,8 +72,8 @@ class Format:
     one_call: bool = False  # the template renders one call a reply at most
     native: bool = True  # the template renders the tools itself
     call_id: bool = False  # a 9-character id the model writes after `middle`, then "[ARGS]" (Mistral Small 3.2)
-    # How the arguments are written: JSON, xgrammar's "qwen_xml" (<parameter=key>value...) or "glm_xml", or "gemma"
-    # (rungen/tool_gemma.py).
+    # How the arguments are written: JSON, an XML of rungen/tool_xml.py's (xgrammar's "qwen_xml": <parameter=key>
+    # value..., "glm_xml", ...), or "gemma" (rungen/tool_gemma.py).
     style: str = "json"
     alternate: tuple[str, str] | None = None  # another (begin, middle) the model may write a call with (gpt-oss's)
 
@@ -99,9 +99,15 @@ QWEN_XML = Format("qwen_xml", "<tool_call>\n<function=", ">\n", "</function>\n</
 MINIMAX_XML = Format("minimax_xml", '<invoke name="', '">\n', "</invoke>\n", "<minimax:tool_call>", "",
                      ("<minimax:tool_call>",), region=("<minimax:tool_call>\n", "</minimax:tool_call>"),
                      style="minimax_xml")
-# Apriel 1.5 and 1.6: a JSON list of calls in one region
+# Apriel 1.5 and 1.6, Nemotron Nano 2: a JSON list of calls in one region
 APRIEL = Format("apriel", '{"name": "', '", "arguments": ', "}", "<tool_calls>", ", ", ("<tool_calls>",),
                 region=("<tool_calls>[", "]</tool_calls>"))
+NEMOTRON = Format("nemotron", '{"name": "', '", "arguments": ', "}", "<TOOLCALL>", ", ", ("<TOOLCALL>",),
+                  region=("<TOOLCALL>[", "]</TOOLCALL>"))
+# Seed-OSS: Qwen's XML in a <seed:tool_call>, the values written tight
+SEED_XML = Format("seed_xml", "<seed:tool_call>\n<function=", ">\n", "</function>\n</seed:tool_call>",
+                  "<seed:tool_call>", "\n", ("<seed:tool_call>",), style="seed_xml")
+GRAMMAR_STYLES = {"seed_xml": "qwen_xml"}  # xgrammar's style of a format's parameters, where it is not its own name
 GLM_XML = Format("glm_xml", "<tool_call>", "", "</tool_call>", "<tool_call>", "\n", ("<tool_call>",), style="glm_xml")
 # gpt-oss: the recipient before the channel, as its template writes a call, or after it, as OpenAI's guide does.
 HARMONY = Format("harmony", "<|start|>assistant to=functions.", "<|channel|>commentary json<|message|>", "",
@@ -115,11 +121,11 @@ GEMMA_TURN = ("<turn|>\n", "<|turn>model\n")  # how Gemma 4's template closes a 
 GENERIC = Format("generic", '{"tool_call": {"name": "', '", "arguments": ', "}}", '{"tool_call"', "\n",
                  ('{"tool_call"',), native=False)
 FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS, MISTRAL_CALL_ID, QWEN_XML, GLM_XML,
-                                MINIMAX_XML, APRIEL, HARMONY, GEMMA, GENERIC)}
+                                MINIMAX_XML, APRIEL, NEMOTRON, SEED_XML, HARMONY, GEMMA, GENERIC)}
 # How templates that write calls in an XML not parsed here show it (MiniMax-M3's).
 XML_SIGNS = ("<invoke ",)
-KNOWN = ("Hermes/Qwen JSON <tool_call>, Qwen, GLM and MiniMax-M2 XML, Llama 3 JSON, Mistral [TOOL_CALLS], Apriel "
-         "<tool_calls>, gpt-oss and Gemma 4")
+KNOWN = ("Hermes/Qwen JSON <tool_call>, Qwen, Seed-OSS, GLM and MiniMax-M2 XML, Llama 3 JSON, Mistral [TOOL_CALLS], "
+         "Apriel <tool_calls>, Nemotron <TOOLCALL>, gpt-oss and Gemma 4")
 
 
 def template_text(chat_template) -> str | None:
@@ -148,6 +154,10 @@ def detect_format(chat_template) -> Format | str:
         return MINIMAX_XML
     if APRIEL.region[0] in text:  # before Hermes: its instructions also name <tool_call></tool_call> tags
         return APRIEL
+    if NEMOTRON.region[0] in text:
+        return NEMOTRON
+    if SEED_XML.trigger in text and "<function=" in text:
+        return SEED_XML
     xml = next((sign for sign in XML_SIGNS if sign in text), None)
     if xml is not None:
         return (f"this model's chat template writes tool calls as XML ({xml.strip()}...), which is not parsed here "
@@ -428,7 +438,8 @@ def tool_grammar(fmt: Format, request: ToolRequest, reply_schema: str | None = N
         if fmt.style == "gemma":
             arguments = GrammarFormat(grammar=tool_gemma.arguments_grammar(function["parameters"]))
         else:
-            arguments = JSONSchemaFormat(json_schema=function["parameters"], style=fmt.style, max_whitespace_cnt=1)
+            arguments = JSONSchemaFormat(json_schema=function["parameters"],
+                                         style=GRAMMAR_STYLES.get(fmt.style, fmt.style), max_whitespace_cnt=1)
         if fmt.call_id:  # the model's own id, then the arguments
             arguments = SequenceFormat(elements=[RegexFormat(pattern="[A-Za-z0-9]{9}"),
                                                  ConstStringFormat(value="[ARGS]"), arguments])

@@ -29,11 +29,13 @@ MODELS = {"hermes": ("qwen2", "qwen2.5-instruct.jinja"), "llama3_json": ("llama"
           "mistral_call_id": ("mistral", "mistral-small-3.2.jinja"), "qwen_xml": ("qwen2", "qwen3.5.jinja"),
           "glm_xml": ("qwen2", "glm-4.6.jinja"), "gemma": ("qwen2", "gemma-4-it.jinja"),
           "minimax_xml": ("qwen2", "minimax-m2.jinja"), "apriel": ("mistral", "apriel-1.5-thinker.jinja"),
+          "seed_xml": ("qwen2", "seed-oss.jinja"), "nemotron": ("qwen2", "nemotron-nano-v2.jinja"),
           "generic": ("qwen2", None)}
 # Qwen3.5 and GLM think first by default, and a tiny random model never closes its block: the calls follow no thinking.
-TEMPLATE_KWARGS = {"qwen_xml": {"enable_thinking": False}, "glm_xml": {"enable_thinking": False}}
-# MiniMax-M2's template always opens the block: a budget of none closes it at once.
-THINKING_BUDGET = {"minimax_xml": 0}
+TEMPLATE_KWARGS = {"qwen_xml": {"enable_thinking": False}, "glm_xml": {"enable_thinking": False},
+                   "seed_xml": {"thinking_budget": 0}}
+# MiniMax-M2's and Nemotron Nano 2's templates open the block: a budget of none closes it at once.
+THINKING_BUDGET = {"minimax_xml": 0, "nemotron": 0}
 # Mistral's control tokens, special in its tokenizers (a decode that skips special tokens drops them): v0.3's, and
 # those the tekken tokenizers of Devstral and Mistral Small 3.2 add.
 MISTRAL_CONTROL = ["[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
@@ -80,6 +82,20 @@ def checkpoints(tmp_path_factory):
                 tokenizer.add_special_tokens({"additional_special_tokens": ["]~!b[", "]~b]", "[e~["]})
                 model = AutoModelForCausalLM.from_pretrained(path)
                 model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("[e~[")
+                model.save_pretrained(path)
+            if fmt == "seed_xml":  # Seed-OSS's tags, special in its tokenizer
+                tokenizer.add_special_tokens({"additional_special_tokens": [
+                    "<seed:bos>", "<seed:eos>", "<seed:think>", "</seed:think>", "<seed:cot_budget_reflect>",
+                    "</seed:cot_budget_reflect>", "<seed:tool_call>", "</seed:tool_call>"]})
+                model = AutoModelForCausalLM.from_pretrained(path)
+                model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<seed:eos>")
+                model.save_pretrained(path)
+            if fmt == "nemotron":  # Nemotron Nano 2's: its turn markers special, the call tags and <think> added
+                tokenizer.add_tokens(["<TOOLCALL>", "</TOOLCALL>", "<think>", "</think>"])
+                tokenizer.add_special_tokens({"additional_special_tokens": ["<SPECIAL_10>", "<SPECIAL_11>",
+                                                                            "<SPECIAL_12>"]})
+                model = AutoModelForCausalLM.from_pretrained(path)
+                model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<SPECIAL_12>")
                 model.save_pretrained(path)
             if fmt == "glm_xml":  # GLM-4.6's
                 tokenizer.add_tokens(["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",

@@ -22,7 +22,9 @@ from rungen.tools import (
     MISTRAL,
     MISTRAL_ARGS,
     MISTRAL_CALL_ID,
+    NEMOTRON,
     QWEN_XML,
+    SEED_XML,
     CallParser,
     ToolError,
     assemble,
@@ -78,18 +80,24 @@ PUBLISHED = {
                     "</minimax:tool_call>"),
     "apriel": ('<tool_calls>[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
                '{"name": "get_time", "arguments": {}}]</tool_calls>'),
+    "nemotron": ('<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
+                 '{"name": "get_time", "arguments": {}}]</TOOLCALL>'),
+    "seed_xml": ("<seed:tool_call>\n<function=get_weather>\n<parameter=city>Paris</parameter>\n<parameter=unit>celsius"
+                 "</parameter>\n</function>\n</seed:tool_call>\n<seed:tool_call>\n<function=get_time>\n</function>\n"
+                 "</seed:tool_call>"),
     "gemma": ('<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,unit:<|"|>celsius<|"|>}<tool_call|>'
               "<|tool_call>call:get_time{}<tool_call|>"),
 }
 FORMATS = {"hermes": HERMES, "llama3_json": LLAMA3_JSON, "mistral": MISTRAL, "generic": GENERIC,
            "mistral_args": MISTRAL_ARGS, "mistral_call_id": MISTRAL_CALL_ID, "qwen_xml": QWEN_XML, "glm_xml": GLM_XML,
            "harmony": HARMONY, "gemma": GEMMA, "minimax_xml": MINIMAX_XML,
-           "apriel": APRIEL}
+           "apriel": APRIEL, "nemotron": NEMOTRON, "seed_xml": SEED_XML}
 # What takes a published reply off its schema: a value outside the enum, and the required city left out.
 OFF_SCHEMA = {"qwen_xml": (("\ncelsius\n", "\nkelvin\n"), ("<parameter=city>\nParis\n</parameter>\n", "")),
               "glm_xml": ((">celsius<", ">kelvin<"), ("<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n", "")),
               "gemma": (("celsius", "kelvin"), ('city:<|"|>Paris<|"|>,', "")),
-              "minimax_xml": ((">celsius<", ">kelvin<"), ('<parameter name="city">Paris</parameter>\n', ""))}
+              "minimax_xml": ((">celsius<", ">kelvin<"), ('<parameter name="city">Paris</parameter>\n', "")),
+              "seed_xml": ((">celsius<", ">kelvin<"), ("<parameter=city>Paris</parameter>\n", ""))}
 OFF_JSON = (('"celsius"', '"kelvin"'), ('"city": "Paris", ', ""))
 
 
@@ -120,6 +128,8 @@ def test_the_format_is_detected_from_the_template():
     # Apriel's instructions name <tool_call></tool_call> tags too, but it writes (and renders) a list in <tool_calls>.
     assert detect_format(template("apriel-1.5-thinker.jinja")) is APRIEL
     assert detect_format(template("apriel-1.6-thinker.jinja")) is APRIEL
+    assert detect_format(template("nemotron-nano-v2.jinja")) is NEMOTRON
+    assert detect_format(template("seed-oss.jinja")) is SEED_XML
     # Calls written in another XML inside <tool_call> (MiniMax-M3's <invoke>) are no Hermes JSON.
     assert "writes tool calls as XML (<invoke...)" in detect_format(template("minimax-m3.jinja"))
     assert detect_format(SMOLLM2_TEMPLATE) is GENERIC
@@ -299,7 +309,8 @@ def test_each_xml_format_reads_the_calls_its_template_writes():
     schema = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
                                                "when": {"type": "object"}, "code": {"type": "string"}}}
     asked = [{"role": "user", "content": "Hi"}]
-    for name, fmt in (("qwen3.5.jinja", QWEN_XML), ("glm-4.6.jinja", GLM_XML), ("minimax-m2.jinja", MINIMAX_XML)):
+    for name, fmt in (("qwen3.5.jinja", QWEN_XML), ("glm-4.6.jinja", GLM_XML), ("minimax-m2.jinja", MINIMAX_XML),
+                      ("seed-oss.jinja", SEED_XML)):
         turn = {"role": "assistant", "content": "", "tool_calls": [
             {"type": "function", "function": {"name": "get_weather", "arguments": arguments}}]}
         kwargs = {"enable_thinking": False}
