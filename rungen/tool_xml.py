@@ -44,6 +44,10 @@ STYLES = {
 NAME = re.compile(r"[A-Za-z0-9_.-]*")  # a function's
 KEY = re.compile(r"[^<>\n]*")  # a parameter's: any property name a schema may have (a space, "城市"), in one line
 WHITESPACE = (" ", "\n", "\r", "\t")
+# The readers' JSON scalars (here with their other text helpers): one written, or one the text may still be writing.
+SCALAR = re.compile(r"-?\d+(\.\d+)?([eE][-+]?\d+)?|true|false|null")
+NUMBER_START = re.compile(r"-?(\d+(\.\d*)?([eE][-+]?\d*)?)?")
+WORDS = ("true", "false", "null")
 
 
 def read_call(style: XmlStyle, text: str, position: int, schemas: dict | None):

@@ -34,8 +34,9 @@ import re
 import uuid
 
 from . import tool_gemma
+from .tool_schema import arguments_grammar
+from .tool_xml import NUMBER_START, SCALAR, WORDS, prefix_length, read_call, skip_space
 from .tool_xml import STYLES as XML_STYLES
-from .tool_xml import prefix_length, read_call, skip_space
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
@@ -107,6 +108,9 @@ NEMOTRON = Format("nemotron", '{"name": "', '", "arguments": ', "}", "<TOOLCALL>
 # Seed-OSS: Qwen's XML in a <seed:tool_call>, the values written tight
 SEED_XML = Format("seed_xml", "<seed:tool_call>\n<function=", ">\n", "</function>\n</seed:tool_call>",
                   "<seed:tool_call>", "\n", ("<seed:tool_call>",), style="seed_xml")
+# LFM2: Python calls in a list, their values JSON
+PYTHONIC = Format("pythonic", "", "(", ")", "<|tool_call_start|>", ", ", ("<|tool_call_start|>",),
+                  region=("<|tool_call_start|>[", "]<|tool_call_end|>"), style="python")
 GRAMMAR_STYLES = {"seed_xml": "qwen_xml"}  # xgrammar's style of a format's parameters, where it is not its own name
 GLM_XML = Format("glm_xml", "<tool_call>", "", "</tool_call>", "<tool_call>", "\n", ("<tool_call>",), style="glm_xml")
 # gpt-oss: the recipient before the channel, as its template writes a call, or after it, as OpenAI's guide does.
@@ -121,11 +125,11 @@ GEMMA_TURN = ("<turn|>\n", "<|turn>model\n")  # how Gemma 4's template closes a 
 GENERIC = Format("generic", '{"tool_call": {"name": "', '", "arguments": ', "}}", '{"tool_call"', "\n",
                  ('{"tool_call"',), native=False)
 FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS, MISTRAL_CALL_ID, QWEN_XML, GLM_XML,
-                                MINIMAX_XML, APRIEL, NEMOTRON, SEED_XML, HARMONY, GEMMA, GENERIC)}
+                                MINIMAX_XML, APRIEL, NEMOTRON, SEED_XML, PYTHONIC, HARMONY, GEMMA, GENERIC)}
 # How templates that write calls in an XML not parsed here show it (MiniMax-M3's).
 XML_SIGNS = ("<invoke ",)
 KNOWN = ("Hermes/Qwen JSON <tool_call>, Qwen, Seed-OSS, GLM and MiniMax-M2 XML, Llama 3 JSON, Mistral [TOOL_CALLS], "
-         "Apriel <tool_calls>, Nemotron <TOOLCALL>, gpt-oss and Gemma 4")
+         "Apriel <tool_calls>, Nemotron <TOOLCALL>, LFM2's Python calls, gpt-oss and Gemma 4")
 
 
 def template_text(chat_template) -> str | None:
@@ -156,6 +160,8 @@ def detect_format(chat_template) -> Format | str:
         return APRIEL
     if NEMOTRON.region[0] in text:
         return NEMOTRON
+    if "<|tool_list_start|>" in text:  # LFM2's tool list: its calls are Python's
+        return PYTHONIC
     if SEED_XML.trigger in text and "<function=" in text:
         return SEED_XML
     xml = next((sign for sign in XML_SIGNS if sign in text), None)
@@ -353,7 +359,7 @@ def template_messages(messages, fmt: Format, request: ToolRequest | None, calls_
                 else:
                     out.append({"role": "user", "content": result, "tool_results": True})
         elif message.get("tool_calls"):
-            if fmt.native and not (calls_as_text and fmt.style == "json" and not fmt.call_id):
+            if fmt.native and not (calls_as_text and fmt.style in ("json", "python") and not fmt.call_id):
                 out.append({"role": "assistant", "content": message.get("content") or "",
                             "tool_calls": [{"id": call_id_for(fmt, call["id"]), "type": "function",
                                             "function": {"name": call["name"], "arguments": call["arguments"]}}
@@ -378,9 +384,14 @@ def template_messages(messages, fmt: Format, request: ToolRequest | None, calls_
 
 
 def calls_text(fmt: Format, calls) -> str:
-    """An assistant turn's calls as the model writes them, in a format whose arguments are JSON."""
-    written = fmt.separator.join(fmt.begin + call["name"] + fmt.middle + json.dumps(call["arguments"],
-                                                                                    ensure_ascii=False) + fmt.end
+    """An assistant turn's calls as the model writes them, in a format whose arguments are JSON (or Python keywords
+    of JSON values)."""
+    def arguments(values):
+        if fmt.style == "python":
+            return ", ".join(f"{key}={json.dumps(value, ensure_ascii=False)}" for key, value in values.items())
+        return json.dumps(values, ensure_ascii=False)
+
+    written = fmt.separator.join(fmt.begin + call["name"] + fmt.middle + arguments(call["arguments"]) + fmt.end
                                  for call in calls)
     return fmt.region[0] + written + fmt.region[1] if fmt.region else written
 
@@ -435,8 +446,12 @@ def tool_grammar(fmt: Format, request: ToolRequest, reply_schema: str | None = N
             message = re.sub(r"^\[[0-9:]+\] \S+: ", "", str(error).splitlines()[0] if str(error) else "")
             raise ToolError(f"tools: the parameters of {function['name']!r} cannot be compiled: {message}",
                             "tools") from error
-        if fmt.style == "gemma":
-            arguments = GrammarFormat(grammar=tool_gemma.arguments_grammar(function["parameters"]))
+        if fmt.style in ("gemma", "python"):
+            try:
+                arguments = GrammarFormat(grammar=arguments_grammar(function["parameters"], fmt.style))
+            except ValueError as error:
+                raise ToolError(f"tools: the parameters of {function['name']!r} cannot be compiled: {error}",
+                                "tools") from error
         else:
             arguments = JSONSchemaFormat(json_schema=function["parameters"],
                                          style=GRAMMAR_STYLES.get(fmt.style, fmt.style), max_whitespace_cnt=1)
@@ -570,6 +585,8 @@ def parse_region(fmt, text, start, marker, found, schemas=None):
         if call is not None:
             found.append(Call(*call))
         return end
+    if fmt.style == "python":
+        return parse_python_calls(fmt, text, start + len(marker), found)
     if fmt.style != "json":
         return parse_xml_region(fmt, text, start + len(marker), found, schemas)
     listed = fmt.region is not None  # a JSON list of calls after the marker (Mistral's, Apriel's)
@@ -687,6 +704,74 @@ def arguments_call(text, position, name, found):
 
 HARMONY_HEADER = re.compile(r"(?:<\|channel\|>commentary|<\|constrain\|>|json|\s)*")  # between name and message
 HARMONY_PIECES = ("<|message|>", "<|channel|>commentary", "<|constrain|>", "json")
+
+
+def parse_python_calls(fmt, text, position, found):
+    """LFM2's `[name(key=value, ...), ...]` after its <|tool_call_start|> at `position`, each value JSON: the calls
+    into `found`, their arguments the JSON object of the keywords as far as written; as parse_region."""
+    position = skip_space(text, position)
+    if position == len(text):
+        return None
+    if text[position] != "[":
+        return -1
+    position += 1
+    while True:
+        position = skip_space(text, position)
+        if position == len(text):
+            return None
+        if text[position] == "]" and found:
+            return region_end(fmt, text, position + 1)
+        end, call = python_call(text, position)
+        if call is not None:
+            found.append(call)
+        if end is None or end == -1:
+            return end
+        position = skip_space(text, end)
+        if position == len(text):
+            return None
+        if text[position] == "]":
+            return region_end(fmt, text, position + 1)
+        if text[position] != ",":
+            return -1
+        position += 1
+
+
+def python_call(text, position):
+    """(end, Call) of `name(key=value, ...)` at `position`; end None while the text ends inside, -1 if no call."""
+    name = re.compile(r"[A-Za-z0-9_.-]*").match(text, position).group()
+    position += len(name)
+    if position == len(text):
+        return None, Call(None, "", False)
+    if text[position] != "(" or not name:
+        return -1, None
+    out, position = ["{"], skip_space(text, position + 1)
+    while True:
+        if position == len(text):
+            return None, Call(name, "".join(out), False)
+        if text[position] == ")":
+            return position + 1, Call(name, "".join(out) + "}", True)
+        key = re.compile(r"[A-Za-z_][A-Za-z0-9_]*").match(text, position)
+        if key is None:
+            return -1, None
+        position = skip_space(text, key.end())
+        if position == len(text):
+            return None, Call(name, "".join(out) + json.dumps(key.group())[:-1], False)
+        if text[position] != "=":
+            return -1, None
+        out.append(json.dumps(key.group()) + ": ")
+        position = skip_space(text, position + 1)
+        end = value_end(text, position) if position < len(text) else None
+        if end == -1:
+            return -1, None
+        out.append(text[position:end] if end is not None else text[position:])
+        if end is None:
+            return None, Call(name, "".join(out), False)
+        position = skip_space(text, end)
+        if position < len(text) and text[position] == ",":
+            out.append(", ")
+            position = skip_space(text, position + 1)
+        elif position < len(text) and text[position] != ")":
+            return -1, None
 
 
 def parse_harmony_call(text, position, found):
@@ -818,14 +903,10 @@ def value_end(text, position):
                     return index + 1
             index += 1
         return None
-    match = re.compile(r"-?\d+(\.\d+)?([eE][-+]?\d+)?|true|false|null").match(text, position)
-    if match is None:
-        prefixes = ("true", "false", "null")
-        return None if any(p.startswith(text[position:]) for p in prefixes) or text[position] in "-0123456789" \
-            else -1
-    if match.end() == len(text):
-        return None  # a number may go on
-    return match.end()
+    if NUMBER_START.fullmatch(text, position) or any(word.startswith(text[position:]) for word in WORDS):
+        return None  # a number or word on its way ("1." may go on to "1.5")
+    match = SCALAR.match(text, position)
+    return -1 if match is None else match.end()
 
 
 @dataclasses.dataclass

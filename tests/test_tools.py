@@ -30,6 +30,7 @@ MODELS = {"hermes": ("qwen2", "qwen2.5-instruct.jinja"), "llama3_json": ("llama"
           "glm_xml": ("qwen2", "glm-4.6.jinja"), "gemma": ("qwen2", "gemma-4-it.jinja"),
           "minimax_xml": ("qwen2", "minimax-m2.jinja"), "apriel": ("mistral", "apriel-1.5-thinker.jinja"),
           "seed_xml": ("qwen2", "seed-oss.jinja"), "nemotron": ("qwen2", "nemotron-nano-v2.jinja"),
+          "pythonic": ("qwen2", "lfm2-8b-a1b.jinja"),
           "generic": ("qwen2", None)}
 # Qwen3.5 and GLM think first by default, and a tiny random model never closes its block: the calls follow no thinking.
 TEMPLATE_KWARGS = {"qwen_xml": {"enable_thinking": False}, "glm_xml": {"enable_thinking": False},
@@ -97,6 +98,10 @@ def checkpoints(tmp_path_factory):
                 model = AutoModelForCausalLM.from_pretrained(path)
                 model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<SPECIAL_12>")
                 model.save_pretrained(path)
+            if fmt == "pythonic":  # LFM2's markers, special in its tokenizer
+                tokenizer.add_special_tokens({"additional_special_tokens": [
+                    "<|tool_list_start|>", "<|tool_list_end|>", "<|tool_call_start|>", "<|tool_call_end|>",
+                    "<|tool_response_start|>", "<|tool_response_end|>"]})
             if fmt == "glm_xml":  # GLM-4.6's
                 tokenizer.add_tokens(["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
                                       "</arg_value>", "<think>", "</think>"])
@@ -185,7 +190,7 @@ def test_a_named_function_is_the_one_called(servers, fmt):
 
 
 def test_parallel_calls_come_when_allowed_and_not_otherwise(servers):
-    for fmt in ("hermes", "generic", "mistral", "qwen_xml", "gemma", "minimax_xml", "apriel"):
+    for fmt in ("hermes", "generic", "mistral", "qwen_xml", "gemma", "minimax_xml", "apriel", "pythonic"):
         several = create(servers, fmt, tools=TOOLS, tool_choice="required", temperature=1.0, seed=11, n=8,
                          max_tokens=250)
         counts = [len(check_calls(choice, SCHEMAS)) for choice in several.choices if choice.finish_reason != "length"]

@@ -23,6 +23,7 @@ from rungen.tools import (
     MISTRAL_ARGS,
     MISTRAL_CALL_ID,
     NEMOTRON,
+    PYTHONIC,
     QWEN_XML,
     SEED_XML,
     CallParser,
@@ -85,19 +86,22 @@ PUBLISHED = {
     "seed_xml": ("<seed:tool_call>\n<function=get_weather>\n<parameter=city>Paris</parameter>\n<parameter=unit>celsius"
                  "</parameter>\n</function>\n</seed:tool_call>\n<seed:tool_call>\n<function=get_time>\n</function>\n"
                  "</seed:tool_call>"),
+    "pythonic": ('<|tool_call_start|>[get_weather(city="Paris", unit="celsius"), get_time()]<|tool_call_end|>'),
     "gemma": ('<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,unit:<|"|>celsius<|"|>}<tool_call|>'
               "<|tool_call>call:get_time{}<tool_call|>"),
 }
 FORMATS = {"hermes": HERMES, "llama3_json": LLAMA3_JSON, "mistral": MISTRAL, "generic": GENERIC,
            "mistral_args": MISTRAL_ARGS, "mistral_call_id": MISTRAL_CALL_ID, "qwen_xml": QWEN_XML, "glm_xml": GLM_XML,
            "harmony": HARMONY, "gemma": GEMMA, "minimax_xml": MINIMAX_XML,
-           "apriel": APRIEL, "nemotron": NEMOTRON, "seed_xml": SEED_XML}
+           "apriel": APRIEL, "nemotron": NEMOTRON, "seed_xml": SEED_XML,
+           "pythonic": PYTHONIC}
 # What takes a published reply off its schema: a value outside the enum, and the required city left out.
 OFF_SCHEMA = {"qwen_xml": (("\ncelsius\n", "\nkelvin\n"), ("<parameter=city>\nParis\n</parameter>\n", "")),
               "glm_xml": ((">celsius<", ">kelvin<"), ("<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n", "")),
               "gemma": (("celsius", "kelvin"), ('city:<|"|>Paris<|"|>,', "")),
               "minimax_xml": ((">celsius<", ">kelvin<"), ('<parameter name="city">Paris</parameter>\n', "")),
-              "seed_xml": ((">celsius<", ">kelvin<"), ("<parameter=city>Paris</parameter>\n", ""))}
+              "seed_xml": ((">celsius<", ">kelvin<"), ("<parameter=city>Paris</parameter>\n", "")),
+              "pythonic": (('"celsius"', '"kelvin"'), ('city="Paris", ', ""))}
 OFF_JSON = (('"celsius"', '"kelvin"'), ('"city": "Paris", ', ""))
 
 
@@ -130,6 +134,7 @@ def test_the_format_is_detected_from_the_template():
     assert detect_format(template("apriel-1.6-thinker.jinja")) is APRIEL
     assert detect_format(template("nemotron-nano-v2.jinja")) is NEMOTRON
     assert detect_format(template("seed-oss.jinja")) is SEED_XML
+    assert detect_format(template("lfm2-8b-a1b.jinja")) is PYTHONIC
     # Calls written in another XML inside <tool_call> (MiniMax-M3's <invoke>) are no Hermes JSON.
     assert "writes tool calls as XML (<invoke...)" in detect_format(template("minimax-m3.jinja"))
     assert detect_format(SMOLLM2_TEMPLATE) is GENERIC
@@ -374,7 +379,7 @@ def test_gemma_reads_the_calls_its_template_writes_and_its_grammar_takes_them():
     call the published template renders in the history is read back to the same arguments, whole and a character
     at a time, and the grammar built from the tool's schema takes it."""
     from rungen.chat_template import render
-    from rungen.tool_gemma import arguments_grammar
+    from rungen.tool_schema import arguments_grammar
 
     arguments = {"city": 'Saint-"Malo"\nFrance <b>', "days": 3, "Units": "c",
                  "when": {"from": "today", "hourly": True}, "scores": [1.5, -2, 30000.0], "note": "x |> y <z>"}
@@ -388,7 +393,7 @@ def test_gemma_reads_the_calls_its_template_writes_and_its_grammar_takes_them():
     assert calls_of(message_of(parse, reply)) == (None, [("get_weather", arguments)])
     assert calls_of(assemble(streamed(GEMMA, reply))) == (None, [("get_weather", arguments)])
     body = reply[len("<|tool_call>call:get_weather") : -len("<tool_call|>")]
-    grammar = arguments_grammar(GEMMA_SCHEMA)
+    grammar = arguments_grammar(GEMMA_SCHEMA, "gemma")
     assert grammar_accepts(grammar, body)
     for written, off in (("days:3", "days:3.5"), ("days:3", "days:9"), ('Units:<|"|>c', 'Units:<|"|>k'),
                          ("30000.0]", "30000.0,4]"), ("hourly:true", "hourly:1"),
@@ -424,14 +429,14 @@ def test_gemma_grammar_keeps_what_the_reader_could_not_take_out_of_a_call():
     """What would break a call when read back, or the next prompt when the template writes it again, is not
     generated: a key the reader cannot take bare is quoted; a string holds no quote and no control token; named as
     none, properties are none (as xgrammar reads it); an exclusive bound of a number is not reached."""
-    from rungen.tool_gemma import arguments_grammar
+    from rungen.tool_schema import arguments_grammar
 
     quote = '<|"|>'
     schema = {"type": "object", "properties": {
         "a:b": {"type": "integer"}, " lead": {"type": "integer"}, "s": {"type": "string"},
         "p": {"type": "string", "pattern": "^.*$"}, "none": {"type": "object", "properties": {}},
         "free": {"type": "object"}, "x": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1}}}
-    grammar = arguments_grammar(schema)
+    grammar = arguments_grammar(schema, "gemma")
     taken = [f"{{{quote}a:b{quote}:1}}", f"{{{quote} lead{quote}:1}}", f"{{s:{quote}a |> b || c <b>{quote}}}",
              "{none:{}}", "{free:{k:1}}", "{x:0.5}", "{x:0.999999}"]
     refused = ["{a:b:1}", "{ lead:1}", f"{{s:{quote}a<|b{quote}}}", f"{{s:{quote}a<turn|>{quote}}}",
@@ -442,3 +447,34 @@ def test_gemma_grammar_keeps_what_the_reader_could_not_take_out_of_a_call():
     parsed = message_of(CallParser(GEMMA), f"<|tool_call>call:f{{{quote}a:b{quote}:1,{quote} lead{quote}:2}}"
                                            "<tool_call|>")
     assert json.loads(parsed[1][0]["function"]["arguments"]) == {"a:b": 1, " lead": 2}
+
+
+def test_python_calls_read_as_json_and_written_back_as_the_model_writes_them():
+    """LFM2's calls are Python's, their values JSON: read into the JSON object of the keywords, a character at a
+    time a prefix of the final JSON (a number on its way too); its template renders no tool_calls, so an earlier
+    turn's calls are that turn's text, written as the model writes them; a schema whose keys Python cannot name is
+    refused."""
+    text = ('<|tool_call_start|>[get_weather(city="Paris", days=3, when={"from": "today"}, scores=[1.5, -2]), '
+            "get_time()]<|tool_call_end|>")
+    content, calls = calls_of(message_of(CallParser(PYTHONIC), text))
+    expected = [("get_weather", {"city": "Paris", "days": 3, "when": {"from": "today"}, "scores": [1.5, -2]}),
+                ("get_time", {})]
+    assert content is None and calls == expected
+    assert calls_of(assemble(streamed(PYTHONIC, text))) == (None, expected)
+    whole = message_of(CallParser(PYTHONIC), text)[1][0]["function"]["arguments"]
+    parser, sent = CallParser(PYTHONIC), ""
+    for char in text:
+        sent += "".join(event[2] for event in parser.feed(char) if event[0] == "arguments" and event[1] == 0)
+        assert whole.startswith(sent)
+    history = [{"role": "user", "content": "Hi"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "a", "name": "get_weather", "arguments": expected[0][1]},
+                   {"id": "b", "name": "get_time", "arguments": {}}]},
+               {"role": "tool", "tool_call_id": "a", "content": "18 C"},
+               {"role": "tool", "tool_call_id": "b", "content": "noon"}]
+    written = template_messages(history, PYTHONIC, None, calls_as_text=True)[1]
+    assert written == {"role": "assistant", "content": text}
+    request = read_tool_request({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"two words": {"type": "string"}}}}}]})
+    with pytest.raises(ToolError, match="no Python identifier"):
+        tool_grammar(PYTHONIC, request)
