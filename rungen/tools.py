@@ -34,7 +34,7 @@ import re
 import uuid
 
 from . import tool_gemma
-from .tool_schema import arguments_grammar
+from .tool_schema import IDENTIFIER, arguments_grammar
 from .tool_xml import NUMBER_START, SCALAR, WORDS, prefix_length, read_call, skip_space
 from .tool_xml import STYLES as XML_STYLES
 
@@ -590,16 +590,14 @@ def parse_region(fmt, text, start, marker, found, schemas=None):
     if fmt.style != "json":
         return parse_xml_region(fmt, text, start + len(marker), found, schemas)
     listed = fmt.region is not None  # a JSON list of calls after the marker (Mistral's, Apriel's)
-    if marker in ("<tool_call>", "<|python_tag|>") or listed:
+    if listed:
+        position = list_opening(text, start + len(marker))
+        if position is None or position == -1:
+            return position
+    elif marker in ("<tool_call>", "<|python_tag|>"):
         position = skip_space(text, start + len(marker))
     else:
         position = start  # the marker is the call's own opening
-    if listed:
-        if position == len(text):
-            return None
-        if text[position] != "[":
-            return -1
-        position += 1
     while True:
         position = skip_space(text, position)
         if position == len(text):
@@ -621,18 +619,35 @@ def parse_region(fmt, text, start, marker, found, schemas=None):
                 return None  # the closing tag is on its way (or the reply ended before it)
             return -1 if not found[:-1] else position
         if listed:
-            if position == len(text):
-                return None
-            if text[position] == "]":
-                return region_end(fmt, text, position + 1)
-            if text[position] != ",":
-                return -1
-            position += 1
+            end, position = after_item(fmt, text, position)
+            if position is None:
+                return end
             continue
         if marker == "<|python_tag|>" and text.startswith(";", position):
             position += 1
             continue
         return end
+
+
+def list_opening(text, position):
+    """The position after the "[" that opens a list of calls at `position` (after whitespace); None while the text
+    ends first, -1 where no list opens."""
+    position = skip_space(text, position)
+    if position == len(text):
+        return None
+    return position + 1 if text[position] == "[" else -1
+
+
+def after_item(fmt, text, position):
+    """What follows a call in a list, at `position`: (None, the next call's position) after a comma, else (the
+    list's end, None): its region's end after "]", None while the text ends first, -1 for anything else."""
+    if position == len(text):
+        return None, None
+    if text[position] == ",":
+        return None, position + 1
+    if text[position] == "]":
+        return region_end(fmt, text, position + 1), None
+    return -1, None
 
 
 def region_end(fmt, text, position):
@@ -702,6 +717,7 @@ def arguments_call(text, position, name, found):
     return end
 
 
+CALL_NAME = re.compile(r"[A-Za-z0-9_.-]*")  # a function's, as the models write it after their markers
 HARMONY_HEADER = re.compile(r"(?:<\|channel\|>commentary|<\|constrain\|>|json|\s)*")  # between name and message
 HARMONY_PIECES = ("<|message|>", "<|channel|>commentary", "<|constrain|>", "json")
 
@@ -709,12 +725,9 @@ HARMONY_PIECES = ("<|message|>", "<|channel|>commentary", "<|constrain|>", "json
 def parse_python_calls(fmt, text, position, found):
     """LFM2's `[name(key=value, ...), ...]` after its <|tool_call_start|> at `position`, each value JSON: the calls
     into `found`, their arguments the JSON object of the keywords as far as written; as parse_region."""
-    position = skip_space(text, position)
-    if position == len(text):
-        return None
-    if text[position] != "[":
-        return -1
-    position += 1
+    position = list_opening(text, position)
+    if position is None or position == -1:
+        return position
     while True:
         position = skip_space(text, position)
         if position == len(text):
@@ -726,19 +739,14 @@ def parse_python_calls(fmt, text, position, found):
             found.append(call)
         if end is None or end == -1:
             return end
-        position = skip_space(text, end)
-        if position == len(text):
-            return None
-        if text[position] == "]":
-            return region_end(fmt, text, position + 1)
-        if text[position] != ",":
-            return -1
-        position += 1
+        end, position = after_item(fmt, text, skip_space(text, end))
+        if position is None:
+            return end
 
 
 def python_call(text, position):
     """(end, Call) of `name(key=value, ...)` at `position`; end None while the text ends inside, -1 if no call."""
-    name = re.compile(r"[A-Za-z0-9_.-]*").match(text, position).group()
+    name = CALL_NAME.match(text, position).group()
     position += len(name)
     if position == len(text):
         return None, Call(None, "", False)
@@ -750,7 +758,7 @@ def python_call(text, position):
             return None, Call(name, "".join(out), False)
         if text[position] == ")":
             return position + 1, Call(name, "".join(out) + "}", True)
-        key = re.compile(r"[A-Za-z_][A-Za-z0-9_]*").match(text, position)
+        key = IDENTIFIER.match(text, position)
         if key is None:
             return -1, None
         position = skip_space(text, key.end())
@@ -778,7 +786,7 @@ def parse_harmony_call(text, position, found):
     """gpt-oss's `name<|channel|>commentary json<|message|>{...}` (or ` <|constrain|>json<|message|>{...}` where
     the recipient came after the channel) at `position`, after "to=functions.": one call into `found`; its end,
     None if the text ends inside, -1 if no call."""
-    name = re.compile(r"[A-Za-z0-9_.-]*").match(text, position).group()
+    name = CALL_NAME.match(text, position).group()
     message = text.find("<|message|>", position + len(name))
     head = text[position + len(name) : len(text) if message == -1 else message]
     if message == -1:
