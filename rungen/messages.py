@@ -351,11 +351,8 @@ def to_chat(body, chat_template, count=False):
 
 
 def prompt_ids(service, chat, **encoding):
-    """The token ids of a chat body's prompt as run_chat encodes it (less a constrained thinking request's opening
-    <think>); `encoding`: encode_prompt's keyword options."""
-    ids, _ = openai_api.chat_prompt(service, chat, template_kwargs=openai_api.template_variables(service, chat),
-                                    **encoding)
-    return ids
+    """The token ids of a chat body's prompt as run_chat runs on it; `encoding`: encode_prompt's keyword options."""
+    return openai_api.counted_prompt(service, chat, **encoding)
 
 
 # The answer

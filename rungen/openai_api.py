@@ -315,6 +315,20 @@ def chat_prompt(service, body, **encoding):
     return ids, tools
 
 
+def counted_prompt(service, body, add_generation_prompt=True, **encoding):
+    """The token ids of a chat body's prompt as a request runs on it (/tokenize's, count_tokens'): a constrained
+    reply's thinking block opened as generate() opens it (rungen.reasoning.plan_reply)."""
+    variables = template_variables(service, body)
+    ids, tools = chat_prompt(service, body, add_generation_prompt=add_generation_prompt, template_kwargs=variables,
+                             **encoding)
+    constrained = tools.grammar is not None or read_constraint_source(body, response_format_allowed=True)
+    if add_generation_prompt and constrained and service.delimiters is not None:
+        with service.tokenizer_lock:
+            ids, _ = plan_reply(service.loaded.tokenizer, service.delimiters, ids, True, tools.fmt is not None,
+                                variables)
+    return ids
+
+
 def template_variables(service, body) -> dict:
     """The chat template's variables: --chat_template_kwargs', and over them those the body sets
     (chat_template_kwargs, reasoning_effort), or a 400."""

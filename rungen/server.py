@@ -40,9 +40,9 @@ from .openai_api import (
     Service,
     boolean,
     called,
-    chat_prompt,
     check_fields,
     check_user,
+    counted_prompt,
     excerpt,
     generate,
     has_value,
@@ -50,10 +50,8 @@ from .openai_api import (
     read_prompt_ids,
     respond,
     run_chat,
-    template_variables,
 )
 from .prompts import Prompt
-from .reasoning import plan_reply
 
 API_KEY_ENV = "RUN_GENERATION_API_KEY"
 MAX_BODY_DEPTH = strict_json.MAX_DEPTH  # refused before parsing: the decoder recurses once a level
@@ -241,14 +239,8 @@ def create_app(loaded, engine, options):
         if has_value(body, "messages"):
             if has_value(body, "prompt"):
                 raise APIError("give prompt or messages, not both", "prompt")
-            opened = boolean(body, "add_generation_prompt", True)
-            variables = template_variables(service, body)
-            ids, tools = chat_prompt(service, body, add_generation_prompt=opened, add_special_tokens=special,
-                                     within_context=False, template_kwargs=variables)
-            if opened and tools.grammar is not None and service.delimiters is not None:
-                with service.tokenizer_lock:  # as a chat request's: a constrained reply's thinking block opened
-                    ids, _ = plan_reply(loaded.tokenizer, service.delimiters, ids, True, tools.fmt is not None,
-                                        variables)
+            ids = counted_prompt(service, body, boolean(body, "add_generation_prompt", True),
+                                 add_special_tokens=special, within_context=False)
         else:
             for name in ("add_generation_prompt", "tools", "tool_choice", "parallel_tool_calls",
                          "chat_template_kwargs", "reasoning_effort"):

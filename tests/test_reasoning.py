@@ -204,6 +204,16 @@ def test_a_required_tool_call_follows_the_thinking(server):
         assert reply.usage.prompt_tokens == counted["count"]
         ending = server[1].tokenizer.decode(counted["tokens"][-4:])
         assert ending.endswith("<think>") if not variables else ending.endswith("</think>\n\n")
+    # And the Messages API's count, and its stream's first count, are the prompt its constrained reply runs on.
+    anthropic_tool = {"name": "get_weather", "input_schema": SCHEMA}
+    client = messages_client(server)
+    counted = client.messages.count_tokens(model=MODEL_ID, messages=ASK, tools=[anthropic_tool],
+                                           tool_choice={"type": "any"}).input_tokens
+    events = list(client.messages.create(model=MODEL_ID, max_tokens=4, messages=ASK, tools=[anthropic_tool],
+                                         tool_choice={"type": "any"}, stream=True))
+    started = events[0].message.usage.input_tokens
+    finished = [event for event in events if event.type == "message_delta"][0].usage.input_tokens
+    assert counted == started == finished
 
 
 def pushed_to_think(tmp_path, server, opening=7.0, closing=5.0):
