@@ -219,7 +219,7 @@ def encode_prompt(loaded: Loaded, prompt: Prompt, prefix: str = "", chat: bool =
         if add_generation_prompt:
             from .tools import open_turn
 
-            text = open_turn(tokenizer.chat_template, text)
+            text = open_turn(tokenizer.chat_template, text, template_kwargs)
         special = bool(add_special_tokens)  # the template already holds them
     else:
         text = prompt.text

@@ -28,6 +28,7 @@ calls (tokenizer.parse_response knows few formats and reports a call only once i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import re
@@ -121,7 +122,7 @@ HARMONY = Format("harmony", "<|start|>assistant to=functions.", "<|channel|>comm
                  alternate=("<|start|>assistant<|channel|>commentary to=functions.", " <|constrain|>json<|message|>"))
 GEMMA = Format("gemma", "<|tool_call>" + tool_gemma.OPEN, "", tool_gemma.CLOSE, "<|tool_call>", "", ("<|tool_call>",),
                style="gemma")
-GEMMA_TURN = ("<turn|>\n", "<|turn>model\n")  # how Gemma 4's template closes a turn, and opens the model's
+GEMMA_TURN_END = "<turn|>\n"  # how Gemma 4's template closes a turn
 GENERIC = Format("generic", '{"tool_call": {"name": "', '", "arguments": ', "}}", '{"tool_call"', "\n",
                  ('{"tool_call"',), native=False)
 FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS, MISTRAL_CALL_ID, QWEN_XML, GLM_XML,
@@ -177,12 +178,28 @@ def detect_format(chat_template) -> Format | str:
     return GENERIC
 
 
-def open_turn(chat_template, prompt: str) -> str:
+def open_turn(chat_template, prompt: str, variables: dict | None = None) -> str:
     """The prompt with the model's turn opened where Gemma 4's template left it closed: after tool results it adds
-    no generation prompt (the model goes on in its turn), but where that turn held text too it closes it."""
-    if prompt.endswith(GEMMA_TURN[0]) and GEMMA.begin in (template_text(chat_template) or ""):
-        return prompt + GEMMA_TURN[1]
+    no generation prompt (the model goes on in its turn), but where that turn held text too it closes it. The turn
+    opens as the template opens one with these `variables` (with thinking off, its empty thought channel too)."""
+    template = template_text(chat_template) or ""
+    if prompt.endswith(GEMMA_TURN_END) and GEMMA.begin in template:
+        return prompt + turn_opening(template, json.dumps(variables or {}, sort_keys=True, default=str))
     return prompt
+
+
+@functools.lru_cache(maxsize=8)
+def turn_opening(template: str, variables: str) -> str:
+    """The template's generation prompt with these variables: what it writes after a user turn to open the model's."""
+    from .chat_template import render
+
+    asked = [{"role": "user", "content": "Hello"}]
+    try:
+        bare, opened = (render(template, asked, add_generation_prompt=flag, **json.loads(variables))
+                        for flag in (False, True))
+    except Exception:  # noqa: BLE001 - a template that refuses the probe: its turn's plain opening
+        return "<|turn>model\n"
+    return opened[len(bare) :] if opened.startswith(bare) else "<|turn>model\n"
 
 
 # The request

@@ -493,7 +493,11 @@ def test_gemma_goes_on_in_its_turn_after_tool_results(servers):
         assert (reply.choices[0].message.model_extra or {}).get("reasoning_content") is None
         check_calls(reply.choices[0], SCHEMAS)
     assert endings[0].endswith('response:get_time{value:<|"|>12:00<|"|>}<tool_response|>')
-    assert endings[1].endswith("Let me look.<turn|>\n<|turn>model\n")
+    # the turn opened as the template opens one: with thinking off, its empty thought channel too
+    assert endings[1].endswith("Let me look.<turn|>\n<|turn>model\n<|channel>thought\n<channel|>")
+    thinking = httpx.post(url + "/tokenize", json={"messages": history, "chat_template_kwargs": {
+        "enable_thinking": True}}).json()["tokens"]
+    assert loaded.tokenizer.decode(thinking, skip_special_tokens=False).endswith("Let me look.<turn|>\n<|turn>model\n")
 
 
 def test_a_session_with_tools_fits_its_history_with_the_tools_counted(checkpoints, tmp_path, capsys):
