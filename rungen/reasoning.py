@@ -389,9 +389,11 @@ class ReasoningSplitter:
                     self.pending = self.pending[end + len(self.delimiters.close) :]
                     self.state, self.closed = "content", True
                     continue
-                hold = 0 if final else partial_end(self.pending, self.delimiters.close)
+                # the closing delimiter's start held back: at the end, the reply was cut inside it (no piece of a
+                # delimiter is reasoning; a plain-text one, Apriel's, takes several tokens)
+                hold = partial_end(self.pending, self.delimiters.close)
                 reasoning += self.reason(self.pending[: len(self.pending) - hold], last=final)
-                self.pending = self.pending[len(self.pending) - hold :]
+                self.pending = "" if final else self.pending[len(self.pending) - hold :]
                 break
             openings = self.delimiters.answer + self.delimiters.reopen
             if not self.content_begun and openings and not self.answered:

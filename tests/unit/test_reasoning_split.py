@@ -245,3 +245,14 @@ def test_delimiters_that_are_special_tokens_stay_in_the_reply_text(tmp_path):
     assert first_stop(written, ("<|end|>",), markers) == (written.index("<|end|>"), "<|end|>")  # a whole one
     growing = written[: written.index("final") + 3]  # "...<|channel|>fin": the opening is being written
     assert first_stop(growing, ("fin",), markers) is None and first_stop(growing + "x", ("fin",), markers)
+
+
+def test_a_reply_cut_inside_the_closing_delimiter_has_no_piece_of_it_in_its_reasoning():
+    """Apriel 1.6's closing marker is plain text, several tokens: a reply cut (or a budget's closing cut) inside it
+    gives the reasoning before it, whole and streamed alike."""
+    apriel = detect_delimiters(template("apriel-1.6-thinker.jinja"))
+    for text in ("Let me think.\n[BEGIN FIN", "[BEGI", "Let me think.\n["):
+        expected = text[: text.rindex("[")].strip()
+        assert split_reply(ReplyPlan(apriel, "inside"), text) == (expected, None)
+        for sizes in ([1], [3, 1], [1000]):
+            assert streamed("inside", text, sizes, apriel) == (expected, "")
