@@ -167,6 +167,7 @@ def submit_prompts(engine, settings, prompts, on_done, stream=False):
                                 collect(prompt), n=settings.num_return_sequences, stop=stops,
                                 logprobs=settings.logprobs, constraint=prompt.constraint or settings.constraint,
                                 reasoning_end=prompt.reply.end_ids if prompt.reply is not None else None,
+                                reasoning_close=prompt.reply.text_close if prompt.reply is not None else "",
                                 thinking_budget=reply_budget(engine.tokenizer, prompt.reply, settings.thinking_budget),
                                 kept=reply_kept(engine.tokenizer, prompt),
                                 markers=reply_markers(engine.tokenizer, prompt),

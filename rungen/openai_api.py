@@ -453,6 +453,7 @@ async def generate(service, http_request, body, prompts, logprobs, *, chat, max_
         request = EngineRequest(ids, max_tokens, sampling, sink, n=n, stop=stops, logprobs=logprobs,
                                 constraint=constraint,
                                 reasoning_end=replies[job].end_ids if replies[job] else None,
+                                reasoning_close=replies[job].text_close if replies[job] else "",
                                 thinking_budget=budgets[job],
                                 kept=tool_kept | (replies[job].kept if replies[job] else frozenset()),
                                 markers=(replies[job].delimiters.texts if replies[job] else ()) + tool_markers)

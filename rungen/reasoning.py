@@ -209,6 +209,9 @@ class ReplyPlan:
     end_ids: tuple[int, ...] | None = None
     kept: frozenset = frozenset()  # the delimiters' special tokens: decoded into the reply's text, not skipped
     closing: str = ""
+    # The closing where it is plain text of several tokens (Apriel's "[BEGIN FINAL RESPONSE]"): its ids vary with the
+    # text before it, so the reply's text is read for it too.
+    text_close: str = ""
 
     def splitter(self):
         return ReasoningSplitter(self.delimiters, self.state)
@@ -248,7 +251,8 @@ def plan_reply(tokenizer, delimiters: Delimiters | None, ids: list[int], constra
     end_ids = None
     if constrained and state == "inside":
         end_ids = tuple(tokenizer.encode(closing, add_special_tokens=False))
-    return ids, ReplyPlan(delimiters, state, end_ids, kept, closing)
+    plain = len(tokenizer.encode(closing, add_special_tokens=False)) > 1 and not special_ids(tokenizer, (closing,))
+    return ids, ReplyPlan(delimiters, state, end_ids, kept, closing, closing if plain else "")
 
 
 def thinking_off(chat_template, delimiters: Delimiters, variables: dict) -> bool:

@@ -23,6 +23,7 @@ class Request:
     constraint: object = None  # rungen.constrain.Constraint
     # Token ids that close the thinking block the reply starts in: the constraint applies from the token after them.
     reasoning_end: tuple[int, ...] | None = None
+    reasoning_close: str = ""  # its text, where plain text's ids vary with the text before it (ReplyPlan.text_close)
     thinking_budget: object = None  # rungen.reasoning.Budget: the reply's thinking capped
     kept: frozenset = frozenset()  # special tokens kept in the text: a thinking block's delimiters (ReplyPlan.kept)
     markers: tuple[str, ...] = ()  # the delimiters the reply's split drops: no stop string is found inside them

@@ -154,6 +154,11 @@ class Reporter:
         elif request.reasoning_end and request.constraint is not None \
                 and tuple(row.generated[-len(request.reasoning_end) :]) == request.reasoning_end:
             row.matcher = request.constraint.matcher()  # the thinking block is closed: the grammar starts now
+        if request.reasoning_close and self.closes_block(row):
+            if row.thinking is not None and row.thinking.state == "inside":
+                row.thinking.state = "done"  # closed by the model within the budget
+            if row.matcher is None and request.constraint is not None and request.reasoning_end:
+                row.matcher = request.constraint.matcher()
         # Decoded every step only where read (a stream, or stop strings to find): the decode grows with the tokens.
         text = self.continuation(row) if request.deltas or request.stop else None
         reason = matched = None
@@ -187,6 +192,20 @@ class Reporter:
         if row.request.deltas and len(text) > row.emitted:
             row.request.sink(Delta(row.index, text[row.emitted :], None))
         return Finish(reason, text, list(row.generated), len(row.request.ids), error)
+
+    def closes_block(self, row) -> bool:
+        """Whether the row's last token completes its block's plain-text closing, however the text before it had its
+        tokens cut (read only while the grammar or the budget waits for it)."""
+        request = row.request
+        waiting = row.matcher is None and request.constraint is not None and request.reasoning_end or \
+            row.thinking is not None and row.thinking.state == "inside"
+        if not waiting:
+            return False
+        close = request.reasoning_close
+        tail = row.generated[-(len(close) + 1) :]
+        with self.tokenizer_lock:
+            before, after = (decode_text(self.tokenizer, ids, request.kept) for ids in (tail[:-1], tail))
+        return close in after and close not in before
 
     def continuation(self, row):
         """The text of the row's new tokens, decoded after the prompt's last tokens and cut after them; the EOS that

@@ -708,6 +708,29 @@ def test_a_session_keeps_its_history_where_the_template_refuses_an_empty_answer(
     assert [message["role"] for message in session.messages] == ["user", "assistant"] * 2
 
 
+class Scripted:
+    """A forward hook that makes a model write `text` (a large bias on each of its tokens in turn, from the step
+    after a prompt's prefill), then as it would: a random model writing what a thinking model writes."""
+
+    def __init__(self, loaded):
+        self.ids, self.step = [], 0
+        self.tokenizer = loaded.tokenizer
+
+        def hook(module, args, kwargs, out):
+            input_ids = kwargs.get("input_ids", args[0] if args else None)
+            if input_ids is not None and input_ids.shape[1] > 1:
+                self.step = 0  # a prefill: the reply starts
+            if self.step < len(self.ids):
+                out.logits[:, -1, self.ids[self.step]] += 60.0
+            self.step += 1
+            return out
+
+        loaded.model.register_forward_hook(hook, with_kwargs=True)
+
+    def write(self, text, end=None):
+        self.ids = self.tokenizer.encode(text, add_special_tokens=False) + ([end] if end is not None else [])
+
+
 def test_apriel_thinks_after_its_plain_text_opening_and_answers_after_the_marker(tmp_path):
     """Apriel 1.6's prompt opens the block in plain text ("Here are my reasoning steps:", many tokens in a small
     vocabulary), and the answer follows "[BEGIN FINAL RESPONSE]": a budget closes the block (the tiny model never
@@ -733,3 +756,33 @@ def test_apriel_thinks_after_its_plain_text_opening_and_answers_after_the_marker
             [call] = choice.message.tool_calls
             jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
             assert "[BEGIN FINAL RESPONSE]" not in (choice.message.reasoning_content or "")
+
+
+
+def test_a_plain_text_closing_is_found_however_its_tokens_were_cut(tmp_path):
+    """Apriel's model may close its block after a space, where "[BEGIN FINAL RESPONSE]" takes other tokens than
+    alone (" [" is a token of its own in a byte-level vocabulary): the grammar of a required call still starts after
+    it (the call made, the reasoning what came before), and a thinking budget sees the block closed (nothing forced
+    into the answer)."""
+    path = str(tmp_path / "qwen2")
+    tokenizer = template_checkpoint(path, os.path.join(os.path.dirname(TEMPLATE), "apriel-1.6-thinker.jinja"),
+                                    special=["<|begin_system|>", "<|begin_user|>", "<|begin_assistant|>",
+                                             "<|begin_tool_result|>", "<|end|>"])
+    marker = "[BEGIN FINAL RESPONSE]"
+    alone = tokenizer.encode(marker, add_special_tokens=False)
+    after_space = tokenizer.encode("I think. " + marker, add_special_tokens=False)
+    assert tuple(after_space[-len(alone) :]) != tuple(alone)  # the case: other ids than the marker's own
+    loaded = load(path, device=torch.device("cpu"))
+    script = Scripted(loaded)
+    with serving(loaded, model_id=MODEL_ID, max_batch=1, prefix_cache_mb=0) as (live, _):
+        server = (live.url, loaded)
+        script.write("I think. " + marker + "\n")
+        reply = chat(server, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False, temperature=0,
+                     max_tokens=150)
+        choice = reply.choices[0]
+        assert choice.message.reasoning_content == "I think." and choice.finish_reason == "tool_calls"
+        jsonschema.validate(json.loads(choice.message.tool_calls[0].function.arguments), SCHEMA)
+        script.write("I think. " + marker + "\nHello there.", end=tokenizer.eos_token_id)
+        reply = chat(server, temperature=0, max_tokens=60, extra_body={"thinking_token_budget": 40})
+        message = reply.choices[0].message
+        assert message.reasoning_content == "I think." and message.content == "Hello there.", message
