@@ -370,12 +370,13 @@ def free_port():
 class LiveServer:
     """uvicorn serving an ASGI app in a thread on 127.0.0.1, on a free port."""
 
-    def __init__(self, app):
+    def __init__(self, app, keep_alive: float = 5):
         import uvicorn  # the server's tests only: a GPU machine may lack it
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    timeout_keep_alive=keep_alive))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         for _ in range(400):

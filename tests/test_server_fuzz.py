@@ -126,7 +126,9 @@ def loaded(tmp_path_factory):
 @pytest.fixture(scope="module")
 def served(loaded):
     app, engine = build(loaded, ServeOptions(model_id=MODEL_ID, max_batch=8, max_queue=64, max_body_bytes=MAX_BODY))
-    live = LiveServer(app)
+    # The one connection may sit idle past uvicorn's 5 s between two requests on a loaded machine (the cause of its
+    # "broken pipe" cascades): what it tests is that no request breaks it, not the idle timeout.
+    live = LiveServer(app, keep_alive=3600)
     yield live
     live.stop()
     engine.close()
