@@ -625,9 +625,11 @@ class Session:
 
             parser = prompt.tool_plan.parser()
             calls = message_of(parser, reply["content"])[1]
-            for number, call in enumerate(calls):
-                cut = " cut short by --length" if not parser.complete and number == len(calls) - 1 else ""
+            for call, finished in zip(calls, parser.finished):
+                cut = "" if finished else " cut short by --length"
                 say(f"(tool call{cut}: {call['function']['name']}({call['function']['arguments']}))")
+            if parser.unnamed:
+                say("(a further tool call cut short by --length before its name)")
         self.previous = self.messages, self.left_out
         self.left_out += user_turns(self.messages) - user_turns(kept)
         self.messages = kept + [user, reply]  # the turns its prompt left out go only now

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import keyword
 import math
 import re
 
@@ -20,13 +21,13 @@ GEMMA_QUOTE = '<|"|>'
 # which the template would write back into the next prompt as the tokens themselves.
 GEMMA_EXCLUDED = ("<|", "<tool_call|>", "<tool_response|>", "<turn|>", "<channel|>", "<tool|>")
 GEMMA_KEY = re.compile(r"[^:{}\[\],<\n]*")  # a key Gemma's reader takes bare (rungen/tool_gemma.py)
-IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # a Python keyword argument's name
+IDENTIFIER = re.compile(r"[^\W\d]\w*")  # a Python keyword argument's name, as read (python_name: as written)
 
 
-def excluding(name: str, words) -> str:
+def excluding(name: str, words, narrowed: str = "", escape: str = "") -> str:
     """EBNF rules `name` for any text holding none of `words`: one rule per state of how much of a word the text
     ends with (Aho-Corasick's automaton), each taking a character to the next state or, for any other, to the
-    first."""
+    first; never a character of the class `narrowed` (EBNF class text), but an `escape` sequence (EBNF) instead."""
     prefixes = sorted({word[:size] for word in words for size in range(len(word))}, key=lambda p: (len(p), p))
     names = {prefix: f"{name}_{number}" if number else name for number, prefix in enumerate(prefixes)}
 
@@ -45,9 +46,16 @@ def excluding(name: str, words) -> str:
                 apart.append(char)
                 moves.append(f"{json.dumps(char)} {names[state(following)]}")
         escaped = "".join("\\" + char if char in "\\]^-" else char for char in apart)
-        moves.append(f"[^{escaped}] {name}")
+        moves.append(f"[^{escaped}{narrowed}] {name}")
+        if escape:
+            moves.append(f"{escape} {name}")
         rules.append(f"{names[prefix]} ::= " + " | ".join(moves))
     return "\n".join(rules) + "\n"
+
+
+def python_name(key: str) -> bool:
+    """Whether a keyword argument may have this name (not `class`, `from`, ...)."""
+    return key.isidentifier() and not keyword.iskeyword(key)
 
 
 def gemma_text(value) -> str:
@@ -99,16 +107,19 @@ gemma_value ::= gemma_string | gemma_number | "true" | "false" | "null" | gemma_
 gemma_dict ::= "{" (gemma_key ":" gemma_value ("," gemma_key ":" gemma_value)*)? "}"
 gemma_list ::= "[" (gemma_value ("," gemma_value)*)? "]"
 """, ('"<|\\"|>"', '"<|\\"|>"'), "[^<]", "<", gemma_key, '","', gemma_text, True)
-# JSON's values (LFM2's Python calls take them so), spaced or not after a comma or colon.
+# JSON's values (LFM2's Python calls take them so), spaced or not after a comma or colon. A string holds no control
+# token of the calls' model (LFM2's all start "<|"), no lone surrogate, and its quote and backslash escaped.
+JSON_NARROWED = '\\"\\\\\\0-\\x1f\\ud800-\\udfff'
+JSON_ESCAPE = '"\\\\" ([\\"\\\\/bfnrt] | "u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9])'
 JSON = Syntax(
-    "json", r"""json_string ::= "\"" json_character* "\""
-json_character ::= [^\"\\\0-\x1f] | "\\" ([\"\\/bfnrt] | "u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9])
-json_number ::= "-"? ("0" | [1-9] [0-9]*) ("." [0-9]+)? ([eE] [+-]? [0-9]+)?
+    "json", excluding("json_text", ("<|",), JSON_NARROWED, JSON_ESCAPE) + f"""json_string ::= "\\"" json_text "\\""
+json_character ::= [^<{JSON_NARROWED}] | {JSON_ESCAPE}
+""" + r"""json_number ::= "-"? ("0" | [1-9] [0-9]*) ("." [0-9]+)? ([eE] [+-]? [0-9]+)?
 json_integer ::= "-"? ("0" | [1-9] [0-9]*)
 json_value ::= json_string | json_number | "true" | "false" | "null" | json_dict | json_list
 json_dict ::= "{" (json_string ":" " "? json_value ("," " "? json_string ":" " "? json_value)*)? "}"
 json_list ::= "[" (json_value ("," " "? json_value)*)? "]"
-""", ('"\\""', '"\\""'), "json_character", '\\"\\\\\\0-\\x1f',
+""", ('"\\""', '"\\""'), "json_character", "<" + JSON_NARROWED,
     lambda key: json.dumps(json.dumps(key, ensure_ascii=False), ensure_ascii=False) + ' ":" " "?',
     '"," " "?', lambda value: json.dumps(value, ensure_ascii=False), False)
 SYNTAXES = {"gemma": GEMMA, "python": JSON}
@@ -124,8 +135,11 @@ def arguments_grammar(schema: dict, style: str) -> str:
     rules = GrammarRules(schema, syntax)
     if style == "python":
         for key in schema.get("properties") or {}:
-            if not IDENTIFIER.fullmatch(key):
+            if not python_name(key):
                 raise ValueError(f"the parameter {key!r} is no Python identifier, which these calls name arguments by")
+        if "properties" not in schema and schema.get("additionalProperties") is not False \
+                or schema.get("additionalProperties") not in (None, False):
+            raise ValueError("keyword arguments not named in properties are not held in these calls")
         root = rules.members(schema, lambda key: json.dumps(key + "="), '", "') or EMPTY
     else:
         root = rules.value(schema)
@@ -236,6 +250,9 @@ class GrammarRules:
         narrowed = self.syntax.narrowed
         ebnf = str(xgr.Grammar.from_regex(pattern)).replace("[\\0-\\U0010ffff]", f"[^{narrowed}]")
         ebnf = ebnf.replace("[^", f"[^{narrowed}").replace(f"[^{narrowed}{narrowed}", f"[^{narrowed}")
+        if self.syntax is JSON and any(escaped in ebnf.replace(narrowed, "") for escaped in ('\\"', "\\\\")):
+            raise ValueError(f"the pattern {pattern!r} writes a quote or a backslash, which a JSON string here would "
+                             "need escaped")
         renamed = RULE_NAME.sub(lambda m: prefix + m.group(1) if m.group(1) else m.group(), ebnf)
         for line in renamed.strip().splitlines():
             name, _, body = line.partition(" ::= ")

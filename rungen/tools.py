@@ -35,7 +35,7 @@ import re
 import uuid
 
 from . import tool_gemma
-from .tool_schema import IDENTIFIER, arguments_grammar
+from .tool_schema import IDENTIFIER, arguments_grammar, python_name
 from .tool_xml import NUMBER_START, SCALAR, WORDS, prefix_length, read_call, skip_space
 from .tool_xml import STYLES as XML_STYLES
 
@@ -404,9 +404,13 @@ def calls_text(fmt: Format, calls) -> str:
     """An assistant turn's calls as the model writes them, in a format whose arguments are JSON (or Python keywords
     of JSON values)."""
     def arguments(values):
-        if fmt.style == "python":
-            return ", ".join(f"{key}={json.dumps(value, ensure_ascii=False)}" for key, value in values.items())
-        return json.dumps(values, ensure_ascii=False)
+        if fmt.style != "python":
+            return json.dumps(values, ensure_ascii=False)
+        named = next((key for key in values if not python_name(key)), None)
+        if named is not None:
+            raise ToolError(f"messages: a call's argument {named!r} is no Python identifier, which this model's calls "
+                            "name arguments by", "messages")
+        return ", ".join(f"{key}={json.dumps(value, ensure_ascii=False)}" for key, value in values.items())
 
     written = fmt.separator.join(fmt.begin + call["name"] + fmt.middle + arguments(call["arguments"]) + fmt.end
                                  for call in calls)
@@ -521,11 +525,15 @@ class CallParser:
         self.content_sent = 0  # characters of the (left-stripped) content sent
         self.calls = []  # [id, name, arguments sent]
         self.complete = True  # every call so far is finished (a stop string may cut one)
+        self.finished = []  # each named call's: finished or not
+        self.unnamed = False  # a call begun but cut before its name
 
     def feed(self, text, final=False):
         self.text += text
         content, calls = parse(self.fmt, self.text, final, self.schemas)
         self.complete = all(call.complete for call in calls)
+        self.finished = [call.complete for call in calls if call.name is not None]
+        self.unnamed = any(call.name is None for call in calls)
         events = []
         # Whitespace at the end may be all there is between two calls: it waits for text to follow it.
         content = "" if self.calls_only else content.strip()

@@ -466,6 +466,11 @@ def test_python_calls_read_as_json_and_written_back_as_the_model_writes_them():
     for char in text:
         sent += "".join(event[2] for event in parser.feed(char) if event[0] == "arguments" and event[1] == 0)
         assert whole.startswith(sent)
+    # Cut inside a second call's name: the first is finished, the second no named call (the session says so).
+    parser = CallParser(PYTHONIC)
+    assert calls_of(message_of(parser, '<|tool_call_start|>[get_weather(city="a"), get_w')) == \
+        (None, [("get_weather", {"city": "a"})])
+    assert parser.finished == [True] and parser.unnamed
     history = [{"role": "user", "content": "Hi"},
                {"role": "assistant", "content": None, "tool_calls": [
                    {"id": "a", "name": "get_weather", "arguments": expected[0][1]},
@@ -478,3 +483,29 @@ def test_python_calls_read_as_json_and_written_back_as_the_model_writes_them():
         "type": "object", "properties": {"two words": {"type": "string"}}}}}]})
     with pytest.raises(ToolError, match="no Python identifier"):
         tool_grammar(PYTHONIC, request)
+
+
+def test_python_calls_take_only_what_python_and_the_next_prompt_can_hold():
+    """LFM2's keyword arguments: a name Python takes (城市 too, not class), strings without a control token of the
+    model (its markers all start "<|", and the template would write them back as the tokens) or an unescaped quote;
+    a pattern that writes a quote, or keywords no property names, are refused rather than not held."""
+    from rungen.tool_schema import arguments_grammar
+
+    grammar = arguments_grammar({"type": "object", "properties": {"城市": {"type": "string"},
+                                                                  "n": {"type": "integer"}}}, "python")
+    assert grammar_accepts(grammar, '城市="a \\"quoted\\" <b> | c", n=3')
+    for refused in ('城市="a <|tool_call_end|> b"', '城市="a"b"', "n=3, 城市=\"x\""):
+        assert not grammar_accepts(grammar, refused), refused
+    for schema, words in (({"type": "object", "properties": {"class": {"type": "string"}}}, "no Python identifier"),
+                          ({"type": "object", "properties": {"s": {"type": "string", "pattern": '^q"$'}}},
+                           "quote or a backslash"),
+                          ({"type": "object", "additionalProperties": {"type": "string"}}, "not named in properties")):
+        with pytest.raises(ValueError, match=words):
+            arguments_grammar(schema, "python")
+    history = [{"role": "user", "content": "Hi"},
+               {"role": "assistant", "content": None, "tool_calls": [{"id": "a", "name": "f",
+                                                                      "arguments": {"my-key": 1}}]},
+               {"role": "tool", "tool_call_id": "a", "content": "ok"}]
+    with pytest.raises(ToolError, match="'my-key' is no Python identifier") as error:
+        template_messages(history, PYTHONIC, None, calls_as_text=True)
+    assert error.value.param == "messages"
