@@ -328,10 +328,11 @@ class BudgetCount:
         self.used = 0  # tokens in the block so far
         self.tail = []  # the last tokens: an opening delimiter's start, or a closing one's
         self.closing = []  # the closing delimiter's tokens still to force
+        self.rest = None  # where the text ends in a plain-text closing's start: the tokens of the rest of it
 
     def forced(self) -> int | None:
         if self.state == "inside" and self.used >= self.budget.tokens:
-            self.state, self.closing = "closing", list(self.budget.forced_ids or self.budget.close_ids)
+            self.state, self.closing = "closing", list(self.rest or self.budget.forced_ids or self.budget.close_ids)
         return self.closing.pop(0) if self.state == "closing" and self.closing else None
 
     def seen(self, token: int) -> None:

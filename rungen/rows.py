@@ -7,7 +7,7 @@ import dataclasses
 import torch
 
 from .logprobs import content_items, decode_text, first_stop, from_a_character, mend_byte_end
-from .reasoning import BudgetCount
+from .reasoning import BudgetCount, partial_end
 from .requests import Delta, Finish, Request
 from .sampling import Reading, RowState, accept, choose
 from .transfers import to_device
@@ -205,6 +205,9 @@ class Reporter:
         tail = row.generated[-(len(close) + 1) :]
         with self.tokenizer_lock:
             before, after = (decode_text(self.tokenizer, ids, request.kept) for ids in (tail[:-1], tail))
+            if row.thinking is not None:  # a budget closing the block now writes only the rest of a closing begun
+                begun = partial_end(after, close)
+                row.thinking.rest = self.tokenizer.encode(close[begun:], add_special_tokens=False) if begun else None
         return close in after and close not in before
 
     def continuation(self, row):

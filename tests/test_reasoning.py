@@ -786,3 +786,11 @@ def test_a_plain_text_closing_is_found_however_its_tokens_were_cut(tmp_path):
         reply = chat(server, temperature=0, max_tokens=60, extra_body={"thinking_token_budget": 40})
         message = reply.choices[0].message
         assert message.reasoning_content == "I think." and message.content == "Hello there.", message
+        # A budget running out while the model writes the marker: the rest of it is written, no piece of it in
+        # the reasoning or the answer.
+        thought = len(tokenizer.encode("I think. ", add_special_tokens=False))
+        inside = range(thought + 1, len(after_space) - 1)  # the budget runs out after a piece of the marker
+        for budget in (inside[0], inside[len(inside) // 2], inside[-1]):
+            message = chat(server, temperature=0, max_tokens=60,
+                           extra_body={"thinking_token_budget": budget}).choices[0].message
+            assert message.reasoning_content == "I think." and "[" not in (message.content or ""), (budget, message)
