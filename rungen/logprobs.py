@@ -16,6 +16,8 @@ import re
 
 import torch
 
+from .tool_xml import prefix_length
+
 CONTEXT_TOKENS = 4  # ids decoded before a token to get its text in context (a leading space, a UTF-8 tail)
 
 
@@ -39,8 +41,7 @@ def first_stop(text: str, stops, markers=()) -> tuple[int, str] | None:
     opening; "</think>" itself is one)."""
     spans = [(start, start + len(marker)) for marker in markers if marker for start in occurrences(text, marker)]
     for marker in markers:  # one the text may be writing: its start, at the end
-        size = next((size for size in range(min(len(marker) - 1, len(text)), 0, -1)
-                     if text.endswith(marker[:size])), 0)
+        size = prefix_length(text, (marker,))
         if size:
             spans.append((len(text) - size, len(text) - size + len(marker)))
     best = None

@@ -14,6 +14,8 @@ import functools
 import json
 import sys
 
+from .tool_xml import prefix_length
+
 # What the server passes to the template itself, or the tokenizer does (its special tokens).
 RESERVED_VARIABLES = {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
                       "reasoning_effort", "bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
@@ -217,7 +219,6 @@ class ReplyPlan:
         return ReasoningSplitter(self.delimiters, self.state)
 
 
-
 def prompt_state(delimiters: Delimiters, prompt_tail: str) -> str:
     """How the prompt (its last text) leaves the block: open, closed or not begun."""
     tail = prompt_tail.rstrip()
@@ -248,10 +249,9 @@ def plan_reply(tokenizer, delimiters: Delimiters | None, ids: list[int], constra
         ids = ids + tokenizer.encode(delimiters.open, add_special_tokens=False)
         state = "inside"
     closing = delimiters.close + (delimiters.answer[0] if delimiters.answer and not tools else "")
-    end_ids = None
-    if constrained and state == "inside":
-        end_ids = tuple(tokenizer.encode(closing, add_special_tokens=False))
-    plain = len(tokenizer.encode(closing, add_special_tokens=False)) > 1 and not special_ids(tokenizer, (closing,))
+    closing_ids = tuple(tokenizer.encode(closing, add_special_tokens=False))
+    end_ids = closing_ids if constrained and state == "inside" else None
+    plain = len(closing_ids) > 1 and not special_ids(tokenizer, (closing,))
     return ids, ReplyPlan(delimiters, state, end_ids, kept, closing, closing if plain else "")
 
 
@@ -396,7 +396,7 @@ class ReasoningSplitter:
                     continue
                 # the closing delimiter's start held back: at the end, the reply was cut inside it (no piece of a
                 # delimiter is reasoning; a plain-text one, Apriel's, takes several tokens)
-                hold = partial_end(self.pending, self.delimiters.close)
+                hold = prefix_length(self.pending, (self.delimiters.close,))
                 reasoning += self.reason(self.pending[: len(self.pending) - hold], last=final)
                 self.pending = "" if final else self.pending[len(self.pending) - hold :]
                 break
@@ -433,14 +433,6 @@ class ReasoningSplitter:
 
     def finish(self):
         return self.feed("", final=True)
-
-
-def partial_end(text, delimiter):
-    """The length of the longest end of `text` that begins `delimiter`."""
-    for size in range(min(len(delimiter) - 1, len(text)), 0, -1):
-        if text.endswith(delimiter[:size]):
-            return size
-    return 0
 
 
 def split_reply(plan: ReplyPlan, text: str):

@@ -7,9 +7,10 @@ import dataclasses
 import torch
 
 from .logprobs import content_items, decode_text, first_stop, from_a_character, mend_byte_end
-from .reasoning import BudgetCount, partial_end
+from .reasoning import BudgetCount
 from .requests import Delta, Finish, Request
 from .sampling import Reading, RowState, accept, choose
+from .tool_xml import prefix_length
 from .transfers import to_device
 
 # Prompt tokens decoded before a row's new tokens to get their text in context (not the whole prompt each step).
@@ -206,7 +207,7 @@ class Reporter:
         with self.tokenizer_lock:
             before, after = (decode_text(self.tokenizer, ids, request.kept) for ids in (tail[:-1], tail))
             if row.thinking is not None:  # a budget closing the block now writes only the rest of a closing begun
-                begun = partial_end(after, close)
+                begun = prefix_length(after, (close,))
                 row.thinking.rest = self.tokenizer.encode(close[begun:], add_special_tokens=False) if begun else None
         return close in after and close not in before
 

@@ -10,15 +10,13 @@ Gemma syntax.
 from __future__ import annotations
 
 import json
-import re
 
 from .tool_schema import GEMMA_KEY as KEY
 from .tool_schema import GEMMA_QUOTE as QUOTE
-from .tool_xml import NUMBER_START, SCALAR, WORDS, prefix_length, skip_space
+from .tool_xml import NAME, NUMBER_START, SCALAR, WORDS, prefix_length, skip_space
 
 OPEN = "call:"  # after <|tool_call>
 CLOSE = "<tool_call|>"
-NAME = re.compile(r"[A-Za-z0-9_.-]*")
 
 
 # Reading

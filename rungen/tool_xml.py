@@ -41,7 +41,7 @@ STYLES = {
     "minimax_xml": XmlStyle(('<invoke name="', '">'), ('<parameter name="', '">'), ("", "</parameter>"),
                             ("</invoke>",)),
 }
-NAME = re.compile(r"[A-Za-z0-9_.-]*")  # a function's
+NAME = re.compile(r"[A-Za-z0-9_.-]*")  # a function's, as the models write it after their markers (every reader's)
 KEY = re.compile(r"[^<>\n]*")  # a parameter's: any property name a schema may have (a space, "城市"), in one line
 WHITESPACE = (" ", "\n", "\r", "\t")
 # The readers' JSON scalars (here with their other text helpers): one written, or one the text may still be writing.

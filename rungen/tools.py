@@ -10,15 +10,21 @@ Formats (docs/server.md#tool-calling):
 - mistral_args: `[TOOL_CALLS]name[ARGS]{...}`, one marker a call (Ministral 3, Magistral, Devstral); mistral_call_id
   with `[CALL_ID]` and a 9-character id before `[ARGS]` (Mistral Small 3.2).
 - qwen_xml: Qwen3.5, Qwen3-Coder, Nemotron 3, `<tool_call>\n<function=name>\n<parameter=key>\nvalue\n</parameter>\n
-  </function>\n</tool_call>`; glm_xml: GLM-4.5 on, `<tool_call>name<arg_key>key</arg_key><arg_value>value</arg_value>
-  </tool_call>` (rungen/tool_xml.py: a value is text where its schema says string, JSON otherwise).
+  </function>\n</tool_call>`; seed_xml the same in `<seed:tool_call>` (Seed-OSS); glm_xml: GLM-4.5 on,
+  `<tool_call>name<arg_key>key</arg_key><arg_value>value</arg_value></tool_call>`; minimax_xml: MiniMax-M2, `<invoke
+  name=...>` blocks in one `<minimax:tool_call>` (rungen/tool_xml.py: a value is text where its schema says string,
+  JSON otherwise).
+- apriel, nemotron: a JSON list of calls in `<tool_calls>[...]</tool_calls>` (Apriel), `<TOOLCALL>[...]</TOOLCALL>`
+  (Nemotron Nano 2); pythonic: LFM2's `<|tool_call_start|>[name(key=value, ...)]<|tool_call_end|>`, values JSON.
+- harmony: gpt-oss's calls in its commentary channel; gemma: Gemma 4's `<|tool_call>call:name{...}<tool_call|>`
+  (rungen/tool_gemma.py). Where xgrammar writes no grammar of a syntax, rungen/tool_schema.py does.
 - generic: a template that does not render tools (SmolLM2's among them): the tools are described in a system
   message and a call is the line `{"tool_call": {"name": ..., "arguments": {...}}}`, as llama-server's
   generic handler does.
 
 The format is read from the template's text, never configured; a template that writes calls in another XML
-(MiniMax's `<invoke>`) is refused rather than read as Hermes. Markers that are
-special tokens (Mistral's) stay in the reply's text, and the grammar takes them as the text they name. A
+(MiniMax-M3's `<invoke>`) is refused rather than read as Hermes. Markers that are
+special tokens (Mistral's, Gemma's) stay in the reply's text, and the grammar takes them as the text they name. A
 per-request grammar constrains the calls (at most one whitespace character at a time in the arguments, so a small
 model cannot pad them to max_tokens): calls only for `required` or a named function; for `auto`, free text until
 the call's opening marker. One incremental parser reads a whole reply and a stream alike, so both give the same
@@ -36,7 +42,7 @@ import uuid
 
 from . import tool_gemma
 from .tool_schema import IDENTIFIER, arguments_grammar, python_name
-from .tool_xml import NUMBER_START, SCALAR, WORDS, prefix_length, read_call, skip_space
+from .tool_xml import NAME, NUMBER_START, SCALAR, WORDS, prefix_length, read_call, skip_space
 from .tool_xml import STYLES as XML_STYLES
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -75,7 +81,7 @@ class Format:
     native: bool = True  # the template renders the tools itself
     call_id: bool = False  # a 9-character id the model writes after `middle`, then "[ARGS]" (Mistral Small 3.2)
     # How the arguments are written: JSON, an XML of rungen/tool_xml.py's (xgrammar's "qwen_xml": <parameter=key>
-    # value..., "glm_xml", ...), or "gemma" (rungen/tool_gemma.py).
+    # value..., "glm_xml", ...), "gemma" (rungen/tool_gemma.py) or "python" (LFM2's keywords).
     style: str = "json"
     alternate: tuple[str, str] | None = None  # another (begin, middle) the model may write a call with (gpt-oss's)
 
@@ -112,7 +118,6 @@ SEED_XML = Format("seed_xml", "<seed:tool_call>\n<function=", ">\n", "</function
 # LFM2: Python calls in a list, their values JSON
 PYTHONIC = Format("pythonic", "", "(", ")", "<|tool_call_start|>", ", ", ("<|tool_call_start|>",),
                   region=("<|tool_call_start|>[", "]<|tool_call_end|>"), style="python")
-GRAMMAR_STYLES = {"seed_xml": "qwen_xml"}  # xgrammar's style of a format's parameters, where it is not its own name
 GLM_XML = Format("glm_xml", "<tool_call>", "", "</tool_call>", "<tool_call>", "\n", ("<tool_call>",), style="glm_xml")
 # gpt-oss: the recipient before the channel, as its template writes a call, or after it, as OpenAI's guide does.
 HARMONY = Format("harmony", "<|start|>assistant to=functions.", "<|channel|>commentary json<|message|>", "",
@@ -127,6 +132,7 @@ GENERIC = Format("generic", '{"tool_call": {"name": "', '", "arguments": ', "}}"
                  ('{"tool_call"',), native=False)
 FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS, MISTRAL_CALL_ID, QWEN_XML, GLM_XML,
                                 MINIMAX_XML, APRIEL, NEMOTRON, SEED_XML, PYTHONIC, HARMONY, GEMMA, GENERIC)}
+GRAMMAR_STYLES = {"seed_xml": "qwen_xml"}  # xgrammar's style of a format's parameters, where it is not its own name
 # How templates that write calls in an XML not parsed here show it (MiniMax-M3's).
 XML_SIGNS = ("<invoke ",)
 KNOWN = ("Hermes/Qwen JSON <tool_call>, Qwen, Seed-OSS, GLM and MiniMax-M2 XML, Llama 3 JSON, Mistral [TOOL_CALLS], "
@@ -358,8 +364,7 @@ def check_answers(messages) -> dict[str, str]:
 def template_messages(messages, fmt: Format, request: ToolRequest | None, calls_as_text: bool = False):
     """The conversation as the chat template takes it, calls and results in the format's shape (the generic format
     describes the tools in the system message); every call answered (check_answers). `calls_as_text`: the template
-    renders no tool_calls (SmolLM3's, Granite 3.3's), so an assistant turn's calls are its text, as the model wrote
-    them."""
+    renders no tool_calls (SmolLM3's, LFM2's), so an assistant turn's calls are its text, as the model wrote them."""
     calls = check_answers(messages)  # id -> name
     out = []
     for message in messages:
@@ -524,14 +529,12 @@ class CallParser:
         self.text = ""
         self.content_sent = 0  # characters of the (left-stripped) content sent
         self.calls = []  # [id, name, arguments sent]
-        self.complete = True  # every call so far is finished (a stop string may cut one)
-        self.finished = []  # each named call's: finished or not
+        self.finished = []  # each named call's: finished or not (a stop string may cut one)
         self.unnamed = False  # a call begun but cut before its name
 
     def feed(self, text, final=False):
         self.text += text
         content, calls = parse(self.fmt, self.text, final, self.schemas)
-        self.complete = all(call.complete for call in calls)
         self.finished = [call.complete for call in calls if call.name is not None]
         self.unnamed = any(call.name is None for call in calls)
         events = []
@@ -555,6 +558,11 @@ class CallParser:
 
     def finish(self):
         return self.feed("", final=True)
+
+    @property
+    def complete(self) -> bool:
+        """Every call so far is finished (a call cut before its name is none)."""
+        return all(self.finished) and not self.unnamed
 
 
 def parse(fmt: Format, text: str, final: bool, schemas=None):
@@ -742,7 +750,6 @@ def arguments_call(text, position, name, found):
     return end
 
 
-CALL_NAME = re.compile(r"[A-Za-z0-9_.-]*")  # a function's, as the models write it after their markers
 HARMONY_HEADER = re.compile(r"(?:<\|channel\|>commentary|<\|constrain\|>|json|\s)*")  # between name and message
 HARMONY_PIECES = ("<|message|>", "<|channel|>commentary", "<|constrain|>", "json")
 
@@ -771,7 +778,7 @@ def parse_python_calls(fmt, text, position, found):
 
 def python_call(text, position):
     """(end, Call) of `name(key=value, ...)` at `position`; end None while the text ends inside, -1 if no call."""
-    name = CALL_NAME.match(text, position).group()
+    name = NAME.match(text, position).group()
     position += len(name)
     if position == len(text):
         return None, Call(None, "", False)
@@ -811,7 +818,7 @@ def parse_harmony_call(text, position, found):
     """gpt-oss's `name<|channel|>commentary json<|message|>{...}` (or ` <|constrain|>json<|message|>{...}` where
     the recipient came after the channel) at `position`, after "to=functions.": one call into `found`; its end,
     None if the text ends inside, -1 if no call."""
-    name = CALL_NAME.match(text, position).group()
+    name = NAME.match(text, position).group()
     message = text.find("<|message|>", position + len(name))
     head = text[position + len(name) : len(text) if message == -1 else message]
     if message == -1:

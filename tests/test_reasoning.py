@@ -3,6 +3,7 @@ jsonl records: a tiny random model with Qwen3's published chat template and Qwen
 of their own. A random model does not think by itself: logit_bias pushes it to open and close the block, and
 /v1/completions on the same prompt tokens gives the raw text the chat reply must be split from."""
 
+import contextlib
 import json
 import os
 
@@ -46,6 +47,14 @@ def template_checkpoint(path, template, added=(), special=()):
     return tokenizer
 
 
+@contextlib.contextmanager
+def served(path):
+    """(url, loaded) of a live server on the checkpoint at `path`, while the block runs."""
+    loaded = load(path, device=torch.device("cpu"))
+    with serving(loaded, model_id=MODEL_ID, max_batch=8) as (live, _):
+        yield live.url, loaded
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("thinking") / "qwen2")
@@ -56,9 +65,8 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    loaded = load(checkpoint, device=torch.device("cpu"))
-    with serving(loaded, model_id=MODEL_ID, max_batch=8) as (live, _):
-        yield live.url, loaded
+    with served(checkpoint) as server:
+        yield server
 
 
 def client(server):
@@ -508,9 +516,8 @@ def closing_server(checkpoint, tmp_path_factory):
     else:
         pytest.fail("no greedy step to close the block at")
     model.save_pretrained(path)
-    loaded = load(path, device=torch.device("cpu"))
-    with serving(loaded, model_id=MODEL_ID, max_batch=8) as (live, _):
-        yield live.url, loaded
+    with served(path) as server:
+        yield server
 
 
 def test_a_response_gives_the_block_as_a_reasoning_item_and_the_answer_as_the_message(closing_server):
@@ -577,9 +584,8 @@ def special_checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def special_server(special_checkpoint):
-    loaded = load(special_checkpoint, device=torch.device("cpu"))
-    with serving(loaded, model_id=MODEL_ID, max_batch=8) as (live, _):
-        yield live.url, loaded
+    with served(special_checkpoint) as server:
+        yield server
 
 
 def test_a_block_between_special_tokens_comes_apart_as_well(special_server, special_checkpoint, tmp_path):
@@ -640,9 +646,8 @@ def harmony_server(tmp_path_factory):
         config["eos_token_id"] = ends
         with open(os.path.join(path, name), "w", encoding="utf-8") as f:
             json.dump(config, f)
-    loaded = load(path, device=torch.device("cpu"))
-    with serving(loaded, model_id=MODEL_ID, max_batch=8) as (live, _):
-        yield live.url, loaded
+    with served(path) as server:
+        yield server
 
 
 def test_gpt_oss_thinks_in_its_analysis_channel_then_calls_a_tool_or_answers(harmony_server):
@@ -739,10 +744,8 @@ def test_apriel_thinks_after_its_plain_text_opening_and_answers_after_the_marker
     template_checkpoint(path, os.path.join(os.path.dirname(TEMPLATE), "apriel-1.6-thinker.jinja"),
                         special=["<|begin_system|>", "<|begin_user|>", "<|begin_assistant|>", "<|begin_tool_result|>",
                                  "<|end|>"])
-    loaded = load(path, device=torch.device("cpu"))
-    with serving(loaded, model_id=MODEL_ID, max_batch=8) as (live, _):
-        server = (live.url, loaded)
-        assert len(loaded.tokenizer.encode("Here are my reasoning steps:\n")) > 8  # past the tail's own tokens
+    with served(path) as server:
+        assert len(server[1].tokenizer.encode("Here are my reasoning steps:\n")) > 8  # past the tail's own tokens
         reply = chat(server, temperature=1.0, seed=1, n=4, max_tokens=30, logprobs=True,
                      extra_body={"thinking_token_budget": 5})
         for choice in reply.choices:
