@@ -16,6 +16,11 @@ Formats (docs/server.md#tool-calling):
   JSON otherwise).
 - apriel, nemotron: a JSON list of calls in `<tool_calls>[...]</tool_calls>` (Apriel), `<TOOLCALL>[...]</TOOLCALL>`
   (Nemotron Nano 2); pythonic: LFM2's `<|tool_call_start|>[name(key=value, ...)]<|tool_call_end|>`, values JSON.
+- deepseek_v3_1: DeepSeek V3.1, V3.1-Terminus, V3.2-Exp, `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>name
+  <｜tool▁sep｜>{...}<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`; deepseek_r1: DeepSeek V3, R1 and its distills, the
+  same region of `<｜tool▁call▁begin｜>function<｜tool▁sep｜>name\n```json\n{...}\n```<｜tool▁call▁end｜>`, one a
+  line. Their templates render calls and results but not the tools: those go into the system message in DeepSeek's
+  own words.
 - harmony: gpt-oss's calls in its commentary channel; gemma: Gemma 4's `<|tool_call>call:name{...}<tool_call|>`
   (rungen/tool_gemma.py). Where xgrammar writes no grammar of a syntax, rungen/tool_schema.py does.
 - generic: a template that does not render tools (SmolLM2's among them): the tools are described in a system
@@ -84,6 +89,14 @@ class Format:
     # value..., "glm_xml", ...), "gemma" (rungen/tool_gemma.py) or "python" (LFM2's keywords).
     style: str = "json"
     alternate: tuple[str, str] | None = None  # another (begin, middle) the model may write a call with (gpt-oss's)
+    # The family's own words for the tools where its template writes none (a key of INSTRUCTIONS); its template's
+    # calls are then not used either (DeepSeek's join the arguments as text): a turn's calls are its text.
+    instructions: str | None = None
+
+    @property
+    def listed(self) -> bool:
+        """The calls are a JSON list in the region (Mistral's, Apriel's), not one tagged call after another."""
+        return self.region is not None and self.region[0].endswith("[")
 
     @property
     def texts(self) -> tuple[str, ...]:
@@ -118,6 +131,15 @@ SEED_XML = Format("seed_xml", "<seed:tool_call>\n<function=", ">\n", "</function
 # LFM2: Python calls in a list, their values JSON
 PYTHONIC = Format("pythonic", "", "(", ")", "<|tool_call_start|>", ", ", ("<|tool_call_start|>",),
                   region=("<|tool_call_start|>[", "]<|tool_call_end|>"), style="python")
+# DeepSeek: its calls one after another in a region (V3.1 writes the arguments right after the name; V3 and R1 name
+# the function's type first and fence the arguments as JSON, a call a line).
+DEEPSEEK_CALLS = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
+DEEPSEEK_V3_1 = Format("deepseek_v3_1", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
+                       DEEPSEEK_CALLS[0], "", (DEEPSEEK_CALLS[0],), region=DEEPSEEK_CALLS,
+                       instructions="deepseek_v3_1")
+DEEPSEEK_R1 = Format("deepseek_r1", "<｜tool▁call▁begin｜>function<｜tool▁sep｜>", "\n```json\n",
+                     "\n```<｜tool▁call▁end｜>", DEEPSEEK_CALLS[0], "\n", (DEEPSEEK_CALLS[0],), region=DEEPSEEK_CALLS,
+                     instructions="deepseek_r1")
 GLM_XML = Format("glm_xml", "<tool_call>", "", "</tool_call>", "<tool_call>", "\n", ("<tool_call>",), style="glm_xml")
 # gpt-oss: the recipient before the channel, as its template writes a call, or after it, as OpenAI's guide does.
 HARMONY = Format("harmony", "<|start|>assistant to=functions.", "<|channel|>commentary json<|message|>", "",
@@ -131,12 +153,14 @@ GEMMA_TURN_END = "<turn|>\n"  # how Gemma 4's template closes a turn
 GENERIC = Format("generic", '{"tool_call": {"name": "', '", "arguments": ', "}}", '{"tool_call"', "\n",
                  ('{"tool_call"',), native=False)
 FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS, MISTRAL_CALL_ID, QWEN_XML, GLM_XML,
-                                MINIMAX_XML, APRIEL, NEMOTRON, SEED_XML, PYTHONIC, HARMONY, GEMMA, GENERIC)}
+                                MINIMAX_XML, APRIEL, NEMOTRON, SEED_XML, PYTHONIC, DEEPSEEK_V3_1, DEEPSEEK_R1, HARMONY,
+                                GEMMA, GENERIC)}
 GRAMMAR_STYLES = {"seed_xml": "qwen_xml"}  # xgrammar's style of a format's parameters, where it is not its own name
 # How templates that write calls in an XML not parsed here show it (MiniMax-M3's).
 XML_SIGNS = ("<invoke ",)
 KNOWN = ("Hermes/Qwen JSON <tool_call>, Qwen, Seed-OSS, GLM and MiniMax-M2 XML, Llama 3 JSON, Mistral [TOOL_CALLS], "
-         "Apriel <tool_calls>, Nemotron <TOOLCALL>, LFM2's Python calls, gpt-oss and Gemma 4")
+         "Apriel <tool_calls>, Nemotron <TOOLCALL>, LFM2's Python calls, DeepSeek V3, R1 and V3.1, gpt-oss and "
+         "Gemma 4")
 
 
 def template_text(chat_template) -> str | None:
@@ -155,6 +179,8 @@ def detect_format(chat_template) -> Format | str:
         return HARMONY
     if GEMMA.begin in text:
         return GEMMA
+    if DEEPSEEK_V3_1.middle in text:  # <｜tool▁sep｜>: V3 and R1 fence the arguments, V3.1 does not
+        return DEEPSEEK_R1 if "```json" in text else DEEPSEEK_V3_1
     if "[TOOL_CALLS]" in text:
         return MISTRAL_CALL_ID if "[CALL_ID]" in text else MISTRAL_ARGS if "[ARGS]" in text else MISTRAL
     if "<tool_call>" in text and "<function=" in text and "<parameter=" in text:
@@ -361,10 +387,12 @@ def check_answers(messages) -> dict[str, str]:
     return names
 
 
-def template_messages(messages, fmt: Format, request: ToolRequest | None, calls_as_text: bool = False):
+def template_messages(messages, fmt: Format, request: ToolRequest | None, calls_as_text: bool = False,
+                      describe: bool = False):
     """The conversation as the chat template takes it, calls and results in the format's shape (the generic format
     describes the tools in the system message); every call answered (check_answers). `calls_as_text`: the template
-    renders no tool_calls (SmolLM3's, LFM2's), so an assistant turn's calls are its text, as the model wrote them."""
+    renders no tool_calls (SmolLM3's, LFM2's), so an assistant turn's calls are its text, as the model wrote them.
+    `describe`: the template writes no tools, so the format's instructions describe them (DeepSeek's)."""
     calls = check_answers(messages)  # id -> name
     out = []
     for message in messages:
@@ -402,6 +430,15 @@ def template_messages(messages, fmt: Format, request: ToolRequest | None, calls_
             out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + described}
         else:
             out.insert(0, {"role": "system", "content": described})
+    elif describe and request is not None and request.choice != "none":
+        # after the system prompt, as DeepSeek's cards lay it out ("{system prompt}\n\n{tools}"); R1's template
+        # keeps the last system message alone
+        described = "\n\n" + INSTRUCTIONS[fmt.instructions](request)
+        last = max((number for number, message in enumerate(out) if message["role"] == "system"), default=None)
+        if last is None:
+            out.insert(0, {"role": "system", "content": described})
+        else:
+            out[last] = {"role": "system", "content": out[last]["content"] + described}
     return out
 
 
@@ -436,6 +473,34 @@ def generic_instructions(request: ToolRequest) -> str:
             f"arguments:\n{described}\n\nTo call a tool, answer with {several}, and nothing else:\n"
             '{"tool_call": {"name": <tool name>, "arguments": <arguments object>}}\n'
             'A tool\'s result comes back as {"tool_response": {"name": <tool name>, "content": <result>}}.')
+
+
+def deepseek_v3_1_instructions(request: ToolRequest) -> str:
+    """The tools as DeepSeek-V3.1's model card writes them into the system prompt, word for word."""
+    described = "".join(f"### {function['name']}\nDescription: {function.get('description', '')}\n\nParameters: "
+                        f"{json.dumps(function['parameters'], ensure_ascii=False)}\n\n"
+                        for function in (tool["function"] for tool in request.tools))
+    return ("## Tools\nYou have access to the following tools:\n\n" + described +
+            "IMPORTANT: ALWAYS adhere to this exact format for tool use:\n<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>"
+            "tool_call_name<｜tool▁sep｜>tool_call_arguments<｜tool▁call▁end｜>{additional_tool_calls}<｜tool▁calls▁end｜>"
+            "\n\nWhere:\n- `tool_call_name` must be an exact match to one of the available tools\n"
+            "- `tool_call_arguments` must be valid JSON that strictly follows the tool's Parameters Schema\n"
+            "- For multiple tool calls, chain them directly without separators or spaces")
+
+
+def deepseek_r1_instructions(request: ToolRequest) -> str:
+    """The functions as DeepSeek V3's function-calling example lists them, then the call's syntax (R1's distills
+    were not trained on calls: an example is all they have, as llama.cpp's R1 template gives them)."""
+    listed = "\n".join(f"- `{tool['function']['name']}`:\n```json\n"
+                       f"{json.dumps(tool['function'], indent=4, ensure_ascii=False)}\n```" for tool in request.tools)
+    several = ("\nFor several calls, write each <｜tool▁call▁begin｜>...<｜tool▁call▁end｜> on a line of its own "
+               "before <｜tool▁calls▁end｜>." if request.parallel else "")
+    return ("## Tools\n\n### Function\n\nYou have the following functions available:\n\n" + listed +
+            "\n\nTo call a function, answer with:\n<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>"
+            "function_name\n```json\n{arguments}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>" + several)
+
+
+INSTRUCTIONS = {"deepseek_v3_1": deepseek_v3_1_instructions, "deepseek_r1": deepseek_r1_instructions}
 
 
 # The constraint
@@ -622,7 +687,9 @@ def parse_region(fmt, text, start, marker, found, schemas=None):
         return parse_python_calls(fmt, text, start + len(marker), found)
     if fmt.style != "json":
         return parse_xml_region(fmt, text, start + len(marker), found, schemas)
-    listed = fmt.region is not None  # a JSON list of calls after the marker (Mistral's, Apriel's)
+    if fmt.region is not None and not fmt.listed:
+        return parse_tagged_calls(fmt, text, start + len(marker), found)
+    listed = fmt.listed  # a JSON list of calls after the marker (Mistral's, Apriel's)
     if listed:
         position = list_opening(text, start + len(marker))
         if position is None or position == -1:
@@ -714,6 +781,38 @@ def parse_xml_region(fmt, text, position, found, schemas):
         if end is None or end == -1:
             return end
         position = end
+
+
+def parse_tagged_calls(fmt, text, position, found):
+    """DeepSeek's calls after its region's opening at `position`, `begin name middle {...} end` one after another
+    (whitespace between), up to the region's end: into `found`; as parse_region."""
+    while True:
+        position = skip_space(text, position)
+        rest = text[position:]
+        if found and rest.startswith(fmt.region[1]):
+            return position + len(fmt.region[1])
+        if not rest or fmt.begin.startswith(rest) or found and fmt.region[1].startswith(rest):
+            return None  # a call, or the region's end, on its way
+        if not rest.startswith(fmt.begin):
+            return -1 if not found else position
+        name = NAME.match(text, position + len(fmt.begin)).group()
+        head = position + len(fmt.begin) + len(name)
+        if not text.startswith(fmt.middle, head):
+            if fmt.middle.startswith(text[head:]):  # the name, or what follows it, on its way
+                found.append(Call(None, "", False))
+                return None
+            return -1 if not found else position
+        if not name:
+            return -1 if not found else position
+        end = arguments_call(text, head + len(fmt.middle), name, found)
+        if end is None or end == -1:
+            return end if end is None or not found else position
+        if text.startswith(fmt.end, end):
+            position = end + len(fmt.end)
+        elif fmt.end.startswith(text[end:]):
+            return None  # the call's closing on its way
+        else:
+            return -1 if not found[:-1] else end
 
 
 def parse_named_call(fmt, text, position, found):
@@ -982,9 +1081,11 @@ def plan_tools(body, messages, chat_template, reply_schema: str | None = None) -
     if isinstance(fmt, str):
         raise ToolError(f"tools: {fmt}", "tools" if request is not None else "messages")
     calling = request is not None and request.choice != "none"
-    calls_as_text = "tool_calls" not in template_text(chat_template)
-    return ToolPlan(template_messages(messages, fmt, request, calls_as_text),
-                    template_tools=list(request.tools) if calling and fmt.native else None,
+    template = template_text(chat_template)
+    calls_as_text = "tool_calls" not in template or fmt.instructions is not None
+    describe = fmt.instructions is not None and re.search(r"\btools\b", template) is None
+    return ToolPlan(template_messages(messages, fmt, request, calls_as_text, describe),
+                    template_tools=list(request.tools) if calling and fmt.native and not describe else None,
                     grammar=tool_grammar(fmt, request, reply_schema) if calling else None,
                     fmt=fmt if calling else None, calls_only=calling and request.choice != "auto",
                     holds_format=calling and reply_schema is not None,

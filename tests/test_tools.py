@@ -30,13 +30,14 @@ MODELS = {"hermes": ("qwen2", "qwen2.5-instruct.jinja"), "llama3_json": ("llama"
           "glm_xml": ("qwen2", "glm-4.6.jinja"), "gemma": ("qwen2", "gemma-4-it.jinja"),
           "minimax_xml": ("qwen2", "minimax-m2.jinja"), "apriel": ("mistral", "apriel-1.5-thinker.jinja"),
           "seed_xml": ("qwen2", "seed-oss.jinja"), "nemotron": ("qwen2", "nemotron-nano-v2.jinja"),
-          "pythonic": ("qwen2", "lfm2-8b-a1b.jinja"),
+          "pythonic": ("qwen2", "lfm2-8b-a1b.jinja"), "deepseek_v3_1": ("qwen2", "deepseek-v3.2-exp.jinja"),
+          "deepseek_r1": ("qwen2", "deepseek-r1-distill-llama-8b.jinja"),
           "generic": ("qwen2", None)}
 # Qwen3.5 and GLM think first by default, and a tiny random model never closes its block: the calls follow no thinking.
 TEMPLATE_KWARGS = {"qwen_xml": {"enable_thinking": False}, "glm_xml": {"enable_thinking": False},
                    "seed_xml": {"thinking_budget": 0}}
-# MiniMax-M2's and Nemotron Nano 2's templates open the block: a budget of none closes it at once.
-THINKING_BUDGET = {"minimax_xml": 0, "nemotron": 0}
+# MiniMax-M2's, Nemotron Nano 2's and DeepSeek R1's templates open the block: a budget of none closes it at once.
+THINKING_BUDGET = {"minimax_xml": 0, "nemotron": 0, "deepseek_r1": 0}
 # Mistral's control tokens, special in its tokenizers (a decode that skips special tokens drops them): v0.3's, and
 # those the tekken tokenizers of Devstral and Mistral Small 3.2 add.
 MISTRAL_CONTROL = ["[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
@@ -46,6 +47,12 @@ TEKKEN_CONTROL = MISTRAL_CONTROL + ["[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[TOO
 # (generation_config's eos_token_id [1, 106, 50]).
 GEMMA_CONTROL = ["<|turn>", "<turn|>", "<|channel>", "<channel|>", "<|think|>", "<|tool>", "<tool|>", "<|tool_call>",
                  "<tool_call|>", "<|tool_response>", "<tool_response|>", '<|"|>']
+# DeepSeek's turn, thinking and tool markers: tokens of their own in its tokenizers, not special (its sentence markers
+# are).
+DEEPSEEK_ADDED = ["<｜User｜>", "<｜Assistant｜>", "<think>", "</think>", "<｜tool▁calls▁begin｜>",
+                  "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>",
+                  "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>",
+                  "<｜tool▁output▁end｜>"]
 # Apriel 1.5's turn markers, special tokens of its tokenizer.
 APRIEL_CONTROL = ["<|system|>", "<|user|>", "<|assistant|>", "<|tool_result|>", "<|content|>", "<|end|>"]
 TIME = {"type": "function", "function": {
@@ -56,6 +63,8 @@ TOOLS = [WEATHER, TIME]
 SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 CONTEXT = 4096
+# The longest tags: MiniMax's, and DeepSeek's, which a tiny model may spell byte by byte (three bytes a ｜ or ▁).
+MAX_TOKENS = {"minimax_xml": 160, "deepseek_v3_1": 250, "deepseek_r1": 250}
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +111,15 @@ def checkpoints(tmp_path_factory):
                 tokenizer.add_special_tokens({"additional_special_tokens": [
                     "<|tool_list_start|>", "<|tool_list_end|>", "<|tool_call_start|>", "<|tool_call_end|>",
                     "<|tool_response_start|>", "<|tool_response_end|>"]})
+            if fmt.startswith("deepseek"):
+                tokenizer.add_special_tokens({"bos_token": "<｜begin▁of▁sentence｜>",
+                                              "eos_token": "<｜end▁of▁sentence｜>"})
+                tokenizer.add_tokens(DEEPSEEK_ADDED)
+                model = AutoModelForCausalLM.from_pretrained(path)
+                model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
+                model.generation_config.bos_token_id = tokenizer.bos_token_id
+                model.generation_config.eos_token_id = tokenizer.eos_token_id
+                model.save_pretrained(path)
             if fmt == "glm_xml":  # GLM-4.6's
                 tokenizer.add_tokens(["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
                                       "</arg_value>", "<think>", "</think>"])
@@ -156,7 +174,7 @@ def client_for(servers, fmt):
 
 def create(servers, fmt, **kwargs):
     kwargs.setdefault("messages", ASK)
-    kwargs.setdefault("max_tokens", 160 if fmt == "minimax_xml" else 120)  # its tags are the longest
+    kwargs.setdefault("max_tokens", MAX_TOKENS.get(fmt, 120))
     if fmt in THINKING_BUDGET:
         kwargs["extra_body"] = {"thinking_token_budget": THINKING_BUDGET[fmt], **kwargs.get("extra_body", {})}
     return client_for(servers, fmt).chat.completions.create(model=fmt, **kwargs)
@@ -190,7 +208,8 @@ def test_a_named_function_is_the_one_called(servers, fmt):
 
 
 def test_parallel_calls_come_when_allowed_and_not_otherwise(servers):
-    for fmt in ("hermes", "generic", "mistral", "qwen_xml", "gemma", "minimax_xml", "apriel", "pythonic"):
+    for fmt in ("hermes", "generic", "mistral", "qwen_xml", "gemma", "minimax_xml", "apriel", "pythonic",
+                "deepseek_v3_1", "deepseek_r1"):
         several = create(servers, fmt, tools=TOOLS, tool_choice="required", temperature=1.0, seed=11, n=8,
                          max_tokens=250)
         counts = [len(check_calls(choice, SCHEMAS)) for choice in several.choices if choice.finish_reason != "length"]

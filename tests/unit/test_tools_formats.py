@@ -12,6 +12,8 @@ from xgrammar.testing import _is_grammar_accept_string as grammar_accepts
 from rungen.conversation import tool_fields
 from rungen.tools import (
     APRIEL,
+    DEEPSEEK_R1,
+    DEEPSEEK_V3_1,
     GEMMA,
     GENERIC,
     GLM_XML,
@@ -89,12 +91,18 @@ PUBLISHED = {
     "pythonic": ('<|tool_call_start|>[get_weather(city="Paris", unit="celsius"), get_time()]<|tool_call_end|>'),
     "gemma": ('<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,unit:<|"|>celsius<|"|>}<tool_call|>'
               "<|tool_call>call:get_time{}<tool_call|>"),
+    "deepseek_v3_1": ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris", "unit": '
+                      '"celsius"}<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{}<｜tool▁call▁end｜>'
+                      "<｜tool▁calls▁end｜>"),
+    "deepseek_r1": ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{"city": '
+                    '"Paris", "unit": "celsius"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>'
+                    "get_time\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
 }
 FORMATS = {"hermes": HERMES, "llama3_json": LLAMA3_JSON, "mistral": MISTRAL, "generic": GENERIC,
            "mistral_args": MISTRAL_ARGS, "mistral_call_id": MISTRAL_CALL_ID, "qwen_xml": QWEN_XML, "glm_xml": GLM_XML,
            "harmony": HARMONY, "gemma": GEMMA, "minimax_xml": MINIMAX_XML,
            "apriel": APRIEL, "nemotron": NEMOTRON, "seed_xml": SEED_XML,
-           "pythonic": PYTHONIC}
+           "pythonic": PYTHONIC, "deepseek_v3_1": DEEPSEEK_V3_1, "deepseek_r1": DEEPSEEK_R1}
 # What takes a published reply off its schema: a value outside the enum, and the required city left out.
 OFF_SCHEMA = {"qwen_xml": (("\ncelsius\n", "\nkelvin\n"), ("<parameter=city>\nParis\n</parameter>\n", "")),
               "glm_xml": ((">celsius<", ">kelvin<"), ("<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n", "")),
@@ -135,6 +143,8 @@ def test_the_format_is_detected_from_the_template():
     assert detect_format(template("nemotron-nano-v2.jinja")) is NEMOTRON
     assert detect_format(template("seed-oss.jinja")) is SEED_XML
     assert detect_format(template("lfm2-8b-a1b.jinja")) is PYTHONIC
+    assert detect_format(template("deepseek-v3.2-exp.jinja")) is DEEPSEEK_V3_1
+    assert detect_format(template("deepseek-r1-distill-llama-8b.jinja")) is DEEPSEEK_R1
     # Calls written in another XML inside <tool_call> (MiniMax-M3's <invoke>) are no Hermes JSON.
     assert "writes tool calls as XML (<invoke...)" in detect_format(template("minimax-m3.jinja"))
     assert detect_format(SMOLLM2_TEMPLATE) is GENERIC
@@ -509,3 +519,42 @@ def test_python_calls_take_only_what_python_and_the_next_prompt_can_hold():
     with pytest.raises(ToolError, match="'my-key' is no Python identifier") as error:
         template_messages(history, PYTHONIC, None, calls_as_text=True)
     assert error.value.param == "messages"
+
+
+def test_deepseek_gets_its_tools_in_its_words_and_its_calls_back_as_it_wrote_them():
+    """DeepSeek's templates render calls and results but no tools: the tools go after the system prompt in DeepSeek's
+    words (V3.1's card word for word), and R1's template, which keeps the last system message alone, still shows
+    them. A call in the history is its reply's text: both templates join the arguments to their text, which
+    fails on an object, and R1's leaves a single call's region open."""
+    from rungen.chat_template import render
+    from rungen.tools import plan_tools
+
+    call = {"id": "call_1", "name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}
+    history = [{"role": "system", "content": "Be brief."}, {"role": "system", "content": "Use tools."},
+               {"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]
+    body = {"tools": [WEATHER, TIME]}
+    for name, fmt, card in (("deepseek-v3.2-exp.jinja", DEEPSEEK_V3_1, "You have access to the following tools:"),
+                            ("deepseek-r1-distill-llama-8b.jinja", DEEPSEEK_R1,
+                             "You have the following functions available:")):
+        plan = plan_tools(body, history, template(name))
+        assert plan.fmt is fmt and plan.template_tools is None  # the template reads no tools
+        prompt = render(template(name), plan.messages, add_generation_prompt=True, bos_token="<s>")
+        assert prompt.count(card) == 1 and "Use tools.\n\n## Tools" in prompt
+        assert "- For multiple tool calls, chain them directly" in prompt or fmt is DEEPSEEK_R1
+        reply = (fmt.region[0] + fmt.begin + "get_weather" + fmt.middle + '{"city": "Paris", "unit": "celsius"}' +
+                 fmt.end + fmt.region[1])
+        opening = "<｜Assistant｜>" if fmt is DEEPSEEK_R1 else "<｜Assistant｜></think>"
+        assert opening + reply + "<｜end▁of▁sentence｜>" in prompt
+        assert calls_of(message_of(CallParser(fmt), reply))[1] == [("get_weather", call["arguments"])]
+        assert prompt.endswith("<｜tool▁output▁begin｜>18 C<｜tool▁output▁end｜>" +
+                               ("<｜tool▁outputs▁end｜>" if fmt is DEEPSEEK_R1 else ""))
+        # Without a system prompt the tools are all of it, after a blank line as the card lays it out; tool_choice
+        # none leaves them out.
+        bare = plan_tools(body, history[2:3], template(name)).messages
+        assert bare[0]["role"] == "system" and bare[0]["content"].startswith("\n\n## Tools\n")
+        assert plan_tools(dict(body, tool_choice="none"), history[2:3], template(name)).messages == history[2:3]
+        # The template's own rendering of the call object is what the text stands in for.
+        with pytest.raises(TypeError):
+            render(template(name), history[2:3] + [{"role": "assistant", "content": None, "tool_calls": [
+                {"type": "function", "function": {"name": "get_weather", "arguments": call["arguments"]}}]}])
