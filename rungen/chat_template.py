@@ -1,12 +1,15 @@
 """A chat template rendered by jinja2 as transformers renders it (transformers/utils/chat_template_utils.py:
 _cached_compile_jinja_template and render_jinja_template), for rungen/gguf/tokenizer.py's GGUFTokenizer.
 
-The same environment: a sandbox whose objects cannot be changed (ImmutableSandboxedEnvironment), trim_blocks and
-lstrip_blocks, loop controls, the {% generation %} tag (its body rendered as it is: the tool never asks for the
-assistant mask), tojson without HTML escaping, raise_exception, strftime_now, a dict() and a namespace() that hold
-no underscore names; the same inputs: JSON-like data copied (the tool's messages come from JSON or its own code),
-a message's reasoning also under the names templates read. What this leaves out of transformers' function
-(continue_final_message, the assistant mask, tools given as Python functions) the tool does not use.
+The same environment, a sandbox, with trim_blocks and lstrip_blocks, loop controls, the {% generation %} tag (its body
+rendered as it is: the tool never asks for the assistant mask), tojson without HTML escaping, raise_exception,
+strftime_now, a dict() and a namespace() that hold no underscore names; the same inputs: JSON-like data copied (the
+tool's messages come from JSON or its own code), a message's reasoning also under the names templates read. What this
+leaves out of transformers' function (continue_final_message, the assistant mask, tools given as Python functions) the
+tool does not use. One thing more: transformers' sandbox refuses any change to a list or dict
+(ImmutableSandboxedEnvironment), this one lets a template change its own (Kimi K2's later templates queue the ids of a
+turn's calls in a list, as llama.cpp's engine renders them); what the template is given is a copy made for the one
+rendering, so nothing outside it changes, and what transformers renders renders alike.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ def alias_reasoning(messages: list[dict]) -> list[dict]:
 def environment():
     import jinja2
     import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from jinja2.sandbox import SandboxedEnvironment
 
     class Generation(jinja2.ext.Extension):
         """{% generation %}...{% endgeneration %}: the body, as transformers renders it without the mask."""
@@ -103,8 +106,7 @@ def environment():
                     f"Chat templates cannot store underscore-prefixed attributes on a namespace, but got {name!r}. "
                     "Please rename the attribute.")
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[Generation, jinja2.ext.loopcontrols])
+    env = SandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now, dict=TemplateDict(),
                        namespace=TemplateNamespace)

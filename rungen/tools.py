@@ -21,6 +21,8 @@ Formats (docs/server.md#tool-calling):
   same region of `<｜tool▁call▁begin｜>function<｜tool▁sep｜>name\n```json\n{...}\n```<｜tool▁call▁end｜>`, one a
   line. Their templates render calls and results but not the tools: those go into the system message in DeepSeek's
   own words.
+- kimi: Kimi K2, `<|tool_calls_section_begin|><|tool_call_begin|>functions.name:0<|tool_call_argument_begin|>{...}
+  <|tool_call_end|>...<|tool_calls_section_end|>`, the index the conversation's count of calls.
 - harmony: gpt-oss's calls in its commentary channel; gemma: Gemma 4's `<|tool_call>call:name{...}<tool_call|>`
   (rungen/tool_gemma.py). Where xgrammar writes no grammar of a syntax, rungen/tool_schema.py does.
 - generic: a template that does not render tools (SmolLM2's among them): the tools are described in a system
@@ -84,7 +86,9 @@ class Format:
     region: tuple[str, str] | None = None
     one_call: bool = False  # the template renders one call a reply at most
     native: bool = True  # the template renders the tools itself
-    call_id: bool = False  # a 9-character id the model writes after `middle`, then "[ARGS]" (Mistral Small 3.2)
+    # The pattern of an id the model writes after `middle`, and the text after it, before the arguments: Mistral Small
+    # 3.2's nine characters then "[ARGS]", Kimi's index of the call then <|tool_call_argument_begin|>.
+    call_id: tuple[str, str] | None = None
     # How the arguments are written: JSON, an XML of rungen/tool_xml.py's (xgrammar's "qwen_xml": <parameter=key>
     # value..., "glm_xml", ...), "gemma" (rungen/tool_gemma.py) or "python" (LFM2's keywords).
     style: str = "json"
@@ -102,7 +106,7 @@ class Format:
     def texts(self) -> tuple[str, ...]:
         """The format's literal text: what the reply's text must keep of special tokens to be parsed."""
         return (self.begin, self.middle, self.end, self.trigger, *self.markers, *(self.region or ()),
-                *(("[ARGS]",) if self.call_id else ()), *(self.alternate or ()),
+                *(self.call_id[1:] if self.call_id else ()), *(self.alternate or ()),
                 *((tool_gemma.QUOTE,) if self.style == "gemma" else ()))
 
 
@@ -114,7 +118,7 @@ MISTRAL = Format("mistral", '{"name": "', '", "arguments": ', "}", "[TOOL_CALLS]
                  region=("[TOOL_CALLS] [", "]"))
 MISTRAL_ARGS = Format("mistral_args", "[TOOL_CALLS]", "[ARGS]", "", "[TOOL_CALLS]", "", ("[TOOL_CALLS]",))
 MISTRAL_CALL_ID = Format("mistral_call_id", "[TOOL_CALLS]", "[CALL_ID]", "", "[TOOL_CALLS]", "", ("[TOOL_CALLS]",),
-                         call_id=True)
+                         call_id=("[A-Za-z0-9]{9}", "[ARGS]"))
 QWEN_XML = Format("qwen_xml", "<tool_call>\n<function=", ">\n", "</function>\n</tool_call>", "<tool_call>", "\n",
                   ("<tool_call>",), style="qwen_xml")
 MINIMAX_XML = Format("minimax_xml", '<invoke name="', '">\n', "</invoke>\n", "<minimax:tool_call>", "",
@@ -140,6 +144,11 @@ DEEPSEEK_V3_1 = Format("deepseek_v3_1", "<｜tool▁call▁begin｜>", "<｜tool
 DEEPSEEK_R1 = Format("deepseek_r1", "<｜tool▁call▁begin｜>function<｜tool▁sep｜>", "\n```json\n",
                      "\n```<｜tool▁call▁end｜>", DEEPSEEK_CALLS[0], "\n", (DEEPSEEK_CALLS[0],), region=DEEPSEEK_CALLS,
                      instructions="deepseek_r1")
+# Kimi K2: functions.name:index, the index the conversation's count of calls (held to a number, not to that count: a
+# reply's calls share their grammar), in a region
+KIMI = Format("kimi", "<|tool_call_begin|>functions.", ":", "<|tool_call_end|>", "<|tool_calls_section_begin|>", "",
+              ("<|tool_calls_section_begin|>",), region=("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"),
+              call_id=("0|[1-9][0-9]{0,5}", "<|tool_call_argument_begin|>"))
 GLM_XML = Format("glm_xml", "<tool_call>", "", "</tool_call>", "<tool_call>", "\n", ("<tool_call>",), style="glm_xml")
 # gpt-oss: the recipient before the channel, as its template writes a call, or after it, as OpenAI's guide does.
 HARMONY = Format("harmony", "<|start|>assistant to=functions.", "<|channel|>commentary json<|message|>", "",
@@ -153,14 +162,14 @@ GEMMA_TURN_END = "<turn|>\n"  # how Gemma 4's template closes a turn
 GENERIC = Format("generic", '{"tool_call": {"name": "', '", "arguments": ', "}}", '{"tool_call"', "\n",
                  ('{"tool_call"',), native=False)
 FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS, MISTRAL_CALL_ID, QWEN_XML, GLM_XML,
-                                MINIMAX_XML, APRIEL, NEMOTRON, SEED_XML, PYTHONIC, DEEPSEEK_V3_1, DEEPSEEK_R1, HARMONY,
-                                GEMMA, GENERIC)}
+                                MINIMAX_XML, APRIEL, NEMOTRON, SEED_XML, PYTHONIC, DEEPSEEK_V3_1, DEEPSEEK_R1, KIMI,
+                                HARMONY, GEMMA, GENERIC)}
 GRAMMAR_STYLES = {"seed_xml": "qwen_xml"}  # xgrammar's style of a format's parameters, where it is not its own name
 # How templates that write calls in an XML not parsed here show it (MiniMax-M3's).
 XML_SIGNS = ("<invoke ",)
 KNOWN = ("Hermes/Qwen JSON <tool_call>, Qwen, Seed-OSS, GLM and MiniMax-M2 XML, Llama 3 JSON, Mistral [TOOL_CALLS], "
-         "Apriel <tool_calls>, Nemotron <TOOLCALL>, LFM2's Python calls, DeepSeek V3, R1 and V3.1, gpt-oss and "
-         "Gemma 4")
+         "Apriel <tool_calls>, Nemotron <TOOLCALL>, LFM2's Python calls, DeepSeek V3, R1 and V3.1, Kimi K2, gpt-oss "
+         "and Gemma 4")
 
 
 def template_text(chat_template) -> str | None:
@@ -179,6 +188,8 @@ def detect_format(chat_template) -> Format | str:
         return HARMONY
     if GEMMA.begin in text:
         return GEMMA
+    if KIMI.trigger in text:
+        return KIMI
     if DEEPSEEK_V3_1.middle in text:  # <｜tool▁sep｜>: V3 and R1 fence the arguments, V3.1 does not
         return DEEPSEEK_R1 if "```json" in text else DEEPSEEK_V3_1
     if "[TOOL_CALLS]" in text:
@@ -394,6 +405,7 @@ def template_messages(messages, fmt: Format, request: ToolRequest | None, calls_
     renders no tool_calls (SmolLM3's, LFM2's), so an assistant turn's calls are its text, as the model wrote them.
     `describe`: the template writes no tools, so the format's instructions describe them (DeepSeek's)."""
     calls = check_answers(messages)  # id -> name
+    ids = template_ids(fmt, messages)
     out = []
     for message in messages:
         role = message["role"]
@@ -401,7 +413,7 @@ def template_messages(messages, fmt: Format, request: ToolRequest | None, calls_
             name = calls[message["tool_call_id"]]
             if fmt.native:
                 out.append({"role": "tool", "content": message["content"], "name": name,
-                            "tool_call_id": call_id_for(fmt, message["tool_call_id"])})
+                            "tool_call_id": ids[message["tool_call_id"]]})
             else:
                 result = json.dumps({"tool_response": {"name": name, "content": message["content"]}})
                 if out and out[-1].get("tool_results"):
@@ -411,7 +423,7 @@ def template_messages(messages, fmt: Format, request: ToolRequest | None, calls_
         elif message.get("tool_calls"):
             if fmt.native and not (calls_as_text and fmt.style in ("json", "python") and not fmt.call_id):
                 out.append({"role": "assistant", "content": message.get("content") or "",
-                            "tool_calls": [{"id": call_id_for(fmt, call["id"]), "type": "function",
+                            "tool_calls": [{"id": ids[call["id"]], "type": "function",
                                             "function": {"name": call["name"], "arguments": call["arguments"]}}
                                            for call in message["tool_calls"]]})
             else:
@@ -459,11 +471,21 @@ def calls_text(fmt: Format, calls) -> str:
     return fmt.region[0] + written + fmt.region[1] if fmt.region else written
 
 
-def call_id_for(fmt, call_id):
-    """Mistral's template takes 9-character alphanumeric ids only: others map to one, alike for call and result."""
-    if fmt.trigger == "[TOOL_CALLS]" and not (len(call_id) == 9 and call_id.isalnum()):
-        return hashlib.sha256(call_id.encode()).hexdigest()[:9]
-    return call_id
+def template_ids(fmt, messages) -> dict[str, str]:
+    """Each call's id as the template takes it, alike for call and result: Mistral's templates take 9-character
+    alphanumeric ids only; Kimi's model knows a call as `functions.name:index` (Kimi K2's first template writes a
+    result's id as given, and numbers the calls of a turn from 0)."""
+    ids = {}
+    for message in messages:
+        for index, call in enumerate(message.get("tool_calls") or []):
+            call_id = call["id"]
+            if fmt is KIMI:
+                ids[call_id] = f"functions.{call['name']}:{index}"
+            elif fmt.trigger == "[TOOL_CALLS]" and not (len(call_id) == 9 and call_id.isalnum()):
+                ids[call_id] = hashlib.sha256(call_id.encode()).hexdigest()[:9]
+            else:
+                ids[call_id] = call_id
+    return ids
 
 
 def generic_instructions(request: ToolRequest) -> str:
@@ -547,8 +569,8 @@ def tool_grammar(fmt: Format, request: ToolRequest, reply_schema: str | None = N
             arguments = JSONSchemaFormat(json_schema=function["parameters"],
                                          style=GRAMMAR_STYLES.get(fmt.style, fmt.style), max_whitespace_cnt=1)
         if fmt.call_id:  # the model's own id, then the arguments
-            arguments = SequenceFormat(elements=[RegexFormat(pattern="[A-Za-z0-9]{9}"),
-                                                 ConstStringFormat(value="[ARGS]"), arguments])
+            arguments = SequenceFormat(elements=[RegexFormat(pattern=fmt.call_id[0]),
+                                                 ConstStringFormat(value=fmt.call_id[1]), arguments])
         for begin, middle in ((fmt.begin, fmt.middle), *([fmt.alternate] if fmt.alternate else [])):
             tags.append(TagFormat(begin=begin + function["name"] + middle, content=arguments, end=fmt.end))
     single = fmt.one_call or not request.parallel or request.choice not in ("auto", "required")
@@ -783,9 +805,13 @@ def parse_xml_region(fmt, text, position, found, schemas):
         position = end
 
 
+ID = re.compile(r"[A-Za-z0-9]*")  # a call's id as a model writes it (its format's pattern holds it)
+
+
 def parse_tagged_calls(fmt, text, position, found):
-    """DeepSeek's calls after its region's opening at `position`, `begin name middle {...} end` one after another
-    (whitespace between), up to the region's end: into `found`; as parse_region."""
+    """DeepSeek's and Kimi's calls after the region's opening at `position`, `begin name middle {...} end` (Kimi's
+    index of the call after `middle`) one after another (whitespace between), up to the region's end: into `found`;
+    as parse_region."""
     while True:
         position = skip_space(text, position)
         rest = text[position:]
@@ -797,14 +823,23 @@ def parse_tagged_calls(fmt, text, position, found):
             return -1 if not found else position
         name = NAME.match(text, position + len(fmt.begin)).group()
         head = position + len(fmt.begin) + len(name)
-        if not text.startswith(fmt.middle, head):
-            if fmt.middle.startswith(text[head:]):  # the name, or what follows it, on its way
-                found.append(Call(None, "", False))
-                return None
-            return -1 if not found else position
+        pieces = (fmt.middle,) if fmt.call_id is None else (fmt.middle, ID, fmt.call_id[1])
+        for piece in pieces:  # the name's end, and Kimi's index of the call: what comes before the arguments
+            if piece is ID:
+                written = ID.match(text, head).group()
+                head += len(written)
+                if head < len(text) and not re.fullmatch(fmt.call_id[0], written):
+                    return -1 if not found else position
+            elif not text.startswith(piece, head):
+                if piece.startswith(text[head:]):  # on its way
+                    found.append(Call(None, "", False))
+                    return None
+                return -1 if not found else position
+            else:
+                head += len(piece)
         if not name:
             return -1 if not found else position
-        end = arguments_call(text, head + len(fmt.middle), name, found)
+        end = arguments_call(text, head, name, found)
         if end is None or end == -1:
             return end if end is None or not found else position
         if text.startswith(fmt.end, end):

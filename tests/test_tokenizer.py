@@ -5,6 +5,7 @@ the published templates of tests/chat_templates on the default model's vocabular
 
 import json
 import os
+import re
 import shutil
 
 import jinja2
@@ -163,13 +164,17 @@ def test_ids_text_and_special_tokens_are_transformers(headers, caches, name):
 
 def render_both(mine, theirs, conversation, **kwargs):
     """Both renderings, or both refusals (the template's raise_exception, or a filter failing: LFM2's tojson of a
-    content left out)."""
+    content left out). The one difference: a template changing a list it made (Kimi K2's queue of call ids), which
+    transformers' sandbox refuses and the tool's renders (rungen/chat_template.py)."""
     results = []
     for tokenizer in (mine, theirs):
         try:
             results.append(tokenizer.apply_chat_template(conversation, tokenize=False, **kwargs))
         except (jinja2.TemplateError, TypeError) as error:
             results.append(("refused", type(error).__name__, str(error)))
+    if results[1][:2] == ("refused", "SecurityError") and isinstance(results[0], str):
+        assert re.fullmatch(r"access to attribute '(append|pop)' of 'list' object is unsafe\.", results[1][2])
+        return results[0]
     assert results[0] == results[1], kwargs
     return results[0]
 

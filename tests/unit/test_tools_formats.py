@@ -19,6 +19,7 @@ from rungen.tools import (
     GLM_XML,
     HARMONY,
     HERMES,
+    KIMI,
     LLAMA3_JSON,
     MINIMAX_XML,
     MISTRAL,
@@ -97,12 +98,16 @@ PUBLISHED = {
     "deepseek_r1": ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{"city": '
                     '"Paris", "unit": "celsius"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>'
                     "get_time\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
+    "kimi": ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+             '{"city": "Paris", "unit": "celsius"}<|tool_call_end|><|tool_call_begin|>functions.get_time:1'
+             "<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>"),
 }
 FORMATS = {"hermes": HERMES, "llama3_json": LLAMA3_JSON, "mistral": MISTRAL, "generic": GENERIC,
            "mistral_args": MISTRAL_ARGS, "mistral_call_id": MISTRAL_CALL_ID, "qwen_xml": QWEN_XML, "glm_xml": GLM_XML,
            "harmony": HARMONY, "gemma": GEMMA, "minimax_xml": MINIMAX_XML,
            "apriel": APRIEL, "nemotron": NEMOTRON, "seed_xml": SEED_XML,
-           "pythonic": PYTHONIC, "deepseek_v3_1": DEEPSEEK_V3_1, "deepseek_r1": DEEPSEEK_R1}
+           "pythonic": PYTHONIC, "deepseek_v3_1": DEEPSEEK_V3_1, "deepseek_r1": DEEPSEEK_R1,
+           "kimi": KIMI}
 # What takes a published reply off its schema: a value outside the enum, and the required city left out.
 OFF_SCHEMA = {"qwen_xml": (("\ncelsius\n", "\nkelvin\n"), ("<parameter=city>\nParis\n</parameter>\n", "")),
               "glm_xml": ((">celsius<", ">kelvin<"), ("<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n", "")),
@@ -145,6 +150,8 @@ def test_the_format_is_detected_from_the_template():
     assert detect_format(template("lfm2-8b-a1b.jinja")) is PYTHONIC
     assert detect_format(template("deepseek-v3.2-exp.jinja")) is DEEPSEEK_V3_1
     assert detect_format(template("deepseek-r1-distill-llama-8b.jinja")) is DEEPSEEK_R1
+    assert detect_format(template("kimi-k2.jinja")) is KIMI
+    assert detect_format(template("kimi-k2-instruct.jinja")) is KIMI
     # Calls written in another XML inside <tool_call> (MiniMax-M3's <invoke>) are no Hermes JSON.
     assert "writes tool calls as XML (<invoke...)" in detect_format(template("minimax-m3.jinja"))
     assert detect_format(SMOLLM2_TEMPLATE) is GENERIC
@@ -242,8 +249,12 @@ def test_the_grammar_takes_the_published_replies_and_nothing_else(name):
         single = tool_grammar(fmt, dataclasses.replace(request, choice="required", parallel=False))
         assert not grammar_accepts(single, calls_only)
     assert tool_grammar(fmt, dataclasses.replace(request, choice="none")) is None
-    if fmt.call_id:  # the model's id: nine letters or digits
+    if fmt is MISTRAL_CALL_ID:  # the model's id: nine letters or digits
         assert not grammar_accepts(required, calls_only.replace("a1B2c3D4e", "a1B2c3"))
+    if fmt is KIMI:  # the call's index: a number as the template writes it
+        assert grammar_accepts(required, calls_only.replace(":1<", ":12<"))
+        for index in (":01<", ":x<", ":<", ":1234567<"):
+            assert not grammar_accepts(required, calls_only.replace(":1<", index)), index
     # Under auto, whatever the parser reads as a call is held to a tool: written compactly (the parser's marker
     # without the template's spaces), a call to no tool or with arguments off the schema is not generated.
     compact = {"generic": '{"tool_call":{"name":"get_date","arguments":{"town":"Rome"}}}',
@@ -558,3 +569,28 @@ def test_deepseek_gets_its_tools_in_its_words_and_its_calls_back_as_it_wrote_the
         with pytest.raises(TypeError):
             render(template(name), history[2:3] + [{"role": "assistant", "content": None, "tool_calls": [
                 {"type": "function", "function": {"name": "get_weather", "arguments": call["arguments"]}}]}])
+
+
+def test_kimi_numbers_the_calls_as_its_templates_do():
+    """Kimi K2's model knows a call as `functions.name:index`: its later template numbers the conversation's calls
+    and queues their ids in a list, which the tool's template sandbox lets it do (transformers' refuses any change to
+    a list), its first one writes a result's id as given, so each call's id becomes its index in its turn."""
+    from rungen.chat_template import render
+    from rungen.tools import plan_tools
+
+    calls = [{"id": "call_a", "name": "get_weather", "arguments": {"city": "Paris"}},
+             {"id": "call_b", "name": "get_time", "arguments": {}}]
+    history = [{"role": "user", "content": "Weather and time?"},
+               {"role": "assistant", "content": None, "tool_calls": calls},
+               {"role": "tool", "tool_call_id": "call_a", "content": "18 C"},
+               {"role": "tool", "tool_call_id": "call_b", "content": "noon"}]
+    for name in ("kimi-k2.jinja", "kimi-k2-instruct.jinja"):
+        plan = plan_tools({"tools": [WEATHER, TIME]}, history, template(name))
+        assert plan.fmt is KIMI and plan.template_tools is not None  # its template declares them
+        prompt = render(template(name), plan.messages, tools=plan.template_tools, add_generation_prompt=True)
+        assert "<|im_system|>tool_declare<|im_middle|>" in prompt
+        assert '<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}' in prompt
+        assert "<|tool_call_begin|>functions.get_time:1<|tool_call_argument_begin|>{}" in prompt
+        first, second = prompt.index("## Return of functions.get_weather:0"), prompt.index(
+            "## Return of functions.get_time:1")
+        assert prompt.index("18 C") > first and prompt.index("noon") > second > first
