@@ -23,6 +23,8 @@ Formats (docs/server.md#tool-calling):
   own words.
 - kimi: Kimi K2, `<|tool_calls_section_begin|><|tool_call_begin|>functions.name:0<|tool_call_argument_begin|>{...}
   <|tool_call_end|>...<|tool_calls_section_end|>`, the index the conversation's count of calls.
+- command_r: Command R7B, Command A, `<|START_ACTION|>[\n    {"tool_call_id": "0", "tool_name": ..., "parameters":
+  {...}}, ...\n]<|END_ACTION|>`.
 - harmony: gpt-oss's calls in its commentary channel; gemma: Gemma 4's `<|tool_call>call:name{...}<tool_call|>`
   (rungen/tool_gemma.py). Where xgrammar writes no grammar of a syntax, rungen/tool_schema.py does.
 - generic: a template that does not render tools (SmolLM2's among them): the tools are described in a system
@@ -89,6 +91,8 @@ class Format:
     # The pattern of an id the model writes after `middle`, and the text after it, before the arguments: Mistral Small
     # 3.2's nine characters then "[ARGS]", Kimi's index of the call then <|tool_call_argument_begin|>.
     call_id: tuple[str, str] | None = None
+    id_first: bool = False  # the id comes before the name: begin, id, call_id[1], name, middle (Command R's)
+    name_key: str = "name"  # a JSON call's key of the function's name
     # How the arguments are written: JSON, an XML of rungen/tool_xml.py's (xgrammar's "qwen_xml": <parameter=key>
     # value..., "glm_xml", ...), "gemma" (rungen/tool_gemma.py) or "python" (LFM2's keywords).
     style: str = "json"
@@ -100,7 +104,7 @@ class Format:
     @property
     def listed(self) -> bool:
         """The calls are a JSON list in the region (Mistral's, Apriel's), not one tagged call after another."""
-        return self.region is not None and self.region[0].endswith("[")
+        return self.region is not None and self.region[0].rstrip().endswith("[")
 
     @property
     def texts(self) -> tuple[str, ...]:
@@ -149,6 +153,12 @@ DEEPSEEK_R1 = Format("deepseek_r1", "<｜tool▁call▁begin｜>function<｜tool
 KIMI = Format("kimi", "<|tool_call_begin|>functions.", ":", "<|tool_call_end|>", "<|tool_calls_section_begin|>", "",
               ("<|tool_calls_section_begin|>",), region=("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"),
               call_id=("0|[1-9][0-9]{0,5}", "<|tool_call_argument_begin|>"))
+# Command R7B, Command A: a JSON list of calls, each with its index (held to a number, as Kimi's) before the name,
+# laid out as their template lays out a turn's calls
+COMMAND_R = Format("command_r", '{"tool_call_id": "', '", "parameters": ', "}", "<|START_ACTION|>", ",\n    ",
+                   ("<|START_ACTION|>",), arguments_keys=("parameters",), region=("<|START_ACTION|>[\n    ",
+                                                                                "\n]<|END_ACTION|>"),
+                   call_id=("0|[1-9][0-9]{0,5}", '", "tool_name": "'), id_first=True, name_key="tool_name")
 GLM_XML = Format("glm_xml", "<tool_call>", "", "</tool_call>", "<tool_call>", "\n", ("<tool_call>",), style="glm_xml")
 # gpt-oss: the recipient before the channel, as its template writes a call, or after it, as OpenAI's guide does.
 HARMONY = Format("harmony", "<|start|>assistant to=functions.", "<|channel|>commentary json<|message|>", "",
@@ -163,13 +173,13 @@ GENERIC = Format("generic", '{"tool_call": {"name": "', '", "arguments": ', "}}"
                  ('{"tool_call"',), native=False)
 FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS, MISTRAL_CALL_ID, QWEN_XML, GLM_XML,
                                 MINIMAX_XML, APRIEL, NEMOTRON, SEED_XML, PYTHONIC, DEEPSEEK_V3_1, DEEPSEEK_R1, KIMI,
-                                HARMONY, GEMMA, GENERIC)}
+                                COMMAND_R, HARMONY, GEMMA, GENERIC)}
 GRAMMAR_STYLES = {"seed_xml": "qwen_xml"}  # xgrammar's style of a format's parameters, where it is not its own name
 # How templates that write calls in an XML not parsed here show it (MiniMax-M3's).
 XML_SIGNS = ("<invoke ",)
 KNOWN = ("Hermes/Qwen JSON <tool_call>, Qwen, Seed-OSS, GLM and MiniMax-M2 XML, Llama 3 JSON, Mistral [TOOL_CALLS], "
-         "Apriel <tool_calls>, Nemotron <TOOLCALL>, LFM2's Python calls, DeepSeek V3, R1 and V3.1, Kimi K2, gpt-oss "
-         "and Gemma 4")
+         "Apriel <tool_calls>, Nemotron <TOOLCALL>, LFM2's Python calls, DeepSeek V3, R1 and V3.1, Kimi K2, Command "
+         "R7B/A <|START_ACTION|>, gpt-oss and Gemma 4")
 
 
 def template_text(chat_template) -> str | None:
@@ -190,6 +200,8 @@ def detect_format(chat_template) -> Format | str:
         return GEMMA
     if KIMI.trigger in text:
         return KIMI
+    if COMMAND_R.trigger in text:
+        return COMMAND_R
     if DEEPSEEK_V3_1.middle in text:  # <｜tool▁sep｜>: V3 and R1 fence the arguments, V3.1 does not
         return DEEPSEEK_R1 if "```json" in text else DEEPSEEK_V3_1
     if "[TOOL_CALLS]" in text:
@@ -568,6 +580,11 @@ def tool_grammar(fmt: Format, request: ToolRequest, reply_schema: str | None = N
         else:
             arguments = JSONSchemaFormat(json_schema=function["parameters"],
                                          style=GRAMMAR_STYLES.get(fmt.style, fmt.style), max_whitespace_cnt=1)
+        if fmt.id_first:  # the model's id, then the name: one begin for every tool, the name in the content
+            tags.append(TagFormat(begin=fmt.begin, end=fmt.end, content=SequenceFormat(elements=[
+                RegexFormat(pattern=fmt.call_id[0]), ConstStringFormat(value=fmt.call_id[1] + function["name"] +
+                                                                       fmt.middle), arguments])))
+            continue
         if fmt.call_id:  # the model's own id, then the arguments
             arguments = SequenceFormat(elements=[RegexFormat(pattern=fmt.call_id[0]),
                                                  ConstStringFormat(value=fmt.call_id[1]), arguments])
@@ -775,7 +792,7 @@ def after_item(fmt, text, position):
 def region_end(fmt, text, position):
     """The end of a list of calls whose "]" ends at `position`: after the region's closing tag, if it has one
     (Apriel's </tool_calls>); None while that is on its way."""
-    tail = fmt.region[1][1:]
+    tail = fmt.region[1][fmt.region[1].index("]") + 1 :]
     if text.startswith(tail, position):
         return position + len(tail)
     return None if tail.startswith(text[position:]) else position
@@ -982,9 +999,9 @@ def parse_call(fmt, text, position):
         call.complete = call.complete and end is not None
         return call, end
     name = None
-    if "name" in fields and fields["name"][1] is not None:
+    if fmt.name_key in fields and fields[fmt.name_key][1] is not None:
         try:
-            name = json.loads(text[fields["name"][0] : fields["name"][1]])
+            name = json.loads(text[fields[fmt.name_key][0] : fields[fmt.name_key][1]])
         except json.JSONDecodeError:
             return None, None
         if not isinstance(name, str):

@@ -32,6 +32,7 @@ MODELS = {"hermes": ("qwen2", "qwen2.5-instruct.jinja"), "llama3_json": ("llama"
           "seed_xml": ("qwen2", "seed-oss.jinja"), "nemotron": ("qwen2", "nemotron-nano-v2.jinja"),
           "pythonic": ("qwen2", "lfm2-8b-a1b.jinja"), "deepseek_v3_1": ("qwen2", "deepseek-v3.2-exp.jinja"),
           "deepseek_r1": ("qwen2", "deepseek-r1-distill-llama-8b.jinja"), "kimi": ("qwen2", "kimi-k2.jinja"),
+          "command_r": ("qwen2", "command-r7b-tool_use.jinja"),
           "generic": ("qwen2", None)}
 # Qwen3.5 and GLM think first by default, and a tiny random model never closes its block: the calls follow no thinking.
 TEMPLATE_KWARGS = {"qwen_xml": {"enable_thinking": False}, "glm_xml": {"enable_thinking": False},
@@ -57,6 +58,12 @@ DEEPSEEK_ADDED = ["<｜User｜>", "<｜Assistant｜>", "<think>", "</think>", "<
 KIMI_CONTROL = ["<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|tool_calls_section_begin|>",
                 "<|tool_calls_section_end|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>",
                 "<|tool_call_end|>"]
+# Command R7B's turn, thinking, response, action and result markers, special tokens of its tokenizer; <BOS_TOKEN> its
+# BOS, <|END_OF_TURN_TOKEN|> its EOS.
+COHERE_CONTROL = ["<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>", "<|USER_TOKEN|>", "<|CHATBOT_TOKEN|>",
+                  "<|SYSTEM_TOKEN|>", "<|START_THINKING|>", "<|END_THINKING|>", "<|START_RESPONSE|>",
+                  "<|END_RESPONSE|>", "<|START_ACTION|>", "<|END_ACTION|>", "<|START_TOOL_RESULT|>",
+                  "<|END_TOOL_RESULT|>"]
 # Apriel 1.5's turn markers, special tokens of its tokenizer.
 APRIEL_CONTROL = ["<|system|>", "<|user|>", "<|assistant|>", "<|tool_result|>", "<|content|>", "<|end|>"]
 TIME = {"type": "function", "function": {
@@ -67,9 +74,9 @@ TOOLS = [WEATHER, TIME]
 SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 CONTEXT = 4096
-# The longest tags: MiniMax's and Kimi's, and DeepSeek's, which a tiny model may spell byte by byte (three bytes a
-# ｜ or ▁).
-MAX_TOKENS = {"minimax_xml": 160, "deepseek_v3_1": 250, "deepseek_r1": 250, "kimi": 200}
+# The longest tags: MiniMax's, Kimi's and Command R's, and DeepSeek's, which a tiny model may spell byte by byte
+# (three bytes a ｜ or ▁).
+MAX_TOKENS = {"minimax_xml": 160, "deepseek_v3_1": 250, "deepseek_r1": 250, "kimi": 200, "command_r": 200}
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +137,13 @@ def checkpoints(tmp_path_factory):
                 model = AutoModelForCausalLM.from_pretrained(path)
                 model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
                 model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+                model.save_pretrained(path)
+            if fmt == "command_r":
+                tokenizer.add_special_tokens({"bos_token": "<BOS_TOKEN>", "additional_special_tokens": COHERE_CONTROL})
+                model = AutoModelForCausalLM.from_pretrained(path)
+                model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
+                model.generation_config.bos_token_id = tokenizer.bos_token_id
+                model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<|END_OF_TURN_TOKEN|>")
                 model.save_pretrained(path)
             if fmt == "glm_xml":  # GLM-4.6's
                 tokenizer.add_tokens(["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
@@ -220,7 +234,7 @@ def test_a_named_function_is_the_one_called(servers, fmt):
 
 def test_parallel_calls_come_when_allowed_and_not_otherwise(servers):
     for fmt in ("hermes", "generic", "mistral", "qwen_xml", "gemma", "minimax_xml", "apriel", "pythonic",
-                "deepseek_v3_1", "deepseek_r1", "kimi"):
+                "deepseek_v3_1", "deepseek_r1", "kimi", "command_r"):
         several = create(servers, fmt, tools=TOOLS, tool_choice="required", temperature=1.0, seed=11, n=8,
                          max_tokens=250)
         counts = [len(check_calls(choice, SCHEMAS)) for choice in several.choices if choice.finish_reason != "length"]

@@ -12,6 +12,7 @@ from xgrammar.testing import _is_grammar_accept_string as grammar_accepts
 from rungen.conversation import tool_fields
 from rungen.tools import (
     APRIEL,
+    COMMAND_R,
     DEEPSEEK_R1,
     DEEPSEEK_V3_1,
     GEMMA,
@@ -101,13 +102,16 @@ PUBLISHED = {
     "kimi": ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
              '{"city": "Paris", "unit": "celsius"}<|tool_call_end|><|tool_call_begin|>functions.get_time:1'
              "<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>"),
+    "command_r": ('<|START_ACTION|>[\n    {"tool_call_id": "0", "tool_name": "get_weather", "parameters": {"city": '
+                  '"Paris", "unit": "celsius"}},\n    {"tool_call_id": "1", "tool_name": "get_time", "parameters": {}}'
+                  "\n]<|END_ACTION|>"),
 }
 FORMATS = {"hermes": HERMES, "llama3_json": LLAMA3_JSON, "mistral": MISTRAL, "generic": GENERIC,
            "mistral_args": MISTRAL_ARGS, "mistral_call_id": MISTRAL_CALL_ID, "qwen_xml": QWEN_XML, "glm_xml": GLM_XML,
            "harmony": HARMONY, "gemma": GEMMA, "minimax_xml": MINIMAX_XML,
            "apriel": APRIEL, "nemotron": NEMOTRON, "seed_xml": SEED_XML,
            "pythonic": PYTHONIC, "deepseek_v3_1": DEEPSEEK_V3_1, "deepseek_r1": DEEPSEEK_R1,
-           "kimi": KIMI}
+           "kimi": KIMI, "command_r": COMMAND_R}
 # What takes a published reply off its schema: a value outside the enum, and the required city left out.
 OFF_SCHEMA = {"qwen_xml": (("\ncelsius\n", "\nkelvin\n"), ("<parameter=city>\nParis\n</parameter>\n", "")),
               "glm_xml": ((">celsius<", ">kelvin<"), ("<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n", "")),
@@ -152,6 +156,7 @@ def test_the_format_is_detected_from_the_template():
     assert detect_format(template("deepseek-r1-distill-llama-8b.jinja")) is DEEPSEEK_R1
     assert detect_format(template("kimi-k2.jinja")) is KIMI
     assert detect_format(template("kimi-k2-instruct.jinja")) is KIMI
+    assert detect_format(template("command-r7b-tool_use.jinja")) is COMMAND_R
     # Calls written in another XML inside <tool_call> (MiniMax-M3's <invoke>) are no Hermes JSON.
     assert "writes tool calls as XML (<invoke...)" in detect_format(template("minimax-m3.jinja"))
     assert detect_format(SMOLLM2_TEMPLATE) is GENERIC
@@ -251,10 +256,11 @@ def test_the_grammar_takes_the_published_replies_and_nothing_else(name):
     assert tool_grammar(fmt, dataclasses.replace(request, choice="none")) is None
     if fmt is MISTRAL_CALL_ID:  # the model's id: nine letters or digits
         assert not grammar_accepts(required, calls_only.replace("a1B2c3D4e", "a1B2c3"))
-    if fmt is KIMI:  # the call's index: a number as the template writes it
-        assert grammar_accepts(required, calls_only.replace(":1<", ":12<"))
-        for index in (":01<", ":x<", ":<", ":1234567<"):
-            assert not grammar_accepts(required, calls_only.replace(":1<", index)), index
+    if fmt in (KIMI, COMMAND_R):  # the call's index: a number as the template writes it
+        one = ":1<" if fmt is KIMI else '"tool_call_id": "1"'
+        assert grammar_accepts(required, calls_only.replace(one, one.replace("1", "12")))
+        for index in ("01", "x", "", "1234567"):
+            assert not grammar_accepts(required, calls_only.replace(one, one.replace("1", index))), index
     # Under auto, whatever the parser reads as a call is held to a tool: written compactly (the parser's marker
     # without the template's spaces), a call to no tool or with arguments off the schema is not generated.
     compact = {"generic": '{"tool_call":{"name":"get_date","arguments":{"town":"Rome"}}}',
@@ -594,3 +600,31 @@ def test_kimi_numbers_the_calls_as_its_templates_do():
         first, second = prompt.index("## Return of functions.get_weather:0"), prompt.index(
             "## Return of functions.get_time:1")
         assert prompt.index("18 C") > first and prompt.index("noon") > second > first
+
+
+def test_command_r_calls_are_laid_out_as_its_template_writes_them():
+    """Command R7B's template writes a turn's calls one a line with their index, and the results with the same
+    index: the grammar holds a reply to that layout (what the model saw of its own calls), and the parser reads
+    the template's text back."""
+    from rungen.chat_template import render
+    from rungen.tools import plan_tools
+
+    calls = [{"id": "call_a", "name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}},
+             {"id": "call_b", "name": "get_time", "arguments": {}}]
+    history = [{"role": "user", "content": "Weather and time?"},
+               {"role": "assistant", "content": None, "tool_calls": calls},
+               {"role": "tool", "tool_call_id": "call_b", "content": "noon"},
+               {"role": "tool", "tool_call_id": "call_a", "content": "18 C"}]
+    plan = plan_tools({"tools": [WEATHER, TIME]}, history, template("command-r7b-tool_use.jinja"))
+    prompt = render(template("command-r7b-tool_use.jinja"), plan.messages, tools=plan.template_tools,
+                    add_generation_prompt=True)
+    start = prompt.index(COMMAND_R.region[0])
+    written = prompt[start : prompt.index(COMMAND_R.region[1], start) + len(COMMAND_R.region[1])]
+    assert written == PUBLISHED["command_r"]
+    required = tool_grammar(COMMAND_R, read_tool_request({"tools": [WEATHER, TIME], "tool_choice": "required"}))
+    assert grammar_accepts(required, written)
+    assert calls_of(message_of(CallParser(COMMAND_R), written))[1] == [(call["name"], call["arguments"])
+                                                                       for call in calls]
+    results = prompt[prompt.rindex("<|START_TOOL_RESULT|>[") :]
+    assert results.index('"tool_call_id": "1"') < results.index("noon") < results.index('"tool_call_id": "0"') < \
+        results.index("18 C")
