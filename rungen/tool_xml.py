@@ -1,5 +1,5 @@
-"""Tool calls written as XML (rungen/tools.py's qwen_xml, glm_xml and minimax_xml formats): one call read from a
-growing reply.
+"""Tool calls written as XML (rungen/tools.py's qwen_xml, glm_xml, minimax_xml and DeepSeek's DSML formats): one call
+read from a growing reply.
 
 A value is text: where the tool's schema says string it is that text, else the JSON it holds. The arguments are
 the JSON object of the parameters read so far, a parameter once its closing tag came, so that a stream's arguments
@@ -19,12 +19,14 @@ import re
 class XmlStyle:
     """How a family writes one call after its <tool_call>: the function's name between `name` (its opening and
     closing; GLM's name ends at whitespace or a tag), each parameter as key[0] key key[1] value[0] value value[1],
-    then the tags of `close`, whitespace between all of them."""
+    then the tags of `close`, whitespace between all of them. `kinds`: the value's openings where the model says
+    what it is, (text, JSON) (DeepSeek's string="true" and string="false"), the schema's say elsewhere."""
 
     name: tuple[str, str]
     key: tuple[str, str]
     value: tuple[str, str]
     close: tuple[str, ...]
+    kinds: tuple[str, str] | None = None
 
 
 STYLES = {
@@ -40,6 +42,12 @@ STYLES = {
     # </parameter> </invoke>
     "minimax_xml": XmlStyle(('<invoke name="', '">'), ('<parameter name="', '">'), ("", "</parameter>"),
                             ("</invoke>",)),
+    # DeepSeek V3.2, V4 (DSML), inside one <｜DSML｜function_calls> (<｜DSML｜tool_calls>) region: <｜DSML｜invoke
+    # name="name"> <｜DSML｜parameter name="key" string="true">text</｜DSML｜parameter> (string="false": JSON)
+    # </｜DSML｜invoke>
+    "deepseek_xml": XmlStyle(('<｜DSML｜invoke name="', '">'), ('<｜DSML｜parameter name="', '"'),
+                             ("", "</｜DSML｜parameter>"), ("</｜DSML｜invoke>",),
+                             kinds=('string="true">', 'string="false">')),
 }
 NAME = re.compile(r"[A-Za-z0-9_.-]*")  # a function's, as the models write it after their markers (every reader's)
 KEY = re.compile(r"[^<>\n]*")  # a parameter's: any property name a schema may have (a space, "城市"), in one line
@@ -68,18 +76,24 @@ def read_call(style: XmlStyle, text: str, position: int, schemas: dict | None):
         key, start = tag_text(text, position, style.key, KEY)
         if start == -1:
             return -1, None
+        kind = None
         if start is not None:
             start = skip_space(text, start)
-            if not text.startswith(style.value[0], start):
-                if not style.value[0].startswith(text[start:]):
+            openings = style.kinds or (style.value[0],)
+            kind = next((opening for opening in openings if text.startswith(opening, start)), None)
+            if kind is None:
+                if not any(opening.startswith(text[start:]) for opening in openings):
                     return -1, None
                 start = None
             else:
-                start += len(style.value[0])
+                start += len(kind)
         end = text.find(style.value[1], start) if start is not None else -1
         if end == -1:
             return None, (name, "{" + ", ".join(fields), False)
-        value = xml_value(text[start:end], schema.get(key))
+        if style.kinds is not None and kind == style.kinds[0]:
+            value = text[start:end]  # the model's text, as the template writes a string: as it is
+        else:
+            value = xml_value(text[start:end], schema.get(key) if style.kinds is None else None)  # JSON said, or read
         fields.append(json.dumps(key) + ": " + json.dumps(value, ensure_ascii=False))
         position = end + len(style.value[1])
 

@@ -12,8 +12,9 @@ Formats (docs/server.md#tool-calling):
 - qwen_xml: Qwen3.5, Qwen3-Coder, Nemotron 3, `<tool_call>\n<function=name>\n<parameter=key>\nvalue\n</parameter>\n
   </function>\n</tool_call>`; seed_xml the same in `<seed:tool_call>` (Seed-OSS); glm_xml: GLM-4.5 on,
   `<tool_call>name<arg_key>key</arg_key><arg_value>value</arg_value></tool_call>`; minimax_xml: MiniMax-M2, `<invoke
-  name=...>` blocks in one `<minimax:tool_call>` (rungen/tool_xml.py: a value is text where its schema says string,
-  JSON otherwise).
+  name=...>` blocks in one `<minimax:tool_call>`; deepseek_dsml, deepseek_v4_dsml: DeepSeek V3.2 and V4,
+  `<｜DSML｜invoke name=...>` blocks in one `<｜DSML｜function_calls>` (V4: `<｜DSML｜tool_calls>`), each value said to
+  be text or JSON (rungen/tool_xml.py: elsewhere a value is text where its schema says string, JSON otherwise).
 - apriel, nemotron: a JSON list of calls in `<tool_calls>[...]</tool_calls>` (Apriel), `<TOOLCALL>[...]</TOOLCALL>`
   (Nemotron Nano 2); pythonic: LFM2's `<|tool_call_start|>[name(key=value, ...)]<|tool_call_end|>`, values JSON.
 - deepseek_v3_1: DeepSeek V3.1, V3.1-Terminus, V3.2-Exp, `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>name
@@ -159,6 +160,13 @@ COMMAND_R = Format("command_r", '{"tool_call_id": "', '", "parameters": ', "}", 
                    ("<|START_ACTION|>",), arguments_keys=("parameters",), region=("<|START_ACTION|>[\n    ",
                                                                                 "\n]<|END_ACTION|>"),
                    call_id=("0|[1-9][0-9]{0,5}", '", "tool_name": "'), id_first=True, name_key="tool_name")
+# DeepSeek V3.2 and V4 (DSML): <｜DSML｜invoke> blocks in one region, named function_calls (V3.2) or tool_calls (V4)
+DSML = Format("deepseek_dsml", '<｜DSML｜invoke name="', '">\n', "</｜DSML｜invoke>\n", "<｜DSML｜function_calls>", "",
+              ("<｜DSML｜function_calls>",), region=("<｜DSML｜function_calls>\n", "</｜DSML｜function_calls>"),
+              style="deepseek_xml")
+DSML_V4 = dataclasses.replace(DSML, name="deepseek_v4_dsml", trigger="<｜DSML｜tool_calls>",
+                              markers=("<｜DSML｜tool_calls>",),
+                              region=("<｜DSML｜tool_calls>\n", "</｜DSML｜tool_calls>"))
 GLM_XML = Format("glm_xml", "<tool_call>", "", "</tool_call>", "<tool_call>", "\n", ("<tool_call>",), style="glm_xml")
 # gpt-oss: the recipient before the channel, as its template writes a call, or after it, as OpenAI's guide does.
 HARMONY = Format("harmony", "<|start|>assistant to=functions.", "<|channel|>commentary json<|message|>", "",
@@ -173,13 +181,13 @@ GENERIC = Format("generic", '{"tool_call": {"name": "', '", "arguments": ', "}}"
                  ('{"tool_call"',), native=False)
 FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS, MISTRAL_CALL_ID, QWEN_XML, GLM_XML,
                                 MINIMAX_XML, APRIEL, NEMOTRON, SEED_XML, PYTHONIC, DEEPSEEK_V3_1, DEEPSEEK_R1, KIMI,
-                                COMMAND_R, HARMONY, GEMMA, GENERIC)}
+                                COMMAND_R, DSML, DSML_V4, HARMONY, GEMMA, GENERIC)}
 GRAMMAR_STYLES = {"seed_xml": "qwen_xml"}  # xgrammar's style of a format's parameters, where it is not its own name
 # How templates that write calls in an XML not parsed here show it (MiniMax-M3's).
 XML_SIGNS = ("<invoke ",)
-KNOWN = ("Hermes/Qwen JSON <tool_call>, Qwen, Seed-OSS, GLM and MiniMax-M2 XML, Llama 3 JSON, Mistral [TOOL_CALLS], "
-         "Apriel <tool_calls>, Nemotron <TOOLCALL>, LFM2's Python calls, DeepSeek V3, R1 and V3.1, Kimi K2, Command "
-         "R7B/A <|START_ACTION|>, gpt-oss and Gemma 4")
+KNOWN = ("Hermes/Qwen JSON <tool_call>, Qwen, Seed-OSS, GLM, MiniMax-M2 and DeepSeek's DSML XML, Llama 3 JSON, "
+         "Mistral [TOOL_CALLS], Apriel <tool_calls>, Nemotron <TOOLCALL>, LFM2's Python calls, DeepSeek V3, R1 and "
+         "V3.1, Kimi K2, Command R7B/A <|START_ACTION|>, gpt-oss and Gemma 4")
 
 
 def template_text(chat_template) -> str | None:
@@ -198,6 +206,8 @@ def detect_format(chat_template) -> Format | str:
         return HARMONY
     if GEMMA.begin in text:
         return GEMMA
+    if "｜DSML｜" in text:  # llama.cpp's templates build the markers from a dsml_token; V4 names its region tool_calls
+        return DSML if "function_calls" in text else DSML_V4
     if KIMI.trigger in text:
         return KIMI
     if COMMAND_R.trigger in text:

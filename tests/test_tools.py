@@ -32,7 +32,7 @@ MODELS = {"hermes": ("qwen2", "qwen2.5-instruct.jinja"), "llama3_json": ("llama"
           "seed_xml": ("qwen2", "seed-oss.jinja"), "nemotron": ("qwen2", "nemotron-nano-v2.jinja"),
           "pythonic": ("qwen2", "lfm2-8b-a1b.jinja"), "deepseek_v3_1": ("qwen2", "deepseek-v3.2-exp.jinja"),
           "deepseek_r1": ("qwen2", "deepseek-r1-distill-llama-8b.jinja"), "kimi": ("qwen2", "kimi-k2.jinja"),
-          "command_r": ("qwen2", "command-r7b-tool_use.jinja"),
+          "command_r": ("qwen2", "command-r7b-tool_use.jinja"), "deepseek_dsml": ("qwen2", "deepseek-v3.2.jinja"),
           "generic": ("qwen2", None)}
 # Qwen3.5 and GLM think first by default, and a tiny random model never closes its block: the calls follow no thinking.
 TEMPLATE_KWARGS = {"qwen_xml": {"enable_thinking": False}, "glm_xml": {"enable_thinking": False},
@@ -76,7 +76,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 CONTEXT = 4096
 # The longest tags: MiniMax's, Kimi's and Command R's, and DeepSeek's, which a tiny model may spell byte by byte
 # (three bytes a ｜ or ▁).
-MAX_TOKENS = {"minimax_xml": 160, "deepseek_v3_1": 250, "deepseek_r1": 250, "kimi": 200, "command_r": 200}
+MAX_TOKENS = {"minimax_xml": 160, "deepseek_v3_1": 250, "deepseek_r1": 250, "kimi": 200, "command_r": 200,
+              "deepseek_dsml": 300}
 
 
 @pytest.fixture(scope="module")

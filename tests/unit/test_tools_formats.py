@@ -15,6 +15,8 @@ from rungen.tools import (
     COMMAND_R,
     DEEPSEEK_R1,
     DEEPSEEK_V3_1,
+    DSML,
+    DSML_V4,
     GEMMA,
     GENERIC,
     GLM_XML,
@@ -102,6 +104,10 @@ PUBLISHED = {
     "kimi": ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
              '{"city": "Paris", "unit": "celsius"}<|tool_call_end|><|tool_call_begin|>functions.get_time:1'
              "<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>"),
+    "deepseek_dsml": ('<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="city" '
+                      'string="true">Paris</｜DSML｜parameter>\n<｜DSML｜parameter name="unit" string="true">celsius'
+                      '</｜DSML｜parameter>\n</｜DSML｜invoke>\n<｜DSML｜invoke name="get_time">\n</｜DSML｜invoke>\n'
+                      "</｜DSML｜function_calls>"),
     "command_r": ('<|START_ACTION|>[\n    {"tool_call_id": "0", "tool_name": "get_weather", "parameters": {"city": '
                   '"Paris", "unit": "celsius"}},\n    {"tool_call_id": "1", "tool_name": "get_time", "parameters": {}}'
                   "\n]<|END_ACTION|>"),
@@ -111,14 +117,16 @@ FORMATS = {"hermes": HERMES, "llama3_json": LLAMA3_JSON, "mistral": MISTRAL, "ge
            "harmony": HARMONY, "gemma": GEMMA, "minimax_xml": MINIMAX_XML,
            "apriel": APRIEL, "nemotron": NEMOTRON, "seed_xml": SEED_XML,
            "pythonic": PYTHONIC, "deepseek_v3_1": DEEPSEEK_V3_1, "deepseek_r1": DEEPSEEK_R1,
-           "kimi": KIMI, "command_r": COMMAND_R}
+           "kimi": KIMI, "command_r": COMMAND_R, "deepseek_dsml": DSML}
 # What takes a published reply off its schema: a value outside the enum, and the required city left out.
 OFF_SCHEMA = {"qwen_xml": (("\ncelsius\n", "\nkelvin\n"), ("<parameter=city>\nParis\n</parameter>\n", "")),
               "glm_xml": ((">celsius<", ">kelvin<"), ("<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n", "")),
               "gemma": (("celsius", "kelvin"), ('city:<|"|>Paris<|"|>,', "")),
               "minimax_xml": ((">celsius<", ">kelvin<"), ('<parameter name="city">Paris</parameter>\n', "")),
               "seed_xml": ((">celsius<", ">kelvin<"), ("<parameter=city>Paris</parameter>\n", "")),
-              "pythonic": (('"celsius"', '"kelvin"'), ('city="Paris", ', ""))}
+              "pythonic": (('"celsius"', '"kelvin"'), ('city="Paris", ', "")),
+              "deepseek_dsml": ((">celsius<", ">kelvin<"), ('<｜DSML｜parameter name="city" string="true">Paris'
+                                                            "</｜DSML｜parameter>\n", ""))}
 OFF_JSON = (('"celsius"', '"kelvin"'), ('"city": "Paris", ', ""))
 
 
@@ -157,6 +165,8 @@ def test_the_format_is_detected_from_the_template():
     assert detect_format(template("kimi-k2.jinja")) is KIMI
     assert detect_format(template("kimi-k2-instruct.jinja")) is KIMI
     assert detect_format(template("command-r7b-tool_use.jinja")) is COMMAND_R
+    assert detect_format(template("deepseek-v3.2.jinja")) is DSML and detect_format(template("deepseek-v4.jinja")) is \
+        DSML_V4
     # Calls written in another XML inside <tool_call> (MiniMax-M3's <invoke>) are no Hermes JSON.
     assert "writes tool calls as XML (<invoke...)" in detect_format(template("minimax-m3.jinja"))
     assert detect_format(SMOLLM2_TEMPLATE) is GENERIC
@@ -342,7 +352,7 @@ def test_each_xml_format_reads_the_calls_its_template_writes():
                                                "when": {"type": "object"}, "code": {"type": "string"}}}
     asked = [{"role": "user", "content": "Hi"}]
     for name, fmt in (("qwen3.5.jinja", QWEN_XML), ("glm-4.6.jinja", GLM_XML), ("minimax-m2.jinja", MINIMAX_XML),
-                      ("seed-oss.jinja", SEED_XML)):
+                      ("seed-oss.jinja", SEED_XML), ("deepseek-v3.2.jinja", DSML), ("deepseek-v4.jinja", DSML_V4)):
         turn = {"role": "assistant", "content": "", "tool_calls": [
             {"type": "function", "function": {"name": "get_weather", "arguments": arguments}}]}
         kwargs = {"enable_thinking": False}
@@ -628,3 +638,21 @@ def test_command_r_calls_are_laid_out_as_its_template_writes_them():
     results = prompt[prompt.rindex("<|START_TOOL_RESULT|>[") :]
     assert results.index('"tool_call_id": "1"') < results.index("noon") < results.index('"tool_call_id": "0"') < \
         results.index("18 C")
+
+
+def test_dsml_values_are_what_the_model_says_they_are():
+    """DeepSeek's DSML says of each value whether it is text (string="true": as written, spaces and all, JSON-like
+    or not) or JSON (string="false"), where a schema lets a parameter be either (anyOf)."""
+    def parameter(key, text, value):
+        return f'<｜DSML｜parameter name="{key}" string="{text}">{value}</｜DSML｜parameter>\n'
+
+    either = {"anyOf": [{"type": "string"}, {"type": "integer"}, {"type": "object"}]}
+    schema = {"type": "object", "properties": {key: either for key in "abcd"}}
+    reply = (DSML.region[0] + '<｜DSML｜invoke name="f">\n' + parameter("a", "true", " 42 ") +
+             parameter("b", "false", "42") + parameter("c", "false", '{"x": [1]}') + parameter("d", "true", '{"x": 1}')
+             + "</｜DSML｜invoke>\n" + DSML.region[1])
+    parsed = calls_of(message_of(CallParser(DSML, schemas={"f": schema}), reply))
+    assert parsed == (None, [("f", {"a": " 42 ", "b": 42, "c": {"x": [1]}, "d": '{"x": 1}'})])
+    request = read_tool_request({"tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}],
+                                 "tool_choice": "required"})
+    assert grammar_accepts(tool_grammar(DSML, request), reply)
