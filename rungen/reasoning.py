@@ -257,7 +257,8 @@ def plan_reply(tokenizer, delimiters: Delimiters | None, ids: list[int], constra
 
 def thinking_off(chat_template, delimiters: Delimiters, variables: dict) -> bool:
     """Whether the template, given `variables`, closes the block where it opens the model's turn (Qwen3's and Gemma
-    4's with thinking off)."""
+    4's with thinking off), or asks the model to think only where a switch left unset is on (Granite 3.3's
+    `thinking` adds its instructions to think and opens nothing)."""
     sources = template_sources(chat_template)
     if not sources:
         return False
@@ -269,11 +270,20 @@ def thinking_off(chat_template, delimiters: Delimiters, variables: dict) -> bool
 def opening_closes(template: str, delimiters: Delimiters, variables: str) -> bool:
     from .chat_template import render
 
+    given = json.loads(variables)
     try:
-        opening = render(template, PROBE[:1], add_generation_prompt=True, **json.loads(variables))
+        opening = render(template, PROBE[:1], add_generation_prompt=True, **given)
+        if prompt_state(delimiters, opening) == "content":
+            return True
+        # A switch that, set, changes the prompt but opens no block (a template that opens one when asked lets the
+        # model choose when not: MiniCPM5's, Qwen3's).
+        for switch in (name for name in SWITCHES if name in variables_read(template) and name not in given):
+            switched = render(template, PROBE[:1], add_generation_prompt=True, **given, **{switch: True})
+            if switched != opening and prompt_state(delimiters, switched) == "start":
+                return True
     except Exception:  # noqa: BLE001 - a template that cannot open a turn on the probe says nothing of it
         return False
-    return prompt_state(delimiters, opening) == "content"
+    return False
 
 
 def plan_prompt(loaded, settings, prompt, variables: dict | None = None) -> None:

@@ -6,7 +6,8 @@ Formats (docs/server.md#tool-calling):
 - hermes: Qwen2.5 / Hermes, `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one block a call.
 - llama3_json: Llama 3.1-3.3, `{"name": ..., "parameters": {...}}` as the reply (after `<|python_tag|>` at
   times); one call a reply, as the published template allows.
-- mistral: `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]` (Mistral 7B v0.3, Nemo).
+- mistral: `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]` (Mistral 7B v0.3, Nemo); granite: Granite 3.x,
+  `<|tool_call|>[{"name": ..., "arguments": {...}}, ...]`.
 - mistral_args: `[TOOL_CALLS]name[ARGS]{...}`, one marker a call (Ministral 3, Magistral, Devstral); mistral_call_id
   with `[CALL_ID]` and a 9-character id before `[ARGS]` (Mistral Small 3.2).
 - qwen_xml: Qwen3.5, Qwen3-Coder, Nemotron 3, `<tool_call>\n<function=name>\n<parameter=key>\nvalue\n</parameter>\n
@@ -129,6 +130,9 @@ QWEN_XML = Format("qwen_xml", "<tool_call>\n<function=", ">\n", "</function>\n</
 MINIMAX_XML = Format("minimax_xml", '<invoke name="', '">\n', "</invoke>\n", "<minimax:tool_call>", "",
                      ("<minimax:tool_call>",), region=("<minimax:tool_call>\n", "</minimax:tool_call>"),
                      style="minimax_xml")
+# Granite 3.x: a JSON list of calls after <|tool_call|>
+GRANITE = Format("granite", '{"name": "', '", "arguments": ', "}", "<|tool_call|>", ", ", ("<|tool_call|>",),
+                 region=("<|tool_call|>[", "]"))
 # Apriel 1.5 and 1.6, Nemotron Nano 2: a JSON list of calls in one region
 APRIEL = Format("apriel", '{"name": "', '", "arguments": ', "}", "<tool_calls>", ", ", ("<tool_calls>",),
                 region=("<tool_calls>[", "]</tool_calls>"))
@@ -181,13 +185,13 @@ GENERIC = Format("generic", '{"tool_call": {"name": "', '", "arguments": ', "}}"
                  ('{"tool_call"',), native=False)
 FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS, MISTRAL_CALL_ID, QWEN_XML, GLM_XML,
                                 MINIMAX_XML, APRIEL, NEMOTRON, SEED_XML, PYTHONIC, DEEPSEEK_V3_1, DEEPSEEK_R1, KIMI,
-                                COMMAND_R, DSML, DSML_V4, HARMONY, GEMMA, GENERIC)}
+                                COMMAND_R, DSML, DSML_V4, GRANITE, HARMONY, GEMMA, GENERIC)}
 GRAMMAR_STYLES = {"seed_xml": "qwen_xml"}  # xgrammar's style of a format's parameters, where it is not its own name
 # How templates that write calls in an XML not parsed here show it (MiniMax-M3's).
 XML_SIGNS = ("<invoke ",)
 KNOWN = ("Hermes/Qwen JSON <tool_call>, Qwen, Seed-OSS, GLM, MiniMax-M2 and DeepSeek's DSML XML, Llama 3 JSON, "
-         "Mistral [TOOL_CALLS], Apriel <tool_calls>, Nemotron <TOOLCALL>, LFM2's Python calls, DeepSeek V3, R1 and "
-         "V3.1, Kimi K2, Command R7B/A <|START_ACTION|>, gpt-oss and Gemma 4")
+         "Mistral [TOOL_CALLS], Granite <|tool_call|>, Apriel <tool_calls>, Nemotron <TOOLCALL>, LFM2's Python calls, "
+         "DeepSeek V3, R1 and V3.1, Kimi K2, Command R7B/A <|START_ACTION|>, gpt-oss and Gemma 4")
 
 
 def template_text(chat_template) -> str | None:
@@ -222,6 +226,8 @@ def detect_format(chat_template) -> Format | str:
         return GLM_XML
     if MINIMAX_XML.trigger in text and MINIMAX_XML.begin in text:
         return MINIMAX_XML
+    if GRANITE.trigger in text:
+        return GRANITE
     if APRIEL.region[0] in text:  # before Hermes: its instructions also name <tool_call></tool_call> tags
         return APRIEL
     if NEMOTRON.region[0] in text:

@@ -33,6 +33,7 @@ MODELS = {"hermes": ("qwen2", "qwen2.5-instruct.jinja"), "llama3_json": ("llama"
           "pythonic": ("qwen2", "lfm2-8b-a1b.jinja"), "deepseek_v3_1": ("qwen2", "deepseek-v3.2-exp.jinja"),
           "deepseek_r1": ("qwen2", "deepseek-r1-distill-llama-8b.jinja"), "kimi": ("qwen2", "kimi-k2.jinja"),
           "command_r": ("qwen2", "command-r7b-tool_use.jinja"), "deepseek_dsml": ("qwen2", "deepseek-v3.2.jinja"),
+          "granite": ("qwen2", "granite-3.3.jinja"),
           "generic": ("qwen2", None)}
 # Qwen3.5 and GLM think first by default, and a tiny random model never closes its block: the calls follow no thinking.
 TEMPLATE_KWARGS = {"qwen_xml": {"enable_thinking": False}, "glm_xml": {"enable_thinking": False},
@@ -64,6 +65,8 @@ COHERE_CONTROL = ["<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>", "<|USER_TO
                   "<|SYSTEM_TOKEN|>", "<|START_THINKING|>", "<|END_THINKING|>", "<|START_RESPONSE|>",
                   "<|END_RESPONSE|>", "<|START_ACTION|>", "<|END_ACTION|>", "<|START_TOOL_RESULT|>",
                   "<|END_TOOL_RESULT|>"]
+# Granite 3.3's role markers and <|tool_call|>, special tokens of its tokenizer; <|end_of_text|> its EOS.
+GRANITE_CONTROL = ["<|start_of_role|>", "<|end_of_role|>", "<|tool_call|>"]
 # Apriel 1.5's turn markers, special tokens of its tokenizer.
 APRIEL_CONTROL = ["<|system|>", "<|user|>", "<|assistant|>", "<|tool_result|>", "<|content|>", "<|end|>"]
 TIME = {"type": "function", "function": {
@@ -145,6 +148,13 @@ def checkpoints(tmp_path_factory):
                 model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
                 model.generation_config.bos_token_id = tokenizer.bos_token_id
                 model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<|END_OF_TURN_TOKEN|>")
+                model.save_pretrained(path)
+            if fmt == "granite":
+                tokenizer.add_special_tokens({"eos_token": "<|end_of_text|>",
+                                              "additional_special_tokens": GRANITE_CONTROL})
+                model = AutoModelForCausalLM.from_pretrained(path)
+                model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
+                model.generation_config.eos_token_id = tokenizer.eos_token_id
                 model.save_pretrained(path)
             if fmt == "glm_xml":  # GLM-4.6's
                 tokenizer.add_tokens(["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",

@@ -185,6 +185,20 @@ def test_a_prompt_that_turns_thinking_off_closes_the_block(name, variables):
         "content"
 
 
+def test_a_switch_that_only_asks_the_model_to_think_is_off_when_unset():
+    """Granite 3.3's `thinking` adds instructions to think and opens nothing: unset, its model is not asked to think,
+    so a constrained reply is the answer from its first token; set, the block may come first. Qwen3's switch, unset,
+    leaves the choice to the model (its template closes the block only when the switch is off)."""
+    from rungen.reasoning import thinking_off
+
+    granite = template("granite-3.3.jinja")
+    assert thinking_off(granite, detect_delimiters(granite), {})
+    assert not thinking_off(granite, detect_delimiters(granite), {"thinking": True})
+    qwen3 = template("qwen3.jinja")
+    assert not thinking_off(qwen3, detect_delimiters(qwen3), {})
+    assert thinking_off(qwen3, detect_delimiters(qwen3), {"enable_thinking": False})
+
+
 HARMONY = detect_delimiters(template("gpt-oss.jinja"))
 HARMONY_REPLIES = [  # gpt-oss: the analysis channel, then the final one (or a call); or the final channel alone
     ("<|channel|>analysis<|message|>User greets.<|end|><|start|>assistant<|channel|>final<|message|>Hi!",

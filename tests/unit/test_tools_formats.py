@@ -20,6 +20,7 @@ from rungen.tools import (
     GEMMA,
     GENERIC,
     GLM_XML,
+    GRANITE,
     HARMONY,
     HERMES,
     KIMI,
@@ -108,6 +109,8 @@ PUBLISHED = {
                       'string="true">Paris</｜DSML｜parameter>\n<｜DSML｜parameter name="unit" string="true">celsius'
                       '</｜DSML｜parameter>\n</｜DSML｜invoke>\n<｜DSML｜invoke name="get_time">\n</｜DSML｜invoke>\n'
                       "</｜DSML｜function_calls>"),
+    "granite": ('<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
+                '{"name": "get_time", "arguments": {}}]'),
     "command_r": ('<|START_ACTION|>[\n    {"tool_call_id": "0", "tool_name": "get_weather", "parameters": {"city": '
                   '"Paris", "unit": "celsius"}},\n    {"tool_call_id": "1", "tool_name": "get_time", "parameters": {}}'
                   "\n]<|END_ACTION|>"),
@@ -117,7 +120,8 @@ FORMATS = {"hermes": HERMES, "llama3_json": LLAMA3_JSON, "mistral": MISTRAL, "ge
            "harmony": HARMONY, "gemma": GEMMA, "minimax_xml": MINIMAX_XML,
            "apriel": APRIEL, "nemotron": NEMOTRON, "seed_xml": SEED_XML,
            "pythonic": PYTHONIC, "deepseek_v3_1": DEEPSEEK_V3_1, "deepseek_r1": DEEPSEEK_R1,
-           "kimi": KIMI, "command_r": COMMAND_R, "deepseek_dsml": DSML}
+           "kimi": KIMI, "command_r": COMMAND_R, "deepseek_dsml": DSML,
+           "granite": GRANITE}
 # What takes a published reply off its schema: a value outside the enum, and the required city left out.
 OFF_SCHEMA = {"qwen_xml": (("\ncelsius\n", "\nkelvin\n"), ("<parameter=city>\nParis\n</parameter>\n", "")),
               "glm_xml": ((">celsius<", ">kelvin<"), ("<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n", "")),
@@ -165,6 +169,7 @@ def test_the_format_is_detected_from_the_template():
     assert detect_format(template("kimi-k2.jinja")) is KIMI
     assert detect_format(template("kimi-k2-instruct.jinja")) is KIMI
     assert detect_format(template("command-r7b-tool_use.jinja")) is COMMAND_R
+    assert detect_format(template("granite-3.3.jinja")) is GRANITE
     assert detect_format(template("deepseek-v3.2.jinja")) is DSML and detect_format(template("deepseek-v4.jinja")) is \
         DSML_V4
     # Calls written in another XML inside <tool_call> (MiniMax-M3's <invoke>) are no Hermes JSON.
@@ -656,3 +661,21 @@ def test_dsml_values_are_what_the_model_says_they_are():
     request = read_tool_request({"tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}],
                                  "tool_choice": "required"})
     assert grammar_accepts(tool_grammar(DSML, request), reply)
+
+
+def test_granite_gets_an_earlier_call_as_the_text_it_wrote():
+    """Granite 3.3's template renders a turn's content alone (no tool_calls) and results in a tool role: an earlier
+    call is its turn's text, written as the model writes it."""
+    from rungen.chat_template import render
+    from rungen.tools import plan_tools
+
+    call = {"id": "call_a", "name": "get_weather", "arguments": {"city": "Paris"}}
+    history = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "call_a", "content": "18 C"}]
+    plan = plan_tools({"tools": [WEATHER]}, history, template("granite-3.3.jinja"))
+    prompt = render(template("granite-3.3.jinja"), plan.messages, tools=plan.template_tools,
+                    add_generation_prompt=True)
+    assert ('<|start_of_role|>assistant<|end_of_role|><|tool_call|>[{"name": "get_weather", "arguments": {"city": '
+            '"Paris"}}]<|end_of_text|>') in prompt
+    assert "<|start_of_role|>tool<|end_of_role|>18 C<|end_of_text|>" in prompt
+    assert "<|start_of_role|>available_tools<|end_of_role|>" in prompt
