@@ -102,6 +102,7 @@ class Format:
     # The family's own words for the tools where its template writes none (a key of INSTRUCTIONS); its template's
     # calls are then not used either (DeepSeek's join the arguments as text): a turn's calls are its text.
     instructions: str | None = None
+    after_text: str = "\n"  # between a turn's text and its calls, where they are its text (DeepSeek's: nothing)
 
     @property
     def listed(self) -> bool:
@@ -149,10 +150,10 @@ PYTHONIC = Format("pythonic", "", "(", ")", "<|tool_call_start|>", ", ", ("<|too
 DEEPSEEK_CALLS = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
 DEEPSEEK_V3_1 = Format("deepseek_v3_1", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
                        DEEPSEEK_CALLS[0], "", (DEEPSEEK_CALLS[0],), region=DEEPSEEK_CALLS,
-                       instructions="deepseek_v3_1")
+                       instructions="deepseek_v3_1", after_text="")
 DEEPSEEK_R1 = Format("deepseek_r1", "<｜tool▁call▁begin｜>function<｜tool▁sep｜>", "\n```json\n",
                      "\n```<｜tool▁call▁end｜>", DEEPSEEK_CALLS[0], "\n", (DEEPSEEK_CALLS[0],), region=DEEPSEEK_CALLS,
-                     instructions="deepseek_r1")
+                     instructions="deepseek_r1", after_text="")
 # Kimi K2: functions.name:index, the index the conversation's count of calls (held to a number, not to that count: a
 # reply's calls share their grammar), in a region
 KIMI = Format("kimi", "<|tool_call_begin|>functions.", ":", "<|tool_call_end|>", "<|tool_calls_section_begin|>", "",
@@ -457,7 +458,8 @@ def template_messages(messages, fmt: Format, request: ToolRequest | None, calls_
             else:
                 written = calls_text(fmt, message["tool_calls"])
                 out.append({"role": "assistant",
-                            "content": message["content"] + "\n" + written if message.get("content") else written})
+                            "content": message["content"] + fmt.after_text + written if message.get("content")
+                            else written})
         else:
             out.append({"role": role, "content": message["content"] if message["content"] is not None else ""})
         if role == "assistant" and message.get("reasoning_content") is not None:

@@ -586,6 +586,10 @@ def test_deepseek_gets_its_tools_in_its_words_and_its_calls_back_as_it_wrote_the
         bare = plan_tools(body, history[2:3], template(name)).messages
         assert bare[0]["role"] == "system" and bare[0]["content"].startswith("\n\n## Tools\n")
         assert plan_tools(dict(body, tool_choice="none"), history[2:3], template(name)).messages == history[2:3]
+        # A turn's text and its calls as the model writes them: one right after the other.
+        said = [history[2], dict(history[3], content="Let me look."), history[4]]
+        written = render(template(name), plan_tools(body, said, template(name)).messages)
+        assert "Let me look." + fmt.region[0] in written
         # The template's own rendering of the call object is what the text stands in for.
         with pytest.raises(TypeError):
             render(template(name), history[2:3] + [{"role": "assistant", "content": None, "tool_calls": [
