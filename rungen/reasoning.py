@@ -66,6 +66,7 @@ FORMATS = (
     Delimiters("<mm:think>", "</mm:think>"),  # MiniMax-M3
     Delimiters("<think:opensource>", "</think:opensource>"),  # Hunyuan 3 (its template builds the names)
     Delimiters("<|START_THINKING|>", "<|END_THINKING|>", answer=("<|START_RESPONSE|>",)),  # Command R7B, Command A
+    Delimiters("<|inner_prefix|>", "<|inner_suffix|>"),  # Apertus
     # Apriel 1.6: its prompt opens the block in plain text; the answer follows the marker
     Delimiters("Here are my reasoning steps:", "[BEGIN FINAL RESPONSE]",
                signs=("Here are my reasoning steps:", "[BEGIN FINAL RESPONSE]")),

@@ -7,7 +7,8 @@ Formats (docs/server.md#tool-calling):
 - llama3_json: Llama 3.1-3.3, `{"name": ..., "parameters": {...}}` as the reply (after `<|python_tag|>` at
   times); one call a reply, as the published template allows.
 - mistral: `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]` (Mistral 7B v0.3, Nemo); granite: Granite 3.x,
-  `<|tool_call|>[{"name": ..., "arguments": {...}}, ...]`.
+  `<|tool_call|>[{"name": ..., "arguments": {...}}, ...]`; apertus: Apertus, `<|tools_prefix|>[{"name": {...}}, ...]
+  <|tools_suffix|>`.
 - mistral_args: `[TOOL_CALLS]name[ARGS]{...}`, one marker a call (Ministral 3, Magistral, Devstral); mistral_call_id
   with `[CALL_ID]` and a 9-character id before `[ARGS]` (Mistral Small 3.2).
 - qwen_xml: Qwen3.5, Qwen3-Coder, Nemotron 3, `<tool_call>\n<function=name>\n<parameter=key>\nvalue\n</parameter>\n
@@ -94,7 +95,7 @@ class Format:
     # 3.2's nine characters then "[ARGS]", Kimi's index of the call then <|tool_call_argument_begin|>.
     call_id: tuple[str, str] | None = None
     id_first: bool = False  # the id comes before the name: begin, id, call_id[1], name, middle (Command R's)
-    name_key: str = "name"  # a JSON call's key of the function's name
+    name_key: str = "name"  # a JSON call's key of the function's name ("": the name is the call's one key, Apertus's)
     # How the arguments are written: JSON, an XML of rungen/tool_xml.py's (xgrammar's "qwen_xml": <parameter=key>
     # value..., "glm_xml", ...), "gemma" (rungen/tool_gemma.py) or "python" (LFM2's keywords).
     style: str = "json"
@@ -134,6 +135,9 @@ MINIMAX_XML = Format("minimax_xml", '<invoke name="', '">\n', "</invoke>\n", "<m
 # Granite 3.x: a JSON list of calls after <|tool_call|>
 GRANITE = Format("granite", '{"name": "', '", "arguments": ', "}", "<|tool_call|>", ", ", ("<|tool_call|>",),
                  region=("<|tool_call|>[", "]"))
+# Apertus: a JSON list of calls, each {"name": arguments}
+APERTUS = Format("apertus", '{"', '": ', "}", "<|tools_prefix|>", ", ", ("<|tools_prefix|>",),
+                 region=("<|tools_prefix|>[", "]<|tools_suffix|>"), name_key="")
 # Apriel 1.5 and 1.6, Nemotron Nano 2: a JSON list of calls in one region
 APRIEL = Format("apriel", '{"name": "', '", "arguments": ', "}", "<tool_calls>", ", ", ("<tool_calls>",),
                 region=("<tool_calls>[", "]</tool_calls>"))
@@ -186,13 +190,15 @@ GENERIC = Format("generic", '{"tool_call": {"name": "', '", "arguments": ', "}}"
                  ('{"tool_call"',), native=False)
 FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS, MISTRAL_CALL_ID, QWEN_XML, GLM_XML,
                                 MINIMAX_XML, APRIEL, NEMOTRON, SEED_XML, PYTHONIC, DEEPSEEK_V3_1, DEEPSEEK_R1, KIMI,
-                                COMMAND_R, DSML, DSML_V4, GRANITE, HARMONY, GEMMA, GENERIC)}
+                                COMMAND_R, DSML, DSML_V4, GRANITE, APERTUS, HARMONY, GEMMA,
+                                GENERIC)}
 GRAMMAR_STYLES = {"seed_xml": "qwen_xml"}  # xgrammar's style of a format's parameters, where it is not its own name
 # How templates that write calls in an XML not parsed here show it (MiniMax-M3's).
 XML_SIGNS = ("<invoke ",)
 KNOWN = ("Hermes/Qwen JSON <tool_call>, Qwen, Seed-OSS, GLM, MiniMax-M2 and DeepSeek's DSML XML, Llama 3 JSON, "
-         "Mistral [TOOL_CALLS], Granite <|tool_call|>, Apriel <tool_calls>, Nemotron <TOOLCALL>, LFM2's Python calls, "
-         "DeepSeek V3, R1 and V3.1, Kimi K2, Command R7B/A <|START_ACTION|>, gpt-oss and Gemma 4")
+         "Mistral [TOOL_CALLS], Granite <|tool_call|>, Apertus <|tools_prefix|>, Apriel <tool_calls>, Nemotron "
+         "<TOOLCALL>, LFM2's Python calls, DeepSeek V3, R1 and V3.1, Kimi K2, Command R7B/A <|START_ACTION|>, gpt-oss "
+         "and Gemma 4")
 
 
 def template_text(chat_template) -> str | None:
@@ -229,6 +235,8 @@ def detect_format(chat_template) -> Format | str:
         return MINIMAX_XML
     if GRANITE.trigger in text:
         return GRANITE
+    if APERTUS.trigger in text:
+        return APERTUS
     if APRIEL.region[0] in text:  # before Hermes: its instructions also name <tool_call></tool_call> tags
         return APRIEL
     if NEMOTRON.region[0] in text:
@@ -1016,6 +1024,13 @@ def parse_call(fmt, text, position):
             return None, None
         call.complete = call.complete and end is not None
         return call, end
+    if fmt.name_key == "":  # the name is the one key, its value the arguments
+        if not fields:
+            return (Call(None, "", False), None) if end is None else (None, None)
+        (name, (start, stop)), = list(fields.items())[:1]
+        if len(fields) > 1 or stop is not None and text[start] != "{":
+            return None, None
+        return Call(name, text[start:stop] if stop is not None else text[start:], end is not None), end
     name = None
     if fmt.name_key in fields and fields[fmt.name_key][1] is not None:
         try:

@@ -33,7 +33,7 @@ MODELS = {"hermes": ("qwen2", "qwen2.5-instruct.jinja"), "llama3_json": ("llama"
           "pythonic": ("qwen2", "lfm2-8b-a1b.jinja"), "deepseek_v3_1": ("qwen2", "deepseek-v3.2-exp.jinja"),
           "deepseek_r1": ("qwen2", "deepseek-r1-distill-llama-8b.jinja"), "kimi": ("qwen2", "kimi-k2.jinja"),
           "command_r": ("qwen2", "command-r7b-tool_use.jinja"), "deepseek_dsml": ("qwen2", "deepseek-v3.2.jinja"),
-          "granite": ("qwen2", "granite-3.3.jinja"),
+          "granite": ("qwen2", "granite-3.3.jinja"), "apertus": ("qwen2", "apertus-8b-instruct.jinja"),
           "generic": ("qwen2", None)}
 # Qwen3.5 and GLM think first by default, and a tiny random model never closes its block: the calls follow no thinking.
 TEMPLATE_KWARGS = {"qwen_xml": {"enable_thinking": False}, "glm_xml": {"enable_thinking": False},
@@ -67,6 +67,10 @@ COHERE_CONTROL = ["<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>", "<|USER_TO
                   "<|END_TOOL_RESULT|>"]
 # Granite 3.3's role markers and <|tool_call|>, special tokens of its tokenizer; <|end_of_text|> its EOS.
 GRANITE_CONTROL = ["<|start_of_role|>", "<|end_of_role|>", "<|tool_call|>"]
+# Apertus's role, deliberation and tool markers, special tokens of its tokenizer; <|assistant_end|> its EOS.
+APERTUS_CONTROL = ["<|system_start|>", "<|system_end|>", "<|developer_start|>", "<|developer_end|>", "<|user_start|>",
+                   "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>", "<|inner_prefix|>", "<|inner_suffix|>",
+                   "<|tools_prefix|>", "<|tools_suffix|>"]
 # Apriel 1.5's turn markers, special tokens of its tokenizer.
 APRIEL_CONTROL = ["<|system|>", "<|user|>", "<|assistant|>", "<|tool_result|>", "<|content|>", "<|end|>"]
 TIME = {"type": "function", "function": {
@@ -155,6 +159,12 @@ def checkpoints(tmp_path_factory):
                 model = AutoModelForCausalLM.from_pretrained(path)
                 model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
                 model.generation_config.eos_token_id = tokenizer.eos_token_id
+                model.save_pretrained(path)
+            if fmt == "apertus":
+                tokenizer.add_special_tokens({"additional_special_tokens": APERTUS_CONTROL})
+                model = AutoModelForCausalLM.from_pretrained(path)
+                model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
+                model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<|assistant_end|>")
                 model.save_pretrained(path)
             if fmt == "glm_xml":  # GLM-4.6's
                 tokenizer.add_tokens(["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",

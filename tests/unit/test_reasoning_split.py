@@ -194,6 +194,9 @@ def test_a_switch_that_only_asks_the_model_to_think_is_off_when_unset():
     granite = template("granite-3.3.jinja")
     assert thinking_off(granite, detect_delimiters(granite), {})
     assert not thinking_off(granite, detect_delimiters(granite), {"thinking": True})
+    apertus = template("apertus-8b-instruct.jinja")  # "Deliberation: enabled" where enable_thinking is set
+    assert thinking_off(apertus, detect_delimiters(apertus), {})
+    assert not thinking_off(apertus, detect_delimiters(apertus), {"enable_thinking": True})
     qwen3 = template("qwen3.jinja")
     assert not thinking_off(qwen3, detect_delimiters(qwen3), {})
     assert thinking_off(qwen3, detect_delimiters(qwen3), {"enable_thinking": False})

@@ -11,6 +11,7 @@ from xgrammar.testing import _is_grammar_accept_string as grammar_accepts
 
 from rungen.conversation import tool_fields
 from rungen.tools import (
+    APERTUS,
     APRIEL,
     COMMAND_R,
     DEEPSEEK_R1,
@@ -111,6 +112,8 @@ PUBLISHED = {
                       "</｜DSML｜function_calls>"),
     "granite": ('<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
                 '{"name": "get_time", "arguments": {}}]'),
+    "apertus": ('<|tools_prefix|>[{"get_weather": {"city": "Paris", "unit": "celsius"}}, {"get_time": {}}]'
+                "<|tools_suffix|>"),
     "command_r": ('<|START_ACTION|>[\n    {"tool_call_id": "0", "tool_name": "get_weather", "parameters": {"city": '
                   '"Paris", "unit": "celsius"}},\n    {"tool_call_id": "1", "tool_name": "get_time", "parameters": {}}'
                   "\n]<|END_ACTION|>"),
@@ -121,7 +124,7 @@ FORMATS = {"hermes": HERMES, "llama3_json": LLAMA3_JSON, "mistral": MISTRAL, "ge
            "apriel": APRIEL, "nemotron": NEMOTRON, "seed_xml": SEED_XML,
            "pythonic": PYTHONIC, "deepseek_v3_1": DEEPSEEK_V3_1, "deepseek_r1": DEEPSEEK_R1,
            "kimi": KIMI, "command_r": COMMAND_R, "deepseek_dsml": DSML,
-           "granite": GRANITE}
+           "granite": GRANITE, "apertus": APERTUS}
 # What takes a published reply off its schema: a value outside the enum, and the required city left out.
 OFF_SCHEMA = {"qwen_xml": (("\ncelsius\n", "\nkelvin\n"), ("<parameter=city>\nParis\n</parameter>\n", "")),
               "glm_xml": ((">celsius<", ">kelvin<"), ("<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n", "")),
@@ -170,6 +173,7 @@ def test_the_format_is_detected_from_the_template():
     assert detect_format(template("kimi-k2-instruct.jinja")) is KIMI
     assert detect_format(template("command-r7b-tool_use.jinja")) is COMMAND_R
     assert detect_format(template("granite-3.3.jinja")) is GRANITE
+    assert detect_format(template("apertus-8b-instruct.jinja")) is APERTUS
     assert detect_format(template("deepseek-v3.2.jinja")) is DSML and detect_format(template("deepseek-v4.jinja")) is \
         DSML_V4
     # Calls written in another XML inside <tool_call> (MiniMax-M3's <invoke>) are no Hermes JSON.
