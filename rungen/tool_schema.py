@@ -1,11 +1,11 @@
 """A tool's parameters (a JSON schema) as the EBNF grammar (xgrammar's dialect) of the arguments in a call syntax other
 than JSON's: Gemma 4's (strings between <|"|> quotes, bare keys sorted as its template writes them) and the Python
-keyword arguments of LFM2's calls, whose values are JSON. xgrammar writes JSON and its XML styles itself; for these
-the grammar is written here, a syntax a row of SYNTAXES. It holds the schema's keys (in the syntax's order), the
-required ones, types, enums and consts, $refs, nesting, list lengths, string lengths, patterns (alone, as xgrammar
-holds them), and numbers' bounds (by xgrammar's own range regexes, exclusive ones to six decimals); a string's format
-is not held. A string holds no text the syntax excludes (Gemma's quote and control tokens), and one with a length
-bound or a pattern none of the characters it excludes.
+keyword arguments of LFM2's calls, whose values are JSON, and of LFM2.5's, whose values are Python's literals. xgrammar
+writes JSON and its XML styles itself; for these the grammar is written here, a syntax a row of SYNTAXES. It holds the
+schema's keys (in the syntax's order), the required ones, types, enums and consts, $refs, nesting, list lengths, string
+lengths, patterns (alone, as xgrammar holds them), and numbers' bounds (by xgrammar's own range regexes, exclusive ones
+to six decimals); a string's format is not held. A string holds no text the syntax excludes (Gemma's quote and control
+tokens), and one with a length bound or a pattern none of the characters it excludes.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import json
 import keyword
 import math
 import re
+
+from .tool_python import python_text
 
 GEMMA_QUOTE = '<|"|>'
 # What a Gemma string's text never holds: the quote, and Gemma's control tokens (all of whose openings start "<|"),
@@ -96,6 +98,8 @@ class Syntax:
     separator: str
     literal: object  # value -> its text
     sorted_keys: bool
+    words: tuple[str, str, str] = ("true", "false", "null")  # true, false and null as written
+    escaped: tuple[str, ...] = ()  # what a pattern may not write into a string (EBNF text): the syntax would escape it
 
 
 GEMMA = Syntax(
@@ -121,8 +125,24 @@ json_dict ::= "{" (json_string ":" " "? json_value ("," " "? json_string ":" " "
 json_list ::= "[" (json_value ("," " "? json_value)*)? "]"
 """, ('"\\""', '"\\""'), "json_character", "<" + JSON_NARROWED,
     lambda key: json.dumps(json.dumps(key, ensure_ascii=False), ensure_ascii=False) + ' ":" " "?',
-    '"," " "?', lambda value: json.dumps(value, ensure_ascii=False), False)
-SYNTAXES = {"gemma": GEMMA, "python": JSON}
+    '"," " "?', lambda value: json.dumps(value, ensure_ascii=False), False, escaped=('\\"', "\\\\"))
+# Python's literals (LFM2.5's calls, as its template writes them): strings between single quotes, True, False, None.
+PYTHON_NARROWED = "'\\\\\\0-\\x1f\\ud800-\\udfff"
+PYTHON_ESCAPE = ('"\\\\" ([\\\\\'\\"/bfnrt] | "x" [A-Fa-f0-9] [A-Fa-f0-9] | "u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] '
+                 '[A-Fa-f0-9])')
+PYTHON = Syntax(
+    "python", excluding("python_text", ("<|",), PYTHON_NARROWED, PYTHON_ESCAPE) +
+    f"""python_string ::= "'" python_text "'"
+python_character ::= [^<{PYTHON_NARROWED}] | {PYTHON_ESCAPE}
+""" + r"""python_number ::= "-"? ("0" | [1-9] [0-9]*) ("." [0-9]+)? ([eE] [+-]? [0-9]+)?
+python_integer ::= "-"? ("0" | [1-9] [0-9]*)
+python_value ::= python_string | python_number | "True" | "False" | "None" | python_dict | python_list
+python_dict ::= "{" (python_string ":" " "? python_value ("," " "? python_string ":" " "? python_value)*)? "}"
+python_list ::= "[" (python_value ("," " "? python_value)*)? "]"
+""", ('"\'"', '"\'"'), "python_character", "<" + PYTHON_NARROWED,
+    lambda key: json.dumps(python_text(key), ensure_ascii=False) + ' ":" " "?', '"," " "?', python_text, False,
+    words=("True", "False", "None"), escaped=("'", "\\\\"))
+SYNTAXES = {"gemma": GEMMA, "python": JSON, "python_literal": PYTHON}
 EMPTY = '""'
 BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 RULE_NAME = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]|\b(root(?:_\d+)?)\b')
@@ -133,7 +153,7 @@ def arguments_grammar(schema: dict, style: str) -> str:
     format's `style`: Gemma's dict, or (python) Python keyword arguments."""
     syntax = SYNTAXES[style]
     rules = GrammarRules(schema, syntax)
-    if style == "python":
+    if style in ("python", "python_literal"):
         for key in schema.get("properties") or {}:
             if not python_name(key):
                 raise ValueError(f"the parameter {key!r} is no Python identifier, which these calls name arguments by")
@@ -195,9 +215,9 @@ class GrammarRules:
         if kinds in ("string", "number", "integer"):
             return self.named(kinds)
         if kinds == "boolean":
-            return '("true" | "false")'
+            return f'("{self.syntax.words[0]}" | "{self.syntax.words[1]}")'
         if kinds == "null":
-            return '"null"'
+            return f'"{self.syntax.words[2]}"'
         if kinds == "array":
             return self.array(schema)
         if kinds == "object":
@@ -250,9 +270,9 @@ class GrammarRules:
         narrowed = self.syntax.narrowed
         ebnf = str(xgr.Grammar.from_regex(pattern)).replace("[\\0-\\U0010ffff]", f"[^{narrowed}]")
         ebnf = ebnf.replace("[^", f"[^{narrowed}").replace(f"[^{narrowed}{narrowed}", f"[^{narrowed}")
-        if self.syntax is JSON and any(escaped in ebnf.replace(narrowed, "") for escaped in ('\\"', "\\\\")):
-            raise ValueError(f"the pattern {pattern!r} writes a quote or a backslash, which a JSON string here would "
-                             "need escaped")
+        if any(escaped in ebnf.replace(narrowed, "") for escaped in self.syntax.escaped):
+            raise ValueError(f"the pattern {pattern!r} writes a quote or a backslash, which a string here would need "
+                             "escaped")
         renamed = RULE_NAME.sub(lambda m: prefix + m.group(1) if m.group(1) else m.group(), ebnf)
         for line in renamed.strip().splitlines():
             name, _, body = line.partition(" ::= ")

@@ -52,7 +52,7 @@ import json
 import re
 import uuid
 
-from . import tool_gemma
+from . import tool_gemma, tool_python
 from .tool_schema import IDENTIFIER, arguments_grammar, python_name
 from .tool_xml import NAME, NUMBER_START, SCALAR, WORDS, prefix_length, read_call, skip_space
 from .tool_xml import STYLES as XML_STYLES
@@ -149,6 +149,8 @@ SEED_XML = Format("seed_xml", "<seed:tool_call>\n<function=", ">\n", "</function
 # LFM2: Python calls in a list, their values JSON
 PYTHONIC = Format("pythonic", "", "(", ")", "<|tool_call_start|>", ", ", ("<|tool_call_start|>",),
                   region=("<|tool_call_start|>[", "]<|tool_call_end|>"), style="python")
+# LFM2.5: the same calls, their values Python's literals ('text', True, None) as its template writes them
+PYTHON_LITERALS = dataclasses.replace(PYTHONIC, name="python_literals", style="python_literal")
 # DeepSeek: its calls one after another in a region (V3.1 writes the arguments right after the name; V3 and R1 name
 # the function's type first and fence the arguments as JSON, a call a line).
 DEEPSEEK_CALLS = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
@@ -190,8 +192,8 @@ GENERIC = Format("generic", '{"tool_call": {"name": "', '", "arguments": ', "}}"
                  ('{"tool_call"',), native=False)
 FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS, MISTRAL_CALL_ID, QWEN_XML, GLM_XML,
                                 MINIMAX_XML, APRIEL, NEMOTRON, SEED_XML, PYTHONIC, DEEPSEEK_V3_1, DEEPSEEK_R1, KIMI,
-                                COMMAND_R, DSML, DSML_V4, GRANITE, APERTUS, HARMONY, GEMMA,
-                                GENERIC)}
+                                COMMAND_R, DSML, DSML_V4, GRANITE, APERTUS, PYTHON_LITERALS,
+                                HARMONY, GEMMA, GENERIC)}
 GRAMMAR_STYLES = {"seed_xml": "qwen_xml"}  # xgrammar's style of a format's parameters, where it is not its own name
 # How templates that write calls in an XML not parsed here show it (MiniMax-M3's).
 XML_SIGNS = ("<invoke ",)
@@ -243,6 +245,8 @@ def detect_format(chat_template) -> Format | str:
         return NEMOTRON
     if "<|tool_list_start|>" in text:  # LFM2's tool list: its calls are Python's
         return PYTHONIC
+    if "List of tools: [" in text:  # LFM2.5's, in plain text: Python calls of Python values
+        return PYTHON_LITERALS
     if SEED_XML.trigger in text and "<function=" in text:
         return SEED_XML
     xml = next((sign for sign in XML_SIGNS if sign in text), None)
@@ -458,7 +462,8 @@ def template_messages(messages, fmt: Format, request: ToolRequest | None, calls_
                 else:
                     out.append({"role": "user", "content": result, "tool_results": True})
         elif message.get("tool_calls"):
-            if fmt.native and not (calls_as_text and fmt.style in ("json", "python") and not fmt.call_id):
+            if fmt.native and not (calls_as_text and fmt.style in ("json", "python", "python_literal") and
+                                   not fmt.call_id):
                 out.append({"role": "assistant", "content": message.get("content") or "",
                             "tool_calls": [{"id": ids[call["id"]], "type": "function",
                                             "function": {"name": call["name"], "arguments": call["arguments"]}}
@@ -496,13 +501,15 @@ def calls_text(fmt: Format, calls) -> str:
     """An assistant turn's calls as the model writes them, in a format whose arguments are JSON (or Python keywords
     of JSON values)."""
     def arguments(values):
-        if fmt.style != "python":
+        if fmt.style not in ("python", "python_literal"):
             return json.dumps(values, ensure_ascii=False)
         named = next((key for key in values if not python_name(key)), None)
         if named is not None:
             raise ToolError(f"messages: a call's argument {named!r} is no Python identifier, which this model's calls "
                             "name arguments by", "messages")
-        return ", ".join(f"{key}={json.dumps(value, ensure_ascii=False)}" for key, value in values.items())
+        value_text = tool_python.python_text if fmt.style == "python_literal" else \
+            functools.partial(json.dumps, ensure_ascii=False)
+        return ", ".join(f"{key}={value_text(value)}" for key, value in values.items())
 
     written = fmt.separator.join(fmt.begin + call["name"] + fmt.middle + arguments(call["arguments"]) + fmt.end
                                  for call in calls)
@@ -597,7 +604,7 @@ def tool_grammar(fmt: Format, request: ToolRequest, reply_schema: str | None = N
             message = re.sub(r"^\[[0-9:]+\] \S+: ", "", str(error).splitlines()[0] if str(error) else "")
             raise ToolError(f"tools: the parameters of {function['name']!r} cannot be compiled: {message}",
                             "tools") from error
-        if fmt.style in ("gemma", "python"):
+        if fmt.style in ("gemma", "python", "python_literal"):
             try:
                 arguments = GrammarFormat(grammar=arguments_grammar(function["parameters"], fmt.style))
             except ValueError as error:
@@ -748,7 +755,7 @@ def parse_region(fmt, text, start, marker, found, schemas=None):
         if call is not None:
             found.append(Call(*call))
         return end
-    if fmt.style == "python":
+    if fmt.style in ("python", "python_literal"):
         return parse_python_calls(fmt, text, start + len(marker), found)
     if fmt.style != "json":
         return parse_xml_region(fmt, text, start + len(marker), found, schemas)
@@ -932,8 +939,9 @@ HARMONY_PIECES = ("<|message|>", "<|channel|>commentary", "<|constrain|>", "json
 
 
 def parse_python_calls(fmt, text, position, found):
-    """LFM2's `[name(key=value, ...), ...]` after its <|tool_call_start|> at `position`, each value JSON: the calls
-    into `found`, their arguments the JSON object of the keywords as far as written; as parse_region."""
+    """LFM2's `[name(key=value, ...), ...]` after its <|tool_call_start|> at `position`, each value JSON (LFM2.5's a
+    Python literal): the calls into `found`, their arguments the JSON object of the keywords as far as written; as
+    parse_region."""
     position = list_opening(text, position)
     if position is None or position == -1:
         return position
@@ -943,7 +951,7 @@ def parse_python_calls(fmt, text, position, found):
             return None
         if text[position] == "]" and found:
             return region_end(fmt, text, position + 1)
-        end, call = python_call(text, position)
+        end, call = python_call(text, position, fmt.style == "python_literal")
         if call is not None:
             found.append(call)
         if end is None or end == -1:
@@ -953,8 +961,9 @@ def parse_python_calls(fmt, text, position, found):
             return end
 
 
-def python_call(text, position):
-    """(end, Call) of `name(key=value, ...)` at `position`; end None while the text ends inside, -1 if no call."""
+def python_call(text, position, literals=False):
+    """(end, Call) of `name(key=value, ...)` at `position`, its values JSON or (`literals`) Python's literals, read
+    into JSON; end None while the text ends inside, -1 if no call."""
     name = NAME.match(text, position).group()
     position += len(name)
     if position == len(text):
@@ -977,10 +986,14 @@ def python_call(text, position):
             return -1, None
         out.append(json.dumps(key.group()) + ": ")
         position = skip_space(text, position + 1)
-        end = value_end(text, position) if position < len(text) else None
+        if literals:
+            end, value = tool_python.read_value(text, position)
+        else:
+            end = value_end(text, position) if position < len(text) else None
+            value = text[position:end] if end is not None else text[position:]
         if end == -1:
             return -1, None
-        out.append(text[position:end] if end is not None else text[position:])
+        out.append(value)
         if end is None:
             return None, Call(name, "".join(out), False)
         position = skip_space(text, end)

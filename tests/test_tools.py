@@ -34,6 +34,7 @@ MODELS = {"hermes": ("qwen2", "qwen2.5-instruct.jinja"), "llama3_json": ("llama"
           "deepseek_r1": ("qwen2", "deepseek-r1-distill-llama-8b.jinja"), "kimi": ("qwen2", "kimi-k2.jinja"),
           "command_r": ("qwen2", "command-r7b-tool_use.jinja"), "deepseek_dsml": ("qwen2", "deepseek-v3.2.jinja"),
           "granite": ("qwen2", "granite-3.3.jinja"), "apertus": ("qwen2", "apertus-8b-instruct.jinja"),
+          "python_literals": ("qwen2", "lfm2.5-instruct.jinja"),
           "generic": ("qwen2", None)}
 # Qwen3.5 and GLM think first by default, and a tiny random model never closes its block: the calls follow no thinking.
 TEMPLATE_KWARGS = {"qwen_xml": {"enable_thinking": False}, "glm_xml": {"enable_thinking": False},
@@ -127,7 +128,7 @@ def checkpoints(tmp_path_factory):
                 model = AutoModelForCausalLM.from_pretrained(path)
                 model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<SPECIAL_12>")
                 model.save_pretrained(path)
-            if fmt == "pythonic":  # LFM2's markers, special in its tokenizer
+            if fmt in ("pythonic", "python_literals"):  # LFM2's and LFM2.5's markers, special in their tokenizers
                 tokenizer.add_special_tokens({"additional_special_tokens": [
                     "<|tool_list_start|>", "<|tool_list_end|>", "<|tool_call_start|>", "<|tool_call_end|>",
                     "<|tool_response_start|>", "<|tool_response_end|>"]})

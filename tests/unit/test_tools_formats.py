@@ -31,6 +31,7 @@ from rungen.tools import (
     MISTRAL_ARGS,
     MISTRAL_CALL_ID,
     NEMOTRON,
+    PYTHON_LITERALS,
     PYTHONIC,
     QWEN_XML,
     SEED_XML,
@@ -114,6 +115,7 @@ PUBLISHED = {
                 '{"name": "get_time", "arguments": {}}]'),
     "apertus": ('<|tools_prefix|>[{"get_weather": {"city": "Paris", "unit": "celsius"}}, {"get_time": {}}]'
                 "<|tools_suffix|>"),
+    "python_literals": "<|tool_call_start|>[get_weather(city='Paris', unit='celsius'), get_time()]<|tool_call_end|>",
     "command_r": ('<|START_ACTION|>[\n    {"tool_call_id": "0", "tool_name": "get_weather", "parameters": {"city": '
                   '"Paris", "unit": "celsius"}},\n    {"tool_call_id": "1", "tool_name": "get_time", "parameters": {}}'
                   "\n]<|END_ACTION|>"),
@@ -124,7 +126,7 @@ FORMATS = {"hermes": HERMES, "llama3_json": LLAMA3_JSON, "mistral": MISTRAL, "ge
            "apriel": APRIEL, "nemotron": NEMOTRON, "seed_xml": SEED_XML,
            "pythonic": PYTHONIC, "deepseek_v3_1": DEEPSEEK_V3_1, "deepseek_r1": DEEPSEEK_R1,
            "kimi": KIMI, "command_r": COMMAND_R, "deepseek_dsml": DSML,
-           "granite": GRANITE, "apertus": APERTUS}
+           "granite": GRANITE, "apertus": APERTUS, "python_literals": PYTHON_LITERALS}
 # What takes a published reply off its schema: a value outside the enum, and the required city left out.
 OFF_SCHEMA = {"qwen_xml": (("\ncelsius\n", "\nkelvin\n"), ("<parameter=city>\nParis\n</parameter>\n", "")),
               "glm_xml": ((">celsius<", ">kelvin<"), ("<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n", "")),
@@ -132,6 +134,7 @@ OFF_SCHEMA = {"qwen_xml": (("\ncelsius\n", "\nkelvin\n"), ("<parameter=city>\nPa
               "minimax_xml": ((">celsius<", ">kelvin<"), ('<parameter name="city">Paris</parameter>\n', "")),
               "seed_xml": ((">celsius<", ">kelvin<"), ("<parameter=city>Paris</parameter>\n", "")),
               "pythonic": (('"celsius"', '"kelvin"'), ('city="Paris", ', "")),
+              "python_literals": (("'celsius'", "'kelvin'"), ("city='Paris', ", "")),
               "deepseek_dsml": ((">celsius<", ">kelvin<"), ('<｜DSML｜parameter name="city" string="true">Paris'
                                                             "</｜DSML｜parameter>\n", ""))}
 OFF_JSON = (('"celsius"', '"kelvin"'), ('"city": "Paris", ', ""))
@@ -174,6 +177,8 @@ def test_the_format_is_detected_from_the_template():
     assert detect_format(template("command-r7b-tool_use.jinja")) is COMMAND_R
     assert detect_format(template("granite-3.3.jinja")) is GRANITE
     assert detect_format(template("apertus-8b-instruct.jinja")) is APERTUS
+    assert detect_format(template("lfm2.5-instruct.jinja")) is PYTHON_LITERALS
+    assert detect_format(template("lfm2.5-8b-a1b.jinja")) is PYTHON_LITERALS
     assert detect_format(template("deepseek-v3.2.jinja")) is DSML and detect_format(template("deepseek-v4.jinja")) is \
         DSML_V4
     # Calls written in another XML inside <tool_call> (MiniMax-M3's <invoke>) are no Hermes JSON.
@@ -687,3 +692,39 @@ def test_granite_gets_an_earlier_call_as_the_text_it_wrote():
             '"Paris"}}]<|end_of_text|>') in prompt
     assert "<|start_of_role|>tool<|end_of_role|>18 C<|end_of_text|>" in prompt
     assert "<|start_of_role|>available_tools<|end_of_role|>" in prompt
+
+
+def test_lfm25_calls_are_python_literals_read_into_json_as_they_grow():
+    """LFM2.5's template writes a call's values as Python's literals ('text', True, None, Python lists, dicts as
+    JSON): the grammar holds a reply to them, the reader turns them into the arguments' JSON (its text growing with
+    the reply's, so a stream's arguments only grow), and an earlier call is written back in them."""
+    from rungen.chat_template import render
+    from rungen.tool_python import python_text, read_value
+    from rungen.tools import calls_text, plan_tools
+
+    values = ["it's \"quoted\" \\ a\nb", -2.5e3, True, None, [1, "x", [False]], {"k": [1, {"z": None}], "a b": "c"}]
+    for value in values:
+        text = python_text(value)
+        end, written = read_value(text + ")", 0)
+        assert end == len(text) and json.loads(written) == value
+        for cut in range(len(text)):
+            assert read_value(text[:cut], 0)[0] is None and written.startswith(read_value(text[:cut], 0)[1])
+    assert read_value('{"a": true, "b": null}', 0) == (22, '{"a": true, "b": null}')  # JSON's literals too
+    for bad in ("Trux)", "[1,]", "{'a' 1}", "'a\\q'"):
+        assert read_value(bad, 0)[0] == -1, bad
+    # The 8B model's template writes the call itself: read back, it is the call.
+    arguments = {"city": "Paris", "days": 3, "ok": True, "tags": ["a", "b"], "when": {"from": "today"}}
+    turn = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": arguments}}]}
+    asked = [{"role": "user", "content": "Hi"}]
+    whole = render(template("lfm2.5-8b-a1b.jinja"), asked + [turn])
+    reply = whole[whole.index(PYTHON_LITERALS.trigger) : whole.index("<|tool_call_end|>") + len("<|tool_call_end|>")]
+    assert "city='Paris'" in reply and "ok=True" in reply
+    assert calls_of(message_of(CallParser(PYTHON_LITERALS), reply))[1] == [("get_weather", arguments)]
+    # The 1.2B model's template renders no calls: its turn's text is the call as the model writes it.
+    call = {"id": "call_a", "name": "get_weather", "arguments": {"city": "Paris", "ok": True}}
+    history = asked + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                       {"role": "tool", "tool_call_id": "call_a", "content": "18 C"}]
+    plan = plan_tools({"tools": [WEATHER]}, history, template("lfm2.5-instruct.jinja"))
+    assert plan.messages[1]["content"] == calls_text(PYTHON_LITERALS, [call]) == \
+        "<|tool_call_start|>[get_weather(city='Paris', ok=True)]<|tool_call_end|>"
