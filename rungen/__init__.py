@@ -21,8 +21,11 @@
     int4_kernel.py 4-bit codes two a byte for a Triton kernel on CUDA, where tinygemm cannot run or is not asked for
     jit.py         --jit: the traced decode step (private torch/transformers APIs)
     constrain.py   --json_schema/--regex/--grammar with xgrammar
-    tools.py       tool calling: formats, detection from the chat template, grammars, parsing
-    tool_xml.py    tool calls written as XML (Qwen3.5's, GLM's), read from a growing reply
+    tools.py       tool calling: a request's tools, the conversation for the template, the calls' grammar
+    tool_formats.py  the families' call formats, one row each, and which one a chat template asks for
+    tool_reply.py  a reply's content and calls, read whole or as it grows
+    tool_xml.py    tool calls written as XML (Qwen3.5's, GLM's, DeepSeek's DSML), read from a growing reply
+    tool_python.py Python's literals as call values (LFM2.5's), written and read into JSON as they grow
     reasoning.py   a thinking model's reasoning apart from its answer: delimiters, the reply's splitter
     engine.py      the engine's scheduler (server, piped prompts, session): its queue and thread, admission
     prefill.py     a request's prompt through the model before it joins: alone, or several in one pass into slots

@@ -23,7 +23,8 @@ from .reasoning import VariableError, detect_delimiters, plan_reply, read_templa
 from .requests import Delta, Done, End
 from .requests import Request as EngineRequest
 from .sampling import Sampling
-from .tools import ToolError, message_of, plan_tools, stream_deltas
+from .tool_reply import message_of, stream_deltas
+from .tools import ToolError, plan_tools
 
 MAX_LOGPROBS = 20
 MAX_STOPS = 16
@@ -540,7 +541,7 @@ class Answer:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         total = len(prompts) * n
-        # One tool-call parser a choice (rungen/tools.py), when the reply may hold calls.
+        # One tool-call parser a choice (rungen/tool_reply.py), when the reply may hold calls.
         self.parsers = [tools.parser() for _ in range(total)] if tools is not None and tools.fmt else None
         # Each choice's reply plan and reasoning splitter (rungen/reasoning.py), when the chat template thinks.
         self.replies = [replies[choice // n] for choice in range(total)] if replies and any(replies) else None

@@ -217,7 +217,7 @@ def encode_prompt(loaded: Loaded, prompt: Prompt, prefix: str = "", chat: bool =
         except jinja2.TemplateError as error:  # the template's raise_exception: a conversation it refuses
             raise PromptError(f"the chat template refused the conversation: {error}") from error
         if add_generation_prompt:
-            from .tools import open_turn
+            from .tool_formats import open_turn
 
             text = open_turn(tokenizer.chat_template, text, template_kwargs)
         special = bool(add_special_tokens)  # the template already holds them

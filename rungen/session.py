@@ -621,7 +621,7 @@ class Session:
         elif not streamed:
             print(sequence.generated_text, flush=True)
         if prompt.tool_plan is not None and prompt.tool_plan.fmt is not None:
-            from .tools import message_of
+            from .tool_reply import message_of
 
             parser = prompt.tool_plan.parser()
             calls = message_of(parser, reply["content"])[1]
@@ -694,7 +694,7 @@ def run(loaded: Loaded, settings: Settings, *, chat: bool | None = None, system:
         raise UsageError("--tools needs a conversation: this model has no chat template" if not has_template
                          else "--tools needs a conversation; it cannot be used with --no-chat")
     if tools is not None:
-        from .tools import detect_format
+        from .tool_formats import detect_format
 
         fmt = detect_format(loaded.tokenizer.chat_template)
         if isinstance(fmt, str):  # refused before the first turn, not at each

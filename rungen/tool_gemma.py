@@ -1,4 +1,4 @@
-"""Gemma 4's tool calls (rungen/tools.py's gemma format): `<|tool_call>call:name{key:value,...}<tool_call|>`.
+"""Gemma 4's tool calls (rungen/tool_formats.py's gemma format): `<|tool_call>call:name{key:value,...}<tool_call|>`.
 
 A value is a string between <|"|> quotes (its text as it is: no escapes), a number, true, false, null, a list
 `[a,b]` or a dict `{key:value}`, its keys written bare (quoted where they could not be read so) and, as the chat

@@ -1,5 +1,5 @@
-"""Tool calls written as XML (rungen/tools.py's qwen_xml, glm_xml, minimax_xml and DeepSeek's DSML formats): one call
-read from a growing reply.
+"""Tool calls written as XML (rungen/tool_formats.py's qwen_xml, glm_xml, minimax_xml and DeepSeek's DSML formats):
+one call read from a growing reply.
 
 A value is text: where the tool's schema says string it is that text, else the JSON it holds. The arguments are
 the JSON object of the parameters read so far, a parameter once its closing tag came, so that a stream's arguments

@@ -682,7 +682,8 @@ def test_gpt_oss_thinks_in_its_analysis_channel_then_calls_a_tool_or_answers(har
         jsonschema.validate(json.loads(choice.message.content), SCHEMA)
     # The recipient after the channel, as OpenAI's guide writes a call: read as a call, no header in the content.
     from rungen.reasoning import ReplyPlan, detect_delimiters, split_reply
-    from rungen.tools import HARMONY, CallParser, message_of
+    from rungen.tool_formats import HARMONY
+    from rungen.tool_reply import CallParser, message_of
 
     plan = ReplyPlan(detect_delimiters(harmony_server[1].tokenizer.chat_template), "start")
     reasoning, content = split_reply(plan, '<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant'

@@ -10,7 +10,7 @@ import pytest
 from xgrammar.testing import _is_grammar_accept_string as grammar_accepts
 
 from rungen.conversation import tool_fields
-from rungen.tools import (
+from rungen.tool_formats import (
     APERTUS,
     APRIEL,
     COMMAND_R,
@@ -35,11 +35,15 @@ from rungen.tools import (
     PYTHONIC,
     QWEN_XML,
     SEED_XML,
-    CallParser,
-    ToolError,
-    assemble,
     detect_format,
+)
+from rungen.tool_reply import (
+    CallParser,
+    assemble,
     message_of,
+)
+from rungen.tools import (
+    ToolError,
     read_tool_request,
     template_messages,
     tool_grammar,
