@@ -80,7 +80,10 @@ def parse(fmt: Format, text: str, final: bool, schemas=None):
     """(content, calls) of a reply so far. Text that may be the start of a marker is left out unless
     `final`; a region that is not a call after all (no JSON where one must be) stays content. A reply that ends
     (`final`) inside a call before its name: that text is content where the reply made no call, and the next
-    call's opening, cut short, where it did (a call, or the start of a marker, after calls is dropped)."""
+    call's opening, cut short, where it did (a call, or the start of a marker, after calls is dropped). U+FFFD at the
+    text's end stands for a character not yet whole (a marker's multi-byte ｜, DeepSeek's), or one the reply's end cut:
+    none of it."""
+    text = text.rstrip("\ufffd")
     content, calls, position = [], [], 0
     while True:
         start, marker = find_marker(fmt, text, position)
@@ -224,8 +227,10 @@ def parse_xml_region(fmt, text, position, found, schemas):
         end, call = read_call(style, text, position, schemas)
         if call is not None:
             found.append(Call(*call))
-        if end is None or end == -1:
-            return end
+        if end == -1:
+            return -1 if not found else position  # what follows the calls is no call: the calls stand
+        if end is None:
+            return None
         position = end
 
 

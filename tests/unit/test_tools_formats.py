@@ -732,3 +732,20 @@ def test_lfm25_calls_are_python_literals_read_into_json_as_they_grow():
     plan = plan_tools({"tools": [WEATHER]}, history, template("lfm2.5-instruct.jinja"))
     assert plan.messages[1]["content"] == calls_text(PYTHON_LITERALS, [call]) == \
         "<|tool_call_start|>[get_weather(city='Paris', ok=True)]<|tool_call_end|>"
+
+
+@pytest.mark.parametrize("fmt", [DSML, MINIMAX_XML])
+def test_calls_before_a_cut_or_a_stray_text_in_their_region_stand(fmt):
+    """A reply cut by max_tokens inside its region's closing, a multi-byte character of DeepSeek's ｜ cut in two (its
+    text ends in U+FFFD), keeps the calls it wrote, whole and streamed alike; so does one whose region goes on in
+    something no call."""
+    invoke = (fmt.begin + "get_time" + fmt.middle + ('<｜DSML｜parameter name="zone" string="true">CET'
+                                                     "</｜DSML｜parameter>\n" if fmt is DSML else
+                                                     '<parameter name="zone">CET</parameter>\n') + fmt.end)
+    for tail in (fmt.region[1][:3] + "\ufffd", fmt.region[1][:2], "\nnot a call"):
+        text = fmt.region[0] + invoke + invoke + tail
+        parser = CallParser(fmt)
+        content, calls = calls_of(message_of(parser, text))
+        assert calls == [("get_time", {"zone": "CET"})] * 2, tail
+        assert calls_of(assemble(streamed(fmt, text))) == (content, calls)
+        assert content == ("not a call" if "call" in tail else None)
