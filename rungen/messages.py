@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from . import openai_api
 from .conversation import PART_SEPARATOR
 from .openai_api import APIError, excerpt, has_value, number, refuse_extra
-from .reasoning import template_reads
+from .reasoning import thinking_switch
 
 # Anthropic's error type for each status (any other 4xx: invalid_request_error, any other 5xx: api_error).
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 402: "billing_error",
@@ -259,8 +259,8 @@ def read_tool_choice(body, tools):
 
 
 def read_thinking(body, chat_template, max_tokens):
-    """(the chat template's variables for `thinking`, its budget_tokens or None): enable_thinking, where the
-    template reads it ({} when thinking is absent)."""
+    """(the chat template's variables for `thinking`, its budget_tokens or None): its switch of thinking
+    (enable_thinking, or DeepSeek V3.1's thinking), where the template reads one ({} when thinking is absent)."""
     if not has_value(body, "thinking"):
         return {}, None
     thinking = body["thinking"]
@@ -278,17 +278,18 @@ def read_thinking(body, chat_template, max_tokens):
         if max_tokens is not None and budget >= max_tokens:
             raise APIError(f"thinking.budget_tokens ({budget}) must be less than max_tokens ({max_tokens})",
                            "thinking")
-    if not template_reads(chat_template, "enable_thinking"):
+    switch = thinking_switch(chat_template)
+    if switch is None:
         from .reasoning import detect_delimiters
 
         thinks = detect_delimiters(chat_template) is not None  # always: its template has no switch
         if thinks and kind != "disabled":  # only the cap to apply
             return {}, thinking.get("budget_tokens")
         why = "always thinks (its chat template has no switch)" if thinks else \
-            "has a chat template that does not read enable_thinking"
+            "has a chat template that reads no switch of thinking (enable_thinking, thinking)"
         raise APIError(f"thinking: this model {why}, so thinking cannot be turned "
                        f"{'off' if kind == 'disabled' else 'on'}; leave thinking out", "thinking")
-    return {"enable_thinking": kind != "disabled"}, thinking.get("budget_tokens")
+    return {switch: kind != "disabled"}, thinking.get("budget_tokens")
 
 
 def read_metadata(body):

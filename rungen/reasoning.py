@@ -136,6 +136,12 @@ def template_reads(chat_template, name) -> bool:
     return any(name in variables_read(text) for text in template_sources(chat_template))
 
 
+def thinking_switch(chat_template) -> str | None:
+    """The switch of thinking the template reads (Qwen3's enable_thinking, first where both are read; DeepSeek
+    V3.1's and Granite 3.3's thinking), or None."""
+    return next((name for name in SWITCHES if template_reads(chat_template, name)), None)
+
+
 class VariableError(ValueError):
     """A template variable the request cannot set (HTTP 400 naming `param`)."""
 

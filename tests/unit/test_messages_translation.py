@@ -192,7 +192,8 @@ def test_error_types_by_status():
 
 def test_thinking_on_a_model_that_always_thinks_takes_the_budget_and_refuses_disabled():
     """gpt-oss's template has no switch: it always thinks. enabled and adaptive are what it does (the budget caps
-    it); disabled cannot be honoured. A template that does not think refuses both."""
+    it); disabled cannot be honoured. A template that does not think refuses both; one whose switch is another
+    name than enable_thinking gets it set."""
     import os
 
     from rungen.messages import read_thinking
@@ -206,5 +207,11 @@ def test_thinking_on_a_model_that_always_thinks_takes_the_budget_and_refuses_dis
     assert read_thinking({"thinking": {"type": "adaptive"}}, gpt_oss, 2000) == ({}, None)
     with pytest.raises(APIError, match="always thinks"):
         read_thinking({"thinking": {"type": "disabled"}}, gpt_oss, 2000)
-    with pytest.raises(APIError, match="does not read enable_thinking"):
+    with pytest.raises(APIError, match="reads no switch of thinking"):
         read_thinking({"thinking": {"type": "adaptive"}}, llama, 2000)
+    # DeepSeek V3.1's switch is `thinking` (off unless set): enabled and disabled set it.
+    with open(os.path.join(folder, "deepseek-v3.2-exp.jinja"), encoding="utf-8") as f:
+        deepseek = f.read()
+    assert read_thinking({"thinking": {"type": "enabled", "budget_tokens": 1024}}, deepseek, 2000) == \
+        ({"thinking": True}, 1024)
+    assert read_thinking({"thinking": {"type": "disabled"}}, deepseek, 2000) == ({"thinking": False}, None)
