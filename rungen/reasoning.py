@@ -250,7 +250,8 @@ def plan_reply(tokenizer, delimiters: Delimiters | None, ids: list[int], constra
     kept = special_ids(tokenizer, delimiters.texts)
     tail = TAIL_TOKENS + max(len(delimiters.open), len(delimiters.close))
     state = prompt_state(delimiters, tokenizer.decode(ids[-tail:], skip_special_tokens=False))
-    if constrained and state == "start" and thinking_off(tokenizer.chat_template, delimiters, variables or {}):
+    if constrained and state == "start" and thinking_off(tokenizer.chat_template, delimiters, variables or {},
+                                                         lambda: tokenizer.decode(ids, skip_special_tokens=False)):
         state = "content"
     if constrained and state == "start":
         ids = ids + tokenizer.encode(delimiters.open, add_special_tokens=False)
@@ -262,35 +263,65 @@ def plan_reply(tokenizer, delimiters: Delimiters | None, ids: list[int], constra
     return ids, ReplyPlan(delimiters, state, end_ids, kept, closing, closing if plain else "")
 
 
-def thinking_off(chat_template, delimiters: Delimiters, variables: dict) -> bool:
+def thinking_off(chat_template, delimiters: Delimiters, variables: dict, prompt=lambda: "") -> bool:
     """Whether the template, given `variables`, closes the block where it opens the model's turn (Qwen3's and Gemma
-    4's with thinking off), or asks the model to think only where a switch left unset is on (Granite 3.3's
-    `thinking` adds its instructions to think and opens nothing)."""
+    4's with thinking off), or has a switch that asks the model to think by instructions alone which this `prompt()`
+    (its text) lacks: Granite 3.3's `thinking` adds them to its default system message (none where the conversation
+    has a system message or tools) and opens nothing, Apertus's enable_thinking writes "Deliberation: enabled"."""
     sources = template_sources(chat_template)
     if not sources:
         return False
     template = chat_template.get("default", sources[0]) if isinstance(chat_template, dict) else sources[0]
-    return opening_closes(template, delimiters, json.dumps(variables, sort_keys=True, default=str))
+    given = json.dumps(variables, sort_keys=True, default=str)
+    if opening_closes(template, delimiters, given):
+        return True
+    asked = thinking_asked(template, delimiters, given)
+    return asked is not None and asked not in prompt()
 
 
 @functools.lru_cache(maxsize=32)
 def opening_closes(template: str, delimiters: Delimiters, variables: str) -> bool:
     from .chat_template import render
 
-    given = json.loads(variables)
     try:
-        opening = render(template, PROBE[:1], add_generation_prompt=True, **given)
-        if prompt_state(delimiters, opening) == "content":
-            return True
-        # A switch that, set, changes the prompt but opens no block (a template that opens one when asked lets the
-        # model choose when not: MiniCPM5's, Qwen3's).
-        for switch in (name for name in SWITCHES if name in variables_read(template) and name not in given):
-            switched = render(template, PROBE[:1], add_generation_prompt=True, **given, **{switch: True})
-            if switched != opening and prompt_state(delimiters, switched) == "start":
-                return True
+        opening = render(template, PROBE[:1], add_generation_prompt=True, **json.loads(variables))
     except Exception:  # noqa: BLE001 - a template that cannot open a turn on the probe says nothing of it
         return False
-    return False
+    return prompt_state(delimiters, opening) == "content"
+
+
+@functools.lru_cache(maxsize=32)
+def thinking_asked(template: str, delimiters: Delimiters, variables: str) -> str | None:
+    """The lines a switch of thinking adds to the prompt where set, where it adds them and opens no block (a template
+    that opens one when asked lets the model choose when not: MiniCPM5's, Qwen3's), else None."""
+    from .chat_template import render
+
+    given = json.loads(variables)
+    for switch in (name for name in SWITCHES if name in variables_read(template)):
+        unset = {name: value for name, value in given.items() if name != switch}
+        try:
+            on = render(template, PROBE[:1], add_generation_prompt=True, **unset, **{switch: True})
+            off = render(template, PROBE[:1], add_generation_prompt=True, **unset)
+        except Exception:  # noqa: BLE001 - a template that cannot open a turn on the probe says nothing of it
+            return None
+        if on != off and prompt_state(delimiters, on) == "start":
+            return added_text(on, off)
+    return None
+
+
+def added_text(on: str, off: str) -> str:
+    """What `on` holds where `off` differs, widened to a line or a marker's end on either side (Apertus's "enabled"
+    for "disabled" is its line, "Deliberation: enabled")."""
+    import os
+
+    start = len(os.path.commonprefix([on, off]))
+    end = len(on) - min(len(os.path.commonprefix([on[::-1], off[::-1]])), len(on) - start, len(off) - start)
+    if not (on[start : start + 1] == "\n" or on[start - 1 : start] in ("", "\n", ">")):
+        start = max(on.rfind("\n", 0, start), on.rfind(">", 0, start)) + 1
+    if not (on[end - 1 : end] == "\n" or on[end : end + 1] in ("", "\n", "<")):
+        stops = [index for index in (on.find("\n", end), on.find("<", end)) if index != -1]
+        end = min(stops, default=len(on))
+    return on[start:end]
 
 
 def plan_prompt(loaded, settings, prompt, variables: dict | None = None) -> None:

@@ -185,18 +185,25 @@ def test_a_prompt_that_turns_thinking_off_closes_the_block(name, variables):
         "content"
 
 
-def test_a_switch_that_only_asks_the_model_to_think_is_off_when_unset():
-    """Granite 3.3's `thinking` adds instructions to think and opens nothing: unset, its model is not asked to think,
-    so a constrained reply is the answer from its first token; set, the block may come first. Qwen3's switch, unset,
-    leaves the choice to the model (its template closes the block only when the switch is off)."""
+def test_a_switch_that_only_asks_the_model_to_think_is_off_where_the_prompt_does_not_ask():
+    """Granite 3.3's `thinking` adds instructions to think to its default system message and opens nothing: unset,
+    or set where the conversation has a system message or tools (the template then writes none), its model is not
+    asked to think, so a constrained reply is the answer from its first token; set and asking, the block may come
+    first. Apertus's enable_thinking writes "Deliberation: enabled". Qwen3's switch, unset, leaves the choice to the
+    model (its template closes the block only when the switch is off)."""
+    from rungen.chat_template import render
     from rungen.reasoning import thinking_off
 
-    granite = template("granite-3.3.jinja")
-    assert thinking_off(granite, detect_delimiters(granite), {})
-    assert not thinking_off(granite, detect_delimiters(granite), {"thinking": True})
-    apertus = template("apertus-8b-instruct.jinja")  # "Deliberation: enabled" where enable_thinking is set
-    assert thinking_off(apertus, detect_delimiters(apertus), {})
-    assert not thinking_off(apertus, detect_delimiters(apertus), {"enable_thinking": True})
+    def off(text, variables, messages=ASKED, tools=None):
+        prompt = render(text, messages, tools=tools, add_generation_prompt=True, **variables)
+        return thinking_off(text, detect_delimiters(text), variables, lambda: prompt)
+
+    tools = [{"type": "function", "function": {"name": "f", "description": "F.",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    told = [{"role": "system", "content": "Be brief."}, *ASKED]
+    for name, switch in (("granite-3.3.jinja", "thinking"), ("apertus-8b-instruct.jinja", "enable_thinking")):
+        assert off(template(name), {}) and not off(template(name), {switch: True}), name
+        assert off(template(name), {switch: True}, told, tools) == (name == "granite-3.3.jinja"), name
     qwen3 = template("qwen3.jinja")
     assert not thinking_off(qwen3, detect_delimiters(qwen3), {})
     assert thinking_off(qwen3, detect_delimiters(qwen3), {"enable_thinking": False})
