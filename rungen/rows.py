@@ -113,6 +113,9 @@ def pick(rows, logits, eos_ids):
         if keep:
             grammar = (bitmask[keep], [constrained[place] for place in keep], vocab)
     states = [row.state for row in rows]
+    for row in rows:  # a reply whose constraint waits for the block's end does not end inside it (required: a call)
+        row.state.hold_eos = row.matcher is None and row.request.constraint is not None and \
+            bool(row.request.reasoning_end)
     tokens, nan = choose(logits, states, sorted(eos_ids), grammar)
     forced = [(number, row.thinking.forced()) for number, row in enumerate(rows) if row.thinking is not None]
     forced = [(number, token) for number, token in forced if token is not None]

@@ -54,6 +54,8 @@ class RowState:
         self.seed = row_seed(sampling.seed, index)
         self.generator = random.Random(self.seed)
         self.drawn = None  # this step's uniform number, until accept() takes it
+        # This step the row may not end: a constraint waits for its thinking block to close (rows.pick sets it).
+        self.hold_eos = False
         self.bias = self.seen = self.counts = self.penalty = None
         if sampling.logit_bias:
             ids, values = zip(*sampling.logit_bias)
@@ -130,7 +132,7 @@ def apply_each(scores: torch.Tensor, states: list[RowState], eos_ids: list[int])
     eos = None  # made once a step, where a row asks for it
     for number, state in enumerate(states):
         row, sampling = scores[number], state.sampling
-        if sampling.ignore_eos and eos_ids:
+        if (sampling.ignore_eos or state.hold_eos) and eos_ids:
             if eos is None:
                 eos = torch.tensor(eos_ids, dtype=torch.long, device=scores.device)
             row.index_fill_(0, eos, float("-inf"))
@@ -145,7 +147,7 @@ def apply_each(scores: torch.Tensor, states: list[RowState], eos_ids: list[int])
 
 def apply_together(scores: torch.Tensor, states: list[RowState], eos_ids: list[int]) -> None:
     """apply_processors for all the rows at once: each processor a few kernels, whatever the rows that ask for it."""
-    ignoring = [n for n, s in enumerate(states) if s.sampling.ignore_eos] if eos_ids else []
+    ignoring = [n for n, s in enumerate(states) if s.sampling.ignore_eos or s.hold_eos] if eos_ids else []
     biased = [n for n, s in enumerate(states) if s.bias is not None]
     repeated = [n for n, s in enumerate(states) if s.seen is not None]
     counted = [n for n, s in enumerate(states) if s.penalty is not None]
@@ -228,7 +230,7 @@ def choose(logits: torch.Tensor, states: list[RowState], eos_ids: list[int], gra
     """The rows' next tokens [rows] and whether their processed scores were NaN, on the device, from the logits
     [rows, vocabulary] (left as they are: log-probabilities read them raw). `grammar`: apply_grammar's arguments."""
     scores = logits
-    if grammar is not None or any(state.sampling.processed for state in states):
+    if grammar is not None or any(state.sampling.processed or state.hold_eos for state in states):
         scores = logits.clone()
         if grammar is not None:
             apply_grammar(scores, *grammar)

@@ -798,3 +798,22 @@ def test_a_plain_text_closing_is_found_however_its_tokens_were_cut(tmp_path):
             message = chat(server, temperature=0, max_tokens=60,
                            extra_body={"thinking_token_budget": budget}).choices[0].message
             assert message.reasoning_content == "I think." and "[" not in (message.content or ""), (budget, message)
+
+
+def test_a_constrained_reply_does_not_end_inside_its_thinking_block(checkpoint):
+    """A reply whose constraint waits for the block to close (a required call, a response format) may not end inside
+    the block: tool_choice required is a call or nothing finished (OpenAI's promise), never a stop with no call.
+    A reply with no constraint ends where the model ends it."""
+    loaded = load(checkpoint, device=torch.device("cpu"))
+    script = Scripted(loaded)
+    eos = loaded.tokenizer.eos_token_id
+    with serving(loaded, model_id=MODEL_ID, max_batch=1, prefix_cache_mb=0) as (live, _):
+        server = (live.url, loaded)
+        script.write("I think.", end=eos)
+        plain = chat(server, temperature=0, max_tokens=40).choices[0]
+        assert plain.finish_reason == "stop" and plain.message.content == "I think."
+        for kwargs in ({"tools": [WEATHER], "tool_choice": "required"},
+                       {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}}):
+            choice = chat(server, temperature=0, max_tokens=40, **kwargs).choices[0]
+            assert choice.finish_reason in ("length", "tool_calls"), (kwargs, choice)
+            assert choice.message.reasoning_content.startswith("I think.") and not choice.message.content
