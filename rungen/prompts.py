@@ -214,6 +214,10 @@ def encode_prompt(loaded: Loaded, prompt: Prompt, prefix: str = "", chat: bool =
         try:
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                  tokenize=False, **extra)
+        except jinja2.exceptions.SecurityError:
+            # transformers' sandbox refuses a template that changes a list it made (Kimi K2's later ones): the tool's
+            # renders it, with what transformers passes (rungen/chat_template.py)
+            text = render_as_transformers(tokenizer, messages, add_generation_prompt, extra)
         except jinja2.TemplateError as error:  # the template's raise_exception: a conversation it refuses
             raise PromptError(f"the chat template refused the conversation: {error}") from error
         if add_generation_prompt:
@@ -243,6 +247,22 @@ def encode_prompt(loaded: Loaded, prompt: Prompt, prefix: str = "", chat: bool =
     if within_context and loaded.context and len(ids) >= loaded.context:
         raise PromptError(f"prompt is {len(ids)} tokens; the model's context is {loaded.context}")
     return ids
+
+
+def render_as_transformers(tokenizer, messages, add_generation_prompt: bool, extra: dict) -> str:
+    """A transformers tokenizer's chat template rendered in the tool's environment: the template transformers picks
+    by name, the messages' None fields left out and the tokenizer's special tokens given, as transformers does."""
+    import jinja2
+
+    from .chat_template import render
+
+    template = tokenizer.get_chat_template(None, extra.get("tools"))
+    chat = [{key: value for key, value in message.items() if value is not None} for message in messages]
+    try:
+        return render(template, chat, add_generation_prompt=add_generation_prompt,
+                      **{**tokenizer.special_tokens_map, **extra})
+    except jinja2.TemplateError as error:
+        raise PromptError(f"the chat template refused the conversation: {error}") from error
 
 
 def template_tools(chat_template, tools: list[dict]) -> dict:

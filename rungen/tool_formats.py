@@ -26,7 +26,8 @@ reply in it (docs/server.md#tool-calling).
   line. Their templates render calls and results but not the tools: those go into the system message in DeepSeek's
   own words.
 - kimi: Kimi K2, `<|tool_calls_section_begin|><|tool_call_begin|>functions.name:0<|tool_call_argument_begin|>{...}
-  <|tool_call_end|>...<|tool_calls_section_end|>`, the index the conversation's count of calls.
+  <|tool_call_end|>...<|tool_calls_section_end|>`, the index the conversation's count of calls (its first template
+  numbers a turn's).
 - harmony: gpt-oss's calls in its commentary channel; gemma: Gemma 4's `<|tool_call>call:name{...}<tool_call|>`
   (rungen/tool_gemma.py). Where xgrammar writes no grammar of a syntax, rungen/tool_schema.py does.
 - generic: a template that does not render tools (SmolLM2's among them): the tools are described in a system

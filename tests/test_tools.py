@@ -636,3 +636,28 @@ def test_a_template_reading_xml_tools_and_no_tool_calls_gets_both_its_way(checkp
         live.stop()
         engine.close()
         engine.abort()
+
+
+def test_kimis_later_template_renders_on_a_transformers_checkpoint(servers):
+    """Kimi K2's later template queues its call ids in a list, which transformers' sandbox refuses: a checkpoint's
+    conversation with calls renders in the tool's environment instead, its calls numbered as the template numbers
+    them (a GGUF file's renders there anyway)."""
+    url, loaded = servers("kimi")
+    saved = loaded.tokenizer.chat_template
+    with open(os.path.join(TEMPLATES, "kimi-k2-instruct.jinja"), encoding="utf-8") as f:
+        loaded.tokenizer.chat_template = f.read()
+    calls = [{"id": f"call_{n}", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "CET"}'}}
+             for n in range(2)]
+    history = ASK + [{"role": "assistant", "content": None, "tool_calls": calls},
+                     {"role": "tool", "tool_call_id": "call_0", "content": "noon"},
+                     {"role": "tool", "tool_call_id": "call_1", "content": "one"}]
+    try:
+        response = httpx.post(url + "/tokenize", json={"model": "kimi", "messages": history, "tools": TOOLS},
+                              timeout=60)
+        assert response.status_code == 200, response.text
+        text = loaded.tokenizer.decode(response.json()["tokens"])
+        answer = create(servers, "kimi", messages=history, tools=TOOLS, max_tokens=4)
+    finally:
+        loaded.tokenizer.chat_template = saved
+    assert "functions.get_time:1<|tool_call_argument_begin|>" in text and "## Return of functions.get_time:1" in text
+    assert answer.usage.prompt_tokens == response.json()["count"]
