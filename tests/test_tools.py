@@ -72,6 +72,16 @@ GRANITE_CONTROL = ["<|start_of_role|>", "<|end_of_role|>", "<|tool_call|>"]
 APERTUS_CONTROL = ["<|system_start|>", "<|system_end|>", "<|developer_start|>", "<|developer_end|>", "<|user_start|>",
                    "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>", "<|inner_prefix|>", "<|inner_suffix|>",
                    "<|tools_prefix|>", "<|tools_suffix|>"]
+# The tokens a family's tokenizer holds beyond the tiny one's: special ones (add_special_tokens' dict), added ones, and
+# its generation config's EOS (None: the tokenizer's own).
+FAMILY_TOKENS = {
+    "deepseek": ({"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>"}, DEEPSEEK_ADDED, None),
+    "kimi": ({"additional_special_tokens": KIMI_CONTROL}, [], "<|im_end|>"),
+    "command_r": ({"bos_token": "<BOS_TOKEN>", "additional_special_tokens": COHERE_CONTROL}, [],
+                  "<|END_OF_TURN_TOKEN|>"),
+    "granite": ({"eos_token": "<|end_of_text|>", "additional_special_tokens": GRANITE_CONTROL}, [], None),
+    "apertus": ({"additional_special_tokens": APERTUS_CONTROL}, [], "<|assistant_end|>"),
+}
 # Apriel 1.5's turn markers, special tokens of its tokenizer.
 APRIEL_CONTROL = ["<|system|>", "<|user|>", "<|assistant|>", "<|tool_result|>", "<|content|>", "<|end|>"]
 TIME = {"type": "function", "function": {
@@ -132,40 +142,16 @@ def checkpoints(tmp_path_factory):
                 tokenizer.add_special_tokens({"additional_special_tokens": [
                     "<|tool_list_start|>", "<|tool_list_end|>", "<|tool_call_start|>", "<|tool_call_end|>",
                     "<|tool_response_start|>", "<|tool_response_end|>"]})
-            if fmt.startswith("deepseek"):
-                tokenizer.add_special_tokens({"bos_token": "<｜begin▁of▁sentence｜>",
-                                              "eos_token": "<｜end▁of▁sentence｜>"})
-                tokenizer.add_tokens(DEEPSEEK_ADDED)
+            family = "deepseek" if fmt.startswith("deepseek") else fmt
+            if family in FAMILY_TOKENS:
+                special, added, eos = FAMILY_TOKENS[family]
+                tokenizer.add_special_tokens(special)
+                tokenizer.add_tokens(added)
                 model = AutoModelForCausalLM.from_pretrained(path)
-                model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
-                model.generation_config.bos_token_id = tokenizer.bos_token_id
-                model.generation_config.eos_token_id = tokenizer.eos_token_id
-                model.save_pretrained(path)
-            if fmt == "kimi":
-                tokenizer.add_special_tokens({"additional_special_tokens": KIMI_CONTROL})
-                model = AutoModelForCausalLM.from_pretrained(path)
-                model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
-                model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
-                model.save_pretrained(path)
-            if fmt == "command_r":
-                tokenizer.add_special_tokens({"bos_token": "<BOS_TOKEN>", "additional_special_tokens": COHERE_CONTROL})
-                model = AutoModelForCausalLM.from_pretrained(path)
-                model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
-                model.generation_config.bos_token_id = tokenizer.bos_token_id
-                model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<|END_OF_TURN_TOKEN|>")
-                model.save_pretrained(path)
-            if fmt == "granite":
-                tokenizer.add_special_tokens({"eos_token": "<|end_of_text|>",
-                                              "additional_special_tokens": GRANITE_CONTROL})
-                model = AutoModelForCausalLM.from_pretrained(path)
-                model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
-                model.generation_config.eos_token_id = tokenizer.eos_token_id
-                model.save_pretrained(path)
-            if fmt == "apertus":
-                tokenizer.add_special_tokens({"additional_special_tokens": APERTUS_CONTROL})
-                model = AutoModelForCausalLM.from_pretrained(path)
-                model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
-                model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<|assistant_end|>")
+                model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)  # rows the model can write
+                if "bos_token" in special:
+                    model.generation_config.bos_token_id = tokenizer.bos_token_id
+                model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids(eos or tokenizer.eos_token)
                 model.save_pretrained(path)
             if fmt == "glm_xml":  # GLM-4.6's
                 tokenizer.add_tokens(["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
