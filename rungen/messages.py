@@ -8,6 +8,7 @@ the request's own field names.
 import contextlib
 import hashlib
 import json
+import math
 import re
 
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -15,7 +16,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from . import openai_api
 from .conversation import PART_SEPARATOR
 from .openai_api import APIError, excerpt, has_value, number, refuse_extra
-from .reasoning import thinking_switch
+from .reasoning import template_reads, thinking_switch
 
 # Anthropic's error type for each status (any other 4xx: invalid_request_error, any other 5xx: api_error).
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 402: "billing_error",
@@ -282,9 +283,16 @@ def read_thinking(body, chat_template, max_tokens):
     if switch is None:
         from .reasoning import detect_delimiters
 
-        thinks = detect_delimiters(chat_template) is not None  # always: its template has no switch
+        thinks = detect_delimiters(chat_template) is not None  # always, where its template reads no other variable
         if thinks and kind != "disabled":  # only the cap to apply
             return {}, thinking.get("budget_tokens")
+        # Another variable turns it off: Seed-OSS's thinking_budget 0, Hunyuan 3's reasoning_effort "no_think"
+        other = "thinking_budget" if template_reads(chat_template, "thinking_budget") else "reasoning_effort" \
+            if template_reads(chat_template, "reasoning_effort") and "no_think" in str(chat_template) else None
+        if thinks and other and kind == "disabled":
+            raise APIError(f"thinking: this model's chat template turns thinking off by its {other} variable, which "
+                           "this API does not set; send the request to /v1/chat/completions with chat_template_kwargs "
+                           "setting it, or leave thinking out", "thinking")
         why = "always thinks (its chat template has no switch)" if thinks else \
             "has a chat template that reads no switch of thinking (enable_thinking, thinking)"
         raise APIError(f"thinking: this model {why}, so thinking cannot be turned "
@@ -381,9 +389,14 @@ def stop_reason(finish_reason, stop):
 
 
 def arguments_input(arguments):
-    """A call's arguments (a JSON string) as the tool_use block's input ({} for a call max_tokens cut)."""
+    """A call's arguments (a JSON string) as the tool_use block's input ({} for a call max_tokens cut). A number past
+    a double's range (a grammar lets a model write 1e999) is its text: no JSON answer could hold it as a number."""
+    def number(text):
+        value = float(text)
+        return value if math.isfinite(value) else text
+
     try:
-        value = json.loads(arguments)
+        value = json.loads(arguments, parse_float=number, parse_constant=str)
     except json.JSONDecodeError:
         return {}
     return value if isinstance(value, dict) else {}

@@ -119,6 +119,8 @@ def read_string(text: str, position: int):
                     return -1, ""
                 if len(digits) < HEX[code]:
                     break
+                if 0xD800 <= int(digits, 16) <= 0xDFFF:  # half a character: no JSON string could hold it alone
+                    return -1, ""
                 chars.append(chr(int(digits, 16)))
                 index += 2 + HEX[code]
                 continue

@@ -128,8 +128,10 @@ json_list ::= "[" (json_value ("," " "? json_value)*)? "]"
     '"," " "?', lambda value: json.dumps(value, ensure_ascii=False), False, escaped=('\\"', "\\\\"))
 # Python's literals (LFM2.5's calls, as its template writes them): strings between single quotes, True, False, None.
 PYTHON_NARROWED = "'\\\\\\0-\\x1f\\ud800-\\udfff"
-PYTHON_ESCAPE = ('"\\\\" ([\\\\\'\\"/bfnrt] | "x" [A-Fa-f0-9] [A-Fa-f0-9] | "u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] '
-                 '[A-Fa-f0-9])')
+# \\u escapes of no surrogate: Python's literals would not pair two into one character
+PYTHON_ESCAPE = ('"\\\\" ([\\\\\'\\"/bfnrt] | "x" [A-Fa-f0-9] [A-Fa-f0-9] | '
+                 '"u" ([0-9A-Ca-c] [A-Fa-f0-9] | [Dd] [0-7]) [A-Fa-f0-9] [A-Fa-f0-9] | '
+                 '"u" [E-Fe-f] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9])')
 PYTHON = Syntax(
     "python", excluding("python_text", ("<|",), PYTHON_NARROWED, PYTHON_ESCAPE) +
     f"""python_string ::= "'" python_text "'"

@@ -215,3 +215,20 @@ def test_thinking_on_a_model_that_always_thinks_takes_the_budget_and_refuses_dis
     assert read_thinking({"thinking": {"type": "enabled", "budget_tokens": 1024}}, deepseek, 2000) == \
         ({"thinking": True}, 1024)
     assert read_thinking({"thinking": {"type": "disabled"}}, deepseek, 2000) == ({"thinking": False}, None)
+    # Seed-OSS turns thinking off by its thinking_budget: the refusal says so (not that it has no switch).
+    with open(os.path.join(folder, "seed-oss.jinja"), encoding="utf-8") as f:
+        seed = f.read()
+    with pytest.raises(APIError, match="turns thinking off by its thinking_budget variable"):
+        read_thinking({"thinking": {"type": "disabled"}}, seed, 2000)
+
+
+def test_a_number_past_a_doubles_range_in_a_call_is_its_text():
+    """A tool's number the grammar let the model write past a double's range (56e6720) cannot be a JSON number in
+    the tool_use block's input: it is its text, the rest as written (never a 500)."""
+    import json
+
+    from rungen.messages import arguments_input
+
+    value = arguments_input('{"x": 56e6720, "y": 5E+99, "z": -1e400, "w": [1.5]}')
+    assert value == {"x": "56e6720", "y": 5e99, "z": "-1e400", "w": [1.5]}
+    json.dumps(value, allow_nan=False)

@@ -714,8 +714,13 @@ def test_lfm25_calls_are_python_literals_read_into_json_as_they_grow():
         for cut in range(len(text)):
             assert read_value(text[:cut], 0)[0] is None and written.startswith(read_value(text[:cut], 0)[1])
     assert read_value('{"a": true, "b": null}', 0) == (22, '{"a": true, "b": null}')  # JSON's literals too
-    for bad in ("Trux)", "[1,]", "{'a' 1}", "'a\\q'"):
+    for bad in ("Trux)", "[1,]", "{'a' 1}", "'a\\q'", "'\\ud83d'"):  # a lone surrogate: no JSON string holds it
         assert read_value(bad, 0)[0] == -1, bad
+    from rungen.tool_schema import arguments_grammar
+
+    strings = arguments_grammar({"type": "object", "properties": {"s": {"type": "string"}}}, "python_literal")
+    assert grammar_accepts(strings, "s='\\u00e9\\ud7ff\\ue000'")
+    assert not grammar_accepts(strings, "s='\\ud83d'") and not grammar_accepts(strings, "s='\\uDFFF'")
     # The 8B model's template writes the call itself: read back, it is the call.
     arguments = {"city": "Paris", "days": 3, "ok": True, "tags": ["a", "b"], "when": {"from": "today"}}
     turn = {"role": "assistant", "content": "", "tool_calls": [
