@@ -261,7 +261,8 @@ def read_tool_choice(body, tools):
 
 def read_thinking(body, chat_template, max_tokens):
     """(the chat template's variables for `thinking`, its budget_tokens or None): its switch of thinking
-    (enable_thinking, or DeepSeek V3.1's thinking), where the template reads one ({} when thinking is absent)."""
+    (enable_thinking, or DeepSeek V3.1's thinking), where the template reads one, or the variable that does the same
+    (Seed-OSS's thinking_budget, Hunyuan 3's reasoning_effort) ({} when thinking is absent)."""
     if not has_value(body, "thinking"):
         return {}, None
     thinking = body["thinking"]
@@ -284,15 +285,15 @@ def read_thinking(body, chat_template, max_tokens):
         from .reasoning import detect_delimiters
 
         thinks = detect_delimiters(chat_template) is not None  # always, where its template reads no other variable
+        budget = thinking.get("budget_tokens")
+        if thinks and template_reads(chat_template, "thinking_budget"):  # Seed-OSS's: 0 off, N its budget, -1 any
+            return ({"thinking_budget": 0} if kind == "disabled" else {"thinking_budget": budget} if budget else {},
+                    budget)
+        if thinks and template_reads(chat_template, "reasoning_effort") and "no_think" in str(chat_template):
+            # Hunyuan 3's: off ("no_think") unless its effort is set
+            return ({} if kind == "disabled" else {"reasoning_effort": "high"}), budget
         if thinks and kind != "disabled":  # only the cap to apply
-            return {}, thinking.get("budget_tokens")
-        # Another variable turns it off: Seed-OSS's thinking_budget 0, Hunyuan 3's reasoning_effort "no_think"
-        other = "thinking_budget" if template_reads(chat_template, "thinking_budget") else "reasoning_effort" \
-            if template_reads(chat_template, "reasoning_effort") and "no_think" in str(chat_template) else None
-        if thinks and other and kind == "disabled":
-            raise APIError(f"thinking: this model's chat template turns thinking off by its {other} variable, which "
-                           "this API does not set; send the request to /v1/chat/completions with chat_template_kwargs "
-                           "setting it, or leave thinking out", "thinking")
+            return {}, budget
         why = "always thinks (its chat template has no switch)" if thinks else \
             "has a chat template that reads no switch of thinking (enable_thinking, thinking)"
         raise APIError(f"thinking: this model {why}, so thinking cannot be turned "
@@ -332,6 +333,8 @@ def to_chat(body, chat_template, count=False):
         chat["tool_choice"] = tool_choice
     if parallel is not None:
         chat["parallel_tool_calls"] = parallel
+    if "reasoning_effort" in variables:  # a field of its own in a chat request
+        chat["reasoning_effort"] = variables.pop("reasoning_effort")
     if variables:
         chat["chat_template_kwargs"] = variables
     if count:

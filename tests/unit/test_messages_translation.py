@@ -215,11 +215,26 @@ def test_thinking_on_a_model_that_always_thinks_takes_the_budget_and_refuses_dis
     assert read_thinking({"thinking": {"type": "enabled", "budget_tokens": 1024}}, deepseek, 2000) == \
         ({"thinking": True}, 1024)
     assert read_thinking({"thinking": {"type": "disabled"}}, deepseek, 2000) == ({"thinking": False}, None)
-    # Seed-OSS turns thinking off by its thinking_budget: the refusal says so (not that it has no switch).
+    # Seed-OSS turns thinking off and caps it by its thinking_budget (0: none); Hunyuan 3's reasoning_effort is
+    # no_think unless set.
     with open(os.path.join(folder, "seed-oss.jinja"), encoding="utf-8") as f:
         seed = f.read()
-    with pytest.raises(APIError, match="turns thinking off by its thinking_budget variable"):
-        read_thinking({"thinking": {"type": "disabled"}}, seed, 2000)
+    assert read_thinking({"thinking": {"type": "disabled"}}, seed, 2000) == ({"thinking_budget": 0}, None)
+    assert read_thinking({"thinking": {"type": "enabled", "budget_tokens": 1024}}, seed, 2000) == \
+        ({"thinking_budget": 1024}, 1024)
+    assert read_thinking({"thinking": {"type": "adaptive"}}, seed, 2000) == ({}, None)
+    with open(os.path.join(folder, "hy3.jinja"), encoding="utf-8") as f:
+        hunyuan = f.read()
+    assert read_thinking({"thinking": {"type": "disabled"}}, hunyuan, 2000) == ({}, None)
+    assert read_thinking({"thinking": {"type": "adaptive"}}, hunyuan, 2000) == ({"reasoning_effort": "high"}, None)
+    from rungen.messages import to_chat
+    from rungen.reasoning import read_template_variables
+
+    for template, body, expected in ((hunyuan, {"type": "adaptive"}, {"reasoning_effort": "high"}),
+                                     (seed, {"type": "disabled"}, {"thinking_budget": 0})):
+        chat, _ = to_chat({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2000, "thinking": body},
+                          template)
+        assert read_template_variables(chat, template) == expected  # a chat request's own fields, taken
 
 
 def test_a_number_past_a_doubles_range_in_a_call_is_its_text():
