@@ -73,13 +73,19 @@ class Format:
     id_first: bool = False  # the id comes before the name: begin, id, call_id[1], name, middle (Command R's)
     name_key: str = "name"  # a JSON call's key of the function's name ("": the name is the call's one key, Apertus's)
     # How the arguments are written: JSON, an XML of rungen/tool_xml.py's (xgrammar's "qwen_xml": <parameter=key>
-    # value..., "glm_xml", ...), "gemma" (rungen/tool_gemma.py) or "python" (LFM2's keywords).
+    # value..., "glm_xml", ...), "gemma" (rungen/tool_gemma.py), "python" or "python_literal" (LFM2's and LFM2.5's
+    # keywords, their values JSON or Python's literals).
     style: str = "json"
     alternate: tuple[str, str] | None = None  # another (begin, middle) the model may write a call with (gpt-oss's)
     # The family's own words for the tools where its template writes none (a key of INSTRUCTIONS); its template's
     # calls are then not used either (DeepSeek's join the arguments as text): a turn's calls are its text.
     instructions: str | None = None
     after_text: str = "\n"  # between a turn's text and its calls, where they are its text (DeepSeek's: nothing)
+
+    @property
+    def keywords(self) -> bool:
+        """The calls are Python's, their arguments keywords (LFM2's values JSON, LFM2.5's Python literals)."""
+        return self.style in ("python", "python_literal")
 
     @property
     def listed(self) -> bool:

@@ -132,7 +132,7 @@ def parse_region(fmt, text, start, marker, found, schemas=None):
         if call is not None:
             found.append(Call(*call))
         return end
-    if fmt.style in ("python", "python_literal"):
+    if fmt.keywords:
         return parse_python_calls(fmt, text, start + len(marker), found)
     if fmt.style != "json":
         return parse_xml_region(fmt, text, start + len(marker), found, schemas)

@@ -210,8 +210,7 @@ def template_messages(messages, fmt: Format, request: ToolRequest | None, calls_
                 else:
                     out.append({"role": "user", "content": result, "tool_results": True})
         elif message.get("tool_calls"):
-            if fmt.native and not (calls_as_text and fmt.style in ("json", "python", "python_literal") and
-                                   not fmt.call_id):
+            if fmt.native and not (calls_as_text and (fmt.style == "json" or fmt.keywords) and not fmt.call_id):
                 out.append({"role": "assistant", "content": message.get("content") or "",
                             "tool_calls": [{"id": ids[call["id"]], "type": "function",
                                             "function": {"name": call["name"], "arguments": call["arguments"]}}
@@ -249,7 +248,7 @@ def calls_text(fmt: Format, calls) -> str:
     """An assistant turn's calls as the model writes them, in a format whose arguments are JSON (or Python keywords
     of JSON values)."""
     def arguments(values):
-        if fmt.style not in ("python", "python_literal"):
+        if not fmt.keywords:
             return json.dumps(values, ensure_ascii=False)
         named = next((key for key in values if not python_name(key)), None)
         if named is not None:
@@ -352,7 +351,7 @@ def tool_grammar(fmt: Format, request: ToolRequest, reply_schema: str | None = N
             message = re.sub(r"^\[[0-9:]+\] \S+: ", "", str(error).splitlines()[0] if str(error) else "")
             raise ToolError(f"tools: the parameters of {function['name']!r} cannot be compiled: {message}",
                             "tools") from error
-        if fmt.style in ("gemma", "python", "python_literal"):
+        if fmt.style == "gemma" or fmt.keywords:
             try:
                 arguments = GrammarFormat(grammar=arguments_grammar(function["parameters"], fmt.style))
             except ValueError as error:
