@@ -8,13 +8,13 @@ from __future__ import annotations
 import json
 import re
 
+from .tool_xml import NUMBER_START, skip_space
+
 WORDS = {"True": "true", "False": "false", "None": "null", "true": "true", "false": "false", "null": "null"}
 ESCAPES = {"\\": "\\", "'": "'", '"': '"', "n": "\n", "r": "\r", "t": "\t", "b": "\b", "f": "\f", "/": "/"}
 HEX = {"x": 2, "u": 4}  # \xhh, \uhhhh
 WRITTEN = {"\\": "\\\\", "'": "\\'", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
 NUMBER = re.compile(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?")
-NUMBER_START = re.compile(r"-?([0-9]+(\.[0-9]*)?([eE][-+]?[0-9]*)?)?")  # what a number on its way ends with
-SPACE = " \t\n\r"
 
 
 def python_text(value) -> str:
@@ -35,11 +35,10 @@ def python_text(value) -> str:
 def read_value(text: str, position: int):
     """(end, JSON) of the literal at `position`: end the position after it, None while the text ends inside it (the
     JSON then the start of the value's), -1 where it is no literal."""
-    out, stack = [], []  # stack: [kind, what comes next] of each open list ("[") or dict ("{")
+    out, stack = [], []  # stack: the opening ("[" or "{") of each open list or dict
     expect = "value"
     while True:
-        while position < len(text) and text[position] in SPACE:
-            position += 1
+        position = skip_space(text, position)
         if position == len(text):
             return None, "".join(out)
         char = text[position]
