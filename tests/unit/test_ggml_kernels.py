@@ -320,6 +320,27 @@ def test_parts_of_different_types_side_by_side_give_each_parts_own_bits(each_isa
         ops.mm_parts(inputs(1, 512, 0), blocks, codes[:2], 512)
 
 
+def test_groups_of_rows_each_times_its_own_weight_give_each_group_mms_bits(each_isa):
+    """A mixture's experts in one call (mm_grouped): x's rows in groups, each group times its own expert's weight;
+    a group's rows hold the bits of mm over that group alone, on every instruction set, interleaved (Q4_K, Q6_K,
+    Q8_0) and row-major (Q2_K), for groups of no rows, of one, and of more than four (the activations' groups)."""
+    ops = torch.ops.rungen_ggml
+    counts = [1, 0, 6, 3, 0, 9]
+    for qtype, isa in itertools.product((T.Q4_K, T.Q6_K, T.Q8_0, T.Q2_K), isas()):
+        ops.set_isa(isa)
+        experts = [GGMLLinear(blocks_for(qtype, 16, 512, seed=e), qtype, 512) for e in range(len(counts))]
+        assert all(expert.interleave() for expert in experts) == (qtype != T.Q2_K)
+        blocks, codes = [e.blocks for e in experts], [e.code for e in experts]
+        x = inputs(sum(counts), 512, 3)
+        grouped = ops.mm_grouped(x, blocks, codes, counts, 512)
+        assert torch.equal(grouped, torch.cat([ops.mm(part, b, c, 512)
+                                               for part, b, c in zip(x.split(counts), blocks, codes)]))
+    with pytest.raises(RuntimeError, match="add up to 19, not x's 18"):
+        ops.mm_grouped(x[1:], blocks, codes, counts, 512)
+    with pytest.raises(RuntimeError, match="one shape"):
+        ops.mm_grouped(x[:2], [blocks[0], blocks[1][:1]], codes[:2], [1, 1], 512)
+
+
 def test_layer_takes_any_leading_shape_strided_rows_and_bias():
     blocks = blocks_for(T.Q4_1, 24, 256, seed=5)
     bias = torch.randn(12)

@@ -5,6 +5,8 @@
 //   torch.ops.rungen_ggml.mm(x, blocks, qtype, in_features)      auto: integer kernel, or for many tokens
 //                                                               de-quantized float tiles and torch's matmul
 //   torch.ops.rungen_ggml.mm_parts(x, [blocks], [qtype], in_features)  mm of several weights side by side
+//   torch.ops.rungen_ggml.mm_grouped(x, [blocks], [qtype], [rows], in_features)  each group of x's rows times
+//                                                               its own weight (a mixture's experts)
 //   torch.ops.rungen_ggml.mm_int(x, blocks, qtype, in_features)  integer kernel, any number of tokens
 //   torch.ops.rungen_ggml.dequantize(blocks, qtype, in_features) float32 weight
 //   torch.ops.rungen_ggml.rms_norm(x, weight, eps)               a decoder layer's small steps, one operator
@@ -37,6 +39,8 @@ using namespace rungen_ggml;
 TORCH_LIBRARY(rungen_ggml, m) {
   m.def("mm(Tensor x, Tensor blocks, int qtype, int in_features) -> Tensor", &mm);
   m.def("mm_parts(Tensor x, Tensor[] blocks, int[] qtypes, int in_features) -> Tensor", &mm_parts);
+  m.def("mm_grouped(Tensor x, Tensor[] blocks, int[] qtypes, int[] counts, int in_features) -> Tensor",
+        &mm_grouped);
   m.def("mm_int(Tensor x, Tensor blocks, int qtype, int in_features) -> Tensor", &mm_int);
   m.def("mm_tiled(Tensor x, Tensor blocks, int qtype, int in_features) -> Tensor", &mm_tiled);
   m.def("dequantize(Tensor blocks, int qtype, int in_features) -> Tensor", &dequantize);

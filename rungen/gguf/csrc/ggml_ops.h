@@ -21,6 +21,8 @@ std::string set_isa(const std::string& name);
 // ggml_products.cpp
 at::Tensor mm(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype, int64_t in_features);
 at::Tensor mm_parts(const at::Tensor& x_in, at::TensorList blocks, at::IntArrayRef qtypes, int64_t in_features);
+at::Tensor mm_grouped(const at::Tensor& x_in, at::TensorList blocks, at::IntArrayRef qtypes, at::IntArrayRef counts,
+                      int64_t in_features);
 at::Tensor mm_int(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype, int64_t in_features);
 at::Tensor mm_tiled(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype, int64_t in_features);
 at::Tensor dequantize(const at::Tensor& blocks, int64_t qtype, int64_t in_features);

@@ -41,8 +41,7 @@ struct QuantizedX {
   Act act;
 };
 
-const Act& quantize_activations(const float* xp, int64_t n, int64_t k) {
-  static thread_local QuantizedX r;
+void quantize_into(QuantizedX& r, const float* xp, int64_t n, int64_t k) {
   const int64_t nb = k / 32;
   // d, s, s16 (2), s4, sum (int32), sum16, high16 and off16 (int32, 2 each), then the codes, which start on a cache
   // line (64 bytes), and on the AVX2 path the biased codes u, from the next line after them.
@@ -70,7 +69,28 @@ const Act& quantize_activations(const float* xp, int64_t n, int64_t k) {
     for (int64_t b = 0; b < nb; ++b)
       for (int64_t i = 0; i < 4; ++i) s4[(g * nb + b) * 4 + i] = s[(4 * g + i) * nb + b];
   r.act = Act{n, q, d, s, s16, s4, off128, sum16, high16, off16, u};
+}
+
+const Act& quantize_activations(const float* xp, int64_t n, int64_t k) {
+  static thread_local QuantizedX r;
+  quantize_into(r, xp, n, k);
   return r.act;
+}
+
+// Enough rows a task that a thread's share is worth waking it for (about 64k multiply-adds).
+int64_t grain_of(int64_t in_features, int64_t n, int64_t per) {
+  return std::max<int64_t>(1, 65536 / (in_features * n * per));
+}
+
+// Every job's rows [starts[j], starts[j + 1]) of one loop over torch's threads.
+void run_jobs(const std::vector<Job>& jobs, const std::vector<RowsFn>& fns, const std::vector<int64_t>& starts,
+              int64_t grain) {
+  at::parallel_for(0, starts.back(), grain, [&](int64_t r0, int64_t r1) {
+    for (size_t j = 0; j < jobs.size(); ++j) {
+      const int64_t a = std::max(r0, starts[j]), b = std::min(r1, starts[j + 1]);
+      if (a < b) fns[j](jobs[j], a - starts[j], b - starts[j]);
+    }
+  });
 }
 
 // y [n, width] = x [n, K] times each part's rows (blocks[i] of type qtypes[i]) side by side, part i's outputs in
@@ -101,14 +121,7 @@ void products_into(const float* x, int64_t n, at::TensorList blocks, at::IntArra
   if (n == 0 || jobs.empty()) return;
   const Act& act = quantize_activations(x, n, in_features);
   for (Job& job : jobs) job.act = &act;
-  // Enough rows a task that a thread's share is worth waking it for (about 64k multiply-adds).
-  const int64_t grain = std::max<int64_t>(1, 65536 / (in_features * n * per));
-  at::parallel_for(0, starts.back(), grain, [&](int64_t r0, int64_t r1) {
-    for (size_t j = 0; j < jobs.size(); ++j) {
-      const int64_t a = std::max(r0, starts[j]), b = std::min(r1, starts[j + 1]);
-      if (a < b) fns[j](jobs[j], a - starts[j], b - starts[j]);
-    }
-  });
+  run_jobs(jobs, fns, starts, grain_of(in_features, n, per));
 }
 
 // y [n, out rows] = x [n, K] times the blocks' rows, by the integer kernels (y may be any buffer of that size).
@@ -321,6 +334,46 @@ at::Tensor mm_parts(const at::Tensor& x_in, at::TensorList blocks, at::IntArrayR
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   at::Tensor y = at::empty({x.size(0), parts_rows(blocks, qtypes)}, x.options());
   mm_parts_into(x, blocks, qtypes, in_features, y.data_ptr<float>());
+  return y;
+}
+
+// x [N, K] in groups of rows (counts[g] rows each, in order), group g times blocks[g]'s rows (qtypes[g]), the
+// weights of one shape: y [N, out rows]. A mixture's experts, each over the tokens routed to it, in one loop over
+// torch's threads where a product an expert woke them each time. Each group's activations are quantized on their
+// own, so its rows' bits are those of mm over that group alone (a group of no rows costs nothing).
+at::Tensor mm_grouped(const at::Tensor& x_in, at::TensorList blocks, at::IntArrayRef qtypes, at::IntArrayRef counts,
+                      int64_t in_features) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == in_features, "rungen_ggml: x must be [n, ", in_features, "]");
+  TORCH_CHECK(!blocks.empty() && blocks.size() == qtypes.size() && blocks.size() == counts.size(),
+              "rungen_ggml: one type and one count of rows for each group's blocks");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t out = out_rows(blocks[0], qtypes[0]);
+  int64_t total = 0;
+  for (size_t g = 0; g < blocks.size(); ++g) {
+    check_inputs(blocks[g], qtypes[g], in_features);
+    TORCH_CHECK(out_rows(blocks[g], qtypes[g]) == out, "rungen_ggml: mm_grouped's weights must have one shape");
+    TORCH_CHECK(counts[g] >= 0, "rungen_ggml: a group's count of rows is negative");
+    total += counts[g];
+  }
+  TORCH_CHECK(total == x.size(0), "rungen_ggml: the groups' counts add up to ", total, ", not x's ", x.size(0), " rows");
+  at::Tensor y = at::empty({total, out}, x.options());
+  std::vector<QuantizedX> acts(blocks.size());  // (never resized: the jobs point into it)
+  std::vector<Job> jobs;
+  std::vector<RowsFn> fns;
+  std::vector<int64_t> starts{0};
+  int64_t row = 0, most = 1, per = 1;
+  for (size_t g = 0; g < blocks.size(); ++g) {
+    if (counts[g] == 0 || out == 0) continue;
+    quantize_into(acts[g], x.data_ptr<float>() + row * in_features, counts[g], in_features);
+    jobs.push_back(Job{&acts[g].act, blocks[g].data_ptr<uint8_t>(), blocks[g].stride(0), qtypes[g], in_features, out,
+                       y.data_ptr<float>() + row * out});
+    fns.push_back(rows_fn(qtypes[g]));
+    starts.push_back(starts.back() + blocks[g].size(0));
+    if (qtypes[g] & X8) per = 8;
+    most = std::max(most, counts[g]);
+    row += counts[g];
+  }
+  if (!jobs.empty()) run_jobs(jobs, fns, starts, grain_of(in_features, most, per));
   return y;
 }
 
