@@ -134,6 +134,9 @@ def trace_decode_step(model, tokenizer) -> tuple:
     batch size and cache length."""
     if any(type(layer) is not DynamicLayer for layer in DynamicCache(config=model.config).layers):
         raise ValueError("its cache has non-full-attention layers (sliding window, linear attention...)")
+    if any(type(module).__name__.endswith("Experts") for module in model.modules()):  # transformers' and GGMLExperts
+        raise ValueError("its mixture of experts picks each token's experts by its values: a trace would fix one "
+                         "choice")
     forward = model.forward
     parameters = inspect.signature(forward).parameters
     if "past_key_values" not in parameters:  # XLNet's mems, say: the graph would never serve a step

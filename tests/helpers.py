@@ -286,11 +286,12 @@ def blocks_for(qtype, rows, in_features, seed=0, kind="random"):
     return torch.from_numpy(place_scales(raw, qtype, scales).reshape(rows, -1))
 
 
-def write_moe_gguf(path, experts=4, used=2, layers=2):
+def write_moe_gguf(path, experts=4, used=2, layers=2, expert_types=(None, None, None)):
     """A tiny Qwen3-MoE GGUF file at `path` as llama.cpp's converter writes Qwen3-30B-A3B's: qwen3 attention (q/k
     norms, head size 64 apart from hidden / heads), every layer's MLP `experts` experts (`used` a token) of 768
     (Qwen3-30B-A3B's, and Qwen3MoeConfig's default: transformers does not read the file's expert_feed_forward_length)
-    in 3-D ffn_{gate,up,down}_exps tensors and the router's ffn_gate_inp; Q8_0 matrices, F32 norms and router, the
+    in 3-D ffn_{gate,up,down}_exps tensors and the router's ffn_gate_inp; Q8_0 matrices (the experts' gate, up and
+    down in `expert_types` where given: llama.cpp's mixes give ffn_down_exps more bits), F32 norms and router, the
     head tied, a synthetic byte-level vocabulary."""
     import numpy as np
     from gguf import GGMLQuantizationType as Q
@@ -320,6 +321,11 @@ def write_moe_gguf(path, experts=4, used=2, layers=2):
     vocab = next(len(value) for key, value, *_ in fields if key == "tokenizer.ggml.tokens")
 
     def add(name, shape, qtype=Q.Q8_0, spread=0.15):
+        qtype = qtype or Q.Q8_0
+        if qtype not in SIMPLE and qtype != Q.F32:  # random blocks, scales set (blocks_for)
+            blocks = blocks_for(qtype, int(np.prod(shape[:-1])), shape[-1], seed=len(name) + shape[0])
+            writer.add_tensor(name, blocks.numpy().reshape(*shape[:-1], -1), raw_dtype=qtype)
+            return
         values = rng.normal(0, spread, shape).astype(np.float32) if qtype != Q.F32 else rng.uniform(0.8, 1.2, shape)
         if qtype == Q.F32:
             writer.add_tensor(name, values.astype(np.float32))
@@ -337,9 +343,10 @@ def write_moe_gguf(path, experts=4, used=2, layers=2):
         add(f"blk.{n}.attn_output.weight", (hidden, heads * head_dim))
         add(f"blk.{n}.ffn_norm.weight", (hidden,), Q.F32)
         writer.add_tensor(f"blk.{n}.ffn_gate_inp.weight", rng.normal(0, 0.5, (experts, hidden)).astype(np.float32))
-        add(f"blk.{n}.ffn_gate_exps.weight", (experts, expert_ffn, hidden))
-        add(f"blk.{n}.ffn_up_exps.weight", (experts, expert_ffn, hidden))
-        add(f"blk.{n}.ffn_down_exps.weight", (experts, hidden, expert_ffn), spread=0.05)
+        gate, up, down = expert_types
+        add(f"blk.{n}.ffn_gate_exps.weight", (experts, expert_ffn, hidden), gate)
+        add(f"blk.{n}.ffn_up_exps.weight", (experts, expert_ffn, hidden), up)
+        add(f"blk.{n}.ffn_down_exps.weight", (experts, hidden, expert_ffn), down, spread=0.05)
     add("output_norm.weight", (hidden,), Q.F32)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -23,6 +23,7 @@ import run_generation
 from helpers import blocks_and_reference, error_of
 from rungen.gguf import weights
 from rungen.gguf.blocks import (
+    BLOCKS_MATMUL,
     INTERLEAVED_TYPES,
     SUPPORTED,
     CastLinear,
@@ -575,14 +576,16 @@ def quantized_as_it_loads(header, mode, monkeypatch):
 
 
 def test_an_moe_file_computes_transformers_model_over_its_experts(tmp_path, monkeypatch):
-    # Qwen3-MoE (Qwen3-30B-A3B's layout): the experts' 3-D tensors, mapped without ".weight" as their parameters
-    # have none, reach the model (gate and up merged by transformers' processor); its logits are transformers' own
-    # loader's (--dequantize), on the CPU's blocks (their products taken on the exactly de-quantized weights) and in
-    # the form a GPU gets (build_model given a device).
+    # Qwen3-MoE (Qwen3-30B-A3B's layout): the experts' 3-D tensors stay in their blocks on the CPU (in float32
+    # Qwen3-30B-A3B's are 115 GB), one product per expert; its logits are transformers' own loader's
+    # (--dequantize), on the CPU's blocks (their products taken on the exactly de-quantized weights) and in the form
+    # a GPU gets (build_model given a device: the experts de-quantized, gate and up merged by transformers'
+    # processor).
     from helpers import write_moe_gguf
 
     [(header, model, reference)] = blocks_and_reference({"moe": write_moe_gguf(tmp_path / "qwen3moe.gguf")}).values()
     assert model.config.model_type == "qwen3_moe" and model.config.num_local_experts == 4
+    assert_experts_in_blocks(model, header)
     ids = torch.tensor([header.tokenizer(PROMPTS[0]).input_ids])
     with torch.no_grad():
         theirs = reference(ids).logits
@@ -591,6 +594,63 @@ def test_an_moe_file_computes_transformers_model_over_its_experts(tmp_path, monk
     assert theirs.abs().max() > 1  # logits of a real computation
     torch.testing.assert_close(device_form, theirs, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(blocks, theirs, rtol=1e-4, atol=1e-4)
+
+
+def assert_experts_in_blocks(model, header):
+    """Every layer's experts are a GGMLExperts over exactly the file's expert bytes (no float copy of them), in a
+    fused layer."""
+    from rungen.gguf.experts import GGMLExperts
+
+    layers = model.model.layers  # the attention fused, the router and experts transformers' module over the blocks
+    assert all(isinstance(layer, FusedDecoderLayer) and isinstance(layer.mlp.experts, GGMLExperts) for layer in layers)
+    assert not [name for name, p in model.named_parameters() if p.dim() == 3]
+    storages = [m.blocks.untyped_storage() for layer in layers for m in layer.mlp.experts.modules()
+                if isinstance(m, GGMLLinear)]
+    held = {storage.data_ptr(): storage.nbytes() for storage in storages}  # each layer's buffers, once
+    in_file = sum(nbytes for name, _, _, _, _, nbytes in header.tensors if "_exps." in name)
+    assert in_file * 0.99 < sum(held.values()) < in_file * 1.05  # interleaved k-quant scales unpack a little
+
+
+@pytest.mark.parametrize("expert_types", [(Q.Q4_0, Q.Q4_0, Q.Q6_K), (Q.Q8_0, Q.Q4_1, Q.Q2_K)],
+                         ids=["q4_0-q6_k", "mixed-q2_k"])
+def test_an_moe_files_experts_of_llama_cpp_mixes_compute_in_their_blocks(tmp_path, monkeypatch, expert_types):
+    # llama.cpp's mixes give ffn_down_exps more bits (Q6_K in Q4_K_M); gate and up of two types are one product of
+    # two parts; Q2_K's rows stay views of the map. A padded batch of two prompts routes each token alone.
+    from helpers import write_moe_gguf
+
+    path = write_moe_gguf(tmp_path / "qwen3moe.gguf", experts=8, used=3, expert_types=expert_types)
+    [(header, model, reference)] = blocks_and_reference({"moe": path}).values()
+    assert_experts_in_blocks(model, header)
+    experts = model.model.layers[0].mlp.experts
+    assert {experts.down[0].qtype} == {expert_types[2]}
+    assert isinstance(experts.gate_up[0], GGMLParts) == (expert_types[0] != expert_types[1])
+    rows = [header.tokenizer(prompt).input_ids for prompt in PROMPTS[:2]]  # (its vocabulary has no pad token)
+    width = max(map(len, rows))
+    batch = dict(input_ids=torch.tensor([[0] * (width - len(r)) + r for r in rows]),
+                 attention_mask=torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows]))
+    with torch.no_grad():
+        theirs = reference(**batch).logits
+        blocks = exact_weights(model, lambda: model(**batch).logits, monkeypatch)
+        grouped = model(**batch).logits  # each layer's experts in one native call a product (mm_grouped)
+        with monkeypatch.context() as patch:  # the same kernels an expert at a time
+            patch.setattr(GGMLLinear, "_matmul", lambda self, x: BLOCKS_MATMUL(self, x))
+            one_by_one = model(**batch).logits
+    assert theirs.abs().max() > 1 and batch["attention_mask"].min() == 0
+    torch.testing.assert_close(blocks, theirs, rtol=1e-4, atol=1e-4)
+    assert torch.equal(grouped, one_by_one)
+
+
+def test_jit_leaves_a_mixture_of_experts_untraced_with_one_warning(tmp_path, caplog):
+    # A trace would record one step's routing (which experts, how many tokens each) for every later step.
+    from helpers import write_moe_gguf
+
+    path = write_moe_gguf(tmp_path / "qwen3moe.gguf")
+    args = ["--model_name_or_path", path, "--prompt", "Hello", "--temperature", "0", "--length", "6"]
+    eager = run_generation.main(args)
+    with caplog.at_level(logging.WARNING, logger="run_generation"):
+        assert run_generation.main(args + ["--jit"]) == eager
+    assert ("--jit: cannot trace qwen3_moe (ValueError: its mixture of experts picks each token's experts"
+            in caplog.text)
 
 
 @pytest.mark.fresh_load  # the file must really load, not a loaded model be reused

@@ -9,6 +9,7 @@ Modules, from the ground up:
 - device.py: the forms a CUDA GPU keeps the blocks in (int4 for torch's kernel, int8 codes, an embedding's blocks).
 - families.py: the model families, one row each: what a family differs in from llama's decoder.
 - weights.py: WeightReader, the file's tensors as the builders take them (views of the map, interleaved rows).
+- experts.py: a mixture's experts in their blocks (GGMLExperts), each layer's in two native calls.
 - decoder.py: the decoder layers fused over the blocks (FusedDecoderLayer), the one-call stack (NativeStack).
 - file.py: the header and its cache (config, tokenizer, tensor table), and transformers' model of the file.
 - model.py: the own model (GGUFCausalLM) of the families' files, without transformers.
@@ -24,8 +25,8 @@ A decoder layer runs by one of four routes, the same function in the same order 
    layer where DecoderStack steps aside (no cache or another kind, hidden states or attention maps asked for, --jit's
    tracing, layers cut to different lengths) for the layers it covers: full attention, SiLU, no output norms.
 4. FusedDecoderLayer.forward: a fused product and a native step at a time. Taken there for the other layers
-   (windows, soft caps, GELU, gemma's norms), under products_one_by_one, and on torch's operators without the
-   kernels (RUN_GENERATION_KERNELS=torch).
+   (windows, soft caps, GELU, gemma's norms, a mixture of experts' MLP: transformers' module over GGMLExperts),
+   under products_one_by_one, and on torch's operators without the kernels (RUN_GENERATION_KERNELS=torch).
 """
 
 from __future__ import annotations

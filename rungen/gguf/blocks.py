@@ -253,13 +253,13 @@ class GGMLParts(torch.nn.Module):
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         # A replaced GGMLLinear._matmul (products_one_by_one) applies to each part.
-        if native_kernels() and GGMLLinear._matmul is _BLOCKS_MATMUL:
+        if native_kernels() and GGMLLinear._matmul is BLOCKS_MATMUL:
             return torch.ops.rungen_ggml.mm_parts(x.float().contiguous(), [p.blocks for p in self.parts],
                                                   [p.code for p in self.parts], self.in_features)
         return torch.cat([p._matmul(x) for p in self.parts], dim=-1)
 
 
-_BLOCKS_MATMUL = GGMLLinear._matmul
+BLOCKS_MATMUL = GGMLLinear._matmul  # the blocks' own product (tests replace it by the exact one)
 
 
 def join(layers: list[GGMLLinear]) -> GGMLLinear | GGMLParts | None:

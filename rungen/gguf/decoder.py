@@ -36,13 +36,15 @@ class FusedDecoderLayer(torch.nn.Module):
     """A LlamaDecoderLayer (or a layer of another family of the table) with fused q/k/v and gate/up products over
     GGUF blocks."""
 
-    def __init__(self, layer: torch.nn.Module, qkv: GGMLLinear | GGMLParts, gate_up: GGMLLinear | GGMLParts):
+    def __init__(self, layer: torch.nn.Module, qkv: GGMLLinear | GGMLParts, gate_up: GGMLLinear | GGMLParts | None):
         super().__init__()
         family = BY_LAYER_CLASS[type(layer).__name__]
         attention, config = layer.self_attn, layer.self_attn.config
         self.qkv, self.o_proj = qkv, attention.o_proj
-        self.gate_up, self.down_proj = gate_up, layer.mlp.down_proj
-        self.qkv_parts, self.gate_up_parts = native_parts(qkv), native_parts(gate_up)
+        # A mixture's MLP (gate_up None) stays transformers' module: its router and experts run as they are.
+        self.mlp = layer.mlp if gate_up is None else None
+        self.gate_up, self.down_proj = gate_up, None if gate_up is None else layer.mlp.down_proj
+        self.qkv_parts, self.gate_up_parts = native_parts(qkv), native_parts(gate_up) if gate_up else ([], [])
         self.activation = getattr(config, family.activation)
         self.input_layernorm, self.mlp_norm = layer.input_layernorm, getattr(layer, family.mlp_norm)
         self.attention_out_norm, self.mlp_out_norm = (None if name is None else getattr(layer, name)
@@ -62,7 +64,8 @@ class FusedDecoderLayer(torch.nn.Module):
         # The family's own eager attention (gemma2's soft-caps the logits).
         self.eager = getattr(sys.modules[type(attention).__module__], "eager_attention_forward", None)
         # in_blocks: can be one of a NativeStack's layers; two_calls: also llama-plain, so two native calls.
-        self.in_blocks = all(isinstance(p, GGMLLinear) and p.bias is None for p in (self.o_proj, self.down_proj))
+        self.in_blocks = self.mlp is None and all(isinstance(p, GGMLLinear) and p.bias is None
+                                                  for p in (self.o_proj, self.down_proj))
         self.two_calls = self.in_blocks and self.sliding_window is None and self.softcap is None and (
             self.activation == "silu" and self.attention_out_norm is None and self.mlp_out_norm is None)
 
@@ -74,13 +77,14 @@ class FusedDecoderLayer(torch.nn.Module):
         if family is None or getattr(layer.self_attn.config, family.activation, None) not in ACTIVATIONS:
             return None
         attention, mlp = layer.self_attn, layer.mlp
-        parts = [getattr(attention, name) for name in family.qkv], [getattr(mlp, name) for name in family.gate_up]
+        parts = ([getattr(attention, name) for name in family.qkv],
+                 [] if family.mixture else [getattr(mlp, name) for name in family.gate_up])
         if not all(isinstance(p, GGMLLinear) for group in parts for p in group):
             return None
         if any(p.bias is not None for p in parts[1]) or getattr(attention.o_proj, "bias", None) is not None:
             return None
-        qkv, gate_up = (group[0] if len(group) == 1 else join(group) for group in parts)
-        if qkv is None or gate_up is None:
+        qkv, gate_up = (group[0] if len(group) == 1 else join(group) if group else None for group in parts)
+        if qkv is None or (gate_up is None and not family.mixture):
             return None
         return cls(layer, qkv, gate_up)
 
@@ -121,8 +125,11 @@ class FusedDecoderLayer(torch.nn.Module):
             out = self._norm(out, "attention_out_norm", native)
         hidden_states = hidden_states + out
         x = self._norm(hidden_states, "mlp_norm", native)
-        gated = ACTIVATIONS[self.activation](product(self.gate_up, x, native), native)
-        out = product(self.down_proj, gated, native)
+        if self.mlp is not None:
+            out = self.mlp(x)
+        else:
+            out = product(self.down_proj, ACTIVATIONS[self.activation](product(self.gate_up, x, native), native),
+                          native)
         if self.mlp_out_norm is not None:
             out = self._norm(out, "mlp_out_norm", native)
         return hidden_states + out

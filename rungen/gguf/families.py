@@ -40,6 +40,9 @@ class Family:
     score_scalar: str | None = None
     # transformers attends eagerly, under the additive form of a padded batch's mask.
     additive_mask: bool = False
+    # The MLP is a mixture of experts: transformers' module runs it (its experts in their blocks, experts.py), the
+    # fused layer only the attention; no own model code.
+    mixture: bool = False
 
     # What transformers' GGUF reading leaves out of the config, read from the metadata: head_dim from key_length.
     head_dim_from_key_length: bool = False
@@ -72,6 +75,8 @@ FAMILIES = {family.model_type: family for family in (
     Family("llama", "llama", "LlamaDecoderLayer", permuted_qk=True),
     Family("qwen2", "qwen2", "Qwen2DecoderLayer", head_dim_from_key_length=True),
     Family("qwen3", "qwen3", "Qwen3DecoderLayer", head_norms=("q_norm", "k_norm"), head_dim_from_key_length=True),
+    Family("qwen3_moe", "qwen3moe", "Qwen3MoeDecoderLayer", head_norms=("q_norm", "k_norm"),
+           head_dim_from_key_length=True, mixture=True),
     Family("phi3", "phi3", "Phi3DecoderLayer", qkv=("qkv_proj",), gate_up=("gate_up_proj",),
            window_on_every_layer=True, head_dim_from_key_length=True, partial_and_long_rope=True),
     Family("gemma2", "gemma2", "Gemma2DecoderLayer", additive_mask=True, big_model_layers=46,

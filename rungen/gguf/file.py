@@ -593,6 +593,8 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
     from transformers.pytorch_utils import Conv1D
 
+    from .experts import build_experts, holds_experts, part_of
+
     config = header.config
     # Parameters on meta; buffers real: rotary inv_freq and the like are computed in __init__, not in the file.
     with init_empty_weights(include_buffers=False), no_init_weights():
@@ -625,6 +627,7 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
     collected = {"tensors": _Placed(device, dtype) if on_device else {}}
     biases = {}  # module name -> bias, given to the layer that ends up there
     layers = {}  # module name -> the layer that replaces the model's own
+    expert_parts = {}  # a mixture's Experts module name -> its gate/up/down tensors, held in their blocks
     for entry in reader.tensors:
         name, code, shape = entry.name, entry.code, entry.shape
         # (MoE experts' 3-D tensors are mapped without their ".weight": the model's parameter has none)
@@ -633,6 +636,10 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
             continue  # as transformers: tensors the model does not hold (e.g. llama3's rope_freqs)
         module_name, _, attr = hf_name.rpartition(".")
         module = model.get_submodule(module_name)
+        part = part_of(name)
+        if part is not None and not on_device and code in SUPPORTED and holds_experts(module):
+            expert_parts.setdefault(module_name, {})[part] = entry  # built once the layer's three are known
+            continue
         if code in FLOAT_TYPES:
             raw = reader.values(entry)
             result = _process(processor, header, name, raw, names, collected)
@@ -697,6 +704,11 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
             put(hf_name, torch.from_numpy(np.ascontiguousarray(result.weights)).to(device, dtype))
     for hf_name, value in collected["tensors"].items():
         put(hf_name, value.to(device, dtype))
+    for module_name, parts in expert_parts.items():
+        if len(parts) < 3:
+            raise GGUFError(f"{header.path}: {module_name}'s experts are partly in float tensors, partly in blocks, "
+                            "which this loader does not hold together; --dequantize runs the file")
+        layers[module_name] = build_experts(reader, parts, model.get_submodule(module_name))
     if on_device:
         for module_name, layer in layers.items():  # weights kept in codes or blocks
             if not isinstance(model.get_submodule(module_name), torch.nn.Embedding):  # a linear layer's bias

@@ -78,7 +78,7 @@ def read_config(cache_dir: str) -> Config:
 def refusal(config: Config, header, weights_map: dict | None) -> str | None:
     """Why this model code cannot run the file (it then loads through transformers' classes), or None."""
     family = FAMILIES.get(config.model_type)
-    if family is None:
+    if family is None or family.mixture:
         return f"its family {config.model_type} has no own model code"
     if weights_map is None:
         return "its weights map is not cached yet"

@@ -1,0 +1,131 @@
+"""A mixture of experts' weights in the file's blocks: llama.cpp's 3-D ffn_{gate,up,down}_exps tensors as one
+GGMLLinear per expert and product, where transformers' Experts module would hold them de-quantized (Qwen3-30B-A3B's
+18 GB Q4_K_M file holds 115 GB of float32 experts).
+
+An expert's gate and up rows are one product (one buffer a layer, expert by expert: gate rows, then up rows), as
+transformers' concatenated gate_up_proj is; its down rows another. The forward is transformers' Experts forward
+(`integrations/moe.py`): each token's hidden state through the experts the router chose, weighted, summed.
+"""
+
+from __future__ import annotations
+
+import torch
+from gguf import GGMLQuantizationType
+
+from .blocks import BLOCKS_MATMUL, GGMLLinear, GGMLParts, interleavable, interleaved_row_bytes, weights_per_row
+from .kernels import native_kernels
+from .weights import GGUFError, Tensor, WeightReader, read_interleaved
+
+# The file's tensor for each part of transformers' Experts module.
+PARTS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
+
+
+def holds_experts(module: torch.nn.Module) -> bool:
+    """Whether `module` is a transformers Experts module of the layout GGMLExperts computes: [gate; up] concatenated,
+    not transposed, the default gating (act(gate) * up), no biases, no norm after an expert."""
+    from transformers.integrations.moe import _default_apply_gate
+
+    return (getattr(module, "is_concatenated", False) and getattr(module, "has_gate", False)
+            and not getattr(module, "is_transposed", True) and not getattr(module, "has_bias", True)
+            and not getattr(module, "has_post_expert_norm", True) and hasattr(module, "act_fn")
+            and getattr(type(module), "_apply_gate", None) is _default_apply_gate)
+
+
+def part_of(name: str) -> str | None:
+    """"gate", "up" or "down" for a layer's expert tensor's GGUF name (blk.N.ffn_gate_exps.weight), else None."""
+    return PARTS.get(name.rsplit(".", 2)[-2]) if name.count(".") >= 2 else None
+
+
+class GGMLExperts(torch.nn.Module):
+    """A layer's experts over their blocks: forward(hidden [tokens, hidden], top_k_index [tokens, k], top_k_weights
+    [tokens, k]) as transformers' Experts modules compute it."""
+
+    def __init__(self, gate_up: list[torch.nn.Module], down: list[GGMLLinear], act_fn):
+        super().__init__()
+        self.gate_up, self.down, self.act_fn = torch.nn.ModuleList(gate_up), torch.nn.ModuleList(down), act_fn
+        self.num_experts = len(down)
+        # Each product's (blocks, code) an expert, where every expert's is one GGMLLinear (else None): what
+        # mm_grouped takes, kept as lists (a step indexes them, not the modules).
+        self.grouped = [[(layer.blocks, layer.code) for layer in layers]
+                        if all(type(layer) is GGMLLinear for layer in layers) else None for layers in (gate_up, down)]
+
+    def extra_repr(self) -> str:
+        first = self.down[0]
+        return f"num_experts={self.num_experts}, hidden={first.out_features}, qtype={first.qtype.name} (down)"
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        chosen = top_k_index.reshape(-1)
+        order = torch.argsort(chosen, stable=True)  # the (token, slot) pairs grouped by expert, in token order
+        counts = torch.bincount(chosen, minlength=self.num_experts).tolist()
+        used = [(expert, count) for expert, count in enumerate(counts) if count]
+        tokens = order // top_k_index.shape[-1]
+        gate, up = self._products(0, hidden_states[tokens], used).chunk(2, dim=-1)
+        done = self._products(1, self.act_fn(gate) * up, used) * top_k_weights.reshape(-1)[order, None]
+        return torch.zeros_like(hidden_states).index_add_(0, tokens, done.to(hidden_states.dtype))
+
+    def _products(self, which: int, x: torch.Tensor, used: list[tuple[int, int]]) -> torch.Tensor:
+        """x's rows in groups (`used`: (expert, rows) in order), each group times that expert's gate/up (`which`
+        0) or down (1): one call of the native kernels (rungen_ggml.mm_grouped) where every expert's is one
+        GGMLLinear on them, else the layers one by one."""
+        layers = (self.gate_up, self.down)[which]
+        if not used:
+            return x.new_zeros(0, layers[0].out_features)
+        grouped = self.grouped[which]
+        if grouped is not None and native_kernels() and GGMLLinear._matmul is BLOCKS_MATMUL:
+            parts = [grouped[expert] for expert, _ in used]
+            y = torch.ops.rungen_ggml.mm_grouped(x.float().contiguous(), [blocks for blocks, _ in parts],
+                                                 [code for _, code in parts], [count for _, count in used],
+                                                 layers[0].in_features)
+            return y.to(x.dtype)
+        return torch.cat([layers[expert](part)
+                          for (expert, _), part in zip(used, x.split([count for _, count in used]))])
+
+
+def _rows(reader: WeightReader, tensor: Tensor, experts: int, into: torch.Tensor | None = None
+          ) -> tuple[list[torch.Tensor], bool]:
+    """Each expert's rows of a 3-D tensor [experts, rows, row bytes]: interleaved where the kernels take them so
+    (read into `into` [experts, rows / 8 + more, bytes] from row 0 when given, else a buffer of their own), else
+    views of the map; and whether interleaved."""
+    qtype = GGMLQuantizationType(tensor.code)
+    _, rows, row_bytes = tensor.shape
+    if not interleavable(qtype, rows):
+        blocks = torch.from_numpy(reader.blocks(tensor))
+        return [blocks[e] for e in range(experts)], False
+    if into is None:
+        into = torch.empty(experts, rows // 8, interleaved_row_bytes(qtype, weights_per_row(qtype, row_bytes)),
+                           dtype=torch.uint8)
+    for e in range(experts):
+        read_interleaved(reader.path, tensor.offset + e * rows * row_bytes, (rows, row_bytes), qtype, reader.scratch,
+                         out=into[e, :rows // 8])
+    return [into[e, :rows // 8] for e in range(experts)], True
+
+
+def build_experts(reader: WeightReader, parts: dict[str, Tensor], module: torch.nn.Module) -> GGMLExperts:
+    """The GGMLExperts of a layer's three expert tensors (`parts`: part_of's names), replacing `module`; GGUFError
+    where their shapes are not the module's."""
+    gate, up, down = parts["gate"], parts["up"], parts["down"]
+    experts = gate.shape[0]
+    width = {name: weights_per_row(GGMLQuantizationType(t.code), t.shape[-1]) for name, t in parts.items()}
+    count, inner, hidden = module.gate_up_proj.shape
+    for name, wanted in (("gate", (count, inner // 2, hidden)), ("up", (count, inner // 2, hidden)),
+                         ("down", tuple(module.down_proj.shape))):
+        shape = (*parts[name].shape[:-1], width[name])
+        if shape != wanted:
+            raise GGUFError(f"{reader.path}: tensor {parts[name].name} holds {list(shape)} weights where the model "
+                            f"takes {list(wanted)}")
+    qtype = GGMLQuantizationType(gate.code)
+    if gate.code == up.code and interleavable(qtype, gate.shape[1]) and interleavable(qtype, up.shape[1]):
+        both = torch.empty(experts, (gate.shape[1] + up.shape[1]) // 8, interleaved_row_bytes(qtype, width["gate"]),
+                           dtype=torch.uint8)
+        _rows(reader, gate, experts, both)
+        _rows(reader, up, experts, both[:, gate.shape[1] // 8:])
+        gate_up = [GGMLLinear(both[e], qtype, width["gate"], interleaved=True) for e in range(experts)]
+    else:  # two types (or layouts): each expert's gate and up as the parts of one product
+        gates, gate_interleaved = _rows(reader, gate, experts)
+        ups, up_interleaved = _rows(reader, up, experts)
+        gate_up = [GGMLParts([GGMLLinear(g, qtype, width["gate"], interleaved=gate_interleaved),
+                              GGMLLinear(u, up.code, width["up"], interleaved=up_interleaved)])
+                   for g, u in zip(gates, ups)]
+    downs, interleaved = _rows(reader, down, experts)
+    down_layers = [GGMLLinear(d, down.code, width["down"], interleaved=interleaved) for d in downs]
+    return GGMLExperts(gate_up, down_layers, module.act_fn)
