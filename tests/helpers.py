@@ -286,11 +286,11 @@ def blocks_for(qtype, rows, in_features, seed=0, kind="random"):
     return torch.from_numpy(place_scales(raw, qtype, scales).reshape(rows, -1))
 
 
-def write_moe_gguf(path, experts=4, used=2, layers=2, expert_types=(None, None, None)):
+def write_moe_gguf(path, experts=4, used=2, layers=2, expert_types=(None, None, None), expert_ffn=768):
     """A tiny Qwen3-MoE GGUF file at `path` as llama.cpp's converter writes Qwen3-30B-A3B's: qwen3 attention (q/k
-    norms, head size 64 apart from hidden / heads), every layer's MLP `experts` experts (`used` a token) of 768
-    (Qwen3-30B-A3B's, and Qwen3MoeConfig's default: transformers does not read the file's expert_feed_forward_length)
-    in 3-D ffn_{gate,up,down}_exps tensors and the router's ffn_gate_inp; Q8_0 matrices (the experts' gate, up and
+    norms, head size 64 apart from hidden / heads), every layer's MLP `experts` experts (`used` a token) of
+    `expert_ffn` (Qwen3-30B-A3B's 768, Qwen3MoeConfig's default; Qwen3-235B-A22B's 1536) in 3-D
+    ffn_{gate,up,down}_exps tensors and the router's ffn_gate_inp; Q8_0 matrices (the experts' gate, up and
     down in `expert_types` where given: llama.cpp's mixes give ffn_down_exps more bits), F32 norms and router, the
     head tied, a synthetic byte-level vocabulary."""
     import numpy as np
@@ -300,7 +300,7 @@ def write_moe_gguf(path, experts=4, used=2, layers=2, expert_types=(None, None, 
     from benchmarks.gguf_files import synthetic_tokenizer_fields
 
     fields = synthetic_tokenizer_fields(1024)
-    hidden, heads, kv_heads, head_dim, expert_ffn = 64, 2, 1, 64, 768
+    hidden, heads, kv_heads, head_dim = 64, 2, 1, 64
     rng = np.random.default_rng(0)
     writer = GGUFWriter(str(path), "qwen3moe")
     writer.add_context_length(4096)

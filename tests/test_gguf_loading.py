@@ -618,8 +618,12 @@ def test_an_moe_files_experts_of_llama_cpp_mixes_compute_in_their_blocks(tmp_pat
     # two parts; Q2_K's rows stay views of the map. A padded batch of two prompts routes each token alone.
     from helpers import write_moe_gguf
 
-    path = write_moe_gguf(tmp_path / "qwen3moe.gguf", experts=8, used=3, expert_types=expert_types)
+    path = write_moe_gguf(tmp_path / "qwen3moe.gguf", experts=8, used=3, expert_types=expert_types, expert_ffn=512)
     [(header, model, reference)] = blocks_and_reference({"moe": path}).values()
+    # The experts' width read from the file (transformers' reading leaves Qwen3MoeConfig's default, 768: Qwen3-235B-
+    # A22B's 1536 would not load), the top-k routing weights normalized (as every published Qwen3-MoE's config.json
+    # and llama.cpp's qwen3moe graph have it; transformers' reading sets it).
+    assert (model.config.moe_intermediate_size, model.config.norm_topk_prob) == (512, True)
     assert_experts_in_blocks(model, header)
     experts = model.model.layers[0].mlp.experts
     assert {experts.down[0].qtype} == {expert_types[2]}
