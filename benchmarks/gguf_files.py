@@ -4,7 +4,7 @@
                                     [--tests tg pp] [--llama-bench LLAMA_CPP/build/bin/llama-bench]
                                     [--ik-llama-bench IK_LLAMA_CPP/build/bin/llama-bench [--ik-tests pp]]
     python -m benchmarks.gguf_files --write DIR [--families llama qwen3] [--types Q4_K_M Q6_K ...]
-                                    [--quantize LLAMA_CPP/build/bin/llama-quantize]
+                                    [--quantize LLAMA_CPP/build/bin/llama-quantize] [--layers N]
 
 Measuring: every file is loaded by the tool as the command line loads it (rungen.loading.load) and run on the
 engine (rungen/engine.py: the loop the command line, the session and the server decode in); llama.cpp runs the same
@@ -66,6 +66,11 @@ FAMILIES = {
     # heads of 96; its sliding_window key (2047) is what llama.cpp's converter writes and both runtimes ignore.
     "phi3": dict(arch="phi3", layers=32, hidden=3072, ffn=8192, heads=32, kv_heads=32, head_dim=96,
                  rope_base=10000.0, eps=1e-5, tied=False, fused=True, context=4096, sliding_window=2047),
+    # Qwen3-30B-A3B: every layer's MLP 128 experts of 768 (8 a token) in 3-D ffn_{gate,up,down}_exps tensors, a
+    # float32 router (ffn_gate_inp); 17 GB in Q4_0, so --layers writes fewer of its layers where memory is short.
+    "qwen3moe": dict(arch="qwen3moe", layers=48, hidden=2048, ffn=6144, heads=32, kv_heads=4, head_dim=128,
+                     rope_base=1000000.0, eps=1e-6, tied=False, qk_norm=True, experts=128, experts_used=8,
+                     expert_ffn=768),
 }
 # llama.cpp's file types (llama_ftype) by the names its quantizer uses.
 FTYPES = {"Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "Q3_K_M": 12, "IQ4_XS": 30, "Q4_K_S": 14,
@@ -358,16 +363,20 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
     if "softcapping" in shape:
         writer.add_attn_logit_softcapping(shape["softcapping"][0])
         writer.add_final_logit_softcapping(shape["softcapping"][1])
+    if "experts" in shape:
+        writer.add_expert_count(shape["experts"])
+        writer.add_expert_used_count(shape["experts_used"])
+        writer.add_expert_feed_forward_length(shape["expert_ffn"])
     writer.add_vocab_size(vocab)
     writer.add_file_type({"Q4_0": 2, "Q8_0": 7}[qtype_name])
     for key, value, vtype, sub_type in fields:
         writer.add_key_value(key, value, vtype, sub_type)
 
-    def blocks(name, rows, cols, kind, scale):
+    def blocks(name, rows, cols, kind, scale, experts=1):
         block, size = GGML_QUANT_SIZES[kind]
-        data = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+        data = rng.integers(0, 256, (experts * rows, cols // block, size), dtype=np.uint8)
         place_scales(data, kind, np.full((*data.shape[:2], 2), scale, dtype=np.float16))
-        writer.add_tensor(name, data.reshape(rows, -1), raw_dtype=kind)
+        writer.add_tensor(name, data.reshape(*((experts,) if experts > 1 else ()), rows, -1), raw_dtype=kind)
 
     hidden, ffn, hd = shape["hidden"], shape["ffn"], shape["head_dim"]
     q_rows, kv_rows = shape["heads"] * hd, shape["kv_heads"] * hd
@@ -386,10 +395,18 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
                      ("ffn_up", 2 * ffn, hidden), ("ffn_down", hidden, ffn))
         else:
             parts = (("attn_q", q_rows, hidden), ("attn_k", kv_rows, hidden), ("attn_v", kv_rows, hidden),
-                     ("attn_output", hidden, q_rows), ("ffn_gate", ffn, hidden), ("ffn_up", ffn, hidden),
-                     ("ffn_down", hidden, ffn))
+                     ("attn_output", hidden, q_rows))
+            if "experts" not in shape:
+                parts += (("ffn_gate", ffn, hidden), ("ffn_up", ffn, hidden), ("ffn_down", hidden, ffn))
         for part, rows, cols in parts:
             blocks(f"blk.{layer}.{part}.weight", rows, cols, qtype, small)
+        if "experts" in shape:
+            experts, expert_ffn = shape["experts"], shape["expert_ffn"]
+            writer.add_tensor(f"blk.{layer}.ffn_gate_inp.weight",
+                              rng.normal(0, 0.02, (experts, hidden)).astype(np.float32))
+            for part, rows, cols in (("ffn_gate_exps", expert_ffn, hidden), ("ffn_up_exps", expert_ffn, hidden),
+                                     ("ffn_down_exps", hidden, expert_ffn)):
+                blocks(f"blk.{layer}.{part}.weight", rows, cols, qtype, small, experts)
         if shape.get("qkv_bias"):  # qwen2's q/k/v biases, float32 as its converter writes them
             for part, rows in (("attn_q", q_rows), ("attn_k", kv_rows), ("attn_v", kv_rows)):
                 writer.add_tensor(f"blk.{layer}.{part}.bias", rng.normal(0, 0.02, rows).astype(np.float32))
@@ -410,17 +427,19 @@ def write(args):
     written = []
     for family in args.families:
         bases = {}
+        name = family + (f"-{args.layers}layers" if args.layers else "")
         for base in ("Q4_0", "Q8_0"):
-            bases[base] = os.path.join(args.write, f"{family}-{base}.gguf")
+            bases[base] = os.path.join(args.write, f"{name}-{base}.gguf")
             if not os.path.exists(bases[base]):
                 print(f"writing {bases[base]}", file=sys.stderr, flush=True)
-                write_family(bases[base] + ".tmp", family, base, default)
+                shape = dict(FAMILIES[family], layers=args.layers or FAMILIES[family]["layers"])
+                write_family(bases[base] + ".tmp", family, base, default, shape)
                 os.replace(bases[base] + ".tmp", bases[base])
-        for name in args.types:
-            target = os.path.join(args.write, f"{family}-{name}.gguf")
-            if name not in bases and not os.path.exists(target):
+        for type_name in args.types:
+            target = os.path.join(args.write, f"{name}-{type_name}.gguf")
+            if type_name not in bases and not os.path.exists(target):
                 print(f"writing {target} (llama.cpp's quantizer)", file=sys.stderr, flush=True)
-                quantize_with_llama_cpp(bases["Q8_0"], target, FTYPES[name], args.quantize)
+                quantize_with_llama_cpp(bases["Q8_0"], target, FTYPES[type_name], args.quantize)
             written.append(target)
     for name in args.types:
         target = os.path.join(args.write, f"default-{name}.gguf")
@@ -480,6 +499,8 @@ def main():
     parser.add_argument("--quantize", metavar="BINARY", help="llama.cpp's llama-quantize for --write (default: "
                         "llama-cpp-python's llama_model_quantize in --llama-python's virtualenv)")
     parser.add_argument("--families", nargs="*", default=list(FAMILIES), choices=list(FAMILIES))
+    parser.add_argument("--layers", type=int, help="--write: this many of each family's layers (the published "
+                        "count by default), for a machine short of memory or disk; the files' names say it")
     parser.add_argument("--types", nargs="*", default=["Q4_K_M", "Q5_K_M", "Q6_K", "Q3_K_M", "IQ4_XS", "Q8_0",
                                                        "Q4_0"], choices=list(FTYPES))
     args = parser.parse_args()
