@@ -286,13 +286,16 @@ def blocks_for(qtype, rows, in_features, seed=0, kind="random"):
     return torch.from_numpy(place_scales(raw, qtype, scales).reshape(rows, -1))
 
 
-def write_moe_gguf(path, experts=4, used=2, layers=2, expert_types=(None, None, None), expert_ffn=768):
+def write_moe_gguf(path, experts=4, used=2, layers=2, expert_types=(None, None, None), expert_ffn=768,
+                   arch="qwen3moe", shared_ffn=256):
     """A tiny Qwen3-MoE GGUF file at `path` as llama.cpp's converter writes Qwen3-30B-A3B's: qwen3 attention (q/k
     norms, head size 64 apart from hidden / heads), every layer's MLP `experts` experts (`used` a token) of
     `expert_ffn` (Qwen3-30B-A3B's 768, Qwen3MoeConfig's default; Qwen3-235B-A22B's 1536) in 3-D
     ffn_{gate,up,down}_exps tensors and the router's ffn_gate_inp; Q8_0 matrices (the experts' gate, up and
     down in `expert_types` where given: llama.cpp's mixes give ffn_down_exps more bits), F32 norms and router, the
-    head tied, a synthetic byte-level vocabulary."""
+    head tied, a synthetic byte-level vocabulary. arch "qwen2moe": Qwen1.5-MoE-A2.7B's layout instead, qwen2's
+    attention (q/k/v biases, heads of hidden / heads) and beside the experts a shared one of `shared_ffn`
+    (ffn_{gate,up,down}_shexp) weighted by the sigmoid of its own gate (ffn_gate_inp_shexp, a vector)."""
     import numpy as np
     from gguf import GGMLQuantizationType as Q
     from gguf import GGUFWriter, quants
@@ -300,18 +303,22 @@ def write_moe_gguf(path, experts=4, used=2, layers=2, expert_types=(None, None, 
     from benchmarks.gguf_files import synthetic_tokenizer_fields
 
     fields = synthetic_tokenizer_fields(1024)
-    hidden, heads, kv_heads, head_dim = 64, 2, 1, 64
+    qwen2 = arch == "qwen2moe"
+    hidden, heads, kv_heads, head_dim = 64, 2, 1, 32 if qwen2 else 64
     rng = np.random.default_rng(0)
-    writer = GGUFWriter(str(path), "qwen3moe")
+    writer = GGUFWriter(str(path), arch)
     writer.add_context_length(4096)
     writer.add_embedding_length(hidden)
     writer.add_block_count(layers)
     writer.add_feed_forward_length(6144)  # the dense MLP's, which no layer has (Qwen3-30B-A3B's)
     writer.add_expert_feed_forward_length(expert_ffn)
+    if qwen2:
+        writer.add_expert_shared_feed_forward_length(shared_ffn)
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
+    if not qwen2:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_rope_freq_base(1e6)
     writer.add_expert_count(experts)
@@ -338,8 +345,17 @@ def write_moe_gguf(path, experts=4, used=2, layers=2, expert_types=(None, None, 
         add(f"blk.{n}.attn_q.weight", (heads * head_dim, hidden))
         add(f"blk.{n}.attn_k.weight", (kv_heads * head_dim, hidden))
         add(f"blk.{n}.attn_v.weight", (kv_heads * head_dim, hidden))
-        add(f"blk.{n}.attn_q_norm.weight", (head_dim,), Q.F32)
-        add(f"blk.{n}.attn_k_norm.weight", (head_dim,), Q.F32)
+        if qwen2:
+            for part, rows in (("attn_q", heads * head_dim), ("attn_k", kv_heads * head_dim),
+                               ("attn_v", kv_heads * head_dim)):
+                writer.add_tensor(f"blk.{n}.{part}.bias", rng.normal(0, 0.1, rows).astype(np.float32))
+            writer.add_tensor(f"blk.{n}.ffn_gate_inp_shexp.weight", rng.normal(0, 0.5, hidden).astype(np.float32))
+            add(f"blk.{n}.ffn_gate_shexp.weight", (shared_ffn, hidden))
+            add(f"blk.{n}.ffn_up_shexp.weight", (shared_ffn, hidden))
+            add(f"blk.{n}.ffn_down_shexp.weight", (hidden, shared_ffn), spread=0.05)
+        else:
+            add(f"blk.{n}.attn_q_norm.weight", (head_dim,), Q.F32)
+            add(f"blk.{n}.attn_k_norm.weight", (head_dim,), Q.F32)
         add(f"blk.{n}.attn_output.weight", (hidden, heads * head_dim))
         add(f"blk.{n}.ffn_norm.weight", (hidden,), Q.F32)
         writer.add_tensor(f"blk.{n}.ffn_gate_inp.weight", rng.normal(0, 0.5, (experts, hidden)).astype(np.float32))

@@ -644,6 +644,28 @@ def test_an_moe_files_experts_of_llama_cpp_mixes_compute_in_their_blocks(tmp_pat
     assert torch.equal(grouped, one_by_one)
 
 
+def test_a_qwen2_moe_files_experts_and_shared_expert_compute_in_their_blocks(tmp_path, monkeypatch):
+    # Qwen1.5-MoE-A2.7B's layout (qwen2's attention with q/k/v biases, a shared expert beside the routed ones, gated
+    # by its own sigmoid), of widths other than Qwen2MoeConfig's defaults (1408, 5632: Qwen2-57B-A14B's are 2560 and
+    # 20480), which transformers' reading leaves in the config.
+    from helpers import write_moe_gguf
+
+    path = write_moe_gguf(tmp_path / "qwen2moe.gguf", arch="qwen2moe", experts=6, used=2, expert_ffn=256,
+                          shared_ffn=512)
+    [(header, model, reference)] = blocks_and_reference({"moe": path}).values()
+    config = model.config
+    assert (config.model_type, config.moe_intermediate_size, config.shared_expert_intermediate_size,
+            config.norm_topk_prob) == ("qwen2_moe", 256, 512, False)  # (llama.cpp's qwen2moe graph: unnormalized)
+    assert_experts_in_blocks(model, header)
+    assert isinstance(model.model.layers[0].mlp.shared_expert.gate_proj, GGMLLinear)
+    ids = torch.tensor([header.tokenizer(PROMPTS[0]).input_ids])
+    with torch.no_grad():
+        theirs = reference(ids).logits
+        blocks = exact_weights(model, lambda: model(ids).logits, monkeypatch)
+    assert theirs.abs().max() > 1
+    torch.testing.assert_close(blocks, theirs, rtol=1e-4, atol=1e-4)
+
+
 def test_jit_leaves_a_mixture_of_experts_untraced_with_one_warning(tmp_path, caplog):
     # A trace would record one step's routing (which experts, how many tokens each) for every later step.
     from helpers import write_moe_gguf
