@@ -83,11 +83,12 @@ DEQUANTIZE_CHUNK = 1 << 24  # float32 values de-quantized on the host at a time 
 
 
 def dequantize_to(blocks: np.ndarray, qtype: GGMLQuantizationType, in_features: int, dtype: torch.dtype,
-                  device: torch.device) -> torch.Tensor:
-    """The weight that `blocks` [rows, row_bytes] encode, in `dtype` on `device`, de-quantized a chunk of rows at a
-    time: never a float32 copy of the whole weight."""
+                  device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The weight that `blocks` [rows, row_bytes] encode, in `dtype` on `device` (into `out` when given), de-quantized
+    a chunk of rows at a time: never a float32 copy of the whole weight."""
     rows = blocks.shape[0]
-    out = torch.empty(rows, in_features, dtype=dtype, device=device)
+    if out is None:
+        out = torch.empty(rows, in_features, dtype=dtype, device=device)
     step = max(1, DEQUANTIZE_CHUNK // in_features)
     native = qtype in SUPPORTED and native_kernels()
     source = torch.from_numpy(blocks) if native else None

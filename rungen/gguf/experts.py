@@ -12,7 +12,15 @@ from __future__ import annotations
 import torch
 from gguf import GGMLQuantizationType
 
-from .blocks import BLOCKS_MATMUL, GGMLLinear, GGMLParts, interleavable, interleaved_row_bytes, weights_per_row
+from .blocks import (
+    BLOCKS_MATMUL,
+    GGMLLinear,
+    GGMLParts,
+    dequantize_to,
+    interleavable,
+    interleaved_row_bytes,
+    weights_per_row,
+)
 from .kernels import native_kernels
 from .weights import GGUFError, Tensor, WeightReader, read_interleaved
 
@@ -100,19 +108,25 @@ def _rows(reader: WeightReader, tensor: Tensor, experts: int, into: torch.Tensor
     return [into[e, :rows // 8] for e in range(experts)], True
 
 
-def build_experts(reader: WeightReader, parts: dict[str, Tensor], module: torch.nn.Module) -> GGMLExperts:
-    """The GGMLExperts of a layer's three expert tensors (`parts`: part_of's names), replacing `module`; GGUFError
-    where their shapes are not the module's."""
-    gate, up, down = parts["gate"], parts["up"], parts["down"]
-    experts = gate.shape[0]
-    width = {name: weights_per_row(GGMLQuantizationType(t.code), t.shape[-1]) for name, t in parts.items()}
+def _check_shapes(reader: WeightReader, parts: dict[str, Tensor], module: torch.nn.Module) -> None:
+    """GGUFError where a layer's three expert tensors are not the shapes of `module`'s parameters."""
     count, inner, hidden = module.gate_up_proj.shape
     for name, wanted in (("gate", (count, inner // 2, hidden)), ("up", (count, inner // 2, hidden)),
                          ("down", tuple(module.down_proj.shape))):
-        shape = (*parts[name].shape[:-1], width[name])
+        tensor = parts[name]
+        shape = (*tensor.shape[:-1], weights_per_row(GGMLQuantizationType(tensor.code), tensor.shape[-1]))
         if shape != wanted:
-            raise GGUFError(f"{reader.path}: tensor {parts[name].name} holds {list(shape)} weights where the model "
+            raise GGUFError(f"{reader.path}: tensor {tensor.name} holds {list(shape)} weights where the model "
                             f"takes {list(wanted)}")
+
+
+def build_experts(reader: WeightReader, parts: dict[str, Tensor], module: torch.nn.Module) -> GGMLExperts:
+    """The GGMLExperts of a layer's three expert tensors (`parts`: part_of's names), replacing `module`; GGUFError
+    where their shapes are not the module's."""
+    _check_shapes(reader, parts, module)
+    gate, up, down = parts["gate"], parts["up"], parts["down"]
+    experts = gate.shape[0]
+    width = {name: weights_per_row(GGMLQuantizationType(t.code), t.shape[-1]) for name, t in parts.items()}
     qtype = GGMLQuantizationType(gate.code)
     if gate.code == up.code and interleavable(qtype, gate.shape[1]) and interleavable(qtype, up.shape[1]):
         both = torch.empty(experts, (gate.shape[1] + up.shape[1]) // 8, interleaved_row_bytes(qtype, width["gate"]),
@@ -129,3 +143,20 @@ def build_experts(reader: WeightReader, parts: dict[str, Tensor], module: torch.
     downs, interleaved = _rows(reader, down, experts)
     down_layers = [GGMLLinear(d, down.code, width["down"], interleaved=interleaved) for d in downs]
     return GGMLExperts(gate_up, down_layers, module.act_fn)
+
+
+def dequantized_experts(reader: WeightReader, parts: dict[str, Tensor], module: torch.nn.Module, dtype: torch.dtype,
+                        device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`module`'s gate_up_proj [experts, gate; up, hidden] and down_proj from a layer's three expert tensors,
+    de-quantized to `dtype` on `device` an expert at a time, a chunk of rows at a time (dequantize_to): never the
+    layer's experts in float32 on the host (Qwen3-30B-A3B's are 2.4 GB a layer)."""
+    _check_shapes(reader, parts, module)
+    count, inner, hidden = module.gate_up_proj.shape
+    gate_up = torch.empty(count, inner, hidden, dtype=dtype, device=device)
+    down = torch.empty(tuple(module.down_proj.shape), dtype=dtype, device=device)
+    for e in range(count):
+        for tensor, out in ((parts["gate"], gate_up[e, :inner // 2]), (parts["up"], gate_up[e, inner // 2:]),
+                            (parts["down"], down[e])):
+            dequantize_to(reader.blocks(tensor)[e], GGMLQuantizationType(tensor.code), out.shape[-1], dtype, device,
+                          out=out)
+    return gate_up, down

@@ -593,7 +593,7 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
     from transformers.pytorch_utils import Conv1D
 
-    from .experts import build_experts, holds_experts, part_of
+    from .experts import build_experts, dequantized_experts, holds_experts, part_of
 
     config = header.config
     # Parameters on meta; buffers real: rotary inv_freq and the like are computed in __init__, not in the file.
@@ -637,7 +637,8 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
         module_name, _, attr = hf_name.rpartition(".")
         module = model.get_submodule(module_name)
         part = part_of(name)
-        if part is not None and not on_device and code in SUPPORTED and holds_experts(module):
+        if (part is not None and code not in FLOAT_TYPES and (code in SUPPORTED or on_device) and quantize is None
+                and holds_experts(module)):
             expert_parts.setdefault(module_name, {})[part] = entry  # built once the layer's three are known
             continue
         if code in FLOAT_TYPES:
@@ -708,7 +709,13 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
         if len(parts) < 3:
             raise GGUFError(f"{header.path}: {module_name}'s experts are partly in float tensors, partly in blocks, "
                             "which this loader does not hold together; --dequantize runs the file")
-        layers[module_name] = build_experts(reader, parts, model.get_submodule(module_name))
+        module = model.get_submodule(module_name)
+        if on_device:
+            for attr, value in zip(("gate_up_proj", "down_proj"), dequantized_experts(reader, parts, module, dtype,
+                                                                                       device)):
+                put(f"{module_name}.{attr}", value)
+        else:
+            layers[module_name] = build_experts(reader, parts, module)
     if on_device:
         for module_name, layer in layers.items():  # weights kept in codes or blocks
             if not isinstance(model.get_submodule(module_name), torch.nn.Embedding):  # a linear layer's bias
