@@ -4,7 +4,8 @@ GGMLLinear per expert and product, where transformers' Experts module would hold
 
 An expert's gate and up rows are one product (one buffer a layer, expert by expert: gate rows, then up rows), as
 transformers' concatenated gate_up_proj is; its down rows another. The forward is transformers' Experts forward
-(`integrations/moe.py`): each token's hidden state through the experts the router chose, weighted, summed.
+(`integrations/moe.py`): each token's hidden state through the experts the router chose, weighted, summed. On a
+GPU (build_model given a device) dequantized_experts fills transformers' own parameters instead, an expert at a time.
 """
 
 from __future__ import annotations
