@@ -341,6 +341,25 @@ def test_groups_of_rows_each_times_its_own_weight_give_each_group_mms_bits(each_
         ops.mm_grouped(x[:2], [blocks[0], blocks[1][:1]], codes[:2], [1, 1], 512)
 
 
+def test_row_products_give_a_row_its_bits_in_any_batch_and_on_every_code_path(each_isa):
+    """dot_rows (a mixture's router, where torch's product of one row and of several differ in their last bits): x @
+    w.T within float32's summation error of the float64 product, a row the same bits alone and among others, and on
+    every instruction set; widths a multiple of 8 and not, rows of w a multiple of 8 and not."""
+    ops = torch.ops.rungen_ggml
+    g = torch.Generator().manual_seed(0)
+    for n, e in ((2048, 128), (2048, 60), (100, 13)):
+        x, w = torch.randn(9, n, generator=g), torch.randn(e, n, generator=g)
+        results = []
+        for isa in isas():
+            ops.set_isa(isa)
+            y = ops.dot_rows(x, w)
+            assert all(torch.equal(ops.dot_rows(x[i:i + 1], w), y[i:i + 1]) for i in range(len(x)))
+            results.append(y)
+        terms = x.double().abs() @ w.double().abs().T
+        assert torch.all((results[0].double() - x.double() @ w.double().T).abs() <= 1e-6 * terms)
+        assert all(torch.equal(y, results[0]) for y in results)
+
+
 def test_layer_takes_any_leading_shape_strided_rows_and_bias():
     blocks = blocks_for(T.Q4_1, 24, 256, seed=5)
     bias = torch.randn(12)

@@ -77,6 +77,20 @@ static inline f8 dot64x8(const float* a, const float* b, int64_t stride, int64_t
   return key_sums(acc);
 }
 
+// y[t, j] = x[t] . w[j] for the rows [t0, t1) of x [*, n] and the e rows of w [e, n], each sum in dot64's order: a
+// row's results are its own bits in a batch of any size (a mixture's router, where a last-bit difference between a
+// token alone and in a batch picks other experts of a near tie).
+void dot_rows(const float* x, const float* w, int64_t t0, int64_t t1, int64_t e, int64_t n, float* y) {
+  for (int64_t t = t0; t < t1; ++t) {
+    const float* xr = x + t * n;
+    float* yr = y + t * e;
+    int64_t j = 0;
+    if (n % 8 == 0)
+      for (; j + 8 <= e; j += 8) store8(yr + j, dot64x8(xr, w + j * n, n, n));
+    for (; j < e; ++j) yr[j] = dot64(xr, w + j * n, n);
+  }
+}
+
 #ifdef ATTEND_WIDE
 // dot64x8 of two queries a and a2 against the same eight keys, in one 512-bit register: a's lanes in its low half,
 // a2's in its high half, each key's eight floats loaded once for both. Each half's arithmetic is dot64x8's, so

@@ -12,6 +12,8 @@
 //   torch.ops.rungen_ggml.rms_norm(x, weight, eps)               a decoder layer's small steps, one operator
 //   torch.ops.rungen_ggml.rope_split(qkv, cos, sin, heads, kv_heads[, q_norm, k_norm, norm_eps])  each instead
 //                                                               of several (see below)
+//   torch.ops.rungen_ggml.dot_rows(x, w)                        x @ w.T in float32, a row's bits the same in any
+//                                                               batch (a mixture's router)
 //   torch.ops.rungen_ggml.silu_mul(gate_up), gelu_tanh_mul(gate_up)
 //   torch.ops.rungen_ggml.attend(q, k, v, mask, scale, softcap, window)  attention, the same bits with or
 //                                                               without padding
@@ -49,6 +51,7 @@ TORCH_LIBRARY(rungen_ggml, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("rope_split(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads, Tensor? q_norm=None, "
         "Tensor? k_norm=None, float norm_eps=0.) -> Tensor[]", &rope_split);
+  m.def("dot_rows(Tensor x, Tensor w) -> Tensor", &dot_rows);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
   m.def("gelu_tanh_mul(Tensor gate_up) -> Tensor", &gelu_tanh_mul);
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, float softcap=0., int window=0) -> Tensor",

@@ -86,16 +86,19 @@ constexpr int64_t VALUE_BLOCK = 32;  // keys whose value rows stay in L1 while t
 // for the baseline.
 namespace avx512 {
 void attend_queries(const AttendJob& job, int64_t p0, int64_t p1, float* wp);
+void dot_rows(const float* x, const float* w, int64_t t0, int64_t t1, int64_t e, int64_t n, float* y);
 void gelu_rows(const float* gp, int64_t r0, int64_t r1, int64_t f, float* yp);
 void silu_rows(const float* gp, int64_t r0, int64_t r1, int64_t f, float* yp);
 }  // namespace avx512
 namespace avx2 {
 void attend_queries(const AttendJob& job, int64_t p0, int64_t p1, float* wp);
+void dot_rows(const float* x, const float* w, int64_t t0, int64_t t1, int64_t e, int64_t n, float* y);
 void gelu_rows(const float* gp, int64_t r0, int64_t r1, int64_t f, float* yp);
 void silu_rows(const float* gp, int64_t r0, int64_t r1, int64_t f, float* yp);
 }  // namespace avx2
 namespace scalar {
 void attend_queries(const AttendJob& job, int64_t p0, int64_t p1, float* wp);
+void dot_rows(const float* x, const float* w, int64_t t0, int64_t t1, int64_t e, int64_t n, float* y);
 void gelu_rows(const float* gp, int64_t r0, int64_t r1, int64_t f, float* yp);
 void silu_rows(const float* gp, int64_t r0, int64_t r1, int64_t f, float* yp);
 }  // namespace scalar

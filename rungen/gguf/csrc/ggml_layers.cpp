@@ -161,6 +161,22 @@ at::Tensor gate_mul(const at::Tensor& gu_in, GateFn fn, int64_t work) {
 
 }  // namespace
 
+// x [t, n] times w [e, n] transposed: [t, e], each row's sums in one fixed order (dot_rows), so a row gets the same
+// bits alone and in a batch, which torch's matrix products (a vector product for one row) do not promise.
+at::Tensor dot_rows(const at::Tensor& x_in, const at::Tensor& w_in) {
+  TORCH_CHECK(x_in.dim() == 2 && w_in.dim() == 2 && x_in.size(1) == w_in.size(1),
+              "rungen_ggml: dot_rows takes x [t, n] and w [e, n]");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous(), w = w_in.to(at::kFloat).contiguous();
+  const int64_t t = x.size(0), e = w.size(0), n = x.size(1);
+  at::Tensor y = at::empty({t, e}, x.options());
+  const auto fn = current_isa >= VNNI ? avx512::dot_rows : current_isa >= AVX2 ? avx2::dot_rows : scalar::dot_rows;
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, t, std::max<int64_t>(1, 65536 / std::max<int64_t>(e * n, 1)),
+                   [&](int64_t t0, int64_t t1) { fn(xp, wp, t0, t1, e, n, yp); });
+  return y;
+}
+
 at::Tensor silu_mul(const at::Tensor& gu) { return gate_mul(gu, silu_fn(), SILU_WORK); }
 
 at::Tensor gelu_tanh_mul(const at::Tensor& gu) { return gate_mul(gu, gelu_fn(), GELU_WORK); }

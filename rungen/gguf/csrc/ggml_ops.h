@@ -67,6 +67,7 @@ constexpr int64_t SILU_WORK = 16384, GELU_WORK = 65536;
 GateFn gelu_fn();
 GateFn silu_fn();
 void gate_mul_rows(GateFn fn, int64_t work, const float* gp, int64_t rows, int64_t f, float* yp);
+at::Tensor dot_rows(const at::Tensor& x_in, const at::Tensor& w_in);
 at::Tensor silu_mul(const at::Tensor& gu);
 at::Tensor gelu_tanh_mul(const at::Tensor& gu);
 
