@@ -144,8 +144,9 @@ def _check_experts(model, mode, quantized):
         share = left / (left + quantized)
         raise QuantizeError(f"--quantize {mode}: {share:.0%} of the weights of {model.config.model_type} are its "
                             f"experts' ({stacked[0][0]} and {len(stacked) - 1} more), which --quantize does not store "
-                            f"in {8 if mode == 'int8' else 4} bits; run without it (on GPUs, --device_map auto "
-                            "spreads a model over them), or run a GGUF file of the model")
+                            f"in {8 if mode == 'int8' else 4} bits; run without it (a GGUF file's experts stay in "
+                            "its blocks then; a checkpoint: on GPUs, --device_map auto spreads it over them), or run "
+                            "a GGUF file of the model")
 
 
 def _quantize_group(module, layers, layer_class, head):

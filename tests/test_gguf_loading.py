@@ -33,8 +33,9 @@ from rungen.gguf.blocks import (
     native_kernels,
 )
 from rungen.gguf.decoder import DecoderStack, FusedDecoderLayer, products_one_by_one
+from rungen.gguf.experts import ExpertRouter, GGMLExperts
 from rungen.gguf.file import GGUFHeader, build_model, metadata_parsed_once
-from rungen.loading import default_model_file
+from rungen.loading import default_model_file, load
 from tiny_models import default_tokenizer_fields, write_gpt2_gguf, write_out
 
 DEFAULT_GGUF = default_model_file()
@@ -599,7 +600,6 @@ def test_an_moe_file_computes_transformers_model_over_its_experts(tmp_path, monk
 def assert_experts_in_blocks(model, header):
     """Every layer's experts are a GGMLExperts over exactly the file's expert bytes (no float copy of them), in a
     fused layer."""
-    from rungen.gguf.experts import GGMLExperts
 
     layers = model.model.layers  # the attention fused, the router and experts transformers' module over the blocks
     assert all(isinstance(layer, FusedDecoderLayer) and isinstance(layer.mlp.experts, GGMLExperts) for layer in layers)
@@ -611,14 +611,17 @@ def assert_experts_in_blocks(model, header):
     assert in_file * 0.99 < sum(held.values()) < in_file * 1.05  # interleaved k-quant scales unpack a little
 
 
-@pytest.mark.parametrize("expert_types", [(Q.Q4_0, Q.Q4_0, Q.Q6_K), (Q.Q8_0, Q.Q4_1, Q.Q2_K)],
-                         ids=["q4_0-q6_k", "mixed-q2_k"])
+@pytest.mark.parametrize("expert_types", [(Q.Q4_0, Q.Q4_0, Q.Q6_K), (Q.Q8_0, Q.Q4_1, Q.Q2_K), (Q.Q2_K,) * 3],
+                         ids=["q4_0-q6_k", "mixed-q2_k", "q2_k"])
 def test_an_moe_files_experts_of_llama_cpp_mixes_compute_in_their_blocks(tmp_path, monkeypatch, expert_types):
     # llama.cpp's mixes give ffn_down_exps more bits (Q6_K in Q4_K_M); gate and up of two types are one product of
-    # two parts; Q2_K's rows stay views of the map. A padded batch of two prompts routes each token alone.
+    # two parts (an expert at a time), of one type one product (every chosen expert's in one call: mm_grouped); Q2_K's
+    # rows stay as the file has them. A padded batch of two prompts routes each token alone.
     from helpers import write_moe_gguf
 
-    path = write_moe_gguf(tmp_path / "qwen3moe.gguf", experts=8, used=3, expert_types=expert_types, expert_ffn=512)
+    hidden = 256 if expert_types[0] == Q.Q2_K else 64  # (Q2_K's superblocks of 256 in gate and up)
+    path = write_moe_gguf(tmp_path / "qwen3moe.gguf", experts=8, used=3, expert_types=expert_types, expert_ffn=512,
+                          hidden=hidden)
     [(header, model, reference)] = blocks_and_reference({"moe": path}).values()
     # The experts' width read from the file (transformers' reading leaves Qwen3MoeConfig's default, 768: Qwen3-235B-
     # A22B's 1536 would not load), the top-k routing weights normalized (as every published Qwen3-MoE's config.json
@@ -628,10 +631,12 @@ def test_an_moe_files_experts_of_llama_cpp_mixes_compute_in_their_blocks(tmp_pat
     experts = model.model.layers[0].mlp.experts
     assert {experts.down[0].qtype} == {expert_types[2]}
     assert isinstance(experts.gate_up[0], GGMLParts) == (expert_types[0] != expert_types[1])
+    assert (experts.grouped[0] is not None) == (expert_types[0] == expert_types[1]) and experts.grouped[1] is not None
     rows = [header.tokenizer(prompt).input_ids for prompt in PROMPTS[:2]]  # (its vocabulary has no pad token)
     width = max(map(len, rows))
-    batch = dict(input_ids=torch.tensor([[0] * (width - len(r)) + r for r in rows]),
-                 attention_mask=torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows]))
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    batch = dict(input_ids=torch.tensor([[0] * (width - len(r)) + r for r in rows]), attention_mask=mask,
+                 position_ids=(mask.cumsum(-1) - 1).clamp(min=0))  # each row's own positions, as the engine's
     with torch.no_grad():
         theirs = reference(**batch).logits
         blocks = exact_weights(model, lambda: model(**batch).logits, monkeypatch)
@@ -640,8 +645,16 @@ def test_an_moe_files_experts_of_llama_cpp_mixes_compute_in_their_blocks(tmp_pat
             patch.setattr(GGMLLinear, "_matmul", lambda self, x: BLOCKS_MATMUL(self, x))
             one_by_one = model(**batch).logits
     assert theirs.abs().max() > 1 and batch["attention_mask"].min() == 0
-    torch.testing.assert_close(blocks, theirs, rtol=1e-4, atol=1e-4)
+    # (float32 sums in another order than transformers': their difference grows with the width)
+    torch.testing.assert_close(blocks, theirs, rtol=1e-4, atol=1e-4 * hidden / 64)
     assert torch.equal(grouped, one_by_one)
+    # A token gets its bits alone and in a batch: the router's logits by rows (ExpertRouter), each expert's tokens'
+    # activations rounded row by row; so the same experts, and a greedy sequence does not change with its batch.
+    assert all(isinstance(layer.mlp.gate, ExpertRouter) for layer in model.model.layers)
+    with torch.no_grad():
+        for row, ids in enumerate(rows):
+            alone = model(input_ids=torch.tensor([ids])).logits[0]
+            assert torch.equal(alone, grouped[row, width - len(ids):])
 
 
 def test_a_qwen2_moe_files_experts_and_shared_expert_compute_in_their_blocks(tmp_path, monkeypatch):
@@ -664,6 +677,52 @@ def test_a_qwen2_moe_files_experts_and_shared_expert_compute_in_their_blocks(tmp
         blocks = exact_weights(model, lambda: model(ids).logits, monkeypatch)
     assert theirs.abs().max() > 1
     torch.testing.assert_close(blocks, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_an_moe_files_odd_experts_load_on_a_device_or_fail_in_one_line(tmp_path, capsys):
+    # Float experts beside blocks (a partial conversion): on a device cast there an expert at a time as the others
+    # are de-quantized; on the CPU refused in one line naming the float tensor. A missing expert tensor, or more
+    # experts a token than the file has: one line naming it.
+    from helpers import write_moe_gguf
+
+    path = write_moe_gguf(tmp_path / "f16-gate.gguf", expert_types=(Q.F16, Q.Q8_0, Q.Q8_0))
+    ours = build_model(GGUFHeader(path), torch.float32, torch.device("cpu")).state_dict()  # the form a GPU gets
+    theirs = load(path, device=torch.device("cpu"), dequantize=True).model.state_dict()
+    assert [name for name in theirs if "experts" in name] and all(
+        torch.equal(ours[name], theirs[name]) for name in theirs if "experts" in name)
+    code, message = error_of(["--model_name_or_path", path, "--prompt", "Hi", "--length", "2"], capsys)
+    assert code == 2 and "blk.0's experts are partly in float tensors (blk.0.ffn_gate_exps.weight)" in message
+    assert "--dequantize runs the file" in message
+
+    from gguf import GGUFReader, GGUFWriter
+
+    base = write_moe_gguf(tmp_path / "q8_0.gguf")
+
+    def rewritten(name, skip=None, used=None):
+        reader, target = GGUFReader(base), str(tmp_path / name)
+        writer = GGUFWriter(target, "qwen3moe")
+        for key, field in reader.fields.items():
+            if key.startswith("GGUF.") or key == "general.architecture":
+                continue
+            value = field.contents()
+            if key == "qwen3moe.expert_used_count" and used is not None:
+                value = used
+            writer.add_key_value(key, value, field.types[0], field.types[-1] if len(field.types) > 1 else None)
+        for tensor in reader.tensors:
+            if tensor.name != skip:
+                writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return target
+
+    code, message = error_of(["--model_name_or_path", rewritten("no-down.gguf", skip="blk.1.ffn_down_exps.weight"),
+                              "--prompt", "Hi", "--length", "2"], capsys)
+    assert code == 2 and message.endswith("no-down.gguf: the file has no tensor blk.1.ffn_down_exps.weight")
+    code, message = error_of(["--model_name_or_path", rewritten("used.gguf", used=16), "--prompt", "Hi", "--length",
+                              "2"], capsys)
+    assert code == 2 and message.endswith("used.gguf: 16 experts a token (expert_used_count) of 4 (expert_count)")
 
 
 def test_jit_leaves_a_mixture_of_experts_untraced_with_one_warning(tmp_path, caplog):

@@ -10,6 +10,7 @@ GPU (build_model given a device) dequantized_experts fills transformers' own par
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
@@ -23,7 +24,7 @@ from .blocks import (
     weights_per_row,
 )
 from .kernels import native_kernels
-from .weights import GGUFError, Tensor, WeightReader, read_interleaved
+from .weights import FLOAT_TYPES, GGUFError, Tensor, WeightReader, read_interleaved
 
 # The file's tensor for each part of transformers' Experts module.
 PARTS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
@@ -90,6 +91,59 @@ class GGMLExperts(torch.nn.Module):
                           for (expert, _), part in zip(used, x.split([count for _, count in used]))])
 
 
+# transformers' routers whose forward ExpertRouter computes (the same steps, the logits by RowProducts).
+ROUTERS = ("Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter")
+
+
+class RowProducts(torch.nn.Module):
+    """y = x @ weight.T for a float weight of few rows (a mixture's router, Qwen2-MoE's shared-expert gate), a row's
+    bits the same in a batch of any size (rungen_ggml.dot_rows): torch's product of one row (a vector product) and
+    of several differ in their last bits, and a router's near tie then picks other experts for a token in a batch
+    than alone. torch's product where the native kernels are missing."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        if native_kernels():
+            y = torch.ops.rungen_ggml.dot_rows(flat, self.weight)
+        else:
+            y = torch.nn.functional.linear(flat, self.weight)
+        return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
+
+
+class ExpertRouter(torch.nn.Module):
+    """transformers' TopKRouter of ROUTERS, its logits by RowProducts: the softmax of the logits, the top k, those
+    weights normalized where the config says so; (logits, weights, experts) as it returns them."""
+
+    def __init__(self, router: torch.nn.Module):
+        super().__init__()
+        self.logits = RowProducts(router.weight)
+        self.top_k, self.norm_topk_prob, self.hidden_dim = router.top_k, router.norm_topk_prob, router.hidden_dim
+
+    def forward(self, hidden_states: torch.Tensor):
+        logits = self.logits(hidden_states.reshape(-1, self.hidden_dim))
+        weights, experts = torch.topk(torch.softmax(logits, dtype=torch.float, dim=-1), self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        return logits, weights.to(logits.dtype), experts
+
+
+def route_rows_alike(model: torch.nn.Module) -> None:
+    """Each mixture block over GGMLExperts gets ExpertRouter for its router and RowProducts for Qwen2-MoE's
+    shared-expert gate: a token takes the same experts, and the same bits, alone and in a batch."""
+    for block in list(model.modules()):
+        if not isinstance(getattr(block, "experts", None), GGMLExperts):
+            continue
+        if type(getattr(block, "gate", None)).__name__ in ROUTERS:
+            block.gate = ExpertRouter(block.gate)
+        shared = getattr(block, "shared_expert_gate", None)
+        if type(shared) is torch.nn.Linear and shared.bias is None:
+            block.shared_expert_gate = RowProducts(shared.weight)
+
+
 def _rows(reader: WeightReader, tensor: Tensor, experts: int, into: torch.Tensor | None = None
           ) -> tuple[list[torch.Tensor], bool]:
     """Each expert's rows of a 3-D tensor [experts, rows, row bytes]: interleaved where the kernels take them so
@@ -115,7 +169,8 @@ def _check_shapes(reader: WeightReader, parts: dict[str, Tensor], module: torch.
     for name, wanted in (("gate", (count, inner // 2, hidden)), ("up", (count, inner // 2, hidden)),
                          ("down", tuple(module.down_proj.shape))):
         tensor = parts[name]
-        shape = (*tensor.shape[:-1], weights_per_row(GGMLQuantizationType(tensor.code), tensor.shape[-1]))
+        shape = tuple(reader.float_tensor(tensor).shape) if tensor.code in FLOAT_TYPES else (
+            *tensor.shape[:-1], weights_per_row(GGMLQuantizationType(tensor.code), tensor.shape[-1]))
         if shape != wanted:
             raise GGUFError(f"{reader.path}: tensor {tensor.name} holds {list(shape)} weights where the model "
                             f"takes {list(wanted)}")
@@ -135,7 +190,11 @@ def build_experts(reader: WeightReader, parts: dict[str, Tensor], module: torch.
         _rows(reader, gate, experts, both)
         _rows(reader, up, experts, both[:, gate.shape[1] // 8:])
         gate_up = [GGMLLinear(both[e], qtype, width["gate"], interleaved=True) for e in range(experts)]
-    else:  # two types (or layouts): each expert's gate and up as the parts of one product
+    elif gate.code == up.code:  # rows the kernels take as the file has them (Q2_K): read into one buffer
+        both = np.empty((experts, gate.shape[1] + up.shape[1], gate.shape[2]), dtype=np.uint8)
+        both[:, :gate.shape[1]], both[:, gate.shape[1]:] = reader.read(gate), reader.read(up)
+        gate_up = [GGMLLinear(torch.from_numpy(both[e]), qtype, width["gate"]) for e in range(experts)]
+    else:  # two types: each expert's gate and up as the parts of one product
         gates, gate_interleaved = _rows(reader, gate, experts)
         ups, up_interleaved = _rows(reader, up, experts)
         gate_up = [GGMLParts([GGMLLinear(g, qtype, width["gate"], interleaved=gate_interleaved),
@@ -158,6 +217,9 @@ def dequantized_experts(reader: WeightReader, parts: dict[str, Tensor], module: 
     for e in range(count):
         for tensor, out in ((parts["gate"], gate_up[e, :inner // 2]), (parts["up"], gate_up[e, inner // 2:]),
                             (parts["down"], down[e])):
-            dequantize_to(reader.blocks(tensor)[e], GGMLQuantizationType(tensor.code), out.shape[-1], dtype, device,
-                          out=out)
+            if tensor.code in FLOAT_TYPES:
+                out.copy_(reader.float_tensor(tensor)[e])
+            else:
+                dequantize_to(reader.blocks(tensor)[e], GGMLQuantizationType(tensor.code), out.shape[-1], dtype,
+                              device, out=out)
     return gate_up, down

@@ -219,6 +219,9 @@ def complete_config(path: str, config: dict) -> None:
     if key_length != value_length:  # one head_dim for queries, keys and values in every transformers class here
         raise GGUFError(f"{path}: keys of {key_length} and values of {value_length} values a head "
                         "(attention.key_length/value_length): transformers' attention takes one head size")
+    experts, used = config.get("num_experts") or config.get("num_local_experts"), config.get("num_experts_per_tok")
+    if experts and used is not None and not 0 < used <= experts:
+        raise GGUFError(f"{path}: {used} experts a token (expert_used_count) of {experts} (expert_count)")
     heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
     head_dim = config.get("head_dim") or (hidden // heads if heads and hidden else None)
     for key, field in family.extra_config_keys:
@@ -593,7 +596,7 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
     from transformers.pytorch_utils import Conv1D
 
-    from .experts import build_experts, dequantized_experts, holds_experts, part_of
+    from .experts import build_experts, dequantized_experts, holds_experts, part_of, route_rows_alike
 
     config = header.config
     # Parameters on meta; buffers real: rotary inv_freq and the like are computed in __init__, not in the file.
@@ -637,8 +640,8 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
         module_name, _, attr = hf_name.rpartition(".")
         module = model.get_submodule(module_name)
         part = part_of(name)
-        if (part is not None and code not in FLOAT_TYPES and (code in SUPPORTED or on_device) and quantize is None
-                and holds_experts(module)):
+        # (on a device of any type, float ones too: de-quantized or cast there an expert at a time)
+        if part is not None and (code in SUPPORTED or on_device) and quantize is None and holds_experts(module):
             expert_parts.setdefault(module_name, {})[part] = entry  # built once the layer's three are known
             continue
         if code in FLOAT_TYPES:
@@ -707,8 +710,14 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
         put(hf_name, value.to(device, dtype))
     for module_name, parts in expert_parts.items():
         if len(parts) < 3:
-            raise GGUFError(f"{header.path}: {module_name}'s experts are partly in float tensors, partly in blocks, "
-                            "which this loader does not hold together; --dequantize runs the file")
+            layer = next(iter(parts.values())).name.rsplit(".", 2)[0]  # blk.N
+            missing = [f"{layer}.ffn_{part}_exps.weight" for part in ("gate", "up", "down") if part not in parts]
+            if all(name in reader.table for name in missing):
+                raise GGUFError(f"{header.path}: {layer}'s experts are partly in float tensors ({missing[0]}), partly "
+                                "in blocks, which this loader does not hold together on the CPU; --dequantize runs "
+                                "the file")
+            absent = next(name for name in missing if name not in reader.table)
+            raise GGUFError(f"{header.path}: the file has no tensor {absent}{split_hint(header.path)}")
         module = model.get_submodule(module_name)
         if on_device:
             for attr, value in zip(("gate_up_proj", "down_proj"), dequantized_experts(reader, parts, module, dtype,
@@ -734,6 +743,7 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
         model.get_submodule(module_name).bias = torch.nn.Parameter(bias, requires_grad=False)
     _tie_head(model, config)
     layers.clear()  # the model holds them now: fused layer by layer, each layer's parts are freed as it goes
+    route_rows_alike(model)
     fuse_decoder_layers(model)
     return _finish_built(header, model, names)
 
