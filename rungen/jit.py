@@ -134,9 +134,6 @@ def trace_decode_step(model, tokenizer) -> tuple:
     batch size and cache length."""
     if any(type(layer) is not DynamicLayer for layer in DynamicCache(config=model.config).layers):
         raise ValueError("its cache has non-full-attention layers (sliding window, linear attention...)")
-    if any(type(module).__name__.endswith("Experts") for module in model.modules()):  # transformers' and GGMLExperts
-        raise ValueError("its mixture of experts picks each token's experts by its values: a trace would fix one "
-                         "choice")
     forward = model.forward
     parameters = inspect.signature(forward).parameters
     if "past_key_values" not in parameters:  # XLNet's mems, say: the graph would never serve a step
@@ -333,6 +330,10 @@ def _install_dispatcher(model, graphs, with_pos):
 def enable_jit(model, tokenizer) -> float | None:
     """Route `model.generate`'s decode steps through a traced graph. Returns the tracing time in seconds, or None
     (after one warning, the model untouched) where it cannot be traced or the graph would never run."""
+    if any(type(module).__name__.endswith("Experts") for module in model.modules()):  # transformers' and GGMLExperts
+        logger.warning("--jit: not traced: its mixture of experts picks each token's experts by their values, and a "
+                       "trace would fix one choice")
+        return None
     if getattr(model, "cache_grows_in_place", False):
         # One native call a step over its own cache: the graph would never be given a step.
         logger.warning("--jit: not traced: this model's decode step already runs as one fused native call "

@@ -206,7 +206,10 @@ def fuse_decoder_layers(model: torch.nn.Module) -> int:
             layers[index] = fused  # the separate q/k/v and gate/up leave with the layer
             replaced += 1
             release_freed_memory()
-    DecoderStack.install(model)
+    if not DecoderStack.install(model) and replaced == len(layers) and all(layer.mlp is not None for layer in layers):
+        # A mixture's fused layers read keys and values in place (the native attend takes strided views): its cache
+        # grows into buffers with room (rungen.kvcache.new_cache), where a DynamicCache copies itself every step.
+        model.cache_grows_in_place = True
     return replaced
 
 
