@@ -254,13 +254,19 @@ class GGMLParts(torch.nn.Module):
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         # A replaced GGMLLinear._matmul (products_one_by_one) applies to each part.
-        if native_kernels() and GGMLLinear._matmul is BLOCKS_MATMUL:
+        if native_products():
             return torch.ops.rungen_ggml.mm_parts(x.float().contiguous(), [p.blocks for p in self.parts],
                                                   [p.code for p in self.parts], self.in_features)
         return torch.cat([p._matmul(x) for p in self.parts], dim=-1)
 
 
 BLOCKS_MATMUL = GGMLLinear._matmul  # the blocks' own product (tests replace it by the exact one)
+
+
+def native_products() -> bool:
+    """Whether a product over several layers' blocks (GGMLParts, GGMLExperts) may take one native call: the kernels
+    are built and GGMLLinear's product is its own, not one a caller put in its place for each layer to take."""
+    return native_kernels() and GGMLLinear._matmul is BLOCKS_MATMUL
 
 
 def join(layers: list[GGMLLinear]) -> GGMLLinear | GGMLParts | None:

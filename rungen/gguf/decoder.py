@@ -44,7 +44,8 @@ class FusedDecoderLayer(torch.nn.Module):
         # A mixture's MLP (gate_up None) stays transformers' module: its router and experts run as they are.
         self.mlp = layer.mlp if gate_up is None else None
         self.gate_up, self.down_proj = gate_up, None if gate_up is None else layer.mlp.down_proj
-        self.qkv_parts, self.gate_up_parts = native_parts(qkv), native_parts(gate_up) if gate_up else ([], [])
+        self.qkv_parts = native_parts(qkv)
+        self.gate_up_parts = native_parts(gate_up) if gate_up is not None else ([], [])
         self.activation = getattr(config, family.activation)
         self.input_layernorm, self.mlp_norm = layer.input_layernorm, getattr(layer, family.mlp_norm)
         self.attention_out_norm, self.mlp_out_norm = (None if name is None else getattr(layer, name)

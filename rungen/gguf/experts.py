@@ -15,12 +15,12 @@ import torch
 from gguf import GGMLQuantizationType
 
 from .blocks import (
-    BLOCKS_MATMUL,
     GGMLLinear,
     GGMLParts,
     dequantize_to,
     interleavable,
     interleaved_row_bytes,
+    native_products,
     weights_per_row,
 )
 from .kernels import native_kernels
@@ -81,7 +81,7 @@ class GGMLExperts(torch.nn.Module):
         if not used:
             return x.new_zeros(0, layers[0].out_features)
         grouped = self.grouped[which]
-        if grouped is not None and native_kernels() and GGMLLinear._matmul is BLOCKS_MATMUL:
+        if grouped is not None and native_products():
             parts = [grouped[expert] for expert, _ in used]
             y = torch.ops.rungen_ggml.mm_grouped(x.float().contiguous(), [blocks for blocks, _ in parts],
                                                  [code for _, code in parts], [count for _, count in used],
