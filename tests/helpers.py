@@ -330,12 +330,7 @@ def write_moe_gguf(path, experts=4, used=2, layers=2, expert_types=(None, None, 
 
     def add(name, shape, qtype=Q.Q8_0, spread=0.15):
         qtype = Q.Q8_0 if qtype is None else qtype
-        if qtype in (Q.F16, Q.BF16):  # float experts (a file converted without quantizing them)
-            values = rng.normal(0, spread, shape).astype(np.float32)
-            writer.add_tensor(name, values.astype(np.float16) if qtype == Q.F16 else values.view(np.uint32)
-                              .__rshift__(16).astype(np.uint16).view(np.int16), raw_dtype=qtype)
-            return
-        if qtype not in SIMPLE and qtype != Q.F32:  # random blocks, scales set (blocks_for)
+        if qtype not in (*SIMPLE, Q.F32, Q.F16, Q.BF16):  # random blocks, scales set (blocks_for)
             blocks = blocks_for(qtype, int(np.prod(shape[:-1])), shape[-1], seed=len(name) + shape[0])
             writer.add_tensor(name, blocks.numpy().reshape(*shape[:-1], -1), raw_dtype=qtype)
             return
