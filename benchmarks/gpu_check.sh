@@ -1,33 +1,39 @@
 #!/usr/bin/env bash
 # The one script a GPU session runs on the device machine, from the repository's root, with the wheels of
-# benchmarks/gpu_wheels.txt downloaded into .whl/ and carried, and the default model's parts carried before it
-# (docs/performance.md "On a GPU": one part a call, the machine kept warm between the calls):
+# benchmarks/gpu_wheels.txt downloaded into .whl/ and the default model split into .model/ (docs/performance.md
+# "On a GPU"). A call carries at most 64 MiB, so the work goes over two calls to one warm machine, each carrying a
+# part of the model, the second straight after the first (what the first installed and built stays there):
 #
-#     run(command="true", carry=[".model/SmolLM2-135M-Instruct.Q4_1.gguf.0"])
-#     run(command="true", carry=[".model/SmolLM2-135M-Instruct.Q4_1.gguf.1"])
-#     run(command="bash benchmarks/gpu_check.sh", carry=[".whl", ".model/SmolLM2-135M-Instruct.Q4_1.gguf.2",
-#         ".model/SmolLM2-135M-Instruct.Q4_1.gguf.sha256"], timeout_s=600)
+#     run(command="bash benchmarks/gpu_check.sh --only tests", carry=[".whl",
+#         ".model/SmolLM2-135M-Instruct.Q4_1.gguf.0"], timeout_s=300)
+#     run(command="bash benchmarks/gpu_check.sh --only model,bench", carry=[".model/SmolLM2-135M-Instruct.Q4_1.gguf.1",
+#         ".model/SmolLM2-135M-Instruct.Q4_1.gguf.sha256"], timeout_s=480)
 #
 # It exits with the first failed step's status (0: every step passed).
-# Steps, each bounded by `timeout`, the whole within 9.5 minutes (the benchmark takes what the others left): the wheels installed into /tmp/site (--no-deps,
-# PYTHONPATH), the GPU and the versions, the native GGUF kernels built in the background (the GGUF tests and the
-# benchmark's GGUF row wait for that build rather than starting their own), tests/test_cuda.py (-m cuda), the default
-# model's checks where its parts are in .model/ (benchmarks/default_model_gpu.py: they come over three calls, see
-# docs/performance.md), then python -m benchmarks.gpu. What comes back in $OUT: env.log, kernels.log, pytest.log,
-# default_model.log and .json, gpu.log, gpu.json.
+# Steps, each bounded by `timeout`, all of them within 9.5 minutes (the benchmark takes what the others left): the
+# wheels installed into /tmp/site (--no-deps, PYTHONPATH; once a machine), the GPU and the versions, the native GGUF
+# kernels built in the background (the GGUF tests and the benchmark's GGUF row wait for that build rather than
+# starting their own), tests/test_cuda.py (-m cuda), the default model's checks where its parts are in .model/
+# (benchmarks/default_model_gpu.py), then python -m benchmarks.gpu. --only takes some of tests, model, bench. What
+# comes back in $OUT: env.log, kernels.log, pytest.log, default_model.log and .json, gpu.log, gpu.json.
 #
 #     bash benchmarks/gpu_check.sh --quick --no-wheels     # here, without a GPU: the script's own check, on a GPU
 #                                                          # the CPU plays (tests/virtual_cuda.py): the tests, and
 #                                                          # the benchmark's tiny shapes
 set -u
-quick=0 wheels=1
-for arg in "$@"; do
-    case "$arg" in
+quick=0 wheels=1 only=tests,model,bench
+usage() { echo "usage: bash benchmarks/gpu_check.sh [--quick] [--no-wheels] [--only tests,model,bench]" >&2; exit 2; }
+while [ $# -gt 0 ]; do
+    case "$1" in
         --quick) quick=1 ;;
         --no-wheels) wheels=0 ;;
-        *) echo "usage: bash benchmarks/gpu_check.sh [--quick] [--no-wheels]" >&2; exit 2 ;;
+        --only) [ $# -ge 2 ] || usage; only=$2; shift ;;
+        *) usage ;;
     esac
+    shift
 done
+for step in ${only//,/ }; do case "$step" in tests|model|bench) ;; *) usage ;; esac; done
+wants() { case ",$only," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 start=$(date +%s)
 OUT=${OUT:-$(mktemp -d /tmp/gpu_check.XXXXXX)}
 PYTHON=${PYTHON:-python3}
@@ -44,9 +50,12 @@ mkdir -p "$OUT" "$XDG_CACHE_HOME"
 elapsed() { echo "$(( $(date +%s) - start )) s"; }
 
 if [ "$wheels" = 1 ]; then
-    if ls .whl/*.whl >/dev/null 2>&1; then
+    if [ -f /tmp/site/.gpu_check_installed ]; then  # an earlier call on this machine installed them
+        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    elif ls .whl/*.whl >/dev/null 2>&1; then
         timeout -k 5 90 "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
             --target /tmp/site .whl/*.whl || { echo "installing .whl/ failed"; exit 1; }
+        ls .whl >/tmp/site/.gpu_check_installed
         export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
     else
         echo "no .whl/*.whl (carry .whl): the image's packages as they are; tests needing others skip or fail"
@@ -86,16 +95,21 @@ set -o pipefail
 # Each test named as it ends (a run cut short still says which passed), and none past 90 s where pytest-timeout is.
 per_test=()
 if "$PYTHON" -c "import pytest_timeout" 2>/dev/null; then per_test=(--timeout=90); fi
-echo "== pytest -m cuda tests/test_cuda.py (at most $PYTEST_SECONDS s)"
-timeout -k 10 "$PYTEST_SECONDS" "$PYTHON" -m pytest -v -rfE -p no:cacheprovider ${per_test[@]+"${per_test[@]}"} -m cuda \
-    tests/test_cuda.py 2>&1 | tee "$OUT/pytest.log"
-status=$?
-failed=$status  # the first failed step's status is the script's
-echo "== pytest exit status $status ($(elapsed))" | tee -a "$OUT/pytest.log"
+failed=0  # the first failed step's status is the script's
+if wants tests; then
+    echo "== pytest -m cuda tests/test_cuda.py (at most $PYTEST_SECONDS s)"
+    timeout -k 10 "$PYTEST_SECONDS" "$PYTHON" -m pytest -v -rfE -p no:cacheprovider ${per_test[@]+"${per_test[@]}"} \
+        -m cuda tests/test_cuda.py 2>&1 | tee "$OUT/pytest.log"
+    status=$?
+    failed=$status
+    echo "== pytest exit status $status ($(elapsed))" | tee -a "$OUT/pytest.log"
+fi
 wait "$kernels"
 cat "$OUT/kernels.log"
 
-if ls .model/*.gguf.2 >/dev/null 2>&1; then
+if ! wants model; then
+    :
+elif ls .model/*.gguf.1 >/dev/null 2>&1; then
     echo "== python -m benchmarks.default_model_gpu --check .model (at most $MODEL_SECONDS s)"
     timeout -k 10 "$MODEL_SECONDS" "$PYTHON" -m benchmarks.default_model_gpu --check .model \
         --json "$OUT/default_model.json" 2>&1 | tee "$OUT/default_model.log"
@@ -103,8 +117,9 @@ if ls .model/*.gguf.2 >/dev/null 2>&1; then
     [ "$failed" = 0 ] && failed=$status
     echo "== default model exit status $status ($(elapsed))" | tee -a "$OUT/default_model.log"
 else
-    echo "== no .model/ parts: the default model's checks left out (docs/performance.md: carried over three calls)"
+    echo "== no .model/ parts: the default model's checks left out (docs/performance.md: carried over two calls)"
 fi
+wants bench || { echo "== done in $(elapsed), exit status $failed; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"; exit "$failed"; }
 
 # The benchmark takes what is left of 570 s (the call's 600 less a margin), at most BENCH_SECONDS.
 left=$(( 570 - $(date +%s) + start ))
