@@ -14,8 +14,9 @@
 # wheels installed into /tmp/site (--no-deps, PYTHONPATH; once a machine), the GPU and the versions, the native GGUF
 # kernels built in the background (the GGUF tests and the benchmark's GGUF row wait for that build rather than
 # starting their own), tests/test_cuda.py (-m cuda), the default model's checks where its parts are in .model/
-# (benchmarks/default_model_gpu.py), then python -m benchmarks.gpu. --only takes some of tests, model, bench. What
-# comes back in $OUT: env.log, kernels.log, pytest.log, default_model.log and .json, gpu.log, gpu.json.
+# (benchmarks/default_model_gpu.py), then python -m benchmarks.gpu. --only takes some of tests, model, bench;
+# PYTEST_K (a -k expression) some of the tests, BENCH_ARGS more arguments of the benchmark, *_SECONDS each step's
+# time. What comes back in $OUT: env.log, kernels.log, pytest.log, default_model.log and .json, gpu.log, gpu.json.
 #
 #     bash benchmarks/gpu_check.sh --quick --no-wheels     # here, without a GPU: the script's own check, on a GPU
 #                                                          # the CPU plays (tests/virtual_cuda.py): the tests, and
@@ -41,6 +42,8 @@ PYTEST_SECONDS=${PYTEST_SECONDS:-210}
 MODEL_SECONDS=${MODEL_SECONDS:-100}
 BENCH_SECONDS=${BENCH_SECONDS:-310}
 BENCH_BUDGET=${BENCH_BUDGET:-270}
+PYTEST_K=${PYTEST_K:-}  # a -k expression: some of the tests (a second try at those that failed)
+BENCH_ARGS=${BENCH_ARGS:-}  # more arguments of benchmarks.gpu (--shapes ..., --no-gguf, ...)
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # One cache for every step: the GGUF header caches, and the kernels (TORCH_EXTENSIONS_DIR, which tests/conftest.py
 # would otherwise derive from XDG_CACHE_HOME in a folder of its own).
@@ -93,12 +96,13 @@ kernels=$!
 
 set -o pipefail
 # Each test named as it ends (a run cut short still says which passed), and none past 90 s where pytest-timeout is.
-per_test=()
-if "$PYTHON" -c "import pytest_timeout" 2>/dev/null; then per_test=(--timeout=90); fi
+pytest_more=()
+if "$PYTHON" -c "import pytest_timeout" 2>/dev/null; then pytest_more=(--timeout=90); fi
 failed=0  # the first failed step's status is the script's
 if wants tests; then
     echo "== pytest -m cuda tests/test_cuda.py (at most $PYTEST_SECONDS s)"
-    timeout -k 10 "$PYTEST_SECONDS" "$PYTHON" -m pytest -v -rfE -p no:cacheprovider ${per_test[@]+"${per_test[@]}"} \
+    if [ -n "$PYTEST_K" ]; then pytest_more+=(-k "$PYTEST_K"); fi
+    timeout -k 10 "$PYTEST_SECONDS" "$PYTHON" -m pytest -v -rfE -p no:cacheprovider ${pytest_more[@]+"${pytest_more[@]}"} \
         -m cuda tests/test_cuda.py 2>&1 | tee "$OUT/pytest.log"
     status=$?
     failed=$status
@@ -125,7 +129,7 @@ wants bench || { echo "== done in $(elapsed), exit status $failed; files in $OUT
 left=$(( 570 - $(date +%s) + start ))
 if [ "$left" -lt "$BENCH_SECONDS" ]; then BENCH_SECONDS=$left BENCH_BUDGET=$(( left - 40 )); fi
 if [ "$BENCH_BUDGET" -lt 30 ]; then echo "== $BENCH_BUDGET s left: no benchmark"; exit "$failed"; fi
-bench=(-m benchmarks.gpu --json "$OUT/gpu.json" --budget "$BENCH_BUDGET")
+bench=(-m benchmarks.gpu --json "$OUT/gpu.json" --budget "$BENCH_BUDGET" $BENCH_ARGS)
 if [ "$quick" = 1 ] && ! "$PYTHON" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
     bench=(tests/virtual_cuda.py "${bench[@]}" --quick)  # on the played GPU (its server row's process: the CPU)
 elif [ "$quick" = 1 ]; then

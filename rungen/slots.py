@@ -192,6 +192,17 @@ def prefill_step(model: torch.nn.Module, cache: SlotCache, first: int, prompts: 
     return model.get_output_embeddings()(chosen[:, None]).float()[:, 0]
 
 
+def release_default_generator() -> None:
+    """A capture that failed before its end leaves the GPU's default generator marked as capturing, and every random
+    draw on the GPU after it fails ("Offset increment outside graph capture"): a copy of its state (seed, offset)
+    takes its place."""
+    generator = torch.cuda.default_generators[torch.cuda.current_device()]
+    try:
+        generator.graphsafe_set_state(generator.clone_state())
+    except RuntimeError:  # a torch without graph-safe states: the draws fail as they would have
+        pass
+
+
 def rows_bucket(rows: int) -> int:
     """The rows a captured step runs for `rows` (1, 2, 4, then multiples of ROW_BUCKET): padding rows write
     position 0 of free slots, which a row's prefill overwrites when it takes one."""
@@ -255,7 +266,8 @@ class DecodeGraphs:
             if output is None:
                 output = self.outputs[bucket] = torch.empty(warm.shape, dtype=warm.dtype, device=warm.device)
             del warm
-            self.pool = self.pool or torch.cuda.graph_pool_handle()
+            if not self.graphs:  # a pool whose graphs are all gone takes no capture (CUDA's allocator asserts)
+                self.pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 output.copy_(self.step(self.model, self.cache, static_tokens, static_positions, length))
@@ -263,6 +275,7 @@ class DecodeGraphs:
             import logging
 
             torch.cuda.set_stream(stream)  # a capture that failed to end leaves its own stream current
+            release_default_generator()
             why = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
             if out_of_device_memory(error):  # the other batches keep their graphs
                 logging.getLogger("run_generation").warning(

@@ -38,6 +38,10 @@ CUDA = torch.device("cuda", 0)
 CPU = torch.device("cpu")
 # Operators CUDA lets take a host tensor beside a device one: copies, and indexing by host indices.
 CROSSING = {"_to_copy", "copy_", "index", "index_put_", "_index_put_impl_"}
+# Operators that draw from a generator (the GPU's default one where none is given).
+RANDOM = {"normal", "normal_", "uniform_", "bernoulli", "bernoulli_", "exponential_", "geometric_", "cauchy_",
+          "log_normal_", "random_", "rand", "randn", "randint", "randperm", "multinomial", "rand_like", "randn_like",
+          "randint_like", "native_dropout"}
 
 
 def leaves(*values) -> list:
@@ -145,10 +149,16 @@ def wrap(elem: torch.Tensor) -> OnDevice:
 
 
 class PoolHandle:
-    """torch.cuda.graph_pool_handle(): while it lives (a graph holds its own), its pool keeps its memory."""
+    """torch.cuda.graph_pool_handle(): while it lives (a graph holds its own), its pool keeps its memory. Once every
+    graph captured into it has gone, it takes no capture: CUDA's allocator asserts that a pool it still keeps is in
+    use (while its blocks are cached: here, always)."""
 
     def __init__(self, usage: list):
         self.usage = usage
+        self.graphs, self.captured = 0, False  # the graphs alive that were captured into it; whether any was
+
+    def release(self) -> None:
+        self.graphs -= 1
 
 
 class Memory:
@@ -236,6 +246,7 @@ class State:
         self.launches = 0  # operators run on the device, views left out: a kernel each (or a copy)
         self.captures = self.replays = 0
         self.capturing = None
+        self.generator_capturing = False  # the default generator left marked as capturing (DefaultGenerator)
         self.strict = False  # torch.cuda.set_sync_debug_mode("error")
         self.pinned = {}  # id -> a weak reference of each host tensor made in pinned memory
         self.memory = Memory(capacity)
@@ -276,6 +287,9 @@ class State:
             self.read(name)
         self.copies += copy and not waits
         self.launches += on_gpu and not func.is_view
+        if (self.generator_capturing and self.capturing is None and on_gpu and name in RANDOM
+                and kwargs.get("generator") is None):
+            raise RuntimeError("Offset increment outside graph capture encountered unexpectedly.")
         if self.capturing is not None and on_gpu and any(is_host(value) for value in flat):
             raise DeviceError(f"{name}: a copy from pageable host memory while the stream is capturing")
         func = STAND_INS.get(func, func) if on_gpu else func
@@ -364,7 +378,13 @@ class CUDAGraph:
 
 @contextlib.contextmanager
 def graph(cuda_graph, pool=None, stream=None, **kwargs):
+    if pool is not None and pool.captured and not pool.graphs:
+        STATE.generator_capturing = True  # registered by the capture's start, which fails before its end
+        raise RuntimeError('it->second->use_count > 0 INTERNAL ASSERT FAILED at "/pytorch/c10/cuda/'
+                           'CUDACachingAllocator.cpp":2799, please report a bug to PyTorch. ')
     cuda_graph.pool = pool if pool is not None else STATE.memory.new_pool()
+    cuda_graph.pool.captured, cuda_graph.pool.graphs = True, cuda_graph.pool.graphs + 1
+    weakref.finalize(cuda_graph, cuda_graph.pool.release)
     STATE.capturing, STATE.captures = cuda_graph.recorded, STATE.captures + 1
     STATE.memory.pool = cuda_graph.pool.usage
     try:
@@ -375,6 +395,17 @@ def graph(cuda_graph, pool=None, stream=None, **kwargs):
 
 def sync_debug_mode(mode) -> None:
     STATE.strict = mode in ("error", 2)
+
+
+class DefaultGenerator:
+    """torch.cuda.default_generators[0]: a capture that failed before its end leaves it marked as capturing (every
+    random draw on the GPU without a generator of its own then fails) until a copy of its state takes its place."""
+
+    def clone_state(self):
+        return DefaultGenerator()
+
+    def graphsafe_set_state(self, other):
+        STATE.generator_capturing = False
 
 
 class HostGenerator(torch.Generator):
@@ -453,6 +484,7 @@ def played_gpu(name="NVIDIA H200 (played by the CPU)", capability=(9, 0), bf16=T
             "stream": lambda stream: contextlib.nullcontext(), "Event": Event, "synchronize": lambda device=None: None,
             "CUDAGraph": CUDAGraph, "graph": graph, "graph_pool_handle": lambda: STATE.memory.new_pool(),
             "set_sync_debug_mode": sync_debug_mode, "empty_cache": lambda: None,
+            "default_generators": (DefaultGenerator(),),
             "mem_get_info": lambda device=None: (capacity - STATE.memory.reserved, capacity),
             "memory_allocated": lambda device=None: STATE.memory.allocated,
             "memory_reserved": lambda device=None: STATE.memory.reserved,
