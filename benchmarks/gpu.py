@@ -21,7 +21,7 @@ first call's extra time (compilation, graph capture, kernel selection) and peak 
   --quantize int8 at the first two batches;
 - engine, compiled step: on CUDA, the engine with its captured decode step compiled by torch.compile first
   (RUN_GENERATION_COMPILE=1: inductor fuses the elementwise operators between the matrix products), at
-  --compile-batches;
+  --compile-batches, beside generate static+compile (the two compiled paths measured together);
 - generate eager: transformers' generate(), greedy, min_new_tokens = max_new_tokens (EOS ignored);
 - generate static+compile: the same with cache_implementation="static" (generate() then compiles the decode step
   on CUDA, CompileConfig's defaults: inductor, "reduce-overhead", i.e. CUDA graphs); batch 1 only unless
@@ -47,13 +47,13 @@ error). Product rows: one layer's matrix product in each weight form at 1 to 409
 Each measurement is guarded: a failure prints one line and the run goes on. The run keeps to --budget seconds (300
 by default: the whole script within 6 minutes on an H100/H200, a last measurement's overrun included), the goals'
 rows first: the engine and eager generate() of every shape, the 8B shape's Q4_0 file, the server, then shape by shape
-(in the list's order, the smaller first: the 8B's compiles may take minutes) transformers' paths whose first call
-compiles or captures (static+compile, generate_batch); then, while time is left, the engine's variants (no CUDA
-graphs, no overlap, prefills alone, its step compiled, --quantize int8), the Triton int4 kernel on the same Q4_0
-file, the Q8_0 pair and the product rows. What is skipped says so (--shapes NAME --no-products runs one shape's rows
-in full). A first call of every path at every batch is timed and left out of
-the figures ("first_call_s": its time beyond the measured call's). Every figure is also in --json FILE, rewritten
-after each measurement (a run cut short keeps what it measured).
+(in the list's order, the smaller first: the 8B's compiles may take minutes) the paths whose first call compiles or
+captures (generate static+compile and the engine's compiled step, generate_batch); then, while time is left, the
+engine's variants (no CUDA graphs, no overlap, prefills alone, --quantize int8), the Triton int4 kernel on the same
+Q4_0 file, the Q8_0 pair and the product rows. What is skipped says so (--shapes NAME --no-products runs one shape's
+rows in full). A first call of every path at every batch is timed and left out of the figures ("first_call_s": its
+time beyond the measured call's). Every figure is also in --json FILE, rewritten after each measurement (a run cut
+short keeps what it measured).
 """
 
 import argparse
@@ -539,8 +539,7 @@ def cheap_paths(report, name, args, shapes, bandwidth, budget):
 
 def engine_variants(report, name, args, shapes, bandwidth, budget):
     """What the engine's parts give, on CUDA: the engine without its CUDA graphs, without the overlap of steps, with
-    prefills alone, and with its captured step compiled by torch.compile (RUN_GENERATION_COMPILE=1); on the first
-    shape, --quantize int8 too."""
+    prefills alone; on the first shape, --quantize int8 too."""
     if args.device.type != "cuda" and name != args.shapes[0]:
         return
     if budget.left() < 20:
@@ -551,7 +550,7 @@ def engine_variants(report, name, args, shapes, bandwidth, budget):
         return
     try:
         if args.device.type == "cuda":
-            from rungen.batch_cache import COMPILE_ENV, GRAPHS_ENV, PREFILL_ENV
+            from rungen.batch_cache import GRAPHS_ENV, PREFILL_ENV
             from rungen.decode import OVERLAP_ENV
 
             for path, settings, batches in (("engine, no CUDA graphs", {GRAPHS_ENV: "0"}, args.batches[:1]),
@@ -560,10 +559,6 @@ def engine_variants(report, name, args, shapes, bandwidth, budget):
                 decode_rows(report, shape, path,
                             lambda settings=settings: EngineRunner(shape.loaded, max(args.batches), settings),
                             batches, bandwidth, budget, reserve=10)
-            decode_rows(report, shape, "engine, compiled step",
-                        lambda: EngineRunner(shape.loaded, max(args.batches), {COMPILE_ENV: "1"}),
-                        args.compile_batches, bandwidth, budget, reserve=args.compile_reserve)
-            torch._dynamo.reset()
         if name == args.shapes[0]:
             int8_rows(report, shape, args, bandwidth, budget)
     finally:
@@ -598,7 +593,8 @@ def int8_rows(report, shape, args, bandwidth, budget):
 
 def costly_paths(report, name, args, shapes, bandwidth, budget):
     """transformers' fastest paths: generate() with a static cache, compiled by generate() itself on CUDA
-    (CompileConfig's defaults), at --compile-batches; then generate_batch at --cb-batches. Each first call compiles
+    (CompileConfig's defaults), at --compile-batches, beside the engine with its captured step compiled by
+    torch.compile (RUN_GENERATION_COMPILE=1, on CUDA); then generate_batch at --cb-batches. Each first call compiles
     or captures: tens of seconds."""
     if budget.left() < min(args.compile_reserve, 20):
         report.add(shape=name, path="generate static+compile, generate_batch", error=f"skipped: {budget.left():.0f} s "
@@ -616,6 +612,13 @@ def costly_paths(report, name, args, shapes, bandwidth, budget):
                     lambda: GenerateRunner(shape.model, args.device, cache_implementation="static"),
                     args.compile_batches, bandwidth, budget, reserve=args.compile_reserve)
         torch._dynamo.reset()  # the graphs and their memory go before the next path
+        if args.device.type == "cuda":
+            from rungen.batch_cache import COMPILE_ENV
+
+            decode_rows(report, shape, "engine, compiled step",
+                        lambda: EngineRunner(shape.loaded, max(args.batches), {COMPILE_ENV: "1"}),
+                        args.compile_batches, bandwidth, budget, reserve=args.compile_reserve)
+            torch._dynamo.reset()
         if not hasattr(shape.model, "generate_batch"):
             report.note(f"generate_batch: not in this transformers ({transformers_version()}), no row")
         elif args.device.type != "cuda" and name != args.shapes[-1]:

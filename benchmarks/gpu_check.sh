@@ -14,16 +14,18 @@
 # wheels installed into /tmp/site (--no-deps, PYTHONPATH; once a machine), the GPU and the versions, the native GGUF
 # kernels built in the background (the GGUF tests and the benchmark's GGUF row wait for that build rather than
 # starting their own), tests/test_cuda.py (-m cuda), the default model's checks where its parts are in .model/
-# (benchmarks/default_model_gpu.py), then python -m benchmarks.gpu. --only takes some of tests, model, bench;
+# (benchmarks/default_model_gpu.py), where a decode step's time goes (benchmarks/gpu_step.py), then python -m
+# benchmarks.gpu. --only takes some of tests, step, model, bench;
 # PYTEST_K (a -k expression) some of the tests, BENCH_ARGS more arguments of the benchmark, *_SECONDS each step's
-# time. What comes back in $OUT: env.log, kernels.log, pytest.log, default_model.log and .json, gpu.log, gpu.json.
+# time. What comes back in $OUT: env.log, kernels.log, pytest.log, step.log and .json, default_model.log and .json,
+# gpu.log, gpu.json.
 #
 #     bash benchmarks/gpu_check.sh --quick --no-wheels     # here, without a GPU: the script's own check, on a GPU
 #                                                          # the CPU plays (tests/virtual_cuda.py): the tests, and
 #                                                          # the benchmark's tiny shapes
 set -u
-quick=0 wheels=1 only=tests,model,bench
-usage() { echo "usage: bash benchmarks/gpu_check.sh [--quick] [--no-wheels] [--only tests,model,bench]" >&2; exit 2; }
+quick=0 wheels=1 only=tests,step,model,bench
+usage() { echo "usage: bash benchmarks/gpu_check.sh [--quick] [--no-wheels] [--only tests,step,model,bench]" >&2; exit 2; }
 while [ $# -gt 0 ]; do
     case "$1" in
         --quick) quick=1 ;;
@@ -33,12 +35,13 @@ while [ $# -gt 0 ]; do
     esac
     shift
 done
-for step in ${only//,/ }; do case "$step" in tests|model|bench) ;; *) usage ;; esac; done
+for step in ${only//,/ }; do case "$step" in tests|step|model|bench) ;; *) usage ;; esac; done
 wants() { case ",$only," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 start=$(date +%s)
 OUT=${OUT:-$(mktemp -d /tmp/gpu_check.XXXXXX)}
 PYTHON=${PYTHON:-python3}
 PYTEST_SECONDS=${PYTEST_SECONDS:-210}
+STEP_SECONDS=${STEP_SECONDS:-60}
 MODEL_SECONDS=${MODEL_SECONDS:-100}
 BENCH_SECONDS=${BENCH_SECONDS:-310}
 BENCH_BUDGET=${BENCH_BUDGET:-270}
@@ -110,6 +113,20 @@ if wants tests; then
 fi
 wait "$kernels"
 cat "$OUT/kernels.log"
+
+if wants step; then
+    step=(-m benchmarks.gpu_step --json "$OUT/step.json")
+    if [ "$quick" = 1 ] && ! "$PYTHON" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+        step=(tests/virtual_cuda.py "${step[@]}" --quick)
+    elif [ "$quick" = 1 ]; then
+        step+=(--quick)
+    fi
+    echo "== python ${step[*]} (at most $STEP_SECONDS s)"
+    timeout -k 10 "$STEP_SECONDS" "$PYTHON" "${step[@]}" 2>&1 | tee "$OUT/step.log"
+    status=$?
+    [ "$failed" = 0 ] && failed=$status
+    echo "== decode step exit status $status ($(elapsed))" | tee -a "$OUT/step.log"
+fi
 
 if ! wants model; then
     :
