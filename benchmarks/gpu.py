@@ -35,22 +35,23 @@ Llama-3.1-8B's shape written as Q4_0 by benchmarks/gguf_files.py's writer (rando
 vocabulary of the published size), loaded through rungen.loading.load on the device (Q4_0 as 4-bit codes for torch's
 int4 kernel, the embedding in its Q4_0 blocks, the Q6_K head as int8 codes for rungen/int8.py's kernel), decoding at
 batch 1 on the engine and its time to first token (the 4-bit kernel over a prompt's rows), its load time and peak
-memory beside the file's size, loaded twice: on torch's int4 kernel (the default) and on rungen/int4_kernel.py's
-Triton kernel (RUN_GENERATION_GPU_INT4=triton); and Llama-3.2-1B's shape as Q8_0 (tied,
-as published: the table the head's int8 codes, which the lookup reads too), loaded twice, on the int8 Triton kernel
-and de-quantized to bfloat16 (RUN_GENERATION_TRITON_INT8=0), the kernel's speed and memory against what it replaced. A
-server row: `run_generation.py --serve` on the default model's shape written as a Q4_0 file (with a ChatML template),
-16 clients each streaming two chat completions (--new-tokens each): output tokens/s, time to first token (median and
-95th percentile), time per output token, and the requests cut short (none expected; one that fails is the row's
-error). Product rows: one layer's matrix product in each weight form at 1 to 4096 rows (benchmarks/gpu_products.py).
+memory beside the file's size, then at the second batch (wide_tokens_per_s), loaded twice in a row: on torch's int4
+kernel (the default) and on rungen/int4_kernel.py's Triton kernel (RUN_GENERATION_GPU_INT4=triton); and Llama-3.2-1B's
+shape as Q8_0 (tied, as published: the table the head's int8 codes, which the lookup reads too), loaded twice, on the
+int8 Triton kernel and de-quantized to bfloat16 (RUN_GENERATION_TRITON_INT8=0), the kernel's speed and memory against
+what it replaced. A server row: `run_generation.py --serve` on the default model's shape written as a Q4_0 file (with a
+ChatML template), 16 clients each streaming two chat completions (--new-tokens each): output tokens/s, time to first
+token (median and 95th percentile), time per output token, and the requests cut short (none expected; one that fails is
+the row's error). Product rows: one layer's matrix product in each weight form at 1 to 4096 rows
+(benchmarks/gpu_products.py).
 
 Each measurement is guarded: a failure prints one line and the run goes on. The run keeps to --budget seconds (300
 by default: the whole script within 6 minutes on an H100/H200, a last measurement's overrun included), the goals'
-rows first: the engine and eager generate() of every shape, the 8B shape's Q4_0 file, the server, then shape by shape
-(in the list's order, the smaller first: the 8B's compiles may take minutes) the paths whose first call compiles or
-captures (generate static+compile and the engine's compiled step, generate_batch); then, while time is left, the
-engine's variants (no CUDA graphs, no overlap, prefills alone, --quantize int8), the Triton int4 kernel on the same
-Q4_0 file, the Q8_0 pair and the product rows. What is skipped says so (--shapes NAME --no-products runs one shape's
+rows first: the engine and eager generate() of every shape, the 8B shape's Q4_0 file (both kernels), the server, then
+shape by shape (in the list's order, the smaller first: the 8B's compiles may take minutes) the paths whose first
+call compiles or captures (generate static+compile and the engine's compiled step, generate_batch); then, while time
+is left, the engine's variants (no CUDA graphs, no overlap, prefills alone, --quantize int8), the Q8_0 pair and the
+product rows. What is skipped says so (--shapes NAME --no-products runs one shape's
 rows in full). A first call of every path at every batch is timed and left out of the figures ("first_call_s": its
 time beyond the measured call's). Every figure is also in --json FILE, rewritten after each measurement (a run cut
 short keeps what it measured).
@@ -673,7 +674,8 @@ def gguf_row(report, args, bandwidth, budget, name, qtype, variants, reserve):
 
 
 def gguf_variant(args, bandwidth, name, path, label):
-    """One load of the GGUF file at `path` and its batch-1 decode on the engine: the row's figures."""
+    """One load of the GGUF file at `path`, its batch-1 decode on the engine and its first token of a --ttft-tokens
+    prompt, then its decode at the second of --batches (wide_tokens_per_s): the row's figures."""
     from rungen.loading import load
 
     loaded = runner = None
@@ -704,6 +706,16 @@ def gguf_variant(args, bandwidth, name, path, label):
             row.update(ttft_tokens=args.ttft_tokens, ttft_ms=ttft_ms(runner, args.ttft_tokens, loaded.vocab_size))
         except Exception as error:
             row["ttft_error"] = one_line(error)
+        runner = None
+        try:  # the second batch's rows, where torch's int4 kernel grows with the rows (benchmarks/gpu_products.py)
+            batch = args.batches[1] if len(args.batches) > 1 else args.batches[0]
+            runner = EngineRunner(loaded, batch)
+            ids = prompts(batch, args.prompt_tokens, loaded.vocab_size)
+            runner.run(ids, args.new_tokens)
+            _, first, end = runner.run(ids, args.new_tokens)
+            row.update(wide_batch=batch, wide_tokens_per_s=batch / ((end - first) / max(1, args.new_tokens - 1)))
+        except Exception as error:
+            row["wide_error"] = one_line(error)
         if bandwidth and args.device.type == "cuda":  # the weights as the model holds them are what a step reads
             kv = kv_bytes_per_token(loaded.model.config, torch.finfo(dtype).bits // 8)
             row["bound_ms"] = (row["weight_gib"] * 2**30 + (args.prompt_tokens + args.new_tokens / 2) * kv) / (
@@ -890,7 +902,11 @@ def main(argv=None):
         if args.no_gguf:
             report.note("GGUF rows: left out (--no-gguf)")
         else:
-            gguf_row(report, args, bandwidth, budget, gguf_8b, "Q4_0", [("gguf Q4_0 engine", {})], args.gguf_reserve)
+            # torch's int4 kernel (the default) and rungen/int4_kernel.py's Triton kernel, on the same file
+            gguf_row(report, args, bandwidth, budget, gguf_8b, "Q4_0",
+                     [("gguf Q4_0 engine", {}),
+                      ("gguf Q4_0 engine, int4 Triton kernel", {"RUN_GENERATION_GPU_INT4": "triton"})],
+                     args.gguf_reserve)
         if args.no_server:
             report.note("server row: left out (--no-server)")
         else:
@@ -902,10 +918,6 @@ def main(argv=None):
         for name in args.shapes:
             engine_variants(report, name, args, shapes, bandwidth, budget)
         if not args.no_gguf:
-            # rungen/int4_kernel.py's Triton kernel against torch's int4 kernel (the row above), on the same file
-            gguf_row(report, args, bandwidth, budget, gguf_8b, "Q4_0",
-                     [("gguf Q4_0 engine, int4 Triton kernel", {"RUN_GENERATION_GPU_INT4": "triton"})],
-                     args.gguf_reserve / 2)
             # The int8 kernel against the same weights de-quantized to bfloat16 (what it replaced), paired in one run.
             gguf_row(report, args, bandwidth, budget, "tiny-llama" if args.quick else "llama-3.2-1b", "Q8_0",
                      [("gguf Q8_0 engine, int8 kernel", {}),
