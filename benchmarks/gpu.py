@@ -19,6 +19,8 @@ first call's extra time (compilation, graph capture, kernel selection) and peak 
   (RUN_GENERATION_OVERLAP=0), and at the second batch with each request prefilled alone
   (RUN_GENERATION_PREFILL_TOGETHER=0: its first_token_ms beside the default's); on the first shape, last, also with
   --quantize int8 at the first two batches;
+- engine, fused norms: on CUDA, the engine with its RMSNorm layers run as torch's rms_norm
+  (RUN_GENERATION_FUSED_NORMS=1: one kernel each where transformers' module runs seven), at the first two batches;
 - engine, compiled step: on CUDA, the engine with its captured decode step compiled by torch.compile first
   (RUN_GENERATION_COMPILE=1: inductor fuses the elementwise operators between the matrix products), at
   --compile-batches, beside generate static+compile (the two compiled paths measured together);
@@ -529,6 +531,13 @@ def cheap_paths(report, name, args, shapes, bandwidth, budget):
         if engine is not None:
             ttft_row(report, shape, "engine", engine)
         engine = None
+        if args.device.type == "cuda":  # an experiment: its RMSNorm layers as torch's rms_norm, one kernel each
+            from rungen.fused_norms import FUSED_NORMS_ENV, unfuse_norms
+
+            decode_rows(report, shape, "engine, fused norms",
+                        lambda: EngineRunner(shape.loaded, max(args.batches), {FUSED_NORMS_ENV: "1"}),
+                        args.batches[:2], bandwidth, budget, reserve=10)
+            unfuse_norms(shape.model)
         eager = decode_rows(report, shape, "generate eager", lambda: GenerateRunner(shape.model, args.device),
                             args.batches, bandwidth, budget, reserve=10)
         if eager is not None:

@@ -41,7 +41,7 @@ start=$(date +%s)
 OUT=${OUT:-$(mktemp -d /tmp/gpu_check.XXXXXX)}
 PYTHON=${PYTHON:-python3}
 PYTEST_SECONDS=${PYTEST_SECONDS:-210}
-STEP_SECONDS=${STEP_SECONDS:-60}
+STEP_SECONDS=${STEP_SECONDS:-90}
 MODEL_SECONDS=${MODEL_SECONDS:-100}
 BENCH_SECONDS=${BENCH_SECONDS:-310}
 BENCH_BUDGET=${BENCH_BUDGET:-270}
@@ -114,18 +114,26 @@ fi
 wait "$kernels"
 cat "$OUT/kernels.log"
 
-if wants step; then
-    step=(-m benchmarks.gpu_step --json "$OUT/step.json")
+# A benchmark's module run for at most SECONDS into LOG; with --quick, its tiny shapes, on a GPU the CPU plays where
+# there is none (tests/virtual_cuda.py: the benchmark's server row's own process then runs on the CPU).
+run_module() {  # LABEL SECONDS LOG ARGUMENTS...
+    local label=$1 seconds=$2 log=$3
+    shift 3
+    local command=("$@")
     if [ "$quick" = 1 ] && ! "$PYTHON" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
-        step=(tests/virtual_cuda.py "${step[@]}" --quick)
+        command=(tests/virtual_cuda.py "${command[@]}" --quick)
     elif [ "$quick" = 1 ]; then
-        step+=(--quick)
+        command+=(--quick)
     fi
-    echo "== python ${step[*]} (at most $STEP_SECONDS s)"
-    timeout -k 10 "$STEP_SECONDS" "$PYTHON" "${step[@]}" 2>&1 | tee "$OUT/step.log"
-    status=$?
+    echo "== python ${command[*]} (at most $seconds s)"
+    timeout -k 10 "$seconds" "$PYTHON" "${command[@]}" 2>&1 | tee "$log"
+    local status=$?
     [ "$failed" = 0 ] && failed=$status
-    echo "== decode step exit status $status ($(elapsed))" | tee -a "$OUT/step.log"
+    echo "== $label exit status $status ($(elapsed))" | tee -a "$log"
+}
+
+if wants step; then
+    run_module "decode step" "$STEP_SECONDS" "$OUT/step.log" -m benchmarks.gpu_step --json "$OUT/step.json"
 fi
 
 if ! wants model; then
@@ -146,16 +154,8 @@ wants bench || { echo "== done in $(elapsed), exit status $failed; files in $OUT
 left=$(( 570 - $(date +%s) + start ))
 if [ "$left" -lt "$BENCH_SECONDS" ]; then BENCH_SECONDS=$left BENCH_BUDGET=$(( left - 40 )); fi
 if [ "$BENCH_BUDGET" -lt 30 ]; then echo "== $BENCH_BUDGET s left: no benchmark"; exit "$failed"; fi
-bench=(-m benchmarks.gpu --json "$OUT/gpu.json" --budget "$BENCH_BUDGET" $BENCH_ARGS)
-if [ "$quick" = 1 ] && ! "$PYTHON" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
-    bench=(tests/virtual_cuda.py "${bench[@]}" --quick)  # on the played GPU (its server row's process: the CPU)
-elif [ "$quick" = 1 ]; then
-    bench+=(--quick)
-fi
-echo "== python ${bench[*]} (at most $BENCH_SECONDS s)"
-timeout -k 10 "$BENCH_SECONDS" "$PYTHON" "${bench[@]}" 2>&1 | tee "$OUT/gpu.log"
-status=$?
-[ "$failed" = 0 ] && failed=$status
-echo "== benchmark exit status $status ($(elapsed))" | tee -a "$OUT/gpu.log"
+# shellcheck disable=SC2086  # BENCH_ARGS: several arguments
+run_module benchmark "$BENCH_SECONDS" "$OUT/gpu.log" -m benchmarks.gpu --json "$OUT/gpu.json" --budget "$BENCH_BUDGET" \
+    $BENCH_ARGS
 echo "== done in $(elapsed), exit status $failed; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
 exit "$failed"

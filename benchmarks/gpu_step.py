@@ -4,13 +4,14 @@
     python -m benchmarks.gpu_step --quick --device cpu      # the script's own check: tiny shapes, the CPU's operators
 
 For each shape (benchmarks/gpu.py's, random weights built on the device) the decode step the engine runs
-(rungen.slots.decode_step over slots holding `--position` positions a row) is timed replayed from a CUDA graph, as
-the engine runs it, and eagerly (CUDA events, the median of --repeats), beside its bound (the weights a step reads
-over the measured copy bandwidth). Then the eager step under torch.profiler: the kernels a step launches (a layer's
-share), and their time summed by kind (matrix products, attention, the rest) and by name (the most costly first).
-The time past the bound splits there into the products' own time past their bytes and the small kernels between
-them: what to fuse first. Kernel time is measured eagerly, where each launch also waits on the host; the graph's
-replay leaves only the kernels and their gaps.
+(rungen.slots.decode_step over slots holding `--position` positions a row) is timed replayed from a CUDA graph, as the
+engine runs it, and eagerly (CUDA events, the median of --repeats), beside its bound (the weights a step reads over the
+measured copy bandwidth). Then the eager step under torch.profiler: the kernels a step launches (a layer's share), and
+their time summed by kind (matrix products, attention, the rest) and by name (the most costly first). The time past the
+bound splits there into the products' own time past their bytes and the small kernels between them: what to fuse first.
+Each shape twice: as transformers builds it, and with its RMSNorm layers as torch's rms_norm (rungen/fused_norms.py,
+RUN_GENERATION_FUSED_NORMS=1's form). Kernel time is measured eagerly, where each launch also waits on the host; the
+graph's replay leaves only the kernels and their gaps.
 """
 
 import argparse
@@ -21,6 +22,7 @@ import sys
 import torch
 
 from benchmarks.gpu import QUICK_SHAPES, SHAPES, build_model, copy_bandwidth, make_config, one_line, weight_bytes
+from rungen.fused_norms import fuse_norms
 from rungen.slots import DecodeGraphs, SlotCache, decode_step
 
 PRODUCTS = ("gemm", "gemv", "cutlass", "xmma", "splitk", "sm90_", "sm80_", "linear", "addmm", "mm")
@@ -71,9 +73,11 @@ def kernels(profile, device) -> list[tuple[str, float]]:
             if event.name.startswith("aten::") and event.name not in NO_KERNEL]
 
 
-def step_row(name, args, shapes, bandwidth) -> dict:
+def step_row(name, args, shapes, bandwidth, fused=False) -> dict:
     config = make_config(name, shapes)
     model = build_model(config, args.device, args.dtype)
+    if fused:
+        fuse_norms(model)
     heads = config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     cache = SlotCache(config.num_hidden_layers, args.rows, args.position + 64)
@@ -85,7 +89,8 @@ def step_row(name, args, shapes, bandwidth) -> dict:
     tokens = torch.randint(3, config.vocab_size - 2, (args.rows, 1), generator=generator).to(args.device)
     positions = torch.full((args.rows,), args.position, device=args.device)
     length = cache.step_length(args.position)
-    row = dict(shape=name, rows=args.rows, position=args.position, layers=config.num_hidden_layers,
+    row = dict(shape=name + (", fused norms" if fused else ""), rows=args.rows, position=args.position,
+               layers=config.num_hidden_layers,
                weights_gb=weight_bytes(model) / 1e9)
     if bandwidth:
         row["bound_ms"] = weight_bytes(model) / (bandwidth * 1e9) * 1e3
@@ -150,17 +155,18 @@ def main(argv=None):
         print(f"{torch.cuda.get_device_name(0)}, copy bandwidth {bandwidth:.0f} GB/s", flush=True)
     rows = []
     for name in args.shapes:
-        try:
-            row = step_row(name, args, shapes, bandwidth)
-        except Exception as error:  # one shape's failure is its line
-            row = dict(shape=name, error=one_line(error))
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(dict(device=str(args.device), bandwidth_gb_s=bandwidth, rows=rows), f, indent=1)
-        if args.device.type == "cuda":
-            torch.cuda.empty_cache()
+        for fused in (False, True):
+            try:
+                row = step_row(name, args, shapes, bandwidth, fused)
+            except Exception as error:  # one shape's failure is its line
+                row = dict(shape=name + (", fused norms" if fused else ""), error=one_line(error))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(dict(device=str(args.device), bandwidth_gb_s=bandwidth, rows=rows), f, indent=1)
+            if args.device.type == "cuda":
+                torch.cuda.empty_cache()
     print("\n| shape | rows | bound ms | graph ms | eager ms | kernels a layer | products ms | attention ms | "
           "other ms |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
