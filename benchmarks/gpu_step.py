@@ -118,6 +118,9 @@ def step_row(name, args, shapes, bandwidth, fused=False) -> dict:
             row["profile_error"] = one_line(error)
             return row
     found = kernels(seen, args.device)
+    if not found:
+        row["profile_error"] = "the profile holds no kernel"
+        return row
     by_name, by_kind = {}, {}
     for kernel, us in found:
         count, total = by_name.get(kernel, (0, 0.0))
