@@ -1302,6 +1302,42 @@ def test_the_int8_kernel_multiplies_as_the_plain_product(dtype, monkeypatch):
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_widening_kernel_writes_each_weight_as_its_code_scale_and_offset(dtype, monkeypatch):
+    # rungen/int8.py's widening kernel (the plain product's weight on a GPU, past the int8 kernel's rows): each weight
+    # code x scale (+ offset) to the dtype's rounding, for every form of scales the int8 forms have, a row shorter
+    # than a block and one ending past several.
+    from rungen.int8 import WIDEN_BLOCK, widen_kernel
+
+    if ON_CPU and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("on the CPU the kernel runs in Triton's interpreter: TRITON_INTERPRET=1")
+    kernel = widen_kernel()
+    if kernel is None:
+        pytest.skip("Triton does not import")
+    if ON_CPU and dtype == torch.bfloat16:
+        interpret_bfloat16_as_a_gpu_does(monkeypatch)
+    generator = torch.Generator().manual_seed(0)
+    for channels, inner in ((3, 96), (5, 2 * WIDEN_BLOCK + 64)):
+        codes = torch.randint(-128, 128, (channels, inner), dtype=torch.int8, generator=generator)
+
+        def groups(size, dtype, channels=channels, inner=inner):
+            return (torch.rand(channels, inner // size, generator=generator) / 100).to(dtype)
+
+        for scales, offsets in (((torch.rand(channels, generator=generator) / 100).to(torch.bfloat16), None),
+                                (groups(32, torch.float16), None), (groups(16, torch.float32), None),
+                                (groups(32, torch.float32), -groups(32, torch.float32))):
+            spread = scales.double()[:, None] if scales.dim() == 1 else scales.double().repeat_interleave(
+                inner // scales.shape[1], dim=1)
+            truth = codes.double() * spread
+            if offsets is not None:
+                truth += offsets.double().repeat_interleave(inner // offsets.shape[1], dim=1)
+            got = kernel(codes.to(DEVICE), scales.to(DEVICE), None if offsets is None else offsets.to(DEVICE), dtype)
+            assert got.dtype == dtype and got.shape == codes.shape
+            error = (got.cpu().double() - truth).abs()
+            assert (error <= torch.finfo(dtype).eps * truth.abs() + 1e-6 * truth.abs().max()).all(), (channels, inner)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_the_4_bit_kernel_multiplies_as_the_plain_product(dtype, monkeypatch):
     # The 4-bit Triton kernel (rungen/int4_kernel.py) against its codes unpacked and widened in float32, from one
     # row to its most, inputs from one chunk of 64 to tiles that end past them, output channels that fill no block;
