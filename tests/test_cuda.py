@@ -1234,6 +1234,19 @@ def test_quantize_int4_runs_on_the_4_bit_triton_kernel(wide_checkpoint, monkeypa
     assert not isinstance(model.get_output_embeddings(), CudaInt4Linear)
 
 
+def kernel_where_it_runs(make, dtype, monkeypatch):
+    """`make()`'s Triton kernel where it runs: on a GPU, or on the CPU in Triton's interpreter (TRITON_INTERPRET=1,
+    bfloat16 made to compute as on a GPU); else the test skips."""
+    if ON_CPU and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("on the CPU the kernel runs in Triton's interpreter: TRITON_INTERPRET=1")
+    kernel = make()
+    if kernel is None:
+        pytest.skip("Triton does not import")
+    if ON_CPU and dtype == torch.bfloat16:
+        interpret_bfloat16_as_a_gpu_does(monkeypatch)
+    return kernel
+
+
 def interpret_bfloat16_as_a_gpu_does(monkeypatch):
     """Triton's interpreter holds a bfloat16 as its 16 bits (uint16) and forgets so in two places the int8 and 4-bit
     kernels reach: tl.dot multiplies the bits (triton-lang/triton#11584) and a cast from an integer writes the
@@ -1272,13 +1285,7 @@ def test_the_int8_kernel_multiplies_as_the_plain_product(dtype, monkeypatch):
     # float16 and float32 in one configuration (each configuration is a compilation of its own).
     from rungen.int8 import triton_kernel, widened
 
-    if ON_CPU and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("on the CPU the kernel runs in Triton's interpreter: TRITON_INTERPRET=1")
-    kernel = triton_kernel()
-    if kernel is not None and ON_CPU and dtype == torch.bfloat16:
-        interpret_bfloat16_as_a_gpu_does(monkeypatch)
-    if kernel is None:
-        pytest.skip("Triton does not import")
+    kernel = kernel_where_it_runs(triton_kernel, dtype, monkeypatch)
     blocks = None if dtype == torch.bfloat16 else {"BLOCK_N": 32, "BLOCK_K": 128}
     for rows, channels, inner in ((1, 96, 320), (5, 64, 256), (17, 40, 96), (64, 48, 512)):
         generator = torch.Generator().manual_seed(rows)
@@ -1308,13 +1315,7 @@ def test_the_widening_kernel_writes_each_weight_as_its_code_scale_and_offset(dty
     # than a block and one ending past several.
     from rungen.int8 import WIDEN_BLOCK, widen_kernel
 
-    if ON_CPU and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("on the CPU the kernel runs in Triton's interpreter: TRITON_INTERPRET=1")
-    kernel = widen_kernel()
-    if kernel is None:
-        pytest.skip("Triton does not import")
-    if ON_CPU and dtype == torch.bfloat16:
-        interpret_bfloat16_as_a_gpu_does(monkeypatch)
+    kernel = kernel_where_it_runs(widen_kernel, dtype, monkeypatch)
     generator = torch.Generator().manual_seed(0)
     for channels, inner in ((3, 96), (5, 2 * WIDEN_BLOCK + 64)):
         codes = torch.randint(-128, 128, (channels, inner), dtype=torch.int8, generator=generator)
@@ -1345,13 +1346,7 @@ def test_the_4_bit_kernel_multiplies_as_the_plain_product(dtype, monkeypatch):
     # through its tuning, float16 and float32 in one configuration.
     from rungen.int4_kernel import packed, triton_kernel, widened4
 
-    if ON_CPU and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("on the CPU the kernel runs in Triton's interpreter: TRITON_INTERPRET=1")
-    kernel = triton_kernel()
-    if kernel is None:
-        pytest.skip("Triton does not import")
-    if ON_CPU and dtype == torch.bfloat16:
-        interpret_bfloat16_as_a_gpu_does(monkeypatch)
+    kernel = kernel_where_it_runs(triton_kernel, dtype, monkeypatch)
     blocks = None if dtype == torch.bfloat16 else {"BLOCK_N": 32, "BLOCK_K": 256}
     for rows, channels, inner in ((1, 96, 64), (5, 64, 576), (17, 40, 384), (64, 48, 4096)):
         generator = torch.Generator().manual_seed(rows)
