@@ -23,7 +23,9 @@ MOST_ROWS = 64  # the kernel's rows at most: past that a step is compute-bound a
 CHECKED_CHANNELS = 1024  # output channels a check of the kernel multiplies at most
 WIDEN_BYTES = 1 << 28  # a widened weight's bytes at most at a time (256 MB; a head's table is gigabytes)
 WIDEN_BLOCK = 1024  # codes a program of the widening kernel writes
-WIDEN_FAILED = []  # the widening kernel's failure here, if it failed (then torch's operators widen)
+# (dtype, group or 0, offsets or not) -> whether the widening kernel gave torch's widening on its first weight of that
+# form here (False too where it failed: torch's operators widen those from then on)
+WIDEN_CHECKED = {}
 QUANTIZE_ROWS = 4096  # a weight's output channels quantized at a time: its float32 working copies stay a slice of it
 # The tuned configurations (BLOCK_N, BLOCK_K, warps), by the GPUs they are for: Ampere on, where none spills a
 # register in any int8 form in (b)float16 on sm_80, sm_89 or sm_90; before Ampere (Volta, Turing: float16), where
@@ -181,16 +183,35 @@ def widened(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets:
 def widened_weight(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, dtype: torch.dtype
                    ) -> torch.Tensor:
     """The weight [out, in] in `dtype` the codes stand for (scaled before any product: the codes' own product is
-    127 / max|w| times larger, past float16's range): on a GPU by widen_kernel where Triton imports, each weight
-    computed in float32 and rounded once; else torch's operators, in `dtype` (three passes over the weight)."""
-    kernel = widen_kernel() if codes.is_cuda and os.environ.get(TRITON_ENV, "1") != "0" and not WIDEN_FAILED else None
-    if kernel is not None:
+    127 / max|w| times larger, past float16's range): on a GPU by widen_kernel where Triton imports and the kernel
+    gave torch's widening on its first weight of the form (WIDEN_CHECKED), each weight computed in float32 and
+    rounded once; else torch's operators, in `dtype` (three passes over the weight)."""
+    kernel = widen_kernel() if codes.is_cuda and os.environ.get(TRITON_ENV, "1") != "0" else None
+    form = (dtype, codes.shape[1] // scales.shape[1] if scales.dim() == 2 else 0, offsets is not None)
+    if kernel is not None and WIDEN_CHECKED.get(form, True):
         try:
-            return kernel(codes, scales, offsets, dtype)
+            weight = kernel(codes, scales, offsets, dtype)
         except Exception as failure:  # a compile or launch failure: torch's operators widen from now on
-            WIDEN_FAILED.append(failure)
+            WIDEN_CHECKED[form] = False
             logger.warning("int8 weights on the GPU: the widening kernel failed (%s); torch's operators widen them",
                            (str(failure).splitlines() or [type(failure).__name__])[0])
+        else:
+            if form not in WIDEN_CHECKED:  # its first weight of this form against torch's operators, in float32
+                rows = slice(0, 16)
+                exact = torch_widened(codes[rows], scales[rows], None if offsets is None else offsets[rows])
+                WIDEN_CHECKED[form] = bool(((weight[rows].float() - exact).abs() <= torch.finfo(dtype).eps
+                                            * exact.abs() + 1e-6 * exact.abs().max()).all())
+                if not WIDEN_CHECKED[form]:
+                    logger.warning("int8 weights on the GPU: the widening kernel disagrees with torch's operators "
+                                   "on this GPU; they widen the weights instead")
+            if WIDEN_CHECKED[form]:
+                return weight
+    return torch_widened(codes, scales, offsets, dtype)
+
+
+def torch_widened(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """widened_weight by torch's operators, in `dtype`."""
     weight = codes.to(dtype)
     if scales.dim() == 1:
         weight.mul_(scales.to(dtype)[:, None])

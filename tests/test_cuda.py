@@ -1337,6 +1337,36 @@ def test_the_widening_kernel_writes_each_weight_as_its_code_scale_and_offset(dty
             assert (error <= torch.finfo(dtype).eps * truth.abs() + 1e-6 * truth.abs().max()).all(), (channels, inner)
 
 
+@needs_cuda
+def test_a_widening_kernel_that_disagrees_with_torch_gives_way_to_torchs_operators(gpu, monkeypatch, caplog):
+    # The widening kernel is checked on its first weight of each form (dtype, group, offsets) against torch's
+    # operators: one that agrees writes every weight of that form after; one that does not says so once, and torch's
+    # operators widen that form from then on. (Kernels played by torch here: the check is the point.)
+    import rungen.int8 as int8
+
+    monkeypatch.setattr(int8, "WIDEN_CHECKED", {})
+    launched = []
+
+    def kernel_off_by(error):
+        def kernel(codes, scales, offsets, dtype):
+            launched.append(error)
+            return (int8.torch_widened(codes, scales, offsets) + error).to(dtype)
+        return kernel
+
+    generator = torch.Generator().manual_seed(0)
+    codes = torch.randint(-128, 128, (32, 64), dtype=torch.int8, generator=generator).to(DEVICE)
+    grouped = (torch.rand(32, 2, generator=generator) / 100).to(DEVICE, torch.float16)
+    channels = (torch.rand(32, generator=generator) / 100).to(DEVICE, torch.bfloat16)
+    monkeypatch.setattr(int8, "widen_kernel", lambda: kernel_off_by(0.0))
+    for _ in range(2):
+        int8.widened_weight(codes, grouped, None, torch.bfloat16)
+    monkeypatch.setattr(int8, "widen_kernel", lambda: kernel_off_by(1.0))
+    wrong = [int8.widened_weight(codes, channels, None, torch.bfloat16) for _ in range(2)]
+    assert int8.WIDEN_CHECKED == {(torch.bfloat16, 32, False): True, (torch.bfloat16, 0, False): False}
+    assert launched == [0.0, 0.0, 1.0] and caplog.text.count("the widening kernel disagrees") == 1
+    assert all(torch.equal(weight, int8.torch_widened(codes, channels, None, torch.bfloat16)) for weight in wrong)
+
+
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_the_4_bit_kernel_multiplies_as_the_plain_product(dtype, monkeypatch):
