@@ -252,8 +252,9 @@ def widen_kernel():
     def run(codes, scales, offsets, dtype):
         out = torch.empty(codes.shape, dtype=dtype, device=codes.device)
         rows, inner = codes.shape
+        codes, scales = codes.contiguous(), scales.contiguous()  # (indexed by row * K + column: no-ops as held)
         widen[(rows, triton.cdiv(inner, WIDEN_BLOCK))](
-            codes, scales, scales if offsets is None else offsets, out, inner,
+            codes, scales, scales if offsets is None else offsets.contiguous(), out, inner,
             GROUP=inner // scales.shape[1] if scales.dim() == 2 else 0, OFFSET=offsets is not None, BLOCK=WIDEN_BLOCK)
         return out
 
