@@ -91,17 +91,6 @@ def assert_logits_near(loaded, exact):
     assert (ours - theirs).abs().max() <= 0.05 * theirs.abs().max()
 
 
-def codes_weight(layer):
-    """The float32 weight [out, in] an int8 form stands for: each code times its scale (a channel's or a group's),
-    plus its group's offset where the blocks have minimums."""
-    scales = layer.scales.float()
-    codes = layer.codes.float().view(*scales.shape, -1) if scales.dim() == 2 else layer.codes.float()[..., None]
-    weight = codes * scales[..., None]
-    if layer.offsets is not None:
-        weight = weight + layer.offsets.float()[..., None]
-    return weight.reshape(layer.codes.shape)
-
-
 def continuation(tokenizer, prompt_ids, new):
     """The text the tool reports for `new` after `prompt_ids` (rungen.generation.describe_sequence's decoding)."""
     head = tokenizer.decode(prompt_ids, skip_special_tokens=True)
@@ -1109,7 +1098,7 @@ def test_an_moe_gguf_files_experts_go_to_the_gpu_as_they_are_read(tmp_path, monk
     import rungen.gguf.experts as experts
     import rungen.gguf.file as gguf_file
     from helpers import write_moe_gguf
-    from rungen.int8 import CodesEmbedding, CodesLinear
+    from rungen.int8 import CodesEmbedding, CodesLinear, torch_widened
     from rungen.loading import load
 
     path = write_moe_gguf(tmp_path / "qwen3moe.gguf")
@@ -1137,7 +1126,8 @@ def test_an_moe_gguf_files_experts_go_to_the_gpu_as_they_are_read(tmp_path, monk
             continue
         for part in ("codes", "scales", "offsets"):
             ours.pop(f"{held}.{part}", None)
-        coded[f"{name}.weight"] = ours[f"{name}.weight"] = codes_weight(layer).cpu()
+        weight = torch_widened(layer.codes, layer.scales, layer.offsets)  # (in float32)
+        coded[f"{name}.weight"] = ours[f"{name}.weight"] = weight.cpu()
     assert ours.keys() == theirs.keys()
     assert all(torch.equal(ours[name], theirs[name]) for name in ours if name not in coded)
     assert all(torch.allclose(ours[name], theirs[name], rtol=1e-6, atol=0) for name in coded)
