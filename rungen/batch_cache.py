@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from . import fused_norms
+from . import fused_norms, fused_step
 from .kvcache import dummy, full_attention, growing, holding, new_cache
 from .slots import DecodeGraphs, SlotCache, decode_step, prefill_step
 from .transfers import accelerators_of, to_device
@@ -31,10 +31,11 @@ def batch_cache(model, device, use_positions, max_batch, context, lookahead=0):
         return PaddedBatch(model, device, use_positions)
     if device.type == "cuda" and fused_norms.wanted():
         fused_norms.fuse_norms(model)
+    step = fused_step.for_model(model, device) or decode_step  # (on a GPU: the fused layers where the family has them)
     graphs = None  # RUN_GENERATION_CUDA_GRAPHS=0: eager steps on a GPU too
     if device.type == "cuda" and os.environ.get(GRAPHS_ENV, "1") != "0":
-        graphs = DecodeGraphs(model, slots, compiled=os.environ.get(COMPILE_ENV) == "1")
-    return SlotBatch(model, device, slots, graphs, lookahead)
+        graphs = DecodeGraphs(model, slots, compiled=os.environ.get(COMPILE_ENV) == "1", step=step)
+    return SlotBatch(model, device, slots, graphs, lookahead, step)
 
 
 class LeftOut(torch.OutOfMemoryError):
@@ -51,17 +52,19 @@ class SlotBatch:
 
     steps_again = True  # a step that failed may run again: it writes by position, and moves nothing
 
-    def __init__(self, model, device, slots, graphs=None, lookahead=0):
+    def __init__(self, model, device, slots, graphs=None, lookahead=0, step=decode_step):
         self.model, self.device, self.slots, self.graphs, self.lookahead = model, device, slots, graphs, lookahead
+        self.step = step  # the eager step: transformers' layers (decode_step) or rungen.fused_step's
         # A model spread by --device_map (offloaded layers too) prefills alone.
         self.prefills_together = os.environ.get(PREFILL_ENV, "1") != "0" and len(devices_of(model)) <= 1
 
     @property
     def form(self):
+        slots = "fixed slots, fused layers" if fused_step.fused(self.step) else "fixed slots"
         if self.graphs is None:
-            return "fixed slots"
+            return slots
         compiled = "compiled and " if self.graphs.compiled else ""
-        return f"fixed slots, decode steps {compiled}replayed from CUDA graphs"
+        return f"{slots}, decode steps {compiled}replayed from CUDA graphs"
 
     def part(self, output, n, length):
         """What a prefilled request brings to merge(): its keys/values, copied into each of its n rows' slots."""
@@ -129,7 +132,7 @@ class SlotBatch:
         with torch.inference_mode():
             if self.graphs is not None:
                 return self.graphs(tokens, positions, longest)
-            return decode_step(self.model, self.slots, tokens, positions, self.slots.step_length(longest))
+            return self.step(self.model, self.slots, tokens, positions, self.slots.step_length(longest))
 
     def keep(self, rows, keep, done):
         """Keeps rows `keep`, the last rows moving into freed slots (rows stay in 0..rows-1); returns the new order."""

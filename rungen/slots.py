@@ -217,11 +217,11 @@ class DecodeGraphs:
     of GPU memory, only those the graph would have run, until the buffers are replaced). `compiled`: the step
     captured is torch.compile's (inductor fuses the norms', rotary's and activation's elementwise operators; its
     shapes dynamic, so rows 1, rows past 1, and a step reading the whole slot compile once each, at their first
-    capture)."""
+    capture). `step`: the eager step captured (decode_step's signature: transformers' layers, or the fused ones)."""
 
-    def __init__(self, model: torch.nn.Module, cache: SlotCache, compiled: bool = False):
-        self.model, self.cache, self.compiled = model, cache, compiled
-        self.step = torch.compile(decode_step, dynamic=True) if compiled else decode_step
+    def __init__(self, model: torch.nn.Module, cache: SlotCache, compiled: bool = False, step=decode_step):
+        self.model, self.cache, self.compiled, self.plain = model, cache, compiled, step
+        self.step = torch.compile(step, dynamic=True) if compiled else step
         self.graphs, self.generation, self.pool = {}, None, None
         self.outputs = {}  # rows bucket -> its logits [bucket, vocabulary]
         self.failed = False
@@ -232,14 +232,14 @@ class DecodeGraphs:
         rows, length = tokens.shape[0], self.cache.step_length(longest)
         bucket = rows_bucket(rows)
         if self.failed or bucket > self.cache.slots:
-            return decode_step(self.model, self.cache, tokens, positions, length)
+            return self.plain(self.model, self.cache, tokens, positions, length)
         if self.generation != self.cache.generation:
             self.graphs, self.short, self.generation = {}, set(), self.cache.generation
         graph = self.graphs.get((bucket, length))
         if graph is None:
             graph = None if (bucket, length) in self.short else self.capture(bucket, length, tokens, positions)
             if graph is None:
-                return decode_step(self.model, self.cache, tokens, positions, length)
+                return self.plain(self.model, self.cache, tokens, positions, length)
         cuda_graph, static_tokens, static_positions, logits = graph
         static_tokens.zero_()
         static_positions.zero_()

@@ -196,6 +196,51 @@ def test_fused_norms_change_no_token(request, model, monkeypatch):
             logprobs if PLAYED else pytest.approx(logprobs, abs=1e-4))
 
 
+@needs_cuda
+@pytest.mark.parametrize("model", ["checkpoint", "gguf_file"])
+def test_the_fused_layers_change_no_token(request, model, monkeypatch):
+    """The engine's decode step on a GPU runs the fused layers (rungen/fused_step.py: the q/k/v and gate/up products
+    concatenated for the checkpoint, one by one for the GGUF file's codes; Triton's kernels where they run) with the
+    tokens and, to float32's rounding, the log-probabilities of transformers' layers (RUN_GENERATION_FUSED_STEP=0),
+    piped prompts decoded together."""
+    args = ["--model_name_or_path", request.getfixturevalue(model), "--temperature", "0", "--length", str(LENGTH),
+            "--dtype", "float32", "--output_format", "jsonl", "--logprobs", "0"]
+    fused = run_ok(args + ["--verbose"], stdin="\n".join(PROMPTS))
+    assert "fixed slots, fused layers, decode steps replayed" in fused.stderr.decode()
+    assert "gives way" not in fused.stderr.decode()
+    monkeypatch.setenv("RUN_GENERATION_FUSED_STEP", "0")
+    plain = run_ok(args + ["--verbose"], stdin="\n".join(PROMPTS))
+    assert "fused layers" not in plain.stderr.decode()
+    for a, b in zip(jsonl(fused.stdout), jsonl(plain.stdout), strict=True):
+        assert [item["id"] for item in a["logprobs"]["content"]] == [item["id"] for item in b["logprobs"]["content"]]
+        assert [item["logprob"] for item in a["logprobs"]["content"]] == pytest.approx(
+            [item["logprob"] for item in b["logprobs"]["content"]], abs=1e-4)
+
+
+@needs_cuda
+def test_fused_layers_that_disagree_give_way_to_transformers_layers(checkpoint, monkeypatch):
+    """A fused step whose logits part from transformers' layers' on its first step (here its activation left out)
+    warns once and gives way: every token as transformers' layers give it."""
+    import rungen.fused_step as fused_step
+
+    args = ["--model_name_or_path", checkpoint, "--temperature", "0", "--length", str(LENGTH), "--dtype", "float32",
+            "--output_format", "jsonl", "--logprobs", "0"]
+    monkeypatch.setenv("RUN_GENERATION_FUSED_STEP", "0")
+    plain = jsonl(run_ok(args, stdin="\n".join(PROMPTS)).stdout)
+    monkeypatch.delenv("RUN_GENERATION_FUSED_STEP")
+    broken = dict(fused_step.TORCH, silu_mul=lambda gate, up: gate * up)
+    monkeypatch.setattr(fused_step, "TORCH", broken)
+    monkeypatch.setattr(fused_step, "triton_kernels", lambda: broken)
+    result = run_ok(args + ["--verbose"], stdin="\n".join(PROMPTS))
+    stderr = result.stderr.decode()
+    assert stderr.count("the fused decode step gives way to transformers' layers: its logits part") == 1
+    assert "fused layers" not in stderr.split("gives way")[1]
+    for a, b in zip(jsonl(result.stdout), plain, strict=True):
+        assert [item["id"] for item in a["logprobs"]["content"]] == [item["id"] for item in b["logprobs"]["content"]]
+        assert [item["logprob"] for item in a["logprobs"]["content"]] == pytest.approx(
+            [item["logprob"] for item in b["logprobs"]["content"]], abs=1e-4)
+
+
 def test_overlapped_steps_change_no_token(checkpoint, monkeypatch):
     """Steps launched ahead of the host's reading (the default on CUDA) give the tokens, and to float32's rounding
     the log-probabilities, that steps read one at a time give (RUN_GENERATION_OVERLAP=0): greedy and seeded draws,
@@ -1241,7 +1286,8 @@ def interpret_bfloat16_as_a_gpu_does(monkeypatch):
     """Triton's interpreter holds a bfloat16 as its 16 bits (uint16) and forgets so in two places the int8 and 4-bit
     kernels reach: tl.dot multiplies the bits (triton-lang/triton#11584) and a cast from an integer writes the
     integer as the bits. Both are sent through float32 here, as its own float casts are, so that the interpreter
-    computes what a GPU does: bfloat16 operands multiplied exactly, summed in float32."""
+    computes what a GPU does: bfloat16 operands multiplied exactly, summed in float32. Its cast of a float32 to
+    bfloat16 drops the low bits, where a GPU rounds to nearest: torch's rounding takes its place."""
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter
@@ -1261,10 +1307,57 @@ def interpret_bfloat16_as_a_gpu_does(monkeypatch):
     def cast_impl(self, src, dst_type):
         if dst_type.scalar == tl.bfloat16 and src.dtype.scalar.is_int():
             src = cast(self, src, tl.float32)
+        if dst_type.scalar == tl.bfloat16 and src.dtype.scalar == tl.float32:  # to nearest (it cuts the bits off)
+            data = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16).view(torch.int16).numpy()
+            return interpreter.TensorHandle(data.view(np.uint16), tl.bfloat16)
         return cast(self, src, dst_type)
 
     monkeypatch.setattr(builder, "create_dot", create_dot)
     monkeypatch.setattr(builder, "cast_impl", cast_impl)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_step_kernels_compute_as_torchs_operators(dtype, monkeypatch):
+    # rungen/step_triton.py's kernels (the fused decode step's small operators) against torch's (step_kernels.TORCH,
+    # transformers' arithmetic): to the bit but for a norm's sum of squares and the activation's exponential, which
+    # sum and round in orders of their own; views with row strides as the concatenated products give them, rows
+    # at different positions, Qwen3's q/k norms and Phi-3's partial rotary.
+    from rungen.step_kernels import TORCH, triton_kernels
+
+    kernels = kernel_where_it_runs(triton_kernels, dtype, monkeypatch)
+    generator = torch.Generator().manual_seed(0)
+
+    def random(*shape):
+        return torch.randn(*shape, generator=generator).to(dtype).to(DEVICE)
+
+    if dtype == torch.float32:  # (the exponentials part by a unit in the last place, the interpreter's too)
+        close = dict(rtol=1e-6, atol=1e-6)
+    else:  # the interpreter computes as torch does; a GPU's sums round a value a unit up or down
+        close = dict(rtol=0, atol=0) if ON_CPU else dict(rtol=torch.finfo(dtype).eps, atol=1e-3)
+    for width in (96, 2048):
+        x, residual, weight = random(3, width), random(3, width), random(width)
+        for added in (None, residual):
+            for got, want in zip(kernels["add_rms_norm"](x, added, weight, 1e-5),
+                                 TORCH["add_rms_norm"](x, added, weight, 1e-5)):
+                torch.testing.assert_close(got, want, **close)
+    both = random(3, 2 * 200)
+    torch.testing.assert_close(kernels["silu_mul"](both[:, :200], both[:, 200:]),
+                               TORCH["silu_mul"](both[:, :200], both[:, 200:]), **close)
+    for heads, kv_heads, size, turned, normed in ((4, 2, 16, 16, False), (4, 2, 32, 32, True), (6, 2, 32, 16, False),
+                                                  (32, 8, 128, 128, True)):
+        qkv = random(3, (heads + 2 * kv_heads) * size)
+        q, k, v = qkv.split((heads * size, kv_heads * size, kv_heads * size), dim=-1)
+        cos, sin = random(3, turned), random(3, turned)
+        norms = (random(size), random(size)) if normed else (None, None)
+        positions = torch.tensor([5, 0, 9], device=DEVICE)
+        results = []
+        for operator in (kernels["rotary_into_slots"], TORCH["rotary_into_slots"]):
+            keys = torch.zeros(4, kv_heads, 12, size, dtype=dtype, device=DEVICE)
+            values = torch.zeros_like(keys)
+            results.append((operator(q, k, v, cos, sin, keys, values, positions, *norms, 1e-6), keys, values))
+        for got, want in zip(*results):
+            torch.testing.assert_close(got, want, **close)
 
 
 @needs_triton
