@@ -19,8 +19,8 @@ first call's extra time (compilation, graph capture, kernel selection) and peak 
   (RUN_GENERATION_OVERLAP=0), and at the second batch with each request prefilled alone
   (RUN_GENERATION_PREFILL_TOGETHER=0: its first_token_ms beside the default's); on the first shape, last, also with
   --quantize int8 at the first two batches;
-- engine, fused norms: on CUDA, the engine with its RMSNorm layers run as torch's rms_norm
-  (RUN_GENERATION_FUSED_NORMS=1: one kernel each where transformers' module runs seven), at the first two batches;
+- engine, transformers' layers: on CUDA, the engine with its decode step through transformers' modules
+  (RUN_GENERATION_FUSED_STEP=0) instead of rungen/fused_step.py's fused layers, at the first two batches;
 - engine, compiled step: on CUDA, the engine with its captured decode step compiled by torch.compile first
   (RUN_GENERATION_COMPILE=1: inductor fuses the elementwise operators between the matrix products), at
   --compile-batches, beside generate static+compile (the two compiled paths measured together);
@@ -315,14 +315,18 @@ class EngineRunner:
                                                max_cache_tokens=sys.maxsize, prefix_cache_bytes=0, eos_ids=())
 
     def extra(self):
-        """How the engine ran: keys/values in fixed slots or a padded batch; CUDA graphs (compiled first or not) and
-        their capture time (the compilation's included); whether steps overlapped the host's work."""
+        """How the engine ran: keys/values in fixed slots or a padded batch; its layers fused or transformers'; CUDA
+        graphs (compiled first or not) and their capture time (the compilation's included); whether steps overlapped
+        the host's work."""
+        from rungen import fused_step
+
         kv = self.engine.batch.kv
         graphs = getattr(kv, "graphs", None)
         state = "off" if graphs is None else "failed" if graphs.failed else "compiled" if graphs.compiled else "on"
         slots = getattr(kv, "slots", None)
         figures = dict(cache="slots" if slots is not None else "padded batch", graphs=state,
-                       overlap=self.engine.batch.overlap)
+                       overlap=self.engine.batch.overlap,
+                       layers="fused" if fused_step.fused(getattr(kv, "step", None)) else "transformers'")
         if slots is not None:  # the slots' buffers as allocated (a reserve of positions a row, rounded up)
             figures["cache_gib"] = sum(t.numel() * t.element_size() for t in slots.keys + slots.values) / 2**30
         if graphs is not None:  # this row's captures: the engine's total less the rows' before
@@ -531,13 +535,12 @@ def cheap_paths(report, name, args, shapes, bandwidth, budget):
         if engine is not None:
             ttft_row(report, shape, "engine", engine)
         engine = None
-        if args.device.type == "cuda":  # an experiment: its RMSNorm layers as torch's rms_norm, one kernel each
-            from rungen.fused_norms import FUSED_NORMS_ENV, unfuse_norms
+        if args.device.type == "cuda":  # the step through transformers' modules, as before the fused layers
+            from rungen.fused_step import FUSED_STEP_ENV
 
-            decode_rows(report, shape, "engine, fused norms",
-                        lambda: EngineRunner(shape.loaded, max(args.batches), {FUSED_NORMS_ENV: "1"}),
+            decode_rows(report, shape, "engine, transformers' layers",
+                        lambda: EngineRunner(shape.loaded, max(args.batches), {FUSED_STEP_ENV: "0"}),
                         args.batches[:2], bandwidth, budget, reserve=10)
-            unfuse_norms(shape.model)
         eager = decode_rows(report, shape, "generate eager", lambda: GenerateRunner(shape.model, args.device),
                             args.batches, bandwidth, budget, reserve=10)
         if eager is not None:

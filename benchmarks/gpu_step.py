@@ -3,15 +3,15 @@
     python -m benchmarks.gpu_step [--shapes llama-3.2-1b llama-3.1-8b] [--rows 1] [--json FILE]
     python -m benchmarks.gpu_step --quick --device cpu      # the script's own check: tiny shapes, the CPU's operators
 
-For each shape (benchmarks/gpu.py's, random weights built on the device) the decode step the engine runs
-(rungen.slots.decode_step over slots holding `--position` positions a row) is timed replayed from a CUDA graph, as the
-engine runs it, and eagerly (CUDA events, the median of --repeats), beside its bound (the weights a step reads over the
-measured copy bandwidth). Then the eager step under torch.profiler: the kernels a step launches (a layer's share), and
-their time summed by kind (matrix products, attention, the rest) and by name (the most costly first). The time past the
-bound splits there into the products' own time past their bytes and the small kernels between them: what to fuse first.
-Each shape twice: as transformers builds it, and with its RMSNorm layers as torch's rms_norm (rungen/fused_norms.py,
-RUN_GENERATION_FUSED_NORMS=1's form). Kernel time is measured eagerly, where each launch also waits on the host; the
-graph's replay leaves only the kernels and their gaps.
+For each shape (benchmarks/gpu.py's, random weights built on the device) a decode step over slots holding `--position`
+positions a row is timed replayed from a CUDA graph, as the engine runs it, and eagerly (CUDA events, the median of
+--repeats), beside its bound (the weights a step reads over the measured copy bandwidth). Then the eager step under
+torch.profiler: the kernels a step launches (a layer's share), and their time summed by kind (matrix products,
+attention, the rest) and by name (the most costly first). The time past the bound splits there into the products' own
+time past their bytes and the small kernels between them: what to fuse first.
+Each shape twice: the step through transformers' modules (rungen.slots.decode_step), and the engine's fused layers
+(rungen/fused_step.py, the default on a GPU: Triton's kernels where it imports). Kernel time is measured eagerly,
+where each launch also waits on the host; the graph's replay leaves only the kernels and their gaps.
 """
 
 import argparse
@@ -22,8 +22,9 @@ import sys
 import torch
 
 from benchmarks.gpu import QUICK_SHAPES, SHAPES, build_model, copy_bandwidth, make_config, one_line, weight_bytes
-from rungen.fused_norms import fuse_norms
+from rungen.fused_step import FusedStep
 from rungen.slots import DecodeGraphs, SlotCache, decode_step
+from rungen.step_kernels import TORCH, triton_kernels
 
 PRODUCTS = ("gemm", "gemv", "cutlass", "xmma", "splitk", "sm90_", "sm80_", "linear", "addmm", "mm")
 ATTENTION = ("fmha", "flash", "attention", "sdpa")
@@ -76,8 +77,10 @@ def kernels(profile, device) -> list[tuple[str, float]]:
 def step_row(name, args, shapes, bandwidth, fused=False) -> dict:
     config = make_config(name, shapes)
     model = build_model(config, args.device, args.dtype)
+    step = decode_step
     if fused:
-        fuse_norms(model)
+        step = FusedStep(model, (triton_kernels() if args.device.type == "cuda" else None) or TORCH)
+        step.checked = True  # (timed as it is, not against transformers' step)
     heads = config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     cache = SlotCache(config.num_hidden_layers, args.rows, args.position + 64)
@@ -89,19 +92,19 @@ def step_row(name, args, shapes, bandwidth, fused=False) -> dict:
     tokens = torch.randint(3, config.vocab_size - 2, (args.rows, 1), generator=generator).to(args.device)
     positions = torch.full((args.rows,), args.position, device=args.device)
     length = cache.step_length(args.position)
-    row = dict(shape=name + (", fused norms" if fused else ""), rows=args.rows, position=args.position,
+    row = dict(shape=name + (", fused layers" if fused else ""), rows=args.rows, position=args.position,
                layers=config.num_hidden_layers,
                weights_gb=weight_bytes(model) / 1e9)
     if bandwidth:
         row["bound_ms"] = weight_bytes(model) / (bandwidth * 1e9) * 1e3
     with torch.inference_mode():
         def eager():
-            decode_step(model, cache, tokens, positions, length)
+            step(model, cache, tokens, positions, length)
 
         eager()
         row["eager_ms"] = timed_ms(eager, args.device, args.repeats)
         if args.device.type == "cuda":
-            graphs = DecodeGraphs(model, cache)
+            graphs = DecodeGraphs(model, cache, step=step)
             graphs(tokens, positions, args.position)
             row["graph_ms"] = timed_ms(lambda: graphs(tokens, positions, args.position), args.device, args.repeats)
             row["graph_failed"] = graphs.failed
@@ -162,7 +165,7 @@ def main(argv=None):
             try:
                 row = step_row(name, args, shapes, bandwidth, fused)
             except Exception as error:  # one shape's failure is its line
-                row = dict(shape=name + (", fused norms" if fused else ""), error=one_line(error))
+                row = dict(shape=name + (", fused layers" if fused else ""), error=one_line(error))
             rows.append(row)
             print(json.dumps(row), flush=True)
             if args.json:
