@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from . import fused_norms, fused_step
+from . import fused_step
 from .kvcache import dummy, full_attention, growing, holding, new_cache
 from .slots import DecodeGraphs, SlotCache, decode_step, prefill_step
 from .transfers import accelerators_of, to_device
@@ -29,8 +29,6 @@ def batch_cache(model, device, use_positions, max_batch, context, lookahead=0):
     slots = SlotCache.for_model(model, max_batch, context) if context and one_device else None
     if slots is None:
         return PaddedBatch(model, device, use_positions)
-    if device.type == "cuda" and fused_norms.wanted():
-        fused_norms.fuse_norms(model)
     step = fused_step.for_model(model, device) or decode_step  # (on a GPU: the fused layers where the family has them)
     graphs = None  # RUN_GENERATION_CUDA_GRAPHS=0: eager steps on a GPU too
     if device.type == "cuda" and os.environ.get(GRAPHS_ENV, "1") != "0":

@@ -173,31 +173,6 @@ def test_the_decode_steps_cuda_graphs_change_no_token(request, model, compiled, 
 
 @needs_cuda
 @pytest.mark.parametrize("model", ["checkpoint", "gguf_file"])
-def test_fused_norms_change_no_token(request, model, monkeypatch):
-    """RUN_GENERATION_FUSED_NORMS=1 (an experiment): every RMSNorm layer of the engine's model runs as torch's
-    rms_norm (one kernel on CUDA), with the tokens and, to float32's rounding, the log-probabilities of the modules'
-    own forward (where torch's composite runs, the played GPU, to the bit)."""
-    import rungen.fused_norms as fused_norms
-
-    fused, fuse = [], fused_norms.fuse_norms
-    monkeypatch.setattr(fused_norms, "fuse_norms", lambda model: fused.append(
-        (fuse(model), model.config.num_hidden_layers)) or fused[-1][0])
-    args = ["--model_name_or_path", request.getfixturevalue(model), "--temperature", "0", "--length", str(LENGTH),
-            "--dtype", "float32", "--output_format", "jsonl", "--logprobs", "0"]
-    plain = jsonl(run_ok(args, stdin="\n".join(PROMPTS)).stdout)
-    assert not fused
-    monkeypatch.setenv("RUN_GENERATION_FUSED_NORMS", "1")
-    ours = jsonl(run_ok(args, stdin="\n".join(PROMPTS)).stdout)
-    assert fused and all(count == 2 * layers + 1 for count, layers in fused)  # two a layer and the last
-    for a, b in zip(ours, plain):
-        assert [item["id"] for item in a["logprobs"]["content"]] == [item["id"] for item in b["logprobs"]["content"]]
-        logprobs = [item["logprob"] for item in b["logprobs"]["content"]]
-        assert [item["logprob"] for item in a["logprobs"]["content"]] == (
-            logprobs if PLAYED else pytest.approx(logprobs, abs=1e-4))
-
-
-@needs_cuda
-@pytest.mark.parametrize("model", ["checkpoint", "gguf_file"])
 def test_the_fused_layers_change_no_token(request, model, monkeypatch):
     """The engine's decode step on a GPU runs the fused layers (rungen/fused_step.py: the q/k/v and gate/up products
     concatenated for the checkpoint, one by one for the GGUF file's codes; Triton's kernels where they run) with the
