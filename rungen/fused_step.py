@@ -63,7 +63,15 @@ def why_not(model: torch.nn.Module) -> str | None:
         return f"no fused layers for {config.model_type}"
     if getattr(config, "hidden_act", None) not in ("silu", "swish"):
         return f"activation {getattr(config, 'hidden_act', None)}"
+    if any(module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook")
+           for module in model.modules()):
+        return "its forward is hooked (accelerate's offload, or a hook of the caller's, which the step would skip)"
+    if len({parameter.device for parameter in model.parameters()}) > 1:
+        return "its weights are on more than one device"
     decoder = model.get_decoder()
+    parts = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
+    if not all(hasattr(layer, part) for layer in decoder.layers for part in parts):
+        return "its layers are not transformers' own"
     norms = [decoder.norm] + [norm for layer in decoder.layers
                               for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
     if family.qk_norm:

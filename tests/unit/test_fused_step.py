@@ -101,3 +101,11 @@ def test_a_family_without_fused_layers_keeps_transformers_step():
     model = AutoModelForCausalLM.from_config(config).eval()
     assert fused_step.why_not(model) == "activation gelu"
     assert fused_step.for_model(model, torch.device("cuda")) is None
+
+
+def test_a_model_whose_forward_is_hooked_keeps_transformers_step():
+    # accelerate's offload (and a caller's hook) lives in the modules' forward, which the fused step would skip
+    model = model_of("llama", torch.float32)
+    model.model.layers[1].mlp.register_forward_hook(lambda module, args, out: out)
+    assert fused_step.why_not(model).startswith("its forward is hooked")
+    assert fused_step.for_model(model, torch.device("cuda")) is None
