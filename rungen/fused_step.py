@@ -8,9 +8,10 @@ weights' bytes need on an H200), so a layer here launches 9:
 the q/k/v and gate/up weights concatenated (their modules keep views of the one weight: nothing held twice), the small
 operators as one kernel each (rungen/step_kernels.py), and attention over the slots with each key/value head's query
 heads as its queries (no copy of the keys and values per query head, as transformers' masked attention makes). The
-families are rows of one table; a layer whose products are not plain linear layers (--quantize, a GGUF file's codes)
-keeps its modules, called one by one. The same arithmetic as transformers' layers, in the same dtype and order; on a
-GPU the step is checked once against transformers' own (decode_step) and gives way to it where they disagree.
+families are rows of one table; a layer whose products are codes (--quantize, a GGUF file's) has them concatenated by
+their own class where the three share a form, else called one by one. The same arithmetic as transformers' layers, in
+the same dtype and order; on a GPU the step is checked once against transformers' own (decode_step) and gives way to it
+where they disagree.
 """
 
 from __future__ import annotations
@@ -91,6 +92,8 @@ def why_not(model: torch.nn.Module) -> str | None:
 def concatenated(modules: list[torch.nn.Module]) -> torch.nn.Linear | None:
     """One linear layer whose output is the modules' outputs side by side, its weight (and bias) the one the modules
     now hold views of; None where they are not plain linear layers of one dtype and device."""
+    if len({type(module) for module in modules}) == 1 and hasattr(modules[0], "concatenated"):
+        return modules[0].concatenated(modules)  # a layer of codes: its own layout (rungen/int4.py, rungen/int8.py)
     if any(type(module) is not torch.nn.Linear for module in modules):
         return None
     weights, biases = [module.weight for module in modules], [module.bias for module in modules]

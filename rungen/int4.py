@@ -81,9 +81,34 @@ class TinyGemmLinear(torch.nn.Module):
         return (device.type == "cuda" and dtype == torch.bfloat16 and in_features % GROUP_SIZE == 0
                 and os.environ.get(GPU_INT4_ENV, "1") != "0" and torch.cuda.get_device_capability(device) >= (8, 0))
 
+    @classmethod
+    def concatenated(cls, layers: list[TinyGemmLinear]) -> TinyGemmLinear | None:
+        """One layer whose output is the layers' side by side (a fused step's q/k/v or gate/up: one launch), its
+        packed codes and scales those the layers now read (their codes are rows of the one buffer; their scales a
+        slice of its channels, made contiguous as a layer runs: prompts' passes); None where their inputs differ or
+        a layer's channels were padded (its rows would sit inside the one buffer's)."""
+        first = layers[0]
+        if len({(layer.in_features, layer.packed.shape[1:]) for layer in layers}) > 1 or any(
+                layer.bias is not None or layer.out_features != layer.scales_and_zeros.shape[1] for layer in layers):
+            return None
+        one = object.__new__(cls)
+        torch.nn.Module.__init__(one)
+        one.in_features, one.bias = first.in_features, None
+        one.out_features = sum(layer.out_features for layer in layers)
+        one.register_buffer("packed", torch.cat([layer.packed for layer in layers]))  # (rows of 8 channels first)
+        one.register_buffer("scales_and_zeros", torch.cat([layer.scales_and_zeros for layer in layers], dim=1))
+        rows, start = one.packed.shape[0], 0  # packed rows: a channel each (the CPU's layout), 8 channels (CUDA's)
+        for layer in layers:
+            end = start + layer.out_features
+            layer.packed = one.packed[start * rows // one.out_features : end * rows // one.out_features]
+            layer.scales_and_zeros = one.scales_and_zeros[:, start:end]
+            start = end
+        return one
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()  # the kernel reads rows whole
-        y = torch.ops.aten._weight_int4pack_mm(flat, self.packed, GROUP_SIZE, self.scales_and_zeros)
+        scales = self.scales_and_zeros.contiguous()  # (a layer concatenated into another reads a slice of its scales)
+        y = torch.ops.aten._weight_int4pack_mm(flat, self.packed, GROUP_SIZE, scales)
         y = y[:, : self.out_features]
         y = y.reshape(x.shape[:-1] + (self.out_features,)).to(x.dtype)
         return y if self.bias is None else y + self.bias

@@ -271,6 +271,33 @@ class CodesLinear(torch.nn.Module):
     def use_kernel(self, kernel) -> None:
         self.kernel = kernel
 
+    @classmethod
+    def concatenated(cls, layers: list[CodesLinear]) -> CodesLinear | None:
+        """One layer whose output is the layers' side by side (a fused step's q/k/v or gate/up: one launch), its
+        codes, scales and offsets those the layers now hold views of (the rows of one buffer each: nothing held
+        twice); None where they differ in form (types, groups, kernel) or hold a bias."""
+        first = layers[0]
+        forms = {(type(layer), layer.in_features, layer.codes.dtype, layer.scales.dtype, layer.scales.shape[1:],
+                  layer.offsets is None, layer.kernel) for layer in layers}
+        if len(forms) > 1 or any(layer.bias is not None for layer in layers):
+            return None
+        one = object.__new__(cls)
+        torch.nn.Module.__init__(one)
+        one.in_features, one.bias = first.in_features, None
+        one.out_features = sum(layer.out_features for layer in layers)
+        for name in ("codes", "scales", "offsets"):
+            parts = [getattr(layer, name) for layer in layers]
+            one.register_buffer(name, None if parts[0] is None else torch.cat(parts))
+        one.use_kernel(first.kernel)
+        start = 0
+        for layer in layers:
+            end = start + layer.out_features
+            for name in ("codes", "scales", "offsets"):
+                whole = getattr(one, name)
+                setattr(layer, name, None if whole is None else whole[start:end])
+            start = end
+        return one
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if self.kernel is not None and flat.shape[0] <= MOST_ROWS:

@@ -192,6 +192,74 @@ def test_the_fused_layers_change_no_token(request, model, monkeypatch):
             [item["logprob"] for item in b["logprobs"]["content"]], abs=1e-4)
 
 
+def test_layers_of_codes_concatenate_into_one_product(gpu):
+    # A fused step's q/k/v (and gate/up) as one product where they are codes too: torch's int4 kernel's packed codes
+    # (tinygemm), int8 codes with a scale a group (Q8_0's form) and 4-bit codes two a byte (the 4-bit Triton
+    # kernel's form, widened where the kernel does not run): the one layer's output is the layers' side by side, and
+    # each layer, now reading its rows of the one layer's buffers, gives what it gave; nothing is held twice.
+    import gc
+
+    from rungen.fused_step import concatenated
+    from rungen.int4 import TinyGemmLinear, int4_groups
+    from rungen.int4_kernel import CudaInt4Linear
+    from rungen.int8 import CudaInt8Linear
+
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(rows, 256, generator=generator) for rows in (64, 32, 32)]
+    x = torch.randn(3, 256, generator=generator).to(DEVICE, torch.bfloat16)
+
+    def tinygemm(weight):
+        codes, scales, low = int4_groups(weight)
+        return TinyGemmLinear(codes, scales, low, DEVICE)
+
+    def q8_0(weight):
+        groups = weight.view(weight.shape[0], -1, 32)
+        scales = groups.abs().amax(-1) / 127
+        codes = (groups / scales[..., None]).round().to(torch.int8).view(weight.shape)
+        return CudaInt8Linear(codes.to(DEVICE), scales.to(DEVICE, torch.float16), None)
+
+    makers = [lambda weight: CudaInt4Linear.of_weight(weight.to(DEVICE)), q8_0]
+    if PLAYED or (torch.cuda.is_available() and TinyGemmLinear.runs_on(256, torch.bfloat16, DEVICE)):
+        makers.append(tinygemm)
+    for make in makers:
+        layers = [make(weight) for weight in weights]
+        with torch.inference_mode():
+            alone = [layer(x) for layer in layers]
+            gc.collect()
+            held = torch.cuda.memory_allocated() if DEVICE.type == "cuda" else 0
+            one = concatenated(layers)
+            assert one is not None, type(layers[0]).__name__
+            gc.collect()  # the layers' own buffers gone: the one layer's in their place (a GPU rounds each to 512 B)
+            assert (torch.cuda.memory_allocated() if DEVICE.type == "cuda" else 0) - held <= 512 * 3 * 3
+            together = one(x)
+            torch.testing.assert_close(together, torch.cat(alone, dim=-1), rtol=0, atol=0)
+            for layer, before in zip(layers, alone):
+                torch.testing.assert_close(layer(x), before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_gguf_files_fused_layers_keep_its_tokens(gguf_file, dtype, monkeypatch):
+    """The GGUF file's fused layers against transformers' layers in both precisions: in bfloat16 its Q4_0 q/k/v and
+    gate/up are tinygemm's codes, concatenated into one product each. The same tokens and log-probabilities (to the
+    bit on the played GPU, which computes as the CPU; on a GPU to half precision's rounding, where two runs may part
+    only at a near tie: the two tokens' log-probabilities within 0.1 of each other)."""
+    args = ["--model_name_or_path", gguf_file, "--temperature", "0", "--length", str(LENGTH), "--dtype", dtype,
+            "--output_format", "jsonl", "--logprobs", "2"]
+    fused = run_ok(args + ["--verbose"], stdin="\n".join(PROMPTS))
+    assert "fused layers" in fused.stderr.decode() and "gives way" not in fused.stderr.decode()
+    monkeypatch.setenv("RUN_GENERATION_FUSED_STEP", "0")
+    plain = run_ok(args, stdin="\n".join(PROMPTS))
+    close = 1e-4 if dtype == "float32" else 0.05
+    for a, b in zip(jsonl(fused.stdout), jsonl(plain.stdout), strict=True):
+        for ours, theirs in zip(a["logprobs"]["content"], b["logprobs"]["content"], strict=True):
+            if ours["id"] != theirs["id"]:
+                assert not PLAYED and dtype == "bfloat16", (ours, theirs)
+                top = {item["id"]: item["logprob"] for item in ours["top_logprobs"]}
+                assert theirs["id"] in top and ours["logprob"] - top[theirs["id"]] <= 0.1, (ours, theirs)
+                break
+            assert ours["logprob"] == (theirs["logprob"] if PLAYED else pytest.approx(theirs["logprob"], abs=close))
+
+
 @needs_cuda
 def test_fused_layers_that_disagree_give_way_to_transformers_layers(checkpoint, monkeypatch):
     """A fused step whose logits part from transformers' layers' on its first step (here its activation left out)
