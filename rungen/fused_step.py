@@ -205,21 +205,31 @@ class FusedStep:
 
     def check(self, model, cache, tokens, positions, length):
         """The first step on a GPU: transformers' step, then the fused one over the same slots (each writes the
-        same positions); the fused step serves from now on if their logits agree, else transformers' does."""
+        same positions); the fused step serves from now on if their logits agree, else transformers' does. Triton's
+        kernels failing or disagreeing (a GPU or build Triton cannot compile for) leave torch's operators in their
+        place first."""
         expected = decode_step(model, cache, tokens, positions, length)
-        try:
-            got = self.step(model, cache, tokens, positions, length)
-            gap = ((got - expected).norm() / expected.norm().clamp_min(1e-30)).item()
-            agree = AGREE.get(self.decoder.norm.weight.dtype, AGREE_HALF)  # (the norms' dtype: the activations')
-            why = None if gap <= agree else f"its logits part from transformers' layers' by {gap:.3g} of their norm"
-        except Exception as error:  # any failure: transformers' layers serve
-            why = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        why = self.disagreement(model, cache, tokens, positions, length, expected)
+        if why is not None and self.ops is not TORCH:
+            logger.warning("the fused decode step's Triton kernels give way to torch's operators: %s", why)
+            self.ops = TORCH
+            why = self.disagreement(model, cache, tokens, positions, length, expected)
         if why is not None:
             logger.warning("the fused decode step gives way to transformers' layers: %s", why)
             self.plain = True
             decode_step(model, cache, tokens, positions, length)  # its own keys/values in the slots again
         self.checked = True
         return expected
+
+    def disagreement(self, model, cache, tokens, positions, length, expected) -> str | None:
+        """How the fused step's logits part from `expected` (transformers' layers'), or None where they agree."""
+        try:
+            got = self.step(model, cache, tokens, positions, length)
+        except Exception as error:  # any failure: the caller takes another way
+            return f"failed ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
+        gap = ((got - expected).norm() / expected.norm().clamp_min(1e-30)).item()
+        agree = AGREE.get(self.decoder.norm.weight.dtype, AGREE_HALF)  # (the norms' dtype: the activations')
+        return None if gap <= agree else f"its logits part from transformers' layers' by {gap:.3g} of their norm"
 
 
 def fused(step) -> bool:

@@ -284,6 +284,31 @@ def test_fused_layers_that_disagree_give_way_to_transformers_layers(checkpoint, 
             [item["logprob"] for item in b["logprobs"]["content"]], abs=1e-4)
 
 
+@needs_cuda
+def test_triton_kernels_that_fail_give_way_to_torchs_operators(checkpoint, monkeypatch):
+    """Triton kernels that fail on the first step (a GPU Triton cannot compile for) warn once and leave torch's
+    operators in their place: the layers stay fused, every token as transformers' layers give it."""
+    import rungen.fused_step as fused_step
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    args = ["--model_name_or_path", checkpoint, "--temperature", "0", "--length", str(LENGTH), "--dtype", "float32",
+            "--output_format", "jsonl", "--logprobs", "0"]
+    monkeypatch.setenv("RUN_GENERATION_FUSED_STEP", "0")
+    plain = jsonl(run_ok(args, stdin="\n".join(PROMPTS)).stdout)
+    monkeypatch.delenv("RUN_GENERATION_FUSED_STEP")
+    monkeypatch.setattr(fused_step, "triton_kernels", lambda: dict(fused_step.TORCH, rotary_into_slots=fails))
+    result = run_ok(args + ["--verbose"], stdin="\n".join(PROMPTS))
+    stderr = result.stderr.decode()
+    assert stderr.count("Triton kernels give way to torch's operators: failed (RuntimeError: no kernel image") == 1
+    assert "gives way to transformers' layers" not in stderr and "fixed slots, fused layers" in stderr
+    for a, b in zip(jsonl(result.stdout), plain, strict=True):
+        assert [item["id"] for item in a["logprobs"]["content"]] == [item["id"] for item in b["logprobs"]["content"]]
+        assert [item["logprob"] for item in a["logprobs"]["content"]] == pytest.approx(
+            [item["logprob"] for item in b["logprobs"]["content"]], abs=1e-4)
+
+
 def test_overlapped_steps_change_no_token(checkpoint, monkeypatch):
     """Steps launched ahead of the host's reading (the default on CUDA) give the tokens, and to float32's rounding
     the log-probabilities, that steps read one at a time give (RUN_GENERATION_OVERLAP=0): greedy and seeded draws,
