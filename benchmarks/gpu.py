@@ -42,7 +42,8 @@ kernel (the default) and on rungen/int4_kernel.py's Triton kernel (RUN_GENERATIO
 shape as Q8_0 (tied, as published: the table the head's int8 codes, which the lookup reads too), loaded twice, on the
 int8 Triton kernel and de-quantized to bfloat16 (RUN_GENERATION_TRITON_INT8=0), the kernel's speed and memory against
 what it replaced. A server row: `run_generation.py --serve` on the default model's shape written as a Q4_0 file (with a
-ChatML template), 16 clients each streaming two chat completions (--new-tokens each): output tokens/s, time to first
+ChatML template), 16 clients each streaming two chat completions (--new-tokens each), after a first such level
+reported apart (first_level_*: the batch's growth captures the step at each size): output tokens/s, time to first
 token (median and 95th percentile), time per output token, and the requests cut short (none expected; one that fails is
 the row's error). Product rows: one layer's matrix product in each weight form at 1 to 4096 rows
 (benchmarks/gpu_products.py).
@@ -747,8 +748,10 @@ def server_row(report, args, budget):
     --server-clients clients each sending two streaming chat completions back to back (greedy, EOS ignored,
     --new-tokens each). Every token's log-probability is asked for, so that each token is a chunk of its own: the
     text of random bytes often ends in an unfinished character, which the server holds back. A first request
-    (graph capture) is left out. Time to first token: from the request to its first token's chunk. `lost`: requests
-    that came back short; a request that fails makes the row an error naming it."""
+    (graph capture) is left out, and so is a first level of as many clients (the batch growing to them captures the
+    step anew at each size of rows: its figures reported as first_level_*). Time to first token: from the request to
+    its first token's chunk. `lost`: requests that came back short (of both levels); a request that fails makes the
+    row an error naming it."""
     name = "tiny-llama" if args.quick else "smollm2-135m"
     path_name = f"server Q4_0, {args.server_clients} streaming clients"
     try:
@@ -787,11 +790,16 @@ def server_row(report, args, budget):
 
         one_request(url, model, PROMPTS[0], args.new_tokens, logprobs=True)
         warm = time.perf_counter() - start
+        # A first level at full concurrency: the batch's growth (1, 2, 4, 8, 16 rows) captures the step's graphs
+        # anew at each size, which a serving process does once; its figures are reported apart.
+        first = level(url, model, args.server_clients, args.new_tokens, True, logprobs=True)
         figures = level(url, model, args.server_clients, args.new_tokens, True, logprobs=True)
         row = dict(shape=name, path=path_name, batch=args.server_clients, new_tokens=args.new_tokens,
-                   requests=2 * args.server_clients, lost=figures["short"], tokens_per_s=figures["tokens_per_s"],
-                   ttft_ms=figures["ttft_p50"] * 1e3, ttft_p95_ms=figures["ttft_p95"] * 1e3,
-                   tpot_ms=figures["tpot"] * 1e3, first_call_s=warm)
+                   requests=2 * args.server_clients, lost=figures["short"] + first["short"],
+                   tokens_per_s=figures["tokens_per_s"], ttft_ms=figures["ttft_p50"] * 1e3,
+                   ttft_p95_ms=figures["ttft_p95"] * 1e3, tpot_ms=figures["tpot"] * 1e3, first_call_s=warm,
+                   first_level_tokens_per_s=first["tokens_per_s"], first_level_ttft_ms=first["ttft_p50"] * 1e3,
+                   first_level_tpot_ms=first["tpot"] * 1e3)
         report.add(**row)
     except Exception as error:
         tail = ""
