@@ -7,7 +7,8 @@ weights' bytes need on an H200), so a layer here launches 9:
 
 the q/k/v and gate/up weights concatenated (their modules keep views of the one weight: nothing held twice), the small
 operators as one kernel each (rungen/step_kernels.py), and attention over the slots with each key/value head's query
-heads as its queries (no copy of the keys and values per query head, as transformers' masked attention makes). The
+heads together (no copy of the keys and values per query head, as transformers' masked attention makes; on a GPU
+split over a long slot's positions). The
 families are rows of one table; a layer whose products are codes (--quantize, a GGUF file's) has them concatenated by
 their own class where the three share a form, else called one by one. The same arithmetic as transformers' layers, in
 the same dtype and order; on a GPU the step is checked once against transformers' own (decode_step) and gives way to it
@@ -179,23 +180,21 @@ class FusedStep:
 
     def step(self, model, cache, tokens, positions, length):
         filled = cache.prepare(positions, length)
-        rows, group = tokens.shape[0], self.heads // self.kv_heads
+        rows, ops, residual = tokens.shape[0], self.ops, None
         hidden = model.get_input_embeddings()(tokens).reshape(rows, -1)
-        mask = torch.zeros(filled.shape, dtype=hidden.dtype, device=hidden.device).masked_fill_(~filled, -torch.inf)
+        mask = None  # (SDPA's: Triton's attention reads each row's position instead)
+        if ops["needs_mask"]:
+            mask = torch.zeros(filled.shape, dtype=hidden.dtype, device=hidden.device)
+            mask.masked_fill_(~filled, -torch.inf)
         cos, sin = self.decoder.rotary_emb(hidden[:, None], positions[:, None])
         cos, sin = cos[:, 0], sin[:, 0]
-        ops, residual = self.ops, None
         for number, layer in enumerate(self.layers):
             normed, residual = ops["add_rms_norm"](hidden, residual, layer.input_norm.weight, self.eps)
             q, k, v = layer.qkv(normed)
             keys, values = cache.keys[number], cache.values[number]
             query = ops["rotary_into_slots"](q, k, v, cos, sin, keys, values, positions, layer.q_norm, layer.k_norm,
                                              self.eps)
-            # A key/value head's query heads as its queries: [rows, kv heads, group, size] (query head h = j * group
-            # + g reads key/value head j, as transformers' repeat_kv pairs them)
-            attended = torch.nn.functional.scaled_dot_product_attention(
-                query.view(rows, self.kv_heads, group, self.head_size), keys[:rows, :, :length],
-                values[:rows, :, :length], attn_mask=mask, scale=layer.scaling)
+            attended = ops["decode_attention"](query, keys, values, positions, length, mask, layer.scaling)
             hidden = layer.o_proj(attended.reshape(rows, self.heads * self.head_size))
             normed, residual = ops["add_rms_norm"](hidden, residual, layer.post_norm.weight, self.eps)
             gate, up = layer.gate_up(normed)

@@ -1,15 +1,18 @@
-"""The small operators of a decode step as one kernel each on a GPU (Triton), with torch's operators beside them where
-Triton is missing and as their reference: a step of the engine's fused layers (rungen/fused_step.py) launches these
-three between its matrix products instead of transformers' ~35 small kernels a layer.
+"""The operators of a decode step between its matrix products as one kernel each on a GPU (Triton), with torch's
+operators beside them where Triton is missing and as their reference: a step of the engine's fused layers
+(rungen/fused_step.py) launches these instead of transformers' ~38 kernels a layer.
 
 - add_rms_norm: the residual add and the next RMSNorm (transformers' 8 kernels);
 - rotary_into_slots: q/k norms (Qwen3), the rotary embedding of queries and keys, and the keys' and values' writes
   into the slots (10 to 16 kernels, and two index_put);
+- decode_attention: each row's query heads over its slot up to its position, a key/value head's query heads
+  together (SDPA under a mask, with transformers' copies of the keys and values a query head); on a GPU split over
+  the positions where a slot is long (flash decoding), so that one row's long context fills the GPU;
 - silu_mul: the MLP's activation times its up projection (2 kernels).
 
 Each computes transformers' arithmetic in its order: float32 inside, rounded to the activations' dtype wherever
 transformers' operators round (a norm's output before its weight, each product of the rotary before their sum), so
-the kernels part from torch's operators only where a sum's order does (a norm's mean of squares).
+the kernels part from torch's operators only where a sum's order does (a norm's mean of squares, attention's softmax).
 """
 
 from __future__ import annotations
@@ -62,7 +65,21 @@ def silu_mul_torch(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
-TORCH = dict(add_rms_norm=add_rms_norm_torch, rotary_into_slots=rotary_into_slots_torch, silu_mul=silu_mul_torch)
+def decode_attention_torch(query, keys, values, positions, length, mask, scale):
+    """Each row's query heads [rows, heads, size] over the first `length` positions of its slot (keys/values [slots,
+    kv heads, capacity, size]) under `mask` [rows, 1, 1, length] (0 where a position is the row's, -inf past it):
+    SDPA with each key/value head's query heads as its queries (query head h = j * group + g reads key/value head j,
+    as transformers' repeat_kv pairs them, with no copy of the keys and values a query head)."""
+    rows, heads, size = query.shape
+    kv_heads = keys.shape[1]
+    attended = torch.nn.functional.scaled_dot_product_attention(
+        query.view(rows, kv_heads, heads // kv_heads, size), keys[:rows, :, :length], values[:rows, :, :length],
+        attn_mask=mask, scale=scale)
+    return attended.reshape(rows, heads, size)
+
+
+TORCH = dict(add_rms_norm=add_rms_norm_torch, rotary_into_slots=rotary_into_slots_torch, silu_mul=silu_mul_torch,
+             decode_attention=decode_attention_torch, needs_mask=True)
 
 
 @functools.cache
@@ -74,4 +91,4 @@ def triton_kernels() -> dict | None:
     except Exception:  # any failure: torch's operators serve
         return None
     return dict(add_rms_norm=step_triton.add_rms_norm, rotary_into_slots=step_triton.rotary_into_slots,
-                silu_mul=step_triton.silu_mul)
+                silu_mul=step_triton.silu_mul, decode_attention=step_triton.decode_attention, needs_mask=False)

@@ -1,5 +1,6 @@
-"""rungen/step_kernels.py's operators as Triton kernels: one launch each where torch's operators take 2 to 16 (the
-module imports Triton: it is imported only where a GPU step asks for them)."""
+"""rungen/step_kernels.py's operators as Triton kernels: one launch each where torch's operators take 2 to 16, and
+attention split over a long slot's positions (the module imports Triton: it is imported only where a GPU step asks
+for them)."""
 
 import torch
 import triton
@@ -116,4 +117,87 @@ def silu_mul(gate, up):
     block = min(1024, power_of_two(width))
     silu_mul_kernel[(rows, triton.cdiv(width, block))](gate, up, out, width, gate.stride(0), up.stride(0),
                                                        BLOCK=block)
+    return out
+
+
+@triton.jit
+def decode_attention_kernel(query, keys, values, positions, out, partial, lse, scale, slot_stride, head_stride,
+                            position_stride, HEADS: tl.constexpr, GROUP: tl.constexpr, SIZE: tl.constexpr,
+                            CHUNK: tl.constexpr, SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                            BLOCK_N: tl.constexpr):
+    # Program (row, key/value head, split): that head's GROUP query heads over the split's CHUNK positions up to the
+    # row's own (flash decoding: a long slot read by many programs), keys and values read once for the group; an
+    # online softmax in float32. One split writes the output; several write their part and its log-sum-exp.
+    row = tl.program_id(0).to(tl.int64)
+    kv = tl.program_id(1)
+    split = tl.program_id(2)
+    end = tl.minimum(split * CHUNK + CHUNK, tl.load(positions + row).to(tl.int32) + 1)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kv * GROUP + g
+    wanted = (g[:, None] < GROUP) & (d[None, :] < SIZE)
+    q = tl.load(query + (row * HEADS + heads[:, None]) * SIZE + d[None, :], mask=wanted, other=0.0)
+    base = row * slot_stride + kv * head_stride
+    top = tl.full([BLOCK_G], -float("inf"), tl.float32)
+    total = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for start in range(split * CHUNK, end, BLOCK_N):
+        at = start + tl.arange(0, BLOCK_N)
+        held = (at[:, None] < end) & (d[None, :] < SIZE)
+        k = tl.load(keys + base + at[:, None] * position_stride + d[None, :], mask=held, other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        scores = tl.where(at[None, :] < end, scores, -float("inf"))
+        new_top = tl.maximum(top, tl.max(scores, 1))
+        p = tl.exp(scores - new_top[:, None])
+        shrink = tl.exp(top - new_top)
+        total = total * shrink + tl.sum(p, 1)
+        v = tl.load(values + base + at[:, None] * position_stride + d[None, :], mask=held, other=0.0)
+        acc = acc * shrink[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        top = new_top
+    seen = total > 0  # (a split past the row's position saw nothing)
+    total = tl.where(seen, total, 1.0)
+    mean = acc / total[:, None]
+    if SPLITS == 1:
+        tl.store(out + (row * HEADS + heads[:, None]) * SIZE + d[None, :], mean.to(out.dtype.element_ty), mask=wanted)
+    else:
+        tl.store(partial + ((row * HEADS + heads[:, None]) * SPLITS + split) * SIZE + d[None, :], mean, mask=wanted)
+        tl.store(lse + (row * HEADS + heads) * SPLITS + split, tl.where(seen, top + tl.log(total), -float("inf")),
+                 mask=g < GROUP)
+
+
+@triton.jit
+def combine_kernel(partial, lse, out, SPLITS: tl.constexpr, SIZE: tl.constexpr, BLOCK_S: tl.constexpr,
+                   BLOCK_D: tl.constexpr):
+    # Program (row, query head): the splits' parts weighted by their share of the softmax's sum
+    at = tl.program_id(0).to(tl.int64)  # row * HEADS + head
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    sums = tl.load(lse + at * SPLITS + s, mask=s < SPLITS, other=-float("inf"))
+    weights = tl.exp(sums - tl.max(sums, 0))
+    parts = tl.load(partial + (at * SPLITS + s[:, None]) * SIZE + d[None, :],
+                    mask=(s[:, None] < SPLITS) & (d[None, :] < SIZE), other=0.0)
+    mean = tl.sum(parts * weights[:, None], 0) / tl.sum(weights, 0)
+    tl.store(out + at * SIZE + d, mean.to(out.dtype.element_ty), mask=d < SIZE)
+
+
+SPLIT_POSITIONS = 256  # positions a program of decode_attention reads at most (the slots' length bucket)
+
+
+def decode_attention(query, keys, values, positions, length, mask, scale):
+    rows, heads, size = query.shape
+    kv_heads = keys.shape[1]
+    group, splits = heads // kv_heads, max(1, triton.cdiv(length, SPLIT_POSITIONS))
+    out = torch.empty_like(query)
+    partial = lse = out
+    if splits > 1:
+        partial = torch.empty((rows, heads, splits, size), dtype=torch.float32, device=query.device)
+        lse = torch.empty((rows, heads, splits), dtype=torch.float32, device=query.device)
+    block_d = max(16, power_of_two(size))
+    decode_attention_kernel[(rows, kv_heads, splits)](
+        query, keys, values, positions, out, partial, lse, scale, keys.stride(0), keys.stride(1), keys.stride(2),
+        HEADS=heads, GROUP=group, SIZE=size, CHUNK=SPLIT_POSITIONS, SPLITS=splits,
+        BLOCK_G=max(16, power_of_two(group)), BLOCK_D=block_d, BLOCK_N=64 if block_d <= 128 else 32)
+    if splits > 1:
+        combine_kernel[(rows * heads,)](partial, lse, out, SPLITS=splits, SIZE=size,
+                                        BLOCK_S=max(2, power_of_two(splits)), BLOCK_D=block_d)
     return out

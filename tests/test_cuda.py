@@ -1391,7 +1391,7 @@ def test_the_step_kernels_compute_as_torchs_operators(dtype, monkeypatch):
     # rungen/step_triton.py's kernels (the fused decode step's small operators) against torch's (step_kernels.TORCH,
     # transformers' arithmetic): to the bit but for a norm's sum of squares and the activation's exponential, which
     # sum and round in orders of their own; views with row strides as the concatenated products give them, rows
-    # at different positions, Qwen3's q/k norms and Phi-3's partial rotary.
+    # at different positions, Qwen3's q/k norms and Phi-3's partial rotary; and attention over the slots.
     from rungen.step_kernels import TORCH, triton_kernels
 
     kernels = kernel_where_it_runs(triton_kernels, dtype, monkeypatch)
@@ -1427,6 +1427,22 @@ def test_the_step_kernels_compute_as_torchs_operators(dtype, monkeypatch):
             results.append((operator(q, k, v, cos, sin, keys, values, positions, *norms, 1e-6), keys, values))
         for got, want in zip(*results):
             torch.testing.assert_close(got, want, **close)
+    # attention over the slots: a row's position bounds what it reads (SDPA's a mask), one program of positions or
+    # several (flash decoding, their parts combined), head sizes that fill no block; sums in orders of their own
+    for heads, kv_heads, size, length, last in ((4, 2, 16, 256, [5, 0, 200]), (32, 8, 64, 768, [700, 3, 256]),
+                                                (6, 2, 96, 512, [300, 511, 0])):
+        query = random(len(last), heads, size)
+        keys, values = random(len(last) + 1, kv_heads, length + 256, size), random(len(last) + 1, kv_heads,
+                                                                                  length + 256, size)
+        positions = torch.tensor(last, device=DEVICE)
+        filled = torch.arange(length, device=DEVICE)[None, :] <= positions[:, None]
+        mask = torch.zeros(len(last), 1, 1, length, dtype=dtype, device=DEVICE)
+        mask.masked_fill_(~filled[:, None, None, :], -torch.inf)
+        torch.testing.assert_close(
+            kernels["decode_attention"](query, keys, values, positions, length, None, size ** -0.5),
+            TORCH["decode_attention"](query, keys, values, positions, length, mask, size ** -0.5),
+            rtol=1e-5 if dtype == torch.float32 else torch.finfo(dtype).eps,
+            atol=1e-5 if dtype == torch.float32 else torch.finfo(dtype).eps)
 
 
 @needs_triton
