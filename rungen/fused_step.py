@@ -249,6 +249,13 @@ def for_model(model: torch.nn.Module, device: torch.device) -> FusedStep | None:
         logger.info("decode steps through transformers' layers: %s", why)
         return None
     kernels = (triton_kernels() if device.type == "cuda" else None) or TORCH
-    fused = FusedStep(model, kernels)
+    try:
+        fused = FusedStep(model, kernels)
+    except Exception as error:  # (a layer concatenated before the failure still computes what it did: views)
+        if isinstance(error, torch.OutOfMemoryError):
+            raise
+        logger.warning("decode steps through transformers' layers: the fused ones failed to build (%s: %s)",
+                       type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+        return None
     model.rungen_fused_step = fused
     return fused

@@ -109,3 +109,19 @@ def test_a_model_whose_forward_is_hooked_keeps_transformers_step():
     model.model.layers[1].mlp.register_forward_hook(lambda module, args, out: out)
     assert fused_step.why_not(model).startswith("its forward is hooked")
     assert fused_step.for_model(model, torch.device("cuda")) is None
+
+
+def test_fused_layers_that_fail_to_build_leave_transformers_step(monkeypatch, caplog):
+    # a layer of a form the table did not foresee: one warning, transformers' layers decode, the model intact
+    model = model_of("llama", torch.float32)
+    expected_tokens, expected = decoded(model, decode_step)
+
+    def fails(modules):
+        raise ValueError("a form of codes no class knows")
+
+    monkeypatch.setattr(fused_step, "concatenated", fails)
+    monkeypatch.setenv(fused_step.FUSED_STEP_ENV, "1")
+    assert fused_step.for_model(model, torch.device("cpu")) is None
+    assert "the fused ones failed to build (ValueError: a form of codes no class knows)" in caplog.text
+    tokens, logits = decoded(model, decode_step)
+    assert tokens == expected_tokens and torch.equal(logits, expected)
