@@ -12,8 +12,10 @@ On Llama-3.1-8B's gate (14336 x 4096) and down (4096 x 14336) projections, rando
 - int4 tinygemm: 4-bit codes in groups of 32 on torch's int4 kernel (rungen/int4.py's TinyGemmLinear: --quantize
   int4, and a GGUF file's Q4_0, Q4_1 and Q4_K on a GPU), at every row count, as the tool runs it;
 - int4 Triton kernel: the same codes two a byte with a float16 scale and offset a group of 32 on
-  rungen/int4_kernel.py's kernel (RUN_GENERATION_GPU_INT4=triton), to its MOST_ROWS rows; int4 widened: those codes
-  widened to bfloat16 for cuBLAS, what its layer does past them;
+  rungen/int4_kernel.py's tiled kernel (RUN_GENERATION_GPU_INT4=triton), to its MOST_ROWS rows; int4 GEMV kernel:
+  the same codes on its GEMV kernel (no tensor cores), to its GEMV_ROWS rows, which its layer takes at those rows
+  where it is the faster at one row; int4 widened: those codes widened to bfloat16 for cuBLAS, what its layer does
+  past MOST_ROWS;
 - int8 kernel: int8 codes with a scale a group of 32 (GGUF Q8_0's form) on rungen/int8.py's Triton kernel, to its
   MOST_ROWS rows, where the layer uses it;
 - int8 widened: the same codes widened to bfloat16 for cuBLAS, what the layer does past MOST_ROWS (and where the
@@ -77,6 +79,7 @@ class Dense(torch.nn.Module):
 
 def forms(weight, device):
     """(name, a function making the layer, the rows it serves at most) of each form that runs on `device`."""
+    from rungen.int4_kernel import GEMV_ROWS
     from rungen.int8 import MOST_ROWS
     from rungen.quantize import gpu_int4_linear
 
@@ -89,10 +92,21 @@ def forms(weight, device):
             return layer
         return make
 
+    def int4_kernel_of(which):
+        def layer_of(weight):
+            layer, kernel = int4_layer(weight)
+            if kernel is None:
+                return layer, None
+            if which == "tiled":
+                return layer, lambda x, codes, scales, offsets=None: kernel.tiled(x, codes, scales, None, offsets)
+            return layer, lambda x, codes, scales, offsets=None: kernel.gemv_launch(x, codes, scales, offsets)
+        return layer_of
+
     made = [("bfloat16", lambda: Dense(weight), None)]
     if device.type == "cuda":
         made += [("int4 tinygemm", lambda: gpu_int4_linear(weight, None, check=True), None),
-                 ("int4 Triton kernel", coded(int4_layer, True), MOST_ROWS),
+                 ("int4 Triton kernel", coded(int4_kernel_of("tiled"), True), MOST_ROWS),
+                 ("int4 GEMV kernel", coded(int4_kernel_of("gemv"), True), GEMV_ROWS),
                  ("int8 kernel", coded(int8_group_layer, True), MOST_ROWS)]
     made += [("int4 widened", coded(int4_layer, False), None), ("int8 widened", coded(int8_group_layer, False), None)]
     return made

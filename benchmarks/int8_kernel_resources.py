@@ -88,6 +88,35 @@ def main():
                       f"{used.get('REG', '?')} | "
                       f"{used.get('STACK', 0)} | {shared / 1024:.0f}{' (too much)' if shared > most else ''} |",
                       flush=True)
+    gemv(args, runs["int4"], triton, GPUTarget, ASTSource, cuobjdump, most)
+
+
+def gemv(args, run, triton, GPUTarget, ASTSource, cuobjdump, most):
+    """The 4-bit GEMV kernel (a decode step's 1 to 4 rows) in each of its configurations, at one row and at four."""
+    from rungen.int4_kernel import GEMV_CONFIGS
+
+    print("\n| 4-bit GEMV kernel | activations | rows | BLOCK_N x BLOCK_K, warps | registers | spilled bytes | "
+          "shared KiB |")
+    print("| --- | --- | ---: | --- | ---: | ---: | ---: |")
+    names = run.gemv_jit.arg_names
+    for name, group, scales, _ in LAYOUTS:
+        if group != "int4":
+            continue
+        for activations in args.activations:
+            for rows in (1, 4):
+                for block_n, block_k, warps in GEMV_CONFIGS:
+                    signature = {"x": f"*{activations}", "codes": "*u8", "scales": f"*{scales}",
+                                 "offsets": f"*{scales}", "y": f"*{activations}", "M": "i32", "N": "i32", "K": "i32",
+                                 "ROWS": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
+                    constants = {(names.index(key),): value for key, value in
+                                 (("ROWS", rows), ("BLOCK_N", block_n), ("BLOCK_K", block_k))}
+                    built = triton.compile(ASTSource(run.gemv_jit, signature, constants, aligned(names)),
+                                           target=GPUTarget("cuda", args.arch, 32), options={"num_warps": warps})
+                    used = resources(built.asm["cubin"], cuobjdump)
+                    shared = built.metadata.shared
+                    print(f"| {name} | {activations} | {rows} | {block_n} x {block_k}, {warps} | "
+                          f"{used.get('REG', '?')} | {used.get('STACK', 0)} | "
+                          f"{shared / 1024:.0f}{' (too much)' if shared > most else ''} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ in its high one, so that the low and the high nibbles of a kernel's tile each mu
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
@@ -20,7 +21,16 @@ import torch
 from .int4 import GPU_INT4_ENV, TinyGemmLinear, int4_groups
 from .int8 import WIDEN_BYTES, CodesLinear, disagreement, launcher, widened
 
+logger = logging.getLogger(__name__)
+
 CHUNK = 64  # inputs a packing chunk spans (in_features must be a multiple): two groups, as Q4_K packs them
+GEMV_ENV = "RUN_GENERATION_INT4_GEMV"  # 0: a step's rows on the tiled kernel always (never the GEMV kernel)
+GEMV_ROWS = 4  # rows the GEMV kernel takes at most (past them the tiled kernel's tensor cores)
+# The GEMV kernel's tuned configurations (BLOCK_N, BLOCK_K, warps): a program's channels and inputs a step.
+GEMV_CONFIGS = ((8, 256, 2), (16, 256, 4), (16, 512, 4), (32, 256, 4), (32, 128, 4), (64, 128, 4))
+# Products a program holds at once at most (rows x channels x a tile's bytes): past it, 4 rows take 255 registers a
+# thread on sm_90 (python -m benchmarks.int8_kernel_resources), so those configurations serve fewer rows only.
+GEMV_PRODUCTS = 8192
 
 
 def gpu_int4_form(in_features: int, dtype: torch.dtype, device: torch.device) -> str | None:
@@ -106,7 +116,67 @@ def triton_kernel():
     # x @ (unpacked(codes) * scales + offsets).T; codes [out, in / 2] (packed()), scales and offsets [out, in / 32].
     # int8's configurations but (16, 256, 4), which spills 8 bytes here with float16 scales on sm_90
     # (python -m benchmarks.int8_kernel_resources).
-    return launcher(triton, int4_matmul, lambda inner, scales, offsets: {}, leave_out=[(16, 256, 4)])
+    tiled = launcher(triton, int4_matmul, lambda inner, scales, offsets: {}, leave_out=[(16, 256, 4)])
+
+    def fitting(configs, named_args, **kwargs):  # rows x a tile's codes within GEMV_PRODUCTS (registers)
+        rows = kwargs.get("ROWS", named_args.get("ROWS", 1))
+        return [config for config in configs
+                if rows * config.kwargs["BLOCK_N"] * config.kwargs["BLOCK_K"] // 2 <= GEMV_PRODUCTS]
+
+    @triton.autotune(configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in GEMV_CONFIGS],
+                     key=["N", "K", "ROWS"], prune_configs_by={"early_config_prune": fitting})
+    @triton.jit(do_not_specialize=["M"])
+    def int4_gemv(x, codes, scales, offsets, y, M, N, K, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+        # y[m, n] for a decode step's few rows (M <= ROWS) without the tensor cores, whose tiles of 16 rows a row
+        # would waste: BLOCK_N output channels a program over all K inputs, BLOCK_K (whole chunks) at a time, each
+        # nibble's codes widened with their group's scale and offset in registers and multiplied into every row.
+        channels = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        rows = tl.arange(0, ROWS)
+        half = tl.arange(0, BLOCK_K // 2)
+        low_inputs = (half // 32) * 64 + half % 32  # as int4_matmul's
+        chunk = tl.arange(0, BLOCK_K // 64)
+        total = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+        for start in range(0, K, BLOCK_K):
+            byte_at = start // 2 + half
+            b = tl.load(codes + channels[:, None] * (K // 2) + byte_at[None, :],
+                        mask=(channels[:, None] < N) & (byte_at[None, :] < K // 2), other=0)
+            group = start // 32 + 2 * chunk
+            held = (channels[:, None] < N) & (group[None, :] < K // 32)
+            where = channels[:, None] * (K // 32) + group[None, :]
+            for part in tl.static_range(2):  # the low nibbles (each chunk's first group), then the high ones
+                scale = tl.load(scales + where + part, mask=held, other=0.0).to(tl.float32)
+                offset = tl.load(offsets + where + part, mask=held, other=0.0).to(tl.float32)
+                w = tl.reshape(((b >> (4 * part)) & 0x0F).to(tl.float32), (BLOCK_N, BLOCK_K // 64, 32))
+                w = tl.reshape(w * scale[:, :, None] + offset[:, :, None], (BLOCK_N, BLOCK_K // 2))
+                at = start + 32 * part + low_inputs
+                a = tl.load(x + rows[:, None] * K + at[None, :], mask=(rows[:, None] < M) & (at[None, :] < K),
+                            other=0.0).to(tl.float32)
+                total += tl.sum(a[:, None, :] * w[None, :, :], axis=2)
+        tl.store(y + rows[:, None] * N + channels[None, :], total.to(y.dtype.element_ty),
+                 mask=(rows[:, None] < M) & (channels[None, :] < N))
+
+    def gemv(x, codes, scales, offsets, blocks=None):
+        """int4_gemv over x [rows <= GEMV_ROWS, in]: tuned, or in the configuration `blocks` ({"BLOCK_N",
+        "BLOCK_K"}; Triton's interpreter, with nothing to time, takes one)."""
+        rows, channels, inner = x.shape[0], codes.shape[0], x.shape[1]
+        y = torch.empty(rows, channels, dtype=x.dtype, device=x.device)
+        if blocks is None and os.environ.get("TRITON_INTERPRET") == "1":
+            blocks = {"BLOCK_N": 16, "BLOCK_K": 128}
+        kernel, settings = (int4_gemv, {}) if blocks is None else (int4_gemv.fn, blocks)
+        kernel[lambda meta: (triton.cdiv(channels, meta["BLOCK_N"]),)](
+            x, codes, scales, offsets, y, rows, channels, inner, ROWS=1 << (rows - 1).bit_length(), **settings)
+        return y
+
+    def run(x, codes, scales, blocks=None, offsets=None):
+        if blocks is not None or x.shape[0] > GEMV_ROWS or not run.gemv:
+            return tiled(x, codes, scales, blocks, offsets)
+        return gemv(x, codes, scales, offsets)
+
+    run.gemv = os.environ.get(GEMV_ENV, "1") != "0"  # checked_int4_kernel keeps it only where it is the faster
+    run.jit, run.configs_for, run.tiled, run.gemv_launch = tiled.jit, tiled.configs_for, tiled, gemv
+    run.gemv_jit = int4_gemv.fn  # (benchmarks/int8_kernel_resources.py builds it apart)
+    return run
 
 
 class CudaInt4Linear(CodesLinear):
@@ -138,7 +208,31 @@ class CudaInt4Linear(CodesLinear):
 
 def checked_int4_kernel(layer: CudaInt4Linear, dtype: torch.dtype) -> tuple[object | None, str | None]:
     """(the Triton kernel, None) where it imports and multiplies `layer`'s first output channels as the
-    widened product does (rungen/int8.py's disagreement), else (None, why)."""
+    widened product does (rungen/int8.py's disagreement), else (None, why). On a GPU a step's rows then go to the
+    GEMV kernel only if it multiplies `layer` at one row faster than the tiled kernel does (faster_at_one_row)."""
     kernel = triton_kernel()
     why = disagreement(kernel, layer, dtype)
+    if why is None and kernel.gemv and layer.codes.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        kernel.gemv = faster_at_one_row(kernel, layer, dtype)
     return (kernel, None) if why is None else (None, why)
+
+
+def faster_at_one_row(kernel, layer: CudaInt4Linear, dtype: torch.dtype, repeats: int = 20) -> bool:
+    """Whether the GEMV kernel multiplies one row by `layer` faster than the tiled kernel (the median of `repeats`
+    calls each, CUDA events, after a call that tunes and compiles); one line says what each took."""
+    x = torch.randn(1, layer.in_features, dtype=dtype, device=layer.codes.device)
+    times = {}
+    for name, run in (("GEMV", kernel), ("tiled", lambda *args, **kwargs: kernel.tiled(*args, **kwargs))):
+        run(x, layer.codes, layer.scales, offsets=layer.offsets)
+        taken = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run(x, layer.codes, layer.scales, offsets=layer.offsets)
+            end.record()
+            end.synchronize()
+            taken.append(start.elapsed_time(end))
+        times[name] = sorted(taken)[len(taken) // 2]
+    logger.info("4-bit Triton kernels at one row on a %d x %d layer: GEMV %.4f ms, tiled %.4f ms", layer.out_features,
+                layer.in_features, times["GEMV"], times["tiled"])
+    return times["GEMV"] < times["tiled"]

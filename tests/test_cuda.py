@@ -1561,6 +1561,33 @@ def test_the_4_bit_kernel_multiplies_as_the_plain_product(dtype, monkeypatch):
 
 
 @needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_4_bit_gemv_kernel_multiplies_as_the_plain_product(dtype, monkeypatch):
+    # The 4-bit GEMV kernel (a decode step's 1 to 4 rows, without tensor cores) against the codes unpacked and widened
+    # in float32: in each of its tuned configurations, inputs from one chunk to tiles that end past them, output
+    # channels that fill no block, float16 and float32 scales and offsets; and the kernel's own choice for one row
+    # (where it is the faster on a GPU: the GEMV or the tiled kernel) multiplying as the plain product too.
+    from rungen.int4_kernel import GEMV_CONFIGS, packed, triton_kernel, widened4
+
+    kernel = kernel_where_it_runs(triton_kernel, dtype, monkeypatch)
+    settings = [{"BLOCK_N": n, "BLOCK_K": k} for n, k, _ in GEMV_CONFIGS] + [None]
+    for rows, channels, inner in ((1, 96, 64), (2, 40, 576), (3, 64, 384), (4, 33, 1024)):
+        generator = torch.Generator().manual_seed(rows)
+        codes = packed(torch.randint(0, 16, (channels, inner), dtype=torch.uint8, generator=generator)).to(DEVICE)
+        for scale_dtype in (torch.float16, torch.float32):
+            scales = torch.rand(channels, inner // 32, generator=generator) / 100
+            offsets = -8 * scales + torch.rand(channels, inner // 32, generator=generator) / 1000
+            scales, offsets = scales.to(DEVICE, scale_dtype), offsets.to(DEVICE, scale_dtype)
+            x = torch.randn(rows, inner, generator=generator).to(DEVICE, dtype)
+            reference = widened4(x.float(), codes, scales, offsets)
+            for blocks in settings:
+                y = (kernel(x, codes, scales, offsets=offsets) if blocks is None
+                     else kernel.gemv_launch(x, codes, scales, offsets, blocks))
+                assert y.dtype == dtype and y.shape == (rows, channels)
+                assert (y.float() - reference).abs().max() <= 0.01 * reference.abs().max(), (rows, inner, blocks)
+
+
+@needs_triton
 @pytest.mark.parametrize("which", ["int8", "4-bit"])
 def test_every_tuned_configuration_multiplies_as_the_plain_product(which):
     # Each tile shape either class of GPU tunes over (Ampere on; Volta and Turing, in float16: rungen/int8.py's
