@@ -9,7 +9,8 @@ block, 227 KiB on sm_90, a configuration cannot run).
 
 Needs Triton (`pip install triton`; the CPU build of torch does not bring it). One row per weight layout (each GGUF
 int8 form's scales and offsets, --quantize int8's scale a channel, the 4-bit kernel's two), activation dtype and
-tuned configuration.
+tuned configuration; then the 4-bit GEMV kernel's (one to four rows) in each of its configurations, at one row and at
+four.
 """
 
 import argparse
