@@ -90,9 +90,10 @@ def why_not(model: torch.nn.Module) -> str | None:
     return None
 
 
-def concatenated(modules: list[torch.nn.Module]) -> torch.nn.Linear | None:
-    """One linear layer whose output is the modules' outputs side by side, its weight (and bias) the one the modules
-    now hold views of; None where they are not plain linear layers of one dtype and device."""
+def concatenated(modules: list[torch.nn.Module]) -> torch.nn.Module | None:
+    """One layer whose output is the modules' outputs side by side, its weight (and bias) the one the modules now
+    hold views of (layers of codes: their class's own concatenated()); None where they are not plain linear layers
+    of one dtype and device, or codes of one form."""
     if len({type(module) for module in modules}) == 1 and hasattr(modules[0], "concatenated"):
         return modules[0].concatenated(modules)  # a layer of codes: its own layout (rungen/int4.py, rungen/int8.py)
     if any(type(module) is not torch.nn.Linear for module in modules):
