@@ -10,7 +10,7 @@ block, 227 KiB on sm_90, a configuration cannot run).
 Needs Triton (`pip install triton`; the CPU build of torch does not bring it). One row per weight layout (each GGUF
 int8 form's scales and offsets, --quantize int8's scale a channel, the 4-bit kernel's two), activation dtype and
 tuned configuration; then the 4-bit GEMV kernel's (one to four rows) in each of its configurations, at one row and at
-four.
+four; then the fused decode step's kernels (rungen/step_triton.py) as their launchers configure them.
 """
 
 import argparse
@@ -90,6 +90,7 @@ def main():
                       f"{used.get('STACK', 0)} | {shared / 1024:.0f}{' (too much)' if shared > most else ''} |",
                       flush=True)
     gemv(args, runs["int4"], triton, GPUTarget, ASTSource, cuobjdump, most)
+    step(args, triton, GPUTarget, ASTSource, cuobjdump, most)
 
 
 def gemv(args, run, triton, GPUTarget, ASTSource, cuobjdump, most):
@@ -118,6 +119,54 @@ def gemv(args, run, triton, GPUTarget, ASTSource, cuobjdump, most):
                     print(f"| {name} | {activations} | {rows} | {block_n} x {block_k}, {warps} | "
                           f"{used.get('REG', '?')} | {used.get('STACK', 0)} | "
                           f"{shared / 1024:.0f}{' (too much)' if shared > most else ''} |", flush=True)
+
+
+
+def step(args, triton, GPUTarget, ASTSource, cuobjdump, most):
+    """The fused decode step's kernels (rungen/step_triton.py) as their launchers configure them: add_rms_norm at the
+    published hidden sizes, rotary_into_slots with and without Qwen3's q/k norms, silu_mul, and decode_attention at
+    head sizes 64 to 256 (split over a slot's positions, as the 8B shape at 4,096 positions) with its combine."""
+    from rungen import step_triton as kernels
+
+    def build(fn, dtype, pointers, scalars, constants, warps):
+        names = fn.arg_names
+        signature = {name: "constexpr" for name in names}
+        signature.update({name: f"*{kind if kind != 'act' else dtype}" for name, kind in pointers.items()})
+        signature.update(scalars)
+        source = ASTSource(fn, signature, {(names.index(key),): value for key, value in constants.items()})
+        built = triton.compile(source, target=GPUTarget("cuda", args.arch, 32), options={"num_warps": warps})
+        used = resources(built.asm["cubin"], cuobjdump)
+        shared = built.metadata.shared
+        shown = ", ".join(f"{key} {value}" for key, value in constants.items())
+        print(f"| {fn.__name__} | {dtype} | {shown}, {warps} warps | {used.get('REG', '?')} | "
+              f"{used.get('STACK', 0)} | {shared / 1024:.0f}{' (too much)' if shared > most else ''} |", flush=True)
+
+    print("\n| fused step kernel | activations | configuration | registers | spilled bytes | shared KiB |")
+    print("| --- | --- | --- | ---: | ---: | ---: |")
+    act = "act"
+    for dtype in args.activations:
+        for width in (576, 2048, 4096, 8192):
+            build(kernels.add_rms_norm_kernel, dtype, dict(x=act, residual=act, weight=act, normed=act, summed=act),
+                  dict(N="i32", eps="fp32"), dict(ADD=True, BLOCK=kernels.power_of_two(width)),
+                  kernels.norm_warps(width))
+        for size, normed in ((64, False), (128, False), (128, True), (96, False)):
+            build(kernels.rotary_kernel, dtype, dict(q=act, k=act, v=act, cos=act, sin=act, q_norm=act, k_norm=act,
+                                                     keys=act, values=act, positions="i64", query_out=act),
+                  dict(q_stride="i64", k_stride="i64", v_stride="i64", eps="fp32", slot_stride="i64",
+                       head_stride="i64", position_stride="i64"),
+                  dict(HEADS=32, SIZE=size, WIDTH=size if size != 96 else 48, NORM=normed,
+                       BLOCK=kernels.power_of_two(size)), 4)
+        build(kernels.silu_mul_kernel, dtype, dict(gate=act, up=act, out=act),
+              dict(N="i32", gate_stride="i32", up_stride="i32"), dict(BLOCK=1024), 4)
+        for size in (64, 96, 128, 256):
+            block_d, block_n, warps = kernels.attention_blocks(size)
+            build(kernels.decode_attention_kernel, dtype, dict(query=act, keys=act, values=act, positions="i64",
+                                                               out=act, partial="fp32", lse="fp32"),
+                  dict(scale="fp32", slot_stride="i64", head_stride="i64", position_stride="i64"),
+                  dict(HEADS=32, GROUP=4, SIZE=size, CHUNK=kernels.SPLIT_POSITIONS, SPLITS=16, BLOCK_G=16,
+                       BLOCK_D=block_d, BLOCK_N=block_n), warps)
+        build(kernels.combine_kernel, dtype, dict(partial="fp32", lse="fp32", out=act), {},
+              dict(SPLITS=16, SIZE=128, BLOCK_S=16, BLOCK_D=128), 4)
 
 
 if __name__ == "__main__":

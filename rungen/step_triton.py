@@ -93,8 +93,7 @@ def add_rms_norm(x, residual, weight, eps):
     normed = torch.empty_like(x)
     summed = x if residual is None else torch.empty_like(x)
     add_rms_norm_kernel[(rows,)](x, x if residual is None else residual, weight, normed, summed, width, eps,
-                                 ADD=residual is not None, BLOCK=power_of_two(width),
-                                 num_warps=min(16, max(1, width // 512)))
+                                 ADD=residual is not None, BLOCK=power_of_two(width), num_warps=norm_warps(width))
     return normed, summed
 
 
@@ -183,6 +182,18 @@ def combine_kernel(partial, lse, out, SPLITS: tl.constexpr, SIZE: tl.constexpr, 
 SPLIT_POSITIONS = 256  # positions a program of decode_attention reads at most (the slots' length bucket)
 
 
+def attention_blocks(size: int) -> tuple[int, int, int]:
+    """decode_attention_kernel's (BLOCK_D, BLOCK_N, warps) for heads of `size`: none spills a register on sm_90 in
+    bfloat16, float16 or float32 for heads of 64 to 256 (python -m benchmarks.int8_kernel_resources; 64 positions a
+    loop step with 4 warps spilled 300-400 bytes a thread at heads of 128)."""
+    block_d = max(16, power_of_two(size))
+    return (block_d, 32, 8) if block_d <= 128 else (block_d, 16, 4)
+
+
+def norm_warps(width: int) -> int:
+    return min(16, max(1, width // 512))
+
+
 def decode_attention(query, keys, values, positions, length, mask, scale):
     rows, heads, size = query.shape
     kv_heads = keys.shape[1]
@@ -192,11 +203,11 @@ def decode_attention(query, keys, values, positions, length, mask, scale):
     if splits > 1:
         partial = torch.empty((rows, heads, splits, size), dtype=torch.float32, device=query.device)
         lse = torch.empty((rows, heads, splits), dtype=torch.float32, device=query.device)
-    block_d = max(16, power_of_two(size))
+    block_d, block_n, warps = attention_blocks(size)
     decode_attention_kernel[(rows, kv_heads, splits)](
         query, keys, values, positions, out, partial, lse, scale, keys.stride(0), keys.stride(1), keys.stride(2),
         HEADS=heads, GROUP=group, SIZE=size, CHUNK=SPLIT_POSITIONS, SPLITS=splits,
-        BLOCK_G=max(16, power_of_two(group)), BLOCK_D=block_d, BLOCK_N=64 if block_d <= 128 else 32)
+        BLOCK_G=max(16, power_of_two(group)), BLOCK_D=block_d, BLOCK_N=block_n, num_warps=warps)
     if splits > 1:
         combine_kernel[(rows * heads,)](partial, lse, out, SPLITS=splits, SIZE=size,
                                         BLOCK_S=max(2, power_of_two(splits)), BLOCK_D=block_d)
