@@ -1542,22 +1542,30 @@ def test_the_4_bit_kernel_multiplies_as_the_plain_product(dtype, monkeypatch):
     # row to its most, inputs from one chunk of 64 to tiles that end past them, output channels that fill no block;
     # a scale and an offset a group of 32 in float16 (Q4_0, Q4_1) and float32 (Q4_K); in bfloat16 (the default)
     # through its tuning, float16 and float32 in one configuration.
-    from rungen.int4_kernel import packed, triton_kernel, widened4
+    from rungen.int4_kernel import triton_kernel, widened4
 
     kernel = kernel_where_it_runs(triton_kernel, dtype, monkeypatch)
     blocks = None if dtype == torch.bfloat16 else {"BLOCK_N": 32, "BLOCK_K": 256}
-    for rows, channels, inner in ((1, 96, 64), (5, 64, 576), (17, 40, 384), (64, 48, 4096)):
+    for x, codes, scales, offsets in int4_cases(((1, 96, 64), (5, 64, 576), (17, 40, 384), (64, 48, 4096)), dtype):
+        y = kernel(x, codes, scales, blocks, offsets=offsets)
+        reference = widened4(x.float(), codes, scales, offsets)
+        assert y.dtype == dtype and y.shape == (x.shape[0], codes.shape[0])
+        assert (y.float() - reference).abs().max() <= 0.01 * reference.abs().max(), (x.shape, codes.shape)
+
+
+def int4_cases(shapes, dtype):
+    """(x, packed codes, scales, offsets) of random 4-bit layers for each (rows, channels, inputs) of `shapes`, with
+    a float16 and a float32 scale and offset a group of 32 (Q4_0/Q4_1's, Q4_K's)."""
+    from rungen.int4_kernel import packed
+
+    for rows, channels, inner in shapes:
         generator = torch.Generator().manual_seed(rows)
         codes = packed(torch.randint(0, 16, (channels, inner), dtype=torch.uint8, generator=generator)).to(DEVICE)
         for scale_dtype in (torch.float16, torch.float32):
             scales = torch.rand(channels, inner // 32, generator=generator) / 100
             offsets = -8 * scales + torch.rand(channels, inner // 32, generator=generator) / 1000
-            scales, offsets = scales.to(DEVICE, scale_dtype), offsets.to(DEVICE, scale_dtype)
             x = torch.randn(rows, inner, generator=generator).to(DEVICE, dtype)
-            y = kernel(x, codes, scales, blocks, offsets=offsets)
-            reference = widened4(x.float(), codes, scales, offsets)
-            assert y.dtype == dtype and y.shape == (rows, channels)
-            assert (y.float() - reference).abs().max() <= 0.01 * reference.abs().max(), (rows, channels, inner)
+            yield x, codes, scales.to(DEVICE, scale_dtype), offsets.to(DEVICE, scale_dtype)
 
 
 @needs_triton
@@ -1567,24 +1575,17 @@ def test_the_4_bit_gemv_kernel_multiplies_as_the_plain_product(dtype, monkeypatc
     # in float32: in each of its tuned configurations, inputs from one chunk to tiles that end past them, output
     # channels that fill no block, float16 and float32 scales and offsets; and the kernel's own choice for one row
     # (where it is the faster on a GPU: the GEMV or the tiled kernel) multiplying as the plain product too.
-    from rungen.int4_kernel import GEMV_CONFIGS, packed, triton_kernel, widened4
+    from rungen.int4_kernel import GEMV_CONFIGS, triton_kernel, widened4
 
     kernel = kernel_where_it_runs(triton_kernel, dtype, monkeypatch)
     settings = [{"BLOCK_N": n, "BLOCK_K": k} for n, k, _ in GEMV_CONFIGS] + [None]
-    for rows, channels, inner in ((1, 96, 64), (2, 40, 576), (3, 64, 384), (4, 33, 1024)):
-        generator = torch.Generator().manual_seed(rows)
-        codes = packed(torch.randint(0, 16, (channels, inner), dtype=torch.uint8, generator=generator)).to(DEVICE)
-        for scale_dtype in (torch.float16, torch.float32):
-            scales = torch.rand(channels, inner // 32, generator=generator) / 100
-            offsets = -8 * scales + torch.rand(channels, inner // 32, generator=generator) / 1000
-            scales, offsets = scales.to(DEVICE, scale_dtype), offsets.to(DEVICE, scale_dtype)
-            x = torch.randn(rows, inner, generator=generator).to(DEVICE, dtype)
-            reference = widened4(x.float(), codes, scales, offsets)
-            for blocks in settings:
-                y = (kernel(x, codes, scales, offsets=offsets) if blocks is None
-                     else kernel.gemv_launch(x, codes, scales, offsets, blocks))
-                assert y.dtype == dtype and y.shape == (rows, channels)
-                assert (y.float() - reference).abs().max() <= 0.01 * reference.abs().max(), (rows, inner, blocks)
+    for x, codes, scales, offsets in int4_cases(((1, 96, 64), (2, 40, 576), (3, 64, 384), (4, 33, 1024)), dtype):
+        reference = widened4(x.float(), codes, scales, offsets)
+        for blocks in settings:
+            y = (kernel(x, codes, scales, offsets=offsets) if blocks is None
+                 else kernel.gemv_launch(x, codes, scales, offsets, blocks))
+            assert y.dtype == dtype and y.shape == (x.shape[0], codes.shape[0])
+            assert (y.float() - reference).abs().max() <= 0.01 * reference.abs().max(), (x.shape, blocks)
 
 
 @needs_triton
