@@ -180,11 +180,11 @@ class FusedStep:
         return self.step(model, cache, tokens, positions, length)
 
     def step(self, model, cache, tokens, positions, length):
-        filled = cache.prepare(positions, length)
         rows, ops, residual = tokens.shape[0], self.ops, None
         hidden = model.get_input_embeddings()(tokens).reshape(rows, -1)
-        mask = None  # (SDPA's: Triton's attention reads each row's position instead)
+        mask = None  # (SDPA's: Triton's attention reads each row's position instead, and the step needs no other)
         if ops["needs_mask"]:
+            filled = cache.prepare(positions, length)
             mask = torch.zeros(filled.shape, dtype=hidden.dtype, device=hidden.device)
             mask.masked_fill_(~filled, -torch.inf)
         cos, sin = self.decoder.rotary_emb(hidden[:, None], positions[:, None])

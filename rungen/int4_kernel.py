@@ -222,7 +222,7 @@ def faster_at_one_row(kernel, layer: CudaInt4Linear, dtype: torch.dtype, repeats
     calls each, CUDA events, after a call that tunes and compiles); one line says what each took."""
     x = torch.randn(1, layer.in_features, dtype=dtype, device=layer.codes.device)
     times = {}
-    for name, run in (("GEMV", kernel), ("tiled", lambda *args, **kwargs: kernel.tiled(*args, **kwargs))):
+    for name, run in (("GEMV", kernel), ("tiled", kernel.tiled)):
         run(x, layer.codes, layer.scales, offsets=layer.offsets)
         taken = []
         for _ in range(repeats):
