@@ -237,6 +237,7 @@ def test_layers_of_codes_concatenate_into_one_product(gpu):
                 torch.testing.assert_close(layer(x), before, rtol=0, atol=0)
 
 
+@needs_cuda  # (on the CPU device a GGUF file runs in its own blocks: no transformers' layers to fuse)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_gguf_files_fused_layers_keep_its_tokens(gguf_file, dtype, monkeypatch):
     """The GGUF file's fused layers against transformers' layers in both precisions: in bfloat16 its Q4_0 q/k/v and
@@ -1206,16 +1207,19 @@ def test_an_embedding_in_its_blocks_is_looked_up_inside_a_cuda_graph(name):
 
 @needs_cuda
 def test_an_moe_gguf_files_experts_go_to_the_gpu_as_they_are_read(tmp_path, monkeypatch):
-    # A MoE file's 3-D expert tensors go to the GPU an expert at a time, de-quantized a chunk of rows at a time: never
-    # a layer's experts in float32 in host memory (Qwen3-30B-A3B's are 2.4 GB a layer, 115 GB in all); the model
+    # A MoE file's 3-D expert tensors of a type the GPU de-quantizes (4-bit ones in float32) go to the GPU an expert
+    # at a time, de-quantized a chunk of rows at a time: never a layer's experts in float32 in host memory
+    # (Qwen3-30B-A3B's are 2.4 GB a layer, 115 GB in all); the model
     # computes what the de-quantized float32 model does.
+    from gguf import GGMLQuantizationType as Q
+
     import rungen.gguf.experts as experts
     import rungen.gguf.file as gguf_file
     from helpers import write_moe_gguf
     from rungen.int8 import CodesEmbedding, CodesLinear, torch_widened
     from rungen.loading import load
 
-    path = write_moe_gguf(tmp_path / "qwen3moe.gguf")
+    path = write_moe_gguf(tmp_path / "qwen3moe.gguf", expert_types=(Q.Q4_0, Q.Q4_0, Q.Q4_0))
     whole, slices = [], []
     monkeypatch.setattr(gguf_file, "dequantize", lambda blocks, *args, dequantize=gguf_file.dequantize: whole.append(
         blocks.shape) or dequantize(blocks, *args))
@@ -1248,6 +1252,50 @@ def test_an_moe_gguf_files_experts_go_to_the_gpu_as_they_are_read(tmp_path, monk
     if not PLAYED:  # (the router's histogram of int expert ids is CUDA's alone: the played GPU cannot run it)
         exact.model.to(DEVICE)
         assert_logits_near(moe, exact)
+
+
+@needs_cuda
+@pytest.mark.fresh_load  # (the memo would hold a second copy on the GPU)
+@pytest.mark.parametrize("expert_types", [("Q4_K", "Q4_K", "Q4_K"),
+                                          pytest.param(("Q4_K", "Q4_K", "Q6_K"), marks=needs_triton)],
+                         ids=["Q4_K", "Q4_K_M"])
+def test_an_moe_gguf_files_experts_stay_in_their_codes_on_the_gpu(tmp_path, expert_types):
+    # A MoE file's experts on a GPU in the codes a dense layer's weight of their type takes there, an expert's gate
+    # and up one layer, its down another (Q4_K_M's mix: 4-bit codes, and int8 codes for down's Q6_K), never
+    # de-quantized: Qwen3-30B-A3B's experts would take 58 GB in bfloat16, its whole file 18 GB. The model computes
+    # what the file's weights do (the CPU's model over its blocks).
+    from gguf import GGMLQuantizationType as Q
+
+    from helpers import write_moe_gguf
+    from rungen.gguf.experts import GGMLExperts
+    from rungen.loading import load
+
+    path = write_moe_gguf(tmp_path / "qwen3moe.gguf", hidden=256, expert_types=[Q[name] for name in expert_types])
+    before = torch.cuda.memory_allocated()
+    moe = load(path, device=DEVICE, dtype="bfloat16")
+    held = torch.cuda.memory_allocated() - before
+    experts = [module for module in moe.model.modules() if isinstance(module, GGMLExperts)]
+    assert len(experts) == 2 and all(len(layer.gate_up) == len(layer.down) == 4 for layer in experts)
+    assert not [name for name, tensor in moe.model.named_parameters() if tensor.dim() == 3]  # none de-quantized
+    forms = {type(layer).__name__ for layer in experts[0].down}
+    assert forms == ({"CudaInt8Linear"} if expert_types[2] == "Q6_K" else {"TinyGemmLinear"}), forms
+    tensors = [*moe.model.parameters(), *moe.model.buffers()]
+    assert held <= 1.05 * sum(tensor.numel() * tensor.element_size() for tensor in tensors)  # no copy left behind
+    as_bfloat16 = 2 * 4 * 3 * 768 * 256 * 2  # layers x experts x (gate, up, down) x their weights x 2 bytes
+    coded = sum(tensor.numel() * tensor.element_size() for layer in experts for tensor in layer.buffers())
+    # 4-bit codes with bfloat16 group scales: 0.31 of bfloat16's bytes; Q6_K's int8 codes and float32 scales: 0.63
+    assert coded <= (0.45 if expert_types[2] == "Q6_K" else 0.33) * as_bfloat16, coded / as_bfloat16
+    on_cpu = load(path, device=torch.device("cpu"), dtype="float32")
+    ids = on_cpu.tokenizer(PROMPTS[1]).input_ids
+    with torch.inference_mode():
+        ours = moe.model(input_ids=torch.tensor([ids], device=DEVICE)).logits.float().cpu()
+        theirs = on_cpu.model(input_ids=torch.tensor([ids])).logits
+    assert (ours - theirs).abs().max() <= 0.05 * theirs.abs().max()
+    # The tool runs it: greedy tokens as transformers' generate() gives them on the same model.
+    prompt_ids, new, _ = reference(moe.model, moe.tokenizer, PROMPTS[0], new_tokens=8)
+    [record] = jsonl(run_ok(["--model_name_or_path", str(path), "--prompt", PROMPTS[0], "--temperature", "0",
+                             "--length", "8", "--output_format", "jsonl", "--logprobs", "0"]).stdout)
+    assert [item["id"] for item in record["logprobs"]["content"]] == new
 
 
 def run_quantized(checkpoint, mode, monkeypatch, extra=()):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 
+import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
@@ -168,41 +169,53 @@ class DeviceForms:
         # GPT-2's Conv1D too: the file's rows are its output channels, as a linear layer's are
         linear, table = isinstance(module, (torch.nn.Linear, Conv1D)), isinstance(module, torch.nn.Embedding)
         scale = getattr(module, "embed_scale", None)
-        int4 = linear and gpu_int4(qtype, in_features, self.dtype, self.device)
-        if int4 == "triton" and self.int4 is not False:
-            return self.int4_codes(reader, entry, qtype, in_features, order)
-        if int4 == "tinygemm" and self.tinygemm is not False:
-            make = functools.partial(tinygemm_of_blocks, torch.from_numpy(reader.blocks(entry)), qtype, in_features,
-                                     self.device, order)
+        if linear or tied_table:
+            layer = self.codes_layer(reader.blocks(entry), qtype, in_features, order,
+                                lambda: reader.dequantized(entry, self.dtype, self.device, order), int4=linear)
+            if layer is not None:
+                # A tied table becomes the head (file.py's _tie_head), its lookup reading the same codes.
+                return CodesEmbedding(layer, self.dtype, scale) if tied_table else layer
+        elif table and gpu_embedding(qtype, self.device):
+            return DeviceRowsEmbedding(reader.rows(entry, False, order).to(self.device), qtype, in_features,
+                                       self.dtype, scale)
+        return reader.dequantized(entry, self.dtype, self.device, order)
+
+    def codes_layer(self, blocks: np.ndarray, qtype: GGMLQuantizationType, in_features: int, order, dequantized,
+               int4: bool = True) -> torch.nn.Module | None:
+        """A weight's `blocks` [rows, row bytes] (`order`: its rows permuted) as a layer of codes that a checked
+        kernel multiplies on the GPU, or None where its type has no such form here (the caller de-quantizes it).
+        `dequantized()`: the weight de-quantized, which the first 4-bit weight checks torch's int4 kernel against;
+        `int4`: whether a 4-bit form may hold it (a linear layer's; a table that the head reads takes int8 codes
+        alone)."""
+        form = gpu_int4(qtype, in_features, self.dtype, self.device) if int4 else None
+        if form == "triton" and self.int4 is not False:
+            return self.int4_codes(blocks, qtype, in_features, order)
+        if form == "tinygemm" and self.tinygemm is not False:
+            make = functools.partial(tinygemm_of_blocks, torch.from_numpy(blocks), qtype, in_features, self.device,
+                                     order)
             if self.tinygemm is not None:
                 return make()
-            weight = reader.dequantized(entry, self.dtype, self.device, order)  # the first, checked against it
-            layer, why = checked_tinygemm(make, weight)
+            layer, why = checked_tinygemm(make, dequantized())  # the first, checked against its weight
             self.tinygemm = layer is not None
-            if self.tinygemm:
-                return layer
-            logger.warning("torch's int4 GPU kernel %s here; the 4-bit weights run de-quantized to bfloat16 instead",
-                           why)
-            return weight
-        if (linear or tied_table) and self.int8.get(qtype) is not False and gpu_int8(qtype, self.device):
-            layer = int8_of_blocks(torch.from_numpy(reader.blocks(entry)), qtype, in_features, self.device, order)
+            if not self.tinygemm:
+                logger.warning("torch's int4 GPU kernel %s here; the 4-bit weights run de-quantized to bfloat16 "
+                               "instead", why)
+            return layer
+        if self.int8.get(qtype) is not False and gpu_int8(qtype, self.device):
+            layer = int8_of_blocks(torch.from_numpy(blocks), qtype, in_features, self.device, order)
             if qtype not in self.int8:  # no kernel, no codes: widening each product is slower than bfloat16
                 self.int8[qtype] = checked_kernel(layer, self.dtype, f"{qtype.name} weights de-quantized to "
                                                   f"{self.dtype} instead") or False
             if self.int8[qtype]:
                 layer.use_kernel(self.int8[qtype])
-                # A tied table becomes the head (file.py's _tie_head), its lookup reading the same codes.
-                return CodesEmbedding(layer, self.dtype, scale) if tied_table else layer
+                return layer
             del layer  # its codes go before the weight is de-quantized: never both forms on the GPU at once
-        elif table and not tied_table and gpu_embedding(qtype, self.device):
-            return DeviceRowsEmbedding(reader.rows(entry, False, order).to(self.device), qtype, in_features,
-                                       self.dtype, scale)
-        return reader.dequantized(entry, self.dtype, self.device, order)
+        return None
 
-    def int4_codes(self, reader, entry, qtype: GGMLQuantizationType, in_features: int, order
-                   ) -> torch.nn.Module | torch.Tensor:
-        """A 4-bit weight as CudaInt4Linear where the Triton kernel checks out on the first, else de-quantized."""
-        layer = int4_codes_of_blocks(torch.from_numpy(reader.blocks(entry)), qtype, in_features, self.device, order)
+    def int4_codes(self, blocks: np.ndarray, qtype: GGMLQuantizationType, in_features: int, order
+                   ) -> torch.nn.Module | None:
+        """A 4-bit weight as CudaInt4Linear where the Triton kernel checks out on the first, else None."""
+        layer = int4_codes_of_blocks(torch.from_numpy(blocks), qtype, in_features, self.device, order)
         if self.int4 is None:
             kernel, why = checked_int4_kernel(layer, self.dtype)
             self.int4 = kernel or False
@@ -210,7 +223,6 @@ class DeviceForms:
                 logger.warning("the 4-bit Triton kernel: %s; the 4-bit weights run de-quantized to %s instead", why,
                                self.dtype)
         if not self.int4:
-            del layer  # never both forms on the GPU at once
-            return reader.dequantized(entry, self.dtype, self.device, order)
+            return None  # (its codes go with the layer: never both forms on the GPU at once)
         layer.use_kernel(self.int4)
         return layer

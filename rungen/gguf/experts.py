@@ -5,10 +5,15 @@ GGMLLinear per expert and product, where transformers' Experts module would hold
 An expert's gate and up rows are one product (one buffer a layer, expert by expert: gate rows, then up rows), as
 transformers' concatenated gate_up_proj is; its down rows another. The forward is transformers' Experts forward
 (`integrations/moe.py`): each token's hidden state through the experts the router chose, weighted, summed. On a
-GPU (build_model given a device) dequantized_experts fills transformers' own parameters instead, an expert at a time.
+GPU (build_model given a device) coded_experts makes each expert's two products layers of codes, the forms
+device.py keeps a dense layer's weight in (Qwen3-30B-A3B's Q4_K_M experts: 4-bit and int8 codes, where bfloat16
+would take 58 GB); where a part's type has none there, dequantized_experts fills transformers' own parameters, an
+expert at a time.
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import torch
@@ -47,8 +52,9 @@ def part_of(name: str) -> str | None:
 
 
 class GGMLExperts(torch.nn.Module):
-    """A layer's experts over their blocks: forward(hidden [tokens, hidden], top_k_index [tokens, k], top_k_weights
-    [tokens, k]) as transformers' Experts modules compute it."""
+    """A layer's experts over their blocks (on a GPU: over layers of codes, an expert's gate/up one and its down
+    another): forward(hidden [tokens, hidden], top_k_index [tokens, k], top_k_weights [tokens, k]) as transformers'
+    Experts modules compute it."""
 
     def __init__(self, gate_up: list[torch.nn.Module], down: list[GGMLLinear], act_fn):
         super().__init__()
@@ -61,7 +67,8 @@ class GGMLExperts(torch.nn.Module):
 
     def extra_repr(self) -> str:
         first = self.down[0]
-        return f"num_experts={self.num_experts}, hidden={first.out_features}, qtype={first.qtype.name} (down)"
+        form = first.qtype.name if hasattr(first, "qtype") else type(first).__name__
+        return f"num_experts={self.num_experts}, hidden={first.out_features}, {form} (down)"
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         chosen = top_k_index.reshape(-1)
@@ -223,3 +230,31 @@ def dequantized_experts(reader: WeightReader, parts: dict[str, Tensor], module: 
                 dequantize_to(reader.blocks(tensor)[e], GGMLQuantizationType(tensor.code), out.shape[-1], dtype,
                               device, out=out)
     return gate_up, down
+
+
+def coded_experts(reader: WeightReader, parts: dict[str, Tensor], module: torch.nn.Module, forms
+                  ) -> GGMLExperts | None:
+    """On a GPU: the GGMLExperts of a layer's three expert tensors over layers of codes (`forms`: device.py's
+    DeviceForms; an expert's gate and up rows one layer, its down rows another), replacing `module`; None where a
+    part's type has no such form there (float tensors, gate and up of two types, types the GPU de-quantizes,
+    a kernel that failed its check): the layer then takes dequantized_experts. GGUFError where the tensors' shapes
+    are not the module's."""
+    _check_shapes(reader, parts, module)
+    gate, up, down = parts["gate"], parts["up"], parts["down"]
+    if gate.code != up.code or any(tensor.code in FLOAT_TYPES for tensor in (gate, down)):
+        return None
+    qtype, down_type = GGMLQuantizationType(gate.code), GGMLQuantizationType(down.code)
+    width = {name: weights_per_row(GGMLQuantizationType(t.code), t.shape[-1]) for name, t in parts.items()}
+    gates, ups, downs = reader.blocks(gate), reader.blocks(up), reader.blocks(down)
+
+    def made(blocks: np.ndarray, qtype: GGMLQuantizationType, in_features: int):
+        dequantized = functools.partial(dequantize_to, blocks, qtype, in_features, forms.dtype, forms.device)
+        return forms.codes_layer(blocks, qtype, in_features, None, dequantized)
+
+    gate_up, down_layers = [], []
+    for e in range(gate.shape[0]):
+        gate_up.append(made(np.concatenate([gates[e], ups[e]]), qtype, width["gate"]))
+        down_layers.append(made(downs[e], down_type, width["down"]))
+        if gate_up[-1] is None or down_layers[-1] is None:  # (the first expert's: forms decide a type at its first)
+            return None
+    return GGMLExperts(gate_up, down_layers, module.act_fn)

@@ -596,7 +596,7 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
     from transformers.pytorch_utils import Conv1D
 
-    from .experts import build_experts, dequantized_experts, holds_experts, part_of, route_rows_alike
+    from .experts import build_experts, coded_experts, dequantized_experts, holds_experts, part_of, route_rows_alike
 
     config = header.config
     # Parameters on meta; buffers real: rotary inv_freq and the like are computed in __init__, not in the file.
@@ -719,7 +719,10 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
             absent = next(name for name in missing if name not in reader.table)
             raise GGUFError(f"{header.path}: the file has no tensor {absent}{split_hint(header.path)}")
         module = model.get_submodule(module_name)
-        if on_device:
+        coded = coded_experts(reader, parts, module, forms) if on_device else None
+        if coded is not None:
+            layers[module_name] = coded
+        elif on_device:  # types without codes on the GPU
             for attr, value in zip(("gate_up_proj", "down_proj"), dequantized_experts(reader, parts, module, dtype,
                                                                                        device)):
                 put(f"{module_name}.{attr}", value)
@@ -727,7 +730,7 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
             layers[module_name] = build_experts(reader, parts, module)
     if on_device:
         for module_name, layer in layers.items():  # weights kept in codes or blocks
-            if not isinstance(model.get_submodule(module_name), torch.nn.Embedding):  # a linear layer's bias
+            if isinstance(model.get_submodule(module_name), (torch.nn.Linear, Conv1D)):  # a linear layer's bias
                 bias = model.get_submodule(module_name).bias
                 layer.bias = bias if bias is not None and bias.device.type != "meta" else None
             model.set_submodule(module_name, layer)
