@@ -26,8 +26,12 @@ logger = logging.getLogger(__name__)
 CHUNK = 64  # inputs a packing chunk spans (in_features must be a multiple): two groups, as Q4_K packs them
 GEMV_ENV = "RUN_GENERATION_INT4_GEMV"  # 0: a step's rows on the tiled kernel always (never the GEMV kernel)
 GEMV_ROWS = 4  # rows the GEMV kernel takes at most (past them the tiled kernel's tensor cores)
-# The GEMV kernel's tuned configurations (BLOCK_N, BLOCK_K, warps): a program's channels and inputs a step.
-GEMV_CONFIGS = ((8, 256, 2), (16, 256, 4), (16, 512, 4), (32, 256, 4), (32, 128, 4), (64, 128, 4))
+# The GEMV kernel's tuned configurations (BLOCK_N, BLOCK_K, warps): a program's channels and inputs a step. Wide
+# channel blocks read a few short rows each; narrow ones with long input steps (2-8 channels, 1,024-2,048 inputs)
+# make N/2-N/8 programs that each load 1-8 KiB a step, the bytes in flight a GPU's bandwidth needs at one row
+# (4096 x 4096 codes at 32 channels a program: 128 programs, about one an SM).
+GEMV_CONFIGS = ((8, 256, 2), (16, 256, 4), (16, 512, 4), (32, 256, 4), (32, 128, 4), (64, 128, 4),
+                (2, 2048, 2), (4, 1024, 2), (4, 2048, 4), (8, 1024, 4), (8, 2048, 8))
 # Products a program holds at once at most (rows x channels x a tile's bytes): past it, 4 rows take 255 registers a
 # thread on sm_90 (python -m benchmarks.int8_kernel_resources), so those configurations serve fewer rows only.
 GEMV_PRODUCTS = 8192
