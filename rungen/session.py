@@ -406,41 +406,6 @@ class Session:
             self.engine = open_engine(self.loaded, settings, 1, conversation=self.chat)
         return self.engine
 
-    def loop(self, terminal):
-        joiner = LineJoiner()
-        while True:
-            try:
-                line = terminal.read(CONTINUATION if joiner.pending else PROMPT)
-            except EOFError:  # Ctrl-D
-                sys.stderr.write("\n")
-                if joiner.pending:
-                    say("(the unfinished input was not sent)")
-                return
-            except KeyboardInterrupt:  # Ctrl-C: drops what is being typed, or ends at an empty prompt
-                sys.stderr.write("\n")
-                if not joiner.pending and not terminal.typed():
-                    if self.stopped_at is not None and time.monotonic() - self.stopped_at < SECOND_PRESS:
-                        self.give_up_last_reply()  # the second press of a double Ctrl-C, come as the reply ended
-                        continue
-                    return
-                joiner = LineJoiner()
-                continue
-            self.stopped_at = None
-            if not joiner.pending:
-                name, line = split_input(line)
-                if name is not None:
-                    if self.command(name, line):
-                        return
-                    continue
-            text = joiner.feed(line)
-            if text is None or not text.strip():
-                continue
-            try:
-                self.turn(text)
-            except KeyboardInterrupt:  # a second Ctrl-C during one reply
-                end_line()
-                say(GIVEN_UP)
-
     def give_up_last_reply(self):
         """Forgets the last turn, as a second Ctrl-C during its reply would have."""
         self.stopped_at = None
@@ -448,43 +413,8 @@ class Session:
         self.replies.pop()
         say(GIVEN_UP)
 
-    def command(self, name, argument):
-        """Runs one /command; True when it ends the session."""
-        if name in ("exit", "quit"):
-            return True
-        if name == "help":
-            say(HELP)
-        elif name == "clear":
-            self.messages, self.left_out = [], 0
-            say("(conversation cleared)")
-        elif name == "save":
-            self.save(argument)
-        elif name == "set" and not argument:
-            say(describe_settings(self.settings))
-        elif name == "set":
-            setting, _, value = argument.partition(" ")
-            try:
-                changed = set_setting(self.settings, setting.lower(), value.strip(), self.loaded.context)
-                if changed.thinking_budget is not None:
-                    check_thinking_budget(self.loaded, changed)  # a setting only generate() runs would drop the cap
-                self.settings = changed
-            except UsageError as error:
-                say(f"error: {error}")
-            else:
-                say(describe_settings(self.settings, [setting.lower()]))
-                self.say_unused(setting.lower(), value.strip())
-        else:
-            say(f"unknown command /{name}; /help lists the commands")
-        return False
-
-    def say_unused(self, name, value):
-        """A notice where a setting just set does not act as typed (the flags' start-up warnings)."""
-        settings = self.settings
-        if name in ("k", "p") and settings.temperature == 0:
-            say(f"({name} applies to sampling only: it takes effect once temperature is above 0)")
-        elif name == "length" and self.loaded.context and settings.length == self.loaded.context \
-                and value != str(self.loaded.context):
-            say(f"(length: up to the model's context, {self.loaded.context} tokens)")
+    def clear(self):
+        self.messages, self.left_out = [], 0
 
     def save(self, path):
         if len(path) > 1 and path[0] == path[-1] and path[0] in "\"'":  # a name with spaces, as a shell takes it
@@ -681,6 +611,87 @@ class Session:
         return results[prompt.index], streamer is not None, control.first_token_at, reused
 
 
+class Repl:
+    """The terminal's side of a session: reads lines (multi-line input, /commands, Ctrl-C and Ctrl-D) and hands each
+    prompt to the Session."""
+
+    def __init__(self, session: Session):
+        self.session = session
+
+    def loop(self, terminal):
+        session, joiner = self.session, LineJoiner()
+        while True:
+            try:
+                line = terminal.read(CONTINUATION if joiner.pending else PROMPT)
+            except EOFError:  # Ctrl-D
+                sys.stderr.write("\n")
+                if joiner.pending:
+                    say("(the unfinished input was not sent)")
+                return
+            except KeyboardInterrupt:  # Ctrl-C: drops what is being typed, or ends at an empty prompt
+                sys.stderr.write("\n")
+                if not joiner.pending and not terminal.typed():
+                    if session.stopped_at is not None and time.monotonic() - session.stopped_at < SECOND_PRESS:
+                        session.give_up_last_reply()  # the second press of a double Ctrl-C, come as the reply ended
+                        continue
+                    return
+                joiner = LineJoiner()
+                continue
+            session.stopped_at = None
+            if not joiner.pending:
+                name, line = split_input(line)
+                if name is not None:
+                    if self.command(name, line):
+                        return
+                    continue
+            text = joiner.feed(line)
+            if text is None or not text.strip():
+                continue
+            try:
+                session.turn(text)
+            except KeyboardInterrupt:  # a second Ctrl-C during one reply
+                end_line()
+                say(GIVEN_UP)
+
+    def command(self, name, argument):
+        """Runs one /command; True when it ends the session."""
+        session = self.session
+        if name in ("exit", "quit"):
+            return True
+        if name == "help":
+            say(HELP)
+        elif name == "clear":
+            session.clear()
+            say("(conversation cleared)")
+        elif name == "save":
+            session.save(argument)
+        elif name == "set" and not argument:
+            say(describe_settings(session.settings))
+        elif name == "set":
+            setting, _, value = argument.partition(" ")
+            try:
+                changed = set_setting(session.settings, setting.lower(), value.strip(), session.loaded.context)
+                if changed.thinking_budget is not None:
+                    check_thinking_budget(session.loaded, changed)  # a setting only generate() runs would drop the cap
+                session.settings = changed
+            except UsageError as error:
+                say(f"error: {error}")
+            else:
+                say(describe_settings(session.settings, [setting.lower()]))
+                self.say_unused(setting.lower(), value.strip())
+        else:
+            say(f"unknown command /{name}; /help lists the commands")
+        return False
+
+    def say_unused(self, name, value):
+        """A notice where a setting just set does not act as typed (the flags' start-up warnings)."""
+        settings, context = self.session.settings, self.session.loaded.context
+        if name in ("k", "p") and settings.temperature == 0:
+            say(f"({name} applies to sampling only: it takes effect once temperature is above 0)")
+        elif name == "length" and context and settings.length == context and value != str(context):
+            say(f"(length: up to the model's context, {context} tokens)")
+
+
 def run(loaded: Loaded, settings: Settings, *, chat: bool | None = None, system: str | None = None,
         stream: bool | None = None, prefix: str = "", tools: dict | None = None,
         template_kwargs: dict | None = None, figures: bool = True) -> list[str]:
@@ -717,7 +728,7 @@ def run(loaded: Loaded, settings: Settings, *, chat: bool | None = None, system:
     terminal, stdout = Terminal(), sys.stdout
     sys.stdout = LineEnds(stdout)
     try:
-        session.loop(terminal)
+        Repl(session).loop(terminal)
     finally:
         sys.stdout = stdout
         terminal.close()

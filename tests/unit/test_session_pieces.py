@@ -172,7 +172,7 @@ def test_a_reply_given_up_ends_its_line_and_writes_no_empty_one(printed, out, ca
     file of replies) gets no empty line."""
     import sys
 
-    from rungen.session import LineEnds, Session
+    from rungen.session import LineEnds, Repl, Session
 
     session = Session(None, Settings(chat=True))
 
@@ -182,7 +182,7 @@ def test_a_reply_given_up_ends_its_line_and_writes_no_empty_one(printed, out, ca
 
     monkeypatch.setattr(session, "turn", turn)
     monkeypatch.setattr(sys, "stdout", LineEnds(sys.stdout))  # as run() puts it for the session's duration
-    session.loop(Keys("Hi", "/exit"))
+    Repl(session).loop(Keys("Hi", "/exit"))
     captured = capsys.readouterr()
     assert captured.out == out and "reply given up" in captured.err
 
@@ -194,14 +194,14 @@ def test_a_double_ctrl_c_gives_the_stopped_reply_up_and_a_later_one_ends_the_ses
     ends the session."""
     import time
 
-    from rungen.session import Session
+    from rungen.session import Repl, Session
 
     session = Session(None, Settings(chat=True))
     session.messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}]
     session.replies = ["Hel"]
     session.stopped_at = time.monotonic() - since
     terminal = Keys("^C", "/exit")
-    session.loop(terminal)
+    Repl(session).loop(terminal)
     assert terminal.keys == (["/exit"] if ends else [])  # it ended at the Ctrl-C, or read on to /exit
     assert (session.messages, session.replies) == (([{"role": "user", "content": "Hi"},
                                                      {"role": "assistant", "content": "Hel"}], ["Hel"]) if ends
@@ -276,16 +276,17 @@ def test_set_says_where_a_value_does_not_act_as_typed(capsys):
     # As the flags warn at start: k and p at temperature 0, a length the context cuts to itself.
     import types
 
-    from rungen.session import Session
+    from rungen.session import Repl, Session
 
     session = Session(types.SimpleNamespace(context=128), Settings(chat=True, temperature=0.0))
-    session.command("set", "k 5")
+    repl = Repl(session)
+    repl.command("set", "k 5")
     assert "(k applies to sampling only: it takes effect once temperature is above 0)" in capsys.readouterr().err
-    session.command("set", "length 500")
+    repl.command("set", "length 500")
     assert "(length: up to the model's context, 128 tokens)" in capsys.readouterr().err
-    session.command("set", "temperature 0.7")
-    session.command("set", "p 0.5")
-    session.command("set", "length 128")
+    repl.command("set", "temperature 0.7")
+    repl.command("set", "p 0.5")
+    repl.command("set", "length 128")
     err = capsys.readouterr().err
     assert "applies to sampling only" not in err and "up to the model's context" not in err
     assert session.settings.length == 128
