@@ -388,7 +388,8 @@ def load_gguf(gguf_path: str, *, model_type: str | None = None, dtype: str = "au
     """A GGUF file's model on the CPU in its own blocks: the own model where it covers the file and `own_model`,
     else transformers' class, fused."""
     from .gguf import model as gguf_model
-    from .gguf.file import GGUFHeader, build_model
+    from .gguf.build import build_model
+    from .gguf.file import GGUFHeader
 
     header = GGUFHeader(gguf_path)
     config = gguf_model.read_config(header.cache_dir)
@@ -415,7 +416,8 @@ def load_gguf_on(gguf_path: str, device: torch.device, *, model_type: str | None
     """A GGUF file's model on `device` as transformers' class: on an accelerator its weights in codes for its kernels
     or de-quantized a chunk of rows at a time on their way there; with `quantize`, each block's layers quantized as
     their weights are de-quantized (never a float32 copy of the model in host memory)."""
-    from .gguf.file import GGUFHeader, build_model
+    from .gguf.build import build_model
+    from .gguf.file import GGUFHeader
 
     header = GGUFHeader(gguf_path, blocks=False)
     model_type, _ = resolve_model_class(model_type, header.config)
@@ -432,7 +434,8 @@ def use_transformers_model(loaded: Loaded) -> bool:
         return False
     import gc
 
-    from .gguf.file import GGUFHeader, build_model
+    from .gguf.build import build_model
+    from .gguf.file import GGUFHeader
 
     path, loaded.model = loaded.model.gguf_path, None
     gc.collect()

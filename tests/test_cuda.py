@@ -1213,15 +1213,15 @@ def test_an_moe_gguf_files_experts_go_to_the_gpu_as_they_are_read(tmp_path, monk
     # computes what the de-quantized float32 model does.
     from gguf import GGMLQuantizationType as Q
 
+    import rungen.gguf.build as gguf_build
     import rungen.gguf.experts as experts
-    import rungen.gguf.file as gguf_file
     from helpers import write_moe_gguf
     from rungen.int8 import CodesEmbedding, CodesLinear, torch_widened
     from rungen.loading import load
 
     path = write_moe_gguf(tmp_path / "qwen3moe.gguf", expert_types=(Q.Q4_0, Q.Q4_0, Q.Q4_0))
     whole, slices = [], []
-    monkeypatch.setattr(gguf_file, "dequantize", lambda blocks, *args, dequantize=gguf_file.dequantize: whole.append(
+    monkeypatch.setattr(gguf_build, "dequantize", lambda blocks, *args, dequantize=gguf_build.dequantize: whole.append(
         blocks.shape) or dequantize(blocks, *args))
     monkeypatch.setattr(experts, "dequantize_to", lambda blocks, *args, out=None, to=experts.dequantize_to: slices
                         .append((blocks.shape[0], out.device.type)) or to(blocks, *args, out=out))

@@ -10,10 +10,11 @@ import torch
 
 import run_generation
 from helpers import blocks_and_reference, error_of
-from rungen.gguf import file as gguf_loading
+from rungen.gguf import build as gguf_loading
 from rungen.gguf.blocks import GGMLLinear, native_kernels
+from rungen.gguf.build import build_model
 from rungen.gguf.decoder import DecoderStack, FusedDecoderLayer, products_one_by_one
-from rungen.gguf.file import GGUFHeader, build_model
+from rungen.gguf.file import GGUFHeader
 from rungen.loading import default_model_file
 from tiny_models import default_tokenizer_fields, write_family_gguf
 

@@ -32,9 +32,10 @@ from rungen.gguf.blocks import (
     GGMLParts,
     native_kernels,
 )
+from rungen.gguf.build import build_model
 from rungen.gguf.decoder import DecoderStack, FusedDecoderLayer, products_one_by_one
 from rungen.gguf.experts import ExpertRouter, GGMLExperts
-from rungen.gguf.file import GGUFHeader, build_model, metadata_parsed_once
+from rungen.gguf.file import GGUFHeader, metadata_parsed_once
 from rungen.loading import default_model_file, load
 from tiny_models import default_tokenizer_fields, write_gpt2_gguf, write_out
 

@@ -20,7 +20,8 @@ from helpers import ROOT, cli_env
 from rungen import loading
 from rungen.embeddings import embed, final_hidden_states
 from rungen.gguf.blocks import native_kernels
-from rungen.gguf.file import GGUFHeader, build_model
+from rungen.gguf.build import build_model
+from rungen.gguf.file import GGUFHeader
 from rungen.gguf.model import GGUFCausalLM, padded_causal_mask
 from rungen.gguf.tokenizer import GGUFTokenizer
 from rungen.gguf.tokenizer import own as own_tokenizer_refusal

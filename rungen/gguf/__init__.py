@@ -1,5 +1,5 @@
 """The GGUF runtime: a GGUF file run on the CPU in its own quantized blocks by the native kernels, and on an
-accelerator in codes its kernels read or de-quantized (device.py's forms, file.py's build_model).
+accelerator in codes its kernels read or de-quantized (device.py's forms, build.py's build_model).
 
 Modules, from the ground up:
 - kernels.py: the native kernels (rungen/gguf/csrc, torch.ops.rungen_ggml), built on first use and cached.
@@ -11,7 +11,8 @@ Modules, from the ground up:
 - weights.py: WeightReader, the file's tensors as the builders take them (views of the map, interleaved rows).
 - experts.py: a mixture's experts in their blocks (GGMLExperts), each layer's in two native calls.
 - decoder.py: the decoder layers fused over the blocks (FusedDecoderLayer), the one-call stack (NativeStack).
-- file.py: the header and its cache (config, tokenizer, tensor table), and transformers' model of the file.
+- file.py: the header and its cache (config, tokenizer, tensor table, what the file holds for transformers).
+- build.py: transformers' model of the file, its weights taken in tensor by tensor (build_model).
 - model.py: the own model (GGUFCausalLM) of the families' files, without transformers.
 - tokenizer.py: the file's tokenizer on the tokenizers library alone.
 
@@ -38,7 +39,7 @@ PUBLIC = {
     "native_kernels": "kernels", "kernel_cache_dir": "kernels",
     "holds_blocks": "blocks", "GGMLLinear": "blocks",
     "GGUFCausalLM": "model",
-    "GGUFError": "file", "GGUFHeader": "file", "build_model": "file", "metadata_parsed_once": "file",
+    "GGUFError": "file", "GGUFHeader": "file", "build_model": "build", "metadata_parsed_once": "file",
 }
 __all__ = sorted(PUBLIC)
 

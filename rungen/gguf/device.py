@@ -1,4 +1,4 @@
-"""A GGUF file's weights in the forms a CUDA GPU keeps them (file.py's build_model given a device): 4-bit types as
+"""A GGUF file's weights in the forms a CUDA GPU keeps them (build.py's build_model given a device): 4-bit types as
 torch's int4 kernel takes them (TinyGemmLinear) or, where it cannot run or is asked for, as rungen/int4_kernel.py's
 Triton kernel reads them (CudaInt4Linear), the types that fit int8 codes and group scales for rungen/int8.py's
 Triton kernel (CudaInt8Linear), and an embedding table in its blocks (DeviceRowsEmbedding). The codes are the file's
@@ -173,7 +173,7 @@ class DeviceForms:
             layer = self.codes_layer(reader.blocks(entry), qtype, in_features, order,
                                 lambda: reader.dequantized(entry, self.dtype, self.device, order), int4=linear)
             if layer is not None:
-                # A tied table becomes the head (file.py's _tie_head), its lookup reading the same codes.
+                # A tied table becomes the head (build.py's _tie_head), its lookup reading the same codes.
                 return CodesEmbedding(layer, self.dtype, scale) if tied_table else layer
         elif table and gpu_embedding(qtype, self.device):
             return DeviceRowsEmbedding(reader.rows(entry, False, order).to(self.device), qtype, in_features,

@@ -1,11 +1,9 @@
-"""Loading a GGUF file as it is: on the CPU its quantized weights stay in the file's blocks, memory-mapped, never
-converted to float32; on an accelerator (build_model's `device`) they are de-quantized, or kept 4-bit.
+"""A GGUF file's header, read once and cached (GGUFHeader): its config completed as transformers takes it, its
+tokenizer mended where transformers' reading of the file's vocabulary differs from llama.cpp's, its tensor table, and
+the map from its tensors' names to the model's parameters (build.py builds the model over them).
 
-The header (config, tokenizer, tensor table) takes seconds to read, so GGUFHeader caches it once per file. Quantized
-linear weights become GGMLLinear layers over views of one memory map (read into memory where their rows are
-interleaved for the kernels), a quantized embedding GGMLEmbedding; F32/F16/BF16 weights keep their dtype. GGUF names
-map to parameters by transformers' own tables; a processor's transform of quantized blocks is applied only when it
-permutes rows (llama's q/k heads), otherwise that tensor alone is de-quantized.
+The header takes seconds to read (the gguf package's parse of the metadata and vocabulary), so a later run reads it
+from the cache under the file's path, size and time, transformers' version and HEADER_CACHE_VERSION.
 """
 
 from __future__ import annotations
@@ -27,22 +25,12 @@ import numpy as np
 import torch
 
 from .. import NOTICE
-from ..int8 import CodesEmbedding
 from .blocks import (
     SUPPORTED,
-    CastEmbedding,
-    CastLinear,
-    GGMLEmbedding,
-    GGMLLinear,
-    dequantize,
-    interleavable,
-    weights_per_row,
 )
-from .decoder import FUSED_WEIGHTS, fusable, fuse_decoder_layers
-from .device import DeviceForms
 from .families import BY_ARCHITECTURE, NO_FAMILY
 from .splits import GPT2_SPLITS, pre_tokenizer, sentencepiece_text
-from .weights import FLOAT_TYPES, GGUFError, WeightReader, as_torch, split_hint
+from .weights import FLOAT_TYPES, GGUFError
 
 logger = logging.getLogger("run_generation")
 
@@ -439,7 +427,7 @@ class GGUFHeader:
             with metadata_parsed_once():  # its one build of gguf's name table
                 return get_gguf_hf_weights_map(model, processor)
         except NotImplementedError as error:
-            raise GGUFError(f"{self.path}: {_first_line(error)}") from None
+            raise GGUFError(f"{self.path}: {first_line(error)}") from None
 
     def keep_weights_map(self, names: dict[str, str]) -> None:
         """Caches the weights map of a model built whole from the file, every tensor's shape checked: the own model
@@ -503,7 +491,7 @@ def transformers_cannot_load(path: str, error: BaseException) -> GGUFError:
         check_whole(path, [(table.data_start + t.offset, t.nbytes) for t in table.tensors])
     except GGUFError as short:
         return short
-    return GGUFError(f"{path}: transformers cannot load it ({_first_line(error)})")
+    return GGUFError(f"{path}: transformers cannot load it ({first_line(error)})")
 
 
 def why_unreadable(path: str, error: BaseException) -> str:
@@ -513,287 +501,19 @@ def why_unreadable(path: str, error: BaseException) -> str:
         with open(path, "rb") as file:
             magic = file.read(4)
     except OSError as unreadable:
-        return _first_line(unreadable)
+        return first_line(unreadable)
     if magic != b"GGUF":
         return f"it starts with {magic!r}, not GGUF" if magic else "it is empty"
-    return f"its header is cut short or damaged: {_first_line(error)}"
+    return f"its header is cut short or damaged: {first_line(error)}"
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
     text = str(error).strip()
     unknown = re.match(r"Unknown gguf model_type: (\S+) in gguf-py", text)
     if unknown:  # transformers' advice (a newer gguf package) would not help: llama.cpp writes no such name
         return (f"its general.architecture {unknown[1]!r} is none the gguf package's name table knows, so "
                 "transformers cannot map its tensors")
     return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
-
-
-def _row_permutation(processor, name: str, rows: int):
-    """The processor's transform of tensor `name` as a permutation of its rows: None when it is the
-    identity, an index array when it permutes rows, False when it is anything else. A tensor the processor stores
-    whole and unchanged under its own parameter's name (GPT-2's output.weight, kept apart from attn_output's
-    transpose) is the identity too."""
-    stored = {"tensors": {}}
-    try:
-        result = processor.process(weights=np.arange(rows), name=name, tensor_key_mapping={},
-                                   parsed_parameters=stored)
-    except Exception:  # a transform that needs the real shape (a reshape across columns)
-        return False
-    if result.name is None and len(stored["tensors"]) == 1:
-        [order] = stored["tensors"].values()
-        order = np.asarray(order)
-        return None if order.shape == (rows,) and np.array_equal(order, np.arange(rows)) else False
-    order = result.weights
-    if result.name is None or not isinstance(order, np.ndarray) or order.shape != (rows,):
-        return False
-    if np.array_equal(order, np.arange(rows)):
-        return None
-    return order if np.array_equal(np.sort(order), np.arange(rows)) else False
-
-
-def _set_tensor(model, hf_name: str, value: torch.Tensor):
-    module_name, _, attr = hf_name.rpartition(".")
-    module = model.get_submodule(module_name)
-    if isinstance(getattr(module, attr, None), torch.nn.Parameter) or attr in module._parameters:
-        module._parameters[attr] = torch.nn.Parameter(value, requires_grad=False)
-    else:
-        setattr(module, attr, value)
-
-
-def _process(processor, header: GGUFHeader, name: str, weights: np.ndarray, names: dict, collected: dict):
-    """transformers' processor on one tensor; a shape it cannot take is a GGUFError."""
-    try:
-        return processor.process(weights=weights, name=name, tensor_key_mapping=names, parsed_parameters=collected)
-    except (ValueError, IndexError, RuntimeError) as error:
-        raise GGUFError(f"{header.path}: tensor {name} {list(weights.shape)}: {_first_line(error)}") from None
-
-
-class _Placed(dict):
-    """Tensors that go to `device` in `dtype` as they are stored: a processor's MoE experts (a layer's up to GBs in
-    float32) reach the GPU one tensor at a time, never all held in host memory. Processors store whole tensors, or
-    zeros they then copy halves into (which the device's tensor takes)."""
-
-    def __init__(self, device: torch.device, dtype: torch.dtype):
-        super().__init__()
-        self.device, self.dtype = device, dtype
-
-    def __setitem__(self, name: str, value: torch.Tensor) -> None:
-        super().__setitem__(name, value.to(self.device, self.dtype))
-
-
-def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | None = None,
-                quantize: str | None = None) -> torch.nn.Module:
-    """The causal LM of `header`'s config over the file's weights. Given a `device`, quantized weights take the forms
-    device.py's DeviceForms keeps them in there (codes for a checked kernel, an embedding's blocks), else are
-    de-quantized to `dtype` a chunk of rows at a time (never whole in float32); with `quantize` (--quantize's mode)
-    the linear layers' are de-quantized, and each block's layers quantized as soon as their weights are in
-    (rungen/quantize.py)."""
-    on_device = device is not None
-    from accelerate import init_empty_weights
-    from gguf import GGMLQuantizationType
-    from transformers import AutoModelForCausalLM
-    from transformers.initialization import no_init_weights
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
-    from transformers.pytorch_utils import Conv1D
-
-    from .experts import build_experts, coded_experts, dequantized_experts, holds_experts, part_of, route_rows_alike
-
-    config = header.config
-    # Parameters on meta; buffers real: rotary inv_freq and the like are computed in __init__, not in the file.
-    with init_empty_weights(include_buffers=False), no_init_weights():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    processor = TENSOR_PROCESSORS.get(header.architecture, TensorProcessor)(config=config.to_dict())
-    names = header.weights_map(model, processor)
-
-    reader = WeightReader(header.path, header.tensors)
-    # Weights that FusedDecoderLayer concatenates are read into memory: the concatenation copies them.
-    fused = FUSED_WEIGHTS if fusable(model) and not on_device else ()
-    # A tied head multiplies the embedding's blocks, interleaved for the kernels (the lookup reads either layout).
-    tied_embedding = head_reads_embedding = None
-    head = model.get_output_embeddings()
-    if getattr(config, "tie_word_embeddings", False) and head is not None:
-        head_name = next(n for n, m in model.named_modules() if m is head) + ".weight"
-        in_file = {name for name, *_ in header.tensors}
-        head_reads_embedding = not any(names.get(name) == head_name for name in in_file)
-        if head_reads_embedding and not on_device:
-            embedding = model.get_input_embeddings()
-            tied_embedding = next(n for n, m in model.named_modules() if m is embedding)
-    forms = DeviceForms(device, dtype) if on_device else None
-    put = functools.partial(_set_tensor, model)
-    if quantize is not None:
-        from ..quantize import QuantizingLoad
-
-        # Tied only where the file has no head of its own, as transformers (Falcon's files hold both, and differ).
-        quantizing = QuantizingLoad(model, quantize, device, dtype, tie=bool(head_reads_embedding))
-        put = quantizing.put
-    # What processors that merge or split tensors (MoE experts) leave; on a device, each goes there as it is stored.
-    collected = {"tensors": _Placed(device, dtype) if on_device else {}}
-    biases = {}  # module name -> bias, given to the layer that ends up there
-    layers = {}  # module name -> the layer that replaces the model's own
-    expert_parts = {}  # a mixture's Experts module name -> its gate/up/down tensors, held in their blocks
-    for entry in reader.tensors:
-        name, code, shape = entry.name, entry.code, entry.shape
-        # (MoE experts' 3-D tensors are mapped without their ".weight": the model's parameter has none)
-        hf_name = names.get(name) or names.get(name.removesuffix(".weight"))
-        if hf_name is None:
-            continue  # as transformers: tensors the model does not hold (e.g. llama3's rope_freqs)
-        module_name, _, attr = hf_name.rpartition(".")
-        module = model.get_submodule(module_name)
-        part = part_of(name)
-        # (on a device of any type, float ones too: de-quantized or cast there an expert at a time)
-        if part is not None and (code in SUPPORTED or on_device) and quantize is None and holds_experts(module):
-            expert_parts.setdefault(module_name, {})[part] = entry  # built once the layer's three are known
-            continue
-        if code in FLOAT_TYPES:
-            raw = reader.values(entry)
-            result = _process(processor, header, name, raw, names, collected)
-            if result.name is None:
-                continue  # the processor stored it in `collected`
-            if code == GGMLQuantizationType.BF16 and result.weights.dtype != np.int16:
-                raise GGUFError(f"{header.path}: tensor {name} is BF16, which this architecture's transform "
-                                "cannot take here; --dequantize loads it in float32")
-            tensor = as_torch(raw if result.weights is raw else np.ascontiguousarray(result.weights), code)
-            _check_shape(header.path, name, module, attr, tensor.shape)
-            if on_device:
-                put(hf_name, tensor.to(device=device, dtype=dtype))
-            elif attr == "bias" and isinstance(module, (torch.nn.Linear, Conv1D)):
-                biases[module_name] = tensor.to(dtype)
-            elif attr == "weight" and tensor.dtype != dtype and isinstance(module, torch.nn.Linear):
-                layers[module_name] = CastLinear(tensor, None)
-            elif attr == "weight" and tensor.dtype != dtype and isinstance(module, torch.nn.Embedding):
-                layers[module_name] = CastEmbedding(tensor, dtype, getattr(module, "embed_scale", None))
-            else:
-                _set_tensor(model, hf_name, tensor.to(dtype))  # norms, or weights already in the model's dtype
-            continue
-        if code not in SUPPORTED and not on_device:  # de-quantized, any type the gguf package reads will do
-            raise GGUFError(unsupported_message(header.path, name, code))
-        qtype = GGMLQuantizationType(code)
-        blocks = reader.blocks(entry)
-        in_features = weights_per_row(qtype, shape[-1])
-        if len(shape) == 2 and attr == "weight" and isinstance(module, (torch.nn.Linear, Conv1D, torch.nn.Embedding)):
-            _check_shape(header.path, name, module, attr,
-                         (in_features, shape[0]) if isinstance(module, Conv1D) else (shape[0], in_features))
-            order = _row_permutation(processor, name, shape[0])
-            if on_device and order is not False:
-                if quantize is not None and not isinstance(module, torch.nn.Embedding):  # quantized by put
-                    form = reader.dequantized(entry, dtype, device, order)
-                else:
-                    form = forms.keep(reader, entry, qtype, in_features, module, order,
-                                      isinstance(module, torch.nn.Embedding) and head_reads_embedding)
-                if isinstance(form, torch.Tensor) and isinstance(module, Conv1D):  # de-quantized, stored transposed
-                    # (a view for QuantizingLoad, which quantizes the rows as they are)
-                    put(hf_name, form.t() if quantize is not None else form.t().contiguous())
-                elif isinstance(form, torch.Tensor):
-                    put(hf_name, form)
-                else:
-                    layers[module_name] = form
-                continue
-            embedding = isinstance(module, torch.nn.Embedding)
-            interleave = (not embedding or module_name == tied_embedding) and interleavable(qtype, shape[0])
-            if order is not False:
-                rows = reader.rows(entry, interleave, order, read=hf_name.endswith(fused))
-                if embedding:
-                    layers[module_name] = GGMLEmbedding(rows, qtype, in_features, dtype,
-                                                        getattr(module, "embed_scale", None), interleaved=interleave)
-                else:  # GGUF rows are output channels, also for GPT-2's transposed Conv1D
-                    layers[module_name] = GGMLLinear(rows, qtype, in_features, interleaved=interleave)
-                continue
-        # A transform only float values can take: this tensor alone is de-quantized, as transformers does.
-        logger.info("GGUF tensor %s (%s) de-quantized to float: its layout needs it", name, qtype.name)
-        values = dequantize(torch.from_numpy(blocks.reshape(-1, shape[-1])), qtype, in_features)
-        values = values.numpy().reshape(*shape[:-1], in_features)
-        result = _process(processor, header, name, values, names, collected)
-        if result.name is not None:
-            _check_shape(header.path, name, module, attr, result.weights.shape)
-            put(hf_name, torch.from_numpy(np.ascontiguousarray(result.weights)).to(device, dtype))
-    for hf_name, value in collected["tensors"].items():
-        put(hf_name, value.to(device, dtype))
-    for module_name, parts in expert_parts.items():
-        if len(parts) < 3:
-            layer = next(iter(parts.values())).name.rsplit(".", 2)[0]  # blk.N
-            missing = [f"{layer}.ffn_{part}_exps.weight" for part in ("gate", "up", "down") if part not in parts]
-            if all(name in reader.table for name in missing):
-                raise GGUFError(f"{header.path}: {layer}'s experts are partly in float tensors ({missing[0]}), partly "
-                                "in blocks, which this loader does not hold together on the CPU; --dequantize runs "
-                                "the file")
-            absent = next(name for name in missing if name not in reader.table)
-            raise GGUFError(f"{header.path}: the file has no tensor {absent}{split_hint(header.path)}")
-        module = model.get_submodule(module_name)
-        coded = coded_experts(reader, parts, module, forms) if on_device else None
-        if coded is not None:
-            layers[module_name] = coded
-        elif on_device:  # types without codes on the GPU
-            for attr, value in zip(("gate_up_proj", "down_proj"), dequantized_experts(reader, parts, module, dtype,
-                                                                                       device)):
-                put(f"{module_name}.{attr}", value)
-        else:
-            layers[module_name] = build_experts(reader, parts, module)
-    if on_device:
-        for module_name, layer in layers.items():  # weights kept in codes or blocks
-            if isinstance(model.get_submodule(module_name), (torch.nn.Linear, Conv1D)):  # a linear layer's bias
-                bias = model.get_submodule(module_name).bias
-                layer.bias = bias if bias is not None and bias.device.type != "meta" else None
-            model.set_submodule(module_name, layer)
-        _tie_head(model, config)
-        model = _finish_built(header, model, names, device)
-        return model if quantize is None else quantizing.finish(header.path)
-
-    for module_name, layer in layers.items():
-        if module_name in biases:
-            layer.bias = biases.pop(module_name)
-        model.set_submodule(module_name, layer)
-    for module_name, bias in biases.items():
-        model.get_submodule(module_name).bias = torch.nn.Parameter(bias, requires_grad=False)
-    _tie_head(model, config)
-    layers.clear()  # the model holds them now: fused layer by layer, each layer's parts are freed as it goes
-    route_rows_alike(model)
-    fuse_decoder_layers(model)
-    return _finish_built(header, model, names)
-
-
-def _finish_built(header: GGUFHeader, model: torch.nn.Module, names: dict, device: torch.device | None = None):
-    """The built model in eval mode, on `device`, its weights map cached; GGUFError when a parameter found no
-    tensor in the file."""
-    missing = [name for name, p in [*model.named_parameters(), *model.named_buffers()] if p.device.type == "meta"]
-    if missing:
-        raise GGUFError(f"{header.path}: the file has no tensor for {missing[0]}"
-                        + (f" and {len(missing) - 1} more" if len(missing) > 1 else "") + split_hint(header.path))
-    header.keep_weights_map(names)
-    if device is not None:
-        model.to(device)
-    model.eval()
-    return model
-
-
-def _check_shape(path: str, name: str, module: torch.nn.Module, attr: str, shape) -> None:
-    """GGUFError when tensor `name` is not the shape of the parameter it replaces (the metadata's model is not the
-    file's)."""
-    expected = getattr(module, attr, None)
-    if isinstance(expected, torch.Tensor) and tuple(expected.shape) != tuple(shape):
-        raise GGUFError(f"{path}: tensor {name} is {list(shape)}, where the model its metadata describes has "
-                        f"{list(expected.shape)}")
-
-
-def _tie_head(model, config):
-    """A tied output head reads the input embedding's own tensor: blocks, or a float table."""
-    if not getattr(config, "tie_word_embeddings", False):
-        return
-    head = model.get_output_embeddings()
-    if head is None or not isinstance(head, torch.nn.Linear) or head.weight.device.type != "meta":
-        return  # the file had its own output tensor
-    embedding = model.get_input_embeddings()
-    name = next(n for n, m in model.named_modules() if m is head)
-    bias = head.bias if head.bias is not None and head.bias.device.type != "meta" else None
-    if isinstance(embedding, GGMLEmbedding):
-        model.set_submodule(name, GGMLLinear(embedding.blocks, embedding.qtype, embedding.embedding_dim, bias,
-                                             interleaved=embedding.interleaved))
-    elif isinstance(embedding, CastEmbedding):
-        model.set_submodule(name, CastLinear(embedding.weight, bias))
-    elif isinstance(embedding, CodesEmbedding):
-        embedding.head.bias = bias
-        model.set_submodule(name, embedding.head)
-    else:
-        head.weight = embedding.weight
 
 
 def is_quantized(header: GGUFHeader) -> bool:

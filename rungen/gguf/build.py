@@ -1,0 +1,349 @@
+"""A GGUF file's model: transformers' causal LM of its config, built on meta and given the file's weights tensor by
+tensor (ModelBuild). On the CPU quantized weights stay in the file's blocks, memory-mapped, never converted to
+float32: GGMLLinear layers over views of one memory map (read into memory where their rows are interleaved for the
+kernels), a quantized embedding GGMLEmbedding, a mixture's experts GGMLExperts; F32/F16/BF16 weights keep their dtype.
+On a device the forms device.py keeps them in there. GGUF names map to parameters by transformers' own tables; a
+processor's transform of quantized blocks is applied only when it permutes rows (llama's q/k heads), otherwise that
+tensor alone is de-quantized.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import numpy as np
+import torch
+
+from ..int8 import CodesEmbedding
+from .blocks import (
+    SUPPORTED,
+    CastEmbedding,
+    CastLinear,
+    GGMLEmbedding,
+    GGMLLinear,
+    dequantize,
+    interleavable,
+    weights_per_row,
+)
+from .decoder import FUSED_WEIGHTS, fusable, fuse_decoder_layers
+from .device import DeviceForms
+from .experts import build_experts, coded_experts, dequantized_experts, holds_experts, part_of, route_rows_alike
+from .file import GGUFHeader, first_line, unsupported_message
+from .weights import FLOAT_TYPES, GGUFError, WeightReader, as_torch, split_hint
+
+logger = logging.getLogger("run_generation")
+
+
+def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | None = None,
+                quantize: str | None = None) -> torch.nn.Module:
+    """The causal LM of `header`'s config over the file's weights. Given a `device`, quantized weights take the forms
+    device.py's DeviceForms keeps them in there (codes for a checked kernel, an embedding's blocks), else are
+    de-quantized to `dtype` a chunk of rows at a time (never whole in float32); with `quantize` (--quantize's mode)
+    the linear layers' are de-quantized, and each block's layers quantized as soon as their weights are in
+    (rungen/quantize.py)."""
+    build = ModelBuild(header, dtype, device, quantize)
+    for entry in build.reader.tensors:
+        build.take(entry)
+    build.experts()
+    return build.finish()
+
+
+class ModelBuild:
+    """One build_model: the model on meta, each of the file's tensors taken into it (take), a mixture's experts once
+    their three tensors are known (experts), then the layers that replace the model's own set in place (finish)."""
+
+    def __init__(self, header: GGUFHeader, dtype: torch.dtype, device: torch.device | None, quantize: str | None):
+        from accelerate import init_empty_weights
+        from transformers import AutoModelForCausalLM
+        from transformers.initialization import no_init_weights
+        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+        self.header, self.dtype, self.device, self.quantize = header, dtype, device, quantize
+        self.on_device = on_device = device is not None
+        config = self.config = header.config
+        # Parameters on meta; buffers real: rotary inv_freq and the like are computed in __init__, not in the file.
+        with init_empty_weights(include_buffers=False), no_init_weights():
+            model = self.model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        self.processor = TENSOR_PROCESSORS.get(header.architecture, TensorProcessor)(config=config.to_dict())
+        names = self.names = header.weights_map(model, self.processor)
+
+        self.reader = WeightReader(header.path, header.tensors)
+        # Weights that FusedDecoderLayer concatenates are read into memory: the concatenation copies them.
+        self.fused = FUSED_WEIGHTS if fusable(model) and not on_device else ()
+        # A tied head multiplies the embedding's blocks, interleaved for the kernels (the lookup reads either layout).
+        self.tied_embedding = self.head_reads_embedding = None
+        head = model.get_output_embeddings()
+        if getattr(config, "tie_word_embeddings", False) and head is not None:
+            head_name = next(n for n, m in model.named_modules() if m is head) + ".weight"
+            in_file = {name for name, *_ in header.tensors}
+            self.head_reads_embedding = not any(names.get(name) == head_name for name in in_file)
+            if self.head_reads_embedding and not on_device:
+                embedding = model.get_input_embeddings()
+                self.tied_embedding = next(n for n, m in model.named_modules() if m is embedding)
+        self.forms = DeviceForms(device, dtype) if on_device else None
+        self.put = functools.partial(_set_tensor, model)
+        if quantize is not None:
+            from ..quantize import QuantizingLoad
+
+            # Tied only where the file has no head of its own, as transformers (Falcon's files hold both, and differ).
+            self.quantizing = QuantizingLoad(model, quantize, device, dtype, tie=bool(self.head_reads_embedding))
+            self.put = self.quantizing.put
+        # What processors that merge or split tensors (MoE experts) leave; on a device, each goes there as stored.
+        self.collected = {"tensors": _Placed(device, dtype) if on_device else {}}
+        self.biases = {}  # module name -> bias, given to the layer that ends up there
+        self.layers = {}  # module name -> the layer that replaces the model's own
+        self.expert_parts = {}  # a mixture's Experts module name -> its gate/up/down tensors, held in their blocks
+
+    def take(self, entry) -> None:
+        """One of the file's tensors into the model: a parameter set, a layer that replaces the model's own, or (a
+        mixture's expert tensor) held until the layer's three are known."""
+        name, code = entry.name, entry.code
+        # (MoE experts' 3-D tensors are mapped without their ".weight": the model's parameter has none)
+        hf_name = self.names.get(name) or self.names.get(name.removesuffix(".weight"))
+        if hf_name is None:
+            return  # as transformers: tensors the model does not hold (e.g. llama3's rope_freqs)
+        module_name = hf_name.rpartition(".")[0]
+        module = self.model.get_submodule(module_name)
+        part = part_of(name)
+        # (on a device of any type, float ones too: de-quantized or cast there an expert at a time)
+        if part is not None and (code in SUPPORTED or self.on_device) and self.quantize is None \
+                and holds_experts(module):
+            self.expert_parts.setdefault(module_name, {})[part] = entry  # built once the layer's three are known
+        elif code in FLOAT_TYPES:
+            self.float_tensor(entry, hf_name, module)
+        else:
+            self.blocks_tensor(entry, hf_name, module)
+
+    def float_tensor(self, entry, hf_name: str, module: torch.nn.Module) -> None:
+        """An F32/F16/BF16 tensor: on the CPU in its own dtype where the model's differs (CastLinear,
+        CastEmbedding), a linear layer's bias kept for the layer that ends up there."""
+        from gguf import GGMLQuantizationType
+        from transformers.pytorch_utils import Conv1D
+
+        name, code, dtype = entry.name, entry.code, self.dtype
+        module_name, _, attr = hf_name.rpartition(".")
+        raw = self.reader.values(entry)
+        result = _process(self.processor, self.header, name, raw, self.names, self.collected)
+        if result.name is None:
+            return  # the processor stored it in `collected`
+        if code == GGMLQuantizationType.BF16 and result.weights.dtype != np.int16:
+            raise GGUFError(f"{self.header.path}: tensor {name} is BF16, which this architecture's transform "
+                            "cannot take here; --dequantize loads it in float32")
+        tensor = as_torch(raw if result.weights is raw else np.ascontiguousarray(result.weights), code)
+        _check_shape(self.header.path, name, module, attr, tensor.shape)
+        if self.on_device:
+            self.put(hf_name, tensor.to(device=self.device, dtype=dtype))
+        elif attr == "bias" and isinstance(module, (torch.nn.Linear, Conv1D)):
+            self.biases[module_name] = tensor.to(dtype)
+        elif attr == "weight" and tensor.dtype != dtype and isinstance(module, torch.nn.Linear):
+            self.layers[module_name] = CastLinear(tensor, None)
+        elif attr == "weight" and tensor.dtype != dtype and isinstance(module, torch.nn.Embedding):
+            self.layers[module_name] = CastEmbedding(tensor, dtype, getattr(module, "embed_scale", None))
+        else:
+            _set_tensor(self.model, hf_name, tensor.to(dtype))  # norms, or weights already in the model's dtype
+
+    def blocks_tensor(self, entry, hf_name: str, module: torch.nn.Module) -> None:
+        """A quantized tensor: a linear layer's or an embedding's weight in its blocks (on a device: the form
+        DeviceForms keeps), else (a transform only float values can take) de-quantized alone."""
+        from gguf import GGMLQuantizationType
+        from transformers.pytorch_utils import Conv1D
+
+        name, code, shape, reader, on_device = entry.name, entry.code, entry.shape, self.reader, self.on_device
+        module_name, _, attr = hf_name.rpartition(".")
+        if code not in SUPPORTED and not on_device:  # de-quantized, any type the gguf package reads will do
+            raise GGUFError(unsupported_message(self.header.path, name, code))
+        qtype = GGMLQuantizationType(code)
+        in_features = weights_per_row(qtype, shape[-1])
+        if len(shape) == 2 and attr == "weight" and isinstance(module, (torch.nn.Linear, Conv1D, torch.nn.Embedding)):
+            _check_shape(self.header.path, name, module, attr,
+                         (in_features, shape[0]) if isinstance(module, Conv1D) else (shape[0], in_features))
+            order = _row_permutation(self.processor, name, shape[0])
+            embedding = isinstance(module, torch.nn.Embedding)
+            if on_device and order is not False:
+                if self.quantize is not None and not embedding:  # quantized by put
+                    form = reader.dequantized(entry, self.dtype, self.device, order)
+                else:
+                    form = self.forms.keep(reader, entry, qtype, in_features, module, order,
+                                           embedding and self.head_reads_embedding)
+                if isinstance(form, torch.Tensor) and isinstance(module, Conv1D):  # de-quantized, stored transposed
+                    # (a view for QuantizingLoad, which quantizes the rows as they are)
+                    self.put(hf_name, form.t() if self.quantize is not None else form.t().contiguous())
+                elif isinstance(form, torch.Tensor):
+                    self.put(hf_name, form)
+                else:
+                    self.layers[module_name] = form
+                return
+            interleave = (not embedding or module_name == self.tied_embedding) and interleavable(qtype, shape[0])
+            if order is not False:
+                rows = reader.rows(entry, interleave, order, read=hf_name.endswith(self.fused))
+                if embedding:
+                    self.layers[module_name] = GGMLEmbedding(rows, qtype, in_features, self.dtype,
+                                                             getattr(module, "embed_scale", None),
+                                                             interleaved=interleave)
+                else:  # GGUF rows are output channels, also for GPT-2's transposed Conv1D
+                    self.layers[module_name] = GGMLLinear(rows, qtype, in_features, interleaved=interleave)
+                return
+        # A transform only float values can take: this tensor alone is de-quantized, as transformers does.
+        logger.info("GGUF tensor %s (%s) de-quantized to float: its layout needs it", name, qtype.name)
+        values = dequantize(torch.from_numpy(reader.blocks(entry).reshape(-1, shape[-1])), qtype, in_features)
+        values = values.numpy().reshape(*shape[:-1], in_features)
+        result = _process(self.processor, self.header, name, values, self.names, self.collected)
+        if result.name is not None:
+            _check_shape(self.header.path, name, module, attr, result.weights.shape)
+            self.put(hf_name, torch.from_numpy(np.ascontiguousarray(result.weights)).to(self.device, self.dtype))
+
+    def experts(self) -> None:
+        """What processors left in `collected` set, then each mixture's experts from its three tensors: on the CPU in
+        their blocks, on a device in codes where their types have them there, else de-quantized."""
+        for hf_name, value in self.collected["tensors"].items():
+            self.put(hf_name, value.to(self.device, self.dtype))
+        path, reader = self.header.path, self.reader
+        for module_name, parts in self.expert_parts.items():
+            if len(parts) < 3:
+                layer = next(iter(parts.values())).name.rsplit(".", 2)[0]  # blk.N
+                missing = [f"{layer}.ffn_{part}_exps.weight" for part in ("gate", "up", "down") if part not in parts]
+                if all(name in reader.table for name in missing):
+                    raise GGUFError(f"{path}: {layer}'s experts are partly in float tensors ({missing[0]}), partly "
+                                    "in blocks, which this loader does not hold together on the CPU; --dequantize "
+                                    "runs the file")
+                absent = next(name for name in missing if name not in reader.table)
+                raise GGUFError(f"{path}: the file has no tensor {absent}{split_hint(path)}")
+            module = self.model.get_submodule(module_name)
+            coded = coded_experts(reader, parts, module, self.forms) if self.on_device else None
+            if coded is not None:
+                self.layers[module_name] = coded
+            elif self.on_device:  # types without codes on the GPU
+                for attr, value in zip(("gate_up_proj", "down_proj"),
+                                       dequantized_experts(reader, parts, module, self.dtype, self.device)):
+                    self.put(f"{module_name}.{attr}", value)
+            else:
+                self.layers[module_name] = build_experts(reader, parts, module)
+
+    def finish(self) -> torch.nn.Module:
+        """The model with its layers in place, eval mode, on the device (quantized where asked)."""
+        from transformers.pytorch_utils import Conv1D
+
+        model, layers = self.model, self.layers
+        if self.on_device:
+            for module_name, layer in layers.items():  # weights kept in codes or blocks
+                if isinstance(model.get_submodule(module_name), (torch.nn.Linear, Conv1D)):  # a linear layer's bias
+                    bias = model.get_submodule(module_name).bias
+                    layer.bias = bias if bias is not None and bias.device.type != "meta" else None
+                model.set_submodule(module_name, layer)
+            layers.clear()
+            _tie_head(model, self.config)
+            model = _finish_built(self.header, model, self.names, self.device)
+            return model if self.quantize is None else self.quantizing.finish(self.header.path)
+
+        for module_name, layer in layers.items():
+            if module_name in self.biases:
+                layer.bias = self.biases.pop(module_name)
+            model.set_submodule(module_name, layer)
+        for module_name, bias in self.biases.items():
+            model.get_submodule(module_name).bias = torch.nn.Parameter(bias, requires_grad=False)
+        _tie_head(model, self.config)
+        layers.clear()  # the model holds them now: fused layer by layer, each layer's parts are freed as it goes
+        route_rows_alike(model)
+        fuse_decoder_layers(model)
+        return _finish_built(self.header, model, self.names)
+
+
+def _row_permutation(processor, name: str, rows: int):
+    """The processor's transform of tensor `name` as a permutation of its rows: None when it is the
+    identity, an index array when it permutes rows, False when it is anything else. A tensor the processor stores
+    whole and unchanged under its own parameter's name (GPT-2's output.weight, kept apart from attn_output's
+    transpose) is the identity too."""
+    stored = {"tensors": {}}
+    try:
+        result = processor.process(weights=np.arange(rows), name=name, tensor_key_mapping={},
+                                   parsed_parameters=stored)
+    except Exception:  # a transform that needs the real shape (a reshape across columns)
+        return False
+    if result.name is None and len(stored["tensors"]) == 1:
+        [order] = stored["tensors"].values()
+        order = np.asarray(order)
+        return None if order.shape == (rows,) and np.array_equal(order, np.arange(rows)) else False
+    order = result.weights
+    if result.name is None or not isinstance(order, np.ndarray) or order.shape != (rows,):
+        return False
+    if np.array_equal(order, np.arange(rows)):
+        return None
+    return order if np.array_equal(np.sort(order), np.arange(rows)) else False
+
+
+def _set_tensor(model, hf_name: str, value: torch.Tensor):
+    module_name, _, attr = hf_name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if isinstance(getattr(module, attr, None), torch.nn.Parameter) or attr in module._parameters:
+        module._parameters[attr] = torch.nn.Parameter(value, requires_grad=False)
+    else:
+        setattr(module, attr, value)
+
+
+def _process(processor, header: GGUFHeader, name: str, weights: np.ndarray, names: dict, collected: dict):
+    """transformers' processor on one tensor; a shape it cannot take is a GGUFError."""
+    try:
+        return processor.process(weights=weights, name=name, tensor_key_mapping=names, parsed_parameters=collected)
+    except (ValueError, IndexError, RuntimeError) as error:
+        raise GGUFError(f"{header.path}: tensor {name} {list(weights.shape)}: {first_line(error)}") from None
+
+
+class _Placed(dict):
+    """Tensors that go to `device` in `dtype` as they are stored: a processor's MoE experts (a layer's up to GBs in
+    float32) reach the GPU one tensor at a time, never all held in host memory. Processors store whole tensors, or
+    zeros they then copy halves into (which the device's tensor takes)."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        self.device, self.dtype = device, dtype
+
+    def __setitem__(self, name: str, value: torch.Tensor) -> None:
+        super().__setitem__(name, value.to(self.device, self.dtype))
+
+
+def _finish_built(header: GGUFHeader, model: torch.nn.Module, names: dict, device: torch.device | None = None):
+    """The built model in eval mode, on `device`, its weights map cached; GGUFError when a parameter found no
+    tensor in the file."""
+    missing = [name for name, p in [*model.named_parameters(), *model.named_buffers()] if p.device.type == "meta"]
+    if missing:
+        raise GGUFError(f"{header.path}: the file has no tensor for {missing[0]}"
+                        + (f" and {len(missing) - 1} more" if len(missing) > 1 else "") + split_hint(header.path))
+    header.keep_weights_map(names)
+    if device is not None:
+        model.to(device)
+    model.eval()
+    return model
+
+
+def _check_shape(path: str, name: str, module: torch.nn.Module, attr: str, shape) -> None:
+    """GGUFError when tensor `name` is not the shape of the parameter it replaces (the metadata's model is not the
+    file's)."""
+    expected = getattr(module, attr, None)
+    if isinstance(expected, torch.Tensor) and tuple(expected.shape) != tuple(shape):
+        raise GGUFError(f"{path}: tensor {name} is {list(shape)}, where the model its metadata describes has "
+                        f"{list(expected.shape)}")
+
+
+def _tie_head(model, config):
+    """A tied output head reads the input embedding's own tensor: blocks, or a float table."""
+    if not getattr(config, "tie_word_embeddings", False):
+        return
+    head = model.get_output_embeddings()
+    if head is None or not isinstance(head, torch.nn.Linear) or head.weight.device.type != "meta":
+        return  # the file had its own output tensor
+    embedding = model.get_input_embeddings()
+    name = next(n for n, m in model.named_modules() if m is head)
+    bias = head.bias if head.bias is not None and head.bias.device.type != "meta" else None
+    if isinstance(embedding, GGMLEmbedding):
+        model.set_submodule(name, GGMLLinear(embedding.blocks, embedding.qtype, embedding.embedding_dim, bias,
+                                             interleaved=embedding.interleaved))
+    elif isinstance(embedding, CastEmbedding):
+        model.set_submodule(name, CastLinear(embedding.weight, bias))
+    elif isinstance(embedding, CodesEmbedding):
+        embedding.head.bias = bias
+        model.set_submodule(name, embedding.head)
+    else:
+        head.weight = embedding.weight
+
+
