@@ -41,7 +41,8 @@ def gpu_int4_form(in_features: int, dtype: torch.dtype, device: torch.device) ->
     """The kernel 4-bit codes of a layer with `in_features` inputs take on `device` for a model in `dtype`: "tinygemm"
     (TinyGemmLinear) where torch's kernel runs (Ampere on, bfloat16), else in half precision "triton" (CudaInt4Linear:
     float16, GPUs before Ampere; in any dtype where RUN_GENERATION_GPU_INT4=triton asks for it), or None (float32,
-    the checks' exact dtype; inputs that fill no chunk; RUN_GENERATION_GPU_INT4=0)."""
+    the checks' exact dtype; inputs that fill no chunk; RUN_GENERATION_GPU_INT4=0). A GGUF file's load may time the
+    two forms where both run (timed_int4_choice)."""
     form = os.environ.get(GPU_INT4_ENV)
     if form == "0":
         return None
@@ -50,6 +51,15 @@ def gpu_int4_form(in_features: int, dtype: torch.dtype, device: torch.device) ->
             form == "triton" or not tinygemm and dtype != torch.float32):
         return "triton"
     return "tinygemm" if tinygemm else None
+
+
+def timed_int4_choice(in_features: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a GGUF file's first 4-bit weight times tinygemm against the Triton form at one row to choose the 4-bit
+    form of the load (rungen/gguf/device.py): where both run (tinygemm's form chosen, the Triton kernel's chunks
+    filled, Triton imported) and RUN_GENERATION_GPU_INT4 names no form (tinygemm or triton pins one)."""
+    return (os.environ.get(GPU_INT4_ENV) is None and gpu_int4_form(in_features, dtype, device) == "tinygemm"
+            and CudaInt4Linear.fits(in_features) and os.environ.get("TRITON_INTERPRET") != "1"
+            and triton_kernel() is not None)
 
 
 def packed(codes: torch.Tensor) -> torch.Tensor:
@@ -221,22 +231,22 @@ def checked_int4_kernel(layer: CudaInt4Linear, dtype: torch.dtype) -> tuple[obje
     return (kernel, None) if why is None else (None, why)
 
 
-def faster_at_one_row(kernel, layer: CudaInt4Linear, dtype: torch.dtype, repeats: int = 20) -> bool:
-    """Whether the GEMV kernel multiplies one row by `layer` faster than the tiled kernel (the median of `repeats`
-    calls each, CUDA events, after a call that tunes and compiles); one line says what each took."""
+def faster_at_one_row(kernel, layer: CudaInt4Linear, dtype: torch.dtype) -> bool:
+    """Whether the GEMV kernel multiplies one row by `layer` faster than the tiled kernel (one_row_ms); one line says
+    what each took."""
     x = torch.randn(1, layer.in_features, dtype=dtype, device=layer.codes.device)
-    times = {}
-    for name, run in (("GEMV", kernel), ("tiled", kernel.tiled)):
-        run(x, layer.codes, layer.scales, offsets=layer.offsets)
-        taken = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run(x, layer.codes, layer.scales, offsets=layer.offsets)
-            end.record()
-            end.synchronize()
-            taken.append(start.elapsed_time(end))
-        times[name] = sorted(taken)[len(taken) // 2]
+    times = {name: one_row_ms(lambda x, run=run: run(x, layer.codes, layer.scales, offsets=layer.offsets), x)
+             for name, run in (("GEMV", kernel), ("tiled", kernel.tiled))}
     logger.info("4-bit Triton kernels at one row on a %d x %d layer: GEMV %.4f ms, tiled %.4f ms", layer.out_features,
                 layer.in_features, times["GEMV"], times["tiled"])
     return times["GEMV"] < times["tiled"]
+
+
+def one_row_ms(multiply, x: torch.Tensor) -> float:
+    """The median milliseconds of multiply(x) on a GPU, after a call that tunes and compiles, its weight read from
+    memory as a decode step reads it (Triton's do_bench clears the L2 cache before each call, which one layer's codes
+    would otherwise stay in)."""
+    from triton.testing import do_bench
+
+    multiply(x)
+    return do_bench(lambda: multiply(x), warmup=5, rep=25, return_mode="median")

@@ -241,7 +241,8 @@ def test_layers_of_codes_concatenate_into_one_product(gpu):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_gguf_files_fused_layers_keep_its_tokens(gguf_file, dtype, monkeypatch):
     """The GGUF file's fused layers against transformers' layers in both precisions: in bfloat16 its Q4_0 q/k/v and
-    gate/up are tinygemm's codes, concatenated into one product each. The same tokens and log-probabilities (to the
+    gate/up are 4-bit codes (tinygemm's, or the Triton form's where the load times it faster), concatenated into one
+    product each. The same tokens and log-probabilities (to the
     bit on the played GPU, which computes as the CPU; on a GPU to half precision's rounding, where two runs may part
     only at a near tie: the two tokens' log-probabilities within 0.1 of each other)."""
     args = ["--model_name_or_path", gguf_file, "--temperature", "0", "--length", str(LENGTH), "--dtype", dtype,
@@ -1096,7 +1097,7 @@ def test_a_checkpoint_and_a_gguf_file_default_to_half_precision_on_cuda(checkpoi
 
 
 @needs_cuda
-def test_a_4_bit_gguf_file_keeps_its_codes_on_the_gpu(gguf_file):
+def test_a_4_bit_gguf_file_keeps_its_codes_on_the_gpu(gguf_file, monkeypatch):
     # In bfloat16 (the default) its Q4_0 matrices take torch's int4 kernel (checked once a load against their
     # de-quantized weights: a disagreement would leave them de-quantized, and this test failing), about a quarter of
     # the bytes, and compute what the float32 de-quantized model does to bfloat16 rounding.
@@ -1105,12 +1106,52 @@ def test_a_4_bit_gguf_file_keeps_its_codes_on_the_gpu(gguf_file):
 
     if torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("torch's int4 kernel needs Ampere or later")
+    monkeypatch.setenv("RUN_GENERATION_GPU_INT4", "tinygemm")  # (else the load may time the Triton form faster)
     int4, exact = load(gguf_file, device=DEVICE), load(gguf_file, device=DEVICE, dtype="float32")
     layers = [m for m in int4.model.modules() if isinstance(m, TinyGemmLinear)]
     assert len(layers) == 2 * 7, "the Q4_0 matrices run de-quantized"
     held = sum(b.numel() * b.element_size() for m in layers for b in (m.packed, m.scales_and_zeros))
     assert held < 0.35 * sum(2 * m.out_features * m.in_features for m in layers)
     assert_logits_near(int4, exact)
+
+
+@needs_cuda
+@pytest.mark.fresh_load
+@pytest.mark.parametrize("triton_ms, kept", [(0.5, "CudaInt4Linear"), (0.95, "TinyGemmLinear")])
+def test_a_4_bit_file_keeps_the_form_faster_at_one_row(triton_ms, kept, gguf_file, monkeypatch, caplog):
+    # In bfloat16 both 4-bit forms run: the load times its first weight at one row in each (each checked first) and
+    # keeps the Triton form only where it is faster by a tenth (near a tie tinygemm's, and its bits); every 4-bit
+    # weight then takes the form kept, to the de-quantized model's logits. RUN_GENERATION_GPU_INT4=tinygemm or
+    # triton pins a form and times nothing. (The plain product stands in for the Triton kernel, the times are given.)
+    import logging
+
+    import rungen.gguf.device as device
+    from rungen.int4 import TinyGemmLinear
+    from rungen.int4_kernel import CudaInt4Linear, widened4
+    from rungen.loading import load
+
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("torch's int4 kernel needs Ampere or later")
+    timed = []
+    monkeypatch.delenv("RUN_GENERATION_GPU_INT4", raising=False)
+    monkeypatch.setattr(device, "timed_int4_choice", lambda in_features, dtype, device: (
+        os.environ.get("RUN_GENERATION_GPU_INT4") is None and in_features % 64 == 0))
+    monkeypatch.setattr(device, "checked_int4_kernel", lambda layer, dtype: (widened4, None))
+    monkeypatch.setattr(device, "one_row_ms", lambda layer, x: timed.append(type(layer)) or (
+        1.0 if isinstance(layer, TinyGemmLinear) else triton_ms))
+    with caplog.at_level(logging.INFO, logger="run_generation"):
+        loaded = load(gguf_file, device=DEVICE)
+    assert sorted(kind.__name__ for kind in timed) == ["CudaInt4Linear", "TinyGemmLinear"]  # once, the first weight
+    forms = {type(m).__name__ for m in loaded.model.modules() if isinstance(m, (TinyGemmLinear, CudaInt4Linear))}
+    said = "the load keeps Triton's" if kept == "CudaInt4Linear" else "the load keeps tinygemm's"
+    assert forms == {kept} and said in caplog.text
+    assert len([m for m in loaded.model.modules() if type(m).__name__ == kept]) == 2 * 7
+    assert_logits_near(loaded, load(gguf_file, device=DEVICE, dtype="float32"))
+    for pinned, form in (("tinygemm", TinyGemmLinear), ("triton", CudaInt4Linear)):
+        monkeypatch.setenv("RUN_GENERATION_GPU_INT4", pinned)
+        timed.clear()
+        held = load(gguf_file, device=DEVICE).model
+        assert not timed and len([m for m in held.modules() if type(m) is form]) == 2 * 7
 
 
 @needs_cuda
@@ -1259,7 +1300,7 @@ def test_an_moe_gguf_files_experts_go_to_the_gpu_as_they_are_read(tmp_path, monk
 @pytest.mark.parametrize("expert_types", [("Q4_K", "Q4_K", "Q4_K"),
                                           pytest.param(("Q4_K", "Q4_K", "Q6_K"), marks=needs_triton)],
                          ids=["Q4_K", "Q4_K_M"])
-def test_an_moe_gguf_files_experts_stay_in_their_codes_on_the_gpu(tmp_path, expert_types):
+def test_an_moe_gguf_files_experts_stay_in_their_codes_on_the_gpu(tmp_path, expert_types, monkeypatch):
     # A MoE file's experts on a GPU in the codes a dense layer's weight of their type takes there, an expert's gate
     # and up one layer, its down another (Q4_K_M's mix: 4-bit codes, and int8 codes for down's Q6_K), never
     # de-quantized: Qwen3-30B-A3B's experts would take 58 GB in bfloat16, its whole file 18 GB. The model computes
@@ -1270,6 +1311,7 @@ def test_an_moe_gguf_files_experts_stay_in_their_codes_on_the_gpu(tmp_path, expe
     from rungen.gguf.experts import GGMLExperts
     from rungen.loading import load
 
+    monkeypatch.setenv("RUN_GENERATION_GPU_INT4", "tinygemm")  # (else the load may time the Triton form faster)
     path = write_moe_gguf(tmp_path / "qwen3moe.gguf", hidden=256, expert_types=[Q[name] for name in expert_types])
     before = torch.cuda.memory_allocated()
     moe = load(path, device=DEVICE, dtype="bfloat16")

@@ -17,7 +17,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from ..int4 import TinyGemmLinear, checked_tinygemm
-from ..int4_kernel import CudaInt4Linear, checked_int4_kernel, gpu_int4_form, packed
+from ..int4_kernel import CudaInt4Linear, checked_int4_kernel, gpu_int4_form, one_row_ms, packed, timed_int4_choice
 from ..int8 import CodesEmbedding, CudaInt8Linear, checked_kernel
 from .codes import (
     GROUPED_TYPES,
@@ -159,6 +159,8 @@ class DeviceForms:
         self.tinygemm = None  # whether 4-bit weights take torch's int4 kernel: None until the first is checked
         self.int4 = None  # the Triton 4-bit kernel once checked (False: it does not serve), where it is asked for
         self.int8 = {}  # qtype -> the checked Triton kernel, or False where it does not serve the type
+        self.timed = False  # whether the first 4-bit weight timed tinygemm against the Triton form (prefer_triton)
+        self.prefer_triton = False  # the Triton form, where it fits, in place of tinygemm's: the faster at one row
 
     def keep(self, reader, entry, qtype: GGMLQuantizationType, in_features: int, module: torch.nn.Module, order,
              tied_table: bool) -> torch.nn.Module | torch.Tensor:
@@ -181,13 +183,18 @@ class DeviceForms:
         return reader.dequantized(entry, self.dtype, self.device, order)
 
     def codes_layer(self, blocks: np.ndarray, qtype: GGMLQuantizationType, in_features: int, order, dequantized,
-               int4: bool = True) -> torch.nn.Module | None:
+                    int4: bool = True) -> torch.nn.Module | None:
         """A weight's `blocks` [rows, row bytes] (`order`: its rows permuted) as a layer of codes that a checked
         kernel multiplies on the GPU, or None where its type has no such form here (the caller de-quantizes it).
         `dequantized()`: the weight de-quantized, which the first 4-bit weight checks torch's int4 kernel against;
         `int4`: whether a 4-bit form may hold it (a linear layer's; a table that the head reads takes int8 codes
         alone)."""
         form = gpu_int4(qtype, in_features, self.dtype, self.device) if int4 else None
+        timed = form == "tinygemm" and timed_int4_choice(in_features, self.dtype, self.device)
+        if timed and not self.timed:
+            self.timed, self.prefer_triton = True, self.triton_faster(blocks, qtype, in_features, order, dequantized)
+        if timed and self.prefer_triton:
+            form = "triton"
         if form == "triton" and self.int4 is not False:
             return self.int4_codes(blocks, qtype, in_features, order)
         if form == "tinygemm" and self.tinygemm is not False:
@@ -211,6 +218,32 @@ class DeviceForms:
                 return layer
             del layer  # its codes go before the weight is de-quantized: never both forms on the GPU at once
         return None
+
+    def triton_faster(self, blocks: np.ndarray, qtype: GGMLQuantizationType, in_features: int, order, dequantized
+                      ) -> bool:
+        """Whether the Triton form multiplies one row by this first 4-bit weight faster than tinygemm (by a tenth at
+        least: near a tie the load keeps tinygemm's form, and its bits), each form checked first (the checks a later
+        weight of its form then skips); one line says what each took."""
+        tinygemm, why = checked_tinygemm(functools.partial(tinygemm_of_blocks, torch.from_numpy(blocks), qtype,
+                                                           in_features, self.device, order), dequantized())
+        self.tinygemm = tinygemm is not None
+        triton = int4_codes_of_blocks(torch.from_numpy(blocks), qtype, in_features, self.device, order)
+        kernel, why_not = checked_int4_kernel(triton, self.dtype)  # (and the GEMV or the tiled kernel at one row)
+        self.int4 = kernel or False
+        if kernel is None or tinygemm is None:
+            if tinygemm is None:
+                logger.warning("torch's int4 GPU kernel %s here; the 4-bit weights run in the Triton form", why)
+            if kernel is None:
+                logger.info("the 4-bit Triton kernel: %s; the 4-bit weights keep tinygemm's form", why_not)
+            return kernel is not None
+        triton.use_kernel(kernel)
+        x = torch.randn(1, in_features, dtype=self.dtype, device=self.device)
+        times = {name: one_row_ms(layer, x) for name, layer in (("tinygemm", tinygemm), ("Triton", triton))}
+        faster = times["Triton"] < 0.9 * times["tinygemm"]
+        logger.info("4-bit forms at one row on a %d x %d weight: tinygemm %.4f ms, Triton %.4f ms; the load keeps %s",
+                    triton.out_features, in_features, times["tinygemm"], times["Triton"],
+                    "Triton's" if faster else "tinygemm's")
+        return faster
 
     def int4_codes(self, blocks: np.ndarray, qtype: GGMLQuantizationType, in_features: int, order
                    ) -> torch.nn.Module | None:
