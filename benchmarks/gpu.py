@@ -711,7 +711,8 @@ def gguf_variant(args, bandwidth, name, path, label):
                    step_ms=step * 1e3, first_call_s=max(0.0, first_call - (end - start)), load_s=load_s,
                    file_gib=os.path.getsize(path) / 2**30, dtype=str(dtype).removeprefix("torch."),
                    model=type(loaded.model).__name__, load_peak_gib=load_peak, peak_gib=peak_gib(args.device),
-                   weight_gib=weight_bytes(loaded.model) / 2**30, **runner.extra())
+                   weight_gib=weight_bytes(loaded.model) / 2**30, int4_form=int4_form(loaded.model),
+                   **runner.extra())
         if "cache_gib" in row:  # the goal: GPU memory at most 1.3x the file and the cache
             row["memory_ratio"] = row["peak_gib"] / (row["file_gib"] + row["cache_gib"])
         # (after the peak's reading: the prompt's rows make activations of their own; a failure leaves the decode's)
@@ -740,6 +741,13 @@ def gguf_variant(args, bandwidth, name, path, label):
         gc.collect()
         if args.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def int4_form(model):
+    """The 4-bit layers' form in `model`: "tinygemm", "Triton", both, or "none"."""
+    kinds = {type(module).__name__ for module in model.modules()}
+    forms = [name for name, kind in (("tinygemm", "TinyGemmLinear"), ("Triton", "CudaInt4Linear")) if kind in kinds]
+    return " and ".join(forms) or "none"
 
 
 def server_row(report, args, budget):
@@ -922,7 +930,8 @@ def main(argv=None):
         if args.no_gguf:
             report.note("GGUF rows: left out (--no-gguf)")
         else:
-            # torch's int4 kernel (the default) and rungen/int4_kernel.py's Triton kernel, on the same file
+            # the form the load times faster at one row (the default: int4_form says which) and
+            # rungen/int4_kernel.py's Triton kernel, on the same file
             gguf_row(report, args, bandwidth, budget, gguf_8b, "Q4_0",
                      [("gguf Q4_0 engine", {}),
                       ("gguf Q4_0 engine, int4 Triton kernel", {"RUN_GENERATION_GPU_INT4": "triton"})],
