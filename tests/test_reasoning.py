@@ -342,11 +342,14 @@ def test_a_session_shows_the_reasoning_on_stderr_and_the_answer_alone_on_stdout(
 
 def test_a_session_refuses_a_setting_that_would_drop_its_thinking_budget(checkpoint, capsys):
     # beams run on generate(), which has no such cap: the /set is refused in one line, the cap and the session stay
+    from rungen.session import Repl
+
     session = session_for(checkpoint, "--chat", "--length", "12", "--temperature", "0", "--thinking_budget", "3")
-    assert session.command("set", "num_beams 2") is False
+    repl = Repl(session)
+    assert repl.command("set", "num_beams 2") is False
     assert "error: --thinking_budget caps replies on the tool's engine; beam search" in capsys.readouterr().err
     assert session.settings.num_beams == 1 and session.settings.thinking_budget == 3
-    session.command("set", "temperature 0.5")  # what the engine runs is still set
+    repl.command("set", "temperature 0.5")  # what the engine runs is still set
     assert session.settings.temperature == 0.5
 
 
