@@ -16,8 +16,9 @@ On Llama-3.1-8B's gate (14336 x 4096) and down (4096 x 14336) projections, rando
   the same codes on its GEMV kernel (no tensor cores), to its GEMV_ROWS rows, which its layer takes at those rows
   where it is the faster at one row; int4 widened: those codes widened to bfloat16 for cuBLAS, what its layer does
   past MOST_ROWS;
-- int8 kernel: int8 codes with a scale a group of 32 (GGUF Q8_0's form) on rungen/int8.py's Triton kernel, to its
-  MOST_ROWS rows, where the layer uses it;
+- int8 kernel: int8 codes with a scale a group of 32 (GGUF Q8_0's form) on rungen/int8.py's tiled Triton kernel, to
+  its MOST_ROWS rows, where the layer uses it; int8 GEMV kernel: the same codes on its GEMV kernel, to GEMV_ROWS
+  rows, which the layer takes at those rows where it is the faster at one row;
 - int8 widened: the same codes widened to bfloat16 for cuBLAS, what the layer does past MOST_ROWS (and where the
   kernel is off).
 
@@ -92,9 +93,9 @@ def forms(weight, device):
             return layer
         return make
 
-    def int4_kernel_of(which):
+    def kernel_of(layer_and_kernel, which):
         def layer_of(weight):
-            layer, kernel = int4_layer(weight)
+            layer, kernel = layer_and_kernel(weight)
             if kernel is None:
                 return layer, None
             if which == "tiled":
@@ -105,9 +106,10 @@ def forms(weight, device):
     made = [("bfloat16", lambda: Dense(weight), None)]
     if device.type == "cuda":
         made += [("int4 tinygemm", lambda: gpu_int4_linear(weight, None, check=True), None),
-                 ("int4 Triton kernel", coded(int4_kernel_of("tiled"), True), MOST_ROWS),
-                 ("int4 GEMV kernel", coded(int4_kernel_of("gemv"), True), GEMV_ROWS),
-                 ("int8 kernel", coded(int8_group_layer, True), MOST_ROWS)]
+                 ("int4 Triton kernel", coded(kernel_of(int4_layer, "tiled"), True), MOST_ROWS),
+                 ("int4 GEMV kernel", coded(kernel_of(int4_layer, "gemv"), True), GEMV_ROWS),
+                 ("int8 kernel", coded(kernel_of(int8_group_layer, "tiled"), True), MOST_ROWS),
+                 ("int8 GEMV kernel", coded(kernel_of(int8_group_layer, "gemv"), True), GEMV_ROWS)]
     made += [("int4 widened", coded(int4_layer, False), None), ("int8 widened", coded(int8_group_layer, False), None)]
     return made
 

@@ -9,8 +9,9 @@ block, 227 KiB on sm_90, a configuration cannot run).
 
 Needs Triton (`pip install triton`; the CPU build of torch does not bring it). One row per weight layout (each GGUF
 int8 form's scales and offsets, --quantize int8's scale a channel, the 4-bit kernel's two), activation dtype and
-tuned configuration; then the 4-bit GEMV kernel's (one to four rows) in each of its configurations, at one row and at
-four; then the fused decode step's kernels (rungen/step_triton.py) as their launchers configure them.
+tuned configuration; then the GEMV kernels' (one to four rows: int8's in each layout, the 4-bit one's) in each of
+their configurations, at one row and at four; then the fused decode step's kernels (rungen/step_triton.py) as their
+launchers configure them.
 """
 
 import argparse
@@ -89,29 +90,33 @@ def main():
                       f"{used.get('REG', '?')} | "
                       f"{used.get('STACK', 0)} | {shared / 1024:.0f}{' (too much)' if shared > most else ''} |",
                       flush=True)
-    gemv(args, runs["int4"], triton, GPUTarget, ASTSource, cuobjdump, most)
+    gemv(args, runs, triton, GPUTarget, ASTSource, cuobjdump, most)
     step(args, triton, GPUTarget, ASTSource, cuobjdump, most)
 
 
-def gemv(args, run, triton, GPUTarget, ASTSource, cuobjdump, most):
-    """The 4-bit GEMV kernel (a decode step's 1 to 4 rows) in each of its configurations, at one row and at four."""
+def gemv(args, runs, triton, GPUTarget, ASTSource, cuobjdump, most):
+    """The GEMV kernels (a decode step's 1 to 4 rows), int8's in every int8 layout and the 4-bit one's, in each of
+    their configurations, at one row and at four where the configuration serves four (GEMV_PRODUCTS)."""
     from rungen.int4_kernel import GEMV_CONFIGS
+    from rungen.int8 import GEMV_PRODUCTS, INT8_GEMV_CONFIGS
 
-    print("\n| 4-bit GEMV kernel | activations | rows | BLOCK_N x BLOCK_K, warps | registers | spilled bytes | "
-          "shared KiB |")
+    print("\n| GEMV kernel | activations | rows | BLOCK_N x BLOCK_K, warps | registers | spilled bytes | shared KiB |")
     print("| --- | --- | ---: | --- | ---: | ---: | ---: |")
-    names = run.gemv_jit.arg_names
-    for name, group, scales, _ in LAYOUTS:
-        if group != "int4":
-            continue
+    for name, group, scales, offsets in LAYOUTS:
+        int4 = group == "int4"
+        run = runs["int4" if int4 else "int8"]
+        names = run.gemv_jit.arg_names
         for activations in args.activations:
             for rows in (1, 4):
-                for block_n, block_k, warps in GEMV_CONFIGS:
-                    signature = {"x": f"*{activations}", "codes": "*u8", "scales": f"*{scales}",
+                for block_n, block_k, warps in GEMV_CONFIGS if int4 else INT8_GEMV_CONFIGS:
+                    if rows * block_n * block_k // (2 if int4 else 1) > GEMV_PRODUCTS:
+                        continue  # (the autotuner prunes it at these rows)
+                    signature = {"x": f"*{activations}", "codes": "*u8" if int4 else "*i8", "scales": f"*{scales}",
                                  "offsets": f"*{scales}", "y": f"*{activations}", "M": "i32", "N": "i32", "K": "i32",
-                                 "ROWS": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
-                    constants = {(names.index(key),): value for key, value in
-                                 (("ROWS", rows), ("BLOCK_N", block_n), ("BLOCK_K", block_k))}
+                                 **{key: "constexpr" for key in names[8:]}}
+                    constants = {"GROUP": group, "OFFSET": offsets, "ROWS": rows, "BLOCK_N": block_n,
+                                 "BLOCK_K": block_k}
+                    constants = {(names.index(key),): value for key, value in constants.items() if key in names}
                     built = triton.compile(ASTSource(run.gemv_jit, signature, constants, aligned(names)),
                                            target=GPUTarget("cuda", args.arch, 32), options={"num_warps": warps})
                     used = resources(built.asm["cubin"], cuobjdump)
@@ -119,7 +124,6 @@ def gemv(args, run, triton, GPUTarget, ASTSource, cuobjdump, most):
                     print(f"| {name} | {activations} | {rows} | {block_n} x {block_k}, {warps} | "
                           f"{used.get('REG', '?')} | {used.get('STACK', 0)} | "
                           f"{shared / 1024:.0f}{' (too much)' if shared > most else ''} |", flush=True)
-
 
 
 def step(args, triton, GPUTarget, ASTSource, cuobjdump, most):

@@ -19,22 +19,27 @@ import os
 import torch
 
 from .int4 import GPU_INT4_ENV, TinyGemmLinear, int4_groups
-from .int8 import WIDEN_BYTES, CodesLinear, disagreement, launcher, widened
+from .int8 import (
+    GEMV_PRODUCTS,
+    GEMV_ROWS,
+    WIDEN_BYTES,
+    CodesLinear,
+    disagreement,
+    faster_at_one_row,
+    launcher,
+    widened,
+)
 
 logger = logging.getLogger(__name__)
 
 CHUNK = 64  # inputs a packing chunk spans (in_features must be a multiple): two groups, as Q4_K packs them
 GEMV_ENV = "RUN_GENERATION_INT4_GEMV"  # 0: a step's rows on the tiled kernel always (never the GEMV kernel)
-GEMV_ROWS = 4  # rows the GEMV kernel takes at most (past them the tiled kernel's tensor cores)
 # The GEMV kernel's tuned configurations (BLOCK_N, BLOCK_K, warps): a program's channels and inputs a step. Wide
 # channel blocks read a few short rows each; narrow ones with long input steps (2-8 channels, 1,024-2,048 inputs)
 # make N/2-N/8 programs that each load 1-8 KiB a step, the bytes in flight a GPU's bandwidth needs at one row
 # (4096 x 4096 codes at 32 channels a program: 128 programs, about one an SM).
 GEMV_CONFIGS = ((8, 256, 2), (16, 256, 4), (16, 512, 4), (32, 256, 4), (32, 128, 4), (64, 128, 4),
                 (2, 2048, 2), (4, 1024, 2), (4, 2048, 4), (8, 1024, 4), (8, 2048, 8))
-# Products a program holds at once at most (rows x channels x a tile's bytes): past it, 4 rows take 255 registers a
-# thread on sm_90 (python -m benchmarks.int8_kernel_resources), so those configurations serve fewer rows only.
-GEMV_PRODUCTS = 8192
 
 
 def gpu_int4_form(in_features: int, dtype: torch.dtype, device: torch.device) -> str | None:
@@ -229,24 +234,3 @@ def checked_int4_kernel(layer: CudaInt4Linear, dtype: torch.dtype) -> tuple[obje
     if why is None and kernel.gemv and layer.codes.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         kernel.gemv = faster_at_one_row(kernel, layer, dtype)
     return (kernel, None) if why is None else (None, why)
-
-
-def faster_at_one_row(kernel, layer: CudaInt4Linear, dtype: torch.dtype) -> bool:
-    """Whether the GEMV kernel multiplies one row by `layer` faster than the tiled kernel (one_row_ms); one line says
-    what each took."""
-    x = torch.randn(1, layer.in_features, dtype=dtype, device=layer.codes.device)
-    times = {name: one_row_ms(lambda x, run=run: run(x, layer.codes, layer.scales, offsets=layer.offsets), x)
-             for name, run in (("GEMV", kernel), ("tiled", kernel.tiled))}
-    logger.info("4-bit Triton kernels at one row on a %d x %d layer: GEMV %.4f ms, tiled %.4f ms", layer.out_features,
-                layer.in_features, times["GEMV"], times["tiled"])
-    return times["GEMV"] < times["tiled"]
-
-
-def one_row_ms(multiply, x: torch.Tensor) -> float:
-    """The median milliseconds of multiply(x) on a GPU, after a call that tunes and compiles, its weight read from
-    memory as a decode step reads it (Triton's do_bench clears the L2 cache before each call, which one layer's codes
-    would otherwise stay in)."""
-    from triton.testing import do_bench
-
-    multiply(x)
-    return do_bench(lambda: multiply(x), warmup=5, rep=25, return_mode="median")

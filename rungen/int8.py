@@ -35,6 +35,17 @@ CONFIGS = ((16, 128, 4), (16, 256, 4), (32, 256, 4), (32, 256, 8), (64, 128, 8))
 CONFIGS_BEFORE_AMPERE = ((16, 64, 4), (16, 64, 8), (16, 128, 8), (32, 64, 8), (64, 64, 8))
 
 
+GEMV_ROWS = 4  # rows a GEMV kernel takes at most (past them the tiled kernel's tensor cores)
+INT8_GEMV_ENV = "RUN_GENERATION_INT8_GEMV"  # 0: a step's rows on the tiled kernel always (never the GEMV kernel)
+# The int8 GEMV kernel's tuned configurations (BLOCK_N, BLOCK_K, warps): a program's channels and inputs a step, from
+# wide channel blocks of short rows to 4-8 channels over 1,024-2,048 inputs (N/4-N/8 programs, 4-8 KiB a step each:
+# the bytes in flight one row's bandwidth needs), none spilling on sm_90 (benchmarks/int8_kernel_resources.py; 2
+# channels over 2,048 spilled with a scale a channel). rows x BLOCK_N x BLOCK_K within GEMV_PRODUCTS serve those rows.
+INT8_GEMV_CONFIGS = ((16, 128, 4), (8, 256, 4), (16, 256, 4), (32, 128, 4), (8, 512, 2), (16, 512, 4),
+                     (4, 1024, 2), (4, 2048, 4), (8, 1024, 4))
+GEMV_PRODUCTS = 8192  # products a GEMV program holds at once at most (past it, four rows take 255 registers on sm_90)
+
+
 def configs_for(capability: tuple[int, int]) -> tuple:
     """The configurations tuned over on a GPU of compute `capability`."""
     return CONFIGS if capability >= (8, 0) else CONFIGS_BEFORE_AMPERE
@@ -124,8 +135,73 @@ def triton_kernel():
 
     # x @ (scales * codes + offsets).T, scales [out] (a channel's) or [out, groups] (a group of inputs': GGUF's Q8_0
     # 32, Q6_K 16), offsets None or [out, groups] (Q5_K's, Q2_K's)
-    return launcher(triton, int8_matmul, lambda inner, scales, offsets: {
-        "GROUP": inner // scales.shape[1] if scales.dim() == 2 else 0, "OFFSET": offsets is not None})
+    def constants(inner, scales, offsets):
+        return {"GROUP": inner // scales.shape[1] if scales.dim() == 2 else 0, "OFFSET": offsets is not None}
+
+    tiled = launcher(triton, int8_matmul, constants)
+
+    def fitting(configs, named_args, **kwargs):  # rows x a tile's codes within GEMV_PRODUCTS (registers)
+        rows = kwargs.get("ROWS", named_args.get("ROWS", 1))
+        return [config for config in configs
+                if rows * config.kwargs["BLOCK_N"] * config.kwargs["BLOCK_K"] <= GEMV_PRODUCTS]
+
+    @triton.autotune(configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w)
+                              for n, k, w in INT8_GEMV_CONFIGS],
+                     key=["N", "K", "ROWS", "GROUP", "OFFSET"], prune_configs_by={"early_config_prune": fitting})
+    @triton.jit(do_not_specialize=["M"])
+    def int8_gemv(x, codes, scales, offsets, y, M, N, K, GROUP: tl.constexpr, OFFSET: tl.constexpr,
+                  ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # int8_matmul's product for a decode step's few rows (M <= ROWS) without the tensor cores, whose tiles of 16
+        # rows a row would waste: BLOCK_N output channels a program over all K inputs, BLOCK_K at a time, the codes
+        # widened with their group's scale (and offset) in registers and multiplied into every row.
+        channels = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        rows = tl.arange(0, ROWS)
+        inner = tl.arange(0, BLOCK_K)
+        total = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+        for start in range(0, K, BLOCK_K):
+            at = start + inner
+            w = tl.load(codes + channels[:, None] * K + at[None, :], mask=(channels[:, None] < N) & (at[None, :] < K),
+                        other=0).to(tl.float32)
+            if GROUP:
+                group = start // GROUP + tl.arange(0, BLOCK_K // GROUP)
+                held = (channels[:, None] < N) & (group[None, :] < K // GROUP)
+                where = channels[:, None] * (K // GROUP) + group[None, :]
+                scale = tl.load(scales + where, mask=held, other=0.0).to(tl.float32)
+                w = tl.reshape(w, (BLOCK_N, BLOCK_K // GROUP, GROUP)) * scale[:, :, None]
+                if OFFSET:
+                    w += tl.load(offsets + where, mask=held, other=0.0).to(tl.float32)[:, :, None]
+                w = tl.reshape(w, (BLOCK_N, BLOCK_K))
+            a = tl.load(x + rows[:, None] * K + at[None, :], mask=(rows[:, None] < M) & (at[None, :] < K),
+                        other=0.0).to(tl.float32)
+            total += tl.sum(a[:, None, :] * w[None, :, :], axis=2)
+        if not GROUP:
+            total = total * tl.load(scales + channels, mask=channels < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(y + rows[:, None] * N + channels[None, :], total.to(y.dtype.element_ty),
+                 mask=(rows[:, None] < M) & (channels[None, :] < N))
+
+    def gemv(x, codes, scales, offsets=None, blocks=None):
+        """int8_gemv over x [rows <= GEMV_ROWS, in]: tuned, or in the configuration `blocks` ({"BLOCK_N",
+        "BLOCK_K"}; Triton's interpreter, with nothing to time, takes one)."""
+        rows, channels, inner = x.shape[0], codes.shape[0], x.shape[1]
+        y = torch.empty(rows, channels, dtype=x.dtype, device=x.device)
+        if blocks is None and os.environ.get("TRITON_INTERPRET") == "1":
+            blocks = {"BLOCK_N": 16, "BLOCK_K": 128}
+        kernel, settings = (int8_gemv, {}) if blocks is None else (int8_gemv.fn, blocks)
+        kernel[lambda meta: (triton.cdiv(channels, meta["BLOCK_N"]),)](
+            x, codes, scales, scales if offsets is None else offsets, y, rows, channels, inner,
+            **constants(inner, scales, offsets), ROWS=1 << (rows - 1).bit_length(), **settings)
+        return y
+
+    def run(x, codes, scales, blocks=None, offsets=None):
+        if blocks is not None or x.shape[0] > GEMV_ROWS or not run.gemv:
+            return tiled(x, codes, scales, blocks, offsets)
+        return gemv(x, codes, scales, offsets)
+
+    run.gemv = os.environ.get(INT8_GEMV_ENV, "1") != "0"  # checked_kernel keeps it only where it is the faster
+    run.timed = False  # whether a check timed the GEMV kernel against the tiled one (the first: it decides)
+    run.jit, run.configs_for, run.tiled, run.gemv_launch = tiled.jit, tiled.configs_for, tiled, gemv
+    run.gemv_jit = int8_gemv.fn  # (benchmarks/int8_kernel_resources.py builds it apart)
+    return run
 
 
 def float32_rows(weight: torch.Tensor):
@@ -352,12 +428,16 @@ class CodesEmbedding(torch.nn.Module):
 
 def checked_kernel(layer: CudaInt8Linear, dtype: torch.dtype, instead: str):
     """The Triton kernel where it imports, is allowed (RUN_GENERATION_TRITON_INT8 not 0) and multiplies as the
-    plain product does on `layer`; else None, one warning saying why and what the caller does `instead`."""
+    plain product does on `layer`; else None, one warning saying why and what the caller does `instead`. The first
+    layer checked on a GPU also decides whether a step's few rows go to the GEMV kernel: where it multiplies that
+    layer at one row faster than the tiled kernel does (faster_at_one_row)."""
     if layer.codes.device.type != "cuda" or os.environ.get(TRITON_ENV, "1") == "0":
         return None
     kernel = triton_kernel()
     why = disagreement(kernel, layer, dtype)
     if why is None:
+        if getattr(kernel, "gemv", False) and not kernel.timed and os.environ.get("TRITON_INTERPRET") != "1":
+            kernel.timed, kernel.gemv = True, faster_at_one_row(kernel, layer, dtype)
         return kernel
     logger.warning("int8 weights on the GPU: %s; %s", why, instead)
     return None
@@ -386,6 +466,27 @@ def disagreement(kernel, layer: CodesLinear, dtype: torch.dtype) -> str | None:
         if not bool(error <= 0.02 * reference.abs().max()):
             return "the Triton kernel disagrees with the plain product on this GPU"
     return None
+
+
+def faster_at_one_row(kernel, layer: CodesLinear, dtype: torch.dtype) -> bool:
+    """Whether `kernel`'s GEMV multiplies one row by `layer` faster than its tiled kernel (one_row_ms); one line says
+    what each took."""
+    x = torch.randn(1, layer.in_features, dtype=dtype, device=layer.codes.device)
+    times = {name: one_row_ms(lambda x, run=run: run(x, layer.codes, layer.scales, offsets=layer.offsets), x)
+             for name, run in (("GEMV", kernel.gemv_launch), ("tiled", kernel.tiled))}
+    logger.info("%s Triton kernels at one row on a %d x %d layer: GEMV %.4f ms, tiled %.4f ms", layer.format,
+                layer.out_features, layer.in_features, times["GEMV"], times["tiled"])
+    return times["GEMV"] < times["tiled"]
+
+
+def one_row_ms(multiply, x: torch.Tensor) -> float:
+    """The median milliseconds of multiply(x) on a GPU, after a call that tunes and compiles, its weight read from
+    memory as a decode step reads it (Triton's do_bench clears the L2 cache before each call, which one layer's codes
+    would otherwise stay in)."""
+    from triton.testing import do_bench
+
+    multiply(x)
+    return do_bench(lambda: multiply(x), warmup=5, rep=25, return_mode="median")
 
 
 def cuda_int8_layers():

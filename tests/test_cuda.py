@@ -1567,6 +1567,38 @@ def test_the_int8_kernel_multiplies_as_the_plain_product(dtype, monkeypatch):
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_int8_gemv_kernel_multiplies_as_the_plain_product(dtype, monkeypatch):
+    # The int8 GEMV kernel (a decode step's 1 to 4 rows, without tensor cores) against the codes widened in float32:
+    # in each of its tuned configurations, every int8 form's scales and offsets in turn, inputs shorter than a step
+    # and ending past several, output channels that fill no block; and the kernel's own choice for one row (where it
+    # is the faster on a GPU: the GEMV or the tiled kernel) multiplying as the plain product too.
+    from rungen.int8 import INT8_GEMV_CONFIGS, triton_kernel, widened
+
+    kernel = kernel_where_it_runs(triton_kernel, dtype, monkeypatch)
+    settings = [{"BLOCK_N": n, "BLOCK_K": k} for n, k, _ in INT8_GEMV_CONFIGS] + [None]
+    for case, (rows, channels, inner) in enumerate(((1, 40, 96), (2, 33, 320), (3, 24, 2112), (4, 17, 64))):
+        generator = torch.Generator().manual_seed(rows)
+        codes = torch.randint(-128, 128, (channels, inner), dtype=torch.int8, generator=generator).to(DEVICE)
+
+        def groups(size, dtype, channels=channels, inner=inner, generator=generator):
+            return (torch.rand(channels, inner // size, generator=generator) / 100).to(DEVICE, dtype)
+
+        layouts = (((torch.rand(channels, generator=generator) / 100).to(DEVICE, torch.bfloat16), None),
+                   (groups(32, torch.float16), None), (groups(16, torch.float32), None),
+                   (groups(32, torch.float32), -groups(32, torch.float32)),
+                   (groups(16, torch.float32), -groups(16, torch.float32)))
+        x = torch.randn(rows, inner, generator=generator).to(DEVICE, dtype)
+        for number, blocks in enumerate(settings):
+            scales, offsets = layouts[(case + number) % len(layouts)]
+            y = (kernel(x, codes, scales, offsets=offsets) if blocks is None
+                 else kernel.gemv_launch(x, codes, scales, offsets, blocks))
+            reference = widened(x.float(), codes, scales, offsets)
+            assert y.dtype == dtype and y.shape == (rows, channels)
+            assert (y.float() - reference).abs().max() <= 0.01 * reference.abs().max(), (x.shape, blocks)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_the_widening_kernel_writes_each_weight_as_its_code_scale_and_offset(dtype, monkeypatch):
     # rungen/int8.py's widening kernel (the plain product's weight on a GPU, past the int8 kernel's rows): each weight
     # code x scale (+ offset) to the dtype's rounding, for every form of scales the int8 forms have, a row shorter

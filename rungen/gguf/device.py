@@ -17,8 +17,8 @@ import torch
 from gguf import GGMLQuantizationType
 
 from ..int4 import TinyGemmLinear, checked_tinygemm
-from ..int4_kernel import CudaInt4Linear, checked_int4_kernel, gpu_int4_form, one_row_ms, packed, timed_int4_choice
-from ..int8 import CodesEmbedding, CudaInt8Linear, checked_kernel
+from ..int4_kernel import CudaInt4Linear, checked_int4_kernel, gpu_int4_form, packed, timed_int4_choice
+from ..int8 import CodesEmbedding, CudaInt8Linear, checked_kernel, one_row_ms
 from .codes import (
     GROUPED_TYPES,
     INT4_TYPES,
