@@ -1569,14 +1569,15 @@ def test_the_int8_kernel_multiplies_as_the_plain_product(dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_the_int8_gemv_kernel_multiplies_as_the_plain_product(dtype, monkeypatch):
     # The int8 GEMV kernel (a decode step's 1 to 4 rows, without tensor cores) against the codes widened in float32:
-    # in each of its tuned configurations, every int8 form's scales and offsets in turn, inputs shorter than a step
-    # and ending past several, output channels that fill no block; and the kernel's own choice for one row (where it
-    # is the faster on a GPU: the GEMV or the tiled kernel) multiplying as the plain product too.
+    # in each of its tuned configurations (gemv_sweep), every int8 form's scales and offsets in turn, inputs shorter
+    # than a step and ending past several, output channels that fill no block; and the kernel's own choice for one
+    # row (where it is the faster on a GPU: the GEMV or the tiled kernel) multiplying as the plain product too.
     from rungen.int8 import INT8_GEMV_CONFIGS, triton_kernel, widened
 
     kernel = kernel_where_it_runs(triton_kernel, dtype, monkeypatch)
-    settings = [{"BLOCK_N": n, "BLOCK_K": k} for n, k, _ in INT8_GEMV_CONFIGS] + [None]
-    for case, (rows, channels, inner) in enumerate(((1, 40, 96), (2, 33, 320), (3, 24, 2112), (4, 17, 64))):
+    settings, shapes = gemv_sweep(dtype, INT8_GEMV_CONFIGS, ((1, 40, 96), (2, 33, 320), (3, 24, 2112), (4, 17, 64)),
+                                  ((1, 96, 1024), (4, 48, 576)))
+    for case, (rows, channels, inner) in enumerate(shapes):
         generator = torch.Generator().manual_seed(rows)
         codes = torch.randint(-128, 128, (channels, inner), dtype=torch.int8, generator=generator).to(DEVICE)
 
@@ -1588,9 +1589,9 @@ def test_the_int8_gemv_kernel_multiplies_as_the_plain_product(dtype, monkeypatch
                    (groups(32, torch.float32), -groups(32, torch.float32)),
                    (groups(16, torch.float32), -groups(16, torch.float32)))
         x = torch.randn(rows, inner, generator=generator).to(DEVICE, dtype)
-        for number, blocks in enumerate(settings):
+        for number, blocks in enumerate(settings + ["the layer's"]):
             scales, offsets = layouts[(case + number) % len(layouts)]
-            y = (kernel(x, codes, scales, offsets=offsets) if blocks is None
+            y = (kernel(x, codes, scales, offsets=offsets) if blocks == "the layer's"
                  else kernel.gemv_launch(x, codes, scales, offsets, blocks))
             reference = widened(x.float(), codes, scales, offsets)
             assert y.dtype == dtype and y.shape == (rows, channels)
@@ -1690,24 +1691,36 @@ def int4_cases(shapes, dtype):
             yield x, codes, scales.to(DEVICE, scale_dtype), offsets.to(DEVICE, scale_dtype)
 
 
+def gemv_sweep(dtype, configs, shapes, on_a_gpu):
+    """(the GEMV configurations, the (rows, channels, inputs) shapes) a test of a GEMV kernel runs: in Triton's
+    interpreter each configuration (None: the tuned choice) on `shapes`; on a GPU, which compiles each configuration
+    apart for each rows bucket, dtype and scales' dtype (a sweep would take minutes of a GPU session), the tuned choice
+    alone on `on_a_gpu`, in bfloat16 (float16 and float32 at a model's load, whose check runs the kernel)."""
+    if not ON_CPU:
+        if dtype != torch.bfloat16:
+            pytest.skip("on a GPU in bfloat16 only: each dtype compiles every configuration apart")
+        return [None], on_a_gpu
+    return [{"BLOCK_N": n, "BLOCK_K": k} for n, k, _ in configs] + [None], shapes
+
+
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_the_4_bit_gemv_kernel_multiplies_as_the_plain_product(dtype, monkeypatch):
     # The 4-bit GEMV kernel (a decode step's 1 to 4 rows, without tensor cores) against the codes unpacked and widened
-    # in float32: in each of its tuned configurations, inputs from one chunk to tiles that end past them, output
-    # channels that fill no block, float16 and float32 scales and offsets; and the kernel's own choice for one row
-    # (where it is the faster on a GPU: the GEMV or the tiled kernel) multiplying as the plain product too.
+    # in float32: in each of its tuned configurations (gemv_sweep), inputs from one chunk to tiles that end past them,
+    # output channels that fill no block, float16 and float32 scales and offsets; and the kernel's own choice for one
+    # row (where it is the faster on a GPU: the GEMV or the tiled kernel) multiplying as the plain product too.
     from rungen.int4_kernel import GEMV_CONFIGS, triton_kernel, widened4
 
     kernel = kernel_where_it_runs(triton_kernel, dtype, monkeypatch)
-    settings = [{"BLOCK_N": n, "BLOCK_K": k} for n, k, _ in GEMV_CONFIGS] + [None]
-    for x, codes, scales, offsets in int4_cases(((1, 96, 64), (2, 40, 576), (3, 64, 384), (4, 33, 1024)), dtype):
+    settings, shapes = gemv_sweep(dtype, GEMV_CONFIGS, ((1, 96, 64), (2, 40, 576), (3, 64, 384), (4, 33, 1024)),
+                                  ((1, 96, 1024), (4, 48, 576)))
+    for x, codes, scales, offsets in int4_cases(shapes, dtype):
         reference = widened4(x.float(), codes, scales, offsets)
-        for blocks in settings:
-            y = (kernel(x, codes, scales, offsets=offsets) if blocks is None
-                 else kernel.gemv_launch(x, codes, scales, offsets, blocks))
+        for y in [kernel.gemv_launch(x, codes, scales, offsets, blocks) for blocks in settings] + [
+                kernel(x, codes, scales, offsets=offsets)]:
             assert y.dtype == dtype and y.shape == (x.shape[0], codes.shape[0])
-            assert (y.float() - reference).abs().max() <= 0.01 * reference.abs().max(), (x.shape, blocks)
+            assert (y.float() - reference).abs().max() <= 0.01 * reference.abs().max(), x.shape
 
 
 @needs_triton
