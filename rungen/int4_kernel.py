@@ -24,6 +24,7 @@ from .int8 import (
     GEMV_ROWS,
     WIDEN_BYTES,
     CodesLinear,
+    autotune,
     disagreement,
     faster_at_one_row,
     launcher,
@@ -142,8 +143,8 @@ def triton_kernel():
         return [config for config in configs
                 if rows * config.kwargs["BLOCK_N"] * config.kwargs["BLOCK_K"] // 2 <= GEMV_PRODUCTS]
 
-    @triton.autotune(configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in GEMV_CONFIGS],
-                     key=["N", "K", "ROWS"], prune_configs_by={"early_config_prune": fitting})
+    @autotune(triton, [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in GEMV_CONFIGS],
+              ["N", "K", "ROWS"], fitting)
     @triton.jit(do_not_specialize=["M"])
     def int4_gemv(x, codes, scales, offsets, y, M, N, K, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr):

@@ -51,6 +51,16 @@ def configs_for(capability: tuple[int, int]) -> tuple:
     return CONFIGS if capability >= (8, 0) else CONFIGS_BEFORE_AMPERE
 
 
+def autotune(triton, configs, key, prune):
+    """triton.autotune over `configs` keyed by `key`, pruned by `prune`, its timings kept in Triton's cache on disk
+    where this Triton can (cache_results): a later process on the same GPU, kernel and shapes takes the choice without
+    timing each configuration again (a model's first steps would otherwise tune each product's shapes anew)."""
+    import inspect
+
+    kept = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
+    return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": prune}, **kept)
+
+
 def launcher(triton, matmul, constants, leave_out=()):
     """run(x, codes, scales, blocks=None, offsets=None) -> y: the Triton kernel `matmul` (x, codes, scales,
     offsets, y, M, N, K, M_BUCKET, its constexprs) over x [rows, in] in x's dtype, a block of 16 rows and BLOCK_N
@@ -64,8 +74,8 @@ def launcher(triton, matmul, constants, leave_out=()):
     def for_the_gpu(configs, named_args, **kwargs):
         return tables[configs_for(torch.cuda.get_device_capability(named_args["x"].device))]
 
-    tuned = triton.autotune(configs=[config for table in tables.values() for config in table],
-                            key=["M_BUCKET", "N", "K"], prune_configs_by={"early_config_prune": for_the_gpu})(matmul)
+    tuned = autotune(triton, [config for table in tables.values() for config in table], ["M_BUCKET", "N", "K"],
+                     for_the_gpu)(matmul)
 
     def run(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, blocks: dict | None = None,
             offsets: torch.Tensor | None = None) -> torch.Tensor:
@@ -145,9 +155,8 @@ def triton_kernel():
         return [config for config in configs
                 if rows * config.kwargs["BLOCK_N"] * config.kwargs["BLOCK_K"] <= GEMV_PRODUCTS]
 
-    @triton.autotune(configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w)
-                              for n, k, w in INT8_GEMV_CONFIGS],
-                     key=["N", "K", "ROWS", "GROUP", "OFFSET"], prune_configs_by={"early_config_prune": fitting})
+    @autotune(triton, [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in INT8_GEMV_CONFIGS],
+              ["N", "K", "ROWS", "GROUP", "OFFSET"], fitting)
     @triton.jit(do_not_specialize=["M"])
     def int8_gemv(x, codes, scales, offsets, y, M, N, K, GROUP: tl.constexpr, OFFSET: tl.constexpr,
                   ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
