@@ -21,7 +21,6 @@ import torch
 from .int4 import GPU_INT4_ENV, TinyGemmLinear, int4_groups
 from .int8 import (
     GEMV_PRODUCTS,
-    GEMV_ROWS,
     WIDEN_BYTES,
     CodesLinear,
     autotune,
@@ -29,6 +28,7 @@ from .int8 import (
     faster_at_one_row,
     launcher,
     widened,
+    with_gemv,
 )
 
 logger = logging.getLogger(__name__)
@@ -176,27 +176,7 @@ def triton_kernel():
         tl.store(y + rows[:, None] * N + channels[None, :], total.to(y.dtype.element_ty),
                  mask=(rows[:, None] < M) & (channels[None, :] < N))
 
-    def gemv(x, codes, scales, offsets, blocks=None):
-        """int4_gemv over x [rows <= GEMV_ROWS, in]: tuned, or in the configuration `blocks` ({"BLOCK_N",
-        "BLOCK_K"}; Triton's interpreter, with nothing to time, takes one)."""
-        rows, channels, inner = x.shape[0], codes.shape[0], x.shape[1]
-        y = torch.empty(rows, channels, dtype=x.dtype, device=x.device)
-        if blocks is None and os.environ.get("TRITON_INTERPRET") == "1":
-            blocks = {"BLOCK_N": 16, "BLOCK_K": 128}
-        kernel, settings = (int4_gemv, {}) if blocks is None else (int4_gemv.fn, blocks)
-        kernel[lambda meta: (triton.cdiv(channels, meta["BLOCK_N"]),)](
-            x, codes, scales, offsets, y, rows, channels, inner, ROWS=1 << (rows - 1).bit_length(), **settings)
-        return y
-
-    def run(x, codes, scales, blocks=None, offsets=None):
-        if blocks is not None or x.shape[0] > GEMV_ROWS or not run.gemv:
-            return tiled(x, codes, scales, blocks, offsets)
-        return gemv(x, codes, scales, offsets)
-
-    run.gemv = os.environ.get(GEMV_ENV, "1") != "0"  # checked_int4_kernel keeps it only where it is the faster
-    run.jit, run.configs_for, run.tiled, run.gemv_launch = tiled.jit, tiled.configs_for, tiled, gemv
-    run.gemv_jit = int4_gemv.fn  # (benchmarks/int8_kernel_resources.py builds it apart)
-    return run
+    return with_gemv(triton, tiled, int4_gemv, lambda inner, scales, offsets: {}, GEMV_ENV)
 
 
 class CudaInt4Linear(CodesLinear):
@@ -232,6 +212,7 @@ def checked_int4_kernel(layer: CudaInt4Linear, dtype: torch.dtype) -> tuple[obje
     GEMV kernel only if it multiplies `layer` at one row faster than the tiled kernel does (faster_at_one_row)."""
     kernel = triton_kernel()
     why = disagreement(kernel, layer, dtype)
-    if why is None and kernel.gemv and layer.codes.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        kernel.gemv = faster_at_one_row(kernel, layer, dtype)
+    if why is None and kernel.gemv and not kernel.timed and layer.codes.is_cuda and \
+            os.environ.get("TRITON_INTERPRET") != "1":
+        kernel.timed, kernel.gemv = True, faster_at_one_row(kernel, layer, dtype)
     return (kernel, None) if why is None else (None, why)

@@ -100,6 +100,36 @@ def launcher(triton, matmul, constants, leave_out=()):
     return run
 
 
+def with_gemv(triton, tiled, gemv_kernel, constants, env: str):
+    """run(x, codes, scales, blocks=None, offsets=None) -> y: the autotuned `gemv_kernel` (x, codes, scales, offsets,
+    y, M, N, K, its constexprs: `constants(inner, scales, offsets)`, ROWS, BLOCK_N, BLOCK_K) over a step's
+    GEMV_ROWS rows at most, while run.gemv (`env` not 0; a check keeps it where it is the faster at one row), else
+    the `tiled` launcher; run.gemv_launch(x, codes, scales, offsets, blocks) runs the GEMV kernel alone (`blocks`:
+    one configuration; Triton's interpreter, with nothing to time, takes one)."""
+
+    def gemv(x, codes, scales, offsets=None, blocks=None):
+        rows, channels, inner = x.shape[0], codes.shape[0], x.shape[1]
+        y = torch.empty(rows, channels, dtype=x.dtype, device=x.device)
+        if blocks is None and os.environ.get("TRITON_INTERPRET") == "1":
+            blocks = {"BLOCK_N": 16, "BLOCK_K": 128}
+        kernel, settings = (gemv_kernel, {}) if blocks is None else (gemv_kernel.fn, blocks)
+        kernel[lambda meta: (triton.cdiv(channels, meta["BLOCK_N"]),)](
+            x, codes, scales, scales if offsets is None else offsets, y, rows, channels, inner,
+            **constants(inner, scales, offsets), ROWS=1 << (rows - 1).bit_length(), **settings)
+        return y
+
+    def run(x, codes, scales, blocks=None, offsets=None):
+        if blocks is not None or x.shape[0] > GEMV_ROWS or not run.gemv:
+            return tiled(x, codes, scales, blocks, offsets)
+        return gemv(x, codes, scales, offsets)
+
+    run.gemv = os.environ.get(env, "1") != "0"
+    run.timed = False  # whether a check timed the GEMV kernel against the tiled one (the first: it decides)
+    run.jit, run.configs_for, run.tiled, run.gemv_launch = tiled.jit, tiled.configs_for, tiled, gemv
+    run.gemv_jit = gemv_kernel.fn  # (benchmarks/int8_kernel_resources.py builds it apart)
+    return run
+
+
 @functools.cache
 def triton_kernel():
     """The Triton kernel, or None where Triton does not import."""
@@ -188,29 +218,7 @@ def triton_kernel():
         tl.store(y + rows[:, None] * N + channels[None, :], total.to(y.dtype.element_ty),
                  mask=(rows[:, None] < M) & (channels[None, :] < N))
 
-    def gemv(x, codes, scales, offsets=None, blocks=None):
-        """int8_gemv over x [rows <= GEMV_ROWS, in]: tuned, or in the configuration `blocks` ({"BLOCK_N",
-        "BLOCK_K"}; Triton's interpreter, with nothing to time, takes one)."""
-        rows, channels, inner = x.shape[0], codes.shape[0], x.shape[1]
-        y = torch.empty(rows, channels, dtype=x.dtype, device=x.device)
-        if blocks is None and os.environ.get("TRITON_INTERPRET") == "1":
-            blocks = {"BLOCK_N": 16, "BLOCK_K": 128}
-        kernel, settings = (int8_gemv, {}) if blocks is None else (int8_gemv.fn, blocks)
-        kernel[lambda meta: (triton.cdiv(channels, meta["BLOCK_N"]),)](
-            x, codes, scales, scales if offsets is None else offsets, y, rows, channels, inner,
-            **constants(inner, scales, offsets), ROWS=1 << (rows - 1).bit_length(), **settings)
-        return y
-
-    def run(x, codes, scales, blocks=None, offsets=None):
-        if blocks is not None or x.shape[0] > GEMV_ROWS or not run.gemv:
-            return tiled(x, codes, scales, blocks, offsets)
-        return gemv(x, codes, scales, offsets)
-
-    run.gemv = os.environ.get(INT8_GEMV_ENV, "1") != "0"  # checked_kernel keeps it only where it is the faster
-    run.timed = False  # whether a check timed the GEMV kernel against the tiled one (the first: it decides)
-    run.jit, run.configs_for, run.tiled, run.gemv_launch = tiled.jit, tiled.configs_for, tiled, gemv
-    run.gemv_jit = int8_gemv.fn  # (benchmarks/int8_kernel_resources.py builds it apart)
-    return run
+    return with_gemv(triton, tiled, int8_gemv, constants, INT8_GEMV_ENV)
 
 
 def float32_rows(weight: torch.Tensor):
