@@ -1535,6 +1535,21 @@ def test_the_step_kernels_compute_as_torchs_operators(dtype, monkeypatch):
             atol=1e-5 if dtype == torch.float32 else torch.finfo(dtype).eps)
 
 
+def int8_layer(channels, inner, generator):
+    """(random int8 codes [channels, inner], their (scales, offsets) in each int8 form): a scale an output channel
+    (--quantize int8), a float16 one a group of 32 inputs (GGUF's Q8_0), a float32 one a group of 16 (GGUF's Q6_K,
+    Q3_K), or a float32 scale and offset a group of 32 (the Q5 types) or 16 (Q2_K)."""
+    codes = torch.randint(-128, 128, (channels, inner), dtype=torch.int8, generator=generator).to(DEVICE)
+
+    def groups(size, dtype):
+        return (torch.rand(channels, inner // size, generator=generator) / 100).to(DEVICE, dtype)
+
+    return codes, (((torch.rand(channels, generator=generator) / 100).to(DEVICE, torch.bfloat16), None),
+                   (groups(32, torch.float16), None), (groups(16, torch.float32), None),
+                   (groups(32, torch.float32), -groups(32, torch.float32)),
+                   (groups(16, torch.float32), -groups(16, torch.float32)))
+
+
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_the_int8_kernel_multiplies_as_the_plain_product(dtype, monkeypatch):
@@ -1547,17 +1562,8 @@ def test_the_int8_kernel_multiplies_as_the_plain_product(dtype, monkeypatch):
     blocks = None if dtype == torch.bfloat16 else {"BLOCK_N": 32, "BLOCK_K": 128}
     for rows, channels, inner in ((1, 96, 320), (5, 64, 256), (17, 40, 96), (64, 48, 512)):
         generator = torch.Generator().manual_seed(rows)
-        codes = torch.randint(-128, 128, (channels, inner), dtype=torch.int8, generator=generator).to(DEVICE)
-        # a scale an output channel (--quantize int8), a float16 one a group of 32 inputs (GGUF's Q8_0), a float32
-        # one a group of 16 (GGUF's Q6_K, Q3_K), or a float32 scale and offset a group of 32 (the Q5 types) or 16
-        # (Q2_K)
-        def groups(size, dtype, channels=channels, inner=inner, generator=generator):
-            return (torch.rand(channels, inner // size, generator=generator) / 100).to(DEVICE, dtype)
-
-        for scales, offsets in (((torch.rand(channels, generator=generator) / 100).to(DEVICE, torch.bfloat16), None),
-                                (groups(32, torch.float16), None), (groups(16, torch.float32), None),
-                                (groups(32, torch.float32), -groups(32, torch.float32)),
-                                (groups(16, torch.float32), -groups(16, torch.float32))):
+        codes, layouts = int8_layer(channels, inner, generator)
+        for scales, offsets in layouts:
             x = torch.randn(rows, inner, generator=generator).to(DEVICE, dtype)
             y = kernel(x, codes, scales, blocks, offsets=offsets)
             reference = widened(x.float(), codes, scales, offsets)
@@ -1579,15 +1585,7 @@ def test_the_int8_gemv_kernel_multiplies_as_the_plain_product(dtype, monkeypatch
                                   ((1, 96, 1024), (4, 48, 576)))
     for case, (rows, channels, inner) in enumerate(shapes):
         generator = torch.Generator().manual_seed(rows)
-        codes = torch.randint(-128, 128, (channels, inner), dtype=torch.int8, generator=generator).to(DEVICE)
-
-        def groups(size, dtype, channels=channels, inner=inner, generator=generator):
-            return (torch.rand(channels, inner // size, generator=generator) / 100).to(DEVICE, dtype)
-
-        layouts = (((torch.rand(channels, generator=generator) / 100).to(DEVICE, torch.bfloat16), None),
-                   (groups(32, torch.float16), None), (groups(16, torch.float32), None),
-                   (groups(32, torch.float32), -groups(32, torch.float32)),
-                   (groups(16, torch.float32), -groups(16, torch.float32)))
+        codes, layouts = int8_layer(channels, inner, generator)
         x = torch.randn(rows, inner, generator=generator).to(DEVICE, dtype)
         for number, blocks in enumerate(settings + ["the layer's"]):
             scales, offsets = layouts[(case + number) % len(layouts)]
