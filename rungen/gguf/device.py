@@ -173,7 +173,7 @@ class DeviceForms:
         scale = getattr(module, "embed_scale", None)
         if linear or tied_table:
             layer = self.codes_layer(reader.blocks(entry), qtype, in_features, order,
-                                lambda: reader.dequantized(entry, self.dtype, self.device, order), int4=linear)
+                                     lambda: reader.dequantized(entry, self.dtype, self.device, order), int4=linear)
             if layer is not None:
                 # A tied table becomes the head (build.py's _tie_head), its lookup reading the same codes.
                 return CodesEmbedding(layer, self.dtype, scale) if tied_table else layer
@@ -230,11 +230,14 @@ class DeviceForms:
         triton = int4_codes_of_blocks(torch.from_numpy(blocks), qtype, in_features, self.device, order)
         kernel, why_not = checked_int4_kernel(triton, self.dtype)  # (and the GEMV or the tiled kernel at one row)
         self.int4 = kernel or False
+        if tinygemm is None and kernel is None:
+            logger.warning("torch's int4 GPU kernel %s here, and the 4-bit Triton kernel: %s; the 4-bit weights run "
+                           "de-quantized to %s instead", why, why_not, self.dtype)
+        elif tinygemm is None:
+            logger.warning("torch's int4 GPU kernel %s here; the 4-bit weights run in the Triton form", why)
+        elif kernel is None:
+            logger.info("the 4-bit Triton kernel: %s; the 4-bit weights keep tinygemm's form", why_not)
         if kernel is None or tinygemm is None:
-            if tinygemm is None:
-                logger.warning("torch's int4 GPU kernel %s here; the 4-bit weights run in the Triton form", why)
-            if kernel is None:
-                logger.info("the 4-bit Triton kernel: %s; the 4-bit weights keep tinygemm's form", why_not)
             return kernel is not None
         triton.use_kernel(kernel)
         x = torch.randn(1, in_features, dtype=self.dtype, device=self.device)
