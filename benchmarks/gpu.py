@@ -37,8 +37,9 @@ Llama-3.1-8B's shape written as Q4_0 by benchmarks/gguf_files.py's writer (rando
 vocabulary of the published size), loaded through rungen.loading.load on the device (Q4_0 as 4-bit codes for torch's
 int4 kernel, the embedding in its Q4_0 blocks, the Q6_K head as int8 codes for rungen/int8.py's kernel), decoding at
 batch 1 on the engine and its time to first token (the 4-bit kernel over a prompt's rows), its load time and peak
-memory beside the file's size, then at the second batch (wide_tokens_per_s), loaded twice in a row: on torch's int4
-kernel (the default) and on rungen/int4_kernel.py's Triton kernel (RUN_GENERATION_GPU_INT4=triton); and Llama-3.2-1B's
+memory beside the file's size, then at the second batch (wide_tokens_per_s), loaded twice in a row: in the 4-bit form
+the load times faster at one row (the default; int4_form says which) and on rungen/int4_kernel.py's Triton kernel
+(RUN_GENERATION_GPU_INT4=triton); and Llama-3.2-1B's
 shape as Q8_0 (tied, as published: the table the head's int8 codes, which the lookup reads too), loaded twice, on the
 int8 Triton kernel and de-quantized to bfloat16 (RUN_GENERATION_TRITON_INT8=0), the kernel's speed and memory against
 what it replaced. A server row: `run_generation.py --serve` on the default model's shape written as a Q4_0 file (with a
@@ -46,7 +47,8 @@ ChatML template), 16 clients each streaming two chat completions (--new-tokens e
 reported apart (first_level_*: the batch's growth captures the step at each size): output tokens/s, time to first
 token (median and 95th percentile), time per output token, and the requests cut short (none expected; one that fails is
 the row's error). Product rows: one layer's matrix product in each weight form at 1 to 4096 rows
-(benchmarks/gpu_products.py).
+(benchmarks/gpu_products.py). Last, while time is left, a mixture of experts: Qwen3-30B-A3B's shape cut to 8 of its
+48 layers as Q4_0, its experts in codes an expert at a time, its bound counting the experts one token chooses.
 
 Each measurement is guarded: a failure prints one line and the run goes on. The run keeps to --budget seconds (300
 by default: the whole script within 6 minutes on an H100/H200, a last measurement's overrun included), the goals'
@@ -123,6 +125,14 @@ GGUF_SHAPES = {
                                  rope_base=100000.0, eps=1e-5, tied=True)),
     "tiny-llama": (1024, dict(arch="llama", layers=2, hidden=256, ffn=512, heads=4, kv_heads=2, head_dim=64,
                               rope_base=500000.0, eps=1e-5, tied=False)),
+    # Qwen3-30B-A3B's shape cut to 8 of its 48 layers (3 GB in Q4_0: a file the run writes in seconds), and a tiny
+    # mixture for --quick
+    "qwen3-30b-a3b-8layers": (151936, dict(arch="qwen3moe", layers=8, hidden=2048, ffn=6144, heads=32, kv_heads=4,
+                                           head_dim=128, rope_base=1000000.0, eps=1e-6, tied=False, qk_norm=True,
+                                           experts=128, experts_used=8, expert_ffn=768)),
+    "tiny-qwen3moe": (1024, dict(arch="qwen3moe", layers=2, hidden=256, ffn=512, heads=4, kv_heads=2, head_dim=64,
+                                 rope_base=1000000.0, eps=1e-6, tied=False, qk_norm=True, experts=4, experts_used=2,
+                                 expert_ffn=256)),
 }
 # The server row's file carries a chat template (ChatML, as SmolLM2-Instruct's).
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -242,8 +252,15 @@ def build_model(config, device, dtype):
 
 def weight_bytes(model):
     """Bytes of weights a decode step reads: every parameter and buffer once (a tied head once; --quantize's codes
-    are buffers), less the input embedding when it is not the head (a step reads only its rows)."""
+    are buffers), less the input embedding when it is not the head (a step reads only its rows), and of a mixture's
+    experts only the share one token chooses (num_experts_per_tok of num_experts)."""
     total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    config = model.config.get_text_config(decoder=True)
+    experts, chosen = getattr(config, "num_experts", None), getattr(config, "num_experts_per_tok", None)
+    if experts and chosen:
+        held = sum(t.numel() * t.element_size() for module in model.modules()
+                   if type(module).__name__.endswith("Experts") for t in [*module.parameters(), *module.buffers()])
+        total -= held * (1 - chosen / experts)
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()  # a table, or a GGUF file's blocks
     tensors = [*embedding.parameters(), *embedding.buffers()]
     read_by_head = {id(t) for t in [*head.parameters(), *head.buffers()]} if head is not None else set()
@@ -670,7 +687,7 @@ def gguf_row(report, args, bandwidth, budget, name, qtype, variants, reserve):
     try:
         if not os.path.isfile(path):
             start = time.perf_counter()
-            write_family(path, "llama", qtype, synthetic_tokenizer_fields(vocab), shape=family)
+            write_family(path, family["arch"], qtype, synthetic_tokenizer_fields(vocab), shape=family)
             print(f"{name} {qtype} GGUF: {os.path.getsize(path) / 2**30:.2f} GiB written in "
                   f"{time.perf_counter() - start:.1f} s", flush=True)
         for number, (label, settings) in enumerate(variants):
@@ -857,6 +874,8 @@ def main(argv=None):
                         help="seconds the GGUF row needs at least to start (default 120)")
     parser.add_argument("--int8-reserve", type=float, default=60.0,
                         help="seconds the GGUF Q8_0 rows need at least to start (default 60)")
+    parser.add_argument("--moe-reserve", type=float, default=60.0,
+                        help="seconds of the budget the mixture-of-experts GGUF row needs to start (default 60)")
     parser.add_argument("--no-gguf", action="store_true", help="leave the GGUF rows out")
     parser.add_argument("--server-clients", type=int, help="streaming clients of the server row (default 16; "
                         "--quick: 2)")
@@ -958,6 +977,11 @@ def main(argv=None):
 
             with torch.inference_mode():
                 product_rows(report.add, args.device, args.quick, budget.left)
+        if not args.no_gguf:
+            # A mixture of experts: each layer's experts in codes, an expert at a time (its bound counts the experts
+            # one token chooses).
+            gguf_row(report, args, bandwidth, budget, "tiny-qwen3moe" if args.quick else "qwen3-30b-a3b-8layers",
+                     "Q4_0", [("gguf Q4_0 mixture of experts, engine", {})], args.moe_reserve)
     finally:
         shutil.rmtree(args.gguf_folder, ignore_errors=True)
     report.header["seconds"] = args.budget - budget.left()
