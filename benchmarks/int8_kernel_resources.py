@@ -96,7 +96,8 @@ def main():
 
 def gemv(args, runs, triton, GPUTarget, ASTSource, cuobjdump, most):
     """The GEMV kernels (a decode step's 1 to 4 rows), int8's in every int8 layout and the 4-bit one's, in each of
-    their configurations, at one row and at four where the configuration serves four (GEMV_PRODUCTS)."""
+    their configurations, at one row and at four where the configuration serves four (GEMV_PRODUCTS), and grouped
+    (a mixture's experts stacked, a program a chosen expert's pair) at one row."""
     from rungen.int4_kernel import GEMV_CONFIGS
     from rungen.int8 import GEMV_PRODUCTS, INT8_GEMV_CONFIGS
 
@@ -107,21 +108,22 @@ def gemv(args, runs, triton, GPUTarget, ASTSource, cuobjdump, most):
         run = runs["int4" if int4 else "int8"]
         names = run.gemv_jit.arg_names
         for activations in args.activations:
-            for rows in (1, 4):
+            for rows, grouped in ((1, False), (4, False), (1, True)):  # (grouped: a mixture's chosen experts)
                 for block_n, block_k, warps in GEMV_CONFIGS if int4 else INT8_GEMV_CONFIGS:
                     if rows * block_n * block_k // (2 if int4 else 1) > GEMV_PRODUCTS:
                         continue  # (the autotuner prunes it at these rows)
                     signature = {"x": f"*{activations}", "codes": "*u8" if int4 else "*i8", "scales": f"*{scales}",
-                                 "offsets": f"*{scales}", "y": f"*{activations}", "M": "i32", "N": "i32", "K": "i32",
-                                 **{key: "constexpr" for key in names[8:]}}
-                    constants = {"GROUP": group, "OFFSET": offsets, "ROWS": rows, "BLOCK_N": block_n,
-                                 "BLOCK_K": block_k}
+                                 "offsets": f"*{scales}", "y": f"*{activations}", "pairs": "*i32", "M": "i32",
+                                 "N": "i32", "K": "i32", **{key: "constexpr" for key in names[9:]}}
+                    constants = {"GROUP": group, "OFFSET": offsets, "ROWS": rows, "GROUPED": grouped,
+                                 "BLOCK_N": block_n, "BLOCK_K": block_k}
                     constants = {(names.index(key),): value for key, value in constants.items() if key in names}
                     built = triton.compile(ASTSource(run.gemv_jit, signature, constants, aligned(names)),
                                            target=GPUTarget("cuda", args.arch, 32), options={"num_warps": warps})
                     used = resources(built.asm["cubin"], cuobjdump)
                     shared = built.metadata.shared
-                    print(f"| {name} | {activations} | {rows} | {block_n} x {block_k}, {warps} | "
+                    print(f"| {name} | {activations} | {rows}{' (grouped)' if grouped else ''} | "
+                          f"{block_n} x {block_k}, {warps} | "
                           f"{used.get('REG', '?')} | {used.get('STACK', 0)} | "
                           f"{shared / 1024:.0f}{' (too much)' if shared > most else ''} |", flush=True)
 

@@ -144,13 +144,23 @@ def triton_kernel():
                 if rows * config.kwargs["BLOCK_N"] * config.kwargs["BLOCK_K"] // 2 <= GEMV_PRODUCTS]
 
     @autotune(triton, [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in GEMV_CONFIGS],
-              ["N", "K", "ROWS"], fitting)
+              ["N", "K", "ROWS", "GROUPED"], fitting)
     @triton.jit(do_not_specialize=["M"])
-    def int4_gemv(x, codes, scales, offsets, y, M, N, K, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
+    def int4_gemv(x, codes, scales, offsets, y, pairs, M, N, K, ROWS: tl.constexpr, GROUPED: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # y[m, n] for a decode step's few rows (M <= ROWS) without the tensor cores, whose tiles of 16 rows a row
         # would waste: BLOCK_N output channels a program over all K inputs, BLOCK_K (whole chunks) at a time, each
         # nibble's codes widened with their group's scale and offset in registers and multiplied into every row.
+        # GROUPED: a mixture's experts stacked [experts, N, ...]; program_id(1) a pair p (pairs[p]: its expert and
+        # its row of x), y[p] = x[row] times that expert's weight.
+        if GROUPED:
+            pair = tl.program_id(1)
+            expert = tl.load(pairs + 2 * pair).to(tl.int64)
+            codes += expert * N * (K // 2)
+            scales += expert * N * (K // 32)
+            offsets += expert * N * (K // 32)
+            x += tl.load(pairs + 2 * pair + 1).to(tl.int64) * K
+            y += pair * N
         channels = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
         rows = tl.arange(0, ROWS)
         half = tl.arange(0, BLOCK_K // 2)

@@ -105,17 +105,21 @@ def with_gemv(triton, tiled, gemv_kernel, constants, env: str):
     y, M, N, K, its constexprs: `constants(inner, scales, offsets)`, ROWS, BLOCK_N, BLOCK_K) over a step's
     GEMV_ROWS rows at most, while run.gemv (`env` not 0; a check keeps it where it is the faster at one row), else
     the `tiled` launcher; run.gemv_launch(x, codes, scales, offsets, blocks) runs the GEMV kernel alone (`blocks`:
-    one configuration; Triton's interpreter, with nothing to time, takes one)."""
+    one configuration; Triton's interpreter, with nothing to time, takes one); run.grouped(x, codes, scales,
+    offsets, pairs): a mixture's experts stacked ([experts, out, ...] each), y [P, out] with y[p] = x[pairs[p, 1]]
+    times expert pairs[p, 0]'s weight (a decode step's chosen experts in one launch, no read on the host)."""
 
-    def gemv(x, codes, scales, offsets=None, blocks=None):
-        rows, channels, inner = x.shape[0], codes.shape[0], x.shape[1]
+    def gemv(x, codes, scales, offsets=None, blocks=None, pairs=None):
+        grouped = pairs is not None  # codes, scales, offsets: a mixture's experts stacked, pairs [P, 2] int32
+        rows, channels, inner = (pairs if grouped else x).shape[0], codes.shape[-2], x.shape[1]
         y = torch.empty(rows, channels, dtype=x.dtype, device=x.device)
         if blocks is None and os.environ.get("TRITON_INTERPRET") == "1":
             blocks = {"BLOCK_N": 16, "BLOCK_K": 128}
         kernel, settings = (gemv_kernel, {}) if blocks is None else (gemv_kernel.fn, blocks)
-        kernel[lambda meta: (triton.cdiv(channels, meta["BLOCK_N"]),)](
-            x, codes, scales, scales if offsets is None else offsets, y, rows, channels, inner,
-            **constants(inner, scales, offsets), ROWS=1 << (rows - 1).bit_length(), **settings)
+        kernel[lambda meta: (triton.cdiv(channels, meta["BLOCK_N"]), rows if grouped else 1)](
+            x, codes, scales, scales if offsets is None else offsets, y, pairs if grouped else codes,
+            1 if grouped else rows, channels, inner, **constants(inner, scales[0] if grouped else scales, offsets),
+            ROWS=1 if grouped else 1 << (rows - 1).bit_length(), GROUPED=grouped, **settings)
         return y
 
     def run(x, codes, scales, blocks=None, offsets=None):
@@ -126,6 +130,7 @@ def with_gemv(triton, tiled, gemv_kernel, constants, env: str):
     run.gemv = os.environ.get(env, "1") != "0"
     run.timed = False  # whether a check timed the GEMV kernel against the tiled one (the first: it decides)
     run.jit, run.configs_for, run.tiled, run.gemv_launch = tiled.jit, tiled.configs_for, tiled, gemv
+    run.grouped = lambda x, codes, scales, offsets, pairs: gemv(x, codes, scales, offsets, pairs=pairs)
     run.gemv_jit = gemv_kernel.fn  # (benchmarks/int8_kernel_resources.py builds it apart)
     return run
 
@@ -186,13 +191,27 @@ def triton_kernel():
                 if rows * config.kwargs["BLOCK_N"] * config.kwargs["BLOCK_K"] <= GEMV_PRODUCTS]
 
     @autotune(triton, [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in INT8_GEMV_CONFIGS],
-              ["N", "K", "ROWS", "GROUP", "OFFSET"], fitting)
+              ["N", "K", "ROWS", "GROUP", "OFFSET", "GROUPED"], fitting)
     @triton.jit(do_not_specialize=["M"])
-    def int8_gemv(x, codes, scales, offsets, y, M, N, K, GROUP: tl.constexpr, OFFSET: tl.constexpr,
-                  ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def int8_gemv(x, codes, scales, offsets, y, pairs, M, N, K, GROUP: tl.constexpr, OFFSET: tl.constexpr,
+                  ROWS: tl.constexpr, GROUPED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # int8_matmul's product for a decode step's few rows (M <= ROWS) without the tensor cores, whose tiles of 16
         # rows a row would waste: BLOCK_N output channels a program over all K inputs, BLOCK_K at a time, the codes
-        # widened with their group's scale (and offset) in registers and multiplied into every row.
+        # widened with their group's scale (and offset) in registers and multiplied into every row. GROUPED: a
+        # mixture's experts stacked [experts, N, ...]; program_id(1) a pair p (pairs[p]: its expert and its row of
+        # x), y[p] = x[row] times that expert's weight.
+        if GROUPED:
+            pair = tl.program_id(1)
+            expert = tl.load(pairs + 2 * pair).to(tl.int64)
+            codes += expert * N * K
+            if GROUP:
+                scales += expert * N * (K // GROUP)
+            else:
+                scales += expert * N
+            if OFFSET:
+                offsets += expert * N * (K // GROUP)
+            x += tl.load(pairs + 2 * pair + 1).to(tl.int64) * K
+            y += pair * N
         channels = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
         rows = tl.arange(0, ROWS)
         inner = tl.arange(0, BLOCK_K)
