@@ -15,6 +15,10 @@ from .transfers import to_device
 
 # The families whose attention takes this cache and a 4D mask as transformers writes them (update(k, v, layer)).
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+# Mixtures of experts of those attentions: taken where every layer's experts read nothing back to the host at a
+# decode step (captures_decode: a GGUF file's experts in codes on a GPU, rungen/gguf/device_experts.py), which
+# transformers' own Experts modules do.
+MIXTURES = ("qwen2_moe", "qwen3_moe")
 ROW_BUCKET = 8  # past 4 rows, a captured step's rows (and the slots) come in multiples of this
 POSITION_BUCKET = 256  # the positions a slot holds, and those a step reads, in multiples of this
 
@@ -24,14 +28,21 @@ def round_up(value: int, step: int) -> int:
 
 
 def takes_slots(model: torch.nn.Module) -> bool:
-    """Whether `model` runs on a SlotCache: a transformers model of FAMILIES, full attention on every layer, sdpa or
-    eager attention, and no other cache of its own (the own model, fused GGUF layers, --jit)."""
+    """Whether `model` runs on a SlotCache: a transformers model of FAMILIES (or MIXTURES whose experts read nothing
+    back at a step), full attention on every layer, sdpa or eager attention, and no other cache of its own (the own
+    model, fused GGUF layers, --jit)."""
     config = getattr(model, "config", None)
     if config is None or any(getattr(model, flag, False) for flag in ("own_cache", "cache_grows_in_place",
                                                                          "traced_step")):
         return False
     text = config.get_text_config(decoder=True)
-    if text.model_type not in FAMILIES or getattr(text, "_attn_implementation", None) not in ("sdpa", "eager"):
+    if text.model_type in MIXTURES:
+        experts = [module for module in model.modules() if type(module).__name__.endswith("Experts")]
+        if not experts or not all(getattr(module, "captures_decode", False) for module in experts):
+            return False
+    elif text.model_type not in FAMILIES:
+        return False
+    if getattr(text, "_attn_implementation", None) not in ("sdpa", "eager"):
         return False
     kinds = getattr(text, "layer_types", None)
     if kinds is not None:
@@ -203,6 +214,15 @@ def release_default_generator() -> None:
         pass
 
 
+def captured_rows(model: torch.nn.Module) -> int | None:
+    """The rows a decode step of `model` may be captured for at most (None: any): a mixture's experts read nothing
+    back to the host for their most_pairs (token, expert) pairs only, a token taking num_experts_per_tok."""
+    pairs = [module.most_pairs for module in model.modules() if getattr(module, "captures_decode", False)]
+    if not pairs:
+        return None
+    return min(pairs) // model.config.get_text_config(decoder=True).num_experts_per_tok
+
+
 def rows_bucket(rows: int) -> int:
     """The rows a captured step runs for `rows` (1, 2, 4, then multiples of ROW_BUCKET): padding rows write
     position 0 of free slots, which a row's prefill overwrites when it takes one."""
@@ -221,6 +241,7 @@ class DecodeGraphs:
 
     def __init__(self, model: torch.nn.Module, cache: SlotCache, compiled: bool = False, step=decode_step):
         self.model, self.cache, self.compiled, self.plain = model, cache, compiled, step
+        self.most_rows = captured_rows(model)  # past them steps run eagerly (a mixture's experts read the host)
         self.step = torch.compile(step, dynamic=True) if compiled else step
         self.graphs, self.generation, self.pool = {}, None, None
         self.outputs = {}  # rows bucket -> its logits [bucket, vocabulary]
@@ -231,7 +252,7 @@ class DecodeGraphs:
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, longest: int) -> torch.Tensor:
         rows, length = tokens.shape[0], self.cache.step_length(longest)
         bucket = rows_bucket(rows)
-        if self.failed or bucket > self.cache.slots:
+        if self.failed or bucket > self.cache.slots or (self.most_rows is not None and bucket > self.most_rows):
             return self.plain(self.model, self.cache, tokens, positions, length)
         if self.generation != self.cache.generation:
             self.graphs, self.short, self.generation = {}, set(), self.cache.generation

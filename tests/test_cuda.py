@@ -1340,6 +1340,31 @@ def test_an_moe_gguf_files_experts_stay_in_their_codes_on_the_gpu(tmp_path, expe
     assert [item["id"] for item in record["logprobs"]["content"]] == new
 
 
+@needs_cuda
+@needs_triton
+@pytest.mark.fresh_load
+def test_an_moe_gguf_files_decode_steps_are_cuda_graphs(tmp_path, monkeypatch):
+    # In bfloat16 a Q4_K_M mixture's experts take the Triton forms (Q4_K gate/up as 4-bit codes, Q6_K down as int8
+    # codes), each part stacked, with the grouped launch: its decode steps read nothing back to the host, so they run
+    # in fixed slots replayed from CUDA graphs, giving what generate() gives on the same model.
+    from gguf import GGMLQuantizationType as Q
+
+    from helpers import write_moe_gguf
+    from rungen.gguf.device_experts import CodedExperts
+    from rungen.loading import load
+
+    monkeypatch.delenv("RUN_GENERATION_GPU_INT4", raising=False)
+    path = write_moe_gguf(tmp_path / "qwen3moe.gguf", hidden=256, expert_types=(Q.Q4_K, Q.Q4_K, Q.Q6_K))
+    moe = load(path, device=DEVICE)
+    assert len([module for module in moe.model.modules() if isinstance(module, CodedExperts)]) == 2
+    _, new, _ = reference(moe.model, moe.tokenizer, PROMPTS[0], new_tokens=8)
+    result = run_ok(["--model_name_or_path", str(path), "--prompt", PROMPTS[0], "--temperature", "0", "--length",
+                     "8", "--output_format", "jsonl", "--logprobs", "0", "--verbose"])
+    assert "fixed slots, decode steps replayed from CUDA graphs" in result.stderr.decode()
+    [record] = jsonl(result.stdout)
+    assert [item["id"] for item in record["logprobs"]["content"]] == new
+
+
 def run_quantized(checkpoint, mode, monkeypatch, extra=()):
     """The model a greedy `--quantize mode` run (with `extra` flags) quantized (the run checked to succeed)."""
     import rungen.quantize
@@ -1759,6 +1784,50 @@ def test_the_gemv_kernels_multiply_each_pair_by_its_chosen_expert(which, monkeyp
             y = kernel.gemv_launch(x, codes, scales, offsets, blocks, pairs=pairs)
             assert y.dtype == dtype and y.shape == (len(pairs), channels)
             assert (y.float() - reference).abs().max() <= 0.01 * reference.abs().max(), (codes.dtype, blocks)
+
+
+@needs_triton
+@pytest.mark.parametrize("which", ["int8", "4-bit"])
+def test_coded_experts_take_a_decode_steps_chosen_experts_in_two_launches(which, monkeypatch):
+    # A mixture's experts in a Triton form (rungen/gguf/device_experts.py's CodedExperts): each part's codes stacked
+    # once, the experts' layers views of the one buffer (nothing held twice); a decode step's (token, expert) pairs
+    # through the grouped launches, nothing read back to the host (on a GPU, sync debug mode raising), compute what
+    # the experts one at a time do (GGMLExperts' forward over the same layers).
+    from rungen import int4_kernel, int8
+    from rungen.gguf.device_experts import CodedExperts
+    from rungen.gguf.experts import GGMLExperts
+
+    dtype = torch.bfloat16
+    kernel = kernel_where_it_runs((int8 if which == "int8" else int4_kernel).triton_kernel, dtype, monkeypatch)
+    generator = torch.Generator().manual_seed(0)
+
+    def layer(out_features, in_features):
+        weight = (torch.randn(out_features, in_features, generator=generator) / in_features ** 0.5).to(DEVICE)
+        made = (int8.CudaInt8Linear(*int8.int8_codes(weight), None) if which == "int8"
+                else int4_kernel.CudaInt4Linear.of_weight(weight))
+        made.use_kernel(kernel)
+        return made
+
+    experts, hidden, inner = 4, 128, 64
+    coded = CodedExperts([layer(2 * inner, hidden) for _ in range(experts)],
+                         [layer(hidden, inner) for _ in range(experts)], torch.nn.functional.silu)
+    for layers, stacked in zip((coded.gate_up, coded.down), coded.stacks):
+        held = stacked["codes"].untyped_storage().data_ptr()
+        assert all(layer.codes.untyped_storage().data_ptr() == held for layer in layers)
+    x = torch.randn(3, hidden, generator=generator).to(DEVICE, dtype)
+    chosen = torch.tensor([[2, 0], [1, 3], [0, 2]], device=DEVICE)
+    weights = torch.softmax(torch.randn(3, 2, generator=generator), dim=-1).to(DEVICE, dtype)
+    with torch.inference_mode():
+        if not ON_CPU:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            ours = coded(x, chosen, weights)
+        finally:
+            if not ON_CPU:
+                torch.cuda.set_sync_debug_mode(0)
+        theirs = GGMLExperts.forward(coded, x, chosen, weights)
+    assert ours.dtype == dtype and ours.shape == x.shape
+    assert (ours.float() - theirs.float()).abs().max() <= 0.02 * theirs.float().abs().max()
 
 
 @needs_triton

@@ -274,3 +274,58 @@ def test_one_prompt_holds_one_rows_keys_and_values(loaded):
     engine.run_here()
     positions = min(256, loaded.context)
     assert {figures for figures in held if figures[0]} == {(1, positions, positions * engine.bytes_per_token)}
+
+
+class GatheredExperts(torch.nn.Module):
+    """transformers' Experts computation with nothing read back to the host (each pair's expert's weights gathered
+    on the device): on the CPU, the stand-in of a GPU's experts in codes (rungen/gguf/device_experts.py), for the
+    slots' mixture families."""
+
+    captures_decode, most_pairs = True, 24
+
+    def __init__(self, experts):
+        super().__init__()
+        self.gate_up, self.down, self.act_fn = experts.gate_up_proj, experts.down_proj, experts.act_fn
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        tokens, chosen = top_k_index.shape
+        experts = top_k_index.reshape(-1)
+        rows = hidden_states.repeat_interleave(chosen, dim=0)
+        gate, up = torch.bmm(self.gate_up[experts], rows[:, :, None])[..., 0].chunk(2, dim=-1)
+        done = torch.bmm(self.down[experts], (self.act_fn(gate) * up)[:, :, None])[..., 0]
+        return (done * top_k_weights.reshape(-1, 1)).view(tokens, chosen, -1).sum(dim=1)
+
+
+def test_a_mixture_whose_experts_read_nothing_back_decodes_in_slots(loaded):
+    # Qwen3-MoE's attention is qwen3's: its rows decode in slots, as generate() gives each prompt alone, where every
+    # layer's experts read nothing back to the host at a step (a GPU's coded experts; transformers' own read how many
+    # tokens each expert has: no slots for them); a step of more rows than the experts' grouped pairs take (their
+    # most_pairs over the experts a token takes) is not captured.
+    import copy
+
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from rungen.loading import Loaded
+    from rungen.slots import DecodeGraphs, captured_rows
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(vocab_size=loaded.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, moe_intermediate_size=32,
+                            num_experts=4, num_experts_per_tok=2, max_position_embeddings=loaded.context)
+    theirs = Qwen3MoeForCausalLM(config).eval()
+    assert not takes_slots(theirs)
+    model = copy.deepcopy(theirs)
+    for layer in model.model.layers:
+        layer.mlp.experts = GatheredExperts(layer.mlp.experts)
+    assert takes_slots(model) and captured_rows(model) == 24 // 2
+    graphs = DecodeGraphs(model, SlotCache(2, 16, 256))
+    assert graphs.most_rows == 12
+    moe = Loaded(model, loaded.tokenizer, "qwen3_moe", torch.device("cpu"), loaded.context, loaded.vocab_size)
+    ids = [loaded.tokenizer(prompt).input_ids for prompt in PROMPTS]
+    lengths = [3, 9, 5, 12, 7]
+    engine = Engine(moe, max_batch=3, prefix_cache_bytes=0)
+    assert engine.batch.kv.form == "fixed slots"
+    done = run(engine, [(i, length, Sampling(temperature=0, ignore_eos=True), 1) for i, length in zip(ids, lengths)])
+    with torch.no_grad():
+        for number, (i, length) in enumerate(zip(ids, lengths)):
+            assert done[number][0] == generate_alone(theirs, i, length), PROMPTS[number]

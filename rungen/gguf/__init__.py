@@ -10,6 +10,7 @@ Modules, from the ground up:
 - families.py: the model families, one row each: what a family differs in from llama's decoder.
 - weights.py: WeightReader, the file's tensors as the builders take them (views of the map, interleaved rows).
 - experts.py: a mixture's experts in their blocks (GGMLExperts), each layer's in two native calls.
+- device_experts.py: a mixture's experts in codes on a GPU (CodedExperts: a decode step's in two grouped launches).
 - decoder.py: the decoder layers fused over the blocks (FusedDecoderLayer), the one-call stack (NativeStack).
 - file.py: the header and its cache (config, tokenizer, tensor table, what the file holds for transformers).
 - build.py: transformers' model of the file, its weights taken in tensor by tensor (build_model).

@@ -28,7 +28,8 @@ from .blocks import (
 )
 from .decoder import FUSED_WEIGHTS, fusable, fuse_decoder_layers
 from .device import DeviceForms
-from .experts import build_experts, coded_experts, dequantized_experts, holds_experts, part_of, route_rows_alike
+from .device_experts import coded_experts
+from .experts import build_experts, dequantized_experts, holds_experts, part_of, route_rows_alike
 from .file import GGUFHeader, first_line, unsupported_message
 from .weights import FLOAT_TYPES, GGUFError, WeightReader, as_torch, split_hint
 

@@ -183,20 +183,27 @@ class DeviceForms:
         return reader.dequantized(entry, self.dtype, self.device, order)
 
     def codes_layer(self, blocks: np.ndarray, qtype: GGMLQuantizationType, in_features: int, order, dequantized,
-                    int4: bool = True) -> torch.nn.Module | None:
+                    int4: bool = True, grouped: bool = False) -> torch.nn.Module | None:
         """A weight's `blocks` [rows, row bytes] (`order`: its rows permuted) as a layer of codes that a checked
         kernel multiplies on the GPU, or None where its type has no such form here (the caller de-quantizes it).
         `dequantized()`: the weight de-quantized, which the first 4-bit weight checks torch's int4 kernel against;
         `int4`: whether a 4-bit form may hold it (a linear layer's; a table that the head reads takes int8 codes
-        alone)."""
+        alone); `grouped`: a mixture's expert, in the Triton form wherever it runs unless RUN_GENERATION_GPU_INT4
+        names a form (its grouped launch takes a decode step's chosen experts at once, which tinygemm cannot)."""
         form = gpu_int4(qtype, in_features, self.dtype, self.device) if int4 else None
         timed = form == "tinygemm" and timed_int4_choice(in_features, self.dtype, self.device)
-        if timed and not self.timed:
+        if grouped and timed:
+            form = "triton"
+        elif timed and not self.timed:
             self.timed, self.prefer_triton = True, self.triton_faster(blocks, qtype, in_features, order, dequantized)
         if timed and self.prefer_triton:
             form = "triton"
         if form == "triton" and self.int4 is not False:
-            return self.int4_codes(blocks, qtype, in_features, order)
+            layer = self.int4_codes(blocks, qtype, in_features, order,
+                                    "the experts keep tinygemm's form" if grouped and timed else None)
+            if layer is not None or not (grouped and timed):
+                return layer
+            form = "tinygemm"
         if form == "tinygemm" and self.tinygemm is not False:
             make = functools.partial(tinygemm_of_blocks, torch.from_numpy(blocks), qtype, in_features, self.device,
                                      order)
@@ -248,16 +255,17 @@ class DeviceForms:
                     "Triton's" if faster else "tinygemm's")
         return faster
 
-    def int4_codes(self, blocks: np.ndarray, qtype: GGMLQuantizationType, in_features: int, order
-                   ) -> torch.nn.Module | None:
-        """A 4-bit weight as CudaInt4Linear where the Triton kernel checks out on the first, else None."""
+    def int4_codes(self, blocks: np.ndarray, qtype: GGMLQuantizationType, in_features: int, order,
+                   instead: str | None = None) -> torch.nn.Module | None:
+        """A 4-bit weight as CudaInt4Linear where the Triton kernel checks out on the first, else None (`instead`:
+        what the caller then does, which a failed check's warning says; by default, de-quantize)."""
         layer = int4_codes_of_blocks(torch.from_numpy(blocks), qtype, in_features, self.device, order)
         if self.int4 is None:
             kernel, why = checked_int4_kernel(layer, self.dtype)
             self.int4 = kernel or False
             if kernel is None:
-                logger.warning("the 4-bit Triton kernel: %s; the 4-bit weights run de-quantized to %s instead", why,
-                               self.dtype)
+                logger.warning("the 4-bit Triton kernel: %s; %s", why,
+                               instead or f"the 4-bit weights run de-quantized to {self.dtype} instead")
         if not self.int4:
             return None  # (its codes go with the layer: never both forms on the GPU at once)
         layer.use_kernel(self.int4)

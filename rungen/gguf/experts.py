@@ -5,15 +5,12 @@ GGMLLinear per expert and product, where transformers' Experts module would hold
 An expert's gate and up rows are one product (one buffer a layer, expert by expert: gate rows, then up rows), as
 transformers' concatenated gate_up_proj is; its down rows another. The forward is transformers' Experts forward
 (`integrations/moe.py`): each token's hidden state through the experts the router chose, weighted, summed. On a
-GPU (build_model given a device) coded_experts makes each expert's two products layers of codes, the forms
-device.py keeps a dense layer's weight in (Qwen3-30B-A3B's Q4_K_M experts: 4-bit and int8 codes, where bfloat16
-would take 58 GB); where a part's type has none there, dequantized_experts fills transformers' own parameters, an
-expert at a time.
+GPU (build_model given a device) device_experts.py keeps them in codes (Qwen3-30B-A3B's Q4_K_M experts: 4-bit and
+int8 codes, where bfloat16 would take 58 GB); where a part's type has none there, dequantized_experts fills
+transformers' own parameters, an expert at a time.
 """
 
 from __future__ import annotations
-
-import functools
 
 import numpy as np
 import torch
@@ -170,7 +167,7 @@ def _rows(reader: WeightReader, tensor: Tensor, experts: int, into: torch.Tensor
     return [into[e, :rows // 8] for e in range(experts)], True
 
 
-def _check_shapes(reader: WeightReader, parts: dict[str, Tensor], module: torch.nn.Module) -> None:
+def check_shapes(reader: WeightReader, parts: dict[str, Tensor], module: torch.nn.Module) -> None:
     """GGUFError where a layer's three expert tensors are not the shapes of `module`'s parameters."""
     count, inner, hidden = module.gate_up_proj.shape
     for name, wanted in (("gate", (count, inner // 2, hidden)), ("up", (count, inner // 2, hidden)),
@@ -186,7 +183,7 @@ def _check_shapes(reader: WeightReader, parts: dict[str, Tensor], module: torch.
 def build_experts(reader: WeightReader, parts: dict[str, Tensor], module: torch.nn.Module) -> GGMLExperts:
     """The GGMLExperts of a layer's three expert tensors (`parts`: part_of's names), replacing `module`; GGUFError
     where their shapes are not the module's."""
-    _check_shapes(reader, parts, module)
+    check_shapes(reader, parts, module)
     gate, up, down = parts["gate"], parts["up"], parts["down"]
     experts = gate.shape[0]
     width = {name: weights_per_row(GGMLQuantizationType(t.code), t.shape[-1]) for name, t in parts.items()}
@@ -217,7 +214,7 @@ def dequantized_experts(reader: WeightReader, parts: dict[str, Tensor], module: 
     """`module`'s gate_up_proj [experts, gate; up, hidden] and down_proj from a layer's three expert tensors,
     de-quantized to `dtype` on `device` an expert at a time, a chunk of rows at a time (dequantize_to): never the
     layer's experts in float32 on the host (Qwen3-30B-A3B's are 2.4 GB a layer)."""
-    _check_shapes(reader, parts, module)
+    check_shapes(reader, parts, module)
     count, inner, hidden = module.gate_up_proj.shape
     gate_up = torch.empty(count, inner, hidden, dtype=dtype, device=device)
     down = torch.empty(tuple(module.down_proj.shape), dtype=dtype, device=device)
@@ -231,30 +228,3 @@ def dequantized_experts(reader: WeightReader, parts: dict[str, Tensor], module: 
                               device, out=out)
     return gate_up, down
 
-
-def coded_experts(reader: WeightReader, parts: dict[str, Tensor], module: torch.nn.Module, forms
-                  ) -> GGMLExperts | None:
-    """On a GPU: the GGMLExperts of a layer's three expert tensors over layers of codes (`forms`: device.py's
-    DeviceForms; an expert's gate and up rows one layer, its down rows another), replacing `module`; None where a
-    part's type has no such form there (float tensors, gate and up of two types, types the GPU de-quantizes,
-    a kernel that failed its check): the layer then takes dequantized_experts. GGUFError where the tensors' shapes
-    are not the module's."""
-    _check_shapes(reader, parts, module)
-    gate, up, down = parts["gate"], parts["up"], parts["down"]
-    if gate.code != up.code or any(tensor.code in FLOAT_TYPES for tensor in (gate, down)):
-        return None
-    qtype, down_type = GGMLQuantizationType(gate.code), GGMLQuantizationType(down.code)
-    width = {name: weights_per_row(GGMLQuantizationType(t.code), t.shape[-1]) for name, t in parts.items()}
-    gates, ups, downs = reader.blocks(gate), reader.blocks(up), reader.blocks(down)
-
-    def made(blocks: np.ndarray, qtype: GGMLQuantizationType, in_features: int):
-        dequantized = functools.partial(dequantize_to, blocks, qtype, in_features, forms.dtype, forms.device)
-        return forms.codes_layer(blocks, qtype, in_features, None, dequantized)
-
-    gate_up, down_layers = [], []
-    for e in range(gate.shape[0]):
-        gate_up.append(made(np.concatenate([gates[e], ups[e]]), qtype, width["gate"]))
-        down_layers.append(made(downs[e], down_type, width["down"]))
-        if gate_up[-1] is None or down_layers[-1] is None:  # (the first expert's: forms decide a type at its first)
-            return None
-    return GGMLExperts(gate_up, down_layers, module.act_fn)

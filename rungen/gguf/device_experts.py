@@ -1,0 +1,110 @@
+"""A mixture's experts on a CUDA GPU in codes (build.py's build_model given a device): each expert's gate and up rows
+one layer, its down rows another, in the form device.py keeps a dense weight of their type in (coded_experts).
+
+Where every expert of a layer is in a Triton form (4-bit codes two a byte, int8 codes) the layer is CodedExperts:
+each part's codes, scales and offsets stacked in one buffer [experts, out, ...] that the experts' layers hold views
+of, and a decode step's chosen experts multiplied by the GEMV kernels' grouped launch, two a layer (gate/up, down),
+with nothing read back to the host: the step a CUDA graph can hold (rungen/slots.py takes such a model). A prompt's
+many tokens go an expert at a time, as GGMLExperts does. Elsewhere (tinygemm's 4-bit form) the layer is GGMLExperts
+over the experts' layers, a read of how many tokens each expert has at every step.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+
+from ..int8 import CodesLinear
+from .blocks import dequantize_to, weights_per_row
+from .experts import GGMLExperts, check_shapes
+from .weights import FLOAT_TYPES, Tensor, WeightReader
+
+# (token, expert) pairs a step multiplies in the grouped launch at most: a decode step's (a few rows x the experts a
+# token takes); a prompt's more go an expert at a time, each expert's weight read once for all its tokens.
+GROUPED_PAIRS = 128
+
+
+def coded_experts(reader: WeightReader, parts: dict[str, Tensor], module: torch.nn.Module, forms
+                  ) -> GGMLExperts | None:
+    """The experts of a layer's three expert tensors over layers of codes (`forms`: device.py's DeviceForms),
+    replacing `module`: CodedExperts where they all took a Triton form with a grouped launch, else GGMLExperts; None
+    where a part's type has no codes on the GPU (float tensors, gate and up of two types, types the GPU
+    de-quantizes, a kernel that failed its check): the layer then takes dequantized_experts. GGUFError where the
+    tensors' shapes are not the module's."""
+    check_shapes(reader, parts, module)
+    gate, up, down = parts["gate"], parts["up"], parts["down"]
+    if gate.code != up.code or any(tensor.code in FLOAT_TYPES for tensor in (gate, down)):
+        return None
+    qtype, down_type = GGMLQuantizationType(gate.code), GGMLQuantizationType(down.code)
+    width = {name: weights_per_row(GGMLQuantizationType(t.code), t.shape[-1]) for name, t in parts.items()}
+    gates, ups, downs = reader.blocks(gate), reader.blocks(up), reader.blocks(down)
+
+    def made(blocks: np.ndarray, qtype: GGMLQuantizationType, in_features: int):
+        dequantized = functools.partial(dequantize_to, blocks, qtype, in_features, forms.dtype, forms.device)
+        return forms.codes_layer(blocks, qtype, in_features, None, dequantized, grouped=True)
+
+    gate_up, down_layers = [], []
+    for e in range(gate.shape[0]):
+        gate_up.append(made(np.concatenate([gates[e], ups[e]]), qtype, width["gate"]))
+        down_layers.append(made(downs[e], down_type, width["down"]))
+        if gate_up[-1] is None or down_layers[-1] is None:  # (the first expert's: forms decide a type at its first)
+            return None
+    if all(stackable(layers) for layers in (gate_up, down_layers)):
+        return CodedExperts(gate_up, down_layers, module.act_fn)
+    return GGMLExperts(gate_up, down_layers, module.act_fn)
+
+
+def stackable(layers: list[torch.nn.Module]) -> bool:
+    """Whether `layers` (a part's experts) are one Triton form alike, whose kernel has a grouped launch."""
+    first = layers[0]
+    return (isinstance(first, CodesLinear) and hasattr(first.kernel, "grouped")
+            and len({(type(layer), layer.codes.shape, layer.codes.dtype, layer.scales.shape, layer.scales.dtype,
+                      layer.offsets is None, layer.kernel) for layer in layers}) == 1)
+
+
+def stack(layers: list[CodesLinear]) -> dict[str, torch.Tensor | None]:
+    """{"codes", "scales", "offsets"}: each stacked over `layers` [experts, ...], the layers now holding views of
+    them (the experts' own tensors freed as each part is stacked: a part's codes twice for a moment, not the
+    layer's)."""
+    stacked = {}
+    for name in ("codes", "scales", "offsets"):
+        parts = [getattr(layer, name) for layer in layers]
+        stacked[name] = None if parts[0] is None else torch.stack(parts)
+        for e, layer in enumerate(layers):
+            setattr(layer, name, None if parts[0] is None else stacked[name][e])
+        del parts
+    return stacked
+
+
+class CodedExperts(GGMLExperts):
+    """A layer's experts in a Triton form, each part's codes stacked (stack): forward(hidden [tokens, hidden],
+    top_k_index, top_k_weights) as transformers' Experts modules compute it, a decode step's GROUPED_PAIRS (token,
+    expert) pairs at most in two grouped launches with no read on the host, more an expert at a time."""
+
+    captures_decode = True  # (rungen/slots.py: its model's decode step may be a CUDA graph, to most_pairs pairs)
+    most_pairs = GROUPED_PAIRS
+
+    def __init__(self, gate_up: list[CodesLinear], down: list[CodesLinear], act_fn):
+        super().__init__(gate_up, down, act_fn)
+        self.kernel = gate_up[0].kernel, down[0].kernel
+        self.stacks = stack(gate_up), stack(down)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        if top_k_index.numel() > self.most_pairs:
+            return super().forward(hidden_states, top_k_index, top_k_weights)
+        tokens, chosen = top_k_index.shape
+        experts = top_k_index.reshape(-1).to(torch.int32)
+        pairs = torch.arange(experts.shape[0], dtype=torch.int32, device=experts.device)
+        gate, up = self._grouped(0, hidden_states, torch.stack([experts, pairs // chosen], dim=1)).chunk(2, dim=-1)
+        done = self._grouped(1, self.act_fn(gate) * up, torch.stack([experts, pairs], dim=1))
+        weighted = done.float() * top_k_weights.reshape(-1, 1).float()
+        return weighted.view(tokens, chosen, -1).sum(dim=1).to(hidden_states.dtype)
+
+    def _grouped(self, which: int, x: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+        """Row p of the result: x[pairs[p, 1]] times expert pairs[p, 0]'s gate/up (`which` 0) or down (1)."""
+        held = self.stacks[which]
+        return self.kernel[which].grouped(x.contiguous(), held["codes"], held["scales"], held["offsets"],
+                                          pairs.contiguous())
