@@ -1334,10 +1334,10 @@ def test_an_moe_gguf_files_experts_stay_in_their_codes_on_the_gpu(tmp_path, expe
         theirs = on_cpu.model(input_ids=torch.tensor([ids])).logits
     assert (ours - theirs).abs().max() <= 0.05 * theirs.abs().max()
     # The tool runs it: greedy tokens as transformers' generate() gives them on the same model.
-    prompt_ids, new, _ = reference(moe.model, moe.tokenizer, PROMPTS[0], new_tokens=8)
+    _, new, _ = reference(moe.model, moe.tokenizer, PROMPTS[0], new_tokens=8)
     [record] = jsonl(run_ok(["--model_name_or_path", str(path), "--prompt", PROMPTS[0], "--temperature", "0",
-                             "--length", "8", "--output_format", "jsonl", "--logprobs", "0"]).stdout)
-    assert [item["id"] for item in record["logprobs"]["content"]] == new
+                             "--length", "8", "--output_format", "jsonl", "--logprobs", "2"]).stdout)
+    assert_greedy_tokens(record, new)
 
 
 @needs_cuda
@@ -1359,10 +1359,24 @@ def test_an_moe_gguf_files_decode_steps_are_cuda_graphs(tmp_path, monkeypatch):
     assert len([module for module in moe.model.modules() if isinstance(module, CodedExperts)]) == 2
     _, new, _ = reference(moe.model, moe.tokenizer, PROMPTS[0], new_tokens=8)
     result = run_ok(["--model_name_or_path", str(path), "--prompt", PROMPTS[0], "--temperature", "0", "--length",
-                     "8", "--output_format", "jsonl", "--logprobs", "0", "--verbose"])
+                     "8", "--output_format", "jsonl", "--logprobs", "2", "--verbose"])
     assert "fixed slots, decode steps replayed from CUDA graphs" in result.stderr.decode()
     [record] = jsonl(result.stdout)
-    assert [item["id"] for item in record["logprobs"]["content"]] == new
+    assert_greedy_tokens(record, new)
+
+
+def assert_greedy_tokens(record, new):
+    """The tool's greedy tokens (a jsonl record of --logprobs 2) are generate()'s `new` on the same model: to the
+    token on the played GPU (the CPU computes both), on a GPU up to a near tie in half precision, where the two
+    paths' kernels (the engine's slots and graphs, generate()'s cache) may part: generate()'s token then among the
+    tool's top two, within 0.1 of its choice in log-probability, and nothing compared after."""
+    items = record["logprobs"]["content"]
+    for item, token in zip(items, new):
+        if item["id"] != token:
+            top = {choice["id"]: choice["logprob"] for choice in item["top_logprobs"]}
+            assert not PLAYED and token in top and item["logprob"] - top[token] <= 0.1, (item, token)
+            return
+    assert len(items) == len(new)
 
 
 def run_quantized(checkpoint, mode, monkeypatch, extra=()):
