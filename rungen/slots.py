@@ -237,7 +237,8 @@ class DecodeGraphs:
     of GPU memory, only those the graph would have run, until the buffers are replaced). `compiled`: the step
     captured is torch.compile's (inductor fuses the norms', rotary's and activation's elementwise operators; its
     shapes dynamic, so rows 1, rows past 1, and a step reading the whole slot compile once each, at their first
-    capture). `step`: the eager step captured (decode_step's signature: transformers' layers, or the fused ones)."""
+    capture). `step`: the eager step captured (decode_step's signature: transformers' layers, or the fused ones).
+    A mixture's steps past captured_rows run eagerly (its experts then read each expert's tokens on the host)."""
 
     def __init__(self, model: torch.nn.Module, cache: SlotCache, compiled: bool = False, step=decode_step):
         self.model, self.cache, self.compiled, self.plain = model, cache, compiled, step
