@@ -67,6 +67,7 @@ import contextlib
 import gc
 import inspect
 import json
+import logging
 import os
 import platform
 import shutil
@@ -889,6 +890,11 @@ def main(argv=None):
     parser.add_argument("--scratch", default=None, help="folder for the GGUF file (default: the system's temporary)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes and few tokens (checks the script on a CPU)")
     args = parser.parse_args(argv)
+    # What each load chose and why (the 4-bit form and its times at one row, GEMV or tiled, the fused layers or not):
+    # the tool's info lines, on stderr beside the rows.
+    logging.basicConfig(format="%(name)s: %(message)s")
+    for name in ("run_generation", "rungen"):
+        logging.getLogger(name).setLevel(logging.INFO)
     shapes = QUICK_SHAPES if args.quick else SHAPES
     args.shapes = args.shapes or list(shapes)
     unknown = [name for name in args.shapes if name not in shapes]
