@@ -8,10 +8,10 @@ weights' bytes need on an H200), so a layer here launches 9:
 the q/k/v and gate/up weights concatenated (their modules keep views of the one weight: nothing held twice), the small
 operators as one kernel each (rungen/step_kernels.py), and attention over the slots with each key/value head's query
 heads together (no copy of the keys and values per query head, as transformers' masked attention makes; on a GPU
-split over a long slot's positions). The
-families are rows of one table; a layer whose products are codes (--quantize, a GGUF file's) has them concatenated by
-their own class where the three share a form, else called one by one. The same arithmetic as transformers' layers, in
-the same dtype and order; on a GPU the step is checked once against transformers' own (decode_step) and gives way to it
+split over a long slot's positions). The families are rows of one table (a mixture's layer calls its MoE block whole
+after the second norm); a layer whose products are codes (--quantize, a GGUF file's) has them concatenated by their
+own class where the three share a form, else called one by one. The same arithmetic as transformers' layers, in the
+same dtype and order; on a GPU the step is checked once against transformers' own (decode_step) and gives way to it
 where they disagree.
 """
 
@@ -29,7 +29,8 @@ from .step_kernels import TORCH, triton_kernels
 logger = logging.getLogger("run_generation")
 
 FUSED_STEP_ENV = "RUN_GENERATION_FUSED_STEP"  # 0: transformers' layers on a GPU too; 1: the fused step on the CPU too
-NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Phi3RMSNorm")
+NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Phi3RMSNorm", "Qwen2MoeRMSNorm",
+         "Qwen3MoeRMSNorm")
 # The fused step's logits within this share of transformers' (the difference's L2 norm over theirs): float32's
 # rounding, or half precision's (bfloat16's own logits part from float32's by 1.3-2.9 % on 16 random layers of the
 # 135M, 1B and 1.7B shapes; a broken kernel's by their whole size)
@@ -48,7 +49,10 @@ class Family:
 
 
 FAMILIES = {"llama": Family(), "mistral": Family(), "qwen2": Family(), "qwen3": Family(qk_norm=True),
-            "phi3": Family(qkv=("qkv_proj",), gate_up=("gate_up_proj",))}
+            "phi3": Family(qkv=("qkv_proj",), gate_up=("gate_up_proj",)),
+            # mixtures of experts: their attention is qwen2's or qwen3's; a layer's mixture block (router, experts, a
+            # shared expert) is transformers' module, called as it is
+            "qwen2_moe": Family(), "qwen3_moe": Family(qk_norm=True)}
 
 
 def wanted(device: torch.device) -> bool:
@@ -84,10 +88,15 @@ def why_not(model: torch.nn.Module) -> str | None:
         for name in family.qkv:
             if not hasattr(layer.self_attn, name):
                 return f"no {name}"
-        for name in family.gate_up:
+        for name in () if mixture(layer.mlp) else family.gate_up:
             if not hasattr(layer.mlp, name):
                 return f"no {name}"
     return None
+
+
+def mixture(mlp: torch.nn.Module) -> bool:
+    """Whether a layer's MLP is a mixture of experts' block (transformers' sparse block: a router and experts)."""
+    return hasattr(mlp, "experts")
 
 
 def concatenated(modules: list[torch.nn.Module]) -> torch.nn.Module | None:
@@ -142,7 +151,7 @@ class Layer:
     scaling: float
     o_proj: torch.nn.Module
     post_norm: torch.nn.Module
-    gate_up: Projections
+    gate_up: Projections | None  # None: a mixture's layer, whose MLP is `down`, its block called whole
     down: torch.nn.Module
 
 
@@ -164,12 +173,17 @@ class FusedStep:
         self.layers = []
         for layer in decoder.layers:
             attention, mlp = layer.self_attn, layer.mlp
-            width = mlp.down_proj.in_features if hasattr(mlp.down_proj, "in_features") else config.intermediate_size
+            if mixture(mlp):
+                gate_up, down = None, mlp
+            else:
+                width = mlp.down_proj.in_features if hasattr(mlp.down_proj, "in_features") else \
+                    config.intermediate_size
+                gate_up, down = Projections(mlp, family.gate_up, (width, width)), mlp.down_proj
             self.layers.append(Layer(
                 layer.input_layernorm, Projections(attention, family.qkv, (q, kv, kv)),
                 attention.q_norm.weight if family.qk_norm else None,
                 attention.k_norm.weight if family.qk_norm else None, attention.scaling, attention.o_proj,
-                layer.post_attention_layernorm, Projections(mlp, family.gate_up, (width, width)), mlp.down_proj))
+                layer.post_attention_layernorm, gate_up, down))
 
     def __call__(self, model: torch.nn.Module, cache: SlotCache, tokens: torch.Tensor, positions: torch.Tensor,
                  length: int) -> torch.Tensor:
@@ -198,8 +212,11 @@ class FusedStep:
             attended = ops["decode_attention"](query, keys, values, positions, length, mask, layer.scaling)
             hidden = layer.o_proj(attended.reshape(rows, self.heads * self.head_size))
             normed, residual = ops["add_rms_norm"](hidden, residual, layer.post_norm.weight, self.eps)
-            gate, up = layer.gate_up(normed)
-            hidden = layer.down(ops["silu_mul"](gate, up))
+            if layer.gate_up is None:  # a mixture's block: [rows, 1, hidden] in and out
+                hidden = layer.down(normed[:, None]).reshape(rows, -1)
+            else:
+                gate, up = layer.gate_up(normed)
+                hidden = layer.down(ops["silu_mul"](gate, up))
         normed, _ = ops["add_rms_norm"](hidden, residual, self.decoder.norm.weight, self.eps)
         return model.get_output_embeddings()(normed).float()
 

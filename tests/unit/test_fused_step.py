@@ -1,12 +1,22 @@
 """Fast tier: the fused decode step (rungen/fused_step.py, the engine's step on a GPU) computes what transformers'
 layers compute over the same slots, for every family of its table (llama; mistral; qwen2's q/k/v biases; qwen3's
-per-head q/k norms; phi3's one q/k/v and one gate/up projection and its partial rotary), rows at different positions
+per-head q/k norms; phi3's one q/k/v and one gate/up projection and its partial rotary; the mixtures of experts,
+their blocks called whole), rows at different positions
 in float32 and bfloat16; and its concatenated projections hold no weight twice. Here with torch's operators
 (step_kernels.TORCH); the Triton kernels against them: tests/test_cuda.py."""
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 from rungen import fused_step
 from rungen.slots import SlotCache, decode_step, prefill_step
@@ -20,6 +30,12 @@ FAMILIES = {
     "qwen2": (Qwen2Config, dict(use_sliding_window=False)),  # q/k/v with biases
     "qwen3": (Qwen3Config, dict(head_dim=32)),  # q/k norms, a head wider than hidden / heads
     "phi3": (Phi3Config, dict(partial_rotary_factor=0.5)),  # fused projections, half of each head rotated
+    # mixtures: qwen3's attention and 4 experts of 32 (2 a token), the second layer's MLP dense (mlp_only_layers);
+    # qwen2's attention and beside the experts a shared one behind its own gate
+    "qwen3_moe": (Qwen3MoeConfig, dict(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                       mlp_only_layers=[1])),
+    "qwen2_moe": (Qwen2MoeConfig, dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                       shared_expert_intermediate_size=48, use_sliding_window=False)),
 }
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
 
