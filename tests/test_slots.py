@@ -2,7 +2,8 @@
 rows that join at different steps, end at different lengths and move into freed slots decode what generate() gives
 each prompt alone; requests admitted together prefill in one pass; the slots are written in place, never
 re-concatenated; a seeded draw does not depend on the batch; a finished row's keys/values serve the next request that
-starts as it does."""
+starts as it does; a mixture of experts (Qwen3-MoE's attention) decodes in slots where its experts read nothing back
+at a step."""
 
 import pytest
 import torch
