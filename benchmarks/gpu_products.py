@@ -80,7 +80,7 @@ class Dense(torch.nn.Module):
 
 def forms(weight, device):
     """(name, a function making the layer, the rows it serves at most) of each form that runs on `device`."""
-    from rungen.int8 import GEMV_ROWS, MOST_ROWS
+    from rungen.code_kernels import GEMV_ROWS, MOST_ROWS
     from rungen.quantize import gpu_int4_linear
 
     def coded(layer_of, kernel):

@@ -98,8 +98,9 @@ def gemv(args, runs, triton, GPUTarget, ASTSource, cuobjdump, most):
     """The GEMV kernels (a decode step's 1 to 4 rows), int8's in every int8 layout and the 4-bit one's, in each of
     their configurations, at one row and at four where the configuration serves four (GEMV_PRODUCTS), and grouped
     (a mixture's experts stacked, a program a chosen expert's pair) at one row."""
+    from rungen.code_kernels import GEMV_PRODUCTS
     from rungen.int4_kernel import GEMV_CONFIGS
-    from rungen.int8 import GEMV_PRODUCTS, INT8_GEMV_CONFIGS
+    from rungen.int8 import INT8_GEMV_CONFIGS
 
     print("\n| GEMV kernel | activations | rows | BLOCK_N x BLOCK_K, warps | registers | spilled bytes | shared KiB |")
     print("| --- | --- | ---: | --- | ---: | ---: | ---: |")

@@ -18,18 +18,9 @@ import os
 
 import torch
 
+from .code_kernels import GEMV_PRODUCTS, autotune, faster_at_one_row, launcher, with_gemv
 from .int4 import GPU_INT4_ENV, TinyGemmLinear, int4_groups
-from .int8 import (
-    GEMV_PRODUCTS,
-    WIDEN_BYTES,
-    CodesLinear,
-    autotune,
-    disagreement,
-    faster_at_one_row,
-    launcher,
-    widened,
-    with_gemv,
-)
+from .int8 import WIDEN_BYTES, CodesLinear, disagreement, widened
 
 logger = logging.getLogger(__name__)
 

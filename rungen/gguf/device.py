@@ -16,9 +16,10 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
+from ..code_kernels import one_row_ms
 from ..int4 import TinyGemmLinear, checked_tinygemm
 from ..int4_kernel import CudaInt4Linear, checked_int4_kernel, gpu_int4_form, packed, timed_int4_choice
-from ..int8 import CodesEmbedding, CudaInt8Linear, checked_kernel, one_row_ms
+from ..int8 import CodesEmbedding, CudaInt8Linear, checked_kernel
 from .codes import (
     GROUPED_TYPES,
     INT4_TYPES,
