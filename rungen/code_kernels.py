@@ -116,6 +116,15 @@ def with_gemv(triton, tiled, gemv_kernel, constants, env: str):
     return run
 
 
+def choose_gemv(kernel, layer, dtype: torch.dtype) -> None:
+    """The first checked layer on a GPU decides, once a process, whether `kernel` (with_gemv's run, or a stand-in
+    without a GEMV) takes a step's few rows on its GEMV kernel: where that multiplies `layer` at one row faster than
+    the tiled kernel (faster_at_one_row). Triton's interpreter, with nothing to time, keeps the GEMV."""
+    if getattr(kernel, "gemv", False) and not kernel.timed and layer.codes.is_cuda and \
+            os.environ.get("TRITON_INTERPRET") != "1":
+        kernel.timed, kernel.gemv = True, faster_at_one_row(kernel, layer, dtype)
+
+
 def faster_at_one_row(kernel, layer, dtype: torch.dtype) -> bool:
     """Whether `kernel`'s GEMV multiplies one row by `layer` faster than its tiled kernel (one_row_ms); one line says
     what each took."""

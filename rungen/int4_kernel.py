@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from .code_kernels import GEMV_PRODUCTS, autotune, faster_at_one_row, launcher, with_gemv
+from .code_kernels import GEMV_PRODUCTS, autotune, choose_gemv, launcher, with_gemv
 from .int4 import GPU_INT4_ENV, TinyGemmLinear, int4_groups
 from .int8 import WIDEN_BYTES, CodesLinear, disagreement, widened
 
@@ -210,10 +210,9 @@ class CudaInt4Linear(CodesLinear):
 def checked_int4_kernel(layer: CudaInt4Linear, dtype: torch.dtype) -> tuple[object | None, str | None]:
     """(the Triton kernel, None) where it imports and multiplies `layer`'s first output channels as the
     widened product does (rungen/int8.py's disagreement), else (None, why). On a GPU a step's rows then go to the
-    GEMV kernel only if it multiplies `layer` at one row faster than the tiled kernel does (faster_at_one_row)."""
+    GEMV kernel only if it multiplies `layer` at one row faster than the tiled kernel does (choose_gemv)."""
     kernel = triton_kernel()
     why = disagreement(kernel, layer, dtype)
-    if why is None and kernel.gemv and not kernel.timed and layer.codes.is_cuda and \
-            os.environ.get("TRITON_INTERPRET") != "1":
-        kernel.timed, kernel.gemv = True, faster_at_one_row(kernel, layer, dtype)
+    if why is None:
+        choose_gemv(kernel, layer, dtype)
     return (kernel, None) if why is None else (None, why)

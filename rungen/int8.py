@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from .code_kernels import GEMV_PRODUCTS, MOST_ROWS, autotune, faster_at_one_row, launcher, with_gemv
+from .code_kernels import GEMV_PRODUCTS, MOST_ROWS, autotune, choose_gemv, launcher, with_gemv
 
 logger = logging.getLogger(__name__)
 
@@ -366,14 +366,13 @@ def checked_kernel(layer: CudaInt8Linear, dtype: torch.dtype, instead: str):
     """The Triton kernel where it imports, is allowed (RUN_GENERATION_TRITON_INT8 not 0) and multiplies as the
     plain product does on `layer`; else None, one warning saying why and what the caller does `instead`. The first
     layer checked on a GPU also decides whether a step's few rows go to the GEMV kernel: where it multiplies that
-    layer at one row faster than the tiled kernel does (faster_at_one_row)."""
+    layer at one row faster than the tiled kernel does (choose_gemv)."""
     if layer.codes.device.type != "cuda" or os.environ.get(TRITON_ENV, "1") == "0":
         return None
     kernel = triton_kernel()
     why = disagreement(kernel, layer, dtype)
     if why is None:
-        if getattr(kernel, "gemv", False) and not kernel.timed and os.environ.get("TRITON_INTERPRET") != "1":
-            kernel.timed, kernel.gemv = True, faster_at_one_row(kernel, layer, dtype)
+        choose_gemv(kernel, layer, dtype)
         return kernel
     logger.warning("int8 weights on the GPU: %s; %s", why, instead)
     return None

@@ -160,8 +160,9 @@ class DeviceForms:
         self.tinygemm = None  # whether 4-bit weights take torch's int4 kernel: None until the first is checked
         self.int4 = None  # the Triton 4-bit kernel once checked (False: it does not serve), where it is asked for
         self.int8 = {}  # qtype -> the checked Triton kernel, or False where it does not serve the type
-        self.timed = False  # whether the first 4-bit weight timed tinygemm against the Triton form (prefer_triton)
-        self.prefer_triton = False  # the Triton form, where it fits, in place of tinygemm's: the faster at one row
+        # The Triton form, where it fits, in place of tinygemm's (the faster at one row), as the first 4-bit weight
+        # timed the two; None until one has.
+        self.prefer_triton = None
 
     def keep(self, reader, entry, qtype: GGMLQuantizationType, in_features: int, module: torch.nn.Module, order,
              tied_table: bool) -> torch.nn.Module | torch.Tensor:
@@ -195,8 +196,8 @@ class DeviceForms:
         timed = form == "tinygemm" and timed_int4_choice(in_features, self.dtype, self.device)
         if grouped and timed:
             form = "triton"
-        elif timed and not self.timed:
-            self.timed, self.prefer_triton = True, self.triton_faster(blocks, qtype, in_features, order, dequantized)
+        elif timed and self.prefer_triton is None:
+            self.prefer_triton = self.triton_faster(blocks, qtype, in_features, order, dequantized)
         if timed and self.prefer_triton:
             form = "triton"
         if form == "triton" and self.int4 is not False:
