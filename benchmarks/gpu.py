@@ -48,7 +48,8 @@ reported apart (first_level_*: the batch's growth captures the step at each size
 token (median and 95th percentile), time per output token, and the requests cut short (none expected; one that fails is
 the row's error). Product rows: one layer's matrix product in each weight form at 1 to 4096 rows
 (benchmarks/gpu_products.py). Last, while time is left, a mixture of experts: Qwen3-30B-A3B's shape cut to 8 of its
-48 layers as Q4_0, its experts in codes an expert at a time, its bound counting the experts one token chooses.
+48 layers as Q4_0, its experts in codes (a decode step's chosen ones in grouped launches, where the Triton forms
+run), its bound counting the experts one token chooses.
 
 Each measurement is guarded: a failure prints one line and the run goes on. The run keeps to --budget seconds (300
 by default: the whole script within 6 minutes on an H100/H200, a last measurement's overrun included), the goals'
@@ -984,8 +985,7 @@ def main(argv=None):
             with torch.inference_mode():
                 product_rows(report.add, args.device, args.quick, budget.left)
         if not args.no_gguf:
-            # A mixture of experts: each layer's experts in codes, an expert at a time (its bound counts the experts
-            # one token chooses).
+            # A mixture of experts: each layer's experts in codes (its bound counts the experts one token chooses).
             gguf_row(report, args, bandwidth, budget, "tiny-qwen3moe" if args.quick else "qwen3-30b-a3b-8layers",
                      "Q4_0", [("gguf Q4_0 mixture of experts, engine", {})], args.moe_reserve)
     finally:
