@@ -641,16 +641,13 @@ def test_an_moe_files_experts_of_llama_cpp_mixes_compute_in_their_blocks(tmp_pat
     with torch.no_grad():
         theirs = reference(**batch).logits
         blocks = exact_weights(model, lambda: model(**batch).logits, monkeypatch)
-        grouped = model(**batch).logits  # each layer's experts in one native call a product (mm_grouped)
-        with monkeypatch.context() as patch:  # the same kernels an expert at a time
-            patch.setattr(GGMLLinear, "_matmul", lambda self, x: BLOCKS_MATMUL(self, x))
-            one_by_one = model(**batch).logits
+        grouped = model(**batch).logits  # each layer's mixture in one native call (rungen_ggml.mixture)
     assert theirs.abs().max() > 1 and batch["attention_mask"].min() == 0
     # (float32 sums in another order than transformers': their difference grows with the width)
     torch.testing.assert_close(blocks, theirs, rtol=1e-4, atol=1e-4 * hidden / 64)
-    assert torch.equal(grouped, one_by_one)
-    # A token gets its bits alone and in a batch: the router's logits by rows (ExpertRouter), each expert's tokens'
-    # activations rounded row by row; so the same experts, and a greedy sequence does not change with its batch.
+    # A token gets its bits alone and in a batch: the router's logits by rows, each expert's tokens' activations
+    # rounded row by row, each token's experts summed in one order; so the same experts, and a greedy sequence
+    # does not change with its batch.
     assert all(isinstance(layer.mlp.gate, ExpertRouter) for layer in model.model.layers)
     with torch.no_grad():
         for row, ids in enumerate(rows):
@@ -678,6 +675,60 @@ def test_a_qwen2_moe_files_experts_and_shared_expert_compute_in_their_blocks(tmp
         blocks = exact_weights(model, lambda: model(ids).logits, monkeypatch)
     assert theirs.abs().max() > 1
     torch.testing.assert_close(blocks, theirs, rtol=1e-4, atol=1e-4)
+
+
+MIXTURES = [("qwen3moe", (Q.Q4_0, Q.Q4_0, Q.Q6_K)), ("qwen3moe", (Q.Q8_0, Q.Q4_1, Q.Q2_K)), ("qwen2moe", (None,) * 3)]
+
+
+@pytest.mark.parametrize("arch, expert_types", MIXTURES, ids=["qwen3moe", "qwen3moe-mixed-q2_k", "qwen2moe"])
+def test_a_mixture_decodes_in_one_native_call_a_step_as_transformers_modules(
+        tmp_path, monkeypatch, arch, expert_types):
+    # Each layer's mixture block (router, experts, Qwen2-MoE's shared expert) is one native call, which the
+    # one-call stack takes: a left-padded prompt and two steps give the bits of the fused layers one by one, and
+    # transformers' blocks' logits over ExpertRouter and GGMLExperts, each expert's products alone (gate and up of
+    # two types as two parts, Q2_K's rows as the file has them), within float32 rounding.
+    if not native_kernels():
+        pytest.skip("the native kernels are not available here")
+    from helpers import write_moe_gguf
+    from rungen.kvcache import new_cache
+
+    shared = dict(shared_ffn=512) if arch == "qwen2moe" else {}
+    path = write_moe_gguf(tmp_path / f"{arch}.gguf", arch=arch, experts=8, used=3, expert_types=expert_types,
+                          expert_ffn=256, hidden=256 if expert_types[0] == Q.Q2_K else 64, **shared)
+    [(_, model, _)] = blocks_and_reference({"moe": path}).values()
+    stack = model.model.forward
+    assert isinstance(stack, DecoderStack) and all(layer.mixture is not None for layer in model.model.layers)
+    calls = {"decoder_stack": 0, "mixture": 0}
+    for name, original in [(name, getattr(torch.ops.rungen_ggml, name)) for name in calls]:
+        monkeypatch.setattr(torch.ops.rungen_ggml, name,
+                            lambda *a, name=name, original=original: calls.update({name: calls[name] + 1})
+                            or original(*a))
+
+    def passes():
+        """The logits of a left-padded prompt and two steps."""
+        ids = torch.tensor([[0, 0, 5, 9, 13, 2], [7, 3, 5, 9, 13, 2]])
+        mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+        cache, out = new_cache(model), []
+        with torch.no_grad():
+            out.append(model(ids, attention_mask=mask, past_key_values=cache).logits)
+            for step in (11, 17):
+                mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], -1)
+                out.append(model(torch.tensor([[step], [step + 1]]), attention_mask=mask,
+                                 past_key_values=cache).logits)
+        return out
+
+    stacked = passes()
+    assert calls == {"decoder_stack": 3, "mixture": 0}  # the prompt and two steps, each in one call
+    monkeypatch.setattr(model.model, "forward", stack.original)
+    layers = passes()
+    assert calls == {"decoder_stack": 3, "mixture": 3 * len(model.model.layers)}
+    with monkeypatch.context() as patch, products_one_by_one(model):
+        patch.setattr(GGMLLinear, "_matmul", lambda self, x: BLOCKS_MATMUL(self, x))
+        modules = passes()
+    assert calls["mixture"] == 3 * len(model.model.layers) and stacked[0].abs().max() > 1
+    for ours, one_by_one, theirs in zip(stacked, layers, modules):
+        assert torch.equal(ours, one_by_one)
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
 
 
 def test_an_moe_files_odd_experts_load_on_a_device_or_fail_in_one_line(tmp_path, capsys):

@@ -9,7 +9,7 @@ Modules, from the ground up:
 - device.py: the forms a CUDA GPU keeps the blocks in (int4 for torch's kernel, int8 codes, an embedding's blocks).
 - families.py: the model families, one row each: what a family differs in from llama's decoder.
 - weights.py: WeightReader, the file's tensors as the builders take them (views of the map, interleaved rows).
-- experts.py: a mixture's experts in their blocks (GGMLExperts), each layer's in two native calls.
+- experts.py: a mixture's experts in their blocks (GGMLExperts), its MLP in one native call (NativeMixture).
 - device_experts.py: a mixture's experts in codes on a GPU (CodedExperts: a decode step's in two grouped launches).
 - decoder.py: the decoder layers fused over the blocks (FusedDecoderLayer), the one-call stack (NativeStack).
 - file.py: the header and its cache (config, tokenizer, tensor table, what the file holds for transformers).
@@ -22,13 +22,15 @@ A decoder layer runs by one of four routes, the same function in the same order 
    for a file of the table's families on the CPU in float32 with the kernels built (model.refusal says why not).
 2. DecoderStack over NativeStack (decoder.py): the same one call as transformers' model's inner forward. Taken where
    transformers' model of the file runs instead (a file route 1 refuses, generate()'s beam search and other
-   generate()-only controls: rungen/loading.py) and every layer fused alike and in blocks.
+   generate()-only controls: rungen/loading.py) and every layer fused alike and in blocks (a mixture's MLP by
+   NativeMixture's native code: Qwen3-MoE, Qwen2-MoE).
 3. FusedDecoderLayer._two_calls: a layer in two native calls (attention in; attention out and the MLP). Taken layer by
    layer where DecoderStack steps aside (no cache or another kind, hidden states or attention maps asked for, --jit's
    tracing, layers cut to different lengths) for the layers it covers: full attention, SiLU, no output norms.
 4. FusedDecoderLayer.forward: a fused product and a native step at a time. Taken there for the other layers
-   (windows, soft caps, GELU, gemma's norms, a mixture of experts' MLP: transformers' module over GGMLExperts),
-   under products_one_by_one, and on torch's operators without the kernels (RUN_GENERATION_KERNELS=torch).
+   (windows, soft caps, GELU, gemma's norms, a mixture of experts' MLP: NativeMixture's one call), under
+   products_one_by_one (a mixture's MLP: transformers' module over GGMLExperts), and on torch's operators without
+   the kernels (RUN_GENERATION_KERNELS=torch).
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ import torch
 
 from ..host_memory import release_freed_memory
 from ..kvcache import full_attention, growing, growing_like
-from .blocks import GGMLLinear, GGMLParts, join
+from .blocks import GGMLLinear, GGMLParts, join, native_products
+from .experts import NativeMixture
 from .families import BY_LAYER_CLASS
 from .kernels import native_kernels
 
@@ -41,8 +42,10 @@ class FusedDecoderLayer(torch.nn.Module):
         family = BY_LAYER_CLASS[type(layer).__name__]
         attention, config = layer.self_attn, layer.self_attn.config
         self.qkv, self.o_proj = qkv, attention.o_proj
-        # A mixture's MLP (gate_up None) stays transformers' module: its router and experts run as they are.
+        # A mixture's MLP (gate_up None) stays transformers' module, which the native kernels compute in one call
+        # where they can (mixture: within float32 rounding of the module).
         self.mlp = layer.mlp if gate_up is None else None
+        self.mixture = NativeMixture.of(layer.mlp) if gate_up is None else None
         self.gate_up, self.down_proj = gate_up, None if gate_up is None else layer.mlp.down_proj
         self.qkv_parts = native_parts(qkv)
         self.gate_up_parts = native_parts(gate_up) if gate_up is not None else ([], [])
@@ -64,11 +67,13 @@ class FusedDecoderLayer(torch.nn.Module):
         self.softcap = getattr(attention, "attn_logit_softcapping", None)
         # The family's own eager attention (gemma2's soft-caps the logits).
         self.eager = getattr(sys.modules[type(attention).__module__], "eager_attention_forward", None)
-        # in_blocks: can be one of a NativeStack's layers; two_calls: also llama-plain, so two native calls.
-        self.in_blocks = self.mlp is None and all(isinstance(p, GGMLLinear) and p.bias is None
-                                                  for p in (self.o_proj, self.down_proj))
-        self.two_calls = self.in_blocks and self.sliding_window is None and self.softcap is None and (
-            self.activation == "silu" and self.attention_out_norm is None and self.mlp_out_norm is None)
+        # in_blocks: can be one of a NativeStack's layers (a dense MLP in blocks, or a native mixture); two_calls:
+        # also llama-plain and dense, so two native calls.
+        self.in_blocks = (self.mlp is None or self.mixture is not None) and all(
+            isinstance(p, GGMLLinear) and p.bias is None for p in (self.o_proj, self.down_proj) if p is not None)
+        self.two_calls = self.in_blocks and self.mlp is None and self.sliding_window is None and (
+            self.softcap is None and self.activation == "silu" and self.attention_out_norm is None
+            and self.mlp_out_norm is None)
 
     @classmethod
     def fuse(cls, layer: torch.nn.Module) -> FusedDecoderLayer | None:
@@ -127,7 +132,7 @@ class FusedDecoderLayer(torch.nn.Module):
         hidden_states = hidden_states + out
         x = self._norm(hidden_states, "mlp_norm", native)
         if self.mlp is not None:
-            out = self.mlp(x)
+            out = self.mixture(x) if native and self.mixture is not None and native_products() else self.mlp(x)
         else:
             out = product(self.down_proj, ACTIVATIONS[self.activation](product(self.gate_up, x, native), native),
                           native)
@@ -232,16 +237,65 @@ class StackWeights:
     @classmethod
     def of(cls, input_norms: list, qkv: list, q_norms: list, k_norms: list, o: list, mlp_norms: list, gate_up: list,
            down: list) -> StackWeights:
+        """gate_up and down None for a layer without a dense MLP (a mixture's without a shared expert): parts of no
+        rows, which cost nothing."""
         qkv_parts = [native_parts(product, QKV_PARTS) for product in qkv]
-        gate_up_parts = [native_parts(product, GATE_UP_PARTS) for product in gate_up]
+        gate_up_parts = [native_parts(product, GATE_UP_PARTS) if product is not None
+                         else ([out.blocks[:0]] * GATE_UP_PARTS, [out.code] * GATE_UP_PARTS)
+                         for product, out in zip(gate_up, o)]
+        down_parts = [(product.blocks, product.code) if product is not None else (out.blocks[:0], out.code)
+                      for product, out in zip(down, o)]
         return cls(input_norms, [b for blocks, _ in qkv_parts for b in blocks], [p.bias for p in qkv], q_norms,
                    k_norms, [p.blocks for p in o], mlp_norms, [b for blocks, _ in gate_up_parts for b in blocks],
-                   [p.blocks for p in down],
-                   [code for (_, qkv_codes), out, (_, gate_up_codes), dn in zip(qkv_parts, o, gate_up_parts, down)
-                    for code in (*qkv_codes, out.code, *gate_up_codes, dn.code)])
+                   [blocks for blocks, _ in down_parts],
+                   [code for (_, qkv_codes), out, (_, gate_up_codes), (_, down_code)
+                    in zip(qkv_parts, o, gate_up_parts, down_parts)
+                    for code in (*qkv_codes, out.code, *gate_up_codes, down_code)])
 
     def args(self) -> tuple:
         """The fields in decoder_stack's order."""
+        return tuple(getattr(self, field.name) for field in dataclasses.fields(self))
+
+
+# Stacks a mixture's layer passes rungen_ggml.decoder_stack (its EXPERT_PARTS): gate/up's parts, then down.
+EXPERT_PARTS = GATE_UP_PARTS + 1
+
+
+@dataclasses.dataclass
+class StackMixtures:
+    """The mixtures' tensors in rungen_ggml.decoder_stack's order (routers, experts, expert_qtypes, shared_gates,
+    top_k, norm_topk); every list empty where no layer is a mixture. A dense layer passes None and empty stacks;
+    a mixture's shared expert comes as its layer's gate/up and down (StackWeights)."""
+
+    routers: list
+    experts: list
+    expert_codes: list
+    shared_gates: list
+    top_k: int = 0
+    norm_topk: bool = False
+
+    @classmethod
+    def of(cls, mixtures: list[NativeMixture | None]) -> StackMixtures:
+        present = [mixture for mixture in mixtures if mixture is not None]
+        if not present:
+            return cls([], [], [], [])
+        empty = torch.empty(0, dtype=torch.uint8)
+        routers, experts, codes, gates = [], [], [], []
+        for mixture in mixtures:
+            routers.append(None if mixture is None else mixture.router)
+            gates.append(None if mixture is None else mixture.shared_gate)
+            if mixture is None:
+                experts += [empty] * EXPERT_PARTS
+                codes += [0] * EXPERT_PARTS
+                continue
+            *gate_up, down = mixture.experts
+            *gate_up_codes, down_code = mixture.expert_codes
+            missing = GATE_UP_PARTS - len(gate_up)
+            experts += [*gate_up, *[gate_up[0][:, :0]] * missing, down]
+            codes += [*gate_up_codes, *[gate_up_codes[0]] * missing, down_code]
+        return cls(routers, experts, codes, gates, present[0].top_k, present[0].norm_topk)
+
+    def args(self) -> tuple:
         return tuple(getattr(self, field.name) for field in dataclasses.fields(self))
 
 
@@ -251,11 +305,13 @@ class NativeStack:
 
     def __init__(self, weights: StackWeights, eps: float, scale: float, heads: int, kv_heads: int, head_dim: int,
                  out_norms: tuple[list, list] = ([], []), windows: list[int] = (), softcap: float = 0.0,
-                 gelu: bool = False):
+                 gelu: bool = False, mixtures: StackMixtures | None = None):
         """eps: every norm's; scale: the attention scores'. gemma's additions (defaults for llama): out_norms,
-        windows (0: none), softcap (0: none), gelu; its norm weights come as 1 + weight."""
+        windows (0: none), softcap (0: none), gelu; its norm weights come as 1 + weight. mixtures: the layers'
+        mixtures of experts (none by default)."""
         self.weights, self.eps, self.scale = weights, eps, scale
         self.weight_args = weights.args()  # once: a step passes them as they are
+        self.mixture_args = (mixtures or StackMixtures([], [], [], [])).args()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.out_norms, self.windows = (list(out_norms[0]), list(out_norms[1])), list(windows)
         self.softcap, self.gelu = float(softcap), bool(gelu)
@@ -266,11 +322,15 @@ class NativeStack:
     def of_layers(cls, layers: list[FusedDecoderLayer]) -> NativeStack:
         """The stack of these fused layers (all in blocks, alike: see DecoderStack.install)."""
         first = layers[0]
+        mixtures = [layer.mixture for layer in layers]
+        # A mixture's layer passes its shared expert (if any) where a dense layer passes its MLP.
+        mlps = [(layer.gate_up, layer.down_proj) if mixture is None else (mixture.shared_gate_up, mixture.shared_down)
+                for layer, mixture in zip(layers, mixtures)]
         weights = StackWeights.of([layer.norm_args("input_layernorm")[0] for layer in layers],
                                   [layer.qkv for layer in layers], [layer.head_norm_args()[0] for layer in layers],
                                   [layer.head_norm_args()[1] for layer in layers], [layer.o_proj for layer in layers],
                                   [layer.norm_args("mlp_norm")[0] for layer in layers],
-                                  [layer.gate_up for layer in layers], [layer.down_proj for layer in layers])
+                                  [gate_up for gate_up, _ in mlps], [down for _, down in mlps])
         head_dim = first.qkv.out_features // (first.heads + 2 * first.kv_heads)
         out_norms = tuple([layer.norm_args(name)[0] for layer in layers]
                           if any(layer.norm_args(name)[0] is not None for layer in layers) else []
@@ -278,7 +338,7 @@ class NativeStack:
         windows = [layer.sliding_window or 0 for layer in layers]
         return cls(weights, first.norm_args("input_layernorm")[1], first.scaling, first.heads, first.kv_heads,
                    head_dim, out_norms, windows if any(windows) else [], first.softcap or 0.0,
-                   first.activation == "gelu_pytorch_tanh")
+                   first.activation == "gelu_pytorch_tanh", StackMixtures.of(mixtures))
 
     @property
     def num_layers(self) -> int:
@@ -316,7 +376,7 @@ class NativeStack:
         hidden, keys, values = torch.ops.rungen_ggml.decoder_stack(
             hidden, cos, sin, mask, *self.weight_args, self.eps, self.heads, self.kv_heads, self.scale,
             [k for k, _ in buffers], [v for _, v in buffers], length, *self.out_norms, self.windows,
-            *(local or (None, None)), self.softcap, self.gelu)
+            *(local or (None, None)), self.softcap, self.gelu, *self.mixture_args)
         for layer, k, v in zip(layers, keys, values):
             layer.keys, layer.values = k, v
         self.last = (weakref.ref(cache), [k.data_ptr() for k in keys], length + tokens,
@@ -351,8 +411,9 @@ class DecoderStack:
                 for layer in layers):
             return False
         first = layers[0]
-        # The stack takes one epsilon for every norm.
-        if any((layer.heads, layer.kv_heads, layer.scaling, layer.activation, layer.softcap)
+        routings = {(layer.mixture.top_k, layer.mixture.norm_topk) for layer in layers if layer.mixture is not None}
+        # The stack takes one epsilon for every norm, one routing for every mixture.
+        if len(routings) > 1 or any((layer.heads, layer.kv_heads, layer.scaling, layer.activation, layer.softcap)
                != (first.heads, first.kv_heads, first.scaling, first.activation, first.softcap)
                or (layer.q_norm is None) != (first.q_norm is None)
                or {eps for _, eps in layer.native_norms.values()} != {first.norm_args("input_layernorm")[1]}
@@ -366,7 +427,7 @@ class DecoderStack:
                  inputs_embeds=None, use_cache=None, **kwargs):
         from transformers import DynamicCache
         from transformers.masking_utils import create_causal_mask
-        from transformers.modeling_outputs import BaseModelOutputWithPast
+        from transformers.modeling_outputs import BaseModelOutputWithPast, MoeModelOutputWithPast
 
         inner, cache = self.inner, past_key_values
         use_cache = inner.config.use_cache if use_cache is None else use_cache
@@ -375,6 +436,7 @@ class DecoderStack:
         if (not use_cache or not native_kernels() or torch.jit.is_tracing()
                 or (input_ids is None) == (inputs_embeds is None)
                 or kwargs.get("output_attentions") or kwargs.get("output_hidden_states")
+                or kwargs.get("output_router_logits")
                 or not self.stack.takes(cache)):
             return self.original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                  past_key_values=cache, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
@@ -400,7 +462,9 @@ class DecoderStack:
         if out is None:  # layers cut differently: one by one
             return self.original(input_ids=None, attention_mask=attention_mask, position_ids=position_ids,
                                  past_key_values=cache, inputs_embeds=hidden, use_cache=use_cache, **kwargs)
-        return BaseModelOutputWithPast(last_hidden_state=inner.norm(out), past_key_values=cache)
+        # (a mixture's model returns its router logits too, None here: its causal LM reads the field)
+        output = MoeModelOutputWithPast if self.stack.mixture_args[0] else BaseModelOutputWithPast
+        return output(last_hidden_state=inner.norm(out), past_key_values=cache)
 
 
 @contextlib.contextmanager

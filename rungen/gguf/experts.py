@@ -4,10 +4,12 @@ GGMLLinear per expert and product, where transformers' Experts module would hold
 
 An expert's gate and up rows are one product (one buffer a layer, expert by expert: gate rows, then up rows), as
 transformers' concatenated gate_up_proj is; its down rows another. The forward is transformers' Experts forward
-(`integrations/moe.py`): each token's hidden state through the experts the router chose, weighted, summed. On a
-GPU (build_model given a device) device_experts.py keeps them in codes (Qwen3-30B-A3B's Q4_K_M experts: 4-bit and
-int8 codes, where bfloat16 would take 58 GB); where a part's type has none there, dequantized_experts fills
-transformers' own parameters, an expert at a time.
+(`integrations/moe.py`): each token's hidden state through the experts the router chose, weighted, summed. With the
+native kernels a whole mixture block (router, experts, Qwen2-MoE's shared expert) is one call (NativeMixture), which
+the one-call decoder stack takes too. On a GPU
+(build_model given a device) device_experts.py keeps them in codes (Qwen3-30B-A3B's Q4_K_M experts: 4-bit and int8
+codes, where bfloat16 would take 58 GB); where a part's type has none there, dequantized_experts fills transformers'
+own parameters, an expert at a time.
 """
 
 from __future__ import annotations
@@ -61,6 +63,13 @@ class GGMLExperts(torch.nn.Module):
         # mm_grouped takes, kept as lists (a step indexes them, not the modules).
         self.grouped = [[(layer.blocks, layer.code) for layer in layers]
                         if all(type(layer) is GGMLLinear for layer in layers) else None for layers in (gate_up, down)]
+        # ([gate/up's parts' stacks..., down's stack], [their codes]) where every part's experts are views a fixed
+        # step apart in one buffer (as build_experts reads them): what rungen_ggml.mixture takes; else None.
+        parts = [list(layer.parts) if isinstance(layer, GGMLParts) else [layer] for layer in gate_up]
+        columns = [[expert[i] for expert in parts] for i in range(len(parts[0]))] + [list(down)]
+        stacks = [stacked(column) for column in columns] if len({len(p) for p in parts}) == 1 else [None]
+        self.stacks = None if any(stack is None for stack in stacks) else (
+            stacks, [column[0].code for column in columns])
 
     def extra_repr(self) -> str:
         first = self.down[0]
@@ -93,6 +102,21 @@ class GGMLExperts(torch.nn.Module):
             return y.to(x.dtype)
         return torch.cat([layers[expert](part)
                           for (expert, _), part in zip(used, x.split([count for _, count in used]))])
+
+
+def stacked(layers: list[GGMLLinear]) -> torch.Tensor | None:
+    """The layers' blocks as one stack [layers, rows, bytes], a view of the buffer they share (nothing copied), where
+    each is a GGMLLinear of one code and shape a fixed step after the one before; else None."""
+    first = layers[0].blocks
+    if any(type(layer) is not GGMLLinear or layer.code != layers[0].code or layer.bias is not None
+           or layer.blocks.shape != first.shape or layer.blocks.stride() != first.stride()
+           or layer.blocks.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() for layer in layers):
+        return None
+    step = layers[1].blocks.storage_offset() - first.storage_offset() if len(layers) > 1 else first.numel()
+    if step <= 0 or any(layer.blocks.storage_offset() != first.storage_offset() + index * step
+                        for index, layer in enumerate(layers)):
+        return None
+    return first.as_strided((len(layers), *first.shape), (step, *first.stride()), first.storage_offset())
 
 
 # transformers' routers whose forward ExpertRouter computes (the same steps, the logits by RowProducts).
@@ -133,6 +157,53 @@ class ExpertRouter(torch.nn.Module):
         if self.norm_topk_prob:
             weights /= weights.sum(dim=-1, keepdim=True)
         return logits, weights.to(logits.dtype), experts
+
+
+# transformers' mixture blocks whose forward NativeMixture computes (Qwen2-MoE's with its shared expert).
+BLOCKS = ("Qwen2MoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock")
+
+
+class NativeMixture:
+    """A mixture block of BLOCKS over ExpertRouter and GGMLExperts in one native call (rungen_ggml.mixture): what the
+    modules compute, within float32 rounding, without their forty torch operators, sort and read of each expert's
+    count to the host a layer. Not a module: it holds the block's own tensors."""
+
+    def __init__(self, block: torch.nn.Module):
+        router, experts = block.gate, block.experts
+        self.router, self.top_k, self.norm_topk = router.logits.weight, router.top_k, bool(router.norm_topk_prob)
+        self.experts, self.expert_codes = experts.stacks
+        shared = getattr(block, "shared_expert", None)
+        # Qwen2-MoE's shared expert: its gate and up as one product's parts, its down, its gate's weight; else None.
+        self.shared_gate_up = None if shared is None else GGMLParts([shared.gate_proj, shared.up_proj])
+        self.shared_down = None if shared is None else shared.down_proj
+        self.shared_gate = None if shared is None else block.shared_expert_gate.weight
+        self.shared = [] if shared is None else [shared.gate_proj, shared.up_proj, shared.down_proj]
+
+    @classmethod
+    def of(cls, block: torch.nn.Module) -> NativeMixture | None:
+        """The native form of `block`, or None where it is not one this class computes (another block, experts
+        not stacked in their blocks, an activation other than SiLU, a shared expert not in blocks)."""
+        experts, shared = getattr(block, "experts", None), getattr(block, "shared_expert", None)
+        if (type(block).__name__ not in BLOCKS or not isinstance(getattr(block, "gate", None), ExpertRouter)
+                or type(experts) is not GGMLExperts or experts.stacks is None or not silu(experts.act_fn)):
+            return None
+        if shared is not None and not (
+                all(type(getattr(shared, name, None)) is GGMLLinear and getattr(shared, name).bias is None
+                    for name in ("gate_proj", "up_proj", "down_proj"))
+                and silu(shared.act_fn) and type(getattr(block, "shared_expert_gate", None)) is RowProducts):
+            return None
+        return cls(block)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.rungen_ggml.mixture(x.reshape(-1, x.shape[-1]), self.router, self.top_k, self.norm_topk,
+                                          self.experts, self.expert_codes, [p.blocks for p in self.shared],
+                                          [p.code for p in self.shared], self.shared_gate)
+        return y.view(x.shape).to(x.dtype)
+
+
+def silu(act_fn: torch.nn.Module) -> bool:
+    """Whether `act_fn` is transformers' (or torch's) SiLU module."""
+    return type(act_fn).__name__ in ("SiLUActivation", "SiLU")
 
 
 def route_rows_alike(model: torch.nn.Module) -> None:

@@ -62,11 +62,18 @@ at::Tensor attention_out_mlp(const at::Tensor& hidden, const at::Tensor& q, cons
 // base); softcap, the attention logits' soft cap (gemma2; 0: none); gelu, a GELU-tanh gate instead of SiLU.
 // Gemma's norms multiply by 1 + weight: the caller passes that sum as the weight.
 //
+// A mixture of experts' layers (Qwen3-MoE, Qwen2-MoE), each list empty where no layer has one: routers, each
+// layer's router weight (None: a dense layer); experts, EXPERT_PARTS a layer, its experts' gate/up parts and down
+// as stacks [experts, rows, bytes] (a dense layer passes empty ones), their types in expert_qtypes; shared_gates,
+// Qwen2-MoE's shared expert's gate (None: no shared expert), whose gate, up and down are that layer's gate/up
+// parts and down; top_k and norm_topk, every mixture's routing (rungen_ggml::Mixture).
+//
 // At one token a step the layers' arithmetic is a few milliseconds, and a torch operator inside them (an
 // allocation, a view, a copy) costs a microsecond or more: the call allocates its working buffers once, the
 // rotation writes keys and values straight into the cache, and the residual sums are plain loops (hidden + o and
 // then + down: a float sum is the same in either order, so the bits are the separate operators').
 constexpr size_t QKV_PARTS = 3, GATE_UP_PARTS = 2, LAYER_TYPES = QKV_PARTS + 1 + GATE_UP_PARTS + 1;
+constexpr size_t EXPERT_PARTS = GATE_UP_PARTS + 1;
 
 std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decoder_stack(
     const at::Tensor& hidden, const at::Tensor& cos_in, const at::Tensor& sin_in,
@@ -78,11 +85,17 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decoder
     const c10::List<c10::optional<at::Tensor>>& attention_out_norms,
     const c10::List<c10::optional<at::Tensor>>& mlp_out_norms, at::IntArrayRef windows,
     const c10::optional<at::Tensor>& local_cos_in, const c10::optional<at::Tensor>& local_sin_in, double softcap,
-    bool gelu) {
+    bool gelu, const c10::List<c10::optional<at::Tensor>>& routers, at::TensorList experts,
+    at::IntArrayRef expert_qtypes, const c10::List<c10::optional<at::Tensor>>& shared_gates, int64_t top_k,
+    bool norm_topk) {
   const size_t layers = o.size();
   const auto per_layer = [&](size_t count) { return count == 0 || count == layers; };
-  TORCH_CHECK(per_layer(attention_out_norms.size()) && per_layer(mlp_out_norms.size()) && per_layer(windows.size()),
+  TORCH_CHECK(per_layer(attention_out_norms.size()) && per_layer(mlp_out_norms.size()) && per_layer(windows.size())
+              && per_layer(routers.size()) && per_layer(shared_gates.size()),
               "rungen_ggml: decoder_stack's per-layer lists hold one entry a layer, or none");
+  TORCH_CHECK(experts.size() == EXPERT_PARTS * routers.size() && expert_qtypes.size() == experts.size(),
+              "rungen_ggml: decoder_stack takes ", EXPERT_PARTS, " expert stacks and types a layer where it takes "
+              "routers");
   TORCH_CHECK(local_cos_in.has_value() == local_sin_in.has_value() && softcap >= 0.0,
               "rungen_ggml: decoder_stack takes local cos and sin together, and a softcap >= 0");
   TORCH_CHECK(input_norms.size() == layers && qkv_bias.size() == layers && q_norms.size() == layers &&
@@ -160,12 +173,25 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decoder
     out_norm(attention_out_norms, i, pp);
     for (int64_t j = 0; j < n * features; ++j) hp[j] += pp[j];
     rms_norm_rows(hp, post_norms[i].to(at::kFloat).contiguous().data_ptr<float>(), eps, n, features, xp);
-    // A layer narrower than the widest (models whose MLP width varies) uses the start of the buffers.
-    const at::Tensor act_i = width == ffn ? act : act.view({-1}).narrow(0, 0, n * width).view({n, width});
-    mm_parts_into(x, gate_up_of(i), gate_up_types(i), features, gu.data_ptr<float>());
-    gate_mul_rows(gelu ? gelu_fn() : silu_fn(), gelu ? GELU_WORK : SILU_WORK, gu.data_ptr<float>(), n, width,
-                  act_i.data_ptr<float>());
-    mm_into(act_i, down[i], types[down_type], width, pp);
+    if (!routers.empty() && routers.get(i).has_value()) {
+      const bool shared = !shared_gates.empty() && shared_gates.get(i).has_value();
+      const std::vector<at::Tensor> shared_blocks =
+          shared ? std::vector<at::Tensor>{gate_up_of(i)[0], gate_up_of(i)[1], down[i]} : std::vector<at::Tensor>{};
+      const std::vector<int64_t> shared_types =
+          shared ? std::vector<int64_t>{gate_up_types(i)[0], gate_up_types(i)[1], types[down_type]}
+                 : std::vector<int64_t>{};
+      Mixture(*routers.get(i), top_k, norm_topk, experts.slice(EXPERT_PARTS * i, EXPERT_PARTS),
+              expert_qtypes.slice(EXPERT_PARTS * i, EXPERT_PARTS), shared_blocks, shared_types,
+              shared ? shared_gates.get(i) : c10::nullopt)
+          .forward_into(xp, n, pp);
+    } else {
+      // A layer narrower than the widest (models whose MLP width varies) uses the start of the buffers.
+      const at::Tensor act_i = width == ffn ? act : act.view({-1}).narrow(0, 0, n * width).view({n, width});
+      mm_parts_into(x, gate_up_of(i), gate_up_types(i), features, gu.data_ptr<float>());
+      gate_mul_rows(gelu ? gelu_fn() : silu_fn(), gelu ? GELU_WORK : SILU_WORK, gu.data_ptr<float>(), n, width,
+                    act_i.data_ptr<float>());
+      mm_into(act_i, down[i], types[down_type], width, pp);
+    }
     out_norm(mlp_out_norms, i, pp);
     for (int64_t j = 0; j < n * features; ++j) hp[j] += pp[j];
   }

@@ -14,6 +14,8 @@
 //                                                               of several (see below)
 //   torch.ops.rungen_ggml.dot_rows(x, w)                        x @ w.T in float32, a row's bits the same in any
 //                                                               batch (a mixture's router)
+//   torch.ops.rungen_ggml.mixture(x, router, top_k, norm_topk, [expert stacks], [qtype], [shared], [qtype],
+//                                 shared_gate)              a mixture of experts' MLP (ggml_mixture.cpp)
 //   torch.ops.rungen_ggml.silu_mul(gate_up), gelu_tanh_mul(gate_up)
 //   torch.ops.rungen_ggml.attend(q, k, v, mask, scale, softcap, window)  attention, the same bits with or
 //                                                               without padding
@@ -30,7 +32,8 @@
 // ggml_ops.h (what the units share), ggml_products.cpp (the products' torch side), ggml_scalar.cpp, ggml_avx2.cpp
 // and ggml_vnni.cpp (the products per instruction set, from ggml_simd.h, ggml_x8.h, ggml_x8_avx2.h, ggml_x16.h,
 // ggml_amx.h and ggml_spans.h), ggml_layers.cpp and ggml_attend.cpp (norms, rope, gates, attention),
-// ggml_decoder.cpp (the decoder layers), ggml_interleave.cpp (the X8 layout at load).
+// ggml_decoder.cpp (the decoder layers), ggml_mixture.cpp (a mixture of experts' MLP), ggml_interleave.cpp (the
+// X8 layout at load).
 
 #include "ggml_ops.h"
 
@@ -52,6 +55,8 @@ TORCH_LIBRARY(rungen_ggml, m) {
   m.def("rope_split(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads, Tensor? q_norm=None, "
         "Tensor? k_norm=None, float norm_eps=0.) -> Tensor[]", &rope_split);
   m.def("dot_rows(Tensor x, Tensor w) -> Tensor", &dot_rows);
+  m.def("mixture(Tensor x, Tensor router, int top_k, bool norm_topk, Tensor[] experts, int[] expert_qtypes, "
+        "Tensor[] shared, int[] shared_qtypes, Tensor? shared_gate) -> Tensor", &mixture);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
   m.def("gelu_tanh_mul(Tensor gate_up) -> Tensor", &gelu_tanh_mul);
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, float softcap=0., int window=0) -> Tensor",
@@ -67,7 +72,8 @@ TORCH_LIBRARY(rungen_ggml, m) {
         "Tensor[] down, int[] qtypes, float eps, "
         "int heads, int kv_heads, float scale, Tensor[] k_buffers, Tensor[] v_buffers, int length, "
         "Tensor?[] attention_out_norms, Tensor?[] mlp_out_norms, int[] windows, Tensor? local_cos, Tensor? local_sin, "
-        "float softcap, bool gelu) -> (Tensor, Tensor[], Tensor[])", &decoder_stack);
+        "float softcap, bool gelu, Tensor?[] routers, Tensor[] experts, int[] expert_qtypes, Tensor?[] shared_gates, "
+        "int top_k, bool norm_topk) -> (Tensor, Tensor[], Tensor[])", &decoder_stack);
   m.def("isa() -> str", &isa);
   m.def("set_isa(str name) -> str", &set_isa);
   m.def("set_tile_threshold(int n) -> int", &set_tile_threshold);

@@ -169,12 +169,14 @@ at::Tensor dot_rows(const at::Tensor& x_in, const at::Tensor& w_in) {
   const at::Tensor x = x_in.to(at::kFloat).contiguous(), w = w_in.to(at::kFloat).contiguous();
   const int64_t t = x.size(0), e = w.size(0), n = x.size(1);
   at::Tensor y = at::empty({t, e}, x.options());
+  dot_rows_into(x.data_ptr<float>(), w.data_ptr<float>(), t, e, n, y.data_ptr<float>());
+  return y;
+}
+
+void dot_rows_into(const float* xp, const float* wp, int64_t t, int64_t e, int64_t n, float* yp) {
   const auto fn = current_isa >= VNNI ? avx512::dot_rows : current_isa >= AVX2 ? avx2::dot_rows : scalar::dot_rows;
-  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
   at::parallel_for(0, t, std::max<int64_t>(1, 65536 / std::max<int64_t>(e * n, 1)),
                    [&](int64_t t0, int64_t t1) { fn(xp, wp, t0, t1, e, n, yp); });
-  return y;
 }
 
 at::Tensor silu_mul(const at::Tensor& gu) { return gate_mul(gu, silu_fn(), SILU_WORK); }

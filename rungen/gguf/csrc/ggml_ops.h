@@ -1,6 +1,7 @@
 // The torch side's functions that one translation unit calls in another, and the operators ggml_kernels.cpp
-// registers: the products (ggml_products.cpp), the layers' steps (ggml_layers.cpp), the decoder (ggml_decoder.cpp),
-// interleaving (ggml_interleave.cpp) and the code path (ggml_dispatch.cpp).
+// registers: the products (ggml_products.cpp), the layers' steps (ggml_layers.cpp), a mixture of experts
+// (ggml_mixture.cpp), the decoder (ggml_decoder.cpp), interleaving (ggml_interleave.cpp) and the code path
+// (ggml_dispatch.cpp).
 #pragma once
 
 #include "ggml_kernels.h"
@@ -19,6 +20,18 @@ std::string isa();
 std::string set_isa(const std::string& name);
 
 // ggml_products.cpp
+// A weight's blocks as a product reads them: `rows` tensor rows (eight output rows each where qtype has X8), `pitch`
+// bytes apart.
+struct Weight {
+  const uint8_t* blocks;
+  int64_t pitch, rows, qtype;
+};
+
+int64_t out_rows(const at::Tensor& blocks, int64_t qtype);
+void check_inputs(const at::Tensor& blocks, int64_t qtype, int64_t in_features);
+Weight weight_of(const at::Tensor& blocks, int64_t qtype);
+void grouped_into(const float* x, int64_t in_features, const std::vector<int64_t>& counts,
+                  const std::vector<std::vector<Weight>>& weights, int64_t width, float* y);
 at::Tensor mm(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype, int64_t in_features);
 at::Tensor mm_parts(const at::Tensor& x_in, at::TensorList blocks, at::IntArrayRef qtypes, int64_t in_features);
 at::Tensor mm_grouped(const at::Tensor& x_in, at::TensorList blocks, at::IntArrayRef qtypes, at::IntArrayRef counts,
@@ -68,6 +81,7 @@ GateFn gelu_fn();
 GateFn silu_fn();
 void gate_mul_rows(GateFn fn, int64_t work, const float* gp, int64_t rows, int64_t f, float* yp);
 at::Tensor dot_rows(const at::Tensor& x_in, const at::Tensor& w_in);
+void dot_rows_into(const float* xp, const float* wp, int64_t t, int64_t e, int64_t n, float* yp);
 at::Tensor silu_mul(const at::Tensor& gu);
 at::Tensor gelu_tanh_mul(const at::Tensor& gu);
 
@@ -83,6 +97,34 @@ void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
                  double softcap, int64_t window, float* op);
 at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                   const c10::optional<at::Tensor>& mask_in, double scale, double softcap, int64_t window);
+
+// ggml_mixture.cpp
+// A mixture of experts' MLP: the router's float weight [experts, features], the experts' parts as stacks
+// [experts, tensor rows, bytes] (gate/up's parts side by side, then down), and Qwen2-MoE's shared expert (its gate,
+// up and down blocks, 2-D; none where `shared` is empty) with its gate's weight [1, features].
+struct Mixture {
+  at::Tensor router;
+  int64_t top_k;
+  bool norm_topk;
+  std::vector<at::Tensor> gate_up;
+  std::vector<int64_t> gate_up_types;
+  at::Tensor down;
+  int64_t down_type;
+  std::vector<at::Tensor> shared;
+  std::vector<int64_t> shared_types;
+  c10::optional<at::Tensor> shared_gate;
+
+  Mixture(const at::Tensor& router, int64_t top_k, bool norm_topk, at::TensorList experts,
+          at::IntArrayRef expert_types, at::TensorList shared, at::IntArrayRef shared_types,
+          const c10::optional<at::Tensor>& shared_gate);
+  // x [n, features] (float32, contiguous) through the mixture into out [n, features].
+  void forward_into(const float* x, int64_t n, float* out) const;
+  int64_t inner_features() const;  // an expert's gate (and up) rows
+};
+
+at::Tensor mixture(const at::Tensor& x, const at::Tensor& router, int64_t top_k, bool norm_topk,
+                   at::TensorList experts, at::IntArrayRef expert_types, at::TensorList shared,
+                   at::IntArrayRef shared_types, const c10::optional<at::Tensor>& shared_gate);
 
 // ggml_decoder.cpp
 std::vector<at::Tensor> attention_in(const at::Tensor& hidden, const at::Tensor& norm_weight, double eps,
@@ -106,6 +148,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decoder
     const c10::List<c10::optional<at::Tensor>>& attention_out_norms,
     const c10::List<c10::optional<at::Tensor>>& mlp_out_norms, at::IntArrayRef windows,
     const c10::optional<at::Tensor>& local_cos_in, const c10::optional<at::Tensor>& local_sin_in, double softcap,
-    bool gelu);
+    bool gelu, const c10::List<c10::optional<at::Tensor>>& routers, at::TensorList experts,
+    at::IntArrayRef expert_qtypes, const c10::List<c10::optional<at::Tensor>>& shared_gates, int64_t top_k,
+    bool norm_topk);
 
 }  // namespace rungen_ggml

@@ -17,7 +17,7 @@ RowsFn rows_fn(int64_t qtype) {
   }
 }
 
-// ---------------------------------------------------------------------------------------------------
+}  // namespace
 
 // Output rows of a weight's blocks (a tensor row holds eight of them in the X8 layout).
 int64_t out_rows(const at::Tensor& blocks, int64_t qtype) { return blocks.size(0) * (qtype & X8 ? 8 : 1); }
@@ -33,6 +33,13 @@ void check_inputs(const at::Tensor& blocks, int64_t qtype, int64_t in_features) 
   TORCH_CHECK(blocks.stride(1) == 1, "rungen_ggml: each row of blocks must be contiguous");
   TORCH_CHECK(blocks.device().is_cpu(), "rungen_ggml: blocks must be on the CPU");
 }
+
+// A weight's blocks as the grouped products read them (checked by check_inputs first).
+Weight weight_of(const at::Tensor& blocks, int64_t qtype) {
+  return Weight{blocks.data_ptr<uint8_t>(), blocks.stride(0), blocks.size(0), qtype};
+}
+
+namespace {
 
 // Quantizes x [n, K] to int8 per block of 32: d = max|x| / 127, q = round(x / d) (ties to even). The codes
 // and scales live in one buffer per calling thread, reused from call to call (no allocation a step).
@@ -337,10 +344,39 @@ at::Tensor mm_parts(const at::Tensor& x_in, at::TensorList blocks, at::IntArrayR
   return y;
 }
 
+// x [N, K] (float32) in groups of rows (counts[g] rows each, in order), group g times its parts' rows side by side
+// (weights[g]: one Weight a part, each group's parts of the same widths): y [N, width]. A mixture's experts, each
+// over the tokens routed to it, in one loop over torch's threads where a product an expert woke them each time.
+// Each group's activations are quantized on their own, so its rows' bits are those of mm over that group alone (a
+// group of no rows costs nothing). The quantized activations live in buffers kept from call to call.
+void grouped_into(const float* x, int64_t in_features, const std::vector<int64_t>& counts,
+                  const std::vector<std::vector<Weight>>& weights, int64_t width, float* y) {
+  static thread_local std::vector<QuantizedX> acts;
+  if (acts.size() < counts.size()) acts.resize(counts.size());  // (before any job points into them)
+  std::vector<Job> jobs;
+  std::vector<RowsFn> fns;
+  std::vector<int64_t> starts{0};
+  int64_t row = 0, most = 1, per = 1;
+  for (size_t g = 0; g < counts.size(); ++g) {
+    if (counts[g] == 0) continue;
+    quantize_into(acts[g], x + row * in_features, counts[g], in_features);
+    int64_t column = 0;
+    for (const Weight& w : weights[g]) {
+      if (w.rows == 0) continue;
+      jobs.push_back(Job{&acts[g].act, w.blocks, w.pitch, w.qtype, in_features, width, y + row * width + column});
+      fns.push_back(rows_fn(w.qtype));
+      starts.push_back(starts.back() + w.rows);
+      if (w.qtype & X8) per = 8;
+      column += w.rows * (w.qtype & X8 ? 8 : 1);
+    }
+    most = std::max(most, counts[g]);
+    row += counts[g];
+  }
+  if (!jobs.empty()) run_jobs(jobs, fns, starts, grain_of(in_features, most, per));
+}
+
 // x [N, K] in groups of rows (counts[g] rows each, in order), group g times blocks[g]'s rows (qtypes[g]), the
-// weights of one shape: y [N, out rows]. A mixture's experts, each over the tokens routed to it, in one loop over
-// torch's threads where a product an expert woke them each time. Each group's activations are quantized on their
-// own, so its rows' bits are those of mm over that group alone (a group of no rows costs nothing).
+// weights of one shape: y [N, out rows] (grouped_into).
 at::Tensor mm_grouped(const at::Tensor& x_in, at::TensorList blocks, at::IntArrayRef qtypes, at::IntArrayRef counts,
                       int64_t in_features) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == in_features, "rungen_ggml: x must be [n, ", in_features, "]");
@@ -349,31 +385,18 @@ at::Tensor mm_grouped(const at::Tensor& x_in, at::TensorList blocks, at::IntArra
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   const int64_t out = out_rows(blocks[0], qtypes[0]);
   int64_t total = 0;
+  std::vector<std::vector<Weight>> weights;
   for (size_t g = 0; g < blocks.size(); ++g) {
     check_inputs(blocks[g], qtypes[g], in_features);
     TORCH_CHECK(out_rows(blocks[g], qtypes[g]) == out, "rungen_ggml: mm_grouped's weights must have one shape");
     TORCH_CHECK(counts[g] >= 0, "rungen_ggml: a group's count of rows is negative");
     total += counts[g];
+    weights.push_back({weight_of(blocks[g], qtypes[g])});
   }
   TORCH_CHECK(total == x.size(0), "rungen_ggml: the groups' counts add up to ", total, ", not x's ", x.size(0), " rows");
   at::Tensor y = at::empty({total, out}, x.options());
-  std::vector<QuantizedX> acts(blocks.size());  // (never resized: the jobs point into it)
-  std::vector<Job> jobs;
-  std::vector<RowsFn> fns;
-  std::vector<int64_t> starts{0};
-  int64_t row = 0, most = 1, per = 1;
-  for (size_t g = 0; g < blocks.size(); ++g) {
-    if (counts[g] == 0 || out == 0) continue;
-    quantize_into(acts[g], x.data_ptr<float>() + row * in_features, counts[g], in_features);
-    jobs.push_back(Job{&acts[g].act, blocks[g].data_ptr<uint8_t>(), blocks[g].stride(0), qtypes[g], in_features, out,
-                       y.data_ptr<float>() + row * out});
-    fns.push_back(rows_fn(qtypes[g]));
-    starts.push_back(starts.back() + blocks[g].size(0));
-    if (qtypes[g] & X8) per = 8;
-    most = std::max(most, counts[g]);
-    row += counts[g];
-  }
-  if (!jobs.empty()) run_jobs(jobs, fns, starts, grain_of(in_features, most, per));
+  grouped_into(x.data_ptr<float>(), in_features, std::vector<int64_t>(counts.begin(), counts.end()), weights, out,
+               y.data_ptr<float>());
   return y;
 }
 

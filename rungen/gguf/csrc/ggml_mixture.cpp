@@ -1,0 +1,184 @@
+// A mixture of experts' MLP in one call (Qwen3-MoE's block: a router and its experts; Qwen2-MoE's: a shared expert
+// beside them, weighted by the sigmoid of its own gate): what transformers' block computes over
+// rungen/gguf/experts.py's ExpertRouter and GGMLExperts, within float32 rounding (the softmax, SiLU and sigmoid are
+// this file's and the products the kernels'), where those modules cost some forty torch operators, a sort and a
+// read of each expert's count to the host a layer. Each step goes row by row or in a fixed order, so a token gets
+// the same bits alone and in a batch.
+#include "ggml_ops.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+
+namespace rungen_ggml {
+namespace {
+
+// Expert e's rows of a stack [experts, tensor rows, bytes].
+Weight expert_weight(const at::Tensor& stack, int64_t e, int64_t qtype) {
+  return Weight{stack.data_ptr<uint8_t>() + e * stack.stride(0), stack.stride(1), stack.size(1), qtype};
+}
+
+// Output rows of a stack's expert (eight a tensor row in the X8 layout).
+int64_t stack_rows(const at::Tensor& stack, int64_t qtype) { return stack.size(1) * (qtype & X8 ? 8 : 1); }
+
+void check_stack(const at::Tensor& stack, int64_t qtype, int64_t experts, int64_t in_features) {
+  TORCH_CHECK(stack.dim() == 3 && stack.size(0) == experts,
+              "rungen_ggml: an expert part's blocks must be a stack [", experts, " experts, rows, bytes]");
+  check_inputs(stack.select(0, 0), qtype, in_features);
+}
+
+}  // namespace
+
+Mixture::Mixture(const at::Tensor& router_in, int64_t top_k_in, bool norm_topk_in, at::TensorList experts,
+                 at::IntArrayRef expert_types, at::TensorList shared_in, at::IntArrayRef shared_types_in,
+                 const c10::optional<at::Tensor>& shared_gate_in)
+    : router(router_in.to(at::kFloat).contiguous()), top_k(top_k_in), norm_topk(norm_topk_in),
+      shared(shared_in.begin(), shared_in.end()), shared_types(shared_types_in.begin(), shared_types_in.end()),
+      shared_gate(shared_gate_in) {
+  TORCH_CHECK(router.dim() == 2 && top_k > 0 && top_k <= router.size(0),
+              "rungen_ggml: a mixture's router is [experts, features], and 0 < top_k <= experts");
+  TORCH_CHECK(experts.size() >= 2 && experts.size() == expert_types.size(),
+              "rungen_ggml: a mixture takes its experts' gate/up parts and then down, a type each");
+  const int64_t count = router.size(0), features = router.size(1);
+  for (size_t i = 0; i + 1 < experts.size(); ++i) {
+    check_stack(experts[i], expert_types[i], count, features);
+    gate_up.push_back(experts[i]);
+    gate_up_types.push_back(expert_types[i]);
+  }
+  down = experts.back();
+  down_type = expert_types.back();
+  int64_t width = 0;
+  for (size_t i = 0; i < gate_up.size(); ++i) width += stack_rows(gate_up[i], gate_up_types[i]);
+  TORCH_CHECK(width > 0 && width % 2 == 0, "rungen_ggml: a mixture's gate/up rows are gate's and as many of up's");
+  check_stack(down, down_type, count, width / 2);
+  TORCH_CHECK(stack_rows(down, down_type) == features, "rungen_ggml: the experts' down rows must be ", features);
+  TORCH_CHECK(shared.empty() || (shared.size() == 3 && shared_types.size() == 3 && shared_gate.has_value()),
+              "rungen_ggml: a shared expert is its gate, up and down blocks, a type each, and its gate's weight");
+  if (shared_gate.has_value()) {
+    shared_gate = shared_gate->to(at::kFloat).contiguous();
+    TORCH_CHECK(shared_gate->numel() == features, "rungen_ggml: a shared expert's gate has ", features, " weights");
+  }
+}
+
+namespace {
+
+// Each token's top_k experts and their weights (ids, weights [n, top_k]): the softmax of its router logits (in
+// float, from the largest), the k largest (the lower expert first on a tie), divided by their sum where norm_topk
+// asks (Qwen3-MoE's configs; Qwen2-MoE's keep the softmax's). A token's choice is its own, the same in any batch.
+void route(const float* logits, int64_t n, int64_t experts, int64_t k, bool norm_topk, int64_t* ids,
+           float* weights) {
+  std::vector<float> p(experts);
+  std::vector<int64_t> order(experts);
+  for (int64_t t = 0; t < n; ++t) {
+    const float* l = logits + t * experts;
+    const float most = *std::max_element(l, l + experts);
+    float sum = 0.f;
+    for (int64_t e = 0; e < experts; ++e) sum += p[e] = std::exp(l[e] - most);
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                      [&](int64_t a, int64_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+    float chosen = 0.f;
+    for (int64_t j = 0; j < k; ++j) {
+      ids[t * k + j] = order[j];
+      chosen += weights[t * k + j] = p[order[j]] / sum;
+    }
+    if (norm_topk)
+      for (int64_t j = 0; j < k; ++j) weights[t * k + j] /= chosen;
+  }
+}
+
+// A call's working buffers, kept from call to call (a decode step's layers would otherwise allocate each time).
+struct Scratch {
+  std::vector<float> logits, weights, rows, gate_up, act, done;
+  std::vector<int64_t> ids, tokens;
+};
+
+}  // namespace
+
+void Mixture::forward_into(const float* x, int64_t n, float* out) const {
+  const int64_t features = router.size(1), count = router.size(0);
+  std::fill(out, out + n * features, 0.f);
+  if (n == 0) return;
+  static thread_local Scratch s;
+  const int64_t pairs = n * top_k;
+  s.logits.resize(n * count);
+  s.ids.resize(pairs);
+  s.weights.resize(2 * pairs);  // each pair's weight, then the same in the pairs' sorted order
+  dot_rows_into(x, router.data_ptr<float>(), n, count, features, s.logits.data());
+  route(s.logits.data(), n, count, top_k, norm_topk, s.ids.data(), s.weights.data());
+  // The (token, slot) pairs grouped by expert in token order (a counting sort), each pair's row of x copied.
+  std::vector<int64_t> counts(count, 0), next(count, 0);
+  for (int64_t p = 0; p < pairs; ++p) ++counts[s.ids[p]];
+  for (int64_t e = 1; e < count; ++e) next[e] = next[e - 1] + counts[e - 1];
+  s.tokens.resize(pairs);
+  s.rows.resize(pairs * features);
+  float* sorted = s.weights.data() + pairs;
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t at = next[s.ids[p]]++;
+    s.tokens[at] = p / top_k;
+    sorted[at] = s.weights[p];
+    std::memcpy(s.rows.data() + at * features, x + s.tokens[at] * features, features * sizeof(float));
+  }
+  // Each chosen expert's gate/up over its tokens, SiLU(gate) * up, its down (one loop over the threads a product).
+  std::vector<int64_t> used;
+  std::vector<std::vector<Weight>> gate_up_weights, down_weights;
+  for (int64_t e = 0; e < count; ++e) {
+    if (counts[e] == 0) continue;
+    used.push_back(counts[e]);
+    std::vector<Weight> parts;
+    for (size_t i = 0; i < gate_up.size(); ++i) parts.push_back(expert_weight(gate_up[i], e, gate_up_types[i]));
+    gate_up_weights.push_back(std::move(parts));
+    down_weights.push_back({expert_weight(down, e, down_type)});
+  }
+  const int64_t inner = inner_features();
+  s.gate_up.resize(pairs * 2 * inner);
+  s.act.resize(pairs * inner);
+  s.done.resize(pairs * features);
+  grouped_into(s.rows.data(), features, used, gate_up_weights, 2 * inner, s.gate_up.data());
+  gate_mul_rows(silu_fn(), SILU_WORK, s.gate_up.data(), pairs, inner, s.act.data());
+  grouped_into(s.act.data(), inner, used, down_weights, features, s.done.data());
+  // Each token's experts weighted and added in order (by expert): the same sum alone and in a batch.
+  for (int64_t p = 0; p < pairs; ++p) {
+    float* o = out + s.tokens[p] * features;
+    const float* d = s.done.data() + p * features;
+    const float w = sorted[p];
+    for (int64_t j = 0; j < features; ++j) o[j] += w * d[j];
+  }
+  if (shared.empty()) return;
+  // Qwen2-MoE's shared expert, weighted by the sigmoid of its gate.
+  const at::Tensor xt = at::from_blob(const_cast<float*>(x), {n, features}, router.options());
+  const int64_t wide = out_rows(shared[0], shared_types[0]);
+  at::Tensor gu = at::empty({n, 2 * wide}, router.options()), act = at::empty({n, wide}, router.options());
+  at::Tensor expert = at::empty({n, features}, router.options()), gates = at::empty({n}, router.options());
+  mm_parts_into(xt, at::TensorList(shared.data(), 2), at::IntArrayRef(shared_types.data(), 2), features,
+                gu.data_ptr<float>());
+  gate_mul_rows(silu_fn(), SILU_WORK, gu.data_ptr<float>(), n, wide, act.data_ptr<float>());
+  mm_into(act, shared[2], shared_types[2], wide, expert.data_ptr<float>());
+  dot_rows_into(x, shared_gate->data_ptr<float>(), n, 1, features, gates.data_ptr<float>());
+  const float *ep = expert.data_ptr<float>(), *gp = gates.data_ptr<float>();
+  for (int64_t t = 0; t < n; ++t) {
+    const float g = 1.f / (1.f + std::exp(-gp[t]));
+    for (int64_t j = 0; j < features; ++j) out[t * features + j] += g * ep[t * features + j];
+  }
+}
+
+int64_t Mixture::inner_features() const {
+  int64_t width = 0;
+  for (size_t i = 0; i < gate_up.size(); ++i) width += stack_rows(gate_up[i], gate_up_types[i]);
+  return width / 2;
+}
+
+at::Tensor mixture(const at::Tensor& x_in, const at::Tensor& router, int64_t top_k, bool norm_topk,
+                   at::TensorList experts, at::IntArrayRef expert_types, at::TensorList shared,
+                   at::IntArrayRef shared_types, const c10::optional<at::Tensor>& shared_gate) {
+  const Mixture m(router, top_k, norm_topk, experts, expert_types, shared, shared_types, shared_gate);
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == m.router.size(1), "rungen_ggml: x must be [n, ", m.router.size(1),
+              "]");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty_like(x);
+  m.forward_into(x.data_ptr<float>(), x.size(0), out.data_ptr<float>());
+  return out;
+}
+
+}  // namespace rungen_ggml
