@@ -287,14 +287,15 @@ def blocks_for(qtype, rows, in_features, seed=0, kind="random"):
 
 
 def write_moe_gguf(path, experts=4, used=2, layers=2, expert_types=(None, None, None), expert_ffn=768,
-                   arch="qwen3moe", shared_ffn=256, hidden=64):
+                   arch="qwen3moe", shared_ffn=256, hidden=64, fields=None):
     """A tiny Qwen3-MoE GGUF file at `path` as llama.cpp's converter writes Qwen3-30B-A3B's: qwen3 attention (q/k
     norms, head size 64 apart from hidden / heads), every layer's MLP `experts` experts (`used` a token) of
     `expert_ffn` (Qwen3-30B-A3B's 768, Qwen3MoeConfig's default; Qwen3-235B-A22B's 1536) in 3-D
     ffn_{gate,up,down}_exps tensors and the router's ffn_gate_inp; Q8_0 matrices (the experts' gate, up and
     down in `expert_types` where given: llama.cpp's mixes give ffn_down_exps more bits), F32 norms and router, the
-    head tied, a synthetic byte-level vocabulary; `hidden` wide (256 and more for k-quants' superblocks in gate and
-    up). arch "qwen2moe": Qwen1.5-MoE-A2.7B's layout instead, qwen2's
+    head tied, a synthetic byte-level vocabulary (or the tokenizer.* `fields` given: a published one's, with its chat
+    template); `hidden` wide (256 and more for k-quants' superblocks in gate and up). arch "qwen2moe":
+    Qwen1.5-MoE-A2.7B's layout instead, qwen2's
     attention (q/k/v biases, heads of hidden / heads) and beside the experts a shared one of `shared_ffn`
     (ffn_{gate,up,down}_shexp) weighted by the sigmoid of its own gate (ffn_gate_inp_shexp, a vector)."""
     import numpy as np
@@ -303,7 +304,7 @@ def write_moe_gguf(path, experts=4, used=2, layers=2, expert_types=(None, None, 
 
     from benchmarks.gguf_files import synthetic_tokenizer_fields
 
-    fields = synthetic_tokenizer_fields(1024)
+    fields = fields or synthetic_tokenizer_fields(1024)
     qwen2 = arch == "qwen2moe"
     heads, kv_heads, head_dim = 2, 1, hidden // 2 if qwen2 else 64
     rng = np.random.default_rng(0)

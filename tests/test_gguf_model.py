@@ -3,7 +3,8 @@ bit for bit, as transformers' model of the file fused by rungen/gguf/decoder.py 
 batch), the same config values, generation config and tokenizer; transformers' model where only it runs
 (generate()'s controls, --jit, a session turn that needs them); and a one-shot run that never imports transformers'
 model modules. The files imitate the published ones (tests/test_gguf_loading.py's llama/qwen2 files, tests/
-tiny_models.py's qwen3, phi3 (Phi-4-mini's partial rotary too), gemma2 and gemma3, and the embedded SmolLM2)."""
+tiny_models.py's qwen3, phi3 (Phi-4-mini's partial rotary too), gemma2 and gemma3, tests/helpers.py's Qwen3-MoE and
+Qwen2-MoE, and the embedded SmolLM2)."""
 
 import json
 import os
@@ -12,11 +13,12 @@ import sys
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType as Q
 from test_gguf_loading import FILES as LLAMA_FILES
 from test_gguf_loading import VOCAB, write_llama_gguf
 
 import run_generation
-from helpers import ROOT, cli_env
+from helpers import ROOT, cli_env, write_moe_gguf
 from rungen import loading
 from rungen.embeddings import embed, final_hidden_states
 from rungen.gguf.blocks import native_kernels
@@ -34,7 +36,7 @@ pytestmark = [pytest.mark.usefixtures("module_cache_home"),
 PROMPTS = ["The capital of France is", "Hello, my dog", "A"]
 # mixed_tied holds F16/BF16 layer weights beside the blocks: transformers' model runs it (its own test below).
 NAMES = [*(name for name in LLAMA_FILES if name != "mixed_tied"), "qwen3", "phi3", "phi4_partial", "gemma2", "gemma3",
-         "default"]
+         "qwen3moe", "qwen2moe", "default"]
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +51,12 @@ def files(tmp_path_factory):
     # gemma3: five sliding layers and a global one (their window of 4 crossed by the prompts and decode steps).
     out["gemma2"] = write_family_gguf(folder / "gemma2.gguf", "gemma2", fields)
     out["gemma3"] = write_family_gguf(folder / "gemma3.gguf", "gemma3", fields, layers=6)
+    # Mixtures of experts: Qwen3-30B-A3B's layout (Q4_K gate and up, Q6_K down, as Q4_K_M mixes them) and
+    # Qwen1.5-MoE-A2.7B's (its shared expert), each layer's MLP one native call inside the stack.
+    out["qwen3moe"] = write_moe_gguf(folder / "qwen3moe.gguf", experts=8, used=3, expert_ffn=256, hidden=256,
+                                     expert_types=(Q.Q4_K, Q.Q4_K, Q.Q6_K), fields=fields)
+    out["qwen2moe"] = write_moe_gguf(folder / "qwen2moe.gguf", arch="qwen2moe", experts=6, used=2, expert_ffn=256,
+                                     fields=fields)
     out["default"] = default_model_file()
     return out
 
@@ -107,7 +115,7 @@ def test_scoring_and_the_last_logits_only(models, name):
     assert last.shape[1] == 1 and torch.equal(last[0, -1], scored.logits[0, -1])
 
 
-@pytest.mark.parametrize("name", ["q4_0_untied", "gemma2", "default"])
+@pytest.mark.parametrize("name", ["q4_0_untied", "gemma2", "qwen2moe", "default"])
 def test_final_hidden_states_and_embeddings(models, name):
     """The final hidden states embed() pools, of the own model and of transformers' model of the file (its layers
     fused): what the head turns into forward's logits, bit for bit, and the same in both; embed() pools the last
@@ -224,7 +232,7 @@ def test_the_swap_to_transformers_model_keeps_the_function(files):
 
 
 @pytest.mark.slow  # a fresh interpreter: what it imports is the point
-@pytest.mark.parametrize("name", ["default", "qwen3"])
+@pytest.mark.parametrize("name", ["default", "qwen3", "qwen3moe"])
 def test_a_gguf_one_shot_run_imports_no_transformers(models, files, name):
     # A cached one-shot run on the own model code imports none of transformers (its top level alone is most of the
     # start-up above torch's), nor accelerate (several processes only): the default model's file, and a qwen3 one,

@@ -219,7 +219,8 @@ class ModelBuild:
                                        dequantized_experts(reader, parts, module, self.dtype, self.device)):
                     self.put(f"{module_name}.{attr}", value)
             else:
-                self.layers[module_name] = build_experts(reader, parts, module)
+                self.layers[module_name] = build_experts(reader, parts, module.gate_up_proj.shape,
+                                                         module.down_proj.shape, module.act_fn)
 
     def finish(self) -> torch.nn.Module:
         """The model with its layers in place, eval mode, on the device (quantized where asked)."""

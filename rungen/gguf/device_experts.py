@@ -34,7 +34,7 @@ def coded_experts(reader: WeightReader, parts: dict[str, Tensor], module: torch.
     where a part's type has no codes on the GPU (float tensors, gate and up of two types, types the GPU
     de-quantizes, a kernel that failed its check): the layer then takes dequantized_experts. GGUFError where the
     tensors' shapes are not the module's."""
-    check_shapes(reader, parts, module)
+    check_shapes(reader, parts, module.gate_up_proj.shape, module.down_proj.shape)
     gate, up, down = parts["gate"], parts["up"], parts["down"]
     if gate.code != up.code or any(tensor.code in FLOAT_TYPES for tensor in (gate, down)):
         return None

@@ -168,21 +168,24 @@ class NativeMixture:
     modules compute, within float32 rounding, without their forty torch operators, sort and read of each expert's
     count to the host a layer. Not a module: it holds the block's own tensors."""
 
-    def __init__(self, block: torch.nn.Module):
-        router, experts = block.gate, block.experts
-        self.router, self.top_k, self.norm_topk = router.logits.weight, router.top_k, bool(router.norm_topk_prob)
+    def __init__(self, router: torch.Tensor, top_k: int, norm_topk: bool, experts: GGMLExperts,
+                 shared: tuple[GGMLLinear, GGMLLinear, GGMLLinear] | None = None,
+                 shared_gate: torch.Tensor | None = None):
+        """router: the router's weight [experts, hidden] (float32); top_k experts a token, their weights divided by
+        their sum where norm_topk; experts with stacks (GGMLExperts.stacks); Qwen2-MoE's shared expert (its gate,
+        up and down) and its gate's weight [1, hidden]."""
+        self.router, self.top_k, self.norm_topk = router, int(top_k), bool(norm_topk)
         self.experts, self.expert_codes = experts.stacks
-        shared = getattr(block, "shared_expert", None)
-        # Qwen2-MoE's shared expert: its gate and up as one product's parts, its down, its gate's weight; else None.
-        self.shared_gate_up = None if shared is None else GGMLParts([shared.gate_proj, shared.up_proj])
-        self.shared_down = None if shared is None else shared.down_proj
-        self.shared_gate = None if shared is None else block.shared_expert_gate.weight
-        self.shared = [] if shared is None else [shared.gate_proj, shared.up_proj, shared.down_proj]
+        self.shared = list(shared or ())
+        # The shared expert as the stack takes it: gate and up as one product's parts, down; else None.
+        self.shared_gate_up = None if shared is None else GGMLParts(list(shared[:2]))
+        self.shared_down = None if shared is None else shared[2]
+        self.shared_gate = shared_gate
 
     @classmethod
     def of(cls, block: torch.nn.Module) -> NativeMixture | None:
-        """The native form of `block`, or None where it is not one this class computes (another block, experts
-        not stacked in their blocks, an activation other than SiLU, a shared expert not in blocks)."""
+        """The native form of transformers' `block`, or None where it is not one this class computes (another
+        block, experts not stacked in their blocks, an activation other than SiLU, a shared expert not in blocks)."""
         experts, shared = getattr(block, "experts", None), getattr(block, "shared_expert", None)
         if (type(block).__name__ not in BLOCKS or not isinstance(getattr(block, "gate", None), ExpertRouter)
                 or type(experts) is not GGMLExperts or experts.stacks is None or not silu(experts.act_fn)):
@@ -192,7 +195,10 @@ class NativeMixture:
                     for name in ("gate_proj", "up_proj", "down_proj"))
                 and silu(shared.act_fn) and type(getattr(block, "shared_expert_gate", None)) is RowProducts):
             return None
-        return cls(block)
+        router = block.gate
+        return cls(router.logits.weight, router.top_k, router.norm_topk_prob, experts,
+                   None if shared is None else (shared.gate_proj, shared.up_proj, shared.down_proj),
+                   None if shared is None else block.shared_expert_gate.weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.rungen_ggml.mixture(x.reshape(-1, x.shape[-1]), self.router, self.top_k, self.norm_topk,
@@ -238,11 +244,12 @@ def _rows(reader: WeightReader, tensor: Tensor, experts: int, into: torch.Tensor
     return [into[e, :rows // 8] for e in range(experts)], True
 
 
-def check_shapes(reader: WeightReader, parts: dict[str, Tensor], module: torch.nn.Module) -> None:
-    """GGUFError where a layer's three expert tensors are not the shapes of `module`'s parameters."""
-    count, inner, hidden = module.gate_up_proj.shape
+def check_shapes(reader: WeightReader, parts: dict[str, Tensor], gate_up: tuple, down: tuple) -> None:
+    """GGUFError where a layer's three expert tensors are not of the shapes an Experts module's gate_up_proj
+    ([experts, gate; up, hidden]) and down_proj take."""
+    count, inner, hidden = gate_up
     for name, wanted in (("gate", (count, inner // 2, hidden)), ("up", (count, inner // 2, hidden)),
-                         ("down", tuple(module.down_proj.shape))):
+                         ("down", tuple(down))):
         tensor = parts[name]
         shape = tuple(reader.float_tensor(tensor).shape) if tensor.code in FLOAT_TYPES else (
             *tensor.shape[:-1], weights_per_row(GGMLQuantizationType(tensor.code), tensor.shape[-1]))
@@ -251,10 +258,11 @@ def check_shapes(reader: WeightReader, parts: dict[str, Tensor], module: torch.n
                             f"takes {list(wanted)}")
 
 
-def build_experts(reader: WeightReader, parts: dict[str, Tensor], module: torch.nn.Module) -> GGMLExperts:
-    """The GGMLExperts of a layer's three expert tensors (`parts`: part_of's names), replacing `module`; GGUFError
-    where their shapes are not the module's."""
-    check_shapes(reader, parts, module)
+def build_experts(reader: WeightReader, parts: dict[str, Tensor], gate_up_shape: tuple, down_shape: tuple,
+                  act_fn: torch.nn.Module) -> GGMLExperts:
+    """The GGMLExperts of a layer's three expert tensors (`parts`: part_of's names), in place of an Experts module
+    whose gate_up_proj and down_proj have these shapes; GGUFError where the tensors' are not those."""
+    check_shapes(reader, parts, gate_up_shape, down_shape)
     gate, up, down = parts["gate"], parts["up"], parts["down"]
     experts = gate.shape[0]
     width = {name: weights_per_row(GGMLQuantizationType(t.code), t.shape[-1]) for name, t in parts.items()}
@@ -277,7 +285,7 @@ def build_experts(reader: WeightReader, parts: dict[str, Tensor], module: torch.
                    for g, u in zip(gates, ups)]
     downs, interleaved = _rows(reader, down, experts)
     down_layers = [GGMLLinear(d, down.code, width["down"], interleaved=interleaved) for d in downs]
-    return GGMLExperts(gate_up, down_layers, module.act_fn)
+    return GGMLExperts(gate_up, down_layers, act_fn)
 
 
 def dequantized_experts(reader: WeightReader, parts: dict[str, Tensor], module: torch.nn.Module, dtype: torch.dtype,
@@ -285,7 +293,7 @@ def dequantized_experts(reader: WeightReader, parts: dict[str, Tensor], module: 
     """`module`'s gate_up_proj [experts, gate; up, hidden] and down_proj from a layer's three expert tensors,
     de-quantized to `dtype` on `device` an expert at a time, a chunk of rows at a time (dequantize_to): never the
     layer's experts in float32 on the host (Qwen3-30B-A3B's are 2.4 GB a layer)."""
-    check_shapes(reader, parts, module)
+    check_shapes(reader, parts, module.gate_up_proj.shape, module.down_proj.shape)
     count, inner, hidden = module.gate_up_proj.shape
     gate_up = torch.empty(count, inner, hidden, dtype=dtype, device=device)
     down = torch.empty(tuple(module.down_proj.shape), dtype=dtype, device=device)

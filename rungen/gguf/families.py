@@ -40,8 +40,8 @@ class Family:
     score_scalar: str | None = None
     # transformers attends eagerly, under the additive form of a padded batch's mask.
     additive_mask: bool = False
-    # The MLP is a mixture of experts: transformers' module runs it (its experts in their blocks, experts.py), the
-    # fused layer only the attention; no own model code.
+    # The MLP is a mixture of experts (experts.py: its experts in their blocks, the block in one native call), its
+    # parts in the file as llama.cpp's ffn_{gate,up,down}_exps and ffn_gate_inp (Qwen2-MoE's shared expert beside).
     mixture: bool = False
 
     # What transformers' GGUF reading leaves out of the config, read from the metadata: head_dim from key_length.
@@ -61,9 +61,10 @@ class Family:
         return self.attention_out_norm is not None
 
     def products(self) -> tuple[str, ...]:
-        """The layer's product weights, as the HF names of its weights end: q/k/v, o, gate/up, down."""
-        return (*(f"self_attn.{name}.weight" for name in self.qkv), "self_attn.o_proj.weight",
-                *(f"mlp.{name}.weight" for name in self.gate_up), "mlp.down_proj.weight")
+        """The layer's product weights, as the HF names of its weights end: q/k/v, o, gate/up, down (a mixture's:
+        q/k/v, o)."""
+        mlp = () if self.mixture else (*(f"mlp.{name}.weight" for name in self.gate_up), "mlp.down_proj.weight")
+        return (*(f"self_attn.{name}.weight" for name in self.qkv), "self_attn.o_proj.weight", *mlp)
 
 
 GEMMA = dict(activation="hidden_activation", mlp_norm="pre_feedforward_layernorm",

@@ -26,7 +26,8 @@ from .blocks import (
     interleavable,
     weights_per_row,
 )
-from .decoder import ACTIVATIONS, NativeStack, StackWeights
+from .decoder import ACTIVATIONS, NativeStack, StackMixtures, StackWeights
+from .experts import PARTS, NativeMixture, build_experts
 from .families import BY_ARCHITECTURE, FAMILIES, NO_FAMILY
 from .kernels import native_kernels
 from .weights import GGUFError, WeightReader, unpermuted_order
@@ -78,7 +79,7 @@ def read_config(cache_dir: str) -> Config:
 def refusal(config: Config, header, weights_map: dict | None) -> str | None:
     """Why this model code cannot run the file (it then loads through transformers' classes), or None."""
     family = FAMILIES.get(config.model_type)
-    if family is None or family.mixture:
+    if family is None:
         return f"its family {config.model_type} has no own model code"
     if weights_map is None:
         return "its weights map is not cached yet"
@@ -105,6 +106,14 @@ def refusal(config: Config, header, weights_map: dict | None) -> str | None:
         return "its file lacks some of gemma's layer norms"
     if any(codes.get(name) not in SUPPORTED for name in products):
         return "some of its layer weights are not in quantized blocks"
+    if family.mixture:
+        if getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1:
+            return "some of its layers have a dense MLP"
+        parts = [*PARTS, *(("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
+                           if getattr(config, "shared_expert_intermediate_size", 0) else ())]
+        if any(codes.get(f"blk.{index}.{part}.weight") not in SUPPORTED
+               for index in range(config.num_hidden_layers) for part in parts):
+            return "some of its experts are not in quantized blocks"
     if any(hf.endswith(".bias") and not hf.endswith(QKV_BIASES)
            for hf in weights_map.values()):
         return "some of its products have biases"
@@ -272,6 +281,23 @@ def norm_weight(weight: torch.Tensor, family) -> torch.Tensor:
     return (weight - family.norm_offset) + family.norm_offset if family.norm_offset else weight
 
 
+def mixture_layer(reader: WeightReader, config: Config, index: int) -> NativeMixture:
+    """Layer `index`'s mixture of experts: its router, its experts in their blocks (as build_model reads them) and
+    Qwen2-MoE's shared expert, with its gate."""
+    prefix = f"model.layers.{index}.mlp."
+    parts = {name: reader.table[f"blk.{index}.{tensor}.weight"] for tensor, name in PARTS.items()}
+    router = reader.float_tensor(reader.tensor(prefix + "gate.weight")).to(torch.float32)
+    # (the experts' count as the router scores them: Qwen3-MoE's config.json names it num_local_experts)
+    count, inner, hidden = router.shape[0], config.moe_intermediate_size, config.hidden_size
+    experts = build_experts(reader, parts, (count, 2 * inner, hidden), (count, hidden, inner), torch.nn.SiLU())
+    shared = shared_gate = None
+    if getattr(config, "shared_expert_intermediate_size", 0):
+        shared = tuple(reader.linear(reader.tensor(f"{prefix}shared_expert.{name}.weight"))
+                       for name in ("gate_proj", "up_proj", "down_proj"))
+        shared_gate = reader.float_tensor(reader.tensor(prefix + "shared_expert_gate.weight")).to(torch.float32)
+    return NativeMixture(router, config.num_experts_per_tok, config.norm_topk_prob, experts, shared, shared_gate)
+
+
 def build(header, config: Config, weights_map: dict) -> GGUFCausalLM:
     """The own model of `header`'s file (refusal() said it can), its weights loaded as build_model loads them for
     the fused layers."""
@@ -302,7 +328,7 @@ def build(header, config: Config, weights_map: dict) -> GGUFCausalLM:
     def norm(hf_name: str) -> torch.Tensor:
         return norm_weight(reader.float_tensor(reader.tensor(hf_name)), family)
 
-    norms, mlp_norms, qkv, o, gate_up, down, q_norms, k_norms = ([] for _ in range(8))
+    norms, mlp_norms, qkv, o, gate_up, down, q_norms, k_norms, mixtures = ([] for _ in range(9))
     attention_out_norms, mlp_out_norms = [], []
     for index in range(config.num_hidden_layers):
         prefix = f"model.layers.{index}."
@@ -312,22 +338,30 @@ def build(header, config: Config, weights_map: dict) -> GGUFCausalLM:
             attention_out_norms.append(norm(f"{prefix}{family.attention_out_norm}.weight"))
             mlp_out_norms.append(norm(f"{prefix}{family.mlp_out_norm}.weight"))
         qkv_tensors = [reader.tensor(f"{prefix}self_attn.{name}.weight") for name in family.qkv]
-        gate_up_tensors = [reader.tensor(f"{prefix}mlp.{name}.weight") for name in family.gate_up]
-        if len(qkv_tensors) == 1:  # joined in the file: one product each, as they are
-            fused_qkv, fused_gate_up = reader.linear(qkv_tensors[0]), reader.linear(gate_up_tensors[0])
+        if len(qkv_tensors) == 1:  # joined in the file: one product, as it is
+            fused_qkv = reader.linear(qkv_tensors[0])
         else:
             biases = [reader.tensor(f"{prefix}self_attn.{name}.bias", required=False) for name in family.qkv]
             orders = [unpermuted_order(tensor.shape[0], n) if permute else None
                       for tensor, n in zip(qkv_tensors, (heads, kv_heads))] + [None]
             fused_qkv = reader.joined(qkv_tensors, orders, [None if b is None else reader.float_tensor(b).to(
                 torch.float32) for b in biases])
-            fused_gate_up = reader.joined(gate_up_tensors, [None, None], [None, None])
-        if fused_qkv is None or fused_gate_up is None:
+        if family.mixture:  # the stack takes a shared expert (Qwen2-MoE's) where a dense layer has its MLP
+            mixtures.append(mixture_layer(reader, config, index))
+            fused_gate_up, down_product = mixtures[-1].shared_gate_up, mixtures[-1].shared_down
+        else:
+            gate_up_tensors = [reader.tensor(f"{prefix}mlp.{name}.weight") for name in family.gate_up]
+            fused_gate_up = reader.linear(gate_up_tensors[0]) if len(gate_up_tensors) == 1 else reader.joined(
+                gate_up_tensors, [None, None], [None, None])
+            down_product = reader.linear(reader.tensor(prefix + "mlp.down_proj.weight"))
+            if fused_gate_up is None:
+                raise GGUFError(f"{header.path}: layer {index}'s products take inputs of different widths")
+        if fused_qkv is None:
             raise GGUFError(f"{header.path}: layer {index}'s products take inputs of different widths")
         qkv.append(fused_qkv)
         gate_up.append(fused_gate_up)
         o.append(reader.linear(reader.tensor(prefix + "self_attn.o_proj.weight")))
-        down.append(reader.linear(reader.tensor(prefix + "mlp.down_proj.weight")))
+        down.append(down_product)
         head_norms = [reader.tensor(f"{prefix}self_attn.{name}.weight", required=False) for name in HEAD_NORMS]
         q_norms.append(None if head_norms[0] is None else norm_weight(reader.float_tensor(head_norms[0]), family))
         k_norms.append(None if head_norms[1] is None else norm_weight(reader.float_tensor(head_norms[1]), family))
@@ -340,6 +374,6 @@ def build(header, config: Config, weights_map: dict) -> GGUFCausalLM:
     stack = NativeStack(weights, config.rms_norm_eps, scale, heads, kv_heads, head_dim,
                         (attention_out_norms, mlp_out_norms), windows if any(windows) else [],
                         (getattr(config, "attn_logit_softcapping", None) or 0.0) if family.soft_caps else 0.0,
-                        activation(config) == "gelu_pytorch_tanh")
+                        activation(config) == "gelu_pytorch_tanh", StackMixtures.of(mixtures))
     model = GGUFCausalLM(config, embed_tokens, stack, norm("model.norm.weight"), head, header.path)
     return model.eval()
