@@ -286,6 +286,24 @@ def blocks_for(qtype, rows, in_features, seed=0, kind="random"):
     return torch.from_numpy(place_scales(raw, qtype, scales).reshape(rows, -1))
 
 
+def padded_prompt_and_steps(model):
+    """The logits of `model` over a left-padded prompt of two rows and two decoding steps after it, on the cache
+    rungen.kvcache.new_cache gives it."""
+    import torch
+
+    from rungen.kvcache import new_cache
+
+    ids = torch.tensor([[0, 0, 5, 9, 13, 2], [7, 3, 5, 9, 13, 2]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    cache, out = new_cache(model), []
+    with torch.no_grad():
+        out.append(model(ids, attention_mask=mask, past_key_values=cache).logits)
+        for step in (11, 17):
+            mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], -1)
+            out.append(model(torch.tensor([[step], [step + 1]]), attention_mask=mask, past_key_values=cache).logits)
+    return out
+
+
 def write_moe_gguf(path, experts=4, used=2, layers=2, expert_types=(None, None, None), expert_ffn=768,
                    arch="qwen3moe", shared_ffn=256, hidden=64, fields=None):
     """A tiny Qwen3-MoE GGUF file at `path` as llama.cpp's converter writes Qwen3-30B-A3B's: qwen3 attention (q/k

@@ -689,8 +689,7 @@ def test_a_mixture_decodes_in_one_native_call_a_step_as_transformers_modules(
     # two types as two parts, Q2_K's rows as the file has them), within float32 rounding.
     if not native_kernels():
         pytest.skip("the native kernels are not available here")
-    from helpers import write_moe_gguf
-    from rungen.kvcache import new_cache
+    from helpers import padded_prompt_and_steps, write_moe_gguf
 
     shared = dict(shared_ffn=512) if arch == "qwen2moe" else {}
     path = write_moe_gguf(tmp_path / f"{arch}.gguf", arch=arch, experts=8, used=3, expert_types=expert_types,
@@ -703,28 +702,14 @@ def test_a_mixture_decodes_in_one_native_call_a_step_as_transformers_modules(
         monkeypatch.setattr(torch.ops.rungen_ggml, name,
                             lambda *a, name=name, original=original: calls.update({name: calls[name] + 1})
                             or original(*a))
-
-    def passes():
-        """The logits of a left-padded prompt and two steps."""
-        ids = torch.tensor([[0, 0, 5, 9, 13, 2], [7, 3, 5, 9, 13, 2]])
-        mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
-        cache, out = new_cache(model), []
-        with torch.no_grad():
-            out.append(model(ids, attention_mask=mask, past_key_values=cache).logits)
-            for step in (11, 17):
-                mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], -1)
-                out.append(model(torch.tensor([[step], [step + 1]]), attention_mask=mask,
-                                 past_key_values=cache).logits)
-        return out
-
-    stacked = passes()
+    stacked = padded_prompt_and_steps(model)
     assert calls == {"decoder_stack": 3, "mixture": 0}  # the prompt and two steps, each in one call
     monkeypatch.setattr(model.model, "forward", stack.original)
-    layers = passes()
+    layers = padded_prompt_and_steps(model)
     assert calls == {"decoder_stack": 3, "mixture": 3 * len(model.model.layers)}
     with monkeypatch.context() as patch, products_one_by_one(model):
         patch.setattr(GGMLLinear, "_matmul", lambda self, x: BLOCKS_MATMUL(self, x))
-        modules = passes()
+        modules = padded_prompt_and_steps(model)
     assert calls["mixture"] == 3 * len(model.model.layers) and stacked[0].abs().max() > 1
     for ours, one_by_one, theirs in zip(stacked, layers, modules):
         assert torch.equal(ours, one_by_one)

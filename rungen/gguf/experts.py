@@ -107,8 +107,10 @@ class GGMLExperts(torch.nn.Module):
 def stacked(layers: list[GGMLLinear]) -> torch.Tensor | None:
     """The layers' blocks as one stack [layers, rows, bytes], a view of the buffer they share (nothing copied), where
     each is a GGMLLinear of one code and shape a fixed step after the one before; else None."""
+    if any(type(layer) is not GGMLLinear for layer in layers):
+        return None
     first = layers[0].blocks
-    if any(type(layer) is not GGMLLinear or layer.code != layers[0].code or layer.bias is not None
+    if any(layer.code != layers[0].code or layer.bias is not None
            or layer.blocks.shape != first.shape or layer.blocks.stride() != first.stride()
            or layer.blocks.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() for layer in layers):
         return None

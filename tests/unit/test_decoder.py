@@ -31,7 +31,7 @@ from transformers.models.phi3.modeling_phi3 import Phi3DecoderLayer, Phi3RotaryE
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
 
-from helpers import to_blocks
+from helpers import padded_prompt_and_steps, to_blocks
 from rungen.gguf import blocks as ggml
 from rungen.gguf import decoder
 from rungen.gguf.blocks import GGMLLinear
@@ -331,30 +331,16 @@ def test_a_model_whose_layers_mix_block_types_runs_one_stack_with_the_layers_bit
     calls = []
     monkeypatch.setattr(torch.ops.rungen_ggml, "decoder_stack",
                         lambda *a, original=torch.ops.rungen_ggml.decoder_stack: calls.append(1) or original(*a))
-    ids = torch.tensor([[0, 0, 5, 9, 13, 2], [7, 3, 5, 9, 13, 2]])
-
-    def passes(runner):
-        """The logits of a left-padded prompt and two steps."""
-        mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
-        cache, out = new_cache(runner), []
-        with torch.no_grad():
-            out.append(runner(ids, attention_mask=mask, past_key_values=cache).logits)
-            for step in (11, 17):
-                mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], -1)
-                out.append(runner(torch.tensor([[step], [step + 1]]), attention_mask=mask,
-                                  past_key_values=cache).logits)
-        return out
-
-    stacked = passes(model)
+    stacked = padded_prompt_and_steps(model)
     assert len(calls) == 3  # the prompt and two steps, each in one call
     monkeypatch.setattr(model.model, "forward", stack.original)
-    for ours, theirs in zip(stacked, passes(model)):
+    for ours, theirs in zip(stacked, padded_prompt_and_steps(model)):
         assert torch.equal(ours, theirs)
     monkeypatch.setattr(GGMLLinear, "_matmul", lambda self, x: torch.ops.rungen_ggml.mm_tiled(
         x.float().contiguous(), self.blocks, self.code, self.in_features))
     with decoder.products_one_by_one(model):
-        exact = passes(model)
-    for ours, theirs in zip(exact, passes(reference)):
+        exact = padded_prompt_and_steps(model)
+    for ours, theirs in zip(exact, padded_prompt_and_steps(reference)):
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
     assert exact[0].abs().max() > 0.1 and len(calls) == 3
 
