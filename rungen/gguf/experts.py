@@ -68,7 +68,7 @@ class GGMLExperts(torch.nn.Module):
         parts = [list(layer.parts) if isinstance(layer, GGMLParts) else [layer] for layer in gate_up]
         columns = [[expert[i] for expert in parts] for i in range(len(parts[0]))] + [list(down)]
         stacks = [stacked(column) for column in columns] if len({len(p) for p in parts}) == 1 else [None]
-        self.stacks = None if any(stack is None for stack in stacks) else (
+        self.block_stacks = None if any(stack is None for stack in stacks) else (
             stacks, [column[0].code for column in columns])
 
     def extra_repr(self) -> str:
@@ -174,10 +174,10 @@ class NativeMixture:
                  shared: tuple[GGMLLinear, GGMLLinear, GGMLLinear] | None = None,
                  shared_gate: torch.Tensor | None = None):
         """router: the router's weight [experts, hidden] (float32); top_k experts a token, their weights divided by
-        their sum where norm_topk; experts with stacks (GGMLExperts.stacks); Qwen2-MoE's shared expert (its gate,
+        their sum where norm_topk; experts with stacks (GGMLExperts.block_stacks); Qwen2-MoE's shared expert (its gate,
         up and down) and its gate's weight [1, hidden]."""
         self.router, self.top_k, self.norm_topk = router, int(top_k), bool(norm_topk)
-        self.experts, self.expert_codes = experts.stacks
+        self.experts, self.expert_codes = experts.block_stacks
         self.shared = list(shared or ())
         # The shared expert as the stack takes it: gate and up as one product's parts, down; else None.
         self.shared_gate_up = None if shared is None else GGMLParts(list(shared[:2]))
@@ -190,7 +190,7 @@ class NativeMixture:
         block, experts not stacked in their blocks, an activation other than SiLU, a shared expert not in blocks)."""
         experts, shared = getattr(block, "experts", None), getattr(block, "shared_expert", None)
         if (type(block).__name__ not in BLOCKS or not isinstance(getattr(block, "gate", None), ExpertRouter)
-                or type(experts) is not GGMLExperts or experts.stacks is None or not silu(experts.act_fn)):
+                or type(experts) is not GGMLExperts or experts.block_stacks is None or not silu(experts.act_fn)):
             return None
         if shared is not None and not (
                 all(type(getattr(shared, name, None)) is GGMLLinear and getattr(shared, name).bias is None
