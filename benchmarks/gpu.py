@@ -48,8 +48,8 @@ reported apart (first_level_*: the batch's growth captures the step at each size
 token (median and 95th percentile), time per output token, and the requests cut short (none expected; one that fails is
 the row's error). Product rows: one layer's matrix product in each weight form at 1 to 4096 rows
 (benchmarks/gpu_products.py). Last, while time is left, a mixture of experts: Qwen3-30B-A3B's shape cut to 8 of its
-48 layers as Q4_0, its experts in codes (a decode step's chosen ones in grouped launches, where the Triton forms
-run), its bound counting the experts one token chooses.
+48 layers as Q4_0, its experts in codes (a decode step's chosen ones in the GEMV kernels' grouped launches and its
+prompt's in the tiled kernels', where the Triton forms run), its bound counting the experts one token chooses.
 
 Each measurement is guarded: a failure prints one line and the run goes on. The run keeps to --budget seconds (300
 by default: the whole script within 6 minutes on an H100/H200, a last measurement's overrun included), the goals'

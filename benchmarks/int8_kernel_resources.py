@@ -15,6 +15,7 @@ launchers configure them.
 """
 
 import argparse
+import itertools
 import os
 import re
 import subprocess
@@ -74,20 +75,22 @@ def main():
         for activations in args.activations:
             run = runs["int4" if group == "int4" else "int8"]
             names = run.jit.arg_names
-            for config in run.configs_for(divmod(args.arch, 10)):
+            for config, grouped in itertools.product(run.configs_for(divmod(args.arch, 10)), (False, True)):
                 block_n, block_k = config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"]
                 signature = {"x": f"*{activations}", "codes": "*u8" if group == "int4" else "*i8",
-                             "scales": f"*{scales}", "offsets": f"*{scales}", "y": f"*{activations}", "M": "i32",
-                             "N": "i32", "K": "i32", "M_BUCKET": "i32", **{key: "constexpr" for key in names[9:]}}
-                constants = {"GROUP": group, "OFFSET": offsets, "BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": block_k}
+                             "scales": f"*{scales}", "offsets": f"*{scales}", "y": f"*{activations}",
+                             "tiles": "*i32", "sources": "*i32", "M": "i32", "N": "i32", "K": "i32", "M_BUCKET": "i32",
+                             **{key: "constexpr" for key in names[11:]}}
+                constants = {"GROUP": group, "OFFSET": offsets, "GROUPED": grouped, "BLOCK_M": 16, "BLOCK_N": block_n,
+                             "BLOCK_K": block_k}
                 constants = {(names.index(key),): value for key, value in constants.items() if key in names}
                 source = ASTSource(run.jit, signature, constants, aligned(names))
                 built = triton.compile(source, target=GPUTarget("cuda", args.arch, 32),
                                        options={"num_warps": config.num_warps, "num_stages": config.num_stages})
                 used = resources(built.asm["cubin"], cuobjdump)
                 shared = built.metadata.shared
-                print(f"| {name} | {activations} | {block_n} x {block_k}, {config.num_warps}, {config.num_stages} | "
-                      f"{used.get('REG', '?')} | "
+                print(f"| {name}{' (grouped)' if grouped else ''} | {activations} | {block_n} x {block_k}, "
+                      f"{config.num_warps}, {config.num_stages} | {used.get('REG', '?')} | "
                       f"{used.get('STACK', 0)} | {shared / 1024:.0f}{' (too much)' if shared > most else ''} |",
                       flush=True)
     gemv(args, runs, triton, GPUTarget, ASTSource, cuobjdump, most)

@@ -55,15 +55,14 @@ def launcher(triton, matmul, constants, leave_out=()):
     def for_the_gpu(configs, named_args, **kwargs):
         return tables[configs_for(torch.cuda.get_device_capability(named_args["x"].device))]
 
-    tuned = autotune(triton, [config for table in tables.values() for config in table], ["M_BUCKET", "N", "K"],
-                     for_the_gpu)(matmul)
+    tuned = autotune(triton, [config for table in tables.values() for config in table],
+                     ["M_BUCKET", "N", "K", "GROUPED"], for_the_gpu)(matmul)
 
-    def run(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, blocks: dict | None = None,
-            offsets: torch.Tensor | None = None) -> torch.Tensor:
-        rows, inner = x.shape
-        channels = codes.shape[0]
+    def launch(x, codes, scales, offsets, blocks, rows, tiles=None, sources=None):
+        grouped = tiles is not None  # codes, scales, offsets: a mixture's experts stacked [experts, ...]
+        inner, channels = x.shape[1], codes.shape[-2]
         y = torch.empty(rows, channels, dtype=x.dtype, device=x.device)
-        bucket = 16 if rows <= 16 else MOST_ROWS  # one tuning for a decode step's rows, one past them
+        bucket = 16 if rows <= 16 and not grouped else MOST_ROWS  # one tuning for a decode step's rows, one past
         if blocks is None and os.environ.get("TRITON_INTERPRET") == "1":
             blocks = {"BLOCK_N": 32, "BLOCK_K": 128}
 
@@ -72,12 +71,23 @@ def launcher(triton, matmul, constants, leave_out=()):
 
         shifts = scales if offsets is None else offsets  # (never read without offsets)
         kernel, settings = (tuned, {}) if blocks is None else (matmul, blocks)
-        kernel[grid](x, codes, scales, shifts, y, rows, channels, inner, bucket, BLOCK_M=16,
-                     **constants(inner, scales, offsets), **settings)
+        kernel[grid](x, codes, scales, shifts, y, tiles if grouped else codes, sources if grouped else codes, rows,
+                     channels, inner, bucket, BLOCK_M=16, GROUPED=grouped,
+                     **constants(inner, scales[0] if grouped else scales, offsets), **settings)
         return y
 
+    def run(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, blocks: dict | None = None,
+            offsets: torch.Tensor | None = None) -> torch.Tensor:
+        return launch(x, codes, scales, offsets, blocks, x.shape[0])
+
+    def grouped(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
+                tiles: torch.Tensor, sources: torch.Tensor, blocks: dict | None = None) -> torch.Tensor:
+        """y [16 x tiles, out]: block b of 16 rows expert tiles[b]'s (-1: none, its rows left unwritten), row m
+        x[sources[m]] times that expert's weight (-1: unwritten); the experts' codes, scales and offsets stacked."""
+        return launch(x, codes, scales, offsets, blocks, 16 * tiles.shape[0], tiles, sources)
+
     # for benchmarks/int8_kernel_resources.py: the kernel and the configurations of a compute capability
-    run.jit, run.configs_for = matmul, lambda capability: tables[configs_for(capability)]
+    run.jit, run.configs_for, run.grouped = matmul, lambda capability: tables[configs_for(capability)], grouped
     return run
 
 
@@ -88,7 +98,9 @@ def with_gemv(triton, tiled, gemv_kernel, constants, env: str):
     the `tiled` launcher; run.gemv_launch(x, codes, scales, offsets, blocks) runs the GEMV kernel alone (`blocks`:
     one configuration; Triton's interpreter, with nothing to time, takes one); run.grouped(x, codes, scales,
     offsets, pairs): a mixture's experts stacked ([experts, out, ...] each), y [P, out] with y[p] = x[pairs[p, 1]]
-    times expert pairs[p, 0]'s weight (a decode step's chosen experts in one launch, no read on the host)."""
+    times expert pairs[p, 0]'s weight (a decode step's chosen experts in one launch, no read on the host);
+    run.grouped_tiles(x, codes, scales, offsets, tiles, sources): the tiled kernel's (launcher's run.grouped), a
+    prompt's chosen experts in blocks of 16 rows an expert."""
 
     def gemv(x, codes, scales, offsets=None, blocks=None, pairs=None):
         grouped = pairs is not None  # codes, scales, offsets: a mixture's experts stacked, pairs [P, 2] int32
@@ -112,6 +124,7 @@ def with_gemv(triton, tiled, gemv_kernel, constants, env: str):
     run.timed = False  # whether a check timed the GEMV kernel against the tiled one (the first: it decides)
     run.jit, run.configs_for, run.tiled, run.gemv_launch = tiled.jit, tiled.configs_for, tiled, gemv
     run.grouped = lambda x, codes, scales, offsets, pairs: gemv(x, codes, scales, offsets, pairs=pairs)
+    run.grouped_tiles = tiled.grouped
     run.gemv_jit = gemv_kernel.fn  # (benchmarks/int8_kernel_resources.py builds it apart)
     return run
 

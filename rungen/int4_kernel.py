@@ -93,12 +93,23 @@ def triton_kernel():
         return None
 
     @triton.jit(do_not_specialize=["M", "M_BUCKET"])  # one compilation for every decode batch
-    def int4_matmul(x, codes, scales, offsets, y, M, N, K, M_BUCKET, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
+    def int4_matmul(x, codes, scales, offsets, y, tiles, sources, M, N, K, M_BUCKET, GROUPED: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # y[m, n] = sum_k x[m, k] * (code[n, k] * scales[n, k // 32] + offsets[n, k // 32]), BLOCK_K inputs (whole
         # chunks of 64) at a time: the bytes' low nibbles hold each chunk's first group of 32 and the high ones its
-        # second, so each is a product over whole groups. Grid and rows as rungen/int8.py's kernel's.
+        # second, so each is a product over whole groups. Grid, rows and GROUPED as rungen/int8.py's kernel's.
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        if GROUPED:
+            expert = tl.load(tiles + tl.program_id(0)).to(tl.int64)
+            if expert < 0:
+                return
+            codes += expert * N * (K // 2)
+            scales += expert * N * (K // 32)
+            offsets += expert * N * (K // 32)
+            reads = tl.load(sources + rows).to(tl.int64)
+            held_rows = reads >= 0
+        else:
+            reads, held_rows = rows, rows < M
         channels = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
         half = tl.arange(0, BLOCK_K // 2)
         low_inputs = (half // 32) * 64 + half % 32  # a tile's inputs in its bytes' low nibbles
@@ -106,7 +117,7 @@ def triton_kernel():
         total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for start in range(0, K, BLOCK_K):
             low_at = start + low_inputs
-            held_x = (rows[:, None] < M) & (low_at[None, :] < K)
+            held_x = held_rows[:, None] & (low_at[None, :] < K)
             byte_at = start // 2 + half
             b = tl.load(codes + channels[None, :] * (K // 2) + byte_at[:, None],
                         mask=(channels[None, :] < N) & (byte_at[:, None] < K // 2), other=0)
@@ -114,7 +125,7 @@ def triton_kernel():
             held = (channels[None, :] < N) & (group[:, None] < K // 32)
             where = channels[None, :] * (K // 32) + group[:, None]
             for part in tl.static_range(2):  # the low nibbles (each chunk's first group), then the high ones
-                a = tl.load(x + rows[:, None] * K + 32 * part + low_at[None, :], mask=held_x, other=0.0)
+                a = tl.load(x + reads[:, None] * K + 32 * part + low_at[None, :], mask=held_x, other=0.0)
                 # each group's one scale and offset spread over its 32 codes in registers
                 scale = tl.load(scales + where + part, mask=held, other=0.0).to(tl.float32)
                 offset = tl.load(offsets + where + part, mask=held, other=0.0).to(tl.float32)
@@ -122,7 +133,7 @@ def triton_kernel():
                 w = w * scale[:, None, :] + offset[:, None, :]
                 total += tl.dot(a, tl.reshape(w, (BLOCK_K // 2, BLOCK_N)).to(a.dtype), input_precision="ieee")
         tl.store(y + rows[:, None] * N + channels[None, :], total.to(y.dtype.element_ty),
-                 mask=(rows[:, None] < M) & (channels[None, :] < N))
+                 mask=held_rows[:, None] & (channels[None, :] < N))
 
     # x @ (unpacked(codes) * scales + offsets).T; codes [out, in / 2] (packed()), scales and offsets [out, in / 32].
     # int8's configurations but (16, 256, 4), which spills 8 bytes here with float16 scales on sm_90

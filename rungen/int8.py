@@ -45,20 +45,35 @@ def triton_kernel():
         return None
 
     @triton.jit(do_not_specialize=["M", "M_BUCKET"])  # one compilation for every decode batch
-    def int8_matmul(x, codes, scales, offsets, y, M, N, K, M_BUCKET, GROUP: tl.constexpr, OFFSET: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def int8_matmul(x, codes, scales, offsets, y, tiles, sources, M, N, K, M_BUCKET, GROUP: tl.constexpr,
+                    OFFSET: tl.constexpr, GROUPED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
         # y[m, n] = sum_k x[m, k] * (codes[n, k] * scale + offset): a block of rows and output channels a program; the
         # scale is scales[n] (GROUP 0), applied to the sums, or scales[n, k // GROUP], applied to the codes, as the
         # group's offset (OFFSET: offsets[n, k // GROUP], else none) is. Row blocks are the grid's first axis, so
         # the programs reading one block of codes are launched together and all but the first read it from L2: the
-        # codes leave memory once however many row blocks there are.
+        # codes leave memory once however many row blocks there are. GROUPED: a mixture's experts stacked
+        # [experts, N, ...], a block of rows one expert's (tiles[block]; -1: none), y's row m = x[sources[m]] times
+        # that expert's weight (sources[m] -1: no row).
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        if GROUPED:
+            expert = tl.load(tiles + tl.program_id(0)).to(tl.int64)
+            if expert < 0:
+                return
+            codes += expert * N * K
+            scales += expert * N * (K // GROUP if GROUP else 1)
+            if OFFSET:
+                offsets += expert * N * (K // GROUP)
+            reads = tl.load(sources + rows).to(tl.int64)
+            held_rows = reads >= 0
+        else:
+            reads, held_rows = rows, rows < M
         channels = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # channels x K: past 2^31
         inner = tl.arange(0, BLOCK_K)
         total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for start in range(0, K, BLOCK_K):
             at = start + inner
-            a = tl.load(x + rows[:, None] * K + at[None, :], mask=(rows[:, None] < M) & (at[None, :] < K), other=0.0)
+            a = tl.load(x + reads[:, None] * K + at[None, :], mask=held_rows[:, None] & (at[None, :] < K), other=0.0)
             b = tl.load(codes + channels[None, :] * K + at[:, None], mask=(channels[None, :] < N) & (at[:, None] < K),
                         other=0)
             if GROUP:
@@ -76,7 +91,7 @@ def triton_kernel():
         if not GROUP:
             total = total * tl.load(scales + channels, mask=channels < N, other=0.0).to(tl.float32)[None, :]
         tl.store(y + rows[:, None] * N + channels[None, :], total.to(y.dtype.element_ty),
-                 mask=(rows[:, None] < M) & (channels[None, :] < N))
+                 mask=held_rows[:, None] & (channels[None, :] < N))
 
     # x @ (scales * codes + offsets).T, scales [out] (a channel's) or [out, groups] (a group of inputs': GGUF's Q8_0
     # 32, Q6_K 16), offsets None or [out, groups] (Q5_K's, Q2_K's)

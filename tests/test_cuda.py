@@ -1804,13 +1804,84 @@ def test_the_gemv_kernels_multiply_each_pair_by_its_chosen_expert(which, monkeyp
             assert (y.float() - reference).abs().max() <= 0.01 * reference.abs().max(), (codes.dtype, blocks)
 
 
+def grouped_stacks(which, experts, channels, inner, generator):
+    """[(codes, scales, offsets)] of `experts` random experts stacked [experts, channels, ...]: int8's in each of its
+    forms (int8_layer's), 4-bit ones with float16 and float32 groups (Q4_0/Q4_1's, Q4_K's); and the plain product."""
+    from rungen import int4_kernel, int8
+
+    if which == "int8":
+        layers = [int8_layer(channels, inner, generator) for _ in range(experts)]
+        forms = [([codes for codes, _ in layers], [layouts[form] for _, layouts in layers]) for form in range(5)]
+        return [(torch.stack(codes), torch.stack([scales for scales, _ in held]),
+                 None if held[0][1] is None else torch.stack([offsets for _, offsets in held]))
+                for codes, held in forms], int8.widened
+    codes = torch.stack([int4_kernel.packed(torch.randint(0, 16, (channels, inner), dtype=torch.uint8,
+                                                          generator=generator)) for _ in range(experts)])
+    scales = torch.rand(experts, channels, inner // 32, generator=generator) / 100
+    offsets = -8 * scales + torch.rand(experts, channels, inner // 32, generator=generator) / 1000
+    return [(codes.to(DEVICE), scales.to(DEVICE, kind), offsets.to(DEVICE, kind))
+            for kind in (torch.float16, torch.float32)], int4_kernel.widened4
+
+
 @needs_triton
 @pytest.mark.parametrize("which", ["int8", "4-bit"])
-def test_coded_experts_take_a_decode_steps_chosen_experts_in_two_launches(which, monkeypatch):
+def test_the_tiled_kernels_multiply_each_block_of_rows_by_its_expert(which, monkeypatch):
+    # A prompt's chosen experts in one launch of the tiled kernel: the experts' codes stacked, each block of 16 rows
+    # one expert's (-1: none, left unwritten), each row x's row `sources` names times that expert's weight (-1: left
+    # unwritten), as each expert's plain product gives it; every int8 form (on a GPU two of them) and both 4-bit ones.
+    from rungen import int4_kernel, int8
+
+    dtype = torch.bfloat16
+    kernel = kernel_where_it_runs((int8 if which == "int8" else int4_kernel).triton_kernel, dtype, monkeypatch)
+    experts, channels, inner = 3, 40, 384
+    generator = torch.Generator().manual_seed(0)
+    stacks, plain = grouped_stacks(which, experts, channels, inner, generator)
+    if which == "int8" and not ON_CPU:
+        stacks = [stacks[1], stacks[4]]
+    x = torch.randn(5, inner, generator=generator).to(DEVICE, dtype)
+    tiles = torch.tensor([2, 0, -1, 2], dtype=torch.int32)
+    sources = torch.full((64,), -1, dtype=torch.int32)
+    sources[[0, 1, 2, 16, 17, 48, 63]] = torch.tensor([4, 0, 4, 1, 3, 2, 0], dtype=torch.int32)
+    for codes, scales, offsets in stacks:
+        y = kernel.grouped_tiles(x, codes, scales, offsets, tiles.to(DEVICE), sources.to(DEVICE))
+        assert y.dtype == dtype and y.shape == (64, channels)
+        for row, source in enumerate(sources.tolist()):
+            if source < 0:
+                continue
+            e = int(tiles[row // 16])
+            reference = plain(x[source:source + 1].float(), codes[e], scales[e], None if offsets is None
+                              else offsets[e])[0]
+            assert (y[row].float() - reference).abs().max() <= 0.01 * reference.abs().max(), (codes.dtype, row)
+
+
+def test_a_prompts_pairs_are_laid_out_in_blocks_of_one_expert():
+    # tile_layout (on the device, nothing read back): each expert's pairs in order in whole blocks of 16 rows, each
+    # block naming its expert, the rows of no pair -1; the blocks' count bounded beforehand (a launch's grid).
+    from rungen.gguf.device_experts import TILE_ROWS, tile_layout
+
+    generator = torch.Generator().manual_seed(0)
+    experts = torch.randint(0, 6, (70,), generator=generator)
+    experts[experts == 4] = 5  # an expert no pair takes
+    tiles, positions, owner = tile_layout(experts.to(DEVICE), 6)
+    tiles, positions, owner = tiles.cpu(), positions.cpu(), owner.cpu()
+    assert tiles.shape == ((70 + 15) // 16 + 6,) and owner.shape == (TILE_ROWS * tiles.shape[0],)
+    assert sorted(positions.tolist()) == sorted(set(positions.tolist()))  # a row each
+    assert torch.equal(owner[positions], torch.arange(70, dtype=torch.int32))
+    assert torch.equal(tiles[positions // TILE_ROWS].long(), experts)
+    for e in (0, 1, 2, 3, 5):  # an expert's pairs in their order, from the start of its first block on
+        rows = positions[experts == e]
+        assert torch.equal(rows, rows[0] + torch.arange(len(rows))) and rows[0] % TILE_ROWS == 0
+    assert int((owner >= 0).sum()) == 70 and set(tiles[(tiles >= 0)].tolist()) == {0, 1, 2, 3, 5}
+
+
+@needs_triton
+@pytest.mark.parametrize("which", ["int8", "4-bit"])
+def test_coded_experts_take_a_steps_and_a_prompts_chosen_experts_in_two_launches(which, monkeypatch):
     # A mixture's experts in a Triton form (rungen/gguf/device_experts.py's CodedExperts): each part's codes stacked
     # once, the experts' layers views of the one buffer (nothing held twice); a decode step's (token, expert) pairs
     # through the grouped launches, nothing read back to the host (on a GPU, sync debug mode raising), compute what
-    # the experts one at a time do (GGMLExperts' forward over the same layers).
+    # the experts one at a time do (GGMLExperts' forward over the same layers); a prompt's pairs too, through the
+    # tiled kernels' grouped launches.
     from rungen import int4_kernel, int8
     from rungen.gguf.device_experts import CodedExperts
     from rungen.gguf.experts import GGMLExperts
@@ -1832,20 +1903,22 @@ def test_coded_experts_take_a_decode_steps_chosen_experts_in_two_launches(which,
     for layers, stacked in zip((coded.gate_up, coded.down), coded.stacks):
         held = stacked["codes"].untyped_storage().data_ptr()
         assert all(layer.codes.untyped_storage().data_ptr() == held for layer in layers)
-    x = torch.randn(3, hidden, generator=generator).to(DEVICE, dtype)
-    chosen = torch.tensor([[2, 0], [1, 3], [0, 2]], device=DEVICE)
-    weights = torch.softmax(torch.randn(3, 2, generator=generator), dim=-1).to(DEVICE, dtype)
-    with torch.inference_mode():
-        if not ON_CPU:
-            torch.cuda.set_sync_debug_mode("error")
-        try:
-            ours = coded(x, chosen, weights)
-        finally:
+    # A decode step's three tokens (the GEMV kernels), then a prompt's 70 (140 pairs: the tiled kernels).
+    for tokens in (3, 70):
+        x = torch.randn(tokens, hidden, generator=generator).to(DEVICE, dtype)
+        chosen = torch.stack([torch.randperm(experts, generator=generator)[:2] for _ in range(tokens)]).to(DEVICE)
+        weights = torch.softmax(torch.randn(tokens, 2, generator=generator), dim=-1).to(DEVICE, dtype)
+        with torch.inference_mode():
             if not ON_CPU:
-                torch.cuda.set_sync_debug_mode(0)
-        theirs = GGMLExperts.forward(coded, x, chosen, weights)
-    assert ours.dtype == dtype and ours.shape == x.shape
-    assert (ours.float() - theirs.float()).abs().max() <= 0.02 * theirs.float().abs().max()
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                ours = coded(x, chosen, weights)
+            finally:
+                if not ON_CPU:
+                    torch.cuda.set_sync_debug_mode(0)
+            theirs = GGMLExperts.forward(coded, x, chosen, weights)
+        assert ours.dtype == dtype and ours.shape == x.shape
+        assert (ours.float() - theirs.float()).abs().max() <= 0.02 * theirs.float().abs().max(), tokens
 
 
 @needs_triton

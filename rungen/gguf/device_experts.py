@@ -5,8 +5,11 @@ Where every expert of a layer is in a Triton form (4-bit codes two a byte, int8 
 each part's codes, scales and offsets stacked in one buffer [experts, out, ...] that the experts' layers hold views
 of, and a decode step's chosen experts multiplied by the GEMV kernels' grouped launch, two a layer (gate/up, down),
 with nothing read back to the host: the step a CUDA graph can hold (rungen/slots.py takes such a model). A prompt's
-many tokens go an expert at a time, as GGMLExperts does. Elsewhere (tinygemm's 4-bit form) the layer is GGMLExperts
-over the experts' layers, a read of how many tokens each expert has at every step.
+pairs go through the tiled kernels' grouped launch, two a layer too: the pairs sorted by expert on the device, each
+expert's rows in blocks of 16 (tile_layout); a prompt of more than MOST_ROWS rows an expert on average goes an
+expert at a time, as GGMLExperts does (its largest experts through the GPU's own product). Elsewhere (tinygemm's
+4-bit form) the layer is GGMLExperts over the experts' layers, a read of how many tokens each expert has at every
+step.
 """
 
 from __future__ import annotations
@@ -17,14 +20,40 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
+from ..code_kernels import MOST_ROWS
 from ..int8 import CodesLinear
 from .blocks import dequantize_to, weights_per_row
 from .experts import GGMLExperts, check_shapes
 from .weights import FLOAT_TYPES, Tensor, WeightReader
 
-# (token, expert) pairs a step multiplies in the grouped launch at most: a decode step's (a few rows x the experts a
-# token takes); a prompt's more go an expert at a time, each expert's weight read once for all its tokens.
+# (token, expert) pairs a step multiplies in the GEMV kernels' grouped launch at most: a decode step's (a few rows x
+# the experts a token takes); a prompt's more go to the tiled kernels' grouped launch, each expert's weight read once
+# for all its tokens.
 GROUPED_PAIRS = 128
+TILE_ROWS = 16  # the tiled kernels' rows a block (their BLOCK_M): a block holds one expert's pairs
+
+
+def tile_layout(experts: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A prompt's (token, expert) pairs (experts [P]: each pair's expert, of `count`) laid out for the tiled kernels'
+    grouped launch, on the device with nothing read back: each expert's pairs in order in whole blocks of TILE_ROWS
+    rows. (tiles [T]: each block's expert, -1 past the last; positions [P]: each pair's row; owner [TILE_ROWS x T]:
+    the pair at each row, -1 none), T = ceil(P / TILE_ROWS) + count, what the blocks need at most."""
+    pairs, device = experts.shape[0], experts.device
+    order = torch.argsort(experts, stable=True)
+    ordered = experts[order]
+    # (bincount would read its largest value back to the host to size its output)
+    counts = torch.zeros(count, dtype=torch.long, device=device).index_add_(0, experts, torch.ones_like(experts))
+    blocks = (counts + TILE_ROWS - 1) // TILE_ROWS
+    first_row = (torch.cumsum(blocks, 0) - blocks) * TILE_ROWS  # each expert's first row
+    first_pair = torch.cumsum(counts, 0) - counts  # each expert's first pair in the sorted order
+    rows = first_row[ordered] + torch.arange(pairs, device=device) - first_pair[ordered]
+    positions = torch.empty_like(rows).index_copy_(0, order, rows)
+    total = (pairs + TILE_ROWS - 1) // TILE_ROWS + count
+    tiles = torch.full((total,), -1, dtype=torch.int32, device=device)
+    tiles[rows // TILE_ROWS] = ordered.to(torch.int32)  # (a block's rows all write its one expert)
+    owner = torch.full((TILE_ROWS * total,), -1, dtype=torch.int32, device=device)
+    owner[rows] = order.to(torch.int32)
+    return tiles, positions, owner
 
 
 def coded_experts(reader: WeightReader, parts: dict[str, Tensor], module: torch.nn.Module, forms
@@ -81,8 +110,9 @@ def stack(layers: list[CodesLinear]) -> dict[str, torch.Tensor | None]:
 
 class CodedExperts(GGMLExperts):
     """A layer's experts in a Triton form, each part's codes stacked (stack): forward(hidden [tokens, hidden],
-    top_k_index, top_k_weights) as transformers' Experts modules compute it, a decode step's GROUPED_PAIRS (token,
-    expert) pairs at most in two grouped launches with no read on the host, more an expert at a time."""
+    top_k_index, top_k_weights) as transformers' Experts modules compute it, in two grouped launches with no read on
+    the host: a decode step's GROUPED_PAIRS (token, expert) pairs at most on the GEMV kernels, a prompt's on the
+    tiled ones to MOST_ROWS rows an expert on average; more an expert at a time."""
 
     captures_decode = True  # (rungen/slots.py: its model's decode step may be a CUDA graph, to most_pairs pairs)
     most_pairs = GROUPED_PAIRS
@@ -93,8 +123,10 @@ class CodedExperts(GGMLExperts):
         self.stacks = stack(gate_up), stack(down)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        if top_k_index.numel() > self.most_pairs:
+        if top_k_index.numel() > MOST_ROWS * self.num_experts:
             return super().forward(hidden_states, top_k_index, top_k_weights)
+        if top_k_index.numel() > self.most_pairs:
+            return self._tiled(hidden_states, top_k_index, top_k_weights)
         tokens, chosen = top_k_index.shape
         experts = top_k_index.reshape(-1).to(torch.int32)
         pairs = torch.arange(experts.shape[0], dtype=torch.int32, device=experts.device)
@@ -102,6 +134,25 @@ class CodedExperts(GGMLExperts):
         done = self._grouped(1, self.act_fn(gate) * up, torch.stack([experts, pairs], dim=1))
         weighted = done.float() * top_k_weights.reshape(-1, 1).float()
         return weighted.view(tokens, chosen, -1).sum(dim=1).to(hidden_states.dtype)
+
+    def _tiled(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        """forward's result for a prompt's pairs, on the tiled kernels' grouped launch (tile_layout's blocks)."""
+        tokens, chosen = top_k_index.shape
+        tiles, positions, owner = tile_layout(top_k_index.reshape(-1), self.num_experts)
+        held = owner >= 0
+        token_rows = torch.where(held, owner // chosen, -1).to(torch.int32)
+        own_rows = torch.where(held, torch.arange(owner.shape[0], device=owner.device, dtype=torch.int32), -1)
+        # (rows of no pair hold what the buffer held: never read, the launches skip them)
+        gate, up = self._blocks(0, hidden_states, tiles, token_rows).chunk(2, dim=-1)
+        done = self._blocks(1, self.act_fn(gate) * up, tiles, own_rows)[positions]
+        weighted = done.float() * top_k_weights.reshape(-1, 1).float()
+        return weighted.view(tokens, chosen, -1).sum(dim=1).to(hidden_states.dtype)
+
+    def _blocks(self, which: int, x: torch.Tensor, tiles: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Row m of the result: x[rows[m]] times block m // TILE_ROWS's expert's gate/up (`which` 0) or down (1)."""
+        held = self.stacks[which]
+        return self.kernel[which].grouped_tiles(x.contiguous(), held["codes"], held["scales"], held["offsets"],
+                                                tiles, rows)
 
     def _grouped(self, which: int, x: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
         """Row p of the result: x[pairs[p, 1]] times expert pairs[p, 0]'s gate/up (`which` 0) or down (1)."""
