@@ -20,7 +20,7 @@ import torch
 
 from .code_kernels import GEMV_PRODUCTS, autotune, choose_gemv, launcher, with_gemv
 from .int4 import GPU_INT4_ENV, TinyGemmLinear, int4_groups
-from .int8 import WIDEN_BYTES, CodesLinear, disagreement, widened
+from .int8 import CodesLinear, disagreement, widened
 
 logger = logging.getLogger(__name__)
 
@@ -75,12 +75,9 @@ def unpacked(packed_codes: torch.Tensor) -> torch.Tensor:
 
 def widened4(x: torch.Tensor, packed_codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
              ) -> torch.Tensor:
-    """The plain product x @ (codes * scale + offset).T, the codes unpacked and widened to x's dtype a slice of
-    output channels at a time (rungen/int8.py's widened)."""
-    step = max(1, WIDEN_BYTES // (packed_codes.shape[1] * 2 * x.element_size()))
-    return torch.cat([widened(x, unpacked(packed_codes[start:start + step]), scales[start:start + step],
-                              offsets[start:start + step])
-                      for start in range(0, packed_codes.shape[0], step)], dim=-1)
+    """The plain product x @ (codes * scale + offset).T, the codes widened to x's dtype a slice of output channels
+    at a time (rungen/int8.py's widened: on a GPU its kernel reads them packed as they lie)."""
+    return widened(x, packed_codes, scales, offsets, (CHUNK, unpacked))
 
 
 @functools.cache

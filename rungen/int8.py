@@ -194,30 +194,35 @@ class Int8Linear(torch.nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def widened(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None = None
-            ) -> torch.Tensor:
+def widened(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None = None,
+            packing: tuple | None = None) -> torch.Tensor:
     """The plain product: the codes widened to x's dtype [out, in] and scaled there, per output channel (scales
     [out]) or per group (scales [out, groups], and each group's offset where `offsets` [out, groups] are given), one
-    layer's weight at a time (two bytes a weight in half precision), at most WIDEN_BYTES of it at once."""
-    step = max(1, WIDEN_BYTES // (codes.shape[1] * x.element_size()))
+    layer's weight at a time (two bytes a weight in half precision), at most WIDEN_BYTES of it at once. `packing`:
+    (chunk, unpack) for 4-bit codes two a byte (rungen/int4_kernel.py's layout, unpack its inverse)."""
+    step = max(1, WIDEN_BYTES // (codes.shape[1] * (2 if packing else 1) * x.element_size()))
     if codes.shape[0] > step:  # a head's table: a slice of output channels at a time
         return torch.cat([widened(x, codes[start:start + step], scales[start:start + step],
-                                  None if offsets is None else offsets[start:start + step])
+                                  None if offsets is None else offsets[start:start + step], packing)
                           for start in range(0, codes.shape[0], step)], dim=-1)
-    return torch.nn.functional.linear(x, widened_weight(codes, scales, offsets, x.dtype))
+    return torch.nn.functional.linear(x, widened_weight(codes, scales, offsets, x.dtype, packing))
 
 
-def widened_weight(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, dtype: torch.dtype
-                   ) -> torch.Tensor:
+def widened_weight(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, dtype: torch.dtype,
+                   packing: tuple | None = None) -> torch.Tensor:
     """The weight [out, in] in `dtype` the codes stand for (scaled before any product: the codes' own product is
     127 / max|w| times larger, past float16's range): on a GPU by widen_kernel where Triton imports and the kernel
     gave torch's widening on its first weight of the form (WIDEN_CHECKED), each weight computed in float32 and
-    rounded once; else torch's operators, in `dtype` (three passes over the weight)."""
+    rounded once; else torch's operators, in `dtype` (three passes over the weight; packed codes unpacked first).
+    `packing`: widened's."""
     kernel = widen_kernel() if codes.is_cuda and os.environ.get(TRITON_ENV, "1") != "0" else None
-    form = (dtype, codes.shape[1] // scales.shape[1] if scales.dim() == 2 else 0, offsets is not None)
+    chunk, unpack = packing or (0, None)
+    inputs = codes.shape[1] * (2 if chunk else 1)
+    form = (dtype, inputs // scales.shape[1] if scales.dim() == 2 else 0, offsets is not None, chunk)
+    plain = (lambda rows: unpack(codes[rows])) if chunk else (lambda rows: codes[rows])
     if kernel is not None and WIDEN_CHECKED.get(form, True):
         try:
-            weight = kernel(codes, scales, offsets, dtype)
+            weight = kernel(codes, scales, offsets, dtype, chunk)
         except Exception as failure:  # a compile or launch failure: torch's operators widen from now on
             WIDEN_CHECKED[form] = False
             logger.warning("int8 weights on the GPU: the widening kernel failed (%s); torch's operators widen them",
@@ -225,7 +230,7 @@ def widened_weight(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Ten
         else:
             if form not in WIDEN_CHECKED:  # its first weight of this form against torch's operators, in float32
                 rows = slice(0, 16)
-                exact = torch_widened(codes[rows], scales[rows], None if offsets is None else offsets[rows])
+                exact = torch_widened(plain(rows), scales[rows], None if offsets is None else offsets[rows])
                 WIDEN_CHECKED[form] = bool(((weight[rows].float() - exact).abs() <= torch.finfo(dtype).eps
                                             * exact.abs() + 1e-6 * exact.abs().max()).all())
                 if not WIDEN_CHECKED[form]:
@@ -233,7 +238,7 @@ def widened_weight(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Ten
                                    "on this GPU; they widen the weights instead")
             if WIDEN_CHECKED[form]:
                 return weight
-    return torch_widened(codes, scales, offsets, dtype)
+    return torch_widened(plain(slice(None)), scales, offsets, dtype)
 
 
 def torch_widened(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
@@ -251,9 +256,10 @@ def torch_widened(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tens
 
 @functools.cache
 def widen_kernel():
-    """run(codes, scales, offsets, dtype) -> the weight: a Triton kernel reading each code, its scale and offset once
-    and writing the weight once (on an H200, torch's three passes over an 8B layer's 14336 x 4096 codes took 0.35
-    ms, 8x what the bytes need); None where Triton does not import."""
+    """run(codes, scales, offsets, dtype, chunk=0) -> the weight: a Triton kernel reading each code, its scale and
+    offset once and writing the weight once (on an H200, torch's three passes over an 8B layer's 14336 x 4096 codes
+    took 0.35 ms, 8x what the bytes need); `chunk` > 0: 4-bit codes two a byte in chunks of that many inputs
+    (rungen/int4_kernel.py's packing), read as they lie; None where Triton does not import."""
     try:
         import triton
         import triton.language as tl
@@ -261,12 +267,19 @@ def widen_kernel():
         return None
 
     @triton.jit
-    def widen(codes, scales, offsets, out, K, GROUP: tl.constexpr, OFFSET: tl.constexpr, BLOCK: tl.constexpr):
-        # out[n, k] = codes[n, k] * scale (+ offset), in float32: scales[n] (GROUP 0) or scales[n, k // GROUP]
+    def widen(codes, scales, offsets, out, K, GROUP: tl.constexpr, OFFSET: tl.constexpr, CHUNK: tl.constexpr,
+              BLOCK: tl.constexpr):
+        # out[n, k] = codes[n, k] * scale (+ offset), in float32: scales[n] (GROUP 0) or scales[n, k // GROUP]. CHUNK:
+        # code k in byte (k // CHUNK) * CHUNK / 2 + k % (CHUNK / 2) of the row, the low nibble for a chunk's first half
         row = tl.program_id(0).to(tl.int64)
         at = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         held = at < K
-        weight = tl.load(codes + row * K + at, mask=held, other=0).to(tl.float32)
+        if CHUNK:
+            byte = tl.load(codes + row * (K // 2) + (at // CHUNK) * (CHUNK // 2) + at % (CHUNK // 2), mask=held,
+                           other=0)
+            weight = ((byte >> (4 * ((at % CHUNK) // (CHUNK // 2)))) & 0x0F).to(tl.float32)
+        else:
+            weight = tl.load(codes + row * K + at, mask=held, other=0).to(tl.float32)
         if GROUP:
             where = row * (K // GROUP) + at // GROUP
             weight = weight * tl.load(scales + where, mask=held, other=0.0).to(tl.float32)
@@ -276,13 +289,14 @@ def widen_kernel():
             weight = weight * tl.load(scales + row).to(tl.float32)
         tl.store(out + row * K + at, weight.to(out.dtype.element_ty), mask=held)
 
-    def run(codes, scales, offsets, dtype):
-        out = torch.empty(codes.shape, dtype=dtype, device=codes.device)
-        rows, inner = codes.shape
+    def run(codes, scales, offsets, dtype, chunk=0):
+        rows, inner = codes.shape[0], codes.shape[1] * (2 if chunk else 1)
+        out = torch.empty(rows, inner, dtype=dtype, device=codes.device)
         codes, scales = codes.contiguous(), scales.contiguous()  # (indexed by row * K + column: no-ops as held)
         widen[(rows, triton.cdiv(inner, WIDEN_BLOCK))](
             codes, scales, scales if offsets is None else offsets.contiguous(), out, inner,
-            GROUP=inner // scales.shape[1] if scales.dim() == 2 else 0, OFFSET=offsets is not None, BLOCK=WIDEN_BLOCK)
+            GROUP=inner // scales.shape[1] if scales.dim() == 2 else 0, OFFSET=offsets is not None, CHUNK=chunk,
+            BLOCK=WIDEN_BLOCK)
         return out
 
     return run

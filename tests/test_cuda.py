@@ -1640,8 +1640,9 @@ def test_the_int8_gemv_kernel_multiplies_as_the_plain_product(dtype, monkeypatch
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_the_widening_kernel_writes_each_weight_as_its_code_scale_and_offset(dtype, monkeypatch):
     # rungen/int8.py's widening kernel (the plain product's weight on a GPU, past the int8 kernel's rows): each weight
-    # code x scale (+ offset) to the dtype's rounding, for every form of scales the int8 forms have, a row shorter
-    # than a block and one ending past several.
+    # code x scale (+ offset) to the dtype's rounding, for every form of scales the int8 forms have and the 4-bit
+    # codes packed two a byte, a row shorter than a block and one ending past several.
+    from rungen import int4_kernel
     from rungen.int8 import WIDEN_BLOCK, widen_kernel
 
     kernel = kernel_where_it_runs(widen_kernel, dtype, monkeypatch)
@@ -1664,6 +1665,19 @@ def test_the_widening_kernel_writes_each_weight_as_its_code_scale_and_offset(dty
             assert got.dtype == dtype and got.shape == codes.shape
             error = (got.cpu().double() - truth).abs()
             assert (error <= torch.finfo(dtype).eps * truth.abs() + 1e-6 * truth.abs().max()).all(), (channels, inner)
+        # 4-bit codes two a byte (rungen/int4_kernel.py's packing), read as they lie: Q4_0/Q4_1's float16 groups of
+        # 32 and Q4_K's float32 ones, each with its offset.
+        inner4 = inner - inner % int4_kernel.CHUNK  # (whole chunks)
+        codes4 = torch.randint(0, 16, (channels, inner4), dtype=torch.uint8, generator=generator)
+        for kind in (torch.float16, torch.float32):
+            scales, offsets = groups(32, kind, inner=inner4), -8 * groups(32, kind, inner=inner4)
+            truth = codes4.double() * scales.double().repeat_interleave(32, dim=1) + offsets.double(
+                ).repeat_interleave(32, dim=1)
+            got = kernel(int4_kernel.packed(codes4).to(DEVICE), scales.to(DEVICE), offsets.to(DEVICE), dtype,
+                         int4_kernel.CHUNK)
+            assert got.dtype == dtype and got.shape == codes4.shape
+            error = (got.cpu().double() - truth).abs()
+            assert (error <= torch.finfo(dtype).eps * truth.abs() + 1e-6 * truth.abs().max()).all(), (inner4, kind)
 
 
 @needs_cuda
@@ -1677,7 +1691,7 @@ def test_a_widening_kernel_that_disagrees_with_torch_gives_way_to_torchs_operato
     launched = []
 
     def kernel_off_by(error):
-        def kernel(codes, scales, offsets, dtype):
+        def kernel(codes, scales, offsets, dtype, chunk=0):
             launched.append(error)
             return (int8.torch_widened(codes, scales, offsets) + error).to(dtype)
         return kernel
@@ -1691,7 +1705,7 @@ def test_a_widening_kernel_that_disagrees_with_torch_gives_way_to_torchs_operato
         int8.widened_weight(codes, grouped, None, torch.bfloat16)
     monkeypatch.setattr(int8, "widen_kernel", lambda: kernel_off_by(1.0))
     wrong = [int8.widened_weight(codes, channels, None, torch.bfloat16) for _ in range(2)]
-    assert int8.WIDEN_CHECKED == {(torch.bfloat16, 32, False): True, (torch.bfloat16, 0, False): False}
+    assert int8.WIDEN_CHECKED == {(torch.bfloat16, 32, False, 0): True, (torch.bfloat16, 0, False, 0): False}
     assert launched == [0.0, 0.0, 1.0] and caplog.text.count("the widening kernel disagrees") == 1
     assert all(torch.equal(weight, int8.torch_widened(codes, channels, None, torch.bfloat16)) for weight in wrong)
 
