@@ -215,8 +215,9 @@ def release_default_generator() -> None:
 
 
 def captured_rows(model: torch.nn.Module) -> int | None:
-    """The rows a decode step of `model` may be captured for at most (None: any): a mixture's experts read nothing
-    back to the host for their most_pairs (token, expert) pairs only, a token taking num_experts_per_tok."""
+    """The rows a decode step of `model` may be captured for at most (None: any): a mixture's experts to their
+    most_pairs (token, expert) pairs, a token taking num_experts_per_tok (the GEMV kernels' grouped launch; more
+    step eagerly, on the tiled kernels' grouped launch)."""
     pairs = [module.most_pairs for module in model.modules() if getattr(module, "captures_decode", False)]
     if not pairs:
         return None
