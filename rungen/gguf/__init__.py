@@ -10,8 +10,11 @@ Modules, from the ground up:
 - families.py: the model families, one row each: what a family differs in from llama's decoder.
 - weights.py: WeightReader, the file's tensors as the builders take them (views of the map, interleaved rows).
 - experts.py: a mixture's experts in their blocks (GGMLExperts), its MLP in one native call (NativeMixture).
-- device_experts.py: a mixture's experts in codes on a GPU (CodedExperts: a decode step's in two grouped launches).
-- decoder.py: the decoder layers fused over the blocks (FusedDecoderLayer), the one-call stack (NativeStack).
+- device_experts.py: a mixture's experts in codes on a GPU (CodedExperts: a step's or a prompt's in two grouped
+  launches).
+- stack.py: every decoder layer in one native call (NativeStack), the layers' tensors in its order.
+- decoder.py: the decoder layers fused over the blocks (FusedDecoderLayer), the stack as transformers' forward
+  (DecoderStack).
 - file.py: the header and its cache (config, tokenizer, tensor table, what the file holds for transformers).
 - build.py: transformers' model of the file, its weights taken in tensor by tensor (build_model).
 - model.py: the own model (GGUFCausalLM) of the families' files, without transformers.
@@ -20,7 +23,7 @@ Modules, from the ground up:
 A decoder layer runs by one of four routes, the same function in the same order (the same bits) in each:
 1. GGUFCausalLM (model.py): the own model calls NativeStack directly, every layer in one native call a step. Taken
    for a file of the table's families on the CPU in float32 with the kernels built (model.refusal says why not).
-2. DecoderStack over NativeStack (decoder.py): the same one call as transformers' model's inner forward. Taken where
+2. DecoderStack (decoder.py) over NativeStack: the same one call as transformers' model's inner forward. Taken where
    transformers' model of the file runs instead (a file route 1 refuses, generate()'s beam search and other
    generate()-only controls: rungen/loading.py) and every layer fused alike and in blocks (a mixture's MLP by
    NativeMixture's native code: Qwen3-MoE, Qwen2-MoE).

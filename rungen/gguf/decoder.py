@@ -2,29 +2,28 @@
 rungen/gguf/families.py), in place of transformers' dozens (docs/kernels.md).
 
 FusedDecoderLayer does one product for q/k/v and one for gate/up (GGMLParts where block types differ) and the
-native rms_norm, rope_split, silu_mul/gelu_tanh_mul and attend between them; the cache and masks stay transformers',
-so generate() works unchanged. A model whose layers are all in blocks and alike runs them as one NativeStack call a
-step (DecoderStack). The arithmetic differs from transformers' only in summation order and fused multiply-adds
-(tests/unit/test_decoder.py); attend visits each query's keys in order, so a sequence gets the same bits alone and
-left-padded in a batch, which torch's attention kernels do not promise.
+native rms_norm, rope_split, silu_mul/gelu_tanh_mul and attend between them (a mixture's MLP: NativeMixture's one
+call); the cache and masks stay transformers', so generate() works unchanged. A model whose layers are all in blocks
+and alike runs them as one NativeStack call a step (stack.py; DecoderStack installs it). The arithmetic differs
+from transformers' only in summation order and fused multiply-adds (tests/unit/test_decoder.py); attend visits each
+query's keys in order, so a sequence gets the same bits alone and left-padded in a batch, which torch's attention
+kernels do not promise.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 import sys
-import weakref
 
 import torch
 
 from ..host_memory import release_freed_memory
-from ..kvcache import full_attention, growing, growing_like
 from .blocks import GGMLLinear, GGMLParts, join, native_products
 from .experts import NativeMixture
 from .families import BY_LAYER_CLASS
 from .kernels import native_kernels
+from .stack import GATE_UP_PARTS, QKV_PARTS, NativeStack, StackMixtures, StackWeights, native_parts
 
 # FusedDecoderLayer's attributes that hold norms (None where a family has no such norm).
 NORMS = ("input_layernorm", "mlp_norm", "attention_out_norm", "mlp_out_norm", "q_norm", "k_norm")
@@ -178,23 +177,6 @@ def product(layer: torch.nn.Module, x: torch.Tensor, native: bool) -> torch.Tens
     return y if layer.bias is None else y + layer.bias
 
 
-def native_parts(fused: GGMLLinear | GGMLParts, count: int | None = None) -> tuple[list, list]:
-    """([blocks], [codes]) of a fused product's parts as the native calls take them, padded with zero-row parts
-    to `count` when given."""
-    parts = list(fused.parts) if isinstance(fused, GGMLParts) else [fused]
-    blocks, codes = [p.blocks for p in parts], [p.code for p in parts]
-    if count is not None:
-        if len(parts) > count:
-            raise ValueError(f"a fused product of {len(parts)} parts; the native stack takes {count}")
-        blocks += [parts[0].blocks[:0]] * (count - len(parts))
-        codes += [parts[0].code] * (count - len(parts))
-    return blocks, codes
-
-
-# Parts a layer's q/k/v and gate/up products take in rungen_ggml.decoder_stack (its QKV_PARTS, GATE_UP_PARTS).
-QKV_PARTS, GATE_UP_PARTS = 3, 2
-
-
 def fusable(model: torch.nn.Module) -> bool:
     """Whether `model`'s decoder layers are of a kind FusedDecoderLayer computes, in float32 (the kernels' dtype)."""
     layers = getattr(getattr(model, "model", None), "layers", None)
@@ -219,169 +201,26 @@ def fuse_decoder_layers(model: torch.nn.Module) -> int:
     return replaced
 
 
-@dataclasses.dataclass
-class StackWeights:
-    """The decoder layers' tensors in rungen_ggml.decoder_stack's order, each a list a layer."""
-
-    input_norms: list
-    qkv: list
-    qkv_biases: list
-    q_norms: list
-    k_norms: list
-    o: list
-    mlp_norms: list
-    gate_up: list
-    down: list
-    codes: list  # a layer's: its q/k/v parts', o's, its gate/up parts', down's
-
-    @classmethod
-    def of(cls, input_norms: list, qkv: list, q_norms: list, k_norms: list, o: list, mlp_norms: list, gate_up: list,
-           down: list) -> StackWeights:
-        """gate_up and down None for a layer without a dense MLP (a mixture's without a shared expert): parts of no
-        rows, which cost nothing."""
-        qkv_parts = [native_parts(product, QKV_PARTS) for product in qkv]
-        gate_up_parts = [native_parts(product, GATE_UP_PARTS) if product is not None
-                         else ([out.blocks[:0]] * GATE_UP_PARTS, [out.code] * GATE_UP_PARTS)
-                         for product, out in zip(gate_up, o)]
-        down_parts = [(product.blocks, product.code) if product is not None else (out.blocks[:0], out.code)
-                      for product, out in zip(down, o)]
-        return cls(input_norms, [b for blocks, _ in qkv_parts for b in blocks], [p.bias for p in qkv], q_norms,
-                   k_norms, [p.blocks for p in o], mlp_norms, [b for blocks, _ in gate_up_parts for b in blocks],
-                   [blocks for blocks, _ in down_parts],
-                   [code for (_, qkv_codes), out, (_, gate_up_codes), (_, down_code)
-                    in zip(qkv_parts, o, gate_up_parts, down_parts)
-                    for code in (*qkv_codes, out.code, *gate_up_codes, down_code)])
-
-    def args(self) -> tuple:
-        """The fields in decoder_stack's order."""
-        return tuple(getattr(self, field.name) for field in dataclasses.fields(self))
-
-
-# Stacks a mixture's layer passes rungen_ggml.decoder_stack (its EXPERT_PARTS): gate/up's parts, then down.
-EXPERT_PARTS = GATE_UP_PARTS + 1
-
-
-@dataclasses.dataclass
-class StackMixtures:
-    """The mixtures' tensors in rungen_ggml.decoder_stack's order (routers, experts, expert_qtypes, shared_gates,
-    top_k, norm_topk); every list empty where no layer is a mixture. A dense layer passes None and empty stacks;
-    a mixture's shared expert comes as its layer's gate/up and down (StackWeights)."""
-
-    routers: list
-    experts: list
-    expert_codes: list
-    shared_gates: list
-    top_k: int = 0
-    norm_topk: bool = False
-
-    @classmethod
-    def of(cls, mixtures: list[NativeMixture | None]) -> StackMixtures:
-        present = [mixture for mixture in mixtures if mixture is not None]
-        if not present:
-            return cls([], [], [], [])
-        empty = torch.empty(0, dtype=torch.uint8)
-        routers, experts, codes, gates = [], [], [], []
-        for mixture in mixtures:
-            routers.append(None if mixture is None else mixture.router)
-            gates.append(None if mixture is None else mixture.shared_gate)
-            if mixture is None:
-                experts += [empty] * EXPERT_PARTS
-                codes += [0] * EXPERT_PARTS
-                continue
-            *gate_up, down = mixture.experts
-            *gate_up_codes, down_code = mixture.expert_codes
-            missing = GATE_UP_PARTS - len(gate_up)
-            experts += [*gate_up, *[gate_up[0][:, :0]] * missing, down]
-            codes += [*gate_up_codes, *[gate_up_codes[0]] * missing, down_code]
-        return cls(routers, experts, codes, gates, present[0].top_k, present[0].norm_topk)
-
-    def args(self) -> tuple:
-        return tuple(getattr(self, field.name) for field in dataclasses.fields(self))
-
-
-class NativeStack:
-    """Every decoder layer of a model in one native call (rungen_ggml.decoder_stack), writing keys and values
-    straight into a cache's GrowingLayer buffers."""
-
-    def __init__(self, weights: StackWeights, eps: float, scale: float, heads: int, kv_heads: int, head_dim: int,
-                 out_norms: tuple[list, list] = ([], []), windows: list[int] = (), softcap: float = 0.0,
-                 gelu: bool = False, mixtures: StackMixtures | None = None):
-        """eps: every norm's; scale: the attention scores'. gemma's additions (defaults for llama): out_norms,
-        windows (0: none), softcap (0: none), gelu; its norm weights come as 1 + weight. mixtures: the layers'
-        mixtures of experts (none by default)."""
-        self.weights, self.eps, self.scale = weights, eps, scale
-        self.weight_args = weights.args()  # once: a step passes them as they are
-        self.mixture_args = (mixtures or StackMixtures([], [], [], [])).args()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.out_norms, self.windows = (list(out_norms[0]), list(out_norms[1])), list(windows)
-        self.softcap, self.gelu = float(softcap), bool(gelu)
-        # (weakref to the cache, its keys' addresses, positions held, least capacity): lets a step skip the buffers.
-        self.last = None
-
-    @classmethod
-    def of_layers(cls, layers: list[FusedDecoderLayer]) -> NativeStack:
-        """The stack of these fused layers (all in blocks, alike: see DecoderStack.install)."""
-        first = layers[0]
-        mixtures = [layer.mixture for layer in layers]
-        # A mixture's layer passes its shared expert (if any) where a dense layer passes its MLP.
-        mlps = [(layer.gate_up, layer.down_proj) if mixture is None else (mixture.shared_gate_up, mixture.shared_down)
-                for layer, mixture in zip(layers, mixtures)]
-        weights = StackWeights.of([layer.norm_args("input_layernorm")[0] for layer in layers],
-                                  [layer.qkv for layer in layers], [layer.head_norm_args()[0] for layer in layers],
-                                  [layer.head_norm_args()[1] for layer in layers], [layer.o_proj for layer in layers],
-                                  [layer.norm_args("mlp_norm")[0] for layer in layers],
-                                  [gate_up for gate_up, _ in mlps], [down for _, down in mlps])
-        head_dim = first.qkv.out_features // (first.heads + 2 * first.kv_heads)
-        out_norms = tuple([layer.norm_args(name)[0] for layer in layers]
-                          if any(layer.norm_args(name)[0] is not None for layer in layers) else []
-                          for name in ("attention_out_norm", "mlp_out_norm"))
-        windows = [layer.sliding_window or 0 for layer in layers]
-        return cls(weights, first.norm_args("input_layernorm")[1], first.scaling, first.heads, first.kv_heads,
-                   head_dim, out_norms, windows if any(windows) else [], first.softcap or 0.0,
-                   first.activation == "gelu_pytorch_tanh", StackMixtures.of(mixtures))
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.weights.input_norms)
-
-    def takes(self, cache) -> bool:
-        """Whether the stack can run on `cache`: one full-attention layer (transformers' or a GrowingLayer) per
-        decoder layer."""
-        layers = getattr(cache, "layers", None)
-        return bool(layers) and len(layers) == self.num_layers and all(
-            full_attention(layer) for layer in layers)
-
-    def __call__(self, hidden: torch.Tensor, cache, mask: torch.Tensor | None, cos: torch.Tensor,
-                 sin: torch.Tensor, local: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
-        """The hidden states after the last layer, the cache extended; None (nothing done) when the cache's layers
-        hold different lengths. `mask`: None for causal; `local`: windowed layers' cos/sin where they differ."""
-        layers = cache.layers
-        for index, layer in enumerate(layers):
-            if not growing(layer):  # generate()'s own cache: moved into buffers with room
-                grown = growing_like(layer)
-                if layer.get_seq_length():
-                    grown.update(layer.keys, layer.values)
-                layers[index] = grown
-        batch, tokens = hidden.shape[:2]
-        length = layers[0].get_seq_length()
-        last = self.last
-        if (last is not None and last[0]() is cache and last[2] == length and length + tokens <= last[3]
-                and [layer.keys.data_ptr() for layer in layers] == last[1]):
-            buffers = [layer.buffers for layer in layers]  # as this call left them, with room enough
-        else:
-            shape = hidden.new_empty((batch, self.kv_heads, tokens, self.head_dim))  # the new states' shape
-            buffers = [layer.reserve(shape, shape) for layer in layers]
-            if any(layer.get_seq_length() != length for layer in layers):
-                return None
-        hidden, keys, values = torch.ops.rungen_ggml.decoder_stack(
-            hidden, cos, sin, mask, *self.weight_args, self.eps, self.heads, self.kv_heads, self.scale,
-            [k for k, _ in buffers], [v for _, v in buffers], length, *self.out_norms, self.windows,
-            *(local or (None, None)), self.softcap, self.gelu, *self.mixture_args)
-        for layer, k, v in zip(layers, keys, values):
-            layer.keys, layer.values = k, v
-        self.last = (weakref.ref(cache), [k.data_ptr() for k in keys], length + tokens,
-                     min(k.shape[-2] for k, _ in buffers))
-        return hidden
+def native_stack(layers: list[FusedDecoderLayer]) -> NativeStack:
+    """The stack of these fused layers (all in blocks, alike: see DecoderStack.install)."""
+    first = layers[0]
+    mixtures = [layer.mixture for layer in layers]
+    # A mixture's layer passes its shared expert (if any) where a dense layer passes its MLP.
+    mlps = [(layer.gate_up, layer.down_proj) if mixture is None else (mixture.shared_gate_up, mixture.shared_down)
+            for layer, mixture in zip(layers, mixtures)]
+    weights = StackWeights.of([layer.norm_args("input_layernorm")[0] for layer in layers],
+                              [layer.qkv for layer in layers], [layer.head_norm_args()[0] for layer in layers],
+                              [layer.head_norm_args()[1] for layer in layers], [layer.o_proj for layer in layers],
+                              [layer.norm_args("mlp_norm")[0] for layer in layers],
+                              [gate_up for gate_up, _ in mlps], [down for _, down in mlps])
+    head_dim = first.qkv.out_features // (first.heads + 2 * first.kv_heads)
+    out_norms = tuple([layer.norm_args(name)[0] for layer in layers]
+                      if any(layer.norm_args(name)[0] is not None for layer in layers) else []
+                      for name in ("attention_out_norm", "mlp_out_norm"))
+    windows = [layer.sliding_window or 0 for layer in layers]
+    return NativeStack(weights, first.norm_args("input_layernorm")[1], first.scaling, first.heads, first.kv_heads,
+                       head_dim, out_norms, windows if any(windows) else [], first.softcap or 0.0,
+                       first.activation == "gelu_pytorch_tanh", StackMixtures.of(mixtures))
 
 
 class DecoderStack:
@@ -391,7 +230,7 @@ class DecoderStack:
 
     def __init__(self, inner: torch.nn.Module, layers: list[FusedDecoderLayer]):
         self.inner, self.original = inner, inner.forward
-        self.stack = NativeStack.of_layers(layers)
+        self.stack = native_stack(layers)
         # gemma3's (full, sliding) layer types to ask the rotary embedding for, else None (one rotation).
         self.rotary_types = None
         if "layer_type" in inspect.signature(inner.rotary_emb.forward).parameters:

@@ -26,10 +26,11 @@ from .blocks import (
     interleavable,
     weights_per_row,
 )
-from .decoder import ACTIVATIONS, NativeStack, StackMixtures, StackWeights
+from .decoder import ACTIVATIONS
 from .experts import PARTS, NativeMixture, build_experts
 from .families import BY_ARCHITECTURE, FAMILIES, NO_FAMILY
 from .kernels import native_kernels
+from .stack import NativeStack, StackMixtures, StackWeights
 from .weights import GGUFError, WeightReader, unpermuted_order
 
 # Rotary types whose frequencies are fixed at load (transformers' dynamic and longrope ones change with the length).
