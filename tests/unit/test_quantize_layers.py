@@ -206,7 +206,7 @@ def test_a_4_bit_weight_for_the_triton_kernel_keeps_the_files_codes_two_a_byte(n
     import numpy as np
     from gguf import GGMLQuantizationType
 
-    import rungen.int4_kernel
+    import rungen.int8
     from helpers import blocks_for
     from rungen.gguf.blocks import dequantize
     from rungen.gguf.codes import int4_parts
@@ -229,7 +229,7 @@ def test_a_4_bit_weight_for_the_triton_kernel_keeps_the_files_codes_two_a_byte(n
     values = codes.float() * layer.scales.float().repeat_interleave(32, dim=1) + \
         layer.offsets.float().repeat_interleave(32, dim=1)
     assert torch.equal(values, weight)
-    monkeypatch.setattr(rungen.int4_kernel, "WIDEN_BYTES", 512 * 5 * 4)  # five channels at a time: five slices
+    monkeypatch.setattr(rungen.int8, "WIDEN_BYTES", 512 * 5 * 4)  # five channels at a time: five slices
     x = torch.randn(70, 512, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     reference = (x @ weight.double().t()).float()
     torch.testing.assert_close(layer(x.float()), reference, rtol=1e-4, atol=1e-5 * reference.abs().max().item())
