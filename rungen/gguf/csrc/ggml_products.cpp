@@ -78,12 +78,6 @@ void quantize_into(QuantizedX& r, const float* xp, int64_t n, int64_t k) {
   r.act = Act{n, q, d, s, s16, s4, off128, sum16, high16, off16, u};
 }
 
-const Act& quantize_activations(const float* xp, int64_t n, int64_t k) {
-  static thread_local QuantizedX r;
-  quantize_into(r, xp, n, k);
-  return r.act;
-}
-
 // Enough rows a task that a thread's share is worth waking it for (about 64k multiply-adds).
 int64_t grain_of(int64_t in_features, int64_t n, int64_t per) {
   return std::max<int64_t>(1, 65536 / (in_features * n * per));
@@ -108,27 +102,13 @@ void run_jobs(const std::vector<Job>& jobs, const std::vector<RowsFn>& fns, cons
 // rows (the callers' padding to a fixed number of parts) costs nothing.
 void products_into(const float* x, int64_t n, at::TensorList blocks, at::IntArrayRef qtypes, int64_t in_features,
                    float* y) {
+  std::vector<Weight> parts;
   int64_t width = 0;
-  for (size_t i = 0; i < blocks.size(); ++i) width += out_rows(blocks[i], qtypes[i]);
-  std::vector<Job> jobs;
-  std::vector<RowsFn> fns;
-  std::vector<int64_t> starts{0};  // where each job's tasks (tensor rows) start in the one loop
-  int64_t column = 0, per = 1;
   for (size_t i = 0; i < blocks.size(); ++i) {
-    const int64_t out = out_rows(blocks[i], qtypes[i]);
-    if (out > 0) {
-      jobs.push_back(Job{nullptr, blocks[i].data_ptr<uint8_t>(), blocks[i].stride(0), qtypes[i], in_features, width,
-                         y + column});
-      fns.push_back(rows_fn(qtypes[i]));
-      starts.push_back(starts.back() + blocks[i].size(0));
-      if (qtypes[i] & X8) per = 8;  // X8 tasks are groups of eight rows
-    }
-    column += out;
+    parts.push_back(weight_of(blocks[i], qtypes[i]));
+    width += out_rows(blocks[i], qtypes[i]);
   }
-  if (n == 0 || jobs.empty()) return;
-  const Act& act = quantize_activations(x, n, in_features);
-  for (Job& job : jobs) job.act = &act;
-  run_jobs(jobs, fns, starts, grain_of(in_features, n, per));
+  grouped_into(x, in_features, {n}, {parts}, width, y);  // (one group: every part over all n rows)
 }
 
 // y [n, out rows] = x [n, K] times the blocks' rows, by the integer kernels (y may be any buffer of that size).
@@ -263,7 +243,7 @@ at::Tensor mm_tiled(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qt
 
 namespace {
 
-// x [n, K] with each block of 32 rounded as quantize_activations rounds it (d = max|x| / 127, q = round(x / d)),
+// x [n, K] with each block of 32 rounded as quantize_into rounds it (d = max|x| / 127, q = round(x / d)),
 // given back as q * d in float32.
 at::Tensor rounded_activations(const at::Tensor& x_in) {
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
@@ -359,16 +339,17 @@ void grouped_into(const float* x, int64_t in_features, const std::vector<int64_t
   int64_t row = 0, most = 1, per = 1;
   for (size_t g = 0; g < counts.size(); ++g) {
     if (counts[g] == 0) continue;
-    quantize_into(acts[g], x + row * in_features, counts[g], in_features);
+    const size_t first = jobs.size();
     int64_t column = 0;
     for (const Weight& w : weights[g]) {
-      if (w.rows == 0) continue;
+      if (w.rows == 0) continue;  // (a part of zero rows, the callers' padding to a fixed number of parts)
       jobs.push_back(Job{&acts[g].act, w.blocks, w.pitch, w.qtype, in_features, width, y + row * width + column});
       fns.push_back(rows_fn(w.qtype));
       starts.push_back(starts.back() + w.rows);
-      if (w.qtype & X8) per = 8;
+      if (w.qtype & X8) per = 8;  // X8 tasks are groups of eight rows
       column += w.rows * (w.qtype & X8 ? 8 : 1);
     }
+    if (jobs.size() > first) quantize_into(acts[g], x + row * in_features, counts[g], in_features);
     most = std::max(most, counts[g]);
     row += counts[g];
   }

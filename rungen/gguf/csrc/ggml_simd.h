@@ -395,7 +395,7 @@ void rows(const Job& job, int64_t r0, int64_t r1) {
   }
 }
 
-// Activations quantized per block of 32 (quantize_activations): the scalar loop's results, eight lanes at a time
+// Activations quantized per block of 32 (quantize_into): the scalar loop's results, eight lanes at a time
 // (the maximum of |x| is exact in any order, x * inv is the same product, and the rounding the same: to nearest,
 // ties to even, as nearbyint in the default mode). A NaN is passed over in the maximum, as std::max passes it.
 void quantize_blocks(const float* x, int64_t b0, int64_t b1, int8_t* q, uint8_t* u, float* d, float* s,
