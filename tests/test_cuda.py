@@ -1775,49 +1775,6 @@ def test_the_4_bit_gemv_kernel_multiplies_as_the_plain_product(dtype, monkeypatc
             assert (y.float() - reference).abs().max() <= 0.01 * reference.abs().max(), x.shape
 
 
-@needs_triton
-@pytest.mark.parametrize("which", ["int8", "4-bit"])
-def test_the_gemv_kernels_multiply_each_pair_by_its_chosen_expert(which, monkeypatch):
-    # A mixture's decode step in one launch: the experts' codes stacked [experts, out, ...], each (expert, row) pair's
-    # row of x times that expert's weight, as each expert's plain product gives it; every int8 form's scales and
-    # offsets (on a GPU two of them), the 4-bit ones in float16 and float32 (in each configuration in Triton's
-    # interpreter: gemv_sweep).
-    from rungen import int4_kernel, int8
-
-    dtype = torch.bfloat16
-    kernel = kernel_where_it_runs((int8 if which == "int8" else int4_kernel).triton_kernel, dtype, monkeypatch)
-    configs = int8.INT8_GEMV_CONFIGS if which == "int8" else int4_kernel.GEMV_CONFIGS
-    settings, _ = gemv_sweep(dtype, configs, (), ())
-    experts, channels, inner = 4, 40, 384
-    generator = torch.Generator().manual_seed(0)
-    pairs = torch.tensor([[2, 0], [0, 0], [3, 1], [2, 1], [1, 2], [1, 0]], dtype=torch.int32).to(DEVICE)
-    x = torch.randn(3, inner, generator=generator).to(DEVICE, dtype)
-    if which == "int8":
-        layers = [int8_layer(channels, inner, generator) for _ in range(experts)]
-        forms = [([codes for codes, _ in layers], [layouts[form] for _, layouts in layers]) for form in range(5)]
-        stacks = [(torch.stack(codes), torch.stack([scales for scales, _ in held]),
-                   None if held[0][1] is None else torch.stack([offsets for _, offsets in held]))
-                  for codes, held in forms]
-        if not ON_CPU:  # (on a GPU each form compiles every configuration apart: Q8_0's and Q2_K's, the extremes)
-            stacks = [stacks[1], stacks[4]]
-        plain = int8.widened
-    else:
-        codes = torch.stack([int4_kernel.packed(torch.randint(0, 16, (channels, inner), dtype=torch.uint8,
-                                                              generator=generator)) for _ in range(experts)])
-        scales = torch.rand(experts, channels, inner // 32, generator=generator) / 100
-        offsets = -8 * scales + torch.rand(experts, channels, inner // 32, generator=generator) / 1000
-        stacks = [(codes.to(DEVICE), scales.to(DEVICE, kind), offsets.to(DEVICE, kind))
-                  for kind in (torch.float16, torch.float32)]  # (Q4_0/Q4_1's, Q4_K's)
-        plain = int4_kernel.widened4
-    for codes, scales, offsets in stacks:
-        reference = torch.cat([plain(x[row:row + 1].float(), codes[e], scales[e], None if offsets is None
-                                     else offsets[e]) for e, row in pairs.tolist()])
-        for blocks in settings:
-            y = kernel.gemv_launch(x, codes, scales, offsets, blocks, pairs=pairs)
-            assert y.dtype == dtype and y.shape == (len(pairs), channels)
-            assert (y.float() - reference).abs().max() <= 0.01 * reference.abs().max(), (codes.dtype, blocks)
-
-
 def grouped_stacks(which, experts, channels, inner, generator):
     """[(codes, scales, offsets)] of `experts` random experts stacked [experts, channels, ...]: int8's in each of its
     forms (int8_layer's), 4-bit ones with float16 and float32 groups (Q4_0/Q4_1's, Q4_K's); and the plain product."""
@@ -1839,6 +1796,35 @@ def grouped_stacks(which, experts, channels, inner, generator):
 
 @needs_triton
 @pytest.mark.parametrize("which", ["int8", "4-bit"])
+def test_the_gemv_kernels_multiply_each_pair_by_its_chosen_expert(which, monkeypatch):
+    # A mixture's decode step in one launch: the experts' codes stacked [experts, out, ...], each (expert, row) pair's
+    # row of x times that expert's weight, as each expert's plain product gives it; every int8 form's scales and
+    # offsets (on a GPU two of them), the 4-bit ones in float16 and float32 (in each configuration in Triton's
+    # interpreter: gemv_sweep).
+    from rungen import int4_kernel, int8
+
+    dtype = torch.bfloat16
+    kernel = kernel_where_it_runs((int8 if which == "int8" else int4_kernel).triton_kernel, dtype, monkeypatch)
+    configs = int8.INT8_GEMV_CONFIGS if which == "int8" else int4_kernel.GEMV_CONFIGS
+    settings, _ = gemv_sweep(dtype, configs, (), ())
+    experts, channels, inner = 4, 40, 384
+    generator = torch.Generator().manual_seed(0)
+    pairs = torch.tensor([[2, 0], [0, 0], [3, 1], [2, 1], [1, 2], [1, 0]], dtype=torch.int32).to(DEVICE)
+    x = torch.randn(3, inner, generator=generator).to(DEVICE, dtype)
+    stacks, plain = grouped_stacks(which, experts, channels, inner, generator)
+    if which == "int8" and not ON_CPU:  # (on a GPU each form compiles every configuration apart: Q8_0's and Q2_K's)
+        stacks = [stacks[1], stacks[4]]
+    for codes, scales, offsets in stacks:
+        reference = torch.cat([plain(x[row:row + 1].float(), codes[e], scales[e], None if offsets is None
+                                     else offsets[e]) for e, row in pairs.tolist()])
+        for blocks in settings:
+            y = kernel.gemv_launch(x, codes, scales, offsets, blocks, pairs=pairs)
+            assert y.dtype == dtype and y.shape == (len(pairs), channels)
+            assert (y.float() - reference).abs().max() <= 0.01 * reference.abs().max(), (codes.dtype, blocks)
+
+
+@needs_triton
+@pytest.mark.parametrize("which", ["int8", "4-bit"])
 def test_the_tiled_kernels_multiply_each_block_of_rows_by_its_expert(which, monkeypatch):
     # A prompt's chosen experts in one launch of the tiled kernel: the experts' codes stacked, each block of 16 rows
     # one expert's (-1: none, left unwritten), each row x's row `sources` names times that expert's weight (-1: left
@@ -1850,7 +1836,7 @@ def test_the_tiled_kernels_multiply_each_block_of_rows_by_its_expert(which, monk
     experts, channels, inner = 3, 40, 384
     generator = torch.Generator().manual_seed(0)
     stacks, plain = grouped_stacks(which, experts, channels, inner, generator)
-    if which == "int8" and not ON_CPU:
+    if which == "int8" and not ON_CPU:  # (on a GPU each form compiles every configuration apart: Q8_0's and Q2_K's)
         stacks = [stacks[1], stacks[4]]
     x = torch.randn(5, inner, generator=generator).to(DEVICE, dtype)
     tiles = torch.tensor([2, 0, -1, 2], dtype=torch.int32)
