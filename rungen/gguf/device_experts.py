@@ -125,28 +125,28 @@ class CodedExperts(GGMLExperts):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         if top_k_index.numel() > MOST_ROWS * self.num_experts:
             return super().forward(hidden_states, top_k_index, top_k_weights)
-        if top_k_index.numel() > self.most_pairs:
-            return self._tiled(hidden_states, top_k_index, top_k_weights)
         tokens, chosen = top_k_index.shape
-        experts = top_k_index.reshape(-1).to(torch.int32)
-        pairs = torch.arange(experts.shape[0], dtype=torch.int32, device=experts.device)
-        gate, up = self._grouped(0, hidden_states, torch.stack([experts, pairs // chosen], dim=1)).chunk(2, dim=-1)
-        done = self._grouped(1, self.act_fn(gate) * up, torch.stack([experts, pairs], dim=1))
+        path = self._paired if top_k_index.numel() <= self.most_pairs else self._tiled
+        done = path(hidden_states, top_k_index.reshape(-1), chosen)  # [pair, hidden], a pair's expert's output
         weighted = done.float() * top_k_weights.reshape(-1, 1).float()
         return weighted.view(tokens, chosen, -1).sum(dim=1).to(hidden_states.dtype)
 
-    def _tiled(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        """forward's result for a prompt's pairs, on the tiled kernels' grouped launch (tile_layout's blocks)."""
-        tokens, chosen = top_k_index.shape
-        tiles, positions, owner = tile_layout(top_k_index.reshape(-1), self.num_experts)
+    def _paired(self, hidden_states: torch.Tensor, experts: torch.Tensor, chosen: int) -> torch.Tensor:
+        """Each pair's expert over its token (pair p: token p // chosen), a program a pair (the GEMV kernels)."""
+        experts = experts.to(torch.int32)
+        pairs = torch.arange(experts.shape[0], dtype=torch.int32, device=experts.device)
+        gate, up = self._grouped(0, hidden_states, torch.stack([experts, pairs // chosen], dim=1)).chunk(2, dim=-1)
+        return self._grouped(1, self.act_fn(gate) * up, torch.stack([experts, pairs], dim=1))
+
+    def _tiled(self, hidden_states: torch.Tensor, experts: torch.Tensor, chosen: int) -> torch.Tensor:
+        """_paired's result in blocks of 16 rows an expert (tile_layout's), on the tiled kernels' grouped launch."""
+        tiles, positions, owner = tile_layout(experts, self.num_experts)
         held = owner >= 0
         token_rows = torch.where(held, owner // chosen, -1).to(torch.int32)
         own_rows = torch.where(held, torch.arange(owner.shape[0], device=owner.device, dtype=torch.int32), -1)
         # (rows of no pair hold what the buffer held: never read, the launches skip them)
         gate, up = self._blocks(0, hidden_states, tiles, token_rows).chunk(2, dim=-1)
-        done = self._blocks(1, self.act_fn(gate) * up, tiles, own_rows)[positions]
-        weighted = done.float() * top_k_weights.reshape(-1, 1).float()
-        return weighted.view(tokens, chosen, -1).sum(dim=1).to(hidden_states.dtype)
+        return self._blocks(1, self.act_fn(gate) * up, tiles, own_rows)[positions]
 
     def _blocks(self, which: int, x: torch.Tensor, tiles: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Row m of the result: x[rows[m]] times block m // TILE_ROWS's expert's gate/up (`which` 0) or down (1)."""

@@ -355,9 +355,7 @@ def build(header, config: Config, weights_map: dict) -> GGUFCausalLM:
             fused_gate_up = reader.linear(gate_up_tensors[0]) if len(gate_up_tensors) == 1 else reader.joined(
                 gate_up_tensors, [None, None], [None, None])
             down_product = reader.linear(reader.tensor(prefix + "mlp.down_proj.weight"))
-            if fused_gate_up is None:
-                raise GGUFError(f"{header.path}: layer {index}'s products take inputs of different widths")
-        if fused_qkv is None:
+        if fused_qkv is None or (fused_gate_up is None and not family.mixture):
             raise GGUFError(f"{header.path}: layer {index}'s products take inputs of different widths")
         qkv.append(fused_qkv)
         gate_up.append(fused_gate_up)
