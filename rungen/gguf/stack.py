@@ -28,6 +28,11 @@ def native_parts(fused: GGMLLinear | GGMLParts, count: int | None = None) -> tup
     return blocks, codes
 
 
+def fields_in_order(record) -> tuple:
+    """A dataclass's fields as they are (dataclasses.astuple would copy each tensor), in their order."""
+    return tuple(getattr(record, field.name) for field in dataclasses.fields(record))
+
+
 # Parts a layer's q/k/v and gate/up products take in rungen_ggml.decoder_stack (its QKV_PARTS, GATE_UP_PARTS).
 QKV_PARTS, GATE_UP_PARTS = 3, 2
 
@@ -67,7 +72,7 @@ class StackWeights:
 
     def args(self) -> tuple:
         """The fields in decoder_stack's order."""
-        return tuple(getattr(self, field.name) for field in dataclasses.fields(self))
+        return fields_in_order(self)
 
 
 # Stacks a mixture's layer passes rungen_ggml.decoder_stack (its EXPERT_PARTS): gate/up's parts, then down.
@@ -109,7 +114,8 @@ class StackMixtures:
         return cls(routers, experts, codes, gates, present[0].top_k, present[0].norm_topk)
 
     def args(self) -> tuple:
-        return tuple(getattr(self, field.name) for field in dataclasses.fields(self))
+        """The fields in decoder_stack's order."""
+        return fields_in_order(self)
 
 
 class NativeStack:
