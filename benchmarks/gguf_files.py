@@ -71,6 +71,10 @@ FAMILIES = {
     "qwen3moe": dict(arch="qwen3moe", layers=48, hidden=2048, ffn=6144, heads=32, kv_heads=4, head_dim=128,
                      rope_base=1000000.0, eps=1e-6, tied=False, qk_norm=True, experts=128, experts_used=8,
                      expert_ffn=768),
+    # Mixtral-8x7B: llama's file with experts (8 of 14336 a layer, 2 a token: feed_forward_length is the experts'),
+    # 26 GB in Q4_0.
+    "mixtral": dict(arch="llama", layers=32, hidden=4096, ffn=14336, heads=32, kv_heads=8, head_dim=128,
+                    rope_base=1000000.0, eps=1e-5, tied=False, experts=8, experts_used=2, expert_ffn=14336),
 }
 # llama.cpp's file types (llama_ftype) by the names its quantizer uses.
 FTYPES = {"Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "Q3_K_M": 12, "IQ4_XS": 30, "Q4_K_S": 14,
@@ -366,7 +370,8 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
     if "experts" in shape:
         writer.add_expert_count(shape["experts"])
         writer.add_expert_used_count(shape["experts_used"])
-        writer.add_expert_feed_forward_length(shape["expert_ffn"])
+        if arch != "llama":  # (Mixtral's converter writes the experts' width as feed_forward_length)
+            writer.add_expert_feed_forward_length(shape["expert_ffn"])
     writer.add_vocab_size(vocab)
     writer.add_file_type({"Q4_0": 2, "Q8_0": 7}[qtype_name])
     for key, value, vtype, sub_type in fields:

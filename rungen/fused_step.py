@@ -30,7 +30,7 @@ logger = logging.getLogger("run_generation")
 
 FUSED_STEP_ENV = "RUN_GENERATION_FUSED_STEP"  # 0: transformers' layers on a GPU too; 1: the fused step on the CPU too
 NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Phi3RMSNorm", "Qwen2MoeRMSNorm",
-         "Qwen3MoeRMSNorm")
+         "Qwen3MoeRMSNorm", "MixtralRMSNorm")
 # The fused step's logits within this share of transformers' (the difference's L2 norm over theirs): float32's
 # rounding, or half precision's (bfloat16's own logits part from float32's by 1.3-2.9 % on 16 random layers of the
 # 135M, 1B and 1.7B shapes; a broken kernel's by their whole size)
@@ -50,9 +50,9 @@ class Family:
 
 FAMILIES = {"llama": Family(), "mistral": Family(), "qwen2": Family(), "qwen3": Family(qk_norm=True),
             "phi3": Family(qkv=("qkv_proj",), gate_up=("gate_up_proj",)),
-            # mixtures of experts: their attention is qwen2's or qwen3's; a layer's mixture block (router, experts, a
-            # shared expert) is transformers' module, called as it is
-            "qwen2_moe": Family(), "qwen3_moe": Family(qk_norm=True)}
+            # mixtures of experts: their attention is llama's, qwen2's or qwen3's; a layer's mixture block (router,
+            # experts, a shared expert) is transformers' module, called as it is
+            "qwen2_moe": Family(), "qwen3_moe": Family(qk_norm=True), "mixtral": Family()}
 
 
 def wanted(device: torch.device) -> bool:

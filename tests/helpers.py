@@ -315,7 +315,9 @@ def write_moe_gguf(path, experts=4, used=2, layers=2, expert_types=(None, None, 
     template); `hidden` wide (256 and more for k-quants' superblocks in gate and up). arch "qwen2moe":
     Qwen1.5-MoE-A2.7B's layout instead, qwen2's
     attention (q/k/v biases, heads of hidden / heads) and beside the experts a shared one of `shared_ffn`
-    (ffn_{gate,up,down}_shexp) weighted by the sigmoid of its own gate (ffn_gate_inp_shexp, a vector)."""
+    (ffn_{gate,up,down}_shexp) weighted by the sigmoid of its own gate (ffn_gate_inp_shexp, a vector). arch "llama":
+    Mixtral-8x7B's as llama.cpp's converter writes it, llama's file with experts: llama's attention (heads of hidden /
+    heads, q/k rows permuted, no biases), the experts' width as feed_forward_length, an untied head."""
     import numpy as np
     from gguf import GGMLQuantizationType as Q
     from gguf import GGUFWriter, quants
@@ -323,20 +325,24 @@ def write_moe_gguf(path, experts=4, used=2, layers=2, expert_types=(None, None, 
     from benchmarks.gguf_files import synthetic_tokenizer_fields
 
     fields = fields or synthetic_tokenizer_fields(1024)
-    qwen2 = arch == "qwen2moe"
-    heads, kv_heads, head_dim = 2, 1, hidden // 2 if qwen2 else 64
+    qwen2, mixtral = arch == "qwen2moe", arch == "llama"
+    heads, kv_heads, head_dim = 2, 1, hidden // 2 if qwen2 or mixtral else 64
     rng = np.random.default_rng(0)
     writer = GGUFWriter(str(path), arch)
     writer.add_context_length(4096)
     writer.add_embedding_length(hidden)
     writer.add_block_count(layers)
-    writer.add_feed_forward_length(6144)  # the dense MLP's, which no layer has (Qwen3-30B-A3B's)
-    writer.add_expert_feed_forward_length(expert_ffn)
+    if mixtral:
+        writer.add_feed_forward_length(expert_ffn)
+        writer.add_rope_dimension_count(head_dim)
+    else:
+        writer.add_feed_forward_length(6144)  # the dense MLP's, which no layer has (Qwen3-30B-A3B's)
+        writer.add_expert_feed_forward_length(expert_ffn)
     if qwen2:
         writer.add_expert_shared_feed_forward_length(shared_ffn)
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
-    if not qwen2:
+    if not qwen2 and not mixtral:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(1e-6)
@@ -373,7 +379,7 @@ def write_moe_gguf(path, experts=4, used=2, layers=2, expert_types=(None, None, 
             add(f"blk.{n}.ffn_gate_shexp.weight", (shared_ffn, hidden))
             add(f"blk.{n}.ffn_up_shexp.weight", (shared_ffn, hidden))
             add(f"blk.{n}.ffn_down_shexp.weight", (hidden, shared_ffn), spread=0.05)
-        else:
+        elif not mixtral:
             add(f"blk.{n}.attn_q_norm.weight", (head_dim,), Q.F32)
             add(f"blk.{n}.attn_k_norm.weight", (head_dim,), Q.F32)
         add(f"blk.{n}.attn_output.weight", (hidden, heads * head_dim))
@@ -384,11 +390,39 @@ def write_moe_gguf(path, experts=4, used=2, layers=2, expert_types=(None, None, 
         add(f"blk.{n}.ffn_up_exps.weight", (experts, expert_ffn, hidden), up)
         add(f"blk.{n}.ffn_down_exps.weight", (experts, hidden, expert_ffn), down, spread=0.05)
     add("output_norm.weight", (hidden,), Q.F32)
+    if mixtral:
+        add("output.weight", (vocab, hidden))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return str(path)
+
+
+def experts_apart(path, target, skip=None):
+    """The GGUF file at `path` rewritten at `target` as llama.cpp's converter wrote Mixtral until April 2024: each
+    expert's part of a 3-D ffn_{gate,up,down}_exps tensor a tensor of its own (blk.N.ffn_gate.E.weight), but expert
+    `skip`'s."""
+    from gguf import GGUFReader, GGUFWriter
+
+    reader, writer = GGUFReader(path), GGUFWriter(str(target), "llama")
+    for key, field in reader.fields.items():
+        if not key.startswith("GGUF.") and key != "general.architecture":
+            writer.add_key_value(key, field.contents(), field.types[0],
+                                 field.types[-1] if len(field.types) > 1 else None)
+    for tensor in reader.tensors:
+        if "_exps." not in tensor.name:
+            writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+            continue
+        for e in range(tensor.data.shape[0]):
+            if e != skip:
+                name = tensor.name.replace("_exps.", f".{e}.")
+                writer.add_tensor(name, tensor.data[e], raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(target)
 
 
 def write_tiny_gguf(path, qtype_name, tied=False):
@@ -461,9 +495,47 @@ def blocks_and_reference(files):
     for name, path in files.items():
         with metadata_parsed_once():
             header = GGUFHeader(path)
-            reference = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+            if header.config.model_type == "mixtral":  # transformers reads no Mixtral file
+                reference = mixtral_reference(path, header.config)
+            else:
+                reference = AutoModelForCausalLM.from_pretrained(os.path.dirname(path),
+                                                                 gguf_file=os.path.basename(path))
         out[name] = header, build_model(header, torch.float32), reference.eval()
     return out
+
+
+def mixtral_reference(path, config):
+    """transformers' MixtralForCausalLM of `config` over the tensors of a Mixtral GGUF file (write_moe_gguf's arch
+    "llama"), de-quantized by the gguf package and mapped by hand as llama.cpp's converter wrote them from Mixtral's
+    checkpoint: q/k rows un-permuted, each expert's gate and up rows concatenated."""
+    import torch
+    from gguf import GGUFReader, quants
+    from transformers import MixtralForCausalLM
+
+    values = {t.name: torch.from_numpy(quants.dequantize(t.data, t.tensor_type).astype("float32"))
+              for t in GGUFReader(path).tensors}
+
+    def unpermuted(w, heads):  # llama.cpp's permute: reshape(heads, 2, rows / heads / 2, ...).swapaxes(1, 2)
+        return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    state = {"model.embed_tokens.weight": values["token_embd.weight"], "lm_head.weight": values["output.weight"],
+             "model.norm.weight": values["output_norm.weight"]}
+    for n in range(config.num_hidden_layers):
+        blk, layer = f"blk.{n}.", f"model.layers.{n}."
+        state |= {
+            layer + "input_layernorm.weight": values[blk + "attn_norm.weight"],
+            layer + "post_attention_layernorm.weight": values[blk + "ffn_norm.weight"],
+            layer + "self_attn.q_proj.weight": unpermuted(values[blk + "attn_q.weight"], config.num_attention_heads),
+            layer + "self_attn.k_proj.weight": unpermuted(values[blk + "attn_k.weight"], config.num_key_value_heads),
+            layer + "self_attn.v_proj.weight": values[blk + "attn_v.weight"],
+            layer + "self_attn.o_proj.weight": values[blk + "attn_output.weight"],
+            layer + "mlp.gate.weight": values[blk + "ffn_gate_inp.weight"],
+            layer + "mlp.experts.gate_up_proj": torch.cat([values[blk + "ffn_gate_exps.weight"],
+                                                           values[blk + "ffn_up_exps.weight"]], dim=1),
+            layer + "mlp.experts.down_proj": values[blk + "ffn_down_exps.weight"]}
+    model = MixtralForCausalLM(config)
+    model.load_state_dict(state, strict=True)
+    return model
 
 
 def merge_short_of_memory(monkeypatch, when, failed):

@@ -1297,22 +1297,26 @@ def test_an_moe_gguf_files_experts_go_to_the_gpu_as_they_are_read(tmp_path, monk
 
 @needs_cuda
 @pytest.mark.fresh_load  # (the memo would hold a second copy on the GPU)
-@pytest.mark.parametrize("expert_types", [("Q4_K", "Q4_K", "Q4_K"),
-                                          pytest.param(("Q4_K", "Q4_K", "Q6_K"), marks=needs_triton)],
-                         ids=["Q4_K", "Q4_K_M"])
-def test_an_moe_gguf_files_experts_stay_in_their_codes_on_the_gpu(tmp_path, expert_types, monkeypatch):
+@pytest.mark.parametrize("expert_types, arch", [(("Q4_K", "Q4_K", "Q4_K"), "qwen3moe"),
+                                                pytest.param(("Q4_K", "Q4_K", "Q6_K"), "qwen3moe", marks=needs_triton),
+                                                pytest.param(("Q4_K", "Q4_K", "Q6_K"), "llama", marks=needs_triton)],
+                         ids=["Q4_K", "Q4_K_M", "Q4_K_M-mixtral-experts-apart"])
+def test_an_moe_gguf_files_experts_stay_in_their_codes_on_the_gpu(tmp_path, expert_types, arch, monkeypatch):
     # A MoE file's experts on a GPU in the codes a dense layer's weight of their type takes there, an expert's gate
     # and up one layer, its down another (Q4_K_M's mix: 4-bit codes, and int8 codes for down's Q6_K), never
     # de-quantized: Qwen3-30B-A3B's experts would take 58 GB in bfloat16, its whole file 18 GB. The model computes
-    # what the file's weights do (the CPU's model over its blocks).
+    # what the file's weights do (the CPU's model over its blocks). Mixtral's first files hold each expert apart.
     from gguf import GGMLQuantizationType as Q
 
-    from helpers import write_moe_gguf
+    from helpers import experts_apart, write_moe_gguf
     from rungen.gguf.experts import GGMLExperts
     from rungen.loading import load
 
     monkeypatch.setenv("RUN_GENERATION_GPU_INT4", "tinygemm")  # (else the load may time the Triton form faster)
-    path = write_moe_gguf(tmp_path / "qwen3moe.gguf", hidden=256, expert_types=[Q[name] for name in expert_types])
+    path = write_moe_gguf(tmp_path / f"{arch}.gguf", hidden=256, expert_types=[Q[name] for name in expert_types],
+                          arch=arch)
+    if arch == "llama":
+        path = experts_apart(path, tmp_path / "mixtral-apart.gguf")
     before = torch.cuda.memory_allocated()
     moe = load(path, device=DEVICE, dtype="bfloat16")
     held = torch.cuda.memory_allocated() - before

@@ -16,11 +16,11 @@ import sys
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGUFWriter, quants
+from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFWriter, quants
 from gguf import GGMLQuantizationType as Q
 
 import run_generation
-from helpers import blocks_and_reference, error_of
+from helpers import blocks_and_reference, error_of, experts_apart
 from rungen.gguf import weights
 from rungen.gguf.blocks import (
     BLOCKS_MATMUL,
@@ -36,7 +36,8 @@ from rungen.gguf.build import build_model
 from rungen.gguf.decoder import DecoderStack, FusedDecoderLayer, products_one_by_one
 from rungen.gguf.experts import ExpertRouter, GGMLExperts
 from rungen.gguf.file import GGUFHeader, metadata_parsed_once
-from rungen.loading import default_model_file, load
+from rungen.gguf.model import GGUFCausalLM
+from rungen.loading import default_model_file, load, load_gguf
 from tiny_models import default_tokenizer_fields, write_gpt2_gguf, write_out
 
 DEFAULT_GGUF = default_model_file()
@@ -677,10 +678,58 @@ def test_a_qwen2_moe_files_experts_and_shared_expert_compute_in_their_blocks(tmp
     torch.testing.assert_close(blocks, theirs, rtol=1e-4, atol=1e-4)
 
 
-MIXTURES = [("qwen3moe", (Q.Q4_0, Q.Q4_0, Q.Q6_K)), ("qwen3moe", (Q.Q8_0, Q.Q4_1, Q.Q2_K)), ("qwen2moe", (None,) * 3)]
+def test_a_mixtral_file_is_a_llama_file_with_experts_and_computes_mixtral_in_its_blocks(tmp_path, monkeypatch, capsys):
+    # llama.cpp writes Mixtral-8x7B as a llama file with experts (llama.expert_count), which transformers' reading
+    # takes for a dense llama, whose MLP the file lacks. It is transformers' Mixtral here, over the experts in their
+    # blocks, a token's top 2 weights divided by their sum as Mixtral's router does; the reference is that class
+    # over the file's tensors de-quantized by the gguf package and mapped by hand (q/k rows un-permuted).
+    from helpers import write_moe_gguf
+
+    path = write_moe_gguf(tmp_path / "mixtral.gguf", arch="llama", experts=8, used=2, expert_ffn=256,
+                          expert_types=(Q.Q4_0, Q.Q4_0, Q.Q6_K))
+    [(header, model, reference)] = blocks_and_reference({"mixtral": path}).values()
+    config = model.config
+    assert (config.model_type, config.num_local_experts, config.num_experts_per_tok, config.intermediate_size) == (
+        "mixtral", 8, 2, 256)
+    assert_experts_in_blocks(model, header)
+    assert all(isinstance(layer.mlp.gate, ExpertRouter) and layer.mlp.gate.norm_topk_prob
+               for layer in model.model.layers)
+    ids = torch.tensor([header.tokenizer(PROMPTS[0]).input_ids])
+    with torch.no_grad():
+        theirs = reference(ids).logits
+        blocks = exact_weights(model, lambda: model(ids).logits, monkeypatch)
+        device_form = build_model(header, torch.float32, torch.device("cpu"))(ids).logits  # gate/up merged there
+    assert theirs.abs().max() > 1
+    torch.testing.assert_close(blocks, theirs, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(device_form, theirs, rtol=1e-4, atol=1e-4)
+    # transformers' own loader (--dequantize, --device_map) cannot read it: refused in one line that says so.
+    code, line = error_of(["--model_name_or_path", path, "--prompt", "Hi", "--length", "2", "--dequantize"], capsys)
+    assert code == 2 and line.endswith("transformers reads no mixtral file (llama's with experts, as llama.cpp writes "
+                                       "it); it runs here in its own blocks, without --dequantize or --device_map)")
+    # The first Mixtral files (llama.cpp's converter until April 2024) hold each expert's gate, up and down as a
+    # tensor of its own: the same model, each expert read from its own tensor, on the CPU, in a device's form and on
+    # the own model code.
+    legacy = experts_apart(path, tmp_path / "legacy.gguf")
+    header = GGUFHeader(legacy)
+    apart = build_model(header, torch.float32)
+    assert_experts_in_blocks(apart, header)
+    with torch.no_grad():
+        assert torch.equal(apart(ids).logits, model(ids).logits)
+        assert torch.equal(build_model(header, torch.float32, torch.device("cpu"))(ids).logits, device_form)
+        own = load_gguf(legacy).model
+        assert isinstance(own, GGUFCausalLM) and torch.equal(own(ids).logits, model(ids).logits)
+    code, line = error_of(["--model_name_or_path", experts_apart(path, tmp_path / "gap.gguf", skip=3), "--prompt",
+                           "Hi", "--length", "2"], capsys)
+    assert code == 2 and line.endswith("gap.gguf: the experts of blk.0.ffn_gate (a tensor each) are not numbered "
+                                       "from 0 or differ in type or shape")
 
 
-@pytest.mark.parametrize("arch, expert_types", MIXTURES, ids=["qwen3moe", "qwen3moe-mixed-q2_k", "qwen2moe"])
+MIXTURES = [("qwen3moe", (Q.Q4_0, Q.Q4_0, Q.Q6_K)), ("qwen3moe", (Q.Q8_0, Q.Q4_1, Q.Q2_K)), ("qwen2moe", (None,) * 3),
+            ("llama", (Q.Q4_0, Q.Q4_0, Q.Q6_K))]
+
+
+@pytest.mark.parametrize("arch, expert_types", MIXTURES,
+                         ids=["qwen3moe", "qwen3moe-mixed-q2_k", "qwen2moe", "mixtral"])
 def test_a_mixture_decodes_in_one_native_call_a_step_as_transformers_modules(
         tmp_path, monkeypatch, arch, expert_types):
     # Each layer's mixture block (router, experts, Qwen2-MoE's shared expert) is one native call, which the
@@ -730,8 +779,6 @@ def test_an_moe_files_odd_experts_load_on_a_device_or_fail_in_one_line(tmp_path,
     code, message = error_of(["--model_name_or_path", path, "--prompt", "Hi", "--length", "2"], capsys)
     assert code == 2 and "blk.0's experts are partly in float tensors (blk.0.ffn_gate_exps.weight)" in message
     assert "--dequantize runs the file" in message
-
-    from gguf import GGUFReader, GGUFWriter
 
     base = write_moe_gguf(tmp_path / "q8_0.gguf")
 

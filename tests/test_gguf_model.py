@@ -36,7 +36,7 @@ pytestmark = [pytest.mark.usefixtures("module_cache_home"),
 PROMPTS = ["The capital of France is", "Hello, my dog", "A"]
 # mixed_tied holds F16/BF16 layer weights beside the blocks: transformers' model runs it (its own test below).
 NAMES = [*(name for name in LLAMA_FILES if name != "mixed_tied"), "qwen3", "phi3", "phi4_partial", "gemma2", "gemma3",
-         "qwen3moe", "qwen2moe", "default"]
+         "qwen3moe", "qwen2moe", "mixtral", "default"]
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +57,9 @@ def files(tmp_path_factory):
                                      expert_types=(Q.Q4_K, Q.Q4_K, Q.Q6_K), fields=fields)
     out["qwen2moe"] = write_moe_gguf(folder / "qwen2moe.gguf", arch="qwen2moe", experts=6, used=2, expert_ffn=256,
                                      fields=fields)
+    # Mixtral's: a llama file with experts (Q4_K_M's mix), its top 2 weights normalized.
+    out["mixtral"] = write_moe_gguf(folder / "mixtral.gguf", arch="llama", experts=8, used=2, expert_ffn=256,
+                                    hidden=256, expert_types=(Q.Q4_K, Q.Q4_K, Q.Q6_K), fields=fields)
     out["default"] = default_model_file()
     return out
 

@@ -30,6 +30,7 @@ from .decoder import FUSED_WEIGHTS, fusable, fuse_decoder_layers
 from .device import DeviceForms
 from .device_experts import coded_experts
 from .experts import build_experts, dequantized_experts, holds_experts, part_of, route_rows_alike
+from .families import WITH_EXPERTS
 from .file import GGUFHeader, first_line, unsupported_message
 from .weights import FLOAT_TYPES, GGUFError, WeightReader, as_torch, split_hint
 
@@ -58,7 +59,6 @@ class ModelBuild:
         from accelerate import init_empty_weights
         from transformers import AutoModelForCausalLM
         from transformers.initialization import no_init_weights
-        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
         self.header, self.dtype, self.device, self.quantize = header, dtype, device, quantize
         self.on_device = on_device = device is not None
@@ -66,7 +66,7 @@ class ModelBuild:
         # Parameters on meta; buffers real: rotary inv_freq and the like are computed in __init__, not in the file.
         with init_empty_weights(include_buffers=False), no_init_weights():
             model = self.model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        self.processor = TENSOR_PROCESSORS.get(header.architecture, TensorProcessor)(config=config.to_dict())
+        self.processor = tensor_processor(header.architecture, config)
         names = self.names = header.weights_map(model, self.processor)
 
         self.reader = WeightReader(header.path, header.tensors)
@@ -249,6 +249,25 @@ class ModelBuild:
         route_rows_alike(model)
         fuse_decoder_layers(model)
         return _finish_built(self.header, model, self.names)
+
+
+def tensor_processor(architecture: str, config):
+    """transformers' tensor processor of the file's architecture; for a family llama.cpp writes under another's
+    architecture with experts (Mixtral's), that architecture's with the experts mapped as Qwen-MoE's processor maps
+    them (transformers has none for it)."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, Qwen2MoeTensorProcessor, TensorProcessor
+
+    own = TENSOR_PROCESSORS.get(architecture, TensorProcessor)
+    if WITH_EXPERTS.get(architecture) != config.model_type:
+        return own(config=config.to_dict())
+
+    class WithExperts(own, Qwen2MoeTensorProcessor):  # names as Qwen-MoE's processor maps them (the MRO's second)
+        def process(self, weights, name, **kwargs):
+            if Qwen2MoeTensorProcessor.GGUF_MOE_WEIGHTS_PATTERN.fullmatch(name):
+                return Qwen2MoeTensorProcessor.process(self, weights, name, **kwargs)
+            return own.process(self, weights, name, **kwargs)
+
+    return WithExperts(config=config.to_dict())
 
 
 def _row_permutation(processor, name: str, rows: int):

@@ -69,7 +69,6 @@ def coded_experts(reader: WeightReader, parts: dict[str, Tensor], module: torch.
         return None
     qtype, down_type = GGMLQuantizationType(gate.code), GGMLQuantizationType(down.code)
     width = {name: weights_per_row(GGMLQuantizationType(t.code), t.shape[-1]) for name, t in parts.items()}
-    gates, ups, downs = reader.blocks(gate), reader.blocks(up), reader.blocks(down)
 
     def made(blocks: np.ndarray, qtype: GGMLQuantizationType, in_features: int):
         dequantized = functools.partial(dequantize_to, blocks, qtype, in_features, forms.dtype, forms.device)
@@ -77,8 +76,9 @@ def coded_experts(reader: WeightReader, parts: dict[str, Tensor], module: torch.
 
     gate_up, down_layers = [], []
     for e in range(gate.shape[0]):
-        gate_up.append(made(np.concatenate([gates[e], ups[e]]), qtype, width["gate"]))
-        down_layers.append(made(downs[e], down_type, width["down"]))
+        gate_rows, up_rows, down_rows = (reader.blocks(reader.expert(part, e)) for part in (gate, up, down))
+        gate_up.append(made(np.concatenate([gate_rows, up_rows]), qtype, width["gate"]))
+        down_layers.append(made(down_rows, down_type, width["down"]))
         if gate_up[-1] is None or down_layers[-1] is None:  # (the first expert's: forms decide a type at its first)
             return None
     if all(stackable(layers) for layers in (gate_up, down_layers)):

@@ -122,7 +122,7 @@ def stacked(layers: list[GGMLLinear]) -> torch.Tensor | None:
 
 
 # transformers' routers whose forward ExpertRouter computes (the same steps, the logits by RowProducts).
-ROUTERS = ("Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter")
+ROUTERS = ("Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter", "MixtralTopKRouter")
 
 
 class RowProducts(torch.nn.Module):
@@ -151,7 +151,8 @@ class ExpertRouter(torch.nn.Module):
     def __init__(self, router: torch.nn.Module):
         super().__init__()
         self.logits = RowProducts(router.weight)
-        self.top_k, self.norm_topk_prob, self.hidden_dim = router.top_k, router.norm_topk_prob, router.hidden_dim
+        self.top_k, self.hidden_dim = router.top_k, router.hidden_dim
+        self.norm_topk_prob = getattr(router, "norm_topk_prob", True)  # Mixtral's has no flag: it always divides
 
     def forward(self, hidden_states: torch.Tensor):
         logits = self.logits(hidden_states.reshape(-1, self.hidden_dim))
@@ -162,7 +163,7 @@ class ExpertRouter(torch.nn.Module):
 
 
 # transformers' mixture blocks whose forward NativeMixture computes (Qwen2-MoE's with its shared expert).
-BLOCKS = ("Qwen2MoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock")
+BLOCKS = ("Qwen2MoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "MixtralSparseMoeBlock")
 
 
 class NativeMixture:
@@ -241,7 +242,7 @@ def _rows(reader: WeightReader, tensor: Tensor, experts: int, into: torch.Tensor
         into = torch.empty(experts, rows // 8, interleaved_row_bytes(qtype, weights_per_row(qtype, row_bytes)),
                            dtype=torch.uint8)
     for e in range(experts):
-        read_interleaved(reader.path, tensor.offset + e * rows * row_bytes, (rows, row_bytes), qtype, reader.scratch,
+        read_interleaved(reader.path, reader.expert(tensor, e).offset, (rows, row_bytes), qtype, reader.scratch,
                          out=into[e, :rows // 8])
     return [into[e, :rows // 8] for e in range(experts)], True
 
@@ -253,8 +254,10 @@ def check_shapes(reader: WeightReader, parts: dict[str, Tensor], gate_up: tuple,
     for name, wanted in (("gate", (count, inner // 2, hidden)), ("up", (count, inner // 2, hidden)),
                          ("down", tuple(down))):
         tensor = parts[name]
-        shape = tuple(reader.float_tensor(tensor).shape) if tensor.code in FLOAT_TYPES else (
-            *tensor.shape[:-1], weights_per_row(GGMLQuantizationType(tensor.code), tensor.shape[-1]))
+        if tensor.code in FLOAT_TYPES:
+            shape = (tensor.shape[0], *reader.float_tensor(reader.expert(tensor, 0)).shape)
+        else:
+            shape = (*tensor.shape[:-1], weights_per_row(GGMLQuantizationType(tensor.code), tensor.shape[-1]))
         if shape != wanted:
             raise GGUFError(f"{reader.path}: tensor {tensor.name} holds {list(shape)} weights where the model "
                             f"takes {list(wanted)}")
@@ -302,10 +305,11 @@ def dequantized_experts(reader: WeightReader, parts: dict[str, Tensor], module: 
     for e in range(count):
         for tensor, out in ((parts["gate"], gate_up[e, :inner // 2]), (parts["up"], gate_up[e, inner // 2:]),
                             (parts["down"], down[e])):
+            one = reader.expert(tensor, e)
             if tensor.code in FLOAT_TYPES:
-                out.copy_(reader.float_tensor(tensor)[e])
+                out.copy_(reader.float_tensor(one))
             else:
-                dequantize_to(reader.blocks(tensor)[e], GGMLQuantizationType(tensor.code), out.shape[-1], dtype,
-                              device, out=out)
+                dequantize_to(reader.blocks(one), GGMLQuantizationType(tensor.code), out.shape[-1], dtype, device,
+                              out=out)
     return gate_up, down
 

@@ -43,6 +43,10 @@ class Family:
     # The MLP is a mixture of experts (experts.py: its experts in their blocks, the block in one native call), its
     # parts in the file as llama.cpp's ffn_{gate,up,down}_exps and ffn_gate_inp (Qwen2-MoE's shared expert beside).
     mixture: bool = False
+    # The config field of an expert's inner size, and whether a token's top-k weights are divided by their sum
+    # (None: as config.norm_topk_prob says).
+    expert_size: str = "moe_intermediate_size"
+    top_k_normalized: bool | None = None
 
     # What transformers' GGUF reading leaves out of the config, read from the metadata: head_dim from key_length.
     head_dim_from_key_length: bool = False
@@ -82,6 +86,9 @@ FAMILIES = {family.model_type: family for family in (
     Family("qwen3_moe", "qwen3moe", "Qwen3MoeDecoderLayer", head_norms=("q_norm", "k_norm"),
            head_dim_from_key_length=True, mixture=True,
            extra_config_keys=(("expert_feed_forward_length", "moe_intermediate_size"),)),
+    # llama.cpp writes Mixtral's files as llama's with experts (WITH_EXPERTS); its router always normalizes.
+    Family("mixtral", "llama", "MixtralDecoderLayer", permuted_qk=True, mixture=True, expert_size="intermediate_size",
+           top_k_normalized=True),
     Family("phi3", "phi3", "Phi3DecoderLayer", qkv=("qkv_proj",), gate_up=("gate_up_proj",),
            window_on_every_layer=True, head_dim_from_key_length=True, partial_and_long_rope=True),
     Family("gemma2", "gemma2", "Gemma2DecoderLayer", additive_mask=True, big_model_layers=46,
@@ -90,7 +97,11 @@ FAMILIES = {family.model_type: family for family in (
     Family("gemma3_text", "gemma3", "Gemma3DecoderLayer", head_norms=("q_norm", "k_norm"), big_model_layers=62,
            rope_scaling_from_metadata=True, **GEMMA),
 )}
+# The family of a file of this architecture whose layers have experts (<arch>.expert_count): transformers reads
+# it as the architecture's dense model.
+WITH_EXPERTS = {"llama": "mixtral"}
 BY_LAYER_CLASS = {family.layer_class: family for family in FAMILIES.values()}
-BY_ARCHITECTURE = {family.architecture: family for family in FAMILIES.values()}
+BY_ARCHITECTURE = {family.architecture: family for family in FAMILIES.values()
+                   if family.model_type not in WITH_EXPERTS.values()}
 # What a file of another architecture gets from its metadata: nothing beyond transformers' reading.
 NO_FAMILY = Family("", "", "")

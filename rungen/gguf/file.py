@@ -28,14 +28,14 @@ from .. import NOTICE
 from .blocks import (
     SUPPORTED,
 )
-from .families import BY_ARCHITECTURE, NO_FAMILY
+from .families import BY_ARCHITECTURE, FAMILIES, NO_FAMILY, WITH_EXPERTS
 from .splits import GPT2_SPLITS, pre_tokenizer, sentencepiece_text
-from .weights import FLOAT_TYPES, GGUFError
+from .weights import FLOAT_TYPES, GGUFError, with_experts_stacked
 
 logger = logging.getLogger("run_generation")
 
 # Bump when what the header cache holds changes meaning (transformers' version is part of the key too).
-HEADER_CACHE_VERSION = 9
+HEADER_CACHE_VERSION = 10
 
 
 @contextlib.contextmanager
@@ -200,6 +200,13 @@ def complete_config(path: str, config: dict) -> None:
     metadata, tensors = read_gguf_metadata(path)
     arch = metadata["general.architecture"]
     family = BY_ARCHITECTURE.get(arch, NO_FAMILY)
+    if arch in WITH_EXPERTS and metadata.get(f"{arch}.expert_count"):  # Mixtral's: transformers reads a dense llama
+        family = FAMILIES[WITH_EXPERTS[arch]]
+        if f"{arch}.expert_used_count" not in metadata:
+            raise GGUFError(f"{path}: experts in every layer (expert_count) but no count of those a token takes "
+                            f"({arch}.expert_used_count)")
+        config.update(model_type=family.model_type, num_local_experts=metadata[f"{arch}.expert_count"],
+                      num_experts_per_tok=metadata[f"{arch}.expert_used_count"])
     key_length = metadata.get(f"{arch}.attention.key_length")
     value_length = metadata.get(f"{arch}.attention.value_length", key_length)
     if key_length is not None and family.head_dim_from_key_length:
@@ -324,6 +331,7 @@ class GGUFHeader:
         self.architecture = table["architecture"]
         self.tensors = table["tensors"]  # [name, type code, numpy shape, numpy dtype, byte offset, bytes]
         check_whole(path, [(offset, nbytes) for *_, offset, nbytes in self.tensors])
+        self.tensors = with_experts_stacked(path, self.tensors)
 
     @functools.cached_property
     def config(self):
@@ -423,9 +431,12 @@ class GGUFHeader:
             return cached
         from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
+        family = FAMILIES.get(model.config.model_type)
+        # (a family llama.cpp writes under another's architecture, Mixtral's, has that architecture's names)
+        architecture = family.architecture if family and family.model_type in WITH_EXPERTS.values() else None
         try:
             with metadata_parsed_once():  # its one build of gguf's name table
-                return get_gguf_hf_weights_map(model, processor)
+                return get_gguf_hf_weights_map(model, processor, model_type=architecture)
         except NotImplementedError as error:
             raise GGUFError(f"{self.path}: {first_line(error)}") from None
 
@@ -510,6 +521,10 @@ def why_unreadable(path: str, error: BaseException) -> str:
 def first_line(error: BaseException) -> str:
     text = str(error).strip()
     unknown = re.match(r"Unknown gguf model_type: (\S+) in gguf-py", text)
+    if unknown and unknown[1] in WITH_EXPERTS.values():  # read by this tool's loader, not by transformers'
+        architecture = FAMILIES[unknown[1]].architecture
+        return (f"transformers reads no {unknown[1]} file ({architecture}'s with experts, as llama.cpp writes it); "
+                "it runs here in its own blocks, without --dequantize or --device_map")
     if unknown:  # transformers' advice (a newer gguf package) would not help: llama.cpp writes no such name
         return (f"its general.architecture {unknown[1]!r} is none the gguf package's name table knows, so "
                 "transformers cannot map its tensors")

@@ -289,14 +289,16 @@ def mixture_layer(reader: WeightReader, config: Config, index: int) -> NativeMix
     parts = {name: reader.table[f"blk.{index}.{tensor}.weight"] for tensor, name in PARTS.items()}
     router = reader.float_tensor(reader.tensor(prefix + "gate.weight")).to(torch.float32)
     # (the experts' count as the router scores them: Qwen3-MoE's config.json names it num_local_experts)
-    count, inner, hidden = router.shape[0], config.moe_intermediate_size, config.hidden_size
+    family = FAMILIES[config.model_type]
+    count, inner, hidden = router.shape[0], getattr(config, family.expert_size), config.hidden_size
     experts = build_experts(reader, parts, (count, 2 * inner, hidden), (count, hidden, inner), torch.nn.SiLU())
     shared = shared_gate = None
     if getattr(config, "shared_expert_intermediate_size", 0):
         shared = tuple(reader.linear(reader.tensor(f"{prefix}shared_expert.{name}.weight"))
                        for name in ("gate_proj", "up_proj", "down_proj"))
         shared_gate = reader.float_tensor(reader.tensor(prefix + "shared_expert_gate.weight")).to(torch.float32)
-    return NativeMixture(router, config.num_experts_per_tok, config.norm_topk_prob, experts, shared, shared_gate)
+    normalized = config.norm_topk_prob if family.top_k_normalized is None else family.top_k_normalized
+    return NativeMixture(router, config.num_experts_per_tok, normalized, experts, shared, shared_gate)
 
 
 def build(header, config: Config, weights_map: dict) -> GGUFCausalLM:

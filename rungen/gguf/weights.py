@@ -37,6 +37,31 @@ def split_hint(path: str) -> str:
             "llama.cpp's llama-gguf-split --merge")
 
 
+# A layer's expert part held a tensor an expert (llama.cpp's converter before April 2024: Mixtral's first files).
+EXPERT_APART = re.compile(r"(blk\.\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")
+
+
+def with_experts_stacked(path: str, rows: list) -> list:
+    """The tensor table `rows` (the header's) with a row for each layer's expert part held a tensor an expert
+    (blk.N.ffn_gate.E.weight), as the 3-D tensor files since hold (blk.N.ffn_gate_exps.weight [experts, rows, row
+    bytes]) at offset -1: WeightReader reads each expert from its own tensor. GGUFError where a part's experts are
+    not numbered from 0 or differ in type or shape."""
+    parts = {}
+    for row in rows:
+        if match := EXPERT_APART.fullmatch(row[0]):
+            parts.setdefault(f"{match[1]}.ffn_{match[2]}_exps.weight", {})[int(match[3])] = row
+    stacked = []
+    for name, experts in parts.items():
+        first = experts.get(0)
+        if sorted(experts) != list(range(len(experts))) or any(
+                (row[1], row[2]) != (first[1], first[2]) for row in experts.values()):
+            raise GGUFError(f"{path}: the experts of {name.removesuffix('_exps.weight')} (a tensor each) are not "
+                            "numbered from 0 or differ in type or shape")
+        stacked.append([name, first[1], [len(experts), *first[2]], first[3], -1,
+                        sum(row[5] for row in experts.values())])
+    return rows + stacked
+
+
 class Tensor(typing.NamedTuple):
     """A row of the header cache's tensor table: the tensor's bytes as the loader views them."""
 
@@ -68,8 +93,21 @@ class WeightReader:
             return None
         return self.table[name]
 
+    def expert(self, tensor: Tensor, index: int) -> Tensor:
+        """Expert `index`'s part of a layer's expert tensor [experts, rows, row bytes]: its slice, or the tensor of its
+        own where the file holds the experts apart."""
+        if tensor.offset < 0:
+            layer, _, part = tensor.name.removesuffix("_exps.weight").rpartition(".")
+            return self.table[f"{layer}.{part}.{index}.weight"]
+        size = tensor.nbytes // tensor.shape[0]
+        return tensor._replace(name=f"{tensor.name}[{index}]", shape=list(tensor.shape[1:]),
+                               offset=tensor.offset + index * size, nbytes=size)
+
     def values(self, tensor: Tensor) -> np.ndarray:
-        """A float tensor's values, a view of the map; BF16's bits as int16 (numpy has no bfloat16)."""
+        """A float tensor's values, a view of the map (experts held apart: copied into one); BF16's bits as int16
+        (numpy has no bfloat16)."""
+        if tensor.offset < 0:
+            return np.stack([self.values(self.expert(tensor, e)) for e in range(tensor.shape[0])])
         array = self.map[tensor.offset:tensor.offset + tensor.nbytes]
         if tensor.code == GGMLQuantizationType.BF16:
             return array.view(np.int16).reshape(*tensor.shape[:-1], tensor.shape[-1] // 2)
@@ -80,7 +118,10 @@ class WeightReader:
         return as_torch(self.values(tensor), tensor.code)
 
     def blocks(self, tensor: Tensor) -> np.ndarray:
-        """A quantized tensor's blocks [rows, row bytes] in the file's layout, a view of the map."""
+        """A quantized tensor's blocks [rows, row bytes] in the file's layout, a view of the map (experts held apart:
+        read into one buffer, as a stack of them takes one stride)."""
+        if tensor.offset < 0:
+            return self.read(tensor)
         return self.map[tensor.offset:tensor.offset + tensor.nbytes].reshape(tensor.shape)
 
     def rows(self, tensor: Tensor, interleave: bool, order: np.ndarray | None = None, read: bool = False
@@ -96,6 +137,11 @@ class WeightReader:
 
     def read(self, tensor: Tensor) -> np.ndarray:
         """A quantized tensor's blocks read into memory."""
+        if tensor.offset < 0:
+            out = np.empty(tensor.shape, dtype=np.uint8)
+            for e in range(tensor.shape[0]):
+                out[e] = self.read(self.expert(tensor, e))
+            return out
         return np.fromfile(self.path, dtype=np.uint8, count=tensor.nbytes, offset=tensor.offset).reshape(tensor.shape)
 
     def linear(self, tensor: Tensor, order: np.ndarray | None = None, read: bool = False) -> GGMLLinear:
