@@ -503,7 +503,10 @@ def main():
     parser.add_argument("--write", metavar="DIR", help="write the synthetic files into DIR instead")
     parser.add_argument("--quantize", metavar="BINARY", help="llama.cpp's llama-quantize for --write (default: "
                         "llama-cpp-python's llama_model_quantize in --llama-python's virtualenv)")
-    parser.add_argument("--families", nargs="*", default=list(FAMILIES), choices=list(FAMILIES))
+    parser.add_argument("--families", nargs="*", choices=list(FAMILIES),
+                        default=[name for name, shape in FAMILIES.items() if "experts" not in shape],
+                        help="--write: these families (default: the dense ones; the mixtures, 17 and 26 GB in Q4_0 "
+                        "whole, by name, with --layers where memory or disk is short)")
     parser.add_argument("--layers", type=int, help="--write: this many of each family's layers (the published "
                         "count by default), for a machine short of memory or disk; the files' names say it")
     parser.add_argument("--types", nargs="*", default=["Q4_K_M", "Q5_K_M", "Q6_K", "Q3_K_M", "IQ4_XS", "Q8_0",
