@@ -18,7 +18,7 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 # Mixtures of experts of those attentions: taken where every layer's experts read nothing back to the host at a
 # decode step (captures_decode: a GGUF file's experts in codes on a GPU, rungen/gguf/device_experts.py), which
 # transformers' own Experts modules do.
-MIXTURES = ("qwen2_moe", "qwen3_moe")
+MIXTURES = ("qwen2_moe", "qwen3_moe", "mixtral")
 ROW_BUCKET = 8  # past 4 rows, a captured step's rows (and the slots) come in multiples of this
 POSITION_BUCKET = 256  # the positions a slot holds, and those a step reads, in multiples of this
 

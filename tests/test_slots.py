@@ -297,23 +297,27 @@ class GatheredExperts(torch.nn.Module):
         return (done * top_k_weights.reshape(-1, 1)).view(tokens, chosen, -1).sum(dim=1)
 
 
-def test_a_mixture_whose_experts_read_nothing_back_decodes_in_slots(loaded):
-    # Qwen3-MoE's attention is qwen3's: its rows decode in slots, as generate() gives each prompt alone, where every
-    # layer's experts read nothing back to the host at a step (a GPU's coded experts; transformers' own read how many
-    # tokens each expert has: no slots for them); a step of more rows than the experts' grouped pairs take (their
-    # most_pairs over the experts a token takes) is not captured.
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_a_mixture_whose_experts_read_nothing_back_decodes_in_slots(loaded, family):
+    # Qwen3-MoE's attention is qwen3's, Mixtral's llama's: its rows decode in slots, as generate() gives each prompt
+    # alone, where every layer's experts read nothing back to the host at a step (a GPU's coded experts; transformers'
+    # own read how many tokens each expert has: no slots for them); a step of more rows than the experts' grouped
+    # pairs take (their most_pairs over the experts a token takes) is not captured.
     import copy
 
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from rungen.loading import Loaded
     from rungen.slots import DecodeGraphs, captured_rows
 
     torch.manual_seed(0)
-    config = Qwen3MoeConfig(vocab_size=loaded.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, moe_intermediate_size=32,
-                            num_experts=4, num_experts_per_tok=2, max_position_embeddings=loaded.context)
-    theirs = Qwen3MoeForCausalLM(config).eval()
+    shape = dict(vocab_size=loaded.vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=loaded.context)
+    if family == "mixtral":
+        theirs = MixtralForCausalLM(MixtralConfig(**shape, intermediate_size=32, num_local_experts=4)).eval()
+    else:
+        theirs = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape, intermediate_size=128, head_dim=16,
+                                                    moe_intermediate_size=32, num_experts=4)).eval()
     assert not takes_slots(theirs)
     model = copy.deepcopy(theirs)
     for layer in model.model.layers:
@@ -321,7 +325,7 @@ def test_a_mixture_whose_experts_read_nothing_back_decodes_in_slots(loaded):
     assert takes_slots(model) and captured_rows(model) == 24 // 2
     graphs = DecodeGraphs(model, SlotCache(2, 16, 256))
     assert graphs.most_rows == 12
-    moe = Loaded(model, loaded.tokenizer, "qwen3_moe", torch.device("cpu"), loaded.context, loaded.vocab_size)
+    moe = Loaded(model, loaded.tokenizer, family, torch.device("cpu"), loaded.context, loaded.vocab_size)
     ids = [loaded.tokenizer(prompt).input_ids for prompt in PROMPTS]
     lengths = [3, 9, 5, 12, 7]
     engine = Engine(moe, max_batch=3, prefix_cache_bytes=0)
