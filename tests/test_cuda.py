@@ -1299,8 +1299,8 @@ def test_an_moe_gguf_files_experts_go_to_the_gpu_as_they_are_read(tmp_path, monk
 @pytest.mark.fresh_load  # (the memo would hold a second copy on the GPU)
 @pytest.mark.parametrize("expert_types, arch", [(("Q4_K", "Q4_K", "Q4_K"), "qwen3moe"),
                                                 pytest.param(("Q4_K", "Q4_K", "Q6_K"), "qwen3moe", marks=needs_triton),
-                                                pytest.param(("Q4_K", "Q4_K", "Q6_K"), "llama", marks=needs_triton)],
-                         ids=["Q4_K", "Q4_K_M", "Q4_K_M-mixtral-experts-apart"])
+                                                (("Q4_0", "Q4_0", "Q4_0"), "llama")],
+                         ids=["Q4_K", "Q4_K_M", "Q4_0-mixtral-experts-apart"])
 def test_an_moe_gguf_files_experts_stay_in_their_codes_on_the_gpu(tmp_path, expert_types, arch, monkeypatch):
     # A MoE file's experts on a GPU in the codes a dense layer's weight of their type takes there, an expert's gate
     # and up one layer, its down another (Q4_K_M's mix: 4-bit codes, and int8 codes for down's Q6_K), never
@@ -1315,8 +1315,8 @@ def test_an_moe_gguf_files_experts_stay_in_their_codes_on_the_gpu(tmp_path, expe
     monkeypatch.setenv("RUN_GENERATION_GPU_INT4", "tinygemm")  # (else the load may time the Triton form faster)
     path = write_moe_gguf(tmp_path / f"{arch}.gguf", hidden=256, expert_types=[Q[name] for name in expert_types],
                           arch=arch)
-    if arch == "llama":
-        path = experts_apart(path, tmp_path / "mixtral-apart.gguf")
+    if arch == "llama":  # (the same model as the file of 3-D tensors, on the GPU too)
+        whole, path = path, experts_apart(path, tmp_path / "mixtral-apart.gguf")
     before = torch.cuda.memory_allocated()
     moe = load(path, device=DEVICE, dtype="bfloat16")
     held = torch.cuda.memory_allocated() - before
@@ -1331,12 +1331,17 @@ def test_an_moe_gguf_files_experts_stay_in_their_codes_on_the_gpu(tmp_path, expe
     coded = sum(tensor.numel() * tensor.element_size() for layer in experts for tensor in layer.buffers())
     # 4-bit codes with bfloat16 group scales: 0.31 of bfloat16's bytes; Q6_K's int8 codes and float32 scales: 0.63
     assert coded <= (0.45 if expert_types[2] == "Q6_K" else 0.33) * as_bfloat16, coded / as_bfloat16
-    on_cpu = load(path, device=torch.device("cpu"), dtype="float32")
-    ids = on_cpu.tokenizer(PROMPTS[1]).input_ids
+    ids = moe.tokenizer(PROMPTS[1]).input_ids
     with torch.inference_mode():
         ours = moe.model(input_ids=torch.tensor([ids], device=DEVICE)).logits.float().cpu()
-        theirs = on_cpu.model(input_ids=torch.tensor([ids])).logits
-    assert (ours - theirs).abs().max() <= 0.05 * theirs.abs().max()
+        if arch == "llama":  # the 3-D file's model there: the same bits (against the CPU's float32, a token of
+            # this fixture picks another expert in bfloat16 in its second layer: a near tie, as a bfloat16 reference
+            # of the same weights picks it too)
+            same = load(whole, device=DEVICE, dtype="bfloat16").model(input_ids=torch.tensor([ids], device=DEVICE))
+            assert torch.equal(ours, same.logits.float().cpu())
+        else:
+            theirs = load(path, device=torch.device("cpu"), dtype="float32").model(input_ids=torch.tensor([ids]))
+            assert (ours - theirs.logits).abs().max() <= 0.05 * theirs.logits.abs().max()
     # The tool runs it: greedy tokens as transformers' generate() gives them on the same model.
     _, new, _ = reference(moe.model, moe.tokenizer, PROMPTS[0], new_tokens=8)
     [record] = jsonl(run_ok(["--model_name_or_path", str(path), "--prompt", PROMPTS[0], "--temperature", "0",
