@@ -331,7 +331,7 @@ class GGUFHeader:
         self.architecture = table["architecture"]
         self.tensors = table["tensors"]  # [name, type code, numpy shape, numpy dtype, byte offset, bytes]
         check_whole(path, [(offset, nbytes) for *_, offset, nbytes in self.tensors])
-        self.tensors = with_experts_stacked(path, self.tensors)
+        self.tensors = with_experts_stacked(path, self.tensors)  # (rows at offset -1: experts held a tensor each)
 
     @functools.cached_property
     def config(self):
