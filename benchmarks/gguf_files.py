@@ -209,7 +209,8 @@ def measure(path, args):
 
     torch.set_num_threads(args.threads)
     tool = Tool(path)
-    vocab = len(tool.loaded.tokenizer)
+    # (ids the embedding has: a tokenizer may count a token the model's table lacks)
+    vocab = min(len(tool.loaded.tokenizer), tool.loaded.model.config.get_text_config().vocab_size)
     rng = random.Random(0)
     pp_ids = [rng.randrange(vocab) for _ in range(args.pp)]
     tg_ids = tool.loaded.tokenizer("The capital of France is")["input_ids"]

@@ -724,6 +724,54 @@ def test_a_mixtral_file_is_a_llama_file_with_experts_and_computes_mixtral_in_its
                                        "from 0 or differ in type or shape")
 
 
+@pytest.mark.parametrize("variant", ["e2b", "31b"])
+def test_a_gemma4_file_as_llama_cpp_writes_it_computes_its_checkpoint(tmp_path, monkeypatch, variant):
+    # transformers' reading of a Gemma 4 file leaves Gemma4TextConfig's defaults (one published model's) where the
+    # converter writes its own keys: the sliding layers' head size, which layers slide, the last layers reusing
+    # earlier keys and values, the per-layer embedding's width, both rotaries, the full layers' kv heads and keys as
+    # values, the double-wide MLP, the logits' cap; and its loader leaves each layer's output scale at 1. E2B's and
+    # 31B's layouts: the F32 file computes the checkpoint (in its own blocks' path and with --dequantize), the Q8_0
+    # file in its blocks what the checkpoint with those weights de-quantized does.
+    from gguf import GGMLQuantizationType as Q
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tiny_models import gemma4_checkpoint, write_gemma4_gguf
+
+    checkpoint = gemma4_checkpoint(str(tmp_path), variant)
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    ids = torch.tensor([AutoTokenizer.from_pretrained(checkpoint)(PROMPTS[0]).input_ids])
+    f32 = write_gemma4_gguf(checkpoint, str(tmp_path / "f32.gguf"))
+    q8_0 = write_gemma4_gguf(checkpoint, str(tmp_path / "q8_0.gguf"), "Q8_0")
+    with torch.no_grad():
+        theirs = reference(ids).logits
+        for dequantize in (False, True):
+            ours = load(f32, device=torch.device("cpu"), dequantize=dequantize).model(ids).logits
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+        for parameter in reference.parameters():  # the weights the Q8_0 file holds
+            if parameter.dim() == 2 and parameter.shape[-1] % 32 == 0:
+                blocks = quants.quantize(parameter.numpy(), Q.Q8_0)
+                parameter.copy_(torch.from_numpy(quants.dequantize(blocks, Q.Q8_0)))
+        theirs = reference(ids).logits
+        model = load(q8_0, device=torch.device("cpu")).model
+        assert any(isinstance(module, GGMLLinear) for module in model.modules())
+        blocks = exact_weights(model, lambda: model(ids).logits, monkeypatch)
+    assert theirs.abs().max() > 0.5
+    torch.testing.assert_close(blocks, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_a_gemma4_mixture_of_experts_file_is_refused_in_one_line(tmp_path, capsys):
+    # 26B-A4B's layout: transformers' reading drops the experts (and their config) and would compute the dense MLPs
+    # alone, another model; the tool does not read its fused gate/up experts yet.
+    from tiny_models import gemma4_checkpoint, write_gemma4_gguf
+
+    path = write_gemma4_gguf(gemma4_checkpoint(str(tmp_path), "26b-a4b"), str(tmp_path / "moe.gguf"))
+    for flags in ([], ["--dequantize"]):
+        code, line = error_of(["--model_name_or_path", path, "--prompt", "Hi", "--length", "2", *flags], capsys)
+        assert code == 2 and line.endswith("moe.gguf: a Gemma 4 mixture of experts (26B-A4B's layout, "
+                                           "gemma4.expert_count), which this tool does not read: transformers' "
+                                           "reading would drop its experts and compute another model"), line
+
+
 MIXTURES = [("qwen3moe", (Q.Q4_0, Q.Q4_0, Q.Q6_K)), ("qwen3moe", (Q.Q8_0, Q.Q4_1, Q.Q2_K)), ("qwen2moe", (None,) * 3),
             ("llama", (Q.Q4_0, Q.Q4_0, Q.Q6_K))]
 

@@ -939,3 +939,132 @@ def set_context(path: str, context: int) -> None:
     config["max_position_embeddings"] = context
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
+
+
+# Gemma 4's two layouts, at tiny sizes: E2B/E4B's (a per-layer embedding beside each layer's input, the last layers
+# reusing earlier layers' keys and values with MLPs twice as wide) and 31B's (no per-layer embedding, the full layers
+# with their own kv head count and their keys as values, no value projection).
+GEMMA4_VARIANTS = {
+    "e2b": dict(hidden_size_per_layer_input=64, num_kv_shared_layers=2, use_double_wide_mlp=True),
+    "31b": dict(hidden_size_per_layer_input=0, attention_k_eq_v=True, num_global_key_value_heads=1,
+                final_logit_softcapping=30.0),
+    # 26B-A4B's: a mixture of experts beside each layer's dense MLP
+    "26b-a4b": dict(hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4, top_k_experts=2,
+                    moe_intermediate_size=64),
+}
+
+
+def gemma4_checkpoint(out_dir: str, variant: str) -> str:
+    """A tiny random Gemma 4 checkpoint (Gemma4ForCausalLM, GEMMA4_VARIANTS' layout) in `out_dir`, with the llama
+    tokenizer's SentencePiece-style BPE (Gemma's kind); every layer's output scale away from 1, as trained ones are."""
+    from transformers import AutoTokenizer, Gemma4ForCausalLM, Gemma4TextConfig
+
+    tokenizer_dir = build_tiny_checkpoint("llama", os.path.join(out_dir, "tokenizer"))
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = Gemma4TextConfig(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, global_head_dim=64, sliding_window=8,
+        max_position_embeddings=512, vocab_size_per_layer_input=len(tokenizer),
+        layer_types=["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 2 + ["full_attention"],
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id, tie_word_embeddings=True, **GEMMA4_VARIANTS[variant])
+    config.architectures = ["Gemma4ForCausalLM"]
+    torch.manual_seed(SEED)
+    model = Gemma4ForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.layer_scalar.uniform_(0.5, 1.5)
+    path = os.path.join(out_dir, variant)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def write_gemma4_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
+    """The GGUF file llama.cpp's converter (conversion/gemma.py's Gemma4Model) writes of a Gemma 4 checkpoint: its
+    metadata keys, its vocabulary (model "gemma4"), the rope_freqs tensor of the full layers' proportional rotary
+    (1 for a rotated pair, 1e30 for the others), each layer's scalar as layer_output_scale, norms as stored (Gemma 4's
+    add no 1); matrices in `qtype_name` (F32, or Q8_0 as --outtype q8_0 writes them)."""
+    import pathlib
+
+    import gguf
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from safetensors.torch import load_file
+
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        config = json.load(f)
+    state = load_file(os.path.join(checkpoint, "model.safetensors"))
+    layers, kinds = config["num_hidden_layers"], config["layer_types"]
+    full = kinds.index("full_attention")
+    full_head = config["per_layer_config"][str(full)]["head_dim"]
+    writer = gguf.GGUFWriter(path, "gemma4")
+    writer.add_type("model")
+    writer.add_block_count(layers)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    shared = config["num_kv_shared_layers"]
+    if config["use_double_wide_mlp"]:
+        width = config["intermediate_size"]
+        writer.add_feed_forward_length([width if i < layers - shared else 2 * width for i in range(layers)])
+    else:
+        writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    full_kv = config["per_layer_config"][str(full)].get("num_key_value_heads")
+    if full_kv is not None:
+        writer.add_head_count_kv([config["num_key_value_heads"] if kind == "sliding_attention" else full_kv
+                                  for kind in kinds])
+    else:
+        writer.add_head_count_kv(config["num_key_value_heads"])
+    rope = config["rope_parameters"]
+    writer.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+    writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_key_length(full_head)
+    writer.add_value_length(full_head)
+    writer.add_file_type({"F32": 0, "Q8_0": 7}[qtype_name])
+    if config.get("final_logit_softcapping"):
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    writer.add_sliding_window(config["sliding_window"])
+    writer.add_shared_kv_layers(shared)
+    writer.add_embedding_length_per_layer_input(config["hidden_size_per_layer_input"] or 0)
+    writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in kinds])
+    writer.add_key_length_swa(config["head_dim"])
+    writer.add_value_length_swa(config["head_dim"])
+    writer.add_rope_dimension_count(full_head)
+    writer.add_rope_dimension_count_swa(config["head_dim"])
+    if config.get("enable_moe_block"):
+        writer.add_expert_count(config["num_experts"])
+        writer.add_expert_used_count(config["top_k_experts"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    vocab = gguf.LlamaHfVocab(pathlib.Path(checkpoint))
+    tokens, scores, types = zip(*vocab.all_tokens())
+    writer.add_tokenizer_model("gemma4")
+    writer.add_token_list(list(tokens))
+    writer.add_token_scores(list(scores))
+    writer.add_token_types(list(types))
+    gguf.SpecialVocab(pathlib.Path(checkpoint), load_merges=True).add_to_gguf(writer)
+    writer.add_add_space_prefix(False)
+    writer.add_add_bos_token(True)
+
+    rotated = int(full_head * rope["full_attention"]["partial_rotary_factor"] / 2)
+    writer.add_tensor("rope_freqs.weight",
+                      np.array([1.0] * rotated + [1e30] * (full_head // 2 - rotated), dtype=np.float32))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA4, layers)
+    for hf_name, value in state.items():
+        if hf_name == "lm_head.weight":
+            continue  # tied
+        base, dot, suffix = hf_name.rpartition(".")
+        if suffix in ("scale", "per_expert_scale"):  # the router's scales, named as the converter names them
+            layer = hf_name.split(".")[2]
+            name = f"blk.{layer}.ffn_gate_inp.scale" if suffix == "scale" else f"blk.{layer}.ffn_down_exps.scale"
+        else:
+            if suffix not in ("weight", "bias"):  # the layer scalar and the experts' tensors: ".weight" added
+                base, suffix = hf_name, "weight"
+            name = names.get_name(base) + "." + suffix
+        values = value.float().numpy()
+        if qtype_name == "Q8_0" and values.ndim == 2 and values.shape[-1] % 32 == 0:
+            writer.add_tensor(name, gguf.quants.quantize(values, Q.Q8_0), raw_dtype=Q.Q8_0)
+        else:
+            writer.add_tensor(name, values)
+    return write_out(writer, path)

@@ -50,6 +50,14 @@ def metadata_parsed_once(weights: bool = True):
 
     original, parsed = gguf_utils.load_gguf_checkpoint, {}
     reader_class, name_map, readers = gguf.GGUFReader, gguf.get_tensor_name_map, {}
+    weights_map = gguf_utils.get_gguf_hf_weights_map
+
+    def with_suffixes(*args, **kwargs):
+        # (a parameter named without .weight, such as Gemma 4's layer_scalar, is the file's tensor with it, as
+        # build.py's take finds it; transformers' loader would leave it at its initial value)
+        names = weights_map(*args, **kwargs)
+        return names | {f"{name}.weight": hf for name, hf in names.items()
+                        if not name.endswith((".weight", ".bias")) and f"{name}.weight" not in names}
 
     def once(path, return_tensors=False, *args, **kwargs):
         if return_tensors or args or kwargs:  # weights are read as asked, never shared
@@ -69,7 +77,7 @@ def metadata_parsed_once(weights: bool = True):
         return readers[key]
 
     bar = gguf_utils.tqdm  # tqdm's own: transformers' switch for its bars does not reach it
-    gguf_utils.load_gguf_checkpoint = once
+    gguf_utils.load_gguf_checkpoint, gguf_utils.get_gguf_hf_weights_map = once, with_suffixes
     if weights:
         gguf.GGUFReader = reader
     gguf.get_tensor_name_map = functools.cache(name_map)
@@ -78,6 +86,7 @@ def metadata_parsed_once(weights: bool = True):
         yield
     finally:
         gguf_utils.load_gguf_checkpoint, gguf.GGUFReader, gguf.get_tensor_name_map = original, reader_class, name_map
+        gguf_utils.get_gguf_hf_weights_map = weights_map
         gguf_utils.tqdm = bar
 
 
@@ -233,6 +242,8 @@ def complete_config(path: str, config: dict) -> None:
             raise GGUFError(f"{path}: its rotary embedding is scaled by {kind!r}, which this tool does not read "
                             "from a gemma3 GGUF file")
         config["rope_scaling"] = {"rope_type": "linear", "factor": metadata[f"{arch}.rope.scaling.factor"]}
+    if arch == "gemma4":
+        _gemma4_config(path, metadata, tensors, config)
     rotary = metadata.get(f"{arch}.rope.dimension_count")
     if family.partial_and_long_rope:
         # Phi-4-mini rotates part of each head; transformers' reading drops the count.
@@ -242,6 +253,58 @@ def complete_config(path: str, config: dict) -> None:
             # The 128k variants' longrope factors, which transformers' GGUF reading drops.
             config["rope_scaling"] = _longrope(path, arch, metadata)
             config["original_max_position_embeddings"] = config["rope_scaling"]["original_max_position_embeddings"]
+
+
+def _gemma4_config(path: str, metadata: dict, tensors, config: dict) -> None:
+    """What llama.cpp's converter writes of Gemma 4's config and transformers' reading leaves at Gemma4TextConfig's
+    defaults (one published model's): the sliding layers' head size, which layers slide, how many last layers
+    reuse earlier keys and values, the per-layer embedding's width and rows, both rotaries, the full layers' kv heads
+    (their keys as values where they have no value projection), the shared layers' double-wide MLP, the logits' cap."""
+    from transformers.integrations.gguf.reader import GgufHeader
+
+    def key(name, default=None):
+        return metadata.get(f"gemma4.{name}", default)
+
+    if key("expert_count"):
+        raise GGUFError(f"{path}: a Gemma 4 mixture of experts (26B-A4B's layout, gemma4.expert_count), which this "
+                        "tool does not read: transformers' reading would drop its experts and compute another model")
+    pattern = key("attention.sliding_window_pattern")
+    layers = config["num_hidden_layers"]
+    if isinstance(pattern, list) and len(pattern) == layers:
+        config["layer_types"] = ["sliding_attention" if sliding else "full_attention" for sliding in pattern]
+    kinds = config.get("layer_types") or []
+    config["head_dim"] = key("attention.key_length_swa", config.get("head_dim"))
+    config["global_head_dim"] = key("attention.key_length", config.get("global_head_dim"))
+    config["num_kv_shared_layers"] = key("attention.shared_kv_layers", 0)
+    heads_kv = key("attention.head_count_kv")
+    if isinstance(heads_kv, list):  # the sliding layers' count, and the full layers' where it differs
+        config["num_key_value_heads"] = heads_kv[kinds.index("sliding_attention")]
+        config["num_global_key_value_heads"] = heads_kv[kinds.index("full_attention")]
+    full_values = [f"blk.{i}.attn_v.weight" in tensors for i, kind in enumerate(kinds) if kind == "full_attention"]
+    config["attention_k_eq_v"] = bool(full_values) and not any(full_values)
+    widths = key("feed_forward_length")
+    if isinstance(widths, list):
+        config["intermediate_size"] = widths[0]
+        config["use_double_wide_mlp"] = widths[-1] == 2 * widths[0]
+    header = GgufHeader.from_file(path)
+    table = {t.name: t for t in header.tensors}
+    per_layer = key("embedding_length_per_layer_input", 0)
+    config["hidden_size_per_layer_input"] = per_layer
+    if per_layer and "per_layer_token_embd.weight" in table:
+        config["vocab_size_per_layer_input"] = table["per_layer_token_embd.weight"].shape[0]
+    rope = config.get("rope_parameters") or {}
+    full_rope = {**rope.get("full_attention", {"rope_type": "proportional"}),
+                 "rope_theta": key("rope.freq_base", 1_000_000.0)}
+    factors = table.get("rope_freqs.weight")
+    if factors is not None and factors.ggml_type == 0:  # 1 for each rotated pair, 1e30 for the rest
+        values = np.fromfile(path, dtype="<f4", count=int(np.prod(factors.shape)),
+                             offset=header.data_start + factors.offset)
+        full_rope["partial_rotary_factor"] = 2 * int((values == 1.0).sum()) / config["global_head_dim"]
+    config["rope_parameters"] = {"sliding_attention": {**rope.get("sliding_attention", {"rope_type": "default"}),
+                                                       "rope_theta": key("rope.freq_base_swa", 10_000.0)},
+                                 "full_attention": full_rope}
+    if key("final_logit_softcapping"):
+        config["final_logit_softcapping"] = key("final_logit_softcapping")
 
 
 def _longrope(path: str, arch: str, metadata: dict) -> dict:
@@ -494,6 +557,8 @@ def transformers_cannot_load(path: str, error: BaseException) -> GGUFError:
     so, any other says transformers' reason."""
     from transformers.integrations.gguf.reader import GgufHeader
 
+    if isinstance(error, GGUFError):  # complete_config's own line, raised within transformers' reading
+        return error
     try:
         table = GgufHeader.from_file(path)
     except Exception as unreadable:  # whatever a malformed header triggers
