@@ -297,14 +297,19 @@ def _gemma4_config(path: str, metadata: dict, tensors, config: dict) -> None:
                  "rope_theta": key("rope.freq_base", 1_000_000.0)}
     factors = table.get("rope_freqs.weight")
     if factors is not None and factors.ggml_type == 0:  # 1 for each rotated pair, 1e30 for the rest
-        values = np.fromfile(path, dtype="<f4", count=int(np.prod(factors.shape)),
-                             offset=header.data_start + factors.offset)
-        full_rope["partial_rotary_factor"] = 2 * int((values == 1.0).sum()) / config["global_head_dim"]
+        rotated = int((_f32_values(header, factors) == 1.0).sum())
+        full_rope["partial_rotary_factor"] = 2 * rotated / config["global_head_dim"]
     config["rope_parameters"] = {"sliding_attention": {**rope.get("sliding_attention", {"rope_type": "default"}),
                                                        "rope_theta": key("rope.freq_base_swa", 10_000.0)},
                                  "full_attention": full_rope}
     if key("final_logit_softcapping"):
         config["final_logit_softcapping"] = key("final_logit_softcapping")
+
+
+def _f32_values(header, tensor) -> np.ndarray:
+    """An F32 tensor's values, read from the file (transformers' GgufHeader and its TensorInfo)."""
+    return np.fromfile(header.path, dtype="<f4", count=int(np.prod(tensor.shape)),
+                       offset=header.data_start + tensor.offset)
 
 
 def _longrope(path: str, arch: str, metadata: dict) -> dict:
@@ -320,9 +325,7 @@ def _longrope(path: str, arch: str, metadata: dict) -> dict:
         if tensor is None or tensor.ggml_type != 0 or original is None:
             raise GGUFError(f"{path}: its longrope scaling needs rope_factors_long/short (F32) and "
                             f"{arch}.rope.scaling.original_context_length, which it does not all have")
-        data = np.fromfile(path, dtype="<f4", count=int(np.prod(tensor.shape)),
-                           offset=header.data_start + tensor.offset)
-        factors[f"{kind}_factor"] = [float(x) for x in data]
+        factors[f"{kind}_factor"] = [float(x) for x in _f32_values(header, tensor)]
     scaling = {"rope_type": "longrope", **factors, "original_max_position_embeddings": int(original)}
     if f"{arch}.rope.scaling.attn_factor" in metadata:  # the cos/sin scale llama.cpp was given; transformers'
         scaling["attention_factor"] = float(metadata[f"{arch}.rope.scaling.attn_factor"])  # default is the same rule
