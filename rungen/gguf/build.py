@@ -100,8 +100,7 @@ class ModelBuild:
         """One of the file's tensors into the model: a parameter set, a layer that replaces the model's own, or (a
         mixture's expert tensor) held until the layer's three are known."""
         name, code = entry.name, entry.code
-        # (MoE experts' 3-D tensors are mapped without their ".weight": the model's parameter has none)
-        hf_name = self.names.get(name) or self.names.get(name.removesuffix(".weight"))
+        hf_name = self.names.get(name)
         if hf_name is None:
             return  # as transformers: tensors the model does not hold (e.g. llama3's rope_freqs)
         module_name = hf_name.rpartition(".")[0]

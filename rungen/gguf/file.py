@@ -35,7 +35,7 @@ from .weights import FLOAT_TYPES, GGUFError, with_experts_stacked
 logger = logging.getLogger("run_generation")
 
 # Bump when what the header cache holds changes meaning (transformers' version is part of the key too).
-HEADER_CACHE_VERSION = 10
+HEADER_CACHE_VERSION = 11
 
 
 @contextlib.contextmanager
@@ -53,8 +53,8 @@ def metadata_parsed_once(weights: bool = True):
     weights_map = gguf_utils.get_gguf_hf_weights_map
 
     def with_suffixes(*args, **kwargs):
-        # (a parameter named without .weight, such as Gemma 4's layer_scalar, is the file's tensor with it, as
-        # build.py's take finds it; transformers' loader would leave it at its initial value)
+        # (a parameter named without .weight, a mixture's 3-D experts or Gemma 4's layer_scalar, is the file's
+        # tensor with it; transformers' loader would leave it at its initial value)
         names = weights_map(*args, **kwargs)
         return names | {f"{name}.weight": hf for name, hf in names.items()
                         if not name.endswith((".weight", ".bias")) and f"{name}.weight" not in names}
@@ -495,14 +495,14 @@ class GGUFHeader:
         cached = self.cached_weights_map()
         if cached is not None:
             return cached
-        from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
         family = FAMILIES.get(model.config.model_type)
         # (a family llama.cpp writes under another's architecture, Mixtral's, has that architecture's names)
         architecture = family.architecture if family and family.model_type in WITH_EXPERTS.values() else None
         try:
-            with metadata_parsed_once():  # its one build of gguf's name table
-                return get_gguf_hf_weights_map(model, processor, model_type=architecture)
+            with metadata_parsed_once():  # its one build of gguf's name table, the names with .weight added
+                return gguf_utils.get_gguf_hf_weights_map(model, processor, model_type=architecture)
         except NotImplementedError as error:
             raise GGUFError(f"{self.path}: {first_line(error)}") from None
 
