@@ -75,9 +75,15 @@ FAMILIES = {
     # 26 GB in Q4_0.
     "mixtral": dict(arch="llama", layers=32, hidden=4096, ffn=14336, heads=32, kv_heads=8, head_dim=128,
                     rope_base=1000000.0, eps=1e-5, tied=False, experts=8, experts_used=2, expert_ffn=14336),
+    # gpt-oss-20b: 64 heads of 64 over 2880 with q/k/v/o biases and a sink logit a head, every other layer a
+    # 128-token window, yarn; every layer 32 experts of 2880 (4 a token) with biases, the router's bias. Its published
+    # files: the experts MXFP4, the rest Q8_0 (llama-quantize's MXFP4_MOE); 12 GB.
+    "gpt-oss": dict(arch="gpt-oss", layers=24, hidden=2880, ffn=2880, heads=64, kv_heads=8, head_dim=64,
+                    rope_base=150000.0, eps=1e-5, tied=False, experts=32, experts_used=4, expert_ffn=2880,
+                    context=131072, sliding_window=128, yarn=(32.0, 4096), biases=True),
 }
 # llama.cpp's file types (llama_ftype) by the names its quantizer uses.
-FTYPES = {"Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "Q3_K_M": 12, "IQ4_XS": 30, "Q4_K_S": 14,
+FTYPES = {"MXFP4_MOE": 38, "Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "Q3_K_M": 12, "IQ4_XS": 30, "Q4_K_S": 14,
           "Q5_0": 8, "Q2_K": 10}
 
 LLAMA_CHILD = r"""
@@ -311,7 +317,7 @@ def synthetic_tokenizer_fields(vocab):
 
 
 # Where a block keeps its float16 scales, by type: (byte offset, how many: d, or d and dmin).
-SCALES_AT = {"Q4_0": (0, 1), "Q4_1": (0, 2), "Q5_0": (0, 1), "Q5_1": (0, 2), "Q8_0": (0, 1), "Q2_K": (80, 2),
+SCALES_AT = {"MXFP4": (0, 0), "Q4_0": (0, 1), "Q4_1": (0, 2), "Q5_0": (0, 1), "Q5_1": (0, 2), "Q8_0": (0, 1), "Q2_K": (80, 2),
              "Q3_K": (108, 1), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, 1), "IQ4_NL": (0, 1), "IQ4_XS": (0, 1)}
 
 
@@ -319,7 +325,12 @@ def place_scales(raw, qtype, scales):
     """`raw` uint8 [..., blocks, block bytes] of blocks of `qtype` (a gguf GGMLQuantizationType) with the float16
     `scales` [..., blocks, 2] written where the type keeps them (d, and dmin where it has one): random bytes become
     blocks with finite scales, for weights whose values do not matter."""
+    import numpy as np
+
     offset, count = SCALES_AT[qtype.name]
+    if qtype.name == "MXFP4":  # a power of two's exponent byte: 2^(e - 128) times codes of up to 12
+        raw[..., 0] = (np.log2(scales[..., 0].astype("float32") / 6) + 128).round().astype("uint8")
+        return raw
     raw[..., offset:offset + 2 * count] = scales[..., :count].view("uint8").reshape(*raw.shape[:-1], 2 * count)
     return raw
 
@@ -330,12 +341,15 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
     llama.cpp's Q4_0 files have it; the keys and tensor names llama.cpp's converter writes for the family.
     `tokenizer_source`: a GGUF file whose tokenizer.* metadata the file copies, or that metadata itself as
     (key, value, type, element type) (synthetic_tokenizer_fields)."""
+    import gguf
     import numpy as np
     from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFWriter
     from gguf import GGMLQuantizationType as Q
 
     shape = shape or FAMILIES[family]
-    qtype = Q[qtype_name]
+    # MXFP4_MOE (llama-quantize's name): the experts MXFP4, the other matrices Q8_0
+    experts_type = Q.MXFP4 if qtype_name == "MXFP4_MOE" else Q[qtype_name]
+    qtype = Q.Q8_0 if qtype_name == "MXFP4_MOE" else experts_type
     if isinstance(tokenizer_source, (list, tuple)):
         fields = list(tokenizer_source)
     else:
@@ -361,7 +375,15 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
         writer.add_value_length(shape["head_dim"])
     writer.add_layer_norm_rms_eps(shape["eps"])
     writer.add_rope_freq_base(shape["rope_base"])
-    if not shape.get("gemma"):  # gemma's converters write no rotary dimension (the whole head)
+    if "yarn" in shape:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(shape["yarn"][0])
+        writer.add_rope_scaling_orig_ctx_len(shape["yarn"][1])
+        writer.add_rope_scaling_yarn_beta_fast(32.0)
+        writer.add_rope_scaling_yarn_beta_slow(1.0)
+    if arch == "gpt-oss":  # (its converter writes no rotary dimension)
+        pass
+    elif not shape.get("gemma"):  # gemma's converters write no rotary dimension (the whole head)
         writer.add_rope_dimension_count(shape["head_dim"])
     if "sliding_window" in shape:
         writer.add_sliding_window(shape["sliding_window"])
@@ -374,7 +396,7 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
         if arch != "llama":  # (Mixtral's converter writes the experts' width as feed_forward_length)
             writer.add_expert_feed_forward_length(shape["expert_ffn"])
     writer.add_vocab_size(vocab)
-    writer.add_file_type({"Q4_0": 2, "Q8_0": 7}[qtype_name])
+    writer.add_file_type(FTYPES[qtype_name])
     for key, value, vtype, sub_type in fields:
         writer.add_key_value(key, value, vtype, sub_type)
 
@@ -390,7 +412,8 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
     blocks("token_embd.weight", vocab, hidden, qtype, small * 5)
     for layer in range(shape["layers"]):
         # (gemma's norms multiply by 1 + weight, which its converter stores: ones here too)
-        norms = ("attn_norm", "ffn_norm") + (("post_attention_norm", "post_ffw_norm") if shape.get("gemma") else ())
+        norms = ("attn_norm", "post_attention_norm") if arch == "gpt-oss" else ("attn_norm", "ffn_norm") + (
+            ("post_attention_norm", "post_ffw_norm") if shape.get("gemma") else ())
         for norm in norms:
             writer.add_tensor(f"blk.{layer}.{norm}.weight", np.ones(hidden, dtype=np.float32))
         if shape.get("qk_norm"):
@@ -412,13 +435,21 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
                               rng.normal(0, 0.02, (experts, hidden)).astype(np.float32))
             for part, rows, cols in (("ffn_gate_exps", expert_ffn, hidden), ("ffn_up_exps", expert_ffn, hidden),
                                      ("ffn_down_exps", hidden, expert_ffn)):
-                blocks(f"blk.{layer}.{part}.weight", rows, cols, qtype, small, experts)
+                blocks(f"blk.{layer}.{part}.weight", rows, cols, experts_type, small, experts)
+                if shape.get("biases"):
+                    writer.add_tensor(f"blk.{layer}.{part}.bias", np.zeros((experts, rows), dtype=np.float32))
+        if shape.get("biases"):  # gpt-oss's: q/k/v/o, the router's, a sink logit a head
+            for part, rows in (("attn_q", q_rows), ("attn_k", kv_rows), ("attn_v", kv_rows), ("attn_output", hidden),
+                               ("ffn_gate_inp", shape["experts"])):
+                writer.add_tensor(f"blk.{layer}.{part}.bias", np.zeros(rows, dtype=np.float32))
+            writer.add_tensor(f"blk.{layer}.attn_sinks.weight", np.zeros(shape["heads"], dtype=np.float32))
         if shape.get("qkv_bias"):  # qwen2's q/k/v biases, float32 as its converter writes them
             for part, rows in (("attn_q", q_rows), ("attn_k", kv_rows), ("attn_v", kv_rows)):
                 writer.add_tensor(f"blk.{layer}.{part}.bias", rng.normal(0, 0.02, rows).astype(np.float32))
     writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
     if not shape["tied"]:
-        blocks("output.weight", vocab, hidden, Q.Q6_K, 0.0005)
+        # (llama.cpp's quantizer writes Q8_0 for Q6_K where a row is not whole superblocks: gpt-oss's 2880)
+        blocks("output.weight", vocab, hidden, Q.Q6_K if hidden % 256 == 0 else Q.Q8_0, 0.0005)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -434,7 +465,7 @@ def write(args):
     for family in args.families:
         bases = {}
         name = family + (f"-{args.layers}layers" if args.layers else "")
-        for base in ("Q4_0", "Q8_0"):
+        for base in ("MXFP4_MOE", "Q8_0") if family == "gpt-oss" else ("Q4_0", "Q8_0"):  # (gpt-oss's as published)
             bases[base] = os.path.join(args.write, f"{name}-{base}.gguf")
             if not os.path.exists(bases[base]):
                 print(f"writing {bases[base]}", file=sys.stderr, flush=True)

@@ -329,6 +329,10 @@ def load(model_name_or_path: str | None, *, device: torch.device, model_type: st
     if "gguf_file" in load_kwargs and (on_accelerator or quantize and not device_map):
         return load_gguf_on(os.path.join(path, load_kwargs["gguf_file"]), device, model_type=model_type, dtype=dtype,
                             quantize=quantize)
+    if "gguf_file" in load_kwargs and (dequantize or device_map):  # transformers' loader
+        from .gguf.file import refuse_transformers_loader
+
+        refuse_transformers_loader(os.path.join(path, load_kwargs["gguf_file"]))
     if "gguf_file" in load_kwargs and not dequantize:
         if device_map:
             raise UsageError("a GGUF file runs in its own blocks on the CPU or is de-quantized onto one device: "

@@ -772,6 +772,65 @@ def test_a_gemma4_mixture_of_experts_file_is_refused_in_one_line(tmp_path, capsy
                                            "reading would drop its experts and compute another model"), line
 
 
+def test_mxfp4_blocks_are_held_as_q5_0_blocks_of_the_same_weights():
+    # gpt-oss's experts: each 32 weights a power-of-two scale 2^(e - 128) and e2m1 codes (doubled: the integers
+    # -12..12), Q5_0's codes minus 16 under a float16 scale. A zero block, and one scaled below float16's range (its
+    # weights under 4e-7: float16's nearest); one past it is refused.
+    from rungen.gguf.blocks import GGMLError, mxfp4_as_q5_0
+
+    rng = np.random.default_rng(0)
+    weights = rng.normal(0, 0.05, (16, 256)).astype(np.float32)
+    weights[0, :32], weights[1, :32] = 0, weights[1, :32] * 1e-9
+    blocks = quants.quantize(weights, Q.MXFP4)
+    held = mxfp4_as_q5_0(blocks)
+    assert held.shape == (16, 256 // 32 * 22)
+    exact, got = quants.dequantize(blocks, Q.MXFP4), quants.dequantize(held, Q.Q5_0)
+    assert np.array_equal(got[2:], exact[2:]) and np.array_equal(got[:, 32:], exact[:, 32:])
+    assert not got[0, :32].any() and np.abs(got[1, :32] - exact[1, :32]).max() < 1e-9
+    blocks[5, 0] = 200  # a scale of 2^72
+    with pytest.raises(GGMLError, match="scale 2\\^72 is beyond float16's range"):
+        mxfp4_as_q5_0(blocks)
+
+
+def test_a_gpt_oss_file_as_llama_cpp_writes_it_computes_its_checkpoint(tmp_path, monkeypatch, capsys):
+    # transformers' reading of a gpt-oss file fails on its rotary keys and would leave the head size and window at
+    # GptOssConfig's defaults; its loader reads none of the experts' tensors as llama.cpp writes them (gate and up
+    # apart, MXFP4). The file computes its checkpoint with the experts' weights as MXFP4 holds them: in its blocks
+    # on the CPU, in a left-padded batch and two steps on the cache (sliding layers, sinks, biases, the router's
+    # top 2 and their softmax, the clamped SwiGLU), and de-quantized where a device takes it.
+    from transformers import AutoModelForCausalLM
+
+    from helpers import padded_prompt_and_steps
+    from tiny_models import gpt_oss_checkpoint, write_gpt_oss_gguf
+
+    checkpoint = gpt_oss_checkpoint(str(tmp_path))
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    path = write_gpt_oss_gguf(checkpoint, str(tmp_path / "gpt-oss.gguf"))
+    with torch.no_grad():
+        for layer in reference.model.layers:  # the experts' weights the file holds: rows of MXFP4 blocks
+            for weight in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
+                rows = np.ascontiguousarray(weight.transpose(-1, -2).numpy())
+                held = quants.dequantize(quants.quantize(rows, Q.MXFP4), Q.MXFP4)
+                weight.copy_(torch.from_numpy(held).transpose(-1, -2))
+    theirs = padded_prompt_and_steps(reference)
+    model = load(path, device=torch.device("cpu")).model
+    experts = model.model.layers[0].mlp.experts
+    assert isinstance(experts, GGMLExperts) and experts.down[0].qtype == Q.Q5_0
+    ours = exact_weights(model, lambda: padded_prompt_and_steps(model), monkeypatch)
+    assert theirs[0].abs().max() > 1
+    for got, wanted in zip(ours, theirs):
+        torch.testing.assert_close(got, wanted, rtol=1e-4, atol=1e-4)
+    # as a device takes it (its build on the CPU here): transformers' own experts, de-quantized
+    device = build_model(GGUFHeader(path), torch.float32, torch.device("cpu"))
+    assert type(device.model.layers[0].mlp.experts).__name__ == "GptOssExperts"
+    for got, wanted in zip(padded_prompt_and_steps(device), theirs):
+        torch.testing.assert_close(got, wanted, rtol=1e-4, atol=1e-4)
+    code, line = error_of(["--model_name_or_path", path, "--prompt", "Hi", "--length", "2", "--dequantize"], capsys)
+    assert code == 2 and line.endswith("gpt-oss.gguf: transformers reads no gpt-oss file as llama.cpp writes it "
+                                       "(its experts' tensors); it runs here in its own blocks, without --dequantize "
+                                       "or --device_map"), line
+
+
 MIXTURES = [("qwen3moe", (Q.Q4_0, Q.Q4_0, Q.Q6_K)), ("qwen3moe", (Q.Q8_0, Q.Q4_1, Q.Q2_K)), ("qwen2moe", (None,) * 3),
             ("llama", (Q.Q4_0, Q.Q4_0, Q.Q6_K))]
 

@@ -1068,3 +1068,129 @@ def write_gemma4_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> st
         else:
             writer.add_tensor(name, values)
     return write_out(writer, path)
+
+
+# gpt-oss's special tokens (o200k_harmony's): the text's start and end, a reply's end, and harmony's message markup.
+HARMONY_TOKENS = ("<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>", "<|start|>",
+                  "<|end|>", "<|message|>", "<|call|>")
+
+
+def gpt_oss_checkpoint(out_dir: str) -> str:
+    """A tiny random gpt-oss checkpoint (GptOssForCausalLM) in `out_dir`, gpt-oss-20b's layout 64 wide: attention of
+    4 heads of 32 (wider than the hidden state, as 20b's 64 heads of 64 are than its 2880), 2 kv heads, q/k/v/o biases,
+    a sink logit a head, every other layer sliding (the first; a window of 8), the yarn rotary; a mixture of 4 experts,
+    2 a token, the router's bias and softmax over the top 2, the experts' biases and clamped SwiGLU. A byte-level BPE
+    vocabulary with harmony's special tokens (<|return|> ends a reply). The weights drawn wider than the config's
+    0.02 (which leaves every logit near 0)."""
+    from transformers import AutoTokenizer, GptOssConfig, GptOssForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_checkpoint("gpt2", os.path.join(out_dir, "tokenizer")))
+    tokenizer.add_special_tokens({"bos_token": "<|startoftext|>", "eos_token": "<|return|>",
+                                  "pad_token": "<|endoftext|>", "additional_special_tokens": list(HARMONY_TOKENS)})
+    config = GptOssConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+        max_position_embeddings=512, initializer_range=0.15,
+        rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=8.0, beta_fast=32.0, beta_slow=1.0,
+                             truncate=False, original_max_position_embeddings=64),
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id, tie_word_embeddings=False)
+    config.architectures = ["GptOssForCausalLM"]
+    torch.manual_seed(SEED)
+    model = GptOssForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:  # trained biases and sinks are not zero; some gate and up values pass the
+            layer.mlp.experts.gate_up_proj_bias.normal_(0, 4.0)  # clamp at 7
+            layer.mlp.experts.down_proj_bias.normal_(0, 0.3)
+            layer.self_attn.sinks.normal_(0, 1.0)
+    path = os.path.join(out_dir, "gpt-oss")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def gpt_oss_tensors(state: dict, layers: int) -> dict:
+    """A gpt-oss checkpoint's tensors as llama.cpp's converter (conversion/gpt_oss.py) names and lays them out: each
+    expert's gate_up_proj [hidden, gate and up interleaved] split into gate and up rows [inner, hidden], down_proj
+    transposed to rows [hidden, inner], the biases split as the rows; the sinks as attn_sinks.weight."""
+    out = {"token_embd.weight": state["model.embed_tokens.weight"], "output.weight": state["lm_head.weight"],
+           "output_norm.weight": state["model.norm.weight"]}
+    for n in range(layers):
+        blk, layer = f"blk.{n}.", f"model.layers.{n}."
+        out |= {blk + "attn_norm.weight": state[layer + "input_layernorm.weight"],
+                blk + "post_attention_norm.weight": state[layer + "post_attention_layernorm.weight"],
+                blk + "attn_sinks.weight": state[layer + "self_attn.sinks"],
+                blk + "ffn_gate_inp.weight": state[layer + "mlp.router.weight"],
+                blk + "ffn_gate_inp.bias": state[layer + "mlp.router.bias"]}
+        for part, proj in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"),
+                           ("attn_output", "o_proj")):
+            for kind in ("weight", "bias"):
+                out[f"{blk}{part}.{kind}"] = state[f"{layer}self_attn.{proj}.{kind}"]
+        gate_up, bias = state[layer + "mlp.experts.gate_up_proj"].transpose(-1, -2), \
+            state[layer + "mlp.experts.gate_up_proj_bias"]
+        out |= {blk + "ffn_gate_exps.weight": gate_up[:, ::2], blk + "ffn_up_exps.weight": gate_up[:, 1::2],
+                blk + "ffn_gate_exps.bias": bias[:, ::2], blk + "ffn_up_exps.bias": bias[:, 1::2],
+                blk + "ffn_down_exps.weight": state[layer + "mlp.experts.down_proj"].transpose(-1, -2),
+                blk + "ffn_down_exps.bias": state[layer + "mlp.experts.down_proj_bias"]}
+    return out
+
+
+def write_gpt_oss_gguf(checkpoint: str, path: str, experts: str = "MXFP4", others: str = "F32") -> str:
+    """The GGUF file llama.cpp writes of a gpt-oss checkpoint (its converter's keys and tensors, gpt_oss_tensors),
+    the experts' three 3-D tensors in `experts` blocks (MXFP4: the published files', llama-quantize's MXFP4_MOE), the
+    other matrices in `others` (F32 or Q8_0, as MXFP4_MOE quantizes them); the vocabulary as its converter writes
+    o200k_harmony's (model gpt2, pre-tokenizer gpt-4o)."""
+    import pathlib
+
+    import gguf
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from safetensors.torch import load_file
+
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        config = json.load(f)
+    rope = config["rope_parameters"]
+    writer = gguf.GGUFWriter(path, "gpt-oss")
+    writer.add_type("model")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(rope["factor"])
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+    writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_expert_count(config["num_local_experts"])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_file_type(38 if experts == "MXFP4" else 7)  # llama.cpp's MOSTLY_MXFP4_MOE, MOSTLY_Q8_0
+    writer.add_sliding_window(config["sliding_window"])
+    writer.add_expert_feed_forward_length(config["intermediate_size"])
+
+    with open(os.path.join(checkpoint, "tokenizer.json")) as f:
+        tokenizer = json.load(f)
+    vocab = {**tokenizer["model"]["vocab"], **{t["content"]: t["id"] for t in tokenizer["added_tokens"]}}
+    special = {t["content"] for t in tokenizer["added_tokens"] if t["special"]}
+    tokens = sorted(vocab, key=vocab.get)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-4o")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if token in special else gguf.TokenType.NORMAL
+                            for token in tokens])
+    gguf.SpecialVocab(pathlib.Path(checkpoint), load_merges=True).add_to_gguf(writer)
+
+    state = load_file(os.path.join(checkpoint, "model.safetensors"))
+    for name, value in gpt_oss_tensors(state, config["num_hidden_layers"]).items():
+        values = np.ascontiguousarray(value.float().numpy())
+        qtype = {"F32": None, "Q8_0": Q.Q8_0, "MXFP4": Q.MXFP4}[experts if "_exps.weight" in name else others]
+        if qtype is not None and name.endswith(".weight") and values.ndim >= 2 and "ffn_gate_inp" not in name:
+            writer.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, values)
+    return write_out(writer, path)

@@ -35,6 +35,48 @@ SUPPORTED = (
 )
 
 
+# Types held as another's blocks, the same values exactly: MXFP4 (a power-of-two scale and 4-bit e2m1 codes, gpt-oss's
+# experts) as Q5_0, whose kernels it then takes (its values doubled are the integers -12..12, Q5_0's codes minus 16).
+HELD_AS = {GGMLQuantizationType.MXFP4: GGMLQuantizationType.Q5_0}
+
+
+def held_as(qtype: GGMLQuantizationType) -> GGMLQuantizationType:
+    """The type of the blocks a weight of `qtype` is held in (HELD_AS)."""
+    return HELD_AS.get(GGMLQuantizationType(qtype), GGMLQuantizationType(qtype))
+
+
+_MXFP4_Q5 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]) + 16  # each code's Q5_0 code
+_BYTE = np.arange(256)
+_Q5_LOW_BYTES = ((_MXFP4_Q5[_BYTE & 15] & 15) | ((_MXFP4_Q5[_BYTE >> 4] & 15) << 4)).astype(np.uint8)
+_Q5_HIGH_BITS = (_MXFP4_Q5 >> 4).astype(np.uint8)
+_MXFP4_ZERO = np.array([code in (0, 8) for code in range(16)])  # e2m1's +0 and -0
+
+
+def mxfp4_as_q5_0(blocks: np.ndarray) -> np.ndarray:
+    """MXFP4 blocks [rows, row bytes] (each 32 weights: a scale byte e, 2^(e - 128) times e2m1's doubled values, then
+    16 bytes of codes) as Q5_0 blocks of the same weights: the scale as float16, the codes plus 16. Exact for scales
+    from 2^-24 to 2^15; a smaller one (weights under 4e-7) is float16's nearest; GGMLError for a larger one where the
+    block's weights are not all zero."""
+    rows = blocks.shape[0]
+    b = np.ascontiguousarray(blocks).reshape(-1, 17)
+    e, codes = b[:, 0], b[:, 1:]
+    scale = np.where(e < 2, np.uint32(0x00200000) << e.astype(np.uint32), (e.astype(np.uint32) - 1) << 23)
+    with np.errstate(over="ignore"):
+        half = scale.view(np.float32).astype(np.float16)
+    overflow = np.isinf(half)
+    if overflow.any():
+        zero = _MXFP4_ZERO[codes & 15].all(1) & _MXFP4_ZERO[codes >> 4].all(1)
+        if (overflow & ~zero).any():
+            raise GGMLError(f"an MXFP4 block's scale 2^{int(e[overflow & ~zero][0]) - 128} is beyond float16's range")
+        half[overflow] = 0
+    out = np.empty((b.shape[0], 22), dtype=np.uint8)
+    out[:, :2] = half.view(np.uint8).reshape(-1, 2)
+    high = np.concatenate([_Q5_HIGH_BITS[codes & 15], _Q5_HIGH_BITS[codes >> 4]], axis=1)  # weights 0-15, 16-31
+    out[:, 2:6] = np.packbits(high, axis=1, bitorder="little")
+    out[:, 6:] = _Q5_LOW_BYTES[codes]
+    return out.reshape(rows, -1)
+
+
 # Types interleaved eight rows by eight for the kernels, and the flag added to their type number then.
 INTERLEAVED_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0,
                      GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K,
@@ -90,11 +132,15 @@ def dequantize_to(blocks: np.ndarray, qtype: GGMLQuantizationType, in_features: 
     if out is None:
         out = torch.empty(rows, in_features, dtype=dtype, device=device)
     step = max(1, DEQUANTIZE_CHUNK // in_features)
-    native = qtype in SUPPORTED and native_kernels()
+    held = held_as(qtype)
+    native = held in SUPPORTED and native_kernels()
     source = torch.from_numpy(blocks) if native else None
     for start in range(0, rows, step):
         stop = min(rows, start + step)
-        if native:
+        if native and held != qtype:  # (MXFP4) converted a chunk at a time
+            chunk = torch.from_numpy(mxfp4_as_q5_0(blocks[start:stop]))
+            values = torch.ops.rungen_ggml.embed(chunk, int(held), in_features, torch.arange(stop - start))
+        elif native:
             ids = torch.arange(start, stop, dtype=torch.int64)
             values = torch.ops.rungen_ggml.embed(source, int(qtype), in_features, ids)
         else:

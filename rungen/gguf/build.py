@@ -29,9 +29,17 @@ from .blocks import (
 from .decoder import FUSED_WEIGHTS, fusable, fuse_decoder_layers
 from .device import DeviceForms
 from .device_experts import coded_experts
-from .experts import build_experts, dequantized_experts, holds_experts, part_of, route_rows_alike
+from .experts import (
+    ClampedSwiGLU,
+    build_experts,
+    dequantized_experts,
+    gpt_oss_dequantized,
+    holds_experts,
+    part_of,
+    route_rows_alike,
+)
 from .families import WITH_EXPERTS
-from .file import GGUFHeader, first_line, unsupported_message
+from .file import GGUFHeader, first_line, type_name, unsupported_message
 from .weights import FLOAT_TYPES, GGUFError, WeightReader, as_torch, split_hint
 
 logger = logging.getLogger("run_generation")
@@ -106,8 +114,11 @@ class ModelBuild:
         module_name = hf_name.rpartition(".")[0]
         module = self.model.get_submodule(module_name)
         part = part_of(name)
+        if part is not None and type(module).__name__ == "GptOssExperts":
+            # gpt-oss's: the three weights and their biases, built as GGMLExperts
+            self.expert_parts.setdefault(module_name, {})[part if name.endswith(".weight") else f"{part}_bias"] = entry
         # (on a device of any type, float ones too: de-quantized or cast there an expert at a time)
-        if part is not None and (code in SUPPORTED or self.on_device) and self.quantize is None \
+        elif part is not None and (code in SUPPORTED or self.on_device) and self.quantize is None \
                 and holds_experts(module):
             self.expert_parts.setdefault(module_name, {})[part] = entry  # built once the layer's three are known
         elif code in FLOAT_TYPES:
@@ -200,6 +211,7 @@ class ModelBuild:
             self.put(hf_name, value.to(self.device, self.dtype))
         path, reader = self.header.path, self.reader
         for module_name, parts in self.expert_parts.items():
+            biases = {name: parts.pop(name) for name in ("gate_bias", "up_bias", "down_bias") if name in parts}
             if len(parts) < 3:
                 layer = next(iter(parts.values())).name.rsplit(".", 2)[0]  # blk.N
                 missing = [f"{layer}.ffn_{part}_exps.weight" for part in ("gate", "up", "down") if part not in parts]
@@ -210,6 +222,9 @@ class ModelBuild:
                 absent = next(name for name in missing if name not in reader.table)
                 raise GGUFError(f"{path}: the file has no tensor {absent}{split_hint(path)}")
             module = self.model.get_submodule(module_name)
+            if type(module).__name__ == "GptOssExperts":
+                self.gpt_oss_experts(module_name, module, parts, biases)
+                continue
             coded = coded_experts(reader, parts, module, self.forms) if self.on_device else None
             if coded is not None:
                 self.layers[module_name] = coded
@@ -220,6 +235,34 @@ class ModelBuild:
             else:
                 self.layers[module_name] = build_experts(reader, parts, module.gate_up_proj.shape,
                                                          module.down_proj.shape, module.act_fn)
+
+    def gpt_oss_experts(self, module_name: str, module: torch.nn.Module, parts: dict, biases: dict) -> None:
+        """gpt-oss's Experts module (gate_up_proj [experts, hidden, gate and up interleaved], down_proj [experts,
+        inner, hidden], their biases, the clamped SwiGLU): on the CPU GGMLExperts over the file's blocks (gate rows
+        then up rows, the biases in that order), on a device its own parameters de-quantized there."""
+        missing = [part for part in ("gate", "up", "down") if f"{part}_bias" not in biases]
+        if missing:
+            layer = parts["down"].name.rsplit(".", 2)[0]
+            raise GGUFError(f"{self.header.path}: the file has no tensor {layer}.ffn_{missing[0]}_exps.bias")
+        blocks = [tensor for tensor in biases.values() if tensor.code not in FLOAT_TYPES]
+        if blocks:
+            raise GGUFError(f"{self.header.path}: tensor {blocks[0].name} is in {type_name(blocks[0].code)} blocks, "
+                            "where a bias is F32, F16 or BF16")
+        if self.on_device:
+            for attr, value in gpt_oss_dequantized(self.reader, parts, biases, module, self.dtype,
+                                                   self.device).items():
+                self.put(f"{module_name}.{attr}", value)
+            return
+        floats = [tensor.name for tensor in parts.values() if tensor.code in FLOAT_TYPES]
+        if floats:
+            raise GGUFError(f"{self.header.path}: gpt-oss's experts in float tensors ({floats[0]}), which this loader "
+                            "holds only in blocks on the CPU")
+        values = {name: self.reader.float_tensor(tensor).to(self.dtype) for name, tensor in biases.items()}
+        count, hidden, inner = module.gate_up_proj.shape
+        self.layers[module_name] = build_experts(
+            self.reader, parts, (count, inner, hidden), (count, hidden, inner // 2), None,
+            (torch.cat([values["gate_bias"], values["up_bias"]], dim=-1), values["down_bias"]),
+            ClampedSwiGLU(module.alpha, module.limit))
 
     def finish(self) -> torch.nn.Module:
         """The model with its layers in place, eval mode, on the device (quantized where asked)."""

@@ -22,8 +22,10 @@ from .blocks import (
     GGMLLinear,
     GGMLParts,
     dequantize_to,
+    held_as,
     interleavable,
     interleaved_row_bytes,
+    mxfp4_as_q5_0,
     native_products,
     weights_per_row,
 )
@@ -50,14 +52,31 @@ def part_of(name: str) -> str | None:
     return PARTS.get(name.rsplit(".", 2)[-2]) if name.count(".") >= 2 else None
 
 
+class ClampedSwiGLU(torch.nn.Module):
+    """gpt-oss's gating of an expert's gate and up products (GptOssExperts._apply_gate on them apart): the gate
+    clamped above at `limit`, up to +-`limit`, then (up + 1) * gate * sigmoid(alpha * gate)."""
+
+    def __init__(self, alpha: float, limit: float):
+        super().__init__()
+        self.alpha, self.limit = alpha, limit
+
+    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
 class GGMLExperts(torch.nn.Module):
     """A layer's experts over their blocks (on a GPU: over layers of codes, an expert's gate/up one and its down
     another): forward(hidden [tokens, hidden], top_k_index [tokens, k], top_k_weights [tokens, k]) as transformers'
-    Experts modules compute it."""
+    Experts modules compute it. gpt-oss's add biases ([experts, gate; up] and [experts, hidden]) after each product
+    and gate by `gating(gate, up)` (ClampedSwiGLU) where the others take act_fn(gate) * up."""
 
-    def __init__(self, gate_up: list[torch.nn.Module], down: list[GGMLLinear], act_fn):
+    def __init__(self, gate_up: list[torch.nn.Module], down: list[GGMLLinear], act_fn,
+                 biases: tuple[torch.Tensor, torch.Tensor] | None = None, gating: torch.nn.Module | None = None):
         super().__init__()
         self.gate_up, self.down, self.act_fn = torch.nn.ModuleList(gate_up), torch.nn.ModuleList(down), act_fn
+        self.gate_up_bias, self.down_bias = biases if biases is not None else (None, None)
+        self.gating = gating
         self.num_experts = len(down)
         # Each product's (blocks, code) an expert, where every expert's is one GGMLLinear (else None): what
         # mm_grouped takes, kept as lists (a step indexes them, not the modules).
@@ -82,8 +101,14 @@ class GGMLExperts(torch.nn.Module):
         counts = torch.bincount(chosen, minlength=self.num_experts).tolist()
         used = [(expert, count) for expert, count in enumerate(counts) if count]
         tokens = order // top_k_index.shape[-1]
-        gate, up = self._products(0, hidden_states[tokens], used).chunk(2, dim=-1)
-        done = self._products(1, self.act_fn(gate) * up, used) * top_k_weights.reshape(-1)[order, None]
+        gate_up = self._products(0, hidden_states[tokens], used)
+        if self.gate_up_bias is not None:
+            gate_up = gate_up + self.gate_up_bias[chosen[order]]
+        gate, up = gate_up.chunk(2, dim=-1)
+        out = self._products(1, self.act_fn(gate) * up if self.gating is None else self.gating(gate, up), used)
+        if self.down_bias is not None:
+            out = out + self.down_bias[chosen[order]]
+        done = out * top_k_weights.reshape(-1)[order, None]
         return torch.zeros_like(hidden_states).index_add_(0, tokens, done.to(hidden_states.dtype))
 
     def _products(self, which: int, x: torch.Tensor, used: list[tuple[int, int]]) -> torch.Tensor:
@@ -122,7 +147,7 @@ def stacked(layers: list[GGMLLinear]) -> torch.Tensor | None:
 
 
 # transformers' routers whose forward ExpertRouter computes (the same steps, the logits by RowProducts).
-ROUTERS = ("Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter", "MixtralTopKRouter")
+ROUTERS = ("Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter", "MixtralTopKRouter", "GptOssTopKRouter")
 
 
 class RowProducts(torch.nn.Module):
@@ -146,16 +171,23 @@ class RowProducts(torch.nn.Module):
 
 class ExpertRouter(torch.nn.Module):
     """transformers' TopKRouter of ROUTERS, its logits by RowProducts: the softmax of the logits, the top k, those
-    weights normalized where the config says so; (logits, weights, experts) as it returns them."""
+    weights normalized where the config says so (gpt-oss's: its bias added, the top k logits, their softmax);
+    (logits, weights, experts) as it returns them."""
 
     def __init__(self, router: torch.nn.Module):
         super().__init__()
         self.logits = RowProducts(router.weight)
         self.top_k, self.hidden_dim = router.top_k, router.hidden_dim
         self.norm_topk_prob = getattr(router, "norm_topk_prob", True)  # Mixtral's has no flag: it always divides
+        self.softmax_of_top = type(router).__name__ == "GptOssTopKRouter"
+        self.bias = router.bias if self.softmax_of_top else None
 
     def forward(self, hidden_states: torch.Tensor):
         logits = self.logits(hidden_states.reshape(-1, self.hidden_dim))
+        if self.softmax_of_top:
+            logits = logits + self.bias
+            top, experts = torch.topk(logits, self.top_k, dim=-1)
+            return logits, torch.softmax(top, dim=-1, dtype=top.dtype), experts
         weights, experts = torch.topk(torch.softmax(logits, dtype=torch.float, dim=-1), self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights /= weights.sum(dim=-1, keepdim=True)
@@ -221,8 +253,9 @@ def route_rows_alike(model: torch.nn.Module) -> None:
     for block in list(model.modules()):
         if not isinstance(getattr(block, "experts", None), GGMLExperts):
             continue
-        if type(getattr(block, "gate", None)).__name__ in ROUTERS:
-            block.gate = ExpertRouter(block.gate)
+        for name in ("gate", "router"):  # (gpt-oss's is its router)
+            if type(getattr(block, name, None)).__name__ in ROUTERS:
+                setattr(block, name, ExpertRouter(getattr(block, name)))
         shared = getattr(block, "shared_expert_gate", None)
         if type(shared) is torch.nn.Linear and shared.bias is None:
             block.shared_expert_gate = RowProducts(shared.weight)
@@ -234,17 +267,26 @@ def _rows(reader: WeightReader, tensor: Tensor, experts: int, into: torch.Tensor
     (read into `into` [experts, rows / 8 + more, bytes] from row 0 when given, else a buffer of their own), else
     views of the map; and whether interleaved."""
     qtype = GGMLQuantizationType(tensor.code)
+    held = held_as(qtype)
     _, rows, row_bytes = tensor.shape
-    if not interleavable(qtype, rows):
-        blocks = torch.from_numpy(reader.blocks(tensor))
+    if not interleavable(held, rows):
+        blocks = torch.from_numpy(reader.blocks(tensor) if held == qtype else _held_blocks(reader, tensor))
         return [blocks[e] for e in range(experts)], False
     if into is None:
-        into = torch.empty(experts, rows // 8, interleaved_row_bytes(qtype, weights_per_row(qtype, row_bytes)),
+        into = torch.empty(experts, rows // 8, interleaved_row_bytes(held, weights_per_row(qtype, row_bytes)),
                            dtype=torch.uint8)
     for e in range(experts):
         read_interleaved(reader.path, reader.expert(tensor, e).offset, (rows, row_bytes), qtype, reader.scratch,
                          out=into[e, :rows // 8])
     return [into[e, :rows // 8] for e in range(experts)], True
+
+
+def _held_blocks(reader: WeightReader, tensor: Tensor) -> np.ndarray:
+    """A tensor's blocks read into memory as the type they are held in (held_as)."""
+    blocks, qtype = reader.read(tensor), GGMLQuantizationType(tensor.code)
+    if held_as(qtype) == qtype:
+        return blocks
+    return mxfp4_as_q5_0(blocks.reshape(-1, blocks.shape[-1])).reshape(*blocks.shape[:-1], -1)
 
 
 def check_shapes(reader: WeightReader, parts: dict[str, Tensor], gate_up: tuple, down: tuple) -> None:
@@ -264,14 +306,16 @@ def check_shapes(reader: WeightReader, parts: dict[str, Tensor], gate_up: tuple,
 
 
 def build_experts(reader: WeightReader, parts: dict[str, Tensor], gate_up_shape: tuple, down_shape: tuple,
-                  act_fn: torch.nn.Module) -> GGMLExperts:
+                  act_fn: torch.nn.Module, biases: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  gating: torch.nn.Module | None = None) -> GGMLExperts:
     """The GGMLExperts of a layer's three expert tensors (`parts`: part_of's names), in place of an Experts module
-    whose gate_up_proj and down_proj have these shapes; GGUFError where the tensors' are not those."""
+    whose gate_up_proj and down_proj have these shapes ([experts, gate; up, hidden], [experts, hidden, inner]);
+    GGUFError where the tensors' are not those. `biases` and `gating`: gpt-oss's (GGMLExperts)."""
     check_shapes(reader, parts, gate_up_shape, down_shape)
     gate, up, down = parts["gate"], parts["up"], parts["down"]
     experts = gate.shape[0]
     width = {name: weights_per_row(GGMLQuantizationType(t.code), t.shape[-1]) for name, t in parts.items()}
-    qtype = GGMLQuantizationType(gate.code)
+    qtype = held_as(gate.code)
     if gate.code == up.code and interleavable(qtype, gate.shape[1]) and interleavable(qtype, up.shape[1]):
         both = torch.empty(experts, (gate.shape[1] + up.shape[1]) // 8, interleaved_row_bytes(qtype, width["gate"]),
                            dtype=torch.uint8)
@@ -279,18 +323,17 @@ def build_experts(reader: WeightReader, parts: dict[str, Tensor], gate_up_shape:
         _rows(reader, up, experts, both[:, gate.shape[1] // 8:])
         gate_up = [GGMLLinear(both[e], qtype, width["gate"], interleaved=True) for e in range(experts)]
     elif gate.code == up.code:  # rows the kernels take as the file has them (Q2_K): read into one buffer
-        both = np.empty((experts, gate.shape[1] + up.shape[1], gate.shape[2]), dtype=np.uint8)
-        both[:, :gate.shape[1]], both[:, gate.shape[1]:] = reader.read(gate), reader.read(up)
+        both = np.concatenate([_held_blocks(reader, gate), _held_blocks(reader, up)], axis=1)
         gate_up = [GGMLLinear(torch.from_numpy(both[e]), qtype, width["gate"]) for e in range(experts)]
     else:  # two types: each expert's gate and up as the parts of one product
         gates, gate_interleaved = _rows(reader, gate, experts)
         ups, up_interleaved = _rows(reader, up, experts)
         gate_up = [GGMLParts([GGMLLinear(g, qtype, width["gate"], interleaved=gate_interleaved),
-                              GGMLLinear(u, up.code, width["up"], interleaved=up_interleaved)])
+                              GGMLLinear(u, held_as(up.code), width["up"], interleaved=up_interleaved)])
                    for g, u in zip(gates, ups)]
     downs, interleaved = _rows(reader, down, experts)
-    down_layers = [GGMLLinear(d, down.code, width["down"], interleaved=interleaved) for d in downs]
-    return GGMLExperts(gate_up, down_layers, act_fn)
+    down_layers = [GGMLLinear(d, held_as(down.code), width["down"], interleaved=interleaved) for d in downs]
+    return GGMLExperts(gate_up, down_layers, act_fn, biases, gating)
 
 
 def dequantized_experts(reader: WeightReader, parts: dict[str, Tensor], module: torch.nn.Module, dtype: torch.dtype,
@@ -313,3 +356,30 @@ def dequantized_experts(reader: WeightReader, parts: dict[str, Tensor], module: 
                               out=out)
     return gate_up, down
 
+
+
+def gpt_oss_dequantized(reader: WeightReader, parts: dict[str, Tensor], biases: dict[str, Tensor],
+                        module: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """gpt-oss's Experts parameters (gate_up_proj [experts, hidden, gate and up interleaved], down_proj [experts,
+    inner, hidden], their biases) from a layer's expert tensors and biases, de-quantized to `dtype` on `device` an
+    expert at a time."""
+    count, hidden, inner = module.gate_up_proj.shape
+    check_shapes(reader, parts, (count, inner, hidden), (count, hidden, inner // 2))
+
+    def values(tensor: Tensor) -> torch.Tensor:
+        if tensor.code in FLOAT_TYPES:
+            return reader.float_tensor(tensor).to(device, dtype)
+        qtype = GGMLQuantizationType(tensor.code)
+        return dequantize_to(reader.blocks(tensor), qtype, weights_per_row(qtype, tensor.shape[-1]), dtype, device)
+
+    out = {"gate_up_proj": torch.empty(count, hidden, inner, dtype=dtype, device=device),
+           "down_proj": torch.empty(count, inner // 2, hidden, dtype=dtype, device=device),
+           "gate_up_proj_bias": torch.empty(count, inner, dtype=dtype, device=device),
+           "down_proj_bias": values(biases["down_bias"])}
+    for e in range(count):
+        out["gate_up_proj"][e, :, 0::2] = values(reader.expert(parts["gate"], e)).T
+        out["gate_up_proj"][e, :, 1::2] = values(reader.expert(parts["up"], e)).T
+        out["down_proj"][e] = values(reader.expert(parts["down"], e)).T
+    out["gate_up_proj_bias"][:, 0::2], out["gate_up_proj_bias"][:, 1::2] = (values(biases["gate_bias"]),
+                                                                            values(biases["up_bias"]))
+    return out

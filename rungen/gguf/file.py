@@ -26,6 +26,7 @@ import torch
 
 from .. import NOTICE
 from .blocks import (
+    HELD_AS,
     SUPPORTED,
 )
 from .families import BY_ARCHITECTURE, FAMILIES, NO_FAMILY, WITH_EXPERTS
@@ -72,14 +73,14 @@ def metadata_parsed_once(weights: bool = True):
         if mode != "r":
             return reader_class(path, mode)
         key = os.path.abspath(path)
-        if key not in readers:
-            readers[key] = reader_class(path)
-        return readers[key]
+        one = readers.get(key) or without_misread_keys(reader_class(path))
+        if weights:
+            readers[key] = one
+        return one
 
     bar = gguf_utils.tqdm  # tqdm's own: transformers' switch for its bars does not reach it
     gguf_utils.load_gguf_checkpoint, gguf_utils.get_gguf_hf_weights_map = once, with_suffixes
-    if weights:
-        gguf.GGUFReader = reader
+    gguf.GGUFReader = reader
     gguf.get_tensor_name_map = functools.cache(name_map)
     gguf_utils.tqdm = functools.partial(bar, disable=not logger.isEnabledFor(logging.INFO))
     try:
@@ -88,6 +89,21 @@ def metadata_parsed_once(weights: bool = True):
         gguf_utils.load_gguf_checkpoint, gguf.GGUFReader, gguf.get_tensor_name_map = original, reader_class, name_map
         gguf_utils.get_gguf_hf_weights_map = weights_map
         gguf_utils.tqdm = bar
+
+
+# Keys transformers' reading takes a field's first part of (a string's length, a 1-element array) for a value and
+# fails on: complete_config reads them instead.
+MISREAD_KEYS = {"gpt-oss": "gpt-oss.rope.scaling."}
+
+
+def without_misread_keys(reader):
+    """gguf's `reader` with the fields of MISREAD_KEYS for its architecture dropped."""
+    arch = reader.fields.get("general.architecture")
+    prefix = MISREAD_KEYS.get(arch.contents() if arch is not None else None)
+    if prefix is not None:
+        for key in [key for key in reader.fields if key.startswith(prefix)]:
+            del reader.fields[key]
+    return reader
 
 
 UNSPLIT_SAID = set()  # the files whose tokenizer.ggml.pre has no split here, said once
@@ -244,6 +260,8 @@ def complete_config(path: str, config: dict) -> None:
         config["rope_scaling"] = {"rope_type": "linear", "factor": metadata[f"{arch}.rope.scaling.factor"]}
     if arch == "gemma4":
         _gemma4_config(path, metadata, tensors, config)
+    if arch == "gpt-oss":
+        _gpt_oss_config(path, metadata, config)
     rotary = metadata.get(f"{arch}.rope.dimension_count")
     if family.partial_and_long_rope:
         # Phi-4-mini rotates part of each head; transformers' reading drops the count.
@@ -306,6 +324,50 @@ def _gemma4_config(path: str, metadata: dict, tensors, config: dict) -> None:
         config["final_logit_softcapping"] = key("final_logit_softcapping")
 
 
+def _gpt_oss_config(path: str, metadata: dict, config: dict) -> None:
+    """What llama.cpp's converter writes of gpt-oss's config and transformers' reading leaves at GptOssConfig's
+    defaults (gpt-oss-20b's) or misreads (MISREAD_KEYS): the head size, the sliding window, the yarn rotary. The
+    window's layers (every other, the first sliding) and the clamped SwiGLU's constants are llama.cpp's fixed ones,
+    GptOssConfig's defaults too."""
+
+    def key(name, default=None):
+        return metadata.get(f"gpt-oss.{name}", default)
+
+    config["head_dim"] = key("attention.key_length", config.get("head_dim"))
+    config["sliding_window"] = key("attention.sliding_window", config.get("sliding_window"))
+    rope = {"rope_type": "default", "rope_theta": key("rope.freq_base", 150000.0)}
+    kind = key("rope.scaling.type", "none")
+    if kind == "yarn":
+        # gpt-oss's own config keeps yarn's ramp unrounded (truncate false); llama.cpp's rotary rounds its ends
+        rope.update(rope_type="yarn", factor=key("rope.scaling.factor"), truncate=False,
+                    original_max_position_embeddings=key("rope.scaling.original_context_length"),
+                    beta_fast=key("rope.scaling.yarn_beta_fast", 32.0),
+                    beta_slow=key("rope.scaling.yarn_beta_slow", 1.0))
+        if None in rope.values():
+            raise GGUFError(f"{path}: a yarn rotary without its factor or original context length "
+                            "(gpt-oss.rope.scaling.factor, original_context_length)")
+    elif kind != "none":
+        raise GGUFError(f"{path}: its rotary embedding is scaled by {kind!r}, which this tool does not read from a "
+                        "gpt-oss GGUF file")
+    config.pop("rope_theta", None)
+    config["rope_parameters"] = rope
+
+
+def expert_names(names: dict[str, str]) -> dict[str, str]:
+    """gpt-oss's expert tensors as llama.cpp writes them (gate, up and down apart, each with a bias) -> its Experts
+    module's parameters, which gguf's name table maps only down_proj of: gate and up both to gate_up_proj, their
+    biases to gate_up_proj_bias (build.py holds them as GGMLExperts, its gate rows then its up rows)."""
+    extra = {}
+    for name, hf in names.items():
+        if name.endswith(".ffn_down_exps.weight"):
+            layer, experts = name.removesuffix(".ffn_down_exps.weight"), hf.removesuffix(".down_proj")
+            for part in ("gate", "up"):
+                extra[f"{layer}.ffn_{part}_exps.weight"] = f"{experts}.gate_up_proj"
+                extra[f"{layer}.ffn_{part}_exps.bias"] = f"{experts}.gate_up_proj_bias"
+            extra[f"{layer}.ffn_down_exps.bias"] = f"{experts}.down_proj_bias"
+    return extra
+
+
 def _f32_values(header, tensor) -> np.ndarray:
     """An F32 tensor's values, read from the file (transformers' GgufHeader and its TensorInfo)."""
     return np.fromfile(header.path, dtype="<f4", count=int(np.prod(tensor.shape)),
@@ -356,7 +418,7 @@ def cache_root() -> str:
     return os.path.join(base, "run_generation", "gguf")
 
 
-def _type_name(code: int) -> str:
+def type_name(code: int) -> str:
     from gguf import GGMLQuantizationType
 
     try:
@@ -459,7 +521,8 @@ class GGUFHeader:
         except Exception:  # a type transformers cannot size, or a malformed file: the gguf package decides
             architecture, tensors = _read_with_gguf(self.path)
         check_whole(self.path, [(offset, nbytes) for *_, offset, nbytes in tensors])
-        unsupported = [(name, code) for name, code, *_ in tensors if code not in FLOAT_TYPES and code not in SUPPORTED]
+        unsupported = [(name, code) for name, code, *_ in tensors if code not in FLOAT_TYPES and code not in SUPPORTED
+                       and not (code in HELD_AS and name.endswith("_exps.weight"))]  # (gpt-oss's MXFP4 experts)
         if unsupported and self.blocks:  # before the slow conversions: this file will not run here
             raise GGUFError(unsupported_message(self.path, *unsupported[0]))
         try:
@@ -502,9 +565,10 @@ class GGUFHeader:
         architecture = family.architecture if family and family.model_type in WITH_EXPERTS.values() else None
         try:
             with metadata_parsed_once():  # its one build of gguf's name table, the names with .weight added
-                return gguf_utils.get_gguf_hf_weights_map(model, processor, model_type=architecture)
+                names = gguf_utils.get_gguf_hf_weights_map(model, processor, model_type=architecture)
         except NotImplementedError as error:
             raise GGUFError(f"{self.path}: {first_line(error)}") from None
+        return names | expert_names(names) if model.config.model_type == "gpt_oss" else names
 
     def keep_weights_map(self, names: dict[str, str]) -> None:
         """Caches the weights map of a model built whole from the file, every tensor's shape checked: the own model
@@ -543,7 +607,7 @@ def _numpy_layout(code: int, shape) -> tuple[list[int], str]:
 
 def unsupported_message(path: str, name: str, code: int) -> str:
     supported = ", ".join(t.name for t in SUPPORTED)
-    return (f"{path}: tensor {name} is {_type_name(code)}; quantized GGUF files run in {supported} blocks "
+    return (f"{path}: tensor {name} is {type_name(code)}; quantized GGUF files run in {supported} blocks "
             f"(and F32/F16/BF16); --dequantize runs other types in float32")
 
 
@@ -584,6 +648,24 @@ def why_unreadable(path: str, error: BaseException) -> str:
     if magic != b"GGUF":
         return f"it starts with {magic!r}, not GGUF" if magic else "it is empty"
     return f"its header is cut short or damaged: {first_line(error)}"
+
+
+# Architectures whose files llama.cpp writes in a layout transformers' own loader does not read, and what of it.
+TOOL_LOADER_ONLY = {"gpt-oss": "its experts' tensors"}
+
+
+def refuse_transformers_loader(path: str) -> None:
+    """GGUFError for a file of TOOL_LOADER_ONLY (--dequantize and --device_map load with transformers' loader)."""
+    from transformers.integrations.gguf.reader import read_gguf_metadata
+
+    try:
+        arch = read_gguf_metadata(path)[0].get("general.architecture")
+    except Exception:  # an unreadable file: transformers' reading says why, in its own line
+        return
+    if arch in TOOL_LOADER_ONLY:
+        raise GGUFError(f"{path}: transformers reads no {arch} file as llama.cpp writes it "
+                        f"({TOOL_LOADER_ONLY[arch]}); it runs here in its own blocks, without --dequantize or "
+                        "--device_map")
 
 
 def first_line(error: BaseException) -> str:

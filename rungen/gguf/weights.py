@@ -14,7 +14,17 @@ import torch
 from gguf import GGMLQuantizationType
 
 from ..errors import UsageError
-from .blocks import GGMLLinear, GGMLParts, dequantize_to, interleavable, interleaved_row_bytes, join, weights_per_row
+from .blocks import (
+    GGMLLinear,
+    GGMLParts,
+    dequantize_to,
+    held_as,
+    interleavable,
+    interleaved_row_bytes,
+    join,
+    mxfp4_as_q5_0,
+    weights_per_row,
+)
 
 FLOAT_TYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # GGMLQuantizationType F32, F16, BF16
 READ_CHUNK = 4 << 20  # bytes of a weight read and interleaved at a time
@@ -204,10 +214,12 @@ def unpermuted_order(rows: int, heads: int) -> np.ndarray:
 def read_interleaved(path: str, offset: int, shape, qtype, scratch: np.ndarray | None = None,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """The blocks [rows, row bytes] at `offset`, interleaved, read a chunk at a time through `scratch` (into `out`
-    when given): never a whole copy in the file's order (its freed space would stay in the heap)."""
+    when given): never a whole copy in the file's order (its freed space would stay in the heap). A type held as
+    another's (MXFP4) is converted a chunk at a time."""
     rows, row_bytes = shape
+    held = held_as(qtype)
     if out is None:
-        out = torch.empty(rows // 8, interleaved_row_bytes(qtype, weights_per_row(qtype, row_bytes)),
+        out = torch.empty(rows // 8, interleaved_row_bytes(held, weights_per_row(qtype, row_bytes)),
                           dtype=torch.uint8)
     step = max(8, READ_CHUNK // row_bytes // 8 * 8)
     if scratch is None or len(scratch) < step * row_bytes:
@@ -224,6 +236,9 @@ def read_interleaved(path: str, offset: int, shape, qtype, scratch: np.ndarray |
                     raise GGUFError(f"{path}: truncated (a tensor ends at byte {offset + rows * row_bytes}, "
                                     f"after the end of the file)")
                 done += got
-            chunk = torch.from_numpy(scratch[: count * row_bytes]).view(count, row_bytes)
-            torch.ops.rungen_ggml.interleave(chunk, int(qtype), out[start // 8 : (start + count) // 8])
+            chunk = scratch[: count * row_bytes].reshape(count, row_bytes)
+            if held != qtype:
+                chunk = mxfp4_as_q5_0(chunk)
+            torch.ops.rungen_ggml.interleave(torch.from_numpy(chunk), int(held),
+                                             out[start // 8 : (start + count) // 8])
     return out
