@@ -83,8 +83,8 @@ FAMILIES = {
                     context=131072, sliding_window=128, yarn=(32.0, 4096), biases=True),
 }
 # llama.cpp's file types (llama_ftype) by the names its quantizer uses.
-FTYPES = {"MXFP4_MOE": 38, "Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "Q3_K_M": 12, "IQ4_XS": 30, "Q4_K_S": 14,
-          "Q5_0": 8, "Q2_K": 10}
+FTYPES = {"Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "Q3_K_M": 12, "IQ4_XS": 30, "Q4_K_S": 14,
+          "Q5_0": 8, "Q2_K": 10, "MXFP4_MOE": 38}
 
 LLAMA_CHILD = r"""
 import json, sys, time
@@ -317,8 +317,9 @@ def synthetic_tokenizer_fields(vocab):
 
 
 # Where a block keeps its float16 scales, by type: (byte offset, how many: d, or d and dmin).
-SCALES_AT = {"MXFP4": (0, 0), "Q4_0": (0, 1), "Q4_1": (0, 2), "Q5_0": (0, 1), "Q5_1": (0, 2), "Q8_0": (0, 1), "Q2_K": (80, 2),
-             "Q3_K": (108, 1), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, 1), "IQ4_NL": (0, 1), "IQ4_XS": (0, 1)}
+SCALES_AT = {"Q4_0": (0, 1), "Q4_1": (0, 2), "Q5_0": (0, 1), "Q5_1": (0, 2), "Q8_0": (0, 1), "Q2_K": (80, 2),
+             "Q3_K": (108, 1), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, 1), "IQ4_NL": (0, 1), "IQ4_XS": (0, 1),
+             "MXFP4": (0, 0)}
 
 
 def place_scales(raw, qtype, scales):

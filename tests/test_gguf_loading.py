@@ -775,21 +775,25 @@ def test_a_gemma4_mixture_of_experts_file_is_refused_in_one_line(tmp_path, capsy
 def test_mxfp4_blocks_are_held_as_q5_0_blocks_of_the_same_weights():
     # gpt-oss's experts: each 32 weights a power-of-two scale 2^(e - 128) and e2m1 codes (doubled: the integers
     # -12..12), Q5_0's codes minus 16 under a float16 scale. A zero block, and one scaled below float16's range (its
-    # weights under 4e-7: float16's nearest); one past it is refused.
-    from rungen.gguf.blocks import GGMLError, mxfp4_as_q5_0
+    # weights under 4e-7: float16's nearest); one past it is refused. The native conversion gives numpy's bytes.
+    from rungen.gguf.blocks import GGMLError, mxfp4_as_q5_0, mxfp4_as_q5_0_reference
 
     rng = np.random.default_rng(0)
     weights = rng.normal(0, 0.05, (16, 256)).astype(np.float32)
     weights[0, :32], weights[1, :32] = 0, weights[1, :32] * 1e-9
     blocks = quants.quantize(weights, Q.MXFP4)
-    held = mxfp4_as_q5_0(blocks)
-    assert held.shape == (16, 256 // 32 * 22)
-    exact, got = quants.dequantize(blocks, Q.MXFP4), quants.dequantize(held, Q.Q5_0)
-    assert np.array_equal(got[2:], exact[2:]) and np.array_equal(got[:, 32:], exact[:, 32:])
-    assert not got[0, :32].any() and np.abs(got[1, :32] - exact[1, :32]).max() < 1e-9
+    blocks[2:4].reshape(-1, 17)[:, 0] = rng.integers(90, 144, 16)  # scales down to 2^-38
+    for convert in (mxfp4_as_q5_0, mxfp4_as_q5_0_reference):
+        held = convert(blocks)
+        assert held.shape == (16, 256 // 32 * 22)
+        exact, got = quants.dequantize(blocks, Q.MXFP4), quants.dequantize(held, Q.Q5_0)
+        assert np.array_equal(got[4:], exact[4:]) and np.array_equal(got[:2, 32:], exact[:2, 32:])
+        assert not got[0, :32].any() and np.abs(got[1:4] - exact[1:4]).max() < 4e-7
+        assert np.array_equal(held, mxfp4_as_q5_0_reference(blocks))
     blocks[5, 0] = 200  # a scale of 2^72
-    with pytest.raises(GGMLError, match="scale 2\\^72 is beyond float16's range"):
-        mxfp4_as_q5_0(blocks)
+    for convert in (mxfp4_as_q5_0, mxfp4_as_q5_0_reference):
+        with pytest.raises(GGMLError, match="scale 2\\^72 is beyond float16's range"):
+            convert(blocks)
 
 
 def test_a_gpt_oss_file_as_llama_cpp_writes_it_computes_its_checkpoint(tmp_path, monkeypatch, capsys):
@@ -814,12 +818,24 @@ def test_a_gpt_oss_file_as_llama_cpp_writes_it_computes_its_checkpoint(tmp_path,
                 weight.copy_(torch.from_numpy(held).transpose(-1, -2))
     theirs = padded_prompt_and_steps(reference)
     model = load(path, device=torch.device("cpu")).model
-    experts = model.model.layers[0].mlp.experts
+    experts = model.model.layers[0].mlp.block.experts
     assert isinstance(experts, GGMLExperts) and experts.down[0].qtype == Q.Q5_0
     ours = exact_weights(model, lambda: padded_prompt_and_steps(model), monkeypatch)
     assert theirs[0].abs().max() > 1
     for got, wanted in zip(ours, theirs):
         torch.testing.assert_close(got, wanted, rtol=1e-4, atol=1e-4)
+    if native_kernels():  # each layer's mixture one native call, as its modules compute it within float32 rounding
+        calls = []
+        original = torch.ops.rungen_ggml.mixture
+        monkeypatch.setattr(torch.ops.rungen_ggml, "mixture", lambda *a: calls.append(1) or original(*a))
+        native = padded_prompt_and_steps(model)
+        assert len(calls) == 3 * len(model.model.layers)
+        with monkeypatch.context() as patch:
+            patch.setattr(GGMLLinear, "_matmul", lambda self, x: BLOCKS_MATMUL(self, x))
+            modules = padded_prompt_and_steps(model)
+        assert len(calls) == 3 * len(model.model.layers)
+        for got, wanted in zip(native, modules):
+            torch.testing.assert_close(got, wanted, rtol=1e-4, atol=1e-4)
     # as a device takes it (its build on the CPU here): transformers' own experts, de-quantized
     device = build_model(GGUFHeader(path), torch.float32, torch.device("cpu"))
     assert type(device.model.layers[0].mlp.experts).__name__ == "GptOssExperts"

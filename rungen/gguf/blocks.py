@@ -57,6 +57,17 @@ def mxfp4_as_q5_0(blocks: np.ndarray) -> np.ndarray:
     16 bytes of codes) as Q5_0 blocks of the same weights: the scale as float16, the codes plus 16. Exact for scales
     from 2^-24 to 2^15; a smaller one (weights under 4e-7) is float16's nearest; GGMLError for a larger one where the
     block's weights are not all zero."""
+    if native_kernels():
+        try:
+            return torch.ops.rungen_ggml.mxfp4_as_q5_0(torch.from_numpy(np.ascontiguousarray(blocks))).numpy()
+        except RuntimeError as error:
+            raise GGMLError(str(error).splitlines()[0].removeprefix("rungen_ggml: ")) from None
+    return mxfp4_as_q5_0_reference(blocks)
+
+
+def mxfp4_as_q5_0_reference(blocks: np.ndarray) -> np.ndarray:
+    """mxfp4_as_q5_0 in numpy (without the native kernels; its tests' reference): 0.08 GB/s, against 2 for the
+    native one."""
     rows = blocks.shape[0]
     b = np.ascontiguousarray(blocks).reshape(-1, 17)
     e, codes = b[:, 0], b[:, 1:]

@@ -35,6 +35,7 @@ from .experts import (
     dequantized_experts,
     gpt_oss_dequantized,
     holds_experts,
+    mixtures_in_one_call,
     part_of,
     route_rows_alike,
 )
@@ -289,6 +290,7 @@ class ModelBuild:
         _tie_head(model, self.config)
         layers.clear()  # the model holds them now: fused layer by layer, each layer's parts are freed as it goes
         route_rows_alike(model)
+        mixtures_in_one_call(model)
         fuse_decoder_layers(model)
         return _finish_built(self.header, model, self.names)
 

@@ -194,8 +194,9 @@ class ExpertRouter(torch.nn.Module):
         return logits, weights.to(logits.dtype), experts
 
 
-# transformers' mixture blocks whose forward NativeMixture computes (Qwen2-MoE's with its shared expert).
-BLOCKS = ("Qwen2MoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "MixtralSparseMoeBlock")
+# transformers' mixture blocks whose forward NativeMixture computes (Qwen2-MoE's with its shared expert; gpt-oss's
+# with its biases and clamped SwiGLU).
+BLOCKS = ("Qwen2MoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "MixtralSparseMoeBlock", "GptOssMLP")
 
 
 class NativeMixture:
@@ -205,12 +206,16 @@ class NativeMixture:
 
     def __init__(self, router: torch.Tensor, top_k: int, norm_topk: bool, experts: GGMLExperts,
                  shared: tuple[GGMLLinear, GGMLLinear, GGMLLinear] | None = None,
-                 shared_gate: torch.Tensor | None = None):
-        """router: the router's weight [experts, hidden] (float32); top_k experts a token, their weights divided by
-        their sum where norm_topk; experts with stacks (GGMLExperts.block_stacks); Qwen2-MoE's shared expert (its gate,
-        up and down) and its gate's weight [1, hidden]."""
+                 shared_gate: torch.Tensor | None = None, router_bias: torch.Tensor | None = None):
+        """router: the router's weight [experts, hidden] (float32) and bias; top_k experts a token, their weights
+        divided by their sum where norm_topk; experts with stacks (GGMLExperts.block_stacks; gpt-oss's biases and
+        ClampedSwiGLU taken from them); Qwen2-MoE's shared expert (its gate, up and down) and its gate's weight
+        [1, hidden]."""
         self.router, self.top_k, self.norm_topk = router, int(top_k), bool(norm_topk)
         self.experts, self.expert_codes = experts.block_stacks
+        self.router_bias, self.gate_up_bias, self.down_bias = router_bias, experts.gate_up_bias, experts.down_bias
+        gating = experts.gating
+        self.swiglu = (0.0, 0.0) if gating is None else (float(gating.alpha), float(gating.limit))
         self.shared = list(shared or ())
         # The shared expert as the stack takes it: gate and up as one product's parts, down; else None.
         self.shared_gate_up = None if shared is None else GGMLParts(list(shared[:2]))
@@ -222,29 +227,55 @@ class NativeMixture:
         """The native form of transformers' `block`, or None where it is not one this class computes (another
         block, experts not stacked in their blocks, an activation other than SiLU, a shared expert not in blocks)."""
         experts, shared = getattr(block, "experts", None), getattr(block, "shared_expert", None)
-        if (type(block).__name__ not in BLOCKS or not isinstance(getattr(block, "gate", None), ExpertRouter)
-                or type(experts) is not GGMLExperts or experts.block_stacks is None or not silu(experts.act_fn)):
+        router = getattr(block, "router" if type(block).__name__ == "GptOssMLP" else "gate", None)
+        if (type(block).__name__ not in BLOCKS or not isinstance(router, ExpertRouter)
+                or type(experts) is not GGMLExperts or experts.block_stacks is None
+                or not (silu(experts.act_fn) if experts.gating is None else type(experts.gating) is ClampedSwiGLU)):
             return None
         if shared is not None and not (
                 all(type(getattr(shared, name, None)) is GGMLLinear and getattr(shared, name).bias is None
                     for name in ("gate_proj", "up_proj", "down_proj"))
                 and silu(shared.act_fn) and type(getattr(block, "shared_expert_gate", None)) is RowProducts):
             return None
-        router = block.gate
-        return cls(router.logits.weight, router.top_k, router.norm_topk_prob, experts,
+        # (gpt-oss's softmax of the top k logits: the top k of the softmax, divided by their sum)
+        return cls(router.logits.weight, router.top_k, router.norm_topk_prob or router.softmax_of_top, experts,
                    None if shared is None else (shared.gate_proj, shared.up_proj, shared.down_proj),
-                   None if shared is None else block.shared_expert_gate.weight)
+                   None if shared is None else block.shared_expert_gate.weight, router.bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.rungen_ggml.mixture(x.reshape(-1, x.shape[-1]), self.router, self.top_k, self.norm_topk,
                                           self.experts, self.expert_codes, [p.blocks for p in self.shared],
-                                          [p.code for p in self.shared], self.shared_gate)
+                                          [p.code for p in self.shared], self.shared_gate, self.router_bias,
+                                          self.gate_up_bias, self.down_bias, *self.swiglu)
         return y.view(x.shape).to(x.dtype)
+
+
+class MixtureInOneCall(torch.nn.Module):
+    """A mixture block of a layer FusedDecoderLayer does not fuse (gpt-oss's GptOssMLP) as NativeMixture's one call
+    where the products are the blocks' own (native_products), else the block's modules; (hidden, None) as the block
+    returns (hidden, the router's scores), which generation does not read."""
+
+    def __init__(self, block: torch.nn.Module, mixture: NativeMixture):
+        super().__init__()
+        self.block, self.mixture = block, mixture
+
+    def forward(self, hidden_states: torch.Tensor):
+        if native_products():
+            return self.mixture(hidden_states), None
+        return self.block(hidden_states)
 
 
 def silu(act_fn: torch.nn.Module) -> bool:
     """Whether `act_fn` is transformers' (or torch's) SiLU module."""
     return type(act_fn).__name__ in ("SiLUActivation", "SiLU")
+
+
+def mixtures_in_one_call(model: torch.nn.Module) -> None:
+    """Each gpt-oss MLP over GGMLExperts (whose layers FusedDecoderLayer leaves as they are) as MixtureInOneCall."""
+    for layer in getattr(getattr(model, "model", None), "layers", []):
+        mixture = NativeMixture.of(layer.mlp) if type(getattr(layer, "mlp", None)).__name__ == "GptOssMLP" else None
+        if mixture is not None:
+            layer.mlp = MixtureInOneCall(layer.mlp, mixture)
 
 
 def route_rows_alike(model: torch.nn.Module) -> None:

@@ -1,4 +1,6 @@
-// A weight's blocks rearranged into the X8 layout (ggml_formats.h) once, at load.
+// A weight's blocks rearranged into the X8 layout (ggml_formats.h) once, at load; MXFP4's converted to Q5_0's.
+#include <atomic>
+
 #include "ggml_ops.h"
 
 namespace rungen_ggml {
@@ -175,6 +177,45 @@ at::Tensor interleave(const at::Tensor& blocks, int64_t qtype, const c10::option
         }
       }
   });
+  return out;
+}
+
+// MXFP4 blocks [rows, row bytes] (gpt-oss's experts: per 32 weights a scale byte e, 2^(e - 128), then 16 bytes
+// of e2m1 codes: the doubled values 0, 1, 2, 3, 4, 6, 8, 12 and their negatives, low nibbles first) as Q5_0 blocks
+// of the same weights: d the scale in float16 (exact from 2^-24 to 2^15, float16's nearest below), the codes plus
+// 16. A scale above float16's range is refused unless the block's codes are all zeros.
+at::Tensor mxfp4_as_q5_0(const at::Tensor& blocks) {
+  TORCH_CHECK(blocks.dtype() == at::kByte && blocks.dim() == 2 && blocks.stride(1) == 1 && blocks.size(1) % 17 == 0,
+              "rungen_ggml: mxfp4_as_q5_0 takes uint8 [rows, whole 17-byte blocks]");
+  static constexpr uint8_t q5[16] = {16, 17, 18, 19, 20, 22, 24, 28, 16, 15, 14, 13, 12, 10, 8, 4};
+  const int64_t rows = blocks.size(0), nb = blocks.size(1) / 17, pitch = blocks.stride(0);
+  at::Tensor out = at::empty({rows, nb * 22}, blocks.options());
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  std::atomic<int> beyond{-1};
+  at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* p = src + r * pitch + 17 * b;
+        uint8_t* o = dst + (r * nb + b) * 22;
+        c10::Half d(std::ldexp(1.0f, int(p[0]) - 128));
+        uint32_t qh = 0;
+        bool zero = true;
+        for (int j = 0; j < 16; ++j) {
+          const uint8_t lo = q5[p[1 + j] & 0x0F], hi = q5[p[1 + j] >> 4];
+          zero = zero && lo == 16 && hi == 16;
+          qh |= uint32_t(lo >> 4) << j | uint32_t(hi >> 4) << (16 + j);
+          o[6 + j] = uint8_t((lo & 0x0F) | (hi & 0x0F) << 4);
+        }
+        if (std::isinf(float(d))) {
+          if (!zero) beyond = p[0];
+          d = c10::Half(0.0f);
+        }
+        std::memcpy(o, &d, 2);
+        std::memcpy(o + 2, &qh, 4);
+      }
+  });
+  TORCH_CHECK(beyond < 0, "rungen_ggml: an MXFP4 block's scale 2^", beyond - 128, " is beyond float16's range");
   return out;
 }
 

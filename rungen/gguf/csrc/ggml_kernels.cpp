@@ -50,13 +50,16 @@ TORCH_LIBRARY(rungen_ggml, m) {
   m.def("mm_tiled(Tensor x, Tensor blocks, int qtype, int in_features) -> Tensor", &mm_tiled);
   m.def("dequantize(Tensor blocks, int qtype, int in_features) -> Tensor", &dequantize);
   m.def("interleave(Tensor blocks, int qtype, Tensor? out=None) -> Tensor", &interleave);
+  m.def("mxfp4_as_q5_0(Tensor blocks) -> Tensor", &mxfp4_as_q5_0);
   m.def("embed(Tensor blocks, int qtype, int in_features, Tensor ids) -> Tensor", &embed);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("rope_split(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads, Tensor? q_norm=None, "
         "Tensor? k_norm=None, float norm_eps=0.) -> Tensor[]", &rope_split);
   m.def("dot_rows(Tensor x, Tensor w) -> Tensor", &dot_rows);
   m.def("mixture(Tensor x, Tensor router, int top_k, bool norm_topk, Tensor[] experts, int[] expert_qtypes, "
-        "Tensor[] shared, int[] shared_qtypes, Tensor? shared_gate) -> Tensor", &mixture);
+        "Tensor[] shared, int[] shared_qtypes, Tensor? shared_gate, Tensor? router_bias=None, "
+        "Tensor? gate_up_bias=None, Tensor? down_bias=None, float swiglu_alpha=0., float swiglu_limit=0.) -> Tensor",
+        &mixture);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
   m.def("gelu_tanh_mul(Tensor gate_up) -> Tensor", &gelu_tanh_mul);
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, float softcap=0., int window=0) -> Tensor",

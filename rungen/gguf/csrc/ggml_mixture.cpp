@@ -3,7 +3,8 @@
 // rungen/gguf/experts.py's ExpertRouter and GGMLExperts, within float32 rounding (the softmax, SiLU and sigmoid are
 // this file's and the products the kernels'), where those modules cost some forty torch operators, a sort and a
 // read of each expert's count to the host a layer. Each step goes row by row or in a fixed order, so a token gets
-// the same bits alone and in a batch.
+// the same bits alone and in a batch. gpt-oss's block adds its router's and experts' biases and gates by its
+// clamped SwiGLU; its softmax over the top k logits is the top k of the softmax divided by their sum.
 #include "ggml_ops.h"
 
 #include <algorithm>
@@ -30,12 +31,25 @@ void check_stack(const at::Tensor& stack, int64_t qtype, int64_t experts, int64_
 
 }  // namespace
 
+namespace {
+
+// A bias of `shape` as float32, contiguous; none where none is given.
+c10::optional<at::Tensor> float_bias(const c10::optional<at::Tensor>& bias, at::IntArrayRef shape, const char* what) {
+  if (!bias.has_value()) return bias;
+  TORCH_CHECK(bias->sizes() == shape, "rungen_ggml: a mixture's ", what, " bias must be ", shape);
+  return bias->to(at::kFloat).contiguous();
+}
+
+}  // namespace
+
 Mixture::Mixture(const at::Tensor& router_in, int64_t top_k_in, bool norm_topk_in, at::TensorList experts,
                  at::IntArrayRef expert_types, at::TensorList shared_in, at::IntArrayRef shared_types_in,
-                 const c10::optional<at::Tensor>& shared_gate_in)
+                 const c10::optional<at::Tensor>& shared_gate_in, const c10::optional<at::Tensor>& router_bias_in,
+                 const c10::optional<at::Tensor>& gate_up_bias_in, const c10::optional<at::Tensor>& down_bias_in,
+                 double swiglu_alpha_in, double swiglu_limit_in)
     : router(router_in.to(at::kFloat).contiguous()), top_k(top_k_in), norm_topk(norm_topk_in),
       shared(shared_in.begin(), shared_in.end()), shared_types(shared_types_in.begin(), shared_types_in.end()),
-      shared_gate(shared_gate_in) {
+      shared_gate(shared_gate_in), swiglu_alpha(float(swiglu_alpha_in)), swiglu_limit(float(swiglu_limit_in)) {
   TORCH_CHECK(router.dim() == 2 && top_k > 0 && top_k <= router.size(0),
               "rungen_ggml: a mixture's router is [experts, features], and 0 < top_k <= experts");
   TORCH_CHECK(experts.size() >= 2 && experts.size() == expert_types.size(),
@@ -59,6 +73,9 @@ Mixture::Mixture(const at::Tensor& router_in, int64_t top_k_in, bool norm_topk_i
     shared_gate = shared_gate->to(at::kFloat).contiguous();
     TORCH_CHECK(shared_gate->numel() == features, "rungen_ggml: a shared expert's gate has ", features, " weights");
   }
+  router_bias = float_bias(router_bias_in, {count}, "router's");
+  gate_up_bias = float_bias(gate_up_bias_in, {count, width}, "gate/up");
+  down_bias = float_bias(down_bias_in, {count, features}, "down");
 }
 
 namespace {
@@ -91,8 +108,27 @@ void route(const float* logits, int64_t n, int64_t experts, int64_t k, bool norm
 // A call's working buffers, kept from call to call (a decode step's layers would otherwise allocate each time).
 struct Scratch {
   std::vector<float> logits, weights, rows, gate_up, act, done;
-  std::vector<int64_t> ids, tokens;
+  std::vector<int64_t> ids, tokens, experts;
 };
+
+// Row e of a [rows, n] bias added to each of `count` rows of y [count, n].
+void add_bias_rows(const float* bias, int64_t n, int64_t count, float* y) {
+  for (int64_t r = 0; r < count; ++r)
+    for (int64_t j = 0; j < n; ++j) y[r * n + j] += bias[j];
+}
+
+// gpt-oss's gating of rows [gate | up] (gp [rows, 2f]) into yp [rows, f]: the gate clamped above at `limit`, up to
+// +-limit, (up + 1) * gate * sigmoid(alpha * gate) (GptOssExperts._apply_gate on gate and up apart).
+void clamped_swiglu_rows(const float* gp, int64_t rows, int64_t f, float alpha, float limit, float* yp) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, SILU_WORK / std::max<int64_t>(f, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t j = 0; j < f; ++j) {
+        const float g = std::min(gp[r * 2 * f + j], limit);
+        const float u = std::max(std::min(gp[r * 2 * f + f + j], limit), -limit);
+        yp[r * f + j] = (u + 1.f) * (g / (1.f + std::exp(-alpha * g)));
+      }
+  });
+}
 
 }  // namespace
 
@@ -106,17 +142,20 @@ void Mixture::forward_into(const float* x, int64_t n, float* out) const {
   s.ids.resize(pairs);
   s.weights.resize(2 * pairs);  // each pair's weight, then the same in the pairs' sorted order
   dot_rows_into(x, router.data_ptr<float>(), n, count, features, s.logits.data());
+  if (router_bias.has_value()) add_bias_rows(router_bias->data_ptr<float>(), count, n, s.logits.data());
   route(s.logits.data(), n, count, top_k, norm_topk, s.ids.data(), s.weights.data());
   // The (token, slot) pairs grouped by expert in token order (a counting sort), each pair's row of x copied.
   std::vector<int64_t> counts(count, 0), next(count, 0);
   for (int64_t p = 0; p < pairs; ++p) ++counts[s.ids[p]];
   for (int64_t e = 1; e < count; ++e) next[e] = next[e - 1] + counts[e - 1];
   s.tokens.resize(pairs);
+  s.experts.resize(pairs);
   s.rows.resize(pairs * features);
   float* sorted = s.weights.data() + pairs;
   for (int64_t p = 0; p < pairs; ++p) {
     const int64_t at = next[s.ids[p]]++;
     s.tokens[at] = p / top_k;
+    s.experts[at] = s.ids[p];
     sorted[at] = s.weights[p];
     std::memcpy(s.rows.data() + at * features, x + s.tokens[at] * features, features * sizeof(float));
   }
@@ -136,8 +175,19 @@ void Mixture::forward_into(const float* x, int64_t n, float* out) const {
   s.act.resize(pairs * inner);
   s.done.resize(pairs * features);
   grouped_into(s.rows.data(), features, used, gate_up_weights, 2 * inner, s.gate_up.data());
-  gate_mul_rows(silu_fn(), SILU_WORK, s.gate_up.data(), pairs, inner, s.act.data());
+  if (gate_up_bias.has_value())
+    for (int64_t p = 0; p < pairs; ++p)
+      add_bias_rows(gate_up_bias->data_ptr<float>() + s.experts[p] * 2 * inner, 2 * inner, 1,
+                    s.gate_up.data() + p * 2 * inner);
+  if (swiglu_limit > 0.f)
+    clamped_swiglu_rows(s.gate_up.data(), pairs, inner, swiglu_alpha, swiglu_limit, s.act.data());
+  else
+    gate_mul_rows(silu_fn(), SILU_WORK, s.gate_up.data(), pairs, inner, s.act.data());
   grouped_into(s.act.data(), inner, used, down_weights, features, s.done.data());
+  if (down_bias.has_value())
+    for (int64_t p = 0; p < pairs; ++p)
+      add_bias_rows(down_bias->data_ptr<float>() + s.experts[p] * features, features, 1,
+                    s.done.data() + p * features);
   // Each token's experts weighted and added in order (by expert): the same sum alone and in a batch.
   for (int64_t p = 0; p < pairs; ++p) {
     float* o = out + s.tokens[p] * features;
@@ -171,8 +221,11 @@ int64_t Mixture::inner_features() const {
 
 at::Tensor mixture(const at::Tensor& x_in, const at::Tensor& router, int64_t top_k, bool norm_topk,
                    at::TensorList experts, at::IntArrayRef expert_types, at::TensorList shared,
-                   at::IntArrayRef shared_types, const c10::optional<at::Tensor>& shared_gate) {
-  const Mixture m(router, top_k, norm_topk, experts, expert_types, shared, shared_types, shared_gate);
+                   at::IntArrayRef shared_types, const c10::optional<at::Tensor>& shared_gate,
+                   const c10::optional<at::Tensor>& router_bias, const c10::optional<at::Tensor>& gate_up_bias,
+                   const c10::optional<at::Tensor>& down_bias, double swiglu_alpha, double swiglu_limit) {
+  const Mixture m(router, top_k, norm_topk, experts, expert_types, shared, shared_types, shared_gate, router_bias,
+                  gate_up_bias, down_bias, swiglu_alpha, swiglu_limit);
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == m.router.size(1), "rungen_ggml: x must be [n, ", m.router.size(1),
               "]");
   const at::Tensor x = x_in.to(at::kFloat).contiguous();

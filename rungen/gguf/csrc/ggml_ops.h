@@ -48,6 +48,7 @@ int64_t parts_rows(at::TensorList blocks, at::IntArrayRef qtypes);
 
 // ggml_interleave.cpp
 at::Tensor interleave(const at::Tensor& blocks, int64_t qtype, const c10::optional<at::Tensor>& out_in);
+at::Tensor mxfp4_as_q5_0(const at::Tensor& blocks);
 
 // ggml_layers.cpp
 // Where rope_rows writes keys or values: [b, kv_heads, positions, head_dim] with these strides (elements), from
@@ -101,7 +102,9 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tens
 // ggml_mixture.cpp
 // A mixture of experts' MLP: the router's float weight [experts, features], the experts' parts as stacks
 // [experts, tensor rows, bytes] (gate/up's parts side by side, then down), and Qwen2-MoE's shared expert (its gate,
-// up and down blocks, 2-D; none where `shared` is empty) with its gate's weight [1, features].
+// up and down blocks, 2-D; none where `shared` is empty) with its gate's weight [1, features]. gpt-oss's adds
+// biases (the router's [experts], the experts' gate/up [experts, 2 inner] and down [experts, features]) and gates
+// by its clamped SwiGLU (swiglu_limit > 0).
 struct Mixture {
   at::Tensor router;
   int64_t top_k;
@@ -113,10 +116,14 @@ struct Mixture {
   std::vector<at::Tensor> shared;
   std::vector<int64_t> shared_types;
   c10::optional<at::Tensor> shared_gate;
+  c10::optional<at::Tensor> router_bias, gate_up_bias, down_bias;
+  float swiglu_alpha = 0.f, swiglu_limit = 0.f;
 
   Mixture(const at::Tensor& router, int64_t top_k, bool norm_topk, at::TensorList experts,
           at::IntArrayRef expert_types, at::TensorList shared, at::IntArrayRef shared_types,
-          const c10::optional<at::Tensor>& shared_gate);
+          const c10::optional<at::Tensor>& shared_gate, const c10::optional<at::Tensor>& router_bias = {},
+          const c10::optional<at::Tensor>& gate_up_bias = {}, const c10::optional<at::Tensor>& down_bias = {},
+          double swiglu_alpha = 0., double swiglu_limit = 0.);
   // x [n, features] (float32, contiguous) through the mixture into out [n, features].
   void forward_into(const float* x, int64_t n, float* out) const;
   int64_t inner_features() const;  // an expert's gate (and up) rows
@@ -124,7 +131,9 @@ struct Mixture {
 
 at::Tensor mixture(const at::Tensor& x, const at::Tensor& router, int64_t top_k, bool norm_topk,
                    at::TensorList experts, at::IntArrayRef expert_types, at::TensorList shared,
-                   at::IntArrayRef shared_types, const c10::optional<at::Tensor>& shared_gate);
+                   at::IntArrayRef shared_types, const c10::optional<at::Tensor>& shared_gate,
+                   const c10::optional<at::Tensor>& router_bias, const c10::optional<at::Tensor>& gate_up_bias,
+                   const c10::optional<at::Tensor>& down_bias, double swiglu_alpha, double swiglu_limit);
 
 // ggml_decoder.cpp
 std::vector<at::Tensor> attention_in(const at::Tensor& hidden, const at::Tensor& norm_weight, double eps,
