@@ -329,8 +329,10 @@ def place_scales(raw, qtype, scales):
     import numpy as np
 
     offset, count = SCALES_AT[qtype.name]
-    if qtype.name == "MXFP4":  # a power of two's exponent byte: 2^(e - 128) times codes of up to 12
-        raw[..., 0] = (np.log2(scales[..., 0].astype("float32") / 6) + 128).round().astype("uint8")
+    if qtype.name == "MXFP4":  # a power of two's exponent byte: 2^(e - 128) times codes of up to 12 (a zero: e 0)
+        scale = scales[..., 0].astype("float32")
+        with np.errstate(divide="ignore"):
+            raw[..., 0] = np.where(scale > 0, np.log2(scale / 6).round() + 128, 0).clip(0, 255).astype("uint8")
         return raw
     raw[..., offset:offset + 2 * count] = scales[..., :count].view("uint8").reshape(*raw.shape[:-1], 2 * count)
     return raw

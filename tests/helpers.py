@@ -238,14 +238,16 @@ def to_blocks(layer, rng):
         norm.weight.data = torch.rand(norm.weight.shape[0]) + 0.5
 
 
-# The block types the gguf package quantizes; the others' fixtures are random bytes with their float16 scales set.
+# The block types the gguf package quantizes; the others' fixtures are random bytes with their scales set (float16,
+# MXFP4's exponent byte).
 SIMPLE = (T.Q4_1, T.Q8_0, T.Q4_0, T.Q5_0, T.Q5_1)
 
 
 def blocks_for(qtype, rows, in_features, seed=0, kind="random"):
     """uint8 [rows, row_bytes] as a GGUF file holds them. kind: random, zero-block or zeros; for the types the gguf
     package quantizes also extremes (+-3e3) or high (the largest codes); for raw types max (every other byte 0xFF:
-    the largest codes, scales and mins) or min (0x00: the smallest; IQ4's -127, Q3_K's scale -32 and code -4)."""
+    the largest codes, scales and mins) or min (0x00: the smallest; IQ4's -127, Q3_K's scale -32 and code -4,
+    MXFP4's 0)."""
     import numpy as np
     import torch
     from gguf import GGML_QUANT_SIZES

@@ -52,7 +52,7 @@ MIXED = [
     # product), and the other types a published file may hold.
     {"attn_q": Q.Q5_0, "attn_k": Q.Q5_0, "attn_v": Q.Q5_0, "attn_output": Q.Q5_1,
      "ffn_gate": Q.Q2_K, "ffn_up": Q.Q2_K, "ffn_down": Q.IQ4_XS},
-    {"attn_q": Q.Q3_K, "attn_k": Q.IQ4_NL, "attn_v": Q.Q3_K, "attn_output": Q.IQ4_NL,
+    {"attn_q": Q.Q3_K, "attn_k": Q.IQ4_NL, "attn_v": Q.MXFP4, "attn_output": Q.IQ4_NL,
      "ffn_gate": Q.Q3_K, "ffn_up": Q.IQ4_XS, "ffn_down": Q.Q5_1},
 ]
 FILES = {
@@ -772,26 +772,30 @@ def test_a_gemma4_mixture_of_experts_file_is_refused_in_one_line(tmp_path, capsy
                                            "reading would drop its experts and compute another model"), line
 
 
-def test_mxfp4_blocks_are_held_as_q5_0_blocks_of_the_same_weights():
-    # gpt-oss's experts: each 32 weights a power-of-two scale 2^(e - 128) and e2m1 codes (doubled: the integers
-    # -12..12), Q5_0's codes minus 16 under a float16 scale. A zero block, and one scaled below float16's range (its
-    # weights under 4e-7: float16's nearest); one past it is refused. The native conversion gives numpy's bytes.
-    from rungen.gguf.blocks import GGMLError, mxfp4_as_q5_0, mxfp4_as_q5_0_reference
+def test_mxfp4_blocks_are_held_as_iq4_nl_blocks_of_their_table_and_the_same_weights():
+    # gpt-oss's experts: each 32 weights a power-of-two scale byte e, 2^(e - 128), and e2m1 codes, held as IQ4_NL's
+    # blocks (a float16 scale, the codes as they are) that index MXFP4's table. A zero block, and scales below
+    # float16's range (weights under 4e-7: float16's nearest); one past it is refused. The native conversion gives
+    # numpy's bytes, and the held blocks de-quantize (natively and in numpy) to the file's weights.
+    from rungen.gguf.blocks import GGMLError, dequantize, mxfp4_held, mxfp4_held_reference
 
     rng = np.random.default_rng(0)
     weights = rng.normal(0, 0.05, (16, 256)).astype(np.float32)
     weights[0, :32], weights[1, :32] = 0, weights[1, :32] * 1e-9
     blocks = quants.quantize(weights, Q.MXFP4)
-    blocks[2:4].reshape(-1, 17)[:, 0] = rng.integers(90, 144, 16)  # scales down to 2^-38
-    for convert in (mxfp4_as_q5_0, mxfp4_as_q5_0_reference):
+    blocks[2:4].reshape(-1, 17)[:, 0] = rng.integers(90, 144, 16)  # scales from 2^-38 to 2^15
+    exact = quants.dequantize(blocks, Q.MXFP4)
+    for convert in (mxfp4_held, mxfp4_held_reference):
         held = convert(blocks)
-        assert held.shape == (16, 256 // 32 * 22)
-        exact, got = quants.dequantize(blocks, Q.MXFP4), quants.dequantize(held, Q.Q5_0)
-        assert np.array_equal(got[4:], exact[4:]) and np.array_equal(got[:2, 32:], exact[:2, 32:])
-        assert not got[0, :32].any() and np.abs(got[1:4] - exact[1:4]).max() < 4e-7
-        assert np.array_equal(held, mxfp4_as_q5_0_reference(blocks))
+        assert held.shape == (16, 256 // 32 * 18) and np.array_equal(held, mxfp4_held_reference(blocks))
+        got = [dequantize(torch.from_numpy(held), Q.MXFP4, 256).numpy()]
+        if native_kernels():
+            got.append(torch.ops.rungen_ggml.dequantize(torch.from_numpy(held), int(Q.MXFP4), 256).numpy())
+        for values in got:
+            assert np.array_equal(values[4:], exact[4:]) and np.array_equal(values[:2, 32:], exact[:2, 32:])
+            assert not values[0, :32].any() and np.abs(values[1:4] - exact[1:4]).max() < 4e-7
     blocks[5, 0] = 200  # a scale of 2^72
-    for convert in (mxfp4_as_q5_0, mxfp4_as_q5_0_reference):
+    for convert in (mxfp4_held, mxfp4_held_reference):
         with pytest.raises(GGMLError, match="scale 2\\^72 is beyond float16's range"):
             convert(blocks)
 
@@ -819,7 +823,7 @@ def test_a_gpt_oss_file_as_llama_cpp_writes_it_computes_its_checkpoint(tmp_path,
     theirs = padded_prompt_and_steps(reference)
     model = load(path, device=torch.device("cpu")).model
     experts = model.model.layers[0].mlp.block.experts
-    assert isinstance(experts, GGMLExperts) and experts.down[0].qtype == Q.Q5_0
+    assert isinstance(experts, GGMLExperts) and experts.down[0].qtype == Q.MXFP4
     ours = exact_weights(model, lambda: padded_prompt_and_steps(model), monkeypatch)
     assert theirs[0].abs().max() > 1
     for got, wanted in zip(ours, theirs):

@@ -32,42 +32,39 @@ SUPPORTED = (
     GGMLQuantizationType.Q6_K,
     GGMLQuantizationType.IQ4_NL,
     GGMLQuantizationType.IQ4_XS,
+    GGMLQuantizationType.MXFP4,
 )
 
 
-# Types held as another's blocks, the same values exactly: MXFP4 (a power-of-two scale and 4-bit e2m1 codes, gpt-oss's
-# experts) as Q5_0, whose kernels it then takes (its values doubled are the integers -12..12, Q5_0's codes minus 16).
-HELD_AS = {GGMLQuantizationType.MXFP4: GGMLQuantizationType.Q5_0}
+# Types whose blocks the kernels hold in another layout than the file's, and its bytes a block: MXFP4 (gpt-oss's
+# experts: a power-of-two scale byte, then e2m1 codes) as IQ4_NL's blocks of its own table, the scale in float16 (18
+# bytes for 17), converted as the blocks are read (held).
+HELD_BLOCK_BYTES = {GGMLQuantizationType.MXFP4: 18}
+_MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.float32)
 
 
-def held_as(qtype: GGMLQuantizationType) -> GGMLQuantizationType:
-    """The type of the blocks a weight of `qtype` is held in (HELD_AS)."""
-    return HELD_AS.get(GGMLQuantizationType(qtype), GGMLQuantizationType(qtype))
+def held(blocks: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """A tensor's blocks [..., row bytes] as the kernels hold them (HELD_BLOCK_BYTES; the others' as they are)."""
+    if qtype not in HELD_BLOCK_BYTES:
+        return blocks
+    return mxfp4_held(blocks.reshape(-1, blocks.shape[-1])).reshape(*blocks.shape[:-1], -1)
 
 
-_MXFP4_Q5 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]) + 16  # each code's Q5_0 code
-_BYTE = np.arange(256)
-_Q5_LOW_BYTES = ((_MXFP4_Q5[_BYTE & 15] & 15) | ((_MXFP4_Q5[_BYTE >> 4] & 15) << 4)).astype(np.uint8)
-_Q5_HIGH_BITS = (_MXFP4_Q5 >> 4).astype(np.uint8)
-_MXFP4_ZERO = np.array([code in (0, 8) for code in range(16)])  # e2m1's +0 and -0
-
-
-def mxfp4_as_q5_0(blocks: np.ndarray) -> np.ndarray:
+def mxfp4_held(blocks: np.ndarray) -> np.ndarray:
     """MXFP4 blocks [rows, row bytes] (each 32 weights: a scale byte e, 2^(e - 128) times e2m1's doubled values, then
-    16 bytes of codes) as Q5_0 blocks of the same weights: the scale as float16, the codes plus 16. Exact for scales
-    from 2^-24 to 2^15; a smaller one (weights under 4e-7) is float16's nearest; GGMLError for a larger one where the
-    block's weights are not all zero."""
+    16 bytes of codes) as held: the scale as float16, then the codes as they are. Exact for scales from 2^-24 to
+    2^15; a smaller one (weights under 4e-7) is float16's nearest; GGMLError for a larger one where the block's weights
+    are not all zero."""
     if native_kernels():
         try:
-            return torch.ops.rungen_ggml.mxfp4_as_q5_0(torch.from_numpy(np.ascontiguousarray(blocks))).numpy()
+            return torch.ops.rungen_ggml.mxfp4_held(torch.from_numpy(np.ascontiguousarray(blocks))).numpy()
         except RuntimeError as error:
             raise GGMLError(str(error).splitlines()[0].removeprefix("rungen_ggml: ")) from None
-    return mxfp4_as_q5_0_reference(blocks)
+    return mxfp4_held_reference(blocks)
 
 
-def mxfp4_as_q5_0_reference(blocks: np.ndarray) -> np.ndarray:
-    """mxfp4_as_q5_0 in numpy (without the native kernels; its tests' reference): 0.08 GB/s, against 2 for the
-    native one."""
+def mxfp4_held_reference(blocks: np.ndarray) -> np.ndarray:
+    """mxfp4_held in numpy (without the native kernels; its tests' reference)."""
     rows = blocks.shape[0]
     b = np.ascontiguousarray(blocks).reshape(-1, 17)
     e, codes = b[:, 0], b[:, 1:]
@@ -76,23 +73,29 @@ def mxfp4_as_q5_0_reference(blocks: np.ndarray) -> np.ndarray:
         half = scale.view(np.float32).astype(np.float16)
     overflow = np.isinf(half)
     if overflow.any():
-        zero = _MXFP4_ZERO[codes & 15].all(1) & _MXFP4_ZERO[codes >> 4].all(1)
+        zero = ((codes & 0x77) == 0).all(1)  # +0 and -0 only
         if (overflow & ~zero).any():
             raise GGMLError(f"an MXFP4 block's scale 2^{int(e[overflow & ~zero][0]) - 128} is beyond float16's range")
         half[overflow] = 0
-    out = np.empty((b.shape[0], 22), dtype=np.uint8)
+    out = np.empty((b.shape[0], 18), dtype=np.uint8)
     out[:, :2] = half.view(np.uint8).reshape(-1, 2)
-    high = np.concatenate([_Q5_HIGH_BITS[codes & 15], _Q5_HIGH_BITS[codes >> 4]], axis=1)  # weights 0-15, 16-31
-    out[:, 2:6] = np.packbits(high, axis=1, bitorder="little")
-    out[:, 6:] = _Q5_LOW_BYTES[codes]
+    out[:, 2:] = codes
     return out.reshape(rows, -1)
+
+
+def _dequantize_held_mxfp4(blocks: np.ndarray) -> np.ndarray:
+    """Held MXFP4 blocks' weights (float32 [blocks, 32]): d times the table's value of each code."""
+    b = np.ascontiguousarray(blocks).reshape(-1, 18)
+    d = b[:, :2].copy().view(np.float16).astype(np.float32)
+    codes = np.concatenate([b[:, 2:] & 15, b[:, 2:] >> 4], axis=1)
+    return d * _MXFP4_VALUES[codes]
 
 
 # Types interleaved eight rows by eight for the kernels, and the flag added to their type number then.
 INTERLEAVED_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0,
                      GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K,
                      GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K, GGMLQuantizationType.IQ4_NL,
-                     GGMLQuantizationType.IQ4_XS, GGMLQuantizationType.Q3_K)
+                     GGMLQuantizationType.IQ4_XS, GGMLQuantizationType.Q3_K, GGMLQuantizationType.MXFP4)
 X8 = 256
 # Eight rows' interleaved superblock bytes where the packed 6-bit scales are unpacked (docs/gguf.md).
 X8_SUPERBLOCK_BYTES = {GGMLQuantizationType.Q4_K: 1184, GGMLQuantizationType.Q5_K: 1440,
@@ -104,15 +107,16 @@ class GGMLError(ValueError):
 
 
 def row_bytes(qtype: GGMLQuantizationType, in_features: int) -> int:
-    """Bytes one row of `in_features` weights takes in blocks of `qtype`."""
+    """Bytes one row of `in_features` weights takes in blocks of `qtype`, as held (HELD_BLOCK_BYTES)."""
     block, size = GGML_QUANT_SIZES[qtype]
+    size = HELD_BLOCK_BYTES.get(qtype, size)
     if in_features % block:
         raise GGMLError(f"{qtype.name} rows are made of blocks of {block}; {in_features} is not a multiple")
     return in_features // block * size
 
 
 def weights_per_row(qtype: GGMLQuantizationType, bytes_per_row: int) -> int:
-    """Weights in a row of `bytes_per_row` bytes of `qtype` blocks."""
+    """Weights in a row of `bytes_per_row` bytes of `qtype` blocks, as the file holds them."""
     block, size = GGML_QUANT_SIZES[qtype]
     return bytes_per_row // size * block
 
@@ -127,7 +131,10 @@ def interleaved_row_bytes(qtype: GGMLQuantizationType, in_features: int) -> int:
 
 
 def dequantize(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: int) -> torch.Tensor:
-    """The float32 weight that `blocks` [rows, row_bytes] encode (the gguf package's reference)."""
+    """The float32 weight that `blocks` [rows, row_bytes] (as held) encode (the gguf package's reference)."""
+    if qtype == GGMLQuantizationType.MXFP4:
+        values = _dequantize_held_mxfp4(blocks.contiguous().numpy())
+        return torch.from_numpy(values).reshape(blocks.shape[0], in_features)
     values = _gguf_dequantize(blocks.contiguous().numpy(), qtype)
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(blocks.shape[0], in_features)
 
@@ -137,21 +144,17 @@ DEQUANTIZE_CHUNK = 1 << 24  # float32 values de-quantized on the host at a time 
 
 def dequantize_to(blocks: np.ndarray, qtype: GGMLQuantizationType, in_features: int, dtype: torch.dtype,
                   device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The weight that `blocks` [rows, row_bytes] encode, in `dtype` on `device` (into `out` when given), de-quantized
-    a chunk of rows at a time: never a float32 copy of the whole weight."""
+    """The weight that `blocks` [rows, row_bytes] (as held) encode, in `dtype` on `device` (into `out` when given),
+    de-quantized a chunk of rows at a time: never a float32 copy of the whole weight."""
     rows = blocks.shape[0]
     if out is None:
         out = torch.empty(rows, in_features, dtype=dtype, device=device)
     step = max(1, DEQUANTIZE_CHUNK // in_features)
-    held = held_as(qtype)
-    native = held in SUPPORTED and native_kernels()
+    native = qtype in SUPPORTED and native_kernels()
     source = torch.from_numpy(blocks) if native else None
     for start in range(0, rows, step):
         stop = min(rows, start + step)
-        if native and held != qtype:  # (MXFP4) converted a chunk at a time
-            chunk = torch.from_numpy(mxfp4_as_q5_0(blocks[start:stop]))
-            values = torch.ops.rungen_ggml.embed(chunk, int(held), in_features, torch.arange(stop - start))
-        elif native:
+        if native:
             ids = torch.arange(start, stop, dtype=torch.int64)
             values = torch.ops.rungen_ggml.embed(source, int(qtype), in_features, ids)
         else:

@@ -22,10 +22,8 @@ from .blocks import (
     GGMLLinear,
     GGMLParts,
     dequantize_to,
-    held_as,
     interleavable,
     interleaved_row_bytes,
-    mxfp4_as_q5_0,
     native_products,
     weights_per_row,
 )
@@ -298,26 +296,17 @@ def _rows(reader: WeightReader, tensor: Tensor, experts: int, into: torch.Tensor
     (read into `into` [experts, rows / 8 + more, bytes] from row 0 when given, else a buffer of their own), else
     views of the map; and whether interleaved."""
     qtype = GGMLQuantizationType(tensor.code)
-    held = held_as(qtype)
     _, rows, row_bytes = tensor.shape
-    if not interleavable(held, rows):
-        blocks = torch.from_numpy(reader.blocks(tensor) if held == qtype else _held_blocks(reader, tensor))
+    if not interleavable(qtype, rows):
+        blocks = torch.from_numpy(reader.blocks(tensor))
         return [blocks[e] for e in range(experts)], False
     if into is None:
-        into = torch.empty(experts, rows // 8, interleaved_row_bytes(held, weights_per_row(qtype, row_bytes)),
+        into = torch.empty(experts, rows // 8, interleaved_row_bytes(qtype, weights_per_row(qtype, row_bytes)),
                            dtype=torch.uint8)
     for e in range(experts):
         read_interleaved(reader.path, reader.expert(tensor, e).offset, (rows, row_bytes), qtype, reader.scratch,
                          out=into[e, :rows // 8])
     return [into[e, :rows // 8] for e in range(experts)], True
-
-
-def _held_blocks(reader: WeightReader, tensor: Tensor) -> np.ndarray:
-    """A tensor's blocks read into memory as the type they are held in (held_as)."""
-    blocks, qtype = reader.read(tensor), GGMLQuantizationType(tensor.code)
-    if held_as(qtype) == qtype:
-        return blocks
-    return mxfp4_as_q5_0(blocks.reshape(-1, blocks.shape[-1])).reshape(*blocks.shape[:-1], -1)
 
 
 def check_shapes(reader: WeightReader, parts: dict[str, Tensor], gate_up: tuple, down: tuple) -> None:
@@ -346,7 +335,7 @@ def build_experts(reader: WeightReader, parts: dict[str, Tensor], gate_up_shape:
     gate, up, down = parts["gate"], parts["up"], parts["down"]
     experts = gate.shape[0]
     width = {name: weights_per_row(GGMLQuantizationType(t.code), t.shape[-1]) for name, t in parts.items()}
-    qtype = held_as(gate.code)
+    qtype = GGMLQuantizationType(gate.code)
     if gate.code == up.code and interleavable(qtype, gate.shape[1]) and interleavable(qtype, up.shape[1]):
         both = torch.empty(experts, (gate.shape[1] + up.shape[1]) // 8, interleaved_row_bytes(qtype, width["gate"]),
                            dtype=torch.uint8)
@@ -354,16 +343,16 @@ def build_experts(reader: WeightReader, parts: dict[str, Tensor], gate_up_shape:
         _rows(reader, up, experts, both[:, gate.shape[1] // 8:])
         gate_up = [GGMLLinear(both[e], qtype, width["gate"], interleaved=True) for e in range(experts)]
     elif gate.code == up.code:  # rows the kernels take as the file has them (Q2_K): read into one buffer
-        both = np.concatenate([_held_blocks(reader, gate), _held_blocks(reader, up)], axis=1)
+        both = np.concatenate([reader.read(gate), reader.read(up)], axis=1)
         gate_up = [GGMLLinear(torch.from_numpy(both[e]), qtype, width["gate"]) for e in range(experts)]
     else:  # two types: each expert's gate and up as the parts of one product
         gates, gate_interleaved = _rows(reader, gate, experts)
         ups, up_interleaved = _rows(reader, up, experts)
         gate_up = [GGMLParts([GGMLLinear(g, qtype, width["gate"], interleaved=gate_interleaved),
-                              GGMLLinear(u, held_as(up.code), width["up"], interleaved=up_interleaved)])
+                              GGMLLinear(u, up.code, width["up"], interleaved=up_interleaved)])
                    for g, u in zip(gates, ups)]
     downs, interleaved = _rows(reader, down, experts)
-    down_layers = [GGMLLinear(d, held_as(down.code), width["down"], interleaved=interleaved) for d in downs]
+    down_layers = [GGMLLinear(d, down.code, width["down"], interleaved=interleaved) for d in downs]
     return GGMLExperts(gate_up, down_layers, act_fn, biases, gating)
 
 

@@ -26,7 +26,6 @@ import torch
 
 from .. import NOTICE
 from .blocks import (
-    HELD_AS,
     SUPPORTED,
 )
 from .families import BY_ARCHITECTURE, FAMILIES, NO_FAMILY, WITH_EXPERTS
@@ -521,8 +520,7 @@ class GGUFHeader:
         except Exception:  # a type transformers cannot size, or a malformed file: the gguf package decides
             architecture, tensors = _read_with_gguf(self.path)
         check_whole(self.path, [(offset, nbytes) for *_, offset, nbytes in tensors])
-        unsupported = [(name, code) for name, code, *_ in tensors if code not in FLOAT_TYPES and code not in SUPPORTED
-                       and not (code in HELD_AS and name.endswith("_exps.weight"))]  # (gpt-oss's MXFP4 experts)
+        unsupported = [(name, code) for name, code, *_ in tensors if code not in FLOAT_TYPES and code not in SUPPORTED]
         if unsupported and self.blocks:  # before the slow conversions: this file will not run here
             raise GGUFError(unsupported_message(self.path, *unsupported[0]))
         try:

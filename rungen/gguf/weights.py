@@ -15,14 +15,14 @@ from gguf import GGMLQuantizationType
 
 from ..errors import UsageError
 from .blocks import (
+    HELD_BLOCK_BYTES,
     GGMLLinear,
     GGMLParts,
     dequantize_to,
-    held_as,
+    held,
     interleavable,
     interleaved_row_bytes,
     join,
-    mxfp4_as_q5_0,
     weights_per_row,
 )
 
@@ -128,9 +128,9 @@ class WeightReader:
         return as_torch(self.values(tensor), tensor.code)
 
     def blocks(self, tensor: Tensor) -> np.ndarray:
-        """A quantized tensor's blocks [rows, row bytes] in the file's layout, a view of the map (experts held apart:
-        read into one buffer, as a stack of them takes one stride)."""
-        if tensor.offset < 0:
+        """A quantized tensor's blocks [rows, row bytes] as the kernels hold them, a view of the map (experts held
+        apart, or a type held in another layout than the file's: read into memory)."""
+        if tensor.offset < 0 or tensor.code in HELD_BLOCK_BYTES:
             return self.read(tensor)
         return self.map[tensor.offset:tensor.offset + tensor.nbytes].reshape(tensor.shape)
 
@@ -146,13 +146,11 @@ class WeightReader:
         return torch.ops.rungen_ggml.interleave(rows, int(qtype)) if interleave else rows
 
     def read(self, tensor: Tensor) -> np.ndarray:
-        """A quantized tensor's blocks read into memory."""
+        """A quantized tensor's blocks read into memory, as the kernels hold them (held)."""
         if tensor.offset < 0:
-            out = np.empty(tensor.shape, dtype=np.uint8)
-            for e in range(tensor.shape[0]):
-                out[e] = self.read(self.expert(tensor, e))
-            return out
-        return np.fromfile(self.path, dtype=np.uint8, count=tensor.nbytes, offset=tensor.offset).reshape(tensor.shape)
+            return np.stack([self.read(self.expert(tensor, e)) for e in range(tensor.shape[0])])
+        blocks = np.fromfile(self.path, dtype=np.uint8, count=tensor.nbytes, offset=tensor.offset)
+        return held(blocks.reshape(tensor.shape), tensor.code)
 
     def linear(self, tensor: Tensor, order: np.ndarray | None = None, read: bool = False) -> GGMLLinear:
         """A quantized 2-D weight as a layer: its rows interleaved where the kernels take them so (rows())."""
@@ -214,12 +212,11 @@ def unpermuted_order(rows: int, heads: int) -> np.ndarray:
 def read_interleaved(path: str, offset: int, shape, qtype, scratch: np.ndarray | None = None,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """The blocks [rows, row bytes] at `offset`, interleaved, read a chunk at a time through `scratch` (into `out`
-    when given): never a whole copy in the file's order (its freed space would stay in the heap). A type held as
-    another's (MXFP4) is converted a chunk at a time."""
+    when given): never a whole copy in the file's order (its freed space would stay in the heap). A type held in
+    another layout than the file's (MXFP4) is converted a chunk at a time."""
     rows, row_bytes = shape
-    held = held_as(qtype)
     if out is None:
-        out = torch.empty(rows // 8, interleaved_row_bytes(held, weights_per_row(qtype, row_bytes)),
+        out = torch.empty(rows // 8, interleaved_row_bytes(qtype, weights_per_row(qtype, row_bytes)),
                           dtype=torch.uint8)
     step = max(8, READ_CHUNK // row_bytes // 8 * 8)
     if scratch is None or len(scratch) < step * row_bytes:
@@ -236,9 +233,7 @@ def read_interleaved(path: str, offset: int, shape, qtype, scratch: np.ndarray |
                     raise GGUFError(f"{path}: truncated (a tensor ends at byte {offset + rows * row_bytes}, "
                                     f"after the end of the file)")
                 done += got
-            chunk = scratch[: count * row_bytes].reshape(count, row_bytes)
-            if held != qtype:
-                chunk = mxfp4_as_q5_0(chunk)
-            torch.ops.rungen_ggml.interleave(torch.from_numpy(chunk), int(held),
+            chunk = held(scratch[: count * row_bytes].reshape(count, row_bytes), qtype)
+            torch.ops.rungen_ggml.interleave(torch.from_numpy(chunk), int(qtype),
                                              out[start // 8 : (start + count) // 8])
     return out

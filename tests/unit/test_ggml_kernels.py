@@ -14,17 +14,22 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from helpers import SIMPLE, blocks_for
 from rungen.gguf import blocks as ggml
 from rungen.gguf import kernels
-from rungen.gguf.blocks import GGMLLinear, dequantize, torch_layer
+from rungen.gguf.blocks import GGMLLinear, dequantize, held, torch_layer
 
 T = GGMLQuantizationType
-# Raw random blocks with sane float16 scales (the gguf package cannot quantize to these).
-RAW = (T.Q4_K, T.Q6_K, T.Q5_K, T.Q2_K, T.Q3_K, T.IQ4_XS, T.IQ4_NL)
+# Raw random blocks with sane scales (the gguf package cannot quantize to most of these).
+RAW = (T.Q4_K, T.Q6_K, T.Q5_K, T.Q2_K, T.Q3_K, T.IQ4_XS, T.IQ4_NL, T.MXFP4)
 # The k-quants interleaved with their scales unpacked (a few percent larger than the file's blocks).
 KQUANTS = (T.Q4_K, T.Q6_K, T.Q5_K, T.Q3_K)
 # How much larger than the file's blocks interleaved ones may be: the unpacked scales (Q3_K: 114 bytes a row for 110).
 X8_GROWTH = {T.Q4_K: 1.03, T.Q5_K: 1.03, T.Q6_K: 1.0, T.IQ4_XS: 1.03, T.Q3_K: 1.04}
 # The types the kernels unpack row by row (all but Q4_0, Q4_1 and Q8_0).
-UNPACKED = (T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS)
+UNPACKED = (T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4)
+def held_blocks_for(qtype, *args, **kwargs):
+    """blocks_for's blocks as the kernels hold them (MXFP4's converted: rungen.gguf.blocks.held)."""
+    return torch.from_numpy(held(blocks_for(qtype, *args, **kwargs).numpy(), qtype))
+
+
 def widths(qtype):
     """Row widths to try: whole superblocks, or for blocks of 32 an even and an odd number of them, and 18 (the
     default model's 576: offsets per 16 not a multiple of 8)."""
@@ -98,7 +103,7 @@ def test_native_kernel_matches_reference_on_every_instruction_set(qtype, each_is
     for isa in isas():
         torch.ops.rungen_ggml.set_isa(isa)
         for seed, ((rows, n, weights, xs), in_features) in enumerate(itertools.product(cases, widths(qtype))):
-            blocks = blocks_for(qtype, rows, in_features, seed, weights)
+            blocks = held_blocks_for(qtype, rows, in_features, seed, weights)
             weight = dequantize(blocks, qtype, in_features)
             x = inputs(n, in_features, seed, xs)
             y = torch.ops.rungen_ggml.mm_int(x, blocks, int(qtype), in_features)
@@ -111,7 +116,7 @@ def test_a_token_gets_the_same_bits_alone_and_among_others(qtype, each_isa):
     # Tokens go sixteen, four or one at a time through the 4-bit kernels, in tiles of sixteen: a token's product
     # must not depend on its company, or a greedy text would change with the batch it decodes in.
     for in_features in widths(qtype):
-        blocks = blocks_for(qtype, 19, in_features, seed=5)
+        blocks = held_blocks_for(qtype, 19, in_features, seed=5)
         x = inputs(37, in_features, seed=5, kind="outlier")
         for isa in isas():
             torch.ops.rungen_ggml.set_isa(isa)
@@ -128,7 +133,7 @@ def test_a_token_gets_the_same_bits_alone_and_among_others(qtype, each_isa):
 def test_native_dequantize_and_tiled_path_match_gguf(qtype):
     if not ggml.native_kernels():
         pytest.skip("native kernels unavailable")
-    blocks = blocks_for(qtype, 37, 768, seed=3)
+    blocks = held_blocks_for(qtype, 37, 768, seed=3)
     weight = dequantize(blocks, qtype, 768)
     torch.testing.assert_close(torch.ops.rungen_ggml.dequantize(blocks, int(qtype), 768), weight,
                                rtol=1e-6, atol=1e-7)
@@ -152,7 +157,7 @@ def test_unpacked_rows_give_the_same_bits_on_every_instruction_set(qtype, each_i
              (4, 2, "zeros", "outlier"), (6, 6, "random", "ties"), (8, 2, "max" if raw else "high", "positive")]
     sizes = widths(qtype) + ((96,) if GGML_QUANT_SIZES[qtype][0] == 32 else (768,))
     for seed, ((rows, n, weights, xs), in_features) in enumerate(itertools.product(cases, sizes)):
-        blocks = blocks_for(qtype, rows, in_features, seed, weights)
+        blocks = held_blocks_for(qtype, rows, in_features, seed, weights)
         weight = dequantize(blocks, qtype, in_features)
         assert torch.equal(ops.dequantize(blocks, int(qtype), in_features), weight)
         ids = torch.tensor([rows - 1, 0, rows // 2, 0])
@@ -183,7 +188,7 @@ def test_interleaved_rows_match_reference_with_the_same_bits_on_every_path_and_a
     # 32-blocks a row, even and odd; superblocks of 256 a row, odd and even.
     widths = (512, 544) if GGML_QUANT_SIZES[qtype][0] == 32 else (768, 512)
     for seed, ((rows, n, weights, xs), in_features) in enumerate(itertools.product(cases, widths)):
-        blocks = blocks_for(qtype, rows, in_features, seed, weights)
+        blocks = held_blocks_for(qtype, rows, in_features, seed, weights)
         weight = dequantize(blocks, qtype, in_features)
         x8 = ops.interleave(blocks, int(qtype))
         assert x8.shape == (rows // 8, ggml.interleaved_row_bytes(qtype, in_features))
@@ -222,7 +227,7 @@ def test_interleaved_rows_give_each_token_its_bits_for_every_count_of_tokens(qty
     x = inputs(33, in_features, 7, "full")
     x[::3] = inputs(33, in_features, 8)[::3]
     for rows in (16, 24):
-        blocks = blocks_for(qtype, rows, in_features, 7, "extremes" if qtype in SIMPLE else "max")
+        blocks = held_blocks_for(qtype, rows, in_features, 7, "extremes" if qtype in SIMPLE else "max")
         x8 = ops.interleave(blocks, int(qtype))
         for isa in paths:
             ops.set_isa(isa)
@@ -244,7 +249,7 @@ def test_a_prompts_tokens_get_their_bits_past_the_kernels_chunks(qtype, each_isa
     paths = isas()
     ops = torch.ops.rungen_ggml
     in_features = 544 if GGML_QUANT_SIZES[qtype][0] == 32 else 768
-    blocks = blocks_for(qtype, 24, in_features, 11, "random")
+    blocks = held_blocks_for(qtype, 24, in_features, 11, "random")
     x8, code = ops.interleave(blocks, int(qtype)), int(qtype) | ggml.X8
     x = inputs(97, in_features, 11, "outlier")
     ops.set_isa(paths[-1])
@@ -258,14 +263,14 @@ def test_a_prompts_tokens_get_their_bits_past_the_kernels_chunks(qtype, each_isa
 def test_a_layer_interleaves_in_place_where_the_kernels_take_it():
     if not ggml.native_kernels():
         pytest.skip("native kernels unavailable")
-    blocks = blocks_for(T.Q4_0, 32, 256, seed=9)
+    blocks = held_blocks_for(T.Q4_0, 32, 256, seed=9)
     x = inputs(5, 256, 9)
     plain, layer = GGMLLinear(blocks, T.Q4_0, 256), GGMLLinear(blocks, T.Q4_0, 256)
     assert layer.interleave() and layer.interleaved and layer.blocks.shape == (4, 8 * blocks.shape[1])
     assert layer.out_features == 32 and layer.code == int(T.Q4_0) | ggml.X8
     torch.testing.assert_close(layer(x), plain(x), rtol=1e-4, atol=1e-4)
     # q/k/v-like parts concatenate as they are, rows in order; a mix of layouts does not.
-    parts = [GGMLLinear(blocks_for(T.Q4_0, rows, 256, seed=rows), T.Q4_0, 256) for rows in (16, 8, 8)]
+    parts = [GGMLLinear(held_blocks_for(T.Q4_0, rows, 256, seed=rows), T.Q4_0, 256) for rows in (16, 8, 8)]
     expected = torch.cat([part(x) for part in parts], dim=-1)
     assert ggml.concat([parts[0], parts[1]]) is not None and parts[0].interleave()
     assert ggml.concat(parts) is None
@@ -276,15 +281,15 @@ def test_a_layer_interleaves_in_place_where_the_kernels_take_it():
     torch.testing.assert_close(joined(x), expected, rtol=1e-4, atol=1e-4)
     # k-quant layers too; rows that are not whole groups of eight are not interleaved, and stay row-major.
     for qtype in KQUANTS:
-        blocks, x = blocks_for(qtype, 16, 512), inputs(3, 512, 1)
+        blocks, x = held_blocks_for(qtype, 16, 512), inputs(3, 512, 1)
         plain, layer = GGMLLinear(blocks, qtype, 512), GGMLLinear(blocks, qtype, 512)
         assert layer.interleave() and layer.blocks.shape == (2, ggml.interleaved_row_bytes(qtype, 512))
         torch.testing.assert_close(layer(x), plain(x), rtol=1e-4, atol=1e-4)
     for qtype in (T.Q4_1, T.Q4_K, T.Q3_K):
-        layer = GGMLLinear(blocks_for(qtype, 12, 256), qtype, 256)
+        layer = GGMLLinear(held_blocks_for(qtype, 12, 256), qtype, 256)
         assert not layer.interleave() and layer.blocks.shape[0] == 12
     with pytest.raises(RuntimeError, match="multiple of 8"):
-        torch.ops.rungen_ggml.interleave(blocks_for(T.Q4_1, 12, 256), int(T.Q4_1))
+        torch.ops.rungen_ggml.interleave(held_blocks_for(T.Q4_1, 12, 256), int(T.Q4_1))
 
 
 def test_parts_of_different_types_side_by_side_give_each_parts_own_bits(each_isa):
@@ -292,7 +297,7 @@ def test_parts_of_different_types_side_by_side_give_each_parts_own_bits(each_isa
     part's columns hold the bits of that part multiplied alone, on every instruction set, interleaved and
     row-major, for one token and many, on the tiled path too; a whole weight with empty parts gives mm's bits."""
     ops = torch.ops.rungen_ggml
-    parts = [GGMLLinear(blocks_for(qtype, rows, 512, seed=rows), qtype, 512)
+    parts = [GGMLLinear(held_blocks_for(qtype, rows, 512, seed=rows), qtype, 512)
              for qtype, rows in ((T.Q4_K, 32), (T.Q4_K, 16), (T.Q6_K, 16), (T.Q8_0, 8), (T.Q4_1, 24))]
     for isa, interleaved in itertools.product(isas(), (False, True)):
         ops.set_isa(isa)
@@ -328,7 +333,7 @@ def test_groups_of_rows_each_times_its_own_weight_give_each_group_mms_bits(each_
     counts = [1, 0, 6, 3, 0, 9]
     for qtype, isa in itertools.product((T.Q4_K, T.Q6_K, T.Q8_0, T.Q2_K), isas()):
         ops.set_isa(isa)
-        experts = [GGMLLinear(blocks_for(qtype, 16, 512, seed=e), qtype, 512) for e in range(len(counts))]
+        experts = [GGMLLinear(held_blocks_for(qtype, 16, 512, seed=e), qtype, 512) for e in range(len(counts))]
         assert all(expert.interleave() for expert in experts) == (qtype != T.Q2_K)
         blocks, codes = [e.blocks for e in experts], [e.code for e in experts]
         x = inputs(sum(counts), 512, 3)
@@ -361,7 +366,7 @@ def test_row_products_give_a_row_its_bits_in_any_batch_and_on_every_code_path(ea
 
 
 def test_layer_takes_any_leading_shape_strided_rows_and_bias():
-    blocks = blocks_for(T.Q4_1, 24, 256, seed=5)
+    blocks = held_blocks_for(T.Q4_1, 24, 256, seed=5)
     bias = torch.randn(12)
     layer = GGMLLinear(blocks[::2], T.Q4_1, 256, bias=bias)  # every other row: a strided view
     x = inputs(6, 256, 6).reshape(2, 3, 256)
@@ -377,7 +382,7 @@ def test_torch_fallback_stays_within_its_rounding(qtype):
     float16: weights rounded to 2^-11 relative. 2^-6 of the sum of |terms| covers both."""
     in_features = 512
     for seed, (rows, n) in enumerate([(7, 1), (1, 3), (33, 17)]):
-        blocks = blocks_for(qtype, rows, in_features, seed)
+        blocks = held_blocks_for(qtype, rows, in_features, seed)
         weight = dequantize(blocks, qtype, in_features)
         x = inputs(n, in_features, seed)
         y = torch_layer(blocks, qtype, in_features)(x).float()
@@ -389,7 +394,7 @@ def test_torch_fallback_stays_within_its_rounding(qtype):
 def test_forced_fallback_warns_once_and_layers_use_torch_kernels(monkeypatch, capfd):
     monkeypatch.setenv(kernels.KERNELS_ENV, "torch")
     monkeypatch.setattr(kernels, "_native", None)
-    blocks = blocks_for(T.Q4_1, 16, 256, seed=7)
+    blocks = held_blocks_for(T.Q4_1, 16, 256, seed=7)
     layer = GGMLLinear(blocks, T.Q4_1, 256)
     x = inputs(2, 256, 7)
     layer(x), layer(x)
@@ -405,7 +410,7 @@ def test_failed_build_falls_back_with_one_line(monkeypatch, capfd):
     monkeypatch.delenv(kernels.KERNELS_ENV, raising=False)
     monkeypatch.setattr(kernels, "_native", None)
     monkeypatch.setattr(kernels, "build_kernels", no_compiler)
-    blocks = blocks_for(T.Q8_0, 5, 64, seed=8)
+    blocks = held_blocks_for(T.Q8_0, 5, 64, seed=8)
     x = inputs(3, 64, 8)
     y = GGMLLinear(blocks, T.Q8_0, 64)(x)
     weight = dequantize(blocks, T.Q8_0, 64)

@@ -35,8 +35,9 @@ struct alignas(64) AmxBlock {
 };
 
 // Whether a type's prompts go through the tiles. Not Q6_K's: its scales per 16 columns cost two tile products a
-// block, and the X16 kernels are faster for it (docs/kernels.md, "Measured choices").
-constexpr bool amx_takes(int64_t t) { return t != Q6_K; }
+// block, and the X16 kernels are faster for it (docs/kernels.md, "Measured choices"). Not MXFP4's: its tile path
+// (IQ4_NL's with its table) has not run on an AMX machine yet.
+constexpr bool amx_takes(int64_t t) { return t != Q6_K && t != MXFP4; }
 
 // Whether a type's codes go to the tiles signed (Q8_0, IQ4, Q3_K's scaled codes) or unsigned, and whether it has
 // offsets m.

@@ -17,7 +17,7 @@ namespace rungen_ggml {
 
 enum QType : int64_t {
   Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q5_K = 13, Q4_K = 12, Q6_K = 14,
-  IQ4_NL = 20, IQ4_XS = 23
+  IQ4_NL = 20, IQ4_XS = 23, MXFP4 = 39
 };
 
 // X8 | Q4_0, X8 | Q4_1 or X8 | Q8_0 (and Q5_0/Q5_1, below): the same blocks with the rows interleaved eight by
@@ -56,7 +56,10 @@ enum QType : int64_t {
 // among other tokens.
 //
 // X8 | IQ4_NL (144 bytes, 18 a row: the file's size): d[8] (float16), then the nibbles as X8 | Q4_0 lays them; a
-// nibble indexes kvalues_iq4nl (-127..113), looked up by a byte shuffle. X8 | IQ4_XS (1104 bytes, 138 a row: the
+// nibble indexes kvalues_iq4nl (-127..113), looked up by a byte shuffle. MXFP4 (gpt-oss's experts) is held as
+// IQ4_NL's blocks of its own table, kvalues_mxfp4 (e2m1's values doubled, -12..12): its file's scale byte e, 2^(e -
+// 128), becomes the block's float16 d where the weights are read (rungen/gguf/blocks.py), 18 bytes for 17; every
+// IQ4_NL path then takes it with that table. X8 | IQ4_XS (1104 bytes, 138 a row: the
 // file's 136 and 2 for the unpacked scales): d[8] (float16), sc[8 blocks][8 rows] (int8: the 6-bit scale - 32),
 // then per block the nibbles as X8 | Q4_0 lays them. The table's values are signed: multiplied as Q8_0's codes
 // (|w| times x with w's sign), or on VNNI offset by 128 (unsigned), less 128 times the activations' integer sum.
@@ -92,7 +95,8 @@ int64_t block_bytes(int64_t qtype) {
     case Q8_0: return 34;
     case Q2_K: return 84;
     case Q3_K: return 110;
-    case IQ4_NL: return 18;
+    case IQ4_NL:
+    case MXFP4: return 18;
     case IQ4_XS: return 136;
     case Q4_K: return 144;
     case Q5_K: return 176;
@@ -120,16 +124,21 @@ bool x8_super(int64_t base) { return x8_kquant(base) || base == IQ4_XS || base =
 
 bool interleaved_type(int64_t base) {
   return base == Q4_0 || base == Q4_1 || base == Q5_0 || base == Q5_1 || base == Q8_0 || base == IQ4_NL ||
-         x8_super(base);
+         base == MXFP4 || x8_super(base);
 }
 
 // Whether an X8 type's blocks have offsets m (acc = fma(m, dx * sum(xq), acc)).
 bool x8_offsets(int64_t base) {
-  return base != Q8_0 && base != Q6_K && base != IQ4_NL && base != IQ4_XS && base != Q3_K;
+  return base != Q8_0 && base != Q6_K && base != IQ4_NL && base != IQ4_XS && base != MXFP4 && base != Q3_K;
 }
 
-// The non-linear 4-bit values of IQ4_NL and IQ4_XS (ggml's kvalues_iq4nl).
+// The non-linear 4-bit values of IQ4_NL and IQ4_XS (ggml's kvalues_iq4nl), and MXFP4's (kvalues_mxfp4).
 constexpr int8_t kvalues_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+constexpr int8_t kvalues_mxfp4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// The types whose 4-bit codes index a table (IQ4_NL's blocks and superblocks, MXFP4's held as IQ4_NL's), and it.
+constexpr bool iq4_type(int64_t base) { return base == IQ4_NL || base == IQ4_XS || base == MXFP4; }
+constexpr const int8_t* iq4_table(int64_t base) { return base == MXFP4 ? kvalues_mxfp4 : kvalues_iq4nl; }
 
 // One row unpacked (every type but Q4_0, Q4_1 and Q8_0, which the kernels read as stored): codes [K] (unsigned,
 // or for IQ4 the signed values of its table), wd [K/32], sc16 [K/16] (integer scales per 16: Q2_K, Q3_K, Q6_K),
@@ -167,17 +176,18 @@ inline float half_bits_to_float(const uint8_t* p) {
 }
 
 // One row's block in the X8 layout (p: the group's block, lane: the row in the group): its 32 codes in the
-// block's order (Q4_0/Q4_1 unsigned 0..15, Q5_0/Q5_1 0..31, Q8_0 and IQ4_NL signed), its scale d and offset m
-// (m = -8 d for Q4_0, -16 d for Q5_0, 0 for Q8_0 and IQ4_NL): the weights are d * code + m.
+// block's order (Q4_0/Q4_1 unsigned 0..15, Q5_0/Q5_1 0..31, Q8_0, IQ4_NL and MXFP4 signed), its scale d and offset
+// m (m = -8 d for Q4_0, -16 d for Q5_0, 0 for Q8_0, IQ4_NL and MXFP4): the weights are d * code + m.
 inline void x8_block(const uint8_t* p, int64_t base, int64_t lane, int32_t* codes, float& d, float& m) {
   d = half_bits_to_float(p + 2 * lane);
-  if (base == IQ4_NL) {
+  if (base == IQ4_NL || base == MXFP4) {
+    const int8_t* table = iq4_table(base);
     m = 0.f;
     for (int j = 0; j < 4; ++j)
       for (int i = 0; i < 4; ++i) {
         const uint8_t byte = p[16 + 32 * j + 4 * lane + i];
-        codes[4 * j + i] = kvalues_iq4nl[byte & 0x0F];
-        codes[16 + 4 * j + i] = kvalues_iq4nl[byte >> 4];
+        codes[4 * j + i] = table[byte & 0x0F];
+        codes[16 + 4 * j + i] = table[byte >> 4];
       }
     return;
   }
@@ -270,7 +280,7 @@ inline bool krow_type(int64_t qtype) { return qtype != Q4_0 && qtype != Q4_1 && 
 
 inline int code_kind(int64_t qtype) {
   if (qtype == Q2_K || qtype == Q3_K || qtype == Q6_K) return SCALED16;
-  return qtype == IQ4_NL || qtype == IQ4_XS ? SIGNED : PLAIN;
+  return iq4_type(qtype) ? SIGNED : PLAIN;
 }
 
 // The code a centred type's zero is (its weights d * (code - center)), 0 for the others.
@@ -352,18 +362,18 @@ inline void unpack_q3_k(const uint8_t* p, KRow& r, int64_t e0) {
 }
 
 // IQ4's 16 bytes of nibbles: element i < 16 the table's value at the low nibble of byte i, 16 + i at its high one.
-inline void iq4_codes(const uint8_t* qs, uint8_t* c) {
+inline void iq4_codes(const uint8_t* qs, uint8_t* c, const int8_t* table = kvalues_iq4nl) {
   for (int i = 0; i < 16; ++i) {
-    c[i] = uint8_t(kvalues_iq4nl[qs[i] & 0x0F]);
-    c[i + 16] = uint8_t(kvalues_iq4nl[qs[i] >> 4]);
+    c[i] = uint8_t(table[qs[i] & 0x0F]);
+    c[i + 16] = uint8_t(table[qs[i] >> 4]);
   }
 }
 
 // IQ4_NL (d, nibbles; w = d * value) and IQ4_XS (d, 16 high and 8 bytes of low bits of a 6-bit scale per 32,
 // nibbles from byte 8; w = (d * (scale - 32)) * value). No offsets: wm stays zero.
-inline void unpack_iq4_nl(const uint8_t* p, KRow& r, int64_t e0) {
+inline void unpack_iq4_nl(const uint8_t* p, KRow& r, int64_t e0, const int8_t* table = kvalues_iq4nl) {
   r.wd[e0 / 32] = half_bits_to_float(p);
-  iq4_codes(p + 2, r.codes + e0);
+  iq4_codes(p + 2, r.codes + e0, table);
 }
 
 inline void iq4_xs_scales(const uint8_t* p, KRow& r, int64_t e0) {
@@ -436,6 +446,7 @@ void unpack_block(int64_t qtype, const uint8_t* p, KRow& r, int64_t b) {
     case Q2_K: return unpack_q2_k(p, r, b * 256);
     case Q3_K: return unpack_q3_k(p, r, b * 256);
     case IQ4_NL: return unpack_iq4_nl(p, r, b * 32);
+    case MXFP4: return unpack_iq4_nl(p, r, b * 32, kvalues_mxfp4);
     case IQ4_XS: return unpack_iq4_xs(p, r, b * 256);
   }
   TORCH_CHECK(false, "rungen_ggml: GGML type ", qtype, " is not unpacked");

@@ -1,4 +1,4 @@
-// A weight's blocks rearranged into the X8 layout (ggml_formats.h) once, at load; MXFP4's converted to Q5_0's.
+// A weight's blocks rearranged into the X8 layout (ggml_formats.h) once, at load; MXFP4's held as IQ4_NL's.
 #include <atomic>
 
 #include "ggml_ops.h"
@@ -113,12 +113,12 @@ void interleave_q3_k(const uint8_t* src, int64_t pitch, int64_t nsb, int64_t g, 
 }  // namespace
 
 // Blocks [rows, row bytes] (rows a multiple of 8; rows may be strided) in the X8 layout [rows / 8, 8 row bytes
-// as X8 holds them]: Q4_0/Q4_1/Q8_0/IQ4_NL the same bytes rearranged, Q5_0/Q5_1 too with their fifth bits regrouped,
+// as X8 holds them]: Q4_0/Q4_1/Q8_0/IQ4_NL/MXFP4 (held) the same bytes rearranged, Q5_0/Q5_1 too with their fifth bits regrouped,
 // IQ4_XS with its scales unpacked, the
 // k-quants with their scales unpacked (see X8); into `out` when given (contiguous, that shape).
 at::Tensor interleave(const at::Tensor& blocks, int64_t qtype, const c10::optional<at::Tensor>& out_in) {
   TORCH_CHECK(interleaved_type(qtype), "rungen_ggml: only Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, "
-              "IQ4_NL and IQ4_XS rows are interleaved");
+              "IQ4_NL, IQ4_XS and MXFP4 rows are interleaved");
   TORCH_CHECK(blocks.dtype() == at::kByte && blocks.dim() == 2 && blocks.stride(1) == 1 && blocks.size(0) % 8 == 0,
               "rungen_ggml: interleave takes uint8 [rows, bytes] with rows a multiple of 8");
   const bool five = qtype == Q5_0 || qtype == Q5_1;
@@ -181,15 +181,14 @@ at::Tensor interleave(const at::Tensor& blocks, int64_t qtype, const c10::option
 }
 
 // MXFP4 blocks [rows, row bytes] (gpt-oss's experts: per 32 weights a scale byte e, 2^(e - 128), then 16 bytes
-// of e2m1 codes: the doubled values 0, 1, 2, 3, 4, 6, 8, 12 and their negatives, low nibbles first) as Q5_0 blocks
-// of the same weights: d the scale in float16 (exact from 2^-24 to 2^15, float16's nearest below), the codes plus
-// 16. A scale above float16's range is refused unless the block's codes are all zeros.
-at::Tensor mxfp4_as_q5_0(const at::Tensor& blocks) {
+// of e2m1 codes) as the kernels hold them: IQ4_NL's blocks (see X8), the scale in float16 (exact from 2^-24 to 2^15,
+// float16's nearest below), the codes as they are. A scale above float16's range is refused unless the block's
+// codes are all zeros (+0 and -0).
+at::Tensor mxfp4_held(const at::Tensor& blocks) {
   TORCH_CHECK(blocks.dtype() == at::kByte && blocks.dim() == 2 && blocks.stride(1) == 1 && blocks.size(1) % 17 == 0,
-              "rungen_ggml: mxfp4_as_q5_0 takes uint8 [rows, whole 17-byte blocks]");
-  static constexpr uint8_t q5[16] = {16, 17, 18, 19, 20, 22, 24, 28, 16, 15, 14, 13, 12, 10, 8, 4};
+              "rungen_ggml: mxfp4_held takes uint8 [rows, whole 17-byte blocks]");
   const int64_t rows = blocks.size(0), nb = blocks.size(1) / 17, pitch = blocks.stride(0);
-  at::Tensor out = at::empty({rows, nb * 22}, blocks.options());
+  at::Tensor out = at::empty({rows, nb * 18}, blocks.options());
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   std::atomic<int> beyond{-1};
@@ -197,22 +196,16 @@ at::Tensor mxfp4_as_q5_0(const at::Tensor& blocks) {
     for (int64_t r = r0; r < r1; ++r)
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* p = src + r * pitch + 17 * b;
-        uint8_t* o = dst + (r * nb + b) * 22;
+        uint8_t* o = dst + (r * nb + b) * 18;
         c10::Half d(std::ldexp(1.0f, int(p[0]) - 128));
-        uint32_t qh = 0;
-        bool zero = true;
-        for (int j = 0; j < 16; ++j) {
-          const uint8_t lo = q5[p[1 + j] & 0x0F], hi = q5[p[1 + j] >> 4];
-          zero = zero && lo == 16 && hi == 16;
-          qh |= uint32_t(lo >> 4) << j | uint32_t(hi >> 4) << (16 + j);
-          o[6 + j] = uint8_t((lo & 0x0F) | (hi & 0x0F) << 4);
-        }
         if (std::isinf(float(d))) {
+          bool zero = true;
+          for (int j = 0; j < 16; ++j) zero = zero && (p[1 + j] & 0x77) == 0;
           if (!zero) beyond = p[0];
           d = c10::Half(0.0f);
         }
         std::memcpy(o, &d, 2);
-        std::memcpy(o + 2, &qh, 4);
+        std::memcpy(o + 2, p + 1, 16);
       }
   });
   TORCH_CHECK(beyond < 0, "rungen_ggml: an MXFP4 block's scale 2^", beyond - 128, " is beyond float16's range");

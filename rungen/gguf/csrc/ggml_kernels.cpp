@@ -50,7 +50,7 @@ TORCH_LIBRARY(rungen_ggml, m) {
   m.def("mm_tiled(Tensor x, Tensor blocks, int qtype, int in_features) -> Tensor", &mm_tiled);
   m.def("dequantize(Tensor blocks, int qtype, int in_features) -> Tensor", &dequantize);
   m.def("interleave(Tensor blocks, int qtype, Tensor? out=None) -> Tensor", &interleave);
-  m.def("mxfp4_as_q5_0(Tensor blocks) -> Tensor", &mxfp4_as_q5_0);
+  m.def("mxfp4_held(Tensor blocks) -> Tensor", &mxfp4_held);
   m.def("embed(Tensor blocks, int qtype, int in_features, Tensor ids) -> Tensor", &embed);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("rope_split(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads, Tensor? q_norm=None, "

@@ -48,7 +48,7 @@ int64_t parts_rows(at::TensorList blocks, at::IntArrayRef qtypes);
 
 // ggml_interleave.cpp
 at::Tensor interleave(const at::Tensor& blocks, int64_t qtype, const c10::optional<at::Tensor>& out_in);
-at::Tensor mxfp4_as_q5_0(const at::Tensor& blocks);
+at::Tensor mxfp4_held(const at::Tensor& blocks);
 
 // ggml_layers.cpp
 // Where rope_rows writes keys or values: [b, kv_heads, positions, head_dim] with these strides (elements), from

@@ -25,7 +25,7 @@ int64_t out_rows(const at::Tensor& blocks, int64_t qtype) { return blocks.size(0
 void check_inputs(const at::Tensor& blocks, int64_t qtype, int64_t in_features) {
   TORCH_CHECK(blocks.dtype() == at::kByte && blocks.dim() == 2, "rungen_ggml: blocks must be uint8 [rows, bytes]");
   TORCH_CHECK(!(qtype & X8) || interleaved_type(qtype & ~X8), "rungen_ggml: only Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
-              "Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS rows are interleaved");
+              "Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS and MXFP4 rows are interleaved");
   TORCH_CHECK(in_features % block_elements(qtype) == 0, "rungen_ggml: in_features ", in_features,
               " is not a multiple of the block size");
   const int64_t bytes = in_features / block_elements(qtype) * (qtype & X8 ? x8_bytes(qtype & ~X8) : block_bytes(qtype));

@@ -268,15 +268,15 @@ static void unpack_q3_k_simd(const uint8_t* p, KRow& r, int64_t e0) {
 }
 
 // IQ4: the nibbles as indices into the 16-value table, one byte shuffle.
-static inline __m256i iq4_values(const uint8_t* qs) {
-  const __m128i table = _mm_loadu_si128((const __m128i*)kvalues_iq4nl);
+static inline __m256i iq4_values(const uint8_t* qs, const int8_t* values = kvalues_iq4nl) {
+  const __m128i table = _mm_loadu_si128((const __m128i*)values);
   const __m128i n = _mm_loadu_si128((const __m128i*)qs);
   const __m256i index = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(n, 4), n), _mm256_set1_epi8(0x0F));
   return _mm256_shuffle_epi8(_mm256_set_m128i(table, table), index);
 }
 
-static void unpack_iq4_nl_simd(const uint8_t* p, KRow& r, int64_t e0) {
-  _mm256_storeu_si256((__m256i*)(r.codes + e0), iq4_values(p + 2));
+static void unpack_iq4_nl_simd(const uint8_t* p, KRow& r, int64_t e0, const int8_t* values = kvalues_iq4nl) {
+  _mm256_storeu_si256((__m256i*)(r.codes + e0), iq4_values(p + 2, values));
   r.wd[e0 / 32] = half_to_float(p);
 }
 
@@ -377,6 +377,7 @@ void rows(const Job& job, int64_t r0, int64_t r1) {
         case Q2_K: unpack_q2_k_simd(p, kr, 256 * s); break;
         case Q3_K: unpack_q3_k_simd(p, kr, 256 * s); break;
         case IQ4_NL: unpack_iq4_nl_simd(p, kr, 32 * s); break;
+        case MXFP4: unpack_iq4_nl_simd(p, kr, 32 * s, kvalues_mxfp4); break;
         default: unpack_iq4_xs_simd(p, kr, 256 * s);
       }
     }

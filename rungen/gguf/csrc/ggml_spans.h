@@ -10,8 +10,8 @@ static void x8_tokens(const uint8_t* group, int64_t nb, const Act& a, int64_t k,
 #ifndef GGML_VNNI
   } else if constexpr (BASE == Q4_K || BASE == Q5_K || BASE == Q6_K) {
     unpacked_tokens(Kx8<BASE>{group}, nb, a, k, y, stride);
-  } else if constexpr (BASE == IQ4_NL || BASE == IQ4_XS) {
-    unpacked_tokens(Iq4X8<BASE == IQ4_XS>{group}, nb, a, k, y, stride);
+  } else if constexpr (iq4_type(BASE)) {
+    unpacked_tokens(Iq4X8<BASE>{group}, nb, a, k, y, stride);
 #endif
   } else {
     int64_t t = x8_pass<BASE, 4>(group, nb, a, k, y, stride, 0, a.n);
@@ -61,6 +61,7 @@ void x8_rows(const Job& job, int64_t g0, int64_t g1) {
     case Q5_K: return x8_span<Q5_K>(job, g0, g1);
     case Q6_K: return x8_span<Q6_K>(job, g0, g1);
     case IQ4_NL: return x8_span<IQ4_NL>(job, g0, g1);
+    case MXFP4: return x8_span<MXFP4>(job, g0, g1);
     case IQ4_XS: return x8_span<IQ4_XS>(job, g0, g1);
     case Q3_K: return x8_span<Q3_K>(job, g0, g1);
     default: return x8_span<Q8_0>(job, g0, g1);

@@ -257,9 +257,10 @@ static inline void x16_codes_iq4(const uint8_t* nib, int64_t pitch, __m512i tabl
 
 // Block b of two groups of IQ4_NL/IQ4_XS rows, unpacked: the table's values offset by 128 (unsigned), the scale
 // (IQ4_XS's times the block's scale: exact).
-template <bool XS>
+template <int64_t BASE>
 static inline void iq4x16_unpack(const uint8_t* group, int64_t pitch, int64_t b, K16Block& u) {
-  const __m512i table = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)kvalues_iq4nl)),
+  constexpr bool XS = BASE == IQ4_XS;
+  const __m512i table = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)iq4_table(BASE))),
                                          _mm512_set1_epi8(char(0x80)));
   const uint8_t* p = XS ? group + (b / 8) * 1104 : group + b * 144;
   x16_codes_iq4(XS ? p + 80 + 128 * (b % 8) : p + 16, pitch, table, u.w);
@@ -269,7 +270,7 @@ static inline void iq4x16_unpack(const uint8_t* group, int64_t pitch, int64_t b,
 }
 
 // IQ4_NL/IQ4_XS: x8_group_iq4's VNNI arithmetic for two groups. READY: the blocks unpacked once for all passes.
-template <bool XS, int NT, bool READY>
+template <int64_t BASE, int NT, bool READY>
 static void x16_group_iq4(const uint8_t* group, int64_t pitch, int64_t nblocks, const K16Block* ready,
                           const int8_t* const* xq, const float* const* xd, const int32_t* const* xoff128,
                           float* const* out) {
@@ -277,7 +278,7 @@ static void x16_group_iq4(const uint8_t* group, int64_t pitch, int64_t nblocks, 
   for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nblocks; ++b) {
     K16Block local;
-    if (!READY) iq4x16_unpack<XS>(group, pitch, b, local);
+    if (!READY) iq4x16_unpack<BASE>(group, pitch, b, local);
     const K16Block& u = READY ? ready[b] : local;
     for (int t = 0; t < NT; ++t) {
       __m512i dot0 = _mm512_set1_epi32(xoff128[t][b]), dot1 = _mm512_setzero_si512();
@@ -350,19 +351,19 @@ template <int64_t BASE>
 struct K16 {
   const uint8_t* group;
   int64_t pitch;
-  static constexpr bool IQ4 = BASE == IQ4_NL || BASE == IQ4_XS;
+  static constexpr bool IQ4 = iq4_type(BASE);
   using Block = K16Block;
-  static constexpr int64_t unbuffered = BASE == IQ4_NL ? 24 : 8;
+  static constexpr int64_t unbuffered = BASE == IQ4_NL || BASE == MXFP4 ? 24 : 8;
   void unpack(int64_t b, Block& u) const {
     if constexpr (IQ4)
-      iq4x16_unpack<BASE == IQ4_XS>(group, pitch, b, u);
+      iq4x16_unpack<BASE>(group, pitch, b, u);
     else
       kx16_unpack<BASE>(group + (b / 8) * kx16_bytes<BASE>(), pitch, b % 8, u);
   }
   template <int NT, bool READY>
   void run(const Block* ready, int64_t nb, const Tokens<NT>& x) const {
     if constexpr (IQ4)
-      x16_group_iq4<BASE == IQ4_XS, NT, READY>(group, pitch, nb, ready, x.xq, x.xd, x.xoff128, x.out);
+      x16_group_iq4<BASE, NT, READY>(group, pitch, nb, ready, x.xq, x.xd, x.xoff128, x.out);
     else
       kx16_group<BASE, NT, READY>(group, pitch, nb / 8, ready, x.xq, x.xd, x.xs, x.xoff16, x.out);
   }
@@ -402,7 +403,7 @@ static void x16_tokens(const uint8_t* group, int64_t pitch, int64_t nb, const Ac
                        int64_t stride, int64_t t0 = 0) {
   if constexpr (BASE == Q3_K) {
     unpacked_tokens(Q3kX16{group, pitch}, nb, a, k, y, stride, t0);
-  } else if constexpr (BASE == Q4_K || BASE == Q5_K || BASE == Q6_K || BASE == IQ4_NL || BASE == IQ4_XS) {
+  } else if constexpr (BASE == Q4_K || BASE == Q5_K || BASE == Q6_K || iq4_type(BASE)) {
     unpacked_tokens(K16<BASE>{group, pitch}, nb, a, k, y, stride, t0);
   } else {
     int64_t t = x16_pass<BASE, 4>(group, pitch, nb, a, k, y, stride, t0);

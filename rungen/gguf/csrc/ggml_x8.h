@@ -291,11 +291,12 @@ static void kx8_group(const uint8_t* group, int64_t nsb, const int8_t* const* xq
 // off128): the same exact sum with no sign instruction per token. Then per block and token one multiply-add for
 // eight rows, by d * dx (IQ4_XS: by (d * sc) * dx, the block's signed scale per lane in d once for the pass's
 // tokens): the arithmetic x8_rows of the scalar path does row by row.
-template <bool XS, int NT>
+template <int64_t BASE, int NT>
 static void x8_group_iq4(const uint8_t* group, int64_t nblocks, const int8_t* const* xq, const float* const* xd,
                          const int32_t* const* xoff128, float* const* out) {
+  constexpr bool XS = BASE == IQ4_XS;
   const __m256i low = _mm256_set1_epi8(0x0F);
-  const __m128i table128 = _mm_loadu_si128((const __m128i*)kvalues_iq4nl);
+  const __m128i table128 = _mm_loadu_si128((const __m128i*)iq4_table(BASE));
   const __m256i table = _mm256_xor_si256(_mm256_set_m128i(table128, table128), _mm256_set1_epi8(char(0x80)));
   __m256 acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
@@ -356,8 +357,8 @@ static int64_t x8_pass(const uint8_t* group, int64_t nb, const Act& a, int64_t k
     if constexpr (BASE == Q8_0)
       x8_group_q8<NT>(group, nb, x.xq, x.xd, x.out);
 #ifdef GGML_VNNI
-    else if constexpr (BASE == IQ4_NL || BASE == IQ4_XS)
-      x8_group_iq4<BASE == IQ4_XS, NT>(group, nb, x.xq, x.xd, x.xoff128, x.out);
+    else if constexpr (iq4_type(BASE))
+      x8_group_iq4<BASE, NT>(group, nb, x.xq, x.xd, x.xoff128, x.out);
 #endif
     else if constexpr (BASE == Q5_0 || BASE == Q5_1)
       x8_group_q5<BASE == Q5_1, NT>(group, nb, x.xq, x.xd, x.xs, x.out);

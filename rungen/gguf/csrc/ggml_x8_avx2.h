@@ -195,10 +195,11 @@ struct Iq4Block {
   __m256 d;
 };
 
-template <bool XS>
+template <int64_t BASE>
 static inline void iq4x8_unpack(const uint8_t* group, int64_t b, Iq4Block& u) {
+  constexpr bool XS = BASE == IQ4_XS;
   const __m256i low = _mm256_set1_epi8(0x0F);
-  const __m128i table128 = _mm_loadu_si128((const __m128i*)kvalues_iq4nl);
+  const __m128i table128 = _mm_loadu_si128((const __m128i*)iq4_table(BASE));
   const __m256i table = _mm256_set_m128i(table128, table128);
   const uint8_t* p = XS ? group + (b / 8) * 1104 : group + b * 144;
   const uint8_t* nib = XS ? p + 80 + 128 * (b % 8) : p + 16;
@@ -216,7 +217,7 @@ static inline void iq4x8_unpack(const uint8_t* group, int64_t b, Iq4Block& u) {
 // pass): the signed values multiply as Q8_0's codes, |w| times x with w's sign (maddubs's pairs at most
 // 2 * 127 * 127: each widened to int32 at once by a madd, where two would not fit int16). Then per block and
 // token one multiply-add for eight rows, as x8_rows row by row.
-template <bool XS, int NT, bool READY>
+template <int64_t BASE, int NT, bool READY>
 static void iq4x8_group(const uint8_t* group, int64_t nblocks, const Iq4Block* ready, const int8_t* const* xq,
                         const float* const* xd, float* const* out) {
   const __m256i ones = _mm256_set1_epi16(1);
@@ -224,7 +225,7 @@ static void iq4x8_group(const uint8_t* group, int64_t nblocks, const Iq4Block* r
   for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nblocks; ++b) {
     Iq4Block local;
-    if (!READY) iq4x8_unpack<XS>(group, b, local);
+    if (!READY) iq4x8_unpack<BASE>(group, b, local);
     const Iq4Block& u = READY ? ready[b] : local;
     __m256i dot[NT];
     for (int t = 0; t < NT; ++t) dot[t] = _mm256_setzero_si256();
@@ -271,16 +272,16 @@ struct Kx8 {
   }
 };
 
-template <bool XS>
+template <int64_t BASE>
 struct Iq4X8 {
   const uint8_t* group;
   using Block = Iq4Block;
   // Its block is four times the packed one and its unpacking cheap: buffered only from 25 tokens (docs/kernels.md).
   static constexpr int64_t unbuffered = 24;
-  void unpack(int64_t b, Block& u) const { iq4x8_unpack<XS>(group, b, u); }
+  void unpack(int64_t b, Block& u) const { iq4x8_unpack<BASE>(group, b, u); }
   template <int NT, bool READY>
   void run(const Block* ready, int64_t nb, const Tokens<NT>& x) const {
-    iq4x8_group<XS, NT, READY>(group, nb, ready, x.xq, x.xd, x.out);
+    iq4x8_group<BASE, NT, READY>(group, nb, ready, x.xq, x.xd, x.out);
   }
 };
 #endif
