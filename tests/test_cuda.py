@@ -1425,6 +1425,32 @@ def test_a_q8_0_gguf_file_keeps_its_codes_on_the_gpu(tmp_path):
     assert_logits_near(int8, exact)
 
 
+def test_a_gpt_oss_files_mxfp4_experts_run_de_quantized_on_the_gpu(tmp_path):
+    # gpt-oss's MXFP4 experts have no codes form on the GPU: transformers' own experts module (gate and up
+    # interleaved), de-quantized there an expert at a time, holds exactly the weights of the CPU's blocks; on a GPU
+    # its logits are the CPU kernels' within their rounding, and a greedy reply runs.
+    from rungen.loading import load
+    from tiny_models import gpt_oss_checkpoint, write_gpt_oss_gguf
+
+    path = write_gpt_oss_gguf(gpt_oss_checkpoint(str(tmp_path)), str(tmp_path / "gpt-oss.gguf"))
+    gpu, cpu = load(path, device=DEVICE, dtype="float32"), load(path, device=torch.device("cpu"))
+    experts, held = gpu.model.model.layers[0].mlp.experts, cpu.model.model.layers[0].mlp.block.experts
+    assert type(experts).__name__ == "GptOssExperts" and experts.gate_up_proj.device.type == DEVICE.type
+    for e in range(held.num_experts):  # the CPU's blocks (gate rows, then up rows) de-quantized
+        layer = held.gate_up[e]
+        rows = torch.ops.rungen_ggml.dequantize(layer.blocks, layer.code, layer.in_features)
+        inner = rows.shape[0] // 2
+        assert torch.equal(experts.gate_up_proj[e, :, 0::2].cpu(), rows[:inner].T)
+        assert torch.equal(experts.gate_up_proj[e, :, 1::2].cpu(), rows[inner:].T)
+    if PLAYED:  # (transformers' experts count their tokens by a histogram of int ids: CUDA's alone)
+        return
+    ids = torch.tensor([cpu.tokenizer(PROMPTS[1]).input_ids])
+    with torch.inference_mode():
+        ours, theirs = gpu.model(input_ids=ids.to(DEVICE)).logits.float().cpu(), cpu.model(input_ids=ids).logits
+    assert (ours - theirs).abs().max() <= 0.05 * theirs.abs().max()
+    run_ok(["--model_name_or_path", path, "--prompt", PROMPTS[1], "--length", "4", "--temperature", "0"])
+
+
 @needs_cuda
 @pytest.mark.parametrize("source", ["checkpoint", "gguf_file"])
 def test_quantize_int4_runs_on_torchs_int4_kernel(source, request, monkeypatch):

@@ -1139,7 +1139,7 @@ def write_gpt_oss_gguf(checkpoint: str, path: str, experts: str = "MXFP4", other
     """The GGUF file llama.cpp writes of a gpt-oss checkpoint (its converter's keys and tensors, gpt_oss_tensors),
     the experts' three 3-D tensors in `experts` blocks (MXFP4: the published files', llama-quantize's MXFP4_MOE), the
     other matrices in `others` (F32 or Q8_0, as MXFP4_MOE quantizes them); the vocabulary as its converter writes
-    o200k_harmony's (model gpt2, pre-tokenizer gpt-4o)."""
+    o200k_harmony's (model gpt2, pre-tokenizer gpt-4o), with harmony's chat template."""
     import pathlib
 
     import gguf
@@ -1184,6 +1184,8 @@ def write_gpt_oss_gguf(checkpoint: str, path: str, experts: str = "MXFP4", other
     writer.add_token_types([gguf.TokenType.CONTROL if token in special else gguf.TokenType.NORMAL
                             for token in tokens])
     gguf.SpecialVocab(pathlib.Path(checkpoint), load_merges=True).add_to_gguf(writer)
+    with open(os.path.join(os.path.dirname(__file__), "chat_templates", "gpt-oss.jinja")) as f:
+        writer.add_chat_template(f.read())  # harmony's, as the published files hold it
 
     state = load_file(os.path.join(checkpoint, "model.safetensors"))
     for name, value in gpt_oss_tensors(state, config["num_hidden_layers"]).items():
