@@ -83,13 +83,21 @@ class DeviceError(RuntimeError):
 
 
 def int4pack(pairs: torch.Tensor, inner_k_tiles: int) -> torch.Tensor:
-    """CUDA's int4 packing of codes two a byte (the even one high), played by the CPU's packing of the codes."""
-    codes = torch.stack([pairs >> 4, pairs & 15], dim=-1).reshape(pairs.shape[0], -1).to(torch.int32)
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, inner_k_tiles)
+    """CUDA's int4 packing of codes two a byte (the even one high), played: the codes as they are, a channel a row,
+    which concatenate along the channels as CUDA's packed rows of eight channels do (the CPU's own packing, which
+    int4mm takes them to, is blocked by 32 or 64 channels where the CPU has AVX-512, and so does not)."""
+    return pairs.contiguous().clone()
+
+
+def int4mm(x: torch.Tensor, packed: torch.Tensor, group_size: int, scales: torch.Tensor) -> torch.Tensor:
+    """CUDA's int4 product, played by the CPU's on int4pack's codes packed for it."""
+    codes = torch.stack([packed >> 4, packed & 15], dim=-1).reshape(packed.shape[0], -1).to(torch.int32)
+    cpu_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, cpu_packed, group_size, scales)
 
 
 STAND_INS = {torch.ops.aten._convert_weight_to_int4pack.default: int4pack,
-             torch.ops.aten._weight_int4pack_mm.default: torch.ops.aten._weight_int4pack_mm_for_cpu.default}
+             torch.ops.aten._weight_int4pack_mm.default: int4mm}
 
 
 class OnDevice(torch.Tensor):
