@@ -191,20 +191,26 @@ at::Tensor mxfp4_held(const at::Tensor& blocks) {
   at::Tensor out = at::empty({rows, nb * 18}, blocks.options());
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
+  // Each scale byte's float16 (0 where it is beyond float16's range: checked below), looked up.
+  uint16_t half[256];
+  bool finite[256];
+  for (int e = 0; e < 256; ++e) {
+    const c10::Half d(std::ldexp(1.0f, e - 128));
+    finite[e] = !std::isinf(float(d));
+    half[e] = finite[e] ? d.x : 0;
+  }
   std::atomic<int> beyond{-1};
   at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* p = src + r * pitch + 17 * b;
         uint8_t* o = dst + (r * nb + b) * 18;
-        c10::Half d(std::ldexp(1.0f, int(p[0]) - 128));
-        if (std::isinf(float(d))) {
+        if (!finite[p[0]]) {
           bool zero = true;
           for (int j = 0; j < 16; ++j) zero = zero && (p[1 + j] & 0x77) == 0;
           if (!zero) beyond = p[0];
-          d = c10::Half(0.0f);
         }
-        std::memcpy(o, &d, 2);
+        std::memcpy(o, &half[p[0]], 2);
         std::memcpy(o + 2, p + 1, 16);
       }
   });
