@@ -33,7 +33,7 @@ from rungen.gguf.blocks import (
     native_kernels,
 )
 from rungen.gguf.build import build_model
-from rungen.gguf.decoder import DecoderStack, FusedDecoderLayer, products_one_by_one
+from rungen.gguf.decoder import NATIVE_ATTENTION, DecoderStack, FusedDecoderLayer, products_one_by_one
 from rungen.gguf.experts import ExpertRouter, GGMLExperts
 from rungen.gguf.file import GGUFHeader, metadata_parsed_once
 from rungen.gguf.model import GGUFCausalLM
@@ -804,8 +804,9 @@ def test_a_gpt_oss_file_as_llama_cpp_writes_it_computes_its_checkpoint(tmp_path,
     # transformers' reading of a gpt-oss file fails on its rotary keys and would leave the head size and window at
     # GptOssConfig's defaults; its loader reads none of the experts' tensors as llama.cpp writes them (gate and up
     # apart, MXFP4). The file computes its checkpoint with the experts' weights as MXFP4 holds them: in its blocks
-    # on the CPU, in a left-padded batch and two steps on the cache (sliding layers, sinks, biases, the router's
-    # top 2 and their softmax, the clamped SwiGLU), and de-quantized where a device takes it.
+    # on the CPU (the native attention with its sinks, over a cache read in place), in a left-padded batch and two
+    # steps (sliding layers, sinks, biases, the router's top 2 and their softmax, the clamped SwiGLU), and
+    # de-quantized where a device takes it.
     from transformers import AutoModelForCausalLM
 
     from helpers import padded_prompt_and_steps
@@ -824,6 +825,8 @@ def test_a_gpt_oss_file_as_llama_cpp_writes_it_computes_its_checkpoint(tmp_path,
     model = load(path, device=torch.device("cpu")).model
     experts = model.model.layers[0].mlp.block.experts
     assert isinstance(experts, GGMLExperts) and experts.down[0].qtype == Q.MXFP4
+    if native_kernels():  # its attention the native one (sinks and all), over a cache read in place
+        assert model.config._attn_implementation == NATIVE_ATTENTION and model.cache_grows_in_place
     ours = exact_weights(model, lambda: padded_prompt_and_steps(model), monkeypatch)
     assert theirs[0].abs().max() > 1
     for got, wanted in zip(ours, theirs):

@@ -26,7 +26,7 @@ from .blocks import (
     interleavable,
     weights_per_row,
 )
-from .decoder import FUSED_WEIGHTS, fusable, fuse_decoder_layers
+from .decoder import FUSED_WEIGHTS, attend_natively, fusable, fuse_decoder_layers
 from .device import DeviceForms
 from .device_experts import coded_experts
 from .experts import (
@@ -292,6 +292,7 @@ class ModelBuild:
         route_rows_alike(model)
         mixtures_in_one_call(model)
         fuse_decoder_layers(model)
+        attend_natively(model)
         return _finish_built(self.header, model, self.names)
 
 

@@ -609,3 +609,41 @@ def test_attention_with_a_sink_far_above_the_other_keys_is_softmax_attention(dim
                                                                  attn_mask=torch.ones(tokens, keys).tril(
                                                                      keys - tokens).bool())
     torch.testing.assert_close(got, reference.transpose(1, 2).reshape(1, tokens, -1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("isa", ["avx512vnni", "avx2", "scalar"])
+@pytest.mark.parametrize("dim", [64, 48])
+def test_attention_with_learned_sinks_is_gpt_oss_attention_and_the_same_bits_alone_and_padded(dim, isa, each_isa):
+    """gpt-oss's sinks: a logit a query head that its softmax takes beside the keys' scores (scaled, masked) and
+    whose weight goes to no value. transformers' eager gpt-oss attention, under its additive mask and a sliding
+    window, on every code path; a sink far above the keys leaves nearly nothing; a row alone and left-padded beside
+    another gives the same bits."""
+    if isa not in isas():
+        pytest.skip(f"this CPU does not run {isa}")
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    torch.ops.rungen_ggml.set_isa(isa)
+    torch.manual_seed(23)
+    heads, kv, keys, tokens, scale, window = 8, 2, 77, 5, dim ** -0.5, 19
+    q, k, v = torch.randn(1, heads, tokens, dim), torch.randn(1, kv, keys, dim), torch.randn(1, kv, keys, dim)
+    sinks = torch.randn(heads) * 3
+    sinks[1] = 60.0  # one head all but silenced
+    for window_of in (0, window):
+        allowed = torch.ones(tokens, keys).tril(keys - tokens).bool()
+        if window_of:
+            allowed &= ~torch.ones(tokens, keys).tril(keys - tokens - window_of).bool()
+        additive = torch.zeros(1, 1, tokens, keys).masked_fill(~allowed, torch.finfo(torch.float32).min)
+        module = type("Attention", (), {"num_key_value_groups": heads // kv, "sinks": sinks, "training": False})()
+        reference, _ = eager_attention_forward(module, q, k, v, additive, scale)
+        got = torch.ops.rungen_ggml.attend(q, k, v, additive, scale, 0.0, window_of, sinks)
+        torch.testing.assert_close(got, reference.reshape(1, tokens, -1), rtol=1e-5, atol=1e-5)
+        assert got.view(tokens, heads, dim)[:, 1].abs().max() < 1e-20
+    pad = 3
+    alone = torch.ops.rungen_ggml.attend(q[:, :, -1:], k, v, None, scale, 0.0, window, sinks)
+    padded_k = torch.cat([torch.randn(1, kv, keys + pad, dim), torch.cat([torch.zeros(1, kv, pad, dim), k], 2)])
+    padded_v = torch.cat([torch.randn(1, kv, keys + pad, dim), torch.cat([torch.zeros(1, kv, pad, dim), v], 2)])
+    mask = torch.ones(2, 1, 1, keys + pad, dtype=torch.bool)
+    mask[1, ..., :pad] = False
+    batched = torch.ops.rungen_ggml.attend(torch.cat([torch.randn_like(q[:, :, -1:]), q[:, :, -1:]]), padded_k,
+                                           padded_v, mask, scale, 0.0, window, sinks)
+    assert torch.equal(batched[1], alone[0])

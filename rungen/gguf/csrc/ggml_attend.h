@@ -332,6 +332,7 @@ void attend_queries(const AttendJob& job, int64_t p0, int64_t p1, float* wp) {
       const float* qh = qp + (pb + n) * dim;
       float* w = wp + n * T;
       for (int l = 0; l < 8; ++l) tops[n] = std::max(tops[n], tops8[n][l]);
+      const float sink = job.sinks ? job.sinks[((pb + n) / t) % heads] : lowest;
       // The keys the eight-at-a-time loop above scored: whole groups from the window's first key on.
       const bool grouped = !mb && dim % 8 == 0;
       const int64_t first = firsts[n], g0 = grouped ? (first + 7) / 8 * 8 : lasts[n];
@@ -353,6 +354,7 @@ void attend_queries(const AttendJob& job, int64_t p0, int64_t p1, float* wp) {
         tops[n] = std::max(tops[n], score);
       }
       if (tops[n] == lowest) continue;  // sees no key: zeros
+      tops[n] = std::max(tops[n], sink);  // (the sink's logit: in the softmax's sum, last, and on no value)
       // Exponentials eight at once, their sum key after key; whole groups loaded and stored as vectors (a
       // vector read back after a narrower copy into it stalls), the last group padded with masked lanes.
       // The keys before the window's group weigh nothing: they are left out of the sum (adding a zero to
@@ -372,6 +374,7 @@ void attend_queries(const AttendJob& job, int64_t p0, int64_t p1, float* wp) {
         std::memcpy(w + e8, &kept, count * sizeof(float));
         for (int64_t l = 0; l < count; ++l) total += kept[l];
       }
+      if (sink != lowest) total += std::exp(sink - tops[n]);
       invs[n] = 1.f / total;
     }
     // Values: each query's sum key after key, skipping the zero weights (masked or underflowed), so padding

@@ -36,7 +36,7 @@ at::Tensor attention_out_mlp(const at::Tensor& hidden, const at::Tensor& q, cons
                              int64_t down_qtype) {
   TORCH_CHECK(hidden.dim() == 3, "rungen_ggml: hidden must be [batch, tokens, features]");
   const int64_t b = hidden.size(0), t = hidden.size(1), features = hidden.size(2);
-  const at::Tensor attended = attend(q, k, v, mask, scale, 0.0, 0);
+  const at::Tensor attended = attend(q, k, v, mask, scale, 0.0, 0, c10::nullopt);
   at::Tensor h = mm(attended.view({b * t, attended.size(2)}), o_blocks, o_qtype, attended.size(2));
   h.add_(hidden.to(at::kFloat).reshape({b * t, features}));  // hidden + o: a float sum is the same either way
   const at::Tensor x = rms_norm(h, norm_weight, eps);

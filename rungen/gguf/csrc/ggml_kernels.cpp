@@ -17,8 +17,8 @@
 //   torch.ops.rungen_ggml.mixture(x, router, top_k, norm_topk, [expert stacks], [qtype], [shared], [qtype],
 //                                 shared_gate)              a mixture of experts' MLP (ggml_mixture.cpp)
 //   torch.ops.rungen_ggml.silu_mul(gate_up), gelu_tanh_mul(gate_up)
-//   torch.ops.rungen_ggml.attend(q, k, v, mask, scale, softcap, window)  attention, the same bits with or
-//                                                               without padding
+//   torch.ops.rungen_ggml.attend(q, k, v, mask, scale, softcap, window, sinks)  attention, the same bits
+//                                                               with or without padding
 //   torch.ops.rungen_ggml.attention_in(...), attention_out_mlp(...)  a decoder layer in two calls (see below)
 //   torch.ops.rungen_ggml.decoder_stack(...)                     every decoder layer in one call (see below)
 //   torch.ops.rungen_ggml.isa() / set_isa(name)                  the code path in use ("avx512vnni", "avx2",
@@ -62,8 +62,8 @@ TORCH_LIBRARY(rungen_ggml, m) {
         &mixture);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
   m.def("gelu_tanh_mul(Tensor gate_up) -> Tensor", &gelu_tanh_mul);
-  m.def("attend(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, float softcap=0., int window=0) -> Tensor",
-        &attend);
+  m.def("attend(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, float softcap=0., int window=0, "
+        "Tensor? sinks=None) -> Tensor", &attend);
   m.def("attention_in(Tensor hidden, Tensor norm_weight, float eps, Tensor[] qkv_blocks, int[] qkv_qtypes, "
         "Tensor? qkv_bias, Tensor cos, Tensor sin, int heads, int kv_heads, Tensor? q_norm=None, Tensor? k_norm=None, "
         "float norm_eps=0.) -> Tensor[]", &attention_in);

@@ -71,6 +71,7 @@ struct AttendJob {
   float scale, softcap;  // softcap 0: none
   int64_t window;        // > 0: query i sees only the keys within `window` positions of its own (0: all)
   bool masked;
+  const float* sinks = nullptr;  // [heads]: a logit each query head's softmax takes beside its keys' (gpt-oss's)
 };
 
 // Queries are taken in blocks of up to ATTEND_BLOCK that read the same keys and values (one sequence, one kv

@@ -189,7 +189,9 @@ at::Tensor gelu_tanh_mul(const at::Tensor& gu) { return gate_mul(gu, gelu_fn(), 
 // returns it reshaped. softcap > 0 (gemma2's attn_logit_softcapping) bounds each score to tanh(s / cap) * cap
 // before the mask is added, as transformers' gemma2 eager attention does; 0: none. window > 0 (a sliding-window
 // layer's): query i, at cache position T - t + i, also skips the keys at or before that position - window, on top
-// of the mask (transformers' sliding_window_overlay; the cache keeps every position); 0: none.
+// of the mask (transformers' sliding_window_overlay; the cache keeps every position); 0: none. sinks [heads]
+// (gpt-oss's): a logit each query head's softmax takes beside its keys' scores (after the scale and the mask), whose
+// weight goes to no value, as transformers' gpt-oss attention concatenates it and drops its column.
 //
 // Each query's keys are visited in order and the masked ones skipped, so a sequence's result does not depend on
 // the padding beside it: a prompt alone and the same prompt left-padded in a batch give the same bits (torch's
@@ -212,7 +214,7 @@ AttendMask attend_mask(const c10::optional<at::Tensor>& mask_in, int64_t b, int6
 // attend of q [b, heads, t, dim] (float32, contiguous) over k, v [b, kv, T, dim] (float32, last dimension
 // contiguous: read in place), into out [b, t, heads * dim].
 void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttendMask& mask, double scale,
-                 double softcap, int64_t window, float* op) {
+                 double softcap, int64_t window, float* op, const float* sinks) {
   const int64_t b = q.size(0), heads = q.size(1), t = q.size(2), dim = q.size(3), kv = k.size(1), T = k.size(2);
   TORCH_CHECK(k.size(0) == b && k.size(3) == dim && kv > 0 && heads % kv == 0 && T >= t,
               "rungen_ggml: attend's shapes differ");
@@ -223,13 +225,14 @@ void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
     std::vector<float> w(ATTEND_BLOCK * T);
     attend_fn()(AttendJob{qp, kp, vp, mask.bools, mask.adds, op, heads, t, dim, kv, T, k.stride(0), k.stride(1),
                              k.stride(2), v.stride(0), v.stride(1), v.stride(2), float(scale), float(softcap),
-                             window, masked}, p0, p1,
+                             window, masked, sinks}, p0, p1,
                    w.data());
   });
 }
 
 at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-                  const c10::optional<at::Tensor>& mask_in, double scale, double softcap, int64_t window) {
+                  const c10::optional<at::Tensor>& mask_in, double scale, double softcap, int64_t window,
+                  const c10::optional<at::Tensor>& sinks_in) {
   // k and v may be views of a cache with room to grow (strided over keys, heads and batch): read in place.
   const auto in_place = [](const at::Tensor& x) {
     return x.scalar_type() == at::kFloat && x.dim() == 4 && x.stride(3) == 1 ? x : x.to(at::kFloat).contiguous();
@@ -239,9 +242,14 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tens
   TORCH_CHECK(window >= 0, "rungen_ggml: attend's window must be positive, or 0 for none");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes(),
               "rungen_ggml: attend takes q [b, h, t, d] and k, v [b, kv, T, d]");
+  at::Tensor sinks;
+  if (sinks_in.has_value()) {
+    sinks = sinks_in->to(at::kFloat).contiguous();
+    TORCH_CHECK(sinks.numel() == q.size(1), "rungen_ggml: attend's sinks are a logit a query head");
+  }
   at::Tensor out = at::empty({q.size(0), q.size(2), q.size(1) * q.size(3)}, q.options());
   attend_into(q, k, v, attend_mask(mask_in, q.size(0), q.size(2), k.size(2)), scale, softcap, window,
-              out.data_ptr<float>());
+              out.data_ptr<float>(), sinks.defined() ? sinks.data_ptr<float>() : nullptr);
   return out;
 }
 

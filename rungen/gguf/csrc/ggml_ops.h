@@ -95,9 +95,10 @@ struct AttendMask {
 
 AttendMask attend_mask(const c10::optional<at::Tensor>& mask_in, int64_t b, int64_t t, int64_t T);
 void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttendMask& mask, double scale,
-                 double softcap, int64_t window, float* op);
+                 double softcap, int64_t window, float* op, const float* sinks = nullptr);
 at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-                  const c10::optional<at::Tensor>& mask_in, double scale, double softcap, int64_t window);
+                  const c10::optional<at::Tensor>& mask_in, double scale, double softcap, int64_t window,
+                  const c10::optional<at::Tensor>& sinks);
 
 // ggml_mixture.cpp
 // A mixture of experts' MLP: the router's float weight [experts, features], the experts' parts as stacks
