@@ -730,8 +730,9 @@ def test_a_gemma4_file_as_llama_cpp_writes_it_computes_its_checkpoint(tmp_path, 
     # converter writes its own keys: the sliding layers' head size, which layers slide, the last layers reusing
     # earlier keys and values, the per-layer embedding's width, both rotaries, the full layers' kv heads and keys as
     # values, the double-wide MLP, the logits' cap; and its loader leaves each layer's output scale at 1. E2B's and
-    # 31B's layouts: the F32 file computes the checkpoint (in its own blocks' path and with --dequantize), the Q8_0
-    # file in its blocks what the checkpoint with those weights de-quantized does.
+    # 31B's layouts: the F32 file computes the checkpoint (in its own blocks' path, with the native attention over a
+    # cache growing in place in a padded batch and two steps, and with --dequantize), the Q8_0 file in its blocks
+    # what the checkpoint with those weights de-quantized does.
     from gguf import GGMLQuantizationType as Q
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -747,6 +748,16 @@ def test_a_gemma4_file_as_llama_cpp_writes_it_computes_its_checkpoint(tmp_path, 
         for dequantize in (False, True):
             ours = load(f32, device=torch.device("cpu"), dequantize=dequantize).model(ids).logits
             torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    if native_kernels():  # its attention the native one, over a cache read in place (the shared layers' too)
+        from helpers import padded_prompt_and_steps
+
+        model = load(f32, device=torch.device("cpu")).model
+        assert model.config._attn_implementation == NATIVE_ATTENTION and model.cache_grows_in_place
+        ours, theirs = padded_prompt_and_steps(model), padded_prompt_and_steps(reference)
+        ours[0][0, :2], theirs[0][0, :2] = 0, 0  # (the padding's own positions: no key to see)
+        for got, wanted in zip(ours, theirs):
+            torch.testing.assert_close(got, wanted, rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
         for parameter in reference.parameters():  # the weights the Q8_0 file holds
             if parameter.dim() == 2 and parameter.shape[-1] % 32 == 0:
                 blocks = quants.quantize(parameter.numpy(), Q.Q8_0)
