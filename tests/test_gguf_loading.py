@@ -863,6 +863,15 @@ def test_a_gpt_oss_file_as_llama_cpp_writes_it_computes_its_checkpoint(tmp_path,
     assert code == 2 and line.endswith("gpt-oss.gguf: transformers reads no gpt-oss file as llama.cpp writes it "
                                        "(its experts' tensors); it runs here in its own blocks, without --dequantize "
                                        "or --device_map"), line
+    # An expert's block scaled past what the kernels hold (2^72): one line naming the file and the tensor.
+    broken = str(tmp_path / "broken.gguf")
+    data = bytearray(open(path, "rb").read())
+    [tensor] = [t for t in GGUFReader(path).tensors if t.name == "blk.1.ffn_down_exps.weight"]
+    data[tensor.data_offset] = 200
+    open(broken, "wb").write(bytes(data))
+    code, line = error_of(["--model_name_or_path", broken, "--prompt", "Hi", "--length", "2"], capsys)
+    assert code == 2 and line.endswith("broken.gguf: tensor blk.1.ffn_down_exps.weight[0]: an MXFP4 block's scale "
+                                       "2^72 is beyond float16's range"), line
 
 
 MIXTURES = [("qwen3moe", (Q.Q4_0, Q.Q4_0, Q.Q6_K)), ("qwen3moe", (Q.Q8_0, Q.Q4_1, Q.Q2_K)), ("qwen2moe", (None,) * 3),

@@ -304,8 +304,9 @@ def _rows(reader: WeightReader, tensor: Tensor, experts: int, into: torch.Tensor
         into = torch.empty(experts, rows // 8, interleaved_row_bytes(qtype, weights_per_row(qtype, row_bytes)),
                            dtype=torch.uint8)
     for e in range(experts):
-        read_interleaved(reader.path, reader.expert(tensor, e).offset, (rows, row_bytes), qtype, reader.scratch,
-                         out=into[e, :rows // 8])
+        one = reader.expert(tensor, e)
+        read_interleaved(reader.path, one.offset, (rows, row_bytes), qtype, reader.scratch, out=into[e, :rows // 8],
+                         name=one.name)
     return [into[e, :rows // 8] for e in range(experts)], True
 
 

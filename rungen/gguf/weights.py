@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType
 from ..errors import UsageError
 from .blocks import (
     HELD_BLOCK_BYTES,
+    GGMLError,
     GGMLLinear,
     GGMLParts,
     dequantize_to,
@@ -140,7 +141,7 @@ class WeightReader:
         where copied (or `read`), else a view of the map."""
         qtype = GGMLQuantizationType(tensor.code)
         if interleave and order is None:
-            return read_interleaved(self.path, tensor.offset, tensor.shape, qtype, self.scratch)
+            return read_interleaved(self.path, tensor.offset, tensor.shape, qtype, self.scratch, name=tensor.name)
         blocks = self.read(tensor) if read or interleave else self.blocks(tensor)
         rows = torch.from_numpy(blocks if order is None else np.ascontiguousarray(blocks[order]))
         return torch.ops.rungen_ggml.interleave(rows, int(qtype)) if interleave else rows
@@ -150,7 +151,10 @@ class WeightReader:
         if tensor.offset < 0:
             return np.stack([self.read(self.expert(tensor, e)) for e in range(tensor.shape[0])])
         blocks = np.fromfile(self.path, dtype=np.uint8, count=tensor.nbytes, offset=tensor.offset)
-        return held(blocks.reshape(tensor.shape), tensor.code)
+        try:
+            return held(blocks.reshape(tensor.shape), tensor.code)
+        except GGMLError as error:  # (a block MXFP4 cannot hold)
+            raise GGUFError(f"{self.path}: tensor {tensor.name}: {error}") from None
 
     def linear(self, tensor: Tensor, order: np.ndarray | None = None, read: bool = False) -> GGMLLinear:
         """A quantized 2-D weight as a layer: its rows interleaved where the kernels take them so (rows())."""
@@ -177,7 +181,8 @@ class WeightReader:
         for tensor, order in zip(tensors, orders):
             rows = blocks[start:start + tensor.shape[0] // 8]
             if order is None:
-                read_interleaved(self.path, tensor.offset, tensor.shape, qtype, self.scratch, out=rows)
+                read_interleaved(self.path, tensor.offset, tensor.shape, qtype, self.scratch, out=rows,
+                                 name=tensor.name)
             else:
                 torch.ops.rungen_ggml.interleave(torch.from_numpy(np.ascontiguousarray(self.read(tensor)[order])),
                                                  int(qtype), rows)
@@ -210,10 +215,11 @@ def unpermuted_order(rows: int, heads: int) -> np.ndarray:
 
 
 def read_interleaved(path: str, offset: int, shape, qtype, scratch: np.ndarray | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, name: str = "") -> torch.Tensor:
     """The blocks [rows, row bytes] at `offset`, interleaved, read a chunk at a time through `scratch` (into `out`
     when given): never a whole copy in the file's order (its freed space would stay in the heap). A type held in
-    another layout than the file's (MXFP4) is converted a chunk at a time."""
+    another layout than the file's (MXFP4) is converted a chunk at a time; `name`: the tensor's, for a block it cannot
+    hold."""
     rows, row_bytes = shape
     if out is None:
         out = torch.empty(rows // 8, interleaved_row_bytes(qtype, weights_per_row(qtype, row_bytes)),
@@ -233,7 +239,10 @@ def read_interleaved(path: str, offset: int, shape, qtype, scratch: np.ndarray |
                     raise GGUFError(f"{path}: truncated (a tensor ends at byte {offset + rows * row_bytes}, "
                                     f"after the end of the file)")
                 done += got
-            chunk = held(scratch[: count * row_bytes].reshape(count, row_bytes), qtype)
+            try:
+                chunk = held(scratch[: count * row_bytes].reshape(count, row_bytes), qtype)
+            except GGMLError as error:  # (a block MXFP4 cannot hold)
+                raise GGUFError(f"{path}: tensor {name or f'at byte {offset}'}: {error}") from None
             torch.ops.rungen_ggml.interleave(torch.from_numpy(chunk), int(qtype),
                                              out[start // 8 : (start + count) // 8])
     return out
