@@ -111,7 +111,7 @@ struct Scratch {
   std::vector<int64_t> ids, tokens, experts;
 };
 
-// Row e of a [rows, n] bias added to each of `count` rows of y [count, n].
+// A bias [n] added to each of `count` rows of y [count, n].
 void add_bias_rows(const float* bias, int64_t n, int64_t count, float* y) {
   for (int64_t r = 0; r < count; ++r)
     for (int64_t j = 0; j < n; ++j) y[r * n + j] += bias[j];
