@@ -306,6 +306,36 @@ def padded_prompt_and_steps(model):
     return out
 
 
+def plain_grouped_kernel():
+    """A stand-in for the GPU's int8 Triton kernel in plain products (rungen.int8.widened), with its grouped launches
+    (rungen/code_kernels.py's run.grouped and run.grouped_tiles) as loops over the pairs and blocks; the rows a tiled
+    launch leaves unwritten hold NaN, so a read of one shows."""
+    import torch
+
+    from rungen.int8 import widened
+
+    def product(x, codes, scales, offsets, expert):
+        return widened(x, codes[expert], scales[expert], None if offsets is None else offsets[expert])
+
+    def run(x, codes, scales, blocks=None, offsets=None):
+        return widened(x, codes, scales, offsets)
+
+    def grouped(x, codes, scales, offsets, pairs):
+        return torch.cat([product(x[source:source + 1], codes, scales, offsets, expert)
+                          for expert, source in pairs.tolist()])
+
+    def grouped_tiles(x, codes, scales, offsets, tiles, sources):
+        y = torch.full((16 * tiles.shape[0], codes.shape[-2]), float("nan"), dtype=x.dtype)
+        for block, expert in enumerate(tiles.tolist()):
+            for row in range(16 * block, 16 * block + 16):
+                if expert >= 0 and sources[row] >= 0:
+                    y[row] = product(x[sources[row]:sources[row] + 1], codes, scales, offsets, expert)[0]
+        return y
+
+    run.grouped, run.grouped_tiles = grouped, grouped_tiles
+    return run
+
+
 def write_moe_gguf(path, experts=4, used=2, layers=2, expert_types=(None, None, None), expert_ffn=768,
                    arch="qwen3moe", shared_ffn=256, hidden=64, fields=None):
     """A tiny Qwen3-MoE GGUF file at `path` as llama.cpp's converter writes Qwen3-30B-A3B's: qwen3 attention (q/k

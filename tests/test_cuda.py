@@ -1425,21 +1425,30 @@ def test_a_q8_0_gguf_file_keeps_its_codes_on_the_gpu(tmp_path):
     assert_logits_near(int8, exact)
 
 
-def test_a_gpt_oss_files_mxfp4_experts_run_de_quantized_on_the_gpu(tmp_path):
-    # gpt-oss's MXFP4 experts have no codes form on the GPU: transformers' own experts module (gate and up
-    # interleaved), de-quantized there an expert at a time, holds exactly the weights of the CPU's blocks; on a GPU
-    # its logits are the CPU kernels' within their rounding, and a greedy reply runs.
+@pytest.mark.skipif(ON_CPU, reason="the CPU device takes the file in its blocks")
+def test_a_gpt_oss_files_mxfp4_experts_keep_their_codes_on_the_gpu(tmp_path):
+    # gpt-oss's MXFP4 experts on a GPU in codes (CodedExperts: e2m1's doubled values as int8 codes and a float16
+    # power-of-two scale a group of 32, 1.06 bytes a weight against bfloat16's 2), exactly the weights of the CPU's
+    # blocks; where the int8 Triton kernel does not serve (the played GPU: no Triton) transformers' own experts
+    # module (gate and up interleaved), de-quantized there an expert at a time, the same weights. On a GPU its
+    # logits are the CPU kernels' within their rounding, and a greedy reply runs.
     from rungen.loading import load
     from tiny_models import gpt_oss_checkpoint, write_gpt_oss_gguf
 
     path = write_gpt_oss_gguf(gpt_oss_checkpoint(str(tmp_path)), str(tmp_path / "gpt-oss.gguf"))
     gpu, cpu = load(path, device=DEVICE, dtype="float32"), load(path, device=torch.device("cpu"))
     experts, held = gpu.model.model.layers[0].mlp.experts, cpu.model.model.layers[0].mlp.block.experts
-    assert type(experts).__name__ == "GptOssExperts" and experts.gate_up_proj.device.type == DEVICE.type
+    coded = not PLAYED  # (a GPU: Triton's int8 kernel)
+    assert type(experts).__name__ == ("CodedExperts" if coded else "GptOssExperts")
     for e in range(held.num_experts):  # the CPU's blocks (gate rows, then up rows) de-quantized
         layer = held.gate_up[e]
         rows = torch.ops.rungen_ggml.dequantize(layer.blocks, layer.code, layer.in_features)
         inner = rows.shape[0] // 2
+        if coded:
+            codes = experts.gate_up[e]
+            assert codes.codes.dtype == torch.int8 and codes.scales.dtype == torch.float16
+            assert torch.equal((codes.codes.float() * codes.scales.float().repeat_interleave(32, 1)).cpu(), rows)
+            continue
         assert torch.equal(experts.gate_up_proj[e, :, 0::2].cpu(), rows[:inner].T)
         assert torch.equal(experts.gate_up_proj[e, :, 1::2].cpu(), rows[inner:].T)
     if PLAYED:  # (transformers' experts count their tokens by a histogram of int ids: CUDA's alone)
@@ -1910,31 +1919,37 @@ def test_a_prompts_pairs_are_laid_out_in_blocks_of_one_expert():
 
 
 @needs_triton
-@pytest.mark.parametrize("which", ["int8", "4-bit"])
+@pytest.mark.parametrize("which", ["int8", "4-bit", "gpt-oss"])
 def test_coded_experts_take_a_steps_and_a_prompts_chosen_experts_in_two_launches(which, monkeypatch):
     # A mixture's experts in a Triton form (rungen/gguf/device_experts.py's CodedExperts): each part's codes stacked
     # once, the experts' layers views of the one buffer (nothing held twice); a decode step's (token, expert) pairs
     # through the grouped launches, nothing read back to the host (on a GPU, sync debug mode raising), compute what
     # the experts one at a time do (GGMLExperts' forward over the same layers); a prompt's pairs too, through the
-    # tiled kernels' grouped launches.
+    # tiled kernels' grouped launches. gpt-oss's (int8 codes, as its MXFP4 takes) with each expert's biases and the
+    # clamped SwiGLU.
     from rungen import int4_kernel, int8
     from rungen.gguf.device_experts import CodedExperts
-    from rungen.gguf.experts import GGMLExperts
+    from rungen.gguf.experts import ClampedSwiGLU, GGMLExperts
 
     dtype = torch.bfloat16
-    kernel = kernel_where_it_runs((int8 if which == "int8" else int4_kernel).triton_kernel, dtype, monkeypatch)
+    kernel = kernel_where_it_runs((int4_kernel if which == "4-bit" else int8).triton_kernel, dtype, monkeypatch)
     generator = torch.Generator().manual_seed(0)
 
     def layer(out_features, in_features):
         weight = (torch.randn(out_features, in_features, generator=generator) / in_features ** 0.5).to(DEVICE)
-        made = (int8.CudaInt8Linear(*int8.int8_codes(weight), None) if which == "int8"
-                else int4_kernel.CudaInt4Linear.of_weight(weight))
+        made = (int4_kernel.CudaInt4Linear.of_weight(weight) if which == "4-bit"
+                else int8.CudaInt8Linear(*int8.int8_codes(weight), None))
         made.use_kernel(kernel)
         return made
 
     experts, hidden, inner = 4, 128, 64
+    biases, gating = None, None
+    if which == "gpt-oss":  # (gate and up biases wide enough that some pass the clamp at 7)
+        biases = (torch.randn(experts, 2 * inner, generator=generator) * 4, torch.randn(experts, hidden,
+                                                                                     generator=generator))
+        biases, gating = tuple(b.to(DEVICE, dtype) for b in biases), ClampedSwiGLU(1.702, 7.0)
     coded = CodedExperts([layer(2 * inner, hidden) for _ in range(experts)],
-                         [layer(hidden, inner) for _ in range(experts)], torch.nn.functional.silu)
+                         [layer(hidden, inner) for _ in range(experts)], torch.nn.functional.silu, biases, gating)
     for layers, stacked in zip((coded.gate_up, coded.down), coded.stacks):
         held = stacked["codes"].untyped_storage().data_ptr()
         assert all(layer.codes.untyped_storage().data_ptr() == held for layer in layers)

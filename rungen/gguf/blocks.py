@@ -15,7 +15,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as _gguf_dequantize
 
 from ..int4 import INNER_K_TILES, Int4Linear
-from .codes import int4_parts
+from .codes import MXFP4_VALUES, int4_parts
 from .kernels import native_kernels
 
 # Block types a GGMLLinear holds; F16/BF16/F32 tensors load as plain tensors of their dtype instead.
@@ -40,7 +40,7 @@ SUPPORTED = (
 # experts: a power-of-two scale byte, then e2m1 codes) as IQ4_NL's blocks of its own table, the scale in float16 (18
 # bytes for 17), converted as the blocks are read (held).
 HELD_BLOCK_BYTES = {GGMLQuantizationType.MXFP4: 18}
-_MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.float32)
+_MXFP4_VALUES = np.array(MXFP4_VALUES, dtype=np.float32)
 
 
 def held(blocks: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:

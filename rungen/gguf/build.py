@@ -226,7 +226,8 @@ class ModelBuild:
             if type(module).__name__ == "GptOssExperts":
                 self.gpt_oss_experts(module_name, module, parts, biases)
                 continue
-            coded = coded_experts(reader, parts, module, self.forms) if self.on_device else None
+            coded = (coded_experts(reader, parts, module.gate_up_proj.shape, module.down_proj.shape, module.act_fn,
+                                   self.forms) if self.on_device else None)
             if coded is not None:
                 self.layers[module_name] = coded
             elif self.on_device:  # types without codes on the GPU
@@ -239,8 +240,9 @@ class ModelBuild:
 
     def gpt_oss_experts(self, module_name: str, module: torch.nn.Module, parts: dict, biases: dict) -> None:
         """gpt-oss's Experts module (gate_up_proj [experts, hidden, gate and up interleaved], down_proj [experts,
-        inner, hidden], their biases, the clamped SwiGLU): on the CPU GGMLExperts over the file's blocks (gate rows
-        then up rows, the biases in that order), on a device its own parameters de-quantized there."""
+        inner, hidden], their biases, the clamped SwiGLU) as experts over the file's blocks (gate rows then up rows,
+        the biases in that order): GGMLExperts on the CPU; on a GPU experts in codes (coded_experts) where its types
+        have them there, else its own parameters de-quantized there."""
         missing = [part for part in ("gate", "up", "down") if f"{part}_bias" not in biases]
         if missing:
             layer = parts["down"].name.rsplit(".", 2)[0]
@@ -249,21 +251,24 @@ class ModelBuild:
         if blocks:
             raise GGUFError(f"{self.header.path}: tensor {blocks[0].name} is in {type_name(blocks[0].code)} blocks, "
                             "where a bias is F32, F16 or BF16")
-        if self.on_device:
-            for attr, value in gpt_oss_dequantized(self.reader, parts, biases, module, self.dtype,
-                                                   self.device).items():
-                self.put(f"{module_name}.{attr}", value)
-            return
         floats = [tensor.name for tensor in parts.values() if tensor.code in FLOAT_TYPES]
-        if floats:
+        if floats and not self.on_device:
             raise GGUFError(f"{self.header.path}: gpt-oss's experts in float tensors ({floats[0]}), which this loader "
                             "holds only in blocks on the CPU")
-        values = {name: self.reader.float_tensor(tensor).to(self.dtype) for name, tensor in biases.items()}
+        values = {name: self.reader.float_tensor(tensor).to(self.device or "cpu", self.dtype)
+                  for name, tensor in biases.items()}
         count, hidden, inner = module.gate_up_proj.shape
-        self.layers[module_name] = build_experts(
-            self.reader, parts, (count, inner, hidden), (count, hidden, inner // 2), None,
-            (torch.cat([values["gate_bias"], values["up_bias"]], dim=-1), values["down_bias"]),
-            ClampedSwiGLU(module.alpha, module.limit))
+        shapes = (count, inner, hidden), (count, hidden, inner // 2)
+        held = ((torch.cat([values["gate_bias"], values["up_bias"]], dim=-1), values["down_bias"]),
+                ClampedSwiGLU(module.alpha, module.limit))
+        experts = (coded_experts(self.reader, parts, *shapes, None, self.forms, *held) if self.on_device
+                   else build_experts(self.reader, parts, *shapes, None, *held))
+        if experts is not None:
+            self.layers[module_name] = experts
+            return
+        del values, held  # (their copies on the GPU go before the de-quantized ones come)
+        for attr, value in gpt_oss_dequantized(self.reader, parts, biases, module, self.dtype, self.device).items():
+            self.put(f"{module_name}.{attr}", value)
 
     def finish(self) -> torch.nn.Module:
         """The model with its layers in place, eval mode, on the device (quantized where asked)."""

@@ -111,15 +111,18 @@ def low_k_parts(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: 
 
 
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # IQ4_NL/IQ4_XS's 16 levels
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # e2m1's values doubled
 
 
 def iq4_parts(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: int):
-    """IQ4_NL or IQ4_XS blocks as their levels' int8 codes [rows, in_features] (IQ4_VALUES) and per group of 32 the
-    scale: IQ4_NL's float16 as the file has it, IQ4_XS's superblock float16 scale times the group's 6-bit one less
-    32, in float32 (exact); by torch operators on the blocks' device."""
+    """IQ4_NL, IQ4_XS or MXFP4 (as held: IQ4_NL's layout) blocks as their levels' int8 codes [rows, in_features]
+    (IQ4_VALUES, MXFP4_VALUES) and per group of 32 the scale: IQ4_NL's and MXFP4's float16 as held, IQ4_XS's
+    superblock float16 scale times the group's 6-bit one less 32, in float32 (exact); by torch operators on the
+    blocks' device."""
     rows = blocks.shape[0]
-    levels = torch.tensor(IQ4_VALUES, dtype=torch.int8, device=blocks.device)
-    if qtype == GGMLQuantizationType.IQ4_NL:
+    table = MXFP4_VALUES if qtype == GGMLQuantizationType.MXFP4 else IQ4_VALUES
+    levels = torch.tensor(table, dtype=torch.int8, device=blocks.device)
+    if qtype in (GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.MXFP4):
         b = blocks.reshape(rows, -1, 18)
         nibbles = _nibbles(b[..., 2:].unsqueeze(-2), rows)
         scales = _float16s(b[..., 0:2])

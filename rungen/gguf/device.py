@@ -72,7 +72,8 @@ def int4_codes_of_blocks(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_f
 # --- On a CUDA GPU: the types that fit int8 codes and group scales, for rungen/int8.py's Triton kernel ---
 INT8_TYPES = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q5_0,
               GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q5_K, GGMLQuantizationType.IQ4_NL,
-              GGMLQuantizationType.IQ4_XS, GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q2_K)
+              GGMLQuantizationType.IQ4_XS, GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q2_K,
+              GGMLQuantizationType.MXFP4)
 
 
 def gpu_int8(qtype: GGMLQuantizationType, device: torch.device) -> bool:
@@ -87,7 +88,8 @@ def int8_of_blocks(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_feature
     and a float32 scale a group of 16, its superblock's float16 scale times the group's int8 one (1.25 bytes a
     weight, against the file's 0.82 and bfloat16's 2); Q5_0, Q5_1 and Q5_K as their codes (0..31) and a float32
     scale and offset a group of 32 (1.25 bytes, against 0.69-0.75); IQ4_NL and IQ4_XS as their levels (IQ4_VALUES)
-    and a scale a group of 32, IQ4_NL's float16, IQ4_XS's float32 (1.06 or 1.13 bytes, against 0.56 or 0.53); Q3_K
+    and a scale a group of 32, IQ4_NL's float16, IQ4_XS's float32 (1.06 or 1.13 bytes, against 0.56 or 0.53); MXFP4
+    as IQ4_NL (its held blocks: e2m1's doubled values, a power-of-two float16 scale; against 0.53); Q3_K
     and Q2_K as their codes and a float32 scale (Q2_K: and offset) a group of 16 (1.25 or 1.5 bytes, against 0.43
     or 0.33). Read CODES_CHUNK_ROWS rows at a time: a head's table read whole would take gigabytes of intermediates.
     The layer has no kernel yet: DeviceForms gives it the checked one (use_kernel)."""
@@ -110,7 +112,7 @@ def _int8_parts(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: 
         return (*q8_0_parts(blocks, in_features), None)
     if qtype == GGMLQuantizationType.Q6_K:
         return (*q6_k_parts(blocks, in_features), None)
-    if qtype in (GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.IQ4_XS):
+    if qtype in (GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.IQ4_XS, GGMLQuantizationType.MXFP4):
         return (*iq4_parts(blocks, qtype, in_features), None)
     if qtype in (GGMLQuantizationType.Q2_K, GGMLQuantizationType.Q3_K):
         return low_k_parts(blocks, qtype, in_features)

@@ -56,14 +56,15 @@ def tile_layout(experts: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.
     return tiles, positions, owner
 
 
-def coded_experts(reader: WeightReader, parts: dict[str, Tensor], module: torch.nn.Module, forms
-                  ) -> GGMLExperts | None:
-    """The experts of a layer's three expert tensors over layers of codes (`forms`: device.py's DeviceForms),
-    replacing `module`: CodedExperts where they all took a Triton form with a grouped launch, else GGMLExperts; None
-    where a part's type has no codes on the GPU (float tensors, gate and up of two types, types the GPU
-    de-quantizes, a kernel that failed its check): the layer then takes dequantized_experts. GGUFError where the
-    tensors' shapes are not the module's."""
-    check_shapes(reader, parts, module.gate_up_proj.shape, module.down_proj.shape)
+def coded_experts(reader: WeightReader, parts: dict[str, Tensor], gate_up_shape: tuple, down_shape: tuple, act_fn,
+                  forms, biases: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  gating: torch.nn.Module | None = None) -> GGMLExperts | None:
+    """The experts of a layer's three expert tensors over layers of codes (`forms`: device.py's DeviceForms), in
+    place of an Experts module of these shapes (build_experts'; `biases` and `gating`: gpt-oss's): CodedExperts where
+    they all took a Triton form with a grouped launch, else GGMLExperts; None where a part's type has no codes on the
+    GPU (float tensors, gate and up of two types, types the GPU de-quantizes, a kernel that failed its check): the
+    caller then de-quantizes the layer. GGUFError where the tensors' shapes are not the module's."""
+    check_shapes(reader, parts, gate_up_shape, down_shape)
     gate, up, down = parts["gate"], parts["up"], parts["down"]
     if gate.code != up.code or any(tensor.code in FLOAT_TYPES for tensor in (gate, down)):
         return None
@@ -82,8 +83,8 @@ def coded_experts(reader: WeightReader, parts: dict[str, Tensor], module: torch.
         if gate_up[-1] is None or down_layers[-1] is None:  # (the first expert's: forms decide a type at its first)
             return None
     if all(stackable(layers) for layers in (gate_up, down_layers)):
-        return CodedExperts(gate_up, down_layers, module.act_fn)
-    return GGMLExperts(gate_up, down_layers, module.act_fn)
+        return CodedExperts(gate_up, down_layers, act_fn, biases, gating)
+    return GGMLExperts(gate_up, down_layers, act_fn, biases, gating)
 
 
 def stackable(layers: list[torch.nn.Module]) -> bool:
@@ -117,8 +118,9 @@ class CodedExperts(GGMLExperts):
     captures_decode = True  # (rungen/slots.py: its model's decode step may be a CUDA graph, to most_pairs pairs)
     most_pairs = GROUPED_PAIRS
 
-    def __init__(self, gate_up: list[CodesLinear], down: list[CodesLinear], act_fn):
-        super().__init__(gate_up, down, act_fn)
+    def __init__(self, gate_up: list[CodesLinear], down: list[CodesLinear], act_fn,
+                 biases: tuple[torch.Tensor, torch.Tensor] | None = None, gating: torch.nn.Module | None = None):
+        super().__init__(gate_up, down, act_fn, biases, gating)
         self.kernel = gate_up[0].kernel, down[0].kernel
         self.stacks = stack(gate_up), stack(down)
 
@@ -133,10 +135,11 @@ class CodedExperts(GGMLExperts):
 
     def _paired(self, hidden_states: torch.Tensor, experts: torch.Tensor, chosen: int) -> torch.Tensor:
         """Each pair's expert over its token (pair p: token p // chosen), a program a pair (the GEMV kernels)."""
-        experts = experts.to(torch.int32)
-        pairs = torch.arange(experts.shape[0], dtype=torch.int32, device=experts.device)
-        gate, up = self._grouped(0, hidden_states, torch.stack([experts, pairs // chosen], dim=1)).chunk(2, dim=-1)
-        return self._grouped(1, self.act_fn(gate) * up, torch.stack([experts, pairs], dim=1))
+        which = experts.to(torch.int32)
+        pairs = torch.arange(which.shape[0], dtype=torch.int32, device=which.device)
+        gate_up = self._grouped(0, hidden_states, torch.stack([which, pairs // chosen], dim=1))
+        down = self._grouped(1, self.gated(gate_up, experts), torch.stack([which, pairs], dim=1))
+        return down if self.down_bias is None else down + self.down_bias[experts]
 
     def _tiled(self, hidden_states: torch.Tensor, experts: torch.Tensor, chosen: int) -> torch.Tensor:
         """_paired's result in blocks of 16 rows an expert (tile_layout's), on the tiled kernels' grouped launch."""
@@ -145,8 +148,10 @@ class CodedExperts(GGMLExperts):
         token_rows = torch.where(held, owner // chosen, -1).to(torch.int32)
         own_rows = torch.where(held, torch.arange(owner.shape[0], device=owner.device, dtype=torch.int32), -1)
         # (rows of no pair hold what the buffer held: never read, the launches skip them)
-        gate, up = self._blocks(0, hidden_states, tiles, token_rows).chunk(2, dim=-1)
-        return self._blocks(1, self.act_fn(gate) * up, tiles, own_rows)[positions]
+        gate_up = self._blocks(0, hidden_states, tiles, token_rows)
+        row_experts = tiles.clamp(min=0).repeat_interleave(TILE_ROWS)  # (a block of no expert's: never read)
+        down = self._blocks(1, self.gated(gate_up, row_experts), tiles, own_rows)[positions]
+        return down if self.down_bias is None else down + self.down_bias[experts]
 
     def _blocks(self, which: int, x: torch.Tensor, tiles: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Row m of the result: x[rows[m]] times block m // TILE_ROWS's expert's gate/up (`which` 0) or down (1)."""

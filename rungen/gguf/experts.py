@@ -99,15 +99,19 @@ class GGMLExperts(torch.nn.Module):
         counts = torch.bincount(chosen, minlength=self.num_experts).tolist()
         used = [(expert, count) for expert, count in enumerate(counts) if count]
         tokens = order // top_k_index.shape[-1]
-        gate_up = self._products(0, hidden_states[tokens], used)
-        if self.gate_up_bias is not None:
-            gate_up = gate_up + self.gate_up_bias[chosen[order]]
-        gate, up = gate_up.chunk(2, dim=-1)
-        out = self._products(1, self.act_fn(gate) * up if self.gating is None else self.gating(gate, up), used)
+        out = self._products(1, self.gated(self._products(0, hidden_states[tokens], used), chosen[order]), used)
         if self.down_bias is not None:
             out = out + self.down_bias[chosen[order]]
         done = out * top_k_weights.reshape(-1)[order, None]
         return torch.zeros_like(hidden_states).index_add_(0, tokens, done.to(hidden_states.dtype))
+
+    def gated(self, gate_up: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The down products' input from gate/up products [rows, gate; up] whose rows are `experts`' ([rows]):
+        act_fn(gate) * up, or gpt-oss's gating of them with its biases added."""
+        if self.gate_up_bias is not None:
+            gate_up = gate_up + self.gate_up_bias[experts]
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act_fn(gate) * up if self.gating is None else self.gating(gate, up)
 
     def _products(self, which: int, x: torch.Tensor, used: list[tuple[int, int]]) -> torch.Tensor:
         """x's rows in groups (`used`: (expert, rows) in order), each group times that expert's gate/up (`which`

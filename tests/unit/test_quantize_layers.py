@@ -161,32 +161,39 @@ def test_a_kernels_check_that_runs_out_of_gpu_memory_says_so(check):
         None, "failed (no kernel image)")
 
 
-@pytest.mark.parametrize("name", ["Q8_0", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K"])
+@pytest.mark.parametrize("name", ["Q8_0", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K",
+                                  "MXFP4"])
 def test_an_int8_types_weight_for_the_gpu_keeps_the_files_codes_and_scales(name, monkeypatch):
     # A GGUF weight of an int8 type on a GPU (rungen/gguf/device.py's int8_of_blocks): Q8_0's 32 int8 codes and
     # float16 scale a block as the file has them, Q6_K's codes (-32..31) and a float32 scale a group of 16 (its
     # superblock's float16 scale times the group's int8 one), the Q5 types' codes (0..31) and a float32 scale and
-    # offset a group of 32, the IQ4 types' levels and a scale a group of 32, Q3_K's codes (-4..3) and Q2_K's (0..3,
-    # with an offset) a group of 16, rows permuted where the architecture asks, read a few rows at a time; codes
-    # times scales plus offsets is exactly the de-quantized weight.
+    # offset a group of 32, the IQ4 types' levels and a scale a group of 32, MXFP4's doubled e2m1 values (-12..12)
+    # and its power-of-two scale as float16 a group of 32 (from its blocks as read: held), Q3_K's codes (-4..3) and
+    # Q2_K's (0..3, with an offset) a group of 16, rows permuted where the architecture asks, read a few rows at a
+    # time; codes times scales plus offsets is exactly the de-quantized weight.
     import numpy as np
     from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
 
     import rungen.gguf.device
     from helpers import blocks_for
-    from rungen.gguf.blocks import dequantize
+    from rungen.gguf.blocks import dequantize, held
     from rungen.gguf.device import int8_of_blocks
 
     qtype = GGMLQuantizationType[name]
-    blocks = blocks_for(qtype, 24, 512)
+    file_blocks = blocks_for(qtype, 24, 512)
+    blocks = torch.from_numpy(held(file_blocks.numpy(), qtype))
     order = np.random.default_rng(0).permutation(24)
     monkeypatch.setattr(rungen.gguf.device, "CODES_CHUNK_ROWS", 5)  # five rows at a time: five chunks, one short
     layer = int8_of_blocks(blocks, qtype, 512, torch.device("cpu"), order)
-    group, dtype = {"Q8_0": (32, torch.float16), "IQ4_NL": (32, torch.float16), "Q6_K": (16, torch.float32),
+    group, dtype = {"Q8_0": (32, torch.float16), "IQ4_NL": (32, torch.float16), "MXFP4": (32, torch.float16),
+                    "Q6_K": (16, torch.float32),
                     "Q3_K": (16, torch.float32), "Q2_K": (16, torch.float32)}.get(name, (32, torch.float32))
     assert layer.codes.dtype == torch.int8 and layer.scales.dtype == dtype and layer.scales.shape == (24, 512 // group)
     assert (layer.offsets is None) == (not name.startswith("Q5") and name != "Q2_K")
     weight = dequantize(blocks, qtype, 512)[torch.from_numpy(order)]
+    torch.testing.assert_close(weight, torch.from_numpy(gguf_dequantize(file_blocks.numpy(), qtype))[order],
+                               rtol=0, atol=0)  # the file's weights, as the gguf package reads them
     x = torch.randn(5, 512, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     values = layer.codes.float() * layer.scales.float().repeat_interleave(group, dim=1)
     if layer.offsets is not None:
