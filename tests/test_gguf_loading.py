@@ -395,6 +395,24 @@ def test_the_header_cache_keeps_the_most_recently_used_entries(tmp_path, monkeyp
     assert sorted(os.listdir(root)) == [".tmp-writing", "new", "oldest", "used"]
 
 
+def test_a_header_whose_cache_entry_another_process_pruned_still_builds_its_model(gguf_files, tmp_path,
+                                                                                   monkeypatch):
+    # Another process loading other files may prune this one's entry (the least recently used past the limit)
+    # while this one loads: the model builds all the same (its weights map is not cached), and a later load reads
+    # the header again.
+    import shutil
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    header = GGUFHeader(gguf_files["q4_0_untied"])
+    assert header.config.num_hidden_layers == LAYERS  # (read from the entry before it goes)
+    shutil.rmtree(header.cache_dir)
+    model = build_model(header, torch.float32)
+    with torch.no_grad():
+        assert model(torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, header.config.vocab_size)
+    assert not os.path.exists(header.cache_dir)
+    assert GGUFHeader(gguf_files["q4_0_untied"]).cached_weights_map() is None  # read again, nothing cached yet
+
+
 def test_a_gguf_file_is_known_by_its_first_bytes_whatever_its_name(gguf_files, tmp_path, capsys):
     """ollama keeps its models as blobs named by their digest (sha256-...): GGUF files without the suffix."""
     import shutil

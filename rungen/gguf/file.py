@@ -574,7 +574,10 @@ class GGUFHeader:
         path = os.path.join(self.cache_dir, "weights_map.json")
         if os.path.isfile(path):
             return
-        fd, tmp = tempfile.mkstemp(dir=self.cache_dir, prefix=".tmp-")
+        try:
+            fd, tmp = tempfile.mkstemp(dir=self.cache_dir, prefix=".tmp-")
+        except FileNotFoundError:  # another process pruned the entry (prune_cache) while this one loaded
+            return
         with os.fdopen(fd, "w") as f:
             json.dump(names, f)
         os.replace(tmp, path)  # atomic: never read half-written
