@@ -984,7 +984,7 @@ def write_gemma4_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> st
     """The GGUF file llama.cpp's converter (conversion/gemma.py's Gemma4Model) writes of a Gemma 4 checkpoint: its
     metadata keys, its vocabulary (model "gemma4"), the rope_freqs tensor of the full layers' proportional rotary
     (1 for a rotated pair, 1e30 for the others), each layer's scalar as layer_output_scale, norms as stored (Gemma 4's
-    add no 1); matrices in `qtype_name` (F32, or Q8_0 as --outtype q8_0 writes them)."""
+    add no 1); matrices and experts in `qtype_name` (F32, or Q8_0 as --outtype q8_0 writes them: the router F32)."""
     import pathlib
 
     import gguf
@@ -1063,7 +1063,8 @@ def write_gemma4_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> st
                 base, suffix = hf_name, "weight"
             name = names.get_name(base) + "." + suffix
         values = value.float().numpy()
-        if qtype_name == "Q8_0" and values.ndim == 2 and values.shape[-1] % 32 == 0:
+        # (matrices and the experts' 3-D tensors; the router's stays F32, as the converter keeps ffn_gate_inp)
+        if qtype_name == "Q8_0" and values.ndim in (2, 3) and values.shape[-1] % 32 == 0 and "gate_inp" not in name:
             writer.add_tensor(name, gguf.quants.quantize(values, Q.Q8_0), raw_dtype=Q.Q8_0)
         else:
             writer.add_tensor(name, values)

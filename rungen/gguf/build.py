@@ -118,8 +118,8 @@ class ModelBuild:
         if part is not None and type(module).__name__ == "GptOssExperts":
             # gpt-oss's: the three weights and their biases, built as GGMLExperts
             self.expert_parts.setdefault(module_name, {})[part if name.endswith(".weight") else f"{part}_bias"] = entry
-        # (on a device of any type, float ones too: de-quantized or cast there an expert at a time)
-        elif part is not None and (code in SUPPORTED or self.on_device) and self.quantize is None \
+        # (on a device or under --quantize of any type, float ones too: de-quantized or cast an expert at a time)
+        elif part is not None and (code in SUPPORTED or self.on_device or self.quantize is not None) \
                 and holds_experts(module):
             self.expert_parts.setdefault(module_name, {})[part] = entry  # built once the layer's three are known
         elif code in FLOAT_TYPES:
@@ -227,12 +227,12 @@ class ModelBuild:
                 self.gpt_oss_experts(module_name, module, parts, biases)
                 continue
             coded = (coded_experts(reader, parts, module.gate_up_proj.shape, module.down_proj.shape, module.act_fn,
-                                   self.forms) if self.on_device else None)
+                                   self.forms) if self.on_device and self.quantize is None else None)
             if coded is not None:
                 self.layers[module_name] = coded
-            elif self.on_device:  # types without codes on the GPU
-                for attr, value in zip(("gate_up_proj", "down_proj"),
-                                       dequantized_experts(reader, parts, module, self.dtype, self.device)):
+            elif self.on_device or self.quantize is not None:  # types without codes on the GPU; --quantize's
+                for attr, value in zip(("gate_up_proj", "down_proj"), dequantized_experts(
+                        reader, parts, module, self.dtype, self.device or torch.device("cpu"))):
                     self.put(f"{module_name}.{attr}", value)
             else:
                 self.layers[module_name] = build_experts(reader, parts, module.gate_up_proj.shape,

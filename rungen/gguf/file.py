@@ -30,7 +30,7 @@ from .blocks import (
 )
 from .families import BY_ARCHITECTURE, FAMILIES, NO_FAMILY, WITH_EXPERTS
 from .splits import GPT2_SPLITS, pre_tokenizer, sentencepiece_text
-from .weights import FLOAT_TYPES, GGUFError, with_experts_stacked
+from .weights import FLOAT_TYPES, GGUFError, with_experts_stacked, with_gate_up_apart
 
 logger = logging.getLogger("run_generation")
 
@@ -282,9 +282,12 @@ def _gemma4_config(path: str, metadata: dict, tensors, config: dict) -> None:
     def key(name, default=None):
         return metadata.get(f"gemma4.{name}", default)
 
-    if key("expert_count"):
-        raise GGUFError(f"{path}: a Gemma 4 mixture of experts (26B-A4B's layout, gemma4.expert_count), which this "
-                        "tool does not read: transformers' reading would drop its experts and compute another model")
+    if key("expert_count"):  # 26B-A4B's: a mixture beside each layer's dense MLP
+        absent = [name for name in ("expert_used_count", "expert_feed_forward_length") if key(name) is None]
+        if absent:
+            raise GGUFError(f"{path}: a Gemma 4 mixture of experts without gemma4.{absent[0]}")
+        config.update(enable_moe_block=True, num_experts=key("expert_count"), top_k_experts=key("expert_used_count"),
+                      moe_intermediate_size=key("expert_feed_forward_length"))
     pattern = key("attention.sliding_window_pattern")
     layers = config["num_hidden_layers"]
     if isinstance(pattern, list) and len(pattern) == layers:
@@ -352,19 +355,34 @@ def _gpt_oss_config(path: str, metadata: dict, config: dict) -> None:
     config["rope_parameters"] = rope
 
 
-def expert_names(names: dict[str, str]) -> dict[str, str]:
-    """gpt-oss's expert tensors as llama.cpp writes them (gate, up and down apart, each with a bias) -> its Experts
-    module's parameters, which gguf's name table maps only down_proj of: gate and up both to gate_up_proj, their
-    biases to gate_up_proj_bias (build.py holds them as GGMLExperts, its gate rows then its up rows)."""
-    extra = {}
-    for name, hf in names.items():
-        if name.endswith(".ffn_down_exps.weight"):
-            layer, experts = name.removesuffix(".ffn_down_exps.weight"), hf.removesuffix(".down_proj")
+def with_expert_names(model_type: str, names: dict[str, str], tensors: set[str]) -> dict[str, str]:
+    """gguf's name table `names` (GGUF name -> the model's parameter) with the expert tensors it does not map as
+    llama.cpp writes them (`tensors`: the file's names, with_gate_up_apart's halves among them). gpt-oss's (gate, up
+    and down apart, each with a bias; the table maps only down_proj): gate and up both to gate_up_proj, their biases
+    to gate_up_proj_bias (build.py holds them as GGMLExperts, its gate rows then its up rows). Gemma 4's: gate and
+    up in one tensor, which where it is read as its two halves maps to nothing, each half to gate_up_proj; the
+    router's input scale (ffn_gate_inp.scale) and its scale of each expert's output, which the converter names
+    ffn_down_exps.scale."""
+    names, extra = dict(names), {}
+    for name, hf in list(names.items()):
+        if not name.endswith(".ffn_down_exps.weight"):
+            continue
+        layer, experts = name.removesuffix(".ffn_down_exps.weight"), hf.removesuffix(".down_proj")
+        if model_type == "gpt_oss":
             for part in ("gate", "up"):
                 extra[f"{layer}.ffn_{part}_exps.weight"] = f"{experts}.gate_up_proj"
                 extra[f"{layer}.ffn_{part}_exps.bias"] = f"{experts}.gate_up_proj_bias"
             extra[f"{layer}.ffn_down_exps.bias"] = f"{experts}.down_proj_bias"
-    return extra
+        if model_type == "gemma4_text":
+            if f"{layer}.ffn_gate_exps.weight" in tensors:  # the halves, in blocks
+                for fused in (f"{layer}.ffn_gate_up_exps", f"{layer}.ffn_gate_up_exps.weight"):
+                    names.pop(fused, None)
+                for part in ("gate", "up"):
+                    extra[f"{layer}.ffn_{part}_exps.weight"] = f"{experts}.gate_up_proj"
+            router = experts.removesuffix(".experts") + ".router"
+            extra[f"{layer}.ffn_gate_inp.scale"] = f"{router}.scale"
+            extra[f"{layer}.ffn_down_exps.scale"] = f"{router}.per_expert_scale"
+    return names | extra
 
 
 def _f32_values(header, tensor) -> np.ndarray:
@@ -459,6 +477,7 @@ class GGUFHeader:
         self.tensors = table["tensors"]  # [name, type code, numpy shape, numpy dtype, byte offset, bytes]
         check_whole(path, [(offset, nbytes) for *_, offset, nbytes in self.tensors])
         self.tensors = with_experts_stacked(path, self.tensors)  # (rows at offset -1: experts held a tensor each)
+        self.tensors = with_gate_up_apart(self.tensors)  # (rows at offset -2: Gemma 4's experts' gate and up halves)
 
     @functools.cached_property
     def config(self):
@@ -566,7 +585,7 @@ class GGUFHeader:
                 names = gguf_utils.get_gguf_hf_weights_map(model, processor, model_type=architecture)
         except NotImplementedError as error:
             raise GGUFError(f"{self.path}: {first_line(error)}") from None
-        return names | expert_names(names) if model.config.model_type == "gpt_oss" else names
+        return with_expert_names(model.config.model_type, names, {row[0] for row in self.tensors})
 
     def keep_weights_map(self, names: dict[str, str]) -> None:
         """Caches the weights map of a model built whole from the file, every tensor's shape checked: the own model
@@ -651,8 +670,11 @@ def why_unreadable(path: str, error: BaseException) -> str:
     return f"its header is cut short or damaged: {first_line(error)}"
 
 
-# Architectures whose files llama.cpp writes in a layout transformers' own loader does not read, and what of it.
-TOOL_LOADER_ONLY = {"gpt-oss": "its experts' tensors"}
+# Files llama.cpp writes in a layout transformers' own loader does not read, by architecture (and a metadata key that
+# marks them, None: every file), and what of them it misses.
+TOOL_LOADER_ONLY = {"gpt-oss": (None, "gpt-oss file", "its experts' tensors"),
+                    "gemma4": ("gemma4.expert_count", "Gemma 4 mixture of experts",
+                               "its experts' gate and up in one tensor, the router's scales")}
 
 
 def refuse_transformers_loader(path: str) -> None:
@@ -660,13 +682,13 @@ def refuse_transformers_loader(path: str) -> None:
     from transformers.integrations.gguf.reader import read_gguf_metadata
 
     try:
-        arch = read_gguf_metadata(path)[0].get("general.architecture")
+        metadata = read_gguf_metadata(path)[0]
     except Exception:  # an unreadable file: transformers' reading says why, in its own line
         return
-    if arch in TOOL_LOADER_ONLY:
-        raise GGUFError(f"{path}: transformers reads no {arch} file as llama.cpp writes it "
-                        f"({TOOL_LOADER_ONLY[arch]}); it runs here in its own blocks, without --dequantize or "
-                        "--device_map")
+    key, kind, missed = TOOL_LOADER_ONLY.get(metadata.get("general.architecture"), (None, None, None))
+    if kind is not None and (key is None or metadata.get(key)):
+        raise GGUFError(f"{path}: transformers reads no {kind} as llama.cpp writes it ({missed}); it runs here in "
+                        "its own blocks, without --dequantize or --device_map")
 
 
 def first_line(error: BaseException) -> str:

@@ -73,6 +73,27 @@ def with_experts_stacked(path: str, rows: list) -> list:
     return rows + stacked
 
 
+# Gemma 4's experts' gate and up in one tensor (blk.N.ffn_gate_up_exps.weight [experts, gate; up, row bytes]): each
+# taken as a part of its own (blk.N.ffn_gate_exps.weight, ffn_up_exps) at this offset, its half of every expert's rows.
+HALF_OF_GATE_UP = -2
+
+
+def with_gate_up_apart(rows: list) -> list:
+    """The tensor table `rows` with a row for the gate half and one for the up half of each layer's experts' gate
+    and up tensor in blocks (ffn_gate_up_exps [experts, 2 x rows, row bytes]), at offset HALF_OF_GATE_UP:
+    WeightReader reads each expert's half of its rows, so the experts take the parts apart as any mixture's (a
+    float one is the Experts module's gate_up_proj as it is)."""
+    halves = []
+    for row in rows:
+        if row[0].endswith(".ffn_gate_up_exps.weight") and row[1] not in FLOAT_TYPES and len(row[2]) == 3 \
+                and row[2][1] % 2 == 0:
+            experts, both, *rest = row[2]
+            layer = row[0].removesuffix(".ffn_gate_up_exps.weight")
+            halves += [[f"{layer}.ffn_{part}_exps.weight", row[1], [experts, both // 2, *rest], row[3],
+                        HALF_OF_GATE_UP, row[5] // 2] for part in ("gate", "up")]
+    return rows + halves
+
+
 class Tensor(typing.NamedTuple):
     """A row of the header cache's tensor table: the tensor's bytes as the loader views them."""
 
@@ -105,8 +126,14 @@ class WeightReader:
         return self.table[name]
 
     def expert(self, tensor: Tensor, index: int) -> Tensor:
-        """Expert `index`'s part of a layer's expert tensor [experts, rows, row bytes]: its slice, or the tensor of its
-        own where the file holds the experts apart."""
+        """Expert `index`'s part of a layer's expert tensor [experts, rows, row bytes]: its slice, the tensor of its
+        own where the file holds the experts apart, or its half of the expert's gate and up (HALF_OF_GATE_UP)."""
+        if tensor.offset == HALF_OF_GATE_UP:
+            layer, _, part = tensor.name.removesuffix("_exps.weight").rpartition(".")
+            both = self.expert(self.table[f"{layer}.ffn_gate_up_exps.weight"], index)
+            half = both.nbytes // 2
+            return both._replace(name=f"{tensor.name}[{index}]", shape=[both.shape[0] // 2, *both.shape[1:]],
+                                 offset=both.offset + (half if part == "ffn_up" else 0), nbytes=half)
         if tensor.offset < 0:
             layer, _, part = tensor.name.removesuffix("_exps.weight").rpartition(".")
             return self.table[f"{layer}.{part}.{index}.weight"]
