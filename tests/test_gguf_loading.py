@@ -33,10 +33,11 @@ from rungen.gguf.blocks import (
     native_kernels,
 )
 from rungen.gguf.build import build_model
-from rungen.gguf.decoder import NATIVE_ATTENTION, DecoderStack, FusedDecoderLayer, products_one_by_one
+from rungen.gguf.decoder import DecoderStack, FusedDecoderLayer, products_one_by_one
 from rungen.gguf.experts import ExpertRouter, GGMLExperts
 from rungen.gguf.file import GGUFHeader, metadata_parsed_once
 from rungen.gguf.model import GGUFCausalLM
+from rungen.gguf.native_steps import NATIVE_ATTENTION, NativeGatedMLP
 from rungen.loading import default_model_file, load, load_gguf
 from tiny_models import default_tokenizer_fields, write_gpt2_gguf, write_out
 
@@ -783,6 +784,9 @@ def test_a_gemma4_file_as_llama_cpp_writes_it_computes_its_checkpoint(tmp_path, 
         theirs = reference(ids).logits
         model = load(q8_0, device=torch.device("cpu")).model
         assert any(isinstance(module, GGMLLinear) for module in model.modules())
+        if native_kernels():  # its norms one native call each, its MLPs' gate and up one product
+            assert not [m for m in model.modules() if type(m).__name__ in ("Gemma4RMSNorm", "Gemma4TextMLP")]
+            assert all(isinstance(layer.mlp, NativeGatedMLP) for layer in model.model.layers)
         blocks = exact_weights(model, lambda: model(ids).logits, monkeypatch)
     assert theirs.abs().max() > 0.5
     torch.testing.assert_close(blocks, theirs, rtol=1e-4, atol=1e-4)
@@ -825,6 +829,18 @@ def test_a_gemma4_mixture_of_experts_file_computes_its_checkpoint(tmp_path, monk
     with torch.no_grad():
         ours = exact_weights(model, lambda m=model: m(ids).logits, monkeypatch)
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    if native_kernels():  # each layer's chosen experts one native call, as the modules compute them within rounding
+        calls = []
+        original = torch.ops.rungen_ggml.chosen_experts
+        monkeypatch.setattr(torch.ops.rungen_ggml, "chosen_experts", lambda *a: calls.append(1) or original(*a))
+        with torch.no_grad():
+            native = model(ids).logits
+            assert len(calls) == len(model.model.layers)
+            with monkeypatch.context() as patch:
+                patch.setattr(GGMLLinear, "_matmul", lambda self, x: BLOCKS_MATMUL(self, x))
+                modules = model(ids).logits
+        assert len(calls) == len(model.model.layers)
+        torch.testing.assert_close(native, modules, rtol=1e-4, atol=1e-4)
     del model, experts
     # --quantize: the experts (a minority of this tiny model's weights) de-quantized an expert at a time, the halves
     # too, the linear layers quantized

@@ -15,6 +15,8 @@ Modules, from the ground up:
 - stack.py: every decoder layer in one native call (NativeStack), the layers' tensors in its order.
 - decoder.py: the decoder layers fused over the blocks (FusedDecoderLayer), the stack as transformers' forward
   (DecoderStack).
+- native_steps.py: transformers' own layers of the families decoder.py does not fuse (gpt-oss, Gemma 4) with their
+  attention, norms and gated MLPs on the native kernels.
 - file.py: the header and its cache (config, tokenizer, tensor table, what the file holds for transformers).
 - build.py: transformers' model of the file, its weights taken in tensor by tensor (build_model).
 - model.py: the own model (GGUFCausalLM) of the families' files, without transformers.

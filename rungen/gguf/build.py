@@ -26,7 +26,7 @@ from .blocks import (
     interleavable,
     weights_per_row,
 )
-from .decoder import FUSED_WEIGHTS, attend_natively, fusable, fuse_decoder_layers
+from .decoder import FUSED_WEIGHTS, fusable, fuse_decoder_layers
 from .device import DeviceForms
 from .device_experts import coded_experts
 from .experts import (
@@ -41,6 +41,7 @@ from .experts import (
 )
 from .families import WITH_EXPERTS
 from .file import GGUFHeader, first_line, type_name, unsupported_message
+from .native_steps import steps_natively
 from .weights import FLOAT_TYPES, GGUFError, WeightReader, as_torch, split_hint
 
 logger = logging.getLogger("run_generation")
@@ -297,7 +298,7 @@ class ModelBuild:
         route_rows_alike(model)
         mixtures_in_one_call(model)
         fuse_decoder_layers(model)
-        attend_natively(model)
+        steps_natively(model)
         return _finish_built(self.header, model, self.names)
 
 

@@ -364,39 +364,3 @@ def gelu_tanh_mul(gate_up: torch.Tensor, native: bool) -> torch.Tensor:
 
 # The MLP activations FusedDecoderLayer computes, by the name transformers' configs give them.
 ACTIVATIONS = {"silu": silu_mul, "gelu_pytorch_tanh": gelu_tanh_mul}
-
-
-# The attention interface name transformers' layers find native_attention under (and the eager masks it takes).
-NATIVE_ATTENTION = "rungen_attend"
-
-
-# The models of transformers' layers over blocks whose attention (not fused: FusedDecoderLayer does not take their
-# layers) native_attention computes, as their eager attention does.
-NATIVE_ATTENTION_MODELS = ("GptOssForCausalLM", "Gemma4ForCausalLM")
-
-
-def native_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
-                     scaling: float, dropout: float = 0.0, sliding_window: int | None = None, softcap=None,
-                     s_aux=None, **kwargs):
-    """transformers' attention interface as the native attend computes it: the keys and values read where they lie
-    (a cache growing in place hands out views), grouped heads without repeat_kv's copies (8 of each key for
-    gpt-oss's 64 heads over 8), each head's sink logit (gpt-oss's `s_aux`) in its softmax; (output [b, t, heads *
-    dim], None) as the eager interface returns them."""
-    out = torch.ops.rungen_ggml.attend(query, key, value, attention_mask, scaling, softcap or 0.0,
-                                       sliding_window or 0, s_aux)
-    return out.to(query.dtype), None
-
-
-def attend_natively(model: torch.nn.Module) -> bool:
-    """Gives a model of NATIVE_ATTENTION_MODELS native_attention, and a cache that grows in place
-    (rungen.kvcache.new_cache), where the native kernels are; returns whether."""
-    if not native_kernels() or type(model).__name__ not in NATIVE_ATTENTION_MODELS:
-        return False
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, eager_mask
-
-    AttentionInterface.register(NATIVE_ATTENTION, native_attention)
-    AttentionMaskInterface.register(NATIVE_ATTENTION, eager_mask)
-    model.config._attn_implementation = NATIVE_ATTENTION
-    model.cache_grows_in_place = True
-    return True

@@ -30,6 +30,8 @@ from .blocks import (
 from .kernels import native_kernels
 from .weights import FLOAT_TYPES, GGUFError, Tensor, WeightReader, read_interleaved
 
+# transformers' GELU modules of the tanh approximation (gelu_pytorch_tanh: Gemma 4's experts).
+GELU_TANH = ("GELUTanh", "PytorchGELUTanh")
 # The file's tensor for each part of transformers' Experts module.
 PARTS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
 
@@ -87,6 +89,11 @@ class GGMLExperts(torch.nn.Module):
         stacks = [stacked(column) for column in columns] if len({len(p) for p in parts}) == 1 else [None]
         self.block_stacks = None if any(stack is None for stack in stacks) else (
             stacks, [column[0].code for column in columns])
+        # Where the stacks are and the gate is SiLU's or GELU-tanh's (no biases): the chosen experts in one native
+        # call (rungen_ggml.chosen_experts), whether GELU's; else None.
+        gelu = type(act_fn).__name__ in GELU_TANH
+        self.native_gelu = (gelu if self.block_stacks is not None and biases is None and gating is None
+                            and (gelu or silu(act_fn)) else None)
 
     def extra_repr(self) -> str:
         first = self.down[0]
@@ -94,6 +101,10 @@ class GGMLExperts(torch.nn.Module):
         return f"num_experts={self.num_experts}, hidden={first.out_features}, {form} (down)"
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        if self.native_gelu is not None and native_products():
+            y = torch.ops.rungen_ggml.chosen_experts(hidden_states, top_k_index, top_k_weights, *self.block_stacks,
+                                                     self.native_gelu)
+            return y.to(hidden_states.dtype)
         chosen = top_k_index.reshape(-1)
         order = torch.argsort(chosen, stable=True)  # the (token, slot) pairs grouped by expert, in token order
         counts = torch.bincount(chosen, minlength=self.num_experts).tolist()

@@ -16,6 +16,8 @@
 //                                                               batch (a mixture's router)
 //   torch.ops.rungen_ggml.mixture(x, router, top_k, norm_topk, [expert stacks], [qtype], [shared], [qtype],
 //                                 shared_gate)              a mixture of experts' MLP (ggml_mixture.cpp)
+//   torch.ops.rungen_ggml.chosen_experts(x, ids, weights, [expert stacks], [qtype], gelu)
+//                                                             its experts alone, routed by the caller
 //   torch.ops.rungen_ggml.silu_mul(gate_up), gelu_tanh_mul(gate_up)
 //   torch.ops.rungen_ggml.attend(q, k, v, mask, scale, softcap, window, sinks)  attention, the same bits
 //                                                               with or without padding
@@ -60,6 +62,8 @@ TORCH_LIBRARY(rungen_ggml, m) {
         "Tensor[] shared, int[] shared_qtypes, Tensor? shared_gate, Tensor? router_bias=None, "
         "Tensor? gate_up_bias=None, Tensor? down_bias=None, float swiglu_alpha=0., float swiglu_limit=0.) -> Tensor",
         &mixture);
+  m.def("chosen_experts(Tensor x, Tensor ids, Tensor weights, Tensor[] experts, int[] expert_qtypes, bool gelu) "
+        "-> Tensor", &chosen_experts);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
   m.def("gelu_tanh_mul(Tensor gate_up) -> Tensor", &gelu_tanh_mul);
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, float softcap=0., int window=0, "

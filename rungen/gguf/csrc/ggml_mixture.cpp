@@ -46,15 +46,17 @@ Mixture::Mixture(const at::Tensor& router_in, int64_t top_k_in, bool norm_topk_i
                  at::IntArrayRef expert_types, at::TensorList shared_in, at::IntArrayRef shared_types_in,
                  const c10::optional<at::Tensor>& shared_gate_in, const c10::optional<at::Tensor>& router_bias_in,
                  const c10::optional<at::Tensor>& gate_up_bias_in, const c10::optional<at::Tensor>& down_bias_in,
-                 double swiglu_alpha_in, double swiglu_limit_in)
-    : router(router_in.to(at::kFloat).contiguous()), top_k(top_k_in), norm_topk(norm_topk_in),
-      shared(shared_in.begin(), shared_in.end()), shared_types(shared_types_in.begin(), shared_types_in.end()),
-      shared_gate(shared_gate_in), swiglu_alpha(float(swiglu_alpha_in)), swiglu_limit(float(swiglu_limit_in)) {
-  TORCH_CHECK(router.dim() == 2 && top_k > 0 && top_k <= router.size(0),
-              "rungen_ggml: a mixture's router is [experts, features], and 0 < top_k <= experts");
+                 double swiglu_alpha_in, double swiglu_limit_in, int64_t features_in)
+    : router(router_in.defined() ? router_in.to(at::kFloat).contiguous() : router_in), top_k(top_k_in),
+      norm_topk(norm_topk_in), shared(shared_in.begin(), shared_in.end()),
+      shared_types(shared_types_in.begin(), shared_types_in.end()), shared_gate(shared_gate_in),
+      swiglu_alpha(float(swiglu_alpha_in)), swiglu_limit(float(swiglu_limit_in)) {
   TORCH_CHECK(experts.size() >= 2 && experts.size() == expert_types.size(),
               "rungen_ggml: a mixture takes its experts' gate/up parts and then down, a type each");
-  const int64_t count = router.size(0), features = router.size(1);
+  count = router.defined() ? router.size(0) : experts[0].size(0);
+  features = router.defined() ? router.size(1) : features_in;
+  TORCH_CHECK((!router.defined() || router.dim() == 2) && top_k > 0 && top_k <= count,
+              "rungen_ggml: a mixture's router is [experts, features], and 0 < top_k <= experts");
   for (size_t i = 0; i + 1 < experts.size(); ++i) {
     check_stack(experts[i], expert_types[i], count, features);
     gate_up.push_back(experts[i]);
@@ -107,8 +109,8 @@ void route(const float* logits, int64_t n, int64_t experts, int64_t k, bool norm
 
 // A call's working buffers, kept from call to call (a decode step's layers would otherwise allocate each time).
 struct Scratch {
-  std::vector<float> logits, weights, rows, gate_up, act, done;
-  std::vector<int64_t> ids, tokens, experts;
+  std::vector<float> weights, rows, gate_up, act, done;
+  std::vector<int64_t> tokens, experts;
 };
 
 // A bias [n] added to each of `count` rows of y [count, n].
@@ -133,30 +135,41 @@ void clamped_swiglu_rows(const float* gp, int64_t rows, int64_t f, float alpha, 
 }  // namespace
 
 void Mixture::forward_into(const float* x, int64_t n, float* out) const {
-  const int64_t features = router.size(1), count = router.size(0);
+  if (n == 0) return;
+  static thread_local std::vector<float> logits, weights;
+  static thread_local std::vector<int64_t> ids;
+  logits.resize(n * count);
+  ids.resize(n * top_k);
+  weights.resize(n * top_k);
+  dot_rows_into(x, router.data_ptr<float>(), n, count, features, logits.data());
+  if (router_bias.has_value()) add_bias_rows(router_bias->data_ptr<float>(), count, n, logits.data());
+  route(logits.data(), n, count, top_k, norm_topk, ids.data(), weights.data());
+  chosen_experts_into(x, n, ids.data(), weights.data(), out);
+}
+
+void Mixture::chosen_experts_into(const float* x, int64_t n, const int64_t* ids, const float* weights,
+                                  float* out) const {
   std::fill(out, out + n * features, 0.f);
   if (n == 0) return;
   static thread_local Scratch s;
   const int64_t pairs = n * top_k;
-  s.logits.resize(n * count);
-  s.ids.resize(pairs);
-  s.weights.resize(2 * pairs);  // each pair's weight, then the same in the pairs' sorted order
-  dot_rows_into(x, router.data_ptr<float>(), n, count, features, s.logits.data());
-  if (router_bias.has_value()) add_bias_rows(router_bias->data_ptr<float>(), count, n, s.logits.data());
-  route(s.logits.data(), n, count, top_k, norm_topk, s.ids.data(), s.weights.data());
+  s.weights.resize(pairs);  // each pair's weight in the pairs' sorted order
   // The (token, slot) pairs grouped by expert in token order (a counting sort), each pair's row of x copied.
   std::vector<int64_t> counts(count, 0), next(count, 0);
-  for (int64_t p = 0; p < pairs; ++p) ++counts[s.ids[p]];
+  for (int64_t p = 0; p < pairs; ++p) {
+    TORCH_CHECK(ids[p] >= 0 && ids[p] < count, "rungen_ggml: a chosen expert past the ", count, " experts");
+    ++counts[ids[p]];
+  }
   for (int64_t e = 1; e < count; ++e) next[e] = next[e - 1] + counts[e - 1];
   s.tokens.resize(pairs);
   s.experts.resize(pairs);
   s.rows.resize(pairs * features);
-  float* sorted = s.weights.data() + pairs;
+  float* sorted = s.weights.data();
   for (int64_t p = 0; p < pairs; ++p) {
-    const int64_t at = next[s.ids[p]]++;
+    const int64_t at = next[ids[p]]++;
     s.tokens[at] = p / top_k;
-    s.experts[at] = s.ids[p];
-    sorted[at] = s.weights[p];
+    s.experts[at] = ids[p];
+    sorted[at] = weights[p];
     std::memcpy(s.rows.data() + at * features, x + s.tokens[at] * features, features * sizeof(float));
   }
   // Each chosen expert's gate/up over its tokens, SiLU(gate) * up, its down (one loop over the threads a product).
@@ -182,7 +195,8 @@ void Mixture::forward_into(const float* x, int64_t n, float* out) const {
   if (swiglu_limit > 0.f)
     clamped_swiglu_rows(s.gate_up.data(), pairs, inner, swiglu_alpha, swiglu_limit, s.act.data());
   else
-    gate_mul_rows(silu_fn(), SILU_WORK, s.gate_up.data(), pairs, inner, s.act.data());
+    gate_mul_rows(gelu ? gelu_fn() : silu_fn(), gelu ? GELU_WORK : SILU_WORK, s.gate_up.data(), pairs, inner,
+                  s.act.data());
   grouped_into(s.act.data(), inner, used, down_weights, features, s.done.data());
   if (down_bias.has_value())
     for (int64_t p = 0; p < pairs; ++p)
@@ -226,11 +240,29 @@ at::Tensor mixture(const at::Tensor& x_in, const at::Tensor& router, int64_t top
                    const c10::optional<at::Tensor>& down_bias, double swiglu_alpha, double swiglu_limit) {
   const Mixture m(router, top_k, norm_topk, experts, expert_types, shared, shared_types, shared_gate, router_bias,
                   gate_up_bias, down_bias, swiglu_alpha, swiglu_limit);
-  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == m.router.size(1), "rungen_ggml: x must be [n, ", m.router.size(1),
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == m.features, "rungen_ggml: x must be [n, ", m.features,
               "]");
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   at::Tensor out = at::empty_like(x);
   m.forward_into(x.data_ptr<float>(), x.size(0), out.data_ptr<float>());
+  return out;
+}
+
+// x [n, features] through the experts a caller chose (ids [n, k] int64, weights [n, k]): the call's experts
+// without its routing (Gemma 4's router normalizes and scales its own input, and scales each expert's weight).
+at::Tensor chosen_experts(const at::Tensor& x_in, const at::Tensor& ids_in, const at::Tensor& weights_in,
+                          at::TensorList experts, at::IntArrayRef expert_types, bool gelu) {
+  TORCH_CHECK(x_in.dim() == 2 && ids_in.dim() == 2 && ids_in.size(0) == x_in.size(0) &&
+                  weights_in.sizes() == ids_in.sizes(),
+              "rungen_ggml: chosen_experts takes x [n, features], ids and weights [n, k]");
+  Mixture m(at::Tensor(), ids_in.size(1), false, experts, expert_types, {}, {}, c10::nullopt, {}, {}, {}, 0., 0.,
+            x_in.size(1));
+  m.gelu = gelu;
+  const at::Tensor x = x_in.to(at::kFloat).contiguous(), ids = ids_in.to(at::kLong).contiguous();
+  const at::Tensor weights = weights_in.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty_like(x);
+  m.chosen_experts_into(x.data_ptr<float>(), x.size(0), ids.data_ptr<int64_t>(), weights.data_ptr<float>(),
+                        out.data_ptr<float>());
   return out;
 }
 

@@ -119,14 +119,19 @@ struct Mixture {
   c10::optional<at::Tensor> shared_gate;
   c10::optional<at::Tensor> router_bias, gate_up_bias, down_bias;
   float swiglu_alpha = 0.f, swiglu_limit = 0.f;
+  bool gelu = false;  // the experts' gate: GELU's tanh approximation (Gemma 4's), else SiLU
+  int64_t count, features;  // experts, and their input and output features
 
+  // router: [experts, features] (undefined where the caller routes: chosen_experts_into; `features` then says).
   Mixture(const at::Tensor& router, int64_t top_k, bool norm_topk, at::TensorList experts,
           at::IntArrayRef expert_types, at::TensorList shared, at::IntArrayRef shared_types,
           const c10::optional<at::Tensor>& shared_gate, const c10::optional<at::Tensor>& router_bias = {},
           const c10::optional<at::Tensor>& gate_up_bias = {}, const c10::optional<at::Tensor>& down_bias = {},
-          double swiglu_alpha = 0., double swiglu_limit = 0.);
+          double swiglu_alpha = 0., double swiglu_limit = 0., int64_t features = -1);
   // x [n, features] (float32, contiguous) through the mixture into out [n, features].
   void forward_into(const float* x, int64_t n, float* out) const;
+  // x's rows through the experts the caller chose (ids, weights [n, top_k]) into out [n, features].
+  void chosen_experts_into(const float* x, int64_t n, const int64_t* ids, const float* weights, float* out) const;
   int64_t inner_features() const;  // an expert's gate (and up) rows
 };
 
@@ -135,6 +140,8 @@ at::Tensor mixture(const at::Tensor& x, const at::Tensor& router, int64_t top_k,
                    at::IntArrayRef shared_types, const c10::optional<at::Tensor>& shared_gate,
                    const c10::optional<at::Tensor>& router_bias, const c10::optional<at::Tensor>& gate_up_bias,
                    const c10::optional<at::Tensor>& down_bias, double swiglu_alpha, double swiglu_limit);
+at::Tensor chosen_experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
+                          at::TensorList experts, at::IntArrayRef expert_types, bool gelu);
 
 // ggml_decoder.cpp
 std::vector<at::Tensor> attention_in(const at::Tensor& hidden, const at::Tensor& norm_weight, double eps,

@@ -1,0 +1,90 @@
+"""transformers' own decoder layers over a GGUF file's blocks, for the families FusedDecoderLayer does not take
+(gpt-oss's, Gemma 4's), with their small steps on the native kernels on the CPU: the attention (native_attention, over
+a cache growing in place), each RMSNorm one rms_norm call, a gated MLP's gate and up one product and its activation
+one call. The arithmetic is transformers' within float32 rounding (a norm's 1 / sqrt where Gemma 4 takes pow(-0.5),
+sums in another order).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .blocks import GGMLLinear, join
+from .decoder import ACTIVATIONS
+from .kernels import native_kernels
+
+# The attention interface name transformers' layers find native_attention under (and the eager masks it takes).
+NATIVE_ATTENTION = "rungen_attend"
+
+# The models of transformers' layers over blocks whose small steps this module takes.
+NATIVE_STEPS_MODELS = ("GptOssForCausalLM", "Gemma4ForCausalLM")
+# Their RMSNorm classes: x / sqrt(mean(x^2) + eps) times the weight (none: 1), in float32.
+NORMS = ("GptOssRMSNorm", "Gemma4RMSNorm")
+# Their dense gated MLPs: down(act(gate(x)) * up(x)).
+GATED_MLPS = ("Gemma4TextMLP",)
+
+
+def native_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
+                     scaling: float, dropout: float = 0.0, sliding_window: int | None = None, softcap=None,
+                     s_aux=None, **kwargs):
+    """transformers' attention interface as the native attend computes it: the keys and values read where they lie
+    (a cache growing in place hands out views), grouped heads without repeat_kv's copies (8 of each key for
+    gpt-oss's 64 heads over 8), each head's sink logit (gpt-oss's `s_aux`) in its softmax; (output [b, t, heads *
+    dim], None) as the eager interface returns them."""
+    out = torch.ops.rungen_ggml.attend(query, key, value, attention_mask, scaling, softcap or 0.0,
+                                       sliding_window or 0, s_aux)
+    return out.to(query.dtype), None
+
+
+class NativeRMSNorm(torch.nn.Module):
+    """An RMSNorm of NORMS as one rms_norm call (a norm without a weight, Gemma 4's v_norm and router norm: ones)."""
+
+    def __init__(self, weight: torch.Tensor | None, eps: float):
+        super().__init__()
+        self.register_buffer("weight", None if weight is None else weight.detach().float(), persistent=False)
+        self.eps, self.ones = eps, {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if weight is None:
+            weight = self.ones.setdefault(x.shape[-1], torch.ones(x.shape[-1]))
+        return torch.ops.rungen_ggml.rms_norm(x, weight, self.eps).to(x.dtype)
+
+
+class NativeGatedMLP(torch.nn.Module):
+    """A gated MLP of GATED_MLPS over blocks: gate and up one product (their rows joined), the activation of the
+    product one call, then down."""
+
+    def __init__(self, gate_up: torch.nn.Module, down_proj: torch.nn.Module, activation: str):
+        super().__init__()
+        self.gate_up, self.down_proj, self.activation = gate_up, down_proj, activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ACTIVATIONS[self.activation](self.gate_up(x), True))
+
+
+def steps_natively(model: torch.nn.Module) -> bool:
+    """Gives a model of NATIVE_STEPS_MODELS native_attention and a cache that grows in place (rungen.kvcache's
+    new_cache), its norms NativeRMSNorm and its gated MLPs over blocks NativeGatedMLP, where the native kernels are;
+    returns whether."""
+    if not native_kernels() or type(model).__name__ not in NATIVE_STEPS_MODELS:
+        return False
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(NATIVE_ATTENTION, native_attention)
+    AttentionMaskInterface.register(NATIVE_ATTENTION, eager_mask)
+    model.config._attn_implementation = NATIVE_ATTENTION
+    model.cache_grows_in_place = True
+    activation = getattr(model.config.get_text_config(decoder=True), "hidden_activation", None)
+    for name, module in list(model.named_modules()):
+        kind = type(module).__name__
+        if kind in NORMS:
+            eps = getattr(module, "eps", getattr(module, "variance_epsilon", None))
+            model.set_submodule(name, NativeRMSNorm(getattr(module, "weight", None), eps))
+        elif kind in GATED_MLPS and activation in ACTIVATIONS and all(
+                type(getattr(module, part)) is GGMLLinear for part in ("gate_proj", "up_proj")):
+            gate_up = join([module.gate_proj, module.up_proj])
+            if gate_up is not None:
+                model.set_submodule(name, NativeGatedMLP(gate_up, module.down_proj, activation))
+    return True
