@@ -37,7 +37,7 @@ from rungen.gguf.decoder import DecoderStack, FusedDecoderLayer, products_one_by
 from rungen.gguf.experts import ExpertRouter, GGMLExperts
 from rungen.gguf.file import GGUFHeader, metadata_parsed_once
 from rungen.gguf.model import GGUFCausalLM
-from rungen.gguf.native_steps import NATIVE_ATTENTION, NativeGatedMLP
+from rungen.gguf.native_steps import NATIVE_ATTENTION, NativeGatedMLP, NativeGemma4Attention
 from rungen.loading import default_model_file, load, load_gguf
 from tiny_models import default_tokenizer_fields, write_gpt2_gguf, write_out
 
@@ -784,12 +784,22 @@ def test_a_gemma4_file_as_llama_cpp_writes_it_computes_its_checkpoint(tmp_path, 
         theirs = reference(ids).logits
         model = load(q8_0, device=torch.device("cpu")).model
         assert any(isinstance(module, GGMLLinear) for module in model.modules())
-        if native_kernels():  # its norms one native call each, its MLPs' gate and up one product
+        if native_kernels():  # its norms one native call each, its MLPs' gate and up one product, its attention's
+            # q/k/v one product and their norms and rotation one call
             assert not [m for m in model.modules() if type(m).__name__ in ("Gemma4RMSNorm", "Gemma4TextMLP")]
             assert all(isinstance(layer.mlp, NativeGatedMLP) for layer in model.model.layers)
+            assert all(isinstance(layer.self_attn, NativeGemma4Attention) for layer in model.model.layers)
         blocks = exact_weights(model, lambda: model(ids).logits, monkeypatch)
     assert theirs.abs().max() > 0.5
     torch.testing.assert_close(blocks, theirs, rtol=1e-4, atol=1e-4)
+    if native_kernels():  # and in a padded batch and two steps on the cache growing in place
+        from helpers import padded_prompt_and_steps
+
+        ours = exact_weights(model, lambda: padded_prompt_and_steps(model), monkeypatch)
+        theirs = padded_prompt_and_steps(reference)
+        ours[0][0, :2], theirs[0][0, :2] = 0, 0  # (the padding's own positions: no key to see)
+        for got, wanted in zip(ours, theirs):
+            torch.testing.assert_close(got, wanted, rtol=1e-4, atol=1e-4)
 
 
 def test_a_gemma4_mixture_of_experts_file_computes_its_checkpoint(tmp_path, monkeypatch, capsys):

@@ -1,8 +1,8 @@
 """transformers' own decoder layers over a GGUF file's blocks, for the families FusedDecoderLayer does not take
 (gpt-oss's, Gemma 4's), with their small steps on the native kernels on the CPU: the attention (native_attention, over
-a cache growing in place), each RMSNorm one rms_norm call, a gated MLP's gate and up one product and its activation
-one call. The arithmetic is transformers' within float32 rounding (a norm's 1 / sqrt where Gemma 4 takes pow(-0.5),
-sums in another order).
+a cache growing in place; Gemma 4's q/k/v one product, their per-head norms and rotation one rope_split call), each
+RMSNorm one rms_norm call, a gated MLP's gate and up one product and its activation one call. The arithmetic is
+transformers' within float32 rounding (a norm's 1 / sqrt where Gemma 4 takes pow(-0.5), sums in another order).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ NATIVE_STEPS_MODELS = ("GptOssForCausalLM", "Gemma4ForCausalLM")
 NORMS = ("GptOssRMSNorm", "Gemma4RMSNorm")
 # Their dense gated MLPs: down(act(gate(x)) * up(x)).
 GATED_MLPS = ("Gemma4TextMLP",)
+# Their attentions NativeGemma4Attention computes.
+GEMMA4_ATTENTIONS = ("Gemma4TextAttention",)
 
 
 def native_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
@@ -63,6 +65,42 @@ class NativeGatedMLP(torch.nn.Module):
         return self.down_proj(ACTIVATIONS[self.activation](self.gate_up(x), True))
 
 
+class NativeGemma4Attention(torch.nn.Module):
+    """Gemma 4's attention (Gemma4TextAttention) over blocks: q, k and v one product (`qkv`; a full layer without
+    v_proj takes its keys as values, before their norm), q and k normalized per head and rotated in one rope_split
+    call, v normalized per head (no weight) in one rms_norm, then the cache, native_attention and o_proj as the
+    module does; a layer reusing an earlier layer's keys and values (E2B/E4B's last ones) computes its q alone."""
+
+    def __init__(self, attention: torch.nn.Module, qkv: torch.nn.Module | None):
+        super().__init__()
+        self.attention, self.qkv = attention, qkv
+        self.heads = attention.config.num_attention_heads
+        self.kv_heads = 0 if attention.is_kv_shared_layer else attention.k_proj.out_features // attention.head_dim
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask, shared_kv_states,
+                past_key_values=None, **kwargs):
+        a, ops = self.attention, torch.ops.rungen_ggml
+        cos, sin = position_embeddings
+        q_norm = a.q_norm.weight
+        if a.is_kv_shared_layer:
+            q, _, _ = ops.rope_split(a.q_proj(hidden_states), cos, sin, self.heads, 0, q_norm, None, a.q_norm.eps)
+            key_states, value_states = shared_kv_states[a.layer_type]
+        else:
+            qkv = self.qkv(hidden_states)
+            if a.v_proj is None:  # the keys as values
+                qkv = torch.cat([qkv, qkv[..., -self.kv_heads * a.head_dim:]], dim=-1)
+            q, key_states, v = ops.rope_split(qkv, cos, sin, self.heads, self.kv_heads, q_norm, a.k_norm.weight,
+                                              a.q_norm.eps)
+            value_states = a.v_norm(v)
+            if past_key_values is not None:
+                key_states, value_states = past_key_values.update(key_states, value_states, a.layer_idx)
+        if a.store_full_length_kv:
+            shared_kv_states[a.layer_type] = key_states, value_states
+        out, _ = native_attention(a, q, key_states, value_states, attention_mask, a.scaling,
+                                  sliding_window=a.sliding_window)
+        return a.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), None
+
+
 def steps_natively(model: torch.nn.Module) -> bool:
     """Gives a model of NATIVE_STEPS_MODELS native_attention and a cache that grows in place (rungen.kvcache's
     new_cache), its norms NativeRMSNorm and its gated MLPs over blocks NativeGatedMLP, where the native kernels are;
@@ -87,4 +125,11 @@ def steps_natively(model: torch.nn.Module) -> bool:
             gate_up = join([module.gate_proj, module.up_proj])
             if gate_up is not None:
                 model.set_submodule(name, NativeGatedMLP(gate_up, module.down_proj, activation))
+    for name, module in list(model.named_modules()):  # (their norms native by now)
+        if type(module).__name__ in GEMMA4_ATTENTIONS:
+            shared = module.is_kv_shared_layer
+            parts = [module.q_proj] if shared else [p for p in (module.q_proj, module.k_proj, module.v_proj) if p]
+            qkv = None if shared or not all(type(part) is GGMLLinear for part in parts) else join(parts)
+            if type(module.q_proj) is GGMLLinear and (shared or qkv is not None):
+                model.set_submodule(name, NativeGemma4Attention(module, qkv))
     return True
