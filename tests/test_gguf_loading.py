@@ -806,8 +806,9 @@ def test_a_gemma4_mixture_of_experts_file_computes_its_checkpoint(tmp_path, monk
     # 26B-A4B's layout: a mixture beside each layer's dense MLP, its experts' gate and up in one tensor
     # (ffn_gate_up_exps), the router's input scale and its scale of each expert as llama.cpp's converter names them
     # (ffn_gate_inp.scale, ffn_down_exps.scale): transformers' reading drops all of it and would compute the dense
-    # MLPs alone. The F32 file computes its checkpoint; the Q8_0 file (the experts in blocks, the router F32) in its
-    # blocks what the checkpoint with those weights de-quantized does, each expert's gate and up halves read from
+    # MLPs alone. The F32 file computes its checkpoint; a Q5_0 file (the experts in blocks, the router F32: the type
+    # llama.cpp's Q4_K_M takes for 26B-A4B's rows of 704 and 2112, which transformers' header reader cannot size) in
+    # its blocks what the checkpoint with those weights de-quantized does, each expert's gate and up halves read from
     # the one tensor; the same as a device takes it (de-quantized there, or in codes: plain products standing in for
     # the GPU's kernel). transformers' own loader (--dequantize) is refused in one line.
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -821,20 +822,20 @@ def test_a_gemma4_mixture_of_experts_file_computes_its_checkpoint(tmp_path, monk
     reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     ids = torch.tensor([AutoTokenizer.from_pretrained(checkpoint)(PROMPTS[0]).input_ids])
     f32 = write_gemma4_gguf(checkpoint, str(tmp_path / "f32.gguf"))
-    q8_0 = write_gemma4_gguf(checkpoint, str(tmp_path / "q8_0.gguf"), "Q8_0")
+    q5_0 = write_gemma4_gguf(checkpoint, str(tmp_path / "q5_0.gguf"), "Q5_0")
     with torch.no_grad():
         theirs = reference(ids).logits
         torch.testing.assert_close(load(f32, device=torch.device("cpu")).model(ids).logits, theirs, rtol=1e-5,
                                    atol=1e-5)
-        for name, parameter in reference.named_parameters():  # the weights the Q8_0 file holds (the router's F32)
+        for name, parameter in reference.named_parameters():  # the weights the Q5_0 file holds (the router's F32)
             if parameter.dim() in (2, 3) and parameter.shape[-1] % 32 == 0 and ".router." not in name:
-                blocks = quants.quantize(parameter.numpy(), Q.Q8_0)
-                parameter.copy_(torch.from_numpy(quants.dequantize(blocks, Q.Q8_0)))
+                blocks = quants.quantize(parameter.numpy(), Q.Q5_0)
+                parameter.copy_(torch.from_numpy(quants.dequantize(blocks, Q.Q5_0)))
         theirs = reference(ids).logits
     assert theirs.abs().max() > 0.5
-    model = load(q8_0, device=torch.device("cpu")).model
+    model = load(q5_0, device=torch.device("cpu")).model
     experts = model.model.layers[0].experts
-    assert isinstance(experts, GGMLExperts) and experts.gate_up[0].qtype == Q.Q8_0
+    assert isinstance(experts, GGMLExperts) and experts.gate_up[0].qtype == Q.Q5_0
     assert experts.gate_up[0].out_features == 2 * model.config.moe_intermediate_size
     with torch.no_grad():
         ours = exact_weights(model, lambda m=model: m(ids).logits, monkeypatch)
@@ -854,24 +855,24 @@ def test_a_gemma4_mixture_of_experts_file_computes_its_checkpoint(tmp_path, monk
     del model, experts
     # --quantize: the experts (a minority of this tiny model's weights) de-quantized an expert at a time, the halves
     # too, the linear layers quantized
-    [sequence] = run_generation.main(["--model_name_or_path", q8_0, "--prompt", "Hi", "--length", "2",
+    [sequence] = run_generation.main(["--model_name_or_path", q5_0, "--prompt", "Hi", "--length", "2",
                                       "--quantize", "int8", "--temperature", "0"])
     assert sequence.startswith("Hi")
     # as a device takes it (its build on the CPU here): transformers' own experts, de-quantized; in codes
-    device = build_model(GGUFHeader(q8_0), torch.float32, torch.device("cpu"))
+    device = build_model(GGUFHeader(q5_0), torch.float32, torch.device("cpu"))
     assert type(device.model.layers[0].experts).__name__ == "Gemma4TextExperts"
     with torch.no_grad():
         torch.testing.assert_close(device(ids).logits, theirs, rtol=1e-4, atol=1e-4)
     del device
     monkeypatch.setattr(rungen.gguf.device, "gpu_int8", lambda qtype, device: qtype in INT8_TYPES)
     monkeypatch.setattr(rungen.gguf.device, "checked_kernel", lambda layer, dtype, instead: plain_grouped_kernel())
-    coded = build_model(GGUFHeader(q8_0), torch.float32, torch.device("cpu"))
+    coded = build_model(GGUFHeader(q5_0), torch.float32, torch.device("cpu"))
     assert isinstance(coded.model.layers[0].experts, CodedExperts)
     with torch.no_grad():
         torch.testing.assert_close(coded(ids).logits, theirs, rtol=1e-4, atol=1e-4)
     del coded
-    code, line = error_of(["--model_name_or_path", q8_0, "--prompt", "Hi", "--length", "2", "--dequantize"], capsys)
-    assert code == 2 and line.endswith("q8_0.gguf: transformers reads no Gemma 4 mixture of experts as llama.cpp "
+    code, line = error_of(["--model_name_or_path", q5_0, "--prompt", "Hi", "--length", "2", "--dequantize"], capsys)
+    assert code == 2 and line.endswith("q5_0.gguf: transformers reads no Gemma 4 mixture of experts as llama.cpp "
                                        "writes it (its experts' gate and up in one tensor, the router's scales); it "
                                        "runs here in its own blocks, without --dequantize or --device_map"), line
 

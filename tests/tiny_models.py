@@ -984,7 +984,8 @@ def write_gemma4_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> st
     """The GGUF file llama.cpp's converter (conversion/gemma.py's Gemma4Model) writes of a Gemma 4 checkpoint: its
     metadata keys, its vocabulary (model "gemma4"), the rope_freqs tensor of the full layers' proportional rotary
     (1 for a rotated pair, 1e30 for the others), each layer's scalar as layer_output_scale, norms as stored (Gemma 4's
-    add no 1); matrices and experts in `qtype_name` (F32, or Q8_0 as --outtype q8_0 writes them: the router F32)."""
+    add no 1); matrices and experts in `qtype_name` (F32; Q8_0 as --outtype q8_0 writes them, the router F32; Q5_0, the
+    type llama.cpp's Q4_K_M falls back to where a row is not whole superblocks: 26B-A4B's 704 and 2112)."""
     import pathlib
 
     import gguf
@@ -1022,7 +1023,7 @@ def write_gemma4_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> st
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_key_length(full_head)
     writer.add_value_length(full_head)
-    writer.add_file_type({"F32": 0, "Q8_0": 7}[qtype_name])
+    writer.add_file_type({"F32": 0, "Q8_0": 7, "Q5_0": 8}[qtype_name])
     if config.get("final_logit_softcapping"):
         writer.add_final_logit_softcapping(config["final_logit_softcapping"])
     writer.add_sliding_window(config["sliding_window"])
@@ -1064,8 +1065,8 @@ def write_gemma4_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> st
             name = names.get_name(base) + "." + suffix
         values = value.float().numpy()
         # (matrices and the experts' 3-D tensors; the router's stays F32, as the converter keeps ffn_gate_inp)
-        if qtype_name == "Q8_0" and values.ndim in (2, 3) and values.shape[-1] % 32 == 0 and "gate_inp" not in name:
-            writer.add_tensor(name, gguf.quants.quantize(values, Q.Q8_0), raw_dtype=Q.Q8_0)
+        if qtype_name != "F32" and values.ndim in (2, 3) and values.shape[-1] % 32 == 0 and "gate_inp" not in name:
+            writer.add_tensor(name, gguf.quants.quantize(values, Q[qtype_name]), raw_dtype=Q[qtype_name])
         else:
             writer.add_tensor(name, values)
     return write_out(writer, path)

@@ -277,7 +277,6 @@ def _gemma4_config(path: str, metadata: dict, tensors, config: dict) -> None:
     defaults (one published model's): the sliding layers' head size, which layers slide, how many last layers
     reuse earlier keys and values, the per-layer embedding's width and rows, both rotaries, the full layers' kv heads
     (their keys as values where they have no value projection), the shared layers' double-wide MLP, the logits' cap."""
-    from transformers.integrations.gguf.reader import GgufHeader
 
     def key(name, default=None):
         return metadata.get(f"gemma4.{name}", default)
@@ -306,18 +305,17 @@ def _gemma4_config(path: str, metadata: dict, tensors, config: dict) -> None:
     if isinstance(widths, list):
         config["intermediate_size"] = widths[0]
         config["use_double_wide_mlp"] = widths[-1] == 2 * widths[0]
-    header = GgufHeader.from_file(path)
-    table = {t.name: t for t in header.tensors}
+    table = {row[0]: row for row in tensor_table(path)[1]}
     per_layer = key("embedding_length_per_layer_input", 0)
     config["hidden_size_per_layer_input"] = per_layer
     if per_layer and "per_layer_token_embd.weight" in table:
-        config["vocab_size_per_layer_input"] = table["per_layer_token_embd.weight"].shape[0]
+        config["vocab_size_per_layer_input"] = table["per_layer_token_embd.weight"][2][0]
     rope = config.get("rope_parameters") or {}
     full_rope = {**rope.get("full_attention", {"rope_type": "proportional"}),
                  "rope_theta": key("rope.freq_base", 1_000_000.0)}
     factors = table.get("rope_freqs.weight")
-    if factors is not None and factors.ggml_type == 0:  # 1 for each rotated pair, 1e30 for the rest
-        rotated = int((_f32_values(header, factors) == 1.0).sum())
+    if factors is not None and factors[1] == 0:  # 1 for each rotated pair, 1e30 for the rest
+        rotated = int((_f32_values(path, factors) == 1.0).sum())
         full_rope["partial_rotary_factor"] = 2 * rotated / config["global_head_dim"]
     config["rope_parameters"] = {"sliding_attention": {**rope.get("sliding_attention", {"rope_type": "default"}),
                                                        "rope_theta": key("rope.freq_base_swa", 10_000.0)},
@@ -385,26 +383,22 @@ def with_expert_names(model_type: str, names: dict[str, str], tensors: set[str])
     return names | extra
 
 
-def _f32_values(header, tensor) -> np.ndarray:
-    """An F32 tensor's values, read from the file (transformers' GgufHeader and its TensorInfo)."""
-    return np.fromfile(header.path, dtype="<f4", count=int(np.prod(tensor.shape)),
-                       offset=header.data_start + tensor.offset)
+def _f32_values(path: str, row: list) -> np.ndarray:
+    """An F32 tensor's values, read from the file (`row`: tensor_table's)."""
+    return np.fromfile(path, dtype="<f4", count=int(np.prod(row[2])), offset=row[4])
 
 
 def _longrope(path: str, arch: str, metadata: dict) -> dict:
     """transformers' longrope rope_scaling of the file's rope_factors_long/short tensors and rope.scaling keys."""
-    from transformers.integrations.gguf.reader import GgufHeader
-
     original = metadata.get(f"{arch}.rope.scaling.original_context_length")
-    header = GgufHeader.from_file(path)
-    tensors = {t.name: t for t in header.tensors}
+    tensors = {row[0]: row for row in tensor_table(path)[1]}
     factors = {}
     for kind in ("long", "short"):
-        tensor = tensors.get(f"rope_factors_{kind}.weight")
-        if tensor is None or tensor.ggml_type != 0 or original is None:
+        row = tensors.get(f"rope_factors_{kind}.weight")
+        if row is None or row[1] != 0 or original is None:
             raise GGUFError(f"{path}: its longrope scaling needs rope_factors_long/short (F32) and "
                             f"{arch}.rope.scaling.original_context_length, which it does not all have")
-        factors[f"{kind}_factor"] = [float(x) for x in _f32_values(header, tensor)]
+        factors[f"{kind}_factor"] = [float(x) for x in _f32_values(path, row)]
     scaling = {"rope_type": "longrope", **factors, "original_max_position_embeddings": int(original)}
     if f"{arch}.rope.scaling.attn_factor" in metadata:  # the cos/sin scale llama.cpp was given; transformers'
         scaling["attention_factor"] = float(metadata[f"{arch}.rope.scaling.attn_factor"])  # default is the same rule
@@ -525,19 +519,11 @@ class GGUFHeader:
         logger.log(NOTICE, "Reading the GGUF header of %s (once: later runs read it from the cache)",
                    os.path.basename(self.path))
         from transformers import AutoConfig, AutoTokenizer
-        from transformers.integrations.gguf.reader import GgufHeader
 
         from .tokenizer import save_class_run
 
         directory, file = os.path.split(self.path)
-        try:
-            # transformers' reader skips the vocabulary, which the gguf package's builds object by object.
-            table = GgufHeader.from_file(self.path)
-            architecture = table.architecture
-            tensors = [[t.name, t.ggml_type, *_numpy_layout(t.ggml_type, t.shape), table.data_start + t.offset,
-                        t.nbytes] for t in table.tensors]
-        except Exception:  # a type transformers cannot size, or a malformed file: the gguf package decides
-            architecture, tensors = _read_with_gguf(self.path)
+        architecture, tensors = tensor_table(self.path)
         check_whole(self.path, [(offset, nbytes) for *_, offset, nbytes in tensors])
         unsupported = [(name, code) for name, code, *_ in tensors if code not in FLOAT_TYPES and code not in SUPPORTED]
         if unsupported and self.blocks:  # before the slow conversions: this file will not run here
@@ -602,6 +588,20 @@ class GGUFHeader:
         os.replace(tmp, path)  # atomic: never read half-written
 
 
+def tensor_table(path: str) -> tuple[str, list]:
+    """(architecture, [[name, type code, numpy shape, numpy dtype, byte offset in the file, bytes], ...]): by
+    transformers' reader, which skips the vocabulary (the gguf package's builds it object by object), else (a type
+    transformers cannot size: Q5_0, Q5_1, MXFP4; a malformed file) by the gguf package's."""
+    from transformers.integrations.gguf.reader import GgufHeader
+
+    try:
+        table = GgufHeader.from_file(path)
+    except Exception:
+        return _read_with_gguf(path)
+    return table.architecture, [[t.name, t.ggml_type, *_numpy_layout(t.ggml_type, t.shape),
+                                 table.data_start + t.offset, t.nbytes] for t in table.tensors]
+
+
 def _read_with_gguf(path: str) -> tuple[str, list]:
     """(architecture, tensor table) by the gguf package's reader, which knows every ggml type."""
     from gguf import GGUFReader
@@ -642,18 +642,12 @@ def check_whole(path: str, tensors: list[tuple[int, int]]) -> None:
 def transformers_cannot_load(path: str, error: BaseException) -> GGUFError:
     """The one line for a GGUF file transformers' readers or classes failed on: a file cut short or unreadable says
     so, any other says transformers' reason."""
-    from transformers.integrations.gguf.reader import GgufHeader
-
     if isinstance(error, GGUFError):  # complete_config's own line, raised within transformers' reading
         return error
     try:
-        table = GgufHeader.from_file(path)
-    except Exception as unreadable:  # whatever a malformed header triggers
-        return GGUFError(f"{path}: not a readable GGUF file ({why_unreadable(path, unreadable)})")
-    try:
-        check_whole(path, [(table.data_start + t.offset, t.nbytes) for t in table.tensors])
-    except GGUFError as short:
-        return short
+        check_whole(path, [(offset, nbytes) for *_, offset, nbytes in tensor_table(path)[1]])
+    except GGUFError as unreadable:  # a malformed header, or tensors past the file's end
+        return unreadable
     return GGUFError(f"{path}: transformers cannot load it ({first_line(error)})")
 
 
