@@ -1,6 +1,6 @@
 """transformers' own decoder layers over a GGUF file's blocks, for the families FusedDecoderLayer does not take
 (gpt-oss's, Gemma 4's), with their small steps on the native kernels on the CPU: the attention (native_attention, over
-a cache growing in place; Gemma 4's q/k/v one product, their per-head norms and rotation one rope_split call), each
+a cache growing in place; q/k/v one product, their rotation (Gemma 4's: and per-head norms) one rope_split call), each
 RMSNorm one rms_norm call, a gated MLP's gate and up one product and its activation one call. The arithmetic is
 transformers' within float32 rounding (a norm's 1 / sqrt where Gemma 4 takes pow(-0.5), sums in another order).
 """
@@ -22,8 +22,9 @@ NATIVE_STEPS_MODELS = ("GptOssForCausalLM", "Gemma4ForCausalLM")
 NORMS = ("GptOssRMSNorm", "Gemma4RMSNorm")
 # Their dense gated MLPs: down(act(gate(x)) * up(x)).
 GATED_MLPS = ("Gemma4TextMLP",)
-# Their attentions NativeGemma4Attention computes.
+# Their attentions NativeGemma4Attention and NativeGptOssAttention compute.
 GEMMA4_ATTENTIONS = ("Gemma4TextAttention",)
+GPT_OSS_ATTENTIONS = ("GptOssAttention",)
 
 
 def native_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
@@ -101,6 +102,31 @@ class NativeGemma4Attention(torch.nn.Module):
         return a.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), None
 
 
+class NativeGptOssAttention(torch.nn.Module):
+    """gpt-oss's attention (GptOssAttention) over blocks: q, k and v one product with their biases (`qkv`), q and k
+    rotated in one rope_split call (gpt-oss rotates each head's first half against its second, rope_split's
+    rotate_half, by cos/sin of half a head: given twice), then the cache, native_attention with each head's sink
+    logit and o_proj as the module does."""
+
+    def __init__(self, attention: torch.nn.Module, qkv: torch.nn.Module):
+        super().__init__()
+        self.attention, self.qkv = attention, qkv
+        self.heads = attention.config.num_attention_heads
+        self.kv_heads = attention.config.num_key_value_heads
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask, past_key_values=None,
+                **kwargs):
+        a = self.attention
+        cos, sin = (torch.cat([half, half], dim=-1) for half in position_embeddings)
+        q, key_states, value_states = torch.ops.rungen_ggml.rope_split(self.qkv(hidden_states), cos, sin, self.heads,
+                                                                       self.kv_heads)
+        if past_key_values is not None:
+            key_states, value_states = past_key_values.update(key_states, value_states, a.layer_idx)
+        out, _ = native_attention(a, q, key_states, value_states, attention_mask, a.scaling,
+                                  sliding_window=a.sliding_window, s_aux=a.sinks)
+        return a.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), None
+
+
 def steps_natively(model: torch.nn.Module) -> bool:
     """Gives a model of NATIVE_STEPS_MODELS native_attention and a cache that grows in place (rungen.kvcache's
     new_cache), its norms NativeRMSNorm and its gated MLPs over blocks NativeGatedMLP, where the native kernels are;
@@ -132,4 +158,9 @@ def steps_natively(model: torch.nn.Module) -> bool:
             qkv = None if shared or not all(type(part) is GGMLLinear for part in parts) else join(parts)
             if type(module.q_proj) is GGMLLinear and (shared or qkv is not None):
                 model.set_submodule(name, NativeGemma4Attention(module, qkv))
+        elif type(module).__name__ in GPT_OSS_ATTENTIONS:
+            parts = [module.q_proj, module.k_proj, module.v_proj]
+            qkv = join(parts) if all(type(part) is GGMLLinear for part in parts) else None
+            if qkv is not None:
+                model.set_submodule(name, NativeGptOssAttention(module, qkv))
     return True
