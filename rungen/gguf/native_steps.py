@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..host_memory import release_freed_memory
 from .blocks import GGMLLinear, join
 from .decoder import ACTIVATIONS
 from .kernels import native_kernels
@@ -77,6 +78,9 @@ class NativeGemma4Attention(torch.nn.Module):
         self.attention, self.qkv = attention, qkv
         self.heads = attention.config.num_attention_heads
         self.kv_heads = 0 if attention.is_kv_shared_layer else attention.k_proj.out_features // attention.head_dim
+        self.keys_as_values = not attention.is_kv_shared_layer and attention.v_proj is None
+        if qkv is not None:  # the separate products leave: their rows are qkv's
+            attention.q_proj = attention.k_proj = attention.v_proj = None
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask, shared_kv_states,
                 past_key_values=None, **kwargs):
@@ -88,7 +92,7 @@ class NativeGemma4Attention(torch.nn.Module):
             key_states, value_states = shared_kv_states[a.layer_type]
         else:
             qkv = self.qkv(hidden_states)
-            if a.v_proj is None:  # the keys as values
+            if self.keys_as_values:
                 qkv = torch.cat([qkv, qkv[..., -self.kv_heads * a.head_dim:]], dim=-1)
             q, key_states, v = ops.rope_split(qkv, cos, sin, self.heads, self.kv_heads, q_norm, a.k_norm.weight,
                                               a.q_norm.eps)
@@ -113,6 +117,7 @@ class NativeGptOssAttention(torch.nn.Module):
         self.attention, self.qkv = attention, qkv
         self.heads = attention.config.num_attention_heads
         self.kv_heads = attention.config.num_key_value_heads
+        attention.q_proj = attention.k_proj = attention.v_proj = None  # (their rows are qkv's)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask, past_key_values=None,
                 **kwargs):
@@ -129,8 +134,9 @@ class NativeGptOssAttention(torch.nn.Module):
 
 def steps_natively(model: torch.nn.Module) -> bool:
     """Gives a model of NATIVE_STEPS_MODELS native_attention and a cache that grows in place (rungen.kvcache's
-    new_cache), its norms NativeRMSNorm and its gated MLPs over blocks NativeGatedMLP, where the native kernels are;
-    returns whether."""
+    new_cache), its norms NativeRMSNorm, its gated MLPs and attentions over blocks NativeGatedMLP and
+    NativeGemma4Attention or NativeGptOssAttention, where the native kernels are; returns whether. A module at a
+    time: its joined products' old blocks go, their pages given back, before the next are joined."""
     if not native_kernels() or type(model).__name__ not in NATIVE_STEPS_MODELS:
         return False
     from transformers import AttentionInterface
@@ -141,26 +147,35 @@ def steps_natively(model: torch.nn.Module) -> bool:
     model.config._attn_implementation = NATIVE_ATTENTION
     model.cache_grows_in_place = True
     activation = getattr(model.config.get_text_config(decoder=True), "hidden_activation", None)
-    for name, module in list(model.named_modules()):
-        kind = type(module).__name__
-        if kind in NORMS:
+    # (names, not modules: a list of the modules would keep every replaced one's blocks until the end)
+    names = [name for name, module in model.named_modules() if type(module).__name__ in NORMS + GATED_MLPS]
+    for name in names:
+        module = model.get_submodule(name)
+        if type(module).__name__ in NORMS:
             eps = getattr(module, "eps", getattr(module, "variance_epsilon", None))
             model.set_submodule(name, NativeRMSNorm(getattr(module, "weight", None), eps))
-        elif kind in GATED_MLPS and activation in ACTIVATIONS and all(
+        elif activation in ACTIVATIONS and all(
                 type(getattr(module, part)) is GGMLLinear for part in ("gate_proj", "up_proj")):
             gate_up = join([module.gate_proj, module.up_proj])
             if gate_up is not None:
                 model.set_submodule(name, NativeGatedMLP(gate_up, module.down_proj, activation))
-    for name, module in list(model.named_modules()):  # (their norms native by now)
+                del module
+                release_freed_memory()  # (the separate blocks' pages back before the next join)
+    names = [name for name, module in model.named_modules()  # (their norms native by now)
+             if type(module).__name__ in GEMMA4_ATTENTIONS + GPT_OSS_ATTENTIONS]
+    for name in names:
+        module = model.get_submodule(name)
         if type(module).__name__ in GEMMA4_ATTENTIONS:
             shared = module.is_kv_shared_layer
             parts = [module.q_proj] if shared else [p for p in (module.q_proj, module.k_proj, module.v_proj) if p]
             qkv = None if shared or not all(type(part) is GGMLLinear for part in parts) else join(parts)
             if type(module.q_proj) is GGMLLinear and (shared or qkv is not None):
                 model.set_submodule(name, NativeGemma4Attention(module, qkv))
-        elif type(module).__name__ in GPT_OSS_ATTENTIONS:
+        else:
             parts = [module.q_proj, module.k_proj, module.v_proj]
             qkv = join(parts) if all(type(part) is GGMLLinear for part in parts) else None
             if qkv is not None:
                 model.set_submodule(name, NativeGptOssAttention(module, qkv))
+        del module, parts
+        release_freed_memory()
     return True
