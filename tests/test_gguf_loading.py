@@ -743,6 +743,20 @@ def test_a_mixtral_file_is_a_llama_file_with_experts_and_computes_mixtral_in_its
                                        "from 0 or differ in type or shape")
 
 
+def gemma4_files(tmp_path, variant: str, qtype_name: str):
+    """(transformers' model of a tiny Gemma 4 checkpoint of `variant`'s layout, a prompt's ids, its F32 and
+    `qtype_name` GGUF files as llama.cpp's converter writes them)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tiny_models import gemma4_checkpoint, write_gemma4_gguf
+
+    checkpoint = gemma4_checkpoint(str(tmp_path), variant)
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    ids = torch.tensor([AutoTokenizer.from_pretrained(checkpoint)(PROMPTS[0]).input_ids])
+    return (reference, ids, write_gemma4_gguf(checkpoint, str(tmp_path / "f32.gguf")),
+            write_gemma4_gguf(checkpoint, str(tmp_path / f"{qtype_name.lower()}.gguf"), qtype_name))
+
+
 @pytest.mark.parametrize("variant", ["e2b", "31b"])
 def test_a_gemma4_file_as_llama_cpp_writes_it_computes_its_checkpoint(tmp_path, monkeypatch, variant):
     # transformers' reading of a Gemma 4 file leaves Gemma4TextConfig's defaults (one published model's) where the
@@ -753,15 +767,8 @@ def test_a_gemma4_file_as_llama_cpp_writes_it_computes_its_checkpoint(tmp_path, 
     # cache growing in place in a padded batch and two steps, and with --dequantize), the Q8_0 file in its blocks
     # what the checkpoint with those weights de-quantized does.
     from gguf import GGMLQuantizationType as Q
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tiny_models import gemma4_checkpoint, write_gemma4_gguf
-
-    checkpoint = gemma4_checkpoint(str(tmp_path), variant)
-    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    ids = torch.tensor([AutoTokenizer.from_pretrained(checkpoint)(PROMPTS[0]).input_ids])
-    f32 = write_gemma4_gguf(checkpoint, str(tmp_path / "f32.gguf"))
-    q8_0 = write_gemma4_gguf(checkpoint, str(tmp_path / "q8_0.gguf"), "Q8_0")
+    reference, ids, f32, q8_0 = gemma4_files(tmp_path, variant, "Q8_0")
     with torch.no_grad():
         theirs = reference(ids).logits
         for dequantize in (False, True):
@@ -811,18 +818,11 @@ def test_a_gemma4_mixture_of_experts_file_computes_its_checkpoint(tmp_path, monk
     # its blocks what the checkpoint with those weights de-quantized does, each expert's gate and up halves read from
     # the one tensor; the same as a device takes it (de-quantized there, or in codes: plain products standing in for
     # the GPU's kernel). transformers' own loader (--dequantize) is refused in one line.
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     import rungen.gguf.device
     from rungen.gguf.device import INT8_TYPES
     from rungen.gguf.device_experts import CodedExperts
-    from tiny_models import gemma4_checkpoint, write_gemma4_gguf
 
-    checkpoint = gemma4_checkpoint(str(tmp_path), "26b-a4b")
-    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    ids = torch.tensor([AutoTokenizer.from_pretrained(checkpoint)(PROMPTS[0]).input_ids])
-    f32 = write_gemma4_gguf(checkpoint, str(tmp_path / "f32.gguf"))
-    q5_0 = write_gemma4_gguf(checkpoint, str(tmp_path / "q5_0.gguf"), "Q5_0")
+    reference, ids, f32, q5_0 = gemma4_files(tmp_path, "26b-a4b", "Q5_0")
     with torch.no_grad():
         theirs = reference(ids).logits
         torch.testing.assert_close(load(f32, device=torch.device("cpu")).model(ids).logits, theirs, rtol=1e-5,
