@@ -37,7 +37,7 @@ from rungen.gguf.decoder import DecoderStack, FusedDecoderLayer, products_one_by
 from rungen.gguf.experts import ExpertRouter, GGMLExperts
 from rungen.gguf.file import GGUFHeader, metadata_parsed_once
 from rungen.gguf.model import GGUFCausalLM
-from rungen.gguf.native_steps import NATIVE_ATTENTION, NativeGatedMLP, NativeGemma4Attention, NativeGptOssAttention
+from rungen.gguf.native_steps import NATIVE_ATTENTION, NativeGatedMLP, NativeGemma4Attention, NativeRotaryAttention
 from rungen.loading import default_model_file, load, load_gguf
 from tiny_models import default_tokenizer_fields, write_gpt2_gguf, write_out
 
@@ -877,6 +877,44 @@ def test_a_gemma4_mixture_of_experts_file_computes_its_checkpoint(tmp_path, monk
                                        "runs here in its own blocks, without --dequantize or --device_map"), line
 
 
+def test_a_smollm3_file_as_llama_cpp_writes_it_computes_its_checkpoint(tmp_path, monkeypatch):
+    # transformers' GGUF reading knows no smollm3 architecture (SmolLM3-3B's files): read as a llama file (its keys,
+    # its q/k permutation undone) into SmolLM3's own class, whose every fourth layer has no rotary, as llama.cpp
+    # fixes it. The F32 file computes its checkpoint; the Q8_0 file in its blocks what the checkpoint with those
+    # weights de-quantized does, its steps native (q/k/v one product, the rotation one call or none, the norms, the
+    # MLP's gate and up one product), in a left-padded batch and two steps on the cache growing in place.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from helpers import padded_prompt_and_steps
+    from tiny_models import smollm3_checkpoint, write_smollm3_gguf
+
+    checkpoint = smollm3_checkpoint(str(tmp_path))
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    ids = torch.tensor([AutoTokenizer.from_pretrained(checkpoint)(PROMPTS[0]).input_ids])
+    f32 = write_smollm3_gguf(checkpoint, str(tmp_path / "f32.gguf"))
+    q8_0 = write_smollm3_gguf(checkpoint, str(tmp_path / "q8_0.gguf"), "Q8_0")
+    with torch.no_grad():
+        theirs = reference(ids).logits
+        torch.testing.assert_close(load(f32, device=torch.device("cpu")).model(ids).logits, theirs, rtol=1e-5,
+                                   atol=1e-5)
+        for parameter in reference.parameters():  # the weights the Q8_0 file holds
+            if parameter.dim() == 2 and parameter.shape[-1] % 32 == 0:
+                blocks = quants.quantize(parameter.numpy(), Q.Q8_0)
+                parameter.copy_(torch.from_numpy(quants.dequantize(blocks, Q.Q8_0)))
+    theirs = padded_prompt_and_steps(reference)
+    assert theirs[0].abs().max() > 1
+    model = load(q8_0, device=torch.device("cpu")).model
+    assert type(model).__name__ == "SmolLM3ForCausalLM"
+    if native_kernels():
+        attentions = [layer.self_attn for layer in model.model.layers]
+        assert all(isinstance(attention, NativeRotaryAttention) for attention in attentions)
+        assert [attention.rotates for attention in attentions] == [True, True, True, False] * 2
+    ours = exact_weights(model, lambda: padded_prompt_and_steps(model), monkeypatch)
+    ours[0][0, :2], theirs[0][0, :2] = 0, 0  # (the padding's own positions: no key to see)
+    for got, wanted in zip(ours, theirs):
+        torch.testing.assert_close(got, wanted, rtol=1e-4, atol=1e-4)
+
+
 def test_mxfp4_blocks_are_held_as_iq4_nl_blocks_of_their_table_and_the_same_weights():
     # gpt-oss's experts: each 32 weights a power-of-two scale byte e, 2^(e - 128), and e2m1 codes, held as IQ4_NL's
     # blocks (a float16 scale, the codes as they are) that index MXFP4's table. A zero block, and scales below
@@ -949,7 +987,7 @@ def test_a_gpt_oss_file_as_llama_cpp_writes_it_computes_its_checkpoint(tmp_path,
         for got, wanted in zip(native, modules):
             torch.testing.assert_close(got, wanted, rtol=1e-4, atol=1e-4)
     # Its published form (MXFP4_MOE: the other matrices Q8_0, the router F32): the attention's q, k and v with their
-    # biases one product, their rotation one native call (NativeGptOssAttention)
+    # biases one product, their rotation one native call (NativeRotaryAttention)
     published = write_gpt_oss_gguf(checkpoint, str(tmp_path / "mxfp4_moe.gguf"), others="Q8_0")
     with torch.no_grad():
         for name, parameter in reference.named_parameters():  # the weights the file holds in Q8_0
@@ -960,7 +998,7 @@ def test_a_gpt_oss_file_as_llama_cpp_writes_it_computes_its_checkpoint(tmp_path,
     theirs_q8 = padded_prompt_and_steps(reference)
     q8 = load(published, device=torch.device("cpu")).model
     if native_kernels():
-        assert all(isinstance(layer.self_attn, NativeGptOssAttention) for layer in q8.model.layers)
+        assert all(isinstance(layer.self_attn, NativeRotaryAttention) for layer in q8.model.layers)
     for got, wanted in zip(exact_weights(q8, lambda m=q8: padded_prompt_and_steps(m), monkeypatch), theirs_q8):
         torch.testing.assert_close(got, wanted, rtol=1e-4, atol=1e-4)
     del q8

@@ -1072,6 +1072,88 @@ def write_gemma4_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> st
     return write_out(writer, path)
 
 
+def smollm3_checkpoint(out_dir: str) -> str:
+    """A tiny random SmolLM3 checkpoint (SmolLM3ForCausalLM) in `out_dir`: SmolLM3-3B's layout 64 wide, 8 layers of
+    which every fourth (the 4th and the 8th) has no rotary (SmolLM3Config's no_rope_layers), 4 heads over 2, tied
+    embeddings; a byte-level BPE vocabulary. The weights drawn wider than the config's 0.02."""
+    from transformers import AutoTokenizer, SmolLM3Config, SmolLM3ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_checkpoint("gpt2", os.path.join(out_dir, "tokenizer")))
+    config = SmolLM3Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.15, tie_word_embeddings=True,
+        pad_token_id=None, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    config.architectures = ["SmolLM3ForCausalLM"]
+    torch.manual_seed(SEED)
+    path = os.path.join(out_dir, "smollm3")
+    SmolLM3ForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def write_smollm3_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
+    """The GGUF file llama.cpp's converter (conversion/llama.py's SmolLM3Model, a LlamaModel) writes of a SmolLM3
+    checkpoint: llama's keys under the smollm3 architecture (no key for the layers without rotary: llama.cpp fixes
+    every fourth), q and k permuted for its interleaved rotary, no output.weight where tied, a GPT-2 style BPE
+    vocabulary; matrices in `qtype_name` (F32, or Q8_0 as --outtype q8_0 writes them)."""
+    import pathlib
+
+    import gguf
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from safetensors.torch import load_file
+
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        config = json.load(f)
+    heads, kv_heads, layers = config["num_attention_heads"], config["num_key_value_heads"], config["num_hidden_layers"]
+    writer = gguf.GGUFWriter(path, "smollm3")
+    writer.add_type("model")
+    writer.add_block_count(layers)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_file_type({"F32": 0, "Q8_0": 7}[qtype_name])
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_rope_dimension_count(config["hidden_size"] // heads)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    vocab = [text for text, _ in sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])]
+    special = set(tokenizer.all_special_tokens)  # (the converter's: an added special token CONTROL, the rest NORMAL)
+    types = [gguf.TokenType.CONTROL if text in special else gguf.TokenType.NORMAL for text in vocab]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(vocab)
+    writer.add_token_types(types)
+    gguf.SpecialVocab(pathlib.Path(checkpoint), load_merges=True).add_to_gguf(writer)
+    writer.add_add_space_prefix(False)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+    def permuted(w, n_head):  # llama.cpp's LlamaModel.permute
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.SMOLLM3, layers)
+    for hf_name, value in load_file(os.path.join(checkpoint, "model.safetensors")).items():
+        if hf_name == "lm_head.weight":
+            continue  # tied
+        values = value.float().numpy()
+        if hf_name.endswith("q_proj.weight"):
+            values = permuted(values, heads)
+        elif hf_name.endswith("k_proj.weight"):
+            values = permuted(values, kv_heads)
+        base, _, suffix = hf_name.rpartition(".")
+        name = names.get_name(base) + "." + suffix
+        if qtype_name == "Q8_0" and values.ndim == 2 and values.shape[-1] % 32 == 0:
+            writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(values), Q.Q8_0), raw_dtype=Q.Q8_0)
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(values))
+    return write_out(writer, path)
+
+
 # gpt-oss's special tokens (o200k_harmony's): the text's start and end, a reply's end, and harmony's message markup.
 HARMONY_TOKENS = ("<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>", "<|start|>",
                   "<|end|>", "<|message|>", "<|call|>")

@@ -40,7 +40,7 @@ from .experts import (
     route_rows_alike,
 )
 from .families import WITH_EXPERTS
-from .file import GGUFHeader, first_line, type_name, unsupported_message
+from .file import GGUFHeader, first_line, read_as_their_likes, type_name, unsupported_message
 from .native_steps import steps_natively
 from .weights import FLOAT_TYPES, GGUFError, WeightReader, as_torch, split_hint
 
@@ -308,6 +308,7 @@ def tensor_processor(architecture: str, config):
     them (transformers has none for it)."""
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, Qwen2MoeTensorProcessor, TensorProcessor
 
+    read_as_their_likes()
     own = TENSOR_PROCESSORS.get(architecture, TensorProcessor)
     if WITH_EXPERTS.get(architecture) != config.model_type:
         return own(config=config.to_dict())

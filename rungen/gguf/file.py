@@ -35,7 +35,7 @@ from .weights import FLOAT_TYPES, GGUFError, with_experts_stacked, with_gate_up_
 logger = logging.getLogger("run_generation")
 
 # Bump when what the header cache holds changes meaning (transformers' version is part of the key too).
-HEADER_CACHE_VERSION = 11
+HEADER_CACHE_VERSION = 12
 
 
 @contextlib.contextmanager
@@ -48,6 +48,7 @@ def metadata_parsed_once(weights: bool = True):
     import gguf
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
+    read_as_their_likes()
     original, parsed = gguf_utils.load_gguf_checkpoint, {}
     reader_class, name_map, readers = gguf.GGUFReader, gguf.get_tensor_name_map, {}
     weights_map = gguf_utils.get_gguf_hf_weights_map
@@ -88,6 +89,25 @@ def metadata_parsed_once(weights: bool = True):
         gguf_utils.load_gguf_checkpoint, gguf.GGUFReader, gguf.get_tensor_name_map = original, reader_class, name_map
         gguf_utils.get_gguf_hf_weights_map = weights_map
         gguf_utils.tqdm = bar
+
+
+# Architectures transformers' GGUF reading does not know, whose files llama.cpp writes with the keys, tensor names and
+# q/k permutation of another's: SmolLM3's (a llama whose every fourth layer has no rotary, SmolLM3Config's default,
+# as llama.cpp fixes it), read as a llama file into transformers' own class of the architecture.
+READ_AS = {"smollm3": "llama"}
+
+
+def read_as_their_likes() -> None:
+    """Teaches transformers' GGUF reading READ_AS's architectures: its config keys and tensor processor those of
+    the architecture each is read as (idempotent)."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    for architecture, like in READ_AS.items():
+        GGUF_CONFIG_MAPPING.setdefault(architecture, GGUF_CONFIG_MAPPING[like])
+        if architecture not in gguf_utils.GGUF_SUPPORTED_ARCHITECTURES:
+            gguf_utils.GGUF_SUPPORTED_ARCHITECTURES.append(architecture)
+        gguf_utils.TENSOR_PROCESSORS.setdefault(architecture, gguf_utils.TENSOR_PROCESSORS[like])
 
 
 # Keys transformers' reading takes a field's first part of (a string's length, a 1-element array) for a value and
@@ -257,6 +277,8 @@ def complete_config(path: str, config: dict) -> None:
             raise GGUFError(f"{path}: its rotary embedding is scaled by {kind!r}, which this tool does not read "
                             "from a gemma3 GGUF file")
         config["rope_scaling"] = {"rope_type": "linear", "factor": metadata[f"{arch}.rope.scaling.factor"]}
+    if arch in READ_AS:  # (its config class's default padding token is its published model's, maybe past this file's)
+        config.setdefault("pad_token_id", None)
     if arch == "gemma4":
         _gemma4_config(path, metadata, tensors, config)
     if arch == "gpt-oss":

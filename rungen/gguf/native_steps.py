@@ -18,14 +18,14 @@ from .kernels import native_kernels
 NATIVE_ATTENTION = "rungen_attend"
 
 # The models of transformers' layers over blocks whose small steps this module takes.
-NATIVE_STEPS_MODELS = ("GptOssForCausalLM", "Gemma4ForCausalLM")
+NATIVE_STEPS_MODELS = ("GptOssForCausalLM", "Gemma4ForCausalLM", "SmolLM3ForCausalLM")
 # Their RMSNorm classes: x / sqrt(mean(x^2) + eps) times the weight (none: 1), in float32.
-NORMS = ("GptOssRMSNorm", "Gemma4RMSNorm")
+NORMS = ("GptOssRMSNorm", "Gemma4RMSNorm", "SmolLM3RMSNorm")
 # Their dense gated MLPs: down(act(gate(x)) * up(x)).
-GATED_MLPS = ("Gemma4TextMLP",)
-# Their attentions NativeGemma4Attention and NativeGptOssAttention compute.
+GATED_MLPS = ("Gemma4TextMLP", "SmolLM3MLP")
+# Their attentions NativeGemma4Attention and NativeRotaryAttention compute.
 GEMMA4_ATTENTIONS = ("Gemma4TextAttention",)
-GPT_OSS_ATTENTIONS = ("GptOssAttention",)
+ROTARY_ATTENTIONS = ("GptOssAttention", "SmolLM3Attention")
 
 
 def native_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
@@ -106,36 +106,43 @@ class NativeGemma4Attention(torch.nn.Module):
         return a.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), None
 
 
-class NativeGptOssAttention(torch.nn.Module):
-    """gpt-oss's attention (GptOssAttention) over blocks: q, k and v one product with their biases (`qkv`), q and k
-    rotated in one rope_split call (gpt-oss rotates each head's first half against its second, rope_split's
-    rotate_half, by cos/sin of half a head: given twice), then the cache, native_attention with each head's sink
-    logit and o_proj as the module does."""
+class NativeRotaryAttention(torch.nn.Module):
+    """A llama-shaped attention of ROTARY_ATTENTIONS over blocks: q, k and v one product with their biases (`qkv`),
+    q and k rotated in one rope_split call, then the cache, native_attention and o_proj as the module does.
+    gpt-oss's rotates each head's first half against its second (rope_split's rotate_half) by cos/sin of half a
+    head, given twice, and gives each head's sink logit; SmolLM3's layers without rotary (every fourth) split q, k
+    and v unrotated."""
 
     def __init__(self, attention: torch.nn.Module, qkv: torch.nn.Module):
         super().__init__()
         self.attention, self.qkv = attention, qkv
         self.heads = attention.config.num_attention_heads
         self.kv_heads = attention.config.num_key_value_heads
+        self.half_head_rotary = type(attention).__name__ == "GptOssAttention"
+        self.rotates = bool(getattr(attention, "use_rope", True))
         attention.q_proj = attention.k_proj = attention.v_proj = None  # (their rows are qkv's)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask, past_key_values=None,
                 **kwargs):
         a = self.attention
-        cos, sin = (torch.cat([half, half], dim=-1) for half in position_embeddings)
+        cos, sin = position_embeddings
+        if self.half_head_rotary:
+            cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+        if not self.rotates:  # (x * 1 - y * 0: x as it is)
+            cos, sin = torch.ones_like(cos), torch.zeros_like(sin)
         q, key_states, value_states = torch.ops.rungen_ggml.rope_split(self.qkv(hidden_states), cos, sin, self.heads,
                                                                        self.kv_heads)
         if past_key_values is not None:
             key_states, value_states = past_key_values.update(key_states, value_states, a.layer_idx)
         out, _ = native_attention(a, q, key_states, value_states, attention_mask, a.scaling,
-                                  sliding_window=a.sliding_window, s_aux=a.sinks)
+                                  sliding_window=a.sliding_window, s_aux=getattr(a, "sinks", None))
         return a.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), None
 
 
 def steps_natively(model: torch.nn.Module) -> bool:
     """Gives a model of NATIVE_STEPS_MODELS native_attention and a cache that grows in place (rungen.kvcache's
     new_cache), its norms NativeRMSNorm, its gated MLPs and attentions over blocks NativeGatedMLP and
-    NativeGemma4Attention or NativeGptOssAttention, where the native kernels are; returns whether. A module at a
+    NativeGemma4Attention or NativeRotaryAttention, where the native kernels are; returns whether. A module at a
     time: its joined products' old blocks go, their pages given back, before the next are joined."""
     if not native_kernels() or type(model).__name__ not in NATIVE_STEPS_MODELS:
         return False
@@ -146,7 +153,8 @@ def steps_natively(model: torch.nn.Module) -> bool:
     AttentionMaskInterface.register(NATIVE_ATTENTION, eager_mask)
     model.config._attn_implementation = NATIVE_ATTENTION
     model.cache_grows_in_place = True
-    activation = getattr(model.config.get_text_config(decoder=True), "hidden_activation", None)
+    text = model.config.get_text_config(decoder=True)
+    activation = getattr(text, "hidden_activation", None) or getattr(text, "hidden_act", None)
     # (names, not modules: a list of the modules would keep every replaced one's blocks until the end)
     names = [name for name, module in model.named_modules() if type(module).__name__ in NORMS + GATED_MLPS]
     for name in names:
@@ -162,7 +170,7 @@ def steps_natively(model: torch.nn.Module) -> bool:
                 del module
                 release_freed_memory()  # (the separate blocks' pages back before the next join)
     names = [name for name, module in model.named_modules()  # (their norms native by now)
-             if type(module).__name__ in GEMMA4_ATTENTIONS + GPT_OSS_ATTENTIONS]
+             if type(module).__name__ in GEMMA4_ATTENTIONS + ROTARY_ATTENTIONS]
     for name in names:
         module = model.get_submodule(name)
         if type(module).__name__ in GEMMA4_ATTENTIONS:
@@ -175,7 +183,7 @@ def steps_natively(model: torch.nn.Module) -> bool:
             parts = [module.q_proj, module.k_proj, module.v_proj]
             qkv = join(parts) if all(type(part) is GGMLLinear for part in parts) else None
             if qkv is not None:
-                model.set_submodule(name, NativeGptOssAttention(module, qkv))
+                model.set_submodule(name, NativeRotaryAttention(module, qkv))
         del module, parts
         release_freed_memory()
     return True
