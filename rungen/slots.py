@@ -14,7 +14,7 @@ from .errors import out_of_device_memory
 from .transfers import to_device
 
 # The families whose attention takes this cache and a 4D mask as transformers writes them (update(k, v, layer)).
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3")
 # Mixtures of experts of those attentions: taken where every layer's experts read nothing back to the host at a
 # decode step (captures_decode: a GGUF file's experts in codes on a GPU, rungen/gguf/device_experts.py), which
 # transformers' own Experts modules do.
