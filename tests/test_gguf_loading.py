@@ -880,9 +880,10 @@ def test_a_gemma4_mixture_of_experts_file_computes_its_checkpoint(tmp_path, monk
 def test_a_smollm3_file_as_llama_cpp_writes_it_computes_its_checkpoint(tmp_path, monkeypatch):
     # transformers' GGUF reading knows no smollm3 architecture (SmolLM3-3B's files): read as a llama file (its keys,
     # its q/k permutation undone) into SmolLM3's own class, whose every fourth layer has no rotary, as llama.cpp
-    # fixes it. The F32 file computes its checkpoint; the Q8_0 file in its blocks what the checkpoint with those
-    # weights de-quantized does, its steps native (q/k/v one product, the rotation one call or none, the norms, the
-    # MLP's gate and up one product), in a left-padded batch and two steps on the cache growing in place.
+    # fixes it. The F32 file computes its checkpoint; the Q8_0 file in its blocks, its layers fused and in one
+    # native call a step (the layers without rotary passed as such), what the checkpoint with those weights
+    # de-quantized does, in a left-padded batch and two steps; its own model code the same bits as the stack
+    # (tests/test_gguf_model.py).
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from helpers import padded_prompt_and_steps
@@ -903,16 +904,23 @@ def test_a_smollm3_file_as_llama_cpp_writes_it_computes_its_checkpoint(tmp_path,
                 parameter.copy_(torch.from_numpy(quants.dequantize(blocks, Q.Q8_0)))
     theirs = padded_prompt_and_steps(reference)
     assert theirs[0].abs().max() > 1
-    model = load(q8_0, device=torch.device("cpu")).model
+    model = build_model(GGUFHeader(q8_0), torch.float32)
     assert type(model).__name__ == "SmolLM3ForCausalLM"
+    assert [layer.rotates for layer in model.model.layers] == [True, True, True, False] * 2
     if native_kernels():
-        attentions = [layer.self_attn for layer in model.model.layers]
-        assert all(isinstance(attention, NativeRotaryAttention) for attention in attentions)
-        assert [attention.rotates for attention in attentions] == [True, True, True, False] * 2
+        assert all(isinstance(layer, FusedDecoderLayer) for layer in model.model.layers)
+        assert isinstance(model.model.__dict__.get("forward"), DecoderStack)
+        assert model.model.forward.stack.rotary == [1, 1, 1, 0] * 2
     ours = exact_weights(model, lambda: padded_prompt_and_steps(model), monkeypatch)
     ours[0][0, :2], theirs[0][0, :2] = 0, 0  # (the padding's own positions: no key to see)
     for got, wanted in zip(ours, theirs):
         torch.testing.assert_close(got, wanted, rtol=1e-4, atol=1e-4)
+    if native_kernels():  # the stack's one call a step gives what the fused layers one by one do
+        stacked = padded_prompt_and_steps(model)
+        with products_one_by_one(model):
+            layered = padded_prompt_and_steps(model)
+        for got, wanted in zip(stacked, layered):
+            torch.testing.assert_close(got, wanted, rtol=1e-5, atol=1e-5)
 
 
 def test_mxfp4_blocks_are_held_as_iq4_nl_blocks_of_their_table_and_the_same_weights():

@@ -63,6 +63,7 @@ class FusedDecoderLayer(torch.nn.Module):
         self.config, self.layer_idx, self.is_causal = config, attention.layer_idx, True
         self.num_key_value_groups, self.scaling = attention.num_key_value_groups, attention.scaling
         self.sliding_window = getattr(config if family.window_on_every_layer else attention, "sliding_window", None)
+        self.rotates = bool(getattr(attention, "use_rope", True))  # (SmolLM3's every fourth layer: no rotary)
         self.softcap = getattr(attention, "attn_logit_softcapping", None)
         # The family's own eager attention (gemma2's soft-caps the logits).
         self.eager = getattr(sys.modules[type(attention).__module__], "eager_attention_forward", None)
@@ -110,7 +111,7 @@ class FusedDecoderLayer(torch.nn.Module):
             return self._two_calls(hidden_states, attention_mask, past_key_values, position_embeddings)
         batch, tokens, _ = hidden_states.shape
         x = self._norm(hidden_states, "input_layernorm", native)
-        cos, sin = position_embeddings
+        cos, sin = unrotated(position_embeddings) if not self.rotates else position_embeddings
         qkv = product(self.qkv, x, native)
         if native:
             q, k, v = torch.ops.rungen_ggml.rope_split(qkv, cos, sin, self.heads, self.kv_heads,
@@ -145,7 +146,8 @@ class FusedDecoderLayer(torch.nn.Module):
 
     def _two_calls(self, hidden_states, attention_mask, past_key_values, position_embeddings):
         """forward's arithmetic, in the same order, as rungen_ggml's attention_in and attention_out_mlp."""
-        ops, (cos, sin) = torch.ops.rungen_ggml, position_embeddings
+        ops = torch.ops.rungen_ggml
+        cos, sin = position_embeddings if self.rotates else unrotated(position_embeddings)
         qkv, o, down = self.qkv, self.o_proj, self.down_proj
         q, k, v = ops.attention_in(hidden_states, *self.norm_args("input_layernorm"), *self.qkv_parts,
                                    qkv.bias, cos, sin, self.heads, self.kv_heads, *self.head_norm_args())
@@ -218,9 +220,11 @@ def native_stack(layers: list[FusedDecoderLayer]) -> NativeStack:
                       if any(layer.norm_args(name)[0] is not None for layer in layers) else []
                       for name in ("attention_out_norm", "mlp_out_norm"))
     windows = [layer.sliding_window or 0 for layer in layers]
+    rotary = [int(layer.rotates) for layer in layers]
     return NativeStack(weights, first.norm_args("input_layernorm")[1], first.scaling, first.heads, first.kv_heads,
                        head_dim, out_norms, windows if any(windows) else [], first.softcap or 0.0,
-                       first.activation == "gelu_pytorch_tanh", StackMixtures.of(mixtures))
+                       first.activation == "gelu_pytorch_tanh", StackMixtures.of(mixtures),
+                       [] if all(rotary) else rotary)
 
 
 class DecoderStack:
@@ -344,6 +348,12 @@ def rope_split(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: i
         q, k = q_norm(q), k_norm(k)
     q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
     return q, k, v.transpose(1, 2).contiguous()
+
+
+def unrotated(position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos 1 and sin 0 in position_embeddings' shapes: a layer without rotary (x * 1 - y * 0: x as it is)."""
+    cos, sin = position_embeddings
+    return torch.ones_like(cos), torch.zeros_like(sin)
 
 
 def silu_mul(gate_up: torch.Tensor, native: bool) -> torch.Tensor:

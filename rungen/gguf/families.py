@@ -96,6 +96,8 @@ FAMILIES = {family.model_type: family for family in (
                               ("final_logit_softcapping", "final_logit_softcapping")), **GEMMA),
     Family("gemma3_text", "gemma3", "Gemma3DecoderLayer", head_norms=("q_norm", "k_norm"), big_model_layers=62,
            rope_scaling_from_metadata=True, **GEMMA),
+    # SmolLM3: llama's, every fourth layer without rotary (config.no_rope_layers; file.py reads the file as llama's).
+    Family("smollm3", "smollm3", "SmolLM3DecoderLayer", permuted_qk=True),
 )}
 # The family of a file of this architecture whose layers have experts (<arch>.expert_count): transformers reads
 # it as the architecture's dense model.

@@ -372,9 +372,11 @@ def build(header, config: Config, weights_map: dict) -> GGUFCausalLM:
     # gemma-2-27b's query_pre_attn_scalar is hidden / heads, not the head size.
     scale = getattr(config, family.score_scalar) ** -0.5 if family.score_scalar else head_dim ** -0.5
     windows = layer_windows(config)
+    rotary = [int(bool(rotates)) for rotates in getattr(config, "no_rope_layers", None) or ()]  # (SmolLM3's: 0 none)
     stack = NativeStack(weights, config.rms_norm_eps, scale, heads, kv_heads, head_dim,
                         (attention_out_norms, mlp_out_norms), windows if any(windows) else [],
                         (getattr(config, "attn_logit_softcapping", None) or 0.0) if family.soft_caps else 0.0,
-                        activation(config) == "gelu_pytorch_tanh", StackMixtures.of(mixtures))
+                        activation(config) == "gelu_pytorch_tanh", StackMixtures.of(mixtures),
+                        [] if all(rotary) else rotary)
     model = GGUFCausalLM(config, embed_tokens, stack, norm("model.norm.weight"), head, header.path)
     return model.eval()

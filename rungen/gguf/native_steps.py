@@ -18,14 +18,14 @@ from .kernels import native_kernels
 NATIVE_ATTENTION = "rungen_attend"
 
 # The models of transformers' layers over blocks whose small steps this module takes.
-NATIVE_STEPS_MODELS = ("GptOssForCausalLM", "Gemma4ForCausalLM", "SmolLM3ForCausalLM")
+NATIVE_STEPS_MODELS = ("GptOssForCausalLM", "Gemma4ForCausalLM")
 # Their RMSNorm classes: x / sqrt(mean(x^2) + eps) times the weight (none: 1), in float32.
-NORMS = ("GptOssRMSNorm", "Gemma4RMSNorm", "SmolLM3RMSNorm")
+NORMS = ("GptOssRMSNorm", "Gemma4RMSNorm")
 # Their dense gated MLPs: down(act(gate(x)) * up(x)).
-GATED_MLPS = ("Gemma4TextMLP", "SmolLM3MLP")
+GATED_MLPS = ("Gemma4TextMLP",)
 # Their attentions NativeGemma4Attention and NativeRotaryAttention compute.
 GEMMA4_ATTENTIONS = ("Gemma4TextAttention",)
-ROTARY_ATTENTIONS = ("GptOssAttention", "SmolLM3Attention")
+ROTARY_ATTENTIONS = ("GptOssAttention",)
 
 
 def native_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
@@ -110,8 +110,7 @@ class NativeRotaryAttention(torch.nn.Module):
     """A llama-shaped attention of ROTARY_ATTENTIONS over blocks: q, k and v one product with their biases (`qkv`),
     q and k rotated in one rope_split call, then the cache, native_attention and o_proj as the module does.
     gpt-oss's rotates each head's first half against its second (rope_split's rotate_half) by cos/sin of half a
-    head, given twice, and gives each head's sink logit; SmolLM3's layers without rotary (every fourth) split q, k
-    and v unrotated."""
+    head, given twice, and gives each head's sink logit."""
 
     def __init__(self, attention: torch.nn.Module, qkv: torch.nn.Module):
         super().__init__()
@@ -119,7 +118,6 @@ class NativeRotaryAttention(torch.nn.Module):
         self.heads = attention.config.num_attention_heads
         self.kv_heads = attention.config.num_key_value_heads
         self.half_head_rotary = type(attention).__name__ == "GptOssAttention"
-        self.rotates = bool(getattr(attention, "use_rope", True))
         attention.q_proj = attention.k_proj = attention.v_proj = None  # (their rows are qkv's)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask, past_key_values=None,
@@ -128,8 +126,6 @@ class NativeRotaryAttention(torch.nn.Module):
         cos, sin = position_embeddings
         if self.half_head_rotary:
             cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
-        if not self.rotates:  # (x * 1 - y * 0: x as it is)
-            cos, sin = torch.ones_like(cos), torch.zeros_like(sin)
         q, key_states, value_states = torch.ops.rungen_ggml.rope_split(self.qkv(hidden_states), cos, sin, self.heads,
                                                                        self.kv_heads)
         if past_key_values is not None:

@@ -1,6 +1,8 @@
 // A decoder layer in two calls, and every decoder layer in one (decoder_stack), from the layers' steps and products.
 #include "ggml_ops.h"
 
+#include <algorithm>
+
 namespace rungen_ggml {
 
 // A llama decoder layer in two calls, around the cache update that stays transformers': at one token a step
@@ -59,7 +61,8 @@ at::Tensor attention_out_mlp(const at::Tensor& hidden, const at::Tensor& q, cons
 // norm of the attention's and of the MLP's output before its residual sum (None: none); windows, each layer's
 // sliding window (0: it attends to every key; the kernel masks what lies outside it, whatever `mask` masks
 // besides); local_cos/local_sin, the rotation of the windowed layers where it differs (gemma3's local rope
-// base); softcap, the attention logits' soft cap (gemma2; 0: none); gelu, a GELU-tanh gate instead of SiLU.
+// base); softcap, the attention logits' soft cap (gemma2; 0: none); gelu, a GELU-tanh gate instead of SiLU;
+// rotary, whether each layer rotates q and k (SmolLM3's every fourth does not; empty: every layer does).
 // Gemma's norms multiply by 1 + weight: the caller passes that sum as the weight.
 //
 // A mixture of experts' layers (Qwen3-MoE, Qwen2-MoE), each list empty where no layer has one: routers, each
@@ -87,11 +90,11 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decoder
     const c10::optional<at::Tensor>& local_cos_in, const c10::optional<at::Tensor>& local_sin_in, double softcap,
     bool gelu, const c10::List<c10::optional<at::Tensor>>& routers, at::TensorList experts,
     at::IntArrayRef expert_qtypes, const c10::List<c10::optional<at::Tensor>>& shared_gates, int64_t top_k,
-    bool norm_topk) {
+    bool norm_topk, at::IntArrayRef rotary) {
   const size_t layers = o.size();
   const auto per_layer = [&](size_t count) { return count == 0 || count == layers; };
   TORCH_CHECK(per_layer(attention_out_norms.size()) && per_layer(mlp_out_norms.size()) && per_layer(windows.size())
-              && per_layer(routers.size()) && per_layer(shared_gates.size()),
+              && per_layer(routers.size()) && per_layer(shared_gates.size()) && per_layer(rotary.size()),
               "rungen_ggml: decoder_stack's per-layer lists hold one entry a layer, or none");
   TORCH_CHECK(experts.size() == EXPERT_PARTS * routers.size() && expert_qtypes.size() == experts.size(),
               "rungen_ggml: decoder_stack takes ", EXPERT_PARTS, " expert stacks and types a layer where it takes "
@@ -122,6 +125,9 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decoder
   const at::Tensor local_sin = local_sin_in.has_value() ? local_sin_in->to(at::kFloat).contiguous() : sin;
   TORCH_CHECK(local_cos.sizes() == cos.sizes() && local_sin.sizes() == sin.sizes(),
               "rungen_ggml: decoder_stack's local cos/sin differ in shape from cos/sin");
+  // A layer without rotary turns q and k by cos 1 and sin 0: x * 1 - y * 0, x as it is.
+  const bool all_rotate = std::all_of(rotary.begin(), rotary.end(), [](int64_t r) { return r != 0; });
+  const at::Tensor unit_cos = all_rotate ? cos : at::ones_like(cos), zero_sin = all_rotate ? sin : at::zeros_like(sin);
   const AttendMask attend_mask_once = attend_mask(mask, b, t, length + t);
   int64_t ffn = 0;
   for (size_t i = 0; i < layers; ++i) ffn = std::max(ffn, parts_rows(gate_up_of(i), gate_up_types(i)) / 2);
@@ -160,7 +166,9 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decoder
     const HeadNorms norms{head_norm(q_norms.get(i), dim, held_q), head_norm(k_norms.get(i), dim, held_k), eps};
     const int64_t window = windows.empty() ? 0 : windows[i];
     TORCH_CHECK(window >= 0, "rungen_ggml: decoder_stack's windows must be positive, or 0 for none");
-    const at::Tensor &c = window ? local_cos : cos, &s = window ? local_sin : sin;
+    const bool rotates = rotary.empty() || rotary[i] != 0;
+    const at::Tensor& c = !rotates ? unit_cos : window ? local_cos : cos;
+    const at::Tensor& s = !rotates ? zero_sin : window ? local_sin : sin;
     rope_rows(qkv_out.data_ptr<float>(), c.data_ptr<float>(), s.data_ptr<float>(), shared, b, t, heads, kv_heads,
               dim, rot, q.data_ptr<float>(),
               Rows4{kb.data_ptr<float>() + length * kb.stride(2), kb.stride(0), kb.stride(1), kb.stride(2)},
