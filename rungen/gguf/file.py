@@ -613,7 +613,15 @@ class GGUFHeader:
 def tensor_table(path: str) -> tuple[str, list]:
     """(architecture, [[name, type code, numpy shape, numpy dtype, byte offset in the file, bytes], ...]): by
     transformers' reader, which skips the vocabulary (the gguf package's builds it object by object), else (a type
-    transformers cannot size: Q5_0, Q5_1, MXFP4; a malformed file) by the gguf package's."""
+    transformers cannot size: Q5_0, Q5_1, MXFP4; a malformed file) by the gguf package's. Read once a process for
+    the file as it is (a header's first reading asks for it twice)."""
+    stat = os.stat(path)
+    architecture, rows = _tensor_table(path, stat.st_size, stat.st_mtime_ns)
+    return architecture, copy.deepcopy(rows)
+
+
+@functools.lru_cache(maxsize=4)
+def _tensor_table(path: str, size: int, mtime_ns: int) -> tuple[str, list]:
     from transformers.integrations.gguf.reader import GgufHeader
 
     try:

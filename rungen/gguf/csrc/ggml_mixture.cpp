@@ -172,7 +172,7 @@ void Mixture::chosen_experts_into(const float* x, int64_t n, const int64_t* ids,
     sorted[at] = weights[p];
     std::memcpy(s.rows.data() + at * features, x + s.tokens[at] * features, features * sizeof(float));
   }
-  // Each chosen expert's gate/up over its tokens, SiLU(gate) * up, its down (one loop over the threads a product).
+  // Each chosen expert's gate/up over its tokens, gate(gate) * up, its down (one loop over the threads a product).
   std::vector<int64_t> used;
   std::vector<std::vector<Weight>> gate_up_weights, down_weights;
   for (int64_t e = 0; e < count; ++e) {
