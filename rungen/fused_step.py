@@ -30,7 +30,7 @@ logger = logging.getLogger("run_generation")
 
 FUSED_STEP_ENV = "RUN_GENERATION_FUSED_STEP"  # 0: transformers' layers on a GPU too; 1: the fused step on the CPU too
 NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Phi3RMSNorm", "Qwen2MoeRMSNorm",
-         "Qwen3MoeRMSNorm", "MixtralRMSNorm")
+         "Qwen3MoeRMSNorm", "MixtralRMSNorm", "SmolLM3RMSNorm")
 # The fused step's logits within this share of transformers' (the difference's L2 norm over theirs): float32's
 # rounding, or half precision's (bfloat16's own logits part from float32's by 1.3-2.9 % on 16 random layers of the
 # 135M, 1B and 1.7B shapes; a broken kernel's by their whole size)
@@ -52,7 +52,9 @@ FAMILIES = {"llama": Family(), "mistral": Family(), "qwen2": Family(), "qwen3": 
             "phi3": Family(qkv=("qkv_proj",), gate_up=("gate_up_proj",)),
             # mixtures of experts: their attention is llama's, qwen2's or qwen3's; a layer's mixture block (router,
             # experts, a shared expert) is transformers' module, called as it is
-            "qwen2_moe": Family(), "qwen3_moe": Family(qk_norm=True), "mixtral": Family()}
+            "qwen2_moe": Family(), "qwen3_moe": Family(qk_norm=True), "mixtral": Family(),
+            # llama's, every fourth layer without rotary (its attention's use_rope)
+            "smollm3": Family()}
 
 
 def wanted(device: torch.device) -> bool:
@@ -153,6 +155,7 @@ class Layer:
     post_norm: torch.nn.Module
     gate_up: Projections | None  # None: a mixture's layer, whose MLP is `down`, its block called whole
     down: torch.nn.Module
+    rotates: bool = True  # (SmolLM3's every fourth layer: no rotary)
 
 
 class FusedStep:
@@ -183,7 +186,7 @@ class FusedStep:
                 layer.input_layernorm, Projections(attention, family.qkv, (q, kv, kv)),
                 attention.q_norm.weight if family.qk_norm else None,
                 attention.k_norm.weight if family.qk_norm else None, attention.scaling, attention.o_proj,
-                layer.post_attention_layernorm, gate_up, down))
+                layer.post_attention_layernorm, gate_up, down, bool(getattr(attention, "use_rope", True))))
 
     def __call__(self, model: torch.nn.Module, cache: SlotCache, tokens: torch.Tensor, positions: torch.Tensor,
                  length: int) -> torch.Tensor:
@@ -202,13 +205,15 @@ class FusedStep:
             mask = torch.zeros(filled.shape, dtype=hidden.dtype, device=hidden.device)
             mask.masked_fill_(~filled, -torch.inf)
         cos, sin = self.decoder.rotary_emb(hidden[:, None], positions[:, None])
-        cos, sin = cos[:, 0], sin[:, 0]
+        rotations = {True: (cos[:, 0], sin[:, 0])}
+        if not all(layer.rotates for layer in self.layers):  # cos 1 and sin 0: q and k as they are
+            rotations[False] = (torch.ones_like(rotations[True][0]), torch.zeros_like(rotations[True][1]))
         for number, layer in enumerate(self.layers):
             normed, residual = ops["add_rms_norm"](hidden, residual, layer.input_norm.weight, self.eps)
             q, k, v = layer.qkv(normed)
             keys, values = cache.keys[number], cache.values[number]
-            query = ops["rotary_into_slots"](q, k, v, cos, sin, keys, values, positions, layer.q_norm, layer.k_norm,
-                                             self.eps)
+            query = ops["rotary_into_slots"](q, k, v, *rotations[layer.rotates], keys, values, positions, layer.q_norm,
+                                             layer.k_norm, self.eps)
             attended = ops["decode_attention"](query, keys, values, positions, length, mask, layer.scaling)
             hidden = layer.o_proj(attended.reshape(rows, self.heads * self.head_size))
             normed, residual = ops["add_rms_norm"](hidden, residual, layer.post_norm.weight, self.eps)

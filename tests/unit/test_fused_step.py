@@ -1,7 +1,7 @@
 """Fast tier: the fused decode step (rungen/fused_step.py, the engine's step on a GPU) computes what transformers'
 layers compute over the same slots, for every family of its table (llama; mistral; qwen2's q/k/v biases; qwen3's
 per-head q/k norms; phi3's one q/k/v and one gate/up projection and its partial rotary; the mixtures of experts,
-their blocks called whole), rows at different positions
+their blocks called whole; SmolLM3's layer without rotary), rows at different positions
 in float32 and bfloat16; and its concatenated projections hold no weight twice. Here with torch's operators
 (step_kernels.TORCH); the Triton kernels against them: tests/test_cuda.py."""
 
@@ -16,6 +16,7 @@ from transformers import (
     Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
+    SmolLM3Config,
 )
 
 from rungen import fused_step
@@ -36,6 +37,7 @@ FAMILIES = {
                                        mlp_only_layers=[1])),
     "qwen2_moe": (Qwen2MoeConfig, dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                        shared_expert_intermediate_size=48, use_sliding_window=False)),
+    "smollm3": (SmolLM3Config, dict(no_rope_layers=[1, 0])),  # its second layer without rotary
 }
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
 
