@@ -37,7 +37,7 @@ from rungen.gguf.decoder import DecoderStack, FusedDecoderLayer, products_one_by
 from rungen.gguf.experts import ExpertRouter, GGMLExperts
 from rungen.gguf.file import GGUFHeader, metadata_parsed_once
 from rungen.gguf.model import GGUFCausalLM
-from rungen.gguf.native_steps import NATIVE_ATTENTION, NativeGatedMLP, NativeGemma4Attention, NativeRotaryAttention
+from rungen.gguf.native_steps import NATIVE_ATTENTION, NativeGatedMLP, NativeGemma4Attention, NativeGptOssAttention
 from rungen.loading import default_model_file, load, load_gguf
 from tiny_models import default_tokenizer_fields, write_gpt2_gguf, write_out
 
@@ -995,7 +995,7 @@ def test_a_gpt_oss_file_as_llama_cpp_writes_it_computes_its_checkpoint(tmp_path,
         for got, wanted in zip(native, modules):
             torch.testing.assert_close(got, wanted, rtol=1e-4, atol=1e-4)
     # Its published form (MXFP4_MOE: the other matrices Q8_0, the router F32): the attention's q, k and v with their
-    # biases one product, their rotation one native call (NativeRotaryAttention)
+    # biases one product, their rotation one native call (NativeGptOssAttention)
     published = write_gpt_oss_gguf(checkpoint, str(tmp_path / "mxfp4_moe.gguf"), others="Q8_0")
     with torch.no_grad():
         for name, parameter in reference.named_parameters():  # the weights the file holds in Q8_0
@@ -1006,7 +1006,7 @@ def test_a_gpt_oss_file_as_llama_cpp_writes_it_computes_its_checkpoint(tmp_path,
     theirs_q8 = padded_prompt_and_steps(reference)
     q8 = load(published, device=torch.device("cpu")).model
     if native_kernels():
-        assert all(isinstance(layer.self_attn, NativeRotaryAttention) for layer in q8.model.layers)
+        assert all(isinstance(layer.self_attn, NativeGptOssAttention) for layer in q8.model.layers)
     for got, wanted in zip(exact_weights(q8, lambda m=q8: padded_prompt_and_steps(m), monkeypatch), theirs_q8):
         torch.testing.assert_close(got, wanted, rtol=1e-4, atol=1e-4)
     del q8

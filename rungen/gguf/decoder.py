@@ -111,7 +111,7 @@ class FusedDecoderLayer(torch.nn.Module):
             return self._two_calls(hidden_states, attention_mask, past_key_values, position_embeddings)
         batch, tokens, _ = hidden_states.shape
         x = self._norm(hidden_states, "input_layernorm", native)
-        cos, sin = unrotated(position_embeddings) if not self.rotates else position_embeddings
+        cos, sin = position_embeddings if self.rotates else unrotated(position_embeddings)
         qkv = product(self.qkv, x, native)
         if native:
             q, k, v = torch.ops.rungen_ggml.rope_split(qkv, cos, sin, self.heads, self.kv_heads,

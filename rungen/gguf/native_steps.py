@@ -23,9 +23,9 @@ NATIVE_STEPS_MODELS = ("GptOssForCausalLM", "Gemma4ForCausalLM")
 NORMS = ("GptOssRMSNorm", "Gemma4RMSNorm")
 # Their dense gated MLPs: down(act(gate(x)) * up(x)).
 GATED_MLPS = ("Gemma4TextMLP",)
-# Their attentions NativeGemma4Attention and NativeRotaryAttention compute.
+# Their attentions NativeGemma4Attention and NativeGptOssAttention compute.
 GEMMA4_ATTENTIONS = ("Gemma4TextAttention",)
-ROTARY_ATTENTIONS = ("GptOssAttention",)
+GPT_OSS_ATTENTIONS = ("GptOssAttention",)
 
 
 def native_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
@@ -106,39 +106,36 @@ class NativeGemma4Attention(torch.nn.Module):
         return a.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), None
 
 
-class NativeRotaryAttention(torch.nn.Module):
-    """A llama-shaped attention of ROTARY_ATTENTIONS over blocks: q, k and v one product with their biases (`qkv`),
-    q and k rotated in one rope_split call, then the cache, native_attention and o_proj as the module does.
-    gpt-oss's rotates each head's first half against its second (rope_split's rotate_half) by cos/sin of half a
-    head, given twice, and gives each head's sink logit."""
+class NativeGptOssAttention(torch.nn.Module):
+    """gpt-oss's attention (GptOssAttention) over blocks: q, k and v one product with their biases (`qkv`), q and k
+    rotated in one rope_split call (gpt-oss rotates each head's first half against its second, rope_split's
+    rotate_half, by cos/sin of half a head: given twice), then the cache, native_attention with each head's sink
+    logit and o_proj as the module does."""
 
     def __init__(self, attention: torch.nn.Module, qkv: torch.nn.Module):
         super().__init__()
         self.attention, self.qkv = attention, qkv
         self.heads = attention.config.num_attention_heads
         self.kv_heads = attention.config.num_key_value_heads
-        self.half_head_rotary = type(attention).__name__ == "GptOssAttention"
         attention.q_proj = attention.k_proj = attention.v_proj = None  # (their rows are qkv's)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask, past_key_values=None,
                 **kwargs):
         a = self.attention
-        cos, sin = position_embeddings
-        if self.half_head_rotary:
-            cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+        cos, sin = (torch.cat([half, half], dim=-1) for half in position_embeddings)
         q, key_states, value_states = torch.ops.rungen_ggml.rope_split(self.qkv(hidden_states), cos, sin, self.heads,
                                                                        self.kv_heads)
         if past_key_values is not None:
             key_states, value_states = past_key_values.update(key_states, value_states, a.layer_idx)
         out, _ = native_attention(a, q, key_states, value_states, attention_mask, a.scaling,
-                                  sliding_window=a.sliding_window, s_aux=getattr(a, "sinks", None))
+                                  sliding_window=a.sliding_window, s_aux=a.sinks)
         return a.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), None
 
 
 def steps_natively(model: torch.nn.Module) -> bool:
     """Gives a model of NATIVE_STEPS_MODELS native_attention and a cache that grows in place (rungen.kvcache's
     new_cache), its norms NativeRMSNorm, its gated MLPs and attentions over blocks NativeGatedMLP and
-    NativeGemma4Attention or NativeRotaryAttention, where the native kernels are; returns whether. A module at a
+    NativeGemma4Attention or NativeGptOssAttention, where the native kernels are; returns whether. A module at a
     time: its joined products' old blocks go, their pages given back, before the next are joined."""
     if not native_kernels() or type(model).__name__ not in NATIVE_STEPS_MODELS:
         return False
@@ -166,7 +163,7 @@ def steps_natively(model: torch.nn.Module) -> bool:
                 del module
                 release_freed_memory()  # (the separate blocks' pages back before the next join)
     names = [name for name, module in model.named_modules()  # (their norms native by now)
-             if type(module).__name__ in GEMMA4_ATTENTIONS + ROTARY_ATTENTIONS]
+             if type(module).__name__ in GEMMA4_ATTENTIONS + GPT_OSS_ATTENTIONS]
     for name in names:
         module = model.get_submodule(name)
         if type(module).__name__ in GEMMA4_ATTENTIONS:
@@ -179,7 +176,7 @@ def steps_natively(model: torch.nn.Module) -> bool:
             parts = [module.q_proj, module.k_proj, module.v_proj]
             qkv = join(parts) if all(type(part) is GGMLLinear for part in parts) else None
             if qkv is not None:
-                model.set_submodule(name, NativeRotaryAttention(module, qkv))
+                model.set_submodule(name, NativeGptOssAttention(module, qkv))
         del module, parts
         release_freed_memory()
     return True
