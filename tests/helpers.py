@@ -306,13 +306,15 @@ def padded_prompt_and_steps(model):
     return out
 
 
-def plain_grouped_kernel():
-    """A stand-in for the GPU's int8 Triton kernel in plain products (rungen.int8.widened), with its grouped launches
-    (rungen/code_kernels.py's run.grouped and run.grouped_tiles) as loops over the pairs and blocks; the rows a tiled
-    launch leaves unwritten hold NaN, so a read of one shows."""
+def plain_grouped_kernel(widened=None):
+    """A stand-in for the GPU's Triton kernels in plain products (`widened`: rungen.int8.widened by default, the
+    4-bit form's widened4), with their grouped launches (rungen/code_kernels.py's run.grouped and run.grouped_tiles)
+    as loops over the pairs and blocks: the launches' reference; the rows a tiled launch leaves unwritten hold NaN,
+    so a read of one shows."""
     import torch
 
-    from rungen.int8 import widened
+    if widened is None:
+        from rungen.int8 import widened
 
     def product(x, codes, scales, offsets, expert):
         return widened(x, codes[expert], scales[expert], None if offsets is None else offsets[expert])
@@ -325,7 +327,7 @@ def plain_grouped_kernel():
                           for expert, source in pairs.tolist()])
 
     def grouped_tiles(x, codes, scales, offsets, tiles, sources):
-        y = torch.full((16 * tiles.shape[0], codes.shape[-2]), float("nan"), dtype=x.dtype)
+        y = torch.full((16 * tiles.shape[0], codes.shape[-2]), float("nan"), dtype=x.dtype, device=x.device)
         for block, expert in enumerate(tiles.tolist()):
             for row in range(16 * block, 16 * block + 16):
                 if expert >= 0 and sources[row] >= 0:

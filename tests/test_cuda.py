@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 
-from helpers import WEATHER, error_line, jsonl, run_main, serving, write_tiny_gguf
+from helpers import WEATHER, error_line, jsonl, plain_grouped_kernel, run_main, serving, write_tiny_gguf
 from tiny_models import build_tiny_checkpoint
 
 ON_CPU = bool(os.environ.get("RUNGEN_CUDA_TESTS_ON_CPU")) and not torch.cuda.is_available()
@@ -1859,8 +1859,7 @@ def test_the_gemv_kernels_multiply_each_pair_by_its_chosen_expert(which, monkeyp
     if which == "int8" and not ON_CPU:  # (on a GPU each form compiles every configuration apart: Q8_0's and Q2_K's)
         stacks = [stacks[1], stacks[4]]
     for codes, scales, offsets in stacks:
-        reference = torch.cat([plain(x[row:row + 1].float(), codes[e], scales[e], None if offsets is None
-                                     else offsets[e]) for e, row in pairs.tolist()])
+        reference = plain_grouped_kernel(plain).grouped(x.float(), codes, scales, offsets, pairs)
         for blocks in settings:
             y = kernel.gemv_launch(x, codes, scales, offsets, blocks, pairs=pairs)
             assert y.dtype == dtype and y.shape == (len(pairs), channels)
@@ -1889,13 +1888,12 @@ def test_the_tiled_kernels_multiply_each_block_of_rows_by_its_expert(which, monk
     for codes, scales, offsets in stacks:
         y = kernel.grouped_tiles(x, codes, scales, offsets, tiles.to(DEVICE), sources.to(DEVICE))
         assert y.dtype == dtype and y.shape == (64, channels)
+        reference = plain_grouped_kernel(plain).grouped_tiles(x.float(), codes, scales, offsets, tiles, sources)
         for row, source in enumerate(sources.tolist()):
             if source < 0:
                 continue
-            e = int(tiles[row // 16])
-            reference = plain(x[source:source + 1].float(), codes[e], scales[e], None if offsets is None
-                              else offsets[e])[0]
-            assert (y[row].float() - reference).abs().max() <= 0.01 * reference.abs().max(), (codes.dtype, row)
+            assert (y[row].float() - reference[row]).abs().max() <= 0.01 * reference[row].abs().max(), (
+                codes.dtype, row)
 
 
 def test_a_prompts_pairs_are_laid_out_in_blocks_of_one_expert():
