@@ -1072,6 +1072,18 @@ def write_gemma4_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> st
     return write_out(writer, path)
 
 
+def add_text_shape(writer, config: dict) -> None:
+    """The keys llama.cpp's converter writes of every text model's config first (TextModel.set_gguf_parameters):
+    the layers, context, widths and heads."""
+    writer.add_type("model")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+
+
 def smollm3_checkpoint(out_dir: str) -> str:
     """A tiny random SmolLM3 checkpoint (SmolLM3ForCausalLM) in `out_dir`: SmolLM3-3B's layout 64 wide, 8 layers of
     which every fourth (the 4th and the 8th) has no rotary (SmolLM3Config's no_rope_layers), 4 heads over 2, tied
@@ -1107,13 +1119,7 @@ def write_smollm3_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> s
         config = json.load(f)
     heads, kv_heads, layers = config["num_attention_heads"], config["num_key_value_heads"], config["num_hidden_layers"]
     writer = gguf.GGUFWriter(path, "smollm3")
-    writer.add_type("model")
-    writer.add_block_count(layers)
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
+    add_text_shape(writer, config)
     writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_file_type({"F32": 0, "Q8_0": 7}[qtype_name])
@@ -1235,13 +1241,7 @@ def write_gpt_oss_gguf(checkpoint: str, path: str, experts: str = "MXFP4", other
         config = json.load(f)
     rope = config["rope_parameters"]
     writer = gguf.GGUFWriter(path, "gpt-oss")
-    writer.add_type("model")
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
+    add_text_shape(writer, config)
     writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
     writer.add_rope_scaling_factor(rope["factor"])
     writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
