@@ -16,6 +16,9 @@ On Llama-3.1-8B's gate (14336 x 4096) and down (4096 x 14336) projections, rando
   the same codes on its GEMV kernel (no tensor cores), to its GEMV_ROWS rows, which its layer takes at those rows
   where it is the faster at one row; int4 widened: those codes widened to bfloat16 for cuBLAS, what its layer does
   past MOST_ROWS;
+- e2m1 Triton kernel, e2m1 GEMV kernel, e2m1 widened: MXFP4's form (gpt-oss's experts): e2m1 codes two a byte and a
+  power-of-two float16 scale a group of 32, no offsets, on the same kernels and widening (random codes: the time is
+  the point);
 - int8 kernel: int8 codes with a scale a group of 32 (GGUF Q8_0's form) on rungen/int8.py's tiled Triton kernel, to
   its MOST_ROWS rows, where the layer uses it; int8 GEMV kernel: the same codes on its GEMV kernel, to GEMV_ROWS
   rows, which the layer takes at those rows where it is the faster at one row;
@@ -55,6 +58,21 @@ def int8_group_layer(weight):
     codes = torch.round(groups / scales.float()[..., None]).clamp(-128, 127).to(torch.int8).reshape(weight.shape)
     layer = CudaInt8Linear(codes, scales, None)
     kernel = checked_kernel(layer, torch.bfloat16, "its rows are the widened product's")
+    return layer, kernel
+
+
+def e2m1_layer(weight):
+    """Random e2m1 codes two a byte and a power-of-two float16 scale a group of 32 (MXFP4's form: gpt-oss's experts)
+    of the weight's shape on rungen/int4_kernel.py's layer, and its checked Triton kernel (None: widened only)."""
+    from rungen.int4_kernel import CudaInt4Linear, checked_int4_kernel
+
+    generator = torch.Generator(weight.device).manual_seed(1)
+    out_features, in_features = weight.shape
+    codes = torch.randint(0, 256, (out_features, in_features // 2), dtype=torch.uint8, device=weight.device,
+                          generator=generator)
+    exponents = torch.randint(6, 10, (out_features, in_features // GROUP), device=weight.device, generator=generator)
+    layer = CudaInt4Linear(codes, torch.exp2(-exponents.float()).half(), None)
+    kernel = checked_int4_kernel(layer, torch.bfloat16)[0] if weight.device.type == "cuda" else None
     return layer, kernel
 
 
@@ -107,9 +125,12 @@ def forms(weight, device):
         made += [("int4 tinygemm", lambda: gpu_int4_linear(weight, None, check=True), None),
                  ("int4 Triton kernel", coded(kernel_of(int4_layer, "tiled"), True), MOST_ROWS),
                  ("int4 GEMV kernel", coded(kernel_of(int4_layer, "gemv"), True), GEMV_ROWS),
+                 ("e2m1 Triton kernel", coded(kernel_of(e2m1_layer, "tiled"), True), MOST_ROWS),
+                 ("e2m1 GEMV kernel", coded(kernel_of(e2m1_layer, "gemv"), True), GEMV_ROWS),
                  ("int8 kernel", coded(kernel_of(int8_group_layer, "tiled"), True), MOST_ROWS),
                  ("int8 GEMV kernel", coded(kernel_of(int8_group_layer, "gemv"), True), GEMV_ROWS)]
-    made += [("int4 widened", coded(int4_layer, False), None), ("int8 widened", coded(int8_group_layer, False), None)]
+    made += [("int4 widened", coded(int4_layer, False), None), ("e2m1 widened", coded(e2m1_layer, False), None),
+             ("int8 widened", coded(int8_group_layer, False), None)]
     return made
 
 

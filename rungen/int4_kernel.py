@@ -8,6 +8,11 @@ product, as rungen/int8.py does for its codes.
 
 Codes are packed in chunks of CHUNK inputs: byte j of a chunk holds input j in its low nibble and input j + CHUNK/2
 in its high one, so that the low and the high nibbles of a kernel's tile each multiply a contiguous run of inputs.
+
+A layer without offsets holds MXFP4's codes (gpt-oss's experts): each nibble e2m1's own bits (sign, two of exponent,
+one of mantissa) standing for MXFP4_VALUES' doubled value, times the group's power-of-two scale. The kernels widen
+them as bits: shifted into a float16's sign, exponent and mantissa they make the value times 2^-14 exactly (the
+exponent's 0 a subnormal, as e2m1's is), so a nibble costs a few integer operations more than an affine code.
 """
 
 from __future__ import annotations
@@ -73,11 +78,22 @@ def unpacked(packed_codes: torch.Tensor) -> torch.Tensor:
     return torch.cat([chunks & 0x0F, chunks >> 4], dim=2).reshape(rows, half * 2)
 
 
-def widened4(x: torch.Tensor, packed_codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
+E2M1_LEVELS = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # e2m1's values doubled (MXFP4_VALUES)
+E2M1_BITS_SCALE = 2.0 ** 15  # a nibble's bits as a float16 (e2m1's value x 2^-14) times this: its doubled value
+
+
+def e2m1_unpacked(packed_codes: torch.Tensor) -> torch.Tensor:
+    """MXFP4's codes packed() as their doubled values [out, in] (int8, -12..12)."""
+    levels = torch.tensor(E2M1_LEVELS, dtype=torch.int8, device=packed_codes.device)
+    return levels[unpacked(packed_codes).long()]
+
+
+def widened4(x: torch.Tensor, packed_codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None
              ) -> torch.Tensor:
-    """The plain product x @ (codes * scale + offset).T, the codes widened to x's dtype a slice of output channels
-    at a time (rungen/int8.py's widened: on a GPU its kernel reads them packed as they lie)."""
-    return widened(x, packed_codes, scales, offsets, (CHUNK, unpacked))
+    """The plain product x @ (codes * scale + offset).T (no offsets: MXFP4's codes, their doubled values times the
+    scale), the codes widened to x's dtype a slice of output channels at a time (rungen/int8.py's widened: on a GPU
+    its kernel reads them packed as they lie)."""
+    return widened(x, packed_codes, scales, offsets, (CHUNK, unpacked if offsets is not None else e2m1_unpacked))
 
 
 @functools.cache
@@ -90,11 +106,12 @@ def triton_kernel():
         return None
 
     @triton.jit(do_not_specialize=["M", "M_BUCKET"])  # one compilation for every decode batch
-    def int4_matmul(x, codes, scales, offsets, y, tiles, sources, M, N, K, M_BUCKET, GROUPED: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def int4_matmul(x, codes, scales, offsets, y, tiles, sources, M, N, K, M_BUCKET, E2M1: tl.constexpr,
+                    GROUPED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # y[m, n] = sum_k x[m, k] * (code[n, k] * scales[n, k // 32] + offsets[n, k // 32]), BLOCK_K inputs (whole
         # chunks of 64) at a time: the bytes' low nibbles hold each chunk's first group of 32 and the high ones its
-        # second, so each is a product over whole groups. Grid, rows and GROUPED as rungen/int8.py's kernel's.
+        # second, so each is a product over whole groups. E2M1: no offsets, each code e2m1's bits (MXFP4's).
+        # Grid, rows and GROUPED as rungen/int8.py's kernel's.
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         if GROUPED:
             expert = tl.load(tiles + tl.program_id(0)).to(tl.int64)
@@ -102,7 +119,8 @@ def triton_kernel():
                 return
             codes += expert * N * (K // 2)
             scales += expert * N * (K // 32)
-            offsets += expert * N * (K // 32)
+            if not E2M1:
+                offsets += expert * N * (K // 32)
             reads = tl.load(sources + rows).to(tl.int64)
             held_rows = reads >= 0
         else:
@@ -125,17 +143,26 @@ def triton_kernel():
                 a = tl.load(x + reads[:, None] * K + 32 * part + low_at[None, :], mask=held_x, other=0.0)
                 # each group's one scale and offset spread over its 32 codes in registers
                 scale = tl.load(scales + where + part, mask=held, other=0.0).to(tl.float32)
-                offset = tl.load(offsets + where + part, mask=held, other=0.0).to(tl.float32)
-                w = tl.reshape(((b >> (4 * part)) & 0x0F).to(tl.float32), (BLOCK_K // 64, 32, BLOCK_N))
-                w = w * scale[:, None, :] + offset[:, None, :]
+                nibbles = (b >> (4 * part)) & 0x0F
+                if E2M1:  # its sign and three bits in a float16's sign, exponent and mantissa: e2m1's value x 2^-14
+                    bits = nibbles.to(tl.uint16)
+                    w = (((bits & 8) << 12) | ((bits & 7) << 9)).to(tl.float16, bitcast=True).to(tl.float32)
+                    w = tl.reshape(w, (BLOCK_K // 64, 32, BLOCK_N)) * (scale * 32768.0)[:, None, :]
+                else:
+                    w = tl.reshape(nibbles.to(tl.float32), (BLOCK_K // 64, 32, BLOCK_N)) * scale[:, None, :] + \
+                        tl.load(offsets + where + part, mask=held, other=0.0).to(tl.float32)[:, None, :]
                 total += tl.dot(a, tl.reshape(w, (BLOCK_K // 2, BLOCK_N)).to(a.dtype), input_precision="ieee")
         tl.store(y + rows[:, None] * N + channels[None, :], total.to(y.dtype.element_ty),
                  mask=held_rows[:, None] & (channels[None, :] < N))
 
-    # x @ (unpacked(codes) * scales + offsets).T; codes [out, in / 2] (packed()), scales and offsets [out, in / 32].
+    # x @ (unpacked(codes) * scales + offsets).T; codes [out, in / 2] (packed()), scales and offsets [out, in / 32];
+    # no offsets: x @ (e2m1_unpacked(codes) * scales).T.
     # int8's configurations but (16, 256, 4), which spills 8 bytes here with float16 scales on sm_90
     # (python -m benchmarks.int8_kernel_resources).
-    tiled = launcher(triton, int4_matmul, lambda inner, scales, offsets: {}, leave_out=[(16, 256, 4)])
+    def constants(inner, scales, offsets):
+        return {"E2M1": offsets is None}
+
+    tiled = launcher(triton, int4_matmul, constants, leave_out=[(16, 256, 4)])
 
     def fitting(configs, named_args, **kwargs):  # rows x a tile's codes within GEMV_PRODUCTS (registers)
         rows = kwargs.get("ROWS", named_args.get("ROWS", 1))
@@ -143,10 +170,10 @@ def triton_kernel():
                 if rows * config.kwargs["BLOCK_N"] * config.kwargs["BLOCK_K"] // 2 <= GEMV_PRODUCTS]
 
     @autotune(triton, [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in GEMV_CONFIGS],
-              ["N", "K", "ROWS", "GROUPED"], fitting)
+              ["N", "K", "ROWS", "E2M1", "GROUPED"], fitting)
     @triton.jit(do_not_specialize=["M"])
-    def int4_gemv(x, codes, scales, offsets, y, pairs, M, N, K, ROWS: tl.constexpr, GROUPED: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def int4_gemv(x, codes, scales, offsets, y, pairs, M, N, K, E2M1: tl.constexpr, ROWS: tl.constexpr,
+                  GROUPED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # y[m, n] for a decode step's few rows (M <= ROWS) without the tensor cores, whose tiles of 16 rows a row
         # would waste: BLOCK_N output channels a program over all K inputs, BLOCK_K (whole chunks) at a time, each
         # nibble's codes widened with their group's scale and offset in registers and multiplied into every row.
@@ -157,7 +184,8 @@ def triton_kernel():
             expert = tl.load(pairs + 2 * pair).to(tl.int64)
             codes += expert * N * (K // 2)
             scales += expert * N * (K // 32)
-            offsets += expert * N * (K // 32)
+            if not E2M1:
+                offsets += expert * N * (K // 32)
             x += tl.load(pairs + 2 * pair + 1).to(tl.int64) * K
             y += pair * N
         channels = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -175,9 +203,15 @@ def triton_kernel():
             where = channels[:, None] * (K // 32) + group[None, :]
             for part in tl.static_range(2):  # the low nibbles (each chunk's first group), then the high ones
                 scale = tl.load(scales + where + part, mask=held, other=0.0).to(tl.float32)
-                offset = tl.load(offsets + where + part, mask=held, other=0.0).to(tl.float32)
-                w = tl.reshape(((b >> (4 * part)) & 0x0F).to(tl.float32), (BLOCK_N, BLOCK_K // 64, 32))
-                w = tl.reshape(w * scale[:, :, None] + offset[:, :, None], (BLOCK_N, BLOCK_K // 2))
+                nibbles = (b >> (4 * part)) & 0x0F
+                if E2M1:  # as int4_matmul's
+                    bits = nibbles.to(tl.uint16)
+                    w = (((bits & 8) << 12) | ((bits & 7) << 9)).to(tl.float16, bitcast=True).to(tl.float32)
+                    w = tl.reshape(w, (BLOCK_N, BLOCK_K // 64, 32)) * (scale * 32768.0)[:, :, None]
+                else:
+                    w = tl.reshape(nibbles.to(tl.float32), (BLOCK_N, BLOCK_K // 64, 32)) * scale[:, :, None] + \
+                        tl.load(offsets + where + part, mask=held, other=0.0).to(tl.float32)[:, :, None]
+                w = tl.reshape(w, (BLOCK_N, BLOCK_K // 2))
                 at = start + 32 * part + low_inputs
                 a = tl.load(x + rows[:, None] * K + at[None, :], mask=(rows[:, None] < M) & (at[None, :] < K),
                             other=0.0).to(tl.float32)
@@ -185,23 +219,26 @@ def triton_kernel():
         tl.store(y + rows[:, None] * N + channels[None, :], total.to(y.dtype.element_ty),
                  mask=(rows[:, None] < M) & (channels[None, :] < N))
 
-    return with_gemv(triton, tiled, int4_gemv, lambda inner, scales, offsets: {}, GEMV_ENV)
+    return with_gemv(triton, tiled, int4_gemv, constants, GEMV_ENV)
 
 
 class CudaInt4Linear(CodesLinear):
     """y = x @ (code * scale + offset).T on a CUDA GPU, in the activations' dtype: codes packed two a byte (packed()),
-    a scale and an offset a group of 32 inputs; the Triton kernel for a few rows once checked, else widened4."""
+    a scale and an offset a group of 32 inputs (offsets None: MXFP4's e2m1 codes, their doubled values times the
+    scale); the Triton kernel for a few rows once checked, else widened4."""
 
     format = "int4"
     plain = staticmethod(widened4)
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor):
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None):
         super().__init__()
         self.out_features, self.in_features = codes.shape[0], codes.shape[1] * 2
         self.register_buffer("codes", codes.contiguous())
         self.register_buffer("scales", scales.contiguous())
-        self.register_buffer("offsets", offsets.contiguous())
+        self.register_buffer("offsets", None if offsets is None else offsets.contiguous())
         self.bias = None
+        if offsets is None:
+            self.format = "e2m1"
 
     @classmethod
     def of_weight(cls, weight: torch.Tensor) -> CudaInt4Linear:

@@ -259,7 +259,8 @@ def widen_kernel():
     """run(codes, scales, offsets, dtype, chunk=0) -> the weight: a Triton kernel reading each code, its scale and
     offset once and writing the weight once (on an H200, torch's three passes over an 8B layer's 14336 x 4096 codes
     took 0.35 ms, 8x what the bytes need); `chunk` > 0: 4-bit codes two a byte in chunks of that many inputs
-    (rungen/int4_kernel.py's packing), read as they lie; None where Triton does not import."""
+    (rungen/int4_kernel.py's packing), read as they lie, without offsets MXFP4's e2m1 bits; None where Triton does not
+    import."""
     try:
         import triton
         import triton.language as tl
@@ -270,14 +271,20 @@ def widen_kernel():
     def widen(codes, scales, offsets, out, K, GROUP: tl.constexpr, OFFSET: tl.constexpr, CHUNK: tl.constexpr,
               BLOCK: tl.constexpr):
         # out[n, k] = codes[n, k] * scale (+ offset), in float32: scales[n] (GROUP 0) or scales[n, k // GROUP]. CHUNK:
-        # code k in byte (k // CHUNK) * CHUNK / 2 + k % (CHUNK / 2) of the row, the low nibble for a chunk's first half
+        # code k in byte (k // CHUNK) * CHUNK / 2 + k % (CHUNK / 2) of the row, the low nibble for a chunk's first
+        # half; without OFFSET e2m1's bits, for their doubled value (as rungen/int4_kernel.py's kernels read them)
         row = tl.program_id(0).to(tl.int64)
         at = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         held = at < K
         if CHUNK:
             byte = tl.load(codes + row * (K // 2) + (at // CHUNK) * (CHUNK // 2) + at % (CHUNK // 2), mask=held,
                            other=0)
-            weight = ((byte >> (4 * ((at % CHUNK) // (CHUNK // 2)))) & 0x0F).to(tl.float32)
+            nibble = (byte >> (4 * ((at % CHUNK) // (CHUNK // 2)))) & 0x0F
+            if OFFSET:
+                weight = nibble.to(tl.float32)
+            else:  # e2m1's value x 2^-14 as a float16's bits, times 2^15
+                bits = nibble.to(tl.uint16)
+                weight = (((bits & 8) << 12) | ((bits & 7) << 9)).to(tl.float16, bitcast=True).to(tl.float32) * 32768.0
         else:
             weight = tl.load(codes + row * K + at, mask=held, other=0).to(tl.float32)
         if GROUP:

@@ -1427,18 +1427,19 @@ def test_a_q8_0_gguf_file_keeps_its_codes_on_the_gpu(tmp_path):
 
 @pytest.mark.skipif(ON_CPU, reason="the CPU device takes the file in its blocks")
 def test_a_gpt_oss_files_mxfp4_experts_keep_their_codes_on_the_gpu(tmp_path):
-    # gpt-oss's MXFP4 experts on a GPU in codes (CodedExperts: e2m1's doubled values as int8 codes and a float16
-    # power-of-two scale a group of 32, 1.06 bytes a weight against bfloat16's 2), exactly the weights of the CPU's
-    # blocks; where the int8 Triton kernel does not serve (the played GPU: no Triton) transformers' own experts
-    # module (gate and up interleaved), de-quantized there an expert at a time, the same weights. On a GPU its
-    # logits are the CPU kernels' within their rounding, and a greedy reply runs.
+    # gpt-oss's MXFP4 experts on a GPU in codes (CodedExperts: e2m1's codes two a byte for the 4-bit Triton kernel
+    # and a float16 power-of-two scale a group of 32, 0.5625 bytes a weight against bfloat16's 2), exactly the
+    # weights of the CPU's blocks; where no Triton kernel serves (the played GPU: no Triton) transformers' own
+    # experts module (gate and up interleaved), de-quantized there an expert at a time, the same weights. On a GPU
+    # its logits are the CPU kernels' within their rounding, and a greedy reply runs.
+    from rungen.int4_kernel import e2m1_unpacked
     from rungen.loading import load
     from tiny_models import gpt_oss_checkpoint, write_gpt_oss_gguf
 
     path = write_gpt_oss_gguf(gpt_oss_checkpoint(str(tmp_path)), str(tmp_path / "gpt-oss.gguf"))
     gpu, cpu = load(path, device=DEVICE, dtype="float32"), load(path, device=torch.device("cpu"))
     experts, held = gpu.model.model.layers[0].mlp.experts, cpu.model.model.layers[0].mlp.block.experts
-    coded = not PLAYED  # (a GPU: Triton's int8 kernel)
+    coded = not PLAYED  # (a GPU: Triton's 4-bit kernel)
     assert type(experts).__name__ == ("CodedExperts" if coded else "GptOssExperts")
     for e in range(held.num_experts):  # the CPU's blocks (gate rows, then up rows) de-quantized
         layer = held.gate_up[e]
@@ -1446,8 +1447,9 @@ def test_a_gpt_oss_files_mxfp4_experts_keep_their_codes_on_the_gpu(tmp_path):
         inner = rows.shape[0] // 2
         if coded:
             codes = experts.gate_up[e]
-            assert codes.codes.dtype == torch.int8 and codes.scales.dtype == torch.float16
-            assert torch.equal((codes.codes.float() * codes.scales.float().repeat_interleave(32, 1)).cpu(), rows)
+            assert codes.codes.dtype == torch.uint8 and codes.offsets is None and codes.scales.dtype == torch.float16
+            values = e2m1_unpacked(codes.codes).float() * codes.scales.float().repeat_interleave(32, 1)
+            assert torch.equal(values.cpu(), rows)
             continue
         assert torch.equal(experts.gate_up_proj[e, :, 0::2].cpu(), rows[:inner].T)
         assert torch.equal(experts.gate_up_proj[e, :, 1::2].cpu(), rows[inner:].T)
@@ -1685,7 +1687,7 @@ def test_the_int8_gemv_kernel_multiplies_as_the_plain_product(dtype, monkeypatch
 def test_the_widening_kernel_writes_each_weight_as_its_code_scale_and_offset(dtype, monkeypatch):
     # rungen/int8.py's widening kernel (the plain product's weight on a GPU, past the int8 kernel's rows): each weight
     # code x scale (+ offset) to the dtype's rounding, for every form of scales the int8 forms have and the 4-bit
-    # codes packed two a byte, a row shorter than a block and one ending past several.
+    # codes packed two a byte (MXFP4's e2m1 ones too), a row shorter than a block and one ending past several.
     from rungen import int4_kernel
     from rungen.int8 import WIDEN_BLOCK, widen_kernel
 
@@ -1722,6 +1724,13 @@ def test_the_widening_kernel_writes_each_weight_as_its_code_scale_and_offset(dty
             assert got.dtype == dtype and got.shape == codes4.shape
             error = (got.cpu().double() - truth).abs()
             assert (error <= torch.finfo(dtype).eps * truth.abs() + 1e-6 * truth.abs().max()).all(), (inner4, kind)
+        # and without offsets MXFP4's e2m1 codes: each its doubled value (-12..12) times the group's power of two,
+        # exact in every dtype
+        scales = e2m1_scales((channels, inner4 // 32), generator)
+        levels = torch.tensor(int4_kernel.E2M1_LEVELS, dtype=torch.float64)[codes4.long()]
+        truth = levels * scales.double().repeat_interleave(32, dim=1)
+        got = kernel(int4_kernel.packed(codes4).to(DEVICE), scales.to(DEVICE), None, dtype, int4_kernel.CHUNK)
+        assert got.dtype == dtype and torch.equal(got.cpu().double(), truth), inner4
 
 
 @needs_cuda
@@ -1774,7 +1783,8 @@ def test_the_4_bit_kernel_multiplies_as_the_plain_product(dtype, monkeypatch):
 
 def int4_cases(shapes, dtype):
     """(x, packed codes, scales, offsets) of random 4-bit layers for each (rows, channels, inputs) of `shapes`, with
-    a float16 and a float32 scale and offset a group of 32 (Q4_0/Q4_1's, Q4_K's)."""
+    a float16 and a float32 scale and offset a group of 32 (Q4_0/Q4_1's, Q4_K's), and MXFP4's e2m1 codes with a
+    power-of-two float16 scale a group and no offsets."""
     from rungen.int4_kernel import packed
 
     for rows, channels, inner in shapes:
@@ -1785,6 +1795,13 @@ def int4_cases(shapes, dtype):
             offsets = -8 * scales + torch.rand(channels, inner // 32, generator=generator) / 1000
             x = torch.randn(rows, inner, generator=generator).to(DEVICE, dtype)
             yield x, codes, scales.to(DEVICE, scale_dtype), offsets.to(DEVICE, scale_dtype)
+        x = torch.randn(rows, inner, generator=generator).to(DEVICE, dtype)
+        yield x, codes, e2m1_scales((channels, inner // 32), generator).to(DEVICE), None
+
+
+def e2m1_scales(shape, generator):
+    """MXFP4's scales as its held blocks have them: powers of two (2^-12 to 2^-3 here) in float16."""
+    return torch.exp2(-torch.randint(3, 13, shape, generator=generator).float()).half()
 
 
 def gemv_sweep(dtype, configs, shapes, on_a_gpu):
@@ -1821,7 +1838,8 @@ def test_the_4_bit_gemv_kernel_multiplies_as_the_plain_product(dtype, monkeypatc
 
 def grouped_stacks(which, experts, channels, inner, generator):
     """[(codes, scales, offsets)] of `experts` random experts stacked [experts, channels, ...]: int8's in each of its
-    forms (int8_layer's), 4-bit ones with float16 and float32 groups (Q4_0/Q4_1's, Q4_K's); and the plain product."""
+    forms (int8_layer's), 4-bit ones with float16 and float32 groups (Q4_0/Q4_1's, Q4_K's) and MXFP4's e2m1 codes
+    (gpt-oss's experts); and the plain product."""
     from rungen import int4_kernel, int8
 
     if which == "int8":
@@ -1835,7 +1853,9 @@ def grouped_stacks(which, experts, channels, inner, generator):
     scales = torch.rand(experts, channels, inner // 32, generator=generator) / 100
     offsets = -8 * scales + torch.rand(experts, channels, inner // 32, generator=generator) / 1000
     return [(codes.to(DEVICE), scales.to(DEVICE, kind), offsets.to(DEVICE, kind))
-            for kind in (torch.float16, torch.float32)], int4_kernel.widened4
+            for kind in (torch.float16, torch.float32)] + [
+        (codes.to(DEVICE), e2m1_scales((experts, channels, inner // 32), generator).to(DEVICE), None)
+    ], int4_kernel.widened4
 
 
 @needs_triton
@@ -1923,20 +1943,32 @@ def test_coded_experts_take_a_steps_and_a_prompts_chosen_experts_in_two_launches
     # once, the experts' layers views of the one buffer (nothing held twice); a decode step's (token, expert) pairs
     # through the grouped launches, nothing read back to the host (on a GPU, sync debug mode raising), compute what
     # the experts one at a time do (GGMLExperts' forward over the same layers); a prompt's pairs too, through the
-    # tiled kernels' grouped launches. gpt-oss's (int8 codes, as its MXFP4 takes) with each expert's biases and the
-    # clamped SwiGLU.
+    # tiled kernels' grouped launches. gpt-oss's (MXFP4's e2m1 codes in the 4-bit form, from its blocks as held) with
+    # each expert's biases and the clamped SwiGLU.
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
     from rungen import int4_kernel, int8
+    from rungen.gguf.blocks import held as held_blocks
+    from rungen.gguf.device import int4_codes_of_blocks
     from rungen.gguf.device_experts import CodedExperts
     from rungen.gguf.experts import ClampedSwiGLU, GGMLExperts
 
     dtype = torch.bfloat16
-    kernel = kernel_where_it_runs((int4_kernel if which == "4-bit" else int8).triton_kernel, dtype, monkeypatch)
+    kernel = kernel_where_it_runs((int8 if which == "int8" else int4_kernel).triton_kernel, dtype, monkeypatch)
     generator = torch.Generator().manual_seed(0)
 
     def layer(out_features, in_features):
-        weight = (torch.randn(out_features, in_features, generator=generator) / in_features ** 0.5).to(DEVICE)
-        made = (int4_kernel.CudaInt4Linear.of_weight(weight) if which == "4-bit"
-                else int8.CudaInt8Linear(*int8.int8_codes(weight), None))
+        weight = torch.randn(out_features, in_features, generator=generator) / in_features ** 0.5
+        if which == "gpt-oss":
+            mxfp4 = GGMLQuantizationType.MXFP4
+            blocks = torch.from_numpy(held_blocks(quantize(weight.numpy(), mxfp4), mxfp4))
+            made = int4_codes_of_blocks(blocks, mxfp4, in_features, DEVICE)
+            assert made.offsets is None and made.codes.dtype == torch.uint8
+        else:
+            weight = weight.to(DEVICE)
+            made = (int4_kernel.CudaInt4Linear.of_weight(weight) if which == "4-bit"
+                    else int8.CudaInt8Linear(*int8.int8_codes(weight), None))
         made.use_kernel(kernel)
         return made
 
@@ -1995,7 +2027,8 @@ def test_every_tuned_configuration_multiplies_as_the_plain_product(which):
         plain = int8.widened
     else:
         codes = int4_kernel.packed(torch.randint(0, 16, (channels, inner), dtype=torch.uint8, generator=generator))
-        layouts, plain = [(groups.half(), (-8 * groups).half())], int4_kernel.widened4
+        layouts = [(groups.half(), (-8 * groups).half()), (e2m1_scales(groups.shape, generator), None)]
+        plain = int4_kernel.widened4
     for block_n, block_k in sorted(shapes):
         for scales, offsets in layouts:
             y = kernel(x, codes, scales, {"BLOCK_N": block_n, "BLOCK_K": block_k}, offsets=offsets)

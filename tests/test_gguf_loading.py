@@ -1015,30 +1015,39 @@ def test_a_gpt_oss_file_as_llama_cpp_writes_it_computes_its_checkpoint(tmp_path,
     assert type(device.model.layers[0].mlp.experts).__name__ == "GptOssExperts"
     for got, wanted in zip(padded_prompt_and_steps(device), theirs):
         torch.testing.assert_close(got, wanted, rtol=1e-4, atol=1e-4)
-    # and where the GPU's int8 kernel serves (stood in by plain products): MXFP4's codes and scales, exact, in
-    # CodedExperts with the biases and the clamped SwiGLU, a prompt's pairs through the tiled launch, a step's
-    # through the grouped GEMV launch.
+    # and where the GPU's 4-bit Triton kernel serves (stood in by plain products): MXFP4's e2m1 codes two a byte and
+    # its scales, exact, in CodedExperts with the biases and the clamped SwiGLU, a prompt's pairs through the tiled
+    # launch, a step's through the grouped GEMV launch; where it does not (RUN_GENERATION_GPU_INT4=0, or a failed
+    # check), the int8 kernel's codes, the same.
     del device
     import rungen.gguf.device
     from rungen.gguf.device import INT8_TYPES
     from rungen.gguf.device_experts import CodedExperts
+    from rungen.int4_kernel import widened4
 
     monkeypatch.setattr(rungen.gguf.device, "gpu_int8", lambda qtype, device: qtype in INT8_TYPES)
     monkeypatch.setattr(rungen.gguf.device, "checked_kernel", lambda layer, dtype, instead: plain_grouped_kernel())
+    monkeypatch.setattr(rungen.gguf.device, "checked_int4_kernel",
+                        lambda layer, dtype: (plain_grouped_kernel(widened4), None))
     monkeypatch.setattr(CodedExperts, "most_pairs", 8)  # a prompt's 24 pairs tiled, a step's 4 on the GEMV
     paths = []
     for path_name in ("_paired", "_tiled"):
         original = getattr(CodedExperts, path_name)
         monkeypatch.setattr(CodedExperts, path_name, lambda self, *a, f=original, n=path_name: paths.append(n)
                             or f(self, *a))
-    coded = build_model(GGUFHeader(path), torch.float32, torch.device("cpu"))
-    experts = coded.model.layers[0].mlp.experts
-    assert isinstance(experts, CodedExperts) and experts.down[0].codes.dtype == torch.int8
-    assert experts.down[0].scales.dtype == torch.float16  # (a power of two: float16 holds it)
-    for got, wanted in zip(padded_prompt_and_steps(coded), theirs):
-        torch.testing.assert_close(got, wanted, rtol=1e-4, atol=1e-4)
-    assert paths.count("_tiled") == len(coded.model.layers) and paths.count("_paired") == 2 * len(coded.model.layers)
-    del coded
+    for form, codes in (("4-bit", torch.uint8), ("0", torch.int8)):
+        monkeypatch.setattr(rungen.gguf.device, "gpu_int4", lambda qtype, in_features, dtype, device, f=form: (
+            "triton" if f == "4-bit" and qtype == Q.MXFP4 else None))
+        coded = build_model(GGUFHeader(path), torch.float32, torch.device("cpu"))
+        experts = coded.model.layers[0].mlp.experts
+        assert isinstance(experts, CodedExperts) and experts.down[0].codes.dtype == codes, form
+        assert experts.down[0].scales.dtype == torch.float16 and experts.down[0].offsets is None  # (powers of two)
+        for got, wanted in zip(padded_prompt_and_steps(coded), theirs):
+            torch.testing.assert_close(got, wanted, rtol=1e-4, atol=1e-4)
+        layers = len(coded.model.layers)
+        assert paths.count("_tiled") == layers and paths.count("_paired") == 2 * layers, form
+        paths.clear()
+        del coded
     code, line = error_of(["--model_name_or_path", path, "--prompt", "Hi", "--length", "2", "--dequantize"], capsys)
     assert code == 2 and line.endswith("gpt-oss.gguf: transformers reads no gpt-oss file as llama.cpp writes it "
                                        "(its experts' tensors); it runs here in its own blocks, without --dequantize "

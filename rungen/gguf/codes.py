@@ -114,26 +114,30 @@ IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 8
 MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # e2m1's values doubled
 
 
-def iq4_parts(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: int):
-    """IQ4_NL, IQ4_XS or MXFP4 (as held: IQ4_NL's layout) blocks as their levels' int8 codes [rows, in_features]
-    (IQ4_VALUES, MXFP4_VALUES) and per group of 32 the scale: IQ4_NL's and MXFP4's float16 as held, IQ4_XS's
-    superblock float16 scale times the group's 6-bit one less 32, in float32 (exact); by torch operators on the
-    blocks' device."""
+def iq4_nibbles(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: int):
+    """IQ4_NL, IQ4_XS or MXFP4 (as held: IQ4_NL's layout) blocks as their 4-bit indices [rows, in_features] (uint8,
+    into IQ4_VALUES or MXFP4_VALUES: for MXFP4 e2m1's own bits, the sign high) and per group of 32 the scale:
+    IQ4_NL's and MXFP4's float16 as held, IQ4_XS's superblock float16 scale times the group's 6-bit one less 32, in
+    float32 (exact); by torch operators on the blocks' device."""
     rows = blocks.shape[0]
-    table = MXFP4_VALUES if qtype == GGMLQuantizationType.MXFP4 else IQ4_VALUES
-    levels = torch.tensor(table, dtype=torch.int8, device=blocks.device)
     if qtype in (GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.MXFP4):
         b = blocks.reshape(rows, -1, 18)
-        nibbles = _nibbles(b[..., 2:].unsqueeze(-2), rows)
-        scales = _float16s(b[..., 0:2])
-    else:
-        b = blocks.reshape(rows, -1, 136)
-        low = _fields(b[..., 4:8], 4, dim=-1)  # group 2j, 2j+1: byte j's nibbles
-        high = _fields(b[..., 2:4], 2, dim=-1)  # group i: bits 2i of 16
-        groups = (low.reshape(rows, -1, 8) | (high.reshape(rows, -1, 8) << 4)).float() - 32
-        scales = (_halves(b[..., 0:2])[..., None] * groups).reshape(rows, -1)
-        nibbles = _nibbles(b[..., 8:].reshape(rows, -1, 8, 16), rows)
-    return levels[nibbles.long()].reshape(rows, in_features), scales
+        return _nibbles(b[..., 2:].unsqueeze(-2), rows), _float16s(b[..., 0:2])
+    b = blocks.reshape(rows, -1, 136)
+    low = _fields(b[..., 4:8], 4, dim=-1)  # group 2j, 2j+1: byte j's nibbles
+    high = _fields(b[..., 2:4], 2, dim=-1)  # group i: bits 2i of 16
+    groups = (low.reshape(rows, -1, 8) | (high.reshape(rows, -1, 8) << 4)).float() - 32
+    scales = (_halves(b[..., 0:2])[..., None] * groups).reshape(rows, -1)
+    return _nibbles(b[..., 8:].reshape(rows, -1, 8, 16), rows), scales
+
+
+def iq4_parts(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: int):
+    """iq4_nibbles' blocks as their levels' int8 codes [rows, in_features] (IQ4_VALUES, MXFP4_VALUES) and its
+    scales."""
+    table = MXFP4_VALUES if qtype == GGMLQuantizationType.MXFP4 else IQ4_VALUES
+    levels = torch.tensor(table, dtype=torch.int8, device=blocks.device)
+    nibbles, scales = iq4_nibbles(blocks, qtype, in_features)
+    return levels[nibbles.long()].reshape(blocks.shape[0], in_features), scales
 
 
 def q6_k_parts(blocks: torch.Tensor, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,23 +1,24 @@
 """A GGUF file's weights in the forms a CUDA GPU keeps them (build.py's build_model given a device): 4-bit types as
 torch's int4 kernel takes them (TinyGemmLinear) or, where it cannot run or is asked for, as rungen/int4_kernel.py's
-Triton kernel reads them (CudaInt4Linear), the types that fit int8 codes and group scales for rungen/int8.py's
-Triton kernel (CudaInt8Linear), and an embedding table in its blocks (DeviceRowsEmbedding). The codes are the file's
-(codes.py), never re-quantized, and so are the scales but tinygemm's, which it takes in bfloat16 only: a float16
-scale (Q4_0, Q4_1) or a K-quant's float32 product of scales loses its last bits there (checked_tinygemm holds the
-kernel to the de-quantized weight).
+Triton kernel reads them (CudaInt4Linear, MXFP4's e2m1 codes too), the types that fit int8 codes and group scales
+for rungen/int8.py's Triton kernel (CudaInt8Linear), and an embedding table in its blocks (DeviceRowsEmbedding).
+The codes are the file's (codes.py), never re-quantized, and so are the scales but tinygemm's, which it takes in
+bfloat16 only: a float16 scale (Q4_0, Q4_1) or a K-quant's float32 product of scales loses its last bits there
+(checked_tinygemm holds the kernel to the de-quantized weight).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
 from ..code_kernels import one_row_ms
-from ..int4 import TinyGemmLinear, checked_tinygemm
+from ..int4 import GPU_INT4_ENV, TinyGemmLinear, checked_tinygemm
 from ..int4_kernel import CudaInt4Linear, checked_int4_kernel, gpu_int4_form, packed, timed_int4_choice
 from ..int8 import CodesEmbedding, CudaInt8Linear, checked_kernel
 from .codes import (
@@ -26,6 +27,7 @@ from .codes import (
     dequantize_rows,
     grouped_parts,
     int4_parts,
+    iq4_nibbles,
     iq4_parts,
     low_k_parts,
     q6_k_parts,
@@ -48,7 +50,11 @@ def in_order(order, *tensors: torch.Tensor | None) -> tuple:
 
 def gpu_int4(qtype: GGMLQuantizationType, in_features: int, dtype: torch.dtype, device: torch.device) -> str | None:
     """The form a weight of `qtype` keeps its 4-bit codes in on `device` for a model in `dtype` (int4_kernel.py's
-    gpu_int4_form), or None: de-quantized."""
+    gpu_int4_form; MXFP4's e2m1 codes the Triton form in any dtype, tinygemm having no such codes), or None: not
+    4-bit (MXFP4 then int8 codes, the others de-quantized; RUN_GENERATION_GPU_INT4=0 turns the 4-bit forms off)."""
+    if qtype == GGMLQuantizationType.MXFP4:
+        fits = device.type == "cuda" and CudaInt4Linear.fits(in_features)
+        return "triton" if fits and os.environ.get(GPU_INT4_ENV) != "0" else None
     return gpu_int4_form(in_features, dtype, device) if qtype in INT4_TYPES else None
 
 
@@ -63,7 +69,12 @@ def int4_codes_of_blocks(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_f
                          order=None) -> CudaInt4Linear:
     """A 4-bit weight's blocks (`order`: its rows permuted) as a CudaInt4Linear on `device`, exact: the codes two a
     byte and a group's scale and offset, float16 for Q4_0 and Q4_1 (their blocks' own: 0.625 bytes a weight, the
-    file's 0.5625 or 0.625), float32 for Q4_K (a float16 times a 6-bit integer: 0.75 bytes, the file's 0.5625)."""
+    file's 0.5625 or 0.625), float32 for Q4_K (a float16 times a 6-bit integer: 0.75 bytes, the file's 0.5625);
+    MXFP4's (as held) e2m1 codes and a group's power-of-two float16 scale, no offset (0.5625 bytes, the file's
+    0.53: gpt-oss-20b's experts about 11 GB, gpt-oss-120b's about 65)."""
+    if qtype == GGMLQuantizationType.MXFP4:
+        nibbles, scale = in_order(order, *iq4_nibbles(blocks, qtype, in_features))
+        return CudaInt4Linear(packed(nibbles).to(device), scale.to(device), None)
     codes, scale, offset = in_order(order, *int4_parts(blocks, qtype, in_features))
     exact = torch.float32 if qtype == GGMLQuantizationType.Q4_K else torch.float16
     return CudaInt4Linear(packed(codes).to(device), scale.to(device, exact), offset.to(device, exact))
@@ -152,15 +163,16 @@ class DeviceRowsEmbedding(torch.nn.Module):
 
 
 class DeviceForms:
-    """What one load keeps a GGUF file's quantized weights in on a GPU: 4-bit codes for torch's int4 kernel, int8
-    codes for the Triton kernel, an embedding's blocks, else the weight de-quantized. Each kernel is checked on its
-    first weight (the int8 kernel once a type: their group sizes compile apart); one that fails leaves every later
-    weight of its kind de-quantized."""
+    """What one load keeps a GGUF file's quantized weights in on a GPU: 4-bit codes for torch's int4 kernel or the
+    Triton one, int8 codes for the Triton kernel, an embedding's blocks, else the weight de-quantized. Each kernel is
+    checked on its first weight (the int8 kernel once a type, the 4-bit one once for affine codes and once for MXFP4's:
+    they compile apart); one that fails leaves every later weight of its kind de-quantized (MXFP4's in int8 codes)."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype):
         self.device, self.dtype = device, dtype
         self.tinygemm = None  # whether 4-bit weights take torch's int4 kernel: None until the first is checked
-        self.int4 = None  # the Triton 4-bit kernel once checked (False: it does not serve), where it is asked for
+        # MXFP4 or not -> the Triton 4-bit kernel once checked on such codes (False: it does not serve them)
+        self.int4 = {}
         self.int8 = {}  # qtype -> the checked Triton kernel, or False where it does not serve the type
         # The Triton form, where it fits, in place of tinygemm's (the faster at one row), as the first 4-bit weight
         # timed the two; None until one has.
@@ -202,12 +214,13 @@ class DeviceForms:
             self.prefer_triton = self.triton_faster(blocks, qtype, in_features, order, dequantized)
         if timed and self.prefer_triton:
             form = "triton"
-        if form == "triton" and self.int4 is not False:
-            layer = self.int4_codes(blocks, qtype, in_features, order,
-                                    "the experts keep tinygemm's form" if grouped and timed else None)
-            if layer is not None or not (grouped and timed):
+        if form == "triton" and self.int4.get(qtype == GGMLQuantizationType.MXFP4) is not False:
+            instead = ("the experts keep tinygemm's form" if grouped and timed else
+                       "MXFP4 weights take int8 codes instead" if qtype in INT8_TYPES else None)
+            layer = self.int4_codes(blocks, qtype, in_features, order, instead)
+            if layer is not None or not (grouped and timed or qtype in INT8_TYPES):
                 return layer
-            form = "tinygemm"
+            form = "tinygemm" if grouped and timed else None
         if form == "tinygemm" and self.tinygemm is not False:
             make = functools.partial(tinygemm_of_blocks, torch.from_numpy(blocks), qtype, in_features, self.device,
                                      order)
@@ -240,7 +253,7 @@ class DeviceForms:
         self.tinygemm = tinygemm is not None
         triton = int4_codes_of_blocks(torch.from_numpy(blocks), qtype, in_features, self.device, order)
         kernel, why_not = checked_int4_kernel(triton, self.dtype)  # (and the GEMV or the tiled kernel at one row)
-        self.int4 = kernel or False
+        self.int4[False] = kernel or False
         if tinygemm is None and kernel is None:
             logger.warning("torch's int4 GPU kernel %s here, and the 4-bit Triton kernel: %s; the 4-bit weights run "
                            "de-quantized to %s instead", why, why_not, self.dtype)
@@ -261,16 +274,18 @@ class DeviceForms:
 
     def int4_codes(self, blocks: np.ndarray, qtype: GGMLQuantizationType, in_features: int, order,
                    instead: str | None = None) -> torch.nn.Module | None:
-        """A 4-bit weight as CudaInt4Linear where the Triton kernel checks out on the first, else None (`instead`:
-        what the caller then does, which a failed check's warning says; by default, de-quantize)."""
+        """A 4-bit weight as CudaInt4Linear where the Triton kernel checks out on the first of its codes (MXFP4's or
+        the affine ones), else None (`instead`: what the caller then does, which a failed check's warning says; by
+        default, de-quantize)."""
         layer = int4_codes_of_blocks(torch.from_numpy(blocks), qtype, in_features, self.device, order)
-        if self.int4 is None:
+        e2m1 = qtype == GGMLQuantizationType.MXFP4
+        if e2m1 not in self.int4:
             kernel, why = checked_int4_kernel(layer, self.dtype)
-            self.int4 = kernel or False
+            self.int4[e2m1] = kernel or False
             if kernel is None:
                 logger.warning("the 4-bit Triton kernel: %s; %s", why,
                                instead or f"the 4-bit weights run de-quantized to {self.dtype} instead")
-        if not self.int4:
+        if not self.int4[e2m1]:
             return None  # (its codes go with the layer: never both forms on the GPU at once)
-        layer.use_kernel(self.int4)
+        layer.use_kernel(self.int4[e2m1])
         return layer

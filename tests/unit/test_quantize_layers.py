@@ -242,6 +242,89 @@ def test_a_4_bit_weight_for_the_triton_kernel_keeps_the_files_codes_two_a_byte(n
     torch.testing.assert_close(layer(x.float()), reference, rtol=1e-4, atol=1e-5 * reference.abs().max().item())
 
 
+@pytest.mark.parametrize("kind", ["random", "max", "min"])
+def test_an_mxfp4_weight_for_the_triton_kernel_keeps_its_e2m1_codes_two_a_byte(kind, monkeypatch):
+    # gpt-oss's MXFP4 on a GPU (rungen/gguf/device.py's int4_codes_of_blocks): the held blocks' e2m1 nibbles two a
+    # byte in the 4-bit kernel's layout and each group's power-of-two float16 scale, no offsets (0.5625 bytes a
+    # weight where int8 codes take 1.06); rows permuted where asked; the nibbles' doubled values times the scales are
+    # exactly the de-quantized weight, and the layer's product (widened a slice at a time, the plain path) its product.
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    import rungen.int8
+    from helpers import blocks_for
+    from rungen.gguf.blocks import held
+    from rungen.gguf.device import int4_codes_of_blocks
+    from rungen.int4_kernel import E2M1_LEVELS, e2m1_unpacked, unpacked
+
+    qtype = GGMLQuantizationType.MXFP4
+    file_blocks = blocks_for(qtype, 24, 512, kind=kind)
+    order = np.random.default_rng(0).permutation(24)
+    layer = int4_codes_of_blocks(torch.from_numpy(held(file_blocks.numpy(), qtype)), qtype, 512, torch.device("cpu"),
+                                 order)
+    assert layer.codes.dtype == torch.uint8 and layer.codes.shape == (24, 256) and layer.offsets is None
+    assert layer.scales.dtype == torch.float16 and layer.scales.shape == (24, 512 // 32)
+    assert sum(t.numel() * t.element_size() for t in (layer.codes, layer.scales)) == 24 * 512 * 0.5625
+    weight = torch.from_numpy(gguf_dequantize(file_blocks.numpy(), qtype))[torch.from_numpy(order)]
+    assert torch.equal(e2m1_unpacked(layer.codes), torch.tensor(E2M1_LEVELS, dtype=torch.int8)[
+        unpacked(layer.codes).long()])
+    values = e2m1_unpacked(layer.codes).float() * layer.scales.float().repeat_interleave(32, dim=1)
+    assert torch.equal(values, weight)
+    monkeypatch.setattr(rungen.int8, "WIDEN_BYTES", 512 * 5 * 4)  # five channels at a time: five slices
+    x = torch.randn(70, 512, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    reference = (x @ weight.double().t()).float()
+    torch.testing.assert_close(layer(x.float()), reference, rtol=1e-4, atol=1e-5 * reference.abs().max().item())
+
+
+def test_mxfp4_weights_take_the_4_bit_form_on_a_gpu_and_int8_codes_where_its_kernel_fails(monkeypatch, caplog):
+    # Which form a GPU load gives MXFP4 (DeviceForms): the 4-bit Triton form in any dtype wherever its inputs fill
+    # whole chunks of 64 (tinygemm has no e2m1 codes), none where RUN_GENERATION_GPU_INT4=0 turns the 4-bit forms off;
+    # where the 4-bit kernel fails its check on the first MXFP4 weight, one warning and every MXFP4 weight in int8
+    # codes (the affine 4-bit types' check apart: an MXFP4 failure leaves them their form).
+    import logging
+
+    from gguf import GGMLQuantizationType as Q
+
+    import rungen.gguf.device as device
+    from helpers import blocks_for, plain_grouped_kernel
+    from rungen.gguf.blocks import held
+    from rungen.int4_kernel import CudaInt4Linear, widened4
+    from rungen.int8 import CudaInt8Linear
+
+    cuda = torch.device("cuda")  # (no GPU needed to name one)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        assert device.gpu_int4(Q.MXFP4, 2880, dtype, cuda) == "triton"
+    assert device.gpu_int4(Q.MXFP4, 2880 + 32, torch.bfloat16, cuda) is None
+    assert device.gpu_int4(Q.MXFP4, 2880, torch.bfloat16, torch.device("cpu")) is None
+    monkeypatch.setenv("RUN_GENERATION_GPU_INT4", "0")
+    assert device.gpu_int4(Q.MXFP4, 2880, torch.bfloat16, cuda) is None
+    monkeypatch.delenv("RUN_GENERATION_GPU_INT4")
+    # A load on the CPU standing in for a GPU's: the kernels plain products, the first MXFP4 check failing.
+    checks = []
+
+    def checked(layer, dtype):
+        checks.append(layer.offsets is None)
+        return (None, "the Triton kernel disagrees") if layer.offsets is None else (plain_grouped_kernel(widened4),
+                                                                                   None)
+
+    monkeypatch.setattr(device, "gpu_int4", lambda qtype, in_features, dtype, where: (
+        "triton" if qtype in (Q.MXFP4, Q.Q4_0) else None))
+    monkeypatch.setattr(device, "gpu_int8", lambda qtype, where: qtype in device.INT8_TYPES)
+    monkeypatch.setattr(device, "checked_int4_kernel", checked)
+    monkeypatch.setattr(device, "checked_kernel", lambda layer, dtype, instead: plain_grouped_kernel())
+    forms = device.DeviceForms(torch.device("cpu"), torch.bfloat16)
+    mxfp4 = held(blocks_for(Q.MXFP4, 8, 128).numpy(), Q.MXFP4)
+    with caplog.at_level(logging.WARNING):
+        made = [forms.codes_layer(mxfp4, Q.MXFP4, 128, None, None) for _ in range(2)]
+        q4_0 = forms.codes_layer(blocks_for(Q.Q4_0, 8, 128).numpy(), Q.Q4_0, 128, None, None)
+    assert all(type(layer) is CudaInt8Linear and layer.kernel is not None for layer in made)
+    assert type(q4_0) is CudaInt4Linear and q4_0.offsets is not None and q4_0.kernel is not None
+    assert checks == [True, False]  # each kind of codes checked once
+    assert caplog.text.count("the 4-bit Triton kernel: the Triton kernel disagrees; MXFP4 weights take int8 codes "
+                             "instead") == 1
+
+
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_an_embeddings_rows_de_quantize_on_any_device_as_the_gguf_package_does(name):
     # DeviceRowsEmbedding's lookup on a GPU: torch operators over the gathered rows' blocks, the same floats.
