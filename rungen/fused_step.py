@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .slots import SlotCache, decode_step
+from .slots import AttentionMask, SlotCache, decode_step
 from .step_kernels import TORCH, triton_kernels
 
 logger = logging.getLogger("run_generation")
@@ -71,6 +71,8 @@ def why_not(model: torch.nn.Module) -> str | None:
         return f"no fused layers for {config.model_type}"
     if getattr(config, "hidden_act", None) not in ("silu", "swish"):
         return f"activation {getattr(config, 'hidden_act', None)}"
+    if AttentionMask(config).window is not None:
+        return f"a sliding window of {config.sliding_window} (the fused attention reads every position)"
     if any(module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook")
            for module in model.modules()):
         return "its forward is hooked (accelerate's offload, or a hook of the caller's, which the step would skip)"

@@ -2,8 +2,11 @@
 and one values tensor [slots, kv heads, positions, head size], grown by copying only when outgrown. A row owns a
 slot; a decode step writes its position in place and attention reads a view of the first `length` positions of the
 first `rows` slots, so nothing is concatenated and a step's shapes depend only on (rows, length): it can be a CUDA
-graph. A row that ends frees its slot to the last row, so rows stay 0..rows-1. The mask is 4D boolean
-[rows, 1, 1, length], which transformers' mask construction passes through.
+graph. A row that ends frees its slot to the last row, so rows stay 0..rows-1. The mask is 4D [rows, 1, queries,
+length], which transformers' mask construction passes through: boolean for sdpa, additive (0 or the dtype's least)
+for eager attention, which adds it to the scores; with a sliding window (Mistral's, Phi-3's, and the layers a config's
+layer_types names sliding: Gemma 2 and 3, gpt-oss, Qwen2's) a position sees only the window's last keys, every layer
+holding every position (the mask applies the window).
 """
 
 from __future__ import annotations
@@ -13,12 +16,13 @@ import torch
 from .errors import out_of_device_memory
 from .transfers import to_device
 
-# The families whose attention takes this cache and a 4D mask as transformers writes them (update(k, v, layer)).
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3")
-# Mixtures of experts of those attentions: taken where every layer's experts read nothing back to the host at a
-# decode step (captures_decode: a GGUF file's experts in codes on a GPU, rungen/gguf/device_experts.py), which
-# transformers' own Experts modules do.
-MIXTURES = ("qwen2_moe", "qwen3_moe", "mixtral")
+# The families whose attention takes this cache and a 4D mask as transformers writes them (update(k, v, layer)); a
+# config with layer_types takes a dict of masks by layer type, one without a mask for every layer.
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "gemma2", "gemma3_text")
+# Mixtures of experts of those attentions (gpt-oss's with sinks): taken where every layer's experts read nothing back
+# to the host at a decode step (captures_decode: a GGUF file's experts in codes on a GPU,
+# rungen/gguf/device_experts.py), which transformers' own Experts modules do.
+MIXTURES = ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss")
 ROW_BUCKET = 8  # past 4 rows, a captured step's rows (and the slots) come in multiples of this
 POSITION_BUCKET = 256  # the positions a slot holds, and those a step reads, in multiples of this
 
@@ -29,8 +33,8 @@ def round_up(value: int, step: int) -> int:
 
 def takes_slots(model: torch.nn.Module) -> bool:
     """Whether `model` runs on a SlotCache: a transformers model of FAMILIES (or MIXTURES whose experts read nothing
-    back at a step), full attention on every layer, sdpa or eager attention, and no other cache of its own (the own
-    model, fused GGUF layers, --jit)."""
+    back at a step), full or sliding-window attention on every layer, sdpa or eager attention, and no other cache of
+    its own (the own model, fused GGUF layers, --jit)."""
     config = getattr(model, "config", None)
     if config is None or any(getattr(model, flag, False) for flag in ("own_cache", "cache_grows_in_place",
                                                                          "traced_step")):
@@ -45,16 +49,42 @@ def takes_slots(model: torch.nn.Module) -> bool:
     if getattr(text, "_attn_implementation", None) not in ("sdpa", "eager"):
         return False
     kinds = getattr(text, "layer_types", None)
-    if kinds is not None:
-        return all(kind == "full_attention" for kind in kinds)
-    return not getattr(text, "sliding_window", None)
+    return kinds is None or set(kinds) <= {"full_attention", "sliding_attention"}
+
+
+class AttentionMask:
+    """What a model's attention takes for a causal mask over the slots: `kinds` the config's layer_types (None: one
+    mask for every layer), `window` its sliding window where a layer slides (None: none does), `additive` whether its
+    attention adds the mask to the scores (eager) rather than taking a boolean one (sdpa)."""
+
+    def __init__(self, text_config):
+        self.kinds = getattr(text_config, "layer_types", None)
+        slides = "sliding_attention" in self.kinds if self.kinds is not None else True
+        self.window = getattr(text_config, "sliding_window", None) or None if slides else None
+        self.additive = getattr(text_config, "_attn_implementation", None) == "eager"
+
+    def __call__(self, seen: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | dict:
+        """`seen` [rows, 1, queries, length] (a query sees the slot's positions up to its own, at `positions`
+        [rows, queries]) as the model takes it, additive masks in `dtype`."""
+        masks = {"full_attention": seen}
+        if self.window is not None:  # transformers' window: a key more than `window - 1` positions back is out
+            recent = torch.arange(seen.shape[-1], device=seen.device) > positions[:, None, :, None] - self.window
+            masks["sliding_attention"] = seen & recent
+        if self.additive:
+            least = torch.finfo(dtype).min
+            masks = {kind: torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, least)
+                     for kind, mask in masks.items()}
+        if self.kinds is None:
+            return masks["sliding_attention" if self.window is not None else "full_attention"]
+        return masks
 
 
 class SlotCache:
     """The batch's keys/values in slots: the engine calls prepare() before a step, attention update() per layer."""
 
-    def __init__(self, layers: int, max_slots: int, max_positions: int):
+    def __init__(self, layers: int, max_slots: int, max_positions: int, attention_mask: AttentionMask | None = None):
         self.num_layers, self.max_slots, self.max_positions = layers, max_slots, max_positions
+        self.attention_mask = attention_mask or AttentionMask(None)
         self.keys, self.values = [], []  # per layer [slots, kv heads, capacity, head size]
         self.rows = 0  # the slots in use: 0..rows-1
         self.slot_index = self.positions = None  # the step's rows [rows] and the position each writes [rows]
@@ -65,7 +95,8 @@ class SlotCache:
     def for_model(cls, model: torch.nn.Module, max_slots: int, max_positions: int) -> SlotCache | None:
         if not takes_slots(model):
             return None
-        return cls(model.config.get_text_config(decoder=True).num_hidden_layers, max_slots, max_positions)
+        text = model.config.get_text_config(decoder=True)
+        return cls(text.num_hidden_layers, max_slots, max_positions, AttentionMask(text))
 
     @property
     def slots(self) -> int:
@@ -123,7 +154,8 @@ class SlotCache:
 
     def prepare(self, positions: torch.Tensor, length: int) -> torch.Tensor:
         """Sets up a decode step of slots 0..len(positions)-1, each writing at its entry of `positions` (on the
-        device) and reading `length` positions; returns the attention mask [rows, 1, 1, length] of the step."""
+        device) and reading `length` positions; returns the positions each row sees [rows, 1, 1, length] (boolean;
+        attention_mask makes it the model's mask)."""
         self.length, self.positions = length, positions
         self.slot_index = torch.arange(positions.shape[0], device=positions.device)
         filled = torch.arange(length, device=positions.device)[None, :] <= positions[:, None]
@@ -149,7 +181,7 @@ def decode_step(model: torch.nn.Module, cache: SlotCache, tokens: torch.Tensor, 
                 length: int) -> torch.Tensor:
     """One decode step of slots 0..rows-1 (tokens [rows, 1], positions [rows]): the logits [rows, vocabulary] of
     their next tokens, in float32."""
-    mask = cache.prepare(positions, length)
+    mask = cache.attention_mask(cache.prepare(positions, length), positions[:, None], cache.keys[0].dtype)
     output = model(input_ids=tokens, attention_mask=mask, position_ids=positions[:, None], past_key_values=cache,
                    use_cache=True)
     return output.logits[:, -1].float()
@@ -166,9 +198,9 @@ class SlotPrefill:
         rows = positions.shape[0]
         self.slot_index = torch.arange(first, first + rows, device=positions.device)[:, None]
 
-    def mask(self) -> torch.Tensor:
+    def mask(self) -> torch.Tensor | dict:
         seen = torch.arange(self.length, device=self.positions.device)[None, None, :] <= self.positions[:, :, None]
-        return seen[:, None]
+        return self.cache.attention_mask(seen[:, None], self.positions, self.cache.keys[0].dtype)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         keys, values = self.cache.keys[layer_idx], self.cache.values[layer_idx]

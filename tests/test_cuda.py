@@ -1434,6 +1434,7 @@ def test_a_gpt_oss_files_mxfp4_experts_keep_their_codes_on_the_gpu(tmp_path):
     # its logits are the CPU kernels' within their rounding, and a greedy reply runs.
     from rungen.int4_kernel import e2m1_unpacked
     from rungen.loading import load
+    from rungen.slots import takes_slots
     from tiny_models import gpt_oss_checkpoint, write_gpt_oss_gguf
 
     path = write_gpt_oss_gguf(gpt_oss_checkpoint(str(tmp_path)), str(tmp_path / "gpt-oss.gguf"))
@@ -1441,6 +1442,7 @@ def test_a_gpt_oss_files_mxfp4_experts_keep_their_codes_on_the_gpu(tmp_path):
     experts, held = gpu.model.model.layers[0].mlp.experts, cpu.model.model.layers[0].mlp.block.experts
     coded = not PLAYED  # (a GPU: Triton's 4-bit kernel)
     assert type(experts).__name__ == ("CodedExperts" if coded else "GptOssExperts")
+    assert takes_slots(gpu.model) == coded  # (coded experts read nothing back: its steps may be CUDA graphs)
     for e in range(held.num_experts):  # the CPU's blocks (gate rows, then up rows) de-quantized
         layer = held.gate_up[e]
         rows = torch.ops.rungen_ggml.dequantize(layer.blocks, layer.code, layer.in_features)

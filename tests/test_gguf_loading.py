@@ -1024,6 +1024,7 @@ def test_a_gpt_oss_file_as_llama_cpp_writes_it_computes_its_checkpoint(tmp_path,
     from rungen.gguf.device import INT8_TYPES
     from rungen.gguf.device_experts import CodedExperts
     from rungen.int4_kernel import widened4
+    from rungen.slots import takes_slots
 
     monkeypatch.setattr(rungen.gguf.device, "gpu_int8", lambda qtype, device: qtype in INT8_TYPES)
     monkeypatch.setattr(rungen.gguf.device, "checked_kernel", lambda layer, dtype, instead: plain_grouped_kernel())
@@ -1041,6 +1042,7 @@ def test_a_gpt_oss_file_as_llama_cpp_writes_it_computes_its_checkpoint(tmp_path,
         coded = build_model(GGUFHeader(path), torch.float32, torch.device("cpu"))
         experts = coded.model.layers[0].mlp.experts
         assert isinstance(experts, CodedExperts) and experts.down[0].codes.dtype == codes, form
+        assert takes_slots(coded), form  # (its decode steps in fixed slots: CUDA graphs on a GPU)
         assert experts.down[0].scales.dtype == torch.float16 and experts.down[0].offsets is None  # (powers of two)
         for got, wanted in zip(padded_prompt_and_steps(coded), theirs):
             torch.testing.assert_close(got, wanted, rtol=1e-4, atol=1e-4)

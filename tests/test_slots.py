@@ -3,7 +3,8 @@ rows that join at different steps, end at different lengths and move into freed 
 each prompt alone; requests admitted together prefill in one pass; the slots are written in place, never
 re-concatenated; a seeded draw does not depend on the batch; a finished row's keys/values serve the next request that
 starts as it does; a mixture of experts (Qwen3-MoE's attention) decodes in slots where its experts read nothing back
-at a step."""
+at a step; sliding windows (Mistral's, Phi-3's, Qwen2's, Gemma's, gpt-oss's) and eager attention take the slots under
+the masks their models take."""
 
 import pytest
 import torch
@@ -336,3 +337,65 @@ def test_a_mixture_whose_experts_read_nothing_back_decodes_in_slots(loaded, fami
     with torch.no_grad():
         for number, (i, length) in enumerate(zip(ids, lengths)):
             assert done[number][0] == generate_alone(theirs, i, length), PROMPTS[number]
+
+
+# Attention over the slots as each family's model takes its mask: a sliding window where the config has one (every
+# layer's for Mistral and Phi-3, a dict of the full and the sliding layers' masks for the families whose config lists
+# layer_types), and an additive float mask for eager attention (transformers adds it to the scores: a boolean one
+# would add 1 to the positions it means to keep). gpt-oss's attention is eager (its sinks) and sliding on every other
+# layer; Gemma 2's eager too (its soft-capping).
+WINDOWED = {
+    "llama, eager": ("LlamaConfig", {}, "eager"),
+    "mistral": ("MistralConfig", dict(sliding_window=4), "sdpa"),
+    "phi3": ("Phi3Config", dict(sliding_window=4, pad_token_id=0), "sdpa"),
+    "qwen2": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1), "sdpa"),
+    "gemma2": ("Gemma2Config", dict(sliding_window=4, head_dim=16), "eager"),
+    "gemma3_text": ("Gemma3TextConfig", dict(sliding_window=4, head_dim=16,
+                                             layer_types=["sliding_attention", "full_attention"]), "sdpa"),
+    "gpt_oss": ("GptOssConfig", dict(sliding_window=4, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                     intermediate_size=32), "eager"),
+}
+
+
+@pytest.fixture(scope="module")
+def llama_tokenizer(tmp_path_factory):
+    return load(build_tiny_checkpoint("llama", str(tmp_path_factory.mktemp("llama"))),
+                device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize("family", list(WINDOWED))
+def test_sliding_windows_and_eager_attention_decode_in_slots_as_generate_does(llama_tokenizer, family):
+    # Rows joining and ending at different steps, prompts longer than the window, decode in slots what generate()
+    # gives each prompt alone (its caches keep the window); with the window opened the text differs, so the window
+    # is what the slots apply.
+    import copy
+
+    import transformers
+
+    from rungen.loading import Loaded
+
+    source = llama_tokenizer
+    name, fields, attention = WINDOWED[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, name)(vocab_size=source.vocab_size, hidden_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=source.context, **fields)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention).eval()
+    for module in model.modules():  # gpt-oss's experts: read as a GPU's coded ones are (nothing back to the host)
+        if type(module).__name__.endswith("Experts"):
+            module.captures_decode, module.most_pairs = True, 24
+    assert takes_slots(model)
+    ids = [source.tokenizer(prompt).input_ids for prompt in PROMPTS]
+    lengths = [3, 9, 5, 12, 7]
+    engine = Engine(Loaded(model, source.tokenizer, family, torch.device("cpu"), source.context, source.vocab_size),
+                    max_batch=3, prefix_cache_bytes=0)
+    assert engine.batch.kv.form == "fixed slots"
+    done = run(engine, [(i, length, Sampling(temperature=0, ignore_eos=True), 1) for i, length in zip(ids, lengths)])
+    with torch.no_grad():
+        for number, (i, length) in enumerate(zip(ids, lengths)):
+            assert done[number][0] == generate_alone(model, i, length), (family, PROMPTS[number])
+        if "sliding_window" in fields:
+            opened = copy.deepcopy(model)
+            opened.config.sliding_window = 10_000
+            assert any(generate_alone(opened, i, 12) != generate_alone(model, i, 12) for i in ids), family
+

@@ -121,6 +121,18 @@ def test_a_family_without_fused_layers_keeps_transformers_step():
     assert fused_step.for_model(model, torch.device("cuda")) is None
 
 
+@pytest.mark.parametrize("family", ["mistral", "phi3", "qwen2"])
+def test_a_model_with_a_sliding_window_keeps_transformers_step(family):
+    # Mistral-7B-v0.1's window, Phi-3-mini's (2047), Qwen2's sliding layers: the fused attention reads every position
+    # of a slot, so their steps stay transformers' layers over the slots, whose masks keep the window.
+    config_class, extra = FAMILIES[family]
+    extra = {**extra, "sliding_window": 8} | ({"use_sliding_window": True, "max_window_layers": 1}
+                                             if family == "qwen2" else {})
+    model = AutoModelForCausalLM.from_config(config_class(**SIZES, **extra)).eval()
+    assert fused_step.why_not(model) == "a sliding window of 8 (the fused attention reads every position)"
+    assert fused_step.for_model(model, torch.device("cuda")) is None
+
+
 def test_a_model_whose_forward_is_hooked_keeps_transformers_step():
     # accelerate's offload (and a caller's hook) lives in the modules' forward, which the fused step would skip
     model = model_of("llama", torch.float32)
