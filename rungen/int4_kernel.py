@@ -10,9 +10,10 @@ Codes are packed in chunks of CHUNK inputs: byte j of a chunk holds input j in i
 in its high one, so that the low and the high nibbles of a kernel's tile each multiply a contiguous run of inputs.
 
 A layer without offsets holds MXFP4's codes (gpt-oss's experts): each nibble e2m1's own bits (sign, two of exponent,
-one of mantissa) standing for MXFP4_VALUES' doubled value, times the group's power-of-two scale. The kernels widen
+one of mantissa) standing for E2M1_LEVELS' doubled value, times the group's power-of-two scale. The kernels widen
 them as bits: shifted into a float16's sign, exponent and mantissa they make the value times 2^-14 exactly (the
-exponent's 0 a subnormal, as e2m1's is), so a nibble costs a few integer operations more than an affine code.
+exponent's 0 a subnormal, as e2m1's is), the scale taking the 2^15 back, so a nibble costs a few integer operations
+more than an affine code.
 """
 
 from __future__ import annotations
@@ -78,8 +79,7 @@ def unpacked(packed_codes: torch.Tensor) -> torch.Tensor:
     return torch.cat([chunks & 0x0F, chunks >> 4], dim=2).reshape(rows, half * 2)
 
 
-E2M1_LEVELS = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # e2m1's values doubled (MXFP4_VALUES)
-E2M1_BITS_SCALE = 2.0 ** 15  # a nibble's bits as a float16 (e2m1's value x 2^-14) times this: its doubled value
+E2M1_LEVELS = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # e2m1's values doubled, by their bits
 
 
 def e2m1_unpacked(packed_codes: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from ..int4_kernel import E2M1_LEVELS
+
 
 def _float16s(pairs: torch.Tensor) -> torch.Tensor:
     """Byte pairs [..., 2] read as float16 [...]."""
@@ -111,7 +113,7 @@ def low_k_parts(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: 
 
 
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # IQ4_NL/IQ4_XS's 16 levels
-MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # e2m1's values doubled
+MXFP4_VALUES = E2M1_LEVELS  # e2m1's values doubled
 
 
 def iq4_nibbles(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: int):
