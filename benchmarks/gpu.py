@@ -49,7 +49,9 @@ token (median and 95th percentile), time per output token, and the requests cut 
 the row's error). Product rows: one layer's matrix product in each weight form at 1 to 4096 rows
 (benchmarks/gpu_products.py). Last, while time is left, a mixture of experts: Qwen3-30B-A3B's shape cut to 8 of its
 48 layers as Q4_0, its experts in codes (a decode step's chosen ones in the GEMV kernels' grouped launches and its
-prompt's in the tiled kernels', where the Triton forms run), its bound counting the experts one token chooses.
+prompt's in the tiled kernels', where the Triton forms run), its bound counting the experts one token chooses; and
+gpt-oss-20b's shape cut to 8 of its 24 layers as its published files hold it (MXFP4 experts, the rest Q8_0): its
+experts in e2m1 codes two a byte, its sliding-window layers in the fixed slots, its steps CUDA graphs.
 
 Each measurement is guarded: a failure prints one line and the run goes on. The run keeps to --budget seconds (300
 by default: the whole script within 6 minutes on an H100/H200, a last measurement's overrun included), the goals'
@@ -135,6 +137,15 @@ GGUF_SHAPES = {
     "tiny-qwen3moe": (1024, dict(arch="qwen3moe", layers=2, hidden=256, ffn=512, heads=4, kv_heads=2, head_dim=64,
                                  rope_base=1000000.0, eps=1e-6, tied=False, qk_norm=True, experts=4, experts_used=2,
                                  expert_ffn=256)),
+    # gpt-oss-20b's shape cut to 8 of its 24 layers (its published vocabulary; MXFP4 experts, the rest Q8_0:
+    # llama-quantize's MXFP4_MOE, about 4.6 GB), and a tiny one for --quick
+    "gpt-oss-20b-8layers": (201088, dict(arch="gpt-oss", layers=8, hidden=2880, ffn=2880, heads=64, kv_heads=8,
+                                         head_dim=64, rope_base=150000.0, eps=1e-5, tied=False, experts=32,
+                                         experts_used=4, expert_ffn=2880, context=131072, sliding_window=128,
+                                         yarn=(32.0, 4096), biases=True)),
+    "tiny-gpt-oss": (1024, dict(arch="gpt-oss", layers=2, hidden=256, ffn=256, heads=4, kv_heads=2, head_dim=64,
+                                rope_base=150000.0, eps=1e-5, tied=False, experts=4, experts_used=2, expert_ffn=256,
+                                context=4096, sliding_window=128, yarn=(32.0, 4096), biases=True)),
 }
 # The server row's file carries a chat template (ChatML, as SmolLM2-Instruct's).
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -258,7 +269,8 @@ def weight_bytes(model):
     experts only the share one token chooses (num_experts_per_tok of num_experts)."""
     total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     config = model.config.get_text_config(decoder=True)
-    experts, chosen = getattr(config, "num_experts", None), getattr(config, "num_experts_per_tok", None)
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)  # (Mixtral, gpt-oss)
+    chosen = getattr(config, "num_experts_per_tok", None)
     if experts and chosen:
         held = sum(t.numel() * t.element_size() for module in model.modules()
                    if type(module).__name__.endswith("Experts") for t in [*module.parameters(), *module.buffers()])
@@ -988,6 +1000,9 @@ def main(argv=None):
             # A mixture of experts: each layer's experts in codes (its bound counts the experts one token chooses).
             gguf_row(report, args, bandwidth, budget, "tiny-qwen3moe" if args.quick else "qwen3-30b-a3b-8layers",
                      "Q4_0", [("gguf Q4_0 mixture of experts, engine", {})], args.moe_reserve)
+            # gpt-oss: its MXFP4 experts in e2m1 codes two a byte, its sliding layers in the fixed slots
+            gguf_row(report, args, bandwidth, budget, "tiny-gpt-oss" if args.quick else "gpt-oss-20b-8layers",
+                     "MXFP4_MOE", [("gguf MXFP4 gpt-oss, engine", {})], args.moe_reserve)
     finally:
         shutil.rmtree(args.gguf_folder, ignore_errors=True)
     report.header["seconds"] = args.budget - budget.left()
