@@ -146,7 +146,8 @@ def triton_kernel():
                 nibbles = (b >> (4 * part)) & 0x0F
                 if E2M1:  # its sign and three bits in a float16's sign, exponent and mantissa: e2m1's value x 2^-14
                     bits = nibbles.to(tl.uint16)
-                    w = (((bits & 8) << 12) | ((bits & 7) << 9)).to(tl.float16, bitcast=True).to(tl.float32)
+                    bits = (((bits & 8) << 12) | ((bits & 7) << 9)).to(tl.uint16)  # (16 bits whatever Triton promotes)
+                    w = bits.to(tl.float16, bitcast=True).to(tl.float32)
                     w = tl.reshape(w, (BLOCK_K // 64, 32, BLOCK_N)) * (scale * 32768.0)[:, None, :]
                 else:
                     w = tl.reshape(nibbles.to(tl.float32), (BLOCK_K // 64, 32, BLOCK_N)) * scale[:, None, :] + \
@@ -206,7 +207,8 @@ def triton_kernel():
                 nibbles = (b >> (4 * part)) & 0x0F
                 if E2M1:  # as int4_matmul's
                     bits = nibbles.to(tl.uint16)
-                    w = (((bits & 8) << 12) | ((bits & 7) << 9)).to(tl.float16, bitcast=True).to(tl.float32)
+                    bits = (((bits & 8) << 12) | ((bits & 7) << 9)).to(tl.uint16)  # (16 bits whatever Triton promotes)
+                    w = bits.to(tl.float16, bitcast=True).to(tl.float32)
                     w = tl.reshape(w, (BLOCK_N, BLOCK_K // 64, 32)) * (scale * 32768.0)[:, :, None]
                 else:
                     w = tl.reshape(nibbles.to(tl.float32), (BLOCK_N, BLOCK_K // 64, 32)) * scale[:, :, None] + \

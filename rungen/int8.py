@@ -284,7 +284,8 @@ def widen_kernel():
                 weight = nibble.to(tl.float32)
             else:  # e2m1's value x 2^-14 as a float16's bits, times 2^15
                 bits = nibble.to(tl.uint16)
-                weight = (((bits & 8) << 12) | ((bits & 7) << 9)).to(tl.float16, bitcast=True).to(tl.float32) * 32768.0
+                bits = (((bits & 8) << 12) | ((bits & 7) << 9)).to(tl.uint16)  # (16 bits whatever Triton promotes)
+                weight = bits.to(tl.float16, bitcast=True).to(tl.float32) * 32768.0
         else:
             weight = tl.load(codes + row * K + at, mask=held, other=0).to(tl.float32)
         if GROUP:
