@@ -18,7 +18,9 @@ On Llama-3.1-8B's gate (14336 x 4096) and down (4096 x 14336) projections, rando
   past MOST_ROWS;
 - e2m1 Triton kernel, e2m1 GEMV kernel, e2m1 widened: MXFP4's form (gpt-oss's experts): e2m1 codes two a byte and a
   power-of-two float16 scale a group of 32, no offsets, on the same kernels and widening (random codes: the time is
-  the point);
+  the point); levels Triton kernel, levels GEMV kernel: IQ4_NL's form, codes two a byte whose 16 levels the kernels
+  look up a byte at a time in a 1 KB table, and a float16 scale a group of 32 (against int8 kernel's rows: the form
+  IQ4 took before, twice the bytes);
 - int8 kernel: int8 codes with a scale a group of 32 (GGUF Q8_0's form) on rungen/int8.py's tiled Triton kernel, to
   its MOST_ROWS rows, where the layer uses it; int8 GEMV kernel: the same codes on its GEMV kernel, to GEMV_ROWS
   rows, which the layer takes at those rows where it is the faster at one row;
@@ -76,6 +78,21 @@ def e2m1_layer(weight):
     return layer, kernel
 
 
+def levels_layer(weight):
+    """Random codes two a byte of IQ4's levels and a float16 scale a group of 32 (IQ4_NL's form) of the weight's shape
+    on rungen/int4_kernel.py's layer, and its checked Triton kernel (None: widened only)."""
+    from rungen.int4_kernel import IQ4_LEVELS, CudaInt4Linear, checked_int4_kernel, level_pairs
+
+    generator = torch.Generator(weight.device).manual_seed(2)
+    out_features, in_features = weight.shape
+    codes = torch.randint(0, 256, (out_features, in_features // 2), dtype=torch.uint8, device=weight.device,
+                          generator=generator)
+    scales = (torch.rand(out_features, in_features // GROUP, device=weight.device, generator=generator) / 2000).half()
+    layer = CudaInt4Linear(codes, scales, level_pairs(IQ4_LEVELS, weight.device))
+    kernel = checked_int4_kernel(layer, torch.bfloat16)[0] if weight.device.type == "cuda" else None
+    return layer, kernel
+
+
 def int4_layer(weight):
     """The weight as 4-bit codes two a byte with a float16 scale and offset a group of 32 (Q4_0's and Q4_1's form
     under RUN_GENERATION_GPU_INT4=triton) on rungen/int4_kernel.py's layer, and its checked Triton kernel (None:
@@ -127,9 +144,12 @@ def forms(weight, device):
                  ("int4 GEMV kernel", coded(kernel_of(int4_layer, "gemv"), True), GEMV_ROWS),
                  ("e2m1 Triton kernel", coded(kernel_of(e2m1_layer, "tiled"), True), MOST_ROWS),
                  ("e2m1 GEMV kernel", coded(kernel_of(e2m1_layer, "gemv"), True), GEMV_ROWS),
+                 ("levels Triton kernel", coded(kernel_of(levels_layer, "tiled"), True), MOST_ROWS),
+                 ("levels GEMV kernel", coded(kernel_of(levels_layer, "gemv"), True), GEMV_ROWS),
                  ("int8 kernel", coded(kernel_of(int8_group_layer, "tiled"), True), MOST_ROWS),
                  ("int8 GEMV kernel", coded(kernel_of(int8_group_layer, "gemv"), True), GEMV_ROWS)]
     made += [("int4 widened", coded(int4_layer, False), None), ("e2m1 widened", coded(e2m1_layer, False), None),
+             ("levels widened", coded(levels_layer, False), None),
              ("int8 widened", coded(int8_group_layer, False), None)]
     return made
 

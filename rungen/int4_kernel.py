@@ -9,11 +9,13 @@ product, as rungen/int8.py does for its codes.
 Codes are packed in chunks of CHUNK inputs: byte j of a chunk holds input j in its low nibble and input j + CHUNK/2
 in its high one, so that the low and the high nibbles of a kernel's tile each multiply a contiguous run of inputs.
 
-A layer without offsets holds MXFP4's codes (gpt-oss's experts): each nibble e2m1's own bits (sign, two of exponent,
-one of mantissa) standing for E2M1_LEVELS' doubled value, times the group's power-of-two scale. The kernels widen
-them as bits: shifted into a float16's sign, exponent and mantissa they make the value times 2^-14 exactly (the
-exponent's 0 a subnormal, as e2m1's is), the scale taking the 2^15 back, so a nibble costs a few integer operations
-more than an affine code.
+Codes need not be affine (levels_of): a layer without offsets holds MXFP4's codes (gpt-oss's experts), each nibble
+e2m1's own bits (sign, two of exponent, one of mantissa) standing for E2M1_LEVELS' doubled value, times the group's
+power-of-two scale. The kernels widen them as bits: shifted into a float16's sign, exponent and mantissa they make
+the value times 2^-14 exactly (the exponent's 0 a subnormal, as e2m1's is), the scale taking the 2^15 back, so a
+nibble costs a few integer operations more than an affine code. A layer whose offsets are a table of 256 (IQ4_NL's
+and IQ4_XS's, whose 16 levels no bits make: level_pairs) holds codes that index levels: the kernels look each byte's
+two levels up at once in that table (1 KB, which stays in the GPU's L1 cache) and scale them.
 """
 
 from __future__ import annotations
@@ -80,6 +82,27 @@ def unpacked(packed_codes: torch.Tensor) -> torch.Tensor:
 
 
 E2M1_LEVELS = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # e2m1's values doubled, by their bits
+IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # IQ4_NL/IQ4_XS's levels
+
+
+def levels_of(offsets: torch.Tensor | None) -> int:
+    """What a 4-bit layer's codes stand for, by its offsets (the kernels' LEVELS): 0 the code times the scale plus
+    the offset (offsets [out, groups]), 1 MXFP4's e2m1 value (None), 2 a level of a table (offsets level_pairs')."""
+    return 1 if offsets is None else 2 if offsets.dim() == 1 else 0
+
+
+@functools.cache
+def level_pairs(levels: tuple, device: torch.device) -> torch.Tensor:
+    """The table a table's 4-bit codes look their levels up in, a byte at a time: for each of the 256 bytes, its low
+    nibble's level in the low 16 bits and its high nibble's in the high 16 (int32 [256] on `device`, one a
+    process and device)."""
+    values, byte = torch.tensor(levels, dtype=torch.int32), torch.arange(256)
+    return ((values[byte & 15] & 0xFFFF) | (values[byte >> 4] << 16)).to(torch.int32).to(device)
+
+
+def table_levels(pairs: torch.Tensor) -> torch.Tensor:
+    """level_pairs' 16 levels (int32)."""
+    return (pairs[:16] << 16) >> 16
 
 
 def e2m1_unpacked(packed_codes: torch.Tensor) -> torch.Tensor:
@@ -91,9 +114,14 @@ def e2m1_unpacked(packed_codes: torch.Tensor) -> torch.Tensor:
 def widened4(x: torch.Tensor, packed_codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None
              ) -> torch.Tensor:
     """The plain product x @ (codes * scale + offset).T (no offsets: MXFP4's codes, their doubled values times the
-    scale), the codes widened to x's dtype a slice of output channels at a time (rungen/int8.py's widened: on a GPU
-    its kernel reads them packed as they lie)."""
-    return widened(x, packed_codes, scales, offsets, (CHUNK, unpacked if offsets is not None else e2m1_unpacked))
+    scale; a table: the codes' levels times the scale), the codes widened to x's dtype a slice of output channels at a
+    time (rungen/int8.py's widened: on a GPU its kernel reads them packed as they lie)."""
+    kind = levels_of(offsets)
+    if kind == 2:
+        levels = table_levels(offsets)
+        return widened(x, packed_codes, scales, None,
+                       (CHUNK, lambda codes: levels[unpacked(codes).long()], offsets))
+    return widened(x, packed_codes, scales, offsets, (CHUNK, unpacked if kind == 0 else e2m1_unpacked))
 
 
 @functools.cache
@@ -106,12 +134,13 @@ def triton_kernel():
         return None
 
     @triton.jit(do_not_specialize=["M", "M_BUCKET"])  # one compilation for every decode batch
-    def int4_matmul(x, codes, scales, offsets, y, tiles, sources, M, N, K, M_BUCKET, E2M1: tl.constexpr,
+    def int4_matmul(x, codes, scales, offsets, y, tiles, sources, M, N, K, M_BUCKET, LEVELS: tl.constexpr,
                     GROUPED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # y[m, n] = sum_k x[m, k] * (code[n, k] * scales[n, k // 32] + offsets[n, k // 32]), BLOCK_K inputs (whole
         # chunks of 64) at a time: the bytes' low nibbles hold each chunk's first group of 32 and the high ones its
-        # second, so each is a product over whole groups. E2M1: no offsets, each code e2m1's bits (MXFP4's).
-        # Grid, rows and GROUPED as rungen/int8.py's kernel's.
+        # second, so each is a product over whole groups. LEVELS (levels_of): 1, each code e2m1's bits (MXFP4's); 2,
+        # each byte's two levels looked up in offsets (level_pairs). Grid, rows and GROUPED as rungen/int8.py's
+        # kernel's.
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         if GROUPED:
             expert = tl.load(tiles + tl.program_id(0)).to(tl.int64)
@@ -119,7 +148,7 @@ def triton_kernel():
                 return
             codes += expert * N * (K // 2)
             scales += expert * N * (K // 32)
-            if not E2M1:
+            if LEVELS == 0:
                 offsets += expert * N * (K // 32)
             reads = tl.load(sources + rows).to(tl.int64)
             held_rows = reads >= 0
@@ -136,6 +165,8 @@ def triton_kernel():
             byte_at = start // 2 + half
             b = tl.load(codes + channels[None, :] * (K // 2) + byte_at[:, None],
                         mask=(channels[None, :] < N) & (byte_at[:, None] < K // 2), other=0)
+            if LEVELS == 2:  # both nibbles' levels at once (a byte past the weight: 0's, times a scale of 0)
+                pairs = tl.load(offsets + b.to(tl.int32))
             group = start // 32 + low_groups
             held = (channels[None, :] < N) & (group[:, None] < K // 32)
             where = channels[None, :] * (K // 32) + group[:, None]
@@ -144,11 +175,17 @@ def triton_kernel():
                 # each group's one scale and offset spread over its 32 codes in registers
                 scale = tl.load(scales + where + part, mask=held, other=0.0).to(tl.float32)
                 nibbles = (b >> (4 * part)) & 0x0F
-                if E2M1:  # its sign and three bits in a float16's sign, exponent and mantissa: e2m1's value x 2^-14
+                if LEVELS == 1:  # sign and three bits in a float16's sign, exponent and mantissa: e2m1's value x 2^-14
                     bits = nibbles.to(tl.uint16)
                     bits = (((bits & 8) << 12) | ((bits & 7) << 9)).to(tl.uint16)  # (16 bits whatever Triton promotes)
                     w = bits.to(tl.float16, bitcast=True).to(tl.float32)
                     w = tl.reshape(w, (BLOCK_K // 64, 32, BLOCK_N)) * (scale * 32768.0)[:, None, :]
+                elif LEVELS == 2:  # the low nibble's level in the pair's low half, the high one's in its high half
+                    if part == 0:
+                        w = (pairs << 16) >> 16
+                    else:
+                        w = pairs >> 16
+                    w = tl.reshape(w.to(tl.float32), (BLOCK_K // 64, 32, BLOCK_N)) * scale[:, None, :]
                 else:
                     w = tl.reshape(nibbles.to(tl.float32), (BLOCK_K // 64, 32, BLOCK_N)) * scale[:, None, :] + \
                         tl.load(offsets + where + part, mask=held, other=0.0).to(tl.float32)[:, None, :]
@@ -157,11 +194,11 @@ def triton_kernel():
                  mask=held_rows[:, None] & (channels[None, :] < N))
 
     # x @ (unpacked(codes) * scales + offsets).T; codes [out, in / 2] (packed()), scales and offsets [out, in / 32];
-    # no offsets: x @ (e2m1_unpacked(codes) * scales).T.
+    # no offsets: x @ (e2m1_unpacked(codes) * scales).T; a table: its levels of the codes times the scales.
     # int8's configurations but (16, 256, 4), which spills 8 bytes here with float16 scales on sm_90
     # (python -m benchmarks.int8_kernel_resources).
     def constants(inner, scales, offsets):
-        return {"E2M1": offsets is None}
+        return {"LEVELS": levels_of(offsets)}
 
     tiled = launcher(triton, int4_matmul, constants, leave_out=[(16, 256, 4)])
 
@@ -171,9 +208,9 @@ def triton_kernel():
                 if rows * config.kwargs["BLOCK_N"] * config.kwargs["BLOCK_K"] // 2 <= GEMV_PRODUCTS]
 
     @autotune(triton, [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in GEMV_CONFIGS],
-              ["N", "K", "ROWS", "E2M1", "GROUPED"], fitting)
+              ["N", "K", "ROWS", "LEVELS", "GROUPED"], fitting)
     @triton.jit(do_not_specialize=["M"])
-    def int4_gemv(x, codes, scales, offsets, y, pairs, M, N, K, E2M1: tl.constexpr, ROWS: tl.constexpr,
+    def int4_gemv(x, codes, scales, offsets, y, pairs, M, N, K, LEVELS: tl.constexpr, ROWS: tl.constexpr,
                   GROUPED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # y[m, n] for a decode step's few rows (M <= ROWS) without the tensor cores, whose tiles of 16 rows a row
         # would waste: BLOCK_N output channels a program over all K inputs, BLOCK_K (whole chunks) at a time, each
@@ -185,7 +222,7 @@ def triton_kernel():
             expert = tl.load(pairs + 2 * pair).to(tl.int64)
             codes += expert * N * (K // 2)
             scales += expert * N * (K // 32)
-            if not E2M1:
+            if LEVELS == 0:
                 offsets += expert * N * (K // 32)
             x += tl.load(pairs + 2 * pair + 1).to(tl.int64) * K
             y += pair * N
@@ -199,17 +236,25 @@ def triton_kernel():
             byte_at = start // 2 + half
             b = tl.load(codes + channels[:, None] * (K // 2) + byte_at[None, :],
                         mask=(channels[:, None] < N) & (byte_at[None, :] < K // 2), other=0)
+            if LEVELS == 2:  # as int4_matmul's
+                levels = tl.load(offsets + b.to(tl.int32))
             group = start // 32 + 2 * chunk
             held = (channels[:, None] < N) & (group[None, :] < K // 32)
             where = channels[:, None] * (K // 32) + group[None, :]
             for part in tl.static_range(2):  # the low nibbles (each chunk's first group), then the high ones
                 scale = tl.load(scales + where + part, mask=held, other=0.0).to(tl.float32)
                 nibbles = (b >> (4 * part)) & 0x0F
-                if E2M1:  # as int4_matmul's
+                if LEVELS == 1:  # as int4_matmul's
                     bits = nibbles.to(tl.uint16)
                     bits = (((bits & 8) << 12) | ((bits & 7) << 9)).to(tl.uint16)  # (16 bits whatever Triton promotes)
                     w = bits.to(tl.float16, bitcast=True).to(tl.float32)
                     w = tl.reshape(w, (BLOCK_N, BLOCK_K // 64, 32)) * (scale * 32768.0)[:, :, None]
+                elif LEVELS == 2:
+                    if part == 0:
+                        w = (levels << 16) >> 16
+                    else:
+                        w = levels >> 16
+                    w = tl.reshape(w.to(tl.float32), (BLOCK_N, BLOCK_K // 64, 32)) * scale[:, :, None]
                 else:
                     w = tl.reshape(nibbles.to(tl.float32), (BLOCK_N, BLOCK_K // 64, 32)) * scale[:, :, None] + \
                         tl.load(offsets + where + part, mask=held, other=0.0).to(tl.float32)[:, :, None]
@@ -227,7 +272,8 @@ def triton_kernel():
 class CudaInt4Linear(CodesLinear):
     """y = x @ (code * scale + offset).T on a CUDA GPU, in the activations' dtype: codes packed two a byte (packed()),
     a scale and an offset a group of 32 inputs (offsets None: MXFP4's e2m1 codes, their doubled values times the
-    scale); the Triton kernel for a few rows once checked, else widened4."""
+    scale; offsets a level_pairs table: the codes' levels times the scale); the Triton kernel for a few rows once
+    checked, else widened4."""
 
     format = "int4"
     plain = staticmethod(widened4)
@@ -239,8 +285,7 @@ class CudaInt4Linear(CodesLinear):
         self.register_buffer("scales", scales.contiguous())
         self.register_buffer("offsets", None if offsets is None else offsets.contiguous())
         self.bias = None
-        if offsets is None:
-            self.format = "e2m1"
+        self.format = ("int4", "e2m1", "int4 levels")[levels_of(offsets)]
 
     @classmethod
     def of_weight(cls, weight: torch.Tensor) -> CudaInt4Linear:

@@ -199,7 +199,9 @@ def widened(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets:
     """The plain product: the codes widened to x's dtype [out, in] and scaled there, per output channel (scales
     [out]) or per group (scales [out, groups], and each group's offset where `offsets` [out, groups] are given), one
     layer's weight at a time (two bytes a weight in half precision), at most WIDEN_BYTES of it at once. `packing`:
-    (chunk, unpack) for 4-bit codes two a byte (rungen/int4_kernel.py's layout, unpack its inverse)."""
+    (chunk, unpack) for 4-bit codes two a byte (rungen/int4_kernel.py's layout, unpack its inverse to what the codes
+    stand for), (chunk, unpack, table) for codes that index the levels of a table (rungen/int4_kernel.py's
+    level_pairs)."""
     step = max(1, WIDEN_BYTES // (codes.shape[1] * (2 if packing else 1) * x.element_size()))
     if codes.shape[0] > step:  # a head's table: a slice of output channels at a time
         return torch.cat([widened(x, codes[start:start + step], scales[start:start + step],
@@ -216,13 +218,14 @@ def widened_weight(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Ten
     rounded once; else torch's operators, in `dtype` (three passes over the weight; packed codes unpacked first).
     `packing`: widened's."""
     kernel = widen_kernel() if codes.is_cuda and os.environ.get(TRITON_ENV, "1") != "0" else None
-    chunk, unpack = packing or (0, None)
+    chunk, unpack, table = (*packing, None)[:3] if packing else (0, None, None)
     inputs = codes.shape[1] * (2 if chunk else 1)
-    form = (dtype, inputs // scales.shape[1] if scales.dim() == 2 else 0, offsets is not None, chunk)
+    group = inputs // scales.shape[1] if scales.dim() == 2 else 0
+    form = (dtype, group, offsets is not None, chunk, table is not None)
     plain = (lambda rows: unpack(codes[rows])) if chunk else (lambda rows: codes[rows])
     if kernel is not None and WIDEN_CHECKED.get(form, True):
         try:
-            weight = kernel(codes, scales, offsets, dtype, chunk)
+            weight = kernel(codes, scales, offsets, dtype, chunk, table)
         except Exception as failure:  # a compile or launch failure: torch's operators widen from now on
             WIDEN_CHECKED[form] = False
             logger.warning("int8 weights on the GPU: the widening kernel failed (%s); torch's operators widen them",
@@ -256,11 +259,11 @@ def torch_widened(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tens
 
 @functools.cache
 def widen_kernel():
-    """run(codes, scales, offsets, dtype, chunk=0) -> the weight: a Triton kernel reading each code, its scale and
-    offset once and writing the weight once (on an H200, torch's three passes over an 8B layer's 14336 x 4096 codes
-    took 0.35 ms, 8x what the bytes need); `chunk` > 0: 4-bit codes two a byte in chunks of that many inputs
-    (rungen/int4_kernel.py's packing), read as they lie, without offsets MXFP4's e2m1 bits; None where Triton does not
-    import."""
+    """run(codes, scales, offsets, dtype, chunk=0, table=None) -> the weight: a Triton kernel reading each code, its
+    scale and offset once and writing the weight once (on an H200, torch's three passes over an 8B layer's 14336 x
+    4096 codes took 0.35 ms, 8x what the bytes need); `chunk` > 0: 4-bit codes two a byte in chunks of that many
+    inputs (rungen/int4_kernel.py's packing), read as they lie, without offsets MXFP4's e2m1 bits, with a `table` the
+    indices of its levels (level_pairs: each byte's two); None where Triton does not import."""
     try:
         import triton
         import triton.language as tl
@@ -268,8 +271,8 @@ def widen_kernel():
         return None
 
     @triton.jit
-    def widen(codes, scales, offsets, out, K, GROUP: tl.constexpr, OFFSET: tl.constexpr, CHUNK: tl.constexpr,
-              BLOCK: tl.constexpr):
+    def widen(codes, scales, offsets, table, out, K, GROUP: tl.constexpr, OFFSET: tl.constexpr, CHUNK: tl.constexpr,
+              TABLE: tl.constexpr, BLOCK: tl.constexpr):
         # out[n, k] = codes[n, k] * scale (+ offset), in float32: scales[n] (GROUP 0) or scales[n, k // GROUP]. CHUNK:
         # code k in byte (k // CHUNK) * CHUNK / 2 + k % (CHUNK / 2) of the row, the low nibble for a chunk's first
         # half; without OFFSET e2m1's bits, for their doubled value (as rungen/int4_kernel.py's kernels read them)
@@ -279,8 +282,12 @@ def widen_kernel():
         if CHUNK:
             byte = tl.load(codes + row * (K // 2) + (at // CHUNK) * (CHUNK // 2) + at % (CHUNK // 2), mask=held,
                            other=0)
-            nibble = (byte >> (4 * ((at % CHUNK) // (CHUNK // 2)))) & 0x0F
-            if OFFSET:
+            high = (at % CHUNK) // (CHUNK // 2)  # 1: the byte's high nibble
+            nibble = (byte >> (4 * high)) & 0x0F
+            if TABLE:  # the byte's two levels, the low nibble's in the low half
+                pair = tl.load(table + byte.to(tl.int32), mask=held, other=0)
+                weight = ((pair << (16 - 16 * high)) >> 16).to(tl.float32)
+            elif OFFSET:
                 weight = nibble.to(tl.float32)
             else:  # e2m1's value x 2^-14 as a float16's bits, times 2^15
                 bits = nibble.to(tl.uint16)
@@ -297,14 +304,14 @@ def widen_kernel():
             weight = weight * tl.load(scales + row).to(tl.float32)
         tl.store(out + row * K + at, weight.to(out.dtype.element_ty), mask=held)
 
-    def run(codes, scales, offsets, dtype, chunk=0):
+    def run(codes, scales, offsets, dtype, chunk=0, table=None):
         rows, inner = codes.shape[0], codes.shape[1] * (2 if chunk else 1)
         out = torch.empty(rows, inner, dtype=dtype, device=codes.device)
         codes, scales = codes.contiguous(), scales.contiguous()  # (indexed by row * K + column: no-ops as held)
         widen[(rows, triton.cdiv(inner, WIDEN_BLOCK))](
-            codes, scales, scales if offsets is None else offsets.contiguous(), out, inner,
-            GROUP=inner // scales.shape[1] if scales.dim() == 2 else 0, OFFSET=offsets is not None, CHUNK=chunk,
-            BLOCK=WIDEN_BLOCK)
+            codes, scales, scales if offsets is None else offsets.contiguous(), scales if table is None else table,
+            out, inner, GROUP=inner // scales.shape[1] if scales.dim() == 2 else 0, OFFSET=offsets is not None,
+            CHUNK=chunk, TABLE=table is not None, BLOCK=WIDEN_BLOCK)
         return out
 
     return run
@@ -326,22 +333,26 @@ class CodesLinear(torch.nn.Module):
         codes, scales and offsets those the layers now hold views of (the rows of one buffer each: nothing held
         twice); None where they differ in form (types, groups, kernel) or hold a bias."""
         first = layers[0]
+        table = first.offsets is not None and first.offsets.dim() == 1  # (codes indexing one table's levels)
         forms = {(type(layer), layer.in_features, layer.codes.dtype, layer.scales.dtype, layer.scales.shape[1:],
-                  layer.offsets is None, layer.kernel) for layer in layers}
+                  None if layer.offsets is None else layer.offsets.dim(), layer.kernel) for layer in layers}
+        if table and len({layer.offsets.data_ptr() for layer in layers}) > 1:
+            return None
         if len(forms) > 1 or any(layer.bias is not None for layer in layers):
             return None
         one = object.__new__(cls)
         torch.nn.Module.__init__(one)
         one.in_features, one.bias = first.in_features, None
         one.out_features = sum(layer.out_features for layer in layers)
+        shared = ("offsets",) if table else ()  # (a table: the one every layer reads)
         for name in ("codes", "scales", "offsets"):
             parts = [getattr(layer, name) for layer in layers]
-            one.register_buffer(name, None if parts[0] is None else torch.cat(parts))
+            one.register_buffer(name, None if parts[0] is None else parts[0] if name in shared else torch.cat(parts))
         one.use_kernel(first.kernel)
         start = 0
         for layer in layers:
             end = start + layer.out_features
-            for name in ("codes", "scales", "offsets"):
+            for name in ("codes", "scales", "offsets")[:3 - len(shared)]:
                 whole = getattr(one, name)
                 setattr(layer, name, None if whole is None else whole[start:end])
             start = end

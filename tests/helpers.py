@@ -316,8 +316,9 @@ def plain_grouped_kernel(widened=None):
     if widened is None:
         from rungen.int8 import widened
 
-    def product(x, codes, scales, offsets, expert):
-        return widened(x, codes[expert], scales[expert], None if offsets is None else offsets[expert])
+    def product(x, codes, scales, offsets, expert):  # (a table of levels as offsets: every expert's)
+        return widened(x, codes[expert], scales[expert],
+                       None if offsets is None else offsets if offsets.dim() == 1 else offsets[expert])
 
     def run(x, codes, scales, blocks=None, offsets=None):
         return widened(x, codes, scales, offsets)

@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 
-from helpers import WEATHER, error_line, jsonl, plain_grouped_kernel, run_main, serving, write_tiny_gguf
+from helpers import WEATHER, blocks_for, error_line, jsonl, plain_grouped_kernel, run_main, serving, write_tiny_gguf
 from tiny_models import build_tiny_checkpoint
 
 ON_CPU = bool(os.environ.get("RUNGEN_CUDA_TESTS_ON_CPU")) and not torch.cuda.is_available()
@@ -1733,6 +1733,16 @@ def test_the_widening_kernel_writes_each_weight_as_its_code_scale_and_offset(dty
         truth = levels * scales.double().repeat_interleave(32, dim=1)
         got = kernel(int4_kernel.packed(codes4).to(DEVICE), scales.to(DEVICE), None, dtype, int4_kernel.CHUNK)
         assert got.dtype == dtype and torch.equal(got.cpu().double(), truth), inner4
+        # and with a table, IQ4's codes: each its level (-127..113) times the group's float16 or float32 scale
+        levels = torch.tensor(int4_kernel.IQ4_LEVELS, dtype=torch.float64)[codes4.long()]
+        table = int4_kernel.level_pairs(int4_kernel.IQ4_LEVELS, torch.device(DEVICE))
+        for kind in (torch.float16, torch.float32):
+            scales = groups(32, kind, inner=inner4)
+            truth = levels * scales.double().repeat_interleave(32, dim=1)
+            got = kernel(int4_kernel.packed(codes4).to(DEVICE), scales.to(DEVICE), None, dtype, int4_kernel.CHUNK,
+                         table)
+            error = (got.cpu().double() - truth).abs()
+            assert (error <= torch.finfo(dtype).eps * truth.abs() + 1e-6 * truth.abs().max()).all(), (inner4, kind)
 
 
 @needs_cuda
@@ -1746,7 +1756,7 @@ def test_a_widening_kernel_that_disagrees_with_torch_gives_way_to_torchs_operato
     launched = []
 
     def kernel_off_by(error):
-        def kernel(codes, scales, offsets, dtype, chunk=0):
+        def kernel(codes, scales, offsets, dtype, chunk=0, table=None):
             launched.append(error)
             return (int8.torch_widened(codes, scales, offsets) + error).to(dtype)
         return kernel
@@ -1760,7 +1770,8 @@ def test_a_widening_kernel_that_disagrees_with_torch_gives_way_to_torchs_operato
         int8.widened_weight(codes, grouped, None, torch.bfloat16)
     monkeypatch.setattr(int8, "widen_kernel", lambda: kernel_off_by(1.0))
     wrong = [int8.widened_weight(codes, channels, None, torch.bfloat16) for _ in range(2)]
-    assert int8.WIDEN_CHECKED == {(torch.bfloat16, 32, False, 0): True, (torch.bfloat16, 0, False, 0): False}
+    assert int8.WIDEN_CHECKED == {(torch.bfloat16, 32, False, 0, False): True,
+                                  (torch.bfloat16, 0, False, 0, False): False}
     assert launched == [0.0, 0.0, 1.0] and caplog.text.count("the widening kernel disagrees") == 1
     assert all(torch.equal(weight, int8.torch_widened(codes, channels, None, torch.bfloat16)) for weight in wrong)
 
@@ -1785,9 +1796,10 @@ def test_the_4_bit_kernel_multiplies_as_the_plain_product(dtype, monkeypatch):
 
 def int4_cases(shapes, dtype):
     """(x, packed codes, scales, offsets) of random 4-bit layers for each (rows, channels, inputs) of `shapes`, with
-    a float16 and a float32 scale and offset a group of 32 (Q4_0/Q4_1's, Q4_K's), and MXFP4's e2m1 codes with a
-    power-of-two float16 scale a group and no offsets."""
-    from rungen.int4_kernel import packed
+    a float16 and a float32 scale and offset a group of 32 (Q4_0/Q4_1's, Q4_K's), MXFP4's e2m1 codes with a
+    power-of-two float16 scale a group and no offsets, and IQ4's codes of levels (a table as offsets) with a float16
+    and a float32 scale (IQ4_NL's, IQ4_XS's)."""
+    from rungen.int4_kernel import IQ4_LEVELS, level_pairs, packed
 
     for rows, channels, inner in shapes:
         generator = torch.Generator().manual_seed(rows)
@@ -1799,6 +1811,9 @@ def int4_cases(shapes, dtype):
             yield x, codes, scales.to(DEVICE, scale_dtype), offsets.to(DEVICE, scale_dtype)
         x = torch.randn(rows, inner, generator=generator).to(DEVICE, dtype)
         yield x, codes, e2m1_scales((channels, inner // 32), generator).to(DEVICE), None
+        for scale_dtype in (torch.float16, torch.float32):
+            scales = (torch.rand(channels, inner // 32, generator=generator) / 1000).to(DEVICE, scale_dtype)
+            yield x, codes, scales, level_pairs(IQ4_LEVELS, torch.device(DEVICE))
 
 
 def e2m1_scales(shape, generator):
@@ -1840,8 +1855,8 @@ def test_the_4_bit_gemv_kernel_multiplies_as_the_plain_product(dtype, monkeypatc
 
 def grouped_stacks(which, experts, channels, inner, generator):
     """[(codes, scales, offsets)] of `experts` random experts stacked [experts, channels, ...]: int8's in each of its
-    forms (int8_layer's), 4-bit ones with float16 and float32 groups (Q4_0/Q4_1's, Q4_K's) and MXFP4's e2m1 codes
-    (gpt-oss's experts); and the plain product."""
+    forms (int8_layer's), 4-bit ones with float16 and float32 groups (Q4_0/Q4_1's, Q4_K's), MXFP4's e2m1 codes
+    (gpt-oss's experts) and IQ4_XS's codes of levels; and the plain product."""
     from rungen import int4_kernel, int8
 
     if which == "int8":
@@ -1856,7 +1871,9 @@ def grouped_stacks(which, experts, channels, inner, generator):
     offsets = -8 * scales + torch.rand(experts, channels, inner // 32, generator=generator) / 1000
     return [(codes.to(DEVICE), scales.to(DEVICE, kind), offsets.to(DEVICE, kind))
             for kind in (torch.float16, torch.float32)] + [
-        (codes.to(DEVICE), e2m1_scales((experts, channels, inner // 32), generator).to(DEVICE), None)
+        (codes.to(DEVICE), e2m1_scales((experts, channels, inner // 32), generator).to(DEVICE), None),
+        (codes.to(DEVICE), (scales / 10).to(DEVICE), int4_kernel.level_pairs(int4_kernel.IQ4_LEVELS,
+                                                                             torch.device(DEVICE)))
     ], int4_kernel.widened4
 
 
@@ -1939,14 +1956,14 @@ def test_a_prompts_pairs_are_laid_out_in_blocks_of_one_expert():
 
 
 @needs_triton
-@pytest.mark.parametrize("which", ["int8", "4-bit", "gpt-oss"])
+@pytest.mark.parametrize("which", ["int8", "4-bit", "gpt-oss", "IQ4_NL"])
 def test_coded_experts_take_a_steps_and_a_prompts_chosen_experts_in_two_launches(which, monkeypatch):
     # A mixture's experts in a Triton form (rungen/gguf/device_experts.py's CodedExperts): each part's codes stacked
     # once, the experts' layers views of the one buffer (nothing held twice); a decode step's (token, expert) pairs
     # through the grouped launches, nothing read back to the host (on a GPU, sync debug mode raising), compute what
     # the experts one at a time do (GGMLExperts' forward over the same layers); a prompt's pairs too, through the
     # tiled kernels' grouped launches. gpt-oss's (MXFP4's e2m1 codes in the 4-bit form, from its blocks as held) with
-    # each expert's biases and the clamped SwiGLU.
+    # each expert's biases and the clamped SwiGLU; IQ4_NL's codes of levels, one table every expert reads.
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
@@ -1960,13 +1977,18 @@ def test_coded_experts_take_a_steps_and_a_prompts_chosen_experts_in_two_launches
     kernel = kernel_where_it_runs((int8 if which == "int8" else int4_kernel).triton_kernel, dtype, monkeypatch)
     generator = torch.Generator().manual_seed(0)
 
+    made_layers = []
+
     def layer(out_features, in_features):
         weight = torch.randn(out_features, in_features, generator=generator) / in_features ** 0.5
-        if which == "gpt-oss":
-            mxfp4 = GGMLQuantizationType.MXFP4
-            blocks = torch.from_numpy(held_blocks(quantize(weight.numpy(), mxfp4), mxfp4))
-            made = int4_codes_of_blocks(blocks, mxfp4, in_features, DEVICE)
-            assert made.offsets is None and made.codes.dtype == torch.uint8
+        if which in ("gpt-oss", "IQ4_NL"):
+            qtype = GGMLQuantizationType.MXFP4 if which == "gpt-oss" else GGMLQuantizationType.IQ4_NL
+            file_blocks = (quantize(weight.numpy(), qtype) if which == "gpt-oss" else  # (the gguf package's
+                           blocks_for(qtype, out_features, in_features, seed=len(made_layers)).numpy())  # IQ4: none)
+            made_layers.append(qtype)
+            blocks = torch.from_numpy(held_blocks(file_blocks, qtype))
+            made = int4_codes_of_blocks(blocks, qtype, in_features, DEVICE)
+            assert made.format == ("e2m1" if which == "gpt-oss" else "int4 levels")
         else:
             weight = weight.to(DEVICE)
             made = (int4_kernel.CudaInt4Linear.of_weight(weight) if which == "4-bit"
@@ -1985,6 +2007,8 @@ def test_coded_experts_take_a_steps_and_a_prompts_chosen_experts_in_two_launches
     for layers, stacked in zip((coded.gate_up, coded.down), coded.stacks):
         held = stacked["codes"].untyped_storage().data_ptr()
         assert all(layer.codes.untyped_storage().data_ptr() == held for layer in layers)
+        if which == "IQ4_NL":  # (the table the experts' codes index: one, not a copy an expert)
+            assert stacked["offsets"].shape == (256,) and all(layer.offsets is stacked["offsets"] for layer in layers)
     # A decode step's three tokens (the GEMV kernels), then a prompt's 70 (140 pairs: the tiled kernels).
     for tokens in (3, 70):
         x = torch.randn(tokens, hidden, generator=generator).to(DEVICE, dtype)
@@ -2029,7 +2053,8 @@ def test_every_tuned_configuration_multiplies_as_the_plain_product(which):
         plain = int8.widened
     else:
         codes = int4_kernel.packed(torch.randint(0, 16, (channels, inner), dtype=torch.uint8, generator=generator))
-        layouts = [(groups.half(), (-8 * groups).half()), (e2m1_scales(groups.shape, generator), None)]
+        layouts = [(groups.half(), (-8 * groups).half()), (e2m1_scales(groups.shape, generator), None),
+                   ((groups / 10).half(), int4_kernel.level_pairs(int4_kernel.IQ4_LEVELS, torch.device("cpu")))]
         plain = int4_kernel.widened4
     for block_n, block_k in sorted(shapes):
         for scales, offsets in layouts:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from ..int4_kernel import E2M1_LEVELS
+from ..int4_kernel import E2M1_LEVELS, IQ4_LEVELS
 
 
 def _float16s(pairs: torch.Tensor) -> torch.Tensor:
@@ -112,7 +112,7 @@ def low_k_parts(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: 
     return codes.reshape(rows, in_features), scales.reshape(rows, -1), None
 
 
-IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # IQ4_NL/IQ4_XS's 16 levels
+IQ4_VALUES = IQ4_LEVELS  # IQ4_NL/IQ4_XS's 16 levels
 MXFP4_VALUES = E2M1_LEVELS  # e2m1's values doubled
 
 

@@ -1,7 +1,8 @@
 """A GGUF file's weights in the forms a CUDA GPU keeps them (build.py's build_model given a device): 4-bit types as
 torch's int4 kernel takes them (TinyGemmLinear) or, where it cannot run or is asked for, as rungen/int4_kernel.py's
-Triton kernel reads them (CudaInt4Linear, MXFP4's e2m1 codes too), the types that fit int8 codes and group scales
-for rungen/int8.py's Triton kernel (CudaInt8Linear), and an embedding table in its blocks (DeviceRowsEmbedding).
+Triton kernel reads them (CudaInt4Linear: MXFP4's e2m1 codes and IQ4's codes of levels too, LEVEL_TYPES), the types
+that fit int8 codes and group scales for rungen/int8.py's Triton kernel (CudaInt8Linear), and an embedding table in
+its blocks (DeviceRowsEmbedding).
 The codes are the file's (codes.py), never re-quantized, and so are the scales but tinygemm's, which it takes in
 bfloat16 only: a float16 scale (Q4_0, Q4_1) or a K-quant's float32 product of scales loses its last bits there
 (checked_tinygemm holds the kernel to the de-quantized weight).
@@ -19,7 +20,15 @@ from gguf import GGMLQuantizationType
 
 from ..code_kernels import one_row_ms
 from ..int4 import GPU_INT4_ENV, TinyGemmLinear, checked_tinygemm
-from ..int4_kernel import CudaInt4Linear, checked_int4_kernel, gpu_int4_form, packed, timed_int4_choice
+from ..int4_kernel import (
+    IQ4_LEVELS,
+    CudaInt4Linear,
+    checked_int4_kernel,
+    gpu_int4_form,
+    level_pairs,
+    packed,
+    timed_int4_choice,
+)
 from ..int8 import CodesEmbedding, CudaInt8Linear, checked_kernel
 from .codes import (
     GROUPED_TYPES,
@@ -48,11 +57,16 @@ def in_order(order, *tensors: torch.Tensor | None) -> tuple:
 
 # --- On a CUDA GPU: 4-bit types as torch's int4 weight-only kernel (tinygemm) takes them ---
 
+# The 4-bit types whose codes are no affine integers, which the Triton form alone takes (tinygemm cannot): MXFP4's
+# e2m1 values and IQ4_NL's and IQ4_XS's levels; where it does not serve, their int8 codes (INT8_TYPES).
+LEVEL_TYPES = (GGMLQuantizationType.MXFP4, GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.IQ4_XS)
+
+
 def gpu_int4(qtype: GGMLQuantizationType, in_features: int, dtype: torch.dtype, device: torch.device) -> str | None:
     """The form a weight of `qtype` keeps its 4-bit codes in on `device` for a model in `dtype` (int4_kernel.py's
-    gpu_int4_form; MXFP4's e2m1 codes the Triton form in any dtype, tinygemm having no such codes), or None: not
-    4-bit (MXFP4 then int8 codes, the others de-quantized; RUN_GENERATION_GPU_INT4=0 turns the 4-bit forms off)."""
-    if qtype == GGMLQuantizationType.MXFP4:
+    gpu_int4_form; LEVEL_TYPES the Triton form in any dtype), or None: not 4-bit (LEVEL_TYPES then int8 codes, the
+    others de-quantized; RUN_GENERATION_GPU_INT4=0 turns the 4-bit forms off)."""
+    if qtype in LEVEL_TYPES:
         fits = device.type == "cuda" and CudaInt4Linear.fits(in_features)
         return "triton" if fits and os.environ.get(GPU_INT4_ENV) != "0" else None
     return gpu_int4_form(in_features, dtype, device) if qtype in INT4_TYPES else None
@@ -71,10 +85,13 @@ def int4_codes_of_blocks(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_f
     byte and a group's scale and offset, float16 for Q4_0 and Q4_1 (their blocks' own: 0.625 bytes a weight, the
     file's 0.5625 or 0.625), float32 for Q4_K (a float16 times a 6-bit integer: 0.75 bytes, the file's 0.5625);
     MXFP4's (as held) e2m1 codes and a group's power-of-two float16 scale, no offset (0.5625 bytes, the file's
-    0.53: gpt-oss-20b's experts about 11 GB, gpt-oss-120b's about 65)."""
-    if qtype == GGMLQuantizationType.MXFP4:
+    0.53: gpt-oss-20b's experts about 11 GB, gpt-oss-120b's about 65); IQ4_NL's and IQ4_XS's codes of IQ4_LEVELS and
+    a group's scale, IQ4_NL's float16 as held, IQ4_XS's float32 (its superblock's float16 times the group's 6-bit
+    integer: 0.5625 and 0.625 bytes, the files' 0.56 and 0.53, where int8 codes take 1.06 and 1.13)."""
+    if qtype in LEVEL_TYPES:
         nibbles, scale = in_order(order, *iq4_nibbles(blocks, qtype, in_features))
-        return CudaInt4Linear(packed(nibbles).to(device), scale.to(device), None)
+        table = None if qtype == GGMLQuantizationType.MXFP4 else level_pairs(IQ4_LEVELS, device)
+        return CudaInt4Linear(packed(nibbles).to(device), scale.to(device), table)
     codes, scale, offset = in_order(order, *int4_parts(blocks, qtype, in_features))
     exact = torch.float32 if qtype == GGMLQuantizationType.Q4_K else torch.float16
     return CudaInt4Linear(packed(codes).to(device), scale.to(device, exact), offset.to(device, exact))
@@ -165,13 +182,15 @@ class DeviceRowsEmbedding(torch.nn.Module):
 class DeviceForms:
     """What one load keeps a GGUF file's quantized weights in on a GPU: 4-bit codes for torch's int4 kernel or the
     Triton one, int8 codes for the Triton kernel, an embedding's blocks, else the weight de-quantized. Each kernel is
-    checked on its first weight (the int8 kernel once a type, the 4-bit one once for affine codes and once for MXFP4's:
-    they compile apart); one that fails leaves every later weight of its kind de-quantized (MXFP4's in int8 codes)."""
+    checked on its first weight (the int8 kernel once a type, the 4-bit one once for each kind of codes, affine,
+    e2m1 or levels: they compile apart); one that fails leaves every later weight of its kind de-quantized
+    (LEVEL_TYPES' in int8 codes)."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype):
         self.device, self.dtype = device, dtype
         self.tinygemm = None  # whether 4-bit weights take torch's int4 kernel: None until the first is checked
-        # MXFP4 or not -> the Triton 4-bit kernel once checked on such codes (False: it does not serve them)
+        # the codes' kind (int4_kernel.py's levels_of) -> the Triton 4-bit kernel once checked on such codes (False:
+        # it does not serve them)
         self.int4 = {}
         self.int8 = {}  # qtype -> the checked Triton kernel, or False where it does not serve the type
         # The Triton form, where it fits, in place of tinygemm's (the faster at one row), as the first 4-bit weight
@@ -214,9 +233,9 @@ class DeviceForms:
             self.prefer_triton = self.triton_faster(blocks, qtype, in_features, order, dequantized)
         if timed and self.prefer_triton:
             form = "triton"
-        if form == "triton" and self.int4.get(qtype == GGMLQuantizationType.MXFP4) is not False:
+        if form == "triton" and self.int4.get(codes_kind(qtype)) is not False:
             instead = ("the experts keep tinygemm's form" if grouped and timed else
-                       "MXFP4 weights take int8 codes instead" if qtype in INT8_TYPES else None)
+                       f"{qtype.name} weights take int8 codes instead" if qtype in INT8_TYPES else None)
             layer = self.int4_codes(blocks, qtype, in_features, order, instead)
             if layer is not None or not (grouped and timed or qtype in INT8_TYPES):
                 return layer
@@ -253,7 +272,7 @@ class DeviceForms:
         self.tinygemm = tinygemm is not None
         triton = int4_codes_of_blocks(torch.from_numpy(blocks), qtype, in_features, self.device, order)
         kernel, why_not = checked_int4_kernel(triton, self.dtype)  # (and the GEMV or the tiled kernel at one row)
-        self.int4[False] = kernel or False
+        self.int4[codes_kind(qtype)] = kernel or False
         if tinygemm is None and kernel is None:
             logger.warning("torch's int4 GPU kernel %s here, and the 4-bit Triton kernel: %s; the 4-bit weights run "
                            "de-quantized to %s instead", why, why_not, self.dtype)
@@ -274,18 +293,24 @@ class DeviceForms:
 
     def int4_codes(self, blocks: np.ndarray, qtype: GGMLQuantizationType, in_features: int, order,
                    instead: str | None = None) -> torch.nn.Module | None:
-        """A 4-bit weight as CudaInt4Linear where the Triton kernel checks out on the first of its codes (MXFP4's or
-        the affine ones), else None (`instead`: what the caller then does, which a failed check's warning says; by
+        """A 4-bit weight as CudaInt4Linear where the Triton kernel checks out on the first of its kind of codes
+        (codes_kind), else None (`instead`: what the caller then does, which a failed check's warning says; by
         default, de-quantize)."""
         layer = int4_codes_of_blocks(torch.from_numpy(blocks), qtype, in_features, self.device, order)
-        e2m1 = qtype == GGMLQuantizationType.MXFP4
-        if e2m1 not in self.int4:
+        kind = codes_kind(qtype)
+        if kind not in self.int4:
             kernel, why = checked_int4_kernel(layer, self.dtype)
-            self.int4[e2m1] = kernel or False
+            self.int4[kind] = kernel or False
             if kernel is None:
                 logger.warning("the 4-bit Triton kernel: %s; %s", why,
                                instead or f"the 4-bit weights run de-quantized to {self.dtype} instead")
-        if not self.int4[e2m1]:
+        if not self.int4[kind]:
             return None  # (its codes go with the layer: never both forms on the GPU at once)
-        layer.use_kernel(self.int4[e2m1])
+        layer.use_kernel(self.int4[kind])
         return layer
+
+
+def codes_kind(qtype: GGMLQuantizationType) -> int:
+    """What a 4-bit type's codes stand for in the Triton form (int4_kernel.py's levels_of): 0 affine integers (Q4_0,
+    Q4_1, Q4_K), 1 e2m1 values (MXFP4), 2 levels of a table (IQ4_NL, IQ4_XS)."""
+    return 1 if qtype == GGMLQuantizationType.MXFP4 else 2 if qtype in LEVEL_TYPES else 0

@@ -92,15 +92,19 @@ def stackable(layers: list[torch.nn.Module]) -> bool:
     first = layers[0]
     return (isinstance(first, CodesLinear) and hasattr(first.kernel, "grouped")
             and len({(type(layer), layer.codes.shape, layer.codes.dtype, layer.scales.shape, layer.scales.dtype,
-                      layer.offsets is None, layer.kernel) for layer in layers}) == 1)
+                      None if layer.offsets is None else layer.offsets.shape, layer.kernel) for layer in layers}) == 1)
 
 
 def stack(layers: list[CodesLinear]) -> dict[str, torch.Tensor | None]:
     """{"codes", "scales", "offsets"}: each stacked over `layers` [experts, ...], the layers now holding views of
     them (the experts' own tensors freed as each part is stacked: a part's codes twice for a moment, not the
-    layer's)."""
+    layer's); a table of levels as offsets (rungen/int4_kernel.py's level_pairs) is the one every expert reads."""
     stacked = {}
+    if layers[0].offsets is not None and layers[0].offsets.dim() == 1:
+        stacked["offsets"] = layers[0].offsets
     for name in ("codes", "scales", "offsets"):
+        if name in stacked:
+            continue
         parts = [getattr(layer, name) for layer in layers]
         stacked[name] = None if parts[0] is None else torch.stack(parts)
         for e, layer in enumerate(layers):

@@ -243,11 +243,15 @@ def test_a_4_bit_weight_for_the_triton_kernel_keeps_the_files_codes_two_a_byte(n
 
 
 @pytest.mark.parametrize("kind", ["random", "max", "min"])
-def test_an_mxfp4_weight_for_the_triton_kernel_keeps_its_e2m1_codes_two_a_byte(kind, monkeypatch):
-    # gpt-oss's MXFP4 on a GPU (rungen/gguf/device.py's int4_codes_of_blocks): the held blocks' e2m1 nibbles two a
-    # byte in the 4-bit kernel's layout and each group's power-of-two float16 scale, no offsets (0.5625 bytes a
-    # weight where int8 codes take 1.06); rows permuted where asked; the nibbles' doubled values times the scales are
-    # exactly the de-quantized weight, and the layer's product (widened a slice at a time, the plain path) its product.
+@pytest.mark.parametrize("name", ["MXFP4", "IQ4_NL", "IQ4_XS"])
+def test_a_weight_of_levels_for_the_triton_kernel_keeps_its_4_bit_codes_two_a_byte(name, kind, monkeypatch):
+    # The 4-bit types whose codes are no affine integers, on a GPU (rungen/gguf/device.py's int4_codes_of_blocks):
+    # their nibbles two a byte in the 4-bit kernel's layout and each group's scale. MXFP4 (gpt-oss's): e2m1's bits and
+    # a power-of-two float16 scale, no offsets (0.5625 bytes a weight where int8 codes take 1.06); IQ4_NL and IQ4_XS:
+    # indices of their 16 levels, in the table of byte pairs the kernels look them up in, and IQ4_NL's float16 scale
+    # or IQ4_XS's float32 one (0.5625 and 0.625 bytes, where int8 codes take 1.06 and 1.13). Rows permuted where asked;
+    # the codes' values times the scales are exactly the de-quantized weight, and the layer's product (widened a
+    # slice at a time, the plain path) its product.
     import numpy as np
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize
@@ -256,20 +260,30 @@ def test_an_mxfp4_weight_for_the_triton_kernel_keeps_its_e2m1_codes_two_a_byte(k
     from helpers import blocks_for
     from rungen.gguf.blocks import held
     from rungen.gguf.device import int4_codes_of_blocks
-    from rungen.int4_kernel import E2M1_LEVELS, e2m1_unpacked, unpacked
+    from rungen.int4_kernel import E2M1_LEVELS, IQ4_LEVELS, e2m1_unpacked, level_pairs, table_levels, unpacked
 
-    qtype = GGMLQuantizationType.MXFP4
+    qtype = GGMLQuantizationType[name]
     file_blocks = blocks_for(qtype, 24, 512, kind=kind)
     order = np.random.default_rng(0).permutation(24)
     layer = int4_codes_of_blocks(torch.from_numpy(held(file_blocks.numpy(), qtype)), qtype, 512, torch.device("cpu"),
                                  order)
-    assert layer.codes.dtype == torch.uint8 and layer.codes.shape == (24, 256) and layer.offsets is None
-    assert layer.scales.dtype == torch.float16 and layer.scales.shape == (24, 512 // 32)
-    assert sum(t.numel() * t.element_size() for t in (layer.codes, layer.scales)) == 24 * 512 * 0.5625
+    scale_type = torch.float32 if name == "IQ4_XS" else torch.float16
+    assert layer.codes.dtype == torch.uint8 and layer.codes.shape == (24, 256)
+    assert layer.scales.dtype == scale_type and layer.scales.shape == (24, 512 // 32)
+    size = {"MXFP4": 0.5625, "IQ4_NL": 0.5625, "IQ4_XS": 0.625}[name]
+    assert sum(t.numel() * t.element_size() for t in (layer.codes, layer.scales)) == 24 * 512 * size
     weight = torch.from_numpy(gguf_dequantize(file_blocks.numpy(), qtype))[torch.from_numpy(order)]
-    assert torch.equal(e2m1_unpacked(layer.codes), torch.tensor(E2M1_LEVELS, dtype=torch.int8)[
-        unpacked(layer.codes).long()])
-    values = e2m1_unpacked(layer.codes).float() * layer.scales.float().repeat_interleave(32, dim=1)
+    if name == "MXFP4":
+        assert layer.offsets is None and layer.format == "e2m1"
+        levels = e2m1_unpacked(layer.codes)
+        assert torch.equal(levels, torch.tensor(E2M1_LEVELS, dtype=torch.int8)[unpacked(layer.codes).long()])
+    else:  # the table: byte b's low nibble's level in its low 16 bits, the high nibble's in the high 16
+        assert layer.offsets is level_pairs(IQ4_LEVELS, torch.device("cpu")) and layer.format == "int4 levels"
+        pairs = layer.offsets.tolist()
+        assert pairs[0x3A] == (IQ4_LEVELS[0xA] & 0xFFFF) | (IQ4_LEVELS[0x3] << 16)
+        assert table_levels(layer.offsets).tolist() == list(IQ4_LEVELS)
+        levels = torch.tensor(IQ4_LEVELS)[unpacked(layer.codes).long()]
+    values = levels.float() * layer.scales.float().repeat_interleave(32, dim=1)
     assert torch.equal(values, weight)
     monkeypatch.setattr(rungen.int8, "WIDEN_BYTES", 512 * 5 * 4)  # five channels at a time: five slices
     x = torch.randn(70, 512, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
@@ -277,11 +291,11 @@ def test_an_mxfp4_weight_for_the_triton_kernel_keeps_its_e2m1_codes_two_a_byte(k
     torch.testing.assert_close(layer(x.float()), reference, rtol=1e-4, atol=1e-5 * reference.abs().max().item())
 
 
-def test_mxfp4_weights_take_the_4_bit_form_on_a_gpu_and_int8_codes_where_its_kernel_fails(monkeypatch, caplog):
-    # Which form a GPU load gives MXFP4 (DeviceForms): the 4-bit Triton form in any dtype wherever its inputs fill
-    # whole chunks of 64 (tinygemm has no e2m1 codes), none where RUN_GENERATION_GPU_INT4=0 turns the 4-bit forms off;
-    # where the 4-bit kernel fails its check on the first MXFP4 weight, one warning and every MXFP4 weight in int8
-    # codes (the affine 4-bit types' check apart: an MXFP4 failure leaves them their form).
+def test_weights_of_levels_take_the_4_bit_form_on_a_gpu_and_int8_codes_where_its_kernel_fails(monkeypatch, caplog):
+    # Which form a GPU load gives MXFP4, IQ4_NL and IQ4_XS (DeviceForms): the 4-bit Triton form in any dtype wherever
+    # the inputs fill whole chunks of 64 (tinygemm has no such codes), none where RUN_GENERATION_GPU_INT4=0 turns the
+    # 4-bit forms off; where the 4-bit kernel fails its check on the first MXFP4 weight, one warning and every MXFP4
+    # weight in int8 codes (each kind of codes checked apart: the affine 4-bit types and IQ4's keep their form).
     import logging
 
     from gguf import GGMLQuantizationType as Q
@@ -294,7 +308,7 @@ def test_mxfp4_weights_take_the_4_bit_form_on_a_gpu_and_int8_codes_where_its_ker
 
     cuda = torch.device("cuda")  # (no GPU needed to name one)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        assert device.gpu_int4(Q.MXFP4, 2880, dtype, cuda) == "triton"
+        assert all(device.gpu_int4(qtype, 2880, dtype, cuda) == "triton" for qtype in (Q.MXFP4, Q.IQ4_NL, Q.IQ4_XS))
     assert device.gpu_int4(Q.MXFP4, 2880 + 32, torch.bfloat16, cuda) is None
     assert device.gpu_int4(Q.MXFP4, 2880, torch.bfloat16, torch.device("cpu")) is None
     monkeypatch.setenv("RUN_GENERATION_GPU_INT4", "0")
@@ -304,12 +318,12 @@ def test_mxfp4_weights_take_the_4_bit_form_on_a_gpu_and_int8_codes_where_its_ker
     checks = []
 
     def checked(layer, dtype):
-        checks.append(layer.offsets is None)
+        checks.append(layer.format)
         return (None, "the Triton kernel disagrees") if layer.offsets is None else (plain_grouped_kernel(widened4),
                                                                                    None)
 
     monkeypatch.setattr(device, "gpu_int4", lambda qtype, in_features, dtype, where: (
-        "triton" if qtype in (Q.MXFP4, Q.Q4_0) else None))
+        "triton" if qtype in (Q.MXFP4, Q.Q4_0, Q.IQ4_XS, Q.IQ4_NL) else None))
     monkeypatch.setattr(device, "gpu_int8", lambda qtype, where: qtype in device.INT8_TYPES)
     monkeypatch.setattr(device, "checked_int4_kernel", checked)
     monkeypatch.setattr(device, "checked_kernel", lambda layer, dtype, instead: plain_grouped_kernel())
@@ -318,9 +332,12 @@ def test_mxfp4_weights_take_the_4_bit_form_on_a_gpu_and_int8_codes_where_its_ker
     with caplog.at_level(logging.WARNING):
         made = [forms.codes_layer(mxfp4, Q.MXFP4, 128, None, None) for _ in range(2)]
         q4_0 = forms.codes_layer(blocks_for(Q.Q4_0, 8, 128).numpy(), Q.Q4_0, 128, None, None)
+        iq4 = [forms.codes_layer(held(blocks_for(qtype, 8, 256).numpy(), qtype), qtype, 256, None, None)
+               for qtype in (Q.IQ4_XS, Q.IQ4_NL)]
     assert all(type(layer) is CudaInt8Linear and layer.kernel is not None for layer in made)
     assert type(q4_0) is CudaInt4Linear and q4_0.offsets is not None and q4_0.kernel is not None
-    assert checks == [True, False]  # each kind of codes checked once
+    assert all(type(layer) is CudaInt4Linear and layer.format == "int4 levels" and layer.kernel for layer in iq4)
+    assert checks == ["e2m1", "int4", "int4 levels"]  # each kind of codes checked once
     assert caplog.text.count("the 4-bit Triton kernel: the Triton kernel disagrees; MXFP4 weights take int8 codes "
                              "instead") == 1
 
