@@ -1224,6 +1224,34 @@ def test_the_gpus_codes_and_blocks_compute_the_dequantized_model(loaded, name, m
     assert (ours - theirs)[real].abs().max() <= 1e-5 * theirs[real].abs().max()
 
 
+def test_the_gpus_4_bit_codes_of_levels_compute_the_dequantized_model(loaded, monkeypatch):
+    # MXFP4, IQ4_NL and IQ4_XS matrices as a GPU keeps them where the 4-bit Triton kernel serves (the CPU standing in,
+    # the kernels stood in by the products they are checked against): their codes two a byte (e2m1's bits, IQ4's
+    # indices of a table every layer shares) with each group's scale; the model computes --dequantize's logits.
+    import rungen.gguf.device
+    from rungen.gguf.device import INT8_TYPES, LEVEL_TYPES
+    from rungen.int4_kernel import CudaInt4Linear, widened4
+    from rungen.int8 import widened
+
+    header, _, reference = loaded["mixed_tied"]
+    monkeypatch.setattr(rungen.gguf.device, "gpu_int4", lambda qtype, in_features, dtype, device: (
+        "triton" if qtype in LEVEL_TYPES else None))
+    monkeypatch.setattr(rungen.gguf.device, "checked_int4_kernel", lambda layer, dtype: (widened4, None))
+    monkeypatch.setattr(rungen.gguf.device, "gpu_int8", lambda qtype, device: qtype in INT8_TYPES)
+    monkeypatch.setattr(rungen.gguf.device, "checked_kernel", lambda layer, dtype, instead: widened)
+    model = build_model(header, torch.float32, torch.device("cpu"))
+    types = [Q(entry[1]) for entry in header.tensors]
+    four_bit = [m for m in model.modules() if isinstance(m, CudaInt4Linear)]
+    assert sorted(m.format for m in four_bit) == sorted(
+        "e2m1" if qtype == Q.MXFP4 else "int4 levels" for qtype in types if qtype in LEVEL_TYPES)
+    assert len({m.offsets.data_ptr() for m in four_bit if m.offsets is not None}) == 1  # one table
+    batch = header.tokenizer(PROMPTS[:2], return_tensors="pt", padding=True)
+    real = batch["attention_mask"].bool()
+    with torch.no_grad():
+        theirs, ours = reference(**batch).logits, model(**batch).logits
+    assert (ours - theirs)[real].abs().max() <= 1e-5 * theirs[real].abs().max()
+
+
 @pytest.mark.parametrize("kernels", ["native", "gguf"])
 def test_dequantize_to_reads_chunks_of_rows(monkeypatch, kernels):
     # The weights go to a device a few rows at a time (never the whole weight in float32 on the host): every chunk
