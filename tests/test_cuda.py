@@ -195,17 +195,25 @@ def test_the_fused_layers_change_no_token(request, model, monkeypatch):
 def test_layers_of_codes_concatenate_into_one_product(gpu):
     # A fused step's q/k/v (and gate/up) as one product where they are codes too: torch's int4 kernel's packed codes
     # (tinygemm), int8 codes with a scale a group (Q8_0's form) and 4-bit codes two a byte (the 4-bit Triton
-    # kernel's form, widened where the kernel does not run): the one layer's output is the layers' side by side, and
-    # each layer, now reading its rows of the one layer's buffers, gives what it gave; nothing is held twice.
+    # kernel's form, widened where the kernel does not run: affine, MXFP4's e2m1 and IQ4's codes of levels, whose one
+    # table the layers share): the one layer's output is the layers' side by side, and each layer, now reading its
+    # rows of the one layer's buffers, gives what it gave; nothing is held twice.
     import gc
 
     from rungen.fused_step import concatenated
     from rungen.int4 import TinyGemmLinear, int4_groups
-    from rungen.int4_kernel import CudaInt4Linear
+    from rungen.int4_kernel import IQ4_LEVELS, CudaInt4Linear, level_pairs
     from rungen.int8 import CudaInt8Linear
 
     generator = torch.Generator().manual_seed(0)
     weights = [torch.randn(rows, 256, generator=generator) for rows in (64, 32, 32)]
+
+    def levels(table):
+        def make(weight):  # (random codes of the weight's shape: the layout is the point)
+            codes = torch.randint(0, 256, (weight.shape[0], 128), dtype=torch.uint8, generator=generator)
+            scales = (torch.rand(weight.shape[0], 8, generator=generator) / 100).half()
+            return CudaInt4Linear(codes.to(DEVICE), scales.to(DEVICE), table)
+        return make
     x = torch.randn(3, 256, generator=generator).to(DEVICE, torch.bfloat16)
 
     def tinygemm(weight):
@@ -218,7 +226,8 @@ def test_layers_of_codes_concatenate_into_one_product(gpu):
         codes = (groups / scales[..., None]).round().to(torch.int8).view(weight.shape)
         return CudaInt8Linear(codes.to(DEVICE), scales.to(DEVICE, torch.float16), None)
 
-    makers = [lambda weight: CudaInt4Linear.of_weight(weight.to(DEVICE)), q8_0]
+    makers = [lambda weight: CudaInt4Linear.of_weight(weight.to(DEVICE)), q8_0, levels(None),
+              levels(level_pairs(IQ4_LEVELS, torch.device(DEVICE)))]
     if PLAYED or (torch.cuda.is_available() and TinyGemmLinear.runs_on(256, torch.bfloat16, DEVICE)):
         makers.append(tinygemm)
     for make in makers:
@@ -235,6 +244,8 @@ def test_layers_of_codes_concatenate_into_one_product(gpu):
             torch.testing.assert_close(together, torch.cat(alone, dim=-1), rtol=0, atol=0)
             for layer, before in zip(layers, alone):
                 torch.testing.assert_close(layer(x), before, rtol=0, atol=0)
+            if getattr(layers[0], "format", None) == "int4 levels":
+                assert one.offsets is layers[0].offsets and all(layer.offsets is one.offsets for layer in layers)
 
 
 @needs_cuda  # (on the CPU device a GGUF file runs in its own blocks: no transformers' layers to fuse)
