@@ -18,6 +18,7 @@ import torch
 
 from . import NOTICE, logger
 from .errors import UsageError, one_line
+from .sinks_attention import use_sinks_attention
 from .transfers import accelerators_of
 
 if TYPE_CHECKING:  # transformers is imported where a checkpoint needs it, not on a GGUF file's own-model path
@@ -453,7 +454,9 @@ def use_transformers_model(loaded: Loaded) -> bool:
 
 
 def finish(model: torch.nn.Module, tokenizer, model_type: str, input_device: torch.device) -> Loaded:
-    """The tokenizer's padding set up for batches, and everything in one Loaded."""
+    """The tokenizer's padding set up for batches, gpt-oss's attention without eager attention's scores of every
+    query against every key (rungen/sinks_attention.py), and everything in one Loaded."""
+    use_sinks_attention(model)
     if tokenizer.pad_token is None:
         # Padding is masked and skipped when decoding: any known token will do (openai-gpt and CTRL have only <unk>).
         tokenizer.pad_token = (tokenizer.eos_token or tokenizer.unk_token or tokenizer.bos_token

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from .errors import out_of_device_memory
+from .sinks_attention import SINKS_ATTENTION
 from .transfers import to_device
 
 # The families whose attention takes this cache and a 4D mask as transformers writes them (update(k, v, layer)); a
@@ -33,8 +34,8 @@ def round_up(value: int, step: int) -> int:
 
 def takes_slots(model: torch.nn.Module) -> bool:
     """Whether `model` runs on a SlotCache: a transformers model of FAMILIES (or MIXTURES whose experts read nothing
-    back at a step), full or sliding-window attention on every layer, sdpa or eager attention, and no other cache of
-    its own (the own model, fused GGUF layers, --jit)."""
+    back at a step), full or sliding-window attention on every layer, sdpa, eager or gpt-oss's sinks attention, and no
+    other cache of its own (the own model, fused GGUF layers, --jit)."""
     config = getattr(model, "config", None)
     if config is None or any(getattr(model, flag, False) for flag in ("own_cache", "cache_grows_in_place",
                                                                          "traced_step")):
@@ -46,7 +47,7 @@ def takes_slots(model: torch.nn.Module) -> bool:
             return False
     elif text.model_type not in FAMILIES:
         return False
-    if getattr(text, "_attn_implementation", None) not in ("sdpa", "eager"):
+    if getattr(text, "_attn_implementation", None) not in ("sdpa", "eager", SINKS_ATTENTION):
         return False
     kinds = getattr(text, "layer_types", None)
     return kinds is None or set(kinds) <= {"full_attention", "sliding_attention"}

@@ -354,6 +354,10 @@ WINDOWED = {
                                              layer_types=["sliding_attention", "full_attention"]), "sdpa"),
     "gpt_oss": ("GptOssConfig", dict(sliding_window=4, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
                                      intermediate_size=32), "eager"),
+    # and on the attention the tool gives it (rungen/sinks_attention.py: sdpa's boolean masks), which gives eager's
+    # tokens
+    "gpt_oss, sinks attention": ("GptOssConfig", dict(sliding_window=4, head_dim=16, num_local_experts=4,
+                                                      num_experts_per_tok=2, intermediate_size=32), "sinks"),
 }
 
 
@@ -380,7 +384,13 @@ def test_sliding_windows_and_eager_attention_decode_in_slots_as_generate_does(ll
     config = getattr(transformers, name)(vocab_size=source.vocab_size, hidden_size=64, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2,
                                          max_position_embeddings=source.context, **fields)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention).eval()
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager" if attention == "sinks" else attention).eval()
+    eager = copy.deepcopy(model)
+    if attention == "sinks":
+        from rungen.sinks_attention import SINKS_ATTENTION, use_sinks_attention
+
+        assert use_sinks_attention(model) and model.config._attn_implementation == SINKS_ATTENTION
     for module in model.modules():  # gpt-oss's experts: read as a GPU's coded ones are (nothing back to the host)
         if type(module).__name__.endswith("Experts"):
             module.captures_decode, module.most_pairs = True, 24
@@ -394,6 +404,8 @@ def test_sliding_windows_and_eager_attention_decode_in_slots_as_generate_does(ll
     with torch.no_grad():
         for number, (i, length) in enumerate(zip(ids, lengths)):
             assert done[number][0] == generate_alone(model, i, length), (family, PROMPTS[number])
+        if attention == "sinks":
+            assert all(generate_alone(model, i, 12) == generate_alone(eager, i, 12) for i in ids)
         if "sliding_window" in fields:
             opened = copy.deepcopy(model)
             opened.config.sliding_window = 10_000
