@@ -76,8 +76,9 @@ def decode_attention(sinks: torch.Tensor, query: torch.Tensor, key: torch.Tensor
 def use_sinks_attention(model: torch.nn.Module) -> bool:
     """Gives a gpt-oss model on transformers' eager attention sinks_attention (with sdpa's boolean masks); returns
     whether it did."""
-    text = model.config.get_text_config(decoder=True)
-    if text.model_type != "gpt_oss" or getattr(text, "_attn_implementation", None) != "eager":
+    config = getattr(model, "config", None)
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    if getattr(text, "model_type", None) != "gpt_oss" or getattr(text, "_attn_implementation", None) != "eager":
         return False
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
