@@ -55,6 +55,7 @@ class SlotBatch:
         self.step = step  # the eager step: transformers' layers (decode_step) or rungen.fused_step's
         # A model spread by --device_map (offloaded layers too) prefills alone.
         self.prefills_together = os.environ.get(PREFILL_ENV, "1") != "0" and len(devices_of(model)) <= 1
+        self.shapes = None  # each layer's key and value shapes (layer_shapes), read once
 
     @property
     def form(self):
@@ -95,12 +96,11 @@ class SlotBatch:
         """A layer list [(keys, values)] in the dtype, device and head shapes the slots take (SlotCache.ensure)."""
         if self.slots.keys:
             return list(zip(self.slots.keys, self.slots.values))
-        config = self.model.config.get_text_config(decoder=True)
-        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        if self.shapes is None:
+            self.shapes = layer_shapes(self.model, self.device)
         dtype = self.model.dtype  # the activations' (a GGUF file's blocks hold no float weight to ask)
-        empty = torch.empty(1, heads, 0, head_size, dtype=dtype, device=self.device)
-        return [(empty, empty)] * self.slots.num_layers
+        return [tuple(torch.empty(1, heads, 0, size, dtype=dtype, device=self.device) for heads, size in shapes)
+                for shapes in self.shapes]
 
     def make_room(self, rows, reserve):
         """Slots for `rows` rows of `reserve` positions (before a prefill, so that running out of memory for them
@@ -298,6 +298,16 @@ def bytes_per_token(model, device, model_type, token):
     with torch.inference_mode():
         model(input_ids=torch.tensor([[token]], device=device), past_key_values=cache, use_cache=True)
     return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers_of(cache))
+
+
+def layer_shapes(model, device) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """((kv heads, key size), (kv heads, value size)) of each layer that holds keys and values (kvcache.holding), as
+    a one-token pass writes them: a config's numbers do not say them where layers differ (Gemma 4's full layers'
+    heads and sizes, its last layers reading earlier ones' keys)."""
+    cache = new_cache(model)
+    with torch.inference_mode():
+        model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), past_key_values=cache, use_cache=True)
+    return [((k.shape[1], k.shape[3]), (v.shape[1], v.shape[3])) for k, v in layers_of(cache)]
 
 
 def devices_of(model) -> set:

@@ -19,10 +19,12 @@ from .transfers import to_device
 
 # The families whose attention takes this cache and a 4D mask as transformers writes them (update(k, v, layer)); a
 # config with layer_types takes a dict of masks by layer type, one without a mask for every layer.
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "gemma2", "gemma3_text")
-# Mixtures of experts of those attentions (gpt-oss's with sinks): taken where every layer's experts read nothing back
-# to the host at a decode step (captures_decode: a GGUF file's experts in codes on a GPU,
-# rungen/gguf/device_experts.py), which transformers' own Experts modules do.
+# (Gemma 4's layers differ in heads and sizes, its last ones reading earlier ones' keys: the slots take each layer's
+# shapes as a pass writes them, rungen/batch_cache.py's layer_shapes.)
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "gemma2", "gemma3_text", "gemma4_text")
+# Mixtures of experts of those attentions (gpt-oss's with sinks); a mixture of any family (Gemma 4's 26B-A4B) is
+# taken where every layer's experts read nothing back to the host at a decode step (captures_decode: a GGUF file's
+# experts in codes on a GPU, rungen/gguf/device_experts.py), which transformers' own Experts modules do.
 MIXTURES = ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss")
 ROW_BUCKET = 8  # past 4 rows, a captured step's rows (and the slots) come in multiples of this
 POSITION_BUCKET = 256  # the positions a slot holds, and those a step reads, in multiples of this
@@ -41,11 +43,10 @@ def takes_slots(model: torch.nn.Module) -> bool:
                                                                          "traced_step")):
         return False
     text = config.get_text_config(decoder=True)
-    if text.model_type in MIXTURES:
-        experts = [module for module in model.modules() if type(module).__name__.endswith("Experts")]
-        if not experts or not all(getattr(module, "captures_decode", False) for module in experts):
-            return False
-    elif text.model_type not in FAMILIES:
+    experts = [module for module in model.modules() if type(module).__name__.endswith("Experts")]
+    if not all(getattr(module, "captures_decode", False) for module in experts):
+        return False
+    if text.model_type not in FAMILIES and not (text.model_type in MIXTURES and experts):
         return False
     if getattr(text, "_attn_implementation", None) not in ("sdpa", "eager", SINKS_ATTENTION):
         return False
@@ -113,6 +114,7 @@ class SlotCache:
         slot), copying what the slots in use hold."""
         if rows <= self.slots and positions <= self.capacity:
             return
+        self.num_layers = len(like)  # (the layers that hold keys and values: Gemma 4's last ones read earlier ones')
         slots = min(max(self.slots, rows_bucket(rows)), max(rows, rows_bucket(self.max_slots)))
         capacity = max(self.capacity, min(round_up(positions, POSITION_BUCKET), max(positions, self.max_positions)))
         keys, values = [], []

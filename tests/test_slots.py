@@ -4,7 +4,7 @@ each prompt alone; requests admitted together prefill in one pass; the slots are
 re-concatenated; a seeded draw does not depend on the batch; a finished row's keys/values serve the next request that
 starts as it does; a mixture of experts (Qwen3-MoE's attention) decodes in slots where its experts read nothing back
 at a step; sliding windows (Mistral's, Phi-3's, Qwen2's, Gemma's, gpt-oss's) and eager attention take the slots under
-the masks their models take."""
+the masks their models take; Gemma 4's layers of differing shapes each take their own."""
 
 import pytest
 import torch
@@ -411,3 +411,40 @@ def test_sliding_windows_and_eager_attention_decode_in_slots_as_generate_does(ll
             opened.config.sliding_window = 10_000
             assert any(generate_alone(opened, i, 12) != generate_alone(model, i, 12) for i in ids), family
 
+
+
+@pytest.mark.parametrize("variant", ["e2b", "31b", "26b-a4b"])
+def test_gemma_4_decodes_in_slots_as_generate_does(variant, tmp_path):
+    # Gemma 4's layers differ (its full layers' heads and head size; E2B's last layers reading earlier ones' keys,
+    # holding none; 26B-A4B's experts beside the MLP, here read as a GPU's coded ones are): the slots take each
+    # layer's shapes as a pass writes them. Rows joining and ending, prompts past the window of 8, a prompt again (the
+    # prefix cache's keys into a slot): what generate() gives each prompt alone.
+    from tiny_models import gemma4_checkpoint
+
+    loaded = load(gemma4_checkpoint(str(tmp_path), variant), device=torch.device("cpu"))
+    experts = [m for m in loaded.model.modules() if type(m).__name__.endswith("Experts")]
+    assert bool(experts) == (variant == "26b-a4b")
+    if experts:
+        assert not takes_slots(loaded.model)  # (transformers' own experts count tokens on the host)
+        for module in experts:
+            module.captures_decode, module.most_pairs = True, 24
+    assert takes_slots(loaded.model)
+    ids = [loaded.tokenizer(prompt).input_ids for prompt in PROMPTS + PROMPTS[:1]]
+    lengths = [3, 9, 5, 12, 7, 10]
+    engine = Engine(loaded, max_batch=3)
+    assert engine.batch.kv.form == "fixed slots"
+    reused = []
+    longest = engine.prefix_cache.longest
+    engine.prefix_cache.longest = lambda tokens: reused.append(longest(tokens)[0]) or longest(tokens)
+    done = run(engine, [(i, n, Sampling(temperature=0, ignore_eos=True), 1) for i, n in zip(ids, lengths)])
+    with torch.no_grad():
+        for number, (i, n) in enumerate(zip(ids, lengths)):
+            assert done[number][0] == generate_alone(loaded.model, i, n), (variant, number)
+    assert max(reused) > 0  # (the last prompt's keys from the cache)
+    # each layer that holds keys its own shapes: E2B's last two hold none; 31B's full layers one head of 64
+    config = loaded.model.config
+    shapes = engine.batch.kv.shapes
+    assert len(shapes) == config.num_hidden_layers - (2 if variant == "e2b" else 0)
+    for kind, (keys, _) in zip(config.layer_types, shapes):
+        full = kind == "full_attention"
+        assert keys == ((1, 64) if full and variant == "31b" else (2, 64) if full else (2, 32)), (variant, kind)
