@@ -1,4 +1,4 @@
-"""A key/value cache in fixed slots for the engine's batch on transformers' llama-shaped models: per layer one keys
+"""A key/value cache in fixed slots for the engine's batch on transformers' models of FAMILIES: per layer one keys
 and one values tensor [slots, kv heads, positions, head size], grown by copying only when outgrown. A row owns a
 slot; a decode step writes its position in place and attention reads a view of the first `length` positions of the
 first `rows` slots, so nothing is concatenated and a step's shapes depend only on (rows, length): it can be a CUDA
@@ -35,9 +35,9 @@ def round_up(value: int, step: int) -> int:
 
 
 def takes_slots(model: torch.nn.Module) -> bool:
-    """Whether `model` runs on a SlotCache: a transformers model of FAMILIES (or MIXTURES whose experts read nothing
-    back at a step), full or sliding-window attention on every layer, sdpa, eager or gpt-oss's sinks attention, and no
-    other cache of its own (the own model, fused GGUF layers, --jit)."""
+    """Whether `model` runs on a SlotCache: a transformers model of FAMILIES or MIXTURES whose experts (if any) read
+    nothing back at a step, full or sliding-window attention on every layer, sdpa, eager or gpt-oss's sinks
+    attention, and no other cache of its own (the own model, fused GGUF layers, --jit)."""
     config = getattr(model, "config", None)
     if config is None or any(getattr(model, flag, False) for flag in ("own_cache", "cache_grows_in_place",
                                                                          "traced_step")):
@@ -62,7 +62,8 @@ class AttentionMask:
     def __init__(self, text_config):
         self.kinds = getattr(text_config, "layer_types", None)
         slides = "sliding_attention" in self.kinds if self.kinds is not None else True
-        self.window = getattr(text_config, "sliding_window", None) or None if slides else None
+        window = getattr(text_config, "sliding_window", None) or None  # (Qwen2-MoE's 0: none)
+        self.window = window if slides else None
         self.additive = getattr(text_config, "_attn_implementation", None) == "eager"
 
     def __call__(self, seen: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | dict:
