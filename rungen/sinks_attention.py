@@ -2,7 +2,7 @@
 transformers' eager attention's scores of every query against every key: a prompt of n tokens held [heads, n, n]
 of them (a 30,000-token prompt 115 GB in bfloat16), so a long prompt ran out of GPU memory. A prompt's queries go
 to torch's scaled_dot_product_attention (its memory-efficient kernels on a GPU: no scores held) with the sink as one
-more key: each query gains a dimension holding its head's sink / scale and that key a 1 there (the other keys 0), so
+more key: each query gains a dimension holding its head's sink and that key 1 / scale there (the other keys 0), so
 the key's score is the sink and its value, zeros, adds nothing. A decode step's one query a row multiplies each key
 and value head's queries together, its keys read once (eager attention copies them for each query head).
 """
@@ -25,11 +25,12 @@ def sinks_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     if queries == 1:
         seen = seen_keys(attention_mask, queries, keys, query.device)
         return decode_attention(module.sinks, query, key, value, seen, scaling, groups), None
-    # The sink as key 0: a query's extra dimension its head's sink / scale, key 0's extra dimension 1, value 0 zeros.
+    # The sink as key 0: a query's extra dimension its head's sink, key 0's 1 / scale (gpt-oss's 8: exact), value 0
+    # zeros; its score the sink as the model holds it.
     extra = query.new_zeros(rows, heads, queries, PAD)
-    extra[..., 0] = (module.sinks.float() / scaling).to(query.dtype)[None, :, None]
+    extra[..., 0] = module.sinks.to(query.dtype)[None, :, None]
     sink_key = key.new_zeros(rows, key.shape[1], 1, size + PAD)
-    sink_key[..., size] = 1
+    sink_key[..., size] = 1 / scaling
     key = torch.cat([sink_key, torch.nn.functional.pad(key, (0, PAD))], dim=2)
     value = torch.nn.functional.pad(value, (0, PAD, 1, 0))
     # (each key and value head spread over its query heads: the kernels that take a mask take no groups)
