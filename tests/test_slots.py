@@ -448,3 +448,36 @@ def test_gemma_4_decodes_in_slots_as_generate_does(variant, tmp_path):
     for kind, (keys, _) in zip(config.layer_types, shapes):
         full = kind == "full_attention"
         assert keys == ((1, 64) if full and variant == "31b" else (2, 64) if full else (2, 32)), (variant, kind)
+
+
+# More of transformers' families whose attention takes the slots as llama's does (Gemma 1, Granite, OLMo 1-3, Command
+# R and R7B, StarCoder2, Phi-2, EXAONE 4, ERNIE 4.5, Seed-OSS, Apertus, AFM/Arcee), their configs' defaults at a tiny
+# size; the sliding ones (Command R7B, OLMo 3, EXAONE 4 by layer type, StarCoder2 on every layer) with a window of 4.
+MORE = {"gemma": {}, "granite": {}, "olmo": {}, "olmo2": {}, "olmo3": {"sliding_window": 4}, "cohere": {},
+        "cohere2": {"sliding_window": 4}, "starcoder2": {"sliding_window": 4}, "phi": {},
+        "exaone4": {"sliding_window": 4}, "ernie4_5": {}, "seed_oss": {}, "apertus": {}, "arcee": {}}
+
+
+@pytest.mark.parametrize("family", list(MORE))
+def test_more_families_decode_in_slots_as_generate_does(llama_tokenizer, family):
+    import transformers
+
+    from rungen.loading import Loaded
+
+    source = llama_tokenizer
+    config = transformers.AutoConfig.for_model(
+        family, vocab_size=source.vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=64, max_position_embeddings=source.context,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None, **MORE[family])
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    assert takes_slots(model)
+    ids = [source.tokenizer(prompt).input_ids for prompt in PROMPTS]
+    lengths = [3, 9, 5, 12, 7]
+    engine = Engine(Loaded(model, source.tokenizer, family, torch.device("cpu"), source.context, source.vocab_size),
+                    max_batch=3, prefix_cache_bytes=0)
+    assert engine.batch.kv.form == "fixed slots"
+    done = run(engine, [(i, length, Sampling(temperature=0, ignore_eos=True), 1) for i, length in zip(ids, lengths)])
+    with torch.no_grad():
+        for number, (i, length) in enumerate(zip(ids, lengths)):
+            assert done[number][0] == generate_alone(model, i, length), (family, PROMPTS[number])
