@@ -25,7 +25,7 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "gemma2", "
             # and others of transformers' models whose attention does the same (tests/test_slots.py, each
             # against generate())
             "gemma", "granite", "olmo", "olmo2", "olmo3", "cohere", "cohere2", "starcoder2", "phi", "exaone4",
-            "ernie4_5", "seed_oss", "apertus", "arcee")
+            "ernie4_5", "seed_oss", "apertus", "arcee", "stablelm")
 # Mixtures of experts of those attentions (gpt-oss's with sinks); a mixture of any family (Gemma 4's 26B-A4B) is
 # taken where every layer's experts read nothing back to the host at a decode step (captures_decode: a GGUF file's
 # experts in codes on a GPU, rungen/gguf/device_experts.py), which transformers' own Experts modules do.

@@ -451,11 +451,12 @@ def test_gemma_4_decodes_in_slots_as_generate_does(variant, tmp_path):
 
 
 # More of transformers' families whose attention takes the slots as llama's does (Gemma 1, Granite, OLMo 1-3, Command
-# R and R7B, StarCoder2, Phi-2, EXAONE 4, ERNIE 4.5, Seed-OSS, Apertus, AFM/Arcee), their configs' defaults at a tiny
-# size; the sliding ones (Command R7B, OLMo 3, EXAONE 4 by layer type, StarCoder2 on every layer) with a window of 4.
+# R and R7B, StarCoder2, Phi-2, EXAONE 4, ERNIE 4.5, Seed-OSS, Apertus, AFM/Arcee, StableLM), their configs' defaults
+# at a tiny size; the sliding ones (Command R7B, OLMo 3, EXAONE 4 by layer type, StarCoder2 on every layer) with a
+# window of 4. No EOS (generate()'s min_new_tokens would forbid it where the engine's rows just go on: StableLM's 0).
 MORE = {"gemma": {}, "granite": {}, "olmo": {}, "olmo2": {}, "olmo3": {"sliding_window": 4}, "cohere": {},
         "cohere2": {"sliding_window": 4}, "starcoder2": {"sliding_window": 4}, "phi": {},
-        "exaone4": {"sliding_window": 4}, "ernie4_5": {}, "seed_oss": {}, "apertus": {}, "arcee": {}}
+        "exaone4": {"sliding_window": 4}, "ernie4_5": {}, "seed_oss": {}, "apertus": {}, "arcee": {}, "stablelm": {}}
 
 
 @pytest.mark.parametrize("family", list(MORE))
