@@ -50,18 +50,25 @@ def run(engine, requests):
     return done
 
 
-def test_rows_in_slots_decode_what_each_prompt_gives_alone(loaded):
-    assert takes_slots(loaded.model)
-    ids = [loaded.tokenizer(prompt).input_ids for prompt in PROMPTS]
-    lengths = [3, 9, 5, 12, 7]  # rows end at different steps: the last rows move into the freed slots
-    # Three rows at a time: the last two prompts join as the first ones end, at other positions.
-    engine = Engine(loaded, max_batch=3, prefix_cache_bytes=0)
+LENGTHS = [3, 9, 5, 12, 7]  # new tokens of each of PROMPTS: rows end at different steps
+
+
+def decodes_as_generate_does(engine, tokenizer, model, prompts=PROMPTS, lengths=LENGTHS, label=None):
+    """Asserts that `engine`, three rows at a time over fixed slots (the last prompts joining as the first ones end,
+    at other positions), decodes each of `prompts` greedily for its `lengths` new tokens as generate() gives it alone
+    on `model`."""
     assert engine.batch.kv.slots is not None and engine.batch.kv.form == "fixed slots"  # what --verbose says
-    greedy = Sampling(temperature=0, ignore_eos=True)
-    done = run(engine, [(i, length, greedy, 1) for i, length in zip(ids, lengths)])
+    ids = [tokenizer(prompt).input_ids for prompt in prompts]
+    done = run(engine, [(i, length, Sampling(temperature=0, ignore_eos=True), 1) for i, length in zip(ids, lengths)])
     with torch.no_grad():
         for number, (i, length) in enumerate(zip(ids, lengths)):
-            assert done[number][0] == generate_alone(loaded.model, i, length), PROMPTS[number]
+            assert done[number][0] == generate_alone(model, i, length), (label, prompts[number])
+
+
+def test_rows_in_slots_decode_what_each_prompt_gives_alone(loaded):
+    assert takes_slots(loaded.model)
+    engine = Engine(loaded, max_batch=3, prefix_cache_bytes=0)
+    decodes_as_generate_does(engine, loaded.tokenizer, loaded.model)
     # all slots freed at the end
     assert engine.batch.peak_rows == 3 and not engine.batch.rows and not engine.batch.kv.slots.keys
 
@@ -210,12 +217,11 @@ def test_replayed_steps_pad_the_rows_to_their_bucket(loaded, monkeypatch):
     captured = []
     monkeypatch.setattr(slots.DecodeGraphs, "capture", capture)
     ids = [loaded.tokenizer(prompt).input_ids for prompt in PROMPTS]
-    lengths = [3, 9, 5, 12, 7]
     greedy = Sampling(temperature=0, ignore_eos=True)
-    eager = run(Engine(loaded, max_batch=5, prefix_cache_bytes=0), [(i, n, greedy, 1) for i, n in zip(ids, lengths)])
+    eager = run(Engine(loaded, max_batch=5, prefix_cache_bytes=0), [(i, n, greedy, 1) for i, n in zip(ids, LENGTHS)])
     engine = Engine(loaded, max_batch=5, prefix_cache_bytes=0)
     engine.batch.kv.graphs = slots.DecodeGraphs(engine.model, engine.batch.kv.slots)
-    replayed = run(engine, [(i, n, greedy, 1) for i, n in zip(ids, lengths)])
+    replayed = run(engine, [(i, n, greedy, 1) for i, n in zip(ids, LENGTHS)])
     assert replayed == eager
     assert {bucket for bucket, _ in captured} == {8, 4, 2, 1} and len(captured) == len(set(captured))  # once each
 
@@ -329,14 +335,7 @@ def test_a_mixture_whose_experts_read_nothing_back_decodes_in_slots(loaded, fami
     graphs = DecodeGraphs(model, SlotCache(2, 16, 256))
     assert graphs.most_rows == 12
     moe = Loaded(model, loaded.tokenizer, family, torch.device("cpu"), loaded.context, loaded.vocab_size)
-    ids = [loaded.tokenizer(prompt).input_ids for prompt in PROMPTS]
-    lengths = [3, 9, 5, 12, 7]
-    engine = Engine(moe, max_batch=3, prefix_cache_bytes=0)
-    assert engine.batch.kv.form == "fixed slots"
-    done = run(engine, [(i, length, Sampling(temperature=0, ignore_eos=True), 1) for i, length in zip(ids, lengths)])
-    with torch.no_grad():
-        for number, (i, length) in enumerate(zip(ids, lengths)):
-            assert done[number][0] == generate_alone(theirs, i, length), PROMPTS[number]
+    decodes_as_generate_does(Engine(moe, max_batch=3, prefix_cache_bytes=0), loaded.tokenizer, theirs, label=family)
 
 
 # Attention over the slots as each family's model takes its mask: a sliding window where the config has one (every
@@ -395,15 +394,11 @@ def test_sliding_windows_and_eager_attention_decode_in_slots_as_generate_does(ll
         if type(module).__name__.endswith("Experts"):
             module.captures_decode, module.most_pairs = True, 24
     assert takes_slots(model)
-    ids = [source.tokenizer(prompt).input_ids for prompt in PROMPTS]
-    lengths = [3, 9, 5, 12, 7]
     engine = Engine(Loaded(model, source.tokenizer, family, torch.device("cpu"), source.context, source.vocab_size),
                     max_batch=3, prefix_cache_bytes=0)
-    assert engine.batch.kv.form == "fixed slots"
-    done = run(engine, [(i, length, Sampling(temperature=0, ignore_eos=True), 1) for i, length in zip(ids, lengths)])
+    decodes_as_generate_does(engine, source.tokenizer, model, label=family)
+    ids = [source.tokenizer(prompt).input_ids for prompt in PROMPTS]
     with torch.no_grad():
-        for number, (i, length) in enumerate(zip(ids, lengths)):
-            assert done[number][0] == generate_alone(model, i, length), (family, PROMPTS[number])
         if attention == "sinks":
             assert all(generate_alone(model, i, 12) == generate_alone(eager, i, 12) for i in ids)
         if "sliding_window" in fields:
@@ -429,17 +424,11 @@ def test_gemma_4_decodes_in_slots_as_generate_does(variant, tmp_path):
         for module in experts:
             module.captures_decode, module.most_pairs = True, 24
     assert takes_slots(loaded.model)
-    ids = [loaded.tokenizer(prompt).input_ids for prompt in PROMPTS + PROMPTS[:1]]
-    lengths = [3, 9, 5, 12, 7, 10]
     engine = Engine(loaded, max_batch=3)
-    assert engine.batch.kv.form == "fixed slots"
     reused = []
     longest = engine.prefix_cache.longest
     engine.prefix_cache.longest = lambda tokens: reused.append(longest(tokens)[0]) or longest(tokens)
-    done = run(engine, [(i, n, Sampling(temperature=0, ignore_eos=True), 1) for i, n in zip(ids, lengths)])
-    with torch.no_grad():
-        for number, (i, n) in enumerate(zip(ids, lengths)):
-            assert done[number][0] == generate_alone(loaded.model, i, n), (variant, number)
+    decodes_as_generate_does(engine, loaded.tokenizer, loaded.model, PROMPTS + PROMPTS[:1], LENGTHS + [10], variant)
     assert max(reused) > 0  # (the last prompt's keys from the cache)
     # each layer that holds keys its own shapes: E2B's last two hold none; 31B's full layers one head of 64
     config = loaded.model.config
@@ -473,12 +462,6 @@ def test_more_families_decode_in_slots_as_generate_does(llama_tokenizer, family)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     assert takes_slots(model)
-    ids = [source.tokenizer(prompt).input_ids for prompt in PROMPTS]
-    lengths = [3, 9, 5, 12, 7]
     engine = Engine(Loaded(model, source.tokenizer, family, torch.device("cpu"), source.context, source.vocab_size),
                     max_batch=3, prefix_cache_bytes=0)
-    assert engine.batch.kv.form == "fixed slots"
-    done = run(engine, [(i, length, Sampling(temperature=0, ignore_eos=True), 1) for i, length in zip(ids, lengths)])
-    with torch.no_grad():
-        for number, (i, length) in enumerate(zip(ids, lengths)):
-            assert done[number][0] == generate_alone(model, i, length), (family, PROMPTS[number])
+    decodes_as_generate_does(engine, source.tokenizer, model, label=family)
