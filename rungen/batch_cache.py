@@ -21,10 +21,10 @@ COMPILE_ENV = "RUN_GENERATION_COMPILE"  # 1: the captured step compiled by torch
 PREFILL_ENV = "RUN_GENERATION_PREFILL_TOGETHER"  # 0: on fixed slots too, each request prefilled alone
 
 
-def batch_cache(model, device, use_positions, max_batch, context, lookahead=0):
+def batch_cache(model, device, use_positions, max_batch, context, lookahead=0, shapes=None):
     """The form the model takes: slots where it can (its layers computed on one device, the slots' own), else a
     padded batch. `lookahead`: positions a row may be fed past its request's reserve (a step launched before its end
-    was read)."""
+    was read); `shapes`: layer_shapes of the model where the caller probed it already."""
     one_device = len(set(accelerators_of(model))) <= 1  # offloaded: on the first
     slots = SlotCache.for_model(model, max_batch, context) if context and one_device else None
     if slots is None:
@@ -33,7 +33,7 @@ def batch_cache(model, device, use_positions, max_batch, context, lookahead=0):
     graphs = None  # RUN_GENERATION_CUDA_GRAPHS=0: eager steps on a GPU too
     if device.type == "cuda" and os.environ.get(GRAPHS_ENV, "1") != "0":
         graphs = DecodeGraphs(model, slots, compiled=os.environ.get(COMPILE_ENV) == "1", step=step)
-    return SlotBatch(model, device, slots, graphs, lookahead, step)
+    return SlotBatch(model, device, slots, graphs, lookahead, step, shapes)
 
 
 class LeftOut(torch.OutOfMemoryError):
@@ -50,12 +50,12 @@ class SlotBatch:
 
     steps_again = True  # a step that failed may run again: it writes by position, and moves nothing
 
-    def __init__(self, model, device, slots, graphs=None, lookahead=0, step=decode_step):
+    def __init__(self, model, device, slots, graphs=None, lookahead=0, step=decode_step, shapes=None):
         self.model, self.device, self.slots, self.graphs, self.lookahead = model, device, slots, graphs, lookahead
         self.step = step  # the eager step: transformers' layers (decode_step) or rungen.fused_step's
         # A model spread by --device_map (offloaded layers too) prefills alone.
         self.prefills_together = os.environ.get(PREFILL_ENV, "1") != "0" and len(devices_of(model)) <= 1
-        self.shapes = None  # each layer's key and value shapes (layer_shapes), read once
+        self.shapes = shapes  # each layer's key and value shapes (layer_shapes), probed once
 
     @property
     def form(self):
@@ -97,7 +97,7 @@ class SlotBatch:
         if self.slots.keys:
             return list(zip(self.slots.keys, self.slots.values))
         if self.shapes is None:
-            self.shapes = layer_shapes(self.model, self.device)
+            self.shapes = layer_shapes(probed_layers(self.model, self.device))
         dtype = self.model.dtype  # the activations' (a GGUF file's blocks hold no float weight to ask)
         return [tuple(torch.empty(1, heads, 0, size, dtype=dtype, device=self.device) for heads, size in shapes)
                 for shapes in self.shapes]
@@ -288,26 +288,28 @@ class PaddedBatch:
         self.cache = self.mask = None
 
 
-def bytes_per_token(model, device, model_type, token):
-    """Bytes of keys/values one token position takes, measured on a one-token forward pass of `token`; raises
-    ValueError for a model whose layers a batch cannot hold."""
+def probed_layers(model, device, model_type="the model", token=0):
+    """[(keys, values)] of each layer that holds them (layers_of) after a one-token forward pass of `token` into a
+    fresh cache; raises ValueError for a model whose layers a batch cannot hold."""
     cache = new_cache(model)  # sliding-window layers hold every position: the mask applies the window
     if not all(full_attention(layer) or dummy(layer) for layer in cache.layers):
         # A chunked or recurrent layer's state cannot be moved by the left-padded merge and trim.
         raise ValueError(f"{model_type} has chunked-attention or recurrent layers, which a padded batch cannot hold")
     with torch.inference_mode():
         model(input_ids=torch.tensor([[token]], device=device), past_key_values=cache, use_cache=True)
-    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers_of(cache))
+    return layers_of(cache)
 
 
-def layer_shapes(model, device) -> list[tuple[tuple[int, int], tuple[int, int]]]:
-    """((kv heads, key size), (kv heads, value size)) of each layer that holds keys and values (kvcache.holding), as
-    a one-token pass writes them: a config's numbers do not say them where layers differ (Gemma 4's full layers'
-    heads and sizes, its last layers reading earlier ones' keys)."""
-    cache = new_cache(model)
-    with torch.inference_mode():
-        model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), past_key_values=cache, use_cache=True)
-    return [((k.shape[1], k.shape[3]), (v.shape[1], v.shape[3])) for k, v in layers_of(cache)]
+def token_bytes(layers) -> int:
+    """Bytes of keys/values one token position takes: probed_layers' `layers`."""
+    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers)
+
+
+def layer_shapes(layers) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """((kv heads, key size), (kv heads, value size)) of probed_layers' `layers`, the slots' shapes: a config's
+    numbers do not say them where layers differ (Gemma 4's full layers' heads and sizes, its last layers reading
+    earlier ones' keys)."""
+    return [((k.shape[1], k.shape[3]), (v.shape[1], v.shape[3])) for k, v in layers]
 
 
 def devices_of(model) -> set:

@@ -38,12 +38,12 @@ class DecodeBatch:
     joined since the last merge."""
 
     def __init__(self, model, device, use_positions, max_batch, context, *, reporter, metrics, prefix_cache,
-                 eos_ids):
+                 eos_ids, shapes=None):
         self.device, self.reporter, self.metrics = device, reporter, metrics
         self.prefix_cache, self.eos_ids = prefix_cache, eos_ids
         self.overlap = overlaps(device)
         self.lookahead = int(self.overlap)  # positions a row may be fed past its end (the step launched ahead)
-        self.kv = batch_cache(model, device, use_positions, max_batch, context, self.lookahead)
+        self.kv = batch_cache(model, device, use_positions, max_batch, context, self.lookahead, shapes)
         self.rows = []
         self.ahead = None  # the step launched and not yet read (rows.Launched)
         self.pending = []  # the kv's parts of the rows joined since the last merge

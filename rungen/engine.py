@@ -18,7 +18,7 @@ import torch
 
 from . import logger
 from .admission import Admission
-from .batch_cache import bytes_per_token
+from .batch_cache import layer_shapes, probed_layers, token_bytes
 from .decode import DecodeBatch
 from .errors import one_line
 from .generation import UNBATCHABLE_TYPES
@@ -59,17 +59,21 @@ class Engine:
         self.use_positions = "position_ids" in parameters
         self.calls = queue.Queue()  # functions to run on the model thread between steps (prompt scoring)
         self.wake = threading.Condition()
+        # One one-token pass says what a token's keys and values take and the shapes the slots hold them in.
+        bos = self.tokenizer.bos_token_id
+        layers = probed_layers(self.model, self.device, loaded.model_type, 0 if bos is None else bos)
+        self.bytes_per_token = token_bytes(layers)
         self.batch = DecodeBatch(self.model, self.device, self.use_positions, max_batch, loaded.context,
                                  reporter=self.reporter, metrics=self.metrics, eos_ids=self.eos_ids,
-                                 prefix_cache=PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None)
+                                 prefix_cache=PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None,
+                                 shapes=layer_shapes(layers))
+        del layers
         self.admission = Admission(self.model, self.batch, self.wake, max_batch=max_batch,
                                    max_cache_tokens=max_cache_tokens, use_positions=self.use_positions,
                                    keep_last="logits_to_keep" in parameters)
         self.waiting = self.admission.waiting  # the queue, guarded by `wake`
         self.closing = self.stopped = False
         self.admission.stopping = lambda: self.stopped
-        bos = self.tokenizer.bos_token_id
-        self.bytes_per_token = bytes_per_token(self.model, self.device, loaded.model_type, 0 if bos is None else bos)
         self.thread = threading.Thread(target=self.loop, name="rungen-engine", daemon=True)
 
     # -- the server's side ------------------------------------------------------------------------------

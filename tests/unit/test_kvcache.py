@@ -93,7 +93,7 @@ def test_layers_that_read_another_layers_keys_take_no_room_of_their_own():
     import torch
     import transformers
 
-    from rungen.batch_cache import bytes_per_token
+    from rungen.batch_cache import probed_layers, token_bytes
     from rungen.kvcache import holding, new_cache
 
     config = transformers.Gemma4TextConfig(
@@ -107,4 +107,5 @@ def test_layers_that_read_another_layers_keys_take_no_room_of_their_own():
     assert [type(layer).__name__ for layer in cache.layers][2:] == ["DummyLayer", "DummyLayer"]
     alone = transformers.Gemma4ForCausalLM(config.__class__(**{**config.to_dict(), "num_kv_shared_layers": 0})).eval()
     cpu = torch.device("cpu")
-    assert 2 * bytes_per_token(shared, cpu, "gemma4_text", 1) == bytes_per_token(alone, cpu, "gemma4_text", 1)
+    assert 2 * token_bytes(probed_layers(shared, cpu, "gemma4_text", 1)) == token_bytes(
+        probed_layers(alone, cpu, "gemma4_text", 1))
