@@ -121,7 +121,7 @@ def widened4(x: torch.Tensor, packed_codes: torch.Tensor, scales: torch.Tensor, 
         levels = table_levels(offsets)
         return widened(x, packed_codes, scales, None,
                        (CHUNK, lambda codes: levels[unpacked(codes).long()], offsets))
-    return widened(x, packed_codes, scales, offsets, (CHUNK, unpacked if kind == 0 else e2m1_unpacked))
+    return widened(x, packed_codes, scales, offsets, (CHUNK, unpacked if kind == 0 else e2m1_unpacked, None))
 
 
 @functools.cache

@@ -199,9 +199,8 @@ def widened(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets:
     """The plain product: the codes widened to x's dtype [out, in] and scaled there, per output channel (scales
     [out]) or per group (scales [out, groups], and each group's offset where `offsets` [out, groups] are given), one
     layer's weight at a time (two bytes a weight in half precision), at most WIDEN_BYTES of it at once. `packing`:
-    (chunk, unpack) for 4-bit codes two a byte (rungen/int4_kernel.py's layout, unpack its inverse to what the codes
-    stand for), (chunk, unpack, table) for codes that index the levels of a table (rungen/int4_kernel.py's
-    level_pairs)."""
+    (chunk, unpack, table) for 4-bit codes two a byte (rungen/int4_kernel.py's layout, unpack its inverse to what the
+    codes stand for; table: None, or the level_pairs the codes index)."""
     step = max(1, WIDEN_BYTES // (codes.shape[1] * (2 if packing else 1) * x.element_size()))
     if codes.shape[0] > step:  # a head's table: a slice of output channels at a time
         return torch.cat([widened(x, codes[start:start + step], scales[start:start + step],
@@ -218,7 +217,7 @@ def widened_weight(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Ten
     rounded once; else torch's operators, in `dtype` (three passes over the weight; packed codes unpacked first).
     `packing`: widened's."""
     kernel = widen_kernel() if codes.is_cuda and os.environ.get(TRITON_ENV, "1") != "0" else None
-    chunk, unpack, table = (*packing, None)[:3] if packing else (0, None, None)
+    chunk, unpack, table = packing or (0, None, None)
     inputs = codes.shape[1] * (2 if chunk else 1)
     group = inputs // scales.shape[1] if scales.dim() == 2 else 0
     form = (dtype, group, offsets is not None, chunk, table is not None)
