@@ -35,6 +35,7 @@ faster), measured side by side.
 
 import argparse
 import copy
+import functools
 import math
 import statistics
 import sys
@@ -63,32 +64,25 @@ def int8_group_layer(weight):
     return layer, kernel
 
 
-def e2m1_layer(weight):
-    """Random e2m1 codes two a byte and a power-of-two float16 scale a group of 32 (MXFP4's form: gpt-oss's experts)
-    of the weight's shape on rungen/int4_kernel.py's layer, and its checked Triton kernel (None: widened only)."""
-    from rungen.int4_kernel import CudaInt4Linear, checked_int4_kernel
+def random_4_bit_layer(weight, kind):
+    """Random codes two a byte of the weight's shape on rungen/int4_kernel.py's layer in the form of a 4-bit type whose
+    codes are no affine integers (the time is the point): `kind` "e2m1" MXFP4's (gpt-oss's experts: a power-of-two
+    float16 scale a group of 32, no offsets), "levels" IQ4_NL's (the codes index IQ4's levels in a table, a float16
+    scale a group); and its checked Triton kernel (None: widened only)."""
+    from rungen.int4_kernel import IQ4_LEVELS, CudaInt4Linear, checked_int4_kernel, level_pairs
 
     generator = torch.Generator(weight.device).manual_seed(1)
     out_features, in_features = weight.shape
     codes = torch.randint(0, 256, (out_features, in_features // 2), dtype=torch.uint8, device=weight.device,
                           generator=generator)
-    exponents = torch.randint(6, 10, (out_features, in_features // GROUP), device=weight.device, generator=generator)
-    layer = CudaInt4Linear(codes, torch.exp2(-exponents.float()).half(), None)
-    kernel = checked_int4_kernel(layer, torch.bfloat16)[0] if weight.device.type == "cuda" else None
-    return layer, kernel
-
-
-def levels_layer(weight):
-    """Random codes two a byte of IQ4's levels and a float16 scale a group of 32 (IQ4_NL's form) of the weight's shape
-    on rungen/int4_kernel.py's layer, and its checked Triton kernel (None: widened only)."""
-    from rungen.int4_kernel import IQ4_LEVELS, CudaInt4Linear, checked_int4_kernel, level_pairs
-
-    generator = torch.Generator(weight.device).manual_seed(2)
-    out_features, in_features = weight.shape
-    codes = torch.randint(0, 256, (out_features, in_features // 2), dtype=torch.uint8, device=weight.device,
-                          generator=generator)
-    scales = (torch.rand(out_features, in_features // GROUP, device=weight.device, generator=generator) / 2000).half()
-    layer = CudaInt4Linear(codes, scales, level_pairs(IQ4_LEVELS, weight.device))
+    groups = (out_features, in_features // GROUP)
+    if kind == "e2m1":
+        exponents = torch.randint(6, 10, groups, device=weight.device, generator=generator)
+        scales, offsets = torch.exp2(-exponents.float()).half(), None
+    else:
+        scales = (torch.rand(groups, device=weight.device, generator=generator) / 2000).half()
+        offsets = level_pairs(IQ4_LEVELS, weight.device)
+    layer = CudaInt4Linear(codes, scales, offsets)
     kernel = checked_int4_kernel(layer, torch.bfloat16)[0] if weight.device.type == "cuda" else None
     return layer, kernel
 
@@ -137,6 +131,7 @@ def forms(weight, device):
             return layer, lambda x, codes, scales, offsets=None: kernel.gemv_launch(x, codes, scales, offsets)
         return layer_of
 
+    e2m1_layer, levels_layer = (functools.partial(random_4_bit_layer, kind=kind) for kind in ("e2m1", "levels"))
     made = [("bfloat16", lambda: Dense(weight), None)]
     if device.type == "cuda":
         made += [("int4 tinygemm", lambda: gpu_int4_linear(weight, None, check=True), None),
