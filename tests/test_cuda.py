@@ -1229,7 +1229,7 @@ def test_a_tied_q8_0_file_keeps_one_set_of_codes_on_the_gpu(tmp_path):
 
 
 @needs_cuda
-@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q8_0"])
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q8_0", "Q3_K", "Q2_K"])
 def test_an_embedding_in_its_blocks_is_looked_up_inside_a_cuda_graph(name):
     # A GGUF embedding kept in its blocks on the GPU (DeviceRowsEmbedding) is read inside the decode step's CUDA
     # graph: replayed with other ids, the lookup gives the gguf package's values of those rows.

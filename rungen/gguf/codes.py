@@ -165,5 +165,9 @@ def dequantize_rows(rows: torch.Tensor, qtype: GGMLQuantizationType, in_features
     if qtype == GGMLQuantizationType.Q6_K:
         codes, scale = q6_k_parts(rows, in_features)
         return (codes.float().view(n, -1, 16) * scale[..., None]).reshape(n, in_features)
+    if qtype in (GGMLQuantizationType.Q2_K, GGMLQuantizationType.Q3_K):
+        codes, scale, offset = low_k_parts(rows, qtype, in_features)
+        weight = codes.float().view(n, -1, 16) * scale[..., None]
+        return (weight if offset is None else weight + offset[..., None]).reshape(n, in_features)
     codes, scale, offset = grouped_parts(rows, qtype, in_features)
     return (codes.float().view(n, -1, 32) * scale[..., None] + offset[..., None]).reshape(n, in_features)

@@ -149,7 +149,8 @@ def _int8_parts(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: 
 
 
 # --- On a CUDA GPU: an embedding table in its blocks, the rows looked up de-quantized by torch operators ---
-DEVICE_ROW_TYPES = (*GROUPED_TYPES, GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q8_0)
+DEVICE_ROW_TYPES = (*GROUPED_TYPES, GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q3_K,
+                    GGMLQuantizationType.Q2_K)
 
 
 def gpu_embedding(qtype: GGMLQuantizationType, device: torch.device) -> bool:

@@ -342,7 +342,7 @@ def test_weights_of_levels_take_the_4_bit_form_on_a_gpu_and_int8_codes_where_its
                              "instead") == 1
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K"])
 def test_an_embeddings_rows_de_quantize_on_any_device_as_the_gguf_package_does(name):
     # DeviceRowsEmbedding's lookup on a GPU: torch operators over the gathered rows' blocks, the same floats.
     from gguf import GGMLQuantizationType
