@@ -20,7 +20,10 @@ On Llama-3.1-8B's gate (14336 x 4096) and down (4096 x 14336) projections, rando
   power-of-two float16 scale a group of 32, no offsets, on the same kernels and widening (random codes: the time is
   the point); levels Triton kernel, levels GEMV kernel: IQ4_NL's form, codes two a byte whose 16 levels the kernels
   look up a byte at a time in a 1 KB table, and a float16 scale a group of 32 (against int8 kernel's rows: the form
-  IQ4 took before, twice the bytes);
+  IQ4 took before, twice the bytes); Q5_K and Q6_K Triton and GEMV kernels, Q6_K widened: the 5- and 6-bit forms,
+  each code's low four bits two a byte and its top bits in a plane after them, Q5_K's with a float32 scale and
+  offset a group of 32, Q6_K's signed with a float32 scale a group of 16 (0.875 and 1.0 bytes a weight, against the
+  int8 kernel's 1.25 those types take where the form fails its check);
 - int8 kernel: int8 codes with a scale a group of 32 (GGUF Q8_0's form) on rungen/int8.py's tiled Triton kernel, to
   its MOST_ROWS rows, where the layer uses it; int8 GEMV kernel: the same codes on its GEMV kernel, to GEMV_ROWS
   rows, which the layer takes at those rows where it is the faster at one row;
@@ -65,24 +68,32 @@ def int8_group_layer(weight):
 
 
 def random_4_bit_layer(weight, kind):
-    """Random codes two a byte of the weight's shape on rungen/int4_kernel.py's layer in the form of a 4-bit type whose
-    codes are no affine integers (the time is the point): `kind` "e2m1" MXFP4's (gpt-oss's experts: a power-of-two
-    float16 scale a group of 32, no offsets), "levels" IQ4_NL's (the codes index IQ4's levels in a table, a float16
-    scale a group); and its checked Triton kernel (None: widened only)."""
+    """Random packed codes of the weight's shape on rungen/int4_kernel.py's layer in the form of a type the Triton form
+    alone takes (the time is the point): `kind` "e2m1" MXFP4's (gpt-oss's experts: a power-of-two float16 scale a
+    group of 32, no offsets), "levels" IQ4_NL's (the codes index IQ4's levels in a table, a float16 scale a group),
+    "q5_k" Q5_K's (5-bit codes, their top bits in a plane after the nibbles, a float32 scale and offset a group of
+    32), "q6_k" Q6_K's (signed 6-bit codes, a float32 scale a group of 16); and its checked Triton kernel (None:
+    widened only)."""
     from rungen.int4_kernel import IQ4_LEVELS, CudaInt4Linear, checked_int4_kernel, level_pairs
 
     generator = torch.Generator(weight.device).manual_seed(1)
     out_features, in_features = weight.shape
-    codes = torch.randint(0, 256, (out_features, in_features // 2), dtype=torch.uint8, device=weight.device,
+    bits, group = {"q5_k": (5, 32), "q6_k": (6, 16)}.get(kind, (4, GROUP))
+    codes = torch.randint(0, 256, (out_features, in_features * bits // 8), dtype=torch.uint8, device=weight.device,
                           generator=generator)
-    groups = (out_features, in_features // GROUP)
+    groups = (out_features, in_features // group)
+    scales = (torch.rand(groups, device=weight.device, generator=generator) / 2000).half()
+    offsets = None
     if kind == "e2m1":
         exponents = torch.randint(6, 10, groups, device=weight.device, generator=generator)
-        scales, offsets = torch.exp2(-exponents.float()).half(), None
-    else:
-        scales = (torch.rand(groups, device=weight.device, generator=generator) / 2000).half()
+        scales = torch.exp2(-exponents.float()).half()
+    elif kind == "levels":
         offsets = level_pairs(IQ4_LEVELS, weight.device)
-    layer = CudaInt4Linear(codes, scales, offsets)
+    elif kind == "q5_k":
+        scales, offsets = scales.float() / 16, -scales.float()
+    else:  # (int8 bytes: signed codes)
+        codes, scales = codes.view(torch.int8), scales.float() / 32
+    layer = CudaInt4Linear(codes, scales, offsets, in_features)
     kernel = checked_int4_kernel(layer, torch.bfloat16)[0] if weight.device.type == "cuda" else None
     return layer, kernel
 
@@ -131,7 +142,8 @@ def forms(weight, device):
             return layer, lambda x, codes, scales, offsets=None: kernel.gemv_launch(x, codes, scales, offsets)
         return layer_of
 
-    e2m1_layer, levels_layer = (functools.partial(random_4_bit_layer, kind=kind) for kind in ("e2m1", "levels"))
+    e2m1_layer, levels_layer, q5_k_layer, q6_k_layer = (functools.partial(random_4_bit_layer, kind=kind)
+                                                        for kind in ("e2m1", "levels", "q5_k", "q6_k"))
     made = [("bfloat16", lambda: Dense(weight), None)]
     if device.type == "cuda":
         made += [("int4 tinygemm", lambda: gpu_int4_linear(weight, None, check=True), None),
@@ -141,10 +153,14 @@ def forms(weight, device):
                  ("e2m1 GEMV kernel", coded(kernel_of(e2m1_layer, "gemv"), True), GEMV_ROWS),
                  ("levels Triton kernel", coded(kernel_of(levels_layer, "tiled"), True), MOST_ROWS),
                  ("levels GEMV kernel", coded(kernel_of(levels_layer, "gemv"), True), GEMV_ROWS),
+                 ("Q5_K Triton kernel", coded(kernel_of(q5_k_layer, "tiled"), True), MOST_ROWS),
+                 ("Q5_K GEMV kernel", coded(kernel_of(q5_k_layer, "gemv"), True), GEMV_ROWS),
+                 ("Q6_K Triton kernel", coded(kernel_of(q6_k_layer, "tiled"), True), MOST_ROWS),
+                 ("Q6_K GEMV kernel", coded(kernel_of(q6_k_layer, "gemv"), True), GEMV_ROWS),
                  ("int8 kernel", coded(kernel_of(int8_group_layer, "tiled"), True), MOST_ROWS),
                  ("int8 GEMV kernel", coded(kernel_of(int8_group_layer, "gemv"), True), GEMV_ROWS)]
     made += [("int4 widened", coded(int4_layer, False), None), ("e2m1 widened", coded(e2m1_layer, False), None),
-             ("levels widened", coded(levels_layer, False), None),
+             ("levels widened", coded(levels_layer, False), None), ("Q6_K widened", coded(q6_k_layer, False), None),
              ("int8 widened", coded(int8_group_layer, False), None)]
     return made
 

@@ -22,16 +22,23 @@ import subprocess
 import sys
 import tempfile
 
-# (name, group, scales' dtype, offsets): the int8 forms of rungen/gguf/device.py and --quantize int8, and (group
-# "int4") the 4-bit kernel's (always a scale and an offset a group of 32)
+# (name, group, scales' dtype, offsets): the int8 forms of rungen/gguf/device.py and --quantize int8; and (group
+# "int4") the 4-bit kernel's, offsets its constexprs (LEVELS, HIGH, GROUP: int4_kernel.py's form_of)
 LAYOUTS = (("--quantize int8: a scale a channel", 0, "bf16", False),
            ("Q8_0, IQ4_NL: fp16 scale / 32", 32, "fp16", False),
            ("IQ4_XS: fp32 scale / 32", 32, "fp32", False),
            ("Q6_K, Q3_K: fp32 scale / 16", 16, "fp32", False),
            ("Q5_0, Q5_1, Q5_K: fp32 scale + offset / 32", 32, "fp32", True),
            ("Q2_K: fp32 scale + offset / 16", 16, "fp32", True),
-           ("4-bit kernel, Q4_0, Q4_1: fp16 scale + offset / 32", "int4", "fp16", True),
-           ("4-bit kernel, Q4_K: fp32 scale + offset / 32", "int4", "fp32", True))
+           ("4-bit kernel, Q4_0, Q4_1: fp16 scale + offset / 32", "int4", "fp16", dict(LEVELS=0, HIGH=0, GROUP=32)),
+           ("4-bit kernel, Q4_K: fp32 scale + offset / 32", "int4", "fp32", dict(LEVELS=0, HIGH=0, GROUP=32)),
+           ("4-bit kernel, MXFP4: e2m1, fp16 scale / 32", "int4", "fp16", dict(LEVELS=1, HIGH=0, GROUP=32)),
+           ("4-bit kernel, IQ4_NL: levels, fp16 scale / 32", "int4", "fp16", dict(LEVELS=2, HIGH=0, GROUP=32)),
+           ("4-bit kernel, Q5_0: signed 5 bits, fp16 scale / 32", "int4", "fp16", dict(LEVELS=3, HIGH=1, GROUP=32)),
+           ("4-bit kernel, Q5_K: 5 bits, fp32 scale + offset / 32", "int4", "fp32", dict(LEVELS=0, HIGH=1, GROUP=32)),
+           ("4-bit kernel, Q6_K: signed 6 bits, fp32 scale / 16", "int4", "fp32", dict(LEVELS=3, HIGH=2, GROUP=16)),
+           ("4-bit kernel, Q3_K: signed 4 bits, fp32 scale / 16", "int4", "fp32", dict(LEVELS=3, HIGH=0, GROUP=16)),
+           ("4-bit kernel, Q2_K: fp32 scale + offset / 16", "int4", "fp32", dict(LEVELS=0, HIGH=0, GROUP=16)))
 # The most shared memory a block may take, KiB, by compute capability (CUDA's programming guide)
 MAX_SHARED = {70: 96, 75: 64, 80: 163, 86: 99, 87: 163, 89: 99, 90: 227}
 
@@ -41,6 +48,16 @@ def aligned(names):
     a launch specializes them: their loads become 16-byte copies, as on the GPU."""
     divisible = ("x", "codes", "scales", "offsets", "y", "N", "K")
     return {(names.index(name),): [["tt.divisibility", 16]] for name in divisible}
+
+
+def codes_type(group, form) -> str:
+    """A layout's codes' pointer type: int8 (and the 4-bit kernel's signed codes) or uint8 bytes."""
+    return "*u8" if group == "int4" and form["LEVELS"] != 3 else "*i8"
+
+
+def offsets_type(group, scales, form) -> str:
+    """A layout's offsets' pointer type: its scales' (the 4-bit kernel's table of levels: int32)."""
+    return "*i32" if group == "int4" and form["LEVELS"] == 2 else f"*{scales}"
 
 
 def resources(cubin: bytes, cuobjdump: str) -> dict:
@@ -77,12 +94,12 @@ def main():
             names = run.jit.arg_names
             for config, grouped in itertools.product(run.configs_for(divmod(args.arch, 10)), (False, True)):
                 block_n, block_k = config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"]
-                signature = {"x": f"*{activations}", "codes": "*u8" if group == "int4" else "*i8",
-                             "scales": f"*{scales}", "offsets": f"*{scales}", "y": f"*{activations}",
-                             "tiles": "*i32", "sources": "*i32", "M": "i32", "N": "i32", "K": "i32", "M_BUCKET": "i32",
-                             **{key: "constexpr" for key in names[11:]}}
-                constants = {"GROUP": group, "OFFSET": offsets, "GROUPED": grouped, "BLOCK_M": 16, "BLOCK_N": block_n,
-                             "BLOCK_K": block_k}
+                signature = {"x": f"*{activations}", "codes": codes_type(group, offsets),
+                             "scales": f"*{scales}", "offsets": offsets_type(group, scales, offsets),
+                             "y": f"*{activations}", "tiles": "*i32", "sources": "*i32", "M": "i32", "N": "i32",
+                             "K": "i32", "M_BUCKET": "i32", **{key: "constexpr" for key in names[11:]}}
+                form = offsets if group == "int4" else {"GROUP": group, "OFFSET": offsets}
+                constants = {**form, "GROUPED": grouped, "BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": block_k}
                 constants = {(names.index(key),): value for key, value in constants.items() if key in names}
                 source = ASTSource(run.jit, signature, constants, aligned(names))
                 built = triton.compile(source, target=GPUTarget("cuda", args.arch, 32),
@@ -116,11 +133,12 @@ def gemv(args, runs, triton, GPUTarget, ASTSource, cuobjdump, most):
                 for block_n, block_k, warps in GEMV_CONFIGS if int4 else INT8_GEMV_CONFIGS:
                     if rows * block_n * block_k // (2 if int4 else 1) > GEMV_PRODUCTS:
                         continue  # (the autotuner prunes it at these rows)
-                    signature = {"x": f"*{activations}", "codes": "*u8" if int4 else "*i8", "scales": f"*{scales}",
-                                 "offsets": f"*{scales}", "y": f"*{activations}", "pairs": "*i32", "M": "i32",
-                                 "N": "i32", "K": "i32", **{key: "constexpr" for key in names[9:]}}
-                    constants = {"GROUP": group, "OFFSET": offsets, "ROWS": rows, "GROUPED": grouped,
-                                 "BLOCK_N": block_n, "BLOCK_K": block_k}
+                    signature = {"x": f"*{activations}", "codes": codes_type(group, offsets),
+                                 "scales": f"*{scales}", "offsets": offsets_type(group, scales, offsets),
+                                 "y": f"*{activations}", "pairs": "*i32", "M": "i32", "N": "i32", "K": "i32",
+                                 **{key: "constexpr" for key in names[9:]}}
+                    form = offsets if int4 else {"GROUP": group, "OFFSET": offsets}
+                    constants = {**form, "ROWS": rows, "GROUPED": grouped, "BLOCK_N": block_n, "BLOCK_K": block_k}
                     constants = {(names.index(key),): value for key, value in constants.items() if key in names}
                     built = triton.compile(ASTSource(run.gemv_jit, signature, constants, aligned(names)),
                                            target=GPUTarget("cuda", args.arch, 32), options={"num_warps": warps})

@@ -46,9 +46,9 @@ def launcher(triton, matmul, constants, leave_out=()):
     """run(x, codes, scales, blocks=None, offsets=None) -> y: the Triton kernel `matmul` (x, codes, scales,
     offsets, y, M, N, K, M_BUCKET, its constexprs) over x [rows, in] in x's dtype, a block of 16 rows and BLOCK_N
     output channels a program, tuned over the GPU's configurations (configs_for, but `leave_out`) once for a decode
-    step's rows and once past them; `constants(inner, scales, offsets)`: its constexprs beside the blocks; `blocks`
-    ({"BLOCK_N", "BLOCK_K"}): one configuration instead of the tuned ones (Triton's interpreter on the CPU has
-    nothing to time: one is taken there)."""
+    step's rows and once past them; `constants(inner, codes, scales, offsets)`: its constexprs beside the blocks (a
+    mixture's scales: one expert's); `blocks` ({"BLOCK_N", "BLOCK_K"}): one configuration instead of the tuned ones
+    (Triton's interpreter on the CPU has nothing to time: one is taken there)."""
     tables = {table: [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in table
                       if (n, k, w) not in leave_out] for table in (CONFIGS, CONFIGS_BEFORE_AMPERE)}
 
@@ -73,7 +73,7 @@ def launcher(triton, matmul, constants, leave_out=()):
         kernel, settings = (tuned, {}) if blocks is None else (matmul, blocks)
         kernel[grid](x, codes, scales, shifts, y, tiles if grouped else codes, sources if grouped else codes, rows,
                      channels, inner, bucket, BLOCK_M=16, GROUPED=grouped,
-                     **constants(inner, scales[0] if grouped else scales, offsets), **settings)
+                     **constants(inner, codes, scales[0] if grouped else scales, offsets), **settings)
         return y
 
     def run(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, blocks: dict | None = None,
@@ -93,7 +93,7 @@ def launcher(triton, matmul, constants, leave_out=()):
 
 def with_gemv(triton, tiled, gemv_kernel, constants, env: str):
     """run(x, codes, scales, blocks=None, offsets=None) -> y: the autotuned `gemv_kernel` (x, codes, scales, offsets,
-    y, M, N, K, its constexprs: `constants(inner, scales, offsets)`, ROWS, BLOCK_N, BLOCK_K) over a step's
+    y, M, N, K, its constexprs: `constants(inner, codes, scales, offsets)`, ROWS, BLOCK_N, BLOCK_K) over a step's
     GEMV_ROWS rows at most, while run.gemv (`env` not 0; a check keeps it where it is the faster at one row), else
     the `tiled` launcher; run.gemv_launch(x, codes, scales, offsets, blocks) runs the GEMV kernel alone (`blocks`:
     one configuration; Triton's interpreter, with nothing to time, takes one); run.grouped(x, codes, scales,
@@ -111,7 +111,8 @@ def with_gemv(triton, tiled, gemv_kernel, constants, env: str):
         kernel, settings = (gemv_kernel, {}) if blocks is None else (gemv_kernel.fn, blocks)
         kernel[lambda meta: (triton.cdiv(channels, meta["BLOCK_N"]), rows if grouped else 1)](
             x, codes, scales, scales if offsets is None else offsets, y, pairs if grouped else codes,
-            1 if grouped else rows, channels, inner, **constants(inner, scales[0] if grouped else scales, offsets),
+            1 if grouped else rows, channels, inner, **constants(inner, codes, scales[0] if grouped else scales,
+                                                                  offsets),
             ROWS=1 if grouped else 1 << (rows - 1).bit_length(), GROUPED=grouped, **settings)
         return y
 

@@ -16,6 +16,12 @@ the value times 2^-14 exactly (the exponent's 0 a subnormal, as e2m1's is), the 
 nibble costs a few integer operations more than an affine code. A layer whose offsets are a table of 256 (IQ4_NL's
 and IQ4_XS's, whose 16 levels no bits make: level_pairs) holds codes that index levels: the kernels look each byte's
 two levels up at once in that table (1 KB, which stays in the GPU's L1 cache) and scale them.
+
+Codes may be wider than a nibble, and groups smaller (form_of): 5- and 6-bit codes (GGUF's Q5_0, Q5_1, Q5_K, Q6_K)
+keep their low four bits as above and the bits above in a plane after each row's nibbles, the top bits of a byte's
+two codes side by side, so a tile loads its bytes and their plane's bytes and joins them in registers; int8 bytes
+mark signed codes (two's complement of their width: Q5_0's, Q6_K's, Q3_K's), which take no offsets; and a scale may
+serve 16 inputs (Q6_K's, Q3_K's, Q2_K's groups) rather than 32.
 """
 
 from __future__ import annotations
@@ -67,28 +73,65 @@ def timed_int4_choice(in_features: int, dtype: torch.dtype, device: torch.device
             and triton_kernel() is not None)
 
 
-def packed(codes: torch.Tensor) -> torch.Tensor:
-    """Codes [out, in] (0..15, in a multiple of CHUNK) as bytes [out, in / 2] in the kernel's layout."""
+def packed(codes: torch.Tensor, bits: int = 4, signed: bool = False) -> torch.Tensor:
+    """Codes [out, in] (`bits` wide, 4 to 6; `signed`: two's complement, -2^(bits-1)..; in a multiple of CHUNK) as
+    bytes [out, in * bits / 8] in the kernels' layout: their low four bits two a byte, then (bits > 4) the bits above,
+    2 x (bits - 4) a byte of those (its two codes'), 4 / (bits - 4) bytes' worth in a byte of the row's plane of them.
+    Signed codes come back as int8 (the kernels' sign for them), the others as uint8."""
     rows, inputs = codes.shape
-    chunks = codes.to(torch.uint8).reshape(rows, inputs // CHUNK, 2, CHUNK // 2)
-    return (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).reshape(rows, inputs // 2)
+    codes = codes.to(torch.int16) & ((1 << bits) - 1)
+    chunks = (codes & 0x0F).to(torch.uint8).reshape(rows, inputs // CHUNK, 2, CHUNK // 2)
+    out = (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).reshape(rows, inputs // 2)
+    high = bits - 4
+    if high:
+        tops = (codes >> 4).to(torch.uint8).reshape(rows, inputs // CHUNK, 2, CHUNK // 2)
+        pairs = (tops[:, :, 0] | (tops[:, :, 1] << high)).reshape(rows, -1, 4 // high)  # a byte's two codes' tops
+        plane = torch.zeros_like(pairs[..., 0])
+        for i in range(4 // high):
+            plane |= pairs[..., i] << (2 * high * i)
+        out = torch.cat([out, plane], dim=1)
+    return out.view(torch.int8) if signed else out
 
 
-def unpacked(packed_codes: torch.Tensor) -> torch.Tensor:
-    """packed()'s inverse: bytes [out, in / 2] as codes [out, in] (uint8)."""
-    rows, half = packed_codes.shape
-    chunks = packed_codes.reshape(rows, half * 2 // CHUNK, 1, CHUNK // 2)
-    return torch.cat([chunks & 0x0F, chunks >> 4], dim=2).reshape(rows, half * 2)
+def unpacked(packed_codes: torch.Tensor, inputs: int | None = None) -> torch.Tensor:
+    """packed()'s inverse: bytes [out, in * bits / 8] (`inputs`: in; None: 4-bit codes) as codes [out, in] (uint8;
+    int8 bytes: signed codes, int16)."""
+    rows, width = packed_codes.shape
+    inputs = inputs or width * 2
+    raw = packed_codes.view(torch.uint8)
+    chunks = raw[:, :inputs // 2].reshape(rows, inputs // CHUNK, 1, CHUNK // 2)
+    codes = torch.cat([chunks & 0x0F, chunks >> 4], dim=2).reshape(rows, inputs)
+    bits = width * 8 // inputs
+    high = bits - 4
+    if high:
+        plane = raw[:, inputs // 2:]
+        pairs = torch.stack([(plane >> (2 * high * i)) & ((1 << 2 * high) - 1) for i in range(4 // high)], dim=-1)
+        pairs = pairs.reshape(rows, inputs // CHUNK, 1, CHUNK // 2)
+        codes = codes | (torch.cat([pairs & ((1 << high) - 1), pairs >> high], dim=2).reshape(rows, inputs) << 4)
+    if packed_codes.dtype == torch.int8:
+        codes = codes.to(torch.int16)
+        codes = codes - ((codes >> (bits - 1)) << bits)
+    return codes
 
 
 E2M1_LEVELS = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # e2m1's values doubled, by their bits
 IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # IQ4_NL/IQ4_XS's levels
 
 
-def levels_of(offsets: torch.Tensor | None) -> int:
-    """What a 4-bit layer's codes stand for, by its offsets (the kernels' LEVELS): 0 the code times the scale plus
-    the offset (offsets [out, groups]), 1 MXFP4's e2m1 value (None), 2 a level of a table (offsets level_pairs')."""
-    return 1 if offsets is None else 2 if offsets.dim() == 1 else 0
+def levels_of(codes: torch.Tensor, offsets: torch.Tensor | None) -> int:
+    """What a layer's packed codes stand for (the kernels' LEVELS): 0 the code times the scale plus the offset
+    (offsets [out, groups]), 1 MXFP4's e2m1 value (uint8 codes, no offsets), 2 a level of a table (offsets
+    level_pairs'), 3 a signed code times the scale (int8 codes, no offsets: Q5_0's, Q6_K's, Q3_K's)."""
+    if offsets is not None:
+        return 2 if offsets.dim() == 1 else 0
+    return 3 if codes.dtype == torch.int8 else 1
+
+
+def form_of(inner: int, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None) -> dict:
+    """The kernels' constexprs for packed codes of `inner` inputs (a mixture's: one expert's): LEVELS (levels_of),
+    HIGH (each code's bits above four: 0 to 2, from the row's bytes) and GROUP (inputs a scale, 16 or 32)."""
+    return {"LEVELS": levels_of(codes, offsets), "HIGH": codes.shape[-1] * 8 // inner - 4,
+            "GROUP": inner // scales.shape[-1]}
 
 
 @functools.cache
@@ -114,14 +157,16 @@ def e2m1_unpacked(packed_codes: torch.Tensor) -> torch.Tensor:
 def widened4(x: torch.Tensor, packed_codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None
              ) -> torch.Tensor:
     """The plain product x @ (codes * scale + offset).T (no offsets: MXFP4's codes, their doubled values times the
-    scale; a table: the codes' levels times the scale), the codes widened to x's dtype a slice of output channels at a
-    time (rungen/int8.py's widened: on a GPU its kernel reads them packed as they lie)."""
-    kind = levels_of(offsets)
+    scale, or signed codes times it; a table: the codes' levels times the scale), the codes widened to x's dtype a
+    slice of output channels at a time (rungen/int8.py's widened: on a GPU its kernel reads them packed as they
+    lie)."""
+    kind, inputs = levels_of(packed_codes, offsets), x.shape[-1]
     if kind == 2:
         levels = table_levels(offsets)
         return widened(x, packed_codes, scales, None,
                        (CHUNK, lambda codes: levels[unpacked(codes).long()], offsets))
-    return widened(x, packed_codes, scales, offsets, (CHUNK, unpacked if kind == 0 else e2m1_unpacked, None))
+    unpack = e2m1_unpacked if kind == 1 else functools.partial(unpacked, inputs=inputs)
+    return widened(x, packed_codes, scales, offsets, (CHUNK, unpack, None))
 
 
 @functools.cache
@@ -135,72 +180,82 @@ def triton_kernel():
 
     @triton.jit(do_not_specialize=["M", "M_BUCKET"])  # one compilation for every decode batch
     def int4_matmul(x, codes, scales, offsets, y, tiles, sources, M, N, K, M_BUCKET, LEVELS: tl.constexpr,
-                    GROUPED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # y[m, n] = sum_k x[m, k] * (code[n, k] * scales[n, k // 32] + offsets[n, k // 32]), BLOCK_K inputs (whole
-        # chunks of 64) at a time: the bytes' low nibbles hold each chunk's first group of 32 and the high ones its
-        # second, so each is a product over whole groups. LEVELS (levels_of): 1, each code e2m1's bits (MXFP4's); 2,
-        # each byte's two levels looked up in offsets (level_pairs). Grid, rows and GROUPED as rungen/int8.py's
-        # kernel's.
+                    HIGH: tl.constexpr, GROUP: tl.constexpr, GROUPED: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # y[m, n] = sum_k x[m, k] * (code[n, k] * scales[n, k // GROUP] + offsets[n, k // GROUP]), BLOCK_K inputs
+        # (whole chunks of 64) at a time: the bytes' low nibbles hold each chunk's first 32 inputs and the high ones
+        # its second, so each is a product over whole groups. LEVELS (levels_of): 1, each code e2m1's bits (MXFP4's);
+        # 2, each byte's two levels looked up in offsets (level_pairs); 3, signed codes, no offsets. HIGH: each
+        # code's bits above the nibble, in the row's plane after its nibbles (packed()). Grid, rows and GROUPED as
+        # rungen/int8.py's kernel's.
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         if GROUPED:
             expert = tl.load(tiles + tl.program_id(0)).to(tl.int64)
             if expert < 0:
                 return
-            codes += expert * N * (K // 2)
-            scales += expert * N * (K // 32)
+            codes += expert * N * (K * (4 + HIGH) // 8)
+            scales += expert * N * (K // GROUP)
             if LEVELS == 0:
-                offsets += expert * N * (K // 32)
+                offsets += expert * N * (K // GROUP)
             reads = tl.load(sources + rows).to(tl.int64)
             held_rows = reads >= 0
         else:
             reads, held_rows = rows, rows < M
         channels = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        row_bytes, split = K * (4 + HIGH) // 8, 32 // GROUP  # (split: groups in a chunk's half)
         half = tl.arange(0, BLOCK_K // 2)
         low_inputs = (half // 32) * 64 + half % 32  # a tile's inputs in its bytes' low nibbles
-        low_groups = 2 * tl.arange(0, BLOCK_K // 64)  # their groups: each chunk's first
+        sub = tl.arange(0, BLOCK_K // (2 * GROUP))  # the groups of a chunk's half in the tile: chunk, then group
         total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for start in range(0, K, BLOCK_K):
             low_at = start + low_inputs
             held_x = held_rows[:, None] & (low_at[None, :] < K)
             byte_at = start // 2 + half
-            b = tl.load(codes + channels[None, :] * (K // 2) + byte_at[:, None],
-                        mask=(channels[None, :] < N) & (byte_at[:, None] < K // 2), other=0)
+            held_b = (channels[None, :] < N) & (byte_at[:, None] < K // 2)
+            b = tl.load(codes + channels[None, :] * row_bytes + byte_at[:, None], mask=held_b, other=0)
+            if HIGH:  # the byte's two codes' top bits, 4 // HIGH bytes' worth a byte of the plane
+                tops = tl.load(codes + channels[None, :] * row_bytes + K // 2 + byte_at[:, None] // (4 // HIGH),
+                               mask=held_b, other=0).to(tl.int32) & 0xFF
+                tops = tops >> ((byte_at[:, None] % (4 // HIGH)) * (2 * HIGH))
             if LEVELS == 2:  # both nibbles' levels at once (a byte past the weight: 0's, times a scale of 0)
                 pairs = tl.load(offsets + b.to(tl.int32))
-            group = start // 32 + low_groups
-            held = (channels[None, :] < N) & (group[:, None] < K // 32)
-            where = channels[None, :] * (K // 32) + group[:, None]
-            for part in tl.static_range(2):  # the low nibbles (each chunk's first group), then the high ones
+            for part in tl.static_range(2):  # the low nibbles (each chunk's first 32 inputs), then the high ones
                 a = tl.load(x + reads[:, None] * K + 32 * part + low_at[None, :], mask=held_x, other=0.0)
-                # each group's one scale and offset spread over its 32 codes in registers
-                scale = tl.load(scales + where + part, mask=held, other=0.0).to(tl.float32)
+                # each group's one scale and offset spread over its codes in registers
+                group = start // GROUP + (sub // split) * 2 * split + part * split + sub % split
+                held = (channels[None, :] < N) & (group[:, None] < K // GROUP)
+                where = channels[None, :] * (K // GROUP) + group[:, None]
+                scale = tl.load(scales + where, mask=held, other=0.0).to(tl.float32)
                 nibbles = (b >> (4 * part)) & 0x0F
                 if LEVELS == 1:  # sign and three bits in a float16's sign, exponent and mantissa: e2m1's value x 2^-14
                     bits = nibbles.to(tl.uint16)
                     bits = (((bits & 8) << 12) | ((bits & 7) << 9)).to(tl.uint16)  # (16 bits whatever Triton promotes)
                     w = bits.to(tl.float16, bitcast=True).to(tl.float32)
-                    w = tl.reshape(w, (BLOCK_K // 64, 32, BLOCK_N)) * (scale * 32768.0)[:, None, :]
+                    w = tl.reshape(w, (BLOCK_K // (2 * GROUP), GROUP, BLOCK_N)) * (scale * 32768.0)[:, None, :]
                 elif LEVELS == 2:  # the low nibble's level in the pair's low half, the high one's in its high half
                     if part == 0:
                         w = (pairs << 16) >> 16
                     else:
                         w = pairs >> 16
-                    w = tl.reshape(w.to(tl.float32), (BLOCK_K // 64, 32, BLOCK_N)) * scale[:, None, :]
+                    w = tl.reshape(w.to(tl.float32), (BLOCK_K // (2 * GROUP), GROUP, BLOCK_N)) * scale[:, None, :]
                 else:
-                    w = tl.reshape(nibbles.to(tl.float32), (BLOCK_K // 64, 32, BLOCK_N)) * scale[:, None, :] + \
-                        tl.load(offsets + where + part, mask=held, other=0.0).to(tl.float32)[:, None, :]
+                    code = nibbles.to(tl.int32)
+                    if HIGH:
+                        code = code | (((tops >> (HIGH * part)) & ((1 << HIGH) - 1)) << 4)
+                    if LEVELS == 3:  # two's complement of 4 + HIGH bits
+                        code = (code << (28 - HIGH)) >> (28 - HIGH)
+                    w = tl.reshape(code.to(tl.float32), (BLOCK_K // (2 * GROUP), GROUP, BLOCK_N)) * scale[:, None, :]
+                    if LEVELS == 0:
+                        w += tl.load(offsets + where, mask=held, other=0.0).to(tl.float32)[:, None, :]
                 total += tl.dot(a, tl.reshape(w, (BLOCK_K // 2, BLOCK_N)).to(a.dtype), input_precision="ieee")
         tl.store(y + rows[:, None] * N + channels[None, :], total.to(y.dtype.element_ty),
                  mask=held_rows[:, None] & (channels[None, :] < N))
 
-    # x @ (unpacked(codes) * scales + offsets).T; codes [out, in / 2] (packed()), scales and offsets [out, in / 32];
-    # no offsets: x @ (e2m1_unpacked(codes) * scales).T; a table: its levels of the codes times the scales.
-    # int8's configurations but (16, 256, 4), which spills 8 bytes here with float16 scales on sm_90
-    # (python -m benchmarks.int8_kernel_resources).
-    def constants(inner, scales, offsets):
-        return {"LEVELS": levels_of(offsets)}
-
-    tiled = launcher(triton, int4_matmul, constants, leave_out=[(16, 256, 4)])
+    # x @ (unpacked(codes) * scales + offsets).T; codes [out, in * bits / 8] (packed()), scales and offsets [out, in /
+    # GROUP]; no offsets: x @ (e2m1_unpacked(codes) * scales).T, or signed codes times the scales; a table: its levels
+    # of the codes times the scales. int8's configurations but (16, 256, 4), which spills 8 bytes here with float16
+    # scales on sm_90 (python -m benchmarks.int8_kernel_resources). Constexprs: form_of.
+    tiled = launcher(triton, int4_matmul, form_of, leave_out=[(16, 256, 4)])
 
     def fitting(configs, named_args, **kwargs):  # rows x a tile's codes within GEMV_PRODUCTS (registers)
         rows = kwargs.get("ROWS", named_args.get("ROWS", 1))
@@ -208,56 +263,68 @@ def triton_kernel():
                 if rows * config.kwargs["BLOCK_N"] * config.kwargs["BLOCK_K"] // 2 <= GEMV_PRODUCTS]
 
     @autotune(triton, [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in GEMV_CONFIGS],
-              ["N", "K", "ROWS", "LEVELS", "GROUPED"], fitting)
+              ["N", "K", "ROWS", "LEVELS", "HIGH", "GROUP", "GROUPED"], fitting)
     @triton.jit(do_not_specialize=["M"])
-    def int4_gemv(x, codes, scales, offsets, y, pairs, M, N, K, LEVELS: tl.constexpr, ROWS: tl.constexpr,
-                  GROUPED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def int4_gemv(x, codes, scales, offsets, y, pairs, M, N, K, LEVELS: tl.constexpr, HIGH: tl.constexpr,
+                  GROUP: tl.constexpr, ROWS: tl.constexpr, GROUPED: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
         # y[m, n] for a decode step's few rows (M <= ROWS) without the tensor cores, whose tiles of 16 rows a row
         # would waste: BLOCK_N output channels a program over all K inputs, BLOCK_K (whole chunks) at a time, each
         # nibble's codes widened with their group's scale and offset in registers and multiplied into every row.
         # GROUPED: a mixture's experts stacked [experts, N, ...]; program_id(1) a pair p (pairs[p]: its expert and
-        # its row of x), y[p] = x[row] times that expert's weight.
+        # its row of x), y[p] = x[row] times that expert's weight. LEVELS, HIGH, GROUP as int4_matmul's.
         if GROUPED:
             pair = tl.program_id(1)
             expert = tl.load(pairs + 2 * pair).to(tl.int64)
-            codes += expert * N * (K // 2)
-            scales += expert * N * (K // 32)
+            codes += expert * N * (K * (4 + HIGH) // 8)
+            scales += expert * N * (K // GROUP)
             if LEVELS == 0:
-                offsets += expert * N * (K // 32)
+                offsets += expert * N * (K // GROUP)
             x += tl.load(pairs + 2 * pair + 1).to(tl.int64) * K
             y += pair * N
         channels = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        row_bytes, split = K * (4 + HIGH) // 8, 32 // GROUP
         rows = tl.arange(0, ROWS)
         half = tl.arange(0, BLOCK_K // 2)
         low_inputs = (half // 32) * 64 + half % 32  # as int4_matmul's
-        chunk = tl.arange(0, BLOCK_K // 64)
+        sub = tl.arange(0, BLOCK_K // (2 * GROUP))
         total = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
         for start in range(0, K, BLOCK_K):
             byte_at = start // 2 + half
-            b = tl.load(codes + channels[:, None] * (K // 2) + byte_at[None, :],
-                        mask=(channels[:, None] < N) & (byte_at[None, :] < K // 2), other=0)
+            held_b = (channels[:, None] < N) & (byte_at[None, :] < K // 2)
+            b = tl.load(codes + channels[:, None] * row_bytes + byte_at[None, :], mask=held_b, other=0)
+            if HIGH:  # as int4_matmul's
+                tops = tl.load(codes + channels[:, None] * row_bytes + K // 2 + byte_at[None, :] // (4 // HIGH),
+                               mask=held_b, other=0).to(tl.int32) & 0xFF
+                tops = tops >> ((byte_at[None, :] % (4 // HIGH)) * (2 * HIGH))
             if LEVELS == 2:  # as int4_matmul's
                 levels = tl.load(offsets + b.to(tl.int32))
-            group = start // 32 + 2 * chunk
-            held = (channels[:, None] < N) & (group[None, :] < K // 32)
-            where = channels[:, None] * (K // 32) + group[None, :]
-            for part in tl.static_range(2):  # the low nibbles (each chunk's first group), then the high ones
-                scale = tl.load(scales + where + part, mask=held, other=0.0).to(tl.float32)
+            for part in tl.static_range(2):  # the low nibbles (each chunk's first 32 inputs), then the high ones
+                group = start // GROUP + (sub // split) * 2 * split + part * split + sub % split
+                held = (channels[:, None] < N) & (group[None, :] < K // GROUP)
+                where = channels[:, None] * (K // GROUP) + group[None, :]
+                scale = tl.load(scales + where, mask=held, other=0.0).to(tl.float32)
                 nibbles = (b >> (4 * part)) & 0x0F
                 if LEVELS == 1:  # as int4_matmul's
                     bits = nibbles.to(tl.uint16)
                     bits = (((bits & 8) << 12) | ((bits & 7) << 9)).to(tl.uint16)  # (16 bits whatever Triton promotes)
                     w = bits.to(tl.float16, bitcast=True).to(tl.float32)
-                    w = tl.reshape(w, (BLOCK_N, BLOCK_K // 64, 32)) * (scale * 32768.0)[:, :, None]
+                    w = tl.reshape(w, (BLOCK_N, BLOCK_K // (2 * GROUP), GROUP)) * (scale * 32768.0)[:, :, None]
                 elif LEVELS == 2:
                     if part == 0:
                         w = (levels << 16) >> 16
                     else:
                         w = levels >> 16
-                    w = tl.reshape(w.to(tl.float32), (BLOCK_N, BLOCK_K // 64, 32)) * scale[:, :, None]
+                    w = tl.reshape(w.to(tl.float32), (BLOCK_N, BLOCK_K // (2 * GROUP), GROUP)) * scale[:, :, None]
                 else:
-                    w = tl.reshape(nibbles.to(tl.float32), (BLOCK_N, BLOCK_K // 64, 32)) * scale[:, :, None] + \
-                        tl.load(offsets + where + part, mask=held, other=0.0).to(tl.float32)[:, :, None]
+                    code = nibbles.to(tl.int32)
+                    if HIGH:
+                        code = code | (((tops >> (HIGH * part)) & ((1 << HIGH) - 1)) << 4)
+                    if LEVELS == 3:
+                        code = (code << (28 - HIGH)) >> (28 - HIGH)
+                    w = tl.reshape(code.to(tl.float32), (BLOCK_N, BLOCK_K // (2 * GROUP), GROUP)) * scale[:, :, None]
+                    if LEVELS == 0:
+                        w += tl.load(offsets + where, mask=held, other=0.0).to(tl.float32)[:, :, None]
                 w = tl.reshape(w, (BLOCK_N, BLOCK_K // 2))
                 at = start + 32 * part + low_inputs
                 a = tl.load(x + rows[:, None] * K + at[None, :], mask=(rows[:, None] < M) & (at[None, :] < K),
@@ -266,26 +333,30 @@ def triton_kernel():
         tl.store(y + rows[:, None] * N + channels[None, :], total.to(y.dtype.element_ty),
                  mask=(rows[:, None] < M) & (channels[None, :] < N))
 
-    return with_gemv(triton, tiled, int4_gemv, constants, GEMV_ENV)
+    return with_gemv(triton, tiled, int4_gemv, form_of, GEMV_ENV)
 
 
 class CudaInt4Linear(CodesLinear):
-    """y = x @ (code * scale + offset).T on a CUDA GPU, in the activations' dtype: codes packed two a byte (packed()),
-    a scale and an offset a group of 32 inputs (offsets None: MXFP4's e2m1 codes, their doubled values times the
-    scale; offsets a level_pairs table: the codes' levels times the scale); the Triton kernel for a few rows once
+    """y = x @ (code * scale + offset).T on a CUDA GPU, in the activations' dtype: codes packed (packed(): two a byte,
+    and a plane of the bits above the nibble where they are 5 or 6 bits wide), a scale and an offset a group of 32 or
+    16 inputs (offsets None: MXFP4's e2m1 codes, their doubled values times the scale, or signed codes, int8, times
+    it; offsets a level_pairs table: the codes' levels times the scale); the Triton kernel for a few rows once
     checked, else widened4."""
 
     format = "int4"
     plain = staticmethod(widened4)
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None):
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
+                 in_features: int | None = None):
         super().__init__()
-        self.out_features, self.in_features = codes.shape[0], codes.shape[1] * 2
+        self.out_features, self.in_features = codes.shape[0], in_features or codes.shape[1] * 2
         self.register_buffer("codes", codes.contiguous())
         self.register_buffer("scales", scales.contiguous())
         self.register_buffer("offsets", None if offsets is None else offsets.contiguous())
         self.bias = None
-        self.format = ("int4", "e2m1", "int4 levels")[levels_of(offsets)]
+        form = form_of(self.in_features, codes, scales, offsets)
+        self.format = (f"int{4 + form['HIGH']}", "e2m1", "int4 levels", f"signed int{4 + form['HIGH']}")[
+            form["LEVELS"]]
 
     @classmethod
     def of_weight(cls, weight: torch.Tensor) -> CudaInt4Linear:

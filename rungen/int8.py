@@ -95,7 +95,7 @@ def triton_kernel():
 
     # x @ (scales * codes + offsets).T, scales [out] (a channel's) or [out, groups] (a group of inputs': GGUF's Q8_0
     # 32, Q6_K 16), offsets None or [out, groups] (Q5_K's, Q2_K's)
-    def constants(inner, scales, offsets):
+    def constants(inner, codes, scales, offsets):
         return {"GROUP": inner // scales.shape[1] if scales.dim() == 2 else 0, "OFFSET": offsets is not None}
 
     tiled = launcher(triton, int8_matmul, constants)
@@ -206,25 +206,25 @@ def widened(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets:
         return torch.cat([widened(x, codes[start:start + step], scales[start:start + step],
                                   None if offsets is None else offsets[start:start + step], packing)
                           for start in range(0, codes.shape[0], step)], dim=-1)
-    return torch.nn.functional.linear(x, widened_weight(codes, scales, offsets, x.dtype, packing))
+    return torch.nn.functional.linear(x, widened_weight(codes, scales, offsets, x.dtype, packing, x.shape[-1]))
 
 
 def widened_weight(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, dtype: torch.dtype,
-                   packing: tuple | None = None) -> torch.Tensor:
+                   packing: tuple | None = None, inputs: int | None = None) -> torch.Tensor:
     """The weight [out, in] in `dtype` the codes stand for (scaled before any product: the codes' own product is
     127 / max|w| times larger, past float16's range): on a GPU by widen_kernel where Triton imports and the kernel
     gave torch's widening on its first weight of the form (WIDEN_CHECKED), each weight computed in float32 and
     rounded once; else torch's operators, in `dtype` (three passes over the weight; packed codes unpacked first).
-    `packing`: widened's."""
+    `packing`: widened's; `inputs`: the weight's (None: a byte a code, or two where packed)."""
     kernel = widen_kernel() if codes.is_cuda and os.environ.get(TRITON_ENV, "1") != "0" else None
     chunk, unpack, table = packing or (0, None, None)
-    inputs = codes.shape[1] * (2 if chunk else 1)
+    inputs = inputs or codes.shape[1] * (2 if chunk else 1)
     group = inputs // scales.shape[1] if scales.dim() == 2 else 0
-    form = (dtype, group, offsets is not None, chunk, table is not None)
+    form = (dtype, group, offsets is not None, chunk, table is not None, codes.dtype, codes.shape[1] * 8 // inputs)
     plain = (lambda rows: unpack(codes[rows])) if chunk else (lambda rows: codes[rows])
     if kernel is not None and WIDEN_CHECKED.get(form, True):
         try:
-            weight = kernel(codes, scales, offsets, dtype, chunk, table)
+            weight = kernel(codes, scales, offsets, dtype, chunk, table, inputs)
         except Exception as failure:  # a compile or launch failure: torch's operators widen from now on
             WIDEN_CHECKED[form] = False
             logger.warning("int8 weights on the GPU: the widening kernel failed (%s); torch's operators widen them",
@@ -258,10 +258,11 @@ def torch_widened(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tens
 
 @functools.cache
 def widen_kernel():
-    """run(codes, scales, offsets, dtype, chunk=0, table=None) -> the weight: a Triton kernel reading each code, its
-    scale and offset once and writing the weight once (on an H200, torch's three passes over an 8B layer's 14336 x
-    4096 codes took 0.35 ms, 8x what the bytes need); `chunk` > 0: 4-bit codes two a byte in chunks of that many
-    inputs (rungen/int4_kernel.py's packing), read as they lie, without offsets MXFP4's e2m1 bits, with a `table` the
+    """run(codes, scales, offsets, dtype, chunk=0, table=None, inputs=None) -> the weight: a Triton kernel reading
+    each code, its scale and offset once and writing the weight once (on an H200, torch's three passes over an 8B
+    layer's 14336 x 4096 codes took 0.35 ms, 8x what the bytes need); `chunk` > 0: codes packed in chunks of that
+    many inputs (rungen/int4_kernel.py's packing: two a byte, `inputs` wide with their bits above four in a plane
+    after the nibbles), read as they lie, int8 ones signed, without offsets MXFP4's e2m1 bits, with a `table` the
     indices of its levels (level_pairs: each byte's two); None where Triton does not import."""
     try:
         import triton
@@ -271,23 +272,34 @@ def widen_kernel():
 
     @triton.jit
     def widen(codes, scales, offsets, table, out, K, GROUP: tl.constexpr, OFFSET: tl.constexpr, CHUNK: tl.constexpr,
-              TABLE: tl.constexpr, BLOCK: tl.constexpr):
+              TABLE: tl.constexpr, HIGH: tl.constexpr, SIGNED: tl.constexpr, BLOCK: tl.constexpr):
         # out[n, k] = codes[n, k] * scale (+ offset), in float32: scales[n] (GROUP 0) or scales[n, k // GROUP]. CHUNK:
         # code k in byte (k // CHUNK) * CHUNK / 2 + k % (CHUNK / 2) of the row, the low nibble for a chunk's first
-        # half; without OFFSET e2m1's bits, for their doubled value (as rungen/int4_kernel.py's kernels read them)
+        # half, its HIGH bits above in the row's plane after the nibbles (int4_kernel.py's packed()); SIGNED: two's
+        # complement; neither OFFSET nor SIGNED: e2m1's bits, for their doubled value (as int4_kernel.py's kernels
+        # read them)
         row = tl.program_id(0).to(tl.int64)
         at = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         held = at < K
         if CHUNK:
-            byte = tl.load(codes + row * (K // 2) + (at // CHUNK) * (CHUNK // 2) + at % (CHUNK // 2), mask=held,
-                           other=0)
-            high = (at % CHUNK) // (CHUNK // 2)  # 1: the byte's high nibble
-            nibble = (byte >> (4 * high)) & 0x0F
+            row_bytes = K * (4 + HIGH) // 8
+            byte_at = (at // CHUNK) * (CHUNK // 2) + at % (CHUNK // 2)
+            byte = tl.load(codes + row * row_bytes + byte_at, mask=held, other=0)
+            upper = (at % CHUNK) // (CHUNK // 2)  # 1: the byte's high nibble
+            nibble = (byte >> (4 * upper)) & 0x0F
             if TABLE:  # the byte's two levels, the low nibble's in the low half
                 pair = tl.load(table + byte.to(tl.int32), mask=held, other=0)
-                weight = ((pair << (16 - 16 * high)) >> 16).to(tl.float32)
-            elif OFFSET:
-                weight = nibble.to(tl.float32)
+                weight = ((pair << (16 - 16 * upper)) >> 16).to(tl.float32)
+            elif OFFSET or SIGNED:
+                code = nibble.to(tl.int32)
+                if HIGH:
+                    tops = tl.load(codes + row * row_bytes + K // 2 + byte_at // (4 // HIGH), mask=held,
+                                   other=0).to(tl.int32) & 0xFF
+                    tops = tops >> ((byte_at % (4 // HIGH)) * (2 * HIGH) + HIGH * upper)
+                    code = code | ((tops & ((1 << HIGH) - 1)) << 4)
+                if SIGNED:
+                    code = (code << (28 - HIGH)) >> (28 - HIGH)
+                weight = code.to(tl.float32)
             else:  # e2m1's value x 2^-14 as a float16's bits, times 2^15
                 bits = nibble.to(tl.uint16)
                 bits = (((bits & 8) << 12) | ((bits & 7) << 9)).to(tl.uint16)  # (16 bits whatever Triton promotes)
@@ -303,14 +315,15 @@ def widen_kernel():
             weight = weight * tl.load(scales + row).to(tl.float32)
         tl.store(out + row * K + at, weight.to(out.dtype.element_ty), mask=held)
 
-    def run(codes, scales, offsets, dtype, chunk=0, table=None):
-        rows, inner = codes.shape[0], codes.shape[1] * (2 if chunk else 1)
+    def run(codes, scales, offsets, dtype, chunk=0, table=None, inputs=None):
+        rows, inner = codes.shape[0], inputs or codes.shape[1] * (2 if chunk else 1)
         out = torch.empty(rows, inner, dtype=dtype, device=codes.device)
         codes, scales = codes.contiguous(), scales.contiguous()  # (indexed by row * K + column: no-ops as held)
         widen[(rows, triton.cdiv(inner, WIDEN_BLOCK))](
             codes, scales, scales if offsets is None else offsets.contiguous(), scales if table is None else table,
             out, inner, GROUP=inner // scales.shape[1] if scales.dim() == 2 else 0, OFFSET=offsets is not None,
-            CHUNK=chunk, TABLE=table is not None, BLOCK=WIDEN_BLOCK)
+            CHUNK=chunk, TABLE=table is not None, HIGH=codes.shape[1] * 8 // inner - 4 if chunk else 0,
+            SIGNED=bool(chunk) and codes.dtype == torch.int8, BLOCK=WIDEN_BLOCK)
         return out
 
     return run
@@ -341,7 +354,7 @@ class CodesLinear(torch.nn.Module):
             return None
         one = object.__new__(cls)
         torch.nn.Module.__init__(one)
-        one.in_features, one.bias = first.in_features, None
+        one.in_features, one.bias, one.format = first.in_features, None, first.format
         one.out_features = sum(layer.out_features for layer in layers)
         shared = ("offsets",) if table else ()  # (a table: the one every layer reads)
         for name in ("codes", "scales", "offsets"):

@@ -196,8 +196,9 @@ def test_layers_of_codes_concatenate_into_one_product(gpu):
     # A fused step's q/k/v (and gate/up) as one product where they are codes too: torch's int4 kernel's packed codes
     # (tinygemm), int8 codes with a scale a group (Q8_0's form) and 4-bit codes two a byte (the 4-bit Triton
     # kernel's form, widened where the kernel does not run: affine, MXFP4's e2m1 and IQ4's codes of levels, whose one
-    # table the layers share): the one layer's output is the layers' side by side, and each layer, now reading its
-    # rows of the one layer's buffers, gives what it gave; nothing is held twice.
+    # table the layers share, and the 5- and 6-bit codes with their plane of top bits): the one layer's output is the
+    # layers' side by side, and each layer, now reading its rows of the one layer's buffers, gives what it gave;
+    # nothing is held twice.
     import gc
 
     from rungen.fused_step import concatenated
@@ -226,8 +227,13 @@ def test_layers_of_codes_concatenate_into_one_product(gpu):
         codes = (groups / scales[..., None]).round().to(torch.int8).view(weight.shape)
         return CudaInt8Linear(codes.to(DEVICE), scales.to(DEVICE, torch.float16), None)
 
+    def plane(form):
+        def make(weight):  # (random codes: Q5_K's and Q6_K's forms, their top bits in a plane after the nibbles)
+            return CudaInt4Linear(*plane_layer(form, weight.shape[0], 256, generator), 256)
+        return make
+
     makers = [lambda weight: CudaInt4Linear.of_weight(weight.to(DEVICE)), q8_0, levels(None),
-              levels(level_pairs(IQ4_LEVELS, torch.device(DEVICE)))]
+              levels(level_pairs(IQ4_LEVELS, torch.device(DEVICE))), plane(PLANE_FORMS[2]), plane(PLANE_FORMS[3])]
     if PLAYED or (torch.cuda.is_available() and TinyGemmLinear.runs_on(256, torch.bfloat16, DEVICE)):
         makers.append(tinygemm)
     for make in makers:
@@ -238,6 +244,7 @@ def test_layers_of_codes_concatenate_into_one_product(gpu):
             held = torch.cuda.memory_allocated() if DEVICE.type == "cuda" else 0
             one = concatenated(layers)
             assert one is not None, type(layers[0]).__name__
+            assert getattr(one, "format", None) == getattr(layers[0], "format", None)
             gc.collect()  # the layers' own buffers gone: the one layer's in their place (a GPU rounds each to 512 B)
             assert (torch.cuda.memory_allocated() if DEVICE.type == "cuda" else 0) - held <= 512 * 3 * 3
             together = one(x)
@@ -1153,16 +1160,19 @@ def test_a_4_bit_file_keeps_the_form_faster_at_one_row(triton_ms, kept, gguf_fil
     with caplog.at_level(logging.INFO, logger="run_generation"):
         loaded = load(gguf_file, device=DEVICE)
     assert sorted(kind.__name__ for kind in timed) == ["CudaInt4Linear", "TinyGemmLinear"]  # once, the first weight
-    forms = {type(m).__name__ for m in loaded.model.modules() if isinstance(m, (TinyGemmLinear, CudaInt4Linear))}
+    head = loaded.model.get_output_embeddings()  # (Q6_K: its 6-bit codes on the Triton kernel, timed against none)
+    assert type(head) is CudaInt4Linear and head.format == "signed int6"
+    matrices = [m for m in loaded.model.modules() if isinstance(m, (TinyGemmLinear, CudaInt4Linear)) and m is not head]
     said = "the load keeps Triton's" if kept == "CudaInt4Linear" else "the load keeps tinygemm's"
-    assert forms == {kept} and said in caplog.text
-    assert len([m for m in loaded.model.modules() if type(m).__name__ == kept]) == 2 * 7
+    assert {type(m).__name__ for m in matrices} == {kept} and said in caplog.text
+    assert len(matrices) == 2 * 7
     assert_logits_near(loaded, load(gguf_file, device=DEVICE, dtype="float32"))
     for pinned, form in (("tinygemm", TinyGemmLinear), ("triton", CudaInt4Linear)):
         monkeypatch.setenv("RUN_GENERATION_GPU_INT4", pinned)
         timed.clear()
         held = load(gguf_file, device=DEVICE).model
-        assert not timed and len([m for m in held.modules() if type(m) is form]) == 2 * 7
+        head = held.get_output_embeddings()
+        assert not timed and len([m for m in held.modules() if type(m) is form and m is not head]) == 2 * 7
 
 
 @needs_cuda
@@ -1170,9 +1180,9 @@ def test_a_4_bit_file_keeps_the_form_faster_at_one_row(triton_ms, kept, gguf_fil
 @pytest.mark.parametrize("qtype, kernel", [("Q4_0", "as here"), ("Q8_0", "as here"), ("Q8_0", "serving")])
 def test_a_gguf_file_goes_to_the_gpu_a_weight_at_a_time(qtype, kernel, gguf_file, tmp_path, monkeypatch):
     # On its way to the GPU a GGUF file takes no more than the model as it runs there: never the de-quantized model,
-    # never two forms of a weight (int8 codes for a kernel that fails its check, and the weight de-quantized in their
+    # never two forms of a weight (codes for a kernel that fails its check, and the weight de-quantized in their
     # stead: the played GPU has no Triton, so this file's Q6_K head takes that way), whatever form each weight takes
-    # (4-bit codes, int8 codes or bfloat16). The int8 kernel's check of a type's first weight (Triton's kernel on a
+    # (4-bit codes, int8 codes or bfloat16). A Triton kernel's check of a type's first weight (Triton's kernel on a
     # GPU; "serving": on the played GPU, the plain product standing in for it) widens at most CHECKED_CHANNELS of its
     # output channels to float32 beside it for a moment: a sliver of a real model's head, the whole of this file's,
     # so it is measured apart (tests/unit/test_quantize_layers.py holds it to those channels).
@@ -1180,11 +1190,13 @@ def test_a_gguf_file_goes_to_the_gpu_a_weight_at_a_time(qtype, kernel, gguf_file
 
     from gguf import GGUFReader
 
+    import rungen.int4_kernel
     import rungen.int8
     from rungen.loading import load
 
     if kernel == "serving" and PLAYED:
         monkeypatch.setattr(rungen.int8, "triton_kernel", lambda: rungen.int8.widened)
+        monkeypatch.setattr(rungen.int4_kernel, "triton_kernel", lambda: rungen.int4_kernel.widened4)
     checked, outside = [], []
     disagreement = rungen.int8.disagreement
 
@@ -1198,6 +1210,7 @@ def test_a_gguf_file_goes_to_the_gpu_a_weight_at_a_time(qtype, kernel, gguf_file
         return why
 
     monkeypatch.setattr(rungen.int8, "disagreement", measured)
+    monkeypatch.setattr(rungen.int4_kernel, "disagreement", measured)  # (the Q6_K head's check, on the 4-bit kernel)
     path = gguf_file if qtype == "Q4_0" else write_tiny_gguf(str(tmp_path / f"tiny-{qtype}.gguf"), qtype)
     largest = max(int(tensor.n_elements) for tensor in GGUFReader(path).tensors)
     gc.collect()
@@ -1268,7 +1281,7 @@ def test_an_moe_gguf_files_experts_go_to_the_gpu_as_they_are_read(tmp_path, monk
     import rungen.gguf.build as gguf_build
     import rungen.gguf.experts as experts
     from helpers import write_moe_gguf
-    from rungen.int8 import CodesEmbedding, CodesLinear, torch_widened
+    from rungen.int8 import CodesEmbedding, CodesLinear
     from rungen.loading import load
 
     path = write_moe_gguf(tmp_path / "qwen3moe.gguf", expert_types=(Q.Q4_0, Q.Q4_0, Q.Q4_0))
@@ -1284,8 +1297,8 @@ def test_an_moe_gguf_files_experts_go_to_the_gpu_as_they_are_read(tmp_path, monk
     exact = load(path, device=torch.device("cpu"), dequantize=True)
     theirs = exact.model.state_dict()
     ours = {name: value.cpu() for name, value in moe.model.state_dict().items()}
-    # The layers a GPU keeps in an int8 form for the Triton kernel (the Q8_0 projections, the Q6_K head, the tied
-    # table's lookup through the head's codes): the weights they stand for.
+    # The layers a GPU keeps in codes for a Triton kernel (the Q8_0 projections, the tied table's lookup through the
+    # head's codes): the weights they stand for.
     coded, tables = {}, {name for name, module in moe.model.named_modules() if isinstance(module, CodesEmbedding)}
     for name, module in moe.model.named_modules(remove_duplicate=False):
         if isinstance(module, CodesEmbedding):
@@ -1296,7 +1309,7 @@ def test_an_moe_gguf_files_experts_go_to_the_gpu_as_they_are_read(tmp_path, monk
             continue
         for part in ("codes", "scales", "offsets"):
             ours.pop(f"{held}.{part}", None)
-        weight = torch_widened(layer.codes, layer.scales, layer.offsets)  # (in float32)
+        weight = coded_weight(layer)  # (in float32)
         coded[f"{name}.weight"] = ours[f"{name}.weight"] = weight.cpu()
     assert ours.keys() == theirs.keys()
     assert all(torch.equal(ours[name], theirs[name]) for name in ours if name not in coded)
@@ -1304,6 +1317,18 @@ def test_an_moe_gguf_files_experts_go_to_the_gpu_as_they_are_read(tmp_path, monk
     if not PLAYED:  # (the router's histogram of int expert ids is CUDA's alone: the played GPU cannot run it)
         exact.model.to(DEVICE)
         assert_logits_near(moe, exact)
+
+
+def coded_weight(layer) -> torch.Tensor:
+    """The float32 weight [out, in] a layer of codes (rungen/int8.py's CodesLinear: int8 codes, or the 4-bit kernel's
+    packed ones) stands for."""
+    from rungen.int4_kernel import CudaInt4Linear, widened4
+    from rungen.int8 import torch_widened
+
+    if isinstance(layer, CudaInt4Linear):
+        eye = torch.eye(layer.in_features, device=layer.codes.device)
+        return widened4(eye, layer.codes, layer.scales, layer.offsets).t().contiguous()
+    return torch_widened(layer.codes, layer.scales, layer.offsets)
 
 
 @needs_cuda
@@ -1314,7 +1339,7 @@ def test_an_moe_gguf_files_experts_go_to_the_gpu_as_they_are_read(tmp_path, monk
                          ids=["Q4_K", "Q4_K_M", "Q4_0-mixtral-experts-apart"])
 def test_an_moe_gguf_files_experts_stay_in_their_codes_on_the_gpu(tmp_path, expert_types, arch, monkeypatch):
     # A MoE file's experts on a GPU in the codes a dense layer's weight of their type takes there, an expert's gate
-    # and up one layer, its down another (Q4_K_M's mix: 4-bit codes, and int8 codes for down's Q6_K), never
+    # and up one layer, its down another (Q4_K_M's mix: 4-bit codes, and down's Q6_K as its 6-bit codes), never
     # de-quantized: Qwen3-30B-A3B's experts would take 58 GB in bfloat16, its whole file 18 GB. The model computes
     # what the file's weights do (the CPU's model over its blocks). Mixtral's first files hold each expert apart.
     from gguf import GGMLQuantizationType as Q
@@ -1335,13 +1360,13 @@ def test_an_moe_gguf_files_experts_stay_in_their_codes_on_the_gpu(tmp_path, expe
     assert len(experts) == 2 and all(len(layer.gate_up) == len(layer.down) == 4 for layer in experts)
     assert not [name for name, tensor in moe.model.named_parameters() if tensor.dim() == 3]  # none de-quantized
     forms = {type(layer).__name__ for layer in experts[0].down}
-    assert forms == ({"CudaInt8Linear"} if expert_types[2] == "Q6_K" else {"TinyGemmLinear"}), forms
+    assert forms == ({"CudaInt4Linear"} if expert_types[2] == "Q6_K" else {"TinyGemmLinear"}), forms
     tensors = [*moe.model.parameters(), *moe.model.buffers()]
     assert held <= 1.05 * sum(tensor.numel() * tensor.element_size() for tensor in tensors)  # no copy left behind
     as_bfloat16 = 2 * 4 * 3 * 768 * 256 * 2  # layers x experts x (gate, up, down) x their weights x 2 bytes
     coded = sum(tensor.numel() * tensor.element_size() for layer in experts for tensor in layer.buffers())
-    # 4-bit codes with bfloat16 group scales: 0.31 of bfloat16's bytes; Q6_K's int8 codes and float32 scales: 0.63
-    assert coded <= (0.45 if expert_types[2] == "Q6_K" else 0.33) * as_bfloat16, coded / as_bfloat16
+    # 4-bit codes with bfloat16 group scales: 0.31 of bfloat16's bytes; Q6_K's 6-bit codes and float32 scales: 0.5
+    assert coded <= (0.4 if expert_types[2] == "Q6_K" else 0.33) * as_bfloat16, coded / as_bfloat16
     ids = moe.tokenizer(PROMPTS[1]).input_ids
     with torch.inference_mode():
         ours = moe.model(input_ids=torch.tensor([ids], device=DEVICE)).logits.float().cpu()
@@ -1364,9 +1389,10 @@ def test_an_moe_gguf_files_experts_stay_in_their_codes_on_the_gpu(tmp_path, expe
 @needs_triton
 @pytest.mark.fresh_load
 def test_an_moe_gguf_files_decode_steps_are_cuda_graphs(tmp_path, monkeypatch):
-    # In bfloat16 a Q4_K_M mixture's experts take the Triton forms (Q4_K gate/up as 4-bit codes, Q6_K down as int8
-    # codes), each part stacked, with the grouped launch: its decode steps read nothing back to the host, so they run
-    # in fixed slots replayed from CUDA graphs, in fused layers, giving what generate() gives on the same model.
+    # In bfloat16 a Q4_K_M mixture's experts take the Triton forms (Q4_K gate/up as 4-bit codes, Q6_K down as its
+    # 6-bit codes), each part stacked, with the grouped launch: its decode steps read nothing back to the host, so
+    # they run in fixed slots replayed from CUDA graphs, in fused layers, giving what generate() gives on the same
+    # model.
     from gguf import GGMLQuantizationType as Q
 
     from helpers import write_moe_gguf
@@ -1418,9 +1444,10 @@ def run_quantized(checkpoint, mode, monkeypatch, extra=()):
 @needs_triton
 def test_a_q8_0_gguf_file_keeps_its_codes_on_the_gpu(tmp_path):
     # Its Q8_0 matrices keep their int8 codes and float16 scales (a little over a byte a weight) for the Triton kernel,
-    # its Q6_K head (llama.cpp's) its codes and a float32 scale a group of 16 (1.25 bytes a weight), each type's
-    # kernel checked on its first weight (were it not taken they would be de-quantized, and this test failing), and
-    # they compute what the float32 de-quantized model does to bfloat16 rounding.
+    # its Q6_K head (llama.cpp's) its 6-bit codes and a float32 scale a group of 16 for the 4-bit one (a byte a
+    # weight), each type's kernel checked on its first weight (were it not taken they would be de-quantized or int8
+    # codes, and this test failing), and they compute what the float32 de-quantized model does to bfloat16 rounding.
+    from rungen.int4_kernel import CudaInt4Linear
     from rungen.int8 import CudaInt8Linear
     from rungen.loading import load
 
@@ -1429,8 +1456,9 @@ def test_a_q8_0_gguf_file_keeps_its_codes_on_the_gpu(tmp_path):
     head = int8.model.get_output_embeddings()
     layers = [m for m in int8.model.modules() if isinstance(m, CudaInt8Linear) and m is not head]
     assert len(layers) == 2 * 7 and all(m.kernel is not None for m in layers), "the Q8_0 matrices run de-quantized"
-    assert isinstance(head, CudaInt8Linear) and head.kernel is not None, "the Q6_K head runs de-quantized"
-    for parts, most in ((layers, 0.55), ([head], 0.65)):
+    assert isinstance(head, CudaInt4Linear) and head.kernel is not None, "the Q6_K head runs de-quantized or int8"
+    assert head.format == "signed int6"
+    for parts, most in ((layers, 0.55), ([head], 0.55)):
         held = sum(b.numel() * b.element_size() for m in parts for b in (m.codes, m.scales))
         assert held < most * sum(2 * m.out_features * m.in_features for m in parts)
     assert_logits_near(int8, exact)
@@ -1700,7 +1728,8 @@ def test_the_int8_gemv_kernel_multiplies_as_the_plain_product(dtype, monkeypatch
 def test_the_widening_kernel_writes_each_weight_as_its_code_scale_and_offset(dtype, monkeypatch):
     # rungen/int8.py's widening kernel (the plain product's weight on a GPU, past the int8 kernel's rows): each weight
     # code x scale (+ offset) to the dtype's rounding, for every form of scales the int8 forms have and the 4-bit
-    # codes packed two a byte (MXFP4's e2m1 ones too), a row shorter than a block and one ending past several.
+    # codes packed two a byte (MXFP4's e2m1 ones too, and the 5- and 6-bit ones with their plane of top bits), a row
+    # shorter than a block and one ending past several.
     from rungen import int4_kernel
     from rungen.int8 import WIDEN_BLOCK, widen_kernel
 
@@ -1754,11 +1783,26 @@ def test_the_widening_kernel_writes_each_weight_as_its_code_scale_and_offset(dty
                          table)
             error = (got.cpu().double() - truth).abs()
             assert (error <= torch.finfo(dtype).eps * truth.abs() + 1e-6 * truth.abs().max()).all(), (inner4, kind)
+        # and the forms of 5 and 6 bits and of groups of 16: each code's top bits from the plane after the nibbles,
+        # signed ones without offsets
+        for bits, signed, group, kind in PLANE_FORMS:
+            low = -(1 << bits - 1) if signed else 0
+            raw = torch.randint(low, low + (1 << bits), (channels, inner4), generator=generator)
+            scales = groups(group, kind, inner=inner4)
+            offsets = None if signed else -(1 << bits - 1) * groups(group, kind, inner=inner4)
+            truth = raw.double() * scales.double().repeat_interleave(group, dim=1)
+            if offsets is not None:
+                truth += offsets.double().repeat_interleave(group, dim=1)
+            got = kernel(int4_kernel.packed(raw, bits, signed).to(DEVICE), scales.to(DEVICE),
+                         None if offsets is None else offsets.to(DEVICE), dtype, int4_kernel.CHUNK, None, inner4)
+            assert got.dtype == dtype and got.shape == raw.shape
+            error = (got.cpu().double() - truth).abs()
+            assert (error <= torch.finfo(dtype).eps * truth.abs() + 1e-6 * truth.abs().max()).all(), (bits, group)
 
 
 @needs_cuda
 def test_a_widening_kernel_that_disagrees_with_torch_gives_way_to_torchs_operators(gpu, monkeypatch, caplog):
-    # The widening kernel is checked on its first weight of each form (dtype, group, offsets) against torch's
+    # The widening kernel is checked on its first weight of each form (dtype, group, offsets, packing) against torch's
     # operators: one that agrees writes every weight of that form after; one that does not says so once, and torch's
     # operators widen that form from then on. (Kernels played by torch here: the check is the point.)
     import rungen.int8 as int8
@@ -1767,7 +1811,7 @@ def test_a_widening_kernel_that_disagrees_with_torch_gives_way_to_torchs_operato
     launched = []
 
     def kernel_off_by(error):
-        def kernel(codes, scales, offsets, dtype, chunk=0, table=None):
+        def kernel(codes, scales, offsets, dtype, chunk=0, table=None, inputs=None):
             launched.append(error)
             return (int8.torch_widened(codes, scales, offsets) + error).to(dtype)
         return kernel
@@ -1781,8 +1825,8 @@ def test_a_widening_kernel_that_disagrees_with_torch_gives_way_to_torchs_operato
         int8.widened_weight(codes, grouped, None, torch.bfloat16)
     monkeypatch.setattr(int8, "widen_kernel", lambda: kernel_off_by(1.0))
     wrong = [int8.widened_weight(codes, channels, None, torch.bfloat16) for _ in range(2)]
-    assert int8.WIDEN_CHECKED == {(torch.bfloat16, 32, False, 0, False): True,
-                                  (torch.bfloat16, 0, False, 0, False): False}
+    assert int8.WIDEN_CHECKED == {(torch.bfloat16, 32, False, 0, False, torch.int8, 8): True,
+                                  (torch.bfloat16, 0, False, 0, False, torch.int8, 8): False}
     assert launched == [0.0, 0.0, 1.0] and caplog.text.count("the widening kernel disagrees") == 1
     assert all(torch.equal(weight, int8.torch_widened(codes, channels, None, torch.bfloat16)) for weight in wrong)
 
@@ -1805,14 +1849,40 @@ def test_the_4_bit_kernel_multiplies_as_the_plain_product(dtype, monkeypatch):
         assert (y.float() - reference).abs().max() <= 0.01 * reference.abs().max(), (x.shape, codes.shape)
 
 
+# The packed forms of 5 and 6 bits and of groups of 16 (rungen/gguf/device.py's PLANE_TYPES): (bits, signed, inputs a
+# group, the scales' dtype) of Q5_0, Q5_1, Q5_K, Q6_K, Q3_K, Q2_K.
+PLANE_FORMS = ((5, True, 32, torch.float16), (5, False, 32, torch.float16), (5, False, 32, torch.float32),
+               (6, True, 16, torch.float32), (4, True, 16, torch.float32), (4, False, 16, torch.float32))
+
+
+def plane_layer(form, channels, inner, generator, experts=None):
+    """(packed codes, scales, offsets or None) of a random layer (`experts`: that many stacked) in a PLANE_FORMS
+    form, on DEVICE."""
+    from rungen.int4_kernel import packed
+
+    bits, signed, group, scale_dtype = form
+    low = -(1 << bits - 1) if signed else 0
+    lead = () if experts is None else (experts,)
+    codes = torch.randint(low, low + (1 << bits), (*lead, channels, inner), generator=generator)
+    codes = torch.stack([packed(c, bits, signed) for c in codes.reshape(-1, channels, inner)]).reshape(
+        *lead, channels, -1)
+    scales = torch.rand(*lead, channels, inner // group, generator=generator) / 100 / (1 << bits - 4)
+    offsets = None if signed else -(1 << bits - 1) * scales + torch.rand(scales.shape, generator=generator) / 1000
+    return codes.to(DEVICE), scales.to(DEVICE, scale_dtype), None if signed else offsets.to(DEVICE, scale_dtype)
+
+
 def int4_cases(shapes, dtype):
     """(x, packed codes, scales, offsets) of random 4-bit layers for each (rows, channels, inputs) of `shapes`, with
     a float16 and a float32 scale and offset a group of 32 (Q4_0/Q4_1's, Q4_K's), MXFP4's e2m1 codes with a
     power-of-two float16 scale a group and no offsets, and IQ4's codes of levels (a table as offsets) with a float16
-    and a float32 scale (IQ4_NL's, IQ4_XS's)."""
+    and a float32 scale (IQ4_NL's, IQ4_XS's); and two of PLANE_FORMS a shape, each form on some shape."""
     from rungen.int4_kernel import IQ4_LEVELS, level_pairs, packed
 
-    for rows, channels, inner in shapes:
+    for number, (rows, channels, inner) in enumerate(shapes):
+        generator = torch.Generator().manual_seed(rows)
+        for form in (PLANE_FORMS[number % 6], PLANE_FORMS[(number + 3) % 6]):
+            yield (torch.randn(rows, inner, generator=generator).to(DEVICE, dtype),
+                   *plane_layer(form, channels, inner, generator))
         generator = torch.Generator().manual_seed(rows)
         codes = packed(torch.randint(0, 16, (channels, inner), dtype=torch.uint8, generator=generator)).to(DEVICE)
         for scale_dtype in (torch.float16, torch.float32):
@@ -1867,7 +1937,8 @@ def test_the_4_bit_gemv_kernel_multiplies_as_the_plain_product(dtype, monkeypatc
 def grouped_stacks(which, experts, channels, inner, generator):
     """[(codes, scales, offsets)] of `experts` random experts stacked [experts, channels, ...]: int8's in each of its
     forms (int8_layer's), 4-bit ones with float16 and float32 groups (Q4_0/Q4_1's, Q4_K's), MXFP4's e2m1 codes
-    (gpt-oss's experts) and IQ4_XS's codes of levels; and the plain product."""
+    (gpt-oss's experts), IQ4_XS's codes of levels, Q5_K's 5-bit and Q6_K's signed 6-bit codes (a plane of top bits
+    after the nibbles; groups of 32 and 16); and the plain product."""
     from rungen import int4_kernel, int8
 
     if which == "int8":
@@ -1885,7 +1956,7 @@ def grouped_stacks(which, experts, channels, inner, generator):
         (codes.to(DEVICE), e2m1_scales((experts, channels, inner // 32), generator).to(DEVICE), None),
         (codes.to(DEVICE), (scales / 10).to(DEVICE), int4_kernel.level_pairs(int4_kernel.IQ4_LEVELS,
                                                                              torch.device(DEVICE)))
-    ], int4_kernel.widened4
+    ] + [plane_layer(PLANE_FORMS[form], channels, inner, generator, experts) for form in (2, 3)], int4_kernel.widened4
 
 
 @needs_triton
@@ -2090,7 +2161,9 @@ def test_a_4_bit_gguf_file_keeps_its_codes_for_the_triton_kernel(gguf_file, monk
     if env:
         monkeypatch.setenv("RUN_GENERATION_GPU_INT4", env)
     int4 = load(gguf_file, device=DEVICE, dtype=dtype)
-    layers = [m for m in int4.model.modules() if isinstance(m, CudaInt4Linear)]
+    head = int4.model.get_output_embeddings()  # (Q6_K: its 6-bit codes, on the same kernel)
+    assert type(head) is CudaInt4Linear and head.format == "signed int6" and head.kernel is not None
+    layers = [m for m in int4.model.modules() if isinstance(m, CudaInt4Linear) and m is not head]
     assert len(layers) == 2 * 7 and all(m.kernel is not None for m in layers), "the Q4_0 matrices run de-quantized"
     held = sum(b.numel() * b.element_size() for m in layers for b in (m.codes, m.scales, m.offsets))
     assert held < 0.35 * sum(2 * m.out_features * m.in_features for m in layers)

@@ -1224,27 +1224,31 @@ def test_the_gpus_codes_and_blocks_compute_the_dequantized_model(loaded, name, m
     assert (ours - theirs)[real].abs().max() <= 1e-5 * theirs[real].abs().max()
 
 
-def test_the_gpus_4_bit_codes_of_levels_compute_the_dequantized_model(loaded, monkeypatch):
-    # MXFP4, IQ4_NL and IQ4_XS matrices as a GPU keeps them where the 4-bit Triton kernel serves (the CPU standing in,
-    # the kernels stood in by the products they are checked against): their codes two a byte (e2m1's bits, IQ4's
-    # indices of a table every layer shares) with each group's scale; the model computes --dequantize's logits.
+def test_the_gpus_packed_codes_compute_the_dequantized_model(loaded, monkeypatch):
+    # MXFP4, IQ4_NL and IQ4_XS matrices, and those of 5 and 6 bits and of groups of 16, as a GPU keeps them where the
+    # 4-bit Triton kernel serves (the CPU standing in, the kernels stood in by the products they are checked
+    # against): their codes two a byte (e2m1's bits, IQ4's indices of a table every layer shares; the Q5 types' and
+    # Q6_K's top bits in a plane beside them, Q5_0's, Q6_K's and Q3_K's signed) with each group's scale (and
+    # offset); the model computes --dequantize's logits.
     import rungen.gguf.device
-    from rungen.gguf.device import INT8_TYPES, LEVEL_TYPES
+    from rungen.gguf.device import INT8_TYPES, TRITON_TYPES
     from rungen.int4_kernel import CudaInt4Linear, widened4
     from rungen.int8 import widened
 
     header, _, reference = loaded["mixed_tied"]
     monkeypatch.setattr(rungen.gguf.device, "gpu_int4", lambda qtype, in_features, dtype, device: (
-        "triton" if qtype in LEVEL_TYPES else None))
+        "triton" if qtype in TRITON_TYPES else None))
     monkeypatch.setattr(rungen.gguf.device, "checked_int4_kernel", lambda layer, dtype: (widened4, None))
     monkeypatch.setattr(rungen.gguf.device, "gpu_int8", lambda qtype, device: qtype in INT8_TYPES)
     monkeypatch.setattr(rungen.gguf.device, "checked_kernel", lambda layer, dtype, instead: widened)
     model = build_model(header, torch.float32, torch.device("cpu"))
     types = [Q(entry[1]) for entry in header.tensors]
     four_bit = [m for m in model.modules() if isinstance(m, CudaInt4Linear)]
-    assert sorted(m.format for m in four_bit) == sorted(
-        "e2m1" if qtype == Q.MXFP4 else "int4 levels" for qtype in types if qtype in LEVEL_TYPES)
-    assert len({m.offsets.data_ptr() for m in four_bit if m.offsets is not None}) == 1  # one table
+    formats = {Q.MXFP4: "e2m1", Q.IQ4_NL: "int4 levels", Q.IQ4_XS: "int4 levels", Q.Q5_0: "signed int5",
+               Q.Q5_1: "int5", Q.Q5_K: "int5", Q.Q6_K: "signed int6", Q.Q3_K: "signed int4", Q.Q2_K: "int4"}
+    assert set(formats) == set(TRITON_TYPES)
+    assert sorted(m.format for m in four_bit) == sorted(formats[qtype] for qtype in types if qtype in TRITON_TYPES)
+    assert len({m.offsets.data_ptr() for m in four_bit if m.format == "int4 levels"}) == 1  # one table
     batch = header.tokenizer(PROMPTS[:2], return_tensors="pt", padding=True)
     real = batch["attention_mask"].bool()
     with torch.no_grad():

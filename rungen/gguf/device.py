@@ -1,8 +1,9 @@
 """A GGUF file's weights in the forms a CUDA GPU keeps them (build.py's build_model given a device): 4-bit types as
 torch's int4 kernel takes them (TinyGemmLinear) or, where it cannot run or is asked for, as rungen/int4_kernel.py's
-Triton kernel reads them (CudaInt4Linear: MXFP4's e2m1 codes and IQ4's codes of levels too, LEVEL_TYPES), the types
-that fit int8 codes and group scales for rungen/int8.py's Triton kernel (CudaInt8Linear), and an embedding table in
-its blocks (DeviceRowsEmbedding).
+Triton kernel reads them (CudaInt4Linear), which alone takes TRITON_TYPES' packed codes (MXFP4's e2m1 codes, IQ4's
+codes of levels, the 5- and 6-bit types' codes with a plane of their top bits, Q3_K's and Q2_K's groups of 16);
+Q8_0 (and TRITON_TYPES where the packed form fails its check) as int8 codes and group scales for rungen/int8.py's
+Triton kernel (CudaInt8Linear); and an embedding table in its blocks (DeviceRowsEmbedding).
 The codes are the file's (codes.py), never re-quantized, and so are the scales but tinygemm's, which it takes in
 bfloat16 only: a float16 scale (Q4_0, Q4_1) or a K-quant's float32 product of scales loses its last bits there
 (checked_tinygemm holds the kernel to the de-quantized weight).
@@ -60,13 +61,19 @@ def in_order(order, *tensors: torch.Tensor | None) -> tuple:
 # The 4-bit types whose codes are no affine integers, which the Triton form alone takes (tinygemm cannot): MXFP4's
 # e2m1 values and IQ4_NL's and IQ4_XS's levels; where it does not serve, their int8 codes (INT8_TYPES).
 LEVEL_TYPES = (GGMLQuantizationType.MXFP4, GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.IQ4_XS)
+# The types of 5 and 6 bits, and those of groups of 16, which the Triton form alone takes too: their low four bits
+# two a byte and the bits above in a plane beside them (Q5_0, Q5_1, Q5_K, Q6_K), or their 2- and 3-bit codes in a
+# nibble with a scale a group of 16 (Q2_K, Q3_K); where it does not serve, their int8 codes.
+PLANE_TYPES = (GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q5_K,
+               GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q2_K)
+TRITON_TYPES = (*LEVEL_TYPES, *PLANE_TYPES)
 
 
 def gpu_int4(qtype: GGMLQuantizationType, in_features: int, dtype: torch.dtype, device: torch.device) -> str | None:
-    """The form a weight of `qtype` keeps its 4-bit codes in on `device` for a model in `dtype` (int4_kernel.py's
-    gpu_int4_form; LEVEL_TYPES the Triton form in any dtype), or None: not 4-bit (LEVEL_TYPES then int8 codes, the
-    others de-quantized; RUN_GENERATION_GPU_INT4=0 turns the 4-bit forms off)."""
-    if qtype in LEVEL_TYPES:
+    """The form a weight of `qtype` keeps its packed codes in on `device` for a model in `dtype` (int4_kernel.py's
+    gpu_int4_form; TRITON_TYPES the Triton form in any dtype), or None: no packed form (TRITON_TYPES then int8
+    codes, the others de-quantized; RUN_GENERATION_GPU_INT4=0 turns the packed forms off)."""
+    if qtype in TRITON_TYPES:
         fits = device.type == "cuda" and CudaInt4Linear.fits(in_features)
         return "triton" if fits and os.environ.get(GPU_INT4_ENV) != "0" else None
     return gpu_int4_form(in_features, dtype, device) if qtype in INT4_TYPES else None
@@ -81,20 +88,45 @@ def tinygemm_of_blocks(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_fea
 
 def int4_codes_of_blocks(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: int, device: torch.device,
                          order=None) -> CudaInt4Linear:
-    """A 4-bit weight's blocks (`order`: its rows permuted) as a CudaInt4Linear on `device`, exact: the codes two a
-    byte and a group's scale and offset, float16 for Q4_0 and Q4_1 (their blocks' own: 0.625 bytes a weight, the
-    file's 0.5625 or 0.625), float32 for Q4_K (a float16 times a 6-bit integer: 0.75 bytes, the file's 0.5625);
-    MXFP4's (as held) e2m1 codes and a group's power-of-two float16 scale, no offset (0.5625 bytes, the file's
-    0.53: gpt-oss-20b's experts about 11 GB, gpt-oss-120b's about 65); IQ4_NL's and IQ4_XS's codes of IQ4_LEVELS and
-    a group's scale, IQ4_NL's float16 as held, IQ4_XS's float32 (its superblock's float16 times the group's 6-bit
-    integer: 0.5625 and 0.625 bytes, the files' 0.56 and 0.53, where int8 codes take 1.06 and 1.13)."""
+    """A weight's blocks of a 4-bit type or of TRITON_TYPES (`order`: its rows permuted) as a CudaInt4Linear on
+    `device`, exact (bytes a weight against the file's: docs/usage.md): the codes two a byte and a group's scale and
+    offset, float16 for Q4_0 and Q4_1 (their blocks' own), float32 for Q4_K (a float16 times a 6-bit integer);
+    MXFP4's (as held) e2m1 codes and a group's power-of-two float16 scale, no offset (gpt-oss-20b's experts about
+    11 GB, gpt-oss-120b's about 65); IQ4_NL's and IQ4_XS's codes of IQ4_LEVELS and a group's scale, IQ4_NL's float16
+    as held, IQ4_XS's float32 (its superblock's float16 times the group's 6-bit integer); PLANE_TYPES as
+    plane_parts gives them."""
     if qtype in LEVEL_TYPES:
         nibbles, scale = in_order(order, *iq4_nibbles(blocks, qtype, in_features))
         table = None if qtype == GGMLQuantizationType.MXFP4 else level_pairs(IQ4_LEVELS, device)
         return CudaInt4Linear(packed(nibbles).to(device), scale.to(device), table)
+    if qtype in PLANE_TYPES:
+        codes, bits, scale, offset = plane_parts(blocks, qtype, in_features)
+        codes, scale, offset = in_order(order, codes, scale, offset)
+        return CudaInt4Linear(packed(codes, bits, signed=offset is None).to(device), scale.to(device),
+                              None if offset is None else offset.to(device), in_features)
     codes, scale, offset = in_order(order, *int4_parts(blocks, qtype, in_features))
     exact = torch.float32 if qtype == GGMLQuantizationType.Q4_K else torch.float16
     return CudaInt4Linear(packed(codes).to(device), scale.to(device, exact), offset.to(device, exact))
+
+
+def plane_parts(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: int):
+    """PLANE_TYPES' blocks as (codes [rows, in_features], their bits, scales, offsets or None: signed codes), exact:
+    Q5_0's codes less 16 (signed) and its float16 scale, Q5_1's codes with its float16 scale and offset, Q5_K's with
+    a float32 scale and offset a group of 32; Q6_K's signed codes and a float32 scale a group of 16 (its
+    superblock's float16 times the group's int8), Q3_K's (-4..3, in 4 bits) likewise; Q2_K's (0..3) with a float32
+    scale and offset a group of 16."""
+    Q = GGMLQuantizationType
+    if qtype == Q.Q6_K:
+        codes, scales = q6_k_parts(blocks, in_features)
+        return codes, 6, scales, None
+    if qtype in (Q.Q2_K, Q.Q3_K):
+        codes, scales, offsets = low_k_parts(blocks, qtype, in_features)
+        return codes, 4, scales, offsets
+    codes, scales, offsets = grouped_parts(blocks, qtype, in_features)
+    if qtype == Q.Q5_0:
+        return codes - 16, 5, scales.to(torch.float16), None
+    exact = torch.float16 if qtype == Q.Q5_1 else torch.float32
+    return codes, 5, scales.to(exact), offsets.to(exact)
 
 
 # --- On a CUDA GPU: the types that fit int8 codes and group scales, for rungen/int8.py's Triton kernel ---
@@ -182,10 +214,10 @@ class DeviceRowsEmbedding(torch.nn.Module):
 
 class DeviceForms:
     """What one load keeps a GGUF file's quantized weights in on a GPU: 4-bit codes for torch's int4 kernel or the
-    Triton one, int8 codes for the Triton kernel, an embedding's blocks, else the weight de-quantized. Each kernel is
-    checked on its first weight (the int8 kernel once a type, the 4-bit one once for each kind of codes, affine,
-    e2m1 or levels: they compile apart); one that fails leaves every later weight of its kind de-quantized
-    (LEVEL_TYPES' in int8 codes)."""
+    Triton one (packed codes of TRITON_TYPES too), int8 codes for the Triton kernel, an embedding's blocks, else the
+    weight de-quantized. Each kernel is checked on its first weight (the int8 kernel once a type, the 4-bit one once
+    for each kind of codes, codes_kind: they compile apart); one that fails leaves every later weight of its kind
+    de-quantized (TRITON_TYPES' in int8 codes)."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype):
         self.device, self.dtype = device, dtype
@@ -311,7 +343,10 @@ class DeviceForms:
         return layer
 
 
-def codes_kind(qtype: GGMLQuantizationType) -> int:
-    """What a 4-bit type's codes stand for in the Triton form (int4_kernel.py's levels_of): 0 affine integers (Q4_0,
-    Q4_1, Q4_K), 1 e2m1 values (MXFP4), 2 levels of a table (IQ4_NL, IQ4_XS)."""
+def codes_kind(qtype: GGMLQuantizationType) -> int | str:
+    """What a type's codes are in the Triton form (int4_kernel.py's levels_of), a key of the forms checked apart (they
+    compile apart): 0 affine 4-bit integers (Q4_0, Q4_1, Q4_K), 1 e2m1 values (MXFP4), 2 levels of a table (IQ4_NL,
+    IQ4_XS), PLANE_TYPES each its own (their bits, groups, signs and scales' dtypes differ)."""
+    if qtype in PLANE_TYPES:
+        return qtype.name
     return 1 if qtype == GGMLQuantizationType.MXFP4 else 2 if qtype in LEVEL_TYPES else 0

@@ -291,11 +291,66 @@ def test_a_weight_of_levels_for_the_triton_kernel_keeps_its_4_bit_codes_two_a_by
     torch.testing.assert_close(layer(x.float()), reference, rtol=1e-4, atol=1e-5 * reference.abs().max().item())
 
 
+# Bytes a weight each type keeps on a GPU in its packed form (the file's: 0.69, 0.75, 0.69, 0.82, 0.43, 0.33).
+PLANE_BYTES = {"Q5_0": 0.6875, "Q5_1": 0.75, "Q5_K": 0.875, "Q6_K": 1.0, "Q3_K": 0.75, "Q2_K": 1.0}
+
+
+@pytest.mark.parametrize("kind", ["random", "max", "min"])
+@pytest.mark.parametrize("name", list(PLANE_BYTES))
+def test_a_5_or_6_bit_or_low_k_weight_keeps_its_codes_packed_for_the_triton_kernel(name, kind, monkeypatch):
+    # The types of 5 and 6 bits and of groups of 16 on a GPU (rungen/gguf/device.py's int4_codes_of_blocks): their
+    # low four bits two a byte in the 4-bit kernel's layout, the bits above in a plane after them (packed()), Q5_0's,
+    # Q6_K's and Q3_K's codes signed (int8 bytes) with no offsets, and each group's scale (and offset) exactly as the
+    # file has them, where their int8 codes took 1.25-1.5 bytes a weight. Rows permuted where asked; the codes times
+    # the scales (plus offsets) are exactly the de-quantized weight, the plane holds each code's top bits where the
+    # layout says, and the layer's product (widened a slice at a time, the plain path) is the weight's product.
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    import rungen.int8
+    from helpers import blocks_for
+    from rungen.gguf.device import int4_codes_of_blocks
+    from rungen.int4_kernel import unpacked
+
+    qtype = GGMLQuantizationType[name]
+    file_blocks = blocks_for(qtype, 24, 512, kind=kind)
+    order = np.random.default_rng(0).permutation(24)
+    layer = int4_codes_of_blocks(file_blocks, qtype, 512, torch.device("cpu"), order)
+    bits = {"Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6}.get(name, 4)
+    signed = name in ("Q5_0", "Q6_K", "Q3_K")
+    group = 16 if name in ("Q6_K", "Q3_K", "Q2_K") else 32
+    assert layer.in_features == 512 and layer.codes.shape == (24, 512 * bits // 8)
+    assert layer.codes.dtype == (torch.int8 if signed else torch.uint8) and (layer.offsets is None) == signed
+    assert layer.format == ("signed " if signed else "") + f"int{bits}" and layer.scales.shape == (24, 512 // group)
+    held_bytes = sum(t.numel() * t.element_size() for t in (layer.codes, layer.scales, layer.offsets) if t is not None)
+    assert held_bytes == 24 * 512 * PLANE_BYTES[name]
+    codes = unpacked(layer.codes, 512)
+    if bits > 4:  # input 64c + 32h + j's top bits: byte 32c + j of the nibbles, in plane byte (32c + j) // (4 / high)
+        high = bits - 4
+        raw = (codes & ((1 << bits) - 1)).reshape(24, -1, 2, 32)
+        plane = layer.codes.view(torch.uint8)[:, 256:].long()
+        position = torch.arange(256).reshape(-1, 32)  # [c, j]: the nibbles' byte
+        for half in (0, 1):
+            tops = (plane[:, position // (4 // high)] >> ((position % (4 // high)) * 2 * high + high * half))
+            assert torch.equal(tops & ((1 << high) - 1), raw[:, :, half] >> 4)
+    weight = torch.from_numpy(gguf_dequantize(file_blocks.numpy(), qtype))[torch.from_numpy(order)]
+    values = codes.float() * layer.scales.float().repeat_interleave(group, dim=1)
+    if layer.offsets is not None:
+        values = values + layer.offsets.float().repeat_interleave(group, dim=1)
+    assert torch.equal(values, weight)
+    monkeypatch.setattr(rungen.int8, "WIDEN_BYTES", 512 * 5 * 4)  # five channels at a time: five slices
+    x = torch.randn(70, 512, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    reference = (x @ weight.double().t()).float()
+    torch.testing.assert_close(layer(x.float()), reference, rtol=1e-4, atol=1e-5 * reference.abs().max().item())
+
+
 def test_weights_of_levels_take_the_4_bit_form_on_a_gpu_and_int8_codes_where_its_kernel_fails(monkeypatch, caplog):
-    # Which form a GPU load gives MXFP4, IQ4_NL and IQ4_XS (DeviceForms): the 4-bit Triton form in any dtype wherever
-    # the inputs fill whole chunks of 64 (tinygemm has no such codes), none where RUN_GENERATION_GPU_INT4=0 turns the
-    # 4-bit forms off; where the 4-bit kernel fails its check on the first MXFP4 weight, one warning and every MXFP4
-    # weight in int8 codes (each kind of codes checked apart: the affine 4-bit types and IQ4's keep their form).
+    # Which form a GPU load gives MXFP4, IQ4_NL and IQ4_XS, and the types of 5 and 6 bits and of groups of 16
+    # (DeviceForms): the packed Triton form in any dtype wherever the inputs fill whole chunks of 64 (tinygemm has no
+    # such codes), none where RUN_GENERATION_GPU_INT4=0 turns the packed forms off; where the kernel fails its check
+    # on the first MXFP4 weight (and the first Q6_K one), one warning and every weight of the type in int8 codes (each
+    # kind of codes checked apart: the affine 4-bit types, IQ4's and Q5_K's keep their form).
     import logging
 
     from gguf import GGMLQuantizationType as Q
@@ -308,7 +363,7 @@ def test_weights_of_levels_take_the_4_bit_form_on_a_gpu_and_int8_codes_where_its
 
     cuda = torch.device("cuda")  # (no GPU needed to name one)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        assert all(device.gpu_int4(qtype, 2880, dtype, cuda) == "triton" for qtype in (Q.MXFP4, Q.IQ4_NL, Q.IQ4_XS))
+        assert all(device.gpu_int4(qtype, 2880, dtype, cuda) == "triton" for qtype in device.TRITON_TYPES)
     assert device.gpu_int4(Q.MXFP4, 2880 + 32, torch.bfloat16, cuda) is None
     assert device.gpu_int4(Q.MXFP4, 2880, torch.bfloat16, torch.device("cpu")) is None
     monkeypatch.setenv("RUN_GENERATION_GPU_INT4", "0")
@@ -323,7 +378,7 @@ def test_weights_of_levels_take_the_4_bit_form_on_a_gpu_and_int8_codes_where_its
                                                                                    None)
 
     monkeypatch.setattr(device, "gpu_int4", lambda qtype, in_features, dtype, where: (
-        "triton" if qtype in (Q.MXFP4, Q.Q4_0, Q.IQ4_XS, Q.IQ4_NL) else None))
+        "triton" if qtype in (Q.MXFP4, Q.Q4_0, Q.IQ4_XS, Q.IQ4_NL, Q.Q5_K, Q.Q6_K) else None))
     monkeypatch.setattr(device, "gpu_int8", lambda qtype, where: qtype in device.INT8_TYPES)
     monkeypatch.setattr(device, "checked_int4_kernel", checked)
     monkeypatch.setattr(device, "checked_kernel", lambda layer, dtype, instead: plain_grouped_kernel())
@@ -334,12 +389,16 @@ def test_weights_of_levels_take_the_4_bit_form_on_a_gpu_and_int8_codes_where_its
         q4_0 = forms.codes_layer(blocks_for(Q.Q4_0, 8, 128).numpy(), Q.Q4_0, 128, None, None)
         iq4 = [forms.codes_layer(held(blocks_for(qtype, 8, 256).numpy(), qtype), qtype, 256, None, None)
                for qtype in (Q.IQ4_XS, Q.IQ4_NL)]
-    assert all(type(layer) is CudaInt8Linear and layer.kernel is not None for layer in made)
+        q5_k, q6_k = ([forms.codes_layer(blocks_for(qtype, 8, 256).numpy(), qtype, 256, None, None) for _ in range(2)]
+                      for qtype in (Q.Q5_K, Q.Q6_K))
+    assert all(type(layer) is CudaInt8Linear and layer.kernel is not None for layer in made + q6_k)
     assert type(q4_0) is CudaInt4Linear and q4_0.offsets is not None and q4_0.kernel is not None
     assert all(type(layer) is CudaInt4Linear and layer.format == "int4 levels" and layer.kernel for layer in iq4)
-    assert checks == ["e2m1", "int4", "int4 levels"]  # each kind of codes checked once
-    assert caplog.text.count("the 4-bit Triton kernel: the Triton kernel disagrees; MXFP4 weights take int8 codes "
-                             "instead") == 1
+    assert all(type(layer) is CudaInt4Linear and layer.format == "int5" and layer.kernel for layer in q5_k)
+    assert checks == ["e2m1", "int4", "int4 levels", "int5", "signed int6"]  # each kind of codes checked once
+    for name in ("MXFP4", "Q6_K"):
+        assert caplog.text.count(f"the 4-bit Triton kernel: the Triton kernel disagrees; {name} weights take int8 "
+                                 "codes instead") == 1
 
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K"])
