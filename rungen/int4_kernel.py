@@ -20,8 +20,10 @@ two levels up at once in that table (1 KB, which stays in the GPU's L1 cache) an
 Codes may be wider than a nibble, and groups smaller (form_of): 5- and 6-bit codes (GGUF's Q5_0, Q5_1, Q5_K, Q6_K)
 keep their low four bits as above and the bits above in a plane after each row's nibbles, the top bits of a byte's
 two codes side by side, so a tile loads its bytes and their plane's bytes and joins them in registers; int8 bytes
-mark signed codes (two's complement of their width: Q5_0's, Q6_K's, Q3_K's), which take no offsets; and a scale may
-serve 16 inputs (Q6_K's, Q3_K's, Q2_K's groups) rather than 32.
+mark signed codes (two's complement of their width: Q5_0's, Q6_K's, Q3_K's), which take no offsets; a scale may
+serve 16 inputs (Q6_K's, Q3_K's, Q2_K's groups) rather than 32; and int8 scales are a K-quant's own, a group's
+integer times its superblock's float16 (LEVELS 4, Q6_K's and Q3_K's: the file's bytes, where a float32 a group of
+16 took two bits a weight more).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from .int8 import CodesLinear, disagreement, widened
 
 logger = logging.getLogger(__name__)
 
+SCALED_ROWS = 4096  # output channels whose LEVELS 4 scales widened4 multiplies out at a time
 CHUNK = 64  # inputs a packing chunk spans (in_features must be a multiple): two groups, as Q4_K packs them
 GEMV_ENV = "RUN_GENERATION_INT4_GEMV"  # 0: a step's rows on the tiled kernel always (never the GEMV kernel)
 # The GEMV kernel's tuned configurations (BLOCK_N, BLOCK_K, warps): a program's channels and inputs a step. Wide
@@ -118,10 +121,17 @@ E2M1_LEVELS = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # e2m1'
 IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # IQ4_NL/IQ4_XS's levels
 
 
-def levels_of(codes: torch.Tensor, offsets: torch.Tensor | None) -> int:
+SUPERBLOCK = 256  # inputs a K-quant's float16 scale serves (LEVELS 4)
+
+
+def levels_of(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None) -> int:
     """What a layer's packed codes stand for (the kernels' LEVELS): 0 the code times the scale plus the offset
     (offsets [out, groups]), 1 MXFP4's e2m1 value (uint8 codes, no offsets), 2 a level of a table (offsets
-    level_pairs'), 3 a signed code times the scale (int8 codes, no offsets: Q5_0's, Q6_K's, Q3_K's)."""
+    level_pairs'), 3 a signed code times the scale (int8 codes, no offsets: Q5_0's), 4 a signed code times the
+    group's int8 scale times its superblock's float16 one (int8 scales, offsets [out, in / SUPERBLOCK]: Q6_K's and
+    Q3_K's, as their blocks hold them)."""
+    if scales.dtype == torch.int8:
+        return 4
     if offsets is not None:
         return 2 if offsets.dim() == 1 else 0
     return 3 if codes.dtype == torch.int8 else 1
@@ -130,8 +140,13 @@ def levels_of(codes: torch.Tensor, offsets: torch.Tensor | None) -> int:
 def form_of(inner: int, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None) -> dict:
     """The kernels' constexprs for packed codes of `inner` inputs (a mixture's: one expert's): LEVELS (levels_of),
     HIGH (each code's bits above four: 0 to 2, from the row's bytes) and GROUP (inputs a scale, 16 or 32)."""
-    return {"LEVELS": levels_of(codes, offsets), "HIGH": codes.shape[-1] * 8 // inner - 4,
+    return {"LEVELS": levels_of(codes, scales, offsets), "HIGH": codes.shape[-1] * 8 // inner - 4,
             "GROUP": inner // scales.shape[-1]}
+
+
+def superblock_scales(scales: torch.Tensor, superblocks: torch.Tensor) -> torch.Tensor:
+    """LEVELS 4's int8 group scales times their superblocks' float16 ones, in float32 (exact: 8 bits times 11)."""
+    return scales.float() * superblocks.float().repeat_interleave(scales.shape[-1] // superblocks.shape[-1], dim=-1)
 
 
 @functools.cache
@@ -160,7 +175,11 @@ def widened4(x: torch.Tensor, packed_codes: torch.Tensor, scales: torch.Tensor, 
     scale, or signed codes times it; a table: the codes' levels times the scale), the codes widened to x's dtype a
     slice of output channels at a time (rungen/int8.py's widened: on a GPU its kernel reads them packed as they
     lie)."""
-    kind, inputs = levels_of(packed_codes, offsets), x.shape[-1]
+    kind, inputs = levels_of(packed_codes, scales, offsets), x.shape[-1]
+    if kind == 4:  # (the float32 scales a slice of rows at a time: a head's would be a quarter byte a weight)
+        rows = [slice(start, start + SCALED_ROWS) for start in range(0, packed_codes.shape[0], SCALED_ROWS)]
+        return torch.cat([widened4(x, packed_codes[r], superblock_scales(scales[r], offsets[r]), None) for r in rows],
+                         dim=-1)
     if kind == 2:
         levels = table_levels(offsets)
         return widened(x, packed_codes, scales, None,
@@ -185,7 +204,8 @@ def triton_kernel():
         # y[m, n] = sum_k x[m, k] * (code[n, k] * scales[n, k // GROUP] + offsets[n, k // GROUP]), BLOCK_K inputs
         # (whole chunks of 64) at a time: the bytes' low nibbles hold each chunk's first 32 inputs and the high ones
         # its second, so each is a product over whole groups. LEVELS (levels_of): 1, each code e2m1's bits (MXFP4's);
-        # 2, each byte's two levels looked up in offsets (level_pairs); 3, signed codes, no offsets. HIGH: each
+        # 2, each byte's two levels looked up in offsets (level_pairs); 3, signed codes, no offsets; 4, signed codes,
+        # the group's int8 scale times its superblock's float16 one (offsets [N, K / 256]). HIGH: each
         # code's bits above the nibble, in the row's plane after its nibbles (packed()). Grid, rows and GROUPED as
         # rungen/int8.py's kernel's.
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -197,6 +217,8 @@ def triton_kernel():
             scales += expert * N * (K // GROUP)
             if LEVELS == 0:
                 offsets += expert * N * (K // GROUP)
+            if LEVELS == 4:
+                offsets += expert * N * (K // 256)
             reads = tl.load(sources + rows).to(tl.int64)
             held_rows = reads >= 0
         else:
@@ -226,6 +248,9 @@ def triton_kernel():
                 held = (channels[None, :] < N) & (group[:, None] < K // GROUP)
                 where = channels[None, :] * (K // GROUP) + group[:, None]
                 scale = tl.load(scales + where, mask=held, other=0.0).to(tl.float32)
+                if LEVELS == 4:  # times the superblock's float16 scale (offsets)
+                    scale *= tl.load(offsets + channels[None, :] * (K // 256) + group[:, None] // (256 // GROUP),
+                                     mask=held, other=0.0).to(tl.float32)
                 nibbles = (b >> (4 * part)) & 0x0F
                 if LEVELS == 1:  # sign and three bits in a float16's sign, exponent and mantissa: e2m1's value x 2^-14
                     bits = nibbles.to(tl.uint16)
@@ -242,7 +267,7 @@ def triton_kernel():
                     code = nibbles.to(tl.int32)
                     if HIGH:
                         code = code | (((tops >> (HIGH * part)) & ((1 << HIGH) - 1)) << 4)
-                    if LEVELS == 3:  # two's complement of 4 + HIGH bits
+                    if LEVELS >= 3:  # two's complement of 4 + HIGH bits
                         code = (code << (28 - HIGH)) >> (28 - HIGH)
                     w = tl.reshape(code.to(tl.float32), (BLOCK_K // (2 * GROUP), GROUP, BLOCK_N)) * scale[:, None, :]
                     if LEVELS == 0:
@@ -280,6 +305,8 @@ def triton_kernel():
             scales += expert * N * (K // GROUP)
             if LEVELS == 0:
                 offsets += expert * N * (K // GROUP)
+            if LEVELS == 4:
+                offsets += expert * N * (K // 256)
             x += tl.load(pairs + 2 * pair + 1).to(tl.int64) * K
             y += pair * N
         channels = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -304,6 +331,9 @@ def triton_kernel():
                 held = (channels[:, None] < N) & (group[None, :] < K // GROUP)
                 where = channels[:, None] * (K // GROUP) + group[None, :]
                 scale = tl.load(scales + where, mask=held, other=0.0).to(tl.float32)
+                if LEVELS == 4:  # as int4_matmul's
+                    scale *= tl.load(offsets + channels[:, None] * (K // 256) + group[None, :] // (256 // GROUP),
+                                     mask=held, other=0.0).to(tl.float32)
                 nibbles = (b >> (4 * part)) & 0x0F
                 if LEVELS == 1:  # as int4_matmul's
                     bits = nibbles.to(tl.uint16)
@@ -320,7 +350,7 @@ def triton_kernel():
                     code = nibbles.to(tl.int32)
                     if HIGH:
                         code = code | (((tops >> (HIGH * part)) & ((1 << HIGH) - 1)) << 4)
-                    if LEVELS == 3:
+                    if LEVELS >= 3:
                         code = (code << (28 - HIGH)) >> (28 - HIGH)
                     w = tl.reshape(code.to(tl.float32), (BLOCK_N, BLOCK_K // (2 * GROUP), GROUP)) * scale[:, :, None]
                     if LEVELS == 0:
@@ -340,7 +370,8 @@ class CudaInt4Linear(CodesLinear):
     """y = x @ (code * scale + offset).T on a CUDA GPU, in the activations' dtype: codes packed (packed(): two a byte,
     and a plane of the bits above the nibble where they are 5 or 6 bits wide), a scale and an offset a group of 32 or
     16 inputs (offsets None: MXFP4's e2m1 codes, their doubled values times the scale, or signed codes, int8, times
-    it; offsets a level_pairs table: the codes' levels times the scale); the Triton kernel for a few rows once
+    it; offsets a level_pairs table: the codes' levels times the scale; int8 scales: signed codes times them times
+    the superblock's float16 scale, offsets, as a K-quant holds them); the Triton kernel for a few rows once
     checked, else widened4."""
 
     format = "int4"
@@ -355,8 +386,8 @@ class CudaInt4Linear(CodesLinear):
         self.register_buffer("offsets", None if offsets is None else offsets.contiguous())
         self.bias = None
         form = form_of(self.in_features, codes, scales, offsets)
-        self.format = (f"int{4 + form['HIGH']}", "e2m1", "int4 levels", f"signed int{4 + form['HIGH']}")[
-            form["LEVELS"]]
+        bits = 4 + form["HIGH"]
+        self.format = (f"int{bits}", "e2m1", "int4 levels", f"signed int{bits}", f"signed int{bits}")[form["LEVELS"]]
 
     @classmethod
     def of_weight(cls, weight: torch.Tensor) -> CudaInt4Linear:

@@ -1786,6 +1786,8 @@ def test_the_widening_kernel_writes_each_weight_as_its_code_scale_and_offset(dty
         # and the forms of 5 and 6 bits and of groups of 16: each code's top bits from the plane after the nibbles,
         # signed ones without offsets
         for bits, signed, group, kind in PLANE_FORMS:
+            if kind is None:  # (a K-quant's int8 scales: the layer multiplies them out before widening)
+                continue
             low = -(1 << bits - 1) if signed else 0
             raw = torch.randint(low, low + (1 << bits), (channels, inner4), generator=generator)
             scales = groups(group, kind, inner=inner4)
@@ -1850,14 +1852,15 @@ def test_the_4_bit_kernel_multiplies_as_the_plain_product(dtype, monkeypatch):
 
 
 # The packed forms of 5 and 6 bits and of groups of 16 (rungen/gguf/device.py's PLANE_TYPES): (bits, signed, inputs a
-# group, the scales' dtype) of Q5_0, Q5_1, Q5_K, Q6_K, Q3_K, Q2_K.
+# group, the scales' dtype; None: a K-quant's, an int8 a group and a float16 a superblock of 256) of Q5_0, Q5_1,
+# Q5_K, Q6_K, Q3_K, Q2_K.
 PLANE_FORMS = ((5, True, 32, torch.float16), (5, False, 32, torch.float16), (5, False, 32, torch.float32),
-               (6, True, 16, torch.float32), (4, True, 16, torch.float32), (4, False, 16, torch.float32))
+               (6, True, 16, None), (4, True, 16, None), (4, False, 16, torch.float32))
 
 
 def plane_layer(form, channels, inner, generator, experts=None):
     """(packed codes, scales, offsets or None) of a random layer (`experts`: that many stacked) in a PLANE_FORMS
-    form, on DEVICE."""
+    form, on DEVICE (a K-quant's scales: the superblocks' float16 ones as offsets)."""
     from rungen.int4_kernel import packed
 
     bits, signed, group, scale_dtype = form
@@ -1866,6 +1869,10 @@ def plane_layer(form, channels, inner, generator, experts=None):
     codes = torch.randint(low, low + (1 << bits), (*lead, channels, inner), generator=generator)
     codes = torch.stack([packed(c, bits, signed) for c in codes.reshape(-1, channels, inner)]).reshape(
         *lead, channels, -1)
+    if scale_dtype is None:
+        scales = torch.randint(-32, 32, (*lead, channels, inner // group), generator=generator, dtype=torch.int8)
+        superblocks = torch.rand(*lead, channels, inner // 256, generator=generator) / 3000 / (1 << bits - 4)
+        return codes.to(DEVICE), scales.to(DEVICE), superblocks.to(DEVICE, torch.float16)
     scales = torch.rand(*lead, channels, inner // group, generator=generator) / 100 / (1 << bits - 4)
     offsets = None if signed else -(1 << bits - 1) * scales + torch.rand(scales.shape, generator=generator) / 1000
     return codes.to(DEVICE), scales.to(DEVICE, scale_dtype), None if signed else offsets.to(DEVICE, scale_dtype)
@@ -1875,12 +1882,17 @@ def int4_cases(shapes, dtype):
     """(x, packed codes, scales, offsets) of random 4-bit layers for each (rows, channels, inputs) of `shapes`, with
     a float16 and a float32 scale and offset a group of 32 (Q4_0/Q4_1's, Q4_K's), MXFP4's e2m1 codes with a
     power-of-two float16 scale a group and no offsets, and IQ4's codes of levels (a table as offsets) with a float16
-    and a float32 scale (IQ4_NL's, IQ4_XS's); and two of PLANE_FORMS a shape, each form on some shape."""
+    and a float32 scale (IQ4_NL's, IQ4_XS's); and two of PLANE_FORMS a shape, each form on some shape (the K-quants'
+    on every shape whose inputs fill their superblocks)."""
     from rungen.int4_kernel import IQ4_LEVELS, level_pairs, packed
 
     for number, (rows, channels, inner) in enumerate(shapes):
         generator = torch.Generator().manual_seed(rows)
-        for form in (PLANE_FORMS[number % 6], PLANE_FORMS[(number + 3) % 6]):
+        forms = [form for form in PLANE_FORMS if form[3] is not None or inner % 256 == 0]  # (K-quants: superblocks)
+        chosen = {forms[number % len(forms)], forms[(number + 3) % len(forms)]}
+        if inner % 256 == 0:  # each K-quant's form wherever its superblocks fit
+            chosen |= {form for form in PLANE_FORMS if form[3] is None}
+        for form in sorted(chosen, key=PLANE_FORMS.index):
             yield (torch.randn(rows, inner, generator=generator).to(DEVICE, dtype),
                    *plane_layer(form, channels, inner, generator))
         generator = torch.Generator().manual_seed(rows)
@@ -1972,7 +1984,7 @@ def test_the_gemv_kernels_multiply_each_pair_by_its_chosen_expert(which, monkeyp
     kernel = kernel_where_it_runs((int8 if which == "int8" else int4_kernel).triton_kernel, dtype, monkeypatch)
     configs = int8.INT8_GEMV_CONFIGS if which == "int8" else int4_kernel.GEMV_CONFIGS
     settings, _ = gemv_sweep(dtype, configs, (), ())
-    experts, channels, inner = 4, 40, 384
+    experts, channels, inner = 4, 40, 512
     generator = torch.Generator().manual_seed(0)
     pairs = torch.tensor([[2, 0], [0, 0], [3, 1], [2, 1], [1, 2], [1, 0]], dtype=torch.int32).to(DEVICE)
     x = torch.randn(3, inner, generator=generator).to(DEVICE, dtype)
@@ -1997,7 +2009,7 @@ def test_the_tiled_kernels_multiply_each_block_of_rows_by_its_expert(which, monk
 
     dtype = torch.bfloat16
     kernel = kernel_where_it_runs((int8 if which == "int8" else int4_kernel).triton_kernel, dtype, monkeypatch)
-    experts, channels, inner = 3, 40, 384
+    experts, channels, inner = 3, 40, 512
     generator = torch.Generator().manual_seed(0)
     stacks, plain = grouped_stacks(which, experts, channels, inner, generator)
     if which == "int8" and not ON_CPU:  # (on a GPU each form compiles every configuration apart: Q8_0's and Q2_K's)

@@ -105,11 +105,24 @@ def low_k_parts(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: 
     low = _fields(b[..., 32:96].reshape(rows, -1, 2, 32), 2).reshape(rows, -1, 16, 16).to(torch.int8)
     high = _fields(b[..., 0:32].unsqueeze(-2), 1).reshape(rows, -1, 16, 16).to(torch.int8)  # 1: no offset of 4
     codes = low - 4 * (1 - high)
+    groups, superblocks = k_scales(blocks, qtype)
+    scales = superblocks.float()[..., None] * groups.view(rows, -1, 16).float()
+    return codes.reshape(rows, in_features), scales.reshape(rows, -1), None
+
+
+def k_scales(blocks: torch.Tensor, qtype: GGMLQuantizationType) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q6_K's or Q3_K's scales as their blocks hold them: each group of 16's integer (int8 [rows, in_features / 16];
+    Q3_K's 6-bit one less 32) and each superblock's float16 ([rows, in_features / 256]), a group's scale their
+    product; by torch operators on the blocks' device."""
+    rows = blocks.shape[0]
+    if qtype == GGMLQuantizationType.Q6_K:
+        b = blocks.reshape(rows, -1, 210)
+        return b[..., 192:208].contiguous().view(torch.int8).reshape(rows, -1), _float16s(b[..., 208:210])
+    b = blocks.reshape(rows, -1, 110)
     sixteen = _fields(b[..., 96:104].unsqueeze(-2), 4).reshape(rows, -1, 16)  # group g < 8: byte g's low nibble
     top = _fields(b[..., 104:108].unsqueeze(-2), 2).reshape(rows, -1, 16)  # group g: byte g % 4, bits 2 (g // 4)
-    groups = (sixteen | (top << 4)).float() - 32
-    scales = _halves(b[..., 108:110])[..., None] * groups
-    return codes.reshape(rows, in_features), scales.reshape(rows, -1), None
+    groups = ((sixteen | (top << 4)).to(torch.int16) - 32).to(torch.int8)
+    return groups.reshape(rows, -1), _float16s(b[..., 108:110])
 
 
 IQ4_VALUES = IQ4_LEVELS  # IQ4_NL/IQ4_XS's 16 levels
@@ -151,7 +164,8 @@ def q6_k_parts(blocks: torch.Tensor, in_features: int) -> tuple[torch.Tensor, to
     high_bytes = b[..., 128:192].reshape(rows, -1, 2, 32)  # each half's 2-bit fields: four groups
     high = _fields(high_bytes, 2).reshape(rows, -1, 8, 32)
     codes = (low | (high << 4)).to(torch.int8) - 32
-    scale = _halves(b[..., 208:210])[..., None] * b[..., 192:208].contiguous().view(torch.int8).float()
+    groups, superblocks = k_scales(blocks, GGMLQuantizationType.Q6_K)
+    scale = superblocks.float()[..., None] * groups.view(rows, -1, 16).float()
     return codes.reshape(rows, in_features), scale.reshape(rows, -1)
 
 

@@ -39,6 +39,7 @@ from .codes import (
     int4_parts,
     iq4_nibbles,
     iq4_parts,
+    k_scales,
     low_k_parts,
     q6_k_parts,
     q8_0_parts,
@@ -100,9 +101,9 @@ def int4_codes_of_blocks(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_f
         table = None if qtype == GGMLQuantizationType.MXFP4 else level_pairs(IQ4_LEVELS, device)
         return CudaInt4Linear(packed(nibbles).to(device), scale.to(device), table)
     if qtype in PLANE_TYPES:
-        codes, bits, scale, offset = plane_parts(blocks, qtype, in_features)
+        codes, bits, signed, scale, offset = plane_parts(blocks, qtype, in_features)
         codes, scale, offset = in_order(order, codes, scale, offset)
-        return CudaInt4Linear(packed(codes, bits, signed=offset is None).to(device), scale.to(device),
+        return CudaInt4Linear(packed(codes, bits, signed).to(device), scale.to(device),
                               None if offset is None else offset.to(device), in_features)
     codes, scale, offset = in_order(order, *int4_parts(blocks, qtype, in_features))
     exact = torch.float32 if qtype == GGMLQuantizationType.Q4_K else torch.float16
@@ -110,23 +111,23 @@ def int4_codes_of_blocks(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_f
 
 
 def plane_parts(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: int):
-    """PLANE_TYPES' blocks as (codes [rows, in_features], their bits, scales, offsets or None: signed codes), exact:
-    Q5_0's codes less 16 (signed) and its float16 scale, Q5_1's codes with its float16 scale and offset, Q5_K's with
-    a float32 scale and offset a group of 32; Q6_K's signed codes and a float32 scale a group of 16 (its
-    superblock's float16 times the group's int8), Q3_K's (-4..3, in 4 bits) likewise; Q2_K's (0..3) with a float32
-    scale and offset a group of 16."""
+    """PLANE_TYPES' blocks as (codes [rows, in_features], their bits, whether signed, scales, offsets), exact, as
+    int4_kernel.py's levels_of reads them: Q5_0's codes less 16 (signed) and its float16 scale, Q5_1's codes with
+    its float16 scale and offset, Q5_K's with a float32 scale and offset a group of 32; Q6_K's signed codes with
+    each group of 16's int8 scale and each superblock's float16 (as offsets), Q3_K's (-4..3, in 4 bits) likewise;
+    Q2_K's (0..3) with a float32 scale and offset a group of 16."""
     Q = GGMLQuantizationType
-    if qtype == Q.Q6_K:
-        codes, scales = q6_k_parts(blocks, in_features)
-        return codes, 6, scales, None
-    if qtype in (Q.Q2_K, Q.Q3_K):
+    if qtype in (Q.Q6_K, Q.Q3_K):
+        codes = (q6_k_parts(blocks, in_features) if qtype == Q.Q6_K else low_k_parts(blocks, qtype, in_features))[0]
+        return codes, 6 if qtype == Q.Q6_K else 4, True, *k_scales(blocks, qtype)
+    if qtype == Q.Q2_K:
         codes, scales, offsets = low_k_parts(blocks, qtype, in_features)
-        return codes, 4, scales, offsets
+        return codes, 4, False, scales, offsets
     codes, scales, offsets = grouped_parts(blocks, qtype, in_features)
     if qtype == Q.Q5_0:
-        return codes - 16, 5, scales.to(torch.float16), None
+        return codes - 16, 5, True, scales.to(torch.float16), None
     exact = torch.float16 if qtype == Q.Q5_1 else torch.float32
-    return codes, 5, scales.to(exact), offsets.to(exact)
+    return codes, 5, False, scales.to(exact), offsets.to(exact)
 
 
 # --- On a CUDA GPU: the types that fit int8 codes and group scales, for rungen/int8.py's Triton kernel ---

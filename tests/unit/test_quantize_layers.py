@@ -292,7 +292,7 @@ def test_a_weight_of_levels_for_the_triton_kernel_keeps_its_4_bit_codes_two_a_by
 
 
 # Bytes a weight each type keeps on a GPU in its packed form (the file's: 0.69, 0.75, 0.69, 0.82, 0.43, 0.33).
-PLANE_BYTES = {"Q5_0": 0.6875, "Q5_1": 0.75, "Q5_K": 0.875, "Q6_K": 1.0, "Q3_K": 0.75, "Q2_K": 1.0}
+PLANE_BYTES = {"Q5_0": 0.6875, "Q5_1": 0.75, "Q5_K": 0.875, "Q6_K": 0.8203125, "Q3_K": 0.5703125, "Q2_K": 1.0}
 
 
 @pytest.mark.parametrize("kind", ["random", "max", "min"])
@@ -300,18 +300,20 @@ PLANE_BYTES = {"Q5_0": 0.6875, "Q5_1": 0.75, "Q5_K": 0.875, "Q6_K": 1.0, "Q3_K":
 def test_a_5_or_6_bit_or_low_k_weight_keeps_its_codes_packed_for_the_triton_kernel(name, kind, monkeypatch):
     # The types of 5 and 6 bits and of groups of 16 on a GPU (rungen/gguf/device.py's int4_codes_of_blocks): their
     # low four bits two a byte in the 4-bit kernel's layout, the bits above in a plane after them (packed()), Q5_0's,
-    # Q6_K's and Q3_K's codes signed (int8 bytes) with no offsets, and each group's scale (and offset) exactly as the
-    # file has them, where their int8 codes took 1.25-1.5 bytes a weight. Rows permuted where asked; the codes times
-    # the scales (plus offsets) are exactly the de-quantized weight, the plane holds each code's top bits where the
-    # layout says, and the layer's product (widened a slice at a time, the plain path) is the weight's product.
+    # Q6_K's and Q3_K's codes signed (int8 bytes), and each group's scale (and offset) exactly as the file has them:
+    # Q6_K's and Q3_K's as their blocks do, each group's int8 integer and each superblock's float16 (Q6_K: the file's
+    # bytes), where their int8 codes took 1.25-1.5 bytes a weight. Rows permuted where asked; the codes times the
+    # scales (plus offsets) are exactly the de-quantized weight, the plane holds each code's top bits where the layout
+    # says, and the layer's product (widened a slice at a time, the plain path) is the weight's product.
     import numpy as np
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize
 
+    import rungen.int4_kernel
     import rungen.int8
     from helpers import blocks_for
     from rungen.gguf.device import int4_codes_of_blocks
-    from rungen.int4_kernel import unpacked
+    from rungen.int4_kernel import superblock_scales, unpacked
 
     qtype = GGMLQuantizationType[name]
     file_blocks = blocks_for(qtype, 24, 512, kind=kind)
@@ -321,8 +323,13 @@ def test_a_5_or_6_bit_or_low_k_weight_keeps_its_codes_packed_for_the_triton_kern
     signed = name in ("Q5_0", "Q6_K", "Q3_K")
     group = 16 if name in ("Q6_K", "Q3_K", "Q2_K") else 32
     assert layer.in_features == 512 and layer.codes.shape == (24, 512 * bits // 8)
-    assert layer.codes.dtype == (torch.int8 if signed else torch.uint8) and (layer.offsets is None) == signed
-    assert layer.format == ("signed " if signed else "") + f"int{bits}" and layer.scales.shape == (24, 512 // group)
+    superblocks = name in ("Q6_K", "Q3_K")
+    assert layer.codes.dtype == (torch.int8 if signed else torch.uint8)
+    assert (layer.offsets is None) == (name == "Q5_0") and layer.scales.shape == (24, 512 // group)
+    assert layer.format == ("signed " if signed else "") + f"int{bits}"
+    if superblocks:
+        assert layer.scales.dtype == torch.int8 and layer.offsets.dtype == torch.float16
+        assert layer.offsets.shape == (24, 512 // 256)
     held_bytes = sum(t.numel() * t.element_size() for t in (layer.codes, layer.scales, layer.offsets) if t is not None)
     assert held_bytes == 24 * 512 * PLANE_BYTES[name]
     codes = unpacked(layer.codes, 512)
@@ -335,11 +342,13 @@ def test_a_5_or_6_bit_or_low_k_weight_keeps_its_codes_packed_for_the_triton_kern
             tops = (plane[:, position // (4 // high)] >> ((position % (4 // high)) * 2 * high + high * half))
             assert torch.equal(tops & ((1 << high) - 1), raw[:, :, half] >> 4)
     weight = torch.from_numpy(gguf_dequantize(file_blocks.numpy(), qtype))[torch.from_numpy(order)]
-    values = codes.float() * layer.scales.float().repeat_interleave(group, dim=1)
-    if layer.offsets is not None:
+    scales = superblock_scales(layer.scales, layer.offsets) if superblocks else layer.scales.float()
+    values = codes.float() * scales.repeat_interleave(group, dim=1)
+    if layer.offsets is not None and not superblocks:
         values = values + layer.offsets.float().repeat_interleave(group, dim=1)
     assert torch.equal(values, weight)
     monkeypatch.setattr(rungen.int8, "WIDEN_BYTES", 512 * 5 * 4)  # five channels at a time: five slices
+    monkeypatch.setattr(rungen.int4_kernel, "SCALED_ROWS", 7)  # (Q6_K's, Q3_K's scales: four slices)
     x = torch.randn(70, 512, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     reference = (x @ weight.double().t()).float()
     torch.testing.assert_close(layer(x.float()), reference, rtol=1e-4, atol=1e-5 * reference.abs().max().item())
@@ -374,8 +383,8 @@ def test_weights_of_levels_take_the_4_bit_form_on_a_gpu_and_int8_codes_where_its
 
     def checked(layer, dtype):
         checks.append(layer.format)
-        return (None, "the Triton kernel disagrees") if layer.offsets is None else (plain_grouped_kernel(widened4),
-                                                                                   None)
+        failing = layer.format in ("e2m1", "signed int6")  # (MXFP4's and Q6_K's)
+        return (None, "the Triton kernel disagrees") if failing else (plain_grouped_kernel(widened4), None)
 
     monkeypatch.setattr(device, "gpu_int4", lambda qtype, in_features, dtype, where: (
         "triton" if qtype in (Q.MXFP4, Q.Q4_0, Q.IQ4_XS, Q.IQ4_NL, Q.Q5_K, Q.Q6_K) else None))
