@@ -21,9 +21,10 @@ On Llama-3.1-8B's gate (14336 x 4096) and down (4096 x 14336) projections, rando
   the point); levels Triton kernel, levels GEMV kernel: IQ4_NL's form, codes two a byte whose 16 levels the kernels
   look up a byte at a time in a 1 KB table, and a float16 scale a group of 32 (against int8 kernel's rows: the form
   IQ4 took before, twice the bytes); Q5_K and Q6_K Triton and GEMV kernels, Q6_K widened: the 5- and 6-bit forms,
-  each code's low four bits two a byte and its top bits in a plane after them, Q5_K's with a float32 scale and
-  offset a group of 32, Q6_K's signed with its blocks' int8 scale a group of 16 and float16 one a superblock (0.875
-  and 0.82 bytes a weight, against the int8 kernel's 1.25 those types take where the form fails its check);
+  each code's low four bits two a byte and its top bits in a plane after them, with their blocks' own scales:
+  Q5_K's 6-bit scale and minimum a group of 32, Q6_K's signed codes with an int8 scale a group of 16, each with
+  float16s a superblock (0.70 and 0.82 bytes a weight, against the int8 kernel's 1.25 those types take where the
+  form fails its check);
 - int8 kernel: int8 codes with a scale a group of 32 (GGUF Q8_0's form) on rungen/int8.py's tiled Triton kernel, to
   its MOST_ROWS rows, where the layer uses it; int8 GEMV kernel: the same codes on its GEMV kernel, to GEMV_ROWS
   rows, which the layer takes at those rows where it is the faster at one row;
@@ -71,9 +72,9 @@ def random_4_bit_layer(weight, kind):
     """Random packed codes of the weight's shape on rungen/int4_kernel.py's layer in the form of a type the Triton form
     alone takes (the time is the point): `kind` "e2m1" MXFP4's (gpt-oss's experts: a power-of-two float16 scale a
     group of 32, no offsets), "levels" IQ4_NL's (the codes index IQ4's levels in a table, a float16 scale a group),
-    "q5_k" Q5_K's (5-bit codes, their top bits in a plane after the nibbles, a float32 scale and offset a group of
-    32), "q6_k" Q6_K's (signed 6-bit codes, an int8 scale a group of 16 and a float16 one a superblock of 256); and
-    its checked Triton kernel (None: widened only)."""
+    "q5_k" Q5_K's (5-bit codes, their top bits in a plane after the nibbles, a 6-bit scale and minimum a group of 32
+    and two float16s a superblock of 256), "q6_k" Q6_K's (signed 6-bit codes, an int8 scale a group of 16 and a
+    float16 one a superblock); and its checked Triton kernel (None: widened only)."""
     from rungen.int4_kernel import IQ4_LEVELS, CudaInt4Linear, checked_int4_kernel, level_pairs
 
     generator = torch.Generator(weight.device).manual_seed(1)
@@ -89,8 +90,11 @@ def random_4_bit_layer(weight, kind):
         scales = torch.exp2(-exponents.float()).half()
     elif kind == "levels":
         offsets = level_pairs(IQ4_LEVELS, weight.device)
-    elif kind == "q5_k":
-        scales, offsets = scales.float() / 16, -scales.float()
+    elif kind == "q5_k":  # (a group's 6-bit scale and minimum, a superblock's two float16s, as its blocks hold them)
+        scales = torch.randint(0, 64, (out_features, 2 * in_features // group), dtype=torch.uint8,
+                               device=weight.device, generator=generator)
+        superblocks = (out_features, 2 * in_features // 256)
+        offsets = (torch.rand(superblocks, device=weight.device, generator=generator) / 6e4).half()
     else:  # (int8 bytes: signed codes; a group's int8 scale and a superblock's float16, as Q6_K's blocks hold them)
         codes = codes.view(torch.int8)
         scales = torch.randint(-32, 32, groups, dtype=torch.int8, device=weight.device, generator=generator)

@@ -31,16 +31,17 @@ LAYOUTS = (("--quantize int8: a scale a channel", 0, "bf16", False),
            ("Q5_0, Q5_1, Q5_K: fp32 scale + offset / 32", 32, "fp32", True),
            ("Q2_K: fp32 scale + offset / 16", 16, "fp32", True),
            ("4-bit kernel, Q4_0, Q4_1: fp16 scale + offset / 32", "int4", "fp16", dict(LEVELS=0, HIGH=0, GROUP=32)),
-           ("4-bit kernel, Q4_K: fp32 scale + offset / 32", "int4", "fp32", dict(LEVELS=0, HIGH=0, GROUP=32)),
+           ("4-bit kernel, Q4_K: u8 scale + min / 32, fp16 / 256", "int4", "u8", dict(LEVELS=5, HIGH=0, GROUP=32)),
            ("4-bit kernel, MXFP4: e2m1, fp16 scale / 32", "int4", "fp16", dict(LEVELS=1, HIGH=0, GROUP=32)),
            ("4-bit kernel, IQ4_NL: levels, fp16 scale / 32", "int4", "fp16", dict(LEVELS=2, HIGH=0, GROUP=32)),
            ("4-bit kernel, Q5_0: signed 5 bits, fp16 scale / 32", "int4", "fp16", dict(LEVELS=3, HIGH=1, GROUP=32)),
-           ("4-bit kernel, Q5_K: 5 bits, fp32 scale + offset / 32", "int4", "fp32", dict(LEVELS=0, HIGH=1, GROUP=32)),
+           ("4-bit kernel, Q5_K: 5 bits, u8 scale + min / 32, fp16 / 256", "int4", "u8", dict(LEVELS=5, HIGH=1,
+                                                                                               GROUP=32)),
            ("4-bit kernel, Q6_K: signed 6 bits, i8 scale / 16, fp16 / 256", "int4", "i8", dict(LEVELS=4, HIGH=2,
                                                                                                 GROUP=16)),
            ("4-bit kernel, Q3_K: signed 4 bits, i8 scale / 16, fp16 / 256", "int4", "i8", dict(LEVELS=4, HIGH=0,
                                                                                                 GROUP=16)),
-           ("4-bit kernel, Q2_K: fp32 scale + offset / 16", "int4", "fp32", dict(LEVELS=0, HIGH=0, GROUP=16)))
+           ("4-bit kernel, Q2_K: u8 scale + min / 16, fp16 / 256", "int4", "u8", dict(LEVELS=5, HIGH=0, GROUP=16)))
 # The most shared memory a block may take, KiB, by compute capability (CUDA's programming guide)
 MAX_SHARED = {70: 96, 75: 64, 80: 163, 86: 99, 87: 163, 89: 99, 90: 227}
 
@@ -54,13 +55,13 @@ def aligned(names):
 
 def codes_type(group, form) -> str:
     """A layout's codes' pointer type: int8 (and the 4-bit kernel's signed codes) or uint8 bytes."""
-    return "*u8" if group == "int4" and form["LEVELS"] < 3 else "*i8"
+    return "*u8" if group == "int4" and form["LEVELS"] not in (3, 4) else "*i8"
 
 
 def offsets_type(group, scales, form) -> str:
     """A layout's offsets' pointer type: its scales' (the 4-bit kernel's table of levels: int32; a K-quant's
     superblock scales: float16)."""
-    if group == "int4" and form["LEVELS"] in (2, 4):
+    if group == "int4" and form["LEVELS"] in (2, 4, 5):
         return "*i32" if form["LEVELS"] == 2 else "*fp16"
     return f"*{scales}"
 

@@ -21,9 +21,9 @@ Codes may be wider than a nibble, and groups smaller (form_of): 5- and 6-bit cod
 keep their low four bits as above and the bits above in a plane after each row's nibbles, the top bits of a byte's
 two codes side by side, so a tile loads its bytes and their plane's bytes and joins them in registers; int8 bytes
 mark signed codes (two's complement of their width: Q5_0's, Q6_K's, Q3_K's), which take no offsets; a scale may
-serve 16 inputs (Q6_K's, Q3_K's, Q2_K's groups) rather than 32; and int8 scales are a K-quant's own, a group's
-integer times its superblock's float16 (LEVELS 4, Q6_K's and Q3_K's: the file's bytes, where a float32 a group of
-16 took two bits a weight more).
+serve 16 inputs (Q6_K's, Q3_K's, Q2_K's groups) rather than 32; and integer scales are a K-quant's own, a group's
+integer times its superblock's float16 (LEVELS 4, Q6_K's and Q3_K's), with its minimum likewise (LEVELS 5, Q4_K's,
+Q5_K's and Q2_K's): about the file's bytes, where a float32 a group took 1-4 bits a weight more.
 """
 
 from __future__ import annotations
@@ -129,9 +129,12 @@ def levels_of(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor |
     (offsets [out, groups]), 1 MXFP4's e2m1 value (uint8 codes, no offsets), 2 a level of a table (offsets
     level_pairs'), 3 a signed code times the scale (int8 codes, no offsets: Q5_0's), 4 a signed code times the
     group's int8 scale times its superblock's float16 one (int8 scales, offsets [out, in / SUPERBLOCK]: Q6_K's and
-    Q3_K's, as their blocks hold them)."""
-    if scales.dtype == torch.int8:
-        return 4
+    Q3_K's, as their blocks hold them), 5 the code times the group's integer scale times its superblock's float16
+    one, less the same of their minimums (uint8 scales [out, 2 x groups], each group's scale and minimum side by
+    side; offsets [out, 2 x in / SUPERBLOCK], each superblock's two: Q4_K's, Q5_K's and Q2_K's, as their blocks
+    hold them)."""
+    if scales.dtype in (torch.int8, torch.uint8):
+        return 4 if scales.dtype == torch.int8 else 5
     if offsets is not None:
         return 2 if offsets.dim() == 1 else 0
     return 3 if codes.dtype == torch.int8 else 1
@@ -140,13 +143,21 @@ def levels_of(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor |
 def form_of(inner: int, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None) -> dict:
     """The kernels' constexprs for packed codes of `inner` inputs (a mixture's: one expert's): LEVELS (levels_of),
     HIGH (each code's bits above four: 0 to 2, from the row's bytes) and GROUP (inputs a scale, 16 or 32)."""
-    return {"LEVELS": levels_of(codes, scales, offsets), "HIGH": codes.shape[-1] * 8 // inner - 4,
-            "GROUP": inner // scales.shape[-1]}
+    levels = levels_of(codes, scales, offsets)
+    groups = scales.shape[-1] // (2 if levels == 5 else 1)
+    return {"LEVELS": levels, "HIGH": codes.shape[-1] * 8 // inner - 4, "GROUP": inner // groups}
 
 
-def superblock_scales(scales: torch.Tensor, superblocks: torch.Tensor) -> torch.Tensor:
-    """LEVELS 4's int8 group scales times their superblocks' float16 ones, in float32 (exact: 8 bits times 11)."""
-    return scales.float() * superblocks.float().repeat_interleave(scales.shape[-1] // superblocks.shape[-1], dim=-1)
+def superblock_scales(scales: torch.Tensor, superblocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """LEVELS 4's and 5's scales as float32 ones a group (exact: integers of 8 bits at most times float16s): the
+    group's scale, and LEVELS 5's offset (its minimum, negated), else None."""
+    if scales.dtype == torch.int8:
+        return scales.float() * superblocks.float().repeat_interleave(scales.shape[-1] // superblocks.shape[-1],
+                                                                      dim=-1), None
+    pairs = scales.float().unflatten(-1, (-1, 2))
+    spread = superblocks.float().unflatten(-1, (-1, 2)).repeat_interleave(pairs.shape[-2] // (
+        superblocks.shape[-1] // 2), dim=-2)
+    return pairs[..., 0] * spread[..., 0], -(pairs[..., 1] * spread[..., 1])
 
 
 @functools.cache
@@ -176,9 +187,9 @@ def widened4(x: torch.Tensor, packed_codes: torch.Tensor, scales: torch.Tensor, 
     slice of output channels at a time (rungen/int8.py's widened: on a GPU its kernel reads them packed as they
     lie)."""
     kind, inputs = levels_of(packed_codes, scales, offsets), x.shape[-1]
-    if kind == 4:  # (the float32 scales a slice of rows at a time: a head's would be a quarter byte a weight)
+    if kind >= 4:  # (the float32 scales a slice of rows at a time: a head's would be a quarter byte a weight)
         rows = [slice(start, start + SCALED_ROWS) for start in range(0, packed_codes.shape[0], SCALED_ROWS)]
-        return torch.cat([widened4(x, packed_codes[r], superblock_scales(scales[r], offsets[r]), None) for r in rows],
+        return torch.cat([widened4(x, packed_codes[r], *superblock_scales(scales[r], offsets[r])) for r in rows],
                          dim=-1)
     if kind == 2:
         levels = table_levels(offsets)
@@ -205,7 +216,9 @@ def triton_kernel():
         # (whole chunks of 64) at a time: the bytes' low nibbles hold each chunk's first 32 inputs and the high ones
         # its second, so each is a product over whole groups. LEVELS (levels_of): 1, each code e2m1's bits (MXFP4's);
         # 2, each byte's two levels looked up in offsets (level_pairs); 3, signed codes, no offsets; 4, signed codes,
-        # the group's int8 scale times its superblock's float16 one (offsets [N, K / 256]). HIGH: each
+        # the group's int8 scale times its superblock's float16 one (offsets [N, K / 256]); 5, a group's integer scale
+        # and minimum side by side (uint8 scales [N, 2K / GROUP]) times its superblock's float16 two (offsets
+        # [N, 2K / 256]): code x scale - minimum. HIGH: each
         # code's bits above the nibble, in the row's plane after its nibbles (packed()). Grid, rows and GROUPED as
         # rungen/int8.py's kernel's.
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -214,7 +227,11 @@ def triton_kernel():
             if expert < 0:
                 return
             codes += expert * N * (K * (4 + HIGH) // 8)
-            scales += expert * N * (K // GROUP)
+            if LEVELS == 5:  # (a group's scale and minimum, a superblock's two)
+                scales += expert * N * (K // GROUP) * 2
+                offsets += expert * N * (K // 256) * 2
+            else:
+                scales += expert * N * (K // GROUP)
             if LEVELS == 0:
                 offsets += expert * N * (K // GROUP)
             if LEVELS == 4:
@@ -247,7 +264,15 @@ def triton_kernel():
                 group = start // GROUP + (sub // split) * 2 * split + part * split + sub % split
                 held = (channels[None, :] < N) & (group[:, None] < K // GROUP)
                 where = channels[None, :] * (K // GROUP) + group[:, None]
-                scale = tl.load(scales + where, mask=held, other=0.0).to(tl.float32)
+                if LEVELS == 5:  # the group's integer scale and minimum times its superblock's float16 ones
+                    duo = 2 * where  # (the group's scale, then its minimum)
+                    whole = channels[None, :] * (K // 256) * 2 + (group[:, None] // (256 // GROUP)) * 2
+                    scale = tl.load(scales + duo, mask=held, other=0).to(tl.float32) * \
+                        tl.load(offsets + whole, mask=held, other=0.0).to(tl.float32)
+                    least = tl.load(scales + duo + 1, mask=held, other=0).to(tl.float32) * \
+                        tl.load(offsets + whole + 1, mask=held, other=0.0).to(tl.float32)
+                else:
+                    scale = tl.load(scales + where, mask=held, other=0.0).to(tl.float32)
                 if LEVELS == 4:  # times the superblock's float16 scale (offsets)
                     scale *= tl.load(offsets + channels[None, :] * (K // 256) + group[:, None] // (256 // GROUP),
                                      mask=held, other=0.0).to(tl.float32)
@@ -267,11 +292,13 @@ def triton_kernel():
                     code = nibbles.to(tl.int32)
                     if HIGH:
                         code = code | (((tops >> (HIGH * part)) & ((1 << HIGH) - 1)) << 4)
-                    if LEVELS >= 3:  # two's complement of 4 + HIGH bits
+                    if LEVELS == 3 or LEVELS == 4:  # two's complement of 4 + HIGH bits
                         code = (code << (28 - HIGH)) >> (28 - HIGH)
                     w = tl.reshape(code.to(tl.float32), (BLOCK_K // (2 * GROUP), GROUP, BLOCK_N)) * scale[:, None, :]
                     if LEVELS == 0:
                         w += tl.load(offsets + where, mask=held, other=0.0).to(tl.float32)[:, None, :]
+                    if LEVELS == 5:
+                        w -= least[:, None, :]
                 total += tl.dot(a, tl.reshape(w, (BLOCK_K // 2, BLOCK_N)).to(a.dtype), input_precision="ieee")
         tl.store(y + rows[:, None] * N + channels[None, :], total.to(y.dtype.element_ty),
                  mask=held_rows[:, None] & (channels[None, :] < N))
@@ -302,7 +329,11 @@ def triton_kernel():
             pair = tl.program_id(1)
             expert = tl.load(pairs + 2 * pair).to(tl.int64)
             codes += expert * N * (K * (4 + HIGH) // 8)
-            scales += expert * N * (K // GROUP)
+            if LEVELS == 5:  # (a group's scale and minimum, a superblock's two)
+                scales += expert * N * (K // GROUP) * 2
+                offsets += expert * N * (K // 256) * 2
+            else:
+                scales += expert * N * (K // GROUP)
             if LEVELS == 0:
                 offsets += expert * N * (K // GROUP)
             if LEVELS == 4:
@@ -330,7 +361,15 @@ def triton_kernel():
                 group = start // GROUP + (sub // split) * 2 * split + part * split + sub % split
                 held = (channels[:, None] < N) & (group[None, :] < K // GROUP)
                 where = channels[:, None] * (K // GROUP) + group[None, :]
-                scale = tl.load(scales + where, mask=held, other=0.0).to(tl.float32)
+                if LEVELS == 5:  # as int4_matmul's
+                    duo = 2 * where  # (the group's scale, then its minimum)
+                    whole = channels[:, None] * (K // 256) * 2 + (group[None, :] // (256 // GROUP)) * 2
+                    scale = tl.load(scales + duo, mask=held, other=0).to(tl.float32) * \
+                        tl.load(offsets + whole, mask=held, other=0.0).to(tl.float32)
+                    least = tl.load(scales + duo + 1, mask=held, other=0).to(tl.float32) * \
+                        tl.load(offsets + whole + 1, mask=held, other=0.0).to(tl.float32)
+                else:
+                    scale = tl.load(scales + where, mask=held, other=0.0).to(tl.float32)
                 if LEVELS == 4:  # as int4_matmul's
                     scale *= tl.load(offsets + channels[:, None] * (K // 256) + group[None, :] // (256 // GROUP),
                                      mask=held, other=0.0).to(tl.float32)
@@ -350,11 +389,13 @@ def triton_kernel():
                     code = nibbles.to(tl.int32)
                     if HIGH:
                         code = code | (((tops >> (HIGH * part)) & ((1 << HIGH) - 1)) << 4)
-                    if LEVELS >= 3:
+                    if LEVELS == 3 or LEVELS == 4:
                         code = (code << (28 - HIGH)) >> (28 - HIGH)
                     w = tl.reshape(code.to(tl.float32), (BLOCK_N, BLOCK_K // (2 * GROUP), GROUP)) * scale[:, :, None]
                     if LEVELS == 0:
                         w += tl.load(offsets + where, mask=held, other=0.0).to(tl.float32)[:, :, None]
+                    if LEVELS == 5:
+                        w -= least[:, :, None]
                 w = tl.reshape(w, (BLOCK_N, BLOCK_K // 2))
                 at = start + 32 * part + low_inputs
                 a = tl.load(x + rows[:, None] * K + at[None, :], mask=(rows[:, None] < M) & (at[None, :] < K),
@@ -370,9 +411,9 @@ class CudaInt4Linear(CodesLinear):
     """y = x @ (code * scale + offset).T on a CUDA GPU, in the activations' dtype: codes packed (packed(): two a byte,
     and a plane of the bits above the nibble where they are 5 or 6 bits wide), a scale and an offset a group of 32 or
     16 inputs (offsets None: MXFP4's e2m1 codes, their doubled values times the scale, or signed codes, int8, times
-    it; offsets a level_pairs table: the codes' levels times the scale; int8 scales: signed codes times them times
-    the superblock's float16 scale, offsets, as a K-quant holds them); the Triton kernel for a few rows once
-    checked, else widened4."""
+    it; offsets a level_pairs table: the codes' levels times the scale; integer scales: a K-quant's, as its blocks
+    hold them, the superblocks' float16 ones as offsets: levels_of); the Triton kernel for a few rows once checked,
+    else widened4."""
 
     format = "int4"
     plain = staticmethod(widened4)
@@ -387,7 +428,8 @@ class CudaInt4Linear(CodesLinear):
         self.bias = None
         form = form_of(self.in_features, codes, scales, offsets)
         bits = 4 + form["HIGH"]
-        self.format = (f"int{bits}", "e2m1", "int4 levels", f"signed int{bits}", f"signed int{bits}")[form["LEVELS"]]
+        self.format = (f"int{bits}", "e2m1", "int4 levels", f"signed int{bits}", f"signed int{bits}", f"int{bits}")[
+            form["LEVELS"]]
 
     @classmethod
     def of_weight(cls, weight: torch.Tensor) -> CudaInt4Linear:

@@ -1786,7 +1786,7 @@ def test_the_widening_kernel_writes_each_weight_as_its_code_scale_and_offset(dty
         # and the forms of 5 and 6 bits and of groups of 16: each code's top bits from the plane after the nibbles,
         # signed ones without offsets
         for bits, signed, group, kind in PLANE_FORMS:
-            if kind is None:  # (a K-quant's int8 scales: the layer multiplies them out before widening)
+            if kind in (None, "minimums"):  # (a K-quant's integer scales: the layer multiplies them out first)
                 continue
             low = -(1 << bits - 1) if signed else 0
             raw = torch.randint(low, low + (1 << bits), (channels, inner4), generator=generator)
@@ -1851,11 +1851,12 @@ def test_the_4_bit_kernel_multiplies_as_the_plain_product(dtype, monkeypatch):
         assert (y.float() - reference).abs().max() <= 0.01 * reference.abs().max(), (x.shape, codes.shape)
 
 
-# The packed forms of 5 and 6 bits and of groups of 16 (rungen/gguf/device.py's PLANE_TYPES): (bits, signed, inputs a
-# group, the scales' dtype; None: a K-quant's, an int8 a group and a float16 a superblock of 256) of Q5_0, Q5_1,
-# Q5_K, Q6_K, Q3_K, Q2_K.
-PLANE_FORMS = ((5, True, 32, torch.float16), (5, False, 32, torch.float16), (5, False, 32, torch.float32),
-               (6, True, 16, None), (4, True, 16, None), (4, False, 16, torch.float32))
+# The packed forms of 5 and 6 bits, of groups of 16 and of a K-quant's scales (rungen/gguf/device.py's PLANE_TYPES,
+# Q4_K's): (bits, signed, inputs a group, the scales' dtype, or a K-quant's as its blocks hold them: None, an int8
+# a group and a float16 a superblock of 256; "minimums", a group's integer scale and minimum and a superblock's two
+# float16s) of Q5_0, Q5_1, Q5_K, Q6_K, Q3_K, Q2_K, Q4_K.
+PLANE_FORMS = ((5, True, 32, torch.float16), (5, False, 32, torch.float16), (5, False, 32, "minimums"),
+               (6, True, 16, None), (4, True, 16, None), (4, False, 16, "minimums"), (4, False, 32, "minimums"))
 
 
 def plane_layer(form, channels, inner, generator, experts=None):
@@ -1873,6 +1874,10 @@ def plane_layer(form, channels, inner, generator, experts=None):
         scales = torch.randint(-32, 32, (*lead, channels, inner // group), generator=generator, dtype=torch.int8)
         superblocks = torch.rand(*lead, channels, inner // 256, generator=generator) / 3000 / (1 << bits - 4)
         return codes.to(DEVICE), scales.to(DEVICE), superblocks.to(DEVICE, torch.float16)
+    if scale_dtype == "minimums":  # (each group's scale then minimum; each superblock's scale then minimum)
+        scales = torch.randint(0, 64, (*lead, channels, 2 * inner // group), generator=generator, dtype=torch.uint8)
+        superblocks = torch.rand(*lead, channels, 2 * inner // 256, generator=generator) / 3000 / (1 << bits - 4)
+        return codes.to(DEVICE), scales.to(DEVICE), superblocks.to(DEVICE, torch.float16)
     scales = torch.rand(*lead, channels, inner // group, generator=generator) / 100 / (1 << bits - 4)
     offsets = None if signed else -(1 << bits - 1) * scales + torch.rand(scales.shape, generator=generator) / 1000
     return codes.to(DEVICE), scales.to(DEVICE, scale_dtype), None if signed else offsets.to(DEVICE, scale_dtype)
@@ -1888,10 +1893,11 @@ def int4_cases(shapes, dtype):
 
     for number, (rows, channels, inner) in enumerate(shapes):
         generator = torch.Generator().manual_seed(rows)
-        forms = [form for form in PLANE_FORMS if form[3] is not None or inner % 256 == 0]  # (K-quants: superblocks)
+        k_quant = [form for form in PLANE_FORMS if form[3] in (None, "minimums")]
+        forms = [form for form in PLANE_FORMS if form not in k_quant or inner % 256 == 0]  # (K-quants: superblocks)
         chosen = {forms[number % len(forms)], forms[(number + 3) % len(forms)]}
         if inner % 256 == 0:  # each K-quant's form wherever its superblocks fit
-            chosen |= {form for form in PLANE_FORMS if form[3] is None}
+            chosen |= set(k_quant)
         for form in sorted(chosen, key=PLANE_FORMS.index):
             yield (torch.randn(rows, inner, generator=generator).to(DEVICE, dtype),
                    *plane_layer(form, channels, inner, generator))
@@ -1950,7 +1956,7 @@ def grouped_stacks(which, experts, channels, inner, generator):
     """[(codes, scales, offsets)] of `experts` random experts stacked [experts, channels, ...]: int8's in each of its
     forms (int8_layer's), 4-bit ones with float16 and float32 groups (Q4_0/Q4_1's, Q4_K's), MXFP4's e2m1 codes
     (gpt-oss's experts), IQ4_XS's codes of levels, Q5_K's 5-bit and Q6_K's signed 6-bit codes (a plane of top bits
-    after the nibbles; groups of 32 and 16); and the plain product."""
+    after the nibbles; groups of 32 and 16) and Q2_K's, each with its blocks' own scales; and the plain product."""
     from rungen import int4_kernel, int8
 
     if which == "int8":
@@ -1968,7 +1974,8 @@ def grouped_stacks(which, experts, channels, inner, generator):
         (codes.to(DEVICE), e2m1_scales((experts, channels, inner // 32), generator).to(DEVICE), None),
         (codes.to(DEVICE), (scales / 10).to(DEVICE), int4_kernel.level_pairs(int4_kernel.IQ4_LEVELS,
                                                                              torch.device(DEVICE)))
-    ] + [plane_layer(PLANE_FORMS[form], channels, inner, generator, experts) for form in (2, 3)], int4_kernel.widened4
+    ] + [plane_layer(PLANE_FORMS[form], channels, inner, generator, experts) for form in (2, 3, 5)], \
+        int4_kernel.widened4
 
 
 @needs_triton

@@ -42,12 +42,12 @@ def _nibbles(qs: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K/Q5_K's twelve bytes of 6-bit scales and mins [..., 12] as ([..., 8], [..., 8]) float32 (gguf's
+    """Q4_K/Q5_K's twelve bytes of 6-bit scales and mins [..., 12] as ([..., 8], [..., 8]) uint8 (gguf's
     get_scale_min)."""
     d, m, m_d = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
     sc = torch.cat([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
     mn = torch.cat([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], dim=-1)
-    return sc.float(), mn.float()
+    return sc, mn
 
 
 GROUPED_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0,
@@ -63,7 +63,7 @@ def grouped_parts(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features
     b = blocks.reshape(rows, -1, GGML_QUANT_SIZES[qtype][1])
     if qtype in (Q.Q4_K, Q.Q5_K):  # superblocks of 256: eight groups, 6-bit scales and mins of two float16s
         sc, mn = _k_scales(b[..., 4:16])
-        scale, offset = _halves(b[..., 0:2])[..., None] * sc, -(_halves(b[..., 2:4])[..., None] * mn)
+        scale, offset = _halves(b[..., 0:2])[..., None] * sc.float(), -(_halves(b[..., 2:4])[..., None] * mn.float())
         codes = _nibbles(b[..., -128:].reshape(rows, -1, 4, 32), rows)
         if qtype == Q.Q5_K:  # bit s of high byte p: group s, position p
             codes = codes | (_fields(b[..., 16:48], 1).reshape(rows, -1) << 4)
@@ -108,6 +108,21 @@ def low_k_parts(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: 
     groups, superblocks = k_scales(blocks, qtype)
     scales = superblocks.float()[..., None] * groups.view(rows, -1, 16).float()
     return codes.reshape(rows, in_features), scales.reshape(rows, -1), None
+
+
+def k_mins(blocks: torch.Tensor, qtype: GGMLQuantizationType) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's, Q5_K's or Q2_K's scales and minimums as their blocks hold them: each group's integer scale and
+    minimum side by side (uint8 [rows, 2 x groups]: Q4_K's and Q5_K's 6-bit ones a group of 32, Q2_K's 4-bit ones a
+    group of 16) and each superblock's float16 scale and minimum side by side ([rows, 2 x in_features / 256]); a
+    value is code x d x scale - dmin x minimum. By torch operators on the blocks' device."""
+    rows = blocks.shape[0]
+    b = blocks.reshape(rows, -1, GGML_QUANT_SIZES[qtype][1])
+    if qtype == GGMLQuantizationType.Q2_K:
+        groups, superblocks = (b[..., 0:16] & 0x0F, b[..., 0:16] >> 4), (b[..., 80:82], b[..., 82:84])
+    else:
+        groups, superblocks = _k_scales(b[..., 4:16]), (b[..., 0:2], b[..., 2:4])
+    return (torch.stack(groups, dim=-1).reshape(rows, -1),
+            torch.stack([_float16s(pair) for pair in superblocks], dim=-1).reshape(rows, -1))
 
 
 def k_scales(blocks: torch.Tensor, qtype: GGMLQuantizationType) -> tuple[torch.Tensor, torch.Tensor]:

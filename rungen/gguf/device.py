@@ -39,6 +39,7 @@ from .codes import (
     int4_parts,
     iq4_nibbles,
     iq4_parts,
+    k_mins,
     k_scales,
     low_k_parts,
     q6_k_parts,
@@ -91,7 +92,7 @@ def int4_codes_of_blocks(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_f
                          order=None) -> CudaInt4Linear:
     """A weight's blocks of a 4-bit type or of TRITON_TYPES (`order`: its rows permuted) as a CudaInt4Linear on
     `device`, exact (bytes a weight against the file's: docs/usage.md): the codes two a byte and a group's scale and
-    offset, float16 for Q4_0 and Q4_1 (their blocks' own), float32 for Q4_K (a float16 times a 6-bit integer);
+    offset, float16 for Q4_0 and Q4_1 (their blocks' own), Q4_K's as its blocks hold them (k_mins);
     MXFP4's (as held) e2m1 codes and a group's power-of-two float16 scale, no offset (gpt-oss-20b's experts about
     11 GB, gpt-oss-120b's about 65); IQ4_NL's and IQ4_XS's codes of IQ4_LEVELS and a group's scale, IQ4_NL's float16
     as held, IQ4_XS's float32 (its superblock's float16 times the group's 6-bit integer); PLANE_TYPES as
@@ -105,29 +106,31 @@ def int4_codes_of_blocks(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_f
         codes, scale, offset = in_order(order, codes, scale, offset)
         return CudaInt4Linear(packed(codes, bits, signed).to(device), scale.to(device),
                               None if offset is None else offset.to(device), in_features)
-    codes, scale, offset = in_order(order, *int4_parts(blocks, qtype, in_features))
-    exact = torch.float32 if qtype == GGMLQuantizationType.Q4_K else torch.float16
-    return CudaInt4Linear(packed(codes).to(device), scale.to(device, exact), offset.to(device, exact))
+    codes, scale, offset = int4_parts(blocks, qtype, in_features)
+    if qtype == GGMLQuantizationType.Q4_K:  # (its scales and minimums as its blocks hold them: k_mins)
+        scale, offset = k_mins(blocks, qtype)
+    codes, scale, offset = in_order(order, codes, scale, offset)
+    exact = {} if qtype == GGMLQuantizationType.Q4_K else {"dtype": torch.float16}
+    return CudaInt4Linear(packed(codes).to(device), scale.to(device, **exact), offset.to(device, **exact))
 
 
 def plane_parts(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: int):
     """PLANE_TYPES' blocks as (codes [rows, in_features], their bits, whether signed, scales, offsets), exact, as
     int4_kernel.py's levels_of reads them: Q5_0's codes less 16 (signed) and its float16 scale, Q5_1's codes with
-    its float16 scale and offset, Q5_K's with a float32 scale and offset a group of 32; Q6_K's signed codes with
-    each group of 16's int8 scale and each superblock's float16 (as offsets), Q3_K's (-4..3, in 4 bits) likewise;
-    Q2_K's (0..3) with a float32 scale and offset a group of 16."""
+    its float16 scale and offset; Q6_K's signed codes with each group of 16's int8 scale and each superblock's
+    float16 (as offsets), Q3_K's (-4..3, in 4 bits) likewise; Q5_K's (a group of 32) and Q2_K's (0..3, a group of
+    16) with each group's integer scale and minimum and each superblock's float16 two (k_mins)."""
     Q = GGMLQuantizationType
     if qtype in (Q.Q6_K, Q.Q3_K):
         codes = (q6_k_parts(blocks, in_features) if qtype == Q.Q6_K else low_k_parts(blocks, qtype, in_features))[0]
         return codes, 6 if qtype == Q.Q6_K else 4, True, *k_scales(blocks, qtype)
-    if qtype == Q.Q2_K:
-        codes, scales, offsets = low_k_parts(blocks, qtype, in_features)
-        return codes, 4, False, scales, offsets
+    if qtype in (Q.Q2_K, Q.Q5_K):
+        codes = (low_k_parts if qtype == Q.Q2_K else grouped_parts)(blocks, qtype, in_features)[0]
+        return codes, 4 if qtype == Q.Q2_K else 5, False, *k_mins(blocks, qtype)
     codes, scales, offsets = grouped_parts(blocks, qtype, in_features)
     if qtype == Q.Q5_0:
         return codes - 16, 5, True, scales.to(torch.float16), None
-    exact = torch.float16 if qtype == Q.Q5_1 else torch.float32
-    return codes, 5, False, scales.to(exact), offsets.to(exact)
+    return codes, 5, False, scales.to(torch.float16), offsets.to(torch.float16)  # (Q5_1's, as held)
 
 
 # --- On a CUDA GPU: the types that fit int8 codes and group scales, for rungen/int8.py's Triton kernel ---

@@ -207,9 +207,11 @@ def test_an_int8_types_weight_for_the_gpu_keeps_the_files_codes_and_scales(name,
 def test_a_4_bit_weight_for_the_triton_kernel_keeps_the_files_codes_two_a_byte(name, monkeypatch):
     # A GGUF weight of a 4-bit type on a GPU as RUN_GENERATION_GPU_INT4=triton asks (rungen/gguf/device.py's
     # int4_codes_of_blocks): its codes two a byte, byte j of each chunk of 64 inputs holding input j low and input
-    # j + 32 high, and each group of 32's scale and offset (float16 for Q4_0 and Q4_1, their blocks' own; float32
-    # for Q4_K), rows permuted where the architecture asks; unpacked, codes times scales plus offsets is exactly the
-    # de-quantized weight, and the layer's product past the kernel's rows (widened a slice at a time) is its product.
+    # j + 32 high, and each group of 32's scale and offset (float16 for Q4_0 and Q4_1, their blocks' own; Q4_K's as
+    # its blocks hold them, each group's 6-bit scale and minimum and each superblock's float16 two: 0.578 bytes a
+    # weight, the file's 0.5625), rows permuted where the architecture asks; unpacked, codes times scales plus
+    # offsets is exactly the de-quantized weight, and the layer's product past the kernel's rows (widened a slice at
+    # a time) is its product.
     import numpy as np
     from gguf import GGMLQuantizationType
 
@@ -218,23 +220,28 @@ def test_a_4_bit_weight_for_the_triton_kernel_keeps_the_files_codes_two_a_byte(n
     from rungen.gguf.blocks import dequantize
     from rungen.gguf.codes import int4_parts
     from rungen.gguf.device import int4_codes_of_blocks
-    from rungen.int4_kernel import unpacked
+    from rungen.int4_kernel import superblock_scales, unpacked
 
     qtype = GGMLQuantizationType[name]
     blocks = blocks_for(qtype, 24, 512)
     order = np.random.default_rng(0).permutation(24)
     layer = int4_codes_of_blocks(blocks, qtype, 512, torch.device("cpu"), order)
-    dtype = torch.float32 if name == "Q4_K" else torch.float16
-    assert layer.codes.dtype == torch.uint8 and layer.codes.shape == (24, 256)
-    assert layer.scales.dtype == layer.offsets.dtype == dtype and layer.scales.shape == (24, 512 // 32)
+    assert layer.codes.dtype == torch.uint8 and layer.codes.shape == (24, 256) and layer.format == "int4"
+    scales, offsets = layer.scales, layer.offsets
+    if name == "Q4_K":
+        assert scales.dtype == torch.uint8 and scales.shape == (24, 2 * 512 // 32)
+        assert offsets.dtype == torch.float16 and offsets.shape == (24, 2 * 512 // 256)
+        assert sum(t.numel() * t.element_size() for t in (layer.codes, scales, offsets)) == 24 * 512 * 0.578125
+        scales, offsets = superblock_scales(scales, offsets)
+    else:
+        assert scales.dtype == offsets.dtype == torch.float16 and scales.shape == (24, 512 // 32)
     codes = int4_parts(blocks, qtype, 512)[0][torch.from_numpy(order)]
     chunks = layer.codes.reshape(24, 8, 32)
     assert torch.equal(chunks & 0x0F, codes.reshape(24, 8, 2, 32)[:, :, 0])
     assert torch.equal(chunks >> 4, codes.reshape(24, 8, 2, 32)[:, :, 1])
     assert torch.equal(unpacked(layer.codes), codes)
     weight = dequantize(blocks, qtype, 512)[torch.from_numpy(order)]
-    values = codes.float() * layer.scales.float().repeat_interleave(32, dim=1) + \
-        layer.offsets.float().repeat_interleave(32, dim=1)
+    values = codes.float() * scales.float().repeat_interleave(32, dim=1) + offsets.float().repeat_interleave(32, dim=1)
     assert torch.equal(values, weight)
     monkeypatch.setattr(rungen.int8, "WIDEN_BYTES", 512 * 5 * 4)  # five channels at a time: five slices
     x = torch.randn(70, 512, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
@@ -292,7 +299,7 @@ def test_a_weight_of_levels_for_the_triton_kernel_keeps_its_4_bit_codes_two_a_by
 
 
 # Bytes a weight each type keeps on a GPU in its packed form (the file's: 0.69, 0.75, 0.69, 0.82, 0.43, 0.33).
-PLANE_BYTES = {"Q5_0": 0.6875, "Q5_1": 0.75, "Q5_K": 0.875, "Q6_K": 0.8203125, "Q3_K": 0.5703125, "Q2_K": 1.0}
+PLANE_BYTES = {"Q5_0": 0.6875, "Q5_1": 0.75, "Q5_K": 0.703125, "Q6_K": 0.8203125, "Q3_K": 0.5703125, "Q2_K": 0.640625}
 
 
 @pytest.mark.parametrize("kind", ["random", "max", "min"])
@@ -301,10 +308,11 @@ def test_a_5_or_6_bit_or_low_k_weight_keeps_its_codes_packed_for_the_triton_kern
     # The types of 5 and 6 bits and of groups of 16 on a GPU (rungen/gguf/device.py's int4_codes_of_blocks): their
     # low four bits two a byte in the 4-bit kernel's layout, the bits above in a plane after them (packed()), Q5_0's,
     # Q6_K's and Q3_K's codes signed (int8 bytes), and each group's scale (and offset) exactly as the file has them:
-    # Q6_K's and Q3_K's as their blocks do, each group's int8 integer and each superblock's float16 (Q6_K: the file's
-    # bytes), where their int8 codes took 1.25-1.5 bytes a weight. Rows permuted where asked; the codes times the
-    # scales (plus offsets) are exactly the de-quantized weight, the plane holds each code's top bits where the layout
-    # says, and the layer's product (widened a slice at a time, the plain path) is the weight's product.
+    # the K-quants' as their blocks do, each group's integer scale (and minimum) and each superblock's float16 one
+    # (and minimum) (Q6_K: the file's bytes), where their int8 codes took 1.25-1.5 bytes a weight. Rows permuted where
+    # asked; the codes times the scales (plus offsets) are exactly the de-quantized weight, the plane holds each
+    # code's top bits where the layout says, and the layer's product (widened a slice at a time, the plain path) is
+    # the weight's product.
     import numpy as np
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize
@@ -323,13 +331,13 @@ def test_a_5_or_6_bit_or_low_k_weight_keeps_its_codes_packed_for_the_triton_kern
     signed = name in ("Q5_0", "Q6_K", "Q3_K")
     group = 16 if name in ("Q6_K", "Q3_K", "Q2_K") else 32
     assert layer.in_features == 512 and layer.codes.shape == (24, 512 * bits // 8)
-    superblocks = name in ("Q6_K", "Q3_K")
-    assert layer.codes.dtype == (torch.int8 if signed else torch.uint8)
-    assert (layer.offsets is None) == (name == "Q5_0") and layer.scales.shape == (24, 512 // group)
+    superblocks, minimums = name in ("Q6_K", "Q3_K", "Q5_K", "Q2_K"), name in ("Q5_K", "Q2_K")
+    assert layer.codes.dtype == (torch.int8 if signed else torch.uint8) and (layer.offsets is None) == (name == "Q5_0")
     assert layer.format == ("signed " if signed else "") + f"int{bits}"
-    if superblocks:
-        assert layer.scales.dtype == torch.int8 and layer.offsets.dtype == torch.float16
-        assert layer.offsets.shape == (24, 512 // 256)
+    assert layer.scales.shape == (24, (2 if minimums else 1) * 512 // group)
+    if superblocks:  # (a group's integer scale, and minimum; a superblock's float16 one, and minimum)
+        assert layer.scales.dtype == (torch.uint8 if minimums else torch.int8) and layer.offsets.dtype == torch.float16
+        assert layer.offsets.shape == (24, (2 if minimums else 1) * 512 // 256)
     held_bytes = sum(t.numel() * t.element_size() for t in (layer.codes, layer.scales, layer.offsets) if t is not None)
     assert held_bytes == 24 * 512 * PLANE_BYTES[name]
     codes = unpacked(layer.codes, 512)
@@ -342,13 +350,14 @@ def test_a_5_or_6_bit_or_low_k_weight_keeps_its_codes_packed_for_the_triton_kern
             tops = (plane[:, position // (4 // high)] >> ((position % (4 // high)) * 2 * high + high * half))
             assert torch.equal(tops & ((1 << high) - 1), raw[:, :, half] >> 4)
     weight = torch.from_numpy(gguf_dequantize(file_blocks.numpy(), qtype))[torch.from_numpy(order)]
-    scales = superblock_scales(layer.scales, layer.offsets) if superblocks else layer.scales.float()
+    scales, offsets = superblock_scales(layer.scales, layer.offsets) if superblocks else (layer.scales.float(),
+                                                                                          layer.offsets)
     values = codes.float() * scales.repeat_interleave(group, dim=1)
-    if layer.offsets is not None and not superblocks:
-        values = values + layer.offsets.float().repeat_interleave(group, dim=1)
+    if offsets is not None:
+        values = values + offsets.float().repeat_interleave(group, dim=1)
     assert torch.equal(values, weight)
     monkeypatch.setattr(rungen.int8, "WIDEN_BYTES", 512 * 5 * 4)  # five channels at a time: five slices
-    monkeypatch.setattr(rungen.int4_kernel, "SCALED_ROWS", 7)  # (Q6_K's, Q3_K's scales: four slices)
+    monkeypatch.setattr(rungen.int4_kernel, "SCALED_ROWS", 7)  # (the K-quants' scales: four slices)
     x = torch.randn(70, 512, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     reference = (x @ weight.double().t()).float()
     torch.testing.assert_close(layer(x.float()), reference, rtol=1e-4, atol=1e-5 * reference.abs().max().item())
