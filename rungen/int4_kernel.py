@@ -150,14 +150,15 @@ def form_of(inner: int, codes: torch.Tensor, scales: torch.Tensor, offsets: torc
 
 def superblock_scales(scales: torch.Tensor, superblocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """LEVELS 4's and 5's scales as float32 ones a group (exact: integers of 8 bits at most times float16s): the
-    group's scale, and LEVELS 5's offset (its minimum, negated), else None."""
-    if scales.dtype == torch.int8:
-        return scales.float() * superblocks.float().repeat_interleave(scales.shape[-1] // superblocks.shape[-1],
-                                                                      dim=-1), None
-    pairs = scales.float().unflatten(-1, (-1, 2))
-    spread = superblocks.float().unflatten(-1, (-1, 2)).repeat_interleave(pairs.shape[-2] // (
-        superblocks.shape[-1] // 2), dim=-2)
-    return pairs[..., 0] * spread[..., 0], -(pairs[..., 1] * spread[..., 1])
+    group's scale, and LEVELS 5's offset (its minimum, negated), else None. (Views spread the superblocks' over
+    their groups: repeat_interleave, which may read its count back, failed the played GPU's capture check in
+    benchmarks/gpu_products.py's graphs.)"""
+    pairs = scales.dtype == torch.uint8
+    groups = scales.float().unflatten(-1, (-1, 2 if pairs else 1))  # [..., groups, 1 or 2]
+    wholes = superblocks.float().unflatten(-1, (-1, 1, 2 if pairs else 1))  # [..., superblocks, 1, 1 or 2]
+    spread = wholes.expand(*wholes.shape[:-2], groups.shape[-2] // wholes.shape[-3], wholes.shape[-1])
+    products = groups * spread.reshape(groups.shape)
+    return products[..., 0], -products[..., 1] if pairs else None
 
 
 @functools.cache
@@ -176,8 +177,14 @@ def table_levels(pairs: torch.Tensor) -> torch.Tensor:
 
 def e2m1_unpacked(packed_codes: torch.Tensor) -> torch.Tensor:
     """MXFP4's codes packed() as their doubled values [out, in] (int8, -12..12)."""
-    levels = torch.tensor(E2M1_LEVELS, dtype=torch.int8, device=packed_codes.device)
-    return levels[unpacked(packed_codes).long()]
+    return e2m1_levels(packed_codes.device)[unpacked(packed_codes).long()]
+
+
+@functools.cache
+def e2m1_levels(device: torch.device) -> torch.Tensor:
+    """E2M1_LEVELS on `device` (int8), one a process and device: made at a call inside a CUDA graph's capture, its
+    copy from the host would fail there."""
+    return torch.tensor(E2M1_LEVELS, dtype=torch.int8).to(device)
 
 
 def widened4(x: torch.Tensor, packed_codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None

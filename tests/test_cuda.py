@@ -1271,6 +1271,36 @@ def test_an_embedding_in_its_blocks_is_looked_up_inside_a_cuda_graph(name):
 
 
 @needs_cuda
+@pytest.mark.parametrize("form", [3, 5, "e2m1"], ids=["Q6_K", "Q2_K", "MXFP4"])
+def test_a_packed_layers_plain_product_runs_inside_a_cuda_graph(form):
+    # A layer of packed codes on its plain path (the codes widened for the GPU's own product: a layer without its
+    # kernel, or gpu_products' widened rows), captured in a CUDA graph: a K-quant's scales (an integer a group, a
+    # float16 a superblock) multiplied out by views, MXFP4's levels looked up in a table made once per device, never
+    # a tensor made from host data inside the capture; replayed on other inputs, it gives their product.
+    from rungen.int4_kernel import CudaInt4Linear, packed
+
+    generator = torch.Generator().manual_seed(0)
+    if form == "e2m1":
+        codes = packed(torch.randint(0, 16, (48, 512), dtype=torch.uint8, generator=generator)).to(DEVICE)
+        layer = CudaInt4Linear(codes, e2m1_scales((48, 512 // 32), generator).to(DEVICE), None)
+    else:
+        layer = CudaInt4Linear(*plane_layer(PLANE_FORMS[form], 48, 512, generator), 512)
+    x = torch.randn(3, 512, generator=generator).to(DEVICE, torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warmed up outside the capture, as DecodeGraphs does
+        layer(x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer(x)
+    wanted = layer(x.flip(0)).clone()
+    x.copy_(x.flip(0))
+    graph.replay()
+    torch.testing.assert_close(out, wanted, rtol=0, atol=0)
+
+
+@needs_cuda
 def test_an_moe_gguf_files_experts_go_to_the_gpu_as_they_are_read(tmp_path, monkeypatch):
     # A MoE file's 3-D expert tensors of a type the GPU de-quantizes (4-bit ones in float32) go to the GPU an expert
     # at a time, de-quantized a chunk of rows at a time: never a layer's experts in float32 in host memory

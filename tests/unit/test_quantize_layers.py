@@ -363,6 +363,27 @@ def test_a_5_or_6_bit_or_low_k_weight_keeps_its_codes_packed_for_the_triton_kern
     torch.testing.assert_close(layer(x.float()), reference, rtol=1e-4, atol=1e-5 * reference.abs().max().item())
 
 
+@pytest.mark.parametrize("name", ["MXFP4", "IQ4_NL", "Q4_K", *PLANE_BYTES])
+def test_a_packed_weights_plain_product_reads_nothing_back_and_makes_no_host_data(name):
+    # The plain product of a packed GPU form (the codes widened for the GPU's own product) as a CUDA graph can hold
+    # it: no operator that reads a count or a value back (repeat_interleave's count, nonzero...), no tensor made from
+    # host data (a table of levels built at each call), so a captured step or a product timed in a graph runs it.
+    from gguf import GGMLQuantizationType
+
+    from helpers import HOST_DATA, HOST_READS, blocks_for, watched
+    from rungen.gguf.blocks import held
+    from rungen.gguf.device import int4_codes_of_blocks
+
+    qtype = GGMLQuantizationType[name]
+    blocks = torch.from_numpy(held(blocks_for(qtype, 24, 512).numpy(), qtype))
+    layer = int4_codes_of_blocks(blocks, qtype, 512, torch.device("cpu"))
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(0))
+    layer(x)  # (a first call may set up what later ones share: a table of levels on its device)
+    run, calls = watched(layer, HOST_READS | HOST_DATA)
+    run(x)
+    assert calls == [[]], calls
+
+
 def test_weights_of_levels_take_the_4_bit_form_on_a_gpu_and_int8_codes_where_its_kernel_fails(monkeypatch, caplog):
     # Which form a GPU load gives MXFP4, IQ4_NL and IQ4_XS, and the types of 5 and 6 bits and of groups of 16
     # (DeviceForms): the packed Triton form in any dtype wherever the inputs fill whole chunks of 64 (tinygemm has no
