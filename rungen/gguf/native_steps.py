@@ -50,8 +50,10 @@ class NativeRMSNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
-        if weight is None:
-            weight = self.ones.setdefault(x.shape[-1], torch.ones(x.shape[-1]))
+        if weight is None:  # (made once a width: setdefault's argument would be made at every call)
+            weight = self.ones.get(x.shape[-1])
+            if weight is None:
+                weight = self.ones[x.shape[-1]] = torch.ones(x.shape[-1])
         return torch.ops.rungen_ggml.rms_norm(x, weight, self.eps).to(x.dtype)
 
 
