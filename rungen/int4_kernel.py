@@ -225,9 +225,8 @@ def triton_kernel():
         # 2, each byte's two levels looked up in offsets (level_pairs); 3, signed codes, no offsets; 4, signed codes,
         # the group's int8 scale times its superblock's float16 one (offsets [N, K / 256]); 5, a group's integer scale
         # and minimum side by side (uint8 scales [N, 2K / GROUP]) times its superblock's float16 two (offsets
-        # [N, 2K / 256]): code x scale - minimum. HIGH: each
-        # code's bits above the nibble, in the row's plane after its nibbles (packed()). Grid, rows and GROUPED as
-        # rungen/int8.py's kernel's.
+        # [N, 2K / 256]): code x scale - minimum. HIGH: each code's bits above the nibble, in the row's plane after
+        # its nibbles (packed()). Grid, rows and GROUPED as rungen/int8.py's kernel's.
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         if GROUPED:
             expert = tl.load(tiles + tl.program_id(0)).to(tl.int64)

@@ -1241,6 +1241,19 @@ def test_a_tied_q8_0_file_keeps_one_set_of_codes_on_the_gpu(tmp_path):
     assert_logits_near(int8, exact)
 
 
+def captured(call):
+    """(a CUDA graph of `call`, its output): warmed up on a side stream outside the capture, as DecodeGraphs does."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    return graph, out
+
+
 @needs_cuda
 @pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q8_0", "Q3_K", "Q2_K"])
 def test_an_embedding_in_its_blocks_is_looked_up_inside_a_cuda_graph(name):
@@ -1256,14 +1269,7 @@ def test_an_embedding_in_its_blocks_is_looked_up_inside_a_cuda_graph(name):
     blocks = blocks_for(qtype, 300, 512)
     table = DeviceRowsEmbedding(blocks.to(DEVICE), qtype, 512, torch.bfloat16)
     ids = torch.zeros(4, 1, dtype=torch.long, device=DEVICE)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warmed up outside the capture, as DecodeGraphs does
-        table(ids)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = table(ids)
+    graph, out = captured(lambda: table(ids))
     wanted = torch.tensor([[5], [299], [0], [123]])
     ids.copy_(wanted)
     graph.replay()
@@ -1286,14 +1292,7 @@ def test_a_packed_layers_plain_product_runs_inside_a_cuda_graph(form):
     else:
         layer = CudaInt4Linear(*plane_layer(PLANE_FORMS[form], 48, 512, generator), 512)
     x = torch.randn(3, 512, generator=generator).to(DEVICE, torch.bfloat16)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warmed up outside the capture, as DecodeGraphs does
-        layer(x)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = layer(x)
+    graph, out = captured(lambda: layer(x))
     wanted = layer(x.flip(0)).clone()
     x.copy_(x.flip(0))
     graph.replay()
