@@ -23,25 +23,29 @@ import sys
 import tempfile
 
 # (name, group, scales' dtype, offsets): the int8 forms of rungen/gguf/device.py and --quantize int8; and (group
-# "int4") the 4-bit kernel's, offsets its constexprs (LEVELS, HIGH, GROUP: int4_kernel.py's form_of)
+# "int4") the 4-bit kernel's, offsets its constexprs (LEVELS, LOW, HIGH, GROUP: int4_kernel.py's form_of)
 LAYOUTS = (("--quantize int8: a scale a channel", 0, "bf16", False),
            ("Q8_0, IQ4_NL: fp16 scale / 32", 32, "fp16", False),
            ("IQ4_XS: fp32 scale / 32", 32, "fp32", False),
            ("Q6_K, Q3_K: fp32 scale / 16", 16, "fp32", False),
            ("Q5_0, Q5_1, Q5_K: fp32 scale + offset / 32", 32, "fp32", True),
            ("Q2_K: fp32 scale + offset / 16", 16, "fp32", True),
-           ("4-bit kernel, Q4_0, Q4_1: fp16 scale + offset / 32", "int4", "fp16", dict(LEVELS=0, HIGH=0, GROUP=32)),
-           ("4-bit kernel, Q4_K: u8 scale + min / 32, fp16 / 256", "int4", "u8", dict(LEVELS=5, HIGH=0, GROUP=32)),
-           ("4-bit kernel, MXFP4: e2m1, fp16 scale / 32", "int4", "fp16", dict(LEVELS=1, HIGH=0, GROUP=32)),
-           ("4-bit kernel, IQ4_NL: levels, fp16 scale / 32", "int4", "fp16", dict(LEVELS=2, HIGH=0, GROUP=32)),
-           ("4-bit kernel, Q5_0: signed 5 bits, fp16 scale / 32", "int4", "fp16", dict(LEVELS=3, HIGH=1, GROUP=32)),
-           ("4-bit kernel, Q5_K: 5 bits, u8 scale + min / 32, fp16 / 256", "int4", "u8", dict(LEVELS=5, HIGH=1,
+           ("4-bit kernel, Q4_0, Q4_1: fp16 scale + offset / 32", "int4", "fp16", dict(LEVELS=0, LOW=4, HIGH=0,
+                                                                                             GROUP=32)),
+           ("4-bit kernel, Q4_K: u8 scale + min / 32, fp16 / 256", "int4", "u8", dict(LEVELS=5, LOW=4, HIGH=0,
+                                                                                      GROUP=32)),
+           ("4-bit kernel, MXFP4: e2m1, fp16 scale / 32", "int4", "fp16", dict(LEVELS=1, LOW=4, HIGH=0, GROUP=32)),
+           ("4-bit kernel, IQ4_NL: levels, fp16 scale / 32", "int4", "fp16", dict(LEVELS=2, LOW=4, HIGH=0, GROUP=32)),
+           ("4-bit kernel, Q5_0: signed 5 bits, fp16 scale / 32", "int4", "fp16", dict(LEVELS=3, LOW=4, HIGH=1,
+                                                                                       GROUP=32)),
+           ("4-bit kernel, Q5_K: 5 bits, u8 scale + min / 32, fp16 / 256", "int4", "u8", dict(LEVELS=5, LOW=4, HIGH=1,
                                                                                                GROUP=32)),
-           ("4-bit kernel, Q6_K: signed 6 bits, i8 scale / 16, fp16 / 256", "int4", "i8", dict(LEVELS=4, HIGH=2,
-                                                                                                GROUP=16)),
-           ("4-bit kernel, Q3_K: signed 4 bits, i8 scale / 16, fp16 / 256", "int4", "i8", dict(LEVELS=4, HIGH=0,
-                                                                                                GROUP=16)),
-           ("4-bit kernel, Q2_K: u8 scale + min / 16, fp16 / 256", "int4", "u8", dict(LEVELS=5, HIGH=0, GROUP=16)))
+           ("4-bit kernel, Q6_K: signed 6 bits, i8 scale / 16, fp16 / 256", "int4", "i8", dict(LEVELS=4, LOW=4,
+                                                                                                HIGH=2, GROUP=16)),
+           ("4-bit kernel, Q3_K: signed 3 bits, i8 scale / 16, fp16 / 256", "int4", "i8", dict(LEVELS=4, LOW=2,
+                                                                                                HIGH=1, GROUP=16)),
+           ("4-bit kernel, Q2_K: 2 bits, u8 scale + min / 16, fp16 / 256", "int4", "u8", dict(LEVELS=5, LOW=2, HIGH=0,
+                                                                                              GROUP=16)))
 # The most shared memory a block may take, KiB, by compute capability (CUDA's programming guide)
 MAX_SHARED = {70: 96, 75: 64, 80: 163, 86: 99, 87: 163, 89: 99, 90: 227}
 

@@ -17,13 +17,15 @@ nibble costs a few integer operations more than an affine code. A layer whose of
 and IQ4_XS's, whose 16 levels no bits make: level_pairs) holds codes that index levels: the kernels look each byte's
 two levels up at once in that table (1 KB, which stays in the GPU's L1 cache) and scale them.
 
-Codes may be wider than a nibble, and groups smaller (form_of): 5- and 6-bit codes (GGUF's Q5_0, Q5_1, Q5_K, Q6_K)
-keep their low four bits as above and the bits above in a plane after each row's nibbles, the top bits of a byte's
-two codes side by side, so a tile loads its bytes and their plane's bytes and joins them in registers; int8 bytes
-mark signed codes (two's complement of their width: Q5_0's, Q6_K's, Q3_K's), which take no offsets; a scale may
-serve 16 inputs (Q6_K's, Q3_K's, Q2_K's groups) rather than 32; and integer scales are a K-quant's own, a group's
-integer times its superblock's float16 (LEVELS 4, Q6_K's and Q3_K's), with its minimum likewise (LEVELS 5, Q4_K's,
-Q5_K's and Q2_K's): about the file's bytes, where a float32 a group took 1-4 bits a weight more.
+Codes may be wider or narrower than a nibble, and groups smaller (form_of): 5- and 6-bit codes (GGUF's Q5_0, Q5_1,
+Q5_K, Q6_K) keep their low four bits as above and the bits above in a plane after each row's nibbles, the top bits of
+a byte's two codes side by side, so a tile loads its bytes and their plane's bytes and joins them in registers; 2- and
+3-bit codes (Q2_K, Q3_K) keep their low two bits four a byte (byte j of a chunk: inputs j, j + 16, j + 32, j + 48)
+and Q3_K's third in a plane likewise; int8 bytes mark signed codes (two's complement of their width: Q5_0's, Q6_K's,
+Q3_K's), which take no offsets; a scale may serve 16 inputs (Q6_K's, Q3_K's, Q2_K's groups) rather than 32; and
+integer scales are a K-quant's own, a group's integer times its superblock's float16 (LEVELS 4, Q6_K's and Q3_K's),
+with its minimum likewise (LEVELS 5, Q4_K's, Q5_K's and Q2_K's): about the file's bytes, where a float32 a group took
+1-4 bits a weight more.
 """
 
 from __future__ import annotations
@@ -76,22 +78,36 @@ def timed_int4_choice(in_features: int, dtype: torch.dtype, device: torch.device
             and triton_kernel() is not None)
 
 
+def low_bits(bits: int) -> int:
+    """The bits of a `bits`-wide code packed()'s bytes hold side by side (4: two codes a byte; 2: four), the rest
+    going to the plane."""
+    return 2 if bits < 4 else 4
+
+
 def packed(codes: torch.Tensor, bits: int = 4, signed: bool = False) -> torch.Tensor:
-    """Codes [out, in] (`bits` wide, 4 to 6; `signed`: two's complement, -2^(bits-1)..; in a multiple of CHUNK) as
-    bytes [out, in * bits / 8] in the kernels' layout: their low four bits two a byte, then (bits > 4) the bits above,
-    2 x (bits - 4) a byte of those (its two codes'), 4 / (bits - 4) bytes' worth in a byte of the row's plane of them.
-    Signed codes come back as int8 (the kernels' sign for them), the others as uint8."""
+    """Codes [out, in] (`bits` wide, 2 to 6; `signed`: two's complement, -2^(bits-1)..; in a multiple of CHUNK) as
+    bytes [out, in * bits / 8] in the kernels' layout: their low bits (low_bits: four, or two below 4 bits) 8 / low
+    a byte, byte j of a chunk holding inputs j, j + run, ... (run = CHUNK x low / 8), then the bits above, each
+    byte's codes' side by side, as many bytes' worth as fit in a byte of the row's plane of them. Signed codes come
+    back as int8 (the kernels' sign for them), the others as uint8."""
     rows, inputs = codes.shape
+    low = low_bits(bits)
+    per, high = 8 // low, bits - low
     codes = codes.to(torch.int16) & ((1 << bits) - 1)
-    chunks = (codes & 0x0F).to(torch.uint8).reshape(rows, inputs // CHUNK, 2, CHUNK // 2)
-    out = (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).reshape(rows, inputs // 2)
-    high = bits - 4
+    chunks = (codes & ((1 << low) - 1)).to(torch.uint8).reshape(rows, inputs // CHUNK, per, CHUNK // per)
+    out = torch.zeros_like(chunks[:, :, 0])
+    for i in range(per):
+        out |= chunks[:, :, i] << (low * i)
+    out = out.reshape(rows, inputs * low // 8)
     if high:
-        tops = (codes >> 4).to(torch.uint8).reshape(rows, inputs // CHUNK, 2, CHUNK // 2)
-        pairs = (tops[:, :, 0] | (tops[:, :, 1] << high)).reshape(rows, -1, 4 // high)  # a byte's two codes' tops
-        plane = torch.zeros_like(pairs[..., 0])
-        for i in range(4 // high):
-            plane |= pairs[..., i] << (2 * high * i)
+        tops = (codes >> low).to(torch.uint8).reshape(rows, inputs // CHUNK, per, CHUNK // per)
+        joined = torch.zeros_like(tops[:, :, 0])
+        for i in range(per):  # a byte's codes' tops side by side
+            joined |= tops[:, :, i] << (high * i)
+        joined = joined.reshape(rows, -1, 8 // (per * high))
+        plane = torch.zeros_like(joined[..., 0])
+        for i in range(8 // (per * high)):
+            plane |= joined[..., i] << (per * high * i)
         out = torch.cat([out, plane], dim=1)
     return out.view(torch.int8) if signed else out
 
@@ -101,16 +117,19 @@ def unpacked(packed_codes: torch.Tensor, inputs: int | None = None) -> torch.Ten
     int8 bytes: signed codes, int16)."""
     rows, width = packed_codes.shape
     inputs = inputs or width * 2
-    raw = packed_codes.view(torch.uint8)
-    chunks = raw[:, :inputs // 2].reshape(rows, inputs // CHUNK, 1, CHUNK // 2)
-    codes = torch.cat([chunks & 0x0F, chunks >> 4], dim=2).reshape(rows, inputs)
     bits = width * 8 // inputs
-    high = bits - 4
+    low = low_bits(bits)
+    per, high = 8 // low, bits - low
+    raw = packed_codes.view(torch.uint8)
+    chunks = raw[:, :inputs * low // 8].reshape(rows, inputs // CHUNK, 1, CHUNK // per)
+    codes = torch.cat([(chunks >> (low * i)) & ((1 << low) - 1) for i in range(per)], dim=2).reshape(rows, inputs)
     if high:
-        plane = raw[:, inputs // 2:]
-        pairs = torch.stack([(plane >> (2 * high * i)) & ((1 << 2 * high) - 1) for i in range(4 // high)], dim=-1)
-        pairs = pairs.reshape(rows, inputs // CHUNK, 1, CHUNK // 2)
-        codes = codes | (torch.cat([pairs & ((1 << high) - 1), pairs >> high], dim=2).reshape(rows, inputs) << 4)
+        plane = raw[:, inputs * low // 8:]
+        joined = torch.stack([(plane >> (per * high * i)) & ((1 << per * high) - 1)
+                              for i in range(8 // (per * high))], dim=-1)
+        joined = joined.reshape(rows, inputs // CHUNK, 1, CHUNK // per)
+        tops = torch.cat([(joined >> (high * i)) & ((1 << high) - 1) for i in range(per)], dim=2)
+        codes = codes | (tops.reshape(rows, inputs) << low)
     if packed_codes.dtype == torch.int8:
         codes = codes.to(torch.int16)
         codes = codes - ((codes >> (bits - 1)) << bits)
@@ -142,10 +161,11 @@ def levels_of(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor |
 
 def form_of(inner: int, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None) -> dict:
     """The kernels' constexprs for packed codes of `inner` inputs (a mixture's: one expert's): LEVELS (levels_of),
-    HIGH (each code's bits above four: 0 to 2, from the row's bytes) and GROUP (inputs a scale, 16 or 32)."""
-    levels = levels_of(codes, scales, offsets)
+    LOW (each code's bits side by side in the bytes: 4 or 2, low_bits), HIGH (its bits above them in the plane: 0
+    to 2; both from the row's bytes) and GROUP (inputs a scale, 16 or 32)."""
+    levels, bits = levels_of(codes, scales, offsets), codes.shape[-1] * 8 // inner
     groups = scales.shape[-1] // (2 if levels == 5 else 1)
-    return {"LEVELS": levels, "HIGH": codes.shape[-1] * 8 // inner - 4, "GROUP": inner // groups}
+    return {"LEVELS": levels, "LOW": low_bits(bits), "HIGH": bits - low_bits(bits), "GROUP": inner // groups}
 
 
 def superblock_scales(scales: torch.Tensor, superblocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -217,22 +237,23 @@ def triton_kernel():
 
     @triton.jit(do_not_specialize=["M", "M_BUCKET"])  # one compilation for every decode batch
     def int4_matmul(x, codes, scales, offsets, y, tiles, sources, M, N, K, M_BUCKET, LEVELS: tl.constexpr,
-                    HIGH: tl.constexpr, GROUP: tl.constexpr, GROUPED: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    LOW: tl.constexpr, HIGH: tl.constexpr, GROUP: tl.constexpr, GROUPED: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # y[m, n] = sum_k x[m, k] * (code[n, k] * scales[n, k // GROUP] + offsets[n, k // GROUP]), BLOCK_K inputs
         # (whole chunks of 64) at a time: the bytes' low nibbles hold each chunk's first 32 inputs and the high ones
-        # its second, so each is a product over whole groups. LEVELS (levels_of): 1, each code e2m1's bits (MXFP4's);
-        # 2, each byte's two levels looked up in offsets (level_pairs); 3, signed codes, no offsets; 4, signed codes,
-        # the group's int8 scale times its superblock's float16 one (offsets [N, K / 256]); 5, a group's integer scale
-        # and minimum side by side (uint8 scales [N, 2K / GROUP]) times its superblock's float16 two (offsets
-        # [N, 2K / 256]): code x scale - minimum. HIGH: each code's bits above the nibble, in the row's plane after
-        # its nibbles (packed()). Grid, rows and GROUPED as rungen/int8.py's kernel's.
+        # its second (LOW 2: their four 2-bit parts its four runs of 16), so each is a product over whole groups.
+        # LEVELS (levels_of): 1, each code e2m1's bits (MXFP4's); 2, each byte's two levels looked up in offsets
+        # (level_pairs); 3, signed codes, no offsets; 4, signed codes, the group's int8 scale times its superblock's
+        # float16 one (offsets [N, K / 256]); 5, a group's integer scale and minimum side by side (uint8 scales [N, 2K
+        # / GROUP]) times its superblock's float16 two (offsets [N, 2K / 256]): code x scale - minimum. HIGH: each
+        # code's bits above its LOW ones, in the row's plane after them (packed()). Grid, rows and GROUPED as
+        # rungen/int8.py's kernel's.
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         if GROUPED:
             expert = tl.load(tiles + tl.program_id(0)).to(tl.int64)
             if expert < 0:
                 return
-            codes += expert * N * (K * (4 + HIGH) // 8)
+            codes += expert * N * (K * (LOW + HIGH) // 8)
             if LEVELS == 5:  # (a group's scale and minimum, a superblock's two)
                 scales += expert * N * (K // GROUP) * 2
                 offsets += expert * N * (K // 256) * 2
@@ -247,27 +268,31 @@ def triton_kernel():
         else:
             reads, held_rows = rows, rows < M
         channels = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-        row_bytes, split = K * (4 + HIGH) // 8, 32 // GROUP  # (split: groups in a chunk's half)
-        half = tl.arange(0, BLOCK_K // 2)
-        low_inputs = (half // 32) * 64 + half % 32  # a tile's inputs in its bytes' low nibbles
-        sub = tl.arange(0, BLOCK_K // (2 * GROUP))  # the groups of a chunk's half in the tile: chunk, then group
+        # per: codes a byte; run: the inputs of a chunk one part of its bytes holds; split: groups in a run
+        per: tl.constexpr = 8 // LOW  # (annotated: else the compiler takes it for a runtime value)
+        run: tl.constexpr = 8 * LOW
+        lows = K * LOW // 8  # the row's bytes before its plane
+        row_bytes, split = K * (LOW + HIGH) // 8, 8 * LOW // GROUP
+        part_bytes = tl.arange(0, BLOCK_K // per)
+        low_inputs = (part_bytes // run) * 64 + part_bytes % run  # a tile's inputs in its bytes' lowest bits
+        sub = tl.arange(0, BLOCK_K // (per * GROUP))  # the groups of a chunk's run in the tile: chunk, then group
         total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for start in range(0, K, BLOCK_K):
             low_at = start + low_inputs
             held_x = held_rows[:, None] & (low_at[None, :] < K)
-            byte_at = start // 2 + half
-            held_b = (channels[None, :] < N) & (byte_at[:, None] < K // 2)
+            byte_at = start * LOW // 8 + part_bytes
+            held_b = (channels[None, :] < N) & (byte_at[:, None] < lows)
             b = tl.load(codes + channels[None, :] * row_bytes + byte_at[:, None], mask=held_b, other=0)
-            if HIGH:  # the byte's two codes' top bits, 4 // HIGH bytes' worth a byte of the plane
-                tops = tl.load(codes + channels[None, :] * row_bytes + K // 2 + byte_at[:, None] // (4 // HIGH),
+            if HIGH:  # the byte's codes' top bits side by side, 8 // (per * HIGH) bytes' worth a byte of the plane
+                tops = tl.load(codes + channels[None, :] * row_bytes + lows + byte_at[:, None] // (8 // (per * HIGH)),
                                mask=held_b, other=0).to(tl.int32) & 0xFF
-                tops = tops >> ((byte_at[:, None] % (4 // HIGH)) * (2 * HIGH))
+                tops = tops >> ((byte_at[:, None] % (8 // (per * HIGH))) * (per * HIGH))
             if LEVELS == 2:  # both nibbles' levels at once (a byte past the weight: 0's, times a scale of 0)
                 pairs = tl.load(offsets + b.to(tl.int32))
-            for part in tl.static_range(2):  # the low nibbles (each chunk's first 32 inputs), then the high ones
-                a = tl.load(x + reads[:, None] * K + 32 * part + low_at[None, :], mask=held_x, other=0.0)
+            for part in tl.static_range(per):  # the low nibbles (a chunk's first 32 inputs), the high ones (LOW 4)
+                a = tl.load(x + reads[:, None] * K + run * part + low_at[None, :], mask=held_x, other=0.0)
                 # each group's one scale and offset spread over its codes in registers
-                group = start // GROUP + (sub // split) * 2 * split + part * split + sub % split
+                group = start // GROUP + (sub // split) * per * split + part * split + sub % split
                 held = (channels[None, :] < N) & (group[:, None] < K // GROUP)
                 where = channels[None, :] * (K // GROUP) + group[:, None]
                 if LEVELS == 5:  # the group's integer scale and minimum times its superblock's float16 ones
@@ -282,30 +307,30 @@ def triton_kernel():
                 if LEVELS == 4:  # times the superblock's float16 scale (offsets)
                     scale *= tl.load(offsets + channels[None, :] * (K // 256) + group[:, None] // (256 // GROUP),
                                      mask=held, other=0.0).to(tl.float32)
-                nibbles = (b >> (4 * part)) & 0x0F
+                nibbles = (b >> (LOW * part)) & ((1 << LOW) - 1)
                 if LEVELS == 1:  # sign and three bits in a float16's sign, exponent and mantissa: e2m1's value x 2^-14
                     bits = nibbles.to(tl.uint16)
                     bits = (((bits & 8) << 12) | ((bits & 7) << 9)).to(tl.uint16)  # (16 bits whatever Triton promotes)
                     w = bits.to(tl.float16, bitcast=True).to(tl.float32)
-                    w = tl.reshape(w, (BLOCK_K // (2 * GROUP), GROUP, BLOCK_N)) * (scale * 32768.0)[:, None, :]
+                    w = tl.reshape(w, (BLOCK_K // (per * GROUP), GROUP, BLOCK_N)) * (scale * 32768.0)[:, None, :]
                 elif LEVELS == 2:  # the low nibble's level in the pair's low half, the high one's in its high half
                     if part == 0:
                         w = (pairs << 16) >> 16
                     else:
                         w = pairs >> 16
-                    w = tl.reshape(w.to(tl.float32), (BLOCK_K // (2 * GROUP), GROUP, BLOCK_N)) * scale[:, None, :]
+                    w = tl.reshape(w.to(tl.float32), (BLOCK_K // (per * GROUP), GROUP, BLOCK_N)) * scale[:, None, :]
                 else:
                     code = nibbles.to(tl.int32)
                     if HIGH:
-                        code = code | (((tops >> (HIGH * part)) & ((1 << HIGH) - 1)) << 4)
-                    if LEVELS == 3 or LEVELS == 4:  # two's complement of 4 + HIGH bits
-                        code = (code << (28 - HIGH)) >> (28 - HIGH)
-                    w = tl.reshape(code.to(tl.float32), (BLOCK_K // (2 * GROUP), GROUP, BLOCK_N)) * scale[:, None, :]
+                        code = code | (((tops >> (HIGH * part)) & ((1 << HIGH) - 1)) << LOW)
+                    if LEVELS == 3 or LEVELS == 4:  # two's complement of LOW + HIGH bits
+                        code = (code << (32 - LOW - HIGH)) >> (32 - LOW - HIGH)
+                    w = tl.reshape(code.to(tl.float32), (BLOCK_K // (per * GROUP), GROUP, BLOCK_N)) * scale[:, None, :]
                     if LEVELS == 0:
                         w += tl.load(offsets + where, mask=held, other=0.0).to(tl.float32)[:, None, :]
                     if LEVELS == 5:
                         w -= least[:, None, :]
-                total += tl.dot(a, tl.reshape(w, (BLOCK_K // 2, BLOCK_N)).to(a.dtype), input_precision="ieee")
+                total += tl.dot(a, tl.reshape(w, (BLOCK_K // per, BLOCK_N)).to(a.dtype), input_precision="ieee")
         tl.store(y + rows[:, None] * N + channels[None, :], total.to(y.dtype.element_ty),
                  mask=held_rows[:, None] & (channels[None, :] < N))
 
@@ -321,20 +346,20 @@ def triton_kernel():
                 if rows * config.kwargs["BLOCK_N"] * config.kwargs["BLOCK_K"] // 2 <= GEMV_PRODUCTS]
 
     @autotune(triton, [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in GEMV_CONFIGS],
-              ["N", "K", "ROWS", "LEVELS", "HIGH", "GROUP", "GROUPED"], fitting)
+              ["N", "K", "ROWS", "LEVELS", "LOW", "HIGH", "GROUP", "GROUPED"], fitting)
     @triton.jit(do_not_specialize=["M"])
-    def int4_gemv(x, codes, scales, offsets, y, pairs, M, N, K, LEVELS: tl.constexpr, HIGH: tl.constexpr,
-                  GROUP: tl.constexpr, ROWS: tl.constexpr, GROUPED: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
+    def int4_gemv(x, codes, scales, offsets, y, pairs, M, N, K, LEVELS: tl.constexpr, LOW: tl.constexpr,
+                  HIGH: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, GROUPED: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # y[m, n] for a decode step's few rows (M <= ROWS) without the tensor cores, whose tiles of 16 rows a row
         # would waste: BLOCK_N output channels a program over all K inputs, BLOCK_K (whole chunks) at a time, each
         # nibble's codes widened with their group's scale and offset in registers and multiplied into every row.
         # GROUPED: a mixture's experts stacked [experts, N, ...]; program_id(1) a pair p (pairs[p]: its expert and
-        # its row of x), y[p] = x[row] times that expert's weight. LEVELS, HIGH, GROUP as int4_matmul's.
+        # its row of x), y[p] = x[row] times that expert's weight. LEVELS, LOW, HIGH, GROUP as int4_matmul's.
         if GROUPED:
             pair = tl.program_id(1)
             expert = tl.load(pairs + 2 * pair).to(tl.int64)
-            codes += expert * N * (K * (4 + HIGH) // 8)
+            codes += expert * N * (K * (LOW + HIGH) // 8)
             if LEVELS == 5:  # (a group's scale and minimum, a superblock's two)
                 scales += expert * N * (K // GROUP) * 2
                 offsets += expert * N * (K // 256) * 2
@@ -347,24 +372,27 @@ def triton_kernel():
             x += tl.load(pairs + 2 * pair + 1).to(tl.int64) * K
             y += pair * N
         channels = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-        row_bytes, split = K * (4 + HIGH) // 8, 32 // GROUP
+        per: tl.constexpr = 8 // LOW  # as int4_matmul's
+        run: tl.constexpr = 8 * LOW
+        lows = K * LOW // 8
+        row_bytes, split = K * (LOW + HIGH) // 8, 8 * LOW // GROUP
         rows = tl.arange(0, ROWS)
-        half = tl.arange(0, BLOCK_K // 2)
-        low_inputs = (half // 32) * 64 + half % 32  # as int4_matmul's
-        sub = tl.arange(0, BLOCK_K // (2 * GROUP))
+        part_bytes = tl.arange(0, BLOCK_K // per)
+        low_inputs = (part_bytes // run) * 64 + part_bytes % run
+        sub = tl.arange(0, BLOCK_K // (per * GROUP))
         total = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
         for start in range(0, K, BLOCK_K):
-            byte_at = start // 2 + half
-            held_b = (channels[:, None] < N) & (byte_at[None, :] < K // 2)
+            byte_at = start * LOW // 8 + part_bytes
+            held_b = (channels[:, None] < N) & (byte_at[None, :] < lows)
             b = tl.load(codes + channels[:, None] * row_bytes + byte_at[None, :], mask=held_b, other=0)
             if HIGH:  # as int4_matmul's
-                tops = tl.load(codes + channels[:, None] * row_bytes + K // 2 + byte_at[None, :] // (4 // HIGH),
+                tops = tl.load(codes + channels[:, None] * row_bytes + lows + byte_at[None, :] // (8 // (per * HIGH)),
                                mask=held_b, other=0).to(tl.int32) & 0xFF
-                tops = tops >> ((byte_at[None, :] % (4 // HIGH)) * (2 * HIGH))
+                tops = tops >> ((byte_at[None, :] % (8 // (per * HIGH))) * (per * HIGH))
             if LEVELS == 2:  # as int4_matmul's
                 levels = tl.load(offsets + b.to(tl.int32))
-            for part in tl.static_range(2):  # the low nibbles (each chunk's first 32 inputs), then the high ones
-                group = start // GROUP + (sub // split) * 2 * split + part * split + sub % split
+            for part in tl.static_range(per):  # the low nibbles (a chunk's first 32 inputs), the high ones (LOW 4)
+                group = start // GROUP + (sub // split) * per * split + part * split + sub % split
                 held = (channels[:, None] < N) & (group[None, :] < K // GROUP)
                 where = channels[:, None] * (K // GROUP) + group[None, :]
                 if LEVELS == 5:  # as int4_matmul's
@@ -379,31 +407,31 @@ def triton_kernel():
                 if LEVELS == 4:  # as int4_matmul's
                     scale *= tl.load(offsets + channels[:, None] * (K // 256) + group[None, :] // (256 // GROUP),
                                      mask=held, other=0.0).to(tl.float32)
-                nibbles = (b >> (4 * part)) & 0x0F
+                nibbles = (b >> (LOW * part)) & ((1 << LOW) - 1)
                 if LEVELS == 1:  # as int4_matmul's
                     bits = nibbles.to(tl.uint16)
                     bits = (((bits & 8) << 12) | ((bits & 7) << 9)).to(tl.uint16)  # (16 bits whatever Triton promotes)
                     w = bits.to(tl.float16, bitcast=True).to(tl.float32)
-                    w = tl.reshape(w, (BLOCK_N, BLOCK_K // (2 * GROUP), GROUP)) * (scale * 32768.0)[:, :, None]
+                    w = tl.reshape(w, (BLOCK_N, BLOCK_K // (per * GROUP), GROUP)) * (scale * 32768.0)[:, :, None]
                 elif LEVELS == 2:
                     if part == 0:
                         w = (levels << 16) >> 16
                     else:
                         w = levels >> 16
-                    w = tl.reshape(w.to(tl.float32), (BLOCK_N, BLOCK_K // (2 * GROUP), GROUP)) * scale[:, :, None]
+                    w = tl.reshape(w.to(tl.float32), (BLOCK_N, BLOCK_K // (per * GROUP), GROUP)) * scale[:, :, None]
                 else:
                     code = nibbles.to(tl.int32)
                     if HIGH:
-                        code = code | (((tops >> (HIGH * part)) & ((1 << HIGH) - 1)) << 4)
+                        code = code | (((tops >> (HIGH * part)) & ((1 << HIGH) - 1)) << LOW)
                     if LEVELS == 3 or LEVELS == 4:
-                        code = (code << (28 - HIGH)) >> (28 - HIGH)
-                    w = tl.reshape(code.to(tl.float32), (BLOCK_N, BLOCK_K // (2 * GROUP), GROUP)) * scale[:, :, None]
+                        code = (code << (32 - LOW - HIGH)) >> (32 - LOW - HIGH)
+                    w = tl.reshape(code.to(tl.float32), (BLOCK_N, BLOCK_K // (per * GROUP), GROUP)) * scale[:, :, None]
                     if LEVELS == 0:
                         w += tl.load(offsets + where, mask=held, other=0.0).to(tl.float32)[:, :, None]
                     if LEVELS == 5:
                         w -= least[:, :, None]
-                w = tl.reshape(w, (BLOCK_N, BLOCK_K // 2))
-                at = start + 32 * part + low_inputs
+                w = tl.reshape(w, (BLOCK_N, BLOCK_K // per))
+                at = start + run * part + low_inputs
                 a = tl.load(x + rows[:, None] * K + at[None, :], mask=(rows[:, None] < M) & (at[None, :] < K),
                             other=0.0).to(tl.float32)
                 total += tl.sum(a[:, None, :] * w[None, :, :], axis=2)
@@ -415,11 +443,11 @@ def triton_kernel():
 
 class CudaInt4Linear(CodesLinear):
     """y = x @ (code * scale + offset).T on a CUDA GPU, in the activations' dtype: codes packed (packed(): two a byte,
-    and a plane of the bits above the nibble where they are 5 or 6 bits wide), a scale and an offset a group of 32 or
-    16 inputs (offsets None: MXFP4's e2m1 codes, their doubled values times the scale, or signed codes, int8, times
-    it; offsets a level_pairs table: the codes' levels times the scale; integer scales: a K-quant's, as its blocks
-    hold them, the superblocks' float16 ones as offsets: levels_of); the Triton kernel for a few rows once checked,
-    else widened4."""
+    2- and 3-bit ones four, and a plane of the bits above those where they are 3, 5 or 6 bits wide), a scale and an
+    offset a group of 32 or 16 inputs (offsets None: MXFP4's e2m1 codes, their doubled values times the scale, or
+    signed codes, int8, times it; offsets a level_pairs table: the codes' levels times the scale; integer scales: a
+    K-quant's, as its blocks hold them, the superblocks' float16 ones as offsets: levels_of); the Triton kernel for a
+    few rows once checked, else widened4."""
 
     format = "int4"
     plain = staticmethod(widened4)
@@ -433,7 +461,7 @@ class CudaInt4Linear(CodesLinear):
         self.register_buffer("offsets", None if offsets is None else offsets.contiguous())
         self.bias = None
         form = form_of(self.in_features, codes, scales, offsets)
-        bits = 4 + form["HIGH"]
+        bits = form["LOW"] + form["HIGH"]
         self.format = (f"int{bits}", "e2m1", "int4 levels", f"signed int{bits}", f"signed int{bits}", f"int{bits}")[
             form["LEVELS"]]
 

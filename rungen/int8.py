@@ -201,7 +201,7 @@ def widened(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets:
     layer's weight at a time (two bytes a weight in half precision), at most WIDEN_BYTES of it at once. `packing`:
     (chunk, unpack, table) for 4-bit codes two a byte (rungen/int4_kernel.py's layout, unpack its inverse to what the
     codes stand for; table: None, or the level_pairs the codes index)."""
-    step = max(1, WIDEN_BYTES // (codes.shape[1] * (2 if packing else 1) * x.element_size()))
+    step = max(1, WIDEN_BYTES // (x.shape[-1] * x.element_size()))
     if codes.shape[0] > step:  # a head's table: a slice of output channels at a time
         return torch.cat([widened(x, codes[start:start + step], scales[start:start + step],
                                   None if offsets is None else offsets[start:start + step], packing)
@@ -260,10 +260,10 @@ def torch_widened(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tens
 def widen_kernel():
     """run(codes, scales, offsets, dtype, chunk=0, table=None, inputs=None) -> the weight: a Triton kernel reading
     each code, its scale and offset once and writing the weight once (on an H200, torch's three passes over an 8B
-    layer's 14336 x 4096 codes took 0.35 ms, 8x what the bytes need); `chunk` > 0: codes packed in chunks of that
-    many inputs (rungen/int4_kernel.py's packing: two a byte, `inputs` wide with their bits above four in a plane
-    after the nibbles), read as they lie, int8 ones signed, without offsets MXFP4's e2m1 bits, with a `table` the
-    indices of its levels (level_pairs: each byte's two); None where Triton does not import."""
+    layer's 14336 x 4096 codes took 0.35 ms, 8x what the bytes need); `chunk` > 0: codes packed in chunks of that many
+    inputs (rungen/int4_kernel.py's packing: two a byte, or 2- and 3-bit ones four, `inputs` wide with their bits above
+    those in a plane after them), read as they lie, int8 ones signed, without offsets MXFP4's e2m1 bits, with a `table`
+    the indices of its levels (level_pairs: each byte's two); None where Triton does not import."""
     try:
         import triton
         import triton.language as tl
@@ -272,33 +272,34 @@ def widen_kernel():
 
     @triton.jit
     def widen(codes, scales, offsets, table, out, K, GROUP: tl.constexpr, OFFSET: tl.constexpr, CHUNK: tl.constexpr,
-              TABLE: tl.constexpr, HIGH: tl.constexpr, SIGNED: tl.constexpr, BLOCK: tl.constexpr):
+              TABLE: tl.constexpr, LOW: tl.constexpr, HIGH: tl.constexpr, SIGNED: tl.constexpr,
+              BLOCK: tl.constexpr):
         # out[n, k] = codes[n, k] * scale (+ offset), in float32: scales[n] (GROUP 0) or scales[n, k // GROUP]. CHUNK:
-        # code k in byte (k // CHUNK) * CHUNK / 2 + k % (CHUNK / 2) of the row, the low nibble for a chunk's first
-        # half, its HIGH bits above in the row's plane after the nibbles (int4_kernel.py's packed()); SIGNED: two's
-        # complement; neither OFFSET nor SIGNED: e2m1's bits, for their doubled value (as int4_kernel.py's kernels
-        # read them)
+        # code k's LOW bits in byte (k // CHUNK) * run + k % run of the row (run = CHUNK * LOW / 8), a chunk's first
+        # run the byte's lowest, its HIGH bits above in the row's plane after them (int4_kernel.py's packed()); SIGNED:
+        # two's complement; neither OFFSET nor SIGNED: e2m1's bits, for their doubled value (as int4_kernel.py's
+        # kernels read them)
         row = tl.program_id(0).to(tl.int64)
         at = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         held = at < K
         if CHUNK:
-            row_bytes = K * (4 + HIGH) // 8
-            byte_at = (at // CHUNK) * (CHUNK // 2) + at % (CHUNK // 2)
+            row_bytes, run = K * (LOW + HIGH) // 8, CHUNK * LOW // 8
+            byte_at = (at // CHUNK) * run + at % run
             byte = tl.load(codes + row * row_bytes + byte_at, mask=held, other=0)
-            upper = (at % CHUNK) // (CHUNK // 2)  # 1: the byte's high nibble
-            nibble = (byte >> (4 * upper)) & 0x0F
+            upper = (at % CHUNK) // run  # the code's part of the byte (LOW 4: 1, its high nibble)
+            nibble = (byte >> (LOW * upper)) & ((1 << LOW) - 1)
             if TABLE:  # the byte's two levels, the low nibble's in the low half
                 pair = tl.load(table + byte.to(tl.int32), mask=held, other=0)
                 weight = ((pair << (16 - 16 * upper)) >> 16).to(tl.float32)
             elif OFFSET or SIGNED:
                 code = nibble.to(tl.int32)
-                if HIGH:
-                    tops = tl.load(codes + row * row_bytes + K // 2 + byte_at // (4 // HIGH), mask=held,
-                                   other=0).to(tl.int32) & 0xFF
-                    tops = tops >> ((byte_at % (4 // HIGH)) * (2 * HIGH) + HIGH * upper)
-                    code = code | ((tops & ((1 << HIGH) - 1)) << 4)
+                if HIGH:  # (a byte's codes' tops side by side: (8 / LOW) * HIGH bits)
+                    tops = tl.load(codes + row * row_bytes + K * LOW // 8 + byte_at // (8 // (8 // LOW * HIGH)),
+                                   mask=held, other=0).to(tl.int32) & 0xFF
+                    tops = tops >> ((byte_at % (8 // (8 // LOW * HIGH))) * (8 // LOW * HIGH) + HIGH * upper)
+                    code = code | ((tops & ((1 << HIGH) - 1)) << LOW)
                 if SIGNED:
-                    code = (code << (28 - HIGH)) >> (28 - HIGH)
+                    code = (code << (32 - LOW - HIGH)) >> (32 - LOW - HIGH)
                 weight = code.to(tl.float32)
             else:  # e2m1's value x 2^-14 as a float16's bits, times 2^15
                 bits = nibble.to(tl.uint16)
@@ -319,10 +320,12 @@ def widen_kernel():
         rows, inner = codes.shape[0], inputs or codes.shape[1] * (2 if chunk else 1)
         out = torch.empty(rows, inner, dtype=dtype, device=codes.device)
         codes, scales = codes.contiguous(), scales.contiguous()  # (indexed by row * K + column: no-ops as held)
+        bits = codes.shape[1] * 8 // inner
+        low = 2 if bits < 4 else 4  # (int4_kernel.py's low_bits: the bits a code keeps in its chunk's bytes)
         widen[(rows, triton.cdiv(inner, WIDEN_BLOCK))](
             codes, scales, scales if offsets is None else offsets.contiguous(), scales if table is None else table,
             out, inner, GROUP=inner // scales.shape[1] if scales.dim() == 2 else 0, OFFSET=offsets is not None,
-            CHUNK=chunk, TABLE=table is not None, HIGH=codes.shape[1] * 8 // inner - 4 if chunk else 0,
+            CHUNK=chunk, TABLE=table is not None, LOW=low, HIGH=bits - low if chunk else 0,
             SIGNED=bool(chunk) and codes.dtype == torch.int8, BLOCK=WIDEN_BLOCK)
         return out
 

@@ -1812,11 +1812,11 @@ def test_the_widening_kernel_writes_each_weight_as_its_code_scale_and_offset(dty
                          table)
             error = (got.cpu().double() - truth).abs()
             assert (error <= torch.finfo(dtype).eps * truth.abs() + 1e-6 * truth.abs().max()).all(), (inner4, kind)
-        # and the forms of 5 and 6 bits and of groups of 16: each code's top bits from the plane after the nibbles,
-        # signed ones without offsets
+        # and the forms of 2, 3, 5 and 6 bits and of groups of 16: each code's low bits four or two a byte and its
+        # top bits from the plane after them, signed ones without offsets
         for bits, signed, group, kind in PLANE_FORMS:
-            if kind in (None, "minimums"):  # (a K-quant's integer scales: the layer multiplies them out first)
-                continue
+            if kind in (None, "minimums"):  # (a K-quant's integer scales: the layer multiplies them out to float32s)
+                kind = torch.float32
             low = -(1 << bits - 1) if signed else 0
             raw = torch.randint(low, low + (1 << bits), (channels, inner4), generator=generator)
             scales = groups(group, kind, inner=inner4)
@@ -1885,7 +1885,7 @@ def test_the_4_bit_kernel_multiplies_as_the_plain_product(dtype, monkeypatch):
 # a group and a float16 a superblock of 256; "minimums", a group's integer scale and minimum and a superblock's two
 # float16s) of Q5_0, Q5_1, Q5_K, Q6_K, Q3_K, Q2_K, Q4_K.
 PLANE_FORMS = ((5, True, 32, torch.float16), (5, False, 32, torch.float16), (5, False, 32, "minimums"),
-               (6, True, 16, None), (4, True, 16, None), (4, False, 16, "minimums"), (4, False, 32, "minimums"))
+               (6, True, 16, None), (3, True, 16, None), (2, False, 16, "minimums"), (4, False, 32, "minimums"))
 
 
 def plane_layer(form, channels, inner, generator, experts=None):
@@ -1901,13 +1901,13 @@ def plane_layer(form, channels, inner, generator, experts=None):
         *lead, channels, -1)
     if scale_dtype is None:
         scales = torch.randint(-32, 32, (*lead, channels, inner // group), generator=generator, dtype=torch.int8)
-        superblocks = torch.rand(*lead, channels, inner // 256, generator=generator) / 3000 / (1 << bits - 4)
+        superblocks = torch.rand(*lead, channels, inner // 256, generator=generator) / 3000 / 2.0 ** (bits - 4)
         return codes.to(DEVICE), scales.to(DEVICE), superblocks.to(DEVICE, torch.float16)
     if scale_dtype == "minimums":  # (each group's scale then minimum; each superblock's scale then minimum)
         scales = torch.randint(0, 64, (*lead, channels, 2 * inner // group), generator=generator, dtype=torch.uint8)
-        superblocks = torch.rand(*lead, channels, 2 * inner // 256, generator=generator) / 3000 / (1 << bits - 4)
+        superblocks = torch.rand(*lead, channels, 2 * inner // 256, generator=generator) / 3000 / 2.0 ** (bits - 4)
         return codes.to(DEVICE), scales.to(DEVICE), superblocks.to(DEVICE, torch.float16)
-    scales = torch.rand(*lead, channels, inner // group, generator=generator) / 100 / (1 << bits - 4)
+    scales = torch.rand(*lead, channels, inner // group, generator=generator) / 100 / 2.0 ** (bits - 4)
     offsets = None if signed else -(1 << bits - 1) * scales + torch.rand(scales.shape, generator=generator) / 1000
     return codes.to(DEVICE), scales.to(DEVICE, scale_dtype), None if signed else offsets.to(DEVICE, scale_dtype)
 

@@ -1245,7 +1245,7 @@ def test_the_gpus_packed_codes_compute_the_dequantized_model(loaded, monkeypatch
     types = [Q(entry[1]) for entry in header.tensors]
     four_bit = [m for m in model.modules() if isinstance(m, CudaInt4Linear)]
     formats = {Q.MXFP4: "e2m1", Q.IQ4_NL: "int4 levels", Q.IQ4_XS: "int4 levels", Q.Q5_0: "signed int5",
-               Q.Q5_1: "int5", Q.Q5_K: "int5", Q.Q6_K: "signed int6", Q.Q3_K: "signed int4", Q.Q2_K: "int4"}
+               Q.Q5_1: "int5", Q.Q5_K: "int5", Q.Q6_K: "signed int6", Q.Q3_K: "signed int3", Q.Q2_K: "int2"}
     assert set(formats) == set(TRITON_TYPES)
     assert sorted(m.format for m in four_bit) == sorted(formats[qtype] for qtype in types if qtype in TRITON_TYPES)
     assert len({m.offsets.data_ptr() for m in four_bit if m.format == "int4 levels"}) == 1  # one table

@@ -64,8 +64,8 @@ def in_order(order, *tensors: torch.Tensor | None) -> tuple:
 # e2m1 values and IQ4_NL's and IQ4_XS's levels; where it does not serve, their int8 codes (INT8_TYPES).
 LEVEL_TYPES = (GGMLQuantizationType.MXFP4, GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.IQ4_XS)
 # The types of 5 and 6 bits, and those of groups of 16, which the Triton form alone takes too: their low four bits
-# two a byte and the bits above in a plane beside them (Q5_0, Q5_1, Q5_K, Q6_K), or their 2- and 3-bit codes in a
-# nibble with a scale a group of 16 (Q2_K, Q3_K); where it does not serve, their int8 codes.
+# two a byte and the bits above in a plane beside them (Q5_0, Q5_1, Q5_K, Q6_K), or their low two bits four a byte
+# (Q2_K; Q3_K with its third in a plane) with a scale a group of 16; where it does not serve, their int8 codes.
 PLANE_TYPES = (GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q5_K,
                GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q2_K)
 TRITON_TYPES = (*LEVEL_TYPES, *PLANE_TYPES)
@@ -118,15 +118,15 @@ def plane_parts(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: 
     """PLANE_TYPES' blocks as (codes [rows, in_features], their bits, whether signed, scales, offsets), exact, as
     int4_kernel.py's levels_of reads them: Q5_0's codes less 16 (signed) and its float16 scale, Q5_1's codes with
     its float16 scale and offset; Q6_K's signed codes with each group of 16's int8 scale and each superblock's
-    float16 (as offsets), Q3_K's (-4..3, in 4 bits) likewise; Q5_K's (a group of 32) and Q2_K's (0..3, a group of
-    16) with each group's integer scale and minimum and each superblock's float16 two (k_mins)."""
+    float16 (as offsets), Q3_K's (-4..3) likewise; Q5_K's (a group of 32) and Q2_K's (0..3, a group of 16) with each
+    group's integer scale and minimum and each superblock's float16 two (k_mins)."""
     Q = GGMLQuantizationType
     if qtype in (Q.Q6_K, Q.Q3_K):
         codes = (q6_k_parts(blocks, in_features) if qtype == Q.Q6_K else low_k_parts(blocks, qtype, in_features))[0]
-        return codes, 6 if qtype == Q.Q6_K else 4, True, *k_scales(blocks, qtype)
+        return codes, 6 if qtype == Q.Q6_K else 3, True, *k_scales(blocks, qtype)
     if qtype in (Q.Q2_K, Q.Q5_K):
         codes = (low_k_parts if qtype == Q.Q2_K else grouped_parts)(blocks, qtype, in_features)[0]
-        return codes, 4 if qtype == Q.Q2_K else 5, False, *k_mins(blocks, qtype)
+        return codes, 2 if qtype == Q.Q2_K else 5, False, *k_mins(blocks, qtype)
     codes, scales, offsets = grouped_parts(blocks, qtype, in_features)
     if qtype == Q.Q5_0:
         return codes - 16, 5, True, scales.to(torch.float16), None

@@ -299,20 +299,20 @@ def test_a_weight_of_levels_for_the_triton_kernel_keeps_its_4_bit_codes_two_a_by
 
 
 # Bytes a weight each type keeps on a GPU in its packed form (the file's: 0.69, 0.75, 0.69, 0.82, 0.43, 0.33).
-PLANE_BYTES = {"Q5_0": 0.6875, "Q5_1": 0.75, "Q5_K": 0.703125, "Q6_K": 0.8203125, "Q3_K": 0.5703125, "Q2_K": 0.640625}
+PLANE_BYTES = {"Q5_0": 0.6875, "Q5_1": 0.75, "Q5_K": 0.703125, "Q6_K": 0.8203125, "Q3_K": 0.4453125, "Q2_K": 0.390625}
 
 
 @pytest.mark.parametrize("kind", ["random", "max", "min"])
 @pytest.mark.parametrize("name", list(PLANE_BYTES))
 def test_a_5_or_6_bit_or_low_k_weight_keeps_its_codes_packed_for_the_triton_kernel(name, kind, monkeypatch):
-    # The types of 5 and 6 bits and of groups of 16 on a GPU (rungen/gguf/device.py's int4_codes_of_blocks): their
-    # low four bits two a byte in the 4-bit kernel's layout, the bits above in a plane after them (packed()), Q5_0's,
-    # Q6_K's and Q3_K's codes signed (int8 bytes), and each group's scale (and offset) exactly as the file has them:
-    # the K-quants' as their blocks do, each group's integer scale (and minimum) and each superblock's float16 one
-    # (and minimum) (Q6_K: the file's bytes), where their int8 codes took 1.25-1.5 bytes a weight. Rows permuted where
-    # asked; the codes times the scales (plus offsets) are exactly the de-quantized weight, the plane holds each
-    # code's top bits where the layout says, and the layer's product (widened a slice at a time, the plain path) is
-    # the weight's product.
+    # The types of 5 and 6 bits and of groups of 16 on a GPU (rungen/gguf/device.py's int4_codes_of_blocks): their low
+    # four bits two a byte in the 4-bit kernel's layout (Q2_K's and Q3_K's low two bits four a byte), the bits above in
+    # a plane after them (packed()), Q5_0's, Q6_K's and Q3_K's codes signed (int8 bytes), and each group's scale (and
+    # offset) exactly as the file has them: the K-quants' as their blocks do, each group's integer scale (and minimum)
+    # and each superblock's float16 one (and minimum) (Q6_K: the file's bytes), where their int8 codes took 1.25-1.5
+    # bytes a weight. Rows permuted where asked; the codes times the scales (plus offsets) are exactly the de-quantized
+    # weight, the bytes hold each code's low bits and the plane its top bits where the layout says, and the layer's
+    # product (widened a slice at a time, the plain path) is the weight's product.
     import numpy as np
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize
@@ -327,7 +327,7 @@ def test_a_5_or_6_bit_or_low_k_weight_keeps_its_codes_packed_for_the_triton_kern
     file_blocks = blocks_for(qtype, 24, 512, kind=kind)
     order = np.random.default_rng(0).permutation(24)
     layer = int4_codes_of_blocks(file_blocks, qtype, 512, torch.device("cpu"), order)
-    bits = {"Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6}.get(name, 4)
+    bits = {"Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q3_K": 3, "Q2_K": 2}[name]
     signed = name in ("Q5_0", "Q6_K", "Q3_K")
     group = 16 if name in ("Q6_K", "Q3_K", "Q2_K") else 32
     assert layer.in_features == 512 and layer.codes.shape == (24, 512 * bits // 8)
@@ -341,14 +341,21 @@ def test_a_5_or_6_bit_or_low_k_weight_keeps_its_codes_packed_for_the_triton_kern
     held_bytes = sum(t.numel() * t.element_size() for t in (layer.codes, layer.scales, layer.offsets) if t is not None)
     assert held_bytes == 24 * 512 * PLANE_BYTES[name]
     codes = unpacked(layer.codes, 512)
-    if bits > 4:  # input 64c + 32h + j's top bits: byte 32c + j of the nibbles, in plane byte (32c + j) // (4 / high)
-        high = bits - 4
-        raw = (codes & ((1 << bits) - 1)).reshape(24, -1, 2, 32)
-        plane = layer.codes.view(torch.uint8)[:, 256:].long()
-        position = torch.arange(256).reshape(-1, 32)  # [c, j]: the nibbles' byte
-        for half in (0, 1):
-            tops = (plane[:, position // (4 // high)] >> ((position % (4 // high)) * 2 * high + high * half))
-            assert torch.equal(tops & ((1 << high) - 1), raw[:, :, half] >> 4)
+    # input 64c + run x p + j (run = 64 x low / 8; p < 8 / low): its low bits in byte run x c + j, at bit low x p;
+    # its top bits in plane byte (run x c + j) // (8 / tops), at bit (run x c + j) % (8 / tops) x tops + high x p,
+    # a byte's codes' tops side by side (tops = 8 / low x high bits)
+    low = 2 if bits < 4 else 4
+    per, run, high = 8 // low, 64 * low // 8, bits - low
+    raw = (codes & ((1 << bits) - 1)).reshape(24, -1, per, run)
+    held = layer.codes.view(torch.uint8).long()
+    position = torch.arange(512 * low // 8).reshape(-1, run)  # [c, j]: the byte
+    for part in range(per):
+        assert torch.equal((held[:, position] >> (low * part)) & ((1 << low) - 1), raw[:, :, part] & ((1 << low) - 1))
+        if high:
+            tops = per * high
+            plane = held[:, 512 * low // 8:]
+            top = plane[:, position // (8 // tops)] >> ((position % (8 // tops)) * tops + high * part)
+            assert torch.equal(top & ((1 << high) - 1), raw[:, :, part] >> low)
     weight = torch.from_numpy(gguf_dequantize(file_blocks.numpy(), qtype))[torch.from_numpy(order)]
     scales, offsets = superblock_scales(layer.scales, layer.offsets) if superblocks else (layer.scales.float(),
                                                                                           layer.offsets)
