@@ -24,7 +24,9 @@ On Llama-3.1-8B's gate (14336 x 4096) and down (4096 x 14336) projections, rando
   each code's low four bits two a byte and its top bits in a plane after them, with their blocks' own scales:
   Q5_K's 6-bit scale and minimum a group of 32, Q6_K's signed codes with an int8 scale a group of 16, each with
   float16s a superblock (0.70 and 0.82 bytes a weight, against the int8 kernel's 1.25 those types take where the
-  form fails its check);
+  form fails its check); Q2_K Triton and GEMV kernels: the 2-bit form, four codes a byte with a 4-bit scale and
+  minimum a group of 16, each in a byte, and two float16s a superblock (0.39 bytes a weight, against 1.5 in int8
+  codes);
 - int8 kernel: int8 codes with a scale a group of 32 (GGUF Q8_0's form) on rungen/int8.py's tiled Triton kernel, to
   its MOST_ROWS rows, where the layer uses it; int8 GEMV kernel: the same codes on its GEMV kernel, to GEMV_ROWS
   rows, which the layer takes at those rows where it is the faster at one row;
@@ -74,12 +76,13 @@ def random_4_bit_layer(weight, kind):
     group of 32, no offsets), "levels" IQ4_NL's (the codes index IQ4's levels in a table, a float16 scale a group),
     "q5_k" Q5_K's (5-bit codes, their top bits in a plane after the nibbles, a 6-bit scale and minimum a group of 32
     and two float16s a superblock of 256), "q6_k" Q6_K's (signed 6-bit codes, an int8 scale a group of 16 and a
-    float16 one a superblock); and its checked Triton kernel (None: widened only)."""
+    float16 one a superblock), "q2_k" Q2_K's (2-bit codes four a byte, a 4-bit scale and minimum a group of 16 and
+    two float16s a superblock); and its checked Triton kernel (None: widened only)."""
     from rungen.int4_kernel import IQ4_LEVELS, CudaInt4Linear, checked_int4_kernel, level_pairs
 
     generator = torch.Generator(weight.device).manual_seed(1)
     out_features, in_features = weight.shape
-    bits, group = {"q5_k": (5, 32), "q6_k": (6, 16)}.get(kind, (4, GROUP))
+    bits, group = {"q5_k": (5, 32), "q6_k": (6, 16), "q2_k": (2, 16)}.get(kind, (4, GROUP))
     codes = torch.randint(0, 256, (out_features, in_features * bits // 8), dtype=torch.uint8, device=weight.device,
                           generator=generator)
     groups = (out_features, in_features // group)
@@ -90,9 +93,9 @@ def random_4_bit_layer(weight, kind):
         scales = torch.exp2(-exponents.float()).half()
     elif kind == "levels":
         offsets = level_pairs(IQ4_LEVELS, weight.device)
-    elif kind == "q5_k":  # (a group's 6-bit scale and minimum, a superblock's two float16s, as its blocks hold them)
-        scales = torch.randint(0, 64, (out_features, 2 * in_features // group), dtype=torch.uint8,
-                               device=weight.device, generator=generator)
+    elif kind in ("q5_k", "q2_k"):  # (a group's scale and minimum, a superblock's two float16s, as blocks hold them)
+        scales = torch.randint(0, 64 if kind == "q5_k" else 16, (out_features, 2 * in_features // group),
+                               dtype=torch.uint8, device=weight.device, generator=generator)
         superblocks = (out_features, 2 * in_features // 256)
         offsets = (torch.rand(superblocks, device=weight.device, generator=generator) / 6e4).half()
     else:  # (int8 bytes: signed codes; a group's int8 scale and a superblock's float16, as Q6_K's blocks hold them)
@@ -149,8 +152,8 @@ def forms(weight, device):
             return layer, lambda x, codes, scales, offsets=None: kernel.gemv_launch(x, codes, scales, offsets)
         return layer_of
 
-    e2m1_layer, levels_layer, q5_k_layer, q6_k_layer = (functools.partial(random_4_bit_layer, kind=kind)
-                                                        for kind in ("e2m1", "levels", "q5_k", "q6_k"))
+    e2m1_layer, levels_layer, q5_k_layer, q6_k_layer, q2_k_layer = (
+        functools.partial(random_4_bit_layer, kind=kind) for kind in ("e2m1", "levels", "q5_k", "q6_k", "q2_k"))
     made = [("bfloat16", lambda: Dense(weight), None)]
     if device.type == "cuda":
         made += [("int4 tinygemm", lambda: gpu_int4_linear(weight, None, check=True), None),
@@ -164,6 +167,8 @@ def forms(weight, device):
                  ("Q5_K GEMV kernel", coded(kernel_of(q5_k_layer, "gemv"), True), GEMV_ROWS),
                  ("Q6_K Triton kernel", coded(kernel_of(q6_k_layer, "tiled"), True), MOST_ROWS),
                  ("Q6_K GEMV kernel", coded(kernel_of(q6_k_layer, "gemv"), True), GEMV_ROWS),
+                 ("Q2_K Triton kernel", coded(kernel_of(q2_k_layer, "tiled"), True), MOST_ROWS),
+                 ("Q2_K GEMV kernel", coded(kernel_of(q2_k_layer, "gemv"), True), GEMV_ROWS),
                  ("int8 kernel", coded(kernel_of(int8_group_layer, "tiled"), True), MOST_ROWS),
                  ("int8 GEMV kernel", coded(kernel_of(int8_group_layer, "gemv"), True), GEMV_ROWS)]
     made += [("int4 widened", coded(int4_layer, False), None), ("e2m1 widened", coded(e2m1_layer, False), None),
