@@ -25,7 +25,11 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "gemma2", "
             # and others of transformers' models whose attention does the same (tests/test_slots.py, each
             # against generate())
             "gemma", "granite", "olmo", "olmo2", "olmo3", "cohere", "cohere2", "starcoder2", "phi", "exaone4",
-            "ernie4_5", "seed_oss", "apertus", "arcee", "stablelm")
+            "ernie4_5", "seed_oss", "apertus", "arcee", "stablelm", "glm", "glm4", "internlm3", "helium",
+            "hunyuan_v1_dense", "nemotron", "bitnet", "ministral", "ministral3", "vaultgemma", "granite_swa", "cwm",
+            "jais2", "iquestcoder", "hyperclovax", "nanochat", "doge", "diffllama", "flint", "gemma4_unified_text",
+            # the older ones the original script served (GPT-2 its default; Falcon's rotary models)
+            "gpt2", "gpt_neox", "gptj", "codegen", "gpt_bigcode", "falcon", "opt", "mpt", "xglm", "biogpt")
 # Mixtures of experts of those attentions (gpt-oss's with sinks); a mixture of any family (Gemma 4's 26B-A4B) is
 # taken where every layer's experts read nothing back to the host at a decode step (captures_decode: a GGUF file's
 # experts in codes on a GPU, rungen/gguf/device_experts.py), which transformers' own Experts modules do.
@@ -41,7 +45,7 @@ def round_up(value: int, step: int) -> int:
 def takes_slots(model: torch.nn.Module) -> bool:
     """Whether `model` runs on a SlotCache: a transformers model of FAMILIES or MIXTURES whose experts (if any) read
     nothing back at a step, full or sliding-window attention on every layer, sdpa, eager or gpt-oss's sinks
-    attention, and no other cache of its own (the own model, fused GGUF layers, --jit)."""
+    attention, no ALiBi bias of Falcon's, and no other cache of its own (the own model, fused GGUF layers, --jit)."""
     config = getattr(model, "config", None)
     if config is None or any(getattr(model, flag, False) for flag in ("own_cache", "cache_grows_in_place",
                                                                          "traced_step")):
@@ -51,6 +55,8 @@ def takes_slots(model: torch.nn.Module) -> bool:
     if not all(getattr(module, "captures_decode", False) for module in experts):
         return False
     if text.model_type not in FAMILIES and not (text.model_type in MIXTURES and experts):
+        return False
+    if getattr(text, "alibi", False):  # (Falcon's ALiBi models: their bias is built from a 2D mask)
         return False
     if getattr(text, "_attn_implementation", None) not in ("sdpa", "eager", SINKS_ATTENTION):
         return False

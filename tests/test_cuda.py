@@ -961,15 +961,15 @@ def test_a_capture_out_of_gpu_memory_leaves_the_other_graphs_replaying(deep_chec
 
 
 @pytest.fixture(scope="module")
-def deep_gpt2(tmp_path_factory):
-    """The tiny GPT-2 with 8 layers: a model without fixed slots, whose rows join a left-padded batch a layer at a
-    time."""
+def deep_bloom(tmp_path_factory):
+    """The tiny BLOOM with 8 layers: a model without fixed slots (its ALiBi bias), whose rows join a left-padded
+    batch a layer at a time."""
     import shutil
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    path = str(tmp_path_factory.mktemp("cuda_gpt2") / "gpt2")
-    shutil.copytree(build_tiny_checkpoint("gpt2", str(tmp_path_factory.mktemp("cuda_gpt2_tiny"))), path)
+    path = str(tmp_path_factory.mktemp("cuda_bloom") / "bloom")
+    shutil.copytree(build_tiny_checkpoint("bloom", str(tmp_path_factory.mktemp("cuda_bloom_tiny"))), path)
     config = AutoConfig.from_pretrained(path)
     config.n_layer = 8
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
@@ -977,8 +977,8 @@ def deep_gpt2(tmp_path_factory):
 
 
 @needs_played
-def test_a_request_joins_the_padded_batch_a_layer_at_a_time(deep_gpt2, gpu):
-    """Requests joining a left-padded batch (a model without fixed slots: GPT-2, here of 8 layers) enter it a layer
+def test_a_request_joins_the_padded_batch_a_layer_at_a_time(deep_bloom, gpu):
+    """Requests joining a left-padded batch (a model without fixed slots: BLOOM, here of 8 layers) enter it a layer
     at a time: beyond the keys/values the batch holds after, the merge holds two copies of one layer (the
     concatenation and the cache's own) and the newcomer's, not a second copy of every layer."""
     import gc
@@ -989,7 +989,7 @@ def test_a_request_joins_the_padded_batch_a_layer_at_a_time(deep_gpt2, gpu):
     from rungen.requests import Request
     from rungen.sampling import Sampling
 
-    loaded = load(deep_gpt2, device=DEVICE)
+    loaded = load(deep_bloom, device=DEVICE)
     engine, greedy = Engine(loaded, max_batch=4, prefix_cache_bytes=0), Sampling(temperature=0, ignore_eos=True)
     assert isinstance(engine.batch.kv, PaddedBatch)
     prompts = [loaded.tokenizer(text).input_ids for text in ("word " * 40, "other " * 40, "Hi")]
@@ -1012,8 +1012,8 @@ def test_a_request_joins_the_padded_batch_a_layer_at_a_time(deep_gpt2, gpu):
 
 
 @needs_played
-def test_a_padded_batch_with_no_memory_for_a_join_goes_on_and_so_does_the_newcomer_later(deep_gpt2, gpu, monkeypatch):
-    """The GPU runs out of memory half way through copying a newcomer's keys/values into a left-padded batch (GPT-2
+def test_a_padded_batch_with_no_memory_for_a_join_goes_on_and_so_does_the_newcomer_later(deep_bloom, gpu, monkeypatch):
+    """The GPU runs out of memory half way through copying a newcomer's keys/values into a left-padded batch (BLOOM
     of 8 layers): the batch's rows go on, their first layers read from the copies made, to the tokens they give with
     memory to spare; the newcomer goes on from its first token once a row has left, to the same tokens."""
     import rungen.batch_cache
@@ -1022,7 +1022,7 @@ def test_a_padded_batch_with_no_memory_for_a_join_goes_on_and_so_does_the_newcom
     from rungen.requests import Done, Request
     from rungen.sampling import Sampling
 
-    loaded = load(deep_gpt2, device=DEVICE)
+    loaded = load(deep_bloom, device=DEVICE)
     # The newcomer's prompt is the longest: the batch's rows are padded in the copy, and go on without it.
     prompts = [loaded.tokenizer(text).input_ids for text in ("Hi", "Hello there", "word " * 40)]
     merge, let_go = rungen.batch_cache.PaddedBatch.merge, rungen.batch_cache.let_go

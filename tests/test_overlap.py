@@ -24,7 +24,7 @@ PROMPTS = ["The capital of France is Paris and the capital of Germany is", "Hell
            "Once upon a time there was a little girl", "A", "One two three four five six seven eight"]
 
 
-@pytest.fixture(scope="module", params=["llama", "gpt2"])  # fixed slots; a padded batch
+@pytest.fixture(scope="module", params=["llama", "bloom"])  # fixed slots; a padded batch
 def loaded(request, tmp_path_factory):
     path = build_tiny_checkpoint(request.param, str(tmp_path_factory.mktemp(request.param)))
     return load(path, device=torch.device("cpu"))

@@ -440,12 +440,26 @@ def test_gemma_4_decodes_in_slots_as_generate_does(variant, tmp_path):
 
 
 # More of transformers' families whose attention takes the slots as llama's does (Gemma 1, Granite, OLMo 1-3, Command
-# R and R7B, StarCoder2, Phi-2, EXAONE 4, ERNIE 4.5, Seed-OSS, Apertus, AFM/Arcee, StableLM), their configs' defaults
-# at a tiny size; the sliding ones (Command R7B, OLMo 3, EXAONE 4 by layer type, StarCoder2 on every layer) with a
-# window of 4. No EOS (generate()'s min_new_tokens would forbid it where the engine's rows just go on: StableLM's 0).
-MORE = {"gemma": {}, "granite": {}, "olmo": {}, "olmo2": {}, "olmo3": {"sliding_window": 4}, "cohere": {},
-        "cohere2": {"sliding_window": 4}, "starcoder2": {"sliding_window": 4}, "phi": {},
-        "exaone4": {"sliding_window": 4}, "ernie4_5": {}, "seed_oss": {}, "apertus": {}, "arcee": {}, "stablelm": {}}
+# R and R7B, StarCoder2, Phi-2, EXAONE 4, ERNIE 4.5, Seed-OSS, Apertus, AFM/Arcee, StableLM, GLM and GLM-4, InternLM3,
+# Helium, Hunyuan, Nemotron, BitNet, Ministral and Ministral 3, VaultGemma, Granite's sliding one, CWM, Jais 2,
+# IQuest-Coder, HyperCLOVA X, nanochat, Doge, Diff Transformer, Flint, Gemma 4's unified text model; and the older
+# ones the original script served: GPT-2, GPT-NeoX, GPT-J, CodeGen, GPTBigCode, Falcon, OPT, MPT's ALiBi, XGLM,
+# BioGPT), their configs' defaults at a tiny size (a head of 16 where the default sets none; GPT-J's and CodeGen's
+# rotary over 8 of it); the sliding ones (Command R7B, OLMo 3, EXAONE 4, Ministral, VaultGemma, Granite's, CWM,
+# Gemma 4's by layer type, StarCoder2, Ministral 3 and Doge on every layer) with a window of 4. No EOS (generate()'s
+# min_new_tokens would forbid it where the engine's rows just go on: StableLM's 0; CWM's config takes a BOS only as an
+# integer).
+WINDOW = {"sliding_window": 4}
+MORE = {"gemma": {}, "granite": {}, "olmo": {}, "olmo2": {}, "olmo3": WINDOW, "cohere": {}, "cohere2": WINDOW,
+        "starcoder2": WINDOW, "phi": {}, "exaone4": WINDOW, "ernie4_5": {}, "seed_oss": {}, "apertus": {}, "arcee": {},
+        "stablelm": {}, "glm": {}, "glm4": {}, "internlm3": {}, "helium": {"head_dim": 16},
+        "hunyuan_v1_dense": {"head_dim": 16}, "nemotron": {}, "bitnet": {}, "ministral": {"head_dim": 16, **WINDOW},
+        "ministral3": WINDOW, "vaultgemma": {"head_dim": 16, **WINDOW}, "granite_swa": WINDOW,
+        "cwm": {"bos_token_id": 0, **WINDOW}, "jais2": {}, "iquestcoder": {}, "hyperclovax": {}, "nanochat": {},
+        "doge": WINDOW, "diffllama": {}, "flint": WINDOW, "gemma4_unified_text": WINDOW,
+        "gpt2": {}, "gpt_neox": {}, "gptj": {"rotary_dim": 8}, "codegen": {"rotary_dim": 8}, "gpt_bigcode": {},
+        "falcon": {"new_decoder_architecture": True, "num_kv_heads": 2}, "opt": {}, "mpt": {}, "xglm": {},
+        "biogpt": {}}
 
 
 @pytest.mark.parametrize("family", list(MORE))
@@ -458,10 +472,34 @@ def test_more_families_decode_in_slots_as_generate_does(llama_tokenizer, family)
     config = transformers.AutoConfig.for_model(
         family, vocab_size=source.vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, intermediate_size=64, max_position_embeddings=source.context,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None, **MORE[family])
+        **{"bos_token_id": None, "eos_token_id": None, "pad_token_id": None, **MORE[family]})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     assert takes_slots(model)
     engine = Engine(Loaded(model, source.tokenizer, family, torch.device("cpu"), source.context, source.vocab_size),
                     max_batch=3, prefix_cache_bytes=0)
     decodes_as_generate_does(engine, source.tokenizer, model, label=family)
+
+
+def test_falcons_alibi_models_decode_on_the_padded_batch(llama_tokenizer):
+    # Falcon's ALiBi models (Falcon-RW) build their bias from a 2D mask, which the slots' 4D one is not: they take the
+    # padded batch, and decode there as generate() gives each prompt alone.
+    import transformers
+
+    from rungen.loading import Loaded
+
+    source = llama_tokenizer
+    config = transformers.AutoConfig.for_model(
+        "falcon", vocab_size=source.vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        alibi=True, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    assert not takes_slots(model)
+    engine = Engine(Loaded(model, source.tokenizer, "falcon", torch.device("cpu"), source.context, source.vocab_size),
+                    max_batch=3, prefix_cache_bytes=0)
+    assert engine.batch.kv.form == "a left-padded batch"  # (what --verbose says)
+    ids = [source.tokenizer(prompt).input_ids for prompt in PROMPTS]
+    done = run(engine, [(i, length, Sampling(temperature=0, ignore_eos=True), 1) for i, length in zip(ids, LENGTHS)])
+    with torch.no_grad():
+        for number, (i, length) in enumerate(zip(ids, LENGTHS)):
+            assert done[number][0] == generate_alone(model, i, length), PROMPTS[number]

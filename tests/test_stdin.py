@@ -225,12 +225,13 @@ def test_sampled_text_follows_the_seed_whatever_the_batch(tiny_models):
 
 @pytest.mark.parametrize("n", [1, 2])
 def test_piped_prompts_the_gpu_has_no_memory_to_batch_together_run_as_memory_allows(tiny_models, monkeypatch, n):
-    """GPT-2 (a left-padded batch): every piped prompt is prefilled, and copying their keys/values into one batch
-    runs out of GPU memory (raised where CUDA raises it: the CPU has no such limit). The first prompt goes on in its
-    own cache (its n rows' keys/values copied there), the others wait and run as rows leave: every prompt's text and
-    the exit status are those of a run with memory to spare, each prompt's seed its own."""
+    """BLOOM (a left-padded batch: its ALiBi bias takes no slots): every piped prompt is prefilled, and copying their
+    keys/values into one batch runs out of GPU memory (raised where CUDA raises it: the CPU has no such limit). The
+    first prompt goes on in its own cache (its n rows' keys/values copied there), the others wait and run as rows
+    leave: every prompt's text and the exit status are those of a run with memory to spare, each prompt's seed its
+    own."""
     failed = []
-    args = tiny_args(tiny_models, "gpt2", "--length", "8", "--seed", "3", "--output_format", "jsonl",
+    args = tiny_args(tiny_models, "bloom", "--length", "8", "--seed", "3", "--output_format", "jsonl",
                      "--num_return_sequences", str(n))
     spare = run_main(args, stdin="\n".join(PROMPTS))
     with monkeypatch.context() as patch:  # the prompts' first merge, into the empty batch
@@ -243,14 +244,14 @@ def test_piped_prompts_the_gpu_has_no_memory_to_batch_together_run_as_memory_all
 
 
 @pytest.mark.parametrize("model_type, layer", [("llama", "llama.modeling_llama.LlamaDecoderLayer"),
-                                               ("gpt2", "gpt2.modeling_gpt2.GPT2Block")])
+                                               ("bloom", "bloom.modeling_bloom.BloomBlock")])
 def test_a_decode_step_out_of_gpu_memory_costs_the_newest_prompt_only(tiny_models, monkeypatch, model_type, layer):
     """A decode step of every prompt runs out of GPU memory in its last layer, the others' keys/values written
     (raised where CUDA raises it: the CPU has no such limit; the played GPU's own memory runs out in
     tests/test_cuda.py): the newest prompt gives way and goes on after the others from its first token (its prompt
     and that token prefilled again, its seed its own): every record is the one a run with memory to spare gives,
     with --logprobs too (its first token's items taken before it gave way). On fixed slots (llama) and on the
-    left-padded batch (gpt2), whose layers that grew in the failed step shrink back."""
+    left-padded batch (bloom), whose layers that grew in the failed step shrink back."""
     import importlib
 
     import torch
@@ -260,7 +261,7 @@ def test_a_decode_step_out_of_gpu_memory_costs_the_newest_prompt_only(tiny_model
     forward, failed = decoder_layer.forward, []
 
     def short_of_memory(self, hidden_states, *args, **kwargs):
-        attention = getattr(self, "self_attn", None) or self.attn
+        attention = getattr(self, "self_attn", None) or self.self_attention
         if hidden_states.shape[:2] == (len(PROMPTS), 1) and attention.layer_idx == 1 and not failed:
             failed.append(len(PROMPTS))  # the first step of every prompt together, in its last layer
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
