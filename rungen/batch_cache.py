@@ -69,19 +69,24 @@ class SlotBatch:
         """What a prefilled request brings to merge(): its keys/values, copied into each of its n rows' slots."""
         return layers_of(output.past_key_values), n
 
-    def prefill(self, prompts, reserve):
+    def prefill(self, prompts, reserve, chunk=None):
         """Prefills the prompts [(ids, reused, the prefix cache's layers, n)] in one pass into the slots after the
         batch's, each prompt's n rows in a row (its first slot prefilled, the others copies of it), every slot
-        holding `reserve` positions; returns each prompt's next-token logits [prompts, vocabulary]."""
+        holding `reserve` positions; returns each prompt's next-token logits [prompts, vocabulary]. `chunk`: a
+        prompt alone goes in passes of that many tokens at most (each reading the slot's positions before it)."""
         first = self.slots.rows
         counts = [n for *_, n in prompts]
         self.slots.ensure(first + sum(counts), reserve + self.lookahead, self.like())
         for number, (_, reused, layers, _) in enumerate(prompts):
             if reused:
                 self.slots.write(first + number, layers)
+        passes = [([ids[reused:] for ids, reused, *_ in prompts], [reused for _, reused, *_ in prompts])]
+        if chunk and len(prompts) == 1:
+            (ids, reused, *_), = prompts
+            passes = [([ids[start:start + chunk]], [start]) for start in range(reused, len(ids), chunk)]
         with torch.inference_mode():  # (the slots stay normal tensors: rows leaving move them outside it)
-            logits = prefill_step(self.model, self.slots, first, [ids[reused:] for ids, reused, *_ in prompts],
-                                  [reused for _, reused, *_ in prompts], self.device)
+            for tokens, starts in passes:
+                logits = prefill_step(self.model, self.slots, first, tokens, starts, self.device)
         # Prompt b sits in slot first + b; its rows start at first + the rows before it: later prompts move first.
         for number in reversed(range(len(prompts))):
             base, length = first + sum(counts[:number]), len(prompts[number][0])

@@ -51,14 +51,14 @@ def prefill_alone(model, kv, request, prefix_cache, device, *, use_positions, ke
     return Prefilled(reused, kv.part(output, request.n, len(ids)), output.logits[:, -1].float())
 
 
-def prefill_together(kv, requests, prefix_cache, reserve: int) -> list[Prefilled]:
+def prefill_together(kv, requests, prefix_cache, reserve: int, chunk: int | None = None) -> list[Prefilled]:
     """The requests' prompts in one pass into the slots after the batch's (kv.prefill); `reserve`: the positions a
-    row of the batch takes at most, theirs included."""
+    row of the batch takes at most, theirs included; `chunk`: a prompt alone in passes of that many tokens."""
     prompts = []
     for request in requests:
         reused, layers, _ = prefix_cache.longest(request.ids) if prefix_cache else (0, None, None)
         prompts.append((request.ids, reused, layers, request.n))
-    logits = kv.prefill(prompts, reserve)
+    logits = kv.prefill(prompts, reserve, chunk)
     return [Prefilled(reused, None, logits[number : number + 1])
             for number, (_, reused, _, _) in enumerate(prompts)]
 
@@ -72,6 +72,10 @@ def prefill_group(model, kv, requests, prefix_cache, device, rows: int, reserve:
         kv.make_room(rows + sum(request.n for request in requests), reserve)
         if len(requests) > 1:
             return prefill_together(kv, requests, prefix_cache, reserve)
+        if kv.prefills_together and device.type == "cuda" and len(requests[0].ids) > pass_tokens(device):
+            # a long prompt on a GPU straight into its slot, a pass at a time: prefilled alone, its keys/values
+            # would be held twice at the merge (the prefill's cache and the slot), and its activations whole
+            return prefill_together(kv, requests, prefix_cache, reserve, pass_tokens(device))
         return [prefill_alone(model, kv, requests[0], prefix_cache, device, use_positions=use_positions,
                               keep_last=keep_last)]
     except torch.OutOfMemoryError:

@@ -1062,6 +1062,50 @@ def test_a_padded_batch_with_no_memory_for_a_join_goes_on_and_so_does_the_newcom
 
 
 @needs_played
+def test_a_long_prompt_goes_into_its_slot_a_pass_at_a_time(gpu, monkeypatch, tmp_path):
+    """A prompt longer than a pass (pass_tokens, 512 here) on a GPU goes straight into its slot, a pass at a time,
+    each reading the slot's positions before it: its keys/values are held once, where prefilled alone the prefill's
+    cache and the slot held them twice at the merge; its tokens are those of the prefill alone."""
+    import transformers
+
+    import rungen.batch_cache
+    import rungen.prefill
+    from rungen.engine import Engine
+    from rungen.loading import Loaded, load
+    from rungen.requests import Done, Request
+    from rungen.sampling import Sampling
+
+    source = load(build_tiny_checkpoint("llama", str(tmp_path / "llama")), device=torch.device("cpu"))
+    config = transformers.LlamaConfig(vocab_size=source.vocab_size, hidden_size=64, num_hidden_layers=16,
+                                      num_attention_heads=4, num_key_value_heads=4, intermediate_size=128,
+                                      max_position_embeddings=4096)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval().to(DEVICE)
+    ids = torch.randint(5, source.vocab_size, (3000,), generator=torch.Generator().manual_seed(0)).tolist()
+    step = rungen.batch_cache.prefill_step
+
+    def run(pass_tokens):
+        monkeypatch.setattr(rungen.prefill, "pass_tokens", lambda device: pass_tokens)
+        engine = Engine(Loaded(model, source.tokenizer, "llama", DEVICE, 4096, source.vocab_size), max_batch=2,
+                        prefix_cache_bytes=0)
+        done, passes = [], []
+        monkeypatch.setattr(rungen.batch_cache, "prefill_step",
+                            lambda *args: passes.append(len(args[3][0])) or step(*args))
+        held = gpu.memory.allocated
+        gpu.memory.reset_peak()
+        engine.submit(Request(ids, 6, Sampling(temperature=0, ignore_eos=True),
+                              sink=lambda event: done.append(event.finish.tokens) if isinstance(event, Done) else 0))
+        engine.run_here()
+        slot = sum(k.numel() * k.element_size() * 2 for k in engine.batch.kv.slots.keys)
+        return done[0], passes, gpu.memory.peak - held, slot
+
+    alone, no_passes, alone_peak, slot = run(10**6)
+    tokens, passes, peak, _ = run(512)
+    assert no_passes == [] and passes == [512] * 5 + [440] and tokens == alone
+    assert peak <= 1.2 * slot < 0.7 * alone_peak  # (alone: the slot, the prefill's cache, its activations)
+
+
+@needs_played
 @pytest.mark.fresh_load  # the loader's memo would hold a copy of the model on the GPU
 def test_out_of_gpu_memory_the_prefix_cache_goes_first(deep_checkpoint, gpu, caplog):
     """The GPU's memory shrinks below a decode step by less than the prefix cache holds: its entries go (they only
