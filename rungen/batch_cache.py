@@ -13,7 +13,8 @@ import torch
 
 from . import fused_step
 from .kvcache import dummy, full_attention, growing, holding, new_cache
-from .slots import DecodeGraphs, SlotCache, decode_step, prefill_step
+from .prefill import pass_tokens
+from .slots import DecodeGraphs, SlotCache, decode_step, prefill_step, takes_slots
 from .transfers import accelerators_of, to_device
 
 GRAPHS_ENV = "RUN_GENERATION_CUDA_GRAPHS"
@@ -26,10 +27,13 @@ def batch_cache(model, device, use_positions, max_batch, context, lookahead=0, s
     padded batch. `lookahead`: positions a row may be fed past its request's reserve (a step launched before its end
     was read); `shapes`: layer_shapes of the model where the caller probed it already."""
     one_device = len(set(accelerators_of(model))) <= 1  # offloaded: on the first
-    slots = SlotCache.for_model(model, max_batch, context) if context and one_device else None
-    if slots is None:
+    if not (context and one_device and takes_slots(model)):
         return PaddedBatch(model, device, use_positions)
     step = fused_step.for_model(model, device) or decode_step  # (on a GPU: the fused layers where the family has them)
+    # On a GPU the sliding layers hold rings (transformers' layers: the fused ones read every position), the prompts
+    # going into their slots a pass at a time (prefill.py)
+    rings = device.type == "cuda" and step is decode_step and prefills_together(model)
+    slots = SlotCache.for_model(model, max_batch, context, pass_tokens(device) + lookahead if rings else None)
     graphs = None  # RUN_GENERATION_CUDA_GRAPHS=0: eager steps on a GPU too
     if device.type == "cuda" and os.environ.get(GRAPHS_ENV, "1") != "0":
         graphs = DecodeGraphs(model, slots, compiled=os.environ.get(COMPILE_ENV) == "1", step=step)
@@ -53,13 +57,19 @@ class SlotBatch:
     def __init__(self, model, device, slots, graphs=None, lookahead=0, step=decode_step, shapes=None):
         self.model, self.device, self.slots, self.graphs, self.lookahead = model, device, slots, graphs, lookahead
         self.step = step  # the eager step: transformers' layers (decode_step) or rungen.fused_step's
-        # A model spread by --device_map (offloaded layers too) prefills alone.
-        self.prefills_together = os.environ.get(PREFILL_ENV, "1") != "0" and len(devices_of(model)) <= 1
+        self.prefills_together = prefills_together(model)
         self.shapes = shapes  # each layer's key and value shapes (layer_shapes), probed once
+
+    @property
+    def rings(self) -> bool:
+        """Whether the sliding layers hold rings (each prompt then goes into its slot, a pass at a time)."""
+        return self.slots.ring is not None
 
     @property
     def form(self):
         slots = "fixed slots, fused layers" if fused_step.fused(self.step) else "fixed slots"
+        if self.rings:
+            slots += f", the sliding layers in rings of {self.slots.ring} positions"
         if self.graphs is None:
             return slots
         compiled = "compiled and " if self.graphs.compiled else ""
@@ -166,7 +176,7 @@ class PaddedBatch:
     """Rows in one left-padded cache of the model's own kind, with their attention mask."""
 
     form = "a left-padded batch"
-    prefills_together = False
+    prefills_together = rings = False
 
     def __init__(self, model, device, use_positions):
         self.model, self.device, self.use_positions = model, device, use_positions
@@ -315,6 +325,12 @@ def layer_shapes(layers) -> list[tuple[tuple[int, int], tuple[int, int]]]:
     numbers do not say them where layers differ (Gemma 4's full layers' heads and sizes, its last layers reading
     earlier ones' keys)."""
     return [((k.shape[1], k.shape[3]), (v.shape[1], v.shape[3])) for k, v in layers]
+
+
+def prefills_together(model) -> bool:
+    """Whether requests go into their slots together (one pass), not each prefilled alone: unless
+    RUN_GENERATION_PREFILL_TOGETHER=0 or --device_map spreads the model (offloaded layers too)."""
+    return os.environ.get(PREFILL_ENV, "1") != "0" and len(devices_of(model)) <= 1
 
 
 def devices_of(model) -> set:

@@ -72,9 +72,11 @@ def prefill_group(model, kv, requests, prefix_cache, device, rows: int, reserve:
         kv.make_room(rows + sum(request.n for request in requests), reserve)
         if len(requests) > 1:
             return prefill_together(kv, requests, prefix_cache, reserve)
-        if kv.prefills_together and device.type == "cuda" and len(requests[0].ids) > pass_tokens(device):
+        if kv.prefills_together and device.type == "cuda" and (len(requests[0].ids) > pass_tokens(device)
+                                                               or kv.rings):
             # a long prompt on a GPU straight into its slot, a pass at a time: prefilled alone, its keys/values
-            # would be held twice at the merge (the prefill's cache and the slot), and its activations whole
+            # would be held twice at the merge (the prefill's cache and the slot), and its activations whole (and
+            # a sliding layer's every position, where the slots hold rings)
             return prefill_together(kv, requests, prefix_cache, reserve, pass_tokens(device))
         return [prefill_alone(model, kv, requests[0], prefix_cache, device, use_positions=use_positions,
                               keep_last=keep_last)]

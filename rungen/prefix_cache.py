@@ -12,19 +12,22 @@ class PrefixCache:
 
     def __init__(self, max_bytes):
         self.max_bytes, self.bytes = max_bytes, 0
-        self.entries = collections.OrderedDict()  # tuple(tokens) -> (layers, bytes, buffers or None)
+        # tuple(tokens) -> (layers, bytes, buffers or None, whether only the whole entry serves)
+        self.entries = collections.OrderedDict()
 
     def put(self, tokens, layers, size=None, buffers=None):
         """Keeps `layers` for `tokens`; `buffers`: per layer the buffers they start, which a next turn may take
-        over; `size`: the bytes held alive, when more than the layers'."""
+        over; `size`: the bytes held alive, when more than the layers'. A layer of fewer positions than the tokens
+        (a sliding layer's ring, rungen/slots.py) holds the last ones only: the entry serves only a request that
+        starts with all of it (a conversation's next turn)."""
         size = size or sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers)
         key = tuple(tokens)
         if size > self.max_bytes or len(key) < 2 or key in self.entries:
             return
-        self.entries[key] = (layers, size, buffers)
+        self.entries[key] = (layers, size, buffers, any(k.shape[-2] < len(key) for k, _ in layers))
         self.bytes += size
         while self.bytes > self.max_bytes:
-            _, (_, dropped, _) = self.entries.popitem(last=False)
+            _, (_, dropped, *_) = self.entries.popitem(last=False)
             self.bytes -= dropped
 
     def give_up(self, why) -> bool:
@@ -42,19 +45,19 @@ class PrefixCache:
         (0, None, None). `layers` are views, never to be written to; when the start is the whole entry and it kept
         its buffers, they come too and the entry leaves the cache."""
         best, found = 0, None
-        for key in self.entries:
+        for key, (*_, whole_only) in self.entries.items():
             length = shared_start(key, ids, limit=len(ids) - 1)
-            if length > best:
+            if length > best and (length == len(key) or not whole_only):
                 best, found = length, key
         if found is None:
             return 0, None, None
-        layers, size, buffers = self.entries[found]
+        layers, size, buffers, _ = self.entries[found]
         if buffers is not None and best == len(found):
             del self.entries[found]
             self.bytes -= size
             return best, layers, buffers
         self.entries.move_to_end(found)
-        return best, [(k[:, :, :best], v[:, :, :best]) for k, v in layers], None
+        return best, [(k[:, :, :best], v[:, :, :best]) for k, v in layers], None  # (a ring: whole)
 
     def keep(self, tokens, layers, batch_cache=None):
         """Keeps a finished row's keys/values `layers` for `tokens`: copies, unless `batch_cache` (the batch ends

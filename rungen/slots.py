@@ -5,8 +5,11 @@ first `rows` slots, so nothing is concatenated and a step's shapes depend only o
 graph. A row that ends frees its slot to the last row, so rows stay 0..rows-1. The mask is 4D [rows, 1, queries,
 length], which transformers' mask construction passes through: boolean for sdpa, additive (0 or the dtype's least)
 for eager attention, which adds it to the scores; with a sliding window (Mistral's, Phi-3's, and the layers a config's
-layer_types names sliding: Gemma 2 and 3, gpt-oss, Qwen2's) a position sees only the window's last keys, every layer
-holding every position (the mask applies the window).
+layer_types names sliding: Gemma 2 and 3, gpt-oss, Qwen2's) a position sees only the window's last keys (the mask
+applies the window). On a GPU a sliding layer holds a ring of `ring` positions (the window, a prefill's pass and the
+step ahead, rounded up): position p at p % ring, so that a long context's sliding layers hold no more than that; until
+a row's positions reach the ring it is read as a full layer, and past them whole, under a mask that works out each
+entry's position from the row's last one (ring_mask).
 """
 
 from __future__ import annotations
@@ -64,6 +67,15 @@ def takes_slots(model: torch.nn.Module) -> bool:
     return kinds is None or set(kinds) <= {"full_attention", "sliding_attention"}
 
 
+def ring_mask(size: int, ends: torch.Tensor, positions: torch.Tensor, window: int) -> torch.Tensor:
+    """Which entries of a ring of `size` positions each query at `positions` [rows, queries] sees [rows, 1, queries,
+    size]: entry j holds the row's latest position at j modulo `size`, counted back from its last one written,
+    ends [rows]; seen where that position is written (>= 0), not past the query and within its window."""
+    held = ends[:, None] - (ends[:, None] - torch.arange(size, device=ends.device)) % size  # [rows, size]
+    held, queries = held[:, None, None, :], positions[:, None, :, None]
+    return (held >= 0) & (held <= queries) & (held > queries - window)
+
+
 class AttentionMask:
     """What a model's attention takes for a causal mask over the slots: `kinds` the config's layer_types (None: one
     mask for every layer), `window` its sliding window where a layer slides (None: none does), `additive` whether its
@@ -76,11 +88,15 @@ class AttentionMask:
         self.window = window if slides else None
         self.additive = getattr(text_config, "_attn_implementation", None) == "eager"
 
-    def __call__(self, seen: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | dict:
+    def __call__(self, seen: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, ring=None
+                 ) -> torch.Tensor | dict:
         """`seen` [rows, 1, queries, length] (a query sees the slot's positions up to its own, at `positions`
-        [rows, queries]) as the model takes it, additive masks in `dtype`."""
+        [rows, queries]) as the model takes it, additive masks in `dtype`; `ring` (size, ends): the sliding layers
+        read whole rings of that size, each row's last position written at ends [rows] (ring_mask)."""
         masks = {"full_attention": seen}
-        if self.window is not None:  # transformers' window: a key more than `window - 1` positions back is out
+        if self.window is not None and ring is not None:
+            masks["sliding_attention"] = ring_mask(*ring, positions, self.window)
+        elif self.window is not None:  # transformers' window: a key more than `window - 1` positions back is out
             recent = torch.arange(seen.shape[-1], device=seen.device) > positions[:, None, :, None] - self.window
             masks["sliding_attention"] = seen & recent
         if self.additive:
@@ -95,29 +111,45 @@ class AttentionMask:
 class SlotCache:
     """The batch's keys/values in slots: the engine calls prepare() before a step, attention update() per layer."""
 
-    def __init__(self, layers: int, max_slots: int, max_positions: int, attention_mask: AttentionMask | None = None):
+    def __init__(self, layers: int, max_slots: int, max_positions: int, attention_mask: AttentionMask | None = None,
+                 ring: int | None = None):
         self.num_layers, self.max_slots, self.max_positions = layers, max_slots, max_positions
         self.attention_mask = attention_mask or AttentionMask(None)
-        self.keys, self.values = [], []  # per layer [slots, kv heads, capacity, head size]
+        # The positions a sliding layer holds (None: every position, as a full layer does)
+        self.ring = ring if self.attention_mask.window is not None else None
+        self.keys, self.values = [], []  # per layer [slots, kv heads, capacity (a ring's: its size), head size]
+        self.capacity = 0  # the positions a full layer holds
         self.rows = 0  # the slots in use: 0..rows-1
         self.slot_index = self.positions = None  # the step's rows [rows] and the position each writes [rows]
         self.length = 0  # positions a step reads
         self.generation = 0  # counts the times the buffers were replaced (graphs over older ones are stale)
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, max_slots: int, max_positions: int) -> SlotCache | None:
+    def for_model(cls, model: torch.nn.Module, max_slots: int, max_positions: int, most_pass: int | None = None
+                  ) -> SlotCache | None:
+        """The slots for `model` (None: it takes none); `most_pass`: the sliding layers hold rings, a pass writing
+        that many positions at most (its tokens and the step ahead), rounded up to POSITION_BUCKET past the window."""
         if not takes_slots(model):
             return None
         text = model.config.get_text_config(decoder=True)
-        return cls(text.num_hidden_layers, max_slots, max_positions, AttentionMask(text))
+        mask = AttentionMask(text)
+        ring = round_up(mask.window + most_pass, POSITION_BUCKET) if most_pass and mask.window else None
+        return cls(text.num_hidden_layers, max_slots, max_positions, mask, ring)
+
+    def slides(self, layer: int) -> bool:
+        """Whether `layer` holds a ring (a sliding layer, where the slots keep rings)."""
+        kinds = self.attention_mask.kinds
+        return self.ring is not None and (kinds is None or kinds[layer] == "sliding_attention")
+
+    def ring_read(self, length: int) -> int | None:
+        """The rings' size where a step reading `length` positions reads the sliding layers' rings whole (past their
+        size), else None (each reads its first `length`, as a full layer does)."""
+        size = min(self.capacity, self.ring) if self.ring is not None else None
+        return size if size is not None and length > size else None
 
     @property
     def slots(self) -> int:
         return self.keys[0].shape[0] if self.keys else 0
-
-    @property
-    def capacity(self) -> int:
-        return self.keys[0].shape[2] if self.keys else 0
 
     def ensure(self, rows: int, positions: int, like: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Room for `rows` slots of `positions` positions each, in the dtype, device and head shapes of `like` (a
@@ -130,36 +162,46 @@ class SlotCache:
         capacity = max(self.capacity, min(round_up(positions, POSITION_BUCKET), max(positions, self.max_positions)))
         keys, values = [], []
         for layer, (k, v) in enumerate(like):
-            new_k = k.new_zeros((slots, k.shape[1], capacity, k.shape[3]))
-            new_v = v.new_zeros((slots, v.shape[1], capacity, v.shape[3]))
-            if self.keys and self.rows:
-                new_k[: self.rows, :, : self.capacity].copy_(self.keys[layer][: self.rows])
-                new_v[: self.rows, :, : self.capacity].copy_(self.values[layer][: self.rows])
+            size = min(capacity, self.ring) if self.slides(layer) else capacity
+            new_k = k.new_zeros((slots, k.shape[1], size, k.shape[3]))
+            new_v = v.new_zeros((slots, v.shape[1], size, v.shape[3]))
+            if self.keys and self.rows:  # (a ring that grows has not wrapped: each position where it was)
+                held = self.keys[layer].shape[2]
+                new_k[: self.rows, :, :held].copy_(self.keys[layer][: self.rows])
+                new_v[: self.rows, :, :held].copy_(self.values[layer][: self.rows])
             keys.append(new_k)
             values.append(new_v)
-        self.keys, self.values = keys, values
+        self.keys, self.values, self.capacity = keys, values, capacity
         self.generation += 1
 
     def write(self, slot: int, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """A joining row's prefilled keys/values (per layer [1, kv heads, length, head size]) into `slot`."""
+        """A joining row's prefilled keys/values (per layer [1, kv heads, length, head size], or a ring as
+        row_layers gave it) into `slot`."""
         for layer, (k, v) in enumerate(layers):
-            length = k.shape[2]
-            self.keys[layer][slot, :, :length].copy_(k[0])
-            self.values[layer][slot, :, :length].copy_(v[0])
+            length, size = k.shape[2], self.keys[layer].shape[2]
+            if length <= size:  # (positions 0..length-1, or a ring whole: each entry where it was)
+                self.keys[layer][slot, :, :length].copy_(k[0])
+                self.values[layer][slot, :, :length].copy_(v[0])
+            else:  # every position, into a ring: the last `size` at their remainders
+                at = torch.arange(length - size, length, device=k.device) % size
+                self.keys[layer][slot, :, at] = k[0, :, length - size:]
+                self.values[layer][slot, :, at] = v[0, :, length - size:]
 
     def move(self, source: int, target: int, length: int) -> None:
-        """The first `length` positions of slot `source` into slot `target` (a row leaving frees its slot)."""
+        """The first `length` positions of slot `source` into slot `target` (a row leaving frees its slot; a ring
+        whole past its size)."""
         for keys, values in zip(self.keys, self.values):
             keys[target, :, :length].copy_(keys[source, :, :length])
             values[target, :, :length].copy_(values[source, :, :length])
 
     def row_layers(self, slot: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Views of the first `length` positions of `slot`, per layer [1, kv heads, length, head size]."""
+        """Views of the first `length` positions of `slot`, per layer [1, kv heads, length, head size] (a ring that
+        `length` passes: whole, [1, kv heads, its size, head size])."""
         return [(k[slot : slot + 1, :, :length], v[slot : slot + 1, :, :length])
                 for k, v in zip(self.keys, self.values)]
 
     def clear(self) -> None:
-        self.keys, self.values, self.rows = [], [], 0
+        self.keys, self.values, self.rows, self.capacity = [], [], 0, 0
         self.generation += 1
 
     def step_length(self, longest: int) -> int:
@@ -179,10 +221,12 @@ class SlotCache:
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         keys, values = self.keys[layer_idx], self.values[layer_idx]
-        keys[self.slot_index, :, self.positions] = key_states[:, :, 0].to(keys.dtype)
-        values[self.slot_index, :, self.positions] = value_states[:, :, 0].to(values.dtype)
-        rows = self.slot_index.shape[0]
-        return keys[:rows, :, : self.length], values[:rows, :, : self.length]
+        size = keys.shape[2]
+        at = self.positions % size if size < self.capacity else self.positions  # (a ring: at the remainder)
+        keys[self.slot_index, :, at] = key_states[:, :, 0].to(keys.dtype)
+        values[self.slot_index, :, at] = value_states[:, :, 0].to(values.dtype)
+        rows, length = self.slot_index.shape[0], min(self.length, size)
+        return keys[:rows, :, :length], values[:rows, :, :length]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
@@ -195,7 +239,9 @@ def decode_step(model: torch.nn.Module, cache: SlotCache, tokens: torch.Tensor, 
                 length: int) -> torch.Tensor:
     """One decode step of slots 0..rows-1 (tokens [rows, 1], positions [rows]): the logits [rows, vocabulary] of
     their next tokens, in float32."""
-    mask = cache.attention_mask(cache.prepare(positions, length), positions[:, None], cache.keys[0].dtype)
+    size = cache.ring_read(length)
+    mask = cache.attention_mask(cache.prepare(positions, length), positions[:, None], cache.keys[0].dtype,
+                                None if size is None else (size, positions))
     output = model(input_ids=tokens, attention_mask=mask, position_ids=positions[:, None], past_key_values=cache,
                    use_cache=True)
     return output.logits[:, -1].float()
@@ -214,14 +260,18 @@ class SlotPrefill:
 
     def mask(self) -> torch.Tensor | dict:
         seen = torch.arange(self.length, device=self.positions.device)[None, None, :] <= self.positions[:, :, None]
-        return self.cache.attention_mask(seen[:, None], self.positions, self.cache.keys[0].dtype)
+        size = self.cache.ring_read(self.length)  # (a ring: each row's last position, its padding's included)
+        ring = None if size is None else (size, self.positions.amax(dim=1))
+        return self.cache.attention_mask(seen[:, None], self.positions, self.cache.keys[0].dtype, ring)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         keys, values = self.cache.keys[layer_idx], self.cache.values[layer_idx]
-        keys[self.slot_index, :, self.positions] = key_states.transpose(1, 2).to(keys.dtype)
-        values[self.slot_index, :, self.positions] = value_states.transpose(1, 2).to(values.dtype)
-        end = self.first + self.positions.shape[0]
-        return keys[self.first : end, :, : self.length], values[self.first : end, :, : self.length]
+        size = keys.shape[2]
+        at = self.positions % size if size < self.cache.capacity else self.positions  # (a ring: at the remainder)
+        keys[self.slot_index, :, at] = key_states.transpose(1, 2).to(keys.dtype)
+        values[self.slot_index, :, at] = value_states.transpose(1, 2).to(values.dtype)
+        end, length = self.first + self.positions.shape[0], min(self.length, size)
+        return keys[self.first : end, :, :length], values[self.first : end, :, :length]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length

@@ -1105,6 +1105,96 @@ def test_a_long_prompt_goes_into_its_slot_a_pass_at_a_time(gpu, monkeypatch, tmp
     assert peak <= 1.2 * slot < 0.7 * alone_peak  # (alone: the slot, the prefill's cache, its activations)
 
 
+# Sliding windows as the slots' rings take them: Gemma 3's by layer type (sdpa), Gemma 2's (eager: additive masks,
+# soft-capping), StarCoder2's on every layer, a window of 4; Gemma 4's E2B (its last layers reading earlier ones'
+# keys) and 26B-A4B (experts beside the MLP, read as a GPU's coded ones are), a window of 8.
+RINGED = {"gemma3_text": dict(head_dim=16, layer_types=["sliding_attention", "full_attention"]),
+          "gemma2": dict(head_dim=16, attn_implementation="eager"), "starcoder2": {}, "gemma4 e2b": None,
+          "gemma4 26b-a4b": None}
+
+
+@needs_cuda  # (rings are a GPU's)
+@pytest.mark.parametrize("family", [pytest.param(family, marks=pytest.mark.skipif(
+    PLAYED and "26b" in family, reason="transformers' experts count a GPU's tokens with an integer histogram, which "
+    "the CPU playing one lacks")) for family in RINGED])
+def test_sliding_layers_hold_rings_and_decode_as_generate_does(family, monkeypatch, tmp_path):
+    """On a GPU a sliding layer's slots hold a ring (the window, a pass and the step ahead, rounded up: passes of 8
+    tokens here, buckets of 8), not every position: prompts longer than the ring go into their slots a
+    pass at a time, rows joining and ending at different steps decode past it, and each prompt gives the tokens
+    generate() gives it alone; a conversation's next turn takes the finished row's entry whole from the prefix
+    cache, its rings as they were, and gives generate()'s tokens for the whole conversation."""
+    import transformers
+
+    import rungen.admission
+    import rungen.batch_cache
+    import rungen.prefill
+    import rungen.slots
+    from rungen.engine import Engine
+    from rungen.loading import Loaded, load
+    from rungen.requests import Done, Request
+    from rungen.sampling import Sampling
+
+    monkeypatch.setattr(rungen.slots, "POSITION_BUCKET", 8)
+    for module in (rungen.prefill, rungen.batch_cache, rungen.admission):
+        monkeypatch.setattr(module, "pass_tokens", lambda device: 8)
+    source = load(build_tiny_checkpoint("llama", str(tmp_path / "llama")), device=torch.device("cpu"))
+    if RINGED[family] is None:
+        from tiny_models import gemma4_checkpoint
+
+        model = load(gemma4_checkpoint(str(tmp_path), family.split()[1]), device=torch.device("cpu")).model
+        for module in model.modules():
+            if type(module).__name__.endswith("Experts"):
+                module.captures_decode, module.most_pairs = True, 24
+    else:
+        fields = dict(RINGED[family])
+        attention = fields.pop("attn_implementation", "sdpa")
+        config = transformers.AutoConfig.for_model(
+            family, vocab_size=source.vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128, sliding_window=4,
+            bos_token_id=None, eos_token_id=None, pad_token_id=None, **fields)
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention)
+    model = model.eval().to(DEVICE)
+    engine = Engine(Loaded(model, source.tokenizer, family, DEVICE, 128, source.vocab_size), max_batch=3,
+                    prefix_cache_bytes=1 << 24)
+    ring = engine.batch.kv.slots.ring
+    assert ring < 32 and f"the sliding layers in rings of {ring} positions" in engine.batch.kv.form
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(5, source.vocab_size, (length,), generator=generator).tolist()
+               for length in (30, 5, 21, 17, 40)]
+    lengths = [20, 9, 25, 12, 30]
+
+    def run(requests):
+        done = {}
+        for number, (ids, length) in enumerate(requests):
+            engine.submit(Request(ids, length, Sampling(temperature=0, ignore_eos=True),
+                                  sink=lambda event, n=number: done.__setitem__(n, event.finish.tokens)
+                                  if isinstance(event, Done) else None))
+        engine.run_here()
+        return [done[number] for number in range(len(requests))]
+
+    def alone(ids, length):
+        out = model.generate(torch.tensor([ids], device=DEVICE), max_new_tokens=length, min_new_tokens=length,
+                             do_sample=False)
+        return out[0, len(ids):].tolist()
+
+    tokens = run(list(zip(prompts, lengths)))
+    sizes = {keys.shape[2] for keys in engine.batch.kv.slots.keys}
+    assert sizes == ({ring, engine.batch.kv.slots.capacity} if family != "starcoder2" else {ring})
+    with torch.no_grad():
+        assert tokens == [alone(ids, length) for ids, length in zip(prompts, lengths)]
+    # the next turn of the last conversation: all of it from the prefix cache, then 3 more tokens of prompt
+    turn = prompts[-1] + tokens[-1] + [7, 8, 9]
+    requests = []
+    engine.submit(Request(turn, 10, Sampling(temperature=0, ignore_eos=True), sink=lambda event: (
+        requests.append(event.finish.tokens) if isinstance(event, Done) else None)))
+    submitted = engine.waiting[-1]
+    engine.run_here()
+    with torch.no_grad():
+        assert requests == [alone(turn, 10)]
+    assert submitted.reused == len(prompts[-1]) + len(tokens[-1]) - 1  # (its last token was never fed)
+
+
 @needs_played
 @pytest.mark.fresh_load  # the loader's memo would hold a copy of the model on the GPU
 def test_out_of_gpu_memory_the_prefix_cache_goes_first(deep_checkpoint, gpu, caplog):

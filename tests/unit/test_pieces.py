@@ -348,6 +348,25 @@ def test_prefix_cache_gives_the_longest_shared_start_and_leaves_a_token_to_prefi
     assert len(cache.entries) == 2  # entries without buffers are only read
 
 
+def test_a_prefix_entry_whose_sliding_layer_holds_a_ring_serves_only_whole():
+    # A finished row whose sliding layer held a ring of 4 positions (rungen/slots.py, on a GPU) past 6 tokens: its
+    # full layer holds every position, the ring only the last four. Its next turn (a request starting with all six)
+    # takes the whole entry, the ring as it is; a request sharing only a start takes nothing from it, but from an
+    # entry whose layers hold every position it takes that start.
+    from rungen.prefix_cache import PrefixCache
+
+    full = torch.arange(6, dtype=torch.float32).view(1, 1, 6, 1)
+    ring = torch.tensor([4, 5, 2, 3], dtype=torch.float32).view(1, 1, 4, 1)  # positions 4, 5 at 0, 1
+    cache = PrefixCache(max_bytes=1 << 20)
+    cache.put([1, 2, 3, 4, 5, 6], [(full, full), (ring, ring)])
+    assert cache.longest([1, 2, 3, 9, 9]) == (0, None, None)
+    length, [(k, _), (r, _)], _ = cache.longest([1, 2, 3, 4, 5, 6, 7])
+    assert length == 6 and k.flatten().tolist() == list(range(6)) and r.flatten().tolist() == [4, 5, 2, 3]
+    cache.put([1, 2, 3, 8], [(full[:, :, :4], full[:, :, :4]), (ring, ring)])  # (four positions: every one held)
+    length, [(k, _), (r, _)], _ = cache.longest([1, 2, 3, 9, 9])
+    assert length == 3 and k.flatten().tolist() == [0, 1, 2] and r.flatten().tolist() == [4, 5, 2]
+
+
 def test_a_next_turn_takes_over_the_buffers_of_its_conversation_and_grows_in_them():
     """An entry kept with its buffers (the last row of a batch): a request that extends all of it takes them,
     and the entry leaves the cache; one that shares only a start gets views and leaves the entry there."""
