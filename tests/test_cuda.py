@@ -1183,16 +1183,19 @@ def test_sliding_layers_hold_rings_and_decode_as_generate_does(family, monkeypat
     assert sizes == ({ring, engine.batch.kv.slots.capacity} if family != "starcoder2" else {ring})
     with torch.no_grad():
         assert tokens == [alone(ids, length) for ids, length in zip(prompts, lengths)]
-    # the next turn of the last conversation: all of it from the prefix cache, then 3 more tokens of prompt
-    turn = prompts[-1] + tokens[-1] + [7, 8, 9]
-    requests = []
-    engine.submit(Request(turn, 10, Sampling(temperature=0, ignore_eos=True), sink=lambda event: (
-        requests.append(event.finish.tokens) if isinstance(event, Done) else None)))
-    submitted = engine.waiting[-1]
-    engine.run_here()
+    # the next turn of the last conversation: all of it from the prefix cache (but its last token, never fed), then
+    # 3 more tokens of prompt, two choices (the second slot a copy of the first); a request sharing only its first
+    # 20 tokens prefills them again
+    turn, shared = prompts[-1] + tokens[-1] + [7, 8, 9], prompts[-1][:20] + [7, 8, 9]
+    done = []
+    for ids, n, reused in ((turn, 2, len(prompts[-1]) + len(tokens[-1]) - 1), (shared, 1, 0)):
+        engine.submit(Request(ids, 10, Sampling(temperature=0, ignore_eos=True), n=n, sink=lambda event: (
+            done.append(event.finish.tokens) if isinstance(event, Done) else None)))
+        submitted = engine.waiting[-1]
+        engine.run_here()
+        assert submitted.reused == reused
     with torch.no_grad():
-        assert requests == [alone(turn, 10)]
-    assert submitted.reused == len(prompts[-1]) + len(tokens[-1]) - 1  # (its last token was never fed)
+        assert done == [alone(turn, 10)] * 2 + [alone(shared, 10)]
 
 
 @needs_played
