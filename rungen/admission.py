@@ -20,7 +20,7 @@ import time
 from . import logger
 from .batch_cache import LeftOut
 from .errors import one_line
-from .prefill import pass_tokens, prefill_group, together_tokens
+from .prefill import prefill_group, together_tokens
 from .requests import Done, End
 from .rows import Resume
 
@@ -69,10 +69,9 @@ class Admission:
     def take_group(self):
         """The first waiting request, and those after it that fit beside it in one pass (fixed slots only)."""
         group = [self.waiting.popleft()]
-        device = self.batch.device
         while (self.batch.kv.prefills_together and self.waiting and not self.waiting[0].cancelled
                and self.fits(group + [self.waiting[0]])
-               and together_tokens(group + [self.waiting[0]]) <= pass_tokens(device)):
+               and together_tokens(group + [self.waiting[0]]) <= self.batch.kv.pass_tokens):
             group.append(self.waiting.popleft())
         return group
 

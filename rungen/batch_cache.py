@@ -33,7 +33,7 @@ def batch_cache(model, device, use_positions, max_batch, context, lookahead=0, s
     # On a GPU the sliding layers hold rings (transformers' layers: the fused ones read every position), the prompts
     # going into their slots a pass at a time (prefill.py)
     rings = device.type == "cuda" and step is decode_step and prefills_together(model)
-    slots = SlotCache.for_model(model, max_batch, context, pass_tokens(device) + lookahead if rings else None)
+    slots = SlotCache.for_model(model, max_batch, context, pass_tokens(device, rings) + lookahead if rings else None)
     graphs = None  # RUN_GENERATION_CUDA_GRAPHS=0: eager steps on a GPU too
     if device.type == "cuda" and os.environ.get(GRAPHS_ENV, "1") != "0":
         graphs = DecodeGraphs(model, slots, compiled=os.environ.get(COMPILE_ENV) == "1", step=step)
@@ -58,6 +58,7 @@ class SlotBatch:
         self.model, self.device, self.slots, self.graphs, self.lookahead = model, device, slots, graphs, lookahead
         self.step = step  # the eager step: transformers' layers (decode_step) or rungen.fused_step's
         self.prefills_together = prefills_together(model)
+        self.pass_tokens = pass_tokens(device, self.rings)  # the most a prefill's pass takes
         self.shapes = shapes  # each layer's key and value shapes (layer_shapes), probed once
 
     @property

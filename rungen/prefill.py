@@ -21,11 +21,16 @@ class Prefilled:
     logits: torch.Tensor  # [1, vocabulary]: the next token's, float32
 
 
-def pass_tokens(device: torch.device) -> int:
+RING_PASS = 1024  # a pass's tokens where the sliding layers hold rings: a ring holds the window and a pass
+
+
+def pass_tokens(device: torch.device, rings: bool = False) -> int:
     """The most tokens a pass together takes, padding included (rows x the longest). A GPU's pass costs about what
     one prompt's does (its launches): many. A CPU's costs the prompts' arithmetic, which one pass only makes a little
-    cheaper, and every request in it waits for all of it: few (docs/performance.md measures both ways)."""
-    return 4096 if device.type == "cuda" else 256
+    cheaper, and every request in it waits for all of it: few (docs/performance.md measures both ways). `rings`:
+    where the sliding layers hold rings (rungen/slots.py), which a pass must not go round, at most RING_PASS."""
+    most = 4096 if device.type == "cuda" else 256
+    return min(most, RING_PASS) if rings else most
 
 
 def together_tokens(requests) -> int:
@@ -72,12 +77,11 @@ def prefill_group(model, kv, requests, prefix_cache, device, rows: int, reserve:
         kv.make_room(rows + sum(request.n for request in requests), reserve)
         if len(requests) > 1:
             return prefill_together(kv, requests, prefix_cache, reserve)
-        if kv.prefills_together and device.type == "cuda" and (len(requests[0].ids) > pass_tokens(device)
-                                                               or kv.rings):
+        if kv.prefills_together and device.type == "cuda" and (len(requests[0].ids) > kv.pass_tokens or kv.rings):
             # a long prompt on a GPU straight into its slot, a pass at a time: prefilled alone, its keys/values
             # would be held twice at the merge (the prefill's cache and the slot), and its activations whole (and
             # a sliding layer's every position, where the slots hold rings)
-            return prefill_together(kv, requests, prefix_cache, reserve, pass_tokens(device))
+            return prefill_together(kv, requests, prefix_cache, reserve, kv.pass_tokens)
         return [prefill_alone(model, kv, requests[0], prefix_cache, device, use_positions=use_positions,
                               keep_last=keep_last)]
     except torch.OutOfMemoryError:

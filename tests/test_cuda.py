@@ -1069,7 +1069,6 @@ def test_a_long_prompt_goes_into_its_slot_a_pass_at_a_time(gpu, monkeypatch, tmp
     import transformers
 
     import rungen.batch_cache
-    import rungen.prefill
     from rungen.engine import Engine
     from rungen.loading import Loaded, load
     from rungen.requests import Done, Request
@@ -1085,7 +1084,7 @@ def test_a_long_prompt_goes_into_its_slot_a_pass_at_a_time(gpu, monkeypatch, tmp
     step = rungen.batch_cache.prefill_step
 
     def run(pass_tokens):
-        monkeypatch.setattr(rungen.prefill, "pass_tokens", lambda device: pass_tokens)
+        monkeypatch.setattr(rungen.batch_cache, "pass_tokens", lambda device, rings: pass_tokens)
         engine = Engine(Loaded(model, source.tokenizer, "llama", DEVICE, 4096, source.vocab_size), max_batch=2,
                         prefix_cache_bytes=0)
         done, passes = [], []
@@ -1119,14 +1118,12 @@ RINGED = {"gemma3_text": dict(head_dim=16, layer_types=["sliding_attention", "fu
     "the CPU playing one lacks")) for family in RINGED])
 def test_sliding_layers_hold_rings_and_decode_as_generate_does(family, monkeypatch, tmp_path):
     """On a GPU a sliding layer's slots hold a ring (the window, a pass and the step ahead, rounded up: passes of 8
-    tokens here, buckets of 8), not every position: prompts longer than the ring go into their slots a
+    tokens here, RING_PASS, buckets of 8), not every position: prompts longer than the ring go into their slots a
     pass at a time, rows joining and ending at different steps decode past it, and each prompt gives the tokens
     generate() gives it alone; a conversation's next turn takes the finished row's entry whole from the prefix
     cache, its rings as they were, and gives generate()'s tokens for the whole conversation."""
     import transformers
 
-    import rungen.admission
-    import rungen.batch_cache
     import rungen.prefill
     import rungen.slots
     from rungen.engine import Engine
@@ -1135,8 +1132,7 @@ def test_sliding_layers_hold_rings_and_decode_as_generate_does(family, monkeypat
     from rungen.sampling import Sampling
 
     monkeypatch.setattr(rungen.slots, "POSITION_BUCKET", 8)
-    for module in (rungen.prefill, rungen.batch_cache, rungen.admission):
-        monkeypatch.setattr(module, "pass_tokens", lambda device: 8)
+    monkeypatch.setattr(rungen.prefill, "RING_PASS", 8)
     source = load(build_tiny_checkpoint("llama", str(tmp_path / "llama")), device=torch.device("cpu"))
     if RINGED[family] is None:
         from tiny_models import gemma4_checkpoint
