@@ -1174,6 +1174,10 @@ def test_sliding_layers_hold_rings_and_decode_as_generate_does(family, monkeypat
                              do_sample=False)
         return out[0, len(ids):].tolist()
 
+    with monkeypatch.context() as patch:  # (RUN_GENERATION_RINGS=0: every position held)
+        patch.setenv("RUN_GENERATION_RINGS", "0")
+        assert "rings" not in Engine(Loaded(model, source.tokenizer, family, DEVICE, 128, source.vocab_size),
+                                     max_batch=3).batch.kv.form
     tokens = run(list(zip(prompts, lengths)))
     sizes = {keys.shape[2] for keys in engine.batch.kv.slots.keys}
     assert sizes == ({ring, engine.batch.kv.slots.capacity} if family != "starcoder2" else {ring})
