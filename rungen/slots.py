@@ -34,15 +34,29 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "gemma2", "
             # the older ones the original script served (GPT-2 its default; Falcon's rotary models)
             "gpt2", "gpt_neox", "gptj", "codegen", "gpt_bigcode", "falcon", "opt", "mpt", "xglm", "biogpt")
 # Mixtures of experts of those attentions (gpt-oss's with sinks); a mixture of any family (Gemma 4's 26B-A4B) is
-# taken where every layer's experts read nothing back to the host at a decode step (captures_decode: a GGUF file's
-# experts in codes on a GPU, rungen/gguf/device_experts.py), which transformers' own Experts modules do.
-MIXTURES = ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss")
+# taken where every layer's experts read nothing back to the host at a decode step (reads_nothing_back).
+MIXTURES = ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss", "olmoe", "flex_olmo", "granitemoe", "phimoe", "glm4_moe",
+            "hunyuan_v1_moe", "ernie4_5_moe", "exaone_moe", "cohere2_moe", "afmoe", "solar_open")
 ROW_BUCKET = 8  # past 4 rows, a captured step's rows (and the slots) come in multiples of this
 POSITION_BUCKET = 256  # the positions a slot holds, and those a step reads, in multiples of this
 
 
 def round_up(value: int, step: int) -> int:
     return -(-value // step) * step
+
+
+def reads_nothing_back(experts: torch.nn.Module) -> bool:
+    """Whether a mixture's Experts module reads nothing back to the host at a decode step (its step may be a CUDA
+    graph, and launched ahead): a GPU's experts in codes (captures_decode, rungen/gguf/device_experts.py), or
+    transformers' own in their grouped_mm form (its default), which finds each expert's rows on the device, where its
+    grouped product runs (the CPU; a CUDA GPU from compute capability 8.0: before, each group is read back). Their
+    eager form reads which experts a step chose."""
+    if getattr(experts, "captures_decode", False):
+        return True
+    if getattr(getattr(experts, "config", None), "_experts_implementation", None) != "grouped_mm":
+        return False
+    device = next(experts.parameters()).device
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def takes_slots(model: torch.nn.Module) -> bool:
@@ -55,7 +69,7 @@ def takes_slots(model: torch.nn.Module) -> bool:
         return False
     text = config.get_text_config(decoder=True)
     experts = [module for module in model.modules() if type(module).__name__.endswith("Experts")]
-    if not all(getattr(module, "captures_decode", False) for module in experts):
+    if not all(reads_nothing_back(module) for module in experts):
         return False
     if text.model_type not in FAMILIES and not (text.model_type in MIXTURES and experts):
         return False

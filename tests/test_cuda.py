@@ -1104,6 +1104,25 @@ def test_a_long_prompt_goes_into_its_slot_a_pass_at_a_time(gpu, monkeypatch, tmp
     assert peak <= 1.2 * slot < 0.7 * alone_peak  # (alone: the slot, the prefill's cache, its activations)
 
 
+@needs_cuda
+def test_a_mixture_of_transformers_experts_takes_the_slots_where_its_grouped_product_runs(monkeypatch):
+    """transformers' own experts in their grouped_mm form (its default) find each expert's rows on the device, from
+    compute capability 8.0: there the model takes the slots (its decode step a CUDA graph); before it (a T4, a V100)
+    the grouped product reads each group back, and the model takes the padded batch."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from rungen.slots import takes_slots
+
+    config = Qwen3MoeConfig(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, num_experts_per_tok=2, intermediate_size=128, head_dim=16,
+                            moe_intermediate_size=32, num_experts=4)
+    model = Qwen3MoeForCausalLM(config).to(DEVICE)
+    assert model.config._experts_implementation == "grouped_mm"
+    for capability, takes in (((9, 0), True), ((8, 0), True), ((7, 5), False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert takes_slots(model) == takes, capability
+
+
 # Sliding windows as the slots' rings take them: Gemma 3's by layer type (sdpa), Gemma 2's (eager: additive masks,
 # soft-capping), StarCoder2's on every layer, a window of 4; Gemma 4's E2B (its last layers reading earlier ones'
 # keys) and 26B-A4B (experts beside the MLP, read as a GPU's coded ones are), a window of 8.
@@ -1647,7 +1666,7 @@ def test_a_gpt_oss_files_mxfp4_experts_keep_their_codes_on_the_gpu(tmp_path):
     experts, held = gpu.model.model.layers[0].mlp.experts, cpu.model.model.layers[0].mlp.block.experts
     coded = not PLAYED  # (a GPU: Triton's 4-bit kernel)
     assert type(experts).__name__ == ("CodedExperts" if coded else "GptOssExperts")
-    assert takes_slots(gpu.model) == coded  # (coded experts read nothing back: its steps may be CUDA graphs)
+    assert takes_slots(gpu.model)  # (coded experts, or transformers' grouped_mm ones, read nothing back at a step)
     for e in range(held.num_experts):  # the CPU's blocks (gate rows, then up rows) de-quantized
         layer = held.gate_up[e]
         rows = torch.ops.rungen_ggml.dequantize(layer.blocks, layer.code, layer.in_features)

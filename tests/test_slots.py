@@ -307,15 +307,17 @@ class GatheredExperts(torch.nn.Module):
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-def test_a_mixture_whose_experts_read_nothing_back_decodes_in_slots(loaded, family):
+def test_a_mixture_whose_experts_read_nothing_back_decodes_in_slots(loaded, family, monkeypatch):
     # Qwen3-MoE's attention is qwen3's, Mixtral's llama's: its rows decode in slots, as generate() gives each prompt
-    # alone, where every layer's experts read nothing back to the host at a step (a GPU's coded experts; transformers'
-    # own read how many tokens each expert has: no slots for them); a step of more rows than the experts' grouped
+    # alone, where every layer's experts read nothing back to the host at a step: transformers' own in their
+    # grouped_mm form (their default; a decode step reads nothing back, as a CUDA graph needs), not in their eager
+    # form (which reads the experts a step chose); a GPU's coded experts, whose step of more rows than their grouped
     # pairs take (their most_pairs over the experts a token takes) is not captured.
     import copy
 
     from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+    import rungen.batch_cache
     from rungen.loading import Loaded
     from rungen.slots import DecodeGraphs, captured_rows
 
@@ -327,7 +329,17 @@ def test_a_mixture_whose_experts_read_nothing_back_decodes_in_slots(loaded, fami
     else:
         theirs = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape, intermediate_size=128, head_dim=16,
                                                     moe_intermediate_size=32, num_experts=4)).eval()
-    assert not takes_slots(theirs)
+    assert theirs.config._experts_implementation == "grouped_mm" and takes_slots(theirs)
+    assert captured_rows(theirs) is None  # (any rows)
+    eager = copy.deepcopy(theirs)
+    eager.set_experts_implementation("eager")
+    assert not takes_slots(eager)
+    step, steps = watched(rungen.batch_cache.decode_step, HOST_READS | HOST_DATA)
+    monkeypatch.setattr(rungen.batch_cache, "decode_step", step)
+    grouped = Loaded(theirs, loaded.tokenizer, family, torch.device("cpu"), loaded.context, loaded.vocab_size)
+    decodes_as_generate_does(Engine(grouped, max_batch=3, prefix_cache_bytes=0), loaded.tokenizer, theirs,
+                             label=family)
+    assert steps and steps == [[]] * len(steps)
     model = copy.deepcopy(theirs)
     for layer in model.model.layers:
         layer.mlp.experts = GatheredExperts(layer.mlp.experts)
@@ -411,18 +423,14 @@ def test_sliding_windows_and_eager_attention_decode_in_slots_as_generate_does(ll
 @pytest.mark.parametrize("variant", ["e2b", "31b", "26b-a4b"])
 def test_gemma_4_decodes_in_slots_as_generate_does(variant, tmp_path):
     # Gemma 4's layers differ (its full layers' heads and head size; E2B's last layers reading earlier ones' keys,
-    # holding none; 26B-A4B's experts beside the MLP, here read as a GPU's coded ones are): the slots take each
-    # layer's shapes as a pass writes them. Rows joining and ending, prompts past the window of 8, a prompt again (the
+    # holding none; 26B-A4B's experts beside the MLP, transformers' grouped_mm ones): the slots take each layer's
+    # shapes as a pass writes them. Rows joining and ending, prompts past the window of 8, a prompt again (the
     # prefix cache's keys into a slot): what generate() gives each prompt alone.
     from tiny_models import gemma4_checkpoint
 
     loaded = load(gemma4_checkpoint(str(tmp_path), variant), device=torch.device("cpu"))
     experts = [m for m in loaded.model.modules() if type(m).__name__.endswith("Experts")]
     assert bool(experts) == (variant == "26b-a4b")
-    if experts:
-        assert not takes_slots(loaded.model)  # (transformers' own experts count tokens on the host)
-        for module in experts:
-            module.captures_decode, module.most_pairs = True, 24
     assert takes_slots(loaded.model)
     engine = Engine(loaded, max_batch=3)
     reused = []
@@ -476,6 +484,38 @@ def test_more_families_decode_in_slots_as_generate_does(llama_tokenizer, family)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     assert takes_slots(model)
+    engine = Engine(Loaded(model, source.tokenizer, family, torch.device("cpu"), source.context, source.vocab_size),
+                    max_batch=3, prefix_cache_bytes=0)
+    decodes_as_generate_does(engine, source.tokenizer, model, label=family)
+
+
+# More mixtures of experts whose attention takes the slots, transformers' own experts in their grouped_mm form (their
+# default): OLMoE, FlexOlmo, Granite's, Phi-MoE, GLM-4.5's, Hunyuan's, ERNIE 4.5's, EXAONE's, Command's, AFMoE,
+# Solar Open; 4 experts, 2 a token.
+MORE_MIXTURES = {"olmoe": dict(num_experts=4, num_experts_per_tok=2), "flex_olmo": dict(num_experts=4,
+                 num_experts_per_tok=2), "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2),
+                 "phimoe": dict(num_local_experts=4, num_experts_per_tok=2),
+                 "glm4_moe": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                  first_k_dense_replace=1, n_group=1, topk_group=1),
+                 "hunyuan_v1_moe": dict(num_experts=4, moe_topk=2, head_dim=16),
+                 "ernie4_5_moe": dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=32),
+                 "exaone_moe": {}, "cohere2_moe": {}, "afmoe": {}, "solar_open": {}}
+
+
+@pytest.mark.parametrize("family", list(MORE_MIXTURES))
+def test_more_mixtures_decode_in_slots_as_generate_does(llama_tokenizer, family):
+    import transformers
+
+    from rungen.loading import Loaded
+
+    source = llama_tokenizer
+    config = transformers.AutoConfig.for_model(
+        family, vocab_size=source.vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=64, max_position_embeddings=source.context,
+        **{"bos_token_id": None, "eos_token_id": None, "pad_token_id": None, **MORE_MIXTURES[family]})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    assert config._experts_implementation == "grouped_mm" and takes_slots(model)
     engine = Engine(Loaded(model, source.tokenizer, family, torch.device("cpu"), source.context, source.vocab_size),
                     max_batch=3, prefix_cache_bytes=0)
     decodes_as_generate_does(engine, source.tokenizer, model, label=family)
