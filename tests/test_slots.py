@@ -470,25 +470,6 @@ MORE = {"gemma": {}, "granite": {}, "olmo": {}, "olmo2": {}, "olmo3": WINDOW, "c
         "biogpt": {}}
 
 
-@pytest.mark.parametrize("family", list(MORE))
-def test_more_families_decode_in_slots_as_generate_does(llama_tokenizer, family):
-    import transformers
-
-    from rungen.loading import Loaded
-
-    source = llama_tokenizer
-    config = transformers.AutoConfig.for_model(
-        family, vocab_size=source.vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, intermediate_size=64, max_position_embeddings=source.context,
-        **{"bos_token_id": None, "eos_token_id": None, "pad_token_id": None, **MORE[family]})
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    assert takes_slots(model)
-    engine = Engine(Loaded(model, source.tokenizer, family, torch.device("cpu"), source.context, source.vocab_size),
-                    max_batch=3, prefix_cache_bytes=0)
-    decodes_as_generate_does(engine, source.tokenizer, model, label=family)
-
-
 # More mixtures of experts whose attention takes the slots, transformers' own experts in their grouped_mm form (their
 # default): OLMoE, FlexOlmo, Granite's, Phi-MoE, GLM-4.5's, Hunyuan's, ERNIE 4.5's, EXAONE's, Command's, AFMoE,
 # Solar Open; 4 experts, 2 a token.
@@ -502,8 +483,8 @@ MORE_MIXTURES = {"olmoe": dict(num_experts=4, num_experts_per_tok=2), "flex_olmo
                  "exaone_moe": {}, "cohere2_moe": {}, "afmoe": {}, "solar_open": {}}
 
 
-@pytest.mark.parametrize("family", list(MORE_MIXTURES))
-def test_more_mixtures_decode_in_slots_as_generate_does(llama_tokenizer, family):
+@pytest.mark.parametrize("family", list(MORE) + list(MORE_MIXTURES))
+def test_more_families_decode_in_slots_as_generate_does(llama_tokenizer, family):
     import transformers
 
     from rungen.loading import Loaded
@@ -512,10 +493,10 @@ def test_more_mixtures_decode_in_slots_as_generate_does(llama_tokenizer, family)
     config = transformers.AutoConfig.for_model(
         family, vocab_size=source.vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, intermediate_size=64, max_position_embeddings=source.context,
-        **{"bos_token_id": None, "eos_token_id": None, "pad_token_id": None, **MORE_MIXTURES[family]})
+        **{"bos_token_id": None, "eos_token_id": None, "pad_token_id": None, **{**MORE, **MORE_MIXTURES}[family]})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    assert config._experts_implementation == "grouped_mm" and takes_slots(model)
+    assert takes_slots(model) and (family not in MORE_MIXTURES or config._experts_implementation == "grouped_mm")
     engine = Engine(Loaded(model, source.tokenizer, family, torch.device("cpu"), source.context, source.vocab_size),
                     max_batch=3, prefix_cache_bytes=0)
     decodes_as_generate_does(engine, source.tokenizer, model, label=family)
