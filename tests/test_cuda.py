@@ -1198,6 +1198,8 @@ def test_sliding_layers_hold_rings_and_decode_as_generate_does(family, monkeypat
         assert "rings" not in Engine(Loaded(model, source.tokenizer, family, DEVICE, 128, source.vocab_size),
                                      max_batch=3).batch.kv.form
     tokens = run(list(zip(prompts, lengths)))
+    graphs = engine.batch.kv.graphs  # (steps past the ring replayed: their own bucket of lengths)
+    assert not graphs.failed and max(length for _, length in graphs.graphs) > ring
     sizes = {keys.shape[2] for keys in engine.batch.kv.slots.keys}
     assert sizes == ({ring, engine.batch.kv.slots.capacity} if family != "starcoder2" else {ring})
     with torch.no_grad():
