@@ -20,7 +20,7 @@ import time
 from . import logger
 from .batch_cache import LeftOut
 from .errors import one_line
-from .prefill import prefill_group, together_tokens
+from .prefill import into_slots, prefill_group, together_tokens
 from .requests import Done, End
 from .rows import Resume
 
@@ -86,11 +86,11 @@ class Admission:
         return max([request.reserve for request in requests] + [row.request.reserve for row in self.batch.rows])
 
     def join(self, requests) -> bool:
-        """Prefills the requests (together where there are several: the rows joined before enter their slots
-        first) and adds their rows to the batch, with their first tokens. False: the GPU ran out of memory for
+        """Prefills the requests (into their slots where prefill.into_slots says: the rows joined before enter their
+        slots first) and adds their rows to the batch, with their first tokens. False: the GPU ran out of memory for
         their prefill (or that merge) beside the batch's rows, which go on untouched (alone, that is raised)."""
         batch, start = self.batch, time.perf_counter()
-        if len(requests) > 1 and not self.merge():
+        if into_slots(batch.kv, requests, batch.device) and not self.merge():
             return False
         prefilled = prefill_group(self.model, batch.kv, requests, batch.prefix_cache, batch.device, len(batch.rows),
                                   self.reserve(requests), use_positions=self.use_positions, keep_last=self.keep_last)

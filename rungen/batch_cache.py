@@ -20,7 +20,7 @@ from .transfers import accelerators_of, to_device
 GRAPHS_ENV = "RUN_GENERATION_CUDA_GRAPHS"
 COMPILE_ENV = "RUN_GENERATION_COMPILE"  # 1: the captured step compiled by torch.compile first (an experiment)
 PREFILL_ENV = "RUN_GENERATION_PREFILL_TOGETHER"  # 0: on fixed slots too, each request prefilled alone
-RINGS_ENV = "RUN_GENERATION_RINGS"  # 0: on a GPU too, the sliding layers hold every position
+RINGS_ENV = "RUN_GENERATION_RINGS"  # 0: the sliding layers hold every position, not a ring
 
 
 def batch_cache(model, device, use_positions, max_batch, context, lookahead=0, shapes=None):
@@ -31,10 +31,9 @@ def batch_cache(model, device, use_positions, max_batch, context, lookahead=0, s
     if not (context and one_device and takes_slots(model)):
         return PaddedBatch(model, device, use_positions)
     step = fused_step.for_model(model, device) or decode_step  # (on a GPU: the fused layers where the family has them)
-    # On a GPU the sliding layers hold rings (transformers' layers: the fused ones read every position), the prompts
-    # going into their slots a pass at a time (prefill.py)
-    rings = (device.type == "cuda" and step is decode_step and prefills_together(model)
-             and os.environ.get(RINGS_ENV, "1") != "0")
+    # The sliding layers hold rings (transformers' layers: the fused ones read every position), a prompt longer than
+    # a pass going into its slot a pass at a time (prefill.py)
+    rings = step is decode_step and prefills_together(model) and os.environ.get(RINGS_ENV, "1") != "0"
     slots = SlotCache.for_model(model, max_batch, context, pass_tokens(device, rings) + lookahead if rings else None)
     graphs = None  # RUN_GENERATION_CUDA_GRAPHS=0: eager steps on a GPU too
     if device.type == "cuda" and os.environ.get(GRAPHS_ENV, "1") != "0":

@@ -68,6 +68,16 @@ def prefill_together(kv, requests, prefix_cache, reserve: int, chunk: int | None
             for number, (_, reused, _, _) in enumerate(prompts)]
 
 
+def into_slots(kv, requests, device: torch.device) -> bool:
+    """Whether `requests` go straight into their slots (kv.prefill), not each prefilled alone: several together, or a
+    prompt longer than a pass, a pass at a time, on a GPU (or a CPU where the slots hold rings): prefilled alone, its
+    keys/values would stand twice at the merge (the prefill's cache and the slot), its activations whole (and a
+    sliding layer's every position). The rows prefilled alone before must enter their slots first (their merge)."""
+    if len(requests) > 1:
+        return True
+    return kv.prefills_together and len(requests[0].ids) > kv.pass_tokens and (device.type == "cuda" or kv.rings)
+
+
 def prefill_group(model, kv, requests, prefix_cache, device, rows: int, reserve: int, *, use_positions, keep_last
                   ) -> list[Prefilled] | None:
     """The requests prefilled after the batch's `rows` rows (together where there are several), their slots made
@@ -75,12 +85,7 @@ def prefill_group(model, kv, requests, prefix_cache, device, rows: int, reserve:
     untouched (alone, that is raised), even once the prefix cache's entries are given up."""
     try:
         kv.make_room(rows + sum(request.n for request in requests), reserve)
-        if len(requests) > 1:
-            return prefill_together(kv, requests, prefix_cache, reserve)
-        if kv.prefills_together and device.type == "cuda" and (len(requests[0].ids) > kv.pass_tokens or kv.rings):
-            # a long prompt on a GPU straight into its slot, a pass at a time: prefilled alone, its keys/values
-            # would be held twice at the merge (the prefill's cache and the slot), and its activations whole (and
-            # a sliding layer's every position, where the slots hold rings)
+        if into_slots(kv, requests, device):
             return prefill_together(kv, requests, prefix_cache, reserve, kv.pass_tokens)
         return [prefill_alone(model, kv, requests[0], prefix_cache, device, use_positions=use_positions,
                               keep_last=keep_last)]

@@ -6,10 +6,10 @@ graph. A row that ends frees its slot to the last row, so rows stay 0..rows-1. T
 length], which transformers' mask construction passes through: boolean for sdpa, additive (0 or the dtype's least)
 for eager attention, which adds it to the scores; with a sliding window (Mistral's, Phi-3's, and the layers a config's
 layer_types names sliding: Gemma 2 and 3, gpt-oss, Qwen2's) a position sees only the window's last keys (the mask
-applies the window). On a GPU a sliding layer holds a ring of `ring` positions (the window, a prefill's pass and the
-step ahead, rounded up): position p at p % ring, so that a long context's sliding layers hold no more than that; until
-a row's positions reach the ring it is read as a full layer, and past them whole, under a mask that works out each
-entry's position from the row's last one (ring_mask).
+applies the window). A sliding layer holds a ring of `ring` positions (the window, a prefill's pass and the step ahead,
+rounded up): position p at p % ring, so that a long context's sliding layers hold no more than that; until a row's
+positions reach the ring it is read as a full layer, and past them whole, under a mask that works out each entry's
+position from the row's last one (ring_mask).
 """
 
 from __future__ import annotations

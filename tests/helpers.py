@@ -652,3 +652,106 @@ WEATHER = {"type": "function", "function": {
                                                     "unit": {"enum": ["celsius", "fahrenheit"]},
                                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
                    "required": ["city", "unit"], "additionalProperties": False}}}
+
+
+# Sliding windows as the slots' rings take them: Gemma 3's by layer type (sdpa), Gemma 2's (eager: additive masks,
+# soft-capping), StarCoder2's on every layer, a window of 4; Gemma 4's E2B (its last layers reading earlier ones'
+# keys) and 26B-A4B (experts beside the MLP, transformers' grouped_mm ones), a window of 8.
+RINGED = {"gemma3_text": dict(head_dim=16, layer_types=["sliding_attention", "full_attention"]),
+          "gemma2": dict(head_dim=16, attn_implementation="eager"), "starcoder2": {}, "gemma4 e2b": None,
+          "gemma4 26b-a4b": None}
+
+
+def rings_decode_as_generate_does(family, device, monkeypatch, tmp_path):
+    """Asserts that a sliding layer's slots on `device` hold a ring (the window, a pass and the step ahead, rounded up:
+    passes of 8 tokens here, RING_PASS, buckets of 8), not every position: prompts longer than a pass go into their
+    slots a pass at a time (the rows of those prefilled alone entering theirs first), rows joining and ending at
+    different steps decode past the ring, and each prompt gives the tokens generate() gives it alone; a conversation's
+    next turn takes the finished row's entry whole from the prefix cache, its rings as they were, and gives
+    generate()'s tokens for the whole conversation."""
+    import torch
+    import transformers
+
+    import rungen.prefill
+    import rungen.slots
+    from rungen.engine import Engine
+    from rungen.loading import Loaded, load
+    from rungen.requests import Done, Request
+    from rungen.sampling import Sampling
+    from tiny_models import build_tiny_checkpoint
+
+    monkeypatch.setattr(rungen.slots, "POSITION_BUCKET", 8)
+    monkeypatch.setattr(rungen.prefill, "RING_PASS", 8)
+    source = load(build_tiny_checkpoint("llama", str(tmp_path / "llama")), device=torch.device("cpu"))
+    if RINGED[family] is None:
+        from tiny_models import gemma4_checkpoint
+
+        model = load(gemma4_checkpoint(str(tmp_path), family.split()[1]), device=torch.device("cpu")).model
+    else:
+        fields = dict(RINGED[family])
+        attention = fields.pop("attn_implementation", "sdpa")
+        config = transformers.AutoConfig.for_model(
+            family, vocab_size=source.vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128, sliding_window=4,
+            bos_token_id=None, eos_token_id=None, pad_token_id=None, **fields)
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention)
+    model = model.eval().to(device)
+    engine = Engine(Loaded(model, source.tokenizer, family, device, 128, source.vocab_size), max_batch=3,
+                    prefix_cache_bytes=1 << 24)
+    ring = engine.batch.kv.slots.ring
+    assert ring < 32 and f"the sliding layers in rings of {ring} positions" in engine.batch.kv.form
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(5, source.vocab_size, (length,), generator=generator).tolist()
+               for length in (30, 5, 21, 17, 40)]
+    lengths = [20, 9, 25, 12, 30]
+
+    def run(requests):
+        done = {}
+        for number, (ids, length) in enumerate(requests):
+            engine.submit(Request(ids, length, Sampling(temperature=0, ignore_eos=True),
+                                  sink=lambda event, n=number: done.__setitem__(n, event.finish.tokens)
+                                  if isinstance(event, Done) else None))
+        engine.run_here()
+        return [done[number] for number in range(len(requests))]
+
+    def alone(ids, length):
+        out = model.generate(torch.tensor([ids], device=device), max_new_tokens=length, min_new_tokens=length,
+                             do_sample=False)
+        return out[0, len(ids):].tolist()
+
+    with monkeypatch.context() as patch:  # (RUN_GENERATION_RINGS=0: every position held)
+        patch.setenv("RUN_GENERATION_RINGS", "0")
+        assert "rings" not in Engine(Loaded(model, source.tokenizer, family, device, 128, source.vocab_size),
+                                     max_batch=3).batch.kv.form
+    held, ensure = [], rungen.slots.SlotCache.ensure
+
+    def ensured(cache, *args):  # the positions each layer holds, and a full layer's, as the slots grow
+        ensure(cache, *args)
+        held.append(({keys.shape[2] for keys in cache.keys}, cache.capacity))
+
+    monkeypatch.setattr(rungen.slots.SlotCache, "ensure", ensured)
+    tokens = run(list(zip(prompts, lengths)))
+    graphs = engine.batch.kv.graphs  # (on a GPU: steps past the ring replayed, their own bucket of lengths)
+    if device.type == "cuda":
+        lengths_replayed = [length for _, length in graphs.graphs]
+        assert not graphs.failed and max(lengths_replayed) > ring
+    else:
+        assert graphs is None
+    sizes, capacity = held[-1]  # (the slots at their largest: the CPU's go at the end)
+    assert capacity > ring and sizes == ({ring, capacity} if family != "starcoder2" else {ring})
+    with torch.no_grad():
+        assert tokens == [alone(ids, length) for ids, length in zip(prompts, lengths)]
+    # the next turn of the last conversation: all of it from the prefix cache (but its last token, never fed), then
+    # 3 more tokens of prompt, two choices (the second slot a copy of the first); a request sharing only its first
+    # 20 tokens prefills them again
+    turn, shared = prompts[-1] + tokens[-1] + [7, 8, 9], prompts[-1][:20] + [7, 8, 9]
+    done = []
+    for ids, n, reused in ((turn, 2, len(prompts[-1]) + len(tokens[-1]) - 1), (shared, 1, 0)):
+        engine.submit(Request(ids, 10, Sampling(temperature=0, ignore_eos=True), n=n, sink=lambda event: (
+            done.append(event.finish.tokens) if isinstance(event, Done) else None)))
+        submitted = engine.waiting[-1]
+        engine.run_here()
+        assert submitted.reused == reused
+    with torch.no_grad():
+        assert done == [alone(turn, 10)] * 2 + [alone(shared, 10)]

@@ -21,7 +21,18 @@ import time
 import pytest
 import torch
 
-from helpers import WEATHER, blocks_for, error_line, jsonl, plain_grouped_kernel, run_main, serving, write_tiny_gguf
+from helpers import (
+    RINGED,
+    WEATHER,
+    blocks_for,
+    error_line,
+    jsonl,
+    plain_grouped_kernel,
+    rings_decode_as_generate_does,
+    run_main,
+    serving,
+    write_tiny_gguf,
+)
 from tiny_models import build_tiny_checkpoint
 
 ON_CPU = bool(os.environ.get("RUNGEN_CUDA_TESTS_ON_CPU")) and not torch.cuda.is_available()
@@ -1123,100 +1134,13 @@ def test_a_mixture_of_transformers_experts_takes_the_slots_where_its_grouped_pro
         assert takes_slots(model) == takes, capability
 
 
-# Sliding windows as the slots' rings take them: Gemma 3's by layer type (sdpa), Gemma 2's (eager: additive masks,
-# soft-capping), StarCoder2's on every layer, a window of 4; Gemma 4's E2B (its last layers reading earlier ones'
-# keys) and 26B-A4B (experts beside the MLP, read as a GPU's coded ones are), a window of 8.
-RINGED = {"gemma3_text": dict(head_dim=16, layer_types=["sliding_attention", "full_attention"]),
-          "gemma2": dict(head_dim=16, attn_implementation="eager"), "starcoder2": {}, "gemma4 e2b": None,
-          "gemma4 26b-a4b": None}
-
-
-@needs_cuda  # (rings are a GPU's)
+@needs_cuda  # (on the CPU device: tests/test_slots.py)
 @pytest.mark.parametrize("family", [pytest.param(family, marks=pytest.mark.skipif(
     PLAYED and "26b" in family, reason="transformers' experts count a GPU's tokens with an integer histogram, which "
     "the CPU playing one lacks")) for family in RINGED])
 def test_sliding_layers_hold_rings_and_decode_as_generate_does(family, monkeypatch, tmp_path):
-    """On a GPU a sliding layer's slots hold a ring (the window, a pass and the step ahead, rounded up: passes of 8
-    tokens here, RING_PASS, buckets of 8), not every position: prompts longer than the ring go into their slots a
-    pass at a time, rows joining and ending at different steps decode past it, and each prompt gives the tokens
-    generate() gives it alone; a conversation's next turn takes the finished row's entry whole from the prefix
-    cache, its rings as they were, and gives generate()'s tokens for the whole conversation."""
-    import transformers
-
-    import rungen.prefill
-    import rungen.slots
-    from rungen.engine import Engine
-    from rungen.loading import Loaded, load
-    from rungen.requests import Done, Request
-    from rungen.sampling import Sampling
-
-    monkeypatch.setattr(rungen.slots, "POSITION_BUCKET", 8)
-    monkeypatch.setattr(rungen.prefill, "RING_PASS", 8)
-    source = load(build_tiny_checkpoint("llama", str(tmp_path / "llama")), device=torch.device("cpu"))
-    if RINGED[family] is None:
-        from tiny_models import gemma4_checkpoint
-
-        model = load(gemma4_checkpoint(str(tmp_path), family.split()[1]), device=torch.device("cpu")).model
-        for module in model.modules():
-            if type(module).__name__.endswith("Experts"):
-                module.captures_decode, module.most_pairs = True, 24
-    else:
-        fields = dict(RINGED[family])
-        attention = fields.pop("attn_implementation", "sdpa")
-        config = transformers.AutoConfig.for_model(
-            family, vocab_size=source.vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128, sliding_window=4,
-            bos_token_id=None, eos_token_id=None, pad_token_id=None, **fields)
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention)
-    model = model.eval().to(DEVICE)
-    engine = Engine(Loaded(model, source.tokenizer, family, DEVICE, 128, source.vocab_size), max_batch=3,
-                    prefix_cache_bytes=1 << 24)
-    ring = engine.batch.kv.slots.ring
-    assert ring < 32 and f"the sliding layers in rings of {ring} positions" in engine.batch.kv.form
-    generator = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(5, source.vocab_size, (length,), generator=generator).tolist()
-               for length in (30, 5, 21, 17, 40)]
-    lengths = [20, 9, 25, 12, 30]
-
-    def run(requests):
-        done = {}
-        for number, (ids, length) in enumerate(requests):
-            engine.submit(Request(ids, length, Sampling(temperature=0, ignore_eos=True),
-                                  sink=lambda event, n=number: done.__setitem__(n, event.finish.tokens)
-                                  if isinstance(event, Done) else None))
-        engine.run_here()
-        return [done[number] for number in range(len(requests))]
-
-    def alone(ids, length):
-        out = model.generate(torch.tensor([ids], device=DEVICE), max_new_tokens=length, min_new_tokens=length,
-                             do_sample=False)
-        return out[0, len(ids):].tolist()
-
-    with monkeypatch.context() as patch:  # (RUN_GENERATION_RINGS=0: every position held)
-        patch.setenv("RUN_GENERATION_RINGS", "0")
-        assert "rings" not in Engine(Loaded(model, source.tokenizer, family, DEVICE, 128, source.vocab_size),
-                                     max_batch=3).batch.kv.form
-    tokens = run(list(zip(prompts, lengths)))
-    graphs = engine.batch.kv.graphs  # (steps past the ring replayed: their own bucket of lengths)
-    assert not graphs.failed and max(length for _, length in graphs.graphs) > ring
-    sizes = {keys.shape[2] for keys in engine.batch.kv.slots.keys}
-    assert sizes == ({ring, engine.batch.kv.slots.capacity} if family != "starcoder2" else {ring})
-    with torch.no_grad():
-        assert tokens == [alone(ids, length) for ids, length in zip(prompts, lengths)]
-    # the next turn of the last conversation: all of it from the prefix cache (but its last token, never fed), then
-    # 3 more tokens of prompt, two choices (the second slot a copy of the first); a request sharing only its first
-    # 20 tokens prefills them again
-    turn, shared = prompts[-1] + tokens[-1] + [7, 8, 9], prompts[-1][:20] + [7, 8, 9]
-    done = []
-    for ids, n, reused in ((turn, 2, len(prompts[-1]) + len(tokens[-1]) - 1), (shared, 1, 0)):
-        engine.submit(Request(ids, 10, Sampling(temperature=0, ignore_eos=True), n=n, sink=lambda event: (
-            done.append(event.finish.tokens) if isinstance(event, Done) else None)))
-        submitted = engine.waiting[-1]
-        engine.run_here()
-        assert submitted.reused == reused
-    with torch.no_grad():
-        assert done == [alone(turn, 10)] * 2 + [alone(shared, 10)]
+    # tests/helpers.py's rings_decode_as_generate_does on the GPU, its steps past the ring replayed from CUDA graphs
+    rings_decode_as_generate_does(family, DEVICE, monkeypatch, tmp_path)
 
 
 @needs_played

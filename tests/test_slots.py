@@ -9,7 +9,7 @@ the masks their models take; Gemma 4's layers of differing shapes each take thei
 import pytest
 import torch
 
-from helpers import HOST_DATA, HOST_READS, watched
+from helpers import HOST_DATA, HOST_READS, RINGED, rings_decode_as_generate_does, watched
 from rungen.engine import Engine
 from rungen.loading import load
 from rungen.requests import Done, Request
@@ -57,7 +57,7 @@ def decodes_as_generate_does(engine, tokenizer, model, prompts=PROMPTS, lengths=
     """Asserts that `engine`, three rows at a time over fixed slots (the last prompts joining as the first ones end,
     at other positions), decodes each of `prompts` greedily for its `lengths` new tokens as generate() gives it alone
     on `model`."""
-    assert engine.batch.kv.slots is not None and engine.batch.kv.form == "fixed slots"  # what --verbose says
+    assert engine.batch.kv.slots is not None and engine.batch.kv.form.startswith("fixed slots")  # (--verbose's)
     ids = [tokenizer(prompt).input_ids for prompt in prompts]
     done = run(engine, [(i, length, Sampling(temperature=0, ignore_eos=True), 1) for i, length in zip(ids, lengths)])
     with torch.no_grad():
@@ -445,6 +445,12 @@ def test_gemma_4_decodes_in_slots_as_generate_does(variant, tmp_path):
     for kind, (keys, _) in zip(config.layer_types, shapes):
         full = kind == "full_attention"
         assert keys == ((1, 64) if full and variant == "31b" else (2, 64) if full else (2, 32)), (variant, kind)
+
+
+@pytest.mark.parametrize("family", list(RINGED))
+def test_sliding_layers_hold_rings_and_decode_as_generate_does(family, monkeypatch, tmp_path):
+    # tests/helpers.py's rings_decode_as_generate_does on the CPU (tests/test_cuda.py: on a GPU)
+    rings_decode_as_generate_does(family, torch.device("cpu"), monkeypatch, tmp_path)
 
 
 # More of transformers' families whose attention takes the slots as llama's does (Gemma 1, Granite, OLMo 1-3, Command
