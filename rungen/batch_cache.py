@@ -64,7 +64,8 @@ class SlotBatch:
 
     @property
     def rings(self) -> bool:
-        """Whether the sliding layers hold rings (each prompt then goes into its slot, a pass at a time)."""
+        """Whether the sliding layers hold rings (a prompt longer than a pass then goes into its slot a pass at a
+        time, on a CPU too)."""
         return self.slots.ring is not None
 
     @property
