@@ -251,8 +251,9 @@ def describe_memory(engine):
     if getattr(engine.model, "cache_grows_in_place", False):  # room to grow: a quarter of a row, or MIN_ROOM
         most = engine.cache_limit_bytes * 5 / 4 + engine.max_batch * MIN_ROOM * engine.bytes_per_token
         room = f", {most / 2**30:.2f} GiB with the room left to grow"
-    return (f"KV cache in {engine.batch.kv.form}: {engine.bytes_per_token / 1024:.1f} KiB per token position, at most "
-            f"{engine.max_cache_tokens} "
+    every = " (every layer's: a ring holds fewer)" if engine.batch.kv.rings else ""
+    return (f"KV cache in {engine.batch.kv.form}: {engine.bytes_per_token / 1024:.1f} KiB per token position{every}, "
+            f"at most {engine.max_cache_tokens} "
             f"positions ({engine.cache_limit_bytes / 2**30:.2f} GiB{room}) over at most {engine.max_batch} rows; "
             f"prefix cache at most {(engine.prefix_cache.max_bytes if engine.prefix_cache else 0) / 2**20:.0f} MiB")
 

@@ -674,7 +674,7 @@ def rings_decode_as_generate_does(family, device, monkeypatch, tmp_path):
 
     import rungen.prefill
     import rungen.slots
-    from rungen.engine import Engine
+    from rungen.engine import Engine, describe_memory
     from rungen.loading import Loaded, load
     from rungen.requests import Done, Request
     from rungen.sampling import Sampling
@@ -720,10 +720,11 @@ def rings_decode_as_generate_does(family, device, monkeypatch, tmp_path):
                              do_sample=False)
         return out[0, len(ids):].tolist()
 
+    assert "per token position (every layer's: a ring holds fewer)" in describe_memory(engine)  # (--verbose's line)
     with monkeypatch.context() as patch:  # (RUN_GENERATION_RINGS=0: every position held)
         patch.setenv("RUN_GENERATION_RINGS", "0")
-        assert "rings" not in Engine(Loaded(model, source.tokenizer, family, device, 128, source.vocab_size),
-                                     max_batch=3).batch.kv.form
+        full = Engine(Loaded(model, source.tokenizer, family, device, 128, source.vocab_size), max_batch=3)
+        assert "ring" not in full.batch.kv.form and "ring" not in describe_memory(full)
     held, ensure = [], rungen.slots.SlotCache.ensure
 
     def ensured(cache, *args):  # the positions each layer holds, and a full layer's, as the slots grow
