@@ -38,7 +38,7 @@ import torch
 
 from .code_kernels import GEMV_PRODUCTS, autotune, choose_gemv, launcher, with_gemv
 from .int4 import GPU_INT4_ENV, TinyGemmLinear, int4_groups
-from .int8 import CodesLinear, disagreement, widened
+from .int8 import CodesLinear, disagreement, low_bits, widened
 
 logger = logging.getLogger(__name__)
 
@@ -76,12 +76,6 @@ def timed_int4_choice(in_features: int, dtype: torch.dtype, device: torch.device
     return (os.environ.get(GPU_INT4_ENV) is None and gpu_int4_form(in_features, dtype, device) == "tinygemm"
             and CudaInt4Linear.fits(in_features) and os.environ.get("TRITON_INTERPRET") != "1"
             and triton_kernel() is not None)
-
-
-def low_bits(bits: int) -> int:
-    """The bits of a `bits`-wide code packed()'s bytes hold side by side (4: two codes a byte; 2: four), the rest
-    going to the plane."""
-    return 2 if bits < 4 else 4
 
 
 def packed(codes: torch.Tensor, bits: int = 4, signed: bool = False) -> torch.Tensor:

@@ -256,6 +256,12 @@ def torch_widened(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tens
     return weight
 
 
+def low_bits(bits: int) -> int:
+    """The bits of a `bits`-wide code rungen/int4_kernel.py's packed() holds side by side in a chunk's bytes (4: two
+    codes a byte; 2: four), the rest going to the row's plane (here: the widening kernel reads them too)."""
+    return 2 if bits < 4 else 4
+
+
 @functools.cache
 def widen_kernel():
     """run(codes, scales, offsets, dtype, chunk=0, table=None, inputs=None) -> the weight: a Triton kernel reading
@@ -321,7 +327,7 @@ def widen_kernel():
         out = torch.empty(rows, inner, dtype=dtype, device=codes.device)
         codes, scales = codes.contiguous(), scales.contiguous()  # (indexed by row * K + column: no-ops as held)
         bits = codes.shape[1] * 8 // inner
-        low = 2 if bits < 4 else 4  # (int4_kernel.py's low_bits: the bits a code keeps in its chunk's bytes)
+        low = low_bits(bits)
         widen[(rows, triton.cdiv(inner, WIDEN_BLOCK))](
             codes, scales, scales if offsets is None else offsets.contiguous(), scales if table is None else table,
             out, inner, GROUP=inner // scales.shape[1] if scales.dim() == 2 else 0, OFFSET=offsets is not None,
