@@ -140,11 +140,10 @@ class SlotCache:
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, max_slots: int, max_positions: int, most_pass: int | None = None
-                  ) -> SlotCache | None:
-        """The slots for `model` (None: it takes none); `most_pass`: the sliding layers hold rings, a pass writing
-        that many positions at most (its tokens and the step ahead), rounded up to POSITION_BUCKET past the window."""
-        if not takes_slots(model):
-            return None
+                  ) -> SlotCache:
+        """The slots for `model`, which takes them (takes_slots); `most_pass`: the sliding layers hold rings, a pass
+        writing that many positions at most (its tokens and the step ahead), rounded up to POSITION_BUCKET past the
+        window."""
         text = model.config.get_text_config(decoder=True)
         mask = AttentionMask(text)
         ring = round_up(mask.window + most_pass, POSITION_BUCKET) if most_pass and mask.window else None
