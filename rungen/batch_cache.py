@@ -12,7 +12,7 @@ import os
 import torch
 
 from . import fused_step
-from .kvcache import dummy, full_attention, growing, holding, new_cache
+from .kvcache import RINGS_ENV, dummy, fill, full_attention, growing, holding, new_cache
 from .prefill import pass_tokens
 from .slots import DecodeGraphs, SlotCache, decode_step, prefill_step, takes_slots
 from .transfers import accelerators_of, to_device
@@ -20,7 +20,6 @@ from .transfers import accelerators_of, to_device
 GRAPHS_ENV = "RUN_GENERATION_CUDA_GRAPHS"
 COMPILE_ENV = "RUN_GENERATION_COMPILE"  # 1: the captured step compiled by torch.compile first (an experiment)
 PREFILL_ENV = "RUN_GENERATION_PREFILL_TOGETHER"  # 0: on fixed slots too, each request prefilled alone
-RINGS_ENV = "RUN_GENERATION_RINGS"  # 0: the sliding layers hold every position, not a ring
 
 
 def batch_cache(model, device, use_positions, max_batch, context, lookahead=0, shapes=None):
@@ -210,7 +209,7 @@ class PaddedBatch:
         first request's rows in its own cache."""
         if self.cache is None and len(parts) == 1:
             layers, mask, cache = parts[0]
-            self.cache, self.mask = cache if cache is not None else own_cache(self.model, layers), mask
+            self.cache, self.mask = cache if cache is not None else own_cache(self.model, layers, mask.shape[1]), mask
             return
         old, groups = self.cache, [(list(layers), mask) for layers, mask, _ in parts]
         if old is not None:
@@ -221,16 +220,20 @@ class PaddedBatch:
         for number, layer in enumerate(holding(cache)):
             merged = None
             try:
-                merged = [torch.cat([left_pad(layers[number][kind], width) for layers, _ in groups])
+                # A sliding layer that let go of its first positions in some group holds their last ones only: as
+                # many as the fewest such a group holds (all within the window), the others' left-padded to them
+                kept = min([width] + [layers[number][0].shape[2] for layers, mask in groups
+                                      if layers[number][0].shape[2] < mask.shape[1]])
+                merged = [torch.cat([left_pad(layers[number][kind][:, :, -kept:], kept) for layers, _ in groups])
                           for kind in (0, 1)]
                 if old is not None:
                     let_go(held[number])
-                layer.update(*merged)
+                fill(layer, *merged, width)
             except torch.OutOfMemoryError as error:
                 first_layers, first_mask, first = parts[0]
                 if old is None and first is None and not growing(holding(cache)[0]):
                     self.cache = cache = merged = None  # the merge's copies go before the first's rows are copied
-                    first = own_cache(self.model, first_layers)
+                    first = own_cache(self.model, first_layers, first_mask.shape[1])
                 if old is None and first is not None and not growing(holding(first)[0]):
                     self.cache, self.mask = first, first_mask  # the first request alone, in its own cache
                     raise LeftOut(str(error), kept=first_mask.shape[0]) from error
@@ -282,10 +285,12 @@ class PaddedBatch:
         self.mask = mask[:, first:]
         old, self.cache = self.cache, new_cache(self.model)
         for layer, held in zip(holding(self.cache), holding(old)):  # a layer at a time, as merge()
-            keys, values = held.keys, held.values
+            keys, values, length = held.keys, held.values, held.get_seq_length()
             let_go(held)
             rows = index.to(keys.device)  # (itself on one device; --device_map spreads the layers over GPUs)
-            layer.update(keys.index_select(0, rows)[:, :, first:], values.index_select(0, rows)[:, :, first:])
+            start = max(0, first - (length - keys.shape[2]))  # (a sliding layer's positions held start later)
+            fill(layer, keys.index_select(0, rows)[:, :, start:], values.index_select(0, rows)[:, :, start:],
+                 length - first)
             del keys, values
         return keep
 
@@ -341,11 +346,12 @@ def devices_of(model) -> set:
     return {str(device) for device in (getattr(model, "hf_device_map", None) or {}).values()}
 
 
-def own_cache(model, layers):
-    """A cache of `layers` ([(keys, values)] a layer, emptied as each is copied in: one layer more at a time)."""
+def own_cache(model, layers, length):
+    """A cache of `layers` ([(keys, values)] a layer, emptied as each is copied in: one layer more at a time),
+    standing for `length` positions (a sliding layer's: its last ones)."""
     cache = new_cache(model)
     for number, layer in enumerate(holding(cache)):
-        layer.update(*layers[number])
+        fill(layer, *layers[number], length)
         layers[number] = None
     return cache
 

@@ -3,18 +3,22 @@
 out strided views, which only models that read them in place (`cache_grows_in_place`) get from new_cache. The own
 model gets the project's Cache, transformers' models a DynamicCache (transformers is imported only then).
 
-Sliding-window layers get full-attention layers too: the mask applies the window, so every layer is one
-[batch, heads, length, dim] pair the engine can pad, merge and trim; the cost is memory (docs/server.md).
+Sliding-window layers are full-attention layers too (the mask applies the window), so every layer is one [batch,
+heads, length, dim] pair the engine can pad, merge and trim. The own model's (its native stack reads a layer from
+any position on) let go of the positions their window no longer reaches: a SlidingLayer holds the last ones only.
+Transformers' models hold every position (docs/server.md).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import sys
 
 import torch
 
 MIN_ROOM, MAX_ROOM = 32, 512  # positions a row
+RINGS_ENV = "RUN_GENERATION_RINGS"  # 0: the sliding layers hold every position (fixed slots: not a ring)
 
 
 class Growing:
@@ -24,9 +28,13 @@ class Growing:
         super().__init__()
         self.buffers = None  # (keys, values) [batch, heads, capacity, dim]; self.keys/values view their start
 
+    def held(self) -> int:
+        """The positions the buffers hold (a SlidingLayer's last ones of its length)."""
+        return 0 if not self.is_initialized or self.keys.numel() == 0 else self.keys.shape[-2]
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        length, new = self.get_seq_length(), key_states.shape[-2]
         keys, values = self.reserve(key_states, value_states)
+        length, new = self.held(), key_states.shape[-2]  # (after reserve: a SlidingLayer's may let go of some)
         keys[..., length:length + new, :].copy_(key_states)
         values[..., length:length + new, :].copy_(value_states)
         self.keys, self.values = keys[..., :length + new, :], values[..., :length + new, :]
@@ -37,7 +45,7 @@ class Growing:
         shapes, moved into larger ones if need be."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        length, new = self.get_seq_length(), key_states.shape[-2]
+        length, new = self.held(), key_states.shape[-2]
         if not self._writable(key_states, value_states, length + new):
             room = min(MAX_ROOM, max(MIN_ROOM, (length + new) // 4))
             buffers = []
@@ -61,14 +69,15 @@ class Growing:
                                           and self.keys.stride() == keys.stride())
         return held and values.shape == keys.shape[:-1] + value_states.shape[-1:]
 
-    @classmethod
-    def holding(cls, keys: torch.Tensor, values: torch.Tensor, length: int):
-        """A layer that holds the first `length` positions of these buffers and grows into the rest."""
-        layer = cls()
-        layer.lazy_initialization(keys, values)
-        layer.buffers = (keys, values)
-        layer.keys, layer.values = keys[..., :length, :], values[..., :length, :]
-        return layer
+    def room_until(self) -> int:
+        """The length up to which the layer takes states with no reserve() (its buffers' room)."""
+        return self.buffers[0].shape[-2] if self.buffers is not None else 0
+
+    def take(self, keys: torch.Tensor, values: torch.Tensor, held: int):
+        """Holds the first `held` positions of these buffers and grows into the rest (the caller gives them up)."""
+        self.lazy_initialization(keys, values)
+        self.buffers = (keys, values)
+        self.keys, self.values = keys[..., :held, :], values[..., :held, :]
 
     def reset(self) -> None:
         self.buffers = None
@@ -111,6 +120,53 @@ class Layer:
 
 class GrowingLayer(Growing, Layer):
     """A full-attention layer of the own Cache whose update writes into spare room instead of concatenating."""
+
+
+class SlidingLayer(GrowingLayer):
+    """A sliding-window layer of the own Cache that lets go of the positions its window no longer reaches: its
+    keys/values are the last ones of its length, `dropped` positions before them. It keeps the window and MIN_ROOM
+    more (a row's last token fed by a step run ahead, a step run again), and lets go a stride of positions at once,
+    into smaller buffers: one copy of the window a stride of steps. The native stack reads it from position
+    `dropped` on; the engine's merge and trim keep it so."""
+
+    def __init__(self, window: int):
+        super().__init__()
+        self.window, self.dropped = window, 0
+        self.keep = window - 1 + MIN_ROOM  # the positions it never lets go of
+        self.stride = min(MAX_ROOM, max(MIN_ROOM, window // 4))
+
+    def get_seq_length(self) -> int:
+        return self.dropped + self.held()
+
+    def room_until(self) -> int:
+        # (reserve lets go of a stride where the length reaches the window's keep and a stride past `dropped`)
+        return self.dropped + min(super().room_until(), self.keep + self.stride)
+
+    def reserve(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        held = self.held()
+        if held - self.keep >= self.stride:
+            gone = held - self.keep
+            buffers = []
+            for kept in (self.keys, self.values):
+                buffer = kept.new_empty((*kept.shape[:-2], held - gone + key_states.shape[-2] + self.stride,
+                                         kept.shape[-1]))
+                buffer[..., : held - gone, :].copy_(kept[..., gone:, :])
+                buffers.append(buffer)
+            self.take(*buffers, held - gone)
+            self.dropped += gone
+        return super().reserve(key_states, value_states)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """As Layer.crop; a ValueError where the positions kept would not reach back a window from the new end."""
+        length = self.get_seq_length() + tokens_to_remove
+        if self.dropped > max(0, length - self.window + 1):
+            raise ValueError(f"a sliding layer that let go of its first {self.dropped} positions cannot go back to "
+                             f"{length}")
+        super().crop(tokens_to_remove)
+
+    def reset(self) -> None:
+        self.dropped = 0
+        super().reset()
 
 
 class Cache:
@@ -171,13 +227,33 @@ def holding(cache) -> list:
     return [layer for layer in cache.layers if not dummy(layer)]
 
 
-def new_cache(model: torch.nn.Module, layers=None, buffers=None):
-    """A cache for `model`, filled with `layers` ([(keys, values)] per layer) when given: the own Cache, or a
-    DynamicCache with sliding layers as full-attention ones (growing where `cache_grows_in_place`). `buffers`,
-    whose starts hold `layers`: a growing cache takes them over instead of copying (the caller gives them up)."""
+def sliding_windows(model: torch.nn.Module) -> list[int]:
+    """Each layer's window where the own model's sliding layers let go of what it no longer reaches (0: a layer of
+    every position); none where RUN_GENERATION_RINGS=0."""
+    windows = list(getattr(model, "windows", ()) or ()) if getattr(model, "own_cache", False) else []
+    if not windows or os.environ.get(RINGS_ENV, "1") == "0":
+        return [0] * model.config.num_hidden_layers
+    return windows
+
+
+def fill(layer, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+    """layer.update(keys, values) into an empty layer standing for `length` positions: a SlidingLayer's last ones."""
+    layer.update(keys, values)
+    if keys.shape[-2] != length:
+        if not isinstance(layer, SlidingLayer):
+            raise ValueError(f"a layer of every position takes all {length} of them, not {keys.shape[-2]}")
+        layer.dropped = length - keys.shape[-2]
+
+
+def new_cache(model: torch.nn.Module, layers=None, buffers=None, length: int | None = None):
+    """A cache for `model`, filled with `layers` ([(keys, values)] per layer) when given: the own Cache (its sliding
+    layers SlidingLayers), or a DynamicCache with sliding layers as full-attention ones (growing where
+    `cache_grows_in_place`). `buffers`, whose starts hold `layers`: a growing cache takes them over instead of
+    copying (the caller gives them up). `length`: the positions `layers` stand for (a sliding layer may hold the
+    last ones only; default: the first layer's)."""
     if getattr(model, "own_cache", False):
-        grown = GrowingLayer
-        cache = Cache([GrowingLayer() for _ in range(model.config.num_hidden_layers)])
+        grown = GrowingLayer  # (SlidingLayer is one)
+        cache = Cache([SlidingLayer(window) if window else GrowingLayer() for window in sliding_windows(model)])
     else:
         from transformers import DynamicCache
         from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs
@@ -188,11 +264,18 @@ def new_cache(model: torch.nn.Module, layers=None, buffers=None):
         full = grown if getattr(model, "cache_grows_in_place", False) else DynamicLayer
         cache.layers = [full() if type(layer) is DynamicLayer or kind == "sliding_attention" and not dummy(layer)
                         else layer for layer, kind in zip(cache.layers, kinds, strict=True)]
-    if buffers is not None and len(buffers) == len(cache.layers) and all(
-            type(layer) is grown for layer in cache.layers):
-        length = layers[0][0].shape[-2]
-        cache.layers = [grown.holding(keys, values, length) for keys, values in buffers]
+    if not layers:
         return cache
-    for layer, (keys, values) in zip(holding(cache), layers or []):
-        layer.update(keys, values)
+    length = layers[0][0].shape[-2] if length is None else length
+    if buffers is not None and len(buffers) == len(cache.layers) and all(
+            isinstance(layer, grown) for layer in cache.layers):
+        for layer, (keys, values), (held, _) in zip(cache.layers, buffers, layers):
+            layer.take(keys, values, held.shape[-2])
+            if isinstance(layer, SlidingLayer):
+                layer.dropped = length - held.shape[-2]
+            elif held.shape[-2] != length:
+                raise ValueError(f"a layer of every position takes all {length} of them, not {held.shape[-2]}")
+        return cache
+    for layer, (keys, values) in zip(holding(cache), layers):
+        fill(layer, keys, values, length)
     return cache

@@ -42,7 +42,7 @@ def prefill_alone(model, kv, request, prefix_cache, device, *, use_positions, ke
     ids = request.ids
     reused, layers, buffers = prefix_cache.longest(ids) if prefix_cache else (0, None, None)
     # Stored tensors are never written to (a cache copies them), unless the prefix cache gave the buffers up.
-    cache = new_cache(model, layers, buffers)
+    cache = new_cache(model, layers, buffers, reused)
     rest = torch.tensor([ids[reused:]], device=device)
     kwargs = {}
     if use_positions:

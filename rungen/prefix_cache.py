@@ -18,8 +18,8 @@ class PrefixCache:
     def put(self, tokens, layers, size=None, buffers=None):
         """Keeps `layers` for `tokens`; `buffers`: per layer the buffers they start, which a next turn may take
         over; `size`: the bytes held alive, when more than the layers'. A layer of fewer positions than the tokens
-        (a sliding layer's ring, rungen/slots.py) holds the last ones only: the entry serves only a request that
-        starts with all of it (a conversation's next turn)."""
+        (a sliding layer's ring, rungen/slots.py, or rungen/kvcache.py's SlidingLayer) holds the last ones only: the
+        entry serves only a request that starts with all of it (a conversation's next turn)."""
         size = size or sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers)
         key = tuple(tokens)
         if size > self.max_bytes or len(key) < 2 or key in self.entries:
@@ -69,7 +69,7 @@ class PrefixCache:
         held = sum(k.untyped_storage().nbytes() + v.untyped_storage().nbytes() for k, v in layers)
         # Growing layers that hold just this row from their buffers' start: a next turn can grow in them.
         grown = [layer.buffers for layer in batch_cache.layers if growing(layer)
-                 and layer.buffers is not None and layer.keys.shape[0] == 1 and layer.keys.shape[-2] == length
+                 and layer.buffers is not None and layer.keys.shape[0] == 1 and layer.get_seq_length() == length
                  and layer.keys.data_ptr() == layer.buffers[0].data_ptr()]
         buffers = grown if len(grown) == len(layers) else None
         self.put(tokens, layers, size=held, buffers=buffers)

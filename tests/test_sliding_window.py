@@ -15,6 +15,7 @@ import torch
 
 from rungen.engine import Engine
 from rungen.gguf.model import GGUFCausalLM
+from rungen.kvcache import MIN_ROOM, SlidingLayer
 from rungen.loading import default_model_file, load
 from rungen.requests import Done, Request
 from rungen.sampling import Sampling
@@ -57,10 +58,10 @@ def models(tmp_path_factory):
     return out
 
 
-def generate_alone(model, ids):
+def generate_alone(model, ids, new_tokens=NEW_TOKENS):
     """generate()'s greedy tokens for one prompt, no padding, transformers' own cache (window layers included)."""
     out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                         do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=None,
+                         do_sample=False, max_new_tokens=new_tokens, eos_token_id=None,
                          pad_token_id=0)
     return out[0, len(ids):].tolist()
 
@@ -114,12 +115,100 @@ def test_the_command_line_decodes_them_on_the_engine(models, name):
     assert isinstance(open_engine(models[name][0], Settings(temperature=0), batch_size=4), Engine)
 
 
-def test_every_layer_holds_every_position_and_bytes_per_token_count_them(models):
-    """The local layers keep the whole context: the cache bound (max_cache_tokens) counts them as full layers."""
+def test_bytes_per_token_count_every_layer(models):
+    """The cache bound (max_cache_tokens) counts a position in every layer, the sliding ones too (they hold the
+    window's last positions once they let go of the others: the bound is what the longest rows would take before)."""
     loaded, _ = models["gemma3"]
     engine = Engine(loaded, eos_ids=(), prefix_cache_bytes=0)
     config = loaded.model.config
     assert engine.bytes_per_token == config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 4
+
+
+def run_to_the_end(engine):
+    while engine.batch.rows or engine.waiting:
+        engine.admission.admit()
+        if engine.batch.rows:
+            engine.step()
+
+
+def steps(engine, count):
+    for _ in range(count):
+        engine.admission.admit()
+        engine.step()
+
+
+def test_sliding_layers_let_go_of_what_their_window_no_longer_reaches_and_decode_as_generate_does(models):
+    """The own model's sliding layers (gemma3's five in six) hold the window's last positions, not every one: rows
+    joining a batch whose sliding layers let go of their first positions, rows ending (the batch trimmed), and a
+    next turn from the prefix cache's entry of a row that let go of them give generate()'s greedy tokens over
+    transformers' window cache; the full layer holds every position."""
+    loaded, reference = models["gemma3"]
+    engine = Engine(loaded, eos_ids=())
+    prompts = [loaded.tokenizer.encode(text) for text in PROMPTS]
+    tokens, requests = {}, {}
+
+    def submit(number, ids, max_tokens):
+        def sink(event):
+            if isinstance(event, Done):
+                tokens[number] = event.finish.tokens
+        requests[number] = Request(ids, max_tokens=max_tokens, sampling=Sampling(temperature=0), sink=sink)
+        engine.submit(requests[number])
+
+    submit(0, prompts[0], 120)
+    steps(engine, 80)
+    layers = engine.batch.kv.cache.layers
+    sliding = [layer for layer in layers if getattr(layer, "window", 0)]
+    assert len(sliding) == 5 and all(layer.dropped > 0 for layer in sliding)
+    length = len(prompts[0]) + 80
+    assert all(layer.get_seq_length() == length for layer in layers)
+    # A sliding layer's buffers: the window, MIN_ROOM and a stride of room, against every position's
+    assert max(layer.buffers[0].shape[2] for layer in sliding) <= WINDOW - 1 + 2 * MIN_ROOM + 1 < length
+    assert [layer.held() for layer in layers if layer not in sliding] == [length]
+    submit(1, prompts[1], 70)  # joins a batch that let go of its first positions
+    submit(2, prompts[2], 20)  # ends first: the batch is trimmed, its rows decode on
+    run_to_the_end(engine)
+    submit(3, prompts[0] + tokens[0] + loaded.tokenizer.encode(" and then"), 40)  # the next turn
+    run_to_the_end(engine)
+    assert requests[3].reused == len(prompts[0]) + len(tokens[0]) - 1
+    with torch.inference_mode():
+        for number, request in requests.items():
+            assert tokens[number] == generate_alone(reference, request.ids, request.max_tokens), number
+
+
+def test_the_verbose_line_says_so_and_RUN_GENERATION_RINGS_0_holds_every_position(models, monkeypatch):
+    from rungen.engine import describe_memory
+
+    loaded, _ = models["gemma3"]
+    ids = loaded.tokenizer.encode(PROMPTS[0])
+    got = {}
+    for rings in ("1", "0"):
+        monkeypatch.setenv("RUN_GENERATION_RINGS", rings)
+        engine = Engine(loaded, eos_ids=(), prefix_cache_bytes=0)
+        engine.submit(Request(ids, max_tokens=90, sampling=Sampling(temperature=0), sink=lambda event: None))
+        steps(engine, 80)
+        got[rings] = [layer.held() for layer in engine.batch.kv.cache.layers], describe_memory(engine)
+        run_to_the_end(engine)
+    held, line = got["1"]
+    assert "per token position (every layer's: a sliding layer holds fewer)" in line
+    assert min(held) < len(ids) + 80 == max(held)
+    held, line = got["0"]
+    assert "sliding layer" not in line and held == [len(ids) + 80] * len(held)
+
+
+def test_a_sliding_layer_holds_the_last_positions_and_goes_back_no_further_than_its_window_reaches():
+    layer = SlidingLayer(WINDOW)
+    states = torch.arange(200, dtype=torch.float32).reshape(1, 1, 200, 1)
+    for position in range(200):
+        layer.update(states[:, :, position : position + 1], -states[:, :, position : position + 1])
+    assert layer.get_seq_length() == 200 and layer.dropped > 0
+    assert layer.held() <= layer.keep + layer.stride
+    assert torch.equal(layer.keys, states[:, :, layer.dropped:]) and torch.equal(layer.values, -layer.keys)
+    reachable = layer.held() - (WINDOW - 1)  # the most it can go back: the window before the new end still held
+    with pytest.raises(ValueError, match="cannot go back"):
+        layer.crop(-(reachable + 1))
+    layer.crop(-reachable)
+    assert layer.get_seq_length() == 200 - reachable
+    assert torch.equal(layer.keys, states[:, :, layer.dropped : -reachable])
 
 
 def test_a_gemma3_model_is_served(models):

@@ -174,6 +174,11 @@ class GGUFCausalLM(torch.nn.Module):
         self.final_softcap = getattr(config, "final_logit_softcapping", None) if family.soft_caps else None
 
     @property
+    def windows(self) -> list[int]:
+        """Each layer's sliding window (0: none; empty: no layer has one): rungen.kvcache's SlidingLayers."""
+        return self.stack.windows
+
+    @property
     def dtype(self) -> torch.dtype:
         return torch.float32
 

@@ -135,7 +135,7 @@ class NativeStack:
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.out_norms, self.windows = (list(out_norms[0]), list(out_norms[1])), list(windows)
         self.softcap, self.gelu, self.rotary = float(softcap), bool(gelu), list(rotary)
-        # (weakref to the cache, its keys' addresses, positions held, least capacity): lets a step skip the buffers.
+        # (weakref to the cache, its keys' addresses, positions held, least room_until): lets a step skip reserve().
         self.last = None
 
     @property
@@ -171,12 +171,14 @@ class NativeStack:
             buffers = [layer.reserve(shape, shape) for layer in layers]
             if any(layer.get_seq_length() != length for layer in layers):
                 return None
+        # A sliding layer's buffers start at the first position it holds (kvcache.SlidingLayer)
+        dropped = [getattr(layer, "dropped", 0) for layer in layers] if self.windows else []
         hidden, keys, values = torch.ops.rungen_ggml.decoder_stack(
             hidden, cos, sin, mask, *self.weight_args, self.eps, self.heads, self.kv_heads, self.scale,
             [k for k, _ in buffers], [v for _, v in buffers], length, *self.out_norms, self.windows,
-            *(local or (None, None)), self.softcap, self.gelu, *self.mixture_args, self.rotary)
+            *(local or (None, None)), self.softcap, self.gelu, *self.mixture_args, self.rotary, dropped)
         for layer, k, v in zip(layers, keys, values):
             layer.keys, layer.values = k, v
         self.last = (weakref.ref(cache), [k.data_ptr() for k in keys], length + tokens,
-                     min(k.shape[-2] for k, _ in buffers))
+                     min(layer.room_until() for layer in layers))
         return hidden

@@ -279,13 +279,16 @@ void attend_queries(const AttendJob& job, int64_t p0, int64_t p1, float* wp) {
   float* op = job.out;
   const int64_t heads = job.heads, t = job.t, dim = job.dim, kv = job.kv, T = job.T, group = heads / kv;
   const float scale = job.scale, cap = job.softcap, lowest = -std::numeric_limits<float>::infinity();
+  // Keys, values and weights indexed by position: keys before `dropped` are not held (no query reads them), nor
+  // weights before its group of 8 (the exponentials' loads start at a query's first group).
+  const int64_t dropped = job.dropped, base = dropped / 8 * 8;
   for (int64_t pb = p0; pb < p1;) {
     // p = ((batch * heads + h) * t + i) and h = kv head * group + g: p / (group * t) names the keys read.
     const int64_t shared = pb / (group * t), pe = std::min({p1, pb + ATTEND_BLOCK, (shared + 1) * group * t});
     const int64_t batch = shared / kv, kvh = shared % kv, nq = pe - pb;
-    const float* kh = kp + batch * job.k_batch + kvh * job.k_head;
-    const float* vh = vp + batch * job.v_batch + kvh * job.v_head;
-    int64_t firsts[ATTEND_BLOCK], lasts[ATTEND_BLOCK], rows[ATTEND_BLOCK], most = 0;
+    const float* kh = kp + batch * job.k_batch + kvh * job.k_head - dropped * job.k_key;
+    const float* vh = vp + batch * job.v_batch + kvh * job.v_head - dropped * job.v_key;
+    int64_t firsts[ATTEND_BLOCK], lasts[ATTEND_BLOCK], rows[ATTEND_BLOCK], most = 0, least = T;
     float tops[ATTEND_BLOCK], invs[ATTEND_BLOCK];
     f8 tops8[ATTEND_BLOCK];
     float* outs[ATTEND_BLOCK];
@@ -301,16 +304,19 @@ void attend_queries(const AttendJob& job, int64_t p0, int64_t p1, float* wp) {
       outs[n] = op + ((batch * t + i) * heads + h) * dim;
       std::fill(outs[n], outs[n] + dim, 0.f);
       most = std::max(most, lasts[n]);
+      least = std::min(least, firsts[n]);
     }
-    // Scores: eight keys at a time, for every query of the block that sees all eight and has no boolean mask.
+    const auto weights = [&](int64_t n) { return wp + n * (T - base) - base; };
+    // Scores: eight keys at a time, for every query of the block that sees all eight and has no boolean mask (from
+    // the block's earliest window on: the same groups of 8 as from key 0, as the values' groups below).
     if (!mb && dim % 8 == 0) {
-      for (int64_t j = 0; j + 8 <= most; j += 8) {
+      for (int64_t j = least / 8 * 8; j + 8 <= most; j += 8) {
         const float* keys = kh + j * job.k_key;
         auto keep = [&](int64_t n, f8 dots) {
           f8 scores = dots * scale;
           if (cap > 0.f) scores = softcap8(scores, cap);
           if (mf) scores += load8(mf + rows[n] + j);
-          store8(wp + n * T + j, scores);
+          store8(weights(n) + j, scores);
           tops8[n] = tops8[n] < scores ? scores : tops8[n];
         };
         for (int64_t n = 0; n < nq; ++n) {
@@ -330,7 +336,7 @@ void attend_queries(const AttendJob& job, int64_t p0, int64_t p1, float* wp) {
     }
     for (int64_t n = 0; n < nq; ++n) {
       const float* qh = qp + (pb + n) * dim;
-      float* w = wp + n * T;
+      float* w = weights(n);
       for (int l = 0; l < 8; ++l) tops[n] = std::max(tops[n], tops8[n][l]);
       const float sink = job.sinks ? job.sinks[((pb + n) / t) % heads] : lowest;
       // The keys the eight-at-a-time loop above scored: whole groups from the window's first key on.
@@ -379,10 +385,10 @@ void attend_queries(const AttendJob& job, int64_t p0, int64_t p1, float* wp) {
     }
     // Values: each query's sum key after key, skipping the zero weights (masked or underflowed), so padding
     // leaves no trace.
-    for (int64_t j0 = 0; j0 < most; j0 += VALUE_BLOCK) {
+    for (int64_t j0 = least / VALUE_BLOCK * VALUE_BLOCK; j0 < most; j0 += VALUE_BLOCK) {
       for (int64_t n = 0; n < nq; ++n) {
         if (tops[n] == lowest || j0 >= lasts[n]) continue;
-        const float* w = wp + n * T;
+        const float* w = weights(n);
         const float inv = invs[n];
         float* o = outs[n];
         const int64_t j1 = std::min(j0 + VALUE_BLOCK, lasts[n]), jw = std::max(j0, firsts[n]);

@@ -62,7 +62,9 @@ at::Tensor attention_out_mlp(const at::Tensor& hidden, const at::Tensor& q, cons
 // sliding window (0: it attends to every key; the kernel masks what lies outside it, whatever `mask` masks
 // besides); local_cos/local_sin, the rotation of the windowed layers where it differs (gemma3's local rope
 // base); softcap, the attention logits' soft cap (gemma2; 0: none); gelu, a GELU-tanh gate instead of SiLU;
-// rotary, whether each layer rotates q and k (SmolLM3's every fourth does not; empty: every layer does).
+// rotary, whether each layer rotates q and k (SmolLM3's every fourth does not; empty: every layer does); dropped,
+// the positions before `length` a sliding layer's buffers no longer hold (they start at the next, outside every
+// query's window; empty: none).
 // Gemma's norms multiply by 1 + weight: the caller passes that sum as the weight.
 //
 // A mixture of experts' layers (Qwen3-MoE, Qwen2-MoE), each list empty where no layer has one: routers, each
@@ -90,11 +92,12 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decoder
     const c10::optional<at::Tensor>& local_cos_in, const c10::optional<at::Tensor>& local_sin_in, double softcap,
     bool gelu, const c10::List<c10::optional<at::Tensor>>& routers, at::TensorList experts,
     at::IntArrayRef expert_qtypes, const c10::List<c10::optional<at::Tensor>>& shared_gates, int64_t top_k,
-    bool norm_topk, at::IntArrayRef rotary) {
+    bool norm_topk, at::IntArrayRef rotary, at::IntArrayRef dropped) {
   const size_t layers = o.size();
   const auto per_layer = [&](size_t count) { return count == 0 || count == layers; };
   TORCH_CHECK(per_layer(attention_out_norms.size()) && per_layer(mlp_out_norms.size()) && per_layer(windows.size())
-              && per_layer(routers.size()) && per_layer(shared_gates.size()) && per_layer(rotary.size()),
+              && per_layer(routers.size()) && per_layer(shared_gates.size()) && per_layer(rotary.size())
+              && per_layer(dropped.size()),
               "rungen_ggml: decoder_stack's per-layer lists hold one entry a layer, or none");
   TORCH_CHECK(experts.size() == EXPERT_PARTS * routers.size() && expert_qtypes.size() == experts.size(),
               "rungen_ggml: decoder_stack takes ", EXPERT_PARTS, " expert stacks and types a layer where it takes "
@@ -149,7 +152,9 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decoder
   values.reserve(layers);
   for (size_t i = 0; i < layers; ++i) {
     const at::Tensor &kb = k_buffers[i], &vb = v_buffers[i];
-    TORCH_CHECK(kb.size(2) >= length + t && vb.size(2) >= length + t && kb.size(3) == dim && vb.size(3) == dim &&
+    const int64_t gone = dropped.empty() ? 0 : dropped[i], held = length - gone;  // positions before `gone`: let go
+    TORCH_CHECK(gone >= 0 && held >= 0, "rungen_ggml: decoder_stack's dropped positions must lie within the length");
+    TORCH_CHECK(kb.size(2) >= held + t && vb.size(2) >= held + t && kb.size(3) == dim && vb.size(3) == dim &&
                 kb.stride(3) == 1 && vb.stride(3) == 1 && kb.scalar_type() == at::kFloat &&
                 vb.scalar_type() == at::kFloat,
                 "rungen_ggml: decoder_stack's cache buffers must be float32 [b, kv_heads, room for ", length + t,
@@ -171,12 +176,13 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decoder
     const at::Tensor& s = !rotates ? zero_sin : window ? local_sin : sin;
     rope_rows(qkv_out.data_ptr<float>(), c.data_ptr<float>(), s.data_ptr<float>(), shared, b, t, heads, kv_heads,
               dim, rot, q.data_ptr<float>(),
-              Rows4{kb.data_ptr<float>() + length * kb.stride(2), kb.stride(0), kb.stride(1), kb.stride(2)},
-              Rows4{vb.data_ptr<float>() + length * vb.stride(2), vb.stride(0), vb.stride(1), vb.stride(2)}, norms);
-    keys.push_back(kb.narrow(2, 0, length + t));
-    values.push_back(vb.narrow(2, 0, length + t));
+              Rows4{kb.data_ptr<float>() + held * kb.stride(2), kb.stride(0), kb.stride(1), kb.stride(2)},
+              Rows4{vb.data_ptr<float>() + held * vb.stride(2), vb.stride(0), vb.stride(1), vb.stride(2)}, norms);
+    keys.push_back(kb.narrow(2, 0, held + t));
+    values.push_back(vb.narrow(2, 0, held + t));
     // attention_out_mlp: attention, the output product, the residual; norm, gate/up, SiLU, down, the residual.
-    attend_into(q, keys.back(), values.back(), attend_mask_once, scale, softcap, window, attended.data_ptr<float>());
+    attend_into(q, keys.back(), values.back(), attend_mask_once, scale, softcap, window, attended.data_ptr<float>(),
+                nullptr, gone);
     mm_into(attended, o[i], types[o_type], heads * dim, pp);
     out_norm(attention_out_norms, i, pp);
     for (int64_t j = 0; j < n * features; ++j) hp[j] += pp[j];

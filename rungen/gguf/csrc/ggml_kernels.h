@@ -72,6 +72,9 @@ struct AttendJob {
   int64_t window;        // > 0: query i sees only the keys within `window` positions of its own (0: all)
   bool masked;
   const float* sinks = nullptr;  // [heads]: a logit each query head's softmax takes beside its keys' (gpt-oss's)
+  // Keys before it are not held (a sliding layer's, out of every query's window): k and v start at key `dropped`,
+  // T counts it; the weights' buffer holds T - dropped / 8 * 8 a query.
+  int64_t dropped = 0;
 };
 
 // Queries are taken in blocks of up to ATTEND_BLOCK that read the same keys and values (one sequence, one kv

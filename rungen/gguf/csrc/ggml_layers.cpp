@@ -211,21 +211,26 @@ AttendMask attend_mask(const c10::optional<at::Tensor>& mask_in, int64_t b, int6
   return m;
 }
 
-// attend of q [b, heads, t, dim] (float32, contiguous) over k, v [b, kv, T, dim] (float32, last dimension
-// contiguous: read in place), into out [b, t, heads * dim].
+// attend of q [b, heads, t, dim] (float32, contiguous) over k, v [b, kv, T - dropped, dim] (float32, last
+// dimension contiguous: read in place; the keys from position `dropped` on, AttendJob's), into out [b, t, heads *
+// dim].
 void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttendMask& mask, double scale,
-                 double softcap, int64_t window, float* op, const float* sinks) {
-  const int64_t b = q.size(0), heads = q.size(1), t = q.size(2), dim = q.size(3), kv = k.size(1), T = k.size(2);
+                 double softcap, int64_t window, float* op, const float* sinks, int64_t dropped) {
+  const int64_t b = q.size(0), heads = q.size(1), t = q.size(2), dim = q.size(3), kv = k.size(1);
+  const int64_t T = k.size(2) + dropped;
   TORCH_CHECK(k.size(0) == b && k.size(3) == dim && kv > 0 && heads % kv == 0 && T >= t,
               "rungen_ggml: attend's shapes differ");
+  // Every query's window starts at or after the first key held (the first query's is the earliest).
+  TORCH_CHECK(dropped == 0 || (window > 0 && dropped <= T - t - window + 1),
+              "rungen_ggml: attend's dropped keys must lie outside every query's window");
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   const bool masked = mask.bools != nullptr || mask.adds != nullptr;
   at::parallel_for(0, b * heads * t, std::max<int64_t>(1, 32768 / std::max<int64_t>(T * dim, 1)),
                    [&](int64_t p0, int64_t p1) {
-    std::vector<float> w(ATTEND_BLOCK * T);
+    std::vector<float> w(ATTEND_BLOCK * (T - dropped / 8 * 8));
     attend_fn()(AttendJob{qp, kp, vp, mask.bools, mask.adds, op, heads, t, dim, kv, T, k.stride(0), k.stride(1),
                              k.stride(2), v.stride(0), v.stride(1), v.stride(2), float(scale), float(softcap),
-                             window, masked, sinks}, p0, p1,
+                             window, masked, sinks, dropped}, p0, p1,
                    w.data());
   });
 }

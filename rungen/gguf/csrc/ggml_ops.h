@@ -95,7 +95,7 @@ struct AttendMask {
 
 AttendMask attend_mask(const c10::optional<at::Tensor>& mask_in, int64_t b, int64_t t, int64_t T);
 void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttendMask& mask, double scale,
-                 double softcap, int64_t window, float* op, const float* sinks = nullptr);
+                 double softcap, int64_t window, float* op, const float* sinks = nullptr, int64_t dropped = 0);
 at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                   const c10::optional<at::Tensor>& mask_in, double scale, double softcap, int64_t window,
                   const c10::optional<at::Tensor>& sinks);
@@ -167,6 +167,6 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decoder
     const c10::optional<at::Tensor>& local_cos_in, const c10::optional<at::Tensor>& local_sin_in, double softcap,
     bool gelu, const c10::List<c10::optional<at::Tensor>>& routers, at::TensorList experts,
     at::IntArrayRef expert_qtypes, const c10::List<c10::optional<at::Tensor>>& shared_gates, int64_t top_k,
-    bool norm_topk, at::IntArrayRef rotary);
+    bool norm_topk, at::IntArrayRef rotary, at::IntArrayRef dropped);
 
 }  // namespace rungen_ggml
