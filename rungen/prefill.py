@@ -22,6 +22,7 @@ class Prefilled:
 
 
 RING_PASS = 1024  # a pass's tokens where the sliding layers hold rings: a ring holds the window and a pass
+OWN_PASS = 512  # a prompt's passes on the own GGUF model (docs/performance.md: no slower than one pass)
 
 
 def pass_tokens(device: torch.device, rings: bool = False) -> int:
@@ -39,20 +40,27 @@ def together_tokens(requests) -> int:
 
 
 def prefill_alone(model, kv, request, prefix_cache, device, *, use_positions, keep_last) -> Prefilled:
+    """The request's prompt after the prefix cache's longest match, in one pass; on the own GGUF model in passes of
+    OWN_PASS tokens: its sliding layers then let go of what their window no longer reaches between passes (they hold
+    every position of a pass), and a pass's activations are the pass's (the same bits: the native products take each
+    row alike)."""
     ids = request.ids
     reused, layers, buffers = prefix_cache.longest(ids) if prefix_cache else (0, None, None)
     # Stored tensors are never written to (a cache copies them), unless the prefix cache gave the buffers up.
     cache = new_cache(model, layers, buffers, reused)
-    rest = torch.tensor([ids[reused:]], device=device)
-    kwargs = {}
-    if use_positions:
-        kwargs["position_ids"] = torch.arange(reused, len(ids), device=device)[None]
-    if reused:
-        kwargs["attention_mask"] = torch.ones(1, len(ids), dtype=torch.long, device=device)
-    if keep_last:
-        kwargs["logits_to_keep"] = 1  # the prompt's other logits are never read
+    step = OWN_PASS if getattr(model, "own_cache", False) else len(ids)
     with torch.inference_mode():
-        output = model(input_ids=rest, past_key_values=cache, use_cache=True, **kwargs)
+        for start in range(reused, len(ids), step):
+            end = min(len(ids), start + step)
+            kwargs = {}
+            if use_positions:
+                kwargs["position_ids"] = torch.arange(start, end, device=device)[None]
+            if start:
+                kwargs["attention_mask"] = torch.ones(1, end, dtype=torch.long, device=device)
+            if keep_last:
+                kwargs["logits_to_keep"] = 1  # the prompt's other logits are never read
+            output = model(input_ids=torch.tensor([ids[start:end]], device=device), past_key_values=cache,
+                           use_cache=True, **kwargs)
     return Prefilled(reused, kv.part(output, request.n, len(ids)), output.logits[:, -1].float())
 
 

@@ -720,7 +720,8 @@ def rings_decode_as_generate_does(family, device, monkeypatch, tmp_path):
                              do_sample=False)
         return out[0, len(ids):].tolist()
 
-    assert "per token position (every layer's: a sliding layer holds fewer)" in describe_memory(engine)  # (--verbose's line)
+    line = describe_memory(engine)  # (--verbose's)
+    assert "per token position (every layer's: a sliding layer holds fewer)" in line
     with monkeypatch.context() as patch:  # (RUN_GENERATION_RINGS=0: every position held)
         patch.setenv("RUN_GENERATION_RINGS", "0")
         full = Engine(Loaded(model, source.tokenizer, family, device, 128, source.vocab_size), max_batch=3)

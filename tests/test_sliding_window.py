@@ -175,6 +175,28 @@ def test_sliding_layers_let_go_of_what_their_window_no_longer_reaches_and_decode
             assert tokens[number] == generate_alone(reference, request.ids, request.max_tokens), number
 
 
+def test_a_prompt_longer_than_a_pass_goes_in_passes_whose_sliding_layers_let_go_between_them(models):
+    """The own model's prompt in passes of OWN_PASS tokens: after it the sliding layers hold about a pass and the
+    window, not the prompt; the tokens are generate()'s."""
+    from rungen.prefill import OWN_PASS
+
+    loaded, reference = models["gemma3"]
+    ids = loaded.tokenizer.encode(" ".join(PROMPTS * 40))
+    assert len(ids) > 2 * OWN_PASS
+    engine = Engine(loaded, eos_ids=(), prefix_cache_bytes=0)
+    tokens = []
+    engine.submit(Request(ids, max_tokens=NEW_TOKENS, sampling=Sampling(temperature=0),
+                          sink=lambda event: tokens.extend(event.finish.tokens) if isinstance(event, Done) else None))
+    engine.admission.admit()  # the prompt's passes; its keys/values join the batch
+    layers = engine.batch.kv.cache.layers
+    assert all(layer.get_seq_length() == len(ids) for layer in layers)
+    sliding = [layer.buffers[0].shape[2] for layer in layers if getattr(layer, "window", 0)]
+    assert len(sliding) == 5 and max(sliding) <= OWN_PASS + WINDOW - 1 + 2 * MIN_ROOM
+    run_to_the_end(engine)
+    with torch.inference_mode():
+        assert tokens == generate_alone(reference, ids)
+
+
 def test_the_verbose_line_says_so_and_RUN_GENERATION_RINGS_0_holds_every_position(models, monkeypatch):
     from rungen.engine import describe_memory
 
