@@ -19,6 +19,7 @@
     int4.py        4-bit weights in groups of 32 for torch's int4 kernels (CPU's; CUDA's tinygemm)
     int8.py        int8 weights a scale an output channel: torch's CPU kernel; a Triton kernel on CUDA
     int4_kernel.py 4-bit codes two a byte for a Triton kernel on CUDA, where tinygemm cannot run or is not asked for
+    code_triton.py the Triton kernels of packed codes and the widening one (imported only where Triton is)
     jit.py         --jit: the traced decode step (private torch/transformers APIs)
     constrain.py   --json_schema/--regex/--grammar with xgrammar
     tools.py       tool calling: a request's tools, the conversation for the template, the calls' grammar

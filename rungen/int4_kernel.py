@@ -222,217 +222,29 @@ def widened4(x: torch.Tensor, packed_codes: torch.Tensor, scales: torch.Tensor, 
 
 @functools.cache
 def triton_kernel():
-    """The Triton kernel (x, packed codes, scales, offsets) -> y, or None where Triton does not import."""
+    """The Triton kernels (rungen/code_triton.py's int4_matmul and int4_gemv) as one run(x, codes, scales, ...) -> y,
+    or None where Triton does not import."""
     try:
         import triton
-        import triton.language as tl
+
+        from . import code_triton
     except Exception:  # any failure: the widened product serves
         return None
-
-    @triton.jit(do_not_specialize=["M", "M_BUCKET"])  # one compilation for every decode batch
-    def int4_matmul(x, codes, scales, offsets, y, tiles, sources, M, N, K, M_BUCKET, LEVELS: tl.constexpr,
-                    LOW: tl.constexpr, HIGH: tl.constexpr, GROUP: tl.constexpr, GROUPED: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # y[m, n] = sum_k x[m, k] * (code[n, k] * scales[n, k // GROUP] + offsets[n, k // GROUP]), BLOCK_K inputs
-        # (whole chunks of 64) at a time: the bytes' low nibbles hold each chunk's first 32 inputs and the high ones
-        # its second (LOW 2: their four 2-bit parts its four runs of 16), so each is a product over whole groups.
-        # LEVELS (levels_of): 1, each code e2m1's bits (MXFP4's); 2, each byte's two levels looked up in offsets
-        # (level_pairs); 3, signed codes, no offsets; 4, signed codes, the group's int8 scale times its superblock's
-        # float16 one (offsets [N, K / 256]); 5, a group's integer scale and minimum side by side (uint8 scales [N, 2K
-        # / GROUP]) times its superblock's float16 two (offsets [N, 2K / 256]): code x scale - minimum. HIGH: each
-        # code's bits above its LOW ones, in the row's plane after them (packed()). Grid, rows and GROUPED as
-        # rungen/int8.py's kernel's.
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        if GROUPED:
-            expert = tl.load(tiles + tl.program_id(0)).to(tl.int64)
-            if expert < 0:
-                return
-            codes += expert * N * (K * (LOW + HIGH) // 8)
-            if LEVELS == 5:  # (a group's scale and minimum, a superblock's two)
-                scales += expert * N * (K // GROUP) * 2
-                offsets += expert * N * (K // 256) * 2
-            else:
-                scales += expert * N * (K // GROUP)
-            if LEVELS == 0:
-                offsets += expert * N * (K // GROUP)
-            if LEVELS == 4:
-                offsets += expert * N * (K // 256)
-            reads = tl.load(sources + rows).to(tl.int64)
-            held_rows = reads >= 0
-        else:
-            reads, held_rows = rows, rows < M
-        channels = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-        # per: codes a byte; run: the inputs of a chunk one part of its bytes holds; split: groups in a run
-        per: tl.constexpr = 8 // LOW  # (annotated: else the compiler takes it for a runtime value)
-        run: tl.constexpr = 8 * LOW
-        lows = K * LOW // 8  # the row's bytes before its plane
-        row_bytes, split = K * (LOW + HIGH) // 8, 8 * LOW // GROUP
-        part_bytes = tl.arange(0, BLOCK_K // per)
-        low_inputs = (part_bytes // run) * 64 + part_bytes % run  # a tile's inputs in its bytes' lowest bits
-        sub = tl.arange(0, BLOCK_K // (per * GROUP))  # the groups of a chunk's run in the tile: chunk, then group
-        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for start in range(0, K, BLOCK_K):
-            low_at = start + low_inputs
-            held_x = held_rows[:, None] & (low_at[None, :] < K)
-            byte_at = start * LOW // 8 + part_bytes
-            held_b = (channels[None, :] < N) & (byte_at[:, None] < lows)
-            b = tl.load(codes + channels[None, :] * row_bytes + byte_at[:, None], mask=held_b, other=0)
-            if HIGH:  # the byte's codes' top bits side by side, 8 // (per * HIGH) bytes' worth a byte of the plane
-                tops = tl.load(codes + channels[None, :] * row_bytes + lows + byte_at[:, None] // (8 // (per * HIGH)),
-                               mask=held_b, other=0).to(tl.int32) & 0xFF
-                tops = tops >> ((byte_at[:, None] % (8 // (per * HIGH))) * (per * HIGH))
-            if LEVELS == 2:  # both nibbles' levels at once (a byte past the weight: 0's, times a scale of 0)
-                pairs = tl.load(offsets + b.to(tl.int32))
-            for part in tl.static_range(per):  # the low nibbles (a chunk's first 32 inputs), the high ones (LOW 4)
-                a = tl.load(x + reads[:, None] * K + run * part + low_at[None, :], mask=held_x, other=0.0)
-                # each group's one scale and offset spread over its codes in registers
-                group = start // GROUP + (sub // split) * per * split + part * split + sub % split
-                held = (channels[None, :] < N) & (group[:, None] < K // GROUP)
-                where = channels[None, :] * (K // GROUP) + group[:, None]
-                if LEVELS == 5:  # the group's integer scale and minimum times its superblock's float16 ones
-                    duo = 2 * where  # (the group's scale, then its minimum)
-                    whole = channels[None, :] * (K // 256) * 2 + (group[:, None] // (256 // GROUP)) * 2
-                    scale = tl.load(scales + duo, mask=held, other=0).to(tl.float32) * \
-                        tl.load(offsets + whole, mask=held, other=0.0).to(tl.float32)
-                    least = tl.load(scales + duo + 1, mask=held, other=0).to(tl.float32) * \
-                        tl.load(offsets + whole + 1, mask=held, other=0.0).to(tl.float32)
-                else:
-                    scale = tl.load(scales + where, mask=held, other=0.0).to(tl.float32)
-                if LEVELS == 4:  # times the superblock's float16 scale (offsets)
-                    scale *= tl.load(offsets + channels[None, :] * (K // 256) + group[:, None] // (256 // GROUP),
-                                     mask=held, other=0.0).to(tl.float32)
-                nibbles = (b >> (LOW * part)) & ((1 << LOW) - 1)
-                if LEVELS == 1:  # sign and three bits in a float16's sign, exponent and mantissa: e2m1's value x 2^-14
-                    bits = nibbles.to(tl.uint16)
-                    bits = (((bits & 8) << 12) | ((bits & 7) << 9)).to(tl.uint16)  # (16 bits whatever Triton promotes)
-                    w = bits.to(tl.float16, bitcast=True).to(tl.float32)
-                    w = tl.reshape(w, (BLOCK_K // (per * GROUP), GROUP, BLOCK_N)) * (scale * 32768.0)[:, None, :]
-                elif LEVELS == 2:  # the low nibble's level in the pair's low half, the high one's in its high half
-                    if part == 0:
-                        w = (pairs << 16) >> 16
-                    else:
-                        w = pairs >> 16
-                    w = tl.reshape(w.to(tl.float32), (BLOCK_K // (per * GROUP), GROUP, BLOCK_N)) * scale[:, None, :]
-                else:
-                    code = nibbles.to(tl.int32)
-                    if HIGH:
-                        code = code | (((tops >> (HIGH * part)) & ((1 << HIGH) - 1)) << LOW)
-                    if LEVELS == 3 or LEVELS == 4:  # two's complement of LOW + HIGH bits
-                        code = (code << (32 - LOW - HIGH)) >> (32 - LOW - HIGH)
-                    w = tl.reshape(code.to(tl.float32), (BLOCK_K // (per * GROUP), GROUP, BLOCK_N)) * scale[:, None, :]
-                    if LEVELS == 0:
-                        w += tl.load(offsets + where, mask=held, other=0.0).to(tl.float32)[:, None, :]
-                    if LEVELS == 5:
-                        w -= least[:, None, :]
-                total += tl.dot(a, tl.reshape(w, (BLOCK_K // per, BLOCK_N)).to(a.dtype), input_precision="ieee")
-        tl.store(y + rows[:, None] * N + channels[None, :], total.to(y.dtype.element_ty),
-                 mask=held_rows[:, None] & (channels[None, :] < N))
 
     # x @ (unpacked(codes) * scales + offsets).T; codes [out, in * bits / 8] (packed()), scales and offsets [out, in /
     # GROUP]; no offsets: x @ (e2m1_unpacked(codes) * scales).T, or signed codes times the scales; a table: its levels
     # of the codes times the scales. int8's configurations but (16, 256, 4), which spills 8 bytes here with float16
     # scales on sm_90 (python -m benchmarks.int8_kernel_resources). Constexprs: form_of.
-    tiled = launcher(triton, int4_matmul, form_of, leave_out=[(16, 256, 4)])
+    tiled = launcher(triton, code_triton.int4_matmul, form_of, leave_out=[(16, 256, 4)])
 
     def fitting(configs, named_args, **kwargs):  # rows x a tile's codes within GEMV_PRODUCTS (registers)
         rows = kwargs.get("ROWS", named_args.get("ROWS", 1))
         return [config for config in configs
                 if rows * config.kwargs["BLOCK_N"] * config.kwargs["BLOCK_K"] // 2 <= GEMV_PRODUCTS]
 
-    @autotune(triton, [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in GEMV_CONFIGS],
-              ["N", "K", "ROWS", "LEVELS", "LOW", "HIGH", "GROUP", "GROUPED"], fitting)
-    @triton.jit(do_not_specialize=["M"])
-    def int4_gemv(x, codes, scales, offsets, y, pairs, M, N, K, LEVELS: tl.constexpr, LOW: tl.constexpr,
-                  HIGH: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, GROUPED: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # y[m, n] for a decode step's few rows (M <= ROWS) without the tensor cores, whose tiles of 16 rows a row
-        # would waste: BLOCK_N output channels a program over all K inputs, BLOCK_K (whole chunks) at a time, each
-        # nibble's codes widened with their group's scale and offset in registers and multiplied into every row.
-        # GROUPED: a mixture's experts stacked [experts, N, ...]; program_id(1) a pair p (pairs[p]: its expert and
-        # its row of x), y[p] = x[row] times that expert's weight. LEVELS, LOW, HIGH, GROUP as int4_matmul's.
-        if GROUPED:
-            pair = tl.program_id(1)
-            expert = tl.load(pairs + 2 * pair).to(tl.int64)
-            codes += expert * N * (K * (LOW + HIGH) // 8)
-            if LEVELS == 5:  # (a group's scale and minimum, a superblock's two)
-                scales += expert * N * (K // GROUP) * 2
-                offsets += expert * N * (K // 256) * 2
-            else:
-                scales += expert * N * (K // GROUP)
-            if LEVELS == 0:
-                offsets += expert * N * (K // GROUP)
-            if LEVELS == 4:
-                offsets += expert * N * (K // 256)
-            x += tl.load(pairs + 2 * pair + 1).to(tl.int64) * K
-            y += pair * N
-        channels = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-        per: tl.constexpr = 8 // LOW  # as int4_matmul's
-        run: tl.constexpr = 8 * LOW
-        lows = K * LOW // 8
-        row_bytes, split = K * (LOW + HIGH) // 8, 8 * LOW // GROUP
-        rows = tl.arange(0, ROWS)
-        part_bytes = tl.arange(0, BLOCK_K // per)
-        low_inputs = (part_bytes // run) * 64 + part_bytes % run
-        sub = tl.arange(0, BLOCK_K // (per * GROUP))
-        total = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-        for start in range(0, K, BLOCK_K):
-            byte_at = start * LOW // 8 + part_bytes
-            held_b = (channels[:, None] < N) & (byte_at[None, :] < lows)
-            b = tl.load(codes + channels[:, None] * row_bytes + byte_at[None, :], mask=held_b, other=0)
-            if HIGH:  # as int4_matmul's
-                tops = tl.load(codes + channels[:, None] * row_bytes + lows + byte_at[None, :] // (8 // (per * HIGH)),
-                               mask=held_b, other=0).to(tl.int32) & 0xFF
-                tops = tops >> ((byte_at[None, :] % (8 // (per * HIGH))) * (per * HIGH))
-            if LEVELS == 2:  # as int4_matmul's
-                levels = tl.load(offsets + b.to(tl.int32))
-            for part in tl.static_range(per):  # the low nibbles (a chunk's first 32 inputs), the high ones (LOW 4)
-                group = start // GROUP + (sub // split) * per * split + part * split + sub % split
-                held = (channels[:, None] < N) & (group[None, :] < K // GROUP)
-                where = channels[:, None] * (K // GROUP) + group[None, :]
-                if LEVELS == 5:  # as int4_matmul's
-                    duo = 2 * where  # (the group's scale, then its minimum)
-                    whole = channels[:, None] * (K // 256) * 2 + (group[None, :] // (256 // GROUP)) * 2
-                    scale = tl.load(scales + duo, mask=held, other=0).to(tl.float32) * \
-                        tl.load(offsets + whole, mask=held, other=0.0).to(tl.float32)
-                    least = tl.load(scales + duo + 1, mask=held, other=0).to(tl.float32) * \
-                        tl.load(offsets + whole + 1, mask=held, other=0.0).to(tl.float32)
-                else:
-                    scale = tl.load(scales + where, mask=held, other=0.0).to(tl.float32)
-                if LEVELS == 4:  # as int4_matmul's
-                    scale *= tl.load(offsets + channels[:, None] * (K // 256) + group[None, :] // (256 // GROUP),
-                                     mask=held, other=0.0).to(tl.float32)
-                nibbles = (b >> (LOW * part)) & ((1 << LOW) - 1)
-                if LEVELS == 1:  # as int4_matmul's
-                    bits = nibbles.to(tl.uint16)
-                    bits = (((bits & 8) << 12) | ((bits & 7) << 9)).to(tl.uint16)  # (16 bits whatever Triton promotes)
-                    w = bits.to(tl.float16, bitcast=True).to(tl.float32)
-                    w = tl.reshape(w, (BLOCK_N, BLOCK_K // (per * GROUP), GROUP)) * (scale * 32768.0)[:, :, None]
-                elif LEVELS == 2:
-                    if part == 0:
-                        w = (levels << 16) >> 16
-                    else:
-                        w = levels >> 16
-                    w = tl.reshape(w.to(tl.float32), (BLOCK_N, BLOCK_K // (per * GROUP), GROUP)) * scale[:, :, None]
-                else:
-                    code = nibbles.to(tl.int32)
-                    if HIGH:
-                        code = code | (((tops >> (HIGH * part)) & ((1 << HIGH) - 1)) << LOW)
-                    if LEVELS == 3 or LEVELS == 4:
-                        code = (code << (32 - LOW - HIGH)) >> (32 - LOW - HIGH)
-                    w = tl.reshape(code.to(tl.float32), (BLOCK_N, BLOCK_K // (per * GROUP), GROUP)) * scale[:, :, None]
-                    if LEVELS == 0:
-                        w += tl.load(offsets + where, mask=held, other=0.0).to(tl.float32)[:, :, None]
-                    if LEVELS == 5:
-                        w -= least[:, :, None]
-                w = tl.reshape(w, (BLOCK_N, BLOCK_K // per))
-                at = start + run * part + low_inputs
-                a = tl.load(x + rows[:, None] * K + at[None, :], mask=(rows[:, None] < M) & (at[None, :] < K),
-                            other=0.0).to(tl.float32)
-                total += tl.sum(a[:, None, :] * w[None, :, :], axis=2)
-        tl.store(y + rows[:, None] * N + channels[None, :], total.to(y.dtype.element_ty),
-                 mask=(rows[:, None] < M) & (channels[None, :] < N))
-
-    return with_gemv(triton, tiled, int4_gemv, form_of, GEMV_ENV)
+    gemv = autotune(triton, [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in GEMV_CONFIGS],
+                    ["N", "K", "ROWS", "LEVELS", "LOW", "HIGH", "GROUP", "GROUPED"], fitting)(code_triton.int4_gemv)
+    return with_gemv(triton, tiled, gemv, form_of, GEMV_ENV)
 
 
 class CudaInt4Linear(CodesLinear):

@@ -272,55 +272,10 @@ def widen_kernel():
     the indices of its levels (level_pairs: each byte's two); None where Triton does not import."""
     try:
         import triton
-        import triton.language as tl
+
+        from .code_triton import widen
     except Exception:  # any failure: torch's operators serve
         return None
-
-    @triton.jit
-    def widen(codes, scales, offsets, table, out, K, GROUP: tl.constexpr, OFFSET: tl.constexpr, CHUNK: tl.constexpr,
-              TABLE: tl.constexpr, LOW: tl.constexpr, HIGH: tl.constexpr, SIGNED: tl.constexpr,
-              BLOCK: tl.constexpr):
-        # out[n, k] = codes[n, k] * scale (+ offset), in float32: scales[n] (GROUP 0) or scales[n, k // GROUP]. CHUNK:
-        # code k's LOW bits in byte (k // CHUNK) * run + k % run of the row (run = CHUNK * LOW / 8), a chunk's first
-        # run the byte's lowest, its HIGH bits above in the row's plane after them (int4_kernel.py's packed()); SIGNED:
-        # two's complement; neither OFFSET nor SIGNED: e2m1's bits, for their doubled value (as int4_kernel.py's
-        # kernels read them)
-        row = tl.program_id(0).to(tl.int64)
-        at = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        held = at < K
-        if CHUNK:
-            row_bytes, run = K * (LOW + HIGH) // 8, CHUNK * LOW // 8
-            byte_at = (at // CHUNK) * run + at % run
-            byte = tl.load(codes + row * row_bytes + byte_at, mask=held, other=0)
-            upper = (at % CHUNK) // run  # the code's part of the byte (LOW 4: 1, its high nibble)
-            nibble = (byte >> (LOW * upper)) & ((1 << LOW) - 1)
-            if TABLE:  # the byte's two levels, the low nibble's in the low half
-                pair = tl.load(table + byte.to(tl.int32), mask=held, other=0)
-                weight = ((pair << (16 - 16 * upper)) >> 16).to(tl.float32)
-            elif OFFSET or SIGNED:
-                code = nibble.to(tl.int32)
-                if HIGH:  # (a byte's codes' tops side by side: (8 / LOW) * HIGH bits)
-                    tops = tl.load(codes + row * row_bytes + K * LOW // 8 + byte_at // (8 // (8 // LOW * HIGH)),
-                                   mask=held, other=0).to(tl.int32) & 0xFF
-                    tops = tops >> ((byte_at % (8 // (8 // LOW * HIGH))) * (8 // LOW * HIGH) + HIGH * upper)
-                    code = code | ((tops & ((1 << HIGH) - 1)) << LOW)
-                if SIGNED:
-                    code = (code << (32 - LOW - HIGH)) >> (32 - LOW - HIGH)
-                weight = code.to(tl.float32)
-            else:  # e2m1's value x 2^-14 as a float16's bits, times 2^15
-                bits = nibble.to(tl.uint16)
-                bits = (((bits & 8) << 12) | ((bits & 7) << 9)).to(tl.uint16)  # (16 bits whatever Triton promotes)
-                weight = bits.to(tl.float16, bitcast=True).to(tl.float32) * 32768.0
-        else:
-            weight = tl.load(codes + row * K + at, mask=held, other=0).to(tl.float32)
-        if GROUP:
-            where = row * (K // GROUP) + at // GROUP
-            weight = weight * tl.load(scales + where, mask=held, other=0.0).to(tl.float32)
-            if OFFSET:
-                weight += tl.load(offsets + where, mask=held, other=0.0).to(tl.float32)
-        else:
-            weight = weight * tl.load(scales + row).to(tl.float32)
-        tl.store(out + row * K + at, weight.to(out.dtype.element_ty), mask=held)
 
     def run(codes, scales, offsets, dtype, chunk=0, table=None, inputs=None):
         rows, inner = codes.shape[0], inputs or codes.shape[1] * (2 if chunk else 1)
