@@ -12,7 +12,7 @@ import os
 import torch
 
 from . import fused_step
-from .kvcache import RINGS_ENV, dummy, fill, full_attention, growing, holding, new_cache
+from .kvcache import RINGS_ENV, dummy, fill, full_attention, growing, holding, new_cache, sliding_windows
 from .prefill import pass_tokens
 from .slots import DecodeGraphs, SlotCache, decode_step, prefill_step, takes_slots
 from .transfers import accelerators_of, to_device
@@ -53,6 +53,7 @@ class SlotBatch:
     """Rows 0..rows-1 in the slots of a SlotCache."""
 
     steps_again = True  # a step that failed may run again: it writes by position, and moves nothing
+    windows = None  # (a ring's positions lie round it: a prefix cache entry of one serves whole only)
 
     def __init__(self, model, device, slots, graphs=None, lookahead=0, step=decode_step, shapes=None):
         self.model, self.device, self.slots, self.graphs, self.lookahead = model, device, slots, graphs, lookahead
@@ -183,6 +184,8 @@ class PaddedBatch:
     def __init__(self, model, device, use_positions):
         self.model, self.device, self.use_positions = model, device, use_positions
         self.cache = self.mask = None
+        # each layer's window where the own model's sliding layers hold their last positions (None: none do)
+        self.windows = sliding_windows(model) if any(sliding_windows(model)) else None
 
     @property
     def steps_again(self):

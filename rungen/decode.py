@@ -212,7 +212,7 @@ class DecodeBatch:
         if layers is None:
             return
         try:
-            self.prefix_cache.keep(tokens, layers, buffers)
+            self.prefix_cache.keep(tokens, layers, buffers, self.kv.windows)
         except torch.OutOfMemoryError:  # (its copy) the cache only saves time: the row leaves all the same
             self.prefix_cache.give_up("a finished row's keys/values")
 

@@ -12,19 +12,26 @@ class PrefixCache:
 
     def __init__(self, max_bytes):
         self.max_bytes, self.bytes = max_bytes, 0
-        # tuple(tokens) -> (layers, bytes, buffers or None, whether only the whole entry serves)
+        # tuple(tokens) -> (layers, bytes, buffers or None, the fewest tokens of it a request must start with)
         self.entries = collections.OrderedDict()
 
-    def put(self, tokens, layers, size=None, buffers=None):
+    def put(self, tokens, layers, size=None, buffers=None, windows=None):
         """Keeps `layers` for `tokens`; `buffers`: per layer the buffers they start, which a next turn may take
         over; `size`: the bytes held alive, when more than the layers'. A layer of fewer positions than the tokens
-        (a sliding layer's ring, rungen/slots.py, or rungen/kvcache.py's SlidingLayer) holds the last ones only: the
-        entry serves only a request that starts with all of it (a conversation's next turn)."""
+        holds the last ones only. Where `windows` gives its window (rungen/kvcache.py's SlidingLayer, whose positions
+        lie in order), the entry serves a start whose window it still holds; else (a sliding layer's ring,
+        rungen/slots.py) only a request that starts with all of it (a conversation's next turn)."""
         size = size or sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers)
         key = tuple(tokens)
         if size > self.max_bytes or len(key) < 2 or key in self.entries:
             return
-        self.entries[key] = (layers, size, buffers, any(k.shape[-2] < len(key) for k, _ in layers))
+        windows = windows if windows and len(windows) == len(layers) else [0] * len(layers)
+        least = 0
+        for (keys, _), window in zip(layers, windows):
+            gone = len(key) - keys.shape[-2]
+            if gone > 0:
+                least = max(least, gone + window - 1 if window else len(key))
+        self.entries[key] = (layers, size, buffers, least)
         self.bytes += size
         while self.bytes > self.max_bytes:
             _, (_, dropped, *_) = self.entries.popitem(last=False)
@@ -45,9 +52,9 @@ class PrefixCache:
         (0, None, None). `layers` are views, never to be written to; when the start is the whole entry and it kept
         its buffers, they come too and the entry leaves the cache."""
         best, found = 0, None
-        for key, (*_, whole_only) in self.entries.items():
+        for key, (*_, least) in self.entries.items():
             length = shared_start(key, ids, limit=len(ids) - 1)
-            if length > best and (length == len(key) or not whole_only):
+            if length > best and length >= least:
                 best, found = length, key
         if found is None:
             return 0, None, None
@@ -57,13 +64,15 @@ class PrefixCache:
             self.bytes -= size
             return best, layers, buffers
         self.entries.move_to_end(found)
-        return best, [(k[:, :, :best], v[:, :, :best]) for k, v in layers], None  # (a ring: whole)
+        # (a layer holding the last positions only: those up to the start's end; a ring: whole)
+        return best, [(k[:, :, : best - len(found) + k.shape[-2]], v[:, :, : best - len(found) + v.shape[-2]])
+                      for k, v in layers], None
 
-    def keep(self, tokens, layers, batch_cache=None):
+    def keep(self, tokens, layers, batch_cache=None, windows=None):
         """Keeps a finished row's keys/values `layers` for `tokens`: copies, unless `batch_cache` (the batch ends
-        with this row) hands its buffers over."""
+        with this row) hands its buffers over; `windows`: put's."""
         if batch_cache is None:
-            self.put(tokens, [(k.clone(), v.clone()) for k, v in layers])
+            self.put(tokens, [(k.clone(), v.clone()) for k, v in layers], windows=windows)
             return
         length = len(tokens)
         held = sum(k.untyped_storage().nbytes() + v.untyped_storage().nbytes() for k, v in layers)
@@ -72,7 +81,7 @@ class PrefixCache:
                  and layer.buffers is not None and layer.keys.shape[0] == 1 and layer.get_seq_length() == length
                  and layer.keys.data_ptr() == layer.buffers[0].data_ptr()]
         buffers = grown if len(grown) == len(layers) else None
-        self.put(tokens, layers, size=held, buffers=buffers)
+        self.put(tokens, layers, size=held, buffers=buffers, windows=windows)
 
 
 def shared_start(a, b, limit):

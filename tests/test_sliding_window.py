@@ -175,6 +175,36 @@ def test_sliding_layers_let_go_of_what_their_window_no_longer_reaches_and_decode
             assert tokens[number] == generate_alone(reference, request.ids, request.max_tokens), number
 
 
+def test_a_start_the_sliding_layers_still_hold_the_window_of_is_reused_and_one_they_do_not_is_not(models):
+    """A finished row's prefix cache entry whose sliding layers let go of their first positions serves a request
+    that shares all but its last few tokens (a template rendering a reply's end otherwise): the layers hold the
+    window before that start; not one that parts from it further back, which is prefilled afresh. Both decode as
+    generate() does."""
+    loaded, reference = models["gemma3"]
+    engine = Engine(loaded, eos_ids=())
+    prompt = loaded.tokenizer.encode(PROMPTS[0])
+    got, requests = {}, {}
+
+    def run(number, ids, max_tokens):
+        requests[number] = Request(ids, max_tokens=max_tokens, sampling=Sampling(temperature=0),
+                                   sink=lambda event: got.setdefault(number, event.finish.tokens)
+                                   if isinstance(event, Done) else None)
+        engine.submit(requests[number])
+        run_to_the_end(engine)
+
+    run(0, prompt, 100)
+    [(held, (layers, *_))] = engine.prefix_cache.entries.items()
+    assert min(keys.shape[2] for keys, _ in layers) < len(held)  # its sliding layers let go
+    ending = loaded.tokenizer.encode(" and so on")
+    run(1, list(held[: len(prompt)]) + ending, 12)  # parts where the window is gone: afresh
+    assert requests[1].reused == 0
+    run(2, list(held[:-3]) + ending, 12)  # parts 3 tokens before the entry's end
+    assert requests[2].reused == len(held) - 3
+    with torch.inference_mode():
+        for number in (1, 2):
+            assert got[number] == generate_alone(reference, requests[number].ids, 12), number
+
+
 def test_a_prompt_longer_than_a_pass_goes_in_passes_whose_sliding_layers_let_go_between_them(models):
     """The own model's prompt in passes of OWN_PASS tokens: after it the sliding layers hold about a pass and the
     window, not the prompt; the tokens are generate()'s."""
@@ -185,8 +215,8 @@ def test_a_prompt_longer_than_a_pass_goes_in_passes_whose_sliding_layers_let_go_
     assert len(ids) > 2 * OWN_PASS
     engine = Engine(loaded, eos_ids=(), prefix_cache_bytes=0)
     tokens = []
-    engine.submit(Request(ids, max_tokens=NEW_TOKENS, sampling=Sampling(temperature=0),
-                          sink=lambda event: tokens.extend(event.finish.tokens) if isinstance(event, Done) else None))
+    engine.submit(Request(ids, max_tokens=NEW_TOKENS, sampling=Sampling(temperature=0), n=2,  # (its rows: copies)
+                          sink=lambda event: tokens.append(event.finish.tokens) if isinstance(event, Done) else None))
     engine.admission.admit()  # the prompt's passes; its keys/values join the batch
     layers = engine.batch.kv.cache.layers
     assert all(layer.get_seq_length() == len(ids) for layer in layers)
@@ -194,7 +224,7 @@ def test_a_prompt_longer_than_a_pass_goes_in_passes_whose_sliding_layers_let_go_
     assert len(sliding) == 5 and max(sliding) <= OWN_PASS + WINDOW - 1 + 2 * MIN_ROOM
     run_to_the_end(engine)
     with torch.inference_mode():
-        assert tokens == generate_alone(reference, ids)
+        assert tokens == [generate_alone(reference, ids)] * 2
 
 
 def test_the_verbose_line_says_so_and_RUN_GENERATION_RINGS_0_holds_every_position(models, monkeypatch):
