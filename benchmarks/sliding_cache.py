@@ -110,9 +110,10 @@ def main():
     ids = loaded.tokenizer.encode(text)
     ids = (ids * (args.prompt // len(ids) + 1))[: args.prompt]
     isa = torch.ops.rungen_ggml.isa()
+    sliding = f"{sum(map(bool, windows))} sliding (window {max(windows)})" if any(windows) else "none sliding"
     print(f"CPU flags: {cpu_flags()}; kernel path {isa}; torch {torch.__version__}, {torch.get_num_threads()} "
-          f"threads; {os.path.basename(args.model)}: {len(windows)} layers, {sum(map(bool, windows))} sliding (window "
-          f"{max(windows)}); a {len(ids)}-token prompt, {args.new} new tokens, {args.rounds} paired rounds")
+          f"threads; {os.path.basename(args.model)}: {len(windows)} layers, {sliding}; a {len(ids)}-token prompt, "
+          f"{args.new} new tokens, {args.rounds} paired rounds")
     if args.passes:
         passes_rows(loaded.model, ids, args.rounds)
         return

@@ -317,7 +317,7 @@ class PaddedBatch:
 def probed_layers(model, device, model_type="the model", token=0):
     """[(keys, values)] of each layer that holds them (layers_of) after a one-token forward pass of `token` into a
     fresh cache; raises ValueError for a model whose layers a batch cannot hold."""
-    cache = new_cache(model)  # sliding-window layers hold every position: the mask applies the window
+    cache = new_cache(model)  # (one position: every layer holds it, a sliding one too)
     if not all(full_attention(layer) or dummy(layer) for layer in cache.layers):
         # A chunked or recurrent layer's state cannot be moved by the left-padded merge and trim.
         raise ValueError(f"{model_type} has chunked-attention or recurrent layers, which a padded batch cannot hold")
