@@ -116,8 +116,8 @@ def test_the_command_line_decodes_them_on_the_engine(models, name):
 
 
 def test_bytes_per_token_count_every_layer(models):
-    """The cache bound (max_cache_tokens) counts a position in every layer, the sliding ones too (they hold the
-    window's last positions once they let go of the others: the bound is what the longest rows would take before)."""
+    """The cache bound (max_cache_tokens) counts a position in every layer, the sliding ones too: what rows would
+    take were every layer to hold all their positions (the sliding layers hold their window's last ones)."""
     loaded, _ = models["gemma3"]
     engine = Engine(loaded, eos_ids=(), prefix_cache_bytes=0)
     config = loaded.model.config
