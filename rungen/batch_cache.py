@@ -185,7 +185,8 @@ class PaddedBatch:
         self.model, self.device, self.use_positions = model, device, use_positions
         self.cache = self.mask = None
         # each layer's window where the own model's sliding layers hold their last positions (None: none do)
-        self.windows = sliding_windows(model) if any(sliding_windows(model)) else None
+        windows = sliding_windows(model)
+        self.windows = windows if any(windows) else None
 
     @property
     def steps_again(self):

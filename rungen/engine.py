@@ -22,7 +22,7 @@ from .batch_cache import layer_shapes, probed_layers, token_bytes
 from .decode import DecodeBatch
 from .errors import one_line
 from .generation import UNBATCHABLE_TYPES
-from .kvcache import MIN_ROOM, sliding_windows
+from .kvcache import MIN_ROOM
 from .metrics import Metrics
 from .prefix_cache import PrefixCache
 from .requests import Done, End, Finish
@@ -251,7 +251,7 @@ def describe_memory(engine):
     if getattr(engine.model, "cache_grows_in_place", False):  # room to grow: a quarter of a row, or MIN_ROOM
         most = engine.cache_limit_bytes * 5 / 4 + engine.max_batch * MIN_ROOM * engine.bytes_per_token
         room = f", {most / 2**30:.2f} GiB with the room left to grow"
-    fewer = engine.batch.kv.rings or any(sliding_windows(engine.model))  # (the own model's SlidingLayers)
+    fewer = engine.batch.kv.rings or engine.batch.kv.windows is not None  # (the own model's SlidingLayers)
     every = " (every layer's: a sliding layer holds fewer)" if fewer else ""
     return (f"KV cache in {engine.batch.kv.form}: {engine.bytes_per_token / 1024:.1f} KiB per token position{every}, "
             f"at most {engine.max_cache_tokens} "

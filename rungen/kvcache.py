@@ -145,15 +145,14 @@ class SlidingLayer(GrowingLayer):
     def reserve(self, key_states: torch.Tensor, value_states: torch.Tensor):
         held = self.held()
         if held - self.keep >= self.stride:
-            gone = held - self.keep
             buffers = []
             for kept in (self.keys, self.values):
-                buffer = kept.new_empty((*kept.shape[:-2], held - gone + key_states.shape[-2] + self.stride,
+                buffer = kept.new_empty((*kept.shape[:-2], self.keep + key_states.shape[-2] + self.stride,
                                          kept.shape[-1]))
-                buffer[..., : held - gone, :].copy_(kept[..., gone:, :])
+                buffer[..., : self.keep, :].copy_(kept[..., held - self.keep:, :])
                 buffers.append(buffer)
-            self.take(*buffers, held - gone)
-            self.dropped += gone
+            self.take(*buffers, self.keep)
+            self.dropped += held - self.keep
         return super().reserve(key_states, value_states)
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -239,10 +238,15 @@ def sliding_windows(model: torch.nn.Module) -> list[int]:
 def fill(layer, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
     """layer.update(keys, values) into an empty layer standing for `length` positions: a SlidingLayer's last ones."""
     layer.update(keys, values)
-    if keys.shape[-2] != length:
+    stand_for(layer, keys.shape[-2], length)
+
+
+def stand_for(layer, held: int, length: int) -> None:
+    """Makes a layer holding `held` positions stand for `length`: a SlidingLayer's last ones (raises for another)."""
+    if held != length:
         if not isinstance(layer, SlidingLayer):
-            raise ValueError(f"a layer of every position takes all {length} of them, not {keys.shape[-2]}")
-        layer.dropped = length - keys.shape[-2]
+            raise ValueError(f"a layer of every position takes all {length} of them, not {held}")
+        layer.dropped = length - held
 
 
 def new_cache(model: torch.nn.Module, layers=None, buffers=None, length: int | None = None):
@@ -271,10 +275,7 @@ def new_cache(model: torch.nn.Module, layers=None, buffers=None, length: int | N
             isinstance(layer, grown) for layer in cache.layers):
         for layer, (keys, values), (held, _) in zip(cache.layers, buffers, layers):
             layer.take(keys, values, held.shape[-2])
-            if isinstance(layer, SlidingLayer):
-                layer.dropped = length - held.shape[-2]
-            elif held.shape[-2] != length:
-                raise ValueError(f"a layer of every position takes all {length} of them, not {held.shape[-2]}")
+            stand_for(layer, held.shape[-2], length)
         return cache
     for layer, (keys, values) in zip(holding(cache), layers):
         fill(layer, keys, values, length)

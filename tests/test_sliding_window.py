@@ -124,13 +124,6 @@ def test_bytes_per_token_count_every_layer(models):
     assert engine.bytes_per_token == config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 4
 
 
-def run_to_the_end(engine):
-    while engine.batch.rows or engine.waiting:
-        engine.admission.admit()
-        if engine.batch.rows:
-            engine.step()
-
-
 def steps(engine, count):
     for _ in range(count):
         engine.admission.admit()
@@ -166,9 +159,9 @@ def test_sliding_layers_let_go_of_what_their_window_no_longer_reaches_and_decode
     assert [layer.held() for layer in layers if layer not in sliding] == [length]
     submit(1, prompts[1], 70)  # joins a batch that let go of its first positions
     submit(2, prompts[2], 20)  # ends first: the batch is trimmed, its rows decode on
-    run_to_the_end(engine)
+    engine.run_here()
     submit(3, prompts[0] + tokens[0] + loaded.tokenizer.encode(" and then"), 40)  # the next turn
-    run_to_the_end(engine)
+    engine.run_here()
     assert requests[3].reused == len(prompts[0]) + len(tokens[0]) - 1
     with torch.inference_mode():
         for number, request in requests.items():
@@ -190,7 +183,7 @@ def test_a_start_the_sliding_layers_still_hold_the_window_of_is_reused_and_one_t
                                    sink=lambda event: got.setdefault(number, event.finish.tokens)
                                    if isinstance(event, Done) else None)
         engine.submit(requests[number])
-        run_to_the_end(engine)
+        engine.run_here()
 
     run(0, prompt, 100)
     [(held, (layers, *_))] = engine.prefix_cache.entries.items()
@@ -222,7 +215,7 @@ def test_a_prompt_longer_than_a_pass_goes_in_passes_whose_sliding_layers_let_go_
     assert all(layer.get_seq_length() == len(ids) for layer in layers)
     sliding = [layer.buffers[0].shape[2] for layer in layers if getattr(layer, "window", 0)]
     assert len(sliding) == 5 and max(sliding) <= OWN_PASS + WINDOW - 1 + 2 * MIN_ROOM
-    run_to_the_end(engine)
+    engine.run_here()
     with torch.inference_mode():
         assert tokens == [generate_alone(reference, ids)] * 2
 
@@ -239,7 +232,7 @@ def test_the_verbose_line_says_so_and_RUN_GENERATION_RINGS_0_holds_every_positio
         engine.submit(Request(ids, max_tokens=90, sampling=Sampling(temperature=0), sink=lambda event: None))
         steps(engine, 80)
         got[rings] = [layer.held() for layer in engine.batch.kv.cache.layers], describe_memory(engine)
-        run_to_the_end(engine)
+        engine.run_here()
     held, line = got["1"]
     assert "per token position (every layer's: a sliding layer holds fewer)" in line
     assert min(held) < len(ids) + 80 == max(held)

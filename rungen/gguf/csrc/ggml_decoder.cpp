@@ -157,7 +157,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decoder
     TORCH_CHECK(kb.size(2) >= held + t && vb.size(2) >= held + t && kb.size(3) == dim && vb.size(3) == dim &&
                 kb.stride(3) == 1 && vb.stride(3) == 1 && kb.scalar_type() == at::kFloat &&
                 vb.scalar_type() == at::kFloat,
-                "rungen_ggml: decoder_stack's cache buffers must be float32 [b, kv_heads, room for ", length + t,
+                "rungen_ggml: decoder_stack's cache buffers must be float32 [b, kv_heads, room for ", held + t,
                 ", ", dim, "]");
     TORCH_CHECK(parts_rows(qkv_of(i), qkv_types(i)) == qkv_width,
                 "rungen_ggml: decoder_stack's layers differ in q/k/v");
