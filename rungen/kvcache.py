@@ -1,7 +1,9 @@
 """A key/value cache that grows in place: GrowingLayer writes a step into spare room at the end of its buffers
 (a quarter of the length, MIN_ROOM to MAX_ROOM positions) instead of torch.cat's copy of the whole cache, and hands
 out strided views, which only models that read them in place (`cache_grows_in_place`) get from new_cache. The own
-model gets the project's Cache, transformers' models a DynamicCache (transformers is imported only then).
+model gets the project's Cache, its keys and values in float16 (the native stack rounds them as it writes them and
+widens them as it reads them: half the bytes of float32), transformers' models a DynamicCache in their dtype
+(transformers is imported only then).
 
 Sliding-window layers are full-attention layers too (the mask applies the window), so every layer is one [batch,
 heads, length, dim] pair the engine can pad, merge and trim. The own model's (its native stack reads a layer from
@@ -19,14 +21,23 @@ import torch
 
 MIN_ROOM, MAX_ROOM = 32, 512  # positions a row
 RINGS_ENV = "RUN_GENERATION_RINGS"  # 0: the sliding layers hold every position (fixed slots: not a ring)
+KV_FLOAT32_ENV = "RUN_GENERATION_KV_FLOAT32"  # 1: the own model's cache in float32, not float16
+
+
+def own_dtype() -> torch.dtype:
+    """The own model's keys and values: float16 (half float32's bytes; llama.cpp's cache holds them so), or float32
+    where RUN_GENERATION_KV_FLOAT32=1 (the bits of transformers' float32 cache)."""
+    return torch.float32 if os.environ.get(KV_FLOAT32_ENV) == "1" else torch.float16
 
 
 class Growing:
     """GrowingLayer's growing over a base with DynamicLayer's attributes: update writes into spare room."""
 
-    def __init__(self):
+    def __init__(self, dtype: torch.dtype | None = None):
+        """dtype: what the buffers hold (the states converted as they are written); None: the states' own."""
         super().__init__()
         self.buffers = None  # (keys, values) [batch, heads, capacity, dim]; self.keys/values view their start
+        self.held_dtype = dtype
 
     def held(self) -> int:
         """The positions the buffers hold (a SlidingLayer's last ones of its length)."""
@@ -50,7 +61,8 @@ class Growing:
             room = min(MAX_ROOM, max(MIN_ROOM, (length + new) // 4))
             buffers = []
             for held, states in ((self.keys, key_states), (self.values, value_states)):
-                buffer = states.new_empty((*states.shape[:-2], length + new + room, states.shape[-1]))
+                buffer = states.new_empty((*states.shape[:-2], length + new + room, states.shape[-1]),
+                                          dtype=self.held_dtype or states.dtype)
                 if length:
                     buffer[..., :length, :].copy_(held)
                 buffers.append(buffer)
@@ -62,7 +74,8 @@ class Growing:
         if self.buffers is None:
             return False
         keys, values = self.buffers
-        if keys.shape[-2] < needed or keys.shape[:-2] != key_states.shape[:-2] or keys.dtype != key_states.dtype:
+        if (keys.shape[-2] < needed or keys.shape[:-2] != key_states.shape[:-2]
+                or keys.dtype != (self.held_dtype or key_states.dtype)):
             return False
         held = self.keys.numel() == 0 or (self.keys.data_ptr() == keys.data_ptr()
                                           and self.values.data_ptr() == values.data_ptr()
@@ -95,7 +108,7 @@ class Layer:
         self.is_initialized = False
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
+        self.dtype, self.device = getattr(self, "held_dtype", None) or key_states.dtype, key_states.device
         self.keys = torch.tensor([], dtype=self.dtype, device=self.device)
         self.values = torch.tensor([], dtype=self.dtype, device=self.device)
         self.is_initialized = True
@@ -129,8 +142,8 @@ class SlidingLayer(GrowingLayer):
     into smaller buffers: one copy of the window a stride of steps. The native stack reads it from position
     `dropped` on; the engine's merge and trim keep it so."""
 
-    def __init__(self, window: int):
-        super().__init__()
+    def __init__(self, window: int, dtype: torch.dtype | None = None):
+        super().__init__(dtype)
         self.window, self.dropped = window, 0
         self.keep = window - 1 + MIN_ROOM  # the positions it never lets go of
         self.stride = min(MAX_ROOM, max(MIN_ROOM, window // 4))
@@ -212,7 +225,7 @@ def full_attention(layer) -> bool:
 
 def growing_like(layer):
     """A new empty growing layer of the kind `layer`'s cache holds (the own one, or transformers')."""
-    return GrowingLayer() if isinstance(layer, Layer) else transformers_layer()()
+    return GrowingLayer(own_dtype()) if isinstance(layer, Layer) else transformers_layer()()
 
 
 def dummy(layer) -> bool:
@@ -251,13 +264,15 @@ def stand_for(layer, held: int, length: int) -> None:
 
 def new_cache(model: torch.nn.Module, layers=None, buffers=None, length: int | None = None):
     """A cache for `model`, filled with `layers` ([(keys, values)] per layer) when given: the own Cache (its sliding
-    layers SlidingLayers), or a DynamicCache with sliding layers as full-attention ones (growing where
-    `cache_grows_in_place`). `buffers`, whose starts hold `layers`: a growing cache takes them over instead of
-    copying (the caller gives them up). `length`: the positions `layers` stand for (a sliding layer may hold the
-    last ones only; default: the first layer's)."""
+    layers SlidingLayers; float16 unless own_dtype() says otherwise), or a DynamicCache with sliding layers as
+    full-attention ones (growing where `cache_grows_in_place`). `buffers`, whose starts hold `layers`: a growing
+    cache takes them over instead of copying (the caller gives them up). `length`: the positions `layers` stand
+    for (a sliding layer may hold the last ones only; default: the first layer's)."""
     if getattr(model, "own_cache", False):
         grown = GrowingLayer  # (SlidingLayer is one)
-        cache = Cache([SlidingLayer(window) if window else GrowingLayer() for window in sliding_windows(model)])
+        dtype = own_dtype()
+        cache = Cache([SlidingLayer(window, dtype) if window else GrowingLayer(dtype)
+                       for window in sliding_windows(model)])
     else:
         from transformers import DynamicCache
         from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs

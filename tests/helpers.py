@@ -539,6 +539,47 @@ def blocks_and_reference(files):
     return out
 
 
+def cache_as_own(model):
+    """new_cache(model) holding keys and values in the own model's cache's dtype (rungen.kvcache.own_dtype: float16
+    unless RUN_GENERATION_KV_FLOAT32=1): transformers' model of a GGUF file (its fused layers) over it computes the
+    own model's bits."""
+    from rungen.kvcache import growing, new_cache, own_dtype
+
+    cache = new_cache(model)
+    for layer in cache.layers:
+        if growing(layer):
+            layer.held_dtype = own_dtype()
+    return cache
+
+
+@contextlib.contextmanager
+def stored_as_own():
+    """Within it, transformers' DynamicLayer and DynamicSlidingWindowLayer (generate()'s caches) round the keys and
+    values they store as the own model's cache holds them (float16 unless RUN_GENERATION_KV_FLOAT32=1), computing on
+    them in float32: generate() on transformers' model of a GGUF file then gives the own model's tokens."""
+    import torch
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    from rungen.kvcache import own_dtype
+
+    originals = {kind: kind.__dict__["update"] for kind in (DynamicLayer, DynamicSlidingWindowLayer)}
+    dtype = own_dtype()
+
+    def rounding(update):
+        def stored(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+            return update(self, key_states.to(dtype).to(key_states.dtype),
+                          value_states.to(dtype).to(value_states.dtype), *args, **kwargs)
+        return stored
+
+    for kind, update in originals.items():
+        kind.update = rounding(update)
+    try:
+        yield
+    finally:
+        for kind, update in originals.items():
+            kind.update = update
+
+
 def mixtral_reference(path, config):
     """transformers' MixtralForCausalLM of `config` over the tensors of a Mixtral GGUF file (write_moe_gguf's arch
     "llama"), de-quantized by the gguf package and mapped by hand as llama.cpp's converter wrote them from Mixtral's

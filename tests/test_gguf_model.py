@@ -1,6 +1,7 @@
 """A GGUF file of the llama-shaped families on the project's own model code (rungen/gguf/model.py): the same logits,
-bit for bit, as transformers' model of the file fused by rungen/gguf/decoder.py (a prompt, decode steps, a left-padded
-batch), the same config values, generation config and tokenizer; transformers' model where only it runs
+bit for bit, as transformers' model of the file fused by rungen/gguf/decoder.py over a cache holding what the own
+model's holds (float16 keys and values; float32 with RUN_GENERATION_KV_FLOAT32=1) (a prompt, decode steps, a
+left-padded batch), the same config values, generation config and tokenizer; transformers' model where only it runs
 (generate()'s controls, --jit, a session turn that needs them); and a one-shot run that never imports transformers'
 model modules. The files imitate the published ones (tests/test_gguf_loading.py's llama/qwen2 files, tests/
 tiny_models.py's qwen3, phi3 (Phi-4-mini's partial rotary too), gemma2 and gemma3, tests/helpers.py's Qwen3-MoE and
@@ -18,7 +19,7 @@ from test_gguf_loading import FILES as LLAMA_FILES
 from test_gguf_loading import VOCAB, write_llama_gguf
 
 import run_generation
-from helpers import ROOT, cli_env, write_moe_gguf
+from helpers import ROOT, cache_as_own, cli_env, write_moe_gguf
 from rungen import loading
 from rungen.embeddings import embed, final_hidden_states
 from rungen.gguf.blocks import native_kernels
@@ -27,7 +28,7 @@ from rungen.gguf.file import GGUFHeader
 from rungen.gguf.model import GGUFCausalLM, padded_causal_mask
 from rungen.gguf.tokenizer import GGUFTokenizer
 from rungen.gguf.tokenizer import own as own_tokenizer_refusal
-from rungen.kvcache import new_cache
+from rungen.kvcache import KV_FLOAT32_ENV, new_cache
 from rungen.loading import default_model_file, load_gguf
 from tiny_models import default_tokenizer_fields, smollm3_checkpoint, write_family_gguf, write_smollm3_gguf
 
@@ -82,11 +83,11 @@ def models(files):
 
 def steps(model, tokenizer, prompts, decode=3):
     """The engine's calls on `model`: a left-padded batch's prompt (with each row's positions), then `decode` greedy
-    steps; every call's logits."""
+    steps, over a cache holding what the own model's holds; every call's logits."""
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
     ids, mask = batch["input_ids"], batch["attention_mask"]
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    cache, out = new_cache(model), []
+    cache, out = cache_as_own(model), []
     with torch.inference_mode():
         for _ in range(decode + 1):
             logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
@@ -107,6 +108,31 @@ def test_logits_are_those_of_transformers_model_of_the_file(models, name):
             assert torch.equal(a, b), (name, len(prompts), step, (a - b).abs().max())
 
 
+@pytest.mark.parametrize("name", ["q4_k_m_tied", "gemma3", "qwen3moe", "default"])
+def test_the_cache_holds_float16_or_with_RUN_GENERATION_KV_FLOAT32_1_transformers_float32(models, name, monkeypatch):
+    """The own model's cache holds keys and values in float16, half float32's bytes (llama.cpp's cache holds them
+    so); RUN_GENERATION_KV_FLOAT32=1 holds float32, and the own model then computes the bits of transformers' model
+    of the file over its own float32 cache. The float16 cache moves the logits (a float16 key is not the float32
+    one), the float32 one does not."""
+    own, reference = models[name]
+    prompt = own.tokenizer(PROMPTS[:1], return_tensors="pt")
+    with torch.inference_mode():
+        cache = own.model(**prompt).past_key_values
+    assert {layer.keys.dtype for layer in cache.layers} == {layer.values.dtype for layer in cache.layers} == {
+        torch.float16}
+    half = steps(own.model, own.tokenizer, PROMPTS)
+    monkeypatch.setenv(KV_FLOAT32_ENV, "1")
+    with torch.inference_mode():
+        float32 = own.model(**prompt).past_key_values
+    # The first layer's keys and values (computed alike either way) as torch rounds them to float16.
+    assert float32.layers[0].keys.dtype == torch.float32
+    assert torch.equal(cache.layers[0].keys, float32.layers[0].keys.half())
+    assert torch.equal(cache.layers[0].values, float32.layers[0].values.half())
+    got, expected = steps(own.model, own.tokenizer, PROMPTS), steps(reference, own.tokenizer, PROMPTS)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert not torch.equal(half[0], got[0])
+
+
 @pytest.mark.parametrize("name", ["q4_0_untied", "default"])
 def test_scoring_and_the_last_logits_only(models, name):
     # --length 0 scores a padded batch without a cache (use_cache=False); the engine's prefill keeps the last logits.
@@ -115,7 +141,8 @@ def test_scoring_and_the_last_logits_only(models, name):
     with torch.inference_mode():
         scored = own.model(**batch, use_cache=False)
         assert scored.past_key_values is None
-        assert torch.equal(scored.logits[:, -1], reference(**batch).logits[:, -1])
+        expected = reference(**batch, past_key_values=cache_as_own(reference)).logits
+        assert torch.equal(scored.logits[:, -1], expected[:, -1])
         last = own.model(input_ids=batch["input_ids"][:1], logits_to_keep=1).logits
     assert last.shape[1] == 1 and torch.equal(last[0, -1], scored.logits[0, -1])
 
@@ -136,6 +163,9 @@ def test_final_hidden_states_and_embeddings(models, name):
             head = model.lm_head(hidden)
             head = head if softcap is None else torch.tanh(head / softcap) * softcap
             assert torch.equal(head, model(**batch, position_ids=positions, use_cache=False).logits), model
+        # (the reference over a cache holding what the own model's holds)
+        hidden = reference.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                                 past_key_values=cache_as_own(reference)).last_hidden_state
         assert torch.equal(final_hidden_states(own.model, ids, mask, positions)[:, -1], hidden[:, -1])
     ids = [own.tokenizer.encode(prompt) for prompt in PROMPTS]
     together = embed(own, ids)

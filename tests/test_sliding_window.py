@@ -5,14 +5,17 @@ those generate() gives each prompt alone over transformers' own window cache (Dy
 drops what leaves the window). Prompts are longer than the window (4 positions here), and every row decodes past
 it (a prompt shorter than the window crosses it while it decodes). The gemma files are GGUF, run on the own model
 code (rungen/gguf/model.py: one native stack call a step, the kernel applying each layer's window) and compared
-with generate() on transformers' model of the same file; mistral is a safetensors checkpoint."""
+with generate() on transformers' model of the same file, its cache holding what the own model's holds (float16);
+mistral is a safetensors checkpoint."""
 
+import contextlib
 import json
 import os
 
 import pytest
 import torch
 
+from helpers import stored_as_own
 from rungen.engine import Engine
 from rungen.gguf.model import GGUFCausalLM
 from rungen.kvcache import MIN_ROOM, SlidingLayer
@@ -35,6 +38,7 @@ def load_both(path):
     reference = load(str(path), device=torch.device("cpu")).model
     own = load(str(path), device=torch.device("cpu"))
     assert isinstance(own.model, GGUFCausalLM) and not isinstance(reference, GGUFCausalLM)
+    reference.stands_for_own = True  # generate_alone: its cache holds what the own model's holds
     return own, reference
 
 
@@ -59,10 +63,12 @@ def models(tmp_path_factory):
 
 
 def generate_alone(model, ids, new_tokens=NEW_TOKENS):
-    """generate()'s greedy tokens for one prompt, no padding, transformers' own cache (window layers included)."""
-    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                         do_sample=False, max_new_tokens=new_tokens, eos_token_id=None,
-                         pad_token_id=0)
+    """generate()'s greedy tokens for one prompt, no padding, transformers' own cache (window layers included),
+    holding what the own model's holds where `model` stands for it (load_both's reference)."""
+    with stored_as_own() if getattr(model, "stands_for_own", False) else contextlib.nullcontext():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             do_sample=False, max_new_tokens=new_tokens, eos_token_id=None,
+                             pad_token_id=0)
     return out[0, len(ids):].tolist()
 
 
@@ -117,11 +123,12 @@ def test_the_command_line_decodes_them_on_the_engine(models, name):
 
 def test_bytes_per_token_count_every_layer(models):
     """The cache bound (max_cache_tokens) counts a position in every layer, the sliding ones too: what rows would
-    take were every layer to hold all their positions (the sliding layers hold their window's last ones)."""
+    take were every layer to hold all their positions (the sliding layers hold their window's last ones), each key
+    and value a float16."""
     loaded, _ = models["gemma3"]
     engine = Engine(loaded, eos_ids=(), prefix_cache_bytes=0)
     config = loaded.model.config
-    assert engine.bytes_per_token == config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 4
+    assert engine.bytes_per_token == config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 2
 
 
 def steps(engine, count):

@@ -616,6 +616,35 @@ def test_attention_and_gates_give_the_same_bits_on_every_code_path(isa, each_isa
 
 
 @pytest.mark.parametrize("isa", ["avx512vnni", "avx2", "scalar"])
+def test_attention_over_a_float16_cache_is_attention_over_its_values_widened(isa, each_isa):
+    """The own model's cache holds keys and values in float16: attention reads them in place (strided views of
+    buffers with room) and gives the bits of the same attention over those values widened to float32, on every code
+    path, under the causal default, a boolean mask, an additive one, gemma2's soft cap and a window, at head sizes
+    64, 48, 96, 256 and 20 (the values' sums in registers 64 dimensions at a time, the rest, and a head of no whole
+    vector)."""
+    if isa not in isas():
+        pytest.skip(f"this CPU does not run {isa}")
+    torch.ops.rungen_ggml.set_isa(isa)
+    torch.manual_seed(17)
+    heads, kv, keys, tokens = 4, 2, 45, 6
+    for dim in (64, 48, 96, 256, 20):
+        q = torch.randn(2, heads, tokens, dim)
+        buffers = (torch.randn(2, kv, keys + 11, dim) * 2).half(), torch.randn(2, kv, keys + 11, dim).half()
+        k, v = (buffer[:, :, :keys] for buffer in buffers)  # views with room after them, as a cache's
+        mask = torch.ones(2, 1, tokens, keys, dtype=torch.bool).tril(keys - tokens)
+        mask[0, ..., :3] = False
+        additive = torch.zeros(mask.shape).masked_fill_(~mask, torch.finfo(torch.float32).min)
+        for options in ((None, dim ** -0.5), (mask, dim ** -0.5), (additive, dim ** -0.5), (None, dim ** -0.5, 5.0),
+                        (None, dim ** -0.5, 0.0, 9)):
+            held = torch.ops.rungen_ggml.attend(q, k, v, *options)
+            widened = torch.ops.rungen_ggml.attend(q, k.float(), v.float(), *options)
+            assert torch.equal(held, widened), (dim, len(options))
+    # (a float16 key and a float32 value are widened together: the float32 form)
+    mixed = torch.ops.rungen_ggml.attend(q, k, v.float(), None, 0.5)
+    assert torch.equal(mixed, torch.ops.rungen_ggml.attend(q, k.float(), v.float(), None, 0.5))
+
+
+@pytest.mark.parametrize("isa", ["avx512vnni", "avx2", "scalar"])
 @pytest.mark.parametrize("dim", [64, 48])
 def test_attention_with_a_sink_far_above_the_other_keys_is_softmax_attention(dim, isa, each_isa):
     """A key scored far above the rest (an attention sink: the others' weights below e^-87, where float's normal

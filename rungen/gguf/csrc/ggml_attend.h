@@ -27,6 +27,25 @@ static inline f8 load8(const float* p) {
 
 static inline void store8(float* p, f8 v) { std::memcpy(p, &v, sizeof(v)); }
 
+// A cache's keys and values in float16 (c10::Half) are widened to float32 before the arithmetic: exactly, so every
+// operation after it is the float32 cache's and the builds agree (F16C's instruction, or c10's bits in the
+// baseline).
+static inline float widen(c10::Half x) { return c10::detail::fp16_ieee_to_fp32_value(x.x); }
+
+// `rows` rows of `dim` float16 values (`stride` apart) into dst [rows, dim].
+static inline void widen_rows(const c10::Half* src, int64_t stride, int64_t rows, int64_t dim, float* dst) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const c10::Half* x = src + r * stride;
+    float* y = dst + r * dim;
+    int64_t i = 0;
+#ifdef ATTEND_F16C
+    for (; i + 8 <= dim; i += 8)
+      _mm256_storeu_ps(y + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i))));
+#endif
+    for (; i < dim; ++i) y[i] = widen(x[i]);
+  }
+}
+
 // The first `count` (at most 8) values, the rest zeros: whole vectors where count is 8, as a vector read back
 // after a narrower copy into it stalls (store forwarding fails); a row's last part copied.
 static inline void load_part8(const float* p, int64_t count, f8& v) {
@@ -270,141 +289,224 @@ static inline void add_head_values(const float* w, float inv, const float* v, in
   if (d < dim) add_values<f8, 1>(w, inv, v + d, v_key, jw, j1, o + d);
 }
 
-// Each query of [p0, p1) (q enumerated in [b, heads, t] order), in blocks of ATTEND_BLOCK (ggml_kernels.h).
-void attend_queries(const AttendJob& job, int64_t p0, int64_t p1, float* wp) {
-  const FlushSubnormals flush;
-  const float *qp = job.q, *kp = job.k, *vp = job.v;
+// float16 keys and values widened to float32 for the arithmetic: KEY_CHUNK keys and VALUE_BLOCK values at a time
+// (every query of a block reads them there, in L1), or a kv head's whole keys and values where its queries fill
+// several blocks (a prompt's). Kept by each thread between calls (a call's allocation cost more than its widening).
+constexpr int64_t KEY_CHUNK = 64, WHOLE_HEAD = int64_t{1} << 20;
+struct Widened {
+  std::vector<float> key_floats, value_floats;
+  float *keys = nullptr, *values = nullptr;  // 64-byte aligned in them, as a tensor's data (no load splits a line)
+  int64_t head = -1;  // the kv head (batch * kv + head) whose keys and values they hold whole, or none
+
+  void hold(int64_t floats) {
+    for (auto [vector, start] : {std::pair{&key_floats, &keys}, std::pair{&value_floats, &values}}) {
+      if (vector->size() < size_t(floats + 16)) vector->resize(floats + 16);
+      *start = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(vector->data()) + 63) & ~uintptr_t{63});
+    }
+  }
+};
+
+// The queries [pb, pe) of one sequence and kv head (a block of ATTEND_BLOCK at most) over its keys kh and values vh
+// (that kv head's, indexed by position, k_key_held and v_key_held apart) of type KT: float, or c10::Half (widened a
+// group at a time into `widened`).
+template <class KT>
+static void attend_block(const AttendJob& job, int64_t pb, int64_t pe, const KT* kh, const KT* vh,
+                         int64_t k_key_held, int64_t v_key_held, float* wp, Widened& widened) {
+  constexpr bool half = std::is_same<KT, c10::Half>::value;
+  const float* qp = job.q;
   const bool* mb = job.mask_bool;
   const float* mf = job.mask_add;
   float* op = job.out;
   const int64_t heads = job.heads, t = job.t, dim = job.dim, kv = job.kv, T = job.T, group = heads / kv;
   const float scale = job.scale, cap = job.softcap, lowest = -std::numeric_limits<float>::infinity();
-  // Keys, values and weights indexed by position: keys before `dropped` are not held (no query reads them), nor
-  // weights before its group of 8 (the exponentials' loads start at a query's first group).
-  const int64_t dropped = job.dropped, base = dropped / 8 * 8;
-  for (int64_t pb = p0; pb < p1;) {
-    // p = ((batch * heads + h) * t + i) and h = kv head * group + g: p / (group * t) names the keys read.
-    const int64_t shared = pb / (group * t), pe = std::min({p1, pb + ATTEND_BLOCK, (shared + 1) * group * t});
-    const int64_t batch = shared / kv, kvh = shared % kv, nq = pe - pb;
-    const float* kh = kp + batch * job.k_batch + kvh * job.k_head - dropped * job.k_key;
-    const float* vh = vp + batch * job.v_batch + kvh * job.v_head - dropped * job.v_key;
-    int64_t firsts[ATTEND_BLOCK], lasts[ATTEND_BLOCK], rows[ATTEND_BLOCK], most = 0, least = T;
-    float tops[ATTEND_BLOCK], invs[ATTEND_BLOCK];
-    f8 tops8[ATTEND_BLOCK];
-    float* outs[ATTEND_BLOCK];
-    for (int64_t n = 0; n < nq; ++n) {
-      const int64_t p = pb + n, h = (p / t) % heads, i = p % t;
-      lasts[n] = job.masked ? T : T - t + i + 1;  // causal without a mask
-      // A sliding window (transformers' sliding_window_overlay: key position > query position - window), the
-      // query at cache position T - t + i: the keys before it are masked, as a windowed mask masks them.
-      firsts[n] = job.window > 0 ? std::max<int64_t>(0, T - t + i - job.window + 1) : 0;
-      rows[n] = (batch * t + i) * T;
-      tops[n] = lowest;
-      tops8[n] = f8{} + lowest;  // the running maximum lane by lane: a maximum is the same in any order
-      outs[n] = op + ((batch * t + i) * heads + h) * dim;
-      std::fill(outs[n], outs[n] + dim, 0.f);
-      most = std::max(most, lasts[n]);
-      least = std::min(least, firsts[n]);
+  // Weights indexed by position: none before the group of 8 of the first key held (`dropped`; the exponentials'
+  // loads start at a query's first group).
+  const int64_t base = job.dropped / 8 * 8;
+  const int64_t batch = pb / (group * t) / kv, nq = pe - pb;
+  int64_t firsts[ATTEND_BLOCK], lasts[ATTEND_BLOCK], rows[ATTEND_BLOCK], most = 0, least = T;
+  float tops[ATTEND_BLOCK], invs[ATTEND_BLOCK];
+  f8 tops8[ATTEND_BLOCK];
+  float* outs[ATTEND_BLOCK];
+  for (int64_t n = 0; n < nq; ++n) {
+    const int64_t p = pb + n, h = (p / t) % heads, i = p % t;
+    lasts[n] = job.masked ? T : T - t + i + 1;  // causal without a mask
+    // A sliding window (transformers' sliding_window_overlay: key position > query position - window), the
+    // query at cache position T - t + i: the keys before it are masked, as a windowed mask masks them.
+    firsts[n] = job.window > 0 ? std::max<int64_t>(0, T - t + i - job.window + 1) : 0;
+    rows[n] = (batch * t + i) * T;
+    tops[n] = lowest;
+    tops8[n] = f8{} + lowest;  // the running maximum lane by lane: a maximum is the same in any order
+    outs[n] = op + ((batch * t + i) * heads + h) * dim;
+    std::fill(outs[n], outs[n] + dim, 0.f);
+    most = std::max(most, lasts[n]);
+    least = std::min(least, firsts[n]);
+  }
+  const auto weights = [&](int64_t n) { return wp + n * (T - base) - base; };
+  // Scores, KEY_CHUNK keys at a time (float16 ones widened once for every query of the block): eight keys at once
+  // for every query that sees all eight and has no boolean mask (from the block's earliest window on: the same
+  // groups of 8 as from key 0, as the values' groups below), one at a time for the rest.
+  const bool grouped = !mb && dim % 8 == 0;
+  for (int64_t c0 = least / 8 * 8; c0 < most; c0 += KEY_CHUNK) {
+    const int64_t c1 = std::min(c0 + KEY_CHUNK, most);
+    const float* keys = reinterpret_cast<const float*>(kh);  // indexed by position, k_key apart
+    int64_t k_key = k_key_held;
+    if constexpr (half) {
+      const int64_t from = std::max(c0, least);  // (rows before `least` may not be held)
+      widen_rows(kh + from * k_key_held, k_key_held, c1 - from, dim, widened.keys + (from - c0) * dim);
+      keys = widened.keys - c0 * dim;
+      k_key = dim;
     }
-    const auto weights = [&](int64_t n) { return wp + n * (T - base) - base; };
-    // Scores: eight keys at a time, for every query of the block that sees all eight and has no boolean mask (from
-    // the block's earliest window on: the same groups of 8 as from key 0, as the values' groups below).
-    if (!mb && dim % 8 == 0) {
-      for (int64_t j = least / 8 * 8; j + 8 <= most; j += 8) {
-        const float* keys = kh + j * job.k_key;
-        auto keep = [&](int64_t n, f8 dots) {
-          f8 scores = dots * scale;
-          if (cap > 0.f) scores = softcap8(scores, cap);
-          if (mf) scores += load8(mf + rows[n] + j);
-          store8(weights(n) + j, scores);
-          tops8[n] = tops8[n] < scores ? scores : tops8[n];
-        };
-        for (int64_t n = 0; n < nq; ++n) {
-          if (j + 8 > lasts[n] || j < firsts[n]) continue;
+    for (int64_t j = std::max(c0, (least + 7) / 8 * 8); grouped && j + 8 <= c1; j += 8) {
+      auto keep = [&](int64_t n, f8 dots) {
+        f8 scores = dots * scale;
+        if (cap > 0.f) scores = softcap8(scores, cap);
+        if (mf) scores += load8(mf + rows[n] + j);
+        store8(weights(n) + j, scores);
+        tops8[n] = tops8[n] < scores ? scores : tops8[n];
+      };
+      for (int64_t n = 0; n < nq; ++n) {
+        if (j + 8 > lasts[n] || j < firsts[n]) continue;
 #ifdef ATTEND_WIDE
-          if (n + 1 < nq && j + 8 <= lasts[n + 1] && j >= firsts[n + 1]) {  // the next query too: both at once
-            f8 dots, dots2;
-            dot64x8_two(qp + (pb + n) * dim, qp + (pb + n + 1) * dim, keys, job.k_key, dim, dots, dots2);
-            keep(n, dots);
-            keep(++n, dots2);
-            continue;
-          }
-#endif
-          keep(n, dot64x8(qp + (pb + n) * dim, keys, job.k_key, dim));
+        if (n + 1 < nq && j + 8 <= lasts[n + 1] && j >= firsts[n + 1]) {  // the next query too: both at once
+          f8 dots, dots2;
+          dot64x8_two(qp + (pb + n) * dim, qp + (pb + n + 1) * dim, keys + j * k_key, k_key, dim, dots, dots2);
+          keep(n, dots);
+          keep(++n, dots2);
+          continue;
         }
+#endif
+        keep(n, dot64x8(qp + (pb + n) * dim, keys + j * k_key, k_key, dim));
       }
     }
+    // The keys the groups above did not score: a query's window's first ones and last ones, or all of them.
     for (int64_t n = 0; n < nq; ++n) {
       const float* qh = qp + (pb + n) * dim;
       float* w = weights(n);
-      for (int l = 0; l < 8; ++l) tops[n] = std::max(tops[n], tops8[n][l]);
-      const float sink = job.sinks ? job.sinks[((pb + n) / t) % heads] : lowest;
-      // The keys the eight-at-a-time loop above scored: whole groups from the window's first key on.
-      const bool grouped = !mb && dim % 8 == 0;
-      const int64_t first = firsts[n], g0 = grouped ? (first + 7) / 8 * 8 : lasts[n];
-      const int64_t g1 = grouped ? lasts[n] / 8 * 8 : lasts[n];
-      for (int64_t j = first / 8 * 8; j < first; ++j) w[j] = lowest;  // outside the window: masked
-      for (int64_t j = first; j < lasts[n]; ++j) {
+      const int64_t g0 = grouped ? (firsts[n] + 7) / 8 * 8 : lasts[n], g1 = grouped ? lasts[n] / 8 * 8 : lasts[n];
+      for (int64_t j = std::max(firsts[n], c0); j < std::min(lasts[n], c1); ++j) {
         if (j >= g0 && j < g1) {
-          j = g1 - 1;
+          j = std::min(g1, c1) - 1;
           continue;
         }
         if (mb && !mb[rows[n] + j]) {
           w[j] = lowest;
           continue;
         }
-        float score = dot64(qh, kh + j * job.k_key, dim) * scale;
+        float score = dot64(qh, keys + j * k_key, dim) * scale;
         if (cap > 0.f) score = softcap8(f8{} + score, cap)[0];
         if (mf) score += mf[rows[n] + j];
         w[j] = score;
         tops[n] = std::max(tops[n], score);
       }
-      if (tops[n] == lowest) continue;  // sees no key: zeros
-      tops[n] = std::max(tops[n], sink);  // (the sink's logit: in the softmax's sum, last, and on no value)
-      // Exponentials eight at once, their sum key after key; whole groups loaded and stored as vectors (a
-      // vector read back after a narrower copy into it stalls), the last group padded with masked lanes.
-      // The keys before the window's group weigh nothing: they are left out of the sum (adding a zero to
-      // it changes no bit) and of the values.
-      float total = 0.f;
-      int64_t e8 = first / 8 * 8;
-      for (; e8 + 8 <= lasts[n]; e8 += 8) {
-        const f8 kept = weight8(load8(w + e8), tops[n]);
-        store8(w + e8, kept);
-        for (int l = 0; l < 8; ++l) total += kept[l];
-      }
-      if (e8 < lasts[n]) {
-        const int64_t count = lasts[n] - e8;
-        f8 x = f8{} + lowest;
-        std::memcpy(&x, w + e8, count * sizeof(float));
-        const f8 kept = weight8(x, tops[n]);
-        std::memcpy(w + e8, &kept, count * sizeof(float));
-        for (int64_t l = 0; l < count; ++l) total += kept[l];
-      }
-      if (sink != lowest) total += std::exp(sink - tops[n]);
-      invs[n] = 1.f / total;
     }
-    // Values: each query's sum key after key, skipping the zero weights (masked or underflowed), so padding
-    // leaves no trace.
-    for (int64_t j0 = least / VALUE_BLOCK * VALUE_BLOCK; j0 < most; j0 += VALUE_BLOCK) {
-      for (int64_t n = 0; n < nq; ++n) {
-        if (tops[n] == lowest || j0 >= lasts[n]) continue;
-        const float* w = weights(n);
-        const float inv = invs[n];
-        float* o = outs[n];
-        const int64_t j1 = std::min(j0 + VALUE_BLOCK, lasts[n]), jw = std::max(j0, firsts[n]);
-        if (jw >= j1) continue;
-        if (dim % 8 == 0) {
-          add_head_values(w, inv, vh, job.v_key, jw, j1, dim, o);
-          continue;
-        }
-        for (int64_t j = jw; j < j1; ++j) {
-          if (w[j] == 0.f) continue;
-          const float a = w[j] * inv;
-          const float* vj = vh + j * job.v_key;
-          for (int64_t d = 0; d < dim; ++d) o[d] += a * vj[d];
-        }
+  }
+  for (int64_t n = 0; n < nq; ++n) {
+    float* w = weights(n);
+    for (int l = 0; l < 8; ++l) tops[n] = std::max(tops[n], tops8[n][l]);
+    const float sink = job.sinks ? job.sinks[((pb + n) / t) % heads] : lowest;
+    const int64_t first = firsts[n];
+    for (int64_t j = first / 8 * 8; j < first; ++j) w[j] = lowest;  // outside the window: masked
+    if (tops[n] == lowest) continue;  // sees no key: zeros
+    tops[n] = std::max(tops[n], sink);  // (the sink's logit: in the softmax's sum, last, and on no value)
+    // Exponentials eight at once, their sum key after key; whole groups loaded and stored as vectors (a
+    // vector read back after a narrower copy into it stalls), the last group padded with masked lanes.
+    // The keys before the window's group weigh nothing: they are left out of the sum (adding a zero to
+    // it changes no bit) and of the values.
+    float total = 0.f;
+    int64_t e8 = first / 8 * 8;
+    for (; e8 + 8 <= lasts[n]; e8 += 8) {
+      const f8 kept = weight8(load8(w + e8), tops[n]);
+      store8(w + e8, kept);
+      for (int l = 0; l < 8; ++l) total += kept[l];
+    }
+    if (e8 < lasts[n]) {
+      const int64_t count = lasts[n] - e8;
+      f8 x = f8{} + lowest;
+      std::memcpy(&x, w + e8, count * sizeof(float));
+      const f8 kept = weight8(x, tops[n]);
+      std::memcpy(w + e8, &kept, count * sizeof(float));
+      for (int64_t l = 0; l < count; ++l) total += kept[l];
+    }
+    if (sink != lowest) total += std::exp(sink - tops[n]);
+    invs[n] = 1.f / total;
+  }
+  // Values: each query's sum key after key, skipping the zero weights (masked or underflowed), so padding
+  // leaves no trace.
+  for (int64_t j0 = least / VALUE_BLOCK * VALUE_BLOCK; j0 < most; j0 += VALUE_BLOCK) {
+    const float* values;
+    int64_t v_key = v_key_held;
+    if constexpr (half) {  // (rows before `least` may not be held: from the block's first window on)
+      const int64_t first = std::max(j0, least), rows = std::min(j0 + VALUE_BLOCK, most) - first;
+      widen_rows(vh + first * v_key_held, v_key_held, rows, dim, widened.values + (first - j0) * dim);
+      values = widened.values - j0 * dim;
+      v_key = dim;
+    } else {
+      values = vh;
+    }
+    for (int64_t n = 0; n < nq; ++n) {
+      if (tops[n] == lowest || j0 >= lasts[n]) continue;
+      const float* w = weights(n);
+      const float inv = invs[n];
+      float* o = outs[n];
+      const int64_t j1 = std::min(j0 + VALUE_BLOCK, lasts[n]), jw = std::max(j0, firsts[n]);
+      if (jw >= j1) continue;
+      if (dim % 8 == 0) {
+        add_head_values(w, inv, values, v_key, jw, j1, dim, o);
+        continue;
+      }
+      for (int64_t j = jw; j < j1; ++j) {
+        if (w[j] == 0.f) continue;
+        const float a = w[j] * inv;
+        const float* vj = values + j * v_key;
+        for (int64_t d = 0; d < dim; ++d) o[d] += a * vj[d];
       }
     }
+  }
+}
+
+// Each query of [p0, p1) (q enumerated in [b, heads, t] order), in blocks of ATTEND_BLOCK (ggml_kernels.h) that
+// share a kv head, over keys and values of type KT (float, or c10::Half).
+template <class KT>
+static void attend_keys(const AttendJob& job, int64_t p0, int64_t p1, float* wp) {
+  constexpr bool half = std::is_same<KT, c10::Half>::value;
+  const FlushSubnormals flush;
+  const KT *kp = static_cast<const KT*>(job.k), *vp = static_cast<const KT*>(job.v);
+  const int64_t t = job.t, dim = job.dim, kv = job.kv, T = job.T, group = job.heads / kv, dropped = job.dropped;
+  static thread_local Widened widened;
+  widened.head = -1;
+  if constexpr (half) widened.hold(std::max(KEY_CHUNK, VALUE_BLOCK) * dim);
+  for (int64_t pb = p0; pb < p1;) {
+    // p = ((batch * heads + h) * t + i) and h = kv head * group + g: p / (group * t) names the keys read.
+    const int64_t shared = pb / (group * t), pe = std::min({p1, pb + ATTEND_BLOCK, (shared + 1) * group * t});
+    const int64_t batch = shared / kv, kvh = shared % kv;
+    // Keys and values indexed by position: keys before `dropped` are not held (no query reads them).
+    const KT* kh = kp + batch * job.k_batch + kvh * job.k_head - dropped * job.k_key;
+    const KT* vh = vp + batch * job.v_batch + kvh * job.v_head - dropped * job.v_key;
+    if constexpr (half) {
+      // A prompt's queries fill several blocks: the head's keys and values widened once, from the first any of its
+      // queries reads (the first query's window) on, up to WHOLE_HEAD floats each (what a thread keeps).
+      const int64_t from = std::max(dropped, job.window > 0 ? T - t - job.window + 1 : int64_t{0});
+      if (group * t > ATTEND_BLOCK && (T - from) * dim <= WHOLE_HEAD) {
+        if (widened.head != shared) {
+          widened.hold((T - from) * dim);
+          widen_rows(kh + from * job.k_key, job.k_key, T - from, dim, widened.keys);
+          widen_rows(vh + from * job.v_key, job.v_key, T - from, dim, widened.values);
+          widened.head = shared;
+        }
+        attend_block<float>(job, pb, pe, widened.keys - from * dim, widened.values - from * dim, dim,
+                            dim, wp, widened);
+        pb = pe;
+        continue;
+      }
+    }
+    attend_block<KT>(job, pb, pe, kh, vh, job.k_key, job.v_key, wp, widened);
     pb = pe;
   }
+}
+
+void attend_queries(const AttendJob& job, int64_t p0, int64_t p1, float* wp) {
+  if (job.half)
+    attend_keys<c10::Half>(job, p0, p1, wp);
+  else
+    attend_keys<float>(job, p0, p1, wp);
 }

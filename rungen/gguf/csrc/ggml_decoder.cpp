@@ -51,7 +51,8 @@ at::Tensor attention_out_mlp(const at::Tensor& hidden, const at::Tensor& q, cons
 
 // Every decoder layer of a model in one call (the same functions as attention_in and attention_out_mlp, in the
 // same order: the same bits), the cache's keys and values written in place: k_buffers[i] and v_buffers[i] are
-// layer i's [b, kv_heads, capacity, head_dim] with `length` positions filled and room for this call's tokens.
+// layer i's [b, kv_heads, capacity, head_dim] (float32, or float16: each value rounded as torch rounds it, and
+// read back as it is held) with `length` positions filled and room for this call's tokens.
 // qkv: QKV_PARTS parts a layer, gate_up: GATE_UP_PARTS (mm_parts; a layer with fewer passes empty ones: zero
 // rows cost nothing); qtypes: seven a layer (the q/k/v parts', o, the gate/up parts', down). q_norms/k_norms:
 // each layer's per-head norms of q and k (None for llama; their epsilon is the layers' `eps`). Returns the hidden
@@ -155,10 +156,10 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decoder
     const int64_t gone = dropped.empty() ? 0 : dropped[i], held = length - gone;  // positions before `gone`: let go
     TORCH_CHECK(gone >= 0 && held >= 0, "rungen_ggml: decoder_stack's dropped positions must lie within the length");
     TORCH_CHECK(kb.size(2) >= held + t && vb.size(2) >= held + t && kb.size(3) == dim && vb.size(3) == dim &&
-                kb.stride(3) == 1 && vb.stride(3) == 1 && kb.scalar_type() == at::kFloat &&
-                vb.scalar_type() == at::kFloat,
-                "rungen_ggml: decoder_stack's cache buffers must be float32 [b, kv_heads, room for ", held + t,
-                ", ", dim, "]");
+                kb.stride(3) == 1 && vb.stride(3) == 1 && vb.scalar_type() == kb.scalar_type() &&
+                (kb.scalar_type() == at::kFloat || kb.scalar_type() == at::kHalf),
+                "rungen_ggml: decoder_stack's cache buffers must be both float32 or both float16 [b, kv_heads, "
+                "room for ", held + t, ", ", dim, "]");
     TORCH_CHECK(parts_rows(qkv_of(i), qkv_types(i)) == qkv_width,
                 "rungen_ggml: decoder_stack's layers differ in q/k/v");
     const int64_t width = parts_rows(gate_up_of(i), gate_up_types(i)) / 2;
@@ -176,8 +177,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decoder
     const at::Tensor& s = !rotates ? zero_sin : window ? local_sin : sin;
     rope_rows(qkv_out.data_ptr<float>(), c.data_ptr<float>(), s.data_ptr<float>(), shared, b, t, heads, kv_heads,
               dim, rot, q.data_ptr<float>(),
-              Rows4{kb.data_ptr<float>() + held * kb.stride(2), kb.stride(0), kb.stride(1), kb.stride(2)},
-              Rows4{vb.data_ptr<float>() + held * vb.stride(2), vb.stride(0), vb.stride(1), vb.stride(2)}, norms);
+              rows_of(kb, held), rows_of(vb, held), norms);
     keys.push_back(kb.narrow(2, 0, held + t));
     values.push_back(vb.narrow(2, 0, held + t));
     // attention_out_mlp: attention, the output product, the residual; norm, gate/up, SiLU, down, the residual.

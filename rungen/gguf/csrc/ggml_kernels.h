@@ -62,7 +62,8 @@ namespace vnni { RUNGEN_ISA_PRODUCTS }
 
 // What ggml_attend.h's attend_queries reads: the tensors of attend above, their shapes and strides, its options.
 struct AttendJob {
-  const float *q, *k, *v;
+  const float* q;
+  const void *k, *v;  // float32, or float16 where `half` (a cache's keys and values in half the bytes)
   const bool* mask_bool;
   const float* mask_add;
   float* out;
@@ -75,6 +76,7 @@ struct AttendJob {
   // Keys before it are not held (a sliding layer's, out of every query's window): k and v start at key `dropped`,
   // T counts it; the weights' buffer holds T - dropped / 8 * 8 a query.
   int64_t dropped = 0;
+  bool half = false;
 };
 
 // Queries are taken in blocks of up to ATTEND_BLOCK that read the same keys and values (one sequence, one kv

@@ -11,6 +11,22 @@ namespace rungen_ggml {
 // RMSNorm as transformers' LlamaRMSNorm: x / sqrt(mean(x^2) + eps) * weight, over the last dimension.
 namespace {
 
+template <class T>
+T* row_at(const Rows4& rows, int64_t batch, int64_t head, int64_t token) {
+  return static_cast<T*>(rows.p) + batch * rows.batch + head * rows.head + token * rows.token;
+}
+
+// A head's `dim` values into `rows`: as they are, or rounded to float16 (c10::Half: to nearest even, as torch's
+// conversion of a tensor rounds them).
+inline void write_row(const Rows4& rows, int64_t batch, int64_t head, int64_t token, const float* x, int64_t dim) {
+  if (!rows.half) {
+    std::memcpy(row_at<float>(rows, batch, head, token), x, dim * sizeof(float));
+    return;
+  }
+  c10::Half* out = row_at<c10::Half>(rows, batch, head, token);
+  for (int64_t i = 0; i < dim; ++i) out[i] = c10::Half(x[i]);
+}
+
 inline void rms_row(const float* v, const float* wp, double eps, int64_t d, float* y) {
   float sum = 0.f;
   for (int64_t i = 0; i < d; ++i) sum += v[i] * v[i];
@@ -46,7 +62,7 @@ void rope_rows(const float* src, const float* cp, const float* sp, bool shared, 
                const HeadNorms& norms) {
   const int64_t all = heads + 2 * kv_heads, half = rot / 2;
   at::parallel_for(0, b * t, std::max<int64_t>(1, 4096 / (all * dim)), [&](int64_t p0, int64_t p1) {
-    std::vector<float> normed(norms.q || norms.k ? dim : 0);
+    std::vector<float> normed(norms.q || norms.k ? dim : 0), rotated(k.half ? dim : 0);
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t batch = p / t, token = p % t;
       const float* row = src + p * all * dim;
@@ -60,11 +76,10 @@ void rope_rows(const float* src, const float* cp, const float* sp, bool shared, 
           out = qp + ((batch * heads + h) * t + token) * dim;
           norm = norms.q;
         } else if (h < heads + kv_heads) {
-          out = k.p + batch * k.batch + (h - heads) * k.head + token * k.token;
+          out = k.half ? rotated.data() : row_at<float>(k, batch, h - heads, token);
           norm = norms.k;
         } else {
-          std::memcpy(v.p + batch * v.batch + (h - heads - kv_heads) * v.head + token * v.token, x,
-                      dim * sizeof(float));
+          write_row(v, batch, h - heads - kv_heads, token, x, dim);
           continue;
         }
         if (norm) {
@@ -76,9 +91,18 @@ void rope_rows(const float* src, const float* cp, const float* sp, bool shared, 
           out[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
         }
         if (rot < dim) std::memcpy(out + rot, x + rot, (dim - rot) * sizeof(float));
+        if (h >= heads && k.half) write_row(k, batch, h - heads, token, out, dim);
       }
     }
   });
+}
+
+Rows4 rows_of(const at::Tensor& x, int64_t from) {
+  TORCH_CHECK(x.dim() == 4 && x.stride(3) == 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kHalf),
+              "rungen_ggml: keys and values are float32 or float16 [b, heads, positions, dim], dim contiguous");
+  const bool half = x.scalar_type() == at::kHalf;
+  char* base = static_cast<char*>(x.data_ptr()) + from * x.stride(2) * x.element_size();
+  return Rows4{base, x.stride(0), x.stride(1), x.stride(2), half};
 }
 
 // cos/sin per sequence [b, t, rot], or one [1, t, rot] for all (positions without padding): whether shared.
@@ -121,8 +145,7 @@ std::vector<at::Tensor> rope_split(const at::Tensor& qkv_in, const at::Tensor& c
   at::Tensor k = at::empty({b, kv_heads, t, dim}, qkv.options());
   at::Tensor v = at::empty({b, kv_heads, t, dim}, qkv.options());
   rope_rows(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), shared, b, t, heads, kv_heads, dim,
-            rot, q.data_ptr<float>(), Rows4{k.data_ptr<float>(), k.stride(0), k.stride(1), k.stride(2)},
-            Rows4{v.data_ptr<float>(), v.stride(0), v.stride(1), v.stride(2)}, norms);
+            rot, q.data_ptr<float>(), rows_of(k), rows_of(v), norms);
   return {q, k, v};
 }
 
@@ -211,9 +234,9 @@ AttendMask attend_mask(const c10::optional<at::Tensor>& mask_in, int64_t b, int6
   return m;
 }
 
-// attend of q [b, heads, t, dim] (float32, contiguous) over k, v [b, kv, T - dropped, dim] (float32, last
-// dimension contiguous: read in place; the keys from position `dropped` on, AttendJob's), into out [b, t, heads *
-// dim].
+// attend of q [b, heads, t, dim] (float32, contiguous) over k, v [b, kv, T - dropped, dim] (both float32 or both
+// float16, last dimension contiguous: read in place; the keys from position `dropped` on, AttendJob's), into out
+// [b, t, heads * dim].
 void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttendMask& mask, double scale,
                  double softcap, int64_t window, float* op, const float* sinks, int64_t dropped) {
   const int64_t b = q.size(0), heads = q.size(1), t = q.size(2), dim = q.size(3), kv = k.size(1);
@@ -223,14 +246,19 @@ void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   // Every query's window starts at or after the first key held (the first query's is the earliest).
   TORCH_CHECK(dropped == 0 || (window > 0 && dropped <= T - t - window + 1),
               "rungen_ggml: attend's dropped keys must lie outside every query's window");
-  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const bool half = k.scalar_type() == at::kHalf;
+  TORCH_CHECK(v.scalar_type() == k.scalar_type() && (half || k.scalar_type() == at::kFloat) && k.stride(3) == 1 &&
+              v.stride(3) == 1, "rungen_ggml: attend's keys and values are both float32 or both float16, each "
+              "head's values contiguous");
+  const float* qp = q.data_ptr<float>();
+  const void *kp = k.data_ptr(), *vp = v.data_ptr();
   const bool masked = mask.bools != nullptr || mask.adds != nullptr;
   at::parallel_for(0, b * heads * t, std::max<int64_t>(1, 32768 / std::max<int64_t>(T * dim, 1)),
                    [&](int64_t p0, int64_t p1) {
     std::vector<float> w(ATTEND_BLOCK * (T - dropped / 8 * 8));
     attend_fn()(AttendJob{qp, kp, vp, mask.bools, mask.adds, op, heads, t, dim, kv, T, k.stride(0), k.stride(1),
                              k.stride(2), v.stride(0), v.stride(1), v.stride(2), float(scale), float(softcap),
-                             window, masked, sinks, dropped}, p0, p1,
+                             window, masked, sinks, dropped, half}, p0, p1,
                    w.data());
   });
 }
@@ -238,9 +266,12 @@ void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
 at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                   const c10::optional<at::Tensor>& mask_in, double scale, double softcap, int64_t window,
                   const c10::optional<at::Tensor>& sinks_in) {
-  // k and v may be views of a cache with room to grow (strided over keys, heads and batch): read in place.
-  const auto in_place = [](const at::Tensor& x) {
-    return x.scalar_type() == at::kFloat && x.dim() == 4 && x.stride(3) == 1 ? x : x.to(at::kFloat).contiguous();
+  // k and v may be views of a cache with room to grow (strided over keys, heads and batch, float32 or float16):
+  // read in place.
+  const bool held = k_in.scalar_type() == v_in.scalar_type() &&
+                    (k_in.scalar_type() == at::kFloat || k_in.scalar_type() == at::kHalf);
+  const auto in_place = [held](const at::Tensor& x) {
+    return held && x.dim() == 4 && x.stride(3) == 1 ? x : x.to(at::kFloat).contiguous();
   };
   const at::Tensor q = q_in.to(at::kFloat).contiguous(), k = in_place(k_in), v = in_place(v_in);
   TORCH_CHECK(softcap >= 0.0, "rungen_ggml: attend's softcap must be positive, or 0 for none");

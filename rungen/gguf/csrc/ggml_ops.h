@@ -52,11 +52,16 @@ at::Tensor mxfp4_held(const at::Tensor& blocks);
 
 // ggml_layers.cpp
 // Where rope_rows writes keys or values: [b, kv_heads, positions, head_dim] with these strides (elements), from
-// its position 0 (a cache's buffer from the first free position, or a tensor of its own).
+// its position 0 (a cache's buffer from the first free position, or a tensor of its own); float32, or float16
+// where `half` (each value rounded to nearest even, as torch's conversion rounds it).
 struct Rows4 {
-  float* p;
+  void* p;
   int64_t batch, head, token;
+  bool half = false;
 };
+
+// Rows4 over a float32 or float16 tensor's data from position `from` of its third dimension.
+Rows4 rows_of(const at::Tensor& x, int64_t from = 0);
 
 struct HeadNorms {
   const float* q = nullptr;  // [head_dim] weights, or none

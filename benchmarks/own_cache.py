@@ -1,14 +1,18 @@
-"""The own model's sliding layers holding the window's last positions against every position
-(RUN_GENERATION_RINGS=0), paired in one process: one request on the engine (a prompt of --prompt tokens of
+"""The own model's cache, its forms paired in one process. By default, the sliding layers holding the window's last
+positions against every position (RUN_GENERATION_RINGS=0): one request on the engine (a prompt of --prompt tokens of
 benchmarks/passage.txt, --new greedy tokens) on a GGUF file with sliding layers (`python -m benchmarks.gguf_files
 --write DIR --families gemma3` writes Gemma 3 1B's shape), the two forms alternating each round: the keys/values'
 bytes held at the last token and at their peak over the decode steps (every layer's buffers, room included; the
-prompt's pass holds every position of every layer in both forms), decode tokens/s (the first
-token to the last), and whether both gave the same tokens. `--passes`: instead, on any file the own model code runs,
-the prompt through the model in one pass against passes of 512 and of 256 tokens (as the engine's prefill takes
-it), into one cache: tokens/s, the cache's peak, and whether the last logits are the same bits.
+prompt's pass holds every position of every layer in both forms), decode tokens/s (the first token to the last), and
+whether both gave the same tokens. `--dtypes`: on any file the own model code runs, its keys and values in float16
+(the default) against float32 (RUN_GENERATION_KV_FLOAT32=1): the bytes a position takes, the cache at the last
+token, decode tokens/s, the prompt's tokens/s (in the engine's passes of 512) and the tokens the two forms share
+before they part. `--passes`: the prompt through the model in one pass against passes of 512 and of 256 tokens (as
+the engine's prefill takes it), into one cache: tokens/s, the cache's peak, and whether the last logits are the same
+bits.
 
-    python -m benchmarks.sliding_cache --model FILE [--prompt 1024] [--new 256] [--rounds 3] [--passes] [--isa avx2]
+    python -m benchmarks.own_cache --model FILE [--prompt 1024] [--new 256] [--rounds 3] [--dtypes | --passes]
+                                   [--isa avx2]
 """
 
 import argparse
@@ -33,7 +37,8 @@ def held_bytes(cache) -> int:
 
 
 def run_once(loaded, ids, new_tokens):
-    """(tokens, bytes held at the last token, peak bytes held, decode tokens/s) of one request."""
+    """(tokens, bytes held at the last token, peak bytes held, decode tokens/s, bytes a position takes) of one
+    request."""
     from rungen.engine import Engine
     from rungen.requests import Delta, Done, Request
     from rungen.sampling import Sampling
@@ -50,7 +55,7 @@ def run_once(loaded, ids, new_tokens):
 
     engine.submit(Request(ids, max_tokens=new_tokens, sampling=Sampling(temperature=0, ignore_eos=True), sink=sink))
     engine.run_here()
-    return tokens, held[-1], max(held), (len(stamps) - 1) / (stamps[-1] - stamps[0])
+    return tokens, held[-1], max(held), (len(stamps) - 1) / (stamps[-1] - stamps[0]), engine.bytes_per_token
 
 
 def passes_once(model, ids, step):
@@ -83,13 +88,41 @@ def passes_rows(model, ids, rounds):
               f"{rows[0][1] / 2**20:.0f} | {'the same bits' if same else 'DIFFERENT'} |")
 
 
+def shared_start(a, b) -> int:
+    """How many tokens two lists share before they part."""
+    return next((index for index, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def dtype_rows(loaded, ids, new_tokens, rounds):
+    from rungen.kvcache import KV_FLOAT32_ENV
+    from rungen.prefill import OWN_PASS
+
+    forms = {"float16": "0", f"float32 ({KV_FLOAT32_ENV}=1)": "1"}
+    results = {name: [] for name in forms}
+    for number in range(rounds):
+        for name in forms if number % 2 == 0 else list(forms)[::-1]:
+            os.environ[KV_FLOAT32_ENV] = forms[name]
+            seconds = passes_once(loaded.model, ids, OWN_PASS)[0]
+            results[name].append((*run_once(loaded, ids, new_tokens), len(ids) / seconds))
+    print("| cache holds | a position, KiB | cache at the last token, MiB | decode tokens/s (median) | "
+          "prompt tokens/s (median) |\n| --- | ---: | ---: | ---: | ---: |")
+    for name, rows in results.items():
+        _, last, _, _, position, _ = rows[-1]
+        print(f"| {name} | {position / 1024:.1f} | {last / 2**20:.1f} | "
+              f"{statistics.median(row[3] for row in rows):.2f} | {statistics.median(row[5] for row in rows):.0f} |")
+    half, full = (rows[0][0] for rows in results.values())
+    print(f"tokens shared before the forms part: {shared_start(half, full)} of {len(full)}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="a GGUF file with sliding layers")
     parser.add_argument("--prompt", type=at_least(1), default=1024, help="prompt tokens")
     parser.add_argument("--new", type=at_least(2), default=256, help="new tokens")
     parser.add_argument("--rounds", type=at_least(1), default=3)
-    parser.add_argument("--passes", action="store_true", help="the prompt in one pass against passes instead")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--dtypes", action="store_true", help="a float16 cache against a float32 one instead")
+    mode.add_argument("--passes", action="store_true", help="the prompt in one pass against passes instead")
     parser.add_argument("--isa", choices=("amx", "avx512vnni", "avx2", "scalar"),
                         help="the tool's kernel path (default: the best the CPU has); avx2 needs "
                         "ATEN_CPU_CAPABILITY=avx2 in the environment")
@@ -117,6 +150,9 @@ def main():
     if args.passes:
         passes_rows(loaded.model, ids, args.rounds)
         return
+    if args.dtypes:
+        dtype_rows(loaded, ids, args.new, args.rounds)
+        return
     if not any(windows):
         raise SystemExit(f"{args.model}: no sliding layer")
     forms = {"the window's last positions": "1", "every position (RUN_GENERATION_RINGS=0)": "0"}
@@ -129,7 +165,7 @@ def main():
     print("| sliding layers hold | cache at the last token, MiB | peak, MiB | decode tokens/s (median) |\n"
           "| --- | ---: | ---: | ---: |")
     for name, rows in results.items():
-        _, last, peak, _ = rows[-1]
+        _, last, peak, *_ = rows[-1]
         speed = statistics.median(row[3] for row in rows)
         print(f"| {name} | {last / 2**20:.1f} | {peak / 2**20:.1f} | {speed:.2f} |")
     print(f"same tokens: {'yes' if same else 'NO'}")
