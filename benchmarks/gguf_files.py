@@ -1,7 +1,7 @@
 """Decode (tg) and prompt processing (pp) of any GGUF file, the tool against llama.cpp on the same file, paired.
 
     python -m benchmarks.gguf_files --model FILE [FILE ...] [--repeats 3] [--threads 2] [--tg 128] [--pp 512]
-                                    [--tests tg pp] [--llama-bench LLAMA_CPP/build/bin/llama-bench]
+                                    [--tests tg pp] [--depth 0] [--llama-bench LLAMA_CPP/build/bin/llama-bench]
                                     [--ik-llama-bench IK_LLAMA_CPP/build/bin/llama-bench [--ik-tests pp]]
     python -m benchmarks.gguf_files --write DIR [--families llama qwen3] [--types Q4_K_M Q6_K ...]
                                     [--quantize LLAMA_CPP/build/bin/llama-quantize] [--layers N]
@@ -15,8 +15,9 @@ load. --ik-llama-bench adds ik_llama.cpp's llama-bench (the CPU-focused fork) as
 for the tests --ik-tests names (--ik-args passed to it, e.g. "-rtr 1" for its run-time repacking). --isa avx2
 forces the tool's kernels and torch's ops onto their AVX2 code paths (set ATEN_CPU_CAPABILITY=avx2 too), to be
 paired with a llama.cpp built without AVX-512: on an AVX-512 machine a proxy for an AVX2 one (same cores and
-memory, AVX2 code on both sides), not a measurement of one. tg: a short prompt, then `--tg` new tokens greedily
-(no EOS), tokens per second over the decode steps after the first token, as llama-bench's tg counts them. pp:
+memory, AVX2 code on both sides), not a measurement of one. tg: a short prompt (--depth N: N random token ids,
+llama-bench's -d N), then `--tg` new tokens greedily (no EOS), tokens per second over the decode steps after the
+first token, as llama-bench's tg counts them. pp:
 `--pp` random token ids (the same ids for both) processed in one call, tokens per second to the first token, as
 llama-bench's pp counts them. Ratios are medians of per-round ratios. CPU flags are printed with the figures.
 Models the engine refuses (chunked-attention or recurrent layers) run through generate(), as the command line runs
@@ -89,8 +90,8 @@ FTYPES = {"Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "Q3_K_M"
 LLAMA_CHILD = r"""
 import json, sys, time
 from llama_cpp import Llama
-path, threads = sys.argv[1], int(sys.argv[2])
-llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=1024, n_batch=512, verbose=False)
+path, threads, context = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=context, n_batch=512, verbose=False)
 print(json.dumps({"ready": True}), flush=True)
 for line in sys.stdin:
     job = json.loads(line)
@@ -110,9 +111,9 @@ for line in sys.stdin:
 
 
 class LlamaCpp:
-    def __init__(self, python, path, threads):
-        self.child = subprocess.Popen([python, "-c", LLAMA_CHILD, path, str(threads)], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, text=True)
+    def __init__(self, python, path, threads, context=1024):
+        self.child = subprocess.Popen([python, "-c", LLAMA_CHILD, path, str(threads), str(context)],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         json.loads(self.child.stdout.readline())
 
     def run(self, kind, ids, new_tokens=0):
@@ -130,11 +131,13 @@ class LlamaBench:
     job: no Python in its decode loop, the fairer reference for a small model whose step takes a few
     milliseconds. extra_args: more llama-bench arguments (ik_llama.cpp's "-rtr 1")."""
 
-    def __init__(self, binary, path, threads, extra_args=()):
+    def __init__(self, binary, path, threads, extra_args=(), depth=0):
         self.binary, self.path, self.threads, self.extra_args = binary, path, threads, list(extra_args)
+        self.depth = depth  # tg's context, as the tool's tg prompt (pp's is none)
 
     def run(self, kind, ids, new_tokens=0):
-        sizes = ["-p", str(len(ids)), "-n", "0"] if kind == "pp" else ["-p", "0", "-n", str(new_tokens)]
+        sizes = ["-p", str(len(ids)), "-n", "0"] if kind == "pp" else ["-p", "0", "-n", str(new_tokens),
+                                                                       "-d", str(self.depth)]
         command = [self.binary, "-m", self.path, "-t", str(self.threads), "-r", "1", "-o", "json", *self.extra_args,
                    *sizes]
         out = subprocess.run(command, capture_output=True, text=True)
@@ -219,18 +222,20 @@ def measure(path, args):
     vocab = min(len(tool.loaded.tokenizer), tool.loaded.model.config.get_text_config().vocab_size)
     rng = random.Random(0)
     pp_ids = [rng.randrange(vocab) for _ in range(args.pp)]
-    tg_ids = tool.loaded.tokenizer("The capital of France is")["input_ids"]
+    tg_ids = [rng.randrange(vocab) for _ in range(args.depth)] if args.depth else \
+        tool.loaded.tokenizer("The capital of France is")["input_ids"]
     runners = {"tool": (tool, args.tests)}
     if args.llama_bench:
-        runners["llama.cpp"] = (LlamaBench(args.llama_bench, path, args.threads), args.tests)
+        runners["llama.cpp"] = (LlamaBench(args.llama_bench, path, args.threads, depth=args.depth), args.tests)
     elif has_llama_cpp(args.llama_python):
-        runners["llama.cpp"] = (LlamaCpp(args.llama_python, path, args.threads), args.tests)
+        context = max(1024, args.depth + args.tg + 8)
+        runners["llama.cpp"] = (LlamaCpp(args.llama_python, path, args.threads, context), args.tests)
     else:
         print(f"no llama.cpp column: {args.llama_python} cannot import llama_cpp", file=sys.stderr)
     if args.ik_llama_bench:
         ik_tests = [kind for kind in args.tests if kind in args.ik_tests]
-        runners["ik_llama.cpp"] = (LlamaBench(args.ik_llama_bench, path, args.threads, shlex.split(args.ik_args)),
-                                   ik_tests)
+        runners["ik_llama.cpp"] = (LlamaBench(args.ik_llama_bench, path, args.threads, shlex.split(args.ik_args),
+                                              args.depth), ik_tests)
     jobs = {"tg": lambda r: r.run("tg", tg_ids, args.tg), "pp": lambda r: r.run("pp", pp_ids)}
     warm_ups = {"tg": lambda r: r.run("tg", tg_ids, 8), "pp": lambda r: r.run("pp", pp_ids[:64])}
     try:
@@ -525,6 +530,8 @@ def main():
     parser.add_argument("--tg", type=int, default=128, help="new tokens of the decode row")
     parser.add_argument("--pp", type=int, default=512, help="prompt tokens of the prompt-processing row")
     parser.add_argument("--tests", nargs="+", default=["tg", "pp"], choices=["tg", "pp"])
+    parser.add_argument("--depth", type=int, default=0, help="tg after this many tokens of context (llama-bench's "
+                        "-d), random ids")
     parser.add_argument("--llama-python", default=BENCH_PYTHON)
     parser.add_argument("--llama-bench", metavar="BINARY", help="llama.cpp's llama-bench as the reference instead of "
                         "llama-cpp-python (whose Python sampling loop costs a small model's decode ~1 ms a token)")
@@ -564,7 +571,8 @@ def main():
     if args.ik_llama_bench:
         reference += f"; ik_llama.cpp: llama-bench ({args.ik_llama_bench}{' ' + args.ik_args if args.ik_args else ''})"
     print(f"CPU flags: {cpu_flags()}; kernel path {isa}, torch's CPU capability "
-          f"{torch.backends.cpu.get_cpu_capability()}; {args.threads} threads; tg{args.tg}, pp{args.pp}; median of "
+          f"{torch.backends.cpu.get_cpu_capability()}; {args.threads} threads; tg{args.tg}"
+          f"{f' after {args.depth} tokens' if args.depth else ''}, pp{args.pp}; median of "
           f"{args.repeats} paired rounds; llama.cpp: {reference}")
     print("")
     references = REFERENCES if args.ik_llama_bench else REFERENCES[:1]
