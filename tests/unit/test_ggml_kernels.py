@@ -621,13 +621,14 @@ def test_attention_over_a_float16_cache_is_attention_over_its_values_widened(isa
     buffers with room) and gives the bits of the same attention over those values widened to float32, on every code
     path, under the causal default, a boolean mask, an additive one, gemma2's soft cap and a window, at head sizes
     64, 48, 96, 256 and 20 (the values' sums in registers 64 dimensions at a time, the rest, and a head of no whole
-    vector)."""
+    vector); a decode step's few queries (widened a chunk of keys at a time) and a prompt's many over keys of several
+    chunks (a kv head's keys widened whole)."""
     if isa not in isas():
         pytest.skip(f"this CPU does not run {isa}")
     torch.ops.rungen_ggml.set_isa(isa)
     torch.manual_seed(17)
-    heads, kv, keys, tokens = 4, 2, 45, 6
-    for dim in (64, 48, 96, 256, 20):
+    heads, kv = 4, 2
+    for dim, (keys, tokens) in itertools.product((64, 48, 96, 256, 20), ((45, 6), (150, 24))):
         q = torch.randn(2, heads, tokens, dim)
         buffers = (torch.randn(2, kv, keys + 11, dim) * 2).half(), torch.randn(2, kv, keys + 11, dim).half()
         k, v = (buffer[:, :, :keys] for buffer in buffers)  # views with room after them, as a cache's
@@ -638,7 +639,7 @@ def test_attention_over_a_float16_cache_is_attention_over_its_values_widened(isa
                         (None, dim ** -0.5, 0.0, 9)):
             held = torch.ops.rungen_ggml.attend(q, k, v, *options)
             widened = torch.ops.rungen_ggml.attend(q, k.float(), v.float(), *options)
-            assert torch.equal(held, widened), (dim, len(options))
+            assert torch.equal(held, widened), (dim, keys, len(options))
     # (a float16 key and a float32 value are widened together: the float32 form)
     mixed = torch.ops.rungen_ggml.attend(q, k, v.float(), None, 0.5)
     assert torch.equal(mixed, torch.ops.rungen_ggml.attend(q, k.float(), v.float(), None, 0.5))
