@@ -4,8 +4,9 @@ benchmarks/passage.txt, --new greedy tokens) on a GGUF file with sliding layers 
 --write DIR --families gemma3` writes Gemma 3 1B's shape), the two forms alternating each round: the keys/values'
 bytes held at the last token and at their peak over the decode steps (every layer's buffers, room included; the
 prompt's pass holds every position of every layer in both forms), decode tokens/s (the first token to the last), and
-whether both gave the same tokens. `--dtypes`: on any file the own model code runs, its keys and values in float16
-(the default) against float32 (RUN_GENERATION_KV_FLOAT32=1): the bytes a position takes, the cache at the last
+whether both gave the same tokens. `--dtypes`: on any file the own model code runs (or transformers' layers over the
+native attention: Gemma 4's, gpt-oss's), its keys and values in float16 (the default) against float32
+(RUN_GENERATION_KV_FLOAT32=1): the bytes a position takes, the cache at the last
 token, decode tokens/s, the prompt's tokens/s (in the engine's passes of 512) and the tokens the two forms share
 before they part. `--passes`: the prompt through the model in one pass against passes of 512 and of 256 tokens (as
 the engine's prefill takes it), into one cache: tokens/s, the cache's peak, and whether the last logits are the same
@@ -32,8 +33,8 @@ def held_bytes(cache) -> int:
     """Bytes of every layer's buffers (room to grow included); 0 before the prompt's keys/values joined the batch."""
     if cache is None:
         return 0
-    return sum(buffer.untyped_storage().nbytes() for layer in cache.layers if layer.buffers is not None
-               for buffer in layer.buffers)
+    return sum(buffer.untyped_storage().nbytes() for layer in cache.layers
+               if getattr(layer, "buffers", None) is not None for buffer in layer.buffers)
 
 
 def run_once(loaded, ids, new_tokens):
@@ -135,9 +136,11 @@ def main():
     if not hasattr(loaded.model, "windows"):  # a file's first load: transformers' model, writing the weights map
         del loaded
         loaded = load(args.model, device=torch.device("cpu"))
-    if not hasattr(loaded.model, "windows"):
+    # (--dtypes: transformers' layers too where their attention is the native one, Gemma 4's and gpt-oss's files)
+    if not hasattr(loaded.model, "windows") and not (args.dtypes and getattr(loaded.model, "cache_reads_float16",
+                                                                               False)):
         raise SystemExit(f"{args.model}: not on the own model code")
-    windows = loaded.model.windows or [0] * loaded.model.config.num_hidden_layers
+    windows = getattr(loaded.model, "windows", None) or [0] * loaded.model.config.num_hidden_layers
     with open(PASSAGE) as f:
         text = f.read()
     ids = loaded.tokenizer.encode(text)

@@ -265,7 +265,8 @@ def stand_for(layer, held: int, length: int) -> None:
 def new_cache(model: torch.nn.Module, layers=None, buffers=None, length: int | None = None):
     """A cache for `model`, filled with `layers` ([(keys, values)] per layer) when given: the own Cache (its sliding
     layers SlidingLayers; float16 unless own_dtype() says otherwise), or a DynamicCache with sliding layers as
-    full-attention ones (growing where `cache_grows_in_place`). `buffers`, whose starts hold `layers`: a growing
+    full-attention ones (growing where `cache_grows_in_place`; float16 too where `cache_reads_float16`: a model
+    whose attention is the native attend). `buffers`, whose starts hold `layers`: a growing
     cache takes them over instead of copying (the caller gives them up). `length`: the positions `layers` stand
     for (a sliding layer may hold the last ones only; default: the first layer's)."""
     if getattr(model, "own_cache", False):
@@ -283,6 +284,11 @@ def new_cache(model: torch.nn.Module, layers=None, buffers=None, length: int | N
         full = grown if getattr(model, "cache_grows_in_place", False) else DynamicLayer
         cache.layers = [full() if type(layer) is DynamicLayer or kind == "sliding_attention" and not dummy(layer)
                         else layer for layer, kind in zip(cache.layers, kinds, strict=True)]
+        if getattr(model, "cache_reads_float16", False):
+            # a GGUF file on transformers' layers whose attention is the native attend: float16, as the own model's
+            for layer in cache.layers:
+                if growing(layer):
+                    layer.held_dtype = own_dtype()
     if not layers:
         return cache
     length = layers[0][0].shape[-2] if length is None else length

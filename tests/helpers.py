@@ -288,22 +288,40 @@ def blocks_for(qtype, rows, in_features, seed=0, kind="random"):
     return torch.from_numpy(place_scales(raw, qtype, scales).reshape(rows, -1))
 
 
-def padded_prompt_and_steps(model):
-    """The logits of `model` over a left-padded prompt of two rows and two decoding steps after it, on the cache
-    rungen.kvcache.new_cache gives it."""
+def padded_prompt_and_steps(model, cache=None):
+    """The logits of `model` over a left-padded prompt of two rows and two decoding steps after it, on `cache` (by
+    default the one rungen.kvcache.new_cache gives it)."""
     import torch
 
     from rungen.kvcache import new_cache
 
     ids = torch.tensor([[0, 0, 5, 9, 13, 2], [7, 3, 5, 9, 13, 2]])
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
-    cache, out = new_cache(model), []
+    cache, out = new_cache(model) if cache is None else cache, []
     with torch.no_grad():
         out.append(model(ids, attention_mask=mask, past_key_values=cache).logits)
         for step in (11, 17):
             mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], -1)
             out.append(model(torch.tensor([[step], [step + 1]]), attention_mask=mask, past_key_values=cache).logits)
     return out
+
+
+def assert_float16_cache_as_rounded(model):
+    """A GGUF file's model on transformers' layers and the native attention: the engine's cache (new_cache) holds
+    float16 keys and values, and the logits over it are, bit for bit, the same model's over transformers' own cache
+    rounding what it stores to float16 (stored_as_own: the attention then reads float32 values)."""
+    import torch
+    from transformers import DynamicCache
+
+    from rungen.kvcache import holding, new_cache
+
+    cache = new_cache(model)
+    half = padded_prompt_and_steps(model, cache)
+    assert {layer.keys.dtype for layer in holding(cache)} == {torch.float16}
+    with stored_as_own():
+        rounded = padded_prompt_and_steps(model, DynamicCache(config=model.config))
+    for got, wanted in zip(half, rounded):
+        assert torch.equal(got, wanted)
 
 
 def plain_grouped_kernel(widened=None):

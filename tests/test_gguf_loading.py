@@ -20,7 +20,14 @@ from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFWriter, quants
 from gguf import GGMLQuantizationType as Q
 
 import run_generation
-from helpers import blocks_and_reference, cache_as_own, error_of, experts_apart, plain_grouped_kernel
+from helpers import (
+    assert_float16_cache_as_rounded,
+    blocks_and_reference,
+    cache_as_own,
+    error_of,
+    experts_apart,
+    plain_grouped_kernel,
+)
 from rungen.gguf import weights
 from rungen.gguf.blocks import (
     BLOCKS_MATMUL,
@@ -38,6 +45,7 @@ from rungen.gguf.experts import ExpertRouter, GGMLExperts
 from rungen.gguf.file import GGUFHeader, metadata_parsed_once
 from rungen.gguf.model import GGUFCausalLM
 from rungen.gguf.native_steps import NATIVE_ATTENTION, NativeGatedMLP, NativeGemma4Attention, NativeGptOssAttention
+from rungen.kvcache import KV_FLOAT32_ENV, new_cache
 from rungen.loading import default_model_file, load, load_gguf
 from tiny_models import default_tokenizer_fields, write_gpt2_gguf, write_out
 
@@ -769,6 +777,8 @@ def test_a_gemma4_file_as_llama_cpp_writes_it_computes_its_checkpoint(tmp_path, 
     # what the checkpoint with those weights de-quantized does.
     from gguf import GGMLQuantizationType as Q
 
+    monkeypatch.setenv(KV_FLOAT32_ENV, "1")  # (the checkpoint's float32 cache: what this compares is the weights)
+
     reference, ids, f32, q8_0 = gemma4_files(tmp_path, variant, "Q8_0")
     with torch.no_grad():
         theirs = reference(ids).logits
@@ -808,6 +818,9 @@ def test_a_gemma4_file_as_llama_cpp_writes_it_computes_its_checkpoint(tmp_path, 
         ours[0][0, :2], theirs[0][0, :2] = 0, 0  # (the padding's own positions: no key to see)
         for got, wanted in zip(ours, theirs):
             torch.testing.assert_close(got, wanted, rtol=1e-4, atol=1e-4)
+        # The engine's cache as it is by default (the shared layers reading float16 keys and values too).
+        monkeypatch.delenv(KV_FLOAT32_ENV)
+        assert_float16_cache_as_rounded(model)
 
 
 def test_a_gemma4_mixture_of_experts_file_computes_its_checkpoint(tmp_path, monkeypatch, capsys):
@@ -888,6 +901,8 @@ def test_a_smollm3_file_as_llama_cpp_writes_it_computes_its_checkpoint(tmp_path,
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from helpers import padded_prompt_and_steps
+
+    monkeypatch.setenv(KV_FLOAT32_ENV, "1")  # (the checkpoint's float32 cache: what this compares is the weights)
     from tiny_models import smollm3_checkpoint, write_smollm3_gguf
 
     checkpoint = smollm3_checkpoint(str(tmp_path))
@@ -916,8 +931,12 @@ def test_a_smollm3_file_as_llama_cpp_writes_it_computes_its_checkpoint(tmp_path,
     ours[0][0, :2], theirs[0][0, :2] = 0, 0  # (the padding's own positions: no key to see)
     for got, wanted in zip(ours, theirs):
         torch.testing.assert_close(got, wanted, rtol=1e-4, atol=1e-4)
-    if native_kernels():  # the stack's one call a step gives what the fused layers one by one do
-        stacked = padded_prompt_and_steps(model)
+    if native_kernels():  # the stack's one call a step gives what the fused layers one by one do, each over the
+        # float16 cache the engine gives it by default (the stack rounding as torch's conversion does)
+        monkeypatch.delenv(KV_FLOAT32_ENV)
+        cache = new_cache(model)
+        stacked = padded_prompt_and_steps(model, cache)
+        assert {layer.keys.dtype for layer in cache.layers} == {torch.float16}
         with products_one_by_one(model):
             layered = padded_prompt_and_steps(model)
         for got, wanted in zip(stacked, layered):
@@ -964,6 +983,8 @@ def test_a_gpt_oss_file_as_llama_cpp_writes_it_computes_its_checkpoint(tmp_path,
     from helpers import padded_prompt_and_steps
     from tiny_models import gpt_oss_checkpoint, write_gpt_oss_gguf
 
+    monkeypatch.setenv(KV_FLOAT32_ENV, "1")  # (the checkpoint's float32 cache: what this compares is the weights)
+
     checkpoint = gpt_oss_checkpoint(str(tmp_path))
     reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     path = write_gpt_oss_gguf(checkpoint, str(tmp_path / "gpt-oss.gguf"))
@@ -995,6 +1016,9 @@ def test_a_gpt_oss_file_as_llama_cpp_writes_it_computes_its_checkpoint(tmp_path,
         assert len(calls) == 3 * len(model.model.layers)
         for got, wanted in zip(native, modules):
             torch.testing.assert_close(got, wanted, rtol=1e-4, atol=1e-4)
+        with monkeypatch.context() as default:  # the engine's cache as it is by default (sinks and windows)
+            default.delenv(KV_FLOAT32_ENV)
+            assert_float16_cache_as_rounded(model)
     # Its published form (MXFP4_MOE: the other matrices Q8_0, the router F32): the attention's q, k and v with their
     # biases one product, their rotation one native call (NativeGptOssAttention)
     published = write_gpt_oss_gguf(checkpoint, str(tmp_path / "mxfp4_moe.gguf"), others="Q8_0")

@@ -200,6 +200,7 @@ def fuse_decoder_layers(model: torch.nn.Module) -> int:
         # A mixture's fused layers read keys and values in place (the native attend takes strided views): its cache
         # grows into buffers with room (rungen.kvcache.new_cache), where a DynamicCache copies itself every step.
         model.cache_grows_in_place = True
+        model.cache_reads_float16 = native_kernels()  # (the torch fallback's attention reads float32)
     return replaced
 
 
@@ -264,6 +265,7 @@ class DecoderStack:
             return False
         inner.forward = cls(inner, layers)  # an instance attribute: Module.__call__ finds it before the method
         model.cache_grows_in_place = True  # rungen.kvcache.new_cache gives it GrowingLayers
+        model.cache_reads_float16 = native_kernels()  # (the torch fallback's attention reads float32)
         return True
 
     def __call__(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,

@@ -148,6 +148,7 @@ def steps_natively(model: torch.nn.Module) -> bool:
     AttentionMaskInterface.register(NATIVE_ATTENTION, eager_mask)
     model.config._attn_implementation = NATIVE_ATTENTION
     model.cache_grows_in_place = True
+    model.cache_reads_float16 = True  # (native_attention: the native attend, which reads float16 in place)
     text = model.config.get_text_config(decoder=True)
     activation = getattr(text, "hidden_activation", None) or getattr(text, "hidden_act", None)
     # (names, not modules: a list of the modules would keep every replaced one's blocks until the end)

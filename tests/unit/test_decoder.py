@@ -36,7 +36,7 @@ from rungen.gguf import blocks as ggml
 from rungen.gguf import decoder
 from rungen.gguf.blocks import GGMLLinear
 from rungen.gguf.decoder import DecoderStack, FusedDecoderLayer, fuse_decoder_layers
-from rungen.kvcache import growing, new_cache
+from rungen.kvcache import KV_FLOAT32_ENV, growing, new_cache
 
 HIDDEN, FFN, HEADS, KV_HEADS = 128, 256, 4, 2
 KINDS = ("llama", "qwen2", "qwen3", "phi3")  # with the one-call stack
@@ -317,6 +317,7 @@ def test_a_model_whose_layers_mix_block_types_runs_one_stack_with_the_layers_bit
     rounding."""
     if not ggml.native_kernels():
         pytest.skip("the native kernels are not available here")
+    monkeypatch.setenv(KV_FLOAT32_ENV, "1")  # (transformers' float32 cache: what this compares is the arithmetic)
     torch.manual_seed(4)
     reference = CLASSES[kind][2](config_of(kind, 3)).eval()
     rng = np.random.default_rng(4)
@@ -400,6 +401,7 @@ def test_a_gemma_model_runs_every_layer_fused_and_computes_transformers_logits(k
     if native and not ggml.native_kernels():
         pytest.skip("the native kernels are not available here")
     monkeypatch.setattr(decoder, "native_kernels", lambda: native)
+    monkeypatch.setenv(KV_FLOAT32_ENV, "1")  # (transformers' float32 cache: what this compares is the arithmetic)
     torch.manual_seed(4)
     reference = CLASSES[kind][2](config_of(kind, 6)).eval()
     rng = np.random.default_rng(4)
