@@ -147,6 +147,8 @@ def main():
     ids = (ids * (args.prompt // len(ids) + 1))[: args.prompt]
     isa = torch.ops.rungen_ggml.isa()
     sliding = f"{sum(map(bool, windows))} sliding (window {max(windows)})" if any(windows) else "none sliding"
+    if not hasattr(loaded.model, "windows"):
+        sliding = "transformers' layers (each holding every position)"
     print(f"CPU flags: {cpu_flags()}; kernel path {isa}; torch {torch.__version__}, {torch.get_num_threads()} "
           f"threads; {os.path.basename(args.model)}: {len(windows)} layers, {sliding}; a {len(ids)}-token prompt, "
           f"{args.new} new tokens, {args.rounds} paired rounds")
