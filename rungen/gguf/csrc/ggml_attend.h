@@ -291,8 +291,10 @@ static inline void add_head_values(const float* w, float inv, const float* v, in
 
 // float16 keys and values widened to float32 for the arithmetic: KEY_CHUNK keys and VALUE_BLOCK values at a time
 // (every query of a block reads them there, in L1), or a kv head's whole keys and values where its queries fill
-// several blocks (a prompt's). Kept by each thread between calls (a call's allocation cost more than its widening).
-constexpr int64_t KEY_CHUNK = 64, WHOLE_HEAD = int64_t{1} << 20;
+// several blocks (a prompt's) and they take at most WHOLE_HEAD floats (1 MiB each: 4,096 positions of heads of 64,
+// 2,048 of 128; past it a prompt's attention takes 1.07x a float32 cache's time, chunk by chunk). Kept by each
+// thread between calls (a call's allocation cost more than its widening), so a thread keeps at most 2 MiB.
+constexpr int64_t KEY_CHUNK = 64, WHOLE_HEAD = int64_t{1} << 18;
 struct Widened {
   std::vector<float> key_floats, value_floats;
   float *keys = nullptr, *values = nullptr;  // 64-byte aligned in them, as a tensor's data (no load splits a line)
@@ -308,7 +310,7 @@ struct Widened {
 
 // The queries [pb, pe) of one sequence and kv head (a block of ATTEND_BLOCK at most) over its keys kh and values vh
 // (that kv head's, indexed by position, k_key_held and v_key_held apart) of type KT: float, or c10::Half (widened a
-// group at a time into `widened`).
+// chunk of keys and a block of values at a time into `widened`).
 template <class KT>
 static void attend_block(const AttendJob& job, int64_t pb, int64_t pe, const KT* kh, const KT* vh,
                          int64_t k_key_held, int64_t v_key_held, float* wp, Widened& widened) {
@@ -484,7 +486,7 @@ static void attend_keys(const AttendJob& job, int64_t p0, int64_t p1, float* wp)
     const KT* vh = vp + batch * job.v_batch + kvh * job.v_head - dropped * job.v_key;
     if constexpr (half) {
       // A prompt's queries fill several blocks: the head's keys and values widened once, from the first any of its
-      // queries reads (the first query's window) on, up to WHOLE_HEAD floats each (what a thread keeps).
+      // queries reads (the first query's window) on, where they take at most WHOLE_HEAD floats each.
       const int64_t from = std::max(dropped, job.window > 0 ? T - t - job.window + 1 : int64_t{0});
       if (group * t > ATTEND_BLOCK && (T - from) * dim <= WHOLE_HEAD) {
         if (widened.head != shared) {
