@@ -3,7 +3,7 @@
 out strided views, which only models that read them in place (`cache_grows_in_place`) get from new_cache. The own
 model gets the project's Cache, its keys and values in float16 (the native stack rounds them as it writes them and
 widens them as it reads them: half the bytes of float32), transformers' models a DynamicCache in their dtype
-(transformers is imported only then).
+(float16 too where their attention is the native one: `cache_reads_float16`; transformers is imported only then).
 
 Sliding-window layers are full-attention layers too (the mask applies the window), so every layer is one [batch,
 heads, length, dim] pair the engine can pad, merge and trim. The own model's (its native stack reads a layer from
