@@ -557,19 +557,6 @@ def blocks_and_reference(files):
     return out
 
 
-def cache_as_own(model):
-    """new_cache(model) holding keys and values in the own model's cache's dtype (rungen.kvcache.own_dtype: float16
-    unless RUN_GENERATION_KV_FLOAT32=1): transformers' model of a GGUF file (its fused layers) over it computes the
-    own model's bits."""
-    from rungen.kvcache import growing, new_cache, own_dtype
-
-    cache = new_cache(model)
-    for layer in cache.layers:
-        if growing(layer):
-            layer.held_dtype = own_dtype()
-    return cache
-
-
 @contextlib.contextmanager
 def stored_as_own():
     """Within it, transformers' DynamicLayer and DynamicSlidingWindowLayer (generate()'s caches) round the keys and

@@ -23,7 +23,6 @@ import run_generation
 from helpers import (
     assert_float16_cache_as_rounded,
     blocks_and_reference,
-    cache_as_own,
     error_of,
     experts_apart,
     plain_grouped_kernel,
@@ -744,7 +743,7 @@ def test_a_mixtral_file_is_a_llama_file_with_experts_and_computes_mixtral_in_its
         assert torch.equal(apart(ids).logits, model(ids).logits)
         assert torch.equal(build_model(header, torch.float32, torch.device("cpu"))(ids).logits, device_form)
         own = load_gguf(legacy).model
-        expected = model(ids, past_key_values=cache_as_own(model)).logits  # over a cache as the own model's
+        expected = model(ids, past_key_values=new_cache(model)).logits  # over a cache as the own model's (float16)
         assert isinstance(own, GGUFCausalLM) and torch.equal(own(ids).logits, expected)
     code, line = error_of(["--model_name_or_path", experts_apart(path, tmp_path / "gap.gguf", skip=3), "--prompt",
                            "Hi", "--length", "2"], capsys)

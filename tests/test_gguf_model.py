@@ -19,7 +19,7 @@ from test_gguf_loading import FILES as LLAMA_FILES
 from test_gguf_loading import VOCAB, write_llama_gguf
 
 import run_generation
-from helpers import ROOT, cache_as_own, cli_env, write_moe_gguf
+from helpers import ROOT, cli_env, write_moe_gguf
 from rungen import loading
 from rungen.embeddings import embed, final_hidden_states
 from rungen.gguf.blocks import native_kernels
@@ -83,11 +83,12 @@ def models(files):
 
 def steps(model, tokenizer, prompts, decode=3):
     """The engine's calls on `model`: a left-padded batch's prompt (with each row's positions), then `decode` greedy
-    steps, over a cache holding what the own model's holds; every call's logits."""
+    steps, over the cache new_cache gives it (transformers' model of a file, its fused layers reading float16, holds
+    what the own model's does); every call's logits."""
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
     ids, mask = batch["input_ids"], batch["attention_mask"]
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    cache, out = cache_as_own(model), []
+    cache, out = new_cache(model), []
     with torch.inference_mode():
         for _ in range(decode + 1):
             logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
@@ -141,7 +142,7 @@ def test_scoring_and_the_last_logits_only(models, name):
     with torch.inference_mode():
         scored = own.model(**batch, use_cache=False)
         assert scored.past_key_values is None
-        expected = reference(**batch, past_key_values=cache_as_own(reference)).logits
+        expected = reference(**batch, past_key_values=new_cache(reference)).logits  # (float16, as the own model's)
         assert torch.equal(scored.logits[:, -1], expected[:, -1])
         last = own.model(input_ids=batch["input_ids"][:1], logits_to_keep=1).logits
     assert last.shape[1] == 1 and torch.equal(last[0, -1], scored.logits[0, -1])
@@ -165,7 +166,7 @@ def test_final_hidden_states_and_embeddings(models, name):
             assert torch.equal(head, model(**batch, position_ids=positions, use_cache=False).logits), model
         # (the reference over a cache holding what the own model's holds)
         hidden = reference.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                                 past_key_values=cache_as_own(reference)).last_hidden_state
+                                 past_key_values=new_cache(reference)).last_hidden_state
         assert torch.equal(final_hidden_states(own.model, ids, mask, positions)[:, -1], hidden[:, -1])
     ids = [own.tokenizer.encode(prompt) for prompt in PROMPTS]
     together = embed(own, ids)
