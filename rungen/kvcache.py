@@ -264,14 +264,14 @@ def stand_for(layer, held: int, length: int) -> None:
 
 def new_cache(model: torch.nn.Module, layers=None, buffers=None, length: int | None = None):
     """A cache for `model`, filled with `layers` ([(keys, values)] per layer) when given: the own Cache (its sliding
-    layers SlidingLayers; float16 unless own_dtype() says otherwise), or a DynamicCache with sliding layers as
-    full-attention ones (growing where `cache_grows_in_place`; float16 too where `cache_reads_float16`: a model
-    whose attention is the native attend). `buffers`, whose starts hold `layers`: a growing
+    layers SlidingLayers), or a DynamicCache with sliding layers as full-attention ones (growing where
+    `cache_grows_in_place`); in own_dtype() where `cache_reads_float16` (the model's attention is the native
+    attend: the own model's, a GGUF file's on transformers' layers). `buffers`, whose starts hold `layers`: a growing
     cache takes them over instead of copying (the caller gives them up). `length`: the positions `layers` stand
     for (a sliding layer may hold the last ones only; default: the first layer's)."""
+    dtype = own_dtype() if getattr(model, "cache_reads_float16", False) else None  # (None: the states' own)
     if getattr(model, "own_cache", False):
         grown = GrowingLayer  # (SlidingLayer is one)
-        dtype = own_dtype()
         cache = Cache([SlidingLayer(window, dtype) if window else GrowingLayer(dtype)
                        for window in sliding_windows(model)])
     else:
@@ -281,14 +281,9 @@ def new_cache(model: torch.nn.Module, layers=None, buffers=None, length: int | N
         cache = DynamicCache(config=model.config)
         kinds, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
         grown = transformers_layer()
-        full = grown if getattr(model, "cache_grows_in_place", False) else DynamicLayer
+        full = functools.partial(grown, dtype) if getattr(model, "cache_grows_in_place", False) else DynamicLayer
         cache.layers = [full() if type(layer) is DynamicLayer or kind == "sliding_attention" and not dummy(layer)
                         else layer for layer, kind in zip(cache.layers, kinds, strict=True)]
-        if getattr(model, "cache_reads_float16", False):
-            # a GGUF file on transformers' layers whose attention is the native attend: float16, as the own model's
-            for layer in cache.layers:
-                if growing(layer):
-                    layer.held_dtype = own_dtype()
     if not layers:
         return cache
     length = layers[0][0].shape[-2] if length is None else length

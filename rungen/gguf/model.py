@@ -152,6 +152,7 @@ class GGUFCausalLM(torch.nn.Module):
 
     cache_grows_in_place = True  # rungen.kvcache.new_cache gives it GrowingLayers, which the stack writes into
     own_cache = True  # in rungen.kvcache's Cache, not transformers' DynamicCache
+    cache_reads_float16 = True  # its native stack writes and reads float16 keys and values (rungen.kvcache.own_dtype)
 
     def __init__(self, config: Config, embed_tokens: torch.nn.Module, stack: NativeStack,
                  norm: torch.Tensor, lm_head: torch.nn.Module, gguf_path: str):
