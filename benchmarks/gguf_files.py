@@ -63,6 +63,12 @@ FAMILIES = {
     "gemma3": dict(arch="gemma3", layers=26, hidden=1152, ffn=6912, heads=4, kv_heads=1, head_dim=256,
                    rope_base=1000000.0, eps=1e-6, tied=True, qk_norm=True, gemma=True, context=32768,
                    sliding_window=512),
+    # granite-3.3-2b: llama's layers with multipliers (the embedding's, each residual branch's, the scores', the
+    # logits' divisor), llama.cpp's keys for them; a 128k context (4096 here, as the others).
+    "granite": dict(arch="granite", layers=40, hidden=2048, ffn=8192, heads=32, kv_heads=8, head_dim=64,
+                    rope_base=10000000.0, eps=1e-5, tied=True,
+                    scales={"attention.scale": 0.015625, "embedding_scale": 12.0, "residual_scale": 0.22,
+                            "logit_scale": 8.0}),
     # Phi-3-mini-4k (3.8B, the smallest published phi3 model): q/k/v in one attn_qkv, gate and up in one ffn_up,
     # heads of 96; its sliding_window key (2047) is what llama.cpp's converter writes and both runtimes ignore.
     "phi3": dict(arch="phi3", layers=32, hidden=3072, ffn=8192, heads=32, kv_heads=32, head_dim=96,
@@ -403,6 +409,8 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
         writer.add_expert_used_count(shape["experts_used"])
         if arch != "llama":  # (Mixtral's converter writes the experts' width as feed_forward_length)
             writer.add_expert_feed_forward_length(shape["expert_ffn"])
+    for key, value in shape.get("scales", {}).items():
+        writer.add_float32(f"{arch}.{key}", value)
     writer.add_vocab_size(vocab)
     writer.add_file_type(FTYPES[qtype_name])
     for key, value, vtype, sub_type in fields:

@@ -890,25 +890,40 @@ def test_a_gemma4_mixture_of_experts_file_computes_its_checkpoint(tmp_path, monk
                                        "runs here in its own blocks, without --dequantize or --device_map"), line
 
 
-def test_a_smollm3_file_as_llama_cpp_writes_it_computes_its_checkpoint(tmp_path, monkeypatch):
-    # transformers' GGUF reading knows no smollm3 architecture (SmolLM3-3B's files): read as a llama file (its keys,
-    # its q/k permutation undone) into SmolLM3's own class, whose every fourth layer has no rotary, as llama.cpp
-    # fixes it. The F32 file computes its checkpoint; the Q8_0 file in its blocks, its layers fused and in one
-    # native call a step (the layers without rotary passed as such), what the checkpoint with those weights
-    # de-quantized does, in a left-padded batch and two steps; its own model code the same bits as the stack
+# Architectures transformers' GGUF reading does not know, whose files llama.cpp writes as llama's: their
+# checkpoints, writers, transformers' class, and what each layer of the fused model and its stack must hold.
+READ_AS_LLAMA = {
+    # SmolLM3's every fourth layer without rotary, as llama.cpp fixes it.
+    "smollm3": ("smollm3_checkpoint", "write_smollm3_gguf", "SmolLM3ForCausalLM",
+                dict(rotates=[True, True, True, False] * 2), dict(rotary=[1, 1, 1, 0] * 2)),
+    # Granite 3's multipliers, read from the file's keys: each residual branch's (0.22), the scores' (1 / 64); the
+    # embedding's (12) and the logits' divisor (8) are the model's around the layers.
+    "granite": ("granite_checkpoint", "write_granite_gguf", "GraniteForCausalLM",
+                dict(residual=[pytest.approx(0.22)] * 4, scaling=[1 / 64] * 4),
+                dict(residual_scale=pytest.approx(0.22), scale=1 / 64)),
+}
+
+
+@pytest.mark.parametrize("architecture", READ_AS_LLAMA)
+def test_a_file_llama_cpp_writes_as_llama_computes_its_checkpoint(architecture, tmp_path, monkeypatch):
+    # transformers' GGUF reading knows neither the smollm3 architecture (SmolLM3-3B's files) nor granite (Granite
+    # 3's): read as a llama file (its keys, its q/k permutation undone) into the architecture's own class, with
+    # what its config lacks from the file's other keys. The F32 file computes its checkpoint; the Q8_0 file in its
+    # blocks, its layers fused and in one native call a step, what the checkpoint with those weights de-quantized
+    # does, in a left-padded batch and two steps; its own model code the same bits as the stack
     # (tests/test_gguf_model.py).
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    import tiny_models
     from helpers import padded_prompt_and_steps
 
     monkeypatch.setenv(KV_FLOAT32_ENV, "1")  # (the checkpoint's float32 cache: what this compares is the weights)
-    from tiny_models import smollm3_checkpoint, write_smollm3_gguf
-
-    checkpoint = smollm3_checkpoint(str(tmp_path))
+    make_checkpoint, write, class_name, layer_fields, stack_fields = READ_AS_LLAMA[architecture]
+    checkpoint = getattr(tiny_models, make_checkpoint)(str(tmp_path))
     reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     ids = torch.tensor([AutoTokenizer.from_pretrained(checkpoint)(PROMPTS[0]).input_ids])
-    f32 = write_smollm3_gguf(checkpoint, str(tmp_path / "f32.gguf"))
-    q8_0 = write_smollm3_gguf(checkpoint, str(tmp_path / "q8_0.gguf"), "Q8_0")
+    f32 = getattr(tiny_models, write)(checkpoint, str(tmp_path / "f32.gguf"))
+    q8_0 = getattr(tiny_models, write)(checkpoint, str(tmp_path / "q8_0.gguf"), "Q8_0")
     with torch.no_grad():
         theirs = reference(ids).logits
         torch.testing.assert_close(load(f32, device=torch.device("cpu")).model(ids).logits, theirs, rtol=1e-5,
@@ -920,12 +935,14 @@ def test_a_smollm3_file_as_llama_cpp_writes_it_computes_its_checkpoint(tmp_path,
     theirs = padded_prompt_and_steps(reference)
     assert theirs[0].abs().max() > 1
     model = build_model(GGUFHeader(q8_0), torch.float32)
-    assert type(model).__name__ == "SmolLM3ForCausalLM"
-    assert [layer.rotates for layer in model.model.layers] == [True, True, True, False] * 2
+    assert type(model).__name__ == class_name
+    for field, wanted in layer_fields.items():
+        assert [getattr(layer, field) for layer in model.model.layers] == wanted, field
     if native_kernels():
         assert all(isinstance(layer, FusedDecoderLayer) for layer in model.model.layers)
         assert isinstance(model.model.__dict__.get("forward"), DecoderStack)
-        assert model.model.forward.stack.rotary == [1, 1, 1, 0] * 2
+        for field, wanted in stack_fields.items():
+            assert getattr(model.model.forward.stack, field) == wanted, field
     ours = exact_weights(model, lambda: padded_prompt_and_steps(model), monkeypatch)
     ours[0][0, :2], theirs[0][0, :2] = 0, 0  # (the padding's own positions: no key to see)
     for got, wanted in zip(ours, theirs):

@@ -30,14 +30,21 @@ from rungen.gguf.tokenizer import GGUFTokenizer
 from rungen.gguf.tokenizer import own as own_tokenizer_refusal
 from rungen.kvcache import KV_FLOAT32_ENV, new_cache
 from rungen.loading import default_model_file, load_gguf
-from tiny_models import default_tokenizer_fields, smollm3_checkpoint, write_family_gguf, write_smollm3_gguf
+from tiny_models import (
+    default_tokenizer_fields,
+    granite_checkpoint,
+    smollm3_checkpoint,
+    write_family_gguf,
+    write_granite_gguf,
+    write_smollm3_gguf,
+)
 
 pytestmark = [pytest.mark.usefixtures("module_cache_home"),
               pytest.mark.skipif(not native_kernels(), reason="the own model code runs on the native kernels")]
 PROMPTS = ["The capital of France is", "Hello, my dog", "A"]
 # mixed_tied holds F16/BF16 layer weights beside the blocks: transformers' model runs it (its own test below).
 NAMES = [*(name for name in LLAMA_FILES if name != "mixed_tied"), "qwen3", "phi3", "phi4_partial", "gemma2", "gemma3",
-         "qwen3moe", "qwen2moe", "mixtral", "smollm3", "default"]
+         "qwen3moe", "qwen2moe", "mixtral", "smollm3", "granite", "default"]
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +70,8 @@ def files(tmp_path_factory):
                                     hidden=256, expert_types=(Q.Q4_K, Q.Q4_K, Q.Q6_K), fields=fields)
     # SmolLM3's: every fourth layer without rotary (the stack's layers pass it), as llama.cpp's converter writes it.
     out["smollm3"] = write_smollm3_gguf(smollm3_checkpoint(str(folder)), str(folder / "smollm3.gguf"), "Q8_0")
+    # Granite 3's: llama's with its embedding, residual and score multipliers and the logits' divisor.
+    out["granite"] = write_granite_gguf(granite_checkpoint(str(folder)), str(folder / "granite.gguf"), "Q8_0")
     out["default"] = default_model_file()
     return out
 

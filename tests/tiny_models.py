@@ -1108,6 +1108,50 @@ def write_smollm3_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> s
     checkpoint: llama's keys under the smollm3 architecture (no key for the layers without rotary: llama.cpp fixes
     every fourth), q and k permuted for its interleaved rotary, no output.weight where tied, a GPT-2 style BPE
     vocabulary; matrices in `qtype_name` (F32, or Q8_0 as --outtype q8_0 writes them)."""
+    return write_as_llama(checkpoint, path, "smollm3", qtype_name, "gpt-2")
+
+
+def granite_checkpoint(out_dir: str) -> str:
+    """A tiny random Granite 3 checkpoint (GraniteForCausalLM) in `out_dir`: granite-3.3-2b-instruct's layout 64
+    wide (4 heads over 2, tied embeddings) and its multipliers: the embedding's 12, each residual branch's 0.22, the
+    scores' 1 / 64 in place of 1 / sqrt(head size), the logits divided by 8. The weights drawn wider than the
+    config's 0.02."""
+    from transformers import AutoTokenizer, GraniteConfig, GraniteForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_checkpoint("gpt2", os.path.join(out_dir, "tokenizer")))
+    config = GraniteConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.15, tie_word_embeddings=True,
+        rms_norm_eps=1e-5, embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=1 / 64,
+        logits_scaling=8.0, rope_parameters={"rope_type": "default", "rope_theta": 10000000.0},
+        pad_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id)
+    config.architectures = ["GraniteForCausalLM"]
+    torch.manual_seed(SEED)
+    path = os.path.join(out_dir, "granite")
+    GraniteForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def write_granite_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
+    """The GGUF file llama.cpp's converter (conversion/granite.py's GraniteModel, a LlamaModel) writes of a Granite
+    checkpoint: llama's keys and q/k permutation under the granite architecture, and its multipliers as
+    attention.scale, embedding_scale, residual_scale and logit_scale; Granite 3's vocabulary is a byte-level BPE
+    that llama.cpp splits as refact's."""
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        config = json.load(f)
+    return write_as_llama(checkpoint, path, "granite", qtype_name, "refact", {
+        "attention.scale": config["attention_multiplier"], "embedding_scale": config["embedding_multiplier"],
+        "residual_scale": config["residual_multiplier"], "logit_scale": config["logits_scaling"]})
+
+
+def write_as_llama(checkpoint: str, path: str, architecture: str, qtype_name: str, pre: str,
+                   scales: dict | None = None) -> str:
+    """What llama.cpp's LlamaModel converter writes of a llama-shaped checkpoint under `architecture`: the text
+    shape, rope base, norm epsilon, file type, vocabulary size and rotary width, `scales` as float32 keys under the
+    architecture, a GPT-2 style BPE vocabulary (tokenizer.ggml.pre `pre`), q and k permuted for its interleaved
+    rotary, no output.weight where tied; matrices in `qtype_name` (F32, or Q8_0 as --outtype q8_0 writes them)."""
     import pathlib
 
     import gguf
@@ -1118,13 +1162,15 @@ def write_smollm3_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> s
     with open(os.path.join(checkpoint, "config.json")) as f:
         config = json.load(f)
     heads, kv_heads, layers = config["num_attention_heads"], config["num_key_value_heads"], config["num_hidden_layers"]
-    writer = gguf.GGUFWriter(path, "smollm3")
+    writer = gguf.GGUFWriter(path, architecture)
     add_text_shape(writer, config)
     writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_file_type({"F32": 0, "Q8_0": 7}[qtype_name])
     writer.add_vocab_size(config["vocab_size"])
     writer.add_rope_dimension_count(config["hidden_size"] // heads)
+    for key, value in (scales or {}).items():
+        writer.add_float32(f"{architecture}.{key}", value)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
@@ -1132,7 +1178,7 @@ def write_smollm3_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> s
     special = set(tokenizer.all_special_tokens)  # (the converter's: an added special token CONTROL, the rest NORMAL)
     types = [gguf.TokenType.CONTROL if text in special else gguf.TokenType.NORMAL for text in vocab]
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-2")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(vocab)
     writer.add_token_types(types)
     gguf.SpecialVocab(pathlib.Path(checkpoint), load_merges=True).add_to_gguf(writer)
@@ -1142,7 +1188,8 @@ def write_smollm3_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> s
     def permuted(w, n_head):  # llama.cpp's LlamaModel.permute
         return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.SMOLLM3, layers)
+    arch = next(key for key, name in gguf.MODEL_ARCH_NAMES.items() if name == architecture)
+    names = gguf.get_tensor_name_map(arch, layers)
     for hf_name, value in load_file(os.path.join(checkpoint, "model.safetensors")).items():
         if hf_name == "lm_head.weight":
             continue  # tied

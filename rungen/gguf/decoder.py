@@ -65,6 +65,7 @@ class FusedDecoderLayer(torch.nn.Module):
         self.sliding_window = getattr(config if family.window_on_every_layer else attention, "sliding_window", None)
         self.rotates = bool(getattr(attention, "use_rope", True))  # (SmolLM3's every fourth layer: no rotary)
         self.softcap = getattr(attention, "attn_logit_softcapping", None)
+        self.residual = getattr(layer, "residual_multiplier", 1.0)  # (Granite's: each branch's output times it)
         # The family's own eager attention (gemma2's soft-caps the logits).
         self.eager = getattr(sys.modules[type(attention).__module__], "eager_attention_forward", None)
         # in_blocks: can be one of a NativeStack's layers (a dense MLP in blocks, or a native mixture); two_calls:
@@ -73,7 +74,7 @@ class FusedDecoderLayer(torch.nn.Module):
             isinstance(p, GGMLLinear) and p.bias is None for p in (self.o_proj, self.down_proj) if p is not None)
         self.two_calls = self.in_blocks and self.mlp is None and self.sliding_window is None and (
             self.softcap is None and self.activation == "silu" and self.attention_out_norm is None
-            and self.mlp_out_norm is None)
+            and self.mlp_out_norm is None and self.residual == 1.0)
 
     @classmethod
     def fuse(cls, layer: torch.nn.Module) -> FusedDecoderLayer | None:
@@ -129,7 +130,7 @@ class FusedDecoderLayer(torch.nn.Module):
         out = product(self.o_proj, attended, native)
         if self.attention_out_norm is not None:
             out = self._norm(out, "attention_out_norm", native)
-        hidden_states = hidden_states + out
+        hidden_states = hidden_states + self._scaled(out)
         x = self._norm(hidden_states, "mlp_norm", native)
         if self.mlp is not None:
             out = self.mixture(x) if native and self.mixture is not None and native_products() else self.mlp(x)
@@ -138,7 +139,11 @@ class FusedDecoderLayer(torch.nn.Module):
                           native)
         if self.mlp_out_norm is not None:
             out = self._norm(out, "mlp_out_norm", native)
-        return hidden_states + out
+        return hidden_states + self._scaled(out)
+
+    def _scaled(self, out: torch.Tensor) -> torch.Tensor:
+        """A branch's output as its residual sum takes it (Granite's times residual_multiplier)."""
+        return out if self.residual == 1.0 else out * self.residual
 
     def _norm(self, x: torch.Tensor, name: str, native: bool) -> torch.Tensor:
         """RMSNorm of x by the norm held as attribute `name`."""
@@ -225,7 +230,7 @@ def native_stack(layers: list[FusedDecoderLayer]) -> NativeStack:
     return NativeStack(weights, first.norm_args("input_layernorm")[1], first.scaling, first.heads, first.kv_heads,
                        head_dim, out_norms, windows if any(windows) else [], first.softcap or 0.0,
                        first.activation == "gelu_pytorch_tanh", StackMixtures.of(mixtures),
-                       [] if all(rotary) else rotary)
+                       [] if all(rotary) else rotary, first.residual)
 
 
 class DecoderStack:
@@ -236,6 +241,7 @@ class DecoderStack:
     def __init__(self, inner: torch.nn.Module, layers: list[FusedDecoderLayer]):
         self.inner, self.original = inner, inner.forward
         self.stack = native_stack(layers)
+        self.embedding_multiplier = getattr(inner, "embedding_multiplier", None)  # (GraniteModel's)
         # gemma3's (full, sliding) layer types to ask the rotary embedding for, else None (one rotation).
         self.rotary_types = None
         if "layer_type" in inspect.signature(inner.rotary_emb.forward).parameters:
@@ -257,8 +263,9 @@ class DecoderStack:
         first = layers[0]
         routings = {(layer.mixture.top_k, layer.mixture.norm_topk) for layer in layers if layer.mixture is not None}
         # The stack takes one epsilon for every norm, one routing for every mixture.
-        if len(routings) > 1 or any((layer.heads, layer.kv_heads, layer.scaling, layer.activation, layer.softcap)
-               != (first.heads, first.kv_heads, first.scaling, first.activation, first.softcap)
+        if len(routings) > 1 or any(
+               (layer.heads, layer.kv_heads, layer.scaling, layer.activation, layer.softcap, layer.residual)
+               != (first.heads, first.kv_heads, first.scaling, first.activation, first.softcap, first.residual)
                or (layer.q_norm is None) != (first.q_norm is None)
                or {eps for _, eps in layer.native_norms.values()} != {first.norm_args("input_layernorm")[1]}
                for layer in layers):
@@ -285,7 +292,8 @@ class DecoderStack:
                 or not self.stack.takes(cache)):
             return self.original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                  past_key_values=cache, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
-        hidden = inner.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        embedded = inner.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        hidden = embedded if self.embedding_multiplier is None else embedded * self.embedding_multiplier
         tokens = hidden.shape[1]
         length = cache.layers[0].get_seq_length()
         if position_ids is None:
@@ -306,7 +314,7 @@ class DecoderStack:
         out = self.stack(hidden, cache, mask, cos, sin, local)
         if out is None:  # layers cut differently: one by one
             return self.original(input_ids=None, attention_mask=attention_mask, position_ids=position_ids,
-                                 past_key_values=cache, inputs_embeds=hidden, use_cache=use_cache, **kwargs)
+                                 past_key_values=cache, inputs_embeds=embedded, use_cache=use_cache, **kwargs)
         # (a mixture's model returns its router logits too, None here: its causal LM reads the field)
         output = MoeModelOutputWithPast if self.stack.mixture_args[0] else BaseModelOutputWithPast
         return output(last_hidden_state=inner.norm(out), past_key_values=cache)

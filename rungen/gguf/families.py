@@ -38,6 +38,9 @@ class Family:
     soft_caps: bool = False
     # The config field whose ** -0.5 scales the scores (None: the head size's).
     score_scalar: str | None = None
+    # Granite's multipliers, as transformers' GraniteConfig names them: the embedding's, each residual branch's, the
+    # scores' scale itself (in place of score_scalar's), and the logits' divisor.
+    multipliers: bool = False
     # transformers attends eagerly, under the additive form of a padded batch's mask.
     additive_mask: bool = False
     # The MLP is a mixture of experts (experts.py: its experts in their blocks, the block in one native call), its
@@ -98,6 +101,10 @@ FAMILIES = {family.model_type: family for family in (
            rope_scaling_from_metadata=True, **GEMMA),
     # SmolLM3: llama's, every fourth layer without rotary (config.no_rope_layers; file.py reads the file as llama's).
     Family("smollm3", "smollm3", "SmolLM3DecoderLayer", permuted_qk=True),
+    # Granite 3: llama's with multipliers (file.py reads the file as llama's, then these keys).
+    Family("granite", "granite", "GraniteDecoderLayer", permuted_qk=True, multipliers=True,
+           extra_config_keys=(("attention.scale", "attention_multiplier"), ("embedding_scale", "embedding_multiplier"),
+                              ("residual_scale", "residual_multiplier"), ("logit_scale", "logits_scaling"))),
 )}
 # The family of a file of this architecture whose layers have experts (<arch>.expert_count): transformers reads
 # it as the architecture's dense model.

@@ -93,8 +93,9 @@ def metadata_parsed_once(weights: bool = True):
 
 # Architectures transformers' GGUF reading does not know, whose files llama.cpp writes with the keys, tensor names and
 # q/k permutation of another's: SmolLM3's (a llama whose every fourth layer has no rotary, SmolLM3Config's default,
-# as llama.cpp fixes it), read as a llama file into transformers' own class of the architecture.
-READ_AS = {"smollm3": "llama"}
+# as llama.cpp fixes it) and Granite 3's (a llama with multipliers, which the families' row reads from their keys),
+# read as a llama file into transformers' own class of the architecture.
+READ_AS = {"smollm3": "llama", "granite": "llama"}
 
 
 def read_as_their_likes() -> None:

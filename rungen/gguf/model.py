@@ -173,6 +173,9 @@ class GGUFCausalLM(torch.nn.Module):
         self.embed_scale = torch.tensor(config.hidden_size ** 0.5, dtype=torch.float32) if (
             family.embedding_scaled) else None
         self.final_softcap = getattr(config, "final_logit_softcapping", None) if family.soft_caps else None
+        # Granite's embedding multiplier and logits' divisor (None: none).
+        self.embedding_multiplier, self.logits_scaling = (getattr(config, name) if family.multipliers else None
+                                                          for name in ("embedding_multiplier", "logits_scaling"))
 
     @property
     def windows(self) -> list[int]:
@@ -208,6 +211,8 @@ class GGUFCausalLM(torch.nn.Module):
         logits = self.lm_head(hidden)
         if self.final_softcap is not None:  # Gemma2ForCausalLM's order of operations
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        if self.logits_scaling is not None:  # GraniteForCausalLM's
+            logits = logits / self.logits_scaling
         return CausalLMOutput(logits=logits, past_key_values=None if use_cache is False else cache)
 
     def final_hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -220,6 +225,8 @@ class GGUFCausalLM(torch.nn.Module):
         hidden = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale.to(hidden.dtype)
+        if self.embedding_multiplier is not None:
+            hidden = hidden * self.embedding_multiplier
         tokens = hidden.shape[1]
         length = cache.layers[0].get_seq_length()
         if position_ids is None:
@@ -375,14 +382,17 @@ def build(header, config: Config, weights_map: dict) -> GGUFCausalLM:
         release_freed_memory()
     weights = StackWeights.of(norms, qkv, q_norms, k_norms, o, mlp_norms, gate_up, down)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    # gemma-2-27b's query_pre_attn_scalar is hidden / heads, not the head size.
+    # gemma-2-27b's query_pre_attn_scalar is hidden / heads, not the head size; Granite's scale is its own.
     scale = getattr(config, family.score_scalar) ** -0.5 if family.score_scalar else head_dim ** -0.5
+    if family.multipliers:
+        scale = config.attention_multiplier
     windows = layer_windows(config)
     rotary = [int(bool(rotates)) for rotates in getattr(config, "no_rope_layers", None) or ()]  # (SmolLM3's: 0 none)
     stack = NativeStack(weights, config.rms_norm_eps, scale, heads, kv_heads, head_dim,
                         (attention_out_norms, mlp_out_norms), windows if any(windows) else [],
                         (getattr(config, "attn_logit_softcapping", None) or 0.0) if family.soft_caps else 0.0,
                         activation(config) == "gelu_pytorch_tanh", StackMixtures.of(mixtures),
-                        [] if all(rotary) else rotary)
+                        [] if all(rotary) else rotary,
+                        config.residual_multiplier if family.multipliers else 1.0)
     model = GGUFCausalLM(config, embed_tokens, stack, norm("model.norm.weight"), head, header.path)
     return model.eval()

@@ -124,17 +124,20 @@ class NativeStack:
 
     def __init__(self, weights: StackWeights, eps: float, scale: float, heads: int, kv_heads: int, head_dim: int,
                  out_norms: tuple[list, list] = ([], []), windows: list[int] = (), softcap: float = 0.0,
-                 gelu: bool = False, mixtures: StackMixtures | None = None, rotary: list[int] = ()):
+                 gelu: bool = False, mixtures: StackMixtures | None = None, rotary: list[int] = (),
+                 residual_scale: float = 1.0):
         """eps: every norm's; scale: the attention scores'. gemma's additions (defaults for llama): out_norms,
         windows (0: none), softcap (0: none), gelu; its norm weights come as 1 + weight. mixtures: the layers'
         mixtures of experts (none by default); rotary: whether each layer rotates q and k (SmolLM3's every fourth
-        does not; empty: all do)."""
+        does not; empty: all do); residual_scale: what the attention's and the MLP's outputs are multiplied by
+        before each residual sum (Granite's residual_multiplier)."""
         self.weights, self.eps, self.scale = weights, eps, scale
         self.weight_args = weights.args()  # once: a step passes them as they are
         self.mixture_args = (mixtures or StackMixtures([], [], [], [])).args()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.out_norms, self.windows = (list(out_norms[0]), list(out_norms[1])), list(windows)
         self.softcap, self.gelu, self.rotary = float(softcap), bool(gelu), list(rotary)
+        self.residual_scale = float(residual_scale)
         # (weakref to the cache, its keys' addresses, positions held, least room_until): lets a step skip reserve().
         self.last = None
 
@@ -176,7 +179,8 @@ class NativeStack:
         hidden, keys, values = torch.ops.rungen_ggml.decoder_stack(
             hidden, cos, sin, mask, *self.weight_args, self.eps, self.heads, self.kv_heads, self.scale,
             [k for k, _ in buffers], [v for _, v in buffers], length, *self.out_norms, self.windows,
-            *(local or (None, None)), self.softcap, self.gelu, *self.mixture_args, self.rotary, dropped)
+            *(local or (None, None)), self.softcap, self.gelu, *self.mixture_args, self.rotary, dropped,
+            self.residual_scale)
         for layer, k, v in zip(layers, keys, values):
             layer.keys, layer.values = k, v
         self.last = (weakref.ref(cache), [k.data_ptr() for k in keys], length + tokens,

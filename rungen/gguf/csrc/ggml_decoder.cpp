@@ -65,7 +65,8 @@ at::Tensor attention_out_mlp(const at::Tensor& hidden, const at::Tensor& q, cons
 // base); softcap, the attention logits' soft cap (gemma2; 0: none); gelu, a GELU-tanh gate instead of SiLU;
 // rotary, whether each layer rotates q and k (SmolLM3's every fourth does not; empty: every layer does); dropped,
 // the positions before `length` a sliding layer's buffers no longer hold (they start at the next, outside every
-// query's window; empty: none).
+// query's window; empty: none). residual_scale: what each layer's attention and MLP outputs are multiplied by
+// before their residual sums (Granite's residual_multiplier; 1: as they are).
 // Gemma's norms multiply by 1 + weight: the caller passes that sum as the weight.
 //
 // A mixture of experts' layers (Qwen3-MoE, Qwen2-MoE), each list empty where no layer has one: routers, each
@@ -93,7 +94,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decoder
     const c10::optional<at::Tensor>& local_cos_in, const c10::optional<at::Tensor>& local_sin_in, double softcap,
     bool gelu, const c10::List<c10::optional<at::Tensor>>& routers, at::TensorList experts,
     at::IntArrayRef expert_qtypes, const c10::List<c10::optional<at::Tensor>>& shared_gates, int64_t top_k,
-    bool norm_topk, at::IntArrayRef rotary, at::IntArrayRef dropped) {
+    bool norm_topk, at::IntArrayRef rotary, at::IntArrayRef dropped, double residual_scale) {
   const size_t layers = o.size();
   const auto per_layer = [&](size_t count) { return count == 0 || count == layers; };
   TORCH_CHECK(per_layer(attention_out_norms.size()) && per_layer(mlp_out_norms.size()) && per_layer(windows.size())
@@ -148,6 +149,15 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decoder
     TORCH_CHECK(weight.numel() == features, "rungen_ggml: an output norm must have ", features, " weights");
     rms_norm_rows(yp, weight.data_ptr<float>(), eps, n, features, yp);
   };
+  // h += y, or h += y * residual_scale: the product rounded to float first, as transformers' `residual + y * m`.
+  const float residual = static_cast<float>(residual_scale);
+  const auto add_residual = [&](const float* yp) {
+    if (residual_scale == 1.0) {
+      for (int64_t j = 0; j < n * features; ++j) hp[j] += yp[j];
+    } else {
+      for (int64_t j = 0; j < n * features; ++j) hp[j] += yp[j] * residual;
+    }
+  };
   std::vector<at::Tensor> keys, values;
   keys.reserve(layers);
   values.reserve(layers);
@@ -185,7 +195,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decoder
                 nullptr, gone);
     mm_into(attended, o[i], types[o_type], heads * dim, pp);
     out_norm(attention_out_norms, i, pp);
-    for (int64_t j = 0; j < n * features; ++j) hp[j] += pp[j];
+    add_residual(pp);
     rms_norm_rows(hp, post_norms[i].to(at::kFloat).contiguous().data_ptr<float>(), eps, n, features, xp);
     if (!routers.empty() && routers.get(i).has_value()) {
       const bool shared = !shared_gates.empty() && shared_gates.get(i).has_value();
@@ -207,7 +217,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decoder
       mm_into(act_i, down[i], types[down_type], width, pp);
     }
     out_norm(mlp_out_norms, i, pp);
-    for (int64_t j = 0; j < n * features; ++j) hp[j] += pp[j];
+    add_residual(pp);
   }
   return {h.view({b, t, features}), keys, values};
 }

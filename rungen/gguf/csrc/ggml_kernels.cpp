@@ -80,7 +80,8 @@ TORCH_LIBRARY(rungen_ggml, m) {
         "int heads, int kv_heads, float scale, Tensor[] k_buffers, Tensor[] v_buffers, int length, "
         "Tensor?[] attention_out_norms, Tensor?[] mlp_out_norms, int[] windows, Tensor? local_cos, Tensor? local_sin, "
         "float softcap, bool gelu, Tensor?[] routers, Tensor[] experts, int[] expert_qtypes, Tensor?[] shared_gates, "
-        "int top_k, bool norm_topk, int[] rotary=[], int[] dropped=[]) -> (Tensor, Tensor[], Tensor[])",
+        "int top_k, bool norm_topk, int[] rotary=[], int[] dropped=[], float residual_scale=1.) -> "
+        "(Tensor, Tensor[], Tensor[])",
         &decoder_stack);
   m.def("isa() -> str", &isa);
   m.def("set_isa(str name) -> str", &set_isa);

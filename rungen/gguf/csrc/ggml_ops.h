@@ -172,6 +172,6 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decoder
     const c10::optional<at::Tensor>& local_cos_in, const c10::optional<at::Tensor>& local_sin_in, double softcap,
     bool gelu, const c10::List<c10::optional<at::Tensor>>& routers, at::TensorList experts,
     at::IntArrayRef expert_qtypes, const c10::List<c10::optional<at::Tensor>>& shared_gates, int64_t top_k,
-    bool norm_topk, at::IntArrayRef rotary, at::IntArrayRef dropped);
+    bool norm_topk, at::IntArrayRef rotary, at::IntArrayRef dropped, double residual_scale);
 
 }  // namespace rungen_ggml
