@@ -890,40 +890,50 @@ def test_a_gemma4_mixture_of_experts_file_computes_its_checkpoint(tmp_path, monk
                                        "runs here in its own blocks, without --dequantize or --device_map"), line
 
 
-# Architectures transformers' GGUF reading does not know, whose files llama.cpp writes as llama's: their
-# checkpoints, writers, transformers' class, and what each layer of the fused model and its stack must hold.
+# Architectures transformers' GGUF reading does not know, whose files llama.cpp writes as llama's: each one's
+# checkpoint and writer (tiny_models), transformers' class the file is read into, and what each layer of the model
+# of the Q8_0 file and its stack (where its layers are fused) must hold.
 READ_AS_LLAMA = {
     # SmolLM3's every fourth layer without rotary, as llama.cpp fixes it.
-    "smollm3": ("smollm3_checkpoint", "write_smollm3_gguf", "SmolLM3ForCausalLM",
-                dict(rotates=[True, True, True, False] * 2), dict(rotary=[1, 1, 1, 0] * 2)),
+    "smollm3": dict(files=("smollm3_checkpoint", "write_smollm3_gguf"), model="SmolLM3ForCausalLM",
+                    layers=dict(rotates=[True, True, True, False] * 2), stack=dict(rotary=[1, 1, 1, 0] * 2)),
     # Granite 3's multipliers, read from the file's keys: each residual branch's (0.22), the scores' (1 / 64); the
     # embedding's (12) and the logits' divisor (8) are the model's around the layers.
-    "granite": ("granite_checkpoint", "write_granite_gguf", "GraniteForCausalLM",
-                dict(residual=[pytest.approx(0.22)] * 4, scaling=[1 / 64] * 4),
-                dict(residual_scale=pytest.approx(0.22), scale=1 / 64)),
+    "granite": dict(files=("granite_checkpoint", "write_granite_gguf"), model="GraniteForCausalLM",
+                    layers=dict(residual=[pytest.approx(0.22)] * 4, scaling=[1 / 64] * 4),
+                    stack=dict(residual_scale=pytest.approx(0.22), scale=1 / 64)),
+    # Ministral 3's yarn rotary and its queries' temperature past the original context (16 positions here, which
+    # the F32 file's prompt crosses twice): transformers' Ministral3 layers over the blocks (the fused layers rotate
+    # by llama's frequencies alone).
+    "ministral3": dict(files=("ministral3_checkpoint", "write_ministral3_gguf"), model="Ministral3ForCausalLM",
+                       layers={}, stack=None),
+    # Mistral Small 3.x as llama.cpp converts it now (mistral3, no rotary scaling): llama's, fused and stacked.
+    "mistral3": dict(files=("mistral_small_checkpoint", "write_mistral3_gguf"), model="LlamaForCausalLM",
+                     layers={}, stack=dict(head_dim=32)),
 }
 
 
 @pytest.mark.parametrize("architecture", READ_AS_LLAMA)
 def test_a_file_llama_cpp_writes_as_llama_computes_its_checkpoint(architecture, tmp_path, monkeypatch):
-    # transformers' GGUF reading knows neither the smollm3 architecture (SmolLM3-3B's files) nor granite (Granite
-    # 3's): read as a llama file (its keys, its q/k permutation undone) into the architecture's own class, with
-    # what its config lacks from the file's other keys. The F32 file computes its checkpoint; the Q8_0 file in its
-    # blocks, its layers fused and in one native call a step, what the checkpoint with those weights de-quantized
+    # transformers' GGUF reading knows neither the smollm3 architecture (SmolLM3-3B's files), granite (Granite 3's)
+    # nor mistral3 (Ministral 3's, and Mistral Small 3.x's as llama.cpp now converts them): read as a llama file (its
+    # keys, its q/k permutation undone) into the class of the model it was written from, with what its config lacks
+    # from the file's other keys. The F32 file computes its checkpoint; the Q8_0 file in its blocks (its layers fused
+    # and in one native call a step where the family's are) what the checkpoint with those weights de-quantized
     # does, in a left-padded batch and two steps; its own model code the same bits as the stack
     # (tests/test_gguf_model.py).
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     import tiny_models
     from helpers import padded_prompt_and_steps
 
     monkeypatch.setenv(KV_FLOAT32_ENV, "1")  # (the checkpoint's float32 cache: what this compares is the weights)
-    make_checkpoint, write, class_name, layer_fields, stack_fields = READ_AS_LLAMA[architecture]
-    checkpoint = getattr(tiny_models, make_checkpoint)(str(tmp_path))
+    spec = READ_AS_LLAMA[architecture]
+    make_checkpoint, write = (getattr(tiny_models, name) for name in spec["files"])
+    checkpoint = make_checkpoint(str(tmp_path))
     reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    ids = torch.tensor([AutoTokenizer.from_pretrained(checkpoint)(PROMPTS[0]).input_ids])
-    f32 = getattr(tiny_models, write)(checkpoint, str(tmp_path / "f32.gguf"))
-    q8_0 = getattr(tiny_models, write)(checkpoint, str(tmp_path / "q8_0.gguf"), "Q8_0")
+    ids = torch.arange(3, 43)[None] * 7  # (40 positions: past Ministral 3's original context twice)
+    f32, q8_0 = write(checkpoint, str(tmp_path / "f32.gguf")), write(checkpoint, str(tmp_path / "q8_0.gguf"), "Q8_0")
     with torch.no_grad():
         theirs = reference(ids).logits
         torch.testing.assert_close(load(f32, device=torch.device("cpu")).model(ids).logits, theirs, rtol=1e-5,
@@ -935,20 +945,21 @@ def test_a_file_llama_cpp_writes_as_llama_computes_its_checkpoint(architecture, 
     theirs = padded_prompt_and_steps(reference)
     assert theirs[0].abs().max() > 1
     model = build_model(GGUFHeader(q8_0), torch.float32)
-    assert type(model).__name__ == class_name
-    for field, wanted in layer_fields.items():
+    assert type(model).__name__ == spec["model"]
+    for field, wanted in spec["layers"].items():
         assert [getattr(layer, field) for layer in model.model.layers] == wanted, field
-    if native_kernels():
+    stacked = native_kernels() and spec["stack"] is not None
+    if stacked:
         assert all(isinstance(layer, FusedDecoderLayer) for layer in model.model.layers)
         assert isinstance(model.model.__dict__.get("forward"), DecoderStack)
-        for field, wanted in stack_fields.items():
+        for field, wanted in spec["stack"].items():
             assert getattr(model.model.forward.stack, field) == wanted, field
     ours = exact_weights(model, lambda: padded_prompt_and_steps(model), monkeypatch)
     ours[0][0, :2], theirs[0][0, :2] = 0, 0  # (the padding's own positions: no key to see)
     for got, wanted in zip(ours, theirs):
         torch.testing.assert_close(got, wanted, rtol=1e-4, atol=1e-4)
-    if native_kernels():  # the stack's one call a step gives what the fused layers one by one do, each over the
-        # float16 cache the engine gives it by default (the stack rounding as torch's conversion does)
+    if stacked:  # the stack's one call a step gives what the fused layers one by one do, each over the float16
+        # cache the engine gives it by default (the stack rounding as torch's conversion does)
         monkeypatch.delenv(KV_FLOAT32_ENV)
         cache = new_cache(model)
         stacked = padded_prompt_and_steps(model, cache)
@@ -957,6 +968,26 @@ def test_a_file_llama_cpp_writes_as_llama_computes_its_checkpoint(architecture, 
             layered = padded_prompt_and_steps(model)
         for got, wanted in zip(stacked, layered):
             torch.testing.assert_close(got, wanted, rtol=1e-5, atol=1e-5)
+
+
+def test_a_mistral3_file_with_a_rotary_or_temperature_it_cannot_compute_is_refused_in_one_line(tmp_path, capsys):
+    # Ministral 3's files scale their rotary by yarn; another scaling, or a query temperature without yarn's original
+    # context to count positions by, would compute another model: one line naming the key, exit 2.
+    from tiny_models import gguf_rope_type, mistral_small_checkpoint, write_as_llama
+
+    checkpoint = mistral_small_checkpoint(str(tmp_path))
+    linear = write_as_llama(checkpoint, str(tmp_path / "linear.gguf"), "mistral3", "Q8_0", "tekken",
+                            more_keys=lambda writer: (writer.add_rope_scaling_type(gguf_rope_type("linear")),
+                                                      writer.add_rope_scaling_factor(8.0)))
+    warm = write_as_llama(checkpoint, str(tmp_path / "warm.gguf"), "mistral3", "Q8_0", "tekken",
+                          more_keys=lambda writer: writer.add_attn_temperature_scale(0.1))
+    code, line = error_of(["--model_name_or_path", linear, "--prompt", "Hi", "--length", "2"], capsys)
+    assert code == 2 and line.endswith("linear.gguf: a mistral3 file whose rotary embedding is scaled by 'linear', "
+                                       "which this tool does not read (Ministral 3's is yarn)"), line
+    code, line = error_of(["--model_name_or_path", warm, "--prompt", "Hi", "--length", "2"], capsys)
+    assert code == 2 and line.endswith("warm.gguf: a mistral3 file with a query temperature "
+                                       "(attention.temperature_scale) and no yarn rotary, whose original context the "
+                                       "temperature counts positions by"), line
 
 
 def test_mxfp4_blocks_are_held_as_iq4_nl_blocks_of_their_table_and_the_same_weights():

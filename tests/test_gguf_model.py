@@ -33,9 +33,11 @@ from rungen.loading import default_model_file, load_gguf
 from tiny_models import (
     default_tokenizer_fields,
     granite_checkpoint,
+    mistral_small_checkpoint,
     smollm3_checkpoint,
     write_family_gguf,
     write_granite_gguf,
+    write_mistral3_gguf,
     write_smollm3_gguf,
 )
 
@@ -44,7 +46,7 @@ pytestmark = [pytest.mark.usefixtures("module_cache_home"),
 PROMPTS = ["The capital of France is", "Hello, my dog", "A"]
 # mixed_tied holds F16/BF16 layer weights beside the blocks: transformers' model runs it (its own test below).
 NAMES = [*(name for name in LLAMA_FILES if name != "mixed_tied"), "qwen3", "phi3", "phi4_partial", "gemma2", "gemma3",
-         "qwen3moe", "qwen2moe", "mixtral", "smollm3", "granite", "default"]
+         "qwen3moe", "qwen2moe", "mixtral", "smollm3", "granite", "mistral3", "default"]
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +74,8 @@ def files(tmp_path_factory):
     out["smollm3"] = write_smollm3_gguf(smollm3_checkpoint(str(folder)), str(folder / "smollm3.gguf"), "Q8_0")
     # Granite 3's: llama's with its embedding, residual and score multipliers and the logits' divisor.
     out["granite"] = write_granite_gguf(granite_checkpoint(str(folder)), str(folder / "granite.gguf"), "Q8_0")
+    # Mistral Small 3.x's as llama.cpp converts it now: a mistral3 file without Ministral 3's rotary, llama's.
+    out["mistral3"] = write_mistral3_gguf(mistral_small_checkpoint(str(folder)), str(folder / "mistral3.gguf"), "Q8_0")
     out["default"] = default_model_file()
     return out
 

@@ -1146,12 +1146,89 @@ def write_granite_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> s
         "residual_scale": config["residual_multiplier"], "logit_scale": config["logits_scaling"]})
 
 
+def ministral3_checkpoint(out_dir: str) -> str:
+    """A tiny random Ministral 3 checkpoint (Ministral3ForCausalLM, the text model of Ministral-3-3B's
+    Mistral3ForConditionalGeneration) in `out_dir`: 64 wide, 4 heads of 32 over 2 (wider than hidden / heads, as the
+    3B's 32 heads of 128 over 3072), tied embeddings, its rotary's yarn and llama 4's query temperature with their
+    published constants (beta_fast 32, beta_slow 1, mscale and mscale_all_dim 1, llama_4_scaling_beta 0.1) over an
+    original context of 16 (the published 16384, scaled down so that a prompt crosses it), factor 4."""
+    from transformers import AutoTokenizer, Ministral3Config, Ministral3ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_checkpoint("gpt2", os.path.join(out_dir, "tokenizer")))
+    config = Ministral3Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=64, initializer_range=0.15,
+        tie_word_embeddings=True, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1},
+        pad_token_id=None, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    config.architectures = ["Ministral3ForCausalLM"]
+    torch.manual_seed(SEED)
+    path = os.path.join(out_dir, "ministral3")
+    Ministral3ForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def write_ministral3_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
+    """The GGUF file llama.cpp's converter (conversion/mistral3.py's Ministral3Model, a LlamaModel) writes of a
+    Ministral 3 checkpoint: llama's keys and q/k permutation under the mistral3 architecture, the head size as
+    key_length, the yarn rotary's type, factor, original context and betas, mscale_all_dim as yarn_log_multiplier
+    and llama_4_scaling_beta as attention.temperature_scale; Ministral 3's tekken vocabulary is a byte-level BPE."""
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        rope = json.load(f)["rope_parameters"]
+
+    def keys(writer):
+        writer.add_rope_scaling_type(gguf_rope_type("yarn"))
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+        writer.add_rope_scaling_yarn_log_mul(rope["mscale_all_dim"])
+        writer.add_attn_temperature_scale(rope["llama_4_scaling_beta"])
+
+    return write_as_llama(checkpoint, path, "mistral3", qtype_name, "tekken", more_keys=keys)
+
+
+def mistral_small_checkpoint(out_dir: str) -> str:
+    """A tiny random checkpoint of Mistral Small 3.x's text model (MistralForCausalLM, no sliding window) in
+    `out_dir`: 64 wide, 4 heads of 32 over 2 (Mistral Small's 32 heads of 128 over 5120: wider than hidden / heads),
+    untied embeddings, rope base 1e9, no rotary scaling."""
+    from transformers import AutoTokenizer, MistralConfig, MistralForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_checkpoint("gpt2", os.path.join(out_dir, "tokenizer")))
+    config = MistralConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=512, initializer_range=0.15, sliding_window=None,
+        tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1000000000.0},
+        pad_token_id=None, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    config.architectures = ["MistralForCausalLM"]
+    torch.manual_seed(SEED)
+    path = os.path.join(out_dir, "mistral_small")
+    MistralForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def write_mistral3_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
+    """The GGUF file llama.cpp's converter (Ministral3Model) writes of Mistral Small 3.x's text model: llama's keys
+    under the mistral3 architecture, without Ministral 3's rotary keys (written for a ministral3 config only)."""
+    return write_as_llama(checkpoint, path, "mistral3", qtype_name, "tekken")
+
+
+def gguf_rope_type(name: str):
+    import gguf
+
+    return {"yarn": gguf.RopeScalingType.YARN, "linear": gguf.RopeScalingType.LINEAR}[name]
+
+
 def write_as_llama(checkpoint: str, path: str, architecture: str, qtype_name: str, pre: str,
-                   scales: dict | None = None) -> str:
+                   scales: dict | None = None, more_keys=None) -> str:
     """What llama.cpp's LlamaModel converter writes of a llama-shaped checkpoint under `architecture`: the text
-    shape, rope base, norm epsilon, file type, vocabulary size and rotary width, `scales` as float32 keys under the
-    architecture, a GPT-2 style BPE vocabulary (tokenizer.ggml.pre `pre`), q and k permuted for its interleaved
-    rotary, no output.weight where tied; matrices in `qtype_name` (F32, or Q8_0 as --outtype q8_0 writes them)."""
+    shape, rope base, norm epsilon, the head size where the config names one, file type, vocabulary size and rotary
+    width, `scales` as float32 keys under the architecture and what `more_keys(writer)` adds, a GPT-2 style BPE
+    vocabulary (tokenizer.ggml.pre `pre`), q and k permuted for its interleaved rotary, no output.weight where tied;
+    matrices in `qtype_name` (F32, or Q8_0 as --outtype q8_0 writes them)."""
     import pathlib
 
     import gguf
@@ -1168,9 +1245,14 @@ def write_as_llama(checkpoint: str, path: str, architecture: str, qtype_name: st
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_file_type({"F32": 0, "Q8_0": 7}[qtype_name])
     writer.add_vocab_size(config["vocab_size"])
-    writer.add_rope_dimension_count(config["hidden_size"] // heads)
+    if config.get("head_dim"):
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
+    writer.add_rope_dimension_count(config.get("head_dim") or config["hidden_size"] // heads)
     for key, value in (scales or {}).items():
         writer.add_float32(f"{architecture}.{key}", value)
+    if more_keys is not None:
+        more_keys(writer)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
@@ -1191,7 +1273,7 @@ def write_as_llama(checkpoint: str, path: str, architecture: str, qtype_name: st
     arch = next(key for key, name in gguf.MODEL_ARCH_NAMES.items() if name == architecture)
     names = gguf.get_tensor_name_map(arch, layers)
     for hf_name, value in load_file(os.path.join(checkpoint, "model.safetensors")).items():
-        if hf_name == "lm_head.weight":
+        if hf_name == "lm_head.weight" and config.get("tie_word_embeddings"):
             continue  # tied
         values = value.float().numpy()
         if hf_name.endswith("q_proj.weight"):

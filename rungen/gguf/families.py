@@ -106,6 +106,13 @@ FAMILIES = {family.model_type: family for family in (
            extra_config_keys=(("attention.scale", "attention_multiplier"), ("embedding_scale", "embedding_multiplier"),
                               ("residual_scale", "residual_multiplier"), ("logit_scale", "logits_scaling"))),
 )}
+# Architectures transformers' GGUF reading does not know, whose files llama.cpp writes with the keys, tensor names and
+# q/k permutation of another's: SmolLM3's (a llama whose every fourth layer has no rotary, SmolLM3Config's default,
+# as llama.cpp fixes it) and Granite 3's (a llama with multipliers, which the families' row reads from their keys),
+# read as a llama file into transformers' own class of the architecture; mistral3's into Ministral 3's text model, or
+# llama's where it has no rotary scaling (Mistral Small 3.x's: file.py's _mistral3_config). Their q/k rows are
+# permuted as the architecture read as permutes them.
+READ_AS = {"smollm3": "llama", "granite": "llama", "mistral3": "llama"}
 # The family of a file of this architecture whose layers have experts (<arch>.expert_count): transformers reads
 # it as the architecture's dense model.
 WITH_EXPERTS = {"llama": "mixtral"}

@@ -28,7 +28,7 @@ from .. import NOTICE
 from .blocks import (
     SUPPORTED,
 )
-from .families import BY_ARCHITECTURE, FAMILIES, NO_FAMILY, WITH_EXPERTS
+from .families import BY_ARCHITECTURE, FAMILIES, NO_FAMILY, READ_AS, WITH_EXPERTS
 from .splits import GPT2_SPLITS, pre_tokenizer, sentencepiece_text
 from .weights import FLOAT_TYPES, GGUFError, with_experts_stacked, with_gate_up_apart
 
@@ -53,10 +53,12 @@ def metadata_parsed_once(weights: bool = True):
     reader_class, name_map, readers = gguf.GGUFReader, gguf.get_tensor_name_map, {}
     weights_map = gguf_utils.get_gguf_hf_weights_map
 
-    def with_suffixes(*args, **kwargs):
+    def with_suffixes(hf_model, processor, *args, **kwargs):
         # (a parameter named without .weight, a mixture's 3-D experts or Gemma 4's layer_scalar, is the file's
         # tensor with it; transformers' loader would leave it at its initial value)
-        names = weights_map(*args, **kwargs)
+        if not args and kwargs.get("model_type") is None:
+            kwargs["model_type"] = TENSOR_NAMES_OF.get(hf_model.config.model_type)
+        names = weights_map(hf_model, processor, *args, **kwargs)
         return names | {f"{name}.weight": hf for name, hf in names.items()
                         if not name.endswith((".weight", ".bias")) and f"{name}.weight" not in names}
 
@@ -91,11 +93,8 @@ def metadata_parsed_once(weights: bool = True):
         gguf_utils.tqdm = bar
 
 
-# Architectures transformers' GGUF reading does not know, whose files llama.cpp writes with the keys, tensor names and
-# q/k permutation of another's: SmolLM3's (a llama whose every fourth layer has no rotary, SmolLM3Config's default,
-# as llama.cpp fixes it) and Granite 3's (a llama with multipliers, which the families' row reads from their keys),
-# read as a llama file into transformers' own class of the architecture.
-READ_AS = {"smollm3": "llama", "granite": "llama"}
+# Model types whose tensors gguf's name table knows under another architecture's name (a mistral3 file's Ministral 3).
+TENSOR_NAMES_OF = {"ministral3": "mistral3"}
 
 
 def read_as_their_likes() -> None:
@@ -284,6 +283,8 @@ def complete_config(path: str, config: dict) -> None:
         _gemma4_config(path, metadata, tensors, config)
     if arch == "gpt-oss":
         _gpt_oss_config(path, metadata, config)
+    if arch == "mistral3":
+        _mistral3_config(path, metadata, config)
     rotary = metadata.get(f"{arch}.rope.dimension_count")
     if family.partial_and_long_rope:
         # Phi-4-mini rotates part of each head; transformers' reading drops the count.
@@ -374,6 +375,38 @@ def _gpt_oss_config(path: str, metadata: dict, config: dict) -> None:
                         "gpt-oss GGUF file")
     config.pop("rope_theta", None)
     config["rope_parameters"] = rope
+
+
+def _mistral3_config(path: str, metadata: dict, config: dict) -> None:
+    """llama.cpp's mistral3 files as the model they were written from: Ministral 3's (its yarn rotary, and its
+    queries' temperature past the original context, llama 4's scaling: attention.temperature_scale) Ministral3's
+    text model; one without either (Mistral Small 3.x as llama.cpp converts it now) llama's. Yarn's attention
+    factor as llama.cpp computes it: mscale 1, mscale_all_dim yarn_log_multiplier where set."""
+
+    def key(name, default=None):
+        return metadata.get(f"mistral3.{name}", default)
+
+    kind, temperature = key("rope.scaling.type", "none"), key("attention.temperature_scale")
+    if kind == "none" and temperature is None:
+        config["model_type"] = "llama"
+        return
+    if kind == "none":
+        raise GGUFError(f"{path}: a mistral3 file with a query temperature (attention.temperature_scale) and no yarn "
+                        "rotary, whose original context the temperature counts positions by")
+    if kind != "yarn":
+        raise GGUFError(f"{path}: a mistral3 file whose rotary embedding is scaled by {kind!r}, which this tool does "
+                        "not read (Ministral 3's is yarn)")
+    rope = dict(rope_type="yarn", rope_theta=config.pop("rope_theta", key("rope.freq_base")),
+                factor=key("rope.scaling.factor"),
+                original_max_position_embeddings=key("rope.scaling.original_context_length"),
+                beta_fast=key("rope.scaling.yarn_beta_fast", 32.0), beta_slow=key("rope.scaling.yarn_beta_slow", 1.0),
+                llama_4_scaling_beta=temperature or 0.0)
+    if None in rope.values():
+        raise GGUFError(f"{path}: a yarn rotary without its factor or original context length "
+                        "(mistral3.rope.scaling.factor, original_context_length)")
+    if key("rope.scaling.yarn_log_multiplier"):
+        rope.update(mscale=1.0, mscale_all_dim=key("rope.scaling.yarn_log_multiplier"))
+    config.update(model_type="ministral3", rope_parameters=rope)
 
 
 def with_expert_names(model_type: str, names: dict[str, str], tensors: set[str]) -> dict[str, str]:

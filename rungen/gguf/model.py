@@ -28,7 +28,7 @@ from .blocks import (
 )
 from .decoder import ACTIVATIONS
 from .experts import PARTS, NativeMixture, build_experts
-from .families import BY_ARCHITECTURE, FAMILIES, NO_FAMILY
+from .families import BY_ARCHITECTURE, FAMILIES, NO_FAMILY, READ_AS
 from .kernels import native_kernels
 from .stack import NativeStack, StackMixtures, StackWeights
 from .weights import GGUFError, WeightReader, unpermuted_order
@@ -322,7 +322,8 @@ def build(header, config: Config, weights_map: dict) -> GGUFCausalLM:
     family = FAMILIES[config.model_type]
     reader = WeightReader(header.path, header.tensors, weights_map)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    permute = BY_ARCHITECTURE.get(header.architecture, NO_FAMILY).permuted_qk  # as transformers' processor keys it
+    # as transformers' processor keys it (an architecture read as another's: that one's processor)
+    permute = BY_ARCHITECTURE.get(READ_AS.get(header.architecture, header.architecture), NO_FAMILY).permuted_qk
 
     tied = getattr(config, "tie_word_embeddings", False) and reader.tensor("lm_head.weight", required=False) is None
     embedding = reader.tensor("model.embed_tokens.weight")
