@@ -288,9 +288,10 @@ def blocks_for(qtype, rows, in_features, seed=0, kind="random"):
     return torch.from_numpy(place_scales(raw, qtype, scales).reshape(rows, -1))
 
 
-def padded_prompt_and_steps(model, cache=None):
+def padded_prompt_and_steps(model, cache=None, positions=False):
     """The logits of `model` over a left-padded prompt of two rows and two decoding steps after it, on `cache` (by
-    default the one rungen.kvcache.new_cache gives it)."""
+    default the one rungen.kvcache.new_cache gives it). `positions`: each row's positions passed as they are when
+    left out (0, 1, ... with the padding), for a model that would count them from the mask instead (Qwen3-VL's)."""
     import torch
 
     from rungen.kvcache import new_cache
@@ -298,11 +299,16 @@ def padded_prompt_and_steps(model, cache=None):
     ids = torch.tensor([[0, 0, 5, 9, 13, 2], [7, 3, 5, 9, 13, 2]])
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
     cache, out = new_cache(model) if cache is None else cache, []
+
+    def at(first, count):
+        return {"position_ids": torch.arange(first, first + count).expand(2, count)} if positions else {}
+
     with torch.no_grad():
-        out.append(model(ids, attention_mask=mask, past_key_values=cache).logits)
-        for step in (11, 17):
+        out.append(model(ids, attention_mask=mask, past_key_values=cache, **at(0, 6)).logits)
+        for number, step in enumerate((11, 17)):
             mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], -1)
-            out.append(model(torch.tensor([[step], [step + 1]]), attention_mask=mask, past_key_values=cache).logits)
+            out.append(model(torch.tensor([[step], [step + 1]]), attention_mask=mask, past_key_values=cache,
+                             **at(6 + number, 1)).logits)
     return out
 
 

@@ -890,10 +890,10 @@ def test_a_gemma4_mixture_of_experts_file_computes_its_checkpoint(tmp_path, monk
                                        "runs here in its own blocks, without --dequantize or --device_map"), line
 
 
-# Architectures transformers' GGUF reading does not know, whose files llama.cpp writes as llama's: each one's
-# checkpoint and writer (tiny_models), transformers' class the file is read into, and what each layer of the model
-# of the Q8_0 file and its stack (where its layers are fused) must hold.
-READ_AS_LLAMA = {
+# Architectures transformers' GGUF reading does not know, whose files llama.cpp writes as another's (llama's, or
+# Qwen3-VL's text model as Qwen3's): each one's checkpoint and writer (tiny_models), transformers' class the file is
+# read into, and what each layer of the model of the Q8_0 file and its stack (where its layers are fused) must hold.
+READ_AS_ANOTHER = {
     # SmolLM3's every fourth layer without rotary, as llama.cpp fixes it.
     "smollm3": dict(files=("smollm3_checkpoint", "write_smollm3_gguf"), model="SmolLM3ForCausalLM",
                     layers=dict(rotates=[True, True, True, False] * 2), stack=dict(rotary=[1, 1, 1, 0] * 2)),
@@ -910,39 +910,48 @@ READ_AS_LLAMA = {
     # Mistral Small 3.x as llama.cpp converts it now (mistral3, no rotary scaling): llama's, fused and stacked.
     "mistral3": dict(files=("mistral_small_checkpoint", "write_mistral3_gguf"), model="LlamaForCausalLM",
                      layers={}, stack=dict(head_dim=32)),
+    # Qwen3-VL's text model (its interleaved MRoPE over a text prompt's positions: Qwen3's rotary), dense and
+    # Qwen3-VL-30B-A3B's mixture (whose router always normalizes its top-k weights, as llama.cpp's graph does).
+    "qwen3vl": dict(files=("qwen3vl_checkpoint", "write_qwen3vl_gguf"), model="Qwen3ForCausalLM", layers={},
+                    stack=dict(head_dim=32)),
+    "qwen3vlmoe": dict(files=("qwen3vlmoe_checkpoint", "write_qwen3vl_gguf"), model="Qwen3MoeForCausalLM",
+                       layers={}, stack=dict(head_dim=32)),
 }
 
 
-@pytest.mark.parametrize("architecture", READ_AS_LLAMA)
-def test_a_file_llama_cpp_writes_as_llama_computes_its_checkpoint(architecture, tmp_path, monkeypatch):
-    # transformers' GGUF reading knows neither the smollm3 architecture (SmolLM3-3B's files), granite (Granite 3's)
-    # nor mistral3 (Ministral 3's, and Mistral Small 3.x's as llama.cpp now converts them): read as a llama file (its
-    # keys, its q/k permutation undone) into the class of the model it was written from, with what its config lacks
-    # from the file's other keys. The F32 file computes its checkpoint; the Q8_0 file in its blocks (its layers fused
-    # and in one native call a step where the family's are) what the checkpoint with those weights de-quantized
-    # does, in a left-padded batch and two steps; its own model code the same bits as the stack
-    # (tests/test_gguf_model.py).
-    from transformers import AutoModelForCausalLM
+@pytest.mark.parametrize("architecture", READ_AS_ANOTHER)
+def test_a_file_llama_cpp_writes_as_another_architecture_computes_its_checkpoint(architecture, tmp_path,
+                                                                                  monkeypatch):
+    # transformers' GGUF reading knows none of the smollm3 (SmolLM3-3B's files), granite (Granite 3's), mistral3
+    # (Ministral 3's, and Mistral Small 3.x's as llama.cpp now converts them), qwen3vl and qwen3vlmoe (Qwen3-VL's)
+    # architectures: read as the one llama.cpp writes them as (its keys, its q/k permutation undone) into the class
+    # of the model they were written from (a vision-language model's text model), with what its config lacks from
+    # the file's other keys. The F32 file computes its checkpoint; the Q8_0 file in its blocks (its layers fused and
+    # in one native call a step where the family's are) what the checkpoint with those weights de-quantized does, in
+    # a left-padded batch and two steps; its own model code the same bits as the stack (tests/test_gguf_model.py).
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     import tiny_models
     from helpers import padded_prompt_and_steps
 
     monkeypatch.setenv(KV_FLOAT32_ENV, "1")  # (the checkpoint's float32 cache: what this compares is the weights)
-    spec = READ_AS_LLAMA[architecture]
+    spec = READ_AS_ANOTHER[architecture]
     make_checkpoint, write = (getattr(tiny_models, name) for name in spec["files"])
     checkpoint = make_checkpoint(str(tmp_path))
-    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    vision = architecture.startswith("qwen3vl")  # (its positions counted from the mask unless given: given here)
+    loader = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    reference = loader.from_pretrained(checkpoint, dtype=torch.float32).eval()
     ids = torch.arange(3, 43)[None] * 7  # (40 positions: past Ministral 3's original context twice)
     f32, q8_0 = write(checkpoint, str(tmp_path / "f32.gguf")), write(checkpoint, str(tmp_path / "q8_0.gguf"), "Q8_0")
     with torch.no_grad():
         theirs = reference(ids).logits
         torch.testing.assert_close(load(f32, device=torch.device("cpu")).model(ids).logits, theirs, rtol=1e-5,
                                    atol=1e-5)
-        for parameter in reference.parameters():  # the weights the Q8_0 file holds
-            if parameter.dim() == 2 and parameter.shape[-1] % 32 == 0:
+        for name, parameter in reference.named_parameters():  # the weights the Q8_0 file holds (a router's F32)
+            if parameter.dim() >= 2 and parameter.shape[-1] % 32 == 0 and not name.endswith("mlp.gate.weight"):
                 blocks = quants.quantize(parameter.numpy(), Q.Q8_0)
-                parameter.copy_(torch.from_numpy(quants.dequantize(blocks, Q.Q8_0)))
-    theirs = padded_prompt_and_steps(reference)
+                parameter.copy_(torch.from_numpy(quants.dequantize(blocks, Q.Q8_0)).view(parameter.shape))
+    theirs = padded_prompt_and_steps(reference, positions=vision)
     assert theirs[0].abs().max() > 1
     model = build_model(GGUFHeader(q8_0), torch.float32)
     assert type(model).__name__ == spec["model"]
@@ -954,7 +963,7 @@ def test_a_file_llama_cpp_writes_as_llama_computes_its_checkpoint(architecture, 
         assert isinstance(model.model.__dict__.get("forward"), DecoderStack)
         for field, wanted in spec["stack"].items():
             assert getattr(model.model.forward.stack, field) == wanted, field
-    ours = exact_weights(model, lambda: padded_prompt_and_steps(model), monkeypatch)
+    ours = exact_weights(model, lambda: padded_prompt_and_steps(model, positions=vision), monkeypatch)
     ours[0][0, :2], theirs[0][0, :2] = 0, 0  # (the padding's own positions: no key to see)
     for got, wanted in zip(ours, theirs):
         torch.testing.assert_close(got, wanted, rtol=1e-4, atol=1e-4)
@@ -962,10 +971,10 @@ def test_a_file_llama_cpp_writes_as_llama_computes_its_checkpoint(architecture, 
         # cache the engine gives it by default (the stack rounding as torch's conversion does)
         monkeypatch.delenv(KV_FLOAT32_ENV)
         cache = new_cache(model)
-        stacked = padded_prompt_and_steps(model, cache)
+        stacked = padded_prompt_and_steps(model, cache, positions=vision)
         assert {layer.keys.dtype for layer in cache.layers} == {torch.float16}
         with products_one_by_one(model):
-            layered = padded_prompt_and_steps(model)
+            layered = padded_prompt_and_steps(model, positions=vision)
         for got, wanted in zip(stacked, layered):
             torch.testing.assert_close(got, wanted, rtol=1e-5, atol=1e-5)
 

@@ -34,10 +34,12 @@ from tiny_models import (
     default_tokenizer_fields,
     granite_checkpoint,
     mistral_small_checkpoint,
+    qwen3vl_checkpoint,
     smollm3_checkpoint,
     write_family_gguf,
     write_granite_gguf,
     write_mistral3_gguf,
+    write_qwen3vl_gguf,
     write_smollm3_gguf,
 )
 
@@ -46,7 +48,8 @@ pytestmark = [pytest.mark.usefixtures("module_cache_home"),
 PROMPTS = ["The capital of France is", "Hello, my dog", "A"]
 # mixed_tied holds F16/BF16 layer weights beside the blocks: transformers' model runs it (its own test below).
 NAMES = [*(name for name in LLAMA_FILES if name != "mixed_tied"), "qwen3", "phi3", "phi4_partial", "gemma2", "gemma3",
-         "qwen3moe", "qwen2moe", "mixtral", "smollm3", "granite", "mistral3", "default"]
+         "qwen3moe", "qwen2moe", "mixtral", "smollm3", "granite", "mistral3", "qwen3vl",
+         "default"]
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +79,8 @@ def files(tmp_path_factory):
     out["granite"] = write_granite_gguf(granite_checkpoint(str(folder)), str(folder / "granite.gguf"), "Q8_0")
     # Mistral Small 3.x's as llama.cpp converts it now: a mistral3 file without Ministral 3's rotary, llama's.
     out["mistral3"] = write_mistral3_gguf(mistral_small_checkpoint(str(folder)), str(folder / "mistral3.gguf"), "Q8_0")
+    # Qwen3-VL's text model: Qwen3's, under the qwen3vl architecture.
+    out["qwen3vl"] = write_qwen3vl_gguf(qwen3vl_checkpoint(str(folder)), str(folder / "qwen3vl.gguf"), "Q8_0")
     out["default"] = default_model_file()
     return out
 

@@ -1216,6 +1216,116 @@ def write_mistral3_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> 
     return write_as_llama(checkpoint, path, "mistral3", qtype_name, "tekken")
 
 
+def qwen3vl_checkpoint(out_dir: str, experts: bool = False) -> str:
+    """A tiny random Qwen3-VL checkpoint (Qwen3VLForConditionalGeneration) in `out_dir`: Qwen3-VL-2B's text model 64
+    wide (4 heads of 32 over 2, q/k norms, tied embeddings) with its interleaved MRoPE (sections 6, 5, 5 of a head's 16
+    frequencies: the published 24, 20, 20 of 64, scaled), rope base 5e6; a one-layer vision tower with a deepstack
+    merger (what a text prompt never reaches); a byte-level BPE vocabulary. `experts`: Qwen3-VL-30B-A3B's instead
+    (Qwen3VLMoeForConditionalGeneration: each layer 8 experts of 32, 2 a token, untied)."""
+    from transformers import (
+        AutoTokenizer,
+        Qwen3VLConfig,
+        Qwen3VLForConditionalGeneration,
+        Qwen3VLMoeConfig,
+        Qwen3VLMoeForConditionalGeneration,
+    )
+
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_checkpoint("gpt2", os.path.join(out_dir, "tokenizer")))
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                initializer_range=0.15, rms_norm_eps=1e-6, rope_parameters={
+                    "rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [6, 5, 5],
+                    "mrope_interleaved": True})
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                  num_position_embeddings=16, deepstack_visual_indexes=[0], initializer_range=0.15)
+    if experts:
+        text.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+    config_class, model_class = (Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration) if experts else (
+        Qwen3VLConfig, Qwen3VLForConditionalGeneration)
+    config = config_class(text_config=text, vision_config=vision, tie_word_embeddings=not experts,
+                           image_token_id=len(tokenizer) - 3, video_token_id=len(tokenizer) - 2,
+                           vision_start_token_id=len(tokenizer) - 4, vision_end_token_id=len(tokenizer) - 1)
+    config.architectures = [model_class.__name__]
+    torch.manual_seed(SEED)
+    path = os.path.join(out_dir, "qwen3vlmoe" if experts else "qwen3vl")
+    model_class(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def qwen3vlmoe_checkpoint(out_dir: str) -> str:
+    """qwen3vl_checkpoint's mixture of experts (Qwen3-VL-30B-A3B's layout)."""
+    return qwen3vl_checkpoint(out_dir, experts=True)
+
+
+def write_qwen3vl_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
+    """The GGUF file llama.cpp's converter (conversion/qwen3vl.py's Qwen3VLTextModel, a Qwen3Model; for a mixture
+    Qwen3VLMoeTextModel, a Qwen3MoeModel) writes of a Qwen3-VL checkpoint's text model (the vision tower goes to a
+    separate mmproj file): qwen3's (qwen3moe's) keys and tensors under the qwen3vl (qwen3vlmoe) architecture, the
+    MRoPE sections (rope.dimension_sections, padded to 4) and the deepstack layers' count, the language model's
+    tensors without their prefix, each layer's experts' gate, up and down as 3-D ffn_*_exps, no q/k permutation,
+    no output.weight where tied, a byte-level BPE vocabulary llama.cpp splits as qwen2's."""
+    import pathlib
+
+    import gguf
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        full = json.load(f)
+    config, rope = full["text_config"], full["text_config"]["rope_parameters"]
+    experts = config.get("num_experts") or config.get("num_local_experts")
+    arch = gguf.MODEL_ARCH.QWEN3VLMOE if experts else gguf.MODEL_ARCH.QWEN3VL
+    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
+    add_text_shape(writer, config)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    writer.add_rope_dimension_sections([*rope["mrope_section"], 0][:4])
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_file_type({"F32": 0, "Q8_0": 7}[qtype_name])
+    writer.add_num_deepstack_layers(len(full["vision_config"]["deepstack_visual_indexes"]))
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    vocab = [text for text, _ in sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])]
+    special = set(tokenizer.all_special_tokens)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(vocab)
+    writer.add_token_types([gguf.TokenType.CONTROL if text in special else gguf.TokenType.NORMAL for text in vocab])
+    gguf.SpecialVocab(pathlib.Path(checkpoint), load_merges=True).add_to_gguf(writer)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
+    state = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32).state_dict()
+
+    def add(name, values):
+        values = np.ascontiguousarray(values)
+        if qtype_name == "Q8_0" and values.ndim >= 2 and values.shape[-1] % 32 == 0 and ".ffn_gate_inp." not in name:
+            writer.add_tensor(name, gguf.quants.quantize(values, Q.Q8_0), raw_dtype=Q.Q8_0)
+        else:
+            writer.add_tensor(name, values)
+
+    for hf_name, value in state.items():
+        if hf_name.startswith("model.visual.") or (hf_name == "lm_head.weight" and full["tie_word_embeddings"]):
+            continue
+        values = value.float().numpy()
+        base = hf_name.replace("language_model.", "").removesuffix(".weight")
+        if base.endswith("mlp.experts.gate_up_proj"):  # [experts, gate rows; up rows, hidden]: two tensors
+            prefix = names.get_name(base.replace("gate_up_proj", "gate_proj")).replace("_gate_exps", "")
+            width = values.shape[1] // 2
+            add(f"{prefix}_gate_exps.weight", values[:, :width])
+            add(f"{prefix}_up_exps.weight", values[:, width:])
+        elif base.endswith("mlp.experts.down_proj"):  # [experts, hidden, inner]
+            add(names.get_name(base) + ".weight", values)
+        else:
+            add(names.get_name(base) + "." + hf_name.rpartition(".")[2], values)
+    return write_out(writer, path)
+
+
 def gguf_rope_type(name: str):
     import gguf
 

@@ -113,6 +113,11 @@ FAMILIES = {family.model_type: family for family in (
 # llama's where it has no rotary scaling (Mistral Small 3.x's: file.py's _mistral3_config). Their q/k rows are
 # permuted as the architecture read as permutes them.
 READ_AS = {"smollm3": "llama", "granite": "llama", "mistral3": "llama"}
+# Architectures whose text model is another's, read as that one into its model: Qwen3-VL's decoder is Qwen3's (a text
+# prompt's positions, the same on each axis of its interleaved MRoPE, rotate as Qwen3's one axis does; its deepstack
+# adds only to image tokens). Their vision towers come in llama.cpp's separate mmproj files, which are not read.
+TEXT_OF = {"qwen3vl": "qwen3", "qwen3vlmoe": "qwen3moe"}
+READ_AS.update(TEXT_OF)
 # The family of a file of this architecture whose layers have experts (<arch>.expert_count): transformers reads
 # it as the architecture's dense model.
 WITH_EXPERTS = {"llama": "mixtral"}

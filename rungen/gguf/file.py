@@ -28,7 +28,7 @@ from .. import NOTICE
 from .blocks import (
     SUPPORTED,
 )
-from .families import BY_ARCHITECTURE, FAMILIES, NO_FAMILY, READ_AS, WITH_EXPERTS
+from .families import BY_ARCHITECTURE, FAMILIES, NO_FAMILY, READ_AS, TEXT_OF, WITH_EXPERTS
 from .splits import GPT2_SPLITS, pre_tokenizer, sentencepiece_text
 from .weights import FLOAT_TYPES, GGUFError, with_experts_stacked, with_gate_up_apart
 
@@ -93,21 +93,29 @@ def metadata_parsed_once(weights: bool = True):
         gguf_utils.tqdm = bar
 
 
+# The names transformers' GGUF reading gives the config keys of these architectures.
+CONFIG_NAMES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 # Model types whose tensors gguf's name table knows under another architecture's name (a mistral3 file's Ministral 3).
 TENSOR_NAMES_OF = {"ministral3": "mistral3"}
 
 
 def read_as_their_likes() -> None:
-    """Teaches transformers' GGUF reading READ_AS's architectures: its config keys and tensor processor those of
-    the architecture each is read as (idempotent)."""
+    """Teaches transformers' GGUF reading READ_AS's architectures: its config keys, fixed config values and tensor
+    processor those of the architecture each is read as (idempotent)."""
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
-    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+    from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 
     for architecture, like in READ_AS.items():
-        GGUF_CONFIG_MAPPING.setdefault(architecture, GGUF_CONFIG_MAPPING[like])
+        # (transformers' reading keys the config mapping of a mixture's architecture by its model type)
+        GGUF_CONFIG_MAPPING.setdefault(architecture, GGUF_CONFIG_MAPPING[CONFIG_NAMES.get(like, like)])
+        # its fixed values too (qwen3moe's normalized top-k weights, as llama.cpp's graph has them)
+        if CONFIG_NAMES.get(like, like) in GGUF_CONFIG_DEFAULTS_MAPPING:
+            GGUF_CONFIG_DEFAULTS_MAPPING.setdefault(architecture,
+                                                    GGUF_CONFIG_DEFAULTS_MAPPING[CONFIG_NAMES.get(like, like)])
         if architecture not in gguf_utils.GGUF_SUPPORTED_ARCHITECTURES:
             gguf_utils.GGUF_SUPPORTED_ARCHITECTURES.append(architecture)
-        gguf_utils.TENSOR_PROCESSORS.setdefault(architecture, gguf_utils.TENSOR_PROCESSORS[like])
+        if like in gguf_utils.TENSOR_PROCESSORS:  # (else transformers' plain one, as for `like`)
+            gguf_utils.TENSOR_PROCESSORS.setdefault(architecture, gguf_utils.TENSOR_PROCESSORS[like])
 
 
 # Keys transformers' reading takes a field's first part of (a string's length, a 1-element array) for a value and
@@ -243,7 +251,9 @@ def complete_config(path: str, config: dict) -> None:
 
     metadata, tensors = read_gguf_metadata(path)
     arch = metadata["general.architecture"]
-    family = BY_ARCHITECTURE.get(arch, NO_FAMILY)
+    family = BY_ARCHITECTURE.get(arch) or BY_ARCHITECTURE.get(READ_AS.get(arch), NO_FAMILY)
+    if arch in TEXT_OF:
+        config["model_type"] = family.model_type
     if arch in WITH_EXPERTS and metadata.get(f"{arch}.expert_count"):  # Mixtral's: transformers reads a dense llama
         family = FAMILIES[WITH_EXPERTS[arch]]
         if f"{arch}.expert_used_count" not in metadata:
