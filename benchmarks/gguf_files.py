@@ -69,6 +69,10 @@ FAMILIES = {
                     rope_base=10000000.0, eps=1e-5, tied=True,
                     scales={"attention.scale": 0.015625, "embedding_scale": 12.0, "residual_scale": 0.22,
                             "logit_scale": 8.0}),
+    # OLMo-2-0425-1B: norms after the attention and the MLP (none before), q and k normalized over all their heads,
+    # untied; llama.cpp's olmo2 files.
+    "olmo2": dict(arch="olmo2", layers=16, hidden=2048, ffn=8192, heads=16, kv_heads=16, head_dim=128,
+                  rope_base=500000.0, eps=1e-6, tied=False, post_norms=True),
     # Phi-3-mini-4k (3.8B, the smallest published phi3 model): q/k/v in one attn_qkv, gate and up in one ffn_up,
     # heads of 96; its sliding_window key (2047) is what llama.cpp's converter writes and both runtimes ignore.
     "phi3": dict(arch="phi3", layers=32, hidden=3072, ffn=8192, heads=32, kv_heads=32, head_dim=96,
@@ -430,11 +434,16 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
         # (gemma's norms multiply by 1 + weight, which its converter stores: ones here too)
         norms = ("attn_norm", "post_attention_norm") if arch == "gpt-oss" else ("attn_norm", "ffn_norm") + (
             ("post_attention_norm", "post_ffw_norm") if shape.get("gemma") else ())
+        if shape.get("post_norms"):  # (OLMo 2's: after the attention and the MLP alone)
+            norms = ("post_attention_norm", "post_ffw_norm")
         for norm in norms:
             writer.add_tensor(f"blk.{layer}.{norm}.weight", np.ones(hidden, dtype=np.float32))
         if shape.get("qk_norm"):
             for norm in ("attn_q_norm", "attn_k_norm"):
                 writer.add_tensor(f"blk.{layer}.{norm}.weight", np.ones(hd, dtype=np.float32))
+        if shape.get("post_norms"):  # over all of q's and k's heads
+            writer.add_tensor(f"blk.{layer}.attn_q_norm.weight", np.ones(q_rows, dtype=np.float32))
+            writer.add_tensor(f"blk.{layer}.attn_k_norm.weight", np.ones(kv_rows, dtype=np.float32))
         if shape.get("fused"):
             parts = (("attn_qkv", q_rows + 2 * kv_rows, hidden), ("attn_output", hidden, q_rows),
                      ("ffn_up", 2 * ffn, hidden), ("ffn_down", hidden, ffn))

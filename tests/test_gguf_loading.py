@@ -916,6 +916,11 @@ READ_AS_ANOTHER = {
                     stack=dict(head_dim=32)),
     "qwen3vlmoe": dict(files=("qwen3vlmoe_checkpoint", "write_qwen3vl_gguf"), model="Qwen3MoeForCausalLM",
                        layers={}, stack=dict(head_dim=32)),
+    # OLMo 2's norms after the attention and the MLP (none before), q and k normalized over all their heads; OLMo
+    # 3's sliding layers beside every fourth full one with its yarn rotary (the F32 file's prompt crosses the
+    # window and the original context twice): transformers' layers over the blocks.
+    "olmo2": dict(files=("olmo2_checkpoint", "write_olmo2_gguf"), model="Olmo2ForCausalLM", layers={}, stack=None),
+    "olmo3": dict(files=("olmo3_checkpoint", "write_olmo2_gguf"), model="Olmo3ForCausalLM", layers={}, stack=None),
 }
 
 

@@ -95,6 +95,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import string
 import tempfile
@@ -1323,6 +1324,98 @@ def write_qwen3vl_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> s
             add(names.get_name(base) + ".weight", values)
         else:
             add(names.get_name(base) + "." + hf_name.rpartition(".")[2], values)
+    return write_out(writer, path)
+
+
+def olmo2_checkpoint(out_dir: str, version: int = 2) -> str:
+    """A tiny random OLMo 2 checkpoint (Olmo2ForCausalLM) in `out_dir`: OLMo-2-1B's layout 64 wide (4 heads of 16,
+    norms after the attention and the MLP and none before, q and k normalized over all their heads), untied, rope
+    base 5e5. `version` 3: OLMo 3's (Olmo3ForCausalLM) instead, every fourth layer full and the others sliding (a
+    window of 4, the published 4096 scaled down), the full layers' rotary yarn (factor 8 over an original context of
+    16, the published 8192 scaled down; its attention factor 0.1 ln 8 + 1, as published), the sliding layers' plain."""
+    from transformers import AutoTokenizer, Olmo2Config, Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_checkpoint("gpt2", os.path.join(out_dir, "tokenizer")))
+    shape = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=4, initializer_range=0.15, rms_norm_eps=1e-6,
+                 tie_word_embeddings=False, pad_token_id=None, eos_token_id=tokenizer.eos_token_id,
+                 bos_token_id=tokenizer.bos_token_id)
+    if version == 3:
+        yarn = {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0, "original_max_position_embeddings": 16,
+                "beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": 0.1 * math.log(8.0) + 1}
+        config, model_class = Olmo3Config(**shape, max_position_embeddings=128, sliding_window=4, rope_parameters={
+            "full_attention": yarn, "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0}}), \
+            Olmo3ForCausalLM
+    else:
+        config, model_class = Olmo2Config(**shape, max_position_embeddings=512, rope_parameters={
+            "rope_type": "default", "rope_theta": 500000.0}), Olmo2ForCausalLM
+    config.architectures = [model_class.__name__]
+    torch.manual_seed(SEED)
+    path = os.path.join(out_dir, f"olmo{version}")
+    model_class(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def olmo3_checkpoint(out_dir: str) -> str:
+    """olmo2_checkpoint's OLMo 3."""
+    return olmo2_checkpoint(out_dir, version=3)
+
+
+def write_olmo2_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
+    """The GGUF file llama.cpp's converter (conversion/olmo.py's Olmo2Model, for OLMo 2 and 3) writes: the text
+    shape, rope base and norm epsilon under the olmo2 architecture, the full layers' yarn rotary (type, factor,
+    original context, attention factor, betas) and the sliding layers' base where the config has them, OLMo 3's
+    sliding window and its layers' pattern; tensors as the checkpoint holds them (no q/k permutation), a byte-level
+    BPE vocabulary (OLMo's is split as dbrx's)."""
+    import pathlib
+
+    import gguf
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        config = json.load(f)
+    rope = config["rope_parameters"]
+    full, sliding = (rope.get("full_attention", rope), rope.get("sliding_attention")) if "full_attention" in rope \
+        else (rope, None)
+    writer = gguf.GGUFWriter(path, "olmo2")
+    add_text_shape(writer, config)
+    if full["rope_type"] == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(full["factor"])
+        writer.add_rope_scaling_orig_ctx_len(full["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_attn_factor(full["attention_factor"])
+        writer.add_rope_scaling_yarn_beta_fast(full["beta_fast"])
+        writer.add_rope_scaling_yarn_beta_slow(full["beta_slow"])
+    writer.add_rope_freq_base(full["rope_theta"])
+    if sliding is not None:
+        writer.add_rope_freq_base_swa(sliding["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_file_type({"F32": 0, "Q8_0": 7}[qtype_name])
+    if config.get("sliding_window"):
+        writer.add_sliding_window(config["sliding_window"])
+        writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config["layer_types"]])
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    vocab = [text for text, _ in sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])]
+    special = set(tokenizer.all_special_tokens)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("dbrx")
+    writer.add_token_list(vocab)
+    writer.add_token_types([gguf.TokenType.CONTROL if text in special else gguf.TokenType.NORMAL for text in vocab])
+    gguf.SpecialVocab(pathlib.Path(checkpoint), load_merges=True).add_to_gguf(writer)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.OLMO2, config["num_hidden_layers"])
+    for hf_name, value in load_file(os.path.join(checkpoint, "model.safetensors")).items():
+        base, _, suffix = hf_name.rpartition(".")
+        values = np.ascontiguousarray(value.float().numpy())
+        name = names.get_name(base) + "." + suffix
+        if qtype_name == "Q8_0" and values.ndim == 2 and values.shape[-1] % 32 == 0:
+            writer.add_tensor(name, gguf.quants.quantize(values, Q.Q8_0), raw_dtype=Q.Q8_0)
+        else:
+            writer.add_tensor(name, values)
     return write_out(writer, path)
 
 

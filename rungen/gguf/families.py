@@ -111,8 +111,9 @@ FAMILIES = {family.model_type: family for family in (
 # as llama.cpp fixes it) and Granite 3's (a llama with multipliers, which the families' row reads from their keys),
 # read as a llama file into transformers' own class of the architecture; mistral3's into Ministral 3's text model, or
 # llama's where it has no rotary scaling (Mistral Small 3.x's: file.py's _mistral3_config). Their q/k rows are
-# permuted as the architecture read as permutes them.
-READ_AS = {"smollm3": "llama", "granite": "llama", "mistral3": "llama"}
+# permuted as the architecture read as permutes them. OLMo 2's and 3's (olmo2: llama's keys, its q/k rows as the
+# checkpoint's, as qwen3's are) into OLMo 2's or OLMo 3's (file.py's _olmo2_config).
+READ_AS = {"smollm3": "llama", "granite": "llama", "mistral3": "llama", "olmo2": "qwen3"}
 # Architectures whose text model is another's, read as that one into its model: Qwen3-VL's decoder is Qwen3's (a text
 # prompt's positions, the same on each axis of its interleaved MRoPE, rotate as Qwen3's one axis does; its deepstack
 # adds only to image tokens). Their vision towers come in llama.cpp's separate mmproj files, which are not read.

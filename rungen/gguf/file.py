@@ -96,7 +96,7 @@ def metadata_parsed_once(weights: bool = True):
 # The names transformers' GGUF reading gives the config keys of these architectures.
 CONFIG_NAMES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 # Model types whose tensors gguf's name table knows under another architecture's name (a mistral3 file's Ministral 3).
-TENSOR_NAMES_OF = {"ministral3": "mistral3"}
+TENSOR_NAMES_OF = {"ministral3": "mistral3", "olmo3": "olmo2"}
 
 
 def read_as_their_likes() -> None:
@@ -295,6 +295,8 @@ def complete_config(path: str, config: dict) -> None:
         _gpt_oss_config(path, metadata, config)
     if arch == "mistral3":
         _mistral3_config(path, metadata, config)
+    if arch == "olmo2":
+        _olmo2_config(path, metadata, config)
     rotary = metadata.get(f"{arch}.rope.dimension_count")
     if family.partial_and_long_rope:
         # Phi-4-mini rotates part of each head; transformers' reading drops the count.
@@ -390,33 +392,70 @@ def _gpt_oss_config(path: str, metadata: dict, config: dict) -> None:
 def _mistral3_config(path: str, metadata: dict, config: dict) -> None:
     """llama.cpp's mistral3 files as the model they were written from: Ministral 3's (its yarn rotary, and its
     queries' temperature past the original context, llama 4's scaling: attention.temperature_scale) Ministral3's
-    text model; one without either (Mistral Small 3.x as llama.cpp converts it now) llama's. Yarn's attention
-    factor as llama.cpp computes it: mscale 1, mscale_all_dim yarn_log_multiplier where set."""
+    text model; one without either (Mistral Small 3.x as llama.cpp converts it now) llama's."""
 
     def key(name, default=None):
         return metadata.get(f"mistral3.{name}", default)
 
-    kind, temperature = key("rope.scaling.type", "none"), key("attention.temperature_scale")
-    if kind == "none" and temperature is None:
-        config["model_type"] = "llama"
+    temperature = key("attention.temperature_scale")
+    rope = _yarn(path, "mistral3", metadata, config.get("rope_theta", key("rope.freq_base")), "Ministral 3's")
+    if rope is None and temperature is None:
+        config["model_type"] = "llama"  # (its rope_theta as read)
         return
-    if kind == "none":
+    config.pop("rope_theta", None)
+    if rope is None:
         raise GGUFError(f"{path}: a mistral3 file with a query temperature (attention.temperature_scale) and no yarn "
                         "rotary, whose original context the temperature counts positions by")
+    config.update(model_type="ministral3", rope_parameters=dict(rope, llama_4_scaling_beta=temperature or 0.0))
+
+
+def _olmo2_config(path: str, metadata: dict, config: dict) -> None:
+    """llama.cpp's olmo2 files as the model they were written from: OLMo 2's, or where they have a sliding window
+    OLMo 3's (its layers sliding by attention.sliding_window_pattern; its full layers' rotary yarn where the file
+    says so, the sliding layers' the plain one at rope.freq_base_swa or the same base, as llama.cpp turns them)."""
+
+    def key(name, default=None):
+        return metadata.get(f"olmo2.{name}", default)
+
+    theta = config.pop("rope_theta", key("rope.freq_base"))
+    rope = _yarn(path, "olmo2", metadata, theta, "OLMo 3's")
+    window, pattern = key("attention.sliding_window"), key("attention.sliding_window_pattern")
+    if not window:
+        config.update(model_type="olmo2", rope_parameters=rope or {"rope_type": "default", "rope_theta": theta})
+        return
+    layers = config["num_hidden_layers"]
+    if not (isinstance(pattern, list) and len(pattern) == layers):  # llama.cpp's default: every fourth layer full
+        pattern = [(index + 1) % 4 != 0 for index in range(layers)]
+    config.update(model_type="olmo3", sliding_window=window,
+                  layer_types=["sliding_attention" if sliding else "full_attention" for sliding in pattern],
+                  rope_parameters={"full_attention": rope or {"rope_type": "default", "rope_theta": theta},
+                                   "sliding_attention": {"rope_type": "default",
+                                                         "rope_theta": key("rope.freq_base_swa", theta)}})
+
+
+def _yarn(path: str, arch: str, metadata: dict, theta: float, whose: str) -> dict | None:
+    """The file's yarn rotary as transformers' rope parameters (None: no scaling; another type is refused): its
+    factor, original context and betas; its attention factor as llama.cpp computes it (mscale 1, mscale_all_dim
+    yarn_log_multiplier where set, else transformers' and llama.cpp's default 0.1 ln(factor) + 1)."""
+
+    def key(name, default=None):
+        return metadata.get(f"{arch}.{name}", default)
+
+    kind = key("rope.scaling.type", "none")
+    if kind == "none":
+        return None
     if kind != "yarn":
-        raise GGUFError(f"{path}: a mistral3 file whose rotary embedding is scaled by {kind!r}, which this tool does "
-                        "not read (Ministral 3's is yarn)")
-    rope = dict(rope_type="yarn", rope_theta=config.pop("rope_theta", key("rope.freq_base")),
-                factor=key("rope.scaling.factor"),
+        raise GGUFError(f"{path}: a {arch} file whose rotary embedding is scaled by {kind!r}, which this tool does "
+                        f"not read ({whose} is yarn)")
+    rope = dict(rope_type="yarn", rope_theta=theta, factor=key("rope.scaling.factor"),
                 original_max_position_embeddings=key("rope.scaling.original_context_length"),
-                beta_fast=key("rope.scaling.yarn_beta_fast", 32.0), beta_slow=key("rope.scaling.yarn_beta_slow", 1.0),
-                llama_4_scaling_beta=temperature or 0.0)
+                beta_fast=key("rope.scaling.yarn_beta_fast", 32.0), beta_slow=key("rope.scaling.yarn_beta_slow", 1.0))
     if None in rope.values():
         raise GGUFError(f"{path}: a yarn rotary without its factor or original context length "
-                        "(mistral3.rope.scaling.factor, original_context_length)")
+                        f"({arch}.rope.scaling.factor, original_context_length)")
     if key("rope.scaling.yarn_log_multiplier"):
         rope.update(mscale=1.0, mscale_all_dim=key("rope.scaling.yarn_log_multiplier"))
-    config.update(model_type="ministral3", rope_parameters=rope)
+    return rope
 
 
 def with_expert_names(model_type: str, names: dict[str, str], tensors: set[str]) -> dict[str, str]:
