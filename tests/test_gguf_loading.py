@@ -918,9 +918,11 @@ READ_AS_ANOTHER = {
                        layers={}, stack=dict(head_dim=32)),
     # OLMo 2's norms after the attention and the MLP (none before), q and k normalized over all their heads; OLMo
     # 3's sliding layers beside every fourth full one with its yarn rotary (the F32 file's prompt crosses the
-    # window and the original context twice): transformers' layers over the blocks.
-    "olmo2": dict(files=("olmo2_checkpoint", "write_olmo2_gguf"), model="Olmo2ForCausalLM", layers={}, stack=None),
-    "olmo3": dict(files=("olmo3_checkpoint", "write_olmo2_gguf"), model="Olmo3ForCausalLM", layers={}, stack=None),
+    # window and the original context twice): transformers' layers over the blocks, their steps native.
+    "olmo2": dict(files=("olmo2_checkpoint", "write_olmo2_gguf"), model="Olmo2ForCausalLM", layers={}, stack=None,
+                  native=dict(self_attn="NativeOlmoAttention", mlp="NativeGatedMLP")),
+    "olmo3": dict(files=("olmo3_checkpoint", "write_olmo2_gguf"), model="Olmo3ForCausalLM", layers={}, stack=None,
+                  native=dict(self_attn="NativeOlmoAttention", mlp="NativeGatedMLP")),
 }
 
 
@@ -962,6 +964,9 @@ def test_a_file_llama_cpp_writes_as_another_architecture_computes_its_checkpoint
     assert type(model).__name__ == spec["model"]
     for field, wanted in spec["layers"].items():
         assert [getattr(layer, field) for layer in model.model.layers] == wanted, field
+    if native_kernels():  # transformers' layers with their steps native (rungen/gguf/native_steps.py)
+        for part, name in spec.get("native", {}).items():
+            assert {type(getattr(layer, part)).__name__ for layer in model.model.layers} == {name}, part
     stacked = native_kernels() and spec["stack"] is not None
     if stacked:
         assert all(isinstance(layer, FusedDecoderLayer) for layer in model.model.layers)
@@ -982,6 +987,10 @@ def test_a_file_llama_cpp_writes_as_another_architecture_computes_its_checkpoint
             layered = padded_prompt_and_steps(model, positions=vision)
         for got, wanted in zip(stacked, layered):
             torch.testing.assert_close(got, wanted, rtol=1e-5, atol=1e-5)
+    if native_kernels() and spec.get("native"):  # the engine's float16 cache: the same model's logits over
+        # transformers' cache rounding what it stores
+        monkeypatch.delenv(KV_FLOAT32_ENV)
+        assert_float16_cache_as_rounded(model)
 
 
 def test_a_mistral3_file_with_a_rotary_or_temperature_it_cannot_compute_is_refused_in_one_line(tmp_path, capsys):

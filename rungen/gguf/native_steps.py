@@ -1,8 +1,9 @@
 """transformers' own decoder layers over a GGUF file's blocks, for the families FusedDecoderLayer does not take
-(gpt-oss's, Gemma 4's), with their small steps on the native kernels on the CPU: the attention (native_attention, over
-a cache growing in place; q/k/v one product, their rotation (Gemma 4's: and per-head norms) one rope_split call), each
-RMSNorm one rms_norm call, a gated MLP's gate and up one product and its activation one call. The arithmetic is
-transformers' within float32 rounding (a norm's 1 / sqrt where Gemma 4 takes pow(-0.5), sums in another order).
+(gpt-oss's, Gemma 4's, OLMo 2's and 3's), with their small steps on the native kernels on the CPU: the attention
+(native_attention, over a cache growing in place; q/k/v one product, their rotation (Gemma 4's: and per-head norms;
+OLMo's norms over all heads before it) one rope_split call), each RMSNorm one rms_norm call, a gated MLP's gate and
+up one product and its activation one call. The arithmetic is transformers' within float32 rounding (a norm's
+1 / sqrt where Gemma 4 takes pow(-0.5), sums in another order).
 """
 
 from __future__ import annotations
@@ -18,14 +19,15 @@ from .kernels import native_kernels
 NATIVE_ATTENTION = "rungen_attend"
 
 # The models of transformers' layers over blocks whose small steps this module takes.
-NATIVE_STEPS_MODELS = ("GptOssForCausalLM", "Gemma4ForCausalLM")
+NATIVE_STEPS_MODELS = ("GptOssForCausalLM", "Gemma4ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM")
 # Their RMSNorm classes: x / sqrt(mean(x^2) + eps) times the weight (none: 1), in float32.
-NORMS = ("GptOssRMSNorm", "Gemma4RMSNorm")
+NORMS = ("GptOssRMSNorm", "Gemma4RMSNorm", "Olmo2RMSNorm", "Olmo3RMSNorm")
 # Their dense gated MLPs: down(act(gate(x)) * up(x)).
-GATED_MLPS = ("Gemma4TextMLP",)
-# Their attentions NativeGemma4Attention and NativeGptOssAttention compute.
+GATED_MLPS = ("Gemma4TextMLP", "Olmo2MLP", "Olmo3MLP")
+# Their attentions NativeGemma4Attention, NativeGptOssAttention and NativeOlmoAttention compute.
 GEMMA4_ATTENTIONS = ("Gemma4TextAttention",)
 GPT_OSS_ATTENTIONS = ("GptOssAttention",)
+OLMO_ATTENTIONS = ("Olmo2Attention", "Olmo3Attention")
 
 
 def native_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
@@ -134,10 +136,38 @@ class NativeGptOssAttention(torch.nn.Module):
         return a.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), None
 
 
+class NativeOlmoAttention(torch.nn.Module):
+    """OLMo 2's and 3's attention (Olmo2Attention, Olmo3Attention) over blocks: q, k and v one product (`qkv`), q
+    and k each normalized over all their heads (the module's norms, native by now), the three split and q and k
+    rotated in one rope_split call, then the cache, native_attention (OLMo 3's sliding layers with their window) and
+    o_proj as the module does."""
+
+    def __init__(self, attention: torch.nn.Module, qkv: torch.nn.Module):
+        super().__init__()
+        self.attention, self.qkv = attention, qkv
+        self.heads = attention.config.num_attention_heads
+        self.kv_heads = attention.config.num_key_value_heads
+        self.widths = [self.heads * attention.head_dim] + [self.kv_heads * attention.head_dim] * 2
+        attention.q_proj = attention.k_proj = attention.v_proj = None  # (their rows are qkv's)
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask, past_key_values=None,
+                **kwargs):
+        a = self.attention
+        q, k, v = self.qkv(hidden_states).split(self.widths, dim=-1)
+        q, key_states, value_states = torch.ops.rungen_ggml.rope_split(
+            torch.cat([a.q_norm(q), a.k_norm(k), v], dim=-1), *position_embeddings, self.heads, self.kv_heads)
+        if past_key_values is not None:
+            key_states, value_states = past_key_values.update(key_states, value_states, a.layer_idx)
+        out, _ = native_attention(a, q, key_states, value_states, attention_mask, a.scaling,
+                                  sliding_window=getattr(a, "sliding_window", None))
+        return a.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), None
+
+
 def steps_natively(model: torch.nn.Module) -> bool:
     """Gives a model of NATIVE_STEPS_MODELS native_attention and a cache that grows in place (rungen.kvcache's
     new_cache), its norms NativeRMSNorm, its gated MLPs and attentions over blocks NativeGatedMLP and
-    NativeGemma4Attention or NativeGptOssAttention, where the native kernels are; returns whether. A module at a
+    NativeGemma4Attention, NativeGptOssAttention or NativeOlmoAttention, where the native kernels are; returns
+    whether. A module at a
     time: its joined products' old blocks go, their pages given back, before the next are joined."""
     if not native_kernels() or type(model).__name__ not in NATIVE_STEPS_MODELS:
         return False
@@ -166,7 +196,7 @@ def steps_natively(model: torch.nn.Module) -> bool:
                 del module
                 release_freed_memory()  # (the separate blocks' pages back before the next join)
     names = [name for name, module in model.named_modules()  # (their norms native by now)
-             if type(module).__name__ in GEMMA4_ATTENTIONS + GPT_OSS_ATTENTIONS]
+             if type(module).__name__ in GEMMA4_ATTENTIONS + GPT_OSS_ATTENTIONS + OLMO_ATTENTIONS]
     for name in names:
         module = model.get_submodule(name)
         if type(module).__name__ in GEMMA4_ATTENTIONS:
@@ -179,7 +209,8 @@ def steps_natively(model: torch.nn.Module) -> bool:
             parts = [module.q_proj, module.k_proj, module.v_proj]
             qkv = join(parts) if all(type(part) is GGMLLinear for part in parts) else None
             if qkv is not None:
-                model.set_submodule(name, NativeGptOssAttention(module, qkv))
+                native = NativeOlmoAttention if type(module).__name__ in OLMO_ATTENTIONS else NativeGptOssAttention
+                model.set_submodule(name, native(module, qkv))
         del module, parts
         release_freed_memory()
     return True
