@@ -69,6 +69,11 @@ FAMILIES = {
                     rope_base=10000000.0, eps=1e-5, tied=True,
                     scales={"attention.scale": 0.015625, "embedding_scale": 12.0, "residual_scale": 0.22,
                             "logit_scale": 8.0}),
+    # Ministral-3-3B: llama's layers, heads of 128 over 3072, tied; its yarn rotary (16x over 16384 positions) and
+    # llama 4's query temperature past them (llama.cpp's mistral3 files).
+    "ministral3": dict(arch="mistral3", layers=26, hidden=3072, ffn=9216, heads=32, kv_heads=8, head_dim=128,
+                       rope_base=1000000.0, eps=1e-5, tied=True, context=262144, yarn=(16.0, 16384),
+                       temperature=0.1),
     # OLMo-2-0425-1B: norms after the attention and the MLP (none before), q and k normalized over all their heads,
     # untied; llama.cpp's olmo2 files.
     "olmo2": dict(arch="olmo2", layers=16, hidden=2048, ffn=8192, heads=16, kv_heads=16, head_dim=128,
@@ -399,6 +404,9 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
         writer.add_rope_scaling_orig_ctx_len(shape["yarn"][1])
         writer.add_rope_scaling_yarn_beta_fast(32.0)
         writer.add_rope_scaling_yarn_beta_slow(1.0)
+    if "temperature" in shape:  # (Ministral 3's: mscale_all_dim 1, llama_4_scaling_beta)
+        writer.add_rope_scaling_yarn_log_mul(1.0)
+        writer.add_attn_temperature_scale(shape["temperature"])
     if arch == "gpt-oss":  # (its converter writes no rotary dimension)
         pass
     elif not shape.get("gemma"):  # gemma's converters write no rotary dimension (the whole head)

@@ -903,10 +903,11 @@ READ_AS_ANOTHER = {
                     layers=dict(residual=[pytest.approx(0.22)] * 4, scaling=[1 / 64] * 4),
                     stack=dict(residual_scale=pytest.approx(0.22), scale=1 / 64)),
     # Ministral 3's yarn rotary and its queries' temperature past the original context (16 positions here, which
-    # the F32 file's prompt crosses twice): transformers' Ministral3 layers over the blocks (the fused layers rotate
-    # by llama's frequencies alone).
+    # the F32 file's prompt crosses twice): transformers' Ministral3 layers over the blocks, their steps native (the
+    # stack takes no temperature).
     "ministral3": dict(files=("ministral3_checkpoint", "write_ministral3_gguf"), model="Ministral3ForCausalLM",
-                       layers={}, stack=None),
+                       layers={}, stack=None,
+                       native=dict(self_attn="NativeMinistral3Attention", mlp="NativeGatedMLP")),
     # Mistral Small 3.x as llama.cpp converts it now (mistral3, no rotary scaling): llama's, fused and stacked.
     "mistral3": dict(files=("mistral_small_checkpoint", "write_mistral3_gguf"), model="LlamaForCausalLM",
                      layers={}, stack=dict(head_dim=32)),
@@ -973,6 +974,9 @@ def test_a_file_llama_cpp_writes_as_another_architecture_computes_its_checkpoint
         assert isinstance(model.model.__dict__.get("forward"), DecoderStack)
         for field, wanted in spec["stack"].items():
             assert getattr(model.model.forward.stack, field) == wanted, field
+    with torch.no_grad():  # the long prompt too (past Ministral 3's original context and OLMo 3's window)
+        torch.testing.assert_close(exact_weights(model, lambda: model(ids).logits, monkeypatch), reference(ids).logits,
+                                   rtol=1e-4, atol=1e-4)
     ours = exact_weights(model, lambda: padded_prompt_and_steps(model, positions=vision), monkeypatch)
     ours[0][0, :2], theirs[0][0, :2] = 0, 0  # (the padding's own positions: no key to see)
     for got, wanted in zip(ours, theirs):

@@ -1,9 +1,9 @@
 """transformers' own decoder layers over a GGUF file's blocks, for the families FusedDecoderLayer does not take
-(gpt-oss's, Gemma 4's, OLMo 2's and 3's), with their small steps on the native kernels on the CPU: the attention
-(native_attention, over a cache growing in place; q/k/v one product, their rotation (Gemma 4's: and per-head norms;
-OLMo's norms over all heads before it) one rope_split call), each RMSNorm one rms_norm call, a gated MLP's gate and
-up one product and its activation one call. The arithmetic is transformers' within float32 rounding (a norm's
-1 / sqrt where Gemma 4 takes pow(-0.5), sums in another order).
+(gpt-oss's, Gemma 4's, OLMo 2's and 3's, Ministral 3's), with their small steps on the native kernels on the CPU:
+the attention (native_attention, over a cache growing in place; q/k/v one product, their rotation (Gemma 4's: and
+per-head norms; OLMo's norms over all heads before it) one rope_split call), each RMSNorm one rms_norm call, a gated
+MLP's gate and up one product and its activation one call. The arithmetic is transformers' within float32 rounding
+(a norm's 1 / sqrt where Gemma 4 takes pow(-0.5), sums in another order).
 """
 
 from __future__ import annotations
@@ -19,15 +19,18 @@ from .kernels import native_kernels
 NATIVE_ATTENTION = "rungen_attend"
 
 # The models of transformers' layers over blocks whose small steps this module takes.
-NATIVE_STEPS_MODELS = ("GptOssForCausalLM", "Gemma4ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM")
+NATIVE_STEPS_MODELS = ("GptOssForCausalLM", "Gemma4ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
+                       "Ministral3ForCausalLM")
 # Their RMSNorm classes: x / sqrt(mean(x^2) + eps) times the weight (none: 1), in float32.
-NORMS = ("GptOssRMSNorm", "Gemma4RMSNorm", "Olmo2RMSNorm", "Olmo3RMSNorm")
+NORMS = ("GptOssRMSNorm", "Gemma4RMSNorm", "Olmo2RMSNorm", "Olmo3RMSNorm", "Ministral3RMSNorm")
 # Their dense gated MLPs: down(act(gate(x)) * up(x)).
-GATED_MLPS = ("Gemma4TextMLP", "Olmo2MLP", "Olmo3MLP")
-# Their attentions NativeGemma4Attention, NativeGptOssAttention and NativeOlmoAttention compute.
+GATED_MLPS = ("Gemma4TextMLP", "Olmo2MLP", "Olmo3MLP", "Ministral3MLP")
+# Their attentions NativeGemma4Attention, NativeGptOssAttention, NativeOlmoAttention and NativeMinistral3Attention
+# compute.
 GEMMA4_ATTENTIONS = ("Gemma4TextAttention",)
 GPT_OSS_ATTENTIONS = ("GptOssAttention",)
 OLMO_ATTENTIONS = ("Olmo2Attention", "Olmo3Attention")
+MINISTRAL3_ATTENTIONS = ("Ministral3Attention",)
 
 
 def native_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
@@ -163,11 +166,40 @@ class NativeOlmoAttention(torch.nn.Module):
         return a.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), None
 
 
+class NativeMinistral3Attention(torch.nn.Module):
+    """Ministral 3's attention (Ministral3Attention) over blocks: q, k and v one product (`qkv`), split and q and k
+    rotated (its yarn's cos and sin, as the model hands them) in one rope_split call, q times llama 4's temperature
+    at each position (transformers' get_llama_4_attn_scale: 1 within the original context), then the cache,
+    native_attention and o_proj as the module does."""
+
+    def __init__(self, attention: torch.nn.Module, qkv: torch.nn.Module):
+        super().__init__()
+        from transformers.models.ministral3.modeling_ministral3 import get_llama_4_attn_scale
+
+        self.attention, self.qkv, self.temperature = attention, qkv, get_llama_4_attn_scale
+        self.heads = attention.config.num_attention_heads
+        self.kv_heads = attention.config.num_key_value_heads
+        attention.q_proj = attention.k_proj = attention.v_proj = None  # (their rows are qkv's)
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask, position_ids,
+                past_key_values=None, **kwargs):
+        a, rope = self.attention, self.attention.config.rope_parameters
+        q, key_states, value_states = torch.ops.rungen_ggml.rope_split(self.qkv(hidden_states), *position_embeddings,
+                                                                       self.heads, self.kv_heads)
+        q = q * self.temperature(position_ids, rope.get("llama_4_scaling_beta"),
+                                 rope.get("original_max_position_embeddings")).to(q.dtype)
+        if past_key_values is not None:
+            key_states, value_states = past_key_values.update(key_states, value_states, a.layer_idx)
+        out, _ = native_attention(a, q, key_states, value_states, attention_mask, a.scaling,
+                                  sliding_window=getattr(a.config, "sliding_window", None))
+        return a.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), None
+
+
 def steps_natively(model: torch.nn.Module) -> bool:
     """Gives a model of NATIVE_STEPS_MODELS native_attention and a cache that grows in place (rungen.kvcache's
     new_cache), its norms NativeRMSNorm, its gated MLPs and attentions over blocks NativeGatedMLP and
-    NativeGemma4Attention, NativeGptOssAttention or NativeOlmoAttention, where the native kernels are; returns
-    whether. A module at a
+    NativeGemma4Attention, NativeGptOssAttention, NativeOlmoAttention or NativeMinistral3Attention, where the native
+    kernels are; returns whether. A module at a
     time: its joined products' old blocks go, their pages given back, before the next are joined."""
     if not native_kernels() or type(model).__name__ not in NATIVE_STEPS_MODELS:
         return False
@@ -196,7 +228,8 @@ def steps_natively(model: torch.nn.Module) -> bool:
                 del module
                 release_freed_memory()  # (the separate blocks' pages back before the next join)
     names = [name for name, module in model.named_modules()  # (their norms native by now)
-             if type(module).__name__ in GEMMA4_ATTENTIONS + GPT_OSS_ATTENTIONS + OLMO_ATTENTIONS]
+             if type(module).__name__ in GEMMA4_ATTENTIONS + GPT_OSS_ATTENTIONS + OLMO_ATTENTIONS
+             + MINISTRAL3_ATTENTIONS]
     for name in names:
         module = model.get_submodule(name)
         if type(module).__name__ in GEMMA4_ATTENTIONS:
@@ -209,7 +242,9 @@ def steps_natively(model: torch.nn.Module) -> bool:
             parts = [module.q_proj, module.k_proj, module.v_proj]
             qkv = join(parts) if all(type(part) is GGMLLinear for part in parts) else None
             if qkv is not None:
-                native = NativeOlmoAttention if type(module).__name__ in OLMO_ATTENTIONS else NativeGptOssAttention
+                native = {**dict.fromkeys(OLMO_ATTENTIONS, NativeOlmoAttention),
+                          **dict.fromkeys(MINISTRAL3_ATTENTIONS, NativeMinistral3Attention)}.get(
+                    type(module).__name__, NativeGptOssAttention)
                 model.set_submodule(name, native(module, qkv))
         del module, parts
         release_freed_memory()
