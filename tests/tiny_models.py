@@ -1085,23 +1085,36 @@ def add_text_shape(writer, config: dict) -> None:
     writer.add_head_count_kv(config["num_key_value_heads"])
 
 
+def tiny_gpt2_tokenizer(out_dir: str):
+    """The tiny GPT-2 checkpoint's byte-level BPE tokenizer, built in out_dir/tokenizer."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(build_tiny_checkpoint("gpt2", os.path.join(out_dir, "tokenizer")))
+
+
+def save_tiny(out_dir: str, name: str, model_class, config, tokenizer) -> str:
+    """A random `model_class` of `config` (its weights drawn by SEED) and `tokenizer` saved in out_dir/name; the
+    path."""
+    config.architectures = [model_class.__name__]
+    torch.manual_seed(SEED)
+    path = os.path.join(out_dir, name)
+    model_class(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def smollm3_checkpoint(out_dir: str) -> str:
     """A tiny random SmolLM3 checkpoint (SmolLM3ForCausalLM) in `out_dir`: SmolLM3-3B's layout 64 wide, 8 layers of
     which every fourth (the 4th and the 8th) has no rotary (SmolLM3Config's no_rope_layers), 4 heads over 2, tied
     embeddings; a byte-level BPE vocabulary. The weights drawn wider than the config's 0.02."""
-    from transformers import AutoTokenizer, SmolLM3Config, SmolLM3ForCausalLM
+    from transformers import SmolLM3Config, SmolLM3ForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(build_tiny_checkpoint("gpt2", os.path.join(out_dir, "tokenizer")))
+    tokenizer = tiny_gpt2_tokenizer(out_dir)
     config = SmolLM3Config(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.15, tie_word_embeddings=True,
         pad_token_id=None, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
-    config.architectures = ["SmolLM3ForCausalLM"]
-    torch.manual_seed(SEED)
-    path = os.path.join(out_dir, "smollm3")
-    SmolLM3ForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_tiny(out_dir, "smollm3", SmolLM3ForCausalLM, config, tokenizer)
 
 
 def write_smollm3_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
@@ -1117,9 +1130,9 @@ def granite_checkpoint(out_dir: str) -> str:
     wide (4 heads over 2, tied embeddings) and its multipliers: the embedding's 12, each residual branch's 0.22, the
     scores' 1 / 64 in place of 1 / sqrt(head size), the logits divided by 8. The weights drawn wider than the
     config's 0.02."""
-    from transformers import AutoTokenizer, GraniteConfig, GraniteForCausalLM
+    from transformers import GraniteConfig, GraniteForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(build_tiny_checkpoint("gpt2", os.path.join(out_dir, "tokenizer")))
+    tokenizer = tiny_gpt2_tokenizer(out_dir)
     config = GraniteConfig(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.15, tie_word_embeddings=True,
@@ -1127,12 +1140,7 @@ def granite_checkpoint(out_dir: str) -> str:
         logits_scaling=8.0, rope_parameters={"rope_type": "default", "rope_theta": 10000000.0},
         pad_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id)
-    config.architectures = ["GraniteForCausalLM"]
-    torch.manual_seed(SEED)
-    path = os.path.join(out_dir, "granite")
-    GraniteForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_tiny(out_dir, "granite", GraniteForCausalLM, config, tokenizer)
 
 
 def write_granite_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
@@ -1153,9 +1161,9 @@ def ministral3_checkpoint(out_dir: str) -> str:
     3B's 32 heads of 128 over 3072), tied embeddings, its rotary's yarn and llama 4's query temperature with their
     published constants (beta_fast 32, beta_slow 1, mscale and mscale_all_dim 1, llama_4_scaling_beta 0.1) over an
     original context of 16 (the published 16384, scaled down so that a prompt crosses it), factor 4."""
-    from transformers import AutoTokenizer, Ministral3Config, Ministral3ForCausalLM
+    from transformers import Ministral3Config, Ministral3ForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(build_tiny_checkpoint("gpt2", os.path.join(out_dir, "tokenizer")))
+    tokenizer = tiny_gpt2_tokenizer(out_dir)
     config = Ministral3Config(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, max_position_embeddings=64, initializer_range=0.15,
@@ -1163,12 +1171,7 @@ def ministral3_checkpoint(out_dir: str) -> str:
             "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 16,
             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1},
         pad_token_id=None, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
-    config.architectures = ["Ministral3ForCausalLM"]
-    torch.manual_seed(SEED)
-    path = os.path.join(out_dir, "ministral3")
-    Ministral3ForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_tiny(out_dir, "ministral3", Ministral3ForCausalLM, config, tokenizer)
 
 
 def write_ministral3_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
@@ -1180,11 +1183,7 @@ def write_ministral3_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -
         rope = json.load(f)["rope_parameters"]
 
     def keys(writer):
-        writer.add_rope_scaling_type(gguf_rope_type("yarn"))
-        writer.add_rope_scaling_factor(rope["factor"])
-        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-        writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
-        writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+        add_yarn(writer, rope)
         writer.add_rope_scaling_yarn_log_mul(rope["mscale_all_dim"])
         writer.add_attn_temperature_scale(rope["llama_4_scaling_beta"])
 
@@ -1195,20 +1194,15 @@ def mistral_small_checkpoint(out_dir: str) -> str:
     """A tiny random checkpoint of Mistral Small 3.x's text model (MistralForCausalLM, no sliding window) in
     `out_dir`: 64 wide, 4 heads of 32 over 2 (Mistral Small's 32 heads of 128 over 5120: wider than hidden / heads),
     untied embeddings, rope base 1e9, no rotary scaling."""
-    from transformers import AutoTokenizer, MistralConfig, MistralForCausalLM
+    from transformers import MistralConfig, MistralForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(build_tiny_checkpoint("gpt2", os.path.join(out_dir, "tokenizer")))
+    tokenizer = tiny_gpt2_tokenizer(out_dir)
     config = MistralConfig(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, max_position_embeddings=512, initializer_range=0.15, sliding_window=None,
         tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1000000000.0},
         pad_token_id=None, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
-    config.architectures = ["MistralForCausalLM"]
-    torch.manual_seed(SEED)
-    path = os.path.join(out_dir, "mistral_small")
-    MistralForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_tiny(out_dir, "mistral_small", MistralForCausalLM, config, tokenizer)
 
 
 def write_mistral3_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
@@ -1224,14 +1218,13 @@ def qwen3vl_checkpoint(out_dir: str, experts: bool = False) -> str:
     merger (what a text prompt never reaches); a byte-level BPE vocabulary. `experts`: Qwen3-VL-30B-A3B's instead
     (Qwen3VLMoeForConditionalGeneration: each layer 8 experts of 32, 2 a token, untied)."""
     from transformers import (
-        AutoTokenizer,
         Qwen3VLConfig,
         Qwen3VLForConditionalGeneration,
         Qwen3VLMoeConfig,
         Qwen3VLMoeForConditionalGeneration,
     )
 
-    tokenizer = AutoTokenizer.from_pretrained(build_tiny_checkpoint("gpt2", os.path.join(out_dir, "tokenizer")))
+    tokenizer = tiny_gpt2_tokenizer(out_dir)
     text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
                 initializer_range=0.15, rms_norm_eps=1e-6, rope_parameters={
@@ -1246,12 +1239,7 @@ def qwen3vl_checkpoint(out_dir: str, experts: bool = False) -> str:
     config = config_class(text_config=text, vision_config=vision, tie_word_embeddings=not experts,
                            image_token_id=len(tokenizer) - 3, video_token_id=len(tokenizer) - 2,
                            vision_start_token_id=len(tokenizer) - 4, vision_end_token_id=len(tokenizer) - 1)
-    config.architectures = [model_class.__name__]
-    torch.manual_seed(SEED)
-    path = os.path.join(out_dir, "qwen3vlmoe" if experts else "qwen3vl")
-    model_class(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_tiny(out_dir, "qwen3vlmoe" if experts else "qwen3vl", model_class, config, tokenizer)
 
 
 def qwen3vlmoe_checkpoint(out_dir: str) -> str:
@@ -1266,12 +1254,11 @@ def write_qwen3vl_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> s
     MRoPE sections (rope.dimension_sections, padded to 4) and the deepstack layers' count, the language model's
     tensors without their prefix, each layer's experts' gate, up and down as 3-D ffn_*_exps, no q/k permutation,
     no output.weight where tied, a byte-level BPE vocabulary llama.cpp splits as qwen2's."""
-    import pathlib
 
     import gguf
     import numpy as np
     from gguf import GGMLQuantizationType as Q
-    from transformers import AutoModelForImageTextToText, AutoTokenizer
+    from transformers import AutoModelForImageTextToText
 
     with open(os.path.join(checkpoint, "config.json")) as f:
         full = json.load(f)
@@ -1291,14 +1278,7 @@ def write_qwen3vl_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> s
     writer.add_value_length(config["head_dim"])
     writer.add_file_type({"F32": 0, "Q8_0": 7}[qtype_name])
     writer.add_num_deepstack_layers(len(full["vision_config"]["deepstack_visual_indexes"]))
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    vocab = [text for text, _ in sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])]
-    special = set(tokenizer.all_special_tokens)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(vocab)
-    writer.add_token_types([gguf.TokenType.CONTROL if text in special else gguf.TokenType.NORMAL for text in vocab])
-    gguf.SpecialVocab(pathlib.Path(checkpoint), load_merges=True).add_to_gguf(writer)
+    add_bpe_vocabulary(writer, checkpoint, "qwen2")
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
     state = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32).state_dict()
@@ -1333,9 +1313,9 @@ def olmo2_checkpoint(out_dir: str, version: int = 2) -> str:
     base 5e5. `version` 3: OLMo 3's (Olmo3ForCausalLM) instead, every fourth layer full and the others sliding (a
     window of 4, the published 4096 scaled down), the full layers' rotary yarn (factor 8 over an original context of
     16, the published 8192 scaled down; its attention factor 0.1 ln 8 + 1, as published), the sliding layers' plain."""
-    from transformers import AutoTokenizer, Olmo2Config, Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM
+    from transformers import Olmo2Config, Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(build_tiny_checkpoint("gpt2", os.path.join(out_dir, "tokenizer")))
+    tokenizer = tiny_gpt2_tokenizer(out_dir)
     shape = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=4, initializer_range=0.15, rms_norm_eps=1e-6,
                  tie_word_embeddings=False, pad_token_id=None, eos_token_id=tokenizer.eos_token_id,
@@ -1349,12 +1329,7 @@ def olmo2_checkpoint(out_dir: str, version: int = 2) -> str:
     else:
         config, model_class = Olmo2Config(**shape, max_position_embeddings=512, rope_parameters={
             "rope_type": "default", "rope_theta": 500000.0}), Olmo2ForCausalLM
-    config.architectures = [model_class.__name__]
-    torch.manual_seed(SEED)
-    path = os.path.join(out_dir, f"olmo{version}")
-    model_class(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_tiny(out_dir, f"olmo{version}", model_class, config, tokenizer)
 
 
 def olmo3_checkpoint(out_dir: str) -> str:
@@ -1368,13 +1343,11 @@ def write_olmo2_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str
     original context, attention factor, betas) and the sliding layers' base where the config has them, OLMo 3's
     sliding window and its layers' pattern; tensors as the checkpoint holds them (no q/k permutation), a byte-level
     BPE vocabulary (OLMo's is split as dbrx's)."""
-    import pathlib
 
     import gguf
     import numpy as np
     from gguf import GGMLQuantizationType as Q
     from safetensors.torch import load_file
-    from transformers import AutoTokenizer
 
     with open(os.path.join(checkpoint, "config.json")) as f:
         config = json.load(f)
@@ -1384,12 +1357,7 @@ def write_olmo2_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str
     writer = gguf.GGUFWriter(path, "olmo2")
     add_text_shape(writer, config)
     if full["rope_type"] == "yarn":
-        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-        writer.add_rope_scaling_factor(full["factor"])
-        writer.add_rope_scaling_orig_ctx_len(full["original_max_position_embeddings"])
-        writer.add_rope_scaling_yarn_attn_factor(full["attention_factor"])
-        writer.add_rope_scaling_yarn_beta_fast(full["beta_fast"])
-        writer.add_rope_scaling_yarn_beta_slow(full["beta_slow"])
+        add_yarn(writer, full)
     writer.add_rope_freq_base(full["rope_theta"])
     if sliding is not None:
         writer.add_rope_freq_base_swa(sliding["rope_theta"])
@@ -1398,14 +1366,7 @@ def write_olmo2_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str
     if config.get("sliding_window"):
         writer.add_sliding_window(config["sliding_window"])
         writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config["layer_types"]])
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    vocab = [text for text, _ in sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])]
-    special = set(tokenizer.all_special_tokens)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("dbrx")
-    writer.add_token_list(vocab)
-    writer.add_token_types([gguf.TokenType.CONTROL if text in special else gguf.TokenType.NORMAL for text in vocab])
-    gguf.SpecialVocab(pathlib.Path(checkpoint), load_merges=True).add_to_gguf(writer)
+    add_bpe_vocabulary(writer, checkpoint, "dbrx")
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.OLMO2, config["num_hidden_layers"])
     for hf_name, value in load_file(os.path.join(checkpoint, "model.safetensors")).items():
@@ -1419,10 +1380,45 @@ def write_olmo2_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str
     return write_out(writer, path)
 
 
+def add_yarn(writer, rope: dict) -> None:
+    """A yarn rotary's keys as llama.cpp's converter writes them (TextModel.set_gguf_parameters): type, factor,
+    original context, then the attention factor and the betas where the config names them."""
+    import gguf
+
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(rope["factor"])
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if rope.get("attention_factor") is not None:
+        writer.add_rope_scaling_yarn_attn_factor(rope["attention_factor"])
+    if rope.get("beta_fast") is not None:
+        writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+    if rope.get("beta_slow") is not None:
+        writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+
+
 def gguf_rope_type(name: str):
     import gguf
 
     return {"yarn": gguf.RopeScalingType.YARN, "linear": gguf.RopeScalingType.LINEAR}[name]
+
+
+def add_bpe_vocabulary(writer, checkpoint: str, pre: str) -> None:
+    """The byte-level BPE vocabulary of `checkpoint`'s tokenizer as llama.cpp's converter writes it
+    (_set_vocab_gpt2): its tokens by id (an added special token CONTROL, the rest NORMAL), tokenizer.ggml.pre `pre`,
+    the merges and special tokens' ids."""
+    import pathlib
+
+    import gguf
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    vocab = [text for text, _ in sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])]
+    special = set(tokenizer.all_special_tokens)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(vocab)
+    writer.add_token_types([gguf.TokenType.CONTROL if text in special else gguf.TokenType.NORMAL for text in vocab])
+    gguf.SpecialVocab(pathlib.Path(checkpoint), load_merges=True).add_to_gguf(writer)
 
 
 def write_as_llama(checkpoint: str, path: str, architecture: str, qtype_name: str, pre: str,
@@ -1432,7 +1428,6 @@ def write_as_llama(checkpoint: str, path: str, architecture: str, qtype_name: st
     width, `scales` as float32 keys under the architecture and what `more_keys(writer)` adds, a GPT-2 style BPE
     vocabulary (tokenizer.ggml.pre `pre`), q and k permuted for its interleaved rotary, no output.weight where tied;
     matrices in `qtype_name` (F32, or Q8_0 as --outtype q8_0 writes them)."""
-    import pathlib
 
     import gguf
     import numpy as np
@@ -1456,17 +1451,8 @@ def write_as_llama(checkpoint: str, path: str, architecture: str, qtype_name: st
         writer.add_float32(f"{architecture}.{key}", value)
     if more_keys is not None:
         more_keys(writer)
-    from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    vocab = [text for text, _ in sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])]
-    special = set(tokenizer.all_special_tokens)  # (the converter's: an added special token CONTROL, the rest NORMAL)
-    types = [gguf.TokenType.CONTROL if text in special else gguf.TokenType.NORMAL for text in vocab]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(vocab)
-    writer.add_token_types(types)
-    gguf.SpecialVocab(pathlib.Path(checkpoint), load_merges=True).add_to_gguf(writer)
+    add_bpe_vocabulary(writer, checkpoint, pre)
     writer.add_add_space_prefix(False)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
@@ -1504,9 +1490,9 @@ def gpt_oss_checkpoint(out_dir: str) -> str:
     2 a token, the router's bias and softmax over the top 2, the experts' biases and clamped SwiGLU. A byte-level BPE
     vocabulary with harmony's special tokens (<|return|> ends a reply). The weights drawn wider than the config's
     0.02 (which leaves every logit near 0)."""
-    from transformers import AutoTokenizer, GptOssConfig, GptOssForCausalLM
+    from transformers import GptOssConfig, GptOssForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(build_tiny_checkpoint("gpt2", os.path.join(out_dir, "tokenizer")))
+    tokenizer = tiny_gpt2_tokenizer(out_dir)
     tokenizer.add_special_tokens({"bos_token": "<|startoftext|>", "eos_token": "<|return|>",
                                   "pad_token": "<|endoftext|>", "additional_special_tokens": list(HARMONY_TOKENS)})
     config = GptOssConfig(
@@ -1574,11 +1560,7 @@ def write_gpt_oss_gguf(checkpoint: str, path: str, experts: str = "MXFP4", other
     rope = config["rope_parameters"]
     writer = gguf.GGUFWriter(path, "gpt-oss")
     add_text_shape(writer, config)
-    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-    writer.add_rope_scaling_factor(rope["factor"])
-    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-    writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
-    writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    add_yarn(writer, rope)
     writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_expert_count(config["num_local_experts"])
