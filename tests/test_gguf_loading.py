@@ -917,6 +917,10 @@ READ_AS_ANOTHER = {
                     stack=dict(head_dim=32)),
     "qwen3vlmoe": dict(files=("qwen3vlmoe_checkpoint", "write_qwen3vl_gguf"), model="Qwen3MoeForCausalLM",
                        layers={}, stack=dict(head_dim=32)),
+    # ERNIE 4.5's dense model: llama's over its q/k rows un-permuted (its rotary turns each pair of a head's values,
+    # as llama.cpp's permuted llama rows are turned), fused and stacked.
+    "ernie4_5": dict(files=("ernie4_5_checkpoint", "write_ernie4_5_gguf"), model="LlamaForCausalLM", layers={},
+                     stack=dict(head_dim=32)),
     # OLMo 2's norms after the attention and the MLP (none before), q and k normalized over all their heads; OLMo
     # 3's sliding layers beside every fourth full one with its yarn rotary (the F32 file's prompt crosses the
     # window and the original context twice): transformers' layers over the blocks, their steps native.

@@ -1380,6 +1380,30 @@ def write_olmo2_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str
     return write_out(writer, path)
 
 
+def ernie4_5_checkpoint(out_dir: str) -> str:
+    """A tiny random ERNIE 4.5 checkpoint (Ernie4_5ForCausalLM) in `out_dir`: ERNIE-4.5-0.3B's layout 64 wide (4
+    heads of 32 over 2: wider than hidden / heads, as its 16 heads of 128 over 1024), its rotary interleaved (each
+    pair of a head's values turned together), tied embeddings, no biases, rope base 5e5."""
+    from transformers import Ernie4_5Config, Ernie4_5ForCausalLM
+
+    tokenizer = tiny_gpt2_tokenizer(out_dir)
+    config = Ernie4_5Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=512, initializer_range=0.15,
+        tie_word_embeddings=True, use_bias=False, rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        pad_token_id=None, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    return save_tiny(out_dir, "ernie4_5", Ernie4_5ForCausalLM, config, tokenizer)
+
+
+def write_ernie4_5_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
+    """The GGUF file llama.cpp's converter (conversion/ernie.py's Ernie4_5Model, a TextModel) writes of an ERNIE 4.5
+    checkpoint: the text shape, rope base, norm epsilon, the head size as key_length, under the ernie4_5
+    architecture; tensors as the checkpoint holds them (no q/k permutation: llama.cpp rotates ERNIE's pairs as its
+    llama files' permuted rows), no output.weight where tied. ERNIE's vocabulary is SentencePiece's; this one a
+    byte-level BPE (the logits are what this file is for)."""
+    return write_as_llama(checkpoint, path, "ernie4_5", qtype_name, "default", permute=False)
+
+
 def add_yarn(writer, rope: dict) -> None:
     """A yarn rotary's keys as llama.cpp's converter writes them (TextModel.set_gguf_parameters): type, factor,
     original context, then the attention factor and the betas where the config names them."""
@@ -1422,12 +1446,13 @@ def add_bpe_vocabulary(writer, checkpoint: str, pre: str) -> None:
 
 
 def write_as_llama(checkpoint: str, path: str, architecture: str, qtype_name: str, pre: str,
-                   scales: dict | None = None, more_keys=None) -> str:
+                   scales: dict | None = None, more_keys=None, permute: bool = True) -> str:
     """What llama.cpp's LlamaModel converter writes of a llama-shaped checkpoint under `architecture`: the text
     shape, rope base, norm epsilon, the head size where the config names one, file type, vocabulary size and rotary
     width, `scales` as float32 keys under the architecture and what `more_keys(writer)` adds, a GPT-2 style BPE
-    vocabulary (tokenizer.ggml.pre `pre`), q and k permuted for its interleaved rotary, no output.weight where tied;
-    matrices in `qtype_name` (F32, or Q8_0 as --outtype q8_0 writes them)."""
+    vocabulary (tokenizer.ggml.pre `pre`), q and k permuted for its interleaved rotary (`permute` False: as they are,
+    as a TextModel's converter leaves them), no output.weight where tied; matrices in `qtype_name` (F32, or Q8_0 as
+    --outtype q8_0 writes them)."""
 
     import gguf
     import numpy as np
@@ -1465,9 +1490,9 @@ def write_as_llama(checkpoint: str, path: str, architecture: str, qtype_name: st
         if hf_name == "lm_head.weight" and config.get("tie_word_embeddings"):
             continue  # tied
         values = value.float().numpy()
-        if hf_name.endswith("q_proj.weight"):
+        if permute and hf_name.endswith("q_proj.weight"):
             values = permuted(values, heads)
-        elif hf_name.endswith("k_proj.weight"):
+        elif permute and hf_name.endswith("k_proj.weight"):
             values = permuted(values, kv_heads)
         base, _, suffix = hf_name.rpartition(".")
         name = names.get_name(base) + "." + suffix

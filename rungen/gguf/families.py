@@ -114,11 +114,13 @@ FAMILIES = {family.model_type: family for family in (
 # permuted as the architecture read as permutes them. OLMo 2's and 3's (olmo2: llama's keys, its q/k rows as the
 # checkpoint's, as qwen3's are) into OLMo 2's or OLMo 3's (file.py's _olmo2_config).
 READ_AS = {"smollm3": "llama", "granite": "llama", "mistral3": "llama", "olmo2": "qwen3"}
-# Architectures whose text model is another's, read as that one into its model: Qwen3-VL's decoder is Qwen3's (a text
-# prompt's positions, the same on each axis of its interleaved MRoPE, rotate as Qwen3's one axis does; its deepstack
-# adds only to image tokens). Their vision towers come in llama.cpp's separate mmproj files, which are not read.
-TEXT_OF = {"qwen3vl": "qwen3", "qwen3vlmoe": "qwen3moe"}
-READ_AS.update(TEXT_OF)
+# Architectures whose (text) model computes another's, read as that one into its model: Qwen3-VL's decoder is Qwen3's
+# (a text prompt's positions, the same on each axis of its interleaved MRoPE, rotate as Qwen3's one axis does; its
+# deepstack adds only to image tokens; the vision towers come in llama.cpp's separate mmproj files, not read), and
+# ERNIE 4.5's dense model is llama's over its q/k rows un-permuted (its checkpoint's rows, which its converter
+# leaves as they are, rotate pairwise as llama.cpp's permuted llama rows do: un-permuted, by halves, as llama's).
+MODEL_OF = {"qwen3vl": "qwen3", "qwen3vlmoe": "qwen3moe", "ernie4_5": "llama"}
+READ_AS.update(MODEL_OF)
 # The family of a file of this architecture whose layers have experts (<arch>.expert_count): transformers reads
 # it as the architecture's dense model.
 WITH_EXPERTS = {"llama": "mixtral"}

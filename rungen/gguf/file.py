@@ -28,7 +28,7 @@ from .. import NOTICE
 from .blocks import (
     SUPPORTED,
 )
-from .families import BY_ARCHITECTURE, FAMILIES, NO_FAMILY, READ_AS, TEXT_OF, WITH_EXPERTS
+from .families import BY_ARCHITECTURE, FAMILIES, MODEL_OF, NO_FAMILY, READ_AS, WITH_EXPERTS
 from .splits import GPT2_SPLITS, pre_tokenizer, sentencepiece_text
 from .weights import FLOAT_TYPES, GGUFError, with_experts_stacked, with_gate_up_apart
 
@@ -252,7 +252,7 @@ def complete_config(path: str, config: dict) -> None:
     metadata, tensors = read_gguf_metadata(path)
     arch = metadata["general.architecture"]
     family = BY_ARCHITECTURE.get(arch) or BY_ARCHITECTURE.get(READ_AS.get(arch), NO_FAMILY)
-    if arch in TEXT_OF:
+    if arch in MODEL_OF:
         config["model_type"] = family.model_type
     if arch in WITH_EXPERTS and metadata.get(f"{arch}.expert_count"):  # Mixtral's: transformers reads a dense llama
         family = FAMILIES[WITH_EXPERTS[arch]]
