@@ -917,6 +917,9 @@ READ_AS_ANOTHER = {
                     stack=dict(head_dim=32)),
     "qwen3vlmoe": dict(files=("qwen3vlmoe_checkpoint", "write_qwen3vl_gguf"), model="Qwen3MoeForCausalLM",
                        layers={}, stack=dict(head_dim=32)),
+    # Gemma (1): Gemma 2's keys and stored norms, without its output norms, caps and windows; fused and stacked.
+    "gemma": dict(files=("gemma_checkpoint", "write_gemma_gguf"), model="GemmaForCausalLM", layers={},
+                  stack=dict(gelu=True, head_dim=32)),
     # ERNIE 4.5's dense model: llama's over its q/k rows un-permuted (its rotary turns each pair of a head's values,
     # as llama.cpp's permuted llama rows are turned), fused and stacked.
     "ernie4_5": dict(files=("ernie4_5_checkpoint", "write_ernie4_5_gguf"), model="LlamaForCausalLM", layers={},

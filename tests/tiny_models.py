@@ -1380,6 +1380,29 @@ def write_olmo2_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str
     return write_out(writer, path)
 
 
+def gemma_checkpoint(out_dir: str) -> str:
+    """A tiny random Gemma (1) checkpoint (GemmaForCausalLM) in `out_dir`: gemma-7b's layout 64 wide (4 heads of 32
+    over 4: wider than hidden / heads, as its 16 heads of 256 over 3072), GELU-tanh gate, tied embeddings scaled by
+    sqrt(hidden), norms of 1 + weight (the weights 0, as initialized), rope base 1e4."""
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    tokenizer = tiny_gpt2_tokenizer(out_dir)
+    config = GemmaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=4, head_dim=32, max_position_embeddings=512, initializer_range=0.15,
+        tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        pad_token_id=None, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    return save_tiny(out_dir, "gemma", GemmaForCausalLM, config, tokenizer)
+
+
+def write_gemma_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
+    """The GGUF file llama.cpp's converter (conversion/gemma.py's GemmaModel) writes of a Gemma checkpoint: the text
+    shape, norm epsilon and head size under the gemma architecture, each norm stored as 1 + weight, no q/k
+    permutation, no output.weight; Gemma's vocabulary is SentencePiece's, this one a byte-level BPE (the logits are
+    what this file is for)."""
+    return write_as_llama(checkpoint, path, "gemma", qtype_name, "default", permute=False, norms_plus_one=True)
+
+
 def ernie4_5_checkpoint(out_dir: str) -> str:
     """A tiny random ERNIE 4.5 checkpoint (Ernie4_5ForCausalLM) in `out_dir`: ERNIE-4.5-0.3B's layout 64 wide (4
     heads of 32 over 2: wider than hidden / heads, as its 16 heads of 128 over 1024), its rotary interleaved (each
@@ -1446,13 +1469,14 @@ def add_bpe_vocabulary(writer, checkpoint: str, pre: str) -> None:
 
 
 def write_as_llama(checkpoint: str, path: str, architecture: str, qtype_name: str, pre: str,
-                   scales: dict | None = None, more_keys=None, permute: bool = True) -> str:
+                   scales: dict | None = None, more_keys=None, permute: bool = True,
+                   norms_plus_one: bool = False) -> str:
     """What llama.cpp's LlamaModel converter writes of a llama-shaped checkpoint under `architecture`: the text
     shape, rope base, norm epsilon, the head size where the config names one, file type, vocabulary size and rotary
     width, `scales` as float32 keys under the architecture and what `more_keys(writer)` adds, a GPT-2 style BPE
     vocabulary (tokenizer.ggml.pre `pre`), q and k permuted for its interleaved rotary (`permute` False: as they are,
-    as a TextModel's converter leaves them), no output.weight where tied; matrices in `qtype_name` (F32, or Q8_0 as
-    --outtype q8_0 writes them)."""
+    as a TextModel's converter leaves them), no output.weight where tied, each norm's weight plus one where
+    `norms_plus_one` (gemma's converter); matrices in `qtype_name` (F32, or Q8_0 as --outtype q8_0 writes them)."""
 
     import gguf
     import numpy as np
@@ -1490,6 +1514,8 @@ def write_as_llama(checkpoint: str, path: str, architecture: str, qtype_name: st
         if hf_name == "lm_head.weight" and config.get("tie_word_embeddings"):
             continue  # tied
         values = value.float().numpy()
+        if norms_plus_one and hf_name.endswith("norm.weight"):
+            values = values + 1
         if permute and hf_name.endswith("q_proj.weight"):
             values = permuted(values, heads)
         elif permute and hf_name.endswith("k_proj.weight"):

@@ -101,6 +101,8 @@ FAMILIES = {family.model_type: family for family in (
            rope_scaling_from_metadata=True, **GEMMA),
     # SmolLM3: llama's, every fourth layer without rotary (config.no_rope_layers; file.py reads the file as llama's).
     Family("smollm3", "smollm3", "SmolLM3DecoderLayer", permuted_qk=True),
+    # Gemma (1): gemma's embedding scale, 1 + weight norms and GELU-tanh gate, without Gemma 2's output norms and caps.
+    Family("gemma", "gemma", "GemmaDecoderLayer", norm_offset=1.0, embedding_scaled=True),
     # Granite 3: llama's with multipliers (file.py reads the file as llama's, then these keys).
     Family("granite", "granite", "GraniteDecoderLayer", permuted_qk=True, multipliers=True,
            extra_config_keys=(("attention.scale", "attention_multiplier"), ("embedding_scale", "embedding_multiplier"),
@@ -111,9 +113,10 @@ FAMILIES = {family.model_type: family for family in (
 # as llama.cpp fixes it) and Granite 3's (a llama with multipliers, which the families' row reads from their keys),
 # read as a llama file into transformers' own class of the architecture; mistral3's into Ministral 3's text model, or
 # llama's where it has no rotary scaling (Mistral Small 3.x's: file.py's _mistral3_config). Their q/k rows are
-# permuted as the architecture read as permutes them. OLMo 2's and 3's (olmo2: llama's keys, its q/k rows as the
+# permuted as the architecture read as permutes them. Gemma (1)'s as Gemma 2's (its keys, its norms stored as
+# 1 + weight) into transformers' Gemma. OLMo 2's and 3's (olmo2: llama's keys, its q/k rows as the
 # checkpoint's, as qwen3's are) into OLMo 2's or OLMo 3's (file.py's _olmo2_config).
-READ_AS = {"smollm3": "llama", "granite": "llama", "mistral3": "llama", "olmo2": "qwen3"}
+READ_AS = {"smollm3": "llama", "granite": "llama", "mistral3": "llama", "olmo2": "qwen3", "gemma": "gemma2"}
 # Architectures whose (text) model computes another's, read as that one into its model: Qwen3-VL's decoder is Qwen3's
 # (a text prompt's positions, the same on each axis of its interleaved MRoPE, rotate as Qwen3's one axis does; its
 # deepstack adds only to image tokens; the vision towers come in llama.cpp's separate mmproj files, not read), and
