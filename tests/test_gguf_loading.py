@@ -890,10 +890,15 @@ def test_a_gemma4_mixture_of_experts_file_computes_its_checkpoint(tmp_path, monk
                                        "runs here in its own blocks, without --dequantize or --device_map"), line
 
 
-# Architectures transformers' GGUF reading does not know, whose files llama.cpp writes as another's (llama's, or
-# Qwen3-VL's text model as Qwen3's): each one's checkpoint and writer (tiny_models), transformers' class the file is
+# Files whose model transformers' GGUF reading misses: of architectures it does not know, which llama.cpp writes as
+# another's (llama's, or Qwen3-VL's text model as Qwen3's), and a Llama 3.1 file's llama3 rotary, which llama.cpp
+# keeps only in its rope_freqs tensor. Each one's checkpoint and writer (tiny_models), transformers' class the file is
 # read into, and what each layer of the model of the Q8_0 file and its stack (where its layers are fused) must hold.
-READ_AS_ANOTHER = {
+CHECKPOINT_FILES = {
+    # Llama 3.1-3.3's llama3 rotary: the frequency factors of rope_freqs, read back as its parameters (transformers'
+    # reading drops the tensor and rotated by the plain frequencies: 0.08 off in the logits of this tiny model).
+    "llama3": dict(files=("llama3_checkpoint", "write_llama3_gguf"), model="LlamaForCausalLM", layers={},
+                   stack=dict(head_dim=32)),
     # SmolLM3's every fourth layer without rotary, as llama.cpp fixes it.
     "smollm3": dict(files=("smollm3_checkpoint", "write_smollm3_gguf"), model="SmolLM3ForCausalLM",
                     layers=dict(rotates=[True, True, True, False] * 2), stack=dict(rotary=[1, 1, 1, 0] * 2)),
@@ -934,23 +939,23 @@ READ_AS_ANOTHER = {
 }
 
 
-@pytest.mark.parametrize("architecture", READ_AS_ANOTHER)
-def test_a_file_llama_cpp_writes_as_another_architecture_computes_its_checkpoint(architecture, tmp_path,
-                                                                                  monkeypatch):
+@pytest.mark.parametrize("architecture", CHECKPOINT_FILES)
+def test_a_file_as_llama_cpp_writes_it_computes_its_checkpoint(architecture, tmp_path, monkeypatch):
     # transformers' GGUF reading knows none of the smollm3 (SmolLM3-3B's files), granite (Granite 3's), mistral3
-    # (Ministral 3's, and Mistral Small 3.x's as llama.cpp now converts them), qwen3vl and qwen3vlmoe (Qwen3-VL's)
-    # architectures: read as the one llama.cpp writes them as (its keys, its q/k permutation undone) into the class
-    # of the model they were written from (a vision-language model's text model), with what its config lacks from
-    # the file's other keys. The F32 file computes its checkpoint; the Q8_0 file in its blocks (its layers fused and
-    # in one native call a step where the family's are) what the checkpoint with those weights de-quantized does, in
-    # a left-padded batch and two steps; its own model code the same bits as the stack (tests/test_gguf_model.py).
+    # (Ministral 3's, and Mistral Small 3.x's as llama.cpp now converts them), qwen3vl and qwen3vlmoe (Qwen3-VL's),
+    # ernie4_5, gemma and olmo2 architectures: read as the one llama.cpp writes them as (its keys, its q/k
+    # permutation undone) into the class of the model they were written from (a vision-language model's text model),
+    # with what its config lacks from the file's other keys (a Llama 3.1 file's: its rotary from rope_freqs). The F32
+    # file computes its checkpoint; the Q8_0 file in its blocks (its layers fused and in one native call a step where
+    # the family's are) what the checkpoint with those weights de-quantized does, in a left-padded batch and two
+    # steps; its own model code the same bits as the stack (tests/test_gguf_model.py).
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     import tiny_models
     from helpers import padded_prompt_and_steps
 
     monkeypatch.setenv(KV_FLOAT32_ENV, "1")  # (the checkpoint's float32 cache: what this compares is the weights)
-    spec = READ_AS_ANOTHER[architecture]
+    spec = CHECKPOINT_FILES[architecture]
     make_checkpoint, write = (getattr(tiny_models, name) for name in spec["files"])
     checkpoint = make_checkpoint(str(tmp_path))
     vision = architecture.startswith("qwen3vl")  # (its positions counted from the mask unless given: given here)
@@ -1002,6 +1007,44 @@ def test_a_file_llama_cpp_writes_as_another_architecture_computes_its_checkpoint
         # transformers' cache rounding what it stores
         monkeypatch.delenv(KV_FLOAT32_ENV)
         assert_float16_cache_as_rounded(model)
+
+
+def test_a_llama3_rotary_of_other_parameters_is_read_back_from_its_factors(tmp_path):
+    # Every published llama3 rotary has low and high frequency factors 1 and 4 over 8192 positions; another's (its
+    # ramp over four of the sixteen frequencies here) is fitted to the factors' ramp: the function, within float32
+    # rounding, as the factors depend only on low / original and high / original.
+    from transformers import AutoModelForCausalLM
+
+    from tiny_models import llama3_checkpoint, write_llama3_gguf
+
+    checkpoint = llama3_checkpoint(str(tmp_path), dict(factor=16.0, low_freq_factor=1.0, high_freq_factor=32.0,
+                                                       original_max_position_embeddings=16384))
+    ids = torch.arange(3, 43)[None] * 7
+    model = load(write_llama3_gguf(checkpoint, str(tmp_path / "f32.gguf")), device=torch.device("cpu")).model
+    rope = model.config.rope_parameters
+    assert (rope["rope_type"], rope["factor"], rope["original_max_position_embeddings"]) == ("llama3", 16.0, 8192)
+    assert rope["low_freq_factor"] == pytest.approx(0.5) and rope["high_freq_factor"] == pytest.approx(16.0)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, AutoModelForCausalLM.from_pretrained(checkpoint)(ids).logits,
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_a_rope_freqs_tensor_no_llama3_rotary_gives_is_refused_in_one_line(tmp_path, capsys):
+    # llama.cpp writes a llama3 rotary as its frequency factors alone; factors no llama3 rotary gives (here the
+    # published ones with the ramp's last factor changed) would compute another model, as would dropping them.
+    import numpy as np
+
+    from tiny_models import llama3_checkpoint, write_as_llama
+
+    def keys(writer):
+        factors = [1.0] * 8 + [1.9, 8.0, 8.0, 8.0, 8.0, 8.0, 8.0, 8.0]  # (the one ramp value of the fixture's: 3.58)
+        writer.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
+
+    odd = write_as_llama(llama3_checkpoint(str(tmp_path)), str(tmp_path / "odd.gguf"), "llama", "Q8_0", "llama-bpe",
+                         more_keys=keys)
+    code, line = error_of(["--model_name_or_path", odd, "--prompt", "Hi", "--length", "2"], capsys)
+    assert code == 2 and line.endswith("odd.gguf: its rope_freqs tensor holds frequency factors no llama3 rotary "
+                                       "gives (the only kind this tool reads from it)"), line
 
 
 def test_a_mistral3_file_with_a_rotary_or_temperature_it_cannot_compute_is_refused_in_one_line(tmp_path, capsys):

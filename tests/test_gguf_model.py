@@ -35,6 +35,7 @@ from tiny_models import (
     ernie4_5_checkpoint,
     gemma_checkpoint,
     granite_checkpoint,
+    llama3_checkpoint,
     mistral_small_checkpoint,
     qwen3vl_checkpoint,
     smollm3_checkpoint,
@@ -42,6 +43,7 @@ from tiny_models import (
     write_family_gguf,
     write_gemma_gguf,
     write_granite_gguf,
+    write_llama3_gguf,
     write_mistral3_gguf,
     write_qwen3vl_gguf,
     write_smollm3_gguf,
@@ -53,7 +55,7 @@ PROMPTS = ["The capital of France is", "Hello, my dog", "A"]
 # mixed_tied holds F16/BF16 layer weights beside the blocks: transformers' model runs it (its own test below).
 NAMES = [*(name for name in LLAMA_FILES if name != "mixed_tied"), "qwen3", "phi3", "phi4_partial", "gemma2", "gemma3",
          "qwen3moe", "qwen2moe", "mixtral", "smollm3", "granite", "mistral3", "qwen3vl",
-         "ernie4_5", "gemma", "default"]
+         "ernie4_5", "gemma", "llama3", "default"]
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +88,8 @@ def files(tmp_path_factory):
     # Qwen3-VL's text model: Qwen3's, under the qwen3vl architecture.
     out["qwen3vl"] = write_qwen3vl_gguf(qwen3vl_checkpoint(str(folder)), str(folder / "qwen3vl.gguf"), "Q8_0")
     # ERNIE 4.5's dense model: llama's over its un-permuted q/k rows, which its converter leaves as they are.
+    # Llama 3.1's: its llama3 rotary in the rope_freqs tensor alone.
+    out["llama3"] = write_llama3_gguf(llama3_checkpoint(str(folder)), str(folder / "llama3.gguf"), "Q8_0")
     # Gemma (1)'s: Gemma 2's keys and stored norms, without its output norms and caps.
     out["gemma"] = write_gemma_gguf(gemma_checkpoint(str(folder)), str(folder / "gemma.gguf"), "Q8_0")
     out["ernie4_5"] = write_ernie4_5_gguf(ernie4_5_checkpoint(str(folder)), str(folder / "ernie4_5.gguf"), "Q8_0")

@@ -35,7 +35,7 @@ from .weights import FLOAT_TYPES, GGUFError, with_experts_stacked, with_gate_up_
 logger = logging.getLogger("run_generation")
 
 # Bump when what the header cache holds changes meaning (transformers' version is part of the key too).
-HEADER_CACHE_VERSION = 12
+HEADER_CACHE_VERSION = 13
 
 
 @contextlib.contextmanager
@@ -297,6 +297,8 @@ def complete_config(path: str, config: dict) -> None:
         _mistral3_config(path, metadata, config)
     if arch == "olmo2":
         _olmo2_config(path, metadata, config)
+    if "llama" in (arch, READ_AS.get(arch)) and "rope_freqs.weight" in tensors:
+        _llama3_rope(path, arch, metadata, config)
     rotary = metadata.get(f"{arch}.rope.dimension_count")
     if family.partial_and_long_rope:
         # Phi-4-mini rotates part of each head; transformers' reading drops the count.
@@ -407,6 +409,49 @@ def _mistral3_config(path: str, metadata: dict, config: dict) -> None:
         raise GGUFError(f"{path}: a mistral3 file with a query temperature (attention.temperature_scale) and no yarn "
                         "rotary, whose original context the temperature counts positions by")
     config.update(model_type="ministral3", rope_parameters=dict(rope, llama_4_scaling_beta=temperature or 0.0))
+
+
+# The llama3 rotary's low and high frequency factors and original context of every published model with one (Llama
+# 3.1-3.3 and the models made from them): llama.cpp's converter keeps them in no key, only in rope_freqs' factors.
+LLAMA3_ROPE = (1.0, 4.0, 8192)
+
+
+def _llama3_rope(path: str, arch: str, metadata: dict, config: dict) -> None:
+    """A llama file's rope_freqs tensor as the llama3 rotary whose frequency factors it holds (llama.cpp divides each
+    frequency by its factor; transformers' reading drops the tensor and would rotate by the plain frequencies, another
+    function): the factor its largest, the rest LLAMA3_ROPE's where those give its factors, else fitted to its
+    medium frequencies; a tensor no llama3 rotary gives is refused."""
+    row = {row[0]: row for row in tensor_table(path)[1]}["rope_freqs.weight"]
+    factors = _f32_values(path, row).astype(np.float64) if row[1] == 0 else None
+    theta = config.get("rope_theta") or metadata.get(f"{arch}.rope.freq_base", 10000.0)
+    dim = metadata.get(f"{arch}.rope.dimension_count") or config.get("head_dim") or (
+        config["hidden_size"] // config["num_attention_heads"])
+    if factors is None or len(factors) != dim // 2:
+        raise GGUFError(f"{path}: a rope_freqs tensor of {row[2]} values of type {row[1]}, where a llama3 rotary of "
+                        f"heads of {dim} has {dim // 2} float32 factors")
+    factor = float(factors.max())
+    wavelengths = 2 * np.pi * theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    candidates = [LLAMA3_ROPE]
+    medium = (factors > 1) & (factors < factor)
+    if medium.sum() >= 2:  # the smooth ramp between: 1 / factor_i = (1 - s_i) / factor + s_i, s_i linear in 1 / wl_i
+        smooth = (1 / factors[medium] - 1 / factor) / (1 - 1 / factor)
+        slope, low = np.polyfit(smooth, LLAMA3_ROPE[2] / wavelengths[medium], 1)
+        candidates.append((float(low), float(low + slope), LLAMA3_ROPE[2]))
+    for low, high, old in candidates:
+        if np.allclose(_llama3_factors(wavelengths, factor, low, high, old), factors, rtol=1e-5, atol=0):
+            config.pop("rope_theta", None)
+            config["rope_parameters"] = dict(rope_type="llama3", rope_theta=theta, factor=factor, low_freq_factor=low,
+                                             high_freq_factor=high, original_max_position_embeddings=old)
+            return
+    raise GGUFError(f"{path}: its rope_freqs tensor holds frequency factors no llama3 rotary gives (the only kind "
+                    "this tool reads from it)")
+
+
+def _llama3_factors(wavelengths: np.ndarray, factor: float, low: float, high: float, old: float) -> np.ndarray:
+    """The frequency factors llama.cpp's converter writes of a llama3 rotary (LlamaModel.generate_extra_tensors)."""
+    smooth = (old / wavelengths - low) / (high - low)
+    return np.where(wavelengths < old / high, 1.0, np.where(wavelengths > old / low, factor,
+                                                            1 / ((1 - smooth) / factor + smooth)))
 
 
 def _olmo2_config(path: str, metadata: dict, config: dict) -> None:
