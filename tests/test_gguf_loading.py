@@ -899,6 +899,9 @@ CHECKPOINT_FILES = {
     # reading drops the tensor and rotated by the plain frequencies: 0.08 off in the logits of this tiny model).
     "llama3": dict(files=("llama3_checkpoint", "write_llama3_gguf"), model="LlamaForCausalLM", layers={},
                    stack=dict(head_dim=32)),
+    # DeepSeek Coder's linear rotary (positions / 4), in rope.scaling keys that transformers' llama reading drops.
+    "deepseek_coder": dict(files=("deepseek_coder_checkpoint", "write_llama3_gguf"), model="LlamaForCausalLM",
+                           layers={}, stack=dict(head_dim=32)),
     # SmolLM3's every fourth layer without rotary, as llama.cpp fixes it.
     "smollm3": dict(files=("smollm3_checkpoint", "write_smollm3_gguf"), model="SmolLM3ForCausalLM",
                     layers=dict(rotates=[True, True, True, False] * 2), stack=dict(rotary=[1, 1, 1, 0] * 2)),

@@ -31,6 +31,7 @@ from rungen.gguf.tokenizer import own as own_tokenizer_refusal
 from rungen.kvcache import KV_FLOAT32_ENV, new_cache
 from rungen.loading import default_model_file, load_gguf
 from tiny_models import (
+    deepseek_coder_checkpoint,
     default_tokenizer_fields,
     ernie4_5_checkpoint,
     gemma_checkpoint,
@@ -55,7 +56,7 @@ PROMPTS = ["The capital of France is", "Hello, my dog", "A"]
 # mixed_tied holds F16/BF16 layer weights beside the blocks: transformers' model runs it (its own test below).
 NAMES = [*(name for name in LLAMA_FILES if name != "mixed_tied"), "qwen3", "phi3", "phi4_partial", "gemma2", "gemma3",
          "qwen3moe", "qwen2moe", "mixtral", "smollm3", "granite", "mistral3", "qwen3vl",
-         "ernie4_5", "gemma", "llama3", "default"]
+         "ernie4_5", "gemma", "llama3", "deepseek_coder", "default"]
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +91,9 @@ def files(tmp_path_factory):
     # ERNIE 4.5's dense model: llama's over its un-permuted q/k rows, which its converter leaves as they are.
     # Llama 3.1's: its llama3 rotary in the rope_freqs tensor alone.
     out["llama3"] = write_llama3_gguf(llama3_checkpoint(str(folder)), str(folder / "llama3.gguf"), "Q8_0")
+    # DeepSeek Coder's: a llama whose rotary is linearly scaled (rope.scaling keys).
+    out["deepseek_coder"] = write_llama3_gguf(deepseek_coder_checkpoint(str(folder)),
+                                              str(folder / "deepseek_coder.gguf"), "Q8_0")
     # Gemma (1)'s: Gemma 2's keys and stored norms, without its output norms and caps.
     out["gemma"] = write_gemma_gguf(gemma_checkpoint(str(folder)), str(folder / "gemma.gguf"), "Q8_0")
     out["ernie4_5"] = write_ernie4_5_gguf(ernie4_5_checkpoint(str(folder)), str(folder / "ernie4_5.gguf"), "Q8_0")

@@ -1385,23 +1385,34 @@ def llama3_checkpoint(out_dir: str, rope: dict | None = None) -> str:
     llama3 rotary as published (factor 8, low and high frequency factors 1 and 4, original context 8192, base 5e5:
     of a head's 16 frequencies the slower ones turned 8 times slower, one in between) or with `rope`'s parameters
     in place of those, untied."""
+    return scaled_llama_checkpoint(out_dir, "llama3", {
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192, **(rope or {})})
+
+
+def deepseek_coder_checkpoint(out_dir: str) -> str:
+    """llama3_checkpoint's layout with DeepSeek Coder's (1.3B-33B, a llama) linear rotary: positions / 4, base 1e5."""
+    return scaled_llama_checkpoint(out_dir, "deepseek_coder", {"rope_type": "linear", "rope_theta": 100000.0,
+                                                               "factor": 4.0})
+
+
+def scaled_llama_checkpoint(out_dir: str, name: str, rope: dict) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = tiny_gpt2_tokenizer(out_dir)
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
         num_key_value_heads=1, max_position_embeddings=131072, initializer_range=0.15, tie_word_embeddings=False,
-        rms_norm_eps=1e-5, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                            "original_max_position_embeddings": 8192, **(rope or {})},
-        pad_token_id=None, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
-    return save_tiny(out_dir, "llama3", LlamaForCausalLM, config, tokenizer)
+        rms_norm_eps=1e-5, rope_parameters=rope, pad_token_id=None, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id)
+    return save_tiny(out_dir, name, LlamaForCausalLM, config, tokenizer)
 
 
 def write_llama3_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
     """The GGUF file llama.cpp's converter (LlamaModel) writes of a Llama 3.1 checkpoint: llama's keys and q/k
     permutation, and its llama3 rotary in no key but as the rope_freqs tensor of frequency factors
-    (generate_extra_tensors: 1 for the fast frequencies, the factor for the slow ones, the smooth ramp between)."""
+    (generate_extra_tensors: 1 for the fast frequencies, the factor for the slow ones, the smooth ramp between); of
+    another scaled rotary (DeepSeek Coder's linear one) its rope.scaling keys, as TextModel writes them."""
     import math
 
     import numpy as np
@@ -1409,6 +1420,9 @@ def write_llama3_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> st
     with open(os.path.join(checkpoint, "config.json")) as f:
         config = json.load(f)
     rope, dim = config["rope_parameters"], config["hidden_size"] // config["num_attention_heads"]
+    if rope["rope_type"] == "linear":
+        return write_as_llama(checkpoint, path, "llama", qtype_name, "deepseek-coder", more_keys=lambda writer: (
+            writer.add_rope_scaling_type(gguf_rope_type("linear")), writer.add_rope_scaling_factor(rope["factor"])))
     freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     low, high, old, factor = (rope[name] for name in ("low_freq_factor", "high_freq_factor",
                                                        "original_max_position_embeddings", "factor"))

@@ -297,8 +297,8 @@ def complete_config(path: str, config: dict) -> None:
         _mistral3_config(path, metadata, config)
     if arch == "olmo2":
         _olmo2_config(path, metadata, config)
-    if "llama" in (arch, READ_AS.get(arch)) and "rope_freqs.weight" in tensors:
-        _llama3_rope(path, arch, metadata, config)
+    if arch in LLAMA_ROTARIES:
+        _llama_rope(path, arch, metadata, config, tensors)
     rotary = metadata.get(f"{arch}.rope.dimension_count")
     if family.partial_and_long_rope:
         # Phi-4-mini rotates part of each head; transformers' reading drops the count.
@@ -400,7 +400,8 @@ def _mistral3_config(path: str, metadata: dict, config: dict) -> None:
         return metadata.get(f"mistral3.{name}", default)
 
     temperature = key("attention.temperature_scale")
-    rope = _yarn(path, "mistral3", metadata, config.get("rope_theta", key("rope.freq_base")), "Ministral 3's")
+    theta = config.get("rope_theta", key("rope.freq_base"))
+    rope = _yarn(path, "mistral3", metadata, theta, "Ministral 3's is yarn")
     if rope is None and temperature is None:
         config["model_type"] = "llama"  # (its rope_theta as read)
         return
@@ -414,6 +415,28 @@ def _mistral3_config(path: str, metadata: dict, config: dict) -> None:
 # The llama3 rotary's low and high frequency factors and original context of every published model with one (Llama
 # 3.1-3.3 and the models made from them): llama.cpp's converter keeps them in no key, only in rope_freqs' factors.
 LLAMA3_ROPE = (1.0, 4.0, 8192)
+# The architectures whose rotary llama.cpp writes as llama's (rope_freqs, rope.scaling.*) and transformers' reading
+# drops (mistral3's own reading takes its yarn).
+LLAMA_ROTARIES = ("llama", "smollm3", "granite", "ernie4_5")
+
+
+def _llama_rope(path: str, arch: str, metadata: dict, config: dict, tensors) -> None:
+    """A llama file's scaled rotary, which transformers' reading drops (its model would rotate by the plain
+    frequencies): llama3's from the rope_freqs tensor, a linear one (DeepSeek Coder's: positions / 4) or yarn from
+    rope.scaling.*; another scaling type is refused."""
+    if "rope_freqs.weight" in tensors:
+        _llama3_rope(path, arch, metadata, config)
+        return
+    kind = metadata.get(f"{arch}.rope.scaling.type", "none")
+    theta = config.get("rope_theta") or metadata.get(f"{arch}.rope.freq_base", 10000.0)
+    if kind == "linear":
+        config.pop("rope_theta", None)
+        config["rope_parameters"] = dict(rope_type="linear", rope_theta=theta,
+                                         factor=metadata[f"{arch}.rope.scaling.factor"])
+    elif kind != "none":
+        rope = _yarn(path, arch, metadata, theta, "a llama file's: llama3, linear or yarn")
+        config.pop("rope_theta", None)
+        config["rope_parameters"] = rope
 
 
 def _llama3_rope(path: str, arch: str, metadata: dict, config: dict) -> None:
@@ -463,7 +486,7 @@ def _olmo2_config(path: str, metadata: dict, config: dict) -> None:
         return metadata.get(f"olmo2.{name}", default)
 
     theta = config.pop("rope_theta", key("rope.freq_base"))
-    rope = _yarn(path, "olmo2", metadata, theta, "OLMo 3's")
+    rope = _yarn(path, "olmo2", metadata, theta, "OLMo 3's is yarn")
     window, pattern = key("attention.sliding_window"), key("attention.sliding_window_pattern")
     if not window:
         config.update(model_type="olmo2", rope_parameters=rope or {"rope_type": "default", "rope_theta": theta})
@@ -478,7 +501,7 @@ def _olmo2_config(path: str, metadata: dict, config: dict) -> None:
                                                          "rope_theta": key("rope.freq_base_swa", theta)}})
 
 
-def _yarn(path: str, arch: str, metadata: dict, theta: float, whose: str) -> dict | None:
+def _yarn(path: str, arch: str, metadata: dict, theta: float, known: str) -> dict | None:
     """The file's yarn rotary as transformers' rope parameters (None: no scaling; another type is refused): its
     factor, original context and betas; its attention factor as llama.cpp computes it (mscale 1, mscale_all_dim
     yarn_log_multiplier where set, else transformers' and llama.cpp's default 0.1 ln(factor) + 1)."""
@@ -491,7 +514,7 @@ def _yarn(path: str, arch: str, metadata: dict, theta: float, whose: str) -> dic
         return None
     if kind != "yarn":
         raise GGUFError(f"{path}: a {arch} file whose rotary embedding is scaled by {kind!r}, which this tool does "
-                        f"not read ({whose} is yarn)")
+                        f"not read ({known})")
     rope = dict(rope_type="yarn", rope_theta=theta, factor=key("rope.scaling.factor"),
                 original_max_position_embeddings=key("rope.scaling.original_context_length"),
                 beta_fast=key("rope.scaling.yarn_beta_fast", 32.0), beta_slow=key("rope.scaling.yarn_beta_slow", 1.0))
