@@ -899,6 +899,9 @@ CHECKPOINT_FILES = {
     # reading drops the tensor and rotated by the plain frequencies: 0.08 off in the logits of this tiny model).
     "llama3": dict(files=("llama3_checkpoint", "write_llama3_gguf"), model="LlamaForCausalLM", layers={},
                    stack=dict(head_dim=32)),
+    # Qwen3's yarn for long contexts, in rope.scaling keys that transformers' reading drops: transformers' layers.
+    "qwen3_yarn": dict(files=("qwen3_yarn_checkpoint", "write_qwen3_gguf"), model="Qwen3ForCausalLM", layers={},
+                       stack=None),
     # DeepSeek Coder's linear rotary (positions / 4), in rope.scaling keys that transformers' llama reading drops.
     "deepseek_coder": dict(files=("deepseek_coder_checkpoint", "write_llama3_gguf"), model="LlamaForCausalLM",
                            layers={}, stack=dict(head_dim=32)),

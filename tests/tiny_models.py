@@ -1396,6 +1396,31 @@ def deepseek_coder_checkpoint(out_dir: str) -> str:
                                                                "factor": 4.0})
 
 
+def qwen3_yarn_checkpoint(out_dir: str) -> str:
+    """A tiny random Qwen3 checkpoint (Qwen3ForCausalLM: q/k norms, heads of 32 over 64, tied) with the yarn rotary
+    Qwen's model cards give for long contexts (factor 4 over 32768 positions), which llama.cpp's converter writes
+    as rope.scaling keys."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = tiny_gpt2_tokenizer(out_dir)
+    config = Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=131072, initializer_range=0.15,
+        tie_word_embeddings=True, rms_norm_eps=1e-6, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 32768},
+        pad_token_id=None, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    return save_tiny(out_dir, "qwen3_yarn", Qwen3ForCausalLM, config, tokenizer)
+
+
+def write_qwen3_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
+    """The GGUF file llama.cpp's converter (Qwen3Model, a TextModel) writes of a Qwen3 checkpoint: qwen3's keys, the
+    head size, its yarn rotary's keys (add_yarn), tensors as the checkpoint holds them, Qwen's byte-level BPE."""
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        rope = json.load(f)["rope_parameters"]
+    return write_as_llama(checkpoint, path, "qwen3", qtype_name, "qwen2", permute=False,
+                          more_keys=lambda writer: add_yarn(writer, rope))
+
+
 def scaled_llama_checkpoint(out_dir: str, name: str, rope: dict) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -297,8 +297,8 @@ def complete_config(path: str, config: dict) -> None:
         _mistral3_config(path, metadata, config)
     if arch == "olmo2":
         _olmo2_config(path, metadata, config)
-    if arch in LLAMA_ROTARIES:
-        _llama_rope(path, arch, metadata, config, tensors)
+    if arch in SCALED_ROTARIES:
+        _scaled_rope(path, arch, metadata, config, tensors)
     rotary = metadata.get(f"{arch}.rope.dimension_count")
     if family.partial_and_long_rope:
         # Phi-4-mini rotates part of each head; transformers' reading drops the count.
@@ -415,15 +415,17 @@ def _mistral3_config(path: str, metadata: dict, config: dict) -> None:
 # The llama3 rotary's low and high frequency factors and original context of every published model with one (Llama
 # 3.1-3.3 and the models made from them): llama.cpp's converter keeps them in no key, only in rope_freqs' factors.
 LLAMA3_ROPE = (1.0, 4.0, 8192)
-# The architectures whose rotary llama.cpp writes as llama's (rope_freqs, rope.scaling.*) and transformers' reading
-# drops (mistral3's own reading takes its yarn).
-LLAMA_ROTARIES = ("llama", "smollm3", "granite", "ernie4_5")
+# The architectures whose scaled rotary llama.cpp writes as rope_freqs (llama3's) or rope.scaling.* (linear, yarn:
+# Qwen's long-context settings) and transformers' reading drops (mistral3's, olmo2's and gpt-oss's own readings
+# take theirs; gemma3's, phi3's are the families' rows').
+SCALED_ROTARIES = ("llama", "smollm3", "granite", "ernie4_5", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "qwen3vl",
+                   "qwen3vlmoe")
 
 
-def _llama_rope(path: str, arch: str, metadata: dict, config: dict, tensors) -> None:
-    """A llama file's scaled rotary, which transformers' reading drops (its model would rotate by the plain
-    frequencies): llama3's from the rope_freqs tensor, a linear one (DeepSeek Coder's: positions / 4) or yarn from
-    rope.scaling.*; another scaling type is refused."""
+def _scaled_rope(path: str, arch: str, metadata: dict, config: dict, tensors) -> None:
+    """A file's scaled rotary, which transformers' reading drops (its model would rotate by the plain frequencies):
+    llama3's from the rope_freqs tensor, a linear one (DeepSeek Coder's: positions / 4) or yarn (Qwen's for long
+    contexts) from rope.scaling.*; another scaling type is refused."""
     if "rope_freqs.weight" in tensors:
         _llama3_rope(path, arch, metadata, config)
         return
@@ -434,7 +436,7 @@ def _llama_rope(path: str, arch: str, metadata: dict, config: dict, tensors) -> 
         config["rope_parameters"] = dict(rope_type="linear", rope_theta=theta,
                                          factor=metadata[f"{arch}.rope.scaling.factor"])
     elif kind != "none":
-        rope = _yarn(path, arch, metadata, theta, "a llama file's: llama3, linear or yarn")
+        rope = _yarn(path, arch, metadata, theta, "its architecture's: llama3, linear or yarn")
         config.pop("rope_theta", None)
         config["rope_parameters"] = rope
 
