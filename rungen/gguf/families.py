@@ -1,6 +1,7 @@
 """The model families the GGUF runtime computes, one row each: what a family differs in from llama's decoder
 (pre-norm rotary attention, then a gated MLP). A row names where transformers' layer holds each part (decoder.py),
-the parts' weights in a file (model.py) and what the metadata adds to the config (file.py).
+the parts' weights in a file (model.py) and what the metadata adds to the config (file.py). Below the table: the
+architectures whose files are read as another's (READ_AS, MODEL_OF).
 """
 
 from __future__ import annotations
@@ -108,14 +109,13 @@ FAMILIES = {family.model_type: family for family in (
            extra_config_keys=(("attention.scale", "attention_multiplier"), ("embedding_scale", "embedding_multiplier"),
                               ("residual_scale", "residual_multiplier"), ("logit_scale", "logits_scaling"))),
 )}
-# Architectures transformers' GGUF reading does not know, whose files llama.cpp writes with the keys, tensor names and
-# q/k permutation of another's: SmolLM3's (a llama whose every fourth layer has no rotary, SmolLM3Config's default,
-# as llama.cpp fixes it) and Granite 3's (a llama with multipliers, which the families' row reads from their keys),
-# read as a llama file into transformers' own class of the architecture; mistral3's into Ministral 3's text model, or
-# llama's where it has no rotary scaling (Mistral Small 3.x's: file.py's _mistral3_config). Their q/k rows are
-# permuted as the architecture read as permutes them. Gemma (1)'s as Gemma 2's (its keys, its norms stored as
-# 1 + weight) into transformers' Gemma. OLMo 2's and 3's (olmo2: llama's keys, its q/k rows as the
-# checkpoint's, as qwen3's are) into OLMo 2's or OLMo 3's (file.py's _olmo2_config).
+# Architectures transformers' GGUF reading does not know, whose files llama.cpp writes with another's keys, tensor
+# names and q/k layout: read as that one (its config keys, fixed values and tensor processor; the own model
+# un-permutes q/k as it does) into the class of the model each was written from, with what file.py's complete_config
+# adds. smollm3 (every fourth layer without rotary, SmolLM3Config's default) and granite (its multipliers, by the
+# families' row) as llama's; mistral3 as llama's into Ministral 3's text model, or llama's where it has no rotary
+# scaling (Mistral Small 3.x's); gemma (1) as gemma2's (norms stored as 1 + weight); olmo2 with llama's keys and its
+# rows as the checkpoint's (qwen3's) into OLMo 2's or, with a window, OLMo 3's.
 READ_AS = {"smollm3": "llama", "granite": "llama", "mistral3": "llama", "olmo2": "qwen3", "gemma": "gemma2"}
 # Architectures whose (text) model computes another's, read as that one into its model: Qwen3-VL's decoder is Qwen3's
 # (a text prompt's positions, the same on each axis of its interleaved MRoPE, rotate as Qwen3's one axis does; its

@@ -432,9 +432,11 @@ def _scaled_rope(path: str, arch: str, metadata: dict, config: dict, tensors) ->
     kind = metadata.get(f"{arch}.rope.scaling.type", "none")
     theta = config.get("rope_theta") or metadata.get(f"{arch}.rope.freq_base", 10000.0)
     if kind == "linear":
+        factor = metadata.get(f"{arch}.rope.scaling.factor")
+        if factor is None:
+            raise GGUFError(f"{path}: a linearly scaled rotary without its factor ({arch}.rope.scaling.factor)")
         config.pop("rope_theta", None)
-        config["rope_parameters"] = dict(rope_type="linear", rope_theta=theta,
-                                         factor=metadata[f"{arch}.rope.scaling.factor"])
+        config["rope_parameters"] = dict(rope_type="linear", rope_theta=theta, factor=factor)
     elif kind != "none":
         rope = _yarn(path, arch, metadata, theta, "its architecture's: llama3, linear or yarn")
         config.pop("rope_theta", None)
