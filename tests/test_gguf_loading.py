@@ -935,6 +935,12 @@ CHECKPOINT_FILES = {
     # as llama.cpp's permuted llama rows are turned), fused and stacked.
     "ernie4_5": dict(files=("ernie4_5_checkpoint", "write_ernie4_5_gguf"), model="LlamaForCausalLM", layers={},
                      stack=dict(head_dim=32)),
+    # EXAONE 4's norms after the attention and the MLP, q/k norms per head, three sliding layers in four with full
+    # ones without rotary, its llama3 rotary in rope_freqs: transformers' layers over the blocks.
+    "exaone4": dict(files=("exaone4_checkpoint", "write_exaone4_gguf"), model="Exaone4ForCausalLM", layers={},
+                    stack=None),
+    "exaone4_global": dict(files=("exaone4_global_checkpoint", "write_exaone4_gguf"), model="Exaone4ForCausalLM",
+                           layers={}, stack=None),
     # OLMo 2's norms after the attention and the MLP (none before), q and k normalized over all their heads; OLMo
     # 3's sliding layers beside every fourth full one with its yarn rotary (the F32 file's prompt crosses the
     # window and the original context twice): transformers' layers over the blocks, their steps native.

@@ -1438,16 +1438,21 @@ def write_llama3_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> st
     permutation, and its llama3 rotary in no key but as the rope_freqs tensor of frequency factors
     (generate_extra_tensors: 1 for the fast frequencies, the factor for the slow ones, the smooth ramp between); of
     another scaled rotary (DeepSeek Coder's linear one) its rope.scaling keys, as TextModel writes them."""
-    import math
-
-    import numpy as np
-
     with open(os.path.join(checkpoint, "config.json")) as f:
         config = json.load(f)
     rope, dim = config["rope_parameters"], config["hidden_size"] // config["num_attention_heads"]
     if rope["rope_type"] == "linear":
         return write_as_llama(checkpoint, path, "llama", qtype_name, "deepseek-coder", more_keys=lambda writer: (
             writer.add_rope_scaling_type(gguf_rope_type("linear")), writer.add_rope_scaling_factor(rope["factor"])))
+    return write_as_llama(checkpoint, path, "llama", qtype_name, "llama-bpe", more_keys=lambda writer: (
+        writer.add_tensor("rope_freqs.weight", llama3_factors(rope, dim))))
+
+
+def llama3_factors(rope: dict, dim: int):
+    """The rope_freqs tensor llama.cpp's converter writes of a llama3 rotary over heads of `dim`
+    (LlamaModel.generate_extra_tensors: 1 for the fast frequencies, the factor for the slow, the ramp between)."""
+    import math
+
     freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     low, high, old, factor = (rope[name] for name in ("low_freq_factor", "high_freq_factor",
                                                        "original_max_position_embeddings", "factor"))
@@ -1461,11 +1466,50 @@ def write_llama3_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> st
         else:
             smooth = (old / wavelength - low) / (high - low)
             factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(factors, dtype=torch.float32).numpy()
+
+
+def exaone4_checkpoint(out_dir: str, sliding: bool = True) -> str:
+    """A tiny random EXAONE 4 checkpoint (Exaone4ForCausalLM) in `out_dir`: EXAONE-4.0-32B's layout 64 wide (4 heads
+    of 16 over 2, norms after the attention and the MLP and none before, q and k normalized per head), three
+    sliding layers of every four (a window of 4, the published 4096 scaled down) whose full ones have no rotary, its
+    llama3 rotary (factor 16, low and high frequency factors 1 and 4 over 8192 positions, base 1e6), untied.
+    `sliding` False: EXAONE-4.0-1.2B's every layer full, with rotary."""
+    from transformers import Exaone4Config, Exaone4ForCausalLM
+
+    tokenizer = tiny_gpt2_tokenizer(out_dir)
+    config = Exaone4Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=131072, initializer_range=0.15, tie_word_embeddings=False,
+        rms_norm_eps=1e-5, sliding_window=4 if sliding else None,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"] if sliding else ["full_attention"] * 4,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 1000000.0, "factor": 16.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        pad_token_id=None, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    return save_tiny(out_dir, "exaone4" if sliding else "exaone4_global", Exaone4ForCausalLM, config, tokenizer)
+
+
+def exaone4_global_checkpoint(out_dir: str) -> str:
+    """exaone4_checkpoint's 1.2B: every layer full."""
+    return exaone4_checkpoint(out_dir, sliding=False)
+
+
+def write_exaone4_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
+    """The GGUF file llama.cpp's converter (conversion/exaone.py's Exaone4Model, a TextModel) writes of an EXAONE 4
+    checkpoint: the text shape, rope base, norm epsilon and vocabulary size under the exaone4 architecture, its
+    sliding window and layers' pattern, its llama3 rotary as the rope_freqs tensor (as LlamaModel writes it), the
+    tensors as the checkpoint holds them (no q/k permutation)."""
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        config = json.load(f)
 
     def keys(writer):
-        writer.add_tensor("rope_freqs.weight", np.asarray(torch.tensor(factors, dtype=torch.float32).numpy()))
+        if config.get("sliding_window") is not None:
+            writer.add_sliding_window(config["sliding_window"])
+            writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config["layer_types"]])
+        dim = config["hidden_size"] // config["num_attention_heads"]
+        writer.add_tensor("rope_freqs.weight", llama3_factors(config["rope_parameters"], dim))
 
-    return write_as_llama(checkpoint, path, "llama", qtype_name, "llama-bpe", more_keys=keys)
+    return write_as_llama(checkpoint, path, "exaone4", qtype_name, "exaone4", more_keys=keys, permute=False)
 
 
 def gemma_checkpoint(out_dir: str) -> str:

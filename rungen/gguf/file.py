@@ -297,6 +297,8 @@ def complete_config(path: str, config: dict) -> None:
         _mistral3_config(path, metadata, config)
     if arch == "olmo2":
         _olmo2_config(path, metadata, config)
+    if arch == "exaone4":
+        _exaone4_config(metadata, config)
     if arch in SCALED_ROTARIES:
         _scaled_rope(path, arch, metadata, config, tensors)
     rotary = metadata.get(f"{arch}.rope.dimension_count")
@@ -419,7 +421,7 @@ LLAMA3_ROPE = (1.0, 4.0, 8192)
 # Qwen's long-context settings) and transformers' reading drops (mistral3's, olmo2's and gpt-oss's own readings
 # take theirs; gemma3's, phi3's are the families' rows').
 SCALED_ROTARIES = ("llama", "smollm3", "granite", "ernie4_5", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "qwen3vl",
-                   "qwen3vlmoe")
+                   "qwen3vlmoe", "exaone4")
 
 
 def _scaled_rope(path: str, arch: str, metadata: dict, config: dict, tensors) -> None:
@@ -503,6 +505,20 @@ def _olmo2_config(path: str, metadata: dict, config: dict) -> None:
                   rope_parameters={"full_attention": rope or {"rope_type": "default", "rope_theta": theta},
                                    "sliding_attention": {"rope_type": "default",
                                                          "rope_theta": key("rope.freq_base_swa", theta)}})
+
+
+def _exaone4_config(metadata: dict, config: dict) -> None:
+    """llama.cpp's exaone4 files as EXAONE 4's: its sliding layers by attention.sliding_window_pattern (every fourth
+    full where it has none) where the file has a window (32B's: its full layers then without rotary, as the model
+    computes them), else every layer full (1.2B's; Exaone4Config's default window would make its layers slide)."""
+    window = metadata.get("exaone4.attention.sliding_window")
+    layers = config["num_hidden_layers"]
+    pattern = metadata.get("exaone4.attention.sliding_window_pattern")
+    if window and not (isinstance(pattern, list) and len(pattern) == layers):
+        pattern = [(index + 1) % 4 != 0 for index in range(layers)]
+    config.update(sliding_window=window or None, sliding_window_pattern=4 if window else 0,
+                  layer_types=["sliding_attention" if window and pattern[index] else "full_attention"
+                               for index in range(layers)])
 
 
 def _yarn(path: str, arch: str, metadata: dict, theta: float, known: str) -> dict | None:
