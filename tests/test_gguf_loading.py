@@ -941,6 +941,9 @@ CHECKPOINT_FILES = {
                     stack=None),
     "exaone4_global": dict(files=("exaone4_global_checkpoint", "write_exaone4_gguf"), model="Exaone4ForCausalLM",
                            layers={}, stack=None),
+    # GLM-4-0414's partial pairwise rotary (half of each head), q/k/v biases, gate and up one projection, norms after
+    # the attention and the MLP too: transformers' layers over the blocks.
+    "glm4": dict(files=("glm4_checkpoint", "write_glm4_gguf"), model="Glm4ForCausalLM", layers={}, stack=None),
     # OLMo 2's norms after the attention and the MLP (none before), q and k normalized over all their heads; OLMo
     # 3's sliding layers beside every fourth full one with its yarn rotary (the F32 file's prompt crosses the
     # window and the original context twice): transformers' layers over the blocks, their steps native.

@@ -390,13 +390,22 @@ def test_a_reply_ends_at_the_end_of_its_turn_as_in_llama_cpp(headers, tmp_path):
 
 
 def test_a_pre_tokenizer_without_a_split_here_is_said(tmp_path, caplog):
-    # GLM-4's files name a split the tool does not have: its text is split as transformers splits it, and the
+    # DeepSeek V3's files name a split the tool does not have: its text is split as transformers splits it, and the
     # header's read says so, naming the value
-    fields = [(key, "glm4" if key == "tokenizer.ggml.pre" else value, *types)
+    fields = [(key, "deepseek-v3" if key == "tokenizer.ggml.pre" else value, *types)
               for key, value, *types in default_tokenizer_fields(default_model_file(), VOCAB)]
-    path = write_llama_gguf(tmp_path / "glm.gguf", fields, **LLAMA_FILES["q4_0_untied"])
+    path = write_llama_gguf(tmp_path / "ds.gguf", fields, **LLAMA_FILES["q4_0_untied"])
     with caplog.at_level("WARNING", logger="run_generation"):
         GGUFHeader(path)
     said = [record.getMessage() for record in caplog.records if "tokenizer.ggml.pre" in record.getMessage()]
-    assert said == ["glm.gguf: its tokenizer.ggml.pre 'glm4' has no split here: its text is split as GPT-2's, as "
-                    "transformers splits it, which llama.cpp does not"]
+    assert said == ["ds.gguf: its tokenizer.ggml.pre 'deepseek-v3' has no split here: its text is split as GPT-2's, "
+                    "as transformers splits it, which llama.cpp does not"]
+
+
+def test_glm4s_split_is_llama_cpps():
+    # llama.cpp's CHATGLM4 split (GLM-4's and GLM-5's files): contractions in either case, letters with what precedes
+    # them, numerals by three, a space before a numeral alone
+    from rungen.gguf.splits import pre_tokenizer
+
+    pieces = [piece for piece, _ in pre_tokenizer("glm4").pre_tokenize_str("Hello WORLD'S 12345!\n\nok")]
+    assert pieces == ["Hello", "ĠWORLD", "'S", "Ġ", "123", "45", "!ĊĊ", "ok"]

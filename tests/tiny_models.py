@@ -1512,6 +1512,33 @@ def write_exaone4_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> s
     return write_as_llama(checkpoint, path, "exaone4", qtype_name, "exaone4", more_keys=keys, permute=False)
 
 
+def glm4_checkpoint(out_dir: str) -> str:
+    """A tiny random GLM-4-0414 checkpoint (Glm4ForCausalLM) in `out_dir`: GLM-4-9B's layout 64 wide (4 heads of 32
+    over 2, q/k/v biases), half of each head rotated pair by pair (partial_rotary_factor 0.5; the base 1e5, not the
+    class's 1e4), gate and up one projection, norms after the attention and the MLP besides those before, untied."""
+    from transformers import Glm4Config, Glm4ForCausalLM
+
+    tokenizer = tiny_gpt2_tokenizer(out_dir)
+    config = Glm4Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=512, initializer_range=0.15,
+        tie_word_embeddings=False, rms_norm_eps=1e-5, attention_bias=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0, "partial_rotary_factor": 0.5},
+        pad_token_id=None, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    return save_tiny(out_dir, "glm4", Glm4ForCausalLM, config, tokenizer)
+
+
+def write_glm4_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
+    """The GGUF file llama.cpp's converter (conversion/glm.py's Glm4Model, a TextModel) writes of a GLM-4-0414
+    checkpoint: the text shape, head size, rope base and norm epsilon under the glm4 architecture, the rotated share
+    of a head as rope.dimension_count, the tensors as the checkpoint holds them (gate and up one ffn_up), GLM's
+    byte-level BPE (pre glm4)."""
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        config = json.load(f)
+    rotary = int(config["head_dim"] * config["rope_parameters"]["partial_rotary_factor"])
+    return write_as_llama(checkpoint, path, "glm4", qtype_name, "glm4", permute=False, rotary=rotary)
+
+
 def gemma_checkpoint(out_dir: str) -> str:
     """A tiny random Gemma (1) checkpoint (GemmaForCausalLM) in `out_dir`: gemma-7b's layout 64 wide (4 heads of 32
     over 4: wider than hidden / heads, as its 16 heads of 256 over 3072), GELU-tanh gate, tied embeddings scaled by
@@ -1602,13 +1629,14 @@ def add_bpe_vocabulary(writer, checkpoint: str, pre: str) -> None:
 
 def write_as_llama(checkpoint: str, path: str, architecture: str, qtype_name: str, pre: str,
                    scales: dict | None = None, more_keys=None, permute: bool = True,
-                   norms_plus_one: bool = False) -> str:
+                   norms_plus_one: bool = False, rotary: int | None = None) -> str:
     """What llama.cpp's LlamaModel converter writes of a llama-shaped checkpoint under `architecture`: the text
     shape, rope base, norm epsilon, the head size where the config names one, file type, vocabulary size and rotary
     width, `scales` as float32 keys under the architecture and what `more_keys(writer)` adds, a GPT-2 style BPE
     vocabulary (tokenizer.ggml.pre `pre`), q and k permuted for its interleaved rotary (`permute` False: as they are,
     as a TextModel's converter leaves them), no output.weight where tied, each norm's weight plus one where
-    `norms_plus_one` (gemma's converter); matrices in `qtype_name` (F32, or Q8_0 as --outtype q8_0 writes them)."""
+    `norms_plus_one` (gemma's converter), `rotary` the rotated share of a head where not all; matrices in
+    `qtype_name` (F32, or Q8_0 as --outtype q8_0 writes them)."""
 
     import gguf
     import numpy as np
@@ -1627,7 +1655,7 @@ def write_as_llama(checkpoint: str, path: str, architecture: str, qtype_name: st
     if config.get("head_dim"):
         writer.add_key_length(config["head_dim"])
         writer.add_value_length(config["head_dim"])
-    writer.add_rope_dimension_count(config.get("head_dim") or config["hidden_size"] // heads)
+    writer.add_rope_dimension_count(rotary or config.get("head_dim") or config["hidden_size"] // heads)
     for key, value in (scales or {}).items():
         writer.add_float32(f"{architecture}.{key}", value)
     if more_keys is not None:

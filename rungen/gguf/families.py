@@ -114,10 +114,11 @@ FAMILIES = {family.model_type: family for family in (
 # un-permutes q/k as it does) into the class of the model each was written from, with what file.py's complete_config
 # adds. smollm3 (every fourth layer without rotary, SmolLM3Config's default) and granite (its multipliers, by the
 # families' row) as llama's; mistral3 as llama's into Ministral 3's text model, or llama's where it has no rotary
-# scaling (Mistral Small 3.x's); gemma (1) as gemma2's (norms stored as 1 + weight); olmo2 and exaone4 with llama's
-# keys and their rows as the checkpoint's (qwen3's) into OLMo 2's or, with a window, OLMo 3's, and EXAONE 4's.
+# scaling (Mistral Small 3.x's); gemma (1) as gemma2's (norms stored as 1 + weight); olmo2, exaone4 and glm4 with
+# llama's keys and their rows as the checkpoint's (qwen3's) into OLMo 2's or, with a window, OLMo 3's, EXAONE 4's and
+# GLM-4's (its partial rotary from rope.dimension_count).
 READ_AS = {"smollm3": "llama", "granite": "llama", "mistral3": "llama", "olmo2": "qwen3", "gemma": "gemma2",
-           "exaone4": "qwen3"}
+           "exaone4": "qwen3", "glm4": "qwen3"}
 # Architectures whose (text) model computes another's, read as that one into its model: Qwen3-VL's decoder is Qwen3's
 # (a text prompt's positions, the same on each axis of its interleaved MRoPE, rotate as Qwen3's one axis does; its
 # deepstack adds only to image tokens; the vision towers come in llama.cpp's separate mmproj files, not read), and

@@ -299,6 +299,11 @@ def complete_config(path: str, config: dict) -> None:
         _olmo2_config(path, metadata, config)
     if arch == "exaone4":
         _exaone4_config(metadata, config)
+    if arch == "glm4":  # GLM-4-0414's: a partial rotary (half of each head), which transformers' reading drops
+        rotary, head_dim = metadata.get("glm4.rope.dimension_count"), config.get("head_dim")
+        theta = config.pop("rope_theta", metadata.get("glm4.rope.freq_base", 10000.0))
+        config["rope_parameters"] = {"rope_type": "default", "rope_theta": theta,
+                                     "partial_rotary_factor": rotary / head_dim if rotary and head_dim else 0.5}
     if arch in SCALED_ROTARIES:
         _scaled_rope(path, arch, metadata, config, tensors)
     rotary = metadata.get(f"{arch}.rope.dimension_count")

@@ -40,6 +40,10 @@ SPLITS = {
     "default": (r"[\p{P}\$\+<=>\^~\|]+", GPT2, r"\p{N}+", "[0-9][0-9][0-9]"),  # llama.cpp's, where a file says so
     **dict.fromkeys(("poro-chat", "bloom", "gpt3-finnish"), (PORO,)),
     "viking": (PORO, r"\p{N}"),
+    # GLM-4's (and GLM-5's): llama 3's, numerals by three, contractions spelled in both cases
+    **dict.fromkeys(("glm4", "glm5", "chatglm-bpe"), (
+        r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+        r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",)),
     "seed-coder": (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}"
                    r"| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+|\s+(?!\S)|\s+",),
 }
