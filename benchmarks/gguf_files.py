@@ -77,7 +77,11 @@ FAMILIES = {
     # OLMo-2-0425-1B: norms after the attention and the MLP (none before), q and k normalized over all their heads,
     # untied; llama.cpp's olmo2 files.
     "olmo2": dict(arch="olmo2", layers=16, hidden=2048, ffn=8192, heads=16, kv_heads=16, head_dim=128,
-                  rope_base=500000.0, eps=1e-6, tied=False, post_norms=True),
+                  rope_base=500000.0, eps=1e-6, tied=False, post_norms=True, qk_norm="all heads"),
+    # EXAONE-4.0-1.2B: OLMo 2's norms after the attention and the MLP alone, q and k normalized per head, every
+    # layer full (32B's windows are not its); llama.cpp's exaone4 files.
+    "exaone4": dict(arch="exaone4", layers=30, hidden=2048, ffn=4096, heads=32, kv_heads=8, head_dim=64,
+                    rope_base=1000000.0, eps=1e-5, tied=True, post_norms=True, qk_norm=True),
     # Phi-3-mini-4k (3.8B, the smallest published phi3 model): q/k/v in one attn_qkv, gate and up in one ffn_up,
     # heads of 96; its sliding_window key (2047) is what llama.cpp's converter writes and both runtimes ignore.
     "phi3": dict(arch="phi3", layers=32, hidden=3072, ffn=8192, heads=32, kv_heads=32, head_dim=96,
@@ -446,12 +450,12 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
             norms = ("post_attention_norm", "post_ffw_norm")
         for norm in norms:
             writer.add_tensor(f"blk.{layer}.{norm}.weight", np.ones(hidden, dtype=np.float32))
-        if shape.get("qk_norm"):
-            for norm in ("attn_q_norm", "attn_k_norm"):
-                writer.add_tensor(f"blk.{layer}.{norm}.weight", np.ones(hd, dtype=np.float32))
-        if shape.get("post_norms"):  # over all of q's and k's heads
+        if shape.get("qk_norm") == "all heads":  # (OLMo 2's: over all of q's and k's heads)
             writer.add_tensor(f"blk.{layer}.attn_q_norm.weight", np.ones(q_rows, dtype=np.float32))
             writer.add_tensor(f"blk.{layer}.attn_k_norm.weight", np.ones(kv_rows, dtype=np.float32))
+        elif shape.get("qk_norm"):
+            for norm in ("attn_q_norm", "attn_k_norm"):
+                writer.add_tensor(f"blk.{layer}.{norm}.weight", np.ones(hd, dtype=np.float32))
         if shape.get("fused"):
             parts = (("attn_qkv", q_rows + 2 * kv_rows, hidden), ("attn_output", hidden, q_rows),
                      ("ffn_up", 2 * ffn, hidden), ("ffn_down", hidden, ffn))

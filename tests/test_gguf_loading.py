@@ -936,11 +936,12 @@ CHECKPOINT_FILES = {
     "ernie4_5": dict(files=("ernie4_5_checkpoint", "write_ernie4_5_gguf"), model="LlamaForCausalLM", layers={},
                      stack=dict(head_dim=32)),
     # EXAONE 4's norms after the attention and the MLP, q/k norms per head, three sliding layers in four with full
-    # ones without rotary, its llama3 rotary in rope_freqs: transformers' layers over the blocks.
+    # ones without rotary, its llama3 rotary in rope_freqs: transformers' layers over the blocks, their steps native.
     "exaone4": dict(files=("exaone4_checkpoint", "write_exaone4_gguf"), model="Exaone4ForCausalLM", layers={},
-                    stack=None),
+                    stack=None, native=dict(self_attn="NativeExaone4Attention", mlp="NativeGatedMLP")),
     "exaone4_global": dict(files=("exaone4_global_checkpoint", "write_exaone4_gguf"), model="Exaone4ForCausalLM",
-                           layers={}, stack=None),
+                           layers={}, stack=None,
+                           native=dict(self_attn="NativeExaone4Attention", mlp="NativeGatedMLP")),
     # GLM-4-0414's partial pairwise rotary (half of each head), q/k/v biases, gate and up one projection, norms after
     # the attention and the MLP too: transformers' layers over the blocks.
     "glm4": dict(files=("glm4_checkpoint", "write_glm4_gguf"), model="Glm4ForCausalLM", layers={}, stack=None),

@@ -1,9 +1,9 @@
 """transformers' own decoder layers over a GGUF file's blocks, for the families FusedDecoderLayer does not take
-(gpt-oss's, Gemma 4's, OLMo 2's and 3's, Ministral 3's), with their small steps on the native kernels on the CPU:
-the attention (native_attention, over a cache growing in place; q/k/v one product, their rotation (Gemma 4's: and
-per-head norms; OLMo's norms over all heads before it) one rope_split call), each RMSNorm one rms_norm call, a gated
-MLP's gate and up one product and its activation one call. The arithmetic is transformers' within float32 rounding
-(a norm's 1 / sqrt where Gemma 4 takes pow(-0.5), sums in another order).
+(gpt-oss's, Gemma 4's, OLMo 2's and 3's, Ministral 3's, EXAONE 4's), with their small steps on the native kernels on
+the CPU: the attention (native_attention, over a cache growing in place; q/k/v one product, their rotation (Gemma 4's
+and EXAONE 4's: and per-head norms; OLMo's norms over all heads before it) one rope_split call), each RMSNorm one
+rms_norm call, a gated MLP's gate and up one product and its activation one call. The arithmetic is transformers'
+within float32 rounding (a norm's 1 / sqrt where Gemma 4 takes pow(-0.5), sums in another order).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 from ..host_memory import release_freed_memory
 from .blocks import GGMLLinear, join
-from .decoder import ACTIVATIONS
+from .decoder import ACTIVATIONS, unrotated
 from .kernels import native_kernels
 
 # The attention interface name transformers' layers find native_attention under (and the eager masks it takes).
@@ -20,17 +20,18 @@ NATIVE_ATTENTION = "rungen_attend"
 
 # The models of transformers' layers over blocks whose small steps this module takes.
 NATIVE_STEPS_MODELS = ("GptOssForCausalLM", "Gemma4ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
-                       "Ministral3ForCausalLM")
+                       "Ministral3ForCausalLM", "Exaone4ForCausalLM")
 # Their RMSNorm classes: x / sqrt(mean(x^2) + eps) times the weight (none: 1), in float32.
-NORMS = ("GptOssRMSNorm", "Gemma4RMSNorm", "Olmo2RMSNorm", "Olmo3RMSNorm", "Ministral3RMSNorm")
+NORMS = ("GptOssRMSNorm", "Gemma4RMSNorm", "Olmo2RMSNorm", "Olmo3RMSNorm", "Ministral3RMSNorm", "Exaone4RMSNorm")
 # Their dense gated MLPs: down(act(gate(x)) * up(x)).
-GATED_MLPS = ("Gemma4TextMLP", "Olmo2MLP", "Olmo3MLP", "Ministral3MLP")
-# Their attentions NativeGemma4Attention, NativeGptOssAttention, NativeOlmoAttention and NativeMinistral3Attention
-# compute.
+GATED_MLPS = ("Gemma4TextMLP", "Olmo2MLP", "Olmo3MLP", "Ministral3MLP", "Exaone4MLP")
+# Their attentions NativeGemma4Attention, NativeGptOssAttention, NativeOlmoAttention, NativeMinistral3Attention and
+# NativeExaone4Attention compute.
 GEMMA4_ATTENTIONS = ("Gemma4TextAttention",)
 GPT_OSS_ATTENTIONS = ("GptOssAttention",)
 OLMO_ATTENTIONS = ("Olmo2Attention", "Olmo3Attention")
 MINISTRAL3_ATTENTIONS = ("Ministral3Attention",)
+EXAONE4_ATTENTIONS = ("Exaone4Attention",)
 
 
 def native_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
@@ -195,11 +196,39 @@ class NativeMinistral3Attention(torch.nn.Module):
         return a.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), None
 
 
+class NativeExaone4Attention(torch.nn.Module):
+    """EXAONE 4's attention (Exaone4Attention) over blocks: q, k and v one product (`qkv`), split, q and k normalized
+    per head and rotated in one rope_split call (a full layer beside sliding ones turned by cos 1 and sin 0: no
+    rotary, as the module skips it), then the cache, native_attention (a sliding layer's window) and o_proj as the
+    module does."""
+
+    def __init__(self, attention: torch.nn.Module, qkv: torch.nn.Module):
+        super().__init__()
+        self.attention, self.qkv = attention, qkv
+        self.heads = attention.config.num_attention_heads
+        self.kv_heads = attention.config.num_key_value_heads
+        self.rotates = attention.sliding_window is None or attention.is_sliding
+        attention.q_proj = attention.k_proj = attention.v_proj = None  # (their rows are qkv's)
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask, past_key_values=None,
+                **kwargs):
+        a = self.attention
+        cos, sin = position_embeddings if self.rotates else unrotated(position_embeddings)
+        q, key_states, value_states = torch.ops.rungen_ggml.rope_split(
+            self.qkv(hidden_states), cos, sin, self.heads, self.kv_heads, a.q_norm.weight, a.k_norm.weight,
+            a.q_norm.eps)
+        if past_key_values is not None:
+            key_states, value_states = past_key_values.update(key_states, value_states, a.layer_idx)
+        out, _ = native_attention(a, q, key_states, value_states, attention_mask, a.scaling,
+                                  sliding_window=a.sliding_window if a.is_sliding else None)
+        return a.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), None
+
+
 def steps_natively(model: torch.nn.Module) -> bool:
     """Gives a model of NATIVE_STEPS_MODELS native_attention and a cache that grows in place (rungen.kvcache's
     new_cache), its norms NativeRMSNorm, its gated MLPs and attentions over blocks NativeGatedMLP and
-    NativeGemma4Attention, NativeGptOssAttention, NativeOlmoAttention or NativeMinistral3Attention, where the native
-    kernels are; returns whether. A module at a
+    NativeGemma4Attention, NativeGptOssAttention, NativeOlmoAttention, NativeMinistral3Attention or
+    NativeExaone4Attention, where the native kernels are; returns whether. A module at a
     time: its joined products' old blocks go, their pages given back, before the next are joined."""
     if not native_kernels() or type(model).__name__ not in NATIVE_STEPS_MODELS:
         return False
@@ -229,7 +258,7 @@ def steps_natively(model: torch.nn.Module) -> bool:
                 release_freed_memory()  # (the separate blocks' pages back before the next join)
     names = [name for name, module in model.named_modules()  # (their norms native by now)
              if type(module).__name__ in GEMMA4_ATTENTIONS + GPT_OSS_ATTENTIONS + OLMO_ATTENTIONS
-             + MINISTRAL3_ATTENTIONS]
+             + MINISTRAL3_ATTENTIONS + EXAONE4_ATTENTIONS]
     for name in names:
         module = model.get_submodule(name)
         if type(module).__name__ in GEMMA4_ATTENTIONS:
@@ -243,7 +272,8 @@ def steps_natively(model: torch.nn.Module) -> bool:
             qkv = join(parts) if all(type(part) is GGMLLinear for part in parts) else None
             if qkv is not None:
                 native = {**dict.fromkeys(OLMO_ATTENTIONS, NativeOlmoAttention),
-                          **dict.fromkeys(MINISTRAL3_ATTENTIONS, NativeMinistral3Attention)}.get(
+                          **dict.fromkeys(MINISTRAL3_ATTENTIONS, NativeMinistral3Attention),
+                          **dict.fromkeys(EXAONE4_ATTENTIONS, NativeExaone4Attention)}.get(
                     type(module).__name__, NativeGptOssAttention)
                 model.set_submodule(name, native(module, qkv))
         del module, parts
