@@ -289,21 +289,8 @@ def complete_config(path: str, config: dict) -> None:
         config["rope_scaling"] = {"rope_type": "linear", "factor": metadata[f"{arch}.rope.scaling.factor"]}
     if arch in READ_AS:  # (its config class's default padding token is its published model's, maybe past this file's)
         config.setdefault("pad_token_id", None)
-    if arch == "gemma4":
-        _gemma4_config(path, metadata, tensors, config)
-    if arch == "gpt-oss":
-        _gpt_oss_config(path, metadata, config)
-    if arch == "mistral3":
-        _mistral3_config(path, metadata, config)
-    if arch == "olmo2":
-        _olmo2_config(path, metadata, config)
-    if arch == "exaone4":
-        _exaone4_config(metadata, config)
-    if arch == "glm4":  # GLM-4-0414's: a partial rotary (half of each head), which transformers' reading drops
-        rotary, head_dim = metadata.get("glm4.rope.dimension_count"), config.get("head_dim")
-        theta = config.pop("rope_theta", metadata.get("glm4.rope.freq_base", 10000.0))
-        config["rope_parameters"] = {"rope_type": "default", "rope_theta": theta,
-                                     "partial_rotary_factor": rotary / head_dim if rotary and head_dim else 0.5}
+    if arch in ARCHITECTURE_CONFIGS:
+        ARCHITECTURE_CONFIGS[arch](path, metadata, tensors, config)
     if arch in SCALED_ROTARIES:
         _scaled_rope(path, arch, metadata, config, tensors)
     rotary = metadata.get(f"{arch}.rope.dimension_count")
@@ -369,7 +356,7 @@ def _gemma4_config(path: str, metadata: dict, tensors, config: dict) -> None:
         config["final_logit_softcapping"] = key("final_logit_softcapping")
 
 
-def _gpt_oss_config(path: str, metadata: dict, config: dict) -> None:
+def _gpt_oss_config(path: str, metadata: dict, tensors, config: dict) -> None:
     """What llama.cpp's converter writes of gpt-oss's config and transformers' reading leaves at GptOssConfig's
     defaults (gpt-oss-20b's) or misreads (MISREAD_KEYS): the head size, the sliding window, the yarn rotary. The
     window's layers (every other, the first sliding) and the clamped SwiGLU's constants are llama.cpp's fixed ones,
@@ -380,25 +367,14 @@ def _gpt_oss_config(path: str, metadata: dict, config: dict) -> None:
 
     config["head_dim"] = key("attention.key_length", config.get("head_dim"))
     config["sliding_window"] = key("attention.sliding_window", config.get("sliding_window"))
-    rope = {"rope_type": "default", "rope_theta": key("rope.freq_base", 150000.0)}
-    kind = key("rope.scaling.type", "none")
-    if kind == "yarn":
-        # gpt-oss's own config keeps yarn's ramp unrounded (truncate false); llama.cpp's rotary rounds its ends
-        rope.update(rope_type="yarn", factor=key("rope.scaling.factor"), truncate=False,
-                    original_max_position_embeddings=key("rope.scaling.original_context_length"),
-                    beta_fast=key("rope.scaling.yarn_beta_fast", 32.0),
-                    beta_slow=key("rope.scaling.yarn_beta_slow", 1.0))
-        if None in rope.values():
-            raise GGUFError(f"{path}: a yarn rotary without its factor or original context length "
-                            "(gpt-oss.rope.scaling.factor, original_context_length)")
-    elif kind != "none":
-        raise GGUFError(f"{path}: its rotary embedding is scaled by {kind!r}, which this tool does not read from a "
-                        "gpt-oss GGUF file")
+    theta = key("rope.freq_base", 150000.0)
+    yarn = _yarn(path, "gpt-oss", metadata, theta, "gpt-oss's is yarn")
+    # gpt-oss's own config keeps yarn's ramp unrounded (truncate false); llama.cpp's rotary rounds its ends
     config.pop("rope_theta", None)
-    config["rope_parameters"] = rope
+    config["rope_parameters"] = dict(yarn, truncate=False) if yarn else {"rope_type": "default", "rope_theta": theta}
 
 
-def _mistral3_config(path: str, metadata: dict, config: dict) -> None:
+def _mistral3_config(path: str, metadata: dict, tensors, config: dict) -> None:
     """llama.cpp's mistral3 files as the model they were written from: Ministral 3's (its yarn rotary, and its
     queries' temperature past the original context, llama 4's scaling: attention.temperature_scale) Ministral3's
     text model; one without either (Mistral Small 3.x as llama.cpp converts it now) llama's."""
@@ -488,7 +464,7 @@ def _llama3_factors(wavelengths: np.ndarray, factor: float, low: float, high: fl
                                                             1 / ((1 - smooth) / factor + smooth)))
 
 
-def _olmo2_config(path: str, metadata: dict, config: dict) -> None:
+def _olmo2_config(path: str, metadata: dict, tensors, config: dict) -> None:
     """llama.cpp's olmo2 files as the model they were written from: OLMo 2's, or where they have a sliding window
     OLMo 3's (its layers sliding by attention.sliding_window_pattern; its full layers' rotary yarn where the file
     says so, the sliding layers' the plain one at rope.freq_base_swa or the same base, as llama.cpp turns them)."""
@@ -512,7 +488,7 @@ def _olmo2_config(path: str, metadata: dict, config: dict) -> None:
                                                          "rope_theta": key("rope.freq_base_swa", theta)}})
 
 
-def _exaone4_config(metadata: dict, config: dict) -> None:
+def _exaone4_config(path: str, metadata: dict, tensors, config: dict) -> None:
     """llama.cpp's exaone4 files as EXAONE 4's: its sliding layers by attention.sliding_window_pattern (every fourth
     full where it has none) where the file has a window (32B's: its full layers then without rotary, as the model
     computes them), else every layer full (1.2B's; Exaone4Config's default window would make its layers slide)."""
@@ -524,6 +500,21 @@ def _exaone4_config(metadata: dict, config: dict) -> None:
     config.update(sliding_window=window or None, sliding_window_pattern=4 if window else 0,
                   layer_types=["sliding_attention" if window and pattern[index] else "full_attention"
                                for index in range(layers)])
+
+
+def _glm4_config(path: str, metadata: dict, tensors, config: dict) -> None:
+    """GLM-4-0414's partial rotary (half of each head), which transformers' reading drops: the rotated share of a head
+    (rope.dimension_count) over the head size."""
+    rotary, head_dim = metadata.get("glm4.rope.dimension_count"), config.get("head_dim")
+    theta = config.pop("rope_theta", metadata.get("glm4.rope.freq_base", 10000.0))
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": theta,
+                                 "partial_rotary_factor": rotary / head_dim if rotary and head_dim else 0.5}
+
+
+# What an architecture's files need read beyond transformers' reading and the families' rows (path, the metadata, the
+# tensors' names, the config to complete).
+ARCHITECTURE_CONFIGS = {"gemma4": _gemma4_config, "gpt-oss": _gpt_oss_config, "mistral3": _mistral3_config,
+                        "olmo2": _olmo2_config, "exaone4": _exaone4_config, "glm4": _glm4_config}
 
 
 def _yarn(path: str, arch: str, metadata: dict, theta: float, known: str) -> dict | None:

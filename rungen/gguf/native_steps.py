@@ -25,13 +25,8 @@ NATIVE_STEPS_MODELS = ("GptOssForCausalLM", "Gemma4ForCausalLM", "Olmo2ForCausal
 NORMS = ("GptOssRMSNorm", "Gemma4RMSNorm", "Olmo2RMSNorm", "Olmo3RMSNorm", "Ministral3RMSNorm", "Exaone4RMSNorm")
 # Their dense gated MLPs: down(act(gate(x)) * up(x)).
 GATED_MLPS = ("Gemma4TextMLP", "Olmo2MLP", "Olmo3MLP", "Ministral3MLP", "Exaone4MLP")
-# Their attentions NativeGemma4Attention, NativeGptOssAttention, NativeOlmoAttention, NativeMinistral3Attention and
-# NativeExaone4Attention compute.
+# Their attention NativeGemma4Attention computes (the others': JOINED_ATTENTIONS, below).
 GEMMA4_ATTENTIONS = ("Gemma4TextAttention",)
-GPT_OSS_ATTENTIONS = ("GptOssAttention",)
-OLMO_ATTENTIONS = ("Olmo2Attention", "Olmo3Attention")
-MINISTRAL3_ATTENTIONS = ("Ministral3Attention",)
-EXAONE4_ATTENTIONS = ("Exaone4Attention",)
 
 
 def native_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
@@ -114,92 +109,9 @@ class NativeGemma4Attention(torch.nn.Module):
         return a.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), None
 
 
-class NativeGptOssAttention(torch.nn.Module):
-    """gpt-oss's attention (GptOssAttention) over blocks: q, k and v one product with their biases (`qkv`), q and k
-    rotated in one rope_split call (gpt-oss rotates each head's first half against its second, rope_split's
-    rotate_half, by cos/sin of half a head: given twice), then the cache, native_attention with each head's sink
-    logit and o_proj as the module does."""
-
-    def __init__(self, attention: torch.nn.Module, qkv: torch.nn.Module):
-        super().__init__()
-        self.attention, self.qkv = attention, qkv
-        self.heads = attention.config.num_attention_heads
-        self.kv_heads = attention.config.num_key_value_heads
-        attention.q_proj = attention.k_proj = attention.v_proj = None  # (their rows are qkv's)
-
-    def forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask, past_key_values=None,
-                **kwargs):
-        a = self.attention
-        cos, sin = (torch.cat([half, half], dim=-1) for half in position_embeddings)
-        q, key_states, value_states = torch.ops.rungen_ggml.rope_split(self.qkv(hidden_states), cos, sin, self.heads,
-                                                                       self.kv_heads)
-        if past_key_values is not None:
-            key_states, value_states = past_key_values.update(key_states, value_states, a.layer_idx)
-        out, _ = native_attention(a, q, key_states, value_states, attention_mask, a.scaling,
-                                  sliding_window=a.sliding_window, s_aux=a.sinks)
-        return a.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), None
-
-
-class NativeOlmoAttention(torch.nn.Module):
-    """OLMo 2's and 3's attention (Olmo2Attention, Olmo3Attention) over blocks: q, k and v one product (`qkv`), q
-    and k each normalized over all their heads (the module's norms, native by now), the three split and q and k
-    rotated in one rope_split call, then the cache, native_attention (OLMo 3's sliding layers with their window) and
-    o_proj as the module does."""
-
-    def __init__(self, attention: torch.nn.Module, qkv: torch.nn.Module):
-        super().__init__()
-        self.attention, self.qkv = attention, qkv
-        self.heads = attention.config.num_attention_heads
-        self.kv_heads = attention.config.num_key_value_heads
-        self.widths = [self.heads * attention.head_dim] + [self.kv_heads * attention.head_dim] * 2
-        attention.q_proj = attention.k_proj = attention.v_proj = None  # (their rows are qkv's)
-
-    def forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask, past_key_values=None,
-                **kwargs):
-        a = self.attention
-        q, k, v = self.qkv(hidden_states).split(self.widths, dim=-1)
-        q, key_states, value_states = torch.ops.rungen_ggml.rope_split(
-            torch.cat([a.q_norm(q), a.k_norm(k), v], dim=-1), *position_embeddings, self.heads, self.kv_heads)
-        if past_key_values is not None:
-            key_states, value_states = past_key_values.update(key_states, value_states, a.layer_idx)
-        out, _ = native_attention(a, q, key_states, value_states, attention_mask, a.scaling,
-                                  sliding_window=getattr(a, "sliding_window", None))
-        return a.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), None
-
-
-class NativeMinistral3Attention(torch.nn.Module):
-    """Ministral 3's attention (Ministral3Attention) over blocks: q, k and v one product (`qkv`), split and q and k
-    rotated (its yarn's cos and sin, as the model hands them) in one rope_split call, q times llama 4's temperature
-    at each position (transformers' get_llama_4_attn_scale: 1 within the original context), then the cache,
-    native_attention and o_proj as the module does."""
-
-    def __init__(self, attention: torch.nn.Module, qkv: torch.nn.Module):
-        super().__init__()
-        from transformers.models.ministral3.modeling_ministral3 import get_llama_4_attn_scale
-
-        self.attention, self.qkv, self.temperature = attention, qkv, get_llama_4_attn_scale
-        self.heads = attention.config.num_attention_heads
-        self.kv_heads = attention.config.num_key_value_heads
-        attention.q_proj = attention.k_proj = attention.v_proj = None  # (their rows are qkv's)
-
-    def forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask, position_ids,
-                past_key_values=None, **kwargs):
-        a, rope = self.attention, self.attention.config.rope_parameters
-        q, key_states, value_states = torch.ops.rungen_ggml.rope_split(self.qkv(hidden_states), *position_embeddings,
-                                                                       self.heads, self.kv_heads)
-        q = q * self.temperature(position_ids, rope.get("llama_4_scaling_beta"),
-                                 rope.get("original_max_position_embeddings")).to(q.dtype)
-        if past_key_values is not None:
-            key_states, value_states = past_key_values.update(key_states, value_states, a.layer_idx)
-        out, _ = native_attention(a, q, key_states, value_states, attention_mask, a.scaling,
-                                  sliding_window=getattr(a.config, "sliding_window", None))
-        return a.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), None
-
-
-class NativeExaone4Attention(torch.nn.Module):
-    """EXAONE 4's attention (Exaone4Attention) over blocks: q, k and v one product (`qkv`), split, q and k normalized
-    per head and rotated in one rope_split call (a full layer beside sliding ones turned by cos 1 and sin 0: no
-    rotary, as the module skips it), then the cache, native_attention (a sliding layer's window) and o_proj as the
+class JoinedAttention(torch.nn.Module):
+    """An attention over blocks whose q, k and v are one product (`qkv`; the module's separate products leave): a
+    subclass computes q, k and v; `attended` takes them through the cache, native_attention and o_proj as the
     module does."""
 
     def __init__(self, attention: torch.nn.Module, qkv: torch.nn.Module):
@@ -207,28 +119,101 @@ class NativeExaone4Attention(torch.nn.Module):
         self.attention, self.qkv = attention, qkv
         self.heads = attention.config.num_attention_heads
         self.kv_heads = attention.config.num_key_value_heads
-        self.rotates = attention.sliding_window is None or attention.is_sliding
         attention.q_proj = attention.k_proj = attention.v_proj = None  # (their rows are qkv's)
+
+    def attended(self, hidden_states, q, key_states, value_states, attention_mask, past_key_values, sliding_window,
+                 s_aux=None):
+        a = self.attention
+        if past_key_values is not None:
+            key_states, value_states = past_key_values.update(key_states, value_states, a.layer_idx)
+        out, _ = native_attention(a, q, key_states, value_states, attention_mask, a.scaling,
+                                  sliding_window=sliding_window, s_aux=s_aux)
+        return a.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), None
+
+
+class NativeGptOssAttention(JoinedAttention):
+    """gpt-oss's attention (GptOssAttention): q, k and v (with their biases) rotated in one rope_split call (gpt-oss
+    rotates each head's first half against its second, rope_split's rotate_half, by cos/sin of half a head: given
+    twice), each head's sink logit in the attention."""
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask, past_key_values=None,
+                **kwargs):
+        a = self.attention
+        cos, sin = (torch.cat([half, half], dim=-1) for half in position_embeddings)
+        q, k, v = torch.ops.rungen_ggml.rope_split(self.qkv(hidden_states), cos, sin, self.heads, self.kv_heads)
+        return self.attended(hidden_states, q, k, v, attention_mask, past_key_values, a.sliding_window, a.sinks)
+
+
+class NativeOlmoAttention(JoinedAttention):
+    """OLMo 2's and 3's attention (Olmo2Attention, Olmo3Attention): q and k each normalized over all their heads (the
+    module's norms, native by now), then the three split and q and k rotated in one rope_split call; OLMo 3's
+    sliding layers with their window."""
+
+    def __init__(self, attention: torch.nn.Module, qkv: torch.nn.Module):
+        super().__init__(attention, qkv)
+        self.widths = [self.heads * attention.head_dim] + [self.kv_heads * attention.head_dim] * 2
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask, past_key_values=None,
+                **kwargs):
+        a = self.attention
+        q, k, v = self.qkv(hidden_states).split(self.widths, dim=-1)
+        q, k, v = torch.ops.rungen_ggml.rope_split(torch.cat([a.q_norm(q), a.k_norm(k), v], dim=-1),
+                                                   *position_embeddings, self.heads, self.kv_heads)
+        return self.attended(hidden_states, q, k, v, attention_mask, past_key_values,
+                             getattr(a, "sliding_window", None))
+
+
+class NativeMinistral3Attention(JoinedAttention):
+    """Ministral 3's attention (Ministral3Attention): q, k and v split and q and k rotated (its yarn's cos and sin,
+    as the model hands them) in one rope_split call, q times llama 4's temperature at each position (transformers'
+    get_llama_4_attn_scale: 1 within the original context)."""
+
+    def __init__(self, attention: torch.nn.Module, qkv: torch.nn.Module):
+        super().__init__(attention, qkv)
+        from transformers.models.ministral3.modeling_ministral3 import get_llama_4_attn_scale
+
+        self.temperature = get_llama_4_attn_scale
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask, position_ids,
+                past_key_values=None, **kwargs):
+        a, rope = self.attention, self.attention.config.rope_parameters
+        q, k, v = torch.ops.rungen_ggml.rope_split(self.qkv(hidden_states), *position_embeddings, self.heads,
+                                                   self.kv_heads)
+        q = q * self.temperature(position_ids, rope.get("llama_4_scaling_beta"),
+                                 rope.get("original_max_position_embeddings")).to(q.dtype)
+        return self.attended(hidden_states, q, k, v, attention_mask, past_key_values,
+                             getattr(a.config, "sliding_window", None))
+
+
+class NativeExaone4Attention(JoinedAttention):
+    """EXAONE 4's attention (Exaone4Attention): q, k and v split, q and k normalized per head and rotated in one
+    rope_split call (a full layer beside sliding ones turned by cos 1 and sin 0: no rotary, as the module skips
+    it); a sliding layer's window."""
+
+    def __init__(self, attention: torch.nn.Module, qkv: torch.nn.Module):
+        super().__init__(attention, qkv)
+        self.rotates = attention.sliding_window is None or attention.is_sliding
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask, past_key_values=None,
                 **kwargs):
         a = self.attention
         cos, sin = position_embeddings if self.rotates else unrotated(position_embeddings)
-        q, key_states, value_states = torch.ops.rungen_ggml.rope_split(
-            self.qkv(hidden_states), cos, sin, self.heads, self.kv_heads, a.q_norm.weight, a.k_norm.weight,
-            a.q_norm.eps)
-        if past_key_values is not None:
-            key_states, value_states = past_key_values.update(key_states, value_states, a.layer_idx)
-        out, _ = native_attention(a, q, key_states, value_states, attention_mask, a.scaling,
-                                  sliding_window=a.sliding_window if a.is_sliding else None)
-        return a.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), None
+        q, k, v = torch.ops.rungen_ggml.rope_split(self.qkv(hidden_states), cos, sin, self.heads, self.kv_heads,
+                                                   a.q_norm.weight, a.k_norm.weight, a.q_norm.eps)
+        return self.attended(hidden_states, q, k, v, attention_mask, past_key_values,
+                             a.sliding_window if a.is_sliding else None)
+
+
+# transformers' attentions whose q, k and v products the native steps join, and the class computing each.
+JOINED_ATTENTIONS = {"GptOssAttention": NativeGptOssAttention, "Olmo2Attention": NativeOlmoAttention,
+                     "Olmo3Attention": NativeOlmoAttention, "Ministral3Attention": NativeMinistral3Attention,
+                     "Exaone4Attention": NativeExaone4Attention}
 
 
 def steps_natively(model: torch.nn.Module) -> bool:
     """Gives a model of NATIVE_STEPS_MODELS native_attention and a cache that grows in place (rungen.kvcache's
     new_cache), its norms NativeRMSNorm, its gated MLPs and attentions over blocks NativeGatedMLP and
-    NativeGemma4Attention, NativeGptOssAttention, NativeOlmoAttention, NativeMinistral3Attention or
-    NativeExaone4Attention, where the native kernels are; returns whether. A module at a
+    NativeGemma4Attention or JOINED_ATTENTIONS' class, where the native kernels are; returns whether. A module at a
     time: its joined products' old blocks go, their pages given back, before the next are joined."""
     if not native_kernels() or type(model).__name__ not in NATIVE_STEPS_MODELS:
         return False
@@ -257,8 +242,7 @@ def steps_natively(model: torch.nn.Module) -> bool:
                 del module
                 release_freed_memory()  # (the separate blocks' pages back before the next join)
     names = [name for name, module in model.named_modules()  # (their norms native by now)
-             if type(module).__name__ in GEMMA4_ATTENTIONS + GPT_OSS_ATTENTIONS + OLMO_ATTENTIONS
-             + MINISTRAL3_ATTENTIONS + EXAONE4_ATTENTIONS]
+             if type(module).__name__ in (*GEMMA4_ATTENTIONS, *JOINED_ATTENTIONS)]
     for name in names:
         module = model.get_submodule(name)
         if type(module).__name__ in GEMMA4_ATTENTIONS:
@@ -271,11 +255,7 @@ def steps_natively(model: torch.nn.Module) -> bool:
             parts = [module.q_proj, module.k_proj, module.v_proj]
             qkv = join(parts) if all(type(part) is GGMLLinear for part in parts) else None
             if qkv is not None:
-                native = {**dict.fromkeys(OLMO_ATTENTIONS, NativeOlmoAttention),
-                          **dict.fromkeys(MINISTRAL3_ATTENTIONS, NativeMinistral3Attention),
-                          **dict.fromkeys(EXAONE4_ATTENTIONS, NativeExaone4Attention)}.get(
-                    type(module).__name__, NativeGptOssAttention)
-                model.set_submodule(name, native(module, qkv))
+                model.set_submodule(name, JOINED_ATTENTIONS[type(module).__name__](module, qkv))
         del module, parts
         release_freed_memory()
     return True
