@@ -893,18 +893,18 @@ def test_a_gemma4_mixture_of_experts_file_computes_its_checkpoint(tmp_path, monk
 # Files whose model transformers' GGUF reading misses: of architectures it does not know, which llama.cpp writes as
 # another's (llama's, or Qwen3-VL's text model as Qwen3's), and a Llama 3.1 file's llama3 rotary, which llama.cpp
 # keeps only in its rope_freqs tensor. Each one's checkpoint and writer (tiny_models), transformers' class the file is
-# read into, and what each layer of the model of the Q8_0 file and its stack (where its layers are fused) must hold.
+# read into, and what the model of the Q8_0 file must hold where given: its layers' fields, its stack's (its layers
+# fused), its native steps' modules.
 CHECKPOINT_FILES = {
     # Llama 3.1-3.3's llama3 rotary: the frequency factors of rope_freqs, read back as its parameters (transformers'
     # reading drops the tensor and rotated by the plain frequencies: 0.08 off in the logits of this tiny model).
-    "llama3": dict(files=("llama3_checkpoint", "write_llama3_gguf"), model="LlamaForCausalLM", layers={},
+    "llama3": dict(files=("llama3_checkpoint", "write_llama3_gguf"), model="LlamaForCausalLM",
                    stack=dict(head_dim=32)),
     # Qwen3's yarn for long contexts, in rope.scaling keys that transformers' reading drops: transformers' layers.
-    "qwen3_yarn": dict(files=("qwen3_yarn_checkpoint", "write_qwen3_gguf"), model="Qwen3ForCausalLM", layers={},
-                       stack=None),
+    "qwen3_yarn": dict(files=("qwen3_yarn_checkpoint", "write_qwen3_gguf"), model="Qwen3ForCausalLM",),
     # DeepSeek Coder's linear rotary (positions / 4), in rope.scaling keys that transformers' llama reading drops.
     "deepseek_coder": dict(files=("deepseek_coder_checkpoint", "write_llama3_gguf"), model="LlamaForCausalLM",
-                           layers={}, stack=dict(head_dim=32)),
+                           stack=dict(head_dim=32)),
     # SmolLM3's every fourth layer without rotary, as llama.cpp fixes it.
     "smollm3": dict(files=("smollm3_checkpoint", "write_smollm3_gguf"), model="SmolLM3ForCausalLM",
                     layers=dict(rotates=[True, True, True, False] * 2), stack=dict(rotary=[1, 1, 1, 0] * 2)),
@@ -917,40 +917,38 @@ CHECKPOINT_FILES = {
     # the F32 file's prompt crosses twice): transformers' Ministral3 layers over the blocks, their steps native (the
     # stack takes no temperature).
     "ministral3": dict(files=("ministral3_checkpoint", "write_ministral3_gguf"), model="Ministral3ForCausalLM",
-                       layers={}, stack=None,
                        native=dict(self_attn="NativeMinistral3Attention", mlp="NativeGatedMLP")),
     # Mistral Small 3.x as llama.cpp converts it now (mistral3, no rotary scaling): llama's, fused and stacked.
     "mistral3": dict(files=("mistral_small_checkpoint", "write_mistral3_gguf"), model="LlamaForCausalLM",
-                     layers={}, stack=dict(head_dim=32)),
+                     stack=dict(head_dim=32)),
     # Qwen3-VL's text model (its interleaved MRoPE over a text prompt's positions: Qwen3's rotary), dense and
     # Qwen3-VL-30B-A3B's mixture (whose router always normalizes its top-k weights, as llama.cpp's graph does).
-    "qwen3vl": dict(files=("qwen3vl_checkpoint", "write_qwen3vl_gguf"), model="Qwen3ForCausalLM", layers={},
+    "qwen3vl": dict(files=("qwen3vl_checkpoint", "write_qwen3vl_gguf"), model="Qwen3ForCausalLM",
                     stack=dict(head_dim=32)),
     "qwen3vlmoe": dict(files=("qwen3vlmoe_checkpoint", "write_qwen3vl_gguf"), model="Qwen3MoeForCausalLM",
-                       layers={}, stack=dict(head_dim=32)),
+                       stack=dict(head_dim=32)),
     # Gemma (1): Gemma 2's keys and stored norms, without its output norms, caps and windows; fused and stacked.
-    "gemma": dict(files=("gemma_checkpoint", "write_gemma_gguf"), model="GemmaForCausalLM", layers={},
+    "gemma": dict(files=("gemma_checkpoint", "write_gemma_gguf"), model="GemmaForCausalLM",
                   stack=dict(gelu=True, head_dim=32)),
     # ERNIE 4.5's dense model: llama's over its q/k rows un-permuted (its rotary turns each pair of a head's values,
     # as llama.cpp's permuted llama rows are turned), fused and stacked.
-    "ernie4_5": dict(files=("ernie4_5_checkpoint", "write_ernie4_5_gguf"), model="LlamaForCausalLM", layers={},
+    "ernie4_5": dict(files=("ernie4_5_checkpoint", "write_ernie4_5_gguf"), model="LlamaForCausalLM",
                      stack=dict(head_dim=32)),
     # EXAONE 4's norms after the attention and the MLP, q/k norms per head, three sliding layers in four with full
     # ones without rotary, its llama3 rotary in rope_freqs: transformers' layers over the blocks, their steps native.
-    "exaone4": dict(files=("exaone4_checkpoint", "write_exaone4_gguf"), model="Exaone4ForCausalLM", layers={},
-                    stack=None, native=dict(self_attn="NativeExaone4Attention", mlp="NativeGatedMLP")),
+    "exaone4": dict(files=("exaone4_checkpoint", "write_exaone4_gguf"), model="Exaone4ForCausalLM",
+                    native=dict(self_attn="NativeExaone4Attention", mlp="NativeGatedMLP")),
     "exaone4_global": dict(files=("exaone4_global_checkpoint", "write_exaone4_gguf"), model="Exaone4ForCausalLM",
-                           layers={}, stack=None,
                            native=dict(self_attn="NativeExaone4Attention", mlp="NativeGatedMLP")),
     # GLM-4-0414's partial pairwise rotary (half of each head), q/k/v biases, gate and up one projection, norms after
     # the attention and the MLP too: transformers' layers over the blocks.
-    "glm4": dict(files=("glm4_checkpoint", "write_glm4_gguf"), model="Glm4ForCausalLM", layers={}, stack=None),
+    "glm4": dict(files=("glm4_checkpoint", "write_glm4_gguf"), model="Glm4ForCausalLM"),
     # OLMo 2's norms after the attention and the MLP (none before), q and k normalized over all their heads; OLMo
     # 3's sliding layers beside every fourth full one with its yarn rotary (the F32 file's prompt crosses the
     # window and the original context twice): transformers' layers over the blocks, their steps native.
-    "olmo2": dict(files=("olmo2_checkpoint", "write_olmo2_gguf"), model="Olmo2ForCausalLM", layers={}, stack=None,
+    "olmo2": dict(files=("olmo2_checkpoint", "write_olmo2_gguf"), model="Olmo2ForCausalLM",
                   native=dict(self_attn="NativeOlmoAttention", mlp="NativeGatedMLP")),
-    "olmo3": dict(files=("olmo3_checkpoint", "write_olmo2_gguf"), model="Olmo3ForCausalLM", layers={}, stack=None,
+    "olmo3": dict(files=("olmo3_checkpoint", "write_olmo2_gguf"), model="Olmo3ForCausalLM",
                   native=dict(self_attn="NativeOlmoAttention", mlp="NativeGatedMLP")),
 }
 
@@ -991,12 +989,12 @@ def test_a_file_as_llama_cpp_writes_it_computes_its_checkpoint(architecture, tmp
     assert theirs[0].abs().max() > 1
     model = build_model(GGUFHeader(q8_0), torch.float32)
     assert type(model).__name__ == spec["model"]
-    for field, wanted in spec["layers"].items():
+    for field, wanted in spec.get("layers", {}).items():
         assert [getattr(layer, field) for layer in model.model.layers] == wanted, field
     if native_kernels():  # transformers' layers with their steps native (rungen/gguf/native_steps.py)
         for part, name in spec.get("native", {}).items():
             assert {type(getattr(layer, part)).__name__ for layer in model.model.layers} == {name}, part
-    stacked = native_kernels() and spec["stack"] is not None
+    stacked = native_kernels() and spec.get("stack") is not None
     if stacked:
         assert all(isinstance(layer, FusedDecoderLayer) for layer in model.model.layers)
         assert isinstance(model.model.__dict__.get("forward"), DecoderStack)

@@ -1343,41 +1343,21 @@ def write_olmo2_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str
     original context, attention factor, betas) and the sliding layers' base where the config has them, OLMo 3's
     sliding window and its layers' pattern; tensors as the checkpoint holds them (no q/k permutation), a byte-level
     BPE vocabulary (OLMo's is split as dbrx's)."""
-
-    import gguf
-    import numpy as np
-    from gguf import GGMLQuantizationType as Q
-    from safetensors.torch import load_file
-
     with open(os.path.join(checkpoint, "config.json")) as f:
         config = json.load(f)
     rope = config["rope_parameters"]
-    full, sliding = (rope.get("full_attention", rope), rope.get("sliding_attention")) if "full_attention" in rope \
-        else (rope, None)
-    writer = gguf.GGUFWriter(path, "olmo2")
-    add_text_shape(writer, config)
-    if full["rope_type"] == "yarn":
-        add_yarn(writer, full)
-    writer.add_rope_freq_base(full["rope_theta"])
-    if sliding is not None:
-        writer.add_rope_freq_base_swa(sliding["rope_theta"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_file_type({"F32": 0, "Q8_0": 7}[qtype_name])
-    if config.get("sliding_window"):
-        writer.add_sliding_window(config["sliding_window"])
-        writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config["layer_types"]])
-    add_bpe_vocabulary(writer, checkpoint, "dbrx")
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.OLMO2, config["num_hidden_layers"])
-    for hf_name, value in load_file(os.path.join(checkpoint, "model.safetensors")).items():
-        base, _, suffix = hf_name.rpartition(".")
-        values = np.ascontiguousarray(value.float().numpy())
-        name = names.get_name(base) + "." + suffix
-        if qtype_name == "Q8_0" and values.ndim == 2 and values.shape[-1] % 32 == 0:
-            writer.add_tensor(name, gguf.quants.quantize(values, Q.Q8_0), raw_dtype=Q.Q8_0)
-        else:
-            writer.add_tensor(name, values)
-    return write_out(writer, path)
+
+    def keys(writer):
+        full = rope.get("full_attention", rope)
+        if full["rope_type"] == "yarn":
+            add_yarn(writer, full)
+        if "sliding_attention" in rope:
+            writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+        if config.get("sliding_window"):
+            writer.add_sliding_window(config["sliding_window"])
+            writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config["layer_types"]])
+
+    return write_as_llama(checkpoint, path, "olmo2", qtype_name, "dbrx", more_keys=keys, permute=False)
 
 
 def llama3_checkpoint(out_dir: str, rope: dict | None = None) -> str:
@@ -1648,7 +1628,8 @@ def write_as_llama(checkpoint: str, path: str, architecture: str, qtype_name: st
     heads, kv_heads, layers = config["num_attention_heads"], config["num_key_value_heads"], config["num_hidden_layers"]
     writer = gguf.GGUFWriter(path, architecture)
     add_text_shape(writer, config)
-    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    rope = config["rope_parameters"]
+    writer.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])  # (a set a layer type: OLMo 3's)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_file_type({"F32": 0, "Q8_0": 7}[qtype_name])
     writer.add_vocab_size(config["vocab_size"])
