@@ -950,6 +950,14 @@ CHECKPOINT_FILES = {
                   native=dict(self_attn="NativeOlmoAttention", mlp="NativeGatedMLP")),
     "olmo3": dict(files=("olmo3_checkpoint", "write_olmo2_gguf"), model="Olmo3ForCausalLM",
                   native=dict(self_attn="NativeOlmoAttention", mlp="NativeGatedMLP")),
+    # Qwen3.5's Gated DeltaNet layers beside gated full attention, read by transformers' own conversion table (its
+    # norms' offset, A_log, the convolution's shape, the value heads llama.cpp's converter tiles: rows permuted in
+    # their blocks, out_proj's columns on its input), its multi-token prediction block left out: transformers' layers.
+    "qwen35": dict(files=("qwen35_checkpoint", "write_qwen35_gguf"), model="Qwen3_5ForCausalLM", vision=True),
+    # Qwen3.5-35B-A3B's: the same layers, each MLP a mixture (its experts in their blocks, F32 ones cast) beside a
+    # shared expert behind its sigmoid gate.
+    "qwen35moe": dict(files=("qwen35moe_checkpoint", "write_qwen35_gguf"), model="Qwen3_5MoeForCausalLM",
+                      vision=True),
 }
 
 
@@ -972,7 +980,8 @@ def test_a_file_as_llama_cpp_writes_it_computes_its_checkpoint(architecture, tmp
     spec = CHECKPOINT_FILES[architecture]
     make_checkpoint, write = (getattr(tiny_models, name) for name in spec["files"])
     checkpoint = make_checkpoint(str(tmp_path))
-    vision = architecture.startswith("qwen3vl")  # (its positions counted from the mask unless given: given here)
+    # (a vision-language checkpoint: its text positions counted from the mask unless given: given here)
+    vision = architecture.startswith("qwen3vl") or spec.get("vision", False)
     loader = AutoModelForImageTextToText if vision else AutoModelForCausalLM
     reference = loader.from_pretrained(checkpoint, dtype=torch.float32).eval()
     ids = torch.arange(3, 43)[None] * 7  # (40 positions: past Ministral 3's original context twice)
@@ -981,8 +990,9 @@ def test_a_file_as_llama_cpp_writes_it_computes_its_checkpoint(architecture, tmp
         theirs = reference(ids).logits
         torch.testing.assert_close(load(f32, device=torch.device("cpu")).model(ids).logits, theirs, rtol=1e-5,
                                    atol=1e-5)
-        for name, parameter in reference.named_parameters():  # the weights the Q8_0 file holds (a router's F32)
-            if parameter.dim() >= 2 and parameter.shape[-1] % 32 == 0 and not name.endswith("mlp.gate.weight"):
+        for name, parameter in reference.named_parameters():  # the weights the Q8_0 file holds (gates' F32)
+            if parameter.dim() >= 2 and parameter.shape[-1] % 32 == 0 and not name.endswith(
+                    ("mlp.gate.weight", "shared_expert_gate.weight")):
                 blocks = quants.quantize(parameter.numpy(), Q.Q8_0)
                 parameter.copy_(torch.from_numpy(quants.dequantize(blocks, Q.Q8_0)).view(parameter.shape))
     theirs = padded_prompt_and_steps(reference, positions=vision)

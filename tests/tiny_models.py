@@ -1080,7 +1080,8 @@ def add_text_shape(writer, config: dict) -> None:
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
+    if "intermediate_size" in config:  # (a mixture without a dense MLP has none)
+        writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv(config["num_key_value_heads"])
 
@@ -1304,6 +1305,173 @@ def write_qwen3vl_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> s
             add(names.get_name(base) + ".weight", values)
         else:
             add(names.get_name(base) + "." + hf_name.rpartition(".")[2], values)
+    return write_out(writer, path)
+
+
+def qwen35_checkpoint(out_dir: str, experts: bool = False) -> str:
+    """A tiny random Qwen3.5 checkpoint (Qwen3_5ForConditionalGeneration) in `out_dir`: Qwen3.5-9B's text model 64
+    wide, three Gated DeltaNet layers and one of gated full attention (4 heads of 32 over 2, a quarter of each head
+    rotated by its interleaved MRoPE, sections 2, 1, 1), the linear attention's 4 value heads over 2 key heads (so
+    llama.cpp's converter tiles them), heads of 32 (a whole Q8_0 block each), tied embeddings; its norms (1 + weight)
+    drawn random; a one-layer vision tower; a byte-level BPE vocabulary. `experts`: Qwen3.5-35B-A3B's instead
+    (Qwen3_5MoeForConditionalGeneration: each layer 8 experts of 32, 2 a token, a shared expert of 64 behind its
+    sigmoid gate, untied)."""
+    from transformers import (
+        Qwen3_5Config,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3_5MoeConfig,
+        Qwen3_5MoeForConditionalGeneration,
+    )
+
+    tokenizer = tiny_gpt2_tokenizer(out_dir)
+    size = len(tokenizer)
+    text = dict(vocab_size=size, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, linear_conv_kernel_dim=4, linear_key_head_dim=32,
+                linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                max_position_embeddings=512, initializer_range=0.15, rms_norm_eps=1e-6,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                                 "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                  num_position_embeddings=16, initializer_range=0.15)
+    if experts:
+        del text["intermediate_size"]
+        text.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64)
+    config_class, model_class = (Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration) if experts else (
+        Qwen3_5Config, Qwen3_5ForConditionalGeneration)
+    config = config_class(text_config=text, vision_config=vision, tie_word_embeddings=not experts,
+                          image_token_id=size - 3, video_token_id=size - 2, vision_start_token_id=size - 4,
+                          vision_end_token_id=size - 1)
+    path = save_tiny(out_dir, "qwen35moe" if experts else "qwen35", model_class, config, tokenizer)
+    model = model_class.from_pretrained(path)
+    with torch.no_grad():  # (initialized to 0: the norms' offset would go untested)
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.normal_(0, 0.3)
+    model.save_pretrained(path)
+    return path
+
+
+def qwen35moe_checkpoint(out_dir: str) -> str:
+    """qwen35_checkpoint's mixture of experts (Qwen3.5-35B-A3B's layout)."""
+    return qwen35_checkpoint(out_dir, experts=True)
+
+
+def write_qwen35_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
+    """The GGUF file llama.cpp's converter (conversion/qwen.py's Qwen3_5TextModel) writes of a Qwen3.5 checkpoint's
+    text model: the ssm.* keys of the linear attention, which layers are recurrent, the MRoPE sections (padded to 4)
+    and rotated width; its multi-token prediction block as one more layer (nextn_predict_layers, blk.N.nextn.*: the
+    published checkpoints hold one, transformers' model none, so random here); A_log as -exp(A_log), dt_bias as
+    ssm_dt.bias, the convolution squeezed, every norm but the linear attention's stored as 1 + weight, and the value
+    heads tiled rather than grouped by key head in each tensor that makes or reads them (_LinearAttentionVReorderBase);
+    of a mixture (qwen35moe, Qwen3_5MoeTextModel) the experts' keys, each layer's experts' gate, up and down as 3-D
+    ffn_*_exps, the shared expert's as ffn_*_shexp; matrices in Q8_0 where asked, the convolution, norms and gates
+    F32."""
+    import gguf
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from transformers import AutoModelForImageTextToText
+
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        full = json.load(f)
+    config = full["text_config"]
+    layers, rope, experts = config["num_hidden_layers"], config["rope_parameters"], config.get("num_experts")
+    key_heads, value_heads = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    key_dim, value_dim = config["linear_key_head_dim"], config["linear_value_head_dim"]
+    arch = gguf.MODEL_ARCH.QWEN35MOE if experts else gguf.MODEL_ARCH.QWEN35
+    prefix = gguf.MODEL_ARCH_NAMES[arch]
+    writer = gguf.GGUFWriter(path, prefix)
+    add_text_shape(writer, {**config, "num_hidden_layers": layers + 1})  # (the MTP block a layer)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+    writer.add_rope_dimension_sections([*rope["mrope_section"], 0, 0, 0][:4])
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_file_type({"F32": 0, "Q8_0": 7}[qtype_name])
+    writer.add_ssm_conv_kernel(config["linear_conv_kernel_dim"])
+    writer.add_ssm_state_size(key_dim)
+    writer.add_ssm_group_count(key_heads)
+    writer.add_ssm_time_step_rank(value_heads)
+    writer.add_ssm_inner_size(value_dim * value_heads)
+    writer.add_array(f"{prefix}.attention.recurrent_layers",  # (gguf 0.19's writer has no add_recurrent_layers)
+                     [kind == "linear_attention" for kind in config["layer_types"]] + [False])
+    writer.add_full_attention_interval(4)
+    writer.add_rope_dimension_count(int(config["head_dim"] * rope["partial_rotary_factor"]))
+    writer.add_nextn_predict_layers(1)
+    add_bpe_vocabulary(writer, checkpoint, "qwen35")
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    names = gguf.get_tensor_name_map(arch, layers + 1)
+
+    def tiled(values, axis, size):  # grouped by key head -> tiled (_reorder_v_heads)
+        values = np.moveaxis(values, axis, 0)
+        shape = values.shape
+        values = values.reshape(key_heads, value_heads // key_heads, size, *shape[1:]).swapaxes(0, 1)
+        return np.moveaxis(values.reshape(shape), 0, axis)
+
+    def add(name, values):
+        values = np.ascontiguousarray(values, dtype=np.float32)
+        if qtype_name == "Q8_0" and values.ndim >= 2 and values.shape[-1] % 32 == 0 and not any(
+                part in name for part in ("ssm_conv1d", "ffn_gate_inp")):
+            writer.add_tensor(name, gguf.quants.quantize(values, Q.Q8_0), raw_dtype=Q.Q8_0)
+        else:
+            writer.add_tensor(name, values)
+
+    state = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32).state_dict()
+    query_keys = 2 * key_heads * key_dim
+    for hf_name, value in state.items():
+        if hf_name.startswith("model.visual.") or (hf_name == "lm_head.weight" and full["tie_word_embeddings"]):
+            continue  # (the vision tower goes to an mmproj file)
+        values = value.float().numpy()
+        base, _, suffix = hf_name.replace("language_model.", "").rpartition(".")
+        if hf_name.endswith("mlp.experts.gate_up_proj"):  # [experts, gate rows; up rows, hidden]: two tensors
+            layer = names.get_name(f"{base}.gate_proj").removesuffix("_gate_exps")
+            add(f"{layer}_gate_exps.weight", values[:, :values.shape[1] // 2])
+            add(f"{layer}_up_exps.weight", values[:, values.shape[1] // 2:])
+            continue
+        if hf_name.endswith("mlp.experts.down_proj"):
+            base, suffix = f"{base}.{suffix}", "weight"
+        elif suffix == "A_log":
+            values, base, suffix = tiled(-torch.exp(value.float()).numpy(), 0, 1), f"{base}.A_log", ""
+        elif suffix == "dt_bias":
+            values, base, suffix = tiled(values, 0, 1), f"{base}.dt_proj", "bias"
+        elif base.endswith("conv1d"):
+            values = values.squeeze(1)
+            values = np.concatenate([values[:query_keys], tiled(values[query_keys:], 0, value_dim)])
+        elif base.endswith("in_proj_qkv"):
+            values = np.concatenate([values[:query_keys], tiled(values[query_keys:], 0, value_dim)])
+        elif base.endswith("in_proj_z"):
+            values = tiled(values, 0, value_dim)
+        elif base.endswith(("in_proj_a", "in_proj_b")):
+            values = tiled(values, 0, 1)
+        elif base.endswith("linear_attn.out_proj"):
+            values = tiled(values, 1, value_dim)
+        elif base.endswith("norm") and not base.endswith("linear_attn.norm"):
+            values = values + 1
+        add(names.get_name(base) + (f".{suffix}" if suffix else ""), values)
+    hidden, head = config["hidden_size"], config["head_dim"]
+    inner = config.get("shared_expert_intermediate_size") or config["intermediate_size"]
+    generator = np.random.default_rng(SEED)
+    mtp = {"nextn.eh_proj.weight": (hidden, 2 * hidden), "nextn.enorm.weight": (hidden,),
+           "nextn.hnorm.weight": (hidden,), "nextn.shared_head_norm.weight": (hidden,),
+           "attn_norm.weight": (hidden,), "post_attention_norm.weight": (hidden,),
+           "attn_q.weight": (2 * config["num_attention_heads"] * head, hidden),
+           "attn_k.weight": (config["num_key_value_heads"] * head, hidden),
+           "attn_v.weight": (config["num_key_value_heads"] * head, hidden),
+           "attn_output.weight": (hidden, config["num_attention_heads"] * head),
+           "attn_q_norm.weight": (head,), "attn_k_norm.weight": (head,),
+           "ffn_gate.weight": (inner, hidden), "ffn_up.weight": (inner, hidden), "ffn_down.weight": (hidden, inner)}
+    if experts:  # (its MLP a mixture too)
+        for part in ("gate", "up", "down"):
+            del mtp[f"ffn_{part}.weight"]
+            mtp[f"ffn_{part}_shexp.weight"] = (hidden, inner) if part == "down" else (inner, hidden)
+            mtp[f"ffn_{part}_exps.weight"] = (experts, *mtp[f"ffn_{part}_shexp.weight"])
+        mtp.update({"ffn_gate_inp.weight": (experts, hidden), "ffn_gate_inp_shexp.weight": (1, hidden)})
+    for name, shape in mtp.items():
+        add(f"blk.{layers}.{name}", generator.normal(0, 0.1, shape))
     return write_out(writer, path)
 
 

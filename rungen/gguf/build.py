@@ -26,6 +26,7 @@ from .blocks import (
     interleavable,
     weights_per_row,
 )
+from .conversions import Conversion, InputPermuted, converted
 from .decoder import FUSED_WEIGHTS, fusable, fuse_decoder_layers
 from .device import DeviceForms
 from .device_experts import coded_experts
@@ -77,6 +78,7 @@ class ModelBuild:
         with init_empty_weights(include_buffers=False), no_init_weights():
             model = self.model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         self.processor = tensor_processor(header.architecture, config)
+        self.converted = isinstance(self.processor, Conversion)
         names = self.names = header.weights_map(model, self.processor)
 
         self.reader = WeightReader(header.path, header.tensors)
@@ -119,9 +121,10 @@ class ModelBuild:
         if part is not None and type(module).__name__ == "GptOssExperts":
             # gpt-oss's: the three weights and their biases, built as GGMLExperts
             self.expert_parts.setdefault(module_name, {})[part if name.endswith(".weight") else f"{part}_bias"] = entry
-        # (on a device or under --quantize of any type, float ones too: de-quantized or cast an expert at a time)
-        elif part is not None and (code in SUPPORTED or self.on_device or self.quantize is not None) \
-                and holds_experts(module):
+        # (on a device, under --quantize or for transformers' conversion table (which joins gate and up) of any type,
+        # float ones too: de-quantized or cast an expert at a time)
+        elif part is not None and holds_experts(module) and (
+                code in SUPPORTED or self.on_device or self.quantize is not None or self.converted):
             self.expert_parts.setdefault(module_name, {})[part] = entry  # built once the layer's three are known
         elif code in FLOAT_TYPES:
             self.float_tensor(entry, hf_name, module)
@@ -173,9 +176,11 @@ class ModelBuild:
                          (in_features, shape[0]) if isinstance(module, Conv1D) else (shape[0], in_features))
             order = _row_permutation(self.processor, name, shape[0])
             embedding = isinstance(module, torch.nn.Embedding)
+            columns = self.processor.column_order(name) if self.converted else None
             if on_device and order is not False:
                 if self.quantize is not None and not embedding:  # quantized by put
                     form = reader.dequantized(entry, self.dtype, self.device, order)
+                    form = form if columns is None else form[:, columns.to(form.device)]
                 else:
                     form = self.forms.keep(reader, entry, qtype, in_features, module, order,
                                            embedding and self.head_reads_embedding)
@@ -183,9 +188,9 @@ class ModelBuild:
                     # (a view for QuantizingLoad, which quantizes the rows as they are)
                     self.put(hf_name, form.t() if self.quantize is not None else form.t().contiguous())
                 elif isinstance(form, torch.Tensor):
-                    self.put(hf_name, form)
+                    self.put(hf_name, form[:, columns.to(form.device)] if columns is not None else form)
                 else:
-                    self.layers[module_name] = form
+                    self.layers[module_name] = form if columns is None else InputPermuted(form, columns)
                 return
             interleave = (not embedding or module_name == self.tied_embedding) and interleavable(qtype, shape[0])
             if order is not False:
@@ -195,7 +200,8 @@ class ModelBuild:
                                                              getattr(module, "embed_scale", None),
                                                              interleaved=interleave)
                 else:  # GGUF rows are output channels, also for GPT-2's transposed Conv1D
-                    self.layers[module_name] = GGMLLinear(rows, qtype, in_features, interleaved=interleave)
+                    layer = GGMLLinear(rows, qtype, in_features, interleaved=interleave)
+                    self.layers[module_name] = layer if columns is None else InputPermuted(layer, columns)
                 return
         # A transform only float values can take: this tensor alone is de-quantized, as transformers does.
         logger.info("GGUF tensor %s (%s) de-quantized to float: its layout needs it", name, qtype.name)
@@ -231,7 +237,8 @@ class ModelBuild:
                                    self.forms) if self.on_device and self.quantize is None else None)
             if coded is not None:
                 self.layers[module_name] = coded
-            elif self.on_device or self.quantize is not None:  # types without codes on the GPU; --quantize's
+            elif self.on_device or self.quantize is not None or any(
+                    part.code in FLOAT_TYPES for part in parts.values()):  # no codes on the GPU; --quantize's; floats
                 for attr, value in zip(("gate_up_proj", "down_proj"), dequantized_experts(
                         reader, parts, module, self.dtype, self.device or torch.device("cpu"))):
                     self.put(f"{module_name}.{attr}", value)
@@ -308,6 +315,8 @@ def tensor_processor(architecture: str, config):
     them (transformers has none for it)."""
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, Qwen2MoeTensorProcessor, TensorProcessor
 
+    if converted(architecture):
+        return Conversion(architecture, config)
     read_as_their_likes()
     own = TENSOR_PROCESSORS.get(architecture, TensorProcessor)
     if WITH_EXPERTS.get(architecture) != config.model_type:

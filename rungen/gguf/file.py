@@ -28,6 +28,7 @@ from .. import NOTICE
 from .blocks import (
     SUPPORTED,
 )
+from .conversions import Conversion
 from .families import BY_ARCHITECTURE, FAMILIES, MODEL_OF, NO_FAMILY, READ_AS, WITH_EXPERTS
 from .splits import GPT2_SPLITS, pre_tokenizer, sentencepiece_text
 from .weights import FLOAT_TYPES, GGUFError, with_experts_stacked, with_gate_up_apart
@@ -752,6 +753,8 @@ class GGUFHeader:
             return cached
         import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
+        if isinstance(processor, Conversion):  # transformers' conversion table names them
+            return processor.weights_map(model, [row[0] for row in self.tensors])
         family = FAMILIES.get(model.config.model_type)
         # (a family llama.cpp writes under another's architecture, Mixtral's, has that architecture's names)
         architecture = family.architecture if family and family.model_type in WITH_EXPERTS.values() else None
