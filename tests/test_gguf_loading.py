@@ -952,12 +952,14 @@ CHECKPOINT_FILES = {
                   native=dict(self_attn="NativeOlmoAttention", mlp="NativeGatedMLP")),
     # Qwen3.5's Gated DeltaNet layers beside gated full attention, read by transformers' own conversion table (its
     # norms' offset, A_log, the convolution's shape, the value heads llama.cpp's converter tiles: rows permuted in
-    # their blocks, out_proj's columns on its input), its multi-token prediction block left out: transformers' layers.
-    "qwen35": dict(files=("qwen35_checkpoint", "write_qwen35_gguf"), model="Qwen3_5ForCausalLM", vision=True),
+    # their blocks, out_proj's columns on its input), its multi-token prediction block left out: transformers' layers,
+    # a decode step of the linear attention in fewer calls (the Q8_0 file's two steps).
+    "qwen35": dict(files=("qwen35_checkpoint", "write_qwen35_gguf"), model="Qwen3_5ForCausalLM", vision=True,
+                   steps=dict(linear_attn="DeltaNetStep", mlp="NativeGatedMLP")),
     # Qwen3.5-35B-A3B's: the same layers, each MLP a mixture (its experts in their blocks, F32 ones cast) beside a
     # shared expert behind its sigmoid gate.
     "qwen35moe": dict(files=("qwen35moe_checkpoint", "write_qwen35_gguf"), model="Qwen3_5MoeForCausalLM",
-                      vision=True),
+                      vision=True, steps=dict(linear_attn="DeltaNetStep")),
 }
 
 
@@ -1001,9 +1003,13 @@ def test_a_file_as_llama_cpp_writes_it_computes_its_checkpoint(architecture, tmp
     assert type(model).__name__ == spec["model"]
     for field, wanted in spec.get("layers", {}).items():
         assert [getattr(layer, field) for layer in model.model.layers] == wanted, field
-    if native_kernels():  # transformers' layers with their steps native (rungen/gguf/native_steps.py)
+    if native_kernels():  # transformers' layers with their steps native (rungen/gguf/native_steps.py), or some of
+        # their steps in fewer calls (`steps`: rungen/gguf/delta_steps.py, in the layers that have that part)
         for part, name in spec.get("native", {}).items():
             assert {type(getattr(layer, part)).__name__ for layer in model.model.layers} == {name}, part
+        for part, name in spec.get("steps", {}).items():
+            assert {type(getattr(layer, part)).__name__ for layer in model.model.layers if hasattr(layer, part)} \
+                == {name}, part
     stacked = native_kernels() and spec.get("stack") is not None
     if stacked:
         assert all(isinstance(layer, FusedDecoderLayer) for layer in model.model.layers)

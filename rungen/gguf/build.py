@@ -28,6 +28,7 @@ from .blocks import (
 )
 from .conversions import Conversion, InputPermuted, converted
 from .decoder import FUSED_WEIGHTS, fusable, fuse_decoder_layers
+from .delta_steps import delta_steps
 from .device import DeviceForms
 from .device_experts import coded_experts
 from .experts import (
@@ -306,6 +307,7 @@ class ModelBuild:
         mixtures_in_one_call(model)
         fuse_decoder_layers(model)
         steps_natively(model)
+        delta_steps(model)
         return _finish_built(self.header, model, self.names)
 
 
