@@ -12,7 +12,19 @@ import os
 import torch
 
 from . import fused_step
-from .kvcache import RINGS_ENV, dummy, fill, full_attention, growing, holding, new_cache, sliding_windows
+from .kvcache import (
+    RINGS_ENV,
+    dummy,
+    fill,
+    full_attention,
+    growing,
+    holding,
+    new_cache,
+    put_states,
+    recurrent,
+    sliding_windows,
+    states_of,
+)
 from .prefill import pass_tokens
 from .slots import DecodeGraphs, SlotCache, decode_step, prefill_step, takes_slots
 from .transfers import accelerators_of, to_device
@@ -176,7 +188,8 @@ class SlotBatch:
 
 
 class PaddedBatch:
-    """Rows in one left-padded cache of the model's own kind, with their attention mask."""
+    """Rows in one left-padded cache of the model's own kind, with their attention mask; a recurrent layer's states
+    (kvcache.recurrent: no positions to pad) a row each, in the rows' order."""
 
     form = "a left-padded batch"
     prefills_together = rings = False
@@ -192,15 +205,20 @@ class PaddedBatch:
     def steps_again(self):
         """Whether a step that failed may run again: forward puts the layers' keys/values back as they were, unless
         they grow in place (the own model's, on the CPU only, whose allocator raises no out-of-memory error)."""
-        return self.cache is None or not growing(holding(self.cache)[0])
+        if self.cache is None:
+            return True
+        # (a recurrent layer's state went on in place: the step would take it on twice)
+        return not growing(holding(self.cache)[0]) and not states_of(self.cache)
 
     def part(self, output, n, length):
-        """What a prefilled request brings to merge(): its keys/values (for n rows), their mask, and its cache."""
-        layers = layers_of(output.past_key_values)
+        """What a prefilled request brings to merge(): its keys/values (for n rows), their mask, its cache, and its
+        recurrent layers' states (for n rows)."""
+        layers, states = layers_of(output.past_key_values), states_of(output.past_key_values)
         if n > 1:
             layers = [(k.repeat(n, 1, 1, 1), v.repeat(n, 1, 1, 1)) for k, v in layers]
+            states = [tuple(part.repeat(n, *[1] * (part.dim() - 1)) for part in state) for state in states]
         mask = torch.ones(n, length, dtype=torch.long, device=self.device)
-        return layers, mask, output.past_key_values if n == 1 else None
+        return layers, mask, output.past_key_values if n == 1 else None, states
 
     def make_room(self, rows, reserve):
         """Nothing: the padded batch grows as rows merge."""
@@ -212,14 +230,18 @@ class PaddedBatch:
         copy). Out of GPU memory: LeftOut, the batch's rows as they were (put_back), or into an empty batch the
         first request's rows in its own cache."""
         if self.cache is None and len(parts) == 1:
-            layers, mask, cache = parts[0]
-            self.cache, self.mask = cache if cache is not None else own_cache(self.model, layers, mask.shape[1]), mask
+            layers, mask, cache, states = parts[0]
+            self.cache = cache if cache is not None else own_cache(self.model, layers, mask.shape[1], states)
+            self.mask = mask
             return
-        old, groups = self.cache, [(list(layers), mask) for layers, mask, _ in parts]
+        old, groups = self.cache, [(list(layers), mask) for layers, mask, *_ in parts]
         if old is not None:
             groups.insert(0, (layers_of(old), self.mask))
         width = max(mask.shape[1] for _, mask in groups)
         self.cache = cache = new_cache(self.model)
+        rows_states = ([states_of(old)] if old is not None else []) + [states for *_, states in parts]
+        if rows_states[0]:  # (a row's state is its own: the rows' states one after another, nothing padded)
+            put_states(cache, [[torch.cat(pieces) for pieces in zip(*layer)] for layer in zip(*rows_states)])
         held = holding(old) if old is not None else None
         for number, layer in enumerate(holding(cache)):
             merged = None
@@ -234,10 +256,10 @@ class PaddedBatch:
                     let_go(held[number])
                 fill(layer, *merged, width)
             except torch.OutOfMemoryError as error:
-                first_layers, first_mask, first = parts[0]
+                first_layers, first_mask, first, first_states = parts[0]
                 if old is None and first is None and not growing(holding(cache)[0]):
                     self.cache = cache = merged = None  # the merge's copies go before the first's rows are copied
-                    first = own_cache(self.model, first_layers, first_mask.shape[1])
+                    first = own_cache(self.model, first_layers, first_mask.shape[1], first_states)
                 if old is None and first is not None and not growing(holding(first)[0]):
                     self.cache, self.mask = first, first_mask  # the first request alone, in its own cache
                     raise LeftOut(str(error), kept=first_mask.shape[0]) from error
@@ -288,6 +310,9 @@ class PaddedBatch:
         first = int(mask.any(0).long().argmax())  # columns before it are padding in every row left
         self.mask = mask[:, first:]
         old, self.cache = self.cache, new_cache(self.model)
+        states = states_of(old)
+        if states:
+            put_states(self.cache, [tuple(part.index_select(0, index) for part in state) for state in states])
         for layer, held in zip(holding(self.cache), holding(old)):  # a layer at a time, as merge()
             keys, values, length = held.keys, held.values, held.get_seq_length()
             let_go(held)
@@ -302,7 +327,7 @@ class PaddedBatch:
         """A row's keys/values of its first `length` positions of the `fed` it holds, the batch's last ones (None
         where padding lies among them), and the buffers the prefix cache may take over (`last`)."""
         end = length - fed or None  # the row's positions end where the batch's do
-        if not self.mask[number, -fed:end].all():
+        if not self.mask[number, -fed:end].all() or states_of(self.cache):  # (no state of a prefix is kept)
             return None, None
         layers = [(k[number : number + 1, :, -fed:end], v[number : number + 1, :, -fed:end])
                   for k, v in layers_of(self.cache)]
@@ -319,12 +344,20 @@ def probed_layers(model, device, model_type="the model", token=0):
     """[(keys, values)] of each layer that holds them (layers_of) after a one-token forward pass of `token` into a
     fresh cache; raises ValueError for a model whose layers a batch cannot hold."""
     cache = new_cache(model)  # (one position: every layer holds it, a sliding one too)
-    if not all(full_attention(layer) or dummy(layer) for layer in cache.layers):
-        # A chunked or recurrent layer's state cannot be moved by the left-padded merge and trim.
-        raise ValueError(f"{model_type} has chunked-attention or recurrent layers, which a padded batch cannot hold")
+    if not all(full_attention(layer) or dummy(layer) or recurrent(layer) for layer in cache.layers) \
+            or not holding(cache):
+        # A chunked layer's (or another kind's) state cannot be moved by the left-padded merge and trim.
+        raise ValueError(f"{model_type} has chunked-attention layers or others this tool's padded batch cannot "
+                         "hold")
     with torch.inference_mode():
         model(input_ids=torch.tensor([[token]], device=device), past_key_values=cache, use_cache=True)
     return layers_of(cache)
+
+
+def keeps_states(model) -> bool:
+    """Whether `model`'s cache has recurrent layers (kvcache.recurrent): a row's state there stands for its whole
+    past, so no prefix of it can be reused."""
+    return any(recurrent(layer) for layer in new_cache(model).layers)
 
 
 def token_bytes(layers) -> int:
@@ -350,10 +383,12 @@ def devices_of(model) -> set:
     return {str(device) for device in (getattr(model, "hf_device_map", None) or {}).values()}
 
 
-def own_cache(model, layers, length):
+def own_cache(model, layers, length, states=()):
     """A cache of `layers` ([(keys, values)] a layer, emptied as each is copied in: one layer more at a time),
-    standing for `length` positions (a sliding layer's: its last ones)."""
+    standing for `length` positions (a sliding layer's: its last ones), and of its recurrent layers' `states`."""
     cache = new_cache(model)
+    if states:
+        put_states(cache, states)
     for number, layer in enumerate(holding(cache)):
         fill(layer, *layers[number], length)
         layers[number] = None

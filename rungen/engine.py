@@ -18,7 +18,7 @@ import torch
 
 from . import logger
 from .admission import Admission
-from .batch_cache import layer_shapes, probed_layers, token_bytes
+from .batch_cache import keeps_states, layer_shapes, probed_layers, token_bytes
 from .decode import DecodeBatch
 from .errors import one_line
 from .generation import UNBATCHABLE_TYPES
@@ -63,9 +63,11 @@ class Engine:
         bos = self.tokenizer.bos_token_id
         layers = probed_layers(self.model, self.device, loaded.model_type, 0 if bos is None else bos)
         self.bytes_per_token = token_bytes(layers)
+        self.keeps_states = keeps_states(self.model)  # (then no prefix cache: a state stands for its whole past)
         self.batch = DecodeBatch(self.model, self.device, self.use_positions, max_batch, loaded.context,
                                  reporter=self.reporter, metrics=self.metrics, eos_ids=self.eos_ids,
-                                 prefix_cache=PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None,
+                                 prefix_cache=PrefixCache(prefix_cache_bytes)
+                                 if prefix_cache_bytes and not self.keeps_states else None,
                                  shapes=layer_shapes(layers))
         del layers
         self.admission = Admission(self.model, self.batch, self.wake, max_batch=max_batch,
@@ -130,7 +132,7 @@ class Engine:
 
     @prefix_cache.setter
     def prefix_cache(self, cache):
-        self.batch.prefix_cache = cache
+        self.batch.prefix_cache = None if self.keeps_states else cache
 
     @property
     def cache_limit_bytes(self):

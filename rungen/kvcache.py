@@ -234,9 +234,29 @@ def dummy(layer) -> bool:
     return type(layer).__name__ == "DummyLayer"
 
 
+def recurrent(layer) -> bool:
+    """Whether `layer` is transformers' LinearAttentionLayer of one state: no keys and values, a row's window of the
+    last positions' convolution inputs and its recurrent state (Qwen3.5's Gated DeltaNet layers)."""
+    return type(layer).__name__ == "LinearAttentionLayer" and layer.number_of_states == 1
+
+
 def holding(cache) -> list:
-    """The cache's layers that hold keys and values: all but DummyLayers."""
-    return [layer for layer in cache.layers if not dummy(layer)]
+    """The cache's layers that hold keys and values: all but DummyLayers and recurrent ones."""
+    return [layer for layer in cache.layers if not dummy(layer) and not recurrent(layer)]
+
+
+def states_of(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """[(convolution window, recurrent state)] of each recurrent layer of `cache`, a row each."""
+    return [(layer.conv_states[0], layer.recurrent_states[0]) for layer in cache.layers if recurrent(layer)]
+
+
+def put_states(cache, states) -> None:
+    """Gives the recurrent layers of a new `cache` their rows' `states` (states_of's), as after a prompt's pass."""
+    for layer, (window, state) in zip([layer for layer in cache.layers if recurrent(layer)], states, strict=True):
+        layer.lazy_initialization(conv_states=window, recurrent_states=state, conv_kernel_size=window.shape[-1])
+        layer.conv_states[0].copy_(window)
+        layer.recurrent_states[0].copy_(state)
+        layer.has_previous_state[0] = True  # (the next pass reads the window)
 
 
 def sliding_windows(model: torch.nn.Module) -> list[int]:

@@ -1,0 +1,81 @@
+"""Models with recurrent layers (Qwen3.5's Gated DeltaNet layers, read from GGUF files as llama.cpp's converter writes
+them) decode on the engine: a row's convolution window and state (transformers' LinearAttentionLayer) are its own,
+joined one after another where rows join and picked where rows leave, beside the full-attention layers' left-padded
+keys and values; no prefix cache (a state stands for a row's whole past). So the greedy tokens of a batch are those
+generate() gives each prompt alone, and the server serves these models."""
+
+import pytest
+import torch
+
+from rungen.engine import Engine
+from rungen.loading import load
+from rungen.requests import Done, Request
+from rungen.sampling import Sampling
+
+PROMPTS = ["The capital of France is Paris and the capital of Germany is", "Hello, my dog",
+           "Once upon a time there was a little girl who"]
+NEW_TOKENS = 10
+
+pytestmark = pytest.mark.usefixtures("module_cache_home")
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    """The tiny Qwen3.5 checkpoint's Q8_0 GGUF file (three Gated DeltaNet layers, one of full attention), loaded."""
+    import tiny_models
+
+    folder = tmp_path_factory.mktemp("qwen35")
+    checkpoint = tiny_models.qwen35_checkpoint(str(folder))
+    return load(tiny_models.write_qwen35_gguf(checkpoint, str(folder / "qwen35.gguf"), "Q8_0"),
+                device=torch.device("cpu"))
+
+
+def alone(model, ids, new_tokens):
+    """generate()'s greedy tokens for one prompt, in transformers' own cache."""
+    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                         do_sample=False, max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def test_rows_joining_and_leaving_keep_their_own_states(loaded):
+    prompts = [loaded.tokenizer.encode(text) for text in PROMPTS + ["A cat sat"]]
+    lengths = [NEW_TOKENS, NEW_TOKENS - 6, NEW_TOKENS, NEW_TOKENS - 4]
+    with torch.inference_mode():
+        expected = [alone(loaded.model, ids, length) for ids, length in zip(prompts, lengths)]
+    # Four rows at most: the first three prompts' (the third asks for two sequences: its state repeated for each);
+    # the second's row, between the others, leaves first, and the fourth prompt joins the three left, mid-decode.
+    engine = Engine(loaded, max_batch=4, eos_ids=(), prefix_cache_bytes=1 << 20)
+    assert engine.keeps_states and engine.prefix_cache is None
+    engine.prefix_cache = object()  # (a session's: refused too)
+    assert engine.prefix_cache is None
+    tokens = {}
+    for number, (ids, length) in enumerate(zip(prompts, lengths)):
+        def sink(event, number=number):
+            if isinstance(event, Done):
+                tokens.setdefault(number, []).append(event.finish.tokens)
+        engine.submit(Request(ids, max_tokens=length, sampling=Sampling(temperature=0), sink=sink,
+                              n=2 if number == 2 else 1))
+    engine.run_here()
+    assert engine.batch.peak_rows == 4
+    assert tokens == {0: [expected[0]], 1: [expected[1]], 2: [expected[2]] * 2, 3: [expected[3]]}
+
+
+def test_a_qwen35_model_is_served(loaded):
+    from starlette.testclient import TestClient
+
+    from rungen.server import ServeOptions, build
+
+    app, engine = build(loaded, ServeOptions(model_id="tiny-qwen35"))
+    try:
+        with TestClient(app) as client:
+            responses = [client.post("/v1/completions", json={"model": "tiny-qwen35", "prompt": prompt,
+                                                              "max_tokens": NEW_TOKENS, "temperature": 0})
+                         for prompt in PROMPTS[:2]]
+    finally:
+        engine.close()
+        engine.abort()
+    for prompt, response in zip(PROMPTS, responses):
+        assert response.status_code == 200, response.text
+        with torch.inference_mode():
+            expected = alone(loaded.model, loaded.tokenizer.encode(prompt), NEW_TOKENS)
+        assert response.json()["choices"][0]["text"] == loaded.tokenizer.decode(expected, skip_special_tokens=True)
