@@ -82,6 +82,10 @@ FAMILIES = {
     # layer full (32B's windows are not its); llama.cpp's exaone4 files.
     "exaone4": dict(arch="exaone4", layers=30, hidden=2048, ffn=4096, heads=32, kv_heads=8, head_dim=64,
                     rope_base=1000000.0, eps=1e-5, tied=True, post_norms=True, qk_norm=True),
+    # Qwen3.5-0.8B: three Gated DeltaNet layers in four (16 key and 16 value heads of 128, a 4-wide convolution)
+    # beside gated full attention (8 heads of 256 over 2, a quarter of each rotated); llama.cpp's qwen35 files.
+    "qwen35": dict(arch="qwen35", layers=24, hidden=1024, ffn=3584, heads=8, kv_heads=2, head_dim=256,
+                   rope_base=10000000.0, eps=1e-6, tied=True, qk_norm=True, linear=(16, 16, 128)),
     # Phi-3-mini-4k (3.8B, the smallest published phi3 model): q/k/v in one attn_qkv, gate and up in one ffn_up,
     # heads of 96; its sliding_window key (2047) is what llama.cpp's converter writes and both runtimes ignore.
     "phi3": dict(arch="phi3", layers=32, hidden=3072, ffn=8192, heads=32, kv_heads=32, head_dim=96,
@@ -413,6 +417,16 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
         writer.add_attn_temperature_scale(shape["temperature"])
     if arch == "gpt-oss":  # (its converter writes no rotary dimension)
         pass
+    elif "linear" in shape:  # Qwen3.5's linear attention, its interleaved MRoPE over a quarter of each head
+        key_heads, value_heads, linear_dim = shape["linear"]
+        writer.add_ssm_conv_kernel(4)
+        writer.add_ssm_state_size(linear_dim)
+        writer.add_ssm_group_count(key_heads)
+        writer.add_ssm_time_step_rank(value_heads)
+        writer.add_ssm_inner_size(value_heads * linear_dim)
+        writer.add_full_attention_interval(4)
+        writer.add_rope_dimension_sections([11, 11, 10, 0])
+        writer.add_rope_dimension_count(shape["head_dim"] // 4)
     elif not shape.get("gemma"):  # gemma's converters write no rotary dimension (the whole head)
         writer.add_rope_dimension_count(shape["head_dim"])
     if "sliding_window" in shape:
@@ -448,20 +462,36 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
             ("post_attention_norm", "post_ffw_norm") if shape.get("gemma") else ())
         if shape.get("post_norms"):  # (OLMo 2's: after the attention and the MLP alone)
             norms = ("post_attention_norm", "post_ffw_norm")
+        recurrent = "linear" in shape and (layer + 1) % 4 != 0
+        if "linear" in shape:  # (Qwen3.5's: the MLP's norm named as the attention's output's)
+            norms = ("attn_norm", "post_attention_norm")
         for norm in norms:
             writer.add_tensor(f"blk.{layer}.{norm}.weight", np.ones(hidden, dtype=np.float32))
         if shape.get("qk_norm") == "all heads":  # (OLMo 2's: over all of q's and k's heads)
             writer.add_tensor(f"blk.{layer}.attn_q_norm.weight", np.ones(q_rows, dtype=np.float32))
             writer.add_tensor(f"blk.{layer}.attn_k_norm.weight", np.ones(kv_rows, dtype=np.float32))
-        elif shape.get("qk_norm"):
+        elif shape.get("qk_norm") and not recurrent:
             for norm in ("attn_q_norm", "attn_k_norm"):
                 writer.add_tensor(f"blk.{layer}.{norm}.weight", np.ones(hd, dtype=np.float32))
-        if shape.get("fused"):
+        if recurrent:  # a Gated DeltaNet layer's: q/k/v, the output gate, each value head's decay and step
+            key_heads, value_heads, linear_dim = shape["linear"]
+            keys, values = key_heads * linear_dim, value_heads * linear_dim
+            parts = (("attn_qkv", 2 * keys + values, hidden), ("attn_gate", values, hidden),
+                     ("ssm_alpha", value_heads, hidden), ("ssm_beta", value_heads, hidden),
+                     ("ssm_out", hidden, values), ("ffn_gate", ffn, hidden), ("ffn_up", ffn, hidden),
+                     ("ffn_down", hidden, ffn))
+            writer.add_tensor(f"blk.{layer}.ssm_conv1d.weight",
+                              rng.normal(0, 0.1, (2 * keys + values, 4)).astype(np.float32))
+            writer.add_tensor(f"blk.{layer}.ssm_a", -rng.uniform(0.5, 8, value_heads).astype(np.float32))
+            writer.add_tensor(f"blk.{layer}.ssm_dt.bias", rng.normal(0, 0.5, value_heads).astype(np.float32))
+            writer.add_tensor(f"blk.{layer}.ssm_norm.weight", np.ones(linear_dim, dtype=np.float32))
+        elif shape.get("fused"):
             parts = (("attn_qkv", q_rows + 2 * kv_rows, hidden), ("attn_output", hidden, q_rows),
                      ("ffn_up", 2 * ffn, hidden), ("ffn_down", hidden, ffn))
         else:
-            parts = (("attn_q", q_rows, hidden), ("attn_k", kv_rows, hidden), ("attn_v", kv_rows, hidden),
-                     ("attn_output", hidden, q_rows))
+            # (Qwen3.5's q rows and its output gate's, head by head)
+            parts = (("attn_q", q_rows * (2 if "linear" in shape else 1), hidden), ("attn_k", kv_rows, hidden),
+                     ("attn_v", kv_rows, hidden), ("attn_output", hidden, q_rows))
             if "experts" not in shape:
                 parts += (("ffn_gate", ffn, hidden), ("ffn_up", ffn, hidden), ("ffn_down", hidden, ffn))
         for part, rows, cols in parts:

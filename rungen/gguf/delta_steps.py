@@ -1,16 +1,16 @@
 """Qwen3.5's decoder layers over a GGUF file's blocks (transformers' Qwen3_5ForCausalLM and its mixture's), with their
-small steps taken in fewer calls on the CPU: a Gated DeltaNet layer's decode step (DeltaNetStep), a dense gated MLP's
-gate and up one product (its norms stay transformers': native ones measured no faster a step). transformers' forms
-of a step (its PyTorch fallbacks of the short convolution and the delta rule, which flash-linear-attention and
-causal-conv1d replace on a GPU) cost a decode step about as much as its products: the convolution of one position a
-depthwise conv1d call, the state's update and read broadcast products over it. A prompt (several positions) stays
+small steps taken in fewer calls on the CPU: a Gated DeltaNet layer's decode step after its products one native call
+(DeltaNetStep: torch.ops.rungen_ggml.delta_step, csrc/ggml_delta.cpp), a dense gated MLP's gate and up one product
+(its norms stay transformers': native ones measured no faster a step). transformers' forms of that step (its PyTorch
+fallbacks of the short convolution and the delta rule, which flash-linear-attention and causal-conv1d replace on a
+GPU) cost a decode step about as much as its products: the convolution of one position a depthwise conv1d call, the
+state's update and read broadcast products over it, some 25 calls a layer. A prompt (several positions) stays
 transformers' chunked form. The arithmetic is transformers' within float32 rounding (sums in another order).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..host_memory import release_freed_memory
 from .blocks import GGMLLinear, join
@@ -25,9 +25,9 @@ DELTA_NETS = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet")
 
 class DeltaNetStep(torch.nn.Module):
     """transformers' Gated DeltaNet layer `module` (its products, convolution weights, decay and norm), a decode step
-    (one position a row, its states in the cache) computed here: the convolution of the new position the cached
-    window's products summed, the delta rule's read and update of each value head's state two batched products on the
-    cache's own state, in place; any other call the module's own forward."""
+    (one position a row, its float32 states in the cache) after its products one delta_step call: the convolution of
+    the new position, the delta rule's read and update of each value head's state in place, the gated norm; any
+    other call the module's own forward."""
 
     def __init__(self, module: torch.nn.Module):
         super().__init__()
@@ -35,43 +35,23 @@ class DeltaNetStep(torch.nn.Module):
         self.register_buffer("conv", module.conv1d.weight.detach().squeeze(1).float(), persistent=False)
         self.register_buffer("decay", -module.A_log.detach().float().exp(), persistent=False)
         self.register_buffer("norm_weight", module.norm.weight.detach().float(), persistent=False)
-        self.repeats = module.num_v_heads // module.num_k_heads
 
     def forward(self, hidden_states: torch.Tensor, cache_params=None, attention_mask=None, **kwargs):
         m = self.module
         layer = m.layer_idx
-        if (hidden_states.shape[1] != 1 or cache_params is None or cache_params.is_recording_past(layer)
-                or cache_params.get_conv_state(layer) is None or cache_params.get_recurrent_state(layer) is None
-                or m.conv1d.bias is not None):
+        window = cache_params.get_conv_state(layer) if cache_params is not None else None
+        state = cache_params.get_recurrent_state(layer) if cache_params is not None else None
+        if (hidden_states.shape[1] != 1 or window is None or state is None or cache_params.is_recording_past(layer)
+                or m.conv1d.bias is not None or window.dtype != torch.float32 or state.dtype != torch.float32
+                or not (window.is_contiguous() and state.is_contiguous())):
             return m(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
         if attention_mask is not None:  # (transformers' apply_mask_to_padding_states)
             hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
-        rows = hidden_states.shape[0]
         x = hidden_states[:, 0]
-        window = cache_params.get_conv_state(layer)  # [rows, channels, kernel]: the last positions' q/k/v
-        window.copy_(torch.cat([window[:, :, 1:], m.in_proj_qkv(x).unsqueeze(-1).to(window.dtype)], -1))
-        mixed = F.silu((window * self.conv).sum(-1, dtype=torch.float32))
-        query, key, value = mixed.split([m.key_dim, m.key_dim, m.value_dim], dim=-1)
-        query = query.reshape(rows, -1, m.head_k_dim)
-        key = key.reshape(rows, -1, m.head_k_dim)
-        if self.repeats > 1:  # (each key head serves that many consecutive value heads)
-            query = query.repeat_interleave(self.repeats, dim=1)
-            key = key.repeat_interleave(self.repeats, dim=1)
-        query = query * torch.rsqrt((query * query).sum(-1, keepdim=True) + 1e-6) / m.head_k_dim ** 0.5
-        key = key * torch.rsqrt((key * key).sum(-1, keepdim=True) + 1e-6)
-        value = value.reshape(rows * m.num_v_heads, 1, m.head_v_dim)
-        beta = m.in_proj_b(x).float().sigmoid().reshape(rows * m.num_v_heads, 1, 1)
-        decay = (self.decay * F.softplus(m.in_proj_a(x).float() + m.dt_bias)).exp()
-        state = cache_params.get_recurrent_state(layer)  # [rows, value heads, key size, value size], float32
-        heads = state.view(rows * m.num_v_heads, m.head_k_dim, m.head_v_dim)
-        heads.mul_(decay.reshape(-1, 1, 1))
-        key = key.reshape(rows * m.num_v_heads, 1, m.head_k_dim)
-        delta = (value - torch.bmm(key, heads)) * beta
-        heads.baddbmm_(key.transpose(1, 2), delta)
-        out = torch.bmm(query.reshape(rows * m.num_v_heads, 1, m.head_k_dim), heads).reshape(-1, m.head_v_dim)
-        gate = m.in_proj_z(x).reshape(-1, m.head_v_dim)
-        out = torch.ops.rungen_ggml.rms_norm(out, self.norm_weight, m.layer_norm_epsilon) * F.silu(gate.float())
-        return m.out_proj(out.reshape(rows, 1, -1).to(hidden_states.dtype))
+        out = torch.ops.rungen_ggml.delta_step(window, m.in_proj_qkv(x), self.conv, state, m.in_proj_a(x),
+                                               m.in_proj_b(x), m.in_proj_z(x), self.decay, m.dt_bias,
+                                               self.norm_weight, m.num_k_heads, m.layer_norm_epsilon)
+        return m.out_proj(out.reshape(hidden_states.shape[0], 1, -1).to(hidden_states.dtype))
 
 
 def delta_steps(model: torch.nn.Module) -> bool:

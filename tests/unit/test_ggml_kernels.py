@@ -707,3 +707,46 @@ def test_attention_with_learned_sinks_is_gpt_oss_attention_and_the_same_bits_alo
     batched = torch.ops.rungen_ggml.attend(torch.cat([torch.randn_like(q[:, :, -1:]), q[:, :, -1:]]), padded_k,
                                            padded_v, mask, scale, 0.0, window, sinks)
     assert torch.equal(batched[1], alone[0])
+
+
+@pytest.mark.parametrize("value_heads", [2, 4])
+def test_a_delta_step_is_transformers_decode_step_of_a_gated_deltanet_layer(value_heads, each_isa):
+    # Qwen3.5's linear attention, one position a row: transformers' own PyTorch forms (the convolution's update, the
+    # gated delta rule's recurrent step, the gated norm) on the same window, state and products, within float32
+    # rounding; the window and the state updated in place as transformers' cache holds them. Two key heads, each
+    # serving one or two value heads.
+    import torch.nn.functional as F
+    from transformers.models.qwen3_5.modeling_qwen3_5 import (
+        Qwen3_5RMSNormGated,
+        causal_conv1d_update,
+        torch_recurrent_gated_delta_rule,
+    )
+
+    rows, key_heads, size, kernel = 3, 2, 16, 4
+    channels = 2 * key_heads * size + value_heads * size
+    g = torch.Generator().manual_seed(7)
+    window, state = torch.randn(rows, channels, kernel, generator=g), torch.randn(rows, value_heads, size, size,
+                                                                                    generator=g) * 0.3
+    mixed, conv = torch.randn(rows, channels, generator=g), torch.randn(channels, kernel, generator=g) * 0.5
+    a, b = torch.randn(rows, value_heads, generator=g), torch.randn(rows, value_heads, generator=g)
+    z, norm = torch.randn(rows, value_heads * size, generator=g), torch.randn(size, generator=g)
+    a_log, dt_bias = torch.rand(value_heads, generator=g) * 2, torch.randn(value_heads, generator=g)
+
+    theirs_window, theirs_state = window.clone(), state.clone()
+    mixed_out = causal_conv1d_update(mixed[:, :, None], theirs_window, conv, None, "silu")[:, :, 0]
+    q, k, v = mixed_out.split([key_heads * size, key_heads * size, value_heads * size], -1)
+    out, theirs_state = torch_recurrent_gated_delta_rule(
+        q.reshape(rows, 1, key_heads, size), k.reshape(rows, 1, key_heads, size),
+        v.reshape(rows, 1, value_heads, size), g=(-a_log.exp() * F.softplus(a + dt_bias))[:, None],
+        beta=b.sigmoid()[:, None], initial_state=theirs_state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    gated = Qwen3_5RMSNormGated(size, eps=1e-6)
+    gated.weight.data = norm
+    theirs = gated(out.reshape(-1, size), z.reshape(-1, size)).reshape(rows, -1)
+    for isa in isas():
+        torch.ops.rungen_ggml.set_isa(isa)
+        ours_window, ours_state = window.clone(), state.clone()
+        ours = torch.ops.rungen_ggml.delta_step(ours_window, mixed, conv, ours_state, a, b, z, -a_log.exp(),
+                                                dt_bias, norm, key_heads, 1e-6)
+        torch.testing.assert_close(ours_window, theirs_window, rtol=0, atol=0)
+        torch.testing.assert_close(ours_state, theirs_state, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)

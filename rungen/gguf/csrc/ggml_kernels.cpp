@@ -34,8 +34,8 @@
 // ggml_ops.h (what the units share), ggml_products.cpp (the products' torch side), ggml_scalar.cpp, ggml_avx2.cpp
 // and ggml_vnni.cpp (the products per instruction set, from ggml_simd.h, ggml_x8.h, ggml_x8_avx2.h, ggml_x16.h,
 // ggml_amx.h and ggml_spans.h), ggml_layers.cpp and ggml_attend.cpp (norms, rope, gates, attention),
-// ggml_decoder.cpp (the decoder layers), ggml_mixture.cpp (a mixture of experts' MLP), ggml_interleave.cpp (the
-// X8 layout at load).
+// ggml_decoder.cpp (the decoder layers), ggml_mixture.cpp (a mixture of experts' MLP), ggml_delta.cpp (a Gated
+// DeltaNet layer's decode step), ggml_interleave.cpp (the X8 layout at load).
 
 #include "ggml_ops.h"
 
@@ -65,6 +65,8 @@ TORCH_LIBRARY(rungen_ggml, m) {
   m.def("chosen_experts(Tensor x, Tensor ids, Tensor weights, Tensor[] experts, int[] expert_qtypes, bool gelu) "
         "-> Tensor", &chosen_experts);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
+  m.def("delta_step(Tensor(a!) window, Tensor mixed, Tensor conv, Tensor(b!) state, Tensor a, Tensor b, Tensor z, "
+        "Tensor decay, Tensor dt_bias, Tensor norm, int key_heads, float eps) -> Tensor", &delta_step);
   m.def("gelu_tanh_mul(Tensor gate_up) -> Tensor", &gelu_tanh_mul);
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, float softcap=0., int window=0, "
         "Tensor? sinks=None) -> Tensor", &attend);
