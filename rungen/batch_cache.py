@@ -15,6 +15,7 @@ from . import fused_step
 from .kvcache import (
     RINGS_ENV,
     dummy,
+    each_state,
     fill,
     full_attention,
     growing,
@@ -216,7 +217,7 @@ class PaddedBatch:
         layers, states = layers_of(output.past_key_values), states_of(output.past_key_values)
         if n > 1:
             layers = [(k.repeat(n, 1, 1, 1), v.repeat(n, 1, 1, 1)) for k, v in layers]
-            states = [tuple(part.repeat(n, *[1] * (part.dim() - 1)) for part in state) for state in states]
+            states = each_state(states, lambda part: part.repeat(n, *[1] * (part.dim() - 1)))
         mask = torch.ones(n, length, dtype=torch.long, device=self.device)
         return layers, mask, output.past_key_values if n == 1 else None, states
 
@@ -241,7 +242,8 @@ class PaddedBatch:
         self.cache = cache = new_cache(self.model)
         rows_states = ([states_of(old)] if old is not None else []) + [states for *_, states in parts]
         if rows_states[0]:  # (a row's state is its own: the rows' states one after another, nothing padded)
-            put_states(cache, [[torch.cat(pieces) for pieces in zip(*layer)] for layer in zip(*rows_states)])
+            put_states(cache, [[None if pieces[0] is None else torch.cat(pieces) for pieces in zip(*layer)]
+                               for layer in zip(*rows_states)])
         held = holding(old) if old is not None else None
         for number, layer in enumerate(holding(cache)):
             merged = None
@@ -312,7 +314,7 @@ class PaddedBatch:
         old, self.cache = self.cache, new_cache(self.model)
         states = states_of(old)
         if states:
-            put_states(self.cache, [tuple(part.index_select(0, index) for part in state) for state in states])
+            put_states(self.cache, each_state(states, lambda part: part.index_select(0, index)))
         for layer, held in zip(holding(self.cache), holding(old)):  # a layer at a time, as merge()
             keys, values, length = held.keys, held.values, held.get_seq_length()
             let_go(held)

@@ -236,7 +236,8 @@ def dummy(layer) -> bool:
 
 def recurrent(layer) -> bool:
     """Whether `layer` is transformers' LinearAttentionLayer of one state: no keys and values, a row's window of the
-    last positions' convolution inputs and its recurrent state (Qwen3.5's Gated DeltaNet layers)."""
+    last positions' convolution inputs and (Qwen3.5's Gated DeltaNet layers; not LFM2's short convolutions) its
+    recurrent state."""
     return type(layer).__name__ == "LinearAttentionLayer" and layer.number_of_states == 1
 
 
@@ -245,17 +246,25 @@ def holding(cache) -> list:
     return [layer for layer in cache.layers if not dummy(layer) and not recurrent(layer)]
 
 
-def states_of(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """[(convolution window, recurrent state)] of each recurrent layer of `cache`, a row each."""
+def states_of(cache) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+    """[(convolution window, recurrent state)] of each recurrent layer of `cache`, a row each (None: one it keeps
+    none of)."""
     return [(layer.conv_states[0], layer.recurrent_states[0]) for layer in cache.layers if recurrent(layer)]
+
+
+def each_state(states, function) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+    """`function` of each of states_of's tensors (None stays None)."""
+    return [tuple(None if part is None else function(part) for part in state) for state in states]
 
 
 def put_states(cache, states) -> None:
     """Gives the recurrent layers of a new `cache` their rows' `states` (states_of's), as after a prompt's pass."""
     for layer, (window, state) in zip([layer for layer in cache.layers if recurrent(layer)], states, strict=True):
-        layer.lazy_initialization(conv_states=window, recurrent_states=state, conv_kernel_size=window.shape[-1])
-        layer.conv_states[0].copy_(window)
-        layer.recurrent_states[0].copy_(state)
+        layer.lazy_initialization(conv_states=window, recurrent_states=state,
+                                  conv_kernel_size=None if window is None else window.shape[-1])
+        for held, given in ((layer.conv_states[0], window), (layer.recurrent_states[0], state)):
+            if given is not None:
+                held.copy_(given)
         layer.has_previous_state[0] = True  # (the next pass reads the window)
 
 

@@ -960,6 +960,9 @@ CHECKPOINT_FILES = {
     # shared expert behind its sigmoid gate.
     "qwen35moe": dict(files=("qwen35moe_checkpoint", "write_qwen35_gguf"), model="Qwen3_5MoeForCausalLM",
                       vision=True, steps=dict(linear_attn="DeltaNetStep")),
+    # LFM2's gated short convolutions beside attention with q/k norms, read by transformers' own conversion table (the
+    # convolution's shape), the final norm after the layers: transformers' layers.
+    "lfm2": dict(files=("lfm2_checkpoint", "write_lfm2_gguf"), model="Lfm2ForCausalLM"),
 }
 
 

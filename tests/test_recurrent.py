@@ -1,5 +1,6 @@
-"""Models with recurrent layers (Qwen3.5's Gated DeltaNet layers, read from GGUF files as llama.cpp's converter writes
-them) decode on the engine: a row's convolution window and state (transformers' LinearAttentionLayer) are its own,
+"""Models with recurrent layers (Qwen3.5's Gated DeltaNet layers, LFM2's short convolutions, read from GGUF files as
+llama.cpp's converter writes them) decode on the engine: a row's convolution window and state (transformers'
+LinearAttentionLayer; LFM2's keep a window alone) are its own,
 joined one after another where rows join and picked where rows leave, beside the full-attention layers' left-padded
 keys and values; no prefix cache (a state stands for a row's whole past). So the greedy tokens of a batch are those
 generate() gives each prompt alone, and the server serves these models."""
@@ -19,15 +20,16 @@ NEW_TOKENS = 10
 pytestmark = pytest.mark.usefixtures("module_cache_home")
 
 
-@pytest.fixture(scope="module")
-def loaded(tmp_path_factory):
-    """The tiny Qwen3.5 checkpoint's Q8_0 GGUF file (three Gated DeltaNet layers, one of full attention), loaded."""
+@pytest.fixture(scope="module", params=["qwen35", "lfm2"])
+def loaded(request, tmp_path_factory):
+    """The tiny Qwen3.5 checkpoint's Q8_0 GGUF file (three Gated DeltaNet layers, one of full attention), or the
+    tiny LFM2's (three short convolution layers, one of attention), loaded."""
     import tiny_models
 
-    folder = tmp_path_factory.mktemp("qwen35")
-    checkpoint = tiny_models.qwen35_checkpoint(str(folder))
-    return load(tiny_models.write_qwen35_gguf(checkpoint, str(folder / "qwen35.gguf"), "Q8_0"),
-                device=torch.device("cpu"))
+    folder = tmp_path_factory.mktemp(request.param)
+    checkpoint = getattr(tiny_models, f"{request.param}_checkpoint")(str(folder))
+    write = getattr(tiny_models, f"write_{request.param}_gguf")
+    return load(write(checkpoint, str(folder / f"{request.param}.gguf"), "Q8_0"), device=torch.device("cpu"))
 
 
 def alone(model, ids, new_tokens):
@@ -60,7 +62,7 @@ def test_rows_joining_and_leaving_keep_their_own_states(loaded):
     assert tokens == {0: [expected[0]], 1: [expected[1]], 2: [expected[2]] * 2, 3: [expected[3]]}
 
 
-def test_a_qwen35_model_is_served(loaded):
+def test_such_a_model_is_served(loaded):
     from starlette.testclient import TestClient
 
     from rungen.server import ServeOptions, build

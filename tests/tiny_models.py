@@ -1475,6 +1475,72 @@ def write_qwen35_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> st
     return write_out(writer, path)
 
 
+def lfm2_checkpoint(out_dir: str) -> str:
+    """A tiny random LFM2 checkpoint (Lfm2ForCausalLM) in `out_dir`: LFM2-350M's layout 64 wide, three gated short
+    convolution layers (a window of 3) and one of attention (4 heads of 16 over 2, q/k norms), tied embeddings, the
+    final norm after the layers (embedding_norm); its norms drawn around 1; a byte-level BPE vocabulary."""
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    tokenizer = tiny_gpt2_tokenizer(out_dir)
+    config = Lfm2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, norm_eps=1e-5,
+                        layer_types=["conv", "conv", "full_attention", "conv"], block_auto_adjust_ff_dim=False,
+                        conv_L_cache=3, initializer_range=0.15, tie_word_embeddings=True, pad_token_id=None,
+                        bos_token_id=None, eos_token_id=tokenizer.eos_token_id)
+    path = save_tiny(out_dir, "lfm2", Lfm2ForCausalLM, config, tokenizer)
+    model = Lfm2ForCausalLM.from_pretrained(path)
+    with torch.no_grad():  # (initialized to 1)
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.normal_(1, 0.3)
+    model.save_pretrained(path)
+    return path
+
+
+def write_lfm2_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
+    """The GGUF file llama.cpp's converter (conversion/lfm2.py's LFM2Model) writes of an LFM2 checkpoint: the kv heads
+    a layer (0 for a convolution layer), the vocabulary's size, the convolution's window (shortconv.l_cache) and the
+    MLP's width as the config gives it (block_auto_adjust_ff_dim off), the convolution squeezed; matrices in Q8_0
+    where asked, the convolution and norms F32; a byte-level BPE vocabulary llama.cpp splits as lfm2's."""
+    import gguf
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from safetensors.torch import load_file
+
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        config = json.load(f)
+    writer = gguf.GGUFWriter(path, "lfm2")
+    writer.add_type("model")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    kv_heads = config["num_key_value_heads"]
+    writer.add_head_count_kv([0 if kind == "conv" else kv_heads for kind in config["layer_types"]])
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_file_type({"F32": 0, "Q8_0": 7}[qtype_name])
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_shortconv_l_cache(config["conv_L_cache"])
+    writer.add_layer_norm_rms_eps(config["norm_eps"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    add_bpe_vocabulary(writer, checkpoint, "lfm2")
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LFM2, config["num_hidden_layers"])
+    for hf_name, value in load_file(os.path.join(checkpoint, "model.safetensors")).items():
+        if hf_name == "lm_head.weight" and config["tie_word_embeddings"]:
+            continue
+        values = value.float().numpy()
+        if "conv.conv" in hf_name:
+            values = values.squeeze(1)
+        base, _, suffix = hf_name.rpartition(".")
+        name = names.get_name(base) + "." + suffix
+        if qtype_name == "Q8_0" and values.ndim == 2 and values.shape[-1] % 32 == 0 and "shortconv.conv" not in name:
+            writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(values), Q.Q8_0), raw_dtype=Q.Q8_0)
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(values))
+    return write_out(writer, path)
+
+
 def olmo2_checkpoint(out_dir: str, version: int = 2) -> str:
     """A tiny random OLMo 2 checkpoint (Olmo2ForCausalLM) in `out_dir`: OLMo-2-1B's layout 64 wide (4 heads of 16,
     norms after the attention and the MLP and none before, q and k normalized over all their heads), untied, rope
