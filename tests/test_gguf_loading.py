@@ -598,7 +598,9 @@ def quantized_as_it_loads(header, mode, monkeypatch):
     assert streamed.quantized_layers == layers
     assert [type(m) for m in streamed.modules()] == [type(m) for m in after.modules()]
     assert not [name for name, p in streamed.named_parameters() if p.device.type == "meta"]
-    batch = header.tokenizer(PROMPTS[:2], return_tensors="pt", padding=True)
+    tokenizer = header.tokenizer  # (a padded batch where the vocabulary has a padding token)
+    batch = tokenizer(PROMPTS[:2], return_tensors="pt", padding=True) if tokenizer.pad_token else \
+        tokenizer(PROMPTS[:1], return_tensors="pt")
     with torch.no_grad():
         assert torch.equal(streamed(**batch).logits, after(**batch).logits)
     return layers
@@ -955,14 +957,14 @@ CHECKPOINT_FILES = {
     # their blocks, out_proj's columns on its input), its multi-token prediction block left out: transformers' layers,
     # a decode step of the linear attention in fewer calls (the Q8_0 file's two steps).
     "qwen35": dict(files=("qwen35_checkpoint", "write_qwen35_gguf"), model="Qwen3_5ForCausalLM", vision=True,
-                   steps=dict(linear_attn="DeltaNetStep", mlp="NativeGatedMLP")),
+                   steps=dict(linear_attn="DeltaNetStep", mlp="NativeGatedMLP"), quantized=True),
     # Qwen3.5-35B-A3B's: the same layers, each MLP a mixture (its experts in their blocks, F32 ones cast) beside a
     # shared expert behind its sigmoid gate.
     "qwen35moe": dict(files=("qwen35moe_checkpoint", "write_qwen35_gguf"), model="Qwen3_5MoeForCausalLM",
                       vision=True, steps=dict(linear_attn="DeltaNetStep")),
     # LFM2's gated short convolutions beside attention with q/k norms, read by transformers' own conversion table (the
     # convolution's shape), the final norm after the layers: transformers' layers.
-    "lfm2": dict(files=("lfm2_checkpoint", "write_lfm2_gguf"), model="Lfm2ForCausalLM"),
+    "lfm2": dict(files=("lfm2_checkpoint", "write_lfm2_gguf"), model="Lfm2ForCausalLM", quantized=True),
 }
 
 
@@ -1036,6 +1038,9 @@ def test_a_file_as_llama_cpp_writes_it_computes_its_checkpoint(architecture, tmp
             layered = padded_prompt_and_steps(model, positions=vision)
         for got, wanted in zip(stacked, layered):
             torch.testing.assert_close(got, wanted, rtol=1e-5, atol=1e-5)
+    if spec.get("quantized"):  # --quantize int8 as it loads: the layers quantizing the loaded float model gives (a
+        # permutation of out_proj's columns taken once)
+        quantized_as_it_loads(GGUFHeader(q8_0), "int8", monkeypatch)
     if native_kernels() and spec.get("native"):  # the engine's float16 cache: the same model's logits over
         # transformers' cache rounding what it stores
         monkeypatch.delenv(KV_FLOAT32_ENV)

@@ -181,7 +181,6 @@ class ModelBuild:
             if on_device and order is not False:
                 if self.quantize is not None and not embedding:  # quantized by put
                     form = reader.dequantized(entry, self.dtype, self.device, order)
-                    form = form if columns is None else form[:, columns.to(form.device)]
                 else:
                     form = self.forms.keep(reader, entry, qtype, in_features, module, order,
                                            embedding and self.head_reads_embedding)
