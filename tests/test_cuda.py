@@ -157,6 +157,24 @@ def test_gguf_greedy_equals_eager_generate_on_the_gpu(gguf_file):
     check_greedy(["--model_name_or_path", gguf_file], model, tokenizer, extra=["--dequantize"] if ON_CPU else [])
 
 
+@pytest.mark.parametrize("architecture", ["qwen35", "lfm2"])
+def test_a_recurrent_gguf_files_greedy_equals_eager_generate_on_the_gpu(architecture, tmp_path):
+    """Qwen3.5's (Q4_0: its out_proj kept in 4-bit codes, its input gathered in the file's order) and LFM2's files
+    (transformers' conversion table) on the device, their rows' states batched by the engine, against transformers'
+    own loader of the same file."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import tiny_models
+
+    checkpoint = getattr(tiny_models, f"{architecture}_checkpoint")(str(tmp_path))
+    qtype = "Q4_0" if architecture == "qwen35" else "Q8_0"
+    path = getattr(tiny_models, f"write_{architecture}_gguf")(checkpoint, str(tmp_path / "model.gguf"), qtype)
+    folder, name = os.path.split(path)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).to(DEVICE).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    check_greedy(["--model_name_or_path", path], model, tokenizer, extra=["--dequantize"] if ON_CPU else [])
+
+
 @needs_cuda
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.skipif(
     PLAYED, reason="torch.compile would compile the played GPU's step for the CPU"))], ids=["captured", "compiled"])
@@ -1213,6 +1231,30 @@ def test_a_4_bit_gguf_file_keeps_its_codes_on_the_gpu(gguf_file, monkeypatch):
     held = sum(b.numel() * b.element_size() for m in layers for b in (m.packed, m.scales_and_zeros))
     assert held < 0.35 * sum(2 * m.out_features * m.in_features for m in layers)
     assert_logits_near(int4, exact)
+
+
+def test_a_qwen35_files_out_proj_keeps_its_codes_with_its_input_gathered(tmp_path, monkeypatch):
+    # Qwen3.5's out_proj reads the value heads llama.cpp's converter tiled: in its 4-bit codes (columns cannot move
+    # across their groups) it reads its input gathered in the file's order (InputPermuted), and the model computes
+    # what the float32 de-quantized one does to bfloat16 rounding (which the recurrent layers carry along: 6 % here;
+    # out_proj reading the tiled order instead, 108 %).
+    import tiny_models
+    from rungen.gguf.conversions import InputPermuted
+    from rungen.int4 import TinyGemmLinear
+    from rungen.loading import load
+
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("torch's int4 kernel needs Ampere or later")
+    monkeypatch.setenv("RUN_GENERATION_GPU_INT4", "tinygemm")
+    path = tiny_models.write_qwen35_gguf(tiny_models.qwen35_checkpoint(str(tmp_path)), str(tmp_path / "q.gguf"),
+                                         "Q4_0")
+    int4, exact = load(path, device=DEVICE), load(path, device=DEVICE, dtype="float32")
+    gathered = [m for m in int4.model.modules() if isinstance(m, InputPermuted)]
+    assert len(gathered) == 3 and all(isinstance(m.layer, TinyGemmLinear) for m in gathered)
+    ids = torch.tensor([exact.tokenizer(PROMPTS[1]).input_ids], device=DEVICE)
+    with torch.inference_mode():
+        ours, theirs = int4.model(input_ids=ids).logits.float(), exact.model(input_ids=ids).logits.float()
+    assert (ours - theirs).norm() <= 0.15 * theirs.norm()
 
 
 @needs_cuda

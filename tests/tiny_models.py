@@ -1391,7 +1391,7 @@ def write_qwen35_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> st
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_key_length(config["head_dim"])
     writer.add_value_length(config["head_dim"])
-    writer.add_file_type({"F32": 0, "Q8_0": 7}[qtype_name])
+    writer.add_file_type({"F32": 0, "Q8_0": 7, "Q4_0": 2}[qtype_name])
     writer.add_ssm_conv_kernel(config["linear_conv_kernel_dim"])
     writer.add_ssm_state_size(key_dim)
     writer.add_ssm_group_count(key_heads)
@@ -1414,9 +1414,9 @@ def write_qwen35_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> st
 
     def add(name, values):
         values = np.ascontiguousarray(values, dtype=np.float32)
-        if qtype_name == "Q8_0" and values.ndim >= 2 and values.shape[-1] % 32 == 0 and not any(
+        if qtype_name != "F32" and values.ndim >= 2 and values.shape[-1] % 32 == 0 and not any(
                 part in name for part in ("ssm_conv1d", "ffn_gate_inp")):
-            writer.add_tensor(name, gguf.quants.quantize(values, Q.Q8_0), raw_dtype=Q.Q8_0)
+            writer.add_tensor(name, gguf.quants.quantize(values, Q[qtype_name]), raw_dtype=Q[qtype_name])
         else:
             writer.add_tensor(name, values)
 
