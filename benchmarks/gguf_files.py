@@ -20,8 +20,8 @@ llama-bench's -d N), then `--tg` new tokens greedily (no EOS), tokens per second
 first token, as llama-bench's tg counts them. pp:
 `--pp` random token ids (the same ids for both) processed in one call, tokens per second to the first token, as
 llama-bench's pp counts them. Ratios are medians of per-round ratios. CPU flags are printed with the figures.
-Models the engine refuses (chunked-attention or recurrent layers) run through generate(), as the command line runs
-them, and their rows say so.
+Models the engine refuses (chunked-attention layers) run through generate(), as the command line runs them, and
+their rows say so.
 
 Writing: files in published shapes with random weights (the text is meaningless, the memory and time are real),
 the default model's tokenizer as vocabulary: each family in Q4_0 and Q8_0 as the gguf package writes them (random
@@ -86,6 +86,12 @@ FAMILIES = {
     # beside gated full attention (8 heads of 256 over 2, a quarter of each rotated); llama.cpp's qwen35 files.
     "qwen35": dict(arch="qwen35", layers=24, hidden=1024, ffn=3584, heads=8, kv_heads=2, head_dim=256,
                    rope_base=10000000.0, eps=1e-6, tied=True, qk_norm=True, linear=(16, 16, 128)),
+    # Qwen3.5-35B-A3B: 40 of those layers 2048 wide (16 heads of 256 over 2; 16 key and 32 value heads of 128), each
+    # MLP 256 experts of 512 (8 a token) beside a shared expert of 512 behind its sigmoid gate; 20 GB in Q4_0, so
+    # --layers writes fewer of its layers where memory is short.
+    "qwen35moe": dict(arch="qwen35moe", layers=40, hidden=2048, ffn=512, heads=16, kv_heads=2, head_dim=256,
+                      rope_base=10000000.0, eps=1e-6, tied=False, qk_norm=True, linear=(16, 32, 128), experts=256,
+                      experts_used=8, expert_ffn=512, shared_ffn=512),
     # Phi-3-mini-4k (3.8B, the smallest published phi3 model): q/k/v in one attn_qkv, gate and up in one ffn_up,
     # heads of 96; its sliding_window key (2047) is what llama.cpp's converter writes and both runtimes ignore.
     "phi3": dict(arch="phi3", layers=32, hidden=3072, ffn=8192, heads=32, kv_heads=32, head_dim=96,
@@ -175,7 +181,7 @@ class LlamaBench:
 
 class Tool:
     """The tool on one file: on the engine, or through generate() where the engine refuses the model (chunked-attention
-    or recurrent layers), as the command line falls back (rungen.batch.open_engine)."""
+    layers), as the command line falls back (rungen.batch.open_engine)."""
 
     def __init__(self, path):
         import torch
@@ -439,6 +445,8 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
         writer.add_expert_used_count(shape["experts_used"])
         if arch != "llama":  # (Mixtral's converter writes the experts' width as feed_forward_length)
             writer.add_expert_feed_forward_length(shape["expert_ffn"])
+        if "shared_ffn" in shape:
+            writer.add_expert_shared_feed_forward_length(shape["shared_ffn"])
     for key, value in shape.get("scales", {}).items():
         writer.add_float32(f"{arch}.{key}", value)
     writer.add_vocab_size(vocab)
@@ -478,8 +486,9 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
             keys, values = key_heads * linear_dim, value_heads * linear_dim
             parts = (("attn_qkv", 2 * keys + values, hidden), ("attn_gate", values, hidden),
                      ("ssm_alpha", value_heads, hidden), ("ssm_beta", value_heads, hidden),
-                     ("ssm_out", hidden, values), ("ffn_gate", ffn, hidden), ("ffn_up", ffn, hidden),
-                     ("ffn_down", hidden, ffn))
+                     ("ssm_out", hidden, values))
+            if "experts" not in shape:
+                parts += (("ffn_gate", ffn, hidden), ("ffn_up", ffn, hidden), ("ffn_down", hidden, ffn))
             writer.add_tensor(f"blk.{layer}.ssm_conv1d.weight",
                               rng.normal(0, 0.1, (2 * keys + values, 4)).astype(np.float32))
             writer.add_tensor(f"blk.{layer}.ssm_a", -rng.uniform(0.5, 8, value_heads).astype(np.float32))
@@ -505,6 +514,13 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
                 blocks(f"blk.{layer}.{part}.weight", rows, cols, experts_type, small, experts)
                 if shape.get("biases"):
                     writer.add_tensor(f"blk.{layer}.{part}.bias", np.zeros((experts, rows), dtype=np.float32))
+            if "shared_ffn" in shape:  # (Qwen3.5-MoE's shared expert and its gate, float32 as its converter writes it)
+                shared = shape["shared_ffn"]
+                writer.add_tensor(f"blk.{layer}.ffn_gate_inp_shexp.weight",
+                                  rng.normal(0, 0.02, (1, hidden)).astype(np.float32))
+                for part, rows, cols in (("ffn_gate_shexp", shared, hidden), ("ffn_up_shexp", shared, hidden),
+                                         ("ffn_down_shexp", hidden, shared)):
+                    blocks(f"blk.{layer}.{part}.weight", rows, cols, qtype, small)
         if shape.get("biases"):  # gpt-oss's: q/k/v/o, the router's, a sink logit a head
             for part, rows in (("attn_q", q_rows), ("attn_k", kv_rows), ("attn_v", kv_rows), ("attn_output", hidden),
                                ("ffn_gate_inp", shape["experts"])):

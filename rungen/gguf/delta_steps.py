@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from ..host_memory import release_freed_memory
-from .blocks import GGMLLinear, join
-from .decoder import ACTIVATIONS
 from .kernels import native_kernels
-from .native_steps import NativeGatedMLP
+from .native_steps import join_gated_mlp
 
 DELTA_STEPS_MODELS = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 GATED_MLPS = ("Qwen3_5MLP", "Qwen3_5MoeMLP")
@@ -64,14 +61,8 @@ def delta_steps(model: torch.nn.Module) -> bool:
     names = [name for name, module in model.named_modules()
              if type(module).__name__ in GATED_MLPS + DELTA_NETS]
     for name in names:
-        module = model.get_submodule(name)
-        if type(module).__name__ in DELTA_NETS:
-            model.set_submodule(name, DeltaNetStep(module))
-        elif activation in ACTIVATIONS and all(
-                type(getattr(module, part)) is GGMLLinear for part in ("gate_proj", "up_proj")):
-            gate_up = join([module.gate_proj, module.up_proj])
-            if gate_up is not None:
-                model.set_submodule(name, NativeGatedMLP(gate_up, module.down_proj, activation))
-                del module
-                release_freed_memory()  # (the separate blocks' pages back before the next join)
+        if type(model.get_submodule(name)).__name__ in DELTA_NETS:
+            model.set_submodule(name, DeltaNetStep(model.get_submodule(name)))
+        else:
+            join_gated_mlp(model, name, activation)
     return True

@@ -210,6 +210,20 @@ JOINED_ATTENTIONS = {"GptOssAttention": NativeGptOssAttention, "Olmo2Attention":
                      "Exaone4Attention": NativeExaone4Attention}
 
 
+def join_gated_mlp(model: torch.nn.Module, name: str, activation: str) -> None:
+    """The dense gated MLP at `name` in `model` as NativeGatedMLP where its gate and up are blocks join takes (the
+    separate blocks' pages given back before the caller's next join); else left as it is."""
+    module = model.get_submodule(name)
+    if activation not in ACTIVATIONS or not all(
+            type(getattr(module, part)) is GGMLLinear for part in ("gate_proj", "up_proj")):
+        return
+    gate_up = join([module.gate_proj, module.up_proj])
+    if gate_up is not None:
+        model.set_submodule(name, NativeGatedMLP(gate_up, module.down_proj, activation))
+        del module
+        release_freed_memory()
+
+
 def steps_natively(model: torch.nn.Module) -> bool:
     """Gives a model of NATIVE_STEPS_MODELS native_attention and a cache that grows in place (rungen.kvcache's
     new_cache), its norms NativeRMSNorm, its gated MLPs and attentions over blocks NativeGatedMLP and
@@ -234,13 +248,9 @@ def steps_natively(model: torch.nn.Module) -> bool:
         if type(module).__name__ in NORMS:
             eps = getattr(module, "eps", getattr(module, "variance_epsilon", None))
             model.set_submodule(name, NativeRMSNorm(getattr(module, "weight", None), eps))
-        elif activation in ACTIVATIONS and all(
-                type(getattr(module, part)) is GGMLLinear for part in ("gate_proj", "up_proj")):
-            gate_up = join([module.gate_proj, module.up_proj])
-            if gate_up is not None:
-                model.set_submodule(name, NativeGatedMLP(gate_up, module.down_proj, activation))
-                del module
-                release_freed_memory()  # (the separate blocks' pages back before the next join)
+        else:
+            del module
+            join_gated_mlp(model, name, activation)
     names = [name for name, module in model.named_modules()  # (their norms native by now)
              if type(module).__name__ in (*GEMMA4_ATTENTIONS, *JOINED_ATTENTIONS)]
     for name in names:
