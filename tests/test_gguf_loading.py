@@ -961,7 +961,7 @@ CHECKPOINT_FILES = {
     # Qwen3.5-35B-A3B's: the same layers, each MLP a mixture (its experts in their blocks, F32 ones cast) beside a
     # shared expert behind its sigmoid gate.
     "qwen35moe": dict(files=("qwen35moe_checkpoint", "write_qwen35_gguf"), model="Qwen3_5MoeForCausalLM",
-                      vision=True, steps=dict(linear_attn="DeltaNetStep")),
+                      vision=True, steps=dict(linear_attn="DeltaNetStep", mlp="MixtureInOneCall")),
     # LFM2's gated short convolutions beside attention with q/k norms, read by transformers' own conversion table (the
     # convolution's shape), the final norm after the layers: transformers' layers.
     "lfm2": dict(files=("lfm2_checkpoint", "write_lfm2_gguf"), model="Lfm2ForCausalLM", quantized=True),
@@ -1045,6 +1045,28 @@ def test_a_file_as_llama_cpp_writes_it_computes_its_checkpoint(architecture, tmp
         # transformers' cache rounding what it stores
         monkeypatch.delenv(KV_FLOAT32_ENV)
         assert_float16_cache_as_rounded(model)
+
+
+def test_a_qwen35_mixture_in_one_native_call_computes_its_blocks_modules(tmp_path):
+    # Qwen3.5-MoE's block (its router's softmax, top 8 normalized, the experts, the shared expert behind its sigmoid
+    # gate) as one `mixture` call: the logits its modules give over the same blocks, within float32 rounding.
+    import tiny_models
+    from rungen.gguf.experts import MixtureInOneCall
+
+    if not native_kernels():
+        pytest.skip("the one call is the native kernels'")
+    path = tiny_models.write_qwen35_gguf(tiny_models.qwen35moe_checkpoint(str(tmp_path)), str(tmp_path / "m.gguf"),
+                                         "Q8_0")
+    model = build_model(GGUFHeader(path), torch.float32)
+    assert all(isinstance(layer.mlp, MixtureInOneCall) for layer in model.model.layers)
+    ids = torch.arange(3, 43)[None] * 7
+    with torch.no_grad():
+        one_call = model(ids).logits
+        for layer in model.model.layers:
+            layer.mlp = layer.mlp.block
+        modules = model(ids).logits
+    assert modules.abs().max() > 1
+    torch.testing.assert_close(one_call, modules, rtol=1e-5, atol=1e-5)
 
 
 def test_a_llama3_rotary_of_other_parameters_is_read_back_from_its_factors(tmp_path):

@@ -16,7 +16,7 @@ from .kernels import native_kernels
 from .native_steps import join_gated_mlp
 
 DELTA_STEPS_MODELS = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
-GATED_MLPS = ("Qwen3_5MLP", "Qwen3_5MoeMLP")
+GATED_MLPS = ("Qwen3_5MLP",)  # (the mixture's shared expert: in its block's one native call, experts.py)
 DELTA_NETS = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet")
 
 
@@ -53,8 +53,7 @@ class DeltaNetStep(torch.nn.Module):
 
 def delta_steps(model: torch.nn.Module) -> bool:
     """Gives a model of DELTA_STEPS_MODELS over blocks DeltaNetStep for each Gated DeltaNet layer and NativeGatedMLP
-    for each dense gated MLP over blocks (the mixture's shared expert's too), where the native kernels are; returns
-    whether."""
+    for each dense gated MLP over blocks, where the native kernels are; returns whether."""
     if not native_kernels() or type(model).__name__ not in DELTA_STEPS_MODELS:
         return False
     activation = model.config.get_text_config(decoder=True).hidden_act

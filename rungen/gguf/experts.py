@@ -160,7 +160,7 @@ def stacked(layers: list[GGMLLinear]) -> torch.Tensor | None:
 
 
 # transformers' routers whose forward ExpertRouter computes (the same steps, the logits by RowProducts).
-ROUTERS = ("Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter", "MixtralTopKRouter", "GptOssTopKRouter")
+ROUTERS = ("Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter", "MixtralTopKRouter", "GptOssTopKRouter", "Qwen3_5MoeTopKRouter")
 
 
 class RowProducts(torch.nn.Module):
@@ -207,9 +207,12 @@ class ExpertRouter(torch.nn.Module):
         return logits, weights.to(logits.dtype), experts
 
 
-# transformers' mixture blocks whose forward NativeMixture computes (Qwen2-MoE's with its shared expert; gpt-oss's
-# with its biases and clamped SwiGLU).
-BLOCKS = ("Qwen2MoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "MixtralSparseMoeBlock", "GptOssMLP")
+# transformers' mixture blocks whose forward NativeMixture computes (Qwen2-MoE's and Qwen3.5-MoE's with their shared
+# expert; gpt-oss's with its biases and clamped SwiGLU).
+BLOCKS = ("Qwen2MoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "MixtralSparseMoeBlock", "GptOssMLP",
+          "Qwen3_5MoeSparseMoeBlock")
+# Those in layers FusedDecoderLayer does not fuse, which MixtureInOneCall takes instead.
+UNFUSED_BLOCKS = ("GptOssMLP", "Qwen3_5MoeSparseMoeBlock")
 
 
 class NativeMixture:
@@ -264,9 +267,9 @@ class NativeMixture:
 
 
 class MixtureInOneCall(torch.nn.Module):
-    """A mixture block of a layer FusedDecoderLayer does not fuse (gpt-oss's GptOssMLP) as NativeMixture's one call
-    where the products are the blocks' own (native_products), else the block's modules; (hidden, None) as the block
-    returns (hidden, the router's scores), which generation does not read."""
+    """A mixture block of a layer FusedDecoderLayer does not fuse (UNFUSED_BLOCKS) as NativeMixture's one call where
+    the products are the blocks' own (native_products), else the block's modules; (hidden, None) as gpt-oss's block
+    returns (hidden, the router's scores), which generation does not read (Qwen3.5-MoE's layer takes either)."""
 
     def __init__(self, block: torch.nn.Module, mixture: NativeMixture):
         super().__init__()
@@ -284,9 +287,10 @@ def silu(act_fn: torch.nn.Module) -> bool:
 
 
 def mixtures_in_one_call(model: torch.nn.Module) -> None:
-    """Each gpt-oss MLP over GGMLExperts (whose layers FusedDecoderLayer leaves as they are) as MixtureInOneCall."""
+    """Each gpt-oss MLP and Qwen3.5-MoE block over GGMLExperts (whose layers FusedDecoderLayer leaves as they are) as
+    MixtureInOneCall."""
     for layer in getattr(getattr(model, "model", None), "layers", []):
-        mixture = NativeMixture.of(layer.mlp) if type(getattr(layer, "mlp", None)).__name__ == "GptOssMLP" else None
+        mixture = NativeMixture.of(layer.mlp) if type(getattr(layer, "mlp", None)).__name__ in UNFUSED_BLOCKS else None
         if mixture is not None:
             layer.mlp = MixtureInOneCall(layer.mlp, mixture)
 
