@@ -962,6 +962,12 @@ CHECKPOINT_FILES = {
     # shared expert behind its sigmoid gate.
     "qwen35moe": dict(files=("qwen35moe_checkpoint", "write_qwen35_gguf"), model="Qwen3_5MoeForCausalLM",
                       vision=True, steps=dict(linear_attn="DeltaNetStep", mlp="MixtureInOneCall")),
+    # Command R's (command-r: transformers' GGUF reading knows none of its keys) parallel attention and MLP after one
+    # layer norm, its logit scale, Command R+'s q and k layer norms per head; Command R7B's (cohere2) three sliding
+    # layers in four, the full ones without rotary (the F32 file's prompt crosses the window of 8): transformers'
+    # layers.
+    "cohere": dict(files=("cohere_checkpoint", "write_cohere_gguf"), model="CohereForCausalLM"),
+    "cohere2": dict(files=("cohere2_checkpoint", "write_cohere_gguf"), model="Cohere2ForCausalLM"),
     # LFM2's gated short convolutions beside attention with q/k norms, read by transformers' own conversion table (the
     # convolution's shape), the final norm after the layers: transformers' layers.
     "lfm2": dict(files=("lfm2_checkpoint", "write_lfm2_gguf"), model="Lfm2ForCausalLM", quantized=True),

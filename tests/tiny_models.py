@@ -1541,6 +1541,88 @@ def write_lfm2_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
     return write_out(writer, path)
 
 
+def cohere_checkpoint(out_dir: str, version: int = 1) -> str:
+    """A tiny random Cohere checkpoint (CohereForCausalLM: Command R's layout 64 wide, 4 heads of 16 over 2, the
+    attention and the MLP side by side after one layer norm, a logit scale, interleaved rotary; Command R+'s q and k
+    layer norms per head) in `out_dir`, or where `version` is 2 Command R7B's (Cohere2ForCausalLM: three layers in
+    four sliding, a window of 8, the full ones without rotary; its config's rotary_pct, which llama.cpp's converter
+    reads); tied embeddings, its norms drawn around 1; a byte-level BPE vocabulary."""
+    from transformers import Cohere2Config, Cohere2ForCausalLM, CohereConfig, CohereForCausalLM
+
+    tokenizer = tiny_gpt2_tokenizer(out_dir)
+    config_class, model_class, extra = (Cohere2Config, Cohere2ForCausalLM, dict(sliding_window=8)) if version == 2 \
+        else (CohereConfig, CohereForCausalLM, dict(use_qk_norm=True))
+    config = config_class(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                          initializer_range=0.2, layer_norm_eps=1e-5, logit_scale=0.5, tie_word_embeddings=True,
+                          pad_token_id=None, bos_token_id=None, eos_token_id=tokenizer.eos_token_id, **extra)
+    name = "cohere2" if version == 2 else "cohere"
+    path = save_tiny(out_dir, name, model_class, config, tokenizer)
+    model = model_class.from_pretrained(path)
+    with torch.no_grad():  # (initialized to 1)
+        for parameter_name, parameter in model.named_parameters():
+            if "norm" in parameter_name:
+                parameter.normal_(1, 0.3)
+    model.save_pretrained(path)
+    if version == 2:
+        with open(os.path.join(path, "config.json")) as f:
+            saved = json.load(f)
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(dict(saved, rotary_pct=1.0), f, indent=2)
+    return path
+
+
+def cohere2_checkpoint(out_dir: str) -> str:
+    """cohere_checkpoint's Command R7B (Cohere2ForCausalLM)."""
+    return cohere_checkpoint(out_dir, version=2)
+
+
+def write_cohere_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
+    """The GGUF file llama.cpp's converter (conversion/command_r.py: CommandR2Model, Cohere2Model) writes of a Cohere
+    checkpoint: command-r's (cohere2's) keys, the layer norm's epsilon, the logit scale, no rotary scaling; cohere2's
+    head size, window, vocabulary size and rotated width; tensors as the checkpoint holds them (no q/k permutation:
+    llama.cpp rotates pairs as Cohere does), no output.weight (tied); a byte-level BPE vocabulary llama.cpp splits as
+    command-r's."""
+    import gguf
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from safetensors.torch import load_file
+
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        config = json.load(f)
+    version = 2 if config["model_type"] == "cohere2" else 1
+    arch = gguf.MODEL_ARCH.COHERE2 if version == 2 else gguf.MODEL_ARCH.COMMAND_R
+    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
+    add_text_shape(writer, config)
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_eps(config["layer_norm_eps"])
+    writer.add_file_type({"F32": 0, "Q8_0": 7}[qtype_name])
+    head = config["hidden_size"] // config["num_attention_heads"]
+    if version == 2:
+        writer.add_key_length(head)
+        writer.add_value_length(head)
+    writer.add_logit_scale(config["logit_scale"])
+    if version == 2:
+        writer.add_sliding_window(config["sliding_window"])
+        writer.add_vocab_size(config["vocab_size"])
+        writer.add_rope_dimension_count(int(config["rotary_pct"] * head))
+    writer.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+    add_bpe_vocabulary(writer, checkpoint, "command-r")
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
+    for hf_name, value in load_file(os.path.join(checkpoint, "model.safetensors")).items():
+        if hf_name == "lm_head.weight":
+            continue  # (tied)
+        values = value.float().numpy()
+        base, _, suffix = hf_name.rpartition(".")
+        name = names.get_name(base) + "." + suffix
+        if qtype_name == "Q8_0" and values.ndim == 2 and values.shape[-1] % 32 == 0 and "norm" not in name:
+            writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(values), Q.Q8_0), raw_dtype=Q.Q8_0)
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(values))
+    return write_out(writer, path)
+
+
 def olmo2_checkpoint(out_dir: str, version: int = 2) -> str:
     """A tiny random OLMo 2 checkpoint (Olmo2ForCausalLM) in `out_dir`: OLMo-2-1B's layout 64 wide (4 heads of 16,
     norms after the attention and the MLP and none before, q and k normalized over all their heads), untied, rope

@@ -100,12 +100,27 @@ CONFIG_NAMES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 TENSOR_NAMES_OF = {"ministral3": "mistral3", "olmo3": "olmo2"}
 
 
+# Architectures transformers' GGUF reading knows no config keys of, read as no other's: their keys (after "<arch>.")
+# and the config fields they give, as transformers' GGUF_CONFIG_MAPPING holds an architecture's. Cohere's Command R
+# and Aya (command-r) and Command R7B (cohere2).
+COMMAND_R_KEYS = {"context_length": "max_position_embeddings", "block_count": "num_hidden_layers",
+                  "feed_forward_length": "intermediate_size", "embedding_length": "hidden_size",
+                  "rope.freq_base": "rope_theta", "attention.head_count": "num_attention_heads",
+                  "attention.head_count_kv": "num_key_value_heads", "attention.layer_norm_epsilon": "layer_norm_eps",
+                  "logit_scale": "logit_scale", "vocab_size": "vocab_size"}
+OWN_KEYS = {"command-r": COMMAND_R_KEYS, "cohere2": {**COMMAND_R_KEYS, "attention.sliding_window": "sliding_window"}}
+
+
 def read_as_their_likes() -> None:
-    """Teaches transformers' GGUF reading READ_AS's architectures: its config keys, fixed config values and tensor
-    processor those of the architecture each is read as (idempotent)."""
+    """Teaches transformers' GGUF reading READ_AS's architectures (their config keys, fixed config values and tensor
+    processor those of the architecture each is read as) and OWN_KEYS' (their keys); idempotent."""
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
     from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 
+    for architecture, keys in OWN_KEYS.items():
+        GGUF_CONFIG_MAPPING.setdefault(architecture, keys)
+        if architecture not in gguf_utils.GGUF_SUPPORTED_ARCHITECTURES:
+            gguf_utils.GGUF_SUPPORTED_ARCHITECTURES.append(architecture)
     for architecture, like in READ_AS.items():
         # (transformers' reading keys the config mapping of a mixture's architecture by its model type)
         GGUF_CONFIG_MAPPING.setdefault(architecture, GGUF_CONFIG_MAPPING[CONFIG_NAMES.get(like, like)])
@@ -503,6 +518,30 @@ def _exaone4_config(path: str, metadata: dict, tensors, config: dict) -> None:
                                for index in range(layers)])
 
 
+def _cohere_config(path: str, metadata: dict, tensors, config: dict) -> None:
+    """llama.cpp's command-r and cohere2 files as Cohere's models: CohereConfig (Command R+'s q and k layer norms per
+    head where the file has them) or Cohere2Config (three layers in four sliding, by attention.sliding_window_pattern
+    where the file has one, llama.cpp's default else; the full ones without rotary, as both compute them); their
+    classes' default token ids (the published vocabulary's) dropped where the file names none."""
+    arch = metadata["general.architecture"]
+    theta = config.pop("rope_theta", metadata.get(f"{arch}.rope.freq_base", 10000.0))
+    config.update(rope_parameters={"rope_type": "default", "rope_theta": theta})
+    for field in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        config.setdefault(field, None)
+    heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
+    rotary = metadata.get(f"{arch}.rope.dimension_count")
+    if rotary is not None and heads and hidden and rotary != hidden // heads:
+        raise GGUFError(f"{path}: {rotary} of each head's {hidden // heads} values rotated (rope.dimension_count), "
+                        "where Cohere's models rotate them all")
+    if arch == "command-r":
+        config.update(model_type="cohere", use_qk_norm="blk.0.attn_q_norm.weight" in tensors)
+        return
+    layers, pattern = config["num_hidden_layers"], metadata.get("cohere2.attention.sliding_window_pattern", 4)
+    sliding = pattern if isinstance(pattern, list) and len(pattern) == layers else [
+        (index + 1) % int(pattern if isinstance(pattern, int) else 4) != 0 for index in range(layers)]
+    config["layer_types"] = ["sliding_attention" if slides else "full_attention" for slides in sliding]
+
+
 def _glm4_config(path: str, metadata: dict, tensors, config: dict) -> None:
     """GLM-4-0414's partial rotary (half of each head), which transformers' reading drops: the rotated share of a head
     (rope.dimension_count) over the head size."""
@@ -515,7 +554,8 @@ def _glm4_config(path: str, metadata: dict, tensors, config: dict) -> None:
 # What an architecture's files need read beyond transformers' reading and the families' rows (path, the metadata, the
 # tensors' names, the config to complete).
 ARCHITECTURE_CONFIGS = {"gemma4": _gemma4_config, "gpt-oss": _gpt_oss_config, "mistral3": _mistral3_config,
-                        "olmo2": _olmo2_config, "exaone4": _exaone4_config, "glm4": _glm4_config}
+                        "olmo2": _olmo2_config, "exaone4": _exaone4_config, "glm4": _glm4_config,
+                        "command-r": _cohere_config, "cohere2": _cohere_config}
 
 
 def _yarn(path: str, arch: str, metadata: dict, theta: float, known: str) -> dict | None:
