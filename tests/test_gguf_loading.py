@@ -968,6 +968,10 @@ CHECKPOINT_FILES = {
     # layers.
     "cohere": dict(files=("cohere_checkpoint", "write_cohere_gguf"), model="CohereForCausalLM"),
     "cohere2": dict(files=("cohere2_checkpoint", "write_cohere_gguf"), model="Cohere2ForCausalLM"),
+    # Seed-OSS's heads wider than hidden / heads and its q/k/v biases (qwen2's keys, nothing permuted); Arcee's
+    # llama attention (its q/k permutation undone) and ReLU^2 MLP of up and down: transformers' layers.
+    "seed_oss": dict(files=("seed_oss_checkpoint", "write_seed_oss_gguf"), model="SeedOssForCausalLM"),
+    "arcee": dict(files=("arcee_checkpoint", "write_arcee_gguf"), model="ArceeForCausalLM"),
     # LFM2's gated short convolutions beside attention with q/k norms, read by transformers' own conversion table (the
     # convolution's shape), the final norm after the layers: transformers' layers.
     "lfm2": dict(files=("lfm2_checkpoint", "write_lfm2_gguf"), model="Lfm2ForCausalLM", quantized=True),

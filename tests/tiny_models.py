@@ -1623,6 +1623,53 @@ def write_cohere_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> st
     return write_out(writer, path)
 
 
+def seed_oss_checkpoint(out_dir: str) -> str:
+    """A tiny random Seed-OSS checkpoint (SeedOssForCausalLM) in `out_dir`: Seed-OSS-36B's layout 64 wide, heads of 32
+    (wider than hidden / heads, as its 128 over 5120 / 80) 4 over 2, q/k/v biases (drawn), none on the output,
+    untied; a byte-level BPE vocabulary."""
+    from transformers import SeedOssConfig, SeedOssForCausalLM
+
+    tokenizer = tiny_gpt2_tokenizer(out_dir)
+    config = SeedOssConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                           initializer_range=0.15, rms_norm_eps=1e-6, tie_word_embeddings=False, pad_token_id=None,
+                           bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+                           rope_parameters={"rope_type": "default", "rope_theta": 10000000.0})
+    path = save_tiny(out_dir, "seed_oss", SeedOssForCausalLM, config, tokenizer)
+    model = SeedOssForCausalLM.from_pretrained(path)
+    with torch.no_grad():  # (initialized to 0)
+        for name, parameter in model.named_parameters():
+            if name.endswith(".bias"):
+                parameter.normal_(0, 0.3)
+    model.save_pretrained(path)
+    return path
+
+
+def write_seed_oss_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
+    """The GGUF file llama.cpp's converter (conversion/olmo.py's SeedOssModel, a TextModel) writes of a Seed-OSS
+    checkpoint: the text shape, head size, its biases and matrices as the checkpoint holds them, Seed-Coder's split."""
+    return write_as_llama(checkpoint, path, "seed_oss", qtype_name, "seed-coder", permute=False, llama_keys=False)
+
+
+def arcee_checkpoint(out_dir: str) -> str:
+    """A tiny random Arcee checkpoint (ArceeForCausalLM) in `out_dir`: AFM-4.5B's layout 64 wide, llama's attention
+    (4 heads over 2) and its MLP of up and down alone with ReLU^2, untied; a byte-level BPE vocabulary."""
+    from transformers import ArceeConfig, ArceeForCausalLM
+
+    tokenizer = tiny_gpt2_tokenizer(out_dir)
+    config = ArceeConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         initializer_range=0.15, rms_norm_eps=1e-5, tie_word_embeddings=False, pad_token_id=None,
+                         bos_token_id=None, eos_token_id=tokenizer.eos_token_id)
+    return save_tiny(out_dir, "arcee", ArceeForCausalLM, config, tokenizer)
+
+
+def write_arcee_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
+    """The GGUF file llama.cpp's converter (conversion/llama.py's ArceeModel, a LlamaModel) writes of an Arcee
+    checkpoint: llama's keys and q/k permutation under the arcee architecture, its MLP's up and down."""
+    return write_as_llama(checkpoint, path, "arcee", qtype_name, "llama-bpe")
+
+
 def olmo2_checkpoint(out_dir: str, version: int = 2) -> str:
     """A tiny random OLMo 2 checkpoint (Olmo2ForCausalLM) in `out_dir`: OLMo-2-1B's layout 64 wide (4 heads of 16,
     norms after the attention and the MLP and none before, q and k normalized over all their heads), untied, rope
@@ -1925,14 +1972,15 @@ def add_bpe_vocabulary(writer, checkpoint: str, pre: str) -> None:
 
 def write_as_llama(checkpoint: str, path: str, architecture: str, qtype_name: str, pre: str,
                    scales: dict | None = None, more_keys=None, permute: bool = True,
-                   norms_plus_one: bool = False, rotary: int | None = None) -> str:
+                   norms_plus_one: bool = False, rotary: int | None = None, llama_keys: bool = True) -> str:
     """What llama.cpp's LlamaModel converter writes of a llama-shaped checkpoint under `architecture`: the text
     shape, rope base, norm epsilon, the head size where the config names one, file type, vocabulary size and rotary
     width, `scales` as float32 keys under the architecture and what `more_keys(writer)` adds, a GPT-2 style BPE
     vocabulary (tokenizer.ggml.pre `pre`), q and k permuted for its interleaved rotary (`permute` False: as they are,
     as a TextModel's converter leaves them), no output.weight where tied, each norm's weight plus one where
     `norms_plus_one` (gemma's converter), `rotary` the rotated share of a head where not all; matrices in
-    `qtype_name` (F32, or Q8_0 as --outtype q8_0 writes them)."""
+    `qtype_name` (F32, or Q8_0 as --outtype q8_0 writes them). `llama_keys` False: without the keys LlamaModel writes
+    beyond a TextModel's (the vocabulary's size, the rotary width unless `rotary`, no space prefix)."""
 
     import gguf
     import numpy as np
@@ -1948,18 +1996,21 @@ def write_as_llama(checkpoint: str, path: str, architecture: str, qtype_name: st
     writer.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])  # (a set a layer type: OLMo 3's)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_file_type({"F32": 0, "Q8_0": 7}[qtype_name])
-    writer.add_vocab_size(config["vocab_size"])
+    if llama_keys:
+        writer.add_vocab_size(config["vocab_size"])
     if config.get("head_dim"):
         writer.add_key_length(config["head_dim"])
         writer.add_value_length(config["head_dim"])
-    writer.add_rope_dimension_count(rotary or config.get("head_dim") or config["hidden_size"] // heads)
+    if llama_keys or rotary:
+        writer.add_rope_dimension_count(rotary or config.get("head_dim") or config["hidden_size"] // heads)
     for key, value in (scales or {}).items():
         writer.add_float32(f"{architecture}.{key}", value)
     if more_keys is not None:
         more_keys(writer)
 
     add_bpe_vocabulary(writer, checkpoint, pre)
-    writer.add_add_space_prefix(False)
+    if llama_keys:
+        writer.add_add_space_prefix(False)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
     def permuted(w, n_head):  # llama.cpp's LlamaModel.permute

@@ -418,7 +418,7 @@ LLAMA3_ROPE = (1.0, 4.0, 8192)
 # Qwen's long-context settings) and transformers' reading drops (mistral3's, olmo2's and gpt-oss's own readings
 # take theirs; gemma3's, phi3's are the families' rows').
 SCALED_ROTARIES = ("llama", "smollm3", "granite", "ernie4_5", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "qwen3vl",
-                   "qwen3vlmoe", "exaone4")
+                   "qwen3vlmoe", "exaone4", "arcee", "seed_oss")
 
 
 def _scaled_rope(path: str, arch: str, metadata: dict, config: dict, tensors) -> None:
@@ -542,6 +542,15 @@ def _cohere_config(path: str, metadata: dict, tensors, config: dict) -> None:
     config["layer_types"] = ["sliding_attention" if slides else "full_attention" for slides in sliding]
 
 
+def _seed_oss_config(path: str, metadata: dict, tensors, config: dict) -> None:
+    """Seed-OSS's biases as its file holds them (q/k/v's, the output's), which SeedOssConfig's defaults (the published
+    model's) would otherwise decide; its class's default token ids dropped where the file names none."""
+    config.update(attention_bias="blk.0.attn_q.bias" in tensors,
+                  attention_out_bias="blk.0.attn_output.bias" in tensors)
+    for field in ("bos_token_id", "eos_token_id"):
+        config.setdefault(field, None)
+
+
 def _glm4_config(path: str, metadata: dict, tensors, config: dict) -> None:
     """GLM-4-0414's partial rotary (half of each head), which transformers' reading drops: the rotated share of a head
     (rope.dimension_count) over the head size."""
@@ -555,7 +564,7 @@ def _glm4_config(path: str, metadata: dict, tensors, config: dict) -> None:
 # tensors' names, the config to complete).
 ARCHITECTURE_CONFIGS = {"gemma4": _gemma4_config, "gpt-oss": _gpt_oss_config, "mistral3": _mistral3_config,
                         "olmo2": _olmo2_config, "exaone4": _exaone4_config, "glm4": _glm4_config,
-                        "command-r": _cohere_config, "cohere2": _cohere_config}
+                        "command-r": _cohere_config, "cohere2": _cohere_config, "seed_oss": _seed_oss_config}
 
 
 def _yarn(path: str, arch: str, metadata: dict, theta: float, known: str) -> dict | None:
