@@ -972,6 +972,9 @@ CHECKPOINT_FILES = {
     # llama attention (its q/k permutation undone) and ReLU^2 MLP of up and down: transformers' layers.
     "seed_oss": dict(files=("seed_oss_checkpoint", "write_seed_oss_gguf"), model="SeedOssForCausalLM"),
     "arcee": dict(files=("arcee_checkpoint", "write_arcee_gguf"), model="ArceeForCausalLM"),
+    # Apertus's per-head q/k norms (nothing permuted), its llama3 rotary from rope_freqs and each layer's xIELU from
+    # the file's xielu.* keys (no tensor holds it): transformers' layers.
+    "apertus": dict(files=("apertus_checkpoint", "write_apertus_gguf"), model="ApertusForCausalLM"),
     # LFM2's gated short convolutions beside attention with q/k norms, read by transformers' own conversion table (the
     # convolution's shape), the final norm after the layers: transformers' layers.
     "lfm2": dict(files=("lfm2_checkpoint", "write_lfm2_gguf"), model="Lfm2ForCausalLM", quantized=True),

@@ -1670,6 +1670,60 @@ def write_arcee_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str
     return write_as_llama(checkpoint, path, "arcee", qtype_name, "llama-bpe")
 
 
+def apertus_checkpoint(out_dir: str) -> str:
+    """A tiny random Apertus checkpoint (ApertusForCausalLM) in `out_dir`: Apertus-8B's layout 64 wide, q and k
+    RMS-normalized per head (4 heads over 2), an MLP of up and down with each layer's own xIELU (its alpha_p, alpha_n,
+    beta and eps drawn), its llama3 rotary (Apertus-8B's: 8 times over 8192 positions), untied; its norms drawn
+    around 1; a byte-level BPE vocabulary."""
+    from transformers import ApertusConfig, ApertusForCausalLM
+
+    tokenizer = tiny_gpt2_tokenizer(out_dir)
+    config = ApertusConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=65536,
+                           initializer_range=0.15, rms_norm_eps=1e-5, tie_word_embeddings=False, pad_token_id=None,
+                           bos_token_id=None, eos_token_id=tokenizer.eos_token_id, dtype="float32",
+                           rope_parameters={"rope_type": "llama3", "rope_theta": 12000000.0, "factor": 8.0,
+                                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                            "original_max_position_embeddings": 8192})
+    path = save_tiny(out_dir, "apertus", ApertusForCausalLM, config, tokenizer)
+    model = ApertusForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        for name, value in [*model.named_parameters(), *model.named_buffers()]:
+            if "norm" in name:
+                value.normal_(1, 0.3)
+            elif "act_fn.alpha" in name:
+                value.normal_(0, 0.5)
+            elif name.endswith("act_fn.beta"):
+                value.uniform_(0.3, 0.7)
+            elif name.endswith("act_fn.eps"):
+                value.fill_(-1e-6)
+    model.save_pretrained(path)
+    return path
+
+
+def write_apertus_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
+    """The GGUF file llama.cpp's converter (conversion/llama.py's ApertusModel, a LlamaModel that leaves q and k as
+    they are) writes of an Apertus checkpoint: llama's keys under the apertus architecture, each layer's xIELU as the
+    xielu.* arrays (a value a layer, not tensors), its llama3 rotary as rope_freqs, the q/k norms and the MLP's up
+    and down."""
+    from safetensors.torch import load_file
+
+    state = load_file(os.path.join(checkpoint, "model.safetensors"))
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        config = json.load(f)
+
+    def xielu(writer):
+        head = config["hidden_size"] // config["num_attention_heads"]
+        writer.add_tensor("rope_freqs.weight", llama3_factors(config["rope_parameters"], head))
+        layers = sorted({int(name.split(".")[2]) for name in state if ".act_fn." in name})
+        for part, add in (("alpha_n", writer.add_xielu_alpha_n), ("alpha_p", writer.add_xielu_alpha_p),
+                          ("beta", writer.add_xielu_beta), ("eps", writer.add_xielu_eps)):
+            add([state[f"model.layers.{layer}.mlp.act_fn.{part}"].float().item() for layer in layers])
+
+    return write_as_llama(checkpoint, path, "apertus", qtype_name, "llama-bpe", permute=False, more_keys=xielu,
+                          leave_out=lambda name: ".act_fn." in name)
+
+
 def olmo2_checkpoint(out_dir: str, version: int = 2) -> str:
     """A tiny random OLMo 2 checkpoint (Olmo2ForCausalLM) in `out_dir`: OLMo-2-1B's layout 64 wide (4 heads of 16,
     norms after the attention and the MLP and none before, q and k normalized over all their heads), untied, rope
@@ -1972,7 +2026,8 @@ def add_bpe_vocabulary(writer, checkpoint: str, pre: str) -> None:
 
 def write_as_llama(checkpoint: str, path: str, architecture: str, qtype_name: str, pre: str,
                    scales: dict | None = None, more_keys=None, permute: bool = True,
-                   norms_plus_one: bool = False, rotary: int | None = None, llama_keys: bool = True) -> str:
+                   norms_plus_one: bool = False, rotary: int | None = None, llama_keys: bool = True,
+                   leave_out=None) -> str:
     """What llama.cpp's LlamaModel converter writes of a llama-shaped checkpoint under `architecture`: the text
     shape, rope base, norm epsilon, the head size where the config names one, file type, vocabulary size and rotary
     width, `scales` as float32 keys under the architecture and what `more_keys(writer)` adds, a GPT-2 style BPE
@@ -1980,7 +2035,8 @@ def write_as_llama(checkpoint: str, path: str, architecture: str, qtype_name: st
     as a TextModel's converter leaves them), no output.weight where tied, each norm's weight plus one where
     `norms_plus_one` (gemma's converter), `rotary` the rotated share of a head where not all; matrices in
     `qtype_name` (F32, or Q8_0 as --outtype q8_0 writes them). `llama_keys` False: without the keys LlamaModel writes
-    beyond a TextModel's (the vocabulary's size, the rotary width unless `rotary`, no space prefix)."""
+    beyond a TextModel's (the vocabulary's size, the rotary width unless `rotary`, no space prefix); `leave_out(name)`:
+    the checkpoint's tensors the converter writes as keys instead."""
 
     import gguf
     import numpy as np
@@ -2019,8 +2075,8 @@ def write_as_llama(checkpoint: str, path: str, architecture: str, qtype_name: st
     arch = next(key for key, name in gguf.MODEL_ARCH_NAMES.items() if name == architecture)
     names = gguf.get_tensor_name_map(arch, layers)
     for hf_name, value in load_file(os.path.join(checkpoint, "model.safetensors")).items():
-        if hf_name == "lm_head.weight" and config.get("tie_word_embeddings"):
-            continue  # tied
+        if hf_name == "lm_head.weight" and config.get("tie_word_embeddings") or leave_out and leave_out(hf_name):
+            continue  # tied, or written as keys
         values = value.float().numpy()
         if norms_plus_one and hf_name.endswith("norm.weight"):
             values = values + 1

@@ -283,6 +283,7 @@ class ModelBuild:
         from transformers.pytorch_utils import Conv1D
 
         model, layers = self.model, self.layers
+        _activations_from_keys(model, self.config)
         if self.on_device:
             for module_name, layer in layers.items():  # weights kept in codes or blocks
                 if isinstance(model.get_submodule(module_name), (torch.nn.Linear, Conv1D)):  # a linear layer's bias
@@ -406,6 +407,21 @@ def _check_shape(path: str, name: str, module: torch.nn.Module, attr: str, shape
     if isinstance(expected, torch.Tensor) and tuple(expected.shape) != tuple(shape):
         raise GGUFError(f"{path}: tensor {name} is {list(shape)}, where the model its metadata describes has "
                         f"{list(expected.shape)}")
+
+
+def _activations_from_keys(model, config) -> None:
+    """Each layer's xIELU (Apertus's) as its file's keys give it (config.xielu, file.py's _apertus_config): its
+    parameters and buffers, which no tensor holds."""
+    values = getattr(config, "xielu", None)
+    if not values:
+        return
+    for number, layer in enumerate(model.model.layers):
+        activation = layer.mlp.act_fn
+        for part in ("alpha_p", "alpha_n"):
+            activation._parameters[part] = torch.nn.Parameter(torch.tensor([values[part][number]]),
+                                                              requires_grad=False)
+        activation.beta, activation.eps = (torch.tensor(values[part][number]) for part in ("beta", "eps"))
+        activation._beta_scalar, activation._eps_scalar = values["beta"][number], values["eps"][number]
 
 
 def _tie_head(model, config):

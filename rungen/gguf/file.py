@@ -418,7 +418,7 @@ LLAMA3_ROPE = (1.0, 4.0, 8192)
 # Qwen's long-context settings) and transformers' reading drops (mistral3's, olmo2's and gpt-oss's own readings
 # take theirs; gemma3's, phi3's are the families' rows').
 SCALED_ROTARIES = ("llama", "smollm3", "granite", "ernie4_5", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "qwen3vl",
-                   "qwen3vlmoe", "exaone4", "arcee", "seed_oss")
+                   "qwen3vlmoe", "exaone4", "arcee", "seed_oss", "apertus")
 
 
 def _scaled_rope(path: str, arch: str, metadata: dict, config: dict, tensors) -> None:
@@ -551,6 +551,25 @@ def _seed_oss_config(path: str, metadata: dict, tensors, config: dict) -> None:
         config.setdefault(field, None)
 
 
+XIELU_PARTS = ("alpha_p", "alpha_n", "beta", "eps")
+
+
+def _apertus_config(path: str, metadata: dict, tensors, config: dict) -> None:
+    """Apertus's xIELU, which llama.cpp's converter keeps in keys, a value a layer (xielu.alpha_p, alpha_n, beta,
+    eps: its parameters as the checkpoint holds them, before their softplus), as config.xielu for the build
+    (build.py sets each layer's activation from it); its class's default token ids dropped where the file names
+    none."""
+    layers = config["num_hidden_layers"]
+    values = {part: metadata.get(f"xielu.{part}") for part in XIELU_PARTS}
+    wrong = [part for part, value in values.items() if not (isinstance(value, list) and len(value) == layers)]
+    if wrong:
+        raise GGUFError(f"{path}: an apertus file without {layers} values of xielu.{wrong[0]} (its activation's, a "
+                        "layer each)")
+    config["xielu"] = {part: [float(number) for number in value] for part, value in values.items()}
+    for field in ("bos_token_id", "eos_token_id"):
+        config.setdefault(field, None)
+
+
 def _glm4_config(path: str, metadata: dict, tensors, config: dict) -> None:
     """GLM-4-0414's partial rotary (half of each head), which transformers' reading drops: the rotated share of a head
     (rope.dimension_count) over the head size."""
@@ -564,7 +583,8 @@ def _glm4_config(path: str, metadata: dict, tensors, config: dict) -> None:
 # tensors' names, the config to complete).
 ARCHITECTURE_CONFIGS = {"gemma4": _gemma4_config, "gpt-oss": _gpt_oss_config, "mistral3": _mistral3_config,
                         "olmo2": _olmo2_config, "exaone4": _exaone4_config, "glm4": _glm4_config,
-                        "command-r": _cohere_config, "cohere2": _cohere_config, "seed_oss": _seed_oss_config}
+                        "command-r": _cohere_config, "cohere2": _cohere_config, "seed_oss": _seed_oss_config,
+                        "apertus": _apertus_config}
 
 
 def _yarn(path: str, arch: str, metadata: dict, theta: float, known: str) -> dict | None:
