@@ -975,6 +975,8 @@ CHECKPOINT_FILES = {
     # Apertus's per-head q/k norms (nothing permuted), its llama3 rotary from rope_freqs and each layer's xIELU from
     # the file's xielu.* keys (no tensor holds it): transformers' layers.
     "apertus": dict(files=("apertus_checkpoint", "write_apertus_gguf"), model="ApertusForCausalLM"),
+    # Hunyuan's dense model: q/k norms after the rotation, its NTK alpha folded into the file's rope base.
+    "hunyuan": dict(files=("hunyuan_checkpoint", "write_hunyuan_gguf"), model="HunYuanDenseV1ForCausalLM"),
     # LFM2's gated short convolutions beside attention with q/k norms, read by transformers' own conversion table (the
     # convolution's shape), the final norm after the layers: transformers' layers.
     "lfm2": dict(files=("lfm2_checkpoint", "write_lfm2_gguf"), model="Lfm2ForCausalLM", quantized=True),

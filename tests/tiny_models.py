@@ -1724,6 +1724,68 @@ def write_apertus_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> s
                           leave_out=lambda name: ".act_fn." in name)
 
 
+def hunyuan_checkpoint(out_dir: str) -> str:
+    """A tiny random Hunyuan dense checkpoint (HunYuanDenseV1ForCausalLM) in `out_dir`: Hunyuan-7B's layout 64 wide,
+    q and k RMS-normalized per head after their rotation (4 heads of 16 over 2), its NTK rotary of a fixed alpha (1000:
+    the base stretched), tied embeddings; its norms drawn around 1; a byte-level BPE vocabulary."""
+    from transformers import HunYuanDenseV1Config, HunYuanDenseV1ForCausalLM
+
+    tokenizer = tiny_gpt2_tokenizer(out_dir)
+    config = HunYuanDenseV1Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=32768, initializer_range=0.15, rms_norm_eps=1e-5,
+        tie_word_embeddings=True, pad_token_id=None, bos_token_id=None, eod_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 1000.0, "factor": 1.0})
+    path = save_tiny(out_dir, "hunyuan", HunYuanDenseV1ForCausalLM, config, tokenizer)
+    model = HunYuanDenseV1ForCausalLM.from_pretrained(path)
+    with torch.no_grad():  # (initialized to 1)
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.normal_(1, 0.3)
+    model.save_pretrained(path)
+    return path
+
+
+def write_hunyuan_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
+    """The GGUF file llama.cpp's converter (conversion/hunyuan.py's HunYuanModel, a TextModel) writes of a Hunyuan
+    dense checkpoint: a TextModel's keys, its NTK alpha folded into the rope base (base * alpha^(dim / (dim - 2)), no
+    scaling) and its context set to 256K, the tensors as the checkpoint holds them (the q/k norms as attn_q_norm and
+    attn_k_norm), no output.weight (tied)."""
+    import gguf
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from safetensors.torch import load_file
+
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        config = json.load(f)
+    rope, dim = config["rope_parameters"], config["head_dim"]
+    writer = gguf.GGUFWriter(path, "hunyuan-dense")
+    add_text_shape(writer, {**config, "max_position_embeddings": 256 * 1024})
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_key_length(dim)
+    writer.add_value_length(dim)
+    writer.add_file_type({"F32": 0, "Q8_0": 7}[qtype_name])
+    writer.add_rope_freq_base(rope["rope_theta"] * rope["alpha"] ** (dim / (dim - 2)))
+    writer.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+    writer.add_rope_scaling_factor(1)
+    writer.add_rope_scaling_orig_ctx_len(256 * 1024)
+    add_bpe_vocabulary(writer, checkpoint, "hunyuan-dense")
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.HUNYUAN_DENSE, config["num_hidden_layers"])
+    for hf_name, value in load_file(os.path.join(checkpoint, "model.safetensors")).items():
+        if hf_name == "lm_head.weight":
+            continue  # (tied)
+        values = value.float().numpy()
+        base, _, suffix = hf_name.rpartition(".")
+        name = names.get_name(base) + "." + suffix
+        if qtype_name == "Q8_0" and values.ndim == 2 and values.shape[-1] % 32 == 0:
+            writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(values), Q.Q8_0), raw_dtype=Q.Q8_0)
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(values))
+    return write_out(writer, path)
+
+
 def olmo2_checkpoint(out_dir: str, version: int = 2) -> str:
     """A tiny random OLMo 2 checkpoint (Olmo2ForCausalLM) in `out_dir`: OLMo-2-1B's layout 64 wide (4 heads of 16,
     norms after the attention and the MLP and none before, q and k normalized over all their heads), untied, rope

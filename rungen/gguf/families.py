@@ -118,9 +118,11 @@ FAMILIES = {family.model_type: family for family in (
 # llama's keys and their rows as the checkpoint's (qwen3's) into OLMo 2's or, with a window, OLMo 3's, EXAONE 4's and
 # GLM-4's (its partial rotary from rope.dimension_count); arcee (AFM-4.5B: llama's layers with a ReLU^2 MLP of up and
 # down alone) as llama's into Arcee's; seed_oss (Seed-OSS-36B) with qwen2's keys and q/k/v biases into Seed-OSS's;
-# apertus (Apertus 8B, 70B) with llama's keys and its rows as the checkpoint's into Apertus's (its xIELU from keys).
+# apertus (Apertus 8B, 70B) with llama's keys and its rows as the checkpoint's into Apertus's (its xIELU from keys);
+# hunyuan-dense (Hunyuan 0.5B-7B) likewise into Hunyuan's, its NTK alpha already in the file's rope base.
 READ_AS = {"smollm3": "llama", "granite": "llama", "mistral3": "llama", "olmo2": "qwen3", "gemma": "gemma2",
-           "exaone4": "qwen3", "glm4": "qwen3", "arcee": "llama", "seed_oss": "qwen2", "apertus": "qwen3"}
+           "exaone4": "qwen3", "glm4": "qwen3", "arcee": "llama", "seed_oss": "qwen2", "apertus": "qwen3",
+           "hunyuan-dense": "qwen3"}
 # Architectures whose (text) model computes another's, read as that one into its model: Qwen3-VL's decoder is Qwen3's
 # (a text prompt's positions, the same on each axis of its interleaved MRoPE, rotate as Qwen3's one axis does; its
 # deepstack adds only to image tokens; the vision towers come in llama.cpp's separate mmproj files, not read), and

@@ -97,7 +97,7 @@ def metadata_parsed_once(weights: bool = True):
 # The names transformers' GGUF reading gives the config keys of these architectures.
 CONFIG_NAMES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 # Model types whose tensors gguf's name table knows under another architecture's name (a mistral3 file's Ministral 3).
-TENSOR_NAMES_OF = {"ministral3": "mistral3", "olmo3": "olmo2"}
+TENSOR_NAMES_OF = {"ministral3": "mistral3", "olmo3": "olmo2", "hunyuan_v1_dense": "hunyuan-dense"}
 
 
 # Architectures transformers' GGUF reading knows no config keys of, read as no other's: their keys (after "<arch>.")
@@ -570,6 +570,21 @@ def _apertus_config(path: str, metadata: dict, tensors, config: dict) -> None:
         config.setdefault(field, None)
 
 
+def _hunyuan_config(path: str, metadata: dict, tensors, config: dict) -> None:
+    """llama.cpp's hunyuan-dense files as Hunyuan's dense model (HunYuanDenseV1Config): its NTK rotary of a fixed
+    alpha is the plain one at the base the converter wrote (base * alpha^(dim / (dim - 2)), as transformers computes
+    it), so the file's base and no alpha; another scaling refused; its class's default token ids dropped where the
+    file names none."""
+    kind = metadata.get("hunyuan-dense.rope.scaling.type", "none")
+    if kind != "none":
+        raise GGUFError(f"{path}: a hunyuan-dense file whose rotary embedding is scaled by {kind!r}, which this tool "
+                        "does not read (llama.cpp's converter folds Hunyuan's NTK alpha into the base)")
+    theta = config.pop("rope_theta", metadata.get("hunyuan-dense.rope.freq_base", 10000.0))
+    config.update(model_type="hunyuan_v1_dense", rope_parameters={"rope_type": "default", "rope_theta": theta})
+    for field in ("bos_token_id", "eos_token_id", "eod_token_id"):
+        config.setdefault(field, None)
+
+
 def _glm4_config(path: str, metadata: dict, tensors, config: dict) -> None:
     """GLM-4-0414's partial rotary (half of each head), which transformers' reading drops: the rotated share of a head
     (rope.dimension_count) over the head size."""
@@ -584,7 +599,7 @@ def _glm4_config(path: str, metadata: dict, tensors, config: dict) -> None:
 ARCHITECTURE_CONFIGS = {"gemma4": _gemma4_config, "gpt-oss": _gpt_oss_config, "mistral3": _mistral3_config,
                         "olmo2": _olmo2_config, "exaone4": _exaone4_config, "glm4": _glm4_config,
                         "command-r": _cohere_config, "cohere2": _cohere_config, "seed_oss": _seed_oss_config,
-                        "apertus": _apertus_config}
+                        "apertus": _apertus_config, "hunyuan-dense": _hunyuan_config}
 
 
 def _yarn(path: str, arch: str, metadata: dict, theta: float, known: str) -> dict | None:
