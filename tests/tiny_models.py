@@ -1093,15 +1093,26 @@ def tiny_gpt2_tokenizer(out_dir: str):
     return AutoTokenizer.from_pretrained(build_tiny_checkpoint("gpt2", os.path.join(out_dir, "tokenizer")))
 
 
-def save_tiny(out_dir: str, name: str, model_class, config, tokenizer) -> str:
+def save_tiny(out_dir: str, name: str, model_class, config, tokenizer, draw=None) -> str:
     """A random `model_class` of `config` (its weights drawn by SEED) and `tokenizer` saved in out_dir/name; the
-    path."""
+    path. `draw(name, tensor)`: each parameter and buffer drawn again where it says, before the save (values a
+    trained model holds that the initializer leaves constant: norms at 1 or 0, biases at 0)."""
     config.architectures = [model_class.__name__]
     torch.manual_seed(SEED)
     path = os.path.join(out_dir, name)
-    model_class(config).save_pretrained(path)
+    model = model_class(config)
+    if draw is not None:
+        with torch.no_grad():
+            for tensor_name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+                draw(tensor_name, tensor)
+    model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def drawn_norms(mean: float):
+    """save_tiny's `draw` of each norm's weight around `mean` (its initial value), spread 0.3."""
+    return lambda name, tensor: tensor.normal_(mean, 0.3) if "norm" in name else None
 
 
 def smollm3_checkpoint(out_dir: str) -> str:
@@ -1341,14 +1352,8 @@ def qwen35_checkpoint(out_dir: str, experts: bool = False) -> str:
     config = config_class(text_config=text, vision_config=vision, tie_word_embeddings=not experts,
                           image_token_id=size - 3, video_token_id=size - 2, vision_start_token_id=size - 4,
                           vision_end_token_id=size - 1)
-    path = save_tiny(out_dir, "qwen35moe" if experts else "qwen35", model_class, config, tokenizer)
-    model = model_class.from_pretrained(path)
-    with torch.no_grad():  # (initialized to 0: the norms' offset would go untested)
-        for name, parameter in model.named_parameters():
-            if "norm" in name:
-                parameter.normal_(0, 0.3)
-    model.save_pretrained(path)
-    return path
+    # (its norms initialized to 0: their offset would go untested)
+    return save_tiny(out_dir, "qwen35moe" if experts else "qwen35", model_class, config, tokenizer, drawn_norms(0))
 
 
 def qwen35moe_checkpoint(out_dir: str) -> str:
@@ -1487,14 +1492,7 @@ def lfm2_checkpoint(out_dir: str) -> str:
                         layer_types=["conv", "conv", "full_attention", "conv"], block_auto_adjust_ff_dim=False,
                         conv_L_cache=3, initializer_range=0.15, tie_word_embeddings=True, pad_token_id=None,
                         bos_token_id=None, eos_token_id=tokenizer.eos_token_id)
-    path = save_tiny(out_dir, "lfm2", Lfm2ForCausalLM, config, tokenizer)
-    model = Lfm2ForCausalLM.from_pretrained(path)
-    with torch.no_grad():  # (initialized to 1)
-        for name, parameter in model.named_parameters():
-            if "norm" in name:
-                parameter.normal_(1, 0.3)
-    model.save_pretrained(path)
-    return path
+    return save_tiny(out_dir, "lfm2", Lfm2ForCausalLM, config, tokenizer, drawn_norms(1))
 
 
 def write_lfm2_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
@@ -1557,13 +1555,7 @@ def cohere_checkpoint(out_dir: str, version: int = 1) -> str:
                           initializer_range=0.2, layer_norm_eps=1e-5, logit_scale=0.5, tie_word_embeddings=True,
                           pad_token_id=None, bos_token_id=None, eos_token_id=tokenizer.eos_token_id, **extra)
     name = "cohere2" if version == 2 else "cohere"
-    path = save_tiny(out_dir, name, model_class, config, tokenizer)
-    model = model_class.from_pretrained(path)
-    with torch.no_grad():  # (initialized to 1)
-        for parameter_name, parameter in model.named_parameters():
-            if "norm" in parameter_name:
-                parameter.normal_(1, 0.3)
-    model.save_pretrained(path)
+    path = save_tiny(out_dir, name, model_class, config, tokenizer, drawn_norms(1))
     if version == 2:
         with open(os.path.join(path, "config.json")) as f:
             saved = json.load(f)
@@ -1635,14 +1627,8 @@ def seed_oss_checkpoint(out_dir: str) -> str:
                            initializer_range=0.15, rms_norm_eps=1e-6, tie_word_embeddings=False, pad_token_id=None,
                            bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
                            rope_parameters={"rope_type": "default", "rope_theta": 10000000.0})
-    path = save_tiny(out_dir, "seed_oss", SeedOssForCausalLM, config, tokenizer)
-    model = SeedOssForCausalLM.from_pretrained(path)
-    with torch.no_grad():  # (initialized to 0)
-        for name, parameter in model.named_parameters():
-            if name.endswith(".bias"):
-                parameter.normal_(0, 0.3)
-    model.save_pretrained(path)
-    return path
+    return save_tiny(out_dir, "seed_oss", SeedOssForCausalLM, config, tokenizer,  # (its biases initialized to 0)
+                     lambda name, tensor: tensor.normal_(0, 0.3) if name.endswith(".bias") else None)
 
 
 def write_seed_oss_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
@@ -1685,20 +1671,16 @@ def apertus_checkpoint(out_dir: str) -> str:
                            rope_parameters={"rope_type": "llama3", "rope_theta": 12000000.0, "factor": 8.0,
                                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                             "original_max_position_embeddings": 8192})
-    path = save_tiny(out_dir, "apertus", ApertusForCausalLM, config, tokenizer)
-    model = ApertusForCausalLM.from_pretrained(path)
-    with torch.no_grad():
-        for name, value in [*model.named_parameters(), *model.named_buffers()]:
-            if "norm" in name:
-                value.normal_(1, 0.3)
-            elif "act_fn.alpha" in name:
-                value.normal_(0, 0.5)
-            elif name.endswith("act_fn.beta"):
-                value.uniform_(0.3, 0.7)
-            elif name.endswith("act_fn.eps"):
-                value.fill_(-1e-6)
-    model.save_pretrained(path)
-    return path
+
+    def draw(name, tensor):
+        if "norm" in name:
+            tensor.normal_(1, 0.3)
+        elif "act_fn.alpha" in name:
+            tensor.normal_(0, 0.5)
+        elif name.endswith("act_fn.beta"):
+            tensor.uniform_(0.3, 0.7)
+
+    return save_tiny(out_dir, "apertus", ApertusForCausalLM, config, tokenizer, draw)
 
 
 def write_apertus_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
@@ -1737,14 +1719,7 @@ def hunyuan_checkpoint(out_dir: str) -> str:
         tie_word_embeddings=True, pad_token_id=None, bos_token_id=None, eod_token_id=None,
         eos_token_id=tokenizer.eos_token_id,
         rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 1000.0, "factor": 1.0})
-    path = save_tiny(out_dir, "hunyuan", HunYuanDenseV1ForCausalLM, config, tokenizer)
-    model = HunYuanDenseV1ForCausalLM.from_pretrained(path)
-    with torch.no_grad():  # (initialized to 1)
-        for name, parameter in model.named_parameters():
-            if "norm" in name:
-                parameter.normal_(1, 0.3)
-    model.save_pretrained(path)
-    return path
+    return save_tiny(out_dir, "hunyuan", HunYuanDenseV1ForCausalLM, config, tokenizer, drawn_norms(1))
 
 
 def write_hunyuan_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
