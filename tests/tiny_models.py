@@ -923,6 +923,30 @@ def gemma_tokenizer_fields(vocab_size=700):
             ("tokenizer.chat_template", GEMMA_CHAT_TEMPLATE, V.STRING, None)]
 
 
+def add_tensors(writer, checkpoint: str, names, qtype_name: str, skip=None, reshape=None, float_kept=()) -> None:
+    """The checkpoint's tensors (model.safetensors) under the GGUF names of gguf's name table `names`, as llama.cpp's
+    converter writes them: a matrix of whole Q8_0 blocks a row in Q8_0 where `qtype_name` is Q8_0 (unless its GGUF name
+    holds one of `float_kept`), the rest F32; `skip(hf_name)`: left out; `reshape(hf_name, values)`: the converter's
+    change of shape."""
+    import gguf
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from safetensors.torch import load_file
+
+    for hf_name, value in load_file(os.path.join(checkpoint, "model.safetensors")).items():
+        if skip is not None and skip(hf_name):
+            continue
+        values = value.float().numpy()
+        values = reshape(hf_name, values) if reshape is not None else values
+        base, _, suffix = hf_name.rpartition(".")
+        name = names.get_name(base) + "." + suffix
+        if qtype_name == "Q8_0" and values.ndim == 2 and values.shape[-1] % 32 == 0 and not any(
+                part in name for part in float_kept):
+            writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(values), Q.Q8_0), raw_dtype=Q.Q8_0)
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(values))
+
+
 def write_out(writer, path) -> str:
     """Writes a GGUFWriter's header, metadata and tensors to its file and closes it; returns the path."""
     writer.write_header_to_file()
@@ -1501,9 +1525,6 @@ def write_lfm2_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
     MLP's width as the config gives it (block_auto_adjust_ff_dim off), the convolution squeezed; matrices in Q8_0
     where asked, the convolution and norms F32; a byte-level BPE vocabulary llama.cpp splits as lfm2's."""
     import gguf
-    import numpy as np
-    from gguf import GGMLQuantizationType as Q
-    from safetensors.torch import load_file
 
     with open(os.path.join(checkpoint, "config.json")) as f:
         config = json.load(f)
@@ -1523,19 +1544,10 @@ def write_lfm2_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
     writer.add_feed_forward_length(config["intermediate_size"])
     add_bpe_vocabulary(writer, checkpoint, "lfm2")
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LFM2, config["num_hidden_layers"])
-    for hf_name, value in load_file(os.path.join(checkpoint, "model.safetensors")).items():
-        if hf_name == "lm_head.weight" and config["tie_word_embeddings"]:
-            continue
-        values = value.float().numpy()
-        if "conv.conv" in hf_name:
-            values = values.squeeze(1)
-        base, _, suffix = hf_name.rpartition(".")
-        name = names.get_name(base) + "." + suffix
-        if qtype_name == "Q8_0" and values.ndim == 2 and values.shape[-1] % 32 == 0 and "shortconv.conv" not in name:
-            writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(values), Q.Q8_0), raw_dtype=Q.Q8_0)
-        else:
-            writer.add_tensor(name, np.ascontiguousarray(values))
+    add_tensors(writer, checkpoint, gguf.get_tensor_name_map(gguf.MODEL_ARCH.LFM2, config["num_hidden_layers"]),
+                qtype_name, skip=lambda name: name == "lm_head.weight" and config["tie_word_embeddings"],
+                reshape=lambda name, values: values.squeeze(1) if "conv.conv" in name else values,
+                float_kept=("shortconv.conv",))
     return write_out(writer, path)
 
 
@@ -1576,9 +1588,6 @@ def write_cohere_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> st
     llama.cpp rotates pairs as Cohere does), no output.weight (tied); a byte-level BPE vocabulary llama.cpp splits as
     command-r's."""
     import gguf
-    import numpy as np
-    from gguf import GGMLQuantizationType as Q
-    from safetensors.torch import load_file
 
     with open(os.path.join(checkpoint, "config.json")) as f:
         config = json.load(f)
@@ -1601,17 +1610,8 @@ def write_cohere_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> st
     writer.add_rope_scaling_type(gguf.RopeScalingType.NONE)
     add_bpe_vocabulary(writer, checkpoint, "command-r")
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
-    for hf_name, value in load_file(os.path.join(checkpoint, "model.safetensors")).items():
-        if hf_name == "lm_head.weight":
-            continue  # (tied)
-        values = value.float().numpy()
-        base, _, suffix = hf_name.rpartition(".")
-        name = names.get_name(base) + "." + suffix
-        if qtype_name == "Q8_0" and values.ndim == 2 and values.shape[-1] % 32 == 0 and "norm" not in name:
-            writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(values), Q.Q8_0), raw_dtype=Q.Q8_0)
-        else:
-            writer.add_tensor(name, np.ascontiguousarray(values))
+    add_tensors(writer, checkpoint, gguf.get_tensor_name_map(arch, config["num_hidden_layers"]), qtype_name,
+                skip=lambda name: name == "lm_head.weight", float_kept=("norm",))  # (tied)
     return write_out(writer, path)
 
 
@@ -1728,9 +1728,6 @@ def write_hunyuan_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> s
     scaling) and its context set to 256K, the tensors as the checkpoint holds them (the q/k norms as attn_q_norm and
     attn_k_norm), no output.weight (tied)."""
     import gguf
-    import numpy as np
-    from gguf import GGMLQuantizationType as Q
-    from safetensors.torch import load_file
 
     with open(os.path.join(checkpoint, "config.json")) as f:
         config = json.load(f)
@@ -1748,16 +1745,7 @@ def write_hunyuan_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> s
     add_bpe_vocabulary(writer, checkpoint, "hunyuan-dense")
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.HUNYUAN_DENSE, config["num_hidden_layers"])
-    for hf_name, value in load_file(os.path.join(checkpoint, "model.safetensors")).items():
-        if hf_name == "lm_head.weight":
-            continue  # (tied)
-        values = value.float().numpy()
-        base, _, suffix = hf_name.rpartition(".")
-        name = names.get_name(base) + "." + suffix
-        if qtype_name == "Q8_0" and values.ndim == 2 and values.shape[-1] % 32 == 0:
-            writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(values), Q.Q8_0), raw_dtype=Q.Q8_0)
-        else:
-            writer.add_tensor(name, np.ascontiguousarray(values))
+    add_tensors(writer, checkpoint, names, qtype_name, skip=lambda name: name == "lm_head.weight")  # (tied)
     return write_out(writer, path)
 
 
