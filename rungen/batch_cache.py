@@ -342,9 +342,10 @@ class PaddedBatch:
         self.cache = self.mask = None
 
 
-def probed_layers(model, device, model_type="the model", token=0):
+def probed_layers(model, device, model_type="the model", token=0, states=None):
     """[(keys, values)] of each layer that holds them (layers_of) after a one-token forward pass of `token` into a
-    fresh cache; raises ValueError for a model whose layers a batch cannot hold."""
+    fresh cache (`states`, a list, given its recurrent layers' states: states_of's); raises ValueError for a model
+    whose layers a batch cannot hold."""
     cache = new_cache(model)  # (one position: every layer holds it, a sliding one too)
     if not all(full_attention(layer) or dummy(layer) or recurrent(layer) for layer in cache.layers) \
             or not holding(cache):
@@ -353,6 +354,8 @@ def probed_layers(model, device, model_type="the model", token=0):
                          "hold")
     with torch.inference_mode():
         model(input_ids=torch.tensor([[token]], device=device), past_key_values=cache, use_cache=True)
+    if states is not None:
+        states.extend(states_of(cache))
     return layers_of(cache)
 
 
@@ -360,6 +363,11 @@ def keeps_states(model) -> bool:
     """Whether `model`'s cache has recurrent layers (kvcache.recurrent): a row's state there stands for its whole
     past, so no prefix of it can be reused."""
     return any(recurrent(layer) for layer in new_cache(model).layers)
+
+
+def state_bytes(states) -> int:
+    """Bytes of a row's recurrent states: probed_layers' `states` (a row)."""
+    return sum(part.numel() * part.element_size() for state in states for part in state if part is not None)
 
 
 def token_bytes(layers) -> int:

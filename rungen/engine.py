@@ -18,7 +18,7 @@ import torch
 
 from . import logger
 from .admission import Admission
-from .batch_cache import keeps_states, layer_shapes, probed_layers, token_bytes
+from .batch_cache import keeps_states, layer_shapes, probed_layers, state_bytes, token_bytes
 from .decode import DecodeBatch
 from .errors import one_line
 from .generation import UNBATCHABLE_TYPES
@@ -61,8 +61,11 @@ class Engine:
         self.wake = threading.Condition()
         # One one-token pass says what a token's keys and values take and the shapes the slots hold them in.
         bos = self.tokenizer.bos_token_id
-        layers = probed_layers(self.model, self.device, loaded.model_type, 0 if bos is None else bos)
+        states = []
+        layers = probed_layers(self.model, self.device, loaded.model_type, 0 if bos is None else bos, states)
         self.bytes_per_token = token_bytes(layers)
+        self.bytes_per_row = state_bytes(states)  # (recurrent layers' states: the same whatever the row's length)
+        del states
         self.keeps_states = keeps_states(self.model)  # (then no prefix cache: a state stands for its whole past)
         self.batch = DecodeBatch(self.model, self.device, self.use_positions, max_batch, loaded.context,
                                  reporter=self.reporter, metrics=self.metrics, eos_ids=self.eos_ids,
@@ -255,8 +258,11 @@ def describe_memory(engine):
         room = f", {most / 2**30:.2f} GiB with the room left to grow"
     fewer = engine.batch.kv.rings or engine.batch.kv.windows is not None  # (the own model's SlidingLayers)
     every = " (every layer's: a sliding layer holds fewer)" if fewer else ""
+    states = (f", and {engine.bytes_per_row / 2**20:.1f} MiB of recurrent state a row "
+              f"({engine.bytes_per_row * engine.max_batch / 2**30:.2f} GiB)" if engine.bytes_per_row else "")
+    prefix = (engine.prefix_cache.max_bytes if engine.prefix_cache else 0) / 2**20
     return (f"KV cache in {engine.batch.kv.form}: {engine.bytes_per_token / 1024:.1f} KiB per token position{every}, "
             f"at most {engine.max_cache_tokens} "
-            f"positions ({engine.cache_limit_bytes / 2**30:.2f} GiB{room}) over at most {engine.max_batch} rows; "
-            f"prefix cache at most {(engine.prefix_cache.max_bytes if engine.prefix_cache else 0) / 2**20:.0f} MiB")
+            f"positions ({engine.cache_limit_bytes / 2**30:.2f} GiB{room}) over at most {engine.max_batch} rows"
+            f"{states}; prefix cache at most {prefix:.0f} MiB")
 

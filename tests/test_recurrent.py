@@ -81,3 +81,21 @@ def test_such_a_model_is_served(loaded):
         with torch.inference_mode():
             expected = alone(loaded.model, loaded.tokenizer.encode(prompt), NEW_TOKENS)
         assert response.json()["choices"][0]["text"] == loaded.tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_the_memory_line_states_each_rows_recurrent_state(loaded):
+    # The engine's bound counts token positions; the states (a row's, whatever its length) are said beside it: what
+    # transformers' own cache holds of a row's recurrent layers after a prompt.
+    from transformers import DynamicCache
+
+    from rungen.engine import describe_memory
+
+    cache = DynamicCache(config=loaded.model.config)
+    with torch.inference_mode():
+        loaded.model(input_ids=torch.tensor([loaded.tokenizer.encode(PROMPTS[1])]), past_key_values=cache)
+    states = [state for layer in cache.layers for kind in ("conv_states", "recurrent_states")
+              for state in getattr(layer, kind, {}).values() if state is not None]
+    held = sum(state.numel() * state.element_size() for state in states)
+    engine = Engine(loaded, max_batch=4, eos_ids=())
+    assert engine.bytes_per_row == held > 0
+    assert f"{held / 2**20:.1f} MiB of recurrent state a row" in describe_memory(engine)
