@@ -86,6 +86,10 @@ FAMILIES = {
     # beside gated full attention (8 heads of 256 over 2, a quarter of each rotated); llama.cpp's qwen35 files.
     "qwen35": dict(arch="qwen35", layers=24, hidden=1024, ffn=3584, heads=8, kv_heads=2, head_dim=256,
                    rope_base=10000000.0, eps=1e-6, tied=True, qk_norm=True, linear=(16, 16, 128)),
+    # LFM2-1.2B: 16 layers 2048 wide, 10 of them gated short convolutions (a window of 3), 6 of attention (32 heads of
+    # 64 over 8, q/k norms) at 2, 5, 8, 10, 12 and 14; the final norm named token_embd_norm; llama.cpp's lfm2 files.
+    "lfm2": dict(arch="lfm2", layers=16, hidden=2048, ffn=8192, heads=32, kv_heads=8, head_dim=64,
+                 rope_base=1000000.0, eps=1e-5, tied=True, qk_norm=True, convolutions=(3, (2, 5, 8, 10, 12, 14))),
     # Qwen3.5-35B-A3B: 40 of those layers 2048 wide (16 heads of 256 over 2; 16 key and 32 value heads of 128), each
     # MLP 256 experts of 512 (8 a token) beside a shared expert of 512 behind its sigmoid gate; 20 GB in Q4_0, so
     # --layers writes fewer of its layers where memory is short.
@@ -404,10 +408,16 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
     writer.add_block_count(shape["layers"])
     writer.add_feed_forward_length(shape["ffn"])
     writer.add_head_count(shape["heads"])
-    writer.add_head_count_kv(shape["kv_heads"])
+    convolutions = shape.get("convolutions")
+    if convolutions:  # (LFM2's: a layer's kv heads, 0 for a convolution layer; the window; no head size written)
+        writer.add_head_count_kv([shape["kv_heads"] if layer in convolutions[1] else 0
+                                  for layer in range(shape["layers"])])
+        writer.add_shortconv_l_cache(convolutions[0])
+    else:
+        writer.add_head_count_kv(shape["kv_heads"])
     if shape.get("fused"):  # phi3's converter: no key/value length (hidden / heads), the original context
         writer.add_rope_scaling_orig_ctx_len(shape["context"])
-    else:
+    elif not convolutions:
         writer.add_key_length(shape["head_dim"])
         writer.add_value_length(shape["head_dim"])
     writer.add_layer_norm_rms_eps(shape["eps"])
@@ -421,7 +431,7 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
     if "temperature" in shape:  # (Ministral 3's: mscale_all_dim 1, llama_4_scaling_beta)
         writer.add_rope_scaling_yarn_log_mul(1.0)
         writer.add_attn_temperature_scale(shape["temperature"])
-    if arch == "gpt-oss":  # (its converter writes no rotary dimension)
+    if arch in ("gpt-oss", "lfm2"):  # (their converters write no rotary dimension)
         pass
     elif "linear" in shape:  # Qwen3.5's linear attention, its interleaved MRoPE over a quarter of each head
         key_heads, value_heads, linear_dim = shape["linear"]
@@ -471,6 +481,7 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
         if shape.get("post_norms"):  # (OLMo 2's: after the attention and the MLP alone)
             norms = ("post_attention_norm", "post_ffw_norm")
         recurrent = "linear" in shape and (layer + 1) % 4 != 0
+        convolution = bool(convolutions) and layer not in convolutions[1]
         if "linear" in shape:  # (Qwen3.5's: the MLP's norm named as the attention's output's)
             norms = ("attn_norm", "post_attention_norm")
         for norm in norms:
@@ -478,7 +489,7 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
         if shape.get("qk_norm") == "all heads":  # (OLMo 2's: over all of q's and k's heads)
             writer.add_tensor(f"blk.{layer}.attn_q_norm.weight", np.ones(q_rows, dtype=np.float32))
             writer.add_tensor(f"blk.{layer}.attn_k_norm.weight", np.ones(kv_rows, dtype=np.float32))
-        elif shape.get("qk_norm") and not recurrent:
+        elif shape.get("qk_norm") and not recurrent and not convolution:
             for norm in ("attn_q_norm", "attn_k_norm"):
                 writer.add_tensor(f"blk.{layer}.{norm}.weight", np.ones(hd, dtype=np.float32))
         if recurrent:  # a Gated DeltaNet layer's: q/k/v, the output gate, each value head's decay and step
@@ -494,6 +505,11 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
             writer.add_tensor(f"blk.{layer}.ssm_a", -rng.uniform(0.5, 8, value_heads).astype(np.float32))
             writer.add_tensor(f"blk.{layer}.ssm_dt.bias", rng.normal(0, 0.5, value_heads).astype(np.float32))
             writer.add_tensor(f"blk.{layer}.ssm_norm.weight", np.ones(linear_dim, dtype=np.float32))
+        elif convolution:  # an LFM2 convolution layer's: its input's three parts, the window's weights, its output
+            parts = (("shortconv.in_proj", 3 * hidden, hidden), ("shortconv.out_proj", hidden, hidden),
+                     ("ffn_gate", ffn, hidden), ("ffn_up", ffn, hidden), ("ffn_down", hidden, ffn))
+            writer.add_tensor(f"blk.{layer}.shortconv.conv.weight",
+                              rng.normal(0, 0.1, (hidden, convolutions[0])).astype(np.float32))
         elif shape.get("fused"):
             parts = (("attn_qkv", q_rows + 2 * kv_rows, hidden), ("attn_output", hidden, q_rows),
                      ("ffn_up", 2 * ffn, hidden), ("ffn_down", hidden, ffn))
@@ -529,7 +545,8 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
         if shape.get("qkv_bias"):  # qwen2's q/k/v biases, float32 as its converter writes them
             for part, rows in (("attn_q", q_rows), ("attn_k", kv_rows), ("attn_v", kv_rows)):
                 writer.add_tensor(f"blk.{layer}.{part}.bias", rng.normal(0, 0.02, rows).astype(np.float32))
-    writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+    final_norm = "token_embd_norm" if convolutions else "output_norm"  # (LFM2's: named as an embedding's)
+    writer.add_tensor(f"{final_norm}.weight", np.ones(hidden, dtype=np.float32))
     if not shape["tied"]:
         # (llama.cpp's quantizer writes Q8_0 for Q6_K where a row is not whole superblocks: gpt-oss's 2880)
         blocks("output.weight", vocab, hidden, Q.Q6_K if hidden % 256 == 0 else Q.Q8_0, 0.0005)
