@@ -359,12 +359,6 @@ def probed_layers(model, device, model_type="the model", token=0, states=None):
     return layers_of(cache)
 
 
-def keeps_states(model) -> bool:
-    """Whether `model`'s cache has recurrent layers (kvcache.recurrent): a row's state there stands for its whole
-    past, so no prefix of it can be reused."""
-    return any(recurrent(layer) for layer in new_cache(model).layers)
-
-
 def state_bytes(states) -> int:
     """Bytes of a row's recurrent states: probed_layers' `states` (a row)."""
     return sum(part.numel() * part.element_size() for state in states for part in state if part is not None)

@@ -18,7 +18,7 @@ import torch
 
 from . import logger
 from .admission import Admission
-from .batch_cache import keeps_states, layer_shapes, probed_layers, state_bytes, token_bytes
+from .batch_cache import layer_shapes, probed_layers, state_bytes, token_bytes
 from .decode import DecodeBatch
 from .errors import one_line
 from .generation import UNBATCHABLE_TYPES
@@ -65,8 +65,9 @@ class Engine:
         layers = probed_layers(self.model, self.device, loaded.model_type, 0 if bos is None else bos, states)
         self.bytes_per_token = token_bytes(layers)
         self.bytes_per_row = state_bytes(states)  # (recurrent layers' states: the same whatever the row's length)
+        # (a model with recurrent layers takes no prefix cache: a row's state stands for its whole past)
+        self.keeps_states = bool(states)
         del states
-        self.keeps_states = keeps_states(self.model)  # (then no prefix cache: a state stands for its whole past)
         self.batch = DecodeBatch(self.model, self.device, self.use_positions, max_batch, loaded.context,
                                  reporter=self.reporter, metrics=self.metrics, eos_ids=self.eos_ids,
                                  prefix_cache=PrefixCache(prefix_cache_bytes)
