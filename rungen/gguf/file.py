@@ -480,6 +480,21 @@ def _llama3_factors(wavelengths: np.ndarray, factor: float, low: float, high: fl
                                                             1 / ((1 - smooth) / factor + smooth)))
 
 
+def _layer_types(pattern, layers: int, every: int = 4) -> list[str]:
+    """Each layer's type from llama.cpp's attention.sliding_window_pattern: a layer slides where the file's list (one
+    bool a layer) says so, else (no list, or not one a layer) all but every `every`-th layer, llama.cpp's default."""
+    if not (isinstance(pattern, list) and len(pattern) == layers):
+        pattern = [(index + 1) % every != 0 for index in range(layers)]
+    return ["sliding_attention" if sliding else "full_attention" for sliding in pattern]
+
+
+def _file_token_ids(config: dict, *fields: str) -> None:
+    """The token ids `fields` none where the file names none: the config class's defaults are its published
+    vocabulary's, maybe past this file's."""
+    for field in fields:
+        config.setdefault(field, None)
+
+
 def _olmo2_config(path: str, metadata: dict, tensors, config: dict) -> None:
     """llama.cpp's olmo2 files as the model they were written from: OLMo 2's, or where they have a sliding window
     OLMo 3's (its layers sliding by attention.sliding_window_pattern; its full layers' rotary yarn where the file
@@ -494,11 +509,8 @@ def _olmo2_config(path: str, metadata: dict, tensors, config: dict) -> None:
     if not window:
         config.update(model_type="olmo2", rope_parameters=rope or {"rope_type": "default", "rope_theta": theta})
         return
-    layers = config["num_hidden_layers"]
-    if not (isinstance(pattern, list) and len(pattern) == layers):  # llama.cpp's default: every fourth layer full
-        pattern = [(index + 1) % 4 != 0 for index in range(layers)]
     config.update(model_type="olmo3", sliding_window=window,
-                  layer_types=["sliding_attention" if sliding else "full_attention" for sliding in pattern],
+                  layer_types=_layer_types(pattern, config["num_hidden_layers"]),
                   rope_parameters={"full_attention": rope or {"rope_type": "default", "rope_theta": theta},
                                    "sliding_attention": {"rope_type": "default",
                                                          "rope_theta": key("rope.freq_base_swa", theta)}})
@@ -511,11 +523,8 @@ def _exaone4_config(path: str, metadata: dict, tensors, config: dict) -> None:
     window = metadata.get("exaone4.attention.sliding_window")
     layers = config["num_hidden_layers"]
     pattern = metadata.get("exaone4.attention.sliding_window_pattern")
-    if window and not (isinstance(pattern, list) and len(pattern) == layers):
-        pattern = [(index + 1) % 4 != 0 for index in range(layers)]
     config.update(sliding_window=window or None, sliding_window_pattern=4 if window else 0,
-                  layer_types=["sliding_attention" if window and pattern[index] else "full_attention"
-                               for index in range(layers)])
+                  layer_types=_layer_types(pattern, layers) if window else ["full_attention"] * layers)
 
 
 def _cohere_config(path: str, metadata: dict, tensors, config: dict) -> None:
@@ -526,8 +535,7 @@ def _cohere_config(path: str, metadata: dict, tensors, config: dict) -> None:
     arch = metadata["general.architecture"]
     theta = config.pop("rope_theta", metadata.get(f"{arch}.rope.freq_base", 10000.0))
     config.update(rope_parameters={"rope_type": "default", "rope_theta": theta})
-    for field in ("pad_token_id", "bos_token_id", "eos_token_id"):
-        config.setdefault(field, None)
+    _file_token_ids(config, "pad_token_id", "bos_token_id", "eos_token_id")
     heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
     rotary = metadata.get(f"{arch}.rope.dimension_count")
     if rotary is not None and heads and hidden and rotary != hidden // heads:
@@ -536,10 +544,9 @@ def _cohere_config(path: str, metadata: dict, tensors, config: dict) -> None:
     if arch == "command-r":
         config.update(model_type="cohere", use_qk_norm="blk.0.attn_q_norm.weight" in tensors)
         return
-    layers, pattern = config["num_hidden_layers"], metadata.get("cohere2.attention.sliding_window_pattern", 4)
-    sliding = pattern if isinstance(pattern, list) and len(pattern) == layers else [
-        (index + 1) % int(pattern if isinstance(pattern, int) else 4) != 0 for index in range(layers)]
-    config["layer_types"] = ["sliding_attention" if slides else "full_attention" for slides in sliding]
+    pattern = metadata.get("cohere2.attention.sliding_window_pattern", 4)
+    every = pattern if isinstance(pattern, int) else 4  # (llama.cpp's key: a list a layer, or every n-th layer full)
+    config["layer_types"] = _layer_types(pattern, config["num_hidden_layers"], every)
 
 
 def _seed_oss_config(path: str, metadata: dict, tensors, config: dict) -> None:
@@ -547,8 +554,7 @@ def _seed_oss_config(path: str, metadata: dict, tensors, config: dict) -> None:
     model's) would otherwise decide; its class's default token ids dropped where the file names none."""
     config.update(attention_bias="blk.0.attn_q.bias" in tensors,
                   attention_out_bias="blk.0.attn_output.bias" in tensors)
-    for field in ("bos_token_id", "eos_token_id"):
-        config.setdefault(field, None)
+    _file_token_ids(config, "bos_token_id", "eos_token_id")
 
 
 XIELU_PARTS = ("alpha_p", "alpha_n", "beta", "eps")
@@ -566,8 +572,7 @@ def _apertus_config(path: str, metadata: dict, tensors, config: dict) -> None:
         raise GGUFError(f"{path}: an apertus file without {layers} values of xielu.{wrong[0]} (its activation's, a "
                         "layer each)")
     config["xielu"] = {part: [float(number) for number in value] for part, value in values.items()}
-    for field in ("bos_token_id", "eos_token_id"):
-        config.setdefault(field, None)
+    _file_token_ids(config, "bos_token_id", "eos_token_id")
 
 
 def _hunyuan_config(path: str, metadata: dict, tensors, config: dict) -> None:
@@ -581,8 +586,7 @@ def _hunyuan_config(path: str, metadata: dict, tensors, config: dict) -> None:
                         "does not read (llama.cpp's converter folds Hunyuan's NTK alpha into the base)")
     theta = config.pop("rope_theta", metadata.get("hunyuan-dense.rope.freq_base", 10000.0))
     config.update(model_type="hunyuan_v1_dense", rope_parameters={"rope_type": "default", "rope_theta": theta})
-    for field in ("bos_token_id", "eos_token_id", "eod_token_id"):
-        config.setdefault(field, None)
+    _file_token_ids(config, "bos_token_id", "eos_token_id", "eod_token_id")
 
 
 def _glm4_config(path: str, metadata: dict, tensors, config: dict) -> None:
