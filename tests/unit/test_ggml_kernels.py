@@ -714,7 +714,7 @@ def test_a_delta_step_is_transformers_decode_step_of_a_gated_deltanet_layer(valu
     # Qwen3.5's linear attention, one position a row: transformers' own PyTorch forms (the convolution's update, the
     # gated delta rule's recurrent step, the gated norm) on the same window, state and products, within float32
     # rounding; the window and the state updated in place as transformers' cache holds them. Two key heads, each
-    # serving one or two value heads.
+    # serving one or two value heads, of 24 (a vector and a half of AVX-512's).
     import torch.nn.functional as F
     from transformers.models.qwen3_5.modeling_qwen3_5 import (
         Qwen3_5RMSNormGated,
@@ -722,7 +722,7 @@ def test_a_delta_step_is_transformers_decode_step_of_a_gated_deltanet_layer(valu
         torch_recurrent_gated_delta_rule,
     )
 
-    rows, key_heads, size, kernel = 3, 2, 16, 4
+    rows, key_heads, size, kernel = 3, 2, 24, 4
     channels = 2 * key_heads * size + value_heads * size
     g = torch.Generator().manual_seed(7)
     window, state = torch.randn(rows, channels, kernel, generator=g), torch.randn(rows, value_heads, size, size,
@@ -742,6 +742,7 @@ def test_a_delta_step_is_transformers_decode_step_of_a_gated_deltanet_layer(valu
     gated = Qwen3_5RMSNormGated(size, eps=1e-6)
     gated.weight.data = norm
     theirs = gated(out.reshape(-1, size), z.reshape(-1, size)).reshape(rows, -1)
+    each = []
     for isa in isas():
         torch.ops.rungen_ggml.set_isa(isa)
         ours_window, ours_state = window.clone(), state.clone()
@@ -750,3 +751,6 @@ def test_a_delta_step_is_transformers_decode_step_of_a_gated_deltanet_layer(valu
         torch.testing.assert_close(ours_window, theirs_window, rtol=0, atol=0)
         torch.testing.assert_close(ours_state, theirs_state, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+        each.append((ours, ours_state))
+    for ours, ours_state in each[1:]:  # each instruction set's build the same bits
+        assert torch.equal(ours, each[0][0]) and torch.equal(ours_state, each[0][1])

@@ -1,0 +1,79 @@
+// A Gated DeltaNet layer's decode step (see delta_step in ggml_delta.cpp): included three times by ggml_delta.cpp, in
+// namespace avx512 compiled for AVX-512, avx2 for AVX2 and scalar for the baseline, and chosen by the code path in
+// use (current_isa). The loops over a head's values are lane by lane (each value's sums over the key in order, no
+// multiply-add fused) and the sums over a head are scalar in every build, so all three give the same bits.
+
+// The convolution of the new position for rows r0..r1 (the window shifted, the position last), silu; then q and k
+// of each key head normalized (l2, eps 1e-6, as transformers' l2norm), q times 1 / sqrt(key size). The SiLUs are
+// silu_rows' (the build's exp), over [sums | ones].
+static void delta_convolve(const DeltaJob& job, int64_t r0, int64_t r1) {
+  const int64_t channels = job.channels, kernel = job.kernel, dk = job.dk, key_heads = job.key_heads;
+  std::vector<float> sums(2 * channels, 1.f);
+  for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t c = 0; c < channels; ++c) {
+      float* w = job.window + (r * channels + c) * kernel;
+      for (int64_t j = 0; j + 1 < kernel; ++j) w[j] = w[j + 1];
+      w[kernel - 1] = job.mixed[r * channels + c];
+      float sum = 0.f;
+      for (int64_t j = 0; j < kernel; ++j) sum += w[j] * job.conv[c * kernel + j];
+      sums[c] = sum;
+    }
+    silu_rows(sums.data(), 0, 1, channels, job.y + r * channels);
+    for (int64_t h = 0; h < 2 * key_heads; ++h) {
+      float* x = job.y + r * channels + h * dk;
+      float sum = 0.f;
+      for (int64_t i = 0; i < dk; ++i) sum += x[i] * x[i];
+      const float inv = 1.f / std::sqrt(sum + 1e-6f), scale = h < key_heads ? 1.f / std::sqrt(float(dk)) : 1.f;
+      for (int64_t i = 0; i < dk; ++i) x[i] = x[i] * inv * scale;
+    }
+  }
+}
+
+// Value heads p0..p1 (of rows * heads): the head's state decayed by g, read by k (kv), moved toward v by beta
+// (delta), read by q; then the output normalized over the head (the norm's weight) times silu of the gate.
+static void delta_heads(const DeltaJob& job, int64_t p0, int64_t p1) {
+  const int64_t heads = job.heads, dk = job.dk, dv = job.dv, channels = job.channels, qk = job.key_heads * dk;
+  const int64_t per_key = heads / job.key_heads;
+  std::vector<float> kv(dv), delta(dv), gated(2 * dv);
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t r = p / heads, h = p % heads, kh = h / per_key;
+    const float* q = job.y + r * channels + kh * dk;
+    const float* k = job.y + r * channels + qk + kh * dk;
+    const float* v = job.y + r * channels + 2 * qk + h * dv;
+    float* s = job.state + p * dk * dv;
+    float* o = job.out + p * dv;
+    const float g = std::exp(job.decay[h] * delta_softplus(job.a[p] + job.dt_bias[h]));
+    const float beta = 1.f / (1.f + std::exp(-job.b[p]));
+    float* __restrict__ read = kv.data();
+    float* __restrict__ step = delta.data();
+    std::fill(read, read + dv, 0.f);
+    for (int64_t i = 0; i < dk; ++i) {
+      const float ki = k[i];
+      const float* __restrict__ row = s + i * dv;
+      for (int64_t j = 0; j < dv; ++j) read[j] += ki * row[j];
+    }
+    for (int64_t j = 0; j < dv; ++j) step[j] = (v[j] - g * read[j]) * beta;
+    float* __restrict__ sum_out = o;
+    std::fill(sum_out, sum_out + dv, 0.f);
+    for (int64_t i = 0; i < dk; ++i) {
+      const float ki = k[i], qi = q[i];
+      float* __restrict__ row = s + i * dv;
+      for (int64_t j = 0; j < dv; ++j) {
+        const float next = g * row[j] + ki * step[j];
+        row[j] = next;
+        sum_out[j] += qi * next;
+      }
+    }
+    float sum = 0.f;
+    for (int64_t j = 0; j < dv; ++j) sum += o[j] * o[j];
+    const float inv = 1.f / std::sqrt(sum / float(dv) + job.eps);
+    std::copy(job.z + p * dv, job.z + (p + 1) * dv, gated.begin());  // [gate | normed]: silu(gate) * normed
+    for (int64_t j = 0; j < dv; ++j) gated[dv + j] = job.norm[j] * (o[j] * inv);
+    silu_rows(gated.data(), 0, 1, dv, o);
+  }
+}
+
+void delta_step_rows(const DeltaJob& job) {
+  at::parallel_for(0, job.rows, 1, [&](int64_t r0, int64_t r1) { delta_convolve(job, r0, r1); });
+  at::parallel_for(0, job.rows * job.heads, 1, [&](int64_t p0, int64_t p1) { delta_heads(job, p0, p1); });
+}
