@@ -1,23 +1,53 @@
 """Qwen3.5's decoder layers over a GGUF file's blocks (transformers' Qwen3_5ForCausalLM and its mixture's), with their
 small steps taken in fewer calls on the CPU: a Gated DeltaNet layer's decode step after its products one native call
-(DeltaNetStep: torch.ops.rungen_ggml.delta_step, csrc/ggml_delta.cpp), a dense gated MLP's gate and up one product
-(its norms stay transformers': native ones measured no faster a step). transformers' forms of that step (its PyTorch
-fallbacks of the short convolution and the delta rule, which flash-linear-attention and causal-conv1d replace on a
-GPU) cost a decode step about as much as its products: the convolution of one position a depthwise conv1d call, the
-state's update and read broadcast products over it, some 25 calls a layer. A prompt (several positions) stays
-transformers' chunked form. The arithmetic is transformers' within float32 rounding (sums in another order).
+(DeltaNetStep: torch.ops.rungen_ggml.delta_step, csrc/ggml_delta.cpp); a gated attention's q (beside each head's
+output gate), k and v one product, q and k normalized and rotated in one rope_split call, the native attend over a
+cache growing in place (NativeGatedAttention); each RMSNorm one rms_norm call; a dense gated MLP's gate and up one
+product. transformers' forms of the linear attention's step (its PyTorch fallbacks of the short convolution and the
+delta rule, which flash-linear-attention and causal-conv1d replace on a GPU) cost a decode step about as much as its
+products: the convolution of one position a depthwise conv1d call, the state's update and read broadcast products
+over it, some 25 calls a layer. A prompt (several positions) stays transformers' chunked form. The arithmetic is
+transformers' within float32 rounding (sums in another order).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..host_memory import release_freed_memory
+from .blocks import GGMLLinear, join
 from .kernels import native_kernels
-from .native_steps import join_gated_mlp
+from .native_steps import JoinedAttention, NativeRMSNorm, attend_natively, join_gated_mlp
 
 DELTA_STEPS_MODELS = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 GATED_MLPS = ("Qwen3_5MLP",)  # (the mixture's shared expert: in its block's one native call, experts.py)
 DELTA_NETS = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet")
+# Their RMSNorms: x / sqrt(mean(x^2) + eps) times (1 + weight), in float32 (a DeltaNet's gated one: its step's).
+NORMS = ("Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm")
+ATTENTIONS = ("Qwen3_5Attention", "Qwen3_5MoeAttention")
+
+
+class NativeGatedAttention(JoinedAttention):
+    """Qwen3.5's gated attention (Qwen3_5Attention) over blocks: q (each head's beside its output gate), k and v one
+    product; q and k normalized per head and rotated (partial rotary: the cos and sin the model hands cover each
+    head's first quarter) in one rope_split call; the cache and native_attention; the output times sigmoid of the
+    gate, then o_proj."""
+
+    def __init__(self, attention: torch.nn.Module, qkv: torch.nn.Module):
+        super().__init__(attention, qkv)
+        self.queries = self.heads * attention.head_dim
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask, past_key_values=None,
+                **kwargs):
+        a = self.attention
+        batch, tokens, _ = hidden_states.shape
+        qkv = self.qkv(hidden_states)
+        query_gate = qkv[..., :2 * self.queries].view(batch, tokens, self.heads, 2, a.head_dim)
+        q, k, v = torch.ops.rungen_ggml.rope_split(
+            torch.cat([query_gate[..., 0, :].reshape(batch, tokens, -1), qkv[..., 2 * self.queries:]], dim=-1),
+            *position_embeddings, self.heads, self.kv_heads, a.q_norm.weight, a.k_norm.weight, a.q_norm.eps)
+        return self.attended(hidden_states, q, k, v, attention_mask, past_key_values, None,
+                             gate=query_gate[..., 1, :].reshape(batch, tokens, -1))
 
 
 class DeltaNetStep(torch.nn.Module):
@@ -52,16 +82,33 @@ class DeltaNetStep(torch.nn.Module):
 
 
 def delta_steps(model: torch.nn.Module) -> bool:
-    """Gives a model of DELTA_STEPS_MODELS over blocks DeltaNetStep for each Gated DeltaNet layer and NativeGatedMLP
-    for each dense gated MLP over blocks, where the native kernels are; returns whether."""
+    """Gives a model of DELTA_STEPS_MODELS over blocks native_attention, NativeRMSNorm for each RMSNorm,
+    NativeGatedMLP for each dense gated MLP, NativeGatedAttention for each attention and DeltaNetStep for each Gated
+    DeltaNet layer, where the native kernels are; returns whether. A module at a time: a joined product's old blocks
+    go, their pages given back, before the next is joined."""
     if not native_kernels() or type(model).__name__ not in DELTA_STEPS_MODELS:
         return False
+    attend_natively(model)
     activation = model.config.get_text_config(decoder=True).hidden_act
+    # (names, not modules: a list of the modules would keep every replaced one's blocks until the end)
+    names = [name for name, module in model.named_modules() if type(module).__name__ in NORMS]
+    for name in names:  # (first: the attentions read their q and k norms' weights as these hold them)
+        module = model.get_submodule(name)
+        model.set_submodule(name, NativeRMSNorm(1.0 + module.weight.detach().float(), module.eps))
     names = [name for name, module in model.named_modules()
-             if type(module).__name__ in GATED_MLPS + DELTA_NETS]
+             if type(module).__name__ in GATED_MLPS + DELTA_NETS + ATTENTIONS]
     for name in names:
-        if type(model.get_submodule(name)).__name__ in DELTA_NETS:
+        kind = type(model.get_submodule(name)).__name__
+        if kind in DELTA_NETS:
             model.set_submodule(name, DeltaNetStep(model.get_submodule(name)))
-        else:
+        elif kind in GATED_MLPS:
             join_gated_mlp(model, name, activation)
+        else:
+            module = model.get_submodule(name)
+            parts = [module.q_proj, module.k_proj, module.v_proj]
+            qkv = join(parts) if all(type(part) is GGMLLinear for part in parts) else None
+            if qkv is not None:
+                model.set_submodule(name, NativeGatedAttention(module, qkv))
+            del module, parts
+            release_freed_memory()
     return True

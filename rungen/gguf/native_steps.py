@@ -122,13 +122,15 @@ class JoinedAttention(torch.nn.Module):
         attention.q_proj = attention.k_proj = attention.v_proj = None  # (their rows are qkv's)
 
     def attended(self, hidden_states, q, key_states, value_states, attention_mask, past_key_values, sliding_window,
-                 s_aux=None):
+                 s_aux=None, gate=None):
+        """(o_proj's output, None); `gate`: the attention's output times sigmoid(gate) before o_proj."""
         a = self.attention
         if past_key_values is not None:
             key_states, value_states = past_key_values.update(key_states, value_states, a.layer_idx)
         out, _ = native_attention(a, q, key_states, value_states, attention_mask, a.scaling,
                                   sliding_window=sliding_window, s_aux=s_aux)
-        return a.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), None
+        out = out.reshape(*hidden_states.shape[:-1], -1)
+        return a.o_proj(out if gate is None else out * torch.sigmoid(gate)), None
 
 
 class NativeGptOssAttention(JoinedAttention):
@@ -210,6 +212,19 @@ JOINED_ATTENTIONS = {"GptOssAttention": NativeGptOssAttention, "Olmo2Attention":
                      "Exaone4Attention": NativeExaone4Attention}
 
 
+def attend_natively(model: torch.nn.Module) -> None:
+    """Gives transformers' layers of `model` native_attention (under NATIVE_ATTENTION, with eager masks) and a cache
+    that grows in place, in float16 (what the native attend reads in place)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(NATIVE_ATTENTION, native_attention)
+    AttentionMaskInterface.register(NATIVE_ATTENTION, eager_mask)
+    model.config._attn_implementation = NATIVE_ATTENTION
+    model.cache_grows_in_place = True
+    model.cache_reads_float16 = True
+
+
 def join_gated_mlp(model: torch.nn.Module, name: str, activation: str) -> None:
     """The dense gated MLP at `name` in `model` as NativeGatedMLP where its gate and up are blocks join takes (the
     separate blocks' pages given back before the caller's next join); else left as it is."""
@@ -231,14 +246,7 @@ def steps_natively(model: torch.nn.Module) -> bool:
     time: its joined products' old blocks go, their pages given back, before the next are joined."""
     if not native_kernels() or type(model).__name__ not in NATIVE_STEPS_MODELS:
         return False
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, eager_mask
-
-    AttentionInterface.register(NATIVE_ATTENTION, native_attention)
-    AttentionMaskInterface.register(NATIVE_ATTENTION, eager_mask)
-    model.config._attn_implementation = NATIVE_ATTENTION
-    model.cache_grows_in_place = True
-    model.cache_reads_float16 = True  # (native_attention: the native attend, which reads float16 in place)
+    attend_natively(model)
     text = model.config.get_text_config(decoder=True)
     activation = getattr(text, "hidden_activation", None) or getattr(text, "hidden_act", None)
     # (names, not modules: a list of the modules would keep every replaced one's blocks until the end)
