@@ -983,8 +983,11 @@ CHECKPOINT_FILES = {
     # Hunyuan's dense model: q/k norms after the rotation, its NTK alpha folded into the file's rope base.
     "hunyuan": dict(files=("hunyuan_checkpoint", "write_hunyuan_gguf"), model="HunYuanDenseV1ForCausalLM"),
     # LFM2's gated short convolutions beside attention with q/k norms, read by transformers' own conversion table (the
-    # convolution's shape), the final norm after the layers: transformers' layers.
-    "lfm2": dict(files=("lfm2_checkpoint", "write_lfm2_gguf"), model="Lfm2ForCausalLM", quantized=True),
+    # convolution's shape), the final norm after the layers: transformers' layers, their steps native (a convolution's
+    # decode step a few operations).
+    "lfm2": dict(files=("lfm2_checkpoint", "write_lfm2_gguf"), model="Lfm2ForCausalLM", quantized=True,
+                 steps=dict(conv="ShortConvStep", self_attn="NativeLfm2Attention"),
+                 native=dict(feed_forward="NativeGatedMLP", operator_norm="NativeRMSNorm")),
 }
 
 
@@ -1093,6 +1096,43 @@ def test_a_qwen35_mixture_in_one_native_call_computes_its_blocks_modules(tmp_pat
             (one_call, _), modules = layer.mlp(x), layer.mlp.block(x)  # (the one call's: beside no router logits)
             assert modules.abs().max() > 0.1
             torch.testing.assert_close(one_call, modules, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("architecture", ["qwen35", "qwen35moe", "lfm2"])
+def test_a_hybrid_models_decode_steps_in_one_loop_are_its_layers_one_by_one(architecture, tmp_path):
+    # Qwen3.5's and LFM2's decode steps as one loop over their layers' parts (LayerLoop, installed as the inner
+    # model's forward): the bits transformers' own forward over the same parts gives, in a left-padded batch (its
+    # mask) and for a row alone (none), the loop taking the steps and transformers' forward the prompts.
+    import tiny_models
+    from helpers import padded_prompt_and_steps
+    from rungen.gguf.layer_loop import LayerLoop
+
+    if not native_kernels():
+        pytest.skip("the loop's parts are the native steps")
+    make_checkpoint, write = (getattr(tiny_models, name) for name in CHECKPOINT_FILES[architecture]["files"])
+    model = build_model(GGUFHeader(write(make_checkpoint(str(tmp_path)), str(tmp_path / "q8_0.gguf"), "Q8_0")),
+                        torch.float32)
+    loop = model.model.__dict__.get("forward")
+    assert isinstance(loop, LayerLoop)
+    prompts = []  # (the token counts transformers' forward was given)
+    original = loop.original
+    loop.original = lambda **kwargs: prompts.append(kwargs["input_ids"].shape[1]) or original(**kwargs)
+
+    def alone():
+        cache, ids = new_cache(model), torch.tensor([[5, 9, 13, 2, 7]])
+        with torch.no_grad():
+            out = [model(ids, past_key_values=cache).logits]
+            for step in (11, 17):
+                out.append(model(torch.tensor([[step]]), past_key_values=cache).logits)
+        return out
+
+    looped = padded_prompt_and_steps(model) + alone()
+    assert prompts == [6, 5]
+    del model.model.forward  # transformers' forward over the same parts
+    layered = padded_prompt_and_steps(model) + alone()
+    assert looped[1].abs().max() > 0.1
+    for got, wanted in zip(looped, layered):
+        assert torch.equal(got, wanted)
 
 
 def test_a_llama3_rotary_of_other_parameters_is_read_back_from_its_factors(tmp_path):

@@ -17,7 +17,10 @@ Modules, from the ground up:
   (DecoderStack).
 - native_steps.py: transformers' own layers of the families decoder.py does not fuse (gpt-oss, Gemma 4) with their
   attention, norms and gated MLPs on the native kernels.
-- delta_steps.py: Qwen3.5's Gated DeltaNet layers' decode step in one native call (DeltaNetStep).
+- delta_steps.py: Qwen3.5's layers with their steps native: a Gated DeltaNet layer's decode step in one native call
+  (DeltaNetStep), the gated attention (NativeGatedAttention), norms and MLPs.
+- conv_steps.py: LFM2's layers with their steps native: a short convolution's decode step (ShortConvStep), the
+  attention (NativeLfm2Attention), norms and MLPs.
 - conversions.py: the architectures transformers reads by its own conversion table (Qwen3.5, LFM2) as the build's
   weights map and processor (Conversion; InputPermuted for a weight whose columns stay in the file's order).
 - file.py: the header and its cache (config, tokenizer, tensor table, what the file holds for transformers).

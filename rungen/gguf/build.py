@@ -26,6 +26,7 @@ from .blocks import (
     interleavable,
     weights_per_row,
 )
+from .conv_steps import conv_steps
 from .conversions import Conversion, InputPermuted, converted
 from .decoder import FUSED_WEIGHTS, fusable, fuse_decoder_layers
 from .delta_steps import delta_steps
@@ -308,6 +309,7 @@ class ModelBuild:
         fuse_decoder_layers(model)
         steps_natively(model)
         delta_steps(model)
+        conv_steps(model)
         return _finish_built(self.header, model, self.names)
 
 

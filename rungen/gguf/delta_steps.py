@@ -17,6 +17,7 @@ import torch
 from ..host_memory import release_freed_memory
 from .blocks import GGMLLinear, join
 from .kernels import native_kernels
+from .layer_loop import LayerLoop
 from .native_steps import JoinedAttention, NativeRMSNorm, attend_natively, join_gated_mlp
 
 DELTA_STEPS_MODELS = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
@@ -85,7 +86,7 @@ def delta_steps(model: torch.nn.Module) -> bool:
     """Gives a model of DELTA_STEPS_MODELS over blocks native_attention, NativeRMSNorm for each RMSNorm,
     NativeGatedMLP for each dense gated MLP, NativeGatedAttention for each attention and DeltaNetStep for each Gated
     DeltaNet layer, where the native kernels are; returns whether. A module at a time: a joined product's old blocks
-    go, their pages given back, before the next is joined."""
+    go, their pages given back, before the next is joined. Its decode steps then one LayerLoop."""
     if not native_kernels() or type(model).__name__ not in DELTA_STEPS_MODELS:
         return False
     attend_natively(model)
@@ -111,4 +112,5 @@ def delta_steps(model: torch.nn.Module) -> bool:
                 model.set_submodule(name, NativeGatedAttention(module, qkv))
             del module, parts
             release_freed_memory()
+    LayerLoop.install(model)
     return True

@@ -121,6 +121,11 @@ class JoinedAttention(torch.nn.Module):
         self.kv_heads = attention.config.num_key_value_heads
         attention.q_proj = attention.k_proj = attention.v_proj = None  # (their rows are qkv's)
 
+    @property
+    def o_proj(self) -> torch.nn.Module:
+        """The module's output projection (a family naming it otherwise: its subclass says)."""
+        return self.attention.o_proj
+
     def attended(self, hidden_states, q, key_states, value_states, attention_mask, past_key_values, sliding_window,
                  s_aux=None, gate=None):
         """(o_proj's output, None); `gate`: the attention's output times sigmoid(gate) before o_proj."""
@@ -130,7 +135,7 @@ class JoinedAttention(torch.nn.Module):
         out, _ = native_attention(a, q, key_states, value_states, attention_mask, a.scaling,
                                   sliding_window=sliding_window, s_aux=s_aux)
         out = out.reshape(*hidden_states.shape[:-1], -1)
-        return a.o_proj(out if gate is None else out * torch.sigmoid(gate)), None
+        return self.o_proj(out if gate is None else out * torch.sigmoid(gate)), None
 
 
 class NativeGptOssAttention(JoinedAttention):
@@ -225,17 +230,19 @@ def attend_natively(model: torch.nn.Module) -> None:
     model.cache_reads_float16 = True
 
 
-def join_gated_mlp(model: torch.nn.Module, name: str, activation: str) -> None:
-    """The dense gated MLP at `name` in `model` as NativeGatedMLP where its gate and up are blocks join takes (the
-    separate blocks' pages given back before the caller's next join); else left as it is."""
+def join_gated_mlp(model: torch.nn.Module, name: str, activation: str,
+                   parts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> None:
+    """The dense gated MLP at `name` in `model` (its gate, up and down products named `parts`) as NativeGatedMLP
+    where its gate and up are blocks join takes (the separate blocks' pages given back before the caller's next
+    join); else left as it is."""
     module = model.get_submodule(name)
-    if activation not in ACTIVATIONS or not all(
-            type(getattr(module, part)) is GGMLLinear for part in ("gate_proj", "up_proj")):
+    gate, up, down = (getattr(module, part) for part in parts)
+    if activation not in ACTIVATIONS or not all(type(part) is GGMLLinear for part in (gate, up)):
         return
-    gate_up = join([module.gate_proj, module.up_proj])
+    gate_up = join([gate, up])
     if gate_up is not None:
-        model.set_submodule(name, NativeGatedMLP(gate_up, module.down_proj, activation))
-        del module
+        model.set_submodule(name, NativeGatedMLP(gate_up, down, activation))
+        del module, gate, up
         release_freed_memory()
 
 

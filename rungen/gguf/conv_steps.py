@@ -1,0 +1,100 @@
+"""LFM2's decoder layers over a GGUF file's blocks (transformers' Lfm2ForCausalLM), with their small steps taken in
+fewer calls on the CPU: a short convolution layer's decode step a few tensor operations (ShortConvStep: the new
+position's window shifted in place and its three taps summed, where transformers' PyTorch form runs a depthwise
+conv1d over the window, 0.3 ms a layer of LFM2-1.2B's shape); an attention's q, k and v one product, q and k
+normalized per head and rotated in one rope_split call, the native attend over a cache growing in place
+(NativeLfm2Attention); each RMSNorm one rms_norm call; the MLP's w1 and w3 one product. A prompt (several positions)
+stays transformers' convolution. The arithmetic is transformers' within float32 rounding (sums in another order).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..host_memory import release_freed_memory
+from .blocks import GGMLLinear, join
+from .kernels import native_kernels
+from .layer_loop import LayerLoop
+from .native_steps import JoinedAttention, NativeRMSNorm, attend_natively, join_gated_mlp
+
+CONV_STEPS_MODELS = ("Lfm2ForCausalLM",)
+NORMS = ("Lfm2RMSNorm",)  # weight times x / sqrt(mean(x^2) + eps), in float32
+MLPS = ("Lfm2MLP",)  # w2(silu(w1(x)) * w3(x))
+ATTENTIONS = ("Lfm2Attention",)
+CONVOLUTIONS = ("Lfm2ShortConv",)
+
+
+class ShortConvStep(torch.nn.Module):
+    """transformers' short convolution layer `module` (in_proj's B, C and x; a depthwise convolution of conv_L_cache
+    taps; out_proj), a decode step (one position a row, its float32 window in the cache) as C times the taps' sum
+    over the window shifted in place to end with B * x; any other call the module's own forward."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.module = module
+        self.register_buffer("taps", module.conv.weight.detach().squeeze(1).float(), persistent=False)
+
+    def forward(self, hidden_states: torch.Tensor, past_key_values=None, attention_mask=None, **kwargs):
+        m = self.module
+        window = past_key_values.get_conv_state(m.layer_idx) if past_key_values is not None else None
+        if (hidden_states.shape[1] != 1 or window is None or past_key_values.is_recording_past(m.layer_idx)
+                or m.conv.bias is not None or window.dtype != torch.float32
+                or window.shape[-1] < self.taps.shape[-1] - 1):
+            return m(hidden_states, past_key_values=past_key_values, attention_mask=attention_mask, **kwargs)
+        if attention_mask is not None:  # (transformers' apply_mask_to_padding_states)
+            hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
+        b, c, x = m.in_proj(hidden_states[:, 0]).float().chunk(3, dim=-1)
+        held = torch.cat([window, (b * x)[:, :, None]], dim=-1)  # (what transformers' causal_conv1d_update convolves)
+        window.copy_(held[:, :, -window.shape[-1]:])
+        out = c * (held[:, :, -self.taps.shape[-1]:] * self.taps).sum(-1)
+        return m.out_proj(out[:, None].to(hidden_states.dtype))
+
+
+class NativeLfm2Attention(JoinedAttention):
+    """LFM2's attention (Lfm2Attention): q, k and v one product, q and k normalized per head (its q_layernorm and
+    k_layernorm, native by now) and rotated in one rope_split call; the cache, native_attention and out_proj."""
+
+    @property
+    def o_proj(self) -> torch.nn.Module:
+        return self.attention.out_proj
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask, past_key_values=None,
+                **kwargs):
+        a = self.attention
+        q, k, v = torch.ops.rungen_ggml.rope_split(self.qkv(hidden_states), *position_embeddings, self.heads,
+                                                   self.kv_heads, a.q_layernorm.weight, a.k_layernorm.weight,
+                                                   a.q_layernorm.eps)
+        return self.attended(hidden_states, q, k, v, attention_mask, past_key_values, None)
+
+
+def conv_steps(model: torch.nn.Module) -> bool:
+    """Gives a model of CONV_STEPS_MODELS over blocks native_attention, NativeRMSNorm for each RMSNorm,
+    NativeGatedMLP for each MLP, NativeLfm2Attention for each attention and ShortConvStep for each short convolution
+    layer, where the native kernels are; returns whether. A module at a time: a joined product's old blocks go, their
+    pages given back, before the next is joined. Its decode steps then one LayerLoop."""
+    if not native_kernels() or type(model).__name__ not in CONV_STEPS_MODELS:
+        return False
+    attend_natively(model)
+    # (names, not modules: a list of the modules would keep every replaced one's blocks until the end)
+    names = [name for name, module in model.named_modules() if type(module).__name__ in NORMS]
+    for name in names:  # (first: the attentions read their q and k norms' weights as these hold them)
+        module = model.get_submodule(name)
+        model.set_submodule(name, NativeRMSNorm(module.weight, module.variance_epsilon))
+    names = [name for name, module in model.named_modules()
+             if type(module).__name__ in MLPS + ATTENTIONS + CONVOLUTIONS]
+    for name in names:
+        kind = type(model.get_submodule(name)).__name__
+        if kind in CONVOLUTIONS:
+            model.set_submodule(name, ShortConvStep(model.get_submodule(name)))
+        elif kind in MLPS:
+            join_gated_mlp(model, name, "silu", ("w1", "w3", "w2"))
+        else:
+            module = model.get_submodule(name)
+            parts = [module.q_proj, module.k_proj, module.v_proj]
+            qkv = join(parts) if all(type(part) is GGMLLinear for part in parts) else None
+            if qkv is not None:
+                model.set_submodule(name, NativeLfm2Attention(module, qkv))
+            del module, parts
+            release_freed_memory()
+    LayerLoop.install(model)
+    return True
