@@ -1098,19 +1098,28 @@ def test_a_qwen35_mixture_in_one_native_call_computes_its_blocks_modules(tmp_pat
             torch.testing.assert_close(one_call, modules, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("architecture", ["qwen35", "qwen35moe", "lfm2"])
-def test_a_hybrid_models_decode_steps_in_one_loop_are_its_layers_one_by_one(architecture, tmp_path):
-    # Qwen3.5's and LFM2's decode steps as one loop over their layers' parts (LayerLoop, installed as the inner
+# The files whose decode steps LayerLoop takes: (checkpoint, writer, the types it writes the blocks in).
+LOOPED_FILES = {**{name: (*CHECKPOINT_FILES[name]["files"], ("Q8_0",))
+                   for name in ("qwen35", "qwen35moe", "lfm2", "exaone4", "exaone4_global", "olmo2", "olmo3",
+                                "ministral3")},
+                "gpt-oss": ("gpt_oss_checkpoint", "write_gpt_oss_gguf", ("MXFP4", "Q8_0"))}
+
+
+@pytest.mark.parametrize("architecture", LOOPED_FILES)
+def test_a_models_decode_steps_in_one_loop_are_its_layers_one_by_one(architecture, tmp_path):
+    # The decode steps of a model on transformers' layers with native steps (Qwen3.5's, LFM2's, EXAONE 4's, OLMo 2's
+    # and 3's, Ministral 3's, gpt-oss's) as one loop over their layers' parts (LayerLoop, installed as the inner
     # model's forward): the bits transformers' own forward over the same parts gives, in a left-padded batch (its
-    # mask) and for a row alone (none), the loop taking the steps and transformers' forward the prompts.
+    # masks) and for a row alone (none), the loop taking the steps and transformers' forward the prompts.
     import tiny_models
     from helpers import padded_prompt_and_steps
     from rungen.gguf.layer_loop import LayerLoop
 
     if not native_kernels():
         pytest.skip("the loop's parts are the native steps")
-    make_checkpoint, write = (getattr(tiny_models, name) for name in CHECKPOINT_FILES[architecture]["files"])
-    model = build_model(GGUFHeader(write(make_checkpoint(str(tmp_path)), str(tmp_path / "q8_0.gguf"), "Q8_0")),
+    make_checkpoint, write, blocks = LOOPED_FILES[architecture]
+    checkpoint = getattr(tiny_models, make_checkpoint)(str(tmp_path))
+    model = build_model(GGUFHeader(getattr(tiny_models, write)(checkpoint, str(tmp_path / "file.gguf"), *blocks)),
                         torch.float32)
     loop = model.model.__dict__.get("forward")
     assert isinstance(loop, LayerLoop)

@@ -15,6 +15,7 @@ Modules, from the ground up:
 - stack.py: every decoder layer in one native call (NativeStack), the layers' tensors in its order.
 - decoder.py: the decoder layers fused over the blocks (FusedDecoderLayer), the stack as transformers' forward
   (DecoderStack).
+- layer_loop.py: the decode step of a model with native steps as one plain loop over its layers' parts (LayerLoop).
 - native_steps.py: transformers' own layers of the families decoder.py does not fuse (gpt-oss, Gemma 4) with their
   attention, norms and gated MLPs on the native kernels.
 - delta_steps.py: Qwen3.5's layers with their steps native: a Gated DeltaNet layer's decode step in one native call

@@ -1,13 +1,15 @@
-"""A hybrid model's decode step (Qwen3.5's, LFM2's: transformers' layers over blocks with their steps native,
-delta_steps.py and conv_steps.py) as a plain loop over its layers' parts, installed as the inner model's forward
-(LayerLoop): each part's own forward, called in the order transformers' decoder layer calls it, without the layers'
-and the modules' call machinery (about 3 ms of a 25 ms step of Qwen3.5-0.8B's shape). The same functions in the
-same order: the same bits as the layers one by one. What it does not cover (a prompt, hidden states or attention
-maps asked for, no cache, tracing, positions of a vision grid) goes to transformers' forward.
+"""The decode step of a model on transformers' layers over blocks with their steps native (Qwen3.5's and LFM2's:
+delta_steps.py, conv_steps.py; EXAONE 4's, OLMo 2's and 3's, Ministral 3's, gpt-oss's: native_steps.py) as a plain
+loop over its layers' parts, installed as the inner model's forward (LayerLoop): each part's own forward, called in
+the order transformers' decoder layer calls it, without the layers' and the modules' call machinery (about 3 ms of
+a 25 ms step of Qwen3.5-0.8B's shape). The same functions in the same order: the same bits as the layers one by
+one. Families are rows of LOOPS. What it does not cover (a prompt, hidden states or attention maps asked for, no
+cache, tracing, positions of a vision grid) goes to transformers' forward.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -15,33 +17,54 @@ import torch
 
 @dataclass(frozen=True)
 class Loop:
-    """What one family's decoder layers call, by attribute: the attention (`attention`) or the recurrent mixer
-    (`recurrent`, its cache given as `cache_keyword`), the norms before the mixer and before the MLP, the MLP, the
-    model's final norm; `sections`: the rotary takes positions as [3, batch, tokens] (Qwen3.5's sections);
-    `mixture`: the model's output carries router logits (None here)."""
+    """What one family's decoder layers call, by attribute: the attention (`attention`) or a recurrent mixer
+    (`recurrent`, its cache given as `cache_keyword`), the norms before the mixer and before the MLP (`pre_norms`)
+    or after each (`post_norms`: OLMo 2's, EXAONE 4's), the MLP, the model's final norm; `sections`: the rotary takes
+    positions as [3, batch, tokens] (Qwen3.5's sections); `mixture`: the model's output carries router logits (None
+    here)."""
 
-    attention: str
-    recurrent: str
-    cache_keyword: str
-    norms: tuple[str, str]
-    mlp: str
-    final_norm: str
+    attention: str = "self_attn"
+    recurrent: str | None = None
+    cache_keyword: str = "past_key_values"
+    pre_norms: tuple[str, str] | None = None
+    post_norms: tuple[str, str] | None = None
+    mlp: str = "mlp"
+    final_norm: str = "norm"
     sections: bool = False
     mixture: bool = False
 
 
-QWEN35 = dict(attention="self_attn", recurrent="linear_attn", cache_keyword="cache_params",
-              norms=("input_layernorm", "post_attention_layernorm"), mlp="mlp", final_norm="norm", sections=True)
+PRE = dict(pre_norms=("input_layernorm", "post_attention_layernorm"))
+POST = dict(post_norms=("post_attention_layernorm", "post_feedforward_layernorm"))
+QWEN35 = dict(PRE, recurrent="linear_attn", cache_keyword="cache_params", sections=True)
 # transformers' inner models whose decode step LayerLoop takes, by class name.
 LOOPS = {
     "Qwen3_5TextModel": Loop(**QWEN35),
     "Qwen3_5MoeTextModel": Loop(**QWEN35, mixture=True),
-    "Lfm2Model": Loop(attention="self_attn", recurrent="conv", cache_keyword="past_key_values",
-                      norms=("operator_norm", "ffn_norm"), mlp="feed_forward", final_norm="embedding_norm"),
+    "Lfm2Model": Loop(recurrent="conv", pre_norms=("operator_norm", "ffn_norm"), mlp="feed_forward",
+                      final_norm="embedding_norm"),
+    "Exaone4Model": Loop(**POST),
+    "Olmo2Model": Loop(**POST),
+    "Olmo3Model": Loop(**POST),
+    "Ministral3Model": Loop(**PRE),
+    "GptOssModel": Loop(**PRE, mixture=True),
 }
 # The parts whose forwards the loop calls directly (none needs a module hook).
-PARTS = ("NativeRMSNorm", "NativeGatedAttention", "NativeLfm2Attention", "DeltaNetStep", "ShortConvStep",
+PARTS = ("NativeRMSNorm", "NativeGatedAttention", "NativeLfm2Attention", "NativeExaone4Attention",
+         "NativeOlmoAttention", "NativeMinistral3Attention", "NativeGptOssAttention", "DeltaNetStep", "ShortConvStep",
          "NativeGatedMLP", "MixtureInOneCall")
+# The masks transformers' models give each kind of layer (where a batch is padded); others take none in a step.
+MASKS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask"}
+
+
+def layer_kinds(config) -> list[str]:
+    """Each layer's kind as the model builds its masks by: the config's layer_types, else every layer sliding where
+    the config has a window (Ministral 3's), else full."""
+    kinds = getattr(config, "layer_types", None)
+    if kinds:
+        return list(kinds)
+    return ["sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"] * \
+        config.num_hidden_layers
 
 
 class LayerLoop:
@@ -49,8 +72,17 @@ class LayerLoop:
 
     def __init__(self, inner: torch.nn.Module, loop: Loop):
         self.inner, self.original, self.loop = inner, inner.forward, loop
-        self.layers = [(getattr(layer, loop.attention, None), getattr(layer, loop.recurrent, None),
-                        *(getattr(layer, name) for name in (*loop.norms, loop.mlp))) for layer in inner.layers]
+        self.kinds = layer_kinds(inner.config)
+        # each layer's (mixer, whether it is the attention, its norms before and after the mixer and the MLP, MLP)
+        self.layers = []
+        for layer in inner.layers:
+            attention = getattr(layer, loop.attention, None)
+            pre, post = ([getattr(layer, name) for name in names] if names else [None, None]
+                         for names in (loop.pre_norms, loop.post_norms))
+            self.layers.append((attention if attention is not None else getattr(layer, loop.recurrent),
+                                attention is not None, *pre, *post, getattr(layer, loop.mlp)))
+        # the rotary's positions by layer kind (OLMo 3's: one a kind), else one for all
+        self.rotary_kinds = "layer_type" in inspect.signature(inner.rotary_emb.forward).parameters
 
     @classmethod
     def install(cls, model: torch.nn.Module) -> bool:
@@ -58,11 +90,14 @@ class LayerLoop:
         returns whether it did."""
         inner = getattr(model, "model", None)
         loop = LOOPS.get(type(inner).__name__)
-        if loop is None or len(inner.layers) != inner.config.num_hidden_layers or not all(
-                type(part).__name__ in PARTS for layer in inner.layers
-                for part in (getattr(layer, loop.attention, None) or getattr(layer, loop.recurrent),
-                             *(getattr(layer, name) for name in (*loop.norms, loop.mlp)))):
+        if loop is None or len(inner.layers) != inner.config.num_hidden_layers:
             return False
+        names = [name for name in (loop.pre_norms or ()) + (loop.post_norms or ()) + (loop.mlp,)]
+        for layer in inner.layers:
+            mixer = getattr(layer, loop.attention, None)
+            mixer = mixer if mixer is not None or loop.recurrent is None else getattr(layer, loop.recurrent, None)
+            if any(type(part).__name__ not in PARTS for part in (mixer, *(getattr(layer, n) for n in names))):
+                return False
         if type(getattr(inner, loop.final_norm)).__name__ not in PARTS:
             return False
         inner.forward = cls(inner, loop)  # an instance attribute: Module.__call__ finds it before the method
@@ -70,7 +105,7 @@ class LayerLoop:
 
     def __call__(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                  inputs_embeds=None, use_cache=None, **kwargs):
-        from transformers.masking_utils import create_causal_mask
+        import transformers.masking_utils as masks
         from transformers.modeling_outputs import BaseModelOutputWithPast, MoeModelOutputWithPast
 
         inner, loop, cache = self.inner, self.loop, past_key_values
@@ -85,20 +120,28 @@ class LayerLoop:
         if position_ids is None:
             position_ids = (torch.arange(1, device=hidden.device) + cache.get_seq_length()).unsqueeze(0)
         rotary = position_ids[None].expand(3, *position_ids.shape) if loop.sections else position_ids
-        position_embeddings = inner.rotary_emb(hidden, rotary)
-        mask = None  # (no padding: the native attend's causal default; a recurrent layer's step takes no mask)
+        if self.rotary_kinds:
+            rotations = {kind: inner.rotary_emb(hidden, rotary, kind) for kind in set(self.kinds)}
+        else:
+            rotations = dict.fromkeys(set(self.kinds), inner.rotary_emb(hidden, rotary))
+        # No padding: no masks (the native attend's causal default, the window each attention passes); a recurrent
+        # layer's step takes none.
+        layer_masks = dict.fromkeys(set(self.kinds))
         if attention_mask is not None and not bool(attention_mask.all()):
-            mask = create_causal_mask(config=inner.config, inputs_embeds=hidden, attention_mask=attention_mask,
-                                      past_key_values=cache, position_ids=position_ids)
-        recurrent_cache = {loop.cache_keyword: cache}
-        for attention, recurrent, mixer_norm, mlp_norm, mlp in self.layers:
-            if attention is not None:
-                out, _ = attention.forward(mixer_norm.forward(hidden), position_embeddings, mask,
-                                           past_key_values=cache)
+            for kind in layer_masks.keys() & MASKS.keys():
+                layer_masks[kind] = getattr(masks, MASKS[kind])(
+                    config=inner.config, inputs_embeds=hidden, attention_mask=attention_mask, past_key_values=cache,
+                    position_ids=position_ids)
+        for kind, (mixer, attends, pre_mixer, pre_mlp, post_mixer, post_mlp, mlp) in zip(self.kinds, self.layers):
+            x = hidden if pre_mixer is None else pre_mixer.forward(hidden)
+            if attends:
+                out, _ = mixer.forward(x, position_embeddings=rotations[kind], attention_mask=layer_masks[kind],
+                                       position_ids=position_ids, past_key_values=cache)
             else:
-                out = recurrent.forward(mixer_norm.forward(hidden), attention_mask=None, **recurrent_cache)
-            hidden = hidden + out
-            out = mlp.forward(mlp_norm.forward(hidden))
-            hidden = hidden + (out[0] if isinstance(out, tuple) else out)
+                out = mixer.forward(x, attention_mask=None, **{loop.cache_keyword: cache})
+            hidden = hidden + (out if post_mixer is None else post_mixer.forward(out))
+            out = mlp.forward(hidden if pre_mlp is None else pre_mlp.forward(hidden))
+            out = out[0] if isinstance(out, tuple) else out
+            hidden = hidden + (out if post_mlp is None else post_mlp.forward(out))
         output = MoeModelOutputWithPast if loop.mixture else BaseModelOutputWithPast
         return output(last_hidden_state=getattr(inner, loop.final_norm).forward(hidden), past_key_values=cache)

@@ -14,6 +14,7 @@ from ..host_memory import release_freed_memory
 from .blocks import GGMLLinear, join
 from .decoder import ACTIVATIONS, unrotated
 from .kernels import native_kernels
+from .layer_loop import LayerLoop
 
 # The attention interface name transformers' layers find native_attention under (and the eager masks it takes).
 NATIVE_ATTENTION = "rungen_attend"
@@ -250,7 +251,8 @@ def steps_natively(model: torch.nn.Module) -> bool:
     """Gives a model of NATIVE_STEPS_MODELS native_attention and a cache that grows in place (rungen.kvcache's
     new_cache), its norms NativeRMSNorm, its gated MLPs and attentions over blocks NativeGatedMLP and
     NativeGemma4Attention or JOINED_ATTENTIONS' class, where the native kernels are; returns whether. A module at a
-    time: its joined products' old blocks go, their pages given back, before the next are joined."""
+    time: its joined products' old blocks go, their pages given back, before the next are joined. Its decode steps
+    then one LayerLoop where the family has a row of layer_loop.LOOPS (Gemma 4's layers have none)."""
     if not native_kernels() or type(model).__name__ not in NATIVE_STEPS_MODELS:
         return False
     attend_natively(model)
@@ -283,4 +285,5 @@ def steps_natively(model: torch.nn.Module) -> bool:
                 model.set_submodule(name, JOINED_ATTENTIONS[type(module).__name__](module, qkv))
         del module, parts
         release_freed_memory()
+    LayerLoop.install(model)
     return True
