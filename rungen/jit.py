@@ -335,8 +335,9 @@ def enable_jit(model, tokenizer) -> float | None:
                        "trace would fix one choice")
         return None
     if getattr(model, "cache_grows_in_place", False):
-        # One native call a step over its own cache: the graph would never be given a step.
-        logger.warning("--jit: not traced: this model's decode step already runs as one fused native call "
+        # Its steps native over a cache growing in place (one call a step, or one loop over native steps): the
+        # graph would never be given a step.
+        logger.warning("--jit: not traced: this model's decode step already runs on the native kernels "
                        "(add --dequantize or --quantize to trace it)")
         return None
     start = time.perf_counter()
