@@ -12,6 +12,8 @@ transformers' within float32 rounding (sums in another order).
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from ..host_memory import release_freed_memory
@@ -51,11 +53,30 @@ class NativeGatedAttention(JoinedAttention):
                              gate=query_gate[..., 1, :].reshape(batch, tokens, -1))
 
 
+# A Gated DeltaNet layer's products of its input, in the order DeltaNetStep joins them.
+IN_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+
+
+class GivenOutput(torch.nn.Module):
+    """In place of one of a module's products: returns the output its owner computed for the module's next call."""
+
+    def __init__(self):
+        super().__init__()
+        self.output = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        output, self.output = self.output, None
+        if output is None:
+            raise RuntimeError("a joined product's part was called without its output given")
+        return output
+
+
 class DeltaNetStep(torch.nn.Module):
     """transformers' Gated DeltaNet layer `module` (its products, convolution weights, decay and norm), a decode step
     (one position a row, its float32 states in the cache) after its products one delta_step call: the convolution of
     the new position, the delta rule's read and update of each value head's state in place, the gated norm; any
-    other call the module's own forward."""
+    other call the module's own forward. Where its four products of the input are blocks they are one product
+    (`in_proj`), whose parts the module's own forward is given (GivenOutput in their place)."""
 
     def __init__(self, module: torch.nn.Module):
         super().__init__()
@@ -63,6 +84,20 @@ class DeltaNetStep(torch.nn.Module):
         self.register_buffer("conv", module.conv1d.weight.detach().squeeze(1).float(), persistent=False)
         self.register_buffer("decay", -module.A_log.detach().float().exp(), persistent=False)
         self.register_buffer("norm_weight", module.norm.weight.detach().float(), persistent=False)
+        parts = [getattr(module, name) for name in IN_PROJECTIONS]
+        self.in_proj = join(parts) if all(type(part) is GGMLLinear for part in parts) else None
+        self.widths = [part.out_features for part in parts]
+        if self.in_proj is not None:  # (the separate blocks go: their pages are given back by the caller)
+            for name in IN_PROJECTIONS:
+                setattr(module, name, GivenOutput())
+        # transformers' masking of a padded row's positions, as the module's forward applies it
+        self.masked = sys.modules[type(module).__module__].apply_mask_to_padding_states
+
+    def products(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """The layer's four products of `x` (IN_PROJECTIONS' order)."""
+        if self.in_proj is None:
+            return [getattr(self.module, name)(x) for name in IN_PROJECTIONS]
+        return list(self.in_proj(x).split(self.widths, dim=-1))
 
     def forward(self, hidden_states: torch.Tensor, cache_params=None, attention_mask=None, **kwargs):
         m = self.module
@@ -72,12 +107,18 @@ class DeltaNetStep(torch.nn.Module):
         if (hidden_states.shape[1] != 1 or window is None or state is None or cache_params.is_recording_past(layer)
                 or m.conv1d.bias is not None or window.dtype != torch.float32 or state.dtype != torch.float32
                 or not (window.is_contiguous() and state.is_contiguous())):
-            return m(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
-        if attention_mask is not None:  # (transformers' apply_mask_to_padding_states)
-            hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
-        x = hidden_states[:, 0]
-        out = torch.ops.rungen_ggml.delta_step(window, m.in_proj_qkv(x), self.conv, state, m.in_proj_a(x),
-                                               m.in_proj_b(x), m.in_proj_z(x), self.decay, m.dt_bias,
+            if self.in_proj is None:
+                return m(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
+            for name, output in zip(IN_PROJECTIONS, self.products(self.masked(hidden_states, attention_mask))):
+                getattr(m, name).output = output
+            try:
+                return m(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
+            finally:  # (none left held where the forward stopped early)
+                for name in IN_PROJECTIONS:
+                    getattr(m, name).output = None
+        hidden_states = self.masked(hidden_states, attention_mask)
+        qkv, z, b, a = self.products(hidden_states[:, 0])
+        out = torch.ops.rungen_ggml.delta_step(window, qkv, self.conv, state, a, b, z, self.decay, m.dt_bias,
                                                self.norm_weight, m.num_k_heads, m.layer_norm_epsilon)
         return m.out_proj(out.reshape(hidden_states.shape[0], 1, -1).to(hidden_states.dtype))
 
@@ -102,6 +143,7 @@ def delta_steps(model: torch.nn.Module) -> bool:
         kind = type(model.get_submodule(name)).__name__
         if kind in DELTA_NETS:
             model.set_submodule(name, DeltaNetStep(model.get_submodule(name)))
+            release_freed_memory()
         elif kind in GATED_MLPS:
             join_gated_mlp(model, name, activation)
         else:
