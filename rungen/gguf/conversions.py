@@ -57,13 +57,15 @@ class Conversion:
 
     def column_order(self, name: str) -> torch.Tensor | None:
         """The order a quantized weight's columns take in the model (its layer's input is gathered so instead), or
-        None."""
+        None where they keep the file's."""
         from transformers.integrations.gguf.gguf_conversion_mapping import PermuteInputFeatures
 
         _, converter = self.rename(name)
         operations = getattr(converter, "operations", ())
         orders = [op.permutation for op in operations if isinstance(op, PermuteInputFeatures)]
-        return orders[0] if orders else None
+        if not orders or torch.equal(torch.as_tensor(orders[0]), torch.arange(len(orders[0]))):
+            return None  # (as many value heads as key heads: the file's order is the model's)
+        return orders[0]
 
     def process(self, weights: np.ndarray, name: str, **kwargs):
         """transformers' tensor processors' result (GGUFTensor) of tensor `name`'s values `weights` (F32/F16; BF16's

@@ -18,6 +18,7 @@ import torch
 
 from ..host_memory import release_freed_memory
 from .blocks import GGMLLinear, join
+from .conversions import InputPermuted
 from .kernels import native_kernels
 from .layer_loop import LayerLoop
 from .native_steps import JoinedAttention, NativeRMSNorm, attend_natively, join_gated_mlp
@@ -92,6 +93,15 @@ class DeltaNetStep(torch.nn.Module):
                 setattr(module, name, GivenOutput())
         # transformers' masking of a padded row's positions, as the module's forward applies it
         self.masked = sys.modules[type(module).__module__].apply_mask_to_padding_states
+        # out_proj's columns in the file's order (InputPermuted gathers its input): delta_step writes its output so
+        permuted = isinstance(module.out_proj, InputPermuted)
+        self.register_buffer("scatter", torch.argsort(module.out_proj.gather) if permuted else None,
+                             persistent=False)
+
+    @property
+    def out_proj(self) -> torch.nn.Module:
+        """What takes delta_step's output: out_proj, or the layer under its gather where delta_step scatters."""
+        return self.module.out_proj if self.scatter is None else self.module.out_proj.layer
 
     def products(self, x: torch.Tensor) -> list[torch.Tensor]:
         """The layer's four products of `x` (IN_PROJECTIONS' order)."""
@@ -119,8 +129,8 @@ class DeltaNetStep(torch.nn.Module):
         hidden_states = self.masked(hidden_states, attention_mask)
         qkv, z, b, a = self.products(hidden_states[:, 0])
         out = torch.ops.rungen_ggml.delta_step(window, qkv, self.conv, state, a, b, z, self.decay, m.dt_bias,
-                                               self.norm_weight, m.num_k_heads, m.layer_norm_epsilon)
-        return m.out_proj(out.reshape(hidden_states.shape[0], 1, -1).to(hidden_states.dtype))
+                                               self.norm_weight, m.num_k_heads, m.layer_norm_epsilon, self.scatter)
+        return self.out_proj(out.reshape(hidden_states.shape[0], 1, -1).to(hidden_states.dtype))
 
 
 def delta_steps(model: torch.nn.Module) -> bool:

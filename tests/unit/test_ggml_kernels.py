@@ -752,5 +752,13 @@ def test_a_delta_step_is_transformers_decode_step_of_a_gated_deltanet_layer(valu
         torch.testing.assert_close(ours_state, theirs_state, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
         each.append((ours, ours_state))
+        # written for an out_proj whose columns keep another order: column c of a row at scatter[c]
+        scatter = torch.randperm(value_heads * size, generator=g)
+        scattered = torch.ops.rungen_ggml.delta_step(window.clone(), mixed, conv, state.clone(), a, b, z,
+                                                     -a_log.exp(), dt_bias, norm, key_heads, 1e-6, scatter)
+        assert torch.equal(scattered[:, scatter], ours)
     for ours, ours_state in each[1:]:  # each instruction set's build the same bits
         assert torch.equal(ours, each[0][0]) and torch.equal(ours_state, each[0][1])
+    with pytest.raises(RuntimeError, match="not a permutation"):
+        torch.ops.rungen_ggml.delta_step(window.clone(), mixed, conv, state.clone(), a, b, z, -a_log.exp(), dt_bias,
+                                         norm, key_heads, 1e-6, torch.zeros(value_heads * size, dtype=torch.long))

@@ -17,6 +17,7 @@ struct DeltaJob {
   float *window, *state;
   const float *mixed, *conv, *a, *b, *z, *decay, *dt_bias, *norm;
   float *y, *out;  // the convolved q/k/v [rows, channels]; the output [rows, heads * value size]
+  const int64_t* scatter;  // where each output column goes in its row (a permutation), or null: in place
   int64_t rows, channels, kernel, heads, key_heads, dk, dv;
   float eps;
 };
@@ -45,11 +46,12 @@ namespace scalar {
 // [channels, kernel]; a, b [rows, heads] the decay's and the step's products; z [rows, heads * value size] the
 // output gate's; decay [heads] = -exp(A_log); dt_bias [heads]; norm [value size]. Each value head reads key head
 // head / (heads / key_heads) (grouped, as transformers' repeat_interleave). Returns the gated norm's output
-// [rows, heads * value size], what out_proj takes.
+// [rows, heads * value size], what out_proj takes; `scatter` given, each row's column c at scatter[c] (out_proj's
+// input in the order its columns keep in the file, which would otherwise gather it).
 at::Tensor delta_step(const at::Tensor& window, const at::Tensor& mixed_in, const at::Tensor& conv_in,
                       const at::Tensor& state, const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& z_in,
                       const at::Tensor& decay_in, const at::Tensor& dt_bias_in, const at::Tensor& norm_in,
-                      int64_t key_heads, double eps) {
+                      int64_t key_heads, double eps, const c10::optional<at::Tensor>& scatter_in) {
   TORCH_CHECK(window.scalar_type() == at::kFloat && window.is_contiguous() && window.dim() == 3,
               "rungen_ggml: delta_step's window must be contiguous float32 [rows, channels, kernel]");
   TORCH_CHECK(state.scalar_type() == at::kFloat && state.is_contiguous() && state.dim() == 4,
@@ -65,12 +67,27 @@ at::Tensor delta_step(const at::Tensor& window, const at::Tensor& mixed_in, cons
                   b.numel() == rows * heads && z.numel() == rows * heads * dv && decay.numel() == heads &&
                   dt_bias.numel() == heads && norm.numel() == dv,
               "rungen_ggml: delta_step's inputs do not match its window and state");
+  at::Tensor scatter;
+  if (scatter_in.has_value()) {
+    scatter = scatter_in->to(at::kLong).contiguous();
+    TORCH_CHECK(scatter.numel() == heads * dv,
+                "rungen_ggml: delta_step's scatter must have heads * value size entries");
+    const int64_t* sc = scatter.data_ptr<int64_t>();
+    std::vector<bool> seen(heads * dv, false);
+    for (int64_t c = 0; c < heads * dv; ++c) {
+      TORCH_CHECK(sc[c] >= 0 && sc[c] < heads * dv && !seen[sc[c]], "rungen_ggml: delta_step's scatter is not a "
+                  "permutation of the output's columns");
+      seen[sc[c]] = true;
+    }
+  }
   at::Tensor y = at::empty({rows, channels}, window.options());
   at::Tensor out = at::empty({rows, heads * dv}, window.options());
-  const DeltaJob job{window.data_ptr<float>(), state.data_ptr<float>(), mixed.data_ptr<float>(), conv.data_ptr<float>(),
-                     a.data_ptr<float>(), b.data_ptr<float>(), z.data_ptr<float>(), decay.data_ptr<float>(),
-                     dt_bias.data_ptr<float>(), norm.data_ptr<float>(), y.data_ptr<float>(), out.data_ptr<float>(),
-                     rows, channels, kernel, heads, key_heads, dk, dv, float(eps)};
+  const DeltaJob job{window.data_ptr<float>(), state.data_ptr<float>(), mixed.data_ptr<float>(),
+                     conv.data_ptr<float>(), a.data_ptr<float>(), b.data_ptr<float>(), z.data_ptr<float>(),
+                     decay.data_ptr<float>(), dt_bias.data_ptr<float>(), norm.data_ptr<float>(), y.data_ptr<float>(),
+                     out.data_ptr<float>(),
+                     scatter.defined() ? scatter.data_ptr<int64_t>() : nullptr, rows, channels, kernel, heads,
+                     key_heads, dk, dv, float(eps)};
   if (current_isa >= VNNI) {
     avx512::delta_step_rows(job);
   } else if (current_isa >= AVX2) {

@@ -34,14 +34,14 @@ static void delta_convolve(const DeltaJob& job, int64_t r0, int64_t r1) {
 static void delta_heads(const DeltaJob& job, int64_t p0, int64_t p1) {
   const int64_t heads = job.heads, dk = job.dk, dv = job.dv, channels = job.channels, qk = job.key_heads * dk;
   const int64_t per_key = heads / job.key_heads;
-  std::vector<float> kv(dv), delta(dv), gated(2 * dv);
+  std::vector<float> kv(dv), delta(dv), gated(2 * dv), held(job.scatter ? dv : 0);
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t r = p / heads, h = p % heads, kh = h / per_key;
     const float* q = job.y + r * channels + kh * dk;
     const float* k = job.y + r * channels + qk + kh * dk;
     const float* v = job.y + r * channels + 2 * qk + h * dv;
     float* s = job.state + p * dk * dv;
-    float* o = job.out + p * dv;
+    float* o = job.scatter ? held.data() : job.out + p * dv;
     const float g = std::exp(job.decay[h] * delta_softplus(job.a[p] + job.dt_bias[h]));
     const float beta = 1.f / (1.f + std::exp(-job.b[p]));
     float* __restrict__ read = kv.data();
@@ -70,6 +70,11 @@ static void delta_heads(const DeltaJob& job, int64_t p0, int64_t p1) {
     std::copy(job.z + p * dv, job.z + (p + 1) * dv, gated.begin());  // [gate | normed]: silu(gate) * normed
     for (int64_t j = 0; j < dv; ++j) gated[dv + j] = job.norm[j] * (o[j] * inv);
     silu_rows(gated.data(), 0, 1, dv, o);
+    if (job.scatter) {
+      const int64_t* to = job.scatter + h * dv;
+      float* row = job.out + r * heads * dv;
+      for (int64_t j = 0; j < dv; ++j) row[to[j]] = o[j];
+    }
   }
 }
 

@@ -66,7 +66,8 @@ TORCH_LIBRARY(rungen_ggml, m) {
         "-> Tensor", &chosen_experts);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
   m.def("delta_step(Tensor(a!) window, Tensor mixed, Tensor conv, Tensor(b!) state, Tensor a, Tensor b, Tensor z, "
-        "Tensor decay, Tensor dt_bias, Tensor norm, int key_heads, float eps) -> Tensor", &delta_step);
+        "Tensor decay, Tensor dt_bias, Tensor norm, int key_heads, float eps, Tensor? scatter=None) -> Tensor",
+        &delta_step);
   m.def("gelu_tanh_mul(Tensor gate_up) -> Tensor", &gelu_tanh_mul);
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, float softcap=0., int window=0, "
         "Tensor? sinks=None) -> Tensor", &attend);

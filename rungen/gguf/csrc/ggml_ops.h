@@ -91,7 +91,8 @@ void dot_rows_into(const float* xp, const float* wp, int64_t t, int64_t e, int64
 at::Tensor silu_mul(const at::Tensor& gu);
 at::Tensor delta_step(const at::Tensor& window, const at::Tensor& mixed, const at::Tensor& conv, const at::Tensor& state,
                       const at::Tensor& a, const at::Tensor& b, const at::Tensor& z, const at::Tensor& decay,
-                      const at::Tensor& dt_bias, const at::Tensor& norm, int64_t key_heads, double eps);
+                      const at::Tensor& dt_bias, const at::Tensor& norm, int64_t key_heads, double eps,
+                      const c10::optional<at::Tensor>& scatter);
 at::Tensor gelu_tanh_mul(const at::Tensor& gu);
 
 // attend's mask as the kernel reads it: bool or additive float [b, 1, t, T], or none (causal).
