@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from ..host_memory import release_freed_memory
-from .blocks import GGMLLinear, join
 from .kernels import native_kernels
 from .layer_loop import LayerLoop
-from .native_steps import JoinedAttention, NativeRMSNorm, attend_natively, join_gated_mlp
+from .native_steps import JoinedAttention, attend_natively, join_attention, join_gated_mlp, native_norms
 
 CONV_STEPS_MODELS = ("Lfm2ForCausalLM",)
 NORMS = ("Lfm2RMSNorm",)  # weight times x / sqrt(mean(x^2) + eps), in float32
@@ -75,11 +73,8 @@ def conv_steps(model: torch.nn.Module) -> bool:
     if not native_kernels() or type(model).__name__ not in CONV_STEPS_MODELS:
         return False
     attend_natively(model)
+    native_norms(model, NORMS)  # (first: the attentions read their q and k norms' weights as these hold them)
     # (names, not modules: a list of the modules would keep every replaced one's blocks until the end)
-    names = [name for name, module in model.named_modules() if type(module).__name__ in NORMS]
-    for name in names:  # (first: the attentions read their q and k norms' weights as these hold them)
-        module = model.get_submodule(name)
-        model.set_submodule(name, NativeRMSNorm(module.weight, module.variance_epsilon))
     names = [name for name, module in model.named_modules()
              if type(module).__name__ in MLPS + ATTENTIONS + CONVOLUTIONS]
     for name in names:
@@ -89,12 +84,6 @@ def conv_steps(model: torch.nn.Module) -> bool:
         elif kind in MLPS:
             join_gated_mlp(model, name, "silu", ("w1", "w3", "w2"))
         else:
-            module = model.get_submodule(name)
-            parts = [module.q_proj, module.k_proj, module.v_proj]
-            qkv = join(parts) if all(type(part) is GGMLLinear for part in parts) else None
-            if qkv is not None:
-                model.set_submodule(name, NativeLfm2Attention(module, qkv))
-            del module, parts
-            release_freed_memory()
+            join_attention(model, name, NativeLfm2Attention)
     LayerLoop.install(model)
     return True

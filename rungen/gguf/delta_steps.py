@@ -21,7 +21,7 @@ from .blocks import GGMLLinear, join
 from .conversions import InputPermuted
 from .kernels import native_kernels
 from .layer_loop import LayerLoop
-from .native_steps import JoinedAttention, NativeRMSNorm, attend_natively, join_gated_mlp
+from .native_steps import JoinedAttention, attend_natively, join_attention, join_gated_mlp, native_norms
 
 DELTA_STEPS_MODELS = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 GATED_MLPS = ("Qwen3_5MLP",)  # (the mixture's shared expert: in its block's one native call, experts.py)
@@ -142,11 +142,8 @@ def delta_steps(model: torch.nn.Module) -> bool:
         return False
     attend_natively(model)
     activation = model.config.get_text_config(decoder=True).hidden_act
+    native_norms(model, NORMS, offset=1.0)  # (first: the attentions read their q and k norms' weights as these hold)
     # (names, not modules: a list of the modules would keep every replaced one's blocks until the end)
-    names = [name for name, module in model.named_modules() if type(module).__name__ in NORMS]
-    for name in names:  # (first: the attentions read their q and k norms' weights as these hold them)
-        module = model.get_submodule(name)
-        model.set_submodule(name, NativeRMSNorm(1.0 + module.weight.detach().float(), module.eps))
     names = [name for name, module in model.named_modules()
              if type(module).__name__ in GATED_MLPS + DELTA_NETS + ATTENTIONS]
     for name in names:
@@ -157,12 +154,6 @@ def delta_steps(model: torch.nn.Module) -> bool:
         elif kind in GATED_MLPS:
             join_gated_mlp(model, name, activation)
         else:
-            module = model.get_submodule(name)
-            parts = [module.q_proj, module.k_proj, module.v_proj]
-            qkv = join(parts) if all(type(part) is GGMLLinear for part in parts) else None
-            if qkv is not None:
-                model.set_submodule(name, NativeGatedAttention(module, qkv))
-            del module, parts
-            release_freed_memory()
+            join_attention(model, name, NativeGatedAttention)
     LayerLoop.install(model)
     return True

@@ -231,6 +231,30 @@ def attend_natively(model: torch.nn.Module) -> None:
     model.cache_reads_float16 = True
 
 
+def native_norms(model: torch.nn.Module, classes: tuple[str, ...], offset: float = 0.0) -> None:
+    """Each RMSNorm of `classes` in `model` as NativeRMSNorm, its weight plus `offset` (Qwen3.5's 1 + weight, once;
+    a norm without a weight: ones)."""
+    for name in [name for name, module in model.named_modules() if type(module).__name__ in classes]:
+        module = model.get_submodule(name)
+        weight = getattr(module, "weight", None)
+        if weight is not None and offset:
+            weight = offset + weight.detach().float()
+        eps = getattr(module, "eps", getattr(module, "variance_epsilon", None))
+        model.set_submodule(name, NativeRMSNorm(weight, eps))
+
+
+def join_attention(model: torch.nn.Module, name: str, kind: type[JoinedAttention]) -> None:
+    """The attention at `name` in `model` as `kind` over one product of its q, k and v where they are blocks join
+    takes (the separate blocks' pages given back before the caller's next join); else left as it is."""
+    module = model.get_submodule(name)
+    parts = [module.q_proj, module.k_proj, module.v_proj]
+    qkv = join(parts) if all(type(part) is GGMLLinear for part in parts) else None
+    if qkv is not None:
+        model.set_submodule(name, kind(module, qkv))
+    del module, parts
+    release_freed_memory()
+
+
 def join_gated_mlp(model: torch.nn.Module, name: str, activation: str,
                    parts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> None:
     """The dense gated MLP at `name` in `model` (its gate, up and down products named `parts`) as NativeGatedMLP
@@ -258,16 +282,10 @@ def steps_natively(model: torch.nn.Module) -> bool:
     attend_natively(model)
     text = model.config.get_text_config(decoder=True)
     activation = getattr(text, "hidden_activation", None) or getattr(text, "hidden_act", None)
+    native_norms(model, NORMS)
     # (names, not modules: a list of the modules would keep every replaced one's blocks until the end)
-    names = [name for name, module in model.named_modules() if type(module).__name__ in NORMS + GATED_MLPS]
-    for name in names:
-        module = model.get_submodule(name)
-        if type(module).__name__ in NORMS:
-            eps = getattr(module, "eps", getattr(module, "variance_epsilon", None))
-            model.set_submodule(name, NativeRMSNorm(getattr(module, "weight", None), eps))
-        else:
-            del module
-            join_gated_mlp(model, name, activation)
+    for name in [name for name, module in model.named_modules() if type(module).__name__ in GATED_MLPS]:
+        join_gated_mlp(model, name, activation)
     names = [name for name, module in model.named_modules()  # (their norms native by now)
              if type(module).__name__ in (*GEMMA4_ATTENTIONS, *JOINED_ATTENTIONS)]
     for name in names:
@@ -278,12 +296,11 @@ def steps_natively(model: torch.nn.Module) -> bool:
             qkv = None if shared or not all(type(part) is GGMLLinear for part in parts) else join(parts)
             if type(module.q_proj) is GGMLLinear and (shared or qkv is not None):
                 model.set_submodule(name, NativeGemma4Attention(module, qkv))
+            del module, parts
+            release_freed_memory()
         else:
-            parts = [module.q_proj, module.k_proj, module.v_proj]
-            qkv = join(parts) if all(type(part) is GGMLLinear for part in parts) else None
-            if qkv is not None:
-                model.set_submodule(name, JOINED_ATTENTIONS[type(module).__name__](module, qkv))
-        del module, parts
-        release_freed_memory()
+            kind = JOINED_ATTENTIONS[type(module).__name__]
+            del module
+            join_attention(model, name, kind)
     LayerLoop.install(model)
     return True
