@@ -99,3 +99,36 @@ def test_the_memory_line_states_each_rows_recurrent_state(loaded):
     engine = Engine(loaded, max_batch=4, eos_ids=())
     assert engine.bytes_per_row == held > 0
     assert f"{held / 2**20:.1f} MiB of recurrent state a row" in describe_memory(engine)
+
+
+def test_the_cpu_steps_leave_out_transformers_hint_to_install_cuda_kernels(loaded):
+    # transformers says, once a process, that causal-conv1d and flash-linear-attention (CUDA kernels) are missing
+    # where a prompt takes their PyTorch forms; on the CPU those forms are the way, a decode step native: not said.
+    import logging
+
+    from rungen.gguf.native_steps import GpuKernelHints
+
+    hub_logger = logging.getLogger(GpuKernelHints.LOGGER)
+    hinted = [f for f in hub_logger.filters if isinstance(f, GpuKernelHints)]
+    assert hinted
+    said = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: said.append(record.getMessage())
+
+    def prompt_said():
+        logging.Logger.warning_once.cache_clear()  # (said once a process: said again here)
+        said.clear()
+        with torch.no_grad():
+            loaded.model(torch.tensor([[5, 9, 13, 2, 7]]))
+        return any(GpuKernelHints.MESSAGE in message for message in said)
+
+    hub_logger.addHandler(handler)
+    try:
+        assert not prompt_said()
+        for hint in hinted:
+            hub_logger.removeFilter(hint)
+        assert prompt_said()  # (transformers does say it)
+    finally:
+        hub_logger.removeHandler(handler)
+        for hint in hinted:
+            hub_logger.addFilter(hint)

@@ -13,7 +13,14 @@ import torch
 
 from .kernels import native_kernels
 from .layer_loop import LayerLoop
-from .native_steps import JoinedAttention, attend_natively, join_attention, join_gated_mlp, native_norms
+from .native_steps import (
+    GpuKernelHints,
+    JoinedAttention,
+    attend_natively,
+    join_attention,
+    join_gated_mlp,
+    native_norms,
+)
 
 CONV_STEPS_MODELS = ("Lfm2ForCausalLM",)
 NORMS = ("Lfm2RMSNorm",)  # weight times x / sqrt(mean(x^2) + eps), in float32
@@ -73,6 +80,7 @@ def conv_steps(model: torch.nn.Module) -> bool:
     if not native_kernels() or type(model).__name__ not in CONV_STEPS_MODELS:
         return False
     attend_natively(model)
+    GpuKernelHints.quiet()
     native_norms(model, NORMS)  # (first: the attentions read their q and k norms' weights as these hold them)
     # (names, not modules: a list of the modules would keep every replaced one's blocks until the end)
     names = [name for name, module in model.named_modules()

@@ -21,7 +21,14 @@ from .blocks import GGMLLinear, join
 from .conversions import InputPermuted
 from .kernels import native_kernels
 from .layer_loop import LayerLoop
-from .native_steps import JoinedAttention, attend_natively, join_attention, join_gated_mlp, native_norms
+from .native_steps import (
+    GpuKernelHints,
+    JoinedAttention,
+    attend_natively,
+    join_attention,
+    join_gated_mlp,
+    native_norms,
+)
 
 DELTA_STEPS_MODELS = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 GATED_MLPS = ("Qwen3_5MLP",)  # (the mixture's shared expert: in its block's one native call, experts.py)
@@ -141,6 +148,7 @@ def delta_steps(model: torch.nn.Module) -> bool:
     if not native_kernels() or type(model).__name__ not in DELTA_STEPS_MODELS:
         return False
     attend_natively(model)
+    GpuKernelHints.quiet()
     activation = model.config.get_text_config(decoder=True).hidden_act
     native_norms(model, NORMS, offset=1.0)  # (first: the attentions read their q and k norms' weights as these hold)
     # (names, not modules: a list of the modules would keep every replaced one's blocks until the end)

@@ -8,6 +8,8 @@ within float32 rounding (a norm's 1 / sqrt where Gemma 4 takes pow(-0.5), sums i
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ..host_memory import release_freed_memory
@@ -216,6 +218,24 @@ class NativeExaone4Attention(JoinedAttention):
 JOINED_ATTENTIONS = {"GptOssAttention": NativeGptOssAttention, "Olmo2Attention": NativeOlmoAttention,
                      "Olmo3Attention": NativeOlmoAttention, "Ministral3Attention": NativeMinistral3Attention,
                      "Exaone4Attention": NativeExaone4Attention}
+
+
+class GpuKernelHints(logging.Filter):
+    """Drops transformers' hint that a CUDA kernel package (causal-conv1d, flash-linear-attention) is missing: on the
+    CPU its PyTorch forms are what runs a prompt of Qwen3.5's or LFM2's layers, and a decode step is native."""
+
+    LOGGER = "transformers.integrations.hub_kernels"
+    MESSAGE = "is falling back to its reference PyTorch implementation"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.MESSAGE not in record.getMessage()
+
+    @classmethod
+    def quiet(cls) -> None:
+        """Adds the filter to transformers' logger (once)."""
+        logger = logging.getLogger(cls.LOGGER)
+        if not any(isinstance(existing, cls) for existing in logger.filters):
+            logger.addFilter(cls())
 
 
 def attend_natively(model: torch.nn.Module) -> None:
