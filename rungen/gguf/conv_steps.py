@@ -1,10 +1,11 @@
 """LFM2's decoder layers over a GGUF file's blocks (transformers' Lfm2ForCausalLM), with their small steps taken in
-fewer calls on the CPU: a short convolution layer's decode step a few tensor operations (ShortConvStep: the new
-position's window shifted in place and its three taps summed, where transformers' PyTorch form runs a depthwise
-conv1d over the window, 0.3 ms a layer of LFM2-1.2B's shape); an attention's q, k and v one product, q and k
-normalized per head and rotated in one rope_split call, the native attend over a cache growing in place
-(NativeLfm2Attention); each RMSNorm one rms_norm call; the MLP's w1 and w3 one product. A prompt (several positions)
-stays transformers' convolution. The arithmetic is transformers' within float32 rounding (sums in another order).
+fewer calls on the CPU: a short convolution layer's decode step between its products one native call (ShortConvStep:
+torch.ops.rungen_ggml.short_conv_step, csrc/ggml_shortconv.cpp; the window shifted in place and its three taps
+summed, where transformers' PyTorch form runs a depthwise conv1d over the window, 0.3 ms a layer of LFM2-1.2B's
+shape); an attention's q, k and v one product, q and k normalized per head and rotated in one rope_split call, the
+native attend over a cache growing in place (NativeLfm2Attention); each RMSNorm one rms_norm call; the MLP's w1 and
+w3 one product. A prompt (several positions) stays transformers' convolution. The arithmetic is transformers' within
+float32 rounding (sums in another order).
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ CONVOLUTIONS = ("Lfm2ShortConv",)
 
 class ShortConvStep(torch.nn.Module):
     """transformers' short convolution layer `module` (in_proj's B, C and x; a depthwise convolution of conv_L_cache
-    taps; out_proj), a decode step (one position a row, its float32 window in the cache) as C times the taps' sum
-    over the window shifted in place to end with B * x; any other call the module's own forward."""
+    taps; out_proj), a decode step (one position a row, its float32 window in the cache) one short_conv_step call
+    between its products: C times the taps' sum over the window shifted in place to end with B * x; any other call
+    the module's own forward."""
 
     def __init__(self, module: torch.nn.Module):
         super().__init__()
@@ -43,15 +45,12 @@ class ShortConvStep(torch.nn.Module):
         m = self.module
         window = past_key_values.get_conv_state(m.layer_idx) if past_key_values is not None else None
         if (hidden_states.shape[1] != 1 or window is None or past_key_values.is_recording_past(m.layer_idx)
-                or m.conv.bias is not None or window.dtype != torch.float32
+                or m.conv.bias is not None or window.dtype != torch.float32 or not window.is_contiguous()
                 or window.shape[-1] < self.taps.shape[-1] - 1):
             return m(hidden_states, past_key_values=past_key_values, attention_mask=attention_mask, **kwargs)
         if attention_mask is not None:  # (transformers' apply_mask_to_padding_states)
             hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
-        b, c, x = m.in_proj(hidden_states[:, 0]).float().chunk(3, dim=-1)
-        held = torch.cat([window, (b * x)[:, :, None]], dim=-1)  # (what transformers' causal_conv1d_update convolves)
-        window.copy_(held[:, :, -window.shape[-1]:])
-        out = c * (held[:, :, -self.taps.shape[-1]:] * self.taps).sum(-1)
+        out = torch.ops.rungen_ggml.short_conv_step(window, m.in_proj(hidden_states[:, 0]), self.taps)
         return m.out_proj(out[:, None].to(hidden_states.dtype))
 
 

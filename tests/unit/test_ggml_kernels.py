@@ -709,6 +709,28 @@ def test_attention_with_learned_sinks_is_gpt_oss_attention_and_the_same_bits_alo
     assert torch.equal(batched[1], alone[0])
 
 
+def test_a_short_conv_step_is_transformers_decode_step_of_a_short_convolution():
+    # LFM2's short convolution, one position a row, between its products: C times the convolution (transformers'
+    # causal_conv1d_update over the window, updated in place) of B * x, within float32 rounding; the window as
+    # transformers' cache holds it after the step.
+    from transformers.models.lfm2.modeling_lfm2 import causal_conv1d_update
+
+    if not ggml.native_kernels():
+        pytest.skip("native kernels unavailable")
+    rows, channels, kernel = 3, 40, 3
+    g = torch.Generator().manual_seed(11)
+    bcx, taps = torch.randn(rows, 3 * channels, generator=g), torch.randn(channels, kernel, generator=g)
+    for length in (kernel - 1, kernel):  # (a window of the kernel's length, or one shorter)
+        window = torch.randn(rows, channels, length, generator=g)
+        b, c, x = bcx.chunk(3, dim=-1)
+        theirs_window = window.clone()
+        theirs = c * causal_conv1d_update((b * x)[:, :, None], theirs_window, taps)[:, :, 0]
+        ours_window = window.clone()
+        ours = torch.ops.rungen_ggml.short_conv_step(ours_window, bcx, taps)
+        assert torch.equal(ours_window, theirs_window)
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("value_heads", [2, 4])
 def test_a_delta_step_is_transformers_decode_step_of_a_gated_deltanet_layer(value_heads, each_isa):
     # Qwen3.5's linear attention, one position a row: transformers' own PyTorch forms (the convolution's update, the

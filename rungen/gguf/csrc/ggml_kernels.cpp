@@ -23,6 +23,8 @@
 //                                                               with or without padding
 //   torch.ops.rungen_ggml.attention_in(...), attention_out_mlp(...)  a decoder layer in two calls (see below)
 //   torch.ops.rungen_ggml.decoder_stack(...)                     every decoder layer in one call (see below)
+//   torch.ops.rungen_ggml.delta_step(...), short_conv_step(...)  a Gated DeltaNet's and a short convolution's
+//                                                               decode step between their products
 //   torch.ops.rungen_ggml.isa() / set_isa(name)                  the code path in use ("avx512vnni", "avx2",
 //                                                               "scalar"); set_isa forces one (tests)
 //
@@ -35,7 +37,8 @@
 // and ggml_vnni.cpp (the products per instruction set, from ggml_simd.h, ggml_x8.h, ggml_x8_avx2.h, ggml_x16.h,
 // ggml_amx.h and ggml_spans.h), ggml_layers.cpp and ggml_attend.cpp (norms, rope, gates, attention),
 // ggml_decoder.cpp (the decoder layers), ggml_mixture.cpp (a mixture of experts' MLP), ggml_delta.cpp (a Gated
-// DeltaNet layer's decode step), ggml_interleave.cpp (the X8 layout at load).
+// DeltaNet layer's decode step), ggml_shortconv.cpp (a short convolution layer's), ggml_interleave.cpp (the X8
+// layout at load).
 
 #include "ggml_ops.h"
 
@@ -68,6 +71,7 @@ TORCH_LIBRARY(rungen_ggml, m) {
   m.def("delta_step(Tensor(a!) window, Tensor mixed, Tensor conv, Tensor(b!) state, Tensor a, Tensor b, Tensor z, "
         "Tensor decay, Tensor dt_bias, Tensor norm, int key_heads, float eps, Tensor? scatter=None) -> Tensor",
         &delta_step);
+  m.def("short_conv_step(Tensor(a!) window, Tensor bcx, Tensor taps) -> Tensor", &short_conv_step);
   m.def("gelu_tanh_mul(Tensor gate_up) -> Tensor", &gelu_tanh_mul);
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, float softcap=0., int window=0, "
         "Tensor? sinks=None) -> Tensor", &attend);

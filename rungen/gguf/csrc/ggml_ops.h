@@ -89,6 +89,7 @@ void gate_mul_rows(GateFn fn, int64_t work, const float* gp, int64_t rows, int64
 at::Tensor dot_rows(const at::Tensor& x_in, const at::Tensor& w_in);
 void dot_rows_into(const float* xp, const float* wp, int64_t t, int64_t e, int64_t n, float* yp);
 at::Tensor silu_mul(const at::Tensor& gu);
+at::Tensor short_conv_step(const at::Tensor& window, const at::Tensor& bcx, const at::Tensor& taps);
 at::Tensor delta_step(const at::Tensor& window, const at::Tensor& mixed, const at::Tensor& conv, const at::Tensor& state,
                       const at::Tensor& a, const at::Tensor& b, const at::Tensor& z, const at::Tensor& decay,
                       const at::Tensor& dt_bias, const at::Tensor& norm, int64_t key_heads, double eps,
