@@ -92,7 +92,7 @@ class LayerLoop:
         loop = LOOPS.get(type(inner).__name__)
         if loop is None or len(inner.layers) != inner.config.num_hidden_layers:
             return False
-        names = [name for name in (loop.pre_norms or ()) + (loop.post_norms or ()) + (loop.mlp,)]
+        names = (loop.pre_norms or ()) + (loop.post_norms or ()) + (loop.mlp,)
         for layer in inner.layers:
             mixer = getattr(layer, loop.attention, None)
             mixer = mixer if mixer is not None or loop.recurrent is None else getattr(layer, loop.recurrent, None)
