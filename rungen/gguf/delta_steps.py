@@ -1,8 +1,9 @@
 """Qwen3.5's decoder layers over a GGUF file's blocks (transformers' Qwen3_5ForCausalLM and its mixture's), with their
-small steps taken in fewer calls on the CPU: a Gated DeltaNet layer's decode step after its products one native call
-(DeltaNetStep: torch.ops.rungen_ggml.delta_step, csrc/ggml_delta.cpp); a gated attention's q (beside each head's
-output gate), k and v one product, q and k normalized and rotated in one rope_split call, the native attend over a
-cache growing in place (NativeGatedAttention); each RMSNorm one rms_norm call; a dense gated MLP's gate and up one
+small steps taken in fewer calls on the CPU: a Gated DeltaNet layer's four products of its input one product, its
+decode step after them one native call (DeltaNetStep: torch.ops.rungen_ggml.delta_step, csrc/ggml_delta.cpp, its
+output written in the order out_proj's columns keep in the file); a gated attention's q (beside each head's output
+gate), k and v one product, q and k normalized and rotated in one rope_split call, the native attend over a cache
+growing in place (NativeGatedAttention); each RMSNorm one rms_norm call; a dense gated MLP's gate and up one
 product. transformers' forms of the linear attention's step (its PyTorch fallbacks of the short convolution and the
 delta rule, which flash-linear-attention and causal-conv1d replace on a GPU) cost a decode step about as much as its
 products: the convolution of one position a depthwise conv1d call, the state's update and read broadcast products
