@@ -10,18 +10,12 @@ float32 rounding (sums in another order).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .kernels import native_kernels
-from .layer_loop import LayerLoop
-from .native_steps import (
-    GpuKernelHints,
-    JoinedAttention,
-    attend_natively,
-    join_attention,
-    join_gated_mlp,
-    native_norms,
-)
+from .native_steps import GpuKernelHints, JoinedAttention, join_attention, join_gated_mlp, native_layers
 
 CONV_STEPS_MODELS = ("Lfm2ForCausalLM",)
 NORMS = ("Lfm2RMSNorm",)  # weight times x / sqrt(mean(x^2) + eps), in float32
@@ -71,26 +65,20 @@ class NativeLfm2Attention(JoinedAttention):
         return self.attended(hidden_states, q, k, v, attention_mask, past_key_values, None)
 
 
+def install_conv_step(model: torch.nn.Module, name: str) -> None:
+    """The short convolution layer at `name` as ShortConvStep."""
+    model.set_submodule(name, ShortConvStep(model.get_submodule(name)))
+
+
 def conv_steps(model: torch.nn.Module) -> bool:
-    """Gives a model of CONV_STEPS_MODELS over blocks native_attention, NativeRMSNorm for each RMSNorm,
-    NativeGatedMLP for each MLP, NativeLfm2Attention for each attention and ShortConvStep for each short convolution
-    layer, where the native kernels are; returns whether. A module at a time: a joined product's old blocks go, their
-    pages given back, before the next is joined. Its decode steps then one LayerLoop."""
+    """Gives a model of CONV_STEPS_MODELS over blocks its layers' steps native (native_layers): NativeRMSNorm for
+    each RMSNorm, NativeGatedMLP for each MLP, NativeLfm2Attention for each attention and ShortConvStep for each short
+    convolution layer, where the native kernels are; returns whether. Its decode steps then one LayerLoop."""
     if not native_kernels() or type(model).__name__ not in CONV_STEPS_MODELS:
         return False
-    attend_natively(model)
     GpuKernelHints.quiet()
-    native_norms(model, NORMS)  # (first: the attentions read their q and k norms' weights as these hold them)
-    # (names, not modules: a list of the modules would keep every replaced one's blocks until the end)
-    names = [name for name, module in model.named_modules()
-             if type(module).__name__ in MLPS + ATTENTIONS + CONVOLUTIONS]
-    for name in names:
-        kind = type(model.get_submodule(name)).__name__
-        if kind in CONVOLUTIONS:
-            model.set_submodule(name, ShortConvStep(model.get_submodule(name)))
-        elif kind in MLPS:
-            join_gated_mlp(model, name, "silu", ("w1", "w3", "w2"))
-        else:
-            join_attention(model, name, NativeLfm2Attention)
-    LayerLoop.install(model)
+    native_layers(model, NORMS, {
+        **dict.fromkeys(CONVOLUTIONS, install_conv_step),
+        **dict.fromkeys(MLPS, functools.partial(join_gated_mlp, activation="silu", parts=("w1", "w3", "w2"))),
+        **dict.fromkeys(ATTENTIONS, functools.partial(join_attention, kind=NativeLfm2Attention))})
     return True

@@ -13,6 +13,7 @@ transformers' within float32 rounding (sums in another order).
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -21,15 +22,7 @@ from ..host_memory import release_freed_memory
 from .blocks import GGMLLinear, join
 from .conversions import InputPermuted
 from .kernels import native_kernels
-from .layer_loop import LayerLoop
-from .native_steps import (
-    GpuKernelHints,
-    JoinedAttention,
-    attend_natively,
-    join_attention,
-    join_gated_mlp,
-    native_norms,
-)
+from .native_steps import GpuKernelHints, JoinedAttention, join_attention, join_gated_mlp, native_layers
 
 DELTA_STEPS_MODELS = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 GATED_MLPS = ("Qwen3_5MLP",)  # (the mixture's shared expert: in its block's one native call, experts.py)
@@ -141,28 +134,23 @@ class DeltaNetStep(torch.nn.Module):
         return self.out_proj(out.reshape(hidden_states.shape[0], 1, -1).to(hidden_states.dtype))
 
 
+def install_delta_step(model: torch.nn.Module, name: str) -> None:
+    """The Gated DeltaNet layer at `name` as DeltaNetStep (its joined products' old blocks given back)."""
+    model.set_submodule(name, DeltaNetStep(model.get_submodule(name)))
+    release_freed_memory()
+
+
 def delta_steps(model: torch.nn.Module) -> bool:
-    """Gives a model of DELTA_STEPS_MODELS over blocks native_attention, NativeRMSNorm for each RMSNorm,
-    NativeGatedMLP for each dense gated MLP, NativeGatedAttention for each attention and DeltaNetStep for each Gated
-    DeltaNet layer, where the native kernels are; returns whether. A module at a time: a joined product's old blocks
-    go, their pages given back, before the next is joined. Its decode steps then one LayerLoop."""
+    """Gives a model of DELTA_STEPS_MODELS over blocks its layers' steps native (native_layers): NativeRMSNorm for
+    each RMSNorm, NativeGatedMLP for each dense gated MLP, NativeGatedAttention for each attention and DeltaNetStep
+    for each Gated DeltaNet layer, where the native kernels are; returns whether. Its decode steps then one
+    LayerLoop."""
     if not native_kernels() or type(model).__name__ not in DELTA_STEPS_MODELS:
         return False
-    attend_natively(model)
     GpuKernelHints.quiet()
     activation = model.config.get_text_config(decoder=True).hidden_act
-    native_norms(model, NORMS, offset=1.0)  # (first: the attentions read their q and k norms' weights as these hold)
-    # (names, not modules: a list of the modules would keep every replaced one's blocks until the end)
-    names = [name for name, module in model.named_modules()
-             if type(module).__name__ in GATED_MLPS + DELTA_NETS + ATTENTIONS]
-    for name in names:
-        kind = type(model.get_submodule(name)).__name__
-        if kind in DELTA_NETS:
-            model.set_submodule(name, DeltaNetStep(model.get_submodule(name)))
-            release_freed_memory()
-        elif kind in GATED_MLPS:
-            join_gated_mlp(model, name, activation)
-        else:
-            join_attention(model, name, NativeGatedAttention)
-    LayerLoop.install(model)
+    native_layers(model, NORMS, {
+        **dict.fromkeys(DELTA_NETS, install_delta_step),
+        **dict.fromkeys(GATED_MLPS, functools.partial(join_gated_mlp, activation=activation)),
+        **dict.fromkeys(ATTENTIONS, functools.partial(join_attention, kind=NativeGatedAttention))}, norm_offset=1.0)
     return True

@@ -8,6 +8,7 @@ within float32 rounding (a norm's 1 / sqrt where Gemma 4 takes pow(-0.5), sums i
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -291,36 +292,43 @@ def join_gated_mlp(model: torch.nn.Module, name: str, activation: str,
         release_freed_memory()
 
 
+def native_layers(model: torch.nn.Module, norms: tuple[str, ...], replacers: dict, norm_offset: float = 0.0) -> None:
+    """Gives transformers' layers of `model` native_attention and a cache growing in place, each RMSNorm of `norms`
+    NativeRMSNorm (native_norms, its weight plus `norm_offset`), then each module whose class name is a key of
+    `replacers` to that function (model, name) in module order (the attentions read their q and k norms' weights as
+    these hold them), and its decode steps to one LayerLoop where the family has a row of layer_loop.LOOPS. A module
+    at a time, by name: a list of the modules would keep every replaced one's blocks until the end, where a joined
+    product's old blocks go, their pages given back, before the next is joined."""
+    attend_natively(model)
+    native_norms(model, norms, norm_offset)
+    for name in [name for name, module in model.named_modules() if type(module).__name__ in replacers]:
+        replacers[type(model.get_submodule(name)).__name__](model, name)
+    LayerLoop.install(model)
+
+
+def gemma4_attention(model: torch.nn.Module, name: str) -> None:
+    """Gemma 4's attention at `name` as NativeGemma4Attention where its q (and, in a layer of its own keys, k and v:
+    one product) are blocks; else left as it is."""
+    module = model.get_submodule(name)
+    shared = module.is_kv_shared_layer
+    parts = [module.q_proj] if shared else [p for p in (module.q_proj, module.k_proj, module.v_proj) if p]
+    qkv = None if shared or not all(type(part) is GGMLLinear for part in parts) else join(parts)
+    if type(module.q_proj) is GGMLLinear and (shared or qkv is not None):
+        model.set_submodule(name, NativeGemma4Attention(module, qkv))
+    del module, parts
+    release_freed_memory()
+
+
 def steps_natively(model: torch.nn.Module) -> bool:
-    """Gives a model of NATIVE_STEPS_MODELS native_attention and a cache that grows in place (rungen.kvcache's
-    new_cache), its norms NativeRMSNorm, its gated MLPs and attentions over blocks NativeGatedMLP and
-    NativeGemma4Attention or JOINED_ATTENTIONS' class, where the native kernels are; returns whether. A module at a
-    time: its joined products' old blocks go, their pages given back, before the next are joined. Its decode steps
-    then one LayerLoop where the family has a row of layer_loop.LOOPS (Gemma 4's layers have none)."""
+    """Gives a model of NATIVE_STEPS_MODELS its layers' steps native (native_layers): its norms NativeRMSNorm, its
+    gated MLPs and attentions over blocks NativeGatedMLP and NativeGemma4Attention or JOINED_ATTENTIONS' class, where
+    the native kernels are; returns whether. Its decode steps then one LayerLoop (Gemma 4's layers have no row)."""
     if not native_kernels() or type(model).__name__ not in NATIVE_STEPS_MODELS:
         return False
-    attend_natively(model)
     text = model.config.get_text_config(decoder=True)
     activation = getattr(text, "hidden_activation", None) or getattr(text, "hidden_act", None)
-    native_norms(model, NORMS)
-    # (names, not modules: a list of the modules would keep every replaced one's blocks until the end)
-    for name in [name for name, module in model.named_modules() if type(module).__name__ in GATED_MLPS]:
-        join_gated_mlp(model, name, activation)
-    names = [name for name, module in model.named_modules()  # (their norms native by now)
-             if type(module).__name__ in (*GEMMA4_ATTENTIONS, *JOINED_ATTENTIONS)]
-    for name in names:
-        module = model.get_submodule(name)
-        if type(module).__name__ in GEMMA4_ATTENTIONS:
-            shared = module.is_kv_shared_layer
-            parts = [module.q_proj] if shared else [p for p in (module.q_proj, module.k_proj, module.v_proj) if p]
-            qkv = None if shared or not all(type(part) is GGMLLinear for part in parts) else join(parts)
-            if type(module.q_proj) is GGMLLinear and (shared or qkv is not None):
-                model.set_submodule(name, NativeGemma4Attention(module, qkv))
-            del module, parts
-            release_freed_memory()
-        else:
-            kind = JOINED_ATTENTIONS[type(module).__name__]
-            del module
-            join_attention(model, name, kind)
-    LayerLoop.install(model)
+    native_layers(model, NORMS, {
+        **dict.fromkeys(GATED_MLPS, functools.partial(join_gated_mlp, activation=activation)),
+        **dict.fromkeys(GEMMA4_ATTENTIONS, gemma4_attention),
+        **{name: functools.partial(join_attention, kind=kind) for name, kind in JOINED_ATTENTIONS.items()}})
     return True
