@@ -105,6 +105,12 @@ FAMILIES = {
     "qwen3moe": dict(arch="qwen3moe", layers=48, hidden=2048, ffn=6144, heads=32, kv_heads=4, head_dim=128,
                      rope_base=1000000.0, eps=1e-6, tied=False, qk_norm=True, experts=128, experts_used=8,
                      expert_ffn=768),
+    # GLM-4.5-Air (106B-A12B): 46 layers 4096 wide (96 heads of 128 over 8, q/k/v biases, half of each head rotated),
+    # the first dense (10944), then 128 experts of 1408 (8 a token, by sigmoid scores with a correction, scaled by 1)
+    # beside a shared expert of 1408; 62 GB in Q4_0, so --layers writes fewer of its layers (the first dense).
+    "glm4moe": dict(arch="glm4moe", layers=46, hidden=4096, ffn=10944, heads=96, kv_heads=8, head_dim=128,
+                    rope_base=1000000.0, eps=1e-5, tied=False, experts=128, experts_used=8, expert_ffn=1408,
+                    shared_ffn=1408, dense_first=1, sigmoid_router=1.0, rotated=64, qkv_bias=True, context=131072),
     # Mixtral-8x7B: llama's file with experts (8 of 14336 a layer, 2 a token: feed_forward_length is the experts'),
     # 26 GB in Q4_0.
     "mixtral": dict(arch="llama", layers=32, hidden=4096, ffn=14336, heads=32, kv_heads=8, head_dim=128,
@@ -444,7 +450,7 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
         writer.add_rope_dimension_sections([11, 11, 10, 0])
         writer.add_rope_dimension_count(shape["head_dim"] // 4)
     elif not shape.get("gemma"):  # gemma's converters write no rotary dimension (the whole head)
-        writer.add_rope_dimension_count(shape["head_dim"])
+        writer.add_rope_dimension_count(shape.get("rotated", shape["head_dim"]))
     if "sliding_window" in shape:
         writer.add_sliding_window(shape["sliding_window"])
     if "softcapping" in shape:
@@ -455,7 +461,13 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
         writer.add_expert_used_count(shape["experts_used"])
         if arch != "llama":  # (Mixtral's converter writes the experts' width as feed_forward_length)
             writer.add_expert_feed_forward_length(shape["expert_ffn"])
-        if "shared_ffn" in shape:
+        if "sigmoid_router" in shape:  # (GLM-4.5's: the shared expert as a count of experts, the dense layers first)
+            writer.add_expert_shared_count(1)
+            writer.add_leading_dense_block_count(shape["dense_first"])
+            writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+            writer.add_expert_weights_scale(shape["sigmoid_router"])
+            writer.add_expert_weights_norm(True)
+        elif "shared_ffn" in shape:
             writer.add_expert_shared_feed_forward_length(shape["shared_ffn"])
     for key, value in shape.get("scales", {}).items():
         writer.add_float32(f"{arch}.{key}", value)
@@ -482,8 +494,9 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
             norms = ("post_attention_norm", "post_ffw_norm")
         recurrent = "linear" in shape and (layer + 1) % 4 != 0
         convolution = bool(convolutions) and layer not in convolutions[1]
-        if "linear" in shape:  # (Qwen3.5's: the MLP's norm named as the attention's output's)
+        if "linear" in shape or "sigmoid_router" in shape:  # (Qwen3.5's, GLM-4.5's: the MLP's norm so named)
             norms = ("attn_norm", "post_attention_norm")
+        dense = "experts" not in shape or layer < shape.get("dense_first", 0)
         for norm in norms:
             writer.add_tensor(f"blk.{layer}.{norm}.weight", np.ones(hidden, dtype=np.float32))
         if shape.get("qk_norm") == "all heads":  # (OLMo 2's: over all of q's and k's heads)
@@ -498,7 +511,7 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
             parts = (("attn_qkv", 2 * keys + values, hidden), ("attn_gate", values, hidden),
                      ("ssm_alpha", value_heads, hidden), ("ssm_beta", value_heads, hidden),
                      ("ssm_out", hidden, values))
-            if "experts" not in shape:
+            if dense:
                 parts += (("ffn_gate", ffn, hidden), ("ffn_up", ffn, hidden), ("ffn_down", hidden, ffn))
             writer.add_tensor(f"blk.{layer}.ssm_conv1d.weight",
                               rng.normal(0, 0.1, (2 * keys + values, 4)).astype(np.float32))
@@ -517,23 +530,27 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
             # (Qwen3.5's q rows and its output gate's, head by head)
             parts = (("attn_q", q_rows * (2 if "linear" in shape else 1), hidden), ("attn_k", kv_rows, hidden),
                      ("attn_v", kv_rows, hidden), ("attn_output", hidden, q_rows))
-            if "experts" not in shape:
+            if dense:
                 parts += (("ffn_gate", ffn, hidden), ("ffn_up", ffn, hidden), ("ffn_down", hidden, ffn))
         for part, rows, cols in parts:
             blocks(f"blk.{layer}.{part}.weight", rows, cols, qtype, small)
-        if "experts" in shape:
+        if not dense:
             experts, expert_ffn = shape["experts"], shape["expert_ffn"]
             writer.add_tensor(f"blk.{layer}.ffn_gate_inp.weight",
                               rng.normal(0, 0.02, (experts, hidden)).astype(np.float32))
+            if "sigmoid_router" in shape:  # (its score correction)
+                writer.add_tensor(f"blk.{layer}.exp_probs_b.bias", rng.normal(0, 0.1, experts).astype(np.float32))
             for part, rows, cols in (("ffn_gate_exps", expert_ffn, hidden), ("ffn_up_exps", expert_ffn, hidden),
                                      ("ffn_down_exps", hidden, expert_ffn)):
                 blocks(f"blk.{layer}.{part}.weight", rows, cols, experts_type, small, experts)
                 if shape.get("biases"):
                     writer.add_tensor(f"blk.{layer}.{part}.bias", np.zeros((experts, rows), dtype=np.float32))
-            if "shared_ffn" in shape:  # (Qwen3.5-MoE's shared expert and its gate, float32 as its converter writes it)
+            if "shared_ffn" in shape:  # (Qwen3.5-MoE's shared expert and its gate, float32 as its converter writes it;
+                # GLM-4.5's without a gate)
                 shared = shape["shared_ffn"]
-                writer.add_tensor(f"blk.{layer}.ffn_gate_inp_shexp.weight",
-                                  rng.normal(0, 0.02, (1, hidden)).astype(np.float32))
+                if "sigmoid_router" not in shape:
+                    writer.add_tensor(f"blk.{layer}.ffn_gate_inp_shexp.weight",
+                                      rng.normal(0, 0.02, (1, hidden)).astype(np.float32))
                 for part, rows, cols in (("ffn_gate_shexp", shared, hidden), ("ffn_up_shexp", shared, hidden),
                                          ("ffn_down_shexp", hidden, shared)):
                     blocks(f"blk.{layer}.{part}.weight", rows, cols, qtype, small)

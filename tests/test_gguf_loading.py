@@ -684,6 +684,79 @@ def test_an_moe_files_experts_of_llama_cpp_mixes_compute_in_their_blocks(tmp_pat
             assert torch.equal(alone, grouped[row, width - len(ids):])
 
 
+def test_a_glm45_file_computes_its_checkpoint_as_a_device_takes_it(tmp_path, monkeypatch, capsys):
+    # GLM-4.5's Q8_0 file as a device takes it (its build on the CPU here): transformers' own experts de-quantized, or
+    # in codes (plain products standing in for the GPU's kernel), its router's score correction read: what the
+    # checkpoint with the file's weights computes. transformers' own loader (--dequantize) is refused in one line.
+    from transformers import AutoModelForCausalLM
+
+    import rungen.gguf.device
+    import tiny_models
+    from rungen.gguf.device import INT8_TYPES
+    from rungen.gguf.device_experts import CodedExperts
+
+    checkpoint = tiny_models.glm4moe_checkpoint(str(tmp_path))
+    q8_0 = tiny_models.write_glm4moe_gguf(checkpoint, str(tmp_path / "glm.gguf"), "Q8_0")
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    ids = torch.arange(3, 43)[None] * 7
+    with torch.no_grad():
+        for name, parameter in reference.named_parameters():  # the weights the Q8_0 file holds (the router's F32)
+            if parameter.dim() >= 2 and parameter.shape[-1] % 32 == 0 and not name.endswith("mlp.gate.weight"):
+                blocks = quants.quantize(parameter.numpy(), Q.Q8_0)
+                parameter.copy_(torch.from_numpy(quants.dequantize(blocks, Q.Q8_0)).view(parameter.shape))
+        theirs = reference(ids).logits
+        assert theirs.abs().max() > 1
+        device = build_model(GGUFHeader(q8_0), torch.float32, torch.device("cpu"))
+        assert type(device.model.layers[1].mlp.experts).__name__ == "Glm4MoeExperts"
+        assert device.model.layers[1].mlp.gate.e_score_correction_bias.abs().max() > 0.1
+        torch.testing.assert_close(device(ids).logits, theirs, rtol=1e-4, atol=1e-4)
+        del device
+        monkeypatch.setattr(rungen.gguf.device, "gpu_int8", lambda qtype, device: qtype in INT8_TYPES)
+        monkeypatch.setattr(rungen.gguf.device, "checked_kernel", lambda layer, dtype, instead: plain_grouped_kernel())
+        coded = build_model(GGUFHeader(q8_0), torch.float32, torch.device("cpu"))
+        assert isinstance(coded.model.layers[1].mlp.experts, CodedExperts)
+        torch.testing.assert_close(coded(ids).logits, theirs, rtol=1e-4, atol=1e-4)
+    code, line = error_of(["--model_name_or_path", q8_0, "--prompt", "Hi", "--length", "2", "--dequantize"], capsys)
+    assert code == 2 and line.endswith("glm.gguf: transformers reads no GLM-4.5 mixture (glm4moe) file as llama.cpp "
+                                       "writes it (its router's score correction, its multi-token prediction layer); "
+                                       "it runs here in its own blocks, without --dequantize or --device_map"), line
+
+
+@pytest.mark.parametrize("groups", [(1, 1), (4, 2)])
+def test_a_sigmoid_router_with_its_correction_chooses_as_transformers_and_alike_in_a_batch(groups):
+    # GLM-4.5's router (DeepSeek-V3's way: sigmoid scores, a correction added to choose by, the best groups first
+    # where there are several, the chosen scores normalized and scaled) as CorrectedRouter: transformers' experts and
+    # weights, and a token's the same bits alone as in a batch (its logits a row at a time).
+    from transformers import Glm4MoeConfig
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
+
+    from rungen.gguf.experts import CorrectedRouter
+
+    config = Glm4MoeConfig(hidden_size=64, n_routed_experts=16, num_experts_per_tok=4, n_group=groups[0],
+                           topk_group=groups[1], routed_scaling_factor=2.5, norm_topk_prob=True)
+    torch.manual_seed(0)
+    router = Glm4MoeTopkRouter(config)
+    with torch.no_grad():
+        router.weight.normal_(0, 0.3)
+        router.e_score_correction_bias.normal_(0, 0.5)
+    x = torch.randn(9, 64)
+    with torch.no_grad():
+        logits, weights, experts = router(x)
+        ours = CorrectedRouter(router)
+        got_logits, got_weights, got_experts = ours(x)
+        alone = [ours(row[None]) for row in x]
+    torch.testing.assert_close(got_logits, logits, rtol=1e-5, atol=1e-5)
+    order, got_order = experts.sort(dim=-1), got_experts.sort(dim=-1)
+    assert torch.equal(got_order.values, order.values)
+    torch.testing.assert_close(got_weights.gather(1, got_order.indices), weights.gather(1, order.indices))
+    assert weights.sum(dim=-1).allclose(torch.full((9,), 2.5))
+    if groups[0] > 1:  # (each token's experts in its two best groups of four)
+        assert all(len(set((row // 4).tolist())) <= 2 for row in got_experts)
+    for row, (row_logits, row_weights, row_experts) in enumerate(alone):
+        assert torch.equal(row_logits[0], got_logits[row]) and torch.equal(row_experts[0], got_experts[row])
+        assert torch.equal(row_weights[0], got_weights[row])
+
+
 def test_a_qwen2_moe_files_experts_and_shared_expert_compute_in_their_blocks(tmp_path, monkeypatch):
     # Qwen1.5-MoE-A2.7B's layout (qwen2's attention with q/k/v biases, a shared expert beside the routed ones, gated
     # by its own sigmoid), of widths other than Qwen2MoeConfig's defaults (1408, 5632: Qwen2-57B-A14B's are 2560 and
@@ -973,6 +1046,13 @@ CHECKPOINT_FILES = {
     # layers.
     "cohere": dict(files=("cohere_checkpoint", "write_cohere_gguf"), model="CohereForCausalLM"),
     "cohere2": dict(files=("cohere2_checkpoint", "write_cohere_gguf"), model="Cohere2ForCausalLM"),
+    # GLM-4.5's mixture: its own keys (the experts', the dense first layer, the sigmoid router's groups and scale), its
+    # score correction as exp_probs_b, half of each head rotated by halves, q/k/v biases and q/k norms, the multi-token
+    # prediction block the converter writes as a last layer left unread: transformers' layers, its experts in blocks
+    # in one native call, its router's logits a row at a time, its steps native.
+    "glm4moe": dict(files=("glm4moe_checkpoint", "write_glm4moe_gguf"), model="Glm4MoeForCausalLM",
+                    steps=dict(self_attn="NativeGlm4MoeAttention"),
+                    native=dict(input_layernorm="NativeRMSNorm", post_attention_layernorm="NativeRMSNorm")),
     # Seed-OSS's heads wider than hidden / heads and its q/k/v biases (qwen2's keys, nothing permuted); Arcee's
     # llama attention (its q/k permutation undone) and ReLU^2 MLP of up and down: transformers' layers.
     "seed_oss": dict(files=("seed_oss_checkpoint", "write_seed_oss_gguf"), model="SeedOssForCausalLM"),
@@ -1101,16 +1181,16 @@ def test_a_qwen35_mixture_in_one_native_call_computes_its_blocks_modules(tmp_pat
 # The files whose decode steps LayerLoop takes: (checkpoint, writer, the types it writes the blocks in).
 LOOPED_FILES = {**{name: (*CHECKPOINT_FILES[name]["files"], ("Q8_0",))
                    for name in ("qwen35", "qwen35moe", "lfm2", "exaone4", "exaone4_global", "olmo2", "olmo3",
-                                "ministral3")},
+                                "ministral3", "glm4moe")},
                 "gpt-oss": ("gpt_oss_checkpoint", "write_gpt_oss_gguf", ("MXFP4", "Q8_0"))}
 
 
 @pytest.mark.parametrize("architecture", LOOPED_FILES)
 def test_a_models_decode_steps_in_one_loop_are_its_layers_one_by_one(architecture, tmp_path):
     # The decode steps of a model on transformers' layers with native steps (Qwen3.5's, LFM2's, EXAONE 4's, OLMo 2's
-    # and 3's, Ministral 3's, gpt-oss's) as one loop over their layers' parts (LayerLoop, installed as the inner
-    # model's forward): the bits transformers' own forward over the same parts gives, in a left-padded batch (its
-    # masks) and for a row alone (none), the loop taking the steps and transformers' forward the prompts.
+    # and 3's, Ministral 3's, gpt-oss's, GLM-4.5's) as one loop over their layers' parts (LayerLoop, installed as the
+    # inner model's forward): the bits transformers' own forward over the same parts gives, in a left-padded batch
+    # (its masks) and for a row alone (none), the loop taking the steps and transformers' forward the prompts.
     import tiny_models
     from helpers import padded_prompt_and_steps
     from rungen.gguf.layer_loop import LayerLoop

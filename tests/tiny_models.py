@@ -1961,6 +1961,115 @@ def write_glm4_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
     return write_as_llama(checkpoint, path, "glm4", qtype_name, "glm4", permute=False, rotary=rotary)
 
 
+def glm4moe_checkpoint(out_dir: str) -> str:
+    """A tiny random GLM-4.5 checkpoint (Glm4MoeForCausalLM) in `out_dir`: GLM-4.5's layout 64 wide (4 heads of 32
+    over 2: wider than hidden / heads, as its 96 heads of 128 over 5120; q/k/v biases, q/k norms), half of each head
+    rotated by halves (partial_rotary_factor 0.5, base 1e6); a dense first layer (first_k_dense_replace 1), then 8
+    experts of 32, 2 a token, by the sigmoid router with its score correction (drawn: a trained one is not 0) in one
+    group, the chosen weights normalized and scaled by 2.5, a shared expert beside; untied."""
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    tokenizer = tiny_gpt2_tokenizer(out_dir)
+    config = Glm4MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=512, initializer_range=0.15,
+        tie_word_embeddings=False, rms_norm_eps=1e-5, attention_bias=True, use_qk_norm=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5},
+        moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+        first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, n_group=1, topk_group=1,
+        pad_token_id=None, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+
+    def draw(name, tensor):
+        if name.endswith("e_score_correction_bias"):
+            tensor.normal_(0, 0.3)
+        elif "norm" in name:
+            tensor.normal_(1, 0.3)
+
+    return save_tiny(out_dir, "glm4moe", Glm4MoeForCausalLM, config, tokenizer, draw=draw)
+
+
+def write_glm4moe_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
+    """The GGUF file llama.cpp's converter (conversion/glm.py's Glm4MoeModel, a TextModel) writes of a GLM-4.5
+    checkpoint: the text shape with its multi-token prediction block as one more layer (nextn_predict_layers,
+    blk.N.nextn.* beside a whole layer's tensors: the published checkpoints hold one, transformers' model none, so
+    random here), the rotated share of a head, the experts' keys (count, inner size, shared count, groups, the
+    dense layers before them, the sigmoid gating, the weights' scale and normalization), the tensors as the
+    checkpoint holds them (no q/k permutation: its rotary turns halves), each layer's experts stacked into 3-D
+    ffn_*_exps, the router's score correction as exp_probs_b.bias, GLM's byte-level BPE (pre glm4); matrices in Q8_0
+    where asked, the router F32."""
+    import gguf
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from safetensors.torch import load_file
+
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        config = json.load(f)
+    layers, rope, head = config["num_hidden_layers"], config["rope_parameters"], config["head_dim"]
+    arch = gguf.MODEL_ARCH.GLM4_MOE
+    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
+    add_text_shape(writer, {**config, "num_hidden_layers": layers + 1})  # (the MTP block a layer)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_key_length(head)
+    writer.add_value_length(head)
+    writer.add_file_type({"F32": 0, "Q8_0": 7}[qtype_name])
+    writer.add_rope_dimension_count(int(head * rope["partial_rotary_factor"]))
+    writer.add_expert_count(config["n_routed_experts"])
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    writer.add_expert_shared_count(config["n_shared_experts"])
+    writer.add_expert_group_count(config["n_group"])
+    writer.add_expert_group_used_count(config["topk_group"])
+    writer.add_leading_dense_block_count(config["first_k_dense_replace"])
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    writer.add_expert_weights_scale(config["routed_scaling_factor"])
+    writer.add_expert_weights_norm(config["norm_topk_prob"])
+    writer.add_nextn_predict_layers(1)
+    add_bpe_vocabulary(writer, checkpoint, "glm4")
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    names = gguf.get_tensor_name_map(arch, layers + 1)
+
+    def add(name, values):
+        values = np.ascontiguousarray(values, dtype=np.float32)
+        if qtype_name == "Q8_0" and values.ndim >= 2 and values.shape[-1] % 32 == 0 and ".ffn_gate_inp." not in name:
+            writer.add_tensor(name, gguf.quants.quantize(values, Q.Q8_0), raw_dtype=Q.Q8_0)
+        else:
+            writer.add_tensor(name, values)
+
+    state = load_file(os.path.join(checkpoint, "model.safetensors"))
+    for hf_name, value in state.items():
+        values = value.float().numpy()
+        base, _, suffix = hf_name.rpartition(".")
+        if ".mlp.experts." in hf_name:  # each expert's matrix: stacked into one 3-D tensor a layer and part
+            layer, _, rest = hf_name.partition(".mlp.experts.")
+            if rest.startswith("0."):
+                part = rest.split(".")[1]
+                stacked = [state[f"{layer}.mlp.experts.{index}.{part}.weight"].float().numpy()
+                           for index in range(config["n_routed_experts"])]
+                add(names.get_name(f"{layer}.mlp.experts.{part}") + ".weight", np.stack(stacked))
+        elif suffix == "e_score_correction_bias":  # (the converter's e_score_correction.bias)
+            add(names.get_name(f"{base}.e_score_correction") + ".bias", values)
+        else:
+            add(names.get_name(base) + "." + suffix, values)
+    hidden, experts, inner = config["hidden_size"], config["n_routed_experts"], config["moe_intermediate_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    generator = np.random.default_rng(SEED)
+    mtp = {"nextn.eh_proj.weight": (hidden, 2 * hidden), "nextn.enorm.weight": (hidden,),
+           "nextn.hnorm.weight": (hidden,), "nextn.shared_head_norm.weight": (hidden,),
+           "attn_norm.weight": (hidden,), "post_attention_norm.weight": (hidden,),
+           "attn_q.weight": (heads * head, hidden), "attn_q.bias": (heads * head,),
+           "attn_k.weight": (kv_heads * head, hidden), "attn_k.bias": (kv_heads * head,),
+           "attn_v.weight": (kv_heads * head, hidden), "attn_v.bias": (kv_heads * head,),
+           "attn_output.weight": (hidden, heads * head), "attn_q_norm.weight": (head,), "attn_k_norm.weight": (head,),
+           "ffn_gate_inp.weight": (experts, hidden), "exp_probs_b.bias": (experts,),
+           "ffn_gate_exps.weight": (experts, inner, hidden), "ffn_up_exps.weight": (experts, inner, hidden),
+           "ffn_down_exps.weight": (experts, hidden, inner), "ffn_gate_shexp.weight": (inner, hidden),
+           "ffn_up_shexp.weight": (inner, hidden), "ffn_down_shexp.weight": (hidden, inner)}
+    for name, shape in mtp.items():
+        add(f"blk.{layers}.{name}", generator.normal(0, 0.1, shape))
+    return write_out(writer, path)
+
+
 def gemma_checkpoint(out_dir: str) -> str:
     """A tiny random Gemma (1) checkpoint (GemmaForCausalLM) in `out_dir`: gemma-7b's layout 64 wide (4 heads of 32
     over 4: wider than hidden / heads, as its 16 heads of 256 over 3072), GELU-tanh gate, tied embeddings scaled by

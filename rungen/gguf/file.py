@@ -97,7 +97,8 @@ def metadata_parsed_once(weights: bool = True):
 # The names transformers' GGUF reading gives the config keys of these architectures.
 CONFIG_NAMES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 # Model types whose tensors gguf's name table knows under another architecture's name (a mistral3 file's Ministral 3).
-TENSOR_NAMES_OF = {"ministral3": "mistral3", "olmo3": "olmo2", "hunyuan_v1_dense": "hunyuan-dense"}
+TENSOR_NAMES_OF = {"ministral3": "mistral3", "olmo3": "olmo2", "hunyuan_v1_dense": "hunyuan-dense",
+                   "glm4_moe": "glm4moe"}
 
 
 # Architectures transformers' GGUF reading knows no config keys of, read as no other's: their keys (after "<arch>.")
@@ -108,12 +109,29 @@ COMMAND_R_KEYS = {"context_length": "max_position_embeddings", "block_count": "n
                   "rope.freq_base": "rope_theta", "attention.head_count": "num_attention_heads",
                   "attention.head_count_kv": "num_key_value_heads", "attention.layer_norm_epsilon": "layer_norm_eps",
                   "logit_scale": "logit_scale", "vocab_size": "vocab_size"}
-OWN_KEYS = {"command-r": COMMAND_R_KEYS, "cohere2": {**COMMAND_R_KEYS, "attention.sliding_window": "sliding_window"}}
+# GLM-4.5's, 4.6's and 4.7's mixtures (glm4moe): llama's keys, its head size and the experts' (routed, shared, the
+# dense layers before them, their groups, the weights' scale and normalization).
+GLM4MOE_KEYS = {"context_length": "max_position_embeddings", "block_count": "num_hidden_layers",
+                "feed_forward_length": "intermediate_size", "embedding_length": "hidden_size",
+                "rope.freq_base": "rope_theta", "attention.head_count": "num_attention_heads",
+                "attention.head_count_kv": "num_key_value_heads", "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+                "attention.key_length": "head_dim", "vocab_size": "vocab_size", "expert_count": "n_routed_experts",
+                "expert_used_count": "num_experts_per_tok", "expert_shared_count": "n_shared_experts",
+                "expert_feed_forward_length": "moe_intermediate_size",
+                "leading_dense_block_count": "first_k_dense_replace", "expert_group_count": "n_group",
+                "expert_group_used_count": "topk_group", "expert_weights_scale": "routed_scaling_factor",
+                "expert_weights_norm": "norm_topk_prob"}
+OWN_KEYS = {"command-r": COMMAND_R_KEYS, "cohere2": {**COMMAND_R_KEYS, "attention.sliding_window": "sliding_window"},
+            "glm4moe": GLM4MOE_KEYS}
+# The tensor processor of another architecture that reads theirs: Qwen2-MoE's takes a layer's ffn_{gate,up}_exps into
+# one gate_up_proj.
+OWN_PROCESSORS = {"glm4moe": "qwen2moe"}
 
 
 def read_as_their_likes() -> None:
     """Teaches transformers' GGUF reading READ_AS's architectures (their config keys, fixed config values and tensor
-    processor those of the architecture each is read as) and OWN_KEYS' (their keys); idempotent."""
+    processor those of the architecture each is read as) and OWN_KEYS' (their keys; OWN_PROCESSORS' processors);
+    idempotent."""
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
     from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 
@@ -121,6 +139,9 @@ def read_as_their_likes() -> None:
         GGUF_CONFIG_MAPPING.setdefault(architecture, keys)
         if architecture not in gguf_utils.GGUF_SUPPORTED_ARCHITECTURES:
             gguf_utils.GGUF_SUPPORTED_ARCHITECTURES.append(architecture)
+        if architecture in OWN_PROCESSORS:
+            processor = gguf_utils.TENSOR_PROCESSORS[OWN_PROCESSORS[architecture]]
+            gguf_utils.TENSOR_PROCESSORS.setdefault(architecture, processor)
     for architecture, like in READ_AS.items():
         # (transformers' reading keys the config mapping of a mixture's architecture by its model type)
         GGUF_CONFIG_MAPPING.setdefault(architecture, GGUF_CONFIG_MAPPING[CONFIG_NAMES.get(like, like)])
@@ -598,12 +619,35 @@ def _glm4_config(path: str, metadata: dict, tensors, config: dict) -> None:
                                  "partial_rotary_factor": rotary / head_dim if rotary and head_dim else 0.5}
 
 
+def _glm4moe_config(path: str, metadata: dict, tensors, config: dict) -> None:
+    """llama.cpp's glm4moe files as GLM-4.5's model (Glm4MoeConfig): the layers without the multi-token prediction
+    block the converter writes as the last ones (nextn_predict_layers: not read), half of each head rotated
+    (rope.dimension_count over the head size), q/k/v biases and q/k norms where the file has them, the class's
+    default token ids (the published vocabulary's) dropped where the file names none; a router not of sigmoid
+    scores (expert_gating_func) is refused: transformers' computes those."""
+    gating = metadata.get("glm4moe.expert_gating_func", 2)
+    if gating != 2:  # (llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID)
+        raise GGUFError(f"{path}: its router's gating function {gating} (expert_gating_func), where GLM-4.5's model "
+                        "scores experts by a sigmoid (2)")
+    config["model_type"] = "glm4_moe"
+    config["num_hidden_layers"] -= metadata.get("glm4moe.nextn_predict_layers", 0)
+    rotary, head_dim = metadata.get("glm4moe.rope.dimension_count"), config.get("head_dim")
+    theta = config.pop("rope_theta", metadata.get("glm4moe.rope.freq_base", 10000.0))
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": theta,
+                                 "partial_rotary_factor": rotary / head_dim if rotary and head_dim else 0.5}
+    config.update(attention_bias="blk.0.attn_q.bias" in tensors, use_qk_norm="blk.0.attn_q_norm.weight" in tensors,
+                  tie_word_embeddings="output.weight" not in tensors)
+    for field in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        config.setdefault(field, None)
+
+
 # What an architecture's files need read beyond transformers' reading and the families' rows (path, the metadata, the
 # tensors' names, the config to complete).
 ARCHITECTURE_CONFIGS = {"gemma4": _gemma4_config, "gpt-oss": _gpt_oss_config, "mistral3": _mistral3_config,
                         "olmo2": _olmo2_config, "exaone4": _exaone4_config, "glm4": _glm4_config,
                         "command-r": _cohere_config, "cohere2": _cohere_config, "seed_oss": _seed_oss_config,
-                        "apertus": _apertus_config, "hunyuan-dense": _hunyuan_config}
+                        "apertus": _apertus_config, "hunyuan-dense": _hunyuan_config,
+                        "glm4moe": _glm4moe_config}
 
 
 def _yarn(path: str, arch: str, metadata: dict, theta: float, known: str) -> dict | None:
@@ -631,6 +675,10 @@ def _yarn(path: str, arch: str, metadata: dict, theta: float, known: str) -> dic
     return rope
 
 
+# Model types whose router adds a correction to each expert's score to choose them (exp_probs_b).
+CORRECTED_ROUTERS = ("glm4_moe",)
+
+
 def with_expert_names(model_type: str, names: dict[str, str], tensors: set[str]) -> dict[str, str]:
     """gguf's name table `names` (GGUF name -> the model's parameter) with the expert tensors it does not map as
     llama.cpp writes them (`tensors`: the file's names, with_gate_up_apart's halves among them). gpt-oss's (gate, up
@@ -638,7 +686,8 @@ def with_expert_names(model_type: str, names: dict[str, str], tensors: set[str])
     to gate_up_proj_bias (build.py holds them as GGMLExperts, its gate rows then its up rows). Gemma 4's: gate and
     up in one tensor, which where it is read as its two halves maps to nothing, each half to gate_up_proj; the
     router's input scale (ffn_gate_inp.scale) and its scale of each expert's output, which the converter names
-    ffn_down_exps.scale."""
+    ffn_down_exps.scale. GLM-4.5's router's score correction (exp_probs_b.bias, the converter's name of
+    e_score_correction_bias)."""
     names, extra = dict(names), {}
     for name, hf in list(names.items()):
         if not name.endswith(".ffn_down_exps.weight"):
@@ -658,6 +707,8 @@ def with_expert_names(model_type: str, names: dict[str, str], tensors: set[str])
             router = experts.removesuffix(".experts") + ".router"
             extra[f"{layer}.ffn_gate_inp.scale"] = f"{router}.scale"
             extra[f"{layer}.ffn_down_exps.scale"] = f"{router}.per_expert_scale"
+        if model_type in CORRECTED_ROUTERS:
+            extra[f"{layer}.exp_probs_b.bias"] = experts.removesuffix(".experts") + ".gate.e_score_correction_bias"
     return names | extra
 
 
@@ -956,7 +1007,9 @@ def why_unreadable(path: str, error: BaseException) -> str:
 # marks them, None: every file), and what of them it misses.
 TOOL_LOADER_ONLY = {"gpt-oss": (None, "gpt-oss file", "its experts' tensors"),
                     "gemma4": ("gemma4.expert_count", "Gemma 4 mixture of experts",
-                               "its experts' gate and up in one tensor, the router's scales")}
+                               "its experts' gate and up in one tensor, the router's scales"),
+                    "glm4moe": (None, "GLM-4.5 mixture (glm4moe) file",
+                                "its router's score correction, its multi-token prediction layer")}
 
 
 def refuse_transformers_loader(path: str) -> None:

@@ -1,10 +1,10 @@
 """The decode step of a model on transformers' layers over blocks with their steps native (Qwen3.5's and LFM2's:
-delta_steps.py, conv_steps.py; EXAONE 4's, OLMo 2's and 3's, Ministral 3's, gpt-oss's: native_steps.py) as a plain
-loop over its layers' parts, installed as the inner model's forward (LayerLoop): each part's own forward, called in
-the order transformers' decoder layer calls it, without the layers' and the modules' call machinery (3-7 % of a
-step: docs/gguf.md). The same functions in the same order: the same bits as the layers one by one. Families are rows
-of LOOPS. What it does not cover (a prompt, hidden states or attention maps asked for, no cache, tracing, positions
-of a vision grid) goes to transformers' forward.
+delta_steps.py, conv_steps.py; EXAONE 4's, OLMo 2's and 3's, Ministral 3's, gpt-oss's, GLM-4.5's: native_steps.py)
+as a plain loop over its layers' parts, installed as the inner model's forward (LayerLoop): each part's own forward,
+called in the order transformers' decoder layer calls it, without the layers' and the modules' call machinery (3-7 %
+of a step: docs/gguf.md). The same functions in the same order: the same bits as the layers one by one. Families are
+rows of LOOPS. What it does not cover (a prompt, hidden states or attention maps asked for, no cache, tracing,
+positions of a vision grid) goes to transformers' forward.
 """
 
 from __future__ import annotations
@@ -48,11 +48,12 @@ LOOPS = {
     "Olmo3Model": Loop(**POST),
     "Ministral3Model": Loop(**PRE),
     "GptOssModel": Loop(**PRE, mixture=True),
+    "Glm4MoeModel": Loop(**PRE, mixture=True),
 }
 # The parts whose forwards the loop calls directly (none needs a module hook).
 PARTS = ("NativeRMSNorm", "NativeGatedAttention", "NativeLfm2Attention", "NativeExaone4Attention",
          "NativeOlmoAttention", "NativeMinistral3Attention", "NativeGptOssAttention", "DeltaNetStep", "ShortConvStep",
-         "NativeGatedMLP", "MixtureInOneCall")
+         "NativeGatedMLP", "MixtureInOneCall", "NativeGlm4MoeAttention", "Glm4MoeMoE")
 # The masks transformers' models give each kind of layer (where a batch is padded); others take none in a step.
 MASKS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask"}
 

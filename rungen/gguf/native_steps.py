@@ -1,9 +1,10 @@
 """transformers' own decoder layers over a GGUF file's blocks, for the families FusedDecoderLayer does not take
-(gpt-oss's, Gemma 4's, OLMo 2's and 3's, Ministral 3's, EXAONE 4's), with their small steps on the native kernels on
-the CPU: the attention (native_attention, over a cache growing in place; q/k/v one product, their rotation (Gemma 4's
-and EXAONE 4's: and per-head norms; OLMo's norms over all heads before it) one rope_split call), each RMSNorm one
-rms_norm call, a gated MLP's gate and up one product and its activation one call. The arithmetic is transformers'
-within float32 rounding (a norm's 1 / sqrt where Gemma 4 takes pow(-0.5), sums in another order).
+(gpt-oss's, Gemma 4's, OLMo 2's and 3's, Ministral 3's, EXAONE 4's, GLM-4.5's), with their small steps on the native
+kernels on the CPU: the attention (native_attention, over a cache growing in place; q/k/v one product, their
+rotation (Gemma 4's, EXAONE 4's and GLM-4.5's: and per-head norms; OLMo's norms over all heads before it) one
+rope_split call), each RMSNorm one rms_norm call, a gated MLP's gate and up one product and its activation one call.
+The arithmetic is transformers' within float32 rounding (a norm's 1 / sqrt where Gemma 4 takes pow(-0.5), sums in
+another order).
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ NATIVE_ATTENTION = "rungen_attend"
 
 # The models of transformers' layers over blocks whose small steps this module takes.
 NATIVE_STEPS_MODELS = ("GptOssForCausalLM", "Gemma4ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
-                       "Ministral3ForCausalLM", "Exaone4ForCausalLM")
+                       "Ministral3ForCausalLM", "Exaone4ForCausalLM", "Glm4MoeForCausalLM")
 # Their RMSNorm classes: x / sqrt(mean(x^2) + eps) times the weight (none: 1), in float32.
-NORMS = ("GptOssRMSNorm", "Gemma4RMSNorm", "Olmo2RMSNorm", "Olmo3RMSNorm", "Ministral3RMSNorm", "Exaone4RMSNorm")
-# Their dense gated MLPs: down(act(gate(x)) * up(x)).
-GATED_MLPS = ("Gemma4TextMLP", "Olmo2MLP", "Olmo3MLP", "Ministral3MLP", "Exaone4MLP")
+NORMS = ("GptOssRMSNorm", "Gemma4RMSNorm", "Olmo2RMSNorm", "Olmo3RMSNorm", "Ministral3RMSNorm", "Exaone4RMSNorm",
+         "Glm4MoeRMSNorm")
+# Their dense gated MLPs: down(act(gate(x)) * up(x)) (GLM-4.5's: its dense layers' and its shared experts).
+GATED_MLPS = ("Gemma4TextMLP", "Olmo2MLP", "Olmo3MLP", "Ministral3MLP", "Exaone4MLP", "Glm4MoeMLP")
 # Their attention NativeGemma4Attention computes (the others': JOINED_ATTENTIONS, below).
 GEMMA4_ATTENTIONS = ("Gemma4TextAttention",)
 
@@ -215,10 +217,24 @@ class NativeExaone4Attention(JoinedAttention):
                              a.sliding_window if a.is_sliding else None)
 
 
+class NativeGlm4MoeAttention(JoinedAttention):
+    """GLM-4.5's attention (Glm4MoeAttention): q, k and v (with their biases) split, q and k normalized per head where
+    the model has those norms and the first part of each head rotated by halves (the model's cos and sin as wide as
+    that part) in one rope_split call."""
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask, past_key_values=None,
+                **kwargs):
+        a = self.attention
+        norms = (a.q_norm.weight, a.k_norm.weight, a.q_norm.eps) if a.use_qk_norm else ()
+        q, k, v = torch.ops.rungen_ggml.rope_split(self.qkv(hidden_states), *position_embeddings, self.heads,
+                                                   self.kv_heads, *norms)
+        return self.attended(hidden_states, q, k, v, attention_mask, past_key_values, None)
+
+
 # transformers' attentions whose q, k and v products the native steps join, and the class computing each.
 JOINED_ATTENTIONS = {"GptOssAttention": NativeGptOssAttention, "Olmo2Attention": NativeOlmoAttention,
                      "Olmo3Attention": NativeOlmoAttention, "Ministral3Attention": NativeMinistral3Attention,
-                     "Exaone4Attention": NativeExaone4Attention}
+                     "Exaone4Attention": NativeExaone4Attention, "Glm4MoeAttention": NativeGlm4MoeAttention}
 
 
 class GpuKernelHints(logging.Filter):
