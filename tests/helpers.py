@@ -809,3 +809,31 @@ def rings_decode_as_generate_does(family, device, monkeypatch, tmp_path):
         assert submitted.reused == reused
     with torch.no_grad():
         assert done == [alone(turn, 10)] * 2 + [alone(shared, 10)]
+
+
+def q8_0_rounded(values):
+    """`values` (a tensor) as a Q8_0 tensor of them holds them (blocks along the last dimension)."""
+    import torch
+    from gguf import quants
+
+    blocks = quants.quantize(values.contiguous().numpy(), T.Q8_0)
+    return torch.from_numpy(quants.dequantize(blocks, T.Q8_0)).view(values.shape)
+
+
+def round_as_q8_0_file(model, keep=("mlp.gate.weight", "shared_expert_gate.weight"), split_latent=True) -> None:
+    """`model`'s weights (in place) as the Q8_0 file a tiny model's writer makes of it holds them: each matrix of
+    whole blocks a row in Q8_0 but those named ending in `keep` (routers, gates: F32); DeepSeek's kv_b_proj as the
+    converter splits it (k's rows per head transposed, so in blocks along them; v's as they are) unless not
+    `split_latent` (the files of 2024)."""
+    import torch
+
+    config = model.config.get_text_config()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("kv_b_proj.weight") and split_latent:
+                heads = parameter.view(config.num_attention_heads, -1, parameter.shape[-1])
+                k, v = heads.split([config.qk_nope_head_dim, config.v_head_dim], dim=1)
+                k.copy_(q8_0_rounded(k.transpose(1, 2)).transpose(1, 2))
+                v.copy_(q8_0_rounded(v))
+            elif parameter.dim() >= 2 and parameter.shape[-1] % 32 == 0 and not name.endswith(keep):
+                parameter.copy_(q8_0_rounded(parameter))

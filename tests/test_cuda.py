@@ -175,31 +175,27 @@ def test_a_recurrent_gguf_files_greedy_equals_eager_generate_on_the_gpu(architec
     check_greedy(["--model_name_or_path", path], model, tokenizer, extra=["--dequantize"] if ON_CPU else [])
 
 
+@needs_cuda  # (on the CPU, the files' own blocks: tests/test_gguf_loading.py)
 @pytest.mark.skipif(PLAYED, reason="the tool's experts where Triton's int8 kernel is not: transformers' own, which "
                     "count a GPU's tokens with an integer histogram the CPU playing one lacks")
-def test_a_glm45_files_greedy_equals_its_checkpoint_on_the_gpu(tmp_path):
+@pytest.mark.parametrize("architecture", ["glm4moe", "deepseek"])
+def test_a_mixture_of_our_own_reading_greedy_equals_its_checkpoint_on_the_gpu(architecture, tmp_path):
     """GLM-4.5's mixture (glm4moe: its own keys, the sigmoid router's score correction, the multi-token prediction
-    block left unread; transformers reads no such file) on the device, its experts in codes, against its checkpoint
-    with the weights the Q8_0 file holds (the router's F32)."""
-    from gguf import GGMLQuantizationType as Q
-    from gguf import quants
+    block left unread) and DeepSeek-V3's (deepseek2: its latent attention's kv_b joined from the converter's halves)
+    on the device, their experts in codes (transformers reads neither file), against the checkpoint with the weights
+    the Q8_0 file holds (the router's F32)."""
     from transformers import AutoModelForCausalLM
 
     import tiny_models
+    from helpers import round_as_q8_0_file
     from rungen.gguf.file import GGUFHeader
 
-    checkpoint = tiny_models.glm4moe_checkpoint(str(tmp_path))
-    path = tiny_models.write_glm4moe_gguf(checkpoint, str(tmp_path / "model.gguf"), "Q8_0")
+    checkpoint = getattr(tiny_models, f"{architecture}_checkpoint")(str(tmp_path))
+    write = tiny_models.write_glm4moe_gguf if architecture == "glm4moe" else tiny_models.write_deepseek2_gguf
+    path = write(checkpoint, str(tmp_path / "model.gguf"), "Q8_0")
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    model.set_experts_implementation("eager")  # (the reference's grouped form counts experts by a histogram of ints,
-    # which the played GPU's CPU has not)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if parameter.dim() >= 2 and parameter.shape[-1] % 32 == 0 and not name.endswith("mlp.gate.weight"):
-                blocks = quants.quantize(parameter.numpy(), Q.Q8_0)
-                parameter.copy_(torch.from_numpy(quants.dequantize(blocks, Q.Q8_0)).view(parameter.shape))
-    check_greedy(["--model_name_or_path", path], model.to(DEVICE), GGUFHeader(path).tokenizer,
-                 extra=["--dequantize"] if ON_CPU else [])
+    round_as_q8_0_file(model)
+    check_greedy(["--model_name_or_path", path], model.to(DEVICE), GGUFHeader(path).tokenizer)
 
 
 @needs_cuda

@@ -8,6 +8,7 @@ random bytes, which any de-quantizer reads as some weights)."""
 
 import contextlib
 import gc
+import importlib
 import io
 import logging
 import os
@@ -26,6 +27,7 @@ from helpers import (
     error_of,
     experts_apart,
     plain_grouped_kernel,
+    round_as_q8_0_file,
 )
 from rungen.gguf import weights
 from rungen.gguf.blocks import (
@@ -684,10 +686,13 @@ def test_an_moe_files_experts_of_llama_cpp_mixes_compute_in_their_blocks(tmp_pat
             assert torch.equal(alone, grouped[row, width - len(ids):])
 
 
-def test_a_glm45_file_computes_its_checkpoint_as_a_device_takes_it(tmp_path, monkeypatch, capsys):
-    # GLM-4.5's Q8_0 file as a device takes it (its build on the CPU here): transformers' own experts de-quantized, or
-    # in codes (plain products standing in for the GPU's kernel), its router's score correction read: what the
-    # checkpoint with the file's weights computes. transformers' own loader (--dequantize) is refused in one line.
+@pytest.mark.parametrize("architecture", ["glm4moe", "deepseek_v3"])
+def test_a_file_of_our_own_mixture_reading_computes_its_checkpoint_as_a_device_takes_it(architecture, tmp_path,
+                                                                                        monkeypatch, capsys):
+    # GLM-4.5's and DeepSeek-V3's Q8_0 files as a device takes them (their build on the CPU here): transformers' own
+    # experts de-quantized, or in codes (plain products standing in for the GPU's kernel), the router's score
+    # correction read (and DeepSeek's kv_b joined from its halves there): what the checkpoint with the file's weights
+    # computes. transformers' own loader (--dequantize) is refused in one line.
     from transformers import AutoModelForCausalLM
 
     import rungen.gguf.device
@@ -695,19 +700,18 @@ def test_a_glm45_file_computes_its_checkpoint_as_a_device_takes_it(tmp_path, mon
     from rungen.gguf.device import INT8_TYPES
     from rungen.gguf.device_experts import CodedExperts
 
-    checkpoint = tiny_models.glm4moe_checkpoint(str(tmp_path))
-    q8_0 = tiny_models.write_glm4moe_gguf(checkpoint, str(tmp_path / "glm.gguf"), "Q8_0")
+    spec = CHECKPOINT_FILES[architecture]
+    make_checkpoint, write = (getattr(tiny_models, name) for name in spec["files"])
+    checkpoint = make_checkpoint(str(tmp_path))
+    q8_0 = write(checkpoint, str(tmp_path / "moe.gguf"), "Q8_0")
     reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     ids = torch.arange(3, 43)[None] * 7
+    round_as_q8_0_file(reference)  # the weights the Q8_0 file holds (the router's F32)
     with torch.no_grad():
-        for name, parameter in reference.named_parameters():  # the weights the Q8_0 file holds (the router's F32)
-            if parameter.dim() >= 2 and parameter.shape[-1] % 32 == 0 and not name.endswith("mlp.gate.weight"):
-                blocks = quants.quantize(parameter.numpy(), Q.Q8_0)
-                parameter.copy_(torch.from_numpy(quants.dequantize(blocks, Q.Q8_0)).view(parameter.shape))
         theirs = reference(ids).logits
         assert theirs.abs().max() > 1
         device = build_model(GGUFHeader(q8_0), torch.float32, torch.device("cpu"))
-        assert type(device.model.layers[1].mlp.experts).__name__ == "Glm4MoeExperts"
+        assert type(device.model.layers[1].mlp.experts) is type(reference.model.layers[1].mlp.experts)
         assert device.model.layers[1].mlp.gate.e_score_correction_bias.abs().max() > 0.1
         torch.testing.assert_close(device(ids).logits, theirs, rtol=1e-4, atol=1e-4)
         del device
@@ -717,39 +721,51 @@ def test_a_glm45_file_computes_its_checkpoint_as_a_device_takes_it(tmp_path, mon
         assert isinstance(coded.model.layers[1].mlp.experts, CodedExperts)
         torch.testing.assert_close(coded(ids).logits, theirs, rtol=1e-4, atol=1e-4)
     code, line = error_of(["--model_name_or_path", q8_0, "--prompt", "Hi", "--length", "2", "--dequantize"], capsys)
-    assert code == 2 and line.endswith("glm.gguf: transformers reads no GLM-4.5 mixture (glm4moe) file as llama.cpp "
-                                       "writes it (its router's score correction, its multi-token prediction layer); "
+    kind, missed = (("GLM-4.5 mixture (glm4moe) file", "its router's score correction, its multi-token prediction "
+                     "layer") if architecture == "glm4moe" else
+                    ("DeepSeek V2/V3 (deepseek2) file", "its latent attention's kv_b split in two, its router's "
+                     "score correction"))
+    assert code == 2 and line.endswith(f"moe.gguf: transformers reads no {kind} as llama.cpp writes it ({missed}); "
                                        "it runs here in its own blocks, without --dequantize or --device_map"), line
 
 
-@pytest.mark.parametrize("groups", [(1, 1), (4, 2)])
-def test_a_sigmoid_router_with_its_correction_chooses_as_transformers_and_alike_in_a_batch(groups):
-    # GLM-4.5's router (DeepSeek-V3's way: sigmoid scores, a correction added to choose by, the best groups first
-    # where there are several, the chosen scores normalized and scaled) as CorrectedRouter: transformers' experts and
+@pytest.mark.parametrize("kind,groups", [("glm4_moe", (1, 1)), ("deepseek_v3", (4, 2)), ("deepseek_v2", (1, 1)),
+                                         ("deepseek_v2", (4, 2))])
+def test_a_grouped_router_chooses_as_transformers_and_alike_in_a_batch(kind, groups):
+    # GLM-4.5's and DeepSeek-V3's routers (sigmoid scores, a correction added to choose by, the best groups first
+    # where there are several, the chosen scores normalized and scaled) and DeepSeek-V2's (the softmax's top k,
+    # group_limited_greedy among the groups of the best experts, scaled) as GroupedRouter: transformers' experts and
     # weights, and a token's the same bits alone as in a batch (its logits a row at a time).
-    from transformers import Glm4MoeConfig
-    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
+    from transformers import AutoConfig
 
-    from rungen.gguf.experts import CorrectedRouter
+    from rungen.gguf.experts import GroupedRouter
 
-    config = Glm4MoeConfig(hidden_size=64, n_routed_experts=16, num_experts_per_tok=4, n_group=groups[0],
-                           topk_group=groups[1], routed_scaling_factor=2.5, norm_topk_prob=True)
+    fields = dict(hidden_size=64, n_routed_experts=16, num_experts_per_tok=4, n_group=groups[0],
+                  topk_group=groups[1], routed_scaling_factor=2.5)
+    if kind == "deepseek_v2":
+        fields["topk_method"] = "group_limited_greedy" if groups[0] > 1 else "greedy"
+    else:
+        fields["norm_topk_prob"] = True
+    config = AutoConfig.for_model(kind, **fields)
+    module = importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
     torch.manual_seed(0)
-    router = Glm4MoeTopkRouter(config)
+    router = next(getattr(module, name) for name in dir(module) if name.endswith("TopkRouter"))(config)
     with torch.no_grad():
         router.weight.normal_(0, 0.3)
-        router.e_score_correction_bias.normal_(0, 0.5)
+        if kind != "deepseek_v2":
+            router.e_score_correction_bias.normal_(0, 0.5)
     x = torch.randn(9, 64)
     with torch.no_grad():
         logits, weights, experts = router(x)
-        ours = CorrectedRouter(router)
+        ours = GroupedRouter(router)
         got_logits, got_weights, got_experts = ours(x)
         alone = [ours(row[None]) for row in x]
     torch.testing.assert_close(got_logits, logits, rtol=1e-5, atol=1e-5)
     order, got_order = experts.sort(dim=-1), got_experts.sort(dim=-1)
     assert torch.equal(got_order.values, order.values)
     torch.testing.assert_close(got_weights.gather(1, got_order.indices), weights.gather(1, order.indices))
-    assert weights.sum(dim=-1).allclose(torch.full((9,), 2.5))
+    if kind != "deepseek_v2":  # (normalized, then scaled)
+        assert weights.sum(dim=-1).allclose(torch.full((9,), 2.5))
     if groups[0] > 1:  # (each token's experts in its two best groups of four)
         assert all(len(set((row // 4).tolist())) <= 2 for row in got_experts)
     for row, (row_logits, row_weights, row_experts) in enumerate(alone):
@@ -1053,6 +1069,16 @@ CHECKPOINT_FILES = {
     "glm4moe": dict(files=("glm4moe_checkpoint", "write_glm4moe_gguf"), model="Glm4MoeForCausalLM",
                     steps=dict(self_attn="NativeGlm4MoeAttention"),
                     native=dict(input_layernorm="NativeRMSNorm", post_attention_layernorm="NativeRMSNorm")),
+    # DeepSeek's latent attention (the converter's kv_b split into attn_k_b, transposed, and attn_v_b: joined back),
+    # yarn's mscale from yarn_log_multiplier, a dense first layer, shared experts: V3's sigmoid router with its
+    # correction in groups and q through its rank, V2-Lite's softmax router and q straight from the hidden state.
+    # transformers' layers, the experts in blocks.
+    "deepseek_v3": dict(files=("deepseek_checkpoint", "write_deepseek2_gguf"), model="DeepseekV3ForCausalLM"),
+    "deepseek_v2": dict(files=("deepseek_v2_checkpoint", "write_deepseek2_gguf"), model="DeepseekV2ForCausalLM"),
+    # (the files of 2024, before the converter split kv_b: the kv_b whole, in its blocks, the key and value widths
+    # a head's)
+    "deepseek_v2_unsplit": dict(files=("deepseek_v2_checkpoint", "write_deepseek2_unsplit_gguf"),
+                                model="DeepseekV2ForCausalLM", unsplit=True),
     # Seed-OSS's heads wider than hidden / heads and its q/k/v biases (qwen2's keys, nothing permuted); Arcee's
     # llama attention (its q/k permutation undone) and ReLU^2 MLP of up and down: transformers' layers.
     "seed_oss": dict(files=("seed_oss_checkpoint", "write_seed_oss_gguf"), model="SeedOssForCausalLM"),
@@ -1100,11 +1126,7 @@ def test_a_file_as_llama_cpp_writes_it_computes_its_checkpoint(architecture, tmp
         theirs = reference(ids).logits
         torch.testing.assert_close(load(f32, device=torch.device("cpu")).model(ids).logits, theirs, rtol=1e-5,
                                    atol=spec.get("f32_atol", 1e-5))
-        for name, parameter in reference.named_parameters():  # the weights the Q8_0 file holds (gates' F32)
-            if parameter.dim() >= 2 and parameter.shape[-1] % 32 == 0 and not name.endswith(
-                    ("mlp.gate.weight", "shared_expert_gate.weight")):
-                blocks = quants.quantize(parameter.numpy(), Q.Q8_0)
-                parameter.copy_(torch.from_numpy(quants.dequantize(blocks, Q.Q8_0)).view(parameter.shape))
+        round_as_q8_0_file(reference, split_latent=not spec.get("unsplit"))  # the file's weights (gates' F32)
     theirs = padded_prompt_and_steps(reference, positions=vision)
     assert theirs[0].abs().max() > 1
     model = build_model(GGUFHeader(q8_0), torch.float32)

@@ -1961,6 +1961,53 @@ def write_glm4_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
     return write_as_llama(checkpoint, path, "glm4", qtype_name, "glm4", permute=False, rotary=rotary)
 
 
+def converter_adder(writer, qtype_name: str):
+    """add(name, values): a tensor into `writer` as llama.cpp's converter writes it with --outtype `qtype_name` (F32
+    or Q8_0): vectors and the router (ffn_gate_inp) F32; for Q8_0 a matrix of whole blocks a row in Q8_0, another
+    F16."""
+    import gguf
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+
+    def add(name, values):
+        values = np.ascontiguousarray(values, dtype=np.float32)
+        if qtype_name != "Q8_0" or values.ndim < 2 or ".ffn_gate_inp." in name:
+            writer.add_tensor(name, values)
+        elif values.shape[-1] % 32 == 0:
+            writer.add_tensor(name, gguf.quants.quantize(values, Q.Q8_0), raw_dtype=Q.Q8_0)
+        else:  # (a row of no whole blocks)
+            writer.add_tensor(name, values.astype(np.float16))
+
+    return add
+
+
+def add_mixture_tensors(add, checkpoint: str, names, experts: int, special=None) -> None:
+    """A mixture checkpoint's tensors (model.safetensors, its experts a tensor each as published) by `add` under
+    gguf's names (`names`) as llama.cpp's converter writes them: each layer's experts stacked into one 3-D tensor a
+    part (ffn_{gate,up,down}_exps), the router's score correction as exp_probs_b.bias; `special(hf_name, values)`:
+    True where it wrote that tensor itself."""
+    import numpy as np
+    from safetensors.torch import load_file
+
+    state = load_file(os.path.join(checkpoint, "model.safetensors"))
+    for hf_name, tensor in state.items():
+        values = tensor.float().numpy()
+        base, _, suffix = hf_name.rpartition(".")
+        if special is not None and special(hf_name, values):
+            continue
+        if ".mlp.experts." in hf_name:
+            layer, _, rest = hf_name.partition(".mlp.experts.")
+            if rest.startswith("0."):
+                part = rest.split(".")[1]
+                stacked = [state[f"{layer}.mlp.experts.{index}.{part}.weight"].float().numpy()
+                           for index in range(experts)]
+                add(names.get_name(f"{layer}.mlp.experts.{part}") + ".weight", np.stack(stacked))
+        elif suffix == "e_score_correction_bias":  # (the converter's e_score_correction.bias)
+            add(names.get_name(f"{base}.e_score_correction") + ".bias", values)
+        else:
+            add(names.get_name(base) + "." + suffix, values)
+
+
 def glm4moe_checkpoint(out_dir: str) -> str:
     """A tiny random GLM-4.5 checkpoint (Glm4MoeForCausalLM) in `out_dir`: GLM-4.5's layout 64 wide (4 heads of 32
     over 2: wider than hidden / heads, as its 96 heads of 128 over 5120; q/k/v biases, q/k norms), half of each head
@@ -1999,8 +2046,6 @@ def write_glm4moe_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> s
     where asked, the router F32."""
     import gguf
     import numpy as np
-    from gguf import GGMLQuantizationType as Q
-    from safetensors.torch import load_file
 
     with open(os.path.join(checkpoint, "config.json")) as f:
         config = json.load(f)
@@ -2029,28 +2074,8 @@ def write_glm4moe_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> s
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     names = gguf.get_tensor_name_map(arch, layers + 1)
 
-    def add(name, values):
-        values = np.ascontiguousarray(values, dtype=np.float32)
-        if qtype_name == "Q8_0" and values.ndim >= 2 and values.shape[-1] % 32 == 0 and ".ffn_gate_inp." not in name:
-            writer.add_tensor(name, gguf.quants.quantize(values, Q.Q8_0), raw_dtype=Q.Q8_0)
-        else:
-            writer.add_tensor(name, values)
-
-    state = load_file(os.path.join(checkpoint, "model.safetensors"))
-    for hf_name, value in state.items():
-        values = value.float().numpy()
-        base, _, suffix = hf_name.rpartition(".")
-        if ".mlp.experts." in hf_name:  # each expert's matrix: stacked into one 3-D tensor a layer and part
-            layer, _, rest = hf_name.partition(".mlp.experts.")
-            if rest.startswith("0."):
-                part = rest.split(".")[1]
-                stacked = [state[f"{layer}.mlp.experts.{index}.{part}.weight"].float().numpy()
-                           for index in range(config["n_routed_experts"])]
-                add(names.get_name(f"{layer}.mlp.experts.{part}") + ".weight", np.stack(stacked))
-        elif suffix == "e_score_correction_bias":  # (the converter's e_score_correction.bias)
-            add(names.get_name(f"{base}.e_score_correction") + ".bias", values)
-        else:
-            add(names.get_name(base) + "." + suffix, values)
+    add = converter_adder(writer, qtype_name)
+    add_mixture_tensors(add, checkpoint, names, config["n_routed_experts"])
     hidden, experts, inner = config["hidden_size"], config["n_routed_experts"], config["moe_intermediate_size"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     generator = np.random.default_rng(SEED)
@@ -2067,6 +2092,133 @@ def write_glm4moe_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> s
            "ffn_up_shexp.weight": (inner, hidden), "ffn_down_shexp.weight": (hidden, inner)}
     for name, shape in mtp.items():
         add(f"blk.{layers}.{name}", generator.normal(0, 0.1, shape))
+    return write_out(writer, path)
+
+
+def deepseek_checkpoint(out_dir: str, version: int = 3) -> str:
+    """A tiny random DeepSeek checkpoint in `out_dir`, its multi-head latent attention (4 heads: q through a rank of 64
+    and its norm, k and v from a 32-wide latent and its norm, 32 values a head not rotated and 16 rotated pair by
+    pair, 24 a value head, the scores scaled by yarn's mscale), yarn over a 128-token original context (4x); a dense
+    first layer, then 8 experts of 32, 2 a token, beside shared experts; untied. `version` 3: DeepSeek-V3's
+    (DeepseekV3ForCausalLM: sigmoid scores with a correction (drawn) in 2 groups, 1 used, normalized and scaled by
+    2.5, one shared expert; mscale 1); 2: DeepSeek-V2-Lite's (DeepseekV2ForCausalLM: q straight from the hidden state,
+    the softmax's top 2 unnormalized, two shared experts; mscale 0.707). config.json names the scoring function and
+    top-k method as the published ones do."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+
+    tokenizer = tiny_gpt2_tokenizer(out_dir)
+    v3 = version == 3
+    mscale = 1.0 if v3 else 0.707
+    shape = dict(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
+        n_shared_experts=1 if v3 else 2, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=64 if v3 else None,
+        qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=24, max_position_embeddings=512, initializer_range=0.15,
+        tie_word_embeddings=False, rms_norm_eps=1e-6, n_group=2 if v3 else 1, topk_group=1,
+        routed_scaling_factor=2.5 if v3 else 1.0, norm_topk_prob=v3,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 128, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "mscale": mscale, "mscale_all_dim": mscale},
+        pad_token_id=None, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    if not v3:
+        shape["topk_method"] = "greedy"
+    config = (DeepseekV3Config if v3 else DeepseekV2Config)(**shape)
+    config.scoring_func = "sigmoid" if v3 else "softmax"  # (the published configs' keys, which the converter reads)
+    if v3:
+        config.topk_method = "noaux_tc"
+
+    def draw(name, tensor):
+        if name.endswith("e_score_correction_bias"):
+            tensor.normal_(0, 0.3)
+        elif "norm" in name:
+            tensor.normal_(1, 0.3)
+
+    return save_tiny(out_dir, f"deepseek_v{version}", DeepseekV3ForCausalLM if v3 else DeepseekV2ForCausalLM, config,
+                     tokenizer, draw=draw)
+
+
+def write_deepseek2_unsplit_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
+    """write_deepseek2_gguf's file as the converter wrote it before it split kv_b."""
+    return write_deepseek2_gguf(checkpoint, path, qtype_name, split=False)
+
+
+def deepseek_v2_checkpoint(out_dir: str) -> str:
+    """deepseek_checkpoint's DeepSeek-V2-Lite layout."""
+    return deepseek_checkpoint(out_dir, version=2)
+
+
+def write_deepseek2_gguf(checkpoint: str, path: str, qtype_name: str = "F32", split: bool = True) -> str:
+    """The GGUF file llama.cpp's converter (conversion/deepseek.py's DeepseekV2Model) writes of a DeepSeek V2 or V3
+    checkpoint (deepseek2): a TextModel's keys with one kv head (its latent attention as multi-query), the latent
+    ranks, the key and value widths as the latent's (key_length, value_length) and as a head's (key_length_mla,
+    value_length_mla), the rotated width, yarn's keys with mscale_all_dim times 0.1 as yarn_log_multiplier, the
+    experts' keys (the gating function from config.scoring_func, the weights' normalization only where set), the
+    tensors as the checkpoint holds them (nothing permuted: llama.cpp turns pairs, as DeepSeek does), kv_b_proj
+    split per head into attn_k_b (transposed: [heads, latent, not rotated]) and attn_v_b, each layer's experts
+    stacked into 3-D ffn_*_exps, the router's score correction as exp_probs_b.bias, a byte-level BPE (pre
+    deepseek-v3); matrices in Q8_0 where asked (F16 where a row is no whole blocks), the router F32. `split` False:
+    as the converter wrote them before it split kv_b (the files of 2024): attn_kv_b whole, key_length and
+    value_length a head's, no MLA keys."""
+    import gguf
+
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        config = json.load(f)
+    layers, rope = config["num_hidden_layers"], config["rope_parameters"]
+    heads, nope, value = config["num_attention_heads"], config["qk_nope_head_dim"], config["v_head_dim"]
+    rank, rotated = config["kv_lora_rank"], config["qk_rope_head_dim"]
+    arch = gguf.MODEL_ARCH.DEEPSEEK2
+    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
+    add_text_shape(writer, {**config, "num_key_value_heads": 1})
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_expert_group_count(config["n_group"])
+    writer.add_expert_group_used_count(config["topk_group"])
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if config["scoring_func"] == "sigmoid"
+                                  else gguf.ExpertGatingFuncType.SOFTMAX)
+    writer.add_file_type({"F32": 0, "Q8_0": 7}[qtype_name])
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(rope["factor"])
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+    writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    writer.add_leading_dense_block_count(config["first_k_dense_replace"])
+    writer.add_vocab_size(config["vocab_size"])
+    if config.get("q_lora_rank") is not None:
+        writer.add_q_lora_rank(config["q_lora_rank"])
+    writer.add_kv_lora_rank(rank)
+    if split:
+        writer.add_key_length(rank + rotated)
+        writer.add_value_length(rank)
+        writer.add_key_length_mla(nope + rotated)
+        writer.add_value_length_mla(value)
+    else:
+        writer.add_key_length(nope + rotated)
+        writer.add_value_length(value)
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    writer.add_expert_count(config["n_routed_experts"])
+    writer.add_expert_shared_count(config["n_shared_experts"])
+    writer.add_expert_weights_scale(config["routed_scaling_factor"])
+    if config.get("norm_topk_prob"):
+        writer.add_expert_weights_norm(True)
+    writer.add_rope_dimension_count(rotated)
+    writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+    add_bpe_vocabulary(writer, checkpoint, "deepseek-v3")
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    names = gguf.get_tensor_name_map(arch, layers)
+
+    add = converter_adder(writer, qtype_name)
+
+    def split_kv_b(hf_name, values):  # per head: k's rows transposed, v's as they are
+        base = hf_name.removesuffix(".weight")
+        if not split or not base.endswith("kv_b_proj"):
+            return False
+        per_head = values.reshape(heads, nope + value, rank)
+        add(names.get_name(base.replace("kv_b_proj", "k_b_proj")) + ".weight", per_head[:, :nope].transpose(0, 2, 1))
+        add(names.get_name(base.replace("kv_b_proj", "v_b_proj")) + ".weight", per_head[:, nope:])
+        return True
+
+    add_mixture_tensors(add, checkpoint, names, config["n_routed_experts"], split_kv_b)
     return write_out(writer, path)
 
 

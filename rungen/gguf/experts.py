@@ -207,33 +207,43 @@ class ExpertRouter(torch.nn.Module):
         return logits, weights.to(logits.dtype), experts
 
 
-# transformers' routers of sigmoid scores whose forward CorrectedRouter computes.
-CORRECTED_ROUTERS = ("Glm4MoeTopkRouter",)
+# transformers' routers that choose within groups of experts, whose forward GroupedRouter computes: DeepSeek-V2's
+# softmax, DeepSeek-V3's and GLM-4.5's sigmoid with a correction.
+GROUPED_ROUTERS = ("DeepseekV2TopkRouter", "DeepseekV3TopkRouter", "Glm4MoeTopkRouter")
 
 
-class CorrectedRouter(torch.nn.Module):
-    """transformers' router of CORRECTED_ROUTERS (GLM-4.5's), its logits by RowProducts: each expert's score the
-    sigmoid of its logit; the top k experts by score plus its correction (e_score_correction_bias), among the
-    topk_group best of n_group groups (a group by its two best) where there are several; their weights their scores,
-    divided by their sum where norm_topk_prob says, times routed_scaling_factor; (logits, weights, experts) as it
-    returns them."""
+class GroupedRouter(torch.nn.Module):
+    """transformers' router of GROUPED_ROUTERS, its logits by RowProducts. DeepSeek-V3's and GLM-4.5's: each
+    expert's score the sigmoid of its logit; the top k experts by score plus its correction (e_score_correction_bias),
+    among the topk_group best of n_group groups (a group by its two best) where there are several; their weights
+    their scores, divided by their sum where norm_topk_prob says. DeepSeek-V2's: the softmax of the logits, the top k
+    (group_limited_greedy: among the best groups, a group by its best), their weights their scores. Times
+    routed_scaling_factor; (logits, weights, experts) as it returns them."""
 
     def __init__(self, router: torch.nn.Module):
         super().__init__()
         self.logits = RowProducts(router.weight.detach().float())
-        self.correction = router.e_score_correction_bias
-        self.top_k, self.hidden_dim, self.norm_topk_prob = router.top_k, router.hidden_dim, router.norm_topk_prob
+        self.correction = getattr(router, "e_score_correction_bias", None)  # (None: V2's softmax)
+        self.top_k, self.hidden_dim = router.top_k, router.hidden_dim
+        self.norm_topk_prob = getattr(router, "norm_topk_prob", False)
         self.groups, self.groups_used, self.scale = router.num_group, router.topk_group, router.routed_scaling_factor
+        if self.correction is None and router.topk_method != "group_limited_greedy":
+            self.groups = 1
 
     def forward(self, hidden_states: torch.Tensor):
         logits = self.logits(hidden_states.reshape(-1, self.hidden_dim).float())
-        scores = 1 / (1 + torch.exp(-logits))  # (torch's sigmoid of a few rows parts by an ulp from a batch's)
-        choice = scores + self.correction
+        if self.correction is None:
+            scores = choice = torch.softmax(logits, dim=-1)
+        else:
+            scores = 1 / (1 + torch.exp(-logits))  # (torch's sigmoid of a few rows parts by an ulp from a batch's)
+            choice = scores + self.correction
         if self.groups > 1:
             grouped = choice.view(-1, self.groups, choice.shape[-1] // self.groups)
-            best = torch.topk(grouped.topk(2, dim=-1)[0].sum(dim=-1), k=self.groups_used, dim=-1, sorted=False)[1]
-            kept = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best, True)
-            choice = grouped.masked_fill(~kept[..., None], float("-inf")).view_as(choice)
+            merit = grouped.max(dim=-1).values if self.correction is None else grouped.topk(2, dim=-1)[0].sum(dim=-1)
+            best = torch.topk(merit, k=self.groups_used, dim=-1, sorted=False)[1]
+            kept = torch.zeros_like(merit, dtype=torch.bool).scatter_(1, best, True)
+            dropped = 0.0 if self.correction is None else float("-inf")
+            choice = grouped.masked_fill(~kept[..., None], dropped).view_as(choice)
         experts = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
         weights = scores.gather(1, experts)
         if self.norm_topk_prob:
@@ -330,15 +340,15 @@ def mixtures_in_one_call(model: torch.nn.Module) -> None:
 
 
 def route_rows_alike(model: torch.nn.Module) -> None:
-    """Each mixture block over GGMLExperts gets ExpertRouter (CorrectedRouter) for its router and RowProducts for
+    """Each mixture block over GGMLExperts gets ExpertRouter (GroupedRouter) for its router and RowProducts for
     Qwen2-MoE's shared-expert gate: a token takes the same experts, and the same bits, alone and in a batch."""
     for block in list(model.modules()):
         if not isinstance(getattr(block, "experts", None), GGMLExperts):
             continue
         for name in ("gate", "router"):  # (gpt-oss's is its router)
             kind = type(getattr(block, name, None)).__name__
-            if kind in ROUTERS or kind in CORRECTED_ROUTERS:
-                router = ExpertRouter if kind in ROUTERS else CorrectedRouter
+            if kind in ROUTERS or kind in GROUPED_ROUTERS:
+                router = ExpertRouter if kind in ROUTERS else GroupedRouter
                 setattr(block, name, router(getattr(block, name)))
         shared = getattr(block, "shared_expert_gate", None)
         if type(shared) is torch.nn.Linear and shared.bias is None:

@@ -98,7 +98,7 @@ def metadata_parsed_once(weights: bool = True):
 CONFIG_NAMES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 # Model types whose tensors gguf's name table knows under another architecture's name (a mistral3 file's Ministral 3).
 TENSOR_NAMES_OF = {"ministral3": "mistral3", "olmo3": "olmo2", "hunyuan_v1_dense": "hunyuan-dense",
-                   "glm4_moe": "glm4moe"}
+                   "glm4_moe": "glm4moe", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2"}
 
 
 # Architectures transformers' GGUF reading knows no config keys of, read as no other's: their keys (after "<arch>.")
@@ -121,11 +121,45 @@ GLM4MOE_KEYS = {"context_length": "max_position_embeddings", "block_count": "num
                 "leading_dense_block_count": "first_k_dense_replace", "expert_group_count": "n_group",
                 "expert_group_used_count": "topk_group", "expert_weights_scale": "routed_scaling_factor",
                 "expert_weights_norm": "norm_topk_prob"}
+# DeepSeek V2's and V3's (and the models of their layout: Kimi K2, GLM-4.7-Flash, ...): their latent attention's
+# ranks and widths, the experts' keys (a value head's width the MLA one; its q/k head's the rest, complete_config).
+DEEPSEEK2_KEYS = {**{key: field for key, field in GLM4MOE_KEYS.items() if key != "attention.key_length"},
+                  "attention.q_lora_rank": "q_lora_rank", "attention.kv_lora_rank": "kv_lora_rank",
+                  "rope.dimension_count": "qk_rope_head_dim"}
 OWN_KEYS = {"command-r": COMMAND_R_KEYS, "cohere2": {**COMMAND_R_KEYS, "attention.sliding_window": "sliding_window"},
-            "glm4moe": GLM4MOE_KEYS}
-# The tensor processor of another architecture that reads theirs: Qwen2-MoE's takes a layer's ffn_{gate,up}_exps into
-# one gate_up_proj.
-OWN_PROCESSORS = {"glm4moe": "qwen2moe"}
+            "glm4moe": GLM4MOE_KEYS, "deepseek2": DEEPSEEK2_KEYS}
+
+
+@functools.cache
+def latent_processor():
+    """deepseek2's tensor processor: Qwen2-MoE's (a layer's ffn_{gate,up}_exps into one gate_up_proj), and the latent
+    attention's kv_b_proj [heads x (not rotated + value), latent] put back from the halves llama.cpp's converter
+    splits it into: attn_k_b [heads, latent, not rotated] (transposed) and attn_v_b [heads, value, latent]."""
+    from transformers.modeling_gguf_pytorch_utils import GGUFTensor, Qwen2MoeTensorProcessor
+
+    class LatentProcessor(Qwen2MoeTensorProcessor):
+        def process(self, weights, name, **kwargs):
+            half = next((half for half in ("k", "v") if name.endswith(f".attn_{half}_b.weight")), None)
+            if half is None:
+                return super().process(weights, name, **kwargs)
+            hf_name, collected = kwargs["tensor_key_mapping"][name], kwargs["parsed_parameters"]["tensors"]
+            values = torch.from_numpy(np.ascontiguousarray(weights.swapaxes(1, 2) if half == "k" else weights))
+            heads, rows, latent = values.shape
+            nope, value = self.config["qk_nope_head_dim"], self.config["v_head_dim"]
+            if rows != (nope if half == "k" else value):
+                raise ValueError(f"{rows} rows a head, where the config's {'k' if half == 'k' else 'v'} part has "
+                                 f"{nope if half == 'k' else value}")
+            if hf_name not in collected:
+                collected[hf_name] = torch.zeros(heads * (nope + value), latent, dtype=values.dtype)
+            joined = collected[hf_name].view(heads, nope + value, latent)
+            (joined[:, :nope] if half == "k" else joined[:, nope:]).copy_(values)
+            return GGUFTensor(weights, None, {})
+
+    return LatentProcessor
+
+
+# The tensor processors of architectures of OWN_KEYS, by name in transformers' table or made here.
+OWN_PROCESSORS = {"glm4moe": "qwen2moe", "deepseek2": latent_processor}
 
 
 def read_as_their_likes() -> None:
@@ -140,7 +174,8 @@ def read_as_their_likes() -> None:
         if architecture not in gguf_utils.GGUF_SUPPORTED_ARCHITECTURES:
             gguf_utils.GGUF_SUPPORTED_ARCHITECTURES.append(architecture)
         if architecture in OWN_PROCESSORS:
-            processor = gguf_utils.TENSOR_PROCESSORS[OWN_PROCESSORS[architecture]]
+            own = OWN_PROCESSORS[architecture]
+            processor = gguf_utils.TENSOR_PROCESSORS[own] if isinstance(own, str) else own()
             gguf_utils.TENSOR_PROCESSORS.setdefault(architecture, processor)
     for architecture, like in READ_AS.items():
         # (transformers' reading keys the config mapping of a mixture's architecture by its model type)
@@ -302,7 +337,9 @@ def complete_config(path: str, config: dict) -> None:
     value_length = metadata.get(f"{arch}.attention.value_length", key_length)
     if key_length is not None and family.head_dim_from_key_length:
         config["head_dim"] = key_length
-    if key_length != value_length:  # one head_dim for queries, keys and values in every transformers class here
+    # one head_dim for queries, keys and values in every transformers class here (DeepSeek's latent attention's
+    # key_length and value_length are its latent's: _deepseek2_config reads its heads' widths)
+    if key_length != value_length and arch != "deepseek2":
         raise GGUFError(f"{path}: keys of {key_length} and values of {value_length} values a head "
                         "(attention.key_length/value_length): transformers' attention takes one head size")
     experts, used = config.get("num_experts") or config.get("num_local_experts"), config.get("num_experts_per_tok")
@@ -641,13 +678,65 @@ def _glm4moe_config(path: str, metadata: dict, tensors, config: dict) -> None:
         config.setdefault(field, None)
 
 
+def _deepseek2_config(path: str, metadata: dict, tensors, config: dict) -> None:
+    """llama.cpp's deepseek2 files as DeepSeek's models: DeepseekV3Config where the router scores experts by a
+    sigmoid (V3, R1, Kimi K2, GLM-4.7-Flash), DeepseekV2Config by a softmax (V2, V2.5, V2-Lite, Coder-V2; a file
+    without expert_gating_func is V2's, as llama.cpp reads it, but GLM-4.7-Flash's by its layers and vocabulary);
+    a head's widths from the MLA keys (key_length_mla: not rotated + rotated; value_length_mla), or for a file of
+    the unsplit kv_b from key_length and value_length; q straight from the hidden state where the file has no
+    attn_q_a; yarn's mscale and mscale_all_dim both yarn_log_multiplier / 0.1 (the converter's 0.1 times
+    mscale_all_dim; the published configs set the two alike, and llama.cpp computes so); V2's groups by their best
+    expert where there are several; the class's default token ids dropped where the file names none; the layers
+    without a multi-token prediction block the converter writes as the last ones (not read)."""
+    def key(name, default=None):
+        return metadata.get(f"deepseek2.{name}", default)
+
+    layers, vocabulary = key("block_count"), key("vocab_size", config.get("vocab_size"))
+    gating = key("expert_gating_func", 2 if layers in (47, 48) and vocabulary == 154880 else 1)
+    if gating not in (1, 2):  # (llama.cpp's softmax and sigmoid)
+        raise GGUFError(f"{path}: its router's gating function {gating} (expert_gating_func), where DeepSeek's "
+                        "models score experts by a softmax (1) or a sigmoid (2)")
+    config["model_type"] = "deepseek_v3" if gating == 2 else "deepseek_v2"
+    config["num_hidden_layers"] -= key("nextn_predict_layers", 0)
+    rotated, value = config.get("qk_rope_head_dim", 64), key("attention.value_length_mla")
+    whole = key("attention.key_length_mla") or key("attention.key_length")
+    if whole is None or whole <= rotated:
+        raise GGUFError(f"{path}: no key and query width a head beyond the {rotated} rotated "
+                        "(attention.key_length_mla)")
+    config.update(qk_nope_head_dim=whole - rotated, v_head_dim=value or key("attention.value_length"),
+                  num_key_value_heads=config["num_attention_heads"], attention_bias=False,
+                  tie_word_embeddings="output.weight" not in tensors, norm_topk_prob=bool(key("expert_weights_norm")),
+                  routed_scaling_factor=key("expert_weights_scale", 1.0))
+    if "blk.0.attn_q_a.weight" not in tensors:
+        config["q_lora_rank"] = None
+    if gating == 1:
+        config["topk_method"] = "group_limited_greedy" if config.get("n_group", 1) > 1 else "greedy"
+    theta = config.pop("rope_theta", key("rope.freq_base", 10000.0))
+    rope = {"rope_type": "default", "rope_theta": theta}
+    if key("rope.scaling.type", "none") not in ("none", "yarn"):
+        raise GGUFError(f"{path}: its rotary embedding is scaled by {key('rope.scaling.type')!r}, where DeepSeek's "
+                        "models scale it by yarn")
+    if key("rope.scaling.type") == "yarn":
+        mscale = key("rope.scaling.yarn_log_multiplier", 0.0) / 0.1
+        rope.update(rope_type="yarn", factor=key("rope.scaling.factor"), mscale=mscale, mscale_all_dim=mscale,
+                    original_max_position_embeddings=key("rope.scaling.original_context_length"),
+                    beta_fast=key("rope.scaling.yarn_beta_fast", 32.0),
+                    beta_slow=key("rope.scaling.yarn_beta_slow", 1.0))
+        if None in rope.values():
+            raise GGUFError(f"{path}: a yarn rotary without its factor or original context length "
+                            "(deepseek2.rope.scaling.factor, original_context_length)")
+    config["rope_parameters"] = rope
+    for field in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        config.setdefault(field, None)
+
+
 # What an architecture's files need read beyond transformers' reading and the families' rows (path, the metadata, the
 # tensors' names, the config to complete).
 ARCHITECTURE_CONFIGS = {"gemma4": _gemma4_config, "gpt-oss": _gpt_oss_config, "mistral3": _mistral3_config,
                         "olmo2": _olmo2_config, "exaone4": _exaone4_config, "glm4": _glm4_config,
                         "command-r": _cohere_config, "cohere2": _cohere_config, "seed_oss": _seed_oss_config,
                         "apertus": _apertus_config, "hunyuan-dense": _hunyuan_config,
-                        "glm4moe": _glm4moe_config}
+                        "glm4moe": _glm4moe_config, "deepseek2": _deepseek2_config}
 
 
 def _yarn(path: str, arch: str, metadata: dict, theta: float, known: str) -> dict | None:
@@ -676,7 +765,9 @@ def _yarn(path: str, arch: str, metadata: dict, theta: float, known: str) -> dic
 
 
 # Model types whose router adds a correction to each expert's score to choose them (exp_probs_b).
-CORRECTED_ROUTERS = ("glm4_moe",)
+CORRECTED_ROUTERS = ("glm4_moe", "deepseek_v3")
+# Model types whose latent attention's kv_b_proj llama.cpp's converter splits (attn_k_b, attn_v_b).
+SPLIT_LATENTS = ("deepseek_v2", "deepseek_v3")
 
 
 def with_expert_names(model_type: str, names: dict[str, str], tensors: set[str]) -> dict[str, str]:
@@ -686,8 +777,9 @@ def with_expert_names(model_type: str, names: dict[str, str], tensors: set[str])
     to gate_up_proj_bias (build.py holds them as GGMLExperts, its gate rows then its up rows). Gemma 4's: gate and
     up in one tensor, which where it is read as its two halves maps to nothing, each half to gate_up_proj; the
     router's input scale (ffn_gate_inp.scale) and its scale of each expert's output, which the converter names
-    ffn_down_exps.scale. GLM-4.5's router's score correction (exp_probs_b.bias, the converter's name of
-    e_score_correction_bias)."""
+    ffn_down_exps.scale. GLM-4.5's and DeepSeek-V3's router's score correction (exp_probs_b.bias, the converter's
+    name of e_score_correction_bias). And DeepSeek's latent attention's kv_b_proj as the converter splits it
+    (attn_k_b, attn_v_b: latent_processor joins them)."""
     names, extra = dict(names), {}
     for name, hf in list(names.items()):
         if not name.endswith(".ffn_down_exps.weight"):
@@ -709,6 +801,10 @@ def with_expert_names(model_type: str, names: dict[str, str], tensors: set[str])
             extra[f"{layer}.ffn_down_exps.scale"] = f"{router}.per_expert_scale"
         if model_type in CORRECTED_ROUTERS:
             extra[f"{layer}.exp_probs_b.bias"] = experts.removesuffix(".experts") + ".gate.e_score_correction_bias"
+    if model_type in SPLIT_LATENTS:
+        for name, hf in list(names.items()):
+            if name.endswith(".attn_kv_b.weight") and name not in tensors:
+                extra |= {name.replace("attn_kv_b", f"attn_{half}_b"): hf for half in ("k", "v")}
     return names | extra
 
 
@@ -1009,7 +1105,9 @@ TOOL_LOADER_ONLY = {"gpt-oss": (None, "gpt-oss file", "its experts' tensors"),
                     "gemma4": ("gemma4.expert_count", "Gemma 4 mixture of experts",
                                "its experts' gate and up in one tensor, the router's scales"),
                     "glm4moe": (None, "GLM-4.5 mixture (glm4moe) file",
-                                "its router's score correction, its multi-token prediction layer")}
+                                "its router's score correction, its multi-token prediction layer"),
+                    "deepseek2": (None, "DeepSeek V2/V3 (deepseek2) file",
+                                  "its latent attention's kv_b split in two, its router's score correction")}
 
 
 def refuse_transformers_loader(path: str) -> None:
