@@ -111,6 +111,13 @@ FAMILIES = {
     "glm4moe": dict(arch="glm4moe", layers=46, hidden=4096, ffn=10944, heads=96, kv_heads=8, head_dim=128,
                     rope_base=1000000.0, eps=1e-5, tied=False, experts=128, experts_used=8, expert_ffn=1408,
                     shared_ffn=1408, dense_first=1, sigmoid_router=1.0, rotated=64, qkv_bias=True, context=131072),
+    # DeepSeek-V2-Lite (16B-A2.4B): 27 layers 2048 wide, its latent attention (16 heads; k and v from a 512-wide
+    # latent, 128 values a head not rotated and 64 rotated, 128 a value head; kv_b split into attn_k_b and attn_v_b),
+    # the first dense (10944), then 64 experts of 1408 (6 a token by the softmax) beside two shared; yarn (40x);
+    # 9 GB in Q4_0.
+    "deepseek2": dict(arch="deepseek2", layers=27, hidden=2048, ffn=10944, heads=16, kv_heads=1, head_dim=192,
+                      rope_base=10000.0, eps=1e-6, tied=False, experts=64, experts_used=6, expert_ffn=1408,
+                      shared_ffn=2816, dense_first=1, mla=(512, 128, 64, 128), yarn=(40.0, 4096), context=163840),
     # Mixtral-8x7B: llama's file with experts (8 of 14336 a layer, 2 a token: feed_forward_length is the experts'),
     # 26 GB in Q4_0.
     "mixtral": dict(arch="llama", layers=32, hidden=4096, ffn=14336, heads=32, kv_heads=8, head_dim=128,
@@ -423,11 +430,22 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
         writer.add_head_count_kv(shape["kv_heads"])
     if shape.get("fused"):  # phi3's converter: no key/value length (hidden / heads), the original context
         writer.add_rope_scaling_orig_ctx_len(shape["context"])
+    elif "mla" in shape:  # (the latent's: the keys with the rotated part, the values without)
+        writer.add_key_length(shape["mla"][0] + shape["mla"][2])
+        writer.add_value_length(shape["mla"][0])
     elif not convolutions:
         writer.add_key_length(shape["head_dim"])
         writer.add_value_length(shape["head_dim"])
     writer.add_layer_norm_rms_eps(shape["eps"])
     writer.add_rope_freq_base(shape["rope_base"])
+    if "mla" in shape:  # (DeepSeek's: the latent's widths, a head's, the rotated one; mscale 0.707 as 0.1 times it)
+        latent, nope, rotated, value = shape["mla"]
+        writer.add_kv_lora_rank(latent)
+        # (llama.cpp reads no q rank only from a file of V2-Lite's 27 layers: 0 for one cut to fewer, q as V2-Lite's)
+        writer.add_q_lora_rank(0)
+        writer.add_key_length_mla(nope + rotated)
+        writer.add_value_length_mla(value)
+        writer.add_rope_scaling_yarn_log_mul(0.0707)
     if "yarn" in shape:
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(shape["yarn"][0])
@@ -449,6 +467,8 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
         writer.add_full_attention_interval(4)
         writer.add_rope_dimension_sections([11, 11, 10, 0])
         writer.add_rope_dimension_count(shape["head_dim"] // 4)
+    elif "mla" in shape:
+        writer.add_rope_dimension_count(shape["mla"][2])
     elif not shape.get("gemma"):  # gemma's converters write no rotary dimension (the whole head)
         writer.add_rope_dimension_count(shape.get("rotated", shape["head_dim"]))
     if "sliding_window" in shape:
@@ -467,6 +487,11 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
             writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
             writer.add_expert_weights_scale(shape["sigmoid_router"])
             writer.add_expert_weights_norm(True)
+        elif "mla" in shape:  # (DeepSeek-V2's: its shared experts counted, the softmax unnormalized)
+            writer.add_expert_shared_count(shape["shared_ffn"] // shape["expert_ffn"])
+            writer.add_leading_dense_block_count(shape["dense_first"])
+            writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX)
+            writer.add_expert_weights_scale(1.0)
         elif "shared_ffn" in shape:
             writer.add_expert_shared_feed_forward_length(shape["shared_ffn"])
     for key, value in shape.get("scales", {}).items():
@@ -496,6 +521,8 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
         convolution = bool(convolutions) and layer not in convolutions[1]
         if "linear" in shape or "sigmoid_router" in shape:  # (Qwen3.5's, GLM-4.5's: the MLP's norm so named)
             norms = ("attn_norm", "post_attention_norm")
+        if "mla" in shape:  # (and the latent's)
+            writer.add_tensor(f"blk.{layer}.attn_kv_a_norm.weight", np.ones(shape["mla"][0], dtype=np.float32))
         dense = "experts" not in shape or layer < shape.get("dense_first", 0)
         for norm in norms:
             writer.add_tensor(f"blk.{layer}.{norm}.weight", np.ones(hidden, dtype=np.float32))
@@ -526,6 +553,14 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
         elif shape.get("fused"):
             parts = (("attn_qkv", q_rows + 2 * kv_rows, hidden), ("attn_output", hidden, q_rows),
                      ("ffn_up", 2 * ffn, hidden), ("ffn_down", hidden, ffn))
+        elif "mla" in shape:  # q straight from the hidden state (V2-Lite's), the latent and its split kv_b
+            latent, nope, rotated, value = shape["mla"]
+            parts = (("attn_q", shape["heads"] * (nope + rotated), hidden),
+                     ("attn_kv_a_mqa", latent + rotated, hidden), ("attn_output", hidden, shape["heads"] * value))
+            if dense:
+                parts += (("ffn_gate", ffn, hidden), ("ffn_up", ffn, hidden), ("ffn_down", hidden, ffn))
+            blocks(f"blk.{layer}.attn_k_b.weight", latent, nope, qtype, small, shape["heads"])
+            blocks(f"blk.{layer}.attn_v_b.weight", value, latent, qtype, small, shape["heads"])
         else:
             # (Qwen3.5's q rows and its output gate's, head by head)
             parts = (("attn_q", q_rows * (2 if "linear" in shape else 1), hidden), ("attn_k", kv_rows, hidden),
@@ -548,7 +583,7 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
             if "shared_ffn" in shape:  # (Qwen3.5-MoE's shared expert and its gate, float32 as its converter writes it;
                 # GLM-4.5's without a gate)
                 shared = shape["shared_ffn"]
-                if "sigmoid_router" not in shape:
+                if "sigmoid_router" not in shape and "mla" not in shape:
                     writer.add_tensor(f"blk.{layer}.ffn_gate_inp_shexp.weight",
                                       rng.normal(0, 0.02, (1, hidden)).astype(np.float32))
                 for part, rows, cols in (("ffn_gate_shexp", shared, hidden), ("ffn_up_shexp", shared, hidden),

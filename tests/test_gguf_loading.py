@@ -729,6 +729,33 @@ def test_a_file_of_our_own_mixture_reading_computes_its_checkpoint_as_a_device_t
                                        "it runs here in its own blocks, without --dequantize or --device_map"), line
 
 
+@pytest.mark.parametrize("version", [2, 3])
+def test_deepseeks_attention_over_its_latents_computes_its_checkpoint_in_chunks(version, tmp_path, monkeypatch):
+    # DeepSeek's attention over its cache of latents, kv_b's k rows taken into the query and its v rows after
+    # (AbsorbedLatentAttention): a prompt given in two calls (the second's queries after cached positions, as a
+    # session's next turn or a chunked prompt) gives the checkpoint's logits, and its cache holds transformers' own
+    # latents (the latent and the rotated key a position: 48 values a layer, where a head's k and v would take 4 x 72).
+    from transformers import AutoModelForCausalLM
+
+    import tiny_models
+    from rungen.gguf.latent_attention import AbsorbedLatentAttention
+
+    monkeypatch.setenv(KV_FLOAT32_ENV, "1")
+    checkpoint = tiny_models.deepseek_checkpoint(str(tmp_path), version)
+    path = tiny_models.write_deepseek2_gguf(checkpoint, str(tmp_path / "f32.gguf"))
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    model = load(path, device=torch.device("cpu")).model
+    assert all(isinstance(layer.self_attn, AbsorbedLatentAttention) for layer in model.model.layers)
+    ids = torch.arange(3, 43)[None] * 7
+    cache = new_cache(model)
+    with torch.no_grad():
+        theirs = reference(ids).logits
+        first = model(ids[:, :25], past_key_values=cache).logits
+        second = model(ids[:, 25:], past_key_values=cache).logits
+    torch.testing.assert_close(torch.cat([first, second], dim=1), theirs, rtol=1e-4, atol=1e-4)
+    assert [tuple(layer.keys.shape[-1:]) + tuple(layer.values.shape[-1:]) for layer in cache.layers] == [(32, 16)] * 3
+
+
 @pytest.mark.parametrize("kind,groups", [("glm4_moe", (1, 1)), ("deepseek_v3", (4, 2)), ("deepseek_v2", (1, 1)),
                                          ("deepseek_v2", (4, 2))])
 def test_a_grouped_router_chooses_as_transformers_and_alike_in_a_batch(kind, groups):
@@ -1072,13 +1099,16 @@ CHECKPOINT_FILES = {
     # DeepSeek's latent attention (the converter's kv_b split into attn_k_b, transposed, and attn_v_b: joined back),
     # yarn's mscale from yarn_log_multiplier, a dense first layer, shared experts: V3's sigmoid router with its
     # correction in groups and q through its rank, V2-Lite's softmax router and q straight from the hidden state.
-    # transformers' layers, the experts in blocks.
-    "deepseek_v3": dict(files=("deepseek_checkpoint", "write_deepseek2_gguf"), model="DeepseekV3ForCausalLM"),
-    "deepseek_v2": dict(files=("deepseek_v2_checkpoint", "write_deepseek2_gguf"), model="DeepseekV2ForCausalLM"),
-    # (the files of 2024, before the converter split kv_b: the kv_b whole, in its blocks, the key and value widths
-    # a head's)
+    # transformers' layers, the experts in blocks, the attention over the latents unexpanded.
+    "deepseek_v3": dict(files=("deepseek_checkpoint", "write_deepseek2_gguf"), model="DeepseekV3ForCausalLM",
+                        steps=dict(self_attn="AbsorbedLatentAttention")),
+    "deepseek_v2": dict(files=("deepseek_v2_checkpoint", "write_deepseek2_gguf"), model="DeepseekV2ForCausalLM",
+                        steps=dict(self_attn="AbsorbedLatentAttention")),
+    # (the files of 2024, before the converter split kv_b: the kv_b whole, de-quantized, the key and value widths a
+    # head's)
     "deepseek_v2_unsplit": dict(files=("deepseek_v2_checkpoint", "write_deepseek2_unsplit_gguf"),
-                                model="DeepseekV2ForCausalLM", unsplit=True),
+                                model="DeepseekV2ForCausalLM", unsplit=True,
+                                steps=dict(self_attn="AbsorbedLatentAttention")),
     # Seed-OSS's heads wider than hidden / heads and its q/k/v biases (qwen2's keys, nothing permuted); Arcee's
     # llama attention (its q/k permutation undone) and ReLU^2 MLP of up and down: transformers' layers.
     "seed_oss": dict(files=("seed_oss_checkpoint", "write_seed_oss_gguf"), model="SeedOssForCausalLM"),

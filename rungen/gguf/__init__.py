@@ -16,8 +16,10 @@ Modules, from the ground up:
 - decoder.py: the decoder layers fused over the blocks (FusedDecoderLayer), the stack as transformers' forward
   (DecoderStack).
 - layer_loop.py: the decode step of a model with native steps as one plain loop over its layers' parts (LayerLoop).
-- native_steps.py: transformers' own layers of the families decoder.py does not fuse (gpt-oss, Gemma 4) with their
-  attention, norms and gated MLPs on the native kernels.
+- native_steps.py: transformers' own layers of the families decoder.py does not fuse (gpt-oss, Gemma 4, OLMo,
+  Ministral 3, EXAONE 4, GLM-4.5) with their attention, norms and gated MLPs on the native kernels.
+- latent_attention.py: DeepSeek's attention over its cache of latents without expanding them
+  (AbsorbedLatentAttention).
 - delta_steps.py: Qwen3.5's layers with their steps native: a Gated DeltaNet layer's decode step in one native call
   (DeltaNetStep), the gated attention (NativeGatedAttention), norms and MLPs.
 - conv_steps.py: LFM2's layers with their steps native: a short convolution's decode step (ShortConvStep), the

@@ -44,6 +44,7 @@ from .experts import (
 )
 from .families import WITH_EXPERTS
 from .file import GGUFHeader, first_line, read_as_their_likes, type_name, unsupported_message
+from .latent_attention import absorb_latents
 from .native_steps import steps_natively
 from .weights import FLOAT_TYPES, GGUFError, WeightReader, as_torch, split_hint
 
@@ -310,6 +311,7 @@ class ModelBuild:
         steps_natively(model)
         delta_steps(model)
         conv_steps(model)
+        absorb_latents(model)
         return _finish_built(self.header, model, self.names)
 
 

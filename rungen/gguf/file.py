@@ -133,12 +133,17 @@ OWN_KEYS = {"command-r": COMMAND_R_KEYS, "cohere2": {**COMMAND_R_KEYS, "attentio
 @functools.cache
 def latent_processor():
     """deepseek2's tensor processor: Qwen2-MoE's (a layer's ffn_{gate,up}_exps into one gate_up_proj), and the latent
-    attention's kv_b_proj [heads x (not rotated + value), latent] put back from the halves llama.cpp's converter
-    splits it into: attn_k_b [heads, latent, not rotated] (transposed) and attn_v_b [heads, value, latent]."""
+    attention's kv_b_proj [heads x (not rotated + value), latent] in float values (what latent_attention.py takes
+    apart by head): put back from the halves llama.cpp's converter splits it into, attn_k_b [heads, latent, not
+    rotated] (transposed) and attn_v_b [heads, value, latent], or a file of 2024's attn_kv_b as it is."""
     from transformers.modeling_gguf_pytorch_utils import GGUFTensor, Qwen2MoeTensorProcessor
 
     class LatentProcessor(Qwen2MoeTensorProcessor):
         def process(self, weights, name, **kwargs):
+            if name.endswith(".attn_kv_b.weight"):  # (the mapping's lookup fails on a probe: de-quantized)
+                hf_name = kwargs["tensor_key_mapping"][name]
+                kwargs["parsed_parameters"]["tensors"][hf_name] = torch.from_numpy(np.array(weights))
+                return GGUFTensor(weights, None, {})
             half = next((half for half in ("k", "v") if name.endswith(f".attn_{half}_b.weight")), None)
             if half is None:
                 return super().process(weights, name, **kwargs)
