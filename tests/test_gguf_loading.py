@@ -800,6 +800,36 @@ def test_a_grouped_router_chooses_as_transformers_and_alike_in_a_batch(kind, gro
         assert torch.equal(row_weights[0], got_weights[row])
 
 
+@pytest.mark.parametrize("use_expert_bias", [True, False])
+def test_lfm2_moes_router_chooses_as_transformers_and_alike_in_a_batch(use_expert_bias):
+    # LFM2-MoE's router (sigmoid scores, the block's expert bias added to choose by, normalized) as BiasedRouter:
+    # transformers' experts and weights, and a token's the same bits alone as in a batch (its logits a row at a time).
+    from transformers import Lfm2MoeConfig
+    from transformers.models.lfm2_moe.modeling_lfm2_moe import Lfm2MoeTopKRouter
+
+    from rungen.gguf.experts import BiasedRouter
+
+    config = Lfm2MoeConfig(hidden_size=64, num_experts=16, num_experts_per_tok=4, use_expert_bias=use_expert_bias,
+                           routed_scaling_factor=1.5)
+    torch.manual_seed(0)
+    router, bias = Lfm2MoeTopKRouter(config), torch.randn(16) * 0.5
+    with torch.no_grad():
+        router.weight.normal_(0, 0.3)
+    x = torch.randn(9, 64)
+    with torch.no_grad():
+        logits, weights, experts = router(x, bias)
+        ours = BiasedRouter(router)
+        got_logits, got_weights, got_experts = ours(x, bias)
+        alone = [ours(row[None], bias) for row in x]
+    torch.testing.assert_close(got_logits, logits, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got_experts, experts)
+    torch.testing.assert_close(got_weights, weights)
+    assert weights.sum(dim=-1).allclose(torch.full((9,), 1.5))
+    for row, (row_logits, row_weights, row_experts) in enumerate(alone):
+        assert torch.equal(row_logits[0], got_logits[row]) and torch.equal(row_experts[0], got_experts[row])
+        assert torch.equal(row_weights[0], got_weights[row])
+
+
 def test_a_qwen2_moe_files_experts_and_shared_expert_compute_in_their_blocks(tmp_path, monkeypatch):
     # Qwen1.5-MoE-A2.7B's layout (qwen2's attention with q/k/v biases, a shared expert beside the routed ones, gated
     # by its own sigmoid), of widths other than Qwen2MoeConfig's defaults (1408, 5632: Qwen2-57B-A14B's are 2560 and
@@ -1121,6 +1151,12 @@ CHECKPOINT_FILES = {
     # LFM2's gated short convolutions beside attention with q/k norms, read by transformers' own conversion table (the
     # convolution's shape), the final norm after the layers: transformers' layers, their steps native (a convolution's
     # decode step a few operations).
+    # LFM2-MoE's: lfm2's layers, a dense first MLP, then experts by sigmoid scores with the expert bias to choose by,
+    # read by transformers' kind of table (its own lacks the architecture); its experts in blocks, its router's logits
+    # a row at a time, its steps native as LFM2's.
+    "lfm2moe": dict(files=("lfm2moe_checkpoint", "write_lfm2moe_gguf"), model="Lfm2MoeForCausalLM",
+                    steps=dict(conv="ShortConvStep", self_attn="NativeLfm2Attention"),
+                    native=dict(operator_norm="NativeRMSNorm")),
     "lfm2": dict(files=("lfm2_checkpoint", "write_lfm2_gguf"), model="Lfm2ForCausalLM", quantized=True,
                  steps=dict(conv="ShortConvStep", self_attn="NativeLfm2Attention"),
                  native=dict(feed_forward="NativeGatedMLP", operator_norm="NativeRMSNorm")),
@@ -1233,16 +1269,17 @@ def test_a_qwen35_mixture_in_one_native_call_computes_its_blocks_modules(tmp_pat
 # The files whose decode steps LayerLoop takes: (checkpoint, writer, the types it writes the blocks in).
 LOOPED_FILES = {**{name: (*CHECKPOINT_FILES[name]["files"], ("Q8_0",))
                    for name in ("qwen35", "qwen35moe", "lfm2", "exaone4", "exaone4_global", "olmo2", "olmo3",
-                                "ministral3", "glm4moe")},
+                                "ministral3", "glm4moe", "lfm2moe")},
                 "gpt-oss": ("gpt_oss_checkpoint", "write_gpt_oss_gguf", ("MXFP4", "Q8_0"))}
 
 
 @pytest.mark.parametrize("architecture", LOOPED_FILES)
 def test_a_models_decode_steps_in_one_loop_are_its_layers_one_by_one(architecture, tmp_path):
-    # The decode steps of a model on transformers' layers with native steps (Qwen3.5's, LFM2's, EXAONE 4's, OLMo 2's
-    # and 3's, Ministral 3's, gpt-oss's, GLM-4.5's) as one loop over their layers' parts (LayerLoop, installed as the
-    # inner model's forward): the bits transformers' own forward over the same parts gives, in a left-padded batch
-    # (its masks) and for a row alone (none), the loop taking the steps and transformers' forward the prompts.
+    # The decode steps of a model on transformers' layers with native steps (Qwen3.5's, LFM2's and LFM2-MoE's, EXAONE
+    # 4's, OLMo 2's and 3's, Ministral 3's, gpt-oss's, GLM-4.5's) as one loop over their layers' parts (LayerLoop,
+    # installed as the inner model's forward): the bits transformers' own forward over the same parts gives, in a
+    # left-padded batch (its masks) and for a row alone (none), the loop taking the steps and transformers' forward the
+    # prompts.
     import tiny_models
     from helpers import padded_prompt_and_steps
     from rungen.gguf.layer_loop import LayerLoop

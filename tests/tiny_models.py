@@ -1139,6 +1139,18 @@ def drawn_norms(mean: float):
     return lambda name, tensor: tensor.normal_(mean, 0.3) if "norm" in name else None
 
 
+def drawn_router_bias(suffix: str):
+    """save_tiny's `draw` of a router's bias (the buffer named ending in `suffix`: a trained one is not 0) around 0
+    and each norm's weight around 1, spread 0.3 and 0.3."""
+    def draw(name, tensor):
+        if name.endswith(suffix):
+            tensor.normal_(0, 0.3)
+        elif "norm" in name:
+            tensor.normal_(1, 0.3)
+
+    return draw
+
+
 def smollm3_checkpoint(out_dir: str) -> str:
     """A tiny random SmolLM3 checkpoint (SmolLM3ForCausalLM) in `out_dir`: SmolLM3-3B's layout 64 wide, 8 layers of
     which every fourth (the 4th and the 8th) has no rotary (SmolLM3Config's no_rope_layers), 4 heads over 2, tied
@@ -1548,6 +1560,88 @@ def write_lfm2_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
                 qtype_name, skip=lambda name: name == "lm_head.weight" and config["tie_word_embeddings"],
                 reshape=lambda name, values: values.squeeze(1) if "conv.conv" in name else values,
                 float_kept=("shortconv.conv",))
+    return write_out(writer, path)
+
+
+def lfm2moe_checkpoint(out_dir: str) -> str:
+    """A tiny random LFM2-MoE checkpoint (Lfm2MoeForCausalLM) in `out_dir`: LFM2-8B-A1B's layout 64 wide (lfm2's
+    convolutions and attention), a dense first layer (num_dense_layers 1), then 8 experts of 32, 2 a token, by
+    sigmoid scores with the expert bias (drawn: a trained one is not 0) added to choose by, normalized; tied
+    embeddings; its norms drawn around 1."""
+    from transformers import Lfm2MoeConfig, Lfm2MoeForCausalLM
+
+    tokenizer = tiny_gpt2_tokenizer(out_dir)
+    config = Lfm2MoeConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                           num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=512, norm_eps=1e-5, conv_L_cache=3, num_dense_layers=1,
+                           num_experts=8, num_experts_per_tok=2, use_expert_bias=True, norm_topk_prob=True,
+                           routed_scaling_factor=1.0, layer_types=["conv", "conv", "full_attention", "conv"],
+                           initializer_range=0.15, tie_word_embeddings=True, pad_token_id=None, bos_token_id=None,
+                           eos_token_id=tokenizer.eos_token_id)
+
+    return save_tiny(out_dir, "lfm2moe", Lfm2MoeForCausalLM, config, tokenizer, drawn_router_bias("expert_bias"))
+
+
+def write_lfm2moe_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
+    """The GGUF file llama.cpp's converter (conversion/lfm2.py's LFM2MoeModel) writes of an LFM2-MoE checkpoint:
+    lfm2's keys and the experts' (count, used, inner width, the dense layers first, sigmoid gating), each layer's
+    experts (w1, w3, w2 a tensor each, as published) stacked into 3-D ffn_{gate,up,down}_exps, the expert bias as
+    exp_probs_b.bias, the convolution squeezed; matrices in Q8_0 where asked, the router, convolution and norms
+    F32; a byte-level BPE vocabulary llama.cpp splits as lfm2's."""
+    import gguf
+
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        config = json.load(f)
+    layers, kv_heads = config["num_hidden_layers"], config["num_key_value_heads"]
+    arch = gguf.MODEL_ARCH.LFM2MOE
+    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
+    add_text_shape(writer, {**config, "num_key_value_heads": [0 if kind == "conv" else kv_heads
+                                                              for kind in config["layer_types"]]})
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["norm_eps"])
+    writer.add_expert_count(config["num_experts"])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_file_type({"F32": 0, "Q8_0": 7}[qtype_name])
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    writer.add_leading_dense_block_count(config["num_dense_layers"])
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_shortconv_l_cache(config["conv_L_cache"])
+    add_bpe_vocabulary(writer, checkpoint, "lfm2")
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    names = gguf.get_tensor_name_map(arch, layers)
+    add = converter_adder(writer, qtype_name)
+
+    def special(hf_name, values):
+        base = hf_name.rpartition(".")[0]
+        if hf_name == "lm_head.weight":
+            return config["tie_word_embeddings"]  # (tied: not written)
+        if "conv.conv" in hf_name:  # (squeezed, F32)
+            writer.add_tensor(names.get_name(base) + ".weight", values.squeeze(1))
+            return True
+        if hf_name.endswith("expert_bias"):
+            add(names.get_name(hf_name) + ".bias", values)
+            return True
+        if ".feed_forward.experts." in hf_name:  # w1/w3/w2 of every expert, stacked
+            layer, _, rest = hf_name.partition(".feed_forward.experts.")
+            if rest.startswith("0."):
+                part = rest.split(".")[1]
+                stacked = [load_tensor(f"{layer}.feed_forward.experts.{index}.{part}.weight")
+                           for index in range(config["num_experts"])]
+                merged = layer.removeprefix("model.")  # (the converter's name of the merged tensor)
+                add(names.get_name(f"{merged}.feed_forward.experts.{part}") + ".weight", np.stack(stacked))
+            return True
+        return False
+
+    import numpy as np
+    from safetensors.torch import load_file
+
+    state = load_file(os.path.join(checkpoint, "model.safetensors"))
+
+    def load_tensor(name):
+        return state[name].float().numpy()
+
+    add_mixture_tensors(add, checkpoint, names, config["num_experts"], special)
     return write_out(writer, path)
 
 
@@ -2026,13 +2120,8 @@ def glm4moe_checkpoint(out_dir: str) -> str:
         first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, n_group=1, topk_group=1,
         pad_token_id=None, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
 
-    def draw(name, tensor):
-        if name.endswith("e_score_correction_bias"):
-            tensor.normal_(0, 0.3)
-        elif "norm" in name:
-            tensor.normal_(1, 0.3)
-
-    return save_tiny(out_dir, "glm4moe", Glm4MoeForCausalLM, config, tokenizer, draw=draw)
+    return save_tiny(out_dir, "glm4moe", Glm4MoeForCausalLM, config, tokenizer,
+                     drawn_router_bias("e_score_correction_bias"))
 
 
 def write_glm4moe_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
@@ -2127,14 +2216,8 @@ def deepseek_checkpoint(out_dir: str, version: int = 3) -> str:
     if v3:
         config.topk_method = "noaux_tc"
 
-    def draw(name, tensor):
-        if name.endswith("e_score_correction_bias"):
-            tensor.normal_(0, 0.3)
-        elif "norm" in name:
-            tensor.normal_(1, 0.3)
-
     return save_tiny(out_dir, f"deepseek_v{version}", DeepseekV3ForCausalLM if v3 else DeepseekV2ForCausalLM, config,
-                     tokenizer, draw=draw)
+                     tokenizer, drawn_router_bias("e_score_correction_bias"))
 
 
 def write_deepseek2_unsplit_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:

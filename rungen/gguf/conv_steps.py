@@ -1,11 +1,11 @@
-"""LFM2's decoder layers over a GGUF file's blocks (transformers' Lfm2ForCausalLM), with their small steps taken in
-fewer calls on the CPU: a short convolution layer's decode step between its products one native call (ShortConvStep:
-torch.ops.rungen_ggml.short_conv_step, csrc/ggml_shortconv.cpp; the window shifted in place and its three taps
-summed, where transformers' PyTorch form runs a depthwise conv1d over the window, 0.3 ms a layer of LFM2-1.2B's
-shape); an attention's q, k and v one product, q and k normalized per head and rotated in one rope_split call, the
-native attend over a cache growing in place (NativeLfm2Attention); each RMSNorm one rms_norm call; the MLP's w1 and
-w3 one product. A prompt (several positions) stays transformers' convolution. The arithmetic is transformers' within
-float32 rounding (sums in another order).
+"""LFM2's and LFM2-MoE's decoder layers over a GGUF file's blocks (transformers' Lfm2ForCausalLM,
+Lfm2MoeForCausalLM), with their small steps taken in fewer calls on the CPU: a short convolution layer's decode step
+between its products one native call (ShortConvStep: torch.ops.rungen_ggml.short_conv_step, csrc/ggml_shortconv.cpp;
+the window shifted in place and its three taps summed, where transformers' PyTorch form runs a depthwise conv1d over
+the window, 0.3 ms a layer of LFM2-1.2B's shape); an attention's q, k and v one product, q and k normalized per head
+and rotated in one rope_split call, the native attend over a cache growing in place (NativeLfm2Attention); each
+RMSNorm one rms_norm call; the MLP's w1 and w3 one product. A prompt (several positions) stays transformers'
+convolution. The arithmetic is transformers' within float32 rounding (sums in another order).
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ import torch
 from .kernels import native_kernels
 from .native_steps import GpuKernelHints, JoinedAttention, join_attention, join_gated_mlp, native_layers
 
-CONV_STEPS_MODELS = ("Lfm2ForCausalLM",)
-NORMS = ("Lfm2RMSNorm",)  # weight times x / sqrt(mean(x^2) + eps), in float32
-MLPS = ("Lfm2MLP",)  # w2(silu(w1(x)) * w3(x))
-ATTENTIONS = ("Lfm2Attention",)
-CONVOLUTIONS = ("Lfm2ShortConv",)
+# (LFM2-MoE's layers are LFM2's, its MLPs after the first ones mixtures)
+CONV_STEPS_MODELS = ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM")
+NORMS = ("Lfm2RMSNorm", "Lfm2MoeRMSNorm")  # weight times x / sqrt(mean(x^2) + eps), in float32
+MLPS = ("Lfm2MLP", "Lfm2MoeMLP")  # w2(silu(w1(x)) * w3(x))
+ATTENTIONS = ("Lfm2Attention", "Lfm2MoeAttention")
+CONVOLUTIONS = ("Lfm2ShortConv", "Lfm2MoeShortConv")
 
 
 class ShortConvStep(torch.nn.Module):

@@ -18,10 +18,62 @@ import torch
 
 
 def converted(architecture: str) -> bool:
-    """Whether transformers reads files of `architecture` by its conversion table."""
+    """Whether transformers reads files of `architecture` by its conversion table (OWN_TABLES' too)."""
     from transformers.integrations.gguf import GGUF_ARCHS
 
+    teach_own_tables()
     return architecture in GGUF_ARCHS
+
+
+def _lfm2moe_config(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
+    """LFM2-MoE's config (LFM2-8B-A1B, 24B-A2B): lfm2's, read by transformers' own table from the same keys, and the
+    experts' (count, used, inner width, the dense layers first; the expert bias where the file has it). llama.cpp's
+    graph normalizes the chosen weights and scales them by expert_weights_scale where set; a router not of sigmoid
+    scores is refused."""
+    from transformers.integrations.gguf.gguf_config_mapping import _lfm2_config
+
+    gating = metadata.get("lfm2moe.expert_gating_func", 2)
+    if gating != 2:
+        raise ValueError(f"its router's gating function {gating} (expert_gating_func), where LFM2-MoE's scores "
+                         "experts by a sigmoid (2)")
+    config = _lfm2_config({key.replace("lfm2moe.", "lfm2.", 1): value for key, value in metadata.items()},
+                          tensor_names)
+    del config["block_auto_adjust_ff_dim"]  # (Lfm2MoeConfig's widths are the file's)
+    config.update(model_type="lfm2_moe", architectures=["Lfm2MoeForCausalLM"],
+                  num_experts=metadata["lfm2moe.expert_count"],
+                  num_experts_per_tok=metadata["lfm2moe.expert_used_count"],
+                  moe_intermediate_size=metadata["lfm2moe.expert_feed_forward_length"],
+                  num_dense_layers=metadata.get("lfm2moe.leading_dense_block_count", 0), norm_topk_prob=True,
+                  use_expert_bias=any(name.endswith(".exp_probs_b.bias") for name in tensor_names),
+                  routed_scaling_factor=metadata.get("lfm2moe.expert_weights_scale", 1.0))
+    return config
+
+
+def _lfm2moe(config) -> list:
+    """LFM2-MoE's tensors: lfm2's, the router (ffn_gate_inp), the expert bias (exp_probs_b.bias) and the experts
+    (ffn_gate_exps and ffn_up_exps joined into gate_up_proj, gate rows first, as Qwen3.5-MoE's)."""
+    from transformers.core_model_loading import WeightConverter, WeightRenaming
+    from transformers.integrations.gguf.gguf_conversion_mapping import ConcatenateRows, _lfm2
+
+    return _lfm2(config) + [
+        WeightRenaming(r"\.ffn_gate_inp\.", ".feed_forward.gate."),
+        WeightRenaming(r"\.exp_probs_b\.bias", ".feed_forward.expert_bias"),
+        WeightRenaming(r"\.ffn_down_exps\.weight", ".feed_forward.experts.down_proj"),
+        WeightConverter(source_patterns=[r"\.ffn_gate_exps\.weight", r"\.ffn_up_exps\.weight"],
+                        target_patterns=".feed_forward.experts.gate_up_proj", operations=[ConcatenateRows(dim=1)])]
+
+
+# Architectures transformers' conversion table lacks, given entries of its kind here: (config reader, tensor table).
+OWN_TABLES = {"lfm2moe": (_lfm2moe_config, _lfm2moe)}
+
+
+def teach_own_tables() -> None:
+    """Adds OWN_TABLES' entries to transformers' conversion tables (idempotent)."""
+    from transformers.integrations.gguf import GGUF_ARCHS, GGUF_CONFIG_ARCHS
+
+    for architecture, (config, tensors) in OWN_TABLES.items():
+        GGUF_CONFIG_ARCHS.setdefault(architecture, config)
+        GGUF_ARCHS.setdefault(architecture, tensors)
 
 
 class Conversion:

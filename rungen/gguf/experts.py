@@ -251,6 +251,31 @@ class GroupedRouter(torch.nn.Module):
         return logits, weights * self.scale, experts
 
 
+class BiasedRouter(torch.nn.Module):
+    """LFM2-MoE's router (Lfm2MoeTopKRouter), its logits by RowProducts: each expert's score the sigmoid of its
+    logit; the top k by score plus the block's expert bias where it has one (given at each call, as the block gives
+    it), their weights their scores, divided by their sum (+ 1e-6) where norm_topk_prob says, times
+    routed_scaling_factor; (logits, weights, experts) as it returns them."""
+
+    def __init__(self, router: torch.nn.Module):
+        super().__init__()
+        self.logits = RowProducts(router.weight.detach())
+        self.top_k, self.norm_topk_prob = router.top_k, router.norm_topk_prob
+        self.use_expert_bias, self.scale = router.use_expert_bias, router.routed_scaling_factor
+
+    def forward(self, hidden_states: torch.Tensor, expert_bias: torch.Tensor | None = None):
+        logits = self.logits(hidden_states)
+        scores = 1 / (1 + torch.exp(-logits))  # (torch's sigmoid of a few rows parts by an ulp from a batch's)
+        if self.use_expert_bias:
+            experts = torch.topk(scores + expert_bias, k=self.top_k, dim=-1)[1]
+            weights = torch.gather(scores, dim=1, index=experts).type_as(logits)
+        else:
+            weights, experts = torch.topk(scores, k=self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-6)
+        return logits, weights * self.scale, experts
+
+
 # transformers' mixture blocks whose forward NativeMixture computes (Qwen2-MoE's and Qwen3.5-MoE's with their shared
 # expert; gpt-oss's with its biases and clamped SwiGLU).
 BLOCKS = ("Qwen2MoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "MixtralSparseMoeBlock", "GptOssMLP",
@@ -325,9 +350,9 @@ class MixtureInOneCall(torch.nn.Module):
         return self.block(hidden_states)
 
 
-def silu(act_fn: torch.nn.Module) -> bool:
-    """Whether `act_fn` is transformers' (or torch's) SiLU module."""
-    return type(act_fn).__name__ in ("SiLUActivation", "SiLU")
+def silu(act_fn) -> bool:
+    """Whether `act_fn` is transformers' (or torch's) SiLU module, or torch's function (LFM2-MoE's experts')."""
+    return type(act_fn).__name__ in ("SiLUActivation", "SiLU") or act_fn is torch.nn.functional.silu
 
 
 def mixtures_in_one_call(model: torch.nn.Module) -> None:
@@ -340,15 +365,17 @@ def mixtures_in_one_call(model: torch.nn.Module) -> None:
 
 
 def route_rows_alike(model: torch.nn.Module) -> None:
-    """Each mixture block over GGMLExperts gets ExpertRouter (GroupedRouter) for its router and RowProducts for
-    Qwen2-MoE's shared-expert gate: a token takes the same experts, and the same bits, alone and in a batch."""
+    """Each mixture block over GGMLExperts gets ExpertRouter (GroupedRouter, BiasedRouter) for its router and
+    RowProducts for Qwen2-MoE's shared-expert gate: a token takes the same experts, and the same bits, alone and in a
+    batch."""
     for block in list(model.modules()):
         if not isinstance(getattr(block, "experts", None), GGMLExperts):
             continue
         for name in ("gate", "router"):  # (gpt-oss's is its router)
             kind = type(getattr(block, name, None)).__name__
-            if kind in ROUTERS or kind in GROUPED_ROUTERS:
-                router = ExpertRouter if kind in ROUTERS else GroupedRouter
+            router = ExpertRouter if kind in ROUTERS else GroupedRouter if kind in GROUPED_ROUTERS else \
+                BiasedRouter if kind == "Lfm2MoeTopKRouter" else None
+            if router is not None:
                 setattr(block, name, router(getattr(block, name)))
         shared = getattr(block, "shared_expert_gate", None)
         if type(shared) is torch.nn.Linear and shared.bias is None:

@@ -28,7 +28,7 @@ from .. import NOTICE
 from .blocks import (
     SUPPORTED,
 )
-from .conversions import Conversion
+from .conversions import Conversion, teach_own_tables
 from .families import BY_ARCHITECTURE, FAMILIES, MODEL_OF, NO_FAMILY, READ_AS, WITH_EXPERTS
 from .splits import GPT2_SPLITS, pre_tokenizer, sentencepiece_text
 from .weights import FLOAT_TYPES, GGUFError, with_experts_stacked, with_gate_up_apart
@@ -174,6 +174,7 @@ def read_as_their_likes() -> None:
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
     from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 
+    teach_own_tables()
     for architecture, keys in OWN_KEYS.items():
         GGUF_CONFIG_MAPPING.setdefault(architecture, keys)
         if architecture not in gguf_utils.GGUF_SUPPORTED_ARCHITECTURES:

@@ -19,9 +19,9 @@ import torch
 class Loop:
     """What one family's decoder layers call, by attribute: the attention (`attention`) or a recurrent mixer
     (`recurrent`, its cache given as `cache_keyword`), the norms before the mixer and before the MLP (`pre_norms`)
-    or after each (`post_norms`: OLMo 2's, EXAONE 4's), the MLP, the model's final norm; `sections`: the rotary takes
-    positions as [3, batch, tokens] (Qwen3.5's sections); `mixture`: the model's output carries router logits (None
-    here)."""
+    or after each (`post_norms`: OLMo 2's, EXAONE 4's), the MLP, the model's final norm and rotary; `sections`: the
+    rotary takes positions as [3, batch, tokens] (Qwen3.5's sections); `mixture`: the model's output carries router
+    logits (None here)."""
 
     attention: str = "self_attn"
     recurrent: str | None = None
@@ -30,6 +30,7 @@ class Loop:
     post_norms: tuple[str, str] | None = None
     mlp: str = "mlp"
     final_norm: str = "norm"
+    rotary: str = "rotary_emb"
     sections: bool = False
     mixture: bool = False
 
@@ -43,6 +44,8 @@ LOOPS = {
     "Qwen3_5MoeTextModel": Loop(**QWEN35, mixture=True),
     "Lfm2Model": Loop(recurrent="conv", pre_norms=("operator_norm", "ffn_norm"), mlp="feed_forward",
                       final_norm="embedding_norm"),
+    "Lfm2MoeModel": Loop(recurrent="conv", pre_norms=("operator_norm", "ffn_norm"), mlp="feed_forward",
+                         final_norm="embedding_norm", rotary="pos_emb", mixture=True),
     "Exaone4Model": Loop(**POST),
     "Olmo2Model": Loop(**POST),
     "Olmo3Model": Loop(**POST),
@@ -53,7 +56,8 @@ LOOPS = {
 # The parts whose forwards the loop calls directly (none needs a module hook).
 PARTS = ("NativeRMSNorm", "NativeGatedAttention", "NativeLfm2Attention", "NativeExaone4Attention",
          "NativeOlmoAttention", "NativeMinistral3Attention", "NativeGptOssAttention", "DeltaNetStep", "ShortConvStep",
-         "NativeGatedMLP", "MixtureInOneCall", "NativeGlm4MoeAttention", "Glm4MoeMoE")
+         "NativeGatedMLP", "MixtureInOneCall", "NativeGlm4MoeAttention", "Glm4MoeMoE",
+         "Lfm2MoeSparseMoeBlock")
 # The masks transformers' models give each kind of layer (where a batch is padded); others take none in a step.
 MASKS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask"}
 
@@ -83,7 +87,8 @@ class LayerLoop:
             self.layers.append((attention if attention is not None else getattr(layer, loop.recurrent),
                                 attention is not None, *pre, *post, getattr(layer, loop.mlp)))
         # the rotary's positions by layer kind (OLMo 3's: one a kind), else one for all
-        self.rotary_kinds = "layer_type" in inspect.signature(inner.rotary_emb.forward).parameters
+        self.rotary = getattr(inner, loop.rotary)
+        self.rotary_kinds = "layer_type" in inspect.signature(self.rotary.forward).parameters
 
     @classmethod
     def install(cls, model: torch.nn.Module) -> bool:
@@ -122,9 +127,9 @@ class LayerLoop:
             position_ids = (torch.arange(1, device=hidden.device) + cache.get_seq_length()).unsqueeze(0)
         rotary = position_ids[None].expand(3, *position_ids.shape) if loop.sections else position_ids
         if self.rotary_kinds:
-            rotations = {kind: inner.rotary_emb(hidden, rotary, kind) for kind in set(self.kinds)}
+            rotations = {kind: self.rotary(hidden, rotary, kind) for kind in set(self.kinds)}
         else:
-            rotations = dict.fromkeys(set(self.kinds), inner.rotary_emb(hidden, rotary))
+            rotations = dict.fromkeys(set(self.kinds), self.rotary(hidden, rotary))
         # No padding: no masks (the native attend's causal default, the window each attention passes); a recurrent
         # layer's step takes none.
         layer_masks = dict.fromkeys(set(self.kinds))
