@@ -90,6 +90,12 @@ FAMILIES = {
     # 64 over 8, q/k norms) at 2, 5, 8, 10, 12 and 14; the final norm named token_embd_norm; llama.cpp's lfm2 files.
     "lfm2": dict(arch="lfm2", layers=16, hidden=2048, ffn=8192, heads=32, kv_heads=8, head_dim=64,
                  rope_base=1000000.0, eps=1e-5, tied=True, qk_norm=True, convolutions=(3, (2, 5, 8, 10, 12, 14))),
+    # LFM2-8B-A1B: 24 layers 2048 wide, 18 of them short convolutions, 6 of attention (32 heads of 64 over 8) at 2, 6,
+    # 10, 14, 18 and 21; the first two MLPs dense (7168), then 32 experts of 1792, 4 a token by sigmoid scores with the
+    # expert bias; 4.7 GB in Q4_0.
+    "lfm2moe": dict(arch="lfm2moe", layers=24, hidden=2048, ffn=7168, heads=32, kv_heads=8, head_dim=64,
+                    rope_base=1000000.0, eps=1e-5, tied=True, qk_norm=True, convolutions=(3, (2, 6, 10, 14, 18, 21)),
+                    experts=32, experts_used=4, expert_ffn=1792, dense_first=2, expert_bias=True),
     # Qwen3.5-35B-A3B: 40 of those layers 2048 wide (16 heads of 256 over 2; 16 key and 32 value heads of 128), each
     # MLP 256 experts of 512 (8 a token) beside a shared expert of 512 behind its sigmoid gate; 20 GB in Q4_0, so
     # --layers writes fewer of its layers where memory is short.
@@ -455,7 +461,7 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
     if "temperature" in shape:  # (Ministral 3's: mscale_all_dim 1, llama_4_scaling_beta)
         writer.add_rope_scaling_yarn_log_mul(1.0)
         writer.add_attn_temperature_scale(shape["temperature"])
-    if arch in ("gpt-oss", "lfm2"):  # (their converters write no rotary dimension)
+    if arch in ("gpt-oss", "lfm2", "lfm2moe"):  # (their converters write no rotary dimension)
         pass
     elif "linear" in shape:  # Qwen3.5's linear attention, its interleaved MRoPE over a quarter of each head
         key_heads, value_heads, linear_dim = shape["linear"]
@@ -487,6 +493,9 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
             writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
             writer.add_expert_weights_scale(shape["sigmoid_router"])
             writer.add_expert_weights_norm(True)
+        elif "expert_bias" in shape:  # (LFM2-MoE's: the dense layers first, sigmoid scores)
+            writer.add_leading_dense_block_count(shape["dense_first"])
+            writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
         elif "mla" in shape:  # (DeepSeek-V2's: its shared experts counted, the softmax unnormalized)
             writer.add_expert_shared_count(shape["shared_ffn"] // shape["expert_ffn"])
             writer.add_leading_dense_block_count(shape["dense_first"])
@@ -546,8 +555,9 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
             writer.add_tensor(f"blk.{layer}.ssm_dt.bias", rng.normal(0, 0.5, value_heads).astype(np.float32))
             writer.add_tensor(f"blk.{layer}.ssm_norm.weight", np.ones(linear_dim, dtype=np.float32))
         elif convolution:  # an LFM2 convolution layer's: its input's three parts, the window's weights, its output
-            parts = (("shortconv.in_proj", 3 * hidden, hidden), ("shortconv.out_proj", hidden, hidden),
-                     ("ffn_gate", ffn, hidden), ("ffn_up", ffn, hidden), ("ffn_down", hidden, ffn))
+            parts = (("shortconv.in_proj", 3 * hidden, hidden), ("shortconv.out_proj", hidden, hidden))
+            if dense:
+                parts += (("ffn_gate", ffn, hidden), ("ffn_up", ffn, hidden), ("ffn_down", hidden, ffn))
             writer.add_tensor(f"blk.{layer}.shortconv.conv.weight",
                               rng.normal(0, 0.1, (hidden, convolutions[0])).astype(np.float32))
         elif shape.get("fused"):
@@ -573,7 +583,7 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
             experts, expert_ffn = shape["experts"], shape["expert_ffn"]
             writer.add_tensor(f"blk.{layer}.ffn_gate_inp.weight",
                               rng.normal(0, 0.02, (experts, hidden)).astype(np.float32))
-            if "sigmoid_router" in shape:  # (its score correction)
+            if "sigmoid_router" in shape or "expert_bias" in shape:  # (its score correction, LFM2-MoE's bias)
                 writer.add_tensor(f"blk.{layer}.exp_probs_b.bias", rng.normal(0, 0.1, experts).astype(np.float32))
             for part, rows, cols in (("ffn_gate_exps", expert_ffn, hidden), ("ffn_up_exps", expert_ffn, hidden),
                                      ("ffn_down_exps", hidden, expert_ffn)):
