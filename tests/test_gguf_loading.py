@@ -686,13 +686,13 @@ def test_an_moe_files_experts_of_llama_cpp_mixes_compute_in_their_blocks(tmp_pat
             assert torch.equal(alone, grouped[row, width - len(ids):])
 
 
-@pytest.mark.parametrize("architecture", ["glm4moe", "deepseek_v3"])
+@pytest.mark.parametrize("architecture", ["glm4moe", "deepseek_v3", "ernie4_5_moe"])
 def test_a_file_of_our_own_mixture_reading_computes_its_checkpoint_as_a_device_takes_it(architecture, tmp_path,
                                                                                         monkeypatch, capsys):
-    # GLM-4.5's and DeepSeek-V3's Q8_0 files as a device takes them (their build on the CPU here): transformers' own
-    # experts de-quantized, or in codes (plain products standing in for the GPU's kernel), the router's score
-    # correction read (and DeepSeek's kv_b joined from its halves there): what the checkpoint with the file's weights
-    # computes. transformers' own loader (--dequantize) is refused in one line.
+    # GLM-4.5's, DeepSeek-V3's and ERNIE 4.5's mixtures' Q8_0 files as a device takes them (their build on the CPU
+    # here): transformers' own experts de-quantized, or in codes (plain products standing in for the GPU's kernel),
+    # the router's score correction read (and DeepSeek's kv_b joined from its halves there): what the checkpoint with
+    # the file's weights computes. transformers' own loader (--dequantize) is refused in one line.
     from transformers import AutoModelForCausalLM
 
     import rungen.gguf.device
@@ -712,7 +712,8 @@ def test_a_file_of_our_own_mixture_reading_computes_its_checkpoint_as_a_device_t
         assert theirs.abs().max() > 1
         device = build_model(GGUFHeader(q8_0), torch.float32, torch.device("cpu"))
         assert type(device.model.layers[1].mlp.experts) is type(reference.model.layers[1].mlp.experts)
-        assert device.model.layers[1].mlp.gate.e_score_correction_bias.abs().max() > 0.1
+        router = device.model.layers[1].mlp.gate
+        assert getattr(router, "moe_statics", router).e_score_correction_bias.abs().max() > 0.1
         torch.testing.assert_close(device(ids).logits, theirs, rtol=1e-4, atol=1e-4)
         del device
         monkeypatch.setattr(rungen.gguf.device, "gpu_int8", lambda qtype, device: qtype in INT8_TYPES)
@@ -721,10 +722,12 @@ def test_a_file_of_our_own_mixture_reading_computes_its_checkpoint_as_a_device_t
         assert isinstance(coded.model.layers[1].mlp.experts, CodedExperts)
         torch.testing.assert_close(coded(ids).logits, theirs, rtol=1e-4, atol=1e-4)
     code, line = error_of(["--model_name_or_path", q8_0, "--prompt", "Hi", "--length", "2", "--dequantize"], capsys)
-    kind, missed = (("GLM-4.5 mixture (glm4moe) file", "its router's score correction, its multi-token prediction "
-                     "layer") if architecture == "glm4moe" else
-                    ("DeepSeek V2/V3 (deepseek2) file", "its latent attention's kv_b split in two, its router's "
-                     "score correction"))
+    kind, missed = {"glm4moe": ("GLM-4.5 mixture (glm4moe) file", "its router's score correction, its multi-token "
+                                "prediction layer"),
+                    "deepseek_v3": ("DeepSeek V2/V3 (deepseek2) file", "its latent attention's kv_b split in two, "
+                                    "its router's score correction"),
+                    "ernie4_5_moe": ("ERNIE 4.5 mixture (ernie4_5-moe) file", "its router's score correction")
+                    }[architecture]
     assert code == 2 and line.endswith(f"moe.gguf: transformers reads no {kind} as llama.cpp writes it ({missed}); "
                                        "it runs here in its own blocks, without --dequantize or --device_map"), line
 
@@ -800,31 +803,40 @@ def test_a_grouped_router_chooses_as_transformers_and_alike_in_a_batch(kind, gro
         assert torch.equal(row_weights[0], got_weights[row])
 
 
-@pytest.mark.parametrize("use_expert_bias", [True, False])
-def test_lfm2_moes_router_chooses_as_transformers_and_alike_in_a_batch(use_expert_bias):
-    # LFM2-MoE's router (sigmoid scores, the block's expert bias added to choose by, normalized) as BiasedRouter:
-    # transformers' experts and weights, and a token's the same bits alone as in a batch (its logits a row at a time).
-    from transformers import Lfm2MoeConfig
+@pytest.mark.parametrize("kind", ["lfm2_moe", "lfm2_moe_unbiased", "ernie4_5_moe"])
+def test_a_biased_router_chooses_as_transformers_and_alike_in_a_batch(kind):
+    # LFM2-MoE's router (sigmoid scores, the block's expert bias added to choose by, normalized: BiasedRouter) and
+    # ERNIE 4.5's (the softmax, its correction added to choose by, normalized: ErnieRouter): transformers' experts and
+    # weights, and a token's the same bits alone as in a batch (its logits a row at a time).
+    from transformers import Ernie4_5_MoeConfig, Lfm2MoeConfig
+    from transformers.models.ernie4_5_moe.modeling_ernie4_5_moe import Ernie4_5_MoeTopKRouter
     from transformers.models.lfm2_moe.modeling_lfm2_moe import Lfm2MoeTopKRouter
 
-    from rungen.gguf.experts import BiasedRouter
+    from rungen.gguf.experts import ROUTER_FORMS
 
-    config = Lfm2MoeConfig(hidden_size=64, num_experts=16, num_experts_per_tok=4, use_expert_bias=use_expert_bias,
-                           routed_scaling_factor=1.5)
     torch.manual_seed(0)
-    router, bias = Lfm2MoeTopKRouter(config), torch.randn(16) * 0.5
+    bias = torch.randn(16) * 0.5
+    if kind == "ernie4_5_moe":
+        router = Ernie4_5_MoeTopKRouter(Ernie4_5_MoeConfig(hidden_size=64, moe_num_experts=16, moe_k=4))
+        with torch.no_grad():
+            router.moe_statics.e_score_correction_bias.copy_(bias[None])
+        args = ()
+    else:
+        router = Lfm2MoeTopKRouter(Lfm2MoeConfig(hidden_size=64, num_experts=16, num_experts_per_tok=4,
+                                                 use_expert_bias=kind == "lfm2_moe", routed_scaling_factor=1.5))
+        args = (bias,)
     with torch.no_grad():
         router.weight.normal_(0, 0.3)
     x = torch.randn(9, 64)
     with torch.no_grad():
-        logits, weights, experts = router(x, bias)
-        ours = BiasedRouter(router)
-        got_logits, got_weights, got_experts = ours(x, bias)
-        alone = [ours(row[None], bias) for row in x]
+        logits, weights, experts = router(x, *args)
+        ours = ROUTER_FORMS[type(router).__name__](router)
+        got_logits, got_weights, got_experts = ours(x, *args)
+        alone = [ours(row[None], *args) for row in x]
     torch.testing.assert_close(got_logits, logits, rtol=1e-5, atol=1e-5)
     assert torch.equal(got_experts, experts)
     torch.testing.assert_close(got_weights, weights)
-    assert weights.sum(dim=-1).allclose(torch.full((9,), 1.5))
+    assert weights.sum(dim=-1).allclose(torch.full((9,), 1.0 if kind == "ernie4_5_moe" else 1.5))
     for row, (row_logits, row_weights, row_experts) in enumerate(alone):
         assert torch.equal(row_logits[0], got_logits[row]) and torch.equal(row_experts[0], got_experts[row])
         assert torch.equal(row_weights[0], got_weights[row])
@@ -1151,6 +1163,11 @@ CHECKPOINT_FILES = {
     # LFM2's gated short convolutions beside attention with q/k norms, read by transformers' own conversion table (the
     # convolution's shape), the final norm after the layers: transformers' layers, their steps native (a convolution's
     # decode step a few operations).
+    # ERNIE 4.5's mixture: its own keys (the experts', the dense layers first, the layer step, the shared experts), its
+    # router's correction (moe_statics) as exp_probs_b, its rotary turning pairs (nothing permuted): transformers'
+    # layers, the experts in blocks.
+    "ernie4_5_moe": dict(files=("ernie4_5_moe_checkpoint", "write_ernie4_5_moe_gguf"),
+                         model="Ernie4_5_MoeForCausalLM"),
     # LFM2-MoE's: lfm2's layers, a dense first MLP, then experts by sigmoid scores with the expert bias to choose by,
     # read by transformers' kind of table (its own lacks the architecture); its experts in blocks, its router's logits
     # a row at a time, its steps native as LFM2's.

@@ -2057,15 +2057,15 @@ def write_glm4_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
 
 def converter_adder(writer, qtype_name: str):
     """add(name, values): a tensor into `writer` as llama.cpp's converter writes it with --outtype `qtype_name` (F32
-    or Q8_0): vectors and the router (ffn_gate_inp) F32; for Q8_0 a matrix of whole blocks a row in Q8_0, another
-    F16."""
+    or Q8_0): vectors, the router (ffn_gate_inp) and its correction (exp_probs_b) F32; for Q8_0 a matrix of whole
+    blocks a row in Q8_0, another F16."""
     import gguf
     import numpy as np
     from gguf import GGMLQuantizationType as Q
 
     def add(name, values):
         values = np.ascontiguousarray(values, dtype=np.float32)
-        if qtype_name != "Q8_0" or values.ndim < 2 or ".ffn_gate_inp." in name:
+        if qtype_name != "Q8_0" or values.ndim < 2 or ".ffn_gate_inp." in name or ".exp_probs_b." in name:
             writer.add_tensor(name, values)
         elif values.shape[-1] % 32 == 0:
             writer.add_tensor(name, gguf.quants.quantize(values, Q.Q8_0), raw_dtype=Q.Q8_0)
@@ -2350,6 +2350,57 @@ def write_ernie4_5_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> 
     llama files' permuted rows), no output.weight where tied. ERNIE's vocabulary is SentencePiece's; this one a
     byte-level BPE (the logits are what this file is for)."""
     return write_as_llama(checkpoint, path, "ernie4_5", qtype_name, "default", permute=False)
+
+
+def ernie4_5_moe_checkpoint(out_dir: str) -> str:
+    """A tiny random ERNIE 4.5 mixture checkpoint (Ernie4_5_MoeForCausalLM) in `out_dir`: ERNIE-4.5-21B-A3B's layout
+    64 wide (4 heads of 16 over 2, its rotary interleaved), a dense first layer, then 8 experts of 32, 2 a token by
+    the softmax with the correction (drawn) added to choose by, normalized, two shared experts (as wide as the
+    converter's intermediate_size / kv heads, as the published model's are); tied embeddings, rope base 5e5."""
+    from transformers import Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM
+
+    tokenizer = tiny_gpt2_tokenizer(out_dir)
+    config = Ernie4_5_MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.15, tie_word_embeddings=True,
+        use_bias=False, moe_intermediate_size=32, moe_k=2, moe_num_experts=8, moe_num_shared_experts=2,
+        moe_layer_start_index=1, moe_layer_end_index=2, moe_layer_interval=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, pad_token_id=None,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    return save_tiny(out_dir, "ernie4_5_moe", Ernie4_5_MoeForCausalLM, config, tokenizer,
+                     drawn_router_bias("e_score_correction_bias"))
+
+
+def write_ernie4_5_moe_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
+    """The GGUF file llama.cpp's converter (conversion/ernie.py's Ernie4_5MoeModel) writes of an ERNIE 4.5 mixture
+    checkpoint: a TextModel's keys, the experts' (count, used, the layer step and the dense layers before them, the
+    inner width, the shared count and width), each layer's experts stacked into 3-D ffn_*_exps, the router's
+    correction (moe_statics) as exp_probs_b.bias, the tensors as the checkpoint holds them (no q/k permutation);
+    matrices in Q8_0 where asked, the router F32; a byte-level BPE vocabulary (ERNIE's is SentencePiece's)."""
+    import gguf
+
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        config = json.load(f)
+    arch = gguf.MODEL_ARCH.ERNIE4_5_MOE
+    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
+    add_text_shape(writer, config)
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_expert_count(config["moe_num_experts"])
+    writer.add_expert_used_count(config["moe_k"])
+    writer.add_file_type({"F32": 0, "Q8_0": 7}[qtype_name])
+    writer.add_interleave_moe_layer_step(config["moe_layer_interval"])
+    writer.add_leading_dense_block_count(config["moe_layer_start_index"])
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    writer.add_expert_shared_count(config["moe_num_shared_experts"])
+    writer.add_expert_shared_feed_forward_length(config["intermediate_size"] // config["num_key_value_heads"])
+    add_bpe_vocabulary(writer, checkpoint, "default")
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    add = converter_adder(writer, qtype_name)
+    add_mixture_tensors(add, checkpoint, gguf.get_tensor_name_map(arch, config["num_hidden_layers"]),
+                        config["moe_num_experts"],
+                        lambda hf_name, values: hf_name == "lm_head.weight" and config["tie_word_embeddings"])
+    return write_out(writer, path)
 
 
 def add_yarn(writer, rope: dict) -> None:

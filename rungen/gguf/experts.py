@@ -276,6 +276,31 @@ class BiasedRouter(torch.nn.Module):
         return logits, weights * self.scale, experts
 
 
+class ErnieRouter(torch.nn.Module):
+    """ERNIE 4.5's router (Ernie4_5_MoeTopKRouter), its logits by RowProducts: the softmax of the logits; the top k
+    by softmax plus its correction (moe_statics); their weights the softmax's, divided by their sum (at least
+    moe_norm_min); (logits, weights, experts) as it returns them."""
+
+    def __init__(self, router: torch.nn.Module):
+        super().__init__()
+        self.logits = RowProducts(router.weight.detach().float())
+        self.correction = router.moe_statics.e_score_correction_bias
+        self.top_k, self.norm_min = router.top_k, router.norm_min
+
+    def forward(self, hidden_states: torch.Tensor):
+        logits = self.logits(hidden_states.float())
+        scores = torch.softmax(logits, dim=1, dtype=torch.float)
+        experts = torch.topk(scores + self.correction.squeeze(), self.top_k, dim=-1)[1]
+        weights = torch.gather(scores, dim=-1, index=experts)
+        weights = weights / torch.clamp(weights.sum(dim=-1, keepdim=True), min=self.norm_min)
+        return logits, weights.to(hidden_states.dtype), experts
+
+
+# transformers' routers and the class that computes each a row at a time.
+ROUTER_FORMS = {**dict.fromkeys(ROUTERS, ExpertRouter), **dict.fromkeys(GROUPED_ROUTERS, GroupedRouter),
+                "Lfm2MoeTopKRouter": BiasedRouter, "Ernie4_5_MoeTopKRouter": ErnieRouter}
+
+
 # transformers' mixture blocks whose forward NativeMixture computes (Qwen2-MoE's and Qwen3.5-MoE's with their shared
 # expert; gpt-oss's with its biases and clamped SwiGLU).
 BLOCKS = ("Qwen2MoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "MixtralSparseMoeBlock", "GptOssMLP",
@@ -365,16 +390,14 @@ def mixtures_in_one_call(model: torch.nn.Module) -> None:
 
 
 def route_rows_alike(model: torch.nn.Module) -> None:
-    """Each mixture block over GGMLExperts gets ExpertRouter (GroupedRouter, BiasedRouter) for its router and
-    RowProducts for Qwen2-MoE's shared-expert gate: a token takes the same experts, and the same bits, alone and in a
+    """Each mixture block over GGMLExperts gets its router's form of ROUTER_FORMS and RowProducts for Qwen2-MoE's
+    shared-expert gate: a token takes the same experts, and the same bits, alone and in a
     batch."""
     for block in list(model.modules()):
         if not isinstance(getattr(block, "experts", None), GGMLExperts):
             continue
         for name in ("gate", "router"):  # (gpt-oss's is its router)
-            kind = type(getattr(block, name, None)).__name__
-            router = ExpertRouter if kind in ROUTERS else GroupedRouter if kind in GROUPED_ROUTERS else \
-                BiasedRouter if kind == "Lfm2MoeTopKRouter" else None
+            router = ROUTER_FORMS.get(type(getattr(block, name, None)).__name__)
             if router is not None:
                 setattr(block, name, router(getattr(block, name)))
         shared = getattr(block, "shared_expert_gate", None)

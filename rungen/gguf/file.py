@@ -98,7 +98,8 @@ def metadata_parsed_once(weights: bool = True):
 CONFIG_NAMES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 # Model types whose tensors gguf's name table knows under another architecture's name (a mistral3 file's Ministral 3).
 TENSOR_NAMES_OF = {"ministral3": "mistral3", "olmo3": "olmo2", "hunyuan_v1_dense": "hunyuan-dense",
-                   "glm4_moe": "glm4moe", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2"}
+                   "glm4_moe": "glm4moe", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2",
+                   "ernie4_5_moe": "ernie4_5-moe"}
 
 
 # Architectures transformers' GGUF reading knows no config keys of, read as no other's: their keys (after "<arch>.")
@@ -126,8 +127,18 @@ GLM4MOE_KEYS = {"context_length": "max_position_embeddings", "block_count": "num
 DEEPSEEK2_KEYS = {**{key: field for key, field in GLM4MOE_KEYS.items() if key != "attention.key_length"},
                   "attention.q_lora_rank": "q_lora_rank", "attention.kv_lora_rank": "kv_lora_rank",
                   "rope.dimension_count": "qk_rope_head_dim"}
+# ERNIE 4.5's mixtures (ERNIE-4.5-21B-A3B, 300B-A47B): llama's keys and the experts' (the dense layers before them
+# and the step between mixture layers, the shared experts).
+ERNIE_MOE_KEYS = {**{key: field for key, field in COMMAND_R_KEYS.items() if key not in ("logit_scale",
+                                                                                       "attention.layer_norm_epsilon")},
+                  "attention.layer_norm_rms_epsilon": "rms_norm_eps", "attention.key_length": "head_dim",
+                  "expert_count": "moe_num_experts", "expert_used_count": "moe_k",
+                  "expert_feed_forward_length": "moe_intermediate_size",
+                  "expert_shared_count": "moe_num_shared_experts",
+                  "leading_dense_block_count": "moe_layer_start_index",
+                  "interleave_moe_layer_step": "moe_layer_interval"}
 OWN_KEYS = {"command-r": COMMAND_R_KEYS, "cohere2": {**COMMAND_R_KEYS, "attention.sliding_window": "sliding_window"},
-            "glm4moe": GLM4MOE_KEYS, "deepseek2": DEEPSEEK2_KEYS}
+            "glm4moe": GLM4MOE_KEYS, "deepseek2": DEEPSEEK2_KEYS, "ernie4_5-moe": ERNIE_MOE_KEYS}
 
 
 @functools.cache
@@ -164,7 +175,7 @@ def latent_processor():
 
 
 # The tensor processors of architectures of OWN_KEYS, by name in transformers' table or made here.
-OWN_PROCESSORS = {"glm4moe": "qwen2moe", "deepseek2": latent_processor}
+OWN_PROCESSORS = {"glm4moe": "qwen2moe", "deepseek2": latent_processor, "ernie4_5-moe": "qwen2moe"}
 
 
 def read_as_their_likes() -> None:
@@ -736,13 +747,35 @@ def _deepseek2_config(path: str, metadata: dict, tensors, config: dict) -> None:
         config.setdefault(field, None)
 
 
+def _ernie4_5_moe_config(path: str, metadata: dict, tensors, config: dict) -> None:
+    """llama.cpp's ernie4_5-moe files as ERNIE 4.5's mixture (Ernie4_5_MoeConfig): mixtures from the first layer
+    after the dense ones to the last, every interleave_moe_layer_step-th; q/k/v biases where the file has them;
+    the shared experts as wide as their count times an expert's (the model's rule: a file whose
+    expert_shared_feed_forward_length says otherwise is refused); the class's default token ids dropped where the
+    file names none."""
+    def key(name, default=None):
+        return metadata.get(f"ernie4_5-moe.{name}", default)
+
+    shared, width = config.get("moe_num_shared_experts", 0), key("expert_shared_feed_forward_length")
+    if shared and width is not None and width != shared * config["moe_intermediate_size"]:
+        raise GGUFError(f"{path}: shared experts {width} wide (expert_shared_feed_forward_length), where ERNIE 4.5's "
+                        f"model makes them {shared} x {config['moe_intermediate_size']}")
+    theta = config.pop("rope_theta", key("rope.freq_base", 10000.0))
+    config.update(model_type="ernie4_5_moe", rope_parameters={"rope_type": "default", "rope_theta": theta},
+                  moe_layer_end_index=config["num_hidden_layers"] - 1, use_bias="blk.0.attn_q.bias" in tensors,
+                  tie_word_embeddings="output.weight" not in tensors)
+    for field in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        config.setdefault(field, None)
+
+
 # What an architecture's files need read beyond transformers' reading and the families' rows (path, the metadata, the
 # tensors' names, the config to complete).
 ARCHITECTURE_CONFIGS = {"gemma4": _gemma4_config, "gpt-oss": _gpt_oss_config, "mistral3": _mistral3_config,
                         "olmo2": _olmo2_config, "exaone4": _exaone4_config, "glm4": _glm4_config,
                         "command-r": _cohere_config, "cohere2": _cohere_config, "seed_oss": _seed_oss_config,
                         "apertus": _apertus_config, "hunyuan-dense": _hunyuan_config,
-                        "glm4moe": _glm4moe_config, "deepseek2": _deepseek2_config}
+                        "glm4moe": _glm4moe_config, "deepseek2": _deepseek2_config,
+                        "ernie4_5-moe": _ernie4_5_moe_config}
 
 
 def _yarn(path: str, arch: str, metadata: dict, theta: float, known: str) -> dict | None:
@@ -770,8 +803,10 @@ def _yarn(path: str, arch: str, metadata: dict, theta: float, known: str) -> dic
     return rope
 
 
-# Model types whose router adds a correction to each expert's score to choose them (exp_probs_b).
-CORRECTED_ROUTERS = ("glm4_moe", "deepseek_v3")
+# Model types whose router adds a correction to each expert's score to choose them (exp_probs_b), and where the
+# router (the block's gate) holds it.
+CORRECTED_ROUTERS = {"glm4_moe": "e_score_correction_bias", "deepseek_v3": "e_score_correction_bias",
+                     "ernie4_5_moe": "moe_statics.e_score_correction_bias"}
 # Model types whose latent attention's kv_b_proj llama.cpp's converter splits (attn_k_b, attn_v_b).
 SPLIT_LATENTS = ("deepseek_v2", "deepseek_v3")
 
@@ -806,7 +841,8 @@ def with_expert_names(model_type: str, names: dict[str, str], tensors: set[str])
             extra[f"{layer}.ffn_gate_inp.scale"] = f"{router}.scale"
             extra[f"{layer}.ffn_down_exps.scale"] = f"{router}.per_expert_scale"
         if model_type in CORRECTED_ROUTERS:
-            extra[f"{layer}.exp_probs_b.bias"] = experts.removesuffix(".experts") + ".gate.e_score_correction_bias"
+            block = experts.removesuffix(".experts")
+            extra[f"{layer}.exp_probs_b.bias"] = f"{block}.gate.{CORRECTED_ROUTERS[model_type]}"
     if model_type in SPLIT_LATENTS:
         for name, hf in list(names.items()):
             if name.endswith(".attn_kv_b.weight") and name not in tensors:
@@ -1113,7 +1149,8 @@ TOOL_LOADER_ONLY = {"gpt-oss": (None, "gpt-oss file", "its experts' tensors"),
                     "glm4moe": (None, "GLM-4.5 mixture (glm4moe) file",
                                 "its router's score correction, its multi-token prediction layer"),
                     "deepseek2": (None, "DeepSeek V2/V3 (deepseek2) file",
-                                  "its latent attention's kv_b split in two, its router's score correction")}
+                                  "its latent attention's kv_b split in two, its router's score correction"),
+                    "ernie4_5-moe": (None, "ERNIE 4.5 mixture (ernie4_5-moe) file", "its router's score correction")}
 
 
 def refuse_transformers_loader(path: str) -> None:
