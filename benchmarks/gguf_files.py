@@ -124,6 +124,11 @@ FAMILIES = {
     "deepseek2": dict(arch="deepseek2", layers=27, hidden=2048, ffn=10944, heads=16, kv_heads=1, head_dim=192,
                       rope_base=10000.0, eps=1e-6, tied=False, experts=64, experts_used=6, expert_ffn=1408,
                       shared_ffn=2816, dense_first=1, mla=(512, 128, 64, 128), yarn=(40.0, 4096), context=163840),
+    # ERNIE-4.5-21B-A3B: 28 layers 2560 wide (20 heads of 128 over 4), the first dense (12288), then 64 experts of 1536
+    # (6 a token by the softmax with its correction) beside two shared; 12 GB in Q4_0.
+    "ernie4_5-moe": dict(arch="ernie4_5-moe", layers=28, hidden=2560, ffn=12288, heads=20, kv_heads=4, head_dim=128,
+                         rope_base=500000.0, eps=1e-5, tied=True, experts=64, experts_used=6, expert_ffn=1536,
+                         shared_ffn=3072, dense_first=1, ernie_router=True),
     # Mixtral-8x7B: llama's file with experts (8 of 14336 a layer, 2 a token: feed_forward_length is the experts'),
     # 26 GB in Q4_0.
     "mixtral": dict(arch="llama", layers=32, hidden=4096, ffn=14336, heads=32, kv_heads=8, head_dim=128,
@@ -493,6 +498,11 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
             writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
             writer.add_expert_weights_scale(shape["sigmoid_router"])
             writer.add_expert_weights_norm(True)
+        elif "ernie_router" in shape:  # (ERNIE 4.5's: every layer after the dense ones, its shared experts)
+            writer.add_interleave_moe_layer_step(1)
+            writer.add_leading_dense_block_count(shape["dense_first"])
+            writer.add_expert_shared_count(shape["shared_ffn"] // shape["expert_ffn"])
+            writer.add_expert_shared_feed_forward_length(shape["shared_ffn"])
         elif "expert_bias" in shape:  # (LFM2-MoE's: the dense layers first, sigmoid scores)
             writer.add_leading_dense_block_count(shape["dense_first"])
             writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
@@ -583,8 +593,9 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
             experts, expert_ffn = shape["experts"], shape["expert_ffn"]
             writer.add_tensor(f"blk.{layer}.ffn_gate_inp.weight",
                               rng.normal(0, 0.02, (experts, hidden)).astype(np.float32))
-            if "sigmoid_router" in shape or "expert_bias" in shape:  # (its score correction, LFM2-MoE's bias)
-                writer.add_tensor(f"blk.{layer}.exp_probs_b.bias", rng.normal(0, 0.1, experts).astype(np.float32))
+            if "sigmoid_router" in shape or "expert_bias" in shape or "ernie_router" in shape:  # (its correction)
+                rows = (1, experts) if "ernie_router" in shape else (experts,)  # (ERNIE's as its checkpoint holds it)
+                writer.add_tensor(f"blk.{layer}.exp_probs_b.bias", rng.normal(0, 0.1, rows).astype(np.float32))
             for part, rows, cols in (("ffn_gate_exps", expert_ffn, hidden), ("ffn_up_exps", expert_ffn, hidden),
                                      ("ffn_down_exps", hidden, expert_ffn)):
                 blocks(f"blk.{layer}.{part}.weight", rows, cols, experts_type, small, experts)
@@ -593,7 +604,7 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
             if "shared_ffn" in shape:  # (Qwen3.5-MoE's shared expert and its gate, float32 as its converter writes it;
                 # GLM-4.5's without a gate)
                 shared = shape["shared_ffn"]
-                if "sigmoid_router" not in shape and "mla" not in shape:
+                if not {"sigmoid_router", "mla", "ernie_router"} & shape.keys():
                     writer.add_tensor(f"blk.{layer}.ffn_gate_inp_shexp.weight",
                                       rng.normal(0, 0.02, (1, hidden)).astype(np.float32))
                 for part, rows, cols in (("ffn_gate_shexp", shared, hidden), ("ffn_up_shexp", shared, hidden),

@@ -803,6 +803,24 @@ def test_a_grouped_router_chooses_as_transformers_and_alike_in_a_batch(kind, gro
         assert torch.equal(row_weights[0], got_weights[row])
 
 
+def test_an_ernie45_mixture_file_requantized_by_llama_cpp_computes_as_the_converters(tmp_path):
+    # llama.cpp's quantizer writes the converter's [1, experts] router correction as [experts] (the published Q4_K_M
+    # files hold it so): read into the model's [1, experts] all the same, the same logits.
+    import tiny_models
+
+    checkpoint = tiny_models.ernie4_5_moe_checkpoint(str(tmp_path))
+    converted, requantized = (tiny_models.write_ernie4_5_moe_gguf(checkpoint, str(tmp_path / f"{name}.gguf"), "Q8_0",
+                                                                  requantized=name == "requantized")
+                              for name in ("converted", "requantized"))
+    shapes = [[row[2] for row in GGUFHeader(path).tensors if row[0] == "blk.1.exp_probs_b.bias"]
+              for path in (converted, requantized)]
+    assert shapes == [[[1, 8]], [[8]]]
+    ids = torch.arange(3, 43)[None] * 7
+    with torch.no_grad():
+        logits = [build_model(GGUFHeader(path), torch.float32)(ids).logits for path in (converted, requantized)]
+    assert torch.equal(*logits)
+
+
 @pytest.mark.parametrize("kind", ["lfm2_moe", "lfm2_moe_unbiased", "ernie4_5_moe"])
 def test_a_biased_router_chooses_as_transformers_and_alike_in_a_batch(kind):
     # LFM2-MoE's router (sigmoid scores, the block's expert bias added to choose by, normalized: BiasedRouter) and

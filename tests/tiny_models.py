@@ -2371,12 +2371,14 @@ def ernie4_5_moe_checkpoint(out_dir: str) -> str:
                      drawn_router_bias("e_score_correction_bias"))
 
 
-def write_ernie4_5_moe_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
+def write_ernie4_5_moe_gguf(checkpoint: str, path: str, qtype_name: str = "F32", requantized: bool = False) -> str:
     """The GGUF file llama.cpp's converter (conversion/ernie.py's Ernie4_5MoeModel) writes of an ERNIE 4.5 mixture
     checkpoint: a TextModel's keys, the experts' (count, used, the layer step and the dense layers before them, the
     inner width, the shared count and width), each layer's experts stacked into 3-D ffn_*_exps, the router's
     correction (moe_statics) as exp_probs_b.bias, the tensors as the checkpoint holds them (no q/k permutation);
-    matrices in Q8_0 where asked, the router F32; a byte-level BPE vocabulary (ERNIE's is SentencePiece's)."""
+    matrices in Q8_0 where asked, the router F32; a byte-level BPE vocabulary (ERNIE's is SentencePiece's).
+    `requantized`: the correction [experts] as llama.cpp's quantizer writes the converter's [1, experts] (the
+    published Q4_K_M files')."""
     import gguf
 
     with open(os.path.join(checkpoint, "config.json")) as f:
@@ -2396,7 +2398,11 @@ def write_ernie4_5_moe_gguf(checkpoint: str, path: str, qtype_name: str = "F32")
     writer.add_expert_shared_feed_forward_length(config["intermediate_size"] // config["num_key_value_heads"])
     add_bpe_vocabulary(writer, checkpoint, "default")
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    add = converter_adder(writer, qtype_name)
+    converted = converter_adder(writer, qtype_name)
+
+    def add(name, values):
+        converted(name, values.reshape(-1) if requantized and ".exp_probs_b." in name else values)
+
     add_mixture_tensors(add, checkpoint, gguf.get_tensor_name_map(arch, config["num_hidden_layers"]),
                         config["moe_num_experts"],
                         lambda hf_name, values: hf_name == "lm_head.weight" and config["tie_word_embeddings"])

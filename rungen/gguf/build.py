@@ -149,7 +149,8 @@ class ModelBuild:
         if code == GGMLQuantizationType.BF16 and result.weights.dtype != np.int16:
             raise GGUFError(f"{self.header.path}: tensor {name} is BF16, which this architecture's transform "
                             "cannot take here; --dequantize loads it in float32")
-        tensor = as_torch(raw if result.weights is raw else np.ascontiguousarray(result.weights), code)
+        tensor = _unsqueezed(as_torch(raw if result.weights is raw else np.ascontiguousarray(result.weights), code),
+                             module, attr)
         _check_shape(self.header.path, name, module, attr, tensor.shape)
         if self.on_device:
             self.put(hf_name, tensor.to(device=self.device, dtype=dtype))
@@ -402,6 +403,16 @@ def _finish_built(header: GGUFHeader, model: torch.nn.Module, names: dict, devic
         model.to(device)
     model.eval()
     return model
+
+
+def _unsqueezed(tensor: torch.Tensor, module: torch.nn.Module, attr: str) -> torch.Tensor:
+    """`tensor` as the parameter it replaces is shaped where they differ only in dimensions of 1: llama.cpp's
+    quantizer writes a [1, n] tensor (ERNIE 4.5's router correction, as its converter writes it) as [n]."""
+    expected = getattr(module, attr, None)
+    if isinstance(expected, torch.Tensor) and tuple(expected.shape) != tuple(tensor.shape) and \
+            [size for size in expected.shape if size != 1] == [size for size in tensor.shape if size != 1]:
+        return tensor.reshape(expected.shape)
+    return tensor
 
 
 def _check_shape(path: str, name: str, module: torch.nn.Module, attr: str, shape) -> None:
