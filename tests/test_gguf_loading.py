@@ -803,6 +803,24 @@ def test_a_grouped_router_chooses_as_transformers_and_alike_in_a_batch(kind, gro
         assert torch.equal(row_weights[0], got_weights[row])
 
 
+def test_an_lfm2_moe_file_loads_with_transformers_own_loader_too(tmp_path):
+    # LFM2-MoE's entry in transformers' conversion tables (conversions.OWN_TABLES) serves its own loader as well:
+    # --dequantize computes the checkpoint with the Q8_0 file's weights.
+    from transformers import AutoModelForCausalLM
+
+    import tiny_models
+
+    checkpoint = tiny_models.lfm2moe_checkpoint(str(tmp_path))
+    path = tiny_models.write_lfm2moe_gguf(checkpoint, str(tmp_path / "q8_0.gguf"), "Q8_0")
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    round_as_q8_0_file(reference)
+    model = load(path, device=torch.device("cpu"), dequantize=True).model
+    assert type(model).__name__ == "Lfm2MoeForCausalLM"
+    ids = torch.arange(3, 43)[None] * 7
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-4)
+
+
 def test_an_ernie45_mixture_file_requantized_by_llama_cpp_computes_as_the_converters(tmp_path):
     # llama.cpp's quantizer writes the converter's [1, experts] router correction as [experts] (the published Q4_K_M
     # files hold it so): read into the model's [1, experts] all the same, the same logits.
