@@ -667,8 +667,14 @@ def _hunyuan_config(path: str, metadata: dict, tensors, config: dict) -> None:
 def _glm4_config(path: str, metadata: dict, tensors, config: dict) -> None:
     """GLM-4-0414's partial rotary (half of each head), which transformers' reading drops: the rotated share of a head
     (rope.dimension_count) over the head size."""
-    rotary, head_dim = metadata.get("glm4.rope.dimension_count"), config.get("head_dim")
-    theta = config.pop("rope_theta", metadata.get("glm4.rope.freq_base", 10000.0))
+    _glm_rotary(metadata, config, "glm4")
+
+
+def _glm_rotary(metadata: dict, config: dict, arch: str) -> None:
+    """GLM's rotary of part of each head as rope parameters: the rotated share (rope.dimension_count) over the head
+    size (half where the file does not say), at the file's base."""
+    rotary, head_dim = metadata.get(f"{arch}.rope.dimension_count"), config.get("head_dim")
+    theta = config.pop("rope_theta", metadata.get(f"{arch}.rope.freq_base", 10000.0))
     config["rope_parameters"] = {"rope_type": "default", "rope_theta": theta,
                                  "partial_rotary_factor": rotary / head_dim if rotary and head_dim else 0.5}
 
@@ -685,14 +691,10 @@ def _glm4moe_config(path: str, metadata: dict, tensors, config: dict) -> None:
                         "scores experts by a sigmoid (2)")
     config["model_type"] = "glm4_moe"
     config["num_hidden_layers"] -= metadata.get("glm4moe.nextn_predict_layers", 0)
-    rotary, head_dim = metadata.get("glm4moe.rope.dimension_count"), config.get("head_dim")
-    theta = config.pop("rope_theta", metadata.get("glm4moe.rope.freq_base", 10000.0))
-    config["rope_parameters"] = {"rope_type": "default", "rope_theta": theta,
-                                 "partial_rotary_factor": rotary / head_dim if rotary and head_dim else 0.5}
+    _glm_rotary(metadata, config, "glm4moe")
     config.update(attention_bias="blk.0.attn_q.bias" in tensors, use_qk_norm="blk.0.attn_q_norm.weight" in tensors,
                   tie_word_embeddings="output.weight" not in tensors)
-    for field in ("pad_token_id", "bos_token_id", "eos_token_id"):
-        config.setdefault(field, None)
+    _file_token_ids(config, "pad_token_id", "bos_token_id", "eos_token_id")
 
 
 def _deepseek2_config(path: str, metadata: dict, tensors, config: dict) -> None:
@@ -743,8 +745,7 @@ def _deepseek2_config(path: str, metadata: dict, tensors, config: dict) -> None:
             raise GGUFError(f"{path}: a yarn rotary without its factor or original context length "
                             "(deepseek2.rope.scaling.factor, original_context_length)")
     config["rope_parameters"] = rope
-    for field in ("pad_token_id", "bos_token_id", "eos_token_id"):
-        config.setdefault(field, None)
+    _file_token_ids(config, "pad_token_id", "bos_token_id", "eos_token_id")
 
 
 def _ernie4_5_moe_config(path: str, metadata: dict, tensors, config: dict) -> None:
@@ -764,8 +765,7 @@ def _ernie4_5_moe_config(path: str, metadata: dict, tensors, config: dict) -> No
     config.update(model_type="ernie4_5_moe", rope_parameters={"rope_type": "default", "rope_theta": theta},
                   moe_layer_end_index=config["num_hidden_layers"] - 1, use_bias="blk.0.attn_q.bias" in tensors,
                   tie_word_embeddings="output.weight" not in tensors)
-    for field in ("pad_token_id", "bos_token_id", "eos_token_id"):
-        config.setdefault(field, None)
+    _file_token_ids(config, "pad_token_id", "bos_token_id", "eos_token_id")
 
 
 # What an architecture's files need read beyond transformers' reading and the families' rows (path, the metadata, the
