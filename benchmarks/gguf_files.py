@@ -129,6 +129,14 @@ FAMILIES = {
     "ernie4_5-moe": dict(arch="ernie4_5-moe", layers=28, hidden=2560, ffn=12288, heads=20, kv_heads=4, head_dim=128,
                          rope_base=500000.0, eps=1e-5, tied=True, experts=64, experts_used=6, expert_ffn=1536,
                          shared_ffn=3072, dense_first=1, ernie_router=True),
+    # Granite 4.0 H-Tiny (7B-A1B): 40 layers 1536 wide, 36 of them Mamba-2 (48 heads of 64, a state of 128, one
+    # group, a window of 4), 4 of attention without rotary (12 heads of 128 over 4) at 5, 15, 25 and 35; each MLP 64
+    # experts of 512 (6 a token) beside a shared one of 1024; Granite's multipliers; tied; 4.1 GB in Q4_0.
+    "granitehybrid": dict(arch="granitehybrid", layers=40, hidden=1536, ffn=512, heads=12, kv_heads=4, head_dim=128,
+                          rope_base=10000.0, eps=1e-5, tied=True, mamba=(48, 64, 128, (5, 15, 25, 35)), experts=64,
+                          experts_used=6, expert_ffn=512, shared_ffn=1024, context=2 ** 20,
+                          scales={"attention.scale": 0.0078125, "embedding_scale": 12.0, "residual_scale": 0.22,
+                                  "logit_scale": 6.0}),
     # Mixtral-8x7B: llama's file with experts (8 of 14336 a layer, 2 a token: feed_forward_length is the experts'),
     # 26 GB in Q4_0.
     "mixtral": dict(arch="llama", layers=32, hidden=4096, ffn=14336, heads=32, kv_heads=8, head_dim=128,
@@ -432,11 +440,20 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
     writer.add_block_count(shape["layers"])
     writer.add_feed_forward_length(shape["ffn"])
     writer.add_head_count(shape["heads"])
-    convolutions = shape.get("convolutions")
+    convolutions, mamba = shape.get("convolutions"), shape.get("mamba")
     if convolutions:  # (LFM2's: a layer's kv heads, 0 for a convolution layer; the window; no head size written)
         writer.add_head_count_kv([shape["kv_heads"] if layer in convolutions[1] else 0
                                   for layer in range(shape["layers"])])
         writer.add_shortconv_l_cache(convolutions[0])
+    elif mamba:  # (Granite 4.0 H's: a layer's kv heads, 0 for a Mamba-2 layer; the ssm keys; no rotary)
+        ssm_heads, ssm_head, state, attention = mamba
+        writer.add_head_count_kv([shape["kv_heads"] if layer in attention else 0 for layer in range(shape["layers"])])
+        writer.add_ssm_conv_kernel(4)
+        writer.add_ssm_state_size(state)
+        writer.add_ssm_group_count(1)
+        writer.add_ssm_inner_size(ssm_heads * ssm_head)
+        writer.add_ssm_time_step_rank(ssm_heads)
+        writer.add_rope_scaling_finetuned(False)
     else:
         writer.add_head_count_kv(shape["kv_heads"])
     if shape.get("fused"):  # phi3's converter: no key/value length (hidden / heads), the original context
@@ -444,7 +461,7 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
     elif "mla" in shape:  # (the latent's: the keys with the rotated part, the values without)
         writer.add_key_length(shape["mla"][0] + shape["mla"][2])
         writer.add_value_length(shape["mla"][0])
-    elif not convolutions:
+    elif not convolutions and not mamba:
         writer.add_key_length(shape["head_dim"])
         writer.add_value_length(shape["head_dim"])
     writer.add_layer_norm_rms_eps(shape["eps"])
@@ -511,7 +528,7 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
             writer.add_leading_dense_block_count(shape["dense_first"])
             writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX)
             writer.add_expert_weights_scale(1.0)
-        elif "shared_ffn" in shape:
+        elif "shared_ffn" in shape:  # (Qwen3.5-MoE's, Granite 4.0 H's)
             writer.add_expert_shared_feed_forward_length(shape["shared_ffn"])
     for key, value in shape.get("scales", {}).items():
         writer.add_float32(f"{arch}.{key}", value)
@@ -538,6 +555,7 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
             norms = ("post_attention_norm", "post_ffw_norm")
         recurrent = "linear" in shape and (layer + 1) % 4 != 0
         convolution = bool(convolutions) and layer not in convolutions[1]
+        ssm = bool(mamba) and layer not in mamba[3]
         if "linear" in shape or "sigmoid_router" in shape:  # (Qwen3.5's, GLM-4.5's: the MLP's norm so named)
             norms = ("attn_norm", "post_attention_norm")
         if "mla" in shape:  # (and the latent's)
@@ -564,6 +582,17 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
             writer.add_tensor(f"blk.{layer}.ssm_a", -rng.uniform(0.5, 8, value_heads).astype(np.float32))
             writer.add_tensor(f"blk.{layer}.ssm_dt.bias", rng.normal(0, 0.5, value_heads).astype(np.float32))
             writer.add_tensor(f"blk.{layer}.ssm_norm.weight", np.ones(linear_dim, dtype=np.float32))
+        elif ssm:  # a Mamba-2 layer's: z, x, B, C and dt in one product, the window over x, B and C, A, D, its norm
+            ssm_heads, ssm_head, state, _ = mamba
+            inner = ssm_heads * ssm_head
+            parts = (("ssm_in", 2 * inner + 2 * state + ssm_heads, hidden), ("ssm_out", hidden, inner))
+            writer.add_tensor(f"blk.{layer}.ssm_conv1d.weight",
+                              rng.normal(0, 0.1, (inner + 2 * state, 4)).astype(np.float32))
+            writer.add_tensor(f"blk.{layer}.ssm_conv1d.bias", np.zeros(inner + 2 * state, dtype=np.float32))
+            writer.add_tensor(f"blk.{layer}.ssm_dt.bias", rng.normal(0, 0.5, ssm_heads).astype(np.float32))
+            writer.add_tensor(f"blk.{layer}.ssm_a", -rng.uniform(0.5, 8, (ssm_heads, 1)).astype(np.float32))
+            writer.add_tensor(f"blk.{layer}.ssm_d", np.ones((ssm_heads, 1), dtype=np.float32))
+            writer.add_tensor(f"blk.{layer}.ssm_norm.weight", np.ones((1, inner), dtype=np.float32))
         elif convolution:  # an LFM2 convolution layer's: its input's three parts, the window's weights, its output
             parts = (("shortconv.in_proj", 3 * hidden, hidden), ("shortconv.out_proj", hidden, hidden))
             if dense:
@@ -604,7 +633,7 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
             if "shared_ffn" in shape:  # (Qwen3.5-MoE's shared expert and its gate, float32 as its converter writes it;
                 # GLM-4.5's without a gate)
                 shared = shape["shared_ffn"]
-                if not {"sigmoid_router", "mla", "ernie_router"} & shape.keys():
+                if not {"sigmoid_router", "mla", "ernie_router", "mamba"} & shape.keys():
                     writer.add_tensor(f"blk.{layer}.ffn_gate_inp_shexp.weight",
                                       rng.normal(0, 0.02, (1, hidden)).astype(np.float32))
                 for part, rows, cols in (("ffn_gate_shexp", shared, hidden), ("ffn_up_shexp", shared, hidden),

@@ -157,18 +157,23 @@ def test_gguf_greedy_equals_eager_generate_on_the_gpu(gguf_file):
     check_greedy(["--model_name_or_path", gguf_file], model, tokenizer, extra=["--dequantize"] if ON_CPU else [])
 
 
-@pytest.mark.parametrize("architecture", ["qwen35", "lfm2"])
+@pytest.mark.parametrize("architecture", ["qwen35", "lfm2", "granitehybrid_dense"])
 def test_a_recurrent_gguf_files_greedy_equals_eager_generate_on_the_gpu(architecture, tmp_path):
-    """Qwen3.5's (Q4_0: its out_proj kept in 4-bit codes, its input gathered in the file's order) and LFM2's files
-    (transformers' conversion table) on the device, their rows' states batched by the engine, against transformers'
-    own loader of the same file."""
+    """Qwen3.5's (Q4_0: its out_proj kept in 4-bit codes, its input gathered in the file's order), LFM2's
+    (transformers' conversion table) and granite-4.0-h-micro's files (our entry of that table's kind: its shared MLP
+    joined from two tensors) on the device, their rows' states batched by the engine, against transformers' own loader
+    of the same file."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import tiny_models
+    from rungen.gguf.conversions import teach_own_tables
+
+    teach_own_tables()  # (Granite 4.0 H's entry, for transformers' loader below)
 
     checkpoint = getattr(tiny_models, f"{architecture}_checkpoint")(str(tmp_path))
     qtype = "Q4_0" if architecture == "qwen35" else "Q8_0"
-    path = getattr(tiny_models, f"write_{architecture}_gguf")(checkpoint, str(tmp_path / "model.gguf"), qtype)
+    write = getattr(tiny_models, f"write_{architecture.removesuffix('_dense')}_gguf")
+    path = write(checkpoint, str(tmp_path / "model.gguf"), qtype)
     folder, name = os.path.split(path)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).to(DEVICE).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
@@ -178,12 +183,12 @@ def test_a_recurrent_gguf_files_greedy_equals_eager_generate_on_the_gpu(architec
 @needs_cuda  # (on the CPU, the files' own blocks: tests/test_gguf_loading.py)
 @pytest.mark.skipif(PLAYED, reason="the tool's experts where Triton's int8 kernel is not: transformers' own, which "
                     "count a GPU's tokens with an integer histogram the CPU playing one lacks")
-@pytest.mark.parametrize("architecture", ["glm4moe", "deepseek"])
+@pytest.mark.parametrize("architecture", ["glm4moe", "deepseek", "granitehybrid"])
 def test_a_mixture_of_our_own_reading_greedy_equals_its_checkpoint_on_the_gpu(architecture, tmp_path):
     """GLM-4.5's mixture (glm4moe: its own keys, the sigmoid router's score correction, the multi-token prediction
-    block left unread) and DeepSeek-V3's (deepseek2: its latent attention's kv_b joined from the converter's halves)
-    on the device, their experts in codes (transformers reads neither file), against the checkpoint with the weights
-    the Q8_0 file holds (the router's F32)."""
+    block left unread), DeepSeek-V3's (deepseek2: its latent attention's kv_b joined from the converter's halves) and
+    Granite 4.0 H's (granitehybrid: Mamba-2 layers, the shared MLP beside the experts) on the device, their experts
+    in codes, against the checkpoint with the weights the Q8_0 file holds (the router's F32)."""
     from transformers import AutoModelForCausalLM
 
     import tiny_models
@@ -191,7 +196,8 @@ def test_a_mixture_of_our_own_reading_greedy_equals_its_checkpoint_on_the_gpu(ar
     from rungen.gguf.file import GGUFHeader
 
     checkpoint = getattr(tiny_models, f"{architecture}_checkpoint")(str(tmp_path))
-    write = tiny_models.write_glm4moe_gguf if architecture == "glm4moe" else tiny_models.write_deepseek2_gguf
+    write = {"glm4moe": tiny_models.write_glm4moe_gguf, "deepseek": tiny_models.write_deepseek2_gguf,
+             "granitehybrid": tiny_models.write_granitehybrid_gguf}[architecture]
     path = write(checkpoint, str(tmp_path / "model.gguf"), "Q8_0")
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     round_as_q8_0_file(model)

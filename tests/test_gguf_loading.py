@@ -803,19 +803,23 @@ def test_a_grouped_router_chooses_as_transformers_and_alike_in_a_batch(kind, gro
         assert torch.equal(row_weights[0], got_weights[row])
 
 
-def test_an_lfm2_moe_file_loads_with_transformers_own_loader_too(tmp_path):
-    # LFM2-MoE's entry in transformers' conversion tables (conversions.OWN_TABLES) serves its own loader as well:
-    # --dequantize computes the checkpoint with the Q8_0 file's weights.
+@pytest.mark.parametrize("architecture", ["lfm2moe", "granitehybrid", "granitehybrid_dense"])
+def test_a_file_of_our_own_tables_entry_loads_with_transformers_own_loader_too(architecture, tmp_path):
+    # LFM2-MoE's and Granite 4.0 H's entries in transformers' conversion tables (conversions.OWN_TABLES) serve its own
+    # loader as well (Granite's shared MLP joined from two tensors there too): --dequantize computes the checkpoint
+    # with the Q8_0 file's weights.
     from transformers import AutoModelForCausalLM
 
     import tiny_models
 
-    checkpoint = tiny_models.lfm2moe_checkpoint(str(tmp_path))
-    path = tiny_models.write_lfm2moe_gguf(checkpoint, str(tmp_path / "q8_0.gguf"), "Q8_0")
+    spec = CHECKPOINT_FILES[architecture]
+    make_checkpoint, write = (getattr(tiny_models, name) for name in spec["files"])
+    checkpoint = make_checkpoint(str(tmp_path))
+    path = write(checkpoint, str(tmp_path / "q8_0.gguf"), "Q8_0")
     reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     round_as_q8_0_file(reference)
     model = load(path, device=torch.device("cpu"), dequantize=True).model
-    assert type(model).__name__ == "Lfm2MoeForCausalLM"
+    assert type(model).__name__ == spec["model"]
     ids = torch.arange(3, 43)[None] * 7
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-4)
@@ -1210,6 +1214,16 @@ CHECKPOINT_FILES = {
     "lfm2moe": dict(files=("lfm2moe_checkpoint", "write_lfm2moe_gguf"), model="Lfm2MoeForCausalLM",
                     steps=dict(conv="ShortConvStep", self_attn="NativeLfm2Attention"),
                     native=dict(operator_norm="NativeRMSNorm")),
+    # Granite 4.0 H's Mamba-2 layers beside attention without rotary (q and k as llama.cpp permutes them, read back),
+    # Granite's multipliers, read by transformers' kind of table (its own lacks the architecture): A from -exp(A_log),
+    # D and the gated norm from a column and a row a group, the convolution's shape; each MLP a mixture (the softmax of
+    # the top 2 logits) beside the shared MLP, whose gate and up rows the file holds apart and transformers' layer
+    # joins (one product over their blocks); granite-4.0-h-micro's dense MLP alone. transformers' layers, the
+    # experts in blocks in one native call.
+    "granitehybrid": dict(files=("granitehybrid_checkpoint", "write_granitehybrid_gguf"),
+                          model="GraniteMoeHybridForCausalLM", steps=dict(block_sparse_moe="MixtureInOneCall")),
+    "granitehybrid_dense": dict(files=("granitehybrid_dense_checkpoint", "write_granitehybrid_gguf"),
+                                model="GraniteMoeHybridForCausalLM", quantized=True),
     "lfm2": dict(files=("lfm2_checkpoint", "write_lfm2_gguf"), model="Lfm2ForCausalLM", quantized=True,
                  steps=dict(conv="ShortConvStep", self_attn="NativeLfm2Attention"),
                  native=dict(feed_forward="NativeGatedMLP", operator_norm="NativeRMSNorm")),

@@ -1,9 +1,9 @@
-"""Models with recurrent layers (Qwen3.5's Gated DeltaNet layers, LFM2's short convolutions, read from GGUF files as
-llama.cpp's converter writes them) decode on the engine: a row's convolution window and state (transformers'
-LinearAttentionLayer; LFM2's keep a window alone) are its own,
-joined one after another where rows join and picked where rows leave, beside the full-attention layers' left-padded
-keys and values; no prefix cache (a state stands for a row's whole past). So the greedy tokens of a batch are those
-generate() gives each prompt alone, and the server serves these models."""
+"""Models with recurrent layers (Qwen3.5's Gated DeltaNet layers, LFM2's short convolutions, Granite 4.0 H's Mamba-2
+layers, read from GGUF files as llama.cpp's converter writes them) decode on the engine: a row's convolution window
+and state (transformers' LinearAttentionLayer; LFM2's keep a window alone) are its own, joined one after another
+where rows join and picked where rows leave, beside the full-attention layers' left-padded keys and values; no prefix
+cache (a state stands for a row's whole past). So the greedy tokens of a batch are those generate() gives each prompt
+alone, and the server serves these models."""
 
 import pytest
 import torch
@@ -20,10 +20,11 @@ NEW_TOKENS = 10
 pytestmark = pytest.mark.usefixtures("module_cache_home")
 
 
-@pytest.fixture(scope="module", params=["qwen35", "lfm2"])
+@pytest.fixture(scope="module", params=["qwen35", "lfm2", "granitehybrid"])
 def loaded(request, tmp_path_factory):
-    """The tiny Qwen3.5 checkpoint's Q8_0 GGUF file (three Gated DeltaNet layers, one of full attention), or the
-    tiny LFM2's (three short convolution layers, one of attention), loaded."""
+    """The tiny Qwen3.5 checkpoint's Q8_0 GGUF file (three Gated DeltaNet layers, one of full attention), the tiny
+    LFM2's (three short convolution layers, one of attention) or Granite 4.0 H's (three Mamba-2 layers, one of
+    attention, experts), loaded."""
     import tiny_models
 
     folder = tmp_path_factory.mktemp(request.param)

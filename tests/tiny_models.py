@@ -1645,6 +1645,150 @@ def write_lfm2moe_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> s
     return write_out(writer, path)
 
 
+def granitehybrid_checkpoint(out_dir: str, experts: bool = True) -> str:
+    """A tiny random Granite 4.0 H checkpoint (GraniteMoeHybridForCausalLM) in `out_dir`: granite-4.0-h-tiny's layout
+    64 wide, three Mamba-2 layers (8 heads of 16, a state of 16, one group, a window of 4) and one of attention (4
+    heads over 2) without rotary, each MLP 8 experts of 32, 2 a token (the softmax of their logits), beside a shared
+    one of 64; Granite's multipliers (the embedding's 12, each residual branch's 0.22, the scores' 1 / 16, the logits
+    divided by 8); tied embeddings. Without `experts`: granite-4.0-h-micro's dense MLP (the shared one alone, as
+    wide as its intermediate_size: llama.cpp reads that width). Its norms, D, dt_bias, A_log and the convolution's
+    bias drawn (a trained model's are not the initializer's constants); the layer types under the published
+    config's names (mamba, attention), which llama.cpp's converter reads."""
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    tokenizer = tiny_gpt2_tokenizer(out_dir)
+
+    def draw(name, tensor):
+        if "norm" in name or name.endswith(("mamba.D", "dt_bias")):
+            tensor.normal_(1, 0.3)
+        elif name.endswith("A_log"):
+            tensor.normal_(0.5, 0.5)
+        elif name.endswith("conv1d.bias"):
+            tensor.normal_(0, 0.3)
+
+    config = GraniteMoeHybridConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=32 if experts else 64,
+        shared_intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        layer_types=["mamba", "mamba", "attention", "mamba"], mamba_n_heads=8, mamba_n_groups=1, mamba_d_state=16,
+        mamba_d_head=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16,
+        num_local_experts=8 if experts else 0, num_experts_per_tok=2, embedding_multiplier=12.0,
+        residual_multiplier=0.22, attention_multiplier=1 / 16, logits_scaling=8.0,
+        position_embedding_type=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        max_position_embeddings=512, rms_norm_eps=1e-5, initializer_range=0.15, tie_word_embeddings=True,
+        pad_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    path = save_tiny(out_dir, "granitehybrid" if experts else "granitehybrid_dense", GraniteMoeHybridForCausalLM,
+                     config, tokenizer, draw)
+    with open(os.path.join(path, "config.json")) as f:
+        saved = json.load(f)
+    saved["layer_types"] = ["attention" if kind == "full_attention" else "mamba" for kind in saved["layer_types"]]
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(saved, f, indent=2)
+    return path
+
+
+def granitehybrid_dense_checkpoint(out_dir: str) -> str:
+    """granitehybrid_checkpoint's dense MLP (granite-4.0-h-micro's)."""
+    return granitehybrid_checkpoint(out_dir, experts=False)
+
+
+def write_granitehybrid_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
+    """The GGUF file llama.cpp's converter (conversion/granite.py's GraniteHybridModel) writes of a Granite 4.0 H
+    checkpoint: llama's keys with the kv heads a layer (0 for a Mamba-2 layer), Granite's multipliers as
+    attention.scale, embedding_scale, residual_scale and logit_scale, the ssm.* keys, the attention without rotary
+    (rope.scaling.finetuned false, the context 2^20, as it writes every hybrid Granite), the experts' and the shared
+    MLP's widths; q and k
+    permuted as llama's, A_log as -exp(A_log) and D a column each, the convolution squeezed, the gated norm a row a
+    group, dt_bias as ssm_dt.bias; each layer's experts (input_linear: gate and up rows) split into ffn_gate_exps and
+    ffn_up_exps, output_linear as ffn_down_exps, the shared MLP's input_linear split into ffn_gate_shexp and
+    ffn_up_shexp (a dense model's into ffn_gate and ffn_up); matrices in Q8_0 where asked, the router, convolution,
+    A, D and norms F32; a byte-level BPE vocabulary (tokenizer.ggml.pre dbrx)."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        config = json.load(f)
+    layers, heads, kv_heads = config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"]
+    attention = [kind == "attention" for kind in config["layer_types"]]
+    experts = config["num_local_experts"]
+    arch = gguf.MODEL_ARCH.GRANITE_HYBRID
+    architecture = gguf.MODEL_ARCH_NAMES[arch]
+    writer = gguf.GGUFWriter(path, architecture)
+    add_text_shape(writer, {**config, "num_key_value_heads": [kv_heads if kind else 0 for kind in attention],
+                            "max_position_embeddings": 2 ** 20})
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_file_type({"F32": 0, "Q8_0": 7}[qtype_name])
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_rope_dimension_count(config["hidden_size"] // heads)
+    for key, field in (("attention.scale", "attention_multiplier"), ("embedding_scale", "embedding_multiplier"),
+                       ("residual_scale", "residual_multiplier"), ("logit_scale", "logits_scaling")):
+        writer.add_float32(f"{architecture}.{key}", config[field])
+    writer.add_expert_shared_feed_forward_length(config["shared_intermediate_size"])
+    inner = config["mamba_expand"] * config["hidden_size"]
+    writer.add_ssm_conv_kernel(config["mamba_d_conv"])
+    writer.add_ssm_state_size(config["mamba_d_state"])
+    writer.add_ssm_group_count(config["mamba_n_groups"])
+    writer.add_ssm_inner_size(inner)
+    writer.add_ssm_time_step_rank(config["mamba_n_heads"])
+    writer.add_rope_scaling_finetuned(False)
+    add_bpe_vocabulary(writer, checkpoint, "dbrx")
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    names = gguf.get_tensor_name_map(arch, layers)
+    quantized = converter_adder(writer, qtype_name)
+
+    def add(name, values):  # (the convolution, A, D and the gated norm F32 whatever the type)
+        if {"ssm_conv1d", "ssm_a", "ssm_d", "ssm_norm"} & set(name.split(".")):
+            writer.add_tensor(name, np.ascontiguousarray(values, dtype=np.float32))
+        else:
+            quantized(name, values)
+
+    def permuted(w, n_head):  # llama.cpp's LlamaModel.permute
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    for hf_name, value in load_file(os.path.join(checkpoint, "model.safetensors")).items():
+        if hf_name == "lm_head.weight" and config["tie_word_embeddings"]:
+            continue
+        values = value.float().numpy()
+        base, _, suffix = hf_name.rpartition(".")
+        layer = base.split(".")[2] if base.startswith("model.layers.") else None
+        blk = f"blk.{layer}"
+        if base.endswith("input_linear"):  # gate rows, then up rows
+            gate, up = np.split(values, 2, axis=-2)
+            part = "exps" if "block_sparse_moe" in base else "shexp" if experts else None
+            add(f"{blk}.ffn_gate{'_' + part if part else ''}.weight", gate)
+            add(f"{blk}.ffn_up{'_' + part if part else ''}.weight", up)
+            continue
+        if base.endswith("output_linear"):
+            part = "exps" if "block_sparse_moe" in base else "shexp" if experts else None
+            add(f"{blk}.ffn_down{'_' + part if part else ''}.weight", values)
+            continue
+        if base.endswith("router.layer"):
+            add(f"{blk}.ffn_gate_inp.weight", values)
+            continue
+        if suffix == "A_log":
+            add(f"{blk}.ssm_a", -torch.exp(value.float()).numpy()[:, None])
+            continue
+        if suffix == "D":
+            add(f"{blk}.ssm_d", values[:, None])
+            continue
+        if suffix == "dt_bias":
+            add(f"{blk}.ssm_dt.bias", values)
+            continue
+        if base.endswith("mamba.conv1d") and suffix == "weight":
+            values = values.squeeze(1)
+        elif base.endswith("mamba.norm"):
+            values = values.reshape(config["mamba_n_groups"], -1)
+        elif base.endswith("q_proj"):
+            values = permuted(values, heads)
+        elif base.endswith("k_proj"):
+            values = permuted(values, kv_heads)
+        add(names.get_name(base) + "." + suffix, values)
+    return write_out(writer, path)
+
+
 def cohere_checkpoint(out_dir: str, version: int = 1) -> str:
     """A tiny random Cohere checkpoint (CohereForCausalLM: Command R's layout 64 wide, 4 heads of 16 over 2, the
     attention and the MLP side by side after one layer norm, a logit scale, interleaved rotary; Command R+'s q and k

@@ -24,13 +24,14 @@ from .blocks import (
     GGMLLinear,
     dequantize,
     interleavable,
+    join,
     weights_per_row,
 )
 from .conv_steps import conv_steps
 from .conversions import Conversion, InputPermuted, converted
 from .decoder import FUSED_WEIGHTS, fusable, fuse_decoder_layers
 from .delta_steps import delta_steps
-from .device import DeviceForms
+from .device import DeviceForms, JoinedRows
 from .device_experts import coded_experts
 from .experts import (
     ClampedSwiGLU,
@@ -45,7 +46,7 @@ from .experts import (
 from .families import WITH_EXPERTS
 from .file import GGUFHeader, first_line, read_as_their_likes, type_name, unsupported_message
 from .latent_attention import absorb_latents
-from .native_steps import steps_natively
+from .native_steps import GpuKernelHints, steps_natively
 from .weights import FLOAT_TYPES, GGUFError, WeightReader, as_torch, split_hint
 
 logger = logging.getLogger("run_generation")
@@ -62,6 +63,7 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
     for entry in build.reader.tensors:
         build.take(entry)
     build.experts()
+    build.joined_weights()
     return build.finish()
 
 
@@ -110,6 +112,7 @@ class ModelBuild:
         self.biases = {}  # module name -> bias, given to the layer that ends up there
         self.layers = {}  # module name -> the layer that replaces the model's own
         self.expert_parts = {}  # a mixture's Experts module name -> its gate/up/down tensors, held in their blocks
+        self.joined = {}  # a weight joined by rows from several tensors -> (how many, {which: tensor})
 
     def take(self, entry) -> None:
         """One of the file's tensors into the model: a parameter set, a layer that replaces the model's own, or (a
@@ -129,6 +132,9 @@ class ModelBuild:
         elif part is not None and holds_experts(module) and (
                 code in SUPPORTED or self.on_device or self.quantize is not None or self.converted):
             self.expert_parts.setdefault(module_name, {})[part] = entry  # built once the layer's three are known
+        elif self.converted and self.processor.part(name) is not None:
+            which, count = self.processor.part(name)
+            self.joined.setdefault(hf_name, (count, {}))[1][which] = entry  # built once all are known
         elif code in FLOAT_TYPES:
             self.float_tensor(entry, hf_name, module)
         else:
@@ -249,6 +255,50 @@ class ModelBuild:
                 self.layers[module_name] = build_experts(reader, parts, module.gate_up_proj.shape,
                                                          module.down_proj.shape, module.act_fn)
 
+    def joined_weights(self) -> None:
+        """Each weight transformers' table joins by rows from several of the file's tensors (Granite 4.0's shared MLP:
+        its gate and up): on the CPU one product over their blocks (blocks.join: one layer where their types agree), on
+        a device each part in its codes (JoinedRows), else their values concatenated (de-quantized under --quantize,
+        or where a part's type has no codes there)."""
+        from gguf import GGMLQuantizationType
+
+        path, reader = self.header.path, self.reader
+        for hf_name, (count, parts) in self.joined.items():
+            module_name, _, attr = hf_name.rpartition(".")
+            module = self.model.get_submodule(module_name)
+            if len(parts) < count:
+                raise GGUFError(f"{path}: {hf_name} is joined from {count} tensors, of which the file has "
+                                f"{len(parts)} ({next(iter(parts.values())).name}){split_hint(path)}")
+            entries = [parts[which] for which in range(count)]
+            blocks = not any(entry.code in FLOAT_TYPES for entry in entries) and self.quantize is None
+            qtypes = [GGMLQuantizationType(entry.code) for entry in entries] if blocks else []
+            widths = [weights_per_row(qtype, entry.shape[-1]) for qtype, entry in zip(qtypes, entries)]
+            if blocks and not self.on_device:
+                unsupported = [entry for entry in entries if entry.code not in SUPPORTED]
+                if unsupported:
+                    raise GGUFError(unsupported_message(path, unsupported[0].name, unsupported[0].code))
+                interleave = all(interleavable(qtype, entry.shape[0]) for qtype, entry in zip(qtypes, entries))
+                layer = join([GGMLLinear(reader.rows(entry, interleave), qtype, width, interleaved=interleave)
+                              for qtype, entry, width in zip(qtypes, entries, widths)])
+                if layer is None:
+                    raise GGUFError(f"{path}: tensors {entries[0].name} and {entries[1].name}, joined into one "
+                                    "weight, take inputs of different widths")
+                _check_shape(path, entries[0].name, module, attr, (layer.out_features, layer.in_features))
+                self.layers[module_name] = layer
+                continue
+            if blocks:  # on a device: each part in its codes where its type has them there
+                forms = [self.forms.keep(reader, entry, qtype, width, module, None, False)
+                         for qtype, entry, width in zip(qtypes, entries, widths)]
+                if not any(isinstance(form, torch.Tensor) for form in forms):
+                    self.layers[module_name] = JoinedRows(forms)
+                    continue
+                del forms
+            device = self.device or torch.device("cpu")
+            values = torch.cat([reader.float_tensor(entry).to(device, self.dtype) if entry.code in FLOAT_TYPES
+                                else reader.dequantized(entry, self.dtype, device) for entry in entries])
+            _check_shape(path, entries[0].name, module, attr, values.shape)
+            self.put(hf_name, values)
+
     def gpt_oss_experts(self, module_name: str, module: torch.nn.Module, parts: dict, biases: dict) -> None:
         """gpt-oss's Experts module (gate_up_proj [experts, hidden, gate and up interleaved], down_proj [experts,
         inner, hidden], their biases, the clamped SwiGLU) as experts over the file's blocks (gate rows then up rows,
@@ -313,6 +363,7 @@ class ModelBuild:
         delta_steps(model)
         conv_steps(model)
         absorb_latents(model)
+        GpuKernelHints.quiet()  # (on the CPU no CUDA kernel package would take a recurrent layer's PyTorch forms)
         return _finish_built(self.header, model, self.names)
 
 

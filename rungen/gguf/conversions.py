@@ -63,8 +63,110 @@ def _lfm2moe(config) -> list:
                         target_patterns=".feed_forward.experts.gate_up_proj", operations=[ConcatenateRows(dim=1)])]
 
 
+def _granitehybrid_config(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
+    """Granite 4.0 H's config (granite-4.0-h-micro, h-tiny, h-small: GraniteMoeHybridForCausalLM): Mamba-2 layers where
+    a layer has no kv heads, attention without rotary (llama.cpp's converter writes every hybrid Granite so), Granite's
+    multipliers, the experts (none: the shared MLP alone, of feed_forward_length) beside the shared MLP. A file whose
+    attention rotates (Bamba's, by part of a head) is refused: GraniteMoeHybrid's attention does not."""
+    key = lambda name: metadata[f"granitehybrid.{name}"]  # noqa: E731
+    if metadata.get("granitehybrid.rope.scaling.finetuned"):
+        raise ValueError("its attention rotates (rope.scaling.finetuned: Bamba's), where Granite 4.0 H's does not")
+    kv_heads, hidden, inner = key("attention.head_count_kv"), key("embedding_length"), key("ssm.inner_size")
+    kv_heads = kv_heads if isinstance(kv_heads, list) else [kv_heads] * key("block_count")
+    experts, ssm_heads = metadata.get("granitehybrid.expert_count", 0), key("ssm.time_step_rank")
+    if inner % hidden or inner % ssm_heads:
+        raise ValueError(f"its Mamba-2 width {inner} is no multiple of its hidden size {hidden} and heads {ssm_heads}")
+    return {
+        "model_type": "granitemoehybrid", "architectures": ["GraniteMoeHybridForCausalLM"],
+        "max_position_embeddings": key("context_length"), "hidden_size": hidden,
+        "num_hidden_layers": key("block_count"), "num_attention_heads": key("attention.head_count"),
+        "num_key_value_heads": max(kv_heads), "layer_types": ["attention" if heads else "mamba" for heads in kv_heads],
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon"), "position_embedding_type": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": metadata.get("granitehybrid.rope.freq_base", 1e4)},
+        "attention_bias": any(name.endswith(".attn_q.bias") for name in tensor_names),
+        "embedding_multiplier": metadata.get("granitehybrid.embedding_scale", 1.0),
+        "residual_multiplier": metadata.get("granitehybrid.residual_scale", 1.0),
+        "attention_multiplier": metadata.get("granitehybrid.attention.scale", 1.0),
+        "logits_scaling": metadata.get("granitehybrid.logit_scale", 1.0),
+        "num_local_experts": experts, "num_experts_per_tok": key("expert_used_count") if experts else 0,
+        "intermediate_size": key("feed_forward_length"),
+        "shared_intermediate_size": key("expert_shared_feed_forward_length" if experts else "feed_forward_length"),
+        "mamba_n_heads": ssm_heads, "mamba_n_groups": key("ssm.group_count"), "mamba_d_state": key("ssm.state_size"),
+        "mamba_d_head": inner // ssm_heads, "mamba_d_conv": key("ssm.conv_kernel"), "mamba_expand": inner // hidden,
+        "mamba_conv_bias": any(name.endswith(".ssm_conv1d.bias") for name in tensor_names),
+        "mamba_proj_bias": any(name.endswith(".ssm_in.bias") for name in tensor_names),
+        # `read_gguf_metadata` leaves the vocabulary as its length
+        "vocab_size": metadata["tokenizer.ggml.tokens"],
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
+        "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
+        "pad_token_id": metadata.get("tokenizer.ggml.padding_token_id"),
+    }
+
+
+def _unpermuted(heads: int, rows: int) -> torch.Tensor:
+    """The order of the rows llama.cpp's converter permuted for its interleaved rotary (LlamaModel.permute: each head's
+    halves interleaved), back to the checkpoint's."""
+    size = rows // heads
+    return torch.arange(rows, device="cpu").view(heads, size // 2, 2).transpose(1, 2).reshape(-1)  # (not on meta)
+
+
+def _granitehybrid(config) -> list:
+    """Granite 4.0 H's tensors: llama's names, q and k rows un-permuted; the Mamba-2 layers' (A as -exp(A_log) and D a
+    column each, the convolution squeezed, the gated norm a row a group, dt_bias as ssm_dt.bias); the router, the
+    experts (ffn_gate_exps and ffn_up_exps joined into gate_up_proj, gate rows first) and the shared MLP (its gate and
+    up rows joined into input_linear: ffn_*_shexp, a dense model's ffn_*)."""
+    from transformers.core_model_loading import ConversionOps, WeightConverter, WeightRenaming
+    from transformers.integrations.gguf.gguf_conversion_mapping import (
+        DENSE_DECODER_RENAMINGS,
+        ConcatenateRows,
+        LogNegate,
+        PermuteRows,
+        Unsqueeze,
+    )
+
+    class Flat(ConversionOps):
+        """The tensor as one row (llama.cpp's converter writes A and D a column each, the gated norm a row a group)."""
+
+        @torch.no_grad()
+        def convert(self, input_dict: dict, source_patterns: list, target_patterns: list, **kwargs) -> dict:
+            [tensor] = [value[0] if isinstance(value, list) else value for value in input_dict.values()]
+            return {target_patterns[0]: tensor.reshape(-1)}
+
+    head = config.hidden_size // config.num_attention_heads
+    shared = "_shexp" if config.num_local_experts else ""
+    mlp = [entry for entry in DENSE_DECODER_RENAMINGS if ".mlp." not in entry.target_patterns[0]]
+    return mlp + [
+        WeightRenaming(r"^output_norm\.", "model.norm."),
+        WeightRenaming(r"\.attn_norm\.", ".input_layernorm."),
+        WeightRenaming(r"\.ffn_norm\.", ".post_attention_layernorm."),
+        WeightRenaming(r"\.ssm_in\.", ".mamba.in_proj."),
+        WeightRenaming(r"\.ssm_out\.", ".mamba.out_proj."),
+        WeightRenaming(r"\.ssm_conv1d\.bias", ".mamba.conv1d.bias"),
+        WeightRenaming(r"\.ssm_dt\.bias", ".mamba.dt_bias"),
+        WeightRenaming(r"\.ffn_gate_inp\.", ".block_sparse_moe.router."),
+        WeightRenaming(r"\.ffn_down_exps\.weight", ".block_sparse_moe.experts.down_proj"),
+        WeightRenaming(rf"\.ffn_down{shared}\.", ".shared_mlp.output_linear."),
+        WeightConverter(source_patterns=r"\.ssm_conv1d\.weight", target_patterns=".mamba.conv1d.weight",
+                        operations=[Unsqueeze(1)]),
+        WeightConverter(source_patterns=r"\.ssm_a$", target_patterns=".mamba.A_log", operations=[LogNegate(), Flat()]),
+        WeightConverter(source_patterns=r"\.ssm_d$", target_patterns=".mamba.D", operations=[Flat()]),
+        WeightConverter(source_patterns=r"\.ssm_norm\.weight", target_patterns=".mamba.norm.weight",
+                        operations=[Flat()]),
+        WeightConverter(source_patterns="self_attn.q_proj.weight", target_patterns="self_attn.q_proj.weight",
+                        operations=[PermuteRows(_unpermuted(config.num_attention_heads,
+                                                            config.num_attention_heads * head))]),
+        WeightConverter(source_patterns="self_attn.k_proj.weight", target_patterns="self_attn.k_proj.weight",
+                        operations=[PermuteRows(_unpermuted(config.num_key_value_heads,
+                                                            config.num_key_value_heads * head))]),
+        WeightConverter(source_patterns=[r"\.ffn_gate_exps\.weight", r"\.ffn_up_exps\.weight"],
+                        target_patterns=".block_sparse_moe.experts.gate_up_proj", operations=[ConcatenateRows(dim=1)]),
+        WeightConverter(source_patterns=[rf"\.ffn_gate{shared}\.weight", rf"\.ffn_up{shared}\.weight"],
+                        target_patterns=".shared_mlp.input_linear.weight", operations=[ConcatenateRows(dim=0)])]
+
+
 # Architectures transformers' conversion table lacks, given entries of its kind here: (config reader, tensor table).
-OWN_TABLES = {"lfm2moe": (_lfm2moe_config, _lfm2moe)}
+OWN_TABLES = {"lfm2moe": (_lfm2moe_config, _lfm2moe), "granitehybrid": (_granitehybrid_config, _granitehybrid)}
 
 
 def teach_own_tables() -> None:
@@ -93,12 +195,28 @@ class Conversion:
                            for pattern in converter.source_patterns}
 
     @functools.lru_cache(maxsize=None)  # noqa: B019 (one table a build: its names asked for a few times each)
-    def rename(self, name: str):
-        """(the model's name for GGUF tensor `name`, its converter or None)."""
+    def matched(self, name: str) -> tuple[str, str | None]:
+        """(the model's name for GGUF tensor `name`, the source pattern of the table it matched or None)."""
         from transformers.core_model_loading import rename_source_key
 
-        renamed, pattern = rename_source_key(name, self.renamings, self.converters)
+        return rename_source_key(name, self.renamings, self.converters)
+
+    def rename(self, name: str):
+        """(the model's name for GGUF tensor `name`, its converter or None)."""
+        renamed, pattern = self.matched(name)
         return renamed, self.by_pattern.get(pattern)
+
+    def part(self, name: str) -> tuple[int, int] | None:
+        """(which, of how many) where transformers joins tensor `name` with others into one weight by rows
+        (ConcatenateRows: Granite 4.0's shared MLP's gate and up), else None."""
+        from transformers.integrations.gguf.gguf_conversion_mapping import ConcatenateRows
+
+        pattern = self.matched(name)[1]
+        converter = self.by_pattern.get(pattern)
+        if converter is None or len(converter.source_patterns) < 2 or not any(
+                isinstance(op, ConcatenateRows) and op.dim == 0 for op in converter.operations):
+            return None
+        return converter.source_patterns.index(pattern), len(converter.source_patterns)
 
     def weights_map(self, model: torch.nn.Module, tensor_names) -> dict[str, str]:
         """GGUF tensor name -> the model's parameter, for the file's tensors the model holds (not Qwen3.5's

@@ -216,6 +216,19 @@ class DeviceRowsEmbedding(torch.nn.Module):
         return out if self.embed_scale is None else out * self.embed_scale
 
 
+class JoinedRows(torch.nn.Module):
+    """y = [x @ W_1.T, x @ W_2.T, ...] (+ bias): a weight joined by rows from several of the file's tensors (Granite
+    4.0's shared MLP's gate and up), each part in its own form on the device (codes), the outputs concatenated."""
+
+    def __init__(self, parts: list[torch.nn.Module]):
+        super().__init__()
+        self.parts, self.bias = torch.nn.ModuleList(parts), None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.cat([part(x) for part in self.parts], dim=-1)
+        return y if self.bias is None else y + self.bias
+
+
 class DeviceForms:
     """What one load keeps a GGUF file's quantized weights in on a GPU: 4-bit codes for torch's int4 kernel or the
     Triton one (packed codes of TRITON_TYPES too), int8 codes for the Triton kernel, an embedding's blocks, else the

@@ -160,7 +160,10 @@ def stacked(layers: list[GGMLLinear]) -> torch.Tensor | None:
 
 
 # transformers' routers whose forward ExpertRouter computes (the same steps, the logits by RowProducts).
-ROUTERS = ("Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter", "MixtralTopKRouter", "GptOssTopKRouter", "Qwen3_5MoeTopKRouter")
+ROUTERS = ("Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter", "MixtralTopKRouter", "GptOssTopKRouter", "Qwen3_5MoeTopKRouter",
+           "GraniteMoeHybridTopKRouter")
+# Those of them whose weights are the softmax of the top k logits (gpt-oss's after its bias).
+SOFTMAX_OF_TOP = ("GptOssTopKRouter", "GraniteMoeHybridTopKRouter")
 
 
 class RowProducts(torch.nn.Module):
@@ -184,21 +187,21 @@ class RowProducts(torch.nn.Module):
 
 class ExpertRouter(torch.nn.Module):
     """transformers' TopKRouter of ROUTERS, its logits by RowProducts: the softmax of the logits, the top k, those
-    weights normalized where the config says so (gpt-oss's: its bias added, the top k logits, their softmax);
-    (logits, weights, experts) as it returns them."""
+    weights normalized where the config says so (SOFTMAX_OF_TOP's: gpt-oss's bias added, the top k logits, their
+    softmax); (logits, weights, experts) as it returns them."""
 
     def __init__(self, router: torch.nn.Module):
         super().__init__()
         self.logits = RowProducts(router.weight)
-        self.top_k, self.hidden_dim = router.top_k, router.hidden_dim
+        self.top_k, self.hidden_dim = router.top_k, router.weight.shape[-1]
         self.norm_topk_prob = getattr(router, "norm_topk_prob", True)  # Mixtral's has no flag: it always divides
-        self.softmax_of_top = type(router).__name__ == "GptOssTopKRouter"
-        self.bias = router.bias if self.softmax_of_top else None
+        self.softmax_of_top = type(router).__name__ in SOFTMAX_OF_TOP
+        self.bias = getattr(router, "bias", None) if self.softmax_of_top else None
 
     def forward(self, hidden_states: torch.Tensor):
         logits = self.logits(hidden_states.reshape(-1, self.hidden_dim))
         if self.softmax_of_top:
-            logits = logits + self.bias
+            logits = logits if self.bias is None else logits + self.bias
             top, experts = torch.topk(logits, self.top_k, dim=-1)
             return logits, torch.softmax(top, dim=-1, dtype=top.dtype), experts
         weights, experts = torch.topk(torch.softmax(logits, dtype=torch.float, dim=-1), self.top_k, dim=-1)
@@ -308,11 +311,13 @@ ROUTER_FORMS = {**dict.fromkeys(ROUTERS, ExpertRouter), **dict.fromkeys(GROUPED_
 
 
 # transformers' mixture blocks whose forward NativeMixture computes (Qwen2-MoE's and Qwen3.5-MoE's with their shared
-# expert; gpt-oss's with its biases and clamped SwiGLU).
+# expert; gpt-oss's with its biases and clamped SwiGLU; Granite 4.0's, its shared MLP beside it in the layer).
 BLOCKS = ("Qwen2MoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "MixtralSparseMoeBlock", "GptOssMLP",
-          "Qwen3_5MoeSparseMoeBlock")
-# Those in layers FusedDecoderLayer does not fuse, which MixtureInOneCall takes instead.
-UNFUSED_BLOCKS = ("GptOssMLP", "Qwen3_5MoeSparseMoeBlock")
+          "Qwen3_5MoeSparseMoeBlock", "GraniteMoeHybridMoE")
+# Those in layers FusedDecoderLayer does not fuse, which MixtureInOneCall takes instead, by the layer's attribute
+# holding them; and those that return the hidden state alone (the others a pair).
+UNFUSED_BLOCKS = {"GptOssMLP": "mlp", "Qwen3_5MoeSparseMoeBlock": "mlp", "GraniteMoeHybridMoE": "block_sparse_moe"}
+HIDDEN_ALONE = ("GraniteMoeHybridMoE",)
 
 
 class NativeMixture:
@@ -343,7 +348,7 @@ class NativeMixture:
         """The native form of transformers' `block`, or None where it is not one this class computes (another
         block, experts not stacked in their blocks, an activation other than SiLU, a shared expert not in blocks)."""
         experts, shared = getattr(block, "experts", None), getattr(block, "shared_expert", None)
-        router = getattr(block, "router" if type(block).__name__ == "GptOssMLP" else "gate", None)
+        router = getattr(block, "router" if hasattr(block, "router") else "gate", None)
         if (type(block).__name__ not in BLOCKS or not isinstance(router, ExpertRouter)
                 or type(experts) is not GGMLExperts or experts.block_stacks is None
                 or not (silu(experts.act_fn) if experts.gating is None else type(experts.gating) is ClampedSwiGLU)):
@@ -369,16 +374,19 @@ class NativeMixture:
 class MixtureInOneCall(torch.nn.Module):
     """A mixture block of a layer FusedDecoderLayer does not fuse (UNFUSED_BLOCKS) as NativeMixture's one call where
     the products are the blocks' own (native_products), else the block's modules; (hidden, None) as gpt-oss's block
-    returns (hidden, the router's scores), which generation does not read (Qwen3.5-MoE's layer takes either)."""
+    returns (hidden, the router's scores), which generation does not read (Qwen3.5-MoE's layer takes either), the
+    hidden state alone as HIDDEN_ALONE's blocks return it."""
 
     def __init__(self, block: torch.nn.Module, mixture: NativeMixture):
         super().__init__()
         self.block, self.mixture = block, mixture
+        self.pair = type(block).__name__ not in HIDDEN_ALONE
 
     def forward(self, hidden_states: torch.Tensor):
-        if native_products():
-            return self.mixture(hidden_states), None
-        return self.block(hidden_states)
+        if not native_products():
+            return self.block(hidden_states)
+        hidden_states = self.mixture(hidden_states)
+        return (hidden_states, None) if self.pair else hidden_states
 
 
 def silu(act_fn) -> bool:
@@ -387,12 +395,14 @@ def silu(act_fn) -> bool:
 
 
 def mixtures_in_one_call(model: torch.nn.Module) -> None:
-    """Each gpt-oss MLP and Qwen3.5-MoE block over GGMLExperts (whose layers FusedDecoderLayer leaves as they are) as
-    MixtureInOneCall."""
+    """Each mixture block of UNFUSED_BLOCKS over GGMLExperts (gpt-oss's, Qwen3.5-MoE's, Granite 4.0's: layers
+    FusedDecoderLayer leaves as they are) as MixtureInOneCall."""
     for layer in getattr(getattr(model, "model", None), "layers", []):
-        mixture = NativeMixture.of(layer.mlp) if type(getattr(layer, "mlp", None)).__name__ in UNFUSED_BLOCKS else None
-        if mixture is not None:
-            layer.mlp = MixtureInOneCall(layer.mlp, mixture)
+        for attribute in dict.fromkeys(UNFUSED_BLOCKS.values()):
+            block = getattr(layer, attribute, None)
+            mixture = NativeMixture.of(block) if UNFUSED_BLOCKS.get(type(block).__name__) == attribute else None
+            if mixture is not None:
+                setattr(layer, attribute, MixtureInOneCall(block, mixture))
 
 
 def route_rows_alike(model: torch.nn.Module) -> None:

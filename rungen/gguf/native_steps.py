@@ -238,8 +238,9 @@ JOINED_ATTENTIONS = {"GptOssAttention": NativeGptOssAttention, "Olmo2Attention":
 
 
 class GpuKernelHints(logging.Filter):
-    """Drops transformers' hint that a CUDA kernel package (causal-conv1d, flash-linear-attention) is missing: on the
-    CPU its PyTorch forms are what runs a prompt of Qwen3.5's or LFM2's layers, and a decode step is native."""
+    """Drops transformers' hint that a CUDA kernel package (causal-conv1d, flash-linear-attention, mamba-ssm) is
+    missing: on the CPU its PyTorch forms are what runs Qwen3.5's, LFM2's and Granite 4.0 H's recurrent layers (a
+    decode step of the first two native)."""
 
     LOGGER = "transformers.integrations.hub_kernels"
     MESSAGE = "is falling back to its reference PyTorch implementation"
