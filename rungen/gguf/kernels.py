@@ -19,9 +19,9 @@ KERNELS_ENV = "RUN_GENERATION_KERNELS"  # "torch": never build or load the nativ
 _SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 _SOURCES = ("ggml_kernels.cpp", "ggml_dispatch.cpp", "ggml_products.cpp", "ggml_scalar.cpp", "ggml_avx2.cpp",
             "ggml_vnni.cpp", "ggml_attend.cpp", "ggml_layers.cpp", "ggml_decoder.cpp", "ggml_mixture.cpp",
-            "ggml_delta.cpp", "ggml_shortconv.cpp", "ggml_interleave.cpp",
+            "ggml_delta.cpp", "ggml_shortconv.cpp", "ggml_mamba.cpp", "ggml_interleave.cpp",
             "ggml_formats.h", "ggml_kernels.h", "ggml_ops.h", "ggml_simd.h", "ggml_x8.h", "ggml_x8_avx2.h",
-            "ggml_x16.h", "ggml_amx.h", "ggml_spans.h", "ggml_attend.h", "ggml_delta.h")
+            "ggml_x16.h", "ggml_amx.h", "ggml_spans.h", "ggml_attend.h", "ggml_delta.h", "ggml_mamba.h")
 # -ffp-contract=off: no multiply-add is fused unless the source says so, so that the same arithmetic compiled in
 # two functions (a token alone, tokens four at a time) gives the same bits.
 _CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")

@@ -784,3 +784,58 @@ def test_a_delta_step_is_transformers_decode_step_of_a_gated_deltanet_layer(valu
     with pytest.raises(RuntimeError, match="not a permutation"):
         torch.ops.rungen_ggml.delta_step(window.clone(), mixed, conv, state.clone(), a, b, z, -a_log.exp(), dt_bias,
                                          norm, key_heads, 1e-6, torch.zeros(value_heads * size, dtype=torch.long))
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_a_mamba_step_is_transformers_decode_step_of_a_mamba2_layer(groups, each_isa):
+    # Granite 4.0 H's Mamba-2 layer, one position a row: transformers' own PyTorch forms (the convolution's update
+    # with its bias, selective_state_update's step of each head's state, the gated norm over each group) on the same
+    # window, state and products, within float32 rounding; the window and the state updated in place as
+    # transformers' cache holds them. Four heads of 24 over one or two groups of B and C, a state of 40 (a vector
+    # and a half of AVX-512's); one call without a convolution bias.
+    import torch.nn.functional as F
+    from transformers.models.granitemoehybrid.modeling_granitemoehybrid import (
+        GraniteMoeHybridRMSNormGated,
+        causal_conv1d_update,
+        mamba2_selective_state_update,
+    )
+
+    rows, heads, size, state_size, kernel = 3, 4, 24, 40, 4
+    inner = heads * size
+    channels = inner + 2 * groups * state_size
+    g = torch.Generator().manual_seed(5)
+    window = torch.randn(rows, channels, kernel, generator=g)
+    state = torch.randn(rows, heads, size, state_size, generator=g) * 0.3
+    xbc, conv = torch.randn(rows, channels, generator=g), torch.randn(channels, kernel, generator=g) * 0.5
+    conv_bias, dt = torch.randn(channels, generator=g) * 0.3, torch.randn(rows, heads, generator=g)
+    a, d = -(torch.rand(heads, generator=g) * 2).exp(), torch.randn(heads, generator=g)
+    dt_bias, z, norm = torch.randn(heads, generator=g), torch.randn(rows, inner, generator=g), torch.randn(inner,
+                                                                                                          generator=g)
+    for bias in (conv_bias, None):
+        theirs_window, theirs_state = window.clone(), state.clone()
+        x_b_c = causal_conv1d_update(xbc[:, :, None], theirs_window, conv, bias, "silu")[:, :, 0]
+        x, b, c = x_b_c.split([inner, groups * state_size, groups * state_size], dim=-1)
+        out = mamba2_selective_state_update(
+            theirs_state, x.view(rows, heads, size), dt[:, :, None].expand(-1, -1, size),
+            a[:, None, None].expand(-1, size, state_size), b.view(rows, groups, state_size),
+            c.view(rows, groups, state_size), d[:, None].expand(-1, size), z=None,
+            dt_bias=dt_bias[:, None].expand(-1, size), dt_softplus=True)
+        gated = GraniteMoeHybridRMSNormGated(inner, group_size=inner // groups, eps=1e-5)
+        gated.weight.data = norm
+        theirs = gated(out.reshape(rows, inner), z)
+        assert not torch.equal(theirs_state, state) and F.silu(z).abs().max() > 0
+        each = []
+        for isa in isas():
+            torch.ops.rungen_ggml.set_isa(isa)
+            ours_window, ours_state = window.clone(), state.clone()
+            ours = torch.ops.rungen_ggml.mamba_step(ours_window, xbc, conv, bias, ours_state, dt, dt_bias, a, d, z,
+                                                    norm, groups, 1e-5)
+            torch.testing.assert_close(ours_window, theirs_window, rtol=0, atol=0)
+            torch.testing.assert_close(ours_state, theirs_state, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+            each.append((ours, ours_state))
+        for ours, ours_state in each[1:]:  # each instruction set's build the same bits
+            assert torch.equal(ours, each[0][0]) and torch.equal(ours_state, each[0][1])
+    with pytest.raises(RuntimeError, match="not x, B and C"):
+        torch.ops.rungen_ggml.mamba_step(window.clone(), xbc, conv, None, state[:, :2].clone(), dt, dt_bias, a, d, z,
+                                         norm, groups, 1e-5)

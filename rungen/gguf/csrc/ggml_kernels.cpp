@@ -23,8 +23,9 @@
 //                                                               with or without padding
 //   torch.ops.rungen_ggml.attention_in(...), attention_out_mlp(...)  a decoder layer in two calls (see below)
 //   torch.ops.rungen_ggml.decoder_stack(...)                     every decoder layer in one call (see below)
-//   torch.ops.rungen_ggml.delta_step(...), short_conv_step(...)  a Gated DeltaNet's and a short convolution's
-//                                                               decode step between their products
+//   torch.ops.rungen_ggml.delta_step(...), short_conv_step(...)  a Gated DeltaNet's, a short convolution's and
+//   torch.ops.rungen_ggml.mamba_step(...)                        a Mamba-2 layer's decode step between their
+//                                                               products
 //   torch.ops.rungen_ggml.isa() / set_isa(name)                  the code path in use ("avx512vnni", "avx2",
 //                                                               "scalar"); set_isa forces one (tests)
 //
@@ -72,6 +73,8 @@ TORCH_LIBRARY(rungen_ggml, m) {
         "Tensor decay, Tensor dt_bias, Tensor norm, int key_heads, float eps, Tensor? scatter=None) -> Tensor",
         &delta_step);
   m.def("short_conv_step(Tensor(a!) window, Tensor bcx, Tensor taps) -> Tensor", &short_conv_step);
+  m.def("mamba_step(Tensor(a!) window, Tensor xbc, Tensor conv, Tensor? conv_bias, Tensor(b!) state, Tensor dt, "
+        "Tensor dt_bias, Tensor a, Tensor d, Tensor z, Tensor norm, int groups, float eps) -> Tensor", &mamba_step);
   m.def("gelu_tanh_mul(Tensor gate_up) -> Tensor", &gelu_tanh_mul);
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, float softcap=0., int window=0, "
         "Tensor? sinks=None) -> Tensor", &attend);

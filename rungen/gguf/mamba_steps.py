@@ -1,0 +1,83 @@
+"""Granite 4.0 H's decoder layers over a GGUF file's blocks (transformers' GraniteMoeHybridForCausalLM), with their
+small steps taken in fewer calls on the CPU: a Mamba-2 layer's decode step between its two products one native call
+(MambaStep: torch.ops.rungen_ggml.mamba_step, csrc/ggml_mamba.cpp); the shared MLP's gate and up product (one
+already: the file's two tensors joined) then its activation one call (NativeGatedMLP); each RMSNorm one rms_norm
+call; the attention (no rotary) the native attend over a cache growing in place. transformers' PyTorch forms of a
+Mamba-2 step (the fallbacks of causal-conv1d and mamba-ssm, which a GPU takes instead) cost a decode step about a
+third of its time: the convolution of one position a depthwise conv1d call, the state's update and read broadcast
+products and a batched product over it, some 40 calls a layer. A prompt (several positions) stays transformers'
+chunked form. The arithmetic is transformers' within float32 rounding (sums in another order).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from .blocks import GGMLLinear, GGMLParts
+from .kernels import native_kernels
+from .native_steps import NativeGatedMLP, native_layers
+
+MAMBA_STEPS_MODELS = ("GraniteMoeHybridForCausalLM",)
+NORMS = ("GraniteMoeHybridRMSNorm",)  # x / sqrt(mean(x^2) + eps) times weight, in float32
+MAMBAS = ("GraniteMoeHybridMambaLayer",)
+SHARED_MLPS = ("GraniteMoeHybridMLP",)  # act(input_linear's first half) times its second, then output_linear
+
+
+class MambaStep(torch.nn.Module):
+    """transformers' Mamba-2 layer `module` (its products, convolution, A, D and gated norm), a decode step (one
+    position a row, its float32 window and state in the cache) between its products one mamba_step call: the
+    convolution of the new position, each head's state updated and read in place, the gated norm; any other call the
+    module's own forward."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.module = module
+        self.register_buffer("conv", module.conv1d.weight.detach().squeeze(1).float(), persistent=False)
+        bias = module.conv1d.bias
+        self.register_buffer("conv_bias", None if bias is None else bias.detach().float(), persistent=False)
+        self.register_buffer("a", -module.A_log.detach().float().exp(), persistent=False)
+        self.widths = [module.intermediate_size, module.conv_dim, module.num_heads]
+        # transformers' masking of a padded row's positions, as the module's forward applies it
+        self.masked = sys.modules[type(module).__module__].apply_mask_to_padding_states
+
+    def forward(self, hidden_states: torch.Tensor, cache_params=None, attention_mask=None, **kwargs):
+        m = self.module
+        layer = m.layer_idx
+        window = cache_params.get_conv_state(layer, state_idx=0) if cache_params is not None else None
+        state = cache_params.get_recurrent_state(layer, state_idx=0) if cache_params is not None else None
+        if (hidden_states.shape[1] != 1 or window is None or state is None or cache_params.is_recording_past(layer)
+                or m.activation != "silu" or window.dtype != torch.float32 or state.dtype != torch.float32
+                or window.shape[-1] != m.conv_kernel_size or not (window.is_contiguous() and state.is_contiguous())):
+            return m(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
+        hidden_states = self.masked(hidden_states, attention_mask)
+        z, xbc, dt = m.in_proj(hidden_states[:, 0]).split(self.widths, dim=-1)
+        out = torch.ops.rungen_ggml.mamba_step(window, xbc, self.conv, self.conv_bias, state, dt, m.dt_bias, self.a,
+                                               m.D, z, m.norm.weight, m.n_groups, m.norm.variance_epsilon)
+        return m.out_proj(out.reshape(hidden_states.shape[0], 1, -1).to(hidden_states.dtype))
+
+
+def install_mamba_step(model: torch.nn.Module, name: str) -> None:
+    """The Mamba-2 layer at `name` as MambaStep."""
+    model.set_submodule(name, MambaStep(model.get_submodule(name)))
+
+
+def native_shared_mlp(model: torch.nn.Module, name: str) -> None:
+    """Granite's shared MLP at `name` as NativeGatedMLP where its joined gate and up are one product of blocks and its
+    activation SiLU; else left as it is."""
+    module = model.get_submodule(name)
+    if type(module.input_linear) in (GGMLLinear, GGMLParts) and \
+            type(module.activation).__name__ in ("SiLUActivation", "SiLU"):
+        model.set_submodule(name, NativeGatedMLP(module.input_linear, module.output_linear, "silu"))
+
+
+def mamba_steps(model: torch.nn.Module) -> bool:
+    """Gives a model of MAMBA_STEPS_MODELS over blocks its layers' steps native (native_layers): NativeRMSNorm for
+    each RMSNorm, MambaStep for each Mamba-2 layer, NativeGatedMLP for each shared MLP, where the native kernels are;
+    returns whether."""
+    if not native_kernels() or type(model).__name__ not in MAMBA_STEPS_MODELS:
+        return False
+    native_layers(model, NORMS, {**dict.fromkeys(MAMBAS, install_mamba_step),
+                                 **dict.fromkeys(SHARED_MLPS, native_shared_mlp)})
+    return True
