@@ -1,10 +1,10 @@
-"""The decode step of a model on transformers' layers over blocks with their steps native (Qwen3.5's and LFM2's:
-delta_steps.py, conv_steps.py; EXAONE 4's, OLMo 2's and 3's, Ministral 3's, gpt-oss's, GLM-4.5's: native_steps.py)
-as a plain loop over its layers' parts, installed as the inner model's forward (LayerLoop): each part's own forward,
-called in the order transformers' decoder layer calls it, without the layers' and the modules' call machinery (3-7 %
-of a step: docs/gguf.md). The same functions in the same order: the same bits as the layers one by one. Families are
-rows of LOOPS. What it does not cover (a prompt, hidden states or attention maps asked for, no cache, tracing,
-positions of a vision grid) goes to transformers' forward.
+"""The decode step of a model on transformers' layers over blocks with their steps native (Qwen3.5's, LFM2's and
+Granite 4.0 H's: delta_steps.py, conv_steps.py, mamba_steps.py; EXAONE 4's, OLMo 2's and 3's, Ministral 3's,
+gpt-oss's, GLM-4.5's: native_steps.py) as a plain loop over its layers' parts, installed as the inner model's forward
+(LayerLoop): each part's own forward, called in the order transformers' decoder layer calls it, without the layers'
+and the modules' call machinery (3-7 % of a step: docs/gguf.md). The same functions in the same order: the same bits
+as the layers one by one. Families are rows of LOOPS. What it does not cover (a prompt, hidden states or attention
+maps asked for, no cache, tracing, positions of a vision grid) goes to transformers' forward.
 """
 
 from __future__ import annotations
@@ -19,9 +19,11 @@ import torch
 class Loop:
     """What one family's decoder layers call, by attribute: the attention (`attention`) or a recurrent mixer
     (`recurrent`, its cache given as `cache_keyword`), the norms before the mixer and before the MLP (`pre_norms`)
-    or after each (`post_norms`: OLMo 2's, EXAONE 4's), the MLP, the model's final norm and rotary; `sections`: the
-    rotary takes positions as [3, batch, tokens] (Qwen3.5's sections); `mixture`: the model's output carries router
-    logits (None here)."""
+    or after each (`post_norms`: OLMo 2's, EXAONE 4's), the MLP and an MLP beside it (`shared_mlp`: Granite's, the
+    two outputs summed; a layer may lack either), the model's final norm and rotary (None where the model has none);
+    `sections`: the rotary takes positions as [3, batch, tokens] (Qwen3.5's sections); `mixture`: the model's output
+    carries router logits (None here); `embedding_scale` and `residual_scale`: the inner model's and each layer's
+    multipliers of the embedding and of each branch before its residual sum (Granite's)."""
 
     attention: str = "self_attn"
     recurrent: str | None = None
@@ -29,10 +31,13 @@ class Loop:
     pre_norms: tuple[str, str] | None = None
     post_norms: tuple[str, str] | None = None
     mlp: str = "mlp"
+    shared_mlp: str | None = None
     final_norm: str = "norm"
     rotary: str = "rotary_emb"
     sections: bool = False
     mixture: bool = False
+    embedding_scale: str | None = None
+    residual_scale: str | None = None
 
 
 PRE = dict(pre_norms=("input_layernorm", "post_attention_layernorm"))
@@ -52,12 +57,15 @@ LOOPS = {
     "Ministral3Model": Loop(**PRE),
     "GptOssModel": Loop(**PRE, mixture=True),
     "Glm4MoeModel": Loop(**PRE, mixture=True),
+    "GraniteMoeHybridModel": Loop(**PRE, recurrent="mamba", cache_keyword="cache_params", mlp="block_sparse_moe",
+                                  shared_mlp="shared_mlp", mixture=True, embedding_scale="embedding_multiplier",
+                                  residual_scale="residual_multiplier"),
 }
 # The parts whose forwards the loop calls directly (none needs a module hook).
 PARTS = ("NativeRMSNorm", "NativeGatedAttention", "NativeLfm2Attention", "NativeExaone4Attention",
          "NativeOlmoAttention", "NativeMinistral3Attention", "NativeGptOssAttention", "DeltaNetStep", "ShortConvStep",
          "NativeGatedMLP", "MixtureInOneCall", "NativeGlm4MoeAttention", "Glm4MoeMoE",
-         "Lfm2MoeSparseMoeBlock")
+         "Lfm2MoeSparseMoeBlock", "MambaStep", "GraniteMoeHybridAttention")
 # The masks transformers' models give each kind of layer (where a batch is padded); others take none in a step.
 MASKS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask"}
 
@@ -78,17 +86,23 @@ class LayerLoop:
     def __init__(self, inner: torch.nn.Module, loop: Loop):
         self.inner, self.original, self.loop = inner, inner.forward, loop
         self.kinds = layer_kinds(inner.config)
-        # each layer's (mixer, whether it is the attention, its norms before and after the mixer and the MLP, MLP)
+        # each layer's (mixer, whether it is the attention, its norms before and after the mixer and the MLP, its MLPs
+        # (the outputs summed), its branches' multiplier)
         self.layers = []
         for layer in inner.layers:
             attention = getattr(layer, loop.attention, None)
             pre, post = ([getattr(layer, name) for name in names] if names else [None, None]
                          for names in (loop.pre_norms, loop.post_norms))
+            mlps = [mlp for mlp in (getattr(layer, loop.mlp, None), getattr(layer, loop.shared_mlp or "", None))
+                    if mlp is not None]
             self.layers.append((attention if attention is not None else getattr(layer, loop.recurrent),
-                                attention is not None, *pre, *post, getattr(layer, loop.mlp)))
-        # the rotary's positions by layer kind (OLMo 3's: one a kind), else one for all
-        self.rotary = getattr(inner, loop.rotary)
-        self.rotary_kinds = "layer_type" in inspect.signature(self.rotary.forward).parameters
+                                attention is not None, *pre, *post, mlps,
+                                getattr(layer, loop.residual_scale) if loop.residual_scale else None))
+        self.embedding_scale = getattr(inner, loop.embedding_scale) if loop.embedding_scale else None
+        # the rotary's positions by layer kind (OLMo 3's: one a kind), else one for all; none (Granite 4.0 H's)
+        self.rotary = getattr(inner, loop.rotary, None)
+        self.rotary_kinds = self.rotary is not None and \
+            "layer_type" in inspect.signature(self.rotary.forward).parameters
 
     @classmethod
     def install(cls, model: torch.nn.Module) -> bool:
@@ -98,11 +112,14 @@ class LayerLoop:
         loop = LOOPS.get(type(inner).__name__)
         if loop is None or len(inner.layers) != inner.config.num_hidden_layers:
             return False
-        names = (loop.pre_norms or ()) + (loop.post_norms or ()) + (loop.mlp,)
+        names = (loop.pre_norms or ()) + (loop.post_norms or ())
+        mlps = (loop.mlp, loop.shared_mlp) if loop.shared_mlp else (loop.mlp,)
         for layer in inner.layers:
             mixer = getattr(layer, loop.attention, None)
             mixer = mixer if mixer is not None or loop.recurrent is None else getattr(layer, loop.recurrent, None)
-            if any(type(part).__name__ not in PARTS for part in (mixer, *(getattr(layer, n) for n in names))):
+            held = [getattr(layer, name, None) for name in mlps]
+            if any(type(part).__name__ not in PARTS for part in (mixer, *(getattr(layer, n) for n in names))) or \
+                    not any(held) or any(mlp is not None and type(mlp).__name__ not in PARTS for mlp in held):
                 return False
         if type(getattr(inner, loop.final_norm)).__name__ not in PARTS:
             return False
@@ -123,13 +140,15 @@ class LayerLoop:
             return self.original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                  past_key_values=cache, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
         hidden = inner.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if self.embedding_scale is not None:
+            hidden = hidden * self.embedding_scale
         if position_ids is None:
             position_ids = (torch.arange(1, device=hidden.device) + cache.get_seq_length()).unsqueeze(0)
         rotary = position_ids[None].expand(3, *position_ids.shape) if loop.sections else position_ids
         if self.rotary_kinds:
             rotations = {kind: self.rotary(hidden, rotary, kind) for kind in set(self.kinds)}
         else:
-            rotations = dict.fromkeys(set(self.kinds), self.rotary(hidden, rotary))
+            rotations = dict.fromkeys(set(self.kinds), self.rotary and self.rotary(hidden, rotary))
         # No padding: no masks (the native attend's causal default, the window each attention passes); a recurrent
         # layer's step takes none.
         layer_masks = dict.fromkeys(set(self.kinds))
@@ -138,16 +157,23 @@ class LayerLoop:
                 layer_masks[kind] = getattr(masks, MASKS[kind])(
                     config=inner.config, inputs_embeds=hidden, attention_mask=attention_mask, past_key_values=cache,
                     position_ids=position_ids)
-        for kind, (mixer, attends, pre_mixer, pre_mlp, post_mixer, post_mlp, mlp) in zip(self.kinds, self.layers):
+        for kind, (mixer, attends, pre_mixer, pre_mlp, post_mixer, post_mlp, mlps, scale) in zip(self.kinds,
+                                                                                                  self.layers):
             x = hidden if pre_mixer is None else pre_mixer.forward(hidden)
             if attends:
                 out, _ = mixer.forward(x, position_embeddings=rotations[kind], attention_mask=layer_masks[kind],
                                        position_ids=position_ids, past_key_values=cache)
             else:
                 out = mixer.forward(x, attention_mask=None, **{loop.cache_keyword: cache})
-            hidden = hidden + (out if post_mixer is None else post_mixer.forward(out))
-            out = mlp.forward(hidden if pre_mlp is None else pre_mlp.forward(hidden))
-            out = out[0] if isinstance(out, tuple) else out
-            hidden = hidden + (out if post_mlp is None else post_mlp.forward(out))
+            out = out if post_mixer is None else post_mixer.forward(out)
+            hidden = hidden + (out if scale is None else out * scale)
+            x = hidden if pre_mlp is None else pre_mlp.forward(hidden)
+            out = None
+            for mlp in mlps:  # (Granite's mixture, then its shared MLP: summed in the order its layer sums them)
+                part = mlp.forward(x)
+                part = part[0] if isinstance(part, tuple) else part
+                out = part if out is None else out + part
+            out = out if post_mlp is None else post_mlp.forward(out)
+            hidden = hidden + (out if scale is None else out * scale)
         output = MoeModelOutputWithPast if loop.mixture else BaseModelOutputWithPast
         return output(last_hidden_state=getattr(inner, loop.final_norm).forward(hidden), past_key_values=cache)
