@@ -46,6 +46,7 @@ from rungen.gguf.experts import ExpertRouter, GGMLExperts
 from rungen.gguf.file import GGUFHeader, metadata_parsed_once
 from rungen.gguf.model import GGUFCausalLM
 from rungen.gguf.native_steps import NATIVE_ATTENTION, NativeGatedMLP, NativeGemma4Attention, NativeGptOssAttention
+from rungen.gguf.weights import GGUFError
 from rungen.kvcache import KV_FLOAT32_ENV, new_cache
 from rungen.loading import default_model_file, load, load_gguf
 from tiny_models import default_tokenizer_fields, write_gpt2_gguf, write_out
@@ -823,6 +824,19 @@ def test_a_file_of_our_own_tables_entry_loads_with_transformers_own_loader_too(a
     ids = torch.arange(3, 43)[None] * 7
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_a_granitehybrid_file_whose_attention_rotates_is_refused_in_one_line(tmp_path):
+    # llama.cpp's converter writes Bamba's checkpoints as granitehybrid files whose attention rotates (by part of a
+    # head); Granite 4.0 H's attention, the class these files are read into, has no rotary: refused, not computed
+    # as another model.
+    import tiny_models
+
+    checkpoint = tiny_models.granitehybrid_dense_checkpoint(str(tmp_path))
+    path = tiny_models.write_granitehybrid_gguf(checkpoint, str(tmp_path / "bamba.gguf"), rotates=True)
+    with pytest.raises(GGUFError, match="its attention rotates") as raised:
+        GGUFHeader(path)
+    assert "\n" not in str(raised.value)
 
 
 def test_an_ernie45_mixture_file_requantized_by_llama_cpp_computes_as_the_converters(tmp_path):
