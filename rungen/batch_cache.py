@@ -176,9 +176,9 @@ class SlotBatch:
         return order
 
     def row_layers(self, number, length, fed, last):
-        """A row's keys/values of its first `length` positions (of the `fed` it holds), and the buffers the prefix
-        cache may take (none)."""
-        return self.slots.row_layers(number, length), None
+        """A row's keys/values of its first `length` positions (of the `fed` it holds), the buffers the prefix
+        cache may take and its recurrent states (none)."""
+        return self.slots.row_layers(number, length), None, None
 
     def held(self):
         """Whether any row's keys/values are held."""
@@ -327,13 +327,16 @@ class PaddedBatch:
 
     def row_layers(self, number, length, fed, last):
         """A row's keys/values of its first `length` positions of the `fed` it holds, the batch's last ones (None
-        where padding lies among them), and the buffers the prefix cache may take over (`last`)."""
+        where padding lies among them), the buffers the prefix cache may take over (`last`), and its recurrent
+        layers' states (views), which stand for all `fed` (None where `length` is fewer: a state is not cut back)."""
         end = length - fed or None  # the row's positions end where the batch's do
-        if not self.mask[number, -fed:end].all() or states_of(self.cache):  # (no state of a prefix is kept)
-            return None, None
+        states = states_of(self.cache)
+        if not self.mask[number, -fed:end].all() or (states and length != fed):
+            return None, None, None
         layers = [(k[number : number + 1, :, -fed:end], v[number : number + 1, :, -fed:end])
                   for k, v in layers_of(self.cache)]
-        return layers, self.cache if last else None
+        states = each_state(states, lambda part: part[number : number + 1]) if states else None
+        return layers, self.cache if last else None, states
 
     def held(self):
         return self.cache is not None

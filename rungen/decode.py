@@ -208,11 +208,11 @@ class DecodeBatch:
         # ahead fed it a token it never got.
         length = min(row.position, len(tokens))
         tokens = tokens[:length]
-        layers, buffers = self.kv.row_layers(number, length, row.position, last)
+        layers, buffers, states = self.kv.row_layers(number, length, row.position, last)
         if layers is None:
             return
         try:
-            self.prefix_cache.keep(tokens, layers, buffers, self.kv.windows)
+            self.prefix_cache.keep(tokens, layers, buffers, self.kv.windows, states)
         except torch.OutOfMemoryError:  # (its copy) the cache only saves time: the row leaves all the same
             self.prefix_cache.give_up("a finished row's keys/values")
 

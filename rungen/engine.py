@@ -65,13 +65,12 @@ class Engine:
         layers = probed_layers(self.model, self.device, loaded.model_type, 0 if bos is None else bos, states)
         self.bytes_per_token = token_bytes(layers)
         self.bytes_per_row = state_bytes(states)  # (recurrent layers' states: the same whatever the row's length)
-        # (a model with recurrent layers takes no prefix cache: a row's state stands for its whole past)
+        # (a model with recurrent layers: its prefix cache's entries hold a row's states after exactly their tokens)
         self.keeps_states = bool(states)
         del states
         self.batch = DecodeBatch(self.model, self.device, self.use_positions, max_batch, loaded.context,
                                  reporter=self.reporter, metrics=self.metrics, eos_ids=self.eos_ids,
-                                 prefix_cache=PrefixCache(prefix_cache_bytes)
-                                 if prefix_cache_bytes and not self.keeps_states else None,
+                                 prefix_cache=PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None,
                                  shapes=layer_shapes(layers))
         del layers
         self.admission = Admission(self.model, self.batch, self.wake, max_batch=max_batch,
@@ -136,7 +135,7 @@ class Engine:
 
     @prefix_cache.setter
     def prefix_cache(self, cache):
-        self.batch.prefix_cache = None if self.keeps_states else cache
+        self.batch.prefix_cache = cache
 
     @property
     def cache_limit_bytes(self):

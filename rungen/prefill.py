@@ -11,7 +11,7 @@ import dataclasses
 import torch
 
 from . import logger
-from .kvcache import new_cache
+from .kvcache import holding, new_cache, put_states, recurrent, states_of
 
 
 @dataclasses.dataclass
@@ -43,15 +43,23 @@ def prefill_alone(model, kv, request, prefix_cache, device, *, use_positions, ke
     """The request's prompt after the prefix cache's longest match, in one pass; on the own GGUF model in passes of
     OWN_PASS tokens: its sliding layers then let go of what their window no longer reaches between passes (they hold
     every position of a pass), and a pass's activations are the pass's (the same bits: the native products take each
-    row alike)."""
+    row alike). A model with recurrent layers, where a prefix cache is kept: its prompt but the last token first,
+    whose keys/values and states the cache keeps (a state stands for exactly its tokens: the same prompt again, or
+    one that goes on from it, a conversation's next turn, starts from there), then the last token."""
     ids = request.ids
-    reused, layers, buffers = prefix_cache.longest(ids) if prefix_cache else (0, None, None)
+    reused, layers, buffers, states = prefix_cache.longest(ids) if prefix_cache else (0, None, None, None)
     # Stored tensors are never written to (a cache copies them), unless the prefix cache gave the buffers up.
     cache = new_cache(model, layers, buffers, reused)
+    if states:
+        put_states(cache, states)
     step = OWN_PASS if getattr(model, "own_cache", False) else len(ids)
+    ends = [min(len(ids), start + step) for start in range(reused, len(ids), step)]
+    checkpoint = prefix_cache is not None and any(recurrent(layer) for layer in cache.layers) and \
+        len(ids) - 1 > reused
+    if checkpoint:
+        ends = sorted({*ends, len(ids) - 1})
     with torch.inference_mode():
-        for start in range(reused, len(ids), step):
-            end = min(len(ids), start + step)
+        for start, end in zip([reused, *ends], ends):
             kwargs = {}
             if use_positions:
                 kwargs["position_ids"] = torch.arange(start, end, device=device)[None]
@@ -61,15 +69,27 @@ def prefill_alone(model, kv, request, prefix_cache, device, *, use_positions, ke
                 kwargs["logits_to_keep"] = 1  # the prompt's other logits are never read
             output = model(input_ids=torch.tensor([ids[start:end]], device=device), past_key_values=cache,
                            use_cache=True, **kwargs)
+            if checkpoint and end == len(ids) - 1:
+                keep_checkpoint(prefix_cache, ids[:end], cache)
     return Prefilled(reused, kv.part(output, request.n, len(ids)), output.logits[:, -1].float())
+
+
+def keep_checkpoint(prefix_cache, tokens, cache) -> None:
+    """The prefix cache keeps copies of `cache`'s keys/values and recurrent states after `tokens` (a prompt's
+    pass stopped short of its last token); out of GPU memory, the cache gives up its entries instead (it only saves
+    time)."""
+    try:
+        prefix_cache.keep(tokens, [(layer.keys, layer.values) for layer in holding(cache)], states=states_of(cache))
+    except torch.OutOfMemoryError:
+        prefix_cache.give_up("a prompt's recurrent states")
 
 
 def prefill_together(kv, requests, prefix_cache, reserve: int, chunk: int | None = None) -> list[Prefilled]:
     """The requests' prompts in one pass into the slots after the batch's (kv.prefill); `reserve`: the positions a
     row of the batch takes at most, theirs included; `chunk`: a prompt alone in passes of that many tokens."""
     prompts = []
-    for request in requests:
-        reused, layers, _ = prefix_cache.longest(request.ids) if prefix_cache else (0, None, None)
+    for request in requests:  # (the slots hold no recurrent layer's state)
+        reused, layers, *_ = prefix_cache.longest(request.ids, states=False) if prefix_cache else (0, None)
         prompts.append((request.ids, reused, layers, request.n))
     logits = kv.prefill(prompts, reserve, chunk)
     return [Prefilled(reused, None, logits[number : number + 1])

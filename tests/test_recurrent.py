@@ -1,9 +1,10 @@
 """Models with recurrent layers (Qwen3.5's Gated DeltaNet layers, LFM2's short convolutions, Granite 4.0 H's Mamba-2
 layers, read from GGUF files as llama.cpp's converter writes them) decode on the engine: a row's convolution window
-and state (transformers' LinearAttentionLayer; LFM2's keep a window alone) are its own, joined one after another
-where rows join and picked where rows leave, beside the full-attention layers' left-padded keys and values; no prefix
-cache (a state stands for a row's whole past). So the greedy tokens of a batch are those generate() gives each prompt
-alone, and the server serves these models."""
+and state (transformers' LinearAttentionLayer; LFM2's keep a window alone) are its own, joined one after another where
+rows join and picked where rows leave, beside the full-attention layers' left-padded keys and values. So the greedy
+tokens of a batch are those generate() gives each prompt alone, and the server serves these models. Their prefix cache
+keeps a row's states after exactly the tokens they stand for (a state is not cut back): a prompt's all but its last
+token, and a finished row's prompt and reply, which the same prompt again and a conversation's next turn start from."""
 
 import pytest
 import torch
@@ -47,10 +48,8 @@ def test_rows_joining_and_leaving_keep_their_own_states(loaded):
         expected = [alone(loaded.model, ids, length) for ids, length in zip(prompts, lengths)]
     # Four rows at most: the first three prompts' (the third asks for two sequences: its state repeated for each);
     # the second's row, between the others, leaves first, and the fourth prompt joins the three left, mid-decode.
-    engine = Engine(loaded, max_batch=4, eos_ids=(), prefix_cache_bytes=1 << 20)
-    assert engine.keeps_states and engine.prefix_cache is None
-    engine.prefix_cache = object()  # (a session's: refused too)
-    assert engine.prefix_cache is None
+    engine = Engine(loaded, max_batch=4, eos_ids=())
+    assert engine.keeps_states
     tokens = {}
     for number, (ids, length) in enumerate(zip(prompts, lengths)):
         def sink(event, number=number):
@@ -61,6 +60,42 @@ def test_rows_joining_and_leaving_keep_their_own_states(loaded):
     engine.run_here()
     assert engine.batch.peak_rows == 4
     assert tokens == {0: [expected[0]], 1: [expected[1]], 2: [expected[2]] * 2, 3: [expected[3]]}
+
+
+def test_a_conversations_next_turn_starts_from_the_states_the_prefix_cache_kept(loaded):
+    # A first turn's prompt, then its next turn (the prompt, the reply, more tokens), then the first prompt again:
+    # the next turn starts from the states after the prompt and reply (the finished row's), the same prompt again
+    # from those after all of it but its last token (kept at its prefill); each reply what generate() gives the
+    # whole prompt alone. A prompt sharing a start that is no entry's whole (a state is not cut back) reuses nothing.
+    ids = loaded.tokenizer.encode(PROMPTS[0])
+    with torch.inference_mode():
+        first = alone(loaded.model, ids, NEW_TOKENS)
+    engine = Engine(loaded, max_batch=2, eos_ids=(), prefix_cache_bytes=64 << 20)
+    assert engine.prefix_cache is not None
+
+    def turn(prompt):
+        done = {}
+
+        def sink(event):
+            if isinstance(event, Done):
+                done["tokens"] = event.finish.tokens
+
+        request = Request(prompt, max_tokens=NEW_TOKENS, sampling=Sampling(temperature=0), sink=sink)
+        engine.submit(request)
+        engine.run_here()
+        return done["tokens"], getattr(request, "reused", 0)
+
+    assert turn(ids) == (first, 0)
+    more = loaded.tokenizer.encode(" And then")
+    next_turn = ids + first + more
+    with torch.inference_mode():
+        wanted = alone(loaded.model, next_turn, NEW_TOKENS)
+    # (the finished row's cache holds its prompt and reply but the reply's last token, never fed)
+    assert turn(next_turn) == (wanted, len(ids) + len(first) - 1)
+    assert turn(ids) == (first, len(ids) - 1)
+    assert turn(ids[:-3] + more)[1] == 0
+    entries = list(engine.prefix_cache.entries.values())
+    assert entries and all(states for *_, states in entries)
 
 
 def test_such_a_model_is_served(loaded):
