@@ -93,7 +93,8 @@ class Admission:
         if into_slots(batch.kv, requests, batch.device) and not self.merge():
             return False
         prefilled = prefill_group(self.model, batch.kv, requests, batch.prefix_cache, batch.device, len(batch.rows),
-                                  self.reserve(requests), use_positions=self.use_positions, keep_last=self.keep_last)
+                                  self.reserve(requests), use_positions=self.use_positions, keep_last=self.keep_last,
+                                  turn_ends=frozenset(batch.eos_ids))
         if prefilled is None:
             return False
         batch.enter(requests, prefilled, start)

@@ -39,13 +39,15 @@ def together_tokens(requests) -> int:
     return len(requests) * max(len(request.ids) for request in requests)
 
 
-def prefill_alone(model, kv, request, prefix_cache, device, *, use_positions, keep_last) -> Prefilled:
+def prefill_alone(model, kv, request, prefix_cache, device, *, use_positions, keep_last, turn_ends=()) -> Prefilled:
     """The request's prompt after the prefix cache's longest match, in one pass; on the own GGUF model in passes of
     OWN_PASS tokens: its sliding layers then let go of what their window no longer reaches between passes (they hold
     every position of a pass), and a pass's activations are the pass's (the same bits: the native products take each
-    row alike). A model with recurrent layers, where a prefix cache is kept: its prompt but the last token first,
-    whose keys/values and states the cache keeps (a state stands for exactly its tokens: the same prompt again, or
-    one that goes on from it, a conversation's next turn, starts from there), then the last token."""
+    row alike). A model with recurrent layers, where a prefix cache is kept: the cache keeps its keys/values and
+    states (a state stands for exactly its tokens) after the prompt's last token but one (the same prompt again, or
+    one that goes on from it, starts from there) and after its last turn's end (the last of `turn_ends`, the tokens
+    that end a reply, within it: a conversation's next turn renders the history before it alike, where a template
+    drops a reply's reasoning or renders the generation prompt otherwise), the passes stopping there."""
     ids = request.ids
     reused, layers, buffers, states = prefix_cache.longest(ids) if prefix_cache else (0, None, None, None)
     # Stored tensors are never written to (a cache copies them), unless the prefix cache gave the buffers up.
@@ -54,10 +56,11 @@ def prefill_alone(model, kv, request, prefix_cache, device, *, use_positions, ke
         put_states(cache, states)
     step = OWN_PASS if getattr(model, "own_cache", False) else len(ids)
     ends = [min(len(ids), start + step) for start in range(reused, len(ids), step)]
-    checkpoint = prefix_cache is not None and any(recurrent(layer) for layer in cache.layers) and \
-        len(ids) - 1 > reused
-    if checkpoint:
-        ends = sorted({*ends, len(ids) - 1})
+    checkpoints = set()
+    if prefix_cache is not None and any(recurrent(layer) for layer in cache.layers):
+        last_turn = max((at + 1 for at, token in enumerate(ids[:-1]) if token in turn_ends), default=0)
+        checkpoints = {end for end in (len(ids) - 1, last_turn) if end > reused}
+        ends = sorted({*ends, *checkpoints})
     with torch.inference_mode():
         for start, end in zip([reused, *ends], ends):
             kwargs = {}
@@ -69,7 +72,7 @@ def prefill_alone(model, kv, request, prefix_cache, device, *, use_positions, ke
                 kwargs["logits_to_keep"] = 1  # the prompt's other logits are never read
             output = model(input_ids=torch.tensor([ids[start:end]], device=device), past_key_values=cache,
                            use_cache=True, **kwargs)
-            if checkpoint and end == len(ids) - 1:
+            if end in checkpoints:
                 keep_checkpoint(prefix_cache, ids[:end], cache)
     return Prefilled(reused, kv.part(output, request.n, len(ids)), output.logits[:, -1].float())
 
@@ -106,8 +109,8 @@ def into_slots(kv, requests, device: torch.device) -> bool:
     return kv.prefills_together and len(requests[0].ids) > kv.pass_tokens and (device.type == "cuda" or kv.rings)
 
 
-def prefill_group(model, kv, requests, prefix_cache, device, rows: int, reserve: int, *, use_positions, keep_last
-                  ) -> list[Prefilled] | None:
+def prefill_group(model, kv, requests, prefix_cache, device, rows: int, reserve: int, *, use_positions, keep_last,
+                  turn_ends=()) -> list[Prefilled] | None:
     """The requests prefilled after the batch's `rows` rows (together where there are several), their slots made
     first so that nothing joins half; None where the GPU has no memory for them beside those rows, which go on
     untouched (alone, that is raised), even once the prefix cache's entries are given up."""
@@ -116,11 +119,11 @@ def prefill_group(model, kv, requests, prefix_cache, device, rows: int, reserve:
         if into_slots(kv, requests, device):
             return prefill_together(kv, requests, prefix_cache, reserve, kv.pass_tokens)
         return [prefill_alone(model, kv, requests[0], prefix_cache, device, use_positions=use_positions,
-                              keep_last=keep_last)]
+                              keep_last=keep_last, turn_ends=turn_ends)]
     except torch.OutOfMemoryError:
         if prefix_cache is not None and prefix_cache.give_up("a prefill"):  # tried again without it
             return prefill_group(model, kv, requests, prefix_cache, device, rows, reserve,
-                                 use_positions=use_positions, keep_last=keep_last)
+                                 use_positions=use_positions, keep_last=keep_last, turn_ends=turn_ends)
         if not rows:
             raise
         logger.warning("out of GPU memory for %d waiting request(s) beside %d running rows: they wait for rows to "

@@ -98,6 +98,36 @@ def test_a_conversations_next_turn_starts_from_the_states_the_prefix_cache_kept(
     assert entries and all(states for *_, states in entries)
 
 
+def test_a_next_turn_rendered_otherwise_after_the_last_turns_end_starts_from_there(loaded):
+    # A template may render a conversation's history otherwise than the prompt before (a reply's reasoning dropped,
+    # the generation prompt's thinking opener): the prefix cache also keeps the states after the prompt's last turn
+    # end (a token that ends a reply), which such a next turn shares.
+    tokenizer = loaded.tokenizer
+    end = tokenizer.eos_token_id
+    history, opener, reply = (tokenizer.encode(text) for text in (PROMPTS[2], " Sure: think", " Sure: the answer"))
+    engine = Engine(loaded, max_batch=2, eos_ids=(end,), prefix_cache_bytes=64 << 20)
+
+    def turn(prompt):
+        done = {}
+
+        def sink(event):
+            if isinstance(event, Done):
+                done["tokens"] = event.finish.tokens
+
+        request = Request(prompt, max_tokens=NEW_TOKENS, sampling=Sampling(temperature=0), sink=sink)
+        engine.submit(request)
+        engine.run_here()
+        return done["tokens"], request.reused
+
+    assert turn(history + [end] + opener)[1] == 0
+    next_turn = history + [end] + reply + [end] + opener
+    tokens, reused = turn(next_turn)
+    assert reused == len(history) + 1
+    with torch.inference_mode():
+        wanted = alone(loaded.model, next_turn, NEW_TOKENS)
+    assert tokens == (wanted[:wanted.index(end) + 1] if end in wanted else wanted)
+
+
 def test_such_a_model_is_served(loaded):
     from starlette.testclient import TestClient
 
