@@ -435,7 +435,8 @@ def test_gemma_4_decodes_in_slots_as_generate_does(variant, tmp_path):
     engine = Engine(loaded, max_batch=3)
     reused = []
     longest = engine.prefix_cache.longest
-    engine.prefix_cache.longest = lambda tokens: reused.append(longest(tokens)[0]) or longest(tokens)
+    engine.prefix_cache.longest = lambda tokens, **kwargs: reused.append(longest(tokens, **kwargs)[0]) or \
+        longest(tokens, **kwargs)
     decodes_as_generate_does(engine, loaded.tokenizer, loaded.model, PROMPTS + PROMPTS[:1], LENGTHS + [10], variant)
     assert max(reused) > 0  # (the last prompt's keys from the cache)
     # each layer that holds keys its own shapes: E2B's last two hold none; 31B's full layers one head of 64

@@ -338,14 +338,35 @@ def test_prefix_cache_gives_the_longest_shared_start_and_leaves_a_token_to_prefi
     cache = PrefixCache(max_bytes=1 << 20)
     cache.put([1, 2, 3, 4, 5], layers([1, 2, 3, 4, 5]))
     cache.put([1, 2, 9, 9], layers([1, 2, 9, 9]))
-    assert cache.longest([7, 1, 2]) == (0, None, None)
-    length, [(k, v)], buffers = cache.longest([1, 2, 3, 8, 8])
+    assert cache.longest([7, 1, 2]) == (0, None, None, None)
+    length, [(k, v)], buffers, states = cache.longest([1, 2, 3, 8, 8])
     assert length == 3 and k.flatten().tolist() == [1, 2, 3] and v.flatten().tolist() == [1.5, 2.5, 3.5]
-    assert buffers is None
+    assert buffers is None and states is None
     assert cache.longest([1, 2, 9, 9, 9])[0] == 4  # a whole entry: the next turn of its conversation
     assert cache.longest([1, 2, 3, 4, 5])[0] == 4  # all of it cached: the last token is still fed
     assert cache.longest([1])[0] == 0
     assert len(cache.entries) == 2  # entries without buffers are only read
+
+
+def test_a_prefix_entry_with_recurrent_states_serves_only_a_start_of_all_of_it():
+    # A recurrent model's entry: its attention layer's keys/values and its recurrent layer's states after exactly its
+    # tokens (a state is not cut back). A request that starts with all of them takes both (views, counted in the
+    # entry's bytes); one sharing a shorter start takes nothing from it, but from an entry without states that start;
+    # a caller that takes no states (the slots) passes such entries over.
+    from rungen.prefix_cache import PrefixCache
+
+    keys = torch.arange(5, dtype=torch.float32).view(1, 1, 5, 1)
+    states = [(torch.ones(1, 3, 4), torch.full((1, 2, 2, 2), 7.0))]
+    cache = PrefixCache(max_bytes=1 << 20)
+    cache.put([1, 2, 3, 4, 5], [(keys, keys)], states=states)
+    assert cache.bytes == 2 * 5 * 4 + (12 + 8) * 4
+    assert cache.longest([1, 2, 3, 9, 9]) == (0, None, None, None)
+    length, [(k, _)], _, [(window, state)] = cache.longest([1, 2, 3, 4, 5, 6])
+    assert length == 5 and k.flatten().tolist() == list(range(5)) and window is states[0][0] and state is states[0][1]
+    assert cache.longest([1, 2, 3, 4, 5, 6], states=False)[0] == 0
+    assert cache.longest([1, 2, 3, 4, 5])[0] == 0  # (all of it: the last token still to feed, the state past it)
+    cache.put([1, 2, 3, 8], [(keys[:, :, :4], keys[:, :, :4])])
+    assert cache.longest([1, 2, 3, 4, 9])[0] == 3
 
 
 def test_a_prefix_entry_whose_sliding_layer_holds_a_ring_serves_only_whole():
@@ -359,11 +380,11 @@ def test_a_prefix_entry_whose_sliding_layer_holds_a_ring_serves_only_whole():
     ring = torch.tensor([4, 5, 2, 3], dtype=torch.float32).view(1, 1, 4, 1)  # positions 4, 5 at 0, 1
     cache = PrefixCache(max_bytes=1 << 20)
     cache.put([1, 2, 3, 4, 5, 6], [(full, full), (ring, ring)])
-    assert cache.longest([1, 2, 3, 9, 9]) == (0, None, None)
-    length, [(k, _), (r, _)], _ = cache.longest([1, 2, 3, 4, 5, 6, 7])
+    assert cache.longest([1, 2, 3, 9, 9]) == (0, None, None, None)
+    length, [(k, _), (r, _)], *_ = cache.longest([1, 2, 3, 4, 5, 6, 7])
     assert length == 6 and k.flatten().tolist() == list(range(6)) and r.flatten().tolist() == [4, 5, 2, 3]
     cache.put([1, 2, 3, 8], [(full[:, :, :4], full[:, :, :4]), (ring, ring)])  # (four positions: every one held)
-    length, [(k, _), (r, _)], _ = cache.longest([1, 2, 3, 9, 9])
+    length, [(k, _), (r, _)], *_ = cache.longest([1, 2, 3, 9, 9])
     assert length == 3 and k.flatten().tolist() == [0, 1, 2] and r.flatten().tolist() == [4, 5, 2]
 
 
@@ -385,9 +406,9 @@ def test_a_next_turn_takes_over_the_buffers_of_its_conversation_and_grows_in_the
     cache = PrefixCache(max_bytes=1 << 20)
     cache.put([1, 2, 3, 4, 5, 6], layers, size=held, buffers=buffers)
     assert cache.bytes == held
-    shared, views, none = cache.longest([1, 2, 3, 7, 7])
+    shared, views, none, _ = cache.longest([1, 2, 3, 7, 7])
     assert (shared, none) == (3, None) and len(cache.entries) == 1
-    length, whole, given = cache.longest([1, 2, 3, 4, 5, 6, 7, 8])
+    length, whole, given, _ = cache.longest([1, 2, 3, 4, 5, 6, 7, 8])
     assert (length, given) == (6, buffers) and not cache.entries and cache.bytes == 0
     grown = new_cache(model, whole, given)
     new = torch.randn(1, 1, 2, 4)
