@@ -579,7 +579,7 @@ def test_a_next_turn_grows_in_the_buffers_its_first_turn_left(checkpoint):
     engine = Engine(blocked, eos_ids=())
     first = tokenizer.encode("Hello, my dog is cute and")
     reply = run(engine, first, 5)
-    [(held, (layers, _, buffers, _))] = engine.prefix_cache.entries.items()
+    [(held, (layers, _, buffers, *_))] = engine.prefix_cache.entries.items()
     # the last token's position is held only where a step was launched ahead of the row's end (a GPU)
     assert buffers is not None and held == tuple(first + reply[: len(reply) - 1 + engine.batch.lookahead])
     following = first + reply + tokenizer.encode(" so is the cat")
