@@ -137,6 +137,12 @@ FAMILIES = {
                           experts_used=6, expert_ffn=512, shared_ffn=1024, context=2 ** 20,
                           scales={"attention.scale": 0.0078125, "embedding_scale": 12.0, "residual_scale": 0.22,
                                   "logit_scale": 6.0}),
+    # granite-3.1-3b-a800m: 32 layers 1536 wide (24 heads of 64 over 8), each MLP 40 experts of 512 (8 a token),
+    # Granite's multipliers; tied; feed_forward_length the experts' width, as its converter writes it.
+    "granitemoe": dict(arch="granitemoe", layers=32, hidden=1536, ffn=512, heads=24, kv_heads=8, head_dim=64,
+                       rope_base=10000000.0, eps=1e-6, tied=True, experts=40, experts_used=8, expert_ffn=512,
+                       scales={"attention.scale": 0.015625, "embedding_scale": 12.0, "residual_scale": 0.22,
+                               "logit_scale": 6.0}),
     # Mixtral-8x7B: llama's file with experts (8 of 14336 a layer, 2 a token: feed_forward_length is the experts'),
     # 26 GB in Q4_0.
     "mixtral": dict(arch="llama", layers=32, hidden=4096, ffn=14336, heads=32, kv_heads=8, head_dim=128,
@@ -507,7 +513,7 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
     if "experts" in shape:
         writer.add_expert_count(shape["experts"])
         writer.add_expert_used_count(shape["experts_used"])
-        if arch != "llama":  # (Mixtral's converter writes the experts' width as feed_forward_length)
+        if arch not in ("llama", "granitemoe"):  # (their converters write the experts' width as feed_forward_length)
             writer.add_expert_feed_forward_length(shape["expert_ffn"])
         if "sigmoid_router" in shape:  # (GLM-4.5's: the shared expert as a count of experts, the dense layers first)
             writer.add_expert_shared_count(1)

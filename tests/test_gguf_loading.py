@@ -804,11 +804,11 @@ def test_a_grouped_router_chooses_as_transformers_and_alike_in_a_batch(kind, gro
         assert torch.equal(row_weights[0], got_weights[row])
 
 
-@pytest.mark.parametrize("architecture", ["lfm2moe", "granitehybrid", "granitehybrid_dense"])
+@pytest.mark.parametrize("architecture", ["lfm2moe", "granitehybrid", "granitehybrid_dense", "granitemoe"])
 def test_a_file_of_our_own_tables_entry_loads_with_transformers_own_loader_too(architecture, tmp_path):
-    # LFM2-MoE's and Granite 4.0 H's entries in transformers' conversion tables (conversions.OWN_TABLES) serve its own
-    # loader as well (Granite's shared MLP joined from two tensors there too): --dequantize computes the checkpoint
-    # with the Q8_0 file's weights.
+    # LFM2-MoE's, Granite 4.0 H's and Granite 3's mixtures' entries in transformers' conversion tables
+    # (conversions.OWN_TABLES) serve its own loader as well (Granite's shared MLP joined from two tensors there too):
+    # --dequantize computes the checkpoint with the Q8_0 file's weights.
     from transformers import AutoModelForCausalLM
 
     import tiny_models
@@ -1244,6 +1244,11 @@ CHECKPOINT_FILES = {
                                 model="GraniteMoeHybridForCausalLM", quantized=True, steps=dict(mamba="MambaStep"),
                                 native=dict(input_layernorm="NativeRMSNorm", shared_mlp="NativeGatedMLP"),
                                 f32_atol=1e-4),
+    # Granite 3's mixtures (granitemoe: llama's keys, q and k permuted, its multipliers, each layer's experts beside
+    # no MLP, the softmax of the top 2 logits), which transformers' GGUF reading does not know: the same table as
+    # Granite 4.0 H's, its rotary over the rows read back; transformers' layers, the experts in one native call.
+    "granitemoe": dict(files=("granitemoe_checkpoint", "write_granitemoe_gguf"), model="GraniteMoeForCausalLM",
+                       steps=dict(block_sparse_moe="MixtureInOneCall"), native=dict(input_layernorm="NativeRMSNorm")),
     "lfm2": dict(files=("lfm2_checkpoint", "write_lfm2_gguf"), model="Lfm2ForCausalLM", quantized=True,
                  steps=dict(conv="ShortConvStep", self_attn="NativeLfm2Attention"),
                  native=dict(feed_forward="NativeGatedMLP", operator_norm="NativeRMSNorm")),
@@ -1356,7 +1361,8 @@ def test_a_qwen35_mixture_in_one_native_call_computes_its_blocks_modules(tmp_pat
 # The files whose decode steps LayerLoop takes: (checkpoint, writer, the types it writes the blocks in).
 LOOPED_FILES = {**{name: (*CHECKPOINT_FILES[name]["files"], ("Q8_0",))
                    for name in ("qwen35", "qwen35moe", "lfm2", "exaone4", "exaone4_global", "olmo2", "olmo3",
-                                "ministral3", "glm4moe", "lfm2moe", "granitehybrid", "granitehybrid_dense")},
+                                "ministral3", "glm4moe", "lfm2moe", "granitehybrid", "granitehybrid_dense",
+                                "granitemoe")},
                 "gpt-oss": ("gpt_oss_checkpoint", "write_gpt_oss_gguf", ("MXFP4", "Q8_0"))}
 
 

@@ -1789,6 +1789,68 @@ def write_granitehybrid_gguf(checkpoint: str, path: str, qtype_name: str = "F32"
     return write_out(writer, path)
 
 
+def granitemoe_checkpoint(out_dir: str) -> str:
+    """A tiny random Granite 3 mixture checkpoint (GraniteMoeForCausalLM) in `out_dir`: granite-3.1-1b-a400m's
+    layout 64 wide (4 heads over 2, rotary), each MLP 8 experts of 32, 2 a token (the softmax of their logits);
+    Granite's multipliers (the embedding's 12, each residual branch's 0.22, the scores' 1 / 16, the logits divided by
+    6); tied embeddings; its norms drawn around 1."""
+    from transformers import GraniteMoeConfig, GraniteMoeForCausalLM
+
+    tokenizer = tiny_gpt2_tokenizer(out_dir)
+    config = GraniteMoeConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, embedding_multiplier=12.0,
+        residual_multiplier=0.22, attention_multiplier=1 / 16, logits_scaling=6.0, max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, rms_norm_eps=1e-6, initializer_range=0.15,
+        tie_word_embeddings=True, pad_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id)
+    return save_tiny(out_dir, "granitemoe", GraniteMoeForCausalLM, config, tokenizer, drawn_norms(1))
+
+
+def write_granitemoe_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
+    """The GGUF file llama.cpp's converter (conversion/granite.py's GraniteMoeModel, a LlamaModel) writes of a Granite
+    3 mixture checkpoint: llama's keys and q/k permutation under the granitemoe architecture, the experts' (count,
+    used; feed_forward_length their width), Granite's multipliers as attention.scale, embedding_scale, residual_scale
+    and logit_scale; each layer's experts (input_linear: gate and up rows) split into ffn_gate_exps and ffn_up_exps,
+    output_linear as ffn_down_exps, the router as ffn_gate_inp; matrices in Q8_0 where asked, the router and norms
+    F32; Granite 3's byte-level BPE vocabulary (tokenizer.ggml.pre refact)."""
+    import gguf
+
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        config = json.load(f)
+
+    def more_keys(writer):
+        writer.add_expert_count(config["num_local_experts"])
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+
+    return write_as_llama(checkpoint, path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.GRANITE_MOE], qtype_name, "refact", {
+        "attention.scale": config["attention_multiplier"], "embedding_scale": config["embedding_multiplier"],
+        "residual_scale": config["residual_multiplier"], "logit_scale": config["logits_scaling"]}, more_keys,
+        special=functools.partial(granite_experts, add_for=lambda writer: converter_adder(writer, qtype_name)))
+
+
+def granite_experts(writer, hf_name: str, values, add_for) -> bool:
+    """write_as_llama's `special` for a Granite mixture (llama.cpp's GraniteMoeModel): a layer's experts'
+    input_linear (gate rows, then up rows) as ffn_gate_exps and ffn_up_exps, output_linear as ffn_down_exps, the
+    router as ffn_gate_inp, by `add_for(writer)`'s add; True where it wrote the tensor."""
+    import numpy as np
+
+    if ".block_sparse_moe." not in hf_name:
+        return False
+    add, blk = add_for(writer), f"blk.{hf_name.split('.')[2]}"
+    if hf_name.endswith("input_linear.weight"):
+        gate, up = np.split(values, 2, axis=-2)
+        add(f"{blk}.ffn_gate_exps.weight", gate)
+        add(f"{blk}.ffn_up_exps.weight", up)
+    elif hf_name.endswith("output_linear.weight"):
+        add(f"{blk}.ffn_down_exps.weight", values)
+    elif hf_name.endswith("router.layer.weight"):
+        add(f"{blk}.ffn_gate_inp.weight", values)
+    else:
+        return False
+    return True
+
+
 def cohere_checkpoint(out_dir: str, version: int = 1) -> str:
     """A tiny random Cohere checkpoint (CohereForCausalLM: Command R's layout 64 wide, 4 heads of 16 over 2, the
     attention and the MLP side by side after one layer norm, a logit scale, interleaved rotary; Command R+'s q and k
@@ -2597,7 +2659,7 @@ def add_bpe_vocabulary(writer, checkpoint: str, pre: str) -> None:
 def write_as_llama(checkpoint: str, path: str, architecture: str, qtype_name: str, pre: str,
                    scales: dict | None = None, more_keys=None, permute: bool = True,
                    norms_plus_one: bool = False, rotary: int | None = None, llama_keys: bool = True,
-                   leave_out=None) -> str:
+                   leave_out=None, special=None) -> str:
     """What llama.cpp's LlamaModel converter writes of a llama-shaped checkpoint under `architecture`: the text
     shape, rope base, norm epsilon, the head size where the config names one, file type, vocabulary size and rotary
     width, `scales` as float32 keys under the architecture and what `more_keys(writer)` adds, a GPT-2 style BPE
@@ -2606,7 +2668,8 @@ def write_as_llama(checkpoint: str, path: str, architecture: str, qtype_name: st
     `norms_plus_one` (gemma's converter), `rotary` the rotated share of a head where not all; matrices in
     `qtype_name` (F32, or Q8_0 as --outtype q8_0 writes them). `llama_keys` False: without the keys LlamaModel writes
     beyond a TextModel's (the vocabulary's size, the rotary width unless `rotary`, no space prefix); `leave_out(name)`:
-    the checkpoint's tensors the converter writes as keys instead."""
+    the checkpoint's tensors the converter writes as keys instead; `special(writer, hf_name, values)`: True where it
+    wrote that tensor itself (a mixture's experts)."""
 
     import gguf
     import numpy as np
@@ -2648,6 +2711,8 @@ def write_as_llama(checkpoint: str, path: str, architecture: str, qtype_name: st
         if hf_name == "lm_head.weight" and config.get("tie_word_embeddings") or leave_out and leave_out(hf_name):
             continue  # tied, or written as keys
         values = value.float().numpy()
+        if special is not None and special(writer, hf_name, values):
+            continue
         if norms_plus_one and hf_name.endswith("norm.weight"):
             values = values + 1
         if permute and hf_name.endswith("q_proj.weight"):

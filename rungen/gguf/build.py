@@ -45,8 +45,8 @@ from .experts import (
 )
 from .families import WITH_EXPERTS
 from .file import GGUFHeader, first_line, read_as_their_likes, type_name, unsupported_message
+from .granite_steps import granite_steps
 from .latent_attention import absorb_latents
-from .mamba_steps import mamba_steps
 from .native_steps import GpuKernelHints, steps_natively
 from .weights import FLOAT_TYPES, GGUFError, WeightReader, as_torch, split_hint
 
@@ -363,7 +363,7 @@ class ModelBuild:
         steps_natively(model)
         delta_steps(model)
         conv_steps(model)
-        mamba_steps(model)
+        granite_steps(model)
         absorb_latents(model)
         GpuKernelHints.quiet()  # (on the CPU no CUDA kernel package would take a recurrent layer's PyTorch forms)
         return _finish_built(self.header, model, self.names)

@@ -104,6 +104,42 @@ def _granitehybrid_config(metadata: dict, tensor_names: tuple[str, ...]) -> dict
     }
 
 
+def _granitemoe_config(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
+    """Granite 3's mixtures' config (granite-3.0/3.1-1b-a400m, 3b-a800m: GraniteMoeForCausalLM; with a shared MLP,
+    GraniteMoeSharedForCausalLM): llama's keys (feed_forward_length the experts' width), Granite's multipliers, the
+    experts' count and those a token takes, the shared MLP's width. A rotary over part of a head is refused."""
+    key = lambda name: metadata[f"granitemoe.{name}"]  # noqa: E731
+    shared = any(name.endswith(".ffn_gate_shexp.weight") for name in tensor_names)
+    hidden, heads = key("embedding_length"), key("attention.head_count")
+    if metadata.get("granitemoe.rope.dimension_count", hidden // heads) != hidden // heads:
+        raise ValueError(f"its rotary turns {key('rope.dimension_count')} of a head's {hidden // heads} values, "
+                         "where Granite's turns them all")
+    config = {
+        "model_type": "granitemoeshared" if shared else "granitemoe",
+        "architectures": ["GraniteMoeSharedForCausalLM" if shared else "GraniteMoeForCausalLM"],
+        "max_position_embeddings": key("context_length"), "hidden_size": hidden,
+        "intermediate_size": key("feed_forward_length"), "num_hidden_layers": key("block_count"),
+        "num_attention_heads": heads, "num_key_value_heads": metadata.get("granitemoe.attention.head_count_kv", heads),
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
+        "rope_parameters": {"rope_type": "default", "rope_theta": metadata.get("granitemoe.rope.freq_base", 1e4)},
+        "attention_bias": any(name.endswith(".attn_q.bias") for name in tensor_names),
+        "embedding_multiplier": metadata.get("granitemoe.embedding_scale", 1.0),
+        "residual_multiplier": metadata.get("granitemoe.residual_scale", 1.0),
+        "attention_multiplier": metadata.get("granitemoe.attention.scale", 1.0),
+        "logits_scaling": metadata.get("granitemoe.logit_scale", 1.0),
+        "num_local_experts": key("expert_count"), "num_experts_per_tok": key("expert_used_count"),
+        # `read_gguf_metadata` leaves the vocabulary as its length
+        "vocab_size": metadata["tokenizer.ggml.tokens"],
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
+        "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
+        "pad_token_id": metadata.get("tokenizer.ggml.padding_token_id"),
+    }
+    if shared:
+        config["shared_intermediate_size"] = key("expert_shared_feed_forward_length")
+    return config
+
+
 def _unpermuted(heads: int, rows: int) -> torch.Tensor:
     """The order of the rows llama.cpp's converter permuted for its interleaved rotary (LlamaModel.permute: each head's
     halves interleaved), back to the checkpoint's."""
@@ -111,11 +147,11 @@ def _unpermuted(heads: int, rows: int) -> torch.Tensor:
     return torch.arange(rows, device="cpu").view(heads, size // 2, 2).transpose(1, 2).reshape(-1)  # (not on meta)
 
 
-def _granitehybrid(config) -> list:
-    """Granite 4.0 H's tensors: llama's names, q and k rows un-permuted; the Mamba-2 layers' (A as -exp(A_log) and D a
-    column each, the convolution squeezed, the gated norm a row a group, dt_bias as ssm_dt.bias); the router, the
-    experts (ffn_gate_exps and ffn_up_exps joined into gate_up_proj, gate rows first) and the shared MLP (its gate and
-    up rows joined into input_linear: ffn_*_shexp, a dense model's ffn_*)."""
+def _granite(config) -> list:
+    """Granite 4.0 H's and Granite 3's mixtures' tensors: llama's names, q and k rows un-permuted; the Mamba-2 layers'
+    (A as -exp(A_log) and D a column each, the convolution squeezed, the gated norm a row a group, dt_bias as
+    ssm_dt.bias); the router, the experts (ffn_gate_exps and ffn_up_exps joined into gate_up_proj, gate rows first)
+    and the shared MLP (its gate and up rows joined into input_linear: ffn_*_shexp, a dense model's ffn_*)."""
     from transformers.core_model_loading import ConversionOps, WeightConverter, WeightRenaming
     from transformers.integrations.gguf.gguf_conversion_mapping import (
         DENSE_DECODER_RENAMINGS,
@@ -134,7 +170,7 @@ def _granitehybrid(config) -> list:
             return {target_patterns[0]: tensor.reshape(-1)}
 
     head = config.hidden_size // config.num_attention_heads
-    shared = "_shexp" if config.num_local_experts else ""
+    shared = "_shexp" if getattr(config, "num_local_experts", 0) else ""
     mlp = [entry for entry in DENSE_DECODER_RENAMINGS if ".mlp." not in entry.target_patterns[0]]
     return mlp + [
         WeightRenaming(r"^output_norm\.", "model.norm."),
@@ -166,7 +202,8 @@ def _granitehybrid(config) -> list:
 
 
 # Architectures transformers' conversion table lacks, given entries of its kind here: (config reader, tensor table).
-OWN_TABLES = {"lfm2moe": (_lfm2moe_config, _lfm2moe), "granitehybrid": (_granitehybrid_config, _granitehybrid)}
+OWN_TABLES = {"lfm2moe": (_lfm2moe_config, _lfm2moe), "granitehybrid": (_granitehybrid_config, _granite),
+              "granitemoe": (_granitemoe_config, _granite)}
 
 
 def teach_own_tables() -> None:

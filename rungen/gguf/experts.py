@@ -161,9 +161,10 @@ def stacked(layers: list[GGMLLinear]) -> torch.Tensor | None:
 
 # transformers' routers whose forward ExpertRouter computes (the same steps, the logits by RowProducts).
 ROUTERS = ("Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter", "MixtralTopKRouter", "GptOssTopKRouter", "Qwen3_5MoeTopKRouter",
-           "GraniteMoeHybridTopKRouter")
+           "GraniteMoeHybridTopKRouter", "GraniteMoeTopKRouter", "GraniteMoeSharedTopKRouter")
 # Those of them whose weights are the softmax of the top k logits (gpt-oss's after its bias).
-SOFTMAX_OF_TOP = ("GptOssTopKRouter", "GraniteMoeHybridTopKRouter")
+SOFTMAX_OF_TOP = ("GptOssTopKRouter", "GraniteMoeHybridTopKRouter", "GraniteMoeTopKRouter",
+                  "GraniteMoeSharedTopKRouter")
 
 
 class RowProducts(torch.nn.Module):
@@ -312,12 +313,14 @@ ROUTER_FORMS = {**dict.fromkeys(ROUTERS, ExpertRouter), **dict.fromkeys(GROUPED_
 
 # transformers' mixture blocks whose forward NativeMixture computes (Qwen2-MoE's and Qwen3.5-MoE's with their shared
 # expert; gpt-oss's with its biases and clamped SwiGLU; Granite 4.0's, its shared MLP beside it in the layer).
+GRANITE_BLOCKS = ("GraniteMoeHybridMoE", "GraniteMoeMoE", "GraniteMoeSharedMoE")
 BLOCKS = ("Qwen2MoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "MixtralSparseMoeBlock", "GptOssMLP",
-          "Qwen3_5MoeSparseMoeBlock", "GraniteMoeHybridMoE")
+          "Qwen3_5MoeSparseMoeBlock", *GRANITE_BLOCKS)
 # Those in layers FusedDecoderLayer does not fuse, which MixtureInOneCall takes instead, by the layer's attribute
 # holding them; and those that return the hidden state alone (the others a pair).
-UNFUSED_BLOCKS = {"GptOssMLP": "mlp", "Qwen3_5MoeSparseMoeBlock": "mlp", "GraniteMoeHybridMoE": "block_sparse_moe"}
-HIDDEN_ALONE = ("GraniteMoeHybridMoE",)
+UNFUSED_BLOCKS = {"GptOssMLP": "mlp", "Qwen3_5MoeSparseMoeBlock": "mlp",
+                  **dict.fromkeys(GRANITE_BLOCKS, "block_sparse_moe")}
+HIDDEN_ALONE = GRANITE_BLOCKS
 
 
 class NativeMixture:

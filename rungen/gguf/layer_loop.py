@@ -1,6 +1,6 @@
 """The decode step of a model on transformers' layers over blocks with their steps native (Qwen3.5's, LFM2's and
-Granite 4.0 H's: delta_steps.py, conv_steps.py, mamba_steps.py; EXAONE 4's, OLMo 2's and 3's, Ministral 3's,
-gpt-oss's, GLM-4.5's: native_steps.py) as a plain loop over its layers' parts, installed as the inner model's forward
+Granite's: delta_steps.py, conv_steps.py, granite_steps.py; EXAONE 4's, OLMo 2's and 3's, Ministral 3's, gpt-oss's,
+GLM-4.5's: native_steps.py) as a plain loop over its layers' parts, installed as the inner model's forward
 (LayerLoop): each part's own forward, called in the order transformers' decoder layer calls it, without the layers'
 and the modules' call machinery (3-7 % of a step: docs/gguf.md). The same functions in the same order: the same bits
 as the layers one by one. Families are rows of LOOPS. What it does not cover (a prompt, hidden states or attention
@@ -43,6 +43,8 @@ class Loop:
 PRE = dict(pre_norms=("input_layernorm", "post_attention_layernorm"))
 POST = dict(post_norms=("post_attention_layernorm", "post_feedforward_layernorm"))
 QWEN35 = dict(PRE, recurrent="linear_attn", cache_keyword="cache_params", sections=True)
+GRANITE = dict(PRE, mlp="block_sparse_moe", shared_mlp="shared_mlp", mixture=True,
+               embedding_scale="embedding_multiplier", residual_scale="residual_multiplier")
 # transformers' inner models whose decode step LayerLoop takes, by class name.
 LOOPS = {
     "Qwen3_5TextModel": Loop(**QWEN35),
@@ -57,15 +59,16 @@ LOOPS = {
     "Ministral3Model": Loop(**PRE),
     "GptOssModel": Loop(**PRE, mixture=True),
     "Glm4MoeModel": Loop(**PRE, mixture=True),
-    "GraniteMoeHybridModel": Loop(**PRE, recurrent="mamba", cache_keyword="cache_params", mlp="block_sparse_moe",
-                                  shared_mlp="shared_mlp", mixture=True, embedding_scale="embedding_multiplier",
-                                  residual_scale="residual_multiplier"),
+    "GraniteMoeHybridModel": Loop(**GRANITE, recurrent="mamba", cache_keyword="cache_params"),
+    "GraniteMoeModel": Loop(**GRANITE),
+    "GraniteMoeSharedModel": Loop(**GRANITE),
 }
 # The parts whose forwards the loop calls directly (none needs a module hook).
 PARTS = ("NativeRMSNorm", "NativeGatedAttention", "NativeLfm2Attention", "NativeExaone4Attention",
          "NativeOlmoAttention", "NativeMinistral3Attention", "NativeGptOssAttention", "DeltaNetStep", "ShortConvStep",
          "NativeGatedMLP", "MixtureInOneCall", "NativeGlm4MoeAttention", "Glm4MoeMoE",
-         "Lfm2MoeSparseMoeBlock", "MambaStep", "GraniteMoeHybridAttention")
+         "Lfm2MoeSparseMoeBlock", "MambaStep", "GraniteMoeHybridAttention", "GraniteMoeAttention",
+         "GraniteMoeSharedAttention")
 # The masks transformers' models give each kind of layer (where a batch is padded); others take none in a step.
 MASKS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask"}
 
