@@ -1238,17 +1238,20 @@ CHECKPOINT_FILES = {
     # other order on: the F32 files' tolerance, as Qwen3.5's).
     "granitehybrid": dict(files=("granitehybrid_checkpoint", "write_granitehybrid_gguf"),
                           model="GraniteMoeHybridForCausalLM",
-                          steps=dict(block_sparse_moe="MixtureInOneCall", mamba="MambaStep"),
+                          steps=dict(block_sparse_moe="MixtureInOneCall", mamba="MambaStep",
+                                     self_attn="NativeGraniteAttention"),
                           native=dict(input_layernorm="NativeRMSNorm", shared_mlp="NativeGatedMLP"), f32_atol=1e-4),
     "granitehybrid_dense": dict(files=("granitehybrid_dense_checkpoint", "write_granitehybrid_gguf"),
-                                model="GraniteMoeHybridForCausalLM", quantized=True, steps=dict(mamba="MambaStep"),
+                                model="GraniteMoeHybridForCausalLM", quantized=True,
+                                steps=dict(mamba="MambaStep", self_attn="NativeGraniteAttention"),
                                 native=dict(input_layernorm="NativeRMSNorm", shared_mlp="NativeGatedMLP"),
                                 f32_atol=1e-4),
     # Granite 3's mixtures (granitemoe: llama's keys, q and k permuted, its multipliers, each layer's experts beside
     # no MLP, the softmax of the top 2 logits), which transformers' GGUF reading does not know: the same table as
     # Granite 4.0 H's, its rotary over the rows read back; transformers' layers, the experts in one native call.
     "granitemoe": dict(files=("granitemoe_checkpoint", "write_granitemoe_gguf"), model="GraniteMoeForCausalLM",
-                       steps=dict(block_sparse_moe="MixtureInOneCall"), native=dict(input_layernorm="NativeRMSNorm")),
+                       steps=dict(block_sparse_moe="MixtureInOneCall"),
+                       native=dict(input_layernorm="NativeRMSNorm", self_attn="NativeGraniteAttention")),
     "lfm2": dict(files=("lfm2_checkpoint", "write_lfm2_gguf"), model="Lfm2ForCausalLM", quantized=True,
                  steps=dict(conv="ShortConvStep", self_attn="NativeLfm2Attention"),
                  native=dict(feed_forward="NativeGatedMLP", operator_norm="NativeRMSNorm")),

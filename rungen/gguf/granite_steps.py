@@ -2,28 +2,31 @@
 GraniteMoeForCausalLM and GraniteMoeSharedForCausalLM: Granite 3's mixtures), with their small steps taken in fewer
 calls on the CPU: a Mamba-2 layer's decode step between its two products one native call (MambaStep:
 torch.ops.rungen_ggml.mamba_step, csrc/ggml_mamba.cpp); the shared MLP's gate and up product (one already: the file's
-two tensors joined) then its activation one call (NativeGatedMLP); each RMSNorm one rms_norm call; the attention the
-native attend over a cache growing in place (the mixture's one call: experts.py). transformers' PyTorch forms of a
-Mamba-2 step (the fallbacks of causal-conv1d and mamba-ssm, which a GPU takes instead) cost a decode step about a
-third of its time: the convolution of one position a depthwise conv1d call, the state's update and read broadcast
-products and a batched product over it, some 40 calls a layer. A prompt (several positions) stays transformers'
-chunked form. The arithmetic is transformers' within float32 rounding (sums in another order).
+two tensors joined) then its activation one call (NativeGatedMLP); each RMSNorm one rms_norm call; the attention's q,
+k and v one product, q and k rotated in one rope_split call (NativeGraniteAttention), the native attend over a cache
+growing in place (the mixture's one call: experts.py). transformers' PyTorch forms of a Mamba-2 step (the fallbacks of
+causal-conv1d and mamba-ssm, which a GPU takes instead) cost a decode step about a third of its time: the convolution
+of one position a depthwise conv1d call, the state's update and read broadcast products and a batched product over it,
+some 40 calls a layer. A prompt (several positions) stays transformers' chunked form. The arithmetic is transformers'
+within float32 rounding (sums in another order).
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
 
 from .blocks import GGMLLinear, GGMLParts
 from .kernels import native_kernels
-from .native_steps import NativeGatedMLP, native_layers
+from .native_steps import NativeGatedMLP, NativeGraniteAttention, join_attention, native_layers
 
 GRANITE_MODELS = ("GraniteMoeHybridForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")
 # x / sqrt(mean(x^2) + eps) times weight, in float32
 NORMS = ("GraniteMoeHybridRMSNorm", "GraniteMoeRMSNorm", "GraniteMoeSharedRMSNorm")
 MAMBAS = ("GraniteMoeHybridMambaLayer",)
+ATTENTIONS = ("GraniteMoeHybridAttention", "GraniteMoeAttention", "GraniteMoeSharedAttention")
 # act(input_linear's first half) times its second, then output_linear
 SHARED_MLPS = ("GraniteMoeHybridMLP", "GraniteMoeSharedMLP")
 
@@ -77,10 +80,12 @@ def native_shared_mlp(model: torch.nn.Module, name: str) -> None:
 
 def granite_steps(model: torch.nn.Module) -> bool:
     """Gives a model of GRANITE_MODELS over blocks its layers' steps native (native_layers): NativeRMSNorm for each
-    RMSNorm, MambaStep for each Mamba-2 layer, NativeGatedMLP for each shared MLP, where the native kernels are;
-    returns whether. Its decode steps then one LayerLoop."""
+    RMSNorm, MambaStep for each Mamba-2 layer, NativeGatedMLP for each shared MLP, NativeGraniteAttention for each
+    attention, where the native kernels are; returns whether. Its decode steps then one LayerLoop."""
     if not native_kernels() or type(model).__name__ not in GRANITE_MODELS:
         return False
     native_layers(model, NORMS, {**dict.fromkeys(MAMBAS, install_mamba_step),
-                                 **dict.fromkeys(SHARED_MLPS, native_shared_mlp)})
+                                 **dict.fromkeys(SHARED_MLPS, native_shared_mlp),
+                                 **dict.fromkeys(ATTENTIONS, functools.partial(join_attention,
+                                                                               kind=NativeGraniteAttention))})
     return True

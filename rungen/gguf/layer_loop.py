@@ -67,8 +67,7 @@ LOOPS = {
 PARTS = ("NativeRMSNorm", "NativeGatedAttention", "NativeLfm2Attention", "NativeExaone4Attention",
          "NativeOlmoAttention", "NativeMinistral3Attention", "NativeGptOssAttention", "DeltaNetStep", "ShortConvStep",
          "NativeGatedMLP", "MixtureInOneCall", "NativeGlm4MoeAttention", "Glm4MoeMoE",
-         "Lfm2MoeSparseMoeBlock", "MambaStep", "GraniteMoeHybridAttention", "GraniteMoeAttention",
-         "GraniteMoeSharedAttention")
+         "Lfm2MoeSparseMoeBlock", "MambaStep", "NativeGraniteAttention")
 # The masks transformers' models give each kind of layer (where a batch is padded); others take none in a step.
 MASKS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask"}
 

@@ -231,6 +231,21 @@ class NativeGlm4MoeAttention(JoinedAttention):
         return self.attended(hidden_states, q, k, v, attention_mask, past_key_values, None)
 
 
+class NativeGraniteAttention(JoinedAttention):
+    """Granite's attention (GraniteMoeAttention, GraniteMoeSharedAttention; GraniteMoeHybridAttention without
+    rotary): q, k and v split and q and k rotated in one rope_split call (no rotary: by cos 1 and sin 0), the scores
+    scaled by the module's scaling (attention_multiplier)."""
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
+                past_key_values=None, **kwargs):
+        qkv = self.qkv(hidden_states)
+        if position_embeddings is None:
+            still = qkv.new_ones(*qkv.shape[:-1], self.attention.head_dim)
+            position_embeddings = still, torch.zeros_like(still)
+        q, k, v = torch.ops.rungen_ggml.rope_split(qkv, *position_embeddings, self.heads, self.kv_heads)
+        return self.attended(hidden_states, q, k, v, attention_mask, past_key_values, None)
+
+
 # transformers' attentions whose q, k and v products the native steps join, and the class computing each.
 JOINED_ATTENTIONS = {"GptOssAttention": NativeGptOssAttention, "Olmo2Attention": NativeOlmoAttention,
                      "Olmo3Attention": NativeOlmoAttention, "Ministral3Attention": NativeMinistral3Attention,
