@@ -550,6 +550,7 @@ class Answer:
         self.stops = [None] * total  # the stop string that ended each choice (vLLM's stop_reason)
         self.error = None
         self.completion_tokens = 0
+        self.cached = [0] * len(prompts)  # each prompt's tokens the prefix cache held
         self.bos_added = None  # whether the tokenizer puts a BOS before every text (added_bos), once asked
 
     def index(self, job, row):
@@ -571,6 +572,7 @@ class Answer:
             self.finish[choice] = finish.reason
             self.stops[choice] = finish.stop
             self.completion_tokens += len(finish.tokens)
+            self.cached[job] = finish.cached
             if finish.error and finish.reason == "abort":
                 self.error = finish.error
 
@@ -579,8 +581,11 @@ class Answer:
         return sum(len(ids) for ids in self.prompts)
 
     def usage(self):
+        """OpenAI's usage: the prompts' tokens (those the prefix cache held among them: cached_tokens), the
+        choices'."""
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached)}}
 
     def prompt_text(self, job):
         """The echoed prompt: its tokens' text, special tokens included (as sent, and as its logprobs list them), but

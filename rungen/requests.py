@@ -49,6 +49,7 @@ class Finish:
     prompt_tokens: int
     error: str | None = None
     stop: str | None = None  # the stop string that ended it (the first given of those found earliest)
+    cached: int = 0  # prompt tokens whose keys/values (and states) came from the prefix cache (Request.reused)
 
 
 @dataclasses.dataclass(frozen=True)

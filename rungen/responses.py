@@ -258,7 +258,8 @@ class Plan:
             with self.service.tokenizer_lock:
                 reasoning_tokens = len(self.service.loaded.tokenizer.encode(reasoning, add_special_tokens=False))
         prompt, completion = chat_usage["prompt_tokens"], chat_usage["completion_tokens"]
-        return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+        cached = chat_usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+        return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
                 "output_tokens": completion,
                 "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, completion)},
                 "total_tokens": prompt + completion}

@@ -188,14 +188,15 @@ class Reporter:
         if reason is not None:
             if text is None:
                 text = self.continuation(row)
-            row.finish = Finish(reason, text, list(row.generated), len(request.ids), stop=matched)
+            row.finish = Finish(reason, text, list(row.generated), len(request.ids), stop=matched,
+                                cached=request.reused)
 
     def cut_short(self, row, reason, error=None):
         """The Finish of a row ended early (cancelled, stuck, aborted), after sending what it held back."""
         text = self.continuation(row)
         if row.request.deltas and len(text) > row.emitted:
             row.request.sink(Delta(row.index, text[row.emitted :], None))
-        return Finish(reason, text, list(row.generated), len(row.request.ids), error)
+        return Finish(reason, text, list(row.generated), len(row.request.ids), error, cached=row.request.reused)
 
     def closes_block(self, row) -> bool:
         """Whether the row's last token completes its block's plain-text closing, however the text before it had its

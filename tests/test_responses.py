@@ -216,6 +216,8 @@ def test_previous_response_id_continues_a_stored_response(client):
     assert second.output_text == chat.choices[0].message.content
     third = create(client, input="And then?", previous_response_id=second.id, max_output_tokens=2)
     assert third.usage.input_tokens > second.usage.input_tokens
+    # (the conversation so far from the prefix cache, which usage says)
+    assert 0 < third.usage.input_tokens_details.cached_tokens < third.usage.input_tokens
     unstored = create(client, input="Hello", max_output_tokens=2, store=False)
     for missing in ("resp_unknown", unstored.id):
         with pytest.raises(openai.NotFoundError) as caught:

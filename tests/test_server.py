@@ -549,10 +549,13 @@ def test_requests_that_start_alike_reuse_their_shared_start(served, client, load
     before = engine.metrics.reused_tokens
     reply = client.chat.completions.create(model=MODEL_ID, messages=second, max_tokens=8, temperature=0)
     assert engine.metrics.reused_tokens - before == shared > 10
+    # (usage says so, as OpenAI's does: the prompt's tokens the cache held)
+    assert reply.usage.prompt_tokens_details.cached_tokens == shared
     engine.prefix_cache.entries.clear()
     engine.prefix_cache.bytes = 0
     fresh = client.chat.completions.create(model=MODEL_ID, messages=second, max_tokens=8, temperature=0)
     assert reply.choices[0].message.content == fresh.choices[0].message.content
+    assert fresh.usage.prompt_tokens_details.cached_tokens == 0
 
 
 def test_a_next_turn_grows_in_the_buffers_its_first_turn_left(checkpoint):
