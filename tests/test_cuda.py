@@ -703,6 +703,35 @@ def test_a_sessions_next_turn_reuses_its_cache_on_the_gpu(checkpoint):
     assert fresh[0]["generated_text"] == session.messages[3]["content"]
 
 
+def test_a_recurrent_models_next_turn_reuses_its_states_on_the_gpu(tmp_path):
+    """A model with recurrent layers (granite-4.0-h-micro's Mamba-2 layers beside attention, its GGUF file in codes
+    on the device): a session's second turn starts from the states the prefix cache kept on the GPU (the first turn's
+    prompt and reply, or its prompt but the last token), and replies as the whole conversation read afresh does."""
+    import dataclasses
+
+    import tiny_models
+    from rungen.arguments import parse_args, settings_from_args
+    from rungen.loading import load
+    from rungen.session import Session
+
+    checkpoint = tiny_models.granitehybrid_dense_checkpoint(str(tmp_path))
+    path = tiny_models.write_granitehybrid_gguf(checkpoint, str(tmp_path / "chat.gguf"), "Q8_0", chat=True)
+    args = ["--model_name_or_path", path, "--temperature", "0", "--length", "8"]
+    loaded = load(path, device=DEVICE)
+    session = Session(loaded, dataclasses.replace(settings_from_args(parse_args(args), loaded.context), chat=True),
+                      stream=False, figures=False)
+    assert session.engine_for(session.settings).keeps_states
+    session.turn("Hello there")
+    first = loaded.tokenizer.apply_chat_template(session.messages[:1], add_generation_prompt=True, tokenize=True,
+                                                 return_dict=True)["input_ids"]
+    before = session.engine.metrics.reused_tokens
+    session.turn("How are you")
+    assert session.engine.metrics.reused_tokens - before >= len(first) - 1
+    fresh = jsonl(run_ok([*args, "--input_format", "jsonl", "--output_format", "jsonl"],
+                         stdin=json.dumps({"messages": session.messages[:3]})).stdout)
+    assert fresh[0]["generated_text"] == session.messages[3]["content"]
+
+
 @pytest.fixture(scope="session")
 def default_model_home(request):
     """The default model's cache home (conftest's default_model, loaded before any GPU is played), or a skip where

@@ -1691,12 +1691,20 @@ def granitehybrid_dense_checkpoint(out_dir: str) -> str:
     return granitehybrid_checkpoint(out_dir, experts=False)
 
 
-def write_granitehybrid_gguf(checkpoint: str, path: str, qtype_name: str = "F32", rotates: bool = False) -> str:
+# Granite 4.0's chat template, its turns' markup (the published one adds a default system turn and tools' blocks).
+GRANITE4_TEMPLATE = ("{% for message in messages %}<|start_of_role|>{{ message['role'] }}<|end_of_role|>"
+                     "{{ message['content'] }}<|end_of_text|>\n{% endfor %}"
+                     "{% if add_generation_prompt %}<|start_of_role|>assistant<|end_of_role|>{% endif %}")
+
+
+def write_granitehybrid_gguf(checkpoint: str, path: str, qtype_name: str = "F32", rotates: bool = False,
+                             chat: bool = False) -> str:
     """The GGUF file llama.cpp's converter (conversion/granite.py's GraniteHybridModel) writes of a Granite 4.0 H
     checkpoint: llama's keys with the kv heads a layer (0 for a Mamba-2 layer), Granite's multipliers as
     attention.scale, embedding_scale, residual_scale and logit_scale, the ssm.* keys, the attention without rotary
     (rope.scaling.finetuned false, the context 2^20, as it writes every hybrid Granite), the experts' and the shared
-    MLP's widths (`rotates`: the attention rotating, rope.scaling.finetuned true, as it writes Bamba's files); q and k
+    MLP's widths (`rotates`: the attention rotating, rope.scaling.finetuned true, as it writes Bamba's files; `chat`:
+    Granite 4.0's chat template's turns as tokenizer.chat_template); q and k
     permuted as llama's, A_log as -exp(A_log) and D a column each, the convolution squeezed, the gated norm a row a
     group, dt_bias as ssm_dt.bias; each layer's experts (input_linear: gate and up rows) split into ffn_gate_exps and
     ffn_up_exps, output_linear as ffn_down_exps, the shared MLP's input_linear split into ffn_gate_shexp and
@@ -1735,6 +1743,8 @@ def write_granitehybrid_gguf(checkpoint: str, path: str, qtype_name: str = "F32"
     writer.add_ssm_time_step_rank(config["mamba_n_heads"])
     writer.add_rope_scaling_finetuned(rotates)
     add_bpe_vocabulary(writer, checkpoint, "dbrx")
+    if chat:
+        writer.add_chat_template(GRANITE4_TEMPLATE)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     names = gguf.get_tensor_name_map(arch, layers)
     quantized = converter_adder(writer, qtype_name)
