@@ -133,7 +133,8 @@ FAMILIES = {
     # group, a window of 4), 4 of attention without rotary (12 heads of 128 over 4) at 5, 15, 25 and 35; each MLP 64
     # experts of 512 (6 a token) beside a shared one of 1024; Granite's multipliers; tied; 4.1 GB in Q4_0.
     "granitehybrid": dict(arch="granitehybrid", layers=40, hidden=1536, ffn=512, heads=12, kv_heads=4, head_dim=128,
-                          rope_base=10000.0, eps=1e-5, tied=True, mamba=(48, 64, 128, (5, 15, 25, 35)), experts=64,
+                          rope_base=10000.0, eps=1e-5, tied=True, mamba=(48, 64, 128, 1),
+                          pattern="".join("*" if layer in (5, 15, 25, 35) else "M" for layer in range(40)), experts=64,
                           experts_used=6, expert_ffn=512, shared_ffn=1024, context=2 ** 20,
                           scales={"attention.scale": 0.0078125, "embedding_scale": 12.0, "residual_scale": 0.22,
                                   "logit_scale": 6.0}),
@@ -143,6 +144,12 @@ FAMILIES = {
                        rope_base=10000000.0, eps=1e-6, tied=True, experts=40, experts_used=8, expert_ffn=512,
                        scales={"attention.scale": 0.015625, "embedding_scale": 12.0, "residual_scale": 0.22,
                                "logit_scale": 6.0}),
+    # NVIDIA-Nemotron-Nano-9B-v2: 56 layers 4480 wide of one mixer each by its pattern (27 Mamba-2 of 128 heads of 80
+    # over 8 groups with a state of 128, 4 attention of 40 heads of 128 over 8 without rotary, 25 MLPs of 15680 by
+    # relu^2), untied; 5.0 GB in Q4_0.
+    "nemotron_h": dict(arch="nemotron_h", layers=56, hidden=4480, ffn=15680, heads=40, kv_heads=8, head_dim=128,
+                       rope_base=10000.0, eps=1e-5, tied=False, mamba=(128, 80, 128, 8),
+                       pattern="M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-"),
     # Mixtral-8x7B: llama's file with experts (8 of 14336 a layer, 2 a token: feed_forward_length is the experts'),
     # 26 GB in Q4_0.
     "mixtral": dict(arch="llama", layers=32, hidden=4096, ffn=14336, heads=32, kv_heads=8, head_dim=128,
@@ -444,19 +451,22 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
     writer.add_context_length(shape.get("context", 4096))
     writer.add_embedding_length(shape["hidden"])
     writer.add_block_count(shape["layers"])
-    writer.add_feed_forward_length(shape["ffn"])
+    kinds = shape.get("pattern", "")[:shape["layers"]]  # (a hybrid's layers: M Mamba-2, * attention, - an MLP)
+    # (Nemotron-H's: a layer's MLP width, 0 where it has none)
+    writer.add_feed_forward_length([shape["ffn"] if kind == "-" else 0 for kind in kinds] if "-" in shape.get(
+        "pattern", "") else shape["ffn"])
     writer.add_head_count(shape["heads"])
     convolutions, mamba = shape.get("convolutions"), shape.get("mamba")
     if convolutions:  # (LFM2's: a layer's kv heads, 0 for a convolution layer; the window; no head size written)
         writer.add_head_count_kv([shape["kv_heads"] if layer in convolutions[1] else 0
                                   for layer in range(shape["layers"])])
         writer.add_shortconv_l_cache(convolutions[0])
-    elif mamba:  # (Granite 4.0 H's: a layer's kv heads, 0 for a Mamba-2 layer; the ssm keys; no rotary)
-        ssm_heads, ssm_head, state, attention = mamba
-        writer.add_head_count_kv([shape["kv_heads"] if layer in attention else 0 for layer in range(shape["layers"])])
+    elif mamba:  # (Granite 4.0 H's, Nemotron-H's: a layer's kv heads, 0 but for attention; the ssm keys; no rotary)
+        ssm_heads, ssm_head, state, groups = mamba
+        writer.add_head_count_kv([shape["kv_heads"] if kind == "*" else 0 for kind in kinds])
         writer.add_ssm_conv_kernel(4)
         writer.add_ssm_state_size(state)
-        writer.add_ssm_group_count(1)
+        writer.add_ssm_group_count(groups)
         writer.add_ssm_inner_size(ssm_heads * ssm_head)
         writer.add_ssm_time_step_rank(ssm_heads)
         writer.add_rope_scaling_finetuned(False)
@@ -467,10 +477,13 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
     elif "mla" in shape:  # (the latent's: the keys with the rotated part, the values without)
         writer.add_key_length(shape["mla"][0] + shape["mla"][2])
         writer.add_value_length(shape["mla"][0])
-    elif not convolutions and not mamba:
+    elif not convolutions and (not mamba or arch == "nemotron_h"):
         writer.add_key_length(shape["head_dim"])
         writer.add_value_length(shape["head_dim"])
-    writer.add_layer_norm_rms_eps(shape["eps"])
+    if arch == "nemotron_h":  # (its converter's key of the norms' epsilon)
+        writer.add_layer_norm_eps(shape["eps"])
+    else:
+        writer.add_layer_norm_rms_eps(shape["eps"])
     writer.add_rope_freq_base(shape["rope_base"])
     if "mla" in shape:  # (DeepSeek's: the latent's widths, a head's, the rotated one; mscale 0.707 as 0.1 times it)
         latent, nope, rotated, value = shape["mla"]
@@ -561,7 +574,9 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
             norms = ("post_attention_norm", "post_ffw_norm")
         recurrent = "linear" in shape and (layer + 1) % 4 != 0
         convolution = bool(convolutions) and layer not in convolutions[1]
-        ssm = bool(mamba) and layer not in mamba[3]
+        ssm = bool(mamba) and kinds[layer] == "M"
+        if arch == "nemotron_h":  # (one mixer a layer, behind its one norm)
+            norms = ("attn_norm",)
         if "linear" in shape or "sigmoid_router" in shape:  # (Qwen3.5's, GLM-4.5's: the MLP's norm so named)
             norms = ("attn_norm", "post_attention_norm")
         if "mla" in shape:  # (and the latent's)
@@ -589,16 +604,17 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
             writer.add_tensor(f"blk.{layer}.ssm_dt.bias", rng.normal(0, 0.5, value_heads).astype(np.float32))
             writer.add_tensor(f"blk.{layer}.ssm_norm.weight", np.ones(linear_dim, dtype=np.float32))
         elif ssm:  # a Mamba-2 layer's: z, x, B, C and dt in one product, the window over x, B and C, A, D, its norm
-            ssm_heads, ssm_head, state, _ = mamba
-            inner = ssm_heads * ssm_head
-            parts = (("ssm_in", 2 * inner + 2 * state + ssm_heads, hidden), ("ssm_out", hidden, inner))
-            writer.add_tensor(f"blk.{layer}.ssm_conv1d.weight",
-                              rng.normal(0, 0.1, (inner + 2 * state, 4)).astype(np.float32))
-            writer.add_tensor(f"blk.{layer}.ssm_conv1d.bias", np.zeros(inner + 2 * state, dtype=np.float32))
+            ssm_heads, ssm_head, state, groups = mamba
+            inner, window = ssm_heads * ssm_head, ssm_heads * ssm_head + 2 * groups * state
+            parts = (("ssm_in", inner + window + ssm_heads, hidden), ("ssm_out", hidden, inner))
+            writer.add_tensor(f"blk.{layer}.ssm_conv1d.weight", rng.normal(0, 0.1, (window, 4)).astype(np.float32))
+            writer.add_tensor(f"blk.{layer}.ssm_conv1d.bias", np.zeros(window, dtype=np.float32))
             writer.add_tensor(f"blk.{layer}.ssm_dt.bias", rng.normal(0, 0.5, ssm_heads).astype(np.float32))
             writer.add_tensor(f"blk.{layer}.ssm_a", -rng.uniform(0.5, 8, (ssm_heads, 1)).astype(np.float32))
             writer.add_tensor(f"blk.{layer}.ssm_d", np.ones((ssm_heads, 1), dtype=np.float32))
-            writer.add_tensor(f"blk.{layer}.ssm_norm.weight", np.ones((1, inner), dtype=np.float32))
+            writer.add_tensor(f"blk.{layer}.ssm_norm.weight", np.ones((groups, inner // groups), dtype=np.float32))
+        elif mamba and kinds[layer] == "-":  # a Nemotron-H MLP layer's: relu^2 of up, then down
+            parts = (("ffn_up", ffn, hidden), ("ffn_down", hidden, ffn))
         elif convolution:  # an LFM2 convolution layer's: its input's three parts, the window's weights, its output
             parts = (("shortconv.in_proj", 3 * hidden, hidden), ("shortconv.out_proj", hidden, hidden))
             if dense:
@@ -620,7 +636,7 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
             # (Qwen3.5's q rows and its output gate's, head by head)
             parts = (("attn_q", q_rows * (2 if "linear" in shape else 1), hidden), ("attn_k", kv_rows, hidden),
                      ("attn_v", kv_rows, hidden), ("attn_output", hidden, q_rows))
-            if dense:
+            if dense and arch != "nemotron_h":  # (Nemotron-H's attention layer has no MLP)
                 parts += (("ffn_gate", ffn, hidden), ("ffn_up", ffn, hidden), ("ffn_down", hidden, ffn))
         for part, rows, cols in parts:
             blocks(f"blk.{layer}.{part}.weight", rows, cols, qtype, small)

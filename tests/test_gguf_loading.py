@@ -804,9 +804,10 @@ def test_a_grouped_router_chooses_as_transformers_and_alike_in_a_batch(kind, gro
         assert torch.equal(row_weights[0], got_weights[row])
 
 
-@pytest.mark.parametrize("architecture", ["lfm2moe", "granitehybrid", "granitehybrid_dense", "granitemoe"])
+@pytest.mark.parametrize("architecture", ["lfm2moe", "granitehybrid", "granitehybrid_dense", "granitemoe",
+                                          "nemotron_h"])
 def test_a_file_of_our_own_tables_entry_loads_with_transformers_own_loader_too(architecture, tmp_path):
-    # LFM2-MoE's, Granite 4.0 H's and Granite 3's mixtures' entries in transformers' conversion tables
+    # LFM2-MoE's, Granite 4.0 H's, Granite 3's mixtures' and Nemotron-H's entries in transformers' conversion tables
     # (conversions.OWN_TABLES) serve its own loader as well (Granite's shared MLP joined from two tensors there too):
     # --dequantize computes the checkpoint with the Q8_0 file's weights.
     from transformers import AutoModelForCausalLM
@@ -1252,6 +1253,14 @@ CHECKPOINT_FILES = {
     "granitemoe": dict(files=("granitemoe_checkpoint", "write_granitemoe_gguf"), model="GraniteMoeForCausalLM",
                        steps=dict(block_sparse_moe="MixtureInOneCall"),
                        native=dict(input_layernorm="NativeRMSNorm", self_attn="NativeGraniteAttention")),
+    # Nemotron-H's layers of one mixer each behind its norm (Mamba-2 of two groups, attention without rotary, relu^2
+    # MLPs), their kinds from the kv heads and MLP widths a layer, read by the same kind of table as Granite 4.0 H's
+    # (its config.json as published: llama.cpp's converter reads transformers' NemotronHConfig's defaults as a
+    # mixture's): transformers' layers, a Mamba-2 decode step one native call, the attention and norms native.
+    "nemotron_h": dict(files=("nemotron_h_checkpoint", "write_nemotron_h_gguf"), model="NemotronHForCausalLM",
+                       quantized=True, steps=dict(mixer=("MambaStep", "NativeGraniteAttention", "NemotronHMLP")),
+                       native=dict(norm="NativeRMSNorm"),
+                       f32_atol=1e-4),
     "lfm2": dict(files=("lfm2_checkpoint", "write_lfm2_gguf"), model="Lfm2ForCausalLM", quantized=True,
                  steps=dict(conv="ShortConvStep", self_attn="NativeLfm2Attention"),
                  native=dict(feed_forward="NativeGatedMLP", operator_norm="NativeRMSNorm")),
@@ -1295,12 +1304,14 @@ def test_a_file_as_llama_cpp_writes_it_computes_its_checkpoint(architecture, tmp
     for field, wanted in spec.get("layers", {}).items():
         assert [getattr(layer, field) for layer in model.model.layers] == wanted, field
     if native_kernels():  # transformers' layers with their steps native (rungen/gguf/native_steps.py), or some of
-        # their steps in fewer calls (`steps`: rungen/gguf/delta_steps.py, in the layers that have that part)
+        # their steps in fewer calls (`steps`: rungen/gguf/delta_steps.py, in the layers that have that part; a
+        # tuple: the forms of a part that differs by the layer's kind, Nemotron-H's mixer)
         for part, name in spec.get("native", {}).items():
             assert {type(getattr(layer, part)).__name__ for layer in model.model.layers} == {name}, part
         for part, name in spec.get("steps", {}).items():
             assert {type(getattr(layer, part)).__name__ for layer in model.model.layers
-                    if getattr(layer, part, None) is not None} == {name}, part
+                    if getattr(layer, part, None) is not None} == (set(name) if isinstance(name, tuple) else {name}), \
+                part
     stacked = native_kernels() and spec.get("stack") is not None
     if stacked:
         assert all(isinstance(layer, FusedDecoderLayer) for layer in model.model.layers)

@@ -21,11 +21,11 @@ NEW_TOKENS = 10
 pytestmark = pytest.mark.usefixtures("module_cache_home")
 
 
-@pytest.fixture(scope="module", params=["qwen35", "lfm2", "granitehybrid"])
+@pytest.fixture(scope="module", params=["qwen35", "lfm2", "granitehybrid", "nemotron_h"])
 def loaded(request, tmp_path_factory):
     """The tiny Qwen3.5 checkpoint's Q8_0 GGUF file (three Gated DeltaNet layers, one of full attention), the tiny
-    LFM2's (three short convolution layers, one of attention) or Granite 4.0 H's (three Mamba-2 layers, one of
-    attention, experts), loaded."""
+    LFM2's (three short convolution layers, one of attention), Granite 4.0 H's (three Mamba-2 layers, one of
+    attention, experts) or Nemotron-H's (three Mamba-2, one attention and three MLP layers), loaded."""
     import tiny_models
 
     folder = tmp_path_factory.mktemp(request.param)
@@ -35,9 +35,14 @@ def loaded(request, tmp_path_factory):
 
 
 def alone(model, ids, new_tokens):
-    """generate()'s greedy tokens for one prompt, in transformers' own cache."""
+    """generate()'s greedy tokens for one prompt, in a cache of the engine's form (kvcache.new_cache: its attention
+    layers' keys and values in float16 where the native attend reads them so; a float32 cache's logits part from
+    them by its rounding, which turns a near tie of the tiny models)."""
+    from rungen.kvcache import new_cache
+
     out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                         do_sample=False, max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)
+                         do_sample=False, max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0,
+                         past_key_values=new_cache(model))
     return out[0, len(ids):].tolist()
 
 

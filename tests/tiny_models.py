@@ -1861,6 +1861,120 @@ def granite_experts(writer, hf_name: str, values, add_for) -> bool:
     return True
 
 
+def nemotron_h_checkpoint(out_dir: str) -> str:
+    """A tiny random Nemotron-H checkpoint (NemotronHForCausalLM) in `out_dir`: NVIDIA-Nemotron-Nano-9B-v2's layout 64
+    wide, its kinds of layer by its hybrid_override_pattern (M-M*-M-: three Mamba-2 layers of 8 heads of 16 over 2
+    groups with a state of 16 and a window of 4, one attention layer of 4 heads of 16 over 2 without rotary, three MLP
+    layers of 128 by relu^2 of up, then down), a norm before each, untied; its norms, D, dt_bias, A_log and the
+    convolution's bias drawn. Its config.json as published: the pattern and the layer count, none of the mixture's
+    fields (transformers' NemotronHConfig adds them, which llama.cpp's converter reads as a mixture's)."""
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    tokenizer = tiny_gpt2_tokenizer(out_dir)
+
+    def draw(name, tensor):
+        if "norm" in name or name.endswith(("mixer.D", "dt_bias")):
+            tensor.normal_(1, 0.3)
+        elif name.endswith("A_log"):
+            tensor.normal_(0.5, 0.5)
+        elif name.endswith("conv1d.bias"):
+            tensor.normal_(0, 0.3)
+
+    pattern = "M-M*-M-"
+    config = NemotronHConfig(
+        vocab_size=len(tokenizer), hidden_size=64, hybrid_override_pattern=pattern, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=128, ssm_state_size=16, mamba_num_heads=8,
+        mamba_head_dim=16, n_groups=2, conv_kernel=4, chunk_size=16, max_position_embeddings=512,
+        initializer_range=0.15, layer_norm_epsilon=1e-5, tie_word_embeddings=False,
+        pad_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    path = save_tiny(out_dir, "nemotron_h", NemotronHForCausalLM, config, tokenizer, draw)
+    with open(os.path.join(path, "config.json")) as f:
+        saved = json.load(f)
+    for field in ("layers_block_type", "mtp_layers_block_type", "n_routed_experts", "num_experts_per_tok",
+                  "moe_intermediate_size", "moe_shared_expert_intermediate_size", "moe_latent_size",
+                  "moe_shared_expert_overlap", "n_shared_experts", "routed_scaling_factor", "n_group", "topk_group",
+                  "norm_topk_prob", "num_nextn_predict_layers", "output_router_logits"):
+        saved.pop(field, None)
+    saved.update(hybrid_override_pattern=pattern, num_hidden_layers=len(pattern))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(saved, f, indent=2)
+    return path
+
+
+def write_nemotron_h_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
+    """The GGUF file llama.cpp's converter (conversion/nemotron.py's NemotronHModel, a GraniteHybridModel) writes of a
+    Nemotron-H checkpoint: a layer's kv heads and MLP width (0 where it has none: its kind), the ssm.* keys, the head
+    size, the layer norm's epsilon, no rotary (rope.scaling.finetuned false, the context 2^20); q and k permuted as
+    llama's, A_log as -exp(A_log) and D a column each, the convolution squeezed, the gated norm a row a group, dt_bias
+    as ssm_dt.bias; matrices in Q8_0 where asked, the convolution, A, D and norms F32."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        config = json.load(f)
+    pattern, heads, kv_heads = config["hybrid_override_pattern"], config["num_attention_heads"], \
+        config["num_key_value_heads"]
+    arch = gguf.MODEL_ARCH.NEMOTRON_H
+    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
+    writer.add_type("model")
+    writer.add_block_count(len(pattern))
+    writer.add_context_length(2 ** 20)
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length([config["intermediate_size"] if kind == "-" else 0 for kind in pattern])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv([kv_heads if kind == "*" else 0 for kind in pattern])
+    writer.add_layer_norm_eps(config["layer_norm_epsilon"])
+    writer.add_file_type({"F32": 0, "Q8_0": 7}[qtype_name])
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_rope_dimension_count(config["head_dim"])
+    writer.add_ssm_conv_kernel(config["conv_kernel"])
+    writer.add_ssm_state_size(config["ssm_state_size"])
+    writer.add_ssm_group_count(config["n_groups"])
+    writer.add_ssm_inner_size(config["mamba_num_heads"] * config["mamba_head_dim"])
+    writer.add_ssm_time_step_rank(config["mamba_num_heads"])
+    writer.add_rope_scaling_finetuned(False)
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    add_bpe_vocabulary(writer, checkpoint, "default")
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    names = gguf.get_tensor_name_map(arch, len(pattern))
+    quantized = converter_adder(writer, qtype_name)
+
+    def add(name, values):  # (the convolution, A, D and the norms F32 whatever the type)
+        if {"ssm_conv1d", "ssm_a", "ssm_d", "ssm_norm"} & set(name.split(".")) or name.endswith("norm.weight"):
+            writer.add_tensor(name, np.ascontiguousarray(values, dtype=np.float32))
+        else:
+            quantized(name, values)
+
+    def permuted(w, n_head):  # llama.cpp's LlamaModel.permute
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    for hf_name, value in load_file(os.path.join(checkpoint, "model.safetensors")).items():
+        values = value.float().numpy()
+        base, _, suffix = hf_name.rpartition(".")
+        blk = f"blk.{base.split('.')[2]}" if base.startswith("backbone.layers.") else None
+        if suffix == "A_log":
+            add(f"{blk}.ssm_a", -torch.exp(value.float()).numpy()[:, None])
+            continue
+        if suffix == "D":
+            add(f"{blk}.ssm_d", values[:, None])
+            continue
+        if suffix == "dt_bias":
+            add(f"{blk}.ssm_dt.bias", values)
+            continue
+        if base.endswith("mixer.conv1d") and suffix == "weight":
+            values = values.squeeze(1)
+        elif base.endswith("mixer.norm"):
+            values = values.reshape(config["n_groups"], -1)
+        elif base.endswith("q_proj"):
+            values = permuted(values, heads)
+        elif base.endswith("k_proj"):
+            values = permuted(values, kv_heads)
+        add(names.get_name(base) + "." + suffix, values)
+    return write_out(writer, path)
+
+
 def cohere_checkpoint(out_dir: str, version: int = 1) -> str:
     """A tiny random Cohere checkpoint (CohereForCausalLM: Command R's layout 64 wide, 4 heads of 16 over 2, the
     attention and the MLP side by side after one layer norm, a logit scale, interleaved rotary; Command R+'s q and k

@@ -147,19 +147,12 @@ def _unpermuted(heads: int, rows: int) -> torch.Tensor:
     return torch.arange(rows, device="cpu").view(heads, size // 2, 2).transpose(1, 2).reshape(-1)  # (not on meta)
 
 
-def _granite(config) -> list:
-    """Granite 4.0 H's and Granite 3's mixtures' tensors: llama's names, q and k rows un-permuted; the Mamba-2 layers'
-    (A as -exp(A_log) and D a column each, the convolution squeezed, the gated norm a row a group, dt_bias as
-    ssm_dt.bias); the router, the experts (ffn_gate_exps and ffn_up_exps joined into gate_up_proj, gate rows first)
-    and the shared MLP (its gate and up rows joined into input_linear: ffn_*_shexp, a dense model's ffn_*)."""
+def _mamba2_and_attention(config, mamba: str, attention: str) -> list:
+    """A Mamba-2 hybrid's tensors of its Mamba-2 layers (under `mamba`: A as -exp(A_log) and D a column each, the
+    convolution squeezed, the gated norm a row a group, dt_bias as ssm_dt.bias) and its attention's (under
+    `attention`: llama's names, q and k rows un-permuted from llama.cpp's rotary permutation)."""
     from transformers.core_model_loading import ConversionOps, WeightConverter, WeightRenaming
-    from transformers.integrations.gguf.gguf_conversion_mapping import (
-        DENSE_DECODER_RENAMINGS,
-        ConcatenateRows,
-        LogNegate,
-        PermuteRows,
-        Unsqueeze,
-    )
+    from transformers.integrations.gguf.gguf_conversion_mapping import LogNegate, PermuteRows, Unsqueeze
 
     class Flat(ConversionOps):
         """The tensor as one row (llama.cpp's converter writes A and D a column each, the gated norm a row a group)."""
@@ -169,41 +162,108 @@ def _granite(config) -> list:
             [tensor] = [value[0] if isinstance(value, list) else value for value in input_dict.values()]
             return {target_patterns[0]: tensor.reshape(-1)}
 
-    head = config.hidden_size // config.num_attention_heads
+    head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return [
+        WeightRenaming(r"\.attn_q\.", f".{attention}.q_proj."),
+        WeightRenaming(r"\.attn_k\.", f".{attention}.k_proj."),
+        WeightRenaming(r"\.attn_v\.", f".{attention}.v_proj."),
+        WeightRenaming(r"\.attn_output\.", f".{attention}.o_proj."),
+        WeightRenaming(r"\.ssm_in\.", f".{mamba}.in_proj."),
+        WeightRenaming(r"\.ssm_out\.", f".{mamba}.out_proj."),
+        WeightRenaming(r"\.ssm_conv1d\.bias", f".{mamba}.conv1d.bias"),
+        WeightRenaming(r"\.ssm_dt\.bias", f".{mamba}.dt_bias"),
+        WeightConverter(source_patterns=r"\.ssm_conv1d\.weight", target_patterns=f".{mamba}.conv1d.weight",
+                        operations=[Unsqueeze(1)]),
+        WeightConverter(source_patterns=r"\.ssm_a$", target_patterns=f".{mamba}.A_log",
+                        operations=[LogNegate(), Flat()]),
+        WeightConverter(source_patterns=r"\.ssm_d$", target_patterns=f".{mamba}.D", operations=[Flat()]),
+        WeightConverter(source_patterns=r"\.ssm_norm\.weight", target_patterns=f".{mamba}.norm.weight",
+                        operations=[Flat()]),
+        WeightConverter(source_patterns=f"{attention}.q_proj.weight", target_patterns=f"{attention}.q_proj.weight",
+                        operations=[PermuteRows(_unpermuted(config.num_attention_heads,
+                                                            config.num_attention_heads * head))]),
+        WeightConverter(source_patterns=f"{attention}.k_proj.weight", target_patterns=f"{attention}.k_proj.weight",
+                        operations=[PermuteRows(_unpermuted(config.num_key_value_heads,
+                                                            config.num_key_value_heads * head))])]
+
+
+def _granite(config) -> list:
+    """Granite 4.0 H's and Granite 3's mixtures' tensors: the Mamba-2 layers' and the attention's
+    (_mamba2_and_attention); the router, the experts (ffn_gate_exps and ffn_up_exps joined into gate_up_proj, gate
+    rows first) and the shared MLP (its gate and up rows joined into input_linear: ffn_*_shexp, a dense model's
+    ffn_*)."""
+    from transformers.core_model_loading import WeightConverter, WeightRenaming
+    from transformers.integrations.gguf.gguf_conversion_mapping import ConcatenateRows
+
     shared = "_shexp" if getattr(config, "num_local_experts", 0) else ""
-    mlp = [entry for entry in DENSE_DECODER_RENAMINGS if ".mlp." not in entry.target_patterns[0]]
-    return mlp + [
+    return [
+        WeightRenaming(r"^token_embd\.", "model.embed_tokens."),
+        WeightRenaming(r"^output\.", "lm_head."),
         WeightRenaming(r"^output_norm\.", "model.norm."),
+        WeightRenaming(r"^blk\.", "model.layers."),
         WeightRenaming(r"\.attn_norm\.", ".input_layernorm."),
         WeightRenaming(r"\.ffn_norm\.", ".post_attention_layernorm."),
-        WeightRenaming(r"\.ssm_in\.", ".mamba.in_proj."),
-        WeightRenaming(r"\.ssm_out\.", ".mamba.out_proj."),
-        WeightRenaming(r"\.ssm_conv1d\.bias", ".mamba.conv1d.bias"),
-        WeightRenaming(r"\.ssm_dt\.bias", ".mamba.dt_bias"),
+        *_mamba2_and_attention(config, "mamba", "self_attn"),
         WeightRenaming(r"\.ffn_gate_inp\.", ".block_sparse_moe.router."),
         WeightRenaming(r"\.ffn_down_exps\.weight", ".block_sparse_moe.experts.down_proj"),
         WeightRenaming(rf"\.ffn_down{shared}\.", ".shared_mlp.output_linear."),
-        WeightConverter(source_patterns=r"\.ssm_conv1d\.weight", target_patterns=".mamba.conv1d.weight",
-                        operations=[Unsqueeze(1)]),
-        WeightConverter(source_patterns=r"\.ssm_a$", target_patterns=".mamba.A_log", operations=[LogNegate(), Flat()]),
-        WeightConverter(source_patterns=r"\.ssm_d$", target_patterns=".mamba.D", operations=[Flat()]),
-        WeightConverter(source_patterns=r"\.ssm_norm\.weight", target_patterns=".mamba.norm.weight",
-                        operations=[Flat()]),
-        WeightConverter(source_patterns="self_attn.q_proj.weight", target_patterns="self_attn.q_proj.weight",
-                        operations=[PermuteRows(_unpermuted(config.num_attention_heads,
-                                                            config.num_attention_heads * head))]),
-        WeightConverter(source_patterns="self_attn.k_proj.weight", target_patterns="self_attn.k_proj.weight",
-                        operations=[PermuteRows(_unpermuted(config.num_key_value_heads,
-                                                            config.num_key_value_heads * head))]),
         WeightConverter(source_patterns=[r"\.ffn_gate_exps\.weight", r"\.ffn_up_exps\.weight"],
                         target_patterns=".block_sparse_moe.experts.gate_up_proj", operations=[ConcatenateRows(dim=1)]),
         WeightConverter(source_patterns=[rf"\.ffn_gate{shared}\.weight", rf"\.ffn_up{shared}\.weight"],
                         target_patterns=".shared_mlp.input_linear.weight", operations=[ConcatenateRows(dim=0)])]
 
 
+def _nemotron_h_config(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
+    """Nemotron-H's config (NVIDIA-Nemotron-Nano-9B-v2, 12B-v2, Nemotron-H 8B-56B: NemotronHForCausalLM): each
+    layer's kind from its kv heads and MLP width (a Mamba-2 layer has neither), the ssm.* keys, the head size,
+    attention without rotary (a file that says it rotates is refused), relu^2 MLPs."""
+    key = lambda name: metadata[f"nemotron_h.{name}"]  # noqa: E731
+    if metadata.get("nemotron_h.rope.scaling.finetuned"):
+        raise ValueError("its attention rotates (rope.scaling.finetuned), where Nemotron-H's does not")
+    kv_heads, widths, heads = key("attention.head_count_kv"), key("feed_forward_length"), key("ssm.time_step_rank")
+    kinds = ["full_attention" if kv else "mlp" if width else "linear_attention" for kv, width in zip(kv_heads, widths)]
+    return {
+        "model_type": "nemotron_h", "architectures": ["NemotronHForCausalLM"],
+        "max_position_embeddings": key("context_length"), "hidden_size": key("embedding_length"),
+        "layers_block_type": kinds, "num_attention_heads": key("attention.head_count"),
+        "num_key_value_heads": max(kv_heads), "head_dim": key("attention.key_length"),
+        "intermediate_size": max(widths), "mlp_hidden_act": "relu2",
+        "mlp_bias": any(name.endswith(".ffn_up.bias") for name in tensor_names),
+        "attention_bias": any(name.endswith(".attn_q.bias") for name in tensor_names),
+        "layer_norm_epsilon": key("attention.layer_norm_epsilon"),
+        "ssm_state_size": key("ssm.state_size"), "mamba_num_heads": heads,
+        "mamba_head_dim": key("ssm.inner_size") // heads, "n_groups": key("ssm.group_count"),
+        "conv_kernel": key("ssm.conv_kernel"),
+        "use_conv_bias": any(name.endswith(".ssm_conv1d.bias") for name in tensor_names),
+        "mamba_proj_bias": any(name.endswith(".ssm_in.bias") for name in tensor_names),
+        # `read_gguf_metadata` leaves the vocabulary as its length
+        "vocab_size": metadata["tokenizer.ggml.tokens"],
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
+        "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
+        "pad_token_id": metadata.get("tokenizer.ggml.padding_token_id"),
+    }
+
+
+def _nemotron_h(config) -> list:
+    """Nemotron-H's tensors: each layer's one mixer (Mamba-2, attention or MLP: ffn_up and ffn_down) behind its norm
+    (attn_norm), the Mamba-2 layers' and the attention's as _mamba2_and_attention reads them."""
+    from transformers.core_model_loading import WeightRenaming
+
+    return [
+        WeightRenaming(r"^token_embd\.", "model.embeddings."),
+        WeightRenaming(r"^output\.", "lm_head."),
+        WeightRenaming(r"^output_norm\.", "model.norm_f."),
+        WeightRenaming(r"^blk\.", "model.layers."),
+        WeightRenaming(r"\.attn_norm\.", ".norm."),
+        WeightRenaming(r"\.ffn_up\.", ".mixer.up_proj."),
+        WeightRenaming(r"\.ffn_down\.", ".mixer.down_proj."),
+        *_mamba2_and_attention(config, "mixer", "mixer")]
+
+
 # Architectures transformers' conversion table lacks, given entries of its kind here: (config reader, tensor table).
 OWN_TABLES = {"lfm2moe": (_lfm2moe_config, _lfm2moe), "granitehybrid": (_granitehybrid_config, _granite),
-              "granitemoe": (_granitemoe_config, _granite)}
+              "granitemoe": (_granitemoe_config, _granite), "nemotron_h": (_nemotron_h_config, _nemotron_h)}
 
 
 def teach_own_tables() -> None:

@@ -22,11 +22,12 @@ from .blocks import GGMLLinear, GGMLParts
 from .kernels import native_kernels
 from .native_steps import NativeGatedMLP, NativeGraniteAttention, join_attention, native_layers
 
-GRANITE_MODELS = ("GraniteMoeHybridForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")
+GRANITE_MODELS = ("GraniteMoeHybridForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
+                  "NemotronHForCausalLM")
 # x / sqrt(mean(x^2) + eps) times weight, in float32
-NORMS = ("GraniteMoeHybridRMSNorm", "GraniteMoeRMSNorm", "GraniteMoeSharedRMSNorm")
-MAMBAS = ("GraniteMoeHybridMambaLayer",)
-ATTENTIONS = ("GraniteMoeHybridAttention", "GraniteMoeAttention", "GraniteMoeSharedAttention")
+NORMS = ("GraniteMoeHybridRMSNorm", "GraniteMoeRMSNorm", "GraniteMoeSharedRMSNorm", "NemotronHRMSNorm")
+MAMBAS = ("GraniteMoeHybridMambaLayer", "NemotronHMamba2Mixer")
+ATTENTIONS = ("GraniteMoeHybridAttention", "GraniteMoeAttention", "GraniteMoeSharedAttention", "NemotronHAttention")
 # act(input_linear's first half) times its second, then output_linear
 SHARED_MLPS = ("GraniteMoeHybridMLP", "GraniteMoeSharedMLP")
 
