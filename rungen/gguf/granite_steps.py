@@ -1,14 +1,15 @@
 """Granite's decoder layers over a GGUF file's blocks (transformers' GraniteMoeHybridForCausalLM: Granite 4.0 H's;
-GraniteMoeForCausalLM and GraniteMoeSharedForCausalLM: Granite 3's mixtures), with their small steps taken in fewer
-calls on the CPU: a Mamba-2 layer's decode step between its two products one native call (MambaStep:
-torch.ops.rungen_ggml.mamba_step, csrc/ggml_mamba.cpp); the shared MLP's gate and up product (one already: the file's
-two tensors joined) then its activation one call (NativeGatedMLP); each RMSNorm one rms_norm call; the attention's q,
-k and v one product, q and k rotated in one rope_split call (NativeGraniteAttention), the native attend over a cache
-growing in place (the mixture's one call: experts.py). transformers' PyTorch forms of a Mamba-2 step (the fallbacks of
-causal-conv1d and mamba-ssm, which a GPU takes instead) cost a decode step about a third of its time: the convolution
-of one position a depthwise conv1d call, the state's update and read broadcast products and a batched product over it,
-some 40 calls a layer. A prompt (several positions) stays transformers' chunked form. The arithmetic is transformers'
-within float32 rounding (sums in another order).
+GraniteMoeForCausalLM and GraniteMoeSharedForCausalLM: Granite 3's mixtures; NemotronHForCausalLM: Nemotron-H's, one
+mixer a layer), with their small steps taken in fewer calls on the CPU: a Mamba-2 layer's decode step between its two
+products one native call (MambaStep: torch.ops.rungen_ggml.mamba_step, csrc/ggml_mamba.cpp); the shared MLP's gate and
+up product (one already: the file's two tensors joined) then its activation one call (NativeGatedMLP); each RMSNorm
+one rms_norm call; the attention's q, k and v one product, q and k rotated in one rope_split call
+(NativeGraniteAttention), the native attend over a cache growing in place (the mixture's one call: experts.py).
+transformers' PyTorch forms of a Mamba-2 step (the fallbacks of causal-conv1d and mamba-ssm, which a GPU takes
+instead) cost a decode step about a third of its time: the convolution of one position a depthwise conv1d call, the
+state's update and read broadcast products and a batched product over it, some 40 calls a layer. A prompt (several
+positions) stays transformers' chunked form. The arithmetic is transformers' within float32 rounding (sums in another
+order).
 """
 
 from __future__ import annotations
