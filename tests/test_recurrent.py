@@ -46,6 +46,20 @@ def alone(model, ids, new_tokens):
     return out[0, len(ids):].tolist()
 
 
+def turn(engine, prompt):
+    """(the greedy tokens, the prompt tokens the prefix cache held) of one request on `engine`, run to its end."""
+    done = {}
+
+    def sink(event):
+        if isinstance(event, Done):
+            done["tokens"] = event.finish.tokens
+
+    request = Request(prompt, max_tokens=NEW_TOKENS, sampling=Sampling(temperature=0), sink=sink)
+    engine.submit(request)
+    engine.run_here()
+    return done["tokens"], request.reused
+
+
 def test_rows_joining_and_leaving_keep_their_own_states(loaded):
     prompts = [loaded.tokenizer.encode(text) for text in PROMPTS + ["A cat sat"]]
     lengths = [NEW_TOKENS, NEW_TOKENS - 6, NEW_TOKENS, NEW_TOKENS - 4]
@@ -78,27 +92,16 @@ def test_a_conversations_next_turn_starts_from_the_states_the_prefix_cache_kept(
     engine = Engine(loaded, max_batch=2, eos_ids=(), prefix_cache_bytes=64 << 20)
     assert engine.prefix_cache is not None
 
-    def turn(prompt):
-        done = {}
 
-        def sink(event):
-            if isinstance(event, Done):
-                done["tokens"] = event.finish.tokens
-
-        request = Request(prompt, max_tokens=NEW_TOKENS, sampling=Sampling(temperature=0), sink=sink)
-        engine.submit(request)
-        engine.run_here()
-        return done["tokens"], getattr(request, "reused", 0)
-
-    assert turn(ids) == (first, 0)
+    assert turn(engine, ids) == (first, 0)
     more = loaded.tokenizer.encode(" And then")
     next_turn = ids + first + more
     with torch.inference_mode():
         wanted = alone(loaded.model, next_turn, NEW_TOKENS)
     # (the finished row's cache holds its prompt and reply but the reply's last token, never fed)
-    assert turn(next_turn) == (wanted, len(ids) + len(first) - 1)
-    assert turn(ids) == (first, len(ids) - 1)
-    assert turn(ids[:-3] + more)[1] == 0
+    assert turn(engine, next_turn) == (wanted, len(ids) + len(first) - 1)
+    assert turn(engine, ids) == (first, len(ids) - 1)
+    assert turn(engine, ids[:-3] + more)[1] == 0
     entries = list(engine.prefix_cache.entries.values())
     assert entries and all(states for *_, states in entries)
 
@@ -112,21 +115,10 @@ def test_a_next_turn_rendered_otherwise_after_the_last_turns_end_starts_from_the
     history, opener, reply = (tokenizer.encode(text) for text in (PROMPTS[2], " Sure: think", " Sure: the answer"))
     engine = Engine(loaded, max_batch=2, eos_ids=(end,), prefix_cache_bytes=64 << 20)
 
-    def turn(prompt):
-        done = {}
 
-        def sink(event):
-            if isinstance(event, Done):
-                done["tokens"] = event.finish.tokens
-
-        request = Request(prompt, max_tokens=NEW_TOKENS, sampling=Sampling(temperature=0), sink=sink)
-        engine.submit(request)
-        engine.run_here()
-        return done["tokens"], request.reused
-
-    assert turn(history + [end] + opener)[1] == 0
+    assert turn(engine, history + [end] + opener)[1] == 0
     next_turn = history + [end] + reply + [end] + opener
-    tokens, reused = turn(next_turn)
+    tokens, reused = turn(engine, next_turn)
     assert reused == len(history) + 1
     with torch.inference_mode():
         wanted = alone(loaded.model, next_turn, NEW_TOKENS)

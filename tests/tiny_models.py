@@ -1691,6 +1691,33 @@ def granitehybrid_dense_checkpoint(out_dir: str) -> str:
     return granitehybrid_checkpoint(out_dir, experts=False)
 
 
+def llama_permuted(w, n_head):
+    """llama.cpp's LlamaModel.permute of q's or k's rows: each head's two halves interleaved, for its rotary."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def mamba2_tensor(add, names, hf_name: str, value, blk: str | None, groups: int, heads: int, kv_heads: int) -> None:
+    """A Mamba-2 hybrid's tensor `hf_name` by `add` as llama.cpp's converter writes it (Mamba2Model's and LlamaModel's
+    changes): A_log as -exp(A_log) and D a column each, dt_bias as ssm_dt.bias, the convolution squeezed, the gated
+    norm a row a group, q and k permuted as llama's; under gguf's name table `names` (`blk`: the layer's prefix)."""
+    values = value.float().numpy()
+    base, _, suffix = hf_name.rpartition(".")
+    if suffix in ("A_log", "D", "dt_bias"):
+        name, values = {"A_log": ("ssm_a", -torch.exp(value.float()).numpy()[:, None]),
+                        "D": ("ssm_d", values[:, None]), "dt_bias": ("ssm_dt.bias", values)}[suffix]
+        add(f"{blk}.{name}", values)
+        return
+    if base.endswith("conv1d") and suffix == "weight":
+        values = values.squeeze(1)
+    elif base.endswith(("mamba.norm", "mixer.norm")):
+        values = values.reshape(groups, -1)
+    elif base.endswith("q_proj"):
+        values = llama_permuted(values, heads)
+    elif base.endswith("k_proj"):
+        values = llama_permuted(values, kv_heads)
+    add(names.get_name(base) + "." + suffix, values)
+
+
 # Granite 4.0's chat template, its turns' markup (the published one adds a default system turn and tools' blocks).
 GRANITE4_TEMPLATE = ("{% for message in messages %}<|start_of_role|>{{ message['role'] }}<|end_of_role|>"
                      "{{ message['content'] }}<|end_of_text|>\n{% endfor %}"
@@ -1755,9 +1782,6 @@ def write_granitehybrid_gguf(checkpoint: str, path: str, qtype_name: str = "F32"
         else:
             quantized(name, values)
 
-    def permuted(w, n_head):  # llama.cpp's LlamaModel.permute
-        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
     for hf_name, value in load_file(os.path.join(checkpoint, "model.safetensors")).items():
         if hf_name == "lm_head.weight" and config["tie_word_embeddings"]:
             continue
@@ -1778,24 +1802,7 @@ def write_granitehybrid_gguf(checkpoint: str, path: str, qtype_name: str = "F32"
         if base.endswith("router.layer"):
             add(f"{blk}.ffn_gate_inp.weight", values)
             continue
-        if suffix == "A_log":
-            add(f"{blk}.ssm_a", -torch.exp(value.float()).numpy()[:, None])
-            continue
-        if suffix == "D":
-            add(f"{blk}.ssm_d", values[:, None])
-            continue
-        if suffix == "dt_bias":
-            add(f"{blk}.ssm_dt.bias", values)
-            continue
-        if base.endswith("mamba.conv1d") and suffix == "weight":
-            values = values.squeeze(1)
-        elif base.endswith("mamba.norm"):
-            values = values.reshape(config["mamba_n_groups"], -1)
-        elif base.endswith("q_proj"):
-            values = permuted(values, heads)
-        elif base.endswith("k_proj"):
-            values = permuted(values, kv_heads)
-        add(names.get_name(base) + "." + suffix, values)
+        mamba2_tensor(add, names, hf_name, value, blk, config["mamba_n_groups"], heads, kv_heads)
     return write_out(writer, path)
 
 
@@ -1947,31 +1954,9 @@ def write_nemotron_h_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -
         else:
             quantized(name, values)
 
-    def permuted(w, n_head):  # llama.cpp's LlamaModel.permute
-        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
     for hf_name, value in load_file(os.path.join(checkpoint, "model.safetensors")).items():
-        values = value.float().numpy()
-        base, _, suffix = hf_name.rpartition(".")
-        blk = f"blk.{base.split('.')[2]}" if base.startswith("backbone.layers.") else None
-        if suffix == "A_log":
-            add(f"{blk}.ssm_a", -torch.exp(value.float()).numpy()[:, None])
-            continue
-        if suffix == "D":
-            add(f"{blk}.ssm_d", values[:, None])
-            continue
-        if suffix == "dt_bias":
-            add(f"{blk}.ssm_dt.bias", values)
-            continue
-        if base.endswith("mixer.conv1d") and suffix == "weight":
-            values = values.squeeze(1)
-        elif base.endswith("mixer.norm"):
-            values = values.reshape(config["n_groups"], -1)
-        elif base.endswith("q_proj"):
-            values = permuted(values, heads)
-        elif base.endswith("k_proj"):
-            values = permuted(values, kv_heads)
-        add(names.get_name(base) + "." + suffix, values)
+        blk = f"blk.{hf_name.split('.')[2]}" if hf_name.startswith("backbone.layers.") else None
+        mamba2_tensor(add, names, hf_name, value, blk, config["n_groups"], heads, kv_heads)
     return write_out(writer, path)
 
 

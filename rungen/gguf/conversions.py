@@ -63,6 +63,17 @@ def _lfm2moe(config) -> list:
                         target_patterns=".feed_forward.experts.gate_up_proj", operations=[ConcatenateRows(dim=1)])]
 
 
+def _vocabulary(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
+    """The config's vocabulary fields as transformers' own config readers set them: its size (`read_gguf_metadata`
+    leaves the vocabulary as its length), tied embeddings where the file has no output.weight, the special ids (absent:
+    None)."""
+    return {"vocab_size": metadata["tokenizer.ggml.tokens"],
+            "tie_word_embeddings": "output.weight" not in tensor_names,
+            "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
+            "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
+            "pad_token_id": metadata.get("tokenizer.ggml.padding_token_id")}
+
+
 def _granitehybrid_config(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
     """Granite 4.0 H's config (granite-4.0-h-micro, h-tiny, h-small: GraniteMoeHybridForCausalLM): Mamba-2 layers where
     a layer has no kv heads, attention without rotary (llama.cpp's converter writes every hybrid Granite so), Granite's
@@ -95,12 +106,7 @@ def _granitehybrid_config(metadata: dict, tensor_names: tuple[str, ...]) -> dict
         "mamba_d_head": inner // ssm_heads, "mamba_d_conv": key("ssm.conv_kernel"), "mamba_expand": inner // hidden,
         "mamba_conv_bias": any(name.endswith(".ssm_conv1d.bias") for name in tensor_names),
         "mamba_proj_bias": any(name.endswith(".ssm_in.bias") for name in tensor_names),
-        # `read_gguf_metadata` leaves the vocabulary as its length
-        "vocab_size": metadata["tokenizer.ggml.tokens"],
-        "tie_word_embeddings": "output.weight" not in tensor_names,
-        "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
-        "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
-        "pad_token_id": metadata.get("tokenizer.ggml.padding_token_id"),
+        **_vocabulary(metadata, tensor_names),
     }
 
 
@@ -128,12 +134,7 @@ def _granitemoe_config(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
         "attention_multiplier": metadata.get("granitemoe.attention.scale", 1.0),
         "logits_scaling": metadata.get("granitemoe.logit_scale", 1.0),
         "num_local_experts": key("expert_count"), "num_experts_per_tok": key("expert_used_count"),
-        # `read_gguf_metadata` leaves the vocabulary as its length
-        "vocab_size": metadata["tokenizer.ggml.tokens"],
-        "tie_word_embeddings": "output.weight" not in tensor_names,
-        "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
-        "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
-        "pad_token_id": metadata.get("tokenizer.ggml.padding_token_id"),
+        **_vocabulary(metadata, tensor_names),
     }
     if shared:
         config["shared_intermediate_size"] = key("expert_shared_feed_forward_length")
@@ -236,12 +237,7 @@ def _nemotron_h_config(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
         "conv_kernel": key("ssm.conv_kernel"),
         "use_conv_bias": any(name.endswith(".ssm_conv1d.bias") for name in tensor_names),
         "mamba_proj_bias": any(name.endswith(".ssm_in.bias") for name in tensor_names),
-        # `read_gguf_metadata` leaves the vocabulary as its length
-        "vocab_size": metadata["tokenizer.ggml.tokens"],
-        "tie_word_embeddings": "output.weight" not in tensor_names,
-        "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
-        "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
-        "pad_token_id": metadata.get("tokenizer.ggml.padding_token_id"),
+        **_vocabulary(metadata, tensor_names),
     }
 
 
