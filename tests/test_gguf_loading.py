@@ -1376,7 +1376,7 @@ def test_a_qwen35_mixture_in_one_native_call_computes_its_blocks_modules(tmp_pat
 LOOPED_FILES = {**{name: (*CHECKPOINT_FILES[name]["files"], ("Q8_0",))
                    for name in ("qwen35", "qwen35moe", "lfm2", "exaone4", "exaone4_global", "olmo2", "olmo3",
                                 "ministral3", "glm4moe", "lfm2moe", "granitehybrid", "granitehybrid_dense",
-                                "granitemoe")},
+                                "granitemoe", "nemotron_h")},
                 "gpt-oss": ("gpt_oss_checkpoint", "write_gpt_oss_gguf", ("MXFP4", "Q8_0"))}
 
 
@@ -1384,7 +1384,7 @@ LOOPED_FILES = {**{name: (*CHECKPOINT_FILES[name]["files"], ("Q8_0",))
 def test_a_models_decode_steps_in_one_loop_are_its_layers_one_by_one(architecture, tmp_path):
     # The decode steps of a model on transformers' layers with native steps (Qwen3.5's, LFM2's and LFM2-MoE's, EXAONE
     # 4's, OLMo 2's and 3's, Ministral 3's, gpt-oss's, GLM-4.5's, Granite 4.0 H's: its multipliers, no rotary, its
-    # shared MLP beside the mixture or alone) as one loop over their layers' parts (LayerLoop,
+    # shared MLP beside the mixture or alone; Nemotron-H's one mixer a layer by its kind) as one loop over their layers' parts (LayerLoop,
     # installed as the inner model's forward): the bits transformers' own forward over the same parts gives, in a
     # left-padded batch (its masks) and for a row alone (none), the loop taking the steps and transformers' forward the
     # prompts.

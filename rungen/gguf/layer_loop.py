@@ -23,7 +23,9 @@ class Loop:
     two outputs summed; a layer may lack either), the model's final norm and rotary (None where the model has none);
     `sections`: the rotary takes positions as [3, batch, tokens] (Qwen3.5's sections); `mixture`: the model's output
     carries router logits (None here); `embedding_scale` and `residual_scale`: the inner model's and each layer's
-    multipliers of the embedding and of each branch before its residual sum (Granite's)."""
+    multipliers of the embedding and of each branch before its residual sum (Granite's); `one_mixer`: a layer holds
+    one part under `attention`, the attention, a recurrent mixer or an MLP by the layer's kind, behind its one norm
+    (Nemotron-H's); `embedding`: the inner model's embedding."""
 
     attention: str = "self_attn"
     recurrent: str | None = None
@@ -38,6 +40,8 @@ class Loop:
     mixture: bool = False
     embedding_scale: str | None = None
     residual_scale: str | None = None
+    one_mixer: bool = False
+    embedding: str = "embed_tokens"
 
 
 PRE = dict(pre_norms=("input_layernorm", "post_attention_layernorm"))
@@ -62,12 +66,14 @@ LOOPS = {
     "GraniteMoeHybridModel": Loop(**GRANITE, recurrent="mamba", cache_keyword="cache_params"),
     "GraniteMoeModel": Loop(**GRANITE),
     "GraniteMoeSharedModel": Loop(**GRANITE),
+    "NemotronHModel": Loop(attention="mixer", mlp="mixer", pre_norms=("norm", "norm"), cache_keyword="cache_params",
+                           final_norm="norm_f", one_mixer=True, embedding="embeddings", mixture=True),
 }
 # The parts whose forwards the loop calls directly (none needs a module hook).
 PARTS = ("NativeRMSNorm", "NativeGatedAttention", "NativeLfm2Attention", "NativeExaone4Attention",
          "NativeOlmoAttention", "NativeMinistral3Attention", "NativeGptOssAttention", "DeltaNetStep", "ShortConvStep",
          "NativeGatedMLP", "MixtureInOneCall", "NativeGlm4MoeAttention", "Glm4MoeMoE",
-         "Lfm2MoeSparseMoeBlock", "MambaStep", "NativeGraniteAttention")
+         "Lfm2MoeSparseMoeBlock", "MambaStep", "NativeGraniteAttention", "NemotronHMLP")
 # The masks transformers' models give each kind of layer (where a batch is padded); others take none in a step.
 MASKS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask"}
 
@@ -91,7 +97,12 @@ class LayerLoop:
         # each layer's (mixer, whether it is the attention, its norms before and after the mixer and the MLP, its MLPs
         # (the outputs summed), its branches' multiplier)
         self.layers = []
-        for layer in inner.layers:
+        for kind, layer in zip(self.kinds, inner.layers):
+            if loop.one_mixer:  # (its one part by its kind, behind its norm)
+                mixer, norm = getattr(layer, loop.attention), getattr(layer, loop.pre_norms[0])
+                self.layers.append((None, False, None, norm, None, None, [mixer], None) if kind == "mlp" else
+                                   (mixer, kind == "full_attention", norm, None, None, None, [], None))
+                continue
             attention = getattr(layer, loop.attention, None)
             pre, post = ([getattr(layer, name) for name in names] if names else [None, None]
                          for names in (loop.pre_norms, loop.post_norms))
@@ -141,7 +152,7 @@ class LayerLoop:
                 or (position_ids is not None and position_ids.dim() != 2)):
             return self.original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                  past_key_values=cache, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
-        hidden = inner.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        hidden = getattr(inner, loop.embedding)(input_ids) if inputs_embeds is None else inputs_embeds
         if self.embedding_scale is not None:
             hidden = hidden * self.embedding_scale
         if position_ids is None:
@@ -161,14 +172,17 @@ class LayerLoop:
                     position_ids=position_ids)
         for kind, (mixer, attends, pre_mixer, pre_mlp, post_mixer, post_mlp, mlps, scale) in zip(self.kinds,
                                                                                                   self.layers):
-            x = hidden if pre_mixer is None else pre_mixer.forward(hidden)
-            if attends:
-                out, _ = mixer.forward(x, position_embeddings=rotations[kind], attention_mask=layer_masks[kind],
-                                       position_ids=position_ids, past_key_values=cache)
-            else:
-                out = mixer.forward(x, attention_mask=None, **{loop.cache_keyword: cache})
-            out = out if post_mixer is None else post_mixer.forward(out)
-            hidden = hidden + (out if scale is None else out * scale)
+            if mixer is not None:  # (a Nemotron-H MLP layer has none)
+                x = hidden if pre_mixer is None else pre_mixer.forward(hidden)
+                if attends:
+                    out, _ = mixer.forward(x, position_embeddings=rotations[kind], attention_mask=layer_masks[kind],
+                                           position_ids=position_ids, past_key_values=cache)
+                else:
+                    out = mixer.forward(x, attention_mask=None, **{loop.cache_keyword: cache})
+                out = out if post_mixer is None else post_mixer.forward(out)
+                hidden = hidden + (out if scale is None else out * scale)
+            if not mlps:  # (a Nemotron-H mixer's layer: no MLP)
+                continue
             x = hidden if pre_mlp is None else pre_mlp.forward(hidden)
             out = None
             for mlp in mlps:  # (Granite's mixture, then its shared MLP: summed in the order its layer sums them)
