@@ -1384,10 +1384,10 @@ LOOPED_FILES = {**{name: (*CHECKPOINT_FILES[name]["files"], ("Q8_0",))
 def test_a_models_decode_steps_in_one_loop_are_its_layers_one_by_one(architecture, tmp_path):
     # The decode steps of a model on transformers' layers with native steps (Qwen3.5's, LFM2's and LFM2-MoE's, EXAONE
     # 4's, OLMo 2's and 3's, Ministral 3's, gpt-oss's, GLM-4.5's, Granite 4.0 H's: its multipliers, no rotary, its
-    # shared MLP beside the mixture or alone; Nemotron-H's one mixer a layer by its kind) as one loop over their layers' parts (LayerLoop,
-    # installed as the inner model's forward): the bits transformers' own forward over the same parts gives, in a
-    # left-padded batch (its masks) and for a row alone (none), the loop taking the steps and transformers' forward the
-    # prompts.
+    # shared MLP beside the mixture or alone; Nemotron-H's one mixer a layer by its kind) as one loop over their
+    # layers' parts (LayerLoop, installed as the inner model's forward): the bits transformers' own forward over the
+    # same parts gives, in a left-padded batch (its masks) and for a row alone (none), the loop taking the steps and
+    # transformers' forward the prompts.
     import tiny_models
     from helpers import padded_prompt_and_steps
     from rungen.gguf.layer_loop import LayerLoop
