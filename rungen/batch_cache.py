@@ -20,6 +20,7 @@ from .kvcache import (
     full_attention,
     growing,
     holding,
+    layers_of,
     new_cache,
     put_states,
     recurrent,
@@ -407,11 +408,6 @@ def let_go(layer):
     layer.keys = layer.values = None
     if growing(layer):
         layer.buffers = None
-
-
-def layers_of(cache):
-    """[(keys, values)] of each layer that holds them (kvcache.holding)."""
-    return [(layer.keys, layer.values) for layer in holding(cache)]
 
 
 def left_pad(tensor, width, dim=2):

@@ -246,6 +246,11 @@ def holding(cache) -> list:
     return [layer for layer in cache.layers if not dummy(layer) and not recurrent(layer)]
 
 
+def layers_of(cache):
+    """[(keys, values)] of each layer that holds them (holding)."""
+    return [(layer.keys, layer.values) for layer in holding(cache)]
+
+
 def states_of(cache) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
     """[(convolution window, recurrent state)] of each recurrent layer of `cache`, a row each (None: one it keeps
     none of)."""

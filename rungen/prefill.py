@@ -11,7 +11,7 @@ import dataclasses
 import torch
 
 from . import logger
-from .kvcache import holding, new_cache, put_states, recurrent, states_of
+from .kvcache import layers_of, new_cache, put_states, recurrent, states_of
 
 
 @dataclasses.dataclass
@@ -82,7 +82,7 @@ def keep_checkpoint(prefix_cache, tokens, cache) -> None:
     pass stopped short of its last token); out of GPU memory, the cache gives up its entries instead (it only saves
     time)."""
     try:
-        prefix_cache.keep(tokens, [(layer.keys, layer.values) for layer in holding(cache)], states=states_of(cache))
+        prefix_cache.keep(tokens, layers_of(cache), states=states_of(cache))
     except torch.OutOfMemoryError:
         prefix_cache.give_up("a prompt's recurrent states")
 

@@ -5,7 +5,7 @@ exactly the tokens they stand for (a state cannot be cut back)."""
 import collections
 
 from . import logger
-from .kvcache import growing
+from .kvcache import each_state, growing
 
 
 class PrefixCache:
@@ -78,8 +78,7 @@ class PrefixCache:
     def keep(self, tokens, layers, batch_cache=None, windows=None, states=None):
         """Keeps a finished row's keys/values `layers` for `tokens`: copies, unless `batch_cache` (the batch ends
         with this row) hands its buffers over; `windows`: put's; `states`: put's, copied."""
-        states = None if states is None else [tuple(None if part is None else part.clone() for part in state)
-                                              for state in states]
+        states = None if states is None else each_state(states, lambda part: part.clone())
         if batch_cache is None:
             self.put(tokens, [(k.clone(), v.clone()) for k, v in layers], windows=windows, states=states)
             return

@@ -1151,6 +1151,17 @@ def drawn_router_bias(suffix: str):
     return draw
 
 
+def drawn_mamba2(name, tensor):
+    """save_tiny's `draw` of a Mamba-2 hybrid (what a trained one holds that the initializer leaves constant): each
+    norm's weight, D and dt_bias around 1, A_log around 0.5, the convolution's bias around 0."""
+    if "norm" in name or name.endswith((".D", "dt_bias")):
+        tensor.normal_(1, 0.3)
+    elif name.endswith("A_log"):
+        tensor.normal_(0.5, 0.5)
+    elif name.endswith("conv1d.bias"):
+        tensor.normal_(0, 0.3)
+
+
 def smollm3_checkpoint(out_dir: str) -> str:
     """A tiny random SmolLM3 checkpoint (SmolLM3ForCausalLM) in `out_dir`: SmolLM3-3B's layout 64 wide, 8 layers of
     which every fourth (the 4th and the 8th) has no rotary (SmolLM3Config's no_rope_layers), 4 heads over 2, tied
@@ -1658,14 +1669,6 @@ def granitehybrid_checkpoint(out_dir: str, experts: bool = True) -> str:
 
     tokenizer = tiny_gpt2_tokenizer(out_dir)
 
-    def draw(name, tensor):
-        if "norm" in name or name.endswith(("mamba.D", "dt_bias")):
-            tensor.normal_(1, 0.3)
-        elif name.endswith("A_log"):
-            tensor.normal_(0.5, 0.5)
-        elif name.endswith("conv1d.bias"):
-            tensor.normal_(0, 0.3)
-
     config = GraniteMoeHybridConfig(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=32 if experts else 64,
         shared_intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -1677,7 +1680,7 @@ def granitehybrid_checkpoint(out_dir: str, experts: bool = True) -> str:
         max_position_embeddings=512, rms_norm_eps=1e-5, initializer_range=0.15, tie_word_embeddings=True,
         pad_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
     path = save_tiny(out_dir, "granitehybrid" if experts else "granitehybrid_dense", GraniteMoeHybridForCausalLM,
-                     config, tokenizer, draw)
+                     config, tokenizer, drawn_mamba2)
     with open(os.path.join(path, "config.json")) as f:
         saved = json.load(f)
     saved["layer_types"] = ["attention" if kind == "full_attention" else "mamba" for kind in saved["layer_types"]]
@@ -1879,14 +1882,6 @@ def nemotron_h_checkpoint(out_dir: str) -> str:
 
     tokenizer = tiny_gpt2_tokenizer(out_dir)
 
-    def draw(name, tensor):
-        if "norm" in name or name.endswith(("mixer.D", "dt_bias")):
-            tensor.normal_(1, 0.3)
-        elif name.endswith("A_log"):
-            tensor.normal_(0.5, 0.5)
-        elif name.endswith("conv1d.bias"):
-            tensor.normal_(0, 0.3)
-
     pattern = "M-M*-M-"
     config = NemotronHConfig(
         vocab_size=len(tokenizer), hidden_size=64, hybrid_override_pattern=pattern, num_attention_heads=4,
@@ -1894,7 +1889,7 @@ def nemotron_h_checkpoint(out_dir: str) -> str:
         mamba_head_dim=16, n_groups=2, conv_kernel=4, chunk_size=16, max_position_embeddings=512,
         initializer_range=0.15, layer_norm_epsilon=1e-5, tie_word_embeddings=False,
         pad_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
-    path = save_tiny(out_dir, "nemotron_h", NemotronHForCausalLM, config, tokenizer, draw)
+    path = save_tiny(out_dir, "nemotron_h", NemotronHForCausalLM, config, tokenizer, drawn_mamba2)
     with open(os.path.join(path, "config.json")) as f:
         saved = json.load(f)
     for field in ("layers_block_type", "mtp_layers_block_type", "n_routed_experts", "num_experts_per_tok",

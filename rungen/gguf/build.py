@@ -133,8 +133,8 @@ class ModelBuild:
         elif part is not None and holds_experts(module) and (
                 code in SUPPORTED or self.on_device or self.quantize is not None or self.converted):
             self.expert_parts.setdefault(module_name, {})[part] = entry  # built once the layer's three are known
-        elif self.converted and self.processor.part(name) is not None:
-            which, count = self.processor.part(name)
+        elif self.converted and (joined := self.processor.part(name)) is not None:
+            which, count = joined
             self.joined.setdefault(hf_name, (count, {}))[1][which] = entry  # built once all are known
         elif code in FLOAT_TYPES:
             self.float_tensor(entry, hf_name, module)

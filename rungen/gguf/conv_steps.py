@@ -15,7 +15,7 @@ import functools
 import torch
 
 from .kernels import native_kernels
-from .native_steps import GpuKernelHints, JoinedAttention, join_attention, join_gated_mlp, native_layers
+from .native_steps import JoinedAttention, join_attention, join_gated_mlp, native_layers
 
 # (LFM2-MoE's layers are LFM2's, its MLPs after the first ones mixtures)
 CONV_STEPS_MODELS = ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM")
@@ -77,7 +77,6 @@ def conv_steps(model: torch.nn.Module) -> bool:
     convolution layer, where the native kernels are; returns whether. Its decode steps then one LayerLoop."""
     if not native_kernels() or type(model).__name__ not in CONV_STEPS_MODELS:
         return False
-    GpuKernelHints.quiet()
     native_layers(model, NORMS, {
         **dict.fromkeys(CONVOLUTIONS, install_conv_step),
         **dict.fromkeys(MLPS, functools.partial(join_gated_mlp, activation="silu", parts=("w1", "w3", "w2"))),

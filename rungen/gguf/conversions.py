@@ -74,6 +74,15 @@ def _vocabulary(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
             "pad_token_id": metadata.get("tokenizer.ggml.padding_token_id")}
 
 
+def _granite_multipliers(metadata: dict, architecture: str) -> dict:
+    """Granite's multipliers from the keys Granite 3's row of the families reads them from (families.FAMILIES'
+    extra_config_keys), under `architecture`; a key the file lacks left to the config class's 1."""
+    from .families import FAMILIES
+
+    return {field: metadata[f"{architecture}.{key}"] for key, field in FAMILIES["granite"].extra_config_keys
+            if f"{architecture}.{key}" in metadata}
+
+
 def _granitehybrid_config(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
     """Granite 4.0 H's config (granite-4.0-h-micro, h-tiny, h-small: GraniteMoeHybridForCausalLM): Mamba-2 layers where
     a layer has no kv heads, attention without rotary (llama.cpp's converter writes every hybrid Granite so), Granite's
@@ -95,10 +104,7 @@ def _granitehybrid_config(metadata: dict, tensor_names: tuple[str, ...]) -> dict
         "rms_norm_eps": key("attention.layer_norm_rms_epsilon"), "position_embedding_type": None,
         "rope_parameters": {"rope_type": "default", "rope_theta": metadata.get("granitehybrid.rope.freq_base", 1e4)},
         "attention_bias": any(name.endswith(".attn_q.bias") for name in tensor_names),
-        "embedding_multiplier": metadata.get("granitehybrid.embedding_scale", 1.0),
-        "residual_multiplier": metadata.get("granitehybrid.residual_scale", 1.0),
-        "attention_multiplier": metadata.get("granitehybrid.attention.scale", 1.0),
-        "logits_scaling": metadata.get("granitehybrid.logit_scale", 1.0),
+        **_granite_multipliers(metadata, "granitehybrid"),
         "num_local_experts": experts, "num_experts_per_tok": key("expert_used_count") if experts else 0,
         "intermediate_size": key("feed_forward_length"),
         "shared_intermediate_size": key("expert_shared_feed_forward_length" if experts else "feed_forward_length"),
@@ -129,10 +135,7 @@ def _granitemoe_config(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
         "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
         "rope_parameters": {"rope_type": "default", "rope_theta": metadata.get("granitemoe.rope.freq_base", 1e4)},
         "attention_bias": any(name.endswith(".attn_q.bias") for name in tensor_names),
-        "embedding_multiplier": metadata.get("granitemoe.embedding_scale", 1.0),
-        "residual_multiplier": metadata.get("granitemoe.residual_scale", 1.0),
-        "attention_multiplier": metadata.get("granitemoe.attention.scale", 1.0),
-        "logits_scaling": metadata.get("granitemoe.logit_scale", 1.0),
+        **_granite_multipliers(metadata, "granitemoe"),
         "num_local_experts": key("expert_count"), "num_experts_per_tok": key("expert_used_count"),
         **_vocabulary(metadata, tensor_names),
     }

@@ -22,7 +22,7 @@ from ..host_memory import release_freed_memory
 from .blocks import GGMLLinear, join
 from .conversions import InputPermuted
 from .kernels import native_kernels
-from .native_steps import GpuKernelHints, JoinedAttention, join_attention, join_gated_mlp, native_layers
+from .native_steps import JoinedAttention, join_attention, join_gated_mlp, native_layers
 
 DELTA_STEPS_MODELS = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 GATED_MLPS = ("Qwen3_5MLP",)  # (the mixture's shared expert: in its block's one native call, experts.py)
@@ -147,7 +147,6 @@ def delta_steps(model: torch.nn.Module) -> bool:
     LayerLoop."""
     if not native_kernels() or type(model).__name__ not in DELTA_STEPS_MODELS:
         return False
-    GpuKernelHints.quiet()
     activation = model.config.get_text_config(decoder=True).hidden_act
     native_layers(model, NORMS, {
         **dict.fromkeys(DELTA_NETS, install_delta_step),

@@ -401,8 +401,7 @@ def mixtures_in_one_call(model: torch.nn.Module) -> None:
     """Each mixture block of UNFUSED_BLOCKS over GGMLExperts (gpt-oss's, Qwen3.5-MoE's, Granite 4.0's: layers
     FusedDecoderLayer leaves as they are) as MixtureInOneCall."""
     for layer in getattr(getattr(model, "model", None), "layers", []):
-        for attribute in dict.fromkeys(UNFUSED_BLOCKS.values()):
-            block = getattr(layer, attribute, None)
+        for attribute, block in list(layer.named_children()):
             mixture = NativeMixture.of(block) if UNFUSED_BLOCKS.get(type(block).__name__) == attribute else None
             if mixture is not None:
                 setattr(layer, attribute, MixtureInOneCall(block, mixture))

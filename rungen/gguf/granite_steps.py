@@ -20,6 +20,7 @@ import sys
 import torch
 
 from .blocks import GGMLLinear, GGMLParts
+from .experts import silu
 from .kernels import native_kernels
 from .native_steps import NativeGatedMLP, NativeGraniteAttention, join_attention, native_layers
 
@@ -75,8 +76,7 @@ def native_shared_mlp(model: torch.nn.Module, name: str) -> None:
     """Granite's shared MLP at `name` as NativeGatedMLP where its joined gate and up are one product of blocks and its
     activation SiLU; else left as it is."""
     module = model.get_submodule(name)
-    if type(module.input_linear) in (GGMLLinear, GGMLParts) and \
-            type(module.activation).__name__ in ("SiLUActivation", "SiLU"):
+    if type(module.input_linear) in (GGMLLinear, GGMLParts) and silu(module.activation):
         model.set_submodule(name, NativeGatedMLP(module.input_linear, module.output_linear, "silu"))
 
 

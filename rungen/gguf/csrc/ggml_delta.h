@@ -42,7 +42,7 @@ static void delta_heads(const DeltaJob& job, int64_t p0, int64_t p1) {
     const float* v = job.y + r * channels + 2 * qk + h * dv;
     float* s = job.state + p * dk * dv;
     float* o = job.scatter ? held.data() : job.out + p * dv;
-    const float g = std::exp(job.decay[h] * delta_softplus(job.a[p] + job.dt_bias[h]));
+    const float g = std::exp(job.decay[h] * softplus(job.a[p] + job.dt_bias[h]));
     const float beta = 1.f / (1.f + std::exp(-job.b[p]));
     float* __restrict__ read = kv.data();
     float* __restrict__ step = delta.data();

@@ -8,10 +8,6 @@ namespace rungen_ggml {
 
 namespace {
 
-at::Tensor floats(const at::Tensor& x) { return x.to(at::kFloat).contiguous(); }
-
-inline float mamba_softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }  // (torch's threshold)
-
 // What ggml_mamba.h's loops read and write: mamba_step's tensors (below) as float32 pointers, and their shapes.
 struct MambaJob {
   float *window, *state;

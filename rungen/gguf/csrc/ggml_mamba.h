@@ -31,7 +31,7 @@ static void mamba_heads(const MambaJob& job, int64_t p0, int64_t p1) {
     const float* x = job.y + r * channels + h * dh;
     const float* b = job.y + r * channels + inner + g * n;
     const float* c = job.y + r * channels + inner + job.groups * n + g * n;
-    const float dt = mamba_softplus(job.dt[p] + job.dt_bias[h]);
+    const float dt = softplus(job.dt[p] + job.dt_bias[h]);
     const float decay = std::exp(dt * job.a[h]);
     float* __restrict__ step = db.data();
     for (int64_t k = 0; k < n; ++k) step[k] = dt * b[k];

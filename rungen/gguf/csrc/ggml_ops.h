@@ -15,6 +15,12 @@
 
 namespace rungen_ggml {
 
+// A tensor as float32 and contiguous, what the steps' loops read by pointer.
+inline at::Tensor floats(const at::Tensor& x) { return x.to(at::kFloat).contiguous(); }
+
+// torch's softplus (its threshold: above 20, x itself), for the recurrent steps' time steps.
+inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
+
 // ggml_dispatch.cpp
 std::string isa();
 std::string set_isa(const std::string& name);
