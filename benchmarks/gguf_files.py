@@ -150,6 +150,14 @@ FAMILIES = {
     "nemotron_h": dict(arch="nemotron_h", layers=56, hidden=4480, ffn=15680, heads=40, kv_heads=8, head_dim=128,
                        rope_base=10000.0, eps=1e-5, tied=False, mamba=(128, 80, 128, 8),
                        pattern="M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-"),
+    # NVIDIA-Nemotron-3-Nano-30B-A3B: 52 layers 2688 wide of one mixer each by its pattern (23 Mamba-2 of 64 heads of
+    # 64 over 8 groups with a state of 128, 6 attention of 32 heads of 128 over 2 without rotary, 23 mixtures of 128
+    # experts of 1856 by relu^2 of up (no gate), 6 a token by sigmoid scores with a correction, normalized and scaled
+    # by 2.5, beside a shared expert of 3712), untied; 17 GB in Q4_0.
+    "nemotron_h_moe": dict(arch="nemotron_h_moe", layers=52, hidden=2688, ffn=1856, heads=32, kv_heads=2,
+                           head_dim=128, rope_base=10000.0, eps=1e-5, tied=False, mamba=(64, 64, 128, 8),
+                           pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME", experts=128,
+                           experts_used=6, expert_ffn=1856, shared_ffn=3712, relu2_experts=2.5, context=262144),
     # Mixtral-8x7B: llama's file with experts (8 of 14336 a layer, 2 a token: feed_forward_length is the experts'),
     # 26 GB in Q4_0.
     "mixtral": dict(arch="llama", layers=32, hidden=4096, ffn=14336, heads=32, kv_heads=8, head_dim=128,
@@ -451,10 +459,12 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
     writer.add_context_length(shape.get("context", 4096))
     writer.add_embedding_length(shape["hidden"])
     writer.add_block_count(shape["layers"])
-    kinds = shape.get("pattern", "")[:shape["layers"]]  # (a hybrid's layers: M Mamba-2, * attention, - an MLP)
-    # (Nemotron-H's: a layer's MLP width, 0 where it has none)
-    writer.add_feed_forward_length([shape["ffn"] if kind == "-" else 0 for kind in kinds] if "-" in shape.get(
-        "pattern", "") else shape["ffn"])
+    # (a hybrid's layers: M Mamba-2, * attention, - an MLP, E a mixture)
+    kinds = shape.get("pattern", "")[:shape["layers"]]
+    nemotron = arch in ("nemotron_h", "nemotron_h_moe")  # (one mixer a layer, behind its one norm)
+    # (Nemotron-H's: a layer's MLP or experts' width, 0 where it has none)
+    writer.add_feed_forward_length([shape["ffn"] if kind in "-E" else 0 for kind in kinds] if nemotron
+                                   else shape["ffn"])
     writer.add_head_count(shape["heads"])
     convolutions, mamba = shape.get("convolutions"), shape.get("mamba")
     if convolutions:  # (LFM2's: a layer's kv heads, 0 for a convolution layer; the window; no head size written)
@@ -477,10 +487,10 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
     elif "mla" in shape:  # (the latent's: the keys with the rotated part, the values without)
         writer.add_key_length(shape["mla"][0] + shape["mla"][2])
         writer.add_value_length(shape["mla"][0])
-    elif not convolutions and (not mamba or arch == "nemotron_h"):
+    elif not convolutions and (not mamba or nemotron):
         writer.add_key_length(shape["head_dim"])
         writer.add_value_length(shape["head_dim"])
-    if arch == "nemotron_h":  # (its converter's key of the norms' epsilon)
+    if nemotron:  # (its converter's key of the norms' epsilon)
         writer.add_layer_norm_eps(shape["eps"])
     else:
         writer.add_layer_norm_rms_eps(shape["eps"])
@@ -542,6 +552,13 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
         elif "expert_bias" in shape:  # (LFM2-MoE's: the dense layers first, sigmoid scores)
             writer.add_leading_dense_block_count(shape["dense_first"])
             writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        elif "relu2_experts" in shape:  # (Nemotron 3's: sigmoid scores in one group, normalized, scaled)
+            writer.add_expert_shared_count(1)
+            writer.add_expert_shared_feed_forward_length(shape["shared_ffn"])
+            writer.add_expert_weights_norm(True)
+            writer.add_expert_weights_scale(shape["relu2_experts"])
+            writer.add_expert_group_count(1)
+            writer.add_expert_group_used_count(1)
         elif "mla" in shape:  # (DeepSeek-V2's: its shared experts counted, the softmax unnormalized)
             writer.add_expert_shared_count(shape["shared_ffn"] // shape["expert_ffn"])
             writer.add_leading_dense_block_count(shape["dense_first"])
@@ -575,13 +592,13 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
         recurrent = "linear" in shape and (layer + 1) % 4 != 0
         convolution = bool(convolutions) and layer not in convolutions[1]
         ssm = bool(mamba) and kinds[layer] == "M"
-        if arch == "nemotron_h":  # (one mixer a layer, behind its one norm)
+        if nemotron:
             norms = ("attn_norm",)
         if "linear" in shape or "sigmoid_router" in shape:  # (Qwen3.5's, GLM-4.5's: the MLP's norm so named)
             norms = ("attn_norm", "post_attention_norm")
         if "mla" in shape:  # (and the latent's)
             writer.add_tensor(f"blk.{layer}.attn_kv_a_norm.weight", np.ones(shape["mla"][0], dtype=np.float32))
-        dense = "experts" not in shape or layer < shape.get("dense_first", 0)
+        dense = "experts" not in shape or layer < shape.get("dense_first", 0) or (nemotron and kinds[layer] != "E")
         for norm in norms:
             writer.add_tensor(f"blk.{layer}.{norm}.weight", np.ones(hidden, dtype=np.float32))
         if shape.get("qk_norm") == "all heads":  # (OLMo 2's: over all of q's and k's heads)
@@ -615,6 +632,8 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
             writer.add_tensor(f"blk.{layer}.ssm_norm.weight", np.ones((groups, inner // groups), dtype=np.float32))
         elif mamba and kinds[layer] == "-":  # a Nemotron-H MLP layer's: relu^2 of up, then down
             parts = (("ffn_up", ffn, hidden), ("ffn_down", hidden, ffn))
+        elif mamba and kinds[layer] == "E":  # a Nemotron 3 mixture's layer: the experts alone (below)
+            parts = ()
         elif convolution:  # an LFM2 convolution layer's: its input's three parts, the window's weights, its output
             parts = (("shortconv.in_proj", 3 * hidden, hidden), ("shortconv.out_proj", hidden, hidden))
             if dense:
@@ -636,7 +655,7 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
             # (Qwen3.5's q rows and its output gate's, head by head)
             parts = (("attn_q", q_rows * (2 if "linear" in shape else 1), hidden), ("attn_k", kv_rows, hidden),
                      ("attn_v", kv_rows, hidden), ("attn_output", hidden, q_rows))
-            if dense and arch != "nemotron_h":  # (Nemotron-H's attention layer has no MLP)
+            if dense and not nemotron:  # (Nemotron-H's attention layer has no MLP)
                 parts += (("ffn_gate", ffn, hidden), ("ffn_up", ffn, hidden), ("ffn_down", hidden, ffn))
         for part, rows, cols in parts:
             blocks(f"blk.{layer}.{part}.weight", rows, cols, qtype, small)
@@ -644,11 +663,12 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
             experts, expert_ffn = shape["experts"], shape["expert_ffn"]
             writer.add_tensor(f"blk.{layer}.ffn_gate_inp.weight",
                               rng.normal(0, 0.02, (experts, hidden)).astype(np.float32))
-            if "sigmoid_router" in shape or "expert_bias" in shape or "ernie_router" in shape:  # (its correction)
+            if {"sigmoid_router", "expert_bias", "ernie_router", "relu2_experts"} & shape.keys():  # (its correction)
                 rows = (1, experts) if "ernie_router" in shape else (experts,)  # (ERNIE's as its checkpoint holds it)
                 writer.add_tensor(f"blk.{layer}.exp_probs_b.bias", rng.normal(0, 0.1, rows).astype(np.float32))
+            gated = "relu2_experts" not in shape  # (Nemotron 3's experts and shared expert: up and down alone)
             for part, rows, cols in (("ffn_gate_exps", expert_ffn, hidden), ("ffn_up_exps", expert_ffn, hidden),
-                                     ("ffn_down_exps", hidden, expert_ffn)):
+                                     ("ffn_down_exps", hidden, expert_ffn))[0 if gated else 1:]:
                 blocks(f"blk.{layer}.{part}.weight", rows, cols, experts_type, small, experts)
                 if shape.get("biases"):
                     writer.add_tensor(f"blk.{layer}.{part}.bias", np.zeros((experts, rows), dtype=np.float32))
@@ -659,7 +679,7 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
                     writer.add_tensor(f"blk.{layer}.ffn_gate_inp_shexp.weight",
                                       rng.normal(0, 0.02, (1, hidden)).astype(np.float32))
                 for part, rows, cols in (("ffn_gate_shexp", shared, hidden), ("ffn_up_shexp", shared, hidden),
-                                         ("ffn_down_shexp", hidden, shared)):
+                                         ("ffn_down_shexp", hidden, shared))[0 if gated else 1:]:
                     blocks(f"blk.{layer}.{part}.weight", rows, cols, qtype, small)
         if shape.get("biases"):  # gpt-oss's: q/k/v/o, the router's, a sink logit a head
             for part, rows in (("attn_q", q_rows), ("attn_k", kv_rows), ("attn_v", kv_rows), ("attn_output", hidden),

@@ -821,7 +821,7 @@ def q8_0_rounded(values):
 
 
 def round_as_q8_0_file(model, keep=("mlp.gate.weight", "feed_forward.gate.weight", "shared_expert_gate.weight",
-                                    "block_sparse_moe.router.weight"),
+                                    "block_sparse_moe.router.weight", "mixer.gate.weight"),
                        split_latent=True) -> None:
     """`model`'s weights (in place) as the Q8_0 file a tiny model's writer makes of it holds them: each matrix of
     whole blocks a row in Q8_0 but those named ending in `keep` (routers, gates: F32); DeepSeek's kv_b_proj as the

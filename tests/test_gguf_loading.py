@@ -805,9 +805,10 @@ def test_a_grouped_router_chooses_as_transformers_and_alike_in_a_batch(kind, gro
 
 
 @pytest.mark.parametrize("architecture", ["lfm2moe", "granitehybrid", "granitehybrid_dense", "granitemoe",
-                                          "nemotron_h"])
+                                          "nemotron_h", "nemotron_h_latent"])
 def test_a_file_of_our_own_tables_entry_loads_with_transformers_own_loader_too(architecture, tmp_path):
-    # LFM2-MoE's, Granite 4.0 H's, Granite 3's mixtures' and Nemotron-H's entries in transformers' conversion tables
+    # LFM2-MoE's, Granite 4.0 H's, Granite 3's mixtures', Nemotron-H's and Nemotron 3's (its experts over a latent)
+    # entries in transformers' conversion tables
     # (conversions.OWN_TABLES) serve its own loader as well (Granite's shared MLP joined from two tensors there too):
     # --dequantize computes the checkpoint with the Q8_0 file's weights.
     from transformers import AutoModelForCausalLM
@@ -836,6 +837,28 @@ def test_a_granitehybrid_file_whose_attention_rotates_is_refused_in_one_line(tmp
     checkpoint = tiny_models.granitehybrid_dense_checkpoint(str(tmp_path))
     path = tiny_models.write_granitehybrid_gguf(checkpoint, str(tmp_path / "bamba.gguf"), rotates=True)
     with pytest.raises(GGUFError, match="its attention rotates") as raised:
+        GGUFHeader(path)
+    assert "\n" not in str(raised.value)
+
+
+def test_a_nemotron_3_file_of_expert_groups_without_the_count_a_token_takes_is_refused(tmp_path, monkeypatch):
+    # A router that chooses within groups of experts needs how many groups a token takes (expert_group_used_count,
+    # which llama.cpp's converter now writes beside expert_group_count): a file without it is refused in one line,
+    # not routed over all experts.
+    import json
+
+    import gguf
+
+    import tiny_models
+
+    checkpoint = tiny_models.nemotron_h_moe_checkpoint(str(tmp_path))
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(checkpoint, "config.json"), "w") as f:
+        json.dump({**config, "n_group": 2}, f)
+    monkeypatch.setattr(gguf.GGUFWriter, "add_expert_group_used_count", lambda writer, count: None)
+    path = tiny_models.write_nemotron_h_gguf(checkpoint, str(tmp_path / "groups.gguf"))
+    with pytest.raises(GGUFError, match=r"its experts are in 2 groups \(expert_group_count\) without") as raised:
         GGUFHeader(path)
     assert "\n" not in str(raised.value)
 
@@ -1261,6 +1284,17 @@ CHECKPOINT_FILES = {
                        quantized=True, steps=dict(mixer=("MambaStep", "NativeGraniteAttention", "NemotronHMLP")),
                        native=dict(norm="NativeRMSNorm"),
                        f32_atol=1e-4),
+    # Nemotron 3's (nemotron_h_moe): Nemotron-H's layers with mixtures in place of MLPs (experts of up and down by
+    # relu^2, no gate; the sigmoid router with its correction, the chosen weights normalized and scaled; a shared
+    # expert beside), Nemotron-3-Super's experts over a latent between two products: transformers' layers, the
+    # experts in blocks in one native call, the router's logits a row at a time.
+    "nemotron_h_moe": dict(files=("nemotron_h_moe_checkpoint", "write_nemotron_h_gguf"), model="NemotronHForCausalLM",
+                           steps=dict(mixer=("MambaStep", "NativeGraniteAttention", "NemotronHMoE")),
+                           native=dict(norm="NativeRMSNorm"), f32_atol=1e-4),
+    "nemotron_h_latent": dict(files=("nemotron_h_latent_checkpoint", "write_nemotron_h_gguf"),
+                              model="NemotronHForCausalLM",
+                              steps=dict(mixer=("MambaStep", "NativeGraniteAttention", "NemotronHMoE")),
+                              native=dict(norm="NativeRMSNorm"), f32_atol=1e-4),
     "lfm2": dict(files=("lfm2_checkpoint", "write_lfm2_gguf"), model="Lfm2ForCausalLM", quantized=True,
                  steps=dict(conv="ShortConvStep", self_attn="NativeLfm2Attention"),
                  native=dict(feed_forward="NativeGatedMLP", operator_norm="NativeRMSNorm")),
@@ -1376,7 +1410,7 @@ def test_a_qwen35_mixture_in_one_native_call_computes_its_blocks_modules(tmp_pat
 LOOPED_FILES = {**{name: (*CHECKPOINT_FILES[name]["files"], ("Q8_0",))
                    for name in ("qwen35", "qwen35moe", "lfm2", "exaone4", "exaone4_global", "olmo2", "olmo3",
                                 "ministral3", "glm4moe", "lfm2moe", "granitehybrid", "granitehybrid_dense",
-                                "granitemoe", "nemotron_h")},
+                                "granitemoe", "nemotron_h", "nemotron_h_moe")},
                 "gpt-oss": ("gpt_oss_checkpoint", "write_gpt_oss_gguf", ("MXFP4", "Q8_0"))}
 
 

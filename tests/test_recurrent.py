@@ -21,16 +21,17 @@ NEW_TOKENS = 10
 pytestmark = pytest.mark.usefixtures("module_cache_home")
 
 
-@pytest.fixture(scope="module", params=["qwen35", "lfm2", "granitehybrid", "nemotron_h"])
+@pytest.fixture(scope="module", params=["qwen35", "lfm2", "granitehybrid", "nemotron_h", "nemotron_h_moe"])
 def loaded(request, tmp_path_factory):
     """The tiny Qwen3.5 checkpoint's Q8_0 GGUF file (three Gated DeltaNet layers, one of full attention), the tiny
     LFM2's (three short convolution layers, one of attention), Granite 4.0 H's (three Mamba-2 layers, one of
-    attention, experts) or Nemotron-H's (three Mamba-2, one attention and three MLP layers), loaded."""
+    attention, experts), Nemotron-H's (three Mamba-2, one attention and three MLP layers) or Nemotron 3's (mixtures
+    in place of the MLPs), loaded."""
     import tiny_models
 
     folder = tmp_path_factory.mktemp(request.param)
     checkpoint = getattr(tiny_models, f"{request.param}_checkpoint")(str(folder))
-    write = getattr(tiny_models, f"write_{request.param}_gguf")
+    write = getattr(tiny_models, f"write_{request.param.removesuffix('_moe')}_gguf")
     return load(write(checkpoint, str(folder / f"{request.param}.gguf"), "Q8_0"), device=torch.device("cpu"))
 
 

@@ -1903,12 +1903,98 @@ def nemotron_h_checkpoint(out_dir: str) -> str:
     return path
 
 
+def nemotron_h_moe_checkpoint(out_dir: str, latent: bool = False) -> str:
+    """A tiny random Nemotron 3 checkpoint (NemotronHForCausalLM with mixtures) in `out_dir`:
+    NVIDIA-Nemotron-3-Nano-30B-A3B's layout 64 wide, its kinds of layer by its hybrid_override_pattern (MEM*EME:
+    three Mamba-2 layers as nemotron_h_checkpoint's, one attention layer without rotary, three mixtures of 8 experts of
+    32 (up, relu^2, down: no gate), 2 a token by the sigmoid router with its score correction (drawn: a trained one
+    is not 0) in one group, the chosen weights normalized and scaled by 2.5, a shared expert of 64 beside), untied;
+    `latent`: Nemotron-3-Super-120B-A12B's experts over a latent of 32 (fc1_latent_proj in, fc2_latent_proj out) and
+    its multi-token prediction head (mtp.layers.0: the token's and the hidden state's norms, their projection, an
+    attention layer; mtp.layers.1: a mixture, a final norm; drawn), which transformers' model does not read. Its
+    config.json as published: the pattern and the layer count (and num_nextn_predict_layers 1)."""
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    tokenizer = tiny_gpt2_tokenizer(out_dir)
+    pattern = "MEM*EME"
+    config = NemotronHConfig(
+        vocab_size=len(tokenizer), hidden_size=64, hybrid_override_pattern=pattern, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=32, ssm_state_size=16, mamba_num_heads=8,
+        mamba_head_dim=16, n_groups=2, conv_kernel=4, chunk_size=16, max_position_embeddings=512, n_routed_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=64, n_group=1,
+        topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5, moe_latent_size=32 if latent else None,
+        initializer_range=0.15, layer_norm_epsilon=1e-5, tie_word_embeddings=False,
+        pad_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    correction = drawn_router_bias("e_score_correction_bias")
+
+    def draw(name, tensor):
+        correction(name, tensor)
+        drawn_mamba2(name, tensor)
+
+    path = save_tiny(out_dir, "nemotron_h_latent" if latent else "nemotron_h_moe", NemotronHForCausalLM, config,
+                     tokenizer, draw)
+    with open(os.path.join(path, "config.json")) as f:
+        saved = json.load(f)
+    for field in ("layers_block_type", "mtp_layers_block_type"):
+        saved.pop(field, None)
+    saved.update(hybrid_override_pattern=pattern, num_hidden_layers=len(pattern))
+    if latent:
+        saved.update(num_nextn_predict_layers=1, mtp_hybrid_override_pattern="*E")
+        add_mtp_head(path, config)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(saved, f, indent=2)
+    return path
+
+
+def add_mtp_head(path: str, config) -> None:
+    """Nemotron 3 Super's multi-token prediction head's tensors (as its checkpoint holds them: mtp.layers.*) drawn
+    into the checkpoint at `path` of `config`: the norms around 1, the rest as the initializer's spread."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(os.path.join(path, "model.safetensors"))
+    generator = torch.Generator().manual_seed(SEED)
+    hidden, head = config.hidden_size, config.head_dim
+    latent, inner = config.moe_latent_size or hidden, config.moe_intermediate_size
+    shapes = {"0.enorm": (hidden,), "0.hnorm": (hidden,), "0.eh_proj": (hidden, 2 * hidden), "0.norm": (hidden,),
+              "0.mixer.q_proj": (config.num_attention_heads * head, hidden),
+              "0.mixer.k_proj": (config.num_key_value_heads * head, hidden),
+              "0.mixer.v_proj": (config.num_key_value_heads * head, hidden),
+              "0.mixer.o_proj": (hidden, config.num_attention_heads * head), "1.norm": (hidden,),
+              "1.final_layernorm": (hidden,), "1.mixer.gate": (config.n_routed_experts, hidden),
+              "1.mixer.shared_experts.up_proj": (config.moe_shared_expert_intermediate_size, hidden),
+              "1.mixer.shared_experts.down_proj": (hidden, config.moe_shared_expert_intermediate_size),
+              **({"1.mixer.fc1_latent_proj": (latent, hidden), "1.mixer.fc2_latent_proj": (hidden, latent)}
+                 if config.moe_latent_size else {}),
+              **{f"1.mixer.experts.{e}.{part}": shape for e in range(config.n_routed_experts)
+                 for part, shape in (("up_proj", (inner, latent)), ("down_proj", (latent, inner)))}}
+    for name, shape in shapes.items():
+        drawn = torch.randn(shape, generator=generator) * config.initializer_range
+        state[f"mtp.layers.{name}.weight"] = drawn + 1 if len(shape) == 1 else drawn
+    state["mtp.layers.1.mixer.gate.e_score_correction_bias"] = torch.randn(config.n_routed_experts,
+                                                                           generator=generator) * 0.3
+    save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+
+
+def nemotron_h_latent_checkpoint(out_dir: str) -> str:
+    """nemotron_h_moe_checkpoint's with its experts over a latent and a multi-token prediction head
+    (Nemotron-3-Super-120B-A12B's layout)."""
+    return nemotron_h_moe_checkpoint(out_dir, latent=True)
+
+
 def write_nemotron_h_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
     """The GGUF file llama.cpp's converter (conversion/nemotron.py's NemotronHModel, a GraniteHybridModel) writes of a
     Nemotron-H checkpoint: a layer's kv heads and MLP width (0 where it has none: its kind), the ssm.* keys, the head
     size, the layer norm's epsilon, no rotary (rope.scaling.finetuned false, the context 2^20); q and k permuted as
     llama's, A_log as -exp(A_log) and D a column each, the convolution squeezed, the gated norm a row a group, dt_bias
-    as ssm_dt.bias; matrices in Q8_0 where asked, the convolution, A, D and norms F32."""
+    as ssm_dt.bias; matrices in Q8_0 where asked, the convolution, A, D and norms F32. A Nemotron 3 checkpoint's (its
+    config has num_experts_per_tok) under nemotron_h_moe: a mixture's layer of the experts' width, the mixture's keys
+    (the experts' count, those a token takes, their width, the shared expert's count and width, the weights' norm and
+    scale, the groups and those a token takes, the latent width), each layer's experts stacked into ffn_up_exps and
+    ffn_down_exps, the router as ffn_gate_inp (F32) and its correction as exp_probs_b.bias, the shared expert as
+    ffn_*_shexp, the latent projections as ffn_latent_down and ffn_latent_up; a multi-token prediction head
+    (num_nextn_predict_layers) as one last block (its attention's kv heads and its mixture's width in the keys,
+    nextn_predict_layers) of the head's norms and projection (nextn.*), the attention, the norm before the mixture
+    (post_attention_norm), the mixture (its router in the type asked)."""
     import gguf
     import numpy as np
     from safetensors.torch import load_file
@@ -1917,15 +2003,34 @@ def write_nemotron_h_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -
         config = json.load(f)
     pattern, heads, kv_heads = config["hybrid_override_pattern"], config["num_attention_heads"], \
         config["num_key_value_heads"]
-    arch = gguf.MODEL_ARCH.NEMOTRON_H
+    mixture = "num_experts_per_tok" in config
+    arch = gguf.MODEL_ARCH.NEMOTRON_H_MOE if mixture else gguf.MODEL_ARCH.NEMOTRON_H
+    # (the multi-token prediction head one last block of an attention and a mixture: pattern's kinds "*E" in one)
+    nextn = config.get("num_nextn_predict_layers", 0) if mixture else 0
+    blocks = len(pattern) + nextn
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
     writer.add_type("model")
-    writer.add_block_count(len(pattern))
+    writer.add_block_count(blocks)
     writer.add_context_length(2 ** 20)
     writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length([config["intermediate_size"] if kind == "-" else 0 for kind in pattern])
+    if mixture:
+        writer.add_feed_forward_length([config["moe_intermediate_size"] if kind == "E" else 0 for kind in pattern]
+                                       + [config["moe_intermediate_size"]] * nextn)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        writer.add_expert_shared_feed_forward_length(config["moe_shared_expert_intermediate_size"])
+        writer.add_expert_count(config["n_routed_experts"])
+        writer.add_expert_shared_count(config["n_shared_experts"])
+        writer.add_expert_weights_norm(config["norm_topk_prob"])
+        writer.add_expert_weights_scale(config["routed_scaling_factor"])
+        writer.add_expert_group_count(config["n_group"])
+        writer.add_expert_group_used_count(config["topk_group"])
+        if config.get("moe_latent_size") is not None:
+            writer.add_moe_latent_size(config["moe_latent_size"])
+    else:
+        writer.add_feed_forward_length([config["intermediate_size"] if kind == "-" else 0 for kind in pattern])
     writer.add_head_count(heads)
-    writer.add_head_count_kv([kv_heads if kind == "*" else 0 for kind in pattern])
+    writer.add_head_count_kv([kv_heads if kind == "*" else 0 for kind in pattern] + [kv_heads] * nextn)
     writer.add_layer_norm_eps(config["layer_norm_epsilon"])
     writer.add_file_type({"F32": 0, "Q8_0": 7}[qtype_name])
     writer.add_vocab_size(config["vocab_size"])
@@ -1938,20 +2043,48 @@ def write_nemotron_h_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -
     writer.add_rope_scaling_finetuned(False)
     writer.add_key_length(config["head_dim"])
     writer.add_value_length(config["head_dim"])
+    if nextn:
+        writer.add_nextn_predict_layers(nextn)
     add_bpe_vocabulary(writer, checkpoint, "default")
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    names = gguf.get_tensor_name_map(arch, len(pattern))
+    names = gguf.get_tensor_name_map(arch, blocks)
     quantized = converter_adder(writer, qtype_name)
 
     def add(name, values):  # (the convolution, A, D and the norms F32 whatever the type)
         if {"ssm_conv1d", "ssm_a", "ssm_d", "ssm_norm"} & set(name.split(".")) or name.endswith("norm.weight"):
             writer.add_tensor(name, np.ascontiguousarray(values, dtype=np.float32))
+        elif qtype_name == "Q8_0" and name == f"blk.{len(pattern)}.ffn_gate_inp.weight":
+            # (the head's router in the type asked, where the converter keeps the layers' F32)
+            writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(values, dtype=np.float32),
+                                                         gguf.GGMLQuantizationType.Q8_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:
             quantized(name, values)
 
-    for hf_name, value in load_file(os.path.join(checkpoint, "model.safetensors")).items():
-        blk = f"blk.{hf_name.split('.')[2]}" if hf_name.startswith("backbone.layers.") else None
-        mamba2_tensor(add, names, hf_name, value, blk, config["n_groups"], heads, kv_heads)
+    # The head's tensors as the converter names them (the rest of mtp.layers.0 and .1 a layer of the last block's).
+    head = {"mtp.layers.0.enorm.weight": "nextn.enorm.weight", "mtp.layers.0.hnorm.weight": "nextn.hnorm.weight",
+            "mtp.layers.0.eh_proj.weight": "nextn.eh_proj.weight",
+            "mtp.layers.1.norm.weight": "post_attention_norm.weight",
+            "mtp.layers.1.final_layernorm.weight": "nextn.shared_head_norm.weight"}
+    state = load_file(os.path.join(checkpoint, "model.safetensors"))
+    for hf_name, value in state.items():
+        if hf_name.startswith("mtp.layers.") and hf_name in head:
+            add(f"blk.{len(pattern)}.{head[hf_name]}", value.float().numpy())
+            continue
+        layer_name = f"backbone.layers.{len(pattern)}." + hf_name.split(".", 3)[3] \
+            if hf_name.startswith("mtp.layers.") else hf_name
+        blk = f"blk.{layer_name.split('.')[2]}" if layer_name.startswith("backbone.layers.") else None
+        if ".mixer.experts." in hf_name:  # (each part stacked at its first expert's)
+            layer, _, rest = hf_name.partition(".mixer.experts.")
+            if rest.startswith("0."):
+                part = rest.split(".")[1]
+                add(f"{blk}.ffn_{part.removesuffix('_proj')}_exps.weight",
+                    np.stack([state[f"{layer}.mixer.experts.{e}.{part}.weight"].float().numpy()
+                              for e in range(config["n_routed_experts"])]))
+        elif hf_name.endswith("e_score_correction_bias"):
+            add(f"{blk}.exp_probs_b.bias", value.float().numpy())
+        else:
+            mamba2_tensor(add, names, layer_name, value, blk, config["n_groups"], heads, kv_heads)
     return write_out(writer, path)
 
 

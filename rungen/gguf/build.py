@@ -37,6 +37,7 @@ from .experts import (
     ClampedSwiGLU,
     build_experts,
     dequantized_experts,
+    expert_products,
     gpt_oss_dequantized,
     holds_experts,
     mixtures_in_one_call,
@@ -230,31 +231,32 @@ class ModelBuild:
         path, reader = self.header.path, self.reader
         for module_name, parts in self.expert_parts.items():
             biases = {name: parts.pop(name) for name in ("gate_bias", "up_bias", "down_bias") if name in parts}
-            if len(parts) < 3:
+            module = self.model.get_submodule(module_name)
+            wanted = ("gate", "up", "down") if getattr(module, "has_gate", True) else ("up", "down")
+            if any(part not in parts for part in wanted):
                 layer = next(iter(parts.values())).name.rsplit(".", 2)[0]  # blk.N
-                missing = [f"{layer}.ffn_{part}_exps.weight" for part in ("gate", "up", "down") if part not in parts]
+                missing = [f"{layer}.ffn_{part}_exps.weight" for part in wanted if part not in parts]
                 if all(name in reader.table for name in missing):
                     raise GGUFError(f"{path}: {layer}'s experts are partly in float tensors ({missing[0]}), partly "
                                     "in blocks, which this loader does not hold together on the CPU; --dequantize "
                                     "runs the file")
                 absent = next(name for name in missing if name not in reader.table)
                 raise GGUFError(f"{path}: the file has no tensor {absent}{split_hint(path)}")
-            module = self.model.get_submodule(module_name)
             if type(module).__name__ == "GptOssExperts":
                 self.gpt_oss_experts(module_name, module, parts, biases)
                 continue
-            coded = (coded_experts(reader, parts, module.gate_up_proj.shape, module.down_proj.shape, module.act_fn,
-                                   self.forms) if self.on_device and self.quantize is None else None)
+            shapes = expert_products(module).values()
+            coded = (coded_experts(reader, parts, *shapes, module.act_fn, self.forms)
+                     if self.on_device and self.quantize is None else None)
             if coded is not None:
                 self.layers[module_name] = coded
             elif self.on_device or self.quantize is not None or any(
                     part.code in FLOAT_TYPES for part in parts.values()):  # no codes on the GPU; --quantize's; floats
-                for attr, value in zip(("gate_up_proj", "down_proj"), dequantized_experts(
-                        reader, parts, module, self.dtype, self.device or torch.device("cpu"))):
+                for attr, value in dequantized_experts(reader, parts, module, self.dtype,
+                                                       self.device or torch.device("cpu")).items():
                     self.put(f"{module_name}.{attr}", value)
             else:
-                self.layers[module_name] = build_experts(reader, parts, module.gate_up_proj.shape,
-                                                         module.down_proj.shape, module.act_fn)
+                self.layers[module_name] = build_experts(reader, parts, *shapes, module.act_fn)
 
     def joined_weights(self) -> None:
         """Each weight transformers' table joins by rows from several of the file's tensors (Granite 4.0's shared MLP:

@@ -244,9 +244,38 @@ def _nemotron_h_config(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
     }
 
 
+def _nemotron_h_moe_config(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
+    """Nemotron 3's config (NVIDIA-Nemotron-3-Nano-30B-A3B, Nemotron-3-Super-120B-A12B: NemotronHForCausalLM with
+    mixtures): Nemotron-H's (_nemotron_h_config), a layer of an MLP width a mixture's layer, and the mixture's keys:
+    the experts' count, those a token takes, their width, the shared expert's, the scores' sum normalized and scaled,
+    the latent width where the file has one; the multi-token prediction block the converter writes as the last
+    (nextn_predict_layers: not read) dropped. Groups of experts without the count a token takes of them are refused."""
+    key = lambda name, default=None: metadata.get(f"nemotron_h_moe.{name}", default)  # noqa: E731
+    nextn, groups = key("nextn_predict_layers", 0), key("expert_group_count", 1) or 1
+    if groups > 1 and not key("expert_group_used_count"):
+        raise ValueError(f"its experts are in {groups} groups (expert_group_count) without the count a token takes "
+                         "of them (expert_group_used_count)")
+    trunk = {name: value[:len(value) - nextn] if isinstance(value, list) and name.startswith("nemotron_h_moe.")
+             else value for name, value in metadata.items()}
+    config = _nemotron_h_config({name.replace("nemotron_h_moe.", "nemotron_h.", 1): value
+                                 for name, value in trunk.items()}, tensor_names)
+    config["layers_block_type"] = ["moe" if kind == "mlp" else kind for kind in config["layers_block_type"]]
+    config.update(
+        n_routed_experts=key("expert_count"), num_experts_per_tok=key("expert_used_count"),
+        moe_intermediate_size=key("expert_feed_forward_length"),
+        moe_shared_expert_intermediate_size=key("expert_shared_feed_forward_length"),
+        n_shared_experts=key("expert_shared_count", 1), norm_topk_prob=bool(key("expert_weights_norm", False)),
+        routed_scaling_factor=key("expert_weights_scale", 1.0), n_group=groups,
+        topk_group=key("expert_group_used_count", 1), moe_latent_size=key("moe_latent_size") or None,
+        num_nextn_predict_layers=0)
+    return config
+
+
 def _nemotron_h(config) -> list:
-    """Nemotron-H's tensors: each layer's one mixer (Mamba-2, attention or MLP: ffn_up and ffn_down) behind its norm
-    (attn_norm), the Mamba-2 layers' and the attention's as _mamba2_and_attention reads them."""
+    """Nemotron-H's tensors: each layer's one mixer (Mamba-2, attention, MLP: ffn_up and ffn_down, or Nemotron 3's
+    mixture: the router and its correction, the experts' up and down (no gate), the shared expert, the latent
+    projections) behind its norm (attn_norm), the Mamba-2 layers' and the attention's as _mamba2_and_attention reads
+    them."""
     from transformers.core_model_loading import WeightRenaming
 
     return [
@@ -257,12 +286,21 @@ def _nemotron_h(config) -> list:
         WeightRenaming(r"\.attn_norm\.", ".norm."),
         WeightRenaming(r"\.ffn_up\.", ".mixer.up_proj."),
         WeightRenaming(r"\.ffn_down\.", ".mixer.down_proj."),
+        WeightRenaming(r"\.ffn_gate_inp\.", ".mixer.gate."),
+        WeightRenaming(r"\.exp_probs_b\.bias", ".mixer.gate.e_score_correction_bias"),
+        WeightRenaming(r"\.ffn_up_exps\.weight", ".mixer.experts.up_proj"),
+        WeightRenaming(r"\.ffn_down_exps\.weight", ".mixer.experts.down_proj"),
+        WeightRenaming(r"\.ffn_up_shexp\.", ".mixer.shared_experts.up_proj."),
+        WeightRenaming(r"\.ffn_down_shexp\.", ".mixer.shared_experts.down_proj."),
+        WeightRenaming(r"\.ffn_latent_down\.", ".mixer.fc1_latent_proj."),
+        WeightRenaming(r"\.ffn_latent_up\.", ".mixer.fc2_latent_proj."),
         *_mamba2_and_attention(config, "mixer", "mixer")]
 
 
 # Architectures transformers' conversion table lacks, given entries of its kind here: (config reader, tensor table).
 OWN_TABLES = {"lfm2moe": (_lfm2moe_config, _lfm2moe), "granitehybrid": (_granitehybrid_config, _granite),
-              "granitemoe": (_granitemoe_config, _granite), "nemotron_h": (_nemotron_h_config, _nemotron_h)}
+              "granitemoe": (_granitemoe_config, _granite), "nemotron_h": (_nemotron_h_config, _nemotron_h),
+              "nemotron_h_moe": (_nemotron_h_moe_config, _nemotron_h)}
 
 
 def teach_own_tables() -> None:

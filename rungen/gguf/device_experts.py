@@ -63,9 +63,11 @@ def coded_experts(reader: WeightReader, parts: dict[str, Tensor], gate_up_shape:
     place of an Experts module of these shapes (build_experts'; `biases` and `gating`: gpt-oss's): CodedExperts where
     they all took a Triton form with a grouped launch, else GGMLExperts; None where a part's type has no codes on the
     GPU (float tensors, gate and up of two types, types the GPU de-quantizes, a kernel that failed its check): the
-    caller then de-quantizes the layer. GGUFError where the tensors' shapes are not the module's."""
+    caller then de-quantizes the layer. GGUFError where the tensors' shapes are not the module's. Experts without a
+    gate (parts up and down) hold their up rows alone."""
     check_shapes(reader, parts, gate_up_shape, down_shape)
-    gate, up, down = parts["gate"], parts["up"], parts["down"]
+    gate, up, down = parts.get("gate", parts["up"]), parts["up"], parts["down"]
+    gated = "gate" in parts
     if gate.code != up.code or any(tensor.code in FLOAT_TYPES for tensor in (gate, down)):
         return None
     qtype, down_type = GGMLQuantizationType(gate.code), GGMLQuantizationType(down.code)
@@ -76,15 +78,15 @@ def coded_experts(reader: WeightReader, parts: dict[str, Tensor], gate_up_shape:
         return forms.codes_layer(blocks, qtype, in_features, None, dequantized, grouped=True)
 
     gate_up, down_layers = [], []
-    for e in range(gate.shape[0]):
+    for e in range(up.shape[0]):
         gate_rows, up_rows, down_rows = (reader.blocks(reader.expert(part, e)) for part in (gate, up, down))
-        gate_up.append(made(np.concatenate([gate_rows, up_rows]), qtype, width["gate"]))
+        gate_up.append(made(np.concatenate([gate_rows, up_rows]) if gated else up_rows, qtype, width["up"]))
         down_layers.append(made(down_rows, down_type, width["down"]))
         if gate_up[-1] is None or down_layers[-1] is None:  # (the first expert's: forms decide a type at its first)
             return None
     if all(stackable(layers) for layers in (gate_up, down_layers)):
-        return CodedExperts(gate_up, down_layers, act_fn, biases, gating)
-    return GGMLExperts(gate_up, down_layers, act_fn, biases, gating)
+        return CodedExperts(gate_up, down_layers, act_fn, biases, gating, gated)
+    return GGMLExperts(gate_up, down_layers, act_fn, biases, gating, gated)
 
 
 def stackable(layers: list[torch.nn.Module]) -> bool:
@@ -123,8 +125,9 @@ class CodedExperts(GGMLExperts):
     most_pairs = GROUPED_PAIRS
 
     def __init__(self, gate_up: list[CodesLinear], down: list[CodesLinear], act_fn,
-                 biases: tuple[torch.Tensor, torch.Tensor] | None = None, gating: torch.nn.Module | None = None):
-        super().__init__(gate_up, down, act_fn, biases, gating)
+                 biases: tuple[torch.Tensor, torch.Tensor] | None = None, gating: torch.nn.Module | None = None,
+                 gated: bool = True):
+        super().__init__(gate_up, down, act_fn, biases, gating, gated)
         self.kernel = gate_up[0].kernel, down[0].kernel
         self.stacks = stack(gate_up), stack(down)
 

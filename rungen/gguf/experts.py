@@ -32,19 +32,30 @@ from .weights import FLOAT_TYPES, GGUFError, Tensor, WeightReader, read_interlea
 
 # transformers' GELU modules of the tanh approximation (gelu_pytorch_tanh: Gemma 4's experts).
 GELU_TANH = ("GELUTanh", "PytorchGELUTanh")
+# rungen_ggml.chosen_experts' activations (csrc/ggml_ops.h's Activation): act(gate) * up, or relu(up)^2 alone.
+SILU_GATED, GELU_GATED, RELU2 = 0, 1, 2
 # The file's tensor for each part of transformers' Experts module.
 PARTS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
 
 
 def holds_experts(module: torch.nn.Module) -> bool:
-    """Whether `module` is a transformers Experts module of the layout GGMLExperts computes: [gate; up] concatenated,
-    not transposed, the default gating (act(gate) * up), no biases, no norm after an expert."""
+    """Whether `module` is a transformers Experts module of the layout GGMLExperts computes: not transposed, no
+    biases, no norm after an expert, and either [gate; up] concatenated with the default gating (act(gate) * up) or
+    up alone (act(up): Nemotron 3's)."""
     from transformers.integrations.moe import _default_apply_gate
 
-    return (getattr(module, "is_concatenated", False) and getattr(module, "has_gate", False)
-            and not getattr(module, "is_transposed", True) and not getattr(module, "has_bias", True)
-            and not getattr(module, "has_post_expert_norm", True) and hasattr(module, "act_fn")
+    plain = (not getattr(module, "is_transposed", True) and not getattr(module, "has_bias", True)
+             and not getattr(module, "has_post_expert_norm", True) and hasattr(module, "act_fn"))
+    if getattr(module, "has_gate", None) is False:
+        return plain and hasattr(module, "up_proj")
+    return (plain and getattr(module, "is_concatenated", False) and getattr(module, "has_gate", False)
             and getattr(type(module), "_apply_gate", None) is _default_apply_gate)
+
+
+def expert_products(module: torch.nn.Module) -> dict[str, tuple]:
+    """A holds_experts module's two products by attribute, their shapes: {gate_up_proj or up_proj, down_proj}."""
+    first = "gate_up_proj" if hasattr(module, "gate_up_proj") else "up_proj"
+    return {first: tuple(getattr(module, first).shape), "down_proj": tuple(module.down_proj.shape)}
 
 
 def part_of(name: str) -> str | None:
@@ -69,14 +80,16 @@ class GGMLExperts(torch.nn.Module):
     """A layer's experts over their blocks (on a GPU: over layers of codes, an expert's gate/up one and its down
     another): forward(hidden [tokens, hidden], top_k_index [tokens, k], top_k_weights [tokens, k]) as transformers'
     Experts modules compute it. gpt-oss's add biases ([experts, gate; up] and [experts, hidden]) after each product
-    and gate by `gating(gate, up)` (ClampedSwiGLU) where the others take act_fn(gate) * up."""
+    and gate by `gating(gate, up)` (ClampedSwiGLU) where the others take act_fn(gate) * up; experts without a gate
+    (`gated` False: Nemotron 3's) hold up alone and take act_fn(up)."""
 
     def __init__(self, gate_up: list[torch.nn.Module], down: list[GGMLLinear], act_fn,
-                 biases: tuple[torch.Tensor, torch.Tensor] | None = None, gating: torch.nn.Module | None = None):
+                 biases: tuple[torch.Tensor, torch.Tensor] | None = None, gating: torch.nn.Module | None = None,
+                 gated: bool = True):
         super().__init__()
         self.gate_up, self.down, self.act_fn = torch.nn.ModuleList(gate_up), torch.nn.ModuleList(down), act_fn
         self.gate_up_bias, self.down_bias = biases if biases is not None else (None, None)
-        self.gating = gating
+        self.gating, self.has_gate = gating, gated
         self.num_experts = len(down)
         # Each product's (blocks, code) an expert, where every expert's is one GGMLLinear (else None): what
         # mm_grouped takes, kept as lists (a step indexes them, not the modules).
@@ -89,11 +102,10 @@ class GGMLExperts(torch.nn.Module):
         stacks = [stacked(column) for column in columns] if len({len(p) for p in parts}) == 1 else [None]
         self.block_stacks = None if any(stack is None for stack in stacks) else (
             stacks, [column[0].code for column in columns])
-        # Where the stacks are and the gate is SiLU's or GELU-tanh's (no biases): the chosen experts in one native
-        # call (rungen_ggml.chosen_experts), whether GELU's; else None.
-        gelu = type(act_fn).__name__ in GELU_TANH
-        self.native_gelu = (gelu if self.block_stacks is not None and biases is None and gating is None
-                            and (gelu or silu(act_fn)) else None)
+        # Where the stacks are and the activation is one the native call has (no biases): the chosen experts in one
+        # native call (rungen_ggml.chosen_experts), its activation; else None.
+        self.native_activation = (native_activation(act_fn, gated) if self.block_stacks is not None
+                                  and biases is None and gating is None else None)
 
     def extra_repr(self) -> str:
         first = self.down[0]
@@ -101,9 +113,9 @@ class GGMLExperts(torch.nn.Module):
         return f"num_experts={self.num_experts}, hidden={first.out_features}, {form} (down)"
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        if self.native_gelu is not None and native_products():
+        if self.native_activation is not None and native_products():
             y = torch.ops.rungen_ggml.chosen_experts(hidden_states, top_k_index, top_k_weights, *self.block_stacks,
-                                                     self.native_gelu)
+                                                     self.native_activation)
             return y.to(hidden_states.dtype)
         chosen = top_k_index.reshape(-1)
         order = torch.argsort(chosen, stable=True)  # the (token, slot) pairs grouped by expert, in token order
@@ -118,7 +130,9 @@ class GGMLExperts(torch.nn.Module):
 
     def gated(self, gate_up: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The down products' input from gate/up products [rows, gate; up] whose rows are `experts`' ([rows]):
-        act_fn(gate) * up, or gpt-oss's gating of them with its biases added."""
+        act_fn(gate) * up, or gpt-oss's gating of them with its biases added; act_fn(up) without a gate."""
+        if not self.has_gate:
+            return self.act_fn(gate_up)
         if self.gate_up_bias is not None:
             gate_up = gate_up + self.gate_up_bias[experts]
         gate, up = gate_up.chunk(2, dim=-1)
@@ -218,8 +232,8 @@ def row_sigmoid(x: torch.Tensor) -> torch.Tensor:
 
 
 # transformers' routers that choose within groups of experts, whose forward GroupedRouter computes: DeepSeek-V2's
-# softmax, DeepSeek-V3's and GLM-4.5's sigmoid with a correction.
-GROUPED_ROUTERS = ("DeepseekV2TopkRouter", "DeepseekV3TopkRouter", "Glm4MoeTopkRouter")
+# softmax, DeepSeek-V3's, GLM-4.5's and Nemotron 3's sigmoid with a correction.
+GROUPED_ROUTERS = ("DeepseekV2TopkRouter", "DeepseekV3TopkRouter", "Glm4MoeTopkRouter", "NemotronHTopkRouter")
 
 
 class GroupedRouter(torch.nn.Module):
@@ -392,6 +406,14 @@ class MixtureInOneCall(torch.nn.Module):
         return (hidden_states, None) if self.pair else hidden_states
 
 
+def native_activation(act_fn, gated: bool = True) -> int | None:
+    """rungen_ggml.chosen_experts' activation for experts of `act_fn`, gated or not; None where it has none."""
+    name = type(act_fn).__name__
+    if not gated:
+        return RELU2 if name == "ReLUSquaredActivation" else None
+    return GELU_GATED if name in GELU_TANH else SILU_GATED if silu(act_fn) else None
+
+
 def silu(act_fn) -> bool:
     """Whether `act_fn` is transformers' (or torch's) SiLU module, or torch's function (LFM2-MoE's experts')."""
     return type(act_fn).__name__ in ("SiLUActivation", "SiLU") or act_fn is torch.nn.functional.silu
@@ -445,10 +467,11 @@ def _rows(reader: WeightReader, tensor: Tensor, experts: int, into: torch.Tensor
 
 def check_shapes(reader: WeightReader, parts: dict[str, Tensor], gate_up: tuple, down: tuple) -> None:
     """GGUFError where a layer's three expert tensors are not of the shapes an Experts module's gate_up_proj
-    ([experts, gate; up, hidden]) and down_proj take."""
+    ([experts, gate; up, hidden]) and down_proj take (without a gate: its two, up_proj's [experts, up, hidden])."""
     count, inner, hidden = gate_up
-    for name, wanted in (("gate", (count, inner // 2, hidden)), ("up", (count, inner // 2, hidden)),
-                         ("down", tuple(down))):
+    halves = [("gate", (count, inner // 2, hidden)), ("up", (count, inner // 2, hidden))] if "gate" in parts \
+        else [("up", (count, inner, hidden))]
+    for name, wanted in (*halves, ("down", tuple(down))):
         tensor = parts[name]
         if tensor.code in FLOAT_TYPES:
             shape = (tensor.shape[0], *reader.float_tensor(reader.expert(tensor, 0)).shape)
@@ -464,13 +487,17 @@ def build_experts(reader: WeightReader, parts: dict[str, Tensor], gate_up_shape:
                   gating: torch.nn.Module | None = None) -> GGMLExperts:
     """The GGMLExperts of a layer's three expert tensors (`parts`: part_of's names), in place of an Experts module
     whose gate_up_proj and down_proj have these shapes ([experts, gate; up, hidden], [experts, hidden, inner]);
-    GGUFError where the tensors' are not those. `biases` and `gating`: gpt-oss's (GGMLExperts)."""
+    GGUFError where the tensors' are not those. `biases` and `gating`: gpt-oss's (GGMLExperts). Experts without a
+    gate (parts up and down, the first shape up_proj's) hold their up rows alone."""
     check_shapes(reader, parts, gate_up_shape, down_shape)
-    gate, up, down = parts["gate"], parts["up"], parts["down"]
-    experts = gate.shape[0]
+    gate, up, down = parts.get("gate"), parts["up"], parts["down"]
+    experts = up.shape[0]
     width = {name: weights_per_row(GGMLQuantizationType(t.code), t.shape[-1]) for name, t in parts.items()}
-    qtype = GGMLQuantizationType(gate.code)
-    if gate.code == up.code and interleavable(qtype, gate.shape[1]) and interleavable(qtype, up.shape[1]):
+    qtype = GGMLQuantizationType(up.code if gate is None else gate.code)
+    if gate is None:
+        ups, interleaved = _rows(reader, up, experts)
+        gate_up = [GGMLLinear(u, qtype, width["up"], interleaved=interleaved) for u in ups]
+    elif gate.code == up.code and interleavable(qtype, gate.shape[1]) and interleavable(qtype, up.shape[1]):
         both = torch.empty(experts, (gate.shape[1] + up.shape[1]) // 8, interleaved_row_bytes(qtype, width["gate"]),
                            dtype=torch.uint8)
         _rows(reader, gate, experts, both)
@@ -487,28 +514,31 @@ def build_experts(reader: WeightReader, parts: dict[str, Tensor], gate_up_shape:
                    for g, u in zip(gates, ups)]
     downs, interleaved = _rows(reader, down, experts)
     down_layers = [GGMLLinear(d, down.code, width["down"], interleaved=interleaved) for d in downs]
-    return GGMLExperts(gate_up, down_layers, act_fn, biases, gating)
+    return GGMLExperts(gate_up, down_layers, act_fn, biases, gating, gated=gate is not None)
 
 
 def dequantized_experts(reader: WeightReader, parts: dict[str, Tensor], module: torch.nn.Module, dtype: torch.dtype,
-                        device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """`module`'s gate_up_proj [experts, gate; up, hidden] and down_proj from a layer's three expert tensors,
-    de-quantized to `dtype` on `device` an expert at a time, a chunk of rows at a time (dequantize_to): never the
-    layer's experts in float32 on the host (Qwen3-30B-A3B's are 2.4 GB a layer)."""
-    check_shapes(reader, parts, module.gate_up_proj.shape, module.down_proj.shape)
-    count, inner, hidden = module.gate_up_proj.shape
+                        device: torch.device) -> dict[str, torch.Tensor]:
+    """`module`'s gate_up_proj [experts, gate; up, hidden] (without a gate: up_proj) and down_proj from a layer's
+    expert tensors, by attribute, de-quantized to `dtype` on `device` an expert at a time, a chunk of rows at a time
+    (dequantize_to): never the layer's experts in float32 on the host (Qwen3-30B-A3B's are 2.4 GB a layer)."""
+    shapes = expert_products(module)
+    first = next(iter(shapes))
+    check_shapes(reader, parts, shapes[first], shapes["down_proj"])
+    count, inner, hidden = shapes[first]
     gate_up = torch.empty(count, inner, hidden, dtype=dtype, device=device)
-    down = torch.empty(tuple(module.down_proj.shape), dtype=dtype, device=device)
+    down = torch.empty(shapes["down_proj"], dtype=dtype, device=device)
     for e in range(count):
-        for tensor, out in ((parts["gate"], gate_up[e, :inner // 2]), (parts["up"], gate_up[e, inner // 2:]),
-                            (parts["down"], down[e])):
+        halves = ((parts["gate"], gate_up[e, :inner // 2]), (parts["up"], gate_up[e, inner // 2:])) \
+            if "gate" in parts else ((parts["up"], gate_up[e]),)
+        for tensor, out in (*halves, (parts["down"], down[e])):
             one = reader.expert(tensor, e)
             if tensor.code in FLOAT_TYPES:
                 out.copy_(reader.float_tensor(one))
             else:
                 dequantize_to(reader.blocks(one), GGMLQuantizationType(tensor.code), out.shape[-1], dtype, device,
                               out=out)
-    return gate_up, down
+    return {first: gate_up, "down_proj": down}
 
 
 

@@ -24,8 +24,8 @@ class Loop:
     `sections`: the rotary takes positions as [3, batch, tokens] (Qwen3.5's sections); `mixture`: the model's output
     carries router logits (None here); `embedding_scale` and `residual_scale`: the inner model's and each layer's
     multipliers of the embedding and of each branch before its residual sum (Granite's); `one_mixer`: a layer holds
-    one part under `attention`, the attention, a recurrent mixer or an MLP by the layer's kind, behind its one norm
-    (Nemotron-H's); `embedding`: the inner model's embedding."""
+    one part under `attention`, the attention, a recurrent mixer, an MLP or a mixture by the layer's kind, behind its
+    one norm (Nemotron-H's); `embedding`: the inner model's embedding."""
 
     attention: str = "self_attn"
     recurrent: str | None = None
@@ -73,7 +73,7 @@ LOOPS = {
 PARTS = ("NativeRMSNorm", "NativeGatedAttention", "NativeLfm2Attention", "NativeExaone4Attention",
          "NativeOlmoAttention", "NativeMinistral3Attention", "NativeGptOssAttention", "DeltaNetStep", "ShortConvStep",
          "NativeGatedMLP", "MixtureInOneCall", "NativeGlm4MoeAttention", "Glm4MoeMoE",
-         "Lfm2MoeSparseMoeBlock", "MambaStep", "NativeGraniteAttention", "NemotronHMLP")
+         "Lfm2MoeSparseMoeBlock", "MambaStep", "NativeGraniteAttention", "NemotronHMLP", "NemotronHMoE")
 # The masks transformers' models give each kind of layer (where a batch is padded); others take none in a step.
 MASKS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask"}
 
@@ -100,7 +100,7 @@ class LayerLoop:
         for kind, layer in zip(self.kinds, inner.layers):
             if loop.one_mixer:  # (its one part by its kind, behind its norm)
                 mixer, norm = getattr(layer, loop.attention), getattr(layer, loop.pre_norms[0])
-                self.layers.append((None, False, None, norm, None, None, [mixer], None) if kind == "mlp" else
+                self.layers.append((None, False, None, norm, None, None, [mixer], None) if kind in ("mlp", "moe") else
                                    (mixer, kind == "full_attention", norm, None, None, None, [], None))
                 continue
             attention = getattr(layer, loop.attention, None)
@@ -172,7 +172,7 @@ class LayerLoop:
                     position_ids=position_ids)
         for kind, (mixer, attends, pre_mixer, pre_mlp, post_mixer, post_mlp, mlps, scale) in zip(self.kinds,
                                                                                                   self.layers):
-            if mixer is not None:  # (a Nemotron-H MLP layer has none)
+            if mixer is not None:  # (a Nemotron-H MLP or mixture layer has none)
                 x = hidden if pre_mixer is None else pre_mixer.forward(hidden)
                 if attends:
                     out, _ = mixer.forward(x, position_embeddings=rotations[kind], attention_mask=layer_masks[kind],

@@ -347,33 +347,48 @@ def test_groups_of_rows_each_times_its_own_weight_give_each_group_mms_bits(each_
 
 
 def test_chosen_experts_compute_each_tokens_experts_as_mm_and_the_gate_do(each_isa):
-    """A mixture's experts routed by the caller in one call (chosen_experts: Gemma 4's, whose router is its own):
-    each token's k experts' gate/up products (one stack, interleaved), the gate (GELU's tanh approximation or
-    SiLU) times up, the down products, weighted and summed: what mm and torch compute expert by expert, within
-    float32 rounding, on every instruction set; an expert past the stacks is refused."""
+    """A mixture's experts routed by the caller in one call (chosen_experts: Gemma 4's and Nemotron 3's, whose
+    routers are their own): each token's k experts' gate/up products (one stack, interleaved), the gate (GELU's tanh
+    approximation or SiLU) times up, or relu(up)^2 of experts without a gate (Nemotron 3's), the down products,
+    weighted and summed: what mm and torch compute expert by expert, within float32 rounding, on every instruction
+    set; an expert past the stacks and an activation the call lacks are refused."""
+    from rungen.gguf.experts import GELU_GATED, RELU2, SILU_GATED
+
     ops = torch.ops.rungen_ggml
     experts, inner, hidden, k = 5, 256, 256, 2
-    gate_up = [GGMLLinear(held_blocks_for(T.Q8_0, 2 * inner, hidden, seed=e), T.Q8_0, hidden) for e in range(experts)]
-    down = [GGMLLinear(held_blocks_for(T.Q6_K, hidden, inner, seed=9 + e), T.Q6_K, inner) for e in range(experts)]
-    assert all(layer.interleave() for layer in gate_up + down)
-    stacks = [torch.stack([layer.blocks for layer in layers]) for layers in (gate_up, down)]
+    activations = {GELU_GATED: lambda gate: torch.nn.functional.gelu(gate, approximate="tanh"),
+                   SILU_GATED: torch.nn.functional.silu, RELU2: lambda up: torch.relu(up) ** 2}
     x = inputs(7, hidden, 3)
     g = torch.Generator().manual_seed(1)
     ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(7)])
     weights = torch.rand(7, k, generator=g)
-    for gelu, isa in itertools.product((True, False), isas()):
+    for activation, isa in itertools.product(activations, isas()):
         ops.set_isa(isa)
-        y = ops.chosen_experts(x, ids, weights, stacks, [gate_up[0].code, down[0].code], gelu)
+        rows = inner if activation == RELU2 else 2 * inner
+        gate_up = [GGMLLinear(held_blocks_for(T.Q8_0, rows, hidden, seed=e), T.Q8_0, hidden) for e in range(experts)]
+        down = [GGMLLinear(held_blocks_for(T.Q6_K, hidden, inner, seed=9 + e), T.Q6_K, inner)
+                for e in range(experts)]
+        assert all(layer.interleave() for layer in gate_up + down)
+        stacks = [torch.stack([layer.blocks for layer in layers]) for layers in (gate_up, down)]
+        y = ops.chosen_experts(x, ids, weights, stacks, [gate_up[0].code, down[0].code], activation)
         wanted = torch.zeros_like(x)
         for t in range(7):
             for j in range(k):
                 e = int(ids[t, j])
-                gate, up = ops.mm(x[t:t + 1], gate_up[e].blocks, gate_up[e].code, hidden).chunk(2, dim=-1)
-                act = torch.nn.functional.gelu(gate, approximate="tanh") if gelu else torch.nn.functional.silu(gate)
-                wanted[t] += weights[t, j] * ops.mm(act * up, down[e].blocks, down[e].code, inner)[0]
+                products = ops.mm(x[t:t + 1], gate_up[e].blocks, gate_up[e].code, hidden)
+                if activation == RELU2:
+                    act = activations[activation](products)
+                else:
+                    gate, up = products.chunk(2, dim=-1)
+                    act = activations[activation](gate) * up
+                wanted[t] += weights[t, j] * ops.mm(act, down[e].blocks, down[e].code, inner)[0]
+        assert wanted.abs().max() > 1
         torch.testing.assert_close(y, wanted, rtol=1e-4, atol=1e-4 * wanted.abs().max().item())
     with pytest.raises(RuntimeError, match="a chosen expert past the 5 experts"):
-        ops.chosen_experts(x[:1], torch.tensor([[0, 5]]), weights[:1], stacks, [gate_up[0].code, down[0].code], True)
+        ops.chosen_experts(x[:1], torch.tensor([[0, 5]]), weights[:1], stacks, [gate_up[0].code, down[0].code],
+                           activation)
+    with pytest.raises(RuntimeError, match="not 3"):
+        ops.chosen_experts(x[:1], ids[:1], weights[:1], stacks, [gate_up[0].code, down[0].code], 3)
 
 
 def test_row_products_give_a_row_its_bits_in_any_batch_and_on_every_code_path(each_isa):

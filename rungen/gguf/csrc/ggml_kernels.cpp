@@ -16,7 +16,7 @@
 //                                                               batch (a mixture's router)
 //   torch.ops.rungen_ggml.mixture(x, router, top_k, norm_topk, [expert stacks], [qtype], [shared], [qtype],
 //                                 shared_gate)              a mixture of experts' MLP (ggml_mixture.cpp)
-//   torch.ops.rungen_ggml.chosen_experts(x, ids, weights, [expert stacks], [qtype], gelu)
+//   torch.ops.rungen_ggml.chosen_experts(x, ids, weights, [expert stacks], [qtype], activation)
 //                                                             its experts alone, routed by the caller
 //   torch.ops.rungen_ggml.silu_mul(gate_up), gelu_tanh_mul(gate_up)
 //   torch.ops.rungen_ggml.attend(q, k, v, mask, scale, softcap, window, sinks)  attention, the same bits
@@ -66,8 +66,8 @@ TORCH_LIBRARY(rungen_ggml, m) {
         "Tensor[] shared, int[] shared_qtypes, Tensor? shared_gate, Tensor? router_bias=None, "
         "Tensor? gate_up_bias=None, Tensor? down_bias=None, float swiglu_alpha=0., float swiglu_limit=0.) -> Tensor",
         &mixture);
-  m.def("chosen_experts(Tensor x, Tensor ids, Tensor weights, Tensor[] experts, int[] expert_qtypes, bool gelu) "
-        "-> Tensor", &chosen_experts);
+  m.def("chosen_experts(Tensor x, Tensor ids, Tensor weights, Tensor[] experts, int[] expert_qtypes, "
+        "int activation) -> Tensor", &chosen_experts);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
   m.def("delta_step(Tensor(a!) window, Tensor mixed, Tensor conv, Tensor(b!) state, Tensor a, Tensor b, Tensor z, "
         "Tensor decay, Tensor dt_bias, Tensor norm, int key_heads, float eps, Tensor? scatter=None) -> Tensor",

@@ -46,11 +46,13 @@ Mixture::Mixture(const at::Tensor& router_in, int64_t top_k_in, bool norm_topk_i
                  at::IntArrayRef expert_types, at::TensorList shared_in, at::IntArrayRef shared_types_in,
                  const c10::optional<at::Tensor>& shared_gate_in, const c10::optional<at::Tensor>& router_bias_in,
                  const c10::optional<at::Tensor>& gate_up_bias_in, const c10::optional<at::Tensor>& down_bias_in,
-                 double swiglu_alpha_in, double swiglu_limit_in, int64_t features_in)
+                 double swiglu_alpha_in, double swiglu_limit_in, int64_t features_in, int64_t activation_in)
     : router(router_in.defined() ? router_in.to(at::kFloat).contiguous() : router_in), top_k(top_k_in),
       norm_topk(norm_topk_in), shared(shared_in.begin(), shared_in.end()),
       shared_types(shared_types_in.begin(), shared_types_in.end()), shared_gate(shared_gate_in),
-      swiglu_alpha(float(swiglu_alpha_in)), swiglu_limit(float(swiglu_limit_in)) {
+      swiglu_alpha(float(swiglu_alpha_in)), swiglu_limit(float(swiglu_limit_in)), activation(activation_in) {
+  TORCH_CHECK(activation >= SILU_GATED && activation <= RELU2, "rungen_ggml: an experts' activation is 0 (SiLU "
+              "gated), 1 (GELU-tanh gated) or 2 (ReLU squared, no gate), not ", activation);
   TORCH_CHECK(experts.size() >= 2 && experts.size() == expert_types.size(),
               "rungen_ggml: a mixture takes its experts' gate/up parts and then down, a type each");
   count = router.defined() ? router.size(0) : experts[0].size(0);
@@ -66,8 +68,9 @@ Mixture::Mixture(const at::Tensor& router_in, int64_t top_k_in, bool norm_topk_i
   down_type = expert_types.back();
   int64_t width = 0;
   for (size_t i = 0; i < gate_up.size(); ++i) width += stack_rows(gate_up[i], gate_up_types[i]);
-  TORCH_CHECK(width > 0 && width % 2 == 0, "rungen_ggml: a mixture's gate/up rows are gate's and as many of up's");
-  check_stack(down, down_type, count, width / 2);
+  TORCH_CHECK(width > 0 && (activation == RELU2 || width % 2 == 0),
+              "rungen_ggml: a mixture's gate/up rows are gate's and as many of up's");
+  check_stack(down, down_type, count, inner_features());
   TORCH_CHECK(stack_rows(down, down_type) == features, "rungen_ggml: the experts' down rows must be ", features);
   TORCH_CHECK(shared.empty() || (shared.size() == 3 && shared_types.size() == 3 && shared_gate.has_value()),
               "rungen_ggml: a shared expert is its gate, up and down blocks, a type each, and its gate's weight");
@@ -117,6 +120,16 @@ struct Scratch {
 void add_bias_rows(const float* bias, int64_t n, int64_t count, float* y) {
   for (int64_t r = 0; r < count; ++r)
     for (int64_t j = 0; j < n; ++j) y[r * n + j] += bias[j];
+}
+
+// relu(x)^2 of `n` values (Nemotron 3's experts: of up alone, no gate).
+void relu2_rows(const float* xp, int64_t n, float* yp) {
+  at::parallel_for(0, n, SILU_WORK, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const float r = std::max(xp[i], 0.f);
+      yp[i] = r * r;
+    }
+  });
 }
 
 // gpt-oss's gating of rows [gate | up] (gp [rows, 2f]) into yp [rows, f]: the gate clamped above at `limit`, up to
@@ -184,19 +197,21 @@ void Mixture::chosen_experts_into(const float* x, int64_t n, const int64_t* ids,
     down_weights.push_back({expert_weight(down, e, down_type)});
   }
   const int64_t inner = inner_features();
-  s.gate_up.resize(pairs * 2 * inner);
+  const int64_t rows = activation == RELU2 ? inner : 2 * inner;  // an expert's gate/up rows
+  s.gate_up.resize(pairs * rows);
   s.act.resize(pairs * inner);
   s.done.resize(pairs * features);
-  grouped_into(s.rows.data(), features, used, gate_up_weights, 2 * inner, s.gate_up.data());
+  grouped_into(s.rows.data(), features, used, gate_up_weights, rows, s.gate_up.data());
   if (gate_up_bias.has_value())
     for (int64_t p = 0; p < pairs; ++p)
-      add_bias_rows(gate_up_bias->data_ptr<float>() + s.experts[p] * 2 * inner, 2 * inner, 1,
-                    s.gate_up.data() + p * 2 * inner);
+      add_bias_rows(gate_up_bias->data_ptr<float>() + s.experts[p] * rows, rows, 1, s.gate_up.data() + p * rows);
   if (swiglu_limit > 0.f)
     clamped_swiglu_rows(s.gate_up.data(), pairs, inner, swiglu_alpha, swiglu_limit, s.act.data());
+  else if (activation == RELU2)
+    relu2_rows(s.gate_up.data(), pairs * inner, s.act.data());
   else
-    gate_mul_rows(gelu ? gelu_fn() : silu_fn(), gelu ? GELU_WORK : SILU_WORK, s.gate_up.data(), pairs, inner,
-                  s.act.data());
+    gate_mul_rows(activation == GELU_GATED ? gelu_fn() : silu_fn(), activation == GELU_GATED ? GELU_WORK : SILU_WORK,
+                  s.gate_up.data(), pairs, inner, s.act.data());
   grouped_into(s.act.data(), inner, used, down_weights, features, s.done.data());
   if (down_bias.has_value())
     for (int64_t p = 0; p < pairs; ++p)
@@ -230,7 +245,7 @@ void Mixture::chosen_experts_into(const float* x, int64_t n, const int64_t* ids,
 int64_t Mixture::inner_features() const {
   int64_t width = 0;
   for (size_t i = 0; i < gate_up.size(); ++i) width += stack_rows(gate_up[i], gate_up_types[i]);
-  return width / 2;
+  return activation == RELU2 ? width : width / 2;
 }
 
 at::Tensor mixture(const at::Tensor& x_in, const at::Tensor& router, int64_t top_k, bool norm_topk,
@@ -249,15 +264,15 @@ at::Tensor mixture(const at::Tensor& x_in, const at::Tensor& router, int64_t top
 }
 
 // x [n, features] through the experts a caller chose (ids [n, k] int64, weights [n, k]): the call's experts
-// without its routing (Gemma 4's router normalizes and scales its own input, and scales each expert's weight).
+// without its routing (Gemma 4's router normalizes and scales its own input, and scales each expert's weight;
+// Nemotron 3's chooses within groups and scales the weights), by `activation` (Activation).
 at::Tensor chosen_experts(const at::Tensor& x_in, const at::Tensor& ids_in, const at::Tensor& weights_in,
-                          at::TensorList experts, at::IntArrayRef expert_types, bool gelu) {
+                          at::TensorList experts, at::IntArrayRef expert_types, int64_t activation) {
   TORCH_CHECK(x_in.dim() == 2 && ids_in.dim() == 2 && ids_in.size(0) == x_in.size(0) &&
                   weights_in.sizes() == ids_in.sizes(),
               "rungen_ggml: chosen_experts takes x [n, features], ids and weights [n, k]");
-  Mixture m(at::Tensor(), ids_in.size(1), false, experts, expert_types, {}, {}, c10::nullopt, {}, {}, {}, 0., 0.,
-            x_in.size(1));
-  m.gelu = gelu;
+  const Mixture m(at::Tensor(), ids_in.size(1), false, experts, expert_types, {}, {}, c10::nullopt, {}, {}, {}, 0.,
+                  0., x_in.size(1), activation);
   const at::Tensor x = x_in.to(at::kFloat).contiguous(), ids = ids_in.to(at::kLong).contiguous();
   const at::Tensor weights = weights_in.to(at::kFloat).contiguous();
   at::Tensor out = at::empty_like(x);

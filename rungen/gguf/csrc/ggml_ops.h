@@ -126,6 +126,9 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tens
 // up and down blocks, 2-D; none where `shared` is empty) with its gate's weight [1, features]. gpt-oss's adds
 // biases (the router's [experts], the experts' gate/up [experts, 2 inner] and down [experts, features]) and gates
 // by its clamped SwiGLU (swiglu_limit > 0).
+// An expert's activation: SiLU(gate) * up, GELU-tanh(gate) * up (Gemma 4's), or relu(up)^2 of up alone (Nemotron
+// 3's experts have no gate).
+enum Activation : int64_t { SILU_GATED = 0, GELU_GATED = 1, RELU2 = 2 };
 struct Mixture {
   at::Tensor router;
   int64_t top_k;
@@ -139,7 +142,7 @@ struct Mixture {
   c10::optional<at::Tensor> shared_gate;
   c10::optional<at::Tensor> router_bias, gate_up_bias, down_bias;
   float swiglu_alpha = 0.f, swiglu_limit = 0.f;
-  bool gelu = false;  // the experts' gate: GELU's tanh approximation (Gemma 4's), else SiLU
+  int64_t activation = SILU_GATED;  // the experts' activation (Activation)
   int64_t count, features;  // experts, and their input and output features
 
   // router: [experts, features] (undefined where the caller routes: chosen_experts_into; `features` then says).
@@ -147,12 +150,13 @@ struct Mixture {
           at::IntArrayRef expert_types, at::TensorList shared, at::IntArrayRef shared_types,
           const c10::optional<at::Tensor>& shared_gate, const c10::optional<at::Tensor>& router_bias = {},
           const c10::optional<at::Tensor>& gate_up_bias = {}, const c10::optional<at::Tensor>& down_bias = {},
-          double swiglu_alpha = 0., double swiglu_limit = 0., int64_t features = -1);
+          double swiglu_alpha = 0., double swiglu_limit = 0., int64_t features = -1,
+          int64_t activation = SILU_GATED);
   // x [n, features] (float32, contiguous) through the mixture into out [n, features].
   void forward_into(const float* x, int64_t n, float* out) const;
   // x's rows through the experts the caller chose (ids, weights [n, top_k]) into out [n, features].
   void chosen_experts_into(const float* x, int64_t n, const int64_t* ids, const float* weights, float* out) const;
-  int64_t inner_features() const;  // an expert's gate (and up) rows
+  int64_t inner_features() const;  // an expert's up rows (and as many gate rows where it has a gate)
 };
 
 at::Tensor mixture(const at::Tensor& x, const at::Tensor& router, int64_t top_k, bool norm_topk,
@@ -161,7 +165,7 @@ at::Tensor mixture(const at::Tensor& x, const at::Tensor& router, int64_t top_k,
                    const c10::optional<at::Tensor>& router_bias, const c10::optional<at::Tensor>& gate_up_bias,
                    const c10::optional<at::Tensor>& down_bias, double swiglu_alpha, double swiglu_limit);
 at::Tensor chosen_experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
-                          at::TensorList experts, at::IntArrayRef expert_types, bool gelu);
+                          at::TensorList experts, at::IntArrayRef expert_types, int64_t activation);
 
 // ggml_decoder.cpp
 std::vector<at::Tensor> attention_in(const at::Tensor& hidden, const at::Tensor& norm_weight, double eps,
