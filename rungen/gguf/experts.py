@@ -3,10 +3,10 @@ GGMLLinear per expert and product, where transformers' Experts module would hold
 18 GB Q4_K_M file holds 115 GB of float32 experts).
 
 An expert's gate and up rows are one product (one buffer a layer, expert by expert: gate rows, then up rows), as
-transformers' concatenated gate_up_proj is; its down rows another. The forward is transformers' Experts forward
-(`integrations/moe.py`): each token's hidden state through the experts the router chose, weighted, summed. With the
-native kernels a whole mixture block (router, experts, Qwen2-MoE's shared expert) is one call (NativeMixture), which
-the one-call decoder stack takes too. On a GPU
+transformers' concatenated gate_up_proj is (up alone for experts without a gate: Nemotron 3's); its down rows
+another. The forward is transformers' Experts forward (`integrations/moe.py`): each token's hidden state through the
+experts the router chose, weighted, summed. With the native kernels a whole mixture block (router, experts,
+Qwen2-MoE's shared expert) is one call (NativeMixture), which the one-call decoder stack takes too. On a GPU
 (build_model given a device) device_experts.py keeps them in codes (Qwen3-30B-A3B's Q4_K_M experts: 4-bit and int8
 codes, where bfloat16 would take 58 GB); where a part's type has none there, dequantized_experts fills transformers'
 own parameters, an expert at a time.
