@@ -102,6 +102,12 @@ FAMILIES = {
     "qwen35moe": dict(arch="qwen35moe", layers=40, hidden=2048, ffn=512, heads=16, kv_heads=2, head_dim=256,
                       rope_base=10000000.0, eps=1e-6, tied=False, qk_norm=True, linear=(16, 32, 128), experts=256,
                       experts_used=8, expert_ffn=512, shared_ffn=512),
+    # Qwen3-Next-80B-A3B: 48 layers of Qwen3.5-35B-A3B's kind 2048 wide (its b and a in one ssm_ba, no MRoPE: a
+    # plain rotary over a quarter of each head), each MLP 512 experts of 512 (10 a token) beside a shared one; 45 GB
+    # in Q4_0, so --layers writes fewer of its layers.
+    "qwen3next": dict(arch="qwen3next", layers=48, hidden=2048, ffn=512, heads=16, kv_heads=2, head_dim=256,
+                      rope_base=10000000.0, eps=1e-6, tied=False, qk_norm=True, linear=(16, 32, 128), experts=512,
+                      experts_used=10, expert_ffn=512, shared_ffn=512),
     # Phi-3-mini-4k (3.8B, the smallest published phi3 model): q/k/v in one attn_qkv, gate and up in one ffn_up,
     # heads of 96; its sliding_window key (2047) is what llama.cpp's converter writes and both runtimes ignore.
     "phi3": dict(arch="phi3", layers=32, hidden=3072, ffn=8192, heads=32, kv_heads=32, head_dim=96,
@@ -522,7 +528,11 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
         writer.add_ssm_time_step_rank(value_heads)
         writer.add_ssm_inner_size(value_heads * linear_dim)
         writer.add_full_attention_interval(4)
-        writer.add_rope_dimension_sections([11, 11, 10, 0])
+        if arch == "qwen3next":  # (a plain rotary; its converter lists the recurrent layers)
+            writer.add_array(f"{arch}.attention.recurrent_layers",
+                             [(layer + 1) % 4 != 0 for layer in range(shape["layers"])])
+        else:
+            writer.add_rope_dimension_sections([11, 11, 10, 0])
         writer.add_rope_dimension_count(shape["head_dim"] // 4)
     elif "mla" in shape:
         writer.add_rope_dimension_count(shape["mla"][2])
@@ -611,7 +621,8 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
             key_heads, value_heads, linear_dim = shape["linear"]
             keys, values = key_heads * linear_dim, value_heads * linear_dim
             parts = (("attn_qkv", 2 * keys + values, hidden), ("attn_gate", values, hidden),
-                     ("ssm_alpha", value_heads, hidden), ("ssm_beta", value_heads, hidden),
+                     *((("ssm_ba", 2 * value_heads, hidden),) if arch == "qwen3next" else  # (Qwen3-Next's b and a)
+                       (("ssm_alpha", value_heads, hidden), ("ssm_beta", value_heads, hidden))),
                      ("ssm_out", hidden, values))
             if dense:
                 parts += (("ffn_gate", ffn, hidden), ("ffn_up", ffn, hidden), ("ffn_down", hidden, ffn))

@@ -828,6 +828,19 @@ def test_a_file_of_our_own_tables_entry_loads_with_transformers_own_loader_too(a
         torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-4)
 
 
+def test_a_qwen3next_file_is_refused_by_transformers_own_loader_in_one_line(tmp_path, capsys):
+    # Qwen3-Next's entry splits its fused projections by rows (SplitRows), which transformers' own loader cannot
+    # take (it casts each converted tensor alone): --dequantize says so in one line, the file runs without it.
+    import tiny_models
+
+    path = tiny_models.write_qwen3next_gguf(tiny_models.qwen3next_checkpoint(str(tmp_path)),
+                                            str(tmp_path / "next.gguf"), "Q8_0")
+    code, line = error_of(["--model_name_or_path", path, "--prompt", "Hi", "--length", "2", "--dequantize"], capsys)
+    assert code == 2 and line.endswith("transformers reads no Qwen3-Next (qwen3next) file as llama.cpp writes it (its "
+                                       "fused projections, which its model takes split by rows); it runs here in its "
+                                       "own blocks, without --dequantize or --device_map")
+
+
 def test_a_granitehybrid_file_whose_attention_rotates_is_refused_in_one_line(tmp_path):
     # llama.cpp's converter writes Bamba's checkpoints as granitehybrid files whose attention rotates (by part of a
     # head); Granite 4.0 H's attention, the class these files are read into, has no rotary: refused, not computed
@@ -1203,6 +1216,19 @@ CHECKPOINT_FILES = {
                       vision=True, steps=dict(linear_attn="DeltaNetStep", mlp="MixtureInOneCall",
                                               self_attn="NativeGatedAttention"),
                       native=dict(input_layernorm="NativeRMSNorm"), f32_atol=1e-4),
+    # Qwen3-Next's (qwen3next, which transformers' table lacks) read as Qwen3.5's mixture, whose model computes it:
+    # the value heads as the file keeps them (grouped by key head), its fused b and a (ssm_ba) split by rows, the
+    # multi-token prediction block unread; the files of before the converter split in_proj_qkvz (ssm_in whole) too.
+    # The same native steps as Qwen3.5's.
+    "qwen3next": dict(files=("qwen3next_checkpoint", "write_qwen3next_gguf"), model="Qwen3_5MoeForCausalLM",
+                      steps=dict(linear_attn="DeltaNetStep", mlp="MixtureInOneCall",
+                                 self_attn="NativeGatedAttention"),
+                      native=dict(input_layernorm="NativeRMSNorm"), f32_atol=1e-4),
+    "qwen3next_legacy": dict(files=("qwen3next_checkpoint", "write_qwen3next_legacy_gguf"),
+                             model="Qwen3_5MoeForCausalLM",
+                             steps=dict(linear_attn="DeltaNetStep", mlp="MixtureInOneCall",
+                                        self_attn="NativeGatedAttention"),
+                             native=dict(input_layernorm="NativeRMSNorm"), f32_atol=1e-4),
     # Command R's (command-r: transformers' GGUF reading knows none of its keys) parallel attention and MLP after one
     # layer norm, its logit scale, Command R+'s q and k layer norms per head; Command R7B's (cohere2) three sliding
     # layers in four, the full ones without rotary (the F32 file's prompt crosses the window of 8): transformers'
@@ -1410,7 +1436,7 @@ def test_a_qwen35_mixture_in_one_native_call_computes_its_blocks_modules(tmp_pat
 LOOPED_FILES = {**{name: (*CHECKPOINT_FILES[name]["files"], ("Q8_0",))
                    for name in ("qwen35", "qwen35moe", "lfm2", "exaone4", "exaone4_global", "olmo2", "olmo3",
                                 "ministral3", "glm4moe", "lfm2moe", "granitehybrid", "granitehybrid_dense",
-                                "granitemoe", "nemotron_h", "nemotron_h_moe")},
+                                "granitemoe", "nemotron_h", "nemotron_h_moe", "qwen3next")},
                 "gpt-oss": ("gpt_oss_checkpoint", "write_gpt_oss_gguf", ("MXFP4", "Q8_0"))}
 
 

@@ -1527,6 +1527,145 @@ def write_qwen35_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> st
     return write_out(writer, path)
 
 
+def qwen3next_checkpoint(out_dir: str) -> str:
+    """A tiny random Qwen3-Next checkpoint (Qwen3NextForCausalLM) in `out_dir`: Qwen3-Next-80B-A3B's layout 64 wide,
+    three Gated DeltaNet layers (4 value heads over 2 key heads of 32: each key head's q, k, v and z rows in one fused
+    in_proj_qkvz, its b and a in in_proj_ba) and one of gated full attention (4 heads of 32 over 2, a quarter of each
+    head rotated), each layer 8 experts of 32, 2 a token, beside a shared expert of 64 behind its sigmoid gate,
+    untied; its norms (1 + weight) drawn random. Its config.json as published: the rotary's base and part at the top,
+    no layer_types (every fourth layer full)."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    tokenizer = tiny_gpt2_tokenizer(out_dir)
+    config = Qwen3NextConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=32,
+        linear_num_key_heads=2, linear_num_value_heads=4, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=64, norm_topk_prob=True, partial_rotary_factor=0.25,
+        rope_theta=10000000.0, max_position_embeddings=512, initializer_range=0.15, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, pad_token_id=None, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id)
+    path = save_tiny(out_dir, "qwen3next", Qwen3NextForCausalLM, config, tokenizer, drawn_norms(0))
+    with open(os.path.join(path, "config.json")) as f:
+        saved = json.load(f)
+    rope = saved.pop("rope_parameters")
+    del saved["layer_types"]
+    saved.update(rope_theta=rope["rope_theta"], partial_rotary_factor=rope["partial_rotary_factor"],
+                 full_attention_interval=4)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(saved, f, indent=2)
+    return path
+
+
+def write_qwen3next_gguf(checkpoint: str, path: str, qtype_name: str = "F32", legacy: bool = False) -> str:
+    """The GGUF file llama.cpp's converter (conversion/qwen.py's Qwen3NextModel, a Qwen2MoeModel) writes of a
+    Qwen3-Next checkpoint: qwen2moe's keys with the experts' and the shared expert's widths, the ssm.* keys of the
+    linear attention, which layers are recurrent, the rotated width; its multi-token prediction block as one more
+    layer (nextn_predict_layers: the published checkpoints hold one, transformers' model none, so random here); A_log
+    as -exp(A_log), dt_bias as ssm_dt.bias, the convolution squeezed, every norm but the linear attention's stored as
+    1 + weight, in_proj_qkvz split into attn_qkv (every key head's q, then k, then v) and attn_gate (z), in_proj_ba
+    as ssm_ba as it is, each layer's experts stacked into ffn_*_exps, the shared expert as ffn_*_shexp and its gate
+    as ffn_gate_inp_shexp; matrices in Q8_0 where asked, the convolution, norms and gates F32. `legacy`: as it wrote
+    them before splitting in_proj_qkvz (in_proj_qkvz whole as ssm_in; no multi-token prediction block)."""
+    import gguf
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from safetensors.torch import load_file
+
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        config = json.load(f)
+    layers, experts = config["num_hidden_layers"], config["num_experts"]
+    key_heads, value_heads = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    key_dim, value_dim = config["linear_key_head_dim"], config["linear_value_head_dim"]
+    mtp = 0 if legacy else 1
+    arch = gguf.MODEL_ARCH.QWEN3NEXT
+    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
+    add_text_shape(writer, {**config, "num_hidden_layers": layers + mtp})
+    writer.add_rope_freq_base(config["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_file_type({"F32": 0, "Q8_0": 7}[qtype_name])
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+    writer.add_ssm_conv_kernel(config["linear_conv_kernel_dim"])
+    writer.add_ssm_state_size(key_dim)
+    writer.add_ssm_group_count(key_heads)
+    writer.add_ssm_time_step_rank(value_heads)
+    writer.add_ssm_inner_size(value_dim * value_heads)
+    if not legacy:
+        writer.add_array(f"{gguf.MODEL_ARCH_NAMES[arch]}.attention.recurrent_layers",
+                         [(layer + 1) % 4 != 0 for layer in range(layers)] + [False] * mtp)
+    writer.add_full_attention_interval(config["full_attention_interval"])
+    writer.add_rope_dimension_count(int(config["head_dim"] * config["partial_rotary_factor"]))
+    if mtp:
+        writer.add_nextn_predict_layers(mtp)
+    add_bpe_vocabulary(writer, checkpoint, "qwen2")
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    names = gguf.get_tensor_name_map(arch, layers + mtp)
+
+    def add(name, values):
+        values = np.ascontiguousarray(values, dtype=np.float32)
+        if qtype_name != "F32" and values.ndim >= 2 and values.shape[-1] % 32 == 0 and not any(
+                part in name for part in ("ssm_conv1d", "ffn_gate_inp")):
+            writer.add_tensor(name, gguf.quants.quantize(values, Q[qtype_name]), raw_dtype=Q[qtype_name])
+        else:
+            writer.add_tensor(name, values)
+
+    state = load_file(os.path.join(checkpoint, "model.safetensors"))
+    widths = [key_dim, key_dim, value_heads // key_heads * value_dim, value_heads // key_heads * value_dim]
+    for hf_name, value in state.items():
+        values = value.float().numpy()
+        base, _, suffix = hf_name.rpartition(".")
+        if ".mlp.experts." in hf_name:  # (each part stacked at its first expert's)
+            layer, _, rest = hf_name.partition(".mlp.experts.")
+            if rest.startswith("0."):
+                part = rest.split(".")[1]
+                add(names.get_name(f"{layer}.mlp.experts.{part}") + ".weight",
+                    np.stack([state[f"{layer}.mlp.experts.{e}.{part}.weight"].float().numpy()
+                              for e in range(experts)]))
+            continue
+        if base.endswith("in_proj_qkvz") and not legacy:  # each key head's [q, k, v, z] -> [q..., k..., v...], z
+            q, k, v, z = np.split(values.reshape(key_heads, sum(widths), -1), np.cumsum(widths)[:3], axis=1)
+            hidden = values.shape[-1]
+            add(names.get_name(base).replace("ssm_in", "attn_qkv") + ".weight",
+                np.concatenate([part.reshape(-1, hidden) for part in (q, k, v)]))
+            add(names.get_name(base).replace("ssm_in", "attn_gate") + ".weight", z.reshape(-1, hidden))
+            continue
+        if suffix == "A_log":  # (torch's exp, as the converter's: numpy's parts from it by an ulp)
+            values, base, suffix = -torch.exp(value.float()).numpy(), f"{base}.A_log", ""
+        elif suffix == "dt_bias":
+            base, suffix = f"{base}.dt_proj", "bias"
+        elif base.endswith("conv1d"):
+            values = values.squeeze(1)
+        elif base.endswith("norm") and not base.endswith("linear_attn.norm"):
+            values = values + 1
+        add(names.get_name(base) + (f".{suffix}" if suffix else ""), values)
+    hidden, head, inner = config["hidden_size"], config["head_dim"], config["shared_expert_intermediate_size"]
+    generator = np.random.default_rng(SEED)
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_tensors = {"nextn.eh_proj.weight": (hidden, 2 * hidden), "nextn.enorm.weight": (hidden,),
+                    "nextn.hnorm.weight": (hidden,), "nextn.shared_head_norm.weight": (hidden,),
+                    "attn_norm.weight": (hidden,), "post_attention_norm.weight": (hidden,),
+                    "attn_q.weight": (2 * heads * head, hidden), "attn_k.weight": (kv_heads * head, hidden),
+                    "attn_v.weight": (kv_heads * head, hidden), "attn_output.weight": (hidden, heads * head),
+                    "attn_q_norm.weight": (head,), "attn_k_norm.weight": (head,),
+                    "ffn_gate_inp.weight": (experts, hidden), "ffn_gate_inp_shexp.weight": (1, hidden)}
+    for part in ("gate", "up", "down"):
+        head_tensors[f"ffn_{part}_shexp.weight"] = (hidden, inner) if part == "down" else (inner, hidden)
+        head_tensors[f"ffn_{part}_exps.weight"] = (experts, *head_tensors[f"ffn_{part}_shexp.weight"])
+    for name, shape in head_tensors.items() if mtp else ():
+        add(f"blk.{layers}.{name}", generator.normal(0, 0.1, shape))
+    return write_out(writer, path)
+
+
+def write_qwen3next_legacy_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
+    """write_qwen3next_gguf's file as llama.cpp's converter wrote them before it split in_proj_qkvz (ssm_in)."""
+    return write_qwen3next_gguf(checkpoint, path, qtype_name, legacy=True)
+
+
 def lfm2_checkpoint(out_dir: str) -> str:
     """A tiny random LFM2 checkpoint (Lfm2ForCausalLM) in `out_dir`: LFM2-350M's layout 64 wide, three gated short
     convolution layers (a window of 3) and one of attention (4 heads of 16 over 2, q/k norms), tied embeddings, the

@@ -123,6 +123,14 @@ class ModelBuild:
         hf_name = self.names.get(name)
         if hf_name is None:
             return  # as transformers: tensors the model does not hold (e.g. llama3's rope_freqs)
+        if self.converted and (split := self.processor.split(name)) is not None:  # (Qwen3-Next's fused projections)
+            for target, rows in split:
+                module = self.model.get_submodule(target.rpartition(".")[0])
+                if code in FLOAT_TYPES:
+                    self.float_tensor(entry, target, module, rows)
+                else:
+                    self.blocks_tensor(entry, target, module, rows)
+            return
         module_name = hf_name.rpartition(".")[0]
         module = self.model.get_submodule(module_name)
         part = part_of(name)
@@ -142,16 +150,18 @@ class ModelBuild:
         else:
             self.blocks_tensor(entry, hf_name, module)
 
-    def float_tensor(self, entry, hf_name: str, module: torch.nn.Module) -> None:
-        """An F32/F16/BF16 tensor: on the CPU in its own dtype where the model's differs (CastLinear,
-        CastEmbedding), a linear layer's bias kept for the layer that ends up there."""
+    def float_tensor(self, entry, hf_name: str, module: torch.nn.Module, rows: np.ndarray | None = None) -> None:
+        """An F32/F16/BF16 tensor (`rows`: those of it, where the table splits it): on the CPU in its own dtype where
+        the model's differs (CastLinear, CastEmbedding), a linear layer's bias kept for the layer it ends up in."""
         from gguf import GGMLQuantizationType
+        from transformers.modeling_gguf_pytorch_utils import GGUFTensor
         from transformers.pytorch_utils import Conv1D
 
         name, code, dtype = entry.name, entry.code, self.dtype
         module_name, _, attr = hf_name.rpartition(".")
         raw = self.reader.values(entry)
-        result = _process(self.processor, self.header, name, raw, self.names, self.collected)
+        result = (_process(self.processor, self.header, name, raw, self.names, self.collected) if rows is None
+                  else GGUFTensor(raw := np.ascontiguousarray(raw[rows]), hf_name, {}))
         if result.name is None:
             return  # the processor stored it in `collected`
         if code == GGMLQuantizationType.BF16 and result.weights.dtype != np.int16:
@@ -171,10 +181,12 @@ class ModelBuild:
         else:
             _set_tensor(self.model, hf_name, tensor.to(dtype))  # norms, or weights already in the model's dtype
 
-    def blocks_tensor(self, entry, hf_name: str, module: torch.nn.Module) -> None:
-        """A quantized tensor: a linear layer's or an embedding's weight in its blocks (on a device: the form
-        DeviceForms keeps), else (a transform only float values can take) de-quantized alone."""
+    def blocks_tensor(self, entry, hf_name: str, module: torch.nn.Module, rows: np.ndarray | None = None) -> None:
+        """A quantized tensor (`rows`: those of it, where the table splits it): a linear layer's or an embedding's
+        weight in its blocks (on a device: the form DeviceForms keeps), else (a transform only float values can take)
+        de-quantized alone."""
         from gguf import GGMLQuantizationType
+        from transformers.modeling_gguf_pytorch_utils import GGUFTensor
         from transformers.pytorch_utils import Conv1D
 
         name, code, shape, reader, on_device = entry.name, entry.code, entry.shape, self.reader, self.on_device
@@ -183,10 +195,11 @@ class ModelBuild:
             raise GGUFError(unsupported_message(self.header.path, name, code))
         qtype = GGMLQuantizationType(code)
         in_features = weights_per_row(qtype, shape[-1])
+        out_features = shape[0] if rows is None else len(rows)
         if len(shape) == 2 and attr == "weight" and isinstance(module, (torch.nn.Linear, Conv1D, torch.nn.Embedding)):
             _check_shape(self.header.path, name, module, attr,
-                         (in_features, shape[0]) if isinstance(module, Conv1D) else (shape[0], in_features))
-            order = _row_permutation(self.processor, name, shape[0])
+                         (in_features, out_features) if isinstance(module, Conv1D) else (out_features, in_features))
+            order = _row_permutation(self.processor, name, shape[0]) if rows is None else rows
             embedding = isinstance(module, torch.nn.Embedding)
             columns = self.processor.column_order(name) if self.converted else None
             if on_device and order is not False:
@@ -203,7 +216,7 @@ class ModelBuild:
                 else:
                     self.layers[module_name] = form if columns is None else InputPermuted(form, columns)
                 return
-            interleave = (not embedding or module_name == self.tied_embedding) and interleavable(qtype, shape[0])
+            interleave = (not embedding or module_name == self.tied_embedding) and interleavable(qtype, out_features)
             if order is not False:
                 rows = reader.rows(entry, interleave, order, read=hf_name.endswith(self.fused))
                 if embedding:
@@ -218,7 +231,8 @@ class ModelBuild:
         logger.info("GGUF tensor %s (%s) de-quantized to float: its layout needs it", name, qtype.name)
         values = dequantize(torch.from_numpy(reader.blocks(entry).reshape(-1, shape[-1])), qtype, in_features)
         values = values.numpy().reshape(*shape[:-1], in_features)
-        result = _process(self.processor, self.header, name, values, self.names, self.collected)
+        result = (_process(self.processor, self.header, name, values, self.names, self.collected) if rows is None
+                  else GGUFTensor(values[rows], hf_name, {}))
         if result.name is not None:
             _check_shape(self.header.path, name, module, attr, result.weights.shape)
             self.put(hf_name, torch.from_numpy(np.ascontiguousarray(result.weights)).to(self.device, self.dtype))

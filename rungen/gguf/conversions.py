@@ -297,10 +297,90 @@ def _nemotron_h(config) -> list:
         *_mamba2_and_attention(config, "mixer", "mixer")]
 
 
+def _qwen3next_config(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
+    """Qwen3-Next's config (Qwen3-Next-80B-A3B: qwen3next) as Qwen3.5's mixture's (Qwen3_5MoeTextConfig, whose model
+    computes Qwen3-Next's: the same Gated DeltaNet, gated attention and experts, its fused projections split as
+    _qwen3next splits them): transformers' qwen35moe reader over the same keys, the rotary's sections (none in the
+    file) any of Qwen3.5's interleaved kind (a text's three position rows alike, every split turns it as one plain
+    rotary), the recurrent layers where the file lists them, else every full_attention_interval-th layer full; the
+    multi-token prediction block the converter writes last (nextn_predict_layers) not read. Dense MLP layers
+    (mlp_only_layers, which no published model has) are refused: Qwen3.5's mixture has none."""
+    from transformers.integrations.gguf.gguf_config_mapping import _qwen35moe_config
+
+    key = lambda name, default=None: metadata.get(f"qwen3next.{name}", default)  # noqa: E731
+    trunk = key("block_count") - key("nextn_predict_layers", 0)
+    dense = [name for name in tensor_names if name.endswith(".ffn_gate.weight") and name.startswith("blk.")
+             and int(name.split(".")[1]) < trunk]
+    if dense:
+        raise ValueError(f"its layer {dense[0].split('.')[1]} has a dense MLP (mlp_only_layers), where Qwen3.5's "
+                         "mixture, the model it is read as, has experts in every layer")
+    half = key("rope.dimension_count") // 2
+    renamed = {name.replace("qwen3next.", "qwen35moe.", 1): value for name, value in metadata.items()}
+    renamed["qwen35moe.rope.dimension_sections"] = [half - 2 * (half // 3), half // 3, half // 3, 0]
+    renamed.setdefault("qwen35moe.full_attention_interval", 4)
+    config = _qwen35moe_config(renamed, tensor_names)
+    if key("attention.recurrent_layers") is not None:
+        config["layer_types"] = ["linear_attention" if recurrent else "full_attention"
+                                 for recurrent in key("attention.recurrent_layers")[:trunk]]
+    return config
+
+
+def _qwen3next(config) -> list:
+    """Qwen3-Next's tensors into Qwen3.5's mixture: transformers' qwen35moe table without its value heads' reorder
+    (llama.cpp's converter tiles Qwen3.5's, not Qwen3-Next's: they stay grouped by key head, as the model takes
+    them); the two projections Qwen3-Next fuses split by rows: ssm_ba (each key head's b rows, then its a rows) into
+    in_proj_b and in_proj_a, and a file of before the converter split its in_proj_qkvz (ssm_in: each key head's q, k,
+    v and z rows) into in_proj_qkv (every head's q, then k, then v) and in_proj_z."""
+    from transformers.core_model_loading import ConversionOps, WeightConverter
+    from transformers.integrations.gguf.gguf_conversion_mapping import (
+        TiledToGroupedInputs,
+        TiledToGroupedRows,
+        _qwen35moe,
+    )
+
+    class SplitRows(ConversionOps):
+        """Each of the converter's targets its own rows of the one source tensor: `rows[i]` (indices) for target i
+        (Conversion.split: build.py reads each target's rows of the blocks)."""
+
+        def __init__(self, rows: list[torch.Tensor]):
+            self.rows = rows
+
+        @torch.no_grad()
+        def convert(self, input_dict: dict, source_patterns: list, target_patterns: list, **kwargs) -> dict:
+            [tensor] = [value[0] if isinstance(value, list) else value for value in input_dict.values()]
+            return {target: tensor[rows.to(tensor.device)].contiguous()
+                    for target, rows in zip(target_patterns, self.rows)}
+
+    text = config.get_text_config()
+    key_heads, value_heads = text.linear_num_key_heads, text.linear_num_value_heads
+    key_dim, value_dim = text.linear_key_head_dim, text.linear_value_head_dim
+    table = []
+    for entry in _qwen35moe(config):  # (their value heads as the file holds them)
+        operations = [op for op in getattr(entry, "operations", ())
+                      if not isinstance(op, (TiledToGroupedRows, TiledToGroupedInputs))]
+        if not isinstance(entry, WeightConverter):
+            table.append(entry)
+        elif operations:
+            table.append(WeightConverter(source_patterns=entry.source_patterns,
+                                         target_patterns=entry.target_patterns, operations=operations))
+    per_key = value_heads // key_heads  # (a key head's value heads)
+    ba = torch.arange(2 * value_heads, device="cpu").view(key_heads, 2, per_key)
+    widths = [key_dim, key_dim, per_key * value_dim, per_key * value_dim]
+    qkvz = torch.arange(key_heads * sum(widths), device="cpu").view(key_heads, sum(widths)).split(widths, dim=1)
+    return table + [
+        WeightConverter(source_patterns=r"\.ssm_ba\.weight",
+                        target_patterns=[".linear_attn.in_proj_b.weight", ".linear_attn.in_proj_a.weight"],
+                        operations=[SplitRows([ba[:, 0].reshape(-1), ba[:, 1].reshape(-1)])]),
+        WeightConverter(source_patterns=r"\.ssm_in\.weight",
+                        target_patterns=[".linear_attn.in_proj_qkv.weight", ".linear_attn.in_proj_z.weight"],
+                        operations=[SplitRows([torch.cat([part.reshape(-1) for part in qkvz[:3]]),
+                                               qkvz[3].reshape(-1)])])]
+
+
 # Architectures transformers' conversion table lacks, given entries of its kind here: (config reader, tensor table).
 OWN_TABLES = {"lfm2moe": (_lfm2moe_config, _lfm2moe), "granitehybrid": (_granitehybrid_config, _granite),
               "granitemoe": (_granitemoe_config, _granite), "nemotron_h": (_nemotron_h_config, _nemotron_h),
-              "nemotron_h_moe": (_nemotron_h_moe_config, _nemotron_h)}
+              "nemotron_h_moe": (_nemotron_h_moe_config, _nemotron_h), "qwen3next": (_qwen3next_config, _qwen3next)}
 
 
 def teach_own_tables() -> None:
@@ -351,6 +431,16 @@ class Conversion:
                 isinstance(op, ConcatenateRows) and op.dim == 0 for op in converter.operations):
             return None
         return converter.source_patterns.index(pattern), len(converter.source_patterns)
+
+    def split(self, name: str) -> list[tuple[str, np.ndarray]] | None:
+        """[(the model's name, the rows it takes)] for each weight transformers' table splits tensor `name` into by
+        rows (SplitRows: Qwen3-Next's fused projections), else None."""
+        renamed, converter = self.rename(name)
+        targets = getattr(converter, "target_patterns", ())
+        splits = [op for op in getattr(converter, "operations", ()) if type(op).__name__ == "SplitRows"]
+        if len(targets) < 2 or not splits:
+            return None
+        return [(renamed.replace(targets[0], target), rows.numpy()) for target, rows in zip(targets, splits[0].rows)]
 
     def weights_map(self, model: torch.nn.Module, tensor_names) -> dict[str, str]:
         """GGUF tensor name -> the model's parameter, for the file's tensors the model holds (not Qwen3.5's

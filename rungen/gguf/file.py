@@ -1150,7 +1150,9 @@ TOOL_LOADER_ONLY = {"gpt-oss": (None, "gpt-oss file", "its experts' tensors"),
                                 "its router's score correction, its multi-token prediction layer"),
                     "deepseek2": (None, "DeepSeek V2/V3 (deepseek2) file",
                                   "its latent attention's kv_b split in two, its router's score correction"),
-                    "ernie4_5-moe": (None, "ERNIE 4.5 mixture (ernie4_5-moe) file", "its router's score correction")}
+                    "ernie4_5-moe": (None, "ERNIE 4.5 mixture (ernie4_5-moe) file", "its router's score correction"),
+                    "qwen3next": (None, "Qwen3-Next (qwen3next) file",
+                                  "its fused projections, which its model takes split by rows")}
 
 
 def refuse_transformers_loader(path: str) -> None:
