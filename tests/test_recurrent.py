@@ -167,7 +167,8 @@ def test_the_memory_line_states_each_rows_recurrent_state(loaded):
 
 def test_the_cpu_steps_leave_out_transformers_hint_to_install_cuda_kernels(loaded):
     # transformers says, once a process, that causal-conv1d and flash-linear-attention (CUDA kernels) are missing
-    # where a prompt takes their PyTorch forms; on the CPU those forms are the way, a decode step native: not said.
+    # where a prompt takes their PyTorch forms; on the CPU those forms (or a native scan) are the way, a decode step
+    # native: not said.
     import logging
 
     from rungen.gguf.native_steps import GpuKernelHints
@@ -189,6 +190,8 @@ def test_the_cpu_steps_leave_out_transformers_hint_to_install_cuda_kernels(loade
     hub_logger.addHandler(handler)
     try:
         assert not prompt_said()
+        if any(type(module).__name__ == "DeltaNetStep" for module in loaded.model.modules()):
+            return  # (Qwen3.5's prompt takes delta_scan: transformers' forms, which the hint is of, are not called)
         for hint in hinted:
             hub_logger.removeFilter(hint)
         assert prompt_said()  # (transformers does say it)

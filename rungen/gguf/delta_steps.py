@@ -110,9 +110,34 @@ class DeltaNetStep(torch.nn.Module):
             return [getattr(self.module, name)(x) for name in IN_PROJECTIONS]
         return list(self.in_proj(x).split(self.widths, dim=-1))
 
+    def prompt(self, hidden_states: torch.Tensor, cache_params, attention_mask) -> torch.Tensor:
+        """Several positions after the layer's products in one delta_scan call, each head's state a position at a
+        time (the decode step's arithmetic: the state a prompt leaves is the one decoding it token by token would),
+        where transformers' chunked form takes some hundred operations a chunk and its convolution a depthwise
+        conv1d; the cache's window and state taken and given back as the module's own forward does."""
+        m = self.module
+        hidden_states = self.masked(hidden_states, attention_mask)
+        batch, positions, _ = hidden_states.shape
+        qkv, z, b, a = self.products(hidden_states)
+        state = None
+        if cache_params is not None:
+            state = cache_params.get_recurrent_state(m.layer_idx, state_idx=0)
+            qkv = cache_params.update_conv_state(qkv.transpose(1, 2), m.layer_idx,
+                                                 conv_kernel_size=m.conv_kernel_size).transpose(1, 2)
+        state = (torch.zeros(batch, m.num_v_heads, m.head_k_dim, m.head_v_dim) if state is None
+                 else state.float().clone())
+        out = torch.ops.rungen_ggml.delta_scan(qkv, positions, self.conv, state, a, b, z, self.decay, m.dt_bias,
+                                               self.norm_weight, m.num_k_heads, m.layer_norm_epsilon, self.scatter)
+        if cache_params is not None:
+            cache_params.update_recurrent_state(state, m.layer_idx)
+        return self.out_proj(out.to(hidden_states.dtype))
+
     def forward(self, hidden_states: torch.Tensor, cache_params=None, attention_mask=None, **kwargs):
         m = self.module
         layer = m.layer_idx
+        if (hidden_states.shape[1] > 1 and m.conv1d.bias is None and kwargs.get("cu_seq_lens_q") is None
+                and hidden_states.device.type == "cpu"):  # (packed sequences: the module's own form)
+            return self.prompt(hidden_states, cache_params, attention_mask)
         window = cache_params.get_conv_state(layer) if cache_params is not None else None
         state = cache_params.get_recurrent_state(layer) if cache_params is not None else None
         if (hidden_states.shape[1] != 1 or window is None or state is None or cache_params.is_recording_past(layer)

@@ -801,6 +801,73 @@ def test_a_delta_step_is_transformers_decode_step_of_a_gated_deltanet_layer(valu
                                          norm, key_heads, 1e-6, torch.zeros(value_heads * size, dtype=torch.long))
 
 
+@pytest.mark.parametrize("value_heads", [2, 4])
+def test_a_delta_scan_is_transformers_prompt_and_the_steps_one_by_one(value_heads, each_isa):
+    # Qwen3.5's linear attention over a prompt of 70 positions (two of transformers' chunks of 64) in two sequences,
+    # after earlier inputs (the cache's window of 3) and from a state: transformers' own PyTorch forms (the
+    # convolution over the window and the prompt, the chunked gated delta rule, the gated norm) within float32
+    # rounding; and to the bit what delta_step gives taking the positions one at a time (the state and each output),
+    # on every instruction set's build alike. A scattered output is the same columns in another order.
+    import torch.nn.functional as F
+    from transformers.models.qwen3_5.modeling_qwen3_5 import (
+        Qwen3_5RMSNormGated,
+        causal_conv1d_fn,
+        torch_chunk_gated_delta_rule,
+    )
+
+    ops = torch.ops.rungen_ggml
+    sequences, positions, key_heads, size, kernel = 2, 70, 2, 24, 4
+    channels = 2 * key_heads * size + value_heads * size
+    g = torch.Generator().manual_seed(9)
+    window = torch.randn(sequences, kernel - 1, channels, generator=g)
+    mixed = torch.randn(sequences, positions, channels, generator=g)
+    state = torch.randn(sequences, value_heads, size, size, generator=g) * 0.3
+    conv = torch.randn(channels, kernel, generator=g) * 0.5
+    a, b = torch.randn(sequences, positions, value_heads, generator=g), torch.randn(sequences, positions,
+                                                                                      value_heads, generator=g)
+    z, norm = torch.randn(sequences, positions, value_heads * size, generator=g), torch.randn(size, generator=g)
+    a_log, dt_bias = torch.rand(value_heads, generator=g) * 2, torch.randn(value_heads, generator=g)
+    inputs = torch.cat([window, mixed], dim=1)
+
+    convolved = causal_conv1d_fn(inputs.transpose(1, 2), conv, None, "silu")[:, :, kernel - 1:].transpose(1, 2)
+    q, k, v = convolved.split([key_heads * size, key_heads * size, value_heads * size], -1)
+    out, theirs_state = torch_chunk_gated_delta_rule(
+        q.reshape(sequences, positions, key_heads, size), k.reshape(sequences, positions, key_heads, size),
+        v.reshape(sequences, positions, value_heads, size), g=-a_log.exp() * F.softplus(a + dt_bias),
+        beta=b.sigmoid(), initial_state=state.clone(), output_final_state=True, use_qk_l2norm_in_kernel=True)
+    gated = Qwen3_5RMSNormGated(size, eps=1e-6)
+    gated.weight.data = norm
+    theirs = gated(out.reshape(-1, size), z.reshape(-1, size)).reshape(sequences, positions, -1)
+    each = []
+    for isa in isas():
+        ops.set_isa(isa)
+        ours_state = state.clone()
+        ours = ops.delta_scan(inputs, positions, conv, ours_state, a, b, z, -a_log.exp(), dt_bias, norm, key_heads,
+                              1e-6)
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(ours_state, theirs_state, rtol=1e-4, atol=1e-4)
+        # (delta_step's window: the kernel's last inputs, its oldest shifted out as the new one comes)
+        step_window = torch.cat([torch.zeros(sequences, 1, channels), window], dim=1).transpose(1, 2).contiguous()
+        step_state, steps = state.clone(), []
+        for t in range(positions):
+            steps.append(ops.delta_step(step_window, mixed[:, t], conv, step_state, a[:, t], b[:, t], z[:, t],
+                                        -a_log.exp(), dt_bias, norm, key_heads, 1e-6))
+        assert torch.equal(ours, torch.stack(steps, dim=1)) and torch.equal(ours_state, step_state)
+        scatter = torch.randperm(value_heads * size, generator=g)
+        scattered = ops.delta_scan(inputs, positions, conv, state.clone(), a, b, z, -a_log.exp(), dt_bias, norm,
+                                   key_heads, 1e-6, scatter)
+        assert torch.equal(scattered[..., scatter], ours)
+        each.append((ours, ours_state))
+    for ours, ours_state in each[1:]:
+        assert torch.equal(ours, each[0][0]) and torch.equal(ours_state, each[0][1])
+    # a prompt with no earlier inputs: its first positions convolved over zeros, as transformers pads them
+    fresh = ops.delta_scan(mixed, positions, conv, state.clone(), a, b, z, -a_log.exp(), dt_bias, norm, key_heads,
+                           1e-6)
+    padded = ops.delta_scan(torch.cat([torch.zeros_like(window), mixed], dim=1), positions, conv, state.clone(), a,
+                            b, z, -a_log.exp(), dt_bias, norm, key_heads, 1e-6)
+    assert torch.equal(fresh, padded)
+
+
 @pytest.mark.parametrize("groups", [1, 2])
 def test_a_mamba_step_is_transformers_decode_step_of_a_mamba2_layer(groups, each_isa):
     # Granite 4.0 H's Mamba-2 layer, one position a row: transformers' own PyTorch forms (the convolution's update

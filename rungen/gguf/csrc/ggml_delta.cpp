@@ -8,7 +8,8 @@ namespace rungen_ggml {
 
 namespace {
 
-// What ggml_delta.h's loops read and write: delta_step's tensors (below) as float32 pointers, and their shapes.
+// What ggml_delta.h's loops read and write: delta_step's and delta_scan's tensors (below) as float32 pointers, and
+// their shapes. A row is a sequence's position (decode: one position, rows the sequences).
 struct DeltaJob {
   float *window, *state;
   const float *mixed, *conv, *a, *b, *z, *decay, *dt_bias, *norm;
@@ -16,7 +17,23 @@ struct DeltaJob {
   const int64_t* scatter;  // where each output column goes in its row (a permutation), or null: in place
   int64_t rows, channels, kernel, heads, key_heads, dk, dv;
   float eps;
+  int64_t positions = 1, inputs = 1;  // a sequence's positions (rows / sequences), and its convolution's inputs
 };
+
+// `scatter_in` as int64, checked to be a permutation of a row's `columns` output columns; undefined where none.
+at::Tensor checked_scatter(const c10::optional<at::Tensor>& scatter_in, int64_t columns) {
+  if (!scatter_in.has_value()) return at::Tensor();
+  const at::Tensor scatter = scatter_in->to(at::kLong).contiguous();
+  TORCH_CHECK(scatter.numel() == columns, "rungen_ggml: a delta rule's scatter must have heads * value size entries");
+  const int64_t* sc = scatter.data_ptr<int64_t>();
+  std::vector<bool> seen(columns, false);
+  for (int64_t c = 0; c < columns; ++c) {
+    TORCH_CHECK(sc[c] >= 0 && sc[c] < columns && !seen[sc[c]], "rungen_ggml: a delta rule's scatter is not a "
+                "permutation of the output's columns");
+    seen[sc[c]] = true;
+  }
+  return scatter;
+}
 
 }  // namespace
 
@@ -63,19 +80,7 @@ at::Tensor delta_step(const at::Tensor& window, const at::Tensor& mixed_in, cons
                   b.numel() == rows * heads && z.numel() == rows * heads * dv && decay.numel() == heads &&
                   dt_bias.numel() == heads && norm.numel() == dv,
               "rungen_ggml: delta_step's inputs do not match its window and state");
-  at::Tensor scatter;
-  if (scatter_in.has_value()) {
-    scatter = scatter_in->to(at::kLong).contiguous();
-    TORCH_CHECK(scatter.numel() == heads * dv,
-                "rungen_ggml: delta_step's scatter must have heads * value size entries");
-    const int64_t* sc = scatter.data_ptr<int64_t>();
-    std::vector<bool> seen(heads * dv, false);
-    for (int64_t c = 0; c < heads * dv; ++c) {
-      TORCH_CHECK(sc[c] >= 0 && sc[c] < heads * dv && !seen[sc[c]], "rungen_ggml: delta_step's scatter is not a "
-                  "permutation of the output's columns");
-      seen[sc[c]] = true;
-    }
-  }
+  const at::Tensor scatter = checked_scatter(scatter_in, heads * dv);
   at::Tensor y = at::empty({rows, channels}, window.options());
   at::Tensor out = at::empty({rows, heads * dv}, window.options());
   const DeltaJob job{window.data_ptr<float>(), state.data_ptr<float>(), mixed.data_ptr<float>(),
@@ -90,6 +95,51 @@ at::Tensor delta_step(const at::Tensor& window, const at::Tensor& mixed_in, cons
     avx2::delta_step_rows(job);
   } else {
     scalar::delta_step_rows(job);
+  }
+  return out;
+}
+
+// A prompt's positions through the layer after its products, each sequence's heads a position at a time as
+// delta_step takes them (the same arithmetic a position, so a prompt leaves the state decoding it token by token
+// would): mixed [sequences, inputs, channels] the q/k/v products, the last `positions` of each sequence the prompt's
+// and those before them the convolution's earlier inputs (the cache's window, or none); state [sequences, heads, key
+// size, value size] float32 contiguous, updated in place; a, b [sequences, positions, heads]; z [sequences,
+// positions, heads * value size]; the rest as delta_step's. Returns [sequences, positions, heads * value size].
+at::Tensor delta_scan(const at::Tensor& mixed_in, int64_t positions, const at::Tensor& conv_in,
+                      const at::Tensor& state, const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& z_in,
+                      const at::Tensor& decay_in, const at::Tensor& dt_bias_in, const at::Tensor& norm_in,
+                      int64_t key_heads, double eps, const c10::optional<at::Tensor>& scatter_in) {
+  TORCH_CHECK(state.scalar_type() == at::kFloat && state.is_contiguous() && state.dim() == 4,
+              "rungen_ggml: delta_scan's state must be contiguous float32 [sequences, heads, key size, value size]");
+  TORCH_CHECK(mixed_in.dim() == 3 && mixed_in.size(0) == state.size(0) && positions > 0 &&
+                  mixed_in.size(1) >= positions,
+              "rungen_ggml: delta_scan's mixed must be [sequences, inputs >= positions, channels]");
+  const int64_t sequences = state.size(0), inputs = mixed_in.size(1), channels = mixed_in.size(2);
+  const int64_t heads = state.size(1), dk = state.size(2), dv = state.size(3), rows = sequences * positions;
+  TORCH_CHECK(key_heads > 0 && heads % key_heads == 0 && channels == 2 * key_heads * dk + heads * dv,
+              "rungen_ggml: delta_scan's mixed holds ", channels, " channels, not q, k and v of its state's shape");
+  const at::Tensor mixed = floats(mixed_in), conv = floats(conv_in), a = floats(a_in), b = floats(b_in),
+                   z = floats(z_in), decay = floats(decay_in), dt_bias = floats(dt_bias_in), norm = floats(norm_in);
+  TORCH_CHECK(conv.numel() % channels == 0 && a.numel() == rows * heads && b.numel() == rows * heads &&
+                  z.numel() == rows * heads * dv && decay.numel() == heads && dt_bias.numel() == heads &&
+                  norm.numel() == dv,
+              "rungen_ggml: delta_scan's inputs do not match its mixed and state");
+  const at::Tensor scatter = checked_scatter(scatter_in, heads * dv);
+  at::Tensor y = at::empty({rows, channels}, state.options());
+  at::Tensor out = at::empty({sequences, positions, heads * dv}, state.options());
+  DeltaJob job{nullptr, state.data_ptr<float>(), mixed.data_ptr<float>(), conv.data_ptr<float>(),
+               a.data_ptr<float>(), b.data_ptr<float>(), z.data_ptr<float>(), decay.data_ptr<float>(),
+               dt_bias.data_ptr<float>(), norm.data_ptr<float>(), y.data_ptr<float>(), out.data_ptr<float>(),
+               scatter.defined() ? scatter.data_ptr<int64_t>() : nullptr, rows, channels, conv.numel() / channels,
+               heads, key_heads, dk, dv, float(eps)};
+  job.positions = positions;
+  job.inputs = inputs;
+  if (current_isa >= VNNI) {
+    avx512::delta_scan_rows(job);
+  } else if (current_isa >= AVX2) {
+    avx2::delta_scan_rows(job);
+  } else {
+    scalar::delta_scan_rows(job);
   }
   return out;
 }

@@ -1,4 +1,4 @@
-// A Gated DeltaNet layer's decode step (see delta_step in ggml_delta.cpp): included three times by ggml_delta.cpp, in
+// A Gated DeltaNet layer's decode step and a prompt's scan (see delta_step and delta_scan in ggml_delta.cpp): included three times by ggml_delta.cpp, in
 // namespace avx512 compiled for AVX-512, avx2 for AVX2 and scalar for the baseline, and chosen by the code path in
 // use (current_isa). The loops over a head's values are lane by lane (each value's sums over the key in order, no
 // multiply-add fused) and the sums over a head are scalar in every build, so all three give the same bits.
@@ -29,18 +29,46 @@ static void delta_convolve(const DeltaJob& job, int64_t r0, int64_t r1) {
   }
 }
 
-// Value heads p0..p1 (of rows * heads): the head's state decayed by g, read by k (kv), moved toward v by beta
-// (delta), read by q; then the output normalized over the head (the norm's weight) times silu of the gate.
+// A prompt's convolution for rows r0..r1 (of sequences * positions): each position's sum over the kernel's last
+// inputs (x's positions before the first are zeros), silu, q and k normalized as delta_convolve's.
+static void scan_convolve(const DeltaJob& job, int64_t r0, int64_t r1) {
+  const int64_t channels = job.channels, kernel = job.kernel, dk = job.dk, key_heads = job.key_heads;
+  const int64_t positions = job.positions, inputs = job.inputs;
+  std::vector<float> sums(2 * channels, 1.f);
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t seq = r / positions, last = inputs - positions + r % positions;  // (its input in x)
+    std::fill(sums.begin(), sums.begin() + channels, 0.f);
+    for (int64_t j = 0; j < kernel; ++j) {  // (the window's order: oldest first, as delta_convolve sums it)
+      const int64_t at = last - (kernel - 1) + j;
+      if (at < 0) continue;
+      const float* x = job.mixed + (seq * inputs + at) * channels;
+      for (int64_t c = 0; c < channels; ++c) sums[c] += x[c] * job.conv[c * kernel + j];
+    }
+    silu_rows(sums.data(), 0, 1, channels, job.y + r * channels);
+    for (int64_t h = 0; h < 2 * key_heads; ++h) {
+      float* x = job.y + r * channels + h * dk;
+      float sum = 0.f;
+      for (int64_t i = 0; i < dk; ++i) sum += x[i] * x[i];
+      const float inv = 1.f / std::sqrt(sum + 1e-6f), scale = h < key_heads ? 1.f / std::sqrt(float(dk)) : 1.f;
+      for (int64_t i = 0; i < dk; ++i) x[i] = x[i] * inv * scale;
+    }
+  }
+}
+
+// Value heads p0..p1 of the sequences' (sequences * heads), each through its positions in order: the head's state
+// decayed by g, read by k (kv), moved toward v by beta (delta), read by q; then the output normalized over the head
+// (the norm's weight) times silu of the gate.
 static void delta_heads(const DeltaJob& job, int64_t p0, int64_t p1) {
   const int64_t heads = job.heads, dk = job.dk, dv = job.dv, channels = job.channels, qk = job.key_heads * dk;
   const int64_t per_key = heads / job.key_heads;
   std::vector<float> kv(dv), delta(dv), gated(2 * dv), held(job.scatter ? dv : 0);
-  for (int64_t p = p0; p < p1; ++p) {
-    const int64_t r = p / heads, h = p % heads, kh = h / per_key;
+  for (int64_t pair = p0; pair < p1; ++pair)
+  for (int64_t t = 0; t < job.positions; ++t) {
+    const int64_t h = pair % heads, r = pair / heads * job.positions + t, kh = h / per_key, p = r * heads + h;
     const float* q = job.y + r * channels + kh * dk;
     const float* k = job.y + r * channels + qk + kh * dk;
     const float* v = job.y + r * channels + 2 * qk + h * dv;
-    float* s = job.state + p * dk * dv;
+    float* s = job.state + pair * dk * dv;
     float* o = job.scatter ? held.data() : job.out + p * dv;
     const float g = std::exp(job.decay[h] * softplus(job.a[p] + job.dt_bias[h]));
     const float beta = 1.f / (1.f + std::exp(-job.b[p]));
@@ -81,4 +109,12 @@ static void delta_heads(const DeltaJob& job, int64_t p0, int64_t p1) {
 void delta_step_rows(const DeltaJob& job) {
   at::parallel_for(0, job.rows, 1, [&](int64_t r0, int64_t r1) { delta_convolve(job, r0, r1); });
   at::parallel_for(0, job.rows * job.heads, 1, [&](int64_t p0, int64_t p1) { delta_heads(job, p0, p1); });
+}
+
+// A prompt: every position's convolution, then each sequence's heads through its positions (a head's state stays in
+// its core's cache for all of them).
+void delta_scan_rows(const DeltaJob& job) {
+  const int64_t sequences = job.rows / job.positions;
+  at::parallel_for(0, job.rows, 1, [&](int64_t r0, int64_t r1) { scan_convolve(job, r0, r1); });
+  at::parallel_for(0, sequences * job.heads, 1, [&](int64_t p0, int64_t p1) { delta_heads(job, p0, p1); });
 }

@@ -26,6 +26,7 @@
 //   torch.ops.rungen_ggml.delta_step(...), short_conv_step(...)  a Gated DeltaNet's, a short convolution's and
 //   torch.ops.rungen_ggml.mamba_step(...)                        a Mamba-2 layer's decode step between their
 //                                                               products
+//   torch.ops.rungen_ggml.delta_scan(...)                        a Gated DeltaNet's prompt after its products
 //   torch.ops.rungen_ggml.isa() / set_isa(name)                  the code path in use ("avx512vnni", "avx2",
 //                                                               "scalar"); set_isa forces one (tests)
 //
@@ -72,6 +73,9 @@ TORCH_LIBRARY(rungen_ggml, m) {
   m.def("delta_step(Tensor(a!) window, Tensor mixed, Tensor conv, Tensor(b!) state, Tensor a, Tensor b, Tensor z, "
         "Tensor decay, Tensor dt_bias, Tensor norm, int key_heads, float eps, Tensor? scatter=None) -> Tensor",
         &delta_step);
+  m.def("delta_scan(Tensor mixed, int positions, Tensor conv, Tensor(a!) state, Tensor a, Tensor b, Tensor z, "
+        "Tensor decay, Tensor dt_bias, Tensor norm, int key_heads, float eps, Tensor? scatter=None) -> Tensor",
+        &delta_scan);
   m.def("short_conv_step(Tensor(a!) window, Tensor bcx, Tensor taps) -> Tensor", &short_conv_step);
   m.def("mamba_step(Tensor(a!) window, Tensor xbc, Tensor conv, Tensor? conv_bias, Tensor(b!) state, Tensor dt, "
         "Tensor dt_bias, Tensor a, Tensor d, Tensor z, Tensor norm, int groups, float eps) -> Tensor", &mamba_step);
