@@ -51,9 +51,37 @@ class MambaStep(torch.nn.Module):
         # transformers' masking of a padded row's positions, as the module's forward applies it
         self.masked = sys.modules[type(module).__module__].apply_mask_to_padding_states
 
+    def prompt(self, hidden_states: torch.Tensor, cache_params, attention_mask) -> torch.Tensor:
+        """Several positions between the layer's products in one mamba_scan call, each head's state a position at a
+        time (the decode step's arithmetic, the time step held to the module's limit as transformers' chunked form
+        holds it), where that form takes some fifty operations; the cache's window and state taken and given back
+        as the module's own forward does."""
+        m = self.module
+        hidden_states = self.masked(hidden_states, attention_mask)
+        batch, positions, _ = hidden_states.shape
+        z, xbc, dt = m.in_proj(hidden_states).split(self.widths, dim=-1)
+        state = None
+        if cache_params is not None:
+            state = cache_params.get_recurrent_state(m.layer_idx, state_idx=0)
+            xbc = cache_params.update_conv_state(xbc.transpose(1, 2), m.layer_idx,
+                                                 conv_kernel_size=m.conv_kernel_size).transpose(1, 2)
+        state = (torch.zeros(batch, m.num_heads, m.head_dim, m.ssm_state_size) if state is None
+                 else state.float().clone())
+        out = torch.ops.rungen_ggml.mamba_scan(xbc, positions, self.conv, self.conv_bias, state, dt, m.dt_bias,
+                                               self.a, m.D, z, m.norm.weight, m.n_groups, m.norm.variance_epsilon,
+                                               float(m.time_step_limit[0]), attention_mask)
+        if cache_params is not None:
+            cache_params.update_recurrent_state(state, m.layer_idx)
+        return m.out_proj(out.to(hidden_states.dtype))
+
     def forward(self, hidden_states: torch.Tensor, cache_params=None, attention_mask=None, **kwargs):
         m = self.module
         layer = m.layer_idx
+        if (hidden_states.shape[1] > 1 and hidden_states.device.type == "cpu" and m.activation == "silu"
+                and kwargs.get("cu_seq_lens_q") is None and tuple(m.time_step_limit)[1] == float("inf")
+                and m.in_proj.out_features == sum(self.widths)
+                and (attention_mask is None or attention_mask.shape == hidden_states.shape[:2])):
+            return self.prompt(hidden_states, cache_params, attention_mask)
         window = cache_params.get_conv_state(layer, state_idx=0) if cache_params is not None else None
         state = cache_params.get_recurrent_state(layer, state_idx=0) if cache_params is not None else None
         if (hidden_states.shape[1] != 1 or window is None or state is None or cache_params.is_recording_past(layer)

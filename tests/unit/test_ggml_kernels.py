@@ -803,8 +803,8 @@ def test_a_delta_step_is_transformers_decode_step_of_a_gated_deltanet_layer(valu
 
 @pytest.mark.parametrize("value_heads", [2, 4])
 def test_a_delta_scan_is_transformers_prompt_and_the_steps_one_by_one(value_heads, each_isa):
-    # Qwen3.5's linear attention over a prompt of 70 positions (two of transformers' chunks of 64) in two sequences,
-    # after earlier inputs (the cache's window of 3) and from a state: transformers' own PyTorch forms (the
+    # Qwen3.5's linear attention over a prompt of 70 positions (past one of transformers' chunks of 64) in two
+    # sequences, after earlier inputs (the cache's window of 3) and from a state: transformers' own PyTorch forms (the
     # convolution over the window and the prompt, the chunked gated delta rule, the gated norm) within float32
     # rounding; and to the bit what delta_step gives taking the positions one at a time (the state and each output),
     # on every instruction set's build alike. A scattered output is the same columns in another order.
@@ -921,3 +921,70 @@ def test_a_mamba_step_is_transformers_decode_step_of_a_mamba2_layer(groups, each
     with pytest.raises(RuntimeError, match="not x, B and C"):
         torch.ops.rungen_ggml.mamba_step(window.clone(), xbc, conv, None, state[:, :2].clone(), dt, dt_bias, a, d, z,
                                          norm, groups, 1e-5)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_a_mamba_scan_is_transformers_prompt_and_the_steps_one_by_one(groups, each_isa):
+    # Nemotron-H's Mamba-2 layer over a prompt of 70 positions (past one of transformers' chunks of 64) in two
+    # sequences, after earlier inputs (the cache's window of 3) and from a state: transformers' own PyTorch forms
+    # (the convolution over the window and the prompt with its bias, the chunked scan with its time step limit, the
+    # gated norm over each group) within float32 rounding; and to the bit what mamba_step gives taking the positions
+    # one at a time (no time step limit, as a decode step has none), on every instruction set's build alike. A
+    # padded position (mask 0) has its convolved x, B and C zeroed, as transformers masks them.
+    from transformers.models.nemotron_h.modeling_nemotron_h import (
+        NemotronHRMSNormGated,
+        causal_conv1d_fn,
+        mamba2_chunk_scan,
+    )
+
+    ops = torch.ops.rungen_ggml
+    sequences, positions, heads, size, state_size, kernel = 2, 70, 4, 24, 40, 4
+    inner = heads * size
+    channels = inner + 2 * groups * state_size
+    g = torch.Generator().manual_seed(6)
+    window = torch.randn(sequences, kernel - 1, channels, generator=g)
+    xbc = torch.randn(sequences, positions, channels, generator=g)
+    state = torch.randn(sequences, heads, size, state_size, generator=g) * 0.3
+    conv, conv_bias = torch.randn(channels, kernel, generator=g) * 0.5, torch.randn(channels, generator=g) * 0.3
+    dt = torch.randn(sequences, positions, heads, generator=g)
+    a, d = -(torch.rand(heads, generator=g) * 2).exp(), torch.randn(heads, generator=g)
+    dt_bias, norm = torch.randn(heads, generator=g), torch.randn(inner, generator=g)
+    z = torch.randn(sequences, positions, inner, generator=g)
+    inputs = torch.cat([window, xbc], dim=1)
+    mask = torch.ones(sequences, positions)
+    mask[1, :5] = 0  # (the second sequence left-padded by five)
+
+    def theirs(limit, mask):
+        convolved = causal_conv1d_fn(inputs.transpose(1, 2), conv, conv_bias, "silu")[:, :, kernel - 1:]
+        convolved = convolved.transpose(1, 2) * mask[:, :, None]
+        x, b, c = convolved.split([inner, groups * state_size, groups * state_size], dim=-1)
+        out, final = mamba2_chunk_scan(
+            x.reshape(sequences, positions, heads, size), dt, a, b.reshape(sequences, positions, groups, state_size),
+            c.reshape(sequences, positions, groups, state_size), chunk_size=64, D=d, dt_bias=dt_bias,
+            initial_states=state.clone(), dt_softplus=True, dt_limit=(limit, float("inf")), return_final_states=True)
+        gated = NemotronHRMSNormGated(inner, group_size=inner // groups, eps=1e-5)
+        gated.weight.data = norm
+        return gated(out.reshape(sequences, positions, inner), z), final
+
+    each = []
+    for isa in isas():
+        ops.set_isa(isa)
+        for limit in (0.0, 0.5):  # (0.5: above many of the time steps, which it raises)
+            ours_state = state.clone()
+            ours = ops.mamba_scan(inputs, positions, conv, conv_bias, ours_state, dt, dt_bias, a, d, z, norm, groups,
+                                  1e-5, limit, mask)
+            wanted, wanted_state = theirs(limit, mask)
+            torch.testing.assert_close(ours, wanted, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(ours_state, wanted_state, rtol=1e-4, atol=1e-4)
+        ours_state = state.clone()
+        ours = ops.mamba_scan(inputs, positions, conv, conv_bias, ours_state, dt, dt_bias, a, d, z, norm, groups,
+                              1e-5)
+        step_window = torch.cat([torch.zeros(sequences, 1, channels), window], dim=1).transpose(1, 2).contiguous()
+        step_state, steps = state.clone(), []
+        for t in range(positions):
+            steps.append(ops.mamba_step(step_window, xbc[:, t], conv, conv_bias, step_state, dt[:, t], dt_bias, a, d,
+                                        z[:, t], norm, groups, 1e-5))
+        assert torch.equal(ours, torch.stack(steps, dim=1)) and torch.equal(ours_state, step_state)
+        each.append((ours, ours_state))
+    for ours, ours_state in each[1:]:
+        assert torch.equal(ours, each[0][0]) and torch.equal(ours_state, each[0][1])

@@ -26,7 +26,8 @@
 //   torch.ops.rungen_ggml.delta_step(...), short_conv_step(...)  a Gated DeltaNet's, a short convolution's and
 //   torch.ops.rungen_ggml.mamba_step(...)                        a Mamba-2 layer's decode step between their
 //                                                               products
-//   torch.ops.rungen_ggml.delta_scan(...)                        a Gated DeltaNet's prompt after its products
+//   torch.ops.rungen_ggml.delta_scan(...), mamba_scan(...)      a Gated DeltaNet's and a Mamba-2 layer's prompt
+//                                                               between their products
 //   torch.ops.rungen_ggml.isa() / set_isa(name)                  the code path in use ("avx512vnni", "avx2",
 //                                                               "scalar"); set_isa forces one (tests)
 //
@@ -79,6 +80,9 @@ TORCH_LIBRARY(rungen_ggml, m) {
   m.def("short_conv_step(Tensor(a!) window, Tensor bcx, Tensor taps) -> Tensor", &short_conv_step);
   m.def("mamba_step(Tensor(a!) window, Tensor xbc, Tensor conv, Tensor? conv_bias, Tensor(b!) state, Tensor dt, "
         "Tensor dt_bias, Tensor a, Tensor d, Tensor z, Tensor norm, int groups, float eps) -> Tensor", &mamba_step);
+  m.def("mamba_scan(Tensor xbc, int positions, Tensor conv, Tensor? conv_bias, Tensor(a!) state, Tensor dt, "
+        "Tensor dt_bias, Tensor a, Tensor d, Tensor z, Tensor norm, int groups, float eps, float dt_min=0., "
+        "Tensor? mask=None) -> Tensor", &mamba_scan);
   m.def("gelu_tanh_mul(Tensor gate_up) -> Tensor", &gelu_tanh_mul);
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, float softcap=0., int window=0, "
         "Tensor? sinks=None) -> Tensor", &attend);

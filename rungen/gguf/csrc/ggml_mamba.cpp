@@ -8,13 +8,17 @@ namespace rungen_ggml {
 
 namespace {
 
-// What ggml_mamba.h's loops read and write: mamba_step's tensors (below) as float32 pointers, and their shapes.
+// What ggml_mamba.h's loops read and write: mamba_step's and mamba_scan's tensors (below) as float32 pointers, and
+// their shapes. A row is a sequence's position (decode: one position, rows the sequences).
 struct MambaJob {
   float *window, *state;
   const float *xbc, *conv, *conv_bias, *dt, *dt_bias, *a, *d, *z, *norm;
   float *y, *out;  // the convolved x, B and C [rows, channels]; the output [rows, heads * head size]
   int64_t rows, channels, kernel, heads, head_size, state_size, groups;
   float eps;
+  int64_t positions = 1, inputs = 1;  // a sequence's positions (rows / sequences), and its convolution's inputs
+  float dt_min = 0.f;                 // the time step's least value (a prompt's, as transformers clamps it)
+  const float* mask = nullptr;        // [rows]: a prompt's padded positions 0, or none
 };
 
 }  // namespace
@@ -76,6 +80,57 @@ at::Tensor mamba_step(const at::Tensor& window, const at::Tensor& xbc_in, const 
     avx2::mamba_step_rows(job);
   } else {
     scalar::mamba_step_rows(job);
+  }
+  return out;
+}
+
+// A prompt's positions through the layer between its products, each sequence's heads a position at a time as
+// mamba_step takes them (the same arithmetic a position, dt at least dt_min): xbc [sequences, inputs, channels] the
+// x, B and C products, the last `positions` of each sequence the prompt's and those before them the convolution's
+// earlier inputs (the cache's window, or none); state [sequences, heads, head size, state size] float32 contiguous,
+// updated in place; dt [sequences, positions, heads]; z [sequences, positions, heads * head size]; mask [sequences,
+// positions] (a padded position 0: its convolved x, B and C zeroed) or none; the rest as mamba_step's. Returns the
+// gated norm's output [sequences, positions, heads * head size].
+at::Tensor mamba_scan(const at::Tensor& xbc_in, int64_t positions, const at::Tensor& conv_in,
+                      const c10::optional<at::Tensor>& conv_bias_in, const at::Tensor& state, const at::Tensor& dt_in,
+                      const at::Tensor& dt_bias_in, const at::Tensor& a_in, const at::Tensor& d_in,
+                      const at::Tensor& z_in, const at::Tensor& norm_in, int64_t groups, double eps, double dt_min,
+                      const c10::optional<at::Tensor>& mask_in) {
+  TORCH_CHECK(state.scalar_type() == at::kFloat && state.is_contiguous() && state.dim() == 4,
+              "rungen_ggml: mamba_scan's state must be contiguous float32 [sequences, heads, head size, state size]");
+  TORCH_CHECK(xbc_in.dim() == 3 && xbc_in.size(0) == state.size(0) && positions > 0 && xbc_in.size(1) >= positions,
+              "rungen_ggml: mamba_scan's xbc must be [sequences, inputs >= positions, channels]");
+  const int64_t sequences = state.size(0), inputs = xbc_in.size(1), channels = xbc_in.size(2);
+  const int64_t heads = state.size(1), dh = state.size(2), n = state.size(3), rows = sequences * positions;
+  TORCH_CHECK(groups > 0 && heads % groups == 0 && channels == heads * dh + 2 * groups * n,
+              "rungen_ggml: mamba_scan's xbc holds ", channels, " channels, not x, B and C of its state's shape");
+  const at::Tensor xbc = floats(xbc_in), conv = floats(conv_in), dt = floats(dt_in), dt_bias = floats(dt_bias_in),
+                   a = floats(a_in), d = floats(d_in), z = floats(z_in), norm = floats(norm_in);
+  at::Tensor conv_bias, mask;
+  if (conv_bias_in.has_value()) conv_bias = floats(*conv_bias_in);
+  if (mask_in.has_value()) mask = floats(*mask_in);
+  TORCH_CHECK(conv.numel() % channels == 0 && dt.numel() == rows * heads && dt_bias.numel() == heads &&
+                  a.numel() == heads && d.numel() == heads && z.numel() == rows * heads * dh &&
+                  norm.numel() == heads * dh && (!conv_bias.defined() || conv_bias.numel() == channels) &&
+                  (!mask.defined() || mask.numel() == rows),
+              "rungen_ggml: mamba_scan's inputs do not match its xbc and state");
+  at::Tensor y = at::empty({rows, channels}, state.options());
+  at::Tensor out = at::empty({sequences, positions, heads * dh}, state.options());
+  MambaJob job{nullptr, state.data_ptr<float>(), xbc.data_ptr<float>(), conv.data_ptr<float>(),
+               conv_bias.defined() ? conv_bias.data_ptr<float>() : nullptr, dt.data_ptr<float>(),
+               dt_bias.data_ptr<float>(), a.data_ptr<float>(), d.data_ptr<float>(), z.data_ptr<float>(),
+               norm.data_ptr<float>(), y.data_ptr<float>(), out.data_ptr<float>(), rows, channels,
+               conv.numel() / channels, heads, dh, n, groups, float(eps)};
+  job.positions = positions;
+  job.inputs = inputs;
+  job.dt_min = float(dt_min);
+  job.mask = mask.defined() ? mask.data_ptr<float>() : nullptr;
+  if (current_isa >= VNNI) {
+    avx512::mamba_scan_rows(job);
+  } else if (current_isa >= AVX2) {
+    avx2::mamba_scan_rows(job);
+  } else {
+    scalar::mamba_scan_rows(job);
   }
   return out;
 }

@@ -1,4 +1,4 @@
-// A Mamba-2 layer's decode step (see mamba_step in ggml_mamba.cpp): included three times by ggml_mamba.cpp, in
+// A Mamba-2 layer's decode step and a prompt's scan (see mamba_step and mamba_scan in ggml_mamba.cpp): included three times by ggml_mamba.cpp, in
 // namespace avx512 compiled for AVX-512, avx2 for AVX2 and scalar for the baseline, and chosen by the code path in
 // use (current_isa). The loops over a head's state are lane by lane (each state value's update as transformers'
 // selective_state_update orders it, no multiply-add fused), the sums over the state and the norm scalar.
@@ -20,22 +20,48 @@ static void mamba_convolve(const MambaJob& job, int64_t r0, int64_t r1) {
   }
 }
 
-// Heads p0..p1 (of rows * heads): the head's state decayed by exp(dt * A) and moved by dt * B * x, read by C, plus D
-// times x; the head's output in `out` before the gated norm.
+// A prompt's convolution for rows r0..r1 (of sequences * positions): each position's sum over the kernel's last
+// inputs (x's positions before the first are zeros), its bias, silu, times the row's mask where there is one (a
+// padded position's x, B and C zeros, as transformers masks them).
+static void mamba_scan_convolve(const MambaJob& job, int64_t r0, int64_t r1) {
+  const int64_t channels = job.channels, kernel = job.kernel, positions = job.positions, inputs = job.inputs;
+  std::vector<float> sums(2 * channels, 1.f);
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t seq = r / positions, last = inputs - positions + r % positions;  // (its input in xbc)
+    std::fill(sums.begin(), sums.begin() + channels, 0.f);
+    for (int64_t j = 0; j < kernel; ++j) {  // (the window's order: oldest first, as mamba_convolve sums it)
+      const int64_t at = last - (kernel - 1) + j;
+      if (at < 0) continue;
+      const float* x = job.xbc + (seq * inputs + at) * channels;
+      for (int64_t c = 0; c < channels; ++c) sums[c] += x[c] * job.conv[c * kernel + j];
+    }
+    if (job.conv_bias)
+      for (int64_t c = 0; c < channels; ++c) sums[c] += job.conv_bias[c];
+    float* y = job.y + r * channels;
+    silu_rows(sums.data(), 0, 1, channels, y);
+    if (job.mask)
+      for (int64_t c = 0; c < channels; ++c) y[c] *= job.mask[r];
+  }
+}
+
+// Heads p0..p1 of the sequences' (sequences * heads), each through its positions in order: the head's state decayed
+// by exp(dt * A) and moved by dt * B * x, read by C, plus D times x; the head's output in `out` before the gated
+// norm. dt at least dt_min (a prompt's time step limit, as transformers' chunked form clamps it).
 static void mamba_heads(const MambaJob& job, int64_t p0, int64_t p1) {
   const int64_t heads = job.heads, dh = job.head_size, n = job.state_size, channels = job.channels;
   const int64_t inner = heads * dh, per_group = heads / job.groups;
   std::vector<float> db(n);
-  for (int64_t p = p0; p < p1; ++p) {
-    const int64_t r = p / heads, h = p % heads, g = h / per_group;
+  for (int64_t pair = p0; pair < p1; ++pair)
+  for (int64_t t = 0; t < job.positions; ++t) {
+    const int64_t h = pair % heads, r = pair / heads * job.positions + t, g = h / per_group, p = r * heads + h;
     const float* x = job.y + r * channels + h * dh;
     const float* b = job.y + r * channels + inner + g * n;
     const float* c = job.y + r * channels + inner + job.groups * n + g * n;
-    const float dt = softplus(job.dt[p] + job.dt_bias[h]);
+    const float dt = std::max(softplus(job.dt[p] + job.dt_bias[h]), job.dt_min);
     const float decay = std::exp(dt * job.a[h]);
     float* __restrict__ step = db.data();
     for (int64_t k = 0; k < n; ++k) step[k] = dt * b[k];
-    float* s = job.state + p * dh * n;
+    float* s = job.state + pair * dh * n;
     float* o = job.out + r * inner + h * dh;
     for (int64_t i = 0; i < dh; ++i) {
       float* __restrict__ row = s + i * n;
@@ -69,5 +95,14 @@ static void mamba_norm(const MambaJob& job, int64_t r0, int64_t r1) {
 void mamba_step_rows(const MambaJob& job) {
   at::parallel_for(0, job.rows, 1, [&](int64_t r0, int64_t r1) { mamba_convolve(job, r0, r1); });
   at::parallel_for(0, job.rows * job.heads, 1, [&](int64_t p0, int64_t p1) { mamba_heads(job, p0, p1); });
+  at::parallel_for(0, job.rows, 1, [&](int64_t r0, int64_t r1) { mamba_norm(job, r0, r1); });
+}
+
+// A prompt: every position's convolution, then each sequence's heads through its positions (a head's state stays in
+// its core's cache for all of them), then every position's gated norm.
+void mamba_scan_rows(const MambaJob& job) {
+  const int64_t sequences = job.rows / job.positions;
+  at::parallel_for(0, job.rows, 1, [&](int64_t r0, int64_t r1) { mamba_scan_convolve(job, r0, r1); });
+  at::parallel_for(0, sequences * job.heads, 1, [&](int64_t p0, int64_t p1) { mamba_heads(job, p0, p1); });
   at::parallel_for(0, job.rows, 1, [&](int64_t r0, int64_t r1) { mamba_norm(job, r0, r1); });
 }

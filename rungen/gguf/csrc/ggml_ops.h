@@ -100,6 +100,11 @@ at::Tensor delta_step(const at::Tensor& window, const at::Tensor& mixed, const a
                       const at::Tensor& a, const at::Tensor& b, const at::Tensor& z, const at::Tensor& decay,
                       const at::Tensor& dt_bias, const at::Tensor& norm, int64_t key_heads, double eps,
                       const c10::optional<at::Tensor>& scatter);
+at::Tensor mamba_scan(const at::Tensor& xbc, int64_t positions, const at::Tensor& conv,
+                      const c10::optional<at::Tensor>& conv_bias, const at::Tensor& state, const at::Tensor& dt,
+                      const at::Tensor& dt_bias, const at::Tensor& a, const at::Tensor& d, const at::Tensor& z,
+                      const at::Tensor& norm, int64_t groups, double eps, double dt_min,
+                      const c10::optional<at::Tensor>& mask);
 at::Tensor delta_scan(const at::Tensor& mixed, int64_t positions, const at::Tensor& conv, const at::Tensor& state,
                       const at::Tensor& a, const at::Tensor& b, const at::Tensor& z, const at::Tensor& decay,
                       const at::Tensor& dt_bias, const at::Tensor& norm, int64_t key_heads, double eps,
