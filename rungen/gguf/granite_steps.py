@@ -8,8 +8,9 @@ one rms_norm call; the attention's q, k and v one product, q and k rotated in on
 transformers' PyTorch forms of a Mamba-2 step (the fallbacks of causal-conv1d and mamba-ssm, which a GPU takes
 instead) cost a decode step about a third of its time: the convolution of one position a depthwise conv1d call, the
 state's update and read broadcast products and a batched product over it, some 40 calls a layer. A prompt (several
-positions) stays transformers' chunked form. The arithmetic is transformers' within float32 rounding (sums in another
-order).
+positions) is one native call between the products too (mamba_scan: each head's state a position at a time, as the
+decode step takes them), where transformers' chunked form takes some fifty operations. The arithmetic is
+transformers' within float32 rounding (sums in another order).
 """
 
 from __future__ import annotations
