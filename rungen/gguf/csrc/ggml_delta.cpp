@@ -18,6 +18,7 @@ struct DeltaJob {
   int64_t rows, channels, kernel, heads, key_heads, dk, dv;
   float eps;
   int64_t positions = 1, inputs = 1;  // a sequence's positions (rows / sequences), and its convolution's inputs
+  const float* taps = nullptr;        // a prompt's: the convolution's weights by tap [kernel, channels]
 };
 
 // `scatter_in` as int64, checked to be a permutation of a row's `columns` output columns; undefined where none.
@@ -132,8 +133,10 @@ at::Tensor delta_scan(const at::Tensor& mixed_in, int64_t positions, const at::T
                dt_bias.data_ptr<float>(), norm.data_ptr<float>(), y.data_ptr<float>(), out.data_ptr<float>(),
                scatter.defined() ? scatter.data_ptr<int64_t>() : nullptr, rows, channels, conv.numel() / channels,
                heads, key_heads, dk, dv, float(eps)};
+  const at::Tensor taps = conv.view({channels, -1}).t().contiguous();  // (a tap's weights side by side)
   job.positions = positions;
   job.inputs = inputs;
+  job.taps = taps.data_ptr<float>();
   if (current_isa >= VNNI) {
     avx512::delta_scan_rows(job);
   } else if (current_isa >= AVX2) {

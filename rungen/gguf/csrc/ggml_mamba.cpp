@@ -17,6 +17,7 @@ struct MambaJob {
   int64_t rows, channels, kernel, heads, head_size, state_size, groups;
   float eps;
   int64_t positions = 1, inputs = 1;  // a sequence's positions (rows / sequences), and its convolution's inputs
+  const float* taps = nullptr;        // a prompt's: the convolution's weights by tap [kernel, channels]
   float dt_min = 0.f;                 // the time step's least value (a prompt's, as transformers clamps it)
   const float* mask = nullptr;        // [rows]: a prompt's padded positions 0, or none
 };
@@ -121,8 +122,10 @@ at::Tensor mamba_scan(const at::Tensor& xbc_in, int64_t positions, const at::Ten
                dt_bias.data_ptr<float>(), a.data_ptr<float>(), d.data_ptr<float>(), z.data_ptr<float>(),
                norm.data_ptr<float>(), y.data_ptr<float>(), out.data_ptr<float>(), rows, channels,
                conv.numel() / channels, heads, dh, n, groups, float(eps)};
+  const at::Tensor taps = conv.view({channels, -1}).t().contiguous();  // (a tap's weights side by side)
   job.positions = positions;
   job.inputs = inputs;
+  job.taps = taps.data_ptr<float>();
   job.dt_min = float(dt_min);
   job.mask = mask.defined() ? mask.data_ptr<float>() : nullptr;
   if (current_isa >= VNNI) {

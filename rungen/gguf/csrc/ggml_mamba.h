@@ -33,7 +33,8 @@ static void mamba_scan_convolve(const MambaJob& job, int64_t r0, int64_t r1) {
       const int64_t at = last - (kernel - 1) + j;
       if (at < 0) continue;
       const float* x = job.xbc + (seq * inputs + at) * channels;
-      for (int64_t c = 0; c < channels; ++c) sums[c] += x[c] * job.conv[c * kernel + j];
+      const float* __restrict__ tap = job.taps + j * channels;
+      for (int64_t c = 0; c < channels; ++c) sums[c] += x[c] * tap[c];
     }
     if (job.conv_bias)
       for (int64_t c = 0; c < channels; ++c) sums[c] += job.conv_bias[c];
