@@ -1,7 +1,8 @@
-// A Gated DeltaNet layer's decode step and a prompt's scan (see delta_step and delta_scan in ggml_delta.cpp): included three times by ggml_delta.cpp, in
-// namespace avx512 compiled for AVX-512, avx2 for AVX2 and scalar for the baseline, and chosen by the code path in
-// use (current_isa). The loops over a head's values are lane by lane (each value's sums over the key in order, no
-// multiply-add fused) and the sums over a head are scalar in every build, so all three give the same bits.
+// A Gated DeltaNet layer's decode step and a prompt's scan (see delta_step and delta_scan in ggml_delta.cpp):
+// included three times by ggml_delta.cpp, in namespace avx512 compiled for AVX-512, avx2 for AVX2 and scalar for the
+// baseline, and chosen by the code path in use (current_isa). The loops over a head's values are lane by lane (each
+// value's sums over the key in order, no multiply-add fused; ggml_lanes.h) and the sums over a head are scalar in
+// every build, so all three give the same bits.
 
 // The convolution of the new position for rows r0..r1 (the window shifted, the position last), silu; then q and k
 // of each key head normalized (l2, eps 1e-6, as transformers' l2norm), q times 1 / sqrt(key size). The SiLUs are
@@ -29,15 +30,7 @@ static void delta_convolve(const DeltaJob& job, int64_t r0, int64_t r1) {
   }
 }
 
-// Sixteen floats as one value (GCC's vector extension: the build's widest registers, two AVX2 ones, four SSE ones),
-// its arithmetic lane by lane: the same bits in every build.
-typedef float Lanes __attribute__((vector_size(64)));
-static inline Lanes lanes(const float* p) {
-  Lanes v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-static inline void store(float* p, const Lanes& v) { std::memcpy(p, &v, sizeof v); }
+#include "ggml_lanes.h"
 
 // The columns of a head's state a pass holds in registers: eight Lanes.
 constexpr int LANES = 8;

@@ -1,7 +1,10 @@
-// A Mamba-2 layer's decode step and a prompt's scan (see mamba_step and mamba_scan in ggml_mamba.cpp): included three times by ggml_mamba.cpp, in
-// namespace avx512 compiled for AVX-512, avx2 for AVX2 and scalar for the baseline, and chosen by the code path in
-// use (current_isa). The loops over a head's state are lane by lane (each state value's update as transformers'
-// selective_state_update orders it, no multiply-add fused), the sums over the state and the norm scalar.
+// A Mamba-2 layer's decode step and a prompt's scan (see mamba_step and mamba_scan in ggml_mamba.cpp): included
+// three times by ggml_mamba.cpp, in namespace avx512 compiled for AVX-512, avx2 for AVX2 and scalar for the
+// baseline, and chosen by the code path in use (current_isa). The loops over a head's state are lane by lane (each
+// state value's update as transformers' selective_state_update orders it, no multiply-add fused), the sums over the
+// state in lanes added in one fixed order (ggml_lanes.h), the norm's scalar: the same bits in every build.
+
+#include "ggml_lanes.h"
 
 // The convolution of the new position for rows r0..r1 (the window shifted, the position last), its bias, silu.
 static void mamba_convolve(const MambaJob& job, int64_t r0, int64_t r1) {
@@ -64,12 +67,23 @@ static void mamba_heads(const MambaJob& job, int64_t p0, int64_t p1) {
     for (int64_t k = 0; k < n; ++k) step[k] = dt * b[k];
     float* s = job.state + pair * dh * n;
     float* o = job.out + r * inner + h * dh;
+    const int64_t whole = n - n % 16;
     for (int64_t i = 0; i < dh; ++i) {
       float* __restrict__ row = s + i * n;
       const float xi = x[i];
-      for (int64_t k = 0; k < n; ++k) row[k] = row[k] * decay + step[k] * xi;
-      float sum = 0.f;
-      for (int64_t k = 0; k < n; ++k) sum += row[k] * c[k];
+      // Sixteen of the state's values at a time, their products with C summed in lanes, then the lanes in one fixed
+      // order (total), then the values past the last sixteen in order.
+      Lanes sums{};
+      for (int64_t k = 0; k < whole; k += 16) {
+        const Lanes next = lanes(row + k) * decay + lanes(step + k) * xi;
+        store(row + k, next);
+        sums += next * lanes(c + k);
+      }
+      float sum = total(sums);
+      for (int64_t k = whole; k < n; ++k) {
+        row[k] = row[k] * decay + step[k] * xi;
+        sum += row[k] * c[k];
+      }
       o[i] = sum + xi * job.d[h];
     }
   }
