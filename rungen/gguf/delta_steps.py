@@ -24,7 +24,7 @@ from ..host_memory import release_freed_memory
 from .blocks import GGMLLinear, join
 from .conversions import InputPermuted
 from .kernels import native_kernels
-from .native_steps import JoinedAttention, join_attention, join_gated_mlp, native_layers
+from .native_steps import JoinedAttention, join_attention, join_gated_mlp, native_layers, scan_inputs
 
 DELTA_STEPS_MODELS = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 GATED_MLPS = ("Qwen3_5MLP",)  # (the mixture's shared expert: in its block's one native call, experts.py)
@@ -121,13 +121,8 @@ class DeltaNetStep(torch.nn.Module):
         hidden_states = self.masked(hidden_states, attention_mask)
         batch, positions, _ = hidden_states.shape
         qkv, z, b, a = self.products(hidden_states)
-        state = None
-        if cache_params is not None:
-            state = cache_params.get_recurrent_state(m.layer_idx, state_idx=0)
-            qkv = cache_params.update_conv_state(qkv.transpose(1, 2), m.layer_idx,
-                                                 conv_kernel_size=m.conv_kernel_size).transpose(1, 2)
-        state = (torch.zeros(batch, m.num_v_heads, m.head_k_dim, m.head_v_dim) if state is None
-                 else state.float().clone())
+        qkv, state = scan_inputs(cache_params, m.layer_idx, qkv, m.conv_kernel_size,
+                                 (batch, m.num_v_heads, m.head_k_dim, m.head_v_dim))
         out = torch.ops.rungen_ggml.delta_scan(qkv, positions, self.conv, state, a, b, z, self.decay, m.dt_bias,
                                                self.norm_weight, m.num_k_heads, m.layer_norm_epsilon, self.scatter)
         if cache_params is not None:

@@ -23,7 +23,7 @@ import torch
 from .blocks import GGMLLinear, GGMLParts
 from .experts import silu
 from .kernels import native_kernels
-from .native_steps import NativeGatedMLP, NativeGraniteAttention, join_attention, native_layers
+from .native_steps import NativeGatedMLP, NativeGraniteAttention, join_attention, native_layers, scan_inputs
 
 GRANITE_MODELS = ("GraniteMoeHybridForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
                   "NemotronHForCausalLM")
@@ -61,13 +61,8 @@ class MambaStep(torch.nn.Module):
         hidden_states = self.masked(hidden_states, attention_mask)
         batch, positions, _ = hidden_states.shape
         z, xbc, dt = m.in_proj(hidden_states).split(self.widths, dim=-1)
-        state = None
-        if cache_params is not None:
-            state = cache_params.get_recurrent_state(m.layer_idx, state_idx=0)
-            xbc = cache_params.update_conv_state(xbc.transpose(1, 2), m.layer_idx,
-                                                 conv_kernel_size=m.conv_kernel_size).transpose(1, 2)
-        state = (torch.zeros(batch, m.num_heads, m.head_dim, m.ssm_state_size) if state is None
-                 else state.float().clone())
+        xbc, state = scan_inputs(cache_params, m.layer_idx, xbc, m.conv_kernel_size,
+                                 (batch, m.num_heads, m.head_dim, m.ssm_state_size))
         out = torch.ops.rungen_ggml.mamba_scan(xbc, positions, self.conv, self.conv_bias, state, dt, m.dt_bias,
                                                self.a, m.D, z, m.norm.weight, m.n_groups, m.norm.variance_epsilon,
                                                float(m.time_step_limit[0]), attention_mask)

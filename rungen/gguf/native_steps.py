@@ -271,6 +271,20 @@ class GpuKernelHints(logging.Filter):
             logger.addFilter(cls())
 
 
+def scan_inputs(cache_params, layer: int, products: torch.Tensor, kernel: int,
+                state_shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A recurrent layer's prompt scan's inputs (delta_steps.py's and granite_steps.py's): its convolution's inputs,
+    the products [batch, positions, channels] after the cache's window as the module's own forward takes them
+    (update_conv_state, which keeps the new window), and a float32 copy of the layer's state (zeros where the cache
+    holds none, or without a cache), which the scan updates and the caller gives back (update_recurrent_state)."""
+    state = None
+    if cache_params is not None:
+        state = cache_params.get_recurrent_state(layer, state_idx=0)
+        products = cache_params.update_conv_state(products.transpose(1, 2), layer,
+                                                  conv_kernel_size=kernel).transpose(1, 2)
+    return products, torch.zeros(state_shape) if state is None else state.float().clone()
+
+
 def attend_natively(model: torch.nn.Module) -> None:
     """Gives transformers' layers of `model` native_attention (under NATIVE_ATTENTION, with eager masks) and a cache
     that grows in place, in float16 (what the native attend reads in place)."""

@@ -4,11 +4,23 @@
 // value's sums over the key in order, no multiply-add fused; ggml_lanes.h) and the sums over a head are scalar in
 // every build, so all three give the same bits.
 
+// A row's q and k of each key head (y: its convolved q/k/v) normalized (l2, eps 1e-6, as transformers' l2norm), q
+// times 1 / sqrt(key size).
+static void normalize_qk(const DeltaJob& job, float* y) {
+  const int64_t dk = job.dk, key_heads = job.key_heads;
+  for (int64_t h = 0; h < 2 * key_heads; ++h) {
+    float* x = y + h * dk;
+    float sum = 0.f;
+    for (int64_t i = 0; i < dk; ++i) sum += x[i] * x[i];
+    const float inv = 1.f / std::sqrt(sum + 1e-6f), scale = h < key_heads ? 1.f / std::sqrt(float(dk)) : 1.f;
+    for (int64_t i = 0; i < dk; ++i) x[i] = x[i] * inv * scale;
+  }
+}
+
 // The convolution of the new position for rows r0..r1 (the window shifted, the position last), silu; then q and k
-// of each key head normalized (l2, eps 1e-6, as transformers' l2norm), q times 1 / sqrt(key size). The SiLUs are
-// silu_rows' (the build's exp), over [sums | ones].
+// normalized (normalize_qk). The SiLUs are silu_rows' (the build's exp), over [sums | ones].
 static void delta_convolve(const DeltaJob& job, int64_t r0, int64_t r1) {
-  const int64_t channels = job.channels, kernel = job.kernel, dk = job.dk, key_heads = job.key_heads;
+  const int64_t channels = job.channels, kernel = job.kernel;
   std::vector<float> sums(2 * channels, 1.f);
   for (int64_t r = r0; r < r1; ++r) {
     for (int64_t c = 0; c < channels; ++c) {
@@ -20,13 +32,7 @@ static void delta_convolve(const DeltaJob& job, int64_t r0, int64_t r1) {
       sums[c] = sum;
     }
     silu_rows(sums.data(), 0, 1, channels, job.y + r * channels);
-    for (int64_t h = 0; h < 2 * key_heads; ++h) {
-      float* x = job.y + r * channels + h * dk;
-      float sum = 0.f;
-      for (int64_t i = 0; i < dk; ++i) sum += x[i] * x[i];
-      const float inv = 1.f / std::sqrt(sum + 1e-6f), scale = h < key_heads ? 1.f / std::sqrt(float(dk)) : 1.f;
-      for (int64_t i = 0; i < dk; ++i) x[i] = x[i] * inv * scale;
-    }
+    normalize_qk(job, job.y + r * channels);
   }
 }
 
@@ -39,27 +45,13 @@ constexpr int64_t COLUMNS = 16 * LANES;
 // A prompt's convolution for rows r0..r1 (of sequences * positions): each position's sum over the kernel's last
 // inputs (x's positions before the first are zeros), silu, q and k normalized as delta_convolve's.
 static void scan_convolve(const DeltaJob& job, int64_t r0, int64_t r1) {
-  const int64_t channels = job.channels, kernel = job.kernel, dk = job.dk, key_heads = job.key_heads;
-  const int64_t positions = job.positions, inputs = job.inputs;
+  const int64_t channels = job.channels, positions = job.positions, inputs = job.inputs;
   std::vector<float> sums(2 * channels, 1.f);
   for (int64_t r = r0; r < r1; ++r) {
-    const int64_t seq = r / positions, last = inputs - positions + r % positions;  // (its input in x)
-    std::fill(sums.begin(), sums.begin() + channels, 0.f);
-    for (int64_t j = 0; j < kernel; ++j) {  // (the window's order: oldest first, as delta_convolve sums it)
-      const int64_t at = last - (kernel - 1) + j;
-      if (at < 0) continue;
-      const float* x = job.mixed + (seq * inputs + at) * channels;
-      const float* __restrict__ tap = job.taps + j * channels;
-      for (int64_t c = 0; c < channels; ++c) sums[c] += x[c] * tap[c];
-    }
+    convolve_position(job.mixed + r / positions * inputs * channels, inputs - positions + r % positions, job.kernel,
+                      job.taps, channels, sums.data());
     silu_rows(sums.data(), 0, 1, channels, job.y + r * channels);
-    for (int64_t h = 0; h < 2 * key_heads; ++h) {
-      float* x = job.y + r * channels + h * dk;
-      float sum = 0.f;
-      for (int64_t i = 0; i < dk; ++i) sum += x[i] * x[i];
-      const float inv = 1.f / std::sqrt(sum + 1e-6f), scale = h < key_heads ? 1.f / std::sqrt(float(dk)) : 1.f;
-      for (int64_t i = 0; i < dk; ++i) x[i] = x[i] * inv * scale;
-    }
+    normalize_qk(job, job.y + r * channels);
   }
 }
 

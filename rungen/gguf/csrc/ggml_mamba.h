@@ -27,18 +27,11 @@ static void mamba_convolve(const MambaJob& job, int64_t r0, int64_t r1) {
 // inputs (x's positions before the first are zeros), its bias, silu, times the row's mask where there is one (a
 // padded position's x, B and C zeros, as transformers masks them).
 static void mamba_scan_convolve(const MambaJob& job, int64_t r0, int64_t r1) {
-  const int64_t channels = job.channels, kernel = job.kernel, positions = job.positions, inputs = job.inputs;
+  const int64_t channels = job.channels, positions = job.positions, inputs = job.inputs;
   std::vector<float> sums(2 * channels, 1.f);
   for (int64_t r = r0; r < r1; ++r) {
-    const int64_t seq = r / positions, last = inputs - positions + r % positions;  // (its input in xbc)
-    std::fill(sums.begin(), sums.begin() + channels, 0.f);
-    for (int64_t j = 0; j < kernel; ++j) {  // (the window's order: oldest first, as mamba_convolve sums it)
-      const int64_t at = last - (kernel - 1) + j;
-      if (at < 0) continue;
-      const float* x = job.xbc + (seq * inputs + at) * channels;
-      const float* __restrict__ tap = job.taps + j * channels;
-      for (int64_t c = 0; c < channels; ++c) sums[c] += x[c] * tap[c];
-    }
+    convolve_position(job.xbc + r / positions * inputs * channels, inputs - positions + r % positions, job.kernel,
+                      job.taps, channels, sums.data());
     if (job.conv_bias)
       for (int64_t c = 0; c < channels; ++c) sums[c] += job.conv_bias[c];
     float* y = job.y + r * channels;
