@@ -125,11 +125,7 @@ class ModelBuild:
             return  # as transformers: tensors the model does not hold (e.g. llama3's rope_freqs)
         if self.converted and (split := self.processor.split(name)) is not None:  # (Qwen3-Next's fused projections)
             for target, rows in split:
-                module = self.model.get_submodule(target.rpartition(".")[0])
-                if code in FLOAT_TYPES:
-                    self.float_tensor(entry, target, module, rows)
-                else:
-                    self.blocks_tensor(entry, target, module, rows)
+                self.weight_tensor(entry, target, self.model.get_submodule(target.rpartition(".")[0]), rows)
             return
         module_name = hf_name.rpartition(".")[0]
         module = self.model.get_submodule(module_name)
@@ -145,10 +141,15 @@ class ModelBuild:
         elif self.converted and (joined := self.processor.part(name)) is not None:
             which, count = joined
             self.joined.setdefault(hf_name, (count, {}))[1][which] = entry  # built once all are known
-        elif code in FLOAT_TYPES:
-            self.float_tensor(entry, hf_name, module)
         else:
-            self.blocks_tensor(entry, hf_name, module)
+            self.weight_tensor(entry, hf_name, module)
+
+    def weight_tensor(self, entry, hf_name: str, module: torch.nn.Module, rows: np.ndarray | None = None) -> None:
+        """A tensor (`rows`: those of it, where the table splits it) as float values or blocks, by its type."""
+        if entry.code in FLOAT_TYPES:
+            self.float_tensor(entry, hf_name, module, rows)
+        else:
+            self.blocks_tensor(entry, hf_name, module, rows)
 
     def float_tensor(self, entry, hf_name: str, module: torch.nn.Module, rows: np.ndarray | None = None) -> None:
         """An F32/F16/BF16 tensor (`rows`: those of it, where the table splits it): on the CPU in its own dtype where
@@ -218,13 +219,13 @@ class ModelBuild:
                 return
             interleave = (not embedding or module_name == self.tied_embedding) and interleavable(qtype, out_features)
             if order is not False:
-                rows = reader.rows(entry, interleave, order, read=hf_name.endswith(self.fused))
+                blocks = reader.rows(entry, interleave, order, read=hf_name.endswith(self.fused))
                 if embedding:
-                    self.layers[module_name] = GGMLEmbedding(rows, qtype, in_features, self.dtype,
+                    self.layers[module_name] = GGMLEmbedding(blocks, qtype, in_features, self.dtype,
                                                              getattr(module, "embed_scale", None),
                                                              interleaved=interleave)
                 else:  # GGUF rows are output channels, also for GPT-2's transposed Conv1D
-                    layer = GGMLLinear(rows, qtype, in_features, interleaved=interleave)
+                    layer = GGMLLinear(blocks, qtype, in_features, interleaved=interleave)
                     self.layers[module_name] = layer if columns is None else InputPermuted(layer, columns)
                 return
         # A transform only float values can take: this tensor alone is de-quantized, as transformers does.

@@ -356,13 +356,14 @@ def _qwen3next(config) -> list:
     key_dim, value_dim = text.linear_key_head_dim, text.linear_value_head_dim
     table = []
     for entry in _qwen35moe(config):  # (their value heads as the file holds them)
-        operations = [op for op in getattr(entry, "operations", ())
-                      if not isinstance(op, (TiledToGroupedRows, TiledToGroupedInputs))]
-        if not isinstance(entry, WeightConverter):
-            table.append(entry)
-        elif operations:
-            table.append(WeightConverter(source_patterns=entry.source_patterns,
-                                         target_patterns=entry.target_patterns, operations=operations))
+        if isinstance(entry, WeightConverter):
+            operations = [op for op in entry.operations
+                          if not isinstance(op, (TiledToGroupedRows, TiledToGroupedInputs))]
+            if not operations:
+                continue
+            entry = WeightConverter(source_patterns=entry.source_patterns, target_patterns=entry.target_patterns,
+                                    operations=operations)
+        table.append(entry)
     per_key = value_heads // key_heads  # (a key head's value heads)
     ba = torch.arange(2 * value_heads, device="cpu").view(key_heads, 2, per_key)
     widths = [key_dim, key_dim, per_key * value_dim, per_key * value_dim]

@@ -4,6 +4,8 @@
 // value's sums over the key in order, no multiply-add fused; ggml_lanes.h) and the sums over a head are scalar in
 // every build, so all three give the same bits.
 
+#include "ggml_lanes.h"
+
 // A row's q and k of each key head (y: its convolved q/k/v) normalized (l2, eps 1e-6, as transformers' l2norm), q
 // times 1 / sqrt(key size).
 static void normalize_qk(const DeltaJob& job, float* y) {
@@ -35,8 +37,6 @@ static void delta_convolve(const DeltaJob& job, int64_t r0, int64_t r1) {
     normalize_qk(job, job.y + r * channels);
   }
 }
-
-#include "ggml_lanes.h"
 
 // The columns of a head's state a pass holds in registers: eight Lanes.
 constexpr int LANES = 8;
@@ -72,21 +72,20 @@ static void delta_heads(const DeltaJob& job, int64_t p0, int64_t p1) {
     float* o = job.scatter ? held.data() : job.out + p * dv;
     const float g = std::exp(job.decay[h] * softplus(job.a[p] + job.dt_bias[h]));
     const float beta = 1.f / (1.f + std::exp(-job.b[p]));
-    // A block of columns at a time (128: the whole of Qwen3.5's value heads, 64 KB of state for a key of 128, read
-    // from the L2 cache in its first pass, from the L1 in its second), their sums over the key's rows held in
-    // registers, eight independent chains; each column's sums in the rows' order, as row by row. The columns past
-    // the last whole block one at a time.
+    // A block of columns at a time (128: a whole Qwen3.5 value head, 64 KB of state for a key of 128, read from the
+    // L2 cache in its first pass), their sums over the key's rows held in registers, eight independent chains; each
+    // column's sums in the rows' order, as row by row. The columns past the last whole block one at a time.
     const int64_t whole = dv - dv % COLUMNS;
     for (int64_t j0 = 0; j0 < whole; j0 += COLUMNS) {
-      Lanes r[LANES] = {}, m[LANES], out[LANES] = {};
+      Lanes read[LANES] = {}, m[LANES], out[LANES] = {};
       for (int64_t i = 0; i < dk; ++i) {
         const float ki = k[i];
         const float* row = s + i * dv + j0;
 #pragma GCC unroll 8
-        for (int l = 0; l < LANES; ++l) r[l] += ki * lanes(row + 16 * l);
+        for (int l = 0; l < LANES; ++l) read[l] += ki * lanes(row + 16 * l);
       }
 #pragma GCC unroll 8
-      for (int l = 0; l < LANES; ++l) m[l] = (lanes(v + j0 + 16 * l) - g * r[l]) * beta;
+      for (int l = 0; l < LANES; ++l) m[l] = (lanes(v + j0 + 16 * l) - g * read[l]) * beta;
       for (int64_t i = 0; i < dk; ++i) {
         const float ki = k[i], qi = q[i];
         float* row = s + i * dv + j0;
