@@ -27,6 +27,8 @@ Modules, from the ground up:
 - conversions.py: the architectures transformers reads by its own conversion table (Qwen3.5, LFM2) as the build's
   weights map and processor (Conversion; InputPermuted for a weight whose columns stay in the file's order).
 - file.py: the header and its cache (config, tokenizer, tensor table, what the file holds for transformers).
+- held_tensors.py: the tensors that make one layer only together (a mixture's experts, a weight joined by rows),
+  held until all are read, then built (HeldTensors).
 - build.py: transformers' model of the file, its weights taken in tensor by tensor (build_model).
 - model.py: the own model (GGUFCausalLM) of the families' files, without transformers.
 - tokenizer.py: the file's tokenizer on the tokenizers library alone.

@@ -24,32 +24,21 @@ from .blocks import (
     GGMLLinear,
     dequantize,
     interleavable,
-    join,
     weights_per_row,
 )
 from .conv_steps import conv_steps
 from .conversions import Conversion, InputPermuted, converted
 from .decoder import FUSED_WEIGHTS, fusable, fuse_decoder_layers
 from .delta_steps import delta_steps
-from .device import DeviceForms, JoinedRows
-from .device_experts import coded_experts
-from .experts import (
-    ClampedSwiGLU,
-    build_experts,
-    dequantized_experts,
-    expert_products,
-    gpt_oss_dequantized,
-    holds_experts,
-    mixtures_in_one_call,
-    part_of,
-    route_rows_alike,
-)
+from .device import DeviceForms
+from .experts import holds_experts, mixtures_in_one_call, part_of, route_rows_alike
 from .families import WITH_EXPERTS
-from .file import GGUFHeader, first_line, read_as_their_likes, type_name, unsupported_message
+from .file import GGUFHeader, first_line, read_as_their_likes, unsupported_message
 from .granite_steps import granite_steps
+from .held_tensors import HeldTensors
 from .latent_attention import absorb_latents
 from .native_steps import GpuKernelHints, steps_natively
-from .weights import FLOAT_TYPES, GGUFError, WeightReader, as_torch, split_hint
+from .weights import FLOAT_TYPES, GGUFError, WeightReader, as_torch, check_shape, split_hint
 
 logger = logging.getLogger("run_generation")
 
@@ -64,14 +53,15 @@ def build_model(header: GGUFHeader, dtype: torch.dtype, device: torch.device | N
     build = ModelBuild(header, dtype, device, quantize)
     for entry in build.reader.tensors:
         build.take(entry)
-    build.experts()
-    build.joined_weights()
+    build.place_collected()
+    build.layers.update(build.held.layers())
     return build.finish()
 
 
 class ModelBuild:
-    """One build_model: the model on meta, each of the file's tensors taken into it (take), a mixture's experts once
-    their three tensors are known (experts), then the layers that replace the model's own set in place (finish)."""
+    """One build_model: the model on meta, each of the file's tensors taken into it (take; those that make a layer only
+    together held in `held` until all are read), then the layers that replace the model's own set in place
+    (finish)."""
 
     def __init__(self, header: GGUFHeader, dtype: torch.dtype, device: torch.device | None, quantize: str | None):
         from accelerate import init_empty_weights
@@ -113,8 +103,7 @@ class ModelBuild:
         self.collected = {"tensors": _Placed(device, dtype) if on_device else {}}
         self.biases = {}  # module name -> bias, given to the layer that ends up there
         self.layers = {}  # module name -> the layer that replaces the model's own
-        self.expert_parts = {}  # a mixture's Experts module name -> its gate/up/down tensors, held in their blocks
-        self.joined = {}  # a weight joined by rows from several tensors -> (how many, {which: tensor})
+        self.held = HeldTensors(header.path, self.reader, model, dtype, device, quantize, self.forms, self.put)
 
     def take(self, entry) -> None:
         """One of the file's tensors into the model: a parameter set, a layer that replaces the model's own, or (a
@@ -132,15 +121,14 @@ class ModelBuild:
         part = part_of(name)
         if part is not None and type(module).__name__ == "GptOssExperts":
             # gpt-oss's: the three weights and their biases, built as GGMLExperts
-            self.expert_parts.setdefault(module_name, {})[part if name.endswith(".weight") else f"{part}_bias"] = entry
+            self.held.expert(module_name, part if name.endswith(".weight") else f"{part}_bias", entry)
         # (on a device, under --quantize or for transformers' conversion table (which joins gate and up) of any type,
         # float ones too: de-quantized or cast an expert at a time)
         elif part is not None and holds_experts(module) and (
                 code in SUPPORTED or self.on_device or self.quantize is not None or self.converted):
-            self.expert_parts.setdefault(module_name, {})[part] = entry  # built once the layer's three are known
+            self.held.expert(module_name, part, entry)  # built once the layer's three are known
         elif self.converted and (joined := self.processor.part(name)) is not None:
-            which, count = joined
-            self.joined.setdefault(hf_name, (count, {}))[1][which] = entry  # built once all are known
+            self.held.joined_part(hf_name, *joined, entry)  # built once all are known
         else:
             self.weight_tensor(entry, hf_name, module)
 
@@ -170,7 +158,7 @@ class ModelBuild:
                             "cannot take here; --dequantize loads it in float32")
         tensor = _unsqueezed(as_torch(raw if result.weights is raw else np.ascontiguousarray(result.weights), code),
                              module, attr)
-        _check_shape(self.header.path, name, module, attr, tensor.shape)
+        check_shape(self.header.path, name, module, attr, tensor.shape)
         if self.on_device:
             self.put(hf_name, tensor.to(device=self.device, dtype=dtype))
         elif attr == "bias" and isinstance(module, (torch.nn.Linear, Conv1D)):
@@ -198,8 +186,8 @@ class ModelBuild:
         in_features = weights_per_row(qtype, shape[-1])
         out_features = shape[0] if rows is None else len(rows)
         if len(shape) == 2 and attr == "weight" and isinstance(module, (torch.nn.Linear, Conv1D, torch.nn.Embedding)):
-            _check_shape(self.header.path, name, module, attr,
-                         (in_features, out_features) if isinstance(module, Conv1D) else (out_features, in_features))
+            check_shape(self.header.path, name, module, attr,
+                        (in_features, out_features) if isinstance(module, Conv1D) else (out_features, in_features))
             order = _row_permutation(self.processor, name, shape[0]) if rows is None else rows
             embedding = isinstance(module, torch.nn.Embedding)
             columns = self.processor.column_order(name) if self.converted else None
@@ -235,119 +223,13 @@ class ModelBuild:
         result = (_process(self.processor, self.header, name, values, self.names, self.collected) if rows is None
                   else GGUFTensor(values[rows], hf_name, {}))
         if result.name is not None:
-            _check_shape(self.header.path, name, module, attr, result.weights.shape)
+            check_shape(self.header.path, name, module, attr, result.weights.shape)
             self.put(hf_name, torch.from_numpy(np.ascontiguousarray(result.weights)).to(self.device, self.dtype))
 
-    def experts(self) -> None:
-        """What processors left in `collected` set, then each mixture's experts from its three tensors: on the CPU in
-        their blocks, on a device in codes where their types have them there, else de-quantized."""
+    def place_collected(self) -> None:
+        """What processors that merge or split tensors left in `collected`, set in the model."""
         for hf_name, value in self.collected["tensors"].items():
             self.put(hf_name, value.to(self.device, self.dtype))
-        path, reader = self.header.path, self.reader
-        for module_name, parts in self.expert_parts.items():
-            biases = {name: parts.pop(name) for name in ("gate_bias", "up_bias", "down_bias") if name in parts}
-            module = self.model.get_submodule(module_name)
-            wanted = ("gate", "up", "down") if getattr(module, "has_gate", True) else ("up", "down")
-            if any(part not in parts for part in wanted):
-                layer = next(iter(parts.values())).name.rsplit(".", 2)[0]  # blk.N
-                missing = [f"{layer}.ffn_{part}_exps.weight" for part in wanted if part not in parts]
-                if all(name in reader.table for name in missing):
-                    raise GGUFError(f"{path}: {layer}'s experts are partly in float tensors ({missing[0]}), partly "
-                                    "in blocks, which this loader does not hold together on the CPU; --dequantize "
-                                    "runs the file")
-                absent = next(name for name in missing if name not in reader.table)
-                raise GGUFError(f"{path}: the file has no tensor {absent}{split_hint(path)}")
-            if type(module).__name__ == "GptOssExperts":
-                self.gpt_oss_experts(module_name, module, parts, biases)
-                continue
-            shapes = expert_products(module).values()
-            coded = (coded_experts(reader, parts, *shapes, module.act_fn, self.forms)
-                     if self.on_device and self.quantize is None else None)
-            if coded is not None:
-                self.layers[module_name] = coded
-            elif self.on_device or self.quantize is not None or any(
-                    part.code in FLOAT_TYPES for part in parts.values()):  # no codes on the GPU; --quantize's; floats
-                for attr, value in dequantized_experts(reader, parts, module, self.dtype,
-                                                       self.device or torch.device("cpu")).items():
-                    self.put(f"{module_name}.{attr}", value)
-            else:
-                self.layers[module_name] = build_experts(reader, parts, *shapes, module.act_fn)
-
-    def joined_weights(self) -> None:
-        """Each weight transformers' table joins by rows from several of the file's tensors (Granite 4.0's shared MLP:
-        its gate and up): on the CPU one product over their blocks (blocks.join: one layer where their types agree), on
-        a device each part in its codes (JoinedRows), else their values concatenated (de-quantized under --quantize,
-        or where a part's type has no codes there)."""
-        from gguf import GGMLQuantizationType
-
-        path, reader = self.header.path, self.reader
-        for hf_name, (count, parts) in self.joined.items():
-            module_name, _, attr = hf_name.rpartition(".")
-            module = self.model.get_submodule(module_name)
-            if len(parts) < count:
-                raise GGUFError(f"{path}: {hf_name} is joined from {count} tensors, of which the file has "
-                                f"{len(parts)} ({next(iter(parts.values())).name}){split_hint(path)}")
-            entries = [parts[which] for which in range(count)]
-            blocks = not any(entry.code in FLOAT_TYPES for entry in entries) and self.quantize is None
-            qtypes = [GGMLQuantizationType(entry.code) for entry in entries] if blocks else []
-            widths = [weights_per_row(qtype, entry.shape[-1]) for qtype, entry in zip(qtypes, entries)]
-            if blocks and not self.on_device:
-                unsupported = [entry for entry in entries if entry.code not in SUPPORTED]
-                if unsupported:
-                    raise GGUFError(unsupported_message(path, unsupported[0].name, unsupported[0].code))
-                interleave = all(interleavable(qtype, entry.shape[0]) for qtype, entry in zip(qtypes, entries))
-                layer = join([GGMLLinear(reader.rows(entry, interleave), qtype, width, interleaved=interleave)
-                              for qtype, entry, width in zip(qtypes, entries, widths)])
-                if layer is None:
-                    raise GGUFError(f"{path}: tensors {entries[0].name} and {entries[1].name}, joined into one "
-                                    "weight, take inputs of different widths")
-                _check_shape(path, entries[0].name, module, attr, (layer.out_features, layer.in_features))
-                self.layers[module_name] = layer
-                continue
-            if blocks:  # on a device: each part in its codes where its type has them there
-                forms = [self.forms.keep(reader, entry, qtype, width, module, None, False)
-                         for qtype, entry, width in zip(qtypes, entries, widths)]
-                if not any(isinstance(form, torch.Tensor) for form in forms):
-                    self.layers[module_name] = JoinedRows(forms)
-                    continue
-                del forms
-            device = self.device or torch.device("cpu")
-            values = torch.cat([reader.float_tensor(entry).to(device, self.dtype) if entry.code in FLOAT_TYPES
-                                else reader.dequantized(entry, self.dtype, device) for entry in entries])
-            _check_shape(path, entries[0].name, module, attr, values.shape)
-            self.put(hf_name, values)
-
-    def gpt_oss_experts(self, module_name: str, module: torch.nn.Module, parts: dict, biases: dict) -> None:
-        """gpt-oss's Experts module (gate_up_proj [experts, hidden, gate and up interleaved], down_proj [experts,
-        inner, hidden], their biases, the clamped SwiGLU) as experts over the file's blocks (gate rows then up rows,
-        the biases in that order): GGMLExperts on the CPU; on a GPU experts in codes (coded_experts) where its types
-        have them there, else its own parameters de-quantized there."""
-        missing = [part for part in ("gate", "up", "down") if f"{part}_bias" not in biases]
-        if missing:
-            layer = parts["down"].name.rsplit(".", 2)[0]
-            raise GGUFError(f"{self.header.path}: the file has no tensor {layer}.ffn_{missing[0]}_exps.bias")
-        blocks = [tensor for tensor in biases.values() if tensor.code not in FLOAT_TYPES]
-        if blocks:
-            raise GGUFError(f"{self.header.path}: tensor {blocks[0].name} is in {type_name(blocks[0].code)} blocks, "
-                            "where a bias is F32, F16 or BF16")
-        floats = [tensor.name for tensor in parts.values() if tensor.code in FLOAT_TYPES]
-        if floats and not self.on_device:
-            raise GGUFError(f"{self.header.path}: gpt-oss's experts in float tensors ({floats[0]}), which this loader "
-                            "holds only in blocks on the CPU")
-        values = {name: self.reader.float_tensor(tensor).to(self.device or "cpu", self.dtype)
-                  for name, tensor in biases.items()}
-        count, hidden, inner = module.gate_up_proj.shape
-        shapes = (count, inner, hidden), (count, hidden, inner // 2)
-        held = ((torch.cat([values["gate_bias"], values["up_bias"]], dim=-1), values["down_bias"]),
-                ClampedSwiGLU(module.alpha, module.limit))
-        experts = (coded_experts(self.reader, parts, *shapes, None, self.forms, *held) if self.on_device
-                   else build_experts(self.reader, parts, *shapes, None, *held))
-        if experts is not None:
-            self.layers[module_name] = experts
-            return
-        del values, held  # (their copies on the GPU go before the de-quantized ones come)
-        for attr, value in gpt_oss_dequantized(self.reader, parts, biases, module, self.dtype, self.device).items():
-            self.put(f"{module_name}.{attr}", value)
 
     def finish(self) -> torch.nn.Module:
         """The model with its layers in place, eval mode, on the device (quantized where asked)."""
@@ -483,15 +365,6 @@ def _unsqueezed(tensor: torch.Tensor, module: torch.nn.Module, attr: str) -> tor
             [size for size in expected.shape if size != 1] == [size for size in tensor.shape if size != 1]:
         return tensor.reshape(expected.shape)
     return tensor
-
-
-def _check_shape(path: str, name: str, module: torch.nn.Module, attr: str, shape) -> None:
-    """GGUFError when tensor `name` is not the shape of the parameter it replaces (the metadata's model is not the
-    file's)."""
-    expected = getattr(module, attr, None)
-    if isinstance(expected, torch.Tensor) and tuple(expected.shape) != tuple(shape):
-        raise GGUFError(f"{path}: tensor {name} is {list(shape)}, where the model its metadata describes has "
-                        f"{list(expected.shape)}")
 
 
 def _activations_from_keys(model, config) -> None:

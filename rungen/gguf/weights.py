@@ -228,6 +228,15 @@ class WeightReader:
         return weight if order is None else weight[torch.from_numpy(order).to(device)]
 
 
+def check_shape(path: str, name: str, module: torch.nn.Module, attr: str, shape) -> None:
+    """GGUFError when tensor `name` is not the shape of the parameter it replaces (the metadata's model is not the
+    file's)."""
+    expected = getattr(module, attr, None)
+    if isinstance(expected, torch.Tensor) and tuple(expected.shape) != tuple(shape):
+        raise GGUFError(f"{path}: tensor {name} is {list(shape)}, where the model its metadata describes has "
+                        f"{list(expected.shape)}")
+
+
 def as_torch(values: np.ndarray, code: int) -> torch.Tensor:
     """values() (or a transform of them that kept their dtype) as a tensor of the file's float dtype."""
     tensor = torch.from_numpy(values)
