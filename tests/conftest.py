@@ -41,6 +41,7 @@ if os.environ.get("CI"):
 
 import run_generation  # noqa: E402
 import rungen.gguf.build  # noqa: E402
+import rungen.gguf.configs  # noqa: E402
 import rungen.gguf.file  # noqa: E402
 import rungen.loading  # noqa: E402
 from helpers import LoadMemo, gguf_header_dir, run_main  # noqa: E402
@@ -123,7 +124,7 @@ def default_model_cache(config):
     import transformers
 
     digest = hashlib.sha256()
-    for module in (rungen.loading, rungen.gguf.file, rungen.gguf.build):
+    for module in (rungen.loading, rungen.gguf.file, rungen.gguf.configs, rungen.gguf.build):
         with open(module.__file__, "rb") as f:
             digest.update(f.read())
     version = f"{transformers.__version__}-{digest.hexdigest()[:16]}"

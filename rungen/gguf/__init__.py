@@ -26,6 +26,9 @@ Modules, from the ground up:
   attention (NativeLfm2Attention), norms and MLPs.
 - conversions.py: the architectures transformers reads by its own conversion table (Qwen3.5, LFM2) as the build's
   weights map and processor (Conversion; InputPermuted for a weight whose columns stay in the file's order).
+- table.py: the file's tensor table (names, types, shapes, offsets), read once a process; why a file is unreadable.
+- configs.py: what the file's metadata says of its model as transformers' config takes it, architecture by
+  architecture (complete_config).
 - file.py: the header and its cache (config, tokenizer, tensor table, what the file holds for transformers).
 - held_tensors.py: the tensors that make one layer only together (a mixture's experts, a weight joined by rows),
   held until all are read, then built (HeldTensors).

@@ -33,11 +33,12 @@ from .delta_steps import delta_steps
 from .device import DeviceForms
 from .experts import holds_experts, mixtures_in_one_call, part_of, route_rows_alike
 from .families import WITH_EXPERTS
-from .file import GGUFHeader, first_line, read_as_their_likes, unsupported_message
+from .file import GGUFHeader, read_as_their_likes, unsupported_message
 from .granite_steps import granite_steps
 from .held_tensors import HeldTensors
 from .latent_attention import absorb_latents
 from .native_steps import GpuKernelHints, steps_natively
+from .table import first_line
 from .weights import FLOAT_TYPES, GGUFError, WeightReader, as_torch, check_shape, split_hint
 
 logger = logging.getLogger("run_generation")
@@ -368,7 +369,7 @@ def _unsqueezed(tensor: torch.Tensor, module: torch.nn.Module, attr: str) -> tor
 
 
 def _activations_from_keys(model, config) -> None:
-    """Each layer's xIELU (Apertus's) as its file's keys give it (config.xielu, file.py's _apertus_config): its
+    """Each layer's xIELU (Apertus's) as its file's keys give it (config.xielu, configs.py's _apertus_config): its
     parameters and buffers, which no tensor holds."""
     values = getattr(config, "xielu", None)
     if not values:

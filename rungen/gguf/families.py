@@ -1,6 +1,6 @@
 """The model families the GGUF runtime computes, one row each: what a family differs in from llama's decoder
 (pre-norm rotary attention, then a gated MLP). A row names where transformers' layer holds each part (decoder.py),
-the parts' weights in a file (model.py) and what the metadata adds to the config (file.py). Below the table: the
+the parts' weights in a file (model.py) and what the metadata adds to the config (configs.py). Below the table: the
 architectures whose files are read as another's (READ_AS, MODEL_OF).
 """
 
@@ -111,7 +111,7 @@ FAMILIES = {family.model_type: family for family in (
 )}
 # Architectures transformers' GGUF reading does not know, whose files llama.cpp writes with another's keys, tensor
 # names and q/k layout: read as that one (its config keys, fixed values and tensor processor; the own model
-# un-permutes q/k as it does) into the class of the model each was written from, with what file.py's complete_config
+# un-permutes q/k as it does) into the class of the model each was written from, with what complete_config
 # adds. smollm3 (every fourth layer without rotary, SmolLM3Config's default) and granite (its multipliers, by the
 # families' row) as llama's; mistral3 as llama's into Ministral 3's text model, or llama's where it has no rotary
 # scaling (Mistral Small 3.x's); gemma (1) as gemma2's (norms stored as 1 + weight); olmo2, exaone4 and glm4 with
