@@ -22,7 +22,7 @@ _SOURCES = ("ggml_kernels.cpp", "ggml_dispatch.cpp", "ggml_products.cpp", "ggml_
             "ggml_delta.cpp", "ggml_shortconv.cpp", "ggml_mamba.cpp", "ggml_interleave.cpp",
             "ggml_formats.h", "ggml_kernels.h", "ggml_ops.h", "ggml_simd.h", "ggml_x8.h", "ggml_x8_avx2.h",
             "ggml_x16.h", "ggml_amx.h", "ggml_spans.h", "ggml_attend.h", "ggml_delta.h", "ggml_mamba.h",
-            "ggml_lanes.h")
+            "ggml_lanes.h", "ggml_builds.h")
 # -ffp-contract=off: no multiply-add is fused unless the source says so, so that the same arithmetic compiled in
 # two functions (a token alone, tokens four at a time) gives the same bits.
 _CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")

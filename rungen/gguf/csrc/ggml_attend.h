@@ -1,6 +1,6 @@
-// The attention and the MLP gates of the decoder layers (see attend in ggml_layers.cpp): included three times by
-// ggml_attend.cpp, in namespace avx512 compiled for AVX-512 (ATTEND_WIDE: two queries' scores and sixteen value
-// sums a register), avx2 for AVX2 and scalar for the baseline, and chosen by the code path in use (current_isa).
+// The attention and the MLP gates of the decoder layers (see attend in ggml_layers.cpp): ggml_attend.cpp's loops,
+// compiled three times by ggml_builds.h, in namespace avx512 for AVX-512 (RUNGEN_WIDE: two queries' scores and
+// sixteen value sums a register), avx2 for AVX2 and scalar for the baseline, and chosen by the code path in use.
 // All do the same operations in the same order, lane by lane, no multiply-add fused (the file is compiled with
 // -ffp-contract=off), so they give the same bits; fused multiply-adds gained nothing and moved the last bits
 // (docs/kernels.md, "Measured choices").
@@ -38,7 +38,7 @@ static inline void widen_rows(const c10::Half* src, int64_t stride, int64_t rows
     const c10::Half* x = src + r * stride;
     float* y = dst + r * dim;
     int64_t i = 0;
-#ifdef ATTEND_F16C
+#ifdef RUNGEN_F16C
     for (; i + 8 <= dim; i += 8)
       _mm256_storeu_ps(y + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i))));
 #endif
@@ -110,7 +110,7 @@ void dot_rows(const float* x, const float* w, int64_t t0, int64_t t1, int64_t e,
   }
 }
 
-#ifdef ATTEND_WIDE
+#ifdef RUNGEN_WIDE
 // dot64x8 of two queries a and a2 against the same eight keys, in one 512-bit register: a's lanes in its low half,
 // a2's in its high half, each key's eight floats loaded once for both. Each half's arithmetic is dot64x8's, so
 // each query gets its bits alone.
@@ -241,9 +241,9 @@ struct FlushSubnormals {
   ~FlushSubnormals() { _mm_setcsr(saved); }
 };
 
-// The values' sums: sixteen floats a vector in the AVX-512 build (ATTEND_WIDE), eight in the others. Each
+// The values' sums: sixteen floats a vector in the AVX-512 build (RUNGEN_WIDE), eight in the others. Each
 // dimension's sum is its own lane's, so the width changes no bit, only how many instructions a key takes.
-#ifdef ATTEND_WIDE
+#ifdef RUNGEN_WIDE
 typedef float fv __attribute__((vector_size(64)));
 #else
 typedef f8 fv;
@@ -368,7 +368,7 @@ static void attend_block(const AttendJob& job, int64_t pb, int64_t pe, const KT*
       };
       for (int64_t n = 0; n < nq; ++n) {
         if (j + 8 > lasts[n] || j < firsts[n]) continue;
-#ifdef ATTEND_WIDE
+#ifdef RUNGEN_WIDE
         if (n + 1 < nq && j + 8 <= lasts[n + 1] && j >= firsts[n + 1]) {  // the next query too: both at once
           f8 dots, dots2;
           dot64x8_two(qp + (pb + n) * dim, qp + (pb + n + 1) * dim, keys + j * k_key, k_key, dim, dots, dots2);

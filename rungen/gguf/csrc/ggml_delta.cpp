@@ -38,22 +38,9 @@ at::Tensor checked_scatter(const c10::optional<at::Tensor>& scatter_in, int64_t 
 
 }  // namespace
 
-// ggml_delta.h's loops for AVX-512, AVX2 and the baseline (see ggml_attend.cpp).
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c,avx512f")
-namespace avx512 {
-#include "ggml_delta.h"
-}  // namespace avx512
-#pragma GCC pop_options
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-namespace avx2 {
-#include "ggml_delta.h"
-}  // namespace avx2
-#pragma GCC pop_options
-namespace scalar {
-#include "ggml_delta.h"
-}  // namespace scalar
+// ggml_delta.h's loops for AVX-512, AVX2 and the baseline.
+#define RUNGEN_LOOPS "ggml_delta.h"
+#include "ggml_builds.h"
 
 // window [rows, channels, kernel] (the last positions' convolution inputs) and state [rows, heads, key size, value
 // size] float32, contiguous, both updated in place; mixed [rows, channels] the new position's q/k/v product; conv
@@ -90,13 +77,7 @@ at::Tensor delta_step(const at::Tensor& window, const at::Tensor& mixed_in, cons
                      out.data_ptr<float>(),
                      scatter.defined() ? scatter.data_ptr<int64_t>() : nullptr, rows, channels, kernel, heads,
                      key_heads, dk, dv, float(eps)};
-  if (current_isa >= VNNI) {
-    avx512::delta_step_rows(job);
-  } else if (current_isa >= AVX2) {
-    avx2::delta_step_rows(job);
-  } else {
-    scalar::delta_step_rows(job);
-  }
+  BY_ISA(delta_step_rows)(job);
   return out;
 }
 
@@ -137,13 +118,7 @@ at::Tensor delta_scan(const at::Tensor& mixed_in, int64_t positions, const at::T
   job.positions = positions;
   job.inputs = inputs;
   job.taps = taps.data_ptr<float>();
-  if (current_isa >= VNNI) {
-    avx512::delta_scan_rows(job);
-  } else if (current_isa >= AVX2) {
-    avx2::delta_scan_rows(job);
-  } else {
-    scalar::delta_scan_rows(job);
-  }
+  BY_ISA(delta_scan_rows)(job);
   return out;
 }
 

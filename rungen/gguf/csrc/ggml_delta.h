@@ -1,5 +1,5 @@
 // A Gated DeltaNet layer's decode step and a prompt's scan (see delta_step and delta_scan in ggml_delta.cpp):
-// included three times by ggml_delta.cpp, in namespace avx512 compiled for AVX-512, avx2 for AVX2 and scalar for the
+// compiled three times by ggml_builds.h, in namespace avx512 for AVX-512, avx2 for AVX2 and scalar for the
 // baseline, and chosen by the code path in use (current_isa). The loops over a head's values are lane by lane (each
 // value's sums over the key in order, no multiply-add fused; ggml_lanes.h) and the sums over a head are scalar in
 // every build, so all three give the same bits.

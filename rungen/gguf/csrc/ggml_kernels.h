@@ -46,6 +46,9 @@ struct Job {
 // its prompts through the tiles (ggml_spans.h reads current_isa). Defined in ggml_dispatch.cpp.
 enum Isa { SCALAR = 0, AVX2 = 1, VNNI = 2, AMX = 3 };
 extern int current_isa;
+// A loop's build for the code path in use (ggml_builds.h's three): AVX-512's from VNNI's path up, AVX2's, else the
+// baseline's.
+#define BY_ISA(loop) (current_isa >= VNNI ? avx512::loop : current_isa >= AVX2 ? avx2::loop : scalar::loop)
 
 // Each instruction set's products: rows [r0, r1) of a row-major weight (rows), groups [g0, g1) of eight rows of
 // an X8 weight (x8_rows), and blocks [b0, b1) of the activations quantized (quantize_blocks). The portable loops

@@ -154,8 +154,7 @@ namespace {
 
 using AttendFn = void (*)(const AttendJob&, int64_t, int64_t, float*);
 AttendFn attend_fn() {
-  if (current_isa >= VNNI) return avx512::attend_queries;
-  return current_isa >= AVX2 ? avx2::attend_queries : scalar::attend_queries;
+  return BY_ISA(attend_queries);
 }
 
 }  // namespace
@@ -197,7 +196,7 @@ at::Tensor dot_rows(const at::Tensor& x_in, const at::Tensor& w_in) {
 }
 
 void dot_rows_into(const float* xp, const float* wp, int64_t t, int64_t e, int64_t n, float* yp) {
-  const auto fn = current_isa >= VNNI ? avx512::dot_rows : current_isa >= AVX2 ? avx2::dot_rows : scalar::dot_rows;
+  const auto fn = BY_ISA(dot_rows);
   at::parallel_for(0, t, std::max<int64_t>(1, 65536 / std::max<int64_t>(e * n, 1)),
                    [&](int64_t t0, int64_t t1) { fn(xp, wp, t0, t1, e, n, yp); });
 }

@@ -24,22 +24,9 @@ struct MambaJob {
 
 }  // namespace
 
-// ggml_mamba.h's loops for AVX-512, AVX2 and the baseline (see ggml_attend.cpp).
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c,avx512f")
-namespace avx512 {
-#include "ggml_mamba.h"
-}  // namespace avx512
-#pragma GCC pop_options
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-namespace avx2 {
-#include "ggml_mamba.h"
-}  // namespace avx2
-#pragma GCC pop_options
-namespace scalar {
-#include "ggml_mamba.h"
-}  // namespace scalar
+// ggml_mamba.h's loops for AVX-512, AVX2 and the baseline.
+#define RUNGEN_LOOPS "ggml_mamba.h"
+#include "ggml_builds.h"
 
 // window [rows, channels, kernel] (the last positions' convolution inputs) and state [rows, heads, head size, state
 // size] float32, contiguous, both updated in place; xbc [rows, channels] the new position's x, B and C (channels =
@@ -75,13 +62,7 @@ at::Tensor mamba_step(const at::Tensor& window, const at::Tensor& xbc_in, const 
                      dt.data_ptr<float>(), dt_bias.data_ptr<float>(), a.data_ptr<float>(), d.data_ptr<float>(),
                      z.data_ptr<float>(), norm.data_ptr<float>(), y.data_ptr<float>(), out.data_ptr<float>(), rows,
                      channels, kernel, heads, dh, n, groups, float(eps)};
-  if (current_isa >= VNNI) {
-    avx512::mamba_step_rows(job);
-  } else if (current_isa >= AVX2) {
-    avx2::mamba_step_rows(job);
-  } else {
-    scalar::mamba_step_rows(job);
-  }
+  BY_ISA(mamba_step_rows)(job);
   return out;
 }
 
@@ -128,13 +109,7 @@ at::Tensor mamba_scan(const at::Tensor& xbc_in, int64_t positions, const at::Ten
   job.taps = taps.data_ptr<float>();
   job.dt_min = float(dt_min);
   job.mask = mask.defined() ? mask.data_ptr<float>() : nullptr;
-  if (current_isa >= VNNI) {
-    avx512::mamba_scan_rows(job);
-  } else if (current_isa >= AVX2) {
-    avx2::mamba_scan_rows(job);
-  } else {
-    scalar::mamba_scan_rows(job);
-  }
+  BY_ISA(mamba_scan_rows)(job);
   return out;
 }
 

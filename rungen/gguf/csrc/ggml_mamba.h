@@ -1,6 +1,6 @@
-// A Mamba-2 layer's decode step and a prompt's scan (see mamba_step and mamba_scan in ggml_mamba.cpp): included
-// three times by ggml_mamba.cpp, in namespace avx512 compiled for AVX-512, avx2 for AVX2 and scalar for the
-// baseline, and chosen by the code path in use (current_isa). The loops over a head's state are lane by lane (each
+// A Mamba-2 layer's decode step and a prompt's scan (see mamba_step and mamba_scan in ggml_mamba.cpp): compiled
+// three times by ggml_builds.h, in namespace avx512 for AVX-512, avx2 for AVX2 and scalar for the baseline, and
+// chosen by the code path in use (current_isa). The loops over a head's state are lane by lane (each
 // state value's update as transformers' selective_state_update orders it, no multiply-add fused), the sums over the
 // state in lanes added in one fixed order (ggml_lanes.h), the norm's scalar: the same bits in every build.
 
