@@ -45,9 +45,10 @@ def prefill_alone(model, kv, request, prefix_cache, device, *, use_positions, ke
     every position of a pass), and a pass's activations are the pass's (the same bits: the native products take each
     row alike). A model with recurrent layers, where a prefix cache is kept: the cache keeps its keys/values and
     states (a state stands for exactly its tokens) after the prompt's last token but one (the same prompt again, or
-    one that goes on from it, starts from there) and after its last turn's end (the last of `turn_ends`, the tokens
-    that end a reply, within it: a conversation's next turn renders the history before it alike, where a template
-    drops a reply's reasoning or renders the generation prompt otherwise), the passes stopping there."""
+    one that goes on from it, starts from there), after its first turn's end (the first of `turn_ends`, the tokens
+    that end a turn, within it: an application's chats under one system prompt share it) and after its last turn's
+    end (a conversation's next turn renders the history before it alike, where a template drops a reply's reasoning
+    or renders the generation prompt otherwise), the passes stopping there."""
     ids = request.ids
     reused, layers, buffers, states = prefix_cache.longest(ids) if prefix_cache else (0, None, None, None)
     # Stored tensors are never written to (a cache copies them), unless the prefix cache gave the buffers up.
@@ -58,8 +59,8 @@ def prefill_alone(model, kv, request, prefix_cache, device, *, use_positions, ke
     ends = [min(len(ids), start + step) for start in range(reused, len(ids), step)]
     checkpoints = set()
     if prefix_cache is not None and any(recurrent(layer) for layer in cache.layers):
-        last_turn = max((at + 1 for at, token in enumerate(ids[:-1]) if token in turn_ends), default=0)
-        checkpoints = {end for end in (len(ids) - 1, last_turn) if end > reused}
+        turns = [at + 1 for at, token in enumerate(ids[:-1]) if token in turn_ends]
+        checkpoints = {end for end in (len(ids) - 1, *turns[:1], *turns[-1:]) if end > reused}
         ends = sorted({*ends, *checkpoints})
     with torch.inference_mode():
         for start, end in zip([reused, *ends], ends):

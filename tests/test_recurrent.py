@@ -126,6 +126,23 @@ def test_a_next_turn_rendered_otherwise_after_the_last_turns_end_starts_from_the
     assert tokens == (wanted[:wanted.index(end) + 1] if end in wanted else wanted)
 
 
+def test_chats_under_one_system_prompt_start_after_it(loaded):
+    # An application's chats share a system prompt (its instructions, its tools): the prefix cache also keeps the
+    # states after a prompt's first turn's end, which another chat under the same system prompt starts from.
+    tokenizer = loaded.tokenizer
+    end = tokenizer.eos_token_id
+    system, question, other, opener = (tokenizer.encode(text) for text in
+                                       (PROMPTS[0], " What is it?", PROMPTS[1], " Sure:"))
+    engine = Engine(loaded, max_batch=2, eos_ids=(end,), prefix_cache_bytes=64 << 20)
+    assert turn(engine, system + [end] + question + [end] + opener)[1] == 0
+    chat = system + [end] + other + [end] + opener
+    tokens, reused = turn(engine, chat)
+    assert reused == len(system) + 1
+    with torch.inference_mode():
+        wanted = alone(loaded.model, chat, NEW_TOKENS)
+    assert tokens == (wanted[:wanted.index(end) + 1] if end in wanted else wanted)
+
+
 def test_such_a_model_is_served(loaded):
     from starlette.testclient import TestClient
 
