@@ -72,9 +72,10 @@ def open_engine(loaded, settings, batch_size, conversation=False):
         except ValueError as error:
             why = str(error)
         else:
-            if conversation:  # (and a recurrent model's states: a turn keeps up to three entries' of them)
+            # (and a recurrent model's states: a turn leaves up to three entries of them, the first up to four)
+            if conversation:
                 positions = 2 * loaded.context if loaded.context else sys.maxsize // engine.bytes_per_token
-                engine.prefix_cache = PrefixCache(positions * engine.bytes_per_token + 6 * engine.bytes_per_row)
+                engine.prefix_cache = PrefixCache(positions * engine.bytes_per_token + 8 * engine.bytes_per_row)
             logger.info("KV cache in %s", engine.batch.kv.form)
             return engine
     logger.info("generating with generate(): %s", why)
