@@ -820,6 +820,27 @@ def q8_0_rounded(values):
     return torch.from_numpy(quants.dequantize(blocks, T.Q8_0)).view(values.shape)
 
 
+def as_converted(model):
+    """`model` as llama.cpp's converter leaves it where it multiplies a model's multipliers into its weights
+    (Falcon-H1's: tiny_models.falcon_h1_folded), the multipliers then 1: the same function, a new model of the same
+    class (the checkpoint's other fields kept)."""
+    import torch
+
+    from tiny_models import falcon_h1_folded
+
+    config = copy.deepcopy(model.config)
+    folded = {name: torch.from_numpy(falcon_h1_folded(name, value.detach().float().numpy().copy(),
+                                                      config.to_dict()))
+              for name, value in model.state_dict().items()}
+    for field in ("lm_head_multiplier", "embedding_multiplier", "key_multiplier", "attention_out_multiplier",
+                  "attention_in_multiplier", "ssm_in_multiplier", "ssm_out_multiplier"):
+        setattr(config, field, 1.0)
+    config.mlp_multipliers, config.ssm_multipliers = [1.0, 1.0], [1.0] * 5
+    converted = type(model)(config).eval()
+    converted.load_state_dict(folded)  # (the mixer's mup_vector, a buffer not saved: the new config's ones)
+    return converted
+
+
 def round_as_q8_0_file(model, keep=("mlp.gate.weight", "feed_forward.gate.weight", "shared_expert_gate.weight",
                                     "block_sparse_moe.router.weight", "mixer.gate.weight"),
                        split_latent=True) -> None:

@@ -22,6 +22,7 @@ from gguf import GGMLQuantizationType as Q
 
 import run_generation
 from helpers import (
+    as_converted,
     assert_float16_cache_as_rounded,
     blocks_and_reference,
     error_of,
@@ -805,7 +806,7 @@ def test_a_grouped_router_chooses_as_transformers_and_alike_in_a_batch(kind, gro
 
 
 @pytest.mark.parametrize("architecture", ["lfm2moe", "granitehybrid", "granitehybrid_dense", "granitemoe",
-                                          "nemotron_h", "nemotron_h_latent"])
+                                          "nemotron_h", "nemotron_h_latent", "falcon_h1"])
 def test_a_file_of_our_own_tables_entry_loads_with_transformers_own_loader_too(architecture, tmp_path):
     # LFM2-MoE's, Granite 4.0 H's, Granite 3's mixtures', Nemotron-H's and Nemotron 3's (its experts over a latent)
     # entries in transformers' conversion tables
@@ -820,6 +821,8 @@ def test_a_file_of_our_own_tables_entry_loads_with_transformers_own_loader_too(a
     checkpoint = make_checkpoint(str(tmp_path))
     path = write(checkpoint, str(tmp_path / "q8_0.gguf"), "Q8_0")
     reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    if spec.get("as_converted"):
+        reference = as_converted(reference)
     round_as_q8_0_file(reference)
     model = load(path, device=torch.device("cpu"), dequantize=True).model
     assert type(model).__name__ == spec["model"]
@@ -1321,6 +1324,15 @@ CHECKPOINT_FILES = {
                               model="NemotronHForCausalLM",
                               steps=dict(mixer=("MambaStep", "NativeGraniteAttention", "NemotronHMoE")),
                               native=dict(norm="NativeRMSNorm"), f32_atol=1e-4),
+    # Falcon-H1's layers, each its attention (q and k as the checkpoint holds them: its rotary turns halves) and its
+    # Mamba-2 mixer side by side behind one norm, then its MLP (behind the norm the converter names without .weight),
+    # read by the same kind of table as Granite 4.0 H's, its multipliers 1 (the converter multiplied them into the
+    # weights): the F32 file computes the checkpoint; the Q8_0 file what the checkpoint with its multipliers
+    # multiplied in and its weights rounded does; the mixer's gated norm over two groups where a file has one.
+    "falcon_h1": dict(files=("falcon_h1_checkpoint", "write_falcon_h1_gguf"), model="FalconH1ForCausalLM",
+                      as_converted=True, f32_atol=1e-4),
+    "falcon_h1_norm": dict(files=("falcon_h1_norm_checkpoint", "write_falcon_h1_gguf"), model="FalconH1ForCausalLM",
+                           as_converted=True, f32_atol=1e-4),
     "lfm2": dict(files=("lfm2_checkpoint", "write_lfm2_gguf"), model="Lfm2ForCausalLM", quantized=True,
                  steps=dict(conv="ShortConvStep", self_attn="NativeLfm2Attention"),
                  native=dict(feed_forward="NativeGatedMLP", operator_norm="NativeRMSNorm")),
@@ -1356,6 +1368,8 @@ def test_a_file_as_llama_cpp_writes_it_computes_its_checkpoint(architecture, tmp
         theirs = reference(ids).logits
         torch.testing.assert_close(load(f32, device=torch.device("cpu")).model(ids).logits, theirs, rtol=1e-5,
                                    atol=spec.get("f32_atol", 1e-5))
+        if spec.get("as_converted"):  # (the weights the converter multiplied its multipliers into, then rounded)
+            reference = as_converted(reference)
         round_as_q8_0_file(reference, split_latent=not spec.get("unsplit"))  # the file's weights (gates' F32)
     theirs = padded_prompt_and_steps(reference, positions=vision)
     assert theirs[0].abs().max() > 1

@@ -1948,6 +1948,134 @@ def write_granitehybrid_gguf(checkpoint: str, path: str, qtype_name: str = "F32"
     return write_out(writer, path)
 
 
+def falcon_h1_checkpoint(out_dir: str, norm: bool = False) -> str:
+    """A tiny random Falcon-H1 checkpoint (FalconH1ForCausalLM) in `out_dir`: Falcon-H1-0.5B's layout 64 wide, three
+    layers, each its attention (4 heads of 32 over 2: wider than the hidden size, as the published 8 of 64 over 1024)
+    and its Mamba-2 mixer (6 heads of 16, 1.5 times the hidden size as published, a state of 16, one group, a window
+    of 4, the convolution's bias) side by side behind one norm, then an MLP of 96; Falcon-H1-0.5B's multipliers (its
+    embedding's, the head's, the keys', the attention's output, the mixer's input and output, the MLP's gate and down,
+    the mixer's projections' five parts); rotary base 1e11; untied. With `norm`: the mixer's gated norm over two
+    groups (mamba_rms_norm), which the 0.5B has not. Its norms, D, dt_bias, A_log and the convolution's bias drawn; a
+    byte-level BPE vocabulary."""
+    from transformers import FalconH1Config, FalconH1ForCausalLM
+
+    tokenizer = tiny_gpt2_tokenizer(out_dir)
+    config = FalconH1Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, mamba_d_ssm=96, mamba_n_heads=6, mamba_d_head=16,
+        mamba_n_groups=2 if norm else 1, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16,
+        mamba_conv_bias=True, mamba_proj_bias=False, mamba_norm_before_gate=False, mamba_rms_norm=norm,
+        projectors_bias=False, attention_bias=False, mlp_bias=False, max_position_embeddings=512, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e11}, tie_word_embeddings=False,
+        lm_head_multiplier=0.0390625, embedding_multiplier=5.656854249492381, key_multiplier=0.390625,
+        attention_out_multiplier=0.9375, attention_in_multiplier=1.0, ssm_in_multiplier=1.25,
+        ssm_out_multiplier=0.23570226039551587, mlp_multipliers=[0.8838834764831844, 0.5859375],
+        ssm_multipliers=[0.3535533905932738, 0.25, 0.3535533905932738, 0.5, 0.3535533905932738],
+        initializer_range=0.15, pad_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id)
+    def draw(name, tensor):  # (and the head as wide as the small multiplier after it wants, as muP trains it)
+        if name == "lm_head.weight":
+            tensor.normal_(0, 3)
+        drawn_mamba2(name, tensor)
+
+    return save_tiny(out_dir, "falcon_h1_norm" if norm else "falcon_h1", FalconH1ForCausalLM, config, tokenizer, draw)
+
+
+def falcon_h1_norm_checkpoint(out_dir: str) -> str:
+    """falcon_h1_checkpoint's with the mixer's gated norm over two groups."""
+    return falcon_h1_checkpoint(out_dir, norm=True)
+
+
+def falcon_h1_folded(name: str, values, config: dict):
+    """Falcon-H1's tensor `name` (numpy) with the multipliers llama.cpp's converter (conversion/falcon_h1.py)
+    multiplies into it: the MLP's gate and down, q, k and v by the attention's input (k by the keys' too), o_proj
+    by the attention's output, the mixer's out_proj by its output and in_proj by its input and each of its five
+    parts' (z, x, B, C, dt), the head's, the embedding's."""
+    inner, states = config["mamba_d_ssm"], config["mamba_n_groups"] * config["mamba_d_state"]
+    if "down_proj" in name:
+        return values * config["mlp_multipliers"][1]
+    if "gate_proj" in name:
+        return values * config["mlp_multipliers"][0]
+    if "k_proj" in name:
+        return values * config["key_multiplier"] * config["attention_in_multiplier"]
+    if "q_proj" in name or "v_proj" in name:
+        return values * config["attention_in_multiplier"]
+    if "o_proj" in name:
+        return values * config["attention_out_multiplier"]
+    if "out_proj" in name:
+        return values * config["ssm_out_multiplier"]
+    if "in_proj" in name:
+        values = values * config["ssm_in_multiplier"]
+        bounds = [0, inner, 2 * inner, 2 * inner + states, 2 * inner + 2 * states, values.shape[0]]
+        for part, multiplier in enumerate(config["ssm_multipliers"]):
+            values[bounds[part]:bounds[part + 1]] *= multiplier
+        return values
+    if "lm_head" in name:
+        return values * config["lm_head_multiplier"]
+    if "embed_tokens" in name:
+        return values * config["embedding_multiplier"]
+    return values
+
+
+def write_falcon_h1_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
+    """The GGUF file llama.cpp's converter (conversion/falcon_h1.py's FalconH1Model, a Mamba2Model) writes of a
+    Falcon-H1 checkpoint: Mamba-2's keys (ssm.*) then Falcon-H1's (the vocabulary's size, the context, the MLP's width,
+    the heads and the head size, the rotary's base), its multipliers multiplied into the weights (falcon_h1_folded)
+    and none in a key; A_log as -exp(A_log) and D a column each, the convolution squeezed, the gated norm a row a
+    group, dt_bias as ssm_dt.bias, q and k as the checkpoint holds them (Falcon-H1's rotary turns halves), the MLP's
+    norm named blk.N.ffn_norm (no .weight: gguf's table maps pre_ff_layernorm's whole name); matrices in Q8_0 where
+    asked, the convolution, A, D and norms F32; a byte-level BPE vocabulary (tokenizer.ggml.pre falcon-h1)."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        config = json.load(f)
+    layers, heads, kv_heads = config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"]
+    arch = gguf.MODEL_ARCH.FALCON_H1
+    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
+    writer.add_type("model")
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_block_count(layers)
+    writer.add_ssm_conv_kernel(config["mamba_d_conv"])
+    writer.add_ssm_inner_size(config["mamba_d_ssm"])
+    writer.add_ssm_state_size(config["mamba_d_state"])
+    writer.add_ssm_time_step_rank(config["mamba_d_ssm"] // config["mamba_d_head"])
+    writer.add_ssm_group_count(config["mamba_n_groups"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_file_type({"F32": 0, "Q8_0": 7}[qtype_name])
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    add_bpe_vocabulary(writer, checkpoint, "falcon-h1")
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    names = gguf.get_tensor_name_map(arch, layers)
+    quantized = converter_adder(writer, qtype_name)
+
+    def add(name, values):  # (the convolution, A, D and the gated norm F32 whatever the type)
+        if {"ssm_conv1d", "ssm_a", "ssm_d", "ssm_norm"} & set(name.split(".")):
+            writer.add_tensor(name, np.ascontiguousarray(values, dtype=np.float32))
+        else:
+            quantized(name, values)
+
+    for hf_name, value in load_file(os.path.join(checkpoint, "model.safetensors")).items():
+        value = torch.from_numpy(falcon_h1_folded(hf_name, value.float().numpy(), config))
+        blk = f"blk.{hf_name.split('.')[2]}" if hf_name.startswith("model.layers.") else None
+        if hf_name.endswith(("q_proj.weight", "k_proj.weight")):  # (not permuted)
+            add(names.get_name(hf_name.rpartition(".")[0]) + ".weight", value.numpy())
+            continue
+        if hf_name.endswith("pre_ff_layernorm.weight"):  # (gguf's table maps the whole name: no .weight)
+            add(f"{blk}.ffn_norm", value.numpy())
+            continue
+        mamba2_tensor(add, names, hf_name, value, blk, config["mamba_n_groups"], heads, kv_heads)
+    return write_out(writer, path)
+
+
 def granitemoe_checkpoint(out_dir: str) -> str:
     """A tiny random Granite 3 mixture checkpoint (GraniteMoeForCausalLM) in `out_dir`: granite-3.1-1b-a400m's
     layout 64 wide (4 heads over 2, rotary), each MLP 8 experts of 32, 2 a token (the softmax of their logits);

@@ -151,10 +151,10 @@ def _unpermuted(heads: int, rows: int) -> torch.Tensor:
     return torch.arange(rows, device="cpu").view(heads, size // 2, 2).transpose(1, 2).reshape(-1)  # (not on meta)
 
 
-def _mamba2_and_attention(config, mamba: str, attention: str) -> list:
+def _mamba2_and_attention(config, mamba: str, attention: str, permuted: bool = True) -> list:
     """A Mamba-2 hybrid's tensors of its Mamba-2 layers (under `mamba`: A as -exp(A_log) and D a column each, the
     convolution squeezed, the gated norm a row a group, dt_bias as ssm_dt.bias) and its attention's (under
-    `attention`: llama's names, q and k rows un-permuted from llama.cpp's rotary permutation)."""
+    `attention`: llama's names, q and k rows un-permuted from llama.cpp's rotary permutation where `permuted`)."""
     from transformers.core_model_loading import ConversionOps, WeightConverter, WeightRenaming
     from transformers.integrations.gguf.gguf_conversion_mapping import LogNegate, PermuteRows, Unsqueeze
 
@@ -183,12 +183,13 @@ def _mamba2_and_attention(config, mamba: str, attention: str) -> list:
         WeightConverter(source_patterns=r"\.ssm_d$", target_patterns=f".{mamba}.D", operations=[Flat()]),
         WeightConverter(source_patterns=r"\.ssm_norm\.weight", target_patterns=f".{mamba}.norm.weight",
                         operations=[Flat()]),
+    ] + ([] if not permuted else [
         WeightConverter(source_patterns=f"{attention}.q_proj.weight", target_patterns=f"{attention}.q_proj.weight",
                         operations=[PermuteRows(_unpermuted(config.num_attention_heads,
                                                             config.num_attention_heads * head))]),
         WeightConverter(source_patterns=f"{attention}.k_proj.weight", target_patterns=f"{attention}.k_proj.weight",
                         operations=[PermuteRows(_unpermuted(config.num_key_value_heads,
-                                                            config.num_key_value_heads * head))])]
+                                                            config.num_key_value_heads * head))])])
 
 
 def _granite(config) -> list:
@@ -297,6 +298,62 @@ def _nemotron_h(config) -> list:
         *_mamba2_and_attention(config, "mixer", "mixer")]
 
 
+def _falcon_h1_config(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
+    """Falcon-H1's config (Falcon-H1-0.5B to 34B, Falcon-H1R, Falcon-H1-Tiny: FalconH1ForCausalLM): every layer its
+    attention and its Mamba-2 mixer side by side behind one norm, then its MLP; the ssm.* keys, the head size, the
+    biases and the mixer's gated norm where the file has their tensors. Every multiplier 1: llama.cpp's converter
+    multiplied Falcon-H1's (the embedding's, the head's, the attention's and mixer's inputs and outputs, the keys',
+    the MLP's, the mixer's projections' by part) into the weights they scale, and its graph applies none; the
+    mixer's gated norm (where its files have one) after the gate, as that graph normalizes."""
+    key = lambda name: metadata[f"falcon-h1.{name}"]  # noqa: E731
+    hidden, heads, inner, ssm_heads = (key(name) for name in ("embedding_length", "attention.head_count",
+                                                              "ssm.inner_size", "ssm.time_step_rank"))
+    if inner % ssm_heads:
+        raise ValueError(f"its Mamba-2 width {inner} is no multiple of its {ssm_heads} heads")
+    return {
+        "model_type": "falcon_h1", "architectures": ["FalconH1ForCausalLM"],
+        "max_position_embeddings": key("context_length"), "hidden_size": hidden,
+        "intermediate_size": key("feed_forward_length"), "num_hidden_layers": key("block_count"),
+        "num_attention_heads": heads, "num_key_value_heads": key("attention.head_count_kv"),
+        "head_dim": metadata.get("falcon-h1.attention.key_length", hidden // heads),
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
+        "rope_parameters": {"rope_type": "default", "rope_theta": metadata.get("falcon-h1.rope.freq_base", 1e4)},
+        "attention_bias": any(name.endswith(".attn_q.bias") for name in tensor_names),
+        "projectors_bias": any(name.endswith(".ssm_out.bias") for name in tensor_names),
+        "mlp_bias": any(name.endswith(".ffn_up.bias") for name in tensor_names),
+        "mamba_d_ssm": inner, "mamba_n_heads": ssm_heads, "mamba_d_head": inner // ssm_heads,
+        "mamba_n_groups": key("ssm.group_count"), "mamba_d_state": key("ssm.state_size"),
+        "mamba_d_conv": key("ssm.conv_kernel"),
+        "mamba_conv_bias": any(name.endswith(".ssm_conv1d.bias") for name in tensor_names),
+        "mamba_proj_bias": any(name.endswith(".ssm_in.bias") for name in tensor_names),
+        "mamba_rms_norm": any(name.endswith(".ssm_norm.weight") for name in tensor_names),
+        "mamba_norm_before_gate": False,
+        **dict.fromkeys(("lm_head_multiplier", "embedding_multiplier", "key_multiplier", "attention_out_multiplier",
+                         "attention_in_multiplier", "ssm_in_multiplier", "ssm_out_multiplier"), 1.0),
+        "mlp_multipliers": [1.0, 1.0], "ssm_multipliers": [1.0] * 5,
+        **_vocabulary(metadata, tensor_names),
+    }
+
+
+def _falcon_h1(config) -> list:
+    """Falcon-H1's tensors: each layer's norm (attn_norm), attention and Mamba-2 mixer (_mamba2_and_attention; q and
+    k as the checkpoint holds them: its rotary turns halves, and the converter permutes none), the MLP's norm
+    (blk.N.ffn_norm, without .weight as the converter names it) and its gate, up and down."""
+    from transformers.core_model_loading import WeightRenaming
+
+    return [
+        WeightRenaming(r"^token_embd\.", "model.embed_tokens."),
+        WeightRenaming(r"^output\.", "lm_head."),
+        WeightRenaming(r"^output_norm\.", "model.final_layernorm."),
+        WeightRenaming(r"^blk\.", "model.layers."),
+        WeightRenaming(r"\.attn_norm\.", ".input_layernorm."),
+        WeightRenaming(r"\.ffn_norm(\.weight)?$", ".pre_ff_layernorm.weight"),  # (the converter writes no .weight)
+        WeightRenaming(r"\.ffn_gate\.", ".feed_forward.gate_proj."),
+        WeightRenaming(r"\.ffn_up\.", ".feed_forward.up_proj."),
+        WeightRenaming(r"\.ffn_down\.", ".feed_forward.down_proj."),
+        *_mamba2_and_attention(config, "mamba", "self_attn", permuted=False)]
+
+
 def _qwen3next_config(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
     """Qwen3-Next's config (Qwen3-Next-80B-A3B: qwen3next) as Qwen3.5's mixture's (Qwen3_5MoeTextConfig, whose model
     computes Qwen3-Next's: the same Gated DeltaNet, gated attention and experts, its fused projections split as
@@ -381,7 +438,8 @@ def _qwen3next(config) -> list:
 # Architectures transformers' conversion table lacks, given entries of its kind here: (config reader, tensor table).
 OWN_TABLES = {"lfm2moe": (_lfm2moe_config, _lfm2moe), "granitehybrid": (_granitehybrid_config, _granite),
               "granitemoe": (_granitemoe_config, _granite), "nemotron_h": (_nemotron_h_config, _nemotron_h),
-              "nemotron_h_moe": (_nemotron_h_moe_config, _nemotron_h), "qwen3next": (_qwen3next_config, _qwen3next)}
+              "nemotron_h_moe": (_nemotron_h_moe_config, _nemotron_h), "qwen3next": (_qwen3next_config, _qwen3next),
+              "falcon-h1": (_falcon_h1_config, _falcon_h1)}
 
 
 def teach_own_tables() -> None:
