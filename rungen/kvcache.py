@@ -235,15 +235,22 @@ def dummy(layer) -> bool:
 
 
 def recurrent(layer) -> bool:
-    """Whether `layer` is transformers' LinearAttentionLayer of one state: no keys and values, a row's window of the
-    last positions' convolution inputs and (Qwen3.5's Gated DeltaNet layers; not LFM2's short convolutions) its
-    recurrent state."""
-    return type(layer).__name__ == "LinearAttentionLayer" and layer.number_of_states == 1
+    """Whether `layer` is transformers' LinearAttentionLayer of one state: a row's window of the last positions'
+    convolution inputs and (Qwen3.5's Gated DeltaNet layers; not LFM2's short convolutions) its recurrent state; no
+    keys and values, but where it is a hybrid layer's (Falcon-H1's, its attention beside its Mamba-2 mixer)."""
+    return any(kind.__name__ == "LinearAttentionLayer" for kind in type(layer).__mro__) and \
+        layer.number_of_states == 1
+
+
+def hybrid(layer) -> bool:
+    """Whether `layer` holds keys and values beside a recurrent state (transformers' LinearAttentionAndFullAttention
+    Layer: Falcon-H1's)."""
+    return recurrent(layer) and any(kind.__name__ == "DynamicLayer" for kind in type(layer).__mro__)
 
 
 def holding(cache) -> list:
-    """The cache's layers that hold keys and values: all but DummyLayers and recurrent ones."""
-    return [layer for layer in cache.layers if not dummy(layer) and not recurrent(layer)]
+    """The cache's layers that hold keys and values: all but DummyLayers and recurrent ones (a hybrid one's too)."""
+    return [layer for layer in cache.layers if not dummy(layer) and (not recurrent(layer) or hybrid(layer))]
 
 
 def layers_of(cache):

@@ -1,7 +1,8 @@
 """Models with recurrent layers (Qwen3.5's Gated DeltaNet layers, LFM2's short convolutions, Granite 4.0 H's Mamba-2
-layers, read from GGUF files as llama.cpp's converter writes them) decode on the engine: a row's convolution window
-and state (transformers' LinearAttentionLayer; LFM2's keep a window alone) are its own, joined one after another where
-rows join and picked where rows leave, beside the full-attention layers' left-padded keys and values. So the greedy
+layers, Falcon-H1's beside its attention in each layer, read from GGUF files as llama.cpp's converter writes them)
+decode on the engine: a row's convolution window and state (transformers' LinearAttentionLayer; LFM2's keep a window
+alone) are its own, joined one after another where rows join and picked where rows leave, beside the full-attention
+layers' left-padded keys and values (a hybrid layer holds both). So the greedy
 tokens of a batch are those generate() gives each prompt alone, and the server serves these models. Their prefix cache
 keeps a row's states after exactly the tokens they stand for (a state is not cut back): a prompt's all but its last
 token, and a finished row's prompt and reply, which the same prompt again and a conversation's next turn start from."""
@@ -21,12 +22,14 @@ NEW_TOKENS = 10
 pytestmark = pytest.mark.usefixtures("module_cache_home")
 
 
-@pytest.fixture(scope="module", params=["qwen35", "lfm2", "granitehybrid", "nemotron_h", "nemotron_h_moe"])
+@pytest.fixture(scope="module",
+                params=["qwen35", "lfm2", "granitehybrid", "nemotron_h", "nemotron_h_moe", "falcon_h1"])
 def loaded(request, tmp_path_factory):
     """The tiny Qwen3.5 checkpoint's Q8_0 GGUF file (three Gated DeltaNet layers, one of full attention), the tiny
     LFM2's (three short convolution layers, one of attention), Granite 4.0 H's (three Mamba-2 layers, one of
-    attention, experts), Nemotron-H's (three Mamba-2, one attention and three MLP layers) or Nemotron 3's (mixtures
-    in place of the MLPs), loaded."""
+    attention, experts), Nemotron-H's (three Mamba-2, one attention and three MLP layers), Nemotron 3's (mixtures
+    in place of the MLPs) or Falcon-H1's (three layers of attention and a Mamba-2 mixer side by side: a cache layer
+    holding keys and values beside a state), loaded."""
     import tiny_models
 
     folder = tmp_path_factory.mktemp(request.param)
