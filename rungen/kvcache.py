@@ -210,6 +210,16 @@ def transformers_layer() -> type:
     return type("GrowingDynamicLayer", (Growing, DynamicLayer), {"__doc__": GrowingLayer.__doc__})
 
 
+@functools.cache
+def transformers_hybrid_layer() -> type:
+    """GrowingLayer's growing on transformers' hybrid layer (LinearAttentionAndFullAttentionLayer: Falcon-H1's),
+    its recurrent states kept as that layer keeps them."""
+    from transformers.cache_utils import LinearAttentionAndFullAttentionLayer
+
+    return type("GrowingHybridLayer", (Growing, LinearAttentionAndFullAttentionLayer),
+                {"__doc__": GrowingLayer.__doc__})
+
+
 def growing(layer) -> bool:
     """Whether `layer` grows in place (a GrowingLayer, in the own cache or in transformers')."""
     return isinstance(layer, Growing)
@@ -322,9 +332,11 @@ def new_cache(model: torch.nn.Module, layers=None, buffers=None, length: int | N
         cache = DynamicCache(config=model.config)
         kinds, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
         grown = transformers_layer()
-        full = functools.partial(grown, dtype) if getattr(model, "cache_grows_in_place", False) else DynamicLayer
+        grows = getattr(model, "cache_grows_in_place", False)
+        full = functools.partial(grown, dtype) if grows else DynamicLayer
         cache.layers = [full() if type(layer) is DynamicLayer or kind == "sliding_attention" and not dummy(layer)
-                        else layer for layer, kind in zip(cache.layers, kinds, strict=True)]
+                        else transformers_hybrid_layer()(dtype) if grows and kind == "hybrid" else layer
+                        for layer, kind in zip(cache.layers, kinds, strict=True)]
     if not layers:
         return cache
     length = layers[0][0].shape[-2] if length is None else length

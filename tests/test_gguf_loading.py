@@ -1329,10 +1329,15 @@ CHECKPOINT_FILES = {
     # read by the same kind of table as Granite 4.0 H's, its multipliers 1 (the converter multiplied them into the
     # weights): the F32 file computes the checkpoint; the Q8_0 file what the checkpoint with its multipliers
     # multiplied in and its weights rounded does; the mixer's gated norm over two groups where a file has one.
+    # transformers' layers, a Mamba-2 decode step one native call, the attention, the MLP and the norms native.
     "falcon_h1": dict(files=("falcon_h1_checkpoint", "write_falcon_h1_gguf"), model="FalconH1ForCausalLM",
-                      as_converted=True, f32_atol=1e-4),
+                      as_converted=True, quantized=True,
+                      steps=dict(mamba="MambaStep", self_attn="NativeGraniteAttention"),
+                      native=dict(input_layernorm="NativeRMSNorm", feed_forward="NativeGatedMLP"), f32_atol=1e-4),
     "falcon_h1_norm": dict(files=("falcon_h1_norm_checkpoint", "write_falcon_h1_gguf"), model="FalconH1ForCausalLM",
-                           as_converted=True, f32_atol=1e-4),
+                           as_converted=True, steps=dict(mamba="MambaStep", self_attn="NativeGraniteAttention"),
+                           native=dict(input_layernorm="NativeRMSNorm", feed_forward="NativeGatedMLP"),
+                           f32_atol=1e-4),
     "lfm2": dict(files=("lfm2_checkpoint", "write_lfm2_gguf"), model="Lfm2ForCausalLM", quantized=True,
                  steps=dict(conv="ShortConvStep", self_attn="NativeLfm2Attention"),
                  native=dict(feed_forward="NativeGatedMLP", operator_norm="NativeRMSNorm")),
@@ -1450,7 +1455,8 @@ def test_a_qwen35_mixture_in_one_native_call_computes_its_blocks_modules(tmp_pat
 LOOPED_FILES = {**{name: (*CHECKPOINT_FILES[name]["files"], ("Q8_0",))
                    for name in ("qwen35", "qwen35moe", "lfm2", "exaone4", "exaone4_global", "olmo2", "olmo3",
                                 "ministral3", "glm4moe", "lfm2moe", "granitehybrid", "granitehybrid_dense",
-                                "granitemoe", "nemotron_h", "nemotron_h_moe", "qwen3next")},
+                                "granitemoe", "nemotron_h", "nemotron_h_moe", "qwen3next", "falcon_h1",
+                                "falcon_h1_norm")},
                 "gpt-oss": ("gpt_oss_checkpoint", "write_gpt_oss_gguf", ("MXFP4", "Q8_0"))}
 
 

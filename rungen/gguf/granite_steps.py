@@ -23,23 +23,39 @@ import torch
 from .blocks import GGMLLinear, GGMLParts
 from .experts import silu
 from .kernels import native_kernels
-from .native_steps import NativeGatedMLP, NativeGraniteAttention, join_attention, native_layers, scan_inputs
+from .native_steps import (
+    NativeGatedMLP,
+    NativeGraniteAttention,
+    join_attention,
+    join_gated_mlp,
+    native_layers,
+    scan_inputs,
+)
 
 GRANITE_MODELS = ("GraniteMoeHybridForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
-                  "NemotronHForCausalLM")
+                  "NemotronHForCausalLM", "FalconH1ForCausalLM")
 # x / sqrt(mean(x^2) + eps) times weight, in float32
-NORMS = ("GraniteMoeHybridRMSNorm", "GraniteMoeRMSNorm", "GraniteMoeSharedRMSNorm", "NemotronHRMSNorm")
-MAMBAS = ("GraniteMoeHybridMambaLayer", "NemotronHMamba2Mixer")
+NORMS = ("GraniteMoeHybridRMSNorm", "GraniteMoeRMSNorm", "GraniteMoeSharedRMSNorm", "NemotronHRMSNorm",
+         "FalconH1RMSNorm")
+MAMBAS = ("GraniteMoeHybridMambaLayer", "NemotronHMamba2Mixer", "FalconH1Mixer")
 ATTENTIONS = ("GraniteMoeHybridAttention", "GraniteMoeAttention", "GraniteMoeSharedAttention", "NemotronHAttention")
 # act(input_linear's first half) times its second, then output_linear
 SHARED_MLPS = ("GraniteMoeHybridMLP", "GraniteMoeSharedMLP")
 
 
 class MambaStep(torch.nn.Module):
-    """transformers' Mamba-2 layer `module` (its products, convolution, A, D and gated norm), a decode step (one
-    position a row, its float32 window and state in the cache) between its products one mamba_step call: the
-    convolution of the new position, each head's state updated and read in place, the gated norm; any other call the
-    module's own forward."""
+    """transformers' Mamba-2 layer `module` (its products, convolution, A, D and gated norm; Falcon-H1's mixer
+    without its norm: the gate alone), a decode step (one position a row, its float32 window and state in the cache)
+    between its products one mamba_step call: the convolution of the new position, each head's state updated and read
+    in place, the gated norm; any other call the module's own forward."""
+
+    @staticmethod
+    def takes(module: torch.nn.Module) -> bool:
+        """Whether the layer computes what MambaStep does: Falcon-H1's mixer where its multipliers are 1 (as
+        llama.cpp's files hold it: multiplied into the weights) and its norm, where it has one, after the gate."""
+        mup = getattr(module, "mup_vector", None)
+        return getattr(module, "ssm_in_multiplier", 1.0) == 1.0 and (mup is None or bool((mup == 1).all())) and \
+            not getattr(module.norm, "norm_before_gate", False)
 
     def __init__(self, module: torch.nn.Module):
         super().__init__()
@@ -49,6 +65,9 @@ class MambaStep(torch.nn.Module):
         self.register_buffer("conv_bias", None if bias is None else bias.detach().float(), persistent=False)
         self.register_buffer("a", -module.A_log.detach().float().exp(), persistent=False)
         self.widths = [module.intermediate_size, module.conv_dim, module.num_heads]
+        # the gated norm's weight and epsilon (none: the output times silu of the gate alone)
+        self.norm = getattr(module.norm, "weight", None)
+        self.eps = getattr(module.norm, "variance_epsilon", 0.0)
         # transformers' masking of a padded row's positions, as the module's forward applies it
         self.masked = sys.modules[type(module).__module__].apply_mask_to_padding_states
 
@@ -64,7 +83,7 @@ class MambaStep(torch.nn.Module):
         xbc, state = scan_inputs(cache_params, m.layer_idx, xbc, m.conv_kernel_size,
                                  (batch, m.num_heads, m.head_dim, m.ssm_state_size))
         out = torch.ops.rungen_ggml.mamba_scan(xbc, positions, self.conv, self.conv_bias, state, dt, m.dt_bias,
-                                               self.a, m.D, z, m.norm.weight, m.n_groups, m.norm.variance_epsilon,
+                                               self.a, m.D, z, self.norm, m.n_groups, self.eps,
                                                float(m.time_step_limit[0]), attention_mask)
         if cache_params is not None:
             cache_params.update_recurrent_state(state, m.layer_idx)
@@ -87,13 +106,28 @@ class MambaStep(torch.nn.Module):
         hidden_states = self.masked(hidden_states, attention_mask)
         z, xbc, dt = m.in_proj(hidden_states[:, 0]).split(self.widths, dim=-1)
         out = torch.ops.rungen_ggml.mamba_step(window, xbc, self.conv, self.conv_bias, state, dt, m.dt_bias, self.a,
-                                               m.D, z, m.norm.weight, m.n_groups, m.norm.variance_epsilon)
+                                               m.D, z, self.norm, m.n_groups, self.eps)
         return m.out_proj(out.reshape(hidden_states.shape[0], 1, -1).to(hidden_states.dtype))
 
 
 def install_mamba_step(model: torch.nn.Module, name: str) -> None:
-    """The Mamba-2 layer at `name` as MambaStep."""
-    model.set_submodule(name, MambaStep(model.get_submodule(name)))
+    """The Mamba-2 layer at `name` as MambaStep where it takes it."""
+    if MambaStep.takes(model.get_submodule(name)):
+        model.set_submodule(name, MambaStep(model.get_submodule(name)))
+
+
+def falcon_attention(model: torch.nn.Module, name: str) -> None:
+    """Falcon-H1's attention at `name` as NativeGraniteAttention where its keys' multiplier is 1 (a file's: the
+    converter multiplied it into k's weights)."""
+    if model.get_submodule(name).key_multiplier == 1.0:
+        join_attention(model, name, kind=NativeGraniteAttention)
+
+
+def falcon_mlp(model: torch.nn.Module, name: str) -> None:
+    """Falcon-H1's MLP at `name` as NativeGatedMLP where its gate's and down's multipliers are 1 (a file's)."""
+    module = model.get_submodule(name)
+    if (module.gate_multiplier, module.down_multiplier) == (1.0, 1.0) and silu(module.act_fn):
+        join_gated_mlp(model, name, activation="silu")
 
 
 def native_shared_mlp(model: torch.nn.Module, name: str) -> None:
@@ -113,5 +147,6 @@ def granite_steps(model: torch.nn.Module) -> bool:
     native_layers(model, NORMS, {**dict.fromkeys(MAMBAS, install_mamba_step),
                                  **dict.fromkeys(SHARED_MLPS, native_shared_mlp),
                                  **dict.fromkeys(ATTENTIONS, functools.partial(join_attention,
-                                                                               kind=NativeGraniteAttention))})
+                                                                               kind=NativeGraniteAttention)),
+                                 "FalconH1Attention": falcon_attention, "FalconH1MLP": falcon_mlp})
     return True

@@ -25,7 +25,8 @@ class Loop:
     carries router logits (None here); `embedding_scale` and `residual_scale`: the inner model's and each layer's
     multipliers of the embedding and of each branch before its residual sum (Granite's); `one_mixer`: a layer holds
     one part under `attention`, the attention, a recurrent mixer, an MLP or a mixture by the layer's kind, behind its
-    one norm (Nemotron-H's); `embedding`: the inner model's embedding."""
+    one norm (Nemotron-H's); `embedding`: the inner model's embedding; `parallel`: a layer's recurrent mixer beside its
+    attention, both reading the norm's output, their outputs summed (Falcon-H1's)."""
 
     attention: str = "self_attn"
     recurrent: str | None = None
@@ -42,6 +43,7 @@ class Loop:
     residual_scale: str | None = None
     one_mixer: bool = False
     embedding: str = "embed_tokens"
+    parallel: bool = False
 
 
 PRE = dict(pre_norms=("input_layernorm", "post_attention_layernorm"))
@@ -68,14 +70,20 @@ LOOPS = {
     "GraniteMoeSharedModel": Loop(**GRANITE),
     "NemotronHModel": Loop(attention="mixer", mlp="mixer", pre_norms=("norm", "norm"), cache_keyword="cache_params",
                            final_norm="norm_f", one_mixer=True, embedding="embeddings", mixture=True),
+    "FalconH1Model": Loop(recurrent="mamba", cache_keyword="cache_params", pre_norms=("input_layernorm",
+                          "pre_ff_layernorm"), mlp="feed_forward", final_norm="final_layernorm",
+                          embedding_scale="embedding_multiplier", parallel=True),
 }
+# The multipliers of a layer's branches (Falcon-H1's), which the loop takes only at 1.
+UNIT_MULTIPLIERS = ("attention_in_multiplier", "ssm_out_multiplier", "attn_out_multiplier")
 # The parts whose forwards the loop calls directly (none needs a module hook).
 PARTS = ("NativeRMSNorm", "NativeGatedAttention", "NativeLfm2Attention", "NativeExaone4Attention",
          "NativeOlmoAttention", "NativeMinistral3Attention", "NativeGptOssAttention", "DeltaNetStep", "ShortConvStep",
          "NativeGatedMLP", "MixtureInOneCall", "NativeGlm4MoeAttention", "Glm4MoeMoE",
          "Lfm2MoeSparseMoeBlock", "MambaStep", "NativeGraniteAttention", "NemotronHMLP", "NemotronHMoE")
 # The masks transformers' models give each kind of layer (where a batch is padded); others take none in a step.
-MASKS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask"}
+MASKS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask",
+         "hybrid": "create_causal_mask"}
 
 
 def layer_kinds(config) -> list[str]:
@@ -95,13 +103,13 @@ class LayerLoop:
         self.inner, self.original, self.loop = inner, inner.forward, loop
         self.kinds = layer_kinds(inner.config)
         # each layer's (mixer, whether it is the attention, its norms before and after the mixer and the MLP, its MLPs
-        # (the outputs summed), its branches' multiplier)
+        # (the outputs summed), its branches' multiplier, the recurrent mixer beside its attention or None)
         self.layers = []
         for kind, layer in zip(self.kinds, inner.layers):
             if loop.one_mixer:  # (its one part by its kind, behind its norm)
                 mixer, norm = getattr(layer, loop.attention), getattr(layer, loop.pre_norms[0])
-                self.layers.append((None, False, None, norm, None, None, [mixer], None) if kind in ("mlp", "moe") else
-                                   (mixer, kind == "full_attention", norm, None, None, None, [], None))
+                self.layers.append((None, False, None, norm, None, None, [mixer], None, None) if kind in ("mlp", "moe")
+                                   else (mixer, kind == "full_attention", norm, None, None, None, [], None, None))
                 continue
             attention = getattr(layer, loop.attention, None)
             pre, post = ([getattr(layer, name) for name in names] if names else [None, None]
@@ -110,7 +118,8 @@ class LayerLoop:
                     if mlp is not None]
             self.layers.append((attention if attention is not None else getattr(layer, loop.recurrent),
                                 attention is not None, *pre, *post, mlps,
-                                getattr(layer, loop.residual_scale) if loop.residual_scale else None))
+                                getattr(layer, loop.residual_scale) if loop.residual_scale else None,
+                                getattr(layer, loop.recurrent) if loop.parallel else None))
         self.embedding_scale = getattr(inner, loop.embedding_scale) if loop.embedding_scale else None
         # the rotary's positions by layer kind (OLMo 3's: one a kind), else one for all; none (Granite 4.0 H's)
         self.rotary = getattr(inner, loop.rotary, None)
@@ -130,9 +139,12 @@ class LayerLoop:
         for layer in inner.layers:
             mixer = getattr(layer, loop.attention, None)
             mixer = mixer if mixer is not None or loop.recurrent is None else getattr(layer, loop.recurrent, None)
+            parts = [mixer, *(getattr(layer, name) for name in names)]
+            parts += [getattr(layer, loop.recurrent, None)] if loop.parallel else []
             held = [getattr(layer, name, None) for name in mlps]
-            if any(type(part).__name__ not in PARTS for part in (mixer, *(getattr(layer, n) for n in names))) or \
-                    not any(held) or any(mlp is not None and type(mlp).__name__ not in PARTS for mlp in held):
+            if any(type(part).__name__ not in PARTS for part in parts) or not any(held) \
+                    or any(mlp is not None and type(mlp).__name__ not in PARTS for mlp in held) \
+                    or any(getattr(layer, name, 1.0) != 1.0 for name in UNIT_MULTIPLIERS):
                 return False
         if type(getattr(inner, loop.final_norm)).__name__ not in PARTS:
             return False
@@ -170,8 +182,8 @@ class LayerLoop:
                 layer_masks[kind] = getattr(masks, MASKS[kind])(
                     config=inner.config, inputs_embeds=hidden, attention_mask=attention_mask, past_key_values=cache,
                     position_ids=position_ids)
-        for kind, (mixer, attends, pre_mixer, pre_mlp, post_mixer, post_mlp, mlps, scale) in zip(self.kinds,
-                                                                                                  self.layers):
+        for kind, (mixer, attends, pre_mixer, pre_mlp, post_mixer, post_mlp, mlps, scale, beside) in zip(
+                self.kinds, self.layers):
             if mixer is not None:  # (a Nemotron-H MLP or mixture layer has none)
                 x = hidden if pre_mixer is None else pre_mixer.forward(hidden)
                 if attends:
@@ -179,6 +191,8 @@ class LayerLoop:
                                            position_ids=position_ids, past_key_values=cache)
                 else:
                     out = mixer.forward(x, attention_mask=None, **{loop.cache_keyword: cache})
+                if beside is not None:  # (the mixer's output first, as Falcon-H1's layer sums them)
+                    out = beside.forward(x, attention_mask=None, **{loop.cache_keyword: cache}) + out
                 out = out if post_mixer is None else post_mixer.forward(out)
                 hidden = hidden + (out if scale is None else out * scale)
             if not mlps:  # (a Nemotron-H mixer's layer: no MLP)

@@ -918,6 +918,15 @@ def test_a_mamba_step_is_transformers_decode_step_of_a_mamba2_layer(groups, each
             each.append((ours, ours_state))
         for ours, ours_state in each[1:]:  # each instruction set's build the same bits
             assert torch.equal(ours, each[0][0]) and torch.equal(ours_state, each[0][1])
+        # no norm (Falcon-H1's mixer without it): the output times silu of the gate alone
+        ungated = []
+        for isa in isas():
+            torch.ops.rungen_ggml.set_isa(isa)
+            ungated.append(torch.ops.rungen_ggml.mamba_step(window.clone(), xbc, conv, bias, state.clone(), dt,
+                                                            dt_bias, a, d, z, None, groups, 1e-5))
+        for ours in ungated:
+            torch.testing.assert_close(ours, out.reshape(rows, inner) * F.silu(z), rtol=1e-5, atol=1e-5)
+            assert torch.equal(ours, ungated[0])
     with pytest.raises(RuntimeError, match="not x, B and C"):
         torch.ops.rungen_ggml.mamba_step(window.clone(), xbc, conv, None, state[:, :2].clone(), dt, dt_bias, a, d, z,
                                          norm, groups, 1e-5)
@@ -985,6 +994,14 @@ def test_a_mamba_scan_is_transformers_prompt_and_the_steps_one_by_one(groups, ea
             steps.append(ops.mamba_step(step_window, xbc[:, t], conv, conv_bias, step_state, dt[:, t], dt_bias, a, d,
                                         z[:, t], norm, groups, 1e-5))
         assert torch.equal(ours, torch.stack(steps, dim=1)) and torch.equal(ours_state, step_state)
+        # no norm (Falcon-H1's mixer without it): the steps' gated outputs alone, to the bit
+        ungated = ops.mamba_scan(inputs, positions, conv, conv_bias, state.clone(), dt, dt_bias, a, d, z, None, groups,
+                                 1e-5)
+        step_window = torch.cat([torch.zeros(sequences, 1, channels), window], dim=1).transpose(1, 2).contiguous()
+        step_state = state.clone()
+        assert torch.equal(ungated, torch.stack([ops.mamba_step(step_window, xbc[:, t], conv, conv_bias, step_state,
+                                                                dt[:, t], dt_bias, a, d, z[:, t], None, groups, 1e-5)
+                                                 for t in range(positions)], dim=1))
         each.append((ours, ours_state))
     for ours, ours_state in each[1:]:
         assert torch.equal(ours, each[0][0]) and torch.equal(ours_state, each[0][1])

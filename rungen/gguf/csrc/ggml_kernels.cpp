@@ -79,9 +79,9 @@ TORCH_LIBRARY(rungen_ggml, m) {
         &delta_scan);
   m.def("short_conv_step(Tensor(a!) window, Tensor bcx, Tensor taps) -> Tensor", &short_conv_step);
   m.def("mamba_step(Tensor(a!) window, Tensor xbc, Tensor conv, Tensor? conv_bias, Tensor(b!) state, Tensor dt, "
-        "Tensor dt_bias, Tensor a, Tensor d, Tensor z, Tensor norm, int groups, float eps) -> Tensor", &mamba_step);
+        "Tensor dt_bias, Tensor a, Tensor d, Tensor z, Tensor? norm, int groups, float eps) -> Tensor", &mamba_step);
   m.def("mamba_scan(Tensor xbc, int positions, Tensor conv, Tensor? conv_bias, Tensor(a!) state, Tensor dt, "
-        "Tensor dt_bias, Tensor a, Tensor d, Tensor z, Tensor norm, int groups, float eps, float dt_min=0., "
+        "Tensor dt_bias, Tensor a, Tensor d, Tensor z, Tensor? norm, int groups, float eps, float dt_min=0., "
         "Tensor? mask=None) -> Tensor", &mamba_scan);
   m.def("gelu_tanh_mul(Tensor gate_up) -> Tensor", &gelu_tanh_mul);
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, float softcap=0., int window=0, "

@@ -32,12 +32,13 @@ struct MambaJob {
 // size] float32, contiguous, both updated in place; xbc [rows, channels] the new position's x, B and C (channels =
 // heads * head size + 2 * groups * state size); conv [channels, kernel] and its bias [channels] or none; dt [rows,
 // heads] the step's product, dt_bias, a (= -exp(A_log)) and d [heads]; z [rows, heads * head size] the gate; norm
-// [heads * head size] the gated norm's weight over `groups` groups. Head h reads group h / (heads / groups).
-// Returns the gated norm's output [rows, heads * head size], what out_proj takes.
+// [heads * head size] the gated norm's weight over `groups` groups, or none (the output times silu of the gate alone:
+// Falcon-H1's mixer without its norm). Head h reads group h / (heads / groups). Returns the gated norm's output
+// [rows, heads * head size], what out_proj takes.
 at::Tensor mamba_step(const at::Tensor& window, const at::Tensor& xbc_in, const at::Tensor& conv_in,
                       const c10::optional<at::Tensor>& conv_bias_in, const at::Tensor& state, const at::Tensor& dt_in,
                       const at::Tensor& dt_bias_in, const at::Tensor& a_in, const at::Tensor& d_in,
-                      const at::Tensor& z_in, const at::Tensor& norm_in, int64_t groups, double eps) {
+                      const at::Tensor& z_in, const c10::optional<at::Tensor>& norm_in, int64_t groups, double eps) {
   TORCH_CHECK(window.scalar_type() == at::kFloat && window.is_contiguous() && window.dim() == 3,
               "rungen_ggml: mamba_step's window must be contiguous float32 [rows, channels, kernel]");
   TORCH_CHECK(state.scalar_type() == at::kFloat && state.is_contiguous() && state.dim() == 4,
@@ -47,12 +48,13 @@ at::Tensor mamba_step(const at::Tensor& window, const at::Tensor& xbc_in, const 
   TORCH_CHECK(state.size(0) == rows && groups > 0 && heads % groups == 0 && channels == heads * dh + 2 * groups * n,
               "rungen_ggml: mamba_step's window holds ", channels, " channels, not x, B and C of its state's shape");
   const at::Tensor xbc = floats(xbc_in), conv = floats(conv_in), dt = floats(dt_in), dt_bias = floats(dt_bias_in),
-                   a = floats(a_in), d = floats(d_in), z = floats(z_in), norm = floats(norm_in);
+                   a = floats(a_in), d = floats(d_in), z = floats(z_in),
+                   norm = norm_in.has_value() ? floats(*norm_in) : at::Tensor();
   at::Tensor conv_bias;
   if (conv_bias_in.has_value()) conv_bias = floats(*conv_bias_in);
   TORCH_CHECK(xbc.numel() == rows * channels && conv.numel() == channels * kernel && dt.numel() == rows * heads &&
                   dt_bias.numel() == heads && a.numel() == heads && d.numel() == heads &&
-                  z.numel() == rows * heads * dh && norm.numel() == heads * dh &&
+                  z.numel() == rows * heads * dh && (!norm.defined() || norm.numel() == heads * dh) &&
                   (!conv_bias.defined() || conv_bias.numel() == channels),
               "rungen_ggml: mamba_step's inputs do not match its window and state");
   at::Tensor y = at::empty({rows, channels}, window.options());
@@ -60,8 +62,8 @@ at::Tensor mamba_step(const at::Tensor& window, const at::Tensor& xbc_in, const 
   const MambaJob job{window.data_ptr<float>(), state.data_ptr<float>(), xbc.data_ptr<float>(),
                      conv.data_ptr<float>(), conv_bias.defined() ? conv_bias.data_ptr<float>() : nullptr,
                      dt.data_ptr<float>(), dt_bias.data_ptr<float>(), a.data_ptr<float>(), d.data_ptr<float>(),
-                     z.data_ptr<float>(), norm.data_ptr<float>(), y.data_ptr<float>(), out.data_ptr<float>(), rows,
-                     channels, kernel, heads, dh, n, groups, float(eps)};
+                     z.data_ptr<float>(), norm.defined() ? norm.data_ptr<float>() : nullptr, y.data_ptr<float>(),
+                     out.data_ptr<float>(), rows, channels, kernel, heads, dh, n, groups, float(eps)};
   BY_ISA(mamba_step_rows)(job);
   return out;
 }
@@ -76,7 +78,8 @@ at::Tensor mamba_step(const at::Tensor& window, const at::Tensor& xbc_in, const 
 at::Tensor mamba_scan(const at::Tensor& xbc_in, int64_t positions, const at::Tensor& conv_in,
                       const c10::optional<at::Tensor>& conv_bias_in, const at::Tensor& state, const at::Tensor& dt_in,
                       const at::Tensor& dt_bias_in, const at::Tensor& a_in, const at::Tensor& d_in,
-                      const at::Tensor& z_in, const at::Tensor& norm_in, int64_t groups, double eps, double dt_min,
+                      const at::Tensor& z_in, const c10::optional<at::Tensor>& norm_in, int64_t groups, double eps,
+                      double dt_min,
                       const c10::optional<at::Tensor>& mask_in) {
   TORCH_CHECK(state.scalar_type() == at::kFloat && state.is_contiguous() && state.dim() == 4,
               "rungen_ggml: mamba_scan's state must be contiguous float32 [sequences, heads, head size, state size]");
@@ -87,13 +90,15 @@ at::Tensor mamba_scan(const at::Tensor& xbc_in, int64_t positions, const at::Ten
   TORCH_CHECK(groups > 0 && heads % groups == 0 && channels == heads * dh + 2 * groups * n,
               "rungen_ggml: mamba_scan's xbc holds ", channels, " channels, not x, B and C of its state's shape");
   const at::Tensor xbc = floats(xbc_in), conv = floats(conv_in), dt = floats(dt_in), dt_bias = floats(dt_bias_in),
-                   a = floats(a_in), d = floats(d_in), z = floats(z_in), norm = floats(norm_in);
+                   a = floats(a_in), d = floats(d_in), z = floats(z_in),
+                   norm = norm_in.has_value() ? floats(*norm_in) : at::Tensor();
   at::Tensor conv_bias, mask;
   if (conv_bias_in.has_value()) conv_bias = floats(*conv_bias_in);
   if (mask_in.has_value()) mask = floats(*mask_in);
   TORCH_CHECK(conv.numel() % channels == 0 && dt.numel() == rows * heads && dt_bias.numel() == heads &&
                   a.numel() == heads && d.numel() == heads && z.numel() == rows * heads * dh &&
-                  norm.numel() == heads * dh && (!conv_bias.defined() || conv_bias.numel() == channels) &&
+                  (!norm.defined() || norm.numel() == heads * dh) &&
+                  (!conv_bias.defined() || conv_bias.numel() == channels) &&
                   (!mask.defined() || mask.numel() == rows),
               "rungen_ggml: mamba_scan's inputs do not match its xbc and state");
   at::Tensor y = at::empty({rows, channels}, state.options());
@@ -101,8 +106,8 @@ at::Tensor mamba_scan(const at::Tensor& xbc_in, int64_t positions, const at::Ten
   MambaJob job{nullptr, state.data_ptr<float>(), xbc.data_ptr<float>(), conv.data_ptr<float>(),
                conv_bias.defined() ? conv_bias.data_ptr<float>() : nullptr, dt.data_ptr<float>(),
                dt_bias.data_ptr<float>(), a.data_ptr<float>(), d.data_ptr<float>(), z.data_ptr<float>(),
-               norm.data_ptr<float>(), y.data_ptr<float>(), out.data_ptr<float>(), rows, channels,
-               conv.numel() / channels, heads, dh, n, groups, float(eps)};
+               norm.defined() ? norm.data_ptr<float>() : nullptr, y.data_ptr<float>(), out.data_ptr<float>(), rows,
+               channels, conv.numel() / channels, heads, dh, n, groups, float(eps)};
   const at::Tensor taps = conv.view({channels, -1}).t().contiguous();  // (a tap's weights side by side)
   job.positions = positions;
   job.inputs = inputs;

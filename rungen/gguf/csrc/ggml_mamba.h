@@ -82,7 +82,8 @@ static void mamba_heads(const MambaJob& job, int64_t p0, int64_t p1) {
   }
 }
 
-// Rows r0..r1's gated norm: the output times silu of the gate, normalized over each group (its RMS), times the weight.
+// Rows r0..r1's gated norm: the output times silu of the gate, normalized over each group (its RMS), times the weight
+// (no weight: the gated output alone).
 static void mamba_norm(const MambaJob& job, int64_t r0, int64_t r1) {
   const int64_t inner = job.heads * job.head_size, group = inner / job.groups;
   std::vector<float> gated(2 * inner);
@@ -91,6 +92,7 @@ static void mamba_norm(const MambaJob& job, int64_t r0, int64_t r1) {
     std::copy(job.z + r * inner, job.z + (r + 1) * inner, gated.begin());  // [gate | output]: silu(gate) * output
     std::copy(o, o + inner, gated.begin() + inner);
     silu_rows(gated.data(), 0, 1, inner, o);
+    if (job.norm == nullptr) continue;
     for (int64_t g0 = 0; g0 < inner; g0 += group) {
       float sum = 0.f;
       for (int64_t j = g0; j < g0 + group; ++j) sum += o[j] * o[j];

@@ -103,7 +103,7 @@ at::Tensor delta_step(const at::Tensor& window, const at::Tensor& mixed, const a
 at::Tensor mamba_scan(const at::Tensor& xbc, int64_t positions, const at::Tensor& conv,
                       const c10::optional<at::Tensor>& conv_bias, const at::Tensor& state, const at::Tensor& dt,
                       const at::Tensor& dt_bias, const at::Tensor& a, const at::Tensor& d, const at::Tensor& z,
-                      const at::Tensor& norm, int64_t groups, double eps, double dt_min,
+                      const c10::optional<at::Tensor>& norm, int64_t groups, double eps, double dt_min,
                       const c10::optional<at::Tensor>& mask);
 at::Tensor delta_scan(const at::Tensor& mixed, int64_t positions, const at::Tensor& conv, const at::Tensor& state,
                       const at::Tensor& a, const at::Tensor& b, const at::Tensor& z, const at::Tensor& decay,
@@ -113,7 +113,7 @@ at::Tensor gelu_tanh_mul(const at::Tensor& gu);
 at::Tensor mamba_step(const at::Tensor& window, const at::Tensor& xbc, const at::Tensor& conv,
                       const c10::optional<at::Tensor>& conv_bias, const at::Tensor& state, const at::Tensor& dt,
                       const at::Tensor& dt_bias, const at::Tensor& a, const at::Tensor& d, const at::Tensor& z,
-                      const at::Tensor& norm, int64_t groups, double eps);
+                      const c10::optional<at::Tensor>& norm, int64_t groups, double eps);
 
 // attend's mask as the kernel reads it: bool or additive float [b, 1, t, T], or none (causal).
 struct AttendMask {
