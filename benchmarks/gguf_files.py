@@ -164,6 +164,11 @@ FAMILIES = {
                            head_dim=128, rope_base=10000.0, eps=1e-5, tied=False, mamba=(64, 64, 128, 8),
                            pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME", experts=128,
                            experts_used=6, expert_ffn=1856, shared_ffn=3712, relu2_experts=2.5, context=262144),
+    # Falcon-H1-0.5B: 36 layers 1024 wide, each its attention (8 heads of 64 over 2) and its Mamba-2 mixer (24 heads
+    # of 64, a state of 128, one group, no gated norm) side by side, then an MLP of 2048; untied, a rotary base of
+    # 1e11 (Falcon-H1R-7B and the 1.5B-34B models: the same layers wider and more of them).
+    "falcon-h1": dict(arch="falcon-h1", layers=36, hidden=1024, ffn=2048, heads=8, kv_heads=2, head_dim=64,
+                      rope_base=1e11, eps=1e-5, tied=False, mamba=(24, 64, 128, 1), pattern="H" * 36),
     # Mixtral-8x7B: llama's file with experts (8 of 14336 a layer, 2 a token: feed_forward_length is the experts'),
     # 26 GB in Q4_0.
     "mixtral": dict(arch="llama", layers=32, hidden=4096, ffn=14336, heads=32, kv_heads=8, head_dim=128,
@@ -465,9 +470,11 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
     writer.add_context_length(shape.get("context", 4096))
     writer.add_embedding_length(shape["hidden"])
     writer.add_block_count(shape["layers"])
-    # (a hybrid's layers: M Mamba-2, * attention, - an MLP, E a mixture)
+    # (a hybrid's layers: M Mamba-2, * attention, - an MLP, E a mixture, H attention and Mamba-2 side by side and an
+    # MLP)
     kinds = shape.get("pattern", "")[:shape["layers"]]
     nemotron = arch in ("nemotron_h", "nemotron_h_moe")  # (one mixer a layer, behind its one norm)
+    falcon = arch == "falcon-h1"
     # (Nemotron-H's: a layer's MLP or experts' width, 0 where it has none)
     writer.add_feed_forward_length([shape["ffn"] if kind in "-E" else 0 for kind in kinds] if nemotron
                                    else shape["ffn"])
@@ -477,15 +484,18 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
         writer.add_head_count_kv([shape["kv_heads"] if layer in convolutions[1] else 0
                                   for layer in range(shape["layers"])])
         writer.add_shortconv_l_cache(convolutions[0])
-    elif mamba:  # (Granite 4.0 H's, Nemotron-H's: a layer's kv heads, 0 but for attention; the ssm keys; no rotary)
+    elif mamba:  # (Granite 4.0 H's, Nemotron-H's: a layer's kv heads, 0 but for attention; the ssm keys; no rotary;
+        # Falcon-H1's: its kv heads, rotary)
         ssm_heads, ssm_head, state, groups = mamba
-        writer.add_head_count_kv([shape["kv_heads"] if kind == "*" else 0 for kind in kinds])
+        writer.add_head_count_kv(shape["kv_heads"] if falcon else
+                                 [shape["kv_heads"] if kind == "*" else 0 for kind in kinds])
         writer.add_ssm_conv_kernel(4)
         writer.add_ssm_state_size(state)
         writer.add_ssm_group_count(groups)
         writer.add_ssm_inner_size(ssm_heads * ssm_head)
         writer.add_ssm_time_step_rank(ssm_heads)
-        writer.add_rope_scaling_finetuned(False)
+        if not falcon:
+            writer.add_rope_scaling_finetuned(False)
     else:
         writer.add_head_count_kv(shape["kv_heads"])
     if shape.get("fused"):  # phi3's converter: no key/value length (hidden / heads), the original context
@@ -493,7 +503,7 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
     elif "mla" in shape:  # (the latent's: the keys with the rotated part, the values without)
         writer.add_key_length(shape["mla"][0] + shape["mla"][2])
         writer.add_value_length(shape["mla"][0])
-    elif not convolutions and (not mamba or nemotron):
+    elif not convolutions and (not mamba or nemotron or falcon):
         writer.add_key_length(shape["head_dim"])
         writer.add_value_length(shape["head_dim"])
     if nemotron:  # (its converter's key of the norms' epsilon)
@@ -518,7 +528,7 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
     if "temperature" in shape:  # (Ministral 3's: mscale_all_dim 1, llama_4_scaling_beta)
         writer.add_rope_scaling_yarn_log_mul(1.0)
         writer.add_attn_temperature_scale(shape["temperature"])
-    if arch in ("gpt-oss", "lfm2", "lfm2moe"):  # (their converters write no rotary dimension)
+    if arch in ("gpt-oss", "lfm2", "lfm2moe", "falcon-h1"):  # (their converters write no rotary dimension)
         pass
     elif "linear" in shape:  # Qwen3.5's linear attention, its interleaved MRoPE over a quarter of each head
         key_heads, value_heads, linear_dim = shape["linear"]
@@ -602,7 +612,7 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
         recurrent = "linear" in shape and (layer + 1) % 4 != 0
         convolution = bool(convolutions) and layer not in convolutions[1]
         ssm = bool(mamba) and kinds[layer] == "M"
-        if nemotron:
+        if nemotron or falcon:  # (Falcon-H1's MLP norm: below)
             norms = ("attn_norm",)
         if "linear" in shape or "sigmoid_router" in shape:  # (Qwen3.5's, GLM-4.5's: the MLP's norm so named)
             norms = ("attn_norm", "post_attention_norm")
@@ -631,7 +641,8 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
             writer.add_tensor(f"blk.{layer}.ssm_a", -rng.uniform(0.5, 8, value_heads).astype(np.float32))
             writer.add_tensor(f"blk.{layer}.ssm_dt.bias", rng.normal(0, 0.5, value_heads).astype(np.float32))
             writer.add_tensor(f"blk.{layer}.ssm_norm.weight", np.ones(linear_dim, dtype=np.float32))
-        elif ssm:  # a Mamba-2 layer's: z, x, B, C and dt in one product, the window over x, B and C, A, D, its norm
+        elif ssm or falcon:  # a Mamba-2 layer's: z, x, B, C and dt in one product, the window over x, B and C, A, D,
+            # its norm (Falcon-H1's: none; its attention and MLP beside, its MLP's norm named without .weight)
             ssm_heads, ssm_head, state, groups = mamba
             inner, window = ssm_heads * ssm_head, ssm_heads * ssm_head + 2 * groups * state
             parts = (("ssm_in", inner + window + ssm_heads, hidden), ("ssm_out", hidden, inner))
@@ -640,7 +651,14 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
             writer.add_tensor(f"blk.{layer}.ssm_dt.bias", rng.normal(0, 0.5, ssm_heads).astype(np.float32))
             writer.add_tensor(f"blk.{layer}.ssm_a", -rng.uniform(0.5, 8, (ssm_heads, 1)).astype(np.float32))
             writer.add_tensor(f"blk.{layer}.ssm_d", np.ones((ssm_heads, 1), dtype=np.float32))
-            writer.add_tensor(f"blk.{layer}.ssm_norm.weight", np.ones((groups, inner // groups), dtype=np.float32))
+            if falcon:
+                writer.add_tensor(f"blk.{layer}.ffn_norm", np.ones(hidden, dtype=np.float32))
+                parts += (("attn_q", q_rows, hidden), ("attn_k", kv_rows, hidden), ("attn_v", kv_rows, hidden),
+                          ("attn_output", hidden, q_rows), ("ffn_gate", ffn, hidden), ("ffn_up", ffn, hidden),
+                          ("ffn_down", hidden, ffn))
+            else:
+                writer.add_tensor(f"blk.{layer}.ssm_norm.weight",
+                                  np.ones((groups, inner // groups), dtype=np.float32))
         elif mamba and kinds[layer] == "-":  # a Nemotron-H MLP layer's: relu^2 of up, then down
             parts = (("ffn_up", ffn, hidden), ("ffn_down", hidden, ffn))
         elif mamba and kinds[layer] == "E":  # a Nemotron 3 mixture's layer: the experts alone (below)

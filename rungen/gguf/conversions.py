@@ -1,6 +1,7 @@
 """The architectures whose GGUF files transformers reads by its own conversion table (transformers.integrations.gguf:
-Qwen3.5's qwen35 and qwen35moe, LFM2's lfm2): their config is transformers' (the header reads it), and Conversion
-gives build.py that table as the weights map and tensor processor it takes for the others.
+Qwen3.5's qwen35 and qwen35moe, LFM2's lfm2), and those given entries of its kind here (OWN_TABLES): their config is
+transformers' (the header reads it), and Conversion gives build.py that table as the weights map and tensor processor
+it takes for the others.
 
 A transform of values (a norm's offset, ssm_a's log) applies to the tensor's float values; a permutation of rows to
 a quantized tensor's rows of blocks; a permutation of a quantized weight's columns (Qwen3.5's out_proj, which reads

@@ -1,6 +1,7 @@
 """Granite's decoder layers over a GGUF file's blocks (transformers' GraniteMoeHybridForCausalLM: Granite 4.0 H's;
 GraniteMoeForCausalLM and GraniteMoeSharedForCausalLM: Granite 3's mixtures; NemotronHForCausalLM: Nemotron-H's, one
-mixer a layer), with their small steps taken in fewer calls on the CPU: a Mamba-2 layer's decode step between its two
+mixer a layer; FalconH1ForCausalLM: Falcon-H1's, a Mamba-2 mixer beside each attention), with their small steps taken
+in fewer calls on the CPU: a Mamba-2 layer's decode step between its two
 products one native call (MambaStep: torch.ops.rungen_ggml.mamba_step, csrc/ggml_mamba.cpp); the shared MLP's gate and
 up product (one already: the file's two tensors joined) then its activation one call (NativeGatedMLP); each RMSNorm
 one rms_norm call; the attention's q, k and v one product, q and k rotated in one rope_split call
