@@ -157,12 +157,12 @@ def test_gguf_greedy_equals_eager_generate_on_the_gpu(gguf_file):
     check_greedy(["--model_name_or_path", gguf_file], model, tokenizer, extra=["--dequantize"] if ON_CPU else [])
 
 
-@pytest.mark.parametrize("architecture", ["qwen35", "lfm2", "granitehybrid_dense", "nemotron_h"])
+@pytest.mark.parametrize("architecture", ["qwen35", "lfm2", "granitehybrid_dense", "nemotron_h", "falcon_h1"])
 def test_a_recurrent_gguf_files_greedy_equals_eager_generate_on_the_gpu(architecture, tmp_path):
     """Qwen3.5's (Q4_0: its out_proj kept in 4-bit codes, its input gathered in the file's order), LFM2's
-    (transformers' conversion table) and granite-4.0-h-micro's files (our entry of that table's kind: its shared MLP
-    joined from two tensors) on the device, their rows' states batched by the engine, against transformers' own loader
-    of the same file."""
+    (transformers' conversion table), granite-4.0-h-micro's files (our entry of that table's kind: its shared MLP
+    joined from two tensors) and Falcon-H1's (its cache layers holding keys and values beside their states) on the
+    device, their rows' states batched by the engine, against transformers' own loader of the same file."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import tiny_models
