@@ -857,6 +857,21 @@ def test_a_granitehybrid_file_whose_attention_rotates_is_refused_in_one_line(tmp
     assert "\n" not in str(raised.value)
 
 
+def test_a_falcon_h1_file_with_its_multipliers_in_keys_is_refused_in_one_line(tmp_path, capsys):
+    # TII's llama.cpp fork wrote Falcon-H1's files with the weights as trained and their multipliers in keys, which
+    # llama.cpp's converter now multiplies into the weights (the multipliers this tool then takes as 1): such a file
+    # is refused, not computed without its multipliers.
+    import tiny_models
+
+    path = tiny_models.write_falcon_h1_gguf(tiny_models.falcon_h1_checkpoint(str(tmp_path)),
+                                            str(tmp_path / "fork.gguf"), "Q8_0", fork=True)
+    code, line = error_of(["--model_name_or_path", path, "--prompt", "Hi", "--length", "2"], capsys)
+    assert code == 2 and line.endswith("its multipliers are in keys (falcon-h1.key_multiplier), as TII's llama.cpp "
+                                       "fork wrote Falcon-H1's files before llama.cpp's converter multiplied them "
+                                       "into the weights; convert the checkpoint again with llama.cpp's "
+                                       "convert_hf_to_gguf.py)"), line
+
+
 def test_a_nemotron_3_file_of_expert_groups_without_the_count_a_token_takes_is_refused(tmp_path, monkeypatch):
     # A router that chooses within groups of experts needs how many groups a token takes (expert_group_used_count,
     # which llama.cpp's converter now writes beside expert_group_count): a file without it is refused in one line,

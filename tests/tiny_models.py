@@ -2017,14 +2017,16 @@ def falcon_h1_folded(name: str, values, config: dict):
     return values
 
 
-def write_falcon_h1_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
+def write_falcon_h1_gguf(checkpoint: str, path: str, qtype_name: str = "F32", fork: bool = False) -> str:
     """The GGUF file llama.cpp's converter (conversion/falcon_h1.py's FalconH1Model, a Mamba2Model) writes of a
     Falcon-H1 checkpoint: Mamba-2's keys (ssm.*) then Falcon-H1's (the vocabulary's size, the context, the MLP's width,
     the heads and the head size, the rotary's base), its multipliers multiplied into the weights (falcon_h1_folded)
     and none in a key; A_log as -exp(A_log) and D a column each, the convolution squeezed, the gated norm a row a
     group, dt_bias as ssm_dt.bias, q and k as the checkpoint holds them (Falcon-H1's rotary turns halves), the MLP's
     norm named blk.N.ffn_norm (no .weight: gguf's table maps pre_ff_layernorm's whole name); matrices in Q8_0 where
-    asked, the convolution, A, D and norms F32; a byte-level BPE vocabulary (tokenizer.ggml.pre falcon-h1)."""
+    asked, the convolution, A, D and norms F32; a byte-level BPE vocabulary (tokenizer.ggml.pre falcon-h1). `fork`:
+    as TII's llama.cpp fork wrote Falcon-H1's files before that converter, the weights as trained and their
+    multipliers in keys (falcon-h1.mlp_gate_multiplier, ..., falcon-h1.ssm.has_mup)."""
     import gguf
     import numpy as np
     from safetensors.torch import load_file
@@ -2052,6 +2054,13 @@ def write_falcon_h1_gguf(checkpoint: str, path: str, qtype_name: str = "F32") ->
     writer.add_key_length(config["head_dim"])
     writer.add_value_length(config["head_dim"])
     writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    if fork:
+        for key, value in (("mlp_gate_multiplier", config["mlp_multipliers"][0]),
+                           ("mlp_down_multiplier", config["mlp_multipliers"][1]),
+                           ("key_multiplier", config["key_multiplier"]),
+                           ("lm_head_multiplier", config["lm_head_multiplier"])):
+            writer.add_float32(f"falcon-h1.{key}", value)
+        writer.add_bool("falcon-h1.ssm.has_mup", True)
     add_bpe_vocabulary(writer, checkpoint, "falcon-h1")
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     names = gguf.get_tensor_name_map(arch, layers)
@@ -2064,7 +2073,8 @@ def write_falcon_h1_gguf(checkpoint: str, path: str, qtype_name: str = "F32") ->
             quantized(name, values)
 
     for hf_name, value in load_file(os.path.join(checkpoint, "model.safetensors")).items():
-        value = torch.from_numpy(falcon_h1_folded(hf_name, value.float().numpy(), config))
+        if not fork:
+            value = torch.from_numpy(falcon_h1_folded(hf_name, value.float().numpy(), config))
         blk = f"blk.{hf_name.split('.')[2]}" if hf_name.startswith("model.layers.") else None
         if hf_name.endswith(("q_proj.weight", "k_proj.weight")):  # (not permuted)
             add(names.get_name(hf_name.rpartition(".")[0]) + ".weight", value.numpy())

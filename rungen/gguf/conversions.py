@@ -305,8 +305,15 @@ def _falcon_h1_config(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
     biases and the mixer's gated norm where the file has their tensors. Every multiplier 1: llama.cpp's converter
     multiplied Falcon-H1's (the embedding's, the head's, the attention's and mixer's inputs and outputs, the keys',
     the MLP's, the mixer's projections' by part) into the weights they scale, and its graph applies none; the
-    mixer's gated norm (where its files have one) after the gate, as that graph normalizes."""
+    mixer's gated norm (where its files have one) after the gate, as that graph normalizes. A file with its multipliers
+    in keys (TII's fork's, before that converter) is refused: its weights are not multiplied."""
     key = lambda name: metadata[f"falcon-h1.{name}"]  # noqa: E731
+    kept = sorted(name for name in metadata if name.startswith("falcon-h1.") and ("multiplier" in name
+                                                                                 or name.endswith(".has_mup")))
+    if kept:  # (TII's llama.cpp fork's files: the weights as trained, their multipliers in keys)
+        raise ValueError(f"its multipliers are in keys ({kept[0]}), as TII's llama.cpp fork wrote Falcon-H1's files "
+                         "before llama.cpp's converter multiplied them into the weights; convert the checkpoint again "
+                         "with llama.cpp's convert_hf_to_gguf.py")
     hidden, heads, inner, ssm_heads = (key(name) for name in ("embedding_length", "attention.head_count",
                                                               "ssm.inner_size", "ssm.time_step_rank"))
     if inner % ssm_heads:
