@@ -806,7 +806,7 @@ def test_a_grouped_router_chooses_as_transformers_and_alike_in_a_batch(kind, gro
 
 
 @pytest.mark.parametrize("architecture", ["lfm2moe", "granitehybrid", "granitehybrid_dense", "granitemoe",
-                                          "nemotron_h", "nemotron_h_latent", "falcon_h1"])
+                                          "nemotron_h", "nemotron_h_latent", "falcon_h1", "afmoe"])
 def test_a_file_of_our_own_tables_entry_loads_with_transformers_own_loader_too(architecture, tmp_path):
     # LFM2-MoE's, Granite 4.0 H's, Granite 3's mixtures', Nemotron-H's and Nemotron 3's (its experts over a latent)
     # entries in transformers' conversion tables
@@ -1353,6 +1353,11 @@ CHECKPOINT_FILES = {
                            as_converted=True, steps=dict(mamba="MambaStep", self_attn="NativeGraniteAttention"),
                            native=dict(input_layernorm="NativeRMSNorm", feed_forward="NativeGatedMLP"),
                            f32_atol=1e-4),
+    # Arcee's AFMoE (Trinity: afmoe), read by the same kind of table: every fourth layer full and without rotary, the
+    # others sliding, each attention's output gated and q and k normalized per head, four norms a layer, a dense
+    # first layer, then mixtures (sigmoid scores with the expert bias, normalized and scaled) beside a shared expert;
+    # muP's embedding scale: transformers' layers over the blocks, the experts in blocks.
+    "afmoe": dict(files=("afmoe_checkpoint", "write_afmoe_gguf"), model="AfmoeForCausalLM"),
     "lfm2": dict(files=("lfm2_checkpoint", "write_lfm2_gguf"), model="Lfm2ForCausalLM", quantized=True,
                  steps=dict(conv="ShortConvStep", self_attn="NativeLfm2Attention"),
                  native=dict(feed_forward="NativeGatedMLP", operator_norm="NativeRMSNorm")),

@@ -1,5 +1,5 @@
 """Models whose layers attend in a sliding window (gemma2's every other layer, gemma3's five in six, mistral's
-every layer when its config has a window) decode on the engine: its cache keeps every position of those layers
+every layer when its config has a window, AFMoE's three in four) decode on the engine: its cache keeps every position of those layers
 and the attention mask applies the window (rungen/kvcache.py), so the greedy tokens of a left-padded batch are
 those generate() gives each prompt alone over transformers' own window cache (DynamicSlidingWindowLayer, which
 drops what leaves the window). Prompts are longer than the window (4 positions here), and every row decodes past
@@ -22,7 +22,14 @@ from rungen.kvcache import MIN_ROOM, SlidingLayer
 from rungen.loading import default_model_file, load
 from rungen.requests import Done, Request
 from rungen.sampling import Sampling
-from tiny_models import GGUF_FAMILIES, build_tiny_checkpoint, default_tokenizer_fields, write_family_gguf
+from tiny_models import (
+    GGUF_FAMILIES,
+    afmoe_checkpoint,
+    build_tiny_checkpoint,
+    default_tokenizer_fields,
+    write_afmoe_gguf,
+    write_family_gguf,
+)
 
 WINDOW = 4  # tiny_models' gemma files; the mistral checkpoint is given the same
 PROMPTS = ["The capital of France is Paris and the capital of Germany is", "Hello, my dog",
@@ -45,8 +52,8 @@ def load_both(path):
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """{name: (Loaded, the model generate() runs)} of a gemma2 and a gemma3 GGUF file (gemma3: five sliding layers,
-    one global; the own model code, and transformers' model of the file) and a mistral checkpoint with a sliding
-    window (transformers' model, both)."""
+    one global; the own model code, and transformers' model of the file), a mistral checkpoint with a sliding
+    window and an AFMoE GGUF file (three sliding layers, one global without rotary; transformers' model, both)."""
     folder = tmp_path_factory.mktemp("sliding")
     fields = default_tokenizer_fields(default_model_file(), 2048)
     paths = {"gemma2": write_family_gguf(folder / "gemma2.gguf", "gemma2", fields),
@@ -59,6 +66,9 @@ def models(tmp_path_factory):
     out = {name: load_both(paths[name]) for name in ("gemma2", "gemma3")}
     loaded = load(mistral, device=torch.device("cpu"))
     out["mistral"] = loaded, loaded.model
+    afmoe = write_afmoe_gguf(afmoe_checkpoint(str(folder)), str(folder / "afmoe.gguf"), "Q8_0")
+    loaded = load(afmoe, device=torch.device("cpu"))
+    out["afmoe"] = loaded, loaded.model
     return out
 
 
@@ -86,7 +96,7 @@ def engine_batch(loaded, prompts):
     return [tokens[number] for number in range(len(prompts))]
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3", "mistral"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "mistral", "afmoe"])
 def test_a_left_padded_batch_decodes_past_the_window_as_generate_does_each_prompt(models, name):
     loaded, reference = models[name]
     config = loaded.model.config

@@ -402,6 +402,22 @@ def test_a_pre_tokenizer_without_a_split_here_is_said(tmp_path, caplog):
                     "as transformers splits it, which llama.cpp does not"]
 
 
+def test_afmoes_split_is_llama_cpps():
+    # llama.cpp's AFMOE split (Arcee's Trinity files): numerals in groups of three from the right (its own digit
+    # split: the leading one or two first), runs of CJK alone, then its pattern (a punctuation mark with the ASCII
+    # letters after it, letters with what precedes them, a space before a numeral alone)
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from rungen.gguf.splits import pre_tokenizer
+
+    text = "Hello WORLD'S 12345!\n\n\u4e2d\u6587 abc.def 7 123456"
+    wanted = ["Hello", " WORLD", "'S", " ", "12", "345", "!\n\n", "\u4e2d\u6587", " abc", ".def", " ", "7", " ", "123",
+              "456"]
+    spelled = bytes_to_unicode()
+    assert [piece for piece, _ in pre_tokenizer("afmoe").pre_tokenize_str(text)] == \
+        ["".join(spelled[byte] for byte in piece.encode()) for piece in wanted]
+
+
 def test_glm4s_split_is_llama_cpps():
     # llama.cpp's CHATGLM4 split (GLM-4's and GLM-5's files): contractions in either case, letters with what precedes
     # them, numerals by three, a space before a numeral alone

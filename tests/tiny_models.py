@@ -2086,6 +2086,83 @@ def write_falcon_h1_gguf(checkpoint: str, path: str, qtype_name: str = "F32", fo
     return write_out(writer, path)
 
 
+def afmoe_checkpoint(out_dir: str) -> str:
+    """A tiny random AFMoE checkpoint (AfmoeForCausalLM: Arcee's Trinity models) in `out_dir`: Trinity-Mini's layout 64
+    wide, 4 layers (three sliding over a window of 4 with rotary, the fourth full without), 4 heads of 32 over 2 (wider
+    than the hidden size, as published), each attention's output gated and its q and k normalized per head; a dense
+    first layer (an MLP of 128), then mixtures of 8 experts of 32, 2 a token (sigmoid scores with the expert bias to
+    choose them, normalized, times 2.5) beside one shared expert; muP's embedding scale; the published config's
+    route_norm; untied. Its norms and the expert bias drawn; a byte-level BPE vocabulary."""
+    from transformers import AfmoeConfig, AfmoeForCausalLM
+
+    tokenizer = tiny_gpt2_tokenizer(out_dir)
+    config = AfmoeConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=4, num_dense_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        max_position_embeddings=512, rms_norm_eps=1e-5, num_experts=8, num_experts_per_tok=2, num_shared_experts=1,
+        route_scale=2.5, global_attn_every_n_layers=4, sliding_window=4, mup_enabled=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, initializer_range=0.15,
+        tie_word_embeddings=False, pad_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id)
+    config.route_norm = True  # (the published configs': llama.cpp's converter writes it, AfmoeConfig has no field)
+    return save_tiny(out_dir, "afmoe", AfmoeForCausalLM, config, tokenizer, drawn_router_bias("expert_bias"))
+
+
+def write_afmoe_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
+    """The GGUF file llama.cpp's converter (conversion/afmoe.py's AfmoeModel, a LlamaModel) writes of an AFMoE
+    checkpoint: llama's keys (the head size, the rotary's dimension), the experts' (count, used, width, shared count,
+    the dense layers first, the weights normalized and scaled), the window; q and k as the checkpoint holds them (its
+    non-expert tensors skip LlamaModel's permutation), each layer's experts stacked, the expert bias as
+    exp_probs_b.bias, the four norms as attn_norm, post_attention_norm, ffn_norm and post_ffw_norm, the attention's
+    gate as attn_gate; matrices in Q8_0 where asked, the router and norms F32; a byte-level BPE vocabulary
+    (tokenizer.ggml.pre afmoe)."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        config = json.load(f)
+    layers, experts = config["num_hidden_layers"], config["num_experts"]
+    arch = gguf.MODEL_ARCH.AFMOE
+    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
+    add_text_shape(writer, config)
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_file_type({"F32": 0, "Q8_0": 7}[qtype_name])
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_rope_dimension_count(config["head_dim"])
+    writer.add_expert_shared_count(config["num_shared_experts"])
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    writer.add_leading_dense_block_count(config["num_dense_layers"])
+    if config.get("route_norm") is not None:
+        writer.add_expert_weights_norm(config["route_norm"])
+    writer.add_expert_weights_scale(config["route_scale"])
+    writer.add_sliding_window(config["sliding_window"])
+    add_bpe_vocabulary(writer, checkpoint, "afmoe")
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    names = gguf.get_tensor_name_map(arch, layers)
+    add = converter_adder(writer, qtype_name)
+    weights = load_file(os.path.join(checkpoint, "model.safetensors"))
+    for hf_name, value in weights.items():
+        if ".mlp.experts." in hf_name:
+            continue  # (stacked below)
+        if hf_name.endswith(".expert_bias"):
+            add(f"blk.{hf_name.split('.')[2]}.exp_probs_b.bias", value.float().numpy())
+            continue
+        base, _, suffix = hf_name.rpartition(".")
+        add(f"{names.get_name(base)}.{suffix}", value.float().numpy())
+    for layer in range(config["num_dense_layers"], layers):
+        for part, name in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"), ("down_proj", "ffn_down_exps")):
+            add(f"blk.{layer}.{name}.weight", np.stack([weights[f"model.layers.{layer}.mlp.experts.{expert}.{part}"
+                                                                ".weight"].float().numpy()
+                                                        for expert in range(experts)]))
+    return write_out(writer, path)
+
+
 def granitemoe_checkpoint(out_dir: str) -> str:
     """A tiny random Granite 3 mixture checkpoint (GraniteMoeForCausalLM) in `out_dir`: granite-3.1-1b-a400m's
     layout 64 wide (4 heads over 2, rotary), each MLP 8 experts of 32, 2 a token (the softmax of their logits);

@@ -362,6 +362,83 @@ def _falcon_h1(config) -> list:
         *_mamba2_and_attention(config, "mamba", "self_attn", permuted=False)]
 
 
+def _afmoe_config(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
+    """Arcee's AFMoE config (Trinity-Nano, Trinity-Mini, Trinity-Large: AfmoeForCausalLM): llama's keys, every fourth
+    layer full attention and without rotary, the others sliding (llama.cpp's pattern where the file names none),
+    each attention's output gated (attn_gate) and its q and k normalized per head, the dense layers first, then
+    mixtures of sigmoid-scored experts with a correction, normalized and scaled, beside shared ones; the embedding
+    scaled by the square root of its width, as llama.cpp's graph scales it (muP). A file whose chosen experts' weights
+    are not normalized (expert_weights_norm false or absent: llama.cpp then leaves them so, AFMoE's router always
+    normalizes them), whose rotary turns part of a head or whose sliding layers rotate by another base is refused."""
+    key = lambda name, default=None: metadata.get(f"afmoe.{name}", default)  # noqa: E731
+    heads, head = key("attention.head_count"), key("attention.key_length")
+    if not key("expert_weights_norm"):
+        raise ValueError("its chosen experts' weights are not normalized (afmoe.expert_weights_norm), where AFMoE's "
+                         "router normalizes them")
+    if key("rope.dimension_count", head) != head or key("rope.freq_base_swa", key("rope.freq_base")) != \
+            key("rope.freq_base") or key("attention.sliding_window_pattern") not in (None, 4) or \
+            not key("attention.sliding_window"):
+        raise ValueError("its rotary or its sliding layers are not AFMoE's (a whole head turned, one base, a window, "
+                         "every fourth layer full and without rotary)")
+    if key("expert_gating_func", 2) != 2:
+        raise ValueError(f"its router's gating function {key('expert_gating_func')} (expert_gating_func), where "
+                         "AFMoE scores experts by a sigmoid (2)")
+    layers = key("block_count")
+    return {
+        "model_type": "afmoe", "architectures": ["AfmoeForCausalLM"],
+        "max_position_embeddings": key("context_length"), "hidden_size": key("embedding_length"),
+        "intermediate_size": key("feed_forward_length"), "moe_intermediate_size": key("expert_feed_forward_length"),
+        "num_hidden_layers": layers, "num_dense_layers": key("leading_dense_block_count", 0),
+        "num_attention_heads": heads, "num_key_value_heads": key("attention.head_count_kv", heads), "head_dim": head,
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
+        "rope_parameters": {"rope_type": "default", "rope_theta": key("rope.freq_base", 1e4)},
+        "num_experts": key("expert_count"), "num_experts_per_tok": key("expert_used_count"),
+        "num_shared_experts": key("expert_shared_count", 0), "route_scale": key("expert_weights_scale", 1.0),
+        "global_attn_every_n_layers": 4, "sliding_window": key("attention.sliding_window"),
+        "layer_types": ["full_attention" if (layer + 1) % 4 == 0 else "sliding_attention" for layer in range(layers)],
+        "mup_enabled": True, "attention_bias": any(name.endswith(".attn_q.bias") for name in tensor_names),
+        **_vocabulary(metadata, tensor_names),
+    }
+
+
+def _afmoe(config) -> list:
+    """AFMoE's tensors: the four norms of a layer (attn_norm, post_attention_norm, ffn_norm, post_ffw_norm), the
+    attention's q, k, v, output and gate and its per-head norms (q and k as the checkpoint holds them: its rotary turns
+    halves, and the converter permutes none), the dense layers' MLP, a mixture's router and its correction
+    (exp_probs_b.bias), the experts (ffn_gate_exps and ffn_up_exps joined into gate_up_proj, gate rows first) and the
+    shared experts."""
+    from transformers.core_model_loading import WeightConverter, WeightRenaming
+    from transformers.integrations.gguf.gguf_conversion_mapping import ConcatenateRows
+
+    return [
+        WeightRenaming(r"^token_embd\.", "model.embed_tokens."),
+        WeightRenaming(r"^output\.", "lm_head."),
+        WeightRenaming(r"^output_norm\.", "model.norm."),
+        WeightRenaming(r"^blk\.", "model.layers."),
+        WeightRenaming(r"\.attn_norm\.", ".input_layernorm."),
+        WeightRenaming(r"\.post_attention_norm\.", ".post_attention_layernorm."),
+        WeightRenaming(r"\.ffn_norm\.", ".pre_mlp_layernorm."),
+        WeightRenaming(r"\.post_ffw_norm\.", ".post_mlp_layernorm."),
+        WeightRenaming(r"\.attn_q\.", ".self_attn.q_proj."),
+        WeightRenaming(r"\.attn_k\.", ".self_attn.k_proj."),
+        WeightRenaming(r"\.attn_v\.", ".self_attn.v_proj."),
+        WeightRenaming(r"\.attn_output\.", ".self_attn.o_proj."),
+        WeightRenaming(r"\.attn_gate\.", ".self_attn.gate_proj."),
+        WeightRenaming(r"\.attn_q_norm\.", ".self_attn.q_norm."),
+        WeightRenaming(r"\.attn_k_norm\.", ".self_attn.k_norm."),
+        WeightRenaming(r"\.ffn_gate\.", ".mlp.gate_proj."),
+        WeightRenaming(r"\.ffn_up\.", ".mlp.up_proj."),
+        WeightRenaming(r"\.ffn_down\.", ".mlp.down_proj."),
+        WeightRenaming(r"\.ffn_gate_inp\.", ".mlp.router.gate."),
+        WeightRenaming(r"\.exp_probs_b\.bias", ".mlp.expert_bias"),
+        WeightRenaming(r"\.ffn_gate_shexp\.", ".mlp.shared_experts.gate_proj."),
+        WeightRenaming(r"\.ffn_up_shexp\.", ".mlp.shared_experts.up_proj."),
+        WeightRenaming(r"\.ffn_down_shexp\.", ".mlp.shared_experts.down_proj."),
+        WeightRenaming(r"\.ffn_down_exps\.weight", ".mlp.experts.down_proj"),
+        WeightConverter(source_patterns=[r"\.ffn_gate_exps\.weight", r"\.ffn_up_exps\.weight"],
+                        target_patterns=".mlp.experts.gate_up_proj", operations=[ConcatenateRows(dim=1)])]
+
+
 def _qwen3next_config(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
     """Qwen3-Next's config (Qwen3-Next-80B-A3B: qwen3next) as Qwen3.5's mixture's (Qwen3_5MoeTextConfig, whose model
     computes Qwen3-Next's: the same Gated DeltaNet, gated attention and experts, its fused projections split as
@@ -447,7 +524,7 @@ def _qwen3next(config) -> list:
 OWN_TABLES = {"lfm2moe": (_lfm2moe_config, _lfm2moe), "granitehybrid": (_granitehybrid_config, _granite),
               "granitemoe": (_granitemoe_config, _granite), "nemotron_h": (_nemotron_h_config, _nemotron_h),
               "nemotron_h_moe": (_nemotron_h_moe_config, _nemotron_h), "qwen3next": (_qwen3next_config, _qwen3next),
-              "falcon-h1": (_falcon_h1_config, _falcon_h1)}
+              "falcon-h1": (_falcon_h1_config, _falcon_h1), "afmoe": (_afmoe_config, _afmoe)}
 
 
 def teach_own_tables() -> None:
