@@ -169,6 +169,13 @@ FAMILIES = {
     # 1e11 (Falcon-H1R-7B and the 1.5B-34B models: the same layers wider and more of them).
     "falcon-h1": dict(arch="falcon-h1", layers=36, hidden=1024, ffn=2048, heads=8, kv_heads=2, head_dim=64,
                       rope_base=1e11, eps=1e-5, tied=False, mamba=(24, 64, 128, 1), pattern="H" * 36),
+    # Arcee's Trinity-Mini as transformers' AfmoeConfig defaults give it: 32 layers 2048 wide, 16 heads of 128 (every
+    # fourth layer full and without rotary, the others over a window of 1024), each attention's output gated and q
+    # and k normalized per head, four norms a layer, a dense first layer of 6144, then 64 experts of 1408, 6 a token
+    # (sigmoid scores with a correction, normalized and scaled), beside 2 shared; untied.
+    "afmoe": dict(arch="afmoe", layers=32, hidden=2048, ffn=6144, heads=16, kv_heads=16, head_dim=128,
+                  rope_base=10000.0, eps=1e-5, tied=False, qk_norm=True, experts=64, experts_used=6,
+                  expert_ffn=1408, shared_ffn=2 * 1408, dense_first=1, afmoe_router=1.0, sliding_window=1024),
     # Mixtral-8x7B: llama's file with experts (8 of 14336 a layer, 2 a token: feed_forward_length is the experts'),
     # 26 GB in Q4_0.
     "mixtral": dict(arch="llama", layers=32, hidden=4096, ffn=14336, heads=32, kv_heads=8, head_dim=128,
@@ -584,6 +591,11 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
             writer.add_leading_dense_block_count(shape["dense_first"])
             writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX)
             writer.add_expert_weights_scale(1.0)
+        elif "afmoe_router" in shape:  # (AFMoE's: its shared experts counted, the dense layers first)
+            writer.add_expert_shared_count(shape["shared_ffn"] // shape["expert_ffn"])
+            writer.add_leading_dense_block_count(shape["dense_first"])
+            writer.add_expert_weights_norm(True)
+            writer.add_expert_weights_scale(shape["afmoe_router"])
         elif "shared_ffn" in shape:  # (Qwen3.5-MoE's, Granite 4.0 H's)
             writer.add_expert_shared_feed_forward_length(shape["shared_ffn"])
     for key, value in shape.get("scales", {}).items():
@@ -609,6 +621,8 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
             ("post_attention_norm", "post_ffw_norm") if shape.get("gemma") else ())
         if shape.get("post_norms"):  # (OLMo 2's: after the attention and the MLP alone)
             norms = ("post_attention_norm", "post_ffw_norm")
+        if arch == "afmoe":  # (before and after the attention and the MLP)
+            norms = ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm")
         recurrent = "linear" in shape and (layer + 1) % 4 != 0
         convolution = bool(convolutions) and layer not in convolutions[1]
         ssm = bool(mamba) and kinds[layer] == "M"
@@ -684,6 +698,8 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
             # (Qwen3.5's q rows and its output gate's, head by head)
             parts = (("attn_q", q_rows * (2 if "linear" in shape else 1), hidden), ("attn_k", kv_rows, hidden),
                      ("attn_v", kv_rows, hidden), ("attn_output", hidden, q_rows))
+            if arch == "afmoe":  # (its output's gate)
+                parts += (("attn_gate", q_rows, hidden),)
             if dense and not nemotron:  # (Nemotron-H's attention layer has no MLP)
                 parts += (("ffn_gate", ffn, hidden), ("ffn_up", ffn, hidden), ("ffn_down", hidden, ffn))
         for part, rows, cols in parts:
@@ -692,7 +708,8 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
             experts, expert_ffn = shape["experts"], shape["expert_ffn"]
             writer.add_tensor(f"blk.{layer}.ffn_gate_inp.weight",
                               rng.normal(0, 0.02, (experts, hidden)).astype(np.float32))
-            if {"sigmoid_router", "expert_bias", "ernie_router", "relu2_experts"} & shape.keys():  # (its correction)
+            if {"sigmoid_router", "expert_bias", "ernie_router", "relu2_experts", "afmoe_router"} & shape.keys():
+                # (its correction)
                 rows = (1, experts) if "ernie_router" in shape else (experts,)  # (ERNIE's as its checkpoint holds it)
                 writer.add_tensor(f"blk.{layer}.exp_probs_b.bias", rng.normal(0, 0.1, rows).astype(np.float32))
             gated = "relu2_experts" not in shape  # (Nemotron 3's experts and shared expert: up and down alone)
@@ -704,7 +721,7 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
             if "shared_ffn" in shape:  # (Qwen3.5-MoE's shared expert and its gate, float32 as its converter writes it;
                 # GLM-4.5's without a gate)
                 shared = shape["shared_ffn"]
-                if not {"sigmoid_router", "mla", "ernie_router", "mamba"} & shape.keys():
+                if not {"sigmoid_router", "mla", "ernie_router", "mamba", "afmoe_router"} & shape.keys():
                     writer.add_tensor(f"blk.{layer}.ffn_gate_inp_shexp.weight",
                                       rng.normal(0, 0.02, (1, hidden)).astype(np.float32))
                 for part, rows, cols in (("ffn_gate_shexp", shared, hidden), ("ffn_up_shexp", shared, hidden),

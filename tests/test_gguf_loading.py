@@ -912,12 +912,14 @@ def test_an_ernie45_mixture_file_requantized_by_llama_cpp_computes_as_the_conver
     assert torch.equal(*logits)
 
 
-@pytest.mark.parametrize("kind", ["lfm2_moe", "lfm2_moe_unbiased", "ernie4_5_moe"])
+@pytest.mark.parametrize("kind", ["lfm2_moe", "lfm2_moe_unbiased", "ernie4_5_moe", "afmoe"])
 def test_a_biased_router_chooses_as_transformers_and_alike_in_a_batch(kind):
-    # LFM2-MoE's router (sigmoid scores, the block's expert bias added to choose by, normalized: BiasedRouter) and
-    # ERNIE 4.5's (the softmax, its correction added to choose by, normalized: ErnieRouter): transformers' experts and
-    # weights, and a token's the same bits alone as in a batch (its logits a row at a time).
-    from transformers import Ernie4_5_MoeConfig, Lfm2MoeConfig
+    # LFM2-MoE's router (sigmoid scores, the block's expert bias added to choose by, normalized: BiasedRouter),
+    # ERNIE 4.5's (the softmax, its correction added to choose by, normalized: ErnieRouter) and AFMoE's (sigmoid
+    # scores, the block's expert bias, normalized, scaled: AfmoeRouter): transformers' experts and weights, and a
+    # token's the same bits alone as in a batch (its logits a row at a time).
+    from transformers import AfmoeConfig, Ernie4_5_MoeConfig, Lfm2MoeConfig
+    from transformers.models.afmoe.modeling_afmoe import AfmoeTokenChoiceRouter
     from transformers.models.ernie4_5_moe.modeling_ernie4_5_moe import Ernie4_5_MoeTopKRouter
     from transformers.models.lfm2_moe.modeling_lfm2_moe import Lfm2MoeTopKRouter
 
@@ -930,15 +932,19 @@ def test_a_biased_router_chooses_as_transformers_and_alike_in_a_batch(kind):
         with torch.no_grad():
             router.moe_statics.e_score_correction_bias.copy_(bias[None])
         args = ()
+    elif kind == "afmoe":
+        router = AfmoeTokenChoiceRouter(AfmoeConfig(hidden_size=64, num_experts=16, num_experts_per_tok=4,
+                                                    route_scale=1.5))
+        args = (bias,)
     else:
         router = Lfm2MoeTopKRouter(Lfm2MoeConfig(hidden_size=64, num_experts=16, num_experts_per_tok=4,
                                                  use_expert_bias=kind == "lfm2_moe", routed_scaling_factor=1.5))
         args = (bias,)
     with torch.no_grad():
-        router.weight.normal_(0, 0.3)
+        (router.gate if kind == "afmoe" else router).weight.normal_(0, 0.3)
     x = torch.randn(9, 64)
     with torch.no_grad():
-        logits, weights, experts = router(x, *args)
+        logits, weights, experts = router(x[None] if kind == "afmoe" else x, *args)  # (AFMoE's: [batch, tokens])
         ours = ROUTER_FORMS[type(router).__name__](router)
         got_logits, got_weights, got_experts = ours(x, *args)
         alone = [ours(row[None], *args) for row in x]

@@ -1,12 +1,12 @@
-"""Models whose layers attend in a sliding window (gemma2's every other layer, gemma3's five in six, mistral's
-every layer when its config has a window, AFMoE's three in four) decode on the engine: its cache keeps every position of those layers
-and the attention mask applies the window (rungen/kvcache.py), so the greedy tokens of a left-padded batch are
-those generate() gives each prompt alone over transformers' own window cache (DynamicSlidingWindowLayer, which
-drops what leaves the window). Prompts are longer than the window (4 positions here), and every row decodes past
-it (a prompt shorter than the window crosses it while it decodes). The gemma files are GGUF, run on the own model
-code (rungen/gguf/model.py: one native stack call a step, the kernel applying each layer's window) and compared
-with generate() on transformers' model of the same file, its cache holding what the own model's holds (float16);
-mistral is a safetensors checkpoint."""
+"""Models whose layers attend in a sliding window (gemma2's every other layer, gemma3's five in six, mistral's every
+layer when its config has a window, AFMoE's three in four) decode on the engine: its cache keeps every position of
+those layers and the attention mask applies the window (rungen/kvcache.py), so the greedy tokens of a left-padded
+batch are those generate() gives each prompt alone over transformers' own window cache (DynamicSlidingWindowLayer,
+which drops what leaves the window). Prompts are longer than the window (4 positions here), and every row decodes
+past it (a prompt shorter than the window crosses it while it decodes). The gemma files are GGUF, run on the own
+model code (rungen/gguf/model.py: one native stack call a step, the kernel applying each layer's window) and
+compared with generate() on transformers' model of the same file, its cache holding what the own model's holds
+(float16); mistral is a safetensors checkpoint."""
 
 import contextlib
 import json

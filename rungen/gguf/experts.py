@@ -300,6 +300,24 @@ class BiasedRouter(torch.nn.Module):
         return logits, weights * self.scale, experts
 
 
+class AfmoeRouter(torch.nn.Module):
+    """AFMoE's router (AfmoeTokenChoiceRouter), its logits by RowProducts: each expert's score the sigmoid of its
+    logit; the top k by score plus the block's expert bias (given at each call, as the block gives it), their weights
+    their scores divided by their sum (+ 1e-20), times route_scale; (logits, weights, experts) as it returns them."""
+
+    def __init__(self, router: torch.nn.Module):
+        super().__init__()
+        self.logits = RowProducts(router.gate.weight.detach().float())
+        self.top_k, self.scale = router.top_k, router.route_scale
+
+    def forward(self, hidden_states: torch.Tensor, expert_bias: torch.Tensor):
+        logits = self.logits(hidden_states.reshape(-1, hidden_states.shape[-1]).float())
+        scores = row_sigmoid(logits)
+        experts = torch.topk(scores + expert_bias, k=self.top_k, dim=1)[1]
+        weights = scores.gather(dim=1, index=experts)
+        return logits, weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scale, experts
+
+
 class ErnieRouter(torch.nn.Module):
     """ERNIE 4.5's router (Ernie4_5_MoeTopKRouter), its logits by RowProducts: the softmax of the logits; the top k
     by softmax plus its correction (moe_statics); their weights the softmax's, divided by their sum (at least
@@ -322,7 +340,8 @@ class ErnieRouter(torch.nn.Module):
 
 # transformers' routers and the class that computes each a row at a time.
 ROUTER_FORMS = {**dict.fromkeys(ROUTERS, ExpertRouter), **dict.fromkeys(GROUPED_ROUTERS, GroupedRouter),
-                "Lfm2MoeTopKRouter": BiasedRouter, "Ernie4_5_MoeTopKRouter": ErnieRouter}
+                "Lfm2MoeTopKRouter": BiasedRouter, "Ernie4_5_MoeTopKRouter": ErnieRouter,
+                "AfmoeTokenChoiceRouter": AfmoeRouter}
 
 
 # transformers' mixture blocks whose forward NativeMixture computes (Qwen2-MoE's and Qwen3.5-MoE's with their shared
