@@ -1362,8 +1362,11 @@ CHECKPOINT_FILES = {
     # Arcee's AFMoE (Trinity: afmoe), read by the same kind of table: every fourth layer full and without rotary, the
     # others sliding, each attention's output gated and q and k normalized per head, four norms a layer, a dense
     # first layer, then mixtures (sigmoid scores with the expert bias, normalized and scaled) beside a shared expert;
-    # muP's embedding scale: transformers' layers over the blocks, the experts in blocks.
-    "afmoe": dict(files=("afmoe_checkpoint", "write_afmoe_gguf"), model="AfmoeForCausalLM"),
+    # muP's embedding scale: transformers' layers over the blocks, the experts in blocks, the attention (its gate
+    # beside), the dense and shared MLPs and the norms native.
+    "afmoe": dict(files=("afmoe_checkpoint", "write_afmoe_gguf"), model="AfmoeForCausalLM",
+                  native=dict(self_attn="NativeAfmoeAttention", input_layernorm="NativeRMSNorm",
+                              post_mlp_layernorm="NativeRMSNorm")),
     "lfm2": dict(files=("lfm2_checkpoint", "write_lfm2_gguf"), model="Lfm2ForCausalLM", quantized=True,
                  steps=dict(conv="ShortConvStep", self_attn="NativeLfm2Attention"),
                  native=dict(feed_forward="NativeGatedMLP", operator_norm="NativeRMSNorm")),
@@ -1482,7 +1485,7 @@ LOOPED_FILES = {**{name: (*CHECKPOINT_FILES[name]["files"], ("Q8_0",))
                    for name in ("qwen35", "qwen35moe", "lfm2", "exaone4", "exaone4_global", "olmo2", "olmo3",
                                 "ministral3", "glm4moe", "lfm2moe", "granitehybrid", "granitehybrid_dense",
                                 "granitemoe", "nemotron_h", "nemotron_h_moe", "qwen3next", "falcon_h1",
-                                "falcon_h1_norm")},
+                                "falcon_h1_norm", "afmoe")},
                 "gpt-oss": ("gpt_oss_checkpoint", "write_gpt_oss_gguf", ("MXFP4", "Q8_0"))}
 
 

@@ -26,7 +26,8 @@ class Loop:
     multipliers of the embedding and of each branch before its residual sum (Granite's); `one_mixer`: a layer holds
     one part under `attention`, the attention, a recurrent mixer, an MLP or a mixture by the layer's kind, behind its
     one norm (Nemotron-H's); `embedding`: the inner model's embedding; `parallel`: a layer's recurrent mixer beside its
-    attention, both reading the norm's output, their outputs summed (Falcon-H1's)."""
+    attention, both reading the norm's output, their outputs summed (Falcon-H1's); `mup`: the embedding times the
+    square root of its width where the config's mup_enabled says (AFMoE's)."""
 
     attention: str = "self_attn"
     recurrent: str | None = None
@@ -44,6 +45,7 @@ class Loop:
     one_mixer: bool = False
     embedding: str = "embed_tokens"
     parallel: bool = False
+    mup: bool = False
 
 
 PRE = dict(pre_norms=("input_layernorm", "post_attention_layernorm"))
@@ -70,6 +72,8 @@ LOOPS = {
     "GraniteMoeSharedModel": Loop(**GRANITE),
     "NemotronHModel": Loop(attention="mixer", mlp="mixer", pre_norms=("norm", "norm"), cache_keyword="cache_params",
                            final_norm="norm_f", one_mixer=True, embedding="embeddings", mixture=True),
+    "AfmoeModel": Loop(pre_norms=("input_layernorm", "pre_mlp_layernorm"), mixture=True, mup=True,
+                       post_norms=("post_attention_layernorm", "post_mlp_layernorm")),
     "FalconH1Model": Loop(recurrent="mamba", cache_keyword="cache_params", pre_norms=("input_layernorm",
                           "pre_ff_layernorm"), mlp="feed_forward", final_norm="final_layernorm",
                           embedding_scale="embedding_multiplier", parallel=True),
@@ -80,7 +84,8 @@ UNIT_MULTIPLIERS = ("attention_in_multiplier", "ssm_out_multiplier", "attn_out_m
 PARTS = ("NativeRMSNorm", "NativeGatedAttention", "NativeLfm2Attention", "NativeExaone4Attention",
          "NativeOlmoAttention", "NativeMinistral3Attention", "NativeGptOssAttention", "DeltaNetStep", "ShortConvStep",
          "NativeGatedMLP", "MixtureInOneCall", "NativeGlm4MoeAttention", "Glm4MoeMoE",
-         "Lfm2MoeSparseMoeBlock", "MambaStep", "NativeGraniteAttention", "NemotronHMLP", "NemotronHMoE")
+         "Lfm2MoeSparseMoeBlock", "MambaStep", "NativeGraniteAttention", "NemotronHMLP", "NemotronHMoE",
+         "NativeAfmoeAttention", "AfmoeSparseMoeBlock")
 # The masks transformers' models give each kind of layer (where a batch is padded); others take none in a step.
 MASKS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask",
          "hybrid": "create_causal_mask"}
@@ -121,6 +126,8 @@ class LayerLoop:
                                 getattr(layer, loop.residual_scale) if loop.residual_scale else None,
                                 getattr(layer, loop.recurrent) if loop.parallel else None))
         self.embedding_scale = getattr(inner, loop.embedding_scale) if loop.embedding_scale else None
+        if loop.mup and getattr(inner.config, "mup_enabled", False):
+            self.embedding_scale = inner.config.hidden_size ** 0.5
         # the rotary's positions by layer kind (OLMo 3's: one a kind), else one for all; none (Granite 4.0 H's)
         self.rotary = getattr(inner, loop.rotary, None)
         self.rotary_kinds = self.rotary is not None and \

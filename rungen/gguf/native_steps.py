@@ -25,12 +25,13 @@ NATIVE_ATTENTION = "rungen_attend"
 
 # The models of transformers' layers over blocks whose small steps this module takes.
 NATIVE_STEPS_MODELS = ("GptOssForCausalLM", "Gemma4ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
-                       "Ministral3ForCausalLM", "Exaone4ForCausalLM", "Glm4MoeForCausalLM")
+                       "Ministral3ForCausalLM", "Exaone4ForCausalLM", "Glm4MoeForCausalLM", "AfmoeForCausalLM")
 # Their RMSNorm classes: x / sqrt(mean(x^2) + eps) times the weight (none: 1), in float32.
 NORMS = ("GptOssRMSNorm", "Gemma4RMSNorm", "Olmo2RMSNorm", "Olmo3RMSNorm", "Ministral3RMSNorm", "Exaone4RMSNorm",
-         "Glm4MoeRMSNorm")
-# Their dense gated MLPs: down(act(gate(x)) * up(x)) (GLM-4.5's: its dense layers' and its shared experts).
-GATED_MLPS = ("Gemma4TextMLP", "Olmo2MLP", "Olmo3MLP", "Ministral3MLP", "Exaone4MLP", "Glm4MoeMLP")
+         "Glm4MoeRMSNorm", "AfmoeRMSNorm")
+# Their dense gated MLPs: down(act(gate(x)) * up(x)) (GLM-4.5's and AFMoE's: their dense layers' and shared
+# experts).
+GATED_MLPS = ("Gemma4TextMLP", "Olmo2MLP", "Olmo3MLP", "Ministral3MLP", "Exaone4MLP", "Glm4MoeMLP", "AfmoeMLP")
 # Their attention NativeGemma4Attention computes (the others': JOINED_ATTENTIONS, below).
 GEMMA4_ATTENTIONS = ("Gemma4TextAttention",)
 
@@ -217,6 +218,21 @@ class NativeExaone4Attention(JoinedAttention):
                              a.sliding_window if a.is_sliding else None)
 
 
+class NativeAfmoeAttention(JoinedAttention):
+    """AFMoE's attention (AfmoeAttention): EXAONE 4's (q, k and v split, q and k normalized per head and, in a
+    sliding layer, rotated in one rope_split call; a full layer turned by cos 1 and sin 0: no rotary, as the module
+    skips it; a sliding layer's window), its output times the sigmoid of its gate's product before o_proj."""
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask, past_key_values=None,
+                **kwargs):
+        a = self.attention
+        cos, sin = position_embeddings if a.is_local_attention else unrotated(position_embeddings)
+        q, k, v = torch.ops.rungen_ggml.rope_split(self.qkv(hidden_states), cos, sin, self.heads, self.kv_heads,
+                                                   a.q_norm.weight, a.k_norm.weight, a.q_norm.eps)
+        return self.attended(hidden_states, q, k, v, attention_mask, past_key_values, a.sliding_window,
+                             gate=a.gate_proj(hidden_states))
+
+
 class NativeGlm4MoeAttention(JoinedAttention):
     """GLM-4.5's attention (Glm4MoeAttention): q, k and v (with their biases) split, q and k normalized per head where
     the model has those norms and the first part of each head rotated by halves (the model's cos and sin as wide as
@@ -249,7 +265,8 @@ class NativeGraniteAttention(JoinedAttention):
 # transformers' attentions whose q, k and v products the native steps join, and the class computing each.
 JOINED_ATTENTIONS = {"GptOssAttention": NativeGptOssAttention, "Olmo2Attention": NativeOlmoAttention,
                      "Olmo3Attention": NativeOlmoAttention, "Ministral3Attention": NativeMinistral3Attention,
-                     "Exaone4Attention": NativeExaone4Attention, "Glm4MoeAttention": NativeGlm4MoeAttention}
+                     "Exaone4Attention": NativeExaone4Attention, "Glm4MoeAttention": NativeGlm4MoeAttention,
+                     "AfmoeAttention": NativeAfmoeAttention}
 
 
 class GpuKernelHints(logging.Filter):
