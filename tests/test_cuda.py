@@ -167,6 +167,7 @@ def test_a_recurrent_gguf_files_greedy_equals_eager_generate_on_the_gpu(architec
 
     import tiny_models
     from rungen.gguf.conversions import teach_own_tables
+    from rungen.gguf.file import llama_cpp_reading
 
     teach_own_tables()  # (Granite 4.0 H's entry, for transformers' loader below)
 
@@ -177,6 +178,7 @@ def test_a_recurrent_gguf_files_greedy_equals_eager_generate_on_the_gpu(architec
     folder, name = os.path.split(path)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).to(DEVICE).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    llama_cpp_reading(path, tokenizer)  # (its text started with BOS where llama.cpp starts it, as the tool's is)
     check_greedy(["--model_name_or_path", path], model, tokenizer, extra=["--dequantize"] if ON_CPU else [])
 
 

@@ -116,7 +116,9 @@ def test_a_next_turn_rendered_otherwise_after_the_last_turns_end_starts_from_the
     # end (a token that ends a reply), which such a next turn shares.
     tokenizer = loaded.tokenizer
     end = tokenizer.eos_token_id
-    history, opener, reply = (tokenizer.encode(text) for text in (PROMPTS[2], " Sure: think", " Sure: the answer"))
+    # (the pieces without special tokens: a BOS the tokenizer starts each with would stand between them)
+    history, opener, reply = (tokenizer.encode(text, add_special_tokens=False)
+                              for text in (PROMPTS[2], " Sure: think", " Sure: the answer"))
     engine = Engine(loaded, max_batch=2, eos_ids=(end,), prefix_cache_bytes=64 << 20)
 
 
@@ -134,7 +136,7 @@ def test_chats_under_one_system_prompt_start_after_it(loaded):
     # states after a prompt's first turn's end, which another chat under the same system prompt starts from.
     tokenizer = loaded.tokenizer
     end = tokenizer.eos_token_id
-    system, question, other, opener = (tokenizer.encode(text) for text in
+    system, question, other, opener = (tokenizer.encode(text, add_special_tokens=False) for text in
                                        (PROMPTS[0], " What is it?", PROMPTS[1], " Sure:"))
     engine = Engine(loaded, max_batch=2, eos_ids=(end,), prefix_cache_bytes=64 << 20)
     assert turn(engine, system + [end] + question + [end] + opener)[1] == 0

@@ -389,6 +389,25 @@ def test_a_reply_ends_at_the_end_of_its_turn_as_in_llama_cpp(headers, tmp_path):
             flags
 
 
+@pytest.mark.parametrize("add_bos", [None, False, True])
+def test_a_llama3_like_vocabulary_starts_with_bos_where_llama_cpp_does(tmp_path, add_bos):
+    # llama.cpp starts a byte-level BPE vocabulary's text with BOS for Llama 3's split and those alike (Falcon-H1's,
+    # LFM2's, ...) where the file has no tokenizer.ggml.add_bos_token, and as that key says where it has: the header's
+    # tokenizer and transformers' of the file alike.
+    fields = [(key, "falcon-h1" if key == "tokenizer.ggml.pre" else value, *types)
+              for key, value, *types in default_tokenizer_fields(default_model_file(), VOCAB)
+              if key != "tokenizer.ggml.add_bos_token"]  # (the default model's file says false)
+    if add_bos is not None:
+        fields.append(("tokenizer.ggml.add_bos_token", add_bos, GGUFValueType.BOOL, None))
+    path = write_llama_gguf(tmp_path / "f.gguf", fields, **LLAMA_FILES["q4_0_untied"])
+    header = GGUFHeader(path)
+    assert isinstance(header.tokenizer, GGUFTokenizer)
+    ids = [header.tokenizer("Hello")["input_ids"], header.transformers_tokenizer("Hello")["input_ids"]]
+    bos = header.tokenizer.bos_token_id
+    assert bos is not None and all((tokens[0] == bos) == (add_bos is not False) for tokens in ids), ids
+    assert ids[0] == ids[1]
+
+
 def test_a_pre_tokenizer_without_a_split_here_is_said(tmp_path, caplog):
     # DeepSeek V3's files name a split the tool does not have: its text is split as transformers splits it, and the
     # header's read says so, naming the value

@@ -36,7 +36,7 @@ from .weights import FLOAT_TYPES, GGUFError, with_experts_stacked, with_gate_up_
 logger = logging.getLogger("run_generation")
 
 # Bump when what the header cache holds changes meaning (transformers' version is part of the key too).
-HEADER_CACHE_VERSION = 13
+HEADER_CACHE_VERSION = 14
 
 
 @contextlib.contextmanager
@@ -223,6 +223,10 @@ def without_misread_keys(reader):
 
 
 UNSPLIT_SAID = set()  # the files whose tokenizer.ggml.pre has no split here, said once
+# The tokenizer.ggml.pre values of a byte-level BPE vocabulary that llama.cpp starts with BOS where the file has no
+# tokenizer.ggml.add_bos_token (src/llama-vocab.cpp: Llama 3's split and those alike, Tekken's, Chameleon's).
+BOS_FIRST = {"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "jina-v5-nano",
+             "tekken", "chameleon"}
 USER_DEFINED = 4  # llama.cpp's token type of a piece read whole (llama_token_type)
 
 
@@ -230,8 +234,9 @@ def mend_tokenizer(tokenizer, path: str, metadata: dict | None = None) -> None:
     """Cuts text as llama.cpp does where transformers' GGUF reading would not (rungen/gguf/splits.py): a byte-level
     BPE vocabulary by the split its file's tokenizer.ggml.pre names (SmolLM's file, the default model, splits each
     numeral on its own, as llama.cpp and SmolLM's own tokenizer.json do; other unknown values split as GPT-2, as
-    transformers does); a SentencePiece one with the prefix space before each piece of text that llama.cpp puts.
-    `metadata`: the file's, where the caller read it."""
+    transformers does), starting with BOS where llama.cpp does for a file that does not say (BOS_FIRST); a
+    SentencePiece one with the prefix space before each piece of text that llama.cpp puts. `metadata`: the file's,
+    where the caller read it."""
     from transformers.integrations.gguf import gguf_tokenizer_mapping
     from transformers.integrations.gguf.reader import read_gguf_metadata
 
@@ -248,6 +253,9 @@ def mend_tokenizer(tokenizer, path: str, metadata: dict | None = None) -> None:
             UNSPLIT_SAID.add(path)  # once a run: the header's read mends the tokenizer and its class's pipeline
             logger.warning("%s: its tokenizer.ggml.pre %r has no split here: its text is split as GPT-2's, as "
                            "transformers splits it, which llama.cpp does not", os.path.basename(path), pre)
+    if model == "gpt2" and pre in BOS_FIRST and "tokenizer.ggml.add_bos_token" not in metadata \
+            and tokenizer.bos_token is not None:
+        tokenizer.add_bos_token = True
     elif model == "llama":
         # llama's builder (a Metaspace pre-tokenizer) and phi3's (a Prepend normalizer); not gemma's, which has
         # no prefix, as its files' add_space_prefix says
