@@ -1838,6 +1838,22 @@ def llama_permuted(w, n_head):
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def mamba2_adder(writer, qtype_name: str):
+    """converter_adder's add for a Mamba-2 hybrid: the convolution, A, D and the gated norm F32 whatever the type, as
+    llama.cpp's converter keeps them."""
+    import numpy as np
+
+    quantized = converter_adder(writer, qtype_name)
+
+    def add(name, values):
+        if {"ssm_conv1d", "ssm_a", "ssm_d", "ssm_norm"} & set(name.split(".")):
+            writer.add_tensor(name, np.ascontiguousarray(values, dtype=np.float32))
+        else:
+            quantized(name, values)
+
+    return add
+
+
 def mamba2_tensor(add, names, hf_name: str, value, blk: str | None, groups: int, heads: int, kv_heads: int) -> None:
     """A Mamba-2 hybrid's tensor `hf_name` by `add` as llama.cpp's converter writes it (Mamba2Model's and LlamaModel's
     changes): A_log as -exp(A_log) and D a column each, dt_bias as ssm_dt.bias, the convolution squeezed, the gated
@@ -1916,13 +1932,7 @@ def write_granitehybrid_gguf(checkpoint: str, path: str, qtype_name: str = "F32"
         writer.add_chat_template(GRANITE4_TEMPLATE)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     names = gguf.get_tensor_name_map(arch, layers)
-    quantized = converter_adder(writer, qtype_name)
-
-    def add(name, values):  # (the convolution, A, D and the gated norm F32 whatever the type)
-        if {"ssm_conv1d", "ssm_a", "ssm_d", "ssm_norm"} & set(name.split(".")):
-            writer.add_tensor(name, np.ascontiguousarray(values, dtype=np.float32))
-        else:
-            quantized(name, values)
+    add = mamba2_adder(writer, qtype_name)
 
     for hf_name, value in load_file(os.path.join(checkpoint, "model.safetensors")).items():
         if hf_name == "lm_head.weight" and config["tie_word_embeddings"]:
@@ -2028,7 +2038,6 @@ def write_falcon_h1_gguf(checkpoint: str, path: str, qtype_name: str = "F32", fo
     as TII's llama.cpp fork wrote Falcon-H1's files before that converter, the weights as trained and their
     multipliers in keys (falcon-h1.mlp_gate_multiplier, ..., falcon-h1.ssm.has_mup)."""
     import gguf
-    import numpy as np
     from safetensors.torch import load_file
 
     with open(os.path.join(checkpoint, "config.json")) as f:
@@ -2064,13 +2073,7 @@ def write_falcon_h1_gguf(checkpoint: str, path: str, qtype_name: str = "F32", fo
     add_bpe_vocabulary(writer, checkpoint, "falcon-h1")
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     names = gguf.get_tensor_name_map(arch, layers)
-    quantized = converter_adder(writer, qtype_name)
-
-    def add(name, values):  # (the convolution, A, D and the gated norm F32 whatever the type)
-        if {"ssm_conv1d", "ssm_a", "ssm_d", "ssm_norm"} & set(name.split(".")):
-            writer.add_tensor(name, np.ascontiguousarray(values, dtype=np.float32))
-        else:
-            quantized(name, values)
+    add = mamba2_adder(writer, qtype_name)
 
     for hf_name, value in load_file(os.path.join(checkpoint, "model.safetensors")).items():
         if not fork:

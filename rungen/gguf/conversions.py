@@ -152,6 +152,15 @@ def _unpermuted(heads: int, rows: int) -> torch.Tensor:
     return torch.arange(rows, device="cpu").view(heads, size // 2, 2).transpose(1, 2).reshape(-1)  # (not on meta)
 
 
+def _trunk(embedding: str = "model.embed_tokens", norm: str = "model.norm") -> list:
+    """The renamings of a model's trunk: the embedding, the head, the final norm (under the names given), the
+    layers."""
+    from transformers.core_model_loading import WeightRenaming
+
+    return [WeightRenaming(r"^token_embd\.", f"{embedding}."), WeightRenaming(r"^output\.", "lm_head."),
+            WeightRenaming(r"^output_norm\.", f"{norm}."), WeightRenaming(r"^blk\.", "model.layers.")]
+
+
 def _mamba2_and_attention(config, mamba: str, attention: str, permuted: bool = True) -> list:
     """A Mamba-2 hybrid's tensors of its Mamba-2 layers (under `mamba`: A as -exp(A_log) and D a column each, the
     convolution squeezed, the gated norm a row a group, dt_bias as ssm_dt.bias) and its attention's (under
@@ -203,10 +212,7 @@ def _granite(config) -> list:
 
     shared = "_shexp" if getattr(config, "num_local_experts", 0) else ""
     return [
-        WeightRenaming(r"^token_embd\.", "model.embed_tokens."),
-        WeightRenaming(r"^output\.", "lm_head."),
-        WeightRenaming(r"^output_norm\.", "model.norm."),
-        WeightRenaming(r"^blk\.", "model.layers."),
+        *_trunk(),
         WeightRenaming(r"\.attn_norm\.", ".input_layernorm."),
         WeightRenaming(r"\.ffn_norm\.", ".post_attention_layernorm."),
         *_mamba2_and_attention(config, "mamba", "self_attn"),
@@ -281,10 +287,7 @@ def _nemotron_h(config) -> list:
     from transformers.core_model_loading import WeightRenaming
 
     return [
-        WeightRenaming(r"^token_embd\.", "model.embeddings."),
-        WeightRenaming(r"^output\.", "lm_head."),
-        WeightRenaming(r"^output_norm\.", "model.norm_f."),
-        WeightRenaming(r"^blk\.", "model.layers."),
+        *_trunk("model.embeddings", "model.norm_f"),
         WeightRenaming(r"\.attn_norm\.", ".norm."),
         WeightRenaming(r"\.ffn_up\.", ".mixer.up_proj."),
         WeightRenaming(r"\.ffn_down\.", ".mixer.down_proj."),
@@ -350,10 +353,7 @@ def _falcon_h1(config) -> list:
     from transformers.core_model_loading import WeightRenaming
 
     return [
-        WeightRenaming(r"^token_embd\.", "model.embed_tokens."),
-        WeightRenaming(r"^output\.", "lm_head."),
-        WeightRenaming(r"^output_norm\.", "model.final_layernorm."),
-        WeightRenaming(r"^blk\.", "model.layers."),
+        *_trunk(norm="model.final_layernorm"),
         WeightRenaming(r"\.attn_norm\.", ".input_layernorm."),
         WeightRenaming(r"\.ffn_norm(\.weight)?$", ".pre_ff_layernorm.weight"),  # (the converter writes no .weight)
         WeightRenaming(r"\.ffn_gate\.", ".feed_forward.gate_proj."),
@@ -411,10 +411,7 @@ def _afmoe(config) -> list:
     from transformers.integrations.gguf.gguf_conversion_mapping import ConcatenateRows
 
     return [
-        WeightRenaming(r"^token_embd\.", "model.embed_tokens."),
-        WeightRenaming(r"^output\.", "lm_head."),
-        WeightRenaming(r"^output_norm\.", "model.norm."),
-        WeightRenaming(r"^blk\.", "model.layers."),
+        *_trunk(),
         WeightRenaming(r"\.attn_norm\.", ".input_layernorm."),
         WeightRenaming(r"\.post_attention_norm\.", ".post_attention_layernorm."),
         WeightRenaming(r"\.ffn_norm\.", ".pre_mlp_layernorm."),
