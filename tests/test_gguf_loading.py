@@ -806,7 +806,7 @@ def test_a_grouped_router_chooses_as_transformers_and_alike_in_a_batch(kind, gro
 
 
 @pytest.mark.parametrize("architecture", ["lfm2moe", "granitehybrid", "granitehybrid_dense", "granitemoe",
-                                          "nemotron_h", "nemotron_h_latent", "falcon_h1", "afmoe"])
+                                          "nemotron_h", "nemotron_h_latent", "falcon_h1", "afmoe", "olmoe"])
 def test_a_file_of_our_own_tables_entry_loads_with_transformers_own_loader_too(architecture, tmp_path):
     # LFM2-MoE's, Granite 4.0 H's, Granite 3's mixtures', Nemotron-H's and Nemotron 3's (its experts over a latent)
     # entries in transformers' conversion tables
@@ -1367,6 +1367,12 @@ CHECKPOINT_FILES = {
     "afmoe": dict(files=("afmoe_checkpoint", "write_afmoe_gguf"), model="AfmoeForCausalLM",
                   native=dict(self_attn="NativeAfmoeAttention", input_layernorm="NativeRMSNorm",
                               post_mlp_layernorm="NativeRMSNorm")),
+    # AI2's OLMoE (olmoe), read by the same kind of table: q and k normalized over all their heads, every MLP a
+    # mixture of softmax-scored experts (not normalized): transformers' layers over the blocks, the attention and
+    # norms native, each mixture one native call.
+    "olmoe": dict(files=("olmoe_checkpoint", "write_olmoe_gguf"), model="OlmoeForCausalLM",
+                  native=dict(self_attn="NativeOlmoAttention", input_layernorm="NativeRMSNorm"),
+                  steps=dict(mlp="MixtureInOneCall")),
     "lfm2": dict(files=("lfm2_checkpoint", "write_lfm2_gguf"), model="Lfm2ForCausalLM", quantized=True,
                  steps=dict(conv="ShortConvStep", self_attn="NativeLfm2Attention"),
                  native=dict(feed_forward="NativeGatedMLP", operator_norm="NativeRMSNorm")),
@@ -1485,7 +1491,7 @@ LOOPED_FILES = {**{name: (*CHECKPOINT_FILES[name]["files"], ("Q8_0",))
                    for name in ("qwen35", "qwen35moe", "lfm2", "exaone4", "exaone4_global", "olmo2", "olmo3",
                                 "ministral3", "glm4moe", "lfm2moe", "granitehybrid", "granitehybrid_dense",
                                 "granitemoe", "nemotron_h", "nemotron_h_moe", "qwen3next", "falcon_h1",
-                                "falcon_h1_norm", "afmoe")},
+                                "falcon_h1_norm", "afmoe", "olmoe")},
                 "gpt-oss": ("gpt_oss_checkpoint", "write_gpt_oss_gguf", ("MXFP4", "Q8_0"))}
 
 

@@ -2089,6 +2089,60 @@ def write_falcon_h1_gguf(checkpoint: str, path: str, qtype_name: str = "F32", fo
     return write_out(writer, path)
 
 
+def olmoe_checkpoint(out_dir: str) -> str:
+    """A tiny random OLMoE checkpoint (OlmoeForCausalLM: AI2's OLMoE-1B-7B) in `out_dir`: its layout 64 wide, 2 layers
+    of 4 heads (kv heads as many), q and k each normalized over all their heads, every MLP a mixture of 8 experts of
+    32, 2 a token (the top 2 of the softmax, not normalized, as published); untied. Its norms drawn; a byte-level BPE
+    vocabulary."""
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    tokenizer = tiny_gpt2_tokenizer(out_dir)
+    config = OlmoeConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=512, rms_norm_eps=1e-5, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, initializer_range=0.15,
+        tie_word_embeddings=False, pad_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id)
+    return save_tiny(out_dir, "olmoe", OlmoeForCausalLM, config, tokenizer, drawn_norms(1))
+
+
+def write_olmoe_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
+    """The GGUF file llama.cpp's converter (conversion/olmo.py's OlmoeModel, a TextModel) writes of an OLMoE
+    checkpoint: a text model's keys, the experts' count and those a token takes (feed_forward_length their width), q
+    and k as the checkpoint holds them, q's and k's norms, each layer's experts stacked; matrices in Q8_0 where asked,
+    the router and norms F32; a byte-level BPE vocabulary (tokenizer.ggml.pre olmo)."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        config = json.load(f)
+    layers, experts = config["num_hidden_layers"], config["num_experts"]
+    arch = gguf.MODEL_ARCH.OLMOE
+    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
+    add_text_shape(writer, config)
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_file_type({"F32": 0, "Q8_0": 7}[qtype_name])
+    add_bpe_vocabulary(writer, checkpoint, "olmo")
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    names = gguf.get_tensor_name_map(arch, layers)
+    add = converter_adder(writer, qtype_name)
+    weights = load_file(os.path.join(checkpoint, "model.safetensors"))
+    for hf_name, value in weights.items():
+        if ".mlp.experts." not in hf_name:
+            base, _, suffix = hf_name.rpartition(".")
+            add(f"{names.get_name(base)}.{suffix}", value.float().numpy())
+    for layer in range(layers):
+        for part, name in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"), ("down_proj", "ffn_down_exps")):
+            add(f"blk.{layer}.{name}.weight", np.stack([weights[f"model.layers.{layer}.mlp.experts.{expert}.{part}"
+                                                                ".weight"].float().numpy()
+                                                        for expert in range(experts)]))
+    return write_out(writer, path)
+
+
 def afmoe_checkpoint(out_dir: str) -> str:
     """A tiny random AFMoE checkpoint (AfmoeForCausalLM: Arcee's Trinity models) in `out_dir`: Trinity-Mini's layout 64
     wide, 4 layers (three sliding over a window of 4 with rotary, the fourth full without), 4 heads of 32 over 2 (wider

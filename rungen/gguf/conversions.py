@@ -362,6 +362,54 @@ def _falcon_h1(config) -> list:
         *_mamba2_and_attention(config, "mamba", "self_attn", permuted=False)]
 
 
+def _olmoe_config(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
+    """AI2's OLMoE config (OLMoE-1B-7B: OlmoeForCausalLM): llama's keys, q and k each normalized over all their heads,
+    every layer's MLP a mixture of softmax-scored experts (feed_forward_length their width), their weights normalized
+    where expert_weights_norm says (llama.cpp's converter writes no such key for OLMoE, and its graph then leaves them,
+    as OLMoE's config does). A file whose q, k and v are clamped (attention.clamp_kqv) is refused: transformers'
+    OLMoE clamps by its own config, which the file's reading would not give."""
+    key = lambda name, default=None: metadata.get(f"olmoe.{name}", default)  # noqa: E731
+    if key("attention.clamp_kqv"):
+        raise ValueError(f"its q, k and v are clamped at {key('attention.clamp_kqv')} (attention.clamp_kqv)")
+    heads = key("attention.head_count")
+    return {
+        "model_type": "olmoe", "architectures": ["OlmoeForCausalLM"],
+        "max_position_embeddings": key("context_length"), "hidden_size": key("embedding_length"),
+        "intermediate_size": key("expert_feed_forward_length", key("feed_forward_length")),
+        "num_hidden_layers": key("block_count"), "num_attention_heads": heads,
+        "num_key_value_heads": key("attention.head_count_kv", heads),
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
+        "rope_parameters": {"rope_type": "default", "rope_theta": key("rope.freq_base", 1e4)},
+        "num_experts": key("expert_count"), "num_experts_per_tok": key("expert_used_count"),
+        "norm_topk_prob": bool(key("expert_weights_norm", False)), "clip_qkv": None,
+        "attention_bias": any(name.endswith(".attn_q.bias") for name in tensor_names),
+        **_vocabulary(metadata, tensor_names),
+    }
+
+
+def _olmoe(config) -> list:
+    """OLMoE's tensors: llama's names (q and k as the checkpoint holds them: its rotary turns halves, and the converter
+    permutes none), q's and k's norms over all their heads, the router (ffn_gate_inp), the experts (ffn_gate_exps and
+    ffn_up_exps joined into gate_up_proj, gate rows first)."""
+    from transformers.core_model_loading import WeightConverter, WeightRenaming
+    from transformers.integrations.gguf.gguf_conversion_mapping import ConcatenateRows
+
+    return [
+        *_trunk(),
+        WeightRenaming(r"\.attn_norm\.", ".input_layernorm."),
+        WeightRenaming(r"\.ffn_norm\.", ".post_attention_layernorm."),
+        WeightRenaming(r"\.attn_q\.", ".self_attn.q_proj."),
+        WeightRenaming(r"\.attn_k\.", ".self_attn.k_proj."),
+        WeightRenaming(r"\.attn_v\.", ".self_attn.v_proj."),
+        WeightRenaming(r"\.attn_output\.", ".self_attn.o_proj."),
+        WeightRenaming(r"\.attn_q_norm\.", ".self_attn.q_norm."),
+        WeightRenaming(r"\.attn_k_norm\.", ".self_attn.k_norm."),
+        WeightRenaming(r"\.ffn_gate_inp\.", ".mlp.gate."),
+        WeightRenaming(r"\.ffn_down_exps\.weight", ".mlp.experts.down_proj"),
+        WeightConverter(source_patterns=[r"\.ffn_gate_exps\.weight", r"\.ffn_up_exps\.weight"],
+                        target_patterns=".mlp.experts.gate_up_proj", operations=[ConcatenateRows(dim=1)])]
+
+
 def _afmoe_config(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
     """Arcee's AFMoE config (Trinity-Nano, Trinity-Mini, Trinity-Large: AfmoeForCausalLM): llama's keys, every fourth
     layer full attention and without rotary, the others sliding (llama.cpp's pattern where the file names none),
@@ -521,7 +569,8 @@ def _qwen3next(config) -> list:
 OWN_TABLES = {"lfm2moe": (_lfm2moe_config, _lfm2moe), "granitehybrid": (_granitehybrid_config, _granite),
               "granitemoe": (_granitemoe_config, _granite), "nemotron_h": (_nemotron_h_config, _nemotron_h),
               "nemotron_h_moe": (_nemotron_h_moe_config, _nemotron_h), "qwen3next": (_qwen3next_config, _qwen3next),
-              "falcon-h1": (_falcon_h1_config, _falcon_h1), "afmoe": (_afmoe_config, _afmoe)}
+              "falcon-h1": (_falcon_h1_config, _falcon_h1), "afmoe": (_afmoe_config, _afmoe),
+              "olmoe": (_olmoe_config, _olmoe)}
 
 
 def teach_own_tables() -> None:

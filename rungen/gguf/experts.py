@@ -175,7 +175,7 @@ def stacked(layers: list[GGMLLinear]) -> torch.Tensor | None:
 
 # transformers' routers whose forward ExpertRouter computes (the same steps, the logits by RowProducts).
 ROUTERS = ("Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter", "MixtralTopKRouter", "GptOssTopKRouter", "Qwen3_5MoeTopKRouter",
-           "GraniteMoeHybridTopKRouter", "GraniteMoeTopKRouter", "GraniteMoeSharedTopKRouter")
+           "GraniteMoeHybridTopKRouter", "GraniteMoeTopKRouter", "GraniteMoeSharedTopKRouter", "OlmoeTopKRouter")
 # Those of them whose weights are the softmax of the top k logits (gpt-oss's after its bias).
 SOFTMAX_OF_TOP = ("GptOssTopKRouter", "GraniteMoeHybridTopKRouter", "GraniteMoeTopKRouter",
                   "GraniteMoeSharedTopKRouter")
@@ -348,12 +348,12 @@ ROUTER_FORMS = {**dict.fromkeys(ROUTERS, ExpertRouter), **dict.fromkeys(GROUPED_
 # expert; gpt-oss's with its biases and clamped SwiGLU; Granite 4.0's, its shared MLP beside it in the layer).
 GRANITE_BLOCKS = ("GraniteMoeHybridMoE", "GraniteMoeMoE", "GraniteMoeSharedMoE")
 BLOCKS = ("Qwen2MoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "MixtralSparseMoeBlock", "GptOssMLP",
-          "Qwen3_5MoeSparseMoeBlock", *GRANITE_BLOCKS)
+          "Qwen3_5MoeSparseMoeBlock", "OlmoeSparseMoeBlock", *GRANITE_BLOCKS)
 # Those in layers FusedDecoderLayer does not fuse, which MixtureInOneCall takes instead, by the layer's attribute
 # holding them; and those that return the hidden state alone (the others a pair).
-UNFUSED_BLOCKS = {"GptOssMLP": "mlp", "Qwen3_5MoeSparseMoeBlock": "mlp",
+UNFUSED_BLOCKS = {"GptOssMLP": "mlp", "Qwen3_5MoeSparseMoeBlock": "mlp", "OlmoeSparseMoeBlock": "mlp",
                   **dict.fromkeys(GRANITE_BLOCKS, "block_sparse_moe")}
-HIDDEN_ALONE = GRANITE_BLOCKS
+HIDDEN_ALONE = (*GRANITE_BLOCKS, "OlmoeSparseMoeBlock")
 
 
 class NativeMixture:

@@ -72,6 +72,7 @@ LOOPS = {
     "GraniteMoeSharedModel": Loop(**GRANITE),
     "NemotronHModel": Loop(attention="mixer", mlp="mixer", pre_norms=("norm", "norm"), cache_keyword="cache_params",
                            final_norm="norm_f", one_mixer=True, embedding="embeddings", mixture=True),
+    "OlmoeModel": Loop(**PRE, mixture=True),
     "AfmoeModel": Loop(pre_norms=("input_layernorm", "pre_mlp_layernorm"), mixture=True, mup=True,
                        post_norms=("post_attention_layernorm", "post_mlp_layernorm")),
     "FalconH1Model": Loop(recurrent="mamba", cache_keyword="cache_params", pre_norms=("input_layernorm",

@@ -26,10 +26,11 @@ NATIVE_ATTENTION = "rungen_attend"
 
 # The models of transformers' layers over blocks whose small steps this module takes.
 NATIVE_STEPS_MODELS = ("GptOssForCausalLM", "Gemma4ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
-                       "Ministral3ForCausalLM", "Exaone4ForCausalLM", "Glm4MoeForCausalLM", "AfmoeForCausalLM")
+                       "Ministral3ForCausalLM", "Exaone4ForCausalLM", "Glm4MoeForCausalLM", "AfmoeForCausalLM",
+                       "OlmoeForCausalLM")
 # Their RMSNorm classes: x / sqrt(mean(x^2) + eps) times the weight (none: 1), in float32.
 NORMS = ("GptOssRMSNorm", "Gemma4RMSNorm", "Olmo2RMSNorm", "Olmo3RMSNorm", "Ministral3RMSNorm", "Exaone4RMSNorm",
-         "Glm4MoeRMSNorm", "AfmoeRMSNorm")
+         "Glm4MoeRMSNorm", "AfmoeRMSNorm", "OlmoeRMSNorm")
 # Their dense gated MLPs: down(act(gate(x)) * up(x)) (GLM-4.5's and AFMoE's: their dense layers' and shared
 # experts).
 GATED_MLPS = ("Gemma4TextMLP", "Olmo2MLP", "Olmo3MLP", "Ministral3MLP", "Exaone4MLP", "Glm4MoeMLP", "AfmoeMLP")
@@ -160,9 +161,9 @@ class NativeGptOssAttention(JoinedAttention):
 
 
 class NativeOlmoAttention(JoinedAttention):
-    """OLMo 2's and 3's attention (Olmo2Attention, Olmo3Attention): q and k each normalized over all their heads (the
-    module's norms, native by now), then the three split and q and k rotated in one rope_split call; OLMo 3's
-    sliding layers with their window."""
+    """OLMo 2's, 3's and OLMoE's attention (Olmo2Attention, Olmo3Attention, OlmoeAttention): q and k each normalized
+    over all their heads (the module's norms, native by now), then the three split and q and k rotated in one
+    rope_split call; OLMo 3's sliding layers with their window."""
 
     def __init__(self, attention: torch.nn.Module, qkv: torch.nn.Module):
         super().__init__(attention, qkv)
@@ -265,9 +266,9 @@ class NativeGraniteAttention(JoinedAttention):
 
 # transformers' attentions whose q, k and v products the native steps join, and the class computing each.
 JOINED_ATTENTIONS = {"GptOssAttention": NativeGptOssAttention, "Olmo2Attention": NativeOlmoAttention,
-                     "Olmo3Attention": NativeOlmoAttention, "Ministral3Attention": NativeMinistral3Attention,
-                     "Exaone4Attention": NativeExaone4Attention, "Glm4MoeAttention": NativeGlm4MoeAttention,
-                     "AfmoeAttention": NativeAfmoeAttention}
+                     "Olmo3Attention": NativeOlmoAttention, "OlmoeAttention": NativeOlmoAttention,
+                     "Ministral3Attention": NativeMinistral3Attention, "Exaone4Attention": NativeExaone4Attention,
+                     "Glm4MoeAttention": NativeGlm4MoeAttention, "AfmoeAttention": NativeAfmoeAttention}
 
 
 class GpuKernelHints(logging.Filter):
