@@ -176,6 +176,11 @@ FAMILIES = {
     "afmoe": dict(arch="afmoe", layers=32, hidden=2048, ffn=6144, heads=16, kv_heads=16, head_dim=128,
                   rope_base=10000.0, eps=1e-5, tied=False, qk_norm=True, experts=64, experts_used=6,
                   expert_ffn=1408, shared_ffn=2 * 1408, dense_first=1, afmoe_router=1.0, sliding_window=1024),
+    # AI2's OLMoE-1B-7B: 16 layers 2048 wide, 16 heads of 128 (as many kv heads), q and k normalized over all their
+    # heads, every MLP 64 experts of 1024, 8 a token (softmax, not normalized); untied.
+    "olmoe": dict(arch="olmoe", layers=16, hidden=2048, ffn=1024, heads=16, kv_heads=16, head_dim=128,
+                  rope_base=10000.0, eps=1e-5, tied=False, qk_norm="all heads", experts=64, experts_used=8,
+                  expert_ffn=1024),
     # Mixtral-8x7B: llama's file with experts (8 of 14336 a layer, 2 a token: feed_forward_length is the experts'),
     # 26 GB in Q4_0.
     "mixtral": dict(arch="llama", layers=32, hidden=4096, ffn=14336, heads=32, kv_heads=8, head_dim=128,
