@@ -50,18 +50,36 @@ def _lfm2moe_config(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
     return config
 
 
+def _joined_experts(block: str) -> list:
+    """A mixture's experts under `block`: ffn_down_exps as its experts' down_proj, ffn_gate_exps and ffn_up_exps
+    joined into their gate_up_proj (gate rows first, as transformers' Experts modules hold them)."""
+    from transformers.core_model_loading import WeightConverter, WeightRenaming
+    from transformers.integrations.gguf.gguf_conversion_mapping import ConcatenateRows
+
+    return [WeightRenaming(r"\.ffn_down_exps\.weight", f".{block}.experts.down_proj"),
+            WeightConverter(source_patterns=[r"\.ffn_gate_exps\.weight", r"\.ffn_up_exps\.weight"],
+                            target_patterns=f".{block}.experts.gate_up_proj", operations=[ConcatenateRows(dim=1)])]
+
+
+def _llama_attention(attention: str = "self_attn") -> list:
+    """llama's attention tensors (attn_q, attn_k, attn_v, attn_output) as q_proj, k_proj, v_proj and o_proj under
+    `attention`."""
+    from transformers.core_model_loading import WeightRenaming
+
+    return [WeightRenaming(rf"\.attn_{name}\.", f".{attention}.{part}_proj.")
+            for name, part in (("q", "q"), ("k", "k"), ("v", "v"), ("output", "o"))]
+
+
 def _lfm2moe(config) -> list:
     """LFM2-MoE's tensors: lfm2's, the router (ffn_gate_inp), the expert bias (exp_probs_b.bias) and the experts
     (ffn_gate_exps and ffn_up_exps joined into gate_up_proj, gate rows first, as Qwen3.5-MoE's)."""
-    from transformers.core_model_loading import WeightConverter, WeightRenaming
-    from transformers.integrations.gguf.gguf_conversion_mapping import ConcatenateRows, _lfm2
+    from transformers.core_model_loading import WeightRenaming
+    from transformers.integrations.gguf.gguf_conversion_mapping import _lfm2
 
     return _lfm2(config) + [
         WeightRenaming(r"\.ffn_gate_inp\.", ".feed_forward.gate."),
         WeightRenaming(r"\.exp_probs_b\.bias", ".feed_forward.expert_bias"),
-        WeightRenaming(r"\.ffn_down_exps\.weight", ".feed_forward.experts.down_proj"),
-        WeightConverter(source_patterns=[r"\.ffn_gate_exps\.weight", r"\.ffn_up_exps\.weight"],
-                        target_patterns=".feed_forward.experts.gate_up_proj", operations=[ConcatenateRows(dim=1)])]
+        *_joined_experts("feed_forward")]
 
 
 def _vocabulary(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
@@ -178,10 +196,7 @@ def _mamba2_and_attention(config, mamba: str, attention: str, permuted: bool = T
 
     head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return [
-        WeightRenaming(r"\.attn_q\.", f".{attention}.q_proj."),
-        WeightRenaming(r"\.attn_k\.", f".{attention}.k_proj."),
-        WeightRenaming(r"\.attn_v\.", f".{attention}.v_proj."),
-        WeightRenaming(r"\.attn_output\.", f".{attention}.o_proj."),
+        *_llama_attention(attention),
         WeightRenaming(r"\.ssm_in\.", f".{mamba}.in_proj."),
         WeightRenaming(r"\.ssm_out\.", f".{mamba}.out_proj."),
         WeightRenaming(r"\.ssm_conv1d\.bias", f".{mamba}.conv1d.bias"),
@@ -217,10 +232,8 @@ def _granite(config) -> list:
         WeightRenaming(r"\.ffn_norm\.", ".post_attention_layernorm."),
         *_mamba2_and_attention(config, "mamba", "self_attn"),
         WeightRenaming(r"\.ffn_gate_inp\.", ".block_sparse_moe.router."),
-        WeightRenaming(r"\.ffn_down_exps\.weight", ".block_sparse_moe.experts.down_proj"),
+        *_joined_experts("block_sparse_moe"),
         WeightRenaming(rf"\.ffn_down{shared}\.", ".shared_mlp.output_linear."),
-        WeightConverter(source_patterns=[r"\.ffn_gate_exps\.weight", r"\.ffn_up_exps\.weight"],
-                        target_patterns=".block_sparse_moe.experts.gate_up_proj", operations=[ConcatenateRows(dim=1)]),
         WeightConverter(source_patterns=[rf"\.ffn_gate{shared}\.weight", rf"\.ffn_up{shared}\.weight"],
                         target_patterns=".shared_mlp.input_linear.weight", operations=[ConcatenateRows(dim=0)])]
 
@@ -391,23 +404,17 @@ def _olmoe(config) -> list:
     """OLMoE's tensors: llama's names (q and k as the checkpoint holds them: its rotary turns halves, and the converter
     permutes none), q's and k's norms over all their heads, the router (ffn_gate_inp), the experts (ffn_gate_exps and
     ffn_up_exps joined into gate_up_proj, gate rows first)."""
-    from transformers.core_model_loading import WeightConverter, WeightRenaming
-    from transformers.integrations.gguf.gguf_conversion_mapping import ConcatenateRows
+    from transformers.core_model_loading import WeightRenaming
 
     return [
         *_trunk(),
         WeightRenaming(r"\.attn_norm\.", ".input_layernorm."),
         WeightRenaming(r"\.ffn_norm\.", ".post_attention_layernorm."),
-        WeightRenaming(r"\.attn_q\.", ".self_attn.q_proj."),
-        WeightRenaming(r"\.attn_k\.", ".self_attn.k_proj."),
-        WeightRenaming(r"\.attn_v\.", ".self_attn.v_proj."),
-        WeightRenaming(r"\.attn_output\.", ".self_attn.o_proj."),
+        *_llama_attention(),
         WeightRenaming(r"\.attn_q_norm\.", ".self_attn.q_norm."),
         WeightRenaming(r"\.attn_k_norm\.", ".self_attn.k_norm."),
         WeightRenaming(r"\.ffn_gate_inp\.", ".mlp.gate."),
-        WeightRenaming(r"\.ffn_down_exps\.weight", ".mlp.experts.down_proj"),
-        WeightConverter(source_patterns=[r"\.ffn_gate_exps\.weight", r"\.ffn_up_exps\.weight"],
-                        target_patterns=".mlp.experts.gate_up_proj", operations=[ConcatenateRows(dim=1)])]
+        *_joined_experts("mlp")]
 
 
 def _afmoe_config(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
@@ -455,8 +462,7 @@ def _afmoe(config) -> list:
     halves, and the converter permutes none), the dense layers' MLP, a mixture's router and its correction
     (exp_probs_b.bias), the experts (ffn_gate_exps and ffn_up_exps joined into gate_up_proj, gate rows first) and the
     shared experts."""
-    from transformers.core_model_loading import WeightConverter, WeightRenaming
-    from transformers.integrations.gguf.gguf_conversion_mapping import ConcatenateRows
+    from transformers.core_model_loading import WeightRenaming
 
     return [
         *_trunk(),
@@ -464,10 +470,7 @@ def _afmoe(config) -> list:
         WeightRenaming(r"\.post_attention_norm\.", ".post_attention_layernorm."),
         WeightRenaming(r"\.ffn_norm\.", ".pre_mlp_layernorm."),
         WeightRenaming(r"\.post_ffw_norm\.", ".post_mlp_layernorm."),
-        WeightRenaming(r"\.attn_q\.", ".self_attn.q_proj."),
-        WeightRenaming(r"\.attn_k\.", ".self_attn.k_proj."),
-        WeightRenaming(r"\.attn_v\.", ".self_attn.v_proj."),
-        WeightRenaming(r"\.attn_output\.", ".self_attn.o_proj."),
+        *_llama_attention(),
         WeightRenaming(r"\.attn_gate\.", ".self_attn.gate_proj."),
         WeightRenaming(r"\.attn_q_norm\.", ".self_attn.q_norm."),
         WeightRenaming(r"\.attn_k_norm\.", ".self_attn.k_norm."),
@@ -479,9 +482,7 @@ def _afmoe(config) -> list:
         WeightRenaming(r"\.ffn_gate_shexp\.", ".mlp.shared_experts.gate_proj."),
         WeightRenaming(r"\.ffn_up_shexp\.", ".mlp.shared_experts.up_proj."),
         WeightRenaming(r"\.ffn_down_shexp\.", ".mlp.shared_experts.down_proj."),
-        WeightRenaming(r"\.ffn_down_exps\.weight", ".mlp.experts.down_proj"),
-        WeightConverter(source_patterns=[r"\.ffn_gate_exps\.weight", r"\.ffn_up_exps\.weight"],
-                        target_patterns=".mlp.experts.gate_up_proj", operations=[ConcatenateRows(dim=1)])]
+        *_joined_experts("mlp")]
 
 
 def _qwen3next_config(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
