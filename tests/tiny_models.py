@@ -1620,12 +1620,9 @@ def write_qwen3next_gguf(checkpoint: str, path: str, qtype_name: str = "F32", le
         values = value.float().numpy()
         base, _, suffix = hf_name.rpartition(".")
         if ".mlp.experts." in hf_name:  # (each part stacked at its first expert's)
-            layer, _, rest = hf_name.partition(".mlp.experts.")
-            if rest.startswith("0."):
-                part = rest.split(".")[1]
-                add(names.get_name(f"{layer}.mlp.experts.{part}") + ".weight",
-                    np.stack([state[f"{layer}.mlp.experts.{e}.{part}.weight"].float().numpy()
-                              for e in range(experts)]))
+            if (stacked := stacked_experts(state, hf_name, experts)) is not None:
+                layer, part, values = stacked
+                add(names.get_name(f"{layer}.mlp.experts.{part}") + ".weight", values)
             continue
         if base.endswith("in_proj_qkvz") and not legacy:  # each key head's [q, k, v, z] -> [q..., k..., v...], z
             q, k, v, z = np.split(values.reshape(key_heads, sum(widths), -1), np.cumsum(widths)[:3], axis=1)
@@ -1836,6 +1833,20 @@ def granitehybrid_dense_checkpoint(out_dir: str) -> str:
 def llama_permuted(w, n_head):
     """llama.cpp's LlamaModel.permute of q's or k's rows: each head's two halves interleaved, for its rotary."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def stacked_experts(state: dict, hf_name: str, experts: int, block: str = "mlp"):
+    """(the layer's prefix, the part, its experts' weights stacked [experts, rows, columns]) where `hf_name` is the
+    first expert's weight of a part in a checkpoint of one tensor an expert (`state`: its tensors), as llama.cpp's
+    converter stacks them; None for another expert's."""
+    import numpy as np
+
+    layer, _, rest = hf_name.partition(f".{block}.experts.")
+    if not rest.startswith("0."):
+        return None
+    part = rest.split(".")[1]
+    return layer, part, np.stack([state[f"{layer}.{block}.experts.{expert}.{part}.weight"].float().numpy()
+                                  for expert in range(experts)])
 
 
 def mamba2_adder(writer, qtype_name: str):
@@ -2112,8 +2123,6 @@ def write_olmoe_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str
     and k as the checkpoint holds them, q's and k's norms, each layer's experts stacked; matrices in Q8_0 where asked,
     the router and norms F32; a byte-level BPE vocabulary (tokenizer.ggml.pre olmo)."""
     import gguf
-    import numpy as np
-    from safetensors.torch import load_file
 
     with open(os.path.join(checkpoint, "config.json")) as f:
         config = json.load(f)
@@ -2128,18 +2137,8 @@ def write_olmoe_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str
     writer.add_file_type({"F32": 0, "Q8_0": 7}[qtype_name])
     add_bpe_vocabulary(writer, checkpoint, "olmo")
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    names = gguf.get_tensor_name_map(arch, layers)
-    add = converter_adder(writer, qtype_name)
-    weights = load_file(os.path.join(checkpoint, "model.safetensors"))
-    for hf_name, value in weights.items():
-        if ".mlp.experts." not in hf_name:
-            base, _, suffix = hf_name.rpartition(".")
-            add(f"{names.get_name(base)}.{suffix}", value.float().numpy())
-    for layer in range(layers):
-        for part, name in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"), ("down_proj", "ffn_down_exps")):
-            add(f"blk.{layer}.{name}.weight", np.stack([weights[f"model.layers.{layer}.mlp.experts.{expert}.{part}"
-                                                                ".weight"].float().numpy()
-                                                        for expert in range(experts)]))
+    add_mixture_tensors(converter_adder(writer, qtype_name), checkpoint, gguf.get_tensor_name_map(arch, layers),
+                        experts)
     return write_out(writer, path)
 
 
@@ -2174,8 +2173,6 @@ def write_afmoe_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str
     gate as attn_gate; matrices in Q8_0 where asked, the router and norms F32; a byte-level BPE vocabulary
     (tokenizer.ggml.pre afmoe)."""
     import gguf
-    import numpy as np
-    from safetensors.torch import load_file
 
     with open(os.path.join(checkpoint, "config.json")) as f:
         config = json.load(f)
@@ -2201,22 +2198,15 @@ def write_afmoe_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str
     writer.add_sliding_window(config["sliding_window"])
     add_bpe_vocabulary(writer, checkpoint, "afmoe")
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    names = gguf.get_tensor_name_map(arch, layers)
     add = converter_adder(writer, qtype_name)
-    weights = load_file(os.path.join(checkpoint, "model.safetensors"))
-    for hf_name, value in weights.items():
-        if ".mlp.experts." in hf_name:
-            continue  # (stacked below)
+
+    def expert_bias(hf_name, values):  # (the converter's exp_probs_b.bias)
         if hf_name.endswith(".expert_bias"):
-            add(f"blk.{hf_name.split('.')[2]}.exp_probs_b.bias", value.float().numpy())
-            continue
-        base, _, suffix = hf_name.rpartition(".")
-        add(f"{names.get_name(base)}.{suffix}", value.float().numpy())
-    for layer in range(config["num_dense_layers"], layers):
-        for part, name in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"), ("down_proj", "ffn_down_exps")):
-            add(f"blk.{layer}.{name}.weight", np.stack([weights[f"model.layers.{layer}.mlp.experts.{expert}.{part}"
-                                                                ".weight"].float().numpy()
-                                                        for expert in range(experts)]))
+            add(f"blk.{hf_name.split('.')[2]}.exp_probs_b.bias", values)
+            return True
+        return False
+
+    add_mixture_tensors(add, checkpoint, gguf.get_tensor_name_map(arch, layers), experts, expert_bias)
     return write_out(writer, path)
 
 
@@ -2486,12 +2476,9 @@ def write_nemotron_h_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -
             if hf_name.startswith("mtp.layers.") else hf_name
         blk = f"blk.{layer_name.split('.')[2]}" if layer_name.startswith("backbone.layers.") else None
         if ".mixer.experts." in hf_name:  # (each part stacked at its first expert's)
-            layer, _, rest = hf_name.partition(".mixer.experts.")
-            if rest.startswith("0."):
-                part = rest.split(".")[1]
-                add(f"{blk}.ffn_{part.removesuffix('_proj')}_exps.weight",
-                    np.stack([state[f"{layer}.mixer.experts.{e}.{part}.weight"].float().numpy()
-                              for e in range(config["n_routed_experts"])]))
+            if (stacked := stacked_experts(state, hf_name, config["n_routed_experts"], "mixer")) is not None:
+                _, part, values = stacked
+                add(f"{blk}.ffn_{part.removesuffix('_proj')}_exps.weight", values)
         elif hf_name.endswith("e_score_correction_bias"):
             add(f"{blk}.exp_probs_b.bias", value.float().numpy())
         else:
@@ -2934,7 +2921,6 @@ def add_mixture_tensors(add, checkpoint: str, names, experts: int, special=None)
     gguf's names (`names`) as llama.cpp's converter writes them: each layer's experts stacked into one 3-D tensor a
     part (ffn_{gate,up,down}_exps), the router's score correction as exp_probs_b.bias; `special(hf_name, values)`:
     True where it wrote that tensor itself."""
-    import numpy as np
     from safetensors.torch import load_file
 
     state = load_file(os.path.join(checkpoint, "model.safetensors"))
@@ -2944,12 +2930,9 @@ def add_mixture_tensors(add, checkpoint: str, names, experts: int, special=None)
         if special is not None and special(hf_name, values):
             continue
         if ".mlp.experts." in hf_name:
-            layer, _, rest = hf_name.partition(".mlp.experts.")
-            if rest.startswith("0."):
-                part = rest.split(".")[1]
-                stacked = [state[f"{layer}.mlp.experts.{index}.{part}.weight"].float().numpy()
-                           for index in range(experts)]
-                add(names.get_name(f"{layer}.mlp.experts.{part}") + ".weight", np.stack(stacked))
+            if (stacked := stacked_experts(state, hf_name, experts)) is not None:
+                layer, part, values = stacked
+                add(names.get_name(f"{layer}.mlp.experts.{part}") + ".weight", values)
         elif suffix == "e_score_correction_bias":  # (the converter's e_score_correction.bias)
             add(names.get_name(f"{base}.e_score_correction") + ".bias", values)
         else:
