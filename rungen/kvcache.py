@@ -244,18 +244,23 @@ def dummy(layer) -> bool:
     return type(layer).__name__ == "DummyLayer"
 
 
+@functools.cache
+def _class_names(kind: type) -> frozenset[str]:
+    """The names of the classes a cache layer's type is one of (its MRO), read once a type: every step asks."""
+    return frozenset(base.__name__ for base in kind.__mro__)
+
+
 def recurrent(layer) -> bool:
     """Whether `layer` is transformers' LinearAttentionLayer of one state: a row's window of the last positions'
     convolution inputs and (Qwen3.5's Gated DeltaNet layers; not LFM2's short convolutions) its recurrent state; no
     keys and values, but where it is a hybrid layer's (Falcon-H1's, its attention beside its Mamba-2 mixer)."""
-    return any(kind.__name__ == "LinearAttentionLayer" for kind in type(layer).__mro__) and \
-        layer.number_of_states == 1
+    return "LinearAttentionLayer" in _class_names(type(layer)) and layer.number_of_states == 1
 
 
 def hybrid(layer) -> bool:
     """Whether `layer` holds keys and values beside a recurrent state (transformers' LinearAttentionAndFullAttention
     Layer: Falcon-H1's)."""
-    return recurrent(layer) and any(kind.__name__ == "DynamicLayer" for kind in type(layer).__mro__)
+    return recurrent(layer) and "DynamicLayer" in _class_names(type(layer))
 
 
 def holding(cache) -> list:
