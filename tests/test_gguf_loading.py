@@ -916,7 +916,7 @@ def test_an_ernie45_mixture_file_requantized_by_llama_cpp_computes_as_the_conver
 def test_a_biased_router_chooses_as_transformers_and_alike_in_a_batch(kind):
     # LFM2-MoE's router (sigmoid scores, the block's expert bias added to choose by, normalized: BiasedRouter),
     # ERNIE 4.5's (the softmax, its correction added to choose by, normalized: ErnieRouter) and AFMoE's (sigmoid
-    # scores, the block's expert bias, normalized, scaled: AfmoeRouter): transformers' experts and weights, and a
+    # scores, the block's expert bias, normalized, scaled: BiasedRouter too): transformers' experts and weights, and a
     # token's the same bits alone as in a batch (its logits a row at a time).
     from transformers import AfmoeConfig, Ernie4_5_MoeConfig, Lfm2MoeConfig
     from transformers.models.afmoe.modeling_afmoe import AfmoeTokenChoiceRouter

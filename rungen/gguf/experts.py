@@ -276,46 +276,36 @@ class GroupedRouter(torch.nn.Module):
 
 
 class BiasedRouter(torch.nn.Module):
-    """LFM2-MoE's router (Lfm2MoeTopKRouter), its logits by RowProducts: each expert's score the sigmoid of its
-    logit; the top k by score plus the block's expert bias where it has one (given at each call, as the block gives
-    it), their weights their scores, divided by their sum (+ 1e-6) where norm_topk_prob says, times
-    routed_scaling_factor; (logits, weights, experts) as it returns them."""
+    """LFM2-MoE's router (Lfm2MoeTopKRouter) and AFMoE's (AfmoeTokenChoiceRouter), its logits by RowProducts (in
+    the weight's dtype): each expert's score the sigmoid of its logit; the top k by score plus the block's expert bias
+    where it has one (given at each call, as the block gives it), their weights their scores, divided by their sum
+    plus `eps` (LFM2-MoE's 1e-6 where norm_topk_prob says, AFMoE's 1e-20 always; None: not divided), times the
+    scale; (logits, weights, experts) as it returns them."""
 
-    def __init__(self, router: torch.nn.Module):
+    def __init__(self, weight: torch.Tensor, top_k: int, scale: float, eps: float | None, biased: bool):
         super().__init__()
-        self.logits = RowProducts(router.weight.detach())
-        self.top_k, self.norm_topk_prob = router.top_k, router.norm_topk_prob
-        self.use_expert_bias, self.scale = router.use_expert_bias, router.routed_scaling_factor
+        self.logits = RowProducts(weight)
+        self.top_k, self.scale, self.eps, self.biased = top_k, scale, eps, biased
+
+    @classmethod
+    def of(cls, router: torch.nn.Module) -> BiasedRouter:
+        if type(router).__name__ == "AfmoeTokenChoiceRouter":
+            return cls(router.gate.weight.detach().float(), router.top_k, router.route_scale, 1e-20, True)
+        return cls(router.weight.detach(), router.top_k, router.routed_scaling_factor,
+                   1e-6 if router.norm_topk_prob else None, router.use_expert_bias)
 
     def forward(self, hidden_states: torch.Tensor, expert_bias: torch.Tensor | None = None):
-        logits = self.logits(hidden_states)
+        weight = self.logits.weight
+        logits = self.logits(hidden_states.reshape(-1, weight.shape[-1]).to(weight.dtype))
         scores = row_sigmoid(logits)
-        if self.use_expert_bias:
+        if self.biased:
             experts = torch.topk(scores + expert_bias, k=self.top_k, dim=-1)[1]
-            weights = torch.gather(scores, dim=1, index=experts).type_as(logits)
+            weights = torch.gather(scores, dim=1, index=experts)
         else:
             weights, experts = torch.topk(scores, k=self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-6)
+        if self.eps is not None:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + self.eps)
         return logits, weights * self.scale, experts
-
-
-class AfmoeRouter(torch.nn.Module):
-    """AFMoE's router (AfmoeTokenChoiceRouter), its logits by RowProducts: each expert's score the sigmoid of its
-    logit; the top k by score plus the block's expert bias (given at each call, as the block gives it), their weights
-    their scores divided by their sum (+ 1e-20), times route_scale; (logits, weights, experts) as it returns them."""
-
-    def __init__(self, router: torch.nn.Module):
-        super().__init__()
-        self.logits = RowProducts(router.gate.weight.detach().float())
-        self.top_k, self.scale = router.top_k, router.route_scale
-
-    def forward(self, hidden_states: torch.Tensor, expert_bias: torch.Tensor):
-        logits = self.logits(hidden_states.reshape(-1, hidden_states.shape[-1]).float())
-        scores = row_sigmoid(logits)
-        experts = torch.topk(scores + expert_bias, k=self.top_k, dim=1)[1]
-        weights = scores.gather(dim=1, index=experts)
-        return logits, weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scale, experts
 
 
 class ErnieRouter(torch.nn.Module):
@@ -340,8 +330,8 @@ class ErnieRouter(torch.nn.Module):
 
 # transformers' routers and the class that computes each a row at a time.
 ROUTER_FORMS = {**dict.fromkeys(ROUTERS, ExpertRouter), **dict.fromkeys(GROUPED_ROUTERS, GroupedRouter),
-                "Lfm2MoeTopKRouter": BiasedRouter, "Ernie4_5_MoeTopKRouter": ErnieRouter,
-                "AfmoeTokenChoiceRouter": AfmoeRouter}
+                "Lfm2MoeTopKRouter": BiasedRouter.of, "Ernie4_5_MoeTopKRouter": ErnieRouter,
+                "AfmoeTokenChoiceRouter": BiasedRouter.of}
 
 
 # transformers' mixture blocks whose forward NativeMixture computes (Qwen2-MoE's and Qwen3.5-MoE's with their shared
