@@ -1198,10 +1198,14 @@ CHECKPOINT_FILES = {
                      stack=dict(head_dim=32)),
     # Qwen3-VL's text model (its interleaved MRoPE over a text prompt's positions: Qwen3's rotary), dense and
     # Qwen3-VL-30B-A3B's mixture (whose router always normalizes its top-k weights, as llama.cpp's graph does).
-    "qwen3vl": dict(files=("qwen3vl_checkpoint", "write_qwen3vl_gguf"), model="Qwen3ForCausalLM",
+    "qwen3vl": dict(files=("qwen3vl_checkpoint", "write_qwen_vl_gguf"), model="Qwen3ForCausalLM",
                     stack=dict(head_dim=32)),
-    "qwen3vlmoe": dict(files=("qwen3vlmoe_checkpoint", "write_qwen3vl_gguf"), model="Qwen3MoeForCausalLM",
+    "qwen3vlmoe": dict(files=("qwen3vlmoe_checkpoint", "write_qwen_vl_gguf"), model="Qwen3MoeForCausalLM",
                        stack=dict(head_dim=32)),
+    # Qwen2.5-VL's (and Qwen2-VL's) text model: Qwen2's under the qwen2vl architecture (its MRoPE over a text
+    # prompt's positions: Qwen2's rotary), q/k/v biases and all.
+    "qwen2vl": dict(files=("qwen2vl_checkpoint", "write_qwen_vl_gguf"), model="Qwen2ForCausalLM",
+                    stack=dict(head_dim=32), vision=True),
     # Gemma (1): Gemma 2's keys and stored norms, without its output norms, caps and windows; fused and stacked.
     "gemma": dict(files=("gemma_checkpoint", "write_gemma_gguf"), model="GemmaForCausalLM",
                   stack=dict(gelu=True, head_dim=32)),
@@ -1383,6 +1387,7 @@ CHECKPOINT_FILES = {
 def test_a_file_as_llama_cpp_writes_it_computes_its_checkpoint(architecture, tmp_path, monkeypatch):
     # transformers' GGUF reading knows none of the smollm3 (SmolLM3-3B's files), granite (Granite 3's), mistral3
     # (Ministral 3's, and Mistral Small 3.x's as llama.cpp now converts them), qwen3vl and qwen3vlmoe (Qwen3-VL's),
+    # qwen2vl (Qwen2-VL's, Qwen2.5-VL's),
     # ernie4_5, gemma and olmo2 architectures: read as the one llama.cpp writes them as (its keys, its q/k
     # permutation undone) into the class of the model they were written from (a vision-language model's text model),
     # with what its config lacks from the file's other keys (a Llama 3.1 file's: its rotary from rope_freqs). The F32

@@ -38,6 +38,7 @@ from tiny_models import (
     granite_checkpoint,
     llama3_checkpoint,
     mistral_small_checkpoint,
+    qwen2vl_checkpoint,
     qwen3vl_checkpoint,
     smollm3_checkpoint,
     write_ernie4_5_gguf,
@@ -46,7 +47,7 @@ from tiny_models import (
     write_granite_gguf,
     write_llama3_gguf,
     write_mistral3_gguf,
-    write_qwen3vl_gguf,
+    write_qwen_vl_gguf,
     write_smollm3_gguf,
 )
 
@@ -55,7 +56,7 @@ pytestmark = [pytest.mark.usefixtures("module_cache_home"),
 PROMPTS = ["The capital of France is", "Hello, my dog", "A"]
 # mixed_tied holds F16/BF16 layer weights beside the blocks: transformers' model runs it (its own test below).
 NAMES = [*(name for name in LLAMA_FILES if name != "mixed_tied"), "qwen3", "phi3", "phi4_partial", "gemma2", "gemma3",
-         "qwen3moe", "qwen2moe", "mixtral", "smollm3", "granite", "mistral3", "qwen3vl",
+         "qwen3moe", "qwen2moe", "mixtral", "smollm3", "granite", "mistral3", "qwen3vl", "qwen2vl",
          "ernie4_5", "gemma", "llama3", "deepseek_coder", "default"]
 
 
@@ -87,7 +88,9 @@ def files(tmp_path_factory):
     # Mistral Small 3.x's as llama.cpp converts it now: a mistral3 file without Ministral 3's rotary, llama's.
     out["mistral3"] = write_mistral3_gguf(mistral_small_checkpoint(str(folder)), str(folder / "mistral3.gguf"), "Q8_0")
     # Qwen3-VL's text model: Qwen3's, under the qwen3vl architecture.
-    out["qwen3vl"] = write_qwen3vl_gguf(qwen3vl_checkpoint(str(folder)), str(folder / "qwen3vl.gguf"), "Q8_0")
+    out["qwen3vl"] = write_qwen_vl_gguf(qwen3vl_checkpoint(str(folder)), str(folder / "qwen3vl.gguf"), "Q8_0")
+    # Qwen2.5-VL's text model: Qwen2's (q/k/v biases), under the qwen2vl architecture.
+    out["qwen2vl"] = write_qwen_vl_gguf(qwen2vl_checkpoint(str(folder)), str(folder / "qwen2vl.gguf"), "Q8_0")
     # ERNIE 4.5's dense model: llama's over its un-permuted q/k rows, which its converter leaves as they are.
     # Llama 3.1's: its llama3 rotary in the rope_freqs tensor alone.
     out["llama3"] = write_llama3_gguf(llama3_checkpoint(str(folder)), str(folder / "llama3.gguf"), "Q8_0")

@@ -1306,13 +1306,36 @@ def qwen3vlmoe_checkpoint(out_dir: str) -> str:
     return qwen3vl_checkpoint(out_dir, experts=True)
 
 
-def write_qwen3vl_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
+def qwen2vl_checkpoint(out_dir: str) -> str:
+    """A tiny random Qwen2.5-VL checkpoint (Qwen2_5_VLForConditionalGeneration) in `out_dir`: Qwen2.5-VL-7B's text
+    model 128 wide (4 heads of 32 over 2, q/k/v biases, untied embeddings) with its MRoPE (sections 4, 6, 6 of a head's
+    16 frequencies: the published 16, 24, 24 of 64, scaled), rope base 1e6; a one-layer vision tower (what a text
+    prompt never reaches); a byte-level BPE vocabulary."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    tokenizer = tiny_gpt2_tokenizer(out_dir)
+    text = dict(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.15,
+                rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                                                    "mrope_section": [4, 6, 6]},
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=128,
+                  fullatt_block_indexes=[0], initializer_range=0.15)
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False,
+                              image_token_id=len(tokenizer) - 3, video_token_id=len(tokenizer) - 2,
+                              vision_start_token_id=len(tokenizer) - 4, vision_end_token_id=len(tokenizer) - 1)
+    return save_tiny(out_dir, "qwen2vl", Qwen2_5_VLForConditionalGeneration, config, tokenizer)
+
+
+def write_qwen_vl_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
     """The GGUF file llama.cpp's converter (conversion/qwen3vl.py's Qwen3VLTextModel, a Qwen3Model; for a mixture
     Qwen3VLMoeTextModel, a Qwen3MoeModel) writes of a Qwen3-VL checkpoint's text model (the vision tower goes to a
     separate mmproj file): qwen3's (qwen3moe's) keys and tensors under the qwen3vl (qwen3vlmoe) architecture, the
     MRoPE sections (rope.dimension_sections, padded to 4) and the deepstack layers' count, the language model's
     tensors without their prefix, each layer's experts' gate, up and down as 3-D ffn_*_exps, no q/k permutation,
-    no output.weight where tied, a byte-level BPE vocabulary llama.cpp splits as qwen2's."""
+    no output.weight where tied, a byte-level BPE vocabulary llama.cpp splits as qwen2's. Of a Qwen2.5-VL (or
+    Qwen2-VL) checkpoint (conversion/qwenvl.py's Qwen2VLModel): qwen2's keys and tensors (q/k/v biases) under the
+    qwen2vl architecture with the sections, without key_length (its config has no head_dim) or deepstack."""
 
     import gguf
     import numpy as np
@@ -1323,7 +1346,8 @@ def write_qwen3vl_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> s
         full = json.load(f)
     config, rope = full["text_config"], full["text_config"]["rope_parameters"]
     experts = config.get("num_experts") or config.get("num_local_experts")
-    arch = gguf.MODEL_ARCH.QWEN3VLMOE if experts else gguf.MODEL_ARCH.QWEN3VL
+    qwen2 = full["model_type"] == "qwen2_5_vl"
+    arch = gguf.MODEL_ARCH.QWEN2VL if qwen2 else gguf.MODEL_ARCH.QWEN3VLMOE if experts else gguf.MODEL_ARCH.QWEN3VL
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
     add_text_shape(writer, config)
     if experts:
@@ -1333,10 +1357,12 @@ def write_qwen3vl_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> s
     writer.add_rope_dimension_sections([*rope["mrope_section"], 0][:4])
     writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_key_length(config["head_dim"])
-    writer.add_value_length(config["head_dim"])
+    if not qwen2:  # (Qwen2.5-VL's config has no head_dim: the converter writes no key_length)
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
     writer.add_file_type({"F32": 0, "Q8_0": 7}[qtype_name])
-    writer.add_num_deepstack_layers(len(full["vision_config"]["deepstack_visual_indexes"]))
+    if not qwen2:
+        writer.add_num_deepstack_layers(len(full["vision_config"]["deepstack_visual_indexes"]))
     add_bpe_vocabulary(writer, checkpoint, "qwen2")
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
@@ -1353,7 +1379,7 @@ def write_qwen3vl_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> s
         if hf_name.startswith("model.visual.") or (hf_name == "lm_head.weight" and full["tie_word_embeddings"]):
             continue
         values = value.float().numpy()
-        base = hf_name.replace("language_model.", "").removesuffix(".weight")
+        base = hf_name.replace("language_model.", "").removesuffix(".weight").removesuffix(".bias")
         if base.endswith("mlp.experts.gate_up_proj"):  # [experts, gate rows; up rows, hidden]: two tensors
             prefix = names.get_name(base.replace("gate_up_proj", "gate_proj")).replace("_gate_exps", "")
             width = values.shape[1] // 2

@@ -171,8 +171,8 @@ LLAMA3_ROPE = (1.0, 4.0, 8192)
 # The architectures whose scaled rotary llama.cpp writes as rope_freqs (llama3's) or rope.scaling.* (linear, yarn:
 # Qwen's long-context settings) and transformers' reading drops (mistral3's, olmo2's and gpt-oss's own readings
 # take theirs; gemma3's, phi3's are the families' rows').
-SCALED_ROTARIES = ("llama", "smollm3", "granite", "ernie4_5", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "qwen3vl",
-                   "qwen3vlmoe", "exaone4", "arcee", "seed_oss", "apertus")
+SCALED_ROTARIES = ("llama", "smollm3", "granite", "ernie4_5", "qwen2", "qwen2vl", "qwen3", "qwen2moe", "qwen3moe",
+                   "qwen3vl", "qwen3vlmoe", "exaone4", "arcee", "seed_oss", "apertus")
 
 
 def _scaled_rope(path: str, arch: str, metadata: dict, config: dict, tensors) -> None:

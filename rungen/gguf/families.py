@@ -124,11 +124,12 @@ READ_AS = {"smollm3": "llama", "granite": "llama", "mistral3": "llama", "olmo2":
            "exaone4": "qwen3", "glm4": "qwen3", "arcee": "llama", "seed_oss": "qwen2", "apertus": "qwen3",
            "hunyuan-dense": "qwen3"}
 # Architectures whose (text) model computes another's, read as that one into its model: Qwen3-VL's decoder is Qwen3's
-# (a text prompt's positions, the same on each axis of its interleaved MRoPE, rotate as Qwen3's one axis does; its
-# deepstack adds only to image tokens; the vision towers come in llama.cpp's separate mmproj files, not read), and
+# and Qwen2-VL's and Qwen2.5-VL's (qwen2vl, Qwen2.5-Omni's thinker too) Qwen2's (a text prompt's positions, the same
+# on each axis of their MRoPE, rotate as the one axis does; Qwen3-VL's deepstack adds only to image tokens; the vision
+# towers come in llama.cpp's separate mmproj files, not read), and
 # ERNIE 4.5's dense model is llama's over its q/k rows un-permuted (its checkpoint's rows, which its converter
 # leaves as they are, rotate pairwise as llama.cpp's permuted llama rows do: un-permuted, by halves, as llama's).
-MODEL_OF = {"qwen3vl": "qwen3", "qwen3vlmoe": "qwen3moe", "ernie4_5": "llama"}
+MODEL_OF = {"qwen3vl": "qwen3", "qwen3vlmoe": "qwen3moe", "qwen2vl": "qwen2", "ernie4_5": "llama"}
 READ_AS.update(MODEL_OF)
 # The family of a file of this architecture whose layers have experts (<arch>.expert_count): transformers reads
 # it as the architecture's dense model.
