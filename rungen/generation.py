@@ -336,6 +336,9 @@ TRANSFORMERS_OWN_CALLS = {
                                                  "has exceeded the model's predefined maximum length (-1)",
     "transformers.tokenization_utils_base": "Token indices sequence length is longer than the specified maximum "
                                             "sequence length",
+    # Llama 4 Scout's published llama3 rotary: a step at its original context (equal factors), computed as it says.
+    "transformers.modeling_rope_utils": "`rope_parameters`'s high_freq_factor field must be greater than "
+                                        "low_freq_factor, got high_freq_factor=1.0 and low_freq_factor=1.0",
 }
 
 

@@ -187,6 +187,10 @@ def load_config(path: str, load_kwargs: dict) -> transformers.PretrainedConfig:
         raise UsageError(f"cannot load a model from {path}: {str(error).splitlines()[0]}") from error
 
 
+# A GGUF file's tensors its model reads as config, not weights: llama3's frequency factors (rope_freqs), its rotary.
+READ_INTO_CONFIG = ("rope_freqs.weight",)
+
+
 class _HeldReport(logging.Filter):
     """Holds transformers' LOAD REPORT (a table) back from its handlers while a model loads."""
 
@@ -201,7 +205,7 @@ class _HeldReport(logging.Filter):
         return True
 
     def rows(self, status: str) -> list[str]:
-        """The held tables' rows of weights with this status (MISMATCH, MISSING, ...)."""
+        """The held tables' rows of weights with this status (MISMATCH, MISSING, ...; "": every row)."""
         return [line for record in self.records for line in record.getMessage().splitlines()
                 if f"| {status}" in line]
 
@@ -237,6 +241,8 @@ def from_pretrained(model_class, path: str, where: str, **kwargs):
 
         raise UsageError(f"{where}: its weights lack {missing[0]}" + (f" and {len(missing) - 1} more" if
                          len(missing) > 1 else "") + (split_hint(where) or " (a file of the checkpoint missing?)"))
+    if {row.split("|")[0].strip() for row in held.rows("")} - {"Key"} <= set(READ_INTO_CONFIG):
+        return model  # (a report of those alone says nothing)
     for record in held.records:
         logging.getLogger(record.name).handle(record)
     return model
@@ -310,6 +316,10 @@ def model_context(config) -> int:
     value = getattr(config, "max_position_embeddings", None)
     if not isinstance(value, int) or value <= 0:
         return 0
+    # Chunked attention read as full attention (a Llama 4 GGUF file's layers): the same before the first chunk ends.
+    chunk = getattr(config, "attention_chunk_size", None)
+    if chunk and "chunked_attention" not in (getattr(config, "layer_types", None) or ()):
+        value = min(value, chunk - 1)
     # XLM appends a mask token to the input at every step: one position is never free.
     return value - 1 if config.model_type == "xlm" else value
 
@@ -347,6 +357,10 @@ def load(model_name_or_path: str | None, *, device: torch.device, model_type: st
         parsing = metadata_parsed_once()
     with parsing:
         config = load_config(path, load_kwargs)
+        if "gguf_file" in load_kwargs:  # (what transformers' own reading of a converted architecture leaves out)
+            from .gguf.configs import complete_converted
+
+            complete_converted(os.path.join(path, load_kwargs["gguf_file"]), config)
         model_type, model_class = resolve_model_class(model_type, config)
         torch_dtype = resolve_dtype(dtype, config, device)
         from transformers import AutoTokenizer
@@ -371,7 +385,8 @@ def load(model_name_or_path: str | None, *, device: torch.device, model_type: st
             model = load_quantized(path, config, torch_dtype, quantize, device)
         if model is None:
             where = os.path.join(path, load_kwargs["gguf_file"]) if "gguf_file" in load_kwargs else path
-            model = from_pretrained(model_class, path, where, dtype=torch_dtype, **load_kwargs, **placement)
+            given = {"config": config} if "gguf_file" in load_kwargs else {}  # (the config completed above)
+            model = from_pretrained(model_class, path, where, dtype=torch_dtype, **load_kwargs, **placement, **given)
     if "gguf_file" in load_kwargs:  # as the header cache reads the file for the blocks
         from .gguf.file import llama_cpp_reading
 

@@ -842,18 +842,22 @@ def as_converted(model):
 
 
 def round_as_q8_0_file(model, keep=("mlp.gate.weight", "feed_forward.gate.weight", "shared_expert_gate.weight",
-                                    "block_sparse_moe.router.weight", "mixer.gate.weight"),
+                                    "block_sparse_moe.router.weight", "mixer.gate.weight",
+                                    "feed_forward.router.weight"),
                        split_latent=True) -> None:
     """`model`'s weights (in place) as the Q8_0 file a tiny model's writer makes of it holds them: each matrix of
     whole blocks a row in Q8_0 but those named ending in `keep` (routers, gates: F32); DeepSeek's kv_b_proj as the
     converter splits it (k's rows per head transposed, so in blocks along them; v's as they are) unless not
-    `split_latent` (the files of 2024)."""
+    `split_latent` (the files of 2024); Llama 4's experts, which it holds transposed, in blocks along their hidden
+    and inner sizes as the converter's transposed tensors are."""
     import torch
 
     config = model.config.get_text_config()
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            if name.endswith("kv_b_proj.weight") and split_latent:
+            if config.model_type == "llama4_text" and name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+                parameter.copy_(q8_0_rounded(parameter.transpose(1, 2)).transpose(1, 2))
+            elif name.endswith("kv_b_proj.weight") and split_latent:
                 heads = parameter.view(config.num_attention_heads, -1, parameter.shape[-1])
                 k, v = heads.split([config.qk_nope_head_dim, config.v_head_dim], dim=1)
                 k.copy_(q8_0_rounded(k.transpose(1, 2)).transpose(1, 2))

@@ -857,6 +857,45 @@ def test_a_granitehybrid_file_whose_attention_rotates_is_refused_in_one_line(tmp
     assert "\n" not in str(raised.value)
 
 
+def test_a_llama4_file_runs_within_its_first_chunk_and_dequantized_as_in_its_blocks(tmp_path, capsys):
+    # Llama 4's chunked layers and its rotary-free layers' query temperature compute plain causal attention before
+    # the first chunk's last position (8191), where the file runs (Scout's 10M-position context notwithstanding: a
+    # longer prompt refused in one line, not cut); --dequantize (transformers' own model, its experts transposed)
+    # computes the file's weights, its llama3 rotary from rope_freqs, which transformers' reading of the keys leaves
+    # out, and shows no report of that tensor.
+    import tiny_models
+    from helpers import round_as_q8_0_file
+    from transformers import AutoModelForCausalLM
+
+    checkpoint = tiny_models.llama4_checkpoint(str(tmp_path))
+    path = tiny_models.write_llama4_gguf(checkpoint, str(tmp_path / "scout.gguf"), "Q8_0")
+    assert load(path, device=torch.device("cpu")).context == 8191
+    code, line = error_of(["--model_name_or_path", path, "--prompt", "a b " * 4096, "--length", "2"], capsys)
+    assert code == 2 and line.endswith("prompt is 8193 tokens; the model's context is 8191"), line
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    round_as_q8_0_file(reference)
+    capsys.readouterr()
+    dequantized = load(path, device=torch.device("cpu"), dequantize=True).model
+    assert type(dequantized.model.layers[1].feed_forward).__name__ == "Llama4TextMoe"
+    ids = torch.arange(3, 43)[None] * 7
+    with torch.no_grad():
+        torch.testing.assert_close(dequantized(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-5)
+    assert "rope_freqs" not in capsys.readouterr().err
+
+
+def test_a_llama4_file_without_chunks_or_experts_is_refused_in_one_line(tmp_path):
+    # llama.cpp's converter writes attention.sliding_window 0 for a Llama 4 config whose layers are all full
+    # (MobileLLM-R1's, without experts too): not Llama 4's chunks and rotary-free layers, refused, not computed as
+    # Scout's.
+    import tiny_models
+
+    checkpoint = tiny_models.llama4_checkpoint(str(tmp_path))
+    path = tiny_models.write_llama4_gguf(checkpoint, str(tmp_path / "full.gguf"), window=0)
+    with pytest.raises(GGUFError, match=r"a sliding window of 0 \(attention.sliding_window\)") as raised:
+        GGUFHeader(path)
+    assert "\n" not in str(raised.value)
+
+
 def test_a_falcon_h1_file_with_its_multipliers_in_keys_is_refused_in_one_line(tmp_path, capsys):
     # TII's llama.cpp fork wrote Falcon-H1's files with the weights as trained and their multipliers in keys, which
     # llama.cpp's converter now multiplies into the weights (the multipliers this tool then takes as 1): such a file
@@ -1202,6 +1241,9 @@ CHECKPOINT_FILES = {
                     stack=dict(head_dim=32)),
     "qwen3vlmoe": dict(files=("qwen3vlmoe_checkpoint", "write_qwen_vl_gguf"), model="Qwen3MoeForCausalLM",
                        stack=dict(head_dim=32)),
+    # Llama 4's (Scout's rotary and q/k norms, Maverick's interleave of dense and mixture layers): transformers' layers
+    # over the blocks, its mixtures' experts in them.
+    "llama4": dict(files=("llama4_checkpoint", "write_llama4_gguf"), model="Llama4ForCausalLM"),
     # Qwen2.5-VL's (and Qwen2-VL's) text model: Qwen2's under the qwen2vl architecture (its MRoPE over a text
     # prompt's positions: Qwen2's rotary), q/k/v biases and all.
     "qwen2vl": dict(files=("qwen2vl_checkpoint", "write_qwen_vl_gguf"), model="Qwen2ForCausalLM",

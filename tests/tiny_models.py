@@ -2168,6 +2168,79 @@ def write_olmoe_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str
     return write_out(writer, path)
 
 
+def llama4_checkpoint(out_dir: str) -> str:
+    """A tiny random Llama 4 checkpoint (Llama4ForCausalLM: Llama-4-Scout's and Maverick's text model) in `out_dir`:
+    64 wide, 4 layers of 4 heads of 32 over 2, every fourth layer without rotary (full attention, its queries'
+    temperature tuning), the others' rotary llama3-scaled as Scout's (factor 16, low and high frequency factors 1,
+    original context 8192: a step, no ramp) and their q and k L2-normalized after it; Maverick's interleave (a dense
+    MLP of 128, then a mixture: 4 experts of 32, 1 a token, its input scaled by the sigmoid of its logit, beside a
+    shared expert); Scout's context (10M positions), chunks of 8192; untied. Its norms drawn; a byte-level BPE
+    vocabulary."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    tokenizer = tiny_gpt2_tokenizer(out_dir)
+    config = Llama4TextConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=32, intermediate_size_mlp=128,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        max_position_embeddings=10485760, rms_norm_eps=1e-5, num_local_experts=4, num_experts_per_tok=1,
+        interleave_moe_layer_step=2, use_qk_norm=True, attention_chunk_size=8192, initializer_range=0.15,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 1.0, "original_max_position_embeddings": 8192},
+        tie_word_embeddings=False, pad_token_id=None, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id)
+    return save_tiny(out_dir, "llama4", Llama4ForCausalLM, config, tokenizer, drawn_norms(1))
+
+
+def write_llama4_gguf(checkpoint: str, path: str, qtype_name: str = "F32", window: int | None = None) -> str:
+    """The GGUF file llama.cpp's converter (conversion/llama.py's Llama4Model, a LlamaModel that permutes nothing)
+    writes of a Llama 4 checkpoint's text model: llama's keys with the dense MLP's width as feed_forward_length and
+    the experts' as expert_feed_forward_length, the interleave, q and k as the checkpoint holds them (its rotary turns
+    pairs, as llama.cpp's does), the llama3 rotary as rope_freqs; each mixture's gate_up_proj [experts, hidden, gate;
+    up] split and transposed into ffn_gate_exps and ffn_up_exps, its down_proj transposed; matrices in Q8_0 where
+    asked, the router and norms F32; a byte-level BPE vocabulary (tokenizer.ggml.pre llama4). `window`: the
+    attention.sliding_window the converter writes (0) where the config's layers are all full (MobileLLM-R1's)."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        config = json.load(f)
+    rope, layers = config["rope_parameters"], config["num_hidden_layers"]
+    arch = gguf.MODEL_ARCH.LLAMA4
+    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
+    add_text_shape(writer, {**config, "intermediate_size": config["intermediate_size_mlp"]})
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_expert_count(config["num_local_experts"])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_file_type({"F32": 0, "Q8_0": 7}[qtype_name])
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_rope_dimension_count(config["head_dim"])
+    writer.add_interleave_moe_layer_step(config["interleave_moe_layer_step"])
+    writer.add_expert_feed_forward_length(config["intermediate_size"])
+    if window is not None:
+        writer.add_sliding_window(window)
+    add_bpe_vocabulary(writer, checkpoint, "llama4")
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    add, names = converter_adder(writer, qtype_name), gguf.get_tensor_name_map(arch, layers)
+    add("rope_freqs.weight", llama3_factors(rope, config["head_dim"]))
+    for hf_name, tensor in load_file(os.path.join(checkpoint, "model.safetensors")).items():
+        values = tensor.float().numpy()
+        if hf_name.endswith(".experts.gate_up_proj"):  # [experts, hidden, gate; up]
+            prefix = names.get_name(hf_name.replace("gate_up_proj", "gate_proj")).replace("_gate_exps", "")
+            gate, up = np.split(values.transpose(0, 2, 1), 2, axis=1)
+            add(f"{prefix}_gate_exps.weight", gate)
+            add(f"{prefix}_up_exps.weight", up)
+        elif hf_name.endswith(".experts.down_proj"):  # [experts, inner, hidden]
+            add(names.get_name(hf_name) + ".weight", values.transpose(0, 2, 1))
+        else:
+            base, _, suffix = hf_name.rpartition(".")
+            add(names.get_name(base) + "." + suffix, values)
+    return write_out(writer, path)
+
+
 def afmoe_checkpoint(out_dir: str) -> str:
     """A tiny random AFMoE checkpoint (AfmoeForCausalLM: Arcee's Trinity models) in `out_dir`: Trinity-Mini's layout 64
     wide, 4 layers (three sliding over a window of 4 with rotary, the fourth full without), 4 heads of 32 over 2 (wider

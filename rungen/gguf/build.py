@@ -37,6 +37,7 @@ from .file import GGUFHeader, read_as_their_likes, unsupported_message
 from .granite_steps import granite_steps
 from .held_tensors import HeldTensors
 from .latent_attention import absorb_latents
+from .llama4 import llama4_lookup, llama4_mixtures
 from .native_steps import GpuKernelHints, steps_natively
 from .table import first_line
 from .weights import FLOAT_TYPES, GGUFError, WeightReader, as_torch, check_shape, split_hint
@@ -75,6 +76,7 @@ class ModelBuild:
         # Parameters on meta; buffers real: rotary inv_freq and the like are computed in __init__, not in the file.
         with init_empty_weights(include_buffers=False), no_init_weights():
             model = self.model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        llama4_mixtures(model)  # (Llama 4's experts as the blocks take them)
         self.processor = tensor_processor(header.architecture, config)
         self.converted = isinstance(self.processor, Conversion)
         names = self.names = header.weights_map(model, self.processor)
@@ -246,6 +248,7 @@ class ModelBuild:
                 model.set_submodule(module_name, layer)
             layers.clear()
             _tie_head(model, self.config)
+            llama4_lookup(model)
             model = _finish_built(self.header, model, self.names, self.device)
             return model if self.quantize is None else self.quantizing.finish(self.header.path)
 
@@ -256,6 +259,7 @@ class ModelBuild:
         for module_name, bias in self.biases.items():
             model.get_submodule(module_name).bias = torch.nn.Parameter(bias, requires_grad=False)
         _tie_head(model, self.config)
+        llama4_lookup(model)
         layers.clear()  # the model holds them now: fused layer by layer, each layer's parts are freed as it goes
         route_rows_alike(model)
         mixtures_in_one_call(model)

@@ -172,7 +172,23 @@ LLAMA3_ROPE = (1.0, 4.0, 8192)
 # Qwen's long-context settings) and transformers' reading drops (mistral3's, olmo2's and gpt-oss's own readings
 # take theirs; gemma3's, phi3's are the families' rows').
 SCALED_ROTARIES = ("llama", "smollm3", "granite", "ernie4_5", "qwen2", "qwen2vl", "qwen3", "qwen2moe", "qwen3moe",
-                   "qwen3vl", "qwen3vlmoe", "exaone4", "arcee", "seed_oss", "apertus")
+                   "qwen3vl", "qwen3vlmoe", "exaone4", "arcee", "seed_oss", "apertus", "llama4")
+
+
+def complete_converted(path: str, config) -> None:
+    """What the config (a PretrainedConfig) of an architecture transformers reads by a conversion table (OWN_TABLES':
+    from the keys alone, without complete_config) needs from the file's tensors: its scaled rotary (Llama 4's
+    rope_freqs); nothing for other architectures."""
+    from transformers.integrations.gguf.reader import read_gguf_metadata
+
+    from .conversions import converted
+
+    metadata, tensors = read_gguf_metadata(path)
+    arch = metadata["general.architecture"]
+    if converted(arch) and arch in SCALED_ROTARIES:
+        fields = {"rope_parameters": config.rope_parameters}
+        _scaled_rope(path, arch, metadata, fields, tensors)
+        config.rope_parameters = fields["rope_parameters"]
 
 
 def _scaled_rope(path: str, arch: str, metadata: dict, config: dict, tensors) -> None:
@@ -211,7 +227,7 @@ def _llama3_rope(path: str, arch: str, metadata: dict, config: dict) -> None:
                         f"heads of {dim} has {dim // 2} float32 factors")
     factor = float(factors.max())
     wavelengths = 2 * np.pi * theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
-    candidates = [LLAMA3_ROPE]
+    candidates = [LLAMA3_ROPE, (1.0, 1.0, LLAMA3_ROPE[2])]  # (Llama 4 Scout's: a step at the original context)
     medium = (factors > 1) & (factors < factor)
     if medium.sum() >= 2:  # the smooth ramp between: 1 / factor_i = (1 - s_i) / factor + s_i, s_i linear in 1 / wl_i
         smooth = (1 / factors[medium] - 1 / factor) / (1 - 1 / factor)
@@ -229,9 +245,10 @@ def _llama3_rope(path: str, arch: str, metadata: dict, config: dict) -> None:
 
 def _llama3_factors(wavelengths: np.ndarray, factor: float, low: float, high: float, old: float) -> np.ndarray:
     """The frequency factors llama.cpp's converter writes of a llama3 rotary (LlamaModel.generate_extra_tensors)."""
-    smooth = (old / wavelengths - low) / (high - low)
-    return np.where(wavelengths < old / high, 1.0, np.where(wavelengths > old / low, factor,
-                                                            1 / ((1 - smooth) / factor + smooth)))
+    with np.errstate(divide="ignore", invalid="ignore"):  # (low == high: a step, no ramp between)
+        smooth = (old / wavelengths - low) / (high - low)
+        return np.where(wavelengths < old / high, 1.0, np.where(wavelengths > old / low, factor,
+                                                                1 / ((1 - smooth) / factor + smooth)))
 
 
 def _layer_types(pattern, layers: int, every: int = 4) -> list[str]:

@@ -485,6 +485,76 @@ def _afmoe(config) -> list:
         *_joined_experts("mlp")]
 
 
+# Llama 4's chunked attention (each position sees its chunk's earlier ones) and its rotary-free layers' query
+# temperature (1 + attn_scale * log(1 + floor((position + 1) / floor_scale))): llama.cpp's constants (no key holds
+# them). Below the chunk's last position both are plain causal attention, what the engine's batches hold.
+LLAMA4_CHUNK, LLAMA4_NO_ROPE_STEP = 8192, 4
+
+
+def _llama4_config(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
+    """Llama 4's config (Llama-4-Scout-17B-16E, Llama-4-Maverick-17B-128E: Llama4ForCausalLM): llama's keys, the
+    dense layers' MLP as feed_forward_length and the experts' width as expert_feed_forward_length, every
+    interleave_moe_layer_step-th layer a mixture (a sigmoid-scored expert a token beside a shared one), every fourth
+    layer without rotary, the others' q and k L2-normalized after it unless the file has 128 experts (Maverick's: as
+    llama.cpp decides, no key says). Its layers attend as full ones, without temperature: what its chunked layers and
+    temperature compute before the first chunk's last position, the context it runs in (loading.model_context: past
+    it the engine's padded batch and slots would hold chunks). A file without experts (MobileLLM's, which llama.cpp refuses
+    too) or with a sliding window key (not Llama 4's chunks) is refused."""
+    key = lambda name, default=None: metadata.get(f"llama4.{name}", default)  # noqa: E731
+    experts, layers, heads = key("expert_count", 0), key("block_count"), key("attention.head_count")
+    if not experts:
+        raise ValueError("it has no experts (expert_count), which Llama 4's layers have (llama.cpp refuses it too)")
+    if key("attention.sliding_window") is not None:
+        raise ValueError(f"its attention has a sliding window of {key('attention.sliding_window')} "
+                         "(attention.sliding_window), where Llama 4's layers attend in chunks")
+    step = key("interleave_moe_layer_step", 1)
+    return {
+        "model_type": "llama4_text", "architectures": ["Llama4ForCausalLM"],
+        "max_position_embeddings": key("context_length"), "hidden_size": key("embedding_length"),
+        "intermediate_size": key("expert_feed_forward_length"), "intermediate_size_mlp": key("feed_forward_length"),
+        "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": key("attention.head_count_kv", heads),
+        "head_dim": key("attention.key_length", key("embedding_length") // heads),
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
+        "rope_parameters": {"rope_type": "default", "rope_theta": key("rope.freq_base", 5e5)},
+        "num_local_experts": experts, "num_experts_per_tok": key("expert_used_count"),
+        "interleave_moe_layer_step": step, "moe_layers": list(range(step - 1, layers, step)),
+        "use_qk_norm": experts != 128, "no_rope_layer_interval": LLAMA4_NO_ROPE_STEP,
+        "no_rope_layers": [int((layer + 1) % LLAMA4_NO_ROPE_STEP != 0) for layer in range(layers)],
+        "layer_types": ["full_attention"] * layers, "attention_chunk_size": LLAMA4_CHUNK,
+        "attn_temperature_tuning": False, "attention_bias": any(name.endswith(".attn_q.bias") for name in tensor_names),
+        **_vocabulary(metadata, tensor_names),
+    }
+
+
+def _llama4(config) -> list:
+    """Llama 4's tensors: llama's names (q and k as the checkpoint holds them: its rotary turns pairs, as llama.cpp's
+    does, and the converter permutes none), the dense layers' MLP, a mixture's router (ffn_gate_inp), shared expert
+    and experts (ffn_gate_exps and ffn_up_exps joined into gate_up_proj, gate rows first, as llama4.py's form holds
+    them; transposed for transformers' own model, whose Llama4TextExperts hold them so: --dequantize's)."""
+    from transformers.core_model_loading import Transpose, WeightConverter, WeightRenaming
+    from transformers.integrations.gguf.gguf_conversion_mapping import ConcatenateRows
+
+    transposed = Transpose(1, 2)
+    return [
+        *_trunk(),
+        WeightRenaming(r"\.attn_norm\.", ".input_layernorm."),
+        WeightRenaming(r"\.ffn_norm\.", ".post_attention_layernorm."),
+        *_llama_attention(),
+        WeightRenaming(r"\.ffn_gate\.", ".feed_forward.gate_proj."),
+        WeightRenaming(r"\.ffn_up\.", ".feed_forward.up_proj."),
+        WeightRenaming(r"\.ffn_down\.", ".feed_forward.down_proj."),
+        WeightRenaming(r"\.ffn_gate_inp\.", ".feed_forward.router."),
+        WeightRenaming(r"\.ffn_gate_shexp\.", ".feed_forward.shared_expert.gate_proj."),
+        WeightRenaming(r"\.ffn_up_shexp\.", ".feed_forward.shared_expert.up_proj."),
+        WeightRenaming(r"\.ffn_down_shexp\.", ".feed_forward.shared_expert.down_proj."),
+        WeightConverter(source_patterns=[r"\.ffn_down_exps\.weight"], target_patterns=".feed_forward.experts.down_proj",
+                        operations=[transposed]),
+        WeightConverter(source_patterns=[r"\.ffn_gate_exps\.weight", r"\.ffn_up_exps\.weight"],
+                        target_patterns=".feed_forward.experts.gate_up_proj",
+                        operations=[ConcatenateRows(dim=1), transposed])]
+
+
 def _qwen3next_config(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
     """Qwen3-Next's config (Qwen3-Next-80B-A3B: qwen3next) as Qwen3.5's mixture's (Qwen3_5MoeTextConfig, whose model
     computes Qwen3-Next's: the same Gated DeltaNet, gated attention and experts, its fused projections split as
@@ -571,7 +641,7 @@ OWN_TABLES = {"lfm2moe": (_lfm2moe_config, _lfm2moe), "granitehybrid": (_granite
               "granitemoe": (_granitemoe_config, _granite), "nemotron_h": (_nemotron_h_config, _nemotron_h),
               "nemotron_h_moe": (_nemotron_h_moe_config, _nemotron_h), "qwen3next": (_qwen3next_config, _qwen3next),
               "falcon-h1": (_falcon_h1_config, _falcon_h1), "afmoe": (_afmoe_config, _afmoe),
-              "olmoe": (_olmoe_config, _olmoe)}
+              "olmoe": (_olmoe_config, _olmoe), "llama4": (_llama4_config, _llama4)}
 
 
 def teach_own_tables() -> None:

@@ -26,7 +26,7 @@ import torch
 
 from .. import NOTICE
 from .blocks import SUPPORTED
-from .configs import complete_config
+from .configs import complete_config, complete_converted
 from .conversions import Conversion, teach_own_tables
 from .families import FAMILIES, READ_AS, WITH_EXPERTS
 from .splits import GPT2_SPLITS, pre_tokenizer, sentencepiece_text
@@ -36,7 +36,7 @@ from .weights import FLOAT_TYPES, GGUFError, with_experts_stacked, with_gate_up_
 logger = logging.getLogger("run_generation")
 
 # Bump when what the header cache holds changes meaning (transformers' version is part of the key too).
-HEADER_CACHE_VERSION = 14
+HEADER_CACHE_VERSION = 15
 
 
 @contextlib.contextmanager
@@ -515,6 +515,7 @@ class GGUFHeader:
             with metadata_parsed_once(weights=False):
                 config = AutoConfig.from_pretrained(directory, gguf_file=file)
                 tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=file)
+            complete_converted(self.path, config)
             llama_cpp_reading(self.path, tokenizer, config)
         except GGUFError:
             raise
