@@ -863,9 +863,10 @@ def test_a_llama4_file_runs_within_its_first_chunk_and_dequantized_as_in_its_blo
     # longer prompt refused in one line, not cut); --dequantize (transformers' own model, its experts transposed)
     # computes the file's weights, its llama3 rotary from rope_freqs, which transformers' reading of the keys leaves
     # out, and shows no report of that tensor.
+    from transformers import AutoModelForCausalLM
+
     import tiny_models
     from helpers import round_as_q8_0_file
-    from transformers import AutoModelForCausalLM
 
     checkpoint = tiny_models.llama4_checkpoint(str(tmp_path))
     path = tiny_models.write_llama4_gguf(checkpoint, str(tmp_path / "scout.gguf"), "Q8_0")

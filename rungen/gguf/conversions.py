@@ -498,8 +498,8 @@ def _llama4_config(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
     layer without rotary, the others' q and k L2-normalized after it unless the file has 128 experts (Maverick's: as
     llama.cpp decides, no key says). Its layers attend as full ones, without temperature: what its chunked layers and
     temperature compute before the first chunk's last position, the context it runs in (loading.model_context: past
-    it the engine's padded batch and slots would hold chunks). A file without experts (MobileLLM's, which llama.cpp refuses
-    too) or with a sliding window key (not Llama 4's chunks) is refused."""
+    it the engine's padded batch and slots would hold chunks). A file without experts (MobileLLM's, which llama.cpp
+    refuses too) or with a sliding window key (not Llama 4's chunks) is refused."""
     key = lambda name, default=None: metadata.get(f"llama4.{name}", default)  # noqa: E731
     experts, layers, heads = key("expert_count", 0), key("block_count"), key("attention.head_count")
     if not experts:
@@ -522,7 +522,8 @@ def _llama4_config(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
         "use_qk_norm": experts != 128, "no_rope_layer_interval": LLAMA4_NO_ROPE_STEP,
         "no_rope_layers": [int((layer + 1) % LLAMA4_NO_ROPE_STEP != 0) for layer in range(layers)],
         "layer_types": ["full_attention"] * layers, "attention_chunk_size": LLAMA4_CHUNK,
-        "attn_temperature_tuning": False, "attention_bias": any(name.endswith(".attn_q.bias") for name in tensor_names),
+        "attn_temperature_tuning": False,
+        "attention_bias": any(name.endswith(".attn_q.bias") for name in tensor_names),
         **_vocabulary(metadata, tensor_names),
     }
 
@@ -548,8 +549,8 @@ def _llama4(config) -> list:
         WeightRenaming(r"\.ffn_gate_shexp\.", ".feed_forward.shared_expert.gate_proj."),
         WeightRenaming(r"\.ffn_up_shexp\.", ".feed_forward.shared_expert.up_proj."),
         WeightRenaming(r"\.ffn_down_shexp\.", ".feed_forward.shared_expert.down_proj."),
-        WeightConverter(source_patterns=[r"\.ffn_down_exps\.weight"], target_patterns=".feed_forward.experts.down_proj",
-                        operations=[transposed]),
+        WeightConverter(source_patterns=[r"\.ffn_down_exps\.weight"],
+                        target_patterns=".feed_forward.experts.down_proj", operations=[transposed]),
         WeightConverter(source_patterns=[r"\.ffn_gate_exps\.weight", r"\.ffn_up_exps\.weight"],
                         target_patterns=".feed_forward.experts.gate_up_proj",
                         operations=[ConcatenateRows(dim=1), transposed])]
