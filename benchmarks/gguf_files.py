@@ -181,6 +181,13 @@ FAMILIES = {
     "olmoe": dict(arch="olmoe", layers=16, hidden=2048, ffn=1024, heads=16, kv_heads=16, head_dim=128,
                   rope_base=10000.0, eps=1e-5, tied=False, qk_norm="all heads", experts=64, experts_used=8,
                   expert_ffn=1024),
+    # Llama-4-Scout-17B-16E: 48 layers 5120 wide (40 heads of 128 over 8; every fourth without rotary, the others'
+    # q and k L2-normalized), each MLP 16 experts of 8192 (1 a token, by its sigmoid score, which scales its input)
+    # beside a shared one of 8192; Scout's llama3 rotary (a step at 8192, factor 16) as rope_freqs; untied; 61 GB in
+    # Q4_0, so --layers writes fewer of its layers.
+    "llama4": dict(arch="llama4", layers=48, hidden=5120, ffn=16384, heads=40, kv_heads=8, head_dim=128,
+                   rope_base=500000.0, eps=1e-5, tied=False, experts=16, experts_used=1, expert_ffn=8192,
+                   shared_ffn=8192, interleave=1, context=10485760),
     # Mixtral-8x7B: llama's file with experts (8 of 14336 a layer, 2 a token: feed_forward_length is the experts'),
     # 26 GB in Q4_0.
     "mixtral": dict(arch="llama", layers=32, hidden=4096, ffn=14336, heads=32, kv_heads=8, head_dim=128,
@@ -601,6 +608,8 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
             writer.add_leading_dense_block_count(shape["dense_first"])
             writer.add_expert_weights_norm(True)
             writer.add_expert_weights_scale(shape["afmoe_router"])
+        elif "interleave" in shape:  # (Llama 4's: every interleave-th layer a mixture, its shared expert uncounted)
+            writer.add_interleave_moe_layer_step(shape["interleave"])
         elif "shared_ffn" in shape:  # (Qwen3.5-MoE's, Granite 4.0 H's)
             writer.add_expert_shared_feed_forward_length(shape["shared_ffn"])
     for key, value in shape.get("scales", {}).items():
@@ -620,6 +629,9 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
     q_rows, kv_rows = shape["heads"] * hd, shape["kv_heads"] * hd
     small = 0.002 if qtype == Q.Q4_0 else 0.0002
     blocks("token_embd.weight", vocab, hidden, qtype, small * 5)
+    if arch == "llama4":  # (Scout's llama3 rotary, a step: the slow frequencies, past 8192 positions a turn, / 16)
+        wavelengths = 2 * np.pi * shape["rope_base"] ** (np.arange(0, hd, 2) / hd)
+        writer.add_tensor("rope_freqs.weight", np.where(wavelengths > 8192, 16.0, 1.0).astype(np.float32))
     for layer in range(shape["layers"]):
         # (gemma's norms multiply by 1 + weight, which its converter stores: ones here too)
         norms = ("attn_norm", "post_attention_norm") if arch == "gpt-oss" else ("attn_norm", "ffn_norm") + (
@@ -637,7 +649,8 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
             norms = ("attn_norm", "post_attention_norm")
         if "mla" in shape:  # (and the latent's)
             writer.add_tensor(f"blk.{layer}.attn_kv_a_norm.weight", np.ones(shape["mla"][0], dtype=np.float32))
-        dense = "experts" not in shape or layer < shape.get("dense_first", 0) or (nemotron and kinds[layer] != "E")
+        dense = "experts" not in shape or layer < shape.get("dense_first", 0) or (nemotron and kinds[layer] != "E") \
+            or (layer + 1) % shape.get("interleave", 1) != 0
         for norm in norms:
             writer.add_tensor(f"blk.{layer}.{norm}.weight", np.ones(hidden, dtype=np.float32))
         if shape.get("qk_norm") == "all heads":  # (OLMo 2's: over all of q's and k's heads)
@@ -726,7 +739,7 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
             if "shared_ffn" in shape:  # (Qwen3.5-MoE's shared expert and its gate, float32 as its converter writes it;
                 # GLM-4.5's without a gate)
                 shared = shape["shared_ffn"]
-                if not {"sigmoid_router", "mla", "ernie_router", "mamba", "afmoe_router"} & shape.keys():
+                if not {"sigmoid_router", "mla", "ernie_router", "mamba", "afmoe_router", "interleave"} & shape.keys():
                     writer.add_tensor(f"blk.{layer}.ffn_gate_inp_shexp.weight",
                                       rng.normal(0, 0.02, (1, hidden)).astype(np.float32))
                 for part, rows, cols in (("ffn_gate_shexp", shared, hidden), ("ffn_up_shexp", shared, hidden),

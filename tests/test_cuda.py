@@ -185,13 +185,15 @@ def test_a_recurrent_gguf_files_greedy_equals_eager_generate_on_the_gpu(architec
 @needs_cuda  # (on the CPU, the files' own blocks: tests/test_gguf_loading.py)
 @pytest.mark.skipif(PLAYED, reason="the tool's experts where Triton's int8 kernel is not: transformers' own, which "
                     "count a GPU's tokens with an integer histogram the CPU playing one lacks")
-@pytest.mark.parametrize("architecture", ["glm4moe", "deepseek", "granitehybrid", "nemotron_h_moe", "afmoe"])
+@pytest.mark.parametrize("architecture", ["glm4moe", "deepseek", "granitehybrid", "nemotron_h_moe", "afmoe",
+                                          "llama4"])
 def test_a_mixture_of_our_own_reading_greedy_equals_its_checkpoint_on_the_gpu(architecture, tmp_path):
     """GLM-4.5's mixture (glm4moe: its own keys, the sigmoid router's score correction, the multi-token prediction
     block left unread), DeepSeek-V3's (deepseek2: its latent attention's kv_b joined from the converter's halves),
     Granite 4.0 H's (granitehybrid: Mamba-2 layers, the shared MLP beside the experts), Nemotron 3's (experts of
-    up and down alone, by relu^2) and AFMoE's (its gated attention, sliding layers, the expert bias) on the device,
-    their experts in codes, against the checkpoint with the weights the Q8_0 file holds (the router's F32)."""
+    up and down alone, by relu^2), AFMoE's (its gated attention, sliding layers, the expert bias) and Llama 4's (its
+    experts' input scaled by their scores, the rotary-free layers) on the device, their experts in codes, against the
+    checkpoint with the weights the Q8_0 file holds (the router's F32)."""
     from transformers import AutoModelForCausalLM
 
     import tiny_models
@@ -201,7 +203,8 @@ def test_a_mixture_of_our_own_reading_greedy_equals_its_checkpoint_on_the_gpu(ar
     checkpoint = getattr(tiny_models, f"{architecture}_checkpoint")(str(tmp_path))
     write = {"glm4moe": tiny_models.write_glm4moe_gguf, "deepseek": tiny_models.write_deepseek2_gguf,
              "granitehybrid": tiny_models.write_granitehybrid_gguf,
-             "nemotron_h_moe": tiny_models.write_nemotron_h_gguf, "afmoe": tiny_models.write_afmoe_gguf}[architecture]
+             "nemotron_h_moe": tiny_models.write_nemotron_h_gguf, "afmoe": tiny_models.write_afmoe_gguf,
+             "llama4": tiny_models.write_llama4_gguf}[architecture]
     path = write(checkpoint, str(tmp_path / "model.gguf"), "Q8_0")
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     round_as_q8_0_file(model)

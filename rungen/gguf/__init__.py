@@ -18,6 +18,8 @@ Modules, from the ground up:
 - layer_loop.py: the decode step of a model with native steps as one plain loop over its layers' parts (LayerLoop).
 - native_steps.py: transformers' own layers of the families decoder.py does not fuse (gpt-oss, Gemma 4, OLMo,
   OLMoE, Ministral 3, EXAONE 4, GLM-4.5, AFMoE) with their attention, norms and gated MLPs on the native kernels.
+- llama4.py: Llama 4's mixture in the form the blocks take its experts (Llama4Mixture: a token's input scaled by its
+  expert's score before it).
 - latent_attention.py: DeepSeek's attention over its cache of latents without expanding them
   (AbsorbedLatentAttention).
 - delta_steps.py: Qwen3.5's layers with their steps native: a Gated DeltaNet layer's decode step in one native call
@@ -29,8 +31,8 @@ Modules, from the ground up:
   (MambaStep), the attention (NativeGraniteAttention), norms and MLPs.
 - conversions.py: the architectures transformers reads by its own conversion table (Qwen3.5, LFM2) and those of the
   entries of its kind added here (LFM2-MoE, Granite 4.0 H, Granite 3's mixtures, Nemotron-H, Nemotron 3, Qwen3-Next,
-  Falcon-H1, AFMoE, OLMoE) as the build's weights map and processor (Conversion; InputPermuted for a weight whose
-  columns stay in the file's order).
+  Falcon-H1, AFMoE, OLMoE, Llama 4) as the build's weights map and processor (Conversion; InputPermuted for a weight
+  whose columns stay in the file's order).
 - table.py: the file's tensor table (names, types, shapes, offsets), read once a process; why a file is unreadable.
 - configs.py: what the file's metadata says of its model as transformers' config takes it, architecture by
   architecture (complete_config).

@@ -3,14 +3,13 @@ transposed ([experts, hidden, gate; up]) in a module of its own, which the file'
 meta before the file's weights come, Llama4Mixture keeps its router and shared expert and holds the experts as
 transformers' Experts modules do ([experts, gate; up, hidden]: build.py's GGMLExperts then), and computes what
 Llama4TextMoe does, each token's input scaled by its expert's score before that expert. Its model moves the input
-ids to its embedding's weight's device: a quantized embedding's blocks stand for that weight.
+ids to its embedding's weight's device: a quantized embedding's blocks (or codes) stand for that weight.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .blocks import GGMLEmbedding
 from .experts import RowProducts, row_sigmoid
 
 
@@ -57,8 +56,8 @@ def llama4_mixtures(model: torch.nn.Module) -> None:
 
 
 def llama4_lookup(model: torch.nn.Module) -> None:
-    """A Llama 4 model's quantized embedding (GGMLEmbedding) given its blocks as the weight its model reads the
-    device of; nothing for other models."""
+    """A Llama 4 model's embedding without a weight (GGMLEmbedding, a device's codes) given its first tensor (its
+    blocks, its codes) as the weight its model reads the device of; nothing for other models."""
     embedding = model.get_input_embeddings()
-    if type(model).__name__ == "Llama4ForCausalLM" and isinstance(embedding, GGMLEmbedding):
-        embedding.weight = embedding.blocks
+    if type(model).__name__ == "Llama4ForCausalLM" and not hasattr(embedding, "weight"):
+        embedding.weight = next(iter([*embedding.buffers(), *embedding.parameters()]))
