@@ -1243,8 +1243,9 @@ CHECKPOINT_FILES = {
     "qwen3vlmoe": dict(files=("qwen3vlmoe_checkpoint", "write_qwen_vl_gguf"), model="Qwen3MoeForCausalLM",
                        stack=dict(head_dim=32)),
     # Llama 4's (Scout's rotary and q/k norms, Maverick's interleave of dense and mixture layers): transformers' layers
-    # over the blocks, its mixtures' experts in them.
-    "llama4": dict(files=("llama4_checkpoint", "write_llama4_gguf"), model="Llama4ForCausalLM"),
+    # over the blocks, their steps native, its mixtures' experts in them.
+    "llama4": dict(files=("llama4_checkpoint", "write_llama4_gguf"), model="Llama4ForCausalLM",
+                   native=dict(self_attn="NativeLlama4Attention", input_layernorm="NativeRMSNorm")),
     # Qwen2.5-VL's (and Qwen2-VL's) text model: Qwen2's under the qwen2vl architecture (its MRoPE over a text
     # prompt's positions: Qwen2's rotary), q/k/v biases and all.
     "qwen2vl": dict(files=("qwen2vl_checkpoint", "write_qwen_vl_gguf"), model="Qwen2ForCausalLM",

@@ -16,7 +16,8 @@ from .experts import RowProducts, row_sigmoid
 class Llama4Mixture(torch.nn.Module):
     """Llama4TextMoe's forward over an Experts module: the router's top k logits of a token (its logits by
     RowProducts: the same experts alone and in a batch), each one's sigmoid its score, the token's input times that
-    score through the expert, summed, plus the shared expert's output; (output, logits) as the block returns them."""
+    score through the expert, summed, plus the shared expert's output; (output in the input's shape, logits) as the
+    block returns them."""
 
     def __init__(self, block: torch.nn.Module, experts: torch.nn.Module):
         super().__init__()
@@ -34,7 +35,7 @@ class Llama4Mixture(torch.nn.Module):
         out, once = self.shared_expert(x), torch.ones_like(scores[:, :1])
         for k in range(self.top_k):  # (the published models take one expert a token)
             out = out + self.experts(x * scores[:, k : k + 1], chosen[:, k : k + 1], once)
-        return out, logits
+        return out.view(hidden_states.shape), logits
 
 
 def llama4_mixtures(model: torch.nn.Module) -> None:

@@ -26,13 +26,14 @@ NATIVE_ATTENTION = "rungen_attend"
 # The models of transformers' layers over blocks whose small steps this module takes.
 NATIVE_STEPS_MODELS = ("GptOssForCausalLM", "Gemma4ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
                        "Ministral3ForCausalLM", "Exaone4ForCausalLM", "Glm4MoeForCausalLM", "AfmoeForCausalLM",
-                       "OlmoeForCausalLM")
+                       "OlmoeForCausalLM", "Llama4ForCausalLM")
 # Their RMSNorm classes: x / sqrt(mean(x^2) + eps) times the weight (none: 1), in float32.
 NORMS = ("GptOssRMSNorm", "Gemma4RMSNorm", "Olmo2RMSNorm", "Olmo3RMSNorm", "Ministral3RMSNorm", "Exaone4RMSNorm",
-         "Glm4MoeRMSNorm", "AfmoeRMSNorm", "OlmoeRMSNorm")
-# Their dense gated MLPs: down(act(gate(x)) * up(x)) (GLM-4.5's and AFMoE's: their dense layers' and shared
-# experts).
-GATED_MLPS = ("Gemma4TextMLP", "Olmo2MLP", "Olmo3MLP", "Ministral3MLP", "Exaone4MLP", "Glm4MoeMLP", "AfmoeMLP")
+         "Glm4MoeRMSNorm", "AfmoeRMSNorm", "OlmoeRMSNorm", "Llama4TextRMSNorm")
+# Their dense gated MLPs: down(act(gate(x)) * up(x)) (GLM-4.5's, AFMoE's and Llama 4's: their dense layers' and
+# shared experts).
+GATED_MLPS = ("Gemma4TextMLP", "Olmo2MLP", "Olmo3MLP", "Ministral3MLP", "Exaone4MLP", "Glm4MoeMLP", "AfmoeMLP",
+              "Llama4TextMLP")
 # Their attention NativeGemma4Attention computes (the others': JOINED_ATTENTIONS, below).
 GEMMA4_ATTENTIONS = ("Gemma4TextAttention",)
 
@@ -263,11 +264,44 @@ class NativeGraniteAttention(JoinedAttention):
         return self.attended(hidden_states, q, k, v, attention_mask, past_key_values, None)
 
 
+class NativeLlama4Attention(JoinedAttention):
+    """Llama 4's attention (Llama4TextAttention) in a file's reading (no temperature): q, k and v split and, in a layer
+    with rotary, q and k L2-normalized per head where the model says (use_qk_norm) and rotated in one rope_split call.
+    Its rotary turns each pair of a head's values as a complex number, which is rope_split's rotation by halves of
+    the head's values gathered evens first, then odds (q and k gathered alike: their products unchanged; a norm
+    before the turn the same as after it, which keeps each pair's length). A layer without rotary: by cos 1 and sin
+    0, no norm, no gather."""
+
+    def __init__(self, attention: torch.nn.Module, qkv: torch.nn.Module):
+        super().__init__(attention, qkv)
+        dim, rotates = attention.head_dim, bool(attention.use_rope)
+        pairs = torch.cat([torch.arange(0, dim, 2), torch.arange(1, dim, 2)])
+        heads = (self.heads + self.kv_heads) if rotates else 0  # (q's and k's heads, then v's columns as they are)
+        self.order = None if not rotates else torch.cat(
+            [(head * dim + pairs) for head in range(heads)] + [torch.arange(heads * dim, qkv.out_features)])
+        self.norms = rotates and bool(getattr(attention.config, "use_qk_norm", False))
+        self.ones = torch.ones(dim)
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask, past_key_values=None,
+                **kwargs):
+        qkv = self.qkv(hidden_states)
+        if self.order is None:
+            cos, sin = unrotated((qkv.new_ones(*qkv.shape[:-1], self.attention.head_dim),) * 2)
+        else:
+            qkv = qkv.index_select(-1, self.order)
+            freqs = position_embeddings.to(torch.complex64)
+            cos, sin = (torch.cat([part, part], dim=-1).to(qkv.dtype) for part in (freqs.real, freqs.imag))
+        norms = (self.ones, self.ones, self.attention.qk_norm.eps) if self.norms else ()
+        q, k, v = torch.ops.rungen_ggml.rope_split(qkv, cos, sin, self.heads, self.kv_heads, *norms)
+        return self.attended(hidden_states, q, k, v, attention_mask, past_key_values, None)
+
+
 # transformers' attentions whose q, k and v products the native steps join, and the class computing each.
 JOINED_ATTENTIONS = {"GptOssAttention": NativeGptOssAttention, "Olmo2Attention": NativeOlmoAttention,
                      "Olmo3Attention": NativeOlmoAttention, "OlmoeAttention": NativeOlmoAttention,
                      "Ministral3Attention": NativeMinistral3Attention, "Exaone4Attention": NativeExaone4Attention,
-                     "Glm4MoeAttention": NativeGlm4MoeAttention, "AfmoeAttention": NativeAfmoeAttention}
+                     "Glm4MoeAttention": NativeGlm4MoeAttention, "AfmoeAttention": NativeAfmoeAttention,
+                     "Llama4TextAttention": NativeLlama4Attention}
 
 
 class GpuKernelHints(logging.Filter):
