@@ -3,8 +3,8 @@
 their small steps on the native kernels on the CPU: the attention (native_attention, over a cache growing in place;
 q/k/v one product, their rotation (Gemma 4's, EXAONE 4's, GLM-4.5's, AFMoE's and Llama 4's: and per-head norms;
 OLMo's norms over all heads before it) one rope_split call), each RMSNorm one rms_norm call, a gated MLP's gate and
-up one product and its activation one call. The arithmetic is transformers' within float32 rounding (a norm's 1 / sqrt where Gemma 4 takes
-pow(-0.5), sums in another order).
+up one product and its activation one call. The arithmetic is transformers' within float32 rounding (a norm's
+1 / sqrt where Gemma 4 takes pow(-0.5), sums in another order).
 """
 
 from __future__ import annotations
