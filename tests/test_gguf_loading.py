@@ -1242,6 +1242,11 @@ CHECKPOINT_FILES = {
                     stack=dict(head_dim=32)),
     "qwen3vlmoe": dict(files=("qwen3vlmoe_checkpoint", "write_qwen_vl_gguf"), model="Qwen3MoeForCausalLM",
                        stack=dict(head_dim=32)),
+    # MiniMax-M2's (transformers reads its files: q/k norms over all heads, half of each head rotated, experts chosen
+    # by sigmoid scores plus a correction): transformers' layers over the blocks, their steps native, its experts in
+    # them.
+    "minimax-m2": dict(files=("minimax_m2_checkpoint", "write_minimax_m2_gguf"), model="MiniMaxM2ForCausalLM",
+                       native=dict(self_attn="NativeOlmoAttention", input_layernorm="NativeRMSNorm")),
     # Llama 4's (Scout's rotary and q/k norms, Maverick's interleave of dense and mixture layers): transformers' layers
     # over the blocks, their steps native, its mixtures' experts in them.
     "llama4": dict(files=("llama4_checkpoint", "write_llama4_gguf"), model="Llama4ForCausalLM",

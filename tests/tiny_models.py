@@ -2241,6 +2241,75 @@ def write_llama4_gguf(checkpoint: str, path: str, qtype_name: str = "F32", windo
     return write_out(writer, path)
 
 
+def minimax_m2_checkpoint(out_dir: str) -> str:
+    """A tiny random MiniMax-M2 checkpoint (MiniMaxM2ForCausalLM: MiniMax-M2, M2.1, M2.5) in `out_dir`: 64 wide, 2
+    layers of 4 heads of 32 over 2, q and k each normalized over all their heads, half of each head rotated (its
+    rotary_dim 16: the published 64 of 128, scaled), every MLP 8 experts of 32, 2 a token (the sigmoid of their
+    logits, chosen by those plus a correction, normalized); untied. Its norms and correction drawn; a byte-level BPE
+    vocabulary."""
+    from transformers import MiniMaxM2Config, MiniMaxM2ForCausalLM
+
+    tokenizer = tiny_gpt2_tokenizer(out_dir)
+    config = MiniMaxM2Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, rotary_dim=16, max_position_embeddings=512, num_local_experts=8,
+        num_experts_per_tok=2, initializer_range=0.15, tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+
+    def draw(name, tensor):
+        drawn_norms(1)(name, tensor)
+        if name.endswith("e_score_correction_bias"):
+            tensor.normal_(0, 0.5)
+
+    return save_tiny(out_dir, "minimax_m2", MiniMaxM2ForCausalLM, config, tokenizer, draw)
+
+
+def write_minimax_m2_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
+    """The GGUF file llama.cpp's converter (conversion/minimax.py's MiniMaxM2Model, a TextModel) writes of a
+    MiniMax-M2 checkpoint: a text model's keys with the head size, the experts' width and the rotated part of a head
+    (rotary_dim as rope.dimension_count), q and k as the checkpoint holds them with their norms over all heads, each
+    layer's experts (w1, w3, w2: gate, up, down) stacked, the router's correction as exp_probs_b.bias; matrices in
+    Q8_0 where asked, the router, correction and norms F32; a byte-level BPE vocabulary (tokenizer.ggml.pre
+    minimax-m2)."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        config = json.load(f)
+    layers, experts = config["num_hidden_layers"], config["num_local_experts"]
+    arch = gguf.MODEL_ARCH.MINIMAXM2
+    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
+    add_text_shape(writer, config)
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_file_type({"F32": 0, "Q8_0": 7}[qtype_name])
+    writer.add_expert_feed_forward_length(config["intermediate_size"])
+    writer.add_rope_dimension_count(int(config["head_dim"] * config["rope_parameters"]["partial_rotary_factor"]))
+    add_bpe_vocabulary(writer, checkpoint, "minimax-m2")
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    add, names = converter_adder(writer, qtype_name), gguf.get_tensor_name_map(arch, layers)
+    state = load_file(os.path.join(checkpoint, "model.safetensors"))
+    for hf_name, tensor in state.items():
+        base, _, suffix = hf_name.rpartition(".")
+        layer, _, rest = hf_name.partition(".block_sparse_moe.experts.")
+        if rest:
+            if rest.startswith("0."):  # (the first expert's: the part stacked over all)
+                part = rest.split(".")[1]
+                add(names.get_name(f"{layer}.block_sparse_moe.experts.{part}") + ".weight",
+                    np.stack([state[f"{layer}.block_sparse_moe.experts.{expert}.{part}.weight"].float().numpy()
+                              for expert in range(experts)]))
+        elif suffix == "e_score_correction_bias":  # (the converter's e_score_correction.bias)
+            add(names.get_name(f"{base}.e_score_correction") + ".bias", tensor.float().numpy())
+        else:
+            add(names.get_name(base) + "." + suffix, tensor.float().numpy())
+    return write_out(writer, path)
+
+
 def afmoe_checkpoint(out_dir: str) -> str:
     """A tiny random AFMoE checkpoint (AfmoeForCausalLM: Arcee's Trinity models) in `out_dir`: Trinity-Mini's layout 64
     wide, 4 layers (three sliding over a window of 4 with rotary, the fourth full without), 4 heads of 32 over 2 (wider

@@ -1,10 +1,10 @@
 """transformers' own decoder layers over a GGUF file's blocks, for the families FusedDecoderLayer does not take
-(gpt-oss's, Gemma 4's, OLMo 2's and 3's, OLMoE's, Ministral 3's, EXAONE 4's, GLM-4.5's, AFMoE's, Llama 4's), with
-their small steps on the native kernels on the CPU: the attention (native_attention, over a cache growing in place;
-q/k/v one product, their rotation (Gemma 4's, EXAONE 4's, GLM-4.5's, AFMoE's and Llama 4's: and per-head norms;
-OLMo's norms over all heads before it) one rope_split call), each RMSNorm one rms_norm call, a gated MLP's gate and
-up one product and its activation one call. The arithmetic is transformers' within float32 rounding (a norm's
-1 / sqrt where Gemma 4 takes pow(-0.5), sums in another order).
+(gpt-oss's, Gemma 4's, OLMo 2's and 3's, OLMoE's, Ministral 3's, EXAONE 4's, GLM-4.5's, AFMoE's, Llama 4's,
+MiniMax-M2's), with their small steps on the native kernels on the CPU: the attention (native_attention, over a
+cache growing in place; q/k/v one product, their rotation (Gemma 4's, EXAONE 4's, GLM-4.5's, AFMoE's and Llama 4's:
+and per-head norms; OLMo's and MiniMax-M2's norms over all heads before it) one rope_split call), each RMSNorm one
+rms_norm call, a gated MLP's gate and up one product and its activation one call. The arithmetic is transformers'
+within float32 rounding (a norm's 1 / sqrt where Gemma 4 takes pow(-0.5), sums in another order).
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ NATIVE_ATTENTION = "rungen_attend"
 # The models of transformers' layers over blocks whose small steps this module takes.
 NATIVE_STEPS_MODELS = ("GptOssForCausalLM", "Gemma4ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
                        "Ministral3ForCausalLM", "Exaone4ForCausalLM", "Glm4MoeForCausalLM", "AfmoeForCausalLM",
-                       "OlmoeForCausalLM", "Llama4ForCausalLM")
+                       "OlmoeForCausalLM", "Llama4ForCausalLM", "MiniMaxM2ForCausalLM")
 # Their RMSNorm classes: x / sqrt(mean(x^2) + eps) times the weight (none: 1), in float32.
 NORMS = ("GptOssRMSNorm", "Gemma4RMSNorm", "Olmo2RMSNorm", "Olmo3RMSNorm", "Ministral3RMSNorm", "Exaone4RMSNorm",
-         "Glm4MoeRMSNorm", "AfmoeRMSNorm", "OlmoeRMSNorm", "Llama4TextRMSNorm")
+         "Glm4MoeRMSNorm", "AfmoeRMSNorm", "OlmoeRMSNorm", "Llama4TextRMSNorm", "MiniMaxM2RMSNorm")
 # Their dense gated MLPs: down(act(gate(x)) * up(x)) (GLM-4.5's, AFMoE's and Llama 4's: their dense layers' and
 # shared experts).
 GATED_MLPS = ("Gemma4TextMLP", "Olmo2MLP", "Olmo3MLP", "Ministral3MLP", "Exaone4MLP", "Glm4MoeMLP", "AfmoeMLP",
@@ -161,9 +161,10 @@ class NativeGptOssAttention(JoinedAttention):
 
 
 class NativeOlmoAttention(JoinedAttention):
-    """OLMo 2's, 3's and OLMoE's attention (Olmo2Attention, Olmo3Attention, OlmoeAttention): q and k each normalized
-    over all their heads (the module's norms, native by now), then the three split and q and k rotated in one
-    rope_split call; OLMo 3's sliding layers with their window."""
+    """OLMo 2's, 3's, OLMoE's and MiniMax-M2's attention (Olmo2Attention, Olmo3Attention, OlmoeAttention,
+    MiniMaxM2Attention): q and k each normalized over all their heads (the module's norms, native by now), then the
+    three split and q and k rotated in one rope_split call (MiniMax-M2's first half of each head: the model's cos and
+    sin as wide); OLMo 3's sliding layers with their window."""
 
     def __init__(self, attention: torch.nn.Module, qkv: torch.nn.Module):
         super().__init__(attention, qkv)
@@ -301,7 +302,7 @@ JOINED_ATTENTIONS = {"GptOssAttention": NativeGptOssAttention, "Olmo2Attention":
                      "Olmo3Attention": NativeOlmoAttention, "OlmoeAttention": NativeOlmoAttention,
                      "Ministral3Attention": NativeMinistral3Attention, "Exaone4Attention": NativeExaone4Attention,
                      "Glm4MoeAttention": NativeGlm4MoeAttention, "AfmoeAttention": NativeAfmoeAttention,
-                     "Llama4TextAttention": NativeLlama4Attention}
+                     "Llama4TextAttention": NativeLlama4Attention, "MiniMaxM2Attention": NativeOlmoAttention}
 
 
 class GpuKernelHints(logging.Filter):
