@@ -188,6 +188,12 @@ FAMILIES = {
     "llama4": dict(arch="llama4", layers=48, hidden=5120, ffn=16384, heads=40, kv_heads=8, head_dim=128,
                    rope_base=500000.0, eps=1e-5, tied=False, experts=16, experts_used=1, expert_ffn=8192,
                    shared_ffn=8192, interleave=1, context=10485760),
+    # MiniMax-M2 (230B-A10B): 62 layers 3072 wide (48 heads of 128 over 8, q and k normalized over all their heads,
+    # half of each head rotated), each MLP 256 experts of 1536, 8 a token (sigmoid scores with a correction,
+    # normalized); untied; 120 GB in Q4_0, so --layers writes fewer of its layers.
+    "minimax-m2": dict(arch="minimax-m2", layers=62, hidden=3072, ffn=1536, heads=48, kv_heads=8, head_dim=128,
+                       rope_base=5000000.0, eps=1e-6, tied=False, qk_norm="all heads", rotated=64, experts=256,
+                       experts_used=8, expert_ffn=1536, minimax_router=True, context=196608),
     # Mixtral-8x7B: llama's file with experts (8 of 14336 a layer, 2 a token: feed_forward_length is the experts'),
     # 26 GB in Q4_0.
     "mixtral": dict(arch="llama", layers=32, hidden=4096, ffn=14336, heads=32, kv_heads=8, head_dim=128,
@@ -726,7 +732,8 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
             experts, expert_ffn = shape["experts"], shape["expert_ffn"]
             writer.add_tensor(f"blk.{layer}.ffn_gate_inp.weight",
                               rng.normal(0, 0.02, (experts, hidden)).astype(np.float32))
-            if {"sigmoid_router", "expert_bias", "ernie_router", "relu2_experts", "afmoe_router"} & shape.keys():
+            if {"sigmoid_router", "expert_bias", "ernie_router", "relu2_experts", "afmoe_router",
+                    "minimax_router"} & shape.keys():
                 # (its correction)
                 rows = (1, experts) if "ernie_router" in shape else (experts,)  # (ERNIE's as its checkpoint holds it)
                 writer.add_tensor(f"blk.{layer}.exp_probs_b.bias", rng.normal(0, 0.1, rows).astype(np.float32))
