@@ -4,7 +4,8 @@ reply in it (docs/server.md#tool-calling).
 
 - hermes: Qwen2.5 / Hermes, `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one block a call.
 - llama3_json: Llama 3.1-3.3, `{"name": ..., "parameters": {...}}` as the reply (after `<|python_tag|>` at
-  times); one call a reply, as the published template allows.
+  times); one call a reply, as the published template allows. llama4_json: Llama 4's, the same JSON (after
+  `<|python_start|>` at times, as its template renders calls in the history); one call a reply read.
 - mistral: `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]` (Mistral 7B v0.3, Nemo); mistral_args:
   `[TOOL_CALLS]name[ARGS]{...}`, one marker a call (Ministral 3, Magistral, Devstral); mistral_call_id with
   `[CALL_ID]` and a 9-character id before `[ARGS]` (Mistral Small 3.2).
@@ -104,6 +105,8 @@ HERMES = Format("hermes", '<tool_call>\n{"name": "', '", "arguments": ', "}\n</t
                 ("<tool_call>",))
 LLAMA3_JSON = Format("llama3_json", '{"name": "', '", "parameters": ', "}", '{"name"', "",
                      ('{"name"', "<|python_tag|>"), arguments_keys=("parameters", "arguments"), one_call=True)
+# Llama 4's: Llama 3's JSON, in its template's history after <|python_start|><|python_end|>
+LLAMA4_JSON = dataclasses.replace(LLAMA3_JSON, name="llama4_json", markers=('{"name"', "<|python_start|>"))
 MISTRAL = Format("mistral", '{"name": "', '", "arguments": ', "}", "[TOOL_CALLS]", ", ", ("[TOOL_CALLS]",),
                  region=("[TOOL_CALLS] [", "]"))
 MISTRAL_ARGS = Format("mistral_args", "[TOOL_CALLS]", "[ARGS]", "", "[TOOL_CALLS]", "", ("[TOOL_CALLS]",))
@@ -172,14 +175,14 @@ GEMMA = Format("gemma", "<|tool_call>" + tool_gemma.OPEN, "", tool_gemma.CLOSE, 
 GEMMA_TURN_END = "<turn|>\n"  # how Gemma 4's template closes a turn
 GENERIC = Format("generic", '{"tool_call": {"name": "', '", "arguments": ', "}}", '{"tool_call"', "\n",
                  ('{"tool_call"',), native=False)
-FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS, MISTRAL_CALL_ID, QWEN_XML, GLM_XML,
-                                MINIMAX_XML, APRIEL, NEMOTRON, SEED_XML, PYTHONIC, DEEPSEEK_V3_1, DEEPSEEK_R1, KIMI,
-                                COMMAND_R, DSML, DSML_V4, GRANITE, APERTUS, PYTHON_LITERALS,
+FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, LLAMA4_JSON, MISTRAL, MISTRAL_ARGS, MISTRAL_CALL_ID, QWEN_XML,
+                                GLM_XML, MINIMAX_XML, APRIEL, NEMOTRON, SEED_XML, PYTHONIC, DEEPSEEK_V3_1, DEEPSEEK_R1,
+                                KIMI, COMMAND_R, DSML, DSML_V4, GRANITE, APERTUS, PYTHON_LITERALS,
                                 HARMONY, GEMMA, GENERIC)}
 GRAMMAR_STYLES = {"seed_xml": "qwen_xml"}  # xgrammar's style of a format's parameters, where it is not its own name
 # How templates that write calls in an XML not parsed here show it (MiniMax-M3's).
 XML_SIGNS = ("<invoke ",)
-KNOWN = ("Hermes/Qwen JSON <tool_call>, Qwen, Seed-OSS, GLM, MiniMax-M2 and DeepSeek's DSML XML, Llama 3 JSON, "
+KNOWN = ("Hermes/Qwen JSON <tool_call>, Qwen, Seed-OSS, GLM, MiniMax-M2 and DeepSeek's DSML XML, Llama 3 and 4 JSON, "
          "Mistral [TOOL_CALLS], Granite <|tool_call|>, Apertus <|tools_prefix|>, Apriel <tool_calls>, Nemotron "
          "<TOOLCALL>, LFM2's Python calls, DeepSeek V3, R1 and V3.1, Kimi K2, Command R7B/A <|START_ACTION|>, gpt-oss "
          "and Gemma 4")
@@ -239,6 +242,8 @@ def detect_format(chat_template) -> Format | str:
         return HERMES
     if '"parameters": ' in text and ("<|start_header_id|>" in text or "<|python_tag|>" in text):
         return LLAMA3_JSON
+    if '"parameters": ' in text and "<|header_start|>" in text:
+        return LLAMA4_JSON
     if re.search(r"\btools\b", text):
         return f"this model's chat template renders tools in a format not parsed here (it knows {KNOWN})"
     return GENERIC

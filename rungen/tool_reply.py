@@ -143,7 +143,7 @@ def parse_region(fmt, text, start, marker, found, schemas=None):
         position = list_opening(text, start + len(marker))
         if position is None or position == -1:
             return position
-    elif marker in ("<tool_call>", "<|python_tag|>"):
+    elif marker in ("<tool_call>", "<|python_tag|>", "<|python_start|>"):
         position = skip_space(text, start + len(marker))
     else:
         position = start  # the marker is the call's own opening

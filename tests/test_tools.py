@@ -24,6 +24,7 @@ from tiny_models import build_tiny_checkpoint, set_context
 TEMPLATES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_templates")
 # format: (tiny model type, chat template file or None for ChatML)
 MODELS = {"hermes": ("qwen2", "qwen2.5-instruct.jinja"), "llama3_json": ("llama", "llama3.1-instruct.jinja"),
+          "llama4_json": ("llama", "llama-4-scout.jinja"),
           "mistral": ("mistral", "mistral-7b-instruct-v0.3.jinja"),
           "mistral_args": ("mistral", "devstral-small-2507.jinja"),
           "mistral_call_id": ("mistral", "mistral-small-3.2.jinja"), "qwen_xml": ("qwen2", "qwen3.5.jinja"),
@@ -81,6 +82,10 @@ FAMILY_TOKENS = {
                   "<|END_OF_TURN_TOKEN|>"),
     "granite": ({"eos_token": "<|end_of_text|>", "additional_special_tokens": GRANITE_CONTROL}, [], None),
     "apertus": ({"additional_special_tokens": APERTUS_CONTROL}, [], "<|assistant_end|>"),
+    # Llama 4's: its turn and call markers special, <|eot|> its instruct model's EOS
+    "llama4_json": ({"bos_token": "<|begin_of_text|>", "additional_special_tokens": [
+        "<|header_start|>", "<|header_end|>", "<|eot|>", "<|eom|>", "<|python_start|>", "<|python_end|>"]}, [],
+        "<|eot|>"),
 }
 # Apriel 1.5's turn markers, special tokens of its tokenizer.
 APRIEL_CONTROL = ["<|system|>", "<|user|>", "<|assistant|>", "<|tool_result|>", "<|content|>", "<|end|>"]

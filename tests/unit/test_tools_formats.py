@@ -26,6 +26,7 @@ from rungen.tool_formats import (
     HERMES,
     KIMI,
     LLAMA3_JSON,
+    LLAMA4_JSON,
     MINIMAX_XML,
     MISTRAL,
     MISTRAL_ARGS,
@@ -75,6 +76,7 @@ PUBLISHED = {
     "hermes": ('I will look both up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
                '"celsius"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'),
     "llama3_json": '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}',
+    "llama4_json": '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}',
     "mistral": ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
                 '{"name": "get_time", "arguments": {}}]'),
     "generic": ('{"tool_call": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}}\n'
@@ -124,7 +126,8 @@ PUBLISHED = {
                   '"Paris", "unit": "celsius"}},\n    {"tool_call_id": "1", "tool_name": "get_time", "parameters": {}}'
                   "\n]<|END_ACTION|>"),
 }
-FORMATS = {"hermes": HERMES, "llama3_json": LLAMA3_JSON, "mistral": MISTRAL, "generic": GENERIC,
+FORMATS = {"hermes": HERMES, "llama3_json": LLAMA3_JSON, "llama4_json": LLAMA4_JSON, "mistral": MISTRAL,
+           "generic": GENERIC,
            "mistral_args": MISTRAL_ARGS, "mistral_call_id": MISTRAL_CALL_ID, "qwen_xml": QWEN_XML, "glm_xml": GLM_XML,
            "harmony": HARMONY, "gemma": GEMMA, "minimax_xml": MINIMAX_XML,
            "apriel": APRIEL, "nemotron": NEMOTRON, "seed_xml": SEED_XML,
@@ -159,6 +162,7 @@ def streamed(fmt, text, step=1):
 def test_the_format_is_detected_from_the_template():
     assert detect_format(template("qwen2.5-instruct.jinja")) is HERMES
     assert detect_format(template("llama3.1-instruct.jinja")) is LLAMA3_JSON
+    assert detect_format(template("llama-4-scout.jinja")) is LLAMA4_JSON
     assert detect_format(template("mistral-7b-instruct-v0.3.jinja")) is MISTRAL
     assert detect_format(template("devstral-small-2507.jinja")) is MISTRAL_ARGS
     assert detect_format(template("ministral-3-reasoning.jinja")) is MISTRAL_ARGS
@@ -217,6 +221,10 @@ def test_published_replies_parse_whole_and_streamed_alike(name):
 
 def test_llama_python_tag_and_text_that_only_looks_like_a_call():
     content, calls = calls_of(message_of(CallParser(LLAMA3_JSON), '<|python_tag|>{"name": "get_time", '
+                                                                  '"parameters": {}}'))
+    assert content is None and calls == [("get_time", {})]
+    # Llama 4's template renders a turn's calls after <|python_start|> (and <|python_end|>, a special token not kept)
+    content, calls = calls_of(message_of(CallParser(LLAMA4_JSON), '<|python_start|>{"name": "get_time", '
                                                                   '"parameters": {}}'))
     assert content is None and calls == [("get_time", {})]
     for fmt, text in ((HERMES, "Write <tool_call> tags around a call."), (GENERIC, 'JSON such as {"a": 1}.'),
