@@ -614,6 +614,8 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
             writer.add_leading_dense_block_count(shape["dense_first"])
             writer.add_expert_weights_norm(True)
             writer.add_expert_weights_scale(shape["afmoe_router"])
+        elif "minimax_router" in shape:  # (MiniMax-M2's: sigmoid scores, as its config's scoring_func says)
+            writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
         elif "interleave" in shape:  # (Llama 4's: every interleave-th layer a mixture, its shared expert uncounted)
             writer.add_interleave_moe_layer_step(shape["interleave"])
         elif "shared_ffn" in shape:  # (Qwen3.5-MoE's, Granite 4.0 H's)

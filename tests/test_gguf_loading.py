@@ -884,6 +884,24 @@ def test_a_llama4_file_runs_within_its_first_chunk_and_dequantized_as_in_its_blo
     assert "rope_freqs" not in capsys.readouterr().err
 
 
+def test_a_minimax_m2_file_whose_router_is_not_sigmoid_is_refused_in_one_line(tmp_path):
+    # MiniMax-M2's model scores its experts by a sigmoid; a file whose expert_gating_func says softmax would be
+    # computed as another model: refused in one line.
+    import json
+
+    import tiny_models
+
+    checkpoint = tiny_models.minimax_m2_checkpoint(str(tmp_path))
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(checkpoint, "config.json"), "w") as f:
+        json.dump({**config, "scoring_func": "softmax"}, f)
+    path = tiny_models.write_minimax_m2_gguf(checkpoint, str(tmp_path / "softmax.gguf"))
+    with pytest.raises(GGUFError, match=r"its router's gating function 1 \(minimax-m2.expert_gating_func\)") as raised:
+        GGUFHeader(path)
+    assert "\n" not in str(raised.value)
+
+
 def test_a_llama4_file_without_chunks_or_experts_is_refused_in_one_line(tmp_path):
     # llama.cpp's converter writes attention.sliding_window 0 for a Llama 4 config whose layers are all full
     # (MobileLLM-R1's, without experts too): not Llama 4's chunks and rotary-free layers, refused, not computed as

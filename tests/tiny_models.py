@@ -2245,8 +2245,8 @@ def minimax_m2_checkpoint(out_dir: str) -> str:
     """A tiny random MiniMax-M2 checkpoint (MiniMaxM2ForCausalLM: MiniMax-M2, M2.1, M2.5) in `out_dir`: 64 wide, 2
     layers of 4 heads of 32 over 2, q and k each normalized over all their heads, half of each head rotated (its
     rotary_dim 16: the published 64 of 128, scaled), every MLP 8 experts of 32, 2 a token (the sigmoid of their
-    logits, chosen by those plus a correction, normalized); untied. Its norms and correction drawn; a byte-level BPE
-    vocabulary."""
+    logits, chosen by those plus a correction, normalized: its config's scoring_func sigmoid, as published); untied.
+    Its norms and correction drawn; a byte-level BPE vocabulary."""
     from transformers import MiniMaxM2Config, MiniMaxM2ForCausalLM
 
     tokenizer = tiny_gpt2_tokenizer(out_dir)
@@ -2254,7 +2254,7 @@ def minimax_m2_checkpoint(out_dir: str) -> str:
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, rotary_dim=16, max_position_embeddings=512, num_local_experts=8,
         num_experts_per_tok=2, initializer_range=0.15, tie_word_embeddings=False,
-        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id, scoring_func="sigmoid")
 
     def draw(name, tensor):
         drawn_norms(1)(name, tensor)
@@ -2267,10 +2267,10 @@ def minimax_m2_checkpoint(out_dir: str) -> str:
 def write_minimax_m2_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
     """The GGUF file llama.cpp's converter (conversion/minimax.py's MiniMaxM2Model, a TextModel) writes of a
     MiniMax-M2 checkpoint: a text model's keys with the head size, the experts' width and the rotated part of a head
-    (rotary_dim as rope.dimension_count), q and k as the checkpoint holds them with their norms over all heads, each
-    layer's experts (w1, w3, w2: gate, up, down) stacked, the router's correction as exp_probs_b.bias; matrices in
-    Q8_0 where asked, the router, correction and norms F32; a byte-level BPE vocabulary (tokenizer.ggml.pre
-    minimax-m2)."""
+    (rotary_dim as rope.dimension_count), the router's gating function (its config's scoring_func), q and k as the
+    checkpoint holds them with their norms over all heads, each layer's experts (w1, w3, w2: gate, up, down)
+    stacked, the router's correction as exp_probs_b.bias; matrices in Q8_0 where asked, the router, correction and
+    norms F32; a byte-level BPE vocabulary (tokenizer.ggml.pre minimax-m2)."""
     import gguf
     import numpy as np
     from safetensors.torch import load_file
@@ -2290,6 +2290,8 @@ def write_minimax_m2_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -
     writer.add_file_type({"F32": 0, "Q8_0": 7}[qtype_name])
     writer.add_expert_feed_forward_length(config["intermediate_size"])
     writer.add_rope_dimension_count(int(config["head_dim"] * config["rope_parameters"]["partial_rotary_factor"]))
+    writer.add_expert_gating_func({"sigmoid": gguf.ExpertGatingFuncType.SIGMOID,
+                                   "softmax": gguf.ExpertGatingFuncType.SOFTMAX}[config["scoring_func"]])
     add_bpe_vocabulary(writer, checkpoint, "minimax-m2")
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     add, names = converter_adder(writer, qtype_name), gguf.get_tensor_name_map(arch, layers)

@@ -464,6 +464,16 @@ def _ernie4_5_moe_config(path: str, metadata: dict, tensors, config: dict) -> No
     _file_token_ids(config, "pad_token_id", "bos_token_id", "eos_token_id")
 
 
+def _minimax_m2_config(path: str, metadata: dict, tensors, config: dict) -> None:
+    """llama.cpp's minimax-m2 files as transformers reads them (MiniMaxM2Config), whose router scores experts by a
+    sigmoid: a file whose expert_gating_func says otherwise is refused (none: its converter writes the published
+    config's scoring_func, sigmoid)."""
+    gating = metadata.get("minimax-m2.expert_gating_func", 2)
+    if gating != 2:
+        raise GGUFError(f"{path}: its router's gating function {gating} (minimax-m2.expert_gating_func), where "
+                        "MiniMax-M2's scores experts by a sigmoid (2)")
+
+
 # What an architecture's files need read beyond transformers' reading and the families' rows (path, the metadata, the
 # tensors' names, the config to complete).
 ARCHITECTURE_CONFIGS = {"gemma4": _gemma4_config, "gpt-oss": _gpt_oss_config, "mistral3": _mistral3_config,
@@ -471,7 +481,7 @@ ARCHITECTURE_CONFIGS = {"gemma4": _gemma4_config, "gpt-oss": _gpt_oss_config, "m
                         "command-r": _cohere_config, "cohere2": _cohere_config, "seed_oss": _seed_oss_config,
                         "apertus": _apertus_config, "hunyuan-dense": _hunyuan_config,
                         "glm4moe": _glm4moe_config, "deepseek2": _deepseek2_config,
-                        "ernie4_5-moe": _ernie4_5_moe_config}
+                        "ernie4_5-moe": _ernie4_5_moe_config, "minimax-m2": _minimax_m2_config}
 
 
 def _yarn(path: str, arch: str, metadata: dict, theta: float, known: str) -> dict | None:
