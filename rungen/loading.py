@@ -311,14 +311,17 @@ def resolve_dtype(requested: str, config, device: torch.device) -> torch.dtype:
     return dtype
 
 
-def model_context(config) -> int:
-    """The model's context in tokens; 0 when it has no fixed limit (XLNet, BLOOM's ALiBi)."""
+def model_context(config, attends_chunks: bool = False) -> int:
+    """The model's context in tokens; 0 when it has no fixed limit (XLNet, BLOOM's ALiBi). `attends_chunks`: its
+    layers attend within chunks themselves, where its config reads them as full ones (a Llama 4 GGUF file's native
+    attention)."""
     value = getattr(config, "max_position_embeddings", None)
     if not isinstance(value, int) or value <= 0:
         return 0
-    # Chunked attention read as full attention (a Llama 4 GGUF file's layers): the same before the first chunk ends.
+    # Chunked attention read as full attention (a Llama 4 GGUF file's layers, where transformers' attention runs
+    # them): the same before the first chunk's last position, the temperature of its layers without rotary too.
     chunk = getattr(config, "attention_chunk_size", None)
-    if chunk and "chunked_attention" not in (getattr(config, "layer_types", None) or ()):
+    if chunk and not attends_chunks and "chunked_attention" not in (getattr(config, "layer_types", None) or ()):
         value = min(value, chunk - 1)
     # XLM appends a mask token to the input at every step: one position is never free.
     return value - 1 if config.model_type == "xlm" else value
@@ -479,4 +482,5 @@ def finish(model: torch.nn.Module, tokenizer, model_type: str, input_device: tor
     # Left padding keeps every prompt's last token next to the tokens it generates.
     tokenizer.padding_side = "left"
     vocab_size = model.get_input_embeddings().num_embeddings
-    return Loaded(model, tokenizer, model_type, input_device, model_context(model.config), vocab_size)
+    return Loaded(model, tokenizer, model_type, input_device,
+                  model_context(model.config, getattr(model, "attends_chunks", False)), vocab_size)

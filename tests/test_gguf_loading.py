@@ -857,12 +857,53 @@ def test_a_granitehybrid_file_whose_attention_rotates_is_refused_in_one_line(tmp
     assert "\n" not in str(raised.value)
 
 
-def test_a_llama4_file_runs_within_its_first_chunk_and_dequantized_as_in_its_blocks(tmp_path, capsys):
-    # Llama 4's chunked layers and its rotary-free layers' query temperature compute plain causal attention before
-    # the first chunk's last position (8191), where the file runs (Scout's 10M-position context notwithstanding: a
-    # longer prompt refused in one line, not cut); --dequantize (transformers' own model, its experts transposed)
-    # computes the file's weights, its llama3 rotary from rope_freqs, which transformers' reading of the keys leaves
-    # out, and shows no report of that tensor.
+def test_a_llama4_file_attends_in_chunks_past_its_first_as_its_checkpoint(tmp_path, monkeypatch):
+    # Scout's layers with rotary attend within chunks of 8192 positions and those without tune their queries'
+    # temperature from position 8191: its native attention computes both (its layers read as full ones, which the
+    # engine's batches hold), so the file runs to its context (10M positions), a left-padded batch's prompts past
+    # the first chunk and two steps after them computing what transformers' Llama 4 computes of each row alone.
+    from transformers import AutoModelForCausalLM
+
+    import tiny_models
+    from helpers import round_as_q8_0_file
+    from rungen.kvcache import new_cache
+
+    monkeypatch.setenv(KV_FLOAT32_ENV, "1")  # (the checkpoint's float32 cache: what this compares is the attention)
+    checkpoint = tiny_models.llama4_checkpoint(str(tmp_path))
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    round_as_q8_0_file(reference)  # (the weights the Q8_0 file holds)
+    path = tiny_models.write_llama4_gguf(checkpoint, str(tmp_path / "scout.gguf"), "Q8_0")
+    loaded = load(path, device=torch.device("cpu"))
+    assert loaded.context == 10485760 and loaded.model.attends_chunks
+    rows = torch.randint(3, 590, (2, 8202), generator=torch.Generator().manual_seed(0))
+    lengths = (8200, 8196)  # (the second row left-padded by 4)
+    ids = torch.stack([rows[0, :8200], torch.cat([torch.zeros(4, dtype=torch.long), rows[1, :8196]])])
+    mask = (torch.arange(8200) >= torch.tensor([0, 4])[:, None]).long()
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache, model = new_cache(loaded.model), loaded.model
+
+    def run():
+        out = [model(ids, attention_mask=mask, position_ids=positions, past_key_values=cache).logits[:, -1]]
+        attended = mask
+        for step in range(2):
+            attended = torch.cat([attended, torch.ones(2, 1, dtype=mask.dtype)], -1)
+            steps = torch.stack([rows[0, 8200 + step], rows[1, 8196 + step]])[:, None]
+            out.append(model(steps, attention_mask=attended, position_ids=positions[:, -1:] + 1 + step,
+                             past_key_values=cache).logits[:, -1])
+        return out
+
+    with torch.no_grad():
+        ours = exact_weights(model, run, monkeypatch)
+        for row, length in enumerate(lengths):
+            theirs = reference(rows[row : row + 1, : length + 2]).logits[0, -3:]
+            torch.testing.assert_close(torch.stack([step[row] for step in ours]), theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_a_llama4_file_dequantized_runs_within_its_first_chunk_as_in_its_blocks(tmp_path, capsys):
+    # --dequantize runs transformers' own model (its experts transposed) over the file's weights, its llama3 rotary
+    # from rope_freqs, which transformers' reading of the keys leaves out, without transformers' report of that
+    # tensor; its layers read as full ones, it runs before the first chunk's last position (8191), where they are
+    # plain attention (a longer prompt refused in one line, not cut).
     from transformers import AutoModelForCausalLM
 
     import tiny_models
@@ -870,18 +911,18 @@ def test_a_llama4_file_runs_within_its_first_chunk_and_dequantized_as_in_its_blo
 
     checkpoint = tiny_models.llama4_checkpoint(str(tmp_path))
     path = tiny_models.write_llama4_gguf(checkpoint, str(tmp_path / "scout.gguf"), "Q8_0")
-    assert load(path, device=torch.device("cpu")).context == 8191
-    code, line = error_of(["--model_name_or_path", path, "--prompt", "a b " * 4096, "--length", "2"], capsys)
-    assert code == 2 and line.endswith("prompt is 8193 tokens; the model's context is 8191"), line
     reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     round_as_q8_0_file(reference)
     capsys.readouterr()
-    dequantized = load(path, device=torch.device("cpu"), dequantize=True).model
-    assert type(dequantized.model.layers[1].feed_forward).__name__ == "Llama4TextMoe"
+    loaded = load(path, device=torch.device("cpu"), dequantize=True)
+    assert type(loaded.model.model.layers[1].feed_forward).__name__ == "Llama4TextMoe" and loaded.context == 8191
     ids = torch.arange(3, 43)[None] * 7
     with torch.no_grad():
-        torch.testing.assert_close(dequantized(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(loaded.model(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-5)
     assert "rope_freqs" not in capsys.readouterr().err
+    code, line = error_of(["--model_name_or_path", path, "--dequantize", "--prompt", "a b " * 4096, "--length",
+                           "2"], capsys)
+    assert code == 2 and line.endswith("prompt is 8193 tokens; the model's context is 8191"), line
 
 
 def test_a_minimax_m2_file_whose_router_is_not_sigmoid_is_refused_in_one_line(tmp_path):

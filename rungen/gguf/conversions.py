@@ -487,7 +487,7 @@ def _afmoe(config) -> list:
 
 # Llama 4's chunked attention (each position sees its chunk's earlier ones) and its rotary-free layers' query
 # temperature (1 + attn_scale * log(1 + floor((position + 1) / floor_scale))): llama.cpp's constants (no key holds
-# them). Below the chunk's last position both are plain causal attention, what the engine's batches hold.
+# them). Below the chunk's last position both are plain causal attention.
 LLAMA4_CHUNK, LLAMA4_NO_ROPE_STEP = 8192, 4
 
 
@@ -496,10 +496,11 @@ def _llama4_config(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
     dense layers' MLP as feed_forward_length and the experts' width as expert_feed_forward_length, every
     interleave_moe_layer_step-th layer a mixture (a sigmoid-scored expert a token beside a shared one), every fourth
     layer without rotary, the others' q and k L2-normalized after it unless the file has 128 experts (Maverick's: as
-    llama.cpp decides, no key says). Its layers attend as full ones, without temperature: what its chunked layers and
-    temperature compute before the first chunk's last position, the context it runs in (loading.model_context: past
-    it the engine's padded batch and slots would hold chunks). A file without experts (MobileLLM's, which llama.cpp
-    refuses too) or with a sliding window key (not Llama 4's chunks) is refused."""
+    llama.cpp decides, no key says), their queries' temperature tuned. Its layers read as full ones, which the
+    engine's padded batch and slots hold: native_steps.NativeLlama4Attention attends within chunks itself; where
+    transformers' attention runs them (no native kernels, --dequantize, a GPU) the context is cut before the first
+    chunk's last position (loading.model_context), where chunks are plain attention. A file without experts
+    (MobileLLM's, which llama.cpp refuses too) or with a sliding window key (not Llama 4's chunks) is refused."""
     key = lambda name, default=None: metadata.get(f"llama4.{name}", default)  # noqa: E731
     experts, layers, heads = key("expert_count", 0), key("block_count"), key("attention.head_count")
     if not experts:
@@ -522,7 +523,7 @@ def _llama4_config(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
         "use_qk_norm": experts != 128, "no_rope_layer_interval": LLAMA4_NO_ROPE_STEP,
         "no_rope_layers": [int((layer + 1) % LLAMA4_NO_ROPE_STEP != 0) for layer in range(layers)],
         "layer_types": ["full_attention"] * layers, "attention_chunk_size": LLAMA4_CHUNK,
-        "attn_temperature_tuning": False,
+        "attn_temperature_tuning": True, "floor_scale": LLAMA4_CHUNK, "attn_scale": 0.1,
         "attention_bias": any(name.endswith(".attn_q.bias") for name in tensor_names),
         **_vocabulary(metadata, tensor_names),
     }

@@ -265,36 +265,82 @@ class NativeGraniteAttention(JoinedAttention):
         return self.attended(hidden_states, q, k, v, attention_mask, past_key_values, None)
 
 
-class NativeLlama4Attention(JoinedAttention):
-    """Llama 4's attention (Llama4TextAttention) in a file's reading (no temperature): q, k and v split and, in a layer
-    with rotary, q and k L2-normalized per head where the model says (use_qk_norm) and rotated in one rope_split call.
-    Its rotary turns each pair of a head's values as a complex number, which is rope_split's rotation by halves of
-    the head's values gathered evens first, then odds (q and k gathered alike: their products unchanged; a norm
-    before the turn the same as after it, which keeps each pair's length). A layer without rotary: by cos 1 and sin
-    0, no norm, no gather."""
+class QueryPositions:
+    """The positions of the tokens a forward of a model's inner model takes [rows or 1, tokens] (position_ids, else
+    after the cache's, as its forward counts them), kept for its attentions (Llama 4's chunks and temperature): a
+    forward pre-hook of the inner model."""
 
-    def __init__(self, attention: torch.nn.Module, qkv: torch.nn.Module):
+    def __init__(self):
+        self.value = None
+
+    def __call__(self, module, args, kwargs):
+        positions = kwargs.get("position_ids")
+        if positions is None:
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            tokens = (ids if ids is not None else kwargs["inputs_embeds"]).shape[1]
+            cache = kwargs.get("past_key_values")
+            positions = (torch.arange(tokens) + (cache.get_seq_length() if cache is not None else 0))[None]
+        self.value = positions
+
+
+class NativeLlama4Attention(JoinedAttention):
+    """Llama 4's attention (Llama4TextAttention): q, k and v split and, in a layer with rotary, q and k L2-normalized
+    per head where the model says (use_qk_norm) and rotated in one rope_split call. Its rotary turns each pair of a
+    head's values as a complex number, which is rope_split's rotation by halves of the head's values gathered evens
+    first, then odds (q and k gathered alike: their products unchanged; a norm before the turn the same as after it,
+    which keeps each pair's length). A layer without rotary: by cos 1 and sin 0, no norm, no gather, its queries
+    times the temperature 1 + attn_scale * log(1 + floor((position + 1) / floor_scale)) where tuned; a layer with
+    rotary attends within its chunk of attention_chunk_size positions (the config's layers all read as full ones, so
+    that the engine's batches hold them): both from the queries' positions (`positions`, QueryPositions), the keys'
+    counted back from each row's last (its cache's keys end at its last query), and nothing changed before the first
+    chunk's last position."""
+
+    def __init__(self, attention: torch.nn.Module, qkv: torch.nn.Module, positions: QueryPositions):
         super().__init__(attention, qkv)
-        dim, rotates = attention.head_dim, bool(attention.use_rope)
+        dim, rotates, config = attention.head_dim, bool(attention.use_rope), attention.config
         pairs = torch.cat([torch.arange(0, dim, 2), torch.arange(1, dim, 2)])
         heads = (self.heads + self.kv_heads) if rotates else 0  # (q's and k's heads, then v's columns as they are)
         self.order = None if not rotates else torch.cat(
             [(head * dim + pairs) for head in range(heads)] + [torch.arange(heads * dim, qkv.out_features)])
-        self.norms = rotates and bool(getattr(attention.config, "use_qk_norm", False))
-        self.ones = torch.ones(dim)
+        self.norms = rotates and bool(getattr(config, "use_qk_norm", False))
+        self.ones, self.positions = torch.ones(dim), positions
+        self.chunk = config.attention_chunk_size if rotates else None
+        self.temperature = None if rotates or not config.attn_temperature_tuning else (
+            config.floor_scale, config.attn_scale)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask, past_key_values=None,
                 **kwargs):
+        a = self.attention
         qkv = self.qkv(hidden_states)
         if self.order is None:
-            cos, sin = unrotated((qkv.new_ones(*qkv.shape[:-1], self.attention.head_dim),) * 2)
+            cos, sin = unrotated((qkv.new_ones(*qkv.shape[:-1], a.head_dim),) * 2)
         else:
             qkv = qkv.index_select(-1, self.order)
             freqs = position_embeddings.to(torch.complex64)
             cos, sin = (torch.cat([part, part], dim=-1).to(qkv.dtype) for part in (freqs.real, freqs.imag))
-        norms = (self.ones, self.ones, self.attention.qk_norm.eps) if self.norms else ()
+        norms = (self.ones, self.ones, a.qk_norm.eps) if self.norms else ()
         q, k, v = torch.ops.rungen_ggml.rope_split(qkv, cos, sin, self.heads, self.kv_heads, *norms)
-        return self.attended(hidden_states, q, k, v, attention_mask, past_key_values, None)
+        positions = self.positions.value.to(q.device)
+        if self.temperature is not None and int(positions.max()) + 1 >= self.temperature[0]:
+            floor_scale, scale = self.temperature
+            tuned = torch.log1p(torch.floor((positions.float() + 1) / floor_scale)) * scale + 1
+            q = q * tuned[:, None, :, None].to(q.dtype)  # ([rows, heads, tokens, head])
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, a.layer_idx)
+        if self.chunk is not None and int(positions.max()) >= self.chunk:
+            attention_mask = self.chunked(attention_mask, positions, k.shape[-2], q.dtype)
+        out, _ = native_attention(a, q, k, v, attention_mask, a.scaling)
+        return a.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), None
+
+    def chunked(self, mask, positions: torch.Tensor, keys: int, dtype: torch.dtype) -> torch.Tensor:
+        """`mask` (additive [rows, 1, queries, keys], None: causal) with the keys before each query's chunk out."""
+        held = positions[:, -1:] - (keys - 1 - torch.arange(keys, device=positions.device))  # [rows, keys]
+        out = (held[:, None, :] < (positions // self.chunk * self.chunk)[:, :, None])[:, None]
+        if mask is None:
+            out = out | (held[:, None, None, :] > positions[:, None, :, None])
+            return torch.zeros(out.shape, dtype=dtype, device=positions.device).masked_fill_(
+                out, torch.finfo(dtype).min)
+        return mask.masked_fill(out, torch.finfo(mask.dtype).min)
 
 
 # transformers' attentions whose q, k and v products the native steps join, and the class computing each.
@@ -302,7 +348,7 @@ JOINED_ATTENTIONS = {"GptOssAttention": NativeGptOssAttention, "Olmo2Attention":
                      "Olmo3Attention": NativeOlmoAttention, "OlmoeAttention": NativeOlmoAttention,
                      "Ministral3Attention": NativeMinistral3Attention, "Exaone4Attention": NativeExaone4Attention,
                      "Glm4MoeAttention": NativeGlm4MoeAttention, "AfmoeAttention": NativeAfmoeAttention,
-                     "Llama4TextAttention": NativeLlama4Attention, "MiniMaxM2Attention": NativeOlmoAttention}
+                     "MiniMaxM2Attention": NativeOlmoAttention}
 
 
 class GpuKernelHints(logging.Filter):
@@ -426,8 +472,17 @@ def steps_natively(model: torch.nn.Module) -> bool:
         return False
     text = model.config.get_text_config(decoder=True)
     activation = getattr(text, "hidden_activation", None) or getattr(text, "hidden_act", None)
+    llama4 = {}
+    if type(model).__name__ == "Llama4ForCausalLM":  # (its attentions read the queries' positions)
+        positions = QueryPositions()
+        model.model.register_forward_pre_hook(positions, with_kwargs=True)
+        llama4 = {"Llama4TextAttention": functools.partial(
+            join_attention, kind=functools.partial(NativeLlama4Attention, positions=positions))}
     native_layers(model, NORMS, {
         **dict.fromkeys(GATED_MLPS, functools.partial(join_gated_mlp, activation=activation)),
         **dict.fromkeys(GEMMA4_ATTENTIONS, gemma4_attention),
-        **{name: functools.partial(join_attention, kind=kind) for name, kind in JOINED_ATTENTIONS.items()}})
+        **{name: functools.partial(join_attention, kind=kind) for name, kind in JOINED_ATTENTIONS.items()}, **llama4})
+    # (Llama 4's: its chunks attended where every attention is native, its context then the file's)
+    model.attends_chunks = bool(llama4) and all(
+        isinstance(layer.self_attn, NativeLlama4Attention) for layer in model.model.layers)
     return True
