@@ -70,6 +70,14 @@ def _llama_attention(attention: str = "self_attn") -> list:
             for name, part in (("q", "q"), ("k", "k"), ("v", "v"), ("output", "o"))]
 
 
+def _gated_mlp(target: str, suffix: str = "") -> list:
+    """A gated MLP's tensors (ffn_gate, ffn_up, ffn_down, each with `suffix`: "_shexp" a shared expert's) as gate_proj,
+    up_proj and down_proj under `target`."""
+    from transformers.core_model_loading import WeightRenaming
+
+    return [WeightRenaming(rf"\.ffn_{part}{suffix}\.", f".{target}.{part}_proj.") for part in ("gate", "up", "down")]
+
+
 def _lfm2moe(config) -> list:
     """LFM2-MoE's tensors: lfm2's, the router (ffn_gate_inp), the expert bias (exp_probs_b.bias) and the experts
     (ffn_gate_exps and ffn_up_exps joined into gate_up_proj, gate rows first, as Qwen3.5-MoE's)."""
@@ -369,9 +377,7 @@ def _falcon_h1(config) -> list:
         *_trunk(norm="model.final_layernorm"),
         WeightRenaming(r"\.attn_norm\.", ".input_layernorm."),
         WeightRenaming(r"\.ffn_norm(\.weight)?$", ".pre_ff_layernorm.weight"),  # (the converter writes no .weight)
-        WeightRenaming(r"\.ffn_gate\.", ".feed_forward.gate_proj."),
-        WeightRenaming(r"\.ffn_up\.", ".feed_forward.up_proj."),
-        WeightRenaming(r"\.ffn_down\.", ".feed_forward.down_proj."),
+        *_gated_mlp("feed_forward"),
         *_mamba2_and_attention(config, "mamba", "self_attn", permuted=False)]
 
 
@@ -474,14 +480,10 @@ def _afmoe(config) -> list:
         WeightRenaming(r"\.attn_gate\.", ".self_attn.gate_proj."),
         WeightRenaming(r"\.attn_q_norm\.", ".self_attn.q_norm."),
         WeightRenaming(r"\.attn_k_norm\.", ".self_attn.k_norm."),
-        WeightRenaming(r"\.ffn_gate\.", ".mlp.gate_proj."),
-        WeightRenaming(r"\.ffn_up\.", ".mlp.up_proj."),
-        WeightRenaming(r"\.ffn_down\.", ".mlp.down_proj."),
+        *_gated_mlp("mlp"),
         WeightRenaming(r"\.ffn_gate_inp\.", ".mlp.router.gate."),
         WeightRenaming(r"\.exp_probs_b\.bias", ".mlp.expert_bias"),
-        WeightRenaming(r"\.ffn_gate_shexp\.", ".mlp.shared_experts.gate_proj."),
-        WeightRenaming(r"\.ffn_up_shexp\.", ".mlp.shared_experts.up_proj."),
-        WeightRenaming(r"\.ffn_down_shexp\.", ".mlp.shared_experts.down_proj."),
+        *_gated_mlp("mlp.shared_experts", "_shexp"),
         *_joined_experts("mlp")]
 
 
@@ -543,13 +545,9 @@ def _llama4(config) -> list:
         WeightRenaming(r"\.attn_norm\.", ".input_layernorm."),
         WeightRenaming(r"\.ffn_norm\.", ".post_attention_layernorm."),
         *_llama_attention(),
-        WeightRenaming(r"\.ffn_gate\.", ".feed_forward.gate_proj."),
-        WeightRenaming(r"\.ffn_up\.", ".feed_forward.up_proj."),
-        WeightRenaming(r"\.ffn_down\.", ".feed_forward.down_proj."),
+        *_gated_mlp("feed_forward"),
         WeightRenaming(r"\.ffn_gate_inp\.", ".feed_forward.router."),
-        WeightRenaming(r"\.ffn_gate_shexp\.", ".feed_forward.shared_expert.gate_proj."),
-        WeightRenaming(r"\.ffn_up_shexp\.", ".feed_forward.shared_expert.up_proj."),
-        WeightRenaming(r"\.ffn_down_shexp\.", ".feed_forward.shared_expert.down_proj."),
+        *_gated_mlp("feed_forward.shared_expert", "_shexp"),
         WeightConverter(source_patterns=[r"\.ffn_down_exps\.weight"],
                         target_patterns=".feed_forward.experts.down_proj", operations=[transposed]),
         WeightConverter(source_patterns=[r"\.ffn_gate_exps\.weight", r"\.ffn_up_exps\.weight"],
