@@ -1110,6 +1110,23 @@ def add_text_shape(writer, config: dict) -> None:
     writer.add_head_count_kv(config["num_key_value_heads"])
 
 
+def add_text_keys(writer, config: dict, qtype_name: str, experts: tuple[int, int] | None = None,
+                  head_dim: bool = False) -> None:
+    """add_text_shape's keys, then those llama.cpp's converter writes of most text models after them: the rotary's
+    base, the norms' epsilon, the experts' count and those a token takes (`experts`), the head size (`head_dim`:
+    key_length and value_length, the config's head_dim), the file's type (`qtype_name`: F32 or Q8_0)."""
+    add_text_shape(writer, config)
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    if experts is not None:
+        writer.add_expert_count(experts[0])
+        writer.add_expert_used_count(experts[1])
+    if head_dim:
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
+    writer.add_file_type({"F32": 0, "Q8_0": 7}[qtype_name])
+
+
 def tiny_gpt2_tokenizer(out_dir: str):
     """The tiny GPT-2 checkpoint's byte-level BPE tokenizer, built in out_dir/tokenizer."""
     from transformers import AutoTokenizer
@@ -2155,12 +2172,7 @@ def write_olmoe_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str
     layers, experts = config["num_hidden_layers"], config["num_experts"]
     arch = gguf.MODEL_ARCH.OLMOE
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
-    add_text_shape(writer, config)
-    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_expert_count(experts)
-    writer.add_expert_used_count(config["num_experts_per_tok"])
-    writer.add_file_type({"F32": 0, "Q8_0": 7}[qtype_name])
+    add_text_keys(writer, config, qtype_name, (experts, config["num_experts_per_tok"]))
     add_bpe_vocabulary(writer, checkpoint, "olmo")
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     add_mixture_tensors(converter_adder(writer, qtype_name), checkpoint, gguf.get_tensor_name_map(arch, layers),
@@ -2208,14 +2220,8 @@ def write_llama4_gguf(checkpoint: str, path: str, qtype_name: str = "F32", windo
     rope, layers = config["rope_parameters"], config["num_hidden_layers"]
     arch = gguf.MODEL_ARCH.LLAMA4
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
-    add_text_shape(writer, {**config, "intermediate_size": config["intermediate_size_mlp"]})
-    writer.add_rope_freq_base(rope["rope_theta"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_expert_count(config["num_local_experts"])
-    writer.add_expert_used_count(config["num_experts_per_tok"])
-    writer.add_key_length(config["head_dim"])
-    writer.add_value_length(config["head_dim"])
-    writer.add_file_type({"F32": 0, "Q8_0": 7}[qtype_name])
+    add_text_keys(writer, {**config, "intermediate_size": config["intermediate_size_mlp"]}, qtype_name,
+                  (config["num_local_experts"], config["num_experts_per_tok"]), head_dim=True)
     writer.add_vocab_size(config["vocab_size"])
     writer.add_rope_dimension_count(config["head_dim"])
     writer.add_interleave_moe_layer_step(config["interleave_moe_layer_step"])
@@ -2280,14 +2286,7 @@ def write_minimax_m2_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -
     layers, experts = config["num_hidden_layers"], config["num_local_experts"]
     arch = gguf.MODEL_ARCH.MINIMAXM2
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
-    add_text_shape(writer, config)
-    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_expert_count(experts)
-    writer.add_expert_used_count(config["num_experts_per_tok"])
-    writer.add_key_length(config["head_dim"])
-    writer.add_value_length(config["head_dim"])
-    writer.add_file_type({"F32": 0, "Q8_0": 7}[qtype_name])
+    add_text_keys(writer, config, qtype_name, (experts, config["num_experts_per_tok"]), head_dim=True)
     writer.add_expert_feed_forward_length(config["intermediate_size"])
     writer.add_rope_dimension_count(int(config["head_dim"] * config["rope_parameters"]["partial_rotary_factor"]))
     writer.add_expert_gating_func({"sigmoid": gguf.ExpertGatingFuncType.SIGMOID,
@@ -2349,14 +2348,7 @@ def write_afmoe_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str
     layers, experts = config["num_hidden_layers"], config["num_experts"]
     arch = gguf.MODEL_ARCH.AFMOE
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
-    add_text_shape(writer, config)
-    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_expert_count(experts)
-    writer.add_expert_used_count(config["num_experts_per_tok"])
-    writer.add_key_length(config["head_dim"])
-    writer.add_value_length(config["head_dim"])
-    writer.add_file_type({"F32": 0, "Q8_0": 7}[qtype_name])
+    add_text_keys(writer, config, qtype_name, (experts, config["num_experts_per_tok"]), head_dim=True)
     writer.add_vocab_size(config["vocab_size"])
     writer.add_rope_dimension_count(config["head_dim"])
     writer.add_expert_shared_count(config["num_shared_experts"])
@@ -3392,12 +3384,7 @@ def write_ernie4_5_moe_gguf(checkpoint: str, path: str, qtype_name: str = "F32",
         config = json.load(f)
     arch = gguf.MODEL_ARCH.ERNIE4_5_MOE
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
-    add_text_shape(writer, config)
-    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_expert_count(config["moe_num_experts"])
-    writer.add_expert_used_count(config["moe_k"])
-    writer.add_file_type({"F32": 0, "Q8_0": 7}[qtype_name])
+    add_text_keys(writer, config, qtype_name, (config["moe_num_experts"], config["moe_k"]))
     writer.add_interleave_moe_layer_step(config["moe_layer_interval"])
     writer.add_leading_dense_block_count(config["moe_layer_start_index"])
     writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
