@@ -311,18 +311,21 @@ def resolve_dtype(requested: str, config, device: torch.device) -> torch.dtype:
     return dtype
 
 
-def model_context(config, attends_chunks: bool = False) -> int:
-    """The model's context in tokens; 0 when it has no fixed limit (XLNet, BLOOM's ALiBi). `attends_chunks`: its
-    layers attend within chunks themselves, where its config reads them as full ones (a Llama 4 GGUF file's native
-    attention)."""
+def model_context(config, attends_positions: bool = False) -> int:
+    """The model's context in tokens; 0 when it has no fixed limit (XLNet, BLOOM's ALiBi). `attends_positions`: its
+    attention computes what its config leaves out by position itself (a Llama 4 GGUF file's chunks and temperature,
+    Mistral Large 3's temperature: their native and absorbed attentions)."""
     value = getattr(config, "max_position_embeddings", None)
     if not isinstance(value, int) or value <= 0:
         return 0
-    # Chunked attention read as full attention (a Llama 4 GGUF file's layers, where transformers' attention runs
-    # them): the same before the first chunk's last position, the temperature of its layers without rotary too.
-    chunk = getattr(config, "attention_chunk_size", None)
-    if chunk and not attends_chunks and "chunked_attention" not in (getattr(config, "layer_types", None) or ()):
+    # Where transformers' attention runs them: chunked attention read as full attention (a Llama 4 GGUF file's
+    # layers) is the same before the first chunk's last position, the temperature of its layers without rotary too;
+    # a queries' temperature it does not apply (Mistral Large 3's) 1 before its length.
+    chunk, length = getattr(config, "attention_chunk_size", None), getattr(config, "attn_temperature_length", None)
+    if chunk and not attends_positions and "chunked_attention" not in (getattr(config, "layer_types", None) or ()):
         value = min(value, chunk - 1)
+    if length and getattr(config, "attn_temperature_scale", None) and not attends_positions:
+        value = min(value, length)
     # XLM appends a mask token to the input at every step: one position is never free.
     return value - 1 if config.model_type == "xlm" else value
 
@@ -483,4 +486,4 @@ def finish(model: torch.nn.Module, tokenizer, model_type: str, input_device: tor
     tokenizer.padding_side = "left"
     vocab_size = model.get_input_embeddings().num_embeddings
     return Loaded(model, tokenizer, model_type, input_device,
-                  model_context(model.config, getattr(model, "attends_chunks", False)), vocab_size)
+                  model_context(model.config, getattr(model, "attends_positions", False)), vocab_size)

@@ -874,7 +874,7 @@ def test_a_llama4_file_attends_in_chunks_past_its_first_as_its_checkpoint(tmp_pa
     round_as_q8_0_file(reference)  # (the weights the Q8_0 file holds)
     path = tiny_models.write_llama4_gguf(checkpoint, str(tmp_path / "scout.gguf"), "Q8_0")
     loaded = load(path, device=torch.device("cpu"))
-    assert loaded.context == 10485760 and loaded.model.attends_chunks
+    assert loaded.context == 10485760 and loaded.model.attends_positions
     rows = torch.randint(3, 590, (2, 8202), generator=torch.Generator().manual_seed(0))
     lengths = (8200, 8196)  # (the second row left-padded by 4)
     ids = torch.stack([rows[0, :8200], torch.cat([torch.zeros(4, dtype=torch.long), rows[1, :8196]])])
@@ -923,6 +923,42 @@ def test_a_llama4_file_dequantized_runs_within_its_first_chunk_as_in_its_blocks(
     code, line = error_of(["--model_name_or_path", path, "--dequantize", "--prompt", "a b " * 4096, "--length",
                            "2"], capsys)
     assert code == 2 and line.endswith("prompt is 8193 tokens; the model's context is 8191"), line
+
+
+def test_a_deepseek2_file_with_a_queries_temperature_computes_it_past_its_length(tmp_path, monkeypatch):
+    # Mistral Large 3's files (deepseek2, as conversion/mistral.py writes them) carry llama 4's temperature of the
+    # queries (attention.temperature_scale and _length), which llama.cpp's graph applies and transformers' DeepSeek
+    # attention has not: the absorbed latent attention applies it by position (a prompt of 40 positions crossing a
+    # length of 16 twice, a left-padded batch), as transformers' DeepSeek-V3 with its queries scaled so computes, and
+    # the file runs to its context; the same file without the keys computes DeepSeek-V3 itself.
+    from transformers import AttentionInterface, AutoModelForCausalLM
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    import tiny_models
+    from helpers import padded_prompt_and_steps
+
+    def tempered(module, query, key, value, attention_mask, position_ids=None, **kwargs):
+        tuned = torch.log1p(torch.floor(position_ids.float() / 16)) * 0.1 + 1
+        return sdpa_attention_forward(module, query * tuned[:, None, :, None], key, value, attention_mask, **kwargs)
+
+    monkeypatch.setenv(KV_FLOAT32_ENV, "1")
+    AttentionInterface.register("rungen_tempered_test", tempered)
+    checkpoint = tiny_models.deepseek_checkpoint(str(tmp_path))
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32,
+                                                     attn_implementation="rungen_tempered_test").eval()
+    path = tiny_models.write_deepseek2_gguf(checkpoint, str(tmp_path / "large3.gguf"), temperature=(0.1, 16))
+    loaded = load(path, device=torch.device("cpu"))
+    assert loaded.model.attends_positions and loaded.context == reference.config.max_position_embeddings
+    ids = torch.arange(3, 43)[None] * 7
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-4)
+        untempered = load(tiny_models.write_deepseek2_gguf(checkpoint, str(tmp_path / "v3.gguf")),
+                          device=torch.device("cpu")).model(ids).logits
+        assert not torch.allclose(untempered[:, 16:], reference(ids).logits[:, 16:], atol=1e-3)
+        torch.testing.assert_close(untempered[:, :16], reference(ids).logits[:, :16], rtol=1e-4, atol=1e-4)
+    ours, theirs = padded_prompt_and_steps(loaded.model), padded_prompt_and_steps(reference)
+    for got, wanted in zip(ours, theirs):
+        torch.testing.assert_close(got[1], wanted[1], rtol=1e-4, atol=1e-4)  # (the unpadded row)
 
 
 def test_a_minimax_m2_file_whose_router_is_not_sigmoid_is_refused_in_one_line(tmp_path):

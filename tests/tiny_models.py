@@ -3229,7 +3229,8 @@ def deepseek_v2_checkpoint(out_dir: str) -> str:
     return deepseek_checkpoint(out_dir, version=2)
 
 
-def write_deepseek2_gguf(checkpoint: str, path: str, qtype_name: str = "F32", split: bool = True) -> str:
+def write_deepseek2_gguf(checkpoint: str, path: str, qtype_name: str = "F32", split: bool = True,
+                         temperature: tuple[float, int] | None = None) -> str:
     """The GGUF file llama.cpp's converter (conversion/deepseek.py's DeepseekV2Model) writes of a DeepSeek V2 or V3
     checkpoint (deepseek2): a TextModel's keys with one kv head (its latent attention as multi-query), the latent
     ranks, the key and value widths as the latent's (key_length, value_length) and as a head's (key_length_mla,
@@ -3240,7 +3241,9 @@ def write_deepseek2_gguf(checkpoint: str, path: str, qtype_name: str = "F32", sp
     stacked into 3-D ffn_*_exps, the router's score correction as exp_probs_b.bias, a byte-level BPE (pre
     deepseek-v3); matrices in Q8_0 where asked (F16 where a row is no whole blocks), the router F32. `split` False:
     as the converter wrote them before it split kv_b (the files of 2024): attn_kv_b whole, key_length and
-    value_length a head's, no MLA keys."""
+    value_length a head's, no MLA keys. `temperature` (scale, length): the queries' temperature keys
+    (attention.temperature_scale and _length) conversion/mistral.py's MistralMoeModel writes of Mistral Large 3
+    (its llama_4_scaling beta, its yarn's original context)."""
     import gguf
 
     with open(os.path.join(checkpoint, "config.json")) as f:
@@ -3285,6 +3288,9 @@ def write_deepseek2_gguf(checkpoint: str, path: str, qtype_name: str = "F32", sp
         writer.add_expert_weights_norm(True)
     writer.add_rope_dimension_count(rotated)
     writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+    if temperature is not None:
+        writer.add_attn_temperature_scale(temperature[0])
+        writer.add_attn_temperature_length(temperature[1])
     add_bpe_vocabulary(writer, checkpoint, "deepseek-v3")
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     names = gguf.get_tensor_name_map(arch, layers)

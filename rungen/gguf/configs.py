@@ -401,8 +401,10 @@ def _deepseek2_config(path: str, metadata: dict, tensors, config: dict) -> None:
     the unsplit kv_b from key_length and value_length; q straight from the hidden state where the file has no
     attn_q_a; yarn's mscale and mscale_all_dim both yarn_log_multiplier / 0.1 (the converter's 0.1 times
     mscale_all_dim; the published configs set the two alike, and llama.cpp computes so); V2's groups by their best
-    expert where there are several; the class's default token ids dropped where the file names none; the layers
-    without a multi-token prediction block the converter writes as the last ones (not read)."""
+    expert where there are several; the queries' temperature where the file has one (Mistral Large 3's:
+    attention.temperature_scale and _length, as config attributes the latent attention reads); the class's default
+    token ids dropped where the file names none; the layers without a multi-token prediction block the converter
+    writes as the last ones (not read)."""
     def key(name, default=None):
         return metadata.get(f"deepseek2.{name}", default)
 
@@ -441,6 +443,12 @@ def _deepseek2_config(path: str, metadata: dict, tensors, config: dict) -> None:
             raise GGUFError(f"{path}: a yarn rotary without its factor or original context length "
                             "(deepseek2.rope.scaling.factor, original_context_length)")
     config["rope_parameters"] = rope
+    scale, length = key("attention.temperature_scale"), key("attention.temperature_length")
+    if scale:  # (Mistral Large 3's: llama 4's temperature of its queries, which llama.cpp's deepseek2 graph applies)
+        if not length:
+            raise GGUFError(f"{path}: a query temperature ({scale}, attention.temperature_scale) without the "
+                            "positions it steps by (attention.temperature_length)")
+        config.update(attn_temperature_scale=scale, attn_temperature_length=length)
     _file_token_ids(config, "pad_token_id", "bos_token_id", "eos_token_id")
 
 

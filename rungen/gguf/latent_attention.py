@@ -4,7 +4,10 @@ position's normalized latent and rotated key, then at every step puts the whole 
 keys and values for every position: V2-Lite at 4096 positions some 8.6 GFLOP a layer and token). Here kv_b's k
 part is taken into the query instead (a head's query times its k rows: a query over the latent) and its v part
 applied after the attention (absorption, as llama.cpp and DeepSeek's own inference compute it): one key head of
-the latent and rotated key for every query head, the same function within float32 rounding.
+the latent and rotated key for every query head, the same function within float32 rounding. A file with a queries'
+temperature (Mistral Large 3's) has its queries times 1 + scale * log(1 + floor(position / length)) here, as
+llama.cpp's graph has them (transformers' DeepSeek attention has none: where it runs such a file, the context stops
+before `length`, loading.model_context).
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ class AbsorbedLatentAttention(torch.nn.Module):
         self.k_up, self.v_up = up[:, :nope], up[:, nope:]  # [heads, not rotated, latent], [heads, value, latent]
         attention.kv_b_proj = None  # (its weight is k_up's and v_up's)
         self.modeling = sys.modules[type(attention).__module__]
+        config = attention.config  # (the queries' temperature: its scale and the positions it steps by, or None)
+        self.temperature = (config.attn_temperature_scale, config.attn_temperature_length) if getattr(
+            config, "attn_temperature_scale", None) else None
 
     def rotated(self, q: torch.Tensor, k: torch.Tensor, position_embeddings):
         """q's and k's rotated parts turned as the model's attention turns them."""
@@ -55,6 +61,11 @@ class AbsorbedLatentAttention(torch.nn.Module):
         if past_key_values is not None:
             latent, k_rot = past_key_values.update(latent, k_rot, a.layer_idx)
         query = torch.cat([torch.einsum("bhtn,hnr->bhtr", q_nope, self.k_up.to(q_nope.dtype)), q_rot], dim=-1)
+        positions = kwargs.get("position_ids")
+        if self.temperature is not None and positions is not None and int(positions.max()) >= self.temperature[1]:
+            scale, length = self.temperature
+            tuned = torch.log1p(torch.floor(positions.float() / length)) * scale + 1  # [rows or 1, tokens]
+            query = query * tuned[:, None, :, None].to(query.dtype)
         heads, positions = query.shape[1], latent.shape[2]
         # every head's queries against the one key head: [batch, 1, heads x tokens, latent + rotated]
         query = query.reshape(batch, 1, heads * tokens, -1)
@@ -80,9 +91,14 @@ class AbsorbedLatentAttention(torch.nn.Module):
 
 def absorb_latents(model: torch.nn.Module) -> None:
     """Each DeepSeek attention of `model` (LATENT_ATTENTIONS) whose kv_b_proj is a float weight as
-    AbsorbedLatentAttention."""
-    for name in [name for name, module in model.named_modules() if type(module).__name__ in LATENT_ATTENTIONS]:
+    AbsorbedLatentAttention; the model then computes its queries' temperature (attends_positions) where every one
+    is."""
+    names = [name for name, module in model.named_modules() if type(module).__name__ in LATENT_ATTENTIONS]
+    for name in names:
         attention = model.get_submodule(name)
         if isinstance(getattr(attention.kv_b_proj, "weight", None), torch.Tensor) \
                 and attention.kv_b_proj.weight.dtype.is_floating_point:
             model.set_submodule(name, AbsorbedLatentAttention(attention))
+    if names and getattr(model.config, "attn_temperature_scale", None):
+        model.attends_positions = all(isinstance(model.get_submodule(name), AbsorbedLatentAttention)
+                                      for name in names)

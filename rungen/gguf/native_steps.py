@@ -482,7 +482,7 @@ def steps_natively(model: torch.nn.Module) -> bool:
         **dict.fromkeys(GATED_MLPS, functools.partial(join_gated_mlp, activation=activation)),
         **dict.fromkeys(GEMMA4_ATTENTIONS, gemma4_attention),
         **{name: functools.partial(join_attention, kind=kind) for name, kind in JOINED_ATTENTIONS.items()}, **llama4})
-    # (Llama 4's: its chunks attended where every attention is native, its context then the file's)
-    model.attends_chunks = bool(llama4) and all(
+    # (Llama 4's: its chunks and temperature attended where every attention is native, its context then the file's)
+    model.attends_positions = bool(llama4) and all(
         isinstance(layer.self_attn, NativeLlama4Attention) for layer in model.model.layers)
     return True
