@@ -762,12 +762,13 @@ def test_deepseeks_attention_over_its_latents_computes_its_checkpoint_in_chunks(
 
 
 @pytest.mark.parametrize("kind,groups", [("glm4_moe", (1, 1)), ("deepseek_v3", (4, 2)), ("deepseek_v2", (1, 1)),
-                                         ("deepseek_v2", (4, 2))])
+                                         ("deepseek_v2", (4, 2)), ("mistral4", (1, 1)), ("mistral4", (4, 2))])
 def test_a_grouped_router_chooses_as_transformers_and_alike_in_a_batch(kind, groups):
     # GLM-4.5's and DeepSeek-V3's routers (sigmoid scores, a correction added to choose by, the best groups first
-    # where there are several, the chosen scores normalized and scaled) and DeepSeek-V2's (the softmax's top k,
-    # group_limited_greedy among the groups of the best experts, scaled) as GroupedRouter: transformers' experts and
-    # weights, and a token's the same bits alone as in a batch (its logits a row at a time).
+    # where there are several, the chosen scores normalized and scaled), DeepSeek-V2's (the softmax's top k,
+    # group_limited_greedy among the groups of the best experts, scaled) and Mistral 4's (the softmax's top k among
+    # the groups best by their two best, normalized and scaled) as GroupedRouter: transformers' experts and weights,
+    # and a token's the same bits alone as in a batch (its logits a row at a time).
     from transformers import AutoConfig
 
     from rungen.gguf.experts import GroupedRouter
@@ -784,7 +785,7 @@ def test_a_grouped_router_chooses_as_transformers_and_alike_in_a_batch(kind, gro
     router = next(getattr(module, name) for name in dir(module) if name.endswith("TopkRouter"))(config)
     with torch.no_grad():
         router.weight.normal_(0, 0.3)
-        if kind != "deepseek_v2":
+        if kind not in ("deepseek_v2", "mistral4"):
             router.e_score_correction_bias.normal_(0, 0.5)
     x = torch.randn(9, 64)
     with torch.no_grad():
@@ -842,6 +843,22 @@ def test_a_qwen3next_file_is_refused_by_transformers_own_loader_in_one_line(tmp_
     assert code == 2 and line.endswith("transformers reads no Qwen3-Next (qwen3next) file as llama.cpp writes it (its "
                                        "fused projections, which its model takes split by rows); it runs here in its "
                                        "own blocks, without --dequantize or --device_map")
+
+
+def test_a_mistral4_file_is_refused_by_transformers_own_loader_in_one_line(tmp_path, capsys):
+    # Mistral 4's kv_b split in two and its experts' gate and up in one tensor, which transformers' own loader does
+    # not read: --dequantize says so in one line, the file runs without it (its header cached by then: its text
+    # model's class is named to transformers' auto classes all the same).
+    import tiny_models
+
+    path = tiny_models.write_deepseek2_gguf(tiny_models.mistral4_checkpoint(str(tmp_path)),
+                                            str(tmp_path / "mistral4.gguf"), "Q8_0")
+    code, line = error_of(["--model_name_or_path", path, "--prompt", "Hi", "--length", "2", "--dequantize"], capsys)
+    assert code == 2 and line.endswith("transformers reads no Mistral 4 (mistral4) file as llama.cpp writes it (its "
+                                       "latent attention's kv_b split in two, its experts' gate and up in one "
+                                       "tensor); it runs here in its own blocks, without --dequantize or "
+                                       "--device_map"), line
+    assert run_generation.main(["--model_name_or_path", path, "--prompt", "Hi", "--length", "2"])
 
 
 def test_a_granitehybrid_file_whose_attention_rotates_is_refused_in_one_line(tmp_path):
@@ -1424,6 +1441,10 @@ CHECKPOINT_FILES = {
                         steps=dict(self_attn="AbsorbedLatentAttention")),
     # (the files of 2024, before the converter split kv_b: the kv_b whole, de-quantized, the key and value widths a
     # head's)
+    # Mistral 4's (mistral4: deepseek2's keys and tensors, its experts' gate and up in one tensor, its softmax
+    # router, llama 4's temperature of its queries past yarn's original context, which the 40-token prompt crosses).
+    "mistral4": dict(files=("mistral4_checkpoint", "write_deepseek2_gguf"), model="Mistral4ForCausalLM",
+                     steps=dict(self_attn="AbsorbedLatentAttention"), vision=True),
     "deepseek_v2_unsplit": dict(files=("deepseek_v2_checkpoint", "write_deepseek2_unsplit_gguf"),
                                 model="DeepseekV2ForCausalLM", unsplit=True,
                                 steps=dict(self_attn="AbsorbedLatentAttention")),

@@ -3219,6 +3219,35 @@ def deepseek_checkpoint(out_dir: str, version: int = 3) -> str:
                      tokenizer, drawn_router_bias("e_score_correction_bias"))
 
 
+def mistral4_checkpoint(out_dir: str) -> str:
+    """A tiny random Mistral 4 checkpoint (Mistral3ForConditionalGeneration over Mistral 4's text model, as its
+    checkpoints are published) in `out_dir`: deepseek_checkpoint's V3 layout (its latent attention, rotated pair by
+    pair, a dense first layer, then 8 experts of 32, 2 a token, beside a shared one) with Mistral 4's router (the
+    softmax of the logits, one group, the top 2 normalized) and its yarn (32x over a 16-token original context,
+    mscale 1) with llama 4's temperature of the queries past that context (beta 0.1, its class's default); its
+    experts stacked as its checkpoints hold them; a one-layer Pixtral vision tower (what a text prompt never
+    reaches); untied."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, Mistral4Config
+
+    tokenizer = tiny_gpt2_tokenizer(out_dir)
+    text = Mistral4Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=64, qk_rope_head_dim=16,
+        qk_nope_head_dim=32, v_head_dim=24, max_position_embeddings=512, initializer_range=0.15,
+        tie_word_embeddings=False, rms_norm_eps=1e-6, n_group=1, topk_group=1, routed_scaling_factor=1.0,
+        norm_topk_prob=True,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 32.0,
+                         "original_max_position_embeddings": 16, "max_position_embeddings": 512, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1},
+        pad_token_id=None, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, head_dim=16,
+                  image_size=64, patch_size=16, initializer_range=0.15)
+    config = Mistral3Config(text_config=text.to_dict(), vision_config=vision, image_token_index=len(tokenizer) - 1,
+                            tie_word_embeddings=False)
+    return save_tiny(out_dir, "mistral4", Mistral3ForConditionalGeneration, config, tokenizer)
+
+
 def write_deepseek2_unsplit_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
     """write_deepseek2_gguf's file as the converter wrote it before it split kv_b."""
     return write_deepseek2_gguf(checkpoint, path, qtype_name, split=False)
@@ -3243,15 +3272,20 @@ def write_deepseek2_gguf(checkpoint: str, path: str, qtype_name: str = "F32", sp
     as the converter wrote them before it split kv_b (the files of 2024): attn_kv_b whole, key_length and
     value_length a head's, no MLA keys. `temperature` (scale, length): the queries' temperature keys
     (attention.temperature_scale and _length) conversion/mistral.py's MistralMoeModel writes of Mistral Large 3
-    (its llama_4_scaling beta, its yarn's original context)."""
+    (its llama_4_scaling beta, its yarn's original context). Of a Mistral 4 checkpoint (conversion/mistral3.py's
+    Mistral4Model, a DeepseekV2Model): its text model's, under the mistral4 architecture, no gating function (its
+    config names none: llama.cpp's softmax), its experts as the checkpoint stacks them (gate and up in one
+    ffn_gate_up_exps), no temperature (the converter writes none), a byte-level BPE (pre tekken)."""
     import gguf
 
     with open(os.path.join(checkpoint, "config.json")) as f:
         config = json.load(f)
+    mistral4 = config["model_type"] == "mistral3"
+    config = config["text_config"] if mistral4 else config
     layers, rope = config["num_hidden_layers"], config["rope_parameters"]
     heads, nope, value = config["num_attention_heads"], config["qk_nope_head_dim"], config["v_head_dim"]
     rank, rotated = config["kv_lora_rank"], config["qk_rope_head_dim"]
-    arch = gguf.MODEL_ARCH.DEEPSEEK2
+    arch = gguf.MODEL_ARCH.MISTRAL4 if mistral4 else gguf.MODEL_ARCH.DEEPSEEK2
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
     add_text_shape(writer, {**config, "num_key_value_heads": 1})
     writer.add_rope_freq_base(rope["rope_theta"])
@@ -3259,8 +3293,9 @@ def write_deepseek2_gguf(checkpoint: str, path: str, qtype_name: str = "F32", sp
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_expert_group_count(config["n_group"])
     writer.add_expert_group_used_count(config["topk_group"])
-    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if config["scoring_func"] == "sigmoid"
-                                  else gguf.ExpertGatingFuncType.SOFTMAX)
+    if not mistral4:
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if config["scoring_func"] == "sigmoid"
+                                      else gguf.ExpertGatingFuncType.SOFTMAX)
     writer.add_file_type({"F32": 0, "Q8_0": 7}[qtype_name])
     writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
     writer.add_rope_scaling_factor(rope["factor"])
@@ -3291,13 +3326,24 @@ def write_deepseek2_gguf(checkpoint: str, path: str, qtype_name: str = "F32", sp
     if temperature is not None:
         writer.add_attn_temperature_scale(temperature[0])
         writer.add_attn_temperature_length(temperature[1])
-    add_bpe_vocabulary(writer, checkpoint, "deepseek-v3")
+    add_bpe_vocabulary(writer, checkpoint, "tekken" if mistral4 else "deepseek-v3")
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     names = gguf.get_tensor_name_map(arch, layers)
 
     add = converter_adder(writer, qtype_name)
 
-    def split_kv_b(hf_name, values):  # per head: k's rows transposed, v's as they are
+    def special(hf_name, values):  # kv_b per head: k's rows transposed, v's as they are; Mistral 4's own names
+        if not mistral4:
+            return split_kv_b(hf_name, values)
+        if hf_name.startswith("language_model."):  # (the vision tower's and projector's go to the mmproj file)
+            hf_name = hf_name.removeprefix("language_model.")
+            hf_name += "" if hf_name.endswith(".weight") else ".weight"  # (its stacked experts' names)
+            if not split_kv_b(hf_name, values):
+                base, _, suffix = hf_name.rpartition(".")
+                add(names.get_name(base) + "." + suffix, values)
+        return True
+
+    def split_kv_b(hf_name, values):
         base = hf_name.removesuffix(".weight")
         if not split or not base.endswith("kv_b_proj"):
             return False
@@ -3306,7 +3352,7 @@ def write_deepseek2_gguf(checkpoint: str, path: str, qtype_name: str = "F32", sp
         add(names.get_name(base.replace("kv_b_proj", "v_b_proj")) + ".weight", per_head[:, nope:])
         return True
 
-    add_mixture_tensors(add, checkpoint, names, config["n_routed_experts"], split_kv_b)
+    add_mixture_tensors(add, checkpoint, names, config["n_routed_experts"], special)
     return write_out(writer, path)
 
 

@@ -35,7 +35,7 @@ def complete_config(path: str, config: dict) -> None:
         config["head_dim"] = key_length
     # one head_dim for queries, keys and values in every transformers class here (DeepSeek's latent attention's
     # key_length and value_length are its latent's: _deepseek2_config reads its heads' widths)
-    if key_length != value_length and arch != "deepseek2":
+    if key_length != value_length and arch not in ("deepseek2", "mistral4"):
         raise GGUFError(f"{path}: keys of {key_length} and values of {value_length} values a head "
                         "(attention.key_length/value_length): transformers' attention takes one head size")
     experts, used = config.get("num_experts") or config.get("num_local_experts"), config.get("num_experts_per_tok")
@@ -393,7 +393,7 @@ def _glm4moe_config(path: str, metadata: dict, tensors, config: dict) -> None:
     _file_token_ids(config, "pad_token_id", "bos_token_id", "eos_token_id")
 
 
-def _deepseek2_config(path: str, metadata: dict, tensors, config: dict) -> None:
+def _deepseek2_config(path: str, metadata: dict, tensors, config: dict, arch: str = "deepseek2") -> None:
     """llama.cpp's deepseek2 files as DeepSeek's models: DeepseekV3Config where the router scores experts by a
     sigmoid (V3, R1, Kimi K2, GLM-4.7-Flash), DeepseekV2Config by a softmax (V2, V2.5, V2-Lite, Coder-V2; a file
     without expert_gating_func is V2's, as llama.cpp reads it, but GLM-4.7-Flash's by its layers and vocabulary);
@@ -404,9 +404,9 @@ def _deepseek2_config(path: str, metadata: dict, tensors, config: dict) -> None:
     expert where there are several; the queries' temperature where the file has one (Mistral Large 3's:
     attention.temperature_scale and _length, as config attributes the latent attention reads); the class's default
     token ids dropped where the file names none; the layers without a multi-token prediction block the converter
-    writes as the last ones (not read)."""
+    writes as the last ones (not read). `arch`: the keys' architecture (mistral4's are deepseek2's)."""
     def key(name, default=None):
-        return metadata.get(f"deepseek2.{name}", default)
+        return metadata.get(f"{arch}.{name}", default)
 
     layers, vocabulary = key("block_count"), key("vocab_size", config.get("vocab_size"))
     gating = key("expert_gating_func", 2 if layers in (47, 48) and vocabulary == 154880 else 1)
@@ -441,7 +441,7 @@ def _deepseek2_config(path: str, metadata: dict, tensors, config: dict) -> None:
                     beta_slow=key("rope.scaling.yarn_beta_slow", 1.0))
         if None in rope.values():
             raise GGUFError(f"{path}: a yarn rotary without its factor or original context length "
-                            "(deepseek2.rope.scaling.factor, original_context_length)")
+                            f"({arch}.rope.scaling.factor, original_context_length)")
     config["rope_parameters"] = rope
     scale, length = key("attention.temperature_scale"), key("attention.temperature_length")
     if scale:  # (Mistral Large 3's: llama 4's temperature of its queries, which llama.cpp's deepseek2 graph applies)
@@ -450,6 +450,26 @@ def _deepseek2_config(path: str, metadata: dict, tensors, config: dict) -> None:
                             "positions it steps by (attention.temperature_length)")
         config.update(attn_temperature_scale=scale, attn_temperature_length=length)
     _file_token_ids(config, "pad_token_id", "bos_token_id", "eos_token_id")
+
+
+def _mistral4_config(path: str, metadata: dict, tensors, config: dict) -> None:
+    """llama.cpp's mistral4 files (Mistral 4: deepseek2's keys and tensors, its experts' gate and up in one tensor)
+    as Mistral 4's text model (Mistral4Config): DeepSeek's latent attention as _deepseek2_config reads it, pairs
+    turned (rope_interleave), a router of softmax scores (a file naming a sigmoid is refused), and llama 4's
+    temperature of the queries past yarn's original context by the file's attention.temperature_scale, else its
+    class's 0.1 (its published value: llama.cpp's converter writes none of a Mistral 4 checkpoint, and llama.cpp's
+    graph then applies none, another function past that context)."""
+    _deepseek2_config(path, metadata, tensors, config, "mistral4")
+    if config.pop("model_type") != "deepseek_v2":
+        raise GGUFError(f"{path}: its router's gating function {metadata.get('mistral4.expert_gating_func')} "
+                        "(expert_gating_func), where Mistral 4 scores experts by a softmax (1)")
+    rope, beta = config["rope_parameters"], config.pop("attn_temperature_scale", None)
+    config.pop("attn_temperature_length", None)
+    rope.update(llama_4_scaling_beta=0.1 if beta is None else beta,
+                partial_rotary_factor=config["qk_rope_head_dim"] / (config["qk_rope_head_dim"]
+                                                                    + config["qk_nope_head_dim"]))
+    config.pop("topk_method", None)
+    config.update(model_type="mistral4", rope_interleave=True)
 
 
 def _ernie4_5_moe_config(path: str, metadata: dict, tensors, config: dict) -> None:
@@ -489,7 +509,8 @@ ARCHITECTURE_CONFIGS = {"gemma4": _gemma4_config, "gpt-oss": _gpt_oss_config, "m
                         "command-r": _cohere_config, "cohere2": _cohere_config, "seed_oss": _seed_oss_config,
                         "apertus": _apertus_config, "hunyuan-dense": _hunyuan_config,
                         "glm4moe": _glm4moe_config, "deepseek2": _deepseek2_config,
-                        "ernie4_5-moe": _ernie4_5_moe_config, "minimax-m2": _minimax_m2_config}
+                        "ernie4_5-moe": _ernie4_5_moe_config, "minimax-m2": _minimax_m2_config,
+                        "mistral4": _mistral4_config}
 
 
 def _yarn(path: str, arch: str, metadata: dict, theta: float, known: str) -> dict | None:

@@ -233,7 +233,8 @@ def row_sigmoid(x: torch.Tensor) -> torch.Tensor:
 
 # transformers' routers that choose within groups of experts, whose forward GroupedRouter computes: DeepSeek-V2's
 # softmax, DeepSeek-V3's, GLM-4.5's and Nemotron 3's sigmoid with a correction.
-GROUPED_ROUTERS = ("DeepseekV2TopkRouter", "DeepseekV3TopkRouter", "Glm4MoeTopkRouter", "NemotronHTopkRouter")
+GROUPED_ROUTERS = ("DeepseekV2TopkRouter", "DeepseekV3TopkRouter", "Glm4MoeTopkRouter", "NemotronHTopkRouter",
+                   "Mistral4TopkRouter")
 
 
 class GroupedRouter(torch.nn.Module):
@@ -241,8 +242,9 @@ class GroupedRouter(torch.nn.Module):
     expert's score the sigmoid of its logit; the top k experts by score plus its correction (e_score_correction_bias),
     among the topk_group best of n_group groups (a group by its two best) where there are several; their weights
     their scores, divided by their sum where norm_topk_prob says. DeepSeek-V2's: the softmax of the logits, the top k
-    (group_limited_greedy: among the best groups, a group by its best), their weights their scores. Times
-    routed_scaling_factor; (logits, weights, experts) as it returns them."""
+    (group_limited_greedy: among the best groups, a group by its best), their weights their scores. Mistral 4's:
+    the softmax's top k among the best groups by their two best, divided by their sum where norm_topk_prob says.
+    Times routed_scaling_factor; (logits, weights, experts) as it returns them."""
 
     def __init__(self, router: torch.nn.Module):
         super().__init__()
@@ -251,7 +253,9 @@ class GroupedRouter(torch.nn.Module):
         self.top_k, self.hidden_dim = router.top_k, router.hidden_dim
         self.norm_topk_prob = getattr(router, "norm_topk_prob", False)
         self.groups, self.groups_used, self.scale = router.num_group, router.topk_group, router.routed_scaling_factor
-        if self.correction is None and router.topk_method != "group_limited_greedy":
+        # (Mistral 4's: V3's groups, by their two best, over the softmax; its weights divided by their sum)
+        self.best_two = self.correction is not None or type(router).__name__ == "Mistral4TopkRouter"
+        if not self.best_two and router.topk_method != "group_limited_greedy":
             self.groups = 1
 
     def forward(self, hidden_states: torch.Tensor):
@@ -263,10 +267,10 @@ class GroupedRouter(torch.nn.Module):
             choice = scores + self.correction
         if self.groups > 1:
             grouped = choice.view(-1, self.groups, choice.shape[-1] // self.groups)
-            merit = grouped.max(dim=-1).values if self.correction is None else grouped.topk(2, dim=-1)[0].sum(dim=-1)
+            merit = grouped.topk(2, dim=-1)[0].sum(dim=-1) if self.best_two else grouped.max(dim=-1).values
             best = torch.topk(merit, k=self.groups_used, dim=-1, sorted=False)[1]
             kept = torch.zeros_like(merit, dtype=torch.bool).scatter_(1, best, True)
-            dropped = 0.0 if self.correction is None else float("-inf")
+            dropped = 0.0 if self.correction is None else float("-inf")  # (Mistral 4's as V2's: 0)
             choice = grouped.masked_fill(~kept[..., None], dropped).view_as(choice)
         experts = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
         weights = scores.gather(1, experts)

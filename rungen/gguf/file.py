@@ -99,6 +99,7 @@ CONFIG_NAMES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 # Model types whose tensors gguf's name table knows under another architecture's name (a mistral3 file's Ministral 3).
 TENSOR_NAMES_OF = {"ministral3": "mistral3", "olmo3": "olmo2", "hunyuan_v1_dense": "hunyuan-dense",
                    "glm4_moe": "glm4moe", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2",
+                   "mistral4": "mistral4",
                    "ernie4_5_moe": "ernie4_5-moe"}
 
 
@@ -138,7 +139,8 @@ ERNIE_MOE_KEYS = {**{key: field for key, field in COMMAND_R_KEYS.items() if key 
                   "leading_dense_block_count": "moe_layer_start_index",
                   "interleave_moe_layer_step": "moe_layer_interval"}
 OWN_KEYS = {"command-r": COMMAND_R_KEYS, "cohere2": {**COMMAND_R_KEYS, "attention.sliding_window": "sliding_window"},
-            "glm4moe": GLM4MOE_KEYS, "deepseek2": DEEPSEEK2_KEYS, "ernie4_5-moe": ERNIE_MOE_KEYS}
+            "glm4moe": GLM4MOE_KEYS, "deepseek2": DEEPSEEK2_KEYS, "mistral4": DEEPSEEK2_KEYS,
+            "ernie4_5-moe": ERNIE_MOE_KEYS}
 
 
 @functools.cache
@@ -175,7 +177,21 @@ def latent_processor():
 
 
 # The tensor processors of architectures of OWN_KEYS, by name in transformers' table or made here.
-OWN_PROCESSORS = {"glm4moe": "qwen2moe", "deepseek2": latent_processor, "ernie4_5-moe": "qwen2moe"}
+OWN_PROCESSORS = {"glm4moe": "qwen2moe", "deepseek2": latent_processor, "mistral4": latent_processor,
+                  "ernie4_5-moe": "qwen2moe"}
+
+
+# Text models whose causal LM transformers' auto classes do not name (their checkpoints hold them inside a
+# vision-language model: Mistral 4's in Mistral3ForConditionalGeneration), which a file of their text model is.
+TEXT_MODELS = {"mistral4": "Mistral4ForCausalLM"}
+
+
+def register_text_models() -> None:
+    """Names TEXT_MODELS' causal LMs to transformers' auto classes (idempotent)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    for model_type, model_class in TEXT_MODELS.items():
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault(model_type, model_class)
 
 
 def read_as_their_likes() -> None:
@@ -186,6 +202,7 @@ def read_as_their_likes() -> None:
     from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 
     teach_own_tables()
+    register_text_models()
     for architecture, keys in OWN_KEYS.items():
         GGUF_CONFIG_MAPPING.setdefault(architecture, keys)
         if architecture not in gguf_utils.GGUF_SUPPORTED_ARCHITECTURES:
@@ -346,15 +363,16 @@ def _steps(part) -> list[str]:
 CORRECTED_ROUTERS = {"glm4_moe": "e_score_correction_bias", "deepseek_v3": "e_score_correction_bias",
                      "ernie4_5_moe": "moe_statics.e_score_correction_bias"}
 # Model types whose latent attention's kv_b_proj llama.cpp's converter splits (attn_k_b, attn_v_b).
-SPLIT_LATENTS = ("deepseek_v2", "deepseek_v3")
+SPLIT_LATENTS = ("deepseek_v2", "deepseek_v3", "mistral4")
 
 
 def with_expert_names(model_type: str, names: dict[str, str], tensors: set[str]) -> dict[str, str]:
     """gguf's name table `names` (GGUF name -> the model's parameter) with the expert tensors it does not map as
     llama.cpp writes them (`tensors`: the file's names, with_gate_up_apart's halves among them). gpt-oss's (gate, up
     and down apart, each with a bias; the table maps only down_proj): gate and up both to gate_up_proj, their biases
-    to gate_up_proj_bias (build.py holds them as GGMLExperts, its gate rows then its up rows). Gemma 4's: gate and
-    up in one tensor, which where it is read as its two halves maps to nothing, each half to gate_up_proj; the
+    to gate_up_proj_bias (build.py holds them as GGMLExperts, its gate rows then its up rows). Gemma 4's and
+    Mistral 4's: gate and up in one tensor, which where it is read as its two halves maps to nothing, each half to
+    gate_up_proj; Gemma 4's
     router's input scale (ffn_gate_inp.scale) and its scale of each expert's output, which the converter names
     ffn_down_exps.scale. GLM-4.5's and DeepSeek-V3's router's score correction (exp_probs_b.bias, the converter's
     name of e_score_correction_bias). And DeepSeek's latent attention's kv_b_proj as the converter splits it
@@ -369,12 +387,12 @@ def with_expert_names(model_type: str, names: dict[str, str], tensors: set[str])
                 extra[f"{layer}.ffn_{part}_exps.weight"] = f"{experts}.gate_up_proj"
                 extra[f"{layer}.ffn_{part}_exps.bias"] = f"{experts}.gate_up_proj_bias"
             extra[f"{layer}.ffn_down_exps.bias"] = f"{experts}.down_proj_bias"
+        if model_type in ("gemma4_text", "mistral4") and f"{layer}.ffn_gate_exps.weight" in tensors:
+            for fused in (f"{layer}.ffn_gate_up_exps", f"{layer}.ffn_gate_up_exps.weight"):  # the halves, in blocks
+                names.pop(fused, None)
+            for part in ("gate", "up"):
+                extra[f"{layer}.ffn_{part}_exps.weight"] = f"{experts}.gate_up_proj"
         if model_type == "gemma4_text":
-            if f"{layer}.ffn_gate_exps.weight" in tensors:  # the halves, in blocks
-                for fused in (f"{layer}.ffn_gate_up_exps", f"{layer}.ffn_gate_up_exps.weight"):
-                    names.pop(fused, None)
-                for part in ("gate", "up"):
-                    extra[f"{layer}.ffn_{part}_exps.weight"] = f"{experts}.gate_up_proj"
             router = experts.removesuffix(".experts") + ".router"
             extra[f"{layer}.ffn_gate_inp.scale"] = f"{router}.scale"
             extra[f"{layer}.ffn_down_exps.scale"] = f"{router}.per_expert_scale"
@@ -461,7 +479,10 @@ class GGUFHeader:
         """transformers' config class of the architecture (AutoConfig: it imports that model's module)."""
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(self.cache_dir)
+        config = AutoConfig.from_pretrained(self.cache_dir)
+        if config.model_type in TEXT_MODELS:
+            register_text_models()
+        return config
 
     @functools.cached_property
     def tokenizer(self):
@@ -601,6 +622,8 @@ TOOL_LOADER_ONLY = {"gpt-oss": (None, "gpt-oss file", "its experts' tensors"),
                                 "its router's score correction, its multi-token prediction layer"),
                     "deepseek2": (None, "DeepSeek V2/V3 (deepseek2) file",
                                   "its latent attention's kv_b split in two, its router's score correction"),
+                    "mistral4": (None, "Mistral 4 (mistral4) file",
+                                 "its latent attention's kv_b split in two, its experts' gate and up in one tensor"),
                     "ernie4_5-moe": (None, "ERNIE 4.5 mixture (ernie4_5-moe) file", "its router's score correction"),
                     "qwen3next": (None, "Qwen3-Next (qwen3next) file",
                                   "its fused projections, which its model takes split by rows")}

@@ -1,13 +1,13 @@
-"""DeepSeek's multi-head latent attention (transformers' DeepseekV2Attention and DeepseekV3Attention: V2, V3, R1,
-Kimi K2, GLM-4.7-Flash) over its cache of latents without expanding them: transformers' attention caches each
-position's normalized latent and rotated key, then at every step puts the whole cache through kv_b_proj (a head's
-keys and values for every position: V2-Lite at 4096 positions some 8.6 GFLOP a layer and token). Here kv_b's k
-part is taken into the query instead (a head's query times its k rows: a query over the latent) and its v part
-applied after the attention (absorption, as llama.cpp and DeepSeek's own inference compute it): one key head of
+"""DeepSeek's multi-head latent attention (transformers' DeepseekV2Attention and DeepseekV3Attention: V2, V3, R1, Kimi
+K2, GLM-4.7-Flash; Mistral4Attention) over its cache of latents without expanding them: transformers' attention
+caches each position's normalized latent and rotated key, then at every step puts the whole cache through kv_b_proj
+(a head's keys and values for every position: V2-Lite at 4096 positions some 8.6 GFLOP a layer and token). Here
+kv_b's k part is taken into the query instead (a head's query times its k rows: a query over the latent) and its v
+part applied after the attention (absorption, as llama.cpp and DeepSeek's own inference compute it): one key head of
 the latent and rotated key for every query head, the same function within float32 rounding. A file with a queries'
 temperature (Mistral Large 3's) has its queries times 1 + scale * log(1 + floor(position / length)) here, as
 llama.cpp's graph has them (transformers' DeepSeek attention has none: where it runs such a file, the context stops
-before `length`, loading.model_context).
+before `length`, loading.model_context); Mistral 4's, as its attention does, by its rotary's llama 4 beta.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 import torch
 
 # transformers' attentions AbsorbedLatentAttention computes.
-LATENT_ATTENTIONS = ("DeepseekV2Attention", "DeepseekV3Attention")
+LATENT_ATTENTIONS = ("DeepseekV2Attention", "DeepseekV3Attention", "Mistral4Attention")
 
 
 class AbsorbedLatentAttention(torch.nn.Module):
@@ -31,10 +31,17 @@ class AbsorbedLatentAttention(torch.nn.Module):
         up = attention.kv_b_proj.weight.detach().view(heads, nope + value, attention.kv_lora_rank)
         self.k_up, self.v_up = up[:, :nope], up[:, nope:]  # [heads, not rotated, latent], [heads, value, latent]
         attention.kv_b_proj = None  # (its weight is k_up's and v_up's)
-        self.modeling = sys.modules[type(attention).__module__]
         config = attention.config  # (the queries' temperature: its scale and the positions it steps by, or None)
         self.temperature = (config.attn_temperature_scale, config.attn_temperature_length) if getattr(
             config, "attn_temperature_scale", None) else None
+        rope = config.rope_parameters
+        if type(attention).__name__ == "Mistral4Attention" and rope.get("llama_4_scaling_beta"):  # (its own)
+            self.temperature = (rope["llama_4_scaling_beta"], rope["original_max_position_embeddings"])
+
+    @property
+    def modeling(self):
+        """The attention's modeling module (its rotary functions): looked up, not held (a model copies whole)."""
+        return sys.modules[type(self.attention).__module__]
 
     def rotated(self, q: torch.Tensor, k: torch.Tensor, position_embeddings):
         """q's and k's rotated parts turned as the model's attention turns them."""
