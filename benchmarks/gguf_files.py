@@ -194,6 +194,14 @@ FAMILIES = {
     "minimax-m2": dict(arch="minimax-m2", layers=62, hidden=3072, ffn=1536, heads=48, kv_heads=8, head_dim=128,
                        rope_base=5000000.0, eps=1e-6, tied=False, qk_norm="all heads", rotated=64, experts=256,
                        experts_used=8, expert_ffn=1536, minimax_router=True, context=196608),
+    # Mistral 4 as its class's defaults give it: 36 layers 4096 wide, DeepSeek's latent attention (32 heads; q through
+    # a rank of 1024, k and v from a 256-wide latent, 64 values a head not rotated and 64 rotated, 128 a value head),
+    # each MLP 128 experts of 2048 (4 a token by the softmax, normalized; gate and up in one tensor) beside a shared
+    # one; yarn (128x over 8192); 66 GB in Q4_0, so --layers writes fewer of its layers.
+    "mistral4": dict(arch="mistral4", layers=36, hidden=4096, ffn=12288, heads=32, kv_heads=1, head_dim=128,
+                     rope_base=10000.0, eps=1e-6, tied=False, experts=128, experts_used=4, expert_ffn=2048,
+                     shared_ffn=2048, dense_first=0, mla=(256, 64, 64, 128), q_lora=1024, yarn=(128.0, 8192),
+                     yarn_log_mul=0.1, context=1048576),
     # Mixtral-8x7B: llama's file with experts (8 of 14336 a layer, 2 a token: feed_forward_length is the experts'),
     # 26 GB in Q4_0.
     "mixtral": dict(arch="llama", layers=32, hidden=4096, ffn=14336, heads=32, kv_heads=8, head_dim=128,
@@ -540,10 +548,10 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
         latent, nope, rotated, value = shape["mla"]
         writer.add_kv_lora_rank(latent)
         # (llama.cpp reads no q rank only from a file of V2-Lite's 27 layers: 0 for one cut to fewer, q as V2-Lite's)
-        writer.add_q_lora_rank(0)
+        writer.add_q_lora_rank(shape.get("q_lora", 0))
         writer.add_key_length_mla(nope + rotated)
         writer.add_value_length_mla(value)
-        writer.add_rope_scaling_yarn_log_mul(0.0707)
+        writer.add_rope_scaling_yarn_log_mul(shape.get("yarn_log_mul", 0.0707))
     if "yarn" in shape:
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(shape["yarn"][0])
@@ -604,10 +612,14 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
             writer.add_expert_weights_scale(shape["relu2_experts"])
             writer.add_expert_group_count(1)
             writer.add_expert_group_used_count(1)
-        elif "mla" in shape:  # (DeepSeek-V2's: its shared experts counted, the softmax unnormalized)
+        elif "mla" in shape:  # (DeepSeek-V2's: its shared experts counted, the softmax unnormalized; Mistral 4's
+            # normalized, its converter naming no gating function: llama.cpp's softmax)
             writer.add_expert_shared_count(shape["shared_ffn"] // shape["expert_ffn"])
             writer.add_leading_dense_block_count(shape["dense_first"])
-            writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX)
+            if arch == "mistral4":
+                writer.add_expert_weights_norm(True)
+            else:
+                writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX)
             writer.add_expert_weights_scale(1.0)
         elif "afmoe_router" in shape:  # (AFMoE's: its shared experts counted, the dense layers first)
             writer.add_expert_shared_count(shape["shared_ffn"] // shape["expert_ffn"])
@@ -712,10 +724,15 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
         elif shape.get("fused"):
             parts = (("attn_qkv", q_rows + 2 * kv_rows, hidden), ("attn_output", hidden, q_rows),
                      ("ffn_up", 2 * ffn, hidden), ("ffn_down", hidden, ffn))
-        elif "mla" in shape:  # q straight from the hidden state (V2-Lite's), the latent and its split kv_b
+        elif "mla" in shape:  # q straight from the hidden state (V2-Lite's; Mistral 4's through its rank), the
+            # latent and its split kv_b
             latent, nope, rotated, value = shape["mla"]
-            parts = (("attn_q", shape["heads"] * (nope + rotated), hidden),
-                     ("attn_kv_a_mqa", latent + rotated, hidden), ("attn_output", hidden, shape["heads"] * value))
+            q = shape.get("q_lora")
+            parts = ((("attn_q_a", q, hidden), ("attn_q_b", shape["heads"] * (nope + rotated), q)) if q else
+                     (("attn_q", shape["heads"] * (nope + rotated), hidden),)) + (
+                ("attn_kv_a_mqa", latent + rotated, hidden), ("attn_output", hidden, shape["heads"] * value))
+            if q:
+                writer.add_tensor(f"blk.{layer}.attn_q_a_norm.weight", np.ones(q, dtype=np.float32))
             if dense:
                 parts += (("ffn_gate", ffn, hidden), ("ffn_up", ffn, hidden), ("ffn_down", hidden, ffn))
             blocks(f"blk.{layer}.attn_k_b.weight", latent, nope, qtype, small, shape["heads"])
@@ -740,8 +757,11 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
                 rows = (1, experts) if "ernie_router" in shape else (experts,)  # (ERNIE's as its checkpoint holds it)
                 writer.add_tensor(f"blk.{layer}.exp_probs_b.bias", rng.normal(0, 0.1, rows).astype(np.float32))
             gated = "relu2_experts" not in shape  # (Nemotron 3's experts and shared expert: up and down alone)
-            for part, rows, cols in (("ffn_gate_exps", expert_ffn, hidden), ("ffn_up_exps", expert_ffn, hidden),
-                                     ("ffn_down_exps", hidden, expert_ffn))[0 if gated else 1:]:
+            experts_parts = (("ffn_gate_exps", expert_ffn, hidden), ("ffn_up_exps", expert_ffn, hidden),
+                             ("ffn_down_exps", hidden, expert_ffn))[0 if gated else 1:]
+            if arch == "mistral4":  # (gate and up in one tensor, as its checkpoints stack them)
+                experts_parts = (("ffn_gate_up_exps", 2 * expert_ffn, hidden), ("ffn_down_exps", hidden, expert_ffn))
+            for part, rows, cols in experts_parts:
                 blocks(f"blk.{layer}.{part}.weight", rows, cols, experts_type, small, experts)
                 if shape.get("biases"):
                     writer.add_tensor(f"blk.{layer}.{part}.bias", np.zeros((experts, rows), dtype=np.float32))
