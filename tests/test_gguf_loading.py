@@ -1359,6 +1359,11 @@ CHECKPOINT_FILES = {
     # them.
     "minimax-m2": dict(files=("minimax_m2_checkpoint", "write_minimax_m2_gguf"), model="MiniMaxM2ForCausalLM",
                        native=dict(self_attn="NativeOlmoAttention", input_layernorm="NativeRMSNorm")),
+    # HY V3's (Tencent's Hy3: q/k norms per head, a dense first layer, sigmoid-scored experts chosen with a
+    # correction, normalized and scaled, beside a shared one): transformers' layers over the blocks, their steps
+    # native, its experts in them.
+    "hy_v3": dict(files=("hy_v3_checkpoint", "write_hy_v3_gguf"), model="HYV3ForCausalLM",
+                  native=dict(self_attn="NativeExaone4Attention", input_layernorm="NativeRMSNorm")),
     # Llama 4's (Scout's rotary and q/k norms, Maverick's interleave of dense and mixture layers): transformers' layers
     # over the blocks, their steps native, its mixtures' experts in them.
     "llama4": dict(files=("llama4_checkpoint", "write_llama4_gguf"), model="Llama4ForCausalLM",

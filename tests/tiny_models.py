@@ -2311,6 +2311,72 @@ def write_minimax_m2_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -
     return write_out(writer, path)
 
 
+def hy_v3_checkpoint(out_dir: str) -> str:
+    """A tiny random HY V3 checkpoint (HYV3ForCausalLM: Tencent's Hy3) in `out_dir`: 64 wide, 3 layers of 4 heads of
+    32 over 2, q and k normalized per head, a dense first layer (128), then mixtures of 8 experts of 32, 2 a token
+    (sigmoid scores, chosen by those plus a correction, normalized and scaled by 2.826) beside a shared expert of 32;
+    untied. Its norms and correction drawn; a byte-level BPE vocabulary."""
+    from transformers import HYV3Config, HYV3ForCausalLM
+
+    tokenizer = tiny_gpt2_tokenizer(out_dir)
+    config = HYV3Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
+        num_experts_per_tok=2, num_shared_experts=1, max_position_embeddings=512, initializer_range=0.15,
+        tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+
+    def draw(name, tensor):
+        drawn_norms(1)(name, tensor)
+        if name.endswith("e_score_correction_bias"):
+            tensor.normal_(0, 0.5)
+
+    return save_tiny(out_dir, "hy_v3", HYV3ForCausalLM, config, tokenizer, draw)
+
+
+def write_hy_v3_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
+    """The GGUF file llama.cpp's converter (conversion/hunyuan.py's HYV3Model, a TextModel) writes of an HY V3
+    checkpoint: a text model's keys with the head size, the experts' and the shared experts' widths, the weights'
+    normalization and scale (router_scaling_factor), a sigmoid gating function; q and k as the checkpoint holds
+    them with their per-head norms, the dense layers' MLP, each mixture's experts stacked, its router (router.gate),
+    correction (expert_bias: exp_probs_b, no .bias) and shared experts (shared_mlp) as the converter names them;
+    matrices in Q8_0 where asked, the router, correction and norms F32; a byte-level BPE
+    vocabulary split as Hunyuan's dense models' (tokenizer.ggml.pre hunyuan-dense)."""
+    import gguf
+
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        config = json.load(f)
+    layers, experts = config["num_hidden_layers"], config["num_experts"]
+    # (the installed gguf package names no hy_v3 architecture: its tensors named as GLM-4.5's, the same names)
+    writer = gguf.GGUFWriter(path, "hy_v3")
+    add_text_keys(writer, config, qtype_name, (experts, config["num_experts_per_tok"]), head_dim=True)
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    writer.add_expert_shared_feed_forward_length(config["moe_intermediate_size"] * config["num_shared_experts"])
+    writer.add_expert_weights_norm(True)
+    writer.add_expert_weights_scale(config["router_scaling_factor"])
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    add_bpe_vocabulary(writer, checkpoint, "hunyuan-dense")
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    add = converter_adder(writer, qtype_name)
+
+    def published(hf_name, values):  # (Hy3's own names of its router, correction and shared experts)
+        layer = hf_name.split(".")[2] if hf_name.startswith("model.layers.") else None
+        if hf_name.endswith(".mlp.router.gate.weight"):
+            add(f"blk.{layer}.ffn_gate_inp.weight", values)
+        elif hf_name.endswith(".mlp.expert_bias"):  # (named without .bias, as the converter names it)
+            add(f"blk.{layer}.exp_probs_b", values)
+        elif ".mlp.shared_mlp." in hf_name:
+            add(f"blk.{layer}.ffn_{hf_name.split('.')[-2].removesuffix('_proj')}_shexp.weight", values)
+        elif hf_name.endswith(".post_attention_layernorm.weight"):  # (GLM-4.5's table names it otherwise)
+            add(f"blk.{layer}.ffn_norm.weight", values)
+        else:
+            return False
+        return True
+
+    add_mixture_tensors(add, checkpoint, gguf.get_tensor_name_map(gguf.MODEL_ARCH.GLM4_MOE, layers), experts,
+                        published)
+    return write_out(writer, path)
+
+
 def afmoe_checkpoint(out_dir: str) -> str:
     """A tiny random AFMoE checkpoint (AfmoeForCausalLM: Arcee's Trinity models) in `out_dir`: Trinity-Mini's layout 64
     wide, 4 layers (three sliding over a window of 4 with rotary, the fourth full without), 4 heads of 32 over 2 (wider

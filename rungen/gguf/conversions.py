@@ -555,6 +555,57 @@ def _llama4(config) -> list:
                         operations=[ConcatenateRows(dim=1), transposed])]
 
 
+def _hy_v3_config(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
+    """Tencent's HY V3 config (Hy3: HYV3ForCausalLM): llama's keys with the head size, q and k normalized per head,
+    a layer's MLP dense where the file has no router for it (the first, as published), else a mixture of
+    sigmoid-scored experts chosen by those plus a correction, normalized and scaled (expert_weights_scale: its
+    router_scaling_factor), beside shared experts; the multi-token prediction layers the converter appends
+    (nextn_predict_layers: not read). A file whose router is not sigmoid-scored or whose weights are not normalized
+    (HY V3's router always normalizes them) is refused."""
+    key = lambda name, default=None: metadata.get(f"hy_v3.{name}", default)  # noqa: E731
+    if key("expert_gating_func", 2) != 2 or not key("expert_weights_norm", True):
+        raise ValueError("its router's gating function or its weights' normalization (expert_gating_func, "
+                         "expert_weights_norm) is not HY V3's (a sigmoid, normalized)")
+    heads, layers = key("attention.head_count"), key("block_count") - key("nextn_predict_layers", 0)
+    width = key("expert_feed_forward_length")
+    return {
+        "model_type": "hy_v3", "architectures": ["HYV3ForCausalLM"],
+        "max_position_embeddings": key("context_length"), "hidden_size": key("embedding_length"),
+        "intermediate_size": key("feed_forward_length"), "moe_intermediate_size": width,
+        "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": key("attention.head_count_kv", heads), "head_dim": key("attention.key_length"),
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
+        "rope_parameters": {"rope_type": "default", "rope_theta": key("rope.freq_base", 11158840.0)},
+        "num_experts": key("expert_count"), "num_experts_per_tok": key("expert_used_count"),
+        "num_shared_experts": key("expert_shared_feed_forward_length", width) // width,
+        "router_scaling_factor": key("expert_weights_scale", 1.0),
+        "mlp_layer_types": ["sparse" if f"blk.{layer}.ffn_gate_inp.weight" in tensor_names else "dense"
+                            for layer in range(layers)],
+        "attention_bias": any(name.endswith(".attn_q.bias") for name in tensor_names),
+        **_vocabulary(metadata, tensor_names),
+    }
+
+
+def _hy_v3(config) -> list:
+    """HY V3's tensors: llama's names (q and k as the checkpoint holds them: its rotary turns halves), q's and k's
+    per-head norms, the dense layers' MLP, a mixture's router and its correction (exp_probs_b, without .bias), the
+    shared experts and the experts (ffn_gate_exps and ffn_up_exps joined into gate_up_proj, gate rows first)."""
+    from transformers.core_model_loading import WeightRenaming
+
+    return [
+        *_trunk(),
+        WeightRenaming(r"\.attn_norm\.", ".input_layernorm."),
+        WeightRenaming(r"\.ffn_norm\.", ".post_attention_layernorm."),
+        *_llama_attention(),
+        WeightRenaming(r"\.attn_q_norm\.", ".self_attn.q_norm."),
+        WeightRenaming(r"\.attn_k_norm\.", ".self_attn.k_norm."),
+        *_gated_mlp("mlp"),
+        WeightRenaming(r"\.ffn_gate_inp\.", ".mlp.gate."),
+        WeightRenaming(r"\.exp_probs_b$", ".mlp.e_score_correction_bias"),  # (its converter names it so)
+        *_gated_mlp("mlp.shared_experts", "_shexp"),
+        *_joined_experts("mlp")]
+
+
 def _qwen3next_config(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
     """Qwen3-Next's config (Qwen3-Next-80B-A3B: qwen3next) as Qwen3.5's mixture's (Qwen3_5MoeTextConfig, whose model
     computes Qwen3-Next's: the same Gated DeltaNet, gated attention and experts, its fused projections split as
@@ -641,7 +692,8 @@ OWN_TABLES = {"lfm2moe": (_lfm2moe_config, _lfm2moe), "granitehybrid": (_granite
               "granitemoe": (_granitemoe_config, _granite), "nemotron_h": (_nemotron_h_config, _nemotron_h),
               "nemotron_h_moe": (_nemotron_h_moe_config, _nemotron_h), "qwen3next": (_qwen3next_config, _qwen3next),
               "falcon-h1": (_falcon_h1_config, _falcon_h1), "afmoe": (_afmoe_config, _afmoe),
-              "olmoe": (_olmoe_config, _olmoe), "llama4": (_llama4_config, _llama4)}
+              "olmoe": (_olmoe_config, _olmoe), "llama4": (_llama4_config, _llama4),
+              "hy_v3": (_hy_v3_config, _hy_v3)}
 
 
 def teach_own_tables() -> None:

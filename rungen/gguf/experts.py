@@ -280,12 +280,12 @@ class GroupedRouter(torch.nn.Module):
 
 
 class BiasedRouter(torch.nn.Module):
-    """LFM2-MoE's router (Lfm2MoeTopKRouter), AFMoE's (AfmoeTokenChoiceRouter) and MiniMax-M2's
-    (MiniMaxM2TopKRouter), its logits by RowProducts (in the weight's dtype): each expert's score the sigmoid of its
-    logit; the top k by score plus the block's expert bias where it has one (given at each call, as the block gives
-    it), their weights their scores, divided by their sum plus `eps` (LFM2-MoE's 1e-6 where norm_topk_prob says,
-    AFMoE's 1e-20 always, MiniMax-M2's 0; None: not divided), times the scale; (logits, weights, experts) as it
-    returns them."""
+    """LFM2-MoE's router (Lfm2MoeTopKRouter), AFMoE's (AfmoeTokenChoiceRouter), MiniMax-M2's (MiniMaxM2TopKRouter)
+    and HY V3's (HYV3TopKRouter), its logits by RowProducts (in the weight's dtype): each expert's score the sigmoid
+    of its logit; the top k by score plus the block's expert bias where it has one (given at each call, as the block
+    gives it), their weights their scores, divided by their sum plus `eps` (LFM2-MoE's 1e-6 where norm_topk_prob
+    says, AFMoE's and HY V3's 1e-20 always, MiniMax-M2's 0; None: not divided), times the scale; (logits, weights,
+    experts) as it returns them."""
 
     def __init__(self, weight: torch.Tensor, top_k: int, scale: float, eps: float | None, biased: bool):
         super().__init__()
@@ -298,6 +298,8 @@ class BiasedRouter(torch.nn.Module):
             return cls(router.gate.weight.detach().float(), router.top_k, router.route_scale, 1e-20, True)
         if type(router).__name__ == "MiniMaxM2TopKRouter":  # (divided by their sum alone, not scaled)
             return cls(router.weight.detach().float(), router.top_k, 1.0, 0.0, True)
+        if type(router).__name__ == "HYV3TopKRouter":  # (its logits in float32)
+            return cls(router.weight.detach().float(), router.top_k, router.router_scaling_factor, 1e-20, True)
         return cls(router.weight.detach(), router.top_k, router.routed_scaling_factor,
                    1e-6 if router.norm_topk_prob else None, router.use_expert_bias)
 
@@ -338,7 +340,8 @@ class ErnieRouter(torch.nn.Module):
 # transformers' routers and the class that computes each a row at a time.
 ROUTER_FORMS = {**dict.fromkeys(ROUTERS, ExpertRouter), **dict.fromkeys(GROUPED_ROUTERS, GroupedRouter),
                 "Lfm2MoeTopKRouter": BiasedRouter.of, "Ernie4_5_MoeTopKRouter": ErnieRouter,
-                "AfmoeTokenChoiceRouter": BiasedRouter.of, "MiniMaxM2TopKRouter": BiasedRouter.of}
+                "AfmoeTokenChoiceRouter": BiasedRouter.of, "MiniMaxM2TopKRouter": BiasedRouter.of,
+                "HYV3TopKRouter": BiasedRouter.of}
 
 
 # transformers' mixture blocks whose forward NativeMixture computes (Qwen2-MoE's and Qwen3.5-MoE's with their shared

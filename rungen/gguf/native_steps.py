@@ -1,10 +1,10 @@
-"""transformers' own decoder layers over a GGUF file's blocks, for the families FusedDecoderLayer does not take
-(gpt-oss's, Gemma 4's, OLMo 2's and 3's, OLMoE's, Ministral 3's, EXAONE 4's, GLM-4.5's, AFMoE's, Llama 4's,
-MiniMax-M2's), with their small steps on the native kernels on the CPU: the attention (native_attention, over a
-cache growing in place; q/k/v one product, their rotation (Gemma 4's, EXAONE 4's, GLM-4.5's, AFMoE's and Llama 4's:
-and per-head norms; OLMo's and MiniMax-M2's norms over all heads before it) one rope_split call), each RMSNorm one
-rms_norm call, a gated MLP's gate and up one product and its activation one call. The arithmetic is transformers'
-within float32 rounding (a norm's 1 / sqrt where Gemma 4 takes pow(-0.5), sums in another order).
+"""transformers' own decoder layers over a GGUF file's blocks, for the families FusedDecoderLayer does not take (gpt-
+oss's, Gemma 4's, OLMo 2's and 3's, OLMoE's, Ministral 3's, EXAONE 4's, GLM-4.5's, AFMoE's, Llama 4's, MiniMax-M2's,
+HY V3's), with their small steps on the native kernels on the CPU: the attention (native_attention, over a cache
+growing in place; q/k/v one product, their rotation (Gemma 4's, EXAONE 4's, GLM-4.5's, AFMoE's, Llama 4's and HY
+V3's: and per-head norms; OLMo's and MiniMax-M2's norms over all heads before it) one rope_split call), each RMSNorm
+one rms_norm call, a gated MLP's gate and up one product and its activation one call. The arithmetic is
+transformers' within float32 rounding (a norm's 1 / sqrt where Gemma 4 takes pow(-0.5), sums in another order).
 """
 
 from __future__ import annotations
@@ -26,14 +26,14 @@ NATIVE_ATTENTION = "rungen_attend"
 # The models of transformers' layers over blocks whose small steps this module takes.
 NATIVE_STEPS_MODELS = ("GptOssForCausalLM", "Gemma4ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
                        "Ministral3ForCausalLM", "Exaone4ForCausalLM", "Glm4MoeForCausalLM", "AfmoeForCausalLM",
-                       "OlmoeForCausalLM", "Llama4ForCausalLM", "MiniMaxM2ForCausalLM")
+                       "OlmoeForCausalLM", "Llama4ForCausalLM", "MiniMaxM2ForCausalLM", "HYV3ForCausalLM")
 # Their RMSNorm classes: x / sqrt(mean(x^2) + eps) times the weight (none: 1), in float32.
 NORMS = ("GptOssRMSNorm", "Gemma4RMSNorm", "Olmo2RMSNorm", "Olmo3RMSNorm", "Ministral3RMSNorm", "Exaone4RMSNorm",
-         "Glm4MoeRMSNorm", "AfmoeRMSNorm", "OlmoeRMSNorm", "Llama4TextRMSNorm", "MiniMaxM2RMSNorm")
+         "Glm4MoeRMSNorm", "AfmoeRMSNorm", "OlmoeRMSNorm", "Llama4TextRMSNorm", "MiniMaxM2RMSNorm", "HYV3RMSNorm")
 # Their dense gated MLPs: down(act(gate(x)) * up(x)) (GLM-4.5's, AFMoE's and Llama 4's: their dense layers' and
 # shared experts).
 GATED_MLPS = ("Gemma4TextMLP", "Olmo2MLP", "Olmo3MLP", "Ministral3MLP", "Exaone4MLP", "Glm4MoeMLP", "AfmoeMLP",
-              "Llama4TextMLP")
+              "Llama4TextMLP", "HYV3MLP")
 # Their attention NativeGemma4Attention computes (the others': JOINED_ATTENTIONS, below).
 GEMMA4_ATTENTIONS = ("Gemma4TextAttention",)
 
@@ -203,13 +203,14 @@ class NativeMinistral3Attention(JoinedAttention):
 
 
 class NativeExaone4Attention(JoinedAttention):
-    """EXAONE 4's attention (Exaone4Attention): q, k and v split, q and k normalized per head and rotated in one
-    rope_split call (a full layer beside sliding ones turned by cos 1 and sin 0: no rotary, as the module skips
-    it); a sliding layer's window."""
+    """EXAONE 4's attention (Exaone4Attention) and HY V3's (HYV3Attention, every layer rotating, none sliding): q, k
+    and v split, q and k normalized per head and rotated in one rope_split call (a full layer beside sliding ones
+    turned by cos 1 and sin 0: no rotary, as the module skips it); a sliding layer's window."""
 
     def __init__(self, attention: torch.nn.Module, qkv: torch.nn.Module):
         super().__init__(attention, qkv)
-        self.rotates = attention.sliding_window is None or attention.is_sliding
+        self.sliding = getattr(attention, "is_sliding", False)
+        self.rotates = getattr(attention, "sliding_window", None) is None or self.sliding
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask, past_key_values=None,
                 **kwargs):
@@ -218,7 +219,7 @@ class NativeExaone4Attention(JoinedAttention):
         q, k, v = torch.ops.rungen_ggml.rope_split(self.qkv(hidden_states), cos, sin, self.heads, self.kv_heads,
                                                    a.q_norm.weight, a.k_norm.weight, a.q_norm.eps)
         return self.attended(hidden_states, q, k, v, attention_mask, past_key_values,
-                             a.sliding_window if a.is_sliding else None)
+                             a.sliding_window if self.sliding else None)
 
 
 class NativeAfmoeAttention(JoinedAttention):
@@ -348,7 +349,7 @@ JOINED_ATTENTIONS = {"GptOssAttention": NativeGptOssAttention, "Olmo2Attention":
                      "Olmo3Attention": NativeOlmoAttention, "OlmoeAttention": NativeOlmoAttention,
                      "Ministral3Attention": NativeMinistral3Attention, "Exaone4Attention": NativeExaone4Attention,
                      "Glm4MoeAttention": NativeGlm4MoeAttention, "AfmoeAttention": NativeAfmoeAttention,
-                     "MiniMaxM2Attention": NativeOlmoAttention}
+                     "MiniMaxM2Attention": NativeOlmoAttention, "HYV3Attention": NativeExaone4Attention}
 
 
 class GpuKernelHints(logging.Filter):
