@@ -1,9 +1,9 @@
-"""transformers' own decoder layers over a GGUF file's blocks, for the families FusedDecoderLayer does not take (gpt-
-oss's, Gemma 4's, OLMo 2's and 3's, OLMoE's, Ministral 3's, EXAONE 4's, GLM-4.5's, AFMoE's, Llama 4's, MiniMax-M2's,
-HY V3's), with their small steps on the native kernels on the CPU: the attention (native_attention, over a cache
-growing in place; q/k/v one product, their rotation (Gemma 4's, EXAONE 4's, GLM-4.5's, AFMoE's, Llama 4's and HY
-V3's: and per-head norms; OLMo's and MiniMax-M2's norms over all heads before it) one rope_split call), each RMSNorm
-one rms_norm call, a gated MLP's gate and up one product and its activation one call. The arithmetic is
+"""transformers' own decoder layers over a GGUF file's blocks, for the families FusedDecoderLayer does not take
+(gpt-oss's, Gemma 4's, OLMo 2's and 3's, OLMoE's, Ministral 3's, EXAONE 4's, GLM-4.5's, AFMoE's, Llama 4's,
+MiniMax-M2's, HY V3's), with their small steps on the native kernels on the CPU: the attention (native_attention,
+over a cache growing in place; q/k/v one product, their rotation (Gemma 4's, EXAONE 4's, GLM-4.5's, AFMoE's, Llama
+4's and HY V3's: and per-head norms; OLMo's and MiniMax-M2's norms over all heads before it) one rope_split call),
+each RMSNorm one rms_norm call, a gated MLP's gate and up one product and its activation one call. The arithmetic is
 transformers' within float32 rounding (a norm's 1 / sqrt where Gemma 4 takes pow(-0.5), sums in another order).
 """
 
