@@ -202,6 +202,12 @@ FAMILIES = {
                      rope_base=10000.0, eps=1e-6, tied=False, experts=128, experts_used=4, expert_ffn=2048,
                      shared_ffn=2048, dense_first=0, mla=(256, 64, 64, 128), q_lora=1024, yarn=(128.0, 8192),
                      yarn_log_mul=0.1, context=1048576),
+    # Tencent's Hy3 as its class's defaults give it: 80 layers 4096 wide (64 heads of 128 over 8, q and k normalized
+    # per head), a dense first layer of 13312, then 192 experts of 1536, 8 a token (sigmoid scores with a correction,
+    # normalized, scaled by 2.826), beside a shared one; untied; about 160 GB in Q4_0, so --layers writes fewer.
+    "hy_v3": dict(arch="hy_v3", layers=80, hidden=4096, ffn=13312, heads=64, kv_heads=8, head_dim=128,
+                  rope_base=11158840.0, eps=1e-5, tied=False, qk_norm=True, experts=192, experts_used=8,
+                  expert_ffn=1536, shared_ffn=1536, dense_first=1, hy_router=2.826),
     # Mixtral-8x7B: llama's file with experts (8 of 14336 a layer, 2 a token: feed_forward_length is the experts'),
     # 26 GB in Q4_0.
     "mixtral": dict(arch="llama", layers=32, hidden=4096, ffn=14336, heads=32, kv_heads=8, head_dim=128,
@@ -626,6 +632,11 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
             writer.add_leading_dense_block_count(shape["dense_first"])
             writer.add_expert_weights_norm(True)
             writer.add_expert_weights_scale(shape["afmoe_router"])
+        elif "hy_router" in shape:  # (Hy3's: sigmoid scores, normalized and scaled, a shared expert's width)
+            writer.add_expert_shared_feed_forward_length(shape["shared_ffn"])
+            writer.add_expert_weights_norm(True)
+            writer.add_expert_weights_scale(shape["hy_router"])
+            writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
         elif "minimax_router" in shape:  # (MiniMax-M2's: sigmoid scores, as its config's scoring_func says)
             writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
         elif "interleave" in shape:  # (Llama 4's: every interleave-th layer a mixture, its shared expert uncounted)
@@ -752,10 +763,11 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
             writer.add_tensor(f"blk.{layer}.ffn_gate_inp.weight",
                               rng.normal(0, 0.02, (experts, hidden)).astype(np.float32))
             if {"sigmoid_router", "expert_bias", "ernie_router", "relu2_experts", "afmoe_router",
-                    "minimax_router"} & shape.keys():
-                # (its correction)
+                    "minimax_router", "hy_router"} & shape.keys():
+                # (its correction; Hy3's converter names it without .bias)
                 rows = (1, experts) if "ernie_router" in shape else (experts,)  # (ERNIE's as its checkpoint holds it)
-                writer.add_tensor(f"blk.{layer}.exp_probs_b.bias", rng.normal(0, 0.1, rows).astype(np.float32))
+                writer.add_tensor(f"blk.{layer}.exp_probs_b" + ("" if "hy_router" in shape else ".bias"),
+                                  rng.normal(0, 0.1, rows).astype(np.float32))
             gated = "relu2_experts" not in shape  # (Nemotron 3's experts and shared expert: up and down alone)
             experts_parts = (("ffn_gate_exps", expert_ffn, hidden), ("ffn_up_exps", expert_ffn, hidden),
                              ("ffn_down_exps", hidden, expert_ffn))[0 if gated else 1:]
@@ -768,7 +780,8 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
             if "shared_ffn" in shape:  # (Qwen3.5-MoE's shared expert and its gate, float32 as its converter writes it;
                 # GLM-4.5's without a gate)
                 shared = shape["shared_ffn"]
-                if not {"sigmoid_router", "mla", "ernie_router", "mamba", "afmoe_router", "interleave"} & shape.keys():
+                if not {"sigmoid_router", "mla", "ernie_router", "mamba", "afmoe_router", "interleave",
+                        "hy_router"} & shape.keys():
                     writer.add_tensor(f"blk.{layer}.ffn_gate_inp_shexp.weight",
                                       rng.normal(0, 0.02, (1, hidden)).astype(np.float32))
                 for part, rows, cols in (("ffn_gate_shexp", shared, hidden), ("ffn_up_shexp", shared, hidden),

@@ -437,6 +437,26 @@ def test_afmoes_split_is_llama_cpps():
         ["".join(spelled[byte] for byte in piece.encode()) for piece in wanted]
 
 
+@pytest.mark.parametrize("pre, wanted", [
+    # HUNYUAN_DENSE (Hunyuan's dense models, Hy3, Hy4): numerals by three, CJK and kana runs alone, then AFMoE's
+    # pattern
+    ("hunyuan-dense", ["Hello", " WORLD", "'S", " ", "123", "45", "!\n\n", "\u4e2d\u6587", " ", "\u30ab\u30ca",
+                       " abc", ".def"]),
+    # HUNYUAN (Hunyuan-A13B): llama 3's with each numeral alone
+    ("hunyuan", ["Hello", " WORLD", "'S", " ", "1", "2", "3", "4", "5", "!\n\n", "\u4e2d\u6587", " \u30ab\u30ca",
+                 " abc", ".def"])])
+def test_hunyuans_splits_are_llama_cpps(pre, wanted):
+    # llama.cpp's Hunyuan splits, each regex splitting what the ones before it left (its unicode_regex_split)
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from rungen.gguf.splits import pre_tokenizer
+
+    spelled = bytes_to_unicode()
+    text = "Hello WORLD'S 12345!\n\n\u4e2d\u6587 \u30ab\u30ca abc.def"
+    assert [piece for piece, _ in pre_tokenizer(pre).pre_tokenize_str(text)] == \
+        ["".join(spelled[byte] for byte in piece.encode()) for piece in wanted]
+
+
 def test_glm4s_split_is_llama_cpps():
     # llama.cpp's CHATGLM4 split (GLM-4's and GLM-5's files): contractions in either case, letters with what precedes
     # them, numerals by three, a space before a numeral alone
