@@ -1364,6 +1364,10 @@ CHECKPOINT_FILES = {
     # native, its experts in them.
     "hy_v3": dict(files=("hy_v3_checkpoint", "write_hy_v3_gguf"), model="HYV3ForCausalLM",
                   native=dict(self_attn="NativeExaone4Attention", input_layernorm="NativeRMSNorm")),
+    # dots.llm1's (Qwen3's attention, DeepSeek-V3's mixtures after a dense first layer): transformers' layers over the
+    # blocks, their steps native, its experts in them.
+    "dots1": dict(files=("dots1_checkpoint", "write_dots1_gguf"), model="Dots1ForCausalLM",
+                  native=dict(self_attn="NativeExaone4Attention", input_layernorm="NativeRMSNorm")),
     # Llama 4's (Scout's rotary and q/k norms, Maverick's interleave of dense and mixture layers): transformers' layers
     # over the blocks, their steps native, its mixtures' experts in them.
     "llama4": dict(files=("llama4_checkpoint", "write_llama4_gguf"), model="Llama4ForCausalLM",

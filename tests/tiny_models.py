@@ -2377,6 +2377,60 @@ def write_hy_v3_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str
     return write_out(writer, path)
 
 
+def dots1_checkpoint(out_dir: str) -> str:
+    """A tiny random dots.llm1 checkpoint (Dots1ForCausalLM) in `out_dir`: Qwen3's attention (128 wide, 4 heads of 32
+    over 2, q and k normalized per head), a dense first layer (256), then DeepSeek-V3's mixture: 8 experts of 32, 2 a
+    token (sigmoid scores chosen with a correction, one group, normalized, scaled by 2.5), beside a shared expert; its
+    config's scoring_func sigmoid, as its converter reads it; untied. Its norms and correction drawn; a byte-level BPE
+    vocabulary."""
+    from transformers import Dots1Config, Dots1ForCausalLM
+
+    tokenizer = tiny_gpt2_tokenizer(out_dir)
+    config = Dots1Config(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, moe_intermediate_size=32,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, n_routed_experts=8, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, norm_topk_prob=True,
+        routed_scaling_factor=2.5, max_position_embeddings=512, initializer_range=0.15, tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    config.scoring_func = "sigmoid"  # (the published config's key, which the converter reads)
+
+    def draw(name, tensor):
+        drawn_norms(1)(name, tensor)
+        if name.endswith("e_score_correction_bias"):
+            tensor.normal_(0, 0.5)
+
+    return save_tiny(out_dir, "dots1", Dots1ForCausalLM, config, tokenizer, draw)
+
+
+def write_dots1_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
+    """The GGUF file llama.cpp's converter (conversion/dots1.py's Dots1Model, a Qwen2MoeModel) writes of a dots.llm1
+    checkpoint: a text model's keys, the experts' width, the dense layers before the mixtures, the shared experts'
+    count, the weights' scale and normalization, the groups, a sigmoid gating function; q and k as the checkpoint
+    holds them with their per-head norms, each layer's experts stacked, the router's correction as exp_probs_b.bias;
+    matrices in Q8_0 where asked, the router, correction and norms F32; a byte-level BPE vocabulary (pre qwen2)."""
+    import gguf
+
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        config = json.load(f)
+    layers, experts = config["num_hidden_layers"], config["n_routed_experts"]
+    arch = gguf.MODEL_ARCH.DOTS1
+    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
+    add_text_keys(writer, config, qtype_name, (experts, config["num_experts_per_tok"]))
+    writer.add_expert_group_count(config["n_group"])
+    writer.add_expert_group_used_count(config["topk_group"])
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    writer.add_leading_dense_block_count(config["first_k_dense_replace"])
+    writer.add_expert_shared_count(config["n_shared_experts"])
+    writer.add_expert_weights_scale(config["routed_scaling_factor"])
+    writer.add_expert_weights_norm(config["norm_topk_prob"])
+    add_bpe_vocabulary(writer, checkpoint, "qwen2")
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    add_mixture_tensors(converter_adder(writer, qtype_name), checkpoint, gguf.get_tensor_name_map(arch, layers),
+                        experts)
+    return write_out(writer, path)
+
+
 def afmoe_checkpoint(out_dir: str) -> str:
     """A tiny random AFMoE checkpoint (AfmoeForCausalLM: Arcee's Trinity models) in `out_dir`: Trinity-Mini's layout 64
     wide, 4 layers (three sliding over a window of 4 with rotary, the fourth full without), 4 heads of 32 over 2 (wider

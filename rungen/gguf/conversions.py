@@ -606,6 +606,56 @@ def _hy_v3(config) -> list:
         *_joined_experts("mlp")]
 
 
+def _dots1_config(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
+    """rednote's dots.llm1 config (Dots1ForCausalLM): Qwen3's attention (q and k normalized per head), the dense
+    layers first (leading_dense_block_count), then DeepSeek-V3's mixtures: sigmoid-scored experts chosen with a
+    correction within their groups, normalized where expert_weights_norm says, scaled, beside shared ones. A file
+    whose router is not sigmoid-scored is refused."""
+    key = lambda name, default=None: metadata.get(f"dots1.{name}", default)  # noqa: E731
+    if key("expert_gating_func", 2) != 2:
+        raise ValueError(f"its router's gating function {key('expert_gating_func')} (expert_gating_func), where "
+                         "dots.llm1 scores experts by a sigmoid (2)")
+    heads, layers = key("attention.head_count"), key("block_count")
+    return {
+        "model_type": "dots1", "architectures": ["Dots1ForCausalLM"],
+        "max_position_embeddings": key("context_length"), "hidden_size": key("embedding_length"),
+        "intermediate_size": key("feed_forward_length"), "moe_intermediate_size": key("expert_feed_forward_length"),
+        "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": key("attention.head_count_kv", heads),
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
+        "rope_parameters": {"rope_type": "default", "rope_theta": key("rope.freq_base", 1e4)},
+        "n_routed_experts": key("expert_count"), "num_experts_per_tok": key("expert_used_count"),
+        "n_shared_experts": key("expert_shared_count", 1),
+        "first_k_dense_replace": key("leading_dense_block_count", 0),
+        "n_group": key("expert_group_count", 1), "topk_group": key("expert_group_used_count", 1),
+        "norm_topk_prob": bool(key("expert_weights_norm", False)),
+        "routed_scaling_factor": key("expert_weights_scale", 1.0), "sliding_window": None,
+        "layer_types": ["full_attention"] * layers,
+        "attention_bias": any(name.endswith(".attn_q.bias") for name in tensor_names),
+        **_vocabulary(metadata, tensor_names),
+    }
+
+
+def _dots1(config) -> list:
+    """dots.llm1's tensors: llama's names (q and k as the checkpoint holds them), q's and k's per-head norms, the dense
+    layers' MLP, a mixture's router and its correction (exp_probs_b.bias), the shared experts and the experts (joined
+    into gate_up_proj, gate rows first)."""
+    from transformers.core_model_loading import WeightRenaming
+
+    return [
+        *_trunk(),
+        WeightRenaming(r"\.attn_norm\.", ".input_layernorm."),
+        WeightRenaming(r"\.ffn_norm\.", ".post_attention_layernorm."),
+        *_llama_attention(),
+        WeightRenaming(r"\.attn_q_norm\.", ".self_attn.q_norm."),
+        WeightRenaming(r"\.attn_k_norm\.", ".self_attn.k_norm."),
+        *_gated_mlp("mlp"),
+        WeightRenaming(r"\.ffn_gate_inp\.", ".mlp.gate."),
+        WeightRenaming(r"\.exp_probs_b\.bias", ".mlp.gate.e_score_correction_bias"),
+        *_gated_mlp("mlp.shared_experts", "_shexp"),
+        *_joined_experts("mlp")]
+
+
 def _qwen3next_config(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
     """Qwen3-Next's config (Qwen3-Next-80B-A3B: qwen3next) as Qwen3.5's mixture's (Qwen3_5MoeTextConfig, whose model
     computes Qwen3-Next's: the same Gated DeltaNet, gated attention and experts, its fused projections split as
@@ -693,7 +743,7 @@ OWN_TABLES = {"lfm2moe": (_lfm2moe_config, _lfm2moe), "granitehybrid": (_granite
               "nemotron_h_moe": (_nemotron_h_moe_config, _nemotron_h), "qwen3next": (_qwen3next_config, _qwen3next),
               "falcon-h1": (_falcon_h1_config, _falcon_h1), "afmoe": (_afmoe_config, _afmoe),
               "olmoe": (_olmoe_config, _olmoe), "llama4": (_llama4_config, _llama4),
-              "hy_v3": (_hy_v3_config, _hy_v3)}
+              "hy_v3": (_hy_v3_config, _hy_v3), "dots1": (_dots1_config, _dots1)}
 
 
 def teach_own_tables() -> None:

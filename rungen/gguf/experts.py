@@ -234,7 +234,7 @@ def row_sigmoid(x: torch.Tensor) -> torch.Tensor:
 # transformers' routers that choose within groups of experts, whose forward GroupedRouter computes: DeepSeek-V2's
 # softmax, DeepSeek-V3's, GLM-4.5's and Nemotron 3's sigmoid with a correction.
 GROUPED_ROUTERS = ("DeepseekV2TopkRouter", "DeepseekV3TopkRouter", "Glm4MoeTopkRouter", "NemotronHTopkRouter",
-                   "Mistral4TopkRouter")
+                   "Mistral4TopkRouter", "Dots1TopkRouter")
 
 
 class GroupedRouter(torch.nn.Module):

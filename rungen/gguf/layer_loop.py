@@ -78,6 +78,7 @@ LOOPS = {
     "Llama4TextModel": Loop(**PRE, mlp="feed_forward", mixture=True),
     "MiniMaxM2Model": Loop(**PRE, mixture=True),
     "HYV3Model": Loop(**PRE, mixture=True),
+    "Dots1Model": Loop(**PRE, mixture=True),
     "FalconH1Model": Loop(recurrent="mamba", cache_keyword="cache_params", pre_norms=("input_layernorm",
                           "pre_ff_layernorm"), mlp="feed_forward", final_norm="final_layernorm",
                           embedding_scale="embedding_multiplier", parallel=True),
@@ -90,7 +91,7 @@ PARTS = ("NativeRMSNorm", "NativeGatedAttention", "NativeLfm2Attention", "Native
          "NativeGatedMLP", "MixtureInOneCall", "NativeGlm4MoeAttention", "Glm4MoeMoE",
          "Lfm2MoeSparseMoeBlock", "MambaStep", "NativeGraniteAttention", "NemotronHMLP", "NemotronHMoE",
          "NativeAfmoeAttention", "AfmoeSparseMoeBlock", "NativeLlama4Attention", "Llama4Mixture",
-         "MiniMaxM2SparseMoeBlock", "HYV3MoE")
+         "MiniMaxM2SparseMoeBlock", "HYV3MoE", "Dots1MoE")
 # The masks transformers' models give each kind of layer (where a batch is padded); others take none in a step.
 MASKS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask",
          "hybrid": "create_causal_mask"}

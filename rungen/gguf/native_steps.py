@@ -26,14 +26,16 @@ NATIVE_ATTENTION = "rungen_attend"
 # The models of transformers' layers over blocks whose small steps this module takes.
 NATIVE_STEPS_MODELS = ("GptOssForCausalLM", "Gemma4ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
                        "Ministral3ForCausalLM", "Exaone4ForCausalLM", "Glm4MoeForCausalLM", "AfmoeForCausalLM",
-                       "OlmoeForCausalLM", "Llama4ForCausalLM", "MiniMaxM2ForCausalLM", "HYV3ForCausalLM")
+                       "OlmoeForCausalLM", "Llama4ForCausalLM", "MiniMaxM2ForCausalLM", "HYV3ForCausalLM",
+                       "Dots1ForCausalLM")
 # Their RMSNorm classes: x / sqrt(mean(x^2) + eps) times the weight (none: 1), in float32.
 NORMS = ("GptOssRMSNorm", "Gemma4RMSNorm", "Olmo2RMSNorm", "Olmo3RMSNorm", "Ministral3RMSNorm", "Exaone4RMSNorm",
-         "Glm4MoeRMSNorm", "AfmoeRMSNorm", "OlmoeRMSNorm", "Llama4TextRMSNorm", "MiniMaxM2RMSNorm", "HYV3RMSNorm")
+         "Glm4MoeRMSNorm", "AfmoeRMSNorm", "OlmoeRMSNorm", "Llama4TextRMSNorm", "MiniMaxM2RMSNorm", "HYV3RMSNorm",
+         "Dots1RMSNorm")
 # Their dense gated MLPs: down(act(gate(x)) * up(x)) (GLM-4.5's, AFMoE's and Llama 4's: their dense layers' and
 # shared experts).
 GATED_MLPS = ("Gemma4TextMLP", "Olmo2MLP", "Olmo3MLP", "Ministral3MLP", "Exaone4MLP", "Glm4MoeMLP", "AfmoeMLP",
-              "Llama4TextMLP", "HYV3MLP")
+              "Llama4TextMLP", "HYV3MLP", "Dots1MLP")
 # Their attention NativeGemma4Attention computes (the others': JOINED_ATTENTIONS, below).
 GEMMA4_ATTENTIONS = ("Gemma4TextAttention",)
 
@@ -203,9 +205,10 @@ class NativeMinistral3Attention(JoinedAttention):
 
 
 class NativeExaone4Attention(JoinedAttention):
-    """EXAONE 4's attention (Exaone4Attention) and HY V3's (HYV3Attention, every layer rotating, none sliding): q, k
-    and v split, q and k normalized per head and rotated in one rope_split call (a full layer beside sliding ones
-    turned by cos 1 and sin 0: no rotary, as the module skips it); a sliding layer's window."""
+    """EXAONE 4's attention (Exaone4Attention), HY V3's and dots.llm1's (HYV3Attention, Dots1Attention: every layer
+    rotating, none sliding): q, k and v split, q and k normalized per head and rotated in one rope_split call (a full
+    layer beside sliding ones turned by cos 1 and sin 0: no rotary, as the module skips it); a sliding layer's
+    window."""
 
     def __init__(self, attention: torch.nn.Module, qkv: torch.nn.Module):
         super().__init__(attention, qkv)
@@ -349,7 +352,8 @@ JOINED_ATTENTIONS = {"GptOssAttention": NativeGptOssAttention, "Olmo2Attention":
                      "Olmo3Attention": NativeOlmoAttention, "OlmoeAttention": NativeOlmoAttention,
                      "Ministral3Attention": NativeMinistral3Attention, "Exaone4Attention": NativeExaone4Attention,
                      "Glm4MoeAttention": NativeGlm4MoeAttention, "AfmoeAttention": NativeAfmoeAttention,
-                     "MiniMaxM2Attention": NativeOlmoAttention, "HYV3Attention": NativeExaone4Attention}
+                     "MiniMaxM2Attention": NativeOlmoAttention, "HYV3Attention": NativeExaone4Attention,
+                     "Dots1Attention": NativeExaone4Attention}
 
 
 class GpuKernelHints(logging.Filter):
