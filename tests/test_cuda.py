@@ -186,14 +186,15 @@ def test_a_recurrent_gguf_files_greedy_equals_eager_generate_on_the_gpu(architec
 @pytest.mark.skipif(PLAYED, reason="the tool's experts where Triton's int8 kernel is not: transformers' own, which "
                     "count a GPU's tokens with an integer histogram the CPU playing one lacks")
 @pytest.mark.parametrize("architecture", ["glm4moe", "deepseek", "granitehybrid", "nemotron_h_moe", "afmoe",
-                                          "llama4"])
+                                          "llama4", "minimax_m2", "hy_v3", "dots1"])
 def test_a_mixture_of_our_own_reading_greedy_equals_its_checkpoint_on_the_gpu(architecture, tmp_path):
     """GLM-4.5's mixture (glm4moe: its own keys, the sigmoid router's score correction, the multi-token prediction
     block left unread), DeepSeek-V3's (deepseek2: its latent attention's kv_b joined from the converter's halves),
     Granite 4.0 H's (granitehybrid: Mamba-2 layers, the shared MLP beside the experts), Nemotron 3's (experts of
-    up and down alone, by relu^2), AFMoE's (its gated attention, sliding layers, the expert bias) and Llama 4's (its
-    experts' input scaled by their scores, the rotary-free layers) on the device, their experts in codes, against the
-    checkpoint with the weights the Q8_0 file holds (the router's F32)."""
+    up and down alone, by relu^2), AFMoE's (its gated attention, sliding layers, the expert bias), Llama 4's (its
+    experts' input scaled by their scores, the rotary-free layers), MiniMax-M2's, HY V3's and dots.llm1's (sigmoid
+    routers with a correction) on the device, their experts in codes, against the checkpoint with the weights the
+    Q8_0 file holds (the router's F32)."""
     from transformers import AutoModelForCausalLM
 
     import tiny_models
@@ -204,7 +205,8 @@ def test_a_mixture_of_our_own_reading_greedy_equals_its_checkpoint_on_the_gpu(ar
     write = {"glm4moe": tiny_models.write_glm4moe_gguf, "deepseek": tiny_models.write_deepseek2_gguf,
              "granitehybrid": tiny_models.write_granitehybrid_gguf,
              "nemotron_h_moe": tiny_models.write_nemotron_h_gguf, "afmoe": tiny_models.write_afmoe_gguf,
-             "llama4": tiny_models.write_llama4_gguf}[architecture]
+             "llama4": tiny_models.write_llama4_gguf, "minimax_m2": tiny_models.write_minimax_m2_gguf,
+             "hy_v3": tiny_models.write_hy_v3_gguf, "dots1": tiny_models.write_dots1_gguf}[architecture]
     path = write(checkpoint, str(tmp_path / "model.gguf"), "Q8_0")
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     round_as_q8_0_file(model)

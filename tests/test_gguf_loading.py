@@ -762,7 +762,8 @@ def test_deepseeks_attention_over_its_latents_computes_its_checkpoint_in_chunks(
 
 
 @pytest.mark.parametrize("kind,groups", [("glm4_moe", (1, 1)), ("deepseek_v3", (4, 2)), ("deepseek_v2", (1, 1)),
-                                         ("deepseek_v2", (4, 2)), ("mistral4", (1, 1)), ("mistral4", (4, 2))])
+                                         ("deepseek_v2", (4, 2)), ("mistral4", (1, 1)), ("mistral4", (4, 2)),
+                                         ("dots1", (1, 1))])
 def test_a_grouped_router_chooses_as_transformers_and_alike_in_a_batch(kind, groups):
     # GLM-4.5's and DeepSeek-V3's routers (sigmoid scores, a correction added to choose by, the best groups first
     # where there are several, the chosen scores normalized and scaled), DeepSeek-V2's (the softmax's top k,

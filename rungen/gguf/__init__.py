@@ -31,8 +31,8 @@ Modules, from the ground up:
   (MambaStep), the attention (NativeGraniteAttention), norms and MLPs.
 - conversions.py: the architectures transformers reads by its own conversion table (Qwen3.5, LFM2) and those of the
   entries of its kind added here (LFM2-MoE, Granite 4.0 H, Granite 3's mixtures, Nemotron-H, Nemotron 3, Qwen3-Next,
-  Falcon-H1, AFMoE, OLMoE, Llama 4, HY V3) as the build's weights map and processor (Conversion; InputPermuted for a
-  weight whose columns stay in the file's order).
+  Falcon-H1, AFMoE, OLMoE, Llama 4, HY V3, dots.llm1) as the build's weights map and processor (Conversion;
+  InputPermuted for a weight whose columns stay in the file's order).
 - table.py: the file's tensor table (names, types, shapes, offsets), read once a process; why a file is unreadable.
 - configs.py: what the file's metadata says of its model as transformers' config takes it, architecture by
   architecture (complete_config).
