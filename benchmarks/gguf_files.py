@@ -208,6 +208,12 @@ FAMILIES = {
     "hy_v3": dict(arch="hy_v3", layers=80, hidden=4096, ffn=13312, heads=64, kv_heads=8, head_dim=128,
                   rope_base=11158840.0, eps=1e-5, tied=False, qk_norm=True, experts=192, experts_used=8,
                   expert_ffn=1536, shared_ffn=1536, dense_first=1, hy_router=2.826),
+    # rednote's dots.llm1 (142B-A14B): 62 layers 4608 wide (32 heads of 128, q and k normalized per head), a dense
+    # first layer of 10944, then 128 experts of 1408, 6 a token (sigmoid scores with a correction, normalized, scaled
+    # by 2.5), beside 2 shared; untied; 80 GB in Q4_0, so --layers writes fewer.
+    "dots1": dict(arch="dots1", layers=62, hidden=4608, ffn=10944, heads=32, kv_heads=32, head_dim=128,
+                  rope_base=10000000.0, eps=1e-5, tied=False, qk_norm=True, experts=128, experts_used=6,
+                  expert_ffn=1408, shared_ffn=2 * 1408, dense_first=1, dots_router=2.5),
     # Mixtral-8x7B: llama's file with experts (8 of 14336 a layer, 2 a token: feed_forward_length is the experts'),
     # 26 GB in Q4_0.
     "mixtral": dict(arch="llama", layers=32, hidden=4096, ffn=14336, heads=32, kv_heads=8, head_dim=128,
@@ -632,6 +638,14 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
             writer.add_leading_dense_block_count(shape["dense_first"])
             writer.add_expert_weights_norm(True)
             writer.add_expert_weights_scale(shape["afmoe_router"])
+        elif "dots_router" in shape:  # (dots.llm1's: its shared experts counted, the dense layers first, one group)
+            writer.add_expert_shared_count(shape["shared_ffn"] // shape["expert_ffn"])
+            writer.add_leading_dense_block_count(shape["dense_first"])
+            writer.add_expert_group_count(1)
+            writer.add_expert_group_used_count(1)
+            writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+            writer.add_expert_weights_scale(shape["dots_router"])
+            writer.add_expert_weights_norm(True)
         elif "hy_router" in shape:  # (Hy3's: sigmoid scores, normalized and scaled, a shared expert's width)
             writer.add_expert_shared_feed_forward_length(shape["shared_ffn"])
             writer.add_expert_weights_norm(True)
@@ -763,7 +777,7 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
             writer.add_tensor(f"blk.{layer}.ffn_gate_inp.weight",
                               rng.normal(0, 0.02, (experts, hidden)).astype(np.float32))
             if {"sigmoid_router", "expert_bias", "ernie_router", "relu2_experts", "afmoe_router",
-                    "minimax_router", "hy_router"} & shape.keys():
+                    "minimax_router", "hy_router", "dots_router"} & shape.keys():
                 # (its correction; Hy3's converter names it without .bias)
                 rows = (1, experts) if "ernie_router" in shape else (experts,)  # (ERNIE's as its checkpoint holds it)
                 writer.add_tensor(f"blk.{layer}.exp_probs_b" + ("" if "hy_router" in shape else ".bias"),
@@ -781,7 +795,7 @@ def write_family(path, family, qtype_name, tokenizer_source, shape=None):
                 # GLM-4.5's without a gate)
                 shared = shape["shared_ffn"]
                 if not {"sigmoid_router", "mla", "ernie_router", "mamba", "afmoe_router", "interleave",
-                        "hy_router"} & shape.keys():
+                        "hy_router", "dots_router"} & shape.keys():
                     writer.add_tensor(f"blk.{layer}.ffn_gate_inp_shexp.weight",
                                       rng.normal(0, 0.02, (1, hidden)).astype(np.float32))
                 for part, rows, cols in (("ffn_gate_shexp", shared, hidden), ("ffn_up_shexp", shared, hidden),

@@ -2378,8 +2378,9 @@ def write_hy_v3_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str
 
 
 def dots1_checkpoint(out_dir: str) -> str:
-    """A tiny random dots.llm1 checkpoint (Dots1ForCausalLM) in `out_dir`: Qwen3's attention (128 wide, 4 heads of 32
-    over 2, q and k normalized per head), a dense first layer (256), then DeepSeek-V3's mixture: 8 experts of 32, 2 a
+    """A tiny random dots.llm1 checkpoint (Dots1ForCausalLM) in `out_dir`: Qwen3's attention (64 wide, 4 heads of 32
+    over 2, wider than the width over the heads as the published 4608 and 32 of 128 are, q and k normalized per
+    head), a dense first layer (256), then DeepSeek-V3's mixture: 8 experts of 32, 2 a
     token (sigmoid scores chosen with a correction, one group, normalized, scaled by 2.5), beside a shared expert; its
     config's scoring_func sigmoid, as its converter reads it; untied. Its norms and correction drawn; a byte-level BPE
     vocabulary."""
@@ -2387,7 +2388,7 @@ def dots1_checkpoint(out_dir: str) -> str:
 
     tokenizer = tiny_gpt2_tokenizer(out_dir)
     config = Dots1Config(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, moe_intermediate_size=32,
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=256, moe_intermediate_size=32, head_dim=32,
         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, n_routed_experts=8, num_experts_per_tok=2,
         n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, norm_topk_prob=True,
         routed_scaling_factor=2.5, max_position_embeddings=512, initializer_range=0.15, tie_word_embeddings=False,
@@ -2405,7 +2406,8 @@ def dots1_checkpoint(out_dir: str) -> str:
 def write_dots1_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
     """The GGUF file llama.cpp's converter (conversion/dots1.py's Dots1Model, a Qwen2MoeModel) writes of a dots.llm1
     checkpoint: a text model's keys, the experts' width, the dense layers before the mixtures, the shared experts'
-    count, the weights' scale and normalization, the groups, a sigmoid gating function; q and k as the checkpoint
+    count, the weights' scale and normalization, the groups, a sigmoid gating function, the head size (its config's
+    head_dim, as TextModel writes one); q and k as the checkpoint
     holds them with their per-head norms, each layer's experts stacked, the router's correction as exp_probs_b.bias;
     matrices in Q8_0 where asked, the router, correction and norms F32; a byte-level BPE vocabulary (pre qwen2)."""
     import gguf
@@ -2415,7 +2417,7 @@ def write_dots1_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str
     layers, experts = config["num_hidden_layers"], config["n_routed_experts"]
     arch = gguf.MODEL_ARCH.DOTS1
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
-    add_text_keys(writer, config, qtype_name, (experts, config["num_experts_per_tok"]))
+    add_text_keys(writer, config, qtype_name, (experts, config["num_experts_per_tok"]), head_dim="head_dim" in config)
     writer.add_expert_group_count(config["n_group"])
     writer.add_expert_group_used_count(config["topk_group"])
     writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)

@@ -607,7 +607,8 @@ def _hy_v3(config) -> list:
 
 
 def _dots1_config(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
-    """rednote's dots.llm1 config (Dots1ForCausalLM): Qwen3's attention (q and k normalized per head), the dense
+    """rednote's dots.llm1 config (Dots1ForCausalLM): Qwen3's attention (q and k normalized per head, its head size
+    the file's key_length: the published 128 over a width of 4608 and 32 heads), the dense
     layers first (leading_dense_block_count), then DeepSeek-V3's mixtures: sigmoid-scored experts chosen with a
     correction within their groups, normalized where expert_weights_norm says, scaled, beside shared ones. A file
     whose router is not sigmoid-scored is refused."""
@@ -622,6 +623,7 @@ def _dots1_config(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
         "intermediate_size": key("feed_forward_length"), "moe_intermediate_size": key("expert_feed_forward_length"),
         "num_hidden_layers": layers, "num_attention_heads": heads,
         "num_key_value_heads": key("attention.head_count_kv", heads),
+        "head_dim": key("attention.key_length", key("embedding_length") // heads),
         "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
         "rope_parameters": {"rope_type": "default", "rope_theta": key("rope.freq_base", 1e4)},
         "n_routed_experts": key("expert_count"), "num_experts_per_tok": key("expert_used_count"),
