@@ -812,7 +812,7 @@ def test_a_grouped_router_chooses_as_transformers_and_alike_in_a_batch(kind, gro
 def test_a_file_of_our_own_tables_entry_loads_with_transformers_own_loader_too(architecture, tmp_path):
     # LFM2-MoE's, Granite 4.0 H's, Granite 3's mixtures', Nemotron-H's and Nemotron 3's (its experts over a latent)
     # entries in transformers' conversion tables
-    # (conversions.OWN_TABLES) serve its own loader as well (Granite's shared MLP joined from two tensors there too):
+    # (own_tables.OWN_TABLES) serve its own loader as well (Granite's shared MLP joined from two tensors there too):
     # --dequantize computes the checkpoint with the Q8_0 file's weights.
     from transformers import AutoModelForCausalLM
 

@@ -29,10 +29,12 @@ Modules, from the ground up:
 - granite_steps.py: the Mamba-2 hybrids' and Granite's layers with their steps native (Granite 4.0 H, Granite 3's
   mixtures, Nemotron-H, Nemotron 3, Falcon-H1): a Mamba-2 layer's decode step and a prompt's in one native call
   (MambaStep), the attention (NativeGraniteAttention), norms and MLPs.
-- conversions.py: the architectures transformers reads by its own conversion table (Qwen3.5, LFM2) and those of the
-  entries of its kind added here (LFM2-MoE, Granite 4.0 H, Granite 3's mixtures, Nemotron-H, Nemotron 3, Qwen3-Next,
-  Falcon-H1, AFMoE, OLMoE, Llama 4, HY V3, dots.llm1) as the build's weights map and processor (Conversion;
-  InputPermuted for a weight whose columns stay in the file's order).
+- own_tables.py: the entries of transformers' kind of conversion table added here, a config reader and a tensor table
+  an architecture (LFM2-MoE, Granite 4.0 H, Granite 3's mixtures, Nemotron-H, Nemotron 3, Qwen3-Next, Falcon-H1,
+  AFMoE, OLMoE, Llama 4, HY V3, dots.llm1: OWN_TABLES).
+- conversions.py: the architectures transformers reads by its own conversion table (Qwen3.5, LFM2) and OWN_TABLES',
+  taught to it, as the build's weights map and processor (Conversion; InputPermuted for a weight whose columns stay
+  in the file's order).
 - table.py: the file's tensor table (names, types, shapes, offsets), read once a process; why a file is unreadable.
 - configs.py: what the file's metadata says of its model as transformers' config takes it, architecture by
   architecture (complete_config).
