@@ -808,10 +808,11 @@ def test_a_grouped_router_chooses_as_transformers_and_alike_in_a_batch(kind, gro
 
 
 @pytest.mark.parametrize("architecture", ["lfm2moe", "granitehybrid", "granitehybrid_dense", "granitemoe",
-                                          "nemotron_h", "nemotron_h_latent", "falcon_h1", "afmoe", "olmoe"])
+                                          "nemotron_h", "nemotron_h_latent", "falcon_h1", "afmoe", "olmoe", "hy_v3",
+                                          "dots1"])
 def test_a_file_of_our_own_tables_entry_loads_with_transformers_own_loader_too(architecture, tmp_path):
-    # LFM2-MoE's, Granite 4.0 H's, Granite 3's mixtures', Nemotron-H's and Nemotron 3's (its experts over a latent)
-    # entries in transformers' conversion tables
+    # LFM2-MoE's, Granite 4.0 H's, Granite 3's mixtures', Nemotron-H's and Nemotron 3's (its experts over a latent),
+    # Falcon-H1's, AFMoE's, OLMoE's, HY V3's and dots.llm1's entries in transformers' conversion tables
     # (own_tables.OWN_TABLES) serve its own loader as well (Granite's shared MLP joined from two tensors there too):
     # --dequantize computes the checkpoint with the Q8_0 file's weights.
     from transformers import AutoModelForCausalLM
