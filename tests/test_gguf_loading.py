@@ -980,6 +980,27 @@ def test_a_deepseek2_file_with_a_queries_temperature_computes_it_past_its_length
         torch.testing.assert_close(got[1], wanted[1], rtol=1e-4, atol=1e-4)  # (the unpadded row)
 
 
+@pytest.mark.parametrize("architecture", ["glm4", "glm4moe"])
+def test_a_glm4v_text_models_file_is_refused_in_one_line(architecture, tmp_path, monkeypatch):
+    # GLM-4.1V's and GLM-4.5V's text models are written as glm4 and glm4moe files with their M-RoPE's sections, each
+    # head's rotated q and k rows reordered for llama.cpp's M-RoPE kernel: read as GLM-4's (GLM-4.5's) they would turn
+    # the wrong pairs. Refused in one line, not computed as another function.
+    import gguf
+
+    import tiny_models
+
+    make, write = ((tiny_models.glm4_checkpoint, tiny_models.write_glm4_gguf) if architecture == "glm4" else
+                   (tiny_models.glm4moe_checkpoint, tiny_models.write_glm4moe_gguf))
+    add_eps = gguf.GGUFWriter.add_layer_norm_rms_eps
+    monkeypatch.setattr(gguf.GGUFWriter, "add_layer_norm_rms_eps", lambda writer, value: (  # (as TextModel writes)
+        add_eps(writer, value), writer.add_rope_dimension_sections([8, 12, 12, 0])))
+    path = write(make(str(tmp_path)), str(tmp_path / "glm4v.gguf"))
+    said = rf"a GLM-4.1V/4.5V text model's file \({architecture}.rope.dimension_sections\)"
+    with pytest.raises(GGUFError, match=said) as raised:
+        GGUFHeader(path)
+    assert "\n" not in str(raised.value)
+
+
 def test_a_minimax_m2_file_whose_router_is_not_sigmoid_is_refused_in_one_line(tmp_path):
     # MiniMax-M2's model scores its experts by a sigmoid; a file whose expert_gating_func says softmax would be
     # computed as another model: refused in one line.

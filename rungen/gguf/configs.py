@@ -362,8 +362,18 @@ def _hunyuan_config(path: str, metadata: dict, tensors, config: dict) -> None:
 
 def _glm4_config(path: str, metadata: dict, tensors, config: dict) -> None:
     """GLM-4-0414's partial rotary (half of each head), which transformers' reading drops: the rotated share of a head
-    (rope.dimension_count) over the head size."""
+    (rope.dimension_count) over the head size. A file of GLM-4.1V's text model is refused (_glm_vision)."""
+    _glm_vision(path, metadata, "glm4")
     _glm_rotary(metadata, config, "glm4")
+
+
+def _glm_vision(path: str, metadata: dict, arch: str) -> None:
+    """GGUFError for a GLM-4.1V or GLM-4.5V text model's file (its M-RoPE's rope.dimension_sections): llama.cpp's
+    converter reorders each head's rotated q and k rows for its M-RoPE kernel (normal_to_neox), which GLM-4's and
+    GLM-4.5's models, that these files would be read into, do not turn so."""
+    if metadata.get(f"{arch}.rope.dimension_sections") is not None:
+        raise GGUFError(f"{path}: a GLM-4.1V/4.5V text model's file ({arch}.rope.dimension_sections): its q and k "
+                        "rows are reordered for llama.cpp's M-RoPE, which this tool does not read")
 
 
 def _glm_rotary(metadata: dict, config: dict, arch: str) -> None:
@@ -380,7 +390,9 @@ def _glm4moe_config(path: str, metadata: dict, tensors, config: dict) -> None:
     block the converter writes as the last ones (nextn_predict_layers: not read), half of each head rotated
     (rope.dimension_count over the head size), q/k/v biases and q/k norms where the file has them, the class's
     default token ids (the published vocabulary's) dropped where the file names none; a router not of sigmoid
-    scores (expert_gating_func) is refused: transformers' computes those."""
+    scores (expert_gating_func) is refused: transformers' computes those; a GLM-4.5V text model's file too
+    (_glm_vision)."""
+    _glm_vision(path, metadata, "glm4moe")
     gating = metadata.get("glm4moe.expert_gating_func", 2)
     if gating != 2:  # (llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID)
         raise GGUFError(f"{path}: its router's gating function {gating} (expert_gating_func), where GLM-4.5's model "
