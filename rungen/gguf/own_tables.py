@@ -85,6 +85,31 @@ def _vocabulary(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
             "pad_token_id": metadata.get("tokenizer.ggml.padding_token_id")}
 
 
+def _llama_text(key, metadata: dict, tensor_names: tuple[str, ...], theta: float) -> dict:
+    """llama's keys of a text model (`key(name, default)`: the file's under its architecture) as transformers' configs
+    name them: the context, width, layers, heads (as many kv heads where the file does not say), the norms' epsilon, a
+    plain rotary at the file's base (else `theta`), q/k/v biases where the file has them, the vocabulary's fields."""
+    heads = key("attention.head_count")
+    return {"max_position_embeddings": key("context_length"), "hidden_size": key("embedding_length"),
+            "num_hidden_layers": key("block_count"), "num_attention_heads": heads,
+            "num_key_value_heads": key("attention.head_count_kv", heads),
+            "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
+            "rope_parameters": {"rope_type": "default", "rope_theta": key("rope.freq_base", theta)},
+            "attention_bias": any(name.endswith(".attn_q.bias") for name in tensor_names),
+            **_vocabulary(metadata, tensor_names)}
+
+
+def _llama_layers(head_norms: bool = False) -> list:
+    """llama's renamings of a model's trunk, each layer's two norms (attn_norm, ffn_norm) and its attention; q's and
+    k's norms (attn_q_norm, attn_k_norm) too where `head_norms`."""
+    from transformers.core_model_loading import WeightRenaming
+
+    norms = [WeightRenaming(rf"\.attn_{part}_norm\.", f".self_attn.{part}_norm.") for part in ("q", "k")]
+    return [*_trunk(), WeightRenaming(r"\.attn_norm\.", ".input_layernorm."),
+            WeightRenaming(r"\.ffn_norm\.", ".post_attention_layernorm."), *_llama_attention(),
+            *(norms if head_norms else [])]
+
+
 def _granite_multipliers(metadata: dict, architecture: str) -> dict:
     """Granite's multipliers from the keys Granite 3's row of the families reads them from (families.FAMILIES'
     extra_config_keys), under `architecture`; a key the file lacks left to the config class's 1."""
@@ -374,19 +399,11 @@ def _olmoe_config(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
     key = lambda name, default=None: metadata.get(f"olmoe.{name}", default)  # noqa: E731
     if key("attention.clamp_kqv"):
         raise ValueError(f"its q, k and v are clamped at {key('attention.clamp_kqv')} (attention.clamp_kqv)")
-    heads = key("attention.head_count")
     return {
-        "model_type": "olmoe", "architectures": ["OlmoeForCausalLM"],
-        "max_position_embeddings": key("context_length"), "hidden_size": key("embedding_length"),
+        "model_type": "olmoe", "architectures": ["OlmoeForCausalLM"], **_llama_text(key, metadata, tensor_names, 1e4),
         "intermediate_size": key("expert_feed_forward_length", key("feed_forward_length")),
-        "num_hidden_layers": key("block_count"), "num_attention_heads": heads,
-        "num_key_value_heads": key("attention.head_count_kv", heads),
-        "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
-        "rope_parameters": {"rope_type": "default", "rope_theta": key("rope.freq_base", 1e4)},
         "num_experts": key("expert_count"), "num_experts_per_tok": key("expert_used_count"),
         "norm_topk_prob": bool(key("expert_weights_norm", False)), "clip_qkv": None,
-        "attention_bias": any(name.endswith(".attn_q.bias") for name in tensor_names),
-        **_vocabulary(metadata, tensor_names),
     }
 
 
@@ -397,12 +414,7 @@ def _olmoe(config) -> list:
     from transformers.core_model_loading import WeightRenaming
 
     return [
-        *_trunk(),
-        WeightRenaming(r"\.attn_norm\.", ".input_layernorm."),
-        WeightRenaming(r"\.ffn_norm\.", ".post_attention_layernorm."),
-        *_llama_attention(),
-        WeightRenaming(r"\.attn_q_norm\.", ".self_attn.q_norm."),
-        WeightRenaming(r"\.attn_k_norm\.", ".self_attn.k_norm."),
+        *_llama_layers(head_norms=True),
         WeightRenaming(r"\.ffn_gate_inp\.", ".mlp.gate."),
         *_joined_experts("mlp")]
 
@@ -416,7 +428,7 @@ def _afmoe_config(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
     are not normalized (expert_weights_norm false or absent: llama.cpp then leaves them so, AFMoE's router always
     normalizes them), whose rotary turns part of a head or whose sliding layers rotate by another base is refused."""
     key = lambda name, default=None: metadata.get(f"afmoe.{name}", default)  # noqa: E731
-    heads, head = key("attention.head_count"), key("attention.key_length")
+    head = key("attention.key_length")
     if not key("expert_weights_norm"):
         raise ValueError("its chosen experts' weights are not normalized (afmoe.expert_weights_norm), where AFMoE's "
                          "router normalizes them")
@@ -430,19 +442,14 @@ def _afmoe_config(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
                          "AFMoE scores experts by a sigmoid (2)")
     layers = key("block_count")
     return {
-        "model_type": "afmoe", "architectures": ["AfmoeForCausalLM"],
-        "max_position_embeddings": key("context_length"), "hidden_size": key("embedding_length"),
+        "model_type": "afmoe", "architectures": ["AfmoeForCausalLM"], **_llama_text(key, metadata, tensor_names, 1e4),
         "intermediate_size": key("feed_forward_length"), "moe_intermediate_size": key("expert_feed_forward_length"),
-        "num_hidden_layers": layers, "num_dense_layers": key("leading_dense_block_count", 0),
-        "num_attention_heads": heads, "num_key_value_heads": key("attention.head_count_kv", heads), "head_dim": head,
-        "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
-        "rope_parameters": {"rope_type": "default", "rope_theta": key("rope.freq_base", 1e4)},
+        "num_dense_layers": key("leading_dense_block_count", 0), "head_dim": head,
         "num_experts": key("expert_count"), "num_experts_per_tok": key("expert_used_count"),
         "num_shared_experts": key("expert_shared_count", 0), "route_scale": key("expert_weights_scale", 1.0),
         "global_attn_every_n_layers": 4, "sliding_window": key("attention.sliding_window"),
         "layer_types": ["full_attention" if (layer + 1) % 4 == 0 else "sliding_attention" for layer in range(layers)],
-        "mup_enabled": True, "attention_bias": any(name.endswith(".attn_q.bias") for name in tensor_names),
-        **_vocabulary(metadata, tensor_names),
+        "mup_enabled": True,
     }
 
 
@@ -497,21 +504,15 @@ def _llama4_config(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
     step = key("interleave_moe_layer_step", 1)
     return {
         "model_type": "llama4_text", "architectures": ["Llama4ForCausalLM"],
-        "max_position_embeddings": key("context_length"), "hidden_size": key("embedding_length"),
+        **_llama_text(key, metadata, tensor_names, 5e5),
         "intermediate_size": key("expert_feed_forward_length"), "intermediate_size_mlp": key("feed_forward_length"),
-        "num_hidden_layers": layers, "num_attention_heads": heads,
-        "num_key_value_heads": key("attention.head_count_kv", heads),
         "head_dim": key("attention.key_length", key("embedding_length") // heads),
-        "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
-        "rope_parameters": {"rope_type": "default", "rope_theta": key("rope.freq_base", 5e5)},
         "num_local_experts": experts, "num_experts_per_tok": key("expert_used_count"),
         "interleave_moe_layer_step": step, "moe_layers": list(range(step - 1, layers, step)),
         "use_qk_norm": experts != 128, "no_rope_layer_interval": LLAMA4_NO_ROPE_STEP,
         "no_rope_layers": [int((layer + 1) % LLAMA4_NO_ROPE_STEP != 0) for layer in range(layers)],
         "layer_types": ["full_attention"] * layers, "attention_chunk_size": LLAMA4_CHUNK,
         "attn_temperature_tuning": True, "floor_scale": LLAMA4_CHUNK, "attn_scale": 0.1,
-        "attention_bias": any(name.endswith(".attn_q.bias") for name in tensor_names),
-        **_vocabulary(metadata, tensor_names),
     }
 
 
@@ -525,10 +526,7 @@ def _llama4(config) -> list:
 
     transposed = Transpose(1, 2)
     return [
-        *_trunk(),
-        WeightRenaming(r"\.attn_norm\.", ".input_layernorm."),
-        WeightRenaming(r"\.ffn_norm\.", ".post_attention_layernorm."),
-        *_llama_attention(),
+        *_llama_layers(),
         *_gated_mlp("feed_forward"),
         WeightRenaming(r"\.ffn_gate_inp\.", ".feed_forward.router."),
         *_gated_mlp("feed_forward.shared_expert", "_shexp"),
@@ -550,23 +548,18 @@ def _hy_v3_config(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
     if key("expert_gating_func", 2) != 2 or not key("expert_weights_norm", True):
         raise ValueError("its router's gating function or its weights' normalization (expert_gating_func, "
                          "expert_weights_norm) is not HY V3's (a sigmoid, normalized)")
-    heads, layers = key("attention.head_count"), key("block_count") - key("nextn_predict_layers", 0)
+    layers = key("block_count") - key("nextn_predict_layers", 0)
     width = key("expert_feed_forward_length")
     return {
         "model_type": "hy_v3", "architectures": ["HYV3ForCausalLM"],
-        "max_position_embeddings": key("context_length"), "hidden_size": key("embedding_length"),
+        **_llama_text(key, metadata, tensor_names, 11158840.0),
         "intermediate_size": key("feed_forward_length"), "moe_intermediate_size": width,
-        "num_hidden_layers": layers, "num_attention_heads": heads,
-        "num_key_value_heads": key("attention.head_count_kv", heads), "head_dim": key("attention.key_length"),
-        "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
-        "rope_parameters": {"rope_type": "default", "rope_theta": key("rope.freq_base", 11158840.0)},
+        "num_hidden_layers": layers, "head_dim": key("attention.key_length"),
         "num_experts": key("expert_count"), "num_experts_per_tok": key("expert_used_count"),
         "num_shared_experts": key("expert_shared_feed_forward_length", width) // width,
         "router_scaling_factor": key("expert_weights_scale", 1.0),
         "mlp_layer_types": ["sparse" if f"blk.{layer}.ffn_gate_inp.weight" in tensor_names else "dense"
                             for layer in range(layers)],
-        "attention_bias": any(name.endswith(".attn_q.bias") for name in tensor_names),
-        **_vocabulary(metadata, tensor_names),
     }
 
 
@@ -577,12 +570,7 @@ def _hy_v3(config) -> list:
     from transformers.core_model_loading import WeightRenaming
 
     return [
-        *_trunk(),
-        WeightRenaming(r"\.attn_norm\.", ".input_layernorm."),
-        WeightRenaming(r"\.ffn_norm\.", ".post_attention_layernorm."),
-        *_llama_attention(),
-        WeightRenaming(r"\.attn_q_norm\.", ".self_attn.q_norm."),
-        WeightRenaming(r"\.attn_k_norm\.", ".self_attn.k_norm."),
+        *_llama_layers(head_norms=True),
         *_gated_mlp("mlp"),
         WeightRenaming(r"\.ffn_gate_inp\.", ".mlp.gate."),
         WeightRenaming(r"\.exp_probs_b$", ".mlp.e_score_correction_bias"),  # (its converter names it so)
@@ -602,14 +590,9 @@ def _dots1_config(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
                          "dots.llm1 scores experts by a sigmoid (2)")
     heads, layers = key("attention.head_count"), key("block_count")
     return {
-        "model_type": "dots1", "architectures": ["Dots1ForCausalLM"],
-        "max_position_embeddings": key("context_length"), "hidden_size": key("embedding_length"),
+        "model_type": "dots1", "architectures": ["Dots1ForCausalLM"], **_llama_text(key, metadata, tensor_names, 1e4),
         "intermediate_size": key("feed_forward_length"), "moe_intermediate_size": key("expert_feed_forward_length"),
-        "num_hidden_layers": layers, "num_attention_heads": heads,
-        "num_key_value_heads": key("attention.head_count_kv", heads),
         "head_dim": key("attention.key_length", key("embedding_length") // heads),
-        "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
-        "rope_parameters": {"rope_type": "default", "rope_theta": key("rope.freq_base", 1e4)},
         "n_routed_experts": key("expert_count"), "num_experts_per_tok": key("expert_used_count"),
         "n_shared_experts": key("expert_shared_count", 1),
         "first_k_dense_replace": key("leading_dense_block_count", 0),
@@ -617,8 +600,6 @@ def _dots1_config(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
         "norm_topk_prob": bool(key("expert_weights_norm", False)),
         "routed_scaling_factor": key("expert_weights_scale", 1.0), "sliding_window": None,
         "layer_types": ["full_attention"] * layers,
-        "attention_bias": any(name.endswith(".attn_q.bias") for name in tensor_names),
-        **_vocabulary(metadata, tensor_names),
     }
 
 
@@ -629,12 +610,7 @@ def _dots1(config) -> list:
     from transformers.core_model_loading import WeightRenaming
 
     return [
-        *_trunk(),
-        WeightRenaming(r"\.attn_norm\.", ".input_layernorm."),
-        WeightRenaming(r"\.ffn_norm\.", ".post_attention_layernorm."),
-        *_llama_attention(),
-        WeightRenaming(r"\.attn_q_norm\.", ".self_attn.q_norm."),
-        WeightRenaming(r"\.attn_k_norm\.", ".self_attn.k_norm."),
+        *_llama_layers(head_norms=True),
         *_gated_mlp("mlp"),
         WeightRenaming(r"\.ffn_gate_inp\.", ".mlp.gate."),
         WeightRenaming(r"\.exp_probs_b\.bias", ".mlp.gate.e_score_correction_bias"),
