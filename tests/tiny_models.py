@@ -2262,12 +2262,8 @@ def minimax_m2_checkpoint(out_dir: str) -> str:
         num_experts_per_tok=2, initializer_range=0.15, tie_word_embeddings=False,
         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id, scoring_func="sigmoid")
 
-    def draw(name, tensor):
-        drawn_norms(1)(name, tensor)
-        if name.endswith("e_score_correction_bias"):
-            tensor.normal_(0, 0.5)
-
-    return save_tiny(out_dir, "minimax_m2", MiniMaxM2ForCausalLM, config, tokenizer, draw)
+    return save_tiny(out_dir, "minimax_m2", MiniMaxM2ForCausalLM, config, tokenizer,
+                     drawn_router_bias("e_score_correction_bias"))
 
 
 def write_minimax_m2_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
@@ -2325,12 +2321,8 @@ def hy_v3_checkpoint(out_dir: str) -> str:
         num_experts_per_tok=2, num_shared_experts=1, max_position_embeddings=512, initializer_range=0.15,
         tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
 
-    def draw(name, tensor):
-        drawn_norms(1)(name, tensor)
-        if name.endswith("e_score_correction_bias"):
-            tensor.normal_(0, 0.5)
-
-    return save_tiny(out_dir, "hy_v3", HYV3ForCausalLM, config, tokenizer, draw)
+    return save_tiny(out_dir, "hy_v3", HYV3ForCausalLM, config, tokenizer,
+                     drawn_router_bias("e_score_correction_bias"))
 
 
 def write_hy_v3_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
@@ -2395,12 +2387,8 @@ def dots1_checkpoint(out_dir: str) -> str:
         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
     config.scoring_func = "sigmoid"  # (the published config's key, which the converter reads)
 
-    def draw(name, tensor):
-        drawn_norms(1)(name, tensor)
-        if name.endswith("e_score_correction_bias"):
-            tensor.normal_(0, 0.5)
-
-    return save_tiny(out_dir, "dots1", Dots1ForCausalLM, config, tokenizer, draw)
+    return save_tiny(out_dir, "dots1", Dots1ForCausalLM, config, tokenizer,
+                     drawn_router_bias("e_score_correction_bias"))
 
 
 def write_dots1_gguf(checkpoint: str, path: str, qtype_name: str = "F32") -> str:
