@@ -1004,15 +1004,11 @@ def test_a_glm4v_text_models_file_is_refused_in_one_line(architecture, tmp_path,
 def test_a_minimax_m2_file_whose_router_is_not_sigmoid_is_refused_in_one_line(tmp_path):
     # MiniMax-M2's model scores its experts by a sigmoid; a file whose expert_gating_func says softmax would be
     # computed as another model: refused in one line.
-    import json
 
     import tiny_models
 
     checkpoint = tiny_models.minimax_m2_checkpoint(str(tmp_path))
-    with open(os.path.join(checkpoint, "config.json")) as f:
-        config = json.load(f)
-    with open(os.path.join(checkpoint, "config.json"), "w") as f:
-        json.dump({**config, "scoring_func": "softmax"}, f)
+    tiny_models.update_config(checkpoint, scoring_func="softmax")
     path = tiny_models.write_minimax_m2_gguf(checkpoint, str(tmp_path / "softmax.gguf"))
     with pytest.raises(GGUFError, match=r"its router's gating function 1 \(minimax-m2.expert_gating_func\)") as raised:
         GGUFHeader(path)
@@ -1051,17 +1047,13 @@ def test_a_nemotron_3_file_of_expert_groups_without_the_count_a_token_takes_is_r
     # A router that chooses within groups of experts needs how many groups a token takes (expert_group_used_count,
     # which llama.cpp's converter now writes beside expert_group_count): a file without it is refused in one line,
     # not routed over all experts.
-    import json
 
     import gguf
 
     import tiny_models
 
     checkpoint = tiny_models.nemotron_h_moe_checkpoint(str(tmp_path))
-    with open(os.path.join(checkpoint, "config.json")) as f:
-        config = json.load(f)
-    with open(os.path.join(checkpoint, "config.json"), "w") as f:
-        json.dump({**config, "n_group": 2}, f)
+    tiny_models.update_config(checkpoint, n_group=2)
     monkeypatch.setattr(gguf.GGUFWriter, "add_expert_group_used_count", lambda writer, count: None)
     path = tiny_models.write_nemotron_h_gguf(checkpoint, str(tmp_path / "groups.gguf"))
     with pytest.raises(GGUFError, match=r"its experts are in 2 groups \(expert_group_count\) without") as raised:

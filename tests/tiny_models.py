@@ -959,11 +959,15 @@ def write_out(writer, path) -> str:
 def set_context(path: str, context: int) -> None:
     """Gives the checkpoint at `path` an instruct model's context (config.max_position_embeddings): a tool prompt
     takes hundreds of the tiny vocabulary's tokens (the rotary positions go on past the tiny default)."""
+    update_config(path, max_position_embeddings=context)
+
+
+def update_config(path: str, **fields) -> None:
+    """The checkpoint at `path` with these fields in its config.json (a published config's keys a writer reads)."""
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
-    config["max_position_embeddings"] = context
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
+        json.dump({**config, **fields}, f)
 
 
 # Gemma 4's two layouts, at tiny sizes: E2B/E4B's (a per-layer embedding beside each layer's input, the last layers
