@@ -275,7 +275,7 @@ class QueryPositions:
     forward pre-hook of the inner model."""
 
     def __init__(self):
-        self.value = None
+        self.value, self.last = None, 0  # (the positions, and the largest of them: read a layer, found once)
 
     def __call__(self, module, args, kwargs):
         positions = kwargs.get("position_ids")
@@ -284,7 +284,7 @@ class QueryPositions:
             tokens = (ids if ids is not None else kwargs["inputs_embeds"]).shape[1]
             cache = kwargs.get("past_key_values")
             positions = (torch.arange(tokens) + (cache.get_seq_length() if cache is not None else 0))[None]
-        self.value = positions
+        self.value, self.last = positions, int(positions.max())
 
 
 class NativeLlama4Attention(JoinedAttention):
@@ -325,13 +325,13 @@ class NativeLlama4Attention(JoinedAttention):
         norms = (self.ones, self.ones, a.qk_norm.eps) if self.norms else ()
         q, k, v = torch.ops.rungen_ggml.rope_split(qkv, cos, sin, self.heads, self.kv_heads, *norms)
         positions = self.positions.value.to(q.device)
-        if self.temperature is not None and int(positions.max()) + 1 >= self.temperature[0]:
+        if self.temperature is not None and self.positions.last + 1 >= self.temperature[0]:
             floor_scale, scale = self.temperature
             tuned = torch.log1p(torch.floor((positions.float() + 1) / floor_scale)) * scale + 1
             q = q * tuned[:, None, :, None].to(q.dtype)  # ([rows, heads, tokens, head])
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, a.layer_idx)
-        if self.chunk is not None and int(positions.max()) >= self.chunk:
+        if self.chunk is not None and self.positions.last >= self.chunk:
             attention_mask = self.chunked(attention_mask, positions, k.shape[-2], q.dtype)
         out, _ = native_attention(a, q, k, v, attention_mask, a.scaling)
         return a.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), None
